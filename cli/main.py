@@ -1,0 +1,178 @@
+"""`moepack` console script. Parses arguments and calls format_spec / packer / runtime; nothing else lives here.
+
+Every command takes --json (one JSON object on stdout). Failures a user can cause print one line
+`moepack: error: ...` on stderr (and {"ok": false, "error": ...} with --json) and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import click
+
+from moepack import __version__
+from moepack.format_spec.errors import MoepackError
+
+EXIT_ERROR = 1
+
+
+def _emit(as_json: bool, result: dict, human) -> None:
+    if as_json:
+        click.echo(json.dumps({"ok": True, **result}, indent=1, default=str))
+    else:
+        human(result)
+
+
+def reports_errors(fn):
+    """Turn MoepackError (and OS-level failures) into one line + exit status 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        as_json = kwargs.get("as_json", False)
+        try:
+            return fn(*args, **kwargs)
+        except MoepackError as e:
+            message = str(e)
+        except OSError as e:
+            message = f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
+        except KeyboardInterrupt:
+            message = "interrupted"
+        if as_json:
+            click.echo(json.dumps({"ok": False, "error": message}))
+        click.echo(f"moepack: error: {message}", err=True)
+        sys.exit(EXIT_ERROR)
+
+    return wrapper
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object for machines.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="moepack")
+def cli():
+    """Stream a huge Mixture-of-Experts checkpoint from NVMe: convert it to a read-order container, verify it,
+    and prefill long prompts layer by layer with the routed experts left on disk."""
+
+
+@cli.command()
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--preset", type=click.Choice(["tiny", "small", "medium"]), default="tiny", show_default=True)
+@click.option("--layout", type=click.Choice(["release", "bf16", "f32"]), default="release", show_default=True,
+              help="release: FP8 e4m3 linears + packed FP4 experts, as DeepSeek ships V4-Flash.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@json_option
+@reports_errors
+def synth(out_dir, preset, layout, seed, as_json):
+    """Write a random DeepSeek-V4-architecture checkpoint (Hugging Face layout) to OUT_DIR."""
+    from moepack.packer.synth import synth_checkpoint
+
+    result = synth_checkpoint(out_dir, preset=preset, layout=layout, seed=seed, progress=not as_json)
+    _emit(as_json, result, lambda r: click.echo(
+        f"wrote {r['dir']}: {preset} {layout}, {r.get('params', 0) / 1e6:.1f}M params, "
+        f"{r.get('bytes', 0) / 2**20:.1f} MiB in {len(r.get('files', []))} files"))
+
+
+@cli.command()
+@click.argument("src")
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Container to write.")
+@click.option("--keep", "policy", flag_value="keep", required=True,
+              help="Keep every tensor in its source storage type (lossless).")
+@json_option
+@reports_errors
+def convert(src, out, policy, as_json):
+    """Pack a checkpoint directory SRC into a container."""
+    from moepack.packer.convert import convert_checkpoint
+
+    result = convert_checkpoint(src, out, policy=policy, progress=not as_json)
+    _emit(as_json, result, lambda r: click.echo(
+        f"wrote {r['output']}: {r['tensors']} tensors in {r['regions']} regions, "
+        f"{r['bytes_out'] / 2**20:.1f} MiB, {r['seconds']:.1f} s ({r['in_mb_per_s']:.0f} MB/s in)"))
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@json_option
+@reports_errors
+def inspect(file, as_json):
+    """Describe a container: version, model, layers, experts, sizes, storage types."""
+    from moepack.format_spec.reader import Container
+    from moepack.format_spec.summary import summarize
+
+    with Container(file) as c:
+        result = summarize(c)
+    _emit(as_json, result, _print_summary)
+
+
+def _print_summary(s: dict) -> None:
+    click.echo(f"{s['path']}: moepack {s['format_version']}, {s['architecture']} ({s['policy']} policy)")
+    click.echo(f"  layers {s['layers']} (+{s['mtp_layers']} mtp), experts/layer {s['experts_per_layer']}, "
+               f"hidden {s['hidden_size']}, vocab {s['vocab_size']}")
+    click.echo(f"  {s['regions']} regions, {s['tensors']} tensors, {s['file_bytes'] / 2**20:.1f} MiB; "
+               f"experts {s['expert_bits_per_weight']} bits/weight")
+    for kind, n in s["bytes_by_region_kind"].items():
+        click.echo(f"  {kind:>12}: {n / 2**20:10.1f} MiB")
+    for dtype, v in s["storage_types"].items():
+        click.echo(f"  {dtype:>12}: {v['tensors']:6d} tensors {v['bytes'] / 2**20:10.1f} MiB")
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@json_option
+@reports_errors
+def verify(file, as_json):
+    """Check a container's structure and every checksum (reads the whole file)."""
+    from tqdm import tqdm
+
+    from moepack.format_spec.verify import verify_container
+
+    total = os.path.getsize(file) if os.path.exists(file) else 0
+    with tqdm(total=total, desc="verify", unit="B", unit_scale=True, unit_divisor=1024, disable=as_json,
+              dynamic_ncols=True) as bar:
+        report = verify_container(file, on_bytes=bar.update)
+    _emit(as_json, report.as_dict(), lambda r: click.echo(
+        f"{file}: OK ({r['regions']} regions, {r['tensors']} tensors, {r['bytes_read'] / 2**20:.1f} MiB "
+        f"at {r['gb_per_s']:.2f} GB/s)"))
+
+
+@cli.command()
+@click.option("--workdir", type=click.Path(file_okay=False), default="moepack-demo", show_default=True)
+@click.option("--preset", type=click.Choice(["tiny", "small", "medium"]), default="small", show_default=True)
+@json_option
+@reports_errors
+def demo(workdir, preset, as_json):
+    """The main job on the embedded default model: synthesize a V4-architecture checkpoint in the release layout,
+    convert it, verify it, and print what the container holds."""
+    from moepack.format_spec.reader import Container
+    from moepack.format_spec.summary import summarize
+    from moepack.format_spec.verify import verify_container
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_checkpoint
+
+    os.makedirs(workdir, exist_ok=True)
+    src = os.path.join(workdir, f"{preset}-release")
+    out = os.path.join(workdir, f"{preset}.moepack")
+    quiet = as_json
+    steps = {"synth": synth_checkpoint(src, preset=preset, layout="release", seed=0, progress=not quiet)}
+    steps["convert"] = convert_checkpoint(src, out, policy="keep", progress=not quiet)
+    steps["verify"] = verify_container(out).as_dict()
+    with Container(out) as c:
+        steps["inspect"] = summarize(c)
+    if as_json:
+        _emit(True, steps, None)
+        return
+    click.echo(f"synth:   {steps['synth']['dir']} ({steps['synth'].get('bytes', 0) / 2**20:.1f} MiB)")
+    click.echo(f"convert: {steps['convert']['output']} in {steps['convert']['seconds']:.2f} s")
+    click.echo(f"verify:  OK, {steps['verify']['bytes_read'] / 2**20:.1f} MiB at {steps['verify']['gb_per_s']} GB/s")
+    _print_summary(steps["inspect"])
+
+
+def main() -> None:
+    cli(prog_name="moepack")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Turn a tensor's stored bytes into a torch tensor (no copy for plain types when the buffer is writable)."""
+
+from __future__ import annotations
+
+import torch
+
+from .dtypes import storage_type, tensor_nbytes
+from .errors import FormatError
+
+TORCH_DTYPES = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
+
+# e2m1 code (sign << 3 | magnitude) -> value
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def as_uint8(buffer) -> torch.Tensor:
+    """A uint8 torch view of any buffer (bytes are copied once into a writable array if needed)."""
+    if isinstance(buffer, torch.Tensor):
+        return buffer.view(torch.uint8).reshape(-1)
+    mv = memoryview(buffer).cast("B")
+    if mv.readonly:
+        mv = memoryview(bytearray(mv))
+    return torch.frombuffer(mv, dtype=torch.uint8) if mv.nbytes else torch.empty(0, dtype=torch.uint8)
+
+
+def decode_tensor(dtype: str, shape, buffer) -> torch.Tensor:
+    """Stored bytes -> tensor. Plain types keep their dtype; FP4_E2M1 gives the unscaled e2m1 values (its scales
+    are a separate tensor); ggml block types are dequantized to float32 on the buffer's device."""
+    shape = tuple(shape)
+    raw = as_uint8(buffer)
+    need = tensor_nbytes(dtype, shape)
+    if raw.numel() != need:
+        raise FormatError(f"{dtype}{list(shape)} needs {need} bytes, got {raw.numel()}")
+    if dtype in TORCH_DTYPES:
+        return raw.view(TORCH_DTYPES[dtype]).reshape(shape)
+    if dtype == "FP4_E2M1":
+        low = (raw & 0x0F).long()
+        high = (raw >> 4).long()
+        codes = torch.stack([low, high], dim=-1).reshape(shape)
+        return E2M1_VALUES.to(raw.device)[codes]
+    storage_type(dtype)
+    from . import quants
+
+    return quants.dequantize_torch(raw, dtype, shape)

@@ -1,0 +1,127 @@
+"""Byte layout of a moepack container, version 1: the header, the index schema and the region naming rules.
+
+SPEC.md beside this file is the normative description; this module is its executable form. Only
+format_spec/ knows byte offsets: the packer writes through writer.py, the runtime reads through reader.py.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from .errors import FormatError
+
+MAGIC = b"MOEPACK\x00"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+BYTE_ORDER_MARK = 0x01020304  # reads back as this value only when both sides agree on little-endian
+ALIGNMENT = 4096  # every region starts on, and is padded to, this boundary: O_DIRECT reads land in place
+HEADER_SIZE = 4096
+TENSOR_ALIGNMENT = 64  # tensors inside a region start on this boundary (vector loads, frombuffer views)
+CODEC_ZSTD = 1
+INDEX_CODECS = {CODEC_ZSTD: "zstd"}
+
+# Largest index we'll decompress: caps the allocation an index length field can ask for.
+MAX_INDEX_RAW_BYTES = 1 << 30
+
+# magic, major, minor, byte-order mark, alignment, header size, file size, index offset, index length,
+# index raw length, index codec, reserved, index xxh3
+_HEADER_FIELDS = struct.Struct("<8sHHIIIQQQQIIQ")
+_HEADER_HASH = struct.Struct("<Q")
+HEADER_HASHED_BYTES = _HEADER_FIELDS.size  # the header's own xxh3 covers every field before it
+HEADER_USED_BYTES = HEADER_HASHED_BYTES + _HEADER_HASH.size
+
+REGION_KINDS = ("global", "dense", "expert")
+_BLOCK_NAME = re.compile(r"^(layers|mtp)\.(0|[1-9][0-9]{0,5})$")
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def xxh3_hex(data) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass(frozen=True)
+class Header:
+    major: int
+    minor: int
+    alignment: int
+    file_size: int
+    index_offset: int
+    index_length: int
+    index_raw_length: int
+    index_codec: int
+    index_xxh3: int
+
+    def pack(self) -> bytes:
+        fields = _HEADER_FIELDS.pack(
+            MAGIC, self.major, self.minor, BYTE_ORDER_MARK, self.alignment, HEADER_SIZE, self.file_size,
+            self.index_offset, self.index_length, self.index_raw_length, self.index_codec, 0, self.index_xxh3,
+        )
+        own_hash = _HEADER_HASH.pack(xxhash.xxh3_64_intdigest(fields))
+        return (fields + own_hash).ljust(HEADER_SIZE, b"\x00")
+
+    @classmethod
+    def unpack(cls, raw: bytes, actual_file_size: int) -> "Header":
+        """Parse and check the header against the file it came from. Raises FormatError naming the bad field."""
+        if len(raw) < HEADER_USED_BYTES or raw[:8] != MAGIC:
+            if len(raw) >= 4 and raw[:4] == b"GGUF":
+                raise FormatError("this is a GGUF file, not a moepack container")
+            raise FormatError("not a moepack container (bad magic)")
+        (_, major, minor, bom, alignment, header_size, file_size, index_offset, index_length, index_raw_length,
+         index_codec, reserved, index_xxh3) = _HEADER_FIELDS.unpack_from(raw)
+        if bom != BYTE_ORDER_MARK:
+            raise FormatError(f"header byte-order mark is {bom:#010x}, expected {BYTE_ORDER_MARK:#010x} (little-endian)")
+        if major != FORMAT_MAJOR:
+            raise FormatError(
+                f"container format version {major}.{minor} is not supported: this moepack reads major version "
+                f"{FORMAT_MAJOR} (upgrade moepack, or re-convert the checkpoint)"
+            )
+        (stored_hash,) = _HEADER_HASH.unpack_from(raw, HEADER_HASHED_BYTES)
+        if xxhash.xxh3_64_intdigest(raw[:HEADER_HASHED_BYTES]) != stored_hash:
+            raise FormatError("header checksum mismatch: the header is damaged")
+        if len(raw) < HEADER_SIZE:
+            raise FormatError(f"file is truncated inside the header ({len(raw)} of {HEADER_SIZE} bytes)")
+        if any(raw[HEADER_USED_BYTES:HEADER_SIZE]):
+            raise FormatError("header padding is not zero: the header is damaged")
+        if alignment != ALIGNMENT or header_size != HEADER_SIZE or reserved != 0:
+            raise FormatError(
+                f"unsupported header geometry (alignment {alignment}, header size {header_size}, reserved {reserved})"
+            )
+        if file_size != actual_file_size:
+            what = "truncated" if actual_file_size < file_size else "longer than recorded"
+            raise FormatError(f"file is {what}: {actual_file_size} bytes on disk, header records {file_size}")
+        if index_codec not in INDEX_CODECS:
+            raise FormatError(f"unknown index codec {index_codec}")
+        if index_offset % alignment or index_offset < HEADER_SIZE:
+            raise FormatError(f"index offset {index_offset} is not an aligned position after the header")
+        if index_length == 0 or index_offset + align_up(index_length, alignment) != file_size:
+            raise FormatError(
+                f"index [{index_offset}, +{index_length}) does not end the file (file size {file_size})"
+            )
+        if not 0 < index_raw_length <= MAX_INDEX_RAW_BYTES:
+            raise FormatError(f"index raw length {index_raw_length} is out of range")
+        return cls(major, minor, alignment, file_size, index_offset, index_length, index_raw_length, index_codec,
+                   index_xxh3)
+
+
+def region_name(kind: str, block: str | None = None, expert: int | None = None, tensor: str | None = None) -> str:
+    """Canonical region names: `global.<tensor>`, `<block>.dense`, `<block>.experts.<E>`."""
+    if kind == "global":
+        return f"global.{tensor}"
+    if kind == "dense":
+        return f"{block}.dense"
+    return f"{block}.experts.{expert}"
+
+
+def parse_block_name(block: str) -> tuple[str, int]:
+    """'layers.3' -> ('layers', 3); 'mtp.0' -> ('mtp', 0)."""
+    m = _BLOCK_NAME.match(block) if isinstance(block, str) else None
+    if not m:
+        raise FormatError(f"bad block name {block!r} (expected 'layers.N' or 'mtp.N')")
+    return m.group(1), int(m.group(2))

@@ -1,0 +1,3 @@
+from moepack.cli.main import main
+
+main()

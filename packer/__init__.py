@@ -1,0 +1,1 @@
+"""Writing containers: checkpoint sources, architecture adapters, conversion, synthetic checkpoints."""

@@ -1,0 +1,156 @@
+"""A Hugging Face checkpoint directory as a source of raw tensor bytes.
+
+Reads the safetensors headers itself (8-byte length + JSON) and fetches each tensor's bytes with pread, so tensors
+come through bit-exact in whatever dtype the source stores (FP8, E8M0, packed FP4 as I8, ...) and only the tensors
+being packed are ever in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
+from moepack.format_spec.errors import MoepackError
+
+# Files worth carrying into the container beside the weights (small, text).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+_MAX_HEADER = 100 << 20
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str  # as written in the source file
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    file: str
+    offset: int  # absolute, in the file
+    length: int
+
+
+def read_safetensors_header(path: str) -> dict[str, SourceTensor]:
+    """Parse one safetensors file's header strictly: every tensor inside the file, sized as its dtype says."""
+    name = os.path.basename(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise MoepackError(f"{name}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if not 2 <= n <= min(_MAX_HEADER, size - 8):
+                raise MoepackError(f"{name}: bad safetensors header length {n} (file is {size} bytes)")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise MoepackError(f"missing shard {name}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise MoepackError(f"{name}: safetensors header is not valid JSON") from None
+    except OSError as e:
+        raise MoepackError(f"{name}: cannot read ({e.strerror})") from None
+    if not isinstance(header, dict):
+        raise MoepackError(f"{name}: safetensors header is not an object")
+    data_start = 8 + n
+    tensors = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise MoepackError(f"{name}: malformed header entry for {key}") from None
+        if dtype not in FROM_SAFETENSORS:
+            raise MoepackError(f"{name}: tensor {key} has unsupported dtype {dtype}")
+        need = tensor_nbytes(FROM_SAFETENSORS[dtype], shape)
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end and end - begin == need):
+            raise MoepackError(f"{name}: tensor {key} has data offsets {begin}..{end}, {dtype}{list(shape)} "
+                               f"needs {need} bytes")
+        if data_start + end > size:
+            raise MoepackError(f"{name}: truncated (tensor {key} ends at {data_start + end}, file has {size} bytes)")
+        tensors[key] = SourceTensor(key, dtype, shape, path, data_start + begin, need)
+    return tensors
+
+
+class CheckpointDir:
+    """A local HF checkpoint: config.json, shards (+ model.safetensors.index.json when sharded), tokenizer files."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if not os.path.isdir(path):
+            raise MoepackError(f"{path}: not a directory")
+        self.config = self._read_json("config.json", required=True)
+        index = self._read_json("model.safetensors.index.json", required=False)
+        if index is not None:
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise MoepackError("model.safetensors.index.json has no weight_map")
+            shards = sorted(set(weight_map.values()))
+        else:
+            shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            weight_map = None
+            if not shards:
+                raise MoepackError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+        self.shards = shards
+        self.tensors: dict[str, SourceTensor] = {}
+        for shard in shards:
+            if os.path.basename(shard) != shard:
+                raise MoepackError(f"index lists shard {shard!r} outside the checkpoint directory")
+            for key, t in read_safetensors_header(os.path.join(path, shard)).items():
+                if key in self.tensors:
+                    raise MoepackError(f"tensor {key} appears in both {os.path.basename(self.tensors[key].file)} "
+                                       f"and {shard}")
+                self.tensors[key] = t
+        if weight_map is not None:
+            for key, shard in weight_map.items():
+                t = self.tensors.get(key)
+                if t is None or os.path.basename(t.file) != shard:
+                    raise MoepackError(f"tensor {key} is listed in the index under {shard} but is not in that shard")
+        self._fds: dict[str, int] = {}
+
+    def _read_json(self, name: str, required: bool):
+        p = os.path.join(self.path, name)
+        if not os.path.exists(p):
+            if required:
+                raise MoepackError(f"{self.path}: missing {name}")
+            return None
+        try:
+            with open(p, encoding="utf-8") as f:
+                return json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise MoepackError(f"{name} is not valid JSON: {e}") from None
+
+    def read(self, t: SourceTensor) -> bytes:
+        fd = self._fds.get(t.file)
+        if fd is None:
+            fd = self._fds[t.file] = os.open(t.file, os.O_RDONLY)
+        data = os.pread(fd, t.length, t.offset)
+        if len(data) != t.length:
+            raise MoepackError(f"{os.path.basename(t.file)}: short read for {t.name} (file truncated?)")
+        return data
+
+    def side_files(self) -> dict[str, dict]:
+        """Tokenizer and generation files, as {name: {"encoding": "utf-8"|"base64", "data": str}}."""
+        import base64
+
+        out = {}
+        for name in TOKENIZER_FILES:
+            p = os.path.join(self.path, name)
+            if not os.path.isfile(p):
+                continue
+            with open(p, "rb") as f:
+                data = f.read()
+            try:
+                out[name] = {"encoding": "utf-8", "data": data.decode("utf-8")}
+            except UnicodeDecodeError:
+                out[name] = {"encoding": "base64", "data": base64.b64encode(data).decode()}
+        return out
+
+    def file_sizes(self) -> dict[str, int]:
+        return {s: os.path.getsize(os.path.join(self.path, s)) for s in self.shards}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

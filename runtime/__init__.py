@@ -1,0 +1,1 @@
+"""The prefill runtime (layer-major, experts streamed from the container)."""

@@ -1,0 +1,90 @@
+"""Helpers for tests: build small containers, and rewrite a container's index or header to make bad ones."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import xxhash
+import zstandard
+
+from moepack.format_spec.layout import HEADER_SIZE, Header, align_up
+from moepack.format_spec.writer import ContainerWriter
+
+CONFIG = {"model_type": "deepseek_v4", "num_hidden_layers": 2, "hidden_size": 64, "n_routed_experts": 3}
+
+
+def build_container(path: str, n_layers: int = 2, n_experts: int = 3, seed: int = 0) -> dict[str, np.ndarray]:
+    """A small container with globals, n_layers blocks of a dense region + n_experts experts, and one mtp block.
+    Returns the arrays written, by tensor name."""
+    rng = np.random.default_rng(seed)
+    written: dict[str, np.ndarray] = {}
+    w = ContainerWriter(path)
+
+    def put(name, dtype, array):
+        written[name] = array
+        w.add_tensor(name, dtype, list(array.shape), np.ascontiguousarray(array).tobytes())
+
+    w.begin_region("global", tensor="embed.weight")
+    put("embed.weight", "F32", rng.standard_normal((50, 64)).astype(np.float32))
+    w.end_region()
+    w.begin_region("global", tensor="norm.weight")
+    put("norm.weight", "F16", rng.standard_normal(64).astype(np.float16))
+    w.end_region()
+    blocks = [f"layers.{i}" for i in range(n_layers)] + ["mtp.0"]
+    for block in blocks:
+        w.begin_region("dense", block=block)
+        put(f"{block}.attn.wq_a.weight", "F32", rng.standard_normal((32, 64)).astype(np.float32))
+        put(f"{block}.ffn.gate.tid2eid", "I64", rng.integers(0, n_experts, (50, 2)))
+        put(f"{block}.attn_norm.weight", "U8", rng.integers(0, 255, (7,), dtype=np.uint8))  # odd size: gaps
+        w.end_region()
+        for e in range(n_experts):
+            w.begin_region("expert", block=block, expert=e)
+            for proj, shape in (("w1", (16, 64)), ("w3", (16, 64)), ("w2", (64, 16))):
+                put(f"{block}.ffn.experts.{e}.{proj}.weight", "I8",
+                    rng.integers(-128, 127, shape, dtype=np.int8))
+            w.end_region()
+    w.finish(config={**CONFIG, "num_hidden_layers": n_layers, "n_routed_experts": n_experts},
+             architecture="deepseek_v4", policy={"name": "keep"},
+             tokenizer={"tokenizer.json": {"encoding": "utf-8", "data": "{}"}},
+             provenance={"source": "test"})
+    return written
+
+
+def read_parts(path: str) -> tuple[bytearray, Header, dict]:
+    data = bytearray(open(path, "rb").read())
+    header = Header.unpack(bytes(data[:HEADER_SIZE]), len(data))
+    stored = bytes(data[header.index_offset: header.index_offset + header.index_length])
+    index = json.loads(zstandard.ZstdDecompressor().decompress(stored, max_output_size=header.index_raw_length))
+    return data, header, index
+
+
+def write_with_index(path: str, data: bytearray, header: Header, index_bytes: bytes, raw_length: int | None = None,
+                     compress: bool = True) -> None:
+    """Replace the index by `index_bytes` (JSON, compressed here unless compress=False) with a consistent header."""
+    stored = zstandard.ZstdCompressor().compress(index_bytes) if compress else index_bytes
+    body = bytes(data[: header.index_offset])
+    total = header.index_offset + align_up(len(stored))
+    new_header = Header(header.major, header.minor, header.alignment, total, header.index_offset, len(stored),
+                        raw_length if raw_length is not None else len(index_bytes), header.index_codec,
+                        xxhash.xxh3_64_intdigest(stored))
+    out = bytearray(body + stored + bytes(total - header.index_offset - len(stored)))
+    out[:HEADER_SIZE] = new_header.pack()
+    open(path, "wb").write(out)
+
+
+def mutate_index(src: str, dst: str, mutate) -> None:
+    """Copy src to dst with `mutate(index_dict)` applied to the index (hashes kept consistent)."""
+    data, header, index = read_parts(src)
+    mutate(index)
+    write_with_index(dst, data, header, json.dumps(index).encode())
+
+
+def patch_header_field(src: str, dst: str, offset: int, fmt: str, value, rehash: bool = True) -> None:
+    """Overwrite one header field; with rehash the header's own checksum is recomputed so only the field is wrong."""
+    data = bytearray(open(src, "rb").read())
+    struct.pack_into("<" + fmt, data, offset, value)
+    if rehash:
+        struct.pack_into("<Q", data, 72, xxhash.xxh3_64_intdigest(bytes(data[:72])))
+    open(dst, "wb").write(data)
