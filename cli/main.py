@@ -95,6 +95,22 @@ def convert(src, out, policy, as_json):
 
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Directory to write (must not exist, or be empty).")
+@click.option("--dtype", type=click.Choice(["bf16", "f32"]), default="bf16", show_default=True)
+@json_option
+@reports_errors
+def export(file, out_dir, dtype, as_json):
+    """Write a container back out as a Hugging Face checkpoint (dequantized) that transformers loads."""
+    from moepack.packer.export import export_container
+
+    result = export_container(file, out_dir, dtype=dtype, progress=not as_json)
+    _emit(as_json, result, lambda r: click.echo(
+        f"wrote {r['output']}: {r['tensors']} tensors in {r['shards']} shards, {r['bytes'] / 2**20:.1f} MiB ({dtype})"))
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
 @json_option
 @reports_errors
 def inspect(file, as_json):
@@ -125,13 +141,13 @@ def _print_summary(s: dict) -> None:
 @reports_errors
 def verify(file, as_json):
     """Check a container's structure and every checksum (reads the whole file)."""
-    from tqdm import tqdm
-
+    from moepack.format_spec.reader import Container
     from moepack.format_spec.verify import verify_container
+    from moepack.packer.progress import progress_bar
 
-    total = os.path.getsize(file) if os.path.exists(file) else 0
-    with tqdm(total=total, desc="verify", unit="B", unit_scale=True, unit_divisor=1024, disable=as_json,
-              dynamic_ncols=True) as bar:
+    with Container(file) as c:  # the cheap structural checks first: a broken file fails before any bar shows
+        total = c.file_size
+    with progress_bar(total, "verify", not as_json) as bar:
         report = verify_container(file, on_bytes=bar.update)
     _emit(as_json, report.as_dict(), lambda r: click.echo(
         f"{file}: OK ({r['regions']} regions, {r['tensors']} tensors, {r['bytes_read'] / 2**20:.1f} MiB "

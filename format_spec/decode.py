@@ -47,3 +47,24 @@ def decode_tensor(dtype: str, shape, buffer) -> torch.Tensor:
     from . import quants
 
     return quants.dequantize_torch(raw, dtype, shape)
+
+
+def scale_name(weight_name: str) -> str | None:
+    """The release's scale companion of a weight: `P.weight` -> `P.scale`."""
+    return weight_name[: -len(".weight")] + ".scale" if weight_name.endswith(".weight") else None
+
+
+def decode_float(dtype: str, shape, buffer, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored bytes -> float32 values, applying the release's block scales where the type needs them:
+    F8_E4M3 with 128x128 block scales (E8M0 or F32), FP4_E2M1 with one E8M0 scale per 32 inputs."""
+    from . import source_formats
+
+    shape = tuple(shape)
+    if dtype == "F8_E4M3" and scale is not None:
+        return source_formats.fp8_block_dequantize(decode_tensor(dtype, shape, buffer), scale)
+    if dtype == "FP4_E2M1":
+        if scale is None:
+            raise FormatError("an FP4_E2M1 tensor needs its scale tensor to be decoded")
+        packed = as_uint8(buffer).view(*shape[:-1], shape[-1] // 2)
+        return source_formats.fp4_dequantize(packed, scale)
+    return decode_tensor(dtype, shape, buffer).float()

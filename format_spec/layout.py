@@ -73,6 +73,8 @@ class Header:
             if len(raw) >= 4 and raw[:4] == b"GGUF":
                 raise FormatError("this is a GGUF file, not a moepack container")
             raise FormatError("not a moepack container (bad magic)")
+        if len(raw) < HEADER_SIZE:
+            raise FormatError(f"file is truncated inside the header ({len(raw)} of {HEADER_SIZE} bytes)")
         (_, major, minor, bom, alignment, header_size, file_size, index_offset, index_length, index_raw_length,
          index_codec, reserved, index_xxh3) = _HEADER_FIELDS.unpack_from(raw)
         if bom != BYTE_ORDER_MARK:
@@ -85,8 +87,6 @@ class Header:
         (stored_hash,) = _HEADER_HASH.unpack_from(raw, HEADER_HASHED_BYTES)
         if xxhash.xxh3_64_intdigest(raw[:HEADER_HASHED_BYTES]) != stored_hash:
             raise FormatError("header checksum mismatch: the header is damaged")
-        if len(raw) < HEADER_SIZE:
-            raise FormatError(f"file is truncated inside the header ({len(raw)} of {HEADER_SIZE} bytes)")
         if any(raw[HEADER_USED_BYTES:HEADER_SIZE]):
             raise FormatError("header padding is not zero: the header is damaged")
         if alignment != ALIGNMENT or header_size != HEADER_SIZE or reserved != 0:

@@ -2,6 +2,11 @@
 
 The output goes to `<path>.partial`; `finish()` fsyncs it and renames it over `<path>`, so the final name only ever
 holds a complete container and an interrupted write never damages a file that was already there.
+
+Resuming: `checkpoint()` fsyncs the partial file and records the regions written so far in `<path>.partial.journal`
+(written atomically). A writer opened with `resume=True` and the same `job` description re-reads those regions,
+keeps the prefix whose checksums still match, truncates after it and carries on; `completed` names the regions
+kept, which the caller skips. A deterministic caller therefore produces the same bytes as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ def partial_path(path: str) -> str:
     return path + ".partial"
 
 
+def journal_path(path: str) -> str:
+    return path + ".partial.journal"
+
+
 @dataclass
 class _OpenRegion:
     name: str
@@ -49,20 +58,65 @@ class ContainerWriter:
         w.finish(config=..., policy=...)
     """
 
-    def __init__(self, path: str, on_bytes=None):
+    def __init__(self, path: str, on_bytes=None, job: dict | None = None, resume: bool = False):
         self.path = path
         self.tmp_path = partial_path(path)
+        self.journal_path = journal_path(path)
+        self.job = job or {}
         self._on_bytes = on_bytes or (lambda n: None)
         self._regions: list[dict] = []
         self._tensors: list[dict] = []
         self._names: set[str] = set()
         self._open: _OpenRegion | None = None
+        self.completed: list[str] = []
         try:
-            self._file = open(self.tmp_path, "wb", buffering=0)
-            self._file.write(bytes(HEADER_SIZE))  # placeholder; the real header is written last
+            if not (resume and self._resume()):
+                self._file = open(self.tmp_path, "wb", buffering=0)
+                self._file.write(bytes(HEADER_SIZE))  # placeholder; the real header is written last
+                self._pos = HEADER_SIZE
         except OSError as e:
             raise MoepackError(f"cannot write {self.tmp_path}: {e.strerror or e}") from None
-        self._pos = HEADER_SIZE
+
+    def _resume(self) -> bool:
+        """Pick up `<path>.partial` where the journal says it was; False if there is nothing valid to resume."""
+        try:
+            with open(self.journal_path, encoding="utf-8") as f:
+                journal = json.load(f)
+        except (OSError, ValueError):
+            return False
+        if not isinstance(journal, dict) or journal.get("job") != self.job or not os.path.exists(self.tmp_path):
+            return False
+        self._file = open(self.tmp_path, "r+b", buffering=0)
+        pos = HEADER_SIZE
+        kept = []
+        for r in journal.get("regions", []):
+            if r.get("offset") != pos or not _region_matches(self._file, r):
+                break
+            kept.append(r)
+            pos += r["length"]
+        self._regions = kept
+        self._tensors = [t for t in journal.get("tensors", []) if t.get("region", -1) < len(kept)]
+        self._names = {t["name"] for t in self._tensors}
+        self.completed = [r["name"] for r in kept]
+        self._file.truncate(pos)
+        self._file.seek(pos)
+        self._pos = pos
+        return True
+
+    def checkpoint(self) -> None:
+        """Make everything written so far durable and resumable."""
+        if self._open is not None:
+            raise RuntimeError("checkpoint inside a region")
+        try:
+            os.fsync(self._file.fileno())
+            tmp = self.journal_path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"job": self.job, "regions": self._regions, "tensors": self._tensors}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.journal_path)
+        except OSError as e:
+            raise MoepackError(f"writing {self.journal_path} failed: {e.strerror or e}") from None
 
     # --- regions -------------------------------------------------------------------------------------------------
     def begin_region(self, kind: str, block: str | None = None, expert: int | None = None,
@@ -161,6 +215,8 @@ class ContainerWriter:
             self._file.close()
             os.replace(self.tmp_path, self.path)
             _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            if os.path.exists(self.journal_path):
+                os.remove(self.journal_path)
         except OSError as e:
             raise MoepackError(f"finishing {self.path} failed: {e.strerror or e}") from None
         return self.path
@@ -173,6 +229,19 @@ class ContainerWriter:
     @property
     def bytes_written(self) -> int:
         return self._pos
+
+
+def _region_matches(f, region: dict) -> bool:
+    """Re-read a journaled region from the partial file and compare its checksum."""
+    h = xxhash.xxh3_64()
+    pos, end = region["offset"], region["offset"] + region["length"]
+    while pos < end:
+        chunk = os.pread(f.fileno(), min(64 << 20, end - pos), pos)
+        if not chunk:
+            return False
+        h.update(chunk)
+        pos += len(chunk)
+    return h.hexdigest() == region.get("xxh3")
 
 
 def _fsync_dir(path: str) -> None:

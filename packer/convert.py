@@ -12,10 +12,11 @@ from collections import defaultdict
 
 from moepack.format_spec.dtypes import FROM_SAFETENSORS
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.layout import parse_block_name
+from moepack.format_spec.layout import parse_block_name, region_name
 from moepack.format_spec.writer import ContainerWriter
 
 from .arch import Adapter, adapter_for
+from .progress import progress_bar
 from .source import CheckpointDir, SourceTensor
 
 POLICIES_IMPLEMENTED = ("keep",)
@@ -78,19 +79,29 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
         out_dir = os.path.dirname(os.path.abspath(out))
         if not os.path.isdir(out_dir):
             raise MoepackError(f"output directory {out_dir} does not exist")
-        bar = _progress_bar(total, "convert", progress)
-        writer = ContainerWriter(out)
+        job = {"source": os.path.abspath(src), "policy": policy, "files": source.file_sizes(),
+               "tensors": len(source.tensors)}
+        writer = ContainerWriter(out, job=job, resume=True)
+        resumed = _skip_completed(plan, writer.completed)
+        bar = progress_bar(total, "convert", progress)
+        bar.update(sum(t.length for _, _, _, items in plan[:resumed] for _, t in items))
         counts: dict[str, int] = defaultdict(int)
         try:
-            for kind, block, expert, items in plan:
+            for i, (kind, block, expert, items) in enumerate(plan):
+                if i < resumed:
+                    continue
                 writer.begin_region(kind, block=block, expert=expert, tensor=items[0][0] if kind == "global" else None)
                 for name, t in items:
                     dtype, shape = stored_type_and_shape(adapter, name, t)
                     data = source.read(t)
                     writer.add_tensor(name, dtype, shape, data)
-                    counts[dtype] += 1
                     bar.update(len(data))
                 writer.end_region()
+                if i + 1 == len(plan) or plan[i + 1][1] != block:
+                    writer.checkpoint()  # a layer (or the globals) is complete: a rerun resumes after it
+            for kind, block, expert, items in plan:
+                for name, t in items:
+                    counts[stored_type_and_shape(adapter, name, t)[0]] += 1
             writer.finish(
                 config=source.config, architecture=adapter.architecture,
                 policy={"name": policy, "lossless": True},
@@ -106,13 +117,16 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
         source.close()
     seconds = time.perf_counter() - start
     out_bytes = os.path.getsize(out)
-    return {"output": out, "policy": policy, "tensors": len(source.tensors), "regions": len(plan),
+    return {"output": out, "policy": policy, "resumed_regions": resumed, "tensors": len(source.tensors), "regions": len(plan),
             "bytes_in": total, "bytes_out": out_bytes, "seconds": round(seconds, 3),
             "in_mb_per_s": round(total / max(seconds, 1e-9) / 1e6, 1), "storage_types": dict(counts)}
 
 
-def _progress_bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
-                dynamic_ncols=True)
+def _skip_completed(plan, completed: list[str]) -> int:
+    """How many leading plan entries a resumed writer already holds (it must be a prefix of the plan)."""
+    for i, name in enumerate(completed):
+        kind, block, expert, items = plan[i] if i < len(plan) else (None, None, None, [("", None)])
+        if kind is None or name != region_name(kind, block, expert, items[0][0]):
+            raise MoepackError(f"cannot resume: the partial output's region {name} is not the plan's region {i}; "
+                               f"delete the .partial file and convert again")
+    return len(completed)

@@ -1,0 +1,183 @@
+"""The weight encodings DeepSeek-V4's released checkpoint uses, with encoders and decoders.
+
+* FP8 e4m3 with E8M0 scales over 128x128 blocks: the non-expert ("dense") linears. A weight tensor
+  `name.weight` (F8_E4M3 [out, in]) comes with `name.scale` (F8_E8M0 [ceil(out/128), ceil(in/128)]);
+  the real value is weight * scale of its block.
+* Packed FP4 e2m1 with one E8M0 scale per 32 inputs: the routed experts. `name.weight` is I8 [out, in/2]
+  (element 2i in the low nibble, 2i+1 in the high nibble) and `name.scale` F8_E8M0 [out, in/32].
+
+E8M0 is a bare exponent byte e meaning 2^(e-127); 0xFF is NaN. Scales follow DeepSeek's "ue8m0" rule: the
+smallest power of two that brings a block's absolute maximum inside the element type's range
+(2^ceil(log2(amax / max))). Everything here is vectorised torch, so encoding a whole layer costs a few
+tensor passes, never a Python loop over blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import MoepackError
+
+FP8_E4M3_MAX = 448.0
+FP4_E2M1_MAX = 6.0
+FP8_BLOCK = 128
+FP4_GROUP = 32
+
+# E8M0 can encode 2^-127 .. 2^127 (byte 0 .. 254; 255 is NaN).
+_E8M0_MIN_EXP = -127
+_E8M0_MAX_EXP = 127
+
+# The 16 e2m1 values, indexed by code = sign << 3 | magnitude index.
+_E2M1_MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+E2M1_VALUES = torch.tensor(_E2M1_MAGNITUDES + [-m for m in _E2M1_MAGNITUDES], dtype=torch.float32)
+
+
+def _ue8m0_exponent(amax: torch.Tensor, type_max: float) -> torch.Tensor:
+    """Integer exponent e (int32) with 2^e = 2^ceil(log2(amax / type_max)), clamped to what E8M0 holds.
+
+    Uses frexp rather than log2 so the ceiling is exact: ratio = m * 2^k with m in [0.5, 1), and
+    ceil(log2(ratio)) is k - 1 when m is exactly 0.5 (ratio a power of two) and k otherwise. A float log2 can
+    round a "just above a power of two" ratio down to the integer and pick a scale one step too small.
+    An all-zero block gets scale 1 (exponent 0): its codes are all zero, so any finite scale decodes it, and
+    log2(0) would be -inf. (DeepSeek's activation kernels floor amax at 1e-4 instead; for weights that would
+    coarsen every tiny-valued block, so zero is special-cased alone.)
+    """
+    if not torch.isfinite(amax).all():
+        raise MoepackError("can't quantize a weight holding inf or NaN")
+    ratio = amax.float() / type_max
+    mantissa, exponent = torch.frexp(ratio)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+    exponent = torch.where(amax == 0, torch.zeros_like(exponent), exponent)
+    return exponent.clamp(_E8M0_MIN_EXP, _E8M0_MAX_EXP)
+
+
+def _exponent_to_e8m0(exponent: torch.Tensor) -> torch.Tensor:
+    # Build the byte by hand: exact, and independent of how torch rounds a float cast to e8m0.
+    return (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    if scale.dtype != torch.float8_e8m0fnu:
+        raise MoepackError(f"scale must be float8_e8m0fnu, got {scale.dtype}")
+    return scale.float()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FP8 e4m3 with 128x128 E8M0 block scales
+# ---------------------------------------------------------------------------------------------------------
+
+
+def fp8_block_scale_shape(out_features: int, in_features: int, block: int = FP8_BLOCK) -> tuple[int, int]:
+    """Shape of the `.scale` tensor that goes with an [out, in] FP8 weight (edge blocks count as whole)."""
+    return (-(-out_features // block), -(-in_features // block))
+
+
+def _pad_to_blocks(w: torch.Tensor, block: int) -> torch.Tensor:
+    rows, cols = w.shape
+    pad_rows, pad_cols = (-rows) % block, (-cols) % block
+    if pad_rows or pad_cols:
+        # Zero padding never raises a block's amax, so edge blocks get the scale of their real elements.
+        w = torch.nn.functional.pad(w, (0, pad_cols, 0, pad_rows))
+    return w
+
+
+def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode a 2-D float weight as (float8_e4m3fn [out, in], float8_e8m0fnu [ceil(out/block), ceil(in/block)])."""
+    if w.ndim != 2:
+        raise MoepackError(f"FP8 block quantization needs a 2-D weight, got shape {list(w.shape)}")
+    if not w.is_floating_point():
+        raise MoepackError(f"FP8 block quantization needs a float weight, got {w.dtype}")
+    rows, cols = w.shape
+    block_rows, block_cols = fp8_block_scale_shape(rows, cols, block)
+    blocks = _pad_to_blocks(w.float(), block).view(block_rows, block, block_cols, block)
+    amax = blocks.abs().amax(dim=(1, 3))
+    exponent = _ue8m0_exponent(amax, FP8_E4M3_MAX)
+    inv_scale = torch.ldexp(torch.ones_like(amax), -exponent)
+    scaled = (blocks * inv_scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    weight = scaled.view(block_rows * block, block_cols * block)[:rows, :cols].to(torch.float8_e4m3fn)
+    return weight.contiguous(), _exponent_to_e8m0(exponent)
+
+
+def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """Decode an FP8 weight and its block scales to float32 [out, in]."""
+    if weight.ndim != 2:
+        raise MoepackError(f"FP8 weight must be 2-D, got shape {list(weight.shape)}")
+    rows, cols = weight.shape
+    expected = fp8_block_scale_shape(rows, cols, block)
+    if tuple(scale.shape) != expected:
+        raise MoepackError(
+            f"FP8 scale shape {list(scale.shape)} does not match weight {[rows, cols]} "
+            f"in {block}x{block} blocks (expected {list(expected)})"
+        )
+    block_rows, block_cols = expected
+    scale_f = _e8m0_to_float(scale)
+    blocks = _pad_to_blocks(weight.float(), block).view(block_rows, block, block_cols, block)
+    values = (blocks * scale_f[:, None, :, None]).view(block_rows * block, block_cols * block)
+    return values[:rows, :cols].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packed FP4 e2m1 with one E8M0 scale per 32 inputs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _e2m1_magnitude_codes(magnitude: torch.Tensor) -> torch.Tensor:
+    """Code (0..7, int32) of the e2m1 magnitude nearest to each float32 `magnitude` in [0, 6], ties to even.
+
+    Works on the float's bits rather than searching the grid: it is a handful of int32 passes, which matters
+    when a synthetic checkpoint encodes billions of expert weights. At or above 1, e2m1 is a float with one
+    mantissa bit, so rounding the float32 mantissa to one bit (round-to-nearest-even: add 0x1FFFFF plus the
+    kept bit) leaves exponent and mantissa bit in bits 31..22, and code = (biased_exp << 1 | m) - 252
+    (1.0 = 127 << 1 -> code 2). Below 1, e2m1 is subnormal in steps of 0.5: code = round_half_even(2 * m).
+    """
+    bits = magnitude.view(torch.int32)
+    kept_bit = (bits >> 22) & 1
+    normal_code = ((bits + kept_bit + 0x1FFFFF) >> 22) - 252
+    subnormal_code = torch.round(magnitude * 2).to(torch.int32)
+    return torch.where(magnitude < 1.0, subnormal_code, normal_code)
+
+
+def fp4_quantize(w: torch.Tensor, group: int = FP4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode a float weight [..., in] as (int8 [..., in/2] packed e2m1, float8_e8m0fnu [..., in/group])."""
+    if w.ndim < 1 or not w.is_floating_point():
+        raise MoepackError(f"FP4 quantization needs a float weight, got {w.dtype} of shape {list(w.shape)}")
+    inputs = w.shape[-1]
+    if inputs % group:
+        raise MoepackError(
+            f"FP4 quantization needs the last dimension ({inputs}) to be a multiple of its group of {group}"
+        )
+    groups = w.float().reshape(*w.shape[:-1], inputs // group, group)
+    amax = groups.abs().amax(dim=-1)
+    exponent = _ue8m0_exponent(amax, FP4_E2M1_MAX)
+    scaled = groups * torch.ldexp(torch.ones_like(amax), -exponent)[..., None]
+    magnitude_code = _e2m1_magnitude_codes(scaled.abs().clamp_(max=FP4_E2M1_MAX))
+    # Zeros stay +0 (code 0) whatever their sign, so every zero has one encoding.
+    negative = (scaled < 0) & (magnitude_code > 0)
+    codes = (magnitude_code | (negative.to(torch.int32) << 3)).to(torch.uint8)
+    codes = codes.reshape(*w.shape[:-1], inputs)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # element 2i low nibble, 2i+1 high nibble
+    return packed.view(torch.int8).contiguous(), _exponent_to_e8m0(exponent)
+
+
+def fp4_unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The e2m1 codes (uint8, 0..15) of a packed tensor, [..., in/2] -> [..., in]."""
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise MoepackError(f"packed FP4 must be int8 or uint8, got {packed.dtype}")
+    as_bytes = packed.view(torch.uint8)
+    low, high = as_bytes & 0x0F, as_bytes >> 4
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP) -> torch.Tensor:
+    """Decode packed e2m1 [..., in/2] with E8M0 scales [..., in/group] to float32 [..., in]."""
+    codes = fp4_unpack_codes(packed)
+    inputs = codes.shape[-1]
+    expected = (*codes.shape[:-1], inputs // group)
+    if inputs % group or tuple(scale.shape) != expected:
+        raise MoepackError(
+            f"FP4 scale shape {list(scale.shape)} does not match packed weight {list(packed.shape)} "
+            f"({inputs} inputs in groups of {group}: expected {list(expected)})"
+        )
+    values = E2M1_VALUES.to(codes.device)[codes.long()]
+    grouped = values.view(*expected, group) * _e8m0_to_float(scale)[..., None]
+    return grouped.reshape(*codes.shape)

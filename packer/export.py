@@ -1,0 +1,119 @@
+"""Container -> Hugging Face checkpoint directory, dequantized (`moepack export FILE -o DIR --dtype bf16|f32`).
+
+The way to compare any container with the reference model (transformers loads the result), and a way back for
+users. Tensors stored as F32 stay F32 (norms, mHC, sinks, router bias: the model keeps them in float32); integer
+tensors (the hash table) stay as they are; every other weight is dequantized (FP8 + block scales, packed FP4 +
+scales, ggml blocks) and written in the requested dtype. Scale tensors are consumed by their weights. Written
+region by region, never more than one shard in memory, into `model-XXXXX-of-YYYYY.safetensors` shards, then the
+index, config and tokenizer files; the directory appears under its name only when complete.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from moepack.format_spec.decode import decode_float, decode_tensor, scale_name
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.reader import Container
+
+from .progress import progress_bar
+
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+_KEEP_TYPES = ("F32", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL")
+
+
+def export_tensors(c: Container, region_tensors, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Decode the tensors of some regions into what a Hugging Face checkpoint holds."""
+    names = {t.name for t in region_tensors}
+    out = {}
+    for t in region_tensors:
+        if t.name.endswith(".scale") and t.name[: -len(".scale")] + ".weight" in names:
+            continue  # consumed by its weight
+        data = c.tensor_bytes(t.name)
+        if t.dtype in _KEEP_TYPES:
+            out[t.name] = decode_tensor(t.dtype, t.shape, data).clone()
+            continue
+        scale = None
+        sname = scale_name(t.name)
+        if sname in c.tensors and sname in names:
+            s = c.tensors[sname]
+            scale = decode_tensor(s.dtype, s.shape, c.tensor_bytes(sname))
+        out[t.name] = decode_float(t.dtype, t.shape, data, scale).to(dtype)
+    return out
+
+
+def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: bool = True,
+                     shard_bytes: int = 2 << 30) -> dict:
+    if dtype not in EXPORT_DTYPES:
+        raise MoepackError(f"unknown export dtype {dtype!r} (choose from {', '.join(EXPORT_DTYPES)})")
+    start = time.perf_counter()
+    torch_dtype = EXPORT_DTYPES[dtype]
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.path.isdir(parent):
+        raise MoepackError(f"output's parent directory {parent} does not exist")
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise MoepackError(f"{out_dir} exists and is not empty")
+    with Container(path) as c:
+        tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+        try:
+            shards: list[dict[str, str]] = []  # per shard: tensor name -> (final) shard file
+            pending: dict[str, torch.Tensor] = {}
+            pending_bytes = total = 0
+            bar = progress_bar(c.data_bytes, "export", progress)
+
+            def flush():
+                nonlocal pending, pending_bytes
+                if pending:
+                    save_file(pending, os.path.join(tmp, f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+                    shards.append(list(pending))
+                    pending, pending_bytes = {}, 0
+
+            # a weight and its scale live in the same region, so regions are decoded one at a time
+            for region in c.regions:
+                for name, t in export_tensors(c, region.tensors, torch_dtype).items():
+                    pending[name] = t
+                    nbytes = t.numel() * t.element_size()
+                    pending_bytes += nbytes
+                    total += nbytes
+                bar.update(region.length)
+                if pending_bytes >= shard_bytes:
+                    flush()
+            flush()
+            bar.close()
+            weight_map = {}
+            for i, names in enumerate(shards):
+                final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                os.rename(os.path.join(tmp, f"shard-{i}.tmp"), os.path.join(tmp, final))
+                weight_map.update({n: final for n in names})
+            config = {k: v for k, v in c.config.items() if k != "quantization_config"}
+            config["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
+            _write_json(os.path.join(tmp, "config.json"), config)
+            _write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+            for name, entry in c.index["tokenizer"].items():
+                if os.path.basename(name) != name:
+                    raise MoepackError(f"container lists a tokenizer file with a path: {name!r}")
+                data = entry["data"].encode() if entry.get("encoding") == "utf-8" else base64.b64decode(entry["data"])
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
+            if os.path.exists(out_dir):
+                os.rmdir(out_dir)
+            os.replace(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return {"output": out_dir, "dtype": dtype, "tensors": len(weight_map), "shards": len(shards),
+            "bytes": total, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)

@@ -1,0 +1,742 @@
+"""Synthetic DeepSeek-V4 checkpoints: every tensor the real release holds, at sizes a test or a demo can afford.
+
+No network exists where moepack is tested, so tests and demos build their own models. `v4_tensor_specs` lists
+what a DeepSeek-V4 checkpoint holds for any config (release key names, no `model.` prefix: the names
+transformers' loader maps and the reference code reads); `synth_checkpoint` writes a Hugging Face-style
+directory with random but well-scaled weights in one of three layouts:
+
+* ``release``: what deepseek-ai ships. Dense linears FP8 e4m3 + `.scale` (E8M0, 128x128 blocks); routed experts
+  packed FP4 e2m1 as I8 [out, in/2] + `.scale` (E8M0, one per 32 inputs); router, compressor and indexer
+  `weights_proj` linears BF16; embed/head BF16; norms, mHC, sinks, ape, router bias F32; tid2eid I64.
+* ``bf16``: every float tensor BF16 except the ones transformers keeps in F32 (role "exact").
+* ``f32``: every float tensor F32.
+
+Every tensor is drawn in float32 from its own generator, seeded from (seed, name), before it is encoded, so the
+layouts of one seed hold the same model (the release one up to FP8/FP4 rounding) and files are byte-identical
+run to run. Writing streams: shard headers are known up front (shapes and dtypes follow from the config), so
+each tensor is drawn, encoded and written on its own and memory holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.source_formats import (
+    FP4_GROUP,
+    FP8_BLOCK,
+    fp4_quantize,
+    fp8_block_quantize,
+    fp8_block_scale_shape,
+)
+
+# What a tensor is for storage purposes: how the release encodes it.
+ROLE_DENSE_LINEAR = "dense_linear"  # FP8 e4m3 + 128x128 E8M0 block scales in the release
+ROLE_BF16_LINEAR = "bf16_linear"  # linears the release leaves in BF16: router, compressors, indexer weights_proj
+ROLE_EXPERT = "expert"  # routed experts: packed FP4 e2m1 + one E8M0 scale per 32 inputs in the release
+ROLE_EMBEDDING = "embedding"  # embed.weight and head.weight: BF16 in the release
+ROLE_EXACT = "exact"  # norms, mHC, sinks, ape, router bias (F32) and tid2eid (I64): never rounded
+ROLES = (ROLE_DENSE_LINEAR, ROLE_BF16_LINEAR, ROLE_EXPERT, ROLE_EMBEDDING, ROLE_EXACT)
+
+LAYOUTS = ("release", "bf16", "f32")
+PRESETS = ("tiny", "small", "medium")
+
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+SLIDING = "sliding_attention"
+
+# The release's config.json quantization block (see shared/reference/deepseek-v4-flash.config.json).
+RELEASE_QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "expert_dtype": "fp4",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+}
+
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "I64": 8, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
+_TORCH_DTYPE_NAMES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int8: "I8",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e8m0fnu: "F8_E8M0",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One logical tensor of a DeepSeek-V4 checkpoint.
+
+    `shape` is the logical shape ([out, in] for linears, whatever the encoding). `role` says how the release
+    stores it (ROLE_*); `kind` says what it is, which decides how `synth_checkpoint` draws it: 'linear',
+    'embedding', 'norm', 'hc_fn', 'hc_base', 'hc_scale', 'attn_sink', 'ape', 'router_bias' or 'tid2eid'.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    role: str
+    kind: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def release_dtype(self) -> str:
+        """safetensors dtype of this tensor (its `.weight` part) in the release."""
+        if self.role == ROLE_DENSE_LINEAR:
+            return "F8_E4M3"
+        if self.role == ROLE_EXPERT:
+            return "I8"
+        if self.role in (ROLE_BF16_LINEAR, ROLE_EMBEDDING):
+            return "BF16"
+        return "I64" if self.kind == "tid2eid" else "F32"
+
+    @property
+    def block(self) -> str:
+        """The unit a streaming reader loads together: 'embed', 'layers.L', 'mtp.M' or 'head' (final norm,
+        mHC head and output head)."""
+        parts = self.name.split(".")
+        if parts[0] in ("layers", "mtp"):
+            return f"{parts[0]}.{parts[1]}"
+        return "embed" if parts[0] == "embed" else "head"
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as a layout writes it to a safetensors file (a weight, or the scale beside it)."""
+
+    name: str
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPE_BYTES[self.dtype]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a checkpoint holds
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _attention_types(config: dict) -> tuple[list[str], list[str]]:
+    """(main layers' attention types, MTP layers' attention types)."""
+    n_layers = config["num_hidden_layers"]
+    n_mtp = config.get("num_nextn_predict_layers", 0) or 0
+    layer_types = config.get("layer_types")
+    if layer_types is None and config.get("compress_ratios") is not None:
+        # DeepSeek's own config: one ratio per layer (0 = sliding only), MTP layers' ratios appended.
+        csa_rate = (config.get("compress_rates") or {}).get(CSA, 4)
+        ratios = list(config["compress_ratios"])
+        layer_types = [SLIDING if r == 0 else CSA if r == csa_rate else HCA for r in ratios]
+    if layer_types is None:
+        raise MoepackError("config has neither layer_types nor compress_ratios: can't tell CSA/HCA/sliding layers")
+    if len(layer_types) < n_layers:
+        raise MoepackError(f"config lists {len(layer_types)} layer types for {n_layers} layers")
+    main, extra = list(layer_types[:n_layers]), list(layer_types[n_layers:])
+    # The MTP block's attention follows the last layer's type (sliding in V4-Flash) unless the config says.
+    mtp = [extra[i] if i < len(extra) else main[-1] for i in range(n_mtp)]
+    for t in main + mtp:
+        if t not in (SLIDING, CSA, HCA):
+            raise MoepackError(f"unknown DeepSeek-V4 attention layer type {t!r}")
+    return main, mtp
+
+
+def _mlp_types(config: dict) -> list[str]:
+    n_layers = config["num_hidden_layers"]
+    types = config.get("mlp_layer_types")
+    if types is None:
+        n_hash = config.get("num_hash_layers", 3)
+        types = ["hash_moe"] * min(n_layers, n_hash) + ["moe"] * max(0, n_layers - n_hash)
+    if len(types) != n_layers or any(t not in ("hash_moe", "moe") for t in types):
+        raise MoepackError(f"mlp_layer_types must list 'hash_moe'/'moe' for each of {n_layers} layers")
+    return list(types)
+
+
+def _compress_rate(config: dict, attention_type: str) -> int:
+    defaults = {CSA: 4, HCA: 128}
+    return int((config.get("compress_rates") or {}).get(attention_type, defaults[attention_type]))
+
+
+def _block_specs(prefix: str, config: dict, attention_type: str, mlp_type: str) -> list[TensorSpec]:
+    """The tensors of one transformer block (a layer, or the block inside an MTP layer)."""
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config["head_dim"]
+    q_rank = config["q_lora_rank"]
+    o_groups, o_rank = config["o_groups"], config["o_lora_rank"]
+    experts, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
+    inter = config["moe_intermediate_size"]
+    shared_inter = inter * config.get("n_shared_experts", 1)
+    hc = config.get("hc_mult", 4)
+    hc_mixes = (2 + hc) * hc  # pre (hc) + post (hc) + comb (hc * hc)
+
+    def linear(name: str, out_features: int, in_features: int, role: str = ROLE_DENSE_LINEAR) -> TensorSpec:
+        return TensorSpec(f"{prefix}.{name}.weight", (out_features, in_features), role, "linear")
+
+    def exact(name: str, shape: tuple[int, ...], kind: str) -> TensorSpec:
+        return TensorSpec(f"{prefix}.{name}", shape, ROLE_EXACT, kind)
+
+    specs = [exact("attn_norm.weight", (hidden,), "norm")]
+    for site in ("attn", "ffn"):
+        specs += [
+            exact(f"hc_{site}_fn", (hc_mixes, hc * hidden), "hc_fn"),
+            exact(f"hc_{site}_base", (hc_mixes,), "hc_base"),
+            exact(f"hc_{site}_scale", (3,), "hc_scale"),
+        ]
+
+    # Attention: low-rank query, one shared KV head, grouped low-rank output, per-head sinks.
+    specs += [
+        linear("attn.wq_a", q_rank, hidden),
+        exact("attn.q_norm.weight", (q_rank,), "norm"),
+        linear("attn.wq_b", heads * head_dim, q_rank),
+        linear("attn.wkv", head_dim, hidden),
+        exact("attn.norm.weight", (head_dim,), "norm"),
+        linear("attn.wo_a", o_groups * o_rank, heads * head_dim // o_groups),
+        linear("attn.wo_b", hidden, o_groups * o_rank),
+        exact("attn.attn_sink", (heads,), "attn_sink"),
+    ]
+    if attention_type in (CSA, HCA):
+        # CSA keeps two overlapping series per token (2 * head_dim); HCA one.
+        series = 2 if attention_type == CSA else 1
+        rate = _compress_rate(config, attention_type)
+        specs += _compressor_specs("attn.compressor", prefix, hidden, head_dim, series, rate)
+    if attention_type == CSA:
+        index_heads, index_dim = config["index_n_heads"], config["index_head_dim"]
+        specs += [
+            linear("attn.indexer.wq_b", index_heads * index_dim, q_rank),
+            linear("attn.indexer.weights_proj", index_heads, hidden, ROLE_BF16_LINEAR),
+        ]
+        specs += _compressor_specs("attn.indexer.compressor", prefix, hidden, index_dim, 2, _compress_rate(config, CSA))
+
+    specs.append(exact("ffn_norm.weight", (hidden,), "norm"))
+    specs.append(linear("ffn.gate", experts, hidden, ROLE_BF16_LINEAR))
+    if mlp_type == "hash_moe":
+        specs.append(exact("ffn.gate.tid2eid", (config["vocab_size"], top_k), "tid2eid"))
+    else:
+        specs.append(exact("ffn.gate.bias", (experts,), "router_bias"))
+    for e in range(experts):
+        specs += [
+            linear(f"ffn.experts.{e}.w1", inter, hidden, ROLE_EXPERT),
+            linear(f"ffn.experts.{e}.w2", hidden, inter, ROLE_EXPERT),
+            linear(f"ffn.experts.{e}.w3", inter, hidden, ROLE_EXPERT),
+        ]
+    specs += [
+        linear("ffn.shared_experts.w1", shared_inter, hidden),
+        linear("ffn.shared_experts.w2", hidden, shared_inter),
+        linear("ffn.shared_experts.w3", shared_inter, hidden),
+    ]
+    return specs
+
+
+def _compressor_specs(name: str, prefix: str, hidden: int, dim: int, series: int, rate: int) -> list[TensorSpec]:
+    return [
+        TensorSpec(f"{prefix}.{name}.wkv.weight", (series * dim, hidden), ROLE_BF16_LINEAR, "linear"),
+        TensorSpec(f"{prefix}.{name}.wgate.weight", (series * dim, hidden), ROLE_BF16_LINEAR, "linear"),
+        TensorSpec(f"{prefix}.{name}.norm.weight", (dim,), ROLE_EXACT, "norm"),
+        TensorSpec(f"{prefix}.{name}.ape", (rate, series * dim), ROLE_EXACT, "ape"),
+    ]
+
+
+def _hc_head_specs(prefix: str, config: dict) -> list[TensorSpec]:
+    hidden, hc = config["hidden_size"], config.get("hc_mult", 4)
+    return [
+        TensorSpec(f"{prefix}hc_head_fn", (hc, hc * hidden), ROLE_EXACT, "hc_fn"),
+        TensorSpec(f"{prefix}hc_head_base", (hc,), ROLE_EXACT, "hc_base"),
+        TensorSpec(f"{prefix}hc_head_scale", (1,), ROLE_EXACT, "hc_scale"),
+    ]
+
+
+def v4_tensor_specs(config: dict) -> list[TensorSpec]:
+    """Every tensor a DeepSeek-V4 checkpoint of this config holds, release names, in streaming order:
+    embed, layers 0..N-1, the final norm / mHC head / output head, then the MTP layers."""
+    try:
+        hidden, vocab = config["hidden_size"], config["vocab_size"]
+        attention, mtp_attention = _attention_types(config)
+        mlp = _mlp_types(config)
+        specs = [TensorSpec("embed.weight", (vocab, hidden), ROLE_EMBEDDING, "embedding")]
+        for layer in range(config["num_hidden_layers"]):
+            specs += _block_specs(f"layers.{layer}", config, attention[layer], mlp[layer])
+        specs.append(TensorSpec("norm.weight", (hidden,), ROLE_EXACT, "norm"))
+        specs += _hc_head_specs("", config)
+        specs.append(TensorSpec("head.weight", (vocab, hidden), ROLE_EMBEDDING, "linear"))
+        for m, attention_type in enumerate(mtp_attention):
+            prefix = f"mtp.{m}"
+            # An MTP layer: project the next token's embedding and the main model's hidden state, mix them
+            # through one block (a routed, not hashed, MoE as in the reference), collapse its own mHC streams.
+            specs += [
+                TensorSpec(f"{prefix}.enorm.weight", (hidden,), ROLE_EXACT, "norm"),
+                TensorSpec(f"{prefix}.hnorm.weight", (hidden,), ROLE_EXACT, "norm"),
+                TensorSpec(f"{prefix}.e_proj.weight", (hidden, hidden), ROLE_DENSE_LINEAR, "linear"),
+                TensorSpec(f"{prefix}.h_proj.weight", (hidden, hidden), ROLE_DENSE_LINEAR, "linear"),
+            ]
+            specs += _block_specs(prefix, config, attention_type, "moe")
+            specs.append(TensorSpec(f"{prefix}.norm.weight", (hidden,), ROLE_EXACT, "norm"))
+            specs += _hc_head_specs(f"{prefix}.", config)
+    except KeyError as missing:
+        raise MoepackError(f"DeepSeek-V4 config lacks {missing.args[0]!r}") from None
+    return specs
+
+
+def stored_tensors(spec: TensorSpec, layout: str) -> list[StoredTensor]:
+    """The tensors `spec` becomes in a layout's safetensors files: the weight, plus its `.scale` when the
+    release quantizes it."""
+    _check_layout(layout)
+    if spec.kind == "tid2eid":
+        return [StoredTensor(spec.name, "I64", spec.shape)]
+    if layout == "f32":
+        return [StoredTensor(spec.name, "F32", spec.shape)]
+    if layout == "bf16":
+        return [StoredTensor(spec.name, "F32" if spec.role == ROLE_EXACT else "BF16", spec.shape)]
+    scale_name = spec.name.removesuffix(".weight") + ".scale"
+    if spec.role == ROLE_DENSE_LINEAR:
+        out_features, in_features = spec.shape
+        return [
+            StoredTensor(spec.name, "F8_E4M3", spec.shape),
+            StoredTensor(scale_name, "F8_E8M0", fp8_block_scale_shape(out_features, in_features)),
+        ]
+    if spec.role == ROLE_EXPERT:
+        *lead, in_features = spec.shape
+        return [
+            StoredTensor(spec.name, "I8", (*lead, in_features // 2)),
+            StoredTensor(scale_name, "F8_E8M0", (*lead, in_features // FP4_GROUP)),
+        ]
+    return [StoredTensor(spec.name, spec.release_dtype, spec.shape)]
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise MoepackError(f"unknown layout {layout!r} (choose one of {', '.join(LAYOUTS)})")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------------------
+
+# Sizes chosen so every linear's input dim is a multiple of 256 and its output dim a multiple of 32 where the
+# architecture allows (ggml's 256-element super-blocks and FP8's 128x128 blocks all apply, and hidden >= 256
+# tiles FP8 blocks for real), and compress rates small enough that a short prompt closes several windows.
+_PRESET_DIMS: dict[str, dict[str, Any]] = {
+    # ~12M parameters, a few MB in the release layout: every layer kind once, tests load it in a second.
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=256,
+        moe_intermediate_size=256,
+        layer_types=[SLIDING, CSA, HCA, SLIDING],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        num_attention_heads=4,
+        head_dim=128,
+        q_lora_rank=256,
+        o_groups=2,
+        o_lora_rank=128,
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        compress_rates={CSA: 4, HCA: 8},
+        sliding_window=16,
+    ),
+    # ~110M parameters, ~60 MB in the release layout.
+    "small": dict(
+        vocab_size=1024,
+        hidden_size=512,
+        moe_intermediate_size=256,
+        layer_types=[SLIDING, SLIDING, CSA, HCA, CSA, SLIDING],
+        mlp_layer_types=["hash_moe", "hash_moe", "hash_moe", "moe", "moe", "moe"],
+        num_attention_heads=8,
+        head_dim=128,
+        q_lora_rank=256,
+        o_groups=4,
+        o_lora_rank=128,
+        index_n_heads=16,
+        index_head_dim=64,
+        index_topk=8,
+        n_routed_experts=32,
+        num_experts_per_tok=4,
+        compress_rates={CSA: 4, HCA: 16},
+        sliding_window=32,
+    ),
+    # ~4.4B parameters: ~2.4 GB in the release layout, ~9 GB in bf16 (transformers still holds it in 24 GB).
+    "medium": dict(
+        vocab_size=8192,
+        hidden_size=1024,
+        moe_intermediate_size=1024,
+        layer_types=[SLIDING, SLIDING] + [CSA, HCA] * 8 + [CSA, SLIDING],
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 17,
+        num_attention_heads=8,
+        head_dim=256,
+        q_lora_rank=512,
+        o_groups=4,
+        o_lora_rank=256,
+        index_n_heads=16,
+        index_head_dim=64,
+        index_topk=16,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        compress_rates={CSA: 4, HCA: 32},
+        sliding_window=64,
+    ),
+}
+
+
+def preset_config(preset: str) -> dict:
+    """The config.json (transformers DeepseekV4Config field names) of a preset, without quantization_config."""
+    if preset not in _PRESET_DIMS:
+        raise MoepackError(f"unknown preset {preset!r} (choose one of {', '.join(PRESETS)})")
+    dims = json.loads(json.dumps(_PRESET_DIMS[preset]))  # a deep copy callers may edit
+    partial_rotary_factor = 0.125  # as V4-Flash: 64 rope dims of a 512 head
+    config = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": None,
+        "compress_rope_theta": 160000.0,
+        "hc_eps": 1e-06,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "max_position_embeddings": 1048576,
+        "mlp_bias": False,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_hidden_layers": len(dims["layer_types"]),
+        "num_key_value_heads": 1,
+        "num_nextn_predict_layers": 1,
+        "partial_rotary_factor": partial_rotary_factor,
+        "qk_rope_head_dim": int(dims["head_dim"] * partial_rotary_factor),
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "rope_parameters": {
+            "main": {"partial_rotary_factor": partial_rotary_factor, "rope_theta": 10000.0, "rope_type": "default"},
+            "compress": {
+                "attention_factor": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "factor": 16,
+                "original_max_position_embeddings": 65536,
+                "partial_rotary_factor": partial_rotary_factor,
+                "rope_theta": 160000.0,
+                "rope_type": "yarn",
+                "type": "yarn",
+            },
+        },
+        "routed_scaling_factor": 1.5,
+        "router_aux_loss_coef": 0.001,
+        "router_jitter_noise": 0.0,
+        "scoring_func": "sqrtsoftplus",
+        "swiglu_limit": 10.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+    }
+    config.update(dims)
+    return dict(sorted(config.items()))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drawing and encoding one tensor
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _tensor_generator(seed: int, name: str) -> torch.Generator:
+    # One generator per tensor: a tensor's values depend on (seed, name) only, not on layout, shard or order.
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def draw_tensor(spec: TensorSpec, config: dict, seed: int) -> torch.Tensor:
+    """The float32 (int64 for tid2eid) value of `spec` in the synthetic model of this seed, before encoding."""
+    generator = _tensor_generator(seed, spec.name)
+    if spec.kind == "tid2eid":
+        # Each token routes to top_k distinct experts: the first top_k of a random permutation per row.
+        vocab, top_k = spec.shape
+        noise = torch.rand(vocab, config["n_routed_experts"], generator=generator)
+        return noise.argsort(dim=1, stable=True)[:, :top_k].contiguous()
+    values = torch.randn(spec.shape, generator=generator)
+    if spec.kind in ("linear", "hc_fn"):
+        # As an initialised model: unit-variance inputs give unit-variance outputs.
+        return values.mul_(1.0 / math.sqrt(spec.shape[-1]))
+    if spec.kind == "embedding":
+        return values  # rows of unit RMS, as the RMSNorms downstream expect
+    if spec.kind in ("norm", "hc_scale"):
+        return values.mul_(0.05).add_(1.0)  # near one, but not exactly: a mis-mapped norm shows
+    spread = {"hc_base": 0.1, "attn_sink": 0.5, "ape": 0.2, "router_bias": 0.02}
+    return values.mul_(spread[spec.kind])
+
+
+def encode_tensor(spec: TensorSpec, value: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
+    """`value` (from draw_tensor) as the tensors `stored_tensors(spec, layout)` lists, by name."""
+    parts = stored_tensors(spec, layout)
+    if spec.kind == "tid2eid":
+        return {spec.name: value}
+    if layout == "release" and spec.role == ROLE_DENSE_LINEAR:
+        weight, scale = fp8_block_quantize(value)
+        return {parts[0].name: weight, parts[1].name: scale}
+    if layout == "release" and spec.role == ROLE_EXPERT:
+        packed, scale = fp4_quantize(value)
+        return {parts[0].name: packed, parts[1].name: scale}
+    dtype = torch.float32 if parts[0].dtype == "F32" else torch.bfloat16
+    return {spec.name: value.to(dtype)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Streaming safetensors writer
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _ShardWriter:
+    """Writes one safetensors file whose tensors are all known up front, one tensor at a time.
+
+    The format puts the header first; here every name, dtype and shape is known before any value is drawn, so
+    the header goes out at once and tensors follow in header order, each written as soon as it exists.
+    """
+
+    def __init__(self, path: Path, tensors: list[StoredTensor]):
+        self.path = path
+        self.expected = tensors
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for t in tensors:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        header_bytes = json.dumps(header, separators=(",", ":")).encode()
+        header_bytes += b" " * (-(8 + len(header_bytes)) % 8)  # tensor data starts 8-byte aligned
+        self.file: BinaryIO = open(path, "wb")
+        self.file.write(struct.pack("<Q", len(header_bytes)))
+        self.file.write(header_bytes)
+        self.written = 0
+
+    def __enter__(self) -> "_ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.file.close()
+        if exc_type is None and self.written != len(self.expected):
+            raise AssertionError(f"{self.path.name}: {len(self.expected) - self.written} tensors never written")
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        expected = self.expected[self.written]
+        actual = (name, _TORCH_DTYPE_NAMES.get(tensor.dtype), tuple(tensor.shape))
+        if actual != (expected.name, expected.dtype, expected.shape):
+            raise AssertionError(f"{self.path.name}: wrote {actual}, header says {expected}")
+        self.file.write(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
+        self.written += 1
+        return expected.nbytes
+
+
+def _element_bytes(spec: TensorSpec, layout: str) -> int:
+    # A weight and its scale always have the same element size (1 byte for FP8/FP4 + E8M0).
+    return _DTYPE_BYTES[stored_tensors(spec, layout)[0].dtype]
+
+
+def _plan_shards(specs: list[TensorSpec], layout: str, shard_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy, in streaming order; a weight and its scale share a shard; a tensor over shard_bytes gets its own."""
+    shards: list[list[TensorSpec]] = [[]]
+    used = 0
+    for spec in specs:
+        size = sum(t.nbytes for t in stored_tensors(spec, layout))
+        if shards[-1] and used + size > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(spec)
+        used += size
+    return shards
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------------
+
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+PAD_TOKEN = "<｜▁pad▁｜>"
+_SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2, as bos/eos in the release config
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character (what the ByteLevel pre-tokenizer emits)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def tokenizer_json() -> dict:
+    """A byte-level BPE tokenizer with no merges: ids 0-2 special, 3-258 the 256 bytes; it adds BOS in front."""
+    vocab = {token: i for i, token in enumerate(_SPECIAL_TOKENS)}
+    for byte, char in _byte_to_unicode().items():
+        vocab[char] = len(_SPECIAL_TOKENS) + byte
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": token,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for i, token in enumerate(_SPECIAL_TOKENS)
+        ],
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                {"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": BOS_TOKEN, "type_id": 1}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {BOS_TOKEN: {"id": BOS_TOKEN, "ids": [0], "tokens": [BOS_TOKEN]}},
+        },
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
+    }
+
+
+TOKENIZER_VOCAB_SIZE = len(_SPECIAL_TOKENS) + 256
+
+
+def _tokenizer_config() -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1048576,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The checkpoint
+# ---------------------------------------------------------------------------------------------------------
+
+
+_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def synth_checkpoint(
+    out_dir: str | os.PathLike,
+    preset: str = "tiny",
+    layout: str = "release",
+    seed: int = 0,
+    shard_bytes: int | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> dict:
+    """Write a synthetic DeepSeek-V4 checkpoint directory (config, sharded safetensors + index, tokenizer,
+    generation config). shard_bytes=None: at least 3 shards, at most 1 GiB each. Returns a summary:
+    dir, preset, layout, files, bytes (all files written), params (logical, MTP included), seconds."""
+    _check_layout(layout)
+    started = time.perf_counter()
+    config = preset_config(preset)
+    if layout == "release":
+        config["quantization_config"] = dict(RELEASE_QUANTIZATION_CONFIG)
+    config["dtype"] = "float32" if layout == "f32" else "bfloat16"
+    specs = v4_tensor_specs(config)
+    if TOKENIZER_VOCAB_SIZE > config["vocab_size"]:
+        raise AssertionError("preset vocab smaller than the tokenizer's")
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise MoepackError(f"{out} exists and is not a directory")
+    stale = sorted(out.glob("model*.safetensors*")) if out.exists() else []
+    if stale and not overwrite:
+        raise MoepackError(f"{out} already holds a checkpoint ({stale[0].name}); pass overwrite=True to replace it")
+    out.mkdir(parents=True, exist_ok=True)
+    for path in stale:
+        path.unlink()  # shards of an earlier, differently sharded run must not linger beside the new index
+
+    total_tensor_bytes = sum(t.nbytes for s in specs for t in stored_tensors(s, layout))
+    if shard_bytes is None:
+        shard_bytes = min(1 << 30, -(-total_tensor_bytes // 3))
+    if shard_bytes <= 0:
+        raise MoepackError(f"shard_bytes must be positive, got {shard_bytes}")
+    shards = _plan_shards(specs, layout, shard_bytes)
+
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False},
+    )
+    _write_json(out / "tokenizer.json", tokenizer_json())
+    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+
+    from tqdm.auto import tqdm
+
+    weight_map: dict[str, str] = {}
+    shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    with tqdm(total=total_tensor_bytes, unit="B", unit_scale=True, disable=not progress, desc=f"synth {preset}") as bar:
+        for shard_name, shard_specs in zip(shard_names, shards):
+            # Widest elements first (as safetensors' own writer orders them), so every tensor stays aligned to its
+            # element size in the file; the sort is stable, so streaming order holds within each width.
+            ordered = sorted(shard_specs, key=lambda s: -_element_bytes(s, layout))
+            with _ShardWriter(out / shard_name, [t for s in ordered for t in stored_tensors(s, layout)]) as writer:
+                for spec in ordered:
+                    encoded = encode_tensor(spec, draw_tensor(spec, config, seed), layout)
+                    for part in stored_tensors(spec, layout):
+                        bar.update(writer.write(part.name, encoded[part.name]))
+                        weight_map[part.name] = shard_name
+
+    index = {"metadata": {"total_size": total_tensor_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(out / "model.safetensors.index.json", index)
+
+    files = sorted([*_METADATA_FILES, *shard_names, "model.safetensors.index.json"])
+    return {
+        "dir": str(out),
+        "preset": preset,
+        "layout": layout,
+        "files": files,
+        "bytes": sum((out / f).stat().st_size for f in files),
+        "params": sum(s.numel for s in specs),
+        "seconds": round(time.perf_counter() - started, 3),
+    }

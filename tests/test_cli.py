@@ -1,0 +1,83 @@
+"""The console commands: output, --json, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from moepack.cli.main import cli
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def container(workdir):
+    runner = CliRunner()
+    src = str(workdir / "src")
+    r = runner.invoke(cli, ["synth", src, "--preset", "tiny", "--layout", "release", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["ok"] is True
+    out = str(workdir / "tiny.moepack")
+    r = runner.invoke(cli, ["convert", src, "-o", out, "--keep", "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.output)
+    assert summary["ok"] and summary["bytes_out"] == os.path.getsize(out)
+    return out
+
+
+def test_inspect_json_and_text(container):
+    runner = CliRunner()
+    r = runner.invoke(cli, ["inspect", container, "--json"])
+    assert r.exit_code == 0
+    info = json.loads(r.output)
+    assert info["architecture"] == "deepseek_v4" and info["layers"] >= 2
+    assert info["file_bytes"] == os.path.getsize(container)
+    assert "FP4_E2M1" in info["storage_types"] and info["expert_bits_per_weight"] > 4
+    r = runner.invoke(cli, ["inspect", container])
+    assert r.exit_code == 0 and "deepseek_v4" in r.output and "FP4_E2M1" in r.output
+
+
+def test_verify_good_and_damaged(container, workdir):
+    runner = CliRunner()
+    r = runner.invoke(cli, ["verify", container, "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["ok"] is True
+    data = bytearray(open(container, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    bad = str(workdir / "bad.moepack")
+    open(bad, "wb").write(data)
+    r = runner.invoke(cli, ["verify", bad, "--json"])
+    assert r.exit_code == 1
+    first = json.loads(r.output.splitlines()[0])
+    assert first["ok"] is False and "damaged" in first["error"]
+
+
+def test_errors_are_one_line_with_nonzero_exit(workdir):
+    """Run the real console entry point: stderr holds exactly one line naming the problem."""
+    truncated = str(workdir / "trunc.moepack")
+    open(truncated, "wb").write(b"MOEPACK\0" + b"\0" * 100)
+    for args, message in (
+        (["verify", str(workdir / "missing.moepack")], "no such file"),
+        (["inspect", truncated], "truncated|damaged"),
+        (["convert", str(workdir / "nowhere"), "-o", str(workdir / "x.moepack"), "--keep"], "not a directory"),
+    ):
+        p = subprocess.run([sys.executable, "-m", "moepack", *args], capture_output=True, text=True)
+        assert p.returncode == 1, p
+        lines = [line for line in p.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("moepack: error: "), p.stderr
+        assert any(m in lines[0] for m in message.split("|")), lines[0]
+
+
+def test_demo_runs_end_to_end(workdir):
+    r = CliRunner().invoke(cli, ["demo", "--workdir", str(workdir / "demo"), "--preset", "tiny", "--json"])
+    assert r.exit_code == 0, r.output
+    steps = json.loads(r.output)
+    assert steps["verify"]["ok"] and steps["inspect"]["layers"] >= 2
+    assert steps["convert"]["bytes_out"] == steps["inspect"]["file_bytes"]

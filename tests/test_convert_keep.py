@@ -1,0 +1,194 @@
+"""Lossless pack (`moepack convert SRC -o OUT --keep`): every tensor keeps its exact source bytes, in read order."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.reader import Container
+from moepack.format_spec.verify import verify_container
+from moepack.packer.arch import DEEPSEEK_V4
+from moepack.packer.convert import convert_checkpoint
+from moepack.packer.source import CheckpointDir
+from moepack.packer.synth import synth_checkpoint
+
+
+@pytest.fixture(scope="module")
+def release_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("src") / "tiny-release")
+    synth_checkpoint(d, preset="tiny", layout="release", seed=1, progress=False)
+    return d
+
+
+@pytest.fixture(scope="module")
+def packed(release_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("out") / "tiny.moepack")
+    summary = convert_checkpoint(release_dir, out, policy="keep", progress=False)
+    return out, summary
+
+
+def test_every_tensor_bit_exact(release_dir, packed):
+    out, summary = packed
+    src = CheckpointDir(release_dir)
+    with Container(out) as c:
+        assert len(c.tensors) == len(src.tensors) == summary["tensors"]
+        for name, t in src.tensors.items():
+            entry = c.tensors[DEEPSEEK_V4.canonical(name)]
+            assert c.tensor_bytes(entry.name) == src.read(t), name
+            if entry.dtype == "FP4_E2M1":  # packed FP4 keeps its bytes, with its logical shape
+                assert t.dtype == "I8" and entry.shape == (*t.shape[:-1], 2 * t.shape[-1])
+            else:
+                assert entry.dtype == t.dtype and entry.shape == t.shape
+    src.close()
+    verify_container(out)
+
+
+def test_release_types_and_read_order(packed, release_dir):
+    out, _ = packed
+    config = json.load(open(os.path.join(release_dir, "config.json")))
+    with Container(out) as c:
+        assert c.config == config
+        assert len(c.layers) == config["num_hidden_layers"]
+        assert all(len(b.experts) == config["n_routed_experts"] for b in c.blocks)
+        assert sum(b.section == "mtp" for b in c.blocks) == config.get("num_nextn_predict_layers", 0)
+        assert c.global_regions[0].name == "global.embed.weight"
+        types = {t.dtype for t in c.tensors.values()}
+        assert {"F8_E4M3", "F8_E8M0", "FP4_E2M1", "BF16", "F32", "I64"} <= types
+        for block in c.blocks:
+            names = [t.name for t in block.experts[0].tensors]
+            suffixes = [n.split("experts.0.")[1] for n in names]
+            assert suffixes == ["w1.weight", "w1.scale", "w3.weight", "w3.scale", "w2.weight", "w2.scale"]
+            # the dense region holds no routed expert, the expert regions nothing else
+            assert not any(".experts." in t.name for t in block.dense.tensors)
+        assert "tokenizer.json" in c.index["tokenizer"]
+        assert c.policy["name"] == "keep"
+
+
+def test_deterministic_output(release_dir, packed, tmp_path):
+    again = str(tmp_path / "again.moepack")
+    convert_checkpoint(release_dir, again, policy="keep", progress=False)
+    assert open(again, "rb").read() == open(packed[0], "rb").read()
+
+
+def test_transformers_save_pretrained_names_are_canonicalised(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from moepack.packer.synth import synth_checkpoint as synth
+
+    src = str(tmp_path / "f32")
+    synth(src, preset="tiny", layout="f32", seed=0, progress=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    saved = str(tmp_path / "saved")
+    model.save_pretrained(saved)
+    out = str(tmp_path / "saved.moepack")
+    convert_checkpoint(saved, out, policy="keep", progress=False)
+    with Container(out) as c:
+        for name in ("embed.weight", "head.weight", "norm.weight", "hc_head_fn", "layers.0.ffn.experts.0.w1.weight"):
+            assert name in c.tensors, name
+        embed = c.read_tensor("embed.weight")
+        assert torch.equal(embed, model.model.embed_tokens.weight.detach())
+
+
+def test_missing_shard_and_bad_sources(release_dir, tmp_path):
+    broken = str(tmp_path / "broken")
+    shutil.copytree(release_dir, broken)
+    shards = sorted(f for f in os.listdir(broken) if f.endswith(".safetensors"))
+    os.remove(os.path.join(broken, shards[-1]))
+    with pytest.raises(MoepackError, match=f"missing shard {shards[-1]}"):
+        convert_checkpoint(broken, str(tmp_path / "x.moepack"), progress=False)
+    assert not os.path.exists(tmp_path / "x.moepack")
+
+    truncated = str(tmp_path / "truncated")
+    shutil.copytree(release_dir, truncated)
+    p = os.path.join(truncated, shards[0])
+    os.truncate(p, os.path.getsize(p) - 100)
+    with pytest.raises(MoepackError, match="truncated"):
+        convert_checkpoint(truncated, str(tmp_path / "y.moepack"), progress=False)
+
+    with pytest.raises(MoepackError, match="missing config.json"):
+        convert_checkpoint(str(tmp_path), str(tmp_path / "z.moepack"), progress=False)
+
+    other = str(tmp_path / "other")
+    shutil.copytree(release_dir, other)
+    cfg = json.load(open(os.path.join(other, "config.json")))
+    cfg["model_type"] = "llama"
+    json.dump(cfg, open(os.path.join(other, "config.json"), "w"))
+    with pytest.raises(MoepackError, match="unsupported architecture"):
+        convert_checkpoint(other, str(tmp_path / "w.moepack"), progress=False)
+
+
+def test_existing_output_survives_a_failed_convert(release_dir, packed, tmp_path, monkeypatch):
+    out = str(tmp_path / "keep.moepack")
+    shutil.copy(packed[0], out)
+    before = open(out, "rb").read()
+    calls = {"n": 0}
+    real_read = CheckpointDir.read
+
+    def failing_read(self, t):  # the disk goes away half-way through
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise MoepackError("simulated read failure")
+        return real_read(self, t)
+
+    monkeypatch.setattr(CheckpointDir, "read", failing_read)
+    with pytest.raises(MoepackError, match="simulated"):
+        convert_checkpoint(release_dir, out, progress=False)
+    assert open(out, "rb").read() == before
+    assert os.path.exists(out + ".partial")  # kept for a later resume, never under the final name
+
+
+def test_interrupted_convert_resumes_to_identical_bytes(release_dir, packed, tmp_path, monkeypatch):
+    out = str(tmp_path / "resume.moepack")
+    real_read = CheckpointDir.read
+    calls = {"n": 0}
+
+    def dying_read(self, t):
+        calls["n"] += 1
+        if calls["n"] == 150:
+            raise KeyboardInterrupt  # as if the process were stopped mid-layer
+        return real_read(self, t)
+
+    monkeypatch.setattr(CheckpointDir, "read", dying_read)
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(release_dir, out, progress=False)
+    assert not os.path.exists(out) and os.path.exists(out + ".partial.journal")
+    monkeypatch.setattr(CheckpointDir, "read", real_read)
+    summary = convert_checkpoint(release_dir, out, progress=False)
+    assert summary["resumed_regions"] > 0
+    assert open(out, "rb").read() == open(packed[0], "rb").read()
+    assert not os.path.exists(out + ".partial") and not os.path.exists(out + ".partial.journal")
+
+
+def test_kill_9_then_rerun_is_byte_identical(release_dir, packed, tmp_path):
+    """A real SIGKILL in the middle of a conversion, then the same command again."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = str(tmp_path / "killed.moepack")
+    code = (
+        "import time, moepack.packer.source as s\n"
+        "real = s.CheckpointDir.read\n"
+        "def slow(self, t):\n"
+        "    time.sleep(0.004)\n"
+        "    return real(self, t)\n"
+        "s.CheckpointDir.read = slow\n"
+        "from moepack.packer.convert import convert_checkpoint\n"
+        f"convert_checkpoint({release_dir!r}, {out!r}, progress=False)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.time() + 60
+    while not os.path.exists(out + ".partial.journal") and time.time() < deadline and p.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not os.path.exists(out), "the final name must never hold a partial file"
+    summary = convert_checkpoint(release_dir, out, progress=False)
+    assert summary["resumed_regions"] > 0
+    assert open(out, "rb").read() == open(packed[0], "rb").read()

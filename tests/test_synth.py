@@ -1,0 +1,309 @@
+"""Synthetic DeepSeek-V4 checkpoints: tensor inventory, layouts, loading in transformers, determinism."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.source_formats import fp4_dequantize, fp8_block_dequantize
+from moepack.packer.synth import (
+    CSA,
+    HCA,
+    LAYOUTS,
+    PRESETS,
+    ROLE_BF16_LINEAR,
+    ROLE_DENSE_LINEAR,
+    ROLE_EMBEDDING,
+    ROLE_EXACT,
+    ROLE_EXPERT,
+    SLIDING,
+    TOKENIZER_VOCAB_SIZE,
+    preset_config,
+    stored_tensors,
+    synth_checkpoint,
+    v4_tensor_specs,
+)
+
+REFERENCE_CONFIG = Path("/work/shared/reference/deepseek-v4-flash.config.json")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny preset written once per layout, same seed."""
+    root = tmp_path_factory.mktemp("synth")
+    return {layout: synth_checkpoint(root / layout, "tiny", layout, seed=0, progress=False) for layout in LAYOUTS}
+
+
+def _read_all(directory) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for shard in sorted(Path(directory).glob("model-*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
+def _reference_config() -> dict:
+    if not REFERENCE_CONFIG.exists():
+        pytest.skip("reference config not present")
+    return json.loads(REFERENCE_CONFIG.read_text())
+
+
+# ------------------------------------------------------------------------------------------ inventory
+
+
+def test_real_config_matches_the_release_table():
+    specs = {s.name: s for s in v4_tensor_specs(_reference_config())}
+    expected = {
+        "embed.weight": (129280, 4096),
+        "head.weight": (129280, 4096),
+        "hc_head_fn": (4, 16384),
+        "layers.0.hc_attn_fn": (24, 16384),
+        "layers.0.attn.wq_a.weight": (1024, 4096),
+        "layers.0.attn.wq_b.weight": (32768, 1024),
+        "layers.0.attn.wo_a.weight": (8192, 4096),
+        "layers.0.attn.wo_b.weight": (4096, 8192),
+        "layers.2.attn.compressor.ape": (4, 1024),  # CSA: two overlapping series
+        "layers.3.attn.compressor.ape": (128, 512),  # HCA
+        "layers.2.attn.indexer.wq_b.weight": (8192, 1024),
+        "layers.2.attn.indexer.compressor.ape": (4, 256),
+        "layers.0.ffn.gate.tid2eid": (129280, 6),
+        "layers.3.ffn.gate.weight": (256, 4096),
+        "layers.3.ffn.gate.bias": (256,),
+        "layers.3.ffn.experts.255.w1.weight": (2048, 4096),
+        "layers.3.ffn.experts.0.w2.weight": (4096, 2048),
+        "layers.3.ffn.shared_experts.w1.weight": (2048, 4096),
+        "mtp.0.e_proj.weight": (4096, 4096),
+        "mtp.0.hc_head_fn": (4, 16384),
+        "mtp.0.ffn.gate.bias": (256,),
+    }
+    assert {name: specs[name].shape for name in expected} == expected
+    # Sliding layers (0, 1, 42) have no compressor; HCA layers no indexer; hash layers 0-2 no router bias.
+    assert not any(n.startswith(("layers.0.attn.compressor", "layers.42.attn.compressor")) for n in specs)
+    assert not any(n.startswith("layers.3.attn.indexer") for n in specs)
+    assert "layers.2.ffn.gate.bias" not in specs and "layers.3.ffn.gate.tid2eid" not in specs
+    assert "mtp.0.attn.compressor.ape" not in specs  # the MTP block follows the last (sliding) layer
+
+    def stored(name):
+        return [(t.dtype, t.shape) for t in stored_tensors(specs[name], "release")]
+
+    assert stored("layers.0.attn.wq_a.weight") == [("F8_E4M3", (1024, 4096)), ("F8_E8M0", (8, 32))]
+    assert stored("layers.2.attn.indexer.wq_b.weight")[0] == ("F8_E4M3", (8192, 1024))
+    assert stored("layers.3.ffn.experts.0.w1.weight") == [("I8", (2048, 2048)), ("F8_E8M0", (2048, 128))]
+    assert stored("layers.3.ffn.experts.0.w2.weight") == [("I8", (4096, 1024)), ("F8_E8M0", (4096, 64))]
+    assert stored("layers.2.attn.compressor.wkv.weight") == [("BF16", (1024, 4096))]
+    assert stored("layers.0.hc_attn_fn") == [("F32", (24, 16384))]
+
+
+def test_real_config_parameter_and_dtype_totals():
+    specs = v4_tensor_specs(_reference_config())
+    main_model = sum(s.numel for s in specs if not s.name.startswith("mtp."))
+    assert main_model == pytest.approx(284e9, rel=0.005)  # "284B total parameters"
+    elements: dict[str, int] = {}
+    for spec in specs:
+        for t in stored_tensors(spec, "release"):
+            elements[t.dtype] = elements.get(t.dtype, 0) + t.nbytes // {"F32": 4, "BF16": 2, "I64": 8}.get(t.dtype, 1)
+    # The release's dtype totals as reported for the repository (MTP layer included).
+    assert elements["I8"] == pytest.approx(141.7e9, rel=0.002)
+    assert elements["F8_E8M0"] == pytest.approx(8.86e9, rel=0.002)
+    assert elements["F8_E4M3"] == pytest.approx(6.02e9, rel=0.005)
+    assert elements["BF16"] == pytest.approx(1.42e9, rel=0.02)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_shapes_fit_every_block_format(preset):
+    config = preset_config(preset)
+    specs = v4_tensor_specs(config)
+    assert config["hidden_size"] >= 256
+    counts = {"n_routed_experts", "index_n_heads"}  # output dims that are counts, not sizes
+    for spec in specs:
+        if spec.role in (ROLE_DENSE_LINEAR, ROLE_BF16_LINEAR, ROLE_EXPERT) or spec.name == "head.weight":
+            out_features, in_features = spec.shape
+            assert in_features % 256 == 0, spec
+            is_count = out_features in {config[c] for c in counts}
+            assert is_count or out_features % 32 == 0, spec
+    assert {SLIDING, CSA, HCA} <= set(config["layer_types"])
+    assert config["mlp_layer_types"].count("hash_moe") >= 2
+    assert config["n_routed_experts"] >= 8
+    assert config["vocab_size"] >= TOKENIZER_VOCAB_SIZE
+    if preset in ("tiny", "small"):
+        assert config["compress_rates"][CSA] <= 4 and config["compress_rates"][HCA] <= 16
+
+
+def test_unknown_preset_or_layout():
+    with pytest.raises(MoepackError):
+        preset_config("huge")
+    with pytest.raises(MoepackError):
+        stored_tensors(v4_tensor_specs(preset_config("tiny"))[0], "fp16")
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+def test_tiny_is_small_fast_and_sharded(tiny, tmp_path):
+    for layout, summary in tiny.items():
+        shards = [f for f in summary["files"] if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f)]
+        assert len(shards) >= 2, layout
+        assert summary["params"] == sum(s.numel for s in v4_tensor_specs(preset_config("tiny")))
+        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            assert name in summary["files"]
+    assert tiny["release"]["bytes"] < 16e6
+    # Under 2 s (about 0.2 s when the box is idle); best of three, as other work may share the CPUs.
+    seconds = [synth_checkpoint(tmp_path / str(i), "tiny", "release", progress=False)["seconds"] for i in range(3)]
+    assert min(seconds) < 2.0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_index_covers_every_tensor_and_shard(tiny, layout):
+    directory = Path(tiny[layout]["dir"])
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+    shards = sorted(p.name for p in directory.glob("model-*.safetensors"))
+    assert sorted(set(weight_map.values())) == shards
+    total = 0
+    for shard in shards:
+        with safe_open(directory / shard, "pt") as f:
+            for name in f.keys():
+                assert weight_map[name] == shard
+                total += f.get_tensor(name).nbytes
+    expected = {t.name for s in v4_tensor_specs(preset_config("tiny")) for t in stored_tensors(s, layout)}
+    assert set(weight_map) == expected
+    assert index["metadata"]["total_size"] == total
+
+
+def test_release_dtypes_per_role(tiny):
+    tensors = _read_all(tiny["release"]["dir"])
+    dtypes = {
+        ROLE_DENSE_LINEAR: torch.float8_e4m3fn,
+        ROLE_EXPERT: torch.int8,
+        ROLE_BF16_LINEAR: torch.bfloat16,
+        ROLE_EMBEDDING: torch.bfloat16,
+    }
+    config = json.loads((Path(tiny["release"]["dir"]) / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    for spec in v4_tensor_specs(config):
+        weight = tensors[spec.name]
+        if spec.role == ROLE_EXACT:
+            assert weight.dtype == (torch.int64 if spec.kind == "tid2eid" else torch.float32), spec.name
+            assert weight.shape == spec.shape
+            continue
+        assert weight.dtype == dtypes[spec.role], spec.name
+        scale_name = spec.name.removesuffix(".weight") + ".scale"
+        out_features, in_features = spec.shape
+        if spec.role == ROLE_DENSE_LINEAR:
+            assert weight.shape == spec.shape
+            assert tensors[scale_name].dtype == torch.float8_e8m0fnu
+            assert tensors[scale_name].shape == (-(-out_features // 128), -(-in_features // 128))
+        elif spec.role == ROLE_EXPERT:
+            assert weight.shape == (out_features, in_features // 2)
+            assert tensors[scale_name].dtype == torch.float8_e8m0fnu
+            assert tensors[scale_name].shape == (out_features, in_features // 32)
+        else:
+            assert weight.shape == spec.shape and scale_name not in tensors
+    for name in ("layers.1.attn.indexer.wq_b.weight", "layers.0.ffn.shared_experts.w2.weight"):
+        assert tensors[name].dtype == torch.float8_e4m3fn
+    for name in ("layers.1.attn.compressor.wkv.weight", "layers.1.attn.indexer.weights_proj.weight"):
+        assert tensors[name].dtype == torch.bfloat16
+
+
+def test_layouts_hold_the_same_model(tiny):
+    release, bf16, f32 = (_read_all(tiny[layout]["dir"]) for layout in LAYOUTS)
+    for spec in v4_tensor_specs(preset_config("tiny")):
+        reference = f32[spec.name]
+        scale_name = spec.name.removesuffix(".weight") + ".scale"
+        if spec.role == ROLE_EXACT:
+            assert torch.equal(release[spec.name], reference) and torch.equal(bf16[spec.name], reference)
+            continue
+        assert torch.equal(bf16[spec.name], reference.to(torch.bfloat16)), spec.name
+        if spec.role == ROLE_DENSE_LINEAR:
+            decoded = fp8_block_dequantize(release[spec.name], release[scale_name])
+            assert ((decoded - reference).abs() <= reference.abs() * 2**-4 + 1e-6).all(), spec.name
+        elif spec.role == ROLE_EXPERT:
+            decoded = fp4_dequantize(release[spec.name], release[scale_name])
+            assert (decoded - reference).norm() / reference.norm() < 0.15, spec.name
+            assert torch.corrcoef(torch.stack([decoded.flatten(), reference.flatten()]))[0, 1] > 0.98
+        else:
+            assert torch.equal(release[spec.name], reference.to(torch.bfloat16)), spec.name
+
+
+def test_weights_are_well_scaled(tiny):
+    tensors = _read_all(tiny["f32"]["dir"])
+    w1 = tensors["layers.2.ffn.experts.0.w1.weight"]
+    assert w1.std().item() == pytest.approx(256**-0.5, rel=0.1)
+    tid2eid = tensors["layers.0.ffn.gate.tid2eid"]
+    assert tid2eid.min() >= 0 and tid2eid.max() < 8
+    assert (tid2eid[:, 0] != tid2eid[:, 1]).all()  # distinct experts per token
+    assert len(torch.unique(tid2eid)) == 8
+    assert tensors["layers.2.ffn.gate.bias"].abs().max() < 0.2
+
+
+def test_deterministic_and_seeded(tmp_path, tiny):
+    again = synth_checkpoint(tmp_path / "again", "tiny", "release", seed=0, progress=False)
+    first = Path(tiny["release"]["dir"])
+    assert again["files"] == tiny["release"]["files"]
+    for name in again["files"]:
+        assert (first / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
+    other = synth_checkpoint(tmp_path / "other", "tiny", "release", seed=1, progress=False)
+    shard = other["files"][2]
+    assert (first / shard).read_bytes() != (tmp_path / "other" / shard).read_bytes()
+
+
+def test_refuses_to_overwrite_without_asking(tmp_path):
+    synth_checkpoint(tmp_path, "tiny", "release", shard_bytes=1 << 20, progress=False)
+    with pytest.raises(MoepackError):
+        synth_checkpoint(tmp_path, "tiny", "release", progress=False)
+    summary = synth_checkpoint(tmp_path, "tiny", "release", progress=False, overwrite=True)
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert shards == [f for f in summary["files"] if f.startswith("model-")]  # no stale shards left behind
+
+
+# ------------------------------------------------------------------------------------------ consumers
+
+
+def test_tokenizer_loads(tiny):
+    tokenizers = pytest.importorskip("tokenizers")
+    directory = Path(tiny["release"]["dir"])
+    tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    text = "Hello, wörld — 深度求索!"
+    encoding = tokenizer.encode(text)
+    assert encoding.ids[0] == 0  # BOS, as the release's tokenizer adds
+    assert max(encoding.ids) < TOKENIZER_VOCAB_SIZE <= preset_config("tiny")["vocab_size"]
+    assert tokenizer.decode(encoding.ids) == text
+
+    transformers = pytest.importorskip("transformers")
+    auto = transformers.AutoTokenizer.from_pretrained(directory)
+    ids = auto(text)["input_ids"]
+    assert ids == encoding.ids
+    assert auto.decode(ids, skip_special_tokens=True) == text
+    assert auto.eos_token_id == 1 and auto.bos_token_id == 0
+
+
+@pytest.mark.parametrize("layout", ["bf16", "f32"])
+def test_transformers_loads_and_runs(tiny, layout):
+    transformers = pytest.importorskip("transformers")
+    directory = tiny[layout]["dir"]
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert not info["error_msgs"]
+
+    float32 = sum(p.numel() for p in model.state_dict().values() if p.dtype == torch.float32)
+    if layout == "bf16":
+        # What transformers keeps in float32 is exactly the "exact" role (MTP aside: transformers drops it).
+        specs = v4_tensor_specs(preset_config("tiny"))
+        exact = sum(s.numel for s in specs if s.role == ROLE_EXACT and s.kind != "tid2eid" and s.block[:3] != "mtp")
+        assert float32 == exact
+    else:
+        assert all(p.dtype in (torch.float32, torch.int64) for p in model.state_dict().values())
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    text = "The compressor closes a window every few tokens; the sliding window slides."
+    inputs = tokenizer(text, return_tensors="pt")
+    assert inputs["input_ids"].shape[1] > 2 * preset_config("tiny")["sliding_window"]
+    with torch.no_grad():
+        logits = model(**inputs).logits.float()
+    assert torch.isfinite(logits).all()
+    assert logits.std() > 0.1
+    assert not torch.allclose(logits[0, 0], logits[0, -1])  # positions differ: not a degenerate model
