@@ -1,0 +1,327 @@
+"""Layer-major prefill with the routed experts streamed from the container.
+
+For each layer L: the dense region (attention, norms, router, shared expert, mHC) was prefetched while layer L-1
+computed; all N tokens run through the attention; the layer's experts are read in expert-ID order, in bundles of K
+consecutive experts (one aligned read each, Q reads in flight into a fixed buffer pool), and each bundle is computed
+as it arrives: the tokens routed to each expert are gathered (sorted once per layer), multiplied, and added back.
+Every region the prefill needs is read exactly once.
+
+Which experts are read: long prompts read every expert of the layer as soon as the layer starts (no waiting for the
+router: with N tokens choosing k of E experts almost every expert is used); hash-routed layers know their experts
+from the token ids, before any compute; short prompts read only the experts the router chose. The choice is made
+per layer (`expert_selection="auto"`) and reported.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+from moepack.format_spec.decode import decode_float, decode_tensor, scale_name
+from moepack.format_spec.errors import FormatError, MoepackError
+from moepack.format_spec.reader import Block, Container, Region
+
+from . import model as v4
+from .io import HostBuffer, ReadPipeline, RegionReader
+
+EXPERT_SELECTIONS = ("auto", "all", "routed")
+# auto reads a whole layer when at most this fraction of its experts is expected to go unused
+ALL_EXPERTS_UNUSED_FRACTION = 0.05
+
+
+@dataclass
+class PrefillOptions:
+    device: str = "cpu"
+    bundle_experts: int = 4
+    queue_depth: int = 4
+    io_mode: str = "auto"
+    query_chunk: int | None = 512
+    expert_selection: str = "auto"
+    verify_reads: bool = True  # xxh3 of every region as it is read
+
+
+@dataclass
+class LayerStats:
+    layer: int
+    selection: str  # "all", "hash" or "routed"
+    experts_read: int
+    experts_used: int
+    tokens_per_expert_min: int
+    tokens_per_expert_median: float
+    tokens_per_expert_max: int
+    unused_experts: int
+    bytes_read: int
+    bytes_skipped: int
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor  # [vocab] float32, last position
+    next_token: int
+    stats: dict
+    layers: list[LayerStats] = field(default_factory=list)
+
+
+class _Timer:
+    """Accumulates the seconds spent inside `with timer:` blocks."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __enter__(self):
+        self._t = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.seconds += time.perf_counter() - self._t
+
+
+def expected_unused_fraction(n_tokens: int, top_k: int, n_experts: int) -> float:
+    """Fraction of a layer's experts that no token picks, if picks were uniform: (1 - k/E)^N."""
+    return (1.0 - top_k / n_experts) ** n_tokens if n_experts else 0.0
+
+
+def bundle_runs(expert_ids: list[int], bundle: int) -> list[tuple[int, int]]:
+    """Group sorted expert ids into (first, count) runs of consecutive ids, each at most `bundle` long."""
+    runs: list[tuple[int, int]] = []
+    for e in expert_ids:
+        if runs and runs[-1][0] + runs[-1][1] == e and runs[-1][1] < bundle:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((e, 1))
+    return runs
+
+
+class StreamingPrefill:
+    """One prefill over one container. Use `run(token_ids)`."""
+
+    def __init__(self, container: Container, options: PrefillOptions,
+                 on_layer_kv: Callable[[int, "v4.LayerKVState"], None] | None = None):
+        if options.expert_selection not in EXPERT_SELECTIONS:
+            raise MoepackError(f"unknown expert selection {options.expert_selection!r}")
+        if options.bundle_experts < 1:
+            raise MoepackError("--bundle-experts must be at least 1")
+        self.c = container
+        self.opt = options
+        self.device = torch.device(options.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
+        self.cfg = v4.ModelConfig.from_hf(container.config)
+        self.on_layer_kv = on_layer_kv
+        self.reader = RegionReader(container.path, options.io_mode)
+        pinned = self.device.type == "cuda"
+        layers = container.layers
+        max_expert = max((r.length for b in layers for r in b.experts), default=4096)
+        max_dense = max(b.dense.length for b in layers)
+        self.experts_pipe = ReadPipeline(self.reader, max_expert * options.bundle_experts, options.queue_depth, pinned)
+        self.dense_pipe = ReadPipeline(self.reader, max_dense, 2, pinned)  # current + the next layer's prefetch
+        self.compute = _Timer()
+        if self.device.type == "cuda":
+            self.copy_stream = torch.cuda.Stream(self.device)
+
+    # --- bytes -> tensors ----------------------------------------------------------------------------------------
+    def _check(self, regions: list[Region], view: memoryview, base: int) -> None:
+        if not self.opt.verify_reads:
+            return
+        for r in regions:
+            got = xxhash.xxh3_64_hexdigest(view[r.offset - base: r.end - base])
+            if got != r.xxh3:
+                raise FormatError(f"region {r.name}: checksum mismatch while streaming: the container is damaged "
+                                  f"(run `moepack verify`)")
+
+    def _to_device(self, buffer, length: int) -> torch.Tensor:
+        """The first `length` bytes of a host buffer as a uint8 tensor on the compute device."""
+        host = buffer.tensor[:length]
+        if self.device.type != "cuda":
+            return host
+        with torch.cuda.stream(self.copy_stream):
+            dev = host.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        torch.cuda.current_stream(self.device).wait_event(done)
+        done.synchronize()  # the host buffer goes back to the pool only once its bytes have left it
+        return dev
+
+    def _decode(self, regions: list[Region], raw: torch.Tensor, base: int, strip: str) -> dict[str, torch.Tensor]:
+        """Float32 weights (integers as they are) of the tensors of `regions`, from bytes starting at `base`."""
+        out = {}
+        for r in regions:
+            names = {t.name for t in r.tensors}
+            for t in r.tensors:
+                if t.name.endswith(".scale") and t.name[: -len(".scale")] + ".weight" in names:
+                    continue
+                data = raw[t.file_offset - base: t.file_offset - base + t.length]
+                sname = scale_name(t.name)
+                scale = None
+                if sname in names:
+                    s = self.c.tensors[sname]
+                    scale = decode_tensor(s.dtype, s.shape, raw[s.file_offset - base: s.file_offset - base + s.length])
+                value = decode_float(t.dtype, t.shape, data, scale) if t.dtype not in ("I64", "I32") else \
+                    decode_tensor(t.dtype, t.shape, data)
+                out[t.name[len(strip):]] = value
+        return out
+
+    def _read_globals(self, names: list[str]) -> dict[str, torch.Tensor]:
+        regions = [self.c.tensors[n].region for n in names if n in self.c.tensors]
+        out = {}
+        for r in regions:
+            buf = HostBuffer(r.length, pinned=self.device.type == "cuda")  # read once: no pool
+            view = self.reader.read_into(buf, r.offset, r.length)
+            self._check([r], view, r.offset)
+            with self.compute:
+                out.update(self._decode([r], self._to_device(buf, r.length), r.offset, ""))
+        return out
+
+    def _submit_dense(self, block: Block) -> Future:
+        return self.dense_pipe.submit(block.dense.offset, block.dense.length)
+
+    def _dense_weights(self, block: Block, future: Future) -> dict[str, torch.Tensor]:
+        buffer, view = future.result()
+        try:
+            self._check([block.dense], view, block.dense.offset)
+            with self.compute:
+                return self._decode([block.dense], self._to_device(buffer, block.dense.length), block.dense.offset,
+                                    block.name + ".")
+        finally:
+            self.dense_pipe.release(buffer)
+
+    def _submit_experts(self, block: Block, expert_ids: list[int]) -> list[tuple[int, int, Future]]:
+        reads = []
+        for first, count in bundle_runs(expert_ids, self.opt.bundle_experts):
+            offset, length = block.expert_span(first, count)
+            reads.append((first, count, self.experts_pipe.submit(offset, length)))
+        return reads
+
+    # --- the prefill ---------------------------------------------------------------------------------------------
+    def run(self, token_ids: torch.Tensor) -> PrefillResult:
+        cfg, c = self.cfg, self.c
+        n_tokens = int(token_ids.numel())
+        if n_tokens < 1:
+            raise MoepackError("empty prompt")
+        if int(token_ids.max()) >= cfg.vocab_size or int(token_ids.min()) < 0:
+            raise MoepackError(f"token id out of range 0..{cfg.vocab_size - 1}")
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        token_ids = token_ids.to(self.device)
+        positions = torch.arange(n_tokens, device=self.device)
+        layers = c.layers
+        pending_dense = self._submit_dense(layers[0])
+        streams = v4.embed(cfg, token_ids, self._read_globals(["embed.weight"])["embed.weight"])
+        layer_stats: list[LayerStats] = []
+        for number, block in enumerate(layers):
+            w = self._dense_weights(block, pending_dense)
+            n_experts = len(block.experts)
+            selection = self._selection(number, n_tokens, n_experts)
+            reads = None
+            if selection == "all":  # read the whole expert section while the attention computes
+                reads = self._submit_experts(block, list(range(n_experts)))
+            elif selection == "hash":
+                wanted = torch.unique(w["ffn.gate.tid2eid"][token_ids]).tolist()
+                reads = self._submit_experts(block, wanted)
+            if number + 1 < len(layers):
+                pending_dense = self._submit_dense(layers[number + 1])
+            with self.compute:
+                streams, kv_state = v4.attention_sublayer(cfg, number, w, streams, positions, self.opt.query_chunk)
+                routing = v4.moe_route(cfg, number, w, streams, token_ids)
+                by_expert = routing.tokens_by_expert()
+            if self.on_layer_kv is not None:
+                self.on_layer_kv(number, kv_state)  # the layer's KV is final: it leaves the device now
+            del kv_state
+            if reads is None:
+                reads = self._submit_experts(block, sorted(by_expert))
+            routed = torch.zeros_like(routing.x)
+            for first, count, future in reads:
+                buffer, view = future.result()
+                try:
+                    regions = block.experts[first:first + count]
+                    self._check(regions, view, regions[0].offset)
+                    with self.compute:
+                        raw = self._to_device(buffer, len(view))
+                        for region in regions:
+                            batch = by_expert.get(region.expert)
+                            if batch is None:
+                                continue  # read with the rest of the section, chosen by no token
+                            prefix = f"{block.name}.ffn.experts.{region.expert}."
+                            ew = self._decode([region], raw, regions[0].offset, prefix)
+                            y = v4.expert_forward(cfg, routing.x[batch.token_index], ew["w1.weight"],
+                                                  ew["w3.weight"], ew["w2.weight"])
+                            v4.accumulate(routed, routing, region.expert, y)
+                finally:
+                    self.experts_pipe.release(buffer)
+            with self.compute:
+                streams = v4.moe_finish(cfg, number, w, streams, routing, routed)
+            layer_stats.append(self._layer_stats(number, block, selection, reads, by_expert, n_experts))
+        head_weights = self._read_globals(["hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight",
+                                           "head.weight"])
+        with self.compute:
+            logits = v4.head(cfg, streams, head_weights, -1).float().cpu()
+        wall = time.perf_counter() - start
+        return PrefillResult(logits, int(torch.argmax(logits)), self._stats(n_tokens, wall, layer_stats), layer_stats)
+
+    def _selection(self, layer: int, n_tokens: int, n_experts: int) -> str:
+        if self.cfg.hash_layers[layer] and self.opt.expert_selection != "all":
+            return "hash"
+        if self.opt.expert_selection == "all":
+            return "all"
+        if self.opt.expert_selection == "routed":
+            return "routed"
+        unused = expected_unused_fraction(n_tokens, self.cfg.num_experts_per_tok, n_experts)
+        return "all" if unused <= ALL_EXPERTS_UNUSED_FRACTION else "routed"
+
+    def _layer_stats(self, number, block, selection, reads, by_expert, n_experts) -> LayerStats:
+        counts = [len(by_expert[e].token_index) if e in by_expert else 0 for e in range(n_experts)]
+        read_bytes = sum(block.expert_span(first, count)[1] for first, count, _ in reads)
+        section = block.experts_span[1]
+        return LayerStats(number, selection, sum(count for _, count, _ in reads), len(by_expert),
+                          min(counts, default=0), statistics.median(counts) if counts else 0,
+                          max(counts, default=0), counts.count(0), read_bytes + block.dense.length,
+                          section - read_bytes)
+
+    def _stats(self, n_tokens: int, wall: float, layers: list[LayerStats]) -> dict:
+        io = self.reader.stats
+        busiest = max(io.busy_seconds, self.compute.seconds, 1e-9)
+        stats = {
+            "tokens": n_tokens,
+            "seconds": round(wall, 4),
+            "tokens_per_s": round(n_tokens / wall, 2),
+            "bytes_read": io.bytes_read,
+            "read_requests": io.requests,
+            "io_mode": self.reader.mode,
+            "io_busy_s": round(io.busy_seconds, 4),
+            "compute_busy_s": round(self.compute.seconds, 4),
+            "overlap": round(wall / busiest, 3),
+            "bytes_skipped": sum(s.bytes_skipped for s in layers),
+            "bundle_experts": self.opt.bundle_experts,
+            "queue_depth": self.opt.queue_depth,
+            "device": str(self.device),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        if self.device.type == "cuda":
+            stats["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        if self.reader.warning:
+            stats["io_warning"] = self.reader.warning
+        return stats
+
+    def close(self) -> None:
+        self.experts_pipe.close()
+        self.dense_pipe.close()
+        self.reader.close()
+
+
+def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None) -> PrefillResult:
+    """Open `path`, run one prefill of `token_ids` (a sequence of ints or a LongTensor), close."""
+    options = options or PrefillOptions()
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    with Container(path) as c:
+        engine = StreamingPrefill(c, options, on_layer_kv)
+        try:
+            return engine.run(token_ids)
+        finally:
+            engine.close()

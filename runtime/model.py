@@ -1,0 +1,610 @@
+"""DeepSeek-V4 forward, written for layer-major prefill.
+
+All N prompt tokens go through layer L before layer L+1, so every weight is read once. A layer is split where
+the engine needs to interleave disk reads:
+
+    streams = embed(cfg, token_ids, embed_weight)                          # [N, hc_mult, H]
+    for layer:
+        streams, kv_state = attention_sublayer(cfg, layer, w, streams, positions, query_chunk)
+        routing = moe_route(cfg, layer, w, streams, token_ids)
+        routed = torch.zeros_like(routing.x)
+        for expert, batch in routing.tokens_by_expert().items():        # ascending expert id, as bytes arrive
+            y = expert_forward(cfg, routing.x[batch.token_index], w1, w3, w2)
+            accumulate(routed, routing, expert, y)
+        streams = moe_finish(cfg, layer, w, streams, routing, routed)
+    logits = head(cfg, streams, w_globals)                                 # last position: [vocab]
+
+`forward_resident` is exactly that loop with every weight in memory (the reference path).
+
+Weights. Release names (no `model.` prefix), float32. `w` is one layer's non-expert tensors keyed RELATIVE to
+the layer (`w["attn.wq_a.weight"]` for `layers.3.attn.wq_a.weight`; `layer_weights()` builds it from a full
+mapping). `w_globals` holds `embed.weight`, `head.weight`, `norm.weight`, `hc_head_{fn,base,scale}`. The
+attention's KV norm is `attn.kv_norm.weight` in the release and `attn.norm.weight` in what transformers'
+save_pretrained writes; both are accepted. Routed experts are `ffn.experts.E.{w1,w3,w2}.weight`
+(gate [I,H], up [I,H], down [H,I]).
+
+Numerics follow transformers' `DeepseekV4ForCausalLM` (the test oracle; nothing here imports transformers), not
+the DeepSeek reference's FP8/FP4 fake-quantisation of the KV cache and indexer.
+
+Memory. Everything per token is O(N x hidden); attention and the Lightning Indexer run over query chunks of at
+most `query_chunk` queries, so the score tensors are O(chunk x keys): a chunk sees at most chunk+window-1
+sliding keys, the HCA entries (N / rate), and index_topk gathered CSA entries per query. Results do not
+depend on the chunk size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"  # compressed every `rate` tokens (overlapping windows) + Lightning Indexer top-k
+HCA = "heavily_compressed_attention"  # compressed every `rate` tokens, attended densely
+_LEGACY_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # transformers' reading of a legacy `compress_ratios` list
+
+# transformers' DeepseekV4Config defaults, for keys a config.json leaves out.
+_HF_DEFAULTS = dict(
+    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43, num_attention_heads=64,
+    head_dim=512, q_lora_rank=1024, num_experts_per_tok=6, n_routed_experts=256, scoring_func="sqrtsoftplus",
+    routed_scaling_factor=1.5, max_position_embeddings=1048576, rope_theta=10000.0, compress_rope_theta=160000.0,
+    hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8,
+    o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512, rms_norm_eps=1e-6,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Interleaved RoPE on the trailing `dim` channels of a head (pairs (2i, 2i+1) rotate together)."""
+
+    dim: int
+    theta: float
+    scaling: str = "default"  # "default" or "yarn"
+    factor: float = 1.0  # yarn only
+    original_max_position_embeddings: int = 0  # yarn only
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0  # multiplies cos and sin (V4 pins it to 1 for its YaRN rope)
+
+    def inv_freq(self) -> Tensor:
+        """[dim/2] float32 frequencies, computed the way transformers computes them."""
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim
+        if self.scaling == "default":
+            return 1.0 / (self.theta ** exponents)
+        # YaRN: extrapolate the fast (high-frequency) pairs, interpolate the slow ones by `factor`, and blend linearly
+        # between the pair indices where a pair turns `beta_fast` resp. `beta_slow` times over the original context.
+        pos_freqs = self.theta ** exponents
+        extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
+
+        def pair_index(rotations: float) -> float:
+            return (self.dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
+                    / (2 * math.log(self.theta)))
+
+        low = max(math.floor(pair_index(self.beta_fast)), 0)
+        high = min(math.ceil(pair_index(self.beta_slow)), self.dim - 1)
+        if low == high:
+            high += 0.001  # avoid a zero-width ramp
+        ramp = ((torch.arange(self.dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolated_share = 1 - ramp
+        return interpolated * (1 - extrapolated_share) + extrapolated * extrapolated_share
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_types: tuple[str, ...]  # per layer: SLIDING, CSA or HCA
+    compress_rates: tuple[int, ...]  # per layer: tokens per compressed entry (0 for SLIDING)
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    scoring_func: str  # router score: "sqrtsoftplus", "sigmoid" or "softmax"
+    routed_scaling_factor: float
+    swiglu_limit: float
+    hash_layers: tuple[bool, ...]  # per layer: experts chosen by tid2eid[token id] instead of top-k
+    main_rope: RopeConfig  # q/kv of sliding-only layers
+    compress_rope: RopeConfig  # q/kv of CSA/HCA layers, their compressors and the indexer
+
+    @classmethod
+    def from_hf(cls, config: Mapping) -> "ModelConfig":
+        """From a transformers `DeepseekV4Config` dict (config.json). Reads the legacy keys transformers folds in
+        (`compress_ratios`, `compress_rate_csa/hca`, `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`)."""
+        c = {**_HF_DEFAULTS, **config}
+        n = c["num_hidden_layers"]
+
+        rates = {CSA: 4, HCA: 128, **(c.get("compress_rates") or {})}
+        rates[CSA] = c.get("compress_rate_csa") or rates[CSA]
+        rates[HCA] = c.get("compress_rate_hca") or rates[HCA]
+        layer_types = c.get("layer_types")
+        if layer_types is None and c.get("compress_ratios") is not None:
+            layer_types = [_LEGACY_RATIO_TO_TYPE[r] for r in c["compress_ratios"]]
+        if layer_types is None:  # transformers' default schedule: 2 HCA, then CSA/HCA alternating
+            layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        layer_types = tuple(layer_types[:n])
+        if len(layer_types) != n or set(layer_types) - {SLIDING, CSA, HCA}:
+            raise ValueError(f"bad layer_types for {n} layers: {layer_types}")
+
+        mlp_types = c.get("mlp_layer_types")
+        if mlp_types is None:
+            n_hash = c.get("num_hash_layers", 3)
+            mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+        hash_layers = tuple(t == "hash_moe" for t in mlp_types[:n])
+
+        head_dim = c["head_dim"]
+        partial = c.get("partial_rotary_factor")
+        if partial is None:
+            partial = c["qk_rope_head_dim"] / head_dim if c.get("qk_rope_head_dim") else 64 / 512
+        main_params, compress_params = _rope_params(c, partial)
+
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=n,
+            num_heads=c["num_attention_heads"], head_dim=head_dim, q_lora_rank=c["q_lora_rank"],
+            o_groups=c["o_groups"], o_lora_rank=c["o_lora_rank"], sliding_window=c["sliding_window"],
+            layer_types=layer_types, compress_rates=tuple(rates.get(t, 0) for t in layer_types),
+            index_n_heads=c["index_n_heads"], index_head_dim=c["index_head_dim"], index_topk=c["index_topk"],
+            hc_mult=c["hc_mult"], hc_sinkhorn_iters=c["hc_sinkhorn_iters"], hc_eps=c["hc_eps"],
+            rms_norm_eps=c["rms_norm_eps"], n_routed_experts=c["n_routed_experts"],
+            num_experts_per_tok=c["num_experts_per_tok"], moe_intermediate_size=c["moe_intermediate_size"],
+            scoring_func=c["scoring_func"], routed_scaling_factor=c["routed_scaling_factor"],
+            swiglu_limit=c["swiglu_limit"], hash_layers=hash_layers,
+            main_rope=_rope_config(main_params, head_dim, partial, c["max_position_embeddings"]),
+            compress_rope=_rope_config(compress_params, head_dim, partial, c["max_position_embeddings"]),
+        )
+
+
+def _rope_params(c: Mapping, partial: float) -> tuple[dict, dict]:
+    """The "main" and "compress" rope dicts, as DeepseekV4Config.__post_init__ builds them."""
+    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        return rp["main"], rp["compress"]
+    # A flat dict describes the compress rope's scaling (YaRN); sliding-only layers always use plain RoPE.
+    scaling = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+    main = {"rope_type": "default", "rope_theta": c["rope_theta"], "partial_rotary_factor": partial}
+    compress = {**scaling, "rope_theta": c["compress_rope_theta"], "partial_rotary_factor": partial}
+    compress.setdefault("rope_type", compress.get("type", "default"))
+    if compress["rope_type"] == "yarn":
+        compress.setdefault("attention_factor", 1.0)  # the V4 reference does not scale cos/sin by YaRN's mscale
+    return main, compress
+
+
+def _rope_config(p: Mapping, head_dim: int, partial: float, max_positions: int) -> RopeConfig:
+    dim = int(head_dim * p.get("partial_rotary_factor", partial))
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind == "default":
+        return RopeConfig(dim=dim, theta=float(p["rope_theta"]))
+    if kind != "yarn":
+        raise NotImplementedError(f"rope type {kind!r}")
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_positions / original
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:  # YaRN's default mscale, as transformers derives it
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeConfig(dim=dim, theta=float(p["rope_theta"]), scaling="yarn", factor=float(factor),
+                      original_max_position_embeddings=original, beta_fast=float(p.get("beta_fast") or 32),
+                      beta_slow=float(p.get("beta_slow") or 1), attention_factor=float(attention_factor))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small pieces: norms, RoPE, mHC
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x if weight is None else weight * x
+
+
+def rope_cos_sin(rope: RopeConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin [N, rope.dim/2] for integer positions [N]."""
+    angles = positions[:, None].float() * rope.inv_freq().to(positions.device)
+    return angles.cos() * rope.attention_factor, angles.sin() * rope.attention_factor
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the trailing 2*cos.shape[-1] channels of x [N, ..., D] pairwise; cos/sin [N, D_rope/2]. Heads are
+    laid out [nope | rope]."""
+    cos = cos.view(cos.shape[0], *([1] * (x.dim() - 2)), -1)
+    sin = sin.view(sin.shape[0], *([1] * (x.dim() - 2)), -1)
+    rope_dim = 2 * cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: Tensor):
+    """Manifold-constrained hyper-connection, entry side. From the hc_mult residual streams [N, hc, H] derive, per
+    token, `pre` (collapse the streams into the sublayer input), `post` (spread the sublayer output back over the
+    streams) and `comb` (mix the streams; projected onto doubly-stochastic matrices by Sinkhorn-Knopp so the
+    residual cannot blow up). Returns (collapsed [N, H], post [N, hc], comb [N, hc, hc])."""
+    hc = cfg.hc_mult
+    mixes = F.linear(rms_norm(streams.flatten(1), None, cfg.rms_norm_eps), fn)
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * scale[2] + comb_b.view(hc, hc), dim=-1) + cfg.hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + cfg.hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1)
+    return collapsed, post, comb
+
+
+def hc_post(streams: Tensor, out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """New streams: the sublayer output spread by `post`, plus the old streams mixed by comb (stream j feeds stream
+    k with weight comb[j, k], i.e. comb^T @ streams)."""
+    return post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+
+
+def embed(cfg: ModelConfig, token_ids: Tensor, embed_weight: Tensor) -> Tensor:
+    """Token embeddings copied into hc_mult residual streams: [N, hc_mult, H] float32."""
+    x = embed_weight[token_ids].float()
+    return x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KV compression (CSA / HCA compressors, the indexer's compressor)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CompressorState:
+    """One compressor's decode state after a prefill of N tokens; mirrors what transformers' DeepseekV4HCACache /
+    DeepseekV4CSACache hold under one name ("compressor" or "indexer"). d = head_dim (attention compressor) or
+    index_head_dim (indexer); width = d for HCA, 2d for CSA (two series, see `compress`)."""
+
+    compressed_kv: Tensor  # [entry_count, d] emitted entries: gated window sums, RMS-normed, RoPE'd at i*rate
+    buffer_kv: Tensor  # [N - entry_count*rate, width] raw wkv projections of the tokens after the last full window
+    buffer_gate: Tensor  # [N - entry_count*rate, width] raw wgate projections of the same tokens (no ape added)
+    entry_count: int  # entries emitted; the next window starts at position entry_count*rate
+    overlap_kv: Tensor | None = None  # CSA: [rate, d] the last full window's first series (Ca) of wkv; None if none
+    overlap_gate: Tensor | None = None  # CSA: [rate, d] its gate, ape INCLUDED (transformers stores it so)
+
+
+def compress(kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, rate: int, overlapping: bool,
+             rope: RopeConfig, eps: float) -> tuple[Tensor, CompressorState]:
+    """Compress the projections kv, gate [N, width] of a prompt into one entry per full window of `rate` tokens.
+
+    Entry i = RMSNorm(sum over slots of softmax_slots(gate + ape) * kv), RoPE'd at position i*rate; the softmax runs
+    per channel over the window's slots. HCA (not overlapping): the window's `rate` tokens. CSA (overlapping): each
+    token carries two series, Ca = [..., :d] and Cb = [..., d:]; entry i pools window i-1's Ca with window i's Cb
+    (2*rate slots: width 2*rate, stride rate). Window 0 has no predecessor: those slots get weight 0.
+    """
+    n_tokens, width = kv.shape
+    n_entries = n_tokens // rate
+    used = n_entries * rate
+    windows_kv = kv[:used].view(n_entries, rate, width)
+    windows_gate = gate[:used].view(n_entries, rate, width) + ape
+    # State tensors are cloned so they do not keep the prompt-sized projections alive.
+    state = CompressorState(compressed_kv=kv.new_zeros(0, width // 2 if overlapping else width),
+                            buffer_kv=kv[used:].clone(), buffer_gate=gate[used:].clone(), entry_count=n_entries)
+    if n_entries == 0:
+        return state.compressed_kv, state
+
+    if overlapping:
+        d = width // 2
+        # The last window's Ca is what the next (decode-time) window pools with.
+        state.overlap_kv, state.overlap_gate = windows_kv[-1, :, :d].clone(), windows_gate[-1, :, :d].clone()
+        previous_kv = torch.cat([kv.new_zeros(1, rate, d), windows_kv[:-1, :, :d]])
+        previous_gate = torch.cat([gate.new_full((1, rate, d), float("-inf")), windows_gate[:-1, :, :d]])
+        windows_kv = torch.cat([previous_kv, windows_kv[..., d:]], dim=1)  # [entries, 2*rate, d]
+        windows_gate = torch.cat([previous_gate, windows_gate[..., d:]], dim=1)
+
+    pooled = (windows_kv * windows_gate.softmax(dim=1)).sum(dim=1)
+    positions = torch.arange(n_entries, device=kv.device) * rate
+    entries = apply_rope(rms_norm(pooled, norm_weight, eps), *rope_cos_sin(rope, positions))
+    state.compressed_kv = entries
+    return entries, state
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerKVState:
+    """What a decode continuation needs from one layer after prefilling N tokens (mirrors transformers' per-layer
+    cache: DynamicSlidingWindowLayer for sliding-only layers, DeepseekV4HCACache / DeepseekV4CSACache otherwise)."""
+
+    layer_type: str
+    seen_tokens: int  # N (cache.cumulative_length)
+    window_kv: Tensor  # [min(N, window-1), head_dim] the shared K=V (kv_norm + RoPE) of the last window-1 tokens
+    compressor: CompressorState | None = None  # CSA and HCA: the attention's compressed KV
+    indexer: CompressorState | None = None  # CSA only: the Lightning Indexer's compressed keys
+
+
+def layer_weights(weights: Mapping[str, Tensor], layer: int) -> dict[str, Tensor]:
+    """One layer's tensors from a full release-name mapping, keyed relative to the layer."""
+    prefix = f"layers.{layer}."
+    return {name[len(prefix):]: t for name, t in weights.items() if name.startswith(prefix)}
+
+
+def _kv_norm_weight(w: Mapping[str, Tensor]) -> Tensor:
+    return w["attn.kv_norm.weight"] if "attn.kv_norm.weight" in w else w["attn.norm.weight"]
+
+
+def attention_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor, positions: Tensor,
+                       query_chunk: int | None = None) -> tuple[Tensor, LayerKVState]:
+    """mHC + attention for all N tokens of one layer: streams [N, hc, H] -> (streams, kv_state).
+
+    Prefill from an empty cache: `positions` must be arange(N)."""
+    n_tokens = streams.shape[0]
+    if not torch.equal(positions.cpu(), torch.arange(n_tokens)):
+        raise ValueError("prefill starts from an empty cache: positions must be arange(N)")
+    collapsed, post, comb = hc_pre(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams)
+    x = rms_norm(collapsed, w["attn_norm.weight"], cfg.rms_norm_eps)
+    out, kv_state = attention(cfg, layer, w, x, positions, query_chunk)
+    return hc_post(streams, out, post, comb), kv_state
+
+
+def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, positions: Tensor,
+              query_chunk: int | None = None) -> tuple[Tensor, LayerKVState]:
+    """x [N, H] (normed sublayer input) -> attention output [N, H], kv_state.
+
+    Shared-KV MQA: one head of K=V. Each query sees the sliding window of the last `sliding_window` tokens, plus
+    (HCA) every compressed entry whose window is complete, or (CSA) the index_topk complete entries the Lightning
+    Indexer picks for it; a per-head learned sink logit takes part in the softmax and absorbs weight."""
+    kind, rate, eps = cfg.layer_types[layer], cfg.compress_rates[layer], cfg.rms_norm_eps
+    n_tokens = x.shape[0]
+    rope = cfg.main_rope if kind == SLIDING else cfg.compress_rope
+    cos, sin = rope_cos_sin(rope, positions)
+
+    # Per-token projections, O(N x hidden): the query LoRA bottleneck (also the indexer's query input) and K=V.
+    q_lora = rms_norm(F.linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], eps)
+    kv = apply_rope(rms_norm(F.linear(x, w["attn.wkv.weight"]), _kv_norm_weight(w), eps), cos, sin)
+    state = LayerKVState(layer_type=kind, seen_tokens=n_tokens,
+                         window_kv=kv[max(0, n_tokens - (cfg.sliding_window - 1)):].clone())
+
+    compressed = index_keys = None
+    if kind != SLIDING:
+        compressed, state.compressor = compress(
+            F.linear(x, w["attn.compressor.wkv.weight"]), F.linear(x, w["attn.compressor.wgate.weight"]),
+            w["attn.compressor.ape"], w["attn.compressor.norm.weight"], rate, kind == CSA, cfg.compress_rope, eps)
+    if kind == CSA:
+        index_keys, state.indexer = compress(
+            F.linear(x, w["attn.indexer.compressor.wkv.weight"]),
+            F.linear(x, w["attn.indexer.compressor.wgate.weight"]), w["attn.indexer.compressor.ape"],
+            w["attn.indexer.compressor.norm.weight"], rate, True, cfg.compress_rope, eps)
+
+    out = x.new_empty(n_tokens, cfg.hidden_size)
+    chunk = query_chunk or n_tokens
+    for start in range(0, n_tokens, chunk):
+        end = min(start + chunk, n_tokens)
+        q_pos, q_cos, q_sin = positions[start:end], cos[start:end], sin[start:end]
+        q = F.linear(q_lora[start:end], w["attn.wq_b.weight"]).unflatten(-1, (cfg.num_heads, cfg.head_dim))
+        q = apply_rope(rms_norm(q, None, eps), q_cos, q_sin)  # [C, heads, D], per-head unweighted norm
+
+        # Sliding window: keys at positions (p - window, p].
+        first_key = max(0, start - cfg.sliding_window + 1)
+        k_pos = positions[first_key:end]
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - cfg.sliding_window)
+        parts = [(kv[first_key:end], _bias(visible))]
+
+        if compressed is not None and compressed.shape[0] > 0:
+            # Entry i summarises positions [i*rate, (i+1)*rate): visible once the query has passed its end.
+            complete = (q_pos + 1) // rate  # [C] entries visible to each query
+            if kind == HCA:
+                visible = torch.arange(compressed.shape[0], device=x.device)[None, :] < complete[:, None]
+                parts.append((compressed, _bias(visible)))
+            else:
+                picked = indexer_topk(cfg, w, x[start:end], q_lora[start:end], q_cos, q_sin, index_keys, complete)
+                parts.append((compressed[picked.clamp(min=0)], _bias(picked >= 0)))  # [C, k, D] per query
+
+        o = _attend(q, parts, w["attn.attn_sink"], cfg.head_dim ** -0.5)
+        # V = K carries RoPE on its rope channels: rotate the output back by the query's angle, so what each
+        # entry contributes depends on its distance to the query only.
+        o = apply_rope(o, q_cos, -q_sin)
+        out[start:end] = grouped_output(cfg, o, w["attn.wo_a.weight"], w["attn.wo_b.weight"])
+    return out, state
+
+
+def _bias(visible: Tensor) -> Tensor:
+    """Boolean visibility -> additive logit bias (0 / -inf)."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: float) -> Tensor:
+    """Softmax attention of q [C, heads, D] over several key sets, each (kv, bias [C, K]) with kv either shared by
+    all queries [K, D] or per query [C, K, D] (K = V). One softmax spans all sets plus the per-head sink logit,
+    whose probability is dropped (the sink only absorbs weight)."""
+    n_heads, n_queries = q.shape[1], q.shape[0]
+    logits = []
+    for kv, bias in parts:
+        spec = "chd,kd->hck" if kv.dim() == 2 else "chd,ckd->hck"
+        logits.append(torch.einsum(spec, q, kv) * scale + bias)
+    logits.append(sink.view(n_heads, 1, 1).expand(n_heads, n_queries, 1))
+    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+
+    out, offset = 0, 0
+    for kv, _ in parts:
+        p = probs[..., offset:offset + kv.shape[-2]]
+        offset += kv.shape[-2]
+        out = out + torch.einsum("hck,kd->chd" if kv.dim() == 2 else "hck,ckd->chd", p, kv)
+    return out
+
+
+def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: Tensor, cos: Tensor, sin: Tensor,
+                 index_keys: Tensor, complete: Tensor) -> Tensor:
+    """Lightning Indexer for a chunk of C queries: score(t, s) = sum_h w[t,h] * relu(q[t,h] . k[s]) over the
+    complete compressed entries s < complete[t], and keep the top min(index_topk, T) entry ids [C, k]; -1 where a
+    query has fewer than k complete entries."""
+    n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
+    q = F.linear(q_lora, w["attn.indexer.wq_b.weight"]).unflatten(-1, (n_heads, head_dim))
+    q = apply_rope(q, cos, sin)  # compress rope, like the indexer's keys
+    scores = torch.relu(torch.matmul(q, index_keys.T)) * head_dim ** -0.5  # [C, heads, T]
+    head_weights = F.linear(x, w["attn.indexer.weights_proj.weight"]) * n_heads ** -0.5  # [C, heads]
+    scores = (scores * head_weights.unsqueeze(-1)).sum(dim=1)  # [C, T]
+    entry_ids = torch.arange(index_keys.shape[0], device=x.device)
+    scores = scores.masked_fill(entry_ids[None, :] >= complete[:, None], float("-inf"))
+    picked = scores.topk(min(cfg.index_topk, index_keys.shape[0]), dim=-1).indices
+    return torch.where(picked < complete[:, None], picked, -1)
+
+
+def grouped_output(cfg: ModelConfig, o: Tensor, wo_a: Tensor, wo_b: Tensor) -> Tensor:
+    """o [C, heads, D] -> [C, H]. Heads split into o_groups groups; each group is projected on its own to
+    o_lora_rank (wo_a holds the groups' matrices stacked), then wo_b mixes all groups to the hidden size."""
+    groups = cfg.o_groups
+    grouped = o.reshape(o.shape[0], groups, -1).transpose(0, 1)  # [G, C, heads*D/G]
+    per_group = wo_a.view(groups, cfg.o_lora_rank, -1)  # [G, R, heads*D/G]
+    low_rank = torch.bmm(grouped, per_group.transpose(1, 2)).transpose(0, 1)  # [C, G, R]
+    return F.linear(low_rank.flatten(1), wo_b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MoE
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ExpertTokens(NamedTuple):
+    token_index: Tensor  # [n] LongTensor, ascending
+    weight: Tensor  # [n] routing weights (normalised, routed scaling applied)
+
+
+@dataclass
+class Routing:
+    x: Tensor  # [N, H] the FFN input: ffn mHC collapse + ffn_norm
+    experts: Tensor  # [N, top_k] chosen expert ids
+    weights: Tensor  # [N, top_k] their weights (normalised over the k, times routed_scaling_factor)
+    post: Tensor  # [N, hc] mHC post weights, for moe_finish
+    comb: Tensor  # [N, hc, hc] mHC stream mixing, for moe_finish
+    _by_expert: dict[int, ExpertTokens] | None = field(default=None, repr=False)
+
+    def tokens_by_expert(self) -> dict[int, ExpertTokens]:
+        """{expert id: (token indices, weights)} for every expert some token chose, in ascending expert id.
+        Sorted once per layer; the engine runs the experts in this order as their bytes arrive."""
+        if self._by_expert is None:
+            top_k = self.experts.shape[1]
+            flat = self.experts.reshape(-1)
+            order = torch.argsort(flat, stable=True)  # stable: tokens stay ascending within an expert
+            ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+            tokens = (order // top_k).split(counts.tolist())
+            weights = self.weights.reshape(-1)[order].split(counts.tolist())
+            self._by_expert = {int(e): ExpertTokens(t, wt) for e, t, wt in zip(ids, tokens, weights)}
+        return self._by_expert
+
+
+def _router_scores(cfg: ModelConfig, logits: Tensor) -> Tensor:
+    if cfg.scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if cfg.scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    if cfg.scoring_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise NotImplementedError(f"scoring_func {cfg.scoring_func!r}")
+
+
+def moe_route(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor,
+              token_ids: Tensor) -> Routing:
+    """The ffn mHC collapse, ffn_norm and router for all N tokens. Learned layers pick the top-k experts by score
+    plus the correction bias (the bias steers the choice only, not the weights); hash layers take the fixed
+    tid2eid[token id]. Weights are the chosen scores, renormalised, times routed_scaling_factor."""
+    collapsed, post, comb = hc_pre(cfg, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], streams)
+    x = rms_norm(collapsed, w["ffn_norm.weight"], cfg.rms_norm_eps)
+    scores = _router_scores(cfg, F.linear(x, w["ffn.gate.weight"]))
+    if cfg.hash_layers[layer]:
+        experts = w["ffn.gate.tid2eid"][token_ids].long()
+    else:
+        bias = w.get("ffn.gate.bias")
+        choice = scores if bias is None else scores + bias
+        experts = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+    weights = scores.gather(1, experts)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+    return Routing(x=x, experts=experts, weights=weights, post=post, comb=comb)
+
+
+def expert_forward(cfg: ModelConfig, x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+    """Clamped SwiGLU: x [n, H], w1 (gate) / w3 (up) [I, H], w2 (down) [H, I] -> [n, H]. The gate is clamped from
+    above, the up projection on both sides, at swiglu_limit."""
+    gate = F.linear(x, w1).clamp(max=cfg.swiglu_limit)
+    up = F.linear(x, w3).clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def accumulate(acc: Tensor, routing: Routing, expert_id: int, y: Tensor) -> Tensor:
+    """acc [N, H] += expert `expert_id`'s output y (rows in tokens_by_expert()[expert_id] order) times the routing
+    weights."""
+    batch = routing.tokens_by_expert()[expert_id]
+    return acc.index_add_(0, batch.token_index, y * batch.weight[:, None])
+
+
+def moe_finish(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor, routing: Routing,
+               routed_out: Tensor) -> Tensor:
+    """Add the shared expert to the routed experts' sum and spread the result over the streams (ffn mHC post)."""
+    shared = expert_forward(cfg, routing.x, w["ffn.shared_experts.w1.weight"], w["ffn.shared_experts.w3.weight"],
+                            w["ffn.shared_experts.w2.weight"])
+    return hc_post(streams, routed_out + shared, routing.post, routing.comb)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Head and the resident reference path
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def head(cfg: ModelConfig, streams: Tensor, w_globals: Mapping[str, Tensor],
+         which: int | slice | Tensor = -1) -> Tensor:
+    """Logits float32 for the positions `which` selects: an int gives [vocab] (default: the last position), a
+    slice or index tensor gives [n, vocab]. The streams collapse through the mHC head (pre weights only), then the
+    final norm and the LM head."""
+    selected = streams[which]
+    single = selected.dim() == 2
+    if single:
+        selected = selected.unsqueeze(0)
+    mixes = F.linear(rms_norm(selected.flatten(1), None, cfg.rms_norm_eps), w_globals["hc_head_fn"])
+    pre = torch.sigmoid(mixes * w_globals["hc_head_scale"] + w_globals["hc_head_base"]) + cfg.hc_eps
+    x = rms_norm((pre.unsqueeze(-1) * selected).sum(dim=1), w_globals["norm.weight"], cfg.rms_norm_eps)
+    logits = F.linear(x, w_globals["head.weight"]).float()
+    return logits[0] if single else logits
+
+
+def forward_resident(cfg: ModelConfig, weights: Mapping[str, Tensor], token_ids: Tensor,
+                     query_chunk: int | None = None, return_kv_state: bool = False):
+    """Reference path: every weight in memory (release names), layer-major. Returns logits [N, vocab] (and the
+    per-layer LayerKVState list when return_kv_state)."""
+    n_tokens = token_ids.shape[0]
+    positions = torch.arange(n_tokens, device=token_ids.device)
+    streams = embed(cfg, token_ids, weights["embed.weight"])
+    kv_states = []
+    for layer in range(cfg.num_layers):
+        w = layer_weights(weights, layer)
+        streams, kv_state = attention_sublayer(cfg, layer, w, streams, positions, query_chunk)
+        kv_states.append(kv_state)
+        routing = moe_route(cfg, layer, w, streams, token_ids)
+        routed = torch.zeros_like(routing.x)
+        for expert, batch in routing.tokens_by_expert().items():
+            y = expert_forward(cfg, routing.x[batch.token_index], w[f"ffn.experts.{expert}.w1.weight"],
+                               w[f"ffn.experts.{expert}.w3.weight"], w[f"ffn.experts.{expert}.w2.weight"])
+            accumulate(routed, routing, expert, y)
+        streams = moe_finish(cfg, layer, w, streams, routing, routed)
+    logits = head(cfg, streams, weights, slice(None))
+    return (logits, kv_states) if return_kv_state else logits

@@ -1,0 +1,342 @@
+"""runtime/model.py against transformers' DeepseekV4ForCausalLM (the oracle), float32 on CPU.
+
+Each configuration is a randomly initialised transformers model whose weights are re-drawn with a fixed seed so
+that no path is degenerate (transformers' init zeroes the sinks, the mHC biases, the compressors' ape, the router
+correction bias and tid2eid), saved with save_pretrained (which writes release names) and read back.
+`test_every_component_is_visible` checks that breaking any one component would fail the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
+
+from moepack.runtime import model as M  # noqa: E402
+
+S, C, H = M.SLIDING, M.CSA, M.HCA
+REL_TOL = 1e-3  # max abs error <= REL_TOL * max |logit|
+
+CONFIGS = {
+    # 5 layers of every kind, 2 hash layers, 4 streams, YaRN compress rope, clamping SwiGLU.
+    "A": dict(vocab_size=97, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+              head_dim=32, q_lora_rank=24, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8,
+              layer_types=[S, C, H, C, H], compress_rates={C: 4, H: 16}, mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 3,
+              hc_mult=4, sliding_window=16, o_groups=2, o_lora_rank=16, index_n_heads=4, index_head_dim=16,
+              index_topk=6, swiglu_limit=1.5, max_position_embeddings=256,
+              rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    # Odd sizes: 6 heads in 3 output groups, 3 streams, CSA rate 3, 16 experts top-4, one hash layer, plain RoPE.
+    "B": dict(vocab_size=61, hidden_size=48, moe_intermediate_size=24, num_hidden_layers=4, num_attention_heads=6,
+              head_dim=16, q_lora_rank=20, partial_rotary_factor=0.5, num_experts_per_tok=4, n_routed_experts=16,
+              layer_types=[H, C, S, C], compress_rates={C: 3, H: 8}, mlp_layer_types=["hash_moe"] + ["moe"] * 3,
+              hc_mult=3, hc_sinkhorn_iters=7, sliding_window=8, o_groups=3, o_lora_rank=8, index_n_heads=4,
+              index_head_dim=8, index_topk=5, routed_scaling_factor=2.5),
+    # V4-Flash-like proportions (rope 1/8 of a 64-dim head), no hash layers, sigmoid router, top-1, window 64,
+    # one output group, strong YaRN.
+    "C": dict(vocab_size=50, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=6, num_attention_heads=2,
+              head_dim=64, q_lora_rank=16, partial_rotary_factor=0.125, num_experts_per_tok=1, n_routed_experts=4,
+              layer_types=[S, H, S, C, H, C], compress_rates={C: 4, H: 32}, mlp_layer_types=["moe"] * 6,
+              scoring_func="sigmoid", hc_mult=2, sliding_window=64, o_groups=1, o_lora_rank=16, index_n_heads=6,
+              index_head_dim=16, index_topk=10, swiglu_limit=3.0, max_position_embeddings=512,
+              rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32}),
+    # Tiny, for the long prompt (index heads 8: fewer exact zero-score ties in the indexer's top-k).
+    "long": dict(vocab_size=40, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
+                 head_dim=32, q_lora_rank=16, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=4,
+                 layer_types=[S, C, H], compress_rates={C: 4, H: 64}, mlp_layer_types=["hash_moe"] + ["moe"] * 2,
+                 hc_mult=2, sliding_window=32, o_groups=2, o_lora_rank=8, index_n_heads=8, index_head_dim=16,
+                 index_topk=16),
+}
+PROMPTS = [("A", 1), ("A", 7), ("A", 37), ("A", 301), ("B", 5), ("B", 130), ("C", 20), ("C", 257)]
+ERRORS: dict[str, float] = {}  # printed at the end of the module, for the record
+
+
+def _randomise(model: DeepseekV4ForCausalLM, seed: int) -> None:
+    """Re-draw every parameter and buffer so every path carries signal: matrices ~ N(0, 1/fan_in), norms around 1,
+    sinks / ape / mHC biases / router bias non-zero, tid2eid a random distinct choice per token."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+
+    def normal(shape, std=1.0):
+        return torch.randn(shape, generator=g) * std
+
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if "inv_freq" in name:
+                continue
+            if name.endswith("tid2eid"):
+                rows = [torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
+                        for _ in range(t.shape[0])]
+                t.copy_(torch.stack(rows))
+            elif name.endswith(("sinks", "position_bias")):
+                t.copy_(normal(t.shape))
+            elif name.endswith("e_score_correction_bias"):
+                t.copy_(normal(t.shape, 0.3))
+            elif name.endswith((".base", "hc_base")):
+                t.copy_(normal(t.shape, 0.5))
+            elif name.endswith((".scale", "hc_scale")):
+                t.copy_(0.5 + torch.rand(t.shape, generator=g))
+            elif t.dim() == 1:  # norm weights
+                t.copy_(1 + normal(t.shape, 0.2))
+            elif "embed_tokens" in name:
+                t.copy_(normal(t.shape))
+            else:
+                t.copy_(normal(t.shape, t.shape[-1] ** -0.5))
+
+
+_BUILT: dict[str, tuple] = {}
+
+
+def build(name: str, tmp_dir: str):
+    """(transformers model, ModelConfig, release-name float32 weights) for CONFIGS[name], built once."""
+    if name not in _BUILT:
+        torch.manual_seed(0)
+        hf_model = DeepseekV4ForCausalLM(DeepseekV4Config(**CONFIGS[name])).eval()
+        _randomise(hf_model, seed=sorted(CONFIGS).index(name) + 1)
+        out = os.path.join(tmp_dir, name)
+        hf_model.save_pretrained(out)
+        weights = {}
+        for key, t in load_file(os.path.join(out, "model.safetensors")).items():
+            key = key.removeprefix("model.").replace("hc_head.hc_", "hc_head_")
+            key = "embed.weight" if key == "embed_tokens.weight" else key
+            weights[key] = t.float() if t.is_floating_point() else t
+        with open(os.path.join(out, "config.json")) as f:
+            cfg = M.ModelConfig.from_hf(json.load(f))
+        _BUILT[name] = hf_model, cfg, weights
+    return _BUILT[name]
+
+
+@pytest.fixture(scope="module")
+def tmp_dir(tmp_path_factory):
+    yield str(tmp_path_factory.mktemp("dsv4"))
+    print("\nmax abs error / max |logit| vs transformers:")
+    for key, value in ERRORS.items():
+        print(f"  {key}: {value}")
+
+
+def prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1000 * seed + n))
+
+
+def reference(hf_model, ids):
+    with torch.no_grad():
+        out = hf_model(ids[None], use_cache=True)
+    return out.logits[0], out.cache
+
+
+def max_error(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    return (ours - ref).abs().max().item(), ref.abs().max().item()
+
+
+def assert_kv_state_matches(states: list[M.LayerKVState], cache, cfg: M.ModelConfig) -> None:
+    def close(a, b):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+    for layer, (state, cached) in enumerate(zip(states, cache.layers)):
+        assert state.layer_type == cfg.layer_types[layer]
+        assert state.seen_tokens == cached.cumulative_length
+        close(state.window_kv, cached.keys[0, 0])
+        names = {S: (), H: ("compressor",), C: ("compressor", "indexer")}[state.layer_type]
+        assert (state.compressor is not None) == bool(names) and (state.indexer is not None) == (len(names) == 2)
+        for name in names:
+            ours = getattr(state, name)
+            assert ours.entry_count == cached.entry_count[name]
+            close(ours.compressed_kv, cached.compressed_kv[name][0])
+            close(ours.buffer_kv, cached.buffer_kv[name][0])
+            close(ours.buffer_gate, cached.buffer_gate[name][0])
+            if state.layer_type == C:
+                if cached.overlap_kv[name] is None:
+                    assert ours.overlap_kv is None and ours.overlap_gate is None
+                else:
+                    close(ours.overlap_kv, cached.overlap_kv[name][0])
+                    close(ours.overlap_gate, cached.overlap_gate[name][0])
+
+
+@pytest.mark.parametrize("name,n", PROMPTS, ids=[f"{c}-N{n}" for c, n in PROMPTS])
+def test_matches_transformers(tmp_dir, name, n):
+    hf_model, cfg, weights = build(name, tmp_dir)
+    ids = prompt(n, cfg.vocab_size)
+    ref, cache = reference(hf_model, ids)
+    logits, states = M.forward_resident(cfg, weights, ids, query_chunk=32, return_kv_state=True)
+    err, scale = max_error(logits, ref)
+    ERRORS[f"{name} N={n}"] = f"{err:.2e} / {scale:.2f} = {err / scale:.1e}"
+    assert err <= REL_TOL * scale
+    assert_kv_state_matches(states, cache, cfg)
+    # The engine's call: last position only.
+    last = M.head(cfg, _streams_before_head(cfg, weights, ids), weights)
+    assert last.shape == (cfg.vocab_size,) and torch.allclose(last, logits[-1], atol=1e-5)
+
+
+def _streams_before_head(cfg, weights, ids):
+    """The layer-major loop of forward_resident, written out as the streaming engine runs it."""
+    positions = torch.arange(len(ids))
+    streams = M.embed(cfg, ids, weights["embed.weight"])
+    for layer in range(cfg.num_layers):
+        w = M.layer_weights(weights, layer)
+        streams, _ = M.attention_sublayer(cfg, layer, w, streams, positions, query_chunk=None)
+        routing = M.moe_route(cfg, layer, w, streams, ids)
+        routed = torch.zeros_like(routing.x)
+        by_expert = routing.tokens_by_expert()
+        assert list(by_expert) == sorted(by_expert)
+        for expert in reversed(list(by_expert)):  # order of experts must not matter beyond rounding
+            token_index, _ = by_expert[expert]
+            y = M.expert_forward(cfg, routing.x[token_index], *(w[f"ffn.experts.{expert}.{p}.weight"]
+                                                                 for p in ("w1", "w3", "w2")))
+            M.accumulate(routed, routing, expert, y)
+        streams = M.moe_finish(cfg, layer, w, streams, routing, routed)
+    return streams
+
+
+def test_prompts_cover_every_window_case(tmp_dir):
+    """The longest prompt of each configuration spans several windows of every compressed kind, ends on a partial
+    window, and CSA queries have more complete entries than index_topk; short prompts have no entries at all."""
+    for name in ("A", "B", "C"):
+        _, cfg, _ = build(name, tmp_dir)
+        n_max = max(n for c, n in PROMPTS if c == name)
+        n_min = min(n for c, n in PROMPTS if c == name)
+        for kind, rate in zip(cfg.layer_types, cfg.compress_rates):
+            if kind == S:
+                continue
+            assert n_max >= 2 * rate and n_max % rate != 0
+            if kind == C:
+                assert n_max // rate > cfg.index_topk
+        assert n_min < max(cfg.compress_rates)
+        assert n_max > cfg.sliding_window
+
+
+def test_routing_tokens_by_expert(tmp_dir):
+    _, cfg, weights = build("B", tmp_dir)
+    ids = prompt(50, cfg.vocab_size)
+    streams = M.embed(cfg, ids, weights["embed.weight"])
+    for layer in (0, 1):  # a hash layer and a learned one
+        routing = M.moe_route(cfg, layer, M.layer_weights(weights, layer), streams, ids)
+        assert routing.experts.shape == routing.weights.shape == (50, cfg.num_experts_per_tok)
+        torch.testing.assert_close(routing.weights.sum(-1), torch.full((50,), cfg.routed_scaling_factor))
+        by_expert = routing.tokens_by_expert()
+        assert list(by_expert) == sorted(by_expert) and routing.tokens_by_expert() is by_expert
+        pairs = sorted((t, e, w) for e, (ts, ws) in by_expert.items() for t, w in zip(ts.tolist(), ws.tolist()))
+        expected = sorted((t, e, w) for t in range(50) for e, w in zip(routing.experts[t].tolist(),
+                                                                        routing.weights[t].tolist()))
+        assert pairs == expected
+        for ts, _ in by_expert.values():
+            assert torch.all(ts[1:] > ts[:-1])
+    hashed = M.moe_route(cfg, 0, M.layer_weights(weights, 0), streams, ids)
+    assert torch.equal(hashed.experts, weights["layers.0.ffn.gate.tid2eid"][ids])
+
+
+def test_query_chunk_does_not_change_results(tmp_dir):
+    _, cfg, weights = build("A", tmp_dir)
+    ids = prompt(150, cfg.vocab_size, seed=3)
+    whole, whole_states = M.forward_resident(cfg, weights, ids, query_chunk=None, return_kv_state=True)
+    for chunk in (1, 5, 16, 64, 149):
+        logits, states = M.forward_resident(cfg, weights, ids, query_chunk=chunk, return_kv_state=True)
+        err, scale = max_error(logits, whole)
+        ERRORS[f"A N=150 chunk={chunk} vs unchunked"] = f"{err / scale:.1e}"
+        assert err <= 1e-5 * scale
+        torch.testing.assert_close(states[3].indexer.compressed_kv, whole_states[3].indexer.compressed_kv)
+
+
+def _ablations(cfg: M.ModelConfig):
+    """(what, {weight: edit}, config edits): each breaks one component."""
+    zero, one, negate = torch.zeros_like, torch.ones_like, torch.neg
+
+    def other_experts(t):
+        return (t + 1) % cfg.n_routed_experts
+
+    yield "indexer query", {"layers.1.attn.indexer.wq_b.weight": zero}, {}
+    yield "indexer head weights", {"layers.3.attn.indexer.weights_proj.weight": negate}, {}
+    yield "indexer compressor ape", {"layers.1.attn.indexer.compressor.ape": zero}, {}
+    yield "CSA compressor gate", {"layers.1.attn.compressor.wgate.weight": zero}, {}
+    yield "CSA compressor ape", {"layers.3.attn.compressor.ape": zero}, {}
+    yield "HCA compressor ape", {"layers.2.attn.compressor.ape": zero}, {}
+    yield "HCA compressor norm", {"layers.4.attn.compressor.norm.weight": one}, {}
+    yield "attention sink", {"layers.0.attn.attn_sink": zero}, {}
+    yield "q norm", {"layers.2.attn.q_norm.weight": one}, {}
+    yield "mHC base", {"layers.0.hc_attn_base": zero}, {}
+    yield "mHC scale", {"layers.3.hc_ffn_scale": one}, {}
+    yield "mHC head", {"hc_head_fn": negate}, {}
+    yield "router correction bias", {"layers.2.ffn.gate.bias": zero}, {}
+    yield "tid2eid", {"layers.0.ffn.gate.tid2eid": other_experts}, {}
+    yield "shared expert", {"layers.1.ffn.shared_experts.w2.weight": zero}, {}
+    yield "SwiGLU clamp", {}, {"swiglu_limit": 1e4}
+    yield "YaRN", {}, {"compress_rope": dataclasses.replace(cfg.compress_rope, scaling="default")}
+    yield "Sinkhorn", {}, {"hc_sinkhorn_iters": 1}
+    yield "sliding window", {}, {"sliding_window": cfg.sliding_window // 2}
+    yield "index top-k", {}, {"index_topk": 10_000}
+    yield "routed scaling", {}, {"routed_scaling_factor": 1.0}
+
+
+def test_every_component_is_visible(tmp_dir):
+    """Break one component at a time in our weights/config: the comparison with transformers must fail by far,
+    so a bug there could not hide behind the tolerance."""
+    hf_model, cfg, weights = build("A", tmp_dir)
+    ids = prompt(301, cfg.vocab_size)
+    ref, _ = reference(hf_model, ids)
+    for what, weight_edits, config_edits in _ablations(cfg):
+        broken = {**weights, **{key: edit(weights[key]) for key, edit in weight_edits.items()}}
+        logits = M.forward_resident(dataclasses.replace(cfg, **config_edits), broken, ids, query_chunk=64)
+        err, scale = max_error(logits, ref)
+        assert err > 10 * REL_TOL * scale, what
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_long_prompt_memory_is_not_quadratic(tmp_dir):
+    hf_model, cfg, weights = build("long", tmp_dir)
+    ids = prompt(2048, cfg.vocab_size)
+    largest = {}
+    for n, chunk in ((1024, 256), (2048, 256), (1024, None)):
+        with LargestTensor() as probe:
+            logits = M.forward_resident(cfg, weights, ids[:n], query_chunk=chunk)
+        largest[n, chunk] = probe.numel
+        if (n, chunk) == (2048, 256):
+            ref, _ = reference(hf_model, ids)
+            err, scale = max_error(logits, ref)
+            ERRORS["long N=2048 chunk=256"] = f"{err:.2e} / {scale:.2f} = {err / scale:.1e}"
+            assert err <= REL_TOL * scale
+    # Unchunked attention materialises heads x N x N scores; chunked, the largest tensor grows linearly with N
+    # (it is the indexer's [chunk, index heads, N / rate] scores), within chunk x N x heads.
+    assert largest[1024, None] >= cfg.num_heads * 1024 * 1024
+    assert largest[2048, 256] <= 2.2 * largest[1024, 256]
+    assert largest[2048, 256] <= 256 * 2048 * max(cfg.num_heads, cfg.index_n_heads) / 4
+    ERRORS["long largest tensor (numel)"] = str(largest)
+
+
+def test_config_from_hf():
+    """V4-Flash as its config.json may spell it (legacy keys) and as transformers normalises it."""
+    flash = dict(num_hidden_layers=43, compress_ratios=[0, 0] + [4, 128] * 20 + [0, 0], num_hash_layers=3,
+                 qk_rope_head_dim=64, rope_scaling={"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                                                    "original_max_position_embeddings": 65536})
+    hf = DeepseekV4Config(**flash)
+    cfg = M.ModelConfig.from_hf(flash)
+    assert cfg == M.ModelConfig.from_hf(hf.to_dict())
+    assert cfg.layer_types[:4] == (S, S, C, H) and cfg.layer_types[-1] == S and len(cfg.layer_types) == 43
+    assert cfg.compress_rates[:4] == (0, 0, 4, 128) and cfg.hash_layers[:4] == (True, True, True, False)
+    assert cfg.main_rope.dim == cfg.compress_rope.dim == 64 and cfg.compress_rope.scaling == "yarn"
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    rotary = DeepseekV4RotaryEmbedding(hf)
+    torch.testing.assert_close(cfg.compress_rope.inv_freq(), rotary.compress_inv_freq, rtol=0, atol=0)
+    torch.testing.assert_close(cfg.main_rope.inv_freq(), rotary.main_inv_freq, rtol=0, atol=0)
+    assert cfg.compress_rope.attention_factor == rotary.compress_attention_scaling == 1.0
