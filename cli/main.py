@@ -155,6 +155,77 @@ def verify(file, as_json):
 
 
 @cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--prompt", help="Prompt text (tokenized with the tokenizer the container carries).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), help="File holding the prompt text (UTF-8).")
+@click.option("--token-ids", "token_ids_file", type=click.Path(dir_okay=False),
+              help="File of token ids: a JSON array or whitespace-separated integers.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--kv-out", type=click.Path(file_okay=False), help="Directory for the KV cache, written layer by layer.")
+@click.option("--logits-out", type=click.Path(dir_okay=False),
+              help="safetensors file for the last position's logits (key 'logits', float32 [vocab]).")
+@click.option("--bundle-experts", type=click.IntRange(min=1), default=None,
+              help="Experts per read (default: the best setting `moepack bench io` measured, else 4).")
+@click.option("--queue-depth", type=click.IntRange(min=1), default=None,
+              help="Reads in flight (default: as measured by `moepack bench io`, else 4).")
+@click.option("--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap"]), default="auto",
+              show_default=True, help="auto: page-cache streaming when the container fits in free RAM, else O_DIRECT.")
+@click.option("--experts", "expert_selection", type=click.Choice(["auto", "all", "routed"]), default="auto",
+              show_default=True, help="Read every expert of a layer, only the routed ones, or choose per layer.")
+@click.option("--query-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Queries per attention chunk inside a layer (bounds memory for long prompts).")
+@click.option("--no-verify-reads", is_flag=True, help="Skip the per-region checksum of every read.")
+@json_option
+@reports_errors
+def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, logits_out, bundle_experts, queue_depth,
+            io_mode, expert_selection, query_chunk, no_verify_reads, as_json):
+    """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
+    from moepack.format_spec.reader import Container
+    from moepack.runtime.engine import PrefillOptions, prefill as run_prefill
+    from moepack.runtime.tokenizer import PromptTokenizer, read_token_ids
+
+    if sum(x is not None for x in (prompt, prompt_file, token_ids_file)) != 1:
+        raise click.UsageError("give exactly one of --prompt, --prompt-file, --token-ids")
+    with Container(file) as c:
+        tokenizer = PromptTokenizer(c) if token_ids_file is None else None
+    if token_ids_file is not None:
+        ids = read_token_ids(token_ids_file)
+    else:
+        if prompt_file is not None:
+            try:
+                with open(prompt_file, encoding="utf-8") as f:
+                    prompt = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise MoepackError(f"{prompt_file}: cannot read the prompt ({e})") from None
+        ids = tokenizer.encode(prompt)
+    options = PrefillOptions(device=device, bundle_experts=bundle_experts or 4, queue_depth=queue_depth or 4,
+                             io_mode=io_mode, query_chunk=query_chunk, expert_selection=expert_selection,
+                             verify_reads=not no_verify_reads)
+    result = run_prefill(file, ids, options, kv_out=kv_out)
+    if logits_out:
+        from moepack.runtime.outputs import write_logits
+
+        write_logits(logits_out, result.logits)
+    text = None
+    if tokenizer is None:
+        with Container(file) as c:
+            try:
+                tokenizer = PromptTokenizer(c)
+            except MoepackError:
+                tokenizer = None
+    if tokenizer is not None:
+        text = tokenizer.decode([result.next_token])
+    out = {"next_token": result.next_token, "next_token_text": text, **result.stats,
+           "layers": [vars(s) for s in result.layers]}
+    s = result.stats
+    _emit(as_json, out, lambda r: click.echo(
+        f"next token: {r['next_token']} {r['next_token_text']!r}\n"
+        f"{s['tokens']} tokens in {s['seconds']:.2f} s ({s['tokens_per_s']:.1f} tokens/s); read "
+        f"{s['bytes_read'] / 2**20:.1f} MiB ({s['io_mode']}), io busy {s['io_busy_s']:.2f} s, compute "
+        f"{s['compute_busy_s']:.2f} s, overlap {s['overlap']:.2f}"))
+
+
+@cli.command()
 @click.option("--workdir", type=click.Path(file_okay=False), default="moepack-demo", show_default=True)
 @click.option("--preset", type=click.Choice(["tiny", "small", "medium"]), default="small", show_default=True)
 @json_option

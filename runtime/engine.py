@@ -315,9 +315,12 @@ class StreamingPrefill:
         self.reader.close()
 
 
-def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None) -> PrefillResult:
+def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None,
+            kv_out: str | None = None) -> PrefillResult:
     """Open `path`, run one prefill of `token_ids` (a sequence of ints or a LongTensor), close."""
     options = options or PrefillOptions()
+    if kv_out is not None:
+        raise MoepackError("--kv-out is not available yet")
     token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
     with Container(path) as c:
         engine = StreamingPrefill(c, options, on_layer_kv)
