@@ -54,17 +54,19 @@ def scale_name(weight_name: str) -> str | None:
     return weight_name[: -len(".weight")] + ".scale" if weight_name.endswith(".weight") else None
 
 
-def decode_float(dtype: str, shape, buffer, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Stored bytes -> float32 values, applying the release's block scales where the type needs them:
-    F8_E4M3 with 128x128 block scales (E8M0 or F32), FP4_E2M1 with one E8M0 scale per 32 inputs."""
+def decode_float(dtype: str, shape, buffer, scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stored bytes -> float values (`out_dtype`: float32, or bfloat16 for a faster compute path), applying the
+    release's block scales where the type needs them: F8_E4M3 with 128x128 block scales (E8M0 or F32),
+    FP4_E2M1 with one E8M0 scale per 32 inputs. ggml block types are dequantized."""
     from . import source_formats
 
     shape = tuple(shape)
     if dtype == "F8_E4M3" and scale is not None:
-        return source_formats.fp8_block_dequantize(decode_tensor(dtype, shape, buffer), scale)
+        return source_formats.fp8_block_dequantize(decode_tensor(dtype, shape, buffer), scale).to(out_dtype)
     if dtype == "FP4_E2M1":
         if scale is None:
             raise FormatError("an FP4_E2M1 tensor needs its scale tensor to be decoded")
         packed = as_uint8(buffer).view(*shape[:-1], shape[-1] // 2)
-        return source_formats.fp4_dequantize(packed, scale)
-    return decode_tensor(dtype, shape, buffer).float()
+        return source_formats.fp4_dequantize(packed, scale, dtype=out_dtype)
+    return decode_tensor(dtype, shape, buffer).to(out_dtype)

@@ -168,16 +168,34 @@ def fp4_unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP) -> torch.Tensor:
-    """Decode packed e2m1 [..., in/2] with E8M0 scales [..., in/group] to float32 [..., in]."""
-    codes = fp4_unpack_codes(packed)
-    inputs = codes.shape[-1]
-    expected = (*codes.shape[:-1], inputs // group)
+def _byte_pair_table(dtype: torch.dtype) -> torch.Tensor:
+    """For every byte b: the two e2m1 values (low nibble, high nibble) in `dtype`, packed into one integer whose
+    bytes are those two values, so decoding is one gather per byte (a table lookup, no per-nibble arithmetic)."""
+    pairs = torch.stack([E2M1_VALUES.repeat(16), E2M1_VALUES.repeat_interleave(16)], dim=1).to(dtype)
+    return pairs.contiguous().view(torch.int64 if dtype.itemsize == 4 else torch.int32).reshape(256)
+
+
+_PAIR_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode packed e2m1 [..., in/2] with E8M0 scales [..., in/group] to `dtype` [..., in] (float32 or bfloat16;
+    both are exact: e2m1 values times powers of two)."""
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise MoepackError(f"packed FP4 must be int8 or uint8, got {packed.dtype}")
+    inputs = packed.shape[-1] * 2
+    expected = (*packed.shape[:-1], inputs // group)
     if inputs % group or tuple(scale.shape) != expected:
         raise MoepackError(
             f"FP4 scale shape {list(scale.shape)} does not match packed weight {list(packed.shape)} "
             f"({inputs} inputs in groups of {group}: expected {list(expected)})"
         )
-    values = E2M1_VALUES.to(codes.device)[codes.long()]
-    grouped = values.view(*expected, group) * _e8m0_to_float(scale)[..., None]
-    return grouped.reshape(*codes.shape)
+    key = (dtype, packed.device)
+    table = _PAIR_TABLES.get(key)
+    if table is None:
+        table = _PAIR_TABLES[key] = _byte_pair_table(dtype).to(packed.device)
+    pairs = torch.take(table, packed.reshape(-1).view(torch.uint8).to(torch.int64))
+    values = pairs.view(dtype).view(*expected, group)
+    values.mul_(_e8m0_to_float(scale).to(dtype)[..., None])
+    return values.view(*packed.shape[:-1], inputs)

@@ -1,0 +1,171 @@
+"""Prefill benchmark: streaming vs its parts vs transformers, measured side by side in one run.
+
+For each prompt length N, on a synthetic DeepSeek-V4 model (default: the `medium` preset in the release layout,
+FP8 dense + FP4 experts, a few GB):
+  io-alone       every region a prefill reads, read with the runtime's own reader (O_DIRECT, same bundles and
+                 queue depth), cold cache, no compute
+  compute-alone  the same prefill with the container already in RAM (page cache, mmap): no disk in the way
+  streamed       the prefill from a cold cache with O_DIRECT: wall, io busy, compute busy,
+                 overlap = wall / max(io-alone, compute-alone)  (1.00 = perfect overlap)
+  transformers   DeepseekV4ForCausalLM resident in memory (bf16, loaded from `moepack export`), forward only
+Usage: python benchmarks/prefill.py [--preset medium] [--tokens 256,1024] [--expert-dtype bfloat16] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from moepack.format_spec.reader import Container
+from moepack.packer.convert import convert_checkpoint
+from moepack.packer.export import export_container
+from moepack.packer.synth import synth_checkpoint
+from moepack.runtime.engine import PrefillOptions, prefill
+from moepack.runtime.io import ReadPipeline, RegionReader
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm_cache(path: str) -> None:
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
+
+
+def io_alone(path: str, bundle: int, depth: int) -> tuple[float, int]:
+    """Read what an all-experts prefill reads, in the same order and sizes, with nothing else going on."""
+    drop_cache(path)
+    with Container(path) as c:
+        reads = [(r.offset, r.length) for r in c.global_regions]
+        for block in c.layers:
+            reads.append((block.dense.offset, block.dense.length))
+            for first in range(0, len(block.experts), bundle):
+                reads.append(block.expert_span(first, min(bundle, len(block.experts) - first)))
+        biggest = max(length for _, length in reads)
+    reader = RegionReader(path, "direct")
+    pipe = ReadPipeline(reader, biggest, depth)
+    start = time.perf_counter()
+    window = []
+    for offset, length in reads:
+        window.append(pipe.submit(offset, length))
+        if len(window) >= depth:
+            buf, _ = window.pop(0).result()
+            pipe.release(buf)
+    for f in window:
+        pipe.release(f.result()[0])
+    seconds = time.perf_counter() - start
+    pipe.close()
+    reader.close()
+    return seconds, reader.stats.bytes_read
+
+
+TRANSFORMERS_RUN = r"""
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM
+torch.set_num_threads(int(sys.argv[3]))
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16).eval()
+results = {}
+for n in json.loads(sys.argv[2]):
+    ids = torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+    with torch.no_grad():
+        model(ids[:, :8])
+        start = time.perf_counter()
+        logits = model(ids).logits[0, -1].float()
+        results[n] = {"seconds": time.perf_counter() - start, "next_token": int(logits.argmax())}
+print(json.dumps(results))
+"""
+
+
+def transformers_resident(export_dir: str, tokens: list[int]) -> dict:
+    p = subprocess.run([sys.executable, "-c", TRANSFORMERS_RUN, export_dir, json.dumps(tokens),
+                        str(torch.get_num_threads())], capture_output=True, text=True)
+    if p.returncode:
+        return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "failed"}
+    return {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="bench-work")
+    ap.add_argument("--preset", default="medium", choices=["tiny", "small", "medium"])
+    ap.add_argument("--tokens", default="128,512,2048")
+    ap.add_argument("--bundle-experts", type=int, default=4)
+    ap.add_argument("--queue-depth", type=int, default=4)
+    ap.add_argument("--expert-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    os.makedirs(args.workdir, exist_ok=True)
+    src = os.path.join(args.workdir, f"{args.preset}-release")
+    container = os.path.join(args.workdir, f"{args.preset}-keep.moepack")
+    if not os.path.exists(os.path.join(src, "model.safetensors.index.json")):
+        synth_checkpoint(src, preset=args.preset, layout="release", seed=0, progress=not args.json)
+    if not os.path.exists(container):
+        convert_checkpoint(src, container, progress=not args.json)
+    with Container(container) as c:
+        vocab = c.config["vocab_size"]
+        file_bytes = c.file_size
+
+    rows = []
+    io_seconds, io_bytes = io_alone(container, args.bundle_experts, args.queue_depth)
+    for n in tokens:
+        ids = torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n))
+        base = dict(bundle_experts=args.bundle_experts, queue_depth=args.queue_depth, expert_selection="all",
+                    expert_dtype=args.expert_dtype)
+        warm_cache(container)
+        resident = prefill(container, ids, PrefillOptions(io_mode="mmap", **base))
+        drop_cache(container)
+        streamed = prefill(container, ids, PrefillOptions(io_mode="direct", **base))
+        s = streamed.stats
+        rows.append({
+            "tokens": n, "io_alone_s": round(io_seconds, 3), "compute_alone_s": resident.stats["seconds"],
+            "streamed_s": s["seconds"], "io_busy_s": s["io_busy_s"], "compute_busy_s": s["compute_busy_s"],
+            "overlap": round(s["seconds"] / max(io_seconds, resident.stats["seconds"]), 3),
+            "tokens_per_s": s["tokens_per_s"], "bytes_read": s["bytes_read"],
+            "read_gb_per_s_alone": round(io_bytes / io_seconds / 1e9, 3), "peak_rss_gib": round(s["peak_rss_bytes"] / 2**30, 2),
+            "same_token_as_resident": streamed.next_token == resident.next_token,
+        })
+    if not args.no_transformers:
+        export_dir = os.path.join(args.workdir, f"{args.preset}-bf16-export")
+        if not os.path.exists(os.path.join(export_dir, "config.json")):
+            export_container(container, export_dir, dtype="bf16", progress=not args.json)
+        ref = transformers_resident(export_dir, tokens)
+        for row in rows:
+            r = ref.get(row["tokens"]) if "error" not in ref else None
+            row["transformers_s"] = round(r["seconds"], 3) if r else None
+            row["transformers_tokens_per_s"] = round(row["tokens"] / r["seconds"], 2) if r else None
+            row["speedup_vs_transformers"] = round(r["seconds"] / row["streamed_s"], 2) if r else None
+        if "error" in ref:
+            print(f"transformers run failed: {ref['error']}", file=sys.stderr)
+    result = {"preset": args.preset, "container_bytes": file_bytes, "expert_dtype": args.expert_dtype,
+              "bundle_experts": args.bundle_experts, "queue_depth": args.queue_depth,
+              "threads": torch.get_num_threads(), "rows": rows}
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    print(f"{args.preset}: container {file_bytes / 1e9:.2f} GB, experts in {args.expert_dtype}, bundle "
+          f"{args.bundle_experts}, depth {args.queue_depth}, {torch.get_num_threads()} threads")
+    head = ["N", "io-alone s", "compute-alone s", "streamed s", "overlap", "tok/s", "transformers s", "x transformers"]
+    print(" | ".join(head))
+    for r in rows:
+        print(" | ".join(str(v) for v in (r["tokens"], r["io_alone_s"], r["compute_alone_s"], r["streamed_s"],
+                                          r["overlap"], r["tokens_per_s"], r.get("transformers_s"),
+                                          r.get("speedup_vs_transformers"))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,553 @@
+"""Resolve the SRC of `moepack convert SRC`: a local checkpoint directory, or a Hugging Face model repo id.
+
+A hub repo is read through huggingface_hub, which gives us its cache (a second run downloads nothing, an interrupted
+run only fetches the files it had not finished), HF_TOKEN / HF_HUB_OFFLINE / HF_ENDPOINT / HF_HOME handling, Xet
+transfers and its byte-rate progress bars. What this module adds:
+
+* pinning: the branch or tag is resolved to its commit sha first and only that sha is downloaded, so the container's
+  provenance records exactly what was read (and the cache's ``refs/<branch>`` is pointed at it, so that
+  HF_HUB_OFFLINE=1 later resolves the same branch to the same sha);
+* only the files a conversion needs: config.json, model.safetensors.index.json, the shards the index lists (or the
+  top-level ``*.safetensors`` of an unsharded repo), the tokenizer files and generation_config.json -- never
+  ``original/``, README, ``*.bin`` or duplicate consolidated weights;
+* checks before and after the download (every shard the index lists is in the repo / on disk) and one-line
+  MoepackErrors for everything a user can meet: unknown repo or revision, gated or private repo, bad token,
+  network down, offline with nothing cached, a file the repo lacks.
+
+``iter_shards_as_they_arrive`` downloads the shards one at a time in a background thread, in the order the caller
+will read them, and hands each one over as soon as it is complete, so conversion can overlap the download.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from moepack.format_spec.errors import MoepackError
+
+INDEX_FILE = "model.safetensors.index.json"
+# The small files a conversion reads besides the shards, in the order they are fetched.
+SMALL_FILES = ("config.json", INDEX_FILE, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+# What a conversion needs from a repo, as huggingface_hub allow_patterns (documentation; the download itself asks for
+# the exact names, so that a sub-folder's or a duplicate's *.safetensors is never fetched).
+ALLOW_PATTERNS = ("*.safetensors",) + SMALL_FILES
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
+_FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """A checkpoint directory ready to convert, and where it came from.
+
+    provenance = {"source": repo id or absolute path, "revision": 40-hex commit sha (None for a local directory),
+                  "files": {name: {"size": int, "sha256": hex str or None}}}; sha256 is the LFS sha256 the hub
+    reports (None for files the hub keeps in git, and for every file of a local directory).
+    """
+
+    local_dir: str
+    provenance: dict = field(default_factory=dict)
+
+
+def looks_like_repo_id(src: str) -> bool:
+    return bool(_REPO_ID.match(src)) and ".." not in src and "--" not in src and len(src) <= 96 + 1 + 96
+
+
+def resolve_source(src: str, revision: str | None = None, progress: bool = True, *,
+                   cache_dir: str | None = None) -> ResolvedSource:
+    """A local directory (used as is) or a hub repo id ``owner/name`` (downloaded, pinned, into the HF cache).
+
+    `cache_dir` defaults to huggingface_hub's (HF_HUB_CACHE, else HF_HOME/hub). Raises MoepackError (one line)."""
+    if os.path.exists(src):
+        return _resolve_local(src, revision)
+    if not looks_like_repo_id(src):
+        raise MoepackError(f"{src}: no such directory (and not a Hugging Face repo id, which is owner/name)")
+    plan = _HubPlan.make(src, revision, cache_dir)
+    if plan.offline:
+        return plan.source()
+    with _hub_errors(plan.repo, plan.revision):
+        _snapshot(plan, plan.small + plan.shards, progress)
+    plan.finish()
+    return plan.source()
+
+
+# ----------------------------------------------------------------------------------------------------------- local
+
+
+def _resolve_local(src: str, revision: str | None) -> ResolvedSource:
+    path = os.path.abspath(src)
+    if revision is not None:
+        raise MoepackError(f"--revision {revision} applies to Hugging Face repos, but {src} is a local directory")
+    if not os.path.isdir(path):
+        raise MoepackError(f"{src}: not a directory")
+    names = [n for n in SMALL_FILES if os.path.isfile(os.path.join(path, n))]
+    if INDEX_FILE in names:
+        shards = _index_shards(os.path.join(path, INDEX_FILE), where=path)
+        for shard in shards:
+            if not os.path.isfile(os.path.join(path, shard)):
+                raise MoepackError(f"{path}: {INDEX_FILE} lists shard {shard}, which is not in the directory")
+    else:
+        shards = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")
+                        and os.path.isfile(os.path.join(path, n)))
+    files = {n: {"size": os.path.getsize(os.path.join(path, n)), "sha256": None} for n in names + shards}
+    return ResolvedSource(local_dir=path, provenance={"source": path, "revision": None, "files": files})
+
+
+def _index_shards(index_path: str, where: str) -> list[str]:
+    """The shard names an index lists, sorted; MoepackError if the index is unreadable or points outside."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MoepackError(f"{where}: {INDEX_FILE} is not valid JSON ({_one_line(e)})") from None
+    except OSError as e:
+        raise MoepackError(f"{where}: cannot read {INDEX_FILE} ({e.strerror or e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise MoepackError(f"{where}: {INDEX_FILE} has no weight_map")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if "/" in shard or "\\" in shard or shard in (".", ".."):
+            raise MoepackError(f"{where}: {INDEX_FILE} lists shard {shard!r} outside the checkpoint directory")
+    return shards
+
+
+# ------------------------------------------------------------------------------------------------------------- hub
+
+
+@dataclass
+class _HubPlan:
+    """A hub repo pinned to one commit: which files to fetch and what the hub says about them."""
+
+    repo: str
+    revision: str  # as asked (branch, tag or sha)
+    sha: str
+    cache_dir: str
+    snapshot_dir: str
+    small: list[str]
+    shards: list[str]
+    files: dict  # name -> {"size", "sha256"}
+    offline: bool
+
+    @classmethod
+    def make(cls, repo: str, revision: str | None, cache_dir: str | None) -> "_HubPlan":
+        from huggingface_hub import constants
+
+        rev = revision or constants.DEFAULT_REVISION
+        cache = os.path.abspath(os.path.expanduser(cache_dir or constants.HF_HUB_CACHE))
+        if constants.is_offline_mode():
+            return cls._from_cache(repo, rev, cache)
+        return cls._from_hub(repo, rev, cache)
+
+    # -- online: ask the hub, fetch the small files, check the index against the repo before any big download
+
+    @classmethod
+    def _from_hub(cls, repo: str, rev: str, cache: str) -> "_HubPlan":
+        from huggingface_hub import HfApi
+
+        with _hub_errors(repo, rev):
+            info = HfApi().model_info(repo, revision=rev, files_metadata=True)
+        sha = (info.sha or "").lower()
+        if not _FULL_SHA.match(sha):
+            raise MoepackError(f"{repo}@{rev}: the hub did not report a commit sha "
+                               f"(is HF_ENDPOINT a Hugging Face hub?)")
+        listed = {}
+        for s in info.siblings or []:
+            lfs = s.lfs
+            size = lfs.size if lfs is not None else s.size
+            listed[s.rfilename] = {"size": size, "sha256": lfs.sha256.lower() if lfs is not None else None}
+        at = f"{repo}@{sha[:12]}"
+        if "config.json" not in listed:
+            raise MoepackError(f"{at}: the repo has no config.json")
+        small = [n for n in SMALL_FILES if n in listed]
+        plan = cls(repo=repo, revision=rev, sha=sha, cache_dir=cache, snapshot_dir="", small=small, shards=[],
+                   files={}, offline=False)
+        plan.files = {n: listed[n] for n in small}
+        with _hub_errors(repo, rev):
+            plan.snapshot_dir = _snapshot(plan, small, progress=False)
+        for name in small:
+            plan.check_file(name)
+        if INDEX_FILE in listed:
+            shards = _index_shards(os.path.join(plan.snapshot_dir, INDEX_FILE), where=at)
+            absent = [s for s in shards if s not in listed]
+            if absent:
+                more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+                raise MoepackError(f"{at}: {INDEX_FILE} lists shard {absent[0]}{more}, which the repo does not have")
+        else:
+            shards = sorted(n for n in listed if n.endswith(".safetensors") and "/" not in n)
+            if not shards:
+                raise MoepackError(f"{at}: the repo has no *.safetensors weights at its top level")
+        plan.shards = shards
+        plan.files = {n: listed[n] for n in small + shards}
+        return plan
+
+    # -- offline (HF_HUB_OFFLINE=1): the same answer from the cache alone
+
+    @classmethod
+    def _from_cache(cls, repo: str, rev: str, cache: str) -> "_HubPlan":
+        from huggingface_hub import HfApi
+        from huggingface_hub.file_download import repo_folder_name
+
+        not_cached = (f"HF_HUB_OFFLINE is set and {repo}@{rev} is not in the local cache ({cache}); "
+                      f"download it once with network access")
+        try:
+            sha = str(HfApi().resolve_revision(repo, revision=rev, cache_dir=cache, local_files_only=True).resolved)
+        except Exception:
+            raise MoepackError(not_cached) from None
+        sha = sha.strip().lower()
+        storage = os.path.join(cache, repo_folder_name(repo_id=repo, repo_type="model"))
+        snap = os.path.join(storage, "snapshots", sha)
+        if not _FULL_SHA.match(sha) or not os.path.isdir(snap):
+            raise MoepackError(not_cached)
+        at = f"{repo}@{sha[:12]}"
+        tree = _cached_tree(storage, sha)  # what the repo holds at that commit, if huggingface_hub kept the listing
+        if tree is not None:
+            small = [n for n in SMALL_FILES if n in tree]
+        else:
+            small = [n for n in SMALL_FILES if os.path.isfile(os.path.join(snap, n))]
+        missing = [n for n in small if not os.path.isfile(os.path.join(snap, n))]
+        if "config.json" not in small:
+            missing.insert(0, "config.json")
+        if not missing:
+            if INDEX_FILE in small:
+                shards = _index_shards(os.path.join(snap, INDEX_FILE), where=at)
+            else:
+                names = tree if tree is not None else os.listdir(snap)
+                shards = sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
+                if not shards:
+                    missing.append("*.safetensors")
+            missing += [s for s in shards if not os.path.isfile(os.path.join(snap, s))]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise MoepackError(f"HF_HUB_OFFLINE is set and the cached snapshot of {at} is incomplete (missing "
+                               f"{missing[0]}{more}); rerun with network access to finish the download")
+        files = {}
+        for n in small + shards:
+            p = os.path.join(snap, n)
+            entry = tree.get(n) if tree is not None else None
+            sha256 = entry["sha256"] if entry is not None else _sha256_from_blob_name(p)
+            files[n] = {"size": os.path.getsize(p), "sha256": sha256}
+        return cls(repo=repo, revision=rev, sha=sha, cache_dir=cache, snapshot_dir=snap, small=small, shards=shards,
+                   files=files, offline=True)
+
+    def source(self) -> ResolvedSource:
+        return ResolvedSource(local_dir=self.snapshot_dir,
+                              provenance={"source": self.repo, "revision": self.sha, "files": dict(self.files)})
+
+    def check_file(self, name: str) -> str:
+        """The downloaded file's path, after checking it is there at the size the hub reported."""
+        p = os.path.join(self.snapshot_dir, name)
+        if not os.path.isfile(p):
+            raise MoepackError(f"{self.repo}@{self.sha[:12]}: {name} is missing after the download")
+        want = self.files.get(name, {}).get("size")
+        if want is not None and os.path.getsize(p) != want:
+            raise MoepackError(f"{self.repo}@{self.sha[:12]}: {name} is {os.path.getsize(p)} bytes, the hub says "
+                               f"{want}; delete it from {self.cache_dir} and retry")
+        return p
+
+    def finish(self) -> None:
+        """Check every shard arrived, then point the cache's refs/<revision> at the sha (for later offline runs)."""
+        for name in self.shards:
+            self.check_file(name)
+        self.write_ref()
+
+    def write_ref(self) -> None:
+        if self.revision != self.sha:
+            _write_ref(self.cache_dir, self.repo, self.revision, self.sha)
+
+
+def _snapshot(plan: _HubPlan, names: list[str], progress: bool) -> str:
+    import glob
+
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(plan.repo, revision=plan.sha, cache_dir=plan.cache_dir,
+                             allow_patterns=[glob.escape(n) for n in names], tqdm_class=_tqdm_class(progress))
+
+
+@functools.lru_cache(maxsize=None)
+def _tqdm_class(progress: bool):
+    """progress=True: huggingface_hub's bars (they honour HF_HUB_DISABLE_PROGRESS_BARS and stay off when stderr is not
+    a terminal), with bytes/s on the byte bars -- snapshot_download's aggregate bars only show a rate for Xet
+    transfers. progress=False: no bars at all."""
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    class RateBars(hf_tqdm):
+        def __init__(self, *args, **kwargs):
+            fmt = kwargs.get("bar_format")
+            if kwargs.get("unit") == "B" and fmt:
+                kwargs["bar_format"] = ("{l_bar}{bar}| {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}, {rate_fmt}]"
+                                        if "{total_fmt" in fmt else "{desc}: {n_fmt}B [{elapsed}, {rate_fmt}]")
+            super().__init__(*args, **kwargs)
+
+    class QuietBars(hf_tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return RateBars if progress else QuietBars
+
+
+def _write_ref(cache_dir: str, repo: str, revision: str, sha: str) -> None:
+    from huggingface_hub.file_download import repo_folder_name
+
+    ref = os.path.join(cache_dir, repo_folder_name(repo_id=repo, repo_type="model"), "refs", *revision.split("/"))
+    try:
+        os.makedirs(os.path.dirname(ref), exist_ok=True)
+        if os.path.isfile(ref):
+            with open(ref) as f:
+                if f.read().strip() == sha:
+                    return
+        tmp = f"{ref}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(sha)
+        os.replace(tmp, ref)
+    except OSError:
+        pass  # best effort, as huggingface_hub does: a read-only cache still converts
+
+
+def _cached_tree(storage: str, sha: str) -> dict | None:
+    """{path: {"size", "sha256"}} from huggingface_hub's cached tree listing of that commit, or None."""
+    try:
+        from huggingface_hub._tree_cache import read_tree_cache
+
+        entries = read_tree_cache(storage, sha)
+    except Exception:
+        return None
+    if entries is None:
+        return None
+    return {path: {"size": e.lfs_size if e.lfs_size is not None else e.size,
+                   "sha256": e.lfs_sha256.lower() if e.lfs_sha256 else None} for path, e in entries.items()}
+
+
+def _sha256_from_blob_name(path: str) -> str | None:
+    """In huggingface_hub's cache an LFS file's blob is named by its sha256 (the hub's etag for LFS files)."""
+    try:
+        name = os.path.basename(os.readlink(path))
+    except OSError:
+        return None
+    return name if _SHA256.match(name) else None
+
+
+# ------------------------------------------------------------------------------------------- shards as they arrive
+
+
+class ShardFeed:
+    """Shards of a resolved source, handed over one by one as their download completes (see
+    iter_shards_as_they_arrive). Iterating yields (shard name, path) in download order; `wait(name)` blocks for one
+    shard. A failed download raises its MoepackError from `wait` / the iteration. Use as a context manager, or call
+    close(), to stop the download thread early."""
+
+    def __init__(self, source: ResolvedSource, shards: list[str], plan: _HubPlan | None, progress: bool):
+        self.source = source
+        self.shards = list(shards)
+        self._plan = plan
+        self._progress = progress
+        self._done = {s: threading.Event() for s in self.shards}
+        self._paths: dict[str, str] = {}
+        self._errors: dict[str, MoepackError] = {}
+        self._stop = threading.Event()
+        self._thread = None
+        if plan is None or plan.offline:  # everything is already on disk
+            for s in self.shards:
+                self._paths[s] = os.path.join(source.local_dir, s)
+                self._done[s].set()
+        else:
+            self._thread = threading.Thread(target=self._run, name="moepack-shard-download", daemon=True)
+            self._thread.start()
+
+    @property
+    def local_dir(self) -> str:
+        return self.source.local_dir
+
+    @property
+    def provenance(self) -> dict:
+        return self.source.provenance
+
+    def _run(self) -> None:
+        from huggingface_hub import hf_hub_download
+
+        plan = self._plan
+        failed: MoepackError | None = None
+        for shard in self.shards:
+            if failed is None and self._stop.is_set():
+                failed = MoepackError(f"{plan.repo}: download of {shard} cancelled")
+            if failed is None:
+                try:
+                    with _hub_errors(plan.repo, plan.revision):
+                        hf_hub_download(plan.repo, shard, revision=plan.sha, cache_dir=plan.cache_dir,
+                                        tqdm_class=_tqdm_class(self._progress))
+                    self._paths[shard] = plan.check_file(shard)
+                except MoepackError as e:
+                    failed = e
+                except BaseException as e:  # never leave a waiter hanging
+                    why = _one_line(e) or type(e).__name__
+                    failed = MoepackError(f"{plan.repo}: downloading {shard} failed ({why})")
+            if failed is not None:
+                self._errors[shard] = failed
+            self._done[shard].set()
+        if failed is None:
+            plan.write_ref()  # every shard was checked as it arrived
+
+    def wait(self, shard: str, timeout: float | None = None) -> str:
+        """The local path of `shard` once it is completely downloaded."""
+        event = self._done.get(shard)
+        if event is None:
+            raise MoepackError(f"{shard} is not a shard of {self.source.provenance.get('source')}")
+        if not event.wait(timeout):
+            raise MoepackError(f"timed out waiting for {shard} to download")
+        if shard in self._errors:
+            raise self._errors[shard]
+        return self._paths[shard]
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        for shard in self.shards:
+            yield shard, self.wait(shard)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop downloading after the file in progress (waiting for it unless wait=False; the thread is a daemon)."""
+        self._stop.set()
+        if wait and self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> "ShardFeed":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait=exc_type is None)
+
+
+def iter_shards_as_they_arrive(src: str, revision: str | None = None, progress: bool = True, *,
+                               cache_dir: str | None = None, order: list[str] | None = None) -> ShardFeed:
+    """Resolve `src` like resolve_source, but return before the shards are downloaded: a background thread fetches
+    them one at a time (in `order`, default: sorted, i.e. index order) and the returned ShardFeed hands each over as
+    soon as it is complete. config.json, the index and the tokenizer files are already on disk when this returns, and
+    `feed.provenance` is final. A local directory (or an offline cached snapshot) yields its shards at once."""
+    if os.path.exists(src):
+        source = _resolve_local(src, revision)
+        shards = _ordered([n for n in source.provenance["files"] if n.endswith(".safetensors")], order, src)
+        return ShardFeed(source, shards, None, progress)
+    if not looks_like_repo_id(src):
+        raise MoepackError(f"{src}: no such directory (and not a Hugging Face repo id, which is owner/name)")
+    plan = _HubPlan.make(src, revision, cache_dir)
+    return ShardFeed(plan.source(), _ordered(plan.shards, order, src), plan, progress)
+
+
+def _ordered(shards: list[str], order: list[str] | None, src: str) -> list[str]:
+    if order is None:
+        return sorted(shards)
+    if sorted(order) != sorted(shards):
+        raise MoepackError(f"{src}: the requested shard order does not name exactly the checkpoint's shards")
+    return list(order)
+
+
+# ---------------------------------------------------------------------------------------------------------- errors
+
+
+def _one_line(e: object) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+class _hub_errors:
+    """Turn whatever huggingface_hub / the network raises into one MoepackError line."""
+
+    def __init__(self, repo: str, revision: str):
+        self.repo, self.revision = repo, revision
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, MoepackError):
+            return False
+        raise MoepackError(_describe(exc, self.repo, self.revision)) from None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out, seen = [], set()
+    pending = [exc]
+    while pending:
+        e = pending.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        out.append(e)
+        pending += [e.__cause__, e.__context__]
+    return out
+
+
+def _describe(exc: Exception, repo: str, revision: str) -> str:
+    from huggingface_hub import constants, errors
+
+    try:
+        import httpx2 as http  # huggingface_hub >= 2
+    except ImportError:  # pragma: no cover - older huggingface_hub (httpx)
+        import httpx as http
+
+    def err(name):  # a class that never matches when this huggingface_hub lacks it
+        return getattr(errors, name, None) or type(name, (Exception,), {})
+
+    GatedRepoError, HfHubHTTPError = err("GatedRepoError"), err("HfHubHTTPError")
+    HFValidationError = err("HFValidationError")
+    IncompleteSnapshotError, OfflineModeIsEnabled = err("IncompleteSnapshotError"), err("OfflineModeIsEnabled")
+    RepositoryNotFoundError, RevisionNotFoundError = err("RepositoryNotFoundError"), err("RevisionNotFoundError")
+    RemoteEntryNotFoundError = err("RemoteEntryNotFoundError")
+    chain = _chain(exc)
+
+    def find(*types):
+        return next((e for e in chain if isinstance(e, types)), None)
+
+    endpoint = constants.ENDPOINT
+    url = f"{endpoint}/{repo}"
+    if find(OfflineModeIsEnabled):
+        return (f"HF_HUB_OFFLINE is set and {repo}@{revision} is not (completely) in the local cache; "
+                f"download it once with network access")
+    if (e := find(GatedRepoError)) is not None:
+        code = e.response.status_code if e.response is not None else "401/403"
+        return (f"{repo} is a gated repo (HTTP {code}): accept its terms at {url} and set HF_TOKEN to a token "
+                f"of an account that has access")
+    if find(RevisionNotFoundError):
+        return f"{repo}: revision {revision!r} not found on the hub (give a branch, a tag or a commit sha)"
+    if (e := find(RepositoryNotFoundError)) is not None:
+        return (f"{repo}: no such local directory, and the hub has no model repo {repo} (if it is private, set "
+                f"HF_TOKEN to a token with access)")
+    if (e := find(RemoteEntryNotFoundError)) is not None:
+        name = str(e.response.url).rsplit("/", 1)[-1] if e.response is not None else "a file"
+        return f"{repo}@{revision}: the repo does not have {name}"
+    if (e := find(HfHubHTTPError)) is not None and e.response is not None:
+        code = e.response.status_code
+        server_msg = e.response.headers.get("X-Error-Message")
+        detail = f": {_one_line(server_msg)}" if server_msg else ""
+        if code == 401:
+            return f"{repo}: the hub rejected the token (HTTP 401{detail}); check HF_TOKEN"
+        if code == 403:
+            return f"{repo}: access denied by the hub (HTTP 403{detail}); check HF_TOKEN and the repo's access rights"
+        if code >= 500:
+            return f"{repo}: the hub at {endpoint} failed (HTTP {code}); try again later (a rerun resumes)"
+        return f"{repo}: the hub answered HTTP {code}{detail} for {e.response.url}"
+    if (e := find(http.TimeoutException)) is not None:
+        return (f"cannot reach the Hugging Face hub at {endpoint} (timed out); check the network, or set "
+                f"HF_HUB_OFFLINE=1 to use an already downloaded snapshot")
+    if (e := find(http.ProxyError)) is not None:
+        return f"cannot reach the Hugging Face hub at {endpoint} through the proxy ({_one_line(e)})"
+    if (e := find(http.ConnectError, http.NetworkError, ConnectionError)) is not None:
+        why = _one_line(e) or "connection failed"
+        return (f"network unavailable: cannot reach the Hugging Face hub at {endpoint} ({why}); "
+                f"check the network, or set HF_HUB_OFFLINE=1 to use an already downloaded snapshot")
+    if (e := find(http.TransportError)) is not None:
+        return f"download from {endpoint} failed ({type(e).__name__}: {_one_line(e)}); rerun to resume"
+    if (e := find(IncompleteSnapshotError)) is not None:
+        return f"{repo}@{revision}: the cached snapshot is incomplete and the hub cannot be reached"
+    if (e := find(HFValidationError)) is not None:
+        return f"{repo}: not a valid Hugging Face repo id ({_one_line(e)})"
+    if (e := find(OSError)) is not None:
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        return f"{repo}: download failed: {_one_line(e.strerror or e)}{where}"
+    return f"{repo}: download failed ({type(exc).__name__}: {_one_line(exc)})"

@@ -1,0 +1,636 @@
+"""packer/hub.py against a fake Hugging Face hub (no network: a ThreadingHTTPServer on 127.0.0.1).
+
+The fake hub implements what huggingface_hub 2.4 calls for `model_info` / `snapshot_download` / `hf_hub_download`:
+  GET  /api/models/{repo}/revision/{rev}[?blobs=True]   repo info: sha, siblings (+ size, blobId, lfs with blobs)
+  GET  /api/models/{repo}/tree/{rev}?recursive=True     the tree listing snapshot_download caches per commit
+  HEAD/GET /{repo}/resolve/{rev}/{file}                 git files: 200 + ETag, X-Repo-Commit, Content-Length;
+                                                        LFS files: 302 to a "CDN" + X-Linked-Etag/-Size, X-Repo-Commit
+  GET  http://localhost:{port}/cdn/{sha256}             the "CDN" (another host name: no Authorization may reach it),
+                                                        with Range (206) support
+and the hub's error headers (X-Error-Code: RepoNotFound / RevisionNotFound / EntryNotFound / GatedRepo).
+
+Each resolution runs in a subprocess, with HF_ENDPOINT, HF_HOME, HF_TOKEN, HF_HUB_OFFLINE set before huggingface_hub
+is imported (it reads them at import time), exactly as a user's `moepack convert` would; HF_HOME is a tmp directory,
+so the user's cache and token are never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+MAIN_SHA = "a" * 8 + "1" * 32
+OLD_SHA = "b" * 8 + "2" * 32
+REPO = "acme/tiny-moe"
+SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+NEEDED = {"config.json", "model.safetensors.index.json", "tokenizer.json", "generation_config.json", *SHARDS}
+TOKEN = "hf_testtoken123"
+
+
+# ------------------------------------------------------------------------------------------------- the checkpoint
+
+
+def _st_bytes(tensors: dict, tmp: str) -> bytes:
+    save_file(tensors, tmp)
+    with open(tmp, "rb") as f:
+        return f.read()
+
+
+def make_checkpoint(tmp_path, seed: int, shards=SHARDS, index_extra=(), big: str | None = None) -> dict[str, bytes]:
+    """A two-shard fake checkpoint plus files a conversion must not fetch; shard `big` gets 24 MiB of tensors
+    (more than huggingface_hub's 10 MiB download chunk, so that a cut connection has something to resume from)."""
+    rng = np.random.default_rng(seed)
+    scratch = str(tmp_path / f"scratch-{seed}.safetensors")
+    files: dict[str, bytes] = {}
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        shape = (3072, 1024) if shard == big else (8, 4)
+        tensors = {f"model.layers.{i}.mlp.experts.{e}.w1.weight": rng.standard_normal(shape, np.float32)
+                   for e in range(2)}
+        files[shard] = _st_bytes(tensors, scratch)
+        weight_map.update({k: shard for k in tensors})
+    for name in index_extra:  # shards the index lists but the repo lacks
+        weight_map[f"model.layers.9.{name}.weight"] = name
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    files["model.safetensors.index.json"] = json.dumps(index).encode()
+    files["config.json"] = json.dumps({"model_type": "tiny_moe", "seed": seed}).encode()
+    files["tokenizer.json"] = json.dumps({"version": "1.0", "model": {"type": "BPE"}}).encode()
+    files["generation_config.json"] = b'{"do_sample": false}'
+    files["README.md"] = b"# not needed\n"
+    files[".gitattributes"] = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
+    files["original/huge.bin"] = os.urandom(256 << 10)  # must never be fetched
+    return files
+
+
+def _is_lfs(path: str) -> bool:
+    return path.endswith((".safetensors", ".bin"))
+
+
+def _blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------- the fake hub
+
+
+class FakeRepo:
+    def __init__(self, commits: dict, refs: dict, private: bool = False, gated: bool = False):
+        self.commits = commits  # sha -> {path: bytes}
+        self.refs = refs  # branch / tag -> sha
+        self.private = private  # needs `Authorization: Bearer TOKEN` everywhere, else 401 RepoNotFound
+        self.gated = gated  # info and tree are public; file downloads need TOKEN (401 without, 403 with another)
+
+    def sha_for(self, rev: str) -> str | None:
+        if rev in self.refs:
+            return self.refs[rev]
+        return rev if rev in self.commits else None
+
+
+class FakeHub:
+    def __init__(self):
+        self.repos: dict[str, FakeRepo] = {}
+        self.log: list[dict] = []
+        self.cdn: dict[str, bytes] = {}  # sha256 -> bytes
+        self.drop_once: set[str] = set()  # file names whose first content GET is cut half way
+        self.fail_once: set[str] = set()  # file names whose first content GET answers 500
+        self.delay: dict[str, float] = {}  # file name -> seconds to wait before sending its content
+        self.lock = threading.Lock()
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                hub._handle(self, head=True)
+
+            def do_GET(self):
+                hub._handle(self, head=False)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+        self.thread.start()
+
+    def add_repo(self, repo_id: str, repo: FakeRepo) -> None:
+        self.repos[repo_id] = repo
+        for files in repo.commits.values():
+            for path, data in files.items():
+                if _is_lfs(path):
+                    self.cdn[hashlib.sha256(data).hexdigest()] = data
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    # -- log queries
+
+    def requests(self, kind: str | None = None) -> list[dict]:
+        with self.lock:
+            return [r for r in self.log if kind is None or r["kind"] == kind]
+
+    def content_gets(self) -> list[str]:
+        """Names of the files whose bytes were sent (a resolve GET of a git file, or a CDN GET)."""
+        return [r["file"] for r in self.requests() if r["method"] == "GET" and r["kind"] in ("resolve", "cdn")
+                and r.get("status") in (200, 206)]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.log.clear()
+
+    # -- request handling
+
+    def _handle(self, h: BaseHTTPRequestHandler, head: bool) -> None:
+        url = urlsplit(h.path)
+        parts = [unquote(p) for p in url.path.split("/")[1:]]
+        entry = {"method": h.command, "path": url.path, "query": parse_qs(url.query), "host": h.headers.get("Host"),
+                 "auth": h.headers.get("Authorization"), "range": h.headers.get("Range"), "kind": "other",
+                 "t0": time.time()}
+        with self.lock:
+            self.log.append(entry)
+        try:
+            if parts[:2] == ["api", "models"] and len(parts) >= 4:
+                self._api(h, entry, f"{parts[2]}/{parts[3]}", parts[4:])
+            elif len(parts) >= 5 and parts[2] == "resolve":
+                self._resolve(h, entry, f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]), head)
+            elif parts[:1] == ["cdn"] and len(parts) == 2:
+                self._cdn(h, entry, parts[1], head)
+            else:
+                self._error(h, entry, 404, None, "Not found")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        entry["t1"] = time.time()
+
+    def _send(self, h, entry, status: int, headers: dict, body: bytes = b"", head: bool = False,
+              cut: bool = False) -> None:
+        entry["status"] = status
+        h.send_response(status)
+        headers = {"Content-Length": str(len(body)), **headers}
+        for k, v in headers.items():
+            h.send_header(k, v)
+        h.end_headers()
+        if head:
+            return
+        if cut:  # send half, then drop the connection
+            h.wfile.write(body[: len(body) // 2])
+            h.wfile.flush()
+            h.close_connection = True
+            try:
+                h.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
+        h.wfile.write(body)
+
+    def _error(self, h, entry, status, code, message, extra=None, head=False) -> None:
+        headers = {"Content-Type": "application/json", "X-Error-Message": message, **(extra or {})}
+        if code:
+            headers["X-Error-Code"] = code
+        self._send(h, entry, status, headers, json.dumps({"error": message}).encode(), head=head)
+
+    def _auth_ok(self, h) -> bool:
+        return h.headers.get("Authorization") == f"Bearer {TOKEN}"
+
+    def _repo_or_error(self, h, entry, repo_id, head=False):
+        repo = self.repos.get(repo_id)
+        if repo is None or (repo.private and not self._auth_ok(h)):
+            status = 404 if repo is None else 401  # the hub's answer to a private repo without access
+            self._error(h, entry, status, "RepoNotFound", "Repository not found", head=head)
+            return None
+        return repo
+
+    def _api(self, h, entry, repo_id, rest) -> None:
+        entry["kind"] = "tree" if rest[:1] == ["tree"] else "info"
+        repo = self._repo_or_error(h, entry, repo_id)
+        if repo is None:
+            return
+        if rest[:1] == ["revision"] and len(rest) == 2:
+            rev = rest[1]
+        elif rest[:1] == ["tree"] and len(rest) >= 2:
+            rev = rest[1]
+        elif not rest:
+            rev = "main"
+        else:
+            return self._error(h, entry, 404, None, "Not found")
+        sha = repo.sha_for(rev)
+        if sha is None:
+            return self._error(h, entry, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        files = repo.commits[sha]
+        if entry["kind"] == "info":
+            blobs = entry["query"].get("blobs", ["false"])[0].lower() == "true"
+            siblings = []
+            for path, data in sorted(files.items()):
+                s = {"rfilename": path}
+                if blobs:
+                    s.update(size=len(data), blobId=_blob_id(data))
+                    if _is_lfs(path):
+                        s["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                siblings.append(s)
+            body = {"_id": "0" * 24, "id": repo_id, "modelId": repo_id, "sha": sha, "private": repo.private,
+                    "gated": "manual" if repo.gated else False, "disabled": False, "downloads": 0, "likes": 0,
+                    "tags": [], "lastModified": "2026-01-01T00:00:00.000Z", "siblings": siblings}
+        else:
+            body, dirs = [], set()
+            for path, data in sorted(files.items()):
+                for i in range(1, path.count("/") + 1):
+                    d = "/".join(path.split("/")[:i])
+                    if d not in dirs:
+                        dirs.add(d)
+                        body.append({"type": "directory", "oid": _blob_id(d.encode()), "size": 0, "path": d})
+                e = {"type": "file", "oid": _blob_id(data), "size": len(data), "path": path}
+                if _is_lfs(path):
+                    e["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                body.append(e)
+        self._send(h, entry, 200, {"Content-Type": "application/json"}, json.dumps(body).encode())
+
+    def _resolve(self, h, entry, repo_id, rev, path, head) -> None:
+        entry.update(kind="resolve", file=path, rev=rev)
+        repo = self._repo_or_error(h, entry, repo_id, head=head)
+        if repo is None:
+            return
+        sha = repo.sha_for(rev)
+        if sha is None:
+            return self._error(h, entry, 404, "RevisionNotFound", f"Invalid rev id: {rev}", head=head)
+        if repo.gated and not self._auth_ok(h):
+            status = 403 if h.headers.get("Authorization") else 401
+            msg = (f"Access to model {repo_id} is restricted and you are not in the authorized list."
+                   if status == 403 else f"Access to model {repo_id} is restricted. You must have access to it and "
+                   "be authenticated to access it. Please log in.")
+            return self._error(h, entry, status, "GatedRepo", msg, {"X-Repo-Commit": sha}, head=head)
+        files = repo.commits[sha]
+        if path not in files:
+            return self._error(h, entry, 404, "EntryNotFound", "Entry not found", {"X-Repo-Commit": sha}, head=head)
+        data = files[path]
+        if _is_lfs(path):
+            sha256 = hashlib.sha256(data).hexdigest()
+            headers = {"Location": f"http://localhost:{self.port}/cdn/{sha256}", "X-Repo-Commit": sha,
+                       "X-Linked-Etag": f'"{sha256}"', "X-Linked-Size": str(len(data)), "ETag": f'"{_blob_id(data)}"'}
+            return self._send(h, entry, 302, headers, head=head)
+        if not head and self._inject(h, entry, path):
+            return
+        headers = {"Content-Type": "application/octet-stream", "ETag": f'"{_blob_id(data)}"', "X-Repo-Commit": sha,
+                   "Accept-Ranges": "bytes"}
+        self._send(h, entry, 200, headers, data, head=head)
+
+    def _cdn(self, h, entry, sha256, head) -> None:
+        entry["kind"] = "cdn"
+        data = self.cdn.get(sha256)
+        if data is None:
+            return self._error(h, entry, 404, None, "NoSuchKey", head=head)
+        name = next(p for repo in self.repos.values() for files in repo.commits.values() for p, d in files.items()
+                    if d is data or d == data)
+        entry["file"] = name
+        if not head and self._inject(h, entry, name):
+            return
+        headers = {"Content-Type": "application/octet-stream", "ETag": f'"{sha256}"', "Accept-Ranges": "bytes"}
+        rng = h.headers.get("Range")
+        if rng and rng.startswith("bytes="):
+            start_s, _, end_s = rng[len("bytes="):].partition("-")
+            start = int(start_s)
+            end = int(end_s) if end_s else len(data) - 1
+            headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+            return self._send(h, entry, 206, headers, data[start: end + 1], head=head)
+        cut = False
+        with self.lock:
+            if name in self.drop_once:
+                self.drop_once.discard(name)
+                cut = True
+        self._send(h, entry, 200, headers, data, head=head, cut=cut)
+
+    def _inject(self, h, entry, name) -> bool:
+        """Failure injection for content requests; True if the response was sent."""
+        if name in self.delay:
+            time.sleep(self.delay[name])
+        with self.lock:
+            fail = name in self.fail_once
+            self.fail_once.discard(name)
+        if fail:
+            self._error(h, entry, 500, None, "Internal Error")
+            return True
+        return False
+
+
+# --------------------------------------------------------------------------------------------------------- harness
+
+DRIVER = r"""
+import json, os, sys, time
+from moepack.format_spec.errors import MoepackError
+from moepack.packer import hub
+
+args = json.loads(sys.argv[1])
+try:
+    if args.get("feed"):
+        got = []
+        with hub.iter_shards_as_they_arrive(args["src"], args.get("revision"), progress=False) as feed:
+            for shard, path in feed:
+                got.append({"shard": shard, "path": path, "t": time.time(), "size": os.path.getsize(path)})
+        out = {"local_dir": feed.local_dir, "provenance": feed.provenance, "got": got}
+    else:
+        r = hub.resolve_source(args["src"], args.get("revision"), progress=args.get("progress", False))
+        out = {"local_dir": r.local_dir, "provenance": r.provenance}
+    out["listing"] = sorted(os.path.relpath(os.path.join(d, f), out["local_dir"])
+                            for d, _, fs in os.walk(out["local_dir"]) for f in fs)
+except MoepackError as e:
+    print(json.dumps({"error": str(e)}))
+    sys.exit(1)
+print(json.dumps(out))
+"""
+
+
+class Result:
+    def __init__(self, proc: subprocess.CompletedProcess):
+        self.rc = proc.returncode
+        self.stderr = proc.stderr
+        lines = proc.stdout.strip().splitlines()
+        self.data = json.loads(lines[-1]) if lines else {}
+        assert "Traceback" not in proc.stderr, proc.stderr
+
+    @property
+    def error(self) -> str:
+        assert self.rc == 1 and "error" in self.data, (self.rc, self.data, self.stderr)
+        msg = self.data["error"]
+        assert "\n" not in msg and msg.strip() == msg and msg, msg
+        return msg
+
+    @property
+    def ok(self) -> dict:
+        assert self.rc == 0, (self.rc, self.data, self.stderr)
+        return self.data
+
+
+@pytest.fixture
+def hub(tmp_path):
+    h = FakeHub()
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    return make_checkpoint(tmp_path, 0), make_checkpoint(tmp_path, 1)
+
+
+@pytest.fixture
+def tiny(hub, checkpoints):
+    main, old = checkpoints
+    hub.add_repo(REPO, FakeRepo({MAIN_SHA: main, OLD_SHA: old}, {"main": MAIN_SHA, "v1.0": OLD_SHA}))
+    return main, old
+
+
+def run(tmp_path, endpoint: str, src: str, revision: str | None = None, *, offline=False, token=None, feed=False,
+        progress=False, cwd=None, env_extra=None) -> Result:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_")) and "proxy" not in k.lower()}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_DISABLE_UPDATE_CHECK="1", NO_PROXY="*", HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5")
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    if token:
+        env["HF_TOKEN"] = token
+    env.update(env_extra or {})
+    args = json.dumps({"src": src, "revision": revision, "feed": feed, "progress": progress})
+    cwd = cwd or tmp_path / "cwd"
+    os.makedirs(cwd, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-c", DRIVER, args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+    return Result(proc)
+
+
+def _sha256(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def _check_provenance(prov: dict, files: dict, sha: str, repo: str = REPO) -> None:
+    assert prov["source"] == repo and prov["revision"] == sha
+    assert set(prov["files"]) == NEEDED
+    for name, meta in prov["files"].items():
+        assert meta["size"] == len(files[name])
+        assert meta["sha256"] == (_sha256(files[name]) if name.endswith(".safetensors") else None)
+
+
+# ----------------------------------------------------------------------------------------------------------- tests
+
+
+def test_branch_pins_sha_and_fetches_only_needed_files(tmp_path, hub, tiny):
+    main, _ = tiny
+    out = run(tmp_path, hub.url, REPO).ok
+    assert os.path.basename(out["local_dir"]) == MAIN_SHA
+    assert set(out["listing"]) == NEEDED
+    for name in NEEDED:
+        with open(os.path.join(out["local_dir"], name), "rb") as f:
+            assert f.read() == main[name]
+    assert load_file(os.path.join(out["local_dir"], SHARDS[1]))  # a real safetensors file
+    _check_provenance(out["provenance"], main, MAIN_SHA)
+    # The branch was resolved once (repo info with file metadata), then everything was read at the sha.
+    infos = hub.requests("info")
+    assert [r["path"] for r in infos] == [f"/api/models/{REPO}/revision/main"]
+    assert infos[0]["query"].get("blobs") == ["True"] or infos[0]["query"].get("blobs") == ["true"]
+    assert {r["rev"] for r in hub.requests("resolve")} == {MAIN_SHA}
+    # Never the README, the .gitattributes or original/huge.bin; every needed file exactly once.
+    fetched = [r["file"] for r in hub.requests("resolve")]
+    assert not {"README.md", ".gitattributes", "original/huge.bin"} & set(fetched)
+    assert sorted(hub.content_gets()) == sorted(NEEDED)
+    # LFS bytes came from the "CDN" (after the hub's 302), and no token was involved.
+    assert {r["file"] for r in hub.requests("cdn")} == set(SHARDS)
+    assert all(r["auth"] is None for r in hub.requests())
+    # refs/main now points at the sha (what offline mode reads).
+    ref = tmp_path / "hf_home" / "hub" / "models--acme--tiny-moe" / "refs" / "main"
+    assert ref.read_text() == MAIN_SHA
+
+
+def test_second_call_is_served_from_cache(tmp_path, hub, tiny):
+    first = run(tmp_path, hub.url, REPO).ok
+    hub.clear()
+    second = run(tmp_path, hub.url, REPO).ok
+    assert second == first
+    # Only the branch -> sha look-up; no tree listing, no HEAD, no file bytes.
+    assert [r["kind"] for r in hub.requests()] == ["info"]
+
+
+def test_tag_and_sha_revisions(tmp_path, hub, tiny):
+    main, old = tiny
+    out = run(tmp_path, hub.url, REPO, "v1.0").ok
+    assert os.path.basename(out["local_dir"]) == OLD_SHA
+    _check_provenance(out["provenance"], old, OLD_SHA)
+    with open(os.path.join(out["local_dir"], "config.json"), "rb") as f:
+        assert f.read() == old["config.json"]
+    assert {r["rev"] for r in hub.requests("resolve")} == {OLD_SHA}
+    hub.clear()
+    out = run(tmp_path, hub.url, REPO, MAIN_SHA).ok
+    _check_provenance(out["provenance"], main, MAIN_SHA)
+    assert [r["path"] for r in hub.requests("info")] == [f"/api/models/{REPO}/revision/{MAIN_SHA}"]
+
+
+def test_offline_resolves_from_cache_to_the_same_sha(tmp_path, hub, tiny):
+    online = run(tmp_path, hub.url, REPO).ok
+    run(tmp_path, hub.url, REPO, "v1.0").ok
+    hub.clear()
+    offline = run(tmp_path, hub.url, REPO, offline=True).ok
+    assert offline == online  # same snapshot, same sha, same sizes and LFS sha256s
+    assert run(tmp_path, hub.url, REPO, "v1.0", offline=True).ok["provenance"]["revision"] == OLD_SHA
+    assert run(tmp_path, hub.url, REPO, MAIN_SHA, offline=True).ok["provenance"] == online["provenance"]
+    msg = run(tmp_path, hub.url, REPO, "dev", offline=True).error  # a branch never downloaded
+    assert "HF_HUB_OFFLINE" in msg and f"{REPO}@dev" in msg
+    assert hub.requests() == []
+
+
+def test_offline_with_incomplete_cache(tmp_path, hub, tiny):
+    out = run(tmp_path, hub.url, REPO).ok
+    path = os.path.join(out["local_dir"], SHARDS[1])  # as if the run had stopped before this shard: no blob, no link
+    os.unlink(os.path.realpath(path))
+    os.unlink(path)
+    msg = run(tmp_path, hub.url, REPO, offline=True).error
+    assert "incomplete" in msg and SHARDS[1] in msg and "HF_HUB_OFFLINE" in msg
+    # Online again, only the missing shard is fetched.
+    hub.clear()
+    assert run(tmp_path, hub.url, REPO).ok == out
+    assert hub.content_gets() == [SHARDS[1]]
+
+
+def test_offline_with_empty_cache(tmp_path, hub, tiny):
+    msg = run(tmp_path, hub.url, REPO, offline=True).error
+    assert "HF_HUB_OFFLINE" in msg and REPO in msg and "not in the local cache" in msg
+    assert hub.requests() == []
+
+
+def test_unknown_repo(tmp_path, hub, tiny):
+    msg = run(tmp_path, hub.url, "acme/no-such-model").error
+    assert "acme/no-such-model" in msg and "no model repo" in msg
+    assert hub.requests("info")[0]["status"] == 404
+
+
+def test_unknown_revision(tmp_path, hub, tiny):
+    msg = run(tmp_path, hub.url, REPO, "no-such-branch").error
+    assert "'no-such-branch'" in msg and "revision" in msg and REPO in msg
+
+
+def test_index_lists_a_shard_the_repo_lacks(tmp_path, hub):
+    files = make_checkpoint(tmp_path, 2, index_extra=["model-00003-of-00003.safetensors"])
+    hub.add_repo("acme/broken", FakeRepo({MAIN_SHA: files}, {"main": MAIN_SHA}))
+    msg = run(tmp_path, hub.url, "acme/broken").error
+    assert "model-00003-of-00003.safetensors" in msg and "acme/broken" in msg
+    assert not set(SHARDS) & set(hub.content_gets())  # found out before any shard was downloaded
+
+
+def test_server_down(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    msg = run(tmp_path, f"http://127.0.0.1:{port}", REPO).error
+    assert msg.startswith("network unavailable") and f"127.0.0.1:{port}" in msg and "HF_HUB_OFFLINE=1" in msg
+
+
+def test_token_is_sent_as_bearer(tmp_path, hub, checkpoints):
+    main, _ = checkpoints
+    hub.add_repo("acme/private", FakeRepo({MAIN_SHA: main}, {"main": MAIN_SHA}, private=True))
+    out = run(tmp_path, hub.url, "acme/private", token=TOKEN).ok
+    _check_provenance(out["provenance"], main, MAIN_SHA, repo="acme/private")
+    on_hub = [r for r in hub.requests() if r["kind"] != "cdn"]
+    assert on_hub and all(r["auth"] == f"Bearer {TOKEN}" for r in on_hub)
+    assert all(r["auth"] is None for r in hub.requests("cdn"))  # never sent off the hub's host
+    # Without the token a private repo looks like a missing one.
+    msg = run(tmp_path / "no-token", hub.url, "acme/private").error
+    assert "acme/private" in msg and "HF_TOKEN" in msg
+
+
+@pytest.mark.parametrize("token,status", [(None, 401), ("hf_someoneelse", 403)])
+def test_gated_repo(tmp_path, hub, checkpoints, token, status):
+    hub.add_repo("acme/gated", FakeRepo({MAIN_SHA: checkpoints[0]}, {"main": MAIN_SHA}, gated=True))
+    msg = run(tmp_path, hub.url, "acme/gated", token=token).error
+    assert "acme/gated is a gated repo" in msg and f"HTTP {status}" in msg and "HF_TOKEN" in msg
+    # ...and with an authorised token it downloads.
+    assert run(tmp_path, hub.url, "acme/gated", token=TOKEN).ok["provenance"]["revision"] == MAIN_SHA
+
+
+def test_dropped_connection_resumes_with_range(tmp_path, hub):
+    files = make_checkpoint(tmp_path, 4, big=SHARDS[1])
+    hub.add_repo(REPO, FakeRepo({MAIN_SHA: files}, {"main": MAIN_SHA}))
+    hub.drop_once.add(SHARDS[1])  # the connection drops after half of the 24 MiB
+    out = run(tmp_path, hub.url, REPO).ok
+    with open(os.path.join(out["local_dir"], SHARDS[1]), "rb") as f:
+        assert f.read() == files[SHARDS[1]]
+    ranged = [r for r in hub.requests("cdn") if r["range"]]
+    assert [r["file"] for r in ranged] == [SHARDS[1]] and ranged[0]["status"] == 206
+    start = int(ranged[0]["range"].removeprefix("bytes=").removesuffix("-"))
+    assert 0 < start <= len(files[SHARDS[1]]) // 2  # picked up where the received bytes ended, not from 0
+
+
+def test_interrupted_run_only_fetches_what_is_missing(tmp_path, hub, tiny):
+    hub.fail_once.add(SHARDS[1])
+    msg = run(tmp_path, hub.url, REPO).error
+    assert "HTTP 500" in msg and REPO in msg
+    first = hub.content_gets()
+    hub.clear()
+    out = run(tmp_path, hub.url, REPO).ok
+    assert SHARDS[1] in hub.content_gets() and not set(hub.content_gets()) & set(first)
+    assert set(out["listing"]) == NEEDED
+
+
+def test_local_directory(tmp_path, hub):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    files = make_checkpoint(tmp_path, 3)
+    for name in NEEDED:
+        (d / name).write_bytes(files[name])
+    out = run(tmp_path, hub.url, str(d)).ok
+    assert out["local_dir"] == str(d) and out["provenance"]["source"] == str(d)
+    assert out["provenance"]["revision"] is None
+    assert out["provenance"]["files"] == {n: {"size": len(files[n]), "sha256": None} for n in NEEDED}
+    # A relative path that happens to look like owner/name is a directory if it exists.
+    (tmp_path / "cwd" / "acme").mkdir(parents=True)
+    os.symlink(d, tmp_path / "cwd" / "acme" / "tiny-moe")
+    assert run(tmp_path, hub.url, REPO).ok["provenance"]["source"] == str(tmp_path / "cwd" / "acme" / "tiny-moe")
+    assert hub.requests() == []
+    assert "--revision" in run(tmp_path, hub.url, str(d), "main").error
+    assert "no such directory" in run(tmp_path, hub.url, "./nope").error
+    (d / SHARDS[1]).unlink()
+    assert SHARDS[1] in run(tmp_path, hub.url, str(d)).error
+
+
+def test_progress_bars(tmp_path, hub, tiny):
+    # TQDM_POSITION=-1 makes huggingface_hub draw its bars although stderr is a pipe here.
+    quiet = run(tmp_path / "quiet", hub.url, REPO, progress=False, env_extra={"TQDM_POSITION": "-1"})
+    assert quiet.ok and quiet.stderr.strip() == ""
+    shown = run(tmp_path / "shown", hub.url, REPO, progress=True, env_extra={"TQDM_POSITION": "-1"})
+    assert shown.ok and "B/s" in shown.stderr  # bytes per second on the byte bars
+
+
+def test_shards_as_they_arrive(tmp_path, hub, tiny):
+    main, _ = tiny
+    hub.delay[SHARDS[1]] = 0.6
+    out = run(tmp_path, hub.url, REPO, feed=True).ok
+    assert [g["shard"] for g in out["got"]] == SHARDS
+    assert [g["size"] for g in out["got"]] == [len(main[s]) for s in SHARDS]
+    _check_provenance(out["provenance"], main, MAIN_SHA)
+    assert set(out["listing"]) == NEEDED
+    # The first shard was handed over while the second was still downloading.
+    last = next(r for r in hub.requests("cdn") if r["file"] == SHARDS[1] and r["method"] == "GET")
+    assert out["got"][0]["t"] < last["t1"]
+    # Downloads in index order, one at a time: shard 2's bytes were asked for after shard 1's were sent.
+    first = next(r for r in hub.requests("cdn") if r["file"] == SHARDS[0] and r["method"] == "GET")
+    assert first["t1"] <= last["t0"]
+    # Once complete, the branch ref is written and the cache answers offline.
+    hub.clear()
+    assert run(tmp_path, hub.url, REPO, offline=True).ok["provenance"] == out["provenance"]
+
+
+def test_shards_as_they_arrive_failure(tmp_path, hub, tiny):
+    hub.fail_once.add(SHARDS[1])
+    msg = run(tmp_path, hub.url, REPO, feed=True).error
+    assert "HTTP 500" in msg
