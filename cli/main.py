@@ -76,21 +76,45 @@ def synth(out_dir, preset, layout, seed, as_json):
         f"{r.get('bytes', 0) / 2**20:.1f} MiB in {len(r.get('files', []))} files"))
 
 
+_POLICY_FLAGS = (
+    ("fp4", "Routed experts MXFP4 (lossless from the release's FP4), other linears Q8_0."),
+    ("nvfp4", "Routed experts NVFP4, other linears Q8_0."),
+    ("q8", "All linears Q8_0."),
+    ("q2", "Routed gate/up IQ2_XXS, down Q2_K (~2.25 bits/weight), other linears Q8_0."),
+    ("bf16", "FP8/FP4 weights widened to BF16 (lossless); the reference path."),
+    ("keep", "Every tensor in its source storage type (lossless)."),
+)
+
+
+def _policy_options(fn):
+    for name, help_text in reversed(_POLICY_FLAGS):
+        fn = click.option(f"--{name}", "policy", flag_value=name, help=help_text)(fn)
+    return fn
+
+
 @cli.command()
 @click.argument("src")
 @click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Container to write.")
-@click.option("--keep", "policy", flag_value="keep", required=True,
-              help="Keep every tensor in its source storage type (lossless).")
+@_policy_options
+@click.option("--revision", help="Hub branch, tag or commit (resolved to a commit and recorded).")
+@click.option("--workers", type=click.IntRange(min=1), help="CPU threads for (de)quantization (default: all).")
+@click.option("--drop-mtp", is_flag=True, help="Leave out the multi-token-prediction block(s) (prefill never reads them).")
 @json_option
 @reports_errors
-def convert(src, out, policy, as_json):
-    """Pack a checkpoint directory SRC into a container."""
+def convert(src, out, policy, revision, workers, drop_mtp, as_json):
+    """Convert SRC (a hub repo id such as deepseek-ai/DeepSeek-V4-Flash, or a local checkpoint directory) into a
+    container. Rerunning an interrupted conversion resumes it."""
     from moepack.packer.convert import convert_checkpoint
 
-    result = convert_checkpoint(src, out, policy=policy, progress=not as_json)
+    if policy is None:
+        raise click.UsageError("choose a precision policy: --fp4, --nvfp4, --q8, --q2, --bf16 or --keep")
+    result = convert_checkpoint(src, out, policy=policy, progress=not as_json, revision=revision, workers=workers,
+                                drop_mtp=drop_mtp)
     _emit(as_json, result, lambda r: click.echo(
-        f"wrote {r['output']}: {r['tensors']} tensors in {r['regions']} regions, "
-        f"{r['bytes_out'] / 2**20:.1f} MiB, {r['seconds']:.1f} s ({r['in_mb_per_s']:.0f} MB/s in)"))
+        f"wrote {r['output']} ({policy}): {r['tensors']} tensors in {r['regions']} regions, "
+        f"{r['bytes_out'] / 2**20:.1f} MiB, {r['seconds']:.1f} s ({r['in_mb_per_s']:.0f} MB/s in, "
+        f"{r['out_mb_per_s']:.0f} MB/s out); experts {r['expert_bits_per_weight']} bits/weight"
+        + (f", resumed after {r['resumed_regions']} regions" if r["resumed_regions"] else "")))
 
 
 @cli.command()
@@ -137,10 +161,13 @@ def _print_summary(s: dict) -> None:
 
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--source", help="Also compare every tensor with this checkpoint (hub id or directory).")
+@click.option("--revision", help="Revision of --source on the hub.")
 @json_option
 @reports_errors
-def verify(file, as_json):
-    """Check a container's structure and every checksum (reads the whole file)."""
+def verify(file, source, revision, as_json):
+    """Check a container's structure and every checksum (reads the whole file); with --source, also dequantize
+    every tensor and compare it with the checkpoint it was converted from."""
     from moepack.format_spec.reader import Container
     from moepack.format_spec.verify import verify_container
     from moepack.packer.progress import progress_bar
@@ -148,10 +175,29 @@ def verify(file, as_json):
     with Container(file) as c:  # the cheap structural checks first: a broken file fails before any bar shows
         total = c.file_size
     with progress_bar(total, "verify", not as_json) as bar:
-        report = verify_container(file, on_bytes=bar.update)
-    _emit(as_json, report.as_dict(), lambda r: click.echo(
-        f"{file}: OK ({r['regions']} regions, {r['tensors']} tensors, {r['bytes_read'] / 2**20:.1f} MiB "
-        f"at {r['gb_per_s']:.2f} GB/s)"))
+        result = verify_container(file, on_bytes=bar.update).as_dict()
+    if source is not None:
+        from moepack.packer.fidelity import compare_with_source, raise_on_failures
+
+        result["source_check"] = compare_with_source(file, source, revision=revision, progress=not as_json)
+        if as_json and not result["source_check"]["ok"]:
+            click.echo(json.dumps({**result, "ok": False}, indent=1, default=str))
+            sys.exit(EXIT_ERROR)
+        raise_on_failures(result["source_check"])
+    _emit(as_json, result, _print_verify)
+
+
+def _print_verify(r: dict) -> None:
+    click.echo(f"{r['path']}: OK ({r['regions']} regions, {r['tensors']} tensors, {r['bytes_read'] / 2**20:.1f} MiB "
+               f"at {r['gb_per_s']:.2f} GB/s)")
+    s = r.get("source_check")
+    if s:
+        click.echo(f"  matches {s['source']}: {s['bit_identical']} tensors bit-identical, {s['value_identical']} "
+                   f"value-identical, {s['lossy']} within their thresholds")
+        for t, agg in s["by_type"].items():
+            click.echo(f"  {t:>8}: {agg['tensors']} tensors, worst relative RMSE {agg['max_rel_rmse']:.4f}")
+        for w in s["worst"][:5]:
+            click.echo(f"    {w['tensor']}: {w['stored']} rel RMSE {w['rel_rmse']:.4f}, max abs {w['max_abs_error']:.3g}")
 
 
 @cli.command()

@@ -23,6 +23,9 @@ class Adapter:
     expert_order: tuple[str, ...]  # projection names in stored order: gate, up, down
     global_order: tuple[str, ...]  # globals first in this order (read order: embedding first), then the rest sorted
     packed_fp4: re.Pattern  # I8 tensors matching this hold two e2m1 codes per byte
+    dense_linear: re.Pattern  # the linears other than routed experts (attention, shared expert, indexer, ...)
+    embedding_head: tuple[str, ...]
+    expert_projections: dict  # expert projection name -> policy role
 
     def canonical(self, name: str) -> str:
         for pattern, repl in self.renames:
@@ -38,6 +41,21 @@ class Adapter:
         if e:
             return "expert", m.group("block"), int(e.group("expert"))
         return "dense", m.group("block"), None
+
+    def role(self, name: str, shape) -> str:
+        """The tensor's precision-policy role (format_spec/policies.py): which storage type a policy gives it."""
+        if name.endswith(".scale") or len(shape) < 2:
+            return "exact"
+        if name in self.embedding_head:
+            return "embedding_head"
+        m = self.block_pattern.match(name)
+        if m:
+            e = self.expert_pattern.match(m.group("rest"))
+            if e:
+                return self.expert_projections.get(e.group("proj"), "exact")
+            if self.dense_linear.search(m.group("rest")):
+                return "dense_linear"
+        return "exact"
 
     def expert_sort_key(self, name: str):
         e = self.expert_pattern.match(self.block_pattern.match(name).group("rest"))
@@ -64,6 +82,11 @@ DEEPSEEK_V4 = Adapter(
     expert_order=("w1", "w3", "w2"),
     global_order=("embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"),
     packed_fp4=re.compile(r"\.ffn\.experts\.[0-9]+\.w[0-9]+\.weight$"),
+    # the router (ffn.gate.weight) is not here: policies keep it exact
+    dense_linear=re.compile(r"^(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|attn\.(?:indexer\.)?compressor\.(?:wkv|wgate)"
+                            r"|attn\.indexer\.(?:wq_b|weights_proj)|ffn\.shared_experts\.w[123]|[eh]_proj)\.weight$"),
+    embedding_head=("embed.weight", "head.weight"),
+    expert_projections={"w1": "routed_gate_up", "w3": "routed_gate_up", "w2": "routed_down"},
 )
 
 ADAPTERS = {a.architecture: a for a in (DEEPSEEK_V4,)}

@@ -1,28 +1,38 @@
-"""Checkpoint directory -> container, region by region in read order.
+"""Checkpoint (hub id or local directory) -> container, region by region in read order.
 
-Only one region's source bytes are in memory at a time (the largest is the embedding or one layer's dense block),
-whatever the model's size.
+Three stages overlap: a reader thread fetches the next regions' source bytes, the main thread converts the current
+region (dequantize the release's FP8/FP4 with their scales, quantize to the policy's type; torch spreads that over
+every core), and a writer thread appends the previous region to the container. At most a few regions' bytes are in
+memory at once, whatever the model's size. After each block the output is made durable and resumable: a rerun of
+the same command continues after the last complete block and produces the same bytes as an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
-from moepack.format_spec.dtypes import FROM_SAFETENSORS
+import torch
+
+from moepack.format_spec import quants
+from moepack.format_spec.decode import as_uint8, decode_float, decode_tensor, scale_name
+from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import parse_block_name, region_name
+from moepack.format_spec.policies import POLICY_NAMES, policy as policy_table, target_type
 from moepack.format_spec.writer import ContainerWriter
 
 from .arch import Adapter, adapter_for
 from .progress import progress_bar
 from .source import CheckpointDir, SourceTensor
 
-POLICIES_IMPLEMENTED = ("keep",)
+READ_AHEAD = 2  # regions read ahead of the one being converted
 
 
-def plan_regions(adapter: Adapter, tensors: dict[str, SourceTensor]):
+def plan_regions(adapter: Adapter, tensors: dict[str, SourceTensor], drop_mtp: bool = False):
     """Group source tensors into regions in read order.
 
     Returns a list of (kind, block, expert, [(canonical name, source tensor)]): globals, then each block
@@ -38,6 +48,8 @@ def plan_regions(adapter: Adapter, tensors: dict[str, SourceTensor]):
             raise MoepackError(f"tensors {seen[name]} and {source_name} both map to {name}")
         seen[name] = source_name
         kind, block, expert = adapter.place(name)
+        if drop_mtp and block is not None and block.startswith("mtp."):
+            continue
         if kind == "global":
             globals_.append((name, t))
         elif kind == "dense":
@@ -60,66 +72,185 @@ def plan_regions(adapter: Adapter, tensors: dict[str, SourceTensor]):
     return plan
 
 
-def stored_type_and_shape(adapter: Adapter, name: str, t: SourceTensor) -> tuple[str, list[int]]:
-    """Keep policy: the source's own storage type; packed FP4 gets its own type and its logical shape."""
+def source_type_and_shape(adapter: Adapter, name: str, t: SourceTensor) -> tuple[str, list[int]]:
+    """The source's storage type and logical shape; packed FP4 (I8 [out, in/2]) is FP4_E2M1 [out, in]."""
     if t.dtype == "I8" and adapter.packed_fp4.search(name):
         return "FP4_E2M1", [*t.shape[:-1], t.shape[-1] * 2]
     return FROM_SAFETENSORS[t.dtype], list(t.shape)
 
 
-def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool = True) -> dict:
-    if policy not in POLICIES_IMPLEMENTED:
-        raise MoepackError(f"policy {policy!r} is not available yet (available: {', '.join(POLICIES_IMPLEMENTED)})")
+class RegionConverter:
+    """Turns one region's source tensors into the tensors the policy stores (name, type, shape, bytes)."""
+
+    def __init__(self, adapter: Adapter, policy: str):
+        self.adapter = adapter
+        self.policy = policy
+
+    def convert(self, items: list[tuple[str, SourceTensor]], data: dict[str, bytes]) -> list[tuple]:
+        names = {name for name, _ in items}
+        out = []
+        consumed: set[str] = set()
+        for name, t in items:
+            if name in consumed:
+                continue
+            dtype, shape = source_type_and_shape(self.adapter, name, t)
+            sname = scale_name(name)
+            has_scale = sname in names
+            target = target_type(self.policy, self.adapter.role(name, shape), dtype, shape)
+            if target is None:
+                out.append((name, dtype, shape, data[name]))
+                continue
+            scale = None
+            if has_scale:
+                st = dict(items)[sname]
+                scale = decode_tensor(FROM_SAFETENSORS[st.dtype], st.shape, data[sname])
+                consumed.add(sname)
+            out.append((name, target, shape, self._requantize(name, dtype, shape, data[name], scale, target)))
+        # a scale whose weight was kept stays, in the weight's order
+        return [o for o in out if o[0] not in consumed]
+
+    def _requantize(self, name, dtype, shape, raw, scale, target) -> memoryview:
+        if target == "MXFP4" and dtype == "FP4_E2M1" and scale is not None:
+            # lossless: the same codes and exponents, nibbles rearranged into ggml's order
+            packed = as_uint8(raw).view(*shape[:-1], shape[-1] // 2)
+            blocks = quants.fp4_to_mxfp4(packed, scale.view(torch.uint8))
+        else:
+            values = decode_float(dtype, shape, raw, scale)
+            if target == "BF16":
+                blocks = values.to(torch.bfloat16).view(torch.uint8)
+            elif target == "F32":
+                blocks = values.view(torch.uint8)
+            else:
+                blocks = quants.quantize_torch(values, target)
+        blocks = blocks.contiguous().reshape(-1)
+        if blocks.numel() != tensor_nbytes(target, shape):
+            raise MoepackError(f"{name}: {target} conversion produced {blocks.numel()} bytes")
+        return memoryview(blocks.numpy())
+
+
+def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool = True, revision: str | None = None,
+                       workers: int | None = None, drop_mtp: bool = False) -> dict:
+    if policy not in POLICY_NAMES:
+        raise MoepackError(f"unknown policy {policy!r} (choose from {', '.join(POLICY_NAMES)})")
+    out_dir = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(out_dir):
+        raise MoepackError(f"output directory {out_dir} does not exist")
     start = time.perf_counter()
-    source = CheckpointDir(src)
+    from .hub import resolve_source
+
+    resolved = resolve_source(src, revision=revision, progress=progress)
+    source = CheckpointDir(resolved.local_dir)
+    if workers:
+        torch.set_num_threads(workers)
     try:
         adapter = adapter_for(source.config)
-        plan = plan_regions(adapter, source.tensors)
-        total = sum(t.length for t in source.tensors.values())
-        out_dir = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(out_dir):
-            raise MoepackError(f"output directory {out_dir} does not exist")
-        job = {"source": os.path.abspath(src), "policy": policy, "files": source.file_sizes(),
+        plan = plan_regions(adapter, source.tensors, drop_mtp)
+        converter = RegionConverter(adapter, policy)
+        job = {"source": resolved.provenance["source"], "revision": resolved.provenance.get("revision"),
+               "policy": policy, "drop_mtp": drop_mtp, "files": source.file_sizes(),
                "tensors": len(source.tensors)}
-        writer = ContainerWriter(out, job=job, resume=True)
+        total_in = sum(t.length for _, _, _, items in plan for _, t in items)
+        read_bar = progress_bar(total_in, "read", progress)
+        write_bar = progress_bar(0, "write", progress)
+        writer = ContainerWriter(out, job=job, resume=True, on_bytes=write_bar.update)
         resumed = _skip_completed(plan, writer.completed)
-        bar = progress_bar(total, "convert", progress)
-        bar.update(sum(t.length for _, _, _, items in plan[:resumed] for _, t in items))
-        counts: dict[str, int] = defaultdict(int)
+        read_bar.update(sum(t.length for _, _, _, items in plan[:resumed] for _, t in items))
         try:
-            for i, (kind, block, expert, items) in enumerate(plan):
-                if i < resumed:
-                    continue
-                writer.begin_region(kind, block=block, expert=expert, tensor=items[0][0] if kind == "global" else None)
-                for name, t in items:
-                    dtype, shape = stored_type_and_shape(adapter, name, t)
-                    data = source.read(t)
-                    writer.add_tensor(name, dtype, shape, data)
-                    bar.update(len(data))
-                writer.end_region()
-                if i + 1 == len(plan) or plan[i + 1][1] != block:
-                    writer.checkpoint()  # a layer (or the globals) is complete: a rerun resumes after it
-            for kind, block, expert, items in plan:
-                for name, t in items:
-                    counts[stored_type_and_shape(adapter, name, t)[0]] += 1
+            _run_pipeline(plan, resumed, source, converter, writer, read_bar)
             writer.finish(
                 config=source.config, architecture=adapter.architecture,
-                policy={"name": policy, "lossless": True},
-                tokenizer=source.side_files(),
-                provenance={"source": os.path.abspath(src), "revision": None, "files": source.file_sizes()},
+                policy={**policy_table(policy), "drop_mtp": drop_mtp},
+                tokenizer=source.side_files(), provenance=resolved.provenance,
             )
         except BaseException:
             writer.abort()
             raise
         finally:
-            bar.close()
+            read_bar.close()
+            write_bar.close()
     finally:
         source.close()
     seconds = time.perf_counter() - start
-    out_bytes = os.path.getsize(out)
-    return {"output": out, "policy": policy, "resumed_regions": resumed, "tensors": len(source.tensors), "regions": len(plan),
-            "bytes_in": total, "bytes_out": out_bytes, "seconds": round(seconds, 3),
-            "in_mb_per_s": round(total / max(seconds, 1e-9) / 1e6, 1), "storage_types": dict(counts)}
+    return _summary(out, policy, plan, resumed, total_in, seconds)
+
+
+def _run_pipeline(plan, resumed, source, converter, writer, read_bar) -> None:
+    """read (thread) -> convert (here, all cores) -> write (thread), in plan order."""
+    write_error: list[BaseException] = []
+    lock = threading.Lock()
+
+    def read(items):
+        data = {name: source.read(t) for name, t in items}
+        read_bar.update(sum(len(b) for b in data.values()))
+        return data
+
+    def write(i, kind, block, expert, tensors):
+        if write_error:
+            return
+        try:
+            writer.begin_region(kind, block=block, expert=expert, tensor=tensors[0][0] if kind == "global" else None)
+            for name, dtype, shape, data in tensors:
+                writer.add_tensor(name, dtype, shape, data)
+            writer.end_region()
+            if i + 1 == len(plan) or plan[i + 1][1] != block:
+                writer.checkpoint()  # a block (or the globals) is complete: a rerun resumes after it
+        except BaseException as e:  # surfaced in the main thread
+            with lock:
+                write_error.append(e)
+
+    todo = list(range(resumed, len(plan)))
+    with ThreadPoolExecutor(1, thread_name_prefix="moepack-read") as readers, \
+            ThreadPoolExecutor(1, thread_name_prefix="moepack-write") as writers:
+        reads = {}
+        writes = []
+        for pos, i in enumerate(todo):
+            for j in todo[pos:pos + READ_AHEAD + 1]:
+                if j not in reads:
+                    reads[j] = readers.submit(read, plan[j][3])
+            kind, block, expert, items = plan[i]
+            tensors = converter.convert(items, reads.pop(i).result())
+            if write_error:
+                break
+            writes.append(writers.submit(write, i, kind, block, expert, tensors))
+            while len(writes) > READ_AHEAD:  # bound the converted bytes waiting for the disk
+                writes.pop(0).result()
+        for f in writes:
+            f.result()
+        for f in reads.values():
+            f.cancel()
+    if write_error:
+        raise write_error[0]
+
+
+def _summary(out, policy, plan, resumed, total_in, seconds) -> dict:
+    from moepack.format_spec.reader import Container
+
+    with Container(out) as c:
+        weights = [t for t in c.tensors.values() if not t.name.endswith(".scale")]
+        total_params = sum(_numel(t.shape) for t in weights)
+        expert_params = sum(_numel(t.shape) for t in weights if t.region.kind == "expert")
+        expert_bytes = sum(t.length for t in c.tensors.values() if t.region.kind == "expert")
+        tensor_bytes = sum(t.length for t in c.tensors.values())
+        types: dict[str, int] = defaultdict(int)
+        for t in c.tensors.values():
+            types[t.dtype] += 1
+        out_bytes = c.file_size
+    return {
+        "output": out, "policy": policy, "resumed_regions": resumed, "regions": len(plan),
+        "tensors": sum(types.values()), "bytes_in": total_in, "bytes_out": out_bytes, "seconds": round(seconds, 3),
+        "in_mb_per_s": round(total_in / max(seconds, 1e-9) / 1e6, 1),
+        "out_mb_per_s": round(out_bytes / max(seconds, 1e-9) / 1e6, 1),
+        "storage_types": dict(sorted(types.items())),
+        "expert_bits_per_weight": round(expert_bytes * 8 / expert_params, 4) if expert_params else None,
+        "bits_per_weight": round(tensor_bytes * 8 / total_params, 4) if total_params else None,
+    }
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _skip_completed(plan, completed: list[str]) -> int:

@@ -672,13 +672,16 @@ def synth_checkpoint(
     shard_bytes: int | None = None,
     progress: bool = True,
     overwrite: bool = False,
+    config_overrides: dict | None = None,
 ) -> dict:
     """Write a synthetic DeepSeek-V4 checkpoint directory (config, sharded safetensors + index, tokenizer,
-    generation config). shard_bytes=None: at least 3 shards, at most 1 GiB each. Returns a summary:
-    dir, preset, layout, files, bytes (all files written), params (logical, MTP included), seconds."""
+    generation config). shard_bytes=None: at least 3 shards, at most 1 GiB each. `config_overrides` replace
+    preset fields (e.g. more layers for a streaming-memory test; keep layer_types/mlp_layer_types consistent).
+    Returns a summary: dir, preset, layout, files, bytes (all files written), params (logical, MTP included),
+    seconds."""
     _check_layout(layout)
     started = time.perf_counter()
-    config = preset_config(preset)
+    config = {**preset_config(preset), **(config_overrides or {})}
     if layout == "release":
         config["quantization_config"] = dict(RELEASE_QUANTIZATION_CONFIG)
     config["dtype"] = "float32" if layout == "f32" else "bfloat16"

@@ -66,7 +66,7 @@ def test_errors_are_one_line_with_nonzero_exit(workdir):
     for args, message in (
         (["verify", str(workdir / "missing.moepack")], "no such file"),
         (["inspect", truncated], "truncated|damaged"),
-        (["convert", str(workdir / "nowhere"), "-o", str(workdir / "x.moepack"), "--keep"], "not a directory"),
+        (["convert", str(workdir / "nowhere"), "-o", str(workdir / "x.moepack"), "--keep"], "no such directory"),
     ):
         p = subprocess.run([sys.executable, "-m", "moepack", *args], capture_output=True, text=True)
         assert p.returncode == 1, p

@@ -98,7 +98,7 @@ def test_missing_shard_and_bad_sources(release_dir, tmp_path):
     shutil.copytree(release_dir, broken)
     shards = sorted(f for f in os.listdir(broken) if f.endswith(".safetensors"))
     os.remove(os.path.join(broken, shards[-1]))
-    with pytest.raises(MoepackError, match=f"missing shard {shards[-1]}"):
+    with pytest.raises(MoepackError, match=f"shard {shards[-1]}"):
         convert_checkpoint(broken, str(tmp_path / "x.moepack"), progress=False)
     assert not os.path.exists(tmp_path / "x.moepack")
 
