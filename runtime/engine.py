@@ -29,7 +29,7 @@ from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.reader import Block, Container, Region
 
 from . import model as v4
-from .io import HostBuffer, ReadPipeline, RegionReader
+from .io import HostBuffer, ReadPipeline, RegionReader, available_memory_bytes
 
 EXPERT_SELECTIONS = ("auto", "all", "routed")
 EXPERT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -89,6 +89,28 @@ class _Timer:
 def expected_unused_fraction(n_tokens: int, top_k: int, n_experts: int) -> float:
     """Fraction of a layer's experts that no token picks, if picks were uniform: (1 - k/E)^N."""
     return (1.0 - top_k / n_experts) ** n_tokens if n_experts else 0.0
+
+
+def estimate_working_set(cfg: "v4.ModelConfig", n_tokens: int, query_chunk: int | None, dense_bytes: int,
+                         bundle_bytes: int, depth: int, expert_params: int) -> dict[str, int]:
+    """Bytes a prefill of n_tokens needs at its peak (float32 compute), by component. Deliberately generous:
+    it decides whether to refuse a prompt before any work is done."""
+    f32 = 4
+    chunk = min(query_chunk or n_tokens, n_tokens)
+    hc, hidden = cfg.hc_mult, cfg.hidden_size
+    # residual streams (in and out of a sublayer), mHC collapse, FFN input, routed accumulator, projections
+    activations = n_tokens * hidden * f32 * (3 * hc + 8)
+    # the layer's K=V, compressor projections (2 series) and indexer keys, for every token
+    kv = n_tokens * f32 * (cfg.head_dim * 5 + cfg.index_head_dim * 4)
+    csa = max([r for r, t in zip(cfg.compress_rates, cfg.layer_types) if t == v4.CSA] or [0])
+    hca = max([r for r, t in zip(cfg.compress_rates, cfg.layer_types) if t == v4.HCA] or [0])
+    keys = cfg.sliding_window + cfg.index_topk + (n_tokens // hca if hca else 0)
+    attention = chunk * cfg.num_heads * (keys + cfg.head_dim) * f32 * 3
+    indexer = chunk * cfg.index_n_heads * (n_tokens // csa if csa else 0) * f32 * 2
+    weights = dense_bytes * 5 + bundle_bytes * (depth + 2) + expert_params * f32 * 2
+    parts = {"activations": activations, "kv": kv, "attention_chunk": attention + indexer, "weights": weights}
+    parts["total"] = sum(parts.values())
+    return parts
 
 
 def bundle_runs(expert_ids: list[int], bundle: int) -> list[tuple[int, int]]:
@@ -214,6 +236,7 @@ class StreamingPrefill:
             raise MoepackError("empty prompt")
         if int(token_ids.max()) >= cfg.vocab_size or int(token_ids.min()) < 0:
             raise MoepackError(f"token id out of range 0..{cfg.vocab_size - 1}")
+        self._check_memory(n_tokens)
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -273,6 +296,25 @@ class StreamingPrefill:
         wall = time.perf_counter() - start
         return PrefillResult(logits, int(torch.argmax(logits)), self._stats(n_tokens, wall, layer_stats), layer_stats)
 
+    def _check_memory(self, n_tokens: int) -> None:
+        """Refuse a prompt whose working set cannot fit, before reading or computing anything."""
+        layers = self.c.layers
+        expert_params = max((sum(_numel(t.shape) for t in r.tensors if not t.name.endswith(".scale"))
+                             for b in layers for r in b.experts), default=0)
+        need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
+                                    self.experts_pipe.buffer_bytes, self.opt.queue_depth, expert_params)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            where = "free device memory"
+        else:
+            free = available_memory_bytes()
+            where = "available host memory"
+        if free and need["total"] > free:
+            detail = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items() if k != "total")
+            raise MoepackError(f"a prompt of {n_tokens} tokens needs about {need['total'] / 2**30:.1f} GiB "
+                               f"({detail}) but only {free / 2**30:.1f} GiB of {where} is there: shorten the "
+                               f"prompt or lower --query-chunk")
+
     def _selection(self, layer: int, n_tokens: int, n_experts: int) -> str:
         if self.cfg.hash_layers[layer] and self.opt.expert_selection != "all":
             return "hash"
@@ -322,6 +364,13 @@ class StreamingPrefill:
         self.experts_pipe.close()
         self.dense_pipe.close()
         self.reader.close()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None,

@@ -28,7 +28,7 @@ def models(tmp_path_factory):
     """name -> (transformers model, container path) for the reference configurations, in float32 (keep policy)."""
     base = str(tmp_path_factory.mktemp("prefill"))
     out = {}
-    for name in ("A", "B", "C"):
+    for name in ("A", "B", "C", "long"):
         hf_model, _, _ = build(name, base)
         container = os.path.join(base, f"{name}.moepack")
         convert_checkpoint(os.path.join(base, name), container, progress=False)
@@ -47,7 +47,9 @@ def _reference(hf_model, ids):
 
 CASES = [("A", 1, {}), ("A", 37, {"bundle_experts": 3, "queue_depth": 1}), ("A", 301, {"query_chunk": 64}),
          ("B", 5, {"expert_selection": "all"}), ("B", 130, {"bundle_experts": 16, "expert_selection": "routed"}),
-         ("C", 20, {}), ("C", 257, {"bundle_experts": 1, "queue_depth": 8, "io_mode": "direct"})]
+         ("C", 20, {}), ("C", 257, {"bundle_experts": 1, "queue_depth": 8, "io_mode": "direct"}),
+         # several thousand tokens: many windows of every kind, index_topk far below the compressed entries
+         ("long", 2500, {"query_chunk": 256})]
 
 
 @pytest.mark.parametrize("name,n,options", CASES, ids=[f"{c[0]}-N{c[1]}-{'-'.join(c[2]) or 'default'}" for c in CASES])
@@ -178,3 +180,15 @@ def test_cli_prefill_on_a_release_layout_container(tmp_path):
     assert r.exit_code == 0 and "next token:" in r.output
     r = CliRunner().invoke(cli, ["prefill", container])
     assert r.exit_code != 0
+
+
+def test_prompt_too_long_for_memory_is_refused_before_any_read(models, monkeypatch):
+    from moepack.runtime import engine as eng
+
+    _, container = models["A"]
+    monkeypatch.setattr(eng, "available_memory_bytes", lambda: 64 << 20)  # a 64 MiB machine
+    before = _proc_read_bytes()
+    with pytest.raises(MoepackError, match=r"needs about .* GiB .* available host memory"):
+        prefill(container, _prompt(200_000, 97, 0), PrefillOptions())
+    assert _proc_read_bytes() - before < (1 << 20)
+    prefill(container, _prompt(50, 97, 0), PrefillOptions())  # a short one still fits
