@@ -208,6 +208,11 @@ def _print_verify(r: dict) -> None:
               help="File of token ids: a JSON array or whitespace-separated integers.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--kv-out", type=click.Path(file_okay=False), help="Directory for the KV cache, written layer by layer.")
+@click.option("--continue-from", type=click.Path(file_okay=False),
+              help="A KV directory of an earlier prefill on this container: the prompt continues it.")
+@click.option("--kv-dtype", type=click.Choice(["F32", "BF16", "F8_E4M3"]), default="F32", show_default=True,
+              help="Storage type of the KV's window and compressed entries (buffers stay F32).")
+@click.option("--kv-no-fsync", is_flag=True, help="Do not fsync each KV layer file as it is written (once at the end).")
 @click.option("--logits-out", type=click.Path(dir_okay=False),
               help="safetensors file for the last position's logits (key 'logits', float32 [vocab]).")
 @click.option("--bundle-experts", type=click.IntRange(min=1), default=None,
@@ -225,7 +230,8 @@ def _print_verify(r: dict) -> None:
 @click.option("--no-verify-reads", is_flag=True, help="Skip the per-region checksum of every read.")
 @json_option
 @reports_errors
-def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, logits_out, bundle_experts, queue_depth,
+def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_from, kv_dtype, kv_no_fsync,
+            logits_out, bundle_experts, queue_depth,
             io_mode, expert_selection, query_chunk, expert_dtype, no_verify_reads, as_json):
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
@@ -245,11 +251,14 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, logits_ou
                     prompt = f.read()
             except (OSError, UnicodeDecodeError) as e:
                 raise MoepackError(f"{prompt_file}: cannot read the prompt ({e})") from None
+        if continue_from is not None:
+            tokenizer.add_special_tokens = False  # a continuation: no BOS in the middle of the conversation
         ids = tokenizer.encode(prompt)
     options = PrefillOptions(device=device, bundle_experts=bundle_experts or 4, queue_depth=queue_depth or 4,
                              io_mode=io_mode, query_chunk=query_chunk, expert_selection=expert_selection,
                              verify_reads=not no_verify_reads, expert_dtype=expert_dtype)
-    result = run_prefill(file, ids, options, kv_out=kv_out)
+    result = run_prefill(file, ids, options, kv_out=kv_out, continue_from=continue_from, kv_dtype=kv_dtype,
+                         kv_sync=not kv_no_fsync)
     if logits_out:
         from moepack.runtime.outputs import write_logits
 
@@ -271,6 +280,49 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, logits_ou
         f"{s['tokens']} tokens in {s['seconds']:.2f} s ({s['tokens_per_s']:.1f} tokens/s); read "
         f"{s['bytes_read'] / 2**20:.1f} MiB ({s['io_mode']}), io busy {s['io_busy_s']:.2f} s, compute "
         f"{s['compute_busy_s']:.2f} s, overlap {s['overlap']:.2f}"))
+
+
+@cli.group()
+def kv():
+    """KV directories a prefill wrote (--kv-out): inspect them."""
+
+
+@kv.command("inspect")
+@click.argument("kv_dir", type=click.Path(file_okay=False))
+@click.option("--container", type=click.Path(dir_okay=False), help="Also check the KV was made with this container.")
+@click.option("--token-ids", "token_ids_file", type=click.Path(dir_okay=False),
+              help="Also check the KV holds exactly this prompt (JSON array or whitespace-separated ids).")
+@click.option("--no-verify", is_flag=True, help="Read the manifest only; do not hash the layer files.")
+@json_option
+@reports_errors
+def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
+    """Layers, tokens, bytes and completeness of a KV directory; every complete layer file is checked (size,
+    xxh3, tensors). Fails on a missing, truncated or damaged layer file, another model's KV, another prompt."""
+    from moepack.format_spec.kv import identity_of_container, inspect_kv
+    from moepack.format_spec.reader import Container
+    from moepack.runtime.tokenizer import read_token_ids
+
+    identity = None
+    if container is not None:
+        with Container(container) as c:
+            identity = identity_of_container(c)
+    expect = read_token_ids(token_ids_file) if token_ids_file else None
+    report = inspect_kv(kv_dir, expect_identity=identity, expect_prompt=expect, verify=not no_verify)
+
+    def human(r):
+        state = "complete" if r["complete"] else f"INCOMPLETE ({r['layers_complete']}/{r['num_layers']} layers; " \
+                                                  f"missing {r['incomplete_layers']})"
+        click.echo(f"{r['path']}: moepack KV {r['format_version']}, {state}")
+        click.echo(f"  model: {r['architecture']}, container index xxh3 {r['container_index_xxh3']}, "
+                   f"config xxh3 {r['config_xxh3']}")
+        click.echo(f"  tokens: {r['tokens']} (continued from {r['start_token']}), ids xxh3 {r['token_ids_xxh3']}; "
+                   f"next token {r['next_token']}")
+        click.echo(f"  {r['bytes'] / 2**20:.2f} MiB {r['dtype']} ({r['bytes_per_token']:.0f} B/token)"
+                   f"{'' if r['verified'] else ', files not verified'}")
+        for kind, t in r["by_type"].items():
+            click.echo(f"  {kind}: {t['layers']} layers, {t['bytes'] / 2**20:.2f} MiB")
+
+    _emit(as_json, report, human)
 
 
 @cli.command()

@@ -14,6 +14,7 @@ per layer (`expert_selection="auto"`) and reported.
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import time
@@ -229,7 +230,9 @@ class StreamingPrefill:
         return reads
 
     # --- the prefill ---------------------------------------------------------------------------------------------
-    def run(self, token_ids: torch.Tensor) -> PrefillResult:
+    def run(self, token_ids: torch.Tensor, past: list | None = None) -> PrefillResult:
+        """Prefill `token_ids`; with `past` (one LayerKVState per layer, e.g. `read_kv(...).layers`) the tokens
+        continue that state at positions P.., P = past[0].seen_tokens (the list's entries are released as used)."""
         cfg, c = self.cfg, self.c
         n_tokens = int(token_ids.numel())
         if n_tokens < 1:
@@ -241,7 +244,8 @@ class StreamingPrefill:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         token_ids = token_ids.to(self.device)
-        positions = torch.arange(n_tokens, device=self.device)
+        first = past[0].seen_tokens if past else 0
+        positions = torch.arange(first, first + n_tokens, device=self.device)
         layers = c.layers
         pending_dense = self._submit_dense(layers[0])
         streams = v4.embed(cfg, token_ids, self._read_globals(["embed.weight"])["embed.weight"])
@@ -259,12 +263,16 @@ class StreamingPrefill:
             if number + 1 < len(layers):
                 pending_dense = self._submit_dense(layers[number + 1])
             with self.compute:
-                streams, kv_state = v4.attention_sublayer(cfg, number, w, streams, positions, self.opt.query_chunk)
+                layer_past = past[number].to(self.device) if past else None
+                streams, kv_state = v4.attention_sublayer(cfg, number, w, streams, positions, self.opt.query_chunk,
+                                                          layer_past)
                 routing = v4.moe_route(cfg, number, w, streams, token_ids)
                 by_expert = routing.tokens_by_expert()
             if self.on_layer_kv is not None:
                 self.on_layer_kv(number, kv_state)  # the layer's KV is final: it leaves the device now
             del kv_state
+            if past:
+                past[number] = layer_past = None  # the old state is folded into the new one
             if reads is None:
                 reads = self._submit_experts(block, sorted(by_expert))
             routed = torch.zeros_like(routing.x)
@@ -374,15 +382,57 @@ def _numel(shape) -> int:
 
 
 def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None,
-            kv_out: str | None = None) -> PrefillResult:
-    """Open `path`, run one prefill of `token_ids` (a sequence of ints or a LongTensor), close."""
+            kv_out: str | None = None, continue_from: str | None = None, kv_dtype: str = "F32",
+            kv_sync: bool = True) -> PrefillResult:
+    """Open `path`, run one prefill of `token_ids` (a sequence of ints or a LongTensor), close.
+
+    `kv_out`: write the KV (format_spec/KV.md) there, layer by layer from a writer thread. `continue_from`: a KV
+    directory made with this container; `token_ids` are the tokens that follow its prompt (the KV written to
+    `kv_out`, which may be the same directory, covers both)."""
+    from moepack.format_spec import kv as kvf
+
     options = options or PrefillOptions()
-    if kv_out is not None:
-        raise MoepackError("--kv-out is not available yet")
     token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    if token_ids.numel() < 1:
+        raise MoepackError("empty prompt")
     with Container(path) as c:
-        engine = StreamingPrefill(c, options, on_layer_kv)
+        identity = kvf.identity_of_container(c)
+        past, all_ids, start = None, token_ids.tolist(), 0
+        if continue_from is not None:
+            kv = kvf.read_kv(continue_from, expect_identity=identity)  # whole KV in memory before any write
+            past, start, all_ids = kv.layers, kv.seen_tokens, kv.token_ids + token_ids.tolist()
+        hooks = [on_layer_kv] if on_layer_kv is not None else []
+
+        def on_kv(layer, state):
+            for hook in hooks:
+                hook(layer, state)
+
+        engine = StreamingPrefill(c, options, on_kv if hooks or kv_out is not None else None)
+        writer = None
         try:
-            return engine.run(token_ids)
+            if kv_out is not None:
+                in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
+                writer = kvf.BackgroundKVWriter(kvf.KVWriter(kv_out, identity, all_ids, dtype=kv_dtype,
+                                                             start_token=start, overwrite=in_place, sync=kv_sync))
+                hooks.insert(0, writer)
+            try:
+                result = engine.run(token_ids, past)
+            except BaseException:
+                if writer is not None:  # keep the layers written so far (the manifest says which); report the
+                    try:            # prefill's error, not a follow-up write error
+                        writer.close()
+                    except MoepackError:
+                        pass
+                raise
+            if writer is not None:
+                t0 = time.perf_counter()
+                writer.finish(result.next_token, result.logits)
+                result.stats.update(kv_out=kv_out, kv_bytes=sum(e["bytes"] for e in writer.writer.manifest["layers"]),
+                                    kv_write_busy_s=round(writer.write_seconds, 4),
+                                    kv_handoff_s=round(writer.submit_seconds, 4),
+                                    kv_finish_wait_s=round(time.perf_counter() - t0, 4))
+            if continue_from is not None:
+                result.stats.update(continued_from=continue_from, past_tokens=start)
+            return result
         finally:
             engine.close()

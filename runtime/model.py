@@ -16,6 +16,10 @@ the engine needs to interleave disk reads:
 
 `forward_resident` is exactly that loop with every weight in memory (the reference path).
 
+Continuation. A prefill leaves one `LayerKVState` per layer (format_spec/kv.py; written to disk by KVWriter, see
+format_spec/KV.md). Passing a layer's state as `past` to `attention_sublayer` (with positions P..P+N-1) runs N
+more tokens against it, layer-major like the first chunk: prefill(A) then continue(B) equals prefill(A + B).
+
 Weights. Release names (no `model.` prefix), float32. `w` is one layer's non-expert tensors keyed RELATIVE to
 the layer (`w["attn.wq_a.weight"]` for `layers.3.attn.wq_a.weight`; `layer_weights()` builds it from a full
 mapping). `w_globals` holds `embed.weight`, `head.weight`, `norm.weight`, `hc_head_{fn,base,scale}`. The
@@ -42,6 +46,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from moepack.format_spec.kv import CompressorState, LayerKVState  # noqa: F401 - re-exported
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"  # compressed every `rate` tokens (overlapping windows) + Lightning Indexer top-k
@@ -277,71 +283,69 @@ def embed(cfg: ModelConfig, token_ids: Tensor, embed_weight: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class CompressorState:
-    """One compressor's decode state after a prefill of N tokens; mirrors what transformers' DeepseekV4HCACache /
-    DeepseekV4CSACache hold under one name ("compressor" or "indexer"). d = head_dim (attention compressor) or
-    index_head_dim (indexer); width = d for HCA, 2d for CSA (two series, see `compress`)."""
-
-    compressed_kv: Tensor  # [entry_count, d] emitted entries: gated window sums, RMS-normed, RoPE'd at i*rate
-    buffer_kv: Tensor  # [N - entry_count*rate, width] raw wkv projections of the tokens after the last full window
-    buffer_gate: Tensor  # [N - entry_count*rate, width] raw wgate projections of the same tokens (no ape added)
-    entry_count: int  # entries emitted; the next window starts at position entry_count*rate
-    overlap_kv: Tensor | None = None  # CSA: [rate, d] the last full window's first series (Ca) of wkv; None if none
-    overlap_gate: Tensor | None = None  # CSA: [rate, d] its gate, ape INCLUDED (transformers stores it so)
+def _on(t: Tensor | None, like: Tensor) -> Tensor | None:
+    return None if t is None else t.to(like)
 
 
 def compress(kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, rate: int, overlapping: bool,
-             rope: RopeConfig, eps: float) -> tuple[Tensor, CompressorState]:
+             rope: RopeConfig, eps: float, past: CompressorState | None = None) -> tuple[Tensor, CompressorState]:
     """Compress the projections kv, gate [N, width] of a prompt into one entry per full window of `rate` tokens.
 
     Entry i = RMSNorm(sum over slots of softmax_slots(gate + ape) * kv), RoPE'd at position i*rate; the softmax runs
     per channel over the window's slots. HCA (not overlapping): the window's `rate` tokens. CSA (overlapping): each
     token carries two series, Ca = [..., :d] and Cb = [..., d:]; entry i pools window i-1's Ca with window i's Cb
     (2*rate slots: width 2*rate, stride rate). Window 0 has no predecessor: those slots get weight 0.
+
+    With `past` (a continuation), the new tokens follow past's buffered tokens: windows continue at entry
+    past.entry_count, the first new CSA window pools with past's overlap (the last full window's Ca), and the
+    returned entries are past's followed by the new ones; the state is the combined one.
     """
+    first_entry = 0
+    previous = None
+    if past is not None:
+        if past.buffer_kv.shape[0]:
+            kv = torch.cat([past.buffer_kv.to(kv), kv])
+            gate = torch.cat([past.buffer_gate.to(gate), gate])
+        first_entry = past.entry_count
+        previous = past.compressed_kv.to(kv)
     n_tokens, width = kv.shape
+    out_width = width // 2 if overlapping else width
     n_entries = n_tokens // rate
     used = n_entries * rate
     windows_kv = kv[:used].view(n_entries, rate, width)
     windows_gate = gate[:used].view(n_entries, rate, width) + ape
     # State tensors are cloned so they do not keep the prompt-sized projections alive.
-    state = CompressorState(compressed_kv=kv.new_zeros(0, width // 2 if overlapping else width),
-                            buffer_kv=kv[used:].clone(), buffer_gate=gate[used:].clone(), entry_count=n_entries)
+    state = CompressorState(compressed_kv=previous if previous is not None else kv.new_zeros(0, out_width),
+                            buffer_kv=kv[used:].clone(), buffer_gate=gate[used:].clone(),
+                            entry_count=first_entry + n_entries,
+                            overlap_kv=_on(past.overlap_kv, kv) if past is not None else None,
+                            overlap_gate=_on(past.overlap_gate, gate) if past is not None else None)
     if n_entries == 0:
         return state.compressed_kv, state
 
     if overlapping:
-        d = width // 2
-        # The last window's Ca is what the next (decode-time) window pools with.
+        d = out_width
+        if state.overlap_kv is not None:  # the window before the first new one closed in an earlier call
+            first_kv, first_gate = state.overlap_kv[None], state.overlap_gate[None]
+        else:
+            first_kv, first_gate = kv.new_zeros(1, rate, d), gate.new_full((1, rate, d), float("-inf"))
+        # The last window's Ca is what the next (later) window pools with.
         state.overlap_kv, state.overlap_gate = windows_kv[-1, :, :d].clone(), windows_gate[-1, :, :d].clone()
-        previous_kv = torch.cat([kv.new_zeros(1, rate, d), windows_kv[:-1, :, :d]])
-        previous_gate = torch.cat([gate.new_full((1, rate, d), float("-inf")), windows_gate[:-1, :, :d]])
+        previous_kv = torch.cat([first_kv, windows_kv[:-1, :, :d]])
+        previous_gate = torch.cat([first_gate, windows_gate[:-1, :, :d]])
         windows_kv = torch.cat([previous_kv, windows_kv[..., d:]], dim=1)  # [entries, 2*rate, d]
         windows_gate = torch.cat([previous_gate, windows_gate[..., d:]], dim=1)
 
     pooled = (windows_kv * windows_gate.softmax(dim=1)).sum(dim=1)
-    positions = torch.arange(n_entries, device=kv.device) * rate
+    positions = (torch.arange(n_entries, device=kv.device) + first_entry) * rate
     entries = apply_rope(rms_norm(pooled, norm_weight, eps), *rope_cos_sin(rope, positions))
-    state.compressed_kv = entries
-    return entries, state
+    state.compressed_kv = torch.cat([previous, entries]) if previous is not None and previous.shape[0] else entries
+    return state.compressed_kv, state
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LayerKVState:
-    """What a decode continuation needs from one layer after prefilling N tokens (mirrors transformers' per-layer
-    cache: DynamicSlidingWindowLayer for sliding-only layers, DeepseekV4HCACache / DeepseekV4CSACache otherwise)."""
-
-    layer_type: str
-    seen_tokens: int  # N (cache.cumulative_length)
-    window_kv: Tensor  # [min(N, window-1), head_dim] the shared K=V (kv_norm + RoPE) of the last window-1 tokens
-    compressor: CompressorState | None = None  # CSA and HCA: the attention's compressed KV
-    indexer: CompressorState | None = None  # CSA only: the Lightning Indexer's compressed keys
 
 
 def layer_weights(weights: Mapping[str, Tensor], layer: int) -> dict[str, Tensor]:
@@ -355,27 +359,35 @@ def _kv_norm_weight(w: Mapping[str, Tensor]) -> Tensor:
 
 
 def attention_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor, positions: Tensor,
-                       query_chunk: int | None = None) -> tuple[Tensor, LayerKVState]:
+                       query_chunk: int | None = None,
+                       past: LayerKVState | None = None) -> tuple[Tensor, LayerKVState]:
     """mHC + attention for all N tokens of one layer: streams [N, hc, H] -> (streams, kv_state).
 
-    Prefill from an empty cache: `positions` must be arange(N)."""
+    Prefill from an empty cache: `positions` must be arange(N). Continuation (`past`, the layer's state after P
+    tokens): `positions` must be arange(P, P + N); the new tokens attend to past's window, compressed entries and
+    indexer keys plus each other, and the returned state covers all P + N tokens."""
     n_tokens = streams.shape[0]
-    if not torch.equal(positions.cpu(), torch.arange(n_tokens)):
-        raise ValueError("prefill starts from an empty cache: positions must be arange(N)")
+    first = past.seen_tokens if past is not None else 0
+    if not torch.equal(positions.cpu(), torch.arange(first, first + n_tokens)):
+        raise ValueError(f"positions must be arange({first}, {first} + N): the tokens continue "
+                         f"{'the past state' if past is not None else 'an empty cache'}")
     collapsed, post, comb = hc_pre(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams)
     x = rms_norm(collapsed, w["attn_norm.weight"], cfg.rms_norm_eps)
-    out, kv_state = attention(cfg, layer, w, x, positions, query_chunk)
+    out, kv_state = attention(cfg, layer, w, x, positions, query_chunk, past)
     return hc_post(streams, out, post, comb), kv_state
 
 
 def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, positions: Tensor,
-              query_chunk: int | None = None) -> tuple[Tensor, LayerKVState]:
+              query_chunk: int | None = None, past: LayerKVState | None = None) -> tuple[Tensor, LayerKVState]:
     """x [N, H] (normed sublayer input) -> attention output [N, H], kv_state.
 
     Shared-KV MQA: one head of K=V. Each query sees the sliding window of the last `sliding_window` tokens, plus
     (HCA) every compressed entry whose window is complete, or (CSA) the index_topk complete entries the Lightning
-    Indexer picks for it; a per-head learned sink logit takes part in the softmax and absorbs weight."""
+    Indexer picks for it; a per-head learned sink logit takes part in the softmax and absorbs weight. With `past`,
+    the keys of the earlier tokens (window tail, compressed entries, indexer keys) come from it."""
     kind, rate, eps = cfg.layer_types[layer], cfg.compress_rates[layer], cfg.rms_norm_eps
+    if past is not None and past.layer_type != kind:
+        raise ValueError(f"layer {layer}: past state of a {past.layer_type} layer, the model has {kind}")
     n_tokens = x.shape[0]
     rope = cfg.main_rope if kind == SLIDING else cfg.compress_rope
     cos, sin = rope_cos_sin(rope, positions)
@@ -383,19 +395,25 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
     # Per-token projections, O(N x hidden): the query LoRA bottleneck (also the indexer's query input) and K=V.
     q_lora = rms_norm(F.linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], eps)
     kv = apply_rope(rms_norm(F.linear(x, w["attn.wkv.weight"]), _kv_norm_weight(w), eps), cos, sin)
-    state = LayerKVState(layer_type=kind, seen_tokens=n_tokens,
-                         window_kv=kv[max(0, n_tokens - (cfg.sliding_window - 1)):].clone())
+    # Sliding keys: past's window tail (the window-1 tokens before positions[0]), then the new tokens.
+    first, n_past = (0, 0) if past is None else (past.seen_tokens, past.window_kv.shape[0])
+    keys = kv if not n_past else torch.cat([past.window_kv.to(kv), kv])
+    key_positions = torch.arange(first - n_past, first + n_tokens, device=x.device)
+    state = LayerKVState(layer_type=kind, seen_tokens=first + n_tokens,
+                         window_kv=keys[max(0, keys.shape[0] - (cfg.sliding_window - 1)):].clone())
 
     compressed = index_keys = None
     if kind != SLIDING:
         compressed, state.compressor = compress(
             F.linear(x, w["attn.compressor.wkv.weight"]), F.linear(x, w["attn.compressor.wgate.weight"]),
-            w["attn.compressor.ape"], w["attn.compressor.norm.weight"], rate, kind == CSA, cfg.compress_rope, eps)
+            w["attn.compressor.ape"], w["attn.compressor.norm.weight"], rate, kind == CSA, cfg.compress_rope, eps,
+            past.compressor if past is not None else None)
     if kind == CSA:
         index_keys, state.indexer = compress(
             F.linear(x, w["attn.indexer.compressor.wkv.weight"]),
             F.linear(x, w["attn.indexer.compressor.wgate.weight"]), w["attn.indexer.compressor.ape"],
-            w["attn.indexer.compressor.norm.weight"], rate, True, cfg.compress_rope, eps)
+            w["attn.indexer.compressor.norm.weight"], rate, True, cfg.compress_rope, eps,
+            past.indexer if past is not None else None)
 
     out = x.new_empty(n_tokens, cfg.hidden_size)
     chunk = query_chunk or n_tokens
@@ -406,10 +424,10 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
         q = apply_rope(rms_norm(q, None, eps), q_cos, q_sin)  # [C, heads, D], per-head unweighted norm
 
         # Sliding window: keys at positions (p - window, p].
-        first_key = max(0, start - cfg.sliding_window + 1)
-        k_pos = positions[first_key:end]
+        first_key = max(0, n_past + start - cfg.sliding_window + 1)
+        k_pos = key_positions[first_key:n_past + end]
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - cfg.sliding_window)
-        parts = [(kv[first_key:end], _bias(visible))]
+        parts = [(keys[first_key:n_past + end], _bias(visible))]
 
         if compressed is not None and compressed.shape[0] > 0:
             # Entry i summarises positions [i*rate, (i+1)*rate): visible once the query has passed its end.
@@ -588,16 +606,24 @@ def head(cfg: ModelConfig, streams: Tensor, w_globals: Mapping[str, Tensor],
 
 
 def forward_resident(cfg: ModelConfig, weights: Mapping[str, Tensor], token_ids: Tensor,
-                     query_chunk: int | None = None, return_kv_state: bool = False):
+                     query_chunk: int | None = None, return_kv_state: bool = False,
+                     past_states: list[LayerKVState] | None = None):
     """Reference path: every weight in memory (release names), layer-major. Returns logits [N, vocab] (and the
-    per-layer LayerKVState list when return_kv_state)."""
+    per-layer LayerKVState list when return_kv_state). With `past_states` (one per layer, all after the same P
+    tokens) the N tokens continue that state at positions P..P+N-1; the states returned cover all P + N tokens."""
     n_tokens = token_ids.shape[0]
-    positions = torch.arange(n_tokens, device=token_ids.device)
+    first = 0
+    if past_states is not None:
+        if len(past_states) != cfg.num_layers or len({s.seen_tokens for s in past_states}) != 1:
+            raise ValueError("past_states: one state per layer, all after the same number of tokens")
+        first = past_states[0].seen_tokens
+    positions = torch.arange(first, first + n_tokens, device=token_ids.device)
     streams = embed(cfg, token_ids, weights["embed.weight"])
     kv_states = []
     for layer in range(cfg.num_layers):
         w = layer_weights(weights, layer)
-        streams, kv_state = attention_sublayer(cfg, layer, w, streams, positions, query_chunk)
+        past = past_states[layer] if past_states is not None else None
+        streams, kv_state = attention_sublayer(cfg, layer, w, streams, positions, query_chunk, past)
         kv_states.append(kv_state)
         routing = moe_route(cfg, layer, w, streams, token_ids)
         routed = torch.zeros_like(routing.x)

@@ -84,7 +84,8 @@ _BUILT: dict[str, tuple] = {}
 
 def build(name: str, tmp_dir: str):
     """(transformers model, ModelConfig, release-name float32 weights) for CONFIGS[name], built once."""
-    if name not in _BUILT:
+    key = (name, tmp_dir)
+    if key not in _BUILT:
         torch.manual_seed(0)
         hf_model = DeepseekV4ForCausalLM(DeepseekV4Config(**CONFIGS[name])).eval()
         _randomise(hf_model, seed=sorted(CONFIGS).index(name) + 1)
@@ -97,5 +98,5 @@ def build(name: str, tmp_dir: str):
             weights[key] = t.float() if t.is_floating_point() else t
         with open(os.path.join(out, "config.json")) as f:
             cfg = M.ModelConfig.from_hf(json.load(f))
-        _BUILT[name] = hf_model, cfg, weights
-    return _BUILT[name]
+        _BUILT[key] = hf_model, cfg, weights
+    return _BUILT[key]

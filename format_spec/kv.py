@@ -1,0 +1,878 @@
+"""The KV hand-off directory (KV.md beside this file is normative): what a prefill leaves for a decode engine.
+
+One directory per prefill: `manifest.json` plus one safetensors file per layer, each written the moment that layer's
+prefill ends, so a consumer can pull layer 0 while later layers still compute. This module holds
+
+* the per-layer state containers `LayerKVState` / `CompressorState` (the runtime produces and consumes them;
+  `moepack.runtime.model` re-exports them),
+* `KVWriter` (atomic, thread-safe layer writes, manifest rewritten after each) and `BackgroundKVWriter` (a single
+  writer thread fed from the prefill's `on_layer_kv` callback),
+* `read_kv` / `KVDirectory` (the validating reader), `inspect_kv` (what `moepack kv inspect` prints),
+* `kv_geometry` / `kv_bytes_per_token` / `kv_bytes` (the size arithmetic of docs/kv.md).
+
+Nothing here imports the runtime; torch and safetensors are needed for the state tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+import xxhash
+from safetensors.torch import load as _st_load
+from safetensors.torch import save as _st_save
+
+from .errors import FormatError, MoepackError
+
+KV_FORMAT = "moepack-kv"
+KV_MAJOR = 1
+KV_MINOR = 0
+MANIFEST_NAME = "manifest.json"
+LOGITS_NAME = "logits.safetensors"
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+COMPRESSORS = {SLIDING: (), HCA: ("compressor",), CSA: ("compressor", "indexer")}
+
+# Storage choices for the attended-over KV (window tail and compressed entries); the compressor's working state
+# (buffers, overlap) is always F32.
+KV_DTYPES = ("F32", "BF16", "F8_E4M3")
+_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn}
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
+_F8_MAX = 448.0  # largest finite float8 e4m3fn
+
+# transformers' DeepseekV4Config defaults for the keys the geometry needs (a config.json may leave them out).
+_CONFIG_DEFAULTS = dict(num_hidden_layers=43, head_dim=512, index_head_dim=128, sliding_window=128)
+_DEFAULT_RATES = {CSA: 4, HCA: 128}
+_LEGACY_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# State containers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _move(t: torch.Tensor | None, device, dtype) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.to(device=device if device is not None else t.device, dtype=dtype if dtype is not None else t.dtype)
+
+
+@dataclass
+class CompressorState:
+    """One compressor's decode state after a prefill of N tokens; mirrors what transformers' DeepseekV4HCACache /
+    DeepseekV4CSACache hold under one name ("compressor" or "indexer"). d = head_dim (attention compressor) or
+    index_head_dim (indexer); width = d for HCA, 2d for CSA (two series Ca | Cb, see runtime.model.compress)."""
+
+    compressed_kv: torch.Tensor  # [entry_count, d] emitted entries: gated window sums, RMS-normed, RoPE'd at i*rate
+    buffer_kv: torch.Tensor  # [N - entry_count*rate, width] raw wkv projections of the tokens after the last window
+    buffer_gate: torch.Tensor  # [N - entry_count*rate, width] raw wgate projections of the same tokens (no ape)
+    entry_count: int  # entries emitted; the next window starts at position entry_count*rate
+    overlap_kv: torch.Tensor | None = None  # CSA: [rate, d] the last full window's first series (Ca); None if none
+    overlap_gate: torch.Tensor | None = None  # CSA: [rate, d] its gate, ape INCLUDED (transformers stores it so)
+
+    def to(self, device=None, dtype=None) -> "CompressorState":
+        return CompressorState(_move(self.compressed_kv, device, dtype), _move(self.buffer_kv, device, dtype),
+                               _move(self.buffer_gate, device, dtype), self.entry_count,
+                               _move(self.overlap_kv, device, dtype), _move(self.overlap_gate, device, dtype))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"compressed_kv": self.compressed_kv, "buffer_kv": self.buffer_kv, "buffer_gate": self.buffer_gate}
+        if self.overlap_kv is not None:
+            out["overlap_kv"], out["overlap_gate"] = self.overlap_kv, self.overlap_gate
+        return out
+
+
+@dataclass
+class LayerKVState:
+    """What a decode continuation needs from one layer after prefilling N tokens (mirrors transformers' per-layer
+    cache: DynamicSlidingWindowLayer for sliding-only layers, DeepseekV4HCACache / DeepseekV4CSACache otherwise)."""
+
+    layer_type: str
+    seen_tokens: int  # N (cache.cumulative_length)
+    window_kv: torch.Tensor  # [min(N, window-1), head_dim] the shared K=V (kv_norm + RoPE) of the last window-1 tokens
+    compressor: CompressorState | None = None  # CSA and HCA: the attention's compressed KV
+    indexer: CompressorState | None = None  # CSA only: the Lightning Indexer's compressed keys
+
+    def to(self, device=None, dtype=None) -> "LayerKVState":
+        """A copy on `device` (and float `dtype`): e.g. `state.to("cpu")` to take a layer off the GPU."""
+        return LayerKVState(self.layer_type, self.seen_tokens, _move(self.window_kv, device, dtype),
+                            self.compressor.to(device, dtype) if self.compressor is not None else None,
+                            self.indexer.to(device, dtype) if self.indexer is not None else None)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor under its KV.md name (`window_kv`, `compressor.buffer_kv`, ...)."""
+        out = {"window_kv": self.window_kv}
+        for name in COMPRESSORS.get(self.layer_type, ()):
+            part = getattr(self, name)
+            if part is not None:
+                out.update({f"{name}.{k}": v for k, v in part.tensors().items()})
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Geometry and size arithmetic
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def kv_geometry(config: Mapping) -> dict:
+    """The shape facts of a DeepSeek-V4 config.json that the KV format depends on (read as transformers'
+    DeepseekV4Config reads them, legacy keys included): num_layers, per-layer type and compress rate (0 for
+    sliding), sliding_window, head_dim, index_head_dim."""
+    c = {**_CONFIG_DEFAULTS, **config}
+    n = c["num_hidden_layers"]
+    rates = {**_DEFAULT_RATES, **(c.get("compress_rates") or {})}
+    rates[CSA] = c.get("compress_rate_csa") or rates[CSA]
+    rates[HCA] = c.get("compress_rate_hca") or rates[HCA]
+    types = c.get("layer_types")
+    if types is None and c.get("compress_ratios") is not None:
+        types = [_LEGACY_RATIO_TO_TYPE.get(r, f"ratio {r}") for r in c["compress_ratios"]]
+    if types is None:  # transformers' default schedule: 2 HCA, then CSA/HCA alternating
+        types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+    types = list(types[:n])
+    if len(types) != n or set(types) - set(LAYER_TYPES):
+        raise FormatError(f"config: bad layer_types for {n} layers")
+    return {"num_layers": n, "layer_types": types, "compress_rates": [rates.get(t, 0) for t in types],
+            "sliding_window": int(c["sliding_window"]), "head_dim": int(c["head_dim"]),
+            "index_head_dim": int(c["index_head_dim"])}
+
+
+def _check_dtype(dtype: str) -> str:
+    if dtype not in KV_DTYPES:
+        raise MoepackError(f"unknown KV dtype {dtype!r} (choose one of {', '.join(KV_DTYPES)})")
+    return dtype
+
+
+def _row_bytes(width: int, dtype: str) -> int:
+    """Bytes of one stored KV row: the values, plus its F32 scale for F8_E4M3."""
+    return width * _DTYPE_BYTES[dtype] + (4 if dtype == "F8_E4M3" else 0)
+
+
+def kv_bytes_per_token(config: Mapping, dtype: str = "F32") -> dict:
+    """Tensor bytes of a KV per layer type: `bytes_per_token` (what grows with the prompt: compressed entries, one
+    per `rate` tokens, each head_dim values, plus the indexer's index_head_dim for CSA) and `fixed_bytes` (the
+    sliding-window tail of window-1 rows every layer keeps, independent of N; the compressors' F32 working state,
+    at most rate-1 buffered rows plus the CSA overlap, is bounded too and counted in `working_state_max_bytes`).
+    Totals over the config's layers are under "total"."""
+    dtype = _check_dtype(dtype)
+    g = kv_geometry(config)
+    d, di, window = g["head_dim"], g["index_head_dim"], g["sliding_window"]
+    per_type: dict[str, dict] = {}
+    for kind, rate in zip(g["layer_types"], g["compress_rates"]):
+        if kind in per_type:
+            per_type[kind]["layers"] += 1
+            continue
+        entry = {"layers": 1, "rate": rate, "fixed_bytes": (window - 1) * _row_bytes(d, dtype),
+                 "bytes_per_token": 0.0, "working_state_max_bytes": 0}
+        if kind == HCA:
+            entry["bytes_per_token"] = _row_bytes(d, dtype) / rate
+            entry["working_state_max_bytes"] = (rate - 1) * d * 2 * 4
+        elif kind == CSA:
+            entry["bytes_per_token"] = (_row_bytes(d, dtype) + _row_bytes(di, dtype)) / rate
+            entry["working_state_max_bytes"] = ((rate - 1) * 2 * (d + di) * 2 + rate * (d + di) * 2) * 4
+        per_type[kind] = entry
+    total = {key: sum(e["layers"] * e[key] for e in per_type.values())
+             for key in ("fixed_bytes", "bytes_per_token", "working_state_max_bytes")}
+    return {"dtype": dtype, "per_layer_type": per_type, "total": total}
+
+
+def kv_bytes(config: Mapping, n_tokens: int, dtype: str = "F32") -> int:
+    """Exact tensor bytes (safetensors headers excluded) of the KV of an n_tokens prefill."""
+    _check_dtype(dtype)
+    g = kv_geometry(config)
+    total = 0
+    for kind, rate in zip(g["layer_types"], g["compress_rates"]):
+        total += min(n_tokens, g["sliding_window"] - 1) * _row_bytes(g["head_dim"], dtype)
+        for name in COMPRESSORS[kind]:
+            d = g["head_dim"] if name == "compressor" else g["index_head_dim"]
+            width = 2 * d if kind == CSA else d
+            entries = n_tokens // rate
+            total += entries * _row_bytes(d, dtype) + (n_tokens - entries * rate) * width * 2 * 4
+            if kind == CSA and entries:
+                total += rate * d * 2 * 4
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Identity and prompt
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _json_value(value):
+    """`value` as JSON reads it back (integer keys become strings, tuples lists)."""
+    return json.loads(json.dumps(value))
+
+
+def _canonical_json(value) -> bytes:
+    return json.dumps(_json_value(value), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def config_xxh3(config: Mapping) -> str:
+    return xxhash.xxh3_64_hexdigest(_canonical_json(config))
+
+
+def token_ids_xxh3(token_ids: Iterable[int]) -> str:
+    """xxh3 of the ids as little-endian int64."""
+    return xxhash.xxh3_64_hexdigest(np.asarray(list(token_ids), dtype="<i8").tobytes())
+
+
+def make_identity(architecture: str, config: Mapping, container_index_xxh3: int | str | None = None) -> dict:
+    """The model identity a KV records: the container's index hash (`Container.header.index_xxh3`, an int, or
+    its 16-digit hex; None for weights that did not come from a container), architecture and config."""
+    if isinstance(container_index_xxh3, int):
+        container_index_xxh3 = f"{container_index_xxh3:016x}"
+    return {"architecture": architecture, "container_index_xxh3": container_index_xxh3,
+            "config_xxh3": config_xxh3(config), "config": _json_value(dict(config))}
+
+
+def identity_of_container(container) -> dict:
+    """Identity of an open `format_spec.reader.Container`."""
+    return make_identity(container.architecture, container.config, container.header.index_xxh3)
+
+
+def _identity_mismatch(recorded: Mapping, expected: Mapping) -> str | None:
+    if expected.get("architecture") != recorded.get("architecture"):
+        return f"architecture {recorded.get('architecture')!r}, expected {expected.get('architecture')!r}"
+    ours, theirs = recorded.get("container_index_xxh3"), expected.get("container_index_xxh3")
+    if ours and theirs and ours != theirs:
+        return f"container index xxh3 {ours}, expected {theirs}"
+    want = expected.get("config_xxh3") or config_xxh3(expected["config"])
+    if recorded.get("config_xxh3") != want:
+        return f"config xxh3 {recorded.get('config_xxh3')}, expected {want}"
+    return None
+
+
+def _prompt_mismatch(recorded: list[int], expected: list[int]) -> str:
+    first = next((i for i, (a, b) in enumerate(zip(recorded, expected)) if a != b), min(len(recorded), len(expected)))
+    return (f"the KV holds {len(recorded)} tokens (xxh3 {token_ids_xxh3(recorded)}), the prompt has {len(expected)} "
+            f"(xxh3 {token_ids_xxh3(expected)}); they differ from position {first}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def layer_file_name(layer: int) -> str:
+    return f"layer-{layer:04d}.safetensors"
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise MoepackError(f"{path}: cannot sync ({e.strerror or e})") from None
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, data: bytes, sync: bool = True) -> None:
+    """Write `data` to `path.partial`, fsync, rename over `path`, fsync the directory."""
+    tmp = path + ".partial"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise MoepackError(f"{path}: cannot write ({e.strerror or e})") from None
+    if sync:
+        _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _encode(t: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """A KV tensor in its storage dtype: {"": data} plus {".scale": per-row F32 scale} for F8_E4M3."""
+    t = t.detach().to("cpu", torch.float32)
+    if dtype == "F32":
+        return {"": t.contiguous()}
+    if dtype == "BF16":
+        return {"": t.to(torch.bfloat16).contiguous()}
+    scale = (t.abs().amax(dim=-1, keepdim=True) / _F8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return {"": (t / scale).clamp(-_F8_MAX, _F8_MAX).to(torch.float8_e4m3fn).contiguous(), ".scale": scale}
+
+
+def _decode(tensors: Mapping[str, torch.Tensor], name: str, dtype: str) -> torch.Tensor:
+    t = tensors[name]
+    if dtype == "F8_E4M3":
+        return t.float() * tensors[name + ".scale"]
+    return t.float()
+
+
+_KV_TENSORS = ("window_kv", "compressor.compressed_kv", "indexer.compressed_kv")  # stored in the KV dtype
+
+
+def encode_layer(layer: int, state, dtype: str = "F32") -> bytes:
+    """The safetensors bytes of one layer file (KV.md section 4)."""
+    _check_dtype(dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in state.tensors().items():
+        if name in _KV_TENSORS:
+            for suffix, part in _encode(t, dtype).items():
+                tensors[name + suffix] = part
+        else:
+            tensors[name] = t.detach().to("cpu", torch.float32).contiguous()
+    meta = {"format": KV_FORMAT, "format_version": f"{KV_MAJOR}.{KV_MINOR}", "layer": str(layer),
+            "layer_type": state.layer_type, "seen_tokens": str(state.seen_tokens), "dtype": dtype}
+    for name in COMPRESSORS.get(state.layer_type, ()):
+        part = getattr(state, name)
+        if part is not None:
+            meta[f"{name}.entry_count"] = str(part.entry_count)
+    return _st_save(tensors, metadata=meta)
+
+
+def _entry_summary(state) -> dict:
+    entries = {name: getattr(state, name).entry_count for name in COMPRESSORS.get(state.layer_type, ())
+               if getattr(state, name) is not None}
+    return {"layer_type": state.layer_type, "seen_tokens": state.seen_tokens, "entries": entries}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class KVWriter:
+    """Writes one KV directory. `write_layer` may be called from any thread, in any layer order, once per layer;
+    the manifest is only touched under a lock. Usage::
+
+        w = KVWriter(kv_dir, identity_of_container(c), token_ids)        # the manifest: no layer complete yet
+        for layer: w.write_layer(layer, state)                            # file, then manifest marks it complete
+        w.finish(next_token=..., logits=last_logits)                      # "complete": true
+
+    For a continuation (`--continue-from`), `token_ids` is the whole prompt the KV now covers (old + new tokens)
+    and `start_token` the number of tokens the KV continued from.
+
+    `sync=True` (default) fsyncs every file as it is written (KV.md section 8): a layer the manifest marks complete
+    survives a crash. `sync=False` only renames (readers on the running system still never see a partial file) and
+    fsyncs everything once, in `finish()`: per layer that saves the fsync latency (~15 ms of ~20 ms per layer on
+    the test machine)."""
+
+    def __init__(self, kv_dir: str, identity: Mapping, token_ids, dtype: str = "F32", start_token: int = 0,
+                 overwrite: bool = False, sync: bool = True):
+        self.kv_dir = str(kv_dir)
+        self.dtype = _check_dtype(dtype)
+        self.sync = sync
+        if "config" not in identity or "architecture" not in identity:
+            raise MoepackError("KV identity needs at least 'architecture' and 'config'")
+        identity = dict(identity)
+        identity.setdefault("container_index_xxh3", None)
+        identity["config_xxh3"] = config_xxh3(identity["config"])
+        self.geometry = kv_geometry(identity["config"])
+        ids = [int(t) for t in (token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)]
+        if not ids:
+            raise MoepackError("KV of an empty prompt")
+        if not 0 <= start_token < len(ids):
+            raise MoepackError(f"start_token {start_token} outside the prompt of {len(ids)} tokens")
+        self.n_tokens = len(ids)
+        manifest_path = os.path.join(self.kv_dir, MANIFEST_NAME)
+        try:
+            os.makedirs(self.kv_dir, exist_ok=True)
+        except OSError as e:
+            raise MoepackError(f"{self.kv_dir}: cannot create the KV directory ({e.strerror or e})") from None
+        if os.path.exists(manifest_path) and not overwrite:
+            raise MoepackError(f"{self.kv_dir} already holds a KV ({MANIFEST_NAME}); choose another directory")
+        self._lock = threading.Lock()
+        self._claimed: set[int] = set()  # layers whose write has started
+        self.manifest: dict[str, Any] = {
+            "format": KV_FORMAT,
+            "format_version": [KV_MAJOR, KV_MINOR],
+            "identity": identity,
+            "geometry": self.geometry,
+            "tokens": {"count": len(ids), "start": start_token, "ids_xxh3": token_ids_xxh3(ids), "ids": ids},
+            "dtype": self.dtype,
+            "layers": [{"layer": i, "file": layer_file_name(i), "complete": False}
+                       for i in range(self.geometry["num_layers"])],
+            "complete": False,
+            "result": None,
+            "extra": {},
+        }
+        self._ids_json = json.dumps(ids, separators=(",", ":"))  # the large part, serialised once
+        self._write_manifest()
+
+    def _write_manifest(self, durable: bool = False) -> None:
+        m = dict(self.manifest, tokens=dict(self.manifest["tokens"], ids="@IDS@"))
+        text = json.dumps(m, indent=1).replace('"@IDS@"', self._ids_json, 1)
+        _atomic_write(os.path.join(self.kv_dir, MANIFEST_NAME), text.encode(), self.sync or durable)
+
+    def write_layer(self, layer: int, state) -> dict:
+        """Write `layer-NNNN.safetensors` (temp name, fsync, rename), then rewrite the manifest marking the layer
+        complete. Returns the layer's manifest entry."""
+        g = self.geometry
+        if not 0 <= layer < g["num_layers"]:
+            raise MoepackError(f"layer {layer} outside 0..{g['num_layers'] - 1}")
+        if state.layer_type != g["layer_types"][layer]:
+            raise MoepackError(f"layer {layer}: state of a {state.layer_type} layer, the config says "
+                               f"{g['layer_types'][layer]}")
+        if state.seen_tokens != self.n_tokens:
+            raise MoepackError(f"layer {layer}: state covers {state.seen_tokens} tokens, the KV's prompt has "
+                               f"{self.n_tokens}")
+        with self._lock:
+            if layer in self._claimed:
+                raise MoepackError(f"layer {layer} written twice")
+            self._claimed.add(layer)
+        data = encode_layer(layer, state, self.dtype)
+        _atomic_write(os.path.join(self.kv_dir, layer_file_name(layer)), data, self.sync)
+        entry = {"layer": layer, "file": layer_file_name(layer), "complete": True, **_entry_summary(state),
+                 "bytes": len(data), "xxh3": xxhash.xxh3_64_hexdigest(data)}
+        with self._lock:
+            self.manifest["layers"][layer] = entry
+            self._write_manifest()
+        return entry
+
+    def finish(self, next_token: int | None = None, logits: torch.Tensor | None = None) -> dict:
+        """Mark the KV complete once every layer is written; record the prefill's result (the greedy next token,
+        and optionally the last position's logits [vocab] in `logits.safetensors`, F32)."""
+        with self._lock:
+            missing = [e["layer"] for e in self.manifest["layers"] if not e["complete"]]
+            if missing:
+                raise MoepackError(f"{self.kv_dir}: cannot finish, layers {_ranges(missing)} not written")
+            result: dict[str, Any] = {"next_token": None if next_token is None else int(next_token), "logits": None}
+            if logits is not None:
+                data = _st_save({"logits": logits.detach().to("cpu", torch.float32).reshape(-1).contiguous()},
+                                metadata={"format": KV_FORMAT})
+                _atomic_write(os.path.join(self.kv_dir, LOGITS_NAME), data, True)
+                result["logits"] = {"file": LOGITS_NAME, "bytes": len(data), "xxh3": xxhash.xxh3_64_hexdigest(data)}
+            if not self.sync:  # layers were not fsynced as written: make the finished KV durable now
+                for e in self.manifest["layers"]:
+                    _fsync_file(os.path.join(self.kv_dir, e["file"]))
+                _fsync_dir(self.kv_dir)
+            self.manifest["result"] = result
+            self.manifest["complete"] = True
+            self._write_manifest(durable=True)
+        return self.manifest
+
+
+class BackgroundKVWriter:
+    """A KVWriter fed by the prefill: `submit(layer, state)` (the engine's `on_layer_kv`) takes the state off the
+    compute device and queues it; one writer thread writes layers in order while later layers compute. A write
+    error is re-raised by the next `submit`, by `finish` or by `close`. At most `max_pending` layers wait in
+    memory (the prefill blocks beyond that, so a slow disk cannot grow memory without bound)."""
+
+    def __init__(self, writer: KVWriter, max_pending: int = 4):
+        self.writer = writer
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self.write_seconds = 0.0  # time the writer thread spent writing
+        self.submit_seconds = 0.0  # time submit() took on the caller's (compute) thread
+        self._thread = threading.Thread(target=self._run, name="moepack-kv-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue  # drain after a failure
+            try:
+                t0 = time.perf_counter()
+                self.writer.write_layer(*item)
+                self.write_seconds += time.perf_counter() - t0
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                self._error = e
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e = self._error
+            if isinstance(e, MoepackError):
+                raise e
+            raise MoepackError(f"writing the KV to {self.writer.kv_dir} failed: {e}") from e
+
+    def submit(self, layer: int, state) -> None:
+        t0 = time.perf_counter()
+        self._raise()
+        if state.window_kv.device.type != "cpu":
+            state = state.to("cpu")  # synchronous copy: the device memory can go as soon as this returns
+        self._queue.put((layer, state))
+        self.submit_seconds += time.perf_counter() - t0
+
+    __call__ = submit  # usable directly as on_layer_kv
+
+    def close(self) -> None:
+        """Wait for the queued layers to be written."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._raise()
+
+    def finish(self, next_token: int | None = None, logits: torch.Tensor | None = None) -> dict:
+        self.close()
+        return self.writer.finish(next_token, logits)
+
+
+def _ranges(numbers: list[int]) -> str:
+    out, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}..{n}")
+            start = None
+    return ", ".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reader
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _is_int(v, minimum: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+def _is_hex(v) -> bool:
+    return isinstance(v, str) and len(v) == 16 and all(c in "0123456789abcdef" for c in v)
+
+
+@dataclass
+class KVCache:
+    """A validated, loaded KV directory."""
+
+    path: str
+    manifest: dict
+    identity: dict
+    geometry: dict
+    token_ids: list[int]
+    start_token: int
+    dtype: str
+    layers: list[LayerKVState]
+    complete: bool
+    next_token: int | None = None
+    logits: torch.Tensor | None = None
+    bytes: int = 0
+    files: dict = field(default_factory=dict)
+
+    @property
+    def seen_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def new_tokens(self, token_ids) -> list[int]:
+        """For a prompt that continues this KV's: the tokens after the KV's (FormatError if the KV's tokens are not
+        a strict prefix of `token_ids`)."""
+        ids = [int(t) for t in (token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)]
+        if len(ids) <= len(self.token_ids) or ids[:len(self.token_ids)] != self.token_ids:
+            raise FormatError(f"{self.path}: prompt mismatch: the prompt does not continue the KV's: "
+                              f"{_prompt_mismatch(self.token_ids, ids)}")
+        return ids[len(self.token_ids):]
+
+
+class KVDirectory:
+    """A KV directory opened for reading: the manifest is validated on open (and on `refresh()`); layers are
+    loaded and checked one at a time with `layer(i)`, so a consumer can pull layer i as soon as
+    `layer_complete(i)` while the prefill still writes later ones."""
+
+    def __init__(self, kv_dir: str):
+        self.path = str(kv_dir)
+        self.refresh()
+
+    def _fail(self, msg: str):
+        raise FormatError(f"{self.path}: {msg}")
+
+    def refresh(self) -> None:
+        path = os.path.join(self.path, MANIFEST_NAME)
+        if not os.path.isdir(self.path):
+            self._fail("no such KV directory")
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            self._fail(f"no {MANIFEST_NAME}: not a moepack KV directory")
+        except OSError as e:
+            self._fail(f"cannot read {MANIFEST_NAME} ({e.strerror or e})")
+        try:
+            m = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self._fail(f"{MANIFEST_NAME} is not valid JSON ({e})")
+        self.manifest = self._validate(m)
+
+    def _validate(self, m) -> dict:
+        fail = self._fail
+        if not isinstance(m, dict) or m.get("format") != KV_FORMAT:
+            fail(f"{MANIFEST_NAME}: not a moepack KV manifest (format must be {KV_FORMAT!r})")
+        version = m.get("format_version")
+        if not (isinstance(version, list) and len(version) == 2 and all(_is_int(v) for v in version)):
+            fail(f"{MANIFEST_NAME}: format_version must be [major, minor]")
+        if version[0] != KV_MAJOR:
+            fail(f"KV format version {version[0]}.{version[1]} is not supported (this reader knows {KV_MAJOR}.x)")
+        for key, kind in (("identity", dict), ("geometry", dict), ("tokens", dict), ("dtype", str),
+                          ("layers", list), ("complete", bool), ("extra", dict)):
+            if not isinstance(m.get(key), kind):
+                fail(f"{MANIFEST_NAME}: '{key}' missing or not a {kind.__name__}")
+        ident = m["identity"]
+        if not isinstance(ident.get("architecture"), str) or not isinstance(ident.get("config"), dict) \
+                or not _is_hex(ident.get("config_xxh3")) \
+                or not (ident.get("container_index_xxh3") is None or _is_hex(ident.get("container_index_xxh3"))):
+            fail(f"{MANIFEST_NAME}: identity needs architecture, config, config_xxh3 (and container_index_xxh3 hex "
+                 f"or null)")
+        if config_xxh3(ident["config"]) != ident["config_xxh3"]:
+            fail(f"{MANIFEST_NAME}: identity config does not match its config_xxh3")
+        try:
+            geometry = kv_geometry(ident["config"])
+        except FormatError as e:
+            fail(str(e))
+        if m["geometry"] != geometry:
+            fail(f"{MANIFEST_NAME}: geometry does not follow from the recorded config")
+        if m["dtype"] not in KV_DTYPES:
+            fail(f"{MANIFEST_NAME}: unknown dtype {m['dtype']!r}")
+        tok = m["tokens"]
+        ids = tok.get("ids")
+        if not (isinstance(ids, list) and ids and all(_is_int(t) for t in ids)) or tok.get("count") != len(ids) \
+                or not _is_int(tok.get("start")) or tok["start"] >= len(ids):
+            fail(f"{MANIFEST_NAME}: tokens need ids (non-empty list of ints), count = len(ids), start < count")
+        if tok.get("ids_xxh3") != token_ids_xxh3(ids):
+            fail(f"{MANIFEST_NAME}: token ids do not match their ids_xxh3")
+        layers = m["layers"]
+        if len(layers) != geometry["num_layers"]:
+            fail(f"{MANIFEST_NAME}: {len(layers)} layer entries for a {geometry['num_layers']}-layer model")
+        for i, e in enumerate(layers):
+            if not isinstance(e, dict) or e.get("layer") != i or e.get("file") != layer_file_name(i) \
+                    or not isinstance(e.get("complete"), bool):
+                fail(f"{MANIFEST_NAME}: layer entry {i} malformed")
+            if not e["complete"]:
+                continue
+            kind = geometry["layer_types"][i]
+            entries = e.get("entries")
+            if e.get("layer_type") != kind or e.get("seen_tokens") != len(ids) or not _is_int(e.get("bytes"), 1) \
+                    or not _is_hex(e.get("xxh3")) or not isinstance(entries, dict) \
+                    or sorted(entries) != sorted(COMPRESSORS[kind]) \
+                    or not all(_is_int(v) for v in entries.values()):
+                fail(f"{MANIFEST_NAME}: layer entry {i} malformed (complete layers record layer_type, seen_tokens, "
+                     f"entries, bytes, xxh3)")
+        if m["complete"] and not all(e["complete"] for e in layers):
+            fail(f"{MANIFEST_NAME}: marked complete with incomplete layers")
+        result = m.get("result")
+        if result is not None and not (isinstance(result, dict) and
+                                       (result.get("next_token") is None or _is_int(result.get("next_token")))):
+            fail(f"{MANIFEST_NAME}: result malformed")
+        return m
+
+    # --- properties --------------------------------------------------------------------------------------------
+    @property
+    def identity(self) -> dict:
+        return self.manifest["identity"]
+
+    @property
+    def geometry(self) -> dict:
+        return self.manifest["geometry"]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.manifest["tokens"]["ids"]
+
+    @property
+    def num_layers(self) -> int:
+        return self.geometry["num_layers"]
+
+    def layer_complete(self, layer: int) -> bool:
+        return self.manifest["layers"][layer]["complete"]
+
+    def incomplete_layers(self) -> list[int]:
+        return [e["layer"] for e in self.manifest["layers"] if not e["complete"]]
+
+    def check_identity(self, expected: Mapping) -> None:
+        problem = _identity_mismatch(self.identity, expected)
+        if problem:
+            self._fail(f"KV from another model: {problem}")
+
+    def check_prompt(self, expected) -> None:
+        ids = [int(t) for t in (expected.tolist() if hasattr(expected, "tolist") else expected)]
+        if ids != self.token_ids:
+            self._fail(f"prompt mismatch: {_prompt_mismatch(self.token_ids, ids)}")
+
+    # --- layers ------------------------------------------------------------------------------------------------
+    def _read_checked(self, name: str, size: int, digest: str, what: str) -> bytes:
+        path = os.path.join(self.path, name)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(size + 1)
+        except FileNotFoundError:
+            self._fail(f"{what}: file {name} is missing")
+        except OSError as e:
+            self._fail(f"{what}: cannot read {name} ({e.strerror or e})")
+        if len(data) != size:
+            real = os.path.getsize(path)
+            if real < size:
+                self._fail(f"{what}: file {name} is truncated ({real} of {size} bytes)")
+            self._fail(f"{what}: file {name} has {real} bytes, the manifest records {size}")
+        if xxhash.xxh3_64_hexdigest(data) != digest:
+            self._fail(f"{what}: file {name} is damaged (xxh3 mismatch)")
+        return data
+
+    def layer(self, layer: int, device="cpu", dtype: torch.dtype = torch.float32) -> LayerKVState:
+        """Load, check and decode one complete layer (FormatError if it is not complete yet)."""
+        if not 0 <= layer < self.num_layers:
+            self._fail(f"layer {layer} outside 0..{self.num_layers - 1}")
+        e = self.manifest["layers"][layer]
+        if not e["complete"]:
+            self._fail(f"layer {layer} is not complete (prefill still running, or interrupted)")
+        data = self._read_checked(e["file"], e["bytes"], e["xxh3"], f"layer {layer}")
+        return self._decode_layer(layer, e, data).to(device, dtype)
+
+    def _decode_layer(self, layer: int, e: Mapping, data: bytes) -> LayerKVState:
+        what = f"layer {layer} ({e['file']})"
+        try:
+            tensors = _st_load(data)
+        except Exception as err:  # noqa: BLE001 - any parse failure is a damaged file
+            self._fail(f"{what}: not a readable safetensors file ({err})")
+        g, dtype = self.geometry, self.manifest["dtype"]
+        kind, rate, n = e["layer_type"], g["compress_rates"][layer], e["seen_tokens"]
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+        def kv_tensor(name: str, rows: int, width: int) -> None:
+            expected[name] = ((rows, width), _TORCH_DTYPES[dtype])
+            if dtype == "F8_E4M3":
+                expected[name + ".scale"] = ((rows, 1), torch.float32)
+
+        kv_tensor("window_kv", min(n, g["sliding_window"] - 1), g["head_dim"])
+        for name in COMPRESSORS[kind]:
+            d = g["head_dim"] if name == "compressor" else g["index_head_dim"]
+            width = 2 * d if kind == CSA else d
+            count = e["entries"][name]
+            if count * rate > n or n - count * rate >= rate:
+                self._fail(f"{what}: {name} entry_count {count} does not fit {n} tokens at rate {rate}")
+            kv_tensor(f"{name}.compressed_kv", count, d)
+            expected[f"{name}.buffer_kv"] = expected[f"{name}.buffer_gate"] = ((n - count * rate, width),
+                                                                               torch.float32)
+            if kind == CSA and count:
+                expected[f"{name}.overlap_kv"] = expected[f"{name}.overlap_gate"] = ((rate, d), torch.float32)
+        if set(tensors) != set(expected):
+            extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
+            self._fail(f"{what}: tensors do not match the layer's kind ({kind}): "
+                       f"{'missing ' + ', '.join(missing) if missing else ''}{'; ' if missing and extra else ''}"
+                       f"{'unexpected ' + ', '.join(extra) if extra else ''}")
+        for name, (shape, tdtype) in expected.items():
+            t = tensors[name]
+            if tuple(t.shape) != shape or t.dtype != tdtype:
+                self._fail(f"{what}: {name} is {t.dtype} {list(t.shape)}, expected {tdtype} {list(shape)}")
+
+        def part(name: str) -> CompressorState:
+            return CompressorState(
+                compressed_kv=_decode(tensors, f"{name}.compressed_kv", dtype),
+                buffer_kv=tensors[f"{name}.buffer_kv"], buffer_gate=tensors[f"{name}.buffer_gate"],
+                entry_count=e["entries"][name], overlap_kv=tensors.get(f"{name}.overlap_kv"),
+                overlap_gate=tensors.get(f"{name}.overlap_gate"))
+
+        return LayerKVState(kind, n, _decode(tensors, "window_kv", dtype),
+                            compressor=part("compressor") if kind != SLIDING else None,
+                            indexer=part("indexer") if kind == CSA else None)
+
+    def result(self) -> tuple[int | None, torch.Tensor | None]:
+        """(next_token, last-position logits or None) recorded by finish()."""
+        r = self.manifest.get("result") or {}
+        logits = None
+        if r.get("logits"):
+            info = r["logits"]
+            if not (isinstance(info, dict) and info.get("file") == LOGITS_NAME and _is_int(info.get("bytes"), 1)
+                    and _is_hex(info.get("xxh3"))):
+                self._fail(f"{MANIFEST_NAME}: result.logits malformed")
+            data = self._read_checked(LOGITS_NAME, info["bytes"], info["xxh3"], "logits")
+            try:
+                logits = _st_load(data)["logits"]
+            except Exception as err:  # noqa: BLE001
+                self._fail(f"logits: not a readable safetensors file ({err})")
+        return r.get("next_token"), logits
+
+
+def read_kv(kv_dir: str, expect_identity: Mapping | None = None, expect_prompt=None, prompt_prefix_of=None,
+            device="cpu", dtype: torch.dtype = torch.float32) -> KVCache:
+    """Load and validate a complete KV directory: manifest schema, every layer complete, every file present with the
+    recorded size and xxh3, tensors as the layer's kind and the recorded counts require; then identity
+    (`expect_identity`, e.g. `identity_of_container(c)`) and prompt (`expect_prompt`: the exact token ids; or
+    `prompt_prefix_of`: a longer prompt the KV's tokens must begin). FormatError, one line, naming the problem."""
+    d = KVDirectory(kv_dir)
+    if expect_identity is not None:
+        d.check_identity(expect_identity)
+    if expect_prompt is not None:
+        d.check_prompt(expect_prompt)
+    missing = d.incomplete_layers()
+    if missing:
+        d._fail(f"KV incomplete: layers {_ranges(missing)} of {d.num_layers} not written "
+                f"(prefill still running, or interrupted)")
+    layers = [d.layer(i, device, dtype) for i in range(d.num_layers)]
+    next_token, logits = d.result()
+    m = d.manifest
+    kv = KVCache(path=d.path, manifest=m, identity=d.identity, geometry=d.geometry, token_ids=list(d.token_ids),
+                 start_token=m["tokens"]["start"], dtype=m["dtype"], layers=layers, complete=m["complete"],
+                 next_token=next_token, logits=logits, bytes=sum(e["bytes"] for e in m["layers"]))
+    if prompt_prefix_of is not None:
+        kv.new_tokens(prompt_prefix_of)
+    return kv
+
+
+def inspect_kv(kv_dir: str, expect_identity: Mapping | None = None, expect_prompt=None, verify: bool = True) -> dict:
+    """What `moepack kv inspect` prints. Layers, tokens, bytes, completeness. With `verify`, every complete layer's
+    file is read and checked (size, xxh3, tensors): a missing, truncated or damaged file raises FormatError.
+    Incomplete layers are reported, not an error (the prefill may still be writing)."""
+    d = KVDirectory(kv_dir)
+    if expect_identity is not None:
+        d.check_identity(expect_identity)
+    if expect_prompt is not None:
+        d.check_prompt(expect_prompt)
+    m, g = d.manifest, d.geometry
+    layers = []
+    for e in m["layers"]:
+        row = {"layer": e["layer"], "type": g["layer_types"][e["layer"]], "complete": e["complete"]}
+        if e["complete"]:
+            if verify:
+                d.layer(e["layer"])
+            row.update(tokens=e["seen_tokens"], entries=e["entries"], bytes=e["bytes"])
+        layers.append(row)
+    if verify:
+        d.result()
+    by_type: dict[str, dict] = {}
+    for row in layers:
+        t = by_type.setdefault(row["type"], {"layers": 0, "bytes": 0})
+        t["layers"] += 1
+        t["bytes"] += row.get("bytes", 0)
+    ident = m["identity"]
+    result = m.get("result") or {}
+    return {
+        "path": d.path,
+        "format_version": f"{m['format_version'][0]}.{m['format_version'][1]}",
+        "complete": m["complete"],
+        "layers_complete": sum(e["complete"] for e in m["layers"]),
+        "num_layers": d.num_layers,
+        "incomplete_layers": _ranges(d.incomplete_layers()),
+        "architecture": ident["architecture"],
+        "container_index_xxh3": ident.get("container_index_xxh3"),
+        "config_xxh3": ident["config_xxh3"],
+        "tokens": m["tokens"]["count"],
+        "start_token": m["tokens"]["start"],
+        "token_ids_xxh3": m["tokens"]["ids_xxh3"],
+        "dtype": m["dtype"],
+        "bytes": sum(e.get("bytes", 0) for e in m["layers"]),
+        "bytes_per_token": round(sum(e.get("bytes", 0) for e in m["layers"]) / m["tokens"]["count"], 1),
+        "by_type": by_type,
+        "next_token": result.get("next_token"),
+        "verified": verify,
+        "layers": layers,
+    }
