@@ -227,12 +227,17 @@ def _print_verify(r: dict) -> None:
               help="Queries per attention chunk inside a layer (bounds memory for long prompts).")
 @click.option("--expert-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Compute dtype of the routed experts (bfloat16: faster on AMX CPUs and GPUs, less exact).")
+@click.option("--order", type=click.Choice(["layer", "chunk"]), default="layer", show_default=True,
+              help="layer: every token through a layer before the next (each weight read once). chunk: the usual "
+                   "chunked prefill (reads the model ceil(N / --chunk-tokens) times), for comparison.")
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Tokens per chunk with --order chunk.")
 @click.option("--no-verify-reads", is_flag=True, help="Skip the per-region checksum of every read.")
 @json_option
 @reports_errors
 def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_from, kv_dtype, kv_no_fsync,
             logits_out, bundle_experts, queue_depth,
-            io_mode, expert_selection, query_chunk, expert_dtype, no_verify_reads, as_json):
+            io_mode, expert_selection, query_chunk, expert_dtype, order, chunk_tokens, no_verify_reads, as_json):
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import PrefillOptions, prefill as run_prefill
@@ -258,7 +263,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
                              io_mode=io_mode, query_chunk=query_chunk, expert_selection=expert_selection,
                              verify_reads=not no_verify_reads, expert_dtype=expert_dtype)
     result = run_prefill(file, ids, options, kv_out=kv_out, continue_from=continue_from, kv_dtype=kv_dtype,
-                         kv_sync=not kv_no_fsync)
+                         kv_sync=not kv_no_fsync, chunk_tokens=chunk_tokens if order == "chunk" else None)
     if logits_out:
         from moepack.runtime.outputs import write_logits
 

@@ -230,26 +230,51 @@ class StreamingPrefill:
         return reads
 
     # --- the prefill ---------------------------------------------------------------------------------------------
-    def run(self, token_ids: torch.Tensor, past: list | None = None) -> PrefillResult:
+    def run(self, token_ids: torch.Tensor, past: list | None = None, chunk_tokens: int | None = None) -> PrefillResult:
         """Prefill `token_ids`; with `past` (one LayerKVState per layer, e.g. `read_kv(...).layers`) the tokens
-        continue that state at positions P.., P = past[0].seen_tokens (the list's entries are released as used)."""
-        cfg, c = self.cfg, self.c
+        continue that state at positions P.., P = past[0].seen_tokens (the list's entries are released as used).
+
+        `chunk_tokens` runs the usual chunked prefill instead (chunk-major: every chunk through every layer, each
+        chunk continuing the previous one's state): the same logits, but the model is read ceil(N / C) times. It
+        exists to measure what layer-major order saves."""
+        cfg = self.cfg
         n_tokens = int(token_ids.numel())
         if n_tokens < 1:
             raise MoepackError("empty prompt")
         if int(token_ids.max()) >= cfg.vocab_size or int(token_ids.min()) < 0:
             raise MoepackError(f"token id out of range 0..{cfg.vocab_size - 1}")
-        self._check_memory(n_tokens)
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise MoepackError("--chunk-tokens must be at least 1")
+        past_tokens = past[0].seen_tokens if past else 0
+        self._check_memory(past_tokens + n_tokens)
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        token_ids = token_ids.to(self.device)
-        first = past[0].seen_tokens if past else 0
-        positions = torch.arange(first, first + n_tokens, device=self.device)
-        layers = c.layers
+        chunks = token_ids.split(chunk_tokens) if chunk_tokens else [token_ids]
+        all_stats: list[LayerStats] = []
+        states = past
+        for i, chunk in enumerate(chunks):
+            final = i == len(chunks) - 1
+            logits, layer_stats, states = self._forward(chunk.to(self.device), states, emit_kv=final,
+                                                        keep_states=not final)
+            all_stats.extend(layer_stats)
+        wall = time.perf_counter() - start
+        stats = self._stats(n_tokens, wall, all_stats)
+        stats["order"] = "chunk" if chunk_tokens else "layer"
+        stats["passes_over_model"] = len(chunks)
+        return PrefillResult(logits, int(torch.argmax(logits)), stats, all_stats)
+
+    def _forward(self, token_ids: torch.Tensor, past: list | None, emit_kv: bool, keep_states: bool):
+        """One pass of `token_ids` through every layer (reading each region once). Returns the last position's
+        logits, per-layer stats and (keep_states) the new per-layer states."""
+        cfg, layers = self.cfg, self.c.layers
+        n_tokens = int(token_ids.numel())
+        first_position = past[0].seen_tokens if past else 0
+        positions = torch.arange(first_position, first_position + n_tokens, device=self.device)
         pending_dense = self._submit_dense(layers[0])
         streams = v4.embed(cfg, token_ids, self._read_globals(["embed.weight"])["embed.weight"])
         layer_stats: list[LayerStats] = []
+        states = [] if keep_states else None
         for number, block in enumerate(layers):
             w = self._dense_weights(block, pending_dense)
             n_experts = len(block.experts)
@@ -268,18 +293,20 @@ class StreamingPrefill:
                                                           layer_past)
                 routing = v4.moe_route(cfg, number, w, streams, token_ids)
                 by_expert = routing.tokens_by_expert()
-            if self.on_layer_kv is not None:
+            if emit_kv and self.on_layer_kv is not None:
                 self.on_layer_kv(number, kv_state)  # the layer's KV is final: it leaves the device now
+            if keep_states:
+                states.append(kv_state)
             del kv_state
             if past:
                 past[number] = layer_past = None  # the old state is folded into the new one
             if reads is None:
                 reads = self._submit_experts(block, sorted(by_expert))
             routed = torch.zeros_like(routing.x)
-            for first, count, future in reads:
+            for first_expert, count, future in reads:
                 buffer, view = future.result()
                 try:
-                    regions = block.experts[first:first + count]
+                    regions = block.experts[first_expert:first_expert + count]
                     self._check(regions, view, regions[0].offset)
                     with self.compute:
                         raw = self._to_device(buffer, len(view))
@@ -301,8 +328,7 @@ class StreamingPrefill:
                                            "head.weight"])
         with self.compute:
             logits = v4.head(cfg, streams, head_weights, -1).float().cpu()
-        wall = time.perf_counter() - start
-        return PrefillResult(logits, int(torch.argmax(logits)), self._stats(n_tokens, wall, layer_stats), layer_stats)
+        return logits, layer_stats, states
 
     def _check_memory(self, n_tokens: int) -> None:
         """Refuse a prompt whose working set cannot fit, before reading or computing anything."""
@@ -383,7 +409,7 @@ def _numel(shape) -> int:
 
 def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None,
             kv_out: str | None = None, continue_from: str | None = None, kv_dtype: str = "F32",
-            kv_sync: bool = True) -> PrefillResult:
+            kv_sync: bool = True, chunk_tokens: int | None = None) -> PrefillResult:
     """Open `path`, run one prefill of `token_ids` (a sequence of ints or a LongTensor), close.
 
     `kv_out`: write the KV (format_spec/KV.md) there, layer by layer from a writer thread. `continue_from`: a KV
@@ -416,7 +442,7 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
                                                              start_token=start, overwrite=in_place, sync=kv_sync))
                 hooks.insert(0, writer)
             try:
-                result = engine.run(token_ids, past)
+                result = engine.run(token_ids, past, chunk_tokens=chunk_tokens)
             except BaseException:
                 if writer is not None:  # keep the layers written so far (the manifest says which); report the
                     try:            # prefill's error, not a follow-up write error
