@@ -232,12 +232,20 @@ def _print_verify(r: dict) -> None:
                    "chunked prefill (reads the model ceil(N / --chunk-tokens) times), for comparison.")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Tokens per chunk with --order chunk.")
+@click.option("--expert-parallel", is_flag=True,
+              help="Run as one rank of `torchrun --nproc-per-node P -m moepack prefill ...`: each rank reads and "
+                   "computes its own contiguous share of every layer's experts.")
+@click.option("--container-per-rank", is_flag=True,
+              help="With --expert-parallel: FILE contains '{rank}', and each rank reads its own copy.")
+@click.option("--dist-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
+              help="Seconds a rank waits for its peers before giving up with an error.")
 @click.option("--no-verify-reads", is_flag=True, help="Skip the per-region checksum of every read.")
 @json_option
 @reports_errors
 def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_from, kv_dtype, kv_no_fsync,
             logits_out, bundle_experts, queue_depth,
-            io_mode, expert_selection, query_chunk, expert_dtype, order, chunk_tokens, no_verify_reads, as_json):
+            io_mode, expert_selection, query_chunk, expert_dtype, order, chunk_tokens, expert_parallel,
+            container_per_rank, dist_timeout, no_verify_reads, as_json):
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import PrefillOptions, prefill as run_prefill
@@ -245,6 +253,11 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
 
     if sum(x is not None for x in (prompt, prompt_file, token_ids_file)) != 1:
         raise click.UsageError("give exactly one of --prompt, --prompt-file, --token-ids")
+    pattern = file
+    if container_per_rank:
+        if not expert_parallel or "{rank}" not in file:
+            raise click.UsageError("--container-per-rank needs --expert-parallel and '{rank}' in FILE")
+        file = file.replace("{rank}", os.environ.get("RANK", "0"))
     with Container(file) as c:
         tokenizer = PromptTokenizer(c) if token_ids_file is None else None
     if token_ids_file is not None:
@@ -262,8 +275,11 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
     options = PrefillOptions(device=device, bundle_experts=bundle_experts or 4, queue_depth=queue_depth or 4,
                              io_mode=io_mode, query_chunk=query_chunk, expert_selection=expert_selection,
                              verify_reads=not no_verify_reads, expert_dtype=expert_dtype)
-    result = run_prefill(file, ids, options, kv_out=kv_out, continue_from=continue_from, kv_dtype=kv_dtype,
-                         kv_sync=not kv_no_fsync, chunk_tokens=chunk_tokens if order == "chunk" else None)
+    result = run_prefill(pattern, ids, options, kv_out=kv_out, continue_from=continue_from, kv_dtype=kv_dtype,
+                         kv_sync=not kv_no_fsync, chunk_tokens=chunk_tokens if order == "chunk" else None,
+                         expert_parallel=expert_parallel, dist_timeout_s=dist_timeout)
+    if result.stats.get("rank", 0) != 0:
+        return  # rank 0 speaks for the job
     if logits_out:
         from moepack.runtime.outputs import write_logits
 

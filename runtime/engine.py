@@ -129,7 +129,7 @@ class StreamingPrefill:
     """One prefill over one container. Use `run(token_ids)`."""
 
     def __init__(self, container: Container, options: PrefillOptions,
-                 on_layer_kv: Callable[[int, "v4.LayerKVState"], None] | None = None):
+                 on_layer_kv: Callable[[int, "v4.LayerKVState"], None] | None = None, dist=None):
         if options.expert_selection not in EXPERT_SELECTIONS:
             raise MoepackError(f"unknown expert selection {options.expert_selection!r}")
         if options.bundle_experts < 1:
@@ -144,6 +144,7 @@ class StreamingPrefill:
             raise MoepackError(f"unknown expert dtype {options.expert_dtype!r} (choose from {', '.join(EXPERT_DTYPES)})")
         self.expert_dtype = EXPERT_DTYPES[options.expert_dtype]
         self.on_layer_kv = on_layer_kv
+        self.dist = dist  # runtime.distributed.DistContext for expert-parallel runs, else None
         self.reader = RegionReader(container.path, options.io_mode)
         pinned = self.device.type == "cuda"
         layers = container.layers
@@ -222,8 +223,14 @@ class StreamingPrefill:
         finally:
             self.dense_pipe.release(buffer)
 
-    def _submit_experts(self, block: Block, expert_ids: list[int]) -> list[tuple[int, int, Future]]:
+    def _owned(self, n_experts: int) -> range:
+        """The experts this process computes: all of them, or its rank's contiguous range."""
+        return self.dist.owned(n_experts) if self.dist else range(n_experts)
+
+    def _submit_experts(self, block: Block, expert_ids) -> list[tuple[int, int, Future]]:
         reads = []
+        owned = self._owned(len(block.experts))
+        expert_ids = [e for e in expert_ids if e in owned]
         for first, count in bundle_runs(expert_ids, self.opt.bundle_experts):
             offset, length = block.expert_span(first, count)
             reads.append((first, count, self.experts_pipe.submit(offset, length)))
@@ -321,6 +328,8 @@ class StreamingPrefill:
                             v4.accumulate(routed, routing, region.expert, y.float())
                 finally:
                     self.experts_pipe.release(buffer)
+            if self.dist:  # combine: every rank adds its experts' share
+                routed = self.dist.all_reduce_sum(routed, f"combining layer {number}'s experts")
             with self.compute:
                 streams = v4.moe_finish(cfg, number, w, streams, routing, routed)
             layer_stats.append(self._layer_stats(number, block, selection, reads, by_expert, n_experts))
@@ -362,7 +371,7 @@ class StreamingPrefill:
     def _layer_stats(self, number, block, selection, reads, by_expert, n_experts) -> LayerStats:
         counts = [len(by_expert[e].token_index) if e in by_expert else 0 for e in range(n_experts)]
         read_bytes = sum(block.expert_span(first, count)[1] for first, count, _ in reads)
-        section = block.experts_span[1]
+        section = sum(block.experts[e].length for e in self._owned(n_experts))
         return LayerStats(number, selection, sum(count for _, count, _ in reads), len(by_expert),
                           min(counts, default=0), statistics.median(counts) if counts else 0,
                           max(counts, default=0), counts.count(0), read_bytes + block.dense.length,
@@ -390,6 +399,9 @@ class StreamingPrefill:
         }
         if self.device.type == "cuda":
             stats["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        if self.dist:
+            stats.update(rank=self.dist.rank, world_size=self.dist.world_size, backend=self.dist.backend,
+                         comm_s=round(self.dist.comm_seconds, 4))
         if self.reader.warning:
             stats["io_warning"] = self.reader.warning
         return stats
@@ -409,18 +421,44 @@ def _numel(shape) -> int:
 
 def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None,
             kv_out: str | None = None, continue_from: str | None = None, kv_dtype: str = "F32",
-            kv_sync: bool = True, chunk_tokens: int | None = None) -> PrefillResult:
+            kv_sync: bool = True, chunk_tokens: int | None = None, expert_parallel: bool = False,
+            dist_timeout_s: float = 120.0) -> PrefillResult:
     """Open `path`, run one prefill of `token_ids` (a sequence of ints or a LongTensor), close.
 
     `kv_out`: write the KV (format_spec/KV.md) there, layer by layer from a writer thread. `continue_from`: a KV
     directory made with this container; `token_ids` are the tokens that follow its prompt (the KV written to
-    `kv_out`, which may be the same directory, covers both)."""
-    from moepack.format_spec import kv as kvf
-
+    `kv_out`, which may be the same directory, covers both). `expert_parallel`: this process is one rank of a
+    torchrun job (runtime/distributed.py); `{rank}` in `path` picks each rank's own copy of the container."""
     options = options or PrefillOptions()
     token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
     if token_ids.numel() < 1:
         raise MoepackError("empty prompt")
+    dist = None
+    if expert_parallel:
+        from .distributed import init_from_env
+
+        dist = init_from_env(options.device, dist_timeout_s)
+        path = path.replace("{rank}", str(dist.rank))  # --container-per-rank: each rank its own copy
+        if dist.rank != 0:
+            kv_out = None  # rank 0 writes the KV; every rank holds the same state
+    try:
+        result = _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, kv_dtype, kv_sync,
+                               chunk_tokens, dist)
+        if dist:
+            ranks = dist.gather(result.stats)
+            if dist.rank == 0:
+                result.stats["ranks"] = ranks
+                result.stats["bytes_read_all_ranks"] = sum(r["bytes_read"] for r in ranks)
+        return result
+    finally:
+        if dist:
+            dist.close()
+
+
+def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, kv_dtype, kv_sync, chunk_tokens,
+                  dist) -> PrefillResult:
+    from moepack.format_spec import kv as kvf
+
     with Container(path) as c:
         identity = kvf.identity_of_container(c)
         past, all_ids, start = None, token_ids.tolist(), 0
@@ -433,7 +471,7 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
             for hook in hooks:
                 hook(layer, state)
 
-        engine = StreamingPrefill(c, options, on_kv if hooks or kv_out is not None else None)
+        engine = StreamingPrefill(c, options, on_kv if hooks or kv_out is not None else None, dist)
         writer = None
         try:
             if kv_out is not None:

@@ -1,0 +1,87 @@
+"""Expert-parallel prefill over torch.distributed (gloo on CPU, NCCL on CUDA), launched with torchrun.
+
+Every rank holds all N tokens and runs the (replicated) dense part of each layer: attention, router, shared
+expert. Each layer's routed experts are split into contiguous ID ranges, one per rank, so a rank reads only its
+own experts (still one sequential read per layer) and the ranks together read the model once. The router's
+choice is identical on every rank (same inputs, same code), so dispatch needs no communication: each rank runs
+its experts on the tokens routed to them, and one all-reduce per layer combines the partial sums (the combine).
+A rank that dies or stalls makes the others fail with a one-line error once the collective times out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moepack.format_spec.errors import MoepackError
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    backend: str
+    comm_seconds: float = 0.0
+
+    def owned(self, n_experts: int) -> range:
+        """This rank's contiguous expert range (sizes differ by at most one)."""
+        return owned_range(n_experts, self.rank, self.world_size)
+
+    def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with multi-line text
+            raise MoepackError(f"rank {self.rank}: {what} failed, a peer rank is gone or stalled "
+                               f"({_first_line(e)})") from None
+        self.comm_seconds += time.perf_counter() - start
+        return tensor
+
+    def gather(self, obj) -> list | None:
+        """Every rank's `obj` on rank 0 (None elsewhere)."""
+        import torch.distributed as dist
+
+        out = [None] * self.world_size if self.rank == 0 else None
+        try:
+            dist.gather_object(obj, out, dst=0)
+        except Exception as e:
+            raise MoepackError(f"rank {self.rank}: gathering stats failed ({_first_line(e)})") from None
+        return out
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def owned_range(n_experts: int, rank: int, world_size: int) -> range:
+    base, extra = divmod(n_experts, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def init_from_env(device: str, timeout_s: float) -> DistContext:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)."""
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise MoepackError("--expert-parallel needs a launcher: run it under "
+                           "`torchrun --nproc-per-node P -m moepack prefill ... --expert-parallel`")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise MoepackError(f"cannot join the process group ({_first_line(e)})") from None
+    return DistContext(dist.get_rank(), dist.get_world_size(), backend)

@@ -1,0 +1,114 @@
+"""Expert-parallel prefill: torchrun with 2 and 4 gloo ranks gives the single-process logits, each rank reads only
+its share, and a rank that dies makes the others fail with a clear error instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("transformers")
+from v4_models import build  # noqa: E402
+
+from moepack.format_spec.reader import Container  # noqa: E402
+from moepack.packer.convert import convert_checkpoint  # noqa: E402
+from moepack.runtime.distributed import owned_range  # noqa: E402
+from moepack.runtime.engine import PrefillOptions, prefill  # noqa: E402
+
+IDS = list(range(5, 85))  # 80 tokens: every expert of config B's layers gets some
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ep")
+    build("B", str(base))
+    container = str(base / "B.moepack")
+    convert_checkpoint(str(base / "B"), container, progress=False)
+    ids_file = base / "ids.json"
+    ids_file.write_text(json.dumps([i % 61 for i in IDS]))
+    single = prefill(container, [i % 61 for i in IDS], PrefillOptions(expert_selection="all"))
+    return base, container, str(ids_file), single
+
+
+def _torchrun(ranks: int, container: str, ids_file: str, out: str, *extra) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+           str(_free_port()), "-m", "moepack", "prefill", container, "--token-ids", ids_file, "--expert-parallel",
+           "--experts", "all", "--logits-out", out, "--json", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout[p.stdout.index("{"):])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ranks_match_single_process_and_split_the_reads(setup, tmp_path, ranks):
+    base, container, ids_file, single = setup
+    out = str(tmp_path / "logits.safetensors")
+    stats = _torchrun(ranks, container, ids_file, out)
+    logits = load_file(out)["logits"]
+    assert (logits - single.logits).abs().max() <= 1e-3 * single.logits.abs().max()
+    assert stats["next_token"] == single.next_token
+    per_rank = stats["ranks"]
+    assert [r["rank"] for r in per_rank] == list(range(ranks))
+    with Container(container) as c:
+        globals_ = sum(r.length for r in c.global_regions)
+        dense = sum(b.dense.length for b in c.layers)
+        for r in per_rank:
+            mine = sum(b.experts[e].length for b in c.layers for e in owned_range(len(b.experts), r["rank"], ranks))
+            assert r["bytes_read"] == globals_ + dense + mine  # its share only
+        all_experts = sum(b.experts_span[1] for b in c.layers)
+    expert_bytes = sum(r["bytes_read"] for r in per_rank) - ranks * (globals_ + dense)
+    assert expert_bytes == all_experts  # together: the model's experts exactly once
+    assert all(r["comm_s"] >= 0 for r in per_rank)
+
+
+def test_container_per_rank(setup, tmp_path):
+    base, container, ids_file, single = setup
+    for rank in range(2):
+        shutil.copy(container, tmp_path / f"copy{rank}.moepack")
+    out = str(tmp_path / "logits.safetensors")
+    _torchrun(2, str(tmp_path / "copy{rank}.moepack"), ids_file, out, "--container-per-rank")
+    assert torch.allclose(load_file(out)["logits"], single.logits, atol=1e-3 * single.logits.abs().max().item())
+
+
+def test_a_dying_rank_makes_the_others_fail_fast(setup, tmp_path):
+    """Two ranks started by hand (no torchrun agent to clean up): rank 1's copy is damaged in one of its own experts,
+    so it stops with an error mid-prefill; rank 0 must exit with a one-line error, not wait forever."""
+    base, container, ids_file, _ = setup
+    good, bad = tmp_path / "copy0.moepack", tmp_path / "copy1.moepack"
+    shutil.copy(container, good)
+    data = bytearray(open(container, "rb").read())
+    with Container(container) as c:
+        victim = c.layer(2).experts[owned_range(len(c.layer(2).experts), 1, 2)[0]]
+    data[victim.offset + 10] ^= 0x01
+    bad.write_bytes(data)
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "moepack", "prefill", str(tmp_path / "copy{rank}.moepack"), "--token-ids",
+             ids_file, "--expert-parallel", "--container-per-rank", "--experts", "all", "--dist-timeout", "20"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    start = time.time()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert time.time() - start < 100
+    assert procs[1].returncode == 1 and "experts" in outs[1][1]
+    assert procs[0].returncode == 1, outs[0]
+    err = [line for line in outs[0][1].splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("moepack: error: rank 0"), outs[0][1]
