@@ -349,33 +349,64 @@ def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
 @cli.command()
 @click.option("--workdir", type=click.Path(file_okay=False), default="moepack-demo", show_default=True)
 @click.option("--preset", type=click.Choice(["tiny", "small", "medium"]), default="small", show_default=True)
+@click.option("--prompt", default="Layer-major prefill reads every weight exactly once.", show_default=True)
 @json_option
 @reports_errors
-def demo(workdir, preset, as_json):
-    """The main job on the embedded default model: synthesize a V4-architecture checkpoint in the release layout,
-    convert it, verify it, and print what the container holds."""
+def demo(workdir, preset, prompt, as_json):
+    """The main job on the embedded default model: synthesize a DeepSeek-V4-architecture checkpoint in the release
+    layout (FP8 dense, FP4 experts), convert it with --fp4, verify it against its source, prefill a prompt with the
+    experts streamed from disk (KV written layer by layer), and print the stats."""
     from moepack.format_spec.reader import Container
     from moepack.format_spec.summary import summarize
     from moepack.format_spec.verify import verify_container
     from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.fidelity import compare_with_source, raise_on_failures
     from moepack.packer.synth import synth_checkpoint
+    from moepack.runtime.engine import prefill as run_prefill
+    from moepack.runtime.tokenizer import PromptTokenizer
 
     os.makedirs(workdir, exist_ok=True)
     src = os.path.join(workdir, f"{preset}-release")
-    out = os.path.join(workdir, f"{preset}.moepack")
+    out = os.path.join(workdir, f"{preset}-fp4.moepack")
+    kv_dir = os.path.join(workdir, "kv")
     quiet = as_json
-    steps = {"synth": synth_checkpoint(src, preset=preset, layout="release", seed=0, progress=not quiet)}
-    steps["convert"] = convert_checkpoint(src, out, policy="keep", progress=not quiet)
+    steps = {}
+    if os.path.exists(os.path.join(src, "model.safetensors.index.json")):
+        steps["synth"] = {"dir": src, "reused": True}
+    else:
+        steps["synth"] = synth_checkpoint(src, preset=preset, layout="release", seed=0, progress=not quiet)
+    steps["convert"] = convert_checkpoint(src, out, policy="fp4", progress=not quiet)
     steps["verify"] = verify_container(out).as_dict()
+    steps["verify"]["source_check"] = compare_with_source(out, src, progress=not quiet)
+    raise_on_failures(steps["verify"]["source_check"])
     with Container(out) as c:
         steps["inspect"] = summarize(c)
+        tokenizer = PromptTokenizer(c)
+    ids = tokenizer.encode(prompt)
+    if os.path.exists(kv_dir):
+        import shutil
+
+        shutil.rmtree(kv_dir)
+    result = run_prefill(out, ids, kv_out=kv_dir)
+    steps["prefill"] = {"prompt": prompt, "next_token": result.next_token,
+                        "next_token_text": tokenizer.decode([result.next_token]), "kv_out": kv_dir, **result.stats}
     if as_json:
         _emit(True, steps, None)
         return
-    click.echo(f"synth:   {steps['synth']['dir']} ({steps['synth'].get('bytes', 0) / 2**20:.1f} MiB)")
-    click.echo(f"convert: {steps['convert']['output']} in {steps['convert']['seconds']:.2f} s")
-    click.echo(f"verify:  OK, {steps['verify']['bytes_read'] / 2**20:.1f} MiB at {steps['verify']['gb_per_s']} GB/s")
+    p = steps["prefill"]
+    check = steps["verify"]["source_check"]
+    click.echo(f"synth:   {src}")
+    click.echo(f"convert: {out} (--fp4) in {steps['convert']['seconds']:.2f} s, experts "
+               f"{steps['convert']['expert_bits_per_weight']} bits/weight")
+    click.echo(f"verify:  OK, {steps['verify']['bytes_read'] / 2**20:.1f} MiB at {steps['verify']['gb_per_s']} GB/s; "
+               f"vs source: {check['bit_identical']} bit-identical, {check['value_identical']} lossless, "
+               f"{check['lossy']} within thresholds")
     _print_summary(steps["inspect"])
+    click.echo(f"prefill: {p['tokens']} tokens in {p['seconds']:.2f} s ({p['tokens_per_s']:.1f} tokens/s), read "
+               f"{p['bytes_read'] / 2**20:.1f} MiB ({p['io_mode']}), io busy {p['io_busy_s']:.2f} s, compute "
+               f"{p['compute_busy_s']:.2f} s, overlap {p['overlap']:.2f}")
+    click.echo(f"         next token {p['next_token']} {p['next_token_text']!r}; KV in {kv_dir} "
+               f"({p.get('kv_bytes', 0) / 2**10:.0f} KiB)")
 
 
 def main() -> None:

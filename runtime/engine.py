@@ -180,8 +180,11 @@ class StreamingPrefill:
         return dev
 
     def _decode(self, regions: list[Region], raw: torch.Tensor, base: int, strip: str,
-                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """Float weights in `dtype` (integers as they are) of the tensors of `regions`, from bytes at `base`."""
+                dtype: torch.dtype = torch.float32, own: bool = True) -> dict[str, torch.Tensor]:
+        """Float weights in `dtype` (integers as they are) of the tensors of `regions`, from bytes at `base`.
+
+        A tensor stored in the requested dtype decodes to a view of `raw`; `own` copies such views, for weights
+        that outlive the pooled buffer the bytes arrived in (experts are used before their buffer goes back)."""
         out = {}
         for r in regions:
             names = {t.name for t in r.tensors}
@@ -196,6 +199,8 @@ class StreamingPrefill:
                     scale = decode_tensor(s.dtype, s.shape, raw[s.file_offset - base: s.file_offset - base + s.length])
                 value = decode_float(t.dtype, t.shape, data, scale, dtype) if t.dtype not in ("I64", "I32") else \
                     decode_tensor(t.dtype, t.shape, data)
+                if own and value.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
+                    value = value.clone()
                 out[t.name[len(strip):]] = value
         return out
 
@@ -322,7 +327,8 @@ class StreamingPrefill:
                             if batch is None:
                                 continue  # read with the rest of the section, chosen by no token
                             prefix = f"{block.name}.ffn.experts.{region.expert}."
-                            ew = self._decode([region], raw, regions[0].offset, prefix, self.expert_dtype)
+                            ew = self._decode([region], raw, regions[0].offset, prefix, self.expert_dtype,
+                                              own=False)
                             x = routing.x[batch.token_index].to(self.expert_dtype)
                             y = v4.expert_forward(cfg, x, ew["w1.weight"], ew["w3.weight"], ew["w2.weight"])
                             v4.accumulate(routed, routing, region.expert, y.float())

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -157,8 +157,12 @@ class RegionReader:
 class ReadPipeline:
     """Keeps up to `depth` reads in flight, each into its own buffer from a fixed pool.
 
-    `submit(offset, length)` returns a Future of (buffer, view); the consumer calls `release(buffer)` when done.
-    Submissions beyond the pool's size wait for a released buffer, which is what bounds memory.
+    `submit(offset, length)` returns a Future of (buffer, view); the consumer calls `release(buffer)` when done and
+    consumes futures in the order it submitted them. A worker takes a free buffer *before* it takes the next
+    request, so buffers go to requests strictly in submission order: the oldest request the consumer waits for
+    always gets the next buffer released (handing buffers to whichever request a thread happens to pick up first
+    can leave the pool held by later, unconsumed reads: a deadlock). Submissions beyond the pool wait, which is
+    what bounds memory.
     """
 
     def __init__(self, reader: RegionReader, buffer_bytes: int, depth: int, pinned: bool = False):
@@ -166,23 +170,53 @@ class ReadPipeline:
             raise MoepackError("queue depth must be at least 1")
         self.reader = reader
         self.buffer_bytes = buffer_bytes
-        self._free: queue.Queue[HostBuffer] = queue.Queue()
+        self._free: queue.Queue[HostBuffer | None] = queue.Queue()
         for _ in range(depth):
             self._free.put(HostBuffer(buffer_bytes, pinned))
-        self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="moepack-read")
+        self._requests: queue.Queue[tuple | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._work, name=f"moepack-read-{i}", daemon=True)
+                         for i in range(depth)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while True:
+            buf = self._free.get()
+            if buf is None:
+                return
+            item = self._requests.get()
+            if item is None:
+                self._free.put(buf)
+                return
+            future, offset, length = item
+            if not future.set_running_or_notify_cancel():
+                self._free.put(buf)
+                continue
+            try:
+                future.set_result((buf, self.reader.read_into(buf, offset, length)))
+            except BaseException as e:
+                self._free.put(buf)
+                future.set_exception(e)
 
     def submit(self, offset: int, length: int) -> Future:
-        def task():
-            buf = self._free.get()
-            try:
-                return buf, self.reader.read_into(buf, offset, length)
-            except BaseException:
-                self._free.put(buf)
-                raise
-        return self._pool.submit(task)
+        future: Future = Future()
+        self._requests.put((future, offset, length))
+        return future
 
     def release(self, buffer: HostBuffer) -> None:
         self._free.put(buffer)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Cancel what has not started, stop the workers (a worker may be waiting for a buffer or a request)."""
+        while True:
+            try:
+                item = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._requests.put(None)
+            self._free.put(None)
+        for t in self._threads:
+            t.join(timeout=30)
