@@ -272,7 +272,12 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
         if continue_from is not None:
             tokenizer.add_special_tokens = False  # a continuation: no BOS in the middle of the conversation
         ids = tokenizer.encode(prompt)
-    options = PrefillOptions(device=device, bundle_experts=bundle_experts or 4, queue_depth=queue_depth or 4,
+    if bundle_experts is None or queue_depth is None:
+        from moepack.runtime.bench import tuned_defaults
+
+        tuned = tuned_defaults(file) or (4, 4)  # what `moepack bench io` measured for this file, if it did
+        bundle_experts, queue_depth = bundle_experts or tuned[0], queue_depth or tuned[1]
+    options = PrefillOptions(device=device, bundle_experts=bundle_experts, queue_depth=queue_depth,
                              io_mode=io_mode, query_chunk=query_chunk, expert_selection=expert_selection,
                              verify_reads=not no_verify_reads, expert_dtype=expert_dtype)
     result = run_prefill(pattern, ids, options, kv_out=kv_out, continue_from=continue_from, kv_dtype=kv_dtype,
@@ -407,6 +412,9 @@ def demo(workdir, preset, prompt, as_json):
                f"{p['compute_busy_s']:.2f} s, overlap {p['overlap']:.2f}")
     click.echo(f"         next token {p['next_token']} {p['next_token_text']!r}; KV in {kv_dir} "
                f"({p.get('kv_bytes', 0) / 2**10:.0f} KiB)")
+
+
+import moepack.cli.plan_bench  # noqa: E402,F401 - registers `moepack bench` and `moepack plan`
 
 
 def main() -> None:

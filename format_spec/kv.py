@@ -30,6 +30,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from .errors import FormatError, MoepackError
+from .writer import fsync_dir
 
 KV_FORMAT = "moepack-kv"
 KV_MAJOR = 1
@@ -269,19 +270,6 @@ def layer_file_name(layer: int) -> str:
     return f"layer-{layer:04d}.safetensors"
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _fsync_file(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -306,7 +294,7 @@ def _atomic_write(path: str, data: bytes, sync: bool = True) -> None:
     except OSError as e:
         raise MoepackError(f"{path}: cannot write ({e.strerror or e})") from None
     if sync:
-        _fsync_dir(os.path.dirname(path) or ".")
+        fsync_dir(os.path.dirname(path) or ".")
 
 
 def _encode(t: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
@@ -464,7 +452,7 @@ class KVWriter:
             if not self.sync:  # layers were not fsynced as written: make the finished KV durable now
                 for e in self.manifest["layers"]:
                     _fsync_file(os.path.join(self.kv_dir, e["file"]))
-                _fsync_dir(self.kv_dir)
+                fsync_dir(self.kv_dir)
             self.manifest["result"] = result
             self.manifest["complete"] = True
             self._write_manifest(durable=True)

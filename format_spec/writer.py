@@ -214,7 +214,7 @@ class ContainerWriter:
             os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self.tmp_path, self.path)
-            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
             if os.path.exists(self.journal_path):
                 os.remove(self.journal_path)
         except OSError as e:
@@ -244,7 +244,8 @@ def _region_matches(f, region: dict) -> bool:
     return h.hexdigest() == region.get("xxh3")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a rename inside `path` durable (best effort: some filesystems refuse a directory fsync)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -1,0 +1,312 @@
+"""`moepack bench io|memory|compute` and `moepack plan`: the measurements and the break-even calculator
+(runtime/bench.py, runtime/plan.py, docs/plan.md). The commands register themselves on `moepack.cli.main.cli`;
+cli/main.py imports this module."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from moepack.cli.main import _emit, cli, json_option, reports_errors
+from moepack.format_spec.errors import MoepackError
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).replace(" ", "").split(",") if v]
+    except ValueError:
+        raise MoepackError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise MoepackError(f"{what}: expected integers >= 1, got {text!r}")
+    return values
+
+
+def _busy(r: dict) -> None:
+    if r.get("busy"):
+        click.echo(f"  warning: the machine was busy (load {r['loadavg']} on {r['cpus']} CPUs): figures may be low",
+                   err=True)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@cli.group()
+def bench():
+    """Measure this machine: SSD reads with the runtime's reader (io), host memory and host->device copies
+    (memory), the expert matmul path's FLOP/s (compute). Results go to a per-machine cache
+    (~/.cache/moepack/bench.json, or $MOEPACK_CACHE_DIR) that `prefill` and `plan` use as defaults."""
+
+
+@bench.command("io")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--bundles", default="1,2,4,8,16", show_default=True, help="Experts per read to try.")
+@click.option("--depths", default="1,2,4,8,16", show_default=True, help="Reads in flight to try.")
+@click.option("--max-gib", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Bytes each cell reads (the same leading expert sections for every cell).")
+@click.option("--all", "read_all", is_flag=True, help="Read every expert section in every cell (no --max-gib cap).")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Best of this many runs.")
+@click.option("--io", "io_mode", type=click.Choice(["direct", "buffered", "mmap"]), default="direct",
+              show_default=True, help="direct: O_DIRECT, what prefill uses for a container larger than RAM.")
+@click.option("--no-fio", is_flag=True, help="Skip the fio comparison even when fio is installed.")
+@click.option("--no-save", is_flag=True, help="Do not record the result in the bench cache.")
+@json_option
+@reports_errors
+def bench_io_cmd(file, bundles, depths, max_gib, read_all, repeat, io_mode, no_fio, no_save, as_json):
+    """Read FILE's expert sections for a grid of bundle sizes x queue depths; print GB/s per cell and the best
+    setting (which `prefill` then uses by default for FILE), and fio's rate for the same reads when installed."""
+    from moepack.runtime.bench import bench_io
+
+    if not os.path.exists(file):
+        raise MoepackError(f"{file}: no such file")
+    result = bench_io(file, _int_list(bundles, "--bundles"), _int_list(depths, "--depths"),
+                      None if read_all else int(max_gib * 2 ** 30), io_mode, repeat, fio=not no_fio,
+                      save=not no_save)
+    _emit(as_json, result, _print_io)
+
+
+def _print_io(r: dict) -> None:
+    _busy(r)
+    click.echo(f"{r['path']}: {_gb(r['bytes_per_cell'])} of expert sections per cell, io {r['io_mode']}, "
+               f"expert region {_gb(r['expert_bytes'])}")
+    if r.get("warning"):
+        click.echo(f"  warning: {r['warning']}")
+    cells = {(c["bundle_experts"], c["queue_depth"]): c for c in r["cells"]}
+    click.echo("GB/s      " + "".join(f"{'depth ' + str(d):>10}" for d in r["depths"]))
+    for b in r["bundles"]:
+        click.echo(f"bundle {b:<3}" + "".join(f"{cells[(b, d)]['gbps']:>10.3f}" for d in r["depths"]))
+    best = r["best"]
+    click.echo(f"best: {best['bundle_experts']} experts per read ({_gb(best['read_bytes'])}), queue depth "
+               f"{best['queue_depth']}: {best['gbps']:.3f} GB/s"
+               + (f" (fastest cell {r['fastest']['gbps']:.3f} GB/s at {r['fastest']['bundle_experts']} x "
+                  f"{r['fastest']['queue_depth']}; within 3%, the smaller buffers win)"
+                  if r["fastest"] != {k: best[k] for k in r["fastest"]} else ""))
+    f = r.get("fio")
+    if f and f.get("gbps"):
+        click.echo(f"fio ({f['engine']}, O_DIRECT, sequential, bs {_gb(f['block_bytes'])}, iodepth {f['iodepth']}): "
+                   f"{f['gbps']:.3f} GB/s; ours / fio = {r['ours_over_fio']:.2f}")
+    elif f:
+        click.echo(f"fio: {f.get('skipped') or 'failed: ' + str(f.get('failed'))}")
+    if r.get("cache"):
+        click.echo(f"saved to {r['cache']}: `moepack prefill {os.path.basename(r['path'])}` now defaults to "
+                   f"--bundle-experts {best['bundle_experts']} --queue-depth {best['queue_depth']}")
+
+
+@bench.command("memory")
+@click.option("--size-mib", type=click.IntRange(min=1), default=256, show_default=True, help="Bytes per copy.")
+@click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="Best of this many copies.")
+@click.option("--device", default=None, help="cuda or cuda:N to time host->device copies (default: cuda when "
+                                             "torch sees one, else host only).")
+@click.option("--no-save", is_flag=True, help="Do not record the result in the bench cache.")
+@json_option
+@reports_errors
+def bench_memory_cmd(size_mib, repeat, device, no_save, as_json):
+    """Host memory copy bandwidth and, on CUDA, pinned host->device bandwidth: the pipeline's other stages."""
+    from moepack.runtime.bench import bench_memory
+
+    if device is not None and device != "cpu" and not device.startswith("cuda"):
+        raise MoepackError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    result = bench_memory(size_mib, repeat, None if device == "cpu" else device, save=not no_save)
+    _emit(as_json, result, _print_memory)
+
+
+def _print_memory(r: dict) -> None:
+    _busy(r)
+    click.echo(f"host memory copy: {r['host_copy_gbps']:.2f} GB/s ({r['host_traffic_gbps']:.2f} GB/s of DRAM "
+               f"traffic, {r['threads']} threads, {r['bytes'] >> 20} MiB)")
+    c = r.get("cuda")
+    if c:
+        click.echo(f"{c['device']}: host->device pinned {c['h2d_pinned_gbps']:.2f} GB/s, pageable "
+                   f"{c['h2d_pageable_gbps']:.2f} GB/s; device->host pinned {c['d2h_pinned_gbps']:.2f} GB/s")
+    else:
+        click.echo("no CUDA device: host->device copies not measured")
+    click.echo("a streamed prefill moves every byte through host RAM twice (SSD -> RAM, RAM -> consumer): at "
+               f"{r['host_copy_gbps']:.1f} GB/s the host stage carries up to {r['host_copy_gbps']:.1f} GB/s of SSD "
+               "reads")
+
+
+@bench.command("compute")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--tokens", default="1,8,32,128,512,2048", show_default=True, help="Tokens per expert to time.")
+@click.option("--file", "file", type=click.Path(dir_okay=False),
+              help="Time this container's own experts (its storage type and shapes).")
+@click.option("--storage", type=click.Choice(["FP4_E2M1", "MXFP4", "NVFP4", "Q8_0", "BF16"]), default="FP4_E2M1",
+              show_default=True, help="Storage of the random experts (FP4_E2M1: the release / keep policy).")
+@click.option("--hidden", type=click.IntRange(min=32), help="Hidden size of the random experts (default 4096).")
+@click.option("--intermediate", type=click.IntRange(min=32), help="Expert intermediate size (default 2048).")
+@click.option("--expert-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Compute dtype, as prefill's --expert-dtype.")
+@click.option("--experts", type=click.IntRange(min=1), default=2, show_default=True, help="Distinct experts per run.")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Best of this many runs.")
+@click.option("--no-save", is_flag=True, help="Do not record the result in the bench cache.")
+@json_option
+@reports_errors
+def bench_compute_cmd(device, tokens, file, storage, hidden, intermediate, expert_dtype, experts, repeat, no_save,
+                      as_json):
+    """Effective FLOP/s of the runtime's routed-expert path (decode of the stored bytes + clamped SwiGLU) at several
+    tokens per expert: the F of `moepack plan`, measured."""
+    from moepack.runtime.bench import bench_compute
+
+    if file is not None and not os.path.exists(file):
+        raise MoepackError(f"{file}: no such file")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise MoepackError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if hidden is not None and hidden % 256 or intermediate is not None and intermediate % 256:
+        raise MoepackError("--hidden and --intermediate must be multiples of 256 (the storage types' blocks)")
+    result = bench_compute(device, _int_list(tokens, "--tokens"), file, storage, hidden, intermediate, expert_dtype,
+                           experts, repeat, save=not no_save)
+    _emit(as_json, result, _print_compute)
+
+
+def _print_compute(r: dict) -> None:
+    _busy(r)
+    click.echo(f"{r['device']} ({r['device_name']}, {r['threads']} threads): {r['storage']} experts "
+               f"{r['hidden']}x{r['intermediate']} from {r['source']}, computed in {r['expert_dtype']}; decode "
+               f"{r['decode_seconds_per_expert'] * 1e3:.2f} ms per expert")
+    click.echo(f"{'tokens/expert':>14} {'GFLOP/s':>10} {'matmul only':>12} {'ms/expert':>10}")
+    for p in r["points"]:
+        click.echo(f"{p['tokens_per_expert']:>14} {p['gflops']:>10.1f} {p['matmul_gflops']:>12.1f} "
+                   f"{p['seconds_per_expert'] * 1e3:>10.2f}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plan
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _model_source(target: str, policy: str | None, expert_bpw: float | None):
+    """(sizes, config, container path or None) for a container, a config.json / checkpoint directory, or a
+    synthetic preset name (tiny, small, medium)."""
+    from moepack.runtime.plan import load_config, sizes_from_config, sizes_from_container
+
+    if os.path.isfile(target):
+        with open(target, "rb") as f:
+            magic = f.read(8)
+        if magic == b"MOEPACK\x00":
+            from moepack.format_spec.reader import Container
+
+            if policy is not None:
+                raise MoepackError("--policy is for a config: a container's policy is the one it was converted with")
+            if expert_bpw is not None:
+                raise MoepackError("--expert-bpw is for a config: a container's expert sizes are in its index")
+            with Container(target) as c:
+                return sizes_from_container(c), c.config, target
+    if os.path.exists(target):
+        config = load_config(target)
+    else:
+        from moepack.packer.synth import PRESETS, RELEASE_QUANTIZATION_CONFIG, preset_config
+
+        if target not in PRESETS:
+            raise MoepackError(f"{target}: no such file (give a container, a config.json, a checkpoint directory or "
+                               f"a preset: {', '.join(PRESETS)})")
+        config = {**preset_config(target), "quantization_config": dict(RELEASE_QUANTIZATION_CONFIG)}
+    return sizes_from_config(config, policy or "keep", expert_bpw), config, None
+
+
+@cli.command()
+@click.argument("target", metavar="FILE|CONFIG")
+@click.option("--ssd-gbps", type=click.FloatRange(min=0, min_open=True),
+              help="Sequential read GB/s of one SSD (default: `bench io`'s measurement, else 14).")
+@click.option("--tflops", type=click.FloatRange(min=0, min_open=True),
+              help="Effective TFLOPS of one GPU (default: `bench compute`'s measured curve, else 100).")
+@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True, help="GPUs (experts split).")
+@click.option("--ssds", type=click.IntRange(min=1), default=1, show_default=True, help="SSDs (reads striped).")
+@click.option("--context", "contexts", multiple=True, metavar="N",
+              help="Prompt length(s) to plan for: 8192, 8K, 128K; repeat or comma-separate "
+                   "(default 1K..128K in powers of two).")
+@click.option("--vram-gib", type=click.FloatRange(min=0, min_open=True), help="Device memory to judge the budget by.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), help="Write tokens/s versus N to this PNG.")
+@click.option("--policy", type=click.Choice(["keep", "bf16", "fp4", "nvfp4", "q8", "q2"]),
+              help="Precision policy a CONFIG is sized for (default keep).")
+@click.option("--expert-bpw", type=float, help="Size the routed experts at this many bits per weight (what-if).")
+@click.option("--stream", type=click.Choice(["all", "experts"]), default="all", show_default=True,
+              help="all: every region streams, as moepack prefill does; experts: non-routed weights resident "
+                   "(the design note's tables).")
+@click.option("--bundle-experts", type=click.IntRange(min=1),
+              help="Experts per read for the buffer budget (default: bench io's best for FILE, else 4; 16 for a "
+                   "CONFIG).")
+@click.option("--queue-depth", type=click.IntRange(min=1),
+              help="Reads in flight for the buffer budget (default: bench io's best for FILE, else 4; 2 for a "
+                   "CONFIG).")
+@click.option("--attention/--no-attention", "with_attention", default=False, show_default=True,
+              help="Count the context-dependent attention FLOPs in T_compute (the note's tables do not).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Whose measured compute curve to use "
+                                                                   "(default: cuda's when measured, else cpu's).")
+@click.option("--expert-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Which measured compute curve: the one timed in prefill's --expert-dtype.")
+@click.option("--mem-gbps", type=click.FloatRange(min=0, min_open=True),
+              help="Host memory copy GB/s (default: bench memory's measurement; the host RAM stage).")
+@click.option("--pcie-gbps", type=click.FloatRange(min=0, min_open=True),
+              help="Host->device GB/s per GPU (default: bench memory's pinned measurement on CUDA).")
+@click.option("--gflop-per-token", type=click.FloatRange(min=0, min_open=True),
+              help="Override the config's FLOPs per token (what-if; the note rounds to 26).")
+@click.option("--routed-gflop-per-token", type=click.FloatRange(min=0, min_open=True),
+              help="Override the routed experts' FLOPs per token (the note rounds to 13).")
+@click.option("--kv-dtype", type=click.Choice(["F32", "BF16", "F8_E4M3"]), default="F32", show_default=True,
+              help="KV storage dtype for the one-layer KV row of the budget.")
+@json_option
+@reports_errors
+def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, policy, expert_bpw, stream,
+         bundle_experts, queue_depth, with_attention, device, expert_dtype, mem_gbps, pcie_gbps, gflop_per_token,
+         routed_gflop_per_token, kv_dtype, as_json):
+    """Break-even calculator for a streamed layer-major prefill of FILE (a container) or CONFIG (a config.json, a
+    checkpoint directory, or a preset name): T_SSD = W/BW, T_compute(N), the bottleneck, N* = F x W / (FLOP/token
+    x BW), tokens/s per N and the VRAM budget. Measured `moepack bench` values are the defaults."""
+    from moepack.runtime import plan as P
+    from moepack.runtime.bench import measured_for_plan, tuned_defaults
+
+    sizes, config, path = _model_source(target, policy, expert_bpw)
+    ctx = [P.parse_tokens(v) for c in contexts for v in str(c).split(",") if v.strip()] or list(P.DEFAULT_CONTEXTS)
+    storage = None
+    if path is not None:
+        from moepack.format_spec.reader import Container
+
+        with Container(path) as c:
+            w1 = next((t for b in c.layers for r in b.experts[:1] for t in r.tensors), None)
+            storage = w1.dtype if w1 is not None else None
+    expert_shape = (sizes.hidden_size, int(config.get("moe_intermediate_size", 0)))
+    measured = measured_for_plan(path, device, storage, expert_shape, expert_dtype)
+
+    if ssd_gbps is not None:
+        ssd = P.Measured(ssd_gbps, "given")
+    elif measured["ssd"]:
+        ssd = P.Measured(*measured["ssd"])
+    else:
+        ssd = P.Measured(P.ASSUMED_SSD_GBPS, "assumed (the design note's PCIe 5.0 x4 NVMe)")
+    curve, curve_source, flops_given, compute_device = None, "", None, "gpu"
+    if tflops is not None:
+        flops_given = P.Measured(tflops, "given")
+    elif measured["compute"]:
+        run, curve_source = measured["compute"]
+        curve = P.ComputeCurve([(p["tokens_per_expert"], p["gflops"] * 1e9) for p in run["points"]])
+        compute_device = run["device"].split(":")[0]
+    else:
+        flops_given = P.Measured(P.ASSUMED_TFLOPS, "assumed (the design note's middle F)")
+    # This machine's memory and PCIe rates join only a plan for this machine: not when --ssd-gbps and --tflops
+    # both describe another one; PCIe only when the compute is a GPU's.
+    this_machine = ssd_gbps is None or tflops is None
+    mem = P.Measured(mem_gbps, "given") if mem_gbps else (
+        P.Measured(*measured["memory"]) if measured["memory"] and this_machine else None)
+    pcie = P.Measured(pcie_gbps, "given") if pcie_gbps else (
+        P.Measured(*measured["pcie"]) if measured["pcie"] and this_machine and compute_device != "cpu" else None)
+    tuned = tuned_defaults(path) if path else None
+    default_bundle, default_depth = tuned or ((4, 4) if path else (16, 2))
+    flops = {}
+    if gflop_per_token:
+        flops["total"] = gflop_per_token * 1e9
+    if routed_gflop_per_token:
+        flops["routed"] = routed_gflop_per_token * 1e9
+    result = P.make_plan(sizes, config, ssd_gbps=ssd, tflops=flops_given, compute_curve=curve,
+                         compute_source=curve_source, gpus=gpus, ssds=ssds, contexts=ctx, stream=stream,
+                         vram_gib=vram_gib, bundle_experts=bundle_experts or default_bundle,
+                         queue_depth=queue_depth or default_depth, mem_gbps=mem, pcie_gbps=pcie, flops=flops or None,
+                         with_attention=with_attention, kv_dtype=kv_dtype)
+    if plot_out:
+        result["plot"] = P.plot_plan(result, plot_out)
+    _emit(as_json, result, lambda r: click.echo(P.format_plan(r) + (f"\nplot: {r['plot']}" if r.get("plot") else "")))

@@ -1,0 +1,564 @@
+"""Measurements the break-even plan stands on (docs/plan.md): SSD read rate with the runtime's own reader, host
+memory and host->device copy rates, and the effective FLOP/s of the runtime's expert path.
+
+* `bench_io(path)` reads a container's expert sections with `RegionReader` + `ReadPipeline` (what `prefill` uses),
+  O_DIRECT, for a grid of bundle sizes (experts per read) x queue depths (reads in flight), and picks the best
+  setting; with `fio` installed it also reads the same file with fio (io_uring, O_DIRECT, sequential, the best
+  cell's block size and depth) so the reader can be compared with the tool everyone trusts.
+* `bench_memory()` times host memory copies (the pipeline's host RAM stage) and, on CUDA, pinned and pageable
+  host->device copies (the PCIe stage).
+* `bench_compute()` times decode + SwiGLU of routed experts exactly as the engine runs them (format_spec.decode's
+  `decode_float`, runtime.model's `expert_forward`), for several tokens per expert: F measured, not assumed.
+
+Results are kept in a small per-machine cache, `$MOEPACK_CACHE_DIR/bench.json` (default
+`$XDG_CACHE_HOME/moepack/bench.json`, i.e. `~/.cache/moepack/bench.json`), keyed by the host name and, for io, by
+the container's real path, size and mtime (a rewritten container is measured again). `tuned_defaults(path)` gives
+`prefill` the best (bundle_experts, queue_depth) measured for that file on this machine; `moepack plan` takes
+its bandwidth and FLOP/s defaults from the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import warnings
+from datetime import datetime, timezone
+
+import torch
+
+from moepack.format_spec.errors import MoepackError
+
+CACHE_ENV = "MOEPACK_CACHE_DIR"
+CACHE_FORMAT = "moepack-bench"
+CACHE_VERSION = 1
+BUNDLES = (1, 2, 4, 8, 16)
+DEPTHS = (1, 2, 4, 8, 16)
+NEAR_TIE = 0.03  # cells within 3% of the fastest count as equally fast: the one with the least buffer memory wins
+COMPUTE_TOKENS = (1, 8, 32, 128, 512, 2048)
+COMPUTE_STORAGES = ("FP4_E2M1", "MXFP4", "NVFP4", "Q8_0", "BF16")
+V4_FLASH_DIMS = (4096, 2048)  # hidden, moe_intermediate_size
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cache
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def cache_dir() -> str:
+    d = os.environ.get(CACHE_ENV)
+    if d:
+        return d
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moepack")
+
+
+def cache_path() -> str:
+    return os.path.join(cache_dir(), "bench.json")
+
+
+def machine_id() -> str:
+    return socket.gethostname() or "unknown-host"
+
+
+def file_key(path: str) -> str:
+    """The io cache key of a container: real path, size and mtime (ns) — a rewritten file is a new key."""
+    st = os.stat(path)
+    return f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def load_cache() -> dict:
+    """The cache's content ({} when absent; a damaged file is ignored with a warning, and replaced on the next
+    write)."""
+    path = cache_path()
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        warnings.warn(f"{path}: unreadable bench cache ignored ({e})", RuntimeWarning, stacklevel=2)
+        return {}
+    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or data.get("version") != CACHE_VERSION:
+        return {}
+    return data
+
+
+def _machine(data: dict, create: bool = False) -> dict:
+    machines = data.setdefault("machines", {}) if create else data.get("machines", {})
+    if not isinstance(machines, dict):
+        return {}
+    m = machines.get(machine_id())
+    if m is None and create:
+        m = machines[machine_id()] = {}
+    return m if isinstance(m, dict) else {}
+
+
+def store(section: str, key: str, value: dict) -> str:
+    """Record one result under this machine's `section` / `key`; written atomically. Returns the cache path."""
+    path = cache_path()
+    data = load_cache()
+    data.update(format=CACHE_FORMAT, version=CACHE_VERSION)
+    machine = _machine(data, create=True)
+    machine.setdefault(section, {})[key] = value
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".bench.", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise MoepackError(f"{path}: cannot write the bench cache ({e.strerror or e})") from None
+    return path
+
+
+def cached(section: str) -> dict:
+    """This machine's results of one section ({} when none)."""
+    value = _machine(load_cache()).get(section, {})
+    return value if isinstance(value, dict) else {}
+
+
+def tuned_defaults(path: str) -> tuple[int, int] | None:
+    """(bundle_experts, queue_depth) that `moepack bench io` found best for this container on this machine, or
+    None (never measured, the file changed since, or no readable cache). Never raises: a prefill must not fail
+    over the cache."""
+    try:
+        entry = cached("io").get(file_key(path))
+        best = entry["best"] if isinstance(entry, dict) else None
+        if not best:
+            return None
+        bundle, depth = int(best["bundle_experts"]), int(best["queue_depth"])
+        return (bundle, depth) if bundle >= 1 and depth >= 1 else None
+    except Exception:  # noqa: BLE001 - any cache problem means "not measured"
+        return None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _load() -> dict:
+    """The 1-minute load average before a measurement, and whether other work was likely running: timings on a
+    busy machine come out low (threads of two processes fighting for the same cores)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return {"loadavg": None, "cpus": os.cpu_count(), "busy": False}
+    cpus = os.cpu_count() or 1
+    return {"loadavg": round(load, 2), "cpus": cpus, "busy": load >= 0.75 * cpus}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# io
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _expert_reads(container, bundle: int, max_bytes: int | None) -> list[tuple[int, int]]:
+    """The reads an all-experts prefill makes of the expert sections, layer by layer, `bundle` experts per read,
+    stopping once `max_bytes` are covered (every cell reads the same prefix of the file)."""
+    reads, total = [], 0
+    for block in container.layers:
+        n = len(block.experts)
+        for first in range(0, n, bundle):
+            offset, length = block.expert_span(first, min(bundle, n - first))
+            reads.append((offset, length))
+            total += length
+            if max_bytes is not None and total >= max_bytes:
+                return reads
+    return reads
+
+
+def _time_reads(path: str, reads: list[tuple[int, int]], depth: int, mode: str) -> dict:
+    from moepack.runtime.io import ReadPipeline, RegionReader
+
+    reader = RegionReader(path, mode)
+    try:
+        pipe = ReadPipeline(reader, max(length for _, length in reads), depth)
+        try:
+            start = time.perf_counter()
+            window = []
+            for offset, length in reads:
+                window.append(pipe.submit(offset, length))
+                if len(window) >= depth:
+                    pipe.release(window.pop(0).result()[0])
+            for future in window:
+                pipe.release(future.result()[0])
+            seconds = time.perf_counter() - start
+        finally:
+            pipe.close()
+        return {"seconds": seconds, "bytes": reader.stats.bytes_read, "requests": reader.stats.requests,
+                "io_mode": reader.mode, "warning": reader.warning}
+    finally:
+        reader.close()
+
+
+def bench_io(path: str, bundles=BUNDLES, depths=DEPTHS, max_bytes: int | None = 1 << 30, mode: str = "direct",
+             repeat: int = 1, fio: bool = True, save: bool = True, on_cell=None) -> dict:
+    """The io grid (see the module doc). `max_bytes` caps each cell's reads (None: every expert section);
+    `repeat` keeps each cell's best of that many runs; `on_cell(cell)` is called as cells finish."""
+    from moepack.format_spec.reader import Container
+
+    bundles = sorted({int(b) for b in bundles})
+    depths = sorted({int(d) for d in depths})
+    if not bundles or not depths or bundles[0] < 1 or depths[0] < 1:
+        raise MoepackError("bundle sizes and queue depths must be at least 1")
+    if repeat < 1:
+        raise MoepackError("--repeat must be at least 1")
+    with Container(path) as c:
+        if not any(b.experts for b in c.layers):
+            raise MoepackError(f"{path}: the container has no routed experts to read")
+        plans = {b: _expert_reads(c, b, max_bytes) for b in bundles}
+        expert_bytes = max(r.length for b in c.layers for r in b.experts)
+        experts_per_layer = max(len(b.experts) for b in c.layers)
+        first_offset = c.layers[0].experts[0].offset if c.layers[0].experts else None
+    load = _load()
+    cells, warning, io_mode = [], None, mode
+    for bundle in bundles:
+        for depth in depths:
+            best = None
+            for _ in range(repeat):
+                r = _time_reads(path, plans[bundle], depth, mode)
+                if best is None or r["seconds"] < best["seconds"]:
+                    best = r
+            warning = warning or best["warning"]
+            io_mode = best["io_mode"]
+            cell = {"bundle_experts": bundle, "queue_depth": depth, "read_bytes": min(bundle, experts_per_layer) *
+                    expert_bytes, "bytes": best["bytes"], "requests": best["requests"],
+                    "seconds": round(best["seconds"], 6), "gbps": best["bytes"] / best["seconds"] / 1e9}
+            cells.append(cell)
+            if on_cell:
+                on_cell(cell)
+    fastest = max(cells, key=lambda x: x["gbps"])
+    ties = [x for x in cells if x["gbps"] >= (1 - NEAR_TIE) * fastest["gbps"]]
+    best = min(ties, key=lambda x: (x["read_bytes"] * x["queue_depth"], -x["gbps"]))
+    result = {
+        "path": os.path.realpath(path), "file_key": file_key(path), "machine": machine_id(), "measured_at": _now(),
+        **load,
+        "io_mode": io_mode, "warning": warning, "bundles": bundles, "depths": depths, "repeat": repeat,
+        "bytes_per_cell": cells[0]["bytes"], "expert_bytes": expert_bytes, "cells": cells,
+        "fastest": {k: fastest[k] for k in ("bundle_experts", "queue_depth", "gbps")},
+        "best": {k: best[k] for k in ("bundle_experts", "queue_depth", "gbps", "read_bytes")},
+        "fio": None,
+    }
+    if fio:
+        span = plans[best["bundle_experts"]]
+        end = span[-1][0] + span[-1][1]
+        result["fio"] = run_fio(path, first_offset, end - first_offset, best["read_bytes"], best["queue_depth"])
+        f = result["fio"]
+        if f.get("gbps"):
+            result["ours_over_fio"] = best["gbps"] / f["gbps"]
+    if save:
+        result["cache"] = store("io", result["file_key"], result)
+    return result
+
+
+FIO_ENGINES = ("io_uring", "libaio", "psync")
+
+
+def fio_available() -> str | None:
+    return shutil.which("fio")
+
+
+def run_fio(path: str, offset: int, size: int, block_bytes: int, depth: int, engines=FIO_ENGINES,
+            timeout: float = 600) -> dict:
+    """fio reading [offset, offset+size) of `path` sequentially, O_DIRECT, `block_bytes` per request, `depth` in
+    flight, with the first engine of `engines` that works (io_uring first). {"skipped": reason} without fio."""
+    exe = fio_available()
+    if exe is None:
+        return {"skipped": "fio is not installed (apt-get install fio)"}
+    block_bytes = max(4096, block_bytes // 4096 * 4096)
+    size = max(block_bytes, size // block_bytes * block_bytes)
+    errors = []
+    for engine in engines:
+        cmd = [exe, "--name=moepack-read", f"--filename={path}", "--readonly", "--rw=read", "--direct=1",
+               f"--ioengine={engine}", f"--bs={block_bytes}", f"--iodepth={depth if engine != 'psync' else 1}",
+               f"--offset={offset}", f"--size={size}", "--numjobs=1", "--output-format=json"]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            errors.append(f"{engine}: timed out")
+            continue
+        try:
+            out = json.loads(p.stdout[p.stdout.index("{"):])
+            job = out["jobs"][0]
+            if job.get("error"):
+                raise ValueError(f"error {job['error']}")
+            read = job["read"]
+            if not read.get("io_bytes"):
+                raise ValueError("read nothing")
+        except (ValueError, KeyError, IndexError) as e:
+            tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [str(e)]
+            errors.append(f"{engine}: {tail[0]}")
+            continue
+        return {"engine": engine, "gbps": read["bw_bytes"] / 1e9, "bytes": read["io_bytes"],
+                "seconds": read["runtime"] / 1000, "block_bytes": block_bytes,
+                "iodepth": depth if engine != "psync" else 1, "version": out.get("fio version"),
+                "command": " ".join(cmd), "errors": errors}
+    return {"failed": "; ".join(errors)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(fn, repeat: int, device: torch.device) -> float:
+    best = math.inf
+    for _ in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_memory(size_mib: int = 256, repeat: int = 5, device: str | None = None, save: bool = True) -> dict:
+    """Host memory copy rate (bytes copied per second; each byte copied is one read and one write of DRAM) and,
+    with a CUDA device (`device`, default: cuda when available), host->device rates from pinned and pageable
+    memory and device->host into pinned memory."""
+    if size_mib < 1 or repeat < 1:
+        raise MoepackError("--size-mib and --repeat must be at least 1")
+    want_cuda = device is not None and device.startswith("cuda")
+    if want_cuda and not torch.cuda.is_available():
+        raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
+    load = _load()
+    n = size_mib << 20
+    src = torch.empty(n, dtype=torch.uint8)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    dst.fill_(0)
+    host = _best_seconds(lambda: dst.copy_(src), repeat, torch.device("cpu"))
+    result = {"machine": machine_id(), "measured_at": _now(), **load, "bytes": n, "repeat": repeat,
+              "threads": torch.get_num_threads(),
+              "host_copy_gbps": n / host / 1e9, "host_traffic_gbps": 2 * n / host / 1e9, "cuda": None}
+    dst = None  # release the copy target before the device buffers
+    if (device is None and torch.cuda.is_available()) or want_cuda:
+        dev = torch.device(device or "cuda")
+        pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        pinned.fill_(1)
+        on_dev = torch.empty(n, dtype=torch.uint8, device=dev)
+        h2d_pinned = _best_seconds(lambda: on_dev.copy_(pinned, non_blocking=True), repeat, dev)
+        h2d_pageable = _best_seconds(lambda: on_dev.copy_(src), repeat, dev)
+        d2h_pinned = _best_seconds(lambda: pinned.copy_(on_dev, non_blocking=True), repeat, dev)
+        result["cuda"] = {"device": torch.cuda.get_device_name(dev), "h2d_pinned_gbps": n / h2d_pinned / 1e9,
+                          "h2d_pageable_gbps": n / h2d_pageable / 1e9, "d2h_pinned_gbps": n / d2h_pinned / 1e9}
+        del pinned, on_dev
+    if save:
+        result["cache"] = store("memory", "latest", result)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compute
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _synthetic_expert(storage: str, hidden: int, inter: int, seed: int) -> list[tuple[str, str, tuple, bytes]]:
+    """One routed expert's stored tensors (name, storage type, logical shape, bytes), gate/up/down, quantized from
+    random Gaussian weights to `storage` the way the release (FP4_E2M1 + E8M0) or `convert` would store them."""
+    from moepack.format_spec import quants
+    from moepack.format_spec.source_formats import fp4_quantize
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for proj, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+        w = torch.randn(shape, generator=g) * shape[1] ** -0.5
+        name = f"{proj}.weight"
+        if storage in ("FP4_E2M1", "MXFP4"):
+            packed, scale = fp4_quantize(w)
+            if storage == "FP4_E2M1":
+                out.append((name, "FP4_E2M1", shape, packed.view(torch.uint8).numpy().tobytes()))
+                out.append((f"{proj}.scale", "F8_E8M0", (shape[0], shape[1] // 32),
+                            scale.view(torch.uint8).numpy().tobytes()))
+            else:
+                blocks = quants.fp4_to_mxfp4(packed, scale.view(torch.uint8))
+                out.append((name, "MXFP4", shape, blocks.contiguous().numpy().tobytes()))
+        elif storage == "BF16":
+            out.append((name, "BF16", shape, w.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()))
+        elif storage in COMPUTE_STORAGES:
+            out.append((name, storage, shape, quants.quantize_torch(w, storage).numpy().tobytes()))
+        else:
+            raise MoepackError(f"unknown expert storage {storage!r} (choose from {', '.join(COMPUTE_STORAGES)}, "
+                               f"or measure a container's own experts with --file)")
+    return out
+
+
+def _container_experts(path: str, count: int) -> tuple[list, int, int, str]:
+    """`count` experts of the first top-k-routed layer of a container, as stored: (experts, hidden, inter, type)."""
+    from moepack.format_spec.reader import Container
+
+    with Container(path) as c:
+        layers = [b for b in c.layers if b.experts]
+        if not layers:
+            raise MoepackError(f"{path}: the container has no routed experts")
+        block = layers[-1]
+        experts = []
+        for region in block.experts[:count]:
+            prefix = f"{block.name}.ffn.experts.{region.expert}."
+            experts.append([(t.name[len(prefix):], t.dtype, t.shape, c.pread(t.file_offset, t.length))
+                            for t in region.tensors])
+        w1 = next(t for t in experts[0] if t[0] == "w1.weight")
+    return experts, int(w1[2][1]), int(w1[2][0]), w1[1]
+
+
+def _decode_expert(tensors: dict, dtype: torch.dtype) -> tuple:
+    """gate, up, down in `dtype`, decoded as the engine decodes a region (decode_float with the scale)."""
+    from moepack.format_spec.decode import decode_float, decode_tensor
+
+    out = {}
+    for name, (stype, shape, raw) in tensors.items():
+        if name.endswith(".scale"):
+            continue
+        scale = None
+        sname = name[: -len(".weight")] + ".scale"
+        if sname in tensors:
+            s_type, s_shape, s_raw = tensors[sname]
+            scale = decode_tensor(s_type, s_shape, s_raw)
+        out[name] = decode_float(stype, shape, raw, scale, dtype)
+    return out["w1.weight"], out["w3.weight"], out["w2.weight"]
+
+
+def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None = None, storage: str = "FP4_E2M1",
+                  hidden: int | None = None, intermediate: int | None = None, expert_dtype: str = "float32",
+                  experts: int = 2, repeat: int = 2, save: bool = True, on_point=None) -> dict:
+    """Effective FLOP/s of the engine's per-expert work (decode the stored bytes, then the clamped SwiGLU:
+    6 x tokens x hidden x intermediate FLOPs) at several tokens per expert. The weights are a container's own
+    experts (`file`) or random ones stored as `storage`, V4-Flash-sized unless `hidden`/`intermediate` say
+    otherwise. Reports per point: effective GFLOP/s (decode included), matmul-only GFLOP/s and the decode time."""
+    from moepack.runtime import model as v4
+    from moepack.runtime.engine import EXPERT_DTYPES
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
+    if expert_dtype not in EXPERT_DTYPES:
+        raise MoepackError(f"unknown expert dtype {expert_dtype!r} (choose from {', '.join(EXPERT_DTYPES)})")
+    tokens = sorted({int(t) for t in tokens})
+    if not tokens or tokens[0] < 1 or experts < 1 or repeat < 1:
+        raise MoepackError("tokens per expert, --experts and --repeat must be at least 1")
+    dtype = EXPERT_DTYPES[expert_dtype]
+    load = _load()
+    if file is not None:
+        stored, H, I, storage = _container_experts(file, experts)
+        source = os.path.realpath(file)
+    else:
+        H, I = hidden or V4_FLASH_DIMS[0], intermediate or V4_FLASH_DIMS[1]
+        stored = [_synthetic_expert(storage, H, I, seed) for seed in range(experts)]
+        source = "synthetic"
+    cfg = v4.ModelConfig.from_hf({"hidden_size": H, "moe_intermediate_size": I})
+    # The bytes on the compute device, as the engine has them after _to_device; decoded there.
+    on_device = [{n: (t, tuple(s), torch.frombuffer(bytearray(b), dtype=torch.uint8).to(dev)) for n, t, s, b in e}
+                 for e in stored]
+    decoded = [_decode_expert(e, dtype) for e in on_device]  # also warms the decode path up
+    g = torch.Generator().manual_seed(0)
+    points = []
+    for t in tokens:
+        x = (torch.randn(t, H, generator=g) * 0.5).to(dev, dtype)
+        v4.expert_forward(cfg, x, *decoded[0])  # warm-up at this shape
+
+        def full():
+            for e in on_device:
+                v4.expert_forward(cfg, x, *_decode_expert(e, dtype))
+
+        def matmul_only():
+            for w in decoded:
+                v4.expert_forward(cfg, x, *w)
+
+        t_full = _best_seconds(full, repeat, dev) / len(on_device)
+        t_mm = _best_seconds(matmul_only, repeat, dev) / len(on_device)
+        flops = 6 * t * H * I
+        point = {"tokens_per_expert": t, "seconds_per_expert": t_full, "gflops": flops / t_full / 1e9,
+                 "matmul_gflops": flops / t_mm / 1e9, "decode_seconds_per_expert": max(t_full - t_mm, 0.0)}
+        points.append(point)
+        if on_point:
+            on_point(point)
+    t_dec = _best_seconds(lambda: [_decode_expert(e, dtype) for e in on_device], repeat, dev) / len(on_device)
+    result = {
+        "machine": machine_id(), "measured_at": _now(), **load, "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model(),
+        "threads": torch.get_num_threads(), "source": source, "storage": storage, "hidden": H, "intermediate": I,
+        "expert_dtype": expert_dtype, "experts": len(on_device), "repeat": repeat,
+        "decode_seconds_per_expert": t_dec, "points": points,
+    }
+    if save:
+        result["cache"] = store("compute", compute_key(dev.type, storage, H, I, expert_dtype), result)
+    return result
+
+
+def compute_key(device_type: str, storage: str, hidden: int, inter: int, expert_dtype: str) -> str:
+    return f"{device_type}|{storage}|{hidden}x{inter}|{expert_dtype}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What `moepack plan` takes from the cache
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def measured_for_plan(path: str | None = None, device: str | None = None, storage: str | None = None,
+                      dims: tuple[int, int] | None = None, expert_dtype: str = "float32") -> dict:
+    """The measurements `plan` defaults to: {"ssd": (GB/s, source), "compute": (result, source), "memory": (GB/s,
+    source), "pcie": (GB/s, source)}, each None when not measured. The SSD rate is this file's best io cell when
+    it was measured, else the latest io measurement on this machine; the compute curve is the device's run (cuda
+    before cpu when not given) that matches best: compute dtype first, then the expert shape, then the storage
+    type, the latest among equals."""
+    out = {"ssd": None, "compute": None, "memory": None, "pcie": None}
+    try:
+        io = cached("io")
+        entry = io.get(file_key(path)) if path and os.path.exists(path) else None
+        if isinstance(entry, dict) and entry.get("best"):
+            out["ssd"] = (entry["best"]["gbps"], f"measured by bench io on this file, {entry['measured_at']}")
+        elif io:
+            latest = max((e for e in io.values() if isinstance(e, dict) and e.get("best")),
+                         key=lambda e: e.get("measured_at", ""), default=None)
+            if latest:
+                out["ssd"] = (latest["best"]["gbps"], f"measured by bench io on {os.path.basename(latest['path'])}, "
+                                                      f"{latest['measured_at']}")
+        runs = [r for r in cached("compute").values() if isinstance(r, dict) and r.get("points")]
+        order = [device] if device else ["cuda", "cpu"]
+        for dev in order:
+            mine = [r for r in runs if r.get("device", "").split(":")[0] == dev]
+            if not mine:
+                continue
+            def score(r):
+                return (4 * (r.get("expert_dtype") == expert_dtype)
+                        + 2 * (dims is not None and (r.get("hidden"), r.get("intermediate")) == tuple(dims))
+                        + (storage is not None and r.get("storage") == storage), r.get("measured_at", ""))
+
+            pick = max(mine, key=score)
+            out["compute"] = (pick, f"measured by bench compute on {pick['device']} ({pick['storage']} "
+                                    f"{pick['hidden']}x{pick['intermediate']}, {pick['expert_dtype']}), "
+                                    f"{pick['measured_at']}")
+            break
+        mem = cached("memory").get("latest")
+        if isinstance(mem, dict) and mem.get("host_copy_gbps"):
+            out["memory"] = (mem["host_copy_gbps"], f"measured by bench memory, {mem['measured_at']}")
+            if mem.get("cuda"):
+                out["pcie"] = (mem["cuda"]["h2d_pinned_gbps"], f"measured by bench memory (pinned host->device, "
+                                                               f"{mem['cuda']['device']}), {mem['measured_at']}")
+    except Exception as e:  # noqa: BLE001 - a damaged cache means "not measured"
+        warnings.warn(f"bench cache not used ({e})", RuntimeWarning, stacklevel=2)
+    return out

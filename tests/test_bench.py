@@ -1,0 +1,203 @@
+"""moepack bench: the io grid with the runtime's reader (and fio beside it), memory and compute, the per-machine
+cache and what `prefill` and `plan` take from it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+import moepack.cli.plan_bench  # noqa: F401 - registers `bench` and `plan` on the CLI
+from moepack.cli.main import cli
+from moepack.runtime import bench as B
+
+
+def _tiny_keep(tmp_path_factory) -> str:
+    """The tiny synthetic model converted with --keep, built once per test session (test_plan.py and
+    test_bench.py share it)."""
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_checkpoint
+
+    base = tmp_path_factory.getbasetemp() / "moepack-tiny-keep"
+    out = base / "tiny.moepack"
+    if not out.exists():
+        synth_checkpoint(str(base / "src"), preset="tiny", layout="release", progress=False)
+        convert_checkpoint(str(base / "src"), str(out), policy="keep", progress=False)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return _tiny_keep(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch) -> str:
+    d = tmp_path / "cache"
+    monkeypatch.setenv(B.CACHE_ENV, str(d))
+    return str(d)
+
+
+def test_io_grid_and_tuned_defaults(tiny, cache):
+    assert B.tuned_defaults(tiny) is None  # nothing measured yet
+    seen = []
+    r = B.bench_io(tiny, bundles=(1, 4), depths=(1, 2), max_bytes=None, fio=False, on_cell=seen.append)
+    assert [(c["bundle_experts"], c["queue_depth"]) for c in r["cells"]] == [(1, 1), (1, 2), (4, 1), (4, 2)]
+    assert seen == r["cells"]
+    from moepack.format_spec.reader import Container
+
+    with Container(tiny) as c:
+        sections = sum(b.experts_span[1] for b in c.layers)
+    assert all(cell["bytes"] == sections and cell["gbps"] > 0 for cell in r["cells"])  # every expert, once
+    assert r["io_mode"] in ("direct", "buffered")
+    best = (r["best"]["bundle_experts"], r["best"]["queue_depth"])
+    assert best in [(c["bundle_experts"], c["queue_depth"]) for c in r["cells"]]
+    assert r["best"]["gbps"] >= (1 - B.NEAR_TIE) * max(c["gbps"] for c in r["cells"])
+    # stored in the cache file, keyed by this machine and the file; prefill's defaults come back from it
+    assert r["cache"] == os.path.join(cache, "bench.json")
+    with open(r["cache"]) as f:
+        data = json.load(f)
+    assert data["format"] == "moepack-bench" and B.file_key(tiny) in data["machines"][B.machine_id()]["io"]
+    assert B.tuned_defaults(tiny) == best
+
+
+def test_tuned_defaults_forget_a_changed_file_or_another_machine(tiny, cache, monkeypatch, tmp_path):
+    B.bench_io(tiny, bundles=(2,), depths=(3,), max_bytes=None, fio=False)
+    assert B.tuned_defaults(tiny) == (2, 3)
+    monkeypatch.setattr(B, "machine_id", lambda: "another-host")
+    assert B.tuned_defaults(tiny) is None
+    monkeypatch.undo()
+    monkeypatch.setenv(B.CACHE_ENV, cache)
+    st = os.stat(tiny)
+    try:
+        os.utime(tiny, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # "rewritten"
+        assert B.tuned_defaults(tiny) is None
+    finally:
+        os.utime(tiny, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert B.tuned_defaults(tiny) == (2, 3)
+    assert B.tuned_defaults(str(tmp_path / "missing.moepack")) is None
+    with open(B.cache_path(), "w") as f:
+        f.write("{damaged")
+    with pytest.warns(RuntimeWarning):
+        assert B.tuned_defaults(tiny) is None
+    with pytest.warns(RuntimeWarning):  # a damaged cache is replaced
+        B.bench_io(tiny, bundles=(1,), depths=(1,), max_bytes=None, fio=False)
+    assert B.tuned_defaults(tiny) == (1, 1)
+
+
+def test_io_byte_cap_reads_the_same_prefix_for_every_cell(tiny):
+    r = B.bench_io(tiny, bundles=(1, 8), depths=(2,), max_bytes=300_000, fio=False, save=False)
+    assert "cache" not in r
+    cap_cells = [c["bytes"] for c in r["cells"]]
+    assert all(300_000 <= b < 300_000 + 8 * r["expert_bytes"] for b in cap_cells)
+
+
+def test_fio_comparison(tiny):
+    if B.fio_available() is None:
+        pytest.skip("fio is not installed (apt-get install -y fio): the reader-vs-fio comparison needs it")
+    r = B.bench_io(tiny, bundles=(4,), depths=(2,), max_bytes=None, fio=True, save=False)
+    f = r["fio"]
+    assert f.get("gbps", 0) > 0, f
+    assert f["engine"] in B.FIO_ENGINES and f["block_bytes"] == r["best"]["read_bytes"]
+    assert f["iodepth"] in (1, 2) and "--direct=1" in f["command"] and "--rw=read" in f["command"]
+    assert r["ours_over_fio"] == pytest.approx(r["best"]["gbps"] / f["gbps"])
+
+
+def test_fio_missing_is_reported_not_fatal(tiny, monkeypatch):
+    monkeypatch.setattr(B, "fio_available", lambda: None)
+    r = B.bench_io(tiny, bundles=(1,), depths=(1,), max_bytes=None, fio=True, save=False)
+    assert "not installed" in r["fio"]["skipped"]
+
+
+def test_memory():
+    r = B.bench_memory(size_mib=8, repeat=2, device="cpu")
+    assert r["host_copy_gbps"] > 0 and r["host_traffic_gbps"] == pytest.approx(2 * r["host_copy_gbps"])
+    assert B.cached("memory")["latest"]["host_copy_gbps"] == r["host_copy_gbps"]
+    with pytest.raises(B.MoepackError):
+        B.bench_memory(size_mib=0)
+
+
+def test_compute_synthetic_and_from_a_container(tiny):
+    r = B.bench_compute("cpu", tokens=(1, 16), storage="FP4_E2M1", hidden=256, intermediate=256, experts=1, repeat=1)
+    assert [p["tokens_per_expert"] for p in r["points"]] == [1, 16]
+    assert all(p["gflops"] > 0 and p["matmul_gflops"] > 0 and p["decode_seconds_per_expert"] >= 0
+               for p in r["points"])
+    assert r["storage"] == "FP4_E2M1" and (r["hidden"], r["intermediate"]) == (256, 256)
+    key = B.compute_key("cpu", "FP4_E2M1", 256, 256, "float32")
+    assert key in B.cached("compute")
+    r = B.bench_compute("cpu", tokens=(4,), file=tiny, experts=2, repeat=1, save=False)
+    assert r["storage"] == "FP4_E2M1" and r["source"] == os.path.realpath(tiny) and r["experts"] == 2
+    for storage in ("MXFP4", "Q8_0", "BF16"):
+        r = B.bench_compute("cpu", tokens=(2,), storage=storage, hidden=256, intermediate=256, experts=1, repeat=1,
+                            expert_dtype="bfloat16", save=False)
+        assert r["points"][0]["gflops"] > 0
+    with pytest.raises(B.MoepackError):
+        B.bench_compute("cpu", tokens=(1,), storage="Q4_K", hidden=256, intermediate=256)
+
+
+def test_compute_decode_is_the_engines(tiny):
+    """The bench decodes an expert exactly as the engine does: same weights as StreamingPrefill._decode."""
+    import torch
+
+    from moepack.format_spec.reader import Container
+    from moepack.runtime.engine import PrefillOptions, StreamingPrefill
+
+    experts, _, _, _ = B._container_experts(tiny, 1)
+    tensors = {n: (t, tuple(s), torch.frombuffer(bytearray(b), dtype=torch.uint8)) for n, t, s, b in experts[0]}
+    w1, w3, w2 = B._decode_expert(tensors, torch.float32)
+    with Container(tiny) as c:
+        engine = StreamingPrefill(c, PrefillOptions(io_mode="buffered"))
+        try:
+            block = [b for b in c.layers if b.experts][-1]
+            region = block.experts[0]
+            raw = torch.frombuffer(bytearray(c.pread(region.offset, region.length)), dtype=torch.uint8)
+            ref = engine._decode([region], raw, region.offset, f"{block.name}.ffn.experts.0.")
+        finally:
+            engine.close()
+    assert torch.equal(w1, ref["w1.weight"]) and torch.equal(w3, ref["w3.weight"]) and torch.equal(w2, ref["w2.weight"])
+
+
+def test_plan_uses_the_measurements(tiny):
+    B.bench_io(tiny, bundles=(2,), depths=(3,), max_bytes=None, fio=False)
+    B.bench_compute("cpu", tokens=(1, 64), file=tiny, experts=1, repeat=1)
+    B.bench_memory(size_mib=8, repeat=1, device="cpu")
+    r = CliRunner().invoke(cli, ["plan", tiny, "--context", "64,256", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)["settings"]
+    assert s["ssd_source"].startswith("measured by bench io on this file")
+    assert s["compute_source"].startswith("measured by bench compute on cpu (FP4_E2M1 256x256")
+    assert s["mem_source"].startswith("measured") and s["pcie_gbps"] is None  # CPU compute: no PCIe stage
+    assert (s["bundle_experts"], s["queue_depth"]) == (2, 3)
+    # given values win over measured ones, and this machine's memory rate stays out of another machine's plan
+    r = CliRunner().invoke(cli, ["plan", tiny, "--ssd-gbps", "7", "--tflops", "20", "--json"])
+    s = json.loads(r.output)["settings"]
+    assert (s["ssd_source"], s["compute_source"], s["mem_gbps"]) == ("given", "given", None)
+
+
+def test_cli_bench(tiny, cache):
+    runner = CliRunner()
+    r = runner.invoke(cli, ["bench", "io", tiny, "--bundles", "1,2", "--depths", "1,2", "--all", "--no-fio",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["ok"] and len(out["cells"]) == 4 and out["fio"] is None
+    r = runner.invoke(cli, ["bench", "io", tiny, "--bundles", "1", "--depths", "2", "--all", "--no-fio"])
+    assert r.exit_code == 0 and "best: 1 experts per read" in r.output and "saved to" in r.output
+    r = runner.invoke(cli, ["bench", "memory", "--size-mib", "4", "--repeat", "1", "--device", "cpu"])
+    assert r.exit_code == 0 and "host memory copy:" in r.output
+    r = runner.invoke(cli, ["bench", "compute", "--tokens", "1,8", "--hidden", "256", "--intermediate", "256",
+                            "--experts", "1", "--repeat", "1", "--no-save"])
+    assert r.exit_code == 0 and "tokens/expert" in r.output, r.output
+    for args, message in ((["bench", "io", tiny + ".missing"], "no such file"),
+                          (["bench", "io", tiny, "--bundles", "0"], "--bundles"),
+                          (["bench", "compute", "--device", "tpu"], "--device"),
+                          (["bench", "compute", "--hidden", "300"], "multiples of 256")):
+        r = runner.invoke(cli, args)
+        assert r.exit_code == 1, (args, r.output)
+        assert r.output.strip().splitlines() == [r.output.strip()] and r.output.startswith("moepack: error: ")
+        assert message in r.output
+    if not __import__("torch").cuda.is_available():
+        r = runner.invoke(cli, ["bench", "compute", "--device", "cuda", "--hidden", "256", "--intermediate", "256"])
+        assert r.exit_code == 1 and "no CUDA device" in r.output
