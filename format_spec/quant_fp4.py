@@ -25,6 +25,7 @@ import torch
 
 from .errors import MoepackError
 from .quant_common import check_finite, scalar
+from .source_formats import byte_pair_table
 
 MX_BLOCK, MX_BYTES = 32, 17
 NV_BLOCK, NV_BYTES, NV_SUB = 64, 36, 16
@@ -57,6 +58,10 @@ E8M0_HALF = _e8m0_half_table()
 UE4M3_HALF = _ue4m3_half_table()
 _TABLES: dict = {}
 
+
+# int64 [256]: byte b's two e2m1 values (b & 15, b >> 4) as float32s packed into one integer: a byte decodes in
+# one gather
+E2M1_PAIRS = byte_pair_table(torch.float32)
 
 def _table(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
@@ -126,10 +131,17 @@ def _e2m1_f16_bits(q16: torch.Tensor, hi: bool) -> torch.Tensor:
 def mxfp4_dequantize_chunk(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """blocks: uint8 (nb, 17); out: float32 (nb, 32). Equal to ggml's kvalues[code] * 2^(e-128) bit for bit."""
     nb = blocks.shape[0]
+    e = blocks[:, 0].long()
+    if not bool((e > 240).any()):
+        # The common case, one gather per byte: the table holds each byte's two e2m1 values (low, high nibble),
+        # which are elements j and j+16 of the block.
+        pairs = torch.take(_table(E2M1_PAIRS, blocks.device), blocks[:, 1:].reshape(-1).long())
+        out.view(nb, 2, 16).copy_(pairs.view(torch.float32).view(nb, 16, 2).transpose(1, 2))
+        out.mul_((_table(E8M0_HALF, blocks.device)[e] * 2.0).view(nb, 1))  # 2^(e-127)
+        return
     q16 = blocks[:, 1:].to(torch.int16)
     out[:, :16].copy_(_e2m1_f16_bits(q16, False).view(torch.float16))
     out[:, 16:].copy_(_e2m1_f16_bits(q16, True).view(torch.float16))
-    e = blocks[:, 0].long()
     # value = e2m1 * 2^-14 * 2^(e-113) = e2m1 * 2^(e-127): exact while 2^(e-113) is a float32 (e <= 240).
     scale = _table(E8M0_HALF, blocks.device)[e] * 32768.0
     big = e > 240

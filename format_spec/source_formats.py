@@ -168,7 +168,7 @@ def fp4_unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def _byte_pair_table(dtype: torch.dtype) -> torch.Tensor:
+def byte_pair_table(dtype: torch.dtype) -> torch.Tensor:
     """For every byte b: the two e2m1 values (low nibble, high nibble) in `dtype`, packed into one integer whose
     bytes are those two values, so decoding is one gather per byte (a table lookup, no per-nibble arithmetic)."""
     pairs = torch.stack([E2M1_VALUES.repeat(16), E2M1_VALUES.repeat_interleave(16)], dim=1).to(dtype)
@@ -194,7 +194,7 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_G
     key = (dtype, packed.device)
     table = _PAIR_TABLES.get(key)
     if table is None:
-        table = _PAIR_TABLES[key] = _byte_pair_table(dtype).to(packed.device)
+        table = _PAIR_TABLES[key] = byte_pair_table(dtype).to(packed.device)
     pairs = torch.take(table, packed.reshape(-1).view(torch.uint8).to(torch.int64))
     values = pairs.view(dtype).view(*expected, group)
     values.mul_(_e8m0_to_float(scale).to(dtype)[..., None])
