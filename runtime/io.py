@@ -125,7 +125,8 @@ class RegionReader:
         self.stats.begin()
         try:
             if self._map is not None:
-                buffer.view[:length] = self._map[offset:offset + length]
+                with memoryview(self._map) as mapped:  # one copy, page cache -> buffer (a slice would copy twice)
+                    buffer.view[:length] = mapped[offset:offset + length]
                 return buffer.view[:length]
             done = 0
             while done < length:
