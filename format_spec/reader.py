@@ -167,9 +167,11 @@ class Container:
             if not isinstance(e, dict):
                 _fail(f"region #{i} is not an object")
             name = e.get("name")
+            if not isinstance(name, str):
+                _fail(f"region #{i}: name must be a string")
             what = f"region #{i} ({name!r})"
             kind = e.get("kind")
-            if kind not in REGION_KINDS:
+            if not isinstance(kind, str) or kind not in REGION_KINDS:
                 _fail(f"{what}: unknown kind {kind!r}")
             block, expert = e.get("block"), e.get("expert")
             if kind == "global":
@@ -248,7 +250,7 @@ class Container:
                 _fail(f"{what}: region {ri!r} does not exist")
             region = self.regions[ri]
             dtype = e.get("dtype")
-            if dtype not in STORAGE_TYPES:
+            if not isinstance(dtype, str) or dtype not in STORAGE_TYPES:
                 _fail(f"{what}: unknown storage type {dtype!r}")
             shape = e.get("shape")
             if not isinstance(shape, list) or len(shape) > 8:
