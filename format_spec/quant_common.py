@@ -179,48 +179,47 @@ def _single_threaded():
                 torch.set_num_threads(_saved_threads)
 
 
-# chunks run in one threading mode between two probes
-_PROBE_EVERY = 32
+# After a multi-threaded chunk ran no faster than a single-threaded one, stay single-threaded this long
+# (seconds, all calls), doubling while it keeps happening.
+_single_until = 0.0
+_backoff = 0.5
 
 
 def run_chunks(fn, n_rows: int, step: int, device: torch.device) -> None:
     """Call fn(start, stop) for consecutive row ranges of `step` rows covering 0..n_rows.
 
-    On the CPU each chunk's ops run on torch's intra-op thread pool, except when that is slower than one
-    thread: every _PROBE_EVERY chunks, one chunk runs single-threaded and the next multi-threaded, and the
-    faster mode (per row) runs the following chunks. A codec issues 10-40 ops per chunk, each an OpenMP
+    On the CPU a chunk's ops run on torch's intra-op thread pool unless that doesn't pay: the first two chunks
+    of a call run single-threaded (warm-up, then the reference time per row); every later multi-threaded
+    chunk is timed, and one slower than 0.9x the reference switches all calls to one thread for a back-off
+    period (0.5 s, doubling up to 8 s while it recurs). A codec issues 10-40 ops per chunk, each an OpenMP
     parallel region whose barrier stalls for a scheduler time slice whenever another process holds one of the
     cores: measured on this 2-core machine with one busy neighbour, Q8_0 fell from ~850 to ~5-40 Mel/s with
-    torch's threads, but only to ~300 single-threaded. (Python threads don't help: torch 2.13 holds the GIL
+    torch's threads, but only to ~200 single-threaded. (Python threads don't help: torch 2.13 holds the GIL
     inside its ops, so two Python threads running ops take as long as one.)
     """
-    starts = list(range(0, n_rows, step))
+    global _single_until, _backoff
+    starts = range(0, n_rows, step)
     if device.type != "cpu" or len(starts) < 4 or torch.get_num_threads() <= 1:
         for s in starts:
             fn(s, min(s + step, n_rows))
         return
-    i = 0
-    while i < len(starts):
-        timing = []
-        for single in (True, False):
-            if i >= len(starts):
-                break
-            s, e = starts[i], min(starts[i] + step, n_rows)
-            t0 = time.perf_counter()
-            if single:
-                with _single_threaded():
-                    fn(s, e)
-            else:
-                fn(s, e)
-            timing.append((time.perf_counter() - t0) / (e - s))
-            i += 1
-        use_single = len(timing) == 2 and timing[0] < 0.85 * timing[1]
-        batch = starts[i:i + _PROBE_EVERY]
-        i += len(batch)
-        if use_single:
+    ref = None
+    for k, s in enumerate(starts):
+        e = min(s + step, n_rows)
+        single = k < 2 or time.monotonic() < _single_until
+        t0 = time.perf_counter()
+        if single:
             with _single_threaded():
-                for s in batch:
-                    fn(s, min(s + step, n_rows))
+                fn(s, e)
         else:
-            for s in batch:
-                fn(s, min(s + step, n_rows))
+            fn(s, e)
+        per_row = (time.perf_counter() - t0) / (e - s)
+        if k == 0:
+            continue  # warm-up (allocations, tables)
+        if single:
+            ref = per_row if ref is None else min(ref, per_row)
+        elif per_row > 0.9 * ref:
+            _single_until = time.monotonic() + _backoff
+            _backoff = min(_backoff * 2.0, 8.0)
+        else:
+            _backoff = max(_backoff * 0.5, 0.5)
