@@ -53,6 +53,13 @@ class TensorEntry:
     def file_offset(self) -> int:
         return self.region.offset + self.offset
 
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
 
 @dataclass
 class Block:

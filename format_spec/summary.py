@@ -16,9 +16,9 @@ def summarize(c: Container) -> dict:
     for t in c.tensors.values():
         types[t.dtype]["tensors"] += 1
         types[t.dtype]["bytes"] += t.length
-        types[t.dtype]["elements"] += _elements(t)
+        types[t.dtype]["elements"] += t.numel
     expert_regions = [r for b in c.layers for r in b.experts]
-    expert_params = sum(_elements(t) for r in expert_regions for t in r.tensors if not t.name.endswith(".scale"))
+    expert_params = sum(t.numel for r in expert_regions for t in r.tensors if not t.name.endswith(".scale"))
     expert_bytes = sum(r.length for r in expert_regions)
     cfg = c.config
     return {
@@ -41,9 +41,3 @@ def summarize(c: Container) -> dict:
         "file_bytes": c.file_size,
     }
 
-
-def _elements(t) -> int:
-    n = 1
-    for d in t.shape:
-        n *= d
-    return n

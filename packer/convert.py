@@ -227,8 +227,8 @@ def _summary(out, policy, plan, resumed, total_in, seconds) -> dict:
 
     with Container(out) as c:
         weights = [t for t in c.tensors.values() if not t.name.endswith(".scale")]
-        total_params = sum(_numel(t.shape) for t in weights)
-        expert_params = sum(_numel(t.shape) for t in weights if t.region.kind == "expert")
+        total_params = sum(t.numel for t in weights)
+        expert_params = sum(t.numel for t in weights if t.region.kind == "expert")
         expert_bytes = sum(t.length for t in c.tensors.values() if t.region.kind == "expert")
         tensor_bytes = sum(t.length for t in c.tensors.values())
         types: dict[str, int] = defaultdict(int)
@@ -244,13 +244,6 @@ def _summary(out, policy, plan, resumed, total_in, seconds) -> dict:
         "expert_bits_per_weight": round(expert_bytes * 8 / expert_params, 4) if expert_params else None,
         "bits_per_weight": round(tensor_bytes * 8 / total_params, 4) if total_params else None,
     }
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _skip_completed(plan, completed: list[str]) -> int:

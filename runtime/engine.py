@@ -348,7 +348,7 @@ class StreamingPrefill:
     def _check_memory(self, n_tokens: int) -> None:
         """Refuse a prompt whose working set cannot fit, before reading or computing anything."""
         layers = self.c.layers
-        expert_params = max((sum(_numel(t.shape) for t in r.tensors if not t.name.endswith(".scale"))
+        expert_params = max((sum(t.numel for t in r.tensors if not t.name.endswith(".scale"))
                              for b in layers for r in b.experts), default=0)
         need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
                                     self.experts_pipe.buffer_bytes, self.opt.queue_depth, expert_params)
@@ -416,13 +416,6 @@ class StreamingPrefill:
         self.experts_pipe.close()
         self.dense_pipe.close()
         self.reader.close()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None,
