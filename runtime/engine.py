@@ -139,7 +139,15 @@ class StreamingPrefill:
         self.device = torch.device(options.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
-        self.cfg = v4.ModelConfig.from_hf(container.config)
+        if container.architecture != "deepseek_v4":
+            raise MoepackError(f"{container.path} holds a {container.architecture!r} model; this runtime prefills "
+                               f"DeepSeek-V4 (deepseek_v4) containers")
+        try:
+            self.cfg = v4.ModelConfig.from_hf(container.config)
+        except (KeyError, TypeError, ValueError) as e:
+            raise MoepackError(f"{container.path}: the config in the index is not a usable DeepSeek-V4 config ({e})") \
+                from None
+        self._check_shapes()
         if options.expert_dtype not in EXPERT_DTYPES:
             raise MoepackError(f"unknown expert dtype {options.expert_dtype!r} (choose from {', '.join(EXPERT_DTYPES)})")
         self.expert_dtype = EXPERT_DTYPES[options.expert_dtype]
@@ -155,6 +163,22 @@ class StreamingPrefill:
         self.compute = _Timer()
         if self.device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(self.device)
+
+    def _check_shapes(self) -> None:
+        """The config and the stored tensors must describe the same model, or compute would fail half-way."""
+        cfg, c = self.cfg, self.c
+        expect = {"embed.weight": (cfg.vocab_size, cfg.hidden_size), "head.weight": (cfg.vocab_size, cfg.hidden_size),
+                  "layers.0.ffn.experts.0.w1.weight": (cfg.moe_intermediate_size, cfg.hidden_size),
+                  "layers.0.attn.wq_a.weight": (cfg.q_lora_rank, cfg.hidden_size)}
+        for name, shape in expect.items():
+            t = c.tensors.get(name)
+            if t is None:
+                raise MoepackError(f"{c.path}: tensor {name} is missing")
+            if t.shape != shape:
+                raise MoepackError(f"{c.path}: tensor {name} is {list(t.shape)} but the config says {list(shape)}")
+        if len(c.layers) != cfg.num_layers or any(len(b.experts) != cfg.n_routed_experts for b in c.layers):
+            raise MoepackError(f"{c.path}: the container's layers/experts do not match its config "
+                               f"({cfg.num_layers} layers of {cfg.n_routed_experts} experts)")
 
     # --- bytes -> tensors ----------------------------------------------------------------------------------------
     def _check(self, regions: list[Region], view: memoryview, base: int) -> None:

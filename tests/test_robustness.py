@@ -1,0 +1,98 @@
+"""Hostile environments: odd paths, read-only targets, concurrent readers, foreign containers, no code execution."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import threading
+
+import pytest
+import torch
+
+from containers import mutate_index
+from moepack.format_spec.errors import MoepackError
+from moepack.packer.convert import convert_checkpoint
+from moepack.packer.synth import synth_checkpoint
+from moepack.runtime.engine import PrefillOptions, prefill
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = tmp_path_factory.mktemp("robust")
+    src = base / "src"
+    synth_checkpoint(str(src), preset="tiny", layout="release", seed=5, progress=False)
+    return base, str(src)
+
+
+def test_paths_with_spaces_and_unicode(tiny):
+    base, src = tiny
+    odd = base / "モデル dir" / "mixed ünïcode name.moepack"
+    odd.parent.mkdir()
+    convert_checkpoint(src, str(odd), policy="fp4", progress=False)
+    kv = base / "kv ä ö"
+    result = prefill(str(odd), [1, 2, 3, 4], PrefillOptions(), kv_out=str(kv))
+    assert (kv / "manifest.json").exists() and result.stats["tokens"] == 4
+
+
+def test_read_only_output_is_one_line(tiny, tmp_path):
+    _, src = tiny
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        with pytest.raises(MoepackError, match="cannot write") as info:
+            convert_checkpoint(src, str(ro / "x.moepack"), policy="keep", progress=False)
+        assert "\n" not in str(info.value)
+    finally:
+        subprocess.run(["umount", "-l", str(ro)])
+
+
+def test_concurrent_prefills_share_a_container(tiny):
+    base, src = tiny
+    path = str(base / "shared.moepack")
+    convert_checkpoint(src, path, policy="keep", progress=False)
+    prompts = [torch.arange(3, 3 + n) for n in (5, 40, 17, 40)]
+    results: dict[int, torch.Tensor] = {}
+
+    def run(i):
+        results[i] = prefill(path, prompts[i], PrefillOptions(io_mode="direct")).logits
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, p in enumerate(prompts):
+        assert torch.allclose(results[i], prefill(path, p, PrefillOptions()).logits, atol=1e-5)
+
+
+def test_container_of_another_architecture_is_refused(tiny, tmp_path):
+    base, src = tiny
+    path = str(base / "arch.moepack")
+    convert_checkpoint(src, path, policy="keep", progress=False)
+    foreign = str(tmp_path / "foreign.moepack")
+    mutate_index(path, foreign, lambda i: i.update(architecture="llama"))
+    with pytest.raises(MoepackError, match="holds a 'llama' model"):
+        prefill(foreign, [1, 2, 3], PrefillOptions())
+    broken = str(tmp_path / "broken.moepack")
+    mutate_index(path, broken, lambda i: i["config"].pop("hidden_size"))
+    with pytest.raises(MoepackError, match="but the config says"):
+        prefill(broken, [1, 2, 3], PrefillOptions())
+
+
+def test_no_code_execution_on_any_loading_path():
+    """Containers and KV directories are JSON + raw bytes + safetensors: no pickle, no torch.load, no remote code."""
+    forbidden = re.compile(r"\bimport pickle\b|\bpickle\.|torch\.load\(|trust_remote_code\s*=\s*True|\beval\(|\bexec\(")
+    offenders = []
+    for folder in ("format_spec", "packer", "runtime", "cli", "moepack"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if forbidden.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, offenders
