@@ -223,3 +223,16 @@ def run_chunks(fn, n_rows: int, step: int, device: torch.device) -> None:
             _backoff = min(_backoff * 2.0, 8.0)
         else:
             _backoff = max(_backoff * 0.5, 0.5)
+
+
+_ON_DEVICE: dict = {}
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A constant table on `device`, copied there once (CPU tables are used as they are)."""
+    if device.type == "cpu":
+        return t
+    key = (id(t), str(device))
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = t.to(device)
+    return _ON_DEVICE[key]

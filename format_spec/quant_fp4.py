@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .errors import MoepackError
-from .quant_common import check_finite, scalar
+from .quant_common import check_finite, on_device, scalar
 from .source_formats import byte_pair_table
 
 MX_BLOCK, MX_BYTES = 32, 17
@@ -56,20 +56,11 @@ def _ue4m3_half_table() -> torch.Tensor:
 
 E8M0_HALF = _e8m0_half_table()
 UE4M3_HALF = _ue4m3_half_table()
-_TABLES: dict = {}
 
 
 # int64 [256]: byte b's two e2m1 values (b & 15, b >> 4) as float32s packed into one integer: a byte decodes in
 # one gather
 E2M1_PAIRS = byte_pair_table(torch.float32)
-
-def _table(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return t
-    key = (id(t), str(device))
-    if key not in _TABLES:
-        _TABLES[key] = t.to(device)
-    return _TABLES[key]
 
 
 def _codes(t2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -135,22 +126,22 @@ def mxfp4_dequantize_chunk(blocks: torch.Tensor, out: torch.Tensor) -> None:
     if not bool((e > 240).any()):
         # The common case, one gather per byte: the table holds each byte's two e2m1 values (low, high nibble),
         # which are elements j and j+16 of the block.
-        pairs = torch.take(_table(E2M1_PAIRS, blocks.device), blocks[:, 1:].reshape(-1).long())
+        pairs = torch.take(on_device(E2M1_PAIRS, blocks.device), blocks[:, 1:].reshape(-1).long())
         out.view(nb, 2, 16).copy_(pairs.view(torch.float32).view(nb, 16, 2).transpose(1, 2))
-        out.mul_((_table(E8M0_HALF, blocks.device)[e] * 2.0).view(nb, 1))  # 2^(e-127)
+        out.mul_((on_device(E8M0_HALF, blocks.device)[e] * 2.0).view(nb, 1))  # 2^(e-127)
         return
     q16 = blocks[:, 1:].to(torch.int16)
     out[:, :16].copy_(_e2m1_f16_bits(q16, False).view(torch.float16))
     out[:, 16:].copy_(_e2m1_f16_bits(q16, True).view(torch.float16))
     # value = e2m1 * 2^-14 * 2^(e-113) = e2m1 * 2^(e-127): exact while 2^(e-113) is a float32 (e <= 240).
-    scale = _table(E8M0_HALF, blocks.device)[e] * 32768.0
+    scale = on_device(E8M0_HALF, blocks.device)[e] * 32768.0
     big = e > 240
     if bool(big.any()):
         scale = torch.where(big, torch.ones_like(scale), scale)
         out.mul_(scale.view(nb, 1))
         sel = big.nonzero().squeeze(1)
         # (e2m1 * 2) * 2^(e-128), ggml's own order, for the huge exponents (overflowing to inf where ggml does)
-        out[sel] = (out[sel] * 32768.0) * _table(E8M0_HALF, blocks.device)[e[sel]].view(-1, 1)
+        out[sel] = (out[sel] * 32768.0) * on_device(E8M0_HALF, blocks.device)[e[sel]].view(-1, 1)
         return
     out.mul_(scale.view(nb, 1))
 
@@ -182,7 +173,7 @@ def nvfp4_quantize_chunk(x: torch.Tensor, out: torch.Tensor) -> None:
     amax = a.amax(1)
     check_finite(amax)
     ue = fp32_to_ue4m3(torch.div(amax, scalar(6.0, amax)))
-    d = _table(UE4M3_HALF, x.device)[ue.long()]
+    d = on_device(UE4M3_HALF, x.device)[ue.long()]
     # a zero scale (ue 0) decodes every code to 0: divide by inf so all codes are 0
     d = torch.where(d > 0, d * 0.5, torch.full_like(d, float("inf")))  # t2 = |x| / (d/2) = 2|x|/d
     # a scale saturated at 448 leaves elements far beyond the top value 6*d: clamp before the uint8 cast
@@ -201,7 +192,7 @@ def nvfp4_dequantize_chunk(blocks: torch.Tensor, out: torch.Tensor) -> None:
     o[:, :8].copy_(_e2m1_f16_bits(q16, False).view(torch.float16))
     o[:, 8:].copy_(_e2m1_f16_bits(q16, True).view(torch.float16))
     # e2m1 * 2^-14 * (2^15 * ue4m3_half) = kvalue * ue4m3_half; ue4m3_half <= 224, so no overflow.
-    scale = _table(UE4M3_HALF, blocks.device)[blocks[:, :4].reshape(-1).long()] * 32768.0
+    scale = on_device(UE4M3_HALF, blocks.device)[blocks[:, :4].reshape(-1).long()] * 32768.0
     o.mul_(scale.view(-1, 1))
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .quant_common import check_finite
+from .quant_common import check_finite, on_device
 
 QK = 256
 BYTES = 66
@@ -83,16 +83,6 @@ def _signed_grid() -> torch.Tensor:
 
 SIGNED_GRID = _signed_grid()
 SIGNED_GRID_I64 = SIGNED_GRID.view(torch.int64)  # (32768, 4)
-_DEV: dict = {}
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return t
-    key = (id(t), str(device))
-    if key not in _DEV:
-        _DEV[key] = t.to(device)
-    return _DEV[key]
 
 
 # scale candidates: the largest grid value 43 * S placed at these fractions of the group's max |x|
@@ -133,7 +123,7 @@ def quantize_chunk(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | N
     n_sub = 4
     xs = x.reshape(G * n_sub, 8)
     ws = None if weights is None else weights.reshape(G * n_sub, 8)
-    grid = _on(GRID, dev)
+    grid = on_device(GRID, dev)
 
     # signs: the stored pattern must have an even number of minus signs; for an odd sub-group flip the
     # element that costs least to get wrong (smallest w*x^2), whose target then becomes -|x|.
@@ -177,7 +167,7 @@ def quantize_chunk(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | N
     # super-block scale d (f16) and 4-bit codes: group scale = d/8 * (2l + 1), l in 0..15
     S8 = S.view(nsb, 8)
     sa8, sb8 = sa.view(nsb, 8, 1), sb.view(nsb, 8, 1)
-    d = S8.amax(1, keepdim=True) * (8.0 / 31.0) / _on(_DCAND, dev).view(1, -1)
+    d = S8.amax(1, keepdim=True) * (8.0 / 31.0) / on_device(_DCAND, dev).view(1, -1)
     d = d.clamp_(max=F16_MAX).half().float()  # (nsb, nd) candidates, as stored
 
     def codes_for(d):
@@ -237,7 +227,7 @@ def dequantize_chunk(blocks: torch.Tensor, out: torch.Tensor) -> None:
     sidx = (w1.unsqueeze(2) >> torch.tensor([0, 7, 14, 21], device=dev, dtype=torch.int32)) & 127
     rows = (gidx * 128 + sidx.long()).reshape(-1)
     # rows of 8 floats gathered as rows of 4 int64 (same bytes): torch's float index_select is ~6x slower here
-    vals = torch.index_select(_on(SIGNED_GRID_I64, dev), 0, rows).view(torch.float32)  # (nsb*32, 8)
+    vals = torch.index_select(on_device(SIGNED_GRID_I64, dev), 0, rows).view(torch.float32)  # (nsb*32, 8)
     o = out.view(nsb, 8, 32)
     o.copy_(vals.view(nsb, 8, 32))
     o.mul_(db.unsqueeze(2))

@@ -88,3 +88,16 @@ def patch_header_field(src: str, dst: str, offset: int, fmt: str, value, rehash:
     if rehash:
         struct.pack_into("<Q", data, 72, xxhash.xxh3_64_intdigest(bytes(data[:72])))
     open(dst, "wb").write(data)
+
+
+def tiny_keep_container(tmp_path_factory) -> str:
+    """The tiny synthetic model converted with --keep, built once per test session and shared by test modules."""
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_checkpoint
+
+    base = tmp_path_factory.getbasetemp() / "moepack-tiny-keep"
+    out = base / "tiny.moepack"
+    if not out.exists():
+        synth_checkpoint(str(base / "src"), preset="tiny", layout="release", progress=False)
+        convert_checkpoint(str(base / "src"), str(out), policy="keep", progress=False)
+    return str(out)

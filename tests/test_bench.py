@@ -7,6 +7,8 @@ import json
 import os
 
 import pytest
+
+from containers import tiny_keep_container
 from click.testing import CliRunner
 
 import moepack.cli.plan_bench  # noqa: F401 - registers `bench` and `plan` on the CLI
@@ -14,23 +16,9 @@ from moepack.cli.main import cli
 from moepack.runtime import bench as B
 
 
-def _tiny_keep(tmp_path_factory) -> str:
-    """The tiny synthetic model converted with --keep, built once per test session (test_plan.py and
-    test_bench.py share it)."""
-    from moepack.packer.convert import convert_checkpoint
-    from moepack.packer.synth import synth_checkpoint
-
-    base = tmp_path_factory.getbasetemp() / "moepack-tiny-keep"
-    out = base / "tiny.moepack"
-    if not out.exists():
-        synth_checkpoint(str(base / "src"), preset="tiny", layout="release", progress=False)
-        convert_checkpoint(str(base / "src"), str(out), policy="keep", progress=False)
-    return str(out)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    return _tiny_keep(tmp_path_factory)
+    return tiny_keep_container(tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)

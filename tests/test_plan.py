@@ -8,6 +8,8 @@ import math
 import os
 
 import pytest
+
+from containers import tiny_keep_container
 from click.testing import CliRunner
 
 import moepack.cli.plan_bench  # noqa: F401 - registers `bench` and `plan` on the CLI
@@ -247,23 +249,9 @@ def test_config_sizes_equal_the_converted_container(tiny_keep):
     assert from_config.expert_bpw == from_file.expert_bpw == 4.25
 
 
-def _tiny_keep(tmp_path_factory) -> str:
-    """The tiny synthetic model converted with --keep, built once per test session (test_plan.py and
-    test_bench.py share it)."""
-    from moepack.packer.convert import convert_checkpoint
-    from moepack.packer.synth import synth_checkpoint
-
-    base = tmp_path_factory.getbasetemp() / "moepack-tiny-keep"
-    out = base / "tiny.moepack"
-    if not out.exists():
-        synth_checkpoint(str(base / "src"), preset="tiny", layout="release", progress=False)
-        convert_checkpoint(str(base / "src"), str(out), policy="keep", progress=False)
-    return str(out)
-
-
 @pytest.fixture(scope="module")
 def tiny_keep(tmp_path_factory):
-    path = _tiny_keep(tmp_path_factory)
+    path = tiny_keep_container(tmp_path_factory)
     with open(os.path.join(os.path.dirname(path), "src", "config.json")) as f:
         config = json.load(f)
     return path, config
