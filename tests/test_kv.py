@@ -25,16 +25,13 @@ from moepack.kv import continuation_input_ids, load_transformers_cache  # noqa: 
 from moepack.runtime import model as M  # noqa: E402
 
 S, C, H = M.SLIDING, M.CSA, M.HCA
-FLASH_CONFIG = "/work/shared/reference/deepseek-v4-flash.config.json"
+FLASH_CONFIG = os.path.join(os.path.dirname(__file__), "data", "deepseek-v4-flash.config.json")
 
 
 def _flash_config() -> dict:
-    """The release's config.json; where the reference copy is absent, its KV-relevant keys."""
-    if os.path.exists(FLASH_CONFIG):
-        with open(FLASH_CONFIG) as f:
-            return json.load(f)
-    return dict(num_hidden_layers=43, layer_types=[S, S] + [C, H] * 20 + [S], head_dim=512, index_head_dim=128,
-                sliding_window=128, compress_rates={C: 4, H: 128}, num_attention_heads=64, hidden_size=4096)
+    """The release's config.json (tests/data)."""
+    with open(FLASH_CONFIG) as f:
+        return json.load(f)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,17 +18,12 @@ from moepack.format_spec.reader import Container
 from moepack.runtime import plan as P
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-V4_CONFIG_PATHS = [os.path.join(HERE, "..", "..", "shared", "reference", "deepseek-v4-flash.config.json"),
-                   os.path.join(HERE, "..", "shared", "reference", "deepseek-v4-flash.config.json"),
-                   "/work/shared/reference/deepseek-v4-flash.config.json"]
+V4_CONFIG = os.path.join(HERE, "data", "deepseek-v4-flash.config.json")  # the release's config.json
 
 
 @pytest.fixture(scope="module")
 def v4_config() -> dict:
-    for path in V4_CONFIG_PATHS:
-        if os.path.exists(path):
-            return P.load_config(path)
-    pytest.skip("shared/reference/deepseek-v4-flash.config.json is not beside this checkout")
+    return P.load_config(V4_CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -298,20 +293,17 @@ def test_measured_curve_break_even(v4_config, v4):
 
 # --- the CLI ------------------------------------------------------------------------------------------------------
 
-def _v4_path():
-    return next(p for p in V4_CONFIG_PATHS if os.path.exists(p))
-
 
 def test_cli_plan_json(v4_config, tmp_path, monkeypatch):
     monkeypatch.setenv("MOEPACK_CACHE_DIR", str(tmp_path / "cache"))
-    r = CliRunner().invoke(cli, ["plan", _v4_path(), "--ssd-gbps", "14", "--tflops", "100", "--stream", "experts",
+    r = CliRunner().invoke(cli, ["plan", V4_CONFIG, "--ssd-gbps", "14", "--tflops", "100", "--stream", "experts",
                                  "--context", "8K,32K", "--context", "128K", "--vram-gib", "16", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["ok"] and [row["tokens"] for row in out["rows"]] == [8192, 32768, 131072]
     assert within_rounding(out["t_ssd_s"], "10.5") and out["settings"]["ssd_source"] == "given"
     assert out["vram_verdict"]["fits_up_to_tokens"] == 131072
-    r = CliRunner().invoke(cli, ["plan", _v4_path(), "--policy", "q2", "--expert-bpw", "2.3", "--ssd-gbps", "14",
+    r = CliRunner().invoke(cli, ["plan", V4_CONFIG, "--policy", "q2", "--expert-bpw", "2.3", "--ssd-gbps", "14",
                                  "--tflops", "50", "--stream", "experts"])
     assert r.exit_code == 0, r.output
     assert "T_SSD = W / BW = 5.69 s" in r.output and "N* = F x W" in r.output
@@ -346,7 +338,7 @@ def test_cli_plan_plot(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     monkeypatch.setenv("MOEPACK_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "plan.png"
-    r = CliRunner().invoke(cli, ["plan", _v4_path(), "--ssd-gbps", "14", "--tflops", "100", "--stream", "experts",
+    r = CliRunner().invoke(cli, ["plan", V4_CONFIG, "--ssd-gbps", "14", "--tflops", "100", "--stream", "experts",
                                  "--plot", str(out)])
     assert r.exit_code == 0, r.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

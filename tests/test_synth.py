@@ -28,7 +28,7 @@ from moepack.packer.synth import (
     v4_tensor_specs,
 )
 
-REFERENCE_CONFIG = Path("/work/shared/reference/deepseek-v4-flash.config.json")
+REFERENCE_CONFIG = Path(__file__).parent / "data" / "deepseek-v4-flash.config.json"  # the release's config
 
 
 @pytest.fixture(scope="module")
