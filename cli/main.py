@@ -94,7 +94,8 @@ def _policy_options(fn):
 
 @cli.command()
 @click.argument("src")
-@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Container to write.")
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False),
+              help="Container to write (default: ./<name>-<policy>.moepack, e.g. DeepSeek-V4-Flash-fp4.moepack).")
 @_policy_options
 @click.option("--revision", help="Hub branch, tag or commit (resolved to a commit and recorded).")
 @click.option("--workers", type=click.IntRange(min=1), help="CPU threads for (de)quantization (default: all).")
@@ -108,6 +109,8 @@ def convert(src, out, policy, revision, workers, drop_mtp, as_json):
 
     if policy is None:
         raise click.UsageError("choose a precision policy: --fp4, --nvfp4, --q8, --q2, --bf16 or --keep")
+    if out is None:
+        out = f"{os.path.basename(os.path.normpath(src))}-{policy}.moepack"
     result = convert_checkpoint(src, out, policy=policy, progress=not as_json, revision=revision, workers=workers,
                                 drop_mtp=drop_mtp)
     _emit(as_json, result, lambda r: click.echo(

@@ -81,3 +81,11 @@ def test_demo_runs_end_to_end(workdir):
     steps = json.loads(r.output)
     assert steps["verify"]["ok"] and steps["inspect"]["layers"] >= 2
     assert steps["convert"]["bytes_out"] == steps["inspect"]["file_bytes"]
+
+
+def test_convert_names_the_output_after_the_source_by_default(workdir, monkeypatch):
+    """`moepack convert deepseek-ai/DeepSeek-V4-Flash --fp4` works without -o: ./DeepSeek-V4-Flash-fp4.moepack."""
+    monkeypatch.chdir(workdir)
+    r = CliRunner().invoke(cli, ["convert", str(workdir / "src"), "--keep", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["output"] == "src-keep.moepack" and (workdir / "src-keep.moepack").exists()
