@@ -83,7 +83,7 @@ def test_demo_runs_end_to_end(workdir):
     assert steps["convert"]["bytes_out"] == steps["inspect"]["file_bytes"]
 
 
-def test_convert_names_the_output_after_the_source_by_default(workdir, monkeypatch):
+def test_convert_names_the_output_after_the_source_by_default(container, workdir, monkeypatch):
     """`moepack convert deepseek-ai/DeepSeek-V4-Flash --fp4` works without -o: ./DeepSeek-V4-Flash-fp4.moepack."""
     monkeypatch.chdir(workdir)
     r = CliRunner().invoke(cli, ["convert", str(workdir / "src"), "--keep", "--json"])
