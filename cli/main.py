@@ -64,13 +64,15 @@ def cli():
 @click.option("--layout", type=click.Choice(["release", "bf16", "f32"]), default="release", show_default=True,
               help="release: FP8 e4m3 linears + packed FP4 experts, as DeepSeek ships V4-Flash.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace a checkpoint already in OUT_DIR.")
 @json_option
 @reports_errors
-def synth(out_dir, preset, layout, seed, as_json):
+def synth(out_dir, preset, layout, seed, overwrite, as_json):
     """Write a random DeepSeek-V4-architecture checkpoint (Hugging Face layout) to OUT_DIR."""
     from moepack.packer.synth import synth_checkpoint
 
-    result = synth_checkpoint(out_dir, preset=preset, layout=layout, seed=seed, progress=not as_json)
+    result = synth_checkpoint(out_dir, preset=preset, layout=layout, seed=seed, progress=not as_json,
+                              overwrite=overwrite)
     _emit(as_json, result, lambda r: click.echo(
         f"wrote {r['dir']}: {preset} {layout}, {r.get('params', 0) / 1e6:.1f}M params, "
         f"{r.get('bytes', 0) / 2**20:.1f} MiB in {len(r.get('files', []))} files"))
