@@ -179,10 +179,10 @@ def _single_threaded():
                 torch.set_num_threads(_saved_threads)
 
 
-# After a multi-threaded chunk ran no faster than a single-threaded one, stay single-threaded this long
-# (seconds, all calls), doubling while it keeps happening.
+# After multi-threaded chunks stalled, stay single-threaded this long (seconds, all calls), doubling while it
+# keeps happening.
 _single_until = 0.0
-_backoff = 0.5
+_backoff = 0.25
 
 
 def run_chunks(fn, n_rows: int, step: int, device: torch.device) -> None:
@@ -190,8 +190,9 @@ def run_chunks(fn, n_rows: int, step: int, device: torch.device) -> None:
 
     On the CPU a chunk's ops run on torch's intra-op thread pool unless that doesn't pay: the first two chunks
     of a call run single-threaded (warm-up, then the reference time per row); every later multi-threaded
-    chunk is timed, and one slower than 0.9x the reference switches all calls to one thread for a back-off
-    period (0.5 s, doubling up to 8 s while it recurs). A codec issues 10-40 ops per chunk, each an OpenMP
+    chunk is timed, and two in a row slower than 1.5x the reference plus 2 ms (a stalled barrier costs a
+    scheduler time slice) switch all calls to one thread for a back-off period (0.25 s, doubling up to 4 s
+    while it recurs). A codec issues 10-40 ops per chunk, each an OpenMP
     parallel region whose barrier stalls for a scheduler time slice whenever another process holds one of the
     cores: measured on this 2-core machine with one busy neighbour, Q8_0 fell from ~850 to ~5-40 Mel/s with
     torch's threads, but only to ~200 single-threaded. (Python threads don't help: torch 2.13 holds the GIL
@@ -204,6 +205,7 @@ def run_chunks(fn, n_rows: int, step: int, device: torch.device) -> None:
             fn(s, min(s + step, n_rows))
         return
     ref = None
+    stalls = 0
     for k, s in enumerate(starts):
         e = min(s + step, n_rows)
         single = k < 2 or time.monotonic() < _single_until
@@ -213,16 +215,23 @@ def run_chunks(fn, n_rows: int, step: int, device: torch.device) -> None:
                 fn(s, e)
         else:
             fn(s, e)
-        per_row = (time.perf_counter() - t0) / (e - s)
+        dt = time.perf_counter() - t0
         if k == 0:
             continue  # warm-up (allocations, tables)
         if single:
-            ref = per_row if ref is None else min(ref, per_row)
-        elif per_row > 0.9 * ref:
-            _single_until = time.monotonic() + _backoff
-            _backoff = min(_backoff * 2.0, 8.0)
+            ref = dt / (e - s) if ref is None else min(ref, dt / (e - s))
+            continue
+        # a stalled barrier costs a scheduler time slice (milliseconds): far slower than one thread, not just
+        # a bit (chunk-to-chunk noise, page faults of a fresh output)
+        if dt > 1.5 * ref * (e - s) + 0.002:
+            stalls += 1
+            if stalls >= 2:
+                _single_until = time.monotonic() + _backoff
+                _backoff = min(_backoff * 2.0, 4.0)
+                stalls = 0
         else:
-            _backoff = max(_backoff * 0.5, 0.5)
+            stalls = 0
+            _backoff = max(_backoff * 0.5, 0.25)
 
 
 _ON_DEVICE: dict = {}
