@@ -87,7 +87,7 @@ class RegionConverter:
         self.policy = policy
 
     def convert(self, items: list[tuple[str, SourceTensor]], data: dict[str, bytes]) -> list[tuple]:
-        names = {name for name, _ in items}
+        by_name = dict(items)
         out = []
         consumed: set[str] = set()
         for name, t in items:
@@ -95,14 +95,14 @@ class RegionConverter:
                 continue
             dtype, shape = source_type_and_shape(self.adapter, name, t)
             sname = scale_name(name)
-            has_scale = sname in names
+            has_scale = sname in by_name
             target = target_type(self.policy, self.adapter.role(name, shape), dtype, shape)
             if target is None:
                 out.append((name, dtype, shape, data[name]))
                 continue
             scale = None
             if has_scale:
-                st = dict(items)[sname]
+                st = by_name[sname]
                 scale = decode_tensor(FROM_SAFETENSORS[st.dtype], st.shape, data[sname])
                 consumed.add(sname)
             out.append((name, target, shape, self._requantize(name, dtype, shape, data[name], scale, target)))
