@@ -78,3 +78,51 @@ def test_arbitrary_index_bytes(good, tmp_path_factory, blob, compress):
         blob = b"{}"
     write_with_index(path, raw, header, blob, compress=compress)
     _open_or_format_error(path)
+
+
+@pytest.fixture(scope="module")
+def kv_dir(tmp_path_factory):
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_checkpoint
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    base = tmp_path_factory.mktemp("kvfuzz")
+    synth_checkpoint(str(base / "src"), preset="tiny", layout="release", seed=1, progress=False)
+    convert_checkpoint(str(base / "src"), str(base / "t.moepack"), policy="keep", progress=False)
+    prefill(str(base / "t.moepack"), list(range(3, 30)), PrefillOptions(), kv_out=str(base / "kv"))
+    return base / "kv"
+
+
+def _paths(value, prefix=()):
+    """Every (path, container) position inside a JSON value."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield prefix + (k,)
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value[:3]):
+            yield prefix + (i,)
+            yield from _paths(v, prefix + (i,))
+
+
+@SETTINGS
+@given(data=st.data(), value=json_values)
+def test_any_value_anywhere_in_the_kv_manifest(kv_dir, tmp_path_factory, data, value):
+    import shutil
+
+    from moepack.format_spec.kv import inspect_kv, read_kv
+
+    manifest = json.loads((kv_dir / "manifest.json").read_text())
+    path = data.draw(st.sampled_from(list(_paths(manifest))))
+    target = manifest
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    copy = tmp_path_factory.mktemp("kvf") / "kv"
+    shutil.copytree(kv_dir, copy)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    for load in (read_kv, inspect_kv):
+        try:
+            load(str(copy))
+        except FormatError as e:
+            assert "\n" not in str(e)
