@@ -240,12 +240,12 @@ class StreamingPrefill:
         return out
 
     def _submit_dense(self, block: Block) -> Future:
-        return self.dense_pipe.submit(block.dense.offset, block.dense.length)
+        return self.dense_pipe.submit(block.dense.offset, block.dense.length,
+                                      lambda view: self._check([block.dense], view, block.dense.offset))
 
     def _dense_weights(self, block: Block, future: Future) -> dict[str, torch.Tensor]:
         buffer, view = future.result()
         try:
-            self._check([block.dense], view, block.dense.offset)
             with self.compute:
                 return self._decode([block.dense], self._to_device(buffer, block.dense.length), block.dense.offset,
                                     block.name + ".")
@@ -262,7 +262,9 @@ class StreamingPrefill:
         expert_ids = [e for e in expert_ids if e in owned]
         for first, count in bundle_runs(expert_ids, self.opt.bundle_experts):
             offset, length = block.expert_span(first, count)
-            reads.append((first, count, self.experts_pipe.submit(offset, length)))
+            regions = block.experts[first:first + count]
+            check = lambda view, regions=regions: self._check(regions, view, regions[0].offset)  # noqa: E731
+            reads.append((first, count, self.experts_pipe.submit(offset, length, check)))
         return reads
 
     # --- the prefill ---------------------------------------------------------------------------------------------
@@ -343,7 +345,6 @@ class StreamingPrefill:
                 buffer, view = future.result()
                 try:
                     regions = block.experts[first_expert:first_expert + count]
-                    self._check(regions, view, regions[0].offset)
                     with self.compute:
                         raw = self._to_device(buffer, len(view))
                         for region in regions:

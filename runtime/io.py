@@ -189,19 +189,23 @@ class ReadPipeline:
             if item is None:
                 self._free.put(buf)
                 return
-            future, offset, length = item
+            future, offset, length, after = item
             if not future.set_running_or_notify_cancel():
                 self._free.put(buf)
                 continue
             try:
-                future.set_result((buf, self.reader.read_into(buf, offset, length)))
+                view = self.reader.read_into(buf, offset, length)
+                if after is not None:
+                    after(view)  # e.g. checksums: runs here, beside the consumer's compute
+                future.set_result((buf, view))
             except BaseException as e:
                 self._free.put(buf)
                 future.set_exception(e)
 
-    def submit(self, offset: int, length: int) -> Future:
+    def submit(self, offset: int, length: int, after=None) -> Future:
+        """Queue a read; `after(view)` runs on the worker once the bytes are in (its exception fails the read)."""
         future: Future = Future()
-        self._requests.put((future, offset, length))
+        self._requests.put((future, offset, length, after))
         return future
 
     def release(self, buffer: HostBuffer) -> None:
