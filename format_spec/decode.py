@@ -70,3 +70,24 @@ def decode_float(dtype: str, shape, buffer, scale: torch.Tensor | None = None,
         packed = as_uint8(buffer).view(*shape[:-1], shape[-1] // 2)
         return source_formats.fp4_dequantize(packed, scale, dtype=out_dtype)
     return decode_tensor(dtype, shape, buffer).to(out_dtype)
+
+
+INTEGER_TYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")
+
+
+def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INTEGER_TYPES) -> dict:
+    """Decode tensors stored together (a region): each `P.weight` takes its `P.scale` along and the scale is not
+    returned; types in `keep` come back as stored; everything else as `out_dtype` values. `read(t)` gives the
+    stored bytes of entry `t` (anything with .name, .dtype, .shape)."""
+    by_name = {t.name: t for t in tensors}
+    out = {}
+    for t in tensors:
+        if t.name.endswith(".scale") and t.name[: -len(".scale")] + ".weight" in by_name:
+            continue  # folded into its weight
+        if t.dtype in keep:
+            out[t.name] = decode_tensor(t.dtype, t.shape, read(t))
+            continue
+        s = by_name.get(scale_name(t.name))
+        scale = decode_tensor(s.dtype, s.shape, read(s)) if s is not None else None
+        out[t.name] = decode_float(t.dtype, t.shape, read(t), scale, out_dtype)
+    return out

@@ -20,7 +20,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from moepack.format_spec.decode import decode_float, decode_tensor, scale_name
+from moepack.format_spec.decode import decode_group
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
@@ -32,22 +32,7 @@ _KEEP_TYPES = ("F32", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL")
 
 def export_tensors(c: Container, region_tensors, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Decode the tensors of some regions into what a Hugging Face checkpoint holds."""
-    names = {t.name for t in region_tensors}
-    out = {}
-    for t in region_tensors:
-        if t.name.endswith(".scale") and t.name[: -len(".scale")] + ".weight" in names:
-            continue  # consumed by its weight
-        data = c.tensor_bytes(t.name)
-        if t.dtype in _KEEP_TYPES:
-            out[t.name] = decode_tensor(t.dtype, t.shape, data).clone()
-            continue
-        scale = None
-        sname = scale_name(t.name)
-        if sname in c.tensors and sname in names:
-            s = c.tensors[sname]
-            scale = decode_tensor(s.dtype, s.shape, c.tensor_bytes(sname))
-        out[t.name] = decode_float(t.dtype, t.shape, data, scale).to(dtype)
-    return out
+    return decode_group(region_tensors, lambda t: c.tensor_bytes(t.name), dtype, keep=_KEEP_TYPES)
 
 
 def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: bool = True,

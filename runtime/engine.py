@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from moepack.format_spec.decode import decode_float, decode_tensor, scale_name
+from moepack.format_spec.decode import decode_group
 from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.reader import Block, Container, Region
 
@@ -211,21 +211,12 @@ class StreamingPrefill:
         that outlive the pooled buffer the bytes arrived in (experts are used before their buffer goes back)."""
         out = {}
         for r in regions:
-            names = {t.name for t in r.tensors}
-            for t in r.tensors:
-                if t.name.endswith(".scale") and t.name[: -len(".scale")] + ".weight" in names:
-                    continue
-                data = raw[t.file_offset - base: t.file_offset - base + t.length]
-                sname = scale_name(t.name)
-                scale = None
-                if sname in names:
-                    s = self.c.tensors[sname]
-                    scale = decode_tensor(s.dtype, s.shape, raw[s.file_offset - base: s.file_offset - base + s.length])
-                value = decode_float(t.dtype, t.shape, data, scale, dtype) if t.dtype not in ("I64", "I32") else \
-                    decode_tensor(t.dtype, t.shape, data)
+            values = decode_group(r.tensors, lambda t: raw[t.file_offset - base: t.file_offset - base + t.length],
+                                  dtype)
+            for name, value in values.items():
                 if own and value.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
                     value = value.clone()
-                out[t.name[len(strip):]] = value
+                out[name[len(strip):]] = value
         return out
 
     def _read_globals(self, names: list[str]) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 
@@ -101,3 +102,24 @@ def tiny_keep_container(tmp_path_factory) -> str:
         synth_checkpoint(str(base / "src"), preset="tiny", layout="release", progress=False)
         convert_checkpoint(str(base / "src"), str(out), policy="keep", progress=False)
     return str(out)
+
+
+@contextlib.contextmanager
+def source_reads_fail_at(n: int, exc: BaseException):
+    """Inside the block, the n-th source tensor read raises `exc` (the disk going away, the process stopped)."""
+    from moepack.packer.source import CheckpointDir
+
+    real = CheckpointDir.read
+    calls = [0]
+
+    def read(self, t):
+        calls[0] += 1
+        if calls[0] == n:
+            raise exc
+        return real(self, t)
+
+    CheckpointDir.read = read
+    try:
+        yield
+    finally:
+        CheckpointDir.read = real

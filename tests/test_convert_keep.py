@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from containers import source_reads_fail_at
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 from moepack.format_spec.verify import verify_container
@@ -121,42 +122,22 @@ def test_missing_shard_and_bad_sources(release_dir, tmp_path):
         convert_checkpoint(other, str(tmp_path / "w.moepack"), progress=False)
 
 
-def test_existing_output_survives_a_failed_convert(release_dir, packed, tmp_path, monkeypatch):
+def test_existing_output_survives_a_failed_convert(release_dir, packed, tmp_path):
     out = str(tmp_path / "keep.moepack")
     shutil.copy(packed[0], out)
     before = open(out, "rb").read()
-    calls = {"n": 0}
-    real_read = CheckpointDir.read
-
-    def failing_read(self, t):  # the disk goes away half-way through
-        calls["n"] += 1
-        if calls["n"] == 20:
-            raise MoepackError("simulated read failure")
-        return real_read(self, t)
-
-    monkeypatch.setattr(CheckpointDir, "read", failing_read)
-    with pytest.raises(MoepackError, match="simulated"):
+    with source_reads_fail_at(20, MoepackError("simulated read failure")), \
+            pytest.raises(MoepackError, match="simulated"):
         convert_checkpoint(release_dir, out, progress=False)
     assert open(out, "rb").read() == before
     assert os.path.exists(out + ".partial")  # kept for a later resume, never under the final name
 
 
-def test_interrupted_convert_resumes_to_identical_bytes(release_dir, packed, tmp_path, monkeypatch):
+def test_interrupted_convert_resumes_to_identical_bytes(release_dir, packed, tmp_path):
     out = str(tmp_path / "resume.moepack")
-    real_read = CheckpointDir.read
-    calls = {"n": 0}
-
-    def dying_read(self, t):
-        calls["n"] += 1
-        if calls["n"] == 150:
-            raise KeyboardInterrupt  # as if the process were stopped mid-layer
-        return real_read(self, t)
-
-    monkeypatch.setattr(CheckpointDir, "read", dying_read)
-    with pytest.raises(KeyboardInterrupt):
-        convert_checkpoint(release_dir, out, progress=False)
+    with source_reads_fail_at(150, KeyboardInterrupt()), pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(release_dir, out, progress=False)  # as if the process were stopped mid-layer
     assert not os.path.exists(out) and os.path.exists(out + ".partial.journal")
-    monkeypatch.setattr(CheckpointDir, "read", real_read)
     summary = convert_checkpoint(release_dir, out, progress=False)
     assert summary["resumed_regions"] > 0
     assert open(out, "rb").read() == open(packed[0], "rb").read()

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from containers import source_reads_fail_at
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 from moepack.format_spec.verify import verify_container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.fidelity import compare_with_source
-from moepack.packer.source import CheckpointDir
 from moepack.packer.synth import synth_checkpoint
 
 # small enough that the 2-bit search stays quick
@@ -92,23 +91,12 @@ def test_quantized_prefill_matches_transformers_on_the_export(release_src, tmp_p
     assert (got - ref).abs().max() <= 1e-3 * ref.abs().max()
 
 
-def test_resume_after_interruption_gives_identical_bytes(release_src, tmp_path, monkeypatch):
+def test_resume_after_interruption_gives_identical_bytes(release_src, tmp_path):
     whole = str(tmp_path / "whole.moepack")
     convert_checkpoint(release_src, whole, policy="q8", progress=False)
     out = str(tmp_path / "resumed.moepack")
-    real_read = CheckpointDir.read
-    calls = {"n": 0}
-
-    def dying_read(self, t):
-        calls["n"] += 1
-        if calls["n"] == 120:
-            raise KeyboardInterrupt
-        return real_read(self, t)
-
-    monkeypatch.setattr(CheckpointDir, "read", dying_read)
-    with pytest.raises(KeyboardInterrupt):
+    with source_reads_fail_at(120, KeyboardInterrupt()), pytest.raises(KeyboardInterrupt):
         convert_checkpoint(release_src, out, policy="q8", progress=False)
-    monkeypatch.setattr(CheckpointDir, "read", real_read)
     # a different policy must not pick up the other job's partial output
     assert convert_checkpoint(release_src, str(tmp_path / "other.moepack"), policy="fp4",
                               progress=False)["resumed_regions"] == 0
