@@ -26,17 +26,9 @@ from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.export import export_container
 from moepack.packer.synth import synth_checkpoint
-from moepack.runtime.engine import PrefillOptions, prefill
-from moepack.runtime.io import ReadPipeline, RegionReader
-
-
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+from moepack.runtime.engine import EXPERT_DTYPES, PrefillOptions, prefill
+from moepack.runtime.expert_decode import ExpertDecoder
+from moepack.runtime.bench import drop_page_cache, prefill_read_plan, time_reads
 
 
 def warm_cache(path: str) -> None:
@@ -47,29 +39,34 @@ def warm_cache(path: str) -> None:
 
 def io_alone(path: str, bundle: int, depth: int) -> tuple[float, int]:
     """Read what an all-experts prefill reads, in the same order and sizes, with nothing else going on."""
-    drop_cache(path)
     with Container(path) as c:
-        reads = [(r.offset, r.length) for r in c.global_regions]
+        paths, reads = list(c.part_paths), prefill_read_plan(c, bundle)
+    for p in paths:
+        drop_page_cache(p)
+    r = time_reads(paths, reads, depth, "direct")
+    return r["seconds"], r["bytes"]
+
+
+def decode_alone(path: str, dtype: torch.dtype) -> tuple[float, int, int]:
+    """Decode every routed expert once (bytes already in RAM), as the prefill does: (seconds, bytes, weights)."""
+    decoder = ExpertDecoder(dtype, torch.device("cpu"))
+    seconds = stored = weights = 0
+    with Container(path) as c, open(path, "rb") as f:
         for block in c.layers:
-            reads.append((block.dense.offset, block.dense.length))
-            for first in range(0, len(block.experts), bundle):
-                reads.append(block.expert_span(first, min(bundle, len(block.experts) - first)))
-        biggest = max(length for _, length in reads)
-    reader = RegionReader(path, "direct")
-    pipe = ReadPipeline(reader, biggest, depth)
-    start = time.perf_counter()
-    window = []
-    for offset, length in reads:
-        window.append(pipe.submit(offset, length))
-        if len(window) >= depth:
-            buf, _ = window.pop(0).result()
-            pipe.release(buf)
-    for f in window:
-        pipe.release(f.result()[0])
-    seconds = time.perf_counter() - start
-    pipe.close()
-    reader.close()
-    return seconds, reader.stats.bytes_read
+            for region in block.experts:
+                f.seek(region.offset)
+                raw = torch.frombuffer(bytearray(f.read(region.length)), dtype=torch.uint8)
+                prefix = f"{block.name}.ffn.experts.{region.expert}."
+                layout = ExpertDecoder.layout(region, prefix)
+                if layout is None:
+                    raise SystemExit(f"{path}: experts are not FP4; decode-alone measures the FP4 table decoder")
+                start = time.perf_counter()
+                decoder.decode(region, layout, raw, region.offset, prefix)
+                seconds += time.perf_counter() - start
+                stored += region.length
+                weights += sum(t.numel for t in region.tensors if t.name.endswith(".weight"))
+    decoder.close()
+    return seconds, stored, weights
 
 
 TRANSFORMERS_RUN = r"""
@@ -122,6 +119,9 @@ def main() -> None:
 
     rows = []
     io_seconds, io_bytes = io_alone(container, args.bundle_experts, args.queue_depth)
+    dec_seconds, dec_bytes, dec_weights = decode_alone(container, EXPERT_DTYPES[args.expert_dtype])
+    decode = {"seconds": round(dec_seconds, 3), "stored_gb_per_s": round(dec_bytes / dec_seconds / 1e9, 3),
+              "gweights_per_s": round(dec_weights / dec_seconds / 1e9, 3)}
     warm_cache(container)  # one untimed prefill first: thread pools, allocator and page cache warmed up
     prefill(container, torch.arange(3, 3 + tokens[0]) % vocab, PrefillOptions(io_mode="mmap"))
     for n in tokens:
@@ -130,7 +130,7 @@ def main() -> None:
                     expert_dtype=args.expert_dtype)
         warm_cache(container)
         resident = prefill(container, ids, PrefillOptions(io_mode="mmap", **base))
-        drop_cache(container)
+        drop_page_cache(container)
         streamed = prefill(container, ids, PrefillOptions(io_mode="direct", **base))
         s = streamed.stats
         rows.append({
@@ -155,12 +155,14 @@ def main() -> None:
             print(f"transformers run failed: {ref['error']}", file=sys.stderr)
     result = {"preset": args.preset, "container_bytes": file_bytes, "expert_dtype": args.expert_dtype,
               "bundle_experts": args.bundle_experts, "queue_depth": args.queue_depth,
-              "threads": torch.get_num_threads(), "rows": rows}
+              "threads": torch.get_num_threads(), "expert_decode_alone": decode, "rows": rows}
     if args.json:
         print(json.dumps(result, indent=1))
         return
     print(f"{args.preset}: container {file_bytes / 1e9:.2f} GB, experts in {args.expert_dtype}, bundle "
           f"{args.bundle_experts}, depth {args.queue_depth}, {torch.get_num_threads()} threads")
+    print(f"expert decode alone (every routed expert once, from RAM): {decode['seconds']} s, "
+          f"{decode['stored_gb_per_s']} GB/s stored, {decode['gweights_per_s']} G weights/s")
     head = ["N", "io-alone s", "compute-alone s", "streamed s", "overlap", "tok/s", "transformers s", "x transformers"]
     print(" | ".join(head))
     for r in rows:

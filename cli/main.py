@@ -15,6 +15,7 @@ import click
 
 from moepack import __version__
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 
 EXIT_ERROR = 1
 
@@ -102,9 +103,17 @@ def _policy_options(fn):
 @click.option("--revision", help="Hub branch, tag or commit (resolved to a commit and recorded).")
 @click.option("--workers", type=click.IntRange(min=1), help="CPU threads for (de)quantization (default: all).")
 @click.option("--drop-mtp", is_flag=True, help="Leave out the multi-token-prediction block(s) (prefill never reads them).")
+@click.option("--parts", type=click.IntRange(min=1, max=MAX_PARTS), default=1, show_default=True,
+              help="Write the container as P files, OUT and OUT.part1 .. OUT.part<P-1>, each layer's experts striped "
+                   "over them (one file per SSD: reads of the parts run side by side).")
+@click.option("--stripe-experts", type=click.IntRange(min=1), default=DEFAULT_STRIPE_EXPERTS, show_default=True,
+              help="With --parts: experts [k*S, (k+1)*S) of each layer go to part k mod P.")
+@click.option("--part-dir", "part_dirs", multiple=True, metavar="K=DIR",
+              help="With --parts: write part K into DIR (e.g. another SSD's mount) and leave a symlink at "
+                   "OUT.part<K>. Repeatable.")
 @json_option
 @reports_errors
-def convert(src, out, policy, revision, workers, drop_mtp, as_json):
+def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts, part_dirs, as_json):
     """Convert SRC (a hub repo id such as deepseek-ai/DeepSeek-V4-Flash, or a local checkpoint directory) into a
     container. Rerunning an interrupted conversion resumes it."""
     from moepack.packer.convert import convert_checkpoint
@@ -113,13 +122,32 @@ def convert(src, out, policy, revision, workers, drop_mtp, as_json):
         raise click.UsageError("choose a precision policy: --fp4, --nvfp4, --q8, --q2, --bf16 or --keep")
     if out is None:
         out = f"{os.path.basename(os.path.normpath(src))}-{policy}.moepack"
+    if part_dirs and parts < 2:
+        raise click.UsageError("--part-dir needs --parts 2 or more")
     result = convert_checkpoint(src, out, policy=policy, progress=not as_json, revision=revision, workers=workers,
-                                drop_mtp=drop_mtp)
+                                drop_mtp=drop_mtp, parts=parts, stripe_experts=stripe_experts,
+                                part_dirs=_parse_part_dirs(part_dirs))
     _emit(as_json, result, lambda r: click.echo(
         f"wrote {r['output']} ({policy}): {r['tensors']} tensors in {r['regions']} regions, "
         f"{r['bytes_out'] / 2**20:.1f} MiB, {r['seconds']:.1f} s ({r['in_mb_per_s']:.0f} MB/s in, "
         f"{r['out_mb_per_s']:.0f} MB/s out); experts {r['expert_bits_per_weight']} bits/weight"
-        + (f", resumed after {r['resumed_regions']} regions" if r["resumed_regions"] else "")))
+        + (f", resumed after {r['resumed_regions']} regions" if r["resumed_regions"] else "")
+        + ("".join(_part_lines(r["parts"])) if len(r["parts"]) > 1 else "")))
+
+
+def _parse_part_dirs(values) -> dict[int, str]:
+    dirs: dict[int, str] = {}
+    for value in values:
+        number, sep, directory = value.partition("=")
+        if not sep or not number.strip().isdigit() or not directory:
+            raise click.UsageError(f"--part-dir {value!r}: expected K=DIR, e.g. 1=/mnt/ssd2")
+        dirs[int(number)] = directory
+    return dirs
+
+
+def _part_lines(parts: list[dict]) -> list[str]:
+    return [f"\n  part {p['part']}: {p['path']}, {p['bytes'] / 2**20:.1f} MiB ({p['expert_bytes'] / 2**20:.1f} MiB "
+            f"of experts)" for p in parts]
 
 
 @cli.command()
@@ -149,6 +177,7 @@ def inspect(file, as_json):
 
     with Container(file) as c:
         result = summarize(c)
+        result.update(parts=c.parts_summary(), stripe_experts=c.stripe_experts, total_bytes=c.total_bytes)
     _emit(as_json, result, _print_summary)
 
 
@@ -156,12 +185,16 @@ def _print_summary(s: dict) -> None:
     click.echo(f"{s['path']}: moepack {s['format_version']}, {s['architecture']} ({s['policy']} policy)")
     click.echo(f"  layers {s['layers']} (+{s['mtp_layers']} mtp), experts/layer {s['experts_per_layer']}, "
                f"hidden {s['hidden_size']}, vocab {s['vocab_size']}")
-    click.echo(f"  {s['regions']} regions, {s['tensors']} tensors, {s['file_bytes'] / 2**20:.1f} MiB; "
+    total = s.get("total_bytes", s["file_bytes"])  # every part file's bytes (`inspect` adds it)
+    click.echo(f"  {s['regions']} regions, {s['tensors']} tensors, {total / 2**20:.1f} MiB; "
                f"experts {s['expert_bits_per_weight']} bits/weight")
     for kind, n in s["bytes_by_region_kind"].items():
         click.echo(f"  {kind:>12}: {n / 2**20:10.1f} MiB")
     for dtype, v in s["storage_types"].items():
         click.echo(f"  {dtype:>12}: {v['tensors']:6d} tensors {v['bytes'] / 2**20:10.1f} MiB")
+    if len(s.get("parts", [])) > 1:
+        click.echo(f"  {len(s['parts'])} part files, experts striped {s['stripe_experts']} at a time:"
+                   + "".join(_part_lines(s["parts"])))
 
 
 @cli.command()
@@ -178,7 +211,7 @@ def verify(file, source, revision, as_json):
     from moepack.packer.progress import progress_bar
 
     with Container(file) as c:  # the cheap structural checks first: a broken file fails before any bar shows
-        total = c.file_size
+        total = c.total_bytes
     with progress_bar(total, "verify", not as_json) as bar:
         result = verify_container(file, on_bytes=bar.update).as_dict()
     if source is not None:
@@ -193,8 +226,9 @@ def verify(file, source, revision, as_json):
 
 
 def _print_verify(r: dict) -> None:
-    click.echo(f"{r['path']}: OK ({r['regions']} regions, {r['tensors']} tensors, {r['bytes_read'] / 2**20:.1f} MiB "
-               f"at {r['gb_per_s']:.2f} GB/s)")
+    parts = f" in {r['parts']} part files" if r.get("parts", 1) > 1 else ""
+    click.echo(f"{r['path']}: OK ({r['regions']} regions{parts}, {r['tensors']} tensors, "
+               f"{r['bytes_read'] / 2**20:.1f} MiB at {r['gb_per_s']:.2f} GB/s)")
     s = r.get("source_check")
     if s:
         click.echo(f"  matches {s['source']}: {s['bit_identical']} tensors bit-identical, {s['value_identical']} "
@@ -240,17 +274,24 @@ def _print_verify(r: dict) -> None:
 @click.option("--expert-parallel", is_flag=True,
               help="Run as one rank of `torchrun --nproc-per-node P -m moepack prefill ...`: each rank reads and "
                    "computes its own contiguous share of every layer's experts.")
+@click.option("--expert-ownership", type=click.Choice(["contiguous", "balanced"]), default="contiguous",
+              show_default=True,
+              help="With --expert-parallel: contiguous expert ranges of equal size, or of equal routed load measured "
+                   "on this prompt per layer (the layer's reads then wait for its router).")
 @click.option("--container-per-rank", is_flag=True,
               help="With --expert-parallel: FILE contains '{rank}', and each rank reads its own copy.")
 @click.option("--dist-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
               help="Seconds a rank waits for its peers before giving up with an error.")
 @click.option("--no-verify-reads", is_flag=True, help="Skip the per-region checksum of every read.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for compute and decode (default: torch's, one per core). Fewer when other work "
+                   "shares the cores: a busy core stalls every multi-threaded op (docs/benchmarks.md).")
 @json_option
 @reports_errors
 def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_from, kv_dtype, kv_no_fsync,
             logits_out, bundle_experts, queue_depth,
             io_mode, expert_selection, query_chunk, expert_dtype, order, chunk_tokens, expert_parallel,
-            container_per_rank, dist_timeout, no_verify_reads, as_json):
+            expert_ownership, container_per_rank, dist_timeout, no_verify_reads, threads, as_json):
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import PrefillOptions, prefill as run_prefill
@@ -282,9 +323,14 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
 
         tuned = tuned_defaults(file) or (4, 4)  # what `moepack bench io` measured for this file, if it did
         bundle_experts, queue_depth = bundle_experts or tuned[0], queue_depth or tuned[1]
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     options = PrefillOptions(device=device, bundle_experts=bundle_experts, queue_depth=queue_depth,
                              io_mode=io_mode, query_chunk=query_chunk, expert_selection=expert_selection,
-                             verify_reads=not no_verify_reads, expert_dtype=expert_dtype)
+                             verify_reads=not no_verify_reads, expert_dtype=expert_dtype,
+                             expert_ownership=expert_ownership)
     result = run_prefill(pattern, ids, options, kv_out=kv_out, continue_from=continue_from, kv_dtype=kv_dtype,
                          kv_sync=not kv_no_fsync, chunk_tokens=chunk_tokens if order == "chunk" else None,
                          expert_parallel=expert_parallel, dist_timeout_s=dist_timeout)
@@ -310,7 +356,9 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
         f"next token: {r['next_token']} {r['next_token_text']!r}\n"
         f"{s['tokens']} tokens in {s['seconds']:.2f} s ({s['tokens_per_s']:.1f} tokens/s); read "
         f"{s['bytes_read'] / 2**20:.1f} MiB ({s['io_mode']}), io busy {s['io_busy_s']:.2f} s, compute "
-        f"{s['compute_busy_s']:.2f} s, overlap {s['overlap']:.2f}"))
+        f"{s['compute_busy_s']:.2f} s, overlap {s['overlap']:.2f}"
+        + ("; read per part file " + " / ".join(f"{b / 2**20:.1f}" for b in s["bytes_read_per_part"]) + " MiB"
+           if len(s.get("bytes_read_per_part", [])) > 1 else "")))
 
 
 @cli.group()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .dtypes import storage_type, tensor_nbytes
 from .errors import FormatError
+from .reader import TENSOR_SCALE_SUFFIX
 
 TORCH_DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -54,40 +57,82 @@ def scale_name(weight_name: str) -> str | None:
     return weight_name[: -len(".weight")] + ".scale" if weight_name.endswith(".weight") else None
 
 
+def tensor_scale_name(weight_name: str) -> str | None:
+    """The tensor-scale companion of a weight (SPEC.md section 6.1): `P.weight` -> `P.tensor_scale`."""
+    return weight_name[: -len(".weight")] + TENSOR_SCALE_SUFFIX if weight_name.endswith(".weight") else None
+
+
+def is_companion(name: str, names) -> bool:
+    """A `P.scale` or `P.tensor_scale` whose `P.weight` is among `names`: decoded as part of that weight."""
+    for suffix in (".scale", TENSOR_SCALE_SUFFIX):
+        if name.endswith(suffix) and name[: -len(suffix)] + ".weight" in names:
+            return True
+    return False
+
+
+def tensor_scale_value(buffer, name: str = "tensor scale") -> float | torch.Tensor:
+    """The stored bytes of a `P.tensor_scale` -> its value, checked to be a power of two 2^e with
+    -126 <= e <= 127. Bytes already on a GPU give a 0-dim tensor there, unchecked: reading it back would stall
+    the device once per weight (the reader has checked its type and shape, a CPU decode checks the value)."""
+    stored = decode_tensor("F32", (), buffer)
+    if stored.device.type != "cpu":
+        return stored
+    value = float(stored)
+    mantissa, exponent = math.frexp(value)  # value = mantissa * 2^exponent, mantissa in [0.5, 1)
+    if mantissa != 0.5 or not -125 <= exponent <= 128:
+        raise FormatError(f"{name}: a tensor scale must be a power of two from 2^-126 to 2^127, got {value!r}")
+    return value
+
+
 def decode_float(dtype: str, shape, buffer, scale: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float32, tensor_scale: float | torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """Stored bytes -> float values (`out_dtype`: float32, or bfloat16 for a faster compute path), applying the
     release's block scales where the type needs them: F8_E4M3 with 128x128 block scales (E8M0 or F32),
-    FP4_E2M1 with one E8M0 scale per 32 inputs. ggml block types are dequantized."""
+    FP4_E2M1 with one E8M0 scale per 32 inputs. ggml block types are dequantized. `tensor_scale` (the weight's
+    `P.tensor_scale` from tensor_scale_value, a power of two) multiplies the result, exactly."""
     from . import source_formats
 
     shape = tuple(shape)
     if dtype == "F8_E4M3" and scale is not None:
-        return source_formats.fp8_block_dequantize(decode_tensor(dtype, shape, buffer), scale).to(out_dtype)
-    if dtype == "FP4_E2M1":
+        values = source_formats.fp8_block_dequantize(decode_tensor(dtype, shape, buffer), scale).to(out_dtype)
+    elif dtype == "FP4_E2M1":
         if scale is None:
             raise FormatError("an FP4_E2M1 tensor needs its scale tensor to be decoded")
         packed = as_uint8(buffer).view(*shape[:-1], shape[-1] // 2)
-        return source_formats.fp4_dequantize(packed, scale, dtype=out_dtype)
-    return decode_tensor(dtype, shape, buffer).to(out_dtype)
+        values = source_formats.fp4_dequantize(packed, scale, dtype=out_dtype)
+    else:
+        values = decode_tensor(dtype, shape, buffer).to(out_dtype)
+    return _apply_tensor_scale(values, tensor_scale, fresh=dtype not in TORCH_DTYPES)
+
+
+def _apply_tensor_scale(values: torch.Tensor, tensor_scale: float | torch.Tensor | None,
+                        fresh: bool) -> torch.Tensor:
+    """values * tensor_scale; in place when `values` is a fresh tensor, not a view of the stored bytes."""
+    if tensor_scale is None or (isinstance(tensor_scale, float) and tensor_scale == 1.0):
+        return values
+    return values.mul_(tensor_scale) if fresh else values * tensor_scale
 
 
 INTEGER_TYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 
 
 def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INTEGER_TYPES) -> dict:
-    """Decode tensors stored together (a region): each `P.weight` takes its `P.scale` along and the scale is not
-    returned; types in `keep` come back as stored; everything else as `out_dtype` values. `read(t)` gives the
-    stored bytes of entry `t` (anything with .name, .dtype, .shape)."""
+    """Decode tensors stored together (a region): each `P.weight` takes its `P.scale` and `P.tensor_scale`
+    along and they are not returned; types in `keep` come back as stored (times a tensor scale, if one goes with
+    them); everything else as `out_dtype` values. `read(t)` gives the stored bytes of entry `t` (anything with
+    .name, .dtype, .shape)."""
     by_name = {t.name: t for t in tensors}
     out = {}
     for t in tensors:
-        if t.name.endswith(".scale") and t.name[: -len(".scale")] + ".weight" in by_name:
+        if is_companion(t.name, by_name):
             continue  # folded into its weight
+        ts = by_name.get(tensor_scale_name(t.name))
+        tensor_scale = tensor_scale_value(read(ts), ts.name) if ts is not None else None
         if t.dtype in keep:
-            out[t.name] = decode_tensor(t.dtype, t.shape, read(t))
+            out[t.name] = _apply_tensor_scale(decode_tensor(t.dtype, t.shape, read(t)), tensor_scale, fresh=False)
             continue
         s = by_name.get(scale_name(t.name))
         scale = decode_tensor(s.dtype, s.shape, read(s)) if s is not None else None
-        out[t.name] = decode_float(t.dtype, t.shape, read(t), scale, out_dtype)
+        out[t.name] = decode_float(t.dtype, t.shape, read(t), scale, out_dtype, tensor_scale)
     return out

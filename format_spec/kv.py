@@ -128,12 +128,24 @@ class LayerKVState:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+_MAX_LAYERS = 1 << 16  # far beyond any model: bounds the per-layer lists a config can make a reader build
+
+
 def kv_geometry(config: Mapping) -> dict:
     """The shape facts of a DeepSeek-V4 config.json that the KV format depends on (read as transformers'
     DeepseekV4Config reads them, legacy keys included): num_layers, per-layer type and compress rate (0 for
-    sliding), sliding_window, head_dim, index_head_dim."""
+    sliding), sliding_window, head_dim, index_head_dim. FormatError for a config they can't be read from."""
+    try:
+        return _derive_geometry(config)
+    except (TypeError, ValueError, OverflowError) as e:  # a value of the wrong type: a damaged or hostile config
+        raise FormatError(f"config: cannot derive the KV geometry ({e})") from None
+
+
+def _derive_geometry(config: Mapping) -> dict:
     c = {**_CONFIG_DEFAULTS, **config}
     n = c["num_hidden_layers"]
+    if not _is_int(n) or n > _MAX_LAYERS:
+        raise FormatError(f"config: num_hidden_layers {n!r} is not a layer count")
     rates = {**_DEFAULT_RATES, **(c.get("compress_rates") or {})}
     rates[CSA] = c.get("compress_rate_csa") or rates[CSA]
     rates[HCA] = c.get("compress_rate_hca") or rates[HCA]
@@ -145,7 +157,10 @@ def kv_geometry(config: Mapping) -> dict:
     types = list(types[:n])
     if len(types) != n or set(types) - set(LAYER_TYPES):
         raise FormatError(f"config: bad layer_types for {n} layers")
-    return {"num_layers": n, "layer_types": types, "compress_rates": [rates.get(t, 0) for t in types],
+    layer_rates = [rates.get(t, 0) for t in types]
+    if not all(_is_int(r, 0 if t == SLIDING else 1) for t, r in zip(types, layer_rates)):
+        raise FormatError("config: compress rates must be positive integers")
+    return {"num_layers": n, "layer_types": types, "compress_rates": layer_rates,
             "sliding_window": int(c["sliding_window"]), "head_dim": int(c["head_dim"]),
             "index_head_dim": int(c["index_head_dim"])}
 
@@ -598,7 +613,7 @@ class KVDirectory:
             self._fail(f"cannot read {MANIFEST_NAME} ({e.strerror or e})")
         try:
             m = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a too long number, too deep nesting
             self._fail(f"{MANIFEST_NAME} is not valid JSON ({e})")
         self.manifest = self._validate(m)
 
@@ -627,29 +642,32 @@ class KVDirectory:
             geometry = kv_geometry(ident["config"])
         except FormatError as e:
             fail(str(e))
-        if m["geometry"] != geometry:
+        if _canonical_json(m["geometry"]) != _canonical_json(geometry):  # 3.0 == 3 in Python, not in the format
             fail(f"{MANIFEST_NAME}: geometry does not follow from the recorded config")
         if m["dtype"] not in KV_DTYPES:
             fail(f"{MANIFEST_NAME}: unknown dtype {m['dtype']!r}")
         tok = m["tokens"]
         ids = tok.get("ids")
-        if not (isinstance(ids, list) and ids and all(_is_int(t) for t in ids)) or tok.get("count") != len(ids) \
+        if not (isinstance(ids, list) and ids and all(_is_int(t) and t < 1 << 63 for t in ids)) \
+                or not _is_int(tok.get("count")) or tok["count"] != len(ids) \
                 or not _is_int(tok.get("start")) or tok["start"] >= len(ids):
-            fail(f"{MANIFEST_NAME}: tokens need ids (non-empty list of ints), count = len(ids), start < count")
+            fail(f"{MANIFEST_NAME}: tokens need ids (non-empty list of int64 ids), count = len(ids), start < count")
         if tok.get("ids_xxh3") != token_ids_xxh3(ids):
             fail(f"{MANIFEST_NAME}: token ids do not match their ids_xxh3")
         layers = m["layers"]
         if len(layers) != geometry["num_layers"]:
             fail(f"{MANIFEST_NAME}: {len(layers)} layer entries for a {geometry['num_layers']}-layer model")
         for i, e in enumerate(layers):
-            if not isinstance(e, dict) or e.get("layer") != i or e.get("file") != layer_file_name(i) \
+            if not isinstance(e, dict) or not _is_int(e.get("layer")) or e["layer"] != i \
+                    or e.get("file") != layer_file_name(i) \
                     or not isinstance(e.get("complete"), bool):
                 fail(f"{MANIFEST_NAME}: layer entry {i} malformed")
             if not e["complete"]:
                 continue
             kind = geometry["layer_types"][i]
             entries = e.get("entries")
-            if e.get("layer_type") != kind or e.get("seen_tokens") != len(ids) or not _is_int(e.get("bytes"), 1) \
+            if e.get("layer_type") != kind or not _is_int(e.get("seen_tokens")) or e["seen_tokens"] != len(ids) \
+                    or not _is_int(e.get("bytes"), 1) \
                     or not _is_hex(e.get("xxh3")) or not isinstance(entries, dict) \
                     or sorted(entries) != sorted(COMPRESSORS[kind]) \
                     or not all(_is_int(v) for v in entries.values()):
@@ -701,7 +719,7 @@ class KVDirectory:
         path = os.path.join(self.path, name)
         try:
             with open(path, "rb") as f:
-                data = f.read(size + 1)
+                data = f.read(min(size, os.fstat(f.fileno()).st_size) + 1)  # sized by the file, not the manifest
         except FileNotFoundError:
             self._fail(f"{what}: file {name} is missing")
         except OSError as e:
@@ -857,8 +875,8 @@ def inspect_kv(kv_dir: str, expect_identity: Mapping | None = None, expect_promp
         "start_token": m["tokens"]["start"],
         "token_ids_xxh3": m["tokens"]["ids_xxh3"],
         "dtype": m["dtype"],
-        "bytes": sum(e.get("bytes", 0) for e in m["layers"]),
-        "bytes_per_token": round(sum(e.get("bytes", 0) for e in m["layers"]) / m["tokens"]["count"], 1),
+        "bytes": sum(row.get("bytes", 0) for row in layers),  # complete layers only: others' entries are unchecked
+        "bytes_per_token": round(sum(row.get("bytes", 0) for row in layers) / m["tokens"]["count"], 1),
         "by_type": by_type,
         "next_token": result.get("next_token"),
         "verified": verify,

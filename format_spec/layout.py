@@ -1,4 +1,5 @@
-"""Byte layout of a moepack container, version 1: the header, the index schema and the region naming rules.
+"""Byte layout of a moepack container, version 1: the header, the part header, the index schema, the region naming
+rules and the striping rule of multi-part containers.
 
 SPEC.md beside this file is the normative description; this module is its executable form. Only
 format_spec/ knows byte offsets: the packer writes through writer.py, the runtime reads through reader.py.
@@ -15,8 +16,10 @@ import xxhash
 from .errors import FormatError
 
 MAGIC = b"MOEPACK\x00"
+PART_MAGIC = b"MOEPART\x00"  # parts 1..P-1 of a multi-part container (SPEC.md section 9)
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 0  # what a single-file container says: its bytes are exactly those of a 1.0 writer
+FORMAT_MINOR_PARTS = 1  # the first minor with part files
 BYTE_ORDER_MARK = 0x01020304  # reads back as this value only when both sides agree on little-endian
 ALIGNMENT = 4096  # every region starts on, and is padded to, this boundary: O_DIRECT reads land in place
 HEADER_SIZE = 4096
@@ -33,6 +36,15 @@ _HEADER_FIELDS = struct.Struct("<8sHHIIIQQQQIIQ")
 _HEADER_HASH = struct.Struct("<Q")
 HEADER_HASHED_BYTES = _HEADER_FIELDS.size  # the header's own xxh3 covers every field before it
 HEADER_USED_BYTES = HEADER_HASHED_BYTES + _HEADER_HASH.size
+
+# part magic, major, minor, byte-order mark, alignment, header size, file size, part number, part count,
+# container index xxh3
+_PART_HEADER_FIELDS = struct.Struct("<8sHHIIIQIIQ")
+PART_HEADER_HASHED_BYTES = _PART_HEADER_FIELDS.size
+PART_HEADER_USED_BYTES = PART_HEADER_HASHED_BYTES + _HEADER_HASH.size
+
+MAX_PARTS = 256  # caps the file descriptors an index can make a reader open
+DEFAULT_STRIPE_EXPERTS = 4  # the runtime's default bundle: one bundle per stripe, consecutive bundles on other parts
 
 REGION_KINDS = ("global", "dense", "expert")
 _BLOCK_NAME = re.compile(r"^(layers|mtp)\.(0|[1-9][0-9]{0,5})$")
@@ -70,6 +82,10 @@ class Header:
     def unpack(cls, raw: bytes, actual_file_size: int) -> "Header":
         """Parse and check the header against the file it came from. Raises FormatError naming the bad field."""
         if len(raw) < HEADER_USED_BYTES or raw[:8] != MAGIC:
+            if raw[:8] == PART_MAGIC and len(raw) >= PART_HEADER_USED_BYTES:
+                part, count = _PART_HEADER_FIELDS.unpack_from(raw)[7:9]
+                raise FormatError(f"this is part file {part} of {count} of a multi-part container, not its main file "
+                                  f"(open the file without the .part{part} suffix)")
             if len(raw) >= 4 and raw[:4] == b"GGUF":
                 raise FormatError("this is a GGUF file, not a moepack container")
             raise FormatError("not a moepack container (bad magic)")
@@ -108,6 +124,69 @@ class Header:
             raise FormatError(f"index raw length {index_raw_length} is out of range")
         return cls(major, minor, alignment, file_size, index_offset, index_length, index_raw_length, index_codec,
                    index_xxh3)
+
+
+@dataclass(frozen=True)
+class PartHeader:
+    """The 4096-byte header of part file 1..P-1: which container (by its index xxh3) and which part it is."""
+
+    part: int
+    part_count: int
+    file_size: int
+    container_index_xxh3: int
+
+    def pack(self) -> bytes:
+        fields = _PART_HEADER_FIELDS.pack(
+            PART_MAGIC, FORMAT_MAJOR, FORMAT_MINOR_PARTS, BYTE_ORDER_MARK, ALIGNMENT, HEADER_SIZE, self.file_size,
+            self.part, self.part_count, self.container_index_xxh3,
+        )
+        own_hash = _HEADER_HASH.pack(xxhash.xxh3_64_intdigest(fields))
+        return (fields + own_hash).ljust(HEADER_SIZE, b"\x00")
+
+    @classmethod
+    def unpack(cls, raw: bytes, actual_file_size: int, path: str, part: int, part_count: int,
+               index_xxh3: int, main_path: str) -> "PartHeader":
+        """Parse part `part`'s header and check it belongs to the container whose index hashes to `index_xxh3`.
+        Raises FormatError naming the part file."""
+        what = f"{path} (part {part} of {part_count})"
+        if len(raw) < HEADER_SIZE:
+            raise FormatError(f"{what}: part file is truncated inside its header ({len(raw)} of {HEADER_SIZE} bytes)")
+        if raw[:8] != PART_MAGIC:
+            raise FormatError(f"{what}: not a moepack part file (bad magic)")
+        (_, major, minor, bom, alignment, header_size, file_size, got_part, got_count,
+         got_index) = _PART_HEADER_FIELDS.unpack_from(raw)
+        (stored_hash,) = _HEADER_HASH.unpack_from(raw, PART_HEADER_HASHED_BYTES)
+        if xxhash.xxh3_64_intdigest(raw[:PART_HEADER_HASHED_BYTES]) != stored_hash:
+            raise FormatError(f"{what}: part header checksum mismatch: the part header is damaged")
+        if any(raw[PART_HEADER_USED_BYTES:HEADER_SIZE]):
+            raise FormatError(f"{what}: part header padding is not zero: the part header is damaged")
+        if (bom, alignment, header_size, major) != (BYTE_ORDER_MARK, ALIGNMENT, HEADER_SIZE, FORMAT_MAJOR):
+            raise FormatError(f"{what}: unsupported part header (version {major}.{minor}, byte-order mark "
+                              f"{bom:#010x}, alignment {alignment}, header size {header_size})")
+        if got_index != index_xxh3:
+            raise FormatError(f"{what}: belongs to another container or another conversion (its container index "
+                              f"xxh3 is {got_index:016x}, {main_path}'s is {index_xxh3:016x})")
+        if (got_part, got_count) != (part, part_count):
+            raise FormatError(f"{what}: the file is part {got_part} of {got_count} (renamed?)")
+        if file_size != actual_file_size:
+            how = "truncated" if actual_file_size < file_size else "longer than recorded"
+            raise FormatError(f"{what}: part file is {how}: {actual_file_size} bytes on disk, its header records "
+                              f"{file_size}")
+        return cls(got_part, got_count, file_size, got_index)
+
+
+def part_path(path: str, part: int) -> str:
+    """Where part `part` of the container at `path` lives: the main file itself, or `<path>.part<k>` beside it
+    (which may be a symlink to another device)."""
+    return path if part == 0 else f"{path}.part{part}"
+
+
+def region_part(kind: str, block: str | None, expert: int | None, part_count: int, stripe_experts: int) -> int:
+    """The striping rule: experts [k*S, (k+1)*S) of every `layers.N` block live in part k % P; everything else
+    (globals, dense regions, mtp blocks, which prefill reads once or never) in part 0."""
+    if part_count <= 1 or kind != "expert" or not isinstance(block, str) or not block.startswith("layers."):
+        return 0
+    return (expert // stripe_experts) % part_count
 
 
 def region_name(kind: str, block: str | None = None, expert: int | None = None, tensor: str | None = None) -> str:

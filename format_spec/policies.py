@@ -17,10 +17,13 @@ Bits per weight of the routed experts (where nearly all of a MoE's bytes are) an
     keep     as the source (FP4 + E8M0)      4.25     as the source (FP8 + 128x128 scales) ~8.0
     bf16     BF16 (lossless from FP8/FP4)    16       BF16               16
     fp4      MXFP4 (lossless from FP4)       4.25     Q8_0               8.5
-    nvfp4    NVFP4                           4.5      Q8_0               8.5
+    nvfp4    NVFP4 (+ a tensor scale each)   4.5      Q8_0               8.5
     q8       Q8_0                            8.5      Q8_0               8.5
     q2       gate/up IQ2_XXS, down Q2_K      2.25     Q8_0               8.5
              (2 x 2.0625 + 2.625) / 3
+
+An NVFP4 weight is stored with a power-of-two tensor scale (SPEC.md section 6.1, quants.nvfp4_prescale): ggml's
+NVFP4 block has none, and without it weights of std <= 0.001 would quantize to zero.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ _POLICIES = {
         "expert_bpw": 4.25, "dense_bpw": 8.5, "lossless": False,
     },
     "nvfp4": {
-        "description": "routed experts NVFP4 (ggml layout), other linears Q8_0, exact tensors kept",
+        "description": "routed experts NVFP4 (ggml layout) with a power-of-two tensor scale each, other linears "
+                       "Q8_0, exact tensors kept",
         "roles": {"routed_gate_up": "NVFP4", "routed_down": "NVFP4", "dense_linear": "Q8_0",
                   "embedding_head": "Q8_0", "exact": None},
         "expert_bpw": 4.5, "dense_bpw": 8.5, "lossless": False,

@@ -7,14 +7,25 @@ blocks in Python.
 
 Threads (CPU): each chunk's ops run on torch's intra-op thread pool, with a guard that falls back to one
 thread while that is faster (another process holding a core stalls every OpenMP barrier); see run_chunks.
+
+Compiled kernels (CPU): a codec may also ship a small C kernel (one pass per block, where torch needs one pass per
+op), built once per process by native_library with the system C compiler and called through ctypes, which
+releases the GIL, so run_chunks spreads its chunks over Python threads. Without a compiler (or with
+MOEPACK_NATIVE=0) the codec's torch kernel runs instead and gives the same bytes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import numpy as np
@@ -129,11 +140,14 @@ def empty_float32(shape, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+NONFINITE_INPUT = "can't quantize a tensor holding inf or NaN"
+
+
 def check_finite(amax: torch.Tensor) -> None:
     """amax: per-block max |x| (NaN and inf propagate into it and into its max), so this costs a reduction
     over 1/block of the elements."""
     if amax.numel() and not math.isfinite(float(amax.max())):
-        raise MoepackError("can't quantize a tensor holding inf or NaN")
+        raise MoepackError(NONFINITE_INPUT)
 
 
 def f16_bits_to_f32(lo_hi: torch.Tensor) -> torch.Tensor:
@@ -185,8 +199,12 @@ _single_until = 0.0
 _backoff = 0.25
 
 
-def run_chunks(fn, n_rows: int, step: int, device: torch.device) -> None:
+def run_chunks(fn, n_rows: int, step: int, device: torch.device, gil_free: bool = False) -> None:
     """Call fn(start, stop) for consecutive row ranges of `step` rows covering 0..n_rows.
+
+    `gil_free` (a compiled kernel called through ctypes): the chunks go to a pool of torch.get_num_threads()
+    Python threads, each taking the next chunk when it is done, so a core held by another process only means
+    that its thread takes fewer chunks.
 
     On the CPU a chunk's ops run on torch's intra-op thread pool unless that doesn't pay: the first two chunks
     of a call run single-threaded (warm-up, then the reference time per row); every later multi-threaded
@@ -200,6 +218,10 @@ def run_chunks(fn, n_rows: int, step: int, device: torch.device) -> None:
     """
     global _single_until, _backoff
     starts = range(0, n_rows, step)
+    if gil_free and len(starts) > 1 and torch.get_num_threads() > 1:
+        # list() re-raises the first chunk's exception here
+        list(_chunk_pool().map(lambda s: fn(s, min(s + step, n_rows)), starts))
+        return
     if device.type != "cpu" or len(starts) < 4 or torch.get_num_threads() <= 1:
         for s in starts:
             fn(s, min(s + step, n_rows))
@@ -232,6 +254,142 @@ def run_chunks(fn, n_rows: int, step: int, device: torch.device) -> None:
         else:
             stalls = 0
             _backoff = max(_backoff * 0.5, 0.25)
+
+
+_pool: tuple[tuple[int, int], ThreadPoolExecutor] | None = None  # ((process id, workers), pool)
+_pool_lock = threading.Lock()
+
+
+def _chunk_pool() -> ThreadPoolExecutor:
+    """The worker threads of run_chunks(gil_free=True): torch.get_num_threads() of them, re-made when that
+    changes (e.g. after `convert --workers`) and in a forked child (which has none of its parent's threads)."""
+    global _pool
+    key = (os.getpid(), torch.get_num_threads())
+    with _pool_lock:
+        if _pool is None or _pool[0] != key:
+            if _pool is not None and _pool[0][0] == key[0]:
+                _pool[1].shutdown(wait=False)
+            _pool = (key, ThreadPoolExecutor(key[1], thread_name_prefix="moepack-quant"))
+        return _pool[1]
+
+
+# ------------------------------------------------------------------------------------------- compiled kernels
+
+NATIVE_ENV = "MOEPACK_NATIVE"  # "0": never compile; every codec uses its torch kernel
+# -ffp-contract=off: no fused multiply-adds, so every float operation rounds exactly as the C source says (the
+# byte-exactness with ggml depends on it); no -ffast-math for the same reason. -march=native is tried first (the
+# library lives only as long as this process, on this machine).
+_CFLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared")
+_ARCH_FLAGS = (("-march=native",), ())
+
+# name -> {"library": ctypes.CDLL | None, "compiler", "seconds" (compile wall time), "reason" (when None)}
+_native: dict[str, dict] = {}
+_native_lock = threading.Lock()
+
+
+def _c_compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build(name: str, source: str) -> dict:
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        return {"library": None, "reason": f"disabled by {NATIVE_ENV}=0"}
+    cc = _c_compiler()
+    if cc is None:
+        return {"library": None, "reason": "no C compiler found ($CC, cc, gcc, clang)"}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="moepack-native-") as tmp:
+        src, lib = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, f"{name}.so")
+        with open(src, "w") as f:
+            f.write(source)
+        error = ""
+        for arch in _ARCH_FLAGS:
+            try:
+                done = subprocess.run([cc, *_CFLAGS, *arch, "-o", lib, src], capture_output=True, text=True,
+                                      timeout=120)
+            except (OSError, subprocess.SubprocessError) as e:
+                error = str(e)
+                continue
+            if done.returncode != 0:
+                lines = done.stderr.strip().splitlines() or ["failed"]
+                error = next((line for line in lines if "error" in line), lines[-1])
+                continue
+            try:  # loaded before the directory goes: the mapping outlives the file
+                library = ctypes.CDLL(lib)
+            except OSError as e:  # e.g. a temporary directory mounted noexec
+                return {"library": None, "compiler": cc, "reason": f"can't load the compiled library: {e}"}
+            return {"library": library, "compiler": cc, "flags": [*_CFLAGS, *arch],
+                    "seconds": round(time.perf_counter() - start, 3)}
+    return {"library": None, "compiler": cc, "reason": f"{cc} failed: {error}"}
+
+
+def native_library(name: str, source: str) -> ctypes.CDLL | None:
+    """The C `source` compiled by the system C compiler into a shared library and loaded, once per process
+    (~0.1 s); None when there is no compiler, it fails, or MOEPACK_NATIVE=0 (the caller then uses torch)."""
+    with _native_lock:
+        if name not in _native:
+            _native[name] = _build(name, source)
+        return _native[name]["library"]
+
+
+def _disable_native(name: str, reason: str) -> None:
+    """Stop using a compiled kernel (its self-check against the torch kernel failed)."""
+    with _native_lock:
+        _native[name] = {**_native.get(name, {}), "library": None, "reason": reason}
+
+
+def compiled_quantizer(name: str, source: str, symbol: str, reference, probe: torch.Tensor, block_bytes: int):
+    """A codec's compiled quantizer: the C function `int symbol(const float *x, uint8_t *out, int64_t n_blocks)`
+    of `source` (returning non-zero when x holds inf or NaN), wrapped as a chunk kernel like the codec's torch one,
+    `reference(x, out)`, and used only if it writes reference's bytes for the `probe` blocks (float32
+    (n, block_elems)). None when it can't be built, or (with a warning) when it disagrees."""
+    lib = native_library(name, source)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_int
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+    def kernel(x: torch.Tensor, out: torch.Tensor) -> None:
+        x = x.contiguous()  # a view of a strided input (the torch kernels take any strides)
+        if fn(x.data_ptr(), out.data_ptr(), x.shape[0]):
+            raise MoepackError(NONFINITE_INPUT)
+
+    want = torch.empty(probe.shape[0], block_bytes, dtype=torch.uint8)
+    got = torch.empty_like(want)
+    reference(probe, want)
+    kernel(probe, got)
+    if not torch.equal(got, want):
+        reason = "its bytes differ from the torch kernel's on the self-check blocks"
+        _disable_native(name, reason)
+        warnings.warn(f"moepack: not using the compiled {name} kernel: {reason}", RuntimeWarning, stacklevel=2)
+        return None
+    return kernel
+
+
+class LazyKernel:
+    """Calling it gives the kernel `build()` returns (or None), built on the first call only (thread-safe)."""
+
+    def __init__(self, build):
+        self._build = build
+        self._lock = threading.Lock()
+        self._kernel: list = []  # [] until built, then [kernel or None]
+
+    def __call__(self):
+        with self._lock:
+            if not self._kernel:
+                self._kernel.append(self._build())
+            return self._kernel[0]
+
+
+def native_builds() -> dict[str, dict]:
+    """name -> how its compiled kernel was built: compiled (bool), compiler, flags, seconds, or the reason not."""
+    with _native_lock:
+        return {n: {"compiled": b["library"] is not None, **{k: v for k, v in b.items() if k != "library"}}
+                for n, b in _native.items()}
 
 
 _ON_DEVICE: dict = {}

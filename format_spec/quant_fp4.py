@@ -15,7 +15,8 @@ then each element to the nearest representable value, a tie going to the smaller
 candidates in order and keeps the first minimum). For MXFP4 the element/scale ratio is exact (a power of two),
 so the codes are ggml's bit for bit; for NVFP4 it is a correctly rounded division, which can only differ from
 ggml's exact comparison when an element sits within a rounding error of a decision boundary (both codes are
-then equally good).
+then equally good). MXFP4 also has a C kernel doing the same computation in one pass per block (compiled once per
+process when a C compiler is there, checked against the torch kernel when it loads; see quant_common).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from .errors import MoepackError
-from .quant_common import check_finite, on_device, scalar
+from .quant_common import LazyKernel, check_finite, compiled_quantizer, on_device, scalar
 from .source_formats import byte_pair_table
 
 MX_BLOCK, MX_BYTES = 32, 17
@@ -109,6 +110,111 @@ def mxfp4_quantize_chunk(x: torch.Tensor, out: torch.Tensor) -> None:
     code = _codes(t2, x)
     out[:, 0].copy_(e)
     torch.bitwise_or(code[:, :16], code[:, 16:] << 4, out=out[:, 1:])
+
+
+# mxfp4_quantize_chunk in C, 16 blocks at a time so that the compiler vectorises each step. The block max is
+# taken on the float bits with the sign cleared (integer order is float order there; inf/NaN sort above), and
+# floor(log2(amax)) is the float's exponent field except for maxima within 4096 ulps below a power of two (where a
+# correctly rounded log2f may round up to it) and subnormal ones: those take the torch kernel's float64 log2 path.
+_MXFP4_C_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK 32
+#define GROUP 16
+
+static inline float from_bits(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+/* t2 = 2|v|/d = |v| * s1 * s2 (exact) -> e2m1 code: n = ceil(t2) counts the doubled midpoints 1 3 5 7 10 14 20
+   below t2 (a tie goes to the smaller magnitude), plus 8 for a negative v with a nonzero magnitude */
+static inline int32_t e2m1_code(float v, float s1, float s2) {
+    float t2 = fabsf(v) * s1 * s2;
+    if (!(t2 <= 32.0f)) t2 = 0.0f; /* only for inf/NaN input, which the caller rejects */
+    int32_t n = (int32_t)t2;       /* t2 >= 0: truncation is the floor */
+    n += (float)n < t2;
+    int32_t h = n >> 1;
+    int32_t code = (h < 4 ? h : 4) + (n > 10) + (n > 14) + (n > 20);
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    return code | ((int32_t)((bits >> 28) & 8u) & (h > 0 ? 8 : 0));
+}
+
+static int quantize_group(const float *restrict x, uint8_t *restrict out, int64_t n) {
+    uint32_t amax_bits[GROUP];
+    float scale[GROUP], scale_low[GROUP];
+    uint8_t exponent[GROUP];
+    int nonfinite = 0;
+    for (int64_t b = 0; b < n; b++) {
+        uint32_t m = 0;
+        for (int j = 0; j < QK; j++) {
+            uint32_t bits;
+            memcpy(&bits, x + b * QK + j, 4);
+            bits &= 0x7fffffffu;
+            m = bits > m ? bits : m;
+        }
+        amax_bits[b] = m;
+    }
+    for (int64_t b = 0; b < n; b++) {
+        uint32_t m = amax_bits[b];
+        int e = 0;
+        if (m >= 0x7f800000u) {
+            nonfinite = 1;
+        } else if (m) {
+            int lg = (int)(m >> 23) - 127;
+            if ((m >> 23) == 0 || (m & 0x7fffffu) >= 0x7ff000u)
+                lg = (int)floorf((float)log2((double)from_bits(m)));
+            e = (lg + 125) & 255; /* wraps for maxima below 2^-125, as ggml's cast does */
+        }
+        exponent[b] = (uint8_t)e;
+        /* 2/d = 2^(129-e); for e < 2 that is not a float: 2^127, then 4 or 2 */
+        scale[b] = from_bits((uint32_t)(e < 2 ? 254 : 256 - e) << 23);
+        scale_low[b] = (e < 2 && m) ? (e == 0 ? 4.0f : 2.0f) : 1.0f;
+    }
+    for (int64_t b = 0; b < n; b++) {
+        const float s1 = scale[b], s2 = scale_low[b];
+        const float *restrict xb = x + b * QK;
+        uint8_t *restrict block = out + b * (QK / 2 + 1);
+        block[0] = exponent[b];
+        for (int j = 0; j < QK / 2; j++)
+            block[1 + j] = (uint8_t)(e2m1_code(xb[j], s1, s2) | e2m1_code(xb[j + QK / 2], s1, s2) << 4);
+    }
+    return nonfinite;
+}
+
+/* x: nb * 32 floats; out: nb * 17 bytes. Returns 1 when x holds inf or NaN. */
+int mxfp4_quantize(const float *restrict x, uint8_t *restrict out, int64_t nb) {
+    int nonfinite = 0;
+    for (int64_t b = 0; b < nb; b += GROUP)
+        nonfinite |= quantize_group(x + b * QK, out + b * (QK / 2 + 1), nb - b < GROUP ? nb - b : GROUP);
+    return nonfinite;
+}
+"""
+
+
+def _mxfp4_self_check_blocks() -> torch.Tensor:
+    """Blocks where MXFP4's exponent and codes are delicate: every scale from subnormal to huge, maxima just
+    below, at and above powers of two, the e2m1 values and every midpoint between them, zeros of both signs."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(2, MX_BLOCK, generator=g) * 2.0 ** k for k in range(-140, 128, 7)]
+    near = torch.tensor([-4097, -4096, -64, -45, -44, -43, -1, 0, 1])
+    bits = ((torch.arange(-126, 128) + 127) << 23)[:, None] + near[None, :]
+    amax = bits[(bits > 0) & (bits < 0x7F800000)].to(torch.int32).view(torch.float32)
+    rows.append(torch.cat([amax[:, None], amax[:, None] * torch.linspace(-0.99, 0.99, MX_BLOCK - 1)], 1))
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    grid = torch.cat([torch.tensor([6.0]), mags, -mags[1:], mids, -mids, torch.tensor([-0.0, 5.9])])  # 32
+    rows.append(torch.stack([grid * 2.0 ** k for k in (-130, -126, -20, 0, 7, 100)]))
+    return torch.cat(rows).float().contiguous()
+
+
+def _load_native_mxfp4():
+    return compiled_quantizer("MXFP4", _MXFP4_C_SOURCE, "mxfp4_quantize", mxfp4_quantize_chunk,
+                              _mxfp4_self_check_blocks(), MX_BYTES)
+
+
+# The C kernel as a chunk kernel like mxfp4_quantize_chunk, or None; built on first use.
+native_mxfp4_quantize_chunk = LazyKernel(_load_native_mxfp4)
 
 
 def _e2m1_f16_bits(q16: torch.Tensor, hi: bool) -> torch.Tensor:

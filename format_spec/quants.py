@@ -9,6 +9,8 @@ Public API (also re-exported as ``moepack.quantize`` / ``moepack.dequantize``)::
     fp4_to_mxfp4(packed, scale_e8m0) / mxfp4_to_fp4(blocks, shape=None)   lossless release-FP4 <-> MXFP4
     block_layout(qtype) -> (block_elems, block_bytes);  quantized_nbytes(qtype, shape)
     nvfp4_tensor_exponent(x) -> int k: the power-of-two prescale NVFP4 needs for small-magnitude weights
+    nvfp4_prescale(x) -> (x * 2^-e, e): the prescaled values and the tensor scale 2^e a container stores
+    native_kernels() -> how the compiled CPU kernels (Q8_0, MXFP4) were built in this process
 
 ``x`` is any float numpy array or torch tensor (float32/16/64, bfloat16, float8) whose last dimension is a
 multiple of the type's block; the result holds its blocks row-major, exactly as ggml stores the tensor
@@ -18,7 +20,9 @@ input channel, shape [x.shape[-1]] (e.g. the mean squared activation of that cha
 minimises sum(importance * error^2) instead of the plain squared error.
 
 Every codec processes cache-sized chunks of blocks with whole-chunk torch operations (multi-threaded by
-torch's intra-op pool; on a CUDA tensor the same ops run on the GPU); no Python loop runs over blocks.
+torch's intra-op pool; on a CUDA tensor the same ops run on the GPU); no Python loop runs over blocks. On the CPU,
+Q8_0 and MXFP4 run a small C kernel instead when a C compiler is there (built once per process, the same bytes;
+see ``native_kernels()``).
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ import numpy as np
 import torch
 
 from .errors import MoepackError
-from .quant_common import (QTYPES, as_float_tensor, as_uint8_tensor, block_layout, check_shape, chunk_rows,
-                           empty_float32, empty_uint8, quantized_nbytes, run_chunks)
+from .quant_common import (NONFINITE_INPUT, QTYPES, as_float_tensor, as_uint8_tensor, block_layout, check_shape,
+                           chunk_rows, empty_float32, empty_uint8, native_builds, quantized_nbytes, run_chunks)
 from . import quant_fp4, quant_iq2_xxs, quant_q2_k, quant_q8_0
 from .quant_fp4 import fp4_to_mxfp4, mxfp4_to_fp4
 
 __all__ = ["QTYPES", "quantize", "dequantize", "quantize_torch", "dequantize_torch", "fp4_to_mxfp4",
-           "mxfp4_to_fp4", "block_layout", "quantized_nbytes", "nvfp4_tensor_exponent"]
+           "mxfp4_to_fp4", "block_layout", "quantized_nbytes", "nvfp4_tensor_exponent", "nvfp4_prescale",
+           "native_kernels"]
 
 # qtype -> (chunk kernel, CPU elements per chunk, takes importance). Chunk sizes measured on the 2-core dev
 # machine: big enough that the ~10-40 torch ops per chunk amortise their per-op (OpenMP) overhead, small enough
@@ -44,6 +49,12 @@ _QUANTIZERS = {
     "NVFP4": (quant_fp4.nvfp4_quantize_chunk, 1 << 18, False),
     "Q2_K": (quant_q2_k.quantize_chunk, 1 << 16, True),
     "IQ2_XXS": (quant_iq2_xxs.quantize_chunk, 1 << 13, True),
+}
+# qtype -> (loader of its compiled CPU kernel, giving None when there is none, elements per chunk). The kernel
+# makes one pass per block, so chunks need not fit in L2: they are sized for load balance across the threads.
+_NATIVE_QUANTIZERS = {
+    "Q8_0": (quant_q8_0.native_quantize_chunk, 1 << 20),
+    "MXFP4": (quant_fp4.native_mxfp4_quantize_chunk, 1 << 20),
 }
 _DEQUANTIZERS = {
     "Q8_0": (quant_q8_0.dequantize_chunk, 1 << 19),
@@ -82,6 +93,12 @@ def quantize_torch(x, qtype: str, *, importance=None, out: torch.Tensor | None =
     xt = as_float_tensor(x, "input")
     shape = check_shape(qtype, xt.shape)
     kernel, cpu_elems, weighted = _QUANTIZERS[qtype]
+    native = None
+    if xt.device.type == "cpu" and qtype in _NATIVE_QUANTIZERS:
+        load, native_elems = _NATIVE_QUANTIZERS[qtype]
+        native = load()
+        if native is not None:
+            kernel, cpu_elems = native, native_elems
     xb = xt.reshape(-1, be)
     nb = xb.shape[0]
     if out is None:
@@ -105,7 +122,7 @@ def quantize_torch(x, qtype: str, *, importance=None, out: torch.Tensor | None =
             w = wtab[torch.arange(s, e, device=xt.device) % wtab.shape[0]]
         kernel(xc, out[s:e], w)
 
-    run_chunks(chunk, nb, step, xt.device)
+    run_chunks(chunk, nb, step, xt.device, gil_free=native is not None)
     return out.reshape(shape[:-1] + (shape[-1] // be * bb,))
 
 
@@ -140,23 +157,43 @@ def dequantize_torch(blocks, qtype: str, shape, *, dtype: torch.dtype = torch.fl
     return out if dtype == torch.float32 else out.to(dtype)
 
 
+# The largest NVFP4 sub-block scale ggml keeps as computed: ggml_fp32_to_ue4m3 turns every scale that rounds to
+# 2^8 or more into its saturation code 448 (0x7E), so 240 = 1.875 * 2^7 is the top of its exact range.
+NVFP4_TOP_SCALE = 240.0
+
+
 def nvfp4_tensor_exponent(x) -> int:
     """Power-of-two prescale k for NVFP4 (ggml's layout has no per-tensor scale, unlike NVIDIA's): quantizing
-    x * 2^k puts the tensor's largest 16-element block at the top of the UE4M3 scale range (448), so small
-    blocks keep normal (3-bit mantissa) scales. Weights of std ~0.005 lose ~30% accuracy without it, and blocks
-    below ~2^-10 * 6 decode to zero. Whoever applies it must store 2^-k (an exact power of two) with the tensor
-    and multiply it back in after the matmul. 0 for an all-zero tensor."""
+    x * 2^k puts the tensor's largest 16-element block at the top of the UE4M3 scales ggml codes exactly (240),
+    so small blocks keep normal (3-bit mantissa) scales. Weights of std ~0.005 lose ~30% accuracy without it, and
+    blocks below ~2^-10 * 6 decode to zero. Whoever applies it must store 2^-k (an exact power of two) with the
+    tensor and multiply it back in: nvfp4_prescale does both halves for a container. 0 for an all-zero tensor."""
     xt = as_float_tensor(x, "input")
     amax = float(xt.abs().max()) if xt.numel() else 0.0
     if not np.isfinite(amax):
-        raise MoepackError("can't quantize a tensor holding inf or NaN")
+        raise MoepackError(NONFINITE_INPUT)
     if amax == 0.0:
         return 0
-    # largest k with amax * 2^k / 6 <= 448
-    k = int(np.floor(np.log2(448.0 * 6.0 / amax)))
-    while amax * 2.0 ** k / 6.0 > 448.0:
+    # largest k with amax * 2^k / 6 <= NVFP4_TOP_SCALE
+    k = int(np.floor(np.log2(NVFP4_TOP_SCALE * 6.0 / amax)))
+    while amax * 2.0 ** k / 6.0 > NVFP4_TOP_SCALE:
         k -= 1
     return k
+
+
+def nvfp4_prescale(x) -> tuple[torch.Tensor, int]:
+    """(x * 2^-e as float32 on x's device, e): the values to quantize to NVFP4 and the exponent of the tensor
+    scale 2^e stored beside the blocks (SPEC.md section 6.1), so that dequantize(blocks) * 2^e approximates x
+    at any magnitude. e = -nvfp4_tensor_exponent(x), kept where 2^e is a normal float32 (-126 <= e <= 127)."""
+    xt = as_float_tensor(x, "input").float()
+    e = min(max(-nvfp4_tensor_exponent(xt), -126), 127)
+    return (xt * 2.0 ** -e if e else xt), e
+
+
+def native_kernels() -> dict[str, dict]:
+    """The compiled CPU kernels built so far in this process: name -> compiled (bool), compiler, flags,
+    seconds (compile wall time), or the reason it isn't used."""
+    return native_builds()
 
 
 def dequantize(blocks, qtype: str, shape) -> np.ndarray:

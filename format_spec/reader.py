@@ -3,7 +3,9 @@
 Opening always checks: the header (magic, version, byte order, geometry, its own checksum, the recorded file size
 against the real one), the index (checksum, size, JSON schema), that the regions tile the file exactly in read order
 with aligned offsets, and that every tensor lies inside its region with exactly the byte length its type and shape
-need. `verify()` additionally reads every byte and checks every checksum and every padding byte.
+need. A multi-part container (SPEC.md section 9) also has every part file opened and its header, identity and size
+checked, and each part's regions tile that part. `verify()` additionally reads every byte and checks every checksum
+and every padding byte.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import zstandard
 from .dtypes import STORAGE_TYPES, tensor_nbytes
 from .errors import FormatError
 from .layout import (
-    ALIGNMENT, HEADER_SIZE, REGION_KINDS, TENSOR_ALIGNMENT, Header, parse_block_name, region_name,
+    ALIGNMENT, FORMAT_MINOR_PARTS, HEADER_SIZE, MAX_PARTS, REGION_KINDS, TENSOR_ALIGNMENT, Header, PartHeader,
+    parse_block_name, part_path, region_name, region_part,
 )
 
 
@@ -33,10 +36,20 @@ class Region:
     length: int
     xxh3: str
     tensors: list["TensorEntry"] = field(default_factory=list)
+    part: int = 0  # the part file holding it; `offset` is inside that file
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class ReadSpan:
+    """One contiguous, aligned read: [offset, offset + length) of part file `part`."""
+
+    part: int
+    offset: int
+    length: int
 
 
 @dataclass
@@ -71,12 +84,41 @@ class Block:
     dense: Region
     experts: list[Region]
 
-    def expert_span(self, first: int, count: int) -> tuple[int, int]:
-        """(file offset, length) of experts first..first+count-1: one contiguous, aligned read."""
+    def expert_read(self, first: int, count: int) -> ReadSpan:
+        """The one read that fetches experts first..first+count-1. They must lie in one part file, back to back
+        (always so in a single-file container; in a multi-part one, within a stripe: see `split_runs`)."""
         if count < 1 or first < 0 or first + count > len(self.experts):
             raise IndexError(f"{self.name}: experts {first}..{first + count - 1} out of 0..{len(self.experts) - 1}")
-        start = self.experts[first].offset
-        return start, self.experts[first + count - 1].end - start
+        run = self.experts[first:first + count]
+        for prev, cur in zip(run, run[1:]):
+            if cur.part != prev.part or cur.offset != prev.end:
+                raise FormatError(f"{self.name}: experts {first}..{first + count - 1} are not one read (expert "
+                                  f"{cur.expert} is in part {cur.part}, not right after expert {prev.expert} in part "
+                                  f"{prev.part}): split the run with Block.split_runs")
+        return ReadSpan(run[0].part, run[0].offset, run[-1].end - run[0].offset)
+
+    def expert_span(self, first: int, count: int) -> tuple[int, int]:
+        """(offset, length) in the main file of experts first..first+count-1: one contiguous, aligned read. Refuses
+        experts stored in another part file (use `expert_read`, which names the part)."""
+        span = self.expert_read(first, count)
+        if span.part != 0:
+            raise FormatError(f"{self.name}: experts {first}..{first + count - 1} are in part file {span.part}, not "
+                              f"the main file: use Block.expert_read")
+        return span.offset, span.length
+
+    def split_runs(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Cut (first, count) runs of experts wherever the next expert is not stored right after the previous one
+        (a stripe boundary: another part file), so each piece is one `expert_read`."""
+        pieces: list[tuple[int, int]] = []
+        for first, count in runs:
+            start = first
+            for e in range(first + 1, first + count):
+                prev, cur = self.experts[e - 1], self.experts[e]
+                if cur.part != prev.part or cur.offset != prev.end:
+                    pieces.append((start, e - start))
+                    start = e
+            pieces.append((start, first + count - start))
+        return pieces
 
     @property
     def experts_span(self) -> tuple[int, int]:
@@ -85,6 +127,19 @@ class Block:
 
 def _fail(msg: str):
     raise FormatError(msg)
+
+
+def _decompress_index(stored: bytes, raw_length: int) -> bytes:
+    """The index frame's output, at most raw_length + 1 bytes, read in steps: memory follows what the frame really
+    produces, never a size the header or the frame merely claims."""
+    out = bytearray()
+    with zstandard.ZstdDecompressor().stream_reader(stored) as reader:
+        while len(out) <= raw_length:
+            chunk = reader.read(min(1 << 20, raw_length + 1 - len(out)))
+            if not chunk:
+                break
+            out += chunk
+    return bytes(out)
 
 
 def _check_hex(value, what: str) -> str:
@@ -99,21 +154,39 @@ def _check_int(value, what: str, minimum: int = 0) -> int:
     return value
 
 
+# SPEC.md section 6.1: `P.tensor_scale`, an F32 scalar stored after `P.weight` in its region, multiplies it
+TENSOR_SCALE_SUFFIX = ".tensor_scale"
+# names of the tensors that scale a weight rather than being one (parameter counts leave them out)
+SCALE_SUFFIXES = (".scale", TENSOR_SCALE_SUFFIX)
+
+
+def _check_tensor_scales(tensors: dict) -> None:
+    for t in tensors.values():
+        if not t.name.endswith(TENSOR_SCALE_SUFFIX):
+            continue
+        weight = tensors.get(t.name[: -len(TENSOR_SCALE_SUFFIX)] + ".weight")
+        if weight is None or weight.region is not t.region or weight.offset > t.offset:
+            _fail(f"tensor {t.name}: a tensor scale must come after its weight, in the weight's region")
+        if t.dtype != "F32" or t.shape != ():
+            _fail(f"tensor {t.name}: a tensor scale must be an F32 scalar (shape []), got {t.dtype}{list(t.shape)}")
+
+
 class Container:
-    """A validated, open container. Cheap to open (reads the header and the index only)."""
+    """A validated, open container: its main file and, for a multi-part container, its part files. Cheap to open
+    (reads the headers and the index only)."""
 
     def __init__(self, path: str):
         self.path = path
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise FormatError(f"{path}: no such file") from None
-        except OSError as e:
-            raise FormatError(f"{path}: cannot open ({e.strerror})") from None
+        self.part_count = 1
+        self.stripe_experts: int | None = None
+        self.part_paths = [path]  # part k's path; part 0 is the main file
+        self.part_sizes: list[int] = []
+        self._fd = _open_file(path, f"{path}: no such file")
+        self._fds = [self._fd]
         try:
             self._load()
         except BaseException:
-            os.close(self._fd)
+            self.close()
             raise
 
     # --- opening and validation ----------------------------------------------------------------------------------
@@ -130,14 +203,14 @@ class Container:
         if any(os.pread(self._fd, h.file_size - h.index_offset - h.index_length, h.index_offset + h.index_length)):
             _fail("index padding is not zero")
         try:
-            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=h.index_raw_length)
+            raw = _decompress_index(stored, h.index_raw_length)
         except zstandard.ZstdError as e:
             raise FormatError(f"index does not decompress: {e}") from None
         if len(raw) != h.index_raw_length:
             _fail(f"index decompresses to {len(raw)} bytes, header records {h.index_raw_length}")
         try:
             index = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a too long number, too deep nesting
             raise FormatError(f"index is not valid JSON: {e}") from None
         self.index = index
         self._validate_index(index)
@@ -158,7 +231,9 @@ class Container:
         self.config: dict = index["config"]
         self.architecture: str = index["architecture"]
         self.policy: dict = index["policy"]
+        self._validate_parts(index.get("parts"))
         self.regions = self._validate_regions(index["regions"])
+        self._open_parts()
         self.blocks = self._group_blocks()
         self.tensors = self._validate_tensors(index["tensors"])
         n_layers = self.config.get("num_hidden_layers")
@@ -166,10 +241,26 @@ class Container:
         if isinstance(n_layers, int) and n_layers != n_blocks:
             _fail(f"config has {n_layers} layers but the container holds {n_blocks}")
 
+    def _validate_parts(self, parts) -> None:
+        """The optional `parts` key (format 1.1): how many part files and the stripe of the striping rule."""
+        if parts is None:
+            return
+        if not isinstance(parts, dict):
+            _fail("index field 'parts' must be an object")
+        if self.header.minor < FORMAT_MINOR_PARTS:
+            _fail(f"index has 'parts' but the header says format {self.header.major}.{self.header.minor} "
+                  f"(part files need {self.header.major}.{FORMAT_MINOR_PARTS})")
+        count = _check_int(parts.get("count"), "parts count", 2)
+        if count > MAX_PARTS:
+            _fail(f"parts count {count} is above the limit of {MAX_PARTS}")
+        self.part_count = count
+        self.stripe_experts = _check_int(parts.get("stripe_experts"), "parts stripe_experts", 1)
+        self.part_paths = [part_path(self.path, k) for k in range(count)]
+
     def _validate_regions(self, entries: list) -> list[Region]:
         regions: list[Region] = []
         names: set[str] = set()
-        expected_offset = HEADER_SIZE
+        part_ends = [HEADER_SIZE] * self.part_count  # where each part's next region must start
         for i, e in enumerate(entries):
             if not isinstance(e, dict):
                 _fail(f"region #{i} is not an object")
@@ -195,21 +286,44 @@ class Container:
             if name in names:
                 _fail(f"{what}: duplicate region name")
             names.add(name)
+            part = _check_int(e.get("part", 0), f"{what} part")
+            if part >= self.part_count:
+                _fail(f"{what}: part {part} does not exist (the container has {self.part_count} part file(s))")
+            rule = region_part(kind, block, expert, self.part_count, self.stripe_experts or 1)
+            if part != rule:
+                _fail(f"{what}: stored in part {part}, but the striping rule puts it in part {rule}")
+            in_part = f" of part {part}" if part else ""
             offset = _check_int(e.get("offset"), f"{what} offset")
             length = _check_int(e.get("length"), f"{what} length", 1)
             if offset % ALIGNMENT or length % ALIGNMENT:
                 _fail(f"{what}: offset {offset} / length {length} not aligned to {ALIGNMENT}")
+            expected_offset = part_ends[part]
             if offset != expected_offset:
                 how = "overlaps the previous region" if offset < expected_offset else "leaves a gap after the previous region"
-                _fail(f"{what}: starts at {offset}, {how} (which ends at {expected_offset})")
-            if offset + length > self.header.index_offset:
+                _fail(f"{what}: starts at {offset}{in_part}, {how} (which ends at {expected_offset})")
+            if part == 0 and offset + length > self.header.index_offset:
                 _fail(f"{what}: [{offset}, {offset + length}) runs past the end of the data section "
                       f"({self.header.index_offset})")
-            expected_offset = offset + length
-            regions.append(Region(i, name, kind, block, expert, offset, length, _check_hex(e.get("xxh3"), what)))
-        if expected_offset != self.header.index_offset:
-            _fail(f"regions end at {expected_offset} but the index starts at {self.header.index_offset}")
+            part_ends[part] = offset + length
+            regions.append(Region(i, name, kind, block, expert, offset, length, _check_hex(e.get("xxh3"), what),
+                                  part=part))
+        if part_ends[0] != self.header.index_offset:
+            _fail(f"regions end at {part_ends[0]} but the index starts at {self.header.index_offset}")
+        self.part_sizes = [self.file_size] + part_ends[1:]  # a part file is its header and its regions, tiled
         return regions
+
+    def _open_parts(self) -> None:
+        """Open part files 1..P-1 and check each one's header (which container, which part) and size."""
+        for k in range(1, self.part_count):
+            path = self.part_paths[k]
+            fd = _open_file(path, f"{path}: part {k} of {self.part_count} of {self.path} is missing")
+            self._fds.append(fd)
+            size = os.fstat(fd).st_size
+            PartHeader.unpack(os.pread(fd, HEADER_SIZE, 0), size, path, k, self.part_count, self.header.index_xxh3,
+                              self.path)
+            if size != self.part_sizes[k]:
+                _fail(f"{path} (part {k} of {self.part_count}): {size} bytes, but its regions in the index end at "
+                      f"{self.part_sizes[k]}")
 
     def _group_blocks(self) -> list[Block]:
         blocks: list[Block] = []
@@ -285,6 +399,7 @@ class Container:
                 if t.offset < end:
                     _fail(f"tensor {t.name} overlaps the previous tensor in region {region.name}")
                 end = t.offset + t.length
+        _check_tensor_scales(tensors)
         return tensors
 
     # --- navigation ----------------------------------------------------------------------------------------------
@@ -304,18 +419,36 @@ class Container:
 
     @property
     def data_bytes(self) -> int:
-        return self.header.index_offset - HEADER_SIZE
+        """Bytes of all regions, in every part file."""
+        return self.header.index_offset - HEADER_SIZE + sum(size - HEADER_SIZE for size in self.part_sizes[1:])
+
+    @property
+    def total_bytes(self) -> int:
+        """Size of the main file and every part file together."""
+        return sum(self.part_sizes)
+
+    def parts_summary(self) -> list[dict]:
+        """Per file of the container (the main file first): its path, size, regions and expert bytes."""
+        return [{"part": k, "path": self.part_paths[k], "bytes": self.part_sizes[k],
+                 "regions": sum(1 for r in self.regions if r.part == k),
+                 "expert_bytes": sum(r.length for r in self.regions if r.part == k and r.kind == "expert")}
+                for k in range(self.part_count)]
+
+    def describe(self, region: Region) -> str:
+        """The region's name, and for a region outside the main file the part file holding it (for messages)."""
+        return region.name if region.part == 0 else f"{region.name} (in {self.part_paths[region.part]})"
 
     # --- reading -------------------------------------------------------------------------------------------------
-    def pread(self, offset: int, length: int) -> bytes:
-        data = os.pread(self._fd, length, offset)
+    def pread(self, offset: int, length: int, part: int = 0) -> bytes:
+        """Bytes [offset, offset + length) of the main file, or of part file `part`."""
+        data = os.pread(self._fds[part], length, offset)
         if len(data) != length:
-            raise FormatError(f"{self.path}: short read at {offset} (+{length}): the file is truncated")
+            raise FormatError(f"{self.part_paths[part]}: short read at {offset} (+{length}): the file is truncated")
         return data
 
     def tensor_bytes(self, name: str) -> bytes:
         t = self.tensor_entry(name)
-        return self.pread(t.file_offset, t.length)
+        return self.pread(t.file_offset, t.length, t.region.part)
 
     def tensor_entry(self, name: str) -> TensorEntry:
         try:
@@ -334,12 +467,13 @@ class Container:
         return decode_tensor(t.dtype, t.shape, data)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        self._fd = -1
 
-    def fileno(self) -> int:
-        return self._fd
+    def fileno(self, part: int = 0) -> int:
+        return self._fds[part]
 
     def __enter__(self):
         return self
@@ -350,3 +484,12 @@ class Container:
 
 def open_container(path: str) -> Container:
     return Container(path)
+
+
+def _open_file(path: str, missing: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise FormatError(missing) from None
+    except OSError as e:
+        raise FormatError(f"{path}: cannot open ({e.strerror})") from None

@@ -109,11 +109,28 @@ def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int =
             f"FP8 scale shape {list(scale.shape)} does not match weight {[rows, cols]} "
             f"in {block}x{block} blocks (expected {list(expected)})"
         )
-    block_rows, block_cols = expected
-    scale_f = _e8m0_to_float(scale)
-    blocks = _pad_to_blocks(weight.float(), block).view(block_rows, block, block_cols, block)
-    values = (blocks * scale_f[:, None, :, None]).view(block_rows * block, block_cols * block)
-    return values[:rows, :cols].contiguous()
+    if scale.dtype != torch.float8_e8m0fnu:
+        raise MoepackError(f"scale must be float8_e8m0fnu, got {scale.dtype}")
+    # one lookup per element: (scale byte << 8 | weight byte) -> the scaled value (torch's FP8 -> float conversion
+    # is scalar on CPUs; the 256 KiB table stays in cache)
+    index = weight.view(torch.uint8).to(torch.int32)
+    scale_per_column = (scale.view(torch.uint8).to(torch.int32) << 8).repeat_interleave(block, dim=1)[:, :cols]
+    full = rows // block
+    index[: full * block].view(full, block, cols).add_(scale_per_column[:full, None, :])
+    index[full * block:].add_(scale_per_column[full:])
+    return torch.index_select(_fp8_scaled_table(weight.device), 0, index.view(-1)).view(rows, cols)
+
+
+_FP8_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp8_scaled_table(device: torch.device) -> torch.Tensor:
+    """[65536] float32: e4m3 byte (index & 255) times E8M0 scale byte (index >> 8), as float arithmetic gives it."""
+    if device not in _FP8_TABLES:
+        codes = torch.arange(256, dtype=torch.uint8)
+        values = codes.view(torch.float8_e4m3fn).float()[None, :] * _e8m0_to_float(codes.view(torch.float8_e8m0fnu))[:, None]
+        _FP8_TABLES[device] = values.reshape(-1).to(device)
+    return _FP8_TABLES[device]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .reader import Container
+from .reader import SCALE_SUFFIXES, Container
 
 
 def summarize(c: Container) -> dict:
@@ -18,7 +18,7 @@ def summarize(c: Container) -> dict:
         types[t.dtype]["bytes"] += t.length
         types[t.dtype]["elements"] += t.numel
     expert_regions = [r for b in c.layers for r in b.experts]
-    expert_params = sum(t.numel for r in expert_regions for t in r.tensors if not t.name.endswith(".scale"))
+    expert_params = sum(t.numel for r in expert_regions for t in r.tensors if not t.name.endswith(SCALE_SUFFIXES))
     expert_bytes = sum(r.length for r in expert_regions)
     cfg = c.config
     return {
@@ -39,5 +39,6 @@ def summarize(c: Container) -> dict:
         "expert_bits_per_weight": round(expert_bytes * 8 / expert_params, 3) if expert_params else None,
         "tokenizer_files": sorted(c.index["tokenizer"]),
         "file_bytes": c.file_size,
+        "total_bytes": c.total_bytes,
     }
 

@@ -1,5 +1,6 @@
-"""Full integrity check: read every byte of a container with large sequential reads and check every checksum
-(each region, each tensor) and every padding byte. Opening the container already checked the structure."""
+"""Full integrity check: read every byte of a container (every part file of a multi-part one) with large sequential
+reads and check every checksum (each region, each tensor) and every padding byte. Opening the container already
+checked the structure and the part files' headers."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ class VerifyReport:
     tensors: int
     bytes_read: int
     seconds: float
+    parts: int = 1
 
     def as_dict(self) -> dict:
-        return {"ok": True, "path": self.path, "regions": self.regions, "tensors": self.tensors,
+        return {"ok": True, "path": self.path, "regions": self.regions, "tensors": self.tensors, "parts": self.parts,
                 "bytes_read": self.bytes_read, "seconds": round(self.seconds, 3),
                 "gb_per_s": round(self.bytes_read / max(self.seconds, 1e-9) / 1e9, 3)}
 
@@ -40,30 +42,30 @@ def _check_region(c: Container, region: Region, on_bytes) -> None:
     pos = 0
     while pos < region.length:
         n = min(READ_CHUNK, region.length - pos)
-        chunk = memoryview(c.pread(region.offset + pos, n))
+        chunk = memoryview(c.pread(region.offset + pos, n, region.part))
         region_hash.update(chunk)
         cursor = pos  # bytes before `cursor` in this chunk are accounted for
         for start, end, t in spans:
             if end <= pos or start >= pos + n:
                 continue
-            _check_zero(region, chunk, pos, cursor, start)
+            _check_zero(c, region, chunk, pos, cursor, start)
             hashers[t.name].update(chunk[max(start, pos) - pos:min(end, pos + n) - pos])
             cursor = max(cursor, end)
-        _check_zero(region, chunk, pos, cursor, pos + n)
+        _check_zero(c, region, chunk, pos, cursor, pos + n)
         on_bytes(n)
         pos += n
     if region_hash.hexdigest() != region.xxh3:
-        raise FormatError(f"region {region.name}: checksum mismatch (expected {region.xxh3}, "
+        raise FormatError(f"region {c.describe(region)}: checksum mismatch (expected {region.xxh3}, "
                           f"got {region_hash.hexdigest()}): the region is damaged")
     for t in region.tensors:
         if hashers[t.name].hexdigest() != t.xxh3:
-            raise FormatError(f"tensor {t.name} (region {region.name}): checksum mismatch")
+            raise FormatError(f"tensor {t.name} (region {c.describe(region)}): checksum mismatch")
 
 
-def _check_zero(region: Region, chunk: memoryview, chunk_pos: int, start: int, end: int) -> None:
+def _check_zero(c: Container, region: Region, chunk: memoryview, chunk_pos: int, start: int, end: int) -> None:
     lo, hi = max(start, chunk_pos), min(end, chunk_pos + len(chunk))
     if lo < hi and np.frombuffer(chunk[lo - chunk_pos:hi - chunk_pos], dtype=np.uint8).any():
-        raise FormatError(f"region {region.name}: padding at +{lo}..+{hi} is not zero: the region is damaged")
+        raise FormatError(f"region {c.describe(region)}: padding at +{lo}..+{hi} is not zero: the region is damaged")
 
 
 def verify_container(path: str, on_bytes=None) -> VerifyReport:
@@ -71,12 +73,14 @@ def verify_container(path: str, on_bytes=None) -> VerifyReport:
     on_bytes = on_bytes or (lambda n: None)
     start = time.perf_counter()
     with Container(path) as c:
-        try:
-            os.posix_fadvise(c.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except (AttributeError, OSError):
-            pass
-        on_bytes(HEADER_SIZE)  # header and index were read and checked by opening
+        for part in range(c.part_count):
+            try:
+                os.posix_fadvise(c.fileno(part), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except (AttributeError, OSError):
+                pass
+        on_bytes(HEADER_SIZE * c.part_count)  # headers and index were read and checked by opening
         for region in c.regions:
             _check_region(c, region, on_bytes)
         on_bytes(c.file_size - c.header.index_offset)
-        return VerifyReport(path, len(c.regions), len(c.tensors), c.data_bytes, time.perf_counter() - start)
+        return VerifyReport(path, len(c.regions), len(c.tensors), c.data_bytes, time.perf_counter() - start,
+                            c.part_count)

@@ -3,10 +3,17 @@
 The output goes to `<path>.partial`; `finish()` fsyncs it and renames it over `<path>`, so the final name only ever
 holds a complete container and an interrupted write never damages a file that was already there.
 
-Resuming: `checkpoint()` fsyncs the partial file and records the regions written so far in `<path>.partial.journal`
-(written atomically). A writer opened with `resume=True` and the same `job` description re-reads those regions,
-keeps the prefix whose checksums still match, truncates after it and carries on; `completed` names the regions
-kept, which the caller skips. A deterministic caller therefore produces the same bytes as an uninterrupted run.
+Several part files (`parts=P`, SPEC.md section 9): each expert region goes to the part the striping rule names and
+is appended there, so every part file is written in read order too. Part k is written as `<path>.part<k>.partial`
+(in `part_dirs[k]` when given, with a symlink at `<path>.part<k>`); at `finish()` every part is completed and
+fsynced, the parts are renamed into place, and the main file last: a main file under its final name always has all
+its parts beside it.
+
+Resuming: `checkpoint()` fsyncs the partial files and records the regions written so far in
+`<path>.partial.journal` (written atomically). A writer opened with `resume=True` and the same `job` description (and
+the same parts) re-reads those regions, keeps the prefix whose checksums still match, truncates every partial file
+after it and carries on; `completed` names the regions kept, which the caller skips. A deterministic caller therefore
+produces the same bytes as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ import zstandard
 from .dtypes import tensor_nbytes
 from .errors import MoepackError
 from .layout import (
-    ALIGNMENT, CODEC_ZSTD, FORMAT_MAJOR, FORMAT_MINOR, HEADER_SIZE, TENSOR_ALIGNMENT, Header, align_up,
-    parse_block_name, region_name,
+    ALIGNMENT, CODEC_ZSTD, DEFAULT_STRIPE_EXPERTS, FORMAT_MAJOR, FORMAT_MINOR, FORMAT_MINOR_PARTS, HEADER_SIZE,
+    MAX_PARTS, TENSOR_ALIGNMENT, Header, PartHeader, align_up, parse_block_name, part_path, region_name, region_part,
 )
 
 _ZEROS = bytes(ALIGNMENT)
@@ -43,9 +50,24 @@ class _OpenRegion:
     block: str | None
     expert: int | None
     offset: int
+    part: int = 0
     used: int = 0
     hasher: "xxhash.xxh3_64" = field(default_factory=xxhash.xxh3_64)
     tensors: list = field(default_factory=list)
+
+
+@dataclass
+class _PartOutput:
+    """One output file: where it is written, where it lands, and (for a part placed elsewhere) the link to it."""
+
+    final_path: str
+    link_path: str | None  # `<path>.part<k>` pointing at final_path on another device
+    file: object = None
+    pos: int = HEADER_SIZE
+
+    @property
+    def tmp_path(self) -> str:
+        return partial_path(self.final_path)
 
 
 class ContainerWriter:
@@ -58,11 +80,18 @@ class ContainerWriter:
         w.finish(config=..., policy=...)
     """
 
-    def __init__(self, path: str, on_bytes=None, job: dict | None = None, resume: bool = False):
+    def __init__(self, path: str, on_bytes=None, job: dict | None = None, resume: bool = False, parts: int = 1,
+                 stripe_experts: int = DEFAULT_STRIPE_EXPERTS, part_dirs: dict[int, str] | None = None):
         self.path = path
         self.tmp_path = partial_path(path)
         self.journal_path = journal_path(path)
+        self.parts = parts
+        self.stripe_experts = stripe_experts
+        self._outputs = _plan_outputs(path, parts, stripe_experts, part_dirs or {})
         self.job = job or {}
+        if parts > 1:  # a journal of another part layout (or placement) must not be resumed
+            self.job = {**self.job, "parts": parts, "stripe_experts": stripe_experts,
+                        "part_paths": [o.final_path for o in self._outputs]}
         self._on_bytes = on_bytes or (lambda n: None)
         self._regions: list[dict] = []
         self._tensors: list[dict] = []
@@ -71,36 +100,44 @@ class ContainerWriter:
         self.completed: list[str] = []
         try:
             if not (resume and self._resume()):
-                self._file = open(self.tmp_path, "wb", buffering=0)
-                self._file.write(bytes(HEADER_SIZE))  # placeholder; the real header is written last
-                self._pos = HEADER_SIZE
+                for out in self._outputs:
+                    out.file = open(out.tmp_path, "wb", buffering=0)
+                    out.file.write(bytes(HEADER_SIZE))  # placeholder; the real header is written last
+                    out.pos = HEADER_SIZE
         except OSError as e:
-            raise MoepackError(f"cannot write {self.tmp_path}: {e.strerror or e}") from None
+            self.abort()
+            raise MoepackError(f"cannot write {e.filename or self.tmp_path}: {e.strerror or e}") from None
 
     def _resume(self) -> bool:
-        """Pick up `<path>.partial` where the journal says it was; False if there is nothing valid to resume."""
+        """Pick up the partial files where the journal says they were; False if there is nothing valid to resume."""
         try:
             with open(self.journal_path, encoding="utf-8") as f:
                 journal = json.load(f)
         except (OSError, ValueError):
             return False
-        if not isinstance(journal, dict) or journal.get("job") != self.job or not os.path.exists(self.tmp_path):
+        if not isinstance(journal, dict) or journal.get("job") != self.job or \
+                not all(os.path.exists(out.tmp_path) for out in self._outputs):
             return False
-        self._file = open(self.tmp_path, "r+b", buffering=0)
-        pos = HEADER_SIZE
+        for out in self._outputs:
+            out.file = open(out.tmp_path, "r+b", buffering=0)
+            out.pos = HEADER_SIZE
         kept = []
         for r in journal.get("regions", []):
-            if r.get("offset") != pos or not _region_matches(self._file, r):
+            part = r.get("part", 0) if isinstance(r, dict) else -1
+            if not (isinstance(part, int) and 0 <= part < self.parts):
+                break
+            out = self._outputs[part]
+            if r.get("offset") != out.pos or not _region_matches(out.file, r):
                 break
             kept.append(r)
-            pos += r["length"]
+            out.pos += r["length"]
         self._regions = kept
         self._tensors = [t for t in journal.get("tensors", []) if t.get("region", -1) < len(kept)]
         self._names = {t["name"] for t in self._tensors}
         self.completed = [r["name"] for r in kept]
-        self._file.truncate(pos)
-        self._file.seek(pos)
-        self._pos = pos
+        for out in self._outputs:
+            out.file.truncate(out.pos)
+            out.file.seek(out.pos)
         return True
 
     def checkpoint(self) -> None:
@@ -108,7 +145,8 @@ class ContainerWriter:
         if self._open is not None:
             raise RuntimeError("checkpoint inside a region")
         try:
-            os.fsync(self._file.fileno())
+            for out in self._outputs:
+                os.fsync(out.file.fileno())
             tmp = self.journal_path + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump({"job": self.job, "regions": self._regions, "tensors": self._tensors}, f)
@@ -126,8 +164,9 @@ class ContainerWriter:
         if kind != "global":
             parse_block_name(block)
         name = region_name(kind, block, expert, tensor)
+        part = region_part(kind, block, expert, self.parts, self.stripe_experts)
         self._open = _OpenRegion(name, kind, block if kind != "global" else None,
-                                 expert if kind == "expert" else None, self._pos)
+                                 expert if kind == "expert" else None, self._outputs[part].pos, part)
 
     def add_tensor(self, name: str, dtype: str, shape, data) -> None:
         """Append one tensor's bytes (any buffer) to the open region, aligned to TENSOR_ALIGNMENT."""
@@ -160,27 +199,29 @@ class ContainerWriter:
             n = min(pad, ALIGNMENT)
             self._write(region, _ZEROS[:n])
             pad -= n
-        self._regions.append({
-            "name": region.name, "kind": region.kind, "block": region.block, "expert": region.expert,
-            "offset": region.offset, "length": length, "xxh3": region.hasher.hexdigest(),
-        })
+        entry = {"name": region.name, "kind": region.kind, "block": region.block, "expert": region.expert,
+                 "offset": region.offset, "length": length, "xxh3": region.hasher.hexdigest()}
+        if region.part:
+            entry["part"] = region.part  # absent means part 0: single-file indexes stay as they were
+        self._regions.append(entry)
         self._tensors.extend(region.tensors)
         self._open = None
 
     def _write(self, region: _OpenRegion, view) -> None:
         if not len(view):
             return
+        out = self._outputs[region.part]
         try:
             written = 0
             mv = memoryview(view)
             while written < len(mv):
-                written += self._file.write(mv[written:])
+                written += out.file.write(mv[written:])
         except OSError as e:
-            raise MoepackError(f"writing {self.tmp_path} failed: {e.strerror or e}"
+            raise MoepackError(f"writing {out.tmp_path} failed: {e.strerror or e}"
                                + (" (disk full; the partial file is kept)" if e.errno == 28 else "")) from None
         region.hasher.update(view)
         region.used += len(view)
-        self._pos += len(view)
+        out.pos += len(view)
         self._on_bytes(len(view))
 
     # --- index, header, commit -----------------------------------------------------------------------------------
@@ -188,9 +229,10 @@ class ContainerWriter:
                provenance: dict | None = None, extra: dict | None = None) -> str:
         if self._open is not None:
             raise RuntimeError("finish with an open region")
+        minor = FORMAT_MINOR_PARTS if self.parts > 1 else FORMAT_MINOR
         index = {
             "format": "moepack",
-            "format_version": [FORMAT_MAJOR, FORMAT_MINOR],
+            "format_version": [FORMAT_MAJOR, minor],
             "architecture": architecture,
             "config": config,
             "policy": policy,
@@ -200,21 +242,32 @@ class ContainerWriter:
             "regions": self._regions,
             "tensors": self._tensors,
         }
+        if self.parts > 1:
+            index["parts"] = {"count": self.parts, "stripe_experts": self.stripe_experts}
         raw = json.dumps(index, separators=(",", ":"), sort_keys=True).encode()
         stored = zstandard.ZstdCompressor(level=9).compress(raw)
-        index_offset = self._pos
+        main = self._outputs[0]
+        index_offset = main.pos
         index_region = _OpenRegion("index", "index", None, None, index_offset)
         self._write(index_region, stored)
         self._write(index_region, _ZEROS[: align_up(len(stored)) - len(stored)])
-        header = Header(FORMAT_MAJOR, FORMAT_MINOR, ALIGNMENT, self._pos, index_offset, len(stored), len(raw),
-                        CODEC_ZSTD, xxhash.xxh3_64_intdigest(stored))
+        index_xxh3 = xxhash.xxh3_64_intdigest(stored)
+        header = Header(FORMAT_MAJOR, minor, ALIGNMENT, main.pos, index_offset, len(stored), len(raw),
+                        CODEC_ZSTD, index_xxh3)
         try:
-            self._file.seek(0)
-            self._file.write(header.pack())
-            os.fsync(self._file.fileno())
-            self._file.close()
-            os.replace(self.tmp_path, self.path)
-            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            for k, out in enumerate(self._outputs):
+                head = header.pack() if k == 0 else PartHeader(k, self.parts, out.pos, index_xxh3).pack()
+                out.file.seek(0)
+                out.file.write(head)
+                os.fsync(out.file.fileno())
+                out.file.close()
+            for out in self._outputs[1:] + self._outputs[:1]:  # the main file last: it names a complete set
+                os.replace(out.tmp_path, out.final_path)
+                if out.link_path:
+                    _link(out.final_path, out.link_path)
+            for d in sorted({os.path.dirname(os.path.abspath(p)) for out in self._outputs
+                             for p in (out.final_path, out.link_path) if p}):
+                fsync_dir(d)
             if os.path.exists(self.journal_path):
                 os.remove(self.journal_path)
         except OSError as e:
@@ -222,13 +275,45 @@ class ContainerWriter:
         return self.path
 
     def abort(self) -> None:
-        """Close without committing; the partial file stays where it is (a later run may resume from it)."""
-        if not self._file.closed:
-            self._file.close()
+        """Close without committing; the partial files stay where they are (a later run may resume from them)."""
+        for out in self._outputs:
+            if out.file is not None and not out.file.closed:
+                out.file.close()
 
     @property
     def bytes_written(self) -> int:
-        return self._pos
+        return sum(out.pos for out in self._outputs)
+
+
+def _plan_outputs(path: str, parts: int, stripe_experts: int, part_dirs: dict[int, str]) -> list[_PartOutput]:
+    if not 1 <= parts <= MAX_PARTS:
+        raise MoepackError(f"--parts must be between 1 and {MAX_PARTS}, got {parts}")
+    if stripe_experts < 1:
+        raise MoepackError(f"--stripe-experts must be at least 1, got {stripe_experts}")
+    outputs = [_PartOutput(path, None)]
+    for k, directory in part_dirs.items():
+        if not 1 <= k < parts:
+            raise MoepackError(f"--part-dir {k}=...: part {k} does not exist (parts are 1..{parts - 1}; part 0 is "
+                               f"the main file)")
+        if not os.path.isdir(directory):
+            raise MoepackError(f"--part-dir {k}={directory}: no such directory")
+    for k in range(1, parts):
+        link = part_path(path, k)
+        directory = part_dirs.get(k)
+        if directory is None or os.path.realpath(directory) == os.path.realpath(os.path.dirname(os.path.abspath(path))):
+            outputs.append(_PartOutput(link, None))
+        else:
+            outputs.append(_PartOutput(os.path.join(os.path.abspath(directory), os.path.basename(link)), link))
+    return outputs
+
+
+def _link(target: str, link: str) -> None:
+    """Point `link` at `target`, replacing whatever was there in one step."""
+    tmp = link + ".link-tmp"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(os.path.abspath(target), tmp)
+    os.replace(tmp, link)
 
 
 def _region_matches(f, region: dict) -> bool:

@@ -5,11 +5,13 @@ region (dequantize the release's FP8/FP4 with their scales, quantize to the poli
 every core), and a writer thread appends the previous region to the container. At most a few regions' bytes are in
 memory at once, whatever the model's size. After each block the output is made durable and resumable: a rerun of
 the same command continues after the last complete block and produces the same bytes as an uninterrupted run.
+With `parts=P` the experts are striped over P part files (SPEC.md section 9), e.g. one per SSD.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import time
 from collections import defaultdict
@@ -18,10 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from moepack.format_spec import quants
-from moepack.format_spec.decode import as_uint8, decode_float, decode_tensor, scale_name
+from moepack.format_spec.decode import as_uint8, decode_float, decode_tensor, scale_name, tensor_scale_name
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
+from moepack.format_spec.reader import SCALE_SUFFIXES
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.layout import parse_block_name, region_name
+from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, parse_block_name, region_name
 from moepack.format_spec.policies import POLICY_NAMES, policy as policy_table, target_type
 from moepack.format_spec.writer import ContainerWriter
 
@@ -105,11 +108,16 @@ class RegionConverter:
                 st = by_name[sname]
                 scale = decode_tensor(FROM_SAFETENSORS[st.dtype], st.shape, data[sname])
                 consumed.add(sname)
-            out.append((name, target, shape, self._requantize(name, dtype, shape, data[name], scale, target)))
+            blocks, tensor_scale = self._requantize(name, dtype, shape, data[name], scale, target)
+            out.append((name, target, shape, blocks))
+            if tensor_scale is not None:  # right after its weight (SPEC.md section 6.1)
+                out.append((tensor_scale_name(name), "F32", [], tensor_scale))
         # a scale whose weight was kept stays, in the weight's order
         return [o for o in out if o[0] not in consumed]
 
-    def _requantize(self, name, dtype, shape, raw, scale, target) -> memoryview:
+    def _requantize(self, name, dtype, shape, raw, scale, target) -> tuple[memoryview, bytes | None]:
+        """(the stored bytes, the F32 bytes of its tensor scale or None)."""
+        tensor_scale = None
         if target == "MXFP4" and dtype == "FP4_E2M1" and scale is not None:
             # lossless: the same codes and exponents, nibbles rearranged into ggml's order
             packed = as_uint8(raw).view(*shape[:-1], shape[-1] // 2)
@@ -120,16 +128,24 @@ class RegionConverter:
                 blocks = values.to(torch.bfloat16).view(torch.uint8)
             elif target == "F32":
                 blocks = values.view(torch.uint8)
+            elif target == "NVFP4":
+                # ggml's NVFP4 block has no per-tensor scale: small weights would decode to zero
+                values, exponent = quants.nvfp4_prescale(values)
+                blocks = quants.quantize_torch(values, target)
+                tensor_scale = struct.pack("<f", 2.0 ** exponent)
             else:
                 blocks = quants.quantize_torch(values, target)
         blocks = blocks.contiguous().reshape(-1)
         if blocks.numel() != tensor_nbytes(target, shape):
             raise MoepackError(f"{name}: {target} conversion produced {blocks.numel()} bytes")
-        return memoryview(blocks.numpy())
+        return memoryview(blocks.numpy()), tensor_scale
 
 
 def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool = True, revision: str | None = None,
-                       workers: int | None = None, drop_mtp: bool = False) -> dict:
+                       workers: int | None = None, drop_mtp: bool = False, parts: int = 1,
+                       stripe_experts: int = DEFAULT_STRIPE_EXPERTS, part_dirs: dict[int, str] | None = None) -> dict:
+    """`parts` > 1 writes OUT plus OUT.part1 .. OUT.part<P-1>, each layer's experts striped over them
+    `stripe_experts` at a time; `part_dirs` {k: directory} writes part k there (a symlink stays at OUT.part<k>)."""
     if policy not in POLICY_NAMES:
         raise MoepackError(f"unknown policy {policy!r} (choose from {', '.join(POLICY_NAMES)})")
     out_dir = os.path.dirname(os.path.abspath(out))
@@ -145,6 +161,7 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
     try:
         adapter = adapter_for(source.config)
         plan = plan_regions(adapter, source.tensors, drop_mtp)
+        _check_stripes(plan, parts, stripe_experts)
         converter = RegionConverter(adapter, policy)
         job = {"source": resolved.provenance["source"], "revision": resolved.provenance.get("revision"),
                "policy": policy, "drop_mtp": drop_mtp, "files": source.file_sizes(),
@@ -152,7 +169,8 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
         total_in = sum(t.length for _, _, _, items in plan for _, t in items)
         read_bar = progress_bar(total_in, "read", progress)
         write_bar = progress_bar(0, "write", progress)
-        writer = ContainerWriter(out, job=job, resume=True, on_bytes=write_bar.update)
+        writer = ContainerWriter(out, job=job, resume=True, on_bytes=write_bar.update, parts=parts,
+                                 stripe_experts=stripe_experts, part_dirs=part_dirs)
         resumed = _skip_completed(plan, writer.completed)
         read_bar.update(sum(t.length for _, _, _, items in plan[:resumed] for _, t in items))
         try:
@@ -226,7 +244,7 @@ def _summary(out, policy, plan, resumed, total_in, seconds) -> dict:
     from moepack.format_spec.reader import Container
 
     with Container(out) as c:
-        weights = [t for t in c.tensors.values() if not t.name.endswith(".scale")]
+        weights = [t for t in c.tensors.values() if not t.name.endswith(SCALE_SUFFIXES)]
         total_params = sum(t.numel for t in weights)
         expert_params = sum(t.numel for t in weights if t.region.kind == "expert")
         expert_bytes = sum(t.length for t in c.tensors.values() if t.region.kind == "expert")
@@ -234,7 +252,8 @@ def _summary(out, policy, plan, resumed, total_in, seconds) -> dict:
         types: dict[str, int] = defaultdict(int)
         for t in c.tensors.values():
             types[t.dtype] += 1
-        out_bytes = c.file_size
+        out_bytes = c.total_bytes
+        files = c.parts_summary()
     return {
         "output": out, "policy": policy, "resumed_regions": resumed, "regions": len(plan),
         "tensors": sum(types.values()), "bytes_in": total_in, "bytes_out": out_bytes, "seconds": round(seconds, 3),
@@ -243,7 +262,21 @@ def _summary(out, policy, plan, resumed, total_in, seconds) -> dict:
         "storage_types": dict(sorted(types.items())),
         "expert_bits_per_weight": round(expert_bytes * 8 / expert_params, 4) if expert_params else None,
         "bits_per_weight": round(tensor_bytes * 8 / total_params, 4) if total_params else None,
+        "parts": files,
     }
+
+
+def _check_stripes(plan, parts: int, stripe_experts: int) -> None:
+    """Refuse a part count that leaves a part file without experts (it would only add a file to keep track of)."""
+    if parts <= 1 or stripe_experts < 1:  # (the writer refuses a bad stripe)
+        return
+    experts = max((expert + 1 for kind, block, expert, _ in plan if kind == "expert" and block.startswith("layers.")),
+                  default=0)
+    stripes = -(-experts // stripe_experts)
+    if parts > stripes:
+        raise MoepackError(f"--parts {parts}: {experts} experts per layer make only {stripes} stripe(s) of "
+                           f"{stripe_experts}, so some part files would hold no expert (lower --stripe-experts or "
+                           f"--parts)")
 
 
 def _skip_completed(plan, completed: list[str]) -> int:

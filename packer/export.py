@@ -3,9 +3,10 @@
 The way to compare any container with the reference model (transformers loads the result), and a way back for
 users. Tensors stored as F32 stay F32 (norms, mHC, sinks, router bias: the model keeps them in float32); integer
 tensors (the hash table) stay as they are; every other weight is dequantized (FP8 + block scales, packed FP4 +
-scales, ggml blocks) and written in the requested dtype. Scale tensors are consumed by their weights. Written
-region by region, never more than one shard in memory, into `model-XXXXX-of-YYYYY.safetensors` shards, then the
-index, config and tokenizer files; the directory appears under its name only when complete.
+scales, ggml blocks, times the tensor scale an NVFP4 weight carries) and written in the requested dtype. Scale and
+tensor-scale tensors are consumed by their weights. Written region by region, never more than one shard in
+memory, into `model-XXXXX-of-YYYYY.safetensors` shards, then the index, config and tokenizer files; the directory
+appears under its name only when complete.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
                     shards.append(list(pending))
                     pending, pending_bytes = {}, 0
 
-            # a weight and its scale live in the same region, so regions are decoded one at a time
+            # a weight and its scales live in the same region, so regions are decoded one at a time
             for region in c.regions:
                 for name, t in export_tensors(c, region.tensors, torch_dtype).items():
                     pending[name] = t

@@ -1,9 +1,10 @@
 """`moepack verify FILE --source SRC`: every tensor of a container against the checkpoint it came from.
 
-Each container tensor is decoded to float (with its scale, if it kept one) and compared with the source tensor
-decoded the same way. A tensor stored in its source type must be bit-identical; a conversion the policy calls
-lossless (FP8/FP4 -> BF16, FP4 -> MXFP4) must give exactly the source's values; a lossy one must stay within its
-type's relative-RMSE threshold. The worst tensors are reported either way.
+Each container tensor is decoded to float (with its scale, if it kept one, and its tensor scale, if it has one)
+and compared with the source tensor decoded the same way. A tensor stored in its source type must be
+bit-identical; a conversion the policy calls lossless (FP8/FP4 -> BF16, FP4 -> MXFP4) must give exactly the
+source's values; a lossy one must stay within its type's relative-RMSE threshold. The worst tensors are reported
+either way.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import time
 
 import torch
 
-from moepack.format_spec.decode import decode_float, decode_tensor, scale_name
+from moepack.format_spec.decode import (decode_float, decode_tensor, scale_name, tensor_scale_name,
+                                       tensor_scale_value)
 from moepack.format_spec.dtypes import FROM_SAFETENSORS
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.reader import Container
+from moepack.format_spec.reader import TENSOR_SCALE_SUFFIX, Container
 
 from .arch import adapter_for
 from .convert import source_type_and_shape
@@ -65,6 +67,8 @@ def compare_with_source(path: str, src: str, revision: str | None = None, progre
             bar = progress_bar(c.data_bytes, "compare", progress)
             for region in c.regions:
                 for t in region.tensors:
+                    if t.name.endswith(TENSOR_SCALE_SUFFIX):
+                        continue  # compared as part of its weight (the reader checked that it has one)
                     if t.name not in names:
                         failures.append({"tensor": t.name, "problem": "not in the source"})
                         continue
@@ -101,7 +105,9 @@ def _compare_tensor(c: Container, source: CheckpointDir, adapter, names, t) -> d
     src_type, src_raw, expected = _source_values(source, adapter, names, t.name)
     stored = c.tensor_bytes(t.name)
     row = {"tensor": t.name, "source": src_type, "stored": t.dtype}
-    if t.dtype == src_type:
+    ts_name = tensor_scale_name(t.name)
+    tensor_scale = tensor_scale_value(c.tensor_bytes(ts_name), ts_name) if ts_name in c.tensors else None
+    if t.dtype == src_type and tensor_scale is None:
         row["check"] = "bytes"
         if stored != src_raw:
             row["problem"] = f"stored in its source type {src_type} but the bytes differ"
@@ -111,7 +117,7 @@ def _compare_tensor(c: Container, source: CheckpointDir, adapter, names, t) -> d
     if sname in c.tensors and t.dtype in ("F8_E4M3", "FP4_E2M1"):
         s = c.tensors[sname]
         scale = decode_tensor(s.dtype, s.shape, c.tensor_bytes(sname))
-    got = decode_float(t.dtype, t.shape, stored, scale)
+    got = decode_float(t.dtype, t.shape, stored, scale, tensor_scale=tensor_scale)
     if got.shape != expected.shape:
         row["problem"] = f"shape {list(got.shape)} differs from the source's {list(expected.shape)}"
         return row

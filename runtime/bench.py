@@ -19,6 +19,7 @@ its bandwidth and FLOP/s defaults from the same file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from datetime import datetime, timezone
 import torch
 
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.reader import ReadSpan
 
 CACHE_ENV = "MOEPACK_CACHE_DIR"
 CACHE_FORMAT = "moepack-bench"
@@ -158,32 +160,56 @@ def _load() -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _expert_reads(container, bundle: int, max_bytes: int | None) -> list[tuple[int, int]]:
-    """The reads an all-experts prefill makes of the expert sections, layer by layer, `bundle` experts per read,
-    stopping once `max_bytes` are covered (every cell reads the same prefix of the file)."""
+def _expert_reads(container, bundle: int, max_bytes: int | None) -> list[ReadSpan]:
+    """The reads an all-experts prefill makes of the expert sections, layer by layer, `bundle` experts per read
+    (cut at stripe boundaries in a multi-part container, as the engine does), stopping once `max_bytes` are
+    covered (every cell reads the same prefix of the container)."""
+    from moepack.runtime.engine import expert_reads
+
     reads, total = [], 0
     for block in container.layers:
-        n = len(block.experts)
-        for first in range(0, n, bundle):
-            offset, length = block.expert_span(first, min(bundle, n - first))
-            reads.append((offset, length))
-            total += length
+        for _, _, span in expert_reads(block, list(range(len(block.experts))), bundle):
+            reads.append(span)
+            total += span.length
             if max_bytes is not None and total >= max_bytes:
                 return reads
     return reads
 
 
-def _time_reads(path: str, reads: list[tuple[int, int]], depth: int, mode: str) -> dict:
+def prefill_read_plan(container, bundle: int) -> list[ReadSpan]:
+    """Every read an all-experts prefill makes, in its order: globals, then per layer the dense region and the
+    experts in bundles (cut at stripe boundaries)."""
+    from moepack.runtime.engine import expert_reads
+
+    reads = [ReadSpan(r.part, r.offset, r.length) for r in container.global_regions]
+    for block in container.layers:
+        reads.append(ReadSpan(block.dense.part, block.dense.offset, block.dense.length))
+        reads += [span for _, _, span in expert_reads(block, list(range(len(block.experts))), bundle)]
+    return reads
+
+
+def drop_page_cache(path: str) -> None:
+    """Evict a file from the page cache, so the next read comes from the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def time_reads(paths: list[str], reads: list[ReadSpan], depth: int, mode: str) -> dict:
+    """Read `reads` (of the part files `paths`) in order with `depth` in flight, through the runtime's reader."""
     from moepack.runtime.io import ReadPipeline, RegionReader
 
-    reader = RegionReader(path, mode)
+    reader = RegionReader(paths, mode)
     try:
-        pipe = ReadPipeline(reader, max(length for _, length in reads), depth)
+        pipe = ReadPipeline(reader, max(r.length for r in reads), depth)
         try:
             start = time.perf_counter()
             window = []
-            for offset, length in reads:
-                window.append(pipe.submit(offset, length))
+            for r in reads:
+                window.append(pipe.submit(r.offset, r.length, part=r.part))
                 if len(window) >= depth:
                     pipe.release(window.pop(0).result()[0])
             for future in window:
@@ -192,7 +218,7 @@ def _time_reads(path: str, reads: list[tuple[int, int]], depth: int, mode: str) 
         finally:
             pipe.close()
         return {"seconds": seconds, "bytes": reader.stats.bytes_read, "requests": reader.stats.requests,
-                "io_mode": reader.mode, "warning": reader.warning}
+                "bytes_per_part": list(reader.stats.bytes_by_part), "io_mode": reader.mode, "warning": reader.warning}
     finally:
         reader.close()
 
@@ -213,6 +239,7 @@ def bench_io(path: str, bundles=BUNDLES, depths=DEPTHS, max_bytes: int | None = 
         if not any(b.experts for b in c.layers):
             raise MoepackError(f"{path}: the container has no routed experts to read")
         plans = {b: _expert_reads(c, b, max_bytes) for b in bundles}
+        paths = c.part_paths
         expert_bytes = max(r.length for b in c.layers for r in b.experts)
         experts_per_layer = max(len(b.experts) for b in c.layers)
         first_offset = c.layers[0].experts[0].offset if c.layers[0].experts else None
@@ -222,7 +249,7 @@ def bench_io(path: str, bundles=BUNDLES, depths=DEPTHS, max_bytes: int | None = 
         for depth in depths:
             best = None
             for _ in range(repeat):
-                r = _time_reads(path, plans[bundle], depth, mode)
+                r = time_reads(paths, plans[bundle], depth, mode)
                 if best is None or r["seconds"] < best["seconds"]:
                     best = r
             warning = warning or best["warning"]
@@ -246,8 +273,7 @@ def bench_io(path: str, bundles=BUNDLES, depths=DEPTHS, max_bytes: int | None = 
         "fio": None,
     }
     if fio:
-        span = plans[best["bundle_experts"]]
-        end = span[-1][0] + span[-1][1]
+        end = max(r.offset + r.length for r in plans[best["bundle_experts"]] if r.part == 0)  # fio reads the main file
         result["fio"] = run_fio(path, first_offset, end - first_offset, best["read_bytes"], best["queue_depth"])
         f = result["fio"]
         if f.get("gbps"):
@@ -406,27 +432,33 @@ def _container_experts(path: str, count: int) -> tuple[list, int, int, str]:
         experts = []
         for region in block.experts[:count]:
             prefix = f"{block.name}.ffn.experts.{region.expert}."
-            experts.append([(t.name[len(prefix):], t.dtype, t.shape, c.pread(t.file_offset, t.length))
+            experts.append([(t.name[len(prefix):], t.dtype, t.shape, c.tensor_bytes(t.name))
                             for t in region.tensors])
         w1 = next(t for t in experts[0] if t[0] == "w1.weight")
     return experts, int(w1[2][1]), int(w1[2][0]), w1[1]
 
 
-def _decode_expert(tensors: dict, dtype: torch.dtype) -> tuple:
-    """gate, up, down in `dtype`, decoded as the engine decodes a region (decode_float with the scale)."""
-    from moepack.format_spec.decode import decode_float, decode_tensor
+def _decode_expert(tensors: dict, dtype: torch.dtype, decoder):
+    """The expert (an ExpertWeights) decoded as the engine decodes a region: FP4 through its table decoder,
+    anything else through decode_group (scales and tensor scales applied). `tensors`: name -> (storage type, shape,
+    bytes on device)."""
+    from types import SimpleNamespace
 
-    out = {}
+    from moepack.format_spec.decode import decode_group
+    from moepack.runtime.expert_decode import ExpertDecoder, ExpertWeights
+
+    entries, offset = [], 0
     for name, (stype, shape, raw) in tensors.items():
-        if name.endswith(".scale"):
-            continue
-        scale = None
-        sname = name[: -len(".weight")] + ".scale"
-        if sname in tensors:
-            s_type, s_shape, s_raw = tensors[sname]
-            scale = decode_tensor(s_type, s_shape, s_raw)
-        out[name] = decode_float(stype, shape, raw, scale, dtype)
-    return out["w1.weight"], out["w3.weight"], out["w2.weight"]
+        entries.append(SimpleNamespace(name=name, dtype=stype, shape=tuple(shape), file_offset=offset,
+                                       length=raw.numel()))
+        offset += raw.numel()
+    region = SimpleNamespace(tensors=entries)
+    raw = torch.cat([raw for _, _, raw in tensors.values()])
+    layout = ExpertDecoder.layout(region, "")
+    if layout is not None:
+        return decoder.decode(region, layout, raw, 0, "")
+    w = decode_group(entries, lambda t: raw[t.file_offset: t.file_offset + t.length], dtype)
+    return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"])
 
 
 def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None = None, storage: str = "FP4_E2M1",
@@ -460,20 +492,27 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     # The bytes on the compute device, as the engine has them after _to_device; decoded there.
     on_device = [{n: (t, tuple(s), torch.frombuffer(bytearray(b), dtype=torch.uint8).to(dev)) for n, t, s, b in e}
                  for e in stored]
-    decoded = [_decode_expert(e, dtype) for e in on_device]  # also warms the decode path up
+    from moepack.runtime.expert_decode import ExpertDecoder
+
+    decoder = ExpertDecoder(dtype, dev)
+
+    def own(w):  # the table decoder reuses its buffers from one expert to the next
+        return dataclasses.replace(w, w1=w.w1.clone(), w3=w.w3.clone(), w2=w.w2.clone())
+
+    decoded = [own(_decode_expert(e, dtype, decoder)) for e in on_device]  # also warms the decode path up
     g = torch.Generator().manual_seed(0)
     points = []
     for t in tokens:
         x = (torch.randn(t, H, generator=g) * 0.5).to(dev, dtype)
-        v4.expert_forward(cfg, x, *decoded[0])  # warm-up at this shape
+        decoded[0].apply(cfg, x)  # warm-up at this shape
 
         def full():
             for e in on_device:
-                v4.expert_forward(cfg, x, *_decode_expert(e, dtype))
+                _decode_expert(e, dtype, decoder).apply(cfg, x)
 
         def matmul_only():
             for w in decoded:
-                v4.expert_forward(cfg, x, *w)
+                w.apply(cfg, x)
 
         t_full = _best_seconds(full, repeat, dev) / len(on_device)
         t_mm = _best_seconds(matmul_only, repeat, dev) / len(on_device)
@@ -483,7 +522,8 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
         points.append(point)
         if on_point:
             on_point(point)
-    t_dec = _best_seconds(lambda: [_decode_expert(e, dtype) for e in on_device], repeat, dev) / len(on_device)
+    t_dec = _best_seconds(lambda: [_decode_expert(e, dtype, decoder) for e in on_device], repeat, dev) / len(on_device)
+    decoder.close()
     result = {
         "machine": machine_id(), "measured_at": _now(), **load, "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model(),

@@ -67,6 +67,42 @@ def owned_range(n_experts: int, rank: int, world_size: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
+def balanced_ranges(loads: list[int], world_size: int) -> list[range]:
+    """Split experts 0..E-1 into `world_size` contiguous ranges (each rank's read stays one sequential run) so the
+    largest range's summed load is as small as it can be: the bottleneck is found by binary search, and each rank
+    then takes experts greedily up to it. Ranks may get empty ranges when there are more ranks than experts."""
+    if world_size < 1:
+        raise MoepackError("world size must be at least 1")
+
+    def parts_needed(limit: int) -> int:
+        parts, current = 1, 0
+        for load in loads:
+            if current + load > limit:
+                parts, current = parts + 1, 0
+            current += load
+        return parts
+
+    low, high = max(loads, default=0), sum(loads)
+    while low < high:
+        mid = (low + high) // 2
+        if parts_needed(mid) <= world_size:
+            high = mid
+        else:
+            low = mid + 1
+    ranges, start, current = [], 0, 0
+    for e, load in enumerate(loads):
+        # close the range when this expert would pass the bottleneck, or when the experts left are just enough
+        # to give every remaining rank one
+        left_ranks = world_size - len(ranges) - 1
+        if e > start and left_ranks > 0 and (current + load > low or len(loads) - e <= left_ranks):
+            ranges.append(range(start, e))
+            start, current = e, 0
+        current += load
+    ranges.append(range(start, len(loads)))
+    ranges += [range(len(loads), len(loads))] * (world_size - len(ranges))
+    return ranges
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:200] if text else type(e).__name__

@@ -27,12 +27,15 @@ import xxhash
 
 from moepack.format_spec.decode import decode_group
 from moepack.format_spec.errors import FormatError, MoepackError
-from moepack.format_spec.reader import Block, Container, Region
+from moepack.format_spec.reader import SCALE_SUFFIXES, Block, Container, ReadSpan, Region
 
 from . import model as v4
+from .distributed import balanced_ranges
+from .expert_decode import ExpertDecoder, ExpertWeights
 from .io import HostBuffer, ReadPipeline, RegionReader, available_memory_bytes
 
 EXPERT_SELECTIONS = ("auto", "all", "routed")
+EXPERT_OWNERSHIPS = ("contiguous", "balanced")
 EXPERT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # auto reads a whole layer when at most this fraction of its experts is expected to go unused
 ALL_EXPERTS_UNUSED_FRACTION = 0.05
@@ -50,6 +53,9 @@ class PrefillOptions:
     # Routed experts' matmuls in float32 (exact reference path) or bfloat16 (CPUs with AMX / GPUs: several times
     # faster; activations rounded to bf16 inside the experts only).
     expert_dtype: str = "float32"
+    # Expert-parallel runs: each rank owns a contiguous expert range per layer, of equal size ("contiguous") or of
+    # equal routed load measured on this prompt ("balanced": the layer's reads then start once its router ran).
+    expert_ownership: str = "contiguous"
 
 
 @dataclass
@@ -64,6 +70,8 @@ class LayerStats:
     unused_experts: int
     bytes_read: int
     bytes_skipped: int
+    owned_experts: tuple[int, int] | None = None  # expert-parallel: this rank's [first, last + 1) in this layer
+    tokens_computed: int = 0  # token-expert pairs this process computed in this layer (its load)
 
 
 @dataclass
@@ -125,6 +133,15 @@ def bundle_runs(expert_ids: list[int], bundle: int) -> list[tuple[int, int]]:
     return runs
 
 
+def expert_reads(block: Block, expert_ids: list[int], bundle: int) -> list[tuple[int, int, ReadSpan]]:
+    """(first, count, read) for sorted `expert_ids` of `block`: runs of at most `bundle` consecutive experts, cut
+    at stripe boundaries so each is one read of one part file. They stay in expert-ID order (the compute order);
+    in a multi-part container consecutive stripes lie in different part files, so consecutive reads in flight go
+    to different devices."""
+    return [(first, count, block.expert_read(first, count))
+            for first, count in block.split_runs(bundle_runs(expert_ids, bundle))]
+
+
 class StreamingPrefill:
     """One prefill over one container. Use `run(token_ids)`."""
 
@@ -132,6 +149,9 @@ class StreamingPrefill:
                  on_layer_kv: Callable[[int, "v4.LayerKVState"], None] | None = None, dist=None):
         if options.expert_selection not in EXPERT_SELECTIONS:
             raise MoepackError(f"unknown expert selection {options.expert_selection!r}")
+        if options.expert_ownership not in EXPERT_OWNERSHIPS:
+            raise MoepackError(f"unknown expert ownership {options.expert_ownership!r} "
+                               f"(choose from {', '.join(EXPERT_OWNERSHIPS)})")
         if options.bundle_experts < 1:
             raise MoepackError("--bundle-experts must be at least 1")
         self.c = container
@@ -151,9 +171,12 @@ class StreamingPrefill:
         if options.expert_dtype not in EXPERT_DTYPES:
             raise MoepackError(f"unknown expert dtype {options.expert_dtype!r} (choose from {', '.join(EXPERT_DTYPES)})")
         self.expert_dtype = EXPERT_DTYPES[options.expert_dtype]
+        self.expert_decoder = ExpertDecoder(self.expert_dtype, self.device)
         self.on_layer_kv = on_layer_kv
         self.dist = dist  # runtime.distributed.DistContext for expert-parallel runs, else None
-        self.reader = RegionReader(container.path, options.io_mode)
+        self.balanced = dist is not None and options.expert_ownership == "balanced"
+        self._ownership: dict[int, range] = {}  # layer -> this rank's experts, where balanced by load
+        self.reader = RegionReader(container.part_paths, options.io_mode)  # one descriptor per part file
         pinned = self.device.type == "cuda"
         layers = container.layers
         max_expert = max((r.length for b in layers for r in b.experts), default=4096)
@@ -187,8 +210,8 @@ class StreamingPrefill:
         for r in regions:
             got = xxhash.xxh3_64_hexdigest(view[r.offset - base: r.end - base])
             if got != r.xxh3:
-                raise FormatError(f"region {r.name}: checksum mismatch while streaming: the container is damaged "
-                                  f"(run `moepack verify`)")
+                raise FormatError(f"region {self.c.describe(r)}: checksum mismatch while streaming: the container "
+                                  f"is damaged (run `moepack verify`)")
 
     def _to_device(self, buffer, length: int) -> torch.Tensor:
         """The first `length` bytes of a host buffer as a uint8 tensor on the compute device."""
@@ -219,12 +242,23 @@ class StreamingPrefill:
                 out[name[len(strip):]] = value
         return out
 
+    def _expert_output(self, block: Block, region: Region, raw: torch.Tensor, base: int,
+                       x: torch.Tensor) -> torch.Tensor:
+        """The expert of `region` applied to its tokens `x`: FP4 experts through the table decoder, anything else
+        through the generic decode."""
+        prefix = f"{block.name}.ffn.experts.{region.expert}."
+        layout = ExpertDecoder.layout(region, prefix)
+        if layout is None:
+            w = self._decode([region], raw, base, prefix, self.expert_dtype, own=False)
+            return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"]).apply(self.cfg, x)
+        return self.expert_decoder.decode(region, layout, raw, base, prefix).apply(self.cfg, x)
+
     def _read_globals(self, names: list[str]) -> dict[str, torch.Tensor]:
         regions = [self.c.tensors[n].region for n in names if n in self.c.tensors]
         out = {}
         for r in regions:
             buf = HostBuffer(r.length, pinned=self.device.type == "cuda")  # read once: no pool
-            view = self.reader.read_into(buf, r.offset, r.length)
+            view = self.reader.read_into(buf, r.offset, r.length, r.part)
             self._check([r], view, r.offset)
             with self.compute:
                 out.update(self._decode([r], self._to_device(buf, r.length), r.offset, ""))
@@ -232,7 +266,8 @@ class StreamingPrefill:
 
     def _submit_dense(self, block: Block) -> Future:
         return self.dense_pipe.submit(block.dense.offset, block.dense.length,
-                                      lambda view: self._check([block.dense], view, block.dense.offset))
+                                      lambda view: self._check([block.dense], view, block.dense.offset),
+                                      part=block.dense.part)
 
     def _dense_weights(self, block: Block, future: Future) -> dict[str, torch.Tensor]:
         buffer, view = future.result()
@@ -243,19 +278,25 @@ class StreamingPrefill:
         finally:
             self.dense_pipe.release(buffer)
 
-    def _owned(self, n_experts: int) -> range:
-        """The experts this process computes: all of them, or its rank's contiguous range."""
-        return self.dist.owned(n_experts) if self.dist else range(n_experts)
+    def _owned(self, layer: int, n_experts: int) -> range:
+        """The experts of `layer` this process computes: all of them, or its rank's contiguous range."""
+        if not self.dist:
+            return range(n_experts)
+        return self._ownership.get(layer) or self.dist.owned(n_experts)
 
-    def _submit_experts(self, block: Block, expert_ids) -> list[tuple[int, int, Future]]:
+    def _balance(self, layer: int, loads: list[int]) -> None:
+        """Balanced ownership: split `layer`'s experts into contiguous ranges of equal routed load (tokens per
+        expert). Every rank computes the same routing, so every rank arrives at the same split."""
+        self._ownership[layer] = balanced_ranges(loads, self.dist.world_size)[self.dist.rank]
+
+    def _submit_experts(self, block: Block, layer: int, expert_ids) -> list[tuple[int, int, Future]]:
         reads = []
-        owned = self._owned(len(block.experts))
+        owned = self._owned(layer, len(block.experts))
         expert_ids = [e for e in expert_ids if e in owned]
-        for first, count in bundle_runs(expert_ids, self.opt.bundle_experts):
-            offset, length = block.expert_span(first, count)
+        for first, count, span in expert_reads(block, expert_ids, self.opt.bundle_experts):
             regions = block.experts[first:first + count]
             check = lambda view, regions=regions: self._check(regions, view, regions[0].offset)  # noqa: E731
-            reads.append((first, count, self.experts_pipe.submit(offset, length, check)))
+            reads.append((first, count, self.experts_pipe.submit(span.offset, span.length, check, part=span.part)))
         return reads
 
     # --- the prefill ---------------------------------------------------------------------------------------------
@@ -309,11 +350,13 @@ class StreamingPrefill:
             n_experts = len(block.experts)
             selection = self._selection(number, n_tokens, n_experts)
             reads = None
-            if selection == "all":  # read the whole expert section while the attention computes
-                reads = self._submit_experts(block, list(range(n_experts)))
-            elif selection == "hash":
-                wanted = torch.unique(w["ffn.gate.tid2eid"][token_ids]).tolist()
-                reads = self._submit_experts(block, wanted)
+            if selection == "all" and not self.balanced:  # read the whole section while the attention computes
+                reads = self._submit_experts(block, number, list(range(n_experts)))
+            elif selection == "hash":  # the token ids are the routing: known before any compute
+                chosen = w["ffn.gate.tid2eid"][token_ids].reshape(-1)
+                if self.balanced:
+                    self._balance(number, torch.bincount(chosen, minlength=n_experts).tolist())
+                reads = self._submit_experts(block, number, torch.unique(chosen).tolist())
             if number + 1 < len(layers):
                 pending_dense = self._submit_dense(layers[number + 1])
             with self.compute:
@@ -330,8 +373,13 @@ class StreamingPrefill:
             if past:
                 past[number] = layer_past = None  # the old state is folded into the new one
             if reads is None:
-                reads = self._submit_experts(block, sorted(by_expert))
+                if self.balanced:
+                    self._balance(number, [len(by_expert[e].token_index) if e in by_expert else 0
+                                           for e in range(n_experts)])
+                wanted = range(n_experts) if selection == "all" else sorted(by_expert)
+                reads = self._submit_experts(block, number, list(wanted))
             routed = torch.zeros_like(routing.x)
+            expert_inputs = routing.x.to(self.expert_dtype)  # converted once, gathered per expert
             for first_expert, count, future in reads:
                 buffer, view = future.result()
                 try:
@@ -342,11 +390,8 @@ class StreamingPrefill:
                             batch = by_expert.get(region.expert)
                             if batch is None:
                                 continue  # read with the rest of the section, chosen by no token
-                            prefix = f"{block.name}.ffn.experts.{region.expert}."
-                            ew = self._decode([region], raw, regions[0].offset, prefix, self.expert_dtype,
-                                              own=False)
-                            x = routing.x[batch.token_index].to(self.expert_dtype)
-                            y = v4.expert_forward(cfg, x, ew["w1.weight"], ew["w3.weight"], ew["w2.weight"])
+                            y = self._expert_output(block, region, raw, regions[0].offset,
+                                                    expert_inputs[batch.token_index])
                             v4.accumulate(routed, routing, region.expert, y.float())
                 finally:
                     self.experts_pipe.release(buffer)
@@ -364,7 +409,7 @@ class StreamingPrefill:
     def _check_memory(self, n_tokens: int) -> None:
         """Refuse a prompt whose working set cannot fit, before reading or computing anything."""
         layers = self.c.layers
-        expert_params = max((sum(t.numel for t in r.tensors if not t.name.endswith(".scale"))
+        expert_params = max((sum(t.numel for t in r.tensors if not t.name.endswith(SCALE_SUFFIXES))
                              for b in layers for r in b.experts), default=0)
         need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
                                     self.experts_pipe.buffer_bytes, self.opt.queue_depth, expert_params)
@@ -392,12 +437,14 @@ class StreamingPrefill:
 
     def _layer_stats(self, number, block, selection, reads, by_expert, n_experts) -> LayerStats:
         counts = [len(by_expert[e].token_index) if e in by_expert else 0 for e in range(n_experts)]
-        read_bytes = sum(block.expert_span(first, count)[1] for first, count, _ in reads)
-        section = sum(block.experts[e].length for e in self._owned(n_experts))
+        read_bytes = sum(block.expert_read(first, count).length for first, count, _ in reads)
+        owned = self._owned(number, n_experts)
+        section = sum(block.experts[e].length for e in owned)
         return LayerStats(number, selection, sum(count for _, count, _ in reads), len(by_expert),
                           min(counts, default=0), statistics.median(counts) if counts else 0,
                           max(counts, default=0), counts.count(0), read_bytes + block.dense.length,
-                          section - read_bytes)
+                          section - read_bytes, (owned.start, owned.stop) if self.dist else None,
+                          sum(counts[e] for e in owned))
 
     def _stats(self, n_tokens: int, wall: float, layers: list[LayerStats]) -> dict:
         io = self.reader.stats
@@ -407,6 +454,7 @@ class StreamingPrefill:
             "seconds": round(wall, 4),
             "tokens_per_s": round(n_tokens / wall, 2),
             "bytes_read": io.bytes_read,
+            "bytes_read_per_part": list(io.bytes_by_part),  # [main file, part 1, ...]
             "read_requests": io.requests,
             "io_mode": self.reader.mode,
             "io_busy_s": round(io.busy_seconds, 4),
@@ -417,6 +465,7 @@ class StreamingPrefill:
             "expert_dtype": self.opt.expert_dtype,
             "queue_depth": self.opt.queue_depth,
             "device": str(self.device),
+            "threads": torch.get_num_threads(),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
         if self.device.type == "cuda":
@@ -432,6 +481,7 @@ class StreamingPrefill:
         self.experts_pipe.close()
         self.dense_pipe.close()
         self.reader.close()
+        self.expert_decoder.close()
 
 
 def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None,
@@ -460,7 +510,8 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
         result = _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, kv_dtype, kv_sync,
                                chunk_tokens, dist)
         if dist:
-            ranks = dist.gather(result.stats)
+            # per layer too: which experts each rank owned, and its load
+            ranks = dist.gather({**result.stats, "layers": [vars(s) for s in result.layers]})
             if dist.rank == 0:
                 result.stats["ranks"] = ranks
                 result.stats["bytes_read_all_ranks"] = sum(r["bytes_read"] for r in ranks)

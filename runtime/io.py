@@ -5,6 +5,9 @@ a read takes a free buffer, the consumer hands it back when it has used the byte
 per read and never holds more than `depth` requests' worth of weights. Where O_DIRECT is refused (some
 filesystems), reads fall back to the page cache with a warning. `mode="mmap"` maps the file instead: the right
 choice when the container fits in free RAM (the page cache then serves every later prefill at memory speed).
+
+A multi-part container (one part file per SSD) gets one file descriptor per part; reads name their part, and reads of
+different parts in flight at once proceed side by side, so the devices' bandwidths add up.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import queue
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -70,6 +74,7 @@ class IOStats:
     bytes_read: int = 0
     requests: int = 0
     busy_seconds: float = 0.0  # time during which at least one read was in flight
+    bytes_by_part: list[int] = field(default_factory=lambda: [0])  # bytes_read, split by part file
     _in_flight: int = 0
     _busy_since: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -80,79 +85,113 @@ class IOStats:
                 self._busy_since = time.perf_counter()
             self._in_flight += 1
 
-    def end(self, nbytes: int) -> None:
+    def end(self, nbytes: int, part: int = 0) -> None:
         with self._lock:
             self._in_flight -= 1
             self.bytes_read += nbytes
+            self.bytes_by_part[part] += nbytes
             self.requests += 1
             if self._in_flight == 0:
                 self.busy_seconds += time.perf_counter() - self._busy_since
 
 
 class RegionReader:
-    """Reads aligned byte ranges of one container file."""
+    """Reads aligned byte ranges of a container's files: `paths` is the main file, or the main file and its part
+    files in part order (`Container.part_paths`). Each file gets its own descriptor, O_DIRECT where it can."""
 
-    def __init__(self, path: str, mode: str = "auto"):
-        self.path = path
-        size = os.path.getsize(path)
-        self.mode = choose_io_mode(mode, size)
+    def __init__(self, paths: str | Sequence[str], mode: str = "auto"):
+        self.paths = [paths] if isinstance(paths, str) else list(paths)
+        self.path = self.paths[0]
+        try:
+            total = sum(os.path.getsize(p) for p in self.paths)
+        except OSError as e:
+            raise MoepackError(f"{e.filename}: cannot open ({e.strerror})") from None
+        self.mode = choose_io_mode(mode, total)
+        self._want_direct = self.mode == "direct"  # stays so when one part falls back: the others keep O_DIRECT
         self.warning: str | None = None
-        self.stats = IOStats()
-        self._map = None
-        flags = os.O_RDONLY
-        if self.mode == "direct":
-            try:
-                self._fd = os.open(path, flags | os.O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise MoepackError(f"{path}: cannot open ({e.strerror})") from None
-                self._fall_back(f"O_DIRECT refused by the filesystem ({e.strerror})")
-                self._fd = os.open(path, flags)
-        else:
-            self._fd = os.open(path, flags)
-        if self.mode == "mmap":
-            self._map = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
+        self.stats = IOStats(bytes_by_part=[0] * len(self.paths))
+        self._fds: list[int] = []
+        self._direct: list[bool] = []  # per part: opened with O_DIRECT (a refusal falls back for that part only)
+        self._maps: list[mmap.mmap | None] = []
+        self._retired: list[int] = []
+        self._reopen_lock = threading.Lock()
+        try:
+            for path in self.paths:
+                self._open(path)
+        except BaseException:
+            self.close()
+            raise
 
-    def _fall_back(self, why: str) -> None:
+    def _open(self, path: str) -> None:
+        direct = self._want_direct
+        fd = -1
+        try:
+            if direct:
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self._fall_back(path, f"O_DIRECT refused by the filesystem ({e.strerror})")
+                    direct = False
+            if fd < 0:
+                fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise MoepackError(f"{path}: cannot open ({e.strerror})") from None
+        self._fds.append(fd)
+        self._direct.append(direct)
+        self._maps.append(mmap.mmap(fd, 0, prot=mmap.PROT_READ) if self.mode == "mmap" else None)
+
+    def _fall_back(self, path: str, why: str) -> None:
+        message = f"{path}: {why}; reading through the page cache instead"
         self.mode = "buffered"
-        self.warning = f"{self.path}: {why}; reading through the page cache instead"
-        warnings.warn(self.warning, RuntimeWarning, stacklevel=3)
+        self.warning = self.warning or message
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def read_into(self, buffer: HostBuffer, offset: int, length: int) -> memoryview:
-        """Read [offset, offset+length) into the start of `buffer`; returns the filled view."""
+    def read_into(self, buffer: HostBuffer, offset: int, length: int, part: int = 0) -> memoryview:
+        """Read [offset, offset+length) of part file `part` into the start of `buffer`; returns the filled view."""
         if length > buffer.nbytes:
             raise ValueError(f"read of {length} bytes into a {buffer.nbytes}-byte buffer")
         self.stats.begin()
         try:
-            if self._map is not None:
-                with memoryview(self._map) as mapped:  # one copy, page cache -> buffer (a slice would copy twice)
+            if self._maps[part] is not None:
+                with memoryview(self._maps[part]) as mapped:  # one copy, page cache -> buffer (a slice copies twice)
                     buffer.view[:length] = mapped[offset:offset + length]
                 return buffer.view[:length]
             done = 0
+            path = self.paths[part]
             while done < length:
                 try:
-                    n = os.preadv(self._fd, [buffer.view[done:length]], offset + done)
+                    n = os.preadv(self._fds[part], [buffer.view[done:length]], offset + done)
                 except OSError as e:
-                    if e.errno == errno.EINVAL and self.mode == "direct":
-                        os.close(self._fd)
-                        self._fd = os.open(self.path, os.O_RDONLY)
-                        self._fall_back(f"O_DIRECT read refused ({e.strerror})")
+                    if e.errno == errno.EINVAL and self._direct[part]:
+                        self._reopen_buffered(part, f"O_DIRECT read refused ({e.strerror})")
                         continue
-                    raise MoepackError(f"{self.path}: read failed at {offset + done}: {e.strerror}") from None
+                    raise MoepackError(f"{path}: read failed at {offset + done}: {e.strerror}") from None
                 if n == 0:
-                    raise MoepackError(f"{self.path}: unexpected end of file at {offset + done} (truncated?)")
+                    raise MoepackError(f"{path}: unexpected end of file at {offset + done} (truncated?)")
                 done += n
             return buffer.view[:length]
         finally:
-            self.stats.end(length)
+            self.stats.end(length, part)
+
+    def _reopen_buffered(self, part: int, why: str) -> None:
+        with self._reopen_lock:  # several reader threads may meet the refusal at once: reopen once
+            if not self._direct[part]:
+                return
+            # the O_DIRECT descriptor stays open until close(): another thread may be inside a read on it
+            self._retired.append(self._fds[part])
+            self._fds[part] = os.open(self.paths[part], os.O_RDONLY)
+            self._direct[part] = False
+        self._fall_back(self.paths[part], why)
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for m in self._maps:
+            if m is not None:
+                m.close()
+        for fd in self._fds + self._retired:
+            os.close(fd)
+        self._maps, self._fds, self._direct, self._retired = [], [], [], []
 
 
 class ReadPipeline:
@@ -189,12 +228,12 @@ class ReadPipeline:
             if item is None:
                 self._free.put(buf)
                 return
-            future, offset, length, after = item
+            future, offset, length, after, part = item
             if not future.set_running_or_notify_cancel():
                 self._free.put(buf)
                 continue
             try:
-                view = self.reader.read_into(buf, offset, length)
+                view = self.reader.read_into(buf, offset, length, part)
                 if after is not None:
                     after(view)  # e.g. checksums: runs here, beside the consumer's compute
                 future.set_result((buf, view))
@@ -202,10 +241,11 @@ class ReadPipeline:
                 self._free.put(buf)
                 future.set_exception(e)
 
-    def submit(self, offset: int, length: int, after=None) -> Future:
-        """Queue a read; `after(view)` runs on the worker once the bytes are in (its exception fails the read)."""
+    def submit(self, offset: int, length: int, after=None, part: int = 0) -> Future:
+        """Queue a read of part file `part`; `after(view)` runs on the worker once the bytes are in (its exception
+        fails the read)."""
         future: Future = Future()
-        self._requests.put((future, offset, length, after))
+        self._requests.put((future, offset, length, after, part))
         return future
 
     def release(self, buffer: HostBuffer) -> None:

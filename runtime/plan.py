@@ -31,6 +31,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
+from moepack.format_spec.reader import SCALE_SUFFIXES, TENSOR_SCALE_SUFFIX
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import ALIGNMENT, HEADER_SIZE, TENSOR_ALIGNMENT, align_up
 from moepack.format_spec.policies import POLICY_NAMES, target_type
@@ -228,6 +229,8 @@ def _region_bytes(items: list[tuple[str, str, list[int]]], adapter, policy: str)
         if scale in names:
             consumed.add(scale)
         out.append((name, target, shape))
+        if target == "NVFP4":  # the converter stores its prescale after the weight (SPEC.md section 6.1)
+            out.append((name[: -len(".weight")] + TENSOR_SCALE_SUFFIX, "F32", []))
     used = tensors = 0
     for name, dtype, shape in out:
         if name in consumed:
@@ -278,7 +281,7 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
             items.sort(key=lambda it: adapter.expert_sort_key(it[0]))
         sizes[key], tensor_bytes = _region_bytes(items, adapter, policy)
         if kind == "expert" and block == "layers.0":
-            expert_params = sum(math.prod(s) for n, _, s in items if not n.endswith(".scale"))
+            expert_params = sum(math.prod(s) for n, _, s in items if not n.endswith(SCALE_SUFFIXES))
             expert_tensor_bytes = tensor_bytes
     if expert_bpw is not None:
         per_expert = int(round(expert_params * expert_bpw / 8))
@@ -326,10 +329,10 @@ def sizes_from_container(container) -> ModelSizes:
             n_expert_regions += 1
             expert_tensor_bytes += sum(t.length for t in r.tensors)
             if not expert_params:
-                expert_params = sum(math.prod(t.shape) for t in r.tensors if not t.name.endswith(".scale"))
+                expert_params = sum(math.prod(t.shape) for t in r.tensors if not t.name.endswith(SCALE_SUFFIXES))
     bpw = expert_tensor_bytes * 8 / (expert_params * n_expert_regions) if expert_params else 0.0
     return ModelSizes("container", container.path, str(container.policy.get("name", "?")), layers,
-                      sum(r.length for r in container.global_regions), mtp, container.file_size, expert_params,
+                      sum(r.length for r in container.global_regions), mtp, container.total_bytes, expert_params,
                       cfg.hidden_size, cfg.hc_mult, cfg.num_experts_per_tok, cfg.n_routed_experts, round(bpw, 4))
 
 

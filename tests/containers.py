@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import struct
 
 import numpy as np
 import xxhash
 import zstandard
 
-from moepack.format_spec.layout import HEADER_SIZE, Header, align_up
+from moepack.format_spec.layout import HEADER_SIZE, Header, PartHeader, align_up
 from moepack.format_spec.writer import ContainerWriter
 
 CONFIG = {"model_type": "deepseek_v4", "num_hidden_layers": 2, "hidden_size": 64, "n_routed_experts": 3}
 
 
-def build_container(path: str, n_layers: int = 2, n_experts: int = 3, seed: int = 0) -> dict[str, np.ndarray]:
-    """A small container with globals, n_layers blocks of a dense region + n_experts experts, and one mtp block.
-    Returns the arrays written, by tensor name."""
+def build_container(path: str, n_layers: int = 2, n_experts: int = 3, seed: int = 0,
+                    **writer_options) -> dict[str, np.ndarray]:
+    """A small container with globals, n_layers blocks of a dense region + n_experts experts, and one mtp block
+    (`writer_options`, e.g. parts=2, go to ContainerWriter). Returns the arrays written, by tensor name."""
     rng = np.random.default_rng(seed)
     written: dict[str, np.ndarray] = {}
-    w = ContainerWriter(path)
+    w = ContainerWriter(path, **writer_options)
 
     def put(name, dtype, array):
         written[name] = array
@@ -82,6 +85,16 @@ def mutate_index(src: str, dst: str, mutate) -> None:
     write_with_index(dst, data, header, json.dumps(index).encode())
 
 
+def restamp_parts(src: str, dst: str) -> None:
+    """Copy src's part files beside dst with their headers naming dst's index, so a dst made by mutate_index
+    still has matching parts (its own index rules are then what a reader meets)."""
+    _, header, _ = read_parts(dst)
+    for k, path in enumerate(container_files(src)[1:], start=1):
+        data = bytearray(open(path, "rb").read())
+        data[:HEADER_SIZE] = PartHeader(k, len(container_files(src)), len(data), header.index_xxh3).pack()
+        open(f"{dst}.part{k}", "wb").write(data)
+
+
 def patch_header_field(src: str, dst: str, offset: int, fmt: str, value, rehash: bool = True) -> None:
     """Overwrite one header field; with rehash the header's own checksum is recomputed so only the field is wrong."""
     data = bytearray(open(src, "rb").read())
@@ -89,6 +102,22 @@ def patch_header_field(src: str, dst: str, offset: int, fmt: str, value, rehash:
     if rehash:
         struct.pack_into("<Q", data, 72, xxhash.xxh3_64_intdigest(bytes(data[:72])))
     open(dst, "wb").write(data)
+
+
+def container_files(path: str) -> list[str]:
+    """The main file and the part files `<path>.part1`, `<path>.part2`, ... that exist beside it, in part order."""
+    files, k = [path], 1
+    while os.path.lexists(f"{path}.part{k}"):
+        files.append(f"{path}.part{k}")
+        k += 1
+    return files
+
+
+def copy_container(src: str, dst: str) -> str:
+    """Copy a container and its part files (their contents, where a part is a symlink) to `dst`; returns dst."""
+    for k, path in enumerate(container_files(src)):
+        shutil.copyfile(path, dst if k == 0 else f"{dst}.part{k}")
+    return dst
 
 
 def tiny_keep_container(tmp_path_factory) -> str:

@@ -126,25 +126,29 @@ def test_compute_synthetic_and_from_a_container(tiny):
 
 
 def test_compute_decode_is_the_engines(tiny):
-    """The bench decodes an expert exactly as the engine does: same weights as StreamingPrefill._decode."""
+    """The bench runs an expert exactly as the engine does: same decode path, same output bits."""
     import torch
 
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import PrefillOptions, StreamingPrefill
+    from moepack.runtime.expert_decode import ExpertDecoder
 
-    experts, _, _, _ = B._container_experts(tiny, 1)
+    experts, hidden, _, _ = B._container_experts(tiny, 1)
     tensors = {n: (t, tuple(s), torch.frombuffer(bytearray(b), dtype=torch.uint8)) for n, t, s, b in experts[0]}
-    w1, w3, w2 = B._decode_expert(tensors, torch.float32)
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(0))
+    decoder = ExpertDecoder(torch.float32, torch.device("cpu"))
     with Container(tiny) as c:
         engine = StreamingPrefill(c, PrefillOptions(io_mode="buffered"))
         try:
+            got = B._decode_expert(tensors, torch.float32, decoder).apply(engine.cfg, x)
             block = [b for b in c.layers if b.experts][-1]
             region = block.experts[0]
             raw = torch.frombuffer(bytearray(c.pread(region.offset, region.length)), dtype=torch.uint8)
-            ref = engine._decode([region], raw, region.offset, f"{block.name}.ffn.experts.0.")
+            ref = engine._expert_output(block, region, raw, region.offset, x)
         finally:
             engine.close()
-    assert torch.equal(w1, ref["w1.weight"]) and torch.equal(w3, ref["w3.weight"]) and torch.equal(w2, ref["w2.weight"])
+            decoder.close()
+    assert torch.equal(got, ref)
 
 
 def test_plan_uses_the_measurements(tiny):

@@ -8,13 +8,17 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
-from containers import source_reads_fail_at
-from moepack.format_spec.errors import MoepackError
+from containers import mutate_index, source_reads_fail_at
+from moepack.format_spec import quants
+from moepack.format_spec.decode import decode_group
+from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.reader import Container
 from moepack.format_spec.verify import verify_container
+from moepack.format_spec.writer import ContainerWriter
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.fidelity import compare_with_source
 from moepack.packer.synth import synth_checkpoint
@@ -24,7 +28,7 @@ SMALL = {"n_routed_experts": 4, "num_experts_per_tok": 2}
 
 EXPECTED = {  # policy -> (gate/up, down, dense linear, expert bits per weight)
     "fp4": ("MXFP4", "MXFP4", "Q8_0", 4.25),
-    "nvfp4": ("NVFP4", "NVFP4", "Q8_0", 4.5),
+    "nvfp4": ("NVFP4", "NVFP4", "Q8_0", 4.5),  # plus a 4-byte tensor scale per weight
     "q8": ("Q8_0", "Q8_0", "Q8_0", 8.5),
     "q2": ("IQ2_XXS", "Q2_K", "Q8_0", 2.25),
     "bf16": ("BF16", "BF16", "BF16", 16.0),
@@ -43,7 +47,7 @@ def test_policy_types_and_fidelity(release_src, tmp_path, policy):
     out = str(tmp_path / f"{policy}.moepack")
     summary = convert_checkpoint(release_src, out, policy=policy, progress=False, drop_mtp=policy == "q2")
     gate_up, down, dense, bpw = EXPECTED[policy]
-    assert summary["expert_bits_per_weight"] == pytest.approx(bpw)
+    assert summary["expert_bits_per_weight"] == pytest.approx(bpw, rel=1e-3)
     verify_container(out)
     with Container(out) as c:
         assert c.policy["name"] == policy and c.policy["roles"]["routed_down"] == down
@@ -63,6 +67,165 @@ def test_policy_types_and_fidelity(release_src, tmp_path, policy):
         assert report["value_identical"] >= sum(1 for n in t if ".experts." in n)
 
 
+# --- NVFP4's tensor scale (SPEC.md section 6.1) -----------------------------------------------------------------
+
+SMALL_WEIGHT, UNIT_WEIGHT = "layers.1.ffn.experts.0.w1.weight", "layers.1.ffn.experts.1.w1.weight"
+
+
+def _rel_rmse(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.fixture(scope="module")
+def nvfp4_scaled(tmp_path_factory):
+    """An f32 checkpoint whose SMALL_WEIGHT has std 1e-4 and UNIT_WEIGHT std 1, and its --nvfp4 container.
+    Returns (source dir, container, the two source tensors by name)."""
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path_factory.mktemp("nvfp4-scale")
+    src = str(base / "src")
+    synth_checkpoint(src, preset="tiny", layout="f32", seed=4, progress=False, config_overrides=SMALL)
+    weight_map = json.load(open(os.path.join(src, "model.safetensors.index.json")))["weight_map"]
+    originals = {}
+    for name, std in ((SMALL_WEIGHT, 1e-4), (UNIT_WEIGHT, 1.0)):
+        shard = os.path.join(src, weight_map[name])
+        tensors = load_file(shard)
+        tensors[name] = tensors[name] * (std / tensors[name].std())
+        originals[name] = tensors[name]
+        save_file(tensors, shard, metadata={"format": "pt"})
+    out = str(base / "nvfp4.moepack")
+    convert_checkpoint(src, out, policy="nvfp4", progress=False)
+    return src, out, originals
+
+
+def _decoded(path: str, name: str) -> torch.Tensor:
+    with Container(path) as c:
+        region = c.tensors[name].region
+        return decode_group(region.tensors, lambda t: c.tensor_bytes(t.name))[name]
+
+
+def test_nvfp4_tensor_scale_keeps_small_weights(nvfp4_scaled):
+    src, out, originals = nvfp4_scaled
+    small, unit = originals[SMALL_WEIGHT], originals[UNIT_WEIGHT]
+    # without a tensor scale ggml's NVFP4 has no scale small enough: every element decodes to zero
+    plain = quants.dequantize_torch(quants.quantize_torch(small, "NVFP4"), "NVFP4", small.shape)
+    assert not plain.any()
+    small_err = _rel_rmse(_decoded(out, SMALL_WEIGHT), small)
+    unit_err = _rel_rmse(_decoded(out, UNIT_WEIGHT), unit)
+    assert small_err < 0.1 and unit_err < 0.1 and abs(small_err - unit_err) < 0.01, (small_err, unit_err)
+    with Container(out) as c:
+        nvfp4 = [t for t in c.tensors.values() if t.dtype == "NVFP4"]
+        assert nvfp4
+        for t in nvfp4:  # each NVFP4 weight is followed by its tensor scale, a power of two
+            scale = c.tensors[t.name.replace(".weight", ".tensor_scale")]
+            assert scale.region is t.region and scale.offset > t.offset and (scale.dtype, scale.shape) == ("F32", ())
+            value = float(np.frombuffer(c.tensor_bytes(scale.name), np.float32)[0])
+            assert np.frexp(value)[0] == 0.5
+    report = compare_with_source(out, src, progress=False)
+    assert report["ok"], report["failures"][:3]
+    assert report["by_type"]["NVFP4"]["max_rel_rmse"] < 0.1
+
+
+def test_gguf_dequantize_times_tensor_scale_is_our_decode(nvfp4_scaled):
+    gguf = pytest.importorskip("gguf")
+    _, out, _ = nvfp4_scaled
+    with Container(out) as c:
+        for name in (SMALL_WEIGHT, UNIT_WEIGHT):
+            t = c.tensors[name]
+            blocks = np.frombuffer(c.tensor_bytes(name), np.uint8).reshape(t.shape[0], -1)
+            scale = np.frombuffer(c.tensor_bytes(name.replace(".weight", ".tensor_scale")), np.float32)[0]
+            theirs = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.NVFP4) * scale
+            assert np.array_equal(theirs, _decoded(out, name).numpy())
+
+
+def test_export_of_nvfp4_container_applies_the_tensor_scale(nvfp4_scaled, tmp_path):
+    from safetensors.torch import load_file
+
+    from moepack.packer.export import export_container
+
+    _, out, _ = nvfp4_scaled
+    exported_dir = str(tmp_path / "export")
+    export_container(out, exported_dir, dtype="f32", progress=False)
+    weight_map = json.load(open(os.path.join(exported_dir, "model.safetensors.index.json")))["weight_map"]
+    assert not any(n.endswith(".tensor_scale") for n in weight_map)
+    for name in (SMALL_WEIGHT, UNIT_WEIGHT):
+        exported = load_file(os.path.join(exported_dir, weight_map[name]))[name]
+        assert torch.equal(exported, _decoded(out, name))
+
+
+def _nvfp4_container(path: str, tensor_scale: tuple | None = None) -> torch.Tensor:
+    """A one-expert container holding an NVFP4 weight (std 1e-2) and, if given, a (name, dtype, shape, bytes)
+    tensor right after it. Returns the weight's plain NVFP4 decode."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.01
+    blocks = quants.quantize_torch(x, "NVFP4")
+    w = ContainerWriter(path)
+    w.begin_region("dense", block="layers.0")
+    w.add_tensor("layers.0.attn_norm.weight", "F32", [64], torch.ones(64).numpy().tobytes())
+    w.end_region()
+    w.begin_region("expert", block="layers.0", expert=0)
+    w.add_tensor("layers.0.ffn.experts.0.w1.weight", "NVFP4", [64, 128], blocks.numpy().tobytes())
+    if tensor_scale is not None:
+        w.add_tensor(*tensor_scale)
+    w.end_region()
+    w.finish(config={"num_hidden_layers": 1}, architecture="deepseek_v4", policy={"name": "nvfp4"},
+             tokenizer={}, provenance={"source": "test"})
+    return quants.dequantize_torch(blocks, "NVFP4", (64, 128))
+
+
+def test_container_without_tensor_scales_still_opens(tmp_path):
+    # as the converter wrote NVFP4 before tensor scales: the weight decodes to its blocks' values
+    path = str(tmp_path / "old.moepack")
+    plain = _nvfp4_container(path)
+    with Container(path) as c:
+        assert list(c.tensors) == ["layers.0.attn_norm.weight", "layers.0.ffn.experts.0.w1.weight"]
+    assert torch.equal(_decoded(path, "layers.0.ffn.experts.0.w1.weight"), plain)
+
+
+def test_tensor_scale_multiplies_its_weight(tmp_path):
+    path = str(tmp_path / "scaled.moepack")
+    name = "layers.0.ffn.experts.0.w1.tensor_scale"
+    plain = _nvfp4_container(path, (name, "F32", [], np.float32(2.0 ** -20).tobytes()))
+    with Container(path) as c:
+        values = decode_group(c.tensors[name].region.tensors, lambda t: c.tensor_bytes(t.name))
+    assert list(values) == ["layers.0.ffn.experts.0.w1.weight"]  # the scale is folded into its weight
+    assert torch.equal(values["layers.0.ffn.experts.0.w1.weight"], plain * 2.0 ** -20)
+
+
+@pytest.mark.parametrize("label, tensor, message", [
+    ("not F32", ("layers.0.ffn.experts.0.w1.tensor_scale", "F16", [], bytes(2)), "an F32 scalar"),
+    ("not a scalar", ("layers.0.ffn.experts.0.w1.tensor_scale", "F32", [1], bytes(4)), "an F32 scalar"),
+    ("no weight", ("layers.0.ffn.experts.0.w3.tensor_scale", "F32", [], bytes(4)), "after its weight"),
+])
+def test_reader_rejects_a_bad_tensor_scale(tmp_path, label, tensor, message):
+    path = str(tmp_path / "bad.moepack")
+    _nvfp4_container(path, tensor)
+    with pytest.raises(FormatError, match=message):
+        Container(path)
+
+
+def test_reader_rejects_a_tensor_scale_outside_its_weights_region(tmp_path):
+    good = str(tmp_path / "good.moepack")
+    _nvfp4_container(good, ("layers.0.ffn.experts.0.w1.tensor_scale", "F32", [], np.float32(1.0).tobytes()))
+
+    def move_to_dense_region(index):
+        entry = next(t for t in index["tensors"] if t["name"].endswith(".tensor_scale"))
+        entry["region"], entry["offset"] = 0, 256  # after the norm weight there, in bounds
+
+    bad = str(tmp_path / "moved.moepack")
+    mutate_index(good, bad, move_to_dense_region)
+    with pytest.raises(FormatError, match="after its weight, in the weight's region"):
+        Container(bad)
+
+
+@pytest.mark.parametrize("value", [3.0, -0.5, 0.0, float("inf"), float("nan"), 2.0 ** -127])
+def test_decode_rejects_a_tensor_scale_that_is_not_a_normal_power_of_two(tmp_path, value):
+    path = str(tmp_path / "value.moepack")
+    name = "layers.0.ffn.experts.0.w1.tensor_scale"
+    _nvfp4_container(path, (name, "F32", [], np.float32(value).tobytes()))
+    with pytest.raises(FormatError, match=f"{name}: a tensor scale must be a power of two"):
+        _decoded(path, "layers.0.ffn.experts.0.w1.weight")
+
+
 def test_verify_source_catches_a_different_checkpoint(release_src, tmp_path):
     other = str(tmp_path / "other")
     synth_checkpoint(other, preset="tiny", layout="release", seed=9, progress=False, config_overrides=SMALL)
@@ -74,13 +237,14 @@ def test_verify_source_catches_a_different_checkpoint(release_src, tmp_path):
     assert "bytes differ" in problems and "should be lossless" in problems and "exceeds its threshold" in problems
 
 
-def test_quantized_prefill_matches_transformers_on_the_export(release_src, tmp_path):
+@pytest.mark.parametrize("policy", ["fp4", "nvfp4"])  # nvfp4: export and runtime both apply the tensor scales
+def test_quantized_prefill_matches_transformers_on_the_export(release_src, tmp_path, policy):
     transformers = pytest.importorskip("transformers")
     from moepack.packer.export import export_container
     from moepack.runtime.engine import PrefillOptions, prefill
 
-    out = str(tmp_path / "fp4.moepack")
-    convert_checkpoint(release_src, out, policy="fp4", progress=False)
+    out = str(tmp_path / f"{policy}.moepack")
+    convert_checkpoint(release_src, out, policy=policy, progress=False)
     exported = str(tmp_path / "export")
     export_container(out, exported, dtype="f32", progress=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()

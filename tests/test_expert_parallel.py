@@ -112,3 +112,51 @@ def test_a_dying_rank_makes_the_others_fail_fast(setup, tmp_path):
     assert procs[0].returncode == 1, outs[0]
     err = [line for line in outs[0][1].splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("moepack: error: rank 0"), outs[0][1]
+
+
+def test_balanced_ranges_are_contiguous_complete_and_optimal():
+    import itertools
+    import random
+
+    from moepack.runtime.distributed import balanced_ranges
+
+    def optimum(loads, ranks):  # brute force over every way to cut the experts into `ranks` contiguous ranges
+        n = len(loads)
+        return min(max(sum(loads[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+                   for cuts in itertools.combinations(range(1, n), ranks - 1))
+
+    rng = random.Random(0)
+    for _ in range(500):
+        n, ranks = rng.randint(1, 9), rng.randint(1, 5)
+        loads = [rng.choice([0, 1, 2, 5, 40]) for _ in range(n)]
+        got = balanced_ranges(loads, ranks)
+        assert len(got) == ranks and [e for r in got for e in r] == list(range(n))
+        if ranks <= n:
+            assert all(len(r) for r in got)  # nobody idle while experts are left
+            assert max(sum(loads[e] for e in r) for r in got) == optimum(loads, ranks)
+
+
+def test_balanced_ownership_matches_and_evens_the_load(setup, tmp_path):
+    base, container, ids_file, single = setup
+    runs = {}
+    for ownership in ("contiguous", "balanced"):
+        out = str(tmp_path / f"{ownership}.safetensors")
+        runs[ownership] = _torchrun(2, container, ids_file, out, "--expert-ownership", ownership)["ranks"]
+        logits = load_file(out)["logits"]
+        assert (logits - single.logits).abs().max() <= 1e-3 * single.logits.abs().max()
+    with Container(container) as c:
+        fixed = sum(r.length for r in c.global_regions) + sum(b.dense.length for b in c.layers)
+        for rank in runs["balanced"]:  # each rank read exactly the experts it owned, layer by layer
+            owned = sum(c.layers[s["layer"]].experts[e].length for s in rank["layers"]
+                        for e in range(*s["owned_experts"]))
+            assert rank["bytes_read"] == fixed + owned
+        n_layers = len(c.layers)
+    worst = {}
+    for ownership, ranks in runs.items():
+        for layer in range(n_layers):
+            spans = [r["layers"][layer]["owned_experts"] for r in ranks]
+            assert spans[0][0] == 0 and spans[0][1] == spans[1][0]  # contiguous, together every expert once
+            worst[ownership, layer] = max(r["layers"][layer]["tokens_computed"] for r in ranks)
+    assert all(worst["balanced", layer] <= worst["contiguous", layer] for layer in range(n_layers))
+    assert sum(worst["balanced", layer] for layer in range(n_layers)) < \
+        sum(worst["contiguous", layer] for layer in range(n_layers))

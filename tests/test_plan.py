@@ -252,15 +252,18 @@ def tiny_keep(tmp_path_factory):
     return path, config
 
 
-def test_config_sizes_equal_an_fp4_conversion(tiny_keep, tmp_path):
+@pytest.mark.parametrize("policy", ["fp4", "nvfp4"])  # nvfp4: each weight carries its tensor scale
+def test_config_sizes_equal_a_quantized_conversion(tiny_keep, tmp_path, policy):
     from moepack.packer.convert import convert_checkpoint
 
     path, config = tiny_keep
-    out = str(tmp_path / "fp4.moepack")
-    convert_checkpoint(os.path.join(os.path.dirname(path), "src"), out, policy="fp4", progress=False)
+    out = str(tmp_path / f"{policy}.moepack")
+    convert_checkpoint(os.path.join(os.path.dirname(path), "src"), out, policy=policy, progress=False)
     with Container(out) as c:
         from_file = P.sizes_from_container(c)
-    assert P.sizes_from_config(config, "fp4").layers == from_file.layers
+    from_config = P.sizes_from_config(config, policy)
+    assert from_config.layers == from_file.layers
+    assert from_config.expert_params == from_file.expert_params  # tensor scales are not parameters
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------

@@ -162,10 +162,15 @@ def test_cli_prefill_on_a_release_layout_container(tmp_path):
     container = str(tmp_path / "tiny.moepack")
     convert_checkpoint(src, container, progress=False)
     logits_path = str(tmp_path / "logits.safetensors")
-    r = CliRunner().invoke(cli, ["prefill", container, "--prompt", "The quick brown fox", "--logits-out",
-                                 logits_path, "--json"])
+    threads = torch.get_num_threads()
+    try:
+        r = CliRunner().invoke(cli, ["prefill", container, "--prompt", "The quick brown fox", "--logits-out",
+                                     logits_path, "--threads", "1", "--json"])
+    finally:
+        torch.set_num_threads(threads)
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
+    assert out["threads"] == 1
     logits = load_file(logits_path)["logits"]
     with Container(container) as c:
         vocab = c.config["vocab_size"]

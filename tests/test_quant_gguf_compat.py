@@ -1,7 +1,8 @@
 """Byte compatibility of moepack's ggml block codecs with gguf-py (the reference implementation of the layouts).
 
 * Q8_0 and MXFP4: our quantize output is byte-identical to gguf-py's quants.quantize (which is ggml's
-  quantize_row_*_ref, bit for bit) on random and edge inputs.
+  quantize_row_*_ref, bit for bit) on random and edge inputs, with both kernels of each (the compiled C one, where
+  a C compiler is there, and the torch one).
 * Every type: gguf-py's quants.dequantize of our bytes, and of arbitrary random bytes, equals ours exactly.
 * NVFP4: our quantize equals ggml's reference algorithm (scale via ggml_fp32_to_ue4m3, nearest kvalue with
   ties to the lower index) written out in numpy on top of gguf-py's UE4M3 helpers.
@@ -22,6 +23,16 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+# (qtype, kernel): Q8_0 and MXFP4 have a compiled C kernel besides their torch one
+KERNELS = [("Q8_0", "compiled"), ("Q8_0", "torch"), ("MXFP4", "compiled"), ("MXFP4", "torch")]
+
+
+def _use(qtype: str, kernel: str, monkeypatch) -> None:
+    if kernel == "torch":
+        monkeypatch.delitem(quants._NATIVE_QUANTIZERS, qtype)
+    elif quants._NATIVE_QUANTIZERS[qtype][0]() is None:
+        pytest.skip(f"no compiled {qtype} kernel here (no C compiler)")
 
 
 def _gguf_quantize(x, t):
@@ -102,9 +113,10 @@ def _random_inputs():
     }
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4"])
+@pytest.mark.parametrize("qtype, kernel", KERNELS)
 @pytest.mark.parametrize("name", list(_random_inputs()))
-def test_quantize_bytes_match_gguf_random(qtype, name):
+def test_quantize_bytes_match_gguf_random(qtype, kernel, name, monkeypatch):
+    _use(qtype, kernel, monkeypatch)
     x = _random_inputs()[name]
     ours = quants.quantize(x, qtype)
     ref = _gguf_quantize(x, qtype)
@@ -112,8 +124,9 @@ def test_quantize_bytes_match_gguf_random(qtype, name):
     assert np.array_equal(ours, ref)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4"])
-def test_quantize_bytes_match_gguf_edges(qtype):
+@pytest.mark.parametrize("qtype, kernel", KERNELS)
+def test_quantize_bytes_match_gguf_edges(qtype, kernel, monkeypatch):
+    _use(qtype, kernel, monkeypatch)
     x = _edge_blocks()
     assert np.isfinite(x).all()
     assert np.array_equal(quants.quantize(x, qtype), _gguf_quantize(x, qtype))
@@ -124,13 +137,39 @@ def test_quantize_bytes_match_gguf_edges(qtype):
 
 
 @pytest.mark.skipif(not X86, reason="gguf-py's result here comes from a C float->int cast that differs by CPU")
-@pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4"])
-def test_quantize_bytes_match_gguf_below_float_range(qtype):
+@pytest.mark.parametrize("qtype, kernel", KERNELS)
+def test_quantize_bytes_match_gguf_below_float_range(qtype, kernel, monkeypatch):
     # block maxima below 2^-121: Q8_0's 1/d overflows (gguf-py casts NaN -> 0), MXFP4's exponent wraps mod 256
+    _use(qtype, kernel, monkeypatch)
     rng = np.random.default_rng(3)
     x = np.stack([rng.standard_normal(32) * s for s in (1e-37, 5e-38, 1e-38, 2e-39, 1e-41, 1e-44)])
     x = x.astype(np.float32)
     assert np.array_equal(quants.quantize(x, qtype), _gguf_quantize(x, qtype))
+
+
+@pytest.mark.parametrize("kernel", ["compiled", "torch"])
+def test_q8_0_rounding_of_every_product_near_a_half_matches_gguf(kernel, monkeypatch):
+    # amax 127 makes id exactly 1, so q = x: every float within 64 ulps of each k + 0.5 (k < 127), both signs,
+    # over several chunks (the compiled kernel's thread pool)
+    _use("Q8_0", kernel, monkeypatch)
+    halves = np.arange(0, 127, dtype=np.float32) + np.float32(0.5)
+    near = (halves.view(np.int32)[:, None] + np.arange(-64, 65, dtype=np.int32)[None, :]).view(np.float32)
+    near = np.concatenate([near.reshape(-1), -near.reshape(-1)])
+    near = np.resize(near, (near.size // 31 + 1) * 31).reshape(-1, 31)
+    x = np.concatenate([np.full((near.shape[0], 1), 127.0, np.float32), near], 1)
+    x = np.tile(x, (40, 1)).reshape(-1, 256)  # ~1.3M elements: more than one compiled-kernel chunk
+    assert np.array_equal(quants.quantize(x, "Q8_0"), _gguf_quantize(x, "Q8_0"))
+
+
+@pytest.mark.parametrize("kernel", ["compiled", "torch"])
+def test_mxfp4_block_maxima_near_powers_of_two_match_gguf(kernel, monkeypatch):
+    # ggml's exponent is floor(log2f(amax)): a maximum a few ulps below 2^n may round up to n. Every float within
+    # 64 ulps of every power of two from 2^-120 (below that, gguf-py's cast of a negative exponent differs by CPU)
+    _use("MXFP4", kernel, monkeypatch)
+    bits = ((np.arange(-120, 128)[:, None] + 127) << 23) + np.arange(-64, 65)[None, :]
+    amax = bits[bits < 0x7F800000].astype(np.uint32).view(np.float32)
+    x = amax[:, None] * np.linspace(-1.0, 1.0, 32, dtype=np.float32)[None, :]  # ends: -amax, amax
+    assert np.array_equal(quants.quantize(x, "MXFP4"), _gguf_quantize(x, "MXFP4"))
 
 
 def test_mxfp4_exponent_rounding_matches_float32_log2():

@@ -9,7 +9,7 @@ import torch
 
 import moepack
 from moepack import MoepackError
-from moepack.format_spec import policies, quants
+from moepack.format_spec import policies, quant_common, quant_q8_0, quants
 from moepack.format_spec.quants import fp4_to_mxfp4, mxfp4_to_fp4
 
 QTYPES = list(quants.QTYPES)
@@ -83,11 +83,29 @@ def test_importance_ignored_by_round_to_nearest_types():
 def test_nvfp4_tensor_prescale():
     x = (DATA["gauss"][:8] * 0.005).astype(np.float32)
     k = quants.nvfp4_tensor_exponent(x)
-    assert np.abs(x * 2.0 ** k).max() / 6 <= 448 < np.abs(x * 2.0 ** (k + 1)).max() / 6
+    # the largest block's scale lands at the top of what ggml's UE4M3 keeps exactly (it codes >= 2^8 as 448)
+    assert np.abs(x * 2.0 ** k).max() / 6 <= 240 < np.abs(x * 2.0 ** (k + 1)).max() / 6
     plain = quants.dequantize(quants.quantize(x, "NVFP4"), "NVFP4", x.shape)
     scaled = quants.dequantize(quants.quantize(x * np.float32(2.0 ** k), "NVFP4"), "NVFP4", x.shape) * 2.0 ** -k
     assert _rel_rmse(scaled, x) < 0.1 < 0.13 < _rel_rmse(plain, x)
     assert quants.nvfp4_tensor_exponent(np.zeros((2, 64), np.float32)) == 0
+
+
+@pytest.mark.parametrize("std", [1e3, 1.0, 0.02, 1e-4, 1e-8])
+def test_nvfp4_prescale_gives_the_same_accuracy_at_any_magnitude(std):
+    x = DATA["gauss"][:8] * np.float32(std)
+    values, e = quants.nvfp4_prescale(x)
+    assert values.dtype == torch.float32 and torch.equal(values, torch.from_numpy(x) * 2.0 ** -e)
+    y = quants.dequantize(quants.quantize(values, "NVFP4"), "NVFP4", x.shape) * np.float32(2.0 ** e)
+    assert _rel_rmse(y, x) <= DOCUMENTED[("gauss", "NVFP4")] * 1.01
+
+
+def test_nvfp4_prescale_keeps_the_tensor_scale_a_normal_float32():
+    # a tensor far below float32's normal range would need 2^e < 2^-126: e stops there
+    x = np.full((1, 64), 1e-40, np.float32)
+    values, e = quants.nvfp4_prescale(x)
+    assert e == -126 and float(values.max()) == pytest.approx(1e-40 * 2.0 ** 126, rel=1e-3)
+    assert quants.nvfp4_prescale(np.zeros((1, 64), np.float32))[1] == 0
 
 
 def test_top_level_reexport():
@@ -174,8 +192,9 @@ def test_chunk_boundaries_do_not_matter():
 
 
 def test_small_chunks_and_thread_modes(monkeypatch):
-    # many chunks exercise the driver's single-/multi-threaded probing; results and torch's thread count
-    # must not depend on it
+    # many chunks exercise the driver's single-/multi-threaded probing (of the torch kernels); results and
+    # torch's thread count must not depend on it
+    monkeypatch.setattr(quants, "_NATIVE_QUANTIZERS", {})
     rng = np.random.default_rng(12)
     x = rng.standard_normal((16, 4096)).astype(np.float32)
     ref = {t: quants.quantize(x, t) for t in ("Q8_0", "MXFP4", "Q2_K")}
@@ -194,6 +213,74 @@ def test_small_chunks_and_thread_modes(monkeypatch):
         assert np.array_equal(quants.quantize(x, "Q8_0"), ref["Q8_0"])
     finally:
         torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------- compiled kernels
+
+def _compiled(qtype: str) -> None:
+    if quants._NATIVE_QUANTIZERS[qtype][0]() is None:
+        pytest.skip(f"no compiled {qtype} kernel here: {quants.native_kernels()[qtype].get('reason')}")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4"])
+def test_compiled_kernel_over_many_chunks_and_threads_matches_the_torch_kernel(monkeypatch, qtype):
+    # chunks of 1024 elements on the thread pool, against the torch kernel: the same bytes, threads restored
+    _compiled(qtype)
+    load, _ = quants._NATIVE_QUANTIZERS[qtype]
+    x = np.random.default_rng(13).standard_normal((16, 4096)).astype(np.float32)
+    with monkeypatch.context() as m:
+        m.delitem(quants._NATIVE_QUANTIZERS, qtype)
+        ref = quants.quantize(x, qtype)
+    monkeypatch.setitem(quants._NATIVE_QUANTIZERS, qtype, (load, 1024))
+    threads = torch.get_num_threads()
+    for n in (1, 2, 3):
+        torch.set_num_threads(n)
+        try:
+            assert np.array_equal(quants.quantize(x, qtype), ref)
+            assert torch.get_num_threads() == n
+            # bfloat16 and strided inputs go through the same kernel
+            assert np.array_equal(quants.quantize(torch.from_numpy(x).bfloat16(), qtype),
+                                  quants.quantize(torch.from_numpy(x).bfloat16().float(), qtype))
+            wide = np.concatenate([x.reshape(-1, 32), np.ones_like(x.reshape(-1, 32))], 1)
+            assert np.array_equal(quants.quantize(torch.from_numpy(wide)[:, :32], qtype).reshape(ref.shape), ref)
+        finally:
+            torch.set_num_threads(threads)
+    bad = x.copy()
+    bad[9, 4000] = np.inf
+    with pytest.raises(MoepackError, match="inf or NaN"):
+        quants.quantize(bad, qtype)
+
+
+def test_compiled_kernel_reports_its_build():
+    _compiled("Q8_0")
+    build = quants.native_kernels()["Q8_0"]
+    assert build["compiled"] and build["seconds"] < 60 and "-ffp-contract=off" in build["flags"]
+
+
+def test_no_compiler_or_a_failing_one_means_no_compiled_kernel(monkeypatch):
+    monkeypatch.setenv("MOEPACK_NATIVE", "0")
+    assert quant_common._build("t", "int f(void) { return 0; }")["library"] is None
+    monkeypatch.delenv("MOEPACK_NATIVE")
+    monkeypatch.setattr(quant_common.shutil, "which", lambda name: None)
+    build = quant_common._build("t", "int f(void) { return 0; }")
+    assert build["library"] is None and "no C compiler" in build["reason"]
+    monkeypatch.undo()
+    if quant_common._c_compiler() is None:
+        pytest.skip("no C compiler here")
+    build = quant_common._build("t", "this is not C")
+    assert build["library"] is None and "failed" in build["reason"]
+
+
+def test_compiled_kernel_that_disagrees_with_torch_is_not_used(monkeypatch):
+    _compiled("Q8_0")
+    monkeypatch.setattr(quant_common, "_native", {})
+    # rounding with 0.5 itself sends 0.49999997 to 1: the self-check must catch it
+    broken = quant_q8_0._C_SOURCE.replace("#define HALF_DOWN 0.49999997f", "#define HALF_DOWN 0.5f")
+    assert broken != quant_q8_0._C_SOURCE
+    monkeypatch.setattr(quant_q8_0, "_C_SOURCE", broken)
+    with pytest.warns(RuntimeWarning, match="not using the compiled Q8_0 kernel"):
+        assert quant_q8_0._load_native() is None
+    assert quants.native_kernels()["Q8_0"]["compiled"] is False
 
 
 # ------------------------------------------------------------------------------------------ FP4 -> MXFP4

@@ -1,0 +1,93 @@
+"""The runtime's table decoder for FP4 experts gives the generic decode's values, bit for bit, for any bytes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moepack.format_spec import quant_common
+from moepack.format_spec.decode import decode_group
+from moepack.format_spec.reader import Container
+from moepack.packer.convert import convert_checkpoint
+from moepack.packer.synth import synth_checkpoint
+from moepack.runtime import engine
+from moepack.runtime.engine import PrefillOptions, prefill
+from moepack.runtime.expert_decode import ExpertDecoder, _pair_order
+
+
+@pytest.fixture(scope="module")
+def fp4_containers(tmp_path_factory):
+    """policy -> container: the release's FP4_E2M1 experts kept as they are, and repacked as MXFP4."""
+    base = tmp_path_factory.mktemp("expert_decode")
+    src = str(base / "src")
+    synth_checkpoint(src, preset="tiny", layout="release", seed=3, progress=False)
+    out = {}
+    for policy in ("keep", "fp4"):
+        out[policy] = str(base / f"{policy}.moepack")
+        convert_checkpoint(src, out[policy], policy=policy, progress=False)
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.dtype.itemsize == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("policy,layout", [("keep", "FP4_E2M1"), ("fp4", "MXFP4")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
+def test_table_decode_equals_generic_decode_for_arbitrary_bytes(fp4_containers, policy, layout, dtype, native):
+    with Container(fp4_containers[policy]) as c:
+        block = c.layers[1]
+        region = block.experts[2]
+        prefix = f"{block.name}.ffn.experts.{region.expert}."
+        assert ExpertDecoder.layout(region, prefix) == layout
+        with open(c.path, "rb") as f:
+            f.seek(region.offset)
+            raw = torch.frombuffer(bytearray(f.read(region.length)), dtype=torch.uint8)
+    decoder = ExpertDecoder(dtype, torch.device("cpu"), threads=3, native=native)  # uneven pieces: every split
+    if native and quant_common._c_compiler() and os.environ.get(quant_common.NATIVE_ENV, "1") != "0":
+        assert decoder._native, quant_common.native_builds()  # a compiler is here: the compiled path is tested
+    elif not native:
+        assert not decoder._native
+    for seed in range(3):  # the stored bytes, then random bytes everywhere: every scale byte 0..255 occurs
+        if seed:
+            raw = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        generic = decode_group(region.tensors, lambda t: raw[t.file_offset - region.offset:
+                                                              t.file_offset - region.offset + t.length], dtype)
+        fast = decoder.decode(region, layout, raw, region.offset, prefix)
+        for m in ("w1", "w3", "w2"):
+            want = generic[f"{prefix}{m}.weight"]
+            got = getattr(fast, m)
+            if layout == "MXFP4":  # stored in pair order: column j is logical column order[j]
+                want = want[:, _pair_order(want.shape[1])]
+            assert got.dtype == dtype and torch.equal(_bits(got), _bits(want)), (m, seed)
+
+
+def test_pair_order_is_a_permutation_within_each_block():
+    order = _pair_order(96)
+    assert sorted(order.tolist()) == list(range(96))
+    assert order[:4].tolist() == [0, 16, 1, 17] and order[32:34].tolist() == [32, 48]
+    assert all(o // 32 == j // 32 for j, o in enumerate(order.tolist()))
+
+
+def test_layout_refuses_what_the_table_cannot_decode(fp4_containers):
+    with Container(fp4_containers["keep"]) as c:
+        block = c.layers[0]
+        assert ExpertDecoder.layout(block.experts[0], f"{block.name}.ffn.experts.1.") is None  # wrong prefix
+        assert ExpertDecoder.layout(block.dense, f"{block.name}.ffn.experts.0.") is None
+
+
+@pytest.mark.parametrize("policy", ["keep", "fp4"])
+@pytest.mark.parametrize("expert_dtype", ["float32", "bfloat16"])
+def test_prefill_with_the_table_decoder_equals_the_generic_path(fp4_containers, monkeypatch, policy, expert_dtype):
+    ids = torch.randint(0, 500, (70,), generator=torch.Generator().manual_seed(1))
+    options = PrefillOptions(expert_dtype=expert_dtype)
+    fast = prefill(fp4_containers[policy], ids, options).logits
+    monkeypatch.setattr(engine.ExpertDecoder, "layout", staticmethod(lambda region, prefix: None))
+    generic = prefill(fp4_containers[policy], ids, options).logits
+    if policy == "keep":  # same values in the same order: the same bits
+        assert torch.equal(fast, generic)
+    else:  # the same products summed in another order
+        assert (fast - generic).abs().max() <= 1e-3 * generic.abs().max()

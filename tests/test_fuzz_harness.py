@@ -1,0 +1,76 @@
+"""The long-running fuzz harness (fuzz/fuzz_container.py, docs/fuzzing.md) kept from rotting: a few seconds of it on
+both targets finds no failure and gets through a fair number of inputs, and it does tell a failure from moepack's
+own errors."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HARNESS = ROOT / "fuzz" / "fuzz_container.py"
+
+
+def test_a_short_run_on_both_targets_finds_nothing(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(HARNESS), "--seconds", "5", "--target", "all", "--quick-seeds", "--seed", "7",
+         "--corpus", str(tmp_path / "corpus"), "--crashes", str(tmp_path / "crashes"), "--json", "--quiet"],
+        capture_output=True, text=True, timeout=120)
+    report = json.loads(run.stdout)
+    assert report["distinct_failures"] == 0, report["failures"]
+    assert run.returncode == 0, run.stderr[-2000:]
+    for target in ("container", "kv"):
+        stats = report["targets"][target]
+        assert stats["inputs"] > 100, stats
+        assert stats["error"] > 0 and stats["ok"] > 0, stats  # both the rejections and the deep paths are reached
+    assert not list((tmp_path / "crashes").iterdir())
+
+
+@pytest.fixture
+def targets(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "fuzz"))
+    import targets
+
+    return targets
+
+
+def test_an_exception_other_than_moepacks_is_a_failure_named_by_its_frame(targets, tmp_path, monkeypatch):
+    from containers import build_container
+
+    from moepack.format_spec import reader
+
+    path = str(tmp_path / "c.moepack")
+    build_container(path, n_layers=1, n_experts=2)
+    assert targets.run_one("container", path)["status"] == "ok"
+
+    def broken(self, entries):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(reader.Container, "_validate_tensors", broken)
+    outcome = targets.run_one("container", path)
+    assert outcome["status"] == "failure" and outcome["stage"] == "open"
+    assert outcome["frame"].startswith("format_spec/reader.py:") and outcome["frame"].endswith(" _validate_index")
+    assert outcome["key"] == f"KeyError @ {outcome['frame']}"
+
+
+def test_a_hang_is_caught_and_named_by_its_frame(targets, tmp_path):
+    """An input the reader blocks on (a FIFO nobody writes) stands in for a hang: the worker's faulthandler dumps
+    the stack at the timeout and the harness reports where it hung, then carries on with a new worker."""
+    import os
+
+    from fuzz_container import Worker
+
+    fifo = tmp_path / "blocks.moepack"
+    os.mkfifo(fifo)
+    worker = Worker(str(tmp_path), timeout=1, memory_mb=1024)
+    try:
+        outcome = worker.run("container", str(fifo))
+        assert outcome["status"] == "failure" and outcome["kind"] == "hang"
+        assert outcome["frame"].startswith("format_spec/reader.py:")
+        assert worker.run("container", str(tmp_path / "missing.moepack"))["status"] == "error"
+    finally:
+        worker.stop()
