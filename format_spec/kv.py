@@ -615,7 +615,10 @@ class KVDirectory:
             m = json.loads(raw)
         except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a too long number, too deep nesting
             self._fail(f"{MANIFEST_NAME} is not valid JSON ({e})")
-        self.manifest = self._validate(m)
+        try:
+            self.manifest = self._validate(m)
+        except RecursionError:  # json.loads took a value nested near the limit; hashing it (re-encoding) did not
+            self._fail(f"{MANIFEST_NAME}: nested too deeply")
 
     def _validate(self, m) -> dict:
         fail = self._fail

@@ -335,7 +335,7 @@ def atheris_child_main(args) -> None:
     corpus = [data for _, data in load_corpus(args.corpus, target)]
     rng = random.Random(args.seed)
     mutator = Mutator(rng, lambda _target: rng.choice(corpus))
-    scratch = tempfile.mkdtemp(prefix=f"moepack-atheris-{os.getpid()}-", dir=_scratch_root())
+    scratch = args.scratch  # the parent removes it: libFuzzer ends this process without unwinding
     stats = {"inputs": 0, "ok": 0, "error": 0, "failure": 0, "failures": {}}
     started = time.monotonic()
     last_write = [0.0]
@@ -399,7 +399,9 @@ def run_atheris(args, targets_run: list[str]) -> dict:
         if args.runs is not None:
             command += ["--runs", str(args.runs // len(targets_run))]
         t0 = time.monotonic()
-        child = subprocess.run(command, stdout=sys.stderr, stderr=None if not args.quiet else subprocess.DEVNULL)
+        with tempfile.TemporaryDirectory(prefix="moepack-atheris-", dir=_scratch_root()) as scratch:
+            child = subprocess.run(command + ["--scratch", scratch], stdout=sys.stderr,
+                                   stderr=None if not args.quiet else subprocess.DEVNULL)
         stats = json.loads(stats_path.read_text()) if stats_path.exists() else {"inputs": 0, "failures": {}}
         report["targets"][target] = {"inputs": stats["inputs"], "seconds": round(time.monotonic() - t0, 1),
                                      **{k: stats.get(k, 0) for k in ("ok", "error", "failure")}}

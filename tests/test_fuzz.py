@@ -286,3 +286,25 @@ def test_kv_numbers_that_only_equal_integers_are_refused(kv_dir, tmp_path, where
     path = _kv_copy(kv_dir, tmp_path, edit)
     with pytest.raises(FormatError, match="geometry does not follow" if where == "geometry" else "tokens need"):
         KVDirectory(path)
+
+
+def test_kv_config_nested_near_the_recursion_limit_is_a_format_error(kv_dir, tmp_path):
+    """json.loads accepts nesting just under the recursion limit, but hashing the config re-encodes it from a
+    deeper stack: RecursionError for a few depths (where exactly depends on the caller's stack, so every depth
+    near the limit is tried), found by the atheris engine."""
+    import sys
+
+    from moepack.format_spec.kv import KVDirectory
+
+    def edit(m):
+        m["identity"]["config"]["deep"] = "@DEEP@"
+
+    path = _kv_copy(kv_dir, tmp_path, edit, rehash_config=False)
+    manifest = tmp_path / "kv" / "manifest.json"
+    template = manifest.read_text()
+    limit = sys.getrecursionlimit()
+    for depth in range(limit - 120, limit + 1):
+        manifest.write_text(template.replace('"@DEEP@"', "[" * depth + "]" * depth))
+        with pytest.raises(FormatError) as info:
+            KVDirectory(path)
+        assert "\n" not in str(info.value)
