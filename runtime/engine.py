@@ -282,7 +282,8 @@ class StreamingPrefill:
         """The experts of `layer` this process computes: all of them, or its rank's contiguous range."""
         if not self.dist:
             return range(n_experts)
-        return self._ownership.get(layer) or self.dist.owned(n_experts)
+        owned = self._ownership.get(layer)  # may be an empty range: more ranks than loaded experts
+        return owned if owned is not None else self.dist.owned(n_experts)
 
     def _balance(self, layer: int, loads: list[int]) -> None:
         """Balanced ownership: split `layer`'s experts into contiguous ranges of equal routed load (tokens per

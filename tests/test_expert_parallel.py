@@ -160,3 +160,24 @@ def test_balanced_ownership_matches_and_evens_the_load(setup, tmp_path):
     assert all(worst["balanced", layer] <= worst["contiguous", layer] for layer in range(n_layers))
     assert sum(worst["balanced", layer] for layer in range(n_layers)) < \
         sum(worst["contiguous", layer] for layer in range(n_layers))
+
+
+def test_an_empty_balanced_range_stays_empty(setup):
+    """A layer's balanced range may be empty (a rank whose share is taken by one hot expert elsewhere): it must
+    stay empty, not fall back to the contiguous range, whose experts another rank also computes."""
+    from moepack.runtime.distributed import DistContext
+    from moepack.runtime.engine import StreamingPrefill
+
+    _, container, _, _ = setup
+    with Container(container) as c:
+        n_experts = len(c.layers[0].experts)
+        engine = StreamingPrefill(c, PrefillOptions(expert_ownership="balanced"),
+                                  dist=DistContext(rank=0, world_size=2, backend="gloo"))
+        try:
+            engine._ownership[0] = range(0, 0)
+            assert len(engine._owned(0, n_experts)) == 0
+            assert engine._owned(1, n_experts) == owned_range(n_experts, 0, 2)  # not balanced yet: contiguous
+            engine._balance(2, [1] * n_experts)
+            assert engine._owned(2, n_experts) == range(0, n_experts // 2)
+        finally:
+            engine.close()
