@@ -51,11 +51,11 @@ def decode_alone(path: str, dtype: torch.dtype) -> tuple[float, int, int]:
     """Decode every routed expert once (bytes already in RAM), as the prefill does: (seconds, bytes, weights)."""
     decoder = ExpertDecoder(dtype, torch.device("cpu"))
     seconds = stored = weights = 0
-    with Container(path) as c, open(path, "rb") as f:
+    with Container(path) as c:
         for block in c.layers:
             for region in block.experts:
-                f.seek(region.offset)
-                raw = torch.frombuffer(bytearray(f.read(region.length)), dtype=torch.uint8)
+                raw = torch.frombuffer(bytearray(c.pread(region.offset, region.length, region.part)),
+                                       dtype=torch.uint8)
                 prefix = f"{block.name}.ffn.experts.{region.expert}."
                 layout = ExpertDecoder.layout(region, prefix)
                 if layout is None:

@@ -275,6 +275,29 @@ def _chunk_pool() -> ThreadPoolExecutor:
 
 # ------------------------------------------------------------------------------------------- compiled kernels
 
+# What the compiled quantizers share: 32-element blocks, handled GROUP at a time, and each block's largest |x| as
+# float bits (sign cleared), compared as integers, which orders finite floats like their magnitudes
+C_BLOCK_PRELUDE = r"""
+#include <stdint.h>
+#include <string.h>
+
+#define QK 32
+#define GROUP 16
+
+static inline void block_amax_bits(const float *restrict x, uint32_t *restrict amax_bits, int64_t n) {
+    for (int64_t b = 0; b < n; b++) {
+        uint32_t m = 0;
+        for (int j = 0; j < QK; j++) {
+            uint32_t bits;
+            memcpy(&bits, x + b * QK + j, 4);
+            bits &= 0x7fffffffu;
+            m = bits > m ? bits : m;
+        }
+        amax_bits[b] = m;
+    }
+}
+"""
+
 NATIVE_ENV = "MOEPACK_NATIVE"  # "0": never compile; every codec uses its torch kernel
 # -ffp-contract=off: no fused multiply-adds, so every float operation rounds exactly as the C source says (the
 # byte-exactness with ggml depends on it); no -ffast-math for the same reason. -march=native is tried first (the

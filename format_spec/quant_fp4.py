@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .errors import MoepackError
-from .quant_common import LazyKernel, check_finite, compiled_quantizer, on_device, scalar
+from .quant_common import C_BLOCK_PRELUDE, LazyKernel, check_finite, compiled_quantizer, on_device, scalar
 from .source_formats import byte_pair_table
 
 MX_BLOCK, MX_BYTES = 32, 17
@@ -116,13 +116,8 @@ def mxfp4_quantize_chunk(x: torch.Tensor, out: torch.Tensor) -> None:
 # taken on the float bits with the sign cleared (integer order is float order there; inf/NaN sort above), and
 # floor(log2(amax)) is the float's exponent field except for maxima within 4096 ulps below a power of two (where a
 # correctly rounded log2f may round up to it) and subnormal ones: those take the torch kernel's float64 log2 path.
-_MXFP4_C_SOURCE = r"""
+_MXFP4_C_SOURCE = C_BLOCK_PRELUDE + r"""
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#define QK 32
-#define GROUP 16
 
 static inline float from_bits(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 
@@ -145,16 +140,7 @@ static int quantize_group(const float *restrict x, uint8_t *restrict out, int64_
     float scale[GROUP], scale_low[GROUP];
     uint8_t exponent[GROUP];
     int nonfinite = 0;
-    for (int64_t b = 0; b < n; b++) {
-        uint32_t m = 0;
-        for (int j = 0; j < QK; j++) {
-            uint32_t bits;
-            memcpy(&bits, x + b * QK + j, 4);
-            bits &= 0x7fffffffu;
-            m = bits > m ? bits : m;
-        }
-        amax_bits[b] = m;
-    }
+    block_amax_bits(x, amax_bits, n);
     for (int64_t b = 0; b < n; b++) {
         uint32_t m = amax_bits[b];
         int e = 0;

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant_common import LazyKernel, check_finite, compiled_quantizer, f16_bits_to_f32, scalar
+from .quant_common import C_BLOCK_PRELUDE, LazyKernel, check_finite, compiled_quantizer, f16_bits_to_f32, scalar
 
 BLOCK = 32
 BYTES = 34
@@ -41,12 +41,7 @@ def quantize_chunk(x: torch.Tensor, out: torch.Tensor) -> None:
 # The same computation in C, 16 blocks at a time so that the compiler vectorises each step across elements. The
 # block max is taken on the float bits with the sign cleared (for non-negative floats, and inf/NaN above them,
 # integer order is float order), which also flags a non-finite block. The float -> int conversion truncates.
-_C_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-
-#define QK 32
-#define GROUP 16
+_C_SOURCE = C_BLOCK_PRELUDE + r"""
 #define FLT_MAX_F 3.4028234663852886e38f
 #define HALF_DOWN 0.49999997f /* 0.5 - 2^-25 */
 
@@ -55,16 +50,7 @@ static int quantize_group(const float *restrict x, uint8_t *restrict out, int64_
     float inv[GROUP];
     _Float16 d16[GROUP];
     int nonfinite = 0;
-    for (int64_t b = 0; b < n; b++) {
-        uint32_t m = 0;
-        for (int j = 0; j < QK; j++) {
-            uint32_t bits;
-            memcpy(&bits, x + b * QK + j, 4);
-            bits &= 0x7fffffffu;
-            m = bits > m ? bits : m;
-        }
-        amax_bits[b] = m;
-    }
+    block_amax_bits(x, amax_bits, n);
     for (int64_t b = 0; b < n; b++) {
         float amax;
         memcpy(&amax, &amax_bits[b], 4);

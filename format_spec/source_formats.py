@@ -56,9 +56,14 @@ def _exponent_to_e8m0(exponent: torch.Tensor) -> torch.Tensor:
     return (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-def _e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype != torch.float8_e8m0fnu:
         raise MoepackError(f"scale must be float8_e8m0fnu, got {scale.dtype}")
+    return scale.view(torch.uint8)
+
+
+def _e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    _e8m0_bytes(scale)
     return scale.float()
 
 
@@ -109,12 +114,10 @@ def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int =
             f"FP8 scale shape {list(scale.shape)} does not match weight {[rows, cols]} "
             f"in {block}x{block} blocks (expected {list(expected)})"
         )
-    if scale.dtype != torch.float8_e8m0fnu:
-        raise MoepackError(f"scale must be float8_e8m0fnu, got {scale.dtype}")
     # one lookup per element: (scale byte << 8 | weight byte) -> the scaled value (torch's FP8 -> float conversion
     # is scalar on CPUs; the 256 KiB table stays in cache)
     index = weight.view(torch.uint8).to(torch.int32)
-    scale_per_column = (scale.view(torch.uint8).to(torch.int32) << 8).repeat_interleave(block, dim=1)[:, :cols]
+    scale_per_column = (_e8m0_bytes(scale).to(torch.int32) << 8).repeat_interleave(block, dim=1)[:, :cols]
     full = rows // block
     index[: full * block].view(full, block, cols).add_(scale_per_column[:full, None, :])
     index[full * block:].add_(scale_per_column[full:])
@@ -128,7 +131,8 @@ def _fp8_scaled_table(device: torch.device) -> torch.Tensor:
     """[65536] float32: e4m3 byte (index & 255) times E8M0 scale byte (index >> 8), as float arithmetic gives it."""
     if device not in _FP8_TABLES:
         codes = torch.arange(256, dtype=torch.uint8)
-        values = codes.view(torch.float8_e4m3fn).float()[None, :] * _e8m0_to_float(codes.view(torch.float8_e8m0fnu))[:, None]
+        scales = _e8m0_to_float(codes.view(torch.float8_e8m0fnu))
+        values = codes.view(torch.float8_e4m3fn).float()[None, :] * scales[:, None]
         _FP8_TABLES[device] = values.reshape(-1).to(device)
     return _FP8_TABLES[device]
 

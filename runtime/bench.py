@@ -164,11 +164,9 @@ def _expert_reads(container, bundle: int, max_bytes: int | None) -> list[ReadSpa
     """The reads an all-experts prefill makes of the expert sections, layer by layer, `bundle` experts per read
     (cut at stripe boundaries in a multi-part container, as the engine does), stopping once `max_bytes` are
     covered (every cell reads the same prefix of the container)."""
-    from moepack.runtime.engine import expert_reads
-
     reads, total = [], 0
     for block in container.layers:
-        for _, _, span in expert_reads(block, list(range(len(block.experts))), bundle):
+        for span in _all_expert_reads(block, bundle):
             reads.append(span)
             total += span.length
             if max_bytes is not None and total >= max_bytes:
@@ -176,15 +174,20 @@ def _expert_reads(container, bundle: int, max_bytes: int | None) -> list[ReadSpa
     return reads
 
 
+def _all_expert_reads(block, bundle: int) -> list[ReadSpan]:
+    """The reads of every expert of `block`, as the engine makes them."""
+    from moepack.runtime.engine import expert_reads
+
+    return [span for _, _, span in expert_reads(block, list(range(len(block.experts))), bundle)]
+
+
 def prefill_read_plan(container, bundle: int) -> list[ReadSpan]:
     """Every read an all-experts prefill makes, in its order: globals, then per layer the dense region and the
     experts in bundles (cut at stripe boundaries)."""
-    from moepack.runtime.engine import expert_reads
-
     reads = [ReadSpan(r.part, r.offset, r.length) for r in container.global_regions]
     for block in container.layers:
         reads.append(ReadSpan(block.dense.part, block.dense.offset, block.dense.length))
-        reads += [span for _, _, span in expert_reads(block, list(range(len(block.experts))), bundle)]
+        reads += _all_expert_reads(block, bundle)
     return reads
 
 

@@ -133,6 +133,11 @@ def bundle_runs(expert_ids: list[int], bundle: int) -> list[tuple[int, int]]:
     return runs
 
 
+def tokens_per_expert(by_expert: dict, n_experts: int) -> list[int]:
+    """How many tokens the router sent to each expert 0..n_experts-1 (`by_expert`: Routing.tokens_by_expert())."""
+    return [len(by_expert[e].token_index) if e in by_expert else 0 for e in range(n_experts)]
+
+
 def expert_reads(block: Block, expert_ids: list[int], bundle: int) -> list[tuple[int, int, ReadSpan]]:
     """(first, count, read) for sorted `expert_ids` of `block`: runs of at most `bundle` consecutive experts, cut
     at stripe boundaries so each is one read of one part file. They stay in expert-ID order (the compute order);
@@ -375,8 +380,7 @@ class StreamingPrefill:
                 past[number] = layer_past = None  # the old state is folded into the new one
             if reads is None:
                 if self.balanced:
-                    self._balance(number, [len(by_expert[e].token_index) if e in by_expert else 0
-                                           for e in range(n_experts)])
+                    self._balance(number, tokens_per_expert(by_expert, n_experts))
                 wanted = range(n_experts) if selection == "all" else sorted(by_expert)
                 reads = self._submit_experts(block, number, list(wanted))
             routed = torch.zeros_like(routing.x)
@@ -437,7 +441,7 @@ class StreamingPrefill:
         return "all" if unused <= ALL_EXPERTS_UNUSED_FRACTION else "routed"
 
     def _layer_stats(self, number, block, selection, reads, by_expert, n_experts) -> LayerStats:
-        counts = [len(by_expert[e].token_index) if e in by_expert else 0 for e in range(n_experts)]
+        counts = tokens_per_expert(by_expert, n_experts)
         read_bytes = sum(block.expert_read(first, count).length for first, count, _ in reads)
         owned = self._owned(number, n_experts)
         section = sum(block.experts[e].length for e in owned)

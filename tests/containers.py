@@ -152,3 +152,39 @@ def source_reads_fail_at(n: int, exc: BaseException):
         yield
     finally:
         CheckpointDir.read = real
+
+
+def kill_convert_at_random_points(convert_args: str, out: str, seed: int, after_kill, rounds: int = 4) -> int:
+    """Run `convert_checkpoint(<convert_args>)` in a child (each source read slowed a little, so a conversion
+    lasts long enough to be hit) and SIGKILL it at a random moment, up to `rounds` times, the same command each
+    time, until one run finishes and `out` exists. `after_kill()` checks the state each killed run leaves.
+    Returns how many runs were killed."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import time, moepack.packer.source as s\n"
+        "real = s.CheckpointDir.read\n"
+        "def slow(self, t):\n"
+        "    time.sleep(0.004)\n"
+        "    return real(self, t)\n"
+        "s.CheckpointDir.read = slow\n"
+        "from moepack.packer.convert import convert_checkpoint\n"
+        f"convert_checkpoint({convert_args})\n"
+    )
+    rng = random.Random(seed)
+    kills = 0
+    for _ in range(rounds):
+        p = subprocess.Popen([sys.executable, "-c", code])
+        time.sleep(1.0 + rng.uniform(0.0, 1.0))  # interpreter start, then somewhere in the conversion
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            kills += 1
+        p.wait()
+        if os.path.exists(out):
+            break
+        after_kill()
+    return kills

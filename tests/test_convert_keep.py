@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from containers import source_reads_fail_at
+from containers import kill_convert_at_random_points, source_reads_fail_at
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 from moepack.format_spec.verify import verify_container
@@ -148,35 +148,12 @@ def test_kill_9_at_random_points_then_rerun_is_byte_identical(release_dir, packe
     """Real SIGKILLs at random moments of a conversion, each followed by the same command again (which may be
     killed in turn); the final name never holds a partial file and the finished file equals an uninterrupted
     run's."""
-    import random
-    import signal
-    import subprocess
-    import sys
-    import time
-
     out = str(tmp_path / "killed.moepack")
-    code = (
-        "import time, moepack.packer.source as s\n"
-        "real = s.CheckpointDir.read\n"
-        "def slow(self, t):\n"
-        "    time.sleep(0.004)\n"
-        "    return real(self, t)\n"
-        "s.CheckpointDir.read = slow\n"
-        "from moepack.packer.convert import convert_checkpoint\n"
-        f"convert_checkpoint({release_dir!r}, {out!r}, progress=False)\n"
-    )
-    rng = random.Random(1234)
-    kills = 0
-    for _ in range(4):
-        p = subprocess.Popen([sys.executable, "-c", code])
-        time.sleep(1.0 + rng.uniform(0.0, 1.0))  # interpreter start, then somewhere in the conversion
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-            kills += 1
-        p.wait()
-        if os.path.exists(out):
-            break
+
+    def after_kill():
         assert os.path.exists(out + ".partial"), "a killed run keeps its partial output for the next one"
+
+    kills = kill_convert_at_random_points(f"{release_dir!r}, {out!r}, progress=False", out, 1234, after_kill)
     assert kills >= 1
     if not os.path.exists(out):
         journaled = os.path.exists(out + ".partial.journal")

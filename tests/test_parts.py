@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from containers import (
-    build_container, container_files, copy_container, mutate_index, read_parts, restamp_parts, source_reads_fail_at,
+    build_container, container_files, copy_container, kill_convert_at_random_points, mutate_index, read_parts,
+    restamp_parts, source_reads_fail_at,
 )
 from moepack.cli.main import cli
 from moepack.format_spec.errors import FormatError, MoepackError
@@ -393,34 +392,16 @@ def test_interrupted_multi_part_convert_resumes_to_identical_bytes(build, src, t
 def test_kill_9_during_a_multi_part_convert_then_rerun_is_byte_identical(build, src, tmp_path):
     """Real SIGKILLs at random moments of a 3-part conversion (one part in another directory), each followed by the
     same command; no final name ever holds a partial file, and the result equals an uninterrupted run's bytes."""
-    import random
-
     out = str(tmp_path / "killed.moepack")
     elsewhere = tmp_path / "ssd2"
     elsewhere.mkdir()
-    code = (
-        "import time, moepack.packer.source as s\n"
-        "real = s.CheckpointDir.read\n"
-        "def slow(self, t):\n"
-        "    time.sleep(0.004)\n"
-        "    return real(self, t)\n"
-        "s.CheckpointDir.read = slow\n"
-        "from moepack.packer.convert import convert_checkpoint\n"
-        f"convert_checkpoint({src!r}, {out!r}, progress=False, parts=3, stripe_experts=1, "
-        f"part_dirs={{2: {str(elsewhere)!r}}})\n"
-    )
-    rng = random.Random(99)
-    kills = 0
-    for _ in range(4):
-        p = subprocess.Popen([sys.executable, "-c", code])
-        time.sleep(1.0 + rng.uniform(0.0, 1.0))
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-            kills += 1
-        p.wait()
-        if os.path.exists(out):
-            break
+
+    def after_kill():
         assert not os.path.exists(out + ".part1") or os.path.exists(out + ".partial")
+
+    kills = kill_convert_at_random_points(
+        f"{src!r}, {out!r}, progress=False, parts=3, stripe_experts=1, part_dirs={{2: {str(elsewhere)!r}}}", out,
+        99, after_kill)
     assert kills >= 1
     if not os.path.exists(out):
         convert_checkpoint(src, out, progress=False, parts=3, stripe_experts=1, part_dirs={2: str(elsewhere)})
