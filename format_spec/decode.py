@@ -95,7 +95,11 @@ def decode_float(dtype: str, shape, buffer, scale: torch.Tensor | None = None,
 
     shape = tuple(shape)
     if dtype == "F8_E4M3" and scale is not None:
-        values = source_formats.fp8_block_dequantize(decode_tensor(dtype, shape, buffer), scale).to(out_dtype)
+        weight = decode_tensor(dtype, shape, buffer)
+        if out_dtype in (torch.float32, torch.bfloat16):  # decoded straight into it
+            values = source_formats.fp8_block_dequantize(weight, scale, dtype=out_dtype)
+        else:
+            values = source_formats.fp8_block_dequantize(weight, scale).to(out_dtype)
     elif dtype == "FP4_E2M1":
         if scale is None:
             raise FormatError("an FP4_E2M1 tensor needs its scale tensor to be decoded")
@@ -117,11 +121,11 @@ def _apply_tensor_scale(values: torch.Tensor, tensor_scale: float | torch.Tensor
 INTEGER_TYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 
 
-def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INTEGER_TYPES) -> dict:
+def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INTEGER_TYPES, dtype_of=None) -> dict:
     """Decode tensors stored together (a region): each `P.weight` takes its `P.scale` and `P.tensor_scale`
     along and they are not returned; types in `keep` come back as stored (times a tensor scale, if one goes with
-    them); everything else as `out_dtype` values. `read(t)` gives the stored bytes of entry `t` (anything with
-    .name, .dtype, .shape)."""
+    them); everything else as `out_dtype` values, or `dtype_of(entry)` where that is given. `read(t)` gives the
+    stored bytes of entry `t` (anything with .name, .dtype, .shape)."""
     by_name = {t.name: t for t in tensors}
     out = {}
     for t in tensors:
@@ -134,5 +138,6 @@ def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INT
             continue
         s = by_name.get(scale_name(t.name))
         scale = decode_tensor(s.dtype, s.shape, read(s)) if s is not None else None
-        out[t.name] = decode_float(t.dtype, t.shape, read(t), scale, out_dtype, tensor_scale)
+        out[t.name] = decode_float(t.dtype, t.shape, read(t), scale, dtype_of(t) if dtype_of else out_dtype,
+                                   tensor_scale)
     return out

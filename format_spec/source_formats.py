@@ -14,8 +14,12 @@ tensor passes, never a Python loop over blocks.
 
 from __future__ import annotations
 
+import ctypes
+import warnings
+
 import torch
 
+from . import quant_common
 from .errors import MoepackError
 
 FP8_E4M3_MAX = 448.0
@@ -103,8 +107,10 @@ def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
     return weight.contiguous(), _exponent_to_e8m0(exponent)
 
 
-def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """Decode an FP8 weight and its block scales to float32 [out, in]."""
+def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode an FP8 weight and its block scales to `dtype` (float32 or bfloat16) [out, in]. bfloat16 gives the
+    float32 values rounded, as .to(torch.bfloat16) would (they are exact unless the scale pushes them out of range)."""
     if weight.ndim != 2:
         raise MoepackError(f"FP8 weight must be 2-D, got shape {list(weight.shape)}")
     rows, cols = weight.shape
@@ -116,25 +122,92 @@ def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int =
         )
     # one lookup per element: (scale byte << 8 | weight byte) -> the scaled value (torch's FP8 -> float conversion
     # is scalar on CPUs; the 256 KiB table stays in cache)
+    scale_bytes = _e8m0_bytes(scale)
+    table = _fp8_scaled_table(weight.device, dtype)
+    kernel = _fp8_native() if weight.device.type == "cpu" else None
+    if kernel is not None:
+        out = torch.empty(rows, cols, dtype=dtype)
+        kernel[dtype.itemsize](weight.view(torch.uint8).contiguous().data_ptr(), scale_bytes.contiguous().data_ptr(),
+                               rows, cols, block, expected[1], table.data_ptr(), out.data_ptr())
+        return out
+    return _fp8_lookup_torch(weight, scale_bytes, block, table)
+
+
+def _fp8_lookup_torch(weight: torch.Tensor, scale_bytes: torch.Tensor, block: int, table: torch.Tensor) -> torch.Tensor:
+    rows, cols = weight.shape
     index = weight.view(torch.uint8).to(torch.int32)
-    scale_per_column = (_e8m0_bytes(scale).to(torch.int32) << 8).repeat_interleave(block, dim=1)[:, :cols]
+    scale_per_column = (scale_bytes.to(torch.int32) << 8).repeat_interleave(block, dim=1)[:, :cols]
     full = rows // block
     index[: full * block].view(full, block, cols).add_(scale_per_column[:full, None, :])
     index[full * block:].add_(scale_per_column[full:])
-    return torch.index_select(_fp8_scaled_table(weight.device), 0, index.view(-1)).view(rows, cols)
+    return torch.index_select(table, 0, index.view(-1)).view(rows, cols)
 
 
-_FP8_TABLES: dict[torch.device, torch.Tensor] = {}
+_FP8_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _fp8_scaled_table(device: torch.device) -> torch.Tensor:
-    """[65536] float32: e4m3 byte (index & 255) times E8M0 scale byte (index >> 8), as float arithmetic gives it."""
-    if device not in _FP8_TABLES:
+def _fp8_scaled_table(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[65536] `dtype`: e4m3 byte (index & 255) times E8M0 scale byte (index >> 8), as float32 arithmetic gives it
+    (then rounded to `dtype`)."""
+    if (device, dtype) not in _FP8_TABLES:
         codes = torch.arange(256, dtype=torch.uint8)
         scales = _e8m0_to_float(codes.view(torch.float8_e8m0fnu))
         values = codes.view(torch.float8_e4m3fn).float()[None, :] * scales[:, None]
-        _FP8_TABLES[device] = values.reshape(-1).to(device)
-    return _FP8_TABLES[device]
+        _FP8_TABLES[device, dtype] = values.reshape(-1).to(dtype).to(device)
+    return _FP8_TABLES[device, dtype]
+
+
+# The same lookup as a compiled loop (format_spec.quant_common.native_library): one pass, no index tensor.
+_FP8_NATIVE_SOURCE = r"""
+#include <stdint.h>
+#define DECODE(NAME, T) \
+void NAME(const uint8_t *w, const uint8_t *scale, int64_t rows, int64_t cols, int64_t block, int64_t scale_cols, \
+          const T *table, T *out) { \
+    for (int64_t r = 0; r < rows; r++) { \
+        const uint8_t *s = scale + (r / block) * scale_cols, *wr = w + r * cols; \
+        T *o = out + r * cols; \
+        for (int64_t b = 0; b < scale_cols; b++) { \
+            const T *t = table + ((int64_t)s[b] << 8); \
+            int64_t end = (b + 1) * block < cols ? (b + 1) * block : cols; \
+            for (int64_t c = b * block; c < end; c++) o[c] = t[wr[c]]; \
+        } \
+    } \
+}
+DECODE(fp8_block_decode16, uint16_t)
+DECODE(fp8_block_decode32, uint32_t)
+"""
+
+
+def _load_fp8_native():
+    """{output itemsize: C function}, or None without a compiler or when it disagrees with the torch lookup."""
+    lib = quant_common.native_library("moepack_fp8_decode", _FP8_NATIVE_SOURCE)
+    if lib is None:
+        return None
+    kernels = {}
+    for itemsize, symbol in ((2, "fp8_block_decode16"), (4, "fp8_block_decode32")):
+        fn = getattr(lib, symbol)
+        fn.restype = None
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)
+        kernels[itemsize] = fn
+    # self-check: every weight byte under every scale byte, with partial blocks at both edges
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(0, 256, (300, 200), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    scale = torch.randint(0, 256, fp8_block_scale_shape(300, 200, 16), dtype=torch.uint8, generator=gen)
+    for dtype in (torch.bfloat16, torch.float32):
+        table = _fp8_scaled_table(torch.device("cpu"), dtype)
+        out = torch.empty(300, 200, dtype=dtype)
+        kernels[dtype.itemsize](weight.view(torch.uint8).data_ptr(), scale.data_ptr(), 300, 200, 16, scale.shape[1],
+                                table.data_ptr(), out.data_ptr())
+        want = _fp8_lookup_torch(weight, scale, 16, table)
+        if not torch.equal(out.view(torch.int16 if dtype.itemsize == 2 else torch.int32),
+                           want.view(torch.int16 if dtype.itemsize == 2 else torch.int32)):
+            warnings.warn("moepack: the compiled FP8 decoder disagrees with torch; using torch")
+            return None
+    return kernels
+
+
+_fp8_native = quant_common.LazyKernel(_load_fp8_native)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,9 +17,11 @@ from __future__ import annotations
 import os
 import resource
 import statistics
+import threading
 import time
+import warnings
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +39,7 @@ from .io import HostBuffer, ReadPipeline, RegionReader, available_memory_bytes
 EXPERT_SELECTIONS = ("auto", "all", "routed")
 EXPERT_OWNERSHIPS = ("contiguous", "balanced")
 EXPERT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXPERT_BUFFERS_PER_READ = 2
 # auto reads a whole layer when at most this fraction of its experts is expected to go unused
 ALL_EXPERTS_UNUSED_FRACTION = 0.05
 
@@ -50,9 +53,12 @@ class PrefillOptions:
     query_chunk: int | None = 512
     expert_selection: str = "auto"
     verify_reads: bool = True  # xxh3 of every region as it is read
-    # Routed experts' matmuls in float32 (exact reference path) or bfloat16 (CPUs with AMX / GPUs: several times
-    # faster; activations rounded to bf16 inside the experts only).
-    expert_dtype: str = "float32"
+    # The layers' matrices: float32 (the exact reference path) or bfloat16 (the attention's projections and the
+    # shared expert, model.LOW_PRECISION_PREFIXES; their inputs are rounded to bf16, the residual streams, norms,
+    # mHC and router stay float32). bf16 matmuls are 2-4x faster on CPUs with AVX512-BF16/AMX and on GPUs.
+    compute_dtype: str = "float32"
+    # The routed experts' matmuls: float32 or bfloat16; None: as compute_dtype.
+    expert_dtype: str | None = None
     # Expert-parallel runs: each rank owns a contiguous expert range per layer, of equal size ("contiguous") or of
     # equal routed load measured on this prompt ("balanced": the layer's reads then start once its router ran).
     expert_ownership: str = "contiguous"
@@ -83,16 +89,25 @@ class PrefillResult:
 
 
 class _Timer:
-    """Accumulates the seconds spent inside `with timer:` blocks."""
+    """Accumulates the seconds during which at least one thread is inside a `with timer:` block."""
 
     def __init__(self):
         self.seconds = 0.0
+        self._inside = 0
+        self._since = 0.0
+        self._lock = threading.Lock()
 
     def __enter__(self):
-        self._t = time.perf_counter()
+        with self._lock:
+            if not self._inside:
+                self._since = time.perf_counter()
+            self._inside += 1
 
     def __exit__(self, *exc):
-        self.seconds += time.perf_counter() - self._t
+        with self._lock:
+            self._inside -= 1
+            if not self._inside:
+                self.seconds += time.perf_counter() - self._since
 
 
 def expected_unused_fraction(n_tokens: int, top_k: int, n_experts: int) -> float:
@@ -101,7 +116,7 @@ def expected_unused_fraction(n_tokens: int, top_k: int, n_experts: int) -> float
 
 
 def estimate_working_set(cfg: "v4.ModelConfig", n_tokens: int, query_chunk: int | None, dense_bytes: int,
-                         bundle_bytes: int, depth: int, expert_params: int) -> dict[str, int]:
+                         bundle_bytes: int, depth: int, expert_params: int, expert_threads: int = 1) -> dict[str, int]:
     """Bytes a prefill of n_tokens needs at its peak (float32 compute), by component. Deliberately generous:
     it decides whether to refuse a prompt before any work is done."""
     f32 = 4
@@ -116,7 +131,9 @@ def estimate_working_set(cfg: "v4.ModelConfig", n_tokens: int, query_chunk: int 
     keys = cfg.sliding_window + cfg.index_topk + (n_tokens // hca if hca else 0)
     attention = chunk * cfg.num_heads * (keys + cfg.head_dim) * f32 * 3
     indexer = chunk * cfg.index_n_heads * (n_tokens // csa if csa else 0) * f32 * 2
-    weights = dense_bytes * 5 + bundle_bytes * (depth + 2) + expert_params * f32 * 2
+    # the read pool (EXPERT_BUFFERS_PER_READ per read in flight), and each expert thread's decoded weights
+    weights = (dense_bytes * 5 + bundle_bytes * (EXPERT_BUFFERS_PER_READ * depth + 2)
+               + expert_params * f32 * 2 * expert_threads)
     parts = {"activations": activations, "kv": kv, "attention_chunk": attention + indexer, "weights": weights}
     parts["total"] = sum(parts.values())
     return parts
@@ -173,20 +190,34 @@ class StreamingPrefill:
             raise MoepackError(f"{container.path}: the config in the index is not a usable DeepSeek-V4 config ({e})") \
                 from None
         self._check_shapes()
-        if options.expert_dtype not in EXPERT_DTYPES:
-            raise MoepackError(f"unknown expert dtype {options.expert_dtype!r} (choose from {', '.join(EXPERT_DTYPES)})")
-        self.expert_dtype = EXPERT_DTYPES[options.expert_dtype]
-        self.expert_decoder = ExpertDecoder(self.expert_dtype, self.device)
+        for what, value in (("compute", options.compute_dtype), ("expert", options.expert_dtype)):
+            if value is not None and value not in EXPERT_DTYPES:
+                raise MoepackError(f"unknown {what} dtype {value!r} (choose from {', '.join(EXPERT_DTYPES)})")
+        self.compute_dtype = EXPERT_DTYPES[options.compute_dtype]
+        self.expert_dtype = EXPERT_DTYPES[options.expert_dtype or options.compute_dtype]
+        # CPU with several threads: the experts of a layer run side by side, each on one core (its matmuls and
+        # decode single-threaded). An expert's matmuls on a few dozen tokens are too small to split across cores
+        # well, and the small ops between them would each pay an OpenMP barrier.
+        self.expert_threads = torch.get_num_threads() if self.device.type == "cpu" else 1
+        self._expert_pool = (ThreadPoolExecutor(self.expert_threads, "moepack-expert")
+                             if self.expert_threads > 1 else None)
+        self._local = threading.local()  # each expert thread's own decoder (its buffers are reused expert to expert)
+        self._decoders: list[ExpertDecoder] = []
+        self._decoders_lock = threading.Lock()
         self.on_layer_kv = on_layer_kv
         self.dist = dist  # runtime.distributed.DistContext for expert-parallel runs, else None
         self.balanced = dist is not None and options.expert_ownership == "balanced"
         self._ownership: dict[int, range] = {}  # layer -> this rank's experts, where balanced by load
-        self.reader = RegionReader(container.part_paths, options.io_mode)  # one descriptor per part file
+        # one descriptor per part file; on a CPU, page-cache reads are used in place (no copy into the pool)
+        self.reader = RegionReader(container.part_paths, options.io_mode, zero_copy=self.device.type == "cpu")
         pinned = self.device.type == "cuda"
         layers = container.layers
         max_expert = max((r.length for b in layers for r in b.experts), default=4096)
         max_dense = max(b.dense.length for b in layers)
-        self.experts_pipe = ReadPipeline(self.reader, max_expert * options.bundle_experts, options.queue_depth, pinned)
+        # Q reads in flight and twice as many buffers: while the compute is busy elsewhere (the attention) the disk
+        # keeps reading into the spare ones instead of stopping after Q bundles
+        self.experts_pipe = ReadPipeline(self.reader, max_expert * options.bundle_experts, options.queue_depth, pinned,
+                                         buffers=EXPERT_BUFFERS_PER_READ * options.queue_depth)
         self.dense_pipe = ReadPipeline(self.reader, max_dense, 2, pinned)  # current + the next layer's prefetch
         self.compute = _Timer()
         if self.device.type == "cuda":
@@ -218,9 +249,14 @@ class StreamingPrefill:
                 raise FormatError(f"region {self.c.describe(r)}: checksum mismatch while streaming: the container "
                                   f"is damaged (run `moepack verify`)")
 
-    def _to_device(self, buffer, length: int) -> torch.Tensor:
-        """The first `length` bytes of a host buffer as a uint8 tensor on the compute device."""
-        host = buffer.tensor[:length]
+    def _to_device(self, buffer, view: memoryview) -> torch.Tensor:
+        """The bytes a read delivered (`view`: in `buffer`, or in place in the page cache) as a uint8 tensor on the
+        compute device."""
+        if view.readonly:  # a zero-copy read: the mapped page cache itself, never written to
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch warns that the memory is read-only
+                return torch.frombuffer(view, dtype=torch.uint8)
+        host = buffer.tensor[:len(view)]
         if self.device.type != "cuda":
             return host
         with torch.cuda.stream(self.copy_stream):
@@ -232,15 +268,16 @@ class StreamingPrefill:
         return dev
 
     def _decode(self, regions: list[Region], raw: torch.Tensor, base: int, strip: str,
-                dtype: torch.dtype = torch.float32, own: bool = True) -> dict[str, torch.Tensor]:
-        """Float weights in `dtype` (integers as they are) of the tensors of `regions`, from bytes at `base`.
+                dtype: torch.dtype = torch.float32, own: bool = True, dtype_of=None) -> dict[str, torch.Tensor]:
+        """Float weights in `dtype` (or `dtype_of(entry)`; integers as they are) of the tensors of `regions`, from
+        bytes at `base`.
 
         A tensor stored in the requested dtype decodes to a view of `raw`; `own` copies such views, for weights
         that outlive the pooled buffer the bytes arrived in (experts are used before their buffer goes back)."""
         out = {}
         for r in regions:
             values = decode_group(r.tensors, lambda t: raw[t.file_offset - base: t.file_offset - base + t.length],
-                                  dtype)
+                                  dtype, dtype_of=dtype_of)
             for name, value in values.items():
                 if own and value.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
                     value = value.clone()
@@ -256,7 +293,72 @@ class StreamingPrefill:
         if layout is None:
             w = self._decode([region], raw, base, prefix, self.expert_dtype, own=False)
             return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"]).apply(self.cfg, x)
-        return self.expert_decoder.decode(region, layout, raw, base, prefix).apply(self.cfg, x)
+        return self._decoder().decode(region, layout, raw, base, prefix).apply(self.cfg, x)
+
+    def _decoder(self) -> ExpertDecoder:
+        decoder = getattr(self._local, "decoder", None)
+        if decoder is None:  # one per thread; an expert thread decodes on its own core only
+            decoder = ExpertDecoder(self.expert_dtype, self.device, threads=1 if self._expert_pool else None)
+            self._local.decoder = decoder
+            with self._decoders_lock:
+                self._decoders.append(decoder)
+        return decoder
+
+    def _run_experts(self, block: Block, reads: list, groups: "v4.ExpertGroups", inputs: torch.Tensor,
+                     outputs: torch.Tensor) -> None:
+        """outputs[span of e] = expert e on inputs[span of e], for every expert of `reads` some token chose, as the
+        reads arrive; each read's buffer goes back to the pool once its experts are done."""
+        if self._expert_pool is None:
+            for first_expert, count, future in reads:
+                buffer, view = future.result()
+                try:
+                    regions = block.experts[first_expert:first_expert + count]
+                    with self.compute:
+                        raw = self._to_device(buffer, view)
+                        for region in regions:
+                            span = groups.spans.get(region.expert)
+                            if span is None:
+                                continue  # read with the rest of the section, chosen by no token
+                            a, b = span
+                            outputs[a:b] = self._expert_output(block, region, raw, regions[0].offset, inputs[a:b])
+                finally:
+                    self.experts_pipe.release(buffer)
+            return
+        threads = torch.get_num_threads()
+        pending: list[Future] = []
+        try:
+            for first_expert, count, future in reads:
+                buffer, view = future.result()
+                regions = [r for r in block.experts[first_expert:first_expert + count] if r.expert in groups.spans]
+                if not regions:
+                    self.experts_pipe.release(buffer)
+                    continue
+                raw, base = self._to_device(buffer, view), block.experts[first_expert].offset
+                left, lock = [len(regions)], threading.Lock()
+
+                def finished(_, buffer=buffer, left=left, lock=lock):
+                    with lock:
+                        left[0] -= 1
+                        last = not left[0]
+                    if last:
+                        self.experts_pipe.release(buffer)
+                for region in regions:
+                    a, b = groups.spans[region.expert]
+                    task = self._expert_pool.submit(self._expert_task, block, region, raw, base, inputs, outputs, a, b)
+                    task.add_done_callback(finished)
+                    pending.append(task)
+        finally:
+            for task in pending:  # nothing may still use a buffer or the outputs once this returns
+                task.exception()
+            torch.set_num_threads(threads)  # the expert threads set one thread each
+        for task in pending:
+            task.result()  # an expert's exception, raised here
+
+    def _expert_task(self, block: Block, region: Region, raw: torch.Tensor, base: int, inputs: torch.Tensor,
+                     outputs: torch.Tensor, a: int, b: int) -> None:
+        torch.set_num_threads(1)  # this expert on this core; the other threads run other experts
+        with self.compute:
+            outputs[a:b] = self._expert_output(block, region, raw, base, inputs[a:b])
 
     def _read_globals(self, names: list[str]) -> dict[str, torch.Tensor]:
         regions = [self.c.tensors[n].region for n in names if n in self.c.tensors]
@@ -266,7 +368,7 @@ class StreamingPrefill:
             view = self.reader.read_into(buf, r.offset, r.length, r.part)
             self._check([r], view, r.offset)
             with self.compute:
-                out.update(self._decode([r], self._to_device(buf, r.length), r.offset, ""))
+                out.update(self._decode([r], self._to_device(buf, view), r.offset, ""))
         return out
 
     def _submit_dense(self, block: Block) -> Future:
@@ -278,8 +380,13 @@ class StreamingPrefill:
         buffer, view = future.result()
         try:
             with self.compute:
-                return self._decode([block.dense], self._to_device(buffer, block.dense.length), block.dense.offset,
-                                    block.name + ".")
+                prefix = block.name + "."
+
+                def dtype_of(t) -> torch.dtype:  # the low-precision matrices decode straight into compute_dtype
+                    low = v4.is_low_precision_matrix(t.name[len(prefix):], len(t.shape))
+                    return self.compute_dtype if low else torch.float32
+                return self._decode([block.dense], self._to_device(buffer, view), block.dense.offset,
+                                    prefix, dtype_of=dtype_of)
         finally:
             self.dense_pipe.release(buffer)
 
@@ -351,13 +458,14 @@ class StreamingPrefill:
         streams = v4.embed(cfg, token_ids, self._read_globals(["embed.weight"])["embed.weight"])
         layer_stats: list[LayerStats] = []
         states = [] if keep_states else None
+        reads_ahead = None  # this layer's expert reads, queued while the previous layer's experts computed
         for number, block in enumerate(layers):
             w = self._dense_weights(block, pending_dense)
             n_experts = len(block.experts)
             selection = self._selection(number, n_tokens, n_experts)
-            reads = None
-            if selection == "all" and not self.balanced:  # read the whole section while the attention computes
-                reads = self._submit_experts(block, number, list(range(n_experts)))
+            reads, reads_ahead = reads_ahead, None
+            if reads is None and self._reads_whole_section(number, n_tokens):
+                reads = self._submit_experts(block, number, list(range(n_experts)))  # while the attention computes
             elif selection == "hash":  # the token ids are the routing: known before any compute
                 chosen = w["ffn.gate.tid2eid"][token_ids].reshape(-1)
                 if self.balanced:
@@ -383,23 +491,18 @@ class StreamingPrefill:
                     self._balance(number, tokens_per_expert(by_expert, n_experts))
                 wanted = range(n_experts) if selection == "all" else sorted(by_expert)
                 reads = self._submit_experts(block, number, list(wanted))
-            routed = torch.zeros_like(routing.x)
-            expert_inputs = routing.x.to(self.expert_dtype)  # converted once, gathered per expert
-            for first_expert, count, future in reads:
-                buffer, view = future.result()
-                try:
-                    regions = block.experts[first_expert:first_expert + count]
-                    with self.compute:
-                        raw = self._to_device(buffer, len(view))
-                        for region in regions:
-                            batch = by_expert.get(region.expert)
-                            if batch is None:
-                                continue  # read with the rest of the section, chosen by no token
-                            y = self._expert_output(block, region, raw, regions[0].offset,
-                                                    expert_inputs[batch.token_index])
-                            v4.accumulate(routed, routing, region.expert, y.float())
-                finally:
-                    self.experts_pipe.release(buffer)
+            if number + 1 < len(layers) and self._reads_whole_section(number + 1, n_tokens):
+                # queued behind this layer's reads: the disk goes on into the next layer while these experts
+                # compute, instead of waiting for the next layer's attention to start
+                reads_ahead = self._submit_experts(layers[number + 1], number + 1,
+                                                   list(range(len(layers[number + 1].experts))))
+            with self.compute:
+                groups = routing.groups()
+                inputs = groups.gather(routing.x).to(self.expert_dtype)  # every pair's token, sorted by expert
+                outputs = inputs.new_zeros(inputs.shape)  # rows of experts another rank owns stay zero
+            self._run_experts(block, reads, groups, inputs, outputs)
+            with self.compute:
+                routed = groups.combine(outputs, n_tokens)
             if self.dist:  # combine: every rank adds its experts' share
                 routed = self.dist.all_reduce_sum(routed, f"combining layer {number}'s experts")
             with self.compute:
@@ -417,7 +520,8 @@ class StreamingPrefill:
         expert_params = max((sum(t.numel for t in r.tensors if not t.name.endswith(SCALE_SUFFIXES))
                              for b in layers for r in b.experts), default=0)
         need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
-                                    self.experts_pipe.buffer_bytes, self.opt.queue_depth, expert_params)
+                                    self.experts_pipe.buffer_bytes, self.opt.queue_depth, expert_params,
+                                    self.expert_threads)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             where = "free device memory"
@@ -429,6 +533,11 @@ class StreamingPrefill:
             raise MoepackError(f"a prompt of {n_tokens} tokens needs about {need['total'] / 2**30:.1f} GiB "
                                f"({detail}) but only {free / 2**30:.1f} GiB of {where} is there: shorten the "
                                f"prompt or lower --query-chunk")
+
+    def _reads_whole_section(self, layer: int, n_tokens: int) -> bool:
+        """Whether `layer`'s expert reads are known before its router runs: every expert of it is read (balanced
+        ownership waits for the router to split the section)."""
+        return self._selection(layer, n_tokens, len(self.c.layers[layer].experts)) == "all" and not self.balanced
 
     def _selection(self, layer: int, n_tokens: int, n_experts: int) -> str:
         if self.cfg.hash_layers[layer] and self.opt.expert_selection != "all":
@@ -467,7 +576,9 @@ class StreamingPrefill:
             "overlap": round(wall / busiest, 3),
             "bytes_skipped": sum(s.bytes_skipped for s in layers),
             "bundle_experts": self.opt.bundle_experts,
-            "expert_dtype": self.opt.expert_dtype,
+            "compute_dtype": self.opt.compute_dtype,
+            "expert_dtype": str(self.expert_dtype).removeprefix("torch."),
+            "expert_threads": self.expert_threads,
             "queue_depth": self.opt.queue_depth,
             "device": str(self.device),
             "threads": torch.get_num_threads(),
@@ -486,7 +597,10 @@ class StreamingPrefill:
         self.experts_pipe.close()
         self.dense_pipe.close()
         self.reader.close()
-        self.expert_decoder.close()
+        if self._expert_pool is not None:
+            self._expert_pool.shutdown()
+        for decoder in self._decoders:
+            decoder.close()
 
 
 def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None,

@@ -12,6 +12,7 @@ different parts in flight at once proceed side by side, so the devices' bandwidt
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from moepack.format_spec.errors import MoepackError
@@ -99,8 +101,11 @@ class RegionReader:
     """Reads aligned byte ranges of a container's files: `paths` is the main file, or the main file and its part
     files in part order (`Container.part_paths`). Each file gets its own descriptor, O_DIRECT where it can."""
 
-    def __init__(self, paths: str | Sequence[str], mode: str = "auto"):
+    def __init__(self, paths: str | Sequence[str], mode: str = "auto", zero_copy: bool = False):
+        """`zero_copy` (mmap mode): reads return views of the mapped page cache instead of copying into the buffer;
+        for a consumer on the CPU, which reads the bytes where they lie."""
         self.paths = [paths] if isinstance(paths, str) else list(paths)
+        self.zero_copy = zero_copy
         self.path = self.paths[0]
         try:
             total = sum(os.path.getsize(p) for p in self.paths)
@@ -113,6 +118,8 @@ class RegionReader:
         self._fds: list[int] = []
         self._direct: list[bool] = []  # per part: opened with O_DIRECT (a refusal falls back for that part only)
         self._maps: list[mmap.mmap | None] = []
+        self._map_addresses: list[int] = []
+        self._map_views: list[memoryview | None] = []
         self._retired: list[int] = []
         self._reopen_lock = threading.Lock()
         try:
@@ -140,7 +147,11 @@ class RegionReader:
             raise MoepackError(f"{path}: cannot open ({e.strerror})") from None
         self._fds.append(fd)
         self._direct.append(direct)
-        self._maps.append(mmap.mmap(fd, 0, prot=mmap.PROT_READ) if self.mode == "mmap" else None)
+        mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ) if self.mode == "mmap" else None
+        self._maps.append(mapped)
+        self._map_views.append(memoryview(mapped) if mapped is not None else None)
+        # the mapping's address (numpy reads it from a read-only buffer, which ctypes can't)
+        self._map_addresses.append(np.frombuffer(mapped, dtype=np.uint8).ctypes.data if mapped is not None else 0)
 
     def _fall_back(self, path: str, why: str) -> None:
         message = f"{path}: {why}; reading through the page cache instead"
@@ -154,9 +165,15 @@ class RegionReader:
             raise ValueError(f"read of {length} bytes into a {buffer.nbytes}-byte buffer")
         self.stats.begin()
         try:
-            if self._maps[part] is not None:
-                with memoryview(self._maps[part]) as mapped:  # one copy, page cache -> buffer (a slice copies twice)
-                    buffer.view[:length] = mapped[offset:offset + length]
+            mapped = self._maps[part]
+            if mapped is not None:
+                if offset < 0 or offset + length > len(mapped):
+                    raise MoepackError(f"{self.paths[part]}: unexpected end of file at {len(mapped)} (truncated?)")
+                if self.zero_copy:
+                    return self._map_views[part][offset:offset + length]
+                # one copy, page cache -> buffer, by a ctypes call: it releases the GIL, so the compute thread's
+                # Python keeps running while gigabytes are copied (a memoryview assignment would hold it)
+                ctypes.memmove(buffer.tensor.data_ptr(), self._map_addresses[part] + offset, length)
                 return buffer.view[:length]
             done = 0
             path = self.paths[part]
@@ -186,32 +203,41 @@ class RegionReader:
         self._fall_back(self.paths[part], why)
 
     def close(self) -> None:
-        for m in self._maps:
-            if m is not None:
-                m.close()
+        for v, m in zip(self._map_views, self._maps):
+            try:
+                if v is not None:
+                    v.release()
+                if m is not None:
+                    m.close()
+            except BufferError:  # a zero-copy view still alive somewhere: unmapped when the last one goes
+                pass
         for fd in self._fds + self._retired:
             os.close(fd)
-        self._maps, self._fds, self._direct, self._retired = [], [], [], []
+        self._maps, self._map_views, self._map_addresses = [], [], []
+        self._fds, self._direct, self._retired = [], [], []
 
 
 class ReadPipeline:
-    """Keeps up to `depth` reads in flight, each into its own buffer from a fixed pool.
+    """Keeps up to `depth` reads in flight, into buffers from a fixed pool of `buffers` (default `depth`).
 
     `submit(offset, length)` returns a Future of (buffer, view); the consumer calls `release(buffer)` when done and
     consumes futures in the order it submitted them. A worker takes a free buffer *before* it takes the next
     request, so buffers go to requests strictly in submission order: the oldest request the consumer waits for
     always gets the next buffer released (handing buffers to whichever request a thread happens to pick up first
     can leave the pool held by later, unconsumed reads: a deadlock). Submissions beyond the pool wait, which is
-    what bounds memory.
+    what bounds memory. More buffers than reads in flight let the disk run ahead of a consumer that is busy with
+    something else for a while (the prefill's attention), without more requests queued at the device.
     """
 
-    def __init__(self, reader: RegionReader, buffer_bytes: int, depth: int, pinned: bool = False):
+    def __init__(self, reader: RegionReader, buffer_bytes: int, depth: int, pinned: bool = False,
+                 buffers: int | None = None):
         if depth < 1:
             raise MoepackError("queue depth must be at least 1")
         self.reader = reader
         self.buffer_bytes = buffer_bytes
+        self.buffers = max(depth, buffers or depth)
         self._free: queue.Queue[HostBuffer | None] = queue.Queue()
-        for _ in range(depth):
+        for _ in range(self.buffers):
             self._free.put(HostBuffer(buffer_bytes, pinned))
         self._requests: queue.Queue[tuple | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._work, name=f"moepack-read-{i}", daemon=True)

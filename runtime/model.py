@@ -7,11 +7,11 @@ the engine needs to interleave disk reads:
     for layer:
         streams, kv_state = attention_sublayer(cfg, layer, w, streams, positions, query_chunk)
         routing = moe_route(cfg, layer, w, streams, token_ids)
-        routed = torch.zeros_like(routing.x)
-        for expert, batch in routing.tokens_by_expert().items():        # ascending expert id, as bytes arrive
-            y = expert_forward(cfg, routing.x[batch.token_index], w1, w3, w2)
-            accumulate(routed, routing, expert, y)
-        streams = moe_finish(cfg, layer, w, streams, routing, routed)
+        groups = routing.groups()                                           # (token, expert) pairs by expert
+        inputs, outputs = groups.gather(routing.x), empty [P, H]
+        for expert, (a, b) in groups.spans.items():                        # ascending expert id, as bytes arrive
+            outputs[a:b] = expert_forward(cfg, inputs[a:b], w1, w3, w2)
+        streams = moe_finish(cfg, layer, w, streams, routing, groups.combine(outputs, N))
     logits = head(cfg, streams, w_globals)                                 # last position: [vocab]
 
 `forward_resident` is exactly that loop with every weight in memory (the reference path).
@@ -223,6 +223,27 @@ def _rope_config(p: Mapping, head_dim: int, partial: float, max_positions: int) 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# The low-precision compute path (engine: compute_dtype="bfloat16") keeps these matrices in bfloat16: the
+# attention's projections (with its compressors and indexer) and the shared expert, most of a layer's dense
+# multiply work. Norms, mHC, the router, the sinks and the head stay float32: they are small, and the residual
+# streams and the choice of experts are where rounding would compound.
+LOW_PRECISION_PREFIXES = ("attn.", "ffn.shared_experts.")
+
+
+def is_low_precision_matrix(name: str, ndim: int) -> bool:
+    """Whether the low-precision path stores layer tensor `name` (relative to the layer, `ndim` dimensions) in
+    bfloat16."""
+    return name.startswith(LOW_PRECISION_PREFIXES) and name.endswith(".weight") and ndim == 2
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T computed in w's dtype, the result in x's: a bfloat16 weight takes its input rounded to bfloat16
+    (products summed in float32, the result rounded to bfloat16); float32 weights give exactly F.linear."""
+    if x.dtype == w.dtype:
+        return F.linear(x, w)
+    return F.linear(x.to(w.dtype), w).to(x.dtype)
+
+
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
     return x if weight is None else weight * x
@@ -348,6 +369,12 @@ def compress(kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, rate: i
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# Queries per attention chunk: a few sliding windows (each chunk scores chunk + window - 1 sliding keys, so a
+# chunk much larger than the window spends most of its work on masked keys), at least MIN_QUERY_CHUNK
+SLIDING_CHUNK_WINDOWS = 2
+MIN_QUERY_CHUNK = 128
+
+
 def layer_weights(weights: Mapping[str, Tensor], layer: int) -> dict[str, Tensor]:
     """One layer's tensors from a full release-name mapping, keyed relative to the layer."""
     prefix = f"layers.{layer}."
@@ -393,8 +420,8 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
     cos, sin = rope_cos_sin(rope, positions)
 
     # Per-token projections, O(N x hidden): the query LoRA bottleneck (also the indexer's query input) and K=V.
-    q_lora = rms_norm(F.linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], eps)
-    kv = apply_rope(rms_norm(F.linear(x, w["attn.wkv.weight"]), _kv_norm_weight(w), eps), cos, sin)
+    q_lora = rms_norm(linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], eps)
+    kv = apply_rope(rms_norm(linear(x, w["attn.wkv.weight"]), _kv_norm_weight(w), eps), cos, sin)
     # Sliding keys: past's window tail (the window-1 tokens before positions[0]), then the new tokens.
     first, n_past = (0, 0) if past is None else (past.seen_tokens, past.window_kv.shape[0])
     keys = kv if not n_past else torch.cat([past.window_kv.to(kv), kv])
@@ -405,22 +432,23 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
     compressed = index_keys = None
     if kind != SLIDING:
         compressed, state.compressor = compress(
-            F.linear(x, w["attn.compressor.wkv.weight"]), F.linear(x, w["attn.compressor.wgate.weight"]),
+            linear(x, w["attn.compressor.wkv.weight"]), linear(x, w["attn.compressor.wgate.weight"]),
             w["attn.compressor.ape"], w["attn.compressor.norm.weight"], rate, kind == CSA, cfg.compress_rope, eps,
             past.compressor if past is not None else None)
     if kind == CSA:
         index_keys, state.indexer = compress(
-            F.linear(x, w["attn.indexer.compressor.wkv.weight"]),
-            F.linear(x, w["attn.indexer.compressor.wgate.weight"]), w["attn.indexer.compressor.ape"],
+            linear(x, w["attn.indexer.compressor.wkv.weight"]),
+            linear(x, w["attn.indexer.compressor.wgate.weight"]), w["attn.indexer.compressor.ape"],
             w["attn.indexer.compressor.norm.weight"], rate, True, cfg.compress_rope, eps,
             past.indexer if past is not None else None)
 
     out = x.new_empty(n_tokens, cfg.hidden_size)
-    chunk = query_chunk or n_tokens
+    # chunks of a few sliding windows, or the fewer queries `query_chunk` (a memory bound) asks for
+    chunk = min(query_chunk or n_tokens, max(SLIDING_CHUNK_WINDOWS * cfg.sliding_window, MIN_QUERY_CHUNK))
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
         q_pos, q_cos, q_sin = positions[start:end], cos[start:end], sin[start:end]
-        q = F.linear(q_lora[start:end], w["attn.wq_b.weight"]).unflatten(-1, (cfg.num_heads, cfg.head_dim))
+        q = linear(q_lora[start:end], w["attn.wq_b.weight"]).unflatten(-1, (cfg.num_heads, cfg.head_dim))
         q = apply_rope(rms_norm(q, None, eps), q_cos, q_sin)  # [C, heads, D], per-head unweighted norm
 
         # Sliding window: keys at positions (p - window, p].
@@ -439,7 +467,7 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
                 picked = indexer_topk(cfg, w, x[start:end], q_lora[start:end], q_cos, q_sin, index_keys, complete)
                 parts.append((compressed[picked.clamp(min=0)], _bias(picked >= 0)))  # [C, k, D] per query
 
-        o = _attend(q, parts, w["attn.attn_sink"], cfg.head_dim ** -0.5)
+        o = _attend(q, parts, w["attn.attn_sink"], cfg.head_dim ** -0.5, w["attn.wq_b.weight"].dtype)
         # V = K carries RoPE on its rope channels: rotate the output back by the query's angle, so what each
         # entry contributes depends on its distance to the query only.
         o = apply_rope(o, q_cos, -q_sin)
@@ -452,23 +480,26 @@ def _bias(visible: Tensor) -> Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: float) -> Tensor:
+def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: float,
+            dtype: torch.dtype = torch.float32) -> Tensor:
     """Softmax attention of q [C, heads, D] over several key sets, each (kv, bias [C, K]) with kv either shared by
     all queries [K, D] or per query [C, K, D] (K = V). One softmax spans all sets plus the per-head sink logit,
-    whose probability is dropped (the sink only absorbs weight)."""
+    whose probability is dropped (the sink only absorbs weight). The two products run in `dtype` (bfloat16 on the
+    low-precision path); logits, softmax and the result are float32."""
     n_heads, n_queries = q.shape[1], q.shape[0]
     logits = []
+    q_low = q.to(dtype)
     for kv, bias in parts:
         spec = "chd,kd->hck" if kv.dim() == 2 else "chd,ckd->hck"
-        logits.append(torch.einsum(spec, q, kv) * scale + bias)
+        logits.append(torch.einsum(spec, q_low, kv.to(dtype)).float() * scale + bias)
     logits.append(sink.view(n_heads, 1, 1).expand(n_heads, n_queries, 1))
-    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1).to(dtype)
 
     out, offset = 0, 0
     for kv, _ in parts:
         p = probs[..., offset:offset + kv.shape[-2]]
         offset += kv.shape[-2]
-        out = out + torch.einsum("hck,kd->chd" if kv.dim() == 2 else "hck,ckd->chd", p, kv)
+        out = out + torch.einsum("hck,kd->chd" if kv.dim() == 2 else "hck,ckd->chd", p, kv.to(dtype)).float()
     return out
 
 
@@ -478,10 +509,11 @@ def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: T
     complete compressed entries s < complete[t], and keep the top min(index_topk, T) entry ids [C, k]; -1 where a
     query has fewer than k complete entries."""
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
-    q = F.linear(q_lora, w["attn.indexer.wq_b.weight"]).unflatten(-1, (n_heads, head_dim))
+    q = linear(q_lora, w["attn.indexer.wq_b.weight"]).unflatten(-1, (n_heads, head_dim))
     q = apply_rope(q, cos, sin)  # compress rope, like the indexer's keys
-    scores = torch.relu(torch.matmul(q, index_keys.T)) * head_dim ** -0.5  # [C, heads, T]
-    head_weights = F.linear(x, w["attn.indexer.weights_proj.weight"]) * n_heads ** -0.5  # [C, heads]
+    low = w["attn.indexer.wq_b.weight"].dtype  # the products in the weights' precision (bf16: low-precision path)
+    scores = torch.relu(torch.matmul(q.to(low), index_keys.T.to(low)).float()) * head_dim ** -0.5  # [C, heads, T]
+    head_weights = linear(x, w["attn.indexer.weights_proj.weight"]) * n_heads ** -0.5  # [C, heads]
     scores = (scores * head_weights.unsqueeze(-1)).sum(dim=1)  # [C, T]
     entry_ids = torch.arange(index_keys.shape[0], device=x.device)
     scores = scores.masked_fill(entry_ids[None, :] >= complete[:, None], float("-inf"))
@@ -495,8 +527,8 @@ def grouped_output(cfg: ModelConfig, o: Tensor, wo_a: Tensor, wo_b: Tensor) -> T
     groups = cfg.o_groups
     grouped = o.reshape(o.shape[0], groups, -1).transpose(0, 1)  # [G, C, heads*D/G]
     per_group = wo_a.view(groups, cfg.o_lora_rank, -1)  # [G, R, heads*D/G]
-    low_rank = torch.bmm(grouped, per_group.transpose(1, 2)).transpose(0, 1)  # [C, G, R]
-    return F.linear(low_rank.flatten(1), wo_b)
+    low_rank = torch.bmm(grouped.to(per_group.dtype), per_group.transpose(1, 2)).to(o.dtype).transpose(0, 1)
+    return linear(low_rank.flatten(1), wo_b)  # low_rank: [C, G, R]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -510,25 +542,53 @@ class ExpertTokens(NamedTuple):
 
 
 @dataclass
+class ExpertGroups:
+    """A layer's (token, expert) pairs sorted by expert, then token: the experts' inputs are gathered with one
+    index_select and their outputs added back with one index_add, and expert e's pairs are rows spans[e]."""
+
+    token_index: Tensor  # [P] LongTensor
+    weight: Tensor  # [P] routing weights
+    spans: dict[int, tuple[int, int]]  # expert id -> its rows [start, stop), in ascending expert id
+
+    def gather(self, x: Tensor) -> Tensor:
+        """x [N, H] -> [P, H], each pair's token row."""
+        return torch.index_select(x, 0, self.token_index)
+
+    def combine(self, outputs: Tensor, n_tokens: int) -> Tensor:
+        """[P, H] expert outputs (rows of pairs whose expert did not run must be zero) -> the weighted sum per
+        token [N, H]; each token's terms are added in ascending expert id."""
+        weighted = outputs.float() * self.weight[:, None]
+        return weighted.new_zeros(n_tokens, weighted.shape[1]).index_add_(0, self.token_index, weighted)
+
+
+@dataclass
 class Routing:
     x: Tensor  # [N, H] the FFN input: ffn mHC collapse + ffn_norm
     experts: Tensor  # [N, top_k] chosen expert ids
     weights: Tensor  # [N, top_k] their weights (normalised over the k, times routed_scaling_factor)
     post: Tensor  # [N, hc] mHC post weights, for moe_finish
     comb: Tensor  # [N, hc, hc] mHC stream mixing, for moe_finish
+    _groups: ExpertGroups | None = field(default=None, repr=False)
     _by_expert: dict[int, ExpertTokens] | None = field(default=None, repr=False)
 
-    def tokens_by_expert(self) -> dict[int, ExpertTokens]:
-        """{expert id: (token indices, weights)} for every expert some token chose, in ascending expert id.
-        Sorted once per layer; the engine runs the experts in this order as their bytes arrive."""
-        if self._by_expert is None:
+    def groups(self) -> ExpertGroups:
+        """The pairs sorted by expert (once per layer); the engine runs the experts in this order as their bytes
+        arrive."""
+        if self._groups is None:
             top_k = self.experts.shape[1]
             flat = self.experts.reshape(-1)
             order = torch.argsort(flat, stable=True)  # stable: tokens stay ascending within an expert
             ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
-            tokens = (order // top_k).split(counts.tolist())
-            weights = self.weights.reshape(-1)[order].split(counts.tolist())
-            self._by_expert = {int(e): ExpertTokens(t, wt) for e, t, wt in zip(ids, tokens, weights)}
+            stops = counts.cumsum(0).tolist()
+            spans = {int(e): (stop - n, stop) for e, n, stop in zip(ids.tolist(), counts.tolist(), stops)}
+            self._groups = ExpertGroups(order // top_k, self.weights.reshape(-1)[order], spans)
+        return self._groups
+
+    def tokens_by_expert(self) -> dict[int, ExpertTokens]:
+        """{expert id: (token indices, weights)} for every expert some token chose, in ascending expert id."""
+        if self._by_expert is None:
+            g = self.groups()
+            self._by_expert = {e: ExpertTokens(g.token_index[a:b], g.weight[a:b]) for e, (a, b) in g.spans.items()}
         return self._by_expert
 
 
@@ -566,10 +626,10 @@ def expert_forward(cfg: ModelConfig, x: Tensor, w1: Tensor, w3: Tensor, w2: Tens
     """Clamped SwiGLU: x [n, H], w1 (gate) / w3 (up) [I, H], w2 (down) [H, I] -> [n, H]. The gate is clamped from
     above, the up projection on both sides, at swiglu_limit. `hidden_order`: w2's columns are stored permuted
     (w2[:, hidden_order]), so the hidden activation is permuted the same way."""
-    gate = F.linear(x, w1).clamp(max=cfg.swiglu_limit)
-    up = F.linear(x, w3).clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
+    gate = linear(x, w1).clamp(max=cfg.swiglu_limit)
+    up = linear(x, w3).clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
     hidden = F.silu(gate) * up
-    return F.linear(hidden if hidden_order is None else hidden[:, hidden_order], w2)
+    return linear(hidden if hidden_order is None else hidden[:, hidden_order], w2)
 
 
 def accumulate(acc: Tensor, routing: Routing, expert_id: int, y: Tensor) -> Tensor:
@@ -629,11 +689,12 @@ def forward_resident(cfg: ModelConfig, weights: Mapping[str, Tensor], token_ids:
         streams, kv_state = attention_sublayer(cfg, layer, w, streams, positions, query_chunk, past)
         kv_states.append(kv_state)
         routing = moe_route(cfg, layer, w, streams, token_ids)
-        routed = torch.zeros_like(routing.x)
-        for expert, batch in routing.tokens_by_expert().items():
-            y = expert_forward(cfg, routing.x[batch.token_index], w[f"ffn.experts.{expert}.w1.weight"],
-                               w[f"ffn.experts.{expert}.w3.weight"], w[f"ffn.experts.{expert}.w2.weight"])
-            accumulate(routed, routing, expert, y)
-        streams = moe_finish(cfg, layer, w, streams, routing, routed)
+        groups = routing.groups()
+        inputs = groups.gather(routing.x)
+        outputs = torch.empty_like(inputs)
+        for expert, (a, b) in groups.spans.items():
+            outputs[a:b] = expert_forward(cfg, inputs[a:b], w[f"ffn.experts.{expert}.w1.weight"],
+                                          w[f"ffn.experts.{expert}.w3.weight"], w[f"ffn.experts.{expert}.w2.weight"])
+        streams = moe_finish(cfg, layer, w, streams, routing, groups.combine(outputs, n_tokens))
     logits = head(cfg, streams, weights, slice(None))
     return (logits, kv_states) if return_kv_state else logits

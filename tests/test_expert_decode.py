@@ -14,7 +14,7 @@ from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
 from moepack.runtime import engine
 from moepack.runtime.engine import PrefillOptions, prefill
-from moepack.runtime.expert_decode import ExpertDecoder, _pair_order
+from moepack.runtime.expert_decode import NATIVE_LEVELS, ExpertDecoder, _pair_order, native_levels
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +30,31 @@ def fp4_containers(tmp_path_factory):
     return out
 
 
+def _compiler_usable() -> bool:
+    return bool(quant_common._c_compiler()) and os.environ.get(quant_common.NATIVE_ENV, "1") != "0"
+
+
+def test_the_best_kernel_this_cpu_runs_is_used():
+    levels = native_levels()
+    if not _compiler_usable():
+        assert levels == []
+        return
+    assert levels and levels[0] == "scalar", quant_common.native_builds()
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    if "avx512bw" in flags:  # x86 with AVX-512: every level was built and passed its self-check
+        assert levels == list(NATIVE_LEVELS)
+    assert ExpertDecoder(torch.bfloat16, torch.device("cpu")).native.name == levels[-1]
+    with pytest.raises(ValueError, match="unknown FP4 lookup level"):
+        ExpertDecoder(torch.bfloat16, torch.device("cpu"), native="avx9")
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.dtype.itemsize == 2 else torch.int32)
 
 
 @pytest.mark.parametrize("policy,layout", [("keep", "FP4_E2M1"), ("fp4", "MXFP4")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("native", [*NATIVE_LEVELS, False], ids=[*NATIVE_LEVELS, "torch"])
 def test_table_decode_equals_generic_decode_for_arbitrary_bytes(fp4_containers, policy, layout, dtype, native):
     with Container(fp4_containers[policy]) as c:
         block = c.layers[1]
@@ -47,10 +65,11 @@ def test_table_decode_equals_generic_decode_for_arbitrary_bytes(fp4_containers, 
             f.seek(region.offset)
             raw = torch.frombuffer(bytearray(f.read(region.length)), dtype=torch.uint8)
     decoder = ExpertDecoder(dtype, torch.device("cpu"), threads=3, native=native)  # uneven pieces: every split
-    if native and quant_common._c_compiler() and os.environ.get(quant_common.NATIVE_ENV, "1") != "0":
-        assert decoder._native, quant_common.native_builds()  # a compiler is here: the compiled path is tested
-    elif not native:
-        assert not decoder._native
+    if native and native not in native_levels():
+        # a level this CPU can't run; where a compiler is, plain C at least must be there
+        assert native != "scalar" or not _compiler_usable(), quant_common.native_builds()
+        pytest.skip(f"this CPU does not run the {native} kernel")
+    assert (decoder.native.name if decoder.native else False) == native
     for seed in range(3):  # the stored bytes, then random bytes everywhere: every scale byte 0..255 occurs
         if seed:
             raw = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
