@@ -455,10 +455,12 @@ class StreamingPrefill:
         first_position = past[0].seen_tokens if past else 0
         positions = torch.arange(first_position, first_position + n_tokens, device=self.device)
         pending_dense = self._submit_dense(layers[0])
+        # this layer's expert reads, queued while the previous layer's experts computed (layer 0's: now)
+        reads_ahead = (self._submit_experts(layers[0], 0, list(range(len(layers[0].experts))))
+                       if self._reads_whole_section(0, n_tokens) else None)
         streams = v4.embed(cfg, token_ids, self._read_globals(["embed.weight"])["embed.weight"])
         layer_stats: list[LayerStats] = []
         states = [] if keep_states else None
-        reads_ahead = None  # this layer's expert reads, queued while the previous layer's experts computed
         for number, block in enumerate(layers):
             w = self._dense_weights(block, pending_dense)
             n_experts = len(block.experts)

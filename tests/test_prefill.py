@@ -183,6 +183,14 @@ def test_cli_prefill_on_a_release_layout_container(tmp_path):
     ids_file.write_text("0 75 104 111 111 114")
     r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids_file)])
     assert r.exit_code == 0 and "next token:" in r.output
+    r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids_file), "--compute-dtype", "bfloat16",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    low = json.loads(r.output)
+    assert (low["compute_dtype"], low["expert_dtype"]) == ("bfloat16", "bfloat16")
+    r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids_file), "--compute-dtype", "bfloat16",
+                                 "--expert-dtype", "float32", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["expert_dtype"] == "float32", r.output
     r = CliRunner().invoke(cli, ["prefill", container])
     assert r.exit_code != 0
 
@@ -231,3 +239,156 @@ def test_read_pipeline_hands_buffers_out_in_submission_order(tmp_path):
         pipe.release(buf)
     pipe.close()
     reader.close()
+
+
+def test_read_pipeline_with_spare_buffers_keeps_order(tmp_path):
+    """More buffers than reads in flight (the prefill's read-ahead): still every read intact, in order."""
+    from moepack.runtime.io import ReadPipeline, RegionReader
+
+    path = tmp_path / "data.bin"
+    data = os.urandom(4096 * 40)
+    path.write_bytes(data)
+    reader = RegionReader(str(path), "buffered")
+    pipe = ReadPipeline(reader, 4096, depth=2, buffers=5)
+    assert pipe.buffers == 5
+    futures = [pipe.submit(4096 * i, 4096) for i in range(40)]
+    held = []
+    for i, f in enumerate(futures):
+        buf, view = f.result(timeout=10)
+        assert bytes(view) == data[4096 * i:4096 * (i + 1)]
+        held.append(buf)
+        if len(held) == 4:  # the consumer holds several buffers at once, as the expert threads do
+            for b in held:
+                pipe.release(b)
+            held = []
+    for b in held:
+        pipe.release(b)
+    pipe.close()
+    reader.close()
+
+
+def test_page_cache_reads_are_zero_copy_on_a_cpu(models):
+    """mmap mode on a CPU: reads are views of the mapped file (nothing copied into the pool), read-only, with the
+    same logits as O_DIRECT reads into the buffers; the reader closes even while such a view is still alive."""
+    from moepack.runtime.io import HostBuffer, RegionReader
+
+    _, container = models["A"]
+    with Container(container) as c:
+        region = c.layer(1).experts[3]
+    reader = RegionReader(container, "mmap", zero_copy=True)
+    buf = HostBuffer(region.length, pinned=False)
+    view = reader.read_into(buf, region.offset, region.length)
+    with open(container, "rb") as f:
+        f.seek(region.offset)
+        assert bytes(view) == f.read(region.length)
+    assert view.readonly and not any(bytes(buf.view[:64]))  # the buffer was not written
+    reader.close()  # `view` is still alive: the mapping goes when it does
+    assert bytes(view[:8]) == bytes(view[:8])
+    del view
+    ids = _prompt(90, 97, seed=11)
+    direct = prefill(container, ids, PrefillOptions(io_mode="direct", expert_selection="all"))
+    mapped = prefill(container, ids, PrefillOptions(io_mode="mmap", expert_selection="all"))
+    assert mapped.stats["io_mode"] == "mmap" and torch.equal(mapped.logits, direct.logits)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_expert_threads_give_the_reference_logits(models, threads):
+    """With several CPU threads the experts of a layer run side by side, one core each; with one, in sequence.
+    Both match transformers, and each other."""
+    hf_model, container = models["B"]
+    ids = _prompt(150, hf_model.config.vocab_size, seed=12)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        result = prefill(container, ids, PrefillOptions(expert_selection="all"))
+        assert torch.get_num_threads() == threads  # the expert threads' one-thread setting did not leak
+    finally:
+        torch.set_num_threads(before)
+    assert result.stats["expert_threads"] == threads
+    ref = _reference(hf_model, ids)
+    assert (result.logits - ref).abs().max() <= REL_TOL * ref.abs().max()
+    assert result.stats["compute_busy_s"] <= result.stats["seconds"]  # overlapping threads are counted once
+
+
+def test_an_expert_thread_error_is_raised_and_the_engine_closes(models, monkeypatch):
+    """An expert thread's exception reaches the caller once the other expert tasks are done; then the read
+    pipeline shuts down (no reader left waiting on a buffer), and torch's thread count is restored."""
+    _, container = models["B"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    calls = []
+
+    def failing(self, block, region, raw, base, x):
+        calls.append(region.expert)
+        if len(calls) == 7:
+            raise RuntimeError("expert blew up")
+        return torch.zeros(x.shape[0], self.cfg.hidden_size, dtype=x.dtype)
+    monkeypatch.setattr(engine.StreamingPrefill, "_expert_output", failing)
+    try:
+        with Container(container) as c:
+            e = engine.StreamingPrefill(c, PrefillOptions(expert_selection="all", queue_depth=2))
+            try:
+                with pytest.raises(RuntimeError, match="expert blew up"):
+                    e.run(_prompt(120, 61, seed=3))
+                assert torch.get_num_threads() == 2
+            finally:
+                e.close()
+            assert not any(t.is_alive() for t in e.experts_pipe._threads + e.dense_pipe._threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bf16_compute_path(models):
+    """--compute-dtype bfloat16: the attention's and shared expert's matrices in bf16, everything else float32;
+    the logits stay within bf16 rounding of the float32 path, which is unchanged by the option's existence."""
+    hf_model, container = models["C"]
+    ids = _prompt(257, hf_model.config.vocab_size, seed=13)
+    exact = prefill(container, ids, PrefillOptions(expert_selection="all"))
+    low = prefill(container, ids, PrefillOptions(expert_selection="all", compute_dtype="bfloat16"))
+    assert exact.stats["compute_dtype"] == "float32" and exact.stats["expert_dtype"] == "float32"
+    assert low.stats["compute_dtype"] == "bfloat16" and low.stats["expert_dtype"] == "bfloat16"
+    ref = _reference(hf_model, ids)
+    scale = ref.abs().max()
+    assert (exact.logits - ref).abs().max() <= REL_TOL * scale
+    err = (low.logits - ref).abs().max()
+    print(f"bf16 compute: max abs error {err:.3g} of logit scale {scale:.3g} ({err / scale:.1e})")
+    assert 0 < err <= 3e-2 * scale, (err, scale)  # bf16 rounding: real, and small
+    mixed = prefill(container, ids, PrefillOptions(expert_selection="all", compute_dtype="bfloat16",
+                                                   expert_dtype="float32"))
+    assert mixed.stats["expert_dtype"] == "float32" and not torch.equal(mixed.logits, low.logits)
+    with Container(container) as c:  # which tensors the low-precision path keeps in bf16
+        e = engine.StreamingPrefill(c, PrefillOptions(compute_dtype="bfloat16"))
+        try:
+            block = c.layer(1)
+            w = e._dense_weights(block, e._submit_dense(block))
+        finally:
+            e.close()
+    low_names = {n for n, t in w.items() if t.dtype == torch.bfloat16}
+    assert {"attn.wq_a.weight", "attn.wkv.weight", "attn.wo_b.weight", "ffn.shared_experts.w2.weight"} <= low_names
+    assert all(n.startswith(("attn.", "ffn.shared_experts.")) and w[n].dim() == 2 for n in low_names)
+    for name in ("ffn.gate.weight", "hc_attn_fn", "attn_norm.weight", "attn.attn_sink"):
+        assert w[name].dtype == torch.float32, name
+    with pytest.raises(MoepackError, match="unknown compute dtype"):
+        prefill(container, ids, PrefillOptions(compute_dtype="float16"))
+
+
+def test_busy_timer_counts_overlapping_threads_once():
+    import threading
+    import time as _time
+
+    timer = engine._Timer()
+    start = threading.Barrier(3)
+
+    def busy():
+        start.wait()
+        with timer:
+            _time.sleep(0.2)
+    threads = [threading.Thread(target=busy) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 0.19 <= timer.seconds < 0.35  # three overlapping 0.2 s spans: one busy span, not 0.6 s
+    with timer:
+        _time.sleep(0.05)
+    assert timer.seconds >= 0.24

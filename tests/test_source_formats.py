@@ -215,3 +215,35 @@ def test_fp4_rejects_bad_input():
         fp4_dequantize(packed, scale[:, :1])
     with pytest.raises(MoepackError):
         fp4_dequantize(packed.float(), scale)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
+def test_fp8_decode_is_the_scaled_value_table_for_every_byte(monkeypatch, native):
+    """Every e4m3 byte under every E8M0 scale byte, in edge (partial) blocks too: float32 gives torch's own
+    e4m3 value times the scale, bfloat16 gives exactly those values rounded, compiled or not."""
+    from moepack.format_spec import source_formats
+
+    if not native:
+        monkeypatch.setattr(source_formats, "_fp8_native", lambda: None)
+    elif source_formats._fp8_native() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randint(0, 256, (300, 260), generator=g, dtype=torch.uint8)
+    weight[:256, :256] = torch.arange(256, dtype=torch.uint8)[None, :]  # every byte in every row
+    scale = torch.randint(0, 256, (3, 3), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    f32 = fp8_block_dequantize(weight.view(torch.float8_e4m3fn), scale)
+    bf16 = fp8_block_dequantize(weight.view(torch.float8_e4m3fn), scale, dtype=torch.bfloat16)
+    codes = weight.view(torch.float8_e4m3fn).float()
+    element_scale = scale.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :260]
+    want = codes * element_scale
+    assert torch.equal(f32.isnan(), want.isnan()) and torch.equal(f32.nan_to_num(), want.nan_to_num())
+    assert bf16.dtype == torch.bfloat16
+    assert torch.equal(bf16.view(torch.int16), f32.to(torch.bfloat16).view(torch.int16))
+
+
+def test_fp8_compiled_decoder_is_off_without_native(monkeypatch):
+    from moepack.format_spec import quant_common, source_formats
+
+    monkeypatch.setenv(quant_common.NATIVE_ENV, "0")
+    monkeypatch.setattr(quant_common, "_native", {})
+    assert source_formats._load_fp8_native() is None
