@@ -2,14 +2,25 @@
 
 For each layer L: the dense region (attention, norms, router, shared expert, mHC) was prefetched while layer L-1
 computed; all N tokens run through the attention; the layer's experts are read in expert-ID order, in bundles of K
-consecutive experts (one aligned read each, Q reads in flight into a fixed buffer pool), and each bundle is computed
-as it arrives: the tokens routed to each expert are gathered (sorted once per layer), multiplied, and added back.
-Every region the prefill needs is read exactly once.
+consecutive experts (one aligned read each, Q reads in flight into a fixed pool of 2Q buffers), and each bundle is
+computed as it arrives: the (token, expert) pairs are sorted by expert once per layer, gathered with one
+index_select, multiplied expert by expert, and added back with one index_add. Every region the prefill needs is
+read exactly once.
 
-Which experts are read: long prompts read every expert of the layer as soon as the layer starts (no waiting for the
-router: with N tokens choosing k of E experts almost every expert is used); hash-routed layers know their experts
-from the token ids, before any compute; short prompts read only the experts the router chose. The choice is made
-per layer (`expert_selection="auto"`) and reported.
+Which experts are read: long prompts read every expert of the layer (no waiting for the router: with N tokens
+choosing k of E experts almost every expert is used); those reads are queued as soon as the previous layer's router
+has run, behind the previous layer's own, so the disk goes straight on into the next layer while the experts and the
+next attention compute (the spare buffers take what it reads meanwhile). Hash-routed layers know their experts from
+the token ids, before any compute; short prompts read only the experts the router chose. The choice is made per
+layer (`expert_selection="auto"`) and reported.
+
+CPU specifics. With several threads, the experts of a layer run side by side on a pool of threads, one core each
+(torch's intra-op threads set to 1 inside them): an expert's matmuls on a few dozen tokens split badly across cores,
+and every small op between them would pay an OpenMP barrier, which any other busy core stalls. Each expert thread
+decodes FP4 with its own ExpertDecoder (AVX-512/SSSE3 lookup, expert_decode.py). With `io_mode="mmap"` the reads are
+zero-copy: the experts decode straight from the mapped page cache. `compute_dtype="bfloat16"` keeps the attention's
+projections and the shared expert in bf16 (decoded straight to bf16 from FP8); residual streams, norms, mHC, router
+and softmax stay float32. The float32 default is the path that matches the reference to 1e-3.
 """
 
 from __future__ import annotations
