@@ -367,9 +367,13 @@ class StreamingPrefill:
 
     def _expert_task(self, block: Block, region: Region, raw: torch.Tensor, base: int, inputs: torch.Tensor,
                      outputs: torch.Tensor, a: int, b: int) -> None:
-        torch.set_num_threads(1)  # this expert on this core; the other threads run other experts
+        outputs[a:b] = self._on_one_core(self._expert_output, block, region, raw, base, inputs[a:b])
+
+    def _on_one_core(self, fn, *args):
+        """fn(*args) on an expert thread: single-threaded torch ops, counted as compute."""
+        torch.set_num_threads(1)  # this work on this core; the other threads run other experts
         with self.compute:
-            outputs[a:b] = self._expert_output(block, region, raw, base, inputs[a:b])
+            return fn(*args)
 
     def _read_globals(self, names: list[str]) -> dict[str, torch.Tensor]:
         regions = [self.c.tensors[n].region for n in names if n in self.c.tensors]
@@ -513,13 +517,22 @@ class StreamingPrefill:
                 groups = routing.groups()
                 inputs = groups.gather(routing.x).to(self.expert_dtype)  # every pair's token, sorted by expert
                 outputs = inputs.new_zeros(inputs.shape)  # rows of experts another rank owns stay zero
-            self._run_experts(block, reads, groups, inputs, outputs)
+            # on the expert threads the shared expert runs first, beside the routed ones (and while they wait for
+            # the disk); elsewhere it runs in moe_finish
+            shared = (self._expert_pool.submit(self._on_one_core, v4.shared_expert, cfg, w, routing)
+                      if self._expert_pool is not None else None)
+            try:
+                self._run_experts(block, reads, groups, inputs, outputs)
+            finally:
+                if shared is not None:
+                    shared.exception()  # done in every case before the layer's tensors go
+            shared = shared.result() if shared is not None else None
             with self.compute:
                 routed = groups.combine(outputs, n_tokens)
             if self.dist:  # combine: every rank adds its experts' share
                 routed = self.dist.all_reduce_sum(routed, f"combining layer {number}'s experts")
             with self.compute:
-                streams = v4.moe_finish(cfg, number, w, streams, routing, routed)
+                streams = v4.moe_finish(cfg, number, w, streams, routing, routed, shared)
             layer_stats.append(self._layer_stats(number, block, selection, reads, by_expert, n_experts))
         head_weights = self._read_globals(["hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight",
                                            "head.weight"])

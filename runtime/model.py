@@ -639,11 +639,19 @@ def accumulate(acc: Tensor, routing: Routing, expert_id: int, y: Tensor) -> Tens
     return acc.index_add_(0, batch.token_index, y * batch.weight[:, None])
 
 
+def shared_expert(cfg: ModelConfig, w: Mapping[str, Tensor], routing: Routing) -> Tensor:
+    """The shared expert on every token [N, H]: it needs only the routing's input, so it may run beside the routed
+    experts."""
+    return expert_forward(cfg, routing.x, w["ffn.shared_experts.w1.weight"], w["ffn.shared_experts.w3.weight"],
+                          w["ffn.shared_experts.w2.weight"])
+
+
 def moe_finish(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor, routing: Routing,
-               routed_out: Tensor) -> Tensor:
-    """Add the shared expert to the routed experts' sum and spread the result over the streams (ffn mHC post)."""
-    shared = expert_forward(cfg, routing.x, w["ffn.shared_experts.w1.weight"], w["ffn.shared_experts.w3.weight"],
-                            w["ffn.shared_experts.w2.weight"])
+               routed_out: Tensor, shared: Tensor | None = None) -> Tensor:
+    """Add the shared expert (computed here unless `shared` is given) to the routed experts' sum and spread the
+    result over the streams (ffn mHC post)."""
+    if shared is None:
+        shared = shared_expert(cfg, w, routing)
     return hc_post(streams, routed_out + shared, routing.post, routing.comb)
 
 
