@@ -51,6 +51,7 @@ EXPERT_SELECTIONS = ("auto", "all", "routed")
 EXPERT_OWNERSHIPS = ("contiguous", "balanced")
 EXPERT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXPERT_BUFFERS_PER_READ = 2
+READ_AHEAD_LAYERS = 2  # expert reads known in advance are queued this many layers beyond the current one
 # auto reads a whole layer when at most this fraction of its experts is expected to go unused
 ALL_EXPERTS_UNUSED_FRACTION = 0.05
 
@@ -470,9 +471,13 @@ class StreamingPrefill:
         first_position = past[0].seen_tokens if past else 0
         positions = torch.arange(first_position, first_position + n_tokens, device=self.device)
         pending_dense = self._submit_dense(layers[0])
-        # this layer's expert reads, queued while the previous layer's experts computed (layer 0's: now)
-        reads_ahead = (self._submit_experts(layers[0], 0, list(range(len(layers[0].experts))))
-                       if self._reads_whole_section(0, n_tokens) else None)
+        # Expert reads that do not depend on their layer's router (every expert of the layer) are queued up to
+        # READ_AHEAD_LAYERS layers ahead: the pool's buffers, not the queue, bound what is read ahead, and the disk
+        # never waits for a layer to start. The queue stays in layer order (the order the reads are consumed in: a
+        # buffer given to a later layer's read before an earlier one's could never come back), so it stops at the
+        # first layer whose reads are known only from its token ids or its router; `ahead` is that layer.
+        queued: dict[int, list] = {}
+        ahead = self._queue_from(queued, 0, n_tokens, READ_AHEAD_LAYERS + 1)
         streams = v4.embed(cfg, token_ids, self._read_globals(["embed.weight"])["embed.weight"])
         layer_stats: list[LayerStats] = []
         states = [] if keep_states else None
@@ -480,14 +485,15 @@ class StreamingPrefill:
             w = self._dense_weights(block, pending_dense)
             n_experts = len(block.experts)
             selection = self._selection(number, n_tokens, n_experts)
-            reads, reads_ahead = reads_ahead, None
-            if reads is None and self._reads_whole_section(number, n_tokens):
-                reads = self._submit_experts(block, number, list(range(n_experts)))  # while the attention computes
-            elif selection == "hash":  # the token ids are the routing: known before any compute
+            if ahead > number:
+                ahead = self._queue_from(queued, ahead, n_tokens, number + 1 + READ_AHEAD_LAYERS)
+            reads = queued.pop(number, None)
+            if number == ahead and selection == "hash":  # the token ids are the routing: known before any compute
                 chosen = w["ffn.gate.tid2eid"][token_ids].reshape(-1)
                 if self.balanced:
                     self._balance(number, torch.bincount(chosen, minlength=n_experts).tolist())
                 reads = self._submit_experts(block, number, torch.unique(chosen).tolist())
+                ahead = self._queue_from(queued, number + 1, n_tokens, number + 1 + READ_AHEAD_LAYERS)
             if number + 1 < len(layers):
                 pending_dense = self._submit_dense(layers[number + 1])
             with self.compute:
@@ -508,11 +514,7 @@ class StreamingPrefill:
                     self._balance(number, tokens_per_expert(by_expert, n_experts))
                 wanted = range(n_experts) if selection == "all" else sorted(by_expert)
                 reads = self._submit_experts(block, number, list(wanted))
-            if number + 1 < len(layers) and self._reads_whole_section(number + 1, n_tokens):
-                # queued behind this layer's reads: the disk goes on into the next layer while these experts
-                # compute, instead of waiting for the next layer's attention to start
-                reads_ahead = self._submit_experts(layers[number + 1], number + 1,
-                                                   list(range(len(layers[number + 1].experts))))
+                ahead = self._queue_from(queued, number + 1, n_tokens, number + 1 + READ_AHEAD_LAYERS)
             with self.compute:
                 groups = routing.groups()
                 inputs = groups.gather(routing.x).to(self.expert_dtype)  # every pair's token, sorted by expert
@@ -559,6 +561,16 @@ class StreamingPrefill:
             raise MoepackError(f"a prompt of {n_tokens} tokens needs about {need['total'] / 2**30:.1f} GiB "
                                f"({detail}) but only {free / 2**30:.1f} GiB of {where} is there: shorten the "
                                f"prompt or lower --query-chunk")
+
+    def _queue_from(self, queued: dict[int, list], first: int, n_tokens: int, until: int) -> int:
+        """Queue the reads of layers first, first + 1, ... (before `until`) while each reads its whole section;
+        returns the first layer not queued."""
+        layer = first
+        while layer < min(until, len(self.c.layers)) and self._reads_whole_section(layer, n_tokens):
+            queued[layer] = self._submit_experts(self.c.layers[layer], layer,
+                                                 list(range(len(self.c.layers[layer].experts))))
+            layer += 1
+        return layer
 
     def _reads_whole_section(self, layer: int, n_tokens: int) -> bool:
         """Whether `layer`'s expert reads are known before its router runs: every expert of it is read (balanced

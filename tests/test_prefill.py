@@ -392,3 +392,36 @@ def test_busy_timer_counts_overlapping_threads_once():
     with timer:
         _time.sleep(0.05)
     assert timer.seconds >= 0.24
+
+
+@pytest.mark.parametrize("selection", ["all", "auto"])
+def test_expert_reads_are_queued_layers_ahead_in_layer_order(models, monkeypatch, selection):
+    """Reads known before their layer's router runs are queued READ_AHEAD_LAYERS layers ahead, each layer's once,
+    in layer order (the order they are consumed in); hash and routed layers are queued when they are known."""
+    _, container = models["A"]
+    attentions_started = []
+    submitted = []  # (layer, attention sublayers started so far)
+    real_attention = engine.v4.attention_sublayer
+    real_submit = engine.StreamingPrefill._submit_experts
+
+    def attention(cfg, layer, *args, **kwargs):
+        attentions_started.append(layer)
+        return real_attention(cfg, layer, *args, **kwargs)
+
+    def submit(self, block, layer, expert_ids):
+        submitted.append((layer, len(attentions_started)))
+        return real_submit(self, block, layer, expert_ids)
+    monkeypatch.setattr(engine.v4, "attention_sublayer", attention)
+    monkeypatch.setattr(engine.StreamingPrefill, "_submit_experts", submit)
+    n = 300  # long enough for "auto" to read whole sections of the learned layers
+    result = prefill(container, _prompt(n, 97, seed=21), PrefillOptions(expert_selection=selection))
+    layers = [layer for layer, _ in submitted]
+    assert layers == list(range(len(result.layers)))  # each layer once, in order
+    known_from = 0  # the last layer whose reads wait for its own token ids or router: none later is queued before
+    for (layer, started), stats in zip(submitted, result.layers):
+        if stats.selection == "all":  # queued before the attention of layer - READ_AHEAD_LAYERS began
+            assert started <= max(known_from, layer - engine.READ_AHEAD_LAYERS), (layer, started)
+        else:  # hash: at its own layer's start, before its attention
+            assert stats.selection == "hash" and started == layer
+            known_from = layer
+    assert {s.selection for s in result.layers} == ({"all"} if selection == "all" else {"hash", "all"})
