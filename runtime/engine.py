@@ -8,11 +8,11 @@ index_select, multiplied expert by expert, and added back with one index_add. Ev
 read exactly once.
 
 Which experts are read: long prompts read every expert of the layer (no waiting for the router: with N tokens
-choosing k of E experts almost every expert is used); those reads are queued as soon as the previous layer's router
-has run, behind the previous layer's own, so the disk goes straight on into the next layer while the experts and the
-next attention compute (the spare buffers take what it reads meanwhile). Hash-routed layers know their experts from
-the token ids, before any compute; short prompts read only the experts the router chose. The choice is made per
-layer (`expert_selection="auto"`) and reported.
+choosing k of E experts almost every expert is used); those reads are queued READ_AHEAD_LAYERS layers ahead, in
+layer order, so the disk goes straight on into the next layers while the experts and the next attention compute (the
+spare buffers take what it reads meanwhile). Hash-routed layers know their experts from the token ids, before any
+compute; short prompts read only the experts the router chose. The choice is made per layer
+(`expert_selection="auto"`) and reported.
 
 CPU specifics. With several threads, the experts of a layer run side by side on a pool of threads, one core each
 (torch's intra-op threads set to 1 inside them): an expert's matmuls on a few dozen tokens split badly across cores,
