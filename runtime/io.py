@@ -67,6 +67,11 @@ class HostBuffer:
             self._keep = raw
         else:
             self._keep = mmap.mmap(-1, max(nbytes, ALIGNMENT))  # anonymous maps are page-aligned
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer pages for the kernel to pin per O_DIRECT read
+                try:
+                    self._keep.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass
             self.tensor = torch.frombuffer(self._keep, dtype=torch.uint8)[:nbytes]
         self.view = memoryview(self.tensor.numpy())
 
