@@ -127,8 +127,9 @@ def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int =
     kernel = _fp8_native() if weight.device.type == "cpu" else None
     if kernel is not None:
         out = torch.empty(rows, cols, dtype=dtype)
-        kernel[dtype.itemsize](weight.view(torch.uint8).contiguous().data_ptr(), scale_bytes.contiguous().data_ptr(),
-                               rows, cols, block, expected[1], table.data_ptr(), out.data_ptr())
+        codes, scales = weight.view(torch.uint8).contiguous(), scale_bytes.contiguous()  # alive through the call
+        kernel[dtype.itemsize](codes.data_ptr(), scales.data_ptr(), rows, cols, block, expected[1], table.data_ptr(),
+                               out.data_ptr())
         return out
     return _fp8_lookup_torch(weight, scale_bytes, block, table)
 

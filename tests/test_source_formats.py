@@ -239,6 +239,11 @@ def test_fp8_decode_is_the_scaled_value_table_for_every_byte(monkeypatch, native
     assert torch.equal(f32.isnan(), want.isnan()) and torch.equal(f32.nan_to_num(), want.nan_to_num())
     assert bf16.dtype == torch.bfloat16
     assert torch.equal(bf16.view(torch.int16), f32.to(torch.bfloat16).view(torch.int16))
+    wide = torch.zeros(300, 400, dtype=torch.uint8)
+    wide[:, :260] = weight
+    strided = wide[:, :260].view(torch.float8_e4m3fn)  # not contiguous: decoded from a copy that stays alive
+    assert not strided.is_contiguous()
+    assert torch.equal(fp8_block_dequantize(strided, scale).nan_to_num(), f32.nan_to_num())
 
 
 def test_fp8_compiled_decoder_is_off_without_native(monkeypatch):
