@@ -263,7 +263,8 @@ def _print_verify(r: dict) -> None:
 @click.option("--experts", "expert_selection", type=click.Choice(["auto", "all", "routed"]), default="auto",
               show_default=True, help="Read every expert of a layer, only the routed ones, or choose per layer.")
 @click.option("--query-chunk", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Queries per attention chunk inside a layer (bounds memory for long prompts).")
+              help="At most this many queries per attention chunk inside a layer (bounds memory for long prompts; "
+                   "chunks are never longer than two sliding windows, 128 queries at least, anyway).")
 @click.option("--compute-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="The layers' matmuls: float32 (exact) or bfloat16 (the attention's projections and the shared "
                    "expert; streams, norms and router stay float32): 2-4x faster on CPUs with AVX512-BF16 or AMX "

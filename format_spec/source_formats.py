@@ -124,11 +124,12 @@ def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int =
     # is scalar on CPUs; the 256 KiB table stays in cache)
     scale_bytes = _e8m0_bytes(scale)
     table = _fp8_scaled_table(weight.device, dtype)
-    kernel = _fp8_native() if weight.device.type == "cpu" else None
+    kernels = _fp8_native() if weight.device.type == "cpu" else None
+    kernel = kernels.get(dtype.itemsize) if kernels else None  # bf16 and f32 are compiled; others: torch
     if kernel is not None:
         out = torch.empty(rows, cols, dtype=dtype)
         codes, scales = weight.view(torch.uint8).contiguous(), scale_bytes.contiguous()  # alive through the call
-        kernel[dtype.itemsize](codes.data_ptr(), scales.data_ptr(), rows, cols, block, expected[1], table.data_ptr(),
+        kernel(codes.data_ptr(), scales.data_ptr(), rows, cols, block, expected[1], table.data_ptr(),
                                out.data_ptr())
         return out
     return _fp8_lookup_torch(weight, scale_bytes, block, table)

@@ -143,6 +143,9 @@ def estimate_working_set(cfg: "v4.ModelConfig", n_tokens: int, query_chunk: int 
     keys = cfg.sliding_window + cfg.index_topk + (n_tokens // hca if hca else 0)
     attention = chunk * cfg.num_heads * (keys + cfg.head_dim) * f32 * 3
     indexer = chunk * cfg.index_n_heads * (n_tokens // csa if csa else 0) * f32 * 2
+    # the (token, expert) pairs sorted by expert: their inputs and outputs (compute dtype) and the weighted
+    # float32 outputs combine adds back
+    activations += n_tokens * cfg.num_experts_per_tok * hidden * (2 * f32 + f32)
     # the read pool (EXPERT_BUFFERS_PER_READ per read in flight), and each expert thread's decoded weights
     weights = (dense_bytes * 5 + bundle_bytes * (EXPERT_BUFFERS_PER_READ * depth + 2)
                + expert_params * f32 * 2 * expert_threads)
@@ -345,7 +348,11 @@ class StreamingPrefill:
                 if not regions:
                     self.experts_pipe.release(buffer)
                     continue
-                raw, base = self._to_device(buffer, view), block.experts[first_expert].offset
+                try:
+                    raw, base = self._to_device(buffer, view), block.experts[first_expert].offset
+                except BaseException:
+                    self.experts_pipe.release(buffer)
+                    raise
                 left, lock = [len(regions)], threading.Lock()
 
                 def finished(_, buffer=buffer, left=left, lock=lock):
@@ -521,6 +528,7 @@ class StreamingPrefill:
                 outputs = inputs.new_zeros(inputs.shape)  # rows of experts another rank owns stay zero
             # on the expert threads the shared expert runs first, beside the routed ones (and while they wait for
             # the disk); elsewhere it runs in moe_finish
+            threads = torch.get_num_threads()
             shared = (self._expert_pool.submit(self._on_one_core, v4.shared_expert, cfg, w, routing)
                       if self._expert_pool is not None else None)
             try:
@@ -528,7 +536,9 @@ class StreamingPrefill:
             finally:
                 if shared is not None:
                     shared.exception()  # done in every case before the layer's tensors go
+                    torch.set_num_threads(threads)  # after the last expert-thread task: it set one thread
             shared = shared.result() if shared is not None else None
+            del inputs
             with self.compute:
                 routed = groups.combine(outputs, n_tokens)
             if self.dist:  # combine: every rank adds its experts' share

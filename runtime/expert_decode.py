@@ -126,7 +126,7 @@ static void nibbles16_avx512(const uint8_t *data, int64_t data_stride, const uin
                              const uint16_t *nib, uint16_t *out, int64_t groups) {
     const __m512i low = _mm512_set1_epi32(15);
     for (int64_t g = 0; g < groups; g++) {
-        __m512i row = _mm512_zextsi256_si512(
+        __m512i row = _mm512_castsi256_si512(
             _mm256_loadu_si256((const __m256i *)(nib + ((int64_t)scale[g * scale_stride] << 4))));
         __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(data + g * data_stride)));
         /* 32-bit lane j = low code | high code << 16: as 16-bit indices, values 2j and 2j + 1 */

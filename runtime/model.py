@@ -556,8 +556,8 @@ class ExpertGroups:
 
     def combine(self, outputs: Tensor, n_tokens: int) -> Tensor:
         """[P, H] expert outputs (rows of pairs whose expert did not run must be zero) -> the weighted sum per
-        token [N, H]; each token's terms are added in ascending expert id."""
-        weighted = outputs.float() * self.weight[:, None]
+        token [N, H]; each token's terms are added in ascending expert id. Float32 outputs are scaled in place."""
+        weighted = outputs.float().mul_(self.weight[:, None])
         return weighted.new_zeros(n_tokens, weighted.shape[1]).index_add_(0, self.token_index, weighted)
 
 

@@ -425,3 +425,33 @@ def test_expert_reads_are_queued_layers_ahead_in_layer_order(models, monkeypatch
             assert stats.selection == "hash" and started == layer
             known_from = layer
     assert {s.selection for s in result.layers} == ({"all"} if selection == "all" else {"hash", "all"})
+
+
+def test_expert_threads_leave_torch_thread_count_as_it_was(models, monkeypatch):
+    """The expert threads set one intra-op thread each; afterwards the count a new thread starts with is the
+    caller's again, even in a layer with nothing to read on this process (only the shared expert ran there)."""
+    import threading
+
+    _, container = models["B"]
+    real = engine.StreamingPrefill._run_experts
+    calls = []
+
+    def run_experts(self, block, reads, *args):
+        calls.append(block.number)
+        if block.number == len(self.c.layers) - 1:  # as a rank that owns none of the last layer's experts
+            for _, _, future in reads:
+                self.experts_pipe.release(future.result()[0])
+            return None
+        return real(self, block, reads, *args)
+    monkeypatch.setattr(engine.StreamingPrefill, "_run_experts", run_experts)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = []
+    try:
+        prefill(container, _prompt(80, 61, seed=4), PrefillOptions(expert_selection="all"))
+        probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        probe.start()
+        probe.join()
+    finally:
+        torch.set_num_threads(before)
+    assert calls and seen == [2]
