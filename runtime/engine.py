@@ -322,37 +322,28 @@ class StreamingPrefill:
     def _run_experts(self, block: Block, reads: list, groups: "v4.ExpertGroups", inputs: torch.Tensor,
                      outputs: torch.Tensor) -> None:
         """outputs[span of e] = expert e on inputs[span of e], for every expert of `reads` some token chose, as the
-        reads arrive; each read's buffer goes back to the pool once its experts are done."""
-        if self._expert_pool is None:
-            for first_expert, count, future in reads:
-                buffer, view = future.result()
-                try:
-                    regions = block.experts[first_expert:first_expert + count]
-                    with self.compute:
-                        raw = self._to_device(buffer, view)
-                        for region in regions:
-                            span = groups.spans.get(region.expert)
-                            if span is None:
-                                continue  # read with the rest of the section, chosen by no token
-                            a, b = span
-                            outputs[a:b] = self._expert_output(block, region, raw, regions[0].offset, inputs[a:b])
-                finally:
-                    self.experts_pipe.release(buffer)
-            return
-        threads = torch.get_num_threads()
+        reads arrive: here, or on the expert threads where there are some. Each read's buffer goes back to the pool
+        once its experts are done."""
         pending: list[Future] = []
         try:
             for first_expert, count, future in reads:
                 buffer, view = future.result()
+                # experts read with the rest of the section but chosen by no token are skipped
                 regions = [r for r in block.experts[first_expert:first_expert + count] if r.expert in groups.spans]
-                if not regions:
-                    self.experts_pipe.release(buffer)
-                    continue
+                base = block.experts[first_expert].offset
                 try:
-                    raw, base = self._to_device(buffer, view), block.experts[first_expert].offset
+                    raw = self._to_device(buffer, view) if regions else None
+                    if self._expert_pool is None:
+                        with self.compute:
+                            for region in regions:
+                                self._expert_task(block, region, raw, base, inputs, outputs, groups)
+                        regions = []  # done: the buffer can go back
                 except BaseException:
                     self.experts_pipe.release(buffer)
                     raise
+                if not regions:
+                    self.experts_pipe.release(buffer)
+                    continue
                 left, lock = [len(regions)], threading.Lock()
 
                 def finished(_, buffer=buffer, left=left, lock=lock):
@@ -362,20 +353,20 @@ class StreamingPrefill:
                     if last:
                         self.experts_pipe.release(buffer)
                 for region in regions:
-                    a, b = groups.spans[region.expert]
-                    task = self._expert_pool.submit(self._expert_task, block, region, raw, base, inputs, outputs, a, b)
+                    task = self._expert_pool.submit(self._on_one_core, self._expert_task, block, region, raw, base,
+                                                    inputs, outputs, groups)
                     task.add_done_callback(finished)
                     pending.append(task)
         finally:
             for task in pending:  # nothing may still use a buffer or the outputs once this returns
                 task.exception()
-            torch.set_num_threads(threads)  # the expert threads set one thread each
         for task in pending:
             task.result()  # an expert's exception, raised here
 
     def _expert_task(self, block: Block, region: Region, raw: torch.Tensor, base: int, inputs: torch.Tensor,
-                     outputs: torch.Tensor, a: int, b: int) -> None:
-        outputs[a:b] = self._on_one_core(self._expert_output, block, region, raw, base, inputs[a:b])
+                     outputs: torch.Tensor, groups: "v4.ExpertGroups") -> None:
+        a, b = groups.spans[region.expert]
+        outputs[a:b] = self._expert_output(block, region, raw, base, inputs[a:b])
 
     def _on_one_core(self, fn, *args):
         """fn(*args) on an expert thread: single-threaded torch ops, counted as compute."""
@@ -492,8 +483,7 @@ class StreamingPrefill:
             w = self._dense_weights(block, pending_dense)
             n_experts = len(block.experts)
             selection = self._selection(number, n_tokens, n_experts)
-            if ahead > number:
-                ahead = self._queue_from(queued, ahead, n_tokens, number + 1 + READ_AHEAD_LAYERS)
+            ahead = self._queue_from(queued, ahead, n_tokens, number + 1 + READ_AHEAD_LAYERS)  # top up
             reads = queued.pop(number, None)
             if number == ahead and selection == "hash":  # the token ids are the routing: known before any compute
                 chosen = w["ffn.gate.tid2eid"][token_ids].reshape(-1)

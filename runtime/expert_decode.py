@@ -211,10 +211,6 @@ def _nibble_table(layout: str, dtype: torch.dtype) -> torch.Tensor:
     return values.to(dtype)[:, low_nibbles].contiguous()
 
 
-def _bits(values: torch.Tensor) -> torch.Tensor:
-    return values.view(torch.int16 if values.element_size() == 2 else torch.int32)
-
-
 def _pair_table(nibbles: torch.Tensor) -> torch.Tensor:
     """The torch path's table: [65536] integers, entry (scale << 8 | byte) holding that byte's two values (low
     nibble's first) as one integer, so that one index_select decodes a byte."""

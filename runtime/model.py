@@ -489,9 +489,10 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
     n_heads, n_queries = q.shape[1], q.shape[0]
     logits = []
     q_low = q.to(dtype)
+    parts = [(kv.to(dtype), bias) for kv, bias in parts]  # converted once for both products
     for kv, bias in parts:
         spec = "chd,kd->hck" if kv.dim() == 2 else "chd,ckd->hck"
-        logits.append(torch.einsum(spec, q_low, kv.to(dtype)).float() * scale + bias)
+        logits.append(torch.einsum(spec, q_low, kv).float() * scale + bias)
     logits.append(sink.view(n_heads, 1, 1).expand(n_heads, n_queries, 1))
     probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1).to(dtype)
 
@@ -499,7 +500,7 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
     for kv, _ in parts:
         p = probs[..., offset:offset + kv.shape[-2]]
         offset += kv.shape[-2]
-        out = out + torch.einsum("hck,kd->chd" if kv.dim() == 2 else "hck,ckd->chd", p, kv.to(dtype)).float()
+        out = out + torch.einsum("hck,kd->chd" if kv.dim() == 2 else "hck,ckd->chd", p, kv).float()
     return out
 
 
