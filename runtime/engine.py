@@ -44,7 +44,7 @@ from moepack.format_spec.reader import SCALE_SUFFIXES, Block, Container, ReadSpa
 
 from . import model as v4
 from .distributed import balanced_ranges
-from .expert_decode import ExpertDecoder, ExpertWeights
+from .expert_decode import ExpertDecoder, ExpertWeights, fused_max_tokens
 from .io import HostBuffer, ReadPipeline, RegionReader, available_memory_bytes
 
 EXPERT_SELECTIONS = ("auto", "all", "routed")
@@ -308,7 +308,7 @@ class StreamingPrefill:
         if layout is None:
             w = self._decode([region], raw, base, prefix, self.expert_dtype, own=False)
             return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"]).apply(self.cfg, x)
-        return self._decoder().decode(region, layout, raw, base, prefix).apply(self.cfg, x)
+        return self._decoder().decode(region, layout, raw, base, prefix, tokens=len(x)).apply(self.cfg, x)
 
     def _decoder(self) -> ExpertDecoder:
         decoder = getattr(self._local, "decoder", None)
@@ -617,6 +617,8 @@ class StreamingPrefill:
             "compute_dtype": self.opt.compute_dtype,
             "expert_dtype": str(self.expert_dtype).removeprefix("torch."),
             "expert_threads": self.expert_threads,
+            # experts on up to this many tokens ran the fused FP4 matmul (the weights never decoded to memory)
+            "fused_expert_max_tokens": fused_max_tokens(self.expert_dtype, self.device),
             "queue_depth": self.opt.queue_depth,
             "device": str(self.device),
             "threads": torch.get_num_threads(),

@@ -14,7 +14,9 @@ from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
 from moepack.runtime import engine
 from moepack.runtime.engine import PrefillOptions, prefill
-from moepack.runtime.expert_decode import NATIVE_LEVELS, ExpertDecoder, _pair_order, native_levels
+from moepack.runtime import expert_decode, model
+from moepack.runtime.expert_decode import (FUSED_MAX_TOKENS, GROUP, NATIVE_LEVELS, ExpertDecoder, PackedMatrix,
+                                           _nibble_table, _pair_order, _pair_table, fused_available, native_levels)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +103,7 @@ def test_layout_refuses_what_the_table_cannot_decode(fp4_containers):
 @pytest.mark.parametrize("policy", ["keep", "fp4"])
 @pytest.mark.parametrize("expert_dtype", ["float32", "bfloat16"])
 def test_prefill_with_the_table_decoder_equals_the_generic_path(fp4_containers, monkeypatch, policy, expert_dtype):
+    monkeypatch.setattr(expert_decode, "_fused_kernel", lambda: None)  # the lookup alone (the fused path: below)
     ids = torch.randint(0, 500, (70,), generator=torch.Generator().manual_seed(1))
     options = PrefillOptions(expert_dtype=expert_dtype)
     fast = prefill(fp4_containers[policy], ids, options).logits
@@ -110,3 +113,70 @@ def test_prefill_with_the_table_decoder_equals_the_generic_path(fp4_containers, 
         assert torch.equal(fast, generic)
     else:  # the same products summed in another order
         assert (fast - generic).abs().max() <= 1e-3 * generic.abs().max()
+
+
+def _needs_fused():
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    if not fused_available():
+        # where the CPU has AVX512-BF16 and a compiler is usable, the kernel must have built and passed its check
+        assert not (_compiler_usable() and "avx512_bf16" in flags and "avx512bw" in flags), \
+            quant_common.native_builds()
+        pytest.skip("no fused FP4 matmul here (needs AVX512-BF16 and a C compiler)")
+
+
+@pytest.mark.parametrize("rows,cols,tokens", [(4, 32, 1), (7, 96, 13), (9, 64, 6), (16, 256, FUSED_MAX_TOKENS)])
+def test_fused_matmul_equals_a_float64_matmul_on_the_decoded_matrix(rows, cols, tokens):
+    _needs_fused()
+    gen = torch.Generator().manual_seed(rows * cols + tokens)
+    blocks = torch.randint(0, 256, (rows * cols // GROUP, 17), dtype=torch.uint8, generator=gen)  # strided groups
+    blocks[:, 0] = torch.randint(112, 140, (len(blocks),), dtype=torch.uint8, generator=gen)
+    table = _nibble_table("FP4_E2M1", torch.bfloat16).contiguous()
+    matrix = PackedMatrix(blocks[:, 1:], blocks[:, 0], table, rows, cols)
+    x = torch.randn(tokens, cols, generator=gen).to(torch.bfloat16).float()  # bf16 values, float32 result
+    got = ExpertDecoder(torch.bfloat16, torch.device("cpu"))._fused_matmul(x, matrix)
+    index = (blocks[:, 1:].to(torch.int64) + blocks[:, :1].to(torch.int64) * 256).reshape(-1)
+    w = _pair_table(table)[index].view(torch.bfloat16).reshape(rows, cols)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (tokens, rows)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("policy,layout", [("keep", "FP4_E2M1"), ("fp4", "MXFP4")])
+def test_fused_expert_matches_the_decoded_expert(fp4_containers, policy, layout):
+    _needs_fused()
+    with Container(fp4_containers[policy]) as c:
+        cfg = model.ModelConfig.from_hf(c.config)
+        block = c.layers[1]
+        region = block.experts[2]
+        prefix = f"{block.name}.ffn.experts.{region.expert}."
+        with open(c.path, "rb") as f:
+            f.seek(region.offset)
+            raw = torch.frombuffer(bytearray(f.read(region.length)), dtype=torch.uint8)
+    decoder = ExpertDecoder(torch.bfloat16, torch.device("cpu"))
+    for tokens in (1, 7, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 1):
+        x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+        packed = decoder.decode(region, layout, raw, region.offset, prefix, tokens=tokens)
+        assert isinstance(packed.w1, PackedMatrix) == (tokens <= FUSED_MAX_TOKENS)
+        got = packed.apply(cfg, x)
+        full = decoder.decode(region, layout, raw, region.offset, prefix)  # decoded: the exact weights
+        order = full.input_order if full.input_order is not None else slice(None)
+        want = model.expert_forward(cfg, x[:, order].double(), full.w1.double(), full.w3.double(), full.w2.double(),
+                                    full.hidden_order)
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        # bf16 rounding of the inputs to each matmul and of its result, as the decoded bf16 path has
+        assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max(), tokens
+
+
+def test_prefill_with_the_fused_matmul_stays_close_to_the_decoded_path(fp4_containers, monkeypatch):
+    _needs_fused()
+    ids = torch.randint(0, 500, (70,), generator=torch.Generator().manual_seed(1))
+    options = PrefillOptions(compute_dtype="bfloat16", expert_selection="all")
+    fused = prefill(fp4_containers["keep"], ids, options)
+    assert fused.stats["fused_expert_max_tokens"] == FUSED_MAX_TOKENS
+    monkeypatch.setattr(expert_decode, "_fused_kernel", lambda: None)
+    decoded = prefill(fp4_containers["keep"], ids, options)
+    assert decoded.stats["fused_expert_max_tokens"] == 0
+    exact = prefill(fp4_containers["keep"], ids, PrefillOptions(expert_selection="all")).logits
+    scale = exact.abs().max()
+    # the fused path is as close to the float32 path as the decoded bf16 path is (bf16 products either way)
+    assert (fused.logits - exact).abs().max() <= max(3e-2 * scale, 2 * (decoded.logits - exact).abs().max())
