@@ -468,6 +468,9 @@ class StreamingPrefill:
         n_tokens = int(token_ids.numel())
         first_position = past[0].seen_tokens if past else 0
         positions = torch.arange(first_position, first_position + n_tokens, device=self.device)
+        # the embedding first: the first bytes the compute needs (queued behind the expert reads, it would make the
+        # compute wait for the disk before it could start; read first, it costs the disk a few milliseconds)
+        embed = self._read_globals(["embed.weight"])["embed.weight"]
         pending_dense = self._submit_dense(layers[0])
         # Expert reads that do not depend on their layer's router (every expert of the layer) are queued up to
         # READ_AHEAD_LAYERS layers ahead: the pool's buffers, not the queue, bound what is read ahead, and the disk
@@ -476,7 +479,8 @@ class StreamingPrefill:
         # first layer whose reads are known only from its token ids or its router; `ahead` is that layer.
         queued: dict[int, list] = {}
         ahead = self._queue_from(queued, 0, n_tokens, READ_AHEAD_LAYERS + 1)
-        streams = v4.embed(cfg, token_ids, self._read_globals(["embed.weight"])["embed.weight"])
+        streams = v4.embed(cfg, token_ids, embed)
+        del embed
         layer_stats: list[LayerStats] = []
         states = [] if keep_states else None
         for number, block in enumerate(layers):

@@ -16,6 +16,11 @@ row stride), write into buffers reused from expert to expert, and run on the dec
 Without a compiler, torch does it: `scale byte << 8 | data byte` indexes a 65,536-entry table of byte pairs
 (index_select), about 5x slower than the SSSE3 kernel.
 
+On a CPU with AVX512-BF16, an expert on few tokens (FUSED_MAX_TOKENS) skips the decoded matrix altogether: the
+fused kernel decodes 4 rows at a time into a scratch that stays in L1 and multiplies them by the tokens at once
+(vdpbf16ps, float32 sums). `decode(..., tokens=n)` then returns the matrices still packed (PackedMatrix) with that
+kernel as their matmul.
+
 MXFP4 keeps elements j and j+16 of a block in byte j, so its weights come out with each 32-column block in "pair
 order" (0, 16, 1, 17, ...). Rather than shuffling the weight, the expert permutes its activations to match
 (tokens x hidden, far smaller than the weight).
@@ -28,6 +33,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -280,17 +286,79 @@ int fp4_linear_bf16(const uint16_t *x, int64_t T, int64_t K, const uint8_t *data
     }
     return 0;
 }
+
+/* exp(x) for x <= 88 (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n) */
+TARGET
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* A whole clamped SwiGLU expert on T tokens x (bf16 [T][H]): gate = x w1^T clamped above at limit, up = x w3^T
+   clamped to +-limit, hidden = silu(gate) up rounded to bf16 once (its columns permuted by hidden_order when not
+   NULL: w2 stored in MXFP4 pair order), out (float32 [T][H]) = hidden w2^T. w1, w3: I x H, w2: H x I, each as
+   fp4_linear_bf16 takes it. work: 2 T I + I floats; hidden: T I bf16; scratch: ROWS max(H, I) bf16. */
+TARGET
+int fp4_expert_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t I,
+                    const uint8_t *d1, int64_t ds1, const uint8_t *s1, int64_t ss1,
+                    const uint8_t *d3, int64_t ds3, const uint8_t *s3, int64_t ss3,
+                    const uint8_t *d2, int64_t ds2, const uint8_t *s2, int64_t ss2,
+                    const uint16_t *nib, float limit, const int64_t *hidden_order,
+                    float *work, uint16_t *hidden, uint16_t *scratch, float *out) {
+    if (H % 32 || I % 32) return -1;
+    float *gate = work, *up = work + T * I, *row = work + 2 * T * I;
+    fp4_linear_bf16(x, T, H, d1, ds1, s1, ss1, nib, I, gate, I, scratch);
+    fp4_linear_bf16(x, T, H, d3, ds3, s3, ss3, nib, I, up, I, scratch);
+    const __m512 hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit), one = _mm512_set1_ps(1.0f);
+    for (int64_t t = 0; t < T; t++) {
+        float *dst = hidden_order ? row : gate + t * I;
+        for (int64_t i = 0; i < I; i += 16) {
+            /* min/max return their second operand where one is NaN: a NaN stays NaN, as torch's clamp keeps it */
+            __m512 g = _mm512_min_ps(hi, _mm512_loadu_ps(gate + t * I + i));
+            __m512 u = _mm512_max_ps(lo, _mm512_min_ps(hi, _mm512_loadu_ps(up + t * I + i)));
+            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu, u));
+        }
+        if (hidden_order)
+            for (int64_t i = 0; i < I; i++) gate[t * I + i] = row[hidden_order[i]];
+        for (int64_t i = 0; i < I; i += 16)
+            _mm256_storeu_si256((__m256i *)(hidden + t * I + i),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(gate + t * I + i)));
+    }
+    fp4_linear_bf16(hidden, T, I, d2, ds2, s2, ss2, nib, H, out, H, scratch);
+    return 0;
+}
 #else
 int fp4_linear_bf16(const uint16_t *x, int64_t T, int64_t K, const uint8_t *data, int64_t data_stride,
                     const uint8_t *scale, int64_t scale_stride, const uint16_t *nib, int64_t N, float *out,
                     int64_t out_stride, uint16_t *scratch) {
     return -1;
 }
+int fp4_expert_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t I,
+                    const uint8_t *d1, int64_t ds1, const uint8_t *s1, int64_t ss1,
+                    const uint8_t *d3, int64_t ds3, const uint8_t *s3, int64_t ss3,
+                    const uint8_t *d2, int64_t ds2, const uint8_t *s2, int64_t ss2,
+                    const uint16_t *nib, float limit, const int64_t *hidden_order,
+                    float *work, uint16_t *hidden, uint16_t *scratch, float *out) {
+    return -1;
+}
 #endif
 """
 FUSED_ROWS = 4  # the kernel's rows per tile: its scratch holds this many decoded rows
-# Up to this many tokens an expert's matmuls use the fused kernel; more, and torch's GEMM on the decoded matrix is
-# faster (measured on Zen 5 at 1024 x 1024: 0.14 against 0.19 ms at 24 tokens, even at ~96).
+# Up to this many tokens an expert runs the fused kernel; beyond, decoding the matrices and torch's GEMM are as fast
+# (AMD Zen 5, 2 expert threads, 1024 x 1024 experts: 0.30 / 0.49 / 0.62 ms per expert for the fused kernel at
+# 24 / 48 / 64 tokens against 0.42 / 0.56 / 0.68 ms decoded; even from 80 tokens).
 FUSED_MAX_TOKENS = 64
 
 GROUP = 32  # inputs per scale, both layouts
@@ -410,39 +478,93 @@ class PackedMatrix:
     cols: int
 
 
-def _load_fused():
-    """The compiled fused FP4 matmul where this CPU has AVX512-BF16 and the kernel agrees with a float64 matmul on
-    the decoded matrix (strided groups, rows and tokens that are not whole tiles), else None."""
+class FusedKernels:
+    """The compiled fused FP4 kernels (see _FUSED_SOURCE): `matmul` (one packed matrix) and `expert` (a whole
+    clamped SwiGLU expert, its three matrices packed)."""
+
+    def __init__(self, lib):
+        self._linear, self._expert = lib.fp4_linear_bf16, lib.fp4_expert_bf16
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._linear.restype = self._expert.restype = ctypes.c_int
+        self._linear.argtypes = (p, i64, i64, p, i64, p, i64, p, i64, p, i64, p)
+        self._expert.argtypes = (p, i64, i64, i64, *(p, i64, p, i64) * 3, p, ctypes.c_float, p, p, p, p, p)
+
+    def matmul(self, x: torch.Tensor, m: PackedMatrix, scratch: torch.Tensor) -> torch.Tensor:
+        """x @ w.T (float32 [tokens, rows]) for bf16 x [tokens, cols] and the packed matrix w: bf16 products,
+        float32 sums. scratch: FUSED_ROWS * cols bf16."""
+        x = x.to(torch.bfloat16).contiguous()
+        out = torch.empty(x.shape[0], m.rows, dtype=torch.float32)
+        if self._linear(x.data_ptr(), x.shape[0], m.cols, m.data.data_ptr(), m.data.stride(0), m.scale.data_ptr(),
+                        m.scale.stride(0), m.table.data_ptr(), m.rows, out.data_ptr(), out.stride(0),
+                        scratch.data_ptr()):
+            raise RuntimeError(f"the fused FP4 matmul refused a {m.rows} x {m.cols} matrix")
+        return out
+
+    def expert(self, x: torch.Tensor, w1: PackedMatrix, w3: PackedMatrix, w2: PackedMatrix, limit: float,
+               hidden_order: torch.Tensor | None, buffer) -> torch.Tensor:
+        """The clamped SwiGLU expert (model.expert_forward) on bf16 x [tokens, hidden]: float32 [tokens, hidden].
+        Products in bf16, sums in float32, the hidden activation rounded to bf16 once. `buffer(role, numel, dtype)`
+        gives scratch memory."""
+        x = x.to(torch.bfloat16).contiguous()
+        tokens, (inter, hidden) = x.shape[0], (w1.rows, w1.cols)
+        if w3.rows != inter or w3.cols != hidden or w2.rows != hidden or w2.cols != inter or x.shape[1] != hidden:
+            raise RuntimeError(f"expert matrices {w1.rows}x{w1.cols}, {w3.rows}x{w3.cols}, {w2.rows}x{w2.cols} "
+                               f"do not make an expert on {x.shape[1]} inputs")
+        order = hidden_order.contiguous() if hidden_order is not None else None
+        out = torch.empty(tokens, hidden, dtype=torch.float32)
+        work = buffer("fused.work", 2 * tokens * inter + inter, torch.float32)
+        act = buffer("fused.hidden", tokens * inter, torch.bfloat16)
+        scratch = buffer("fused.rows", FUSED_ROWS * max(hidden, inter), torch.bfloat16)
+        packed = [v for m in (w1, w3, w2) for v in (m.data.data_ptr(), m.data.stride(0), m.scale.data_ptr(),
+                                                     m.scale.stride(0))]
+        if self._expert(x.data_ptr(), tokens, hidden, inter, *packed, w1.table.data_ptr(), limit,
+                        order.data_ptr() if order is not None else None, work.data_ptr(), act.data_ptr(),
+                        scratch.data_ptr(), out.data_ptr()):
+            raise RuntimeError(f"the fused FP4 expert refused {inter} x {hidden} matrices")
+        return out
+
+
+def _random_packed(rows: int, cols: int, table: torch.Tensor, gen: torch.Generator) -> tuple[PackedMatrix,
+                                                                                               torch.Tensor]:
+    """A random FP4 matrix in the MXFP4 arrangement (strided groups), normal magnitudes, and its decoded values."""
+    blocks = torch.randint(0, 256, (rows * cols // GROUP, MXFP4_BLOCK_BYTES), dtype=torch.uint8, generator=gen)
+    blocks[:, 0] = torch.randint(118, 136, (len(blocks),), dtype=torch.uint8, generator=gen)
+    index = (blocks[:, 1:].to(torch.int64) + blocks[:, :1].to(torch.int64) * 256).reshape(-1)
+    decoded = _pair_table(table)[index].view(torch.bfloat16).reshape(rows, cols)
+    return PackedMatrix(blocks[:, 1:], blocks[:, 0], table, rows, cols), decoded
+
+
+def _load_fused() -> FusedKernels | None:
+    """The compiled fused FP4 kernels where this CPU has AVX512-BF16 and both agree with float64 on the decoded
+    matrices (strided groups, rows and tokens that are not whole tiles, a permuted hidden activation), else None."""
     lib = quant_common.native_library("moepack_fp4_linear", _FUSED_SOURCE)
     if lib is None or not lib.fp4_linear_supported():
         return None
-    fn = lib.fp4_linear_bf16
-    fn.restype = ctypes.c_int
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+    kernels = FusedKernels(lib)
     gen = torch.Generator().manual_seed(0)
-    rows, cols, tokens = 2 * FUSED_ROWS + 3, 3 * GROUP, 13
-    blocks = torch.randint(0, 256, (rows * cols // GROUP, MXFP4_BLOCK_BYTES), dtype=torch.uint8, generator=gen)
-    blocks[:, 0] = torch.randint(118, 136, (len(blocks),), dtype=torch.uint8, generator=gen)  # normal magnitudes
     table = _nibble_table("FP4_E2M1", torch.bfloat16).contiguous()
-    matrix = PackedMatrix(blocks[:, 1:], blocks[:, 0], table, rows, cols)
-    x = torch.randn(tokens, cols, generator=gen).to(torch.bfloat16)
-    out = torch.empty(tokens, rows)
-    scratch = torch.empty(FUSED_ROWS * cols, dtype=torch.bfloat16)
-    if _call_fused(fn, x, matrix, out, scratch):
-        return None
-    index = (blocks[:, 1:].to(torch.int64) + blocks[:, :1].to(torch.int64) * 256).reshape(-1)
-    w = _pair_table(table)[index].view(torch.bfloat16).reshape(rows, cols)
-    want = x.double() @ w.double().T
-    if not torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
-        warnings.warn("moepack: the fused FP4 matmul disagrees with torch; not using it")
-        return None
-    return fn
+    buffers = {}
 
-
-def _call_fused(fn, x: torch.Tensor, m: PackedMatrix, out: torch.Tensor, scratch: torch.Tensor) -> int:
-    return fn(x.data_ptr(), x.shape[0], m.cols, m.data.data_ptr(), m.data.stride(0), m.scale.data_ptr(),
-              m.scale.stride(0), m.table.data_ptr(), m.rows, out.data_ptr(), out.stride(0), scratch.data_ptr())
+    def buffer(role, numel, dtype):
+        return buffers.setdefault(role, torch.empty(numel, dtype=dtype))
+    hidden, inter, tokens, limit = 2 * GROUP, 3 * GROUP, 13, 7.0
+    w1, w1d = _random_packed(inter, hidden, table, gen)
+    w3, w3d = _random_packed(inter, hidden, table, gen)
+    w2, w2d = _random_packed(hidden, inter, table, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    odd, odd_d = _random_packed(2 * FUSED_ROWS + 3, hidden, table, gen)  # a last tile of 3 rows
+    got = kernels.matmul(x, odd, buffer("rows", FUSED_ROWS * hidden, torch.bfloat16)).double()
+    want = x.double() @ odd_d.double().T
+    exact = torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    order = torch.randperm(inter, generator=gen)
+    got = kernels.expert(x, w1, w3, w2, limit, order, buffer).double()
+    want = model.expert_forward(SimpleNamespace(swiglu_limit=limit), x.double(), w1d.double(), w3d.double(),
+                                w2d.double(), order)
+    close = bool((got - want).abs().max() <= 2e-2 * want.abs().max())  # the hidden activation is rounded to bf16
+    if not (exact and close):
+        warnings.warn("moepack: the fused FP4 kernels disagree with torch; not using them")
+        return None
+    return kernels
 
 
 _fused_kernel = quant_common.LazyKernel(_load_fused)
@@ -466,13 +588,16 @@ class ExpertWeights:
     w2: torch.Tensor | PackedMatrix
     input_order: torch.Tensor | None = None  # permute x's columns by this before w1/w3 (MXFP4 pair order)
     hidden_order: torch.Tensor | None = None  # permute the hidden activation's columns by this before w2
-    matmul: Callable = model.linear  # (x, w) -> x @ w.T; the fused kernel's for PackedMatrix weights
+    # (cfg, x, weights) -> the expert on x, for PackedMatrix weights: the fused kernel does the whole expert
+    kernel: Callable | None = None
 
     def apply(self, cfg: "model.ModelConfig", x: torch.Tensor) -> torch.Tensor:
-        """The expert on its tokens x [n, hidden]."""
+        """The expert on its tokens x [n, hidden], in x's dtype."""
         if self.input_order is not None:
             x = x[:, self.input_order]
-        return model.expert_forward(cfg, x, self.w1, self.w3, self.w2, self.hidden_order, self.matmul)
+        if self.kernel is not None:
+            return self.kernel(cfg, x, self).to(x.dtype)
+        return model.expert_forward(cfg, x, self.w1, self.w3, self.w2, self.hidden_order)
 
 
 class ExpertDecoder:
@@ -612,7 +737,7 @@ class ExpertDecoder:
         columns = {m: by_name[f"{prefix}{m}.weight"].shape[1] for m in ("w1", "w2")}
         orders = (self._order(columns["w1"]), self._order(columns["w2"])) if layout == "MXFP4" else (None, None)
         return ExpertWeights(weights["w1"], weights["w3"], weights["w2"], *orders,
-                             matmul=self._fused_matmul if fused else model.linear)
+                             kernel=self._fused_expert if fused else None)
 
     def _fused_table(self, layout: str) -> torch.Tensor:
         key = f"fused {layout}"
@@ -620,10 +745,5 @@ class ExpertDecoder:
             self._tables[key] = _nibble_table(layout, torch.bfloat16).contiguous()
         return self._tables[key]
 
-    def _fused_matmul(self, x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
-        """x @ w.T for the packed matrix w, in x's dtype (as model.linear): bf16 products, float32 sums."""
-        x16 = x.to(torch.bfloat16).contiguous()
-        out = torch.empty(x.shape[0], m.rows, dtype=torch.float32)
-        if _call_fused(self.fused, x16, m, out, self._buffer("fused", FUSED_ROWS * m.cols, torch.bfloat16)):
-            raise RuntimeError(f"the fused FP4 matmul refused a {m.rows} x {m.cols} matrix")
-        return out.to(x.dtype)
+    def _fused_expert(self, cfg: "model.ModelConfig", x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+        return self.fused.expert(x, w.w1, w.w3, w.w2, cfg.swiglu_limit, w.hidden_order, self._buffer)

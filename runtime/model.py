@@ -623,15 +623,14 @@ def moe_route(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Te
 
 
 def expert_forward(cfg: ModelConfig, x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
-                   hidden_order: Tensor | None = None, matmul=linear) -> Tensor:
+                   hidden_order: Tensor | None = None) -> Tensor:
     """Clamped SwiGLU: x [n, H], w1 (gate) / w3 (up) [I, H], w2 (down) [H, I] -> [n, H]. The gate is clamped from
     above, the up projection on both sides, at swiglu_limit. `hidden_order`: w2's columns are stored permuted
-    (w2[:, hidden_order]), so the hidden activation is permuted the same way. `matmul(x, w)`: x @ w.T in x's dtype
-    (`linear`; the runtime passes a kernel that takes its weights still packed)."""
-    gate = matmul(x, w1).clamp(max=cfg.swiglu_limit)
-    up = matmul(x, w3).clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
+    (w2[:, hidden_order]), so the hidden activation is permuted the same way."""
+    gate = linear(x, w1).clamp(max=cfg.swiglu_limit)
+    up = linear(x, w3).clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
     hidden = F.silu(gate) * up
-    return matmul(hidden if hidden_order is None else hidden[:, hidden_order], w2)
+    return linear(hidden if hidden_order is None else hidden[:, hidden_order], w2)
 
 
 def accumulate(acc: Tensor, routing: Routing, expert_id: int, y: Tensor) -> Tensor:

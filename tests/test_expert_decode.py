@@ -133,7 +133,7 @@ def test_fused_matmul_equals_a_float64_matmul_on_the_decoded_matrix(rows, cols, 
     table = _nibble_table("FP4_E2M1", torch.bfloat16).contiguous()
     matrix = PackedMatrix(blocks[:, 1:], blocks[:, 0], table, rows, cols)
     x = torch.randn(tokens, cols, generator=gen).to(torch.bfloat16).float()  # bf16 values, float32 result
-    got = ExpertDecoder(torch.bfloat16, torch.device("cpu"))._fused_matmul(x, matrix)
+    got = expert_decode._fused_kernel().matmul(x, matrix, torch.empty(4 * cols, dtype=torch.bfloat16))
     index = (blocks[:, 1:].to(torch.int64) + blocks[:, :1].to(torch.int64) * 256).reshape(-1)
     w = _pair_table(table)[index].view(torch.bfloat16).reshape(rows, cols)
     want = x.double() @ w.double().T
@@ -167,7 +167,7 @@ def test_fused_expert_matches_the_decoded_expert(fp4_containers, policy, layout)
         assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max(), tokens
 
 
-def test_prefill_with_the_fused_matmul_stays_close_to_the_decoded_path(fp4_containers, monkeypatch):
+def test_prefill_with_the_fused_experts_stays_close_to_the_decoded_path(fp4_containers, monkeypatch):
     _needs_fused()
     ids = torch.randint(0, 500, (70,), generator=torch.Generator().manual_seed(1))
     options = PrefillOptions(compute_dtype="bfloat16", expert_selection="all")
