@@ -197,6 +197,18 @@ NATIVE_LEVELS = ("scalar", "ssse3", "avx512")
 _FUSED_SOURCE = r"""
 #include <stdint.h>
 
+#define LINEAR_SIGNATURE \
+int fp4_linear_bf16(const uint16_t *x, int64_t T, int64_t K, const uint8_t *data, int64_t data_stride, \
+                    const uint8_t *scale, int64_t scale_stride, const uint16_t *nib, int64_t N, float *out, \
+                    int64_t out_stride, uint16_t *scratch)
+#define EXPERT_SIGNATURE \
+int fp4_expert_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t I, \
+                    const uint8_t *d1, int64_t ds1, const uint8_t *s1, int64_t ss1, \
+                    const uint8_t *d3, int64_t ds3, const uint8_t *s3, int64_t ss3, \
+                    const uint8_t *d2, int64_t ds2, const uint8_t *s2, int64_t ss2, \
+                    const uint16_t *nib, float limit, const int64_t *hidden_order, \
+                    float *work, uint16_t *hidden, uint16_t *scratch, float *out)
+
 int fp4_linear_supported(void) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
@@ -245,9 +257,7 @@ static inline void tile(const uint16_t *x, int64_t K, const uint16_t *w, int row
    bytes, low nibble first) with its scale byte at scale + g * scale_stride choosing a row of nib (16 bf16 values
    per scale byte). scratch: ROWS * K bf16. Returns -1 where not built or K is not a multiple of 32. */
 TARGET
-int fp4_linear_bf16(const uint16_t *x, int64_t T, int64_t K, const uint8_t *data, int64_t data_stride,
-                    const uint8_t *scale, int64_t scale_stride, const uint16_t *nib, int64_t N, float *out,
-                    int64_t out_stride, uint16_t *scratch) {
+LINEAR_SIGNATURE {
     if (K % 32) return -1;
     const __m512i low = _mm512_set1_epi32(15);
     const int64_t groups = K / 32;
@@ -310,12 +320,7 @@ static inline __m512 exp_ps(__m512 x) {
    NULL: w2 stored in MXFP4 pair order), out (float32 [T][H]) = hidden w2^T. w1, w3: I x H, w2: H x I, each as
    fp4_linear_bf16 takes it. work: 2 T I + I floats; hidden: T I bf16; scratch: ROWS max(H, I) bf16. */
 TARGET
-int fp4_expert_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t I,
-                    const uint8_t *d1, int64_t ds1, const uint8_t *s1, int64_t ss1,
-                    const uint8_t *d3, int64_t ds3, const uint8_t *s3, int64_t ss3,
-                    const uint8_t *d2, int64_t ds2, const uint8_t *s2, int64_t ss2,
-                    const uint16_t *nib, float limit, const int64_t *hidden_order,
-                    float *work, uint16_t *hidden, uint16_t *scratch, float *out) {
+EXPERT_SIGNATURE {
     if (H % 32 || I % 32) return -1;
     float *gate = work, *up = work + T * I, *row = work + 2 * T * I;
     fp4_linear_bf16(x, T, H, d1, ds1, s1, ss1, nib, I, gate, I, scratch);
@@ -340,17 +345,10 @@ int fp4_expert_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t I,
     return 0;
 }
 #else
-int fp4_linear_bf16(const uint16_t *x, int64_t T, int64_t K, const uint8_t *data, int64_t data_stride,
-                    const uint8_t *scale, int64_t scale_stride, const uint16_t *nib, int64_t N, float *out,
-                    int64_t out_stride, uint16_t *scratch) {
+LINEAR_SIGNATURE {
     return -1;
 }
-int fp4_expert_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t I,
-                    const uint8_t *d1, int64_t ds1, const uint8_t *s1, int64_t ss1,
-                    const uint8_t *d3, int64_t ds3, const uint8_t *s3, int64_t ss3,
-                    const uint8_t *d2, int64_t ds2, const uint8_t *s2, int64_t ss2,
-                    const uint16_t *nib, float limit, const int64_t *hidden_order,
-                    float *work, uint16_t *hidden, uint16_t *scratch, float *out) {
+EXPERT_SIGNATURE {
     return -1;
 }
 #endif
