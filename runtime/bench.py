@@ -293,20 +293,35 @@ def fio_available() -> str | None:
     return shutil.which("fio")
 
 
+def free_hugetlb_bytes() -> int:
+    """Bytes of reserved (hugetlbfs) huge pages free now: what fio's huge-page buffers need (vm.nr_hugepages)."""
+    try:
+        info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        return int(info["HugePages_Free"].split()[0]) * int(info["Hugepagesize"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
 def run_fio(path: str, offset: int, size: int, block_bytes: int, depth: int, engines=FIO_ENGINES,
             timeout: float = 600) -> dict:
     """fio reading [offset, offset+size) of `path` sequentially, O_DIRECT, `block_bytes` per request, `depth` in
-    flight, with the first engine of `engines` that works (io_uring first). {"skipped": reason} without fio."""
+    flight, with the first engine of `engines` that works (io_uring first). {"skipped": reason} without fio.
+
+    fio's buffers are huge pages where enough reserved ones are free (vm.nr_hugepages), as moepack's read buffers
+    are (transparent huge pages): a virtual disk can take twice as long over a request scattered across 4 KiB pages
+    (this project's VM: 1.7 GB/s with 4 KiB pages, 3.4 GB/s with huge pages). "buffers" says which it used."""
     exe = fio_available()
     if exe is None:
         return {"skipped": "fio is not installed (apt-get install fio)"}
     block_bytes = max(4096, block_bytes // 4096 * 4096)
     size = max(block_bytes, size // block_bytes * block_bytes)
+    huge = free_hugetlb_bytes() >= block_bytes * (depth + 1)
     errors = []
     for engine in engines:
         cmd = [exe, "--name=moepack-read", f"--filename={path}", "--readonly", "--rw=read", "--direct=1",
                f"--ioengine={engine}", f"--bs={block_bytes}", f"--iodepth={depth if engine != 'psync' else 1}",
-               f"--offset={offset}", f"--size={size}", "--numjobs=1", "--output-format=json"]
+               f"--offset={offset}", f"--size={size}", "--numjobs=1", "--output-format=json",
+               *(["--iomem=mmaphuge"] if huge else [])]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -327,6 +342,7 @@ def run_fio(path: str, offset: int, size: int, block_bytes: int, depth: int, eng
         return {"engine": engine, "gbps": read["bw_bytes"] / 1e9, "bytes": read["io_bytes"],
                 "seconds": read["runtime"] / 1000, "block_bytes": block_bytes,
                 "iodepth": depth if engine != "psync" else 1, "version": out.get("fio version"),
+                "buffers": "huge pages" if huge else "4 KiB pages (no free vm.nr_hugepages)",
                 "command": " ".join(cmd), "errors": errors}
     return {"failed": "; ".join(errors)}
 

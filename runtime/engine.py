@@ -64,7 +64,7 @@ class PrefillOptions:
     io_mode: str = "auto"
     query_chunk: int | None = 512
     expert_selection: str = "auto"
-    verify_reads: bool = True  # xxh3 of every region as it is read
+    verify_reads: bool = True  # xxh3 of every region read, checked before its bytes are used
     # The layers' matrices: float32 (the exact reference path) or bfloat16 (the attention's projections and the
     # shared expert, model.LOW_PRECISION_PREFIXES; their inputs are rounded to bf16, the residual streams, norms,
     # mHC and router stay float32). bf16 matmuls are 2-4x faster on CPUs with AVX512-BF16/AMX and on GPUs.
@@ -235,6 +235,11 @@ class StreamingPrefill:
                                          buffers=EXPERT_BUFFERS_PER_READ * options.queue_depth)
         self.dense_pipe = ReadPipeline(self.reader, max_dense, 2, pinned)  # current + the next layer's prefetch
         self.compute = _Timer()
+        # Where each region's checksum is computed: on a CPU the cores are the compute, and a reader thread hashing
+        # as bytes land (while the attention runs on every core) stalls the compute's OpenMP barriers (N = 512:
+        # +0.1-0.3 s); there the consumer checks each region just before decoding it. A GPU prefill leaves the
+        # reader threads' cores idle: they check as the bytes arrive.
+        self._check_on_read = self.device.type == "cuda"
         if self.device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(self.device)
 
@@ -328,15 +333,18 @@ class StreamingPrefill:
         try:
             for first_expert, count, future in reads:
                 buffer, view = future.result()
-                # experts read with the rest of the section but chosen by no token are skipped
-                regions = [r for r in block.experts[first_expert:first_expert + count] if r.expert in groups.spans]
-                base = block.experts[first_expert].offset
+                # experts read with the rest of the section but chosen by no token are skipped (checked here)
+                read = block.experts[first_expert:first_expert + count]
+                regions = [r for r in read if r.expert in groups.spans]
+                base = read[0].offset
                 try:
+                    if not self._check_on_read:
+                        self._check([r for r in read if r.expert not in groups.spans], view, base)
                     raw = self._to_device(buffer, view) if regions else None
                     if self._expert_pool is None:
                         with self.compute:
                             for region in regions:
-                                self._expert_task(block, region, raw, base, inputs, outputs, groups)
+                                self._expert_task(block, region, raw, base, inputs, outputs, groups, view)
                         regions = []  # done: the buffer can go back
                 except BaseException:
                     self.experts_pipe.release(buffer)
@@ -354,7 +362,7 @@ class StreamingPrefill:
                         self.experts_pipe.release(buffer)
                 for region in regions:
                     task = self._expert_pool.submit(self._on_one_core, self._expert_task, block, region, raw, base,
-                                                    inputs, outputs, groups)
+                                                    inputs, outputs, groups, view)
                     task.add_done_callback(finished)
                     pending.append(task)
         finally:
@@ -364,7 +372,9 @@ class StreamingPrefill:
             task.result()  # an expert's exception, raised here
 
     def _expert_task(self, block: Block, region: Region, raw: torch.Tensor, base: int, inputs: torch.Tensor,
-                     outputs: torch.Tensor, groups: "v4.ExpertGroups") -> None:
+                     outputs: torch.Tensor, groups: "v4.ExpertGroups", view: memoryview) -> None:
+        if not self._check_on_read:  # the bytes are about to be decoded: checked, they are in cache for it
+            self._check([region], view, base)
         a, b = groups.spans[region.expert]
         outputs[a:b] = self._expert_output(block, region, raw, base, inputs[a:b])
 
@@ -386,14 +396,15 @@ class StreamingPrefill:
         return out
 
     def _submit_dense(self, block: Block) -> Future:
-        return self.dense_pipe.submit(block.dense.offset, block.dense.length,
-                                      lambda view: self._check([block.dense], view, block.dense.offset),
-                                      part=block.dense.part)
+        check = (lambda view: self._check([block.dense], view, block.dense.offset)) if self._check_on_read else None
+        return self.dense_pipe.submit(block.dense.offset, block.dense.length, check, part=block.dense.part)
 
     def _dense_weights(self, block: Block, future: Future) -> dict[str, torch.Tensor]:
         buffer, view = future.result()
         try:
             with self.compute:
+                if not self._check_on_read:
+                    self._check([block.dense], view, block.dense.offset)
                 prefix = block.name + "."
 
                 def dtype_of(t) -> torch.dtype:  # the low-precision matrices decode straight into compute_dtype
@@ -422,7 +433,8 @@ class StreamingPrefill:
         expert_ids = [e for e in expert_ids if e in owned]
         for first, count, span in expert_reads(block, expert_ids, self.opt.bundle_experts):
             regions = block.experts[first:first + count]
-            check = lambda view, regions=regions: self._check(regions, view, regions[0].offset)  # noqa: E731
+            check = (lambda view, regions=regions: self._check(regions, view, regions[0].offset)) \
+                if self._check_on_read else None
             reads.append((first, count, self.experts_pipe.submit(span.offset, span.length, check, part=span.part)))
         return reads
 

@@ -93,6 +93,26 @@ def test_fio_comparison(tiny):
     assert r["ours_over_fio"] == pytest.approx(r["best"]["gbps"] / f["gbps"])
 
 
+def test_fio_uses_huge_page_buffers_where_reserved_ones_are_free(tiny, monkeypatch):
+    if B.fio_available() is None:
+        pytest.skip("fio is not installed (apt-get install -y fio)")
+    monkeypatch.setattr(B, "free_hugetlb_bytes", lambda: 0)
+    plain = B.run_fio(tiny, 0, 1 << 20, 1 << 20, 2)
+    assert "--iomem" not in plain["command"] and plain["buffers"].startswith("4 KiB pages")
+    calls = []
+    real_run = B.subprocess.run
+    monkeypatch.setattr(B, "free_hugetlb_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(B.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real_run(cmd, **kw))
+    B.run_fio(tiny, 0, 1 << 20, 1 << 20, 2)  # may fail where no huge pages are really reserved: the command counts
+    assert "--iomem=mmaphuge" in calls[0]
+
+
+def test_free_hugetlb_bytes_reads_meminfo():
+    info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+    pages = int(info["HugePages_Free"].split()[0])
+    assert B.free_hugetlb_bytes() == pages * int(info["Hugepagesize"].split()[0]) * 1024
+
+
 def test_fio_missing_is_reported_not_fatal(tiny, monkeypatch):
     monkeypatch.setattr(B, "fio_available", lambda: None)
     r = B.bench_io(tiny, bundles=(1,), depths=(1,), max_bytes=None, fio=True, save=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from moepack.format_spec.reader import Container  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.runtime import engine  # noqa: E402
 from moepack.runtime.engine import PrefillOptions, bundle_runs, prefill  # noqa: E402
+from moepack.runtime.io import HUGE_PAGE, HostBuffer  # noqa: E402
 
 REL_TOL = 1e-3
 
@@ -131,6 +133,27 @@ def test_damaged_region_is_refused_while_streaming(models, tmp_path):
     prefill(str(bad), _prompt(200, 61, 3), PrefillOptions(expert_selection="all", verify_reads=False))
 
 
+def test_an_expert_read_but_chosen_by_no_token_is_still_checked(models, monkeypatch, tmp_path):
+    _, container = models["B"]
+    computed = set()
+    real = engine.StreamingPrefill._expert_task
+
+    def record(self, block, region, *args):
+        computed.add(region.name)
+        return real(self, block, region, *args)
+    monkeypatch.setattr(engine.StreamingPrefill, "_expert_task", record)
+    prompt = _prompt(2, 61, 3)
+    prefill(container, prompt, PrefillOptions(expert_selection="all"))  # every expert read, a few computed
+    with Container(container) as c:
+        idle = next(r for b in c.layers for r in b.experts if r.name not in computed)
+    data = bytearray(open(container, "rb").read())
+    data[idle.offset + 100] ^= 0x08
+    bad = tmp_path / "bad.moepack"
+    bad.write_bytes(data)
+    with pytest.raises(FormatError, match=re.escape(idle.name) + ".*checksum mismatch while streaming"):
+        prefill(str(bad), prompt, PrefillOptions(expert_selection="all"))
+
+
 def test_o_direct_refused_falls_back_with_a_warning(models, monkeypatch):
     _, container = models["C"]
     real_open = os.open
@@ -241,6 +264,13 @@ def test_read_pipeline_hands_buffers_out_in_submission_order(tmp_path):
     reader.close()
 
 
+def test_host_buffers_start_on_a_huge_page_and_are_private(tmp_path):
+    buffer = HostBuffer(5_000_000, pinned=False)
+    assert buffer.tensor.data_ptr() % HUGE_PAGE == 0 and buffer.tensor.numel() == 5_000_000
+    buffer.tensor.fill_(7)  # writable, and its own memory: another buffer does not see it
+    assert int(HostBuffer(5_000_000, pinned=False).tensor.sum()) == 0 and int(buffer.tensor[-1]) == 7
+
+
 def test_read_pipeline_with_spare_buffers_keeps_order(tmp_path):
     """More buffers than reads in flight (the prefill's read-ahead): still every read intact, in order."""
     from moepack.runtime.io import ReadPipeline, RegionReader
@@ -270,7 +300,7 @@ def test_read_pipeline_with_spare_buffers_keeps_order(tmp_path):
 def test_page_cache_reads_are_zero_copy_on_a_cpu(models):
     """mmap mode on a CPU: reads are views of the mapped file (nothing copied into the pool), read-only, with the
     same logits as O_DIRECT reads into the buffers; the reader closes even while such a view is still alive."""
-    from moepack.runtime.io import HostBuffer, RegionReader
+    from moepack.runtime.io import RegionReader
 
     _, container = models["A"]
     with Container(container) as c:
