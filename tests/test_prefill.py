@@ -264,6 +264,19 @@ def test_read_pipeline_hands_buffers_out_in_submission_order(tmp_path):
     reader.close()
 
 
+def test_read_pool_holds_a_layer_within_its_memory_share(models):
+    assert engine.read_pool_buffers(100, 10, 4, 0) == 10  # a whole section
+    assert engine.read_pool_buffers(10, 10, 4, 0) == 2 * 4  # at least 2 buffers per read in flight
+    assert engine.read_pool_buffers(100, 10, 4, 400) == 5  # 1/8 of 400 bytes of memory
+    assert engine.read_pool_buffers(100, 10, 4, 40) == 4  # never fewer than the reads in flight
+    _, container = models["B"]
+    with Container(container) as c:
+        section = max(sum(r.length for r in b.experts) for b in c.layers)
+        buffer = 2 * max(r.length for b in c.layers for r in b.experts)  # a bundle of 2
+    stats = prefill(container, _prompt(20, 61, 3), PrefillOptions(bundle_experts=2, queue_depth=2)).stats
+    assert section <= stats["read_pool_bytes"] < section + buffer
+
+
 def test_host_buffers_start_on_a_huge_page_and_are_private(tmp_path):
     buffer = HostBuffer(5_000_000, pinned=False)
     assert buffer.tensor.data_ptr() % HUGE_PAGE == 0 and buffer.tensor.numel() == 5_000_000
