@@ -7,7 +7,7 @@ FP8 dense + FP4 experts, a few GB):
   compute-alone  the same prefill with the container already in RAM (page cache, mmap): no disk in the way
   streamed       the prefill from a cold cache with O_DIRECT: wall, io busy, compute busy,
                  overlap = wall / max(io-alone, compute-alone)  (1.00 = perfect overlap), each streamed run
-                 against the io-alone run just before it, the best run kept
+                 against the io-alone and compute-alone runs beside it (the three interleaved), the best kept
   transformers   DeepseekV4ForCausalLM resident in memory (bf16, loaded from `moepack export`), forward only
   io floor       the bytes a streamed prefill reads at the best speed measured in this run (fio's, or the
                  reader's alone where fio had no huge-page buffers and so read slower): no streamed prefill is
@@ -15,7 +15,13 @@ FP8 dense + FP4 experts, a few GB):
                  where the prompt is too short to hide the disk
   resident x     compute-alone against transformers: both with the weights in RAM
 Every measurement is the best of --repeat runs (default 3), ours and transformers' alike.
-Usage: python benchmarks/prefill.py [--preset medium] [--tokens 256,1024] [--compute-dtype bfloat16] [--json]
+
+On a GPU (--device cuda) the same rows come out with the device's peak memory; --device-budget-gib B caps what
+this process (and transformers') may allocate on the device (torch's per-process memory fraction), so a model
+whose experts exceed B shows the prefill streaming what cannot stay resident: T_ssd = io-alone, T_compute =
+compute-alone, wall = streamed. transformers is reported only where the model fits the budget.
+Usage: python benchmarks/prefill.py [--preset medium] [--tokens 256,1024] [--compute-dtype bfloat16]
+                                    [--device cuda --device-budget-gib 1] [--json]
 """
 
 from __future__ import annotations
@@ -54,21 +60,29 @@ def io_alone(path: str, bundle: int, depth: int) -> tuple[float, int]:
     return r["seconds"], r["bytes"]
 
 
-def decode_alone(path: str, dtype: torch.dtype) -> tuple[float, int, int]:
-    """Decode every routed expert once (bytes already in RAM), as the prefill does: (seconds, bytes, weights)."""
-    decoder = ExpertDecoder(dtype, torch.device("cpu"), threads=1)  # as each expert thread of the prefill
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_alone(path: str, dtype: torch.dtype, device: torch.device) -> tuple[float, int, int]:
+    """Decode every routed expert once (bytes already in memory: RAM, or the device's), as the prefill does:
+    (seconds, bytes, weights)."""
+    decoder = ExpertDecoder(dtype, device, threads=1)  # on a CPU as each expert thread of the prefill
     seconds = stored = weights = 0
     with Container(path) as c:
         for block in c.layers:
             for region in block.experts:
                 raw = torch.frombuffer(bytearray(c.pread(region.offset, region.length, region.part)),
-                                       dtype=torch.uint8)
+                                       dtype=torch.uint8).to(device)
                 prefix = f"{block.name}.ffn.experts.{region.expert}."
                 layout = ExpertDecoder.layout(region, prefix)
                 if layout is None:
                     raise SystemExit(f"{path}: experts are not FP4; decode-alone measures the FP4 table decoder")
+                _sync(device)
                 start = time.perf_counter()
                 decoder.decode(region, layout, raw, region.offset, prefix)
+                _sync(device)
                 seconds += time.perf_counter() - start
                 stored += region.length
                 weights += sum(t.numel for t in region.tensors if t.name.endswith(".weight"))
@@ -80,25 +94,35 @@ TRANSFORMERS_RUN = r"""
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM
 torch.set_num_threads(int(sys.argv[3]))
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16).eval()
+device, budget = torch.device(sys.argv[5]), float(sys.argv[6])
+if device.type == "cuda" and budget:
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.get_device_properties(device).total_memory))
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16).eval().to(device)
+sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 results = {}
 for n in json.loads(sys.argv[2]):
-    ids = torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+    ids = torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
     with torch.no_grad():
         model(ids[:, :8])
         best = float("inf")
         for _ in range(int(sys.argv[4])):
+            sync()
             start = time.perf_counter()
             logits = model(ids).logits[0, -1].float()
+            sync()
             best = min(best, time.perf_counter() - start)
         results[n] = {"seconds": best, "next_token": int(logits.argmax())}
 print(json.dumps(results))
 """
 
 
-def transformers_resident(export_dir: str, tokens: list[int], repeat: int) -> dict:
+def transformers_resident(export_dir: str, tokens: list[int], repeat: int, device: str = "cpu",
+                          budget_bytes: int = 0) -> dict:
+    """transformers' forward on the model in memory (on `device`, within `budget_bytes` of it where given): {N:
+    {"seconds", "next_token"}}, or {"error": ...} (e.g. the model does not fit the budget)."""
     p = subprocess.run([sys.executable, "-c", TRANSFORMERS_RUN, export_dir, json.dumps(tokens),
-                        str(torch.get_num_threads()), str(repeat)], capture_output=True, text=True)
+                        str(torch.get_num_threads()), str(repeat), device, str(budget_bytes)],
+                       capture_output=True, text=True)
     if p.returncode:
         return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "failed"}
     return {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
@@ -118,10 +142,19 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each measurement, the best kept (ours and transformers alike): a shared VM's "
                          "run-to-run noise is 10-30%%")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--device-budget-gib", type=float, default=0,
+                    help="cuda: the device memory this process may use (0: all of it)")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.repeat = max(1, args.repeat)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    budget = int(args.device_budget_gib * 2**30)
+    if device.type == "cuda" and budget:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.get_device_properties(device).total_memory))
     tokens = [int(t) for t in args.tokens.split(",")]
     os.makedirs(args.workdir, exist_ok=True)
     src = os.path.join(args.workdir, f"{args.preset}-release")
@@ -133,6 +166,8 @@ def main() -> None:
     with Container(container) as c:
         vocab = c.config["vocab_size"]
         file_bytes = c.file_size
+        expert_params = sum(t.numel for b in c.layers for r in b.experts for t in r.tensors
+                            if t.name.endswith(".weight"))
 
     rows = []
     max_read_gbps = 0.0  # the reader's best speed alone so far in this run
@@ -140,30 +175,32 @@ def main() -> None:
     fio_runs = [run_fio(container, 0, file_bytes, 8 << 20, args.queue_depth) for _ in range(args.repeat)]
     fio = max((f for f in fio_runs if "gbps" in f), key=lambda f: f["gbps"], default=fio_runs[0])
     args.expert_dtype = args.expert_dtype or args.compute_dtype
-    dec_seconds, dec_bytes, dec_weights = decode_alone(container, EXPERT_DTYPES[args.expert_dtype])
+    dec_seconds, dec_bytes, dec_weights = decode_alone(container, EXPERT_DTYPES[args.expert_dtype], device)
     decode = {"seconds": round(dec_seconds, 3), "stored_gb_per_s": round(dec_bytes / dec_seconds / 1e9, 3),
               "gweights_per_s": round(dec_weights / dec_seconds / 1e9, 3)}
     warm_cache(container)  # one untimed prefill first: thread pools, allocator and page cache warmed up
-    prefill(container, torch.arange(3, 3 + tokens[0]) % vocab, PrefillOptions(io_mode="mmap"))
+    prefill(container, torch.arange(3, 3 + tokens[0]) % vocab, PrefillOptions(io_mode="mmap", device=args.device))
     for n in tokens:
         ids = torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n))
-        base = dict(bundle_experts=args.bundle_experts, queue_depth=args.queue_depth, expert_selection="all",
+        base = dict(device=args.device, bundle_experts=args.bundle_experts, queue_depth=args.queue_depth,
+                    expert_selection="all",
                     compute_dtype=args.compute_dtype, expert_dtype=args.expert_dtype)
-        # io-alone and streamed runs interleaved, so that both see the disk as it is at that minute
+        # io-alone, streamed and resident runs interleaved, so that each trio sees the disk and the cores as they
+        # are at that minute (a shared VM drifts by 10-30 % from minute to minute)
         io_runs, streamed_runs, resident_runs = [], [], []
         for _ in range(max(1, args.repeat)):
             io_runs.append(io_alone(container, args.bundle_experts, args.queue_depth))
             drop_page_cache(container)
             streamed_runs.append(prefill(container, ids, PrefillOptions(io_mode="direct", **base)))
-        warm_cache(container)
-        for _ in range(max(1, args.repeat)):
+            warm_cache(container)
             resident_runs.append(prefill(container, ids, PrefillOptions(io_mode="mmap", **base)))
         io_seconds, io_bytes = min(io_runs)
         max_read_gbps = max(max_read_gbps, io_bytes / io_seconds / 1e9)
         streamed, resident = (min(runs, key=lambda r: r.stats["seconds"]) for runs in (streamed_runs, resident_runs))
         s = streamed.stats
-        # each streamed run against the io-alone run just before it (the disk drifts from minute to minute)
-        paired = [st.stats["seconds"] / max(io[0], resident.stats["seconds"]) for io, st in zip(io_runs, streamed_runs)]
+        # each streamed run against the io-alone and resident runs of its own trio
+        paired = [st.stats["seconds"] / max(io[0], rs.stats["seconds"])
+                  for io, st, rs in zip(io_runs, streamed_runs, resident_runs)]
         rows.append({
             "tokens": n, "io_alone_s": round(io_seconds, 3), "compute_alone_s": resident.stats["seconds"],
             "streamed_s": s["seconds"], "io_busy_s": s["io_busy_s"], "compute_busy_s": s["compute_busy_s"],
@@ -171,6 +208,7 @@ def main() -> None:
             "overlap_of_bests": round(s["seconds"] / max(io_seconds, resident.stats["seconds"]), 3),
             "tokens_per_s": s["tokens_per_s"], "bytes_read": s["bytes_read"],
             "read_gb_per_s_alone": round(io_bytes / io_seconds / 1e9, 3), "peak_rss_gib": round(s["peak_rss_bytes"] / 2**30, 2),
+            "peak_device_gib": round(s["peak_device_bytes"] / 2**30, 3) if "peak_device_bytes" in s else None,
             # no streamed prefill can beat reading its bytes at the disk's speed
             "io_floor_s": round(s["bytes_read"] / (max(fio.get("gbps", 0), max_read_gbps) * 1e9), 3),
             "same_token_as_resident": streamed.next_token == resident.next_token,
@@ -179,7 +217,7 @@ def main() -> None:
         export_dir = os.path.join(args.workdir, f"{args.preset}-bf16-export")
         if not os.path.exists(os.path.join(export_dir, "config.json")):
             export_container(container, export_dir, dtype="bf16", progress=not args.json)
-        ref = transformers_resident(export_dir, tokens, args.repeat)
+        ref = transformers_resident(export_dir, tokens, args.repeat, args.device, budget)
         for row in rows:
             r = ref.get(row["tokens"]) if "error" not in ref else None
             row["transformers_s"] = round(r["seconds"], 3) if r else None
@@ -196,26 +234,32 @@ def main() -> None:
               "expert_dtype": args.expert_dtype,
               "bundle_experts": args.bundle_experts, "queue_depth": args.queue_depth,
               "threads": torch.get_num_threads(), "repeat": args.repeat, "expert_decode_alone": decode,
-              "fio": fio, "rows": rows}
+              "fio": fio, "device": args.device, "device_budget_bytes": budget or None,
+              "expert_bytes_in_compute_dtype": expert_params * EXPERT_DTYPES[args.expert_dtype].itemsize,
+              "rows": rows}
     if args.json:
         print(json.dumps(result, indent=1))
         return
     print(f"{args.preset}: container {file_bytes / 1e9:.2f} GB, compute in {args.compute_dtype}, experts in "
           f"{args.expert_dtype}, bundle "
-          f"{args.bundle_experts}, depth {args.queue_depth}, {torch.get_num_threads()} threads")
-    print(f"expert decode alone (every routed expert once, from RAM, one thread): {decode['seconds']} s, "
+          f"{args.bundle_experts}, depth {args.queue_depth}, {torch.get_num_threads()} threads, on {args.device}")
+    if budget:
+        experts = result["expert_bytes_in_compute_dtype"]
+        print(f"device budget {budget / 2**30:.2f} GiB; the experts in {args.expert_dtype} are {experts / 2**30:.2f} "
+              f"GiB: {'they cannot all stay resident' if experts > budget else 'they fit: pick a larger preset'}")
+    print(f"expert decode alone (every routed expert once, from memory, one thread): {decode['seconds']} s, "
           f"{decode['stored_gb_per_s']} GB/s stored, {decode['gweights_per_s']} G weights/s")
     fio_text = (f"{fio['gbps']:.3f} GB/s ({fio['engine']}, {fio['buffers']} buffers)" if "gbps" in fio
                 else next(iter(fio.values())))
     print(f"disk: fio {fio_text}, reader alone {rows[0]['read_gb_per_s_alone']} GB/s; best of {args.repeat} runs each")
     head = ["N", "io-alone s", "io floor s", "compute-alone s", "streamed s", "overlap", "tok/s", "transformers s",
-            "x transformers", "resident x transformers", "best possible x"]
+            "x transformers", "resident x transformers", "best possible x", "peak device GiB"]
     print(" | ".join(head))
     for r in rows:
         print(" | ".join(str(v) for v in (r["tokens"], r["io_alone_s"], r["io_floor_s"], r["compute_alone_s"],
                                           r["streamed_s"], r["overlap"], r["tokens_per_s"], r.get("transformers_s"),
                                           r.get("speedup_vs_transformers"), r.get("resident_speedup_vs_transformers"),
-                                          r.get("best_possible_vs_transformers"))))
+                                          r.get("best_possible_vs_transformers"), r["peak_device_gib"])))
 
 
 if __name__ == "__main__":
