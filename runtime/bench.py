@@ -293,13 +293,18 @@ def fio_available() -> str | None:
     return shutil.which("fio")
 
 
-def free_hugetlb_bytes() -> int:
+def free_hugetlb_bytes(meminfo: str = "/proc/meminfo") -> int:
     """Bytes of reserved (hugetlbfs) huge pages free now: what fio's huge-page buffers need (vm.nr_hugepages)."""
     try:
-        info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        with open(meminfo) as f:
+            info = dict(line.split(":", 1) for line in f if ":" in line)
         return int(info["HugePages_Free"].split()[0]) * int(info["Hugepagesize"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError, IndexError):
         return 0
+
+
+FIO_HUGE_BUFFERS = "huge pages"
+FIO_SMALL_BUFFERS = "4 KiB pages (no free vm.nr_hugepages)"
 
 
 def run_fio(path: str, offset: int, size: int, block_bytes: int, depth: int, engines=FIO_ENGINES,
@@ -309,41 +314,43 @@ def run_fio(path: str, offset: int, size: int, block_bytes: int, depth: int, eng
 
     fio's buffers are huge pages where enough reserved ones are free (vm.nr_hugepages), as moepack's read buffers
     are (transparent huge pages): a virtual disk can take twice as long over a request scattered across 4 KiB pages
-    (this project's VM: 1.7 GB/s with 4 KiB pages, 3.4 GB/s with huge pages). "buffers" says which it used."""
+    (this project's VM: 1.7 GB/s with 4 KiB pages, 3.4 GB/s with huge pages). "buffers" says which it used; where
+    fio refuses huge-page buffers (another process took the pages) it runs again with ordinary ones."""
     exe = fio_available()
     if exe is None:
         return {"skipped": "fio is not installed (apt-get install fio)"}
     block_bytes = max(4096, block_bytes // 4096 * 4096)
     size = max(block_bytes, size // block_bytes * block_bytes)
-    huge = free_hugetlb_bytes() >= block_bytes * (depth + 1)
+    buffer_kinds = [FIO_HUGE_BUFFERS] if free_hugetlb_bytes() >= block_bytes * (depth + 1) else []
+    buffer_kinds.append(FIO_SMALL_BUFFERS)
     errors = []
     for engine in engines:
-        cmd = [exe, "--name=moepack-read", f"--filename={path}", "--readonly", "--rw=read", "--direct=1",
-               f"--ioengine={engine}", f"--bs={block_bytes}", f"--iodepth={depth if engine != 'psync' else 1}",
-               f"--offset={offset}", f"--size={size}", "--numjobs=1", "--output-format=json",
-               *(["--iomem=mmaphuge"] if huge else [])]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            errors.append(f"{engine}: timed out")
-            continue
-        try:
-            out = json.loads(p.stdout[p.stdout.index("{"):])
-            job = out["jobs"][0]
-            if job.get("error"):
-                raise ValueError(f"error {job['error']}")
-            read = job["read"]
-            if not read.get("io_bytes"):
-                raise ValueError("read nothing")
-        except (ValueError, KeyError, IndexError) as e:
-            tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [str(e)]
-            errors.append(f"{engine}: {tail[0]}")
-            continue
-        return {"engine": engine, "gbps": read["bw_bytes"] / 1e9, "bytes": read["io_bytes"],
-                "seconds": read["runtime"] / 1000, "block_bytes": block_bytes,
-                "iodepth": depth if engine != "psync" else 1, "version": out.get("fio version"),
-                "buffers": "huge pages" if huge else "4 KiB pages (no free vm.nr_hugepages)",
-                "command": " ".join(cmd), "errors": errors}
+        for buffers in buffer_kinds:
+            cmd = [exe, "--name=moepack-read", f"--filename={path}", "--readonly", "--rw=read", "--direct=1",
+                   f"--ioengine={engine}", f"--bs={block_bytes}", f"--iodepth={depth if engine != 'psync' else 1}",
+                   f"--offset={offset}", f"--size={size}", "--numjobs=1", "--output-format=json",
+                   *(["--iomem=mmaphuge"] if buffers == FIO_HUGE_BUFFERS else [])]
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                errors.append(f"{engine}: timed out")
+                break  # the engine hangs: the buffers are not why
+            try:
+                out = json.loads(p.stdout[p.stdout.index("{"):])
+                job = out["jobs"][0]
+                if job.get("error"):
+                    raise ValueError(f"error {job['error']}")
+                read = job["read"]
+                if not read.get("io_bytes"):
+                    raise ValueError("read nothing")
+            except (ValueError, KeyError, IndexError) as e:
+                tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [str(e)]
+                errors.append(f"{engine} ({buffers}): {tail[0]}")
+                continue
+            return {"engine": engine, "gbps": read["bw_bytes"] / 1e9, "bytes": read["io_bytes"],
+                    "seconds": read["runtime"] / 1000, "block_bytes": block_bytes,
+                    "iodepth": depth if engine != "psync" else 1, "version": out.get("fio version"),
+                    "buffers": buffers, "command": " ".join(cmd), "errors": errors}
     return {"failed": "; ".join(errors)}
 
 

@@ -134,13 +134,20 @@ def expected_unused_fraction(n_tokens: int, top_k: int, n_experts: int) -> float
     return (1.0 - top_k / n_experts) ** n_tokens if n_experts else 0.0
 
 
-def read_pool_buffers(section_bytes: int, buffer_bytes: int, depth: int, available: int) -> int:
-    """Buffers of the expert read pool: enough for the largest layer's expert section and at least
-    EXPERT_BUFFERS_PER_READ per read in flight, within READ_POOL_MEMORY_FRACTION of `available` memory (0: unknown),
-    never fewer than `depth`."""
-    want = max(EXPERT_BUFFERS_PER_READ * depth, -(-section_bytes // max(buffer_bytes, 1)))
-    if available:
-        want = min(want, int(available * READ_POOL_MEMORY_FRACTION) // max(buffer_bytes, 1))
+def read_pool_buffers(section_reads: int, buffer_bytes: int, depth: int, available: int, pinned: bool = False,
+                      sharers: int = 1) -> int:
+    """Buffers of the expert read pool: one per read of the largest layer's expert section (`section_reads`) and at
+    least EXPERT_BUFFERS_PER_READ per read in flight, within READ_POOL_MEMORY_FRACTION of `available` host memory
+    (0: unknown) split between the `sharers` processes of one host (expert-parallel ranks, each reading its share of
+    a section), never fewer than `depth`. Pinned pools (CUDA) stay at EXPERT_BUFFERS_PER_READ per read in flight:
+    page-locked memory is taken from the whole system and slow to allocate, and a GPU's attention leaves the disk
+    little time to fill more."""
+    want = EXPERT_BUFFERS_PER_READ * depth
+    if not pinned:
+        want = max(want, -(-section_reads // max(sharers, 1)))
+        if available:
+            share = int(available * READ_POOL_MEMORY_FRACTION) // max(sharers, 1)
+            want = min(want, share // max(buffer_bytes, 1))
     return max(depth, want)
 
 
@@ -249,10 +256,11 @@ class StreamingPrefill:
         # Q reads in flight and twice as many buffers: while the compute is busy elsewhere (the attention) the disk
         # keeps reading into the spare ones instead of stopping after Q bundles
         buffer_bytes = max_expert * options.bundle_experts
-        section = max((sum(r.length for r in b.experts) for b in layers), default=0)
-        self.experts_pipe = ReadPipeline(self.reader, buffer_bytes, options.queue_depth, pinned,
-                                         buffers=read_pool_buffers(section, buffer_bytes, options.queue_depth,
-                                                                   available_memory_bytes()))
+        section_reads = max((len(expert_reads(b, list(range(len(b.experts))), options.bundle_experts))
+                             for b in layers), default=0)
+        pool = read_pool_buffers(section_reads, buffer_bytes, options.queue_depth, available_memory_bytes(), pinned,
+                                 dist.world_size if dist is not None else 1)
+        self.experts_pipe = ReadPipeline(self.reader, buffer_bytes, options.queue_depth, pinned, buffers=pool)
         self.dense_pipe = ReadPipeline(self.reader, max_dense, 2, pinned)  # current + the next layer's prefetch
         self.compute = _Timer()
         # Where each region's checksum is computed: on a CPU the cores are the compute, and a reader thread hashing
@@ -353,26 +361,29 @@ class StreamingPrefill:
         try:
             for first_expert, count, future in reads:
                 buffer, view = future.result()
-                # experts read with the rest of the section but chosen by no token are skipped (checked here)
+                # experts read with the rest of the section but chosen by no token are skipped, their bytes checked
+                # all the same (after the chosen ones, as one more task on the expert threads)
                 read = block.experts[first_expert:first_expert + count]
                 regions = [r for r in read if r.expert in groups.spans]
+                unchosen = [] if self._check_on_read else [r for r in read if r.expert not in groups.spans]
                 base = read[0].offset
                 try:
-                    if not self._check_on_read:
-                        self._check([r for r in read if r.expert not in groups.spans], view, base)
                     raw = self._to_device(buffer, view) if regions else None
                     if self._expert_pool is None:
                         with self.compute:
                             for region in regions:
                                 self._expert_task(block, region, raw, base, inputs, outputs, groups, view)
-                        regions = []  # done: the buffer can go back
+                            self._check(unchosen, view, base)
+                        regions, unchosen = [], []  # done: the buffer can go back
                 except BaseException:
                     self.experts_pipe.release(buffer)
                     raise
-                if not regions:
+                tasks = [(self._expert_task, block, region, raw, base, inputs, outputs, groups, view)
+                         for region in regions] + ([(self._check, unchosen, view, base)] if unchosen else [])
+                if not tasks:
                     self.experts_pipe.release(buffer)
                     continue
-                left, lock = [len(regions)], threading.Lock()
+                left, lock = [len(tasks)], threading.Lock()
 
                 def finished(_, buffer=buffer, left=left, lock=lock):
                     with lock:
@@ -380,9 +391,8 @@ class StreamingPrefill:
                         last = not left[0]
                     if last:
                         self.experts_pipe.release(buffer)
-                for region in regions:
-                    task = self._expert_pool.submit(self._on_one_core, self._expert_task, block, region, raw, base,
-                                                    inputs, outputs, groups, view)
+                for task_args in tasks:
+                    task = self._expert_pool.submit(self._on_one_core, *task_args)
                     task.add_done_callback(finished)
                     pending.append(task)
         finally:
@@ -404,14 +414,20 @@ class StreamingPrefill:
         with self.compute:
             return fn(*args)
 
-    def _read_globals(self, names: list[str]) -> dict[str, torch.Tensor]:
-        regions = [self.c.tensors[n].region for n in names if n in self.c.tensors]
-        out = {}
-        for r in regions:
-            buf = HostBuffer(r.length, pinned=self.device.type == "cuda")  # read once: no pool
+    def _read_globals(self, names: list[str]) -> list[tuple[Region, HostBuffer, memoryview]]:
+        """The bytes of the named tensors' regions, read and checked (read once each: no pool)."""
+        fetched = []
+        for r in [self.c.tensors[n].region for n in names if n in self.c.tensors]:
+            buf = HostBuffer(r.length, pinned=self.device.type == "cuda")
             view = self.reader.read_into(buf, r.offset, r.length, r.part)
             self._check([r], view, r.offset)
-            with self.compute:
+            fetched.append((r, buf, view))
+        return fetched
+
+    def _decode_globals(self, fetched: list[tuple[Region, HostBuffer, memoryview]]) -> dict[str, torch.Tensor]:
+        out = {}
+        with self.compute:
+            for r, buf, view in fetched:
                 out.update(self._decode([r], self._to_device(buf, view), r.offset, ""))
         return out
 
@@ -500,9 +516,10 @@ class StreamingPrefill:
         n_tokens = int(token_ids.numel())
         first_position = past[0].seen_tokens if past else 0
         positions = torch.arange(first_position, first_position + n_tokens, device=self.device)
-        # the embedding first: the first bytes the compute needs (queued behind the expert reads, it would make the
-        # compute wait for the disk before it could start; read first, it costs the disk a few milliseconds)
-        embed = self._read_globals(["embed.weight"])["embed.weight"]
+        # the embedding's bytes first: the first the compute needs (queued behind the expert reads, they would make
+        # the compute wait for the disk before it could start; read first, they cost the disk a few milliseconds).
+        # Decoded once the first layer's reads are queued, so the disk is not idle meanwhile.
+        embed_bytes = self._read_globals(["embed.weight"])
         pending_dense = self._submit_dense(layers[0])
         # Expert reads that do not depend on their layer's router (every expert of the layer) are queued up to
         # READ_AHEAD_LAYERS layers ahead: the pool's buffers, not the queue, bound what is read ahead, and the disk
@@ -511,6 +528,8 @@ class StreamingPrefill:
         # first layer whose reads are known only from its token ids or its router; `ahead` is that layer.
         queued: dict[int, list] = {}
         ahead = self._queue_from(queued, 0, n_tokens, READ_AHEAD_LAYERS + 1)
+        embed = self._decode_globals(embed_bytes)["embed.weight"]
+        del embed_bytes
         streams = v4.embed(cfg, token_ids, embed)
         del embed
         layer_stats: list[LayerStats] = []
@@ -572,8 +591,8 @@ class StreamingPrefill:
             with self.compute:
                 streams = v4.moe_finish(cfg, number, w, streams, routing, routed, shared)
             layer_stats.append(self._layer_stats(number, block, selection, reads, by_expert, n_experts))
-        head_weights = self._read_globals(["hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight",
-                                           "head.weight"])
+        head_weights = self._decode_globals(self._read_globals(["hc_head_fn", "hc_head_base", "hc_head_scale",
+                                                                "norm.weight", "head.weight"]))
         with self.compute:
             logits = v4.head(cfg, streams, head_weights, -1).float().cpu()
         return logits, layer_stats, states
@@ -583,11 +602,19 @@ class StreamingPrefill:
         layers = self.c.layers
         expert_params = max((sum(t.numel for t in r.tensors if not t.name.endswith(SCALE_SUFFIXES))
                              for b in layers for r in b.experts), default=0)
-        need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
-                                    self.experts_pipe.buffer_bytes, self.experts_pipe.buffers, expert_params,
-                                    self.expert_threads)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            in_memory = self.opt.queue_depth  # the pool is pinned host memory; the device holds the reads in flight
+        elif self.reader.zero_copy and self.reader.mode == "mmap":
+            in_memory = 0  # reads are views of the page cache: the pool's buffers are never written
+        else:
+            in_memory = self.experts_pipe.buffers
+        need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
+                                    self.experts_pipe.buffer_bytes, in_memory, expert_params, self.expert_threads)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # a per-process cap (torch.cuda.set_per_process_memory_fraction: a budget smaller than the device)
+            budget = int(torch.cuda.get_per_process_memory_fraction(self.device) * total)
+            free = min(free, max(budget - torch.cuda.memory_reserved(self.device), 0))
             where = "free device memory"
         else:
             free = available_memory_bytes()

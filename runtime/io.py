@@ -34,6 +34,11 @@ IO_MODES = ("auto", "direct", "buffered", "mmap")
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages)
 # madvise: fault a range's pages in (Linux 5.14+; Python's mmap module has no name for it before 3.13)
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+# libc's madvise through ctypes releases the GIL for the call; mmap.madvise holds it while a cold populate waits for
+# the disk, which stops the compute thread's Python for that long
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.madvise.restype = ctypes.c_int
 
 
 def available_memory_bytes() -> int:
@@ -212,15 +217,17 @@ class RegionReader:
         """Map the pages of a zero-copy read into this process now, on the reader thread: the read the copy used to
         do. Without it every 64 KiB the consumer touches first costs it a page fault (~0.15 ms per 1.6 MB expert on
         the compute threads, where MADV_WILLNEED only brings the pages into the page cache)."""
-        mapped = self._maps[part]
         start = offset - offset % mmap.PAGESIZE
-        for advice in ((MADV_POPULATE_READ, mmap.MADV_WILLNEED) if self._populate_works else (mmap.MADV_WILLNEED,)):
-            try:
-                mapped.madvise(advice, start, offset + length - start)
+        length = offset + length - start
+        if length <= 0:
+            return
+        address = self._map_addresses[part] + start
+        if self._populate_works:
+            if _libc.madvise(address, length, MADV_POPULATE_READ) == 0:
                 return
-            except (OSError, ValueError, AttributeError):
-                if advice == MADV_POPULATE_READ:
-                    self._populate_works = False  # kernels before 5.14: the page-cache hint only
+            if ctypes.get_errno() == errno.EINVAL:
+                self._populate_works = False  # kernels before 5.14: the page-cache hint only
+        _libc.madvise(address, length, mmap.MADV_WILLNEED)  # a hint: its failure costs speed, never bytes
 
     def _reopen_buffered(self, part: int, why: str) -> None:
         with self._reopen_lock:  # several reader threads may meet the refusal at once: reopen once

@@ -118,9 +118,9 @@ def test_prefill_with_the_table_decoder_equals_the_generic_path(fp4_containers, 
 def _needs_fused():
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
     if not fused_available():
-        # where the CPU has AVX512-BF16 and a compiler is usable, the kernel must have built and passed its check
-        assert not (_compiler_usable() and "avx512_bf16" in flags and "avx512bw" in flags), \
-            quant_common.native_builds()
+        # where the library compiled and the CPU has AVX512-BF16, the kernel must have passed its check
+        build = quant_common.native_builds().get("moepack_fp4_linear", {})
+        assert not (build.get("compiled") and "avx512_bf16" in flags and "avx512bw" in flags), build
         pytest.skip("no fused FP4 matmul here (needs AVX512-BF16 and a C compiler)")
 
 
@@ -171,8 +171,14 @@ def test_prefill_with_the_fused_experts_stays_close_to_the_decoded_path(fp4_cont
     _needs_fused()
     ids = torch.randint(0, 500, (70,), generator=torch.Generator().manual_seed(1))
     options = PrefillOptions(compute_dtype="bfloat16", expert_selection="all")
+    calls = []
+    real_expert = expert_decode.FusedKernels.expert
+    monkeypatch.setattr(expert_decode.FusedKernels, "expert",
+                        lambda self, *args, **kw: calls.append(len(args[0])) or real_expert(self, *args, **kw))
     fused = prefill(fp4_containers["keep"], ids, options)
     assert fused.stats["fused_expert_max_tokens"] == FUSED_MAX_TOKENS
+    assert calls and max(calls) <= FUSED_MAX_TOKENS  # the experts did run through the fused kernel
+    monkeypatch.undo()
     monkeypatch.setattr(expert_decode, "_fused_kernel", lambda: None)
     decoded = prefill(fp4_containers["keep"], ids, options)
     assert decoded.stats["fused_expert_max_tokens"] == 0

@@ -265,10 +265,14 @@ def test_read_pipeline_hands_buffers_out_in_submission_order(tmp_path):
 
 
 def test_read_pool_holds_a_layer_within_its_memory_share(models):
-    assert engine.read_pool_buffers(100, 10, 4, 0) == 10  # a whole section
-    assert engine.read_pool_buffers(10, 10, 4, 0) == 2 * 4  # at least 2 buffers per read in flight
-    assert engine.read_pool_buffers(100, 10, 4, 400) == 5  # 1/8 of 400 bytes of memory
-    assert engine.read_pool_buffers(100, 10, 4, 40) == 4  # never fewer than the reads in flight
+    assert engine.read_pool_buffers(10, 10, 4, 0) == 10  # a buffer for each read of a whole section
+    assert engine.read_pool_buffers(1, 10, 4, 0) == 2 * 4  # at least 2 buffers per read in flight
+    assert engine.read_pool_buffers(10, 10, 4, 400) == 5  # 1/8 of 400 bytes of memory
+    assert engine.read_pool_buffers(10, 10, 4, 40) == 4  # never fewer than the reads in flight
+    assert engine.read_pool_buffers(10, 10, 4, 0, pinned=True) == 2 * 4  # page-locked: 2 per read in flight
+    assert engine.read_pool_buffers(20, 10, 4, 0, sharers=2) == 10  # each rank reads half a section...
+    assert engine.read_pool_buffers(20, 10, 4, 1600, sharers=2) == 10
+    assert engine.read_pool_buffers(20, 10, 4, 800, sharers=2) == 5  # ... within half the memory share
     _, container = models["B"]
     with Container(container) as c:
         section = max(sum(r.length for r in b.experts) for b in c.layers)
@@ -277,11 +281,11 @@ def test_read_pool_holds_a_layer_within_its_memory_share(models):
     assert section <= stats["read_pool_bytes"] < section + buffer
 
 
-def test_host_buffers_start_on_a_huge_page_and_are_private(tmp_path):
+def test_host_buffers_start_on_a_huge_page(tmp_path):
     buffer = HostBuffer(5_000_000, pinned=False)
     assert buffer.tensor.data_ptr() % HUGE_PAGE == 0 and buffer.tensor.numel() == 5_000_000
-    buffer.tensor.fill_(7)  # writable, and its own memory: another buffer does not see it
-    assert int(HostBuffer(5_000_000, pinned=False).tensor.sum()) == 0 and int(buffer.tensor[-1]) == 7
+    buffer.tensor.fill_(7)  # the whole requested length is there and writable past the alignment slack
+    assert int(buffer.tensor[-1]) == 7 and int(buffer.tensor.sum()) == 7 * 5_000_000
 
 
 def test_read_pipeline_with_spare_buffers_keeps_order(tmp_path):
@@ -498,3 +502,51 @@ def test_expert_threads_leave_torch_thread_count_as_it_was(models, monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert calls and seen == [2]
+
+
+def test_zero_copy_populate_falls_back_only_where_the_kernel_lacks_it(tmp_path, monkeypatch):
+    """Zero-copy reads fault their pages in with libc's madvise (called through ctypes, so the GIL is released while
+    a cold read waits for the disk). EINVAL (a kernel before 5.14) turns MADV_POPULATE_READ off for good, in favour
+    of the page-cache hint; any other failure (a transient EAGAIN) keeps it; a zero-length read asks nothing."""
+    import ctypes
+    import errno as errno_codes
+    import mmap as mmap_module
+
+    from moepack.runtime import io as io_module
+
+    path = tmp_path / "data.bin"
+    data = os.urandom(1 << 20)
+    path.write_bytes(data)
+    reader = io_module.RegionReader(str(path), "mmap", zero_copy=True)
+    buf = HostBuffer(1 << 20, pinned=False)
+    assert bytes(reader.read_into(buf, 5000, 70000)) == data[5000:75000]
+    assert reader._populate_works  # this kernel has MADV_POPULATE_READ
+
+    calls = []
+
+    class FakeLibc:
+        fail_with = errno_codes.EAGAIN
+
+        def madvise(self, address, length, advice):
+            calls.append((address, length, advice))
+            if advice == io_module.MADV_POPULATE_READ:
+                ctypes.set_errno(self.fail_with)
+                return -1
+            return 0
+
+    fake = FakeLibc()
+    monkeypatch.setattr(io_module, "_libc", fake)
+    reader._populate(0, 5000, 70000)
+    base = reader._map_addresses[0]
+    assert calls == [(base + 4096, 70904, io_module.MADV_POPULATE_READ), (base + 4096, 70904, mmap_module.MADV_WILLNEED)]
+    assert reader._populate_works
+    fake.fail_with = errno_codes.EINVAL
+    calls.clear()
+    reader._populate(0, 8192, 4096)
+    assert [c[2] for c in calls] == [io_module.MADV_POPULATE_READ, mmap_module.MADV_WILLNEED]
+    assert not reader._populate_works
+    calls.clear()
+    reader._populate(0, 8192, 4096)
+    reader._populate(0, 8192, 0)
+    assert [c[2] for c in calls] == [mmap_module.MADV_WILLNEED]
+    reader.close()
