@@ -48,7 +48,7 @@ from moepack.format_spec.reader import SCALE_SUFFIXES, Block, Container, ReadSpa
 from . import model as v4
 from .distributed import balanced_ranges
 from .expert_decode import ExpertDecoder, ExpertWeights, fused_max_tokens
-from .io import HostBuffer, ReadPipeline, RegionReader, available_memory_bytes
+from .io import HostBuffer, ReadPipeline, RegionReader, available_memory_bytes, keep_freed_memory
 
 EXPERT_SELECTIONS = ("auto", "all", "routed")
 EXPERT_OWNERSHIPS = ("contiguous", "balanced")
@@ -58,6 +58,8 @@ EXPERT_BUFFERS_PER_READ = 2
 # experts into the pool instead of stopping once Q reads are ready (N = 256, medium model: streamed 1.40 -> 1.21 s,
 # as fast as from the page cache), within this fraction of the available memory
 READ_POOL_MEMORY_FRACTION = 0.125
+# a CPU prefill decodes layer L+1's dense weights on an expert thread beside layer L's experts
+DENSE_DECODE_ON_EXPERT_THREADS = True
 READ_AHEAD_LAYERS = 2  # expert reads known in advance are queued this many layers beyond the current one
 # auto reads a whole layer when at most this fraction of its experts is expected to go unused
 ALL_EXPERTS_UNUSED_FRACTION = 0.05
@@ -217,6 +219,7 @@ class StreamingPrefill:
             raise MoepackError("--bundle-experts must be at least 1")
         self.c = container
         self.opt = options
+        self.malloc_keeps_freed = keep_freed_memory()  # activations reused layer to layer, not faulted in again
         self.device = torch.device(options.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
@@ -411,6 +414,9 @@ class StreamingPrefill:
     def _on_one_core(self, fn, *args):
         """fn(*args) on an expert thread: single-threaded torch ops, counted as compute."""
         torch.set_num_threads(1)  # this work on this core; the other threads run other experts
+        return self._timed(fn, *args)
+
+    def _timed(self, fn, *args):
         with self.compute:
             return fn(*args)
 
@@ -534,8 +540,9 @@ class StreamingPrefill:
         del embed
         layer_stats: list[LayerStats] = []
         states = [] if keep_states else None
+        next_dense: Future | None = None  # this layer's dense weights, decoded on an expert thread
         for number, block in enumerate(layers):
-            w = self._dense_weights(block, pending_dense)
+            w = next_dense.result() if next_dense is not None else self._dense_weights(block, pending_dense)
             n_experts = len(block.experts)
             selection = self._selection(number, n_tokens, n_experts)
             ahead = self._queue_from(queued, ahead, n_tokens, number + 1 + READ_AHEAD_LAYERS)  # top up
@@ -574,13 +581,22 @@ class StreamingPrefill:
             # on the expert threads the shared expert runs first, beside the routed ones (and while they wait for
             # the disk); elsewhere it runs in moe_finish
             threads = torch.get_num_threads()
-            shared = (self._expert_pool.submit(self._on_one_core, v4.shared_expert, cfg, w, routing)
-                      if self._expert_pool is not None else None)
+            shared = next_dense = None
+            if self._expert_pool is not None:
+                shared = self._expert_pool.submit(self._on_one_core, v4.shared_expert, cfg, w, routing)
+                # ... and so does the next layer's dense decode (its read began before this layer's attention),
+                # instead of alone later with one core idle. Not _on_one_core: it touches no thread count
+                # (torch.set_num_threads sets MKL's for the whole process)
+                if number + 1 < len(layers) and DENSE_DECODE_ON_EXPERT_THREADS:
+                    next_dense = self._expert_pool.submit(self._timed, self._dense_weights, layers[number + 1],
+                                                          pending_dense)
             try:
                 self._run_experts(block, reads, groups, inputs, outputs)
             finally:
+                for task in (shared, next_dense):
+                    if task is not None:
+                        task.exception()  # done in every case before the layer's tensors go
                 if shared is not None:
-                    shared.exception()  # done in every case before the layer's tensors go
                     torch.set_num_threads(threads)  # after the last expert-thread task: it set one thread
             shared = shared.result() if shared is not None else None
             del inputs
@@ -684,6 +700,7 @@ class StreamingPrefill:
             "fused_expert_max_tokens": fused_max_tokens(self.expert_dtype, self.device),
             "queue_depth": self.opt.queue_depth,
             "read_pool_bytes": self.experts_pipe.buffers * self.experts_pipe.buffer_bytes,
+            "malloc_keeps_freed": self.malloc_keeps_freed,
             "device": str(self.device),
             "threads": torch.get_num_threads(),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -550,3 +550,56 @@ def test_zero_copy_populate_falls_back_only_where_the_kernel_lacks_it(tmp_path, 
     reader._populate(0, 8192, 0)
     assert [c[2] for c in calls] == [mmap_module.MADV_WILLNEED]
     reader.close()
+
+
+KEEP_FREED_PROBE = r"""
+import resource, sys, torch
+from moepack.runtime.io import keep_freed_memory
+if sys.argv[1] == "tuned":
+    assert keep_freed_memory() and keep_freed_memory()  # once for the process; asking again changes nothing
+def layer():  # activation-sized tensors made and freed, as every layer of a prefill does
+    a, b = torch.ones(2 << 20), torch.ones(2 << 20)
+    return float((a + b)[-1])
+layer()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    layer()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_freed_activations_are_reused_without_page_faults(models):
+    """keep_freed_memory (called by every prefill) keeps glibc from handing freed blocks back to the kernel, so
+    the next layer's tensors do not fault their pages in again."""
+    import subprocess
+    import sys
+
+    from moepack.runtime.io import keep_freed_memory
+
+    if not keep_freed_memory():
+        pytest.skip("not glibc: no mallopt")
+    faults = {kind: int(subprocess.run([sys.executable, "-c", KEEP_FREED_PROBE, kind], capture_output=True,
+                                       text=True, check=True).stdout) for kind in ("default", "tuned")}
+    assert faults["tuned"] * 2 < faults["default"], faults
+    _, container = models["B"]
+    assert prefill(container, _prompt(20, 61, 3), PrefillOptions()).stats["malloc_keeps_freed"]
+
+
+def test_a_damaged_dense_region_decoded_beside_the_experts_is_reported(models, tmp_path):
+    """With expert threads, layer L+1's dense weights decode on one of them during layer L's experts: damage there
+    is still named, and the thread count of the caller is left as it was."""
+    _, container = models["B"]
+    with Container(container) as c:
+        target = c.layer(2).dense
+    data = bytearray(open(container, "rb").read())
+    data[target.offset + 200] ^= 0x10
+    bad = tmp_path / "bad.moepack"
+    bad.write_bytes(data)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(FormatError, match=r"layers\.2\..*checksum mismatch while streaming"):
+            prefill(str(bad), _prompt(100, 61, 3), PrefillOptions(expert_selection="all"))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
