@@ -273,24 +273,26 @@ def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: T
     streams) and `comb` (mix the streams; projected onto doubly-stochastic matrices by Sinkhorn-Knopp so the
     residual cannot blow up). Returns (collapsed [N, H], post [N, hc], comb [N, hc, hc])."""
     hc = cfg.hc_mult
-    mixes = F.linear(rms_norm(streams.flatten(1), None, cfg.rms_norm_eps), fn)
+    flat = streams.flatten(1)
+    # the RMS norm's per-token factor applied to the few mixes rather than to the hc x H inputs
+    mixes = F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
     comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * scale[2] + comb_b.view(hc, hc), dim=-1) + cfg.hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + cfg.hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):  # in place: 2 x 19 passes over [N, hc, hc], no allocations
+        comb.div_(comb.sum(dim=-1, keepdim=True).add_(cfg.hc_eps))
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(cfg.hc_eps))
+    collapsed = torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
     return collapsed, post, comb
 
 
 def hc_post(streams: Tensor, out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """New streams: the sublayer output spread by `post`, plus the old streams mixed by comb (stream j feeds stream
     k with weight comb[j, k], i.e. comb^T @ streams)."""
-    return post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+    return torch.baddbmm(post.unsqueeze(-1) * out.unsqueeze(-2), comb.transpose(-1, -2), streams)
 
 
 def embed(cfg: ModelConfig, token_ids: Tensor, embed_weight: Tensor) -> Tensor:
