@@ -127,18 +127,24 @@ static void nibbles32_ssse3(const uint8_t *data, int64_t data_stride, const uint
     }
 }
 
+/* vpermw indices for 16 data bytes, one per 32-bit lane (x): lane j = byte | byte << 12, whose low 16 bits hold
+   the low code in bits 0-3 and whose high 16 bits are the high code: values 2j and 2j + 1. vpermw reads 5 bits of
+   an index; the low half's bit 4 (the high code's first bit) picks the row's second copy in a register holding it
+   twice, so no masking is needed. */
+__attribute__((target("avx512f,avx512bw"), always_inline))
+static inline __m512i pair_index(__m512i x) {
+    return _mm512_or_si512(x, _mm512_slli_epi32(x, 12));
+}
+
 /* AVX-512: the row is one register; vpermw / vpermd look all 32 values of a group up at once */
 __attribute__((target("avx512f,avx512bw")))
 static void nibbles16_avx512(const uint8_t *data, int64_t data_stride, const uint8_t *scale, int64_t scale_stride,
                              const uint16_t *nib, uint16_t *out, int64_t groups) {
-    const __m512i low = _mm512_set1_epi32(15);
     for (int64_t g = 0; g < groups; g++) {
-        __m512i row = _mm512_castsi256_si512(
+        __m512i row = _mm512_broadcast_i64x4(
             _mm256_loadu_si256((const __m256i *)(nib + ((int64_t)scale[g * scale_stride] << 4))));
         __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(data + g * data_stride)));
-        /* 32-bit lane j = low code | high code << 16: as 16-bit indices, values 2j and 2j + 1 */
-        __m512i idx = _mm512_or_si512(_mm512_and_si512(x, low), _mm512_slli_epi32(_mm512_srli_epi32(x, 4), 16));
-        _mm512_storeu_si512(out + g * 32, _mm512_permutexvar_epi16(idx, row));
+        _mm512_storeu_si512(out + g * 32, _mm512_permutexvar_epi16(pair_index(x), row));
     }
 }
 
@@ -276,19 +282,18 @@ static inline void tile(const uint16_t *x, int64_t K, const uint16_t *w, int row
 TARGET
 LINEAR_SIGNATURE {
     if (K % 32) return -1;
-    const __m512i low = _mm512_set1_epi32(15);
     const int64_t groups = K / 32;
     for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
         int rows = N - n0 < ROWS ? (int)(N - n0) : ROWS;
         for (int r = 0; r < rows; r++) {
             for (int64_t g = 0; g < groups; g++) {  /* as the AVX-512 lookup: a group per vpermw */
                 int64_t i = (n0 + r) * groups + g;
-                __m512i row = _mm512_castsi256_si512(
+                /* the row twice and the indices as the AVX-512 lookup makes them (pair_index) */
+                __m512i row = _mm512_broadcast_i64x4(
                     _mm256_loadu_si256((const __m256i *)(nib + ((int64_t)scale[i * scale_stride] << 4))));
                 __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(data + i * data_stride)));
-                __m512i idx = _mm512_or_si512(_mm512_and_si512(b, low),
-                                              _mm512_slli_epi32(_mm512_srli_epi32(b, 4), 16));
-                _mm512_storeu_si512(scratch + r * K + g * 32, _mm512_permutexvar_epi16(idx, row));
+                _mm512_storeu_si512(scratch + r * K + g * 32,
+                                    _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), row));
             }
         }
         for (int64_t t0 = 0; t0 < T; t0 += TOKENS) {
