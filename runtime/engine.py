@@ -48,7 +48,8 @@ from moepack.format_spec.reader import SCALE_SUFFIXES, Block, Container, ReadSpa
 from . import model as v4
 from .distributed import balanced_ranges
 from .expert_decode import ExpertDecoder, ExpertWeights, fused_max_tokens
-from .io import HostBuffer, ReadPipeline, RegionReader, available_memory_bytes, keep_freed_memory
+from .io import (HostBuffer, ReadPipeline, RegionReader, available_memory_bytes, keep_freed_memory,
+                 release_freed_memory)
 
 EXPERT_SELECTIONS = ("auto", "all", "routed")
 EXPERT_OWNERSHIPS = ("contiguous", "balanced")
@@ -147,9 +148,9 @@ def read_pool_buffers(section_reads: int, buffer_bytes: int, depth: int, availab
     want = EXPERT_BUFFERS_PER_READ * depth
     if not pinned:
         want = max(want, -(-section_reads // max(sharers, 1)))
-        if available:
-            share = int(available * READ_POOL_MEMORY_FRACTION) // max(sharers, 1)
-            want = min(want, share // max(buffer_bytes, 1))
+    if available:
+        share = int(available * READ_POOL_MEMORY_FRACTION) // max(sharers, 1)
+        want = min(want, share // max(buffer_bytes, 1))
     return max(depth, want)
 
 
@@ -219,8 +220,9 @@ class StreamingPrefill:
             raise MoepackError("--bundle-experts must be at least 1")
         self.c = container
         self.opt = options
-        self.malloc_keeps_freed = keep_freed_memory()  # activations reused layer to layer, not faulted in again
         self.device = torch.device(options.device)
+        # CPU: activations reused layer to layer, not faulted in again
+        self.malloc_keeps_freed = self.device.type == "cpu" and keep_freed_memory()
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
         if container.architecture != "deepseek_v4":
@@ -411,12 +413,12 @@ class StreamingPrefill:
         a, b = groups.spans[region.expert]
         outputs[a:b] = self._expert_output(block, region, raw, base, inputs[a:b])
 
-    def _on_one_core(self, fn, *args):
-        """fn(*args) on an expert thread: single-threaded torch ops, counted as compute."""
+    def _on_one_core(self, fn, *args, timed: bool = True):
+        """fn(*args) on an expert thread: single-threaded torch ops, counted as compute (unless `timed` is False:
+        fn times its own compute, apart from waiting for a read)."""
         torch.set_num_threads(1)  # this work on this core; the other threads run other experts
-        return self._timed(fn, *args)
-
-    def _timed(self, fn, *args):
+        if not timed:
+            return fn(*args)
         with self.compute:
             return fn(*args)
 
@@ -585,11 +587,12 @@ class StreamingPrefill:
             if self._expert_pool is not None:
                 shared = self._expert_pool.submit(self._on_one_core, v4.shared_expert, cfg, w, routing)
                 # ... and so does the next layer's dense decode (its read began before this layer's attention),
-                # instead of alone later with one core idle. Not _on_one_core: it touches no thread count
-                # (torch.set_num_threads sets MKL's for the whole process)
+                # instead of alone later with one core idle. It is waited for, like every expert-thread task,
+                # before this thread sets its own thread count back (torch.set_num_threads also sets MKL's, for
+                # the whole process)
                 if number + 1 < len(layers) and DENSE_DECODE_ON_EXPERT_THREADS:
-                    next_dense = self._expert_pool.submit(self._timed, self._dense_weights, layers[number + 1],
-                                                          pending_dense)
+                    next_dense = self._expert_pool.submit(self._on_one_core, self._dense_weights,
+                                                          layers[number + 1], pending_dense, timed=False)
             try:
                 self._run_experts(block, reads, groups, inputs, outputs)
             finally:
@@ -628,9 +631,11 @@ class StreamingPrefill:
                                     self.experts_pipe.buffer_bytes, in_memory, expert_params, self.expert_threads)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            # a per-process cap (torch.cuda.set_per_process_memory_fraction: a budget smaller than the device)
+            # a per-process cap (torch.cuda.set_per_process_memory_fraction: a budget smaller than the device);
+            # blocks torch has cached but not handed out are available too
             budget = int(torch.cuda.get_per_process_memory_fraction(self.device) * total)
-            free = min(free, max(budget - torch.cuda.memory_reserved(self.device), 0))
+            reserved = torch.cuda.memory_reserved(self.device)
+            free = min(free, max(budget - reserved, 0)) + reserved - torch.cuda.memory_allocated(self.device)
             where = "free device memory"
         else:
             free = available_memory_bytes()
@@ -722,6 +727,8 @@ class StreamingPrefill:
             self._expert_pool.shutdown()
         for decoder in self._decoders:
             decoder.close()
+        if self.malloc_keeps_freed:
+            release_freed_memory()
 
 
 def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None,

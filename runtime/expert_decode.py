@@ -291,7 +291,7 @@ LINEAR_SIGNATURE {
                 /* the next rows' bytes, on their way from memory while these rows multiply: with more than one
                    token tile the multiplying outlasts the hardware prefetcher's reach (from DRAM, 24 tokens:
                    165 -> 135 us per 1024 x 1024 matrix); with one, the stream it sees is enough */
-                if (T > TOKENS && (g & 3) == 0 && n0 + ROWS < N) {
+                if (T > TOKENS && (g & 3) == 0 && n0 + r + ROWS < N) {
                     _mm_prefetch((const char *)(data + (i + ROWS * groups) * data_stride), _MM_HINT_T0);
                     if ((g & 63) == 0)
                         _mm_prefetch((const char *)(scale + (i + ROWS * groups) * scale_stride), _MM_HINT_T0);

@@ -39,6 +39,8 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
+if hasattr(_libc, "mallopt"):  # glibc
+    _libc.mallopt.argtypes, _libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
 
 
 def available_memory_bytes() -> int:
@@ -57,30 +59,45 @@ def available_memory_bytes() -> int:
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit: blocks below it come from the heap, reused when freed
 MALLOC_KEEP_FREED = 1 << 30  # freed heap memory kept for reuse, up to this much
+# MOEPACK_KEEP_FREED_MEMORY=0 leaves the allocator alone
+KEEP_FREED_MEMORY_ENV = "MOEPACK_KEEP_FREED_MEMORY"
 _malloc_tuned: bool | None = None
+
+
+def _malloc_is_the_users() -> bool:
+    """Whether the process's malloc is configured by its user (glibc's variables and tunables) or is not glibc's
+    (an allocator preloaded): theirs to keep."""
+    env = os.environ
+    return (env.get(KEEP_FREED_MEMORY_ENV, "1") == "0" or any(k.startswith("MALLOC_") for k in env)
+            or "malloc" in env.get("GLIBC_TUNABLES", "")
+            or any(a in env.get("LD_PRELOAD", "") for a in ("jemalloc", "tcmalloc", "mimalloc")))
 
 
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory for the next allocation instead of giving it back to the kernel, for
-    the whole process (once; False where the C library is not glibc).
+    the whole process (once; False where the C library is not glibc, or the allocator is the user's: see
+    _malloc_is_the_users). `release_freed_memory` gives what is kept back when a prefill ends.
 
-    A prefill allocates and frees the same activation-sized tensors layer after layer. By default glibc maps every
-    block over 128 KiB-32 MiB (its threshold adapts) on its own and trims the heap top as soon as 128 KiB are free,
-    so each layer faults its activations in again, page by page: 65,000-100,000 page faults per prefill of 256
-    tokens on the medium model, 0.05-0.1 s of system time. The cost is memory held at its peak, which a prefill
-    reaches anyway."""
+    A CPU prefill allocates and frees the same activation-sized tensors layer after layer. By default glibc maps
+    every block over 128 KiB-32 MiB (its threshold adapts) on its own and trims the heap top as soon as 128 KiB are
+    free, so each layer faults its activations in again, page by page: 65,000-100,000 page faults per prefill of
+    256 tokens on the medium model, 0.05-0.1 s of system time."""
     global _malloc_tuned
     if _malloc_tuned is None:
-        try:
-            mallopt = _libc.mallopt
-        except AttributeError:  # musl and others: no mallopt
+        mallopt = getattr(_libc, "mallopt", None)  # musl and others: none
+        if mallopt is None or _malloc_is_the_users():
             _malloc_tuned = False
         else:
-            mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
             _malloc_tuned = all([mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD),
                                  mallopt(_M_TRIM_THRESHOLD, MALLOC_KEEP_FREED),
                                  mallopt(_M_TOP_PAD, 64 << 20)])
     return _malloc_tuned
+
+
+def release_freed_memory() -> None:
+    """Give the freed memory keep_freed_memory kept back to the kernel (glibc's malloc_trim)."""
+    if _malloc_tuned:
+        _libc.malloc_trim(ctypes.c_size_t(0))
 
 
 def choose_io_mode(mode: str, file_size: int) -> str:
@@ -247,10 +264,10 @@ class RegionReader:
         """Map the pages of a zero-copy read into this process now, on the reader thread: the read the copy used to
         do. Without it every 64 KiB the consumer touches first costs it a page fault (~0.15 ms per 1.6 MB expert on
         the compute threads, where MADV_WILLNEED only brings the pages into the page cache)."""
-        start = offset - offset % mmap.PAGESIZE
-        length = offset + length - start
         if length <= 0:
             return
+        start = offset - offset % mmap.PAGESIZE
+        length = offset + length - start
         address = self._map_addresses[part] + start
         if self._populate_works:
             if _libc.madvise(address, length, MADV_POPULATE_READ) == 0:
