@@ -1,5 +1,7 @@
 """The release's weight encodings: FP8 e4m3 with 128x128 E8M0 block scales, packed FP4 e2m1 with per-32 scales."""
 
+import os
+
 import pytest
 import torch
 
@@ -227,6 +229,10 @@ def test_fp8_decode_is_the_scaled_value_table_for_every_byte(monkeypatch, native
         monkeypatch.setattr(source_formats, "_fp8_native", lambda: None)
     elif source_formats._fp8_native() is None:
         pytest.skip("no C compiler here")
+    else:  # on an AVX-512 CPU the bf16 decode is the vpermi2w one (and passed its load-time check)
+        flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+        wide = "avx512bw" in flags and "avx512f" in flags
+        assert (source_formats._fp8_native()[2].__name__ == "fp8_block_decode16_avx512") == wide
     g = torch.Generator().manual_seed(5)
     weight = torch.randint(0, 256, (300, 260), generator=g, dtype=torch.uint8)
     weight[:256, :256] = torch.arange(256, dtype=torch.uint8)[None, :]  # every byte in every row
