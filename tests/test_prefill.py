@@ -6,6 +6,7 @@ import json
 import os
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -624,3 +625,35 @@ def test_a_damaged_dense_region_decoded_beside_the_experts_is_reported(models, t
         torch.set_num_threads(before)
     assert decoded_on["layers.0"] == threading.main_thread().name
     assert decoded_on["layers.2"].startswith("moepack-expert")
+
+
+@pytest.mark.parametrize("check_on_read", [False, True])
+def test_every_read_buffer_comes_back_whether_or_not_its_experts_were_chosen(models, check_on_read):
+    """The expert threads take the layer's work in read order; a read none of whose experts a token chose has no
+    work (where its bytes were checked on arrival, as on a GPU) and still gives its buffer back. Both ways the
+    logits are those of the run on one thread."""
+    _, container = models["B"]
+    prompt = _prompt(3, 61, 3)  # 3 tokens: most reads of a layer have no chosen expert
+    before = torch.get_num_threads()
+    results = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            with Container(container) as c:
+                e = engine.StreamingPrefill(c, PrefillOptions(expert_selection="all", queue_depth=2))
+                try:
+                    e._check_on_read = check_on_read
+                    results[threads] = e.run(prompt)
+                    # all back in the pool, but the one each idle reader thread holds ready for its next read
+                    pipe, deadline = e.experts_pipe, time.monotonic() + 5
+                    while pipe._free.qsize() != pipe.buffers - 2 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    assert pipe._free.qsize() == pipe.buffers - 2
+                finally:
+                    e.close()
+        finally:
+            torch.set_num_threads(before)
+    assert results[2].stats["expert_threads"] == 2 and results[1].stats["expert_threads"] == 1
+    # the same work; only the attention's reductions differ (1 or 2 OpenMP threads)
+    scale = results[1].logits.abs().max()
+    assert (results[1].logits - results[2].logits).abs().max() <= 1e-5 * scale
