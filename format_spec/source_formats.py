@@ -241,21 +241,22 @@ def _load_fp8_native():
         fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)
         kernels[itemsize] = fn
-    # self-check: random weight bytes under random scale bytes, blocks wide enough for the 32-wide AVX-512 steps,
-    # with partial blocks at both edges
+    # self-check: random weight bytes under random scale bytes, in blocks of 64 (whole 32-wide AVX-512 steps) and
+    # of 48 (a step and a scalar tail, steps starting off a multiple of 32), with partial blocks at the edges
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(0, 256, (300, 200), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
-    scale = torch.randint(0, 256, fp8_block_scale_shape(300, 200, 64), dtype=torch.uint8, generator=gen)
-    for dtype in (torch.bfloat16, torch.float32):
-        table = _fp8_scaled_table(torch.device("cpu"), dtype)
-        out = torch.empty(300, 200, dtype=dtype)
-        kernels[dtype.itemsize](weight.view(torch.uint8).data_ptr(), scale.data_ptr(), 300, 200, 64, scale.shape[1],
-                                table.data_ptr(), out.data_ptr())
-        want = _fp8_lookup_torch(weight, scale, 64, table)
-        if not torch.equal(out.view(torch.int16 if dtype.itemsize == 2 else torch.int32),
-                           want.view(torch.int16 if dtype.itemsize == 2 else torch.int32)):
-            warnings.warn("moepack: the compiled FP8 decoder disagrees with torch; using torch")
-            return None
+    for block in (64, 48):
+        scale = torch.randint(0, 256, fp8_block_scale_shape(300, 200, block), dtype=torch.uint8, generator=gen)
+        for dtype in (torch.bfloat16, torch.float32):
+            table = _fp8_scaled_table(torch.device("cpu"), dtype)
+            out = torch.empty(300, 200, dtype=dtype)
+            kernels[dtype.itemsize](weight.view(torch.uint8).data_ptr(), scale.data_ptr(), 300, 200, block,
+                                    scale.shape[1], table.data_ptr(), out.data_ptr())
+            want = _fp8_lookup_torch(weight, scale, block, table)
+            bits = torch.int16 if dtype.itemsize == 2 else torch.int32
+            if not torch.equal(out.view(bits), want.view(bits)):
+                warnings.warn("moepack: the compiled FP8 decoder disagrees with torch; using torch")
+                return None
     return kernels
 
 

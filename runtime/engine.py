@@ -371,64 +371,71 @@ class StreamingPrefill:
         work, left = [], []
         for number, (first_expert, count, future) in enumerate(reads):
             read = block.experts[first_expert:first_expert + count]
-            chosen = [(self._expert_task, r) for r in read if r.expert in groups.spans]
+            items = [("expert", r) for r in read if r.expert in groups.spans]
             unchosen = [] if self._check_on_read else [r for r in read if r.expert not in groups.spans]
-            items = chosen + ([(self._check_unchosen, unchosen)] if unchosen else [])
-            work += [(number, fn, what) for fn, what in items] or [(number, None, None)]  # at least one: its release
+            if unchosen:
+                items.append(("check", unchosen))
+            work += [(number, kind, what) for kind, what in items] or [(number, None, None)]  # one: its release
             left.append(len(items) or 1)
-        arrived: dict[int, tuple] = {}  # read number -> (buffer, view, raw tensor)
+        arrived: dict[int, list] = {}  # read number -> [buffer, view, raw tensor or None until an expert needs it]
         lock = threading.Lock()
         cursor, failed = [0], []
 
         def take():
             with lock:
-                if failed or cursor[0] == len(work):
+                if cursor[0] == len(work):
                     return None
                 cursor[0] += 1
                 return work[cursor[0] - 1]
 
         def drain(one_core: bool) -> None:
+            """Take items until none is left. After a failure (anywhere) the items are still taken, their reads
+            awaited and their buffers released, without computing: a thread waiting for a later read must get its
+            buffer, and the failure is raised once every thread is done."""
             if one_core:
                 torch.set_num_threads(1)  # this work on this core; the other threads run other experts
             while (item := take()) is not None:
-                number, fn, what = item
+                number, kind, what = item
                 first_expert, _, future = reads[number]
+                got = None
                 try:
                     with lock:
                         got = arrived.get(number)
                     if got is None:
                         buffer, view = future.result()  # in read order: a read's buffer is never waited on
-                        got = (buffer, view, self._to_device(buffer, view))
                         with lock:
-                            got = arrived.setdefault(number, got)
-                    buffer, view, raw = got
-                    if fn is not None:
-                        with self.compute:
-                            fn(block, what, raw, block.experts[first_expert].offset, inputs, outputs, groups, view)
-                except BaseException as e:
+                            got = arrived.setdefault(number, [buffer, view, None])
+                    if kind is not None and not failed:
+                        buffer, view, raw = got
+                        base = block.experts[first_expert].offset
+                        if kind == "check":
+                            with self.compute:
+                                self._check(what, view, base)
+                        else:
+                            if raw is None:  # the bytes as a tensor on the compute device, once per read
+                                raw = self._to_device(buffer, view)
+                                with lock:
+                                    got[2] = raw if got[2] is None else got[2]
+                            with self.compute:
+                                self._expert_task(block, what, raw, base, inputs, outputs, groups, view)
+                except BaseException as e:  # a failed read's buffer went back to the pool with its failure
                     with lock:
                         failed.append(e)
-                    raise
-                with lock:
-                    left[number] -= 1
-                    done = not left[number]
-                    if done:
-                        del arrived[number]
-                if done:
-                    self.experts_pipe.release(buffer)
+                finally:
+                    with lock:
+                        left[number] -= 1
+                        release = arrived.pop(number, None) if not left[number] else None
+                    if release is not None:
+                        self.experts_pipe.release(release[0])
 
         if self._expert_pool is None:
             drain(one_core=False)
-            return
-        loops = [self._expert_pool.submit(drain, True) for _ in range(self.expert_threads)]
-        for loop in loops:  # nothing may still use a buffer or the outputs once this returns
-            loop.exception()
-        for loop in loops:
-            loop.result()  # an expert's exception, raised here
-
-    def _check_unchosen(self, block: Block, regions: list[Region], raw, base: int, inputs, outputs, groups,
-                        view: memoryview) -> None:
-        self._check(regions, view, base)
+        else:
+            loops = [self._expert_pool.submit(drain, True) for _ in range(self.expert_threads)]
+            for loop in loops:  # nothing may still use a buffer or the outputs once this returns
+                loop.result()
+        if failed:
+            raise failed[0]
 
     def _expert_task(self, block: Block, region: Region, raw: torch.Tensor, base: int, inputs: torch.Tensor,
                      outputs: torch.Tensor, groups: "v4.ExpertGroups", view: memoryview) -> None:

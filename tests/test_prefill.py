@@ -627,33 +627,74 @@ def test_a_damaged_dense_region_decoded_beside_the_experts_is_reported(models, t
     assert decoded_on["layers.2"].startswith("moepack-expert")
 
 
+def _within(seconds: float, fn):
+    """fn() on another thread; fails the test (rather than hanging the suite) if it does not end in time."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            out["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s: a deadlock"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 @pytest.mark.parametrize("check_on_read", [False, True])
-def test_every_read_buffer_comes_back_whether_or_not_its_experts_were_chosen(models, check_on_read):
+def test_every_read_buffer_comes_back_whether_or_not_its_experts_were_chosen(models, check_on_read, monkeypatch):
     """The expert threads take the layer's work in read order; a read none of whose experts a token chose has no
-    work (where its bytes were checked on arrival, as on a GPU) and still gives its buffer back. Both ways the
-    logits are those of the run on one thread."""
+    work (where its bytes were checked on arrival, as on a GPU) and still gives its buffer back, or the next read
+    would wait forever for a one-buffer pool. Both ways the logits are those of the run on one thread."""
     _, container = models["B"]
-    prompt = _prompt(3, 61, 3)  # 3 tokens: most reads of a layer have no chosen expert
+    prompt = _prompt(1, 61, 3)  # one token, one expert per read: most reads have no chosen expert
+    monkeypatch.setattr(engine, "read_pool_buffers", lambda *args, **kw: 1)
     before = torch.get_num_threads()
     results = {}
     for threads in (1, 2):
         torch.set_num_threads(threads)
         try:
             with Container(container) as c:
-                e = engine.StreamingPrefill(c, PrefillOptions(expert_selection="all", queue_depth=2))
+                e = engine.StreamingPrefill(c, PrefillOptions(expert_selection="all", queue_depth=1,
+                                                              bundle_experts=1))
                 try:
+                    assert e.experts_pipe.buffers == 1
                     e._check_on_read = check_on_read
-                    results[threads] = e.run(prompt)
-                    # all back in the pool, but the one each idle reader thread holds ready for its next read
-                    pipe, deadline = e.experts_pipe, time.monotonic() + 5
-                    while pipe._free.qsize() != pipe.buffers - 2 and time.monotonic() < deadline:
-                        time.sleep(0.01)
-                    assert pipe._free.qsize() == pipe.buffers - 2
+                    results[threads] = _within(60, lambda: e.run(prompt))
                 finally:
                     e.close()
         finally:
             torch.set_num_threads(before)
+    assert all(layer.unused_experts > 0 for layer in results[1].layers)
     assert results[2].stats["expert_threads"] == 2 and results[1].stats["expert_threads"] == 1
     # the same work; only the attention's reductions differ (1 or 2 OpenMP threads)
     scale = results[1].logits.abs().max()
     assert (results[1].logits - results[2].logits).abs().max() <= 1e-5 * scale
+
+
+def test_an_expert_failing_while_another_thread_waits_for_the_next_read_is_raised(models, monkeypatch):
+    """One buffer: while one expert thread computes read 0's last expert, the other waits for read 1, whose
+    buffer read 0 holds. That expert fails: its buffer must still go back, the waiting thread go on, and the
+    failure come out of the prefill instead of a hang."""
+    _, container = models["B"]
+    monkeypatch.setattr(engine, "read_pool_buffers", lambda *args, **kw: 1)
+    real = engine.StreamingPrefill._expert_output
+
+    def failing(self, block, region, raw, base, x):
+        if block.name == "layers.1" and region.expert == 3:
+            time.sleep(0.5)  # the other thread has taken read 1's first expert and waits for the read by now
+            raise RuntimeError("expert 3 blew up")
+        return real(self, block, region, raw, base, x)
+    monkeypatch.setattr(engine.StreamingPrefill, "_expert_output", failing)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="expert 3 blew up"):
+            _within(60, lambda: prefill(container, _prompt(64, 61, 3),
+                                        PrefillOptions(expert_selection="all", queue_depth=1, bundle_experts=4)))
+    finally:
+        torch.set_num_threads(before)

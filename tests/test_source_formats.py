@@ -223,13 +223,14 @@ def test_fp4_rejects_bad_input():
 def test_fp8_decode_is_the_scaled_value_table_for_every_byte(monkeypatch, native):
     """Every e4m3 byte under every E8M0 scale byte, in edge (partial) blocks too: float32 gives torch's own
     e4m3 value times the scale, bfloat16 gives exactly those values rounded, compiled or not."""
-    from moepack.format_spec import source_formats
+    from moepack.format_spec import quant_common, source_formats
 
     if not native:
         monkeypatch.setattr(source_formats, "_fp8_native", lambda: None)
-    elif source_formats._fp8_native() is None:
+    elif quant_common.native_library("moepack_fp8_decode", source_formats._FP8_NATIVE_SOURCE) is None:
         pytest.skip("no C compiler here")
-    else:  # on an AVX-512 CPU the bf16 decode is the vpermi2w one (and passed its load-time check)
+    else:  # built: it passed its load-time check, and on an AVX-512 CPU the bf16 decode is the vpermi2w one
+        assert source_formats._fp8_native() is not None
         flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
         wide = "avx512bw" in flags and "avx512f" in flags
         assert (source_formats._fp8_native()[2].__name__ == "fp8_block_decode16_avx512") == wide
