@@ -17,10 +17,12 @@ compute; short prompts read only the experts the router chose. The choice is mad
 
 CPU specifics. With several threads, the experts of a layer run side by side on a pool of threads, one core each
 (torch's intra-op threads set to 1 inside them): an expert's matmuls on a few dozen tokens split badly across cores,
-and every small op between them would pay an OpenMP barrier, which any other busy core stalls. Each expert thread
-decodes FP4 with its own ExpertDecoder (AVX-512/SSSE3 lookup, expert_decode.py; bf16 experts on a few dozen tokens
-run the fused FP4 kernel instead, AVX512-BF16). Each region's checksum is computed by the thread about to decode it,
-not by a reader thread beside the attention. With `io_mode="mmap"` the reads are
+and every small op between them would pay an OpenMP barrier, which any other busy core stalls. The threads take the
+layer's work list themselves, in read order; the shared expert and the next layer's dense decode run beside the
+routed experts. Each expert thread decodes FP4 with its own ExpertDecoder (AVX-512/SSSE3 lookup, expert_decode.py;
+bf16 experts on up to FUSED_MAX_TOKENS tokens run the fused FP4 kernel instead, AVX512-BF16). Each region's
+checksum is computed by the thread about to decode it, not by a reader thread beside the attention. glibc is asked
+to keep freed activations for the next layer (io.keep_freed_memory). With `io_mode="mmap"` the reads are
 zero-copy: the experts decode straight from the mapped page cache. `compute_dtype="bfloat16"` keeps the attention's
 projections and the shared expert in bf16 (decoded straight to bf16 from FP8); residual streams, norms, mHC, router
 and softmax stay float32. The float32 default is the path that matches the reference to 1e-3.
