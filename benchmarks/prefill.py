@@ -34,7 +34,9 @@ import subprocess
 import sys
 import time
 
-import torch
+import moepack  # before torch: it limits OpenMP's spinning (moepack/__init__.py), which libgomp reads on load
+
+import torch  # noqa: E402
 
 from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
@@ -118,12 +120,18 @@ print(json.dumps(results))
 
 
 def transformers_resident(export_dir: str, tokens: list[int], repeat: int, device: str = "cpu",
-                          budget_bytes: int = 0) -> dict:
+                          budget_bytes: int = 0, omp_spincount: str | None = None) -> dict:
     """transformers' forward on the model in memory (on `device`, within `budget_bytes` of it where given): {N:
-    {"seconds", "next_token"}}, or {"error": ...} (e.g. the model does not fit the budget)."""
+    {"seconds", "next_token"}}, or {"error": ...} (e.g. the model does not fit the budget). It runs with OpenMP's
+    defaults unless `omp_spincount` is given: the spin limit moepack sets for itself is not passed on."""
+    env = dict(os.environ)
+    if moepack.OMP_SPINCOUNT_SET_HERE:
+        env.pop("GOMP_SPINCOUNT", None)
+    if omp_spincount is not None:
+        env["GOMP_SPINCOUNT"] = omp_spincount
     p = subprocess.run([sys.executable, "-c", TRANSFORMERS_RUN, export_dir, json.dumps(tokens),
                         str(torch.get_num_threads()), str(repeat), device, str(budget_bytes)],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=env)
     if p.returncode:
         return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "failed"}
     return {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
@@ -147,6 +155,8 @@ def main() -> None:
     ap.add_argument("--device-budget-gib", type=float, default=0,
                     help="cuda: the device memory this process may use (0: all of it)")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--transformers-omp-spincount", default=None,
+                    help="run transformers with this GOMP_SPINCOUNT too (default: OpenMP's own)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.repeat = max(1, args.repeat)
@@ -219,7 +229,8 @@ def main() -> None:
         export_dir = os.path.join(args.workdir, f"{args.preset}-bf16-export")
         if not os.path.exists(os.path.join(export_dir, "config.json")):
             export_container(container, export_dir, dtype="bf16", progress=not args.json)
-        ref = transformers_resident(export_dir, tokens, args.repeat, args.device, budget)
+        ref = transformers_resident(export_dir, tokens, args.repeat, args.device, budget,
+                                    args.transformers_omp_spincount)
         for row in rows:
             r = ref.get(row["tokens"]) if "error" not in ref else None
             row["transformers_s"] = round(r["seconds"], 3) if r else None
@@ -237,6 +248,8 @@ def main() -> None:
               "bundle_experts": args.bundle_experts, "queue_depth": args.queue_depth,
               "threads": torch.get_num_threads(), "repeat": args.repeat, "expert_decode_alone": decode,
               "fio": fio, "device": args.device, "device_budget_bytes": budget or None,
+              "omp_spincount": os.environ.get("GOMP_SPINCOUNT"),
+              "transformers_omp_spincount": args.transformers_omp_spincount,
               "expert_bytes_in_compute_dtype": expert_params * EXPERT_DTYPES[args.expert_dtype].itemsize,
               "rows": rows}
     if args.json:

@@ -741,6 +741,7 @@ class StreamingPrefill:
             "malloc_keeps_freed": self.malloc_keeps_freed,
             "device": str(self.device),
             "threads": torch.get_num_threads(),
+            "omp_spincount": os.environ.get("GOMP_SPINCOUNT"),  # what libgomp was loaded with (moepack/__init__.py)
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
         if self.device.type == "cuda":

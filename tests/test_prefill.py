@@ -698,3 +698,18 @@ def test_an_expert_failing_while_another_thread_waits_for_the_next_read_is_raise
                                         PrefillOptions(expert_selection="all", queue_depth=1, bundle_experts=4)))
     finally:
         torch.set_num_threads(before)
+
+
+def test_openmp_spinning_is_limited_before_torch_loads_unless_the_user_chose(tmp_path):
+    """Importing moepack sets GOMP_SPINCOUNT (libgomp reads it once, when torch loads it) unless the user set it or
+    OMP_WAIT_POLICY."""
+    import subprocess
+    import sys
+
+    probe = "import os, moepack, torch; print(os.environ.get('GOMP_SPINCOUNT'), moepack.OMP_SPINCOUNT_SET_HERE)"
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    for extra, want in (({}, "10000 True"), ({"GOMP_SPINCOUNT": "7"}, "7 False"),
+                        ({"OMP_WAIT_POLICY": "PASSIVE"}, "None False")):
+        out = subprocess.run([sys.executable, "-c", probe], env={**base, **extra}, capture_output=True, text=True,
+                             check=True).stdout.split()
+        assert " ".join(out) == want, extra
