@@ -218,11 +218,6 @@ void fp8_block_decode16_avx512(const uint8_t *w, const uint8_t *scale, int64_t r
         }
     }
 }
-#else
-void fp8_block_decode16_avx512(const uint8_t *w, const uint8_t *scale, int64_t rows, int64_t cols, int64_t block,
-                               int64_t scale_cols, const uint16_t *table, uint16_t *out) {
-    fp8_block_decode16(w, scale, rows, cols, block, scale_cols, table, out);
-}
 #endif
 """
 

@@ -61,8 +61,6 @@ EXPERT_BUFFERS_PER_READ = 2
 # experts into the pool instead of stopping once Q reads are ready (N = 256, medium model: streamed 1.40 -> 1.21 s,
 # as fast as from the page cache), within this fraction of the available memory
 READ_POOL_MEMORY_FRACTION = 0.125
-# a CPU prefill decodes layer L+1's dense weights on an expert thread beside layer L's experts
-DENSE_DECODE_ON_EXPERT_THREADS = True
 READ_AHEAD_LAYERS = 2  # expert reads known in advance are queued this many layers beyond the current one
 # auto reads a whole layer when at most this fraction of its experts is expected to go unused
 ALL_EXPERTS_UNUSED_FRACTION = 0.05
@@ -390,12 +388,10 @@ class StreamingPrefill:
                 cursor[0] += 1
                 return work[cursor[0] - 1]
 
-        def drain(one_core: bool) -> None:
+        def drain() -> None:
             """Take items until none is left. After a failure (anywhere) the items are still taken, their reads
             awaited and their buffers released, without computing: a thread waiting for a later read must get its
             buffer, and the failure is raised once every thread is done."""
-            if one_core:
-                torch.set_num_threads(1)  # this work on this core; the other threads run other experts
             while (item := take()) is not None:
                 number, kind, what = item
                 first_expert, _, future = reads[number]
@@ -431,9 +427,10 @@ class StreamingPrefill:
                         self.experts_pipe.release(release[0])
 
         if self._expert_pool is None:
-            drain(one_core=False)
-        else:
-            loops = [self._expert_pool.submit(drain, True) for _ in range(self.expert_threads)]
+            drain()
+        else:  # each item times its own compute, apart from waiting for its read
+            loops = [self._expert_pool.submit(self._on_one_core, drain, timed=False)
+                     for _ in range(self.expert_threads)]
             for loop in loops:  # nothing may still use a buffer or the outputs once this returns
                 loop.result()
         if failed:
@@ -623,7 +620,7 @@ class StreamingPrefill:
                 # instead of alone later with one core idle. It is waited for, like every expert-thread task,
                 # before this thread sets its own thread count back (torch.set_num_threads also sets MKL's, for
                 # the whole process)
-                if number + 1 < len(layers) and DENSE_DECODE_ON_EXPERT_THREADS:
+                if number + 1 < len(layers):
                     next_dense = self._expert_pool.submit(self._on_one_core, self._dense_weights,
                                                           layers[number + 1], pending_dense, timed=False)
             try:

@@ -47,6 +47,21 @@ from . import model
 # kernels compute the same thing: plain C; SSSE3 (pshufb, 16 lookups per instruction, every x86-64 of the last 15
 # years); AVX-512 (vpermw/vpermd: a whole group per instruction). Each is compiled for its own target and
 # the CPU picks at run time, so every level can be checked on a machine that runs the highest.
+# One FP4 group's 32 values by AVX-512, shared by the lookup library and the fused kernel's (each is compiled on its
+# own). vpermw indices: one 32-bit lane per data byte, byte | byte << 12, whose low 16 bits hold the low code in bits
+# 0-3 and whose high 16 bits are the high code: values 2j and 2j + 1. vpermw reads 5 bits of an index; the low
+# half's bit 4 (the high code's first bit) picks the row's second copy in a register holding it twice, so no
+# masking is needed.
+_NIBBLE_GROUP_C = r"""
+/* the 32 values of one group: its scale's row of 16 values (`row`), its 16 data bytes */
+__attribute__((target("avx512f,avx512bw"), always_inline))
+static inline __m512i nibble_group(const uint16_t *row, const uint8_t *bytes) {
+    __m512i twice = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)row));
+    __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    return _mm512_permutexvar_epi16(_mm512_or_si512(x, _mm512_slli_epi32(x, 12)), twice);
+}
+"""
+
 _NATIVE_SOURCE = r"""
 #include <stdint.h>
 
@@ -127,24 +142,14 @@ static void nibbles32_ssse3(const uint8_t *data, int64_t data_stride, const uint
     }
 }
 
-/* vpermw indices for 16 data bytes, one per 32-bit lane (x): lane j = byte | byte << 12, whose low 16 bits hold
-   the low code in bits 0-3 and whose high 16 bits are the high code: values 2j and 2j + 1. vpermw reads 5 bits of
-   an index; the low half's bit 4 (the high code's first bit) picks the row's second copy in a register holding it
-   twice, so no masking is needed. */
-__attribute__((target("avx512f,avx512bw"), always_inline))
-static inline __m512i pair_index(__m512i x) {
-    return _mm512_or_si512(x, _mm512_slli_epi32(x, 12));
-}
-
+@NIBBLE_GROUP@
 /* AVX-512: the row is one register; vpermw / vpermd look all 32 values of a group up at once */
 __attribute__((target("avx512f,avx512bw")))
 static void nibbles16_avx512(const uint8_t *data, int64_t data_stride, const uint8_t *scale, int64_t scale_stride,
                              const uint16_t *nib, uint16_t *out, int64_t groups) {
     for (int64_t g = 0; g < groups; g++) {
-        __m512i row = _mm512_broadcast_i64x4(
-            _mm256_loadu_si256((const __m256i *)(nib + ((int64_t)scale[g * scale_stride] << 4))));
-        __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(data + g * data_stride)));
-        _mm512_storeu_si512(out + g * 32, _mm512_permutexvar_epi16(pair_index(x), row));
+        _mm512_storeu_si512(out + g * 32, nibble_group(nib + ((int64_t)scale[g * scale_stride] << 4),
+                                                       data + g * data_stride));
     }
 }
 
@@ -193,6 +198,7 @@ int fp4_decode_nibbles(int level, int itemsize, const uint8_t *data, int64_t dat
     return 0;
 }
 """
+_NATIVE_SOURCE = _NATIVE_SOURCE.replace("@NIBBLE_GROUP@", _NIBBLE_GROUP_C)
 NATIVE_LEVELS = ("scalar", "ssse3", "avx512")
 
 # The fused FP4 matmul, for an expert's few tokens on a CPU with AVX512-BF16: out = x @ w.T with w decoded 4 rows at a
@@ -230,6 +236,7 @@ int fp4_linear_supported(void) {
 #define ROWS 4    /* weight rows per tile: 4 x 32 values in registers */
 #define TOKENS 6  /* tokens per tile: 24 accumulators, 29 of the 32 registers with the weights and one input */
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+@NIBBLE_GROUP@
 
 /* The four horizontal sums of a, b, c, d: lanes added pairwise within each 128-bit quarter, then the quarters.
    A fifth of the shuffles of four separate reductions: 12-20% of a 24-token matmul on AMD Zen 5. */
@@ -296,12 +303,8 @@ LINEAR_SIGNATURE {
                     if ((g & 63) == 0)
                         _mm_prefetch((const char *)(scale + (i + ROWS * groups) * scale_stride), _MM_HINT_T0);
                 }
-                /* the row twice and the indices as the AVX-512 lookup makes them (pair_index) */
-                __m512i row = _mm512_broadcast_i64x4(
-                    _mm256_loadu_si256((const __m256i *)(nib + ((int64_t)scale[i * scale_stride] << 4))));
-                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(data + i * data_stride)));
-                _mm512_storeu_si512(scratch + r * K + g * 32,
-                                    _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), row));
+                _mm512_storeu_si512(scratch + r * K + g * 32, nibble_group(
+                    nib + ((int64_t)scale[i * scale_stride] << 4), data + i * data_stride));
             }
         }
         for (int64_t t0 = 0; t0 < T; t0 += TOKENS) {
@@ -383,6 +386,7 @@ EXPERT_SIGNATURE {
 }
 #endif
 """
+_FUSED_SOURCE = _FUSED_SOURCE.replace("@NIBBLE_GROUP@", _NIBBLE_GROUP_C)
 FUSED_ROWS = 4  # the kernel's rows per tile: its scratch holds this many decoded rows
 # Up to this many tokens an expert runs the fused kernel; beyond, decoding the matrices and torch's GEMM are as fast
 # (AMD Zen 5, one thread, 1024 x 1024 experts: 0.41 / 0.81 / 1.26 / 1.91 ms per expert for the fused kernel at
