@@ -121,6 +121,45 @@ def _apply_tensor_scale(values: torch.Tensor, tensor_scale: float | torch.Tensor
 INTEGER_TYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 
 
+def decode_rows(dtype: str, shape, buffer, rows: slice | torch.Tensor, scale: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.float32, tensor_scale: float | torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """decode_float(...)[rows] of a 2-D tensor, decoding only the bytes of those rows where the type allows it
+    (an embedding lookup needs N rows of a vocabulary-sized table; an LM head can be applied a slice at a time):
+    plain and ggml block types (a row is whole blocks) and, for a slice starting on a block boundary, block-scaled
+    FP8. `rows` is a slice (step 1) or an index tensor. Other cases decode the whole tensor first."""
+    shape = tuple(shape)
+    if len(shape) != 2:
+        raise FormatError(f"row decoding needs a 2-D tensor, got shape {list(shape)}")
+    n_rows, cols = shape
+    if isinstance(rows, slice):
+        span = range(n_rows)[rows]
+        if span.step != 1:
+            raise ValueError("decode_rows takes slices of step 1")
+    raw = as_uint8(buffer)
+    if scale is None and dtype != "FP4_E2M1":  # rows are independent: decode just the chosen ones
+        row_bytes = tensor_nbytes(dtype, (cols,))
+        if raw.numel() != n_rows * row_bytes:
+            raise FormatError(f"{dtype}{list(shape)} needs {n_rows * row_bytes} bytes, got {raw.numel()}")
+        picked = raw.view(n_rows, row_bytes)[rows]
+        return decode_float(dtype, (picked.shape[0], cols), picked, None, out_dtype, tensor_scale)
+    from .source_formats import FP8_BLOCK
+
+    if dtype == "F8_E4M3" and isinstance(rows, slice) and span.start % FP8_BLOCK == 0 and len(span):
+        row_bytes = cols  # one byte per weight; the scales' rows are the slice's 128-row blocks
+        picked = raw.view(n_rows, row_bytes)[span.start:span.stop]
+        blocks = scale[span.start // FP8_BLOCK: -(-span.stop // FP8_BLOCK)]
+        return decode_float(dtype, (len(span), cols), picked, blocks, out_dtype, tensor_scale)
+    return decode_float(dtype, shape, buffer, scale, out_dtype, tensor_scale)[rows]
+
+
+def _companions(t, by_name: dict, read) -> tuple[torch.Tensor | None, float | torch.Tensor | None]:
+    """The decoded `P.scale` and `P.tensor_scale` that go with weight entry `t` (None where absent)."""
+    s, ts = by_name.get(scale_name(t.name)), by_name.get(tensor_scale_name(t.name))
+    return (decode_tensor(s.dtype, s.shape, read(s)) if s is not None else None,
+            tensor_scale_value(read(ts), ts.name) if ts is not None else None)
+
+
 def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INTEGER_TYPES, dtype_of=None) -> dict:
     """Decode tensors stored together (a region): each `P.weight` takes its `P.scale` and `P.tensor_scale`
     along and they are not returned; types in `keep` come back as stored (times a tensor scale, if one goes with
@@ -131,13 +170,20 @@ def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INT
     for t in tensors:
         if is_companion(t.name, by_name):
             continue  # folded into its weight
-        ts = by_name.get(tensor_scale_name(t.name))
-        tensor_scale = tensor_scale_value(read(ts), ts.name) if ts is not None else None
+        scale, tensor_scale = _companions(t, by_name, read)
         if t.dtype in keep:
             out[t.name] = _apply_tensor_scale(decode_tensor(t.dtype, t.shape, read(t)), tensor_scale, fresh=False)
             continue
-        s = by_name.get(scale_name(t.name))
-        scale = decode_tensor(s.dtype, s.shape, read(s)) if s is not None else None
         out[t.name] = decode_float(t.dtype, t.shape, read(t), scale, dtype_of(t) if dtype_of else out_dtype,
                                    tensor_scale)
     return out
+
+
+def decode_group_rows(tensors, read, name: str, rows: slice | torch.Tensor,
+                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows of the 2-D float tensor `name` among `tensors` (with its scales, as decode_group decodes it), decoding
+    only those rows where the type allows (decode_rows)."""
+    by_name = {t.name: t for t in tensors}
+    t = by_name[name]
+    scale, tensor_scale = _companions(t, by_name, read)
+    return decode_rows(t.dtype, t.shape, read(t), rows, scale, out_dtype, tensor_scale)

@@ -219,7 +219,8 @@ def dequantize_chunk(blocks: torch.Tensor, out: torch.Tensor) -> None:
     nsb = blocks.shape[0]
     dev = blocks.device
     d = blocks[:, :2].contiguous().view(torch.float16).float()  # (nsb, 1)
-    words = blocks[:, 2:].contiguous().view(torch.int32).view(nsb, 8, 2)
+    # a copy: for one block, .contiguous() would keep the 2-byte offset and the 66-byte row stride int32 cannot view
+    words = blocks[:, 2:].clone(memory_format=torch.contiguous_format).view(torch.int32).view(nsb, 8, 2)
     w1 = words[:, :, 1]
     ls = ((w1 >> 28) & 15).float()
     db = (d * (ls + 0.5)) * 0.25  # (nsb, 8)

@@ -41,11 +41,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 import xxhash
 
-from moepack.format_spec.decode import decode_group
+from moepack.format_spec.decode import decode_group, decode_group_rows
 from moepack.format_spec.errors import FormatError, MoepackError
-from moepack.format_spec.reader import SCALE_SUFFIXES, Block, Container, ReadSpan, Region
+from moepack.format_spec.reader import SCALE_SUFFIXES, TENSOR_SCALE_SUFFIX, Block, Container, ReadSpan, Region
+from moepack.format_spec.source_formats import FP8_BLOCK
 
 from . import model as v4
 from .distributed import balanced_ranges
@@ -64,6 +66,10 @@ READ_POOL_MEMORY_FRACTION = 0.125
 READ_AHEAD_LAYERS = 2  # expert reads known in advance are queued this many layers beyond the current one
 # auto reads a whole layer when at most this fraction of its experts is expected to go unused
 ALL_EXPERTS_UNUSED_FRACTION = 0.05
+# the LM head is decoded and applied this many float32 bytes of rows at a time, never whole (DeepSeek-V4-Flash's
+# bf16 head [129280, 4096] would be 2 GiB decoded)
+HEAD_CHUNK_BYTES = 16 << 20
+HEAD_GLOBALS = ("hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight", "head.weight")
 
 
 @dataclass
@@ -156,7 +162,7 @@ def read_pool_buffers(section_reads: int, buffer_bytes: int, depth: int, availab
 
 def estimate_working_set(cfg: "v4.ModelConfig", n_tokens: int, query_chunk: int | None, dense_bytes: int,
                          bundle_bytes: int, pool_buffers: int, expert_params: int,
-                         expert_threads: int = 1) -> dict[str, int]:
+                         expert_threads: int = 1, globals_bytes: int = 0) -> dict[str, int]:
     """Bytes a prefill of n_tokens needs at its peak (float32 compute), by component. Deliberately generous:
     it decides whether to refuse a prompt before any work is done."""
     f32 = 4
@@ -175,10 +181,17 @@ def estimate_working_set(cfg: "v4.ModelConfig", n_tokens: int, query_chunk: int 
     # float32 outputs combine adds back
     activations += n_tokens * cfg.num_experts_per_tok * hidden * (2 * f32 + f32)
     # the read pool, and each expert thread's decoded weights
-    weights = dense_bytes * 5 + bundle_bytes * (pool_buffers + 2) + expert_params * f32 * 2 * expert_threads
+    # `globals_bytes`: the LM head's bytes, read during the last layer, and a decoded slice of it
+    weights = (dense_bytes * 5 + bundle_bytes * (pool_buffers + 2) + expert_params * f32 * 2 * expert_threads
+               + globals_bytes)
     parts = {"activations": activations, "kv": kv, "attention_chunk": attention + indexer, "weights": weights}
     parts["total"] = sum(parts.values())
     return parts
+
+
+def _entry_bytes(raw: torch.Tensor, base: int) -> Callable:
+    """read(entry) for decode_group: the entry's stored bytes within `raw`, the bytes from file offset `base`."""
+    return lambda t: raw[t.file_offset - base: t.file_offset - base + t.length]
 
 
 def bundle_runs(expert_ids: list[int], bundle: int) -> list[tuple[int, int]]:
@@ -245,6 +258,7 @@ class StreamingPrefill:
         self.expert_threads = torch.get_num_threads() if self.device.type == "cpu" else 1
         self._expert_pool = (ThreadPoolExecutor(self.expert_threads, "moepack-expert")
                              if self.expert_threads > 1 else None)
+        self._globals_pool: ThreadPoolExecutor | None = None  # reads the LM head during the last layer
         self._local = threading.local()  # each expert thread's own decoder (its buffers are reused expert to expert)
         self._decoders: list[ExpertDecoder] = []
         self._decoders_lock = threading.Lock()
@@ -302,15 +316,19 @@ class StreamingPrefill:
                 raise FormatError(f"region {self.c.describe(r)}: checksum mismatch while streaming: the container "
                                   f"is damaged (run `moepack verify`)")
 
-    def _to_device(self, buffer, view: memoryview) -> torch.Tensor:
-        """The bytes a read delivered (`view`: in `buffer`, or in place in the page cache) as a uint8 tensor on the
-        compute device."""
+    @staticmethod
+    def _host_bytes(buffer, view: memoryview) -> torch.Tensor:
+        """The bytes a read delivered (`view`: in `buffer`, or in place in the page cache) as a host uint8 tensor."""
         if view.readonly:  # a zero-copy read: the mapped page cache itself, never written to
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # torch warns that the memory is read-only
                 return torch.frombuffer(view, dtype=torch.uint8)
-        host = buffer.tensor[:len(view)]
-        if self.device.type != "cuda":
+        return buffer.tensor[:len(view)]
+
+    def _to_device(self, buffer, view: memoryview) -> torch.Tensor:
+        """The bytes a read delivered as a uint8 tensor on the compute device."""
+        host = self._host_bytes(buffer, view)
+        if view.readonly or self.device.type != "cuda":
             return host
         with torch.cuda.stream(self.copy_stream):
             dev = host.to(self.device, non_blocking=True)
@@ -329,8 +347,7 @@ class StreamingPrefill:
         that outlive the pooled buffer the bytes arrived in (experts are used before their buffer goes back)."""
         out = {}
         for r in regions:
-            values = decode_group(r.tensors, lambda t: raw[t.file_offset - base: t.file_offset - base + t.length],
-                                  dtype, dtype_of=dtype_of)
+            values = decode_group(r.tensors, _entry_bytes(raw, base), dtype, dtype_of=dtype_of)
             for name, value in values.items():
                 if own and value.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
                     value = value.clone()
@@ -452,22 +469,51 @@ class StreamingPrefill:
         with self.compute:
             return fn(*args)
 
-    def _read_globals(self, names: list[str]) -> list[tuple[Region, HostBuffer, memoryview]]:
-        """The bytes of the named tensors' regions, read and checked (read once each: no pool)."""
+    def _read_globals(self, names) -> list[tuple[Region, HostBuffer, memoryview]]:
+        """The bytes of the named tensors' regions, read once each (no pool). Unchecked: the consumer checks."""
         fetched = []
-        for r in [self.c.tensors[n].region for n in names if n in self.c.tensors]:
+        for r in self._global_regions(names):
             buf = HostBuffer(r.length, pinned=self.device.type == "cuda")
-            view = self.reader.read_into(buf, r.offset, r.length, r.part)
-            self._check([r], view, r.offset)
-            fetched.append((r, buf, view))
+            fetched.append((r, buf, self.reader.read_into(buf, r.offset, r.length, r.part)))
         return fetched
 
-    def _decode_globals(self, fetched: list[tuple[Region, HostBuffer, memoryview]]) -> dict[str, torch.Tensor]:
-        out = {}
+    def _embeddings(self, fetched: list[tuple[Region, HostBuffer, memoryview]], token_ids: torch.Tensor
+                    ) -> torch.Tensor:
+        """The prompt's rows of the embedding [N, H] float32 on the compute device: only those rows are decoded
+        (on the host: a vocabulary-sized table never goes to the device)."""
         with self.compute:
             for r, buf, view in fetched:
-                out.update(self._decode([r], self._to_device(buf, view), r.offset, ""))
-        return out
+                self._check([r], view, r.offset)
+                if any(t.name == "embed.weight" for t in r.tensors):
+                    rows = decode_group_rows(r.tensors, _entry_bytes(self._host_bytes(buf, view), r.offset),
+                                             "embed.weight", token_ids.cpu())
+                    return rows.to(self.device)
+        raise FormatError(f"{self.c.path}: the container has no embed.weight")
+
+    def _head_logits(self, fetched: list[tuple[Region, HostBuffer, memoryview]], streams: torch.Tensor
+                     ) -> torch.Tensor:
+        """The last position's logits [vocab] float32 (on the host). The LM head is decoded and applied
+        HEAD_CHUNK_BYTES of rows at a time."""
+        lm_head = ("head.weight", "head.scale", "head" + TENSOR_SCALE_SUFFIX)
+        with self.compute:
+            weights, head = {}, None
+            for r, buf, view in fetched:
+                self._check([r], view, r.offset)
+                read = _entry_bytes(self._to_device(buf, view), r.offset)
+                weights.update(decode_group([t for t in r.tensors if t.name not in lm_head], read))
+                if any(t.name == "head.weight" for t in r.tensors):
+                    head = r.tensors, read
+            if head is None:
+                raise FormatError(f"{self.c.path}: the container has no head.weight")
+            x = v4.head_input(self.cfg, streams, weights, -1)
+            entry = self.c.tensors["head.weight"]
+            vocab, hidden = entry.shape
+            step = max(1, HEAD_CHUNK_BYTES // (4 * hidden))
+            if entry.dtype == "F8_E4M3":  # block-scaled: slices of whole scale blocks decode alone
+                step = max(FP8_BLOCK, step // FP8_BLOCK * FP8_BLOCK)
+            logits = [F.linear(x, decode_group_rows(*head, "head.weight", slice(first, first + step))).float()
+                      for first in range(0, vocab, step)]
+            return torch.cat(logits, dim=-1)[0].cpu()
 
     def _submit_dense(self, block: Block) -> Future:
         check = (lambda view: self._check([block.dense], view, block.dense.offset)) if self._check_on_read else None
@@ -557,7 +603,7 @@ class StreamingPrefill:
         # the embedding's bytes first: the first the compute needs (queued behind the expert reads, they would make
         # the compute wait for the disk before it could start; read first, they cost the disk a few milliseconds).
         # Decoded once the first layer's reads are queued, so the disk is not idle meanwhile.
-        embed_bytes = self._read_globals(["embed.weight"])
+        embed_bytes = self._read_globals(["embed.weight"])  # only the prompt's rows are decoded
         pending_dense = self._submit_dense(layers[0])
         # Expert reads that do not depend on their layer's router (every expert of the layer) are queued up to
         # READ_AHEAD_LAYERS layers ahead: the pool's buffers, not the queue, bound what is read ahead, and the disk
@@ -566,10 +612,9 @@ class StreamingPrefill:
         # first layer whose reads are known only from its token ids or its router; `ahead` is that layer.
         queued: dict[int, list] = {}
         ahead = self._queue_from(queued, 0, n_tokens, READ_AHEAD_LAYERS + 1)
-        embed = self._decode_globals(embed_bytes)["embed.weight"]
+        streams = v4.residual_streams(cfg, self._embeddings(embed_bytes, token_ids))
         del embed_bytes
-        streams = v4.embed(cfg, token_ids, embed)
-        del embed
+        head_bytes: Future | None = None  # read during the last layer, beside its experts
         layer_stats: list[LayerStats] = []
         states = [] if keep_states else None
         next_dense: Future | None = None  # this layer's dense weights, decoded on an expert thread
@@ -606,6 +651,8 @@ class StreamingPrefill:
                 wanted = range(n_experts) if selection == "all" else sorted(by_expert)
                 reads = self._submit_experts(block, number, list(wanted))
                 ahead = self._queue_from(queued, number + 1, n_tokens, number + 1 + READ_AHEAD_LAYERS)
+            if number == len(layers) - 1:  # after the layer's expert reads: the head is needed last
+                head_bytes = self._globals_reader().submit(self._read_globals, HEAD_GLOBALS)
             with self.compute:
                 groups = routing.groups()
                 inputs = groups.gather(routing.x).to(self.expert_dtype)  # every pair's token, sorted by expert
@@ -640,11 +687,21 @@ class StreamingPrefill:
             with self.compute:
                 streams = v4.moe_finish(cfg, number, w, streams, routing, routed, shared)
             layer_stats.append(self._layer_stats(number, block, selection, reads, by_expert, n_experts))
-        head_weights = self._decode_globals(self._read_globals(["hc_head_fn", "hc_head_base", "hc_head_scale",
-                                                                "norm.weight", "head.weight"]))
-        with self.compute:
-            logits = v4.head(cfg, streams, head_weights, -1).float().cpu()
+        logits = self._head_logits(head_bytes.result() if head_bytes is not None else
+                                   self._read_globals(HEAD_GLOBALS), streams)
         return logits, layer_stats, states
+
+    def _head_bytes(self) -> int:
+        return sum(r.length for r in self._global_regions(HEAD_GLOBALS))
+
+    def _global_regions(self, names) -> list[Region]:
+        """The regions of the named tensors, each once."""
+        return list({r.offset: r for r in (self.c.tensors[n].region for n in names if n in self.c.tensors)}.values())
+
+    def _globals_reader(self) -> ThreadPoolExecutor:
+        if self._globals_pool is None:
+            self._globals_pool = ThreadPoolExecutor(1, "moepack-globals")
+        return self._globals_pool
 
     def _check_memory(self, n_tokens: int) -> None:
         """Refuse a prompt whose working set cannot fit, before reading or computing anything."""
@@ -658,7 +715,8 @@ class StreamingPrefill:
         else:
             in_memory = self.experts_pipe.buffers
         need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
-                                    self.experts_pipe.buffer_bytes, in_memory, expert_params, self.expert_threads)
+                                    self.experts_pipe.buffer_bytes, in_memory, expert_params, self.expert_threads,
+                                    self._head_bytes() + HEAD_CHUNK_BYTES)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # a per-process cap (torch.cuda.set_per_process_memory_fraction: a budget smaller than the device);
@@ -751,6 +809,8 @@ class StreamingPrefill:
         return stats
 
     def close(self) -> None:
+        if self._globals_pool is not None:
+            self._globals_pool.shutdown()  # its read finishes before the reader closes
         self.experts_pipe.close()
         self.dense_pipe.close()
         self.reader.close()

@@ -297,8 +297,12 @@ def hc_post(streams: Tensor, out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
 
 def embed(cfg: ModelConfig, token_ids: Tensor, embed_weight: Tensor) -> Tensor:
     """Token embeddings copied into hc_mult residual streams: [N, hc_mult, H] float32."""
-    x = embed_weight[token_ids].float()
-    return x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+    return residual_streams(cfg, embed_weight[token_ids])
+
+
+def residual_streams(cfg: ModelConfig, embeddings: Tensor) -> Tensor:
+    """The prompt's embeddings [N, H] copied into hc_mult residual streams: [N, hc_mult, H] float32."""
+    return embeddings.float().unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -668,15 +672,22 @@ def head(cfg: ModelConfig, streams: Tensor, w_globals: Mapping[str, Tensor],
     """Logits float32 for the positions `which` selects: an int gives [vocab] (default: the last position), a
     slice or index tensor gives [n, vocab]. The streams collapse through the mHC head (pre weights only), then the
     final norm and the LM head."""
+    x = head_input(cfg, streams, w_globals, which)
+    logits = F.linear(x, w_globals["head.weight"]).float()
+    single = isinstance(which, int) or (isinstance(which, Tensor) and which.dim() == 0)
+    return logits[0] if single else logits
+
+
+def head_input(cfg: ModelConfig, streams: Tensor, w_globals: Mapping[str, Tensor],
+               which: int | slice | Tensor = -1) -> Tensor:
+    """The LM head's input [n, H] for the positions `which` selects (n = 1 for an int): the streams collapsed
+    through the mHC head (pre weights only), then the final norm."""
     selected = streams[which]
-    single = selected.dim() == 2
-    if single:
+    if selected.dim() == 2:
         selected = selected.unsqueeze(0)
     mixes = F.linear(rms_norm(selected.flatten(1), None, cfg.rms_norm_eps), w_globals["hc_head_fn"])
     pre = torch.sigmoid(mixes * w_globals["hc_head_scale"] + w_globals["hc_head_base"]) + cfg.hc_eps
-    x = rms_norm((pre.unsqueeze(-1) * selected).sum(dim=1), w_globals["norm.weight"], cfg.rms_norm_eps)
-    logits = F.linear(x, w_globals["head.weight"]).float()
-    return logits[0] if single else logits
+    return rms_norm((pre.unsqueeze(-1) * selected).sum(dim=1), w_globals["norm.weight"], cfg.rms_norm_eps)
 
 
 def forward_resident(cfg: ModelConfig, weights: Mapping[str, Tensor], token_ids: Tensor,

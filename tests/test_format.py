@@ -276,3 +276,74 @@ def test_verify_names_nonzero_padding_even_with_matching_region_hash(good, tmp_p
 def test_missing_file_is_a_format_error(tmp_path):
     with pytest.raises(FormatError, match="no such file"):
         Container(str(tmp_path / "nope.moepack"))
+
+
+# ------------------------------------------------------------------------------------------------- row decoding
+
+
+def _stored(dtype: str, rows: int, cols: int):
+    """(stored bytes, decoded scale or None) of a random [rows, cols] tensor in `dtype`."""
+    from moepack.format_spec import quants
+    from moepack.format_spec.decode import TORCH_DTYPES
+    from moepack.format_spec.source_formats import fp4_quantize, fp8_block_quantize
+
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
+    if dtype == "F8_E4M3":  # the release's block-scaled FP8
+        weight, scale = fp8_block_quantize(w)
+        return weight.view(torch.uint8).reshape(-1), scale
+    if dtype in TORCH_DTYPES:
+        return w.to(TORCH_DTYPES[dtype]).view(torch.uint8).reshape(-1), None
+    if dtype == "FP4_E2M1":
+        packed, scale = fp4_quantize(w)
+        return packed.view(torch.uint8).reshape(-1), scale
+    return quants.quantize_torch(w, dtype).reshape(-1), None
+
+
+@pytest.mark.parametrize("dtype,rows,cols", [("F32", 300, 64), ("BF16", 300, 64), ("F16", 7, 32),
+                                             ("Q8_0", 300, 96), ("Q2_K", 40, 512), ("IQ2_XXS", 9, 256),
+                                             ("MXFP4", 33, 64), ("F8_E4M3", 300, 200), ("FP4_E2M1", 70, 64)])
+def test_decode_rows_is_the_whole_decode_indexed(dtype, rows, cols):
+    """Rows decoded alone (index tensors with repeats, slices on and off the FP8 scale blocks, a tensor scale)
+    equal the same rows of the whole tensor decoded."""
+    from moepack.format_spec.decode import decode_float, decode_rows
+
+    stored, scale = _stored(dtype, rows, cols)
+    whole = decode_float(dtype, (rows, cols), stored, scale)
+    picks = [torch.tensor([rows - 1, 0, 3, 3, rows // 2]), torch.tensor([], dtype=torch.long), slice(0, rows),
+             slice(128 % rows, rows + 50), slice(5, 6), slice(rows, rows + 3)]
+    for pick in picks:
+        got = decode_rows(dtype, (rows, cols), stored, pick, scale)
+        assert got.dtype == torch.float32 and torch.equal(got, whole[pick]), (dtype, pick)
+    scaled = decode_rows(dtype, (rows, cols), stored, torch.tensor([1, rows - 1]), scale, tensor_scale=0.25)
+    assert torch.equal(scaled, whole[[1, rows - 1]] * 0.25)
+    assert torch.equal(decode_rows(dtype, (rows, cols), stored, slice(0, 2), scale, out_dtype=torch.bfloat16),
+                       decode_float(dtype, (rows, cols), stored, scale, torch.bfloat16)[:2])
+
+
+def test_decode_rows_decodes_only_the_rows_where_it_can(monkeypatch):
+    """The embedding lookup and the LM head's slices never decode a whole vocabulary-sized table: rows of plain and
+    ggml types, and block-aligned slices of FP8, go to the decoder alone."""
+    from moepack.format_spec import decode
+
+    shapes = []
+    real = decode.decode_float
+    monkeypatch.setattr(decode, "decode_float", lambda dtype, shape, *a, **k: shapes.append(tuple(shape)) or
+                        real(dtype, shape, *a, **k))
+    for dtype, pick, rows in [("BF16", torch.tensor([2, 9, 2]), 3), ("Q8_0", torch.tensor([5]), 1),
+                              ("F8_E4M3", slice(128, 300), 172), ("F8_E4M3", slice(100, 200), 300)]:
+        stored, scale = _stored(dtype, 300, 64)
+        shapes.clear()
+        decode.decode_rows(dtype, (300, 64), stored, pick, scale)
+        assert shapes == [(rows, 64)], (dtype, pick, shapes)  # the last: off the blocks, decoded whole
+
+
+def test_decode_rows_rejects_bad_input():
+    from moepack.format_spec.decode import decode_rows
+
+    stored, _ = _stored("BF16", 10, 32)
+    with pytest.raises(FormatError, match="2-D"):
+        decode_rows("BF16", (320,), stored, slice(0, 1))
+    with pytest.raises(FormatError, match="needs 640 bytes"):
+        decode_rows("BF16", (10, 32), stored[:-2], slice(0, 1))
+    with pytest.raises(ValueError, match="step 1"):
+        decode_rows("BF16", (10, 32), stored, slice(0, 10, 2))

@@ -76,6 +76,28 @@ def test_query_chunking_and_bundling_do_not_change_logits(models):
         assert torch.allclose(prefill(container, ids, PrefillOptions(**opts)).logits, base, atol=1e-5, rtol=0)
 
 
+def test_lm_head_in_slices_and_only_the_prompts_embedding_rows(models, monkeypatch):
+    """The LM head decoded and applied a few rows at a time gives the whole head's logits, and the embedding
+    decodes the prompt's rows, never the vocabulary-sized table."""
+    from moepack.format_spec import decode
+
+    hf_model, container = models["A"]
+    vocab, hidden, n = hf_model.config.vocab_size, hf_model.config.hidden_size, 40
+    ids = _prompt(n, vocab, seed=11)
+    whole = prefill(container, ids).logits
+    shapes = []
+    real = decode.decode_float
+    monkeypatch.setattr(decode, "decode_float", lambda dtype, shape, *a, **k: shapes.append(tuple(shape)) or
+                        real(dtype, shape, *a, **k))
+    monkeypatch.setattr(engine, "HEAD_CHUNK_BYTES", 4 * hidden * 10)  # 10 rows a slice
+    sliced = prefill(container, ids).logits
+    assert (n, hidden) in shapes and (vocab, hidden) not in shapes
+    assert shapes.count((10, hidden)) == vocab // 10 and (vocab % 10, hidden) in shapes
+    assert torch.allclose(sliced, whole, atol=1e-6 * whole.abs().max().item(), rtol=0)
+    ref = _reference(hf_model, ids)
+    assert (sliced - ref).abs().max() <= REL_TOL * ref.abs().max()
+
+
 def test_every_weight_read_exactly_once(models):
     """All-experts mode reads each region the model uses exactly once: bytes read == the container's bytes minus
     the regions prefill never touches (the MTP block), cross-checked with the kernel's own count on a cold cache."""
