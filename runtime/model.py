@@ -49,6 +49,8 @@ from torch import Tensor
 
 from moepack.format_spec.kv import CompressorState, LayerKVState  # noqa: F401 - re-exported
 
+from . import mhc_native
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"  # compressed every `rate` tokens (overlapping windows) + Lightning Indexer top-k
 HCA = "heavily_compressed_attention"  # compressed every `rate` tokens, attended densely
@@ -276,17 +278,26 @@ def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: T
     flat = streams.flatten(1)
     # the RMS norm's per-token factor applied to the few mixes rather than to the hc x H inputs
     mixes = F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
-    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * scale[2] + comb_b.view(hc, hc), dim=-1) + cfg.hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):  # in place: 2 x 19 passes over [N, hc, hc], no allocations
-        comb.div_(comb.sum(dim=-1, keepdim=True).add_(cfg.hc_eps))
-        comb.div_(comb.sum(dim=-2, keepdim=True).add_(cfg.hc_eps))
+    args = (mixes, scale, base, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    pre, post, comb = mhc_native.hc_mix_weights(*args) or hc_mix_weights(*args)  # compiled where it can be
     collapsed = torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
     return collapsed, post, comb
+
+
+def hc_mix_weights(mixes: Tensor, scale: Tensor, base: Tensor, hc: int, sinkhorn_iters: int, eps: float
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """The mixes [N, (2 + hc) * hc] -> pre [N, hc], post [N, hc] and comb [N, hc, hc] (Sinkhorn-Knopp, rows
+    then columns to sum 1). runtime/mhc_native.py computes the same in one compiled call on a CPU."""
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * scale[2] + comb_b.view(hc, hc), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(sinkhorn_iters - 1):  # in place: 2 x 19 passes over [N, hc, hc], no allocations
+        comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+    return pre, post, comb
 
 
 def hc_post(streams: Tensor, out: Tensor, post: Tensor, comb: Tensor) -> Tensor:

@@ -1,0 +1,51 @@
+"""The compiled mHC weights (runtime/mhc_native.py) against the torch path they replace on a CPU."""
+
+import os
+
+import pytest
+import torch
+
+from moepack.format_spec import quant_common
+from moepack.runtime import mhc_native, model
+
+
+def _inputs(tokens: int, hc: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, (2 + hc) * hc, generator=gen) * 4, torch.rand(3, generator=gen) + 0.5,
+            torch.randn((2 + hc) * hc, generator=gen))
+
+
+def test_the_compiled_kernel_is_used_where_a_compiler_is():
+    usable = bool(quant_common._c_compiler()) and os.environ.get(quant_common.NATIVE_ENV, "1") != "0"
+    assert (mhc_native._kernel() is not None) == usable, quant_common.native_builds().get("moepack_mhc")
+
+
+@pytest.mark.parametrize("tokens,hc,iters", [(1, 4, 20), (17, 4, 20), (256, 4, 20), (33, 3, 7), (5, 2, 1),
+                                             (40, 8, 3), (16, 4, 0)])
+def test_compiled_mhc_weights_match_torch(tokens, hc, iters):
+    """Partial and whole groups of 16 tokens, hc from 2 to the kernel's largest, one Sinkhorn round or none."""
+    if mhc_native._kernel() is None:
+        pytest.skip("no C compiler: the torch path is the only one")
+    args = (*_inputs(tokens, hc), hc, iters, 1e-6)
+    got, want = mhc_native.hc_mix_weights(*args), model.hc_mix_weights(*args)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.allclose(g, w, rtol=2e-6, atol=1e-7), (g - w).abs().max()
+    comb = got[2]
+    if iters >= 1:  # doubly stochastic up to eps: columns sum to 1 after the last pass
+        assert torch.allclose(comb.sum(-2), torch.ones(tokens, hc), atol=1e-4)
+
+
+def test_torch_path_where_the_kernel_does_not_apply():
+    mixes, scale, base = _inputs(8, mhc_native.HC_MAX + 1)
+    assert mhc_native.hc_mix_weights(mixes, scale, base, mhc_native.HC_MAX + 1, 3, 1e-6) is None
+    mixes, scale, base = _inputs(8, 4)
+    assert mhc_native.hc_mix_weights(mixes.double(), scale.double(), base.double(), 4, 3, 1e-6) is None
+
+
+def test_a_kernel_that_disagrees_is_not_used(monkeypatch):
+    if quant_common.native_library("moepack_mhc", mhc_native._SOURCE) is None:
+        pytest.skip("no C compiler")
+    real = model.hc_mix_weights
+    monkeypatch.setattr(model, "hc_mix_weights", lambda *a: tuple(t + 1e-3 for t in real(*a)))
+    with pytest.warns(RuntimeWarning, match="mHC kernel disagrees"):
+        assert mhc_native._load() is None
