@@ -38,6 +38,7 @@ depend on the chunk size.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -251,22 +252,28 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return x if weight is None else weight * x
 
 
-def rope_cos_sin(rope: RopeConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """cos, sin [N, rope.dim/2] for integer positions [N]."""
-    angles = positions[:, None].float() * rope.inv_freq().to(positions.device)
-    return angles.cos() * rope.attention_factor, angles.sin() * rope.attention_factor
+@functools.lru_cache(maxsize=8)
+def rope_rotation(rope: RopeConfig, start: int, count: int, step: int = 1,
+                  device: torch.device | None = None) -> Tensor:
+    """cos + i*sin [count, rope.dim/2] complex64 for the positions start, start + step, ...: the rotation of each
+    channel pair. Cached (never written to): every layer of a prefill rotates the same positions."""
+    positions = torch.arange(count, device=device) * step + start
+    angles = positions[:, None].float() * _inv_freq(rope).to(device)
+    return torch.complex(angles.cos() * rope.attention_factor, angles.sin() * rope.attention_factor)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the trailing 2*cos.shape[-1] channels of x [N, ..., D] pairwise; cos/sin [N, D_rope/2]. Heads are
-    laid out [nope | rope]."""
-    cos = cos.view(cos.shape[0], *([1] * (x.dim() - 2)), -1)
-    sin = sin.view(sin.shape[0], *([1] * (x.dim() - 2)), -1)
-    rope_dim = 2 * cos.shape[-1]
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-    return torch.cat([nope, rotated], dim=-1)
+@functools.cache
+def _inv_freq(rope: RopeConfig) -> Tensor:
+    return rope.inv_freq()
+
+
+def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
+    """x [N, ..., D] float32 with its trailing 2*rotation.shape[-1] channels rotated pairwise, (even, odd) as the
+    complex number even + i*odd times rotation [N, D_rope/2]; heads are laid out [nope | rope]."""
+    rope_dim = 2 * rotation.shape[-1]
+    pairs = torch.view_as_complex(x[..., -rope_dim:].unflatten(-1, (-1, 2)))
+    rotated = torch.view_as_real(pairs * rotation.view(rotation.shape[0], *([1] * (x.dim() - 2)), -1))
+    return torch.cat([x[..., :-rope_dim], rotated.flatten(-2)], dim=-1)
 
 
 def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: Tensor):
@@ -375,8 +382,9 @@ def compress(kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, rate: i
         windows_gate = torch.cat([previous_gate, windows_gate[..., d:]], dim=1)
 
     pooled = (windows_kv * windows_gate.softmax(dim=1)).sum(dim=1)
-    positions = (torch.arange(n_entries, device=kv.device) + first_entry) * rate
-    entries = apply_rope(rms_norm(pooled, norm_weight, eps), *rope_cos_sin(rope, positions))
+    # entry i sits at position i * rate
+    entries = apply_rope(rms_norm(pooled, norm_weight, eps), rope_rotation(rope, first_entry * rate, n_entries,
+                                                                          rate, kv.device))
     state.compressed_kv = torch.cat([previous, entries]) if previous is not None and previous.shape[0] else entries
     return state.compressed_kv, state
 
@@ -434,13 +442,13 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
         raise ValueError(f"layer {layer}: past state of a {past.layer_type} layer, the model has {kind}")
     n_tokens = x.shape[0]
     rope = cfg.main_rope if kind == SLIDING else cfg.compress_rope
-    cos, sin = rope_cos_sin(rope, positions)
+    first, n_past = (0, 0) if past is None else (past.seen_tokens, past.window_kv.shape[0])
+    rotation = rope_rotation(rope, first, n_tokens, 1, x.device)  # positions = arange(first, first + n_tokens)
 
     # Per-token projections, O(N x hidden): the query LoRA bottleneck (also the indexer's query input) and K=V.
     q_lora = rms_norm(linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], eps)
-    kv = apply_rope(rms_norm(linear(x, w["attn.wkv.weight"]), _kv_norm_weight(w), eps), cos, sin)
+    kv = apply_rope(rms_norm(linear(x, w["attn.wkv.weight"]), _kv_norm_weight(w), eps), rotation)
     # Sliding keys: past's window tail (the window-1 tokens before positions[0]), then the new tokens.
-    first, n_past = (0, 0) if past is None else (past.seen_tokens, past.window_kv.shape[0])
     keys = kv if not n_past else torch.cat([past.window_kv.to(kv), kv])
     key_positions = torch.arange(first - n_past, first + n_tokens, device=x.device)
     state = LayerKVState(layer_type=kind, seen_tokens=first + n_tokens,
@@ -464,9 +472,9 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
     chunk = min(query_chunk or n_tokens, max(SLIDING_CHUNK_WINDOWS * cfg.sliding_window, MIN_QUERY_CHUNK))
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
-        q_pos, q_cos, q_sin = positions[start:end], cos[start:end], sin[start:end]
+        q_pos, q_rotation = positions[start:end], rotation[start:end]
         q = linear(q_lora[start:end], w["attn.wq_b.weight"]).unflatten(-1, (cfg.num_heads, cfg.head_dim))
-        q = apply_rope(rms_norm(q, None, eps), q_cos, q_sin)  # [C, heads, D], per-head unweighted norm
+        q = apply_rope(rms_norm(q, None, eps), q_rotation)  # [C, heads, D], per-head unweighted norm
 
         # Sliding window: keys at positions (p - window, p].
         first_key = max(0, n_past + start - cfg.sliding_window + 1)
@@ -481,13 +489,13 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
                 visible = torch.arange(compressed.shape[0], device=x.device)[None, :] < complete[:, None]
                 parts.append((compressed, _bias(visible)))
             else:
-                picked = indexer_topk(cfg, w, x[start:end], q_lora[start:end], q_cos, q_sin, index_keys, complete)
+                picked = indexer_topk(cfg, w, x[start:end], q_lora[start:end], q_rotation, index_keys, complete)
                 parts.append((compressed[picked.clamp(min=0)], _bias(picked >= 0)))  # [C, k, D] per query
 
         o = _attend(q, parts, w["attn.attn_sink"], cfg.head_dim ** -0.5, w["attn.wq_b.weight"].dtype)
         # V = K carries RoPE on its rope channels: rotate the output back by the query's angle, so what each
         # entry contributes depends on its distance to the query only.
-        o = apply_rope(o, q_cos, -q_sin)
+        o = apply_rope(o, q_rotation.conj())
         out[start:end] = grouped_output(cfg, o, w["attn.wo_a.weight"], w["attn.wo_b.weight"])
     return out, state
 
@@ -521,14 +529,14 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
     return out
 
 
-def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: Tensor, cos: Tensor, sin: Tensor,
+def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: Tensor, rotation: Tensor,
                  index_keys: Tensor, complete: Tensor) -> Tensor:
     """Lightning Indexer for a chunk of C queries: score(t, s) = sum_h w[t,h] * relu(q[t,h] . k[s]) over the
     complete compressed entries s < complete[t], and keep the top min(index_topk, T) entry ids [C, k]; -1 where a
     query has fewer than k complete entries."""
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
     q = linear(q_lora, w["attn.indexer.wq_b.weight"]).unflatten(-1, (n_heads, head_dim))
-    q = apply_rope(q, cos, sin)  # compress rope, like the indexer's keys
+    q = apply_rope(q, rotation)  # compress rope, like the indexer's keys
     low = w["attn.indexer.wq_b.weight"].dtype  # the products in the weights' precision (bf16: low-precision path)
     scores = torch.relu(torch.matmul(q.to(low), index_keys.T.to(low)).float()) * head_dim ** -0.5  # [C, heads, T]
     head_weights = linear(x, w["attn.indexer.weights_proj.weight"]) * n_heads ** -0.5  # [C, heads]

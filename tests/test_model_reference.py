@@ -254,3 +254,20 @@ def test_config_from_hf():
     torch.testing.assert_close(cfg.compress_rope.inv_freq(), rotary.compress_inv_freq, rtol=0, atol=0)
     torch.testing.assert_close(cfg.main_rope.inv_freq(), rotary.main_inv_freq, rtol=0, atol=0)
     assert cfg.compress_rope.attention_factor == rotary.compress_attention_scaling == 1.0
+
+
+def test_rope_rotates_each_channel_pair_by_its_positions_angle():
+    """apply_rope against the rotation written out: channels (2i, 2i+1) of the rope part turn by position x
+    inv_freq[i] (YaRN frequencies too), the rest of the head is untouched, and the conjugate turns them back."""
+    rope = M.RopeConfig(dim=8, theta=160000.0, scaling="yarn", factor=16.0, original_max_position_embeddings=4096)
+    x = torch.randn(5, 3, 12, dtype=torch.float32)
+    rotation = M.rope_rotation(rope, 7, 5, 4)  # positions 7, 11, ..., 23
+    angles = (torch.arange(5) * 4 + 7)[:, None, None].double() * rope.inv_freq().double()
+    even, odd = x[..., 4::2].double(), x[..., 5::2].double()
+    want = x.double().clone()
+    want[..., 4::2] = even * angles.cos() - odd * angles.sin()
+    want[..., 5::2] = odd * angles.cos() + even * angles.sin()
+    got = M.apply_rope(x, rotation)
+    assert torch.equal(got[..., :4], x[..., :4]) and torch.allclose(got.double(), want, atol=1e-5)
+    assert torch.allclose(M.apply_rope(got, rotation.conj()), x, atol=1e-5)
+    assert M.rope_rotation(rope, 7, 5, 4) is rotation  # cached: every layer rotates the same positions
