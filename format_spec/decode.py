@@ -121,36 +121,48 @@ def _apply_tensor_scale(values: torch.Tensor, tensor_scale: float | torch.Tensor
 INTEGER_TYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 
 
+def row_decodable(dtype: str, scale: torch.Tensor | None) -> bool:
+    """Whether decode_rows decodes the chosen rows of such a tensor alone, not the whole tensor: plain and ggml
+    block types (a row is whole blocks), FP4_E2M1 with its per-row scales, F8_E4M3 with E8M0 128x128 block scales."""
+    if scale is None:
+        return dtype != "FP4_E2M1"
+    return dtype == "FP4_E2M1" or (dtype == "F8_E4M3" and scale.dtype == torch.float8_e8m0fnu)
+
+
 def decode_rows(dtype: str, shape, buffer, rows: slice | torch.Tensor, scale: torch.Tensor | None = None,
                 out_dtype: torch.dtype = torch.float32, tensor_scale: float | torch.Tensor | None = None
                 ) -> torch.Tensor:
     """decode_float(...)[rows] of a 2-D tensor, decoding only the bytes of those rows where the type allows it
-    (an embedding lookup needs N rows of a vocabulary-sized table; an LM head can be applied a slice at a time):
-    plain and ggml block types (a row is whole blocks) and, for a slice starting on a block boundary, block-scaled
-    FP8. `rows` is a slice (step 1) or an index tensor. Other cases decode the whole tensor first."""
+    (row_decodable): an embedding lookup needs N rows of a vocabulary-sized table, an LM head can be applied a
+    slice at a time. `rows` is a slice (step 1) or an index tensor. Other types decode the whole tensor first."""
+    from .source_formats import FP4_GROUP, FP8_BLOCK, fp8_block_scale_shape
+
     shape = tuple(shape)
     if len(shape) != 2:
         raise FormatError(f"row decoding needs a 2-D tensor, got shape {list(shape)}")
     n_rows, cols = shape
+    raw = as_uint8(buffer)
     if isinstance(rows, slice):
         span = range(n_rows)[rows]
         if span.step != 1:
             raise ValueError("decode_rows takes slices of step 1")
-    raw = as_uint8(buffer)
-    if scale is None and dtype != "FP4_E2M1":  # rows are independent: decode just the chosen ones
-        row_bytes = tensor_nbytes(dtype, (cols,))
-        if raw.numel() != n_rows * row_bytes:
-            raise FormatError(f"{dtype}{list(shape)} needs {n_rows * row_bytes} bytes, got {raw.numel()}")
-        picked = raw.view(n_rows, row_bytes)[rows]
-        return decode_float(dtype, (picked.shape[0], cols), picked, None, out_dtype, tensor_scale)
-    from .source_formats import FP8_BLOCK
-
-    if dtype == "F8_E4M3" and isinstance(rows, slice) and span.start % FP8_BLOCK == 0 and len(span):
-        row_bytes = cols  # one byte per weight; the scales' rows are the slice's 128-row blocks
-        picked = raw.view(n_rows, row_bytes)[span.start:span.stop]
-        blocks = scale[span.start // FP8_BLOCK: -(-span.stop // FP8_BLOCK)]
-        return decode_float(dtype, (len(span), cols), picked, blocks, out_dtype, tensor_scale)
-    return decode_float(dtype, shape, buffer, scale, out_dtype, tensor_scale)[rows]
+        numbers = torch.arange(span.start, span.stop, device=raw.device)
+    else:
+        rows = numbers = rows.to(raw.device)
+    expected_scale = {"F8_E4M3": fp8_block_scale_shape(n_rows, cols, FP8_BLOCK),
+                      "FP4_E2M1": (n_rows, cols // FP4_GROUP)}.get(dtype)
+    if not row_decodable(dtype, scale) or (scale is not None and tuple(scale.shape) != expected_scale):
+        return decode_float(dtype, shape, buffer, scale, out_dtype, tensor_scale)[rows]  # (it names a bad scale)
+    row_bytes = tensor_nbytes(dtype, (cols,))
+    if raw.numel() != n_rows * row_bytes:
+        raise FormatError(f"{dtype}{list(shape)} needs {n_rows * row_bytes} bytes, got {raw.numel()}")
+    picked = raw.view(n_rows, row_bytes)[rows]
+    if dtype == "F8_E4M3" and scale is not None:  # each row times its block row's scales, one per 128 columns
+        scales = scale[numbers // FP8_BLOCK].float().repeat_interleave(FP8_BLOCK, dim=1)[:, :cols]
+        values = (picked.view(torch.float8_e4m3fn).float() * scales).to(out_dtype)
+        return _apply_tensor_scale(values, tensor_scale, fresh=True)
+    return decode_float(dtype, (picked.shape[0], cols), picked, scale[numbers] if scale is not None else None,
+                        out_dtype, tensor_scale)
 
 
 def _companions(t, by_name: dict, read) -> tuple[torch.Tensor | None, float | torch.Tensor | None]:
@@ -187,3 +199,17 @@ def decode_group_rows(tensors, read, name: str, rows: slice | torch.Tensor,
     t = by_name[name]
     scale, tensor_scale = _companions(t, by_name, read)
     return decode_rows(t.dtype, t.shape, read(t), rows, scale, out_dtype, tensor_scale)
+
+
+def decode_group_row_slices(tensors, read, name: str, rows_per_slice: int, out_dtype: torch.dtype = torch.float32):
+    """The 2-D float tensor `name` among `tensors` (as decode_group decodes it), `rows_per_slice` rows at a time,
+    each slice decoded alone where the type allows (row_decodable), else the whole tensor as one slice."""
+    by_name = {t.name: t for t in tensors}
+    t = by_name[name]
+    scale, tensor_scale = _companions(t, by_name, read)
+    if not row_decodable(t.dtype, scale):
+        yield decode_float(t.dtype, t.shape, read(t), scale, out_dtype, tensor_scale)
+        return
+    for first in range(0, t.shape[0], max(1, rows_per_slice)):
+        yield decode_rows(t.dtype, t.shape, read(t), slice(first, first + rows_per_slice), scale, out_dtype,
+                          tensor_scale)

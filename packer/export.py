@@ -21,7 +21,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from moepack.format_spec.decode import decode_group
+from moepack.format_spec.decode import decode_group, is_companion, scale_name, tensor_scale_name
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
@@ -32,8 +32,13 @@ _KEEP_TYPES = ("F32", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL")
 
 
 def export_tensors(c: Container, region_tensors, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Decode the tensors of some regions into what a Hugging Face checkpoint holds."""
-    return decode_group(region_tensors, lambda t: c.tensor_bytes(t.name), dtype, keep=_KEEP_TYPES)
+    """Decode the tensors of some regions into what a Hugging Face checkpoint holds. A weight's scale
+    companions are decoded with it wherever they lie (a global weight and its `.scale` are separate regions)."""
+    names = {t.name for t in region_tensors}
+    tensors = [t for t in region_tensors if is_companion(t.name, names) or not is_companion(t.name, c.tensors)]
+    tensors += [c.tensors[n] for t in region_tensors for n in (scale_name(t.name), tensor_scale_name(t.name))
+                if n and n in c.tensors and n not in names]
+    return decode_group(tensors, lambda t: c.tensor_bytes(t.name), dtype, keep=_KEEP_TYPES)
 
 
 def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: bool = True,
@@ -62,7 +67,7 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
                     shards.append(list(pending))
                     pending, pending_bytes = {}, 0
 
-            # a weight and its scales live in the same region, so regions are decoded one at a time
+            # regions are decoded one at a time (a weight with its scales)
             for region in c.regions:
                 for name, t in export_tensors(c, region.tensors, torch_dtype).items():
                     pending[name] = t

@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 import xxhash
 
-from moepack.format_spec.decode import decode_group, decode_group_rows
+from moepack.format_spec.decode import (decode_group, decode_group_row_slices, decode_group_rows, scale_name,
+                                        tensor_scale_name)
 from moepack.format_spec.errors import FormatError, MoepackError
-from moepack.format_spec.reader import SCALE_SUFFIXES, TENSOR_SCALE_SUFFIX, Block, Container, ReadSpan, Region
-from moepack.format_spec.source_formats import FP8_BLOCK
+from moepack.format_spec.reader import SCALE_SUFFIXES, Block, Container, ReadSpan, Region
 
 from . import model as v4
 from .distributed import balanced_ranges
@@ -470,50 +470,61 @@ class StreamingPrefill:
             return fn(*args)
 
     def _read_globals(self, names) -> list[tuple[Region, HostBuffer, memoryview]]:
-        """The bytes of the named tensors' regions, read once each (no pool). Unchecked: the consumer checks."""
+        """The bytes of the regions of the named tensors and their scales, read once each (no pool); checked here
+        where reader threads check (CUDA), else by the consumer."""
         fetched = []
         for r in self._global_regions(names):
             buf = HostBuffer(r.length, pinned=self.device.type == "cuda")
-            fetched.append((r, buf, self.reader.read_into(buf, r.offset, r.length, r.part)))
+            view = self.reader.read_into(buf, r.offset, r.length, r.part)
+            if self._check_on_read:
+                self._check([r], view, r.offset)
+            fetched.append((r, buf, view))
         return fetched
+
+    def _global_tensors(self, fetched: list[tuple[Region, HostBuffer, memoryview]], on_device: bool
+                        ) -> tuple[dict, Callable]:
+        """The entries of fetched global regions (checked) by name, and read(entry) -> its bytes, on the compute
+        device or (`on_device` False) on the host."""
+        by_name, where = {}, {}
+        for r, buf, view in fetched:
+            if not self._check_on_read:
+                self._check([r], view, r.offset)
+            raw = self._to_device(buf, view) if on_device else self._host_bytes(buf, view)
+            for t in r.tensors:
+                by_name[t.name], where[t.name] = t, (raw, r.offset)
+
+        def read(t):
+            raw, base = where[t.name]
+            return raw[t.file_offset - base: t.file_offset - base + t.length]
+        return by_name, read
+
+    def _global_group(self, by_name: dict, name: str) -> list:
+        """The entry `name` with its scale companions."""
+        if name not in by_name:
+            raise FormatError(f"{self.c.path}: the container has no {name}")
+        return [by_name[n] for n in (name, scale_name(name), tensor_scale_name(name)) if n in by_name]
 
     def _embeddings(self, fetched: list[tuple[Region, HostBuffer, memoryview]], token_ids: torch.Tensor
                     ) -> torch.Tensor:
         """The prompt's rows of the embedding [N, H] float32 on the compute device: only those rows are decoded
         (on the host: a vocabulary-sized table never goes to the device)."""
         with self.compute:
-            for r, buf, view in fetched:
-                self._check([r], view, r.offset)
-                if any(t.name == "embed.weight" for t in r.tensors):
-                    rows = decode_group_rows(r.tensors, _entry_bytes(self._host_bytes(buf, view), r.offset),
-                                             "embed.weight", token_ids.cpu())
-                    return rows.to(self.device)
-        raise FormatError(f"{self.c.path}: the container has no embed.weight")
+            by_name, read = self._global_tensors(fetched, on_device=False)
+            return decode_group_rows(self._global_group(by_name, "embed.weight"), read, "embed.weight",
+                                     token_ids.cpu()).to(self.device)
 
     def _head_logits(self, fetched: list[tuple[Region, HostBuffer, memoryview]], streams: torch.Tensor
                      ) -> torch.Tensor:
         """The last position's logits [vocab] float32 (on the host). The LM head is decoded and applied
         HEAD_CHUNK_BYTES of rows at a time."""
-        lm_head = ("head.weight", "head.scale", "head" + TENSOR_SCALE_SUFFIX)
         with self.compute:
-            weights, head = {}, None
-            for r, buf, view in fetched:
-                self._check([r], view, r.offset)
-                read = _entry_bytes(self._to_device(buf, view), r.offset)
-                weights.update(decode_group([t for t in r.tensors if t.name not in lm_head], read))
-                if any(t.name == "head.weight" for t in r.tensors):
-                    head = r.tensors, read
-            if head is None:
-                raise FormatError(f"{self.c.path}: the container has no head.weight")
+            by_name, read = self._global_tensors(fetched, on_device=True)
+            weights = decode_group([t for n in HEAD_GLOBALS if n != "head.weight"
+                                    for t in self._global_group(by_name, n)], read)
+            head = self._global_group(by_name, "head.weight")
             x = v4.head_input(self.cfg, streams, weights, -1)
-            entry = self.c.tensors["head.weight"]
-            vocab, hidden = entry.shape
-            step = max(1, HEAD_CHUNK_BYTES // (4 * hidden))
-            if entry.dtype == "F8_E4M3":  # block-scaled: slices of whole scale blocks decode alone
-                step = max(FP8_BLOCK, step // FP8_BLOCK * FP8_BLOCK)
-            logits = [F.linear(x, decode_group_rows(*head, "head.weight", slice(first, first + step))).float()
-                      for first in range(0, vocab, step)]
-            return torch.cat(logits, dim=-1)[0].cpu()
+            slices = decode_group_row_slices(head, read, "head.weight", HEAD_CHUNK_BYTES // (4 * head[0].shape[1]))
+            return torch.cat([F.linear(x, rows).float() for rows in slices], dim=-1)[0].cpu()
 
     def _submit_dense(self, block: Block) -> Future:
         check = (lambda view: self._check([block.dense], view, block.dense.offset)) if self._check_on_read else None
@@ -695,8 +706,9 @@ class StreamingPrefill:
         return sum(r.length for r in self._global_regions(HEAD_GLOBALS))
 
     def _global_regions(self, names) -> list[Region]:
-        """The regions of the named tensors, each once."""
-        return list({r.offset: r for r in (self.c.tensors[n].region for n in names if n in self.c.tensors)}.values())
+        """The regions of the named tensors and of their scale companions, each once."""
+        wanted = [n for name in names for n in (name, scale_name(name), tensor_scale_name(name)) if n]
+        return list({r.offset: r for r in (self.c.tensors[n].region for n in wanted if n in self.c.tensors)}.values())
 
     def _globals_reader(self) -> ThreadPoolExecutor:
         if self._globals_pool is None:
@@ -811,6 +823,7 @@ class StreamingPrefill:
     def close(self) -> None:
         if self._globals_pool is not None:
             self._globals_pool.shutdown()  # its read finishes before the reader closes
+        v4.rope_rotation.cache_clear()  # this prompt's rotation tables (on a GPU, device memory)
         self.experts_pipe.close()
         self.dense_pipe.close()
         self.reader.close()

@@ -6,9 +6,10 @@ its sum. In torch that is ~140 ops on [N, 4, 4] tensors per sublayer, each a few
 thousand numbers: 0.55 ms per sublayer at N = 256, twice per layer, on the prefill's critical path. The C kernel
 keeps 16 tokens side by side (each step one vector op) and takes 0.03 ms.
 
-Same arithmetic as the torch path, in the same order (sigmoid as 1 / (1 + exp(-x)), softmax with the row maximum
-subtracted, sums plus eps, true divisions), so results agree to float32 rounding; the library is used only after it
-agrees with the torch path on random mixes at load (format_spec.quant_common.native_library: built once per
+The same formulas as the torch path (sigmoid as 1 / (1 + exp(-x)), softmax with the row maximum subtracted, each
+Sinkhorn pass dividing by its sums plus eps), so the results agree to float32 rounding (torch's vectorised exp
+and reductions differ in the last bits); the library is used only after it agrees with the torch path on random
+mixes at load (format_spec.quant_common.native_library: built once per
 process, skipped with MOEPACK_NATIVE=0). CPU float32 only; anything else stays in torch.
 """
 
@@ -99,17 +100,21 @@ def _load():
         want = model.hc_mix_weights(mixes, scale, base, hc, iters, 1e-6)
         got = _call(fn, mixes, scale, base, hc, iters, 1e-6)
         if not all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want)):
-            warnings.warn("moepack: the compiled mHC kernel disagrees with torch; not using it", RuntimeWarning)
+            reason = "its results differ from the torch path's on the self-check mixes"
+            quant_common._disable_native("moepack_mhc", reason)
+            warnings.warn(f"moepack: the compiled mHC kernel disagrees with torch ({reason}); not using it",
+                          RuntimeWarning)
             return None
     return fn
 
 
 def _call(fn, mixes, scale, base, hc: int, iters: int, eps: float):
     n = mixes.shape[0]
-    pre, post, comb = torch.empty(n, hc), torch.empty(n, hc), torch.empty(n, hc, hc)
+    pre, post = torch.empty(n, hc, dtype=torch.float32), torch.empty(n, hc, dtype=torch.float32)
+    comb = torch.empty(n, hc, hc, dtype=torch.float32)
     if fn(mixes.data_ptr(), n, hc, scale.data_ptr(), base.data_ptr(), iters, eps, pre.data_ptr(), post.data_ptr(),
           comb.data_ptr()):
-        raise ValueError(f"hc_mult {hc} is beyond the compiled mHC kernel's {HC_MAX}")
+        raise ValueError(f"hc_mult {hc} is outside the compiled mHC kernel's 1..{HC_MAX}")
     return pre, post, comb
 
 
@@ -118,10 +123,13 @@ _kernel = quant_common.LazyKernel(_load)
 
 def hc_mix_weights(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """model.hc_mix_weights by the compiled kernel, or None where it does not apply (not CPU float32, hc_mult
-    beyond HC_MAX, no compiler): the caller then runs the torch path."""
-    if (mixes.device.type != "cpu" or hc > HC_MAX
-            or any(t.dtype != torch.float32 for t in (mixes, scale, base))):
+    """model.hc_mix_weights by the compiled kernel, or None where it does not apply (anything but CPU float32
+    mixes [N, (2 + hc) * hc] with scale [3] and base [(2 + hc) * hc], hc_mult outside 1..HC_MAX, no compiler):
+    the caller then runs the torch path, which also names what is wrong with its inputs."""
+    width = (2 + hc) * hc
+    if (not 1 <= hc <= HC_MAX or mixes.dim() != 2 or mixes.shape[1] != width or scale.numel() != 3
+            or base.numel() != width or any(t.device.type != "cpu" or t.dtype != torch.float32
+                                            for t in (mixes, scale, base))):
         return None
     fn = _kernel()
     if fn is None:

@@ -693,7 +693,7 @@ def head(cfg: ModelConfig, streams: Tensor, w_globals: Mapping[str, Tensor],
     final norm and the LM head."""
     x = head_input(cfg, streams, w_globals, which)
     logits = F.linear(x, w_globals["head.weight"]).float()
-    single = isinstance(which, int) or (isinstance(which, Tensor) and which.dim() == 0)
+    single = not isinstance(which, slice) and torch.as_tensor(which).dim() == 0  # an int: [vocab]
     return logits[0] if single else logits
 
 

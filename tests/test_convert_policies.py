@@ -237,7 +237,7 @@ def test_verify_source_catches_a_different_checkpoint(release_src, tmp_path):
     assert "bytes differ" in problems and "should be lossless" in problems and "exceeds its threshold" in problems
 
 
-@pytest.mark.parametrize("policy", ["fp4", "nvfp4"])  # nvfp4: export and runtime both apply the tensor scales
+@pytest.mark.parametrize("policy", ["fp4", "nvfp4", "q8", "q2", "bf16"])  # nvfp4: both apply the tensor scales
 def test_quantized_prefill_matches_transformers_on_the_export(release_src, tmp_path, policy):
     transformers = pytest.importorskip("transformers")
     from moepack.packer.export import export_container
@@ -336,3 +336,46 @@ def test_memory_does_not_grow_with_the_number_of_layers(tmp_path):
     # 6x the model, but the same working set
     assert growth[24] <= growth[4] + (16 << 20), growth
     assert growth[24] <= 64 * largest_region + (96 << 20), (growth, largest_region)
+
+
+def test_fp8_embedding_and_head_with_their_scales_in_other_regions(release_src, tmp_path):
+    """A source whose embedding and LM head are FP8 with 128x128 block scales. Each global tensor is a region of
+    its own, so a global weight's `.scale` lies in another region: prefill (rows of the embedding, slices of the
+    head) and export both find and apply it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moepack.format_spec.source_formats import fp8_block_dequantize, fp8_block_quantize
+    from moepack.packer.export import export_container
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    transformers = pytest.importorskip("transformers")
+    src = str(tmp_path / "src")
+    shutil.copytree(release_src, src)
+    index_path = os.path.join(src, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    decoded = {}
+    for name in ("embed.weight", "head.weight"):
+        shard = os.path.join(src, index["weight_map"][name])
+        tensors = load_file(shard)
+        tensors[name], tensors[name.replace(".weight", ".scale")] = fp8_block_quantize(tensors[name].float())
+        decoded[name] = fp8_block_dequantize(*[tensors[n] for n in (name, name.replace(".weight", ".scale"))])
+        save_file(tensors, shard, metadata={"format": "pt"})
+        index["weight_map"][name.replace(".weight", ".scale")] = index["weight_map"][name]
+    json.dump(index, open(index_path, "w"))
+    out = str(tmp_path / "fp8-globals.moepack")
+    convert_checkpoint(src, out, policy="keep", progress=False)
+    with Container(out) as c:
+        assert c.tensors["head.weight"].dtype == "F8_E4M3"
+        assert c.tensors["head.scale"].region.offset != c.tensors["head.weight"].region.offset
+    exported = str(tmp_path / "export")
+    export_container(out, exported, dtype="f32", progress=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    assert torch.equal(model.get_output_embeddings().weight.detach(), decoded["head.weight"])
+    assert torch.equal(model.get_input_embeddings().weight.detach(), decoded["embed.weight"])
+    ids = torch.randint(3, 500, (45,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0, -1]
+    got = prefill(out, ids, PrefillOptions()).logits
+    assert (got - ref).abs().max() <= 1e-3 * ref.abs().max()

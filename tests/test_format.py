@@ -320,21 +320,24 @@ def test_decode_rows_is_the_whole_decode_indexed(dtype, rows, cols):
                        decode_float(dtype, (rows, cols), stored, scale, torch.bfloat16)[:2])
 
 
-def test_decode_rows_decodes_only_the_rows_where_it_can(monkeypatch):
-    """The embedding lookup and the LM head's slices never decode a whole vocabulary-sized table: rows of plain and
-    ggml types, and block-aligned slices of FP8, go to the decoder alone."""
+def test_decode_rows_never_decodes_the_whole_table(monkeypatch):
+    """The embedding lookup and the LM head's slices decode their rows alone, for every type a container stores:
+    nothing decodes the [300, 64] table."""
     from moepack.format_spec import decode
 
     shapes = []
     real = decode.decode_float
     monkeypatch.setattr(decode, "decode_float", lambda dtype, shape, *a, **k: shapes.append(tuple(shape)) or
                         real(dtype, shape, *a, **k))
-    for dtype, pick, rows in [("BF16", torch.tensor([2, 9, 2]), 3), ("Q8_0", torch.tensor([5]), 1),
-                              ("F8_E4M3", slice(128, 300), 172), ("F8_E4M3", slice(100, 200), 300)]:
+    for dtype in ("BF16", "Q8_0", "F8_E4M3", "FP4_E2M1"):
         stored, scale = _stored(dtype, 300, 64)
-        shapes.clear()
-        decode.decode_rows(dtype, (300, 64), stored, pick, scale)
-        assert shapes == [(rows, 64)], (dtype, pick, shapes)  # the last: off the blocks, decoded whole
+        for pick in (torch.tensor([299, 2, 2, 130]), slice(100, 200), slice(0, 300)):
+            shapes.clear()
+            got = decode.decode_rows(dtype, (300, 64), stored, pick, scale)
+            assert (300, 64) not in shapes or pick == slice(0, 300), (dtype, pick, shapes)
+            assert got.shape[0] == (4 if isinstance(pick, torch.Tensor) else pick.stop - pick.start)
+    assert decode.row_decodable("F8_E4M3", None) and not decode.row_decodable("FP4_E2M1", None)
+    assert not decode.row_decodable("F8_E4M3", torch.ones(3, 1))  # float32 block scales: decoded whole
 
 
 def test_decode_rows_rejects_bad_input():

@@ -47,5 +47,24 @@ def test_a_kernel_that_disagrees_is_not_used(monkeypatch):
         pytest.skip("no C compiler")
     real = model.hc_mix_weights
     monkeypatch.setattr(model, "hc_mix_weights", lambda *a: tuple(t + 1e-3 for t in real(*a)))
+    monkeypatch.setitem(quant_common._native, "moepack_mhc", dict(quant_common._native["moepack_mhc"]))
     with pytest.warns(RuntimeWarning, match="mHC kernel disagrees"):
         assert mhc_native._load() is None
+    assert not quant_common.native_builds()["moepack_mhc"]["compiled"]  # reported as not in use
+
+
+def test_inputs_the_kernel_cannot_take_go_to_torch():
+    """Wrong widths, a short scale or base, hc_mult 0: None (the torch path raises or handles them), never a read
+    out of bounds."""
+    mixes, scale, base = _inputs(8, 4)
+    for args in ((mixes[:, :-1], scale, base, 4), (mixes, scale[:2], base, 4), (mixes, scale, base[:-1], 4),
+                 (mixes[:, :0], scale, base[:0], 0), (mixes[0], scale, base, 4)):
+        assert mhc_native.hc_mix_weights(*args, 3, 1e-6) is None
+    torch.set_default_dtype(torch.float64)
+    try:  # the outputs are float32 whatever the default dtype
+        got = mhc_native.hc_mix_weights(mixes, scale, base, 4, 3, 1e-6)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if got is not None:
+        assert all(t.dtype == torch.float32 for t in got)
+        assert torch.allclose(got[2], model.hc_mix_weights(mixes, scale, base, 4, 3, 1e-6)[2], atol=1e-6)

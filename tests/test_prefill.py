@@ -226,6 +226,12 @@ def test_cli_prefill_on_a_release_layout_container(tmp_path):
     for key in ("tokens", "seconds", "tokens_per_s", "bytes_read", "io_busy_s", "compute_busy_s", "overlap",
                 "peak_rss_bytes", "layers"):
         assert key in out, key
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("The quick brown fox")
+    r = CliRunner().invoke(cli, ["prefill", container, "--prompt-file", str(prompt_file), "--threads", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    from_file = json.loads(r.output)
+    assert (from_file["tokens"], from_file["next_token"]) == (out["tokens"], out["next_token"])
     ids_file = tmp_path / "ids.txt"
     ids_file.write_text("0 75 104 111 111 114")
     r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids_file)])
@@ -735,3 +741,162 @@ def test_openmp_spinning_is_limited_before_torch_loads_unless_the_user_chose(tmp
         out = subprocess.run([sys.executable, "-c", probe], env={**base, **extra}, capture_output=True, text=True,
                              check=True).stdout.split()
         assert " ".join(out) == want, extra
+
+
+def test_per_layer_expert_counts_are_the_routing(models):
+    """Tokens per expert (min / median / max / unused) of a hash layer are tid2eid[token ids] counted; every
+    layer's experts used and unused add up to its experts."""
+    import statistics
+
+    from moepack.format_spec.decode import decode_tensor
+
+    hf_model, container = models["A"]
+    ids = _prompt(41, hf_model.config.vocab_size, seed=4)
+    result = prefill(container, ids, PrefillOptions())
+    n_experts, top_k = hf_model.config.n_routed_experts, hf_model.config.num_experts_per_tok
+    hash_layers = [s for s in result.layers if s.selection == "hash"]
+    assert hash_layers
+    with Container(container) as c:
+        for stats in hash_layers:
+            t = c.tensors[f"layers.{stats.layer}.ffn.gate.tid2eid"]
+            chosen = decode_tensor(t.dtype, t.shape, c.tensor_bytes(t.name))[ids].reshape(-1)
+            counts = torch.bincount(chosen, minlength=n_experts).tolist()
+            assert (stats.tokens_per_expert_min, stats.tokens_per_expert_median, stats.tokens_per_expert_max,
+                    stats.unused_experts) == (min(counts), statistics.median(counts), max(counts), counts.count(0))
+    for stats in result.layers:
+        assert stats.experts_used + stats.unused_experts == n_experts
+        assert stats.tokens_computed == len(ids) * top_k
+
+
+def test_stats_are_measured_not_only_present(models, monkeypatch):
+    """io busy time covers reads that each take 5 ms; tokens/s and overlap are what the other stats make."""
+    from moepack.runtime import io as io_module
+
+    _, container = models["A"]
+    real_preadv = io_module.os.preadv
+
+    def slow_preadv(*args):
+        time.sleep(0.005)
+        return real_preadv(*args)
+    monkeypatch.setattr(io_module.os, "preadv", slow_preadv)
+    s = prefill(container, _prompt(40, 97, seed=9), PrefillOptions(io_mode="direct", queue_depth=1)).stats
+    # at most three reads are in flight at once (an expert bundle, the next dense region, the LM head)
+    assert s["io_busy_s"] >= s["read_requests"] * 0.005 / 3 and s["io_busy_s"] <= s["seconds"] * 1.01
+    assert s["compute_busy_s"] <= s["seconds"] * 1.01
+    assert s["tokens_per_s"] == pytest.approx(s["tokens"] / s["seconds"], rel=0.01)
+    assert s["overlap"] == pytest.approx(s["seconds"] / max(s["io_busy_s"], s["compute_busy_s"]), rel=0.01)
+
+
+def test_io_auto_chooses_page_cache_only_where_the_container_fits(models, monkeypatch):
+    from moepack.runtime import io as io_module
+
+    _, container = models["A"]
+    size = os.path.getsize(container)
+    for free, want in ((size * 10, "mmap"), (size, "direct")):
+        monkeypatch.setattr(io_module, "available_memory_bytes", lambda free=free: free)
+        assert io_module.choose_io_mode("auto", size) == want
+        assert prefill(container, [5, 6, 7], PrefillOptions(io_mode="auto")).stats["io_mode"] == want
+
+
+def test_reads_run_ahead_of_the_compute(models, monkeypatch):
+    """The dense region of layer L+1 is asked for before layer L's attention, and a layer's first expert computes
+    while its later reads are still on their way (slowed to 20 ms each, one in flight)."""
+    from moepack.runtime import io as io_module
+
+    _, container = models["A"]
+    events = []
+    real_preadv, real_attention = io_module.os.preadv, engine.v4.attention_sublayer
+    real_dense, real_task = engine.StreamingPrefill._submit_dense, engine.StreamingPrefill._expert_task
+
+    def slow_preadv(*args):
+        time.sleep(0.02)
+        try:
+            return real_preadv(*args)
+        finally:
+            events.append(("read done", time.perf_counter()))
+
+    def attention(cfg, layer, *args, **kwargs):
+        events.append(("attention", layer))
+        return real_attention(cfg, layer, *args, **kwargs)
+
+    def submit_dense(self, block):
+        events.append(("dense", int(block.name.split(".")[1])))
+        return real_dense(self, block)
+
+    def task(self, block, *args):
+        events.append(("expert", time.perf_counter()))
+        return real_task(self, block, *args)
+    monkeypatch.setattr(io_module.os, "preadv", slow_preadv)
+    monkeypatch.setattr(engine.v4, "attention_sublayer", attention)
+    monkeypatch.setattr(engine.StreamingPrefill, "_submit_dense", submit_dense)
+    monkeypatch.setattr(engine.StreamingPrefill, "_expert_task", task)
+    prefill(container, _prompt(200, 97, seed=2), PrefillOptions(io_mode="direct", queue_depth=1, bundle_experts=1,
+                                                                  expert_selection="all"))
+    order = [e for e in events if e[0] in ("attention", "dense")]
+    for layer in range(4):
+        assert order.index(("dense", layer + 1)) < order.index(("attention", layer)), order
+    first_expert = next(t for kind, t in events if kind == "expert")
+    last_read = max(t for kind, t in events if kind == "read done")
+    assert first_expert < last_read
+
+
+def test_each_layers_kv_leaves_the_engine_when_the_layer_ends(models):
+    """The KV of layer L is handed over before layer L+1's attention starts, and the engine keeps no reference to
+    it afterwards (on a GPU: it leaves device memory)."""
+    import weakref
+
+    _, container = models["A"]
+    events, refs = [], []
+    real_attention = engine.v4.attention_sublayer
+
+    def attention(cfg, layer, *args, **kwargs):
+        events.append(("attention", layer, sum(r() is not None for r in refs)))
+        return real_attention(cfg, layer, *args, **kwargs)
+
+    def on_kv(layer, state):
+        events.append(("kv", layer))
+        refs.append(weakref.ref(state.window_kv))
+    engine.v4.attention_sublayer = attention
+    try:
+        prefill(container, _prompt(60, 97, seed=3), PrefillOptions(), on_layer_kv=on_kv)
+    finally:
+        engine.v4.attention_sublayer = real_attention
+    for layer in range(1, 5):
+        assert events.index(("kv", layer - 1)) < [e[:2] for e in events].index(("attention", layer))
+    assert all(alive == 0 for kind, *rest in events if kind == "attention" for _, alive in [rest])
+
+
+def test_query_chunks_read_the_same_bytes(models):
+    _, container = models["A"]
+    ids = _prompt(150, 97, seed=5)
+    stats = [prefill(container, ids, PrefillOptions(query_chunk=q)).stats for q in (None, 7, 64)]
+    assert len({(s["bytes_read"], s["read_requests"]) for s in stats}) == 1
+
+
+def test_cli_without_a_cuda_device_says_so_in_one_line(models, tmp_path):
+    _, container = models["A"]
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is there")
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3")
+    r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), "--device", "cuda"])
+    assert r.exit_code != 0 and "CUDA" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name,n", [("A", 300), ("C", 257)])
+def test_cuda_prefill_matches_transformers_and_the_cpu(models, name, n):
+    """The CUDA path: pinned buffers, copies on a copy stream, decode and matmuls on the device. Same logits as
+    the reference and as the CPU run; the device's peak memory is reported; each layer's KV reaches the hook."""
+    hf_model, container = models[name]
+    ids = _prompt(n, hf_model.config.vocab_size, seed=n)
+    ref = _reference(hf_model, ids)
+    devices = []
+    gpu = prefill(container, ids, PrefillOptions(device="cuda"),
+                  on_layer_kv=lambda layer, state: devices.append(state.window_kv.device.type))
+    cpu = prefill(container, ids, PrefillOptions())
+    assert (gpu.logits - ref).abs().max() <= REL_TOL * ref.abs().max()
+    assert torch.allclose(gpu.logits, cpu.logits, atol=REL_TOL * ref.abs().max().item(), rtol=0)
+    assert gpu.next_token == cpu.next_token and gpu.stats["bytes_read"] == cpu.stats["bytes_read"]
+    assert 0 < gpu.stats["peak_device_bytes"] and gpu.stats["device"].startswith("cuda")
+    assert len(devices) == hf_model.config.num_hidden_layers
