@@ -1,0 +1,61 @@
+"""How close `moepack prefill` comes to transformers: the max abs error of the last position's logits against
+DeepseekV4ForCausalLM's forward on the same checkpoint, relative to the logit scale (the issue's bound: 1e-3).
+
+The configurations and prompts are the test suite's (tests/v4_models.py, tests/test_prefill.py: varied sizes,
+heads, experts, top-k, hash layers, every attention kind, 1 to 2,500 tokens), converted with --keep (float32) and
+streamed with the options each case names; this prints the figures the tests only bound.
+Usage: python benchmarks/reference_error.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import moepack  # noqa: F401  (before torch: moepack sets OpenMP's spin limit)
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_prefill import CASES  # noqa: E402
+from v4_models import build  # noqa: E402
+
+from moepack.packer.convert import convert_checkpoint  # noqa: E402
+from moepack.runtime.engine import PrefillOptions, prefill  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows, models = [], {}
+    with tempfile.TemporaryDirectory(prefix="moepack-error-") as base:
+        for name, n, options in CASES:
+            if name not in models:
+                hf_model, _, _ = build(name, base)
+                container = os.path.join(base, f"{name}.moepack")
+                convert_checkpoint(os.path.join(base, name), container, progress=False)
+                models[name] = hf_model, container
+            hf_model, container = models[name]
+            ids = torch.randint(0, hf_model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+            with torch.no_grad():
+                ref = hf_model(ids[None]).logits[0, -1].float()
+            got = prefill(container, ids, PrefillOptions(**options)).logits
+            err, scale = (got - ref).abs().max().item(), ref.abs().max().item()
+            rows.append({"config": name, "tokens": n, "options": options, "max_abs_error": err,
+                         "logit_scale": scale, "relative": err / scale, "same_token": int(got.argmax()) ==
+                         int(ref.argmax())})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print("config | N | options | max abs error | logit scale | error / scale | same next token")
+    for r in rows:
+        print(f"{r['config']} | {r['tokens']} | {r['options'] or '-'} | {r['max_abs_error']:.2e} | "
+              f"{r['logit_scale']:.2f} | {r['relative']:.1e} | {r['same_token']}")
+    print(f"largest error / scale: {max(r['relative'] for r in rows):.1e} (bound 1e-3)")
+
+
+if __name__ == "__main__":
+    main()
