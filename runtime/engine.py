@@ -355,15 +355,15 @@ class StreamingPrefill:
         return out
 
     def _expert_output(self, block: Block, region: Region, raw: torch.Tensor, base: int,
-                       x: torch.Tensor) -> torch.Tensor:
-        """The expert of `region` applied to its tokens `x`: FP4 experts through the table decoder, anything else
-        through the generic decode."""
+                       x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out (float32 rows) = the expert of `region` applied to its tokens `x`: FP4 experts through the table
+        decoder (the fused kernel writes `out` itself), anything else through the generic decode."""
         prefix = f"{block.name}.ffn.experts.{region.expert}."
         layout = ExpertDecoder.layout(region, prefix)
         if layout is None:
             w = self._decode([region], raw, base, prefix, self.expert_dtype, own=False)
-            return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"]).apply(self.cfg, x)
-        return self._decoder().decode(region, layout, raw, base, prefix, tokens=len(x)).apply(self.cfg, x)
+            return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"]).apply(self.cfg, x, out)
+        return self._decoder().decode(region, layout, raw, base, prefix, tokens=len(x)).apply(self.cfg, x, out)
 
     def _decoder(self) -> ExpertDecoder:
         decoder = getattr(self._local, "decoder", None)
@@ -458,7 +458,7 @@ class StreamingPrefill:
         if not self._check_on_read:  # the bytes are about to be decoded: checked, they are in cache for it
             self._check([region], view, base)
         a, b = groups.spans[region.expert]
-        outputs[a:b] = self._expert_output(block, region, raw, base, inputs[a:b])
+        self._expert_output(block, region, raw, base, inputs[a:b], outputs[a:b])
 
     def _on_one_core(self, fn, *args, timed: bool = True):
         """fn(*args) on an expert thread: single-threaded torch ops, counted as compute (unless `timed` is False:
@@ -667,7 +667,8 @@ class StreamingPrefill:
             with self.compute:
                 groups = routing.groups()
                 inputs = groups.gather(routing.x).to(self.expert_dtype)  # every pair's token, sorted by expert
-                outputs = inputs.new_zeros(inputs.shape)  # rows of experts another rank owns stay zero
+                # float32: the fused kernel's sums as they are; rows of experts another rank owns stay zero
+                outputs = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
             # on the expert threads the shared expert runs first, beside the routed ones (and while they wait for
             # the disk); elsewhere it runs in moe_finish
             threads = torch.get_num_threads()

@@ -534,17 +534,21 @@ class FusedKernels:
         return out
 
     def expert(self, x: torch.Tensor, w1: PackedMatrix, w3: PackedMatrix, w2: PackedMatrix, limit: float,
-               hidden_order: torch.Tensor | None, buffer) -> torch.Tensor:
-        """The clamped SwiGLU expert (model.expert_forward) on bf16 x [tokens, hidden]: float32 [tokens, hidden].
-        Products in bf16, sums in float32, the hidden activation rounded to bf16 once. `buffer(role, numel, dtype)`
-        gives scratch memory."""
+               hidden_order: torch.Tensor | None, buffer, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The clamped SwiGLU expert (model.expert_forward) on bf16 x [tokens, hidden]: float32 [tokens, hidden],
+        written into `out` where it is given (contiguous float32 of that shape). Products in bf16, sums in float32,
+        the hidden activation rounded to bf16 once. `buffer(role, numel, dtype)` gives scratch memory."""
         x = x.to(torch.bfloat16).contiguous()
         tokens, (inter, hidden) = x.shape[0], (w1.rows, w1.cols)
         if w3.rows != inter or w3.cols != hidden or w2.rows != hidden or w2.cols != inter or x.shape[1] != hidden:
             raise RuntimeError(f"expert matrices {w1.rows}x{w1.cols}, {w3.rows}x{w3.cols}, {w2.rows}x{w2.cols} "
                                f"do not make an expert on {x.shape[1]} inputs")
         order = hidden_order.contiguous() if hidden_order is not None else None
-        out = torch.empty(tokens, hidden, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(tokens, hidden, dtype=torch.float32)
+        elif out.shape != (tokens, hidden) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"the fused expert writes float32 [{tokens}, {hidden}], contiguous; got "
+                             f"{out.dtype} {list(out.shape)}")
         work = buffer("fused.work", 2 * tokens * inter + inter, torch.float32)
         act = buffer("fused.hidden", tokens * inter, torch.bfloat16)
         scratch = buffer("fused.rows", FUSED_ROWS * max(hidden, inter), torch.bfloat16)
@@ -624,13 +628,16 @@ class ExpertWeights:
     # (cfg, x, weights) -> the expert on x, for PackedMatrix weights: the fused kernel does the whole expert
     kernel: Callable | None = None
 
-    def apply(self, cfg: "model.ModelConfig", x: torch.Tensor) -> torch.Tensor:
-        """The expert on its tokens x [n, hidden], in x's dtype."""
+    def apply(self, cfg: "model.ModelConfig", x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The expert on its tokens x [n, hidden], in x's dtype; or written into `out` (float32 [n, hidden],
+        contiguous: the fused kernel writes it directly), which is returned."""
         if self.input_order is not None:
             x = x[:, self.input_order]
         if self.kernel is not None:
-            return self.kernel(cfg, x, self).to(x.dtype)
-        return model.expert_forward(cfg, x, self.w1, self.w3, self.w2, self.hidden_order)
+            y = self.kernel(cfg, x, self, out)
+            return y if out is not None else y.to(x.dtype)
+        y = model.expert_forward(cfg, x, self.w1, self.w3, self.w2, self.hidden_order)
+        return y if out is None else out.copy_(y)
 
 
 class ExpertDecoder:
@@ -778,5 +785,6 @@ class ExpertDecoder:
             self._tables[key] = _nibble_table(layout, torch.bfloat16).contiguous()
         return self._tables[key]
 
-    def _fused_expert(self, cfg: "model.ModelConfig", x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-        return self.fused.expert(x, w.w1, w.w3, w.w2, cfg.swiglu_limit, w.hidden_order, self._buffer)
+    def _fused_expert(self, cfg: "model.ModelConfig", x: torch.Tensor, w: ExpertWeights,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fused.expert(x, w.w1, w.w3, w.w2, cfg.swiglu_limit, w.hidden_order, self._buffer, out)

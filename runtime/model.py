@@ -283,8 +283,10 @@ def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: T
     residual cannot blow up). Returns (collapsed [N, H], post [N, hc], comb [N, hc, hc])."""
     hc = cfg.hc_mult
     flat = streams.flatten(1)
-    # the RMS norm's per-token factor applied to the few mixes rather than to the hc x H inputs
-    mixes = F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    # the RMS norm's per-token factor applied to the few mixes rather than to the hc x H inputs; the mean square
+    # from the vector norm (no [N, hc x H] temporary: 3x faster at N = 1024)
+    mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_().div_(flat.shape[1])
+    mixes = F.linear(flat, fn) * torch.rsqrt(mean_square + cfg.rms_norm_eps)
     args = (mixes, scale, base, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps)
     pre, post, comb = mhc_native.hc_mix_weights(*args) or hc_mix_weights(*args)  # compiled where it can be
     collapsed = torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
@@ -308,9 +310,9 @@ def hc_mix_weights(mixes: Tensor, scale: Tensor, base: Tensor, hc: int, sinkhorn
 
 
 def hc_post(streams: Tensor, out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
-    """New streams: the sublayer output spread by `post`, plus the old streams mixed by comb (stream j feeds stream
-    k with weight comb[j, k], i.e. comb^T @ streams)."""
-    return torch.baddbmm(post.unsqueeze(-1) * out.unsqueeze(-2), comb.transpose(-1, -2), streams)
+    """New streams: the old streams mixed by comb (stream j feeds stream k with weight comb[j, k], i.e.
+    comb^T @ streams), plus the sublayer output spread by `post` (added in place: no [N, hc, H] temporary)."""
+    return torch.bmm(comb.transpose(-1, -2), streams).addcmul_(post.unsqueeze(-1), out.unsqueeze(-2))
 
 
 def embed(cfg: ModelConfig, token_ids: Tensor, embed_weight: Tensor) -> Tensor:
@@ -570,11 +572,14 @@ class ExpertTokens(NamedTuple):
 @dataclass
 class ExpertGroups:
     """A layer's (token, expert) pairs sorted by expert, then token: the experts' inputs are gathered with one
-    index_select and their outputs added back with one index_add, and expert e's pairs are rows spans[e]."""
+    index_select, expert e's pairs are rows spans[e], and each token's rows are summed back with one batched
+    matmul."""
 
     token_index: Tensor  # [P] LongTensor
     weight: Tensor  # [P] routing weights
     spans: dict[int, tuple[int, int]]  # expert id -> its rows [start, stop), in ascending expert id
+    token_rows: Tensor  # [N, top_k] each token's pair rows, ascending (= ascending expert id)
+    token_weights: Tensor  # [N, top_k] their routing weights
 
     def gather(self, x: Tensor) -> Tensor:
         """x [N, H] -> [P, H], each pair's token row."""
@@ -582,9 +587,9 @@ class ExpertGroups:
 
     def combine(self, outputs: Tensor, n_tokens: int) -> Tensor:
         """[P, H] expert outputs (rows of pairs whose expert did not run must be zero) -> the weighted sum per
-        token [N, H]; each token's terms are added in ascending expert id. Float32 outputs are scaled in place."""
-        weighted = outputs.float().mul_(self.weight[:, None])
-        return weighted.new_zeros(n_tokens, weighted.shape[1]).index_add_(0, self.token_index, weighted)
+        token [N, H] float32, each token's terms taken in ascending expert id."""
+        rows = outputs.index_select(0, self.token_rows.reshape(-1)).view(n_tokens, -1, outputs.shape[1]).float()
+        return torch.bmm(self.token_weights.unsqueeze(1).float(), rows).squeeze(1)
 
 
 @dataclass
@@ -607,7 +612,11 @@ class Routing:
             ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
             stops = counts.cumsum(0).tolist()
             spans = {int(e): (stop - n, stop) for e, n, stop in zip(ids.tolist(), counts.tolist(), stops)}
-            self._groups = ExpertGroups(order // top_k, self.weights.reshape(-1)[order], spans)
+            row_of_pair = torch.empty_like(order)
+            row_of_pair[order] = torch.arange(order.numel(), device=order.device)
+            token_rows, slots = row_of_pair.view(-1, top_k).sort(dim=1)
+            self._groups = ExpertGroups(order // top_k, self.weights.reshape(-1)[order], spans, token_rows,
+                                        self.weights.gather(1, slots))
         return self._groups
 
     def tokens_by_expert(self) -> dict[int, ExpertTokens]:

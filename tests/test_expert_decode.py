@@ -180,6 +180,14 @@ def test_fused_expert_matches_the_decoded_expert(fp4_containers, policy, layout,
         assert got.dtype == torch.bfloat16 and got.shape == x.shape
         # bf16 rounding of the inputs to each matmul and of its result, as the decoded bf16 path has
         assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max(), tokens
+        # into the engine's float32 rows: the fused kernel writes them itself, the same sums before rounding
+        rows = torch.full((tokens + 2, cfg.hidden_size), 7.0)
+        into = packed.apply(cfg, x, rows[1:-1])
+        assert into.data_ptr() == rows[1].data_ptr() and torch.equal(into.to(torch.bfloat16), got)
+        assert torch.equal(rows[0], rows[-1]) and rows[0].eq(7.0).all()  # nothing written around them
+    with pytest.raises(ValueError, match="float32"):
+        packed = decoder.decode(region, layout, raw, region.offset, prefix, tokens=3)
+        packed.apply(cfg, torch.zeros(3, cfg.hidden_size, dtype=torch.bfloat16), torch.empty(3, 5))
 
 
 def test_prefill_with_the_fused_experts_stays_close_to_the_decoded_path(fp4_containers, monkeypatch,

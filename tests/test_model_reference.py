@@ -145,6 +145,29 @@ def test_routing_tokens_by_expert(tmp_dir):
     assert torch.equal(hashed.experts, weights["layers.0.ffn.gate.tid2eid"][ids])
 
 
+def test_combine_sums_each_tokens_rows_in_expert_order(tmp_dir):
+    """groups.combine: each token's top_k expert rows times their weights, summed (ascending expert id); rows of
+    experts that did not run (another rank's) are zero and add nothing."""
+    _, cfg, weights = build("B", tmp_dir)
+    ids = prompt(50, cfg.vocab_size)
+    streams = M.embed(cfg, ids, weights["embed.weight"])
+    routing = M.moe_route(cfg, 1, M.layer_weights(weights, 1), streams, ids)
+    groups = routing.groups()
+    outputs = torch.randn(groups.token_index.numel(), cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    skipped = next(iter(groups.spans))
+    a, b = groups.spans[skipped]
+    outputs[a:b] = 0
+    want = torch.zeros(50, cfg.hidden_size, dtype=torch.float64)
+    for expert, (a, b) in groups.spans.items():
+        want.index_add_(0, groups.token_index[a:b], outputs[a:b].double() * groups.weight[a:b, None].double())
+    got = groups.combine(outputs, 50)
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), want, atol=1e-6)
+    assert torch.allclose(groups.combine(outputs.bfloat16(), 50).double(), want, atol=2e-2)
+    for t in range(50):  # each token's rows ascending, their experts its chosen ones
+        rows = groups.token_rows[t]
+        assert torch.all(rows[1:] > rows[:-1]) and torch.all(groups.token_index[rows] == t)
+
+
 def test_query_chunk_does_not_change_results(tmp_dir):
     _, cfg, weights = build("A", tmp_dir)
     ids = prompt(150, cfg.vocab_size, seed=3)

@@ -396,11 +396,11 @@ def test_an_expert_thread_error_is_raised_and_the_engine_closes(models, monkeypa
     torch.set_num_threads(2)
     calls = []
 
-    def failing(self, block, region, raw, base, x):
+    def failing(self, block, region, raw, base, x, out):
         calls.append(region.expert)
         if len(calls) == 7:
             raise RuntimeError("expert blew up")
-        return torch.zeros(x.shape[0], self.cfg.hidden_size, dtype=x.dtype)
+        return out.zero_()
     monkeypatch.setattr(engine.StreamingPrefill, "_expert_output", failing)
     try:
         with Container(container) as c:
@@ -712,11 +712,11 @@ def test_an_expert_failing_while_another_thread_waits_for_the_next_read_is_raise
     monkeypatch.setattr(engine, "read_pool_buffers", lambda *args, **kw: 1)
     real = engine.StreamingPrefill._expert_output
 
-    def failing(self, block, region, raw, base, x):
+    def failing(self, block, region, raw, base, x, out):
         if block.name == "layers.1" and region.expert == 3:
             time.sleep(0.5)  # the other thread has taken read 1's first expert and waits for the read by now
             raise RuntimeError("expert 3 blew up")
-        return real(self, block, region, raw, base, x)
+        return real(self, block, region, raw, base, x, out)
     monkeypatch.setattr(engine.StreamingPrefill, "_expert_output", failing)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
