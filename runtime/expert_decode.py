@@ -389,10 +389,11 @@ EXPERT_SIGNATURE {
 _FUSED_SOURCE = _FUSED_SOURCE.replace("@NIBBLE_GROUP@", _NIBBLE_GROUP_C)
 FUSED_ROWS = 4  # the kernel's rows per tile: its scratch holds this many decoded rows
 # Up to this many tokens an expert runs the fused kernel; beyond, decoding the matrices and torch's GEMM are as fast
-# (AMD Zen 5, one thread, 1024 x 1024 experts: 0.41 / 0.81 / 1.26 / 1.91 ms per expert for the fused kernel at
-# 16 / 48 / 80 / 128 tokens against 0.53 / 0.92 / 1.43 / 2.06 ms decoded; even at 160-384 tokens; prefill of
-# 1,024 tokens on the medium model: 2.63 s with 64 here, 2.44 s with 128).
-FUSED_MAX_TOKENS = 128
+# (AMD Zen 5, one thread, 1024 x 1024 experts, per expert: fused 0.41 / 0.81 / 1.26 / 1.8 / 2.2 / 2.7 / 3.2 / 3.6 ms
+# at 16 / 48 / 80 / 128 / 160 / 192 / 224 / 256 tokens against 0.53 / 0.92 / 1.43 / 2.0 / 2.5 / 2.9 / 3.4 / 3.7 ms
+# decoded; prefill of the medium model, medians alternating in one process: N = 1,024 2.31 -> 2.27 s and
+# N = 2,048 5.06 -> 4.73 s with 256 here instead of 128).
+FUSED_MAX_TOKENS = 256
 
 GROUP = 32  # inputs per scale, both layouts
 GROUP_BYTES = GROUP // 2

@@ -272,7 +272,7 @@ def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
     complex number even + i*odd times rotation [N, D_rope/2]; heads are laid out [nope | rope]."""
     rope_dim = 2 * rotation.shape[-1]
     pairs = torch.view_as_complex(x[..., -rope_dim:].unflatten(-1, (-1, 2)))
-    rotated = torch.view_as_real(pairs * rotation.view(rotation.shape[0], *([1] * (x.dim() - 2)), -1))
+    rotated = torch.view_as_real(pairs * rotation.view(rotation.shape[0], *([1] * (x.dim() - 2)), rotation.shape[-1]))
     return torch.cat([x[..., :-rope_dim], rotated.flatten(-2)], dim=-1)
 
 

@@ -294,3 +294,4 @@ def test_rope_rotates_each_channel_pair_by_its_positions_angle():
     assert torch.equal(got[..., :4], x[..., :4]) and torch.allclose(got.double(), want, atol=1e-5)
     assert torch.allclose(M.apply_rope(got, rotation.conj()), x, atol=1e-5)
     assert M.rope_rotation(rope, 7, 5, 4) is rotation  # cached: every layer rotates the same positions
+    assert M.apply_rope(x[:0], M.rope_rotation(rope, 0, 0)).shape == (0, 3, 12)  # no tokens: nothing to turn
