@@ -626,6 +626,8 @@ class StreamingPrefill:
         streams = v4.residual_streams(cfg, self._embeddings(embed_bytes, token_ids))
         del embed_bytes
         head_bytes: Future | None = None  # read during the last layer, beside its experts
+        routed_rows: torch.Tensor | None = None  # the routed experts' output rows, reused layer to layer
+        spare: torch.Tensor | None = None  # the streams' second buffer
         layer_stats: list[LayerStats] = []
         states = [] if keep_states else None
         next_dense: Future | None = None  # this layer's dense weights, decoded on an expert thread
@@ -645,8 +647,12 @@ class StreamingPrefill:
                 pending_dense = self._submit_dense(layers[number + 1])
             with self.compute:
                 layer_past = past[number].to(self.device) if past else None
-                streams, kv_state = v4.attention_sublayer(cfg, number, w, streams, positions, self.opt.query_chunk,
-                                                          layer_past)
+                # the streams alternate between two buffers: [N, hc, H] is over glibc's 32 MiB mmap threshold from
+                # N = 2048 (V4-Flash: N = 512), where each fresh allocation would fault in every page again
+                spare = torch.empty_like(streams) if spare is None else spare
+                new_streams, kv_state = v4.attention_sublayer(cfg, number, w, streams, positions,
+                                                              self.opt.query_chunk, layer_past, into=spare)
+                streams, spare = new_streams, streams
                 routing = v4.moe_route(cfg, number, w, streams, token_ids)
                 by_expert = routing.tokens_by_expert()
             if emit_kv and self.on_layer_kv is not None:
@@ -666,9 +672,17 @@ class StreamingPrefill:
                 head_bytes = self._globals_reader().submit(self._read_globals, HEAD_GLOBALS)
             with self.compute:
                 groups = routing.groups()
-                inputs = groups.gather(routing.x).to(self.expert_dtype)  # every pair's token, sorted by expert
-                # float32: the fused kernel's sums as they are; rows of experts another rank owns stay zero
-                outputs = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
+                # every pair's token, sorted by expert (converted first: the [P, H] copy is made once, small)
+                inputs = groups.gather(routing.x.to(self.expert_dtype))
+                # float32: the fused kernel's sums as they are. One buffer for every layer (P = N x top_k rows
+                # each time; from N = 1366 it is over glibc's 32 MiB mmap threshold, and fresh pages every layer
+                # cost more than the routed experts' combine). Each row is written by its expert, except rows of
+                # experts another rank owns: those stay zero
+                if routed_rows is None or routed_rows.shape != inputs.shape:
+                    routed_rows = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
+                elif self.dist:
+                    routed_rows.zero_()  # which experts are this rank's changes from layer to layer
+                outputs = routed_rows
             # on the expert threads the shared expert runs first, beside the routed ones (and while they wait for
             # the disk); elsewhere it runs in moe_finish
             threads = torch.get_num_threads()
@@ -697,7 +711,7 @@ class StreamingPrefill:
             if self.dist:  # combine: every rank adds its experts' share
                 routed = self.dist.all_reduce_sum(routed, f"combining layer {number}'s experts")
             with self.compute:
-                streams = v4.moe_finish(cfg, number, w, streams, routing, routed, shared)
+                streams, spare = v4.moe_finish(cfg, number, w, streams, routing, routed, shared, into=spare), streams
             layer_stats.append(self._layer_stats(number, block, selection, reads, by_expert, n_experts))
         logits = self._head_logits(head_bytes.result() if head_bytes is not None else
                                    self._read_globals(HEAD_GLOBALS), streams)
