@@ -5,8 +5,9 @@ computed; all N tokens run through the attention; the layer's experts are read i
 consecutive experts (one aligned read each, Q reads in flight into a fixed pool of buffers that holds a layer's
 experts, within an eighth of the memory; in huge pages, io.HostBuffer), and each bundle is
 computed as it arrives: the (token, expert) pairs are sorted by expert once per layer, gathered with one
-index_select, multiplied expert by expert, and added back with one index_add. Every region the prefill needs is
-read exactly once.
+index_select, multiplied expert by expert into one float32 buffer of rows, and each token's top-k rows summed back
+with their routing weights. Every region the prefill needs is read exactly once. The embedding's rows are decoded
+for the prompt's tokens only; the LM head is read during the last layer and applied a slice at a time.
 
 Which experts are read: long prompts read every expert of the layer (no waiting for the router: with N tokens
 choosing k of E experts almost every expert is used); those reads are queued READ_AHEAD_LAYERS layers ahead, in
