@@ -543,9 +543,9 @@ def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: T
     q = linear(q_lora, w["attn.indexer.wq_b.weight"]).unflatten(-1, (n_heads, head_dim))
     q = apply_rope(q, rotation)  # compress rope, like the indexer's keys
     low = w["attn.indexer.wq_b.weight"].dtype  # the products in the weights' precision (bf16: low-precision path)
-    scores = torch.relu(torch.matmul(q.to(low), index_keys.T.to(low)).float()) * head_dim ** -0.5  # [C, heads, T]
-    head_weights = linear(x, w["attn.indexer.weights_proj.weight"]) * n_heads ** -0.5  # [C, heads]
-    scores = (scores * head_weights.unsqueeze(-1)).sum(dim=1)  # [C, T]
+    scores = torch.matmul(q.to(low), index_keys.T.to(low)).float().relu_()  # [C, heads, T]
+    head_weights = linear(x, w["attn.indexer.weights_proj.weight"]) * (n_heads ** -0.5 * head_dim ** -0.5)
+    scores = torch.bmm(head_weights.unsqueeze(1), scores).squeeze(1)  # [C, T]: the heads' weighted sum, one matmul
     entry_ids = torch.arange(index_keys.shape[0], device=x.device)
     scores = scores.masked_fill(entry_ids[None, :] >= complete[:, None], float("-inf"))
     picked = scores.topk(min(cfg.index_topk, index_keys.shape[0]), dim=-1).indices
