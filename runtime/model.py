@@ -575,8 +575,8 @@ class ExpertTokens(NamedTuple):
 @dataclass
 class ExpertGroups:
     """A layer's (token, expert) pairs sorted by expert, then token: the experts' inputs are gathered with one
-    index_select, expert e's pairs are rows spans[e], and each token's rows are summed back with one batched
-    matmul."""
+    index_select, expert e's pairs are rows spans[e], and each token's top_k rows are summed back with their
+    routing weights (combine)."""
 
     token_index: Tensor  # [P] LongTensor
     weight: Tensor  # [P] routing weights
