@@ -780,8 +780,8 @@ def test_stats_are_measured_not_only_present(models, monkeypatch):
         return real_preadv(*args)
     monkeypatch.setattr(io_module.os, "preadv", slow_preadv)
     s = prefill(container, _prompt(40, 97, seed=9), PrefillOptions(io_mode="direct", queue_depth=1)).stats
-    # at most three reads are in flight at once (an expert bundle, the next dense region, the LM head)
-    assert s["io_busy_s"] >= s["read_requests"] * 0.005 / 3 and s["io_busy_s"] <= s["seconds"] * 1.01
+    # at most four reads are in flight at once (an expert bundle, two dense regions, the embedding or the LM head)
+    assert s["io_busy_s"] >= s["read_requests"] * 0.005 / 4 and s["io_busy_s"] <= s["seconds"] * 1.01
     assert s["compute_busy_s"] <= s["seconds"] * 1.01
     assert s["tokens_per_s"] == pytest.approx(s["tokens"] / s["seconds"], rel=0.01)
     assert s["overlap"] == pytest.approx(s["seconds"] / max(s["io_busy_s"], s["compute_busy_s"]), rel=0.01)
