@@ -795,7 +795,9 @@ def test_io_auto_chooses_page_cache_only_where_the_container_fits(models, monkey
     for free, want in ((size * 10, "mmap"), (size, "direct")):
         monkeypatch.setattr(io_module, "available_memory_bytes", lambda free=free: free)
         assert io_module.choose_io_mode("auto", size) == want
-        assert prefill(container, [5, 6, 7], PrefillOptions(io_mode="auto")).stats["io_mode"] == want
+        stats = prefill(container, [5, 6, 7], PrefillOptions(io_mode="auto")).stats
+        # a filesystem without O_DIRECT (tmpfs) turns direct into buffered reads, with a warning
+        assert stats["io_mode"] == want or (want, stats["io_mode"]) == ("direct", "buffered") and "io_warning" in stats
 
 
 def test_reads_run_ahead_of_the_compute(models, monkeypatch):
