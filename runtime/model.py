@@ -558,8 +558,9 @@ def grouped_output(cfg: ModelConfig, o: Tensor, wo_a: Tensor, wo_b: Tensor) -> T
     groups = cfg.o_groups
     grouped = o.reshape(o.shape[0], groups, -1).transpose(0, 1)  # [G, C, heads*D/G]
     per_group = wo_a.view(groups, cfg.o_lora_rank, -1)  # [G, R, heads*D/G]
-    low_rank = torch.bmm(grouped.to(per_group.dtype), per_group.transpose(1, 2)).to(o.dtype).transpose(0, 1)
-    return linear(low_rank.flatten(1), wo_b)  # low_rank: [C, G, R]
+    # low_rank [C, G, R] goes straight into wo_b's dtype (the values a float32 round trip would give)
+    low_rank = torch.bmm(grouped.to(per_group.dtype), per_group.transpose(1, 2)).transpose(0, 1)
+    return F.linear(low_rank.flatten(1).to(wo_b.dtype), wo_b).to(o.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
