@@ -62,6 +62,11 @@ def tensor_scale_name(weight_name: str) -> str | None:
     return weight_name[: -len(".weight")] + TENSOR_SCALE_SUFFIX if weight_name.endswith(".weight") else None
 
 
+def companion_names(weight_name: str) -> list[str]:
+    """The names a weight's companions would have (`P.scale`, `P.tensor_scale`), present or not."""
+    return [n for n in (scale_name(weight_name), tensor_scale_name(weight_name)) if n]
+
+
 def is_companion(name: str, names) -> bool:
     """A `P.scale` or `P.tensor_scale` whose `P.weight` is among `names`: decoded as part of that weight."""
     for suffix in (".scale", TENSOR_SCALE_SUFFIX):
@@ -191,22 +196,25 @@ def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INT
     return out
 
 
+def _named_with_companions(tensors, read, name: str):
+    """Entry `name` among `tensors`, with its decoded scale and tensor scale (None where absent)."""
+    by_name = {t.name: t for t in tensors}
+    t = by_name[name]
+    return (t, *_companions(t, by_name, read))
+
+
 def decode_group_rows(tensors, read, name: str, rows: slice | torch.Tensor,
                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows of the 2-D float tensor `name` among `tensors` (with its scales, as decode_group decodes it), decoding
     only those rows where the type allows (decode_rows)."""
-    by_name = {t.name: t for t in tensors}
-    t = by_name[name]
-    scale, tensor_scale = _companions(t, by_name, read)
+    t, scale, tensor_scale = _named_with_companions(tensors, read, name)
     return decode_rows(t.dtype, t.shape, read(t), rows, scale, out_dtype, tensor_scale)
 
 
 def decode_group_row_slices(tensors, read, name: str, rows_per_slice: int, out_dtype: torch.dtype = torch.float32):
     """The 2-D float tensor `name` among `tensors` (as decode_group decodes it), `rows_per_slice` rows at a time,
     each slice decoded alone where the type allows (row_decodable), else the whole tensor as one slice."""
-    by_name = {t.name: t for t in tensors}
-    t = by_name[name]
-    scale, tensor_scale = _companions(t, by_name, read)
+    t, scale, tensor_scale = _named_with_companions(tensors, read, name)
     if not row_decodable(t.dtype, scale):
         yield decode_float(t.dtype, t.shape, read(t), scale, out_dtype, tensor_scale)
         return

@@ -21,7 +21,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from moepack.format_spec.decode import decode_group, is_companion, scale_name, tensor_scale_name
+from moepack.format_spec.decode import companion_names, decode_group, is_companion
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
@@ -36,8 +36,8 @@ def export_tensors(c: Container, region_tensors, dtype: torch.dtype) -> dict[str
     companions are decoded with it wherever they lie (a global weight and its `.scale` are separate regions)."""
     names = {t.name for t in region_tensors}
     tensors = [t for t in region_tensors if is_companion(t.name, names) or not is_companion(t.name, c.tensors)]
-    tensors += [c.tensors[n] for t in region_tensors for n in (scale_name(t.name), tensor_scale_name(t.name))
-                if n and n in c.tensors and n not in names]
+    tensors += [c.tensors[n] for t in region_tensors for n in companion_names(t.name)
+                if n in c.tensors and n not in names]
     return decode_group(tensors, lambda t: c.tensor_bytes(t.name), dtype, keep=_KEEP_TYPES)
 
 

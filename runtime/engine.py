@@ -45,8 +45,7 @@ import torch
 import torch.nn.functional as F
 import xxhash
 
-from moepack.format_spec.decode import (decode_group, decode_group_row_slices, decode_group_rows, scale_name,
-                                        tensor_scale_name)
+from moepack.format_spec.decode import companion_names, decode_group, decode_group_row_slices, decode_group_rows
 from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.reader import SCALE_SUFFIXES, Block, Container, ReadSpan, Region
 
@@ -503,7 +502,7 @@ class StreamingPrefill:
         """The entry `name` with its scale companions."""
         if name not in by_name:
             raise FormatError(f"{self.c.path}: the container has no {name}")
-        return [by_name[n] for n in (name, scale_name(name), tensor_scale_name(name)) if n in by_name]
+        return [by_name[n] for n in (name, *companion_names(name)) if n in by_name]
 
     def _embeddings(self, fetched: list[tuple[Region, HostBuffer, memoryview]], token_ids: torch.Tensor
                     ) -> torch.Tensor:
@@ -723,7 +722,7 @@ class StreamingPrefill:
 
     def _global_regions(self, names) -> list[Region]:
         """The regions of the named tensors and of their scale companions, each once."""
-        wanted = [n for name in names for n in (name, scale_name(name), tensor_scale_name(name)) if n]
+        wanted = [n for name in names for n in (name, *companion_names(name))]
         return list({r.offset: r for r in (self.c.tensors[n].region for n in wanted if n in self.c.tensors)}.values())
 
     def _globals_reader(self) -> ThreadPoolExecutor:

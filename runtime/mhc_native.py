@@ -28,6 +28,19 @@ _SOURCE = r"""
 #define LANES 16
 #define HC_MAX 8
 
+/* One Sinkhorn pass: each of the hc lines of c (rows: line stride hc, step 1; columns: line stride 1, step hc)
+   divided by its sum plus eps, for LANES tokens at once. */
+static inline void normalize_lines(float c[][LANES], int hc, int line_stride, int step, float eps) {
+    float sum[LANES];
+    for (int a = 0; a < hc; a++) {
+        for (int l = 0; l < LANES; l++) sum[l] = 0.0f;
+        for (int b = 0; b < hc; b++)
+            for (int l = 0; l < LANES; l++) sum[l] += c[a * line_stride + b * step][l];
+        for (int b = 0; b < hc; b++)
+            for (int l = 0; l < LANES; l++) c[a * line_stride + b * step][l] /= sum[l] + eps;
+    }
+}
+
 /* mixes [n, (2 + hc) * hc] -> pre [n, hc], post [n, hc], comb [n, hc, hc]; scale [3], base [(2 + hc) * hc].
    The tokens go LANES at a time, each value of the LANES tokens side by side, so every step is one vector op. */
 int hc_mix_weights(const float *mixes, int64_t n, int hc, const float *scale, const float *base, int iters,
@@ -58,20 +71,8 @@ int hc_mix_weights(const float *mixes, int64_t n, int hc, const float *scale, co
         }
         for (int round = 0; round < (iters > 1 ? iters : 1); round++) {  /* as torch: at least one column pass */
             if (round)  /* the first round's rows are the softmax's */
-                for (int r = 0; r < hc; r++) {
-                    for (int l = 0; l < LANES; l++) sum[l] = 0.0f;
-                    for (int k = 0; k < hc; k++)
-                        for (int l = 0; l < LANES; l++) sum[l] += c[r * hc + k][l];
-                    for (int k = 0; k < hc; k++)
-                        for (int l = 0; l < LANES; l++) c[r * hc + k][l] /= sum[l] + eps;
-                }
-            for (int k = 0; k < hc; k++) {
-                for (int l = 0; l < LANES; l++) sum[l] = 0.0f;
-                for (int r = 0; r < hc; r++)
-                    for (int l = 0; l < LANES; l++) sum[l] += c[r * hc + k][l];
-                for (int r = 0; r < hc; r++)
-                    for (int l = 0; l < LANES; l++) c[r * hc + k][l] /= sum[l] + eps;
-            }
+                normalize_lines(c, hc, hc, 1, eps);
+            normalize_lines(c, hc, 1, hc, eps);
         }
         for (int i = 0; i < hc * hc; i++)
             for (int l = 0; l < lanes; l++) comb[(t0 + l) * hc * hc + i] = c[i][l];

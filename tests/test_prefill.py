@@ -768,17 +768,26 @@ def test_per_layer_expert_counts_are_the_routing(models):
         assert stats.tokens_computed == len(ids) * top_k
 
 
-def test_stats_are_measured_not_only_present(models, monkeypatch):
-    """io busy time covers reads that each take 5 ms; tokens/s and overlap are what the other stats make."""
+def _slow_reads(monkeypatch, seconds: float, events: list | None = None) -> None:
+    """Every read of the runtime's reader takes `seconds` longer; ("read done", time) goes to `events` after each."""
     from moepack.runtime import io as io_module
 
-    _, container = models["A"]
     real_preadv = io_module.os.preadv
 
     def slow_preadv(*args):
-        time.sleep(0.005)
-        return real_preadv(*args)
+        time.sleep(seconds)
+        try:
+            return real_preadv(*args)
+        finally:
+            if events is not None:
+                events.append(("read done", time.perf_counter()))
     monkeypatch.setattr(io_module.os, "preadv", slow_preadv)
+
+
+def test_stats_are_measured_not_only_present(models, monkeypatch):
+    """io busy time covers reads that each take 5 ms; tokens/s and overlap are what the other stats make."""
+    _, container = models["A"]
+    _slow_reads(monkeypatch, 0.005)
     s = prefill(container, _prompt(40, 97, seed=9), PrefillOptions(io_mode="direct", queue_depth=1)).stats
     # at most four reads are in flight at once (an expert bundle, two dense regions, the embedding or the LM head)
     assert s["io_busy_s"] >= s["read_requests"] * 0.005 / 4 and s["io_busy_s"] <= s["seconds"] * 1.01
@@ -803,19 +812,10 @@ def test_io_auto_chooses_page_cache_only_where_the_container_fits(models, monkey
 def test_reads_run_ahead_of_the_compute(models, monkeypatch):
     """The dense region of layer L+1 is asked for before layer L's attention, and a layer's first expert computes
     while its later reads are still on their way (slowed to 20 ms each, one in flight)."""
-    from moepack.runtime import io as io_module
-
     _, container = models["A"]
     events = []
-    real_preadv, real_attention = io_module.os.preadv, engine.v4.attention_sublayer
+    real_attention = engine.v4.attention_sublayer
     real_dense, real_task = engine.StreamingPrefill._submit_dense, engine.StreamingPrefill._expert_task
-
-    def slow_preadv(*args):
-        time.sleep(0.02)
-        try:
-            return real_preadv(*args)
-        finally:
-            events.append(("read done", time.perf_counter()))
 
     def attention(cfg, layer, *args, **kwargs):
         events.append(("attention", layer))
@@ -828,7 +828,7 @@ def test_reads_run_ahead_of_the_compute(models, monkeypatch):
     def task(self, block, *args):
         events.append(("expert", time.perf_counter()))
         return real_task(self, block, *args)
-    monkeypatch.setattr(io_module.os, "preadv", slow_preadv)
+    _slow_reads(monkeypatch, 0.02, events)
     monkeypatch.setattr(engine.v4, "attention_sublayer", attention)
     monkeypatch.setattr(engine.StreamingPrefill, "_submit_dense", submit_dense)
     monkeypatch.setattr(engine.StreamingPrefill, "_expert_task", task)
