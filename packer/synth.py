@@ -273,7 +273,8 @@ def v4_tensor_specs(config: dict) -> list[TensorSpec]:
             specs += _block_specs(f"layers.{layer}", config, attention[layer], mlp[layer])
         specs.append(TensorSpec("norm.weight", (hidden,), ROLE_EXACT, "norm"))
         specs += _hc_head_specs("", config)
-        specs.append(TensorSpec("head.weight", (vocab, hidden), ROLE_EMBEDDING, "linear"))
+        if not config.get("tie_word_embeddings"):  # tied: the embedding is the head, none is stored
+            specs.append(TensorSpec("head.weight", (vocab, hidden), ROLE_EMBEDDING, "linear"))
         for m, attention_type in enumerate(mtp_attention):
             prefix = f"mtp.{m}"
             # An MTP layer: project the next token's embedding and the main model's hidden state, mix them

@@ -69,7 +69,7 @@ ALL_EXPERTS_UNUSED_FRACTION = 0.05
 # the LM head is decoded and applied this many float32 bytes of rows at a time, never whole (DeepSeek-V4-Flash's
 # bf16 head [129280, 4096] would be 2 GiB decoded)
 HEAD_CHUNK_BYTES = 16 << 20
-HEAD_GLOBALS = ("hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight", "head.weight")
+HEAD_GLOBALS = ("hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight")  # and the LM head's matrix
 
 
 @dataclass
@@ -293,7 +293,7 @@ class StreamingPrefill:
     def _check_shapes(self) -> None:
         """The config and the stored tensors must describe the same model, or compute would fail half-way."""
         cfg, c = self.cfg, self.c
-        expect = {"embed.weight": (cfg.vocab_size, cfg.hidden_size), "head.weight": (cfg.vocab_size, cfg.hidden_size),
+        expect = {"embed.weight": (cfg.vocab_size, cfg.hidden_size), cfg.head_weight: (cfg.vocab_size, cfg.hidden_size),
                   "layers.0.ffn.experts.0.w1.weight": (cfg.moe_intermediate_size, cfg.hidden_size),
                   "layers.0.attn.wq_a.weight": (cfg.q_lora_rank, cfg.hidden_size)}
         for name, shape in expect.items():
@@ -469,11 +469,15 @@ class StreamingPrefill:
         with self.compute:
             return fn(*args)
 
-    def _read_globals(self, names) -> list[tuple[Region, HostBuffer, memoryview]]:
+    def _read_globals(self, names, held: list | None = None) -> list[tuple[Region, HostBuffer, memoryview]]:
         """The bytes of the regions of the named tensors and their scales, read once each (no pool); checked here
-        where reader threads check (CUDA), else by the consumer."""
-        fetched = []
+        where reader threads check (CUDA), else by the consumer. Regions already `held` (fetched before) are
+        not read again but returned with the rest."""
+        held = held or []
+        fetched = list(held)
         for r in self._global_regions(names):
+            if any((r.part, r.offset) == (have.part, have.offset) for have, _, _ in held):
+                continue
             buf = HostBuffer(r.length, pinned=self.device.type == "cuda")
             view = self.reader.read_into(buf, r.offset, r.length, r.part)
             if self._check_on_read:
@@ -519,11 +523,11 @@ class StreamingPrefill:
         HEAD_CHUNK_BYTES of rows at a time."""
         with self.compute:
             by_name, read = self._global_tensors(fetched, on_device=True)
-            weights = decode_group([t for n in HEAD_GLOBALS if n != "head.weight"
-                                    for t in self._global_group(by_name, n)], read)
-            head = self._global_group(by_name, "head.weight")
+            weights = decode_group([t for n in HEAD_GLOBALS for t in self._global_group(by_name, n)], read)
+            name = self.cfg.head_weight
+            head = self._global_group(by_name, name)
             x = v4.head_input(self.cfg, streams, weights, -1)
-            slices = decode_group_row_slices(head, read, "head.weight", HEAD_CHUNK_BYTES // (4 * head[0].shape[1]))
+            slices = decode_group_row_slices(head, read, name, HEAD_CHUNK_BYTES // (4 * head[0].shape[1]))
             return torch.cat([F.linear(x, rows).float() for rows in slices], dim=-1)[0].cpu()
 
     def _submit_dense(self, block: Block) -> Future:
@@ -624,6 +628,9 @@ class StreamingPrefill:
         queued: dict[int, list] = {}
         ahead = self._queue_from(queued, 0, n_tokens, READ_AHEAD_LAYERS + 1)
         streams = v4.residual_streams(cfg, self._embeddings(embed_bytes, token_ids))
+        # a head tied to the embedding uses the bytes just read: read once per prompt, like every region
+        held_for_head = embed_bytes if cfg.tie_word_embeddings else None
+        head_globals = (*HEAD_GLOBALS, cfg.head_weight)
         del embed_bytes
         head_bytes: Future | None = None  # read during the last layer, beside its experts
         routed_rows: torch.Tensor | None = None  # the routed experts' output rows, reused layer to layer
@@ -669,7 +676,7 @@ class StreamingPrefill:
                 reads = self._submit_experts(block, number, list(wanted))
                 ahead = self._queue_from(queued, number + 1, n_tokens, number + 1 + READ_AHEAD_LAYERS)
             if number == len(layers) - 1:  # after the layer's expert reads: the head is needed last
-                head_bytes = self._globals_reader().submit(self._read_globals, HEAD_GLOBALS)
+                head_bytes = self._globals_reader().submit(self._read_globals, head_globals, held_for_head)
             with self.compute:
                 groups = routing.groups()
                 # every pair's token, sorted by expert (converted first: the [P, H] copy is made once, small)
@@ -714,11 +721,11 @@ class StreamingPrefill:
                 streams, spare = v4.moe_finish(cfg, number, w, streams, routing, routed, shared, into=spare), streams
             layer_stats.append(self._layer_stats(number, block, selection, reads, by_expert, n_experts))
         logits = self._head_logits(head_bytes.result() if head_bytes is not None else
-                                   self._read_globals(HEAD_GLOBALS), streams)
+                                   self._read_globals(head_globals, held_for_head), streams)
         return logits, layer_stats, states
 
     def _head_bytes(self) -> int:
-        return sum(r.length for r in self._global_regions(HEAD_GLOBALS))
+        return sum(r.length for r in self._global_regions((*HEAD_GLOBALS, self.cfg.head_weight)))
 
     def _global_regions(self, names) -> list[Region]:
         """The regions of the named tensors and of their scale companions, each once."""

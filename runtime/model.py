@@ -22,7 +22,8 @@ more tokens against it, layer-major like the first chunk: prefill(A) then contin
 
 Weights. Release names (no `model.` prefix), float32. `w` is one layer's non-expert tensors keyed RELATIVE to
 the layer (`w["attn.wq_a.weight"]` for `layers.3.attn.wq_a.weight`; `layer_weights()` builds it from a full
-mapping). `w_globals` holds `embed.weight`, `head.weight`, `norm.weight`, `hc_head_{fn,base,scale}`. The
+mapping). `w_globals` holds `embed.weight`, `head.weight` (none where `tie_word_embeddings`: the embedding is the
+head), `norm.weight`, `hc_head_{fn,base,scale}`. The
 attention's KV norm is `attn.kv_norm.weight` in the release and `attn.norm.weight` in what transformers'
 save_pretrained writes; both are accepted. Routed experts are `ffn.experts.E.{w1,w3,w2}.weight`
 (gate [I,H], up [I,H], down [H,I]).
@@ -137,6 +138,7 @@ class ModelConfig:
     hash_layers: tuple[bool, ...]  # per layer: experts chosen by tid2eid[token id] instead of top-k
     main_rope: RopeConfig  # q/kv of sliding-only layers
     compress_rope: RopeConfig  # q/kv of CSA/HCA layers, their compressors and the indexer
+    tie_word_embeddings: bool = False  # the LM head is the embedding table (no head.weight is stored)
 
     @classmethod
     def from_hf(cls, config: Mapping) -> "ModelConfig":
@@ -144,6 +146,11 @@ class ModelConfig:
         (`compress_ratios`, `compress_rate_csa/hca`, `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`)."""
         c = {**_HF_DEFAULTS, **config}
         n = c["num_hidden_layers"]
+        # what transformers' model would compute differently from this one: refused, never silently ignored
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {c['hidden_act']!r}: this runtime computes SiLU-gated experts")
+        if c.get("mlp_bias"):
+            raise ValueError("mlp_bias is set: this runtime's experts and shared expert have no biases")
 
         rates = {CSA: 4, HCA: 128, **(c.get("compress_rates") or {})}
         rates[CSA] = c.get("compress_rate_csa") or rates[CSA]
@@ -182,7 +189,13 @@ class ModelConfig:
             swiglu_limit=c["swiglu_limit"], hash_layers=hash_layers,
             main_rope=_rope_config(main_params, head_dim, partial, c["max_position_embeddings"]),
             compress_rope=_rope_config(compress_params, head_dim, partial, c["max_position_embeddings"]),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         )
+
+    @property
+    def head_weight(self) -> str:
+        """The name of the LM head's matrix: the embedding's where the two are tied."""
+        return "embed.weight" if self.tie_word_embeddings else "head.weight"
 
 
 def _rope_params(c: Mapping, partial: float) -> tuple[dict, dict]:
@@ -709,7 +722,7 @@ def head(cfg: ModelConfig, streams: Tensor, w_globals: Mapping[str, Tensor],
     slice or index tensor gives [n, vocab]. The streams collapse through the mHC head (pre weights only), then the
     final norm and the LM head."""
     x = head_input(cfg, streams, w_globals, which)
-    logits = F.linear(x, w_globals["head.weight"]).float()
+    logits = F.linear(x, w_globals[cfg.head_weight]).float()
     single = not isinstance(which, slice) and torch.as_tensor(which).dim() == 0  # an int: [vocab]
     return logits[0] if single else logits
 

@@ -385,8 +385,10 @@ def _flops_per_token(config: dict) -> dict:
     adapter = adapter_for(config)
     top_k = int(config.get("num_experts_per_tok", 6))
     parts = {p: 0 for p in FLOP_PARTS}
-    head = 0
-    for spec in v4_tensor_specs(config):
+    specs = v4_tensor_specs(config)
+    # a head tied to the embedding is not stored but still multiplies
+    head = 2 * config["vocab_size"] * config["hidden_size"] if config.get("tie_word_embeddings") else 0
+    for spec in specs:
         if len(spec.shape) != 2 or spec.kind not in ("linear", "hc_fn"):
             continue
         kind, block, expert = adapter.place(spec.name)

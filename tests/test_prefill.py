@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
-from v4_models import build  # noqa: E402
+from v4_models import CONFIGS, _randomise, build  # noqa: E402
 
 from moepack.cli.main import cli  # noqa: E402
 from moepack.format_spec.errors import FormatError, MoepackError  # noqa: E402
@@ -873,6 +873,56 @@ def test_query_chunks_read_the_same_bytes(models):
     ids = _prompt(150, 97, seed=5)
     stats = [prefill(container, ids, PrefillOptions(query_chunk=q)).stats for q in (None, 7, 64)]
     assert len({(s["bytes_read"], s["read_requests"]) for s in stats}) == 1
+
+
+def _variant(tmp_path, **changes):
+    """Configuration A with `changes`, re-drawn and saved by transformers: (its model, checkpoint directory)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    hf_model = DeepseekV4ForCausalLM(DeepseekV4Config(**{**CONFIGS["A"], **changes})).eval()
+    _randomise(hf_model, seed=7)
+    src = str(tmp_path / "src")
+    hf_model.save_pretrained(src)
+    return hf_model, src
+
+
+def test_a_head_tied_to_the_embedding_is_the_embedding_read_once(tmp_path):
+    """tie_word_embeddings: the checkpoint stores no LM head; prefill applies the embedding table as the head,
+    from the bytes it read for the prompt's rows (each region is still read once), and export round-trips it."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from moepack.packer.export import export_container
+
+    hf_model, src = _variant(tmp_path, tie_word_embeddings=True)
+    container = str(tmp_path / "tied.moepack")
+    convert_checkpoint(src, container, progress=False)
+    with Container(container) as c:
+        assert "head.weight" not in c.tensors and "embed.weight" in c.tensors
+        used = sum(r.length for r in c.global_regions) + sum(b.dense.length + b.experts_span[1] for b in c.layers)
+    ids = _prompt(45, 97, seed=8)
+    ref = _reference(hf_model, ids)
+    for io_mode in ("direct", "mmap"):
+        result = prefill(container, ids, PrefillOptions(expert_selection="all", io_mode=io_mode))
+        assert (result.logits - ref).abs().max() <= REL_TOL * ref.abs().max()
+        assert result.stats["bytes_read"] == used
+    export_container(container, str(tmp_path / "export"), dtype="f32", progress=False)
+    exported = DeepseekV4ForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).eval()
+    assert torch.allclose(_reference(exported, ids), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("change,named", [({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+                                          ({"mlp_bias": True}, "mlp_bias")])
+def test_a_model_this_runtime_would_compute_differently_is_refused_in_one_line(tmp_path, change, named):
+    """transformers would run these configurations; this runtime's experts are SiLU-gated without biases, so it
+    refuses them by name rather than return other logits."""
+    _, src = _variant(tmp_path, **change)
+    container = str(tmp_path / "other.moepack")
+    convert_checkpoint(src, container, progress=False)
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3")
+    r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids)])
+    assert r.exit_code == 1 and named in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
 def test_cli_without_a_cuda_device_says_so_in_one_line(models, tmp_path):
