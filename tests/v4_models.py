@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import torch
 from safetensors.torch import load_file
@@ -82,15 +83,21 @@ def _randomise(model: DeepseekV4ForCausalLM, seed: int) -> None:
 _BUILT: dict[str, tuple] = {}
 
 
+def saved_model(config: dict, seed: int, out_dir: str) -> DeepseekV4ForCausalLM:
+    """transformers' model of `config`, every weight re-drawn from `seed`, saved to `out_dir` (release names)."""
+    torch.manual_seed(0)
+    hf_model = DeepseekV4ForCausalLM(DeepseekV4Config(**config)).eval()
+    _randomise(hf_model, seed)
+    hf_model.save_pretrained(out_dir)
+    return hf_model
+
+
 def build(name: str, tmp_dir: str):
     """(transformers model, ModelConfig, release-name float32 weights) for CONFIGS[name], built once."""
     key = (name, tmp_dir)
     if key not in _BUILT:
-        torch.manual_seed(0)
-        hf_model = DeepseekV4ForCausalLM(DeepseekV4Config(**CONFIGS[name])).eval()
-        _randomise(hf_model, seed=sorted(CONFIGS).index(name) + 1)
         out = os.path.join(tmp_dir, name)
-        hf_model.save_pretrained(out)
+        hf_model = saved_model(CONFIGS[name], sorted(CONFIGS).index(name) + 1, out)
         weights = {}
         for key, t in load_file(os.path.join(out, "model.safetensors")).items():
             key = key.removeprefix("model.").replace("hc_head.hc_", "hc_head_")
@@ -100,3 +107,105 @@ def build(name: str, tmp_dir: str):
             cfg = M.ModelConfig.from_hf(json.load(f))
         _BUILT[key] = hf_model, cfg, weights
     return _BUILT[key]
+
+
+# --- random configurations: the oracle on shapes no hand-written case names ---------------------------------------
+
+RANDOM_POLICIES = ("keep", "keep", "keep", "fp4", "nvfp4", "q8", "q2", "bf16")  # keep: compared directly
+
+
+def random_config(rng: random.Random) -> dict:
+    """A DeepSeek-V4 configuration drawn within what transformers' model accepts: any mix of attention kinds and
+    hash layers, 1-8 heads in any divisor of output groups, rope on 4 to all channels (the indexer's head at least
+    as wide), windows of 1 to 128 tokens, compression rates 2-8 / 4-128, top-1 to top-6 of 2-16 experts,
+    1-4 streams, YaRN or plain, tied or separate LM head."""
+    heads = rng.choice([1, 2, 3, 4, 6, 8])
+    head_dim = rng.choice([16, 32, 48, 64])
+    rope_dim = rng.choice([d for d in (4, 8, 16, 32, 64) if d <= head_dim])
+    n_layers = rng.randint(1, 6)
+    n_hash = rng.randint(0, n_layers)
+    n_experts = rng.choice([2, 3, 4, 8, 16])
+    config = dict(
+        vocab_size=rng.randint(20, 130), hidden_size=rng.choice([32, 48, 64, 96]),
+        moe_intermediate_size=rng.choice([16, 32, 48]), num_hidden_layers=n_layers, num_attention_heads=heads,
+        head_dim=head_dim, q_lora_rank=rng.choice([8, 16, 24]), partial_rotary_factor=rope_dim / head_dim,
+        num_experts_per_tok=rng.randint(1, min(n_experts, 6)), n_routed_experts=n_experts,
+        layer_types=[rng.choice([S, C, H]) for _ in range(n_layers)],
+        compress_rates={C: rng.choice([2, 3, 4, 8]), H: rng.choice([4, 8, 16, 32, 128])},
+        mlp_layer_types=["hash_moe"] * n_hash + ["moe"] * (n_layers - n_hash), hc_mult=rng.randint(1, 4),
+        hc_sinkhorn_iters=rng.choice([1, 3, 20]), sliding_window=rng.choice([1, 4, 16, 64, 128]),
+        o_groups=rng.choice([g for g in range(1, heads + 1) if heads % g == 0]), o_lora_rank=rng.choice([8, 16]),
+        index_n_heads=rng.choice([1, 2, 4, 8]), index_head_dim=rng.choice([d for d in (8, 16, 32, 64) if d >= rope_dim]),
+        index_topk=rng.choice([1, 2, 5, 16, 64]), scoring_func=rng.choice(["sqrtsoftplus", "sigmoid"]),
+        routed_scaling_factor=rng.choice([1.0, 1.5, 2.5]), swiglu_limit=rng.choice([0.5, 3.0, 10.0]),
+        rms_norm_eps=rng.choice([1e-6, 1e-5]), hc_eps=rng.choice([1e-6, 1e-3]), rope_theta=rng.choice([1e4, 500.0]),
+        compress_rope_theta=rng.choice([160000.0, 40000.0]), max_position_embeddings=4096,
+        tie_word_embeddings=rng.random() < 0.2)
+    if rng.random() < 0.5:
+        config["rope_parameters"] = {"rope_type": "yarn", "factor": rng.choice([2.0, 4.0, 16.0]),
+                                     "original_max_position_embeddings": rng.choice([32, 64, 256])}
+        if rng.random() < 0.5:
+            config["rope_parameters"].update(beta_fast=rng.choice([8, 32]), beta_slow=rng.choice([1, 2]))
+    return config
+
+
+def random_case(seed: int) -> dict:
+    """A random configuration, prompt length, container policy, streaming options and (sometimes) a split point:
+    the first `split` tokens prefilled, the rest continued from their KV."""
+    rng = random.Random(seed)
+    config = random_config(rng)
+    n = rng.choice([1, 2, 7, 33, 129, 300, 700])
+    options = dict(query_chunk=rng.choice([None, 16, 64, 512]), bundle_experts=rng.choice([1, 2, 3, 4, 8]),
+                   queue_depth=rng.choice([1, 2, 4]), io_mode=rng.choice(["auto", "direct", "mmap"]),
+                   expert_selection=rng.choice(["auto", "all", "routed"]))
+    split = rng.randint(1, n - 1) if n > 1 and rng.random() < 0.3 else 0
+    return dict(seed=seed, config=config, tokens=n, policy=rng.choice(RANDOM_POLICIES), options=options, split=split)
+
+
+def run_random_case(case: dict, work_dir: str) -> dict:
+    """Convert the case's model (transformers, re-drawn, save_pretrained) with its policy, prefill it, and measure
+    the last position's logits against transformers: on the same checkpoint for `keep`, on `moepack export` of the
+    container otherwise. A prompt continued from its KV is compared with transformers' whole-prompt forward."""
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.export import export_container
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    seed, split = case["seed"], case["split"]
+    src, container = os.path.join(work_dir, "src"), os.path.join(work_dir, "model.moepack")
+    hf_model = saved_model(case["config"], seed, src)
+    convert_checkpoint(src, container, policy=case["policy"], progress=False)
+    if case["policy"] != "keep":
+        export_container(container, os.path.join(work_dir, "export"), dtype="f32", progress=False)
+        hf_model = DeepseekV4ForCausalLM.from_pretrained(os.path.join(work_dir, "export"), dtype=torch.float32).eval()
+    ids = torch.randint(0, case["config"]["vocab_size"], (case["tokens"],), generator=torch.Generator().manual_seed(seed))
+    options = PrefillOptions(**case["options"])
+    if split:
+        kv = os.path.join(work_dir, "kv")
+        prefill(container, ids[:split], options, kv_out=kv)
+        got = prefill(container, ids[split:], options, continue_from=kv).logits
+    else:
+        got = prefill(container, ids, options).logits
+    with torch.no_grad():
+        ref = hf_model(ids[None]).logits[0, -1].float()
+    err, scale, reference = (got - ref).abs().max().item(), ref.abs().max().item(), "whole prompt"
+    if split and err > 1e-3 * scale:
+        # transformers' continuation from its cache is not always its whole forward: in some configurations it
+        # fails or gives other logits, and exact zero-score ties in the indexer's top-k may resolve differently
+        # by length (then ours follows its continuation). Matching either is matching transformers.
+        with torch.no_grad():
+            try:
+                cache = hf_model(ids[None, :split], use_cache=True).cache
+                cont = hf_model(ids[None, split:], cache=cache, use_cache=True).logits[0, -1].float()
+            except RuntimeError:
+                cont = None
+        if cont is not None and (got - cont).abs().max().item() < err:
+            ref, err, scale, reference = cont, (got - cont).abs().max().item(), cont.abs().max().item(), "continuation"
+        if err > 1e-3 * scale:
+            with torch.no_grad():  # does transformers' own forward give the first tokens other logits by length?
+                whole = hf_model(ids[None]).logits[0, :split]
+                prefix = hf_model(ids[None, :split]).logits[0]
+            if (whole - prefix).abs().max().item() > 1e-3 * whole.abs().max().item():
+                reference = "none: transformers' logits for the first tokens depend on the prompt's length here"
+    return {"seed": seed, "tokens": case["tokens"], "policy": case["policy"], "split": split, "reference": reference,
+            "max_abs_error": err, "logit_scale": scale, "relative": err / scale,
+            "same_token": int(got.argmax()) == int(ref.argmax())}
