@@ -868,7 +868,14 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
     `kv_out`, which may be the same directory, covers both). `expert_parallel`: this process is one rank of a
     torchrun job (runtime/distributed.py); `{rank}` in `path` picks each rank's own copy of the container."""
     options = options or PrefillOptions()
-    token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    try:
+        token_ids = torch.as_tensor(token_ids)
+    except (OverflowError, RuntimeError, TypeError, ValueError) as e:  # 2**64, ragged lists, strings
+        raise MoepackError(f"token ids must be integers within 64 bits ({e})") from None
+    not_integers = token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool
+    if token_ids.numel() and not_integers:
+        raise MoepackError(f"token ids must be integers, not {token_ids.dtype}")
+    token_ids = token_ids.to(torch.long).reshape(-1)
     if token_ids.numel() < 1:
         raise MoepackError("empty prompt")
     dist = None

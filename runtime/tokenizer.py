@@ -45,7 +45,7 @@ def read_token_ids(path: str) -> list[int]:
         raise MoepackError(f"{path}: cannot read ({e.strerror})") from None
     try:
         value = json.loads(text)
-        ids = value if isinstance(value, list) else None
+        ids = value if isinstance(value, list) else [value]  # one bare number is one token id
     except json.JSONDecodeError:
         try:
             ids = [int(tok) for tok in text.replace(",", " ").split()]

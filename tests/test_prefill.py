@@ -199,6 +199,10 @@ def test_bad_prompts(models):
         prefill(container, [1, 2, 50], PrefillOptions())
     with pytest.raises(MoepackError, match="empty prompt"):
         prefill(container, [], PrefillOptions())
+    for ids, message in (([1.5, 2], "must be integers, not torch.float32"), ([True], "not torch.bool"),
+                         ([1, 2 ** 70], "within 64 bits"), ([[1, 2], [3]], "within 64 bits")):
+        with pytest.raises(MoepackError, match=re.escape(message)):
+            prefill(container, ids, PrefillOptions())
 
 
 def test_cli_prefill_on_a_release_layout_container(tmp_path):
@@ -246,6 +250,21 @@ def test_cli_prefill_on_a_release_layout_container(tmp_path):
     assert r.exit_code == 0 and json.loads(r.output)["expert_dtype"] == "float32", r.output
     r = CliRunner().invoke(cli, ["prefill", container])
     assert r.exit_code != 0
+
+
+def test_token_id_files_in_every_accepted_form_and_bad_ones_named(tmp_path):
+    from moepack.runtime.tokenizer import read_token_ids
+
+    path = tmp_path / "ids.txt"
+    for text, ids in (("[3, 1, 4]", [3, 1, 4]), ("3 1\n4", [3, 1, 4]), ("3,1, 4", [3, 1, 4]), ("7", [7])):
+        path.write_text(text)
+        assert read_token_ids(str(path)) == ids, text
+    for text in ("", "[]", "1 2.5", "abc", "true", '"7"', "[1, [2]]", "{}"):
+        path.write_text(text)
+        with pytest.raises(MoepackError, match="expected a non-empty list of integer token ids"):
+            read_token_ids(str(path))
+    with pytest.raises(MoepackError, match="cannot read"):
+        read_token_ids(str(tmp_path / "missing.txt"))
 
 
 def test_prompt_too_long_for_memory_is_refused_before_any_read(models, monkeypatch):
