@@ -330,11 +330,15 @@ class StreamingPrefill:
         host = self._host_bytes(buffer, view)
         if view.readonly or self.device.type != "cuda":
             return host
+        compute_stream = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
             dev = host.to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
-        torch.cuda.current_stream(self.device).wait_event(done)
+        # `dev` was allocated on the copy stream and is used on the compute stream: without this, freeing it
+        # would let the next copy reuse its memory while compute kernels queued on it still read it
+        dev.record_stream(compute_stream)
+        compute_stream.wait_event(done)
         done.synchronize()  # the host buffer goes back to the pool only once its bytes have left it
         return dev
 
@@ -469,16 +473,18 @@ class StreamingPrefill:
         with self.compute:
             return fn(*args)
 
-    def _read_globals(self, names, held: list | None = None) -> list[tuple[Region, HostBuffer, memoryview]]:
+    def _read_globals(self, names, held: list | None = None, for_device: bool = True
+                      ) -> list[tuple[Region, HostBuffer, memoryview]]:
         """The bytes of the regions of the named tensors and their scales, read once each (no pool); checked here
         where reader threads check (CUDA), else by the consumer. Regions already `held` (fetched before) are
-        not read again but returned with the rest."""
+        not read again but returned with the rest. Into pinned memory on CUDA unless `for_device` is False (the
+        bytes are decoded on the host)."""
         held = held or []
         fetched = list(held)
         for r in self._global_regions(names):
             if any((r.part, r.offset) == (have.part, have.offset) for have, _, _ in held):
                 continue
-            buf = HostBuffer(r.length, pinned=self.device.type == "cuda")
+            buf = HostBuffer(r.length, pinned=for_device and self.device.type == "cuda")
             view = self.reader.read_into(buf, r.offset, r.length, r.part)
             if self._check_on_read:
                 self._check([r], view, r.offset)
@@ -618,7 +624,8 @@ class StreamingPrefill:
         # the embedding's bytes first: the first the compute needs (queued behind the expert reads, they would make
         # the compute wait for the disk before it could start; read first, they cost the disk a few milliseconds).
         # Decoded once the first layer's reads are queued, so the disk is not idle meanwhile.
-        embed_bytes = self._read_globals(["embed.weight"])  # only the prompt's rows are decoded
+        # only the prompt's rows are decoded, on the host: a vocabulary-sized table is not pinned for them
+        embed_bytes = self._read_globals(["embed.weight"], for_device=False)
         pending_dense = self._submit_dense(layers[0])
         # Expert reads that do not depend on their layer's router (every expert of the layer) are queued up to
         # READ_AHEAD_LAYERS layers ahead: the pool's buffers, not the queue, bound what is read ahead, and the disk

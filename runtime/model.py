@@ -438,7 +438,9 @@ def attention_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], st
     indexer keys plus each other, and the returned state covers all P + N tokens."""
     n_tokens = streams.shape[0]
     first = past.seen_tokens if past is not None else 0
-    if not torch.equal(positions.cpu(), torch.arange(first, first + n_tokens)):
+    # checked where it is free: on a GPU the comparison would make the host wait for every queued kernel, each
+    # layer (the engine passes the arange itself)
+    if positions.device.type == "cpu" and not torch.equal(positions, torch.arange(first, first + n_tokens)):
         raise ValueError(f"positions must be arange({first}, {first} + N): the tokens continue "
                          f"{'the past state' if past is not None else 'an empty cache'}")
     collapsed, post, comb = hc_pre(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams)
