@@ -220,7 +220,7 @@ def main() -> None:
             "overlap_of_bests": round(s["seconds"] / max(io_seconds, resident.stats["seconds"]), 3),
             "tokens_per_s": s["tokens_per_s"], "bytes_read": s["bytes_read"],
             "read_gb_per_s_alone": round(io_bytes / io_seconds / 1e9, 3), "peak_rss_gib": round(s["peak_rss_bytes"] / 2**30, 2),
-            "peak_device_gib": round(s["peak_device_bytes"] / 2**30, 3) if "peak_device_bytes" in s else None,
+            "peak_device_gib": round(s["peak_device_bytes"] / 2**30, 3) if s.get("peak_device_bytes") else None,
             # no streamed prefill can beat reading its bytes at the disk's speed
             "io_floor_s": round(s["bytes_read"] / (max(fio.get("gbps", 0), max_read_gbps) * 1e9), 3),
             "same_token_as_resident": streamed.next_token == resident.next_token,

@@ -839,9 +839,10 @@ class StreamingPrefill:
             "threads": torch.get_num_threads(),
             "omp_spincount": os.environ.get("GOMP_SPINCOUNT"),  # what libgomp was loaded with (moepack/__init__.py)
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            # None on a CPU, where the host's peak (peak_rss_bytes) is the device's
+            "peak_device_bytes": (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                                  else None),
         }
-        if self.device.type == "cuda":
-            stats["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if self.dist:
             stats.update(rank=self.dist.rank, world_size=self.dist.world_size, backend=self.dist.backend,
                          comm_s=round(self.dist.comm_seconds, 4))

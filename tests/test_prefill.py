@@ -228,8 +228,9 @@ def test_cli_prefill_on_a_release_layout_container(tmp_path):
     assert logits.dtype == torch.float32 and logits.shape == (vocab,)
     assert out["next_token"] == int(logits.argmax()) and isinstance(out["next_token_text"], str)
     for key in ("tokens", "seconds", "tokens_per_s", "bytes_read", "io_busy_s", "compute_busy_s", "overlap",
-                "peak_rss_bytes", "layers"):
+                "peak_rss_bytes", "peak_device_bytes", "layers"):
         assert key in out, key
+    assert out["peak_device_bytes"] is None and out["peak_rss_bytes"] > 0  # a CPU prefill: the host is the device
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("The quick brown fox")
     r = CliRunner().invoke(cli, ["prefill", container, "--prompt-file", str(prompt_file), "--threads", "1", "--json"])
