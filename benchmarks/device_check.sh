@@ -8,9 +8,10 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl transformers==5.24.0 zstandard==0.25.0
+#     -d .whl transformers==5.24.0 zstandard==0.25.0 regex==2025.11.3
 # then run `bash benchmarks/device_check.sh` through the device tool with `.whl` carried. On a machine without a
-# GPU, DEVICE=cpu runs the same steps (a dry run of this script).
+# GPU, DEVICE=cpu runs the same steps (a dry run of this script). The steps' limits add up to under the tool's 600 s
+# for one command; the exit status is non-zero if any step failed.
 set -uo pipefail
 OUT=${OUT:-/tmp/moepack-device-check}
 DEVICE=${DEVICE:-cuda}
@@ -22,7 +23,8 @@ export PYTHONUNBUFFERED=1
 step() { echo "== $1 ($(date -u +%T))" | tee -a "$OUT/steps.txt"; }
 
 step "install"
-if compgen -G ".whl/*.whl" > /dev/null; then
+# the carried wheels, where this python lacks what they bring (here, a dry run, it has them already)
+if ! python3 -c "import zstandard, regex, transformers; transformers.DeepseekV4ForCausalLM" 2> /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
 fi
@@ -32,15 +34,22 @@ python3 - <<'EOF' 2>&1 | tee "$OUT/versions.txt"
 import torch, transformers
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
-print("transformers", transformers.__version__, hasattr(transformers, "DeepseekV4ForCausalLM"))
+print("transformers", transformers.__version__)
+assert hasattr(transformers, "DeepseekV4ForCausalLM"), "this transformers has no DeepseekV4ForCausalLM"
 EOF
+[ "${PIPESTATUS[0]}" = 0 ] || exit 1
+failed=""
 
 step "tests"
-timeout 240 python3 -m pytest -q -rs tests/test_prefill.py tests/test_quants.py tests/test_bench.py -k cuda 2>&1 \
+timeout 150 python3 -m pytest -q -rs tests/test_prefill.py tests/test_quants.py tests/test_bench.py -k cuda 2>&1 \
     | tee "$OUT/tests.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
 
 step "prefill benchmark"
-timeout 420 python3 benchmarks/prefill.py --workdir /tmp/moepack-bench --preset "$PRESET" --tokens "$TOKENS" \
+timeout 330 python3 benchmarks/prefill.py --workdir /tmp/moepack-bench --preset "$PRESET" --tokens "$TOKENS" \
     --compute-dtype bfloat16 --repeat 2 --device "$DEVICE" --device-budget-gib "$BUDGET_GIB" \
     2> "$OUT/prefill_stderr.txt" | tee "$OUT/prefill.txt"
-step "done"
+[ "${PIPESTATUS[0]}" = 0 ] || failed="$failed benchmark"
+
+step "done${failed:+: FAILED:$failed}"
+[ -z "$failed" ]

@@ -246,6 +246,9 @@ class StreamingPrefill:
         except (KeyError, TypeError, ValueError) as e:
             raise MoepackError(f"{container.path}: the config in the index is not a usable DeepSeek-V4 config ({e})") \
                 from None
+        problem = v4.unsupported(container.config)
+        if problem:
+            raise MoepackError(f"{container.path}: {problem}")
         self._check_shapes()
         for what, value in (("compute", options.compute_dtype), ("expert", options.expert_dtype)):
             if value is not None and value not in EXPERT_DTYPES:
@@ -259,6 +262,7 @@ class StreamingPrefill:
         self._expert_pool = (ThreadPoolExecutor(self.expert_threads, "moepack-expert")
                              if self.expert_threads > 1 else None)
         self._globals_pool: ThreadPoolExecutor | None = None  # reads the LM head during the last layer
+        self._globals_checked: set[tuple[int, int]] = set()
         self._local = threading.local()  # each expert thread's own decoder (its buffers are reused expert to expert)
         self._decoders: list[ExpertDecoder] = []
         self._decoders_lock = threading.Lock()
@@ -497,8 +501,9 @@ class StreamingPrefill:
         device or (`on_device` False) on the host."""
         by_name, where = {}, {}
         for r, buf, view in fetched:
-            if not self._check_on_read:
+            if not self._check_on_read and (r.part, r.offset) not in self._globals_checked:
                 self._check([r], view, r.offset)
+                self._globals_checked.add((r.part, r.offset))  # a tied embedding serves again as the head
             raw = self._to_device(buf, view) if on_device else self._host_bytes(buf, view)
             for t in r.tensors:
                 by_name[t.name], where[t.name] = t, (raw, r.offset)
@@ -624,8 +629,10 @@ class StreamingPrefill:
         # the embedding's bytes first: the first the compute needs (queued behind the expert reads, they would make
         # the compute wait for the disk before it could start; read first, they cost the disk a few milliseconds).
         # Decoded once the first layer's reads are queued, so the disk is not idle meanwhile.
-        # only the prompt's rows are decoded, on the host: a vocabulary-sized table is not pinned for them
-        embed_bytes = self._read_globals(["embed.weight"], for_device=False)
+        # only the prompt's rows are decoded, on the host: a vocabulary-sized table is not pinned for them unless it
+        # is also the head (tied), which goes to the device
+        self._globals_checked = set()  # this pass's global regions already checked (by part and offset)
+        embed_bytes = self._read_globals(["embed.weight"], for_device=cfg.tie_word_embeddings)
         pending_dense = self._submit_dense(layers[0])
         # Expert reads that do not depend on their layer's router (every expert of the layer) are queued up to
         # READ_AHEAD_LAYERS layers ahead: the pool's buffers, not the queue, bound what is read ahead, and the disk

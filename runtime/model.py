@@ -146,11 +146,6 @@ class ModelConfig:
         (`compress_ratios`, `compress_rate_csa/hca`, `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`)."""
         c = {**_HF_DEFAULTS, **config}
         n = c["num_hidden_layers"]
-        # what transformers' model would compute differently from this one: refused, never silently ignored
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {c['hidden_act']!r}: this runtime computes SiLU-gated experts")
-        if c.get("mlp_bias"):
-            raise ValueError("mlp_bias is set: this runtime's experts and shared expert have no biases")
 
         rates = {CSA: 4, HCA: 128, **(c.get("compress_rates") or {})}
         rates[CSA] = c.get("compress_rate_csa") or rates[CSA]
@@ -196,6 +191,17 @@ class ModelConfig:
     def head_weight(self) -> str:
         """The name of the LM head's matrix: the embedding's where the two are tied."""
         return "embed.weight" if self.tie_word_embeddings else "head.weight"
+
+
+def unsupported(config: Mapping) -> str | None:
+    """What in a transformers config this model would compute differently from transformers' (so a prefill must
+    refuse it rather than return other logits), or None. Sizes and FLOPs do not depend on it (plan accepts it)."""
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # transformers' ACT2FN: both are x * sigmoid(x)
+        return f"hidden_act {act!r}: this runtime computes SiLU-gated experts"
+    if config.get("mlp_bias"):
+        return "mlp_bias is set: this runtime's experts and shared expert have no biases"
+    return None
 
 
 def _rope_params(c: Mapping, partial: float) -> tuple[dict, dict]:
