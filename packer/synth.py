@@ -181,7 +181,7 @@ def _block_specs(prefix: str, config: dict, attention_type: str, mlp_type: str) 
     o_groups, o_rank = config["o_groups"], config["o_lora_rank"]
     experts, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
     inter = config["moe_intermediate_size"]
-    shared_inter = inter * config.get("n_shared_experts", 1)
+    shared_inter = inter  # transformers' shared expert is moe_intermediate_size wide whatever n_shared_experts says
     hc = config.get("hc_mult", 4)
     hc_mixes = (2 + hc) * hc  # pre (hc) + post (hc) + comb (hc * hc)
 

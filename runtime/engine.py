@@ -295,20 +295,37 @@ class StreamingPrefill:
             self.copy_stream = torch.cuda.Stream(self.device)
 
     def _check_shapes(self) -> None:
-        """The config and the stored tensors must describe the same model, or compute would fail half-way."""
+        """Every tensor the config's model computes with is in the container with the shape the config gives it,
+        or compute would fail half-way (or, for an optional one such as the router's bias, silently differ)."""
+        from moepack.packer.synth import v4_tensor_specs
+
         cfg, c = self.cfg, self.c
-        expect = {"embed.weight": (cfg.vocab_size, cfg.hidden_size), cfg.head_weight: (cfg.vocab_size, cfg.hidden_size),
-                  "layers.0.ffn.experts.0.w1.weight": (cfg.moe_intermediate_size, cfg.hidden_size),
-                  "layers.0.attn.wq_a.weight": (cfg.q_lora_rank, cfg.hidden_size)}
-        for name, shape in expect.items():
-            t = c.tensors.get(name)
-            if t is None:
-                raise MoepackError(f"{c.path}: tensor {name} is missing")
-            if t.shape != shape:
-                raise MoepackError(f"{c.path}: tensor {name} is {list(t.shape)} but the config says {list(shape)}")
         if len(c.layers) != cfg.num_layers or any(len(b.experts) != cfg.n_routed_experts for b in c.layers):
             raise MoepackError(f"{c.path}: the container's layers/experts do not match its config "
                                f"({cfg.num_layers} layers of {cfg.n_routed_experts} experts)")
+        # the config as this runtime reads it (defaults, legacy keys), so both name the same layer kinds
+        rates = {kind: rate for kind, rate in zip(cfg.layer_types, cfg.compress_rates) if kind != v4.SLIDING}
+        model = {**c.config, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "head_dim": cfg.head_dim,
+                 "q_lora_rank": cfg.q_lora_rank, "o_groups": cfg.o_groups, "o_lora_rank": cfg.o_lora_rank,
+                 "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+                 "moe_intermediate_size": cfg.moe_intermediate_size, "hc_mult": cfg.hc_mult,
+                 "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim,
+                 "layer_types": list(cfg.layer_types), "compress_rates": rates, "num_nextn_predict_layers": 0,
+                 "mlp_layer_types": ["hash_moe" if h else "moe" for h in cfg.hash_layers],
+                 "tie_word_embeddings": cfg.tie_word_embeddings}
+        aliases = {"attn.norm.weight": "attn.kv_norm.weight"}  # transformers' name, the release's
+        for spec in v4_tensor_specs(model):
+            t = c.tensors.get(spec.name)
+            if t is None:
+                head, _, tail = spec.name.partition(".attn.")
+                alias = aliases.get("attn." + tail)
+                t = c.tensors.get(f"{head}.{alias}") if tail and alias else None
+            if t is None:
+                raise MoepackError(f"{c.path}: tensor {spec.name} is missing")
+            if tuple(t.shape) != tuple(spec.shape):
+                raise MoepackError(f"{c.path}: tensor {spec.name} is {list(t.shape)} but the config says "
+                                   f"{list(spec.shape)}")
 
     # --- bytes -> tensors ----------------------------------------------------------------------------------------
     def _check(self, regions: list[Region], view: memoryview, base: int) -> None:

@@ -950,6 +950,44 @@ def test_a_model_this_runtime_would_compute_differently_is_refused_in_one_line(t
     assert r.exit_code == 0, r.output
 
 
+@pytest.mark.parametrize("damage,named", [
+    ("drop:model.layers.1.attn.wq_b.weight", "tensor layers.1.attn.wq_b.weight is missing"),
+    ("drop:model.layers.3.ffn.gate.bias", "tensor layers.3.ffn.gate.bias is missing"),  # optional in the math
+    ("drop:model.layers.2.ffn.experts.5.w3.weight", "tensor layers.2.ffn.experts.5.w3.weight is missing"),
+    ("config:q_lora_rank=25", "tensor layers.0.attn.wq_a.weight is [24, 64] but the config says [25, 64]"),
+    ("config:index_topk=3", None),  # not a shape: a valid model
+])
+def test_a_container_whose_tensors_do_not_fit_its_config_is_refused_before_any_read(tmp_path, damage, named):
+    """A checkpoint missing a tensor, or whose config gives it another shape, converts (the container holds what
+    it was given) but prefill names the first tensor that does not fit, in one line, before reading anything."""
+    from safetensors.torch import save_file
+
+    _, src = _variant(tmp_path)
+    kind, _, what = damage.partition(":")
+    if kind == "drop":
+        weights = load_file(os.path.join(src, "model.safetensors"))
+        del weights[what]
+        save_file(weights, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        key, value = what.split("=")
+        with open(os.path.join(src, "config.json")) as f:
+            config = json.load(f)
+        config[key] = int(value)
+        with open(os.path.join(src, "config.json"), "w") as f:
+            json.dump(config, f)
+    container = str(tmp_path / "damaged.moepack")
+    convert_checkpoint(src, container, progress=False)
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3")
+    before = _proc_read_bytes()
+    r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids)])
+    if named is None:
+        assert r.exit_code == 0, r.output
+        return
+    assert r.exit_code == 1 and named in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert _proc_read_bytes() - before < (1 << 20)
+
+
 def test_swish_is_silu(tmp_path):
     """transformers' ACT2FN gives "swish" and "silu" the same function: both are computed, not refused."""
     hf_model, src = _variant(tmp_path, hidden_act="swish")
