@@ -204,8 +204,9 @@ def _print_summary(s: dict) -> None:
 @json_option
 @reports_errors
 def verify(file, source, revision, as_json):
-    """Check a container's structure and every checksum (reads the whole file); with --source, also dequantize
-    every tensor and compare it with the checkpoint it was converted from."""
+    """Check a container's structure and every checksum (reads the whole file), and that it holds every tensor its
+    config's model uses, of the config's shape; with --source, also dequantize every tensor and compare it with the
+    checkpoint it was converted from."""
     from moepack.format_spec.reader import Container
     from moepack.format_spec.verify import verify_container
     from moepack.packer.progress import progress_bar
@@ -214,6 +215,12 @@ def verify(file, source, revision, as_json):
         total = c.total_bytes
     with progress_bar(total, "verify", not as_json) as bar:
         result = verify_container(file, on_bytes=bar.update).as_dict()
+    from moepack.runtime.engine import model_config
+    from moepack.runtime.model import unsupported
+
+    with Container(file) as c:  # what prefill checks before it reads: the config's model and its tensors
+        model_config(c, computable=False)
+        result["prefill"] = f"refused: {unsupported(c.config)}" if unsupported(c.config) else "ok"
     if source is not None:
         from moepack.packer.fidelity import compare_with_source, raise_on_failures
 
@@ -228,7 +235,10 @@ def verify(file, source, revision, as_json):
 def _print_verify(r: dict) -> None:
     parts = f" in {r['parts']} part files" if r.get("parts", 1) > 1 else ""
     click.echo(f"{r['path']}: OK ({r['regions']} regions{parts}, {r['tensors']} tensors, "
-               f"{r['bytes_read'] / 2**20:.1f} MiB at {r['gb_per_s']:.2f} GB/s)")
+               f"{r['bytes_read'] / 2**20:.1f} MiB at {r['gb_per_s']:.2f} GB/s); every tensor its config's model "
+               f"uses is there, of its shape")
+    if r.get("prefill", "ok") != "ok":
+        click.echo(f"  prefill: {r['prefill']}")
     s = r.get("source_check")
     if s:
         click.echo(f"  matches {s['source']}: {s['bit_identical']} tensors bit-identical, {s['value_identical']} "

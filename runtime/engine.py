@@ -219,6 +219,53 @@ def expert_reads(block: Block, expert_ids: list[int], bundle: int) -> list[tuple
             for first, count in block.split_runs(bundle_runs(expert_ids, bundle))]
 
 
+def model_config(container: Container, computable: bool = True) -> v4.ModelConfig:
+    """The model a container holds, as this runtime will compute it, checked before anything is read: a
+    DeepSeek-V4 config (that this runtime computes as transformers does, unless `computable` is False), and every
+    tensor that model uses in the container with the shape the config gives it (else compute would fail half-way
+    or, for an optional one such as the router's bias, silently differ). `moepack verify` runs it too."""
+    from moepack.packer.synth import v4_tensor_specs
+
+    c = container
+    if c.architecture != "deepseek_v4":
+        raise MoepackError(f"{c.path} holds a {c.architecture!r} model; this runtime prefills "
+                           f"DeepSeek-V4 (deepseek_v4) containers")
+    try:
+        cfg = v4.ModelConfig.from_hf(c.config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise MoepackError(f"{c.path}: the config in the index is not a usable DeepSeek-V4 config ({e})") from None
+    problem = v4.unsupported(c.config)
+    if problem and computable:
+        raise MoepackError(f"{c.path}: {problem}")
+    if len(c.layers) != cfg.num_layers or any(len(b.experts) != cfg.n_routed_experts for b in c.layers):
+        raise MoepackError(f"{c.path}: the container's layers/experts do not match its config "
+                           f"({cfg.num_layers} layers of {cfg.n_routed_experts} experts)")
+    # the config as this runtime reads it (defaults, legacy keys), so both name the same layer kinds
+    rates = {kind: rate for kind, rate in zip(cfg.layer_types, cfg.compress_rates) if kind != v4.SLIDING}
+    model = {**c.config, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "head_dim": cfg.head_dim,
+             "q_lora_rank": cfg.q_lora_rank, "o_groups": cfg.o_groups, "o_lora_rank": cfg.o_lora_rank,
+             "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+             "moe_intermediate_size": cfg.moe_intermediate_size, "hc_mult": cfg.hc_mult,
+             "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim,
+             "layer_types": list(cfg.layer_types), "compress_rates": rates, "num_nextn_predict_layers": 0,
+             "mlp_layer_types": ["hash_moe" if h else "moe" for h in cfg.hash_layers],
+             "tie_word_embeddings": cfg.tie_word_embeddings}
+    aliases = {"attn.norm.weight": "attn.kv_norm.weight"}  # transformers' name, the release's
+    for spec in v4_tensor_specs(model):
+        t = c.tensors.get(spec.name)
+        if t is None:
+            head, _, tail = spec.name.partition(".attn.")
+            alias = aliases.get("attn." + tail)
+            t = c.tensors.get(f"{head}.{alias}") if tail and alias else None
+        if t is None:
+            raise MoepackError(f"{c.path}: tensor {spec.name} is missing")
+        if tuple(t.shape) != tuple(spec.shape):
+            raise MoepackError(f"{c.path}: tensor {spec.name} is {list(t.shape)} but the config says "
+                               f"{list(spec.shape)}")
+    return cfg
+
+
 class StreamingPrefill:
     """One prefill over one container. Use `run(token_ids)`."""
 
@@ -238,18 +285,7 @@ class StreamingPrefill:
         self.malloc_keeps_freed = self.device.type == "cpu" and keep_freed_memory()
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
-        if container.architecture != "deepseek_v4":
-            raise MoepackError(f"{container.path} holds a {container.architecture!r} model; this runtime prefills "
-                               f"DeepSeek-V4 (deepseek_v4) containers")
-        try:
-            self.cfg = v4.ModelConfig.from_hf(container.config)
-        except (KeyError, TypeError, ValueError) as e:
-            raise MoepackError(f"{container.path}: the config in the index is not a usable DeepSeek-V4 config ({e})") \
-                from None
-        problem = v4.unsupported(container.config)
-        if problem:
-            raise MoepackError(f"{container.path}: {problem}")
-        self._check_shapes()
+        self.cfg = model_config(container)
         for what, value in (("compute", options.compute_dtype), ("expert", options.expert_dtype)):
             if value is not None and value not in EXPERT_DTYPES:
                 raise MoepackError(f"unknown {what} dtype {value!r} (choose from {', '.join(EXPERT_DTYPES)})")
@@ -293,39 +329,6 @@ class StreamingPrefill:
         self._check_on_read = self.device.type == "cuda"
         if self.device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(self.device)
-
-    def _check_shapes(self) -> None:
-        """Every tensor the config's model computes with is in the container with the shape the config gives it,
-        or compute would fail half-way (or, for an optional one such as the router's bias, silently differ)."""
-        from moepack.packer.synth import v4_tensor_specs
-
-        cfg, c = self.cfg, self.c
-        if len(c.layers) != cfg.num_layers or any(len(b.experts) != cfg.n_routed_experts for b in c.layers):
-            raise MoepackError(f"{c.path}: the container's layers/experts do not match its config "
-                               f"({cfg.num_layers} layers of {cfg.n_routed_experts} experts)")
-        # the config as this runtime reads it (defaults, legacy keys), so both name the same layer kinds
-        rates = {kind: rate for kind, rate in zip(cfg.layer_types, cfg.compress_rates) if kind != v4.SLIDING}
-        model = {**c.config, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "head_dim": cfg.head_dim,
-                 "q_lora_rank": cfg.q_lora_rank, "o_groups": cfg.o_groups, "o_lora_rank": cfg.o_lora_rank,
-                 "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
-                 "moe_intermediate_size": cfg.moe_intermediate_size, "hc_mult": cfg.hc_mult,
-                 "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim,
-                 "layer_types": list(cfg.layer_types), "compress_rates": rates, "num_nextn_predict_layers": 0,
-                 "mlp_layer_types": ["hash_moe" if h else "moe" for h in cfg.hash_layers],
-                 "tie_word_embeddings": cfg.tie_word_embeddings}
-        aliases = {"attn.norm.weight": "attn.kv_norm.weight"}  # transformers' name, the release's
-        for spec in v4_tensor_specs(model):
-            t = c.tensors.get(spec.name)
-            if t is None:
-                head, _, tail = spec.name.partition(".attn.")
-                alias = aliases.get("attn." + tail)
-                t = c.tensors.get(f"{head}.{alias}") if tail and alias else None
-            if t is None:
-                raise MoepackError(f"{c.path}: tensor {spec.name} is missing")
-            if tuple(t.shape) != tuple(spec.shape):
-                raise MoepackError(f"{c.path}: tensor {spec.name} is {list(t.shape)} but the config says "
-                                   f"{list(spec.shape)}")
 
     # --- bytes -> tensors ----------------------------------------------------------------------------------------
     def _check(self, regions: list[Region], view: memoryview, base: int) -> None:

@@ -948,6 +948,8 @@ def test_a_model_this_runtime_would_compute_differently_is_refused_in_one_line(t
     assert r.exit_code == 1 and named in r.output and len(r.output.strip().splitlines()) == 1, r.output
     r = CliRunner().invoke(cli, ["plan", container, "--json"])  # sizes and FLOPs do not depend on it
     assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["verify", container, "--json"])  # a sound container of a model prefill refuses
+    assert r.exit_code == 0 and json.loads(r.stdout)["prefill"].startswith("refused: " + named), r.output
 
 
 @pytest.mark.parametrize("damage,named", [
@@ -981,11 +983,13 @@ def test_a_container_whose_tensors_do_not_fit_its_config_is_refused_before_any_r
     ids.write_text("1 2 3")
     before = _proc_read_bytes()
     r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids)])
+    verified = CliRunner().invoke(cli, ["verify", container, "--json"])
     if named is None:
-        assert r.exit_code == 0, r.output
+        assert r.exit_code == 0 and verified.exit_code == 0, (r.output, verified.output)
         return
     assert r.exit_code == 1 and named in r.output and len(r.output.strip().splitlines()) == 1, r.output
     assert _proc_read_bytes() - before < (1 << 20)
+    assert verified.exit_code == 1 and named in verified.output, verified.output  # verify says it too
 
 
 def test_swish_is_silu(tmp_path):
