@@ -314,6 +314,10 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
 
     if sum(x is not None for x in (prompt, prompt_file, token_ids_file)) != 1:
         raise click.UsageError("give exactly one of --prompt, --prompt-file, --token-ids")
+    if logits_out:
+        from moepack.runtime.outputs import check_output_path
+
+        check_output_path(logits_out)  # before the prefill, not after it
     pattern = file
     if container_per_rank:
         if not expert_parallel or "{rank}" not in file:

@@ -10,6 +10,18 @@ from safetensors.torch import save_file
 from moepack.format_spec.errors import MoepackError
 
 
+def check_output_path(path: str) -> None:
+    """Refuse, before any work, an output file that could not be written: a directory, or a folder that is not
+    there or not writable (else a long prefill would end in the error)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise MoepackError(f"cannot write {path}: it is a directory")
+    if not os.path.isdir(parent):
+        raise MoepackError(f"cannot write {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MoepackError(f"cannot write {path}: the directory {parent} is not writable")
+
+
 def write_logits(path: str, logits: torch.Tensor) -> None:
     """safetensors with one tensor `logits`, float32 [vocab]."""
     tmp = path + ".tmp"
@@ -18,5 +30,8 @@ def write_logits(path: str, logits: torch.Tensor) -> None:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
-        raise MoepackError(f"cannot write {path}: {e.strerror or e}") from None
+    except Exception as e:  # OSError, or safetensors' own error type for the same failures
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else e
+        raise MoepackError(f"cannot write {path}: {reason}") from None

@@ -268,6 +268,25 @@ def test_token_id_files_in_every_accepted_form_and_bad_ones_named(tmp_path):
         read_token_ids(str(tmp_path / "missing.txt"))
 
 
+def test_logits_out_that_cannot_be_written_is_refused_before_the_prefill(models, tmp_path, monkeypatch):
+    from moepack.runtime import outputs
+
+    _, container = models["A"]
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3")
+    ran = []
+    monkeypatch.setattr(engine.StreamingPrefill, "run", lambda *a, **k: ran.append(1))
+    r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), "--logits-out",
+                                 str(tmp_path / "missing" / "l.safetensors")])
+    assert r.exit_code == 1 and "does not exist" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not ran
+    # a failure while writing (safetensors raises its own error type) is one line too, and leaves no partial file
+    monkeypatch.setattr(outputs, "save_file", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("I/O error")))
+    with pytest.raises(MoepackError, match="cannot write .*I/O error"):
+        outputs.write_logits(str(tmp_path / "l.safetensors"), torch.zeros(3))
+    assert os.listdir(tmp_path) == ["ids.txt"]
+
+
 def test_prompt_too_long_for_memory_is_refused_before_any_read(models, monkeypatch):
     from moepack.runtime import engine as eng
 
