@@ -204,3 +204,12 @@ def parse_block_name(block: str) -> tuple[str, int]:
     if not m:
         raise FormatError(f"bad block name {block!r} (expected 'layers.N' or 'mtp.N')")
     return m.group(1), int(m.group(2))
+
+
+def layer_count_problem(config: dict, layer_blocks: int) -> str | None:
+    """Why a config and a container's `layers.N` blocks disagree on the number of layers (None: they agree, or
+    the config does not say). The reader refuses such a container; the writer and the converter refuse to make one."""
+    n_layers = config.get("num_hidden_layers")
+    if isinstance(n_layers, int) and n_layers != layer_blocks:
+        return f"config has {n_layers} layers but the container holds {layer_blocks}"
+    return None

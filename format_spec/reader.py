@@ -21,7 +21,7 @@ from .dtypes import STORAGE_TYPES, tensor_nbytes
 from .errors import FormatError
 from .layout import (
     ALIGNMENT, FORMAT_MINOR_PARTS, HEADER_SIZE, MAX_PARTS, REGION_KINDS, TENSOR_ALIGNMENT, Header, PartHeader,
-    parse_block_name, part_path, region_name, region_part,
+    layer_count_problem, parse_block_name, part_path, region_name, region_part,
 )
 
 
@@ -236,10 +236,9 @@ class Container:
         self._open_parts()
         self.blocks = self._group_blocks()
         self.tensors = self._validate_tensors(index["tensors"])
-        n_layers = self.config.get("num_hidden_layers")
-        n_blocks = sum(1 for b in self.blocks if b.section == "layers")
-        if isinstance(n_layers, int) and n_layers != n_blocks:
-            _fail(f"config has {n_layers} layers but the container holds {n_blocks}")
+        problem = layer_count_problem(self.config, sum(1 for b in self.blocks if b.section == "layers"))
+        if problem:
+            _fail(problem)
 
     def _validate_parts(self, parts) -> None:
         """The optional `parts` key (format 1.1): how many part files and the stripe of the striping rule."""

@@ -29,7 +29,8 @@ from .dtypes import tensor_nbytes
 from .errors import MoepackError
 from .layout import (
     ALIGNMENT, CODEC_ZSTD, DEFAULT_STRIPE_EXPERTS, FORMAT_MAJOR, FORMAT_MINOR, FORMAT_MINOR_PARTS, HEADER_SIZE,
-    MAX_PARTS, TENSOR_ALIGNMENT, Header, PartHeader, align_up, parse_block_name, part_path, region_name, region_part,
+    MAX_PARTS, TENSOR_ALIGNMENT, Header, PartHeader, align_up, layer_count_problem, parse_block_name, part_path,
+    region_name, region_part,
 )
 
 _ZEROS = bytes(ALIGNMENT)
@@ -229,6 +230,11 @@ class ContainerWriter:
                provenance: dict | None = None, extra: dict | None = None) -> str:
         if self._open is not None:
             raise RuntimeError("finish with an open region")
+        # a container its own reader would refuse never gets the final name
+        problem = layer_count_problem(config, sum(1 for r in self._regions if r["kind"] == "dense"
+                                                  and parse_block_name(r["block"])[0] == "layers"))
+        if problem:
+            raise MoepackError(f"{self.path}: {problem}")
         minor = FORMAT_MINOR_PARTS if self.parts > 1 else FORMAT_MINOR
         index = {
             "format": "moepack",

@@ -24,7 +24,7 @@ from moepack.format_spec.decode import as_uint8, decode_float, decode_tensor, sc
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
 from moepack.format_spec.reader import SCALE_SUFFIXES
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, parse_block_name, region_name
+from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, layer_count_problem, parse_block_name, region_name
 from moepack.format_spec.policies import POLICY_NAMES, policy as policy_table, target_type
 from moepack.format_spec.writer import ContainerWriter
 
@@ -161,6 +161,11 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
     try:
         adapter = adapter_for(source.config)
         plan = plan_regions(adapter, source.tensors, drop_mtp)
+        # before hours of work, not at the end of it
+        problem = layer_count_problem(source.config, sum(1 for kind, block, _, _ in plan
+                                                         if kind == "dense" and block.startswith("layers.")))
+        if problem:
+            raise MoepackError(f"{resolved.local_dir}: {problem}")
         _check_stripes(plan, parts, stripe_experts)
         converter = RegionConverter(adapter, policy)
         job = {"source": resolved.provenance["source"], "revision": resolved.provenance.get("revision"),

@@ -94,6 +94,35 @@ def test_transformers_save_pretrained_names_are_canonicalised(tmp_path):
         assert torch.equal(embed, model.model.embed_tokens.weight.detach())
 
 
+def test_a_config_that_counts_other_layers_than_the_tensors_is_refused_before_converting(release_dir, tmp_path):
+    """num_hidden_layers that disagrees with the checkpoint's layers: refused before any work, and never a file
+    under the final name that the reader would then refuse (the writer checks it too)."""
+    import json
+
+    from moepack.format_spec.writer import ContainerWriter
+
+    src = str(tmp_path / "src")
+    shutil.copytree(release_dir, src)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    layers = config["num_hidden_layers"]
+    config["num_hidden_layers"] = layers - 1
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(config, f)
+    out = str(tmp_path / "x.moepack")
+    with pytest.raises(MoepackError, match=f"config has {layers - 1} layers but the container holds {layers}"):
+        convert_checkpoint(src, out, progress=False)
+    assert not os.path.exists(out)
+    writer = ContainerWriter(out)
+    writer.begin_region("dense", block="layers.0")
+    writer.add_tensor("layers.0.attn_norm.weight", "F32", [4], bytes(16))
+    writer.end_region()
+    with pytest.raises(MoepackError, match="config has 2 layers but the container holds 1"):
+        writer.finish(config={"num_hidden_layers": 2}, architecture="deepseek_v4", policy={})
+    writer.abort()
+    assert not os.path.exists(out)
+
+
 def test_missing_shard_and_bad_sources(release_dir, tmp_path):
     broken = str(tmp_path / "broken")
     shutil.copytree(release_dir, broken)
