@@ -280,11 +280,18 @@ class StreamingPrefill:
             raise MoepackError("--bundle-experts must be at least 1")
         self.c = container
         self.opt = options
-        self.device = torch.device(options.device)
-        # CPU: activations reused layer to layer, not faulted in again
-        self.malloc_keeps_freed = self.device.type == "cpu" and keep_freed_memory()
+        try:
+            self.device = torch.device(options.device)
+        except (RuntimeError, TypeError):
+            self.device = None
+        if self.device is None or self.device.type not in ("cpu", "cuda"):
+            raise MoepackError(f"unknown device {options.device!r} (cpu, cuda or cuda:N)")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
+        if self.device.type == "cuda" and (self.device.index or 0) >= torch.cuda.device_count():
+            raise MoepackError(f"--device {options.device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+        # CPU: activations reused layer to layer, not faulted in again
+        self.malloc_keeps_freed = self.device.type == "cpu" and keep_freed_memory()
         self.cfg = model_config(container)
         for what, value in (("compute", options.compute_dtype), ("expert", options.expert_dtype)):
             if value is not None and value not in EXPERT_DTYPES:

@@ -1029,6 +1029,10 @@ def test_cli_without_a_cuda_device_says_so_in_one_line(models, tmp_path):
     ids.write_text("1 2 3")
     r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), "--device", "cuda"])
     assert r.exit_code != 0 and "CUDA" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    for device in ("tpu", "cpu:x", "mps"):
+        r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), "--device", device])
+        assert r.exit_code == 1 and "unknown device" in r.output and len(r.output.strip().splitlines()) == 1, \
+            r.output
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
