@@ -30,7 +30,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from .errors import FormatError, MoepackError
-from .writer import fsync_dir
+from .writer import fsync_dir, fsync_file
 
 KV_FORMAT = "moepack-kv"
 KV_MAJOR = 1
@@ -287,13 +287,9 @@ def layer_file_name(layer: int) -> str:
 
 def _fsync_file(path: str) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fsync_file(path)
     except OSError as e:
         raise MoepackError(f"{path}: cannot sync ({e.strerror or e})") from None
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _atomic_write(path: str, data: bytes, sync: bool = True) -> None:

@@ -335,6 +335,15 @@ def _region_matches(f, region: dict) -> bool:
     return h.hexdigest() == region.get("xxh3")
 
 
+def fsync_file(path: str) -> None:
+    """Make a written file's bytes durable (errors are raised: unsynced data may be lost)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     """Make a rename inside `path` durable (best effort: some filesystems refuse a directory fsync)."""
     try:

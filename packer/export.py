@@ -19,11 +19,13 @@ import tempfile
 import time
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from moepack.format_spec.decode import companion_names, decode_group, is_companion
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
+from moepack.format_spec.writer import fsync_dir, fsync_file
 
 from .progress import progress_bar
 
@@ -95,9 +97,18 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
                 data = entry["data"].encode() if entry.get("encoding") == "utf-8" else base64.b64decode(entry["data"])
                 with open(os.path.join(tmp, name), "wb") as f:
                     f.write(data)
+            for name in os.listdir(tmp):  # on disk before the directory gets its final name
+                fsync_file(os.path.join(tmp, name))
+            fsync_dir(tmp)
             if os.path.exists(out_dir):
                 os.rmdir(out_dir)
             os.replace(tmp, out_dir)
+            fsync_dir(parent)
+        except (OSError, SafetensorError) as e:  # a full disk, a vanished folder: one line, nothing left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            full = " (disk full)" if "No space left" in reason else ""
+            raise MoepackError(f"writing {out_dir} failed: {reason}{full}") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

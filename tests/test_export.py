@@ -82,3 +82,21 @@ def test_export_refuses_a_non_empty_directory(release_container, tmp_path):
         export_container(out, str(tmp_path / "occupied"), progress=False)
     with pytest.raises(MoepackError, match="unknown export dtype"):
         export_container(out, str(tmp_path / "new"), dtype="f8", progress=False)
+
+
+def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(release_container, tmp_path):
+    import subprocess
+
+    _, container, _ = release_container
+    small = tmp_path / "small-disk"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64K", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        full = r"writing .*out failed: .*No space left on device.*\(disk full\)"
+        with pytest.raises(MoepackError, match=full) as info:
+            export_container(container, str(small / "out"), progress=False)
+        assert "\n" not in str(info.value)
+        assert os.listdir(small) == []  # neither the output nor its temporary folder
+    finally:
+        subprocess.run(["umount", "-l", str(small)])

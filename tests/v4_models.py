@@ -135,7 +135,8 @@ def random_config(rng: random.Random) -> dict:
         mlp_layer_types=["hash_moe"] * n_hash + ["moe"] * (n_layers - n_hash), hc_mult=rng.randint(1, 4),
         hc_sinkhorn_iters=rng.choice([1, 3, 20]), sliding_window=rng.choice([1, 4, 16, 64, 128]),
         o_groups=rng.choice([g for g in range(1, heads + 1) if heads % g == 0]), o_lora_rank=rng.choice([8, 16]),
-        index_n_heads=rng.choice([1, 2, 4, 8]), index_head_dim=rng.choice([d for d in (8, 16, 32, 64) if d >= rope_dim]),
+        index_n_heads=rng.choice([1, 2, 4, 8]),
+        index_head_dim=rng.choice([d for d in (8, 16, 32, 64) if d >= rope_dim]),
         index_topk=rng.choice([1, 2, 5, 16, 64]), scoring_func=rng.choice(["sqrtsoftplus", "sigmoid"]),
         routed_scaling_factor=rng.choice([1.0, 1.5, 2.5]), swiglu_limit=rng.choice([0.5, 3.0, 10.0]),
         rms_norm_eps=rng.choice([1e-6, 1e-5]), hc_eps=rng.choice([1e-6, 1e-3]), rope_theta=rng.choice([1e4, 500.0]),
@@ -177,7 +178,8 @@ def run_random_case(case: dict, work_dir: str) -> dict:
     if case["policy"] != "keep":
         export_container(container, os.path.join(work_dir, "export"), dtype="f32", progress=False)
         hf_model = DeepseekV4ForCausalLM.from_pretrained(os.path.join(work_dir, "export"), dtype=torch.float32).eval()
-    ids = torch.randint(0, case["config"]["vocab_size"], (case["tokens"],), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, case["config"]["vocab_size"], (case["tokens"],),
+                        generator=torch.Generator().manual_seed(seed))
     options = PrefillOptions(**case["options"])
     if split:
         kv = os.path.join(work_dir, "kv")
