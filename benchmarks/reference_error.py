@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from test_prefill import CASES  # noqa: E402
-from v4_models import build, random_case, run_random_case  # noqa: E402
+from v4_models import build, logit_error, random_case, run_random_case  # noqa: E402
 
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.runtime.engine import PrefillOptions, prefill  # noqa: E402
@@ -48,10 +48,7 @@ def main() -> None:
             with torch.no_grad():
                 ref = hf_model(ids[None]).logits[0, -1].float()
             got = prefill(container, ids, PrefillOptions(**options)).logits
-            err, scale = (got - ref).abs().max().item(), ref.abs().max().item()
-            rows.append({"config": name, "tokens": n, "options": options, "max_abs_error": err,
-                         "logit_scale": scale, "relative": err / scale, "same_token": int(got.argmax()) ==
-                         int(ref.argmax())})
+            rows.append({"config": name, "tokens": n, "options": options, **logit_error(got, ref)})
         for seed in range(args.first_seed, args.first_seed + args.random):
             case = random_case(seed)
             with tempfile.TemporaryDirectory(dir=base) as work_dir:

@@ -211,16 +211,18 @@ def verify(file, source, revision, as_json):
     from moepack.format_spec.verify import verify_container
     from moepack.packer.progress import progress_bar
 
-    with Container(file) as c:  # the cheap structural checks first: a broken file fails before any bar shows
-        total = c.total_bytes
-    with progress_bar(total, "verify", not as_json) as bar:
-        result = verify_container(file, on_bytes=bar.update).as_dict()
     from moepack.runtime.engine import model_config
     from moepack.runtime.model import unsupported
 
-    with Container(file) as c:  # what prefill checks before it reads: the config's model and its tensors
+    # the cheap checks first, a broken file fails before any bar shows: the structure, and what prefill checks
+    # before it reads (the config's model and its tensors)
+    with Container(file) as c:
+        total = c.total_bytes
         model_config(c, computable=False)
-        result["prefill"] = f"refused: {unsupported(c.config)}" if unsupported(c.config) else "ok"
+        refused = unsupported(c.config)
+    with progress_bar(total, "verify", not as_json) as bar:
+        result = verify_container(file, on_bytes=bar.update).as_dict()
+    result["prefill"] = f"refused: {refused}" if refused else "ok"
     if source is not None:
         from moepack.packer.fidelity import compare_with_source, raise_on_failures
 

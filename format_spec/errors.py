@@ -8,3 +8,11 @@ class MoepackError(Exception):
 
 class FormatError(MoepackError):
     """A container (or KV directory) that is malformed, damaged or of an unsupported version."""
+
+
+def error_reason(e: BaseException) -> str:
+    """What went wrong, for a one-line message: an OS error's own words, else the exception's first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -358,6 +358,14 @@ def native_library(name: str, source: str) -> ctypes.CDLL | None:
         return _native[name]["library"]
 
 
+def c_function(lib: ctypes.CDLL, symbol: str, argtypes: tuple, restype=ctypes.c_int):
+    """`lib`'s C function `symbol` with its signature declared (undeclared, ctypes would pass every argument as
+    an int and read an int back)."""
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 def _disable_native(name: str, reason: str) -> None:
     """Stop using a compiled kernel (its self-check against the torch kernel failed)."""
     with _native_lock:
@@ -372,9 +380,7 @@ def compiled_quantizer(name: str, source: str, symbol: str, reference, probe: to
     lib = native_library(name, source)
     if lib is None:
         return None
-    fn = getattr(lib, symbol)
-    fn.restype = ctypes.c_int
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    fn = c_function(lib, symbol, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64))
 
     def kernel(x: torch.Tensor, out: torch.Tensor) -> None:
         x = x.contiguous()  # a view of a strided input (the torch kernels take any strides)

@@ -228,14 +228,11 @@ def _load_fp8_native():
     if lib is None:
         return None
     kernels = {}
-    lib.fp8_avx512_supported.restype = ctypes.c_int
-    wide = "fp8_block_decode16_avx512" if lib.fp8_avx512_supported() else "fp8_block_decode16"
+    wide = ("fp8_block_decode16_avx512" if quant_common.c_function(lib, "fp8_avx512_supported", ())()
+            else "fp8_block_decode16")
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
     for itemsize, symbol in ((2, wide), (4, "fp8_block_decode32")):
-        fn = getattr(lib, symbol)
-        fn.restype = None
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)
-        kernels[itemsize] = fn
+        kernels[itemsize] = quant_common.c_function(lib, symbol, (p, p, i64, i64, i64, i64, p, p), restype=None)
     # self-check: random weight bytes under random scale bytes, in blocks of 64 (whole 32-wide AVX-512 steps) and
     # of 48 (a step and a scalar tail, steps starting off a multiple of 32), with partial blocks at the edges
     gen = torch.Generator().manual_seed(0)

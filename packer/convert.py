@@ -163,7 +163,7 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
         plan = plan_regions(adapter, source.tensors, drop_mtp)
         # before hours of work, not at the end of it
         problem = layer_count_problem(source.config, sum(1 for kind, block, _, _ in plan
-                                                         if kind == "dense" and block.startswith("layers.")))
+                                                         if kind == "dense" and parse_block_name(block)[0] == "layers"))
         if problem:
             raise MoepackError(f"{resolved.local_dir}: {problem}")
         _check_stripes(plan, parts, stripe_experts)

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from moepack.format_spec.decode import companion_names, decode_group, is_companion
-from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.reader import Container
 from moepack.format_spec.writer import fsync_dir, fsync_file
 
@@ -106,7 +106,7 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
             fsync_dir(parent)
         except (OSError, SafetensorError) as e:  # a full disk, a vanished folder: one line, nothing left behind
             shutil.rmtree(tmp, ignore_errors=True)
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            reason = error_reason(e)
             full = " (disk full)" if "No space left" in reason else ""
             raise MoepackError(f"writing {out_dir} failed: {reason}{full}") from None
         except BaseException:

@@ -181,7 +181,6 @@ def _block_specs(prefix: str, config: dict, attention_type: str, mlp_type: str) 
     o_groups, o_rank = config["o_groups"], config["o_lora_rank"]
     experts, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
     inter = config["moe_intermediate_size"]
-    shared_inter = inter  # transformers' shared expert is moe_intermediate_size wide whatever n_shared_experts says
     hc = config.get("hc_mult", 4)
     hc_mixes = (2 + hc) * hc  # pre (hc) + post (hc) + comb (hc * hc)
 
@@ -235,10 +234,10 @@ def _block_specs(prefix: str, config: dict, attention_type: str, mlp_type: str) 
             linear(f"ffn.experts.{e}.w2", hidden, inter, ROLE_EXPERT),
             linear(f"ffn.experts.{e}.w3", inter, hidden, ROLE_EXPERT),
         ]
-    specs += [
-        linear("ffn.shared_experts.w1", shared_inter, hidden),
-        linear("ffn.shared_experts.w2", hidden, shared_inter),
-        linear("ffn.shared_experts.w3", shared_inter, hidden),
+    specs += [  # transformers' shared expert is moe_intermediate_size wide whatever n_shared_experts says
+        linear("ffn.shared_experts.w1", inter, hidden),
+        linear("ffn.shared_experts.w2", hidden, inter),
+        linear("ffn.shared_experts.w3", inter, hidden),
     ]
     return specs
 

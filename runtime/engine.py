@@ -251,13 +251,10 @@ def model_config(container: Container, computable: bool = True) -> v4.ModelConfi
              "layer_types": list(cfg.layer_types), "compress_rates": rates, "num_nextn_predict_layers": 0,
              "mlp_layer_types": ["hash_moe" if h else "moe" for h in cfg.hash_layers],
              "tie_word_embeddings": cfg.tie_word_embeddings}
-    aliases = {"attn.norm.weight": "attn.kv_norm.weight"}  # transformers' name, the release's
     for spec in v4_tensor_specs(model):
         t = c.tensors.get(spec.name)
-        if t is None:
-            head, _, tail = spec.name.partition(".attn.")
-            alias = aliases.get("attn." + tail)
-            t = c.tensors.get(f"{head}.{alias}") if tail and alias else None
+        if t is None:  # the KV norm: transformers' `attn.norm`, the release's `attn.kv_norm` (model._kv_norm_weight)
+            t = c.tensors.get(spec.name.replace(".attn.norm.", ".attn.kv_norm."))
         if t is None:
             raise MoepackError(f"{c.path}: tensor {spec.name} is missing")
         if tuple(t.shape) != tuple(spec.shape):
@@ -305,7 +302,7 @@ class StreamingPrefill:
         self._expert_pool = (ThreadPoolExecutor(self.expert_threads, "moepack-expert")
                              if self.expert_threads > 1 else None)
         self._globals_pool: ThreadPoolExecutor | None = None  # reads the LM head during the last layer
-        self._globals_checked: set[tuple[int, int]] = set()
+        self._globals_checked: set[int] = set()  # indexes of this pass's global regions already checked
         self._local = threading.local()  # each expert thread's own decoder (its buffers are reused expert to expert)
         self._decoders: list[ExpertDecoder] = []
         self._decoders_lock = threading.Lock()
@@ -510,10 +507,10 @@ class StreamingPrefill:
         where reader threads check (CUDA), else by the consumer. Regions already `held` (fetched before) are
         not read again but returned with the rest. Into pinned memory on CUDA unless `for_device` is False (the
         bytes are decoded on the host)."""
-        held = held or []
-        fetched = list(held)
+        fetched = list(held or [])
+        have = {r.index for r, _, _ in fetched}
         for r in self._global_regions(names):
-            if any((r.part, r.offset) == (have.part, have.offset) for have, _, _ in held):
+            if r.index in have:
                 continue
             buf = HostBuffer(r.length, pinned=for_device and self.device.type == "cuda")
             view = self.reader.read_into(buf, r.offset, r.length, r.part)
@@ -526,19 +523,15 @@ class StreamingPrefill:
                         ) -> tuple[dict, Callable]:
         """The entries of fetched global regions (checked) by name, and read(entry) -> its bytes, on the compute
         device or (`on_device` False) on the host."""
-        by_name, where = {}, {}
+        by_name, reads = {}, {}
         for r, buf, view in fetched:
-            if not self._check_on_read and (r.part, r.offset) not in self._globals_checked:
+            if not self._check_on_read and r.index not in self._globals_checked:
                 self._check([r], view, r.offset)
-                self._globals_checked.add((r.part, r.offset))  # a tied embedding serves again as the head
-            raw = self._to_device(buf, view) if on_device else self._host_bytes(buf, view)
+                self._globals_checked.add(r.index)  # a tied embedding serves again as the head
+            read = _entry_bytes(self._to_device(buf, view) if on_device else self._host_bytes(buf, view), r.offset)
             for t in r.tensors:
-                by_name[t.name], where[t.name] = t, (raw, r.offset)
-
-        def read(t):
-            raw, base = where[t.name]
-            return raw[t.file_offset - base: t.file_offset - base + t.length]
-        return by_name, read
+                by_name[t.name], reads[t.name] = t, read
+        return by_name, lambda t: reads[t.name](t)
 
     def _global_group(self, by_name: dict, name: str) -> list:
         """The entry `name` with its scale companions."""
@@ -658,7 +651,7 @@ class StreamingPrefill:
         # Decoded once the first layer's reads are queued, so the disk is not idle meanwhile.
         # only the prompt's rows are decoded, on the host: a vocabulary-sized table is not pinned for them unless it
         # is also the head (tied), which goes to the device
-        self._globals_checked = set()  # this pass's global regions already checked (by part and offset)
+        self._globals_checked = set()
         embed_bytes = self._read_globals(["embed.weight"], for_device=cfg.tie_word_embeddings)
         pending_dense = self._submit_dense(layers[0])
         # Expert reads that do not depend on their layer's router (every expert of the layer) are queued up to
@@ -771,7 +764,7 @@ class StreamingPrefill:
     def _global_regions(self, names) -> list[Region]:
         """The regions of the named tensors and of their scale companions, each once."""
         wanted = [n for name in names for n in (name, *companion_names(name))]
-        return list({r.offset: r for r in (self.c.tensors[n].region for n in wanted if n in self.c.tensors)}.values())
+        return list({r.index: r for r in (self.c.tensors[n].region for n in wanted if n in self.c.tensors)}.values())
 
     def _globals_reader(self) -> ThreadPoolExecutor:
         if self._globals_pool is None:

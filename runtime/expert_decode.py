@@ -466,11 +466,9 @@ def _load_native() -> dict[int, NativeLookup] | None:
     lib = quant_common.native_library("moepack_fp4_decode", _NATIVE_SOURCE)
     if lib is None:
         return None
-    fn = lib.fp4_decode_nibbles
-    fn.restype = ctypes.c_int
-    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
-    lib.fp4_best_level.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn = quant_common.c_function(lib, "fp4_decode_nibbles", (ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, p, i64))
+    best_level = quant_common.c_function(lib, "fp4_best_level", ())
     # self-check: random values in the table, every scale byte and every data byte, in the MXFP4 (strided)
     # arrangement, against the torch path's index_select
     gen = torch.Generator().manual_seed(0)
@@ -478,7 +476,7 @@ def _load_native() -> dict[int, NativeLookup] | None:
     blocks[:, 0] = torch.arange(4096) % 256
     index = (blocks[:, 1:].to(torch.int64) + blocks[:, :1].to(torch.int64) * 256).reshape(-1)
     levels = {}
-    for level in range(lib.fp4_best_level() + 1):
+    for level in range(best_level() + 1):
         lookup = NativeLookup(fn, level)
         for dtype in (torch.bfloat16, torch.float32):
             nibbles = torch.randint(-2**15, 2**15, (256, GROUP_BYTES), dtype=torch.int32, generator=gen)
@@ -517,11 +515,10 @@ class FusedKernels:
     clamped SwiGLU expert, its three matrices packed)."""
 
     def __init__(self, lib):
-        self._linear, self._expert = lib.fp4_linear_bf16, lib.fp4_expert_bf16
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._linear.restype = self._expert.restype = ctypes.c_int
-        self._linear.argtypes = (p, i64, i64, p, i64, p, i64, p, i64, p, i64, p)
-        self._expert.argtypes = (p, i64, i64, i64, *(p, i64, p, i64) * 3, p, ctypes.c_float, p, p, p, p, p)
+        self._linear = quant_common.c_function(lib, "fp4_linear_bf16", (p, i64, i64, p, i64, p, i64, p, i64, p, i64, p))
+        self._expert = quant_common.c_function(lib, "fp4_expert_bf16", (p, i64, i64, i64, *(p, i64, p, i64) * 3, p,
+                                                                         ctypes.c_float, p, p, p, p, p))
 
     def matmul(self, x: torch.Tensor, m: PackedMatrix, scratch: torch.Tensor) -> torch.Tensor:
         """x @ w.T (float32 [tokens, rows]) for bf16 x [tokens, cols] and the packed matrix w: bf16 products,

@@ -90,10 +90,9 @@ def _load():
     lib = quant_common.native_library("moepack_mhc", _SOURCE)
     if lib is None:
         return None
-    fn = lib.hc_mix_weights
-    fn.restype = ctypes.c_int
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    p = ctypes.c_void_p
+    fn = quant_common.c_function(lib, "hc_mix_weights", (p, ctypes.c_int64, ctypes.c_int, p, p, ctypes.c_int,
+                                                           ctypes.c_float, p, p, p))
     gen = torch.Generator().manual_seed(0)
     for hc, tokens, iters in ((4, 37, 20), (3, 5, 1), (1, 16, 0)):  # a partial lane group, one round, hc = 1
         mixes = torch.randn(tokens, (2 + hc) * hc, generator=gen) * 3

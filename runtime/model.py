@@ -604,7 +604,6 @@ class ExpertGroups:
     weight: Tensor  # [P] routing weights
     spans: dict[int, tuple[int, int]]  # expert id -> its rows [start, stop), in ascending expert id
     token_rows: Tensor  # [N, top_k] each token's pair rows, ascending (= ascending expert id)
-    token_weights: Tensor  # [N, top_k] their routing weights
 
     def gather(self, x: Tensor) -> Tensor:
         """x [N, H] -> [P, H], each pair's token row."""
@@ -615,9 +614,8 @@ class ExpertGroups:
         token [N, H] float32, each token's terms added in ascending expert id: one [N, H] gather per top-k slot,
         never a [P, H] temporary (at N = 2048 one of 50 MB, fresh pages every layer: 17 ms against 2.4 ms)."""
         acc = torch.zeros(n_tokens, outputs.shape[1], dtype=torch.float32, device=outputs.device)
-        for slot in range(self.token_rows.shape[1]):
-            acc.addcmul_(outputs.index_select(0, self.token_rows[:, slot]).float(),
-                         self.token_weights[:, slot:slot + 1].float())
+        for rows in self.token_rows.T:
+            acc.addcmul_(outputs.index_select(0, rows).float(), self.weight[rows, None].float())
         return acc
 
 
@@ -643,9 +641,8 @@ class Routing:
             spans = {int(e): (stop - n, stop) for e, n, stop in zip(ids.tolist(), counts.tolist(), stops)}
             row_of_pair = torch.empty_like(order)
             row_of_pair[order] = torch.arange(order.numel(), device=order.device)
-            token_rows, slots = row_of_pair.view(-1, top_k).sort(dim=1)
-            self._groups = ExpertGroups(order // top_k, self.weights.reshape(-1)[order], spans, token_rows,
-                                        self.weights.gather(1, slots))
+            token_rows = row_of_pair.view(-1, top_k).sort(dim=1).values
+            self._groups = ExpertGroups(order // top_k, self.weights.reshape(-1)[order], spans, token_rows)
         return self._groups
 
     def tokens_by_expert(self) -> dict[int, ExpertTokens]:

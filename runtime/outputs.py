@@ -7,7 +7,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.errors import MoepackError, error_reason
+from moepack.format_spec.writer import fsync_file
 
 
 def check_output_path(path: str) -> None:
@@ -27,11 +28,9 @@ def write_logits(path: str, logits: torch.Tensor) -> None:
     tmp = path + ".tmp"
     try:
         save_file({"logits": logits.detach().float().cpu().contiguous()}, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        fsync_file(tmp)
         os.replace(tmp, path)
     except Exception as e:  # OSError, or safetensors' own error type for the same failures
         if os.path.exists(tmp):
             os.unlink(tmp)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else e
-        raise MoepackError(f"cannot write {path}: {reason}") from None
+        raise MoepackError(f"cannot write {path}: {error_reason(e)}") from None

@@ -188,26 +188,31 @@ def run_random_case(case: dict, work_dir: str) -> dict:
     else:
         got = prefill(container, ids, options).logits
     with torch.no_grad():
-        ref = hf_model(ids[None]).logits[0, -1].float()
-    err, scale, reference = (got - ref).abs().max().item(), ref.abs().max().item(), "whole prompt"
-    if split and err > 1e-3 * scale:
+        whole = hf_model(ids[None]).logits[0].float()
+    row, reference = logit_error(got, whole[-1]), "whole prompt"
+    if split and row["relative"] > 1e-3:
         # transformers' continuation from its cache is not always its whole forward: in some configurations it
         # fails or gives other logits, and exact zero-score ties in the indexer's top-k may resolve differently
         # by length (then ours follows its continuation). Matching either is matching transformers.
         with torch.no_grad():
             try:
                 cache = hf_model(ids[None, :split], use_cache=True).cache
-                cont = hf_model(ids[None, split:], cache=cache, use_cache=True).logits[0, -1].float()
+                cont = logit_error(got, hf_model(ids[None, split:], cache=cache, use_cache=True).logits[0, -1].float())
             except Exception:  # noqa: BLE001  (transformers' own cache path failing: no continuation to compare)
                 cont = None
-        if cont is not None and (got - cont).abs().max().item() < err:
-            ref, err, scale, reference = cont, (got - cont).abs().max().item(), cont.abs().max().item(), "continuation"
-        if err > 1e-3 * scale:
+        if cont is not None and cont["max_abs_error"] < row["max_abs_error"]:
+            row, reference = cont, "continuation"
+        if row["relative"] > 1e-3:
             with torch.no_grad():  # does transformers' own forward give the first tokens other logits by length?
-                whole = hf_model(ids[None]).logits[0, :split]
                 prefix = hf_model(ids[None, :split]).logits[0]
-            if (whole - prefix).abs().max().item() > 1e-3 * whole.abs().max().item():
+            if (whole[:split] - prefix).abs().max().item() > 1e-3 * whole[:split].abs().max().item():
                 reference = "none: transformers' logits for the first tokens depend on the prompt's length here"
     return {"seed": seed, "tokens": case["tokens"], "policy": case["policy"], "split": split, "reference": reference,
-            "max_abs_error": err, "logit_scale": scale, "relative": err / scale,
+            **row}
+
+
+def logit_error(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Last-position logits against the reference's: max abs error, the logit scale, their ratio, same argmax."""
+    err, scale = (got - ref).abs().max().item(), ref.abs().max().item()
+    return {"max_abs_error": err, "logit_scale": scale, "relative": err / scale,
             "same_token": int(got.argmax()) == int(ref.argmax())}
