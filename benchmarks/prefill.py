@@ -224,6 +224,8 @@ def main() -> None:
             # no streamed prefill can beat reading its bytes at the disk's speed
             "io_floor_s": round(s["bytes_read"] / (max(fio.get("gbps", 0), max_read_gbps) * 1e9), 3),
             "same_token_as_resident": streamed.next_token == resident.next_token,
+            "fused_expert_max_tokens": s["fused_expert_max_tokens"],
+            "fused_expert_max_tokens_source": s["fused_expert_max_tokens_source"],
         })
     if not args.no_transformers:
         export_dir = os.path.join(args.workdir, f"{args.preset}-bf16-export")
@@ -257,7 +259,9 @@ def main() -> None:
         return
     print(f"{args.preset}: container {file_bytes / 1e9:.2f} GB, compute in {args.compute_dtype}, experts in "
           f"{args.expert_dtype}, bundle "
-          f"{args.bundle_experts}, depth {args.queue_depth}, {torch.get_num_threads()} threads, on {args.device}")
+          f"{args.bundle_experts}, depth {args.queue_depth}, {torch.get_num_threads()} threads, on {args.device}; "
+          f"fused FP4 experts up to {rows[0]['fused_expert_max_tokens']} tokens "
+          f"({rows[0]['fused_expert_max_tokens_source']})")
     if budget:
         experts = result["expert_bytes_in_compute_dtype"]
         print(f"device budget {budget / 2**30:.2f} GiB; the experts in {args.expert_dtype} are {experts / 2**30:.2f} "

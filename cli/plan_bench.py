@@ -173,6 +173,14 @@ def _print_compute(r: dict) -> None:
     for p in r["points"]:
         click.echo(f"{p['tokens_per_expert']:>14} {p['gflops']:>10.1f} {p['matmul_gflops']:>12.1f} "
                    f"{p['seconds_per_expert'] * 1e3:>10.2f}")
+    fused = r.get("fused")
+    if fused:
+        click.echo(f"fused FP4 kernel against decode + GEMM, {fused['threads']} thread (ms per expert):")
+        click.echo(f"{'tokens/expert':>14} {'fused':>10} {'decoded':>10}")
+        for p in fused["points"]:
+            click.echo(f"{p['tokens_per_expert']:>14} {p['fused_seconds_per_expert'] * 1e3:>10.2f} "
+                       f"{p['decoded_seconds_per_expert'] * 1e3:>10.2f}")
+        click.echo(f"prefill runs the fused kernel for experts on up to {fused['max_tokens']} tokens on this CPU")
 
 
 # ---------------------------------------------------------------------------------------------------------------

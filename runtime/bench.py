@@ -8,7 +8,9 @@ memory and host->device copy rates, and the effective FLOP/s of the runtime's ex
 * `bench_memory()` times host memory copies (the pipeline's host RAM stage) and, on CUDA, pinned and pageable
   host->device copies (the PCIe stage).
 * `bench_compute()` times decode + SwiGLU of routed experts exactly as the engine runs them (format_spec.decode's
-  `decode_float`, runtime.model's `expert_forward`), for several tokens per expert: F measured, not assumed.
+  `decode_float`, runtime.model's `expert_forward`), for several tokens per expert: F measured, not assumed. For
+  bf16 FP4 experts on a CPU with the fused kernel it also finds the tokens per expert up to which that kernel beats
+  decode + GEMM; `tuned_fused_max_tokens()` gives `prefill` that crossover.
 
 Results are kept in a small per-machine cache, `$MOEPACK_CACHE_DIR/bench.json` (default
 `$XDG_CACHE_HOME/moepack/bench.json`, i.e. `~/.cache/moepack/bench.json`), keyed by the host name and, for io, by
@@ -43,6 +45,7 @@ BUNDLES = (1, 2, 4, 8, 16)
 DEPTHS = (1, 2, 4, 8, 16)
 NEAR_TIE = 0.03  # cells within 3% of the fastest count as equally fast: the one with the least buffer memory wins
 COMPUTE_TOKENS = (1, 8, 32, 128, 512, 2048)
+FUSED_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 512)  # where the fused kernel's crossover is looked for
 COMPUTE_STORAGES = ("FP4_E2M1", "MXFP4", "NVFP4", "Q8_0", "BF16")
 V4_FLASH_DIMS = (4096, 2048)  # hidden, moe_intermediate_size
 
@@ -464,14 +467,13 @@ def _container_experts(path: str, count: int) -> tuple[list, int, int, str]:
     return experts, int(w1[2][1]), int(w1[2][0]), w1[1]
 
 
-def _decode_expert(tensors: dict, dtype: torch.dtype, decoder):
-    """The expert (an ExpertWeights) decoded as the engine decodes a region: FP4 through its table decoder,
-    anything else through decode_group (scales and tensor scales applied). `tensors`: name -> (storage type, shape,
-    bytes on device)."""
+def _expert_region(tensors: dict):
+    """(region, raw bytes, layout) of an expert as the engine sees it: the tensors' entries laid out one after the
+    other in `raw`, and ExpertDecoder.layout's verdict ("FP4_E2M1", "MXFP4" or None: decode_group's path).
+    `tensors`: name -> (storage type, shape, bytes on device)."""
     from types import SimpleNamespace
 
-    from moepack.format_spec.decode import decode_group
-    from moepack.runtime.expert_decode import ExpertDecoder, ExpertWeights
+    from moepack.runtime.expert_decode import ExpertDecoder
 
     entries, offset = [], 0
     for name, (stype, shape, raw) in tensors.items():
@@ -479,11 +481,20 @@ def _decode_expert(tensors: dict, dtype: torch.dtype, decoder):
                                        length=raw.numel()))
         offset += raw.numel()
     region = SimpleNamespace(tensors=entries)
-    raw = torch.cat([raw for _, _, raw in tensors.values()])
-    layout = ExpertDecoder.layout(region, "")
+    return region, torch.cat([raw for _, _, raw in tensors.values()]), ExpertDecoder.layout(region, "")
+
+
+def _decode_expert(tensors: dict, dtype: torch.dtype, decoder, tokens: int | None = None):
+    """The expert (an ExpertWeights) decoded as the engine decodes a region: FP4 through its table decoder (left
+    packed for the fused kernel when `tokens` is within the decoder's fused_tokens), anything else through
+    decode_group (scales and tensor scales applied)."""
+    from moepack.format_spec.decode import decode_group
+    from moepack.runtime.expert_decode import ExpertWeights
+
+    region, raw, layout = _expert_region(tensors)
     if layout is not None:
-        return decoder.decode(region, layout, raw, 0, "")
-    w = decode_group(entries, lambda t: raw[t.file_offset: t.file_offset + t.length], dtype)
+        return decoder.decode(region, layout, raw, 0, "", tokens=tokens)
+    w = decode_group(region.tensors, lambda t: raw[t.file_offset: t.file_offset + t.length], dtype)
     return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"])
 
 
@@ -550,16 +561,79 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
             on_point(point)
     t_dec = _best_seconds(lambda: [_decode_expert(e, dtype, decoder) for e in on_device], repeat, dev) / len(on_device)
     decoder.close()
+    fused = _fused_crossover(on_device, cfg, dtype, dev, repeat)
     result = {
         "machine": machine_id(), "measured_at": _now(), **load, "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model(),
         "threads": torch.get_num_threads(), "source": source, "storage": storage, "hidden": H, "intermediate": I,
         "expert_dtype": expert_dtype, "experts": len(on_device), "repeat": repeat,
-        "decode_seconds_per_expert": t_dec, "points": points,
+        "decode_seconds_per_expert": t_dec, "points": points, **({"fused": fused} if fused else {}),
     }
     if save:
         result["cache"] = store("compute", compute_key(dev.type, storage, H, I, expert_dtype), result)
     return result
+
+
+def _fused_crossover(on_device: list, cfg, dtype: torch.dtype, dev: torch.device, repeat: int) -> dict | None:
+    """Where this CPU's fused FP4 matmul stops beating decode + GEMM, as the engine runs an expert (one thread):
+    {"threads", "points": [{tokens_per_expert, fused_seconds_per_expert, decoded_seconds_per_expert}],
+    "max_tokens"}: the last of FUSED_TOKENS at which the fused kernel is as fast, before two in a row at which it
+    is slower (one slower point alone can be noise; 0: never as fast). None where the fused kernel does not apply
+    (not bf16 on a CPU that has it, not FP4 experts)."""
+    from moepack.runtime.expert_decode import ExpertDecoder, fused_max_tokens
+
+    if not fused_max_tokens(dtype, dev) or _expert_region(on_device[0])[2] is None:
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # an expert thread's own core, as in the engine
+    decoder = ExpertDecoder(dtype, dev, threads=1, fused_tokens=max(FUSED_TOKENS))
+    try:
+        g = torch.Generator().manual_seed(1)
+        points, limit, losses = [], 0, 0
+        for t in FUSED_TOKENS:
+            x = (torch.randn(t, cfg.hidden_size, generator=g) * 0.5).to(dev, dtype)
+
+            def run(tokens):
+                return lambda: [_decode_expert(e, dtype, decoder, tokens).apply(cfg, x) for e in on_device]
+
+            run(t)(), run(None)()  # warm-up at this shape
+            fused_s = _best_seconds(run(t), repeat, dev) / len(on_device)
+            decoded_s = _best_seconds(run(None), repeat, dev) / len(on_device)
+            points.append({"tokens_per_expert": t, "fused_seconds_per_expert": fused_s,
+                           "decoded_seconds_per_expert": decoded_s})
+            losses = losses + 1 if fused_s > decoded_s else 0
+            if losses == 2:
+                break
+            if not losses:
+                limit = t
+    finally:
+        decoder.close()
+        torch.set_num_threads(threads)
+    return {"threads": 1, "points": points, "max_tokens": limit}
+
+
+def tuned_fused_max_tokens(hidden: int, inter: int) -> int | None:
+    """Up to how many tokens per expert the fused FP4 kernel is faster on this CPU, as `moepack bench compute
+    --expert-dtype bfloat16` measured it, or None when it never ran here on this CPU model. The crossover moves
+    with the expert's size (this Zen 5: 512+ tokens for 1024 x 1024 experts, 96 for V4-Flash's 4096 x 2048), so the
+    run of the nearest size counts (the same shape first, then the latest). Never raises: a prefill must not fail
+    over the cache."""
+    try:
+        cpu = _cpu_model()
+        runs = [r for r in cached("compute").values()
+                if isinstance(r, dict) and isinstance(r.get("fused"), dict) and r.get("device_name") == cpu
+                and r.get("device", "").split(":")[0] == "cpu"]
+        if not runs:
+            return None
+        def distance(r):  # by parameter count on a log scale
+            return abs(math.log(max(r["hidden"] * r["intermediate"], 1) / max(hidden * inter, 1)))
+
+        runs.sort(key=lambda r: r.get("measured_at", ""), reverse=True)  # min() keeps the first: the latest
+        pick = min(runs, key=lambda r: (distance(r), (r["hidden"], r["intermediate"]) != (hidden, inter)))
+        value = pick["fused"]["max_tokens"]
+        return value if isinstance(value, int) and value >= 0 else None
+    except Exception:  # noqa: BLE001 - any cache problem means "not measured"
+        return None
 
 
 def compute_key(device_type: str, storage: str, hidden: int, inter: int, expert_dtype: str) -> str:

@@ -50,8 +50,9 @@ from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.reader import SCALE_SUFFIXES, Block, Container, ReadSpan, Region
 
 from . import model as v4
+from .bench import tuned_fused_max_tokens
 from .distributed import balanced_ranges
-from .expert_decode import ExpertDecoder, ExpertWeights, fused_max_tokens
+from .expert_decode import ExpertDecoder, ExpertWeights, default_fused_tokens, fused_max_tokens
 from .io import (HostBuffer, ReadPipeline, RegionReader, available_memory_bytes, keep_freed_memory,
                  release_freed_memory)
 
@@ -90,6 +91,9 @@ class PrefillOptions:
     # Expert-parallel runs: each rank owns a contiguous expert range per layer, of equal size ("contiguous") or of
     # equal routed load measured on this prompt ("balanced": the layer's reads then start once its router ran).
     expert_ownership: str = "contiguous"
+    # bf16 FP4 experts on up to this many tokens run the fused kernel (CPUs with AVX512-BF16); None: the crossover
+    # `moepack bench compute --expert-dtype bfloat16` measured on this CPU, else expert_decode.FUSED_MAX_TOKENS.
+    fused_max_tokens: int | None = None
 
 
 @dataclass
@@ -301,6 +305,7 @@ class StreamingPrefill:
         self.expert_threads = torch.get_num_threads() if self.device.type == "cpu" else 1
         self._expert_pool = (ThreadPoolExecutor(self.expert_threads, "moepack-expert")
                              if self.expert_threads > 1 else None)
+        self.fused_tokens, self.fused_tokens_source = self._fused_tokens(options.fused_max_tokens)
         self._globals_pool: ThreadPoolExecutor | None = None  # reads the LM head during the last layer
         self._globals_checked: set[int] = set()  # indexes of this pass's global regions already checked
         self._local = threading.local()  # each expert thread's own decoder (its buffers are reused expert to expert)
@@ -397,10 +402,24 @@ class StreamingPrefill:
             return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"]).apply(self.cfg, x, out)
         return self._decoder().decode(region, layout, raw, base, prefix, tokens=len(x)).apply(self.cfg, x, out)
 
+    def _fused_tokens(self, given: int | None) -> tuple[int, str]:
+        """(experts on up to how many tokens run the fused FP4 kernel, where that figure comes from)."""
+        if given is not None and given < 0:
+            raise MoepackError(f"fused_max_tokens must be >= 0, got {given}")
+        if not fused_max_tokens(self.expert_dtype, self.device):
+            return 0, "not available"
+        if given is not None:
+            return given, "given"
+        measured = tuned_fused_max_tokens(self.cfg.hidden_size, self.cfg.moe_intermediate_size)
+        if measured is None:
+            return default_fused_tokens(self.cfg.hidden_size), "default"
+        return measured, "bench compute"
+
     def _decoder(self) -> ExpertDecoder:
         decoder = getattr(self._local, "decoder", None)
         if decoder is None:  # one per thread; an expert thread decodes on its own core only
-            decoder = ExpertDecoder(self.expert_dtype, self.device, threads=1 if self._expert_pool else None)
+            decoder = ExpertDecoder(self.expert_dtype, self.device, threads=1 if self._expert_pool else None,
+                                    fused_tokens=self.fused_tokens)
             self._local.decoder = decoder
             with self._decoders_lock:
                 self._decoders.append(decoder)
@@ -858,7 +877,8 @@ class StreamingPrefill:
             "expert_dtype": str(self.expert_dtype).removeprefix("torch."),
             "expert_threads": self.expert_threads,
             # experts on up to this many tokens ran the fused FP4 matmul (the weights never decoded to memory)
-            "fused_expert_max_tokens": fused_max_tokens(self.expert_dtype, self.device),
+            "fused_expert_max_tokens": self.fused_tokens,
+            "fused_expert_max_tokens_source": self.fused_tokens_source,
             "queue_depth": self.opt.queue_depth,
             "read_pool_bytes": self.experts_pipe.buffers * self.experts_pipe.buffer_bytes,
             "malloc_keeps_freed": self.malloc_keeps_freed,

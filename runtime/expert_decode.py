@@ -16,7 +16,8 @@ row stride), write into buffers reused from expert to expert, and run on the dec
 Without a compiler, torch does it: `scale byte << 8 | data byte` indexes a 65,536-entry table of byte pairs
 (index_select), about 5x slower than the SSSE3 kernel.
 
-On a CPU with AVX512-BF16, an expert on few tokens (FUSED_MAX_TOKENS) skips the decoded matrix altogether: the
+On a CPU with AVX512-BF16, an expert on few tokens (this CPU's crossover as `moepack bench compute --expert-dtype
+bfloat16` measured it, else default_fused_tokens) skips the decoded matrix altogether: the
 fused kernel decodes 4 rows at a time into a scratch that stays in L1 and multiplies them by the tokens at once
 (vdpbf16ps, float32 sums). `decode(..., tokens=n)` then returns the matrices still packed (PackedMatrix) with that
 kernel as their matmul.
@@ -29,6 +30,7 @@ order" (0, 16, 1, 17, ...). Rather than shuffling the weight, the expert permute
 from __future__ import annotations
 
 import ctypes
+import os
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -392,7 +394,8 @@ FUSED_ROWS = 4  # the kernel's rows per tile: its scratch holds this many decode
 # (AMD Zen 5, one thread, 1024 x 1024 experts, per expert: fused 0.41 / 0.81 / 1.26 / 1.8 / 2.2 / 2.7 / 3.2 / 3.6 ms
 # at 16 / 48 / 80 / 128 / 160 / 192 / 224 / 256 tokens against 0.53 / 0.92 / 1.43 / 2.0 / 2.5 / 2.9 / 3.4 / 3.7 ms
 # decoded; prefill of the medium model, medians alternating in one process: N = 1,024 2.31 -> 2.27 s and
-# N = 2,048 5.06 -> 4.73 s with 256 here instead of 128).
+# N = 2,048 5.06 -> 4.73 s with 256 here instead of 128). Another CPU has another crossover (an AMX core's GEMM
+# is far ahead of vdpbf16ps): `moepack bench compute --expert-dtype bfloat16` measures it, and prefill takes that.
 FUSED_MAX_TOKENS = 256
 
 GROUP = 32  # inputs per scale, both layouts
@@ -610,10 +613,37 @@ def fused_available() -> bool:
     return _fused_kernel() is not None
 
 
-def fused_max_tokens(dtype: torch.dtype, device: torch.device) -> int:
+def fused_max_tokens(dtype: torch.dtype, device: torch.device, limit: int | None = None) -> int:
     """Up to how many tokens an expert's matmuls run fused with its decode, for experts computed in `dtype` on
-    `device` (0: never)."""
-    return FUSED_MAX_TOKENS if device.type == "cpu" and dtype == torch.bfloat16 and fused_available() else 0
+    `device` (0: never): `limit` where given (this CPU's measured crossover, default_fused_tokens), else
+    FUSED_MAX_TOKENS."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or not fused_available():
+        return 0
+    return FUSED_MAX_TOKENS if limit is None else max(int(limit), 0)
+
+
+def l2_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """This CPU's per-core L2 size (1 MiB where sysfs does not say)."""
+    try:
+        for index in sorted(os.listdir(sysfs)):
+            with open(os.path.join(sysfs, index, "level")) as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(os.path.join(sysfs, index, "size")) as f:
+                size = f.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+            return int(size.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        pass
+    return 1 << 20
+
+
+def default_fused_tokens(hidden: int) -> int:
+    """The fused kernel's token limit where `moepack bench compute` never measured this CPU's crossover. The kernel
+    runs every token through each 4-row tile, so its input rows (bf16, `hidden` wide) are read again per tile and
+    want to stay in L2; past that, decode + GEMM wins (Zen 5, 1 MiB L2: 256+ tokens for 1024-wide experts, ~128 for
+    V4-Flash's 4096: a prefill with 256 there ran 12 % slower than with 128). At most FUSED_MAX_TOKENS."""
+    return max(FUSED_ROWS, min(FUSED_MAX_TOKENS, l2_cache_bytes() // (2 * max(hidden, 1))))
 
 
 @dataclass
@@ -643,10 +673,10 @@ class ExpertDecoder:
     expert to the next: an expert's weights are valid until the next `decode`."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, threads: int | None = None,
-                 native: bool | str = True, fused: bool = True):
+                 native: bool | str = True, fused: bool = True, fused_tokens: int | None = None):
         """`native`: True uses the best compiled lookup this CPU runs, a NATIVE_LEVELS name that one (tests), False
-        the torch path (also where nothing is compiled, and on GPUs). `fused`: bf16 experts on few tokens use the
-        fused FP4 matmul where this CPU has it (`decode(tokens=)`)."""
+        the torch path (also where nothing is compiled, and on GPUs). `fused`: bf16 experts on up to `fused_tokens`
+        tokens (default FUSED_MAX_TOKENS) use the fused FP4 matmul where this CPU has it (`decode(tokens=)`)."""
         self.dtype = dtype
         self.device = device
         self._tables: dict[str, torch.Tensor] = {}
@@ -661,7 +691,8 @@ class ExpertDecoder:
                 raise ValueError(f"unknown FP4 lookup level {native!r} (one of {', '.join(NATIVE_LEVELS)})")
             levels = {k: v for k, v in levels.items() if v.name == native}
         self.native: NativeLookup | None = levels[max(levels)] if levels else None
-        self.fused = _fused_kernel() if fused and native is not False and fused_max_tokens(dtype, device) else None
+        self.fused_tokens = fused_max_tokens(dtype, device, fused_tokens) if fused and native is not False else 0
+        self.fused = _fused_kernel() if self.fused_tokens else None
 
     def close(self) -> None:
         if self._pool is not None:
@@ -746,7 +777,7 @@ class ExpertDecoder:
     def decode(self, region: Region, layout: str, raw: torch.Tensor, base: int, prefix: str,
                tokens: int | None = None) -> ExpertWeights:
         """The expert of `region` (bytes in `raw`, which starts at file offset `base`). `tokens`: how many tokens it
-        is about to run on; up to FUSED_MAX_TOKENS, where the fused kernel runs, the weights stay packed and each
+        is about to run on; up to `fused_tokens`, where the fused kernel runs, the weights stay packed and each
         matmul decodes as it goes."""
         by_name = {t.name: t for t in region.tensors}
 
@@ -754,7 +785,7 @@ class ExpertDecoder:
             t = by_name[name]
             return raw[t.file_offset - base: t.file_offset - base + t.length]
 
-        fused = self.fused is not None and tokens is not None and tokens <= FUSED_MAX_TOKENS
+        fused = self.fused is not None and tokens is not None and tokens <= self.fused_tokens
         table = self._fused_table(layout) if fused else self._table(layout)
         jobs, weights = [], {}
         for m in EXPERT_MATRICES:

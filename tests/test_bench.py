@@ -162,6 +162,94 @@ def test_compute_synthetic_and_from_a_container(tiny):
         B.bench_compute("cpu", tokens=(1,), storage="Q4_K", hidden=256, intermediate=256)
 
 
+def _crossover(points: list) -> int:
+    """The rule the bench states: the last token count at which the fused kernel is as fast, before two in a row
+    at which it is slower."""
+    limit, losses = 0, []
+    for p in points:
+        slower = p["fused_seconds_per_expert"] > p["decoded_seconds_per_expert"]
+        losses.append(slower)
+        if losses[-2:] == [True, True]:
+            break
+        if not slower:
+            limit = p["tokens_per_expert"]
+    return limit
+
+
+def test_compute_finds_the_fused_kernels_crossover(tiny):
+    from moepack.runtime.expert_decode import fused_available
+
+    assert B.tuned_fused_max_tokens(256, 256) is None  # nothing measured yet
+    measured = []
+    for storage in ("FP4_E2M1", "MXFP4"):
+        r = B.bench_compute("cpu", tokens=(8,), storage=storage, hidden=256, intermediate=256, experts=1,
+                            repeat=1, expert_dtype="bfloat16")
+        if not fused_available():
+            assert "fused" not in r
+            continue
+        fused = r["fused"]
+        tokens = [p["tokens_per_expert"] for p in fused["points"]]
+        assert tokens == list(B.FUSED_TOKENS[:len(tokens)]) and fused["threads"] == 1
+        assert all(p["fused_seconds_per_expert"] > 0 and p["decoded_seconds_per_expert"] > 0
+                   for p in fused["points"])
+        assert fused["max_tokens"] == _crossover(fused["points"])
+        # it stops at two losses in a row, or ran every point
+        slower = [p["fused_seconds_per_expert"] > p["decoded_seconds_per_expert"] for p in fused["points"]]
+        assert len(tokens) == len(B.FUSED_TOKENS) or slower[-2:] == [True, True]
+        measured.append(fused["max_tokens"])
+        assert B.tuned_fused_max_tokens(256, 256) in measured  # a run of this shape (both may share a second)
+    # the fused kernel is for bf16 FP4 experts only: nothing measured for float32 or other storage types
+    for storage, dtype in (("FP4_E2M1", "float32"), ("Q8_0", "bfloat16")):
+        r = B.bench_compute("cpu", tokens=(8,), storage=storage, hidden=256, intermediate=256, experts=1, repeat=1,
+                            expert_dtype=dtype, save=False)
+        assert "fused" not in r
+
+
+def _store_crossover(hidden: int, inter: int, max_tokens: int, cpu: str, when: str) -> None:
+    B.store("compute", f"cpu|FP4_E2M1|{hidden}x{inter}|bfloat16|{cpu}", {
+        "device": "cpu", "device_name": cpu, "hidden": hidden, "intermediate": inter, "measured_at": when,
+        "points": [], "fused": {"threads": 1, "points": [], "max_tokens": max_tokens}})
+
+
+def test_prefill_takes_the_crossover_measured_on_this_cpu(tiny, monkeypatch):
+    import torch
+
+    from moepack.runtime import expert_decode
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    cpu = B._cpu_model()
+    _store_crossover(4096, 2048, 96, cpu, "2026-01-01T00:00:00")
+    _store_crossover(256, 256, 7, "another CPU", "2026-01-03T00:00:00")  # not this CPU: never taken
+    _store_crossover(512, 512, 12, cpu, "2026-01-01T00:00:00")
+    _store_crossover(512, 512, 16, cpu, "2026-01-02T00:00:00")
+    assert B.tuned_fused_max_tokens(512, 512) == 16  # the same shape, the latest run
+    assert B.tuned_fused_max_tokens(256, 256) == 16  # the nearest size measured on this CPU
+    assert B.tuned_fused_max_tokens(4096, 1024) == 96
+    if not expert_decode.fused_available():
+        stats = prefill(tiny, torch.arange(40), PrefillOptions(compute_dtype="bfloat16")).stats
+        assert (stats["fused_expert_max_tokens"], stats["fused_expert_max_tokens_source"]) == (0, "not available")
+        return
+    calls = []
+    real_expert = expert_decode.FusedKernels.expert
+    monkeypatch.setattr(expert_decode.FusedKernels, "expert",
+                        lambda self, *args, **kw: calls.append(len(args[0])) or real_expert(self, *args, **kw))
+    ids = torch.randint(0, 500, (90,), generator=torch.Generator().manual_seed(3))
+    options = PrefillOptions(compute_dtype="bfloat16", expert_selection="all")
+    tuned = prefill(tiny, ids, options)
+    assert (tuned.stats["fused_expert_max_tokens"], tuned.stats["fused_expert_max_tokens_source"]) == \
+        (16, "bench compute")
+    assert calls and max(calls) <= 16 and max(l.tokens_per_expert_max for l in tuned.layers) > 16
+    calls.clear()
+    given = prefill(tiny, ids, PrefillOptions(compute_dtype="bfloat16", expert_selection="all",
+                                              fused_max_tokens=0))
+    assert (given.stats["fused_expert_max_tokens"], given.stats["fused_expert_max_tokens_source"]) == (0, "given")
+    assert not calls  # 0: never fused
+    # the same experts either way, bf16 products either way
+    assert (tuned.logits - given.logits).abs().max() <= 3e-2 * given.logits.abs().max()
+    with pytest.raises(B.MoepackError, match="fused_max_tokens"):
+        prefill(tiny, ids, PrefillOptions(compute_dtype="bfloat16", fused_max_tokens=-1))
+
+
 def test_compute_decode_is_the_engines(tiny):
     """The bench runs an expert exactly as the engine does: same decode path, same output bits."""
     import torch

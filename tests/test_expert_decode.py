@@ -17,7 +17,8 @@ from moepack.runtime import engine
 from moepack.runtime.engine import PrefillOptions, prefill
 from moepack.runtime import expert_decode, model
 from moepack.runtime.expert_decode import (FUSED_MAX_TOKENS, GROUP, NATIVE_LEVELS, ExpertDecoder, PackedMatrix,
-                                           _nibble_table, _pair_order, _pair_table, fused_available, native_levels)
+                                           _nibble_table, _pair_order, _pair_table, default_fused_tokens,
+                                           fused_available, native_levels)
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +191,19 @@ def test_fused_expert_matches_the_decoded_expert(fp4_containers, policy, layout,
         packed.apply(cfg, torch.zeros(3, cfg.hidden_size, dtype=torch.bfloat16), torch.empty(3, 5))
 
 
+def test_default_fused_tokens_keep_the_inputs_in_l2(tmp_path, monkeypatch):
+    """Without a measured crossover the fused kernel runs while a token tile's input rows (bf16) fit in L2."""
+    for index, (level, size) in enumerate([("1", "48K"), ("2", "2048K"), ("3", "32M")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(level + "\n")
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert expert_decode.l2_cache_bytes(str(tmp_path)) == 2 << 20
+    assert expert_decode.l2_cache_bytes(str(tmp_path / "missing")) == 1 << 20
+    monkeypatch.setattr(expert_decode, "l2_cache_bytes", lambda: 1 << 20)
+    assert [default_fused_tokens(h) for h in (64, 1024, 2048, 4096, 7168, 1 << 20)] == \
+        [FUSED_MAX_TOKENS, 256, 256, 128, 73, expert_decode.FUSED_ROWS]
+
+
 def test_prefill_with_the_fused_experts_stays_close_to_the_decoded_path(fp4_containers, monkeypatch,
                                                                         tmp_path_factory):
     _needs_fused(tmp_path_factory)
@@ -200,8 +214,10 @@ def test_prefill_with_the_fused_experts_stays_close_to_the_decoded_path(fp4_cont
     monkeypatch.setattr(expert_decode.FusedKernels, "expert",
                         lambda self, *args, **kw: calls.append(len(args[0])) or real_expert(self, *args, **kw))
     fused = prefill(fp4_containers["keep"], ids, options)
-    assert fused.stats["fused_expert_max_tokens"] == FUSED_MAX_TOKENS
-    assert calls and max(calls) <= FUSED_MAX_TOKENS  # the experts did run through the fused kernel
+    with Container(fp4_containers["keep"]) as c:
+        limit = default_fused_tokens(c.config["hidden_size"])
+    assert (fused.stats["fused_expert_max_tokens"], fused.stats["fused_expert_max_tokens_source"]) == (limit, "default")
+    assert calls and max(calls) <= limit  # the experts did run through the fused kernel
     monkeypatch.undo()
     monkeypatch.setattr(expert_decode, "_fused_kernel", lambda: None)
     decoded = prefill(fp4_containers["keep"], ids, options)

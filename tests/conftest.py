@@ -1,0 +1,15 @@
+"""Every test runs with a bench cache of its own (empty unless the test measures): what `moepack bench` recorded on
+this machine (read defaults, the fused kernel's crossover) must not change what a test sees."""
+
+from __future__ import annotations
+
+import pytest
+
+from moepack.runtime.bench import CACHE_ENV
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_bench_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("bench-cache")))
+        yield
