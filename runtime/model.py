@@ -494,6 +494,8 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
             past.indexer if past is not None else None)
 
     out = x.new_empty(n_tokens, cfg.hidden_size)
+    low = w["attn.wq_b.weight"].dtype  # the attention products' dtype (bfloat16 on the low-precision path)
+    compressed_low = compressed.to(low) if compressed is not None else None
     # chunks of a few sliding windows, or the fewer queries `query_chunk` (a memory bound) asks for
     chunk = min(query_chunk or n_tokens, max(SLIDING_CHUNK_WINDOWS * cfg.sliding_window, MIN_QUERY_CHUNK))
     for start in range(0, n_tokens, chunk):
@@ -511,14 +513,18 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
         if compressed is not None and compressed.shape[0] > 0:
             # Entry i summarises positions [i*rate, (i+1)*rate): visible once the query has passed its end.
             complete = (q_pos + 1) // rate  # [C] entries visible to each query
-            if kind == HCA:
+            if kind == HCA or compressed.shape[0] <= cfg.index_topk:
+                # HCA: every complete entry. CSA with no more entries than index_topk: the indexer would keep
+                # every complete one too (its top-k of T <= k entries is all of them), so it is not run.
                 visible = torch.arange(compressed.shape[0], device=x.device)[None, :] < complete[:, None]
-                parts.append((compressed, _bias(visible)))
+                parts.append((compressed_low, _bias(visible)))
             else:
                 picked = indexer_topk(cfg, w, x[start:end], q_lora[start:end], q_rotation, index_keys, complete)
-                parts.append((compressed[picked.clamp(min=0)], _bias(picked >= 0)))  # [C, k, D] per query
+                # [C, k, D] per query, gathered in the products' dtype (half the bytes on the bf16 path)
+                gathered = compressed_low.index_select(0, picked.clamp(min=0).flatten())
+                parts.append((gathered.view(*picked.shape, -1), _bias(picked >= 0)))
 
-        o = _attend(q, parts, w["attn.attn_sink"], cfg.head_dim ** -0.5, w["attn.wq_b.weight"].dtype)
+        o = _attend(q, parts, w["attn.attn_sink"], cfg.head_dim ** -0.5, low)
         # V = K carries RoPE on its rope channels: rotate the output back by the query's angle, so what each
         # entry contributes depends on its distance to the query only.
         o = apply_rope(o, q_rotation.conj())
@@ -536,22 +542,27 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
     """Softmax attention of q [C, heads, D] over several key sets, each (kv, bias [C, K]) with kv either shared by
     all queries [K, D] or per query [C, K, D] (K = V). One softmax spans all sets plus the per-head sink logit,
     whose probability is dropped (the sink only absorbs weight). The two products run in `dtype` (bfloat16 on the
-    low-precision path); logits, softmax and the result are float32."""
-    n_heads, n_queries = q.shape[1], q.shape[0]
-    logits = []
-    q_low = q.to(dtype)
-    parts = [(kv.to(dtype), bias) for kv, bias in parts]  # converted once for both products
-    for kv, bias in parts:
-        spec = "chd,kd->hck" if kv.dim() == 2 else "chd,ckd->hck"
-        logits.append(torch.einsum(spec, q_low, kv).float() * scale + bias)
-    logits.append(sink.view(n_heads, 1, 1).expand(n_heads, n_queries, 1))
-    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1).to(dtype)
+    low-precision path); logits, softmax and the result are float32.
 
-    out, offset = 0, 0
-    for kv, _ in parts:
-        p = probs[..., offset:offset + kv.shape[-2]]
-        offset += kv.shape[-2]
-        out = out + torch.einsum("hck,kd->chd" if kv.dim() == 2 else "hck,ckd->chd", p, kv).float()
+    Every tensor stays [C, heads, K]: both products are then plain (batched) matmuls with no transposed copies,
+    and the softmax runs set by set against a shared max and sum rather than over one concatenated copy."""
+    q_low = q.to(dtype)
+    sets = []
+    for kv, bias in parts:
+        kv = kv.to(dtype)
+        logits = torch.matmul(q_low, kv.T) if kv.dim() == 2 else torch.bmm(q_low, kv.transpose(1, 2))
+        sets.append((kv, logits.float().mul_(scale).add_(bias[:, None, :])))
+    sink = sink.float().view(1, -1)
+    peak = torch.stack([logits.amax(-1) for _, logits in sets]).amax(0).maximum(sink)  # [C, heads]
+    total = (sink - peak).exp_()
+    for _, logits in sets:
+        total += logits.sub_(peak[..., None]).exp_().sum(-1)
+    inverse = total.reciprocal_()[..., None]
+    out = None
+    for kv, weights in sets:
+        probs = weights.mul_(inverse).to(dtype)
+        part = torch.matmul(probs, kv) if kv.dim() == 2 else torch.bmm(probs, kv)
+        out = part.float() if out is None else out.add_(part)
     return out
 
 

@@ -125,6 +125,22 @@ def test_prompts_cover_every_window_case(tmp_dir):
         assert n_max > cfg.sliding_window
 
 
+@pytest.mark.parametrize("n", [20, 27, 28, 301])
+def test_the_indexer_runs_only_when_it_has_a_choice(tmp_dir, monkeypatch, n):
+    """CSA with no more compressed entries than index_topk attends to every complete entry without running the
+    Lightning Indexer (its top-k would be all of them); with more it selects. transformers' logits either way."""
+    hf_model, cfg, weights = build("A", tmp_dir)
+    calls = []
+    real = M.indexer_topk
+    monkeypatch.setattr(M, "indexer_topk", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = prompt(n, cfg.vocab_size, seed=3)
+    logits = M.forward_resident(cfg, weights, ids, query_chunk=16)
+    rate = min(r for r, kind in zip(cfg.compress_rates, cfg.layer_types) if kind == C)
+    assert bool(calls) == (n // rate > cfg.index_topk), (n, len(calls))
+    err, scale = max_error(logits, reference(hf_model, ids)[0])
+    assert err <= REL_TOL * scale
+
+
 def test_routing_tokens_by_expert(tmp_dir):
     _, cfg, weights = build("B", tmp_dir)
     ids = prompt(50, cfg.vocab_size)
