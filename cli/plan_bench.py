@@ -150,7 +150,8 @@ def _print_memory(r: dict) -> None:
 def bench_compute_cmd(device, tokens, file, storage, hidden, intermediate, expert_dtype, experts, repeat, no_save,
                       as_json):
     """Effective FLOP/s of the runtime's routed-expert path (decode of the stored bytes + clamped SwiGLU) at several
-    tokens per expert: the F of `moepack plan`, measured."""
+    tokens per expert: the F of `moepack plan`, measured. With --expert-dtype bfloat16 on a CPU with the fused FP4
+    kernel, also up to how many tokens per expert that kernel beats decode + GEMM: `prefill` uses it."""
     from moepack.runtime.bench import bench_compute
 
     if file is not None and not os.path.exists(file):

@@ -585,9 +585,9 @@ def _fused_crossover(on_device: list, cfg, dtype: torch.dtype, dev: torch.device
     if not fused_max_tokens(dtype, dev) or _expert_region(on_device[0])[2] is None:
         return None
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # an expert thread's own core, as in the engine
     decoder = ExpertDecoder(dtype, dev, threads=1, fused_tokens=max(FUSED_TOKENS))
     try:
+        torch.set_num_threads(1)  # an expert thread's own core, as in the engine
         g = torch.Generator().manual_seed(1)
         points, limit, losses = [], 0, 0
         for t in FUSED_TOKENS:
@@ -614,22 +614,20 @@ def _fused_crossover(on_device: list, cfg, dtype: torch.dtype, dev: torch.device
 
 def tuned_fused_max_tokens(hidden: int, inter: int) -> int | None:
     """Up to how many tokens per expert the fused FP4 kernel is faster on this CPU, as `moepack bench compute
-    --expert-dtype bfloat16` measured it, or None when it never ran here on this CPU model. The crossover moves
-    with the expert's size (this Zen 5: 512+ tokens for 1024 x 1024 experts, 96 for V4-Flash's 4096 x 2048), so the
-    run of the nearest size counts (the same shape first, then the latest). Never raises: a prefill must not fail
-    over the cache."""
+    --expert-dtype bfloat16` measured it for experts of this hidden size (the same intermediate size first, then
+    the latest), or None when no such run was made here on this CPU model. The crossover moves with the hidden
+    size, the width of the input rows the kernel keeps in L2 (this Zen 5: 512+ tokens for 1024 x 1024 experts, 96
+    for V4-Flash's 4096 x 2048), so a run of another hidden size does not count. Never raises: a prefill must not
+    fail over the cache."""
     try:
         cpu = _cpu_model()
         runs = [r for r in cached("compute").values()
                 if isinstance(r, dict) and isinstance(r.get("fused"), dict) and r.get("device_name") == cpu
-                and r.get("device", "").split(":")[0] == "cpu"]
+                and r.get("device", "").split(":")[0] == "cpu" and r.get("hidden") == hidden]
         if not runs:
             return None
-        def distance(r):  # by parameter count on a log scale
-            return abs(math.log(max(r["hidden"] * r["intermediate"], 1) / max(hidden * inter, 1)))
-
-        runs.sort(key=lambda r: r.get("measured_at", ""), reverse=True)  # min() keeps the first: the latest
-        pick = min(runs, key=lambda r: (distance(r), (r["hidden"], r["intermediate"]) != (hidden, inter)))
+        runs.sort(key=lambda r: r.get("measured_at", ""), reverse=True)  # max() keeps the first: the latest
+        pick = max(runs, key=lambda r: r.get("intermediate") == inter)
         value = pick["fused"]["max_tokens"]
         return value if isinstance(value, int) and value >= 0 else None
     except Exception:  # noqa: BLE001 - any cache problem means "not measured"

@@ -271,7 +271,9 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     # V4-Flash's per-head query norm ([256, 64, 512] per chunk) 26 -> 16 ms
     inverse = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
     out = x * inverse
-    return out if weight is None else out.mul_(weight)
+    if weight is None:
+        return out
+    return out.mul_(weight) if weight.dtype == out.dtype else weight * out
 
 
 @functools.lru_cache(maxsize=8)
@@ -552,6 +554,8 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
     q_low = q.to(dtype)
     sets = []
     for kv, bias in parts:
+        if kv.shape[-2] == 0:  # no keys in this set (e.g. index_topk = 0): nothing to attend to
+            continue
         kv = kv.to(dtype)
         logits = torch.matmul(q_low, kv.T) if kv.dim() == 2 else torch.bmm(q_low, kv.transpose(1, 2))
         sets.append((kv, logits.float().mul_(scale).add_(bias[:, None, :])))

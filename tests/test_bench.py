@@ -217,14 +217,20 @@ def test_prefill_takes_the_crossover_measured_on_this_cpu(tiny, monkeypatch):
     from moepack.runtime import expert_decode
     from moepack.runtime.engine import PrefillOptions, prefill
 
+    from moepack.format_spec.reader import Container
+
+    with Container(tiny) as c:
+        hidden, inter = c.config["hidden_size"], c.config["moe_intermediate_size"]
     cpu = B._cpu_model()
     _store_crossover(4096, 2048, 96, cpu, "2026-01-01T00:00:00")
-    _store_crossover(256, 256, 7, "another CPU", "2026-01-03T00:00:00")  # not this CPU: never taken
-    _store_crossover(512, 512, 12, cpu, "2026-01-01T00:00:00")
-    _store_crossover(512, 512, 16, cpu, "2026-01-02T00:00:00")
-    assert B.tuned_fused_max_tokens(512, 512) == 16  # the same shape, the latest run
-    assert B.tuned_fused_max_tokens(256, 256) == 16  # the nearest size measured on this CPU
+    _store_crossover(hidden, inter, 7, "another CPU", "2026-01-03T00:00:00")  # not this CPU: never taken
+    _store_crossover(hidden, inter, 12, cpu, "2026-01-01T00:00:00")
+    _store_crossover(hidden, inter, 16, cpu, "2026-01-02T00:00:00")
+    _store_crossover(hidden, 2 * inter, 20, cpu, "2026-01-04T00:00:00")
+    assert B.tuned_fused_max_tokens(hidden, inter) == 16  # the same shape, the latest run
+    assert B.tuned_fused_max_tokens(hidden, 3 * inter) == 20  # the same hidden size, the latest run
     assert B.tuned_fused_max_tokens(4096, 1024) == 96
+    assert B.tuned_fused_max_tokens(2048, 2048) is None  # another hidden size: its crossover says nothing here
     if not expert_decode.fused_available():
         stats = prefill(tiny, torch.arange(40), PrefillOptions(compute_dtype="bfloat16")).stats
         assert (stats["fused_expert_max_tokens"], stats["fused_expert_max_tokens_source"]) == (0, "not available")

@@ -141,6 +141,19 @@ def test_the_indexer_runs_only_when_it_has_a_choice(tmp_dir, monkeypatch, n):
     assert err <= REL_TOL * scale
 
 
+def test_attend_skips_an_empty_key_set():
+    """A key set with no keys (index_topk = 0 picks none) takes no part in the softmax."""
+    g = torch.Generator().manual_seed(0)
+    q, kv, sink = torch.randn(3, 2, 8, generator=g), torch.randn(5, 8, generator=g), torch.randn(2, generator=g)
+    bias = torch.zeros(3, 5)
+    alone = M._attend(q, [(kv, bias)], sink, 0.3)
+    with_empty = M._attend(q, [(kv, bias), (torch.empty(3, 0, 8), torch.empty(3, 0))], sink, 0.3)
+    assert torch.equal(alone, with_empty)
+    logits = torch.cat([torch.einsum("chd,kd->chk", q, kv) * 0.3, sink.view(1, 2, 1).expand(3, 2, 1)], dim=-1)
+    expected = torch.einsum("chk,kd->chd", torch.softmax(logits, dim=-1)[..., :5], kv)
+    assert torch.allclose(alone, expected, atol=1e-6)
+
+
 def test_routing_tokens_by_expert(tmp_dir):
     _, cfg, weights = build("B", tmp_dir)
     ids = prompt(50, cfg.vocab_size)
