@@ -527,7 +527,7 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
                 picked = indexer_topk(cfg, w, x[start:end], q_lora[start:end], q_rotation, index_keys, complete)
                 # [C, k, D] per query, gathered in the products' dtype (half the bytes on the bf16 path)
                 gathered = compressed_low.index_select(0, picked.clamp(min=0).flatten())
-                parts.append((gathered.view(*picked.shape, -1), _bias(picked >= 0)))
+                parts.append((gathered.view(*picked.shape, compressed_low.shape[-1]), _bias(picked >= 0)))
 
         o = _attend(q, parts, w["attn.attn_sink"], cfg.head_dim ** -0.5, low)
         # V = K carries RoPE on its rope channels: rotate the output back by the query's angle, so what each

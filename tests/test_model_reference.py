@@ -141,8 +141,11 @@ def test_the_indexer_runs_only_when_it_has_a_choice(tmp_dir, monkeypatch, n):
     assert err <= REL_TOL * scale
 
 
-def test_attend_skips_an_empty_key_set():
+def test_attend_skips_an_empty_key_set(tmp_dir):
     """A key set with no keys (index_topk = 0 picks none) takes no part in the softmax."""
+    _, cfg, weights = build("A", tmp_dir)
+    no_picks = M.forward_resident(dataclasses.replace(cfg, index_topk=0), weights, prompt(90, cfg.vocab_size))
+    assert torch.isfinite(no_picks).all()
     g = torch.Generator().manual_seed(0)
     q, kv, sink = torch.randn(3, 2, 8, generator=g), torch.randn(5, 8, generator=g), torch.randn(2, generator=g)
     bias = torch.zeros(3, 5)
