@@ -626,8 +626,7 @@ def tuned_fused_max_tokens(hidden: int, inter: int) -> int | None:
                 and r.get("device", "").split(":")[0] == "cpu" and r.get("hidden") == hidden]
         if not runs:
             return None
-        runs.sort(key=lambda r: r.get("measured_at", ""), reverse=True)  # max() keeps the first: the latest
-        pick = max(runs, key=lambda r: r.get("intermediate") == inter)
+        pick = max(runs, key=lambda r: (r.get("intermediate") == inter, r.get("measured_at", "")))
         value = pick["fused"]["max_tokens"]
         return value if isinstance(value, int) and value >= 0 else None
     except Exception:  # noqa: BLE001 - any cache problem means "not measured"

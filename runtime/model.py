@@ -556,8 +556,8 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
     for kv, bias in parts:
         if kv.shape[-2] == 0:  # no keys in this set (e.g. index_topk = 0): nothing to attend to
             continue
-        kv = kv.to(dtype)
-        logits = torch.matmul(q_low, kv.T) if kv.dim() == 2 else torch.bmm(q_low, kv.transpose(1, 2))
+        kv = kv.to(dtype)  # [K, D] shared, or [C, K, D] per query: matmul broadcasts or batches over C
+        logits = torch.matmul(q_low, kv.transpose(-2, -1))
         sets.append((kv, logits.float().mul_(scale).add_(bias[:, None, :])))
     sink = sink.float().view(1, -1)
     peak = torch.stack([logits.amax(-1) for _, logits in sets]).amax(0).maximum(sink)  # [C, heads]
@@ -568,7 +568,7 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
     out = None
     for kv, weights in sets:
         probs = weights.mul_(inverse).to(dtype)
-        part = torch.matmul(probs, kv) if kv.dim() == 2 else torch.bmm(probs, kv)
+        part = torch.matmul(probs, kv)
         out = part.float() if out is None else out.add_(part)
     return out
 
