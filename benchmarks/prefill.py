@@ -221,6 +221,8 @@ def main() -> None:
             "tokens_per_s": s["tokens_per_s"], "bytes_read": s["bytes_read"],
             "read_gb_per_s_alone": round(io_bytes / io_seconds / 1e9, 3), "peak_rss_gib": round(s["peak_rss_bytes"] / 2**30, 2),
             "peak_device_gib": round(s["peak_device_bytes"] / 2**30, 3) if s.get("peak_device_bytes") else None,
+            "peak_device_reserved_gib": (round(s["peak_device_reserved_bytes"] / 2**30, 3)
+                                         if s.get("peak_device_reserved_bytes") else None),
             # no streamed prefill can beat reading its bytes at the disk's speed
             "io_floor_s": round(s["bytes_read"] / (max(fio.get("gbps", 0), max_read_gbps) * 1e9), 3),
             "same_token_as_resident": streamed.next_token == resident.next_token,
@@ -272,13 +274,14 @@ def main() -> None:
                 else next(iter(fio.values())))
     print(f"disk: fio {fio_text}, reader alone {rows[0]['read_gb_per_s_alone']} GB/s; best of {args.repeat} runs each")
     head = ["N", "io-alone s", "io floor s", "compute-alone s", "streamed s", "overlap", "tok/s", "transformers s",
-            "x transformers", "resident x transformers", "best possible x", "peak device GiB"]
+            "x transformers", "resident x transformers", "best possible x", "peak device GiB", "reserved GiB"]
     print(" | ".join(head))
     for r in rows:
         print(" | ".join(str(v) for v in (r["tokens"], r["io_alone_s"], r["io_floor_s"], r["compute_alone_s"],
                                           r["streamed_s"], r["overlap"], r["tokens_per_s"], r.get("transformers_s"),
                                           r.get("speedup_vs_transformers"), r.get("resident_speedup_vs_transformers"),
-                                          r.get("best_possible_vs_transformers"), r["peak_device_gib"])))
+                                          r.get("best_possible_vs_transformers"), r["peak_device_gib"],
+                                          r["peak_device_reserved_gib"])))
 
 
 if __name__ == "__main__":

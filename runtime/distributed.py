@@ -117,10 +117,11 @@ def init_from_env(device: str, timeout_s: float) -> DistContext:
                            "`torchrun --nproc-per-node P -m moepack prefill ... --expert-parallel`")
     backend = "nccl" if device.startswith("cuda") else "gloo"
     try:
-        if backend == "nccl" and device == "cuda":  # one GPU per rank: "cuda" is this rank's own (LOCAL_RANK)
+        if backend == "nccl":  # NCCL works on the current device: "cuda" is this rank's own (LOCAL_RANK)
             import torch
 
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            index = torch.device(device).index
+            torch.cuda.set_device(index if index is not None else int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as e:
         raise MoepackError(f"cannot join the process group ({_first_line(e)})") from None

@@ -267,6 +267,35 @@ def model_config(container: Container, computable: bool = True) -> v4.ModelConfi
     return cfg
 
 
+def compute_device(name: str) -> torch.device:
+    """The device `--device` names, checked; a CUDA device always with its index ("cuda" is the current one), as
+    some torch.cuda calls refuse a device without one."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise MoepackError(f"unknown device {name!r} (cpu, cuda or cuda:N)")
+    if device.type == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
+    if (device.index or 0) >= torch.cuda.device_count():
+        raise MoepackError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def cuda_free_bytes(device: torch.device) -> int:
+    """What this process may still allocate on `device`: the device's free memory within the process's cap
+    (torch.cuda.set_per_process_memory_fraction, a budget smaller than the device), plus the blocks torch has
+    cached but not handed out."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+    budget = int((fraction(device) if fraction else 1.0) * total)
+    reserved = torch.cuda.memory_reserved(device)
+    return min(free, max(budget - reserved, 0)) + reserved - torch.cuda.memory_allocated(device)
+
+
 class StreamingPrefill:
     """One prefill over one container. Use `run(token_ids)`."""
 
@@ -281,16 +310,7 @@ class StreamingPrefill:
             raise MoepackError("--bundle-experts must be at least 1")
         self.c = container
         self.opt = options
-        try:
-            self.device = torch.device(options.device)
-        except (RuntimeError, TypeError):
-            self.device = None
-        if self.device is None or self.device.type not in ("cpu", "cuda"):
-            raise MoepackError(f"unknown device {options.device!r} (cpu, cuda or cuda:N)")
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
-        if self.device.type == "cuda" and (self.device.index or 0) >= torch.cuda.device_count():
-            raise MoepackError(f"--device {options.device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+        self.device = compute_device(options.device)
         # CPU: activations reused layer to layer, not faulted in again
         self.malloc_keeps_freed = self.device.type == "cpu" and keep_freed_memory()
         self.cfg = model_config(container)
@@ -381,8 +401,10 @@ class StreamingPrefill:
         bytes at `base`.
 
         A tensor stored in the requested dtype decodes to a view of `raw`; `own` copies such views, for weights
-        that outlive the pooled buffer the bytes arrived in (experts are used before their buffer goes back)."""
+        that outlive the pooled buffer the bytes arrived in (experts are used before their buffer goes back). Bytes
+        on a GPU are already the device's own copy, never pooled: their views stay views."""
         out = {}
+        own = own and raw.device.type == "cpu"
         for r in regions:
             values = decode_group(r.tensors, _entry_bytes(raw, base), dtype, dtype_of=dtype_of)
             for name, value in values.items():
@@ -805,13 +827,7 @@ class StreamingPrefill:
                                     self.experts_pipe.buffer_bytes, in_memory, expert_params, self.expert_threads,
                                     self._head_bytes() + HEAD_CHUNK_BYTES)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # a per-process cap (torch.cuda.set_per_process_memory_fraction: a budget smaller than the device);
-            # blocks torch has cached but not handed out are available too
-            budget = int(torch.cuda.get_per_process_memory_fraction(self.device) * total)
-            reserved = torch.cuda.memory_reserved(self.device)
-            free = min(free, max(budget - reserved, 0)) + reserved - torch.cuda.memory_allocated(self.device)
-            where = "free device memory"
+            free, where = cuda_free_bytes(self.device), "free device memory"
         else:
             free = available_memory_bytes()
             where = "available host memory"
@@ -889,6 +905,10 @@ class StreamingPrefill:
             # None on a CPU, where the host's peak (peak_rss_bytes) is the device's
             "peak_device_bytes": (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                                   else None),
+            # what torch's allocator held from the device at its peak (tensors plus its cache and fragmentation):
+            # what a device budget must cover
+            "peak_device_reserved_bytes": (torch.cuda.max_memory_reserved(self.device)
+                                           if self.device.type == "cuda" else None),
         }
         if self.dist:
             stats.update(rank=self.dist.rank, world_size=self.dist.world_size, backend=self.dist.backend,

@@ -231,6 +231,7 @@ def test_cli_prefill_on_a_release_layout_container(tmp_path):
                 "peak_rss_bytes", "peak_device_bytes", "layers"):
         assert key in out, key
     assert out["peak_device_bytes"] is None and out["peak_rss_bytes"] > 0  # a CPU prefill: the host is the device
+    assert out["peak_device_reserved_bytes"] is None
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("The quick brown fox")
     r = CliRunner().invoke(cli, ["prefill", container, "--prompt-file", str(prompt_file), "--threads", "1", "--json"])
@@ -356,6 +357,50 @@ def test_host_buffers_start_on_a_huge_page(tmp_path):
     assert buffer.tensor.data_ptr() % HUGE_PAGE == 0 and buffer.tensor.numel() == 5_000_000
     buffer.tensor.fill_(7)  # the whole requested length is there and writable past the alignment slack
     assert int(buffer.tensor[-1]) == 7 and int(buffer.tensor.sum()) == 7 * 5_000_000
+
+
+def test_pinned_host_buffers_lock_exactly_their_own_pages(monkeypatch):
+    """For a GPU the buffer's own huge-page memory is registered with the driver (exactly its pages, not torch's
+    power-of-two rounded and cached pinned blocks), unregistered when the buffer goes; where the driver refuses,
+    torch's pinned allocation is the fallback."""
+    import gc
+
+    from moepack.runtime import io as io_module
+
+    calls = []
+
+    class FakeCudart:
+        status = 0
+
+        def cudaHostRegister(self, address, nbytes, flags):
+            calls.append(("register", address, nbytes, flags))
+            return self.status
+
+        def cudaHostUnregister(self, address):
+            calls.append(("unregister", address))
+            return 0
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buffer = HostBuffer(5_000_001, pinned=True)
+    address = buffer.tensor.data_ptr()
+    assert address % HUGE_PAGE == 0 and buffer.tensor.numel() == 5_000_001
+    assert calls == [("register", address, 5_001_216, 1)]  # whole 4 KiB pages covering the buffer
+    buffer.tensor.fill_(3)
+    assert int(buffer.tensor[-1]) == 3
+    del buffer
+    gc.collect()
+    assert calls[1:] == [("unregister", address)]
+    cudart.status = 2  # cudaErrorMemoryAllocation
+    pinned_requests = []
+    monkeypatch.setattr(io_module.torch, "empty", lambda n, dtype, pin_memory: pinned_requests.append(n) or
+                        torch.zeros(n, dtype=dtype))
+    fallback = HostBuffer(10_000, pinned=True)
+    assert pinned_requests == [10_000 + 4096] and fallback.tensor.numel() == 10_000
+    assert fallback.tensor.data_ptr() % 4096 == 0
+    del fallback
+    gc.collect()
+    assert [c[0] for c in calls] == ["register", "unregister", "register"]  # nothing unregistered that failed
 
 
 def test_read_pipeline_with_spare_buffers_keeps_order(tmp_path):
@@ -929,6 +974,70 @@ def test_random_configurations_match_transformers(tmp_path, seed):
     assert row["relative"] <= REL_TOL and row["same_token"], row  # these seeds are all comparable ("none": never)
 
 
+@pytest.fixture(scope="module")
+def release_storage(tmp_path_factory):
+    """The release's own storage (FP8 e4m3 dense weights with 128x128 E8M0 block scales, FP4 e2m1 experts with one
+    scale per 32 inputs), with widths that end in partial 128-blocks (160, 96), kept as it is or converted as
+    `--fp4` does: policy -> (container, transformers on `moepack export` of it, float32)."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from moepack.packer.export import export_container
+    from moepack.packer.synth import synth_checkpoint
+
+    base = tmp_path_factory.mktemp("release-storage")
+    src = str(base / "src")
+    synth_checkpoint(src, preset="tiny", layout="release", seed=1, progress=False,
+                     config_overrides={"hidden_size": 160, "moe_intermediate_size": 96, "q_lora_rank": 96})
+    out = {}
+    for policy in ("keep", "fp4"):
+        container = str(base / f"{policy}.moepack")
+        convert_checkpoint(src, container, policy=policy, progress=False)
+        export_container(container, str(base / f"{policy}-export"), dtype="f32", progress=False)
+        exported = DeepseekV4ForCausalLM.from_pretrained(str(base / f"{policy}-export"), dtype=torch.float32).eval()
+        out[policy] = container, exported
+    return out
+
+
+@pytest.mark.parametrize("policy,dense_type,expert_type", [("keep", "F8_E4M3", "FP4_E2M1"), ("fp4", "Q8_0", "MXFP4")])
+def test_a_release_layout_container_matches_transformers_on_its_export(release_storage, policy, dense_type,
+                                                                       expert_type, tmp_path):
+    """Prefilled straight from the stored bytes, the logits are transformers' on `moepack export` of the same
+    container; so are those of the prompt's last 100 tokens continued from the KV of its first 200."""
+    container, exported = release_storage[policy]
+    with Container(container) as c:
+        stored = {t.name: t.dtype for t in c.tensors.values()}
+    assert (stored["layers.0.attn.wq_a.weight"], stored["layers.0.ffn.experts.0.w2.weight"]) == (dense_type, expert_type)
+    ids = _prompt(300, exported.config.vocab_size, seed=11)
+    ref = _reference(exported, ids)
+    result = prefill(container, ids, PrefillOptions(expert_selection="all"))
+    assert (result.logits - ref).abs().max() <= REL_TOL * ref.abs().max()
+    assert result.next_token == int(ref.argmax())
+    prefill(container, ids[:200], PrefillOptions(), kv_out=str(tmp_path / "kv"))
+    continued = prefill(container, ids[200:], PrefillOptions(), continue_from=str(tmp_path / "kv"))
+    assert (continued.logits - ref).abs().max() <= REL_TOL * ref.abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("policy", ["keep", "fp4"])
+def test_cuda_prefill_of_release_storage_in_both_dtypes_and_continued(release_storage, policy, tmp_path):
+    """On the GPU: FP8 / FP4 (or Q8_0 / MXFP4) bytes decoded on the device, in float32 (transformers' logits on
+    the export), in bfloat16 (no further from them than the CPU's bfloat16 run, give or take the GPU's own sums)
+    and continued from a KV written by a GPU prefill."""
+    container, exported = release_storage[policy]
+    ids = _prompt(300, exported.config.vocab_size, seed=11)
+    ref = _reference(exported, ids)
+    scale = ref.abs().max().item()
+    f32 = prefill(container, ids, PrefillOptions(device="cuda", expert_selection="all"))
+    assert (f32.logits - ref).abs().max() <= REL_TOL * scale and f32.next_token == int(ref.argmax())
+    bf16_gpu = prefill(container, ids, PrefillOptions(device="cuda", compute_dtype="bfloat16")).logits
+    bf16_cpu = prefill(container, ids, PrefillOptions(compute_dtype="bfloat16")).logits
+    cpu_error = (bf16_cpu - ref).abs().max().item()
+    assert (bf16_gpu - ref).abs().max().item() <= max(3 * cpu_error, 1e-2 * scale), cpu_error
+    prefill(container, ids[:200], PrefillOptions(device="cuda"), kv_out=str(tmp_path / "kv"))
+    continued = prefill(container, ids[200:], PrefillOptions(device="cuda"), continue_from=str(tmp_path / "kv"))
+    assert (continued.logits - ref).abs().max() <= REL_TOL * scale
+
+
 def test_a_head_tied_to_the_embedding_is_the_embedding_read_once(tmp_path):
     """tie_word_embeddings: the checkpoint stores no LM head; prefill applies the embedding table as the head,
     from the bytes it read for the prompt's rows (each region is still read once), and export round-trips it."""
@@ -1035,6 +1144,61 @@ def test_cli_without_a_cuda_device_says_so_in_one_line(models, tmp_path):
             r.output
 
 
+def _strict_index(device) -> int:
+    """torch.cuda's own rule for calls without optional=True (get_per_process_memory_fraction in torch 2.13):
+    a torch.device without an index is refused."""
+    if isinstance(device, torch.device):
+        if device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        return device.index
+    return int(device)
+
+
+def test_a_cuda_device_always_carries_its_index(monkeypatch):
+    """`--device cuda` becomes the current CUDA device with its index before any torch.cuda call sees it: torch
+    refuses an index-less device in some of them (it crashed every GPU prefill before any read)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert engine.compute_device("cuda") == torch.device("cuda", 1)
+    assert engine.compute_device("cuda:0") == torch.device("cuda", 0)
+    assert engine.compute_device("cpu") == torch.device("cpu")
+    with pytest.raises(MoepackError, match="torch sees 2 CUDA device"):
+        engine.compute_device("cuda:2")
+    for bad in ("tpu", "cpu:x", "mps"):
+        with pytest.raises(MoepackError, match="unknown device"):
+            engine.compute_device(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(MoepackError, match="no CUDA device"):
+        engine.compute_device("cuda")
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5])
+def test_free_device_memory_is_the_devices_within_the_process_cap(monkeypatch, fraction):
+    """Free device memory for the prompt-length check: the device's free bytes, capped by the process's memory
+    fraction where torch has one (older torch: no cap), plus what torch holds cached but unused."""
+    gib = 2**30
+    calls = []
+
+    def strict(value):
+        def call(device):
+            calls.append(_strict_index(device))
+            return value
+        return call
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", strict(10 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", strict(4 * gib))
+    if fraction is None:
+        monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
+    else:
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", strict(fraction))
+    free = engine.cuda_free_bytes(torch.device("cuda", 0))
+    # no cap: 60 free + 10 cached - 4 in use; a cap of 40 GiB: 40 - 10 reserved = 30 more, + 10 - 4
+    assert free == (66 * gib if fraction is None else 36 * gib)
+    assert calls and set(calls) == {0}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("name,n", [("A", 300), ("C", 257)])
 def test_cuda_prefill_matches_transformers_and_the_cpu(models, name, n):
@@ -1050,5 +1214,6 @@ def test_cuda_prefill_matches_transformers_and_the_cpu(models, name, n):
     assert (gpu.logits - ref).abs().max() <= REL_TOL * ref.abs().max()
     assert torch.allclose(gpu.logits, cpu.logits, atol=REL_TOL * ref.abs().max().item(), rtol=0)
     assert gpu.next_token == cpu.next_token and gpu.stats["bytes_read"] == cpu.stats["bytes_read"]
-    assert 0 < gpu.stats["peak_device_bytes"] and gpu.stats["device"].startswith("cuda")
+    assert 0 < gpu.stats["peak_device_bytes"] <= gpu.stats["peak_device_reserved_bytes"]
+    assert gpu.stats["device"].startswith("cuda:")
     assert len(devices) == hf_model.config.num_hidden_layers
