@@ -27,8 +27,15 @@ def _emit(as_json: bool, result: dict, human) -> None:
         human(result)
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, torch's CUDA OutOfMemoryError or its CPU allocator's
+    RuntimeError (what the prompt-length check before the prefill did not foresee)."""
+    return (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
+
+
 def reports_errors(fn):
-    """Turn MoepackError (and OS-level failures) into one line + exit status 1."""
+    """Turn MoepackError (and OS-level failures, and running out of memory) into one line + exit status 1."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -41,6 +48,12 @@ def reports_errors(fn):
             message = f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
         except KeyboardInterrupt:
             message = "interrupted"
+        except (MemoryError, RuntimeError) as e:
+            if not out_of_memory(e):
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            message = (f"out of memory ({first}): shorten the prompt, or lower --query-chunk, --queue-depth or "
+                       f"--bundle-experts")
         if as_json:
             click.echo(json.dumps({"ok": False, "error": message}))
         click.echo(f"moepack: error: {message}", err=True)

@@ -166,7 +166,8 @@ def read_pool_buffers(section_reads: int, buffer_bytes: int, depth: int, availab
 
 def estimate_working_set(cfg: "v4.ModelConfig", n_tokens: int, query_chunk: int | None, dense_bytes: int,
                          bundle_bytes: int, pool_buffers: int, expert_params: int,
-                         expert_threads: int = 1, globals_bytes: int = 0) -> dict[str, int]:
+                         expert_threads: int = 1, globals_bytes: int = 0, decode_scratch_bytes: int = 0
+                         ) -> dict[str, int]:
     """Bytes a prefill of n_tokens needs at its peak (float32 compute), by component. Deliberately generous:
     it decides whether to refuse a prompt before any work is done."""
     f32 = 4
@@ -185,9 +186,10 @@ def estimate_working_set(cfg: "v4.ModelConfig", n_tokens: int, query_chunk: int 
     # float32 outputs combine adds back
     activations += n_tokens * cfg.num_experts_per_tok * hidden * (2 * f32 + f32)
     # the read pool, and each expert thread's decoded weights
-    # `globals_bytes`: the LM head's bytes, read during the last layer, and a decoded slice of it
+    # `globals_bytes`: the LM head's bytes, read during the last layer, and a decoded slice of it;
+    # `decode_scratch_bytes`: what decoding the largest dense matrix needs besides its bytes and its output
     weights = (dense_bytes * 5 + bundle_bytes * (pool_buffers + 2) + expert_params * f32 * 2 * expert_threads
-               + globals_bytes)
+               + globals_bytes + decode_scratch_bytes)
     parts = {"activations": activations, "kv": kv, "attention_chunk": attention + indexer, "weights": weights}
     parts["total"] = sum(parts.values())
     return parts
@@ -823,9 +825,11 @@ class StreamingPrefill:
             in_memory = 0  # reads are views of the page cache: the pool's buffers are never written
         else:
             in_memory = self.experts_pipe.buffers
+        # FP8 decoded by torch (on a GPU; on a CPU without the compiled decoder): an int32 index per weight
+        fp8_weights = max((t.numel for b in layers for t in b.dense.tensors if t.dtype == "F8_E4M3"), default=0)
         need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
                                     self.experts_pipe.buffer_bytes, in_memory, expert_params, self.expert_threads,
-                                    self._head_bytes() + HEAD_CHUNK_BYTES)
+                                    self._head_bytes() + HEAD_CHUNK_BYTES, decode_scratch_bytes=4 * fp8_weights)
         if self.device.type == "cuda":
             free, where = cuda_free_bytes(self.device), "free device memory"
         else:

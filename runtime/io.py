@@ -152,7 +152,12 @@ class HostBuffer:
                 unlock = weakref.finalize(self, _page_unlock, address, self._keep)
                 unlock.atexit = False  # at exit the process's memory goes anyway, maybe after the CUDA context
             else:  # the driver's own pinned allocation; over-allocated so an aligned start can be sliced out of it
-                raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=True)
+                try:
+                    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=True)
+                except RuntimeError as e:
+                    why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+                    raise MoepackError(f"cannot lock {nbytes / 2**20:.0f} MiB of host memory for the GPU's reads "
+                                       f"({why}): lower --queue-depth or --bundle-experts") from None
                 start = (-raw.data_ptr()) % ALIGNMENT
                 self.tensor, self._keep = raw[start:start + nbytes], raw
         self.view = memoryview(self.tensor.numpy())

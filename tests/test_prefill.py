@@ -288,6 +288,36 @@ def test_logits_out_that_cannot_be_written_is_refused_before_the_prefill(models,
     assert os.listdir(tmp_path) == ["ids.txt"]
 
 
+class OutOfMemoryError(RuntimeError):
+    """Named as torch's CUDA one (torch.OutOfMemoryError), which a CPU build cannot raise by itself."""
+
+
+@pytest.mark.parametrize("failure", [OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0)"),
+                                     RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't "
+                                                  "allocate memory: you tried to allocate 8589934592 bytes"),
+                                     MemoryError()])
+def test_running_out_of_memory_in_the_middle_is_one_line(models, tmp_path, monkeypatch, failure):
+    """An allocation the check before the prefill did not foresee fails in the middle of it: one line naming it,
+    exit status 1, the JSON error object; other errors still surface as the bugs they are."""
+    _, container = models["A"]
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3")
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(engine.StreamingPrefill, "run", fail)
+    for extra in ([], ["--json"]):
+        r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), *extra])
+        assert r.exit_code == 1 and r.stderr.startswith("moepack: error: out of memory"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "--query-chunk" in r.stderr
+        if extra:
+            assert json.loads(r.stdout)["ok"] is False
+    monkeypatch.setattr(engine.StreamingPrefill, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug")))
+    r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids)])
+    assert isinstance(r.exception, RuntimeError) and str(r.exception) == "bug"
+
+
 def test_prompt_too_long_for_memory_is_refused_before_any_read(models, monkeypatch):
     from moepack.runtime import engine as eng
 
@@ -401,6 +431,13 @@ def test_pinned_host_buffers_lock_exactly_their_own_pages(monkeypatch):
     del fallback
     gc.collect()
     assert [c[0] for c in calls] == ["register", "unregister", "register"]  # nothing unregistered that failed
+
+    def no_pinned_memory(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(io_module.torch, "empty", no_pinned_memory)
+    with pytest.raises(MoepackError, match=r"cannot lock 95 MiB of host memory .*out of memory.*--queue-depth"):
+        HostBuffer(100_000_000, pinned=True)
 
 
 def test_read_pipeline_with_spare_buffers_keeps_order(tmp_path):
@@ -1015,6 +1052,20 @@ def test_a_release_layout_container_matches_transformers_on_its_export(release_s
     prefill(container, ids[:200], PrefillOptions(), kv_out=str(tmp_path / "kv"))
     continued = prefill(container, ids[200:], PrefillOptions(), continue_from=str(tmp_path / "kv"))
     assert (continued.logits - ref).abs().max() <= REL_TOL * ref.abs().max()
+
+
+def test_the_memory_check_counts_the_fp8_decoders_scratch(release_storage, monkeypatch):
+    """Decoding an FP8 matrix with torch's ops (on a GPU, or a CPU without the compiled decoder) holds an int32
+    index per weight beside the bytes and the output: the check before the prefill counts it for the largest."""
+    container, _ = release_storage["keep"]
+    seen = []
+    real = engine.estimate_working_set
+    monkeypatch.setattr(engine, "estimate_working_set", lambda *a, **k: seen.append(k) or real(*a, **k))
+    with Container(container) as c:
+        largest = max(t.numel for t in c.tensors.values() if t.dtype == "F8_E4M3" and ".experts." not in t.name
+                      and t.name.startswith("layers."))
+    prefill(container, _prompt(5, 97, 1), PrefillOptions())
+    assert seen[0]["decode_scratch_bytes"] == 4 * largest > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
