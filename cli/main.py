@@ -14,7 +14,7 @@ import sys
 import click
 
 from moepack import __version__
-from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 
 EXIT_ERROR = 1
@@ -27,15 +27,33 @@ def _emit(as_json: bool, result: dict, human) -> None:
         human(result)
 
 
+PREFILL_MEMORY_HINT = "shorten the prompt, or lower --query-chunk, --queue-depth or --bundle-experts"
+
+
 def out_of_memory(e: BaseException) -> bool:
-    """An allocation that failed: Python's MemoryError, torch's CUDA OutOfMemoryError or its CPU allocator's
-    RuntimeError (what the prompt-length check before the prefill did not foresee)."""
-    return (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
-            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
+    """An allocation that failed: Python's MemoryError, torch's OutOfMemoryError (CUDA), its CPU allocator's
+    RuntimeError, a CUDA library's own "out of memory" (what the check before a prefill did not foresee)."""
+    if isinstance(e, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(e).__mro__):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text
+                                            or "CUBLAS_STATUS_ALLOC_FAILED" in text)
 
 
-def reports_errors(fn):
-    """Turn MoepackError (and OS-level failures, and running out of memory) into one line + exit status 1."""
+def _first_sentences(text: str, limit: int = 160) -> str:
+    """At most `limit` characters of `text`, cut after a sentence where it is longer (torch's CUDA message runs on
+    for a paragraph)."""
+    if len(text) <= limit:
+        return text
+    end = text.rfind(". ", 0, limit)
+    return text[:end + 1] if end > 0 else text[:limit]
+
+
+def reports_errors(fn=None, *, out_of_memory_hint: str | None = None):
+    """Turn MoepackError (and OS-level failures, and running out of memory) into one line + exit status 1.
+    `out_of_memory_hint`: what the command's user can do about the last."""
+    if fn is None:
+        return functools.partial(reports_errors, out_of_memory_hint=out_of_memory_hint)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -51,9 +69,8 @@ def reports_errors(fn):
         except (MemoryError, RuntimeError) as e:
             if not out_of_memory(e):
                 raise
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            message = (f"out of memory ({first}): shorten the prompt, or lower --query-chunk, --queue-depth or "
-                       f"--bundle-experts")
+            message = f"out of memory ({_first_sentences(error_reason(e))})"
+            message += f": {out_of_memory_hint}" if out_of_memory_hint else ""
         if as_json:
             click.echo(json.dumps({"ok": False, "error": message}))
         click.echo(f"moepack: error: {message}", err=True)
@@ -317,7 +334,7 @@ def _print_verify(r: dict) -> None:
               help="CPU threads for compute and decode (default: torch's, one per core). Fewer when other work "
                    "shares the cores: a busy core stalls every multi-threaded op (docs/benchmarks.md).")
 @json_option
-@reports_errors
+@reports_errors(out_of_memory_hint=PREFILL_MEMORY_HINT)
 def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_from, kv_dtype, kv_no_fsync,
             logits_out, bundle_experts, queue_depth,
             io_mode, expert_selection, query_chunk, compute_dtype, expert_dtype, order, chunk_tokens, expert_parallel,
@@ -445,7 +462,7 @@ def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
 @click.option("--preset", type=click.Choice(["tiny", "small", "medium"]), default="small", show_default=True)
 @click.option("--prompt", default="Layer-major prefill reads every weight exactly once.", show_default=True)
 @json_option
-@reports_errors
+@reports_errors(out_of_memory_hint=PREFILL_MEMORY_HINT)
 def demo(workdir, preset, prompt, as_json):
     """The main job on the embedded default model: synthesize a DeepSeek-V4-architecture checkpoint in the release
     layout (FP8 dense, FP4 experts), convert it with --fp4, verify it against its source, prefill a prompt with the

@@ -255,6 +255,11 @@ def _load_fp8_native():
 _fp8_native = quant_common.LazyKernel(_load_fp8_native)
 
 
+def fp8_decoder_compiled() -> bool:
+    """Whether FP8 decodes on a CPU take the compiled loop (no index tensor) rather than torch's ops."""
+    return bool(_fp8_native())
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Packed FP4 e2m1 with one E8M0 scale per 32 inputs
 # ---------------------------------------------------------------------------------------------------------

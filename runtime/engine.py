@@ -48,6 +48,7 @@ import xxhash
 from moepack.format_spec.decode import companion_names, decode_group, decode_group_row_slices, decode_group_rows
 from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.reader import SCALE_SUFFIXES, Block, Container, ReadSpan, Region
+from moepack.format_spec.source_formats import fp8_decoder_compiled
 
 from . import model as v4
 from .bench import tuned_fused_max_tokens
@@ -403,10 +404,9 @@ class StreamingPrefill:
         bytes at `base`.
 
         A tensor stored in the requested dtype decodes to a view of `raw`; `own` copies such views, for weights
-        that outlive the pooled buffer the bytes arrived in (experts are used before their buffer goes back). Bytes
-        on a GPU are already the device's own copy, never pooled: their views stay views."""
+        that outlive the pooled buffer the bytes arrived in (experts are used before their buffer goes back). On a
+        GPU too: a small float32 norm kept as a view would hold the layer's whole region of bytes."""
         out = {}
-        own = own and raw.device.type == "cpu"
         for r in regions:
             values = decode_group(r.tensors, _entry_bytes(raw, base), dtype, dtype_of=dtype_of)
             for name, value in values.items():
@@ -825,8 +825,10 @@ class StreamingPrefill:
             in_memory = 0  # reads are views of the page cache: the pool's buffers are never written
         else:
             in_memory = self.experts_pipe.buffers
-        # FP8 decoded by torch (on a GPU; on a CPU without the compiled decoder): an int32 index per weight
-        fp8_weights = max((t.numel for b in layers for t in b.dense.tensors if t.dtype == "F8_E4M3"), default=0)
+        # FP8 decoded by torch's ops (on a GPU; on a CPU without the compiled decoder): an int32 index per weight
+        torch_fp8 = self.device.type == "cuda" or not fp8_decoder_compiled()
+        fp8_weights = max((t.numel for b in layers for t in b.dense.tensors if t.dtype == "F8_E4M3"),
+                          default=0) if torch_fp8 else 0
         need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
                                     self.experts_pipe.buffer_bytes, in_memory, expert_params, self.expert_threads,
                                     self._head_bytes() + HEAD_CHUNK_BYTES, decode_scratch_bytes=4 * fp8_weights)
@@ -961,6 +963,7 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
     if expert_parallel:
         from .distributed import init_from_env
 
+        compute_device(options.device)  # a device this machine lacks is named as such, not as a failed join
         dist = init_from_env(options.device, dist_timeout_s)
         path = path.replace("{rank}", str(dist.rank))  # --container-per-rank: each rank its own copy
         if dist.rank != 0:

@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.layout import ALIGNMENT
 
 IO_MODES = ("auto", "direct", "buffered", "mmap")
@@ -110,56 +109,36 @@ def choose_io_mode(mode: str, file_size: int) -> str:
     return "mmap" if file_size < 0.7 * available_memory_bytes() else "direct"
 
 
-def _page_lock(address: int, nbytes: int) -> bool:
-    """Register host memory with the CUDA driver as page-locked (portable: for every device), as torch's own
-    checkpoint staging does; False where the driver refuses."""
-    try:
-        return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1)) == 0  # 1: cudaHostRegisterPortable
-    except (RuntimeError, AssertionError, AttributeError):
-        return False
-
-
-def _page_unlock(address: int, keep: mmap.mmap) -> None:
-    """Undo _page_lock before `keep` (the mapping, held until now by this call's arguments) can be unmapped."""
-    try:
-        torch.cuda.cudart().cudaHostUnregister(address)
-    except (RuntimeError, AssertionError, AttributeError):
-        pass
-
-
 class HostBuffer:
     """A page-aligned host buffer; pinned (page-locked) when it feeds a CUDA device."""
 
     def __init__(self, nbytes: int, pinned: bool):
         self.nbytes = nbytes
-        # Private anonymous memory (a shared map is shmem, which gets no transparent huge pages), started on a
-        # huge-page boundary: an O_DIRECT read into huge pages pins a few pages instead of one per 4 KiB, and
-        # that pinning is the reader's CPU time (on a 2-core machine, time taken from the compute)
-        self._keep = mmap.mmap(-1, max(nbytes, ALIGNMENT) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._keep.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
-        whole = torch.frombuffer(self._keep, dtype=torch.uint8)
-        start = (-whole.data_ptr()) % HUGE_PAGE
-        self.tensor = whole[start:start + nbytes]
         if pinned:
-            # These very pages locked for the GPU's DMA: torch's pinned allocator would round each buffer up to a
-            # power of two (a 1.06 GB LM head: 2 GiB locked) and keep the blocks cached after the prefill
-            address, locked = self.tensor.data_ptr(), -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
-            if _page_lock(address, locked):
-                unlock = weakref.finalize(self, _page_unlock, address, self._keep)
-                unlock.atexit = False  # at exit the process's memory goes anyway, maybe after the CUDA context
-            else:  # the driver's own pinned allocation; over-allocated so an aligned start can be sliced out of it
+            # cudaHostAlloc memory (torch rounds each block up to a power of two and keeps it cached for the next
+            # allocation); over-allocate so an aligned start can be sliced out of it
+            try:
+                raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as e:
+                raise MoepackError(f"cannot page-lock {nbytes / 2**20:.0f} MiB of host memory for the GPU's reads "
+                                   f"({error_reason(e)[:160]})") from None
+            start = (-raw.data_ptr()) % ALIGNMENT
+            self.tensor = raw[start:start + nbytes]
+            self._keep = raw
+        else:
+            # Private anonymous memory (a shared map is shmem, which gets no transparent huge pages), started on a
+            # huge-page boundary: an O_DIRECT read into huge pages pins a few pages instead of one per 4 KiB, and
+            # that pinning is the reader's CPU time (on a 2-core machine, time taken from the compute)
+            self._keep = mmap.mmap(-1, max(nbytes, ALIGNMENT) + HUGE_PAGE,
+                                   flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
                 try:
-                    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=True)
-                except RuntimeError as e:
-                    why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-                    raise MoepackError(f"cannot lock {nbytes / 2**20:.0f} MiB of host memory for the GPU's reads "
-                                       f"({why}): lower --queue-depth or --bundle-experts") from None
-                start = (-raw.data_ptr()) % ALIGNMENT
-                self.tensor, self._keep = raw[start:start + nbytes], raw
+                    self._keep.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass
+            whole = torch.frombuffer(self._keep, dtype=torch.uint8)
+            start = (-whole.data_ptr()) % HUGE_PAGE
+            self.tensor = whole[start:start + nbytes]
         self.view = memoryview(self.tensor.numpy())
 
 

@@ -288,17 +288,25 @@ def test_logits_out_that_cannot_be_written_is_refused_before_the_prefill(models,
     assert os.listdir(tmp_path) == ["ids.txt"]
 
 
-class OutOfMemoryError(RuntimeError):
-    """Named as torch's CUDA one (torch.OutOfMemoryError), which a CPU build cannot raise by itself."""
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+            "1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the "
+            "allocated memory 76.50 GiB is allocated by PyTorch, and 1.10 GiB is reserved by PyTorch but unallocated.")
 
 
-@pytest.mark.parametrize("failure", [OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0)"),
-                                     RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't "
-                                                  "allocate memory: you tried to allocate 8589934592 bytes"),
-                                     MemoryError()])
-def test_running_out_of_memory_in_the_middle_is_one_line(models, tmp_path, monkeypatch, failure):
-    """An allocation the check before the prefill did not foresee fails in the middle of it: one line naming it,
-    exit status 1, the JSON error object; other errors still surface as the bugs they are."""
+@pytest.mark.parametrize("failure,reason", [
+    (torch.OutOfMemoryError(CUDA_OOM), "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                       "of 79.19 GiB of which 1.06 GiB is free."),
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+     "CUDA error: out of memory"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried to "
+                  "allocate 8589934592 bytes. can't allocate memory"), None),
+    (MemoryError(), "MemoryError")])
+def test_running_out_of_memory_in_the_middle_is_one_line(models, tmp_path, monkeypatch, failure, reason):
+    """An allocation the check before the prefill did not foresee fails in the middle of it: one line naming it
+    (a long CUDA message cut after a sentence), exit status 1, the JSON error object, what to do about it; in
+    another command the same without the prefill's advice; other errors still surface as the bugs they are."""
+    from moepack.cli import main as cli_main
+
     _, container = models["A"]
     ids = tmp_path / "ids.txt"
     ids.write_text("1 2 3")
@@ -309,10 +317,17 @@ def test_running_out_of_memory_in_the_middle_is_one_line(models, tmp_path, monke
     monkeypatch.setattr(engine.StreamingPrefill, "run", fail)
     for extra in ([], ["--json"]):
         r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), *extra])
-        assert r.exit_code == 1 and r.stderr.startswith("moepack: error: out of memory"), r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1 and "--query-chunk" in r.stderr
+        line = r.stderr.strip()
+        assert r.exit_code == 1 and len(line.splitlines()) == 1, r.stderr
+        assert line.startswith("moepack: error: out of memory (") and line.endswith(cli_main.PREFILL_MEMORY_HINT)
+        assert reason is None or f"({reason}): " in line
+        assert len(line) < 300
         if extra:
-            assert json.loads(r.stdout)["ok"] is False
+            assert json.loads(r.stdout) == {"ok": False, "error": line[len("moepack: error: "):]}
+    monkeypatch.setattr("moepack.format_spec.verify.verify_container", fail)
+    r = CliRunner().invoke(cli, ["verify", container, "--json"])
+    assert r.exit_code == 1 and json.loads(r.stdout)["error"].startswith("out of memory (")
+    assert cli_main.PREFILL_MEMORY_HINT not in r.stdout
     monkeypatch.setattr(engine.StreamingPrefill, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug")))
     r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids)])
     assert isinstance(r.exception, RuntimeError) and str(r.exception) == "bug"
@@ -389,54 +404,17 @@ def test_host_buffers_start_on_a_huge_page(tmp_path):
     assert int(buffer.tensor[-1]) == 7 and int(buffer.tensor.sum()) == 7 * 5_000_000
 
 
-def test_pinned_host_buffers_lock_exactly_their_own_pages(monkeypatch):
-    """For a GPU the buffer's own huge-page memory is registered with the driver (exactly its pages, not torch's
-    power-of-two rounded and cached pinned blocks), unregistered when the buffer goes; where the driver refuses,
-    torch's pinned allocation is the fallback."""
-    import gc
-
+def test_host_memory_the_driver_will_not_page_lock_is_one_line(monkeypatch):
+    """A GPU's read buffers are page-locked host memory; where the driver refuses it, the error says so in one
+    line instead of torch's traceback."""
     from moepack.runtime import io as io_module
 
-    calls = []
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
 
-    class FakeCudart:
-        status = 0
-
-        def cudaHostRegister(self, address, nbytes, flags):
-            calls.append(("register", address, nbytes, flags))
-            return self.status
-
-        def cudaHostUnregister(self, address):
-            calls.append(("unregister", address))
-            return 0
-
-    cudart = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    buffer = HostBuffer(5_000_001, pinned=True)
-    address = buffer.tensor.data_ptr()
-    assert address % HUGE_PAGE == 0 and buffer.tensor.numel() == 5_000_001
-    assert calls == [("register", address, 5_001_216, 1)]  # whole 4 KiB pages covering the buffer
-    buffer.tensor.fill_(3)
-    assert int(buffer.tensor[-1]) == 3
-    del buffer
-    gc.collect()
-    assert calls[1:] == [("unregister", address)]
-    cudart.status = 2  # cudaErrorMemoryAllocation
-    pinned_requests = []
-    monkeypatch.setattr(io_module.torch, "empty", lambda n, dtype, pin_memory: pinned_requests.append(n) or
-                        torch.zeros(n, dtype=dtype))
-    fallback = HostBuffer(10_000, pinned=True)
-    assert pinned_requests == [10_000 + 4096] and fallback.tensor.numel() == 10_000
-    assert fallback.tensor.data_ptr() % 4096 == 0
-    del fallback
-    gc.collect()
-    assert [c[0] for c in calls] == ["register", "unregister", "register"]  # nothing unregistered that failed
-
-    def no_pinned_memory(*args, **kwargs):
-        raise RuntimeError("CUDA error: out of memory")
-
-    monkeypatch.setattr(io_module.torch, "empty", no_pinned_memory)
-    with pytest.raises(MoepackError, match=r"cannot lock 95 MiB of host memory .*out of memory.*--queue-depth"):
+    monkeypatch.setattr(io_module.torch, "empty", refuse)
+    with pytest.raises(MoepackError, match=r"^cannot page-lock 95 MiB of host memory for the GPU's reads \(CUDA "
+                                           r"error: out of memory\)$"):
         HostBuffer(100_000_000, pinned=True)
 
 
@@ -1054,18 +1032,20 @@ def test_a_release_layout_container_matches_transformers_on_its_export(release_s
     assert (continued.logits - ref).abs().max() <= REL_TOL * ref.abs().max()
 
 
-def test_the_memory_check_counts_the_fp8_decoders_scratch(release_storage, monkeypatch):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_memory_check_counts_the_fp8_decoders_scratch(release_storage, monkeypatch, compiled):
     """Decoding an FP8 matrix with torch's ops (on a GPU, or a CPU without the compiled decoder) holds an int32
-    index per weight beside the bytes and the output: the check before the prefill counts it for the largest."""
+    index per weight beside the bytes and the output: the check before the prefill counts it for the largest,
+    and only where those ops decode."""
     container, _ = release_storage["keep"]
     seen = []
     real = engine.estimate_working_set
     monkeypatch.setattr(engine, "estimate_working_set", lambda *a, **k: seen.append(k) or real(*a, **k))
+    monkeypatch.setattr(engine, "fp8_decoder_compiled", lambda: compiled)
     with Container(container) as c:
-        largest = max(t.numel for t in c.tensors.values() if t.dtype == "F8_E4M3" and ".experts." not in t.name
-                      and t.name.startswith("layers."))
+        largest = max(t.numel for t in c.tensors.values() if t.dtype == "F8_E4M3" and t.name.startswith("layers."))
     prefill(container, _prompt(5, 97, 1), PrefillOptions())
-    assert seen[0]["decode_scratch_bytes"] == 4 * largest > 0
+    assert seen[0]["decode_scratch_bytes"] == (0 if compiled else 4 * largest) and largest > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -1222,6 +1202,9 @@ def test_a_cuda_device_always_carries_its_index(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(MoepackError, match="no CUDA device"):
         engine.compute_device("cuda")
+    # an expert-parallel rank names a bad device as such, before it tries to join its job
+    with pytest.raises(MoepackError, match="unknown device 'tpu'"):
+        prefill("unused.moepack", [1, 2], PrefillOptions(device="tpu"), expert_parallel=True)
 
 
 @pytest.mark.parametrize("fraction", [None, 0.5])
