@@ -303,6 +303,10 @@ def _atomic_write(path: str, data: bytes, sync: bool = True) -> None:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
+        try:
+            os.unlink(tmp)  # a half-written file is of no use to anyone, and on a full disk it holds the space
+        except OSError:
+            pass
         raise MoepackError(f"{path}: cannot write ({e.strerror or e})") from None
     if sync:
         fsync_dir(os.path.dirname(path) or ".")

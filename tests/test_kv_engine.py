@@ -94,3 +94,30 @@ def test_cli_kv_out_and_inspect(model_a, tmp_path):
     os.remove(os.path.join(kv_dir, "layer-0002.safetensors"))
     r = runner.invoke(cli, ["kv", "inspect", kv_dir])
     assert r.exit_code == 1 and "layer" in r.output.lower()
+
+
+def test_kv_onto_a_full_disk_is_one_line_leaves_no_partial_file_and_reads_as_incomplete(model_a, tmp_path):
+    """The disk fills while the KV is written layer by layer: one line naming the file and the cause, exit 1; the
+    layers already written stay; the half-written one is removed (it would hold the space); the directory says it
+    is incomplete and a continuation from it is refused."""
+    import subprocess
+
+    _, container = model_a
+    small = str(tmp_path / "small-disk")
+    os.makedirs(small)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", small], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        ids = tmp_path / "ids.txt"
+        ids.write_text(" ".join(str(i) for i in _ids(300, 5).tolist()))
+        kv_dir = os.path.join(small, "kv")
+        r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), "--kv-out", kv_dir])
+        assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.output
+        assert f"{kv_dir}/" in r.stderr and "cannot write (No space left on device)" in r.stderr
+        names = os.listdir(kv_dir)
+        assert not [n for n in names if n.endswith(".partial")], names
+        assert [n for n in names if n.startswith("layer-")] and "manifest.json" in names  # 64 KiB: some fit
+        with pytest.raises(FormatError, match="KV incomplete"):
+            K.read_kv(kv_dir)
+    finally:
+        subprocess.run(["umount", "-l", small])
