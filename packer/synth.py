@@ -19,6 +19,7 @@ each tensor is drawn, encoded and written on its own and memory holds one tensor
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -32,6 +33,7 @@ from typing import Any, BinaryIO
 import torch
 
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.writer import fsync_dir
 from moepack.format_spec.source_formats import (
     FP4_GROUP,
     FP8_BLOCK,
@@ -519,7 +521,8 @@ class _ShardWriter:
             offset += t.nbytes
         header_bytes = json.dumps(header, separators=(",", ":")).encode()
         header_bytes += b" " * (-(8 + len(header_bytes)) % 8)  # tensor data starts 8-byte aligned
-        self.file: BinaryIO = open(path, "wb")
+        self.partial = path.with_name(path.name + ".partial")
+        self.file: BinaryIO = open(self.partial, "wb")
         self.file.write(struct.pack("<Q", len(header_bytes)))
         self.file.write(header_bytes)
         self.written = 0
@@ -528,9 +531,23 @@ class _ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.file.close()
-        if exc_type is None and self.written != len(self.expected):
-            raise AssertionError(f"{self.path.name}: {len(self.expected) - self.written} tensors never written")
+        """Complete: fsynced and renamed to its name. Not (a full disk, an interrupted run): removed."""
+        complete = False
+        try:
+            if exc_type is None:
+                if self.written != len(self.expected):
+                    raise AssertionError(f"{self.path.name}: {len(self.expected) - self.written} tensors never written")
+                self.file.flush()
+                os.fsync(self.file.fileno())
+                complete = True
+        finally:
+            try:
+                self.file.close()
+            finally:
+                if complete:
+                    os.replace(self.partial, self.path)
+                else:
+                    self.partial.unlink(missing_ok=True)
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
         expected = self.expected[self.written]
@@ -660,8 +677,47 @@ def _tokenizer_config() -> dict:
 _METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
+def _write_checkpoint_files(out: Path, config: dict, shards: list, shard_names: list[str], layout: str, seed: int,
+                            preset: str, progress: bool, total_tensor_bytes: int) -> None:
+    """The checkpoint's metadata files, shards and (last: a directory without it is no checkpoint) its index."""
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False},
+    )
+    _write_json(out / "tokenizer.json", tokenizer_json())
+    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+
+    from tqdm.auto import tqdm
+
+    weight_map: dict[str, str] = {}
+    with tqdm(total=total_tensor_bytes, unit="B", unit_scale=True, disable=not progress, desc=f"synth {preset}") as bar:
+        for shard_name, shard_specs in zip(shard_names, shards):
+            # Widest elements first (as safetensors' own writer orders them), so every tensor stays aligned to its
+            # element size in the file; the sort is stable, so streaming order holds within each width.
+            ordered = sorted(shard_specs, key=lambda s: -_element_bytes(s, layout))
+            with _ShardWriter(out / shard_name, [t for s in ordered for t in stored_tensors(s, layout)]) as writer:
+                for spec in ordered:
+                    encoded = encode_tensor(spec, draw_tensor(spec, config, seed), layout)
+                    for part in stored_tensors(spec, layout):
+                        bar.update(writer.write(part.name, encoded[part.name]))
+                        weight_map[part.name] = shard_name
+    index = {"metadata": {"total_size": total_tensor_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(out / "model.safetensors.index.json", index)
+
+
 def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    """Under a temporary name, fsynced, renamed: a file of this name is always whole."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def synth_checkpoint(
@@ -706,32 +762,15 @@ def synth_checkpoint(
         raise MoepackError(f"shard_bytes must be positive, got {shard_bytes}")
     shards = _plan_shards(specs, layout, shard_bytes)
 
-    _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json",
-        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False},
-    )
-    _write_json(out / "tokenizer.json", tokenizer_json())
-    _write_json(out / "tokenizer_config.json", _tokenizer_config())
-
-    from tqdm.auto import tqdm
-
-    weight_map: dict[str, str] = {}
     shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    with tqdm(total=total_tensor_bytes, unit="B", unit_scale=True, disable=not progress, desc=f"synth {preset}") as bar:
-        for shard_name, shard_specs in zip(shard_names, shards):
-            # Widest elements first (as safetensors' own writer orders them), so every tensor stays aligned to its
-            # element size in the file; the sort is stable, so streaming order holds within each width.
-            ordered = sorted(shard_specs, key=lambda s: -_element_bytes(s, layout))
-            with _ShardWriter(out / shard_name, [t for s in ordered for t in stored_tensors(s, layout)]) as writer:
-                for spec in ordered:
-                    encoded = encode_tensor(spec, draw_tensor(spec, config, seed), layout)
-                    for part in stored_tensors(spec, layout):
-                        bar.update(writer.write(part.name, encoded[part.name]))
-                        weight_map[part.name] = shard_name
-
-    index = {"metadata": {"total_size": total_tensor_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(out / "model.safetensors.index.json", index)
+    try:
+        _write_checkpoint_files(out, config, shards, shard_names, layout, seed, preset, progress, total_tensor_bytes)
+    except OSError as e:  # a full disk, a vanished folder: one line, and none of this run's files left behind
+        for name in [*_METADATA_FILES, *shard_names, "model.safetensors.index.json"]:
+            (out / name).unlink(missing_ok=True)
+        full = " (disk full)" if e.errno == errno.ENOSPC else ""
+        raise MoepackError(f"writing {e.filename or out} failed: {e.strerror or e}{full}") from None
+    fsync_dir(str(out))
 
     files = sorted([*_METADATA_FILES, *shard_names, "model.safetensors.index.json"])
     return {

@@ -260,6 +260,27 @@ def test_refuses_to_overwrite_without_asking(tmp_path):
     assert shards == [f for f in summary["files"] if f.startswith("model-")]  # no stale shards left behind
 
 
+def test_a_full_disk_is_one_line_and_leaves_none_of_the_runs_files(tmp_path):
+    """Every file is written under a temporary name, fsynced and renamed; when the disk fills, the error names the
+    folder and the cause in one line, and nothing of the run is left to pass for a checkpoint."""
+    import subprocess
+
+    small = tmp_path / "small-disk"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        with pytest.raises(MoepackError, match=r"^writing .*small-disk/s failed: No space left on device "
+                                               r"\(disk full\)$"):
+            synth_checkpoint(small / "s", "small", "release", progress=False)
+        assert list((small / "s").iterdir()) == []
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True)  # room again: it completes
+        summary = synth_checkpoint(small / "s", "small", "release", progress=False)
+        assert sorted(p.name for p in (small / "s").iterdir()) == summary["files"]
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
+
+
 # ------------------------------------------------------------------------------------------ consumers
 
 
