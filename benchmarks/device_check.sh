@@ -12,6 +12,10 @@
 # then run `bash benchmarks/device_check.sh` through the device tool with `.whl` carried. On a machine without a
 # GPU, DEVICE=cpu runs the same steps (a dry run of this script). The steps' limits add up to under the tool's 600 s
 # for one command; the exit status is non-zero if any step failed.
+# What to read in its output first (the CUDA path has only been checked by reading it, docs/benchmarks.md session 9):
+# the tests (a GPU-vs-CPU mismatch on a tiny model may be the indexer's zero-score ties, which CUDA's top-k may break
+# otherwise); then whether streamed stays near max(io-alone, compute-alone): the compute thread waits for each
+# bundle's host->device copy before queueing its kernels (double buffering only), which a PCIe-bound run would show.
 set -uo pipefail
 OUT=${OUT:-/tmp/moepack-device-check}
 DEVICE=${DEVICE:-cuda}
