@@ -1,5 +1,7 @@
 """Errors that moepack reports to users as one line."""
 
+import errno
+
 
 class MoepackError(Exception):
     """Any failure a user can cause or meet (bad input, damaged file, full disk): the CLI prints it as one
@@ -16,3 +18,8 @@ def error_reason(e: BaseException) -> str:
         return e.strerror
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """A write that failed for want of space: ENOSPC, or a library's own error type saying so (safetensors')."""
+    return getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)

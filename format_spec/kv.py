@@ -30,7 +30,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from .errors import FormatError, MoepackError
-from .writer import fsync_dir, fsync_file
+from .writer import fsync_dir, fsync_file, write_file_atomically
 
 KV_FORMAT = "moepack-kv"
 KV_MAJOR = 1
@@ -294,19 +294,9 @@ def _fsync_file(path: str) -> None:
 
 def _atomic_write(path: str, data: bytes, sync: bool = True) -> None:
     """Write `data` to `path.partial`, fsync, rename over `path`, fsync the directory."""
-    tmp = path + ".partial"
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_file_atomically(path, data, sync)
     except OSError as e:
-        try:
-            os.unlink(tmp)  # a half-written file is of no use to anyone, and on a full disk it holds the space
-        except OSError:
-            pass
         raise MoepackError(f"{path}: cannot write ({e.strerror or e})") from None
     if sync:
         fsync_dir(os.path.dirname(path) or ".")

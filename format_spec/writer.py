@@ -26,7 +26,7 @@ import xxhash
 import zstandard
 
 from .dtypes import tensor_nbytes
-from .errors import MoepackError
+from .errors import MoepackError, is_disk_full
 from .layout import (
     ALIGNMENT, CODEC_ZSTD, DEFAULT_STRIPE_EXPERTS, FORMAT_MAJOR, FORMAT_MINOR, FORMAT_MINOR_PARTS, HEADER_SIZE,
     MAX_PARTS, TENSOR_ALIGNMENT, Header, PartHeader, align_up, layer_count_problem, parse_block_name, part_path,
@@ -219,7 +219,7 @@ class ContainerWriter:
                 written += out.file.write(mv[written:])
         except OSError as e:
             raise MoepackError(f"writing {out.tmp_path} failed: {e.strerror or e}"
-                               + (" (disk full; the partial file is kept)" if e.errno == 28 else "")) from None
+                               + (" (disk full; the partial file is kept)" if is_disk_full(e) else "")) from None
         region.hasher.update(view)
         region.used += len(view)
         out.pos += len(view)
@@ -333,6 +333,25 @@ def _region_matches(f, region: dict) -> bool:
         h.update(chunk)
         pos += len(chunk)
     return h.hexdigest() == region.get("xxh3")
+
+
+def write_file_atomically(path: str, data: bytes, sync: bool = True) -> None:
+    """`data` to `path.partial`, fsynced (unless `sync` is False), renamed over `path`: a file of that name is always
+    whole. On failure the partial file is removed (on a full disk it holds the space) and the OSError raised."""
+    partial = path + ".partial"
+    try:
+        with open(partial, "wb") as f:
+            f.write(data)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        try:
+            os.unlink(partial)
+        except OSError:
+            pass
+        raise
 
 
 def fsync_file(path: str) -> None:

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from moepack.format_spec.decode import companion_names, decode_group, is_companion
-from moepack.format_spec.errors import MoepackError, error_reason
+from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
 from moepack.format_spec.reader import Container
 from moepack.format_spec.writer import fsync_dir, fsync_file
 
@@ -106,9 +106,8 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
             fsync_dir(parent)
         except (OSError, SafetensorError) as e:  # a full disk, a vanished folder: one line, nothing left behind
             shutil.rmtree(tmp, ignore_errors=True)
-            reason = error_reason(e)
-            full = " (disk full)" if "No space left" in reason else ""
-            raise MoepackError(f"writing {out_dir} failed: {reason}{full}") from None
+            full = " (disk full)" if is_disk_full(e) else ""
+            raise MoepackError(f"writing {out_dir} failed: {error_reason(e)}{full}") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

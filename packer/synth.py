@@ -19,7 +19,6 @@ each tensor is drawn, encoded and written on its own and memory holds one tensor
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
@@ -32,8 +31,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.writer import fsync_dir
+from moepack.format_spec.errors import MoepackError, is_disk_full
+from moepack.format_spec.writer import fsync_dir, write_file_atomically
 from moepack.format_spec.source_formats import (
     FP4_GROUP,
     FP8_BLOCK,
@@ -707,17 +706,7 @@ def _write_checkpoint_files(out: Path, config: dict, shards: list, shard_names: 
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    """Under a temporary name, fsynced, renamed: a file of this name is always whole."""
-    partial = path.with_name(path.name + ".partial")
-    try:
-        with open(partial, "w", encoding="utf-8") as f:
-            f.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    write_file_atomically(str(path), (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
 def synth_checkpoint(
@@ -763,16 +752,16 @@ def synth_checkpoint(
     shards = _plan_shards(specs, layout, shard_bytes)
 
     shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = sorted([*_METADATA_FILES, *shard_names, "model.safetensors.index.json"])
     try:
         _write_checkpoint_files(out, config, shards, shard_names, layout, seed, preset, progress, total_tensor_bytes)
     except OSError as e:  # a full disk, a vanished folder: one line, and none of this run's files left behind
-        for name in [*_METADATA_FILES, *shard_names, "model.safetensors.index.json"]:
+        for name in files:
             (out / name).unlink(missing_ok=True)
-        full = " (disk full)" if e.errno == errno.ENOSPC else ""
+        full = " (disk full)" if is_disk_full(e) else ""
         raise MoepackError(f"writing {e.filename or out} failed: {e.strerror or e}{full}") from None
     fsync_dir(str(out))
 
-    files = sorted([*_METADATA_FILES, *shard_names, "model.safetensors.index.json"])
     return {
         "dir": str(out),
         "preset": preset,

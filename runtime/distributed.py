@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.errors import MoepackError, error_reason
 
 
 @dataclass
@@ -39,7 +39,7 @@ class DistContext:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with multi-line text
             raise MoepackError(f"rank {self.rank}: {what} failed, a peer rank is gone or stalled "
-                               f"({_first_line(e)})") from None
+                               f"({error_reason(e)[:200]})") from None
         self.comm_seconds += time.perf_counter() - start
         return tensor
 
@@ -51,7 +51,7 @@ class DistContext:
         try:
             dist.gather_object(obj, out, dst=0)
         except Exception as e:
-            raise MoepackError(f"rank {self.rank}: gathering stats failed ({_first_line(e)})") from None
+            raise MoepackError(f"rank {self.rank}: gathering stats failed ({error_reason(e)[:200]})") from None
         return out
 
     def close(self) -> None:
@@ -103,11 +103,6 @@ def balanced_ranges(loads: list[int], world_size: int) -> list[range]:
     return ranges
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
-
-
 def init_from_env(device: str, timeout_s: float) -> DistContext:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)."""
     import torch.distributed as dist
@@ -124,5 +119,5 @@ def init_from_env(device: str, timeout_s: float) -> DistContext:
             torch.cuda.set_device(index if index is not None else int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as e:
-        raise MoepackError(f"cannot join the process group ({_first_line(e)})") from None
+        raise MoepackError(f"cannot join the process group ({error_reason(e)[:200]})") from None
     return DistContext(dist.get_rank(), dist.get_world_size(), backend)
