@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 
 import numpy as np
 import xxhash
@@ -188,3 +189,19 @@ def kill_convert_at_random_points(convert_args: str, out: str, seed: int, after_
             break
         after_kill()
     return kills
+
+
+@contextlib.contextmanager
+def small_disk(path, size: str):
+    """A tmpfs of `size` (mount's notation: 64k, 2M) mounted at `path` (made if missing) while the block runs: a disk
+    that fills, or (remounted) one that is read-only. The test is skipped where this process may not mount."""
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True).returncode:
+        import pytest
+
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path])

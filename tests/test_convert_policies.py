@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from containers import mutate_index, source_reads_fail_at
+from containers import mutate_index, small_disk, source_reads_fail_at
 from moepack.format_spec import quants
 from moepack.format_spec.decode import decode_group
 from moepack.format_spec.errors import FormatError, MoepackError
@@ -280,17 +280,8 @@ def test_thread_count_does_not_change_the_bytes(release_src, tmp_path):
     assert open(a, "rb").read() == open(b, "rb").read()
 
 
-def _mount_tmpfs(path: str, size: str) -> bool:
-    os.makedirs(path, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
-                          capture_output=True).returncode == 0
-
-
 def test_disk_full_is_one_line_and_keeps_the_partial(release_src, tmp_path):
-    small = str(tmp_path / "small-disk")
-    if not _mount_tmpfs(small, "2M"):
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
+    with small_disk(tmp_path / "small-disk", "2M") as small:
         out = os.path.join(small, "full.moepack")
         with pytest.raises(MoepackError, match="disk full") as info:
             convert_checkpoint(release_src, out, policy="keep", progress=False)
@@ -301,8 +292,6 @@ def test_disk_full_is_one_line_and_keeps_the_partial(release_src, tmp_path):
         summary = convert_checkpoint(release_src, out, policy="keep", progress=False)
         assert summary["resumed_regions"] > 0
         verify_container(out)
-    finally:
-        subprocess.run(["umount", "-l", small])
 
 
 PEAK_RSS = r"""

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from containers import small_disk
 from safetensors.torch import load_file
 
 from moepack.format_spec import source_formats
@@ -85,18 +86,10 @@ def test_export_refuses_a_non_empty_directory(release_container, tmp_path):
 
 
 def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(release_container, tmp_path):
-    import subprocess
-
     _, container, _ = release_container
-    small = tmp_path / "small-disk"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64K", "tmpfs", str(small)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
+    with small_disk(tmp_path / "small-disk", "64K") as small:
         full = r"writing .*out failed: .*No space left on device.*\(disk full\)"
         with pytest.raises(MoepackError, match=full) as info:
-            export_container(container, str(small / "out"), progress=False)
+            export_container(container, os.path.join(small, "out"), progress=False)
         assert "\n" not in str(info.value)
         assert os.listdir(small) == []  # neither the output nor its temporary folder
-    finally:
-        subprocess.run(["umount", "-l", str(small)])

@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 pytest.importorskip("transformers")
+from containers import small_disk  # noqa: E402
 from v4_models import build  # noqa: E402
 
 from moepack.cli.main import cli  # noqa: E402
@@ -100,14 +101,8 @@ def test_kv_onto_a_full_disk_is_one_line_leaves_no_partial_file_and_reads_as_inc
     """The disk fills while the KV is written layer by layer: one line naming the file and the cause, exit 1; the
     layers already written stay; the half-written one is removed (it would hold the space); the directory says it
     is incomplete and a continuation from it is refused."""
-    import subprocess
-
     _, container = model_a
-    small = str(tmp_path / "small-disk")
-    os.makedirs(small)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", small], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
+    with small_disk(tmp_path / "small-disk", "64k") as small:
         ids = tmp_path / "ids.txt"
         ids.write_text(" ".join(str(i) for i in _ids(300, 5).tolist()))
         kv_dir = os.path.join(small, "kv")
@@ -119,5 +114,3 @@ def test_kv_onto_a_full_disk_is_one_line_leaves_no_partial_file_and_reads_as_inc
         assert [n for n in names if n.startswith("layer-")] and "manifest.json" in names  # 64 KiB: some fit
         with pytest.raises(FormatError, match="KV incomplete"):
             K.read_kv(kv_dir)
-    finally:
-        subprocess.run(["umount", "-l", small])

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from containers import small_disk
 from safetensors import safe_open
 
 from moepack.format_spec.errors import MoepackError
@@ -265,11 +266,8 @@ def test_a_full_disk_is_one_line_and_leaves_none_of_the_runs_files(tmp_path):
     folder and the cause in one line, and nothing of the run is left to pass for a checkpoint."""
     import subprocess
 
-    small = tmp_path / "small-disk"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
+    with small_disk(tmp_path / "small-disk", "1m") as mounted:
+        small = Path(mounted)
         with pytest.raises(MoepackError, match=r"^writing .*small-disk/s failed: No space left on device "
                                                r"\(disk full\)$"):
             synth_checkpoint(small / "s", "small", "release", progress=False)
@@ -277,8 +275,6 @@ def test_a_full_disk_is_one_line_and_leaves_none_of_the_runs_files(tmp_path):
         subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True)  # room again: it completes
         summary = synth_checkpoint(small / "s", "small", "release", progress=False)
         assert sorted(p.name for p in (small / "s").iterdir()) == summary["files"]
-    finally:
-        subprocess.run(["umount", "-l", str(small)])
 
 
 # ------------------------------------------------------------------------------------------ consumers
