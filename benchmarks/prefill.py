@@ -7,7 +7,9 @@ FP8 dense + FP4 experts, a few GB):
   compute-alone  the same prefill with the container already in RAM (page cache, mmap): no disk in the way
   streamed       the prefill from a cold cache with O_DIRECT: wall, io busy, compute busy,
                  overlap = wall / max(io-alone, compute-alone)  (1.00 = perfect overlap), each streamed run
-                 against the io-alone and compute-alone runs beside it (the three interleaved), the median kept
+                 against the io-alone and compute-alone runs beside it (the three interleaved), the median kept;
+                 "overlap in run" is the prefill's own stat, wall / max(io busy, compute busy) within the streamed
+                 run, and "steal s" what the hypervisor took from each streamed run's CPUs (0 on bare metal)
   transformers   DeepseekV4ForCausalLM resident in memory (bf16, loaded from `moepack export`), forward only
   io floor       the bytes a streamed prefill reads at the best speed measured in this run (fio's, or the
                  reader's alone where fio had no huge-page buffers and so read slower): no streamed prefill is
@@ -218,6 +220,12 @@ def main() -> None:
             # the median trio: one run's overlap below 1 (streamed faster than resident) is the VM's noise
             "overlap": round(statistics.median(paired), 3), "overlap_runs": [round(x, 3) for x in paired],
             "overlap_of_bests": round(s["seconds"] / max(io_seconds, resident.stats["seconds"]), 3),
+            # the stats' own overlap: wall against the run's io busy and compute busy time (the same run's parts)
+            "overlap_in_run": round(statistics.median(st.stats["overlap"] for st in streamed_runs), 3),
+            # what the hypervisor took from each run: on a shared VM a streamed run can lose CPU time to the host's
+            # disk work that its resident twin never pays
+            "steal_s_streamed": [st.stats["steal_s"] for st in streamed_runs],
+            "steal_s_resident": [rs.stats["steal_s"] for rs in resident_runs],
             "tokens_per_s": s["tokens_per_s"], "bytes_read": s["bytes_read"],
             "read_gb_per_s_alone": round(io_bytes / io_seconds / 1e9, 3), "peak_rss_gib": round(s["peak_rss_bytes"] / 2**30, 2),
             "peak_device_gib": round(s["peak_device_bytes"] / 2**30, 3) if s.get("peak_device_bytes") else None,
@@ -273,12 +281,14 @@ def main() -> None:
     fio_text = (f"{fio['gbps']:.3f} GB/s ({fio['engine']}, {fio['buffers']} buffers)" if "gbps" in fio
                 else next(iter(fio.values())))
     print(f"disk: fio {fio_text}, reader alone {rows[0]['read_gb_per_s_alone']} GB/s; best of {args.repeat} runs each")
-    head = ["N", "io-alone s", "io floor s", "compute-alone s", "streamed s", "overlap", "tok/s", "transformers s",
+    head = ["N", "io-alone s", "io floor s", "compute-alone s", "streamed s", "overlap", "overlap in run",
+            "steal s (streamed runs)", "tok/s", "transformers s",
             "x transformers", "resident x transformers", "best possible x", "peak device GiB", "reserved GiB"]
     print(" | ".join(head))
     for r in rows:
         print(" | ".join(str(v) for v in (r["tokens"], r["io_alone_s"], r["io_floor_s"], r["compute_alone_s"],
-                                          r["streamed_s"], r["overlap"], r["tokens_per_s"], r.get("transformers_s"),
+                                          r["streamed_s"], r["overlap"], r["overlap_in_run"], r["steal_s_streamed"],
+                                          r["tokens_per_s"], r.get("transformers_s"),
                                           r.get("speedup_vs_transformers"), r.get("resident_speedup_vs_transformers"),
                                           r.get("best_possible_vs_transformers"), r["peak_device_gib"],
                                           r["peak_device_reserved_gib"])))

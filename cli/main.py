@@ -410,6 +410,8 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
         f"{s['bytes_read'] / 2**20:.1f} MiB ({s['io_mode']}), io busy {s['io_busy_s']:.2f} s, compute "
         f"{s['compute_busy_s']:.2f} s, overlap {s['overlap']:.2f}; peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB"
         + (f", peak device {s['peak_device_bytes'] / 2**30:.2f} GiB" if s.get("peak_device_bytes") is not None else "")
+        # a shared VM's host took CPU time from this run: why it may be slower than its parts
+        + (f"; the hypervisor took {s['steal_s']:.2f} s of CPU" if (s.get("steal_s") or 0) >= 0.01 else "")
         + ("; read per part file " + " / ".join(f"{b / 2**20:.1f}" for b in s["bytes_read_per_part"]) + " MiB"
            if len(s.get("bytes_read_per_part", [])) > 1 else "")))
 

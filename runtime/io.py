@@ -55,6 +55,18 @@ def available_memory_bytes() -> int:
     return 0
 
 
+def cpu_steal_seconds() -> float | None:
+    """CPU time the hypervisor took from this virtual machine's CPUs while they had work to run, summed over the
+    CPUs since boot (/proc/stat's "steal"; 0 on bare metal); None where the kernel does not say. On a shared cloud
+    VM it is what a run lost to other tenants or to the host's own work (its disk emulation among it)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit: blocks below it come from the heap, reused when freed

@@ -345,6 +345,35 @@ def test_prompt_too_long_for_memory_is_refused_before_any_read(models, monkeypat
     prefill(container, _prompt(50, 97, 0), PrefillOptions())  # a short one still fits
 
 
+def test_time_the_hypervisor_took_is_counted_per_prefill(models, monkeypatch, tmp_path):
+    from moepack.runtime import engine as eng
+    from moepack.runtime import io as io_module
+
+    stat = tmp_path / "stat"  # /proc/stat's first line: user nice system idle iowait irq softirq steal ...
+    stat.write_text(f"cpu  100 0 50 900 3 0 1 {3 * os.sysconf('SC_CLK_TCK')} 0 0\ncpu0 1 2 3\n")
+    real_open = open
+    monkeypatch.setattr(io_module, "open", lambda path, *a, **k: real_open(stat if path == "/proc/stat" else path,
+                                                                           *a, **k), raising=False)
+    assert io_module.cpu_steal_seconds() == 3.0
+    stat.write_text("cpu  100 0 50\n")  # a kernel that does not count steal
+    assert io_module.cpu_steal_seconds() is None
+    monkeypatch.undo()
+
+    _, container = models["A"]
+    counter = iter([10.0, 10.25])
+    monkeypatch.setattr(eng, "cpu_steal_seconds", lambda: next(counter))
+    assert prefill(container, _prompt(20, 97, 0), PrefillOptions()).stats["steal_s"] == 0.25
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3")
+    counter = iter([10.0, 10.25])
+    r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids)])
+    assert r.exit_code == 0 and "the hypervisor took 0.25 s of CPU" in r.output, r.output
+    monkeypatch.setattr(eng, "cpu_steal_seconds", lambda: None)
+    assert prefill(container, _prompt(20, 97, 0), PrefillOptions()).stats["steal_s"] is None
+    r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids)])
+    assert r.exit_code == 0 and "hypervisor" not in r.output, r.output
+
+
 def test_chunk_major_order_same_logits_more_bytes(models):
     """The usual chunked prefill reads the whole model once per chunk; layer-major reads it once."""
     _, container = models["A"]
