@@ -678,8 +678,8 @@ class StreamingPrefill:
             all_stats.extend(layer_stats)
         wall, steal_after = time.perf_counter() - start, cpu_steal_seconds()
         stats = self._stats(n_tokens, wall, all_stats)
-        # a VM's time lost to the host: a streamed run can pay it where a resident one does not (the host's disk
-        # work runs on the cores behind the guest's), and it explains runs that are slower than their parts
+        # a VM's time lost to its host, machine-wide: on the VM of docs/benchmarks.md (session 10) streamed runs
+        # lost 0.15-0.6 s of it and resident runs none; it explains a run slower than its parts measured alone
         stats["steal_s"] = (round(steal_after - steal_before, 3)
                             if steal_before is not None and steal_after is not None else None)
         stats["order"] = "chunk" if chunk_tokens else "layer"

@@ -58,7 +58,7 @@ def available_memory_bytes() -> int:
 def cpu_steal_seconds() -> float | None:
     """CPU time the hypervisor took from this virtual machine's CPUs while they had work to run, summed over the
     CPUs since boot (/proc/stat's "steal"; 0 on bare metal); None where the kernel does not say. On a shared cloud
-    VM it is what a run lost to other tenants or to the host's own work (its disk emulation among it)."""
+    VM it is what a run lost to other tenants or to the host's own work."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
