@@ -12,10 +12,11 @@
 # then run `bash benchmarks/device_check.sh` through the device tool with `.whl` carried. On a machine without a
 # GPU, DEVICE=cpu runs the same steps (a dry run of this script). The steps' limits add up to under the tool's 600 s
 # for one command; the exit status is non-zero if any step failed.
-# What to read in its output first (the CUDA path has only been checked by reading it, docs/benchmarks.md session 9):
-# the tests (a GPU-vs-CPU mismatch on a tiny model may be the indexer's zero-score ties, which CUDA's top-k may break
-# otherwise); then whether streamed stays near max(io-alone, compute-alone): the compute thread waits for each
-# bundle's host->device copy before queueing its kernels (double buffering only), which a PCIe-bound run would show.
+# What to read in its output first (the CUDA path has only been checked by reading it): the tests (a GPU-vs-CPU
+# mismatch on a tiny model may be the indexer's zero-score ties, which CUDA's top-k may break otherwise; the
+# device copier's test prints whether a copy was still in flight when it returned); then whether streamed stays
+# near max(io-alone, compute-alone): copies go out on a copy stream ordered by events (runtime/device_copier.py),
+# the host waits only when a buffer goes back to the read pool.
 set -uo pipefail
 OUT=${OUT:-/tmp/moepack-device-check}
 DEVICE=${DEVICE:-cuda}
@@ -45,7 +46,7 @@ EOF
 failed=""
 
 step "tests"
-timeout 150 python3 -m pytest -q -rs tests/test_prefill.py tests/test_quants.py tests/test_bench.py -k cuda 2>&1 \
+timeout 150 python3 -m pytest -q -rs tests/test_prefill.py tests/test_quants.py tests/test_bench.py tests/test_pipeline_stages.py -k cuda 2>&1 \
     | tee "$OUT/tests.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
 

@@ -44,7 +44,8 @@ from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.export import export_container
 from moepack.packer.synth import synth_checkpoint
-from moepack.runtime.engine import EXPERT_DTYPES, PrefillOptions, prefill
+from moepack.runtime.engine import PrefillOptions, prefill
+from moepack.runtime.expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
 from moepack.runtime.expert_decode import ExpertDecoder
 from moepack.runtime.bench import drop_page_cache, prefill_read_plan, run_fio, time_reads
 

@@ -6,7 +6,6 @@ Every command takes --json (one JSON object on stdout). Failures a user can caus
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -14,72 +13,12 @@ import sys
 import click
 
 from moepack import __version__
-from moepack.format_spec.errors import MoepackError, error_reason
+from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 
-EXIT_ERROR = 1
+from .common import EXIT_ERROR, PREFILL_MEMORY_HINT, emit, json_option, reports_errors
+from .plan_bench import bench, plan
 
-
-def _emit(as_json: bool, result: dict, human) -> None:
-    if as_json:
-        click.echo(json.dumps({"ok": True, **result}, indent=1, default=str))
-    else:
-        human(result)
-
-
-PREFILL_MEMORY_HINT = "shorten the prompt, or lower --query-chunk, --queue-depth or --bundle-experts"
-
-
-def out_of_memory(e: BaseException) -> bool:
-    """An allocation that failed: Python's MemoryError, torch's OutOfMemoryError (CUDA), its CPU allocator's
-    RuntimeError, a CUDA library's own "out of memory" (what the check before a prefill did not foresee)."""
-    if isinstance(e, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(e).__mro__):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text
-                                            or "CUBLAS_STATUS_ALLOC_FAILED" in text)
-
-
-def _first_sentences(text: str, limit: int = 160) -> str:
-    """At most `limit` characters of `text`, cut after a sentence where it is longer (torch's CUDA message runs on
-    for a paragraph)."""
-    if len(text) <= limit:
-        return text
-    end = text.rfind(". ", 0, limit)
-    return text[:end + 1] if end > 0 else text[:limit]
-
-
-def reports_errors(fn=None, *, out_of_memory_hint: str | None = None):
-    """Turn MoepackError (and OS-level failures, and running out of memory) into one line + exit status 1.
-    `out_of_memory_hint`: what the command's user can do about the last."""
-    if fn is None:
-        return functools.partial(reports_errors, out_of_memory_hint=out_of_memory_hint)
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        as_json = kwargs.get("as_json", False)
-        try:
-            return fn(*args, **kwargs)
-        except MoepackError as e:
-            message = str(e)
-        except OSError as e:
-            message = f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
-        except KeyboardInterrupt:
-            message = "interrupted"
-        except (MemoryError, RuntimeError) as e:
-            if not out_of_memory(e):
-                raise
-            message = f"out of memory ({_first_sentences(error_reason(e))})"
-            message += f": {out_of_memory_hint}" if out_of_memory_hint else ""
-        if as_json:
-            click.echo(json.dumps({"ok": False, "error": message}))
-        click.echo(f"moepack: error: {message}", err=True)
-        sys.exit(EXIT_ERROR)
-
-    return wrapper
-
-
-json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object for machines.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -104,7 +43,7 @@ def synth(out_dir, preset, layout, seed, overwrite, as_json):
 
     result = synth_checkpoint(out_dir, preset=preset, layout=layout, seed=seed, progress=not as_json,
                               overwrite=overwrite)
-    _emit(as_json, result, lambda r: click.echo(
+    emit(as_json, result, lambda r: click.echo(
         f"wrote {r['dir']}: {preset} {layout}, {r.get('params', 0) / 1e6:.1f}M params, "
         f"{r.get('bytes', 0) / 2**20:.1f} MiB in {len(r.get('files', []))} files"))
 
@@ -157,7 +96,7 @@ def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts
     result = convert_checkpoint(src, out, policy=policy, progress=not as_json, revision=revision, workers=workers,
                                 drop_mtp=drop_mtp, parts=parts, stripe_experts=stripe_experts,
                                 part_dirs=_parse_part_dirs(part_dirs))
-    _emit(as_json, result, lambda r: click.echo(
+    emit(as_json, result, lambda r: click.echo(
         f"wrote {r['output']} ({policy}): {r['tensors']} tensors in {r['regions']} regions, "
         f"{r['bytes_out'] / 2**20:.1f} MiB, {r['seconds']:.1f} s ({r['in_mb_per_s']:.0f} MB/s in, "
         f"{r['out_mb_per_s']:.0f} MB/s out); experts {r['expert_bits_per_weight']} bits/weight"
@@ -192,7 +131,7 @@ def export(file, out_dir, dtype, as_json):
     from moepack.packer.export import export_container
 
     result = export_container(file, out_dir, dtype=dtype, progress=not as_json)
-    _emit(as_json, result, lambda r: click.echo(
+    emit(as_json, result, lambda r: click.echo(
         f"wrote {r['output']}: {r['tensors']} tensors in {r['shards']} shards, {r['bytes'] / 2**20:.1f} MiB ({dtype})"))
 
 
@@ -208,7 +147,7 @@ def inspect(file, as_json):
     with Container(file) as c:
         result = summarize(c)
         result.update(parts=c.parts_summary(), stripe_experts=c.stripe_experts, total_bytes=c.total_bytes)
-    _emit(as_json, result, _print_summary)
+    emit(as_json, result, _print_summary)
 
 
 def _print_summary(s: dict) -> None:
@@ -242,7 +181,7 @@ def verify(file, source, revision, as_json):
     from moepack.packer.progress import progress_bar
 
     from moepack.runtime.engine import model_config
-    from moepack.runtime.model import unsupported
+    from moepack.v4.config import unsupported
 
     # the cheap checks first, a broken file fails before any bar shows: the structure, and what prefill checks
     # before it reads (the config's model and its tensors)
@@ -261,7 +200,7 @@ def verify(file, source, revision, as_json):
             click.echo(json.dumps({**result, "ok": False}, indent=1, default=str))
             sys.exit(EXIT_ERROR)
         raise_on_failures(result["source_check"])
-    _emit(as_json, result, _print_verify)
+    emit(as_json, result, _print_verify)
 
 
 def _print_verify(r: dict) -> None:
@@ -404,7 +343,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
     out = {"next_token": result.next_token, "next_token_text": text, **result.stats,
            "layers": [vars(s) for s in result.layers]}
     s = result.stats
-    _emit(as_json, out, lambda r: click.echo(
+    emit(as_json, out, lambda r: click.echo(
         f"next token: {r['next_token']} {r['next_token_text']!r}\n"
         f"{s['tokens']} tokens in {s['seconds']:.2f} s ({s['tokens_per_s']:.1f} tokens/s); read "
         f"{s['bytes_read'] / 2**20:.1f} MiB ({s['io_mode']}), io busy {s['io_busy_s']:.2f} s, compute "
@@ -432,7 +371,7 @@ def kv():
 def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
     """Layers, tokens, bytes and completeness of a KV directory; every complete layer file is checked (size,
     xxh3, tensors). Fails on a missing, truncated or damaged layer file, another model's KV, another prompt."""
-    from moepack.format_spec.kv import identity_of_container, inspect_kv
+    from moepack.v4.kv import identity_of_container, inspect_kv
     from moepack.format_spec.reader import Container
     from moepack.runtime.tokenizer import read_token_ids
 
@@ -456,7 +395,7 @@ def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
         for kind, t in r["by_type"].items():
             click.echo(f"  {kind}: {t['layers']} layers, {t['bytes'] / 2**20:.2f} MiB")
 
-    _emit(as_json, report, human)
+    emit(as_json, report, human)
 
 
 @cli.command()
@@ -504,7 +443,7 @@ def demo(workdir, preset, prompt, as_json):
     steps["prefill"] = {"prompt": prompt, "next_token": result.next_token,
                         "next_token_text": tokenizer.decode([result.next_token]), "kv_out": kv_dir, **result.stats}
     if as_json:
-        _emit(True, steps, None)
+        emit(True, steps, None)
         return
     p = steps["prefill"]
     check = steps["verify"]["source_check"]
@@ -522,7 +461,8 @@ def demo(workdir, preset, prompt, as_json):
                f"({p.get('kv_bytes', 0) / 2**10:.0f} KiB)")
 
 
-import moepack.cli.plan_bench  # noqa: E402,F401 - registers `moepack bench` and `moepack plan`
+cli.add_command(bench)
+cli.add_command(plan)
 
 
 def main() -> None:

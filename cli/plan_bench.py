@@ -1,6 +1,6 @@
 """`moepack bench io|memory|compute` and `moepack plan`: the measurements and the break-even calculator
-(runtime/bench.py, runtime/plan.py, docs/plan.md). The commands register themselves on `moepack.cli.main.cli`;
-cli/main.py imports this module."""
+(runtime/bench.py, runtime/plan.py, docs/plan.md). cli/main.py adds them to the
+`moepack` group."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import os
 
 import click
 
-from moepack.cli.main import _emit, cli, json_option, reports_errors
 from moepack.format_spec.errors import MoepackError
+
+from .common import emit, json_option, reports_errors
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -37,7 +38,7 @@ def _gb(n: float) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@cli.group()
+@click.group()
 def bench():
     """Measure this machine: SSD reads with the runtime's reader (io), host memory and host->device copies
     (memory), the expert matmul path's FLOP/s (compute). Results go to a per-machine cache
@@ -68,7 +69,7 @@ def bench_io_cmd(file, bundles, depths, max_gib, read_all, repeat, io_mode, no_f
     result = bench_io(file, _int_list(bundles, "--bundles"), _int_list(depths, "--depths"),
                       None if read_all else int(max_gib * 2 ** 30), io_mode, repeat, fio=not no_fio,
                       save=not no_save)
-    _emit(as_json, result, _print_io)
+    emit(as_json, result, _print_io)
 
 
 def _print_io(r: dict) -> None:
@@ -113,7 +114,7 @@ def bench_memory_cmd(size_mib, repeat, device, no_save, as_json):
     if device is not None and device != "cpu" and not device.startswith("cuda"):
         raise MoepackError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     result = bench_memory(size_mib, repeat, None if device == "cpu" else device, save=not no_save)
-    _emit(as_json, result, _print_memory)
+    emit(as_json, result, _print_memory)
 
 
 def _print_memory(r: dict) -> None:
@@ -162,7 +163,7 @@ def bench_compute_cmd(device, tokens, file, storage, hidden, intermediate, exper
         raise MoepackError("--hidden and --intermediate must be multiples of 256 (the storage types' blocks)")
     result = bench_compute(device, _int_list(tokens, "--tokens"), file, storage, hidden, intermediate, expert_dtype,
                            experts, repeat, save=not no_save)
-    _emit(as_json, result, _print_compute)
+    emit(as_json, result, _print_compute)
 
 
 def _print_compute(r: dict) -> None:
@@ -218,7 +219,7 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
     return sizes_from_config(config, policy or "keep", expert_bpw), config, None
 
 
-@cli.command()
+@click.command()
 @click.argument("target", metavar="FILE|CONFIG")
 @click.option("--ssd-gbps", type=click.FloatRange(min=0, min_open=True),
               help="Sequential read GB/s of one SSD (default: `bench io`'s measurement, else 14).")
@@ -269,6 +270,7 @@ def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, pol
     x BW), tokens/s per N and the VRAM budget. Measured `moepack bench` values are the defaults."""
     from moepack.runtime import plan as P
     from moepack.runtime.bench import measured_for_plan, tuned_defaults
+    from moepack.v4.config import ModelConfig
 
     sizes, config, path = _model_source(target, policy, expert_bpw)
     ctx = [P.parse_tokens(v) for c in contexts for v in str(c).split(",") if v.strip()] or list(P.DEFAULT_CONTEXTS)
@@ -279,7 +281,7 @@ def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, pol
         with Container(path) as c:
             w1 = next((t for b in c.layers for r in b.experts[:1] for t in r.tensors), None)
             storage = w1.dtype if w1 is not None else None
-    expert_shape = (sizes.hidden_size, int(config.get("moe_intermediate_size", 0)))
+    expert_shape = (sizes.hidden_size, ModelConfig.from_hf(config).moe_intermediate_size)
     measured = measured_for_plan(path, device, storage, expert_shape, expert_dtype)
 
     if ssd_gbps is not None:
@@ -318,4 +320,4 @@ def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, pol
                          with_attention=with_attention, kv_dtype=kv_dtype)
     if plot_out:
         result["plot"] = P.plot_plan(result, plot_out)
-    _emit(as_json, result, lambda r: click.echo(P.format_plan(r) + (f"\nplot: {r['plot']}" if r.get("plot") else "")))
+    emit(as_json, result, lambda r: click.echo(P.format_plan(r) + (f"\nplot: {r['plot']}" if r.get("plot") else "")))

@@ -6,19 +6,13 @@ import math
 
 import torch
 
-from .dtypes import storage_type, tensor_nbytes
+from .dtypes import STORAGE_TYPES, storage_type, tensor_nbytes
 from .errors import FormatError
-from .reader import TENSOR_SCALE_SUFFIX
+from .layout import TENSOR_SCALE_SUFFIX
 
-TORCH_DTYPES = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,
-}
-
-# e2m1 code (sign << 3 | magnitude) -> value
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+# What each type does is its codec's (codecs.py); these name the built-in plain types: storage type -> the torch
+# dtype its bytes are a view of.
+TORCH_DTYPES = {n: c.torch_dtype for n, c in STORAGE_TYPES.items() if c.torch_dtype is not None}
 
 
 def as_uint8(buffer) -> torch.Tensor:
@@ -34,22 +28,8 @@ def as_uint8(buffer) -> torch.Tensor:
 def decode_tensor(dtype: str, shape, buffer) -> torch.Tensor:
     """Stored bytes -> tensor. Plain types keep their dtype; FP4_E2M1 gives the unscaled e2m1 values (its scales
     are a separate tensor); ggml block types are dequantized to float32 on the buffer's device."""
-    shape = tuple(shape)
     raw = as_uint8(buffer)
-    need = tensor_nbytes(dtype, shape)
-    if raw.numel() != need:
-        raise FormatError(f"{dtype}{list(shape)} needs {need} bytes, got {raw.numel()}")
-    if dtype in TORCH_DTYPES:
-        return raw.view(TORCH_DTYPES[dtype]).reshape(shape)
-    if dtype == "FP4_E2M1":
-        low = (raw & 0x0F).long()
-        high = (raw >> 4).long()
-        codes = torch.stack([low, high], dim=-1).reshape(shape)
-        return E2M1_VALUES.to(raw.device)[codes]
-    storage_type(dtype)
-    from . import quants
-
-    return quants.dequantize_torch(raw, dtype, shape)
+    return storage_type(dtype).decode(raw, tuple(shape))
 
 
 def scale_name(weight_name: str) -> str | None:
@@ -96,23 +76,9 @@ def decode_float(dtype: str, shape, buffer, scale: torch.Tensor | None = None,
     release's block scales where the type needs them: F8_E4M3 with 128x128 block scales (E8M0 or F32),
     FP4_E2M1 with one E8M0 scale per 32 inputs. ggml block types are dequantized. `tensor_scale` (the weight's
     `P.tensor_scale` from tensor_scale_value, a power of two) multiplies the result, exactly."""
-    from . import source_formats
-
-    shape = tuple(shape)
-    if dtype == "F8_E4M3" and scale is not None:
-        weight = decode_tensor(dtype, shape, buffer)
-        if out_dtype in (torch.float32, torch.bfloat16):  # decoded straight into it
-            values = source_formats.fp8_block_dequantize(weight, scale, dtype=out_dtype)
-        else:
-            values = source_formats.fp8_block_dequantize(weight, scale).to(out_dtype)
-    elif dtype == "FP4_E2M1":
-        if scale is None:
-            raise FormatError("an FP4_E2M1 tensor needs its scale tensor to be decoded")
-        packed = as_uint8(buffer).view(*shape[:-1], shape[-1] // 2)
-        values = source_formats.fp4_dequantize(packed, scale, dtype=out_dtype)
-    else:
-        values = decode_tensor(dtype, shape, buffer).to(out_dtype)
-    return _apply_tensor_scale(values, tensor_scale, fresh=dtype not in TORCH_DTYPES)
+    codec = storage_type(dtype)
+    values = codec.decode_float(as_uint8(buffer), tuple(shape), scale, out_dtype)
+    return _apply_tensor_scale(values, tensor_scale, fresh=codec.decodes_fresh(scale))
 
 
 def _apply_tensor_scale(values: torch.Tensor, tensor_scale: float | torch.Tensor | None,
@@ -123,15 +89,13 @@ def _apply_tensor_scale(values: torch.Tensor, tensor_scale: float | torch.Tensor
     return values.mul_(tensor_scale) if fresh else values * tensor_scale
 
 
-INTEGER_TYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")
+INTEGER_TYPES = tuple(n for n, t in TORCH_DTYPES.items() if not t.is_floating_point)
 
 
 def row_decodable(dtype: str, scale: torch.Tensor | None) -> bool:
     """Whether decode_rows decodes the chosen rows of such a tensor alone, not the whole tensor: plain and ggml
     block types (a row is whole blocks), FP4_E2M1 with its per-row scales, F8_E4M3 with E8M0 128x128 block scales."""
-    if scale is None:
-        return dtype != "FP4_E2M1"
-    return dtype == "FP4_E2M1" or (dtype == "F8_E4M3" and scale.dtype == torch.float8_e8m0fnu)
+    return storage_type(dtype).row_decodable(scale)
 
 
 def decode_rows(dtype: str, shape, buffer, rows: slice | torch.Tensor, scale: torch.Tensor | None = None,
@@ -140,8 +104,6 @@ def decode_rows(dtype: str, shape, buffer, rows: slice | torch.Tensor, scale: to
     """decode_float(...)[rows] of a 2-D tensor, decoding only the bytes of those rows where the type allows it
     (row_decodable): an embedding lookup needs N rows of a vocabulary-sized table, an LM head can be applied a
     slice at a time. `rows` is a slice (step 1) or an index tensor. Other types decode the whole tensor first."""
-    from .source_formats import FP4_GROUP, FP8_BLOCK, fp8_block_scale_shape
-
     shape = tuple(shape)
     if len(shape) != 2:
         raise FormatError(f"row decoding needs a 2-D tensor, got shape {list(shape)}")
@@ -154,20 +116,15 @@ def decode_rows(dtype: str, shape, buffer, rows: slice | torch.Tensor, scale: to
         numbers = torch.arange(span.start, span.stop, device=raw.device)
     else:
         rows = numbers = rows.to(raw.device)
-    expected_scale = {"F8_E4M3": fp8_block_scale_shape(n_rows, cols, FP8_BLOCK),
-                      "FP4_E2M1": (n_rows, cols // FP4_GROUP)}.get(dtype)
-    if not row_decodable(dtype, scale) or (scale is not None and tuple(scale.shape) != expected_scale):
+    codec = storage_type(dtype)
+    if not codec.row_decodable(scale) or (scale is not None and tuple(scale.shape) != codec.scale_shape(n_rows, cols)):
         return decode_float(dtype, shape, buffer, scale, out_dtype, tensor_scale)[rows]  # (it names a bad scale)
     row_bytes = tensor_nbytes(dtype, (cols,))
     if raw.numel() != n_rows * row_bytes:
         raise FormatError(f"{dtype}{list(shape)} needs {n_rows * row_bytes} bytes, got {raw.numel()}")
     picked = raw.view(n_rows, row_bytes)[rows]
-    if dtype == "F8_E4M3" and scale is not None:  # each row times its block row's scales, one per 128 columns
-        scales = scale[numbers // FP8_BLOCK].float().repeat_interleave(FP8_BLOCK, dim=1)[:, :cols]
-        values = (picked.view(torch.float8_e4m3fn).float() * scales).to(out_dtype)
-        return _apply_tensor_scale(values, tensor_scale, fresh=True)
-    return decode_float(dtype, (picked.shape[0], cols), picked, scale[numbers] if scale is not None else None,
-                        out_dtype, tensor_scale)
+    values = codec.decode_rows(picked, numbers, cols, scale, out_dtype)
+    return _apply_tensor_scale(values, tensor_scale, fresh=codec.decodes_fresh(scale))
 
 
 def _companions(t, by_name: dict, read) -> tuple[torch.Tensor | None, float | torch.Tensor | None]:

@@ -50,6 +50,12 @@ REGION_KINDS = ("global", "dense", "expert")
 _BLOCK_NAME = re.compile(r"^(layers|mtp)\.(0|[1-9][0-9]{0,5})$")
 
 
+# SPEC.md section 6.1: `P.tensor_scale`, an F32 scalar stored after `P.weight` in its region, multiplies it
+TENSOR_SCALE_SUFFIX = ".tensor_scale"
+# names of the tensors that scale a weight rather than being one (parameter counts leave them out)
+SCALE_SUFFIXES = (".scale", TENSOR_SCALE_SUFFIX)
+
+
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
 

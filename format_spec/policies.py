@@ -35,10 +35,6 @@ from .errors import MoepackError
 
 ROLES = ("routed_gate_up", "routed_down", "dense_linear", "embedding_head", "exact")
 
-# Source types a BF16 target holds exactly (every FP8 e4m3 / FP4 e2m1 value times a power-of-two scale is a
-# bfloat16); anything else stays as it is under `bf16`.
-_BF16_LOSSLESS_FROM = ("F8_E4M3", "FP4_E2M1", "F8_E5M2")
-
 _POLICIES = {
     "keep": {
         "description": "no conversion: every tensor keeps its source type and bytes (lossless)",
@@ -105,7 +101,7 @@ def target_type(policy_name: str, role: str, source_type: str, shape=None) -> st
     target = p["roles"][role]
     if target is None or target == source_type:
         return None
-    if target == "BF16" and source_type not in _BF16_LOSSLESS_FROM:
+    if target == "BF16" and source_type not in STORAGE_TYPES["BF16"].exact_from:  # `bf16` converts only exactly
         return None
     if shape is not None:
         shape = tuple(shape)

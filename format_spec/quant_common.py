@@ -1,4 +1,4 @@
-"""Shared plumbing of the ggml block codecs: type table, input checks, and the chunked driver.
+"""Shared plumbing of the ggml block codecs: input checks, and the chunked driver.
 
 Every codec works on a 2-D view ``(n_blocks, block_elems)`` of float32 values (or ``(n_blocks, block_bytes)``
 of uint8) and is written as a handful of whole-chunk torch operations. The driver feeds it chunks sized to
@@ -9,9 +9,9 @@ Threads (CPU): each chunk's ops run on torch's intra-op thread pool, with a guar
 thread while that is faster (another process holding a core stalls every OpenMP barrier); see run_chunks.
 
 Compiled kernels (CPU): a codec may also ship a small C kernel (one pass per block, where torch needs one pass per
-op), built once per process by native_library with the system C compiler and called through ctypes, which
-releases the GIL, so run_chunks spreads its chunks over Python threads. Without a compiler (or with
-MOEPACK_NATIVE=0) the codec's torch kernel runs instead and gives the same bytes.
+op): a C file of moepack.native, built by its loader with the system C compiler once per machine (kept in a cache)
+and called through ctypes, which releases the GIL, so run_chunks spreads its chunks over Python threads. Without a
+compiler (or with MOEPACK_NATIVE=0) the codec's torch kernel runs instead and gives the same bytes.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 import warnings
@@ -31,10 +28,9 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from .dtypes import STORAGE_TYPES
-from .errors import MoepackError
+from moepack import native
 
-QTYPES = ("Q8_0", "MXFP4", "NVFP4", "Q2_K", "IQ2_XXS")
+from .errors import MoepackError
 
 # Elements per chunk handed to a codec on the CPU: 2^17 float32 = 512 KiB, so a codec's few same-sized
 # temporaries stay in L2. The search-based codecs (Q2_K, IQ2_XXS) make bigger temporaries per element and
@@ -44,38 +40,6 @@ GPU_CHUNK_FACTOR = 64
 
 _FLOAT_TORCH = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                 torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def block_layout(qtype: str) -> tuple[int, int]:
-    """(elements per block, bytes per block) of a quantization type; MoepackError for an unknown name."""
-    if qtype not in QTYPES:
-        raise MoepackError(f"unknown quantization type {qtype!r} (expected one of {', '.join(QTYPES)})")
-    t = STORAGE_TYPES[qtype]
-    return t.block_elems, t.block_bytes
-
-
-def quantized_nbytes(qtype: str, shape) -> int:
-    be, bb = block_layout(qtype)
-    shape = check_shape(qtype, shape)
-    n = 1
-    for d in shape:
-        n *= d
-    return n // be * bb
-
-
-def check_shape(qtype: str, shape) -> tuple[int, ...]:
-    be, _ = block_layout(qtype)
-    try:
-        shape = tuple(int(d) for d in shape)
-    except (TypeError, ValueError):
-        raise MoepackError(f"bad shape {shape!r} (expected a sequence of integers)") from None
-    if not shape or any(d < 0 for d in shape):
-        raise MoepackError(f"bad shape {list(shape)} for {qtype} (need at least one non-negative dimension)")
-    if shape[-1] % be:
-        raise MoepackError(
-            f"can't store shape {list(shape)} as {qtype}: last dimension {shape[-1]} is not a multiple of "
-            f"its block of {be}")
-    return shape
 
 
 def as_float_tensor(x, what: str = "input") -> torch.Tensor:
@@ -273,103 +237,94 @@ def _chunk_pool() -> ThreadPoolExecutor:
         return _pool[1]
 
 
+# ------------------------------------------------------------------------------------------- the driver
+# What quants.quantize_torch / dequantize_torch run for a codec class of codecs.py (its block layout, chunk kernels
+# and chunk sizes); the class is passed in, as this module sits below codecs.py.
+
+def _importance_blocks(importance, row: int, block: int, device: torch.device) -> torch.Tensor:
+    w = as_float_tensor(importance, "importance").to(device=device, dtype=torch.float32).reshape(-1)
+    if w.numel() != row:
+        raise MoepackError(f"importance has {w.numel()} values; expected one per input channel ({row})")
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise MoepackError("importance must be finite and non-negative")
+    if not bool((w > 0).any()):
+        w = torch.ones_like(w)
+    # a chunk's weights are rows of this table, picked by block index modulo blocks-per-row
+    return (w / w.mean()).reshape(row // block, block).contiguous()
+
+
+def _out_buffer(out, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise MoepackError(f"out must be a torch tensor, got {type(out).__name__}")
+    if out.dtype != dtype or out.device != device or out.numel() != numel or not out.is_contiguous():
+        raise MoepackError(f"out must be a contiguous {dtype} tensor of {numel} elements on {device} for {what}, "
+                           f"got {out.dtype} {list(out.shape)} on {out.device}")
+    return out
+
+
+def quantize_blocks(codec, x, importance=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x quantized by `codec` on x's device: uint8 tensor [..., n/block_elems*block_bytes] (into `out` if given)."""
+    be, bb, qtype = codec.block_elems, codec.block_bytes, codec.name
+    xt = as_float_tensor(x, "input")
+    shape = codec.check_shape(xt.shape)
+    kernel, cpu_elems, weighted = codec.quantize_chunk, codec.quantize_elems, codec.weighted
+    native = None
+    if xt.device.type == "cpu" and codec.native_quantizer is not None:
+        native = codec.native_quantizer()
+        if native is not None:
+            kernel, cpu_elems = native, codec.native_elems
+    xb = xt.reshape(-1, be)
+    nb = xb.shape[0]
+    if out is None:
+        out = empty_uint8((nb, bb), xt.device)
+    else:
+        out = _out_buffer(out, nb * bb, torch.uint8, xt.device, f"{qtype}{list(shape)}").view(nb, bb)
+    wtab = None
+    if importance is not None and weighted:
+        wtab = _importance_blocks(importance, shape[-1], be, xt.device)
+    step = chunk_rows(nb, be, xt.device, cpu_elems)
+
+    def chunk(s, e):
+        xc = xb[s:e]
+        if xc.dtype != torch.float32:
+            xc = xc.float()
+        if not weighted:
+            kernel(xc, out[s:e])
+            return
+        w = None
+        if wtab is not None:
+            w = wtab[torch.arange(s, e, device=xt.device) % wtab.shape[0]]
+        kernel(xc, out[s:e], w)
+
+    run_chunks(chunk, nb, step, xt.device, gil_free=native is not None)
+    return out.reshape(shape[:-1] + (shape[-1] // be * bb,))
+
+
+def dequantize_blocks(codec, blocks, shape, dtype: torch.dtype = torch.float32,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """`codec`'s blocks -> values of logical `shape` on the bytes' device (into `out` if given)."""
+    be, bb, qtype = codec.block_elems, codec.block_bytes, codec.name
+    shape = codec.check_shape(shape)
+    raw = as_uint8_tensor(blocks)
+    need = codec.quantized_nbytes(shape)
+    if raw.numel() != need:
+        raise MoepackError(f"{qtype}{list(shape)} needs {need} bytes, got {raw.numel()}")
+    kernel, cpu_elems = codec.dequantize_chunk, codec.dequantize_elems
+    bl = raw.view(-1, bb)
+    nb = bl.shape[0]
+    if out is None:
+        out = empty_float32((nb, be), raw.device)
+    else:
+        out = _out_buffer(out, nb * be, torch.float32, raw.device, f"{qtype}{list(shape)}").view(nb, be)
+    step = chunk_rows(nb, be, raw.device, cpu_elems)
+    run_chunks(lambda s, e: kernel(bl[s:e], out[s:e]), nb, step, raw.device)
+    out = out.view(shape)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
 # ------------------------------------------------------------------------------------------- compiled kernels
 
-# What the compiled quantizers share: 32-element blocks, handled GROUP at a time, and each block's largest |x| as
-# float bits (sign cleared), compared as integers, which orders finite floats like their magnitudes
-C_BLOCK_PRELUDE = r"""
-#include <stdint.h>
-#include <string.h>
-
-#define QK 32
-#define GROUP 16
-
-static inline void block_amax_bits(const float *restrict x, uint32_t *restrict amax_bits, int64_t n) {
-    for (int64_t b = 0; b < n; b++) {
-        uint32_t m = 0;
-        for (int j = 0; j < QK; j++) {
-            uint32_t bits;
-            memcpy(&bits, x + b * QK + j, 4);
-            bits &= 0x7fffffffu;
-            m = bits > m ? bits : m;
-        }
-        amax_bits[b] = m;
-    }
-}
-"""
-
-NATIVE_ENV = "MOEPACK_NATIVE"  # "0": never compile; every codec uses its torch kernel
-# -ffp-contract=off: no fused multiply-adds, so every float operation rounds exactly as the C source says (the
-# byte-exactness with ggml depends on it); no -ffast-math for the same reason. -march=native is tried first (the
-# library lives only as long as this process, on this machine).
-_CFLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared")
-_ARCH_FLAGS = (("-march=native",), ())
-
-# name -> {"library": ctypes.CDLL | None, "compiler", "seconds" (compile wall time), "reason" (when None)}
-_native: dict[str, dict] = {}
-_native_lock = threading.Lock()
-
-
-def _c_compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
-def _build(name: str, source: str) -> dict:
-    if os.environ.get(NATIVE_ENV, "1") == "0":
-        return {"library": None, "reason": f"disabled by {NATIVE_ENV}=0"}
-    cc = _c_compiler()
-    if cc is None:
-        return {"library": None, "reason": "no C compiler found ($CC, cc, gcc, clang)"}
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="moepack-native-") as tmp:
-        src, lib = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, f"{name}.so")
-        with open(src, "w") as f:
-            f.write(source)
-        error = ""
-        for arch in _ARCH_FLAGS:
-            try:
-                done = subprocess.run([cc, *_CFLAGS, *arch, "-o", lib, src], capture_output=True, text=True,
-                                      timeout=120)
-            except (OSError, subprocess.SubprocessError) as e:
-                error = str(e)
-                continue
-            if done.returncode != 0:
-                lines = done.stderr.strip().splitlines() or ["failed"]
-                error = next((line for line in lines if "error" in line), lines[-1])
-                continue
-            try:  # loaded before the directory goes: the mapping outlives the file
-                library = ctypes.CDLL(lib)
-            except OSError as e:  # e.g. a temporary directory mounted noexec
-                return {"library": None, "compiler": cc, "reason": f"can't load the compiled library: {e}"}
-            return {"library": library, "compiler": cc, "flags": [*_CFLAGS, *arch],
-                    "seconds": round(time.perf_counter() - start, 3)}
-    return {"library": None, "compiler": cc, "reason": f"{cc} failed: {error}"}
-
-
-def native_library(name: str, source: str) -> ctypes.CDLL | None:
-    """The C `source` compiled by the system C compiler into a shared library and loaded, once per process
-    (~0.1 s); None when there is no compiler, it fails, or MOEPACK_NATIVE=0 (the caller then uses torch)."""
-    with _native_lock:
-        if name not in _native:
-            _native[name] = _build(name, source)
-        return _native[name]["library"]
-
-
-def c_function(lib: ctypes.CDLL, symbol: str, argtypes: tuple, restype=ctypes.c_int):
-    """`lib`'s C function `symbol` with its signature declared (undeclared, ctypes would pass every argument as
-    an int and read an int back)."""
-    fn = getattr(lib, symbol)
-    fn.argtypes, fn.restype = argtypes, restype
-    return fn
-
-
-def _disable_native(name: str, reason: str) -> None:
-    """Stop using a compiled kernel (its self-check against the torch kernel failed)."""
-    with _native_lock:
-        _native[name] = {**_native.get(name, {}), "library": None, "reason": reason}
+# The C sources and their loader live in moepack.native (native/*.c, native/loader.py).
 
 
 def compiled_quantizer(name: str, source: str, symbol: str, reference, probe: torch.Tensor, block_bytes: int):
@@ -377,10 +332,10 @@ def compiled_quantizer(name: str, source: str, symbol: str, reference, probe: to
     of `source` (returning non-zero when x holds inf or NaN), wrapped as a chunk kernel like the codec's torch one,
     `reference(x, out)`, and used only if it writes reference's bytes for the `probe` blocks (float32
     (n, block_elems)). None when it can't be built, or (with a warning) when it disagrees."""
-    lib = native_library(name, source)
+    lib = native.native_library(name, source)
     if lib is None:
         return None
-    fn = c_function(lib, symbol, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64))
+    fn = native.c_function(lib, symbol, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64))
 
     def kernel(x: torch.Tensor, out: torch.Tensor) -> None:
         x = x.contiguous()  # a view of a strided input (the torch kernels take any strides)
@@ -393,32 +348,10 @@ def compiled_quantizer(name: str, source: str, symbol: str, reference, probe: to
     kernel(probe, got)
     if not torch.equal(got, want):
         reason = "its bytes differ from the torch kernel's on the self-check blocks"
-        _disable_native(name, reason)
+        native.disable(name, reason)
         warnings.warn(f"moepack: not using the compiled {name} kernel: {reason}", RuntimeWarning, stacklevel=2)
         return None
     return kernel
-
-
-class LazyKernel:
-    """Calling it gives the kernel `build()` returns (or None), built on the first call only (thread-safe)."""
-
-    def __init__(self, build):
-        self._build = build
-        self._lock = threading.Lock()
-        self._kernel: list = []  # [] until built, then [kernel or None]
-
-    def __call__(self):
-        with self._lock:
-            if not self._kernel:
-                self._kernel.append(self._build())
-            return self._kernel[0]
-
-
-def native_builds() -> dict[str, dict]:
-    """name -> how its compiled kernel was built: compiled (bool), compiler, flags, seconds, or the reason not."""
-    with _native_lock:
-        return {n: {"compiled": b["library"] is not None, **{k: v for k, v in b.items() if k != "library"}}
-                for n, b in _native.items()}
 
 
 _ON_DEVICE: dict = {}

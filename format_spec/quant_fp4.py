@@ -15,8 +15,9 @@ then each element to the nearest representable value, a tie going to the smaller
 candidates in order and keeps the first minimum). For MXFP4 the element/scale ratio is exact (a power of two),
 so the codes are ggml's bit for bit; for NVFP4 it is a correctly rounded division, which can only differ from
 ggml's exact comparison when an element sits within a rounding error of a decision boundary (both codes are
-then equally good). MXFP4 also has a C kernel doing the same computation in one pass per block (compiled once per
-process when a C compiler is there, checked against the torch kernel when it loads; see quant_common).
+then equally good). MXFP4 also has a C kernel doing the same computation in one pass per block
+(native/mxfp4_quantize.c, compiled once per machine into a cache when a C compiler is there, checked against the
+torch kernel when it loads; see quant_common).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moepack import native
+
 from .errors import MoepackError
-from .quant_common import C_BLOCK_PRELUDE, LazyKernel, check_finite, compiled_quantizer, on_device, scalar
+from .quant_common import NONFINITE_INPUT, as_float_tensor, check_finite, compiled_quantizer, on_device, scalar
 from .source_formats import byte_pair_table
 
 MX_BLOCK, MX_BYTES = 32, 17
@@ -112,70 +115,8 @@ def mxfp4_quantize_chunk(x: torch.Tensor, out: torch.Tensor) -> None:
     torch.bitwise_or(code[:, :16], code[:, 16:] << 4, out=out[:, 1:])
 
 
-# mxfp4_quantize_chunk in C, 16 blocks at a time so that the compiler vectorises each step. The block max is
-# taken on the float bits with the sign cleared (integer order is float order there; inf/NaN sort above), and
-# floor(log2(amax)) is the float's exponent field except for maxima within 4096 ulps below a power of two (where a
-# correctly rounded log2f may round up to it) and subnormal ones: those take the torch kernel's float64 log2 path.
-_MXFP4_C_SOURCE = C_BLOCK_PRELUDE + r"""
-#include <math.h>
-
-static inline float from_bits(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
-
-/* t2 = 2|v|/d = |v| * s1 * s2 (exact) -> e2m1 code: n = ceil(t2) counts the doubled midpoints 1 3 5 7 10 14 20
-   below t2 (a tie goes to the smaller magnitude), plus 8 for a negative v with a nonzero magnitude */
-static inline int32_t e2m1_code(float v, float s1, float s2) {
-    float t2 = fabsf(v) * s1 * s2;
-    if (!(t2 <= 32.0f)) t2 = 0.0f; /* only for inf/NaN input, which the caller rejects */
-    int32_t n = (int32_t)t2;       /* t2 >= 0: truncation is the floor */
-    n += (float)n < t2;
-    int32_t h = n >> 1;
-    int32_t code = (h < 4 ? h : 4) + (n > 10) + (n > 14) + (n > 20);
-    uint32_t bits;
-    memcpy(&bits, &v, 4);
-    return code | ((int32_t)((bits >> 28) & 8u) & (h > 0 ? 8 : 0));
-}
-
-static int quantize_group(const float *restrict x, uint8_t *restrict out, int64_t n) {
-    uint32_t amax_bits[GROUP];
-    float scale[GROUP], scale_low[GROUP];
-    uint8_t exponent[GROUP];
-    int nonfinite = 0;
-    block_amax_bits(x, amax_bits, n);
-    for (int64_t b = 0; b < n; b++) {
-        uint32_t m = amax_bits[b];
-        int e = 0;
-        if (m >= 0x7f800000u) {
-            nonfinite = 1;
-        } else if (m) {
-            int lg = (int)(m >> 23) - 127;
-            if ((m >> 23) == 0 || (m & 0x7fffffu) >= 0x7ff000u)
-                lg = (int)floorf((float)log2((double)from_bits(m)));
-            e = (lg + 125) & 255; /* wraps for maxima below 2^-125, as ggml's cast does */
-        }
-        exponent[b] = (uint8_t)e;
-        /* 2/d = 2^(129-e); for e < 2 that is not a float: 2^127, then 4 or 2 */
-        scale[b] = from_bits((uint32_t)(e < 2 ? 254 : 256 - e) << 23);
-        scale_low[b] = (e < 2 && m) ? (e == 0 ? 4.0f : 2.0f) : 1.0f;
-    }
-    for (int64_t b = 0; b < n; b++) {
-        const float s1 = scale[b], s2 = scale_low[b];
-        const float *restrict xb = x + b * QK;
-        uint8_t *restrict block = out + b * (QK / 2 + 1);
-        block[0] = exponent[b];
-        for (int j = 0; j < QK / 2; j++)
-            block[1 + j] = (uint8_t)(e2m1_code(xb[j], s1, s2) | e2m1_code(xb[j + QK / 2], s1, s2) << 4);
-    }
-    return nonfinite;
-}
-
-/* x: nb * 32 floats; out: nb * 17 bytes. Returns 1 when x holds inf or NaN. */
-int mxfp4_quantize(const float *restrict x, uint8_t *restrict out, int64_t nb) {
-    int nonfinite = 0;
-    for (int64_t b = 0; b < nb; b += GROUP)
-        nonfinite |= quantize_group(x + b * QK, out + b * (QK / 2 + 1), nb - b < GROUP ? nb - b : GROUP);
-    return nonfinite;
-}
-"""
+# mxfp4_quantize_chunk in C (native/mxfp4_quantize.c): 16 blocks at a time, so that the compiler vectorises each step.
+_MXFP4_C_SOURCE = native.read_source("mxfp4_quantize.c")
 
 
 def _mxfp4_self_check_blocks() -> torch.Tensor:
@@ -200,7 +141,7 @@ def _load_native_mxfp4():
 
 
 # The C kernel as a chunk kernel like mxfp4_quantize_chunk, or None; built on first use.
-native_mxfp4_quantize_chunk = LazyKernel(_load_native_mxfp4)
+native_mxfp4_quantize_chunk = native.LazyKernel(_load_native_mxfp4)
 
 
 def _e2m1_f16_bits(q16: torch.Tensor, hi: bool) -> torch.Tensor:
@@ -358,3 +299,36 @@ def mxfp4_to_fp4(blocks, shape=None):
     if is_torch:
         return packed, scale
     return packed.numpy(), scale.numpy()
+
+
+# The largest NVFP4 sub-block scale ggml keeps as computed: ggml_fp32_to_ue4m3 turns every scale that rounds to
+# 2^8 or more into its saturation code 448 (0x7E), so 240 = 1.875 * 2^7 is the top of its exact range.
+NVFP4_TOP_SCALE = 240.0
+
+
+def nvfp4_tensor_exponent(x) -> int:
+    """Power-of-two prescale k for NVFP4 (ggml's layout has no per-tensor scale, unlike NVIDIA's): quantizing
+    x * 2^k puts the tensor's largest 16-element block at the top of the UE4M3 scales ggml codes exactly (240),
+    so small blocks keep normal (3-bit mantissa) scales. Weights of std ~0.005 lose ~30% accuracy without it, and
+    blocks below ~2^-10 * 6 decode to zero. Whoever applies it must store 2^-k (an exact power of two) with the
+    tensor and multiply it back in: nvfp4_prescale does both halves for a container. 0 for an all-zero tensor."""
+    xt = as_float_tensor(x, "input")
+    amax = float(xt.abs().max()) if xt.numel() else 0.0
+    if not np.isfinite(amax):
+        raise MoepackError(NONFINITE_INPUT)
+    if amax == 0.0:
+        return 0
+    # largest k with amax * 2^k / 6 <= NVFP4_TOP_SCALE
+    k = int(np.floor(np.log2(NVFP4_TOP_SCALE * 6.0 / amax)))
+    while amax * 2.0 ** k / 6.0 > NVFP4_TOP_SCALE:
+        k -= 1
+    return k
+
+
+def nvfp4_prescale(x) -> tuple[torch.Tensor, int]:
+    """(x * 2^-e as float32 on x's device, e): the values to quantize to NVFP4 and the exponent of the tensor
+    scale 2^e stored beside the blocks (SPEC.md section 6.1), so that dequantize(blocks) * 2^e approximates x
+    at any magnitude. e = -nvfp4_tensor_exponent(x), kept where 2^e is a normal float32 (-126 <= e <= 127)."""
+    xt = as_float_tensor(x, "input").float()
+    e = min(max(-nvfp4_tensor_exponent(xt), -126), 127)
+    return (xt * 2.0 ** -e if e else xt), e

@@ -4,16 +4,18 @@ Quantization is ggml's quantize_row_q8_0_ref bit for bit: d = max|x| / 127 and i
 q = round-half-away-from-zero(x * id), d stored as f16 (round to nearest even). A block whose id overflows
 (max|x| below ~2^-121) gets q = 0, as numpy's cast of NaN/inf gives in gguf-py.
 
-Two kernels give the same bytes: a C one (one pass over each block, compiled once per process when a C compiler
-is there; ~2 Gel/s per core) and the torch one (~8 whole-chunk ops, each a pass; used on GPUs, without a
-compiler, and as the reference the C kernel is checked against when it loads).
+Two kernels give the same bytes: a C one (native/q8_0_quantize.c: one pass over each block, compiled once per
+machine into a cache when a C compiler is there; ~2 Gel/s per core) and the torch one (~8 whole-chunk ops, each a
+pass; used on GPUs, without a compiler, and as the reference the C kernel is checked against when it loads).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .quant_common import C_BLOCK_PRELUDE, LazyKernel, check_finite, compiled_quantizer, f16_bits_to_f32, scalar
+from moepack import native
+
+from .quant_common import check_finite, compiled_quantizer, f16_bits_to_f32, scalar
 
 BLOCK = 32
 BYTES = 34
@@ -38,52 +40,8 @@ def quantize_chunk(x: torch.Tensor, out: torch.Tensor) -> None:
     out.view(torch.float16)[:, 0].copy_(d)
 
 
-# The same computation in C, 16 blocks at a time so that the compiler vectorises each step across elements. The
-# block max is taken on the float bits with the sign cleared (for non-negative floats, and inf/NaN above them,
-# integer order is float order), which also flags a non-finite block. The float -> int conversion truncates.
-_C_SOURCE = C_BLOCK_PRELUDE + r"""
-#define FLT_MAX_F 3.4028234663852886e38f
-#define HALF_DOWN 0.49999997f /* 0.5 - 2^-25 */
-
-static int quantize_group(const float *restrict x, uint8_t *restrict out, int64_t n) {
-    uint32_t amax_bits[GROUP];
-    float inv[GROUP];
-    _Float16 d16[GROUP];
-    int nonfinite = 0;
-    block_amax_bits(x, amax_bits, n);
-    for (int64_t b = 0; b < n; b++) {
-        float amax;
-        memcpy(&amax, &amax_bits[b], 4);
-        float d = amax / 127.0f;
-        float id = 1.0f / d;
-        inv[b] = id <= FLT_MAX_F ? id : 0.0f; /* d == 0, or 1/d overflowing: codes 0 */
-        d16[b] = (_Float16)d;
-    }
-    for (int64_t b = 0; b < n; b++) {
-        uint8_t *restrict block = out + b * (QK + 2);
-        if (amax_bits[b] >= 0x7f800000u) {
-            nonfinite = 1;
-            memset(block, 0, QK + 2);
-            continue;
-        }
-        memcpy(block, &d16[b], 2);
-        int8_t *restrict q = (int8_t *)(block + 2);
-        for (int j = 0; j < QK; j++) {
-            float v = x[b * QK + j] * inv[b];
-            q[j] = (int8_t)(int32_t)(v + __builtin_copysignf(HALF_DOWN, v));
-        }
-    }
-    return nonfinite;
-}
-
-/* x: nb * 32 floats; out: nb * 34 bytes. Returns 1 when x holds inf or NaN (those blocks are zeroed). */
-int q8_0_quantize(const float *restrict x, uint8_t *restrict out, int64_t nb) {
-    int nonfinite = 0;
-    for (int64_t b = 0; b < nb; b += GROUP)
-        nonfinite |= quantize_group(x + b * QK, out + b * (QK + 2), nb - b < GROUP ? nb - b : GROUP);
-    return nonfinite;
-}
-"""
+# The same computation in C (native/q8_0_quantize.c): 16 blocks at a time, so that the compiler vectorises each step.
+_C_SOURCE = native.read_source("q8_0_quantize.c")
 
 
 def _self_check_blocks() -> torch.Tensor:
@@ -106,7 +64,7 @@ def _load_native():
 
 # The C kernel as a chunk kernel like quantize_chunk, or None (no compiler, or it fails its self-check against
 # quantize_chunk); built on first use.
-native_quantize_chunk = LazyKernel(_load_native)
+native_quantize_chunk = native.LazyKernel(_load_native)
 
 
 def dequantize_chunk(blocks: torch.Tensor, out: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ import zstandard
 from .dtypes import STORAGE_TYPES, tensor_nbytes
 from .errors import FormatError
 from .layout import (
-    ALIGNMENT, FORMAT_MINOR_PARTS, HEADER_SIZE, MAX_PARTS, REGION_KINDS, TENSOR_ALIGNMENT, Header, PartHeader,
+    TENSOR_SCALE_SUFFIX, ALIGNMENT, FORMAT_MINOR_PARTS, HEADER_SIZE, MAX_PARTS, REGION_KINDS, TENSOR_ALIGNMENT, Header, PartHeader,
     layer_count_problem, parse_block_name, part_path, region_name, region_part,
 )
 
@@ -152,12 +152,6 @@ def _check_int(value, what: str, minimum: int = 0) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         _fail(f"{what} must be an integer >= {minimum}, got {value!r}")
     return value
-
-
-# SPEC.md section 6.1: `P.tensor_scale`, an F32 scalar stored after `P.weight` in its region, multiplies it
-TENSOR_SCALE_SUFFIX = ".tensor_scale"
-# names of the tensors that scale a weight rather than being one (parameter counts leave them out)
-SCALE_SUFFIXES = (".scale", TENSOR_SCALE_SUFFIX)
 
 
 def _check_tensor_scales(tensors: dict) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .reader import SCALE_SUFFIXES, Container
+from .layout import SCALE_SUFFIXES
+from .reader import Container
 
 
 def summarize(c: Container) -> dict:

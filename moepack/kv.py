@@ -21,7 +21,7 @@ import os
 import torch
 
 from moepack.format_spec.errors import FormatError
-from moepack.format_spec.kv import COMPRESSORS, CSA, SLIDING, KVCache, kv_geometry, read_kv
+from moepack.v4.kv import COMPRESSORS, CSA, SLIDING, KVCache, kv_geometry, read_kv
 
 __all__ = ["load_transformers_cache", "continuation_input_ids", "read_kv"]
 

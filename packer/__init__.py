@@ -1,1 +1,2 @@
-"""Writing containers: checkpoint sources, architecture adapters, conversion, synthetic checkpoints."""
+"""Writing containers: checkpoint sources, conversion, export, synthetic checkpoints (the architecture adapter and
+the tensor schema they follow are moepack.v4's)."""

@@ -21,14 +21,14 @@ import torch
 
 from moepack.format_spec import quants
 from moepack.format_spec.decode import as_uint8, decode_float, decode_tensor, scale_name, tensor_scale_name
-from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
-from moepack.format_spec.reader import SCALE_SUFFIXES
+from moepack.format_spec.dtypes import FROM_SAFETENSORS, storage_type, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, layer_count_problem, parse_block_name, region_name
+from moepack.format_spec.layout import (DEFAULT_STRIPE_EXPERTS, SCALE_SUFFIXES, layer_count_problem, parse_block_name,
+                                        region_name)
 from moepack.format_spec.policies import POLICY_NAMES, policy as policy_table, target_type
 from moepack.format_spec.writer import ContainerWriter
+from moepack.v4.arch import Adapter, adapter_for
 
-from .arch import Adapter, adapter_for
 from .progress import progress_bar
 from .source import CheckpointDir, SourceTensor
 
@@ -124,17 +124,9 @@ class RegionConverter:
             blocks = quants.fp4_to_mxfp4(packed, scale.view(torch.uint8))
         else:
             values = decode_float(dtype, shape, raw, scale)
-            if target == "BF16":
-                blocks = values.to(torch.bfloat16).view(torch.uint8)
-            elif target == "F32":
-                blocks = values.view(torch.uint8)
-            elif target == "NVFP4":
-                # ggml's NVFP4 block has no per-tensor scale: small weights would decode to zero
-                values, exponent = quants.nvfp4_prescale(values)
-                blocks = quants.quantize_torch(values, target)
+            blocks, exponent = storage_type(target).encode(values)
+            if exponent is not None:
                 tensor_scale = struct.pack("<f", 2.0 ** exponent)
-            else:
-                blocks = quants.quantize_torch(values, target)
         blocks = blocks.contiguous().reshape(-1)
         if blocks.numel() != tensor_nbytes(target, shape):
             raise MoepackError(f"{name}: {target} conversion produced {blocks.numel()} bytes")

@@ -15,22 +15,19 @@ import torch
 
 from moepack.format_spec.decode import (decode_float, decode_tensor, scale_name, tensor_scale_name,
                                        tensor_scale_value)
-from moepack.format_spec.dtypes import FROM_SAFETENSORS
+from moepack.format_spec.dtypes import FROM_SAFETENSORS, STORAGE_TYPES
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.reader import TENSOR_SCALE_SUFFIX, Container
+from moepack.format_spec.layout import TENSOR_SCALE_SUFFIX
+from moepack.format_spec.reader import Container
+from moepack.v4.arch import adapter_for
 
-from .arch import adapter_for
 from .convert import source_type_and_shape
 from .progress import progress_bar
 from .source import CheckpointDir
 
-# Largest relative RMSE (||stored - source|| / ||source||) accepted per storage type on weight-like data;
-# measured figures are in docs/quantization.md, these leave headroom above them.
-REL_RMSE_THRESHOLDS = {"BF16": 0.01, "F16": 0.002, "Q8_0": 0.02, "MXFP4": 0.2, "NVFP4": 0.15, "Q2_K": 0.45,
-                       "IQ2_XXS": 0.55}
-# (source type, stored type) pairs that hold exactly the source's values
-LOSSLESS = {("F8_E4M3", "BF16"), ("FP4_E2M1", "BF16"), ("FP4_E2M1", "MXFP4"), ("F8_E5M2", "BF16"),
-            ("BF16", "F32"), ("F16", "F32")}
+# Per storage type (its codec, format_spec/codecs.py): `exact_from`, the source types it holds exactly, and
+# `max_rel_rmse`, the largest relative RMSE (||stored - source|| / ||source||) accepted on weight-like data
+# (measured figures are in docs/quantization.md; the thresholds leave headroom above them).
 
 
 def _source_values(source: CheckpointDir, adapter, names: dict[str, str], name: str):
@@ -39,7 +36,7 @@ def _source_values(source: CheckpointDir, adapter, names: dict[str, str], name: 
     dtype, shape = source_type_and_shape(adapter, name, t)
     scale = None
     sname = scale_name(name)
-    if sname in names and dtype in ("F8_E4M3", "FP4_E2M1"):
+    if sname in names and STORAGE_TYPES[dtype].takes_scale:
         st = source.tensors[names[sname]]
         scale = decode_tensor(FROM_SAFETENSORS[st.dtype], st.shape, source.read(st))
     raw = source.read(t)
@@ -114,14 +111,14 @@ def _compare_tensor(c: Container, source: CheckpointDir, adapter, names, t) -> d
         return row
     scale = None
     sname = scale_name(t.name)
-    if sname in c.tensors and t.dtype in ("F8_E4M3", "FP4_E2M1"):
+    if sname in c.tensors and STORAGE_TYPES[t.dtype].takes_scale:
         s = c.tensors[sname]
         scale = decode_tensor(s.dtype, s.shape, c.tensor_bytes(sname))
     got = decode_float(t.dtype, t.shape, stored, scale, tensor_scale=tensor_scale)
     if got.shape != expected.shape:
         row["problem"] = f"shape {list(got.shape)} differs from the source's {list(expected.shape)}"
         return row
-    if (src_type, t.dtype) in LOSSLESS:
+    if src_type in STORAGE_TYPES[t.dtype].exact_from:
         row["check"] = "values"
         if not torch.equal(got, expected.float()):
             row["problem"] = f"{src_type} -> {t.dtype} should be lossless but values differ " \
@@ -133,7 +130,7 @@ def _compare_tensor(c: Container, source: CheckpointDir, adapter, names, t) -> d
     row["check"] = "error"
     row["rel_rmse"] = float(err.norm()) / norm if norm else float(err.norm())
     row["max_abs_error"] = float(err.abs().max()) if err.numel() else 0.0
-    limit = REL_RMSE_THRESHOLDS.get(t.dtype)
+    limit = STORAGE_TYPES[t.dtype].max_rel_rmse
     if limit is None:
         row["problem"] = f"no accuracy threshold for {src_type} -> {t.dtype}"
     elif row["rel_rmse"] > limit:

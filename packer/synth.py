@@ -1,9 +1,9 @@
 """Synthetic DeepSeek-V4 checkpoints: every tensor the real release holds, at sizes a test or a demo can afford.
 
-No network exists where moepack is tested, so tests and demos build their own models. `v4_tensor_specs` lists
-what a DeepSeek-V4 checkpoint holds for any config (release key names, no `model.` prefix: the names
-transformers' loader maps and the reference code reads); `synth_checkpoint` writes a Hugging Face-style
-directory with random but well-scaled weights in one of three layouts:
+No network exists where moepack is tested, so tests and demos build their own models. What a DeepSeek-V4
+checkpoint of a config holds is moepack.v4.tensors' schema (`v4_tensor_specs`, canonical names, no `model.`
+prefix); `synth_checkpoint` writes a Hugging Face-style directory with random but well-scaled weights in one of
+three layouts:
 
 * ``release``: what deepseek-ai ships. Dense linears FP8 e4m3 + `.scale` (E8M0, 128x128 blocks); routed experts
   packed FP4 e2m1 as I8 [out, in/2] + `.scale` (E8M0, one per 32 inputs); router, compressor and indexer
@@ -25,7 +25,6 @@ import math
 import os
 import struct
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -33,30 +32,14 @@ import torch
 
 from moepack.format_spec.errors import MoepackError, is_disk_full
 from moepack.format_spec.writer import fsync_dir, write_file_atomically
-from moepack.format_spec.source_formats import (
-    FP4_GROUP,
-    FP8_BLOCK,
-    fp4_quantize,
-    fp8_block_quantize,
-    fp8_block_scale_shape,
-)
+from moepack.format_spec.source_formats import FP8_BLOCK, fp4_quantize, fp8_block_quantize
+from moepack.v4.config import CSA, HCA, SLIDING, ModelConfig
+from moepack.v4.tensors import (DTYPE_BYTES as _DTYPE_BYTES, ROLE_DENSE_LINEAR, ROLE_EXPERT, StoredTensor, TensorSpec,
+                                check_layout as _check_layout, stored_tensors, v4_tensor_specs)
 
-# What a tensor is for storage purposes: how the release encodes it.
-ROLE_DENSE_LINEAR = "dense_linear"  # FP8 e4m3 + 128x128 E8M0 block scales in the release
-ROLE_BF16_LINEAR = "bf16_linear"  # linears the release leaves in BF16: router, compressors, indexer weights_proj
-ROLE_EXPERT = "expert"  # routed experts: packed FP4 e2m1 + one E8M0 scale per 32 inputs in the release
-ROLE_EMBEDDING = "embedding"  # embed.weight and head.weight: BF16 in the release
-ROLE_EXACT = "exact"  # norms, mHC, sinks, ape, router bias (F32) and tid2eid (I64): never rounded
-ROLES = (ROLE_DENSE_LINEAR, ROLE_BF16_LINEAR, ROLE_EXPERT, ROLE_EMBEDDING, ROLE_EXACT)
-
-LAYOUTS = ("release", "bf16", "f32")
 PRESETS = ("tiny", "small", "medium")
 
-CSA = "compressed_sparse_attention"
-HCA = "heavily_compressed_attention"
-SLIDING = "sliding_attention"
-
-# The release's config.json quantization block (see shared/reference/deepseek-v4-flash.config.json).
+# The release's config.json quantization block (as in tests/data/deepseek-v4-flash.config.json).
 RELEASE_QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",
     "expert_dtype": "fp4",
@@ -66,7 +49,6 @@ RELEASE_QUANTIZATION_CONFIG = {
     "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
 }
 
-_DTYPE_BYTES = {"F32": 4, "BF16": 2, "I64": 8, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
 _TORCH_DTYPE_NAMES = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
@@ -75,253 +57,6 @@ _TORCH_DTYPE_NAMES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e8m0fnu: "F8_E8M0",
 }
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One logical tensor of a DeepSeek-V4 checkpoint.
-
-    `shape` is the logical shape ([out, in] for linears, whatever the encoding). `role` says how the release
-    stores it (ROLE_*); `kind` says what it is, which decides how `synth_checkpoint` draws it: 'linear',
-    'embedding', 'norm', 'hc_fn', 'hc_base', 'hc_scale', 'attn_sink', 'ape', 'router_bias' or 'tid2eid'.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    role: str
-    kind: str
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def release_dtype(self) -> str:
-        """safetensors dtype of this tensor (its `.weight` part) in the release."""
-        if self.role == ROLE_DENSE_LINEAR:
-            return "F8_E4M3"
-        if self.role == ROLE_EXPERT:
-            return "I8"
-        if self.role in (ROLE_BF16_LINEAR, ROLE_EMBEDDING):
-            return "BF16"
-        return "I64" if self.kind == "tid2eid" else "F32"
-
-    @property
-    def block(self) -> str:
-        """The unit a streaming reader loads together: 'embed', 'layers.L', 'mtp.M' or 'head' (final norm,
-        mHC head and output head)."""
-        parts = self.name.split(".")
-        if parts[0] in ("layers", "mtp"):
-            return f"{parts[0]}.{parts[1]}"
-        return "embed" if parts[0] == "embed" else "head"
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """One tensor as a layout writes it to a safetensors file (a weight, or the scale beside it)."""
-
-    name: str
-    dtype: str  # safetensors dtype name
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _DTYPE_BYTES[self.dtype]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# What a checkpoint holds
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _attention_types(config: dict) -> tuple[list[str], list[str]]:
-    """(main layers' attention types, MTP layers' attention types)."""
-    n_layers = config["num_hidden_layers"]
-    n_mtp = config.get("num_nextn_predict_layers", 0) or 0
-    layer_types = config.get("layer_types")
-    if layer_types is None and config.get("compress_ratios") is not None:
-        # DeepSeek's own config: one ratio per layer (0 = sliding only), MTP layers' ratios appended.
-        csa_rate = (config.get("compress_rates") or {}).get(CSA, 4)
-        ratios = list(config["compress_ratios"])
-        layer_types = [SLIDING if r == 0 else CSA if r == csa_rate else HCA for r in ratios]
-    if layer_types is None:
-        raise MoepackError("config has neither layer_types nor compress_ratios: can't tell CSA/HCA/sliding layers")
-    if len(layer_types) < n_layers:
-        raise MoepackError(f"config lists {len(layer_types)} layer types for {n_layers} layers")
-    main, extra = list(layer_types[:n_layers]), list(layer_types[n_layers:])
-    # The MTP block's attention follows the last layer's type (sliding in V4-Flash) unless the config says.
-    mtp = [extra[i] if i < len(extra) else main[-1] for i in range(n_mtp)]
-    for t in main + mtp:
-        if t not in (SLIDING, CSA, HCA):
-            raise MoepackError(f"unknown DeepSeek-V4 attention layer type {t!r}")
-    return main, mtp
-
-
-def _mlp_types(config: dict) -> list[str]:
-    n_layers = config["num_hidden_layers"]
-    types = config.get("mlp_layer_types")
-    if types is None:
-        n_hash = config.get("num_hash_layers", 3)
-        types = ["hash_moe"] * min(n_layers, n_hash) + ["moe"] * max(0, n_layers - n_hash)
-    if len(types) != n_layers or any(t not in ("hash_moe", "moe") for t in types):
-        raise MoepackError(f"mlp_layer_types must list 'hash_moe'/'moe' for each of {n_layers} layers")
-    return list(types)
-
-
-def _compress_rate(config: dict, attention_type: str) -> int:
-    defaults = {CSA: 4, HCA: 128}
-    return int((config.get("compress_rates") or {}).get(attention_type, defaults[attention_type]))
-
-
-def _block_specs(prefix: str, config: dict, attention_type: str, mlp_type: str) -> list[TensorSpec]:
-    """The tensors of one transformer block (a layer, or the block inside an MTP layer)."""
-    hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config["head_dim"]
-    q_rank = config["q_lora_rank"]
-    o_groups, o_rank = config["o_groups"], config["o_lora_rank"]
-    experts, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
-    inter = config["moe_intermediate_size"]
-    hc = config.get("hc_mult", 4)
-    hc_mixes = (2 + hc) * hc  # pre (hc) + post (hc) + comb (hc * hc)
-
-    def linear(name: str, out_features: int, in_features: int, role: str = ROLE_DENSE_LINEAR) -> TensorSpec:
-        return TensorSpec(f"{prefix}.{name}.weight", (out_features, in_features), role, "linear")
-
-    def exact(name: str, shape: tuple[int, ...], kind: str) -> TensorSpec:
-        return TensorSpec(f"{prefix}.{name}", shape, ROLE_EXACT, kind)
-
-    specs = [exact("attn_norm.weight", (hidden,), "norm")]
-    for site in ("attn", "ffn"):
-        specs += [
-            exact(f"hc_{site}_fn", (hc_mixes, hc * hidden), "hc_fn"),
-            exact(f"hc_{site}_base", (hc_mixes,), "hc_base"),
-            exact(f"hc_{site}_scale", (3,), "hc_scale"),
-        ]
-
-    # Attention: low-rank query, one shared KV head, grouped low-rank output, per-head sinks.
-    specs += [
-        linear("attn.wq_a", q_rank, hidden),
-        exact("attn.q_norm.weight", (q_rank,), "norm"),
-        linear("attn.wq_b", heads * head_dim, q_rank),
-        linear("attn.wkv", head_dim, hidden),
-        exact("attn.norm.weight", (head_dim,), "norm"),
-        linear("attn.wo_a", o_groups * o_rank, heads * head_dim // o_groups),
-        linear("attn.wo_b", hidden, o_groups * o_rank),
-        exact("attn.attn_sink", (heads,), "attn_sink"),
-    ]
-    if attention_type in (CSA, HCA):
-        # CSA keeps two overlapping series per token (2 * head_dim); HCA one.
-        series = 2 if attention_type == CSA else 1
-        rate = _compress_rate(config, attention_type)
-        specs += _compressor_specs("attn.compressor", prefix, hidden, head_dim, series, rate)
-    if attention_type == CSA:
-        index_heads, index_dim = config["index_n_heads"], config["index_head_dim"]
-        specs += [
-            linear("attn.indexer.wq_b", index_heads * index_dim, q_rank),
-            linear("attn.indexer.weights_proj", index_heads, hidden, ROLE_BF16_LINEAR),
-        ]
-        specs += _compressor_specs("attn.indexer.compressor", prefix, hidden, index_dim, 2, _compress_rate(config, CSA))
-
-    specs.append(exact("ffn_norm.weight", (hidden,), "norm"))
-    specs.append(linear("ffn.gate", experts, hidden, ROLE_BF16_LINEAR))
-    if mlp_type == "hash_moe":
-        specs.append(exact("ffn.gate.tid2eid", (config["vocab_size"], top_k), "tid2eid"))
-    else:
-        specs.append(exact("ffn.gate.bias", (experts,), "router_bias"))
-    for e in range(experts):
-        specs += [
-            linear(f"ffn.experts.{e}.w1", inter, hidden, ROLE_EXPERT),
-            linear(f"ffn.experts.{e}.w2", hidden, inter, ROLE_EXPERT),
-            linear(f"ffn.experts.{e}.w3", inter, hidden, ROLE_EXPERT),
-        ]
-    specs += [  # transformers' shared expert is moe_intermediate_size wide whatever n_shared_experts says
-        linear("ffn.shared_experts.w1", inter, hidden),
-        linear("ffn.shared_experts.w2", hidden, inter),
-        linear("ffn.shared_experts.w3", inter, hidden),
-    ]
-    return specs
-
-
-def _compressor_specs(name: str, prefix: str, hidden: int, dim: int, series: int, rate: int) -> list[TensorSpec]:
-    return [
-        TensorSpec(f"{prefix}.{name}.wkv.weight", (series * dim, hidden), ROLE_BF16_LINEAR, "linear"),
-        TensorSpec(f"{prefix}.{name}.wgate.weight", (series * dim, hidden), ROLE_BF16_LINEAR, "linear"),
-        TensorSpec(f"{prefix}.{name}.norm.weight", (dim,), ROLE_EXACT, "norm"),
-        TensorSpec(f"{prefix}.{name}.ape", (rate, series * dim), ROLE_EXACT, "ape"),
-    ]
-
-
-def _hc_head_specs(prefix: str, config: dict) -> list[TensorSpec]:
-    hidden, hc = config["hidden_size"], config.get("hc_mult", 4)
-    return [
-        TensorSpec(f"{prefix}hc_head_fn", (hc, hc * hidden), ROLE_EXACT, "hc_fn"),
-        TensorSpec(f"{prefix}hc_head_base", (hc,), ROLE_EXACT, "hc_base"),
-        TensorSpec(f"{prefix}hc_head_scale", (1,), ROLE_EXACT, "hc_scale"),
-    ]
-
-
-def v4_tensor_specs(config: dict) -> list[TensorSpec]:
-    """Every tensor a DeepSeek-V4 checkpoint of this config holds, release names, in streaming order:
-    embed, layers 0..N-1, the final norm / mHC head / output head, then the MTP layers."""
-    try:
-        hidden, vocab = config["hidden_size"], config["vocab_size"]
-        attention, mtp_attention = _attention_types(config)
-        mlp = _mlp_types(config)
-        specs = [TensorSpec("embed.weight", (vocab, hidden), ROLE_EMBEDDING, "embedding")]
-        for layer in range(config["num_hidden_layers"]):
-            specs += _block_specs(f"layers.{layer}", config, attention[layer], mlp[layer])
-        specs.append(TensorSpec("norm.weight", (hidden,), ROLE_EXACT, "norm"))
-        specs += _hc_head_specs("", config)
-        if not config.get("tie_word_embeddings"):  # tied: the embedding is the head, none is stored
-            specs.append(TensorSpec("head.weight", (vocab, hidden), ROLE_EMBEDDING, "linear"))
-        for m, attention_type in enumerate(mtp_attention):
-            prefix = f"mtp.{m}"
-            # An MTP layer: project the next token's embedding and the main model's hidden state, mix them
-            # through one block (a routed, not hashed, MoE as in the reference), collapse its own mHC streams.
-            specs += [
-                TensorSpec(f"{prefix}.enorm.weight", (hidden,), ROLE_EXACT, "norm"),
-                TensorSpec(f"{prefix}.hnorm.weight", (hidden,), ROLE_EXACT, "norm"),
-                TensorSpec(f"{prefix}.e_proj.weight", (hidden, hidden), ROLE_DENSE_LINEAR, "linear"),
-                TensorSpec(f"{prefix}.h_proj.weight", (hidden, hidden), ROLE_DENSE_LINEAR, "linear"),
-            ]
-            specs += _block_specs(prefix, config, attention_type, "moe")
-            specs.append(TensorSpec(f"{prefix}.norm.weight", (hidden,), ROLE_EXACT, "norm"))
-            specs += _hc_head_specs(f"{prefix}.", config)
-    except KeyError as missing:
-        raise MoepackError(f"DeepSeek-V4 config lacks {missing.args[0]!r}") from None
-    return specs
-
-
-def stored_tensors(spec: TensorSpec, layout: str) -> list[StoredTensor]:
-    """The tensors `spec` becomes in a layout's safetensors files: the weight, plus its `.scale` when the
-    release quantizes it."""
-    _check_layout(layout)
-    if spec.kind == "tid2eid":
-        return [StoredTensor(spec.name, "I64", spec.shape)]
-    if layout == "f32":
-        return [StoredTensor(spec.name, "F32", spec.shape)]
-    if layout == "bf16":
-        return [StoredTensor(spec.name, "F32" if spec.role == ROLE_EXACT else "BF16", spec.shape)]
-    scale_name = spec.name.removesuffix(".weight") + ".scale"
-    if spec.role == ROLE_DENSE_LINEAR:
-        out_features, in_features = spec.shape
-        return [
-            StoredTensor(spec.name, "F8_E4M3", spec.shape),
-            StoredTensor(scale_name, "F8_E8M0", fp8_block_scale_shape(out_features, in_features)),
-        ]
-    if spec.role == ROLE_EXPERT:
-        *lead, in_features = spec.shape
-        return [
-            StoredTensor(spec.name, "I8", (*lead, in_features // 2)),
-            StoredTensor(scale_name, "F8_E8M0", (*lead, in_features // FP4_GROUP)),
-        ]
-    return [StoredTensor(spec.name, spec.release_dtype, spec.shape)]
-
-
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise MoepackError(f"unknown layout {layout!r} (choose one of {', '.join(LAYOUTS)})")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -469,7 +204,7 @@ def draw_tensor(spec: TensorSpec, config: dict, seed: int) -> torch.Tensor:
     if spec.kind == "tid2eid":
         # Each token routes to top_k distinct experts: the first top_k of a random permutation per row.
         vocab, top_k = spec.shape
-        noise = torch.rand(vocab, config["n_routed_experts"], generator=generator)
+        noise = torch.rand(vocab, ModelConfig.from_hf(config).n_routed_experts, generator=generator)
         return noise.argsort(dim=1, stable=True)[:, :top_k].contiguous()
     values = torch.randn(spec.shape, generator=generator)
     if spec.kind in ("linear", "hc_fn"):
@@ -731,7 +466,7 @@ def synth_checkpoint(
         config["quantization_config"] = dict(RELEASE_QUANTIZATION_CONFIG)
     config["dtype"] = "float32" if layout == "f32" else "bfloat16"
     specs = v4_tensor_specs(config)
-    if TOKENIZER_VOCAB_SIZE > config["vocab_size"]:
+    if TOKENIZER_VOCAB_SIZE > ModelConfig.from_hf(config).vocab_size:
         raise AssertionError("preset vocab smaller than the tokenizer's")
 
     out = Path(out_dir)

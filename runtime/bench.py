@@ -38,6 +38,8 @@ import torch
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import ReadSpan
 
+from .read_scheduler import expert_reads
+
 CACHE_ENV = "MOEPACK_CACHE_DIR"
 CACHE_FORMAT = "moepack-bench"
 CACHE_VERSION = 1
@@ -179,8 +181,6 @@ def _expert_reads(container, bundle: int, max_bytes: int | None) -> list[ReadSpa
 
 def _all_expert_reads(block, bundle: int) -> list[ReadSpan]:
     """The reads of every expert of `block`, as the engine makes them."""
-    from moepack.runtime.engine import expert_reads
-
     return [span for _, _, span in expert_reads(block, list(range(len(block.experts))), bundle)]
 
 
@@ -505,8 +505,8 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     6 x tokens x hidden x intermediate FLOPs) at several tokens per expert. The weights are a container's own
     experts (`file`) or random ones stored as `storage`, V4-Flash-sized unless `hidden`/`intermediate` say
     otherwise. Reports per point: effective GFLOP/s (decode included), matmul-only GFLOP/s and the decode time."""
-    from moepack.runtime import model as v4
-    from moepack.runtime.engine import EXPERT_DTYPES
+    from moepack.runtime.expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
+    from moepack.v4.config import ModelConfig
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -525,7 +525,7 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
         H, I = hidden or V4_FLASH_DIMS[0], intermediate or V4_FLASH_DIMS[1]
         stored = [_synthetic_expert(storage, H, I, seed) for seed in range(experts)]
         source = "synthetic"
-    cfg = v4.ModelConfig.from_hf({"hidden_size": H, "moe_intermediate_size": I})
+    cfg = ModelConfig.from_hf({"hidden_size": H, "moe_intermediate_size": I})
     # The bytes on the compute device, as the engine has them after _to_device; decoded there.
     on_device = [{n: (t, tuple(s), torch.frombuffer(bytearray(b), dtype=torch.uint8).to(dev)) for n, t, s, b in e}
                  for e in stored]

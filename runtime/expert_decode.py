@@ -8,8 +8,8 @@ decode by looking their 32 codes up in one row of 16 values: the values of codes
 scaled. The rows (256 of them, 8 KiB in bf16) are built by running the format's own decoders, so the values are the
 generic path's, bit for bit.
 
-Where a C compiler is found, the lookup is compiled (format_spec.quant_common.native_library: built once per
-process, checked against the torch path, skipped with MOEPACK_NATIVE=0). With AVX-512 a whole group is one vpermw
+Where a C compiler is found, the lookup is compiled (native/fp4_decode.c: built once per machine into a cache,
+checked against the torch path when it loads, skipped with MOEPACK_NATIVE=0). With AVX-512 a whole group is one vpermw
 (bf16) or two vpermd (f32): 4 G weights decode in about 0.15 s on one core. SSSE3 (pshufb) and plain C kernels do
 the same where AVX-512 is missing; the CPU picks at run time. The kernels read data and scales where they lie (any
 row stride), write into buffers reused from expert to expert, and run on the decode threads without the GIL.
@@ -39,356 +39,22 @@ from types import SimpleNamespace
 
 import torch
 
-from moepack.format_spec import quant_common, quants, source_formats
+from moepack.format_spec import quants, source_formats
+from moepack.native import LazyKernel, c_function, native_library, read_source
 from moepack.format_spec.reader import Region
 
 from . import model
 
-# The compiled lookups. A row of 16 values per scale byte (the values of codes 0..15 under that scale: 8 KiB in
-# total) is all a kernel needs; byte j of a group gives values 2j (low nibble) and 2j + 1 (high nibble). Three
-# kernels compute the same thing: plain C; SSSE3 (pshufb, 16 lookups per instruction, every x86-64 of the last 15
-# years); AVX-512 (vpermw/vpermd: a whole group per instruction). Each is compiled for its own target and
-# the CPU picks at run time, so every level can be checked on a machine that runs the highest.
-# One FP4 group's 32 values by AVX-512, shared by the lookup library and the fused kernel's (each is compiled on its
-# own). vpermw indices: one 32-bit lane per data byte, byte | byte << 12, whose low 16 bits hold the low code in bits
-# 0-3 and whose high 16 bits are the high code: values 2j and 2j + 1. vpermw reads 5 bits of an index; the low
-# half's bit 4 (the high code's first bit) picks the row's second copy in a register holding it twice, so no
-# masking is needed.
-_NIBBLE_GROUP_C = r"""
-/* the 32 values of one group: its scale's row of 16 values (`row`), its 16 data bytes */
-__attribute__((target("avx512f,avx512bw"), always_inline))
-static inline __m512i nibble_group(const uint16_t *row, const uint8_t *bytes) {
-    __m512i twice = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)row));
-    __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
-    return _mm512_permutexvar_epi16(_mm512_or_si512(x, _mm512_slli_epi32(x, 12)), twice);
-}
-"""
-
-_NATIVE_SOURCE = r"""
-#include <stdint.h>
-
-/* out[32 g + 2 j], out[32 g + 2 j + 1] = nib[scale << 4 | low nibble], nib[scale << 4 | high nibble] of byte j of
-   group g: every 16-byte group of `groups`, with the group's scale byte choosing a row of 16 values */
-#define ARGS const uint8_t *data, int64_t data_stride, const uint8_t *scale, int64_t scale_stride, \
-             const T *nib, T *out, int64_t groups
-#define SCALAR(NAME) \
-static void NAME(ARGS) { \
-    for (int64_t g = 0; g < groups; g++) { \
-        const T *row = nib + ((int64_t)scale[g * scale_stride] << 4); \
-        const uint8_t *d = data + g * data_stride; \
-        T *o = out + g * 32; \
-        for (int j = 0; j < 16; j++) { o[2 * j] = row[d[j] & 15]; o[2 * j + 1] = row[d[j] >> 4]; } \
-    } \
-}
-#define T uint16_t
-SCALAR(nibbles16_scalar)
-#undef T
-#define T uint32_t
-SCALAR(nibbles32_scalar)
-#undef T
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define SIMD 1
-
-/* SSSE3: pshufb looks 16 bytes up by nibble, so byte b of the 16 values of a row is its own 16-byte table: the
-   table comes split into byte planes (row s: `width` planes of 16 bytes), and the planes are interleaved back */
-__attribute__((target("ssse3")))
-static inline void planes(const uint8_t *row, int width, __m128i *plane) {
-    for (int b = 0; b < width; b++) plane[b] = _mm_loadu_si128((const __m128i *)(row + 16 * b));
-}
-
-__attribute__((target("ssse3")))
-static inline void nibble_indices(const uint8_t *d, __m128i *first, __m128i *second) {
-    const __m128i mask = _mm_set1_epi8(15);
-    __m128i x = _mm_loadu_si128((const __m128i *)d);
-    __m128i lo = _mm_and_si128(x, mask), hi = _mm_and_si128(_mm_srli_epi16(x, 4), mask);
-    *first = _mm_unpacklo_epi8(lo, hi);  /* codes of values 0..15 of the group, in order */
-    *second = _mm_unpackhi_epi8(lo, hi);  /* values 16..31 */
-}
-
-__attribute__((target("ssse3")))
-static void nibbles16_ssse3(const uint8_t *data, int64_t data_stride, const uint8_t *scale, int64_t scale_stride,
-                            const uint16_t *nib, uint16_t *out, int64_t groups) {
-    for (int64_t g = 0; g < groups; g++) {
-        __m128i plane[2], idx[2];
-        planes((const uint8_t *)(nib + ((int64_t)scale[g * scale_stride] << 4)), 2, plane);
-        nibble_indices(data + g * data_stride, &idx[0], &idx[1]);
-        __m128i *o = (__m128i *)(out + g * 32);
-        for (int h = 0; h < 2; h++) {
-            __m128i b0 = _mm_shuffle_epi8(plane[0], idx[h]), b1 = _mm_shuffle_epi8(plane[1], idx[h]);
-            _mm_storeu_si128(o + 2 * h, _mm_unpacklo_epi8(b0, b1));
-            _mm_storeu_si128(o + 2 * h + 1, _mm_unpackhi_epi8(b0, b1));
-        }
-    }
-}
-
-__attribute__((target("ssse3")))
-static void nibbles32_ssse3(const uint8_t *data, int64_t data_stride, const uint8_t *scale, int64_t scale_stride,
-                            const uint32_t *nib, uint32_t *out, int64_t groups) {
-    for (int64_t g = 0; g < groups; g++) {
-        __m128i plane[4], idx[2];
-        planes((const uint8_t *)(nib + ((int64_t)scale[g * scale_stride] << 4)), 4, plane);
-        nibble_indices(data + g * data_stride, &idx[0], &idx[1]);
-        __m128i *o = (__m128i *)(out + g * 32);
-        for (int h = 0; h < 2; h++) {
-            __m128i b[4];
-            for (int k = 0; k < 4; k++) b[k] = _mm_shuffle_epi8(plane[k], idx[h]);
-            __m128i lo01 = _mm_unpacklo_epi8(b[0], b[1]), lo23 = _mm_unpacklo_epi8(b[2], b[3]);
-            __m128i hi01 = _mm_unpackhi_epi8(b[0], b[1]), hi23 = _mm_unpackhi_epi8(b[2], b[3]);
-            _mm_storeu_si128(o + 4 * h, _mm_unpacklo_epi16(lo01, lo23));
-            _mm_storeu_si128(o + 4 * h + 1, _mm_unpackhi_epi16(lo01, lo23));
-            _mm_storeu_si128(o + 4 * h + 2, _mm_unpacklo_epi16(hi01, hi23));
-            _mm_storeu_si128(o + 4 * h + 3, _mm_unpackhi_epi16(hi01, hi23));
-        }
-    }
-}
-
-@NIBBLE_GROUP@
-/* AVX-512: the row is one register; vpermw / vpermd look all 32 values of a group up at once */
-__attribute__((target("avx512f,avx512bw")))
-static void nibbles16_avx512(const uint8_t *data, int64_t data_stride, const uint8_t *scale, int64_t scale_stride,
-                             const uint16_t *nib, uint16_t *out, int64_t groups) {
-    for (int64_t g = 0; g < groups; g++) {
-        _mm512_storeu_si512(out + g * 32, nibble_group(nib + ((int64_t)scale[g * scale_stride] << 4),
-                                                       data + g * data_stride));
-    }
-}
-
-__attribute__((target("avx512f")))
-static void nibbles32_avx512(const uint8_t *data, int64_t data_stride, const uint8_t *scale, int64_t scale_stride,
-                             const uint32_t *nib, uint32_t *out, int64_t groups) {
-    const __m512i low = _mm512_set1_epi32(15);
-    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-    for (int64_t g = 0; g < groups; g++) {
-        __m512i row = _mm512_loadu_si512(nib + ((int64_t)scale[g * scale_stride] << 4));
-        __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(data + g * data_stride)));
-        __m512i lo = _mm512_permutexvar_epi32(_mm512_and_si512(x, low), row);
-        __m512i hi = _mm512_permutexvar_epi32(_mm512_srli_epi32(x, 4), row);
-        _mm512_storeu_si512(out + g * 32, _mm512_permutex2var_epi32(lo, first, hi));
-        _mm512_storeu_si512(out + g * 32 + 16, _mm512_permutex2var_epi32(lo, second, hi));
-    }
-}
-#endif
-
-/* kernel levels: 0 scalar, 1 SSSE3, 2 AVX-512; the highest this CPU runs */
-int fp4_best_level(void) {
-#ifdef SIMD
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
-    if (__builtin_cpu_supports("ssse3")) return 1;
-#endif
-    return 0;
-}
-
-/* decode with the kernel of `level` for `itemsize`-byte values (2: bf16, 4: f32); -1 for a level not built here */
-typedef void (*kernel16)(const uint8_t *, int64_t, const uint8_t *, int64_t, const uint16_t *, uint16_t *, int64_t);
-typedef void (*kernel32)(const uint8_t *, int64_t, const uint8_t *, int64_t, const uint32_t *, uint32_t *, int64_t);
-int fp4_decode_nibbles(int level, int itemsize, const uint8_t *data, int64_t data_stride, const uint8_t *scale,
-                       int64_t scale_stride, const void *nib, void *out, int64_t groups) {
-    kernel16 k16 = 0;
-    kernel32 k32 = 0;
-    if (level == 0) { k16 = nibbles16_scalar; k32 = nibbles32_scalar; }
-#ifdef SIMD
-    if (level == 1) { k16 = nibbles16_ssse3; k32 = nibbles32_ssse3; }
-    if (level == 2) { k16 = nibbles16_avx512; k32 = nibbles32_avx512; }
-#endif
-    if (!k16 || (itemsize != 2 && itemsize != 4)) return -1;
-    if (itemsize == 2) k16(data, data_stride, scale, scale_stride, nib, out, groups);
-    else k32(data, data_stride, scale, scale_stride, nib, out, groups);
-    return 0;
-}
-"""
-_NATIVE_SOURCE = _NATIVE_SOURCE.replace("@NIBBLE_GROUP@", _NIBBLE_GROUP_C)
+# The compiled lookups (native/fp4_decode.c): plain C, SSSE3 and AVX-512 kernels of the same table lookup, each
+# compiled for its own target; the CPU picks at run time, so every level can be checked on a machine that runs the
+# highest. NATIVE_LEVELS names them in the library's order.
+_NATIVE_SOURCE = read_source("fp4_decode.c")
 NATIVE_LEVELS = ("scalar", "ssse3", "avx512")
 
-# The fused FP4 matmul, for an expert's few tokens on a CPU with AVX512-BF16: out = x @ w.T with w decoded 4 rows at a
-# time into a small scratch (L1-sized) and multiplied straight away (vdpbf16ps, float32 sums), so the decoded matrix
-# never goes to memory. At a few dozen tokens per expert, decoding the whole matrix first costs as much as the
-# matmul (a 2 MiB bf16 write and re-read per matrix, beside the lookup itself). Its own library: a compiler without
-# AVX512-BF16 intrinsics loses this kernel only.
-_FUSED_SOURCE = r"""
-#include <stdint.h>
-
-#define LINEAR_SIGNATURE \
-int fp4_linear_bf16(const uint16_t *x, int64_t T, int64_t K, const uint8_t *data, int64_t data_stride, \
-                    const uint8_t *scale, int64_t scale_stride, const uint16_t *nib, int64_t N, float *out, \
-                    int64_t out_stride, uint16_t *scratch)
-#define EXPERT_SIGNATURE \
-int fp4_expert_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t I, \
-                    const uint8_t *d1, int64_t ds1, const uint8_t *s1, int64_t ss1, \
-                    const uint8_t *d3, int64_t ds3, const uint8_t *s3, int64_t ss3, \
-                    const uint8_t *d2, int64_t ds2, const uint8_t *s2, int64_t ss2, \
-                    const uint16_t *nib, float limit, const int64_t *hidden_order, \
-                    float *work, uint16_t *hidden, uint16_t *scratch, float *out)
-
-int fp4_linear_supported(void) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512bf16");
-#else
-    return 0;
-#endif
-}
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define ROWS 4    /* weight rows per tile: 4 x 32 values in registers */
-#define TOKENS 6  /* tokens per tile: 24 accumulators, 29 of the 32 registers with the weights and one input */
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
-@NIBBLE_GROUP@
-
-/* The four horizontal sums of a, b, c, d: lanes added pairwise within each 128-bit quarter, then the quarters.
-   A fifth of the shuffles of four separate reductions: 12-20% of a 24-token matmul on AMD Zen 5. */
-TARGET __attribute__((always_inline))
-static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
-/* out[t][r] = dot(x[t], w[r]) for rows < ROWS and toks < TOKENS tokens; constant bounds once inlined */
-TARGET __attribute__((always_inline))
-static inline void tile(const uint16_t *x, int64_t K, const uint16_t *w, int rows, int toks, float *out,
-                        int64_t out_stride) {
-    __m512 acc[TOKENS][ROWS];
-    for (int t = 0; t < TOKENS; t++)
-        for (int r = 0; r < ROWS; r++) acc[t][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        __m512i wv[ROWS];
-        _Pragma("GCC unroll 4")
-        for (int r = 0; r < ROWS; r++) if (r < rows) wv[r] = _mm512_loadu_si512(w + r * K + k);
-        _Pragma("GCC unroll 6")
-        for (int t = 0; t < TOKENS; t++) {
-            if (t < toks) {
-                __m512bh xv = (__m512bh)_mm512_loadu_si512(x + t * K + k);
-                _Pragma("GCC unroll 4")
-                for (int r = 0; r < ROWS; r++)
-                    if (r < rows) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xv, (__m512bh)wv[r]);
-            }
-        }
-    }
-    for (int t = 0; t < TOKENS; t++) {
-        if (t >= toks) continue;
-        if (rows == ROWS)  /* a token's 4 sums at once, one store */
-            _mm_storeu_ps(out + t * out_stride, reduce4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]));
-        else
-            for (int r = 0; r < rows; r++) out[t * out_stride + r] = _mm512_reduce_add_ps(acc[t][r]);
-    }
-}
-#define TILE(R, T) tile(x + t0 * K, K, scratch, R, T, out + t0 * out_stride + n0, out_stride)
-
-/* out[t][n] (float32, rows out_stride apart) = sum_k x[t][k] w[n][k] for T tokens x (bf16 [T][K], contiguous) and
-   the N x K FP4 matrix w: row n is K / 32 groups, group g = n * K / 32 + g' at data + g * data_stride (16 code
-   bytes, low nibble first) with its scale byte at scale + g * scale_stride choosing a row of nib (16 bf16 values
-   per scale byte). scratch: ROWS * K bf16. Returns -1 where not built or K is not a multiple of 32. */
-TARGET
-LINEAR_SIGNATURE {
-    if (K % 32) return -1;
-    const int64_t groups = K / 32;
-    for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
-        int rows = N - n0 < ROWS ? (int)(N - n0) : ROWS;
-        for (int r = 0; r < rows; r++) {
-            for (int64_t g = 0; g < groups; g++) {  /* as the AVX-512 lookup: a group per vpermw */
-                int64_t i = (n0 + r) * groups + g;
-                /* the next rows' bytes, on their way from memory while these rows multiply: with more than one
-                   token tile the multiplying outlasts the hardware prefetcher's reach (from DRAM, 24 tokens:
-                   165 -> 135 us per 1024 x 1024 matrix); with one, the stream it sees is enough */
-                if (T > TOKENS && (g & 3) == 0 && n0 + r + ROWS < N) {
-                    _mm_prefetch((const char *)(data + (i + ROWS * groups) * data_stride), _MM_HINT_T0);
-                    if ((g & 63) == 0)
-                        _mm_prefetch((const char *)(scale + (i + ROWS * groups) * scale_stride), _MM_HINT_T0);
-                }
-                _mm512_storeu_si512(scratch + r * K + g * 32, nibble_group(
-                    nib + ((int64_t)scale[i * scale_stride] << 4), data + i * data_stride));
-            }
-        }
-        for (int64_t t0 = 0; t0 < T; t0 += TOKENS) {
-            int toks = T - t0 < TOKENS ? (int)(T - t0) : TOKENS;
-            if (rows == ROWS) {
-                switch (toks) {
-                    case 6: TILE(4, 6); break;
-                    case 5: TILE(4, 5); break;
-                    case 4: TILE(4, 4); break;
-                    case 3: TILE(4, 3); break;
-                    case 2: TILE(4, 2); break;
-                    default: TILE(4, 1);
-                }
-            } else {  /* the last rows of a matrix whose rows are not a multiple of 4 */
-                switch (rows) {
-                    case 3: TILE(3, toks); break;
-                    case 2: TILE(2, toks); break;
-                    default: TILE(1, toks);
-                }
-            }
-        }
-    }
-    return 0;
-}
-
-/* exp(x) for x <= 88 (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n) */
-TARGET
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-
-/* A whole clamped SwiGLU expert on T tokens x (bf16 [T][H]): gate = x w1^T clamped above at limit, up = x w3^T
-   clamped to +-limit, hidden = silu(gate) up rounded to bf16 once (its columns permuted by hidden_order when not
-   NULL: w2 stored in MXFP4 pair order), out (float32 [T][H]) = hidden w2^T. w1, w3: I x H, w2: H x I, each as
-   fp4_linear_bf16 takes it. work: 2 T I + I floats; hidden: T I bf16; scratch: ROWS max(H, I) bf16. */
-TARGET
-EXPERT_SIGNATURE {
-    if (H % 32 || I % 32) return -1;
-    float *gate = work, *up = work + T * I, *row = work + 2 * T * I;
-    fp4_linear_bf16(x, T, H, d1, ds1, s1, ss1, nib, I, gate, I, scratch);
-    fp4_linear_bf16(x, T, H, d3, ds3, s3, ss3, nib, I, up, I, scratch);
-    const __m512 hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit), one = _mm512_set1_ps(1.0f);
-    for (int64_t t = 0; t < T; t++) {
-        float *dst = hidden_order ? row : gate + t * I;
-        for (int64_t i = 0; i < I; i += 16) {
-            /* min/max return their second operand where one is NaN: a NaN stays NaN, as torch's clamp keeps it */
-            __m512 g = _mm512_min_ps(hi, _mm512_loadu_ps(gate + t * I + i));
-            __m512 u = _mm512_max_ps(lo, _mm512_min_ps(hi, _mm512_loadu_ps(up + t * I + i)));
-            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu, u));
-        }
-        if (hidden_order)
-            for (int64_t i = 0; i < I; i++) gate[t * I + i] = row[hidden_order[i]];
-        for (int64_t i = 0; i < I; i += 16)
-            _mm256_storeu_si256((__m256i *)(hidden + t * I + i),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(gate + t * I + i)));
-    }
-    fp4_linear_bf16(hidden, T, I, d2, ds2, s2, ss2, nib, H, out, H, scratch);
-    return 0;
-}
-#else
-LINEAR_SIGNATURE {
-    return -1;
-}
-EXPERT_SIGNATURE {
-    return -1;
-}
-#endif
-"""
-_FUSED_SOURCE = _FUSED_SOURCE.replace("@NIBBLE_GROUP@", _NIBBLE_GROUP_C)
+# The fused FP4 matmul (native/fp4_linear.c), for an expert's few tokens on a CPU with AVX512-BF16: out = x @ w.T with
+# w decoded 4 rows at a time into an L1-sized scratch and multiplied straight away, so the decoded matrix never goes to
+# memory. Its own library: a compiler without AVX512-BF16 intrinsics loses this kernel only.
+_FUSED_SOURCE = read_source("fp4_linear.c")
 FUSED_ROWS = 4  # the kernel's rows per tile: its scratch holds this many decoded rows
 # Up to this many tokens an expert runs the fused kernel; beyond, decoding the matrices and torch's GEMM are as fast
 # (AMD Zen 5, one thread, 1024 x 1024 experts, per expert: fused 0.41 / 0.81 / 1.26 / 1.8 / 2.2 / 2.7 / 3.2 / 3.6 ms
@@ -402,6 +68,7 @@ GROUP = 32  # inputs per scale, both layouts
 GROUP_BYTES = GROUP // 2
 MXFP4_BLOCK_BYTES = 1 + GROUP_BYTES
 EXPERT_MATRICES = ("w1", "w3", "w2")
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what experts' matmuls may run in
 
 
 def _pair_order(columns: int) -> torch.Tensor:
@@ -466,12 +133,12 @@ class NativeLookup:
 def _load_native() -> dict[int, NativeLookup] | None:
     """{level: NativeLookup} for every kernel level this CPU runs that decodes like torch (the highest is used),
     or None when nothing is compiled."""
-    lib = quant_common.native_library("moepack_fp4_decode", _NATIVE_SOURCE)
+    lib = native_library("moepack_fp4_decode", _NATIVE_SOURCE)
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn = quant_common.c_function(lib, "fp4_decode_nibbles", (ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, p, i64))
-    best_level = quant_common.c_function(lib, "fp4_best_level", ())
+    fn = c_function(lib, "fp4_decode_nibbles", (ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, p, i64))
+    best_level = c_function(lib, "fp4_best_level", ())
     # self-check: random values in the table, every scale byte and every data byte, in the MXFP4 (strided)
     # arrangement, against the torch path's index_select
     gen = torch.Generator().manual_seed(0)
@@ -494,7 +161,7 @@ def _load_native() -> dict[int, NativeLookup] | None:
     return levels or None
 
 
-_native_kernels = quant_common.LazyKernel(_load_native)
+_native_kernels = LazyKernel(_load_native)
 
 
 def native_levels() -> list[str]:
@@ -514,14 +181,14 @@ class PackedMatrix:
 
 
 class FusedKernels:
-    """The compiled fused FP4 kernels (see _FUSED_SOURCE): `matmul` (one packed matrix) and `expert` (a whole
+    """The compiled fused FP4 kernels (native/fp4_linear.c): `matmul` (one packed matrix) and `expert` (a whole
     clamped SwiGLU expert, its three matrices packed)."""
 
     def __init__(self, lib):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._linear = quant_common.c_function(lib, "fp4_linear_bf16", (p, i64, i64, p, i64, p, i64, p, i64, p, i64, p))
-        self._expert = quant_common.c_function(lib, "fp4_expert_bf16", (p, i64, i64, i64, *(p, i64, p, i64) * 3, p,
-                                                                         ctypes.c_float, p, p, p, p, p))
+        self._linear = c_function(lib, "fp4_linear_bf16", (p, i64, i64, p, i64, p, i64, p, i64, p, i64, p))
+        self._expert = c_function(lib, "fp4_expert_bf16", (p, i64, i64, i64, *(p, i64, p, i64) * 3, p,
+                                                            ctypes.c_float, p, p, p, p, p))
 
     def matmul(self, x: torch.Tensor, m: PackedMatrix, scratch: torch.Tensor) -> torch.Tensor:
         """x @ w.T (float32 [tokens, rows]) for bf16 x [tokens, cols] and the packed matrix w: bf16 products,
@@ -575,7 +242,7 @@ def _random_packed(rows: int, cols: int, table: torch.Tensor, gen: torch.Generat
 def _load_fused() -> FusedKernels | None:
     """The compiled fused FP4 kernels where this CPU has AVX512-BF16 and both agree with float64 on the decoded
     matrices (strided groups, rows and tokens that are not whole tiles, a permuted hidden activation), else None."""
-    lib = quant_common.native_library("moepack_fp4_linear", _FUSED_SOURCE)
+    lib = native_library("moepack_fp4_linear", _FUSED_SOURCE)
     if lib is None or not lib.fp4_linear_supported():
         return None
     kernels = FusedKernels(lib)
@@ -605,7 +272,7 @@ def _load_fused() -> FusedKernels | None:
     return kernels
 
 
-_fused_kernel = quant_common.LazyKernel(_load_fused)
+_fused_kernel = LazyKernel(_load_fused)
 
 
 def fused_available() -> bool:

@@ -16,11 +16,13 @@ the engine needs to interleave disk reads:
 
 `forward_resident` is exactly that loop with every weight in memory (the reference path).
 
-Continuation. A prefill leaves one `LayerKVState` per layer (format_spec/kv.py; written to disk by KVWriter, see
+Configuration. `ModelConfig` (moepack.v4.config, the one reader of a config.json) says what to compute.
+
+Continuation. A prefill leaves one `LayerKVState` per layer (v4/kv.py; written to disk by KVWriter, see
 format_spec/KV.md). Passing a layer's state as `past` to `attention_sublayer` (with positions P..P+N-1) runs N
 more tokens against it, layer-major like the first chunk: prefill(A) then continue(B) equals prefill(A + B).
 
-Weights. Release names (no `model.` prefix), float32. `w` is one layer's non-expert tensors keyed RELATIVE to
+Weights. Canonical names (moepack.v4.names: the release's, no `model.` prefix), float32. `w` is one layer's non-expert tensors keyed RELATIVE to
 the layer (`w["attn.wq_a.weight"]` for `layers.3.attn.wq_a.weight`; `layer_weights()` builds it from a full
 mapping). `w_globals` holds `embed.weight`, `head.weight` (none where `tie_word_embeddings`: the embedding is the
 head), `norm.weight`, `hc_head_{fn,base,scale}`. The
@@ -40,7 +42,6 @@ depend on the chunk size.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -49,195 +50,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moepack.format_spec.kv import CompressorState, LayerKVState  # noqa: F401 - re-exported
+from moepack.v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
+from moepack.v4.kv import CompressorState, LayerKVState
 
 from . import mhc_native
-
-SLIDING = "sliding_attention"
-CSA = "compressed_sparse_attention"  # compressed every `rate` tokens (overlapping windows) + Lightning Indexer top-k
-HCA = "heavily_compressed_attention"  # compressed every `rate` tokens, attended densely
-_LEGACY_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # transformers' reading of a legacy `compress_ratios` list
-
-# transformers' DeepseekV4Config defaults, for keys a config.json leaves out.
-_HF_DEFAULTS = dict(
-    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43, num_attention_heads=64,
-    head_dim=512, q_lora_rank=1024, num_experts_per_tok=6, n_routed_experts=256, scoring_func="sqrtsoftplus",
-    routed_scaling_factor=1.5, max_position_embeddings=1048576, rope_theta=10000.0, compress_rope_theta=160000.0,
-    hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8,
-    o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512, rms_norm_eps=1e-6,
-)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Configuration
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Interleaved RoPE on the trailing `dim` channels of a head (pairs (2i, 2i+1) rotate together)."""
-
-    dim: int
-    theta: float
-    scaling: str = "default"  # "default" or "yarn"
-    factor: float = 1.0  # yarn only
-    original_max_position_embeddings: int = 0  # yarn only
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = 1.0  # multiplies cos and sin (V4 pins it to 1 for its YaRN rope)
-
-    def inv_freq(self) -> Tensor:
-        """[dim/2] float32 frequencies, computed the way transformers computes them."""
-        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim
-        if self.scaling == "default":
-            return 1.0 / (self.theta ** exponents)
-        # YaRN: extrapolate the fast (high-frequency) pairs, interpolate the slow ones by `factor`, and blend linearly
-        # between the pair indices where a pair turns `beta_fast` resp. `beta_slow` times over the original context.
-        pos_freqs = self.theta ** exponents
-        extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
-
-        def pair_index(rotations: float) -> float:
-            return (self.dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
-                    / (2 * math.log(self.theta)))
-
-        low = max(math.floor(pair_index(self.beta_fast)), 0)
-        high = min(math.ceil(pair_index(self.beta_slow)), self.dim - 1)
-        if low == high:
-            high += 0.001  # avoid a zero-width ramp
-        ramp = ((torch.arange(self.dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        extrapolated_share = 1 - ramp
-        return interpolated * (1 - extrapolated_share) + extrapolated * extrapolated_share
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    sliding_window: int
-    layer_types: tuple[str, ...]  # per layer: SLIDING, CSA or HCA
-    compress_rates: tuple[int, ...]  # per layer: tokens per compressed entry (0 for SLIDING)
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    rms_norm_eps: float
-    n_routed_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    scoring_func: str  # router score: "sqrtsoftplus", "sigmoid" or "softmax"
-    routed_scaling_factor: float
-    swiglu_limit: float
-    hash_layers: tuple[bool, ...]  # per layer: experts chosen by tid2eid[token id] instead of top-k
-    main_rope: RopeConfig  # q/kv of sliding-only layers
-    compress_rope: RopeConfig  # q/kv of CSA/HCA layers, their compressors and the indexer
-    tie_word_embeddings: bool = False  # the LM head is the embedding table (no head.weight is stored)
-
-    @classmethod
-    def from_hf(cls, config: Mapping) -> "ModelConfig":
-        """From a transformers `DeepseekV4Config` dict (config.json). Reads the legacy keys transformers folds in
-        (`compress_ratios`, `compress_rate_csa/hca`, `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`)."""
-        c = {**_HF_DEFAULTS, **config}
-        n = c["num_hidden_layers"]
-
-        rates = {CSA: 4, HCA: 128, **(c.get("compress_rates") or {})}
-        rates[CSA] = c.get("compress_rate_csa") or rates[CSA]
-        rates[HCA] = c.get("compress_rate_hca") or rates[HCA]
-        layer_types = c.get("layer_types")
-        if layer_types is None and c.get("compress_ratios") is not None:
-            layer_types = [_LEGACY_RATIO_TO_TYPE[r] for r in c["compress_ratios"]]
-        if layer_types is None:  # transformers' default schedule: 2 HCA, then CSA/HCA alternating
-            layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-        layer_types = tuple(layer_types[:n])
-        if len(layer_types) != n or set(layer_types) - {SLIDING, CSA, HCA}:
-            raise ValueError(f"bad layer_types for {n} layers: {layer_types}")
-
-        mlp_types = c.get("mlp_layer_types")
-        if mlp_types is None:
-            n_hash = c.get("num_hash_layers", 3)
-            mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
-        hash_layers = tuple(t == "hash_moe" for t in mlp_types[:n])
-
-        head_dim = c["head_dim"]
-        partial = c.get("partial_rotary_factor")
-        if partial is None:
-            partial = c["qk_rope_head_dim"] / head_dim if c.get("qk_rope_head_dim") else 64 / 512
-        main_params, compress_params = _rope_params(c, partial)
-
-        return cls(
-            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=n,
-            num_heads=c["num_attention_heads"], head_dim=head_dim, q_lora_rank=c["q_lora_rank"],
-            o_groups=c["o_groups"], o_lora_rank=c["o_lora_rank"], sliding_window=c["sliding_window"],
-            layer_types=layer_types, compress_rates=tuple(rates.get(t, 0) for t in layer_types),
-            index_n_heads=c["index_n_heads"], index_head_dim=c["index_head_dim"], index_topk=c["index_topk"],
-            hc_mult=c["hc_mult"], hc_sinkhorn_iters=c["hc_sinkhorn_iters"], hc_eps=c["hc_eps"],
-            rms_norm_eps=c["rms_norm_eps"], n_routed_experts=c["n_routed_experts"],
-            num_experts_per_tok=c["num_experts_per_tok"], moe_intermediate_size=c["moe_intermediate_size"],
-            scoring_func=c["scoring_func"], routed_scaling_factor=c["routed_scaling_factor"],
-            swiglu_limit=c["swiglu_limit"], hash_layers=hash_layers,
-            main_rope=_rope_config(main_params, head_dim, partial, c["max_position_embeddings"]),
-            compress_rope=_rope_config(compress_params, head_dim, partial, c["max_position_embeddings"]),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        )
-
-    @property
-    def head_weight(self) -> str:
-        """The name of the LM head's matrix: the embedding's where the two are tied."""
-        return "embed.weight" if self.tie_word_embeddings else "head.weight"
-
-
-def unsupported(config: Mapping) -> str | None:
-    """What in a transformers config this model would compute differently from transformers' (so a prefill must
-    refuse it rather than return other logits), or None. Sizes and FLOPs do not depend on it (plan accepts it)."""
-    act = config.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):  # transformers' ACT2FN: both are x * sigmoid(x)
-        return f"hidden_act {act!r}: this runtime computes SiLU-gated experts"
-    if config.get("mlp_bias"):
-        return "mlp_bias is set: this runtime's experts and shared expert have no biases"
-    return None
-
-
-def _rope_params(c: Mapping, partial: float) -> tuple[dict, dict]:
-    """The "main" and "compress" rope dicts, as DeepseekV4Config.__post_init__ builds them."""
-    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
-        return rp["main"], rp["compress"]
-    # A flat dict describes the compress rope's scaling (YaRN); sliding-only layers always use plain RoPE.
-    scaling = {k: v for k, v in rp.items() if k not in ("main", "compress")}
-    main = {"rope_type": "default", "rope_theta": c["rope_theta"], "partial_rotary_factor": partial}
-    compress = {**scaling, "rope_theta": c["compress_rope_theta"], "partial_rotary_factor": partial}
-    compress.setdefault("rope_type", compress.get("type", "default"))
-    if compress["rope_type"] == "yarn":
-        compress.setdefault("attention_factor", 1.0)  # the V4 reference does not scale cos/sin by YaRN's mscale
-    return main, compress
-
-
-def _rope_config(p: Mapping, head_dim: int, partial: float, max_positions: int) -> RopeConfig:
-    dim = int(head_dim * p.get("partial_rotary_factor", partial))
-    kind = p.get("rope_type", p.get("type", "default"))
-    if kind == "default":
-        return RopeConfig(dim=dim, theta=float(p["rope_theta"]))
-    if kind != "yarn":
-        raise NotImplementedError(f"rope type {kind!r}")
-    original = p["original_max_position_embeddings"]
-    factor = p.get("factor") or max_positions / original
-    attention_factor = p.get("attention_factor")
-    if attention_factor is None:  # YaRN's default mscale, as transformers derives it
-        def mscale(scale, m=1.0):
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    return RopeConfig(dim=dim, theta=float(p["rope_theta"]), scaling="yarn", factor=float(factor),
-                      original_max_position_embeddings=original, beta_fast=float(p.get("beta_fast") or 32),
-                      beta_slow=float(p.get("beta_slow") or 1), attention_factor=float(attention_factor))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -312,7 +128,7 @@ def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: T
     mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_().div_(flat.shape[1])
     mixes = F.linear(flat, fn) * torch.rsqrt(mean_square + cfg.rms_norm_eps)
     args = (mixes, scale, base, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-    pre, post, comb = mhc_native.hc_mix_weights(*args) or hc_mix_weights(*args)  # compiled where it can be
+    pre, post, comb = mhc_native.hc_mix_weights(*args, hc_mix_weights) or hc_mix_weights(*args)  # compiled if it can
     collapsed = torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
     return collapsed, post, comb
 

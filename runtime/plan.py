@@ -1,6 +1,6 @@
 """The break-even calculator: when does a layer-major prefill hide the SSD behind the compute (docs/plan.md)?
 
-The model (the design note's, shared/seeds/000): a prefill reads W streamed bytes once (`T_SSD = W / BW`) and
+The model (the design note's; docs/plan.md): a prefill reads W streamed bytes once (`T_SSD = W / BW`) and
 computes `FLOP/token x N` (`T_compute = FLOP/token x N / F`); with reads, copies and compute overlapped it takes
 `max(T_SSD, T_compute, ...)`. The SSD is hidden from
 
@@ -30,11 +30,13 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
-from moepack.format_spec.reader import SCALE_SUFFIXES, TENSOR_SCALE_SUFFIX
+from moepack.format_spec.dtypes import FROM_SAFETENSORS, storage_type, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.layout import ALIGNMENT, HEADER_SIZE, TENSOR_ALIGNMENT, align_up
+from moepack.format_spec.layout import (ALIGNMENT, HEADER_SIZE, SCALE_SUFFIXES, TENSOR_ALIGNMENT, TENSOR_SCALE_SUFFIX,
+                                        align_up)
 from moepack.format_spec.policies import POLICY_NAMES, target_type
+from moepack.v4.arch import adapter_for
+from moepack.v4.config import CSA, HCA, ModelConfig, quant_method
 
 GB = 1e9
 GIB = 2 ** 30
@@ -46,7 +48,7 @@ STREAM_MODES = ("all", "experts")
 # all:     what `moepack prefill` does: globals, every layer's dense region and its experts are read once
 # experts: the note's tables: non-routed weights resident on the device, only the routed experts streamed
 ACTIVATION_BYTES = 2  # the note's F16 boundary activations (hc_mult x hidden per token)
-KV_BYTES = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
+KV_BYTES = {n: storage_type(n).block_bytes for n in ("F32", "BF16", "F8_E4M3")}  # kv.KV_DTYPES (kv imports torch)
 SHORT_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
                "heavily_compressed_attention": "hca"}
 
@@ -194,13 +196,12 @@ def _ranges(numbers: list[int]) -> str:
 
 
 def _source_layout(config: dict) -> str:
-    q = config.get("quantization_config") or {}
-    return "release" if q.get("quant_method") == "fp8" else "bf16"
+    return "release" if quant_method(config) == "fp8" else "bf16"
 
 
 def _stored_types(adapter, spec, layout: str) -> list[tuple[str, str, list[int]]]:
     """(canonical name, storage type, logical shape) of what the source checkpoint holds for one tensor spec."""
-    from moepack.packer.synth import stored_tensors
+    from moepack.v4.tensors import stored_tensors  # (torch, through the source formats: not for plan's import)
 
     out = []
     for st in stored_tensors(spec, layout):
@@ -229,7 +230,7 @@ def _region_bytes(items: list[tuple[str, str, list[int]]], adapter, policy: str)
         if scale in names:
             consumed.add(scale)
         out.append((name, target, shape))
-        if target == "NVFP4":  # the converter stores its prescale after the weight (SPEC.md section 6.1)
+        if storage_type(target).needs_tensor_scale:  # stored after the weight (SPEC.md section 6.1)
             out.append((name[: -len(".weight")] + TENSOR_SCALE_SUFFIX, "F32", []))
     used = tensors = 0
     for name, dtype, shape in out:
@@ -247,8 +248,7 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
     reading a weight. `layout` is the source's: 'release' (FP8 dense + FP4 experts, as DeepSeek ships; the default
     when the config has the release's quantization_config) or 'bf16'. `expert_bpw` replaces the routed experts'
     size by params x bpw / 8 (a what-if: the note's q2 tables assume 2.3 bits per weight)."""
-    from moepack.packer.arch import adapter_for
-    from moepack.packer.synth import v4_tensor_specs
+    from moepack.v4.tensors import v4_tensor_specs
 
     if policy not in POLICY_NAMES:
         raise MoepackError(f"unknown policy {policy!r} (choose from {', '.join(POLICY_NAMES)})")
@@ -257,8 +257,6 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
     adapter = adapter_for(config)
     layout = layout or _source_layout(config)
     specs = v4_tensor_specs(config)
-    from moepack.runtime.model import ModelConfig
-
     cfg = ModelConfig.from_hf(config)
     # Group what each region holds. Experts of one block are identical in shape: size expert 0 and multiply.
     regions: dict[tuple, list] = {}
@@ -313,8 +311,6 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
 
 def sizes_from_container(container) -> ModelSizes:
     """Exact sizes from an open container's index (format_spec.reader.Container)."""
-    from moepack.runtime.model import ModelConfig
-
     cfg = ModelConfig.from_hf(container.config)
     layers = []
     for b in container.layers:
@@ -379,15 +375,15 @@ def flops_per_token(config: dict) -> dict:
 
 
 def _flops_per_token(config: dict) -> dict:
-    from moepack.packer.arch import adapter_for
-    from moepack.packer.synth import v4_tensor_specs
+    from moepack.v4.tensors import v4_tensor_specs
 
     adapter = adapter_for(config)
-    top_k = int(config.get("num_experts_per_tok", 6))
+    cfg = ModelConfig.from_hf(config)
+    top_k = cfg.num_experts_per_tok
     parts = {p: 0 for p in FLOP_PARTS}
     specs = v4_tensor_specs(config)
     # a head tied to the embedding is not stored but still multiplies
-    head = 2 * config["vocab_size"] * config["hidden_size"] if config.get("tie_word_embeddings") else 0
+    head = 2 * cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0
     for spec in specs:
         if len(spec.shape) != 2 or spec.kind not in ("linear", "hc_fn"):
             continue
@@ -415,8 +411,6 @@ def attention_flops_per_token(config: dict, n_tokens: int) -> dict:
     window    sliding window keys (every layer) and CSA's top-k selected entries: bounded, not growing with N
     growing   HCA's dense attention over N/rate compressed entries and the indexer scoring N/rate entries per
               query: the O(N^2) part of a prefill (per token, it grows linearly with N)"""
-    from moepack.runtime.model import CSA, HCA, ModelConfig
-
     cfg = ModelConfig.from_hf(config)
     n = max(int(n_tokens), 1)
     per_key = 4 * cfg.num_heads * cfg.head_dim
@@ -517,12 +511,10 @@ def vram_budget(sizes: ModelSizes, n_tokens: int, config: dict, *, stream: str =
 def one_layer_kv_bytes(config: dict, n_tokens: int, dtype: str = "F32") -> int:
     """The largest layer's KV after n_tokens: the sliding window tail plus the compressed entries (CSA: and the
     indexer's keys), as format_spec/KV.md stores them."""
-    from moepack.runtime.model import CSA, HCA, ModelConfig
-
     if dtype not in KV_BYTES:
         raise MoepackError(f"unknown KV dtype {dtype!r} (choose from {', '.join(KV_BYTES)})")
     cfg = ModelConfig.from_hf(config)
-    idx_dim = int({**config}.get("index_head_dim", cfg.index_head_dim))
+    idx_dim = cfg.index_head_dim
     b = KV_BYTES[dtype]
     best = 0
     for kind, rate in zip(cfg.layer_types, cfg.compress_rates):

@@ -1,5 +1,7 @@
 """Every test runs with a bench cache of its own (empty unless the test measures): what `moepack bench` recorded on
-this machine (read defaults, the fused kernel's crossover) must not change what a test sees."""
+this machine (read defaults, the fused kernel's crossover) must not change what a test sees. The same directory holds
+the compiled kernels (moepack.native builds them into its native/ folder): compiled once per session, never into the
+user's ~/.cache."""
 
 from __future__ import annotations
 

@@ -180,7 +180,12 @@ def kill_convert_at_random_points(convert_args: str, out: str, seed: int, after_
     kills = 0
     for _ in range(rounds):
         p = subprocess.Popen([sys.executable, "-c", code])
-        time.sleep(1.0 + rng.uniform(0.0, 1.0))  # interpreter start, then somewhere in the conversion
+        # Killed only once the conversion is seen under way (its partial output exists), then somewhere in it: a
+        # fixed delay after start would, on a slow or loaded machine, kill the interpreter before it began.
+        deadline = time.monotonic() + 120.0
+        while p.poll() is None and not os.path.exists(out + ".partial") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 1.0))
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
             kills += 1

@@ -11,7 +11,6 @@ import pytest
 from containers import tiny_keep_container
 from click.testing import CliRunner
 
-import moepack.cli.plan_bench  # noqa: F401 - registers `bench` and `plan` on the CLI
 from moepack.cli.main import cli
 from moepack.runtime import bench as B
 
@@ -275,7 +274,7 @@ def test_compute_decode_is_the_engines(tiny):
             block = [b for b in c.layers if b.experts][-1]
             region = block.experts[0]
             raw = torch.frombuffer(bytearray(c.pread(region.offset, region.length)), dtype=torch.uint8)
-            ref = engine._expert_output(block, region, raw, region.offset, x, torch.empty(x.shape))
+            ref = engine.experts.expert_output(block, region, raw, region.offset, x, torch.empty(x.shape))
         finally:
             engine.close()
             decoder.close()

@@ -13,10 +13,10 @@ from containers import kill_convert_at_random_points, source_reads_fail_at
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 from moepack.format_spec.verify import verify_container
-from moepack.packer.arch import DEEPSEEK_V4
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.source import CheckpointDir
 from moepack.packer.synth import synth_checkpoint
+from moepack.v4.names import from_transformers
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_every_tensor_bit_exact(release_dir, packed):
     with Container(out) as c:
         assert len(c.tensors) == len(src.tensors) == summary["tensors"]
         for name, t in src.tensors.items():
-            entry = c.tensors[DEEPSEEK_V4.canonical(name)]
+            entry = c.tensors[from_transformers(name)]
             assert c.tensor_bytes(entry.name) == src.read(t), name
             if entry.dtype == "FP4_E2M1":  # packed FP4 keeps its bytes, with its logical shape
                 assert t.dtype == "I8" and entry.shape == (*t.shape[:-1], 2 * t.shape[-1])

@@ -8,17 +8,18 @@ import subprocess
 import pytest
 import torch
 
-from moepack.format_spec import quant_common
+from moepack import native
 from moepack.format_spec.decode import decode_group
 from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
-from moepack.runtime import engine
+from moepack.runtime import expert_runner
 from moepack.runtime.engine import PrefillOptions, prefill
 from moepack.runtime import expert_decode, model
 from moepack.runtime.expert_decode import (FUSED_MAX_TOKENS, GROUP, NATIVE_LEVELS, ExpertDecoder, PackedMatrix,
                                            _nibble_table, _pair_order, _pair_table, default_fused_tokens,
                                            fused_available, native_levels)
+from moepack.v4.config import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def fp4_containers(tmp_path_factory):
 
 
 def _compiler_usable() -> bool:
-    return bool(quant_common._c_compiler()) and os.environ.get(quant_common.NATIVE_ENV, "1") != "0"
+    return bool(native.c_compiler()) and os.environ.get(native.NATIVE_ENV, "1") != "0"
 
 
 def test_the_best_kernel_this_cpu_runs_is_used():
@@ -43,7 +44,7 @@ def test_the_best_kernel_this_cpu_runs_is_used():
     if not _compiler_usable():
         assert levels == []
         return
-    assert levels and levels[0] == "scalar", quant_common.native_builds()
+    assert levels and levels[0] == "scalar", native.native_builds()
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
     if "avx512bw" in flags:  # x86 with AVX-512: every level was built and passed its self-check
         assert levels == list(NATIVE_LEVELS)
@@ -71,7 +72,7 @@ def test_table_decode_equals_generic_decode_for_arbitrary_bytes(fp4_containers, 
     decoder = ExpertDecoder(dtype, torch.device("cpu"), threads=3, native=native)  # uneven pieces: every split
     if native and native not in native_levels():
         # a level this CPU can't run; where a compiler is, plain C at least must be there
-        assert native != "scalar" or not _compiler_usable(), quant_common.native_builds()
+        assert native != "scalar" or not _compiler_usable(), native.native_builds()
         pytest.skip(f"this CPU does not run the {native} kernel")
     assert (decoder.native.name if decoder.native else False) == native
     for seed in range(3):  # the stored bytes, then random bytes everywhere: every scale byte 0..255 occurs
@@ -109,7 +110,7 @@ def test_prefill_with_the_table_decoder_equals_the_generic_path(fp4_containers, 
     ids = torch.randint(0, 500, (70,), generator=torch.Generator().manual_seed(1))
     options = PrefillOptions(expert_dtype=expert_dtype)
     fast = prefill(fp4_containers[policy], ids, options).logits
-    monkeypatch.setattr(engine.ExpertDecoder, "layout", staticmethod(lambda region, prefix: None))
+    monkeypatch.setattr(expert_runner.ExpertDecoder, "layout", staticmethod(lambda region, prefix: None))
     generic = prefill(fp4_containers[policy], ids, options).logits
     if policy == "keep":  # same values in the same order: the same bits
         assert torch.equal(fast, generic)
@@ -124,7 +125,7 @@ def _compiler_targets_avx512_bf16(tmp_path_factory) -> bool:
     src = tmp_path_factory.mktemp("probe") / "probe.c"
     src.write_text('#include <immintrin.h>\n__attribute__((target("avx512f,avx512bw,avx512bf16")))\n'
                    "__m512 f(__m512 a, __m512i b) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)b); }\n")
-    cc = quant_common._c_compiler()
+    cc = native.c_compiler()
     return subprocess.run([cc, "-c", "-O1", str(src), "-o", str(src.with_suffix(".o"))],
                           capture_output=True).returncode == 0
 
@@ -136,7 +137,7 @@ def _needs_fused(tmp_path_factory):
         # check: a broken kernel fails here rather than skipping every fused test
         cpu = "avx512_bf16" in flags and "avx512bw" in flags
         assert not (cpu and _compiler_targets_avx512_bf16(tmp_path_factory)), \
-            quant_common.native_builds().get("moepack_fp4_linear")
+            native.native_builds().get("moepack_fp4_linear")
         pytest.skip("no fused FP4 matmul here (needs AVX512-BF16 and a C compiler)")
 
 
@@ -161,7 +162,7 @@ def test_fused_matmul_equals_a_float64_matmul_on_the_decoded_matrix(rows, cols, 
 def test_fused_expert_matches_the_decoded_expert(fp4_containers, policy, layout, tmp_path_factory):
     _needs_fused(tmp_path_factory)
     with Container(fp4_containers[policy]) as c:
-        cfg = model.ModelConfig.from_hf(c.config)
+        cfg = ModelConfig.from_hf(c.config)
         block = c.layers[1]
         region = block.experts[2]
         prefix = f"{block.name}.ffn.experts.{region.expert}."

@@ -174,10 +174,10 @@ def test_an_empty_balanced_range_stays_empty(setup):
         engine = StreamingPrefill(c, PrefillOptions(expert_ownership="balanced"),
                                   dist=DistContext(rank=0, world_size=2, backend="gloo"))
         try:
-            engine._ownership[0] = range(0, 0)
-            assert len(engine._owned(0, n_experts)) == 0
-            assert engine._owned(1, n_experts) == owned_range(n_experts, 0, 2)  # not balanced yet: contiguous
-            engine._balance(2, [1] * n_experts)
-            assert engine._owned(2, n_experts) == range(0, n_experts // 2)
+            engine.reads._ownership[0] = range(0, 0)
+            assert len(engine.reads.owned(0, n_experts)) == 0
+            assert engine.reads.owned(1, n_experts) == owned_range(n_experts, 0, 2)  # not balanced yet: contiguous
+            engine.reads._balance(2, [1] * n_experts)
+            assert engine.reads.owned(2, n_experts) == range(0, n_experts // 2)
         finally:
             engine.close()

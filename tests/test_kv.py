@@ -19,12 +19,14 @@ from safetensors import safe_open  # noqa: E402
 import v4_models  # noqa: E402
 from v4_models import CONFIGS  # noqa: E402
 
-from moepack.format_spec import kv as K  # noqa: E402
 from moepack.format_spec.errors import FormatError, MoepackError  # noqa: E402
 from moepack.kv import continuation_input_ids, load_transformers_cache  # noqa: E402
 from moepack.runtime import model as M  # noqa: E402
-
-S, C, H = M.SLIDING, M.CSA, M.HCA
+from moepack.v4 import kv as K  # noqa: E402
+from moepack.v4.config import CSA as C  # noqa: E402
+from moepack.v4.config import HCA as H  # noqa: E402
+from moepack.v4.config import SLIDING as S  # noqa: E402
+from moepack.v4.config import ModelConfig  # noqa: E402
 FLASH_CONFIG = os.path.join(os.path.dirname(__file__), "data", "deepseek-v4-flash.config.json")
 
 
@@ -512,7 +514,7 @@ def test_geometry_agrees_with_the_model_config():
     for config in [*CONFIGS.values(), _flash_config(),
                    dict(num_hidden_layers=43, compress_ratios=[0, 0] + [4, 128] * 20 + [0])]:
         g = K.kv_geometry(config)
-        cfg = M.ModelConfig.from_hf(config)
+        cfg = ModelConfig.from_hf(config)
         assert tuple(g["layer_types"]) == cfg.layer_types and tuple(g["compress_rates"]) == cfg.compress_rates
         assert (g["head_dim"], g["index_head_dim"], g["sliding_window"]) == (cfg.head_dim, cfg.index_head_dim,
                                                                               cfg.sliding_window)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from moepack.format_spec import quant_common
+from moepack import native
 from moepack.runtime import mhc_native, model
 
 
@@ -16,18 +16,18 @@ def _inputs(tokens: int, hc: int, seed: int = 0):
 
 
 def test_the_compiled_kernel_is_used_where_a_compiler_is():
-    usable = bool(quant_common._c_compiler()) and os.environ.get(quant_common.NATIVE_ENV, "1") != "0"
-    assert (mhc_native._kernel() is not None) == usable, quant_common.native_builds().get("moepack_mhc")
+    usable = bool(native.c_compiler()) and os.environ.get(native.NATIVE_ENV, "1") != "0"
+    assert (mhc_native._kernel(model.hc_mix_weights) is not None) == usable, native.native_builds().get("moepack_mhc")
 
 
 @pytest.mark.parametrize("tokens,hc,iters", [(1, 4, 20), (17, 4, 20), (256, 4, 20), (33, 3, 7), (5, 2, 1),
                                              (40, 8, 3), (16, 4, 0)])
 def test_compiled_mhc_weights_match_torch(tokens, hc, iters):
     """Partial and whole groups of 16 tokens, hc from 2 to the kernel's largest, one Sinkhorn round or none."""
-    if mhc_native._kernel() is None:
+    if mhc_native._kernel(model.hc_mix_weights) is None:
         pytest.skip("no C compiler: the torch path is the only one")
     args = (*_inputs(tokens, hc), hc, iters, 1e-6)
-    got, want = mhc_native.hc_mix_weights(*args), model.hc_mix_weights(*args)
+    got, want = mhc_native.hc_mix_weights(*args, model.hc_mix_weights), model.hc_mix_weights(*args)
     for g, w in zip(got, want):
         assert g.shape == w.shape and torch.allclose(g, w, rtol=2e-6, atol=1e-7), (g - w).abs().max()
     comb = got[2]
@@ -37,20 +37,21 @@ def test_compiled_mhc_weights_match_torch(tokens, hc, iters):
 
 def test_torch_path_where_the_kernel_does_not_apply():
     mixes, scale, base = _inputs(8, mhc_native.HC_MAX + 1)
-    assert mhc_native.hc_mix_weights(mixes, scale, base, mhc_native.HC_MAX + 1, 3, 1e-6) is None
+    assert mhc_native.hc_mix_weights(mixes, scale, base, mhc_native.HC_MAX + 1, 3, 1e-6, model.hc_mix_weights) is None
     mixes, scale, base = _inputs(8, 4)
-    assert mhc_native.hc_mix_weights(mixes.double(), scale.double(), base.double(), 4, 3, 1e-6) is None
+    assert mhc_native.hc_mix_weights(mixes.double(), scale.double(), base.double(), 4, 3, 1e-6,
+                                     model.hc_mix_weights) is None
 
 
 def test_a_kernel_that_disagrees_is_not_used(monkeypatch):
-    if quant_common.native_library("moepack_mhc", mhc_native._SOURCE) is None:
+    if native.native_library("moepack_mhc", mhc_native._SOURCE) is None:
         pytest.skip("no C compiler")
     real = model.hc_mix_weights
     monkeypatch.setattr(model, "hc_mix_weights", lambda *a: tuple(t + 1e-3 for t in real(*a)))
-    monkeypatch.setitem(quant_common._native, "moepack_mhc", dict(quant_common._native["moepack_mhc"]))
+    monkeypatch.setitem(native.loader._native, "moepack_mhc", dict(native.loader._native["moepack_mhc"]))
     with pytest.warns(RuntimeWarning, match="mHC kernel disagrees"):
-        assert mhc_native._load() is None
-    assert not quant_common.native_builds()["moepack_mhc"]["compiled"]  # reported as not in use
+        assert mhc_native._load(model.hc_mix_weights) is None
+    assert not native.native_builds()["moepack_mhc"]["compiled"]  # reported as not in use
 
 
 def test_inputs_the_kernel_cannot_take_go_to_torch():
@@ -59,10 +60,10 @@ def test_inputs_the_kernel_cannot_take_go_to_torch():
     mixes, scale, base = _inputs(8, 4)
     for args in ((mixes[:, :-1], scale, base, 4), (mixes, scale[:2], base, 4), (mixes, scale, base[:-1], 4),
                  (mixes[:, :0], scale, base[:0], 0), (mixes[0], scale, base, 4)):
-        assert mhc_native.hc_mix_weights(*args, 3, 1e-6) is None
+        assert mhc_native.hc_mix_weights(*args, 3, 1e-6, model.hc_mix_weights) is None
     torch.set_default_dtype(torch.float64)
     try:  # the outputs are float32 whatever the default dtype
-        got = mhc_native.hc_mix_weights(mixes, scale, base, 4, 3, 1e-6)
+        got = mhc_native.hc_mix_weights(mixes, scale, base, 4, 3, 1e-6, model.hc_mix_weights)
     finally:
         torch.set_default_dtype(torch.float32)
     if got is not None:

@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV4Config  # noqa: E402
 
 from moepack.runtime import model as M  # noqa: E402
+from moepack.v4.config import ModelConfig, RopeConfig  # noqa: E402
+from moepack.v4.kv import LayerKVState  # noqa: E402
 
 from v4_models import CONFIGS, S, C, H, _randomise, build  # noqa: E402,F401
 
@@ -49,7 +51,7 @@ def max_error(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return (ours - ref).abs().max().item(), ref.abs().max().item()
 
 
-def assert_kv_state_matches(states: list[M.LayerKVState], cache, cfg: M.ModelConfig) -> None:
+def assert_kv_state_matches(states: list[LayerKVState], cache, cfg: ModelConfig) -> None:
     def close(a, b):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
@@ -212,7 +214,7 @@ def test_query_chunk_does_not_change_results(tmp_dir):
         torch.testing.assert_close(states[3].indexer.compressed_kv, whole_states[3].indexer.compressed_kv)
 
 
-def _ablations(cfg: M.ModelConfig):
+def _ablations(cfg: ModelConfig):
     """(what, {weight: edit}, config edits): each breaks one component."""
     zero, one, negate = torch.zeros_like, torch.ones_like, torch.neg
 
@@ -298,8 +300,8 @@ def test_config_from_hf():
                  qk_rope_head_dim=64, rope_scaling={"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
                                                     "original_max_position_embeddings": 65536})
     hf = DeepseekV4Config(**flash)
-    cfg = M.ModelConfig.from_hf(flash)
-    assert cfg == M.ModelConfig.from_hf(hf.to_dict())
+    cfg = ModelConfig.from_hf(flash)
+    assert cfg == ModelConfig.from_hf(hf.to_dict())
     assert cfg.layer_types[:4] == (S, S, C, H) and cfg.layer_types[-1] == S and len(cfg.layer_types) == 43
     assert cfg.compress_rates[:4] == (0, 0, 4, 128) and cfg.hash_layers[:4] == (True, True, True, False)
     assert cfg.main_rope.dim == cfg.compress_rope.dim == 64 and cfg.compress_rope.scaling == "yarn"
@@ -314,7 +316,7 @@ def test_config_from_hf():
 def test_rope_rotates_each_channel_pair_by_its_positions_angle():
     """apply_rope against the rotation written out: channels (2i, 2i+1) of the rope part turn by position x
     inv_freq[i] (YaRN frequencies too), the rest of the head is untouched, and the conjugate turns them back."""
-    rope = M.RopeConfig(dim=8, theta=160000.0, scaling="yarn", factor=16.0, original_max_position_embeddings=4096)
+    rope = RopeConfig(dim=8, theta=160000.0, scaling="yarn", factor=16.0, original_max_position_embeddings=4096)
     x = torch.randn(5, 3, 12, dtype=torch.float32)
     rotation = M.rope_rotation(rope, 7, 5, 4)  # positions 7, 11, ..., 23
     angles = (torch.arange(5) * 4 + 7)[:, None, None].double() * rope.inv_freq().double()

@@ -27,7 +27,8 @@ from moepack.format_spec.reader import Container
 from moepack.format_spec.verify import verify_container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
-from moepack.runtime.engine import PrefillOptions, expert_reads, prefill
+from moepack.runtime.engine import PrefillOptions, prefill
+from moepack.runtime.read_scheduler import expert_reads
 from moepack.runtime.io import RegionReader
 
 IDS = list(range(3, 23))  # 20 tokens: "all" reads every expert of the top-k layers, "routed" only the chosen ones

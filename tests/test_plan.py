@@ -1,4 +1,4 @@
-"""moepack plan: the design note's (shared/seeds/000) break-even numbers for DeepSeek-V4-Flash, derived from its
+"""moepack plan: the design note's (docs/plan.md) break-even numbers for DeepSeek-V4-Flash, derived from its
 config.json, and the sizes of a config agreeing with the container `convert` writes."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import pytest
 from containers import tiny_keep_container
 from click.testing import CliRunner
 
-import moepack.cli.plan_bench  # noqa: F401 - registers `bench` and `plan` on the CLI
 from moepack.cli.main import cli
 from moepack.format_spec.reader import Container
 from moepack.runtime import plan as P

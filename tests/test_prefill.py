@@ -20,8 +20,9 @@ from moepack.cli.main import cli  # noqa: E402
 from moepack.format_spec.errors import FormatError, MoepackError  # noqa: E402
 from moepack.format_spec.reader import Container  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
-from moepack.runtime import engine  # noqa: E402
-from moepack.runtime.engine import PrefillOptions, bundle_runs, prefill  # noqa: E402
+from moepack.runtime import engine, expert_runner, read_scheduler  # noqa: E402
+from moepack.runtime.read_scheduler import bundle_runs  # noqa: E402
+from moepack.runtime.engine import PrefillOptions, prefill  # noqa: E402
 from moepack.runtime.io import HUGE_PAGE, HostBuffer  # noqa: E402
 
 REL_TOL = 1e-3
@@ -79,16 +80,16 @@ def test_query_chunking_and_bundling_do_not_change_logits(models):
 def test_lm_head_in_slices_and_only_the_prompts_embedding_rows(models, monkeypatch):
     """The LM head decoded and applied a few rows at a time gives the whole head's logits, and the embedding
     decodes the prompt's rows, never the vocabulary-sized table."""
-    from moepack.format_spec import decode
+    from moepack.format_spec import codecs
 
     hf_model, container = models["A"]
     vocab, hidden, n = hf_model.config.vocab_size, hf_model.config.hidden_size, 40
     ids = _prompt(n, vocab, seed=11)
     whole = prefill(container, ids).logits
     shapes = []
-    real = decode.decode_float
-    monkeypatch.setattr(decode, "decode_float", lambda dtype, shape, *a, **k: shapes.append(tuple(shape)) or
-                        real(dtype, shape, *a, **k))
+    real = codecs.Codec.decode_float.__func__  # every plain type's decode (this model's weights are F32)
+    monkeypatch.setattr(codecs.Codec, "decode_float", classmethod(
+        lambda cls, raw, shape, *a: shapes.append(tuple(shape)) or real(cls, raw, shape, *a)))
     monkeypatch.setattr(engine, "HEAD_CHUNK_BYTES", 4 * hidden * 10)  # 10 rows a slice
     sliced = prefill(container, ids).logits
     assert (n, hidden) in shapes and (vocab, hidden) not in shapes
@@ -160,12 +161,12 @@ def test_damaged_region_is_refused_while_streaming(models, tmp_path):
 def test_an_expert_read_but_chosen_by_no_token_is_still_checked(models, monkeypatch, tmp_path):
     _, container = models["B"]
     computed = set()
-    real = engine.StreamingPrefill._expert_task
+    real = expert_runner.ExpertRunner._expert
 
     def record(self, block, region, *args):
         computed.add(region.name)
         return real(self, block, region, *args)
-    monkeypatch.setattr(engine.StreamingPrefill, "_expert_task", record)
+    monkeypatch.setattr(expert_runner.ExpertRunner, "_expert", record)
     prompt = _prompt(2, 61, 3)
     prefill(container, prompt, PrefillOptions(expert_selection="all"))  # every expert read, a few computed
     with Container(container) as c:
@@ -187,7 +188,7 @@ def test_o_direct_refused_falls_back_with_a_warning(models, monkeypatch):
             raise OSError(22, "Invalid argument")
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(engine.RegionReader.__init__.__globals__["os"], "open", no_direct)
+    monkeypatch.setattr(read_scheduler.RegionReader.__init__.__globals__["os"], "open", no_direct)
     with pytest.warns(RuntimeWarning, match="O_DIRECT"):
         result = prefill(container, _prompt(9, 50, 4), PrefillOptions(io_mode="direct"))
     assert result.stats["io_mode"] == "buffered" and "O_DIRECT" in result.stats["io_warning"]
@@ -409,15 +410,15 @@ def test_read_pipeline_hands_buffers_out_in_submission_order(tmp_path):
 
 
 def test_read_pool_holds_a_layer_within_its_memory_share(models):
-    assert engine.read_pool_buffers(10, 10, 4, 0) == 10  # a buffer for each read of a whole section
-    assert engine.read_pool_buffers(1, 10, 4, 0) == 2 * 4  # at least 2 buffers per read in flight
-    assert engine.read_pool_buffers(10, 10, 4, 400) == 5  # 1/8 of 400 bytes of memory
-    assert engine.read_pool_buffers(10, 10, 4, 40) == 4  # never fewer than the reads in flight
-    assert engine.read_pool_buffers(10, 10, 4, 0, pinned=True) == 2 * 4  # page-locked: 2 per read in flight,
-    assert engine.read_pool_buffers(10, 10, 4, 400, pinned=True) == 5  # within the memory share too
-    assert engine.read_pool_buffers(20, 10, 4, 0, sharers=2) == 10  # each rank reads half a section...
-    assert engine.read_pool_buffers(20, 10, 4, 1600, sharers=2) == 10
-    assert engine.read_pool_buffers(20, 10, 4, 800, sharers=2) == 5  # ... within half the memory share
+    assert read_scheduler.read_pool_buffers(10, 10, 4, 0) == 10  # a buffer for each read of a whole section
+    assert read_scheduler.read_pool_buffers(1, 10, 4, 0) == 2 * 4  # at least 2 buffers per read in flight
+    assert read_scheduler.read_pool_buffers(10, 10, 4, 400) == 5  # 1/8 of 400 bytes of memory
+    assert read_scheduler.read_pool_buffers(10, 10, 4, 40) == 4  # never fewer than the reads in flight
+    assert read_scheduler.read_pool_buffers(10, 10, 4, 0, pinned=True) == 2 * 4  # page-locked: 2 per read in flight,
+    assert read_scheduler.read_pool_buffers(10, 10, 4, 400, pinned=True) == 5  # within the memory share too
+    assert read_scheduler.read_pool_buffers(20, 10, 4, 0, sharers=2) == 10  # each rank reads half a section...
+    assert read_scheduler.read_pool_buffers(20, 10, 4, 1600, sharers=2) == 10
+    assert read_scheduler.read_pool_buffers(20, 10, 4, 800, sharers=2) == 5  # ... within half the memory share
     _, container = models["B"]
     with Container(container) as c:
         section = max(sum(r.length for r in b.experts) for b in c.layers)
@@ -524,12 +525,13 @@ def test_an_expert_thread_error_is_raised_and_the_engine_closes(models, monkeypa
     torch.set_num_threads(2)
     calls = []
 
-    def failing(self, block, region, raw, base, x, out):
+    def failing(self, block, region, raw, base, inputs, outputs, groups, view):
         calls.append(region.expert)
         if len(calls) == 7:
             raise RuntimeError("expert blew up")
-        return out.zero_()
-    monkeypatch.setattr(engine.StreamingPrefill, "_expert_output", failing)
+        a, b = groups.spans[region.expert]
+        outputs[a:b].zero_()
+    monkeypatch.setattr(expert_runner.ExpertRunner, "_expert", failing)
     try:
         with Container(container) as c:
             e = engine.StreamingPrefill(c, PrefillOptions(expert_selection="all", queue_depth=2))
@@ -539,7 +541,7 @@ def test_an_expert_thread_error_is_raised_and_the_engine_closes(models, monkeypa
                 assert torch.get_num_threads() == 2
             finally:
                 e.close()
-            assert not any(t.is_alive() for t in e.experts_pipe._threads + e.dense_pipe._threads)
+            assert not any(t.is_alive() for t in e.reads.experts_pipe._threads + e.reads.dense_pipe._threads)
     finally:
         torch.set_num_threads(before)
 
@@ -566,7 +568,7 @@ def test_bf16_compute_path(models):
         e = engine.StreamingPrefill(c, PrefillOptions(compute_dtype="bfloat16"))
         try:
             block = c.layer(1)
-            w = e._dense_weights(block, e._submit_dense(block))
+            w = e._dense_weights(block, e.reads.submit_dense(block))
         finally:
             e.close()
     low_names = {n for n, t in w.items() if t.dtype == torch.bfloat16}
@@ -582,7 +584,7 @@ def test_busy_timer_counts_overlapping_threads_once():
     import threading
     import time as _time
 
-    timer = engine._Timer()
+    timer = expert_runner.BusyTimer()
     start = threading.Barrier(3)
 
     def busy():
@@ -607,8 +609,8 @@ def test_expert_reads_are_queued_layers_ahead_in_layer_order(models, monkeypatch
     _, container = models["A"]
     attentions_started = []
     submitted = []  # (layer, attention sublayers started so far)
-    real_attention = engine.v4.attention_sublayer
-    real_submit = engine.StreamingPrefill._submit_experts
+    real_attention = engine.model.attention_sublayer
+    real_submit = read_scheduler.ReadScheduler._submit_experts
 
     def attention(cfg, layer, *args, **kwargs):
         attentions_started.append(layer)
@@ -617,8 +619,8 @@ def test_expert_reads_are_queued_layers_ahead_in_layer_order(models, monkeypatch
     def submit(self, block, layer, expert_ids):
         submitted.append((layer, len(attentions_started)))
         return real_submit(self, block, layer, expert_ids)
-    monkeypatch.setattr(engine.v4, "attention_sublayer", attention)
-    monkeypatch.setattr(engine.StreamingPrefill, "_submit_experts", submit)
+    monkeypatch.setattr(engine.model, "attention_sublayer", attention)
+    monkeypatch.setattr(read_scheduler.ReadScheduler, "_submit_experts", submit)
     n = 300  # long enough for "auto" to read whole sections of the learned layers
     result = prefill(container, _prompt(n, 97, seed=21), PrefillOptions(expert_selection=selection))
     layers = [layer for layer, _ in submitted]
@@ -626,7 +628,7 @@ def test_expert_reads_are_queued_layers_ahead_in_layer_order(models, monkeypatch
     known_from = 0  # the last layer whose reads wait for its own token ids or router: none later is queued before
     for (layer, started), stats in zip(submitted, result.layers):
         if stats.selection == "all":  # queued before the attention of layer - READ_AHEAD_LAYERS began
-            assert started <= max(known_from, layer - engine.READ_AHEAD_LAYERS), (layer, started)
+            assert started <= max(known_from, layer - read_scheduler.READ_AHEAD_LAYERS), (layer, started)
         else:  # hash: at its own layer's start, before its attention
             assert stats.selection == "hash" and started == layer
             known_from = layer
@@ -639,17 +641,19 @@ def test_expert_threads_leave_torch_thread_count_as_it_was(models, monkeypatch):
     import threading
 
     _, container = models["B"]
-    real = engine.StreamingPrefill._run_experts
+    real = expert_runner.ExpertRunner._run_experts
     calls = []
+    with Container(container) as c:
+        last_layer = len(c.layers) - 1
 
     def run_experts(self, block, reads, *args):
         calls.append(block.number)
-        if block.number == len(self.c.layers) - 1:  # as a rank that owns none of the last layer's experts
+        if block.number == last_layer:  # as a rank that owns none of the last layer's experts
             for _, _, future in reads:
-                self.experts_pipe.release(future.result()[0])
+                self.release(future.result()[0])
             return None
         return real(self, block, reads, *args)
-    monkeypatch.setattr(engine.StreamingPrefill, "_run_experts", run_experts)
+    monkeypatch.setattr(expert_runner.ExpertRunner, "_run_experts", run_experts)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     seen = []
@@ -808,7 +812,7 @@ def test_every_read_buffer_comes_back_whether_or_not_its_experts_were_chosen(mod
     would wait forever for a one-buffer pool. Both ways the logits are those of the run on one thread."""
     _, container = models["B"]
     prompt = _prompt(1, 61, 3)  # one token, one expert per read: most reads have no chosen expert
-    monkeypatch.setattr(engine, "read_pool_buffers", lambda *args, **kw: 1)
+    monkeypatch.setattr(read_scheduler, "read_pool_buffers", lambda *args, **kw: 1)
     before = torch.get_num_threads()
     results = {}
     for threads in (1, 2):
@@ -818,8 +822,8 @@ def test_every_read_buffer_comes_back_whether_or_not_its_experts_were_chosen(mod
                 e = engine.StreamingPrefill(c, PrefillOptions(expert_selection="all", queue_depth=1,
                                                               bundle_experts=1))
                 try:
-                    assert e.experts_pipe.buffers == 1
-                    e._check_on_read = check_on_read
+                    assert e.reads.experts_pipe.buffers == 1
+                    e.reads.checker.on_read = check_on_read
                     results[threads] = _within(60, lambda: e.run(prompt))
                 finally:
                     e.close()
@@ -837,15 +841,15 @@ def test_an_expert_failing_while_another_thread_waits_for_the_next_read_is_raise
     buffer read 0 holds. That expert fails: its buffer must still go back, the waiting thread go on, and the
     failure come out of the prefill instead of a hang."""
     _, container = models["B"]
-    monkeypatch.setattr(engine, "read_pool_buffers", lambda *args, **kw: 1)
-    real = engine.StreamingPrefill._expert_output
+    monkeypatch.setattr(read_scheduler, "read_pool_buffers", lambda *args, **kw: 1)
+    real = expert_runner.ExpertRunner._expert
 
-    def failing(self, block, region, raw, base, x, out):
+    def failing(self, block, region, *args):
         if block.name == "layers.1" and region.expert == 3:
             time.sleep(0.5)  # the other thread has taken read 1's first expert and waits for the read by now
             raise RuntimeError("expert 3 blew up")
-        return real(self, block, region, raw, base, x, out)
-    monkeypatch.setattr(engine.StreamingPrefill, "_expert_output", failing)
+        return real(self, block, region, *args)
+    monkeypatch.setattr(expert_runner.ExpertRunner, "_expert", failing)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -942,8 +946,8 @@ def test_reads_run_ahead_of_the_compute(models, monkeypatch):
     while its later reads are still on their way (slowed to 20 ms each, one in flight)."""
     _, container = models["A"]
     events = []
-    real_attention = engine.v4.attention_sublayer
-    real_dense, real_task = engine.StreamingPrefill._submit_dense, engine.StreamingPrefill._expert_task
+    real_attention = engine.model.attention_sublayer
+    real_dense, real_task = read_scheduler.ReadScheduler.submit_dense, expert_runner.ExpertRunner._expert
 
     def attention(cfg, layer, *args, **kwargs):
         events.append(("attention", layer))
@@ -957,9 +961,9 @@ def test_reads_run_ahead_of_the_compute(models, monkeypatch):
         events.append(("expert", time.perf_counter()))
         return real_task(self, block, *args)
     _slow_reads(monkeypatch, 0.02, events)
-    monkeypatch.setattr(engine.v4, "attention_sublayer", attention)
-    monkeypatch.setattr(engine.StreamingPrefill, "_submit_dense", submit_dense)
-    monkeypatch.setattr(engine.StreamingPrefill, "_expert_task", task)
+    monkeypatch.setattr(engine.model, "attention_sublayer", attention)
+    monkeypatch.setattr(read_scheduler.ReadScheduler, "submit_dense", submit_dense)
+    monkeypatch.setattr(expert_runner.ExpertRunner, "_expert", task)
     prefill(container, _prompt(200, 97, seed=2), PrefillOptions(io_mode="direct", queue_depth=1, bundle_experts=1,
                                                                   expert_selection="all"))
     order = [e for e in events if e[0] in ("attention", "dense")]
@@ -977,7 +981,7 @@ def test_each_layers_kv_leaves_the_engine_when_the_layer_ends(models):
 
     _, container = models["A"]
     events, refs = [], []
-    real_attention = engine.v4.attention_sublayer
+    real_attention = engine.model.attention_sublayer
 
     def attention(cfg, layer, *args, **kwargs):
         events.append(("attention", layer, sum(r() is not None for r in refs)))
@@ -986,11 +990,11 @@ def test_each_layers_kv_leaves_the_engine_when_the_layer_ends(models):
     def on_kv(layer, state):
         events.append(("kv", layer))
         refs.append(weakref.ref(state.window_kv))
-    engine.v4.attention_sublayer = attention
+    engine.model.attention_sublayer = attention
     try:
         prefill(container, _prompt(60, 97, seed=3), PrefillOptions(), on_layer_kv=on_kv)
     finally:
-        engine.v4.attention_sublayer = real_attention
+        engine.model.attention_sublayer = real_attention
     for layer in range(1, 5):
         assert events.index(("kv", layer - 1)) < [e[:2] for e in events].index(("attention", layer))
     assert all(alive == 0 for kind, *rest in events if kind == "attention" for _, alive in [rest])

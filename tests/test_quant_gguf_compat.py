@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from moepack.format_spec import quants
+from moepack.format_spec import codecs, quants
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
@@ -30,8 +30,8 @@ KERNELS = [("Q8_0", "compiled"), ("Q8_0", "torch"), ("MXFP4", "compiled"), ("MXF
 
 def _use(qtype: str, kernel: str, monkeypatch) -> None:
     if kernel == "torch":
-        monkeypatch.delitem(quants._NATIVE_QUANTIZERS, qtype)
-    elif quants._NATIVE_QUANTIZERS[qtype][0]() is None:
+        monkeypatch.setattr(codecs.REGISTRY[qtype], "native_quantizer", None)
+    elif codecs.REGISTRY[qtype].native_quantizer() is None:
         pytest.skip(f"no compiled {qtype} kernel here (no C compiler)")
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import moepack
+from moepack import native
 from moepack import MoepackError
-from moepack.format_spec import policies, quant_common, quant_q8_0, quants
+from moepack.format_spec import codecs, policies, quant_q8_0, quants
 from moepack.format_spec.quants import fp4_to_mxfp4, mxfp4_to_fp4
 
 QTYPES = list(quants.QTYPES)
@@ -194,17 +195,16 @@ def test_chunk_boundaries_do_not_matter():
 def test_small_chunks_and_thread_modes(monkeypatch):
     # many chunks exercise the driver's single-/multi-threaded probing (of the torch kernels); results and
     # torch's thread count must not depend on it
-    monkeypatch.setattr(quants, "_NATIVE_QUANTIZERS", {})
+    for t in QTYPES:
+        monkeypatch.setattr(codecs.REGISTRY[t], "native_quantizer", None)
     rng = np.random.default_rng(12)
     x = rng.standard_normal((16, 4096)).astype(np.float32)
     ref = {t: quants.quantize(x, t) for t in ("Q8_0", "MXFP4", "Q2_K")}
     deq = {t: quants.dequantize(ref[t], t, x.shape) for t in ref}
     threads = torch.get_num_threads()
     for t in ref:
-        k, _, w = quants._QUANTIZERS[t]
-        monkeypatch.setitem(quants._QUANTIZERS, t, (k, 1024, w))
-        dk, _ = quants._DEQUANTIZERS[t]
-        monkeypatch.setitem(quants._DEQUANTIZERS, t, (dk, 1024))
+        monkeypatch.setattr(codecs.REGISTRY[t], "quantize_elems", 1024)
+        monkeypatch.setattr(codecs.REGISTRY[t], "dequantize_elems", 1024)
         assert np.array_equal(quants.quantize(x, t), ref[t])
         assert np.array_equal(quants.dequantize(ref[t], t, x.shape), deq[t])
         assert torch.get_num_threads() == threads
@@ -218,7 +218,7 @@ def test_small_chunks_and_thread_modes(monkeypatch):
 # ------------------------------------------------------------------------------------- compiled kernels
 
 def _compiled(qtype: str) -> None:
-    if quants._NATIVE_QUANTIZERS[qtype][0]() is None:
+    if codecs.REGISTRY[qtype].native_quantizer() is None:
         pytest.skip(f"no compiled {qtype} kernel here: {quants.native_kernels()[qtype].get('reason')}")
 
 
@@ -226,12 +226,12 @@ def _compiled(qtype: str) -> None:
 def test_compiled_kernel_over_many_chunks_and_threads_matches_the_torch_kernel(monkeypatch, qtype):
     # chunks of 1024 elements on the thread pool, against the torch kernel: the same bytes, threads restored
     _compiled(qtype)
-    load, _ = quants._NATIVE_QUANTIZERS[qtype]
+    codec = codecs.REGISTRY[qtype]
     x = np.random.default_rng(13).standard_normal((16, 4096)).astype(np.float32)
     with monkeypatch.context() as m:
-        m.delitem(quants._NATIVE_QUANTIZERS, qtype)
+        m.setattr(codec, "native_quantizer", None)
         ref = quants.quantize(x, qtype)
-    monkeypatch.setitem(quants._NATIVE_QUANTIZERS, qtype, (load, 1024))
+    monkeypatch.setattr(codec, "native_elems", 1024)
     threads = torch.get_num_threads()
     for n in (1, 2, 3):
         torch.set_num_threads(n)
@@ -259,21 +259,21 @@ def test_compiled_kernel_reports_its_build():
 
 def test_no_compiler_or_a_failing_one_means_no_compiled_kernel(monkeypatch):
     monkeypatch.setenv("MOEPACK_NATIVE", "0")
-    assert quant_common._build("t", "int f(void) { return 0; }")["library"] is None
+    assert native.build("t", "int f(void) { return 0; }")["library"] is None
     monkeypatch.delenv("MOEPACK_NATIVE")
-    monkeypatch.setattr(quant_common.shutil, "which", lambda name: None)
-    build = quant_common._build("t", "int f(void) { return 0; }")
+    monkeypatch.setattr(native.loader.shutil, "which", lambda name: None)
+    build = native.build("t", "int f(void) { return 0; }")
     assert build["library"] is None and "no C compiler" in build["reason"]
     monkeypatch.undo()
-    if quant_common._c_compiler() is None:
+    if native.c_compiler() is None:
         pytest.skip("no C compiler here")
-    build = quant_common._build("t", "this is not C")
+    build = native.build("t", "this is not C")
     assert build["library"] is None and "failed" in build["reason"]
 
 
 def test_compiled_kernel_that_disagrees_with_torch_is_not_used(monkeypatch):
     _compiled("Q8_0")
-    monkeypatch.setattr(quant_common, "_native", {})
+    monkeypatch.setattr(native.loader, "_native", {})
     # rounding with 0.5 itself sends 0.49999997 to 1: the self-check must catch it
     broken = quant_q8_0._C_SOURCE.replace("#define HALF_DOWN 0.49999997f", "#define HALF_DOWN 0.5f")
     assert broken != quant_q8_0._C_SOURCE

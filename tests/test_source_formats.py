@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from moepack import native
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.source_formats import (
     E2M1_VALUES,
@@ -219,15 +220,15 @@ def test_fp4_rejects_bad_input():
         fp4_dequantize(packed.float(), scale)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
-def test_fp8_decode_is_the_scaled_value_table_for_every_byte(monkeypatch, native):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_fp8_decode_is_the_scaled_value_table_for_every_byte(monkeypatch, compiled):
     """Every e4m3 byte under every E8M0 scale byte, in edge (partial) blocks too: float32 gives torch's own
     e4m3 value times the scale, bfloat16 gives exactly those values rounded, compiled or not."""
-    from moepack.format_spec import quant_common, source_formats
+    from moepack.format_spec import source_formats
 
-    if not native:
+    if not compiled:
         monkeypatch.setattr(source_formats, "_fp8_native", lambda: None)
-    elif quant_common.native_library("moepack_fp8_decode", source_formats._FP8_NATIVE_SOURCE) is None:
+    elif native.native_library("moepack_fp8_decode", source_formats._FP8_NATIVE_SOURCE) is None:
         pytest.skip("no C compiler here")
     else:  # built: it passed its load-time check, and on an AVX-512 CPU the bf16 decode is the vpermi2w one
         assert source_formats._fp8_native() is not None
@@ -254,8 +255,8 @@ def test_fp8_decode_is_the_scaled_value_table_for_every_byte(monkeypatch, native
 
 
 def test_fp8_compiled_decoder_is_off_without_native(monkeypatch):
-    from moepack.format_spec import quant_common, source_formats
+    from moepack.format_spec import source_formats
 
-    monkeypatch.setenv(quant_common.NATIVE_ENV, "0")
-    monkeypatch.setattr(quant_common, "_native", {})
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    monkeypatch.setattr(native.loader, "_native", {})
     assert source_formats._load_fp8_native() is None

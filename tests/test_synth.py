@@ -11,21 +11,16 @@ from safetensors import safe_open
 
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.source_formats import fp4_dequantize, fp8_block_dequantize
-from moepack.packer.synth import (
-    CSA,
-    HCA,
+from moepack.packer.synth import PRESETS, TOKENIZER_VOCAB_SIZE, preset_config, synth_checkpoint
+from moepack.v4.config import CSA, HCA, SLIDING
+from moepack.v4.tensors import (
     LAYOUTS,
-    PRESETS,
     ROLE_BF16_LINEAR,
     ROLE_DENSE_LINEAR,
     ROLE_EMBEDDING,
     ROLE_EXACT,
     ROLE_EXPERT,
-    SLIDING,
-    TOKENIZER_VOCAB_SIZE,
-    preset_config,
     stored_tensors,
-    synth_checkpoint,
     v4_tensor_specs,
 )
 

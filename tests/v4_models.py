@@ -12,9 +12,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from moepack.runtime import model as M
-
-S, C, H = M.SLIDING, M.CSA, M.HCA
+from moepack.v4.config import CSA as C
+from moepack.v4.config import HCA as H
+from moepack.v4.config import SLIDING as S
+from moepack.v4.config import ModelConfig
+from moepack.v4.names import from_transformers
 
 CONFIGS = {
     # 5 layers of every kind, 2 hash layers, 4 streams, YaRN compress rope, clamping SwiGLU.
@@ -100,11 +102,9 @@ def build(name: str, tmp_dir: str):
         hf_model = saved_model(CONFIGS[name], sorted(CONFIGS).index(name) + 1, out)
         weights = {}
         for key, t in load_file(os.path.join(out, "model.safetensors")).items():
-            key = key.removeprefix("model.").replace("hc_head.hc_", "hc_head_")
-            key = "embed.weight" if key == "embed_tokens.weight" else key
-            weights[key] = t.float() if t.is_floating_point() else t
+            weights[from_transformers(key)] = t.float() if t.is_floating_point() else t
         with open(os.path.join(out, "config.json")) as f:
-            cfg = M.ModelConfig.from_hf(json.load(f))
+            cfg = ModelConfig.from_hf(json.load(f))
         _BUILT[key] = hf_model, cfg, weights
     return _BUILT[key]
 

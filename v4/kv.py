@@ -1,16 +1,17 @@
-"""The KV hand-off directory (KV.md beside this file is normative): what a prefill leaves for a decode engine.
+"""The KV hand-off directory (format_spec/KV.md is normative): what a prefill leaves for a decode engine.
 
 One directory per prefill: `manifest.json` plus one safetensors file per layer, each written the moment that layer's
 prefill ends, so a consumer can pull layer 0 while later layers still compute. This module holds
 
-* the per-layer state containers `LayerKVState` / `CompressorState` (the runtime produces and consumes them;
-  `moepack.runtime.model` re-exports them),
+* the per-layer state containers `LayerKVState` / `CompressorState` (the runtime produces and consumes them),
 * `KVWriter` (atomic, thread-safe layer writes, manifest rewritten after each) and `BackgroundKVWriter` (a single
   writer thread fed from the prefill's `on_layer_kv` callback),
 * `read_kv` / `KVDirectory` (the validating reader), `inspect_kv` (what `moepack kv inspect` prints),
 * `kv_geometry` / `kv_bytes_per_token` / `kv_bytes` (the size arithmetic of docs/kv.md).
 
-Nothing here imports the runtime; torch and safetensors are needed for the state tensors.
+The KV is DeepSeek-V4 model state, so it lives with the model (moepack.v4), not the container; moepack.v4.config
+reads its geometry from a config. Nothing here imports the runtime; torch and safetensors are needed for the state
+tensors.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ import xxhash
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
-from .errors import FormatError, MoepackError
-from .writer import fsync_dir, fsync_file, write_file_atomically
+from moepack.format_spec.dtypes import STORAGE_TYPES
+from moepack.format_spec.errors import FormatError, MoepackError
+from moepack.format_spec.writer import fsync_dir, fsync_file, write_file_atomically
+
+from . import config as v4config
+from .config import CSA, HCA, SLIDING, ConfigError
 
 KV_FORMAT = "moepack-kv"
 KV_MAJOR = 1
@@ -38,23 +43,14 @@ KV_MINOR = 0
 MANIFEST_NAME = "manifest.json"
 LOGITS_NAME = "logits.safetensors"
 
-SLIDING = "sliding_attention"
-CSA = "compressed_sparse_attention"
-HCA = "heavily_compressed_attention"
-LAYER_TYPES = (SLIDING, CSA, HCA)
 COMPRESSORS = {SLIDING: (), HCA: ("compressor",), CSA: ("compressor", "indexer")}
 
 # Storage choices for the attended-over KV (window tail and compressed entries); the compressor's working state
 # (buffers, overlap) is always F32.
 KV_DTYPES = ("F32", "BF16", "F8_E4M3")
-_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn}
-_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
+_TORCH_DTYPES = {n: STORAGE_TYPES[n].torch_dtype for n in KV_DTYPES}
+_DTYPE_BYTES = {n: STORAGE_TYPES[n].block_bytes for n in KV_DTYPES}
 _F8_MAX = 448.0  # largest finite float8 e4m3fn
-
-# transformers' DeepseekV4Config defaults for the keys the geometry needs (a config.json may leave them out).
-_CONFIG_DEFAULTS = dict(num_hidden_layers=43, head_dim=512, index_head_dim=128, sliding_window=128)
-_DEFAULT_RATES = {CSA: 4, HCA: 128}
-_LEGACY_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -128,41 +124,14 @@ class LayerKVState:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-_MAX_LAYERS = 1 << 16  # far beyond any model: bounds the per-layer lists a config can make a reader build
-
-
 def kv_geometry(config: Mapping) -> dict:
-    """The shape facts of a DeepSeek-V4 config.json that the KV format depends on (read as transformers'
-    DeepseekV4Config reads them, legacy keys included): num_layers, per-layer type and compress rate (0 for
-    sliding), sliding_window, head_dim, index_head_dim. FormatError for a config they can't be read from."""
+    """The shape facts of a DeepSeek-V4 config.json that the KV format depends on (moepack.v4.config reads them,
+    legacy keys included): num_layers, per-layer type and compress rate (0 for sliding), sliding_window, head_dim,
+    index_head_dim. FormatError, naming the field, for a config they can't be read from."""
     try:
-        return _derive_geometry(config)
-    except (TypeError, ValueError, OverflowError) as e:  # a value of the wrong type: a damaged or hostile config
-        raise FormatError(f"config: cannot derive the KV geometry ({e})") from None
-
-
-def _derive_geometry(config: Mapping) -> dict:
-    c = {**_CONFIG_DEFAULTS, **config}
-    n = c["num_hidden_layers"]
-    if not _is_int(n) or n > _MAX_LAYERS:
-        raise FormatError(f"config: num_hidden_layers {n!r} is not a layer count")
-    rates = {**_DEFAULT_RATES, **(c.get("compress_rates") or {})}
-    rates[CSA] = c.get("compress_rate_csa") or rates[CSA]
-    rates[HCA] = c.get("compress_rate_hca") or rates[HCA]
-    types = c.get("layer_types")
-    if types is None and c.get("compress_ratios") is not None:
-        types = [_LEGACY_RATIO_TO_TYPE.get(r, f"ratio {r}") for r in c["compress_ratios"]]
-    if types is None:  # transformers' default schedule: 2 HCA, then CSA/HCA alternating
-        types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-    types = list(types[:n])
-    if len(types) != n or set(types) - set(LAYER_TYPES):
-        raise FormatError(f"config: bad layer_types for {n} layers")
-    layer_rates = [rates.get(t, 0) for t in types]
-    if not all(_is_int(r, 0 if t == SLIDING else 1) for t, r in zip(types, layer_rates)):
-        raise FormatError("config: compress rates must be positive integers")
-    return {"num_layers": n, "layer_types": types, "compress_rates": layer_rates,
-            "sliding_window": int(c["sliding_window"]), "head_dim": int(c["head_dim"]),
-            "index_head_dim": int(c["index_head_dim"])}
+        return v4config.kv_geometry(config)
+    except ConfigError as e:  # a damaged or hostile config: the KV's own error type
+        raise FormatError(f"config: {e.detail}") from None
 
 
 def _check_dtype(dtype: str) -> str:

@@ -1,16 +1,21 @@
 """Architecture adapters: how a checkpoint's tensor names map onto the container's read order.
 
-An adapter is a small table: name rewrites to the canonical (release) names, the pattern that finds a tensor's
-block and expert, the order of an expert's tensors (gate | up | down), and which tensors are packed FP4.
-Qwen3-MoE / Mixtral / DeepSeek-V3 adapters are new rows of the same shape.
+An adapter is a small table: name rewrites to the canonical names (for DeepSeek-V4 from moepack.v4.names), the
+pattern that finds a tensor's block and expert, the order of an expert's tensors (gate | up | down), and which
+tensors are packed FP4. The converter (packer/) places tensors with it and `moepack plan` (runtime/) sizes a
+config with it. Qwen3-MoE / Mixtral / DeepSeek-V3 adapters are new rows of the same shape.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moepack.format_spec.errors import MoepackError
+
+from .config import model_type as config_model_type
+from .names import TRANSFORMERS_RENAMES
 
 
 @dataclass(frozen=True)
@@ -70,13 +75,9 @@ class Adapter:
 DEEPSEEK_V4 = Adapter(
     architecture="deepseek_v4",
     model_types=("deepseek_v4",),
-    renames=(
-        # transformers' save_pretrained writes a `model.` prefix and a few of its own names for the globals
-        (r"^model\.", ""),
-        (r"^embed_tokens\.weight$", "embed.weight"),
-        (r"^lm_head\.weight$", "head.weight"),
-        (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
-    ),
+    # transformers' save_pretrained writes a `model.` prefix and a few of its own names for the globals
+    renames=((r"^model\.", ""),
+             *((f"^{re.escape(name)}$", canonical) for name, canonical in TRANSFORMERS_RENAMES.items())),
     block_pattern=re.compile(r"^(?P<block>(?:layers|mtp)\.(?:0|[1-9][0-9]*))\.(?P<rest>.+)$"),
     expert_pattern=re.compile(r"^ffn\.experts\.(?P<expert>0|[1-9][0-9]*)\.(?P<proj>w[0-9]+)\.(?P<suffix>weight|scale)$"),
     expert_order=("w1", "w3", "w2"),
@@ -92,8 +93,8 @@ DEEPSEEK_V4 = Adapter(
 ADAPTERS = {a.architecture: a for a in (DEEPSEEK_V4,)}
 
 
-def adapter_for(config: dict) -> Adapter:
-    model_type = config.get("model_type")
+def adapter_for(config: Mapping) -> Adapter:
+    model_type = config_model_type(config)
     for a in ADAPTERS.values():
         if model_type in a.model_types:
             return a

@@ -1,0 +1,76 @@
+"""What every `moepack` command shares: the one-line error convention (reports_errors), --json, the JSON
+result printer."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from moepack.format_spec.errors import MoepackError, error_reason
+
+EXIT_ERROR = 1
+
+
+def emit(as_json: bool, result: dict, human) -> None:
+    if as_json:
+        click.echo(json.dumps({"ok": True, **result}, indent=1, default=str))
+    else:
+        human(result)
+
+
+PREFILL_MEMORY_HINT = "shorten the prompt, or lower --query-chunk, --queue-depth or --bundle-experts"
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, torch's OutOfMemoryError (CUDA), its CPU allocator's
+    RuntimeError, a CUDA library's own "out of memory" (what the check before a prefill did not foresee)."""
+    if isinstance(e, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(e).__mro__):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text
+                                            or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
+def _first_sentences(text: str, limit: int = 160) -> str:
+    """At most `limit` characters of `text`, cut after a sentence where it is longer (torch's CUDA message runs on
+    for a paragraph)."""
+    if len(text) <= limit:
+        return text
+    end = text.rfind(". ", 0, limit)
+    return text[:end + 1] if end > 0 else text[:limit]
+
+
+def reports_errors(fn=None, *, out_of_memory_hint: str | None = None):
+    """Turn MoepackError (and OS-level failures, and running out of memory) into one line + exit status 1.
+    `out_of_memory_hint`: what the command's user can do about the last."""
+    if fn is None:
+        return functools.partial(reports_errors, out_of_memory_hint=out_of_memory_hint)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        as_json = kwargs.get("as_json", False)
+        try:
+            return fn(*args, **kwargs)
+        except MoepackError as e:
+            message = str(e)
+        except OSError as e:
+            message = f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
+        except KeyboardInterrupt:
+            message = "interrupted"
+        except (MemoryError, RuntimeError) as e:
+            if not out_of_memory(e):
+                raise
+            message = f"out of memory ({_first_sentences(error_reason(e))})"
+            message += f": {out_of_memory_hint}" if out_of_memory_hint else ""
+        if as_json:
+            click.echo(json.dumps({"ok": False, "error": message}))
+        click.echo(f"moepack: error: {message}", err=True)
+        sys.exit(EXIT_ERROR)
+
+    return wrapper
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object for machines.")

@@ -1,0 +1,58 @@
+/* The mHC weights of a sublayer (runtime/mhc_native.py; model.hc_mix_weights in torch): pre, post and the
+   Sinkhorn-normalised comb of LANES tokens side by side, so every step is one vector op. */
+#include <math.h>
+#include <stdint.h>
+#define LANES 16
+#define HC_MAX 8
+
+/* One Sinkhorn pass: each of the hc lines of c (rows: line stride hc, step 1; columns: line stride 1, step hc)
+   divided by its sum plus eps, for LANES tokens at once. */
+static inline void normalize_lines(float c[][LANES], int hc, int line_stride, int step, float eps) {
+    float sum[LANES];
+    for (int a = 0; a < hc; a++) {
+        for (int l = 0; l < LANES; l++) sum[l] = 0.0f;
+        for (int b = 0; b < hc; b++)
+            for (int l = 0; l < LANES; l++) sum[l] += c[a * line_stride + b * step][l];
+        for (int b = 0; b < hc; b++)
+            for (int l = 0; l < LANES; l++) c[a * line_stride + b * step][l] /= sum[l] + eps;
+    }
+}
+
+/* mixes [n, (2 + hc) * hc] -> pre [n, hc], post [n, hc], comb [n, hc, hc]; scale [3], base [(2 + hc) * hc].
+   The tokens go LANES at a time, each value of the LANES tokens side by side, so every step is one vector op. */
+int hc_mix_weights(const float *mixes, int64_t n, int hc, const float *scale, const float *base, int iters,
+                   float eps, float *pre, float *post, float *comb)
+{
+    if (hc < 1 || hc > HC_MAX) return 1;
+    const int width = (2 + hc) * hc;
+    for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+        const int lanes = n - t0 < LANES ? (int)(n - t0) : LANES;
+        float c[HC_MAX * HC_MAX][LANES], top[LANES], sum[LANES];
+        for (int j = 0; j < hc; j++)
+            for (int l = 0; l < lanes; l++) {
+                const float *m = mixes + (t0 + l) * width;
+                pre[(t0 + l) * hc + j] = 1.0f / (1.0f + expf(-(m[j] * scale[0] + base[j]))) + eps;
+                post[(t0 + l) * hc + j] = 2.0f * (1.0f / (1.0f + expf(-(m[hc + j] * scale[1] + base[hc + j]))));
+            }
+        for (int i = 0; i < hc * hc; i++)
+            for (int l = 0; l < LANES; l++)
+                c[i][l] = l < lanes ? mixes[(t0 + l) * width + 2 * hc + i] * scale[2] + base[2 * hc + i] : 0.0f;
+        for (int r = 0; r < hc; r++) {  /* softmax of each row, plus eps */
+            for (int l = 0; l < LANES; l++) { top[l] = c[r * hc][l]; sum[l] = 0.0f; }
+            for (int k = 1; k < hc; k++)
+                for (int l = 0; l < LANES; l++) top[l] = fmaxf(top[l], c[r * hc + k][l]);
+            for (int k = 0; k < hc; k++)
+                for (int l = 0; l < LANES; l++) sum[l] += (c[r * hc + k][l] = expf(c[r * hc + k][l] - top[l]));
+            for (int k = 0; k < hc; k++)
+                for (int l = 0; l < LANES; l++) c[r * hc + k][l] = c[r * hc + k][l] / sum[l] + eps;
+        }
+        for (int round = 0; round < (iters > 1 ? iters : 1); round++) {  /* as torch: at least one column pass */
+            if (round)  /* the first round's rows are the softmax's */
+                normalize_lines(c, hc, hc, 1, eps);
+            normalize_lines(c, hc, 1, hc, eps);
+        }
+        for (int i = 0; i < hc * hc; i++)
+            for (int l = 0; l < lanes; l++) comb[(t0 + l) * hc * hc + i] = c[i][l];
+    }
+    return 0;
+}

@@ -1,0 +1,268 @@
+"""The expert runner: a layer's routed experts computed as their reads arrive. The last of the streaming
+pipeline's three stages (read scheduler -> device copier -> expert runner; docs/architecture.md).
+
+The (token, expert) pairs are sorted by expert once per layer, gathered with one index_select, multiplied expert
+by expert into one float32 buffer of rows, and each token's top-k rows summed back with their routing weights
+(model.ExpertGroups). On a CPU with several threads the experts of a layer run side by side on a pool of threads,
+one core each (torch's intra-op threads set to 1 inside them): an expert's matmuls on a few dozen tokens split
+badly across cores, and every small op between them would pay an OpenMP barrier, which any other busy core
+stalls. The threads take the layer's work list themselves, in read order (work stealing); other work of the
+layer (the shared expert, the next layer's dense decode) runs beside the routed experts on the same threads.
+Each expert thread decodes FP4 with its own ExpertDecoder (AVX-512/SSSE3 lookup, expert_decode.py; bf16 experts
+on up to a measured number of tokens run the fused FP4 kernel instead, AVX512-BF16).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from moepack.format_spec.decode import decode_group
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.reader import Block, Region
+
+from . import model
+from .bench import tuned_fused_max_tokens
+from .expert_decode import ExpertDecoder, ExpertWeights, default_fused_tokens, fused_max_tokens
+
+
+class BusyTimer:
+    """Accumulates the seconds during which at least one thread is inside a `with timer:` block."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._inside = 0
+        self._since = 0.0
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        with self._lock:
+            if not self._inside:
+                self._since = time.perf_counter()
+            self._inside += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._inside -= 1
+            if not self._inside:
+                self.seconds += time.perf_counter() - self._since
+
+
+def entry_bytes(raw: torch.Tensor, base: int) -> Callable:
+    """read(entry) for decode_group: the entry's stored bytes within `raw`, the bytes from file offset `base`."""
+    return lambda t: raw[t.file_offset - base: t.file_offset - base + t.length]
+
+
+def decode_regions(regions: list[Region], raw: torch.Tensor, base: int, strip: str,
+                   dtype: torch.dtype = torch.float32, own: bool = True, dtype_of=None) -> dict[str, torch.Tensor]:
+    """Float weights in `dtype` (or `dtype_of(entry)`; integers as they are) of the tensors of `regions`, from
+    bytes at `base`, named without the prefix `strip`.
+
+    A tensor stored in the requested dtype decodes to a view of `raw`; `own` copies such views, for weights that
+    outlive the pooled buffer the bytes arrived in (experts are used before their buffer goes back). On a GPU too:
+    a small float32 norm kept as a view would hold the layer's whole region of bytes."""
+    out = {}
+    for r in regions:
+        values = decode_group(r.tensors, entry_bytes(raw, base), dtype, dtype_of=dtype_of)
+        for name, value in values.items():
+            if own and value.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
+                value = value.clone()
+            out[name[len(strip):]] = value
+    return out
+
+
+class ExpertRunner:
+    """Runs each layer's routed experts (`run_layer`) and, beside them, other work of the layer on the same
+    threads. `release(buffer)` gives a read's buffer back once its experts are done."""
+
+    def __init__(self, cfg, device: torch.device, expert_dtype: torch.dtype, checker, copier,
+                 release: Callable, compute: BusyTimer, fused_max_tokens_given: int | None = None,
+                 zero_rows_each_layer: bool = False):
+        self.cfg, self.device, self.expert_dtype = cfg, device, expert_dtype
+        self.checker, self.copier, self.release, self.compute = checker, copier, release, compute
+        # expert-parallel: rows of experts another rank owns must read zero, and which those are changes by layer
+        self.zero_rows_each_layer = zero_rows_each_layer
+        self.threads = torch.get_num_threads() if device.type == "cpu" else 1
+        self._pool = ThreadPoolExecutor(self.threads, "moepack-expert") if self.threads > 1 else None
+        self.fused_tokens, self.fused_tokens_source = self._fused_tokens(fused_max_tokens_given)
+        self._local = threading.local()  # each expert thread's own decoder (its buffers are reused expert to expert)
+        self._decoders: list[ExpertDecoder] = []
+        self._decoders_lock = threading.Lock()
+        self._rows: torch.Tensor | None = None  # the experts' output rows, reused layer to layer
+
+    @property
+    def side_by_side(self) -> bool:
+        """Whether other work of a layer runs beside its experts (there are expert threads)."""
+        return self._pool is not None
+
+    def _fused_tokens(self, given: int | None) -> tuple[int, str]:
+        """(experts on up to how many tokens run the fused FP4 kernel, where that figure comes from)."""
+        if given is not None and given < 0:
+            raise MoepackError(f"fused_max_tokens must be >= 0, got {given}")
+        if not fused_max_tokens(self.expert_dtype, self.device):
+            return 0, "not available"
+        if given is not None:
+            return given, "given"
+        measured = tuned_fused_max_tokens(self.cfg.hidden_size, self.cfg.moe_intermediate_size)
+        if measured is None:
+            return default_fused_tokens(self.cfg.hidden_size), "default"
+        return measured, "bench compute"
+
+    def _decoder(self) -> ExpertDecoder:
+        decoder = getattr(self._local, "decoder", None)
+        if decoder is None:  # one per thread; an expert thread decodes on its own core only
+            decoder = ExpertDecoder(self.expert_dtype, self.device, threads=1 if self._pool else None,
+                                    fused_tokens=self.fused_tokens)
+            self._local.decoder = decoder
+            with self._decoders_lock:
+                self._decoders.append(decoder)
+        return decoder
+
+    def on_one_core(self, fn, *args, timed: bool = True):
+        """fn(*args) on an expert thread: single-threaded torch ops, counted as compute (unless `timed` is False:
+        fn times its own compute, apart from waiting for a read)."""
+        torch.set_num_threads(1)  # this work on this core; the other threads run other experts
+        if not timed:
+            return fn(*args)
+        with self.compute:
+            return fn(*args)
+
+    # --- one layer -----------------------------------------------------------------------------------------------
+    def run_layer(self, block: Block, reads: list, routing: "model.Routing", beside: list[tuple] = ()
+                  ) -> tuple[torch.Tensor, list]:
+        """The layer's routed experts on `routing`'s tokens, combined: [N, H] float32, and the results of the
+        `beside` tasks ((fn, args, timed) each), run on the expert threads beside the experts (and while they
+        wait for the disk); None each where there are no expert threads (the caller runs them itself)."""
+        with self.compute:
+            groups = routing.groups()
+            # every pair's token, sorted by expert (converted first: the [P, H] copy is made once, small)
+            inputs = groups.gather(routing.x.to(self.expert_dtype))
+            # float32: the fused kernel's sums as they are. One buffer for every layer (P = N x top_k rows each
+            # time; from N = 1366 it is over glibc's 32 MiB mmap threshold, and fresh pages every layer cost more
+            # than the routed experts' combine). Each row is written by its expert, except rows of experts
+            # another rank owns: those stay zero
+            if self._rows is None or self._rows.shape != inputs.shape:
+                self._rows = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
+            elif self.zero_rows_each_layer:
+                self._rows.zero_()
+            outputs = self._rows
+        threads = torch.get_num_threads()
+        tasks = [self._pool.submit(self.on_one_core, fn, *args, timed=timed) for fn, args, timed in beside] \
+            if self._pool is not None else []
+        try:
+            self._run_experts(block, reads, groups, inputs, outputs)
+        finally:
+            for task in tasks:
+                task.exception()  # done in every case before the layer's tensors go
+            if tasks:  # after the last expert-thread task: torch.set_num_threads set one thread, process-wide
+                torch.set_num_threads(threads)
+        results = [task.result() for task in tasks] if tasks else [None] * len(beside)
+        del inputs
+        with self.compute:
+            return groups.combine(outputs, routing.x.shape[0]), results
+
+    def _run_experts(self, block: Block, reads: list, groups: "model.ExpertGroups", inputs: torch.Tensor,
+                     outputs: torch.Tensor) -> None:
+        """outputs[span of e] = expert e on inputs[span of e], for every expert of `reads` some token chose, as the
+        reads arrive: here, or on the expert threads where there are some. Each read's buffer goes back to the pool
+        once its experts are done.
+
+        The work is one list, in read order: each chosen expert, then (consumer-side checks) one checksum of the
+        experts read with the rest but chosen by no token. Each expert thread takes the next item itself, waiting
+        for its read where it has not arrived, rather than the main thread handing every expert to the pool as its
+        read arrives (N = 256 on 2 threads: 65 us per expert lost waking a thread and taking the GIL back, 8 % of
+        the experts' time)."""
+        work, left = [], []
+        for number, (first_expert, count, future) in enumerate(reads):
+            read = block.experts[first_expert:first_expert + count]
+            items = [("expert", r) for r in read if r.expert in groups.spans]
+            unchosen = [] if self.checker.on_read else [r for r in read if r.expert not in groups.spans]
+            if unchosen:
+                items.append(("check", unchosen))
+            work += [(number, kind, what) for kind, what in items] or [(number, None, None)]  # one: its release
+            left.append(len(items) or 1)
+        arrived: dict[int, list] = {}  # read number -> [buffer, view, raw tensor or None until an expert needs it]
+        lock = threading.Lock()
+        cursor, failed = [0], []
+
+        def take():
+            with lock:
+                if cursor[0] == len(work):
+                    return None
+                cursor[0] += 1
+                return work[cursor[0] - 1]
+
+        def drain() -> None:
+            """Take items until none is left. After a failure (anywhere) the items are still taken, their reads
+            awaited and their buffers released, without computing: a thread waiting for a later read must get its
+            buffer, and the failure is raised once every thread is done."""
+            while (item := take()) is not None:
+                number, kind, what = item
+                first_expert, _, future = reads[number]
+                got = None
+                try:
+                    with lock:
+                        got = arrived.get(number)
+                    if got is None:
+                        buffer, view = future.result()  # in read order: a read's buffer is never waited on
+                        with lock:
+                            got = arrived.setdefault(number, [buffer, view, None])
+                    if kind is not None and not failed:
+                        buffer, view, raw = got
+                        base = block.experts[first_expert].offset
+                        if kind == "check":
+                            with self.compute:
+                                self.checker.check(what, view, base)
+                        else:
+                            if raw is None:  # the bytes as a tensor on the compute device, once per read
+                                raw = self.copier.to_device(buffer, view)
+                                with lock:
+                                    got[2] = raw if got[2] is None else got[2]
+                            with self.compute:
+                                self._expert(block, what, raw, base, inputs, outputs, groups, view)
+                except BaseException as e:  # a failed read's buffer went back to the pool with its failure
+                    with lock:
+                        failed.append(e)
+                finally:
+                    with lock:
+                        left[number] -= 1
+                        release = arrived.pop(number, None) if not left[number] else None
+                    if release is not None:
+                        self.copier.release(release[0], self.release)
+
+        if self._pool is None:
+            drain()
+        else:  # each item times its own compute, apart from waiting for its read
+            loops = [self._pool.submit(self.on_one_core, drain, timed=False) for _ in range(self.threads)]
+            for loop in loops:  # nothing may still use a buffer or the outputs once this returns
+                loop.result()
+        if failed:
+            raise failed[0]
+
+    def _expert(self, block: Block, region: Region, raw: torch.Tensor, base: int, inputs: torch.Tensor,
+                outputs: torch.Tensor, groups: "model.ExpertGroups", view: memoryview) -> None:
+        self.checker.before_use([region], view, base)  # about to be decoded: checked, the bytes are in cache for it
+        a, b = groups.spans[region.expert]
+        self.expert_output(block, region, raw, base, inputs[a:b], outputs[a:b])
+
+    def expert_output(self, block: Block, region: Region, raw: torch.Tensor, base: int, x: torch.Tensor,
+                      out: torch.Tensor) -> torch.Tensor:
+        """out (float32 rows) = the expert of `region` (its bytes in `raw`, from file offset `base`) applied to its
+        tokens `x`: FP4 experts through the table decoder (the fused kernel writes `out` itself), anything else
+        through the generic decode."""
+        prefix = f"{block.name}.ffn.experts.{region.expert}."
+        layout = ExpertDecoder.layout(region, prefix)
+        if layout is None:
+            w = decode_regions([region], raw, base, prefix, self.expert_dtype, own=False)
+            return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"]).apply(self.cfg, x, out)
+        return self._decoder().decode(region, layout, raw, base, prefix, tokens=len(x)).apply(self.cfg, x, out)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+        for decoder in self._decoders:
+            decoder.close()

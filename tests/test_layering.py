@@ -1,0 +1,152 @@
+"""The package's import graph, as installed: every `import` of a moepack module anywhere in a module (at the top or
+inside a function) is an edge. The layers are cli -> packer / runtime -> v4 -> format_spec -> native: nothing
+imports a layer above its own, packer and runtime never import each other, and no module imports itself back
+through others (no cycles, not even through a function-level import)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+
+import pytest
+
+# layer of each subpackage: a module may import its own layer's modules and lower layers' only
+LAYERS = {
+    "moepack.native": 0,
+    "moepack.format_spec": 1,
+    "moepack.v4": 2,
+    "moepack.runtime": 3,
+    "moepack.packer": 3,
+    "moepack.kv": 3,  # the transformers consumer of a KV directory
+    "moepack.cli": 4,
+    "moepack.__main__": 4,
+}
+SIBLINGS_APART = {("moepack.runtime", "moepack.packer"), ("moepack.packer", "moepack.runtime")}
+
+
+def package_modules() -> dict[str, str]:
+    """Module name -> source file, for every module of the installed package."""
+    modules = {}
+    root = importlib.util.find_spec("moepack")
+    for base in root.submodule_search_locations:
+        for name in os.listdir(base):
+            if name.endswith(".py"):
+                stem = name[:-3]
+                modules["moepack" if stem == "__init__" else f"moepack.{stem}"] = os.path.join(base, name)
+    for sub in sorted({m.split(".")[1] for m in LAYERS} - {"kv", "__main__"}):
+        spec = importlib.util.find_spec(f"moepack.{sub}")
+        if spec is None:
+            continue
+        for base in spec.submodule_search_locations:
+            for name in os.listdir(base):
+                if name.endswith(".py"):
+                    stem = name[:-3]
+                    mod = f"moepack.{sub}" if stem == "__init__" else f"moepack.{sub}.{stem}"
+                    modules[mod] = os.path.join(base, name)
+    return modules
+
+
+def imports_of(module: str, path: str, known: set[str]) -> set[str]:
+    """The moepack modules `module` imports anywhere in its source."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            # `from package import module` imports that module; `from module import name` the module
+            targets = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in known else origin for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import moepack.runtime.engine` names the module itself
+                target = target.rpartition(".")[0]
+            if target.startswith("moepack") and target != module:
+                found.add(target)
+    return found
+
+
+def layer_of(module: str) -> tuple[str, int] | None:
+    for prefix, rank in LAYERS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix, rank
+    return None  # the root package `moepack` (its version and error type): importable from anywhere
+
+
+def graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    known = set(modules)
+    return {m: imports_of(m, p, known) for m, p in modules.items()}
+
+
+def test_the_package_has_every_layer():
+    modules = graph()
+    for prefix in ("moepack.native", "moepack.format_spec", "moepack.v4", "moepack.runtime", "moepack.packer",
+                   "moepack.cli"):
+        assert any(m.startswith(prefix) for m in modules), f"{prefix} not found in the installed package"
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    violations = []
+    for module, targets in graph().items():
+        mine = layer_of(module)
+        for target in targets:
+            theirs = layer_of(target)
+            if mine is None or theirs is None:
+                if mine is None and theirs is not None and module == "moepack" and theirs[1] > 1:
+                    violations.append(f"{module} -> {target}")  # the root imports only errors-level modules
+                continue
+            if theirs[1] > mine[1] or (mine[0], theirs[0]) in SIBLINGS_APART:
+                violations.append(f"{module} -> {target}")
+    assert not violations, "imports against the layering:\n" + "\n".join(sorted(violations))
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `edges`, as the list of modules around it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(edges.get(m, ())):
+            if state.get(t) == 1:
+                return path[path.index(t):] + [t]
+            if t not in state and (cycle := visit(t)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(edges):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("edges, cyclic", [({"a": {"b"}, "b": {"c"}, "c": set()}, False),
+                                           ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, True),
+                                           ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, False)])
+def test_the_cycle_finder_finds_cycles(edges, cyclic):
+    assert (find_cycle(edges) is not None) == cyclic
+
+
+def test_a_function_level_import_is_an_edge(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from moepack.cli import main\n    from . import sibling\n")
+    got = imports_of("moepack.runtime.m", str(src), {"moepack.cli.main", "moepack.runtime.sibling", "moepack.cli"})
+    assert got == {"moepack.cli.main", "moepack.runtime.sibling"}
