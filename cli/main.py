@@ -17,6 +17,7 @@ from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 
 from .common import EXIT_ERROR, PREFILL_MEMORY_HINT, emit, json_option, reports_errors
+from .generate import generate
 from .plan_bench import bench, plan
 
 
@@ -35,14 +36,17 @@ def cli():
               help="release: FP8 e4m3 linears + packed FP4 experts, as DeepSeek ships V4-Flash.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace a checkpoint already in OUT_DIR.")
+@click.option("--tokenizer", "tokenizer", type=click.Path(exists=True),
+              help="Embed this tokenizer.json (or a directory holding tokenizer.json + tokenizer_config.json), e.g. "
+                   "the release's, instead of the tiny byte-level one; vocab_size grows to fit it.")
 @json_option
 @reports_errors
-def synth(out_dir, preset, layout, seed, overwrite, as_json):
+def synth(out_dir, preset, layout, seed, overwrite, tokenizer, as_json):
     """Write a random DeepSeek-V4-architecture checkpoint (Hugging Face layout) to OUT_DIR."""
     from moepack.packer.synth import synth_checkpoint
 
     result = synth_checkpoint(out_dir, preset=preset, layout=layout, seed=seed, progress=not as_json,
-                              overwrite=overwrite)
+                              overwrite=overwrite, tokenizer=tokenizer)
     emit(as_json, result, lambda r: click.echo(
         f"wrote {r['dir']}: {preset} {layout}, {r.get('params', 0) / 1e6:.1f}M params, "
         f"{r.get('bytes', 0) / 2**20:.1f} MiB in {len(r.get('files', []))} files"))
@@ -281,7 +285,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import PrefillOptions, prefill as run_prefill
-    from moepack.runtime.tokenizer import PromptTokenizer, read_token_ids
+    from moepack.runtime.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
 
     if sum(x is not None for x in (prompt, prompt_file, token_ids_file)) != 1:
         raise click.UsageError("give exactly one of --prompt, --prompt-file, --token-ids")
@@ -300,11 +304,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
         ids = read_token_ids(token_ids_file)
     else:
         if prompt_file is not None:
-            try:
-                with open(prompt_file, encoding="utf-8") as f:
-                    prompt = f.read()
-            except (OSError, UnicodeDecodeError) as e:
-                raise MoepackError(f"{prompt_file}: cannot read the prompt ({e})") from None
+            prompt = read_prompt_file(prompt_file)
         if continue_from is not None:
             tokenizer.add_special_tokens = False  # a continuation: no BOS in the middle of the conversation
         ids = tokenizer.encode(prompt)
@@ -462,6 +462,7 @@ def demo(workdir, preset, prompt, as_json):
 
 
 cli.add_command(bench)
+cli.add_command(generate)
 cli.add_command(plan)
 
 

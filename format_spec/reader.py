@@ -439,6 +439,15 @@ class Container:
             raise FormatError(f"{self.part_paths[part]}: short read at {offset} (+{length}): the file is truncated")
         return data
 
+    def pread_into(self, out: memoryview, offset: int, part: int = 0) -> None:
+        """Fill `out` (a writable buffer) with the bytes from `offset` of the main file or of part file `part`."""
+        done = 0
+        while done < len(out):
+            n = os.preadv(self._fds[part], [out[done:]], offset + done)
+            if n == 0:
+                raise FormatError(f"{self.part_paths[part]}: short read at {offset + done}: the file is truncated")
+            done += n
+
     def tensor_bytes(self, name: str) -> bytes:
         t = self.tensor_entry(name)
         return self.pread(t.file_offset, t.length, t.region.part)

@@ -403,6 +403,63 @@ def _tokenizer_config() -> dict:
     }
 
 
+# A tokenizer of one's own (`synth --tokenizer`), e.g. the release's: embedded byte for byte instead of the one above.
+VOCAB_MULTIPLE = 128  # the release pads its tokenizer to 129,280 = 1010 x 128 entries, and vocab_size is that
+
+
+def read_tokenizer(path: str | os.PathLike) -> dict[str, Any]:
+    """A tokenizer to embed: `path` is a tokenizer.json, or a directory holding one (and, if present, its
+    tokenizer_config.json, which is embedded too). Returns {"files": {name: bytes}, "vocab": entries (the highest
+    id + 1, added tokens included), "bos_token_id"/"eos_token_id": the ids of tokenizer_config.json's bos/eos
+    tokens, or None}. A file that does not load raises MoepackError."""
+    p = Path(path)
+    json_path, config_path = (p / "tokenizer.json", p / "tokenizer_config.json") if p.is_dir() else (p, None)
+    files: dict[str, bytes] = {}
+    try:
+        files["tokenizer.json"] = json_path.read_bytes()
+        if config_path is not None and config_path.is_file():
+            files["tokenizer_config.json"] = config_path.read_bytes()
+    except OSError as e:
+        raise MoepackError(f"--tokenizer {path}: cannot read {e.filename} ({e.strerror})") from None
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+    except Exception as e:  # the tokenizers library raises its own exception types; a bad encoding is one too
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MoepackError(f"--tokenizer {json_path}: not a tokenizer.json the tokenizers library loads "
+                           f"({reason})") from None
+    config: dict = {}
+    if "tokenizer_config.json" in files:
+        try:
+            config = json.loads(files["tokenizer_config.json"])
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MoepackError(f"--tokenizer {config_path}: not JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise MoepackError(f"--tokenizer {config_path}: expected a JSON object")
+
+    def token_id(key: str) -> int | None:
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token  # an AddedToken object or a plain string
+        return tok.token_to_id(token) if isinstance(token, str) else None
+
+    vocab = tok.get_vocab(with_added_tokens=True)
+    return {"files": files, "vocab": max(vocab.values(), default=-1) + 1,
+            "bos_token_id": token_id("bos_token"), "eos_token_id": token_id("eos_token")}
+
+
+def _fit_config_to_tokenizer(config: dict, tokenizer: dict, vocab_overridden: bool) -> None:
+    """Raise vocab_size to the tokenizer's entries, rounded up to VOCAB_MULTIPLE; take its BOS/EOS ids."""
+    need = tokenizer["vocab"]
+    if config["vocab_size"] < need:
+        if vocab_overridden:
+            raise MoepackError(f"vocab_size {config['vocab_size']} is smaller than the tokenizer's {need} entries")
+        config["vocab_size"] = -(-need // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    for key in ("bos_token_id", "eos_token_id"):
+        if tokenizer[key] is not None:
+            config[key] = tokenizer[key]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The checkpoint
 # ---------------------------------------------------------------------------------------------------------
@@ -412,15 +469,23 @@ _METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "t
 
 
 def _write_checkpoint_files(out: Path, config: dict, shards: list, shard_names: list[str], layout: str, seed: int,
-                            preset: str, progress: bool, total_tensor_bytes: int) -> None:
+                            preset: str, progress: bool, total_tensor_bytes: int,
+                            tokenizer_files: dict[str, bytes] | None = None) -> None:
     """The checkpoint's metadata files, shards and (last: a directory without it is no checkpoint) its index."""
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
         {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False},
     )
-    _write_json(out / "tokenizer.json", tokenizer_json())
-    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+    if tokenizer_files is None:
+        _write_json(out / "tokenizer.json", tokenizer_json())
+        _write_json(out / "tokenizer_config.json", _tokenizer_config())
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if name in tokenizer_files:
+                write_file_atomically(str(out / name), tokenizer_files[name])
+            else:  # an earlier run's must not pass for this tokenizer's
+                (out / name).unlink(missing_ok=True)
 
     from tqdm.auto import tqdm
 
@@ -453,20 +518,28 @@ def synth_checkpoint(
     progress: bool = True,
     overwrite: bool = False,
     config_overrides: dict | None = None,
+    tokenizer: str | os.PathLike | None = None,
 ) -> dict:
     """Write a synthetic DeepSeek-V4 checkpoint directory (config, sharded safetensors + index, tokenizer,
     generation config). shard_bytes=None: at least 3 shards, at most 1 GiB each. `config_overrides` replace
     preset fields (e.g. more layers for a streaming-memory test; keep layer_types/mlp_layer_types consistent).
+    `tokenizer`: a tokenizer.json, or a directory holding tokenizer.json (+ tokenizer_config.json), embedded
+    byte for byte instead of the tiny byte-level tokenizer (see read_tokenizer); vocab_size is raised to its
+    entries rounded up to a multiple of 128 (the release tokenizer's 129,280 stays 129,280: embed, head and
+    tid2eid grow to it) and bos/eos ids follow its tokenizer_config.json.
     Returns a summary: dir, preset, layout, files, bytes (all files written), params (logical, MTP included),
     seconds."""
     _check_layout(layout)
     started = time.perf_counter()
     config = {**preset_config(preset), **(config_overrides or {})}
+    own_tokenizer = read_tokenizer(tokenizer) if tokenizer is not None else None
+    if own_tokenizer is not None:
+        _fit_config_to_tokenizer(config, own_tokenizer, "vocab_size" in (config_overrides or {}))
     if layout == "release":
         config["quantization_config"] = dict(RELEASE_QUANTIZATION_CONFIG)
     config["dtype"] = "float32" if layout == "f32" else "bfloat16"
     specs = v4_tensor_specs(config)
-    if TOKENIZER_VOCAB_SIZE > ModelConfig.from_hf(config).vocab_size:
+    if own_tokenizer is None and TOKENIZER_VOCAB_SIZE > ModelConfig.from_hf(config).vocab_size:
         raise AssertionError("preset vocab smaller than the tokenizer's")
 
     out = Path(out_dir)
@@ -487,9 +560,12 @@ def synth_checkpoint(
     shards = _plan_shards(specs, layout, shard_bytes)
 
     shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    files = sorted([*_METADATA_FILES, *shard_names, "model.safetensors.index.json"])
+    metadata_files = [f for f in _METADATA_FILES if own_tokenizer is None or not f.startswith("tokenizer")]
+    metadata_files += sorted(own_tokenizer["files"]) if own_tokenizer is not None else []
+    files = sorted([*metadata_files, *shard_names, "model.safetensors.index.json"])
     try:
-        _write_checkpoint_files(out, config, shards, shard_names, layout, seed, preset, progress, total_tensor_bytes)
+        _write_checkpoint_files(out, config, shards, shard_names, layout, seed, preset, progress, total_tensor_bytes,
+                                own_tokenizer["files"] if own_tokenizer is not None else None)
     except OSError as e:  # a full disk, a vanished folder: one line, and none of this run's files left behind
         for name in files:
             (out / name).unlink(missing_ok=True)

@@ -47,7 +47,7 @@ from .device_copier import DeviceCopier
 from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
 from .expert_runner import BusyTimer, ExpertRunner, decode_regions, entry_bytes
 from .io import HostBuffer, available_memory_bytes, cpu_steal_seconds, keep_freed_memory, release_freed_memory
-from .read_scheduler import EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler
+from .read_scheduler import EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, tokens_per_expert
 
 # the LM head is decoded and applied this many float32 bytes of rows at a time, never whole (DeepSeek-V4-Flash's
 # bf16 head [129280, 4096] would be 2 GiB decoded)
@@ -84,6 +84,8 @@ class PrefillResult:
     next_token: int
     stats: dict
     layers: list[LayerStats] = field(default_factory=list)
+    states: list[LayerKVState] | None = None  # each layer's KV state after the prompt (run(keep_kv=True))
+    tokens_per_expert: list[list[int]] | None = None  # per layer, how many tokens the router sent to each expert
 
 
 def estimate_working_set(cfg: ModelConfig, n_tokens: int, query_chunk: int | None, dense_bytes: int,
@@ -215,13 +217,15 @@ class StreamingPrefill:
                                     zero_rows_each_layer=dist is not None)
 
     # --- the prefill ---------------------------------------------------------------------------------------------
-    def run(self, token_ids: torch.Tensor, past: list | None = None, chunk_tokens: int | None = None) -> PrefillResult:
+    def run(self, token_ids: torch.Tensor, past: list | None = None, chunk_tokens: int | None = None,
+            keep_kv: bool = False) -> PrefillResult:
         """Prefill `token_ids`; with `past` (one LayerKVState per layer, e.g. `read_kv(...).layers`) the tokens
         continue that state at positions P.., P = past[0].seen_tokens (the list's entries are released as used).
 
         `chunk_tokens` runs the usual chunked prefill instead (chunk-major: every chunk through every layer, each
         chunk continuing the previous one's state): the same logits, but the model is read ceil(N / C) times. It
-        exists to measure what layer-major order saves."""
+        exists to measure what layer-major order saves. `keep_kv`: the result holds every layer's state after the
+        prompt (what a decode goes on from)."""
         cfg = self.cfg
         n_tokens = int(token_ids.numel())
         if n_tokens < 1:
@@ -241,7 +245,7 @@ class StreamingPrefill:
         for i, chunk in enumerate(chunks):
             final = i == len(chunks) - 1
             logits, layer_stats, states = self._forward(chunk.to(self.device), states, emit_kv=final,
-                                                        keep_states=not final)
+                                                        keep_states=keep_kv or not final)
             all_stats.extend(layer_stats)
         wall, steal_after = time.perf_counter() - start, cpu_steal_seconds()
         stats = self._stats(n_tokens, wall, all_stats)
@@ -251,7 +255,8 @@ class StreamingPrefill:
                             if steal_before is not None and steal_after is not None else None)
         stats["order"] = "chunk" if chunk_tokens else "layer"
         stats["passes_over_model"] = len(chunks)
-        return PrefillResult(logits, int(torch.argmax(logits)), stats, all_stats)
+        return PrefillResult(logits, int(torch.argmax(logits)), stats, all_stats, states if keep_kv else None,
+                             self._tokens_per_expert)
 
     def _forward(self, token_ids: torch.Tensor, past: list | None, emit_kv: bool, keep_states: bool):
         """One pass of `token_ids` through every layer (reading each region once). Returns the last position's
@@ -274,6 +279,7 @@ class StreamingPrefill:
         head_bytes: Future | None = None  # read during the last layer, beside its experts
         spare: torch.Tensor | None = None  # the streams' second buffer
         layer_stats: list[LayerStats] = []
+        self._tokens_per_expert = []
         states = [] if keep_states else None
         next_w = None  # this layer's dense weights, decoded beside the previous layer's experts
         for number, block in enumerate(layers):
@@ -315,6 +321,7 @@ class StreamingPrefill:
             with self.compute:
                 streams, spare = model.moe_finish(cfg, number, w, streams, routing, routed, shared, into=spare), streams
             layer_stats.append(self.reads.layer_stats(number, reads, by_expert))
+            self._tokens_per_expert.append(tokens_per_expert(by_expert, len(block.experts)))
         logits = self._head_logits(head_bytes.result() if head_bytes is not None else
                                    self.reads.read_globals((*HEAD_GLOBALS, cfg.head_weight), held_for_head), streams)
         return logits, layer_stats, states

@@ -614,6 +614,7 @@ def make_plan(sizes: ModelSizes, config: dict, *, ssd_gbps: Measured, tflops: Me
                    "fits": {str(v["tokens"]): v["total_bytes"] <= budget for v in vram},
                    "headroom_bytes_at_max": int(budget - vram[-1]["total_bytes"])}
     host_traffic_gbps = 2 * bw / GB  # every streamed byte is written into RAM once and read out once
+    decode = decode_estimate(sizes, per_token, bw, F(1 / max(top_k / n_exp, 1e-9)))
     result = {
         "model": sizes.as_dict(stream),
         "flops": fl,
@@ -632,11 +633,23 @@ def make_plan(sizes: ModelSizes, config: dict, *, ssd_gbps: Measured, tflops: Me
         },
         "W_bytes": W, "resident_bytes": sizes.resident_bytes(stream),
         "t_ssd_s": t_ssd, "n_star": n_star, "rows": rows, "curve": curve, "vram": vram, "vram_verdict": verdict,
+        "decode": decode,
         "host_memory": {"traffic_gbps": host_traffic_gbps,
                         "copy_gbps": mem_gbps.value if mem_gbps else None,
                         "share": (bw / GB / mem_gbps.value) if mem_gbps and mem_gbps.value else None},
     }
     return result
+
+
+def decode_estimate(sizes: ModelSizes, flop_per_token: float, bw: float, flops: float) -> dict:
+    """Token-major decode with no expert cache: every token reads its top-k experts of every layer (the rest stays
+    resident), so a token takes max(routed bytes per token / BW, FLOPs per token / F). A cache that hits a
+    fraction h of the experts reads (1 - h) of those bytes."""
+    routed = sum(layer.experts_bytes / max(layer.n_experts, 1) * sizes.top_k for layer in sizes.layers)
+    t_read, t_compute = routed / bw, flop_per_token / flops
+    return {"routed_bytes_per_token": int(routed), "t_read_s": t_read, "t_compute_s": t_compute,
+            "tokens_per_s_no_cache": 1 / max(t_read, t_compute),
+            "bound": "ssd" if t_read >= t_compute else "compute"}
 
 
 def _break_even(W: float, bw: float, flop_per_token: float, F, constant: bool) -> float | None:
@@ -716,6 +729,10 @@ def format_plan(p: dict) -> str:
         lines.append(f"{fmt_tokens(r['tokens']):>6} {r['tokens_per_expert']:>8.4g} {_secs(r['t_ssd_s']):>9} "
                      f"{_secs(r['stages_s']['compute']):>10} {100 * r['attention_share']:>5.0f}% {r['bottleneck']:>11} "
                      f"{_secs(r['seconds']):>9} {r['tokens_per_s']:>9.4g}")
+    d = p["decode"]
+    lines.append(f"decode (no expert cache): {_gb(d['routed_bytes_per_token'])} of routed experts read per token, "
+                 f"{_secs(d['t_read_s'])} read + {_secs(d['t_compute_s'])} compute: {d['tokens_per_s_no_cache']:.3g} "
+                 f"tokens/s ({d['bound']}-bound; a cache hitting h of the experts reads (1 - h) of it)")
     v = p["vram"][-1]
     lines.append(f"VRAM per device at {fmt_tokens(v['tokens'])} tokens:")
     for row in v["rows"]:

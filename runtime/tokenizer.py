@@ -32,8 +32,21 @@ class PromptTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=self.add_special_tokens).ids
 
+    def encode_special(self, text: str) -> list[int]:
+        """Ids of text that spells out its own special tokens (a chat template's BOS, role tags): none added."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def read_prompt_file(path: str) -> str:
+    """A prompt file's text (UTF-8)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MoepackError(f"{path}: cannot read the prompt ({e})") from None
 
 
 def read_token_ids(path: str) -> list[int]:

@@ -100,6 +100,20 @@ def test_t_ssd(v4_config, v4):
         assert p["W_bytes"] == v4[key].routed_bytes and p["resident_bytes"] == v4[key].non_routed_bytes
 
 
+def test_decode_estimate(v4_config, v4):
+    """The design note's decode figures for q2 with no expert cache: about 1.86 GB of routed experts read per token
+    and about 7.5 tokens/s at 14 GB/s. Our q2 (IQ2_XXS gate/up + Q2_K down, as converted) reads 1.83 GB."""
+    q2 = P.sizes_from_config(v4_config, "q2")
+    d = _plan(v4_config, q2, 100)["decode"]
+    per_layer = sum(layer.experts_bytes / layer.n_experts for layer in q2.layers)
+    assert d["routed_bytes_per_token"] == int(per_layer * 6)  # top-6 of every layer
+    assert 1.80e9 <= d["routed_bytes_per_token"] <= 1.90e9
+    assert d["bound"] == "ssd" and 7.3 <= d["tokens_per_s_no_cache"] <= 7.8
+    assert d["tokens_per_s_no_cache"] == pytest.approx(14e9 / d["routed_bytes_per_token"])
+    slow = _plan(v4_config, q2, 1e-6)["decode"]  # a compute rate so low that it binds
+    assert slow["bound"] == "compute" and slow["tokens_per_s_no_cache"] < d["tokens_per_s_no_cache"]
+
+
 # --- the note's tables --------------------------------------------------------------------------------------------
 
 N_STAR = {  # F: (q2 optimistic, q2 conservative, FP4 optimistic, FP4 conservative), in thousands of tokens

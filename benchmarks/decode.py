@@ -1,0 +1,204 @@
+"""Decode benchmark: `moepack generate`'s token-major decode with expert-cache budgets of 0, 25 % and 100 % of the
+routed experts, beside the disk's limit and transformers' resident `generate`, measured in one run.
+
+On a synthetic DeepSeek-V4 model (default: the `medium` preset in the release layout, FP8 dense + FP4 experts):
+  moepack, cache B   greedy generation of --new-tokens after a --tokens prompt, misses read with O_DIRECT from
+                     a cold page cache: decode tokens/s, expert-cache hit rate, routed bytes read per token
+  disk limit         tokens/s if every token read its routed experts (top-k per layer) at fio's rate, with no
+                     cache: routed bytes per token / fio GB/s (the reader's own rate where fio is missing)
+  transformers       DeepseekV4ForCausalLM resident (loaded from `moepack export`), `generate` greedy; decode
+                     tokens/s from the difference of a long and a one-token generation
+  llama.cpp          not measured: it needs the GGUF export (the GGUF issue)
+--cap-fraction F runs the moepack rows again as a child process in a cgroup (v1 memory controller, or v2) capped at
+F x the container's size, page cache included (root only).
+
+Usage: python benchmarks/decode.py [--preset medium] [--tokens 64] [--new-tokens 32] [--compute-dtype bfloat16]
+                                   [--cap-fraction 0.45] [--no-transformers] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import moepack  # noqa: F401  (before torch: moepack sets OpenMP's spin limit)
+import torch
+
+from moepack.format_spec.reader import Container
+from moepack.packer.convert import convert_checkpoint
+from moepack.packer.export import export_container
+from moepack.packer.synth import synth_checkpoint
+from moepack.runtime.bench import drop_page_cache, run_fio
+from moepack.runtime.engine import PrefillOptions
+from moepack.runtime.generate import GenerateOptions, generate
+
+GIB = 1 << 30
+BUDGETS = (0.0, 0.25, 1.0)
+
+
+def ensure_container(workdir: str, preset: str) -> str:
+    src, out = os.path.join(workdir, f"{preset}-src"), os.path.join(workdir, f"{preset}.moepack")
+    if not os.path.exists(out):
+        if not os.path.exists(os.path.join(src, "config.json")):
+            synth_checkpoint(src, preset=preset, layout="release", progress=False)
+        convert_checkpoint(src, out, policy="keep", progress=False)
+    return out
+
+
+def routed_facts(container: str) -> dict:
+    with Container(container) as c:
+        experts = [r.length for b in c.layers for r in b.experts]
+        top_k = int(c.config["num_experts_per_tok"])
+        per_layer = [sum(r.length for r in b.experts) / len(b.experts) for b in c.layers]
+        return {"routed_bytes": sum(experts), "largest_expert": max(experts),
+                "routed_bytes_per_token": int(sum(top_k * avg for avg in per_layer)), "top_k": top_k,
+                "first_expert_offset": min(r.offset for b in c.layers for r in b.experts),
+                "vocab": int(c.config["vocab_size"]), "size": os.path.getsize(container)}
+
+
+def disk_rate(container: str, facts: dict) -> dict:
+    fio = run_fio(container, facts["first_expert_offset"], min(1 << 30, facts["routed_bytes"]),
+                  facts["largest_expert"], facts["top_k"])
+    if "gbps" in fio:
+        return {"gbps": fio["gbps"], "source": "fio"}
+    from moepack.runtime.bench import prefill_read_plan, time_reads
+
+    with Container(container) as c:
+        plan = prefill_read_plan(c, 1)
+        paths = c.part_paths
+    drop_page_cache(container)
+    got = time_reads(paths, plan, facts["top_k"], "direct")
+    return {"gbps": got["gbps"], "source": f"moepack's reader ({fio.get('skipped', 'fio failed')})"}
+
+
+def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, compute_dtype: str) -> dict:
+    drop_page_cache(container)
+    options = GenerateOptions(max_new_tokens=new, cache_gib=budget_gib, stop_at_eos=False,
+                              prefill=PrefillOptions(io_mode="direct", compute_dtype=compute_dtype))
+    result = generate(container, ids, options)
+    d = result.stats["decode"]
+    return {"cache_gib": budget_gib, "tokens_per_s": d["tokens_per_s"], "hit_rate": d["expert_cache_hit_rate"],
+            "bytes_read_per_token": d["bytes_read_per_token"], "disk_wait_s": d["disk_wait_s"],
+            "decode_tokens": d["tokens"], "cache_seed_bytes": d["cache_seed_bytes"],
+            "prefill_s": result.stats["prefill"]["seconds"], "generated": result.generated_ids}
+
+
+def transformers_row(container: str, workdir: str, ids: torch.Tensor, new: int) -> dict:
+    from transformers import DeepseekV4ForCausalLM
+
+    export = os.path.join(workdir, "export-bf16")
+    if not os.path.exists(os.path.join(export, "config.json")):
+        export_container(container, export, dtype="bf16", progress=False)
+    model = DeepseekV4ForCausalLM.from_pretrained(export, dtype=torch.bfloat16).eval()
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - start
+    timed(2)  # warm up
+    one, many = timed(1), timed(new)
+    return {"tokens_per_s": round((new - 1) / max(many - one, 1e-9), 2)}
+
+
+def capped_rows(args, container: str, facts: dict) -> list[dict] | dict:
+    """The moepack rows again, in a child process inside a memory cgroup capped at cap_fraction x the container."""
+    limit = int(args.cap_fraction * facts["size"])
+    name = f"moepack-decode-{os.getpid()}"
+    v1 = "/sys/fs/cgroup/memory"
+    if os.path.isdir(v1):
+        group, limit_file, procs = os.path.join(v1, name), "memory.limit_in_bytes", "cgroup.procs"
+    elif os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        group, limit_file, procs = os.path.join("/sys/fs/cgroup", name), "memory.max", "cgroup.procs"
+    else:
+        return {"skipped": "no memory cgroup on this machine"}
+    try:
+        os.mkdir(group)
+        with open(os.path.join(group, limit_file), "w") as f:
+            f.write(str(limit))
+    except OSError as e:
+        return {"skipped": f"cannot make a memory cgroup ({e.strerror}): run as root"}
+    rows = []
+    try:
+        # a cache that leaves the cgroup room: a quarter of what the routed experts may take of it
+        room = max(limit - (facts["size"] - facts["routed_bytes"]) * 2, 0) // 4
+        for budget in (0, room):  # one child each: one killed for memory leaves the others
+            child = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--preset", args.preset,
+                     "--tokens", str(args.tokens), "--new-tokens", str(args.new_tokens), "--compute-dtype",
+                     args.compute_dtype, "--no-transformers", "--no-disk", "--json",
+                     "--budget-gib", str(round(budget / GIB, 3))]
+            script = f"echo $$ > {os.path.join(group, procs)} && exec " + " ".join(f"'{a}'" for a in child)
+            done = subprocess.run(["sh", "-c", script], capture_output=True, text=True)
+            if done.returncode:
+                why = ("killed (out of memory in the cgroup)" if done.returncode in (-9, 137) else
+                       (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1])
+                rows.append({"cache_gib": round(budget / GIB, 3), "failed": why})
+            else:
+                rows += json.loads(done.stdout)["moepack"]
+        return {"limit_bytes": limit, "rows": rows}
+    finally:
+        try:
+            os.rmdir(group)
+        except OSError:
+            pass
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "moepack-decode-bench"))
+    ap.add_argument("--preset", default="medium", choices=["tiny", "small", "medium"])
+    ap.add_argument("--tokens", type=int, default=64, help="prompt length")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--budget-gib", help="comma-separated cache budgets in GiB (default: 0, 25 %% and 100 %% of the "
+                                         "routed experts)")
+    ap.add_argument("--cap-fraction", type=float, help="also run under a memory cgroup of this x the container")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-disk", action="store_true", help="skip the disk-rate measurement")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    container = ensure_container(args.workdir, args.preset)
+    facts = routed_facts(container)
+    ids = torch.randint(0, facts["vocab"], (args.tokens,), generator=torch.Generator().manual_seed(0))
+    budgets = ([float(b) for b in args.budget_gib.split(",")] if args.budget_gib else
+               [round(f * facts["routed_bytes"] / GIB, 4) for f in BUDGETS])
+    out = {"preset": args.preset, "facts": facts, "threads": torch.get_num_threads(),
+           "moepack": [moepack_row(container, ids, args.new_tokens, b, args.compute_dtype) for b in budgets]}
+    if not args.no_disk:
+        disk = disk_rate(container, facts)
+        out["disk"] = {**disk, "tokens_per_s_limit": round(disk["gbps"] * 1e9 / facts["routed_bytes_per_token"], 2)}
+    if not args.no_transformers:
+        out["transformers"] = transformers_row(container, args.workdir, ids, args.new_tokens)
+    if args.cap_fraction:
+        out["capped"] = capped_rows(args, container, facts)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{args.preset}: {facts['size'] / 1e9:.2f} GB container, routed {facts['routed_bytes'] / 1e9:.2f} GB, "
+          f"{facts['routed_bytes_per_token'] / 1e6:.1f} MB of routed experts per token (top-{facts['top_k']}), "
+          f"{out['threads']} threads, prompt {args.tokens}, {args.new_tokens} new tokens")
+    print(f"{'cache GiB':>10} {'tokens/s':>9} {'hit rate':>9} {'MB read/token':>14} {'disk wait s':>12}")
+    for r in out["moepack"]:
+        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.0%}"
+        print(f"{r['cache_gib']:>10.3f} {r['tokens_per_s'] or 0:>9.2f} {hit:>9} "
+              f"{(r['bytes_read_per_token'] or 0) / 1e6:>14.2f} {r['disk_wait_s']:>12.3f}")
+    if "disk" in out:
+        print(f"disk limit (no cache): {out['disk']['tokens_per_s_limit']} tokens/s at {out['disk']['gbps']} GB/s "
+              f"({out['disk']['source']})")
+    if "transformers" in out:
+        print(f"transformers resident generate (bf16): {out['transformers']['tokens_per_s']} tokens/s")
+    print("llama.cpp: not measured (needs the GGUF export)")
+    if "capped" in out:
+        print(f"under a memory cgroup of {args.cap_fraction} x the container: {json.dumps(out['capped'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""`moepack generate`: prefill a prompt (streamed, layer-major), then decode with an expert cache
+(runtime/generate.py). The text goes to stdout as it comes, the figures to stderr; --json prints one object."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .common import emit, json_option, reports_errors
+
+GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
+
+
+def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, chat, thinking, reasoning_effort,
+                continuing: bool):
+    """(prompt token ids, tokenizer or None) from whichever of the five prompt options was given."""
+    from moepack.runtime.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
+
+    given = [x is not None for x in (prompt, prompt_file, token_ids_file, messages_file, chat)]
+    if sum(given) > 1:
+        raise click.UsageError("give at most one of --prompt, --prompt-file, --token-ids, --messages, --chat")
+    tokenizer = None
+    if token_ids_file is None:
+        tokenizer = PromptTokenizer(container)
+    if token_ids_file is not None:
+        return read_token_ids(token_ids_file), tokenizer
+    if messages_file is not None or chat is not None:
+        from moepack.format_spec.errors import MoepackError
+        from moepack.v4 import chat as chat_encoding
+
+        if messages_file is not None:
+            try:
+                with open(messages_file, encoding="utf-8") as f:
+                    messages = json.load(f)
+            except OSError as e:
+                raise MoepackError(f"{messages_file}: cannot read ({e.strerror})") from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise MoepackError(f"{messages_file}: not a JSON list of messages ({e})") from None
+        else:
+            messages = [{"role": "user", "content": chat}]
+        text = chat_encoding.encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort)
+        return tokenizer.encode_special(text), tokenizer
+    if prompt_file is not None:
+        prompt = read_prompt_file(prompt_file)
+    if continuing:
+        tokenizer.add_special_tokens = False  # a continuation: no BOS in the middle of the conversation
+    return (tokenizer.encode(prompt) if prompt else []), tokenizer
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--prompt", help="Prompt text, raw (tokenized with the container's tokenizer, no chat template).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), help="File holding the raw prompt text (UTF-8).")
+@click.option("--token-ids", "token_ids_file", type=click.Path(dir_okay=False),
+              help="File of prompt token ids: a JSON array or whitespace-separated integers.")
+@click.option("--messages", "messages_file", type=click.Path(dir_okay=False),
+              help="JSON file: an OpenAI-style list of {role, content}, encoded as DeepSeek-V4's chat.")
+@click.option("--chat", help="One user turn, encoded as DeepSeek-V4's chat.")
+@click.option("--thinking/--no-thinking", default=False, show_default=True,
+              help="With --messages/--chat: thinking mode (<think>) or chat mode (</think>).")
+@click.option("--reasoning-effort", type=click.Choice(["low", "high", "max"]), default=None,
+              help="With --messages/--chat in thinking mode: the reasoning-effort prefix.")
+@click.option("--continue-from", type=click.Path(file_okay=False),
+              help="A KV directory `moepack prefill --kv-out` wrote for this container: the prompt (if any) "
+                   "continues it.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0: off.")
+@click.option("--seed", type=int, default=None, help="Sampling seed (default: drawn, and reported).")
+@click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable); it is not printed.")
+@click.option("--cache-gib", type=click.FloatRange(min=0), default=None,
+              help="Byte budget of the routed-expert cache (0: every selected expert read for every token; "
+                   "default: the whole container, within a quarter of the available memory).")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--kv-out", type=click.Path(file_okay=False),
+              help="Directory for the KV after the generation (the prompt and the generated tokens).")
+@click.option("--compute-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap"]), default="auto",
+              show_default=True)
+@json_option
+@reports_errors(out_of_memory_hint=GENERATE_MEMORY_HINT)
+def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thinking, reasoning_effort,
+             continue_from, max_new_tokens, temperature, top_p, top_k, seed, stop, cache_gib, device, kv_out,
+             compute_dtype, io_mode, as_json):
+    """Prefill a prompt with the routed experts streamed from FILE, then generate with an expert cache."""
+    from moepack.format_spec.errors import MoepackError
+    from moepack.format_spec.reader import Container
+    from moepack.runtime.engine import PrefillOptions
+    from moepack.runtime.generate import GenerateOptions, default_cache_gib, generate as run_generate
+
+    if prompt is not None and not prompt or chat is not None and not chat:
+        raise MoepackError("empty prompt")
+    with Container(file) as c:
+        ids, tokenizer = _prompt_ids(c, prompt, prompt_file, token_ids_file, messages_file, chat, thinking,
+                                     reasoning_effort, continuing=continue_from is not None)
+    if not ids and continue_from is None:
+        raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
+    options = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              seed=seed, stop=tuple(stop),
+                              cache_gib=default_cache_gib(file) if cache_gib is None else cache_gib,
+                              prefill=PrefillOptions(device=device, compute_dtype=compute_dtype, io_mode=io_mode))
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    result = run_generate(file, ids, options, continue_from=continue_from,
+                          detokenize=tokenizer.decode if tokenizer is not None else None,
+                          on_text=None if as_json else show, kv_out=kv_out)
+    out = {"generated_ids": result.generated_ids, "text": result.text, "finish_reason": result.finish_reason,
+           "stats": result.stats}
+    if as_json:
+        emit(True, out, None)
+        return
+    if result.text is None:  # token ids in, no tokenizer: the ids are the output
+        click.echo(" ".join(map(str, result.generated_ids)))
+    else:
+        click.echo()
+    p, d = result.stats["prefill"], result.stats["decode"]
+    hit = d["expert_cache_hit_rate"]
+    click.echo(f"prefill: {p.get('tokens', 0)} tokens in {p.get('seconds', 0):.2f} s; decode: {d['tokens']} tokens "
+               f"at {d['tokens_per_s'] or 0:.1f} tokens/s, expert cache hit rate "
+               f"{'-' if hit is None else f'{hit:.0%}'}, {(d['bytes_read_per_token'] or 0) / 2**20:.1f} MiB read "
+               f"per token; finish: {result.finish_reason}", err=True)

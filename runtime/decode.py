@@ -1,0 +1,273 @@
+"""Token-major decode over a container, after a layer-major prefill: the rest of `moepack generate`.
+
+Decode streams experts badly (one token amortises each read), so the routed experts come through an ExpertCache
+with a byte budget; everything else (attention, norms, router, shared expert, mHC, embedding, head) is read once
+and stays resident, decoded, on the compute device. Per token and layer: a hash-routed layer knows its experts
+from the token id, so their reads are issued before the layer's attention; a learned layer's once its router
+ran. A miss is one aligned read of that expert's region through the prefill's reader (O_DIRECT where the
+container does not fit in memory), the reads of a layer issued together; each expert is computed as its bytes
+arrive, by the prefill's expert runner (the same decode and matmul, so a token's experts give the prefill's bits).
+
+The cache holds experts as stored (their container bytes), least recently used evicted first. It starts warm:
+`seed` reads the experts the prompt sent the most tokens to, most used first, until the budget is full.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from moepack.format_spec.decode import companion_names, decode_group, decode_group_rows
+from moepack.format_spec.errors import FormatError, MoepackError
+from moepack.format_spec.reader import Container
+from moepack.v4.kv import LayerKVState
+
+from . import model
+from .device_copier import DeviceCopier
+from .expert_runner import BusyTimer, ExpertRunner, decode_regions, entry_bytes
+from .io import ReadPipeline, RegionReader
+from .read_scheduler import RegionChecker
+
+HEAD_GLOBALS = ("hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight")
+
+
+class ExpertCache:
+    """Routed experts' stored bytes, (layer, expert) -> uint8 tensor, within `budget` bytes; least recently used
+    evicted first. Budget 0: nothing is kept."""
+
+    def __init__(self, budget: int):
+        if budget < 0:
+            raise MoepackError("--cache-gib must be >= 0")
+        self.budget = budget
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key: tuple[int, int]) -> torch.Tensor | None:
+        raw = self._entries.get(key)
+        if raw is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return raw
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.budget
+
+    def put(self, key: tuple[int, int], raw: torch.Tensor) -> None:
+        if not self.fits(raw.numel()) or key in self._entries:
+            return
+        while self.bytes + raw.numel() > self.budget:
+            _, old = self._entries.popitem(last=False)
+            self.bytes -= old.numel()
+        self._entries[key] = raw
+        self.bytes += raw.numel()
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def hit_rate(self) -> float | None:
+        looked_up = self.hits + self.misses
+        return self.hits / looked_up if looked_up else None
+
+
+@dataclass
+class DecodeStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    bytes_read: int = 0  # routed experts read on a miss (the cache's seed is counted apart)
+    disk_wait_s: float = 0.0  # time the compute waited for a miss's bytes
+    seed_bytes: int = 0
+    seed_s: float = 0.0
+    resident_s: float = 0.0  # reading and decoding the non-routed weights
+
+
+class Decoder:
+    """Decodes tokens one at a time after `states` (one LayerKVState per layer, all after the same tokens).
+    `step(token_id)` feeds one token and returns the next position's logits ([vocab] float32, on the host)."""
+
+    def __init__(self, container: Container, cfg, device: torch.device, states: list[LayerKVState],
+                 cache_bytes: int, compute_dtype: torch.dtype = torch.float32,
+                 expert_dtype: torch.dtype = torch.float32, io_mode: str = "auto", verify_reads: bool = True,
+                 queue_depth: int = 8):
+        if len(states) != cfg.num_layers or len({s.seen_tokens for s in states}) != 1:
+            raise MoepackError("decode needs one KV state per layer, all after the same tokens")
+        self.c, self.cfg, self.device = container, cfg, device
+        self.compute_dtype = compute_dtype
+        self.states = [s.to(device) for s in states]
+        self.position = states[0].seen_tokens
+        self.stats = DecodeStats()
+        self.cache = ExpertCache(cache_bytes)
+        self.checker = RegionChecker(container, verify_reads, on_read=False)
+        self.reader = RegionReader(container.part_paths, io_mode, zero_copy=False)
+        self.copier = DeviceCopier(device)
+        largest = max((r.length for b in container.layers for r in b.experts), default=4096)
+        self.pipe = ReadPipeline(self.reader, largest, queue_depth, device.type == "cuda",
+                                 buffers=2 * queue_depth)
+        self.compute = BusyTimer()
+        self.experts = ExpertRunner(cfg, device, expert_dtype, self.checker, self.copier, self.pipe.release,
+                                    self.compute)
+        start = time.perf_counter()
+        self.dense = [self._read_dense(b) for b in container.layers]
+        self.embed_entries, self.embed_read = self._read_globals(["embed.weight"], on_device=False)
+        entries, read = self._read_globals([*HEAD_GLOBALS, cfg.head_weight], on_device=True)
+        self.head_weights = decode_group(entries, read)
+        self.stats.resident_s = time.perf_counter() - start
+
+    # --- resident weights ----------------------------------------------------------------------------------------
+    def _read_region(self, region) -> torch.Tensor:
+        """A region's bytes, checked, as a host uint8 tensor of its own."""
+        raw = torch.empty(region.length, dtype=torch.uint8)
+        view = memoryview(raw.numpy())
+        self.c.pread_into(view, region.offset, region.part)
+        if self.checker.verify and xxhash.xxh3_64_hexdigest(view) != region.xxh3:
+            raise FormatError(f"region {self.c.describe(region)}: checksum mismatch: the container is damaged "
+                              f"(run `moepack verify`)")
+        return raw
+
+    def _read_dense(self, block) -> dict[str, torch.Tensor]:
+        prefix = block.name + "."
+
+        def dtype_of(t) -> torch.dtype:  # as the prefill decodes them
+            low = model.is_low_precision_matrix(t.name[len(prefix):], len(t.shape))
+            return self.compute_dtype if low else torch.float32
+        raw = self._read_region(block.dense).to(self.device)
+        return decode_regions([block.dense], raw, block.dense.offset, prefix, dtype_of=dtype_of)
+
+    def _read_globals(self, names, on_device: bool) -> tuple[list, Callable]:
+        regions = {self.c.tensors[n].region.index: self.c.tensors[n].region
+                   for name in names for n in (name, *companion_names(name)) if n in self.c.tensors}
+        entries, reads = [], {}
+        for r in regions.values():
+            raw = self._read_region(r)
+            read = entry_bytes(raw.to(self.device) if on_device else raw, r.offset)
+            for t in r.tensors:
+                entries.append(t)
+                reads[t.name] = read
+        return entries, lambda t: reads[t.name](t)
+
+    # --- the cache -------------------------------------------------------------------------------------------------
+    def seed(self, tokens_per_expert: list[list[int]]) -> None:
+        """Warm the cache with the experts the prompt sent the most tokens to (per layer counts), most used
+        first, until the budget is full."""
+        start = time.perf_counter()
+        ranked = sorted(((n, layer, e) for layer, counts in enumerate(tokens_per_expert)
+                         for e, n in enumerate(counts) if n), reverse=True)
+        room = self.cache.budget
+        for _, layer, e in ranked:
+            region = self.c.layers[layer].experts[e]
+            if region.length > room:
+                continue
+            self.cache.put((layer, e), self._read_region(region))
+            room -= region.length
+            self.stats.seed_bytes += region.length
+        self.stats.seed_s = time.perf_counter() - start
+
+    def _fetch(self, layer: int, experts: list[int]) -> dict[int, Future | torch.Tensor]:
+        """Each expert's bytes: from the cache, or a read issued now (all of a layer's misses together)."""
+        block = self.c.layers[layer]
+        got: dict[int, Future | torch.Tensor] = {}
+        for e in sorted(set(experts)):
+            raw = self.cache.get((layer, e))
+            if raw is None:
+                region = block.experts[e]
+                span = block.expert_read(e, 1)
+                got[e] = self.pipe.submit(span.offset, span.length, part=span.part)
+                self.stats.bytes_read += region.length
+            else:
+                got[e] = raw
+        return got
+
+    def _expert_bytes(self, layer: int, e: int, got) -> torch.Tensor:
+        """Expert e's stored bytes on the compute device: a cache hit, or its read (awaited, checked, kept in the
+        cache where the budget allows, its buffer given back)."""
+        item = got[e]
+        region = self.c.layers[layer].experts[e]
+        if isinstance(item, torch.Tensor):
+            return item if item.device == self.device else item.to(self.device)
+        t0 = time.perf_counter()
+        buffer, view = item.result()
+        self.stats.disk_wait_s += time.perf_counter() - t0
+        try:
+            self.checker.check([region], view, region.offset)
+            raw = self.copier.host_bytes(buffer, view)[:region.length].clone()  # outlives the pooled buffer
+        finally:
+            self.pipe.release(buffer)
+        self.cache.put((layer, e), raw)
+        return raw.to(self.device)
+
+    # --- one token ---------------------------------------------------------------------------------------------
+    def step(self, token_id: int) -> torch.Tensor:
+        cfg = self.cfg
+        start = time.perf_counter()
+        ids = torch.tensor([token_id], device=self.device)
+        positions = torch.arange(self.position, self.position + 1, device=self.device)
+        rows = decode_group_rows(_group(self.embed_entries, "embed.weight"), self.embed_read, "embed.weight",
+                                 ids.cpu()).to(self.device)
+        streams = model.residual_streams(cfg, rows)
+        for layer, block in enumerate(self.c.layers):
+            w = self.dense[layer]
+            got = None
+            if cfg.hash_layers[layer]:  # the token id is the routing: read before the attention runs
+                got = self._fetch(layer, w["ffn.gate.tid2eid"][ids].reshape(-1).tolist())
+            with self.compute:
+                streams, self.states[layer] = model.attention_sublayer(cfg, layer, w, streams, positions, None,
+                                                                       self.states[layer])
+                routing = model.moe_route(cfg, layer, w, streams, ids)
+            groups = routing.groups()
+            if got is None:
+                got = self._fetch(layer, list(groups.spans))
+            with self.compute:
+                inputs = groups.gather(routing.x.to(self.experts.expert_dtype))
+                outputs = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
+            for e, (a, b) in groups.spans.items():
+                raw = self._expert_bytes(layer, e, got)
+                with self.compute:
+                    region = block.experts[e]
+                    self.experts.expert_output(block, region, raw, region.offset, inputs[a:b], outputs[a:b])
+            for e in got.keys() - groups.spans.keys():  # read but not chosen (hash layers choose exactly these)
+                self._expert_bytes(layer, e, got)
+            with self.compute:
+                streams = model.moe_finish(cfg, layer, w, streams, routing, groups.combine(outputs, 1))
+        with self.compute:
+            logits = model.head(cfg, streams, self.head_weights, -1).float().cpu()
+        self.position += 1
+        self.stats.tokens += 1
+        self.stats.seconds += time.perf_counter() - start
+        return logits
+
+    def stats_dict(self) -> dict:
+        s = self.stats
+        return {"tokens": s.tokens, "seconds": round(s.seconds, 4),
+                "tokens_per_s": round(s.tokens / s.seconds, 2) if s.seconds else None,
+                "expert_cache_hit_rate": (round(self.cache.hit_rate, 4) if self.cache.hit_rate is not None
+                                          else None),
+                "bytes_read": s.bytes_read,
+                "bytes_read_per_token": round(s.bytes_read / s.tokens) if s.tokens else None,
+                "disk_wait_s": round(s.disk_wait_s, 4), "cache_bytes": self.cache.bytes,
+                "cache_budget_bytes": self.cache.budget, "cache_experts": len(self.cache),
+                "cache_seed_bytes": s.seed_bytes, "cache_seed_s": round(s.seed_s, 4),
+                "resident_load_s": round(s.resident_s, 4), "compute_busy_s": round(self.compute.seconds, 4)}
+
+    def close(self) -> None:
+        self.pipe.close()
+        self.reader.close()
+        self.experts.close()
+
+
+def _group(entries: list, name: str) -> list:
+    by_name = {t.name: t for t in entries}
+    if name not in by_name:
+        raise FormatError(f"the container has no {name}")
+    return [by_name[n] for n in (name, *companion_names(name)) if n in by_name]

@@ -1,0 +1,174 @@
+"""`moepack generate`: the streamed layer-major prefill of a prompt, then token-major decode (runtime/decode.py)
+with the routed experts through an expert cache, on one container opened once.
+
+    result = generate("model.moepack", prompt_ids, GenerateOptions(max_new_tokens=64))
+    result.generated_ids, result.text, result.finish_reason, result.stats["prefill"], result.stats["decode"]
+
+`continue_from`: a KV directory `moepack prefill --kv-out` wrote for this container; the prompt ids (possibly
+none) continue it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.reader import Container
+from moepack.v4.kv import KVWriter, identity_of_container, kv_bytes, read_kv
+
+from .decode import Decoder
+from .engine import EXPERT_DTYPES, PrefillOptions, StreamingPrefill, model_config
+from .io import available_memory_bytes
+from .sampling import IncrementalDetokenizer, Sampler, StopMatcher
+
+GIB = 1 << 30
+HEADROOM_BYTES = 1 << 30  # activations, the read buffers, the interpreter and torch beside the weights and the KV
+
+
+@dataclass
+class GenerateOptions:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    cache_gib: float = 4.0  # the expert cache's budget; 0: every selected expert read for every token
+    stop_at_eos: bool = True
+    prefill: PrefillOptions = field(default_factory=PrefillOptions)
+
+
+@dataclass
+class GenerateResult:
+    generated_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (end of sentence or a stop string) or "length"
+    stats: dict
+
+
+def eos_ids(config: dict) -> set[int]:
+    eos = config.get("eos_token_id")
+    return set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
+
+
+def resident_bytes(container: Container) -> int:
+    """What decode keeps resident besides the cache and the KV: the dense regions and the globals, as float32
+    (an upper bound: the low-precision matrices may be bf16)."""
+    stored = sum(b.dense.length for b in container.layers) + sum(r.length for r in container.global_regions)
+    params = sum(t.numel for b in container.layers for t in b.dense.tensors)
+    params += sum(t.numel for r in container.global_regions for t in r.tensors)
+    return max(stored, 4 * params)
+
+
+def check_memory(container: Container, n_tokens: int, cache_bytes: int) -> None:
+    """Refuse, before any work, a generation whose resident weights + cache + KV + HEADROOM_BYTES cannot fit."""
+    kv = kv_bytes(container.config, n_tokens)
+    need = resident_bytes(container) + cache_bytes + kv + HEADROOM_BYTES
+    free = available_memory_bytes()
+    if free and need > free:
+        raise MoepackError(f"generating {n_tokens} tokens needs about {need / GIB:.1f} GiB (weights besides the "
+                           f"experts {resident_bytes(container) / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
+                           f"KV {kv / GIB:.2f}, headroom 1) but only {free / GIB:.1f} GiB of memory is available: "
+                           f"lower --cache-gib or --max-new-tokens")
+
+
+def generate(path: str, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,
+             detokenize: Callable[[list[int]], str] | None = None,
+             on_text: Callable[[str], None] | None = None, kv_out: str | None = None) -> GenerateResult:
+    """Prefill `token_ids` (after `continue_from`'s KV, if given), then decode up to max_new_tokens. `detokenize`
+    (ids -> text) gives `text`, lets `--stop` strings end the generation, and `on_text` the text as it comes
+    (never a split UTF-8 character, never the start of a stop string that may yet complete). `kv_out`: the KV
+    after the generation (prompt and generated tokens; its result, the last generated token) is written there."""
+    options = options or GenerateOptions()
+    if options.max_new_tokens < 1:
+        raise MoepackError("--max-new-tokens must be at least 1")
+    if options.cache_gib < 0:
+        raise MoepackError("--cache-gib must be >= 0")
+    if options.stop and detokenize is None:
+        raise MoepackError("--stop needs the container's tokenizer (the prompt was given as token ids)")
+    sampler = Sampler(options.temperature, options.top_p, options.top_k, options.seed)
+    token_ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
+    cache_bytes = int(options.cache_gib * GIB)
+    with Container(path) as c:
+        cfg = model_config(c)
+        stopper = StopMatcher(list(options.stop), eos_ids(c.config) if options.stop_at_eos else set())
+        engine = StreamingPrefill(c, options.prefill)
+        try:
+            if continue_from is not None:
+                kv = read_kv(continue_from, expect_identity=identity_of_container(c))
+                states, prompt_tokens = kv.layers, kv.seen_tokens
+                all_ids = kv.token_ids + token_ids.tolist()
+                check_memory(c, prompt_tokens + len(token_ids) + options.max_new_tokens, cache_bytes)
+                if len(token_ids):
+                    done = engine.run(token_ids.to(engine.device), states, keep_kv=True)
+                    logits, states, prefill_stats = done.logits, done.states, done.stats
+                    counts = done.tokens_per_expert
+                elif kv.logits is not None:
+                    logits, prefill_stats, counts = kv.logits, {"tokens": 0, "continued_from": continue_from}, None
+                else:
+                    raise MoepackError(f"{continue_from}: the KV holds no logits to continue from: give a prompt")
+                prefill_stats = {**prefill_stats, "continued_from": continue_from, "past_tokens": prompt_tokens}
+            else:
+                if not len(token_ids):
+                    raise MoepackError("empty prompt")
+                check_memory(c, len(token_ids) + options.max_new_tokens, cache_bytes)
+                all_ids, prompt_tokens = token_ids.tolist(), 0
+                done = engine.run(token_ids.to(engine.device), keep_kv=True)
+                logits, states, prefill_stats, counts = done.logits, done.states, done.stats, done.tokens_per_expert
+        finally:
+            engine.close()
+        decoder = Decoder(c, cfg, engine.device, states, cache_bytes,
+                          compute_dtype=EXPERT_DTYPES[options.prefill.compute_dtype],
+                          expert_dtype=EXPERT_DTYPES[options.prefill.expert_dtype or options.prefill.compute_dtype],
+                          io_mode=options.prefill.io_mode, verify_reads=options.prefill.verify_reads)
+        try:
+            if counts:
+                decoder.seed(counts)
+            generated: list[int] = []
+            pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None
+            so_far = ""
+            while True:
+                token = sampler.next_token(logits)
+                generated.append(token)
+                so_far += pieces.add(token) if pieces is not None else ""
+                shown = stopper.feed(token, so_far)
+                if shown and on_text is not None:
+                    on_text(shown)
+                if stopper.finish_reason or len(generated) == options.max_new_tokens:
+                    break
+                logits = decoder.step(token)
+            decode_stats = decoder.stats_dict()
+            if kv_out is not None:
+                in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
+                write_kv(kv_out, c, all_ids + generated[:-1], decoder.states, prompt_tokens, generated[-1], logits,
+                         overwrite=in_place)
+        finally:
+            decoder.close()
+    if pieces is not None and not stopper.finish_reason:
+        shown = stopper.flush(so_far + pieces.flush())
+        if shown and on_text is not None:
+            on_text(shown)
+    return GenerateResult(generated, stopper.text if detokenize is not None else None,
+                          stopper.finish_reason or "length",
+                          {"prefill": prefill_stats, "decode": decode_stats, "sampling_seed": sampler.seed})
+
+
+def write_kv(kv_dir: str, container: Container, token_ids: list[int], states, start: int, next_token: int,
+             logits: torch.Tensor, overwrite: bool = False) -> None:
+    """The KV directory (format_spec/KV.md) of `states`, which cover `token_ids`; `start` of them came from the KV
+    the generation continued (`overwrite`: it is that directory)."""
+    writer = KVWriter(kv_dir, identity_of_container(container), token_ids, start_token=start, overwrite=overwrite)
+    for layer, state in enumerate(states):
+        writer.write_layer(layer, state)
+    writer.finish(next_token, logits)
+
+
+def default_cache_gib(path: str) -> float:
+    """All the routed experts where they fit in a quarter of the available memory, else that quarter."""
+    size = os.path.getsize(path)
+    free = available_memory_bytes()
+    return round(min(size, free // 4 if free else size) / GIB, 3)

@@ -1,0 +1,176 @@
+"""The parts of a decode loop that never touch the model: choosing the next token from the logits, deciding when
+to stop, and turning token ids into printable text one token at a time.
+
+A loop uses them like this (`text` is all the text generated so far, never the prompt's):
+
+    detok, stops, text = IncrementalDetokenizer(tok.decode), StopMatcher(stop, eos_ids), ""
+    for _ in range(max_tokens):
+        token = sampler.next_token(logits)
+        text += detok.add(token)
+        print(stops.feed(token, text), end="")
+        if stops.finish_reason:
+            break
+        logits = ...  # the model's next step
+    else:
+        print(stops.flush(text + detok.flush()), end="")
+    finish_reason = stops.finish_reason or "length"  # stops.text is the whole answer
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from typing import Callable
+
+import torch
+
+from moepack.format_spec.errors import MoepackError
+
+REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character not yet complete
+
+
+class Sampler:
+    """Temperature, then top-k, then top-p (nucleus), then one draw from a seeded generator; temperature 0 is
+    greedy. The same seed and logits give the same tokens on any device: the work is done on the CPU in float64."""
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None):
+        if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+            raise MoepackError(f"--temperature must be a finite number >= 0, got {temperature!r}")
+        if not _is_number(top_p) or not 0 < top_p <= 1:  # NaN fails the comparison too
+            raise MoepackError(f"--top-p must be a number in (0, 1], got {top_p!r}")
+        if not _is_int(top_k) or top_k < 0:
+            raise MoepackError(f"--top-k must be an integer >= 0 (0 = off), got {top_k!r}")
+        if seed is None:
+            seed = secrets.randbits(63)  # drawn once and kept in .seed so that the run can be repeated
+        elif not _is_int(seed) or not 0 <= seed < 2**64:
+            raise MoepackError(f"--seed must be an integer in [0, 2**64), got {seed!r}")
+        self.temperature, self.top_p, self.top_k, self.seed = float(temperature), float(top_p), top_k, seed
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(seed)
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        if logits.dim() != 1 or logits.numel() == 0:
+            raise ValueError(f"expected logits of shape [vocab], got {list(logits.shape)}")
+        # float32 -> float64 is exact, so every device's logits become the same numbers here
+        x = logits.detach().to(device="cpu", dtype=torch.float64)
+        if not bool(torch.isfinite(x).all()):
+            raise MoepackError("the model produced non-finite logits (nan or inf): cannot choose the next token")
+        if self.temperature == 0:
+            return int(torch.argmax(x))
+        # a stable sort puts tied logits in id order, so top-k 1 and a tiny top-p pick what argmax picks
+        if 0 < self.top_k < len(x):
+            # sort only the candidates, not the whole vocabulary: all tokens tied with the k-th or above it
+            candidates = torch.nonzero(x >= torch.topk(x, self.top_k).values[-1]).flatten()
+            order = candidates[torch.sort(x[candidates], descending=True, stable=True).indices][: self.top_k]
+        else:
+            order = torch.sort(x, descending=True, stable=True).indices
+        # subtract the largest logit before dividing: a tiny temperature then gives -inf, never inf - inf = nan
+        probs = torch.softmax((x[order] - x[order[0]]) / self.temperature, dim=0)
+        cumulative = torch.cumsum(probs, dim=0)
+        # the nucleus: the first n tokens whose probabilities sum to at least top_p (never fewer than one)
+        n = int(torch.searchsorted(cumulative, torch.tensor(self.top_p, dtype=torch.float64))) + 1
+        cumulative = cumulative[: min(n, len(cumulative))]
+        # inverse CDF on the kept tokens; scaling u by their total renormalises without dividing each one.
+        # right=True: a token whose probability underflowed to 0 adds no step to the CDF, so u never lands on it.
+        u = torch.rand((), generator=self._generator, dtype=torch.float64) * cumulative[-1]
+        i = int(torch.searchsorted(cumulative, u, right=True))
+        return int(order[min(i, len(cumulative) - 1)])
+
+
+class StopMatcher:
+    """Decides when generation stops and which text is safe to show. Feed it each generated token with all the
+    text decoded so far (text only ever grows at its end, as the detokenizer's pieces add up). It stops on an
+    eos token (whose own text, e.g. "</s>", is never part of the answer) or when a stop string appears; the
+    answer then ends just before the stop string, as in OpenAI's API. Until then it holds back a tail of the text
+    that could be the start of a stop string. Running out of tokens ("length") is the caller's to decide."""
+
+    def __init__(self, stop: list[str], eos_ids: set[int]):
+        if any(not s for s in stop):
+            raise MoepackError("--stop: an empty stop string would stop before the first token")
+        self.stop = list(dict.fromkeys(stop))
+        self.eos_ids = set(eos_ids)
+        self.finish_reason: str | None = None  # "stop" once stopped
+        self.stop_string: str | None = None  # the stop string that stopped it (None for eos)
+        self.text = ""  # all the text given out so far: the answer, once stopped or flushed
+        self._seen = ""  # the text of the previous feed
+
+    def feed(self, token_id: int, text: str) -> str:
+        """Take the token just generated and the text so far (including that token's); return the new text
+        that is safe to show. After a stop, check finish_reason; later feeds return ""."""
+        if self.finish_reason:
+            return ""
+        if token_id in self.eos_ids:
+            self.finish_reason = "stop"
+            return self._give_out(len(self._seen))  # the held-back tail was not a stop string after all
+        return self._check(text, final=False)
+
+    def flush(self, text: str | None = None) -> str:
+        """No more tokens (the caller ran out of them): the text not yet given out, still cut at a stop string."""
+        if self.finish_reason:
+            return ""
+        return self._check(self._seen if text is None else text, final=True)
+
+    def _check(self, text: str, final: bool) -> str:
+        # a stop string wholly inside the previous text would have stopped it then: look only where one could
+        # end in the new text, and take the earliest
+        previous, self._seen = len(self._seen), text
+        hits = [(p, s) for s in self.stop if (p := text.find(s, max(0, previous - len(s) + 1))) >= 0]
+        if hits:
+            cut, self.stop_string = min(hits, key=lambda hit: hit[0])
+            self.finish_reason = "stop"
+            return self._give_out(cut)
+        return self._give_out(len(text) if final else len(text) - self._held_back(text))
+
+    def _held_back(self, text: str) -> int:
+        """The length of the longest end of `text` that begins some stop string (without being all of it)."""
+        longest = max((len(s) for s in self.stop), default=1)
+        for k in range(min(longest - 1, len(text)), 0, -1):
+            if any(s.startswith(text[-k:]) for s in self.stop):
+                return k
+        return 0
+
+    def _give_out(self, end: int) -> str:
+        piece = self._seen[len(self.text) : end]
+        self.text += piece
+        return piece
+
+
+class IncrementalDetokenizer:
+    """Token ids in, printable text out, one token at a time, never splitting a character: with byte-level BPE a
+    token can hold part of a UTF-8 character, which decodes to U+FFFD until the rest arrives.
+
+    It keeps two offsets into the ids: text before `_prefix` is given out and done with; ids[_prefix:_read]
+    decode to text already given out too, but are decoded again as the context of the newer ids, because a
+    token's text can depend on its neighbours (SentencePiece's leading space, a character's bytes split across
+    tokens). Only the short window from `_prefix` on is decoded each time, never the whole answer."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def add(self, token_id: int) -> str:
+        """The text this token completes; "" while it ends in an unfinished character."""
+        self._ids.append(token_id)
+        done = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) <= len(done) or text.endswith(REPLACEMENT):
+            return ""  # hold these bytes back until the character is complete
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back (a character that never completed comes out as U+FFFD)."""
+        done = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done) :]
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,168 @@
+"""moepack generate: the streamed prefill, then token-major decode with the routed experts through an expert cache,
+against transformers' own greedy `generate` on the same checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moepack.packer.convert import convert_checkpoint
+from moepack.runtime.decode import ExpertCache
+from moepack.runtime.engine import PrefillOptions, prefill
+from moepack.runtime.generate import GenerateOptions, generate
+from v4_models import CONFIGS, random_config, saved_model
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (transformers model, container --keep) for A, B, C and two random configurations."""
+    base = tmp_path_factory.mktemp("generate")
+    import random
+
+    configs = {name: CONFIGS[name] for name in ("A", "B", "C")}
+    for seed in (7, 11):
+        configs[f"random{seed}"] = {**random_config(random.Random(seed)), "max_position_embeddings": 4096}
+    out = {}
+    for i, (name, config) in enumerate(sorted(configs.items())):
+        src = str(base / name)
+        hf_model = saved_model(config, 100 + i, src)
+        container = str(base / f"{name}.moepack")
+        convert_checkpoint(src, container, progress=False)
+        out[name] = hf_model, container
+    return out
+
+
+def _prompt(n: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _transformers_greedy(hf_model, ids: torch.Tensor, new: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=new, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+CASES = [("A", 1), ("A", 40), ("B", 9), ("B", 300), ("C", 70), ("random7", 33), ("random11", 129)]
+
+
+@pytest.mark.parametrize("name,n", CASES, ids=[f"{c}-N{n}" for c, n in CASES])
+@pytest.mark.parametrize("cache_gib", [1.0, 0.0], ids=["cache", "no-cache"])
+def test_greedy_generation_equals_transformers(models, name, n, cache_gib):
+    hf_model, container = models[name]
+    ids = _prompt(n, hf_model.config.vocab_size, seed=n)
+    expected = _transformers_greedy(hf_model, ids, NEW_TOKENS)
+    result = generate(container, ids, GenerateOptions(max_new_tokens=NEW_TOKENS, cache_gib=cache_gib))
+    assert result.generated_ids == expected
+    assert result.finish_reason == ("length" if len(expected) == NEW_TOKENS else "stop")
+    decode = result.stats["decode"]
+    assert decode["tokens"] == len(expected) - 1  # the first token comes from the prefill's logits
+    if cache_gib == 0:
+        assert decode["expert_cache_hit_rate"] in (0.0, None) and decode["cache_bytes"] == 0
+        assert decode["tokens"] == 0 or decode["bytes_read_per_token"] > 0
+    else:  # the whole model fits: every expert read at most once
+        with open(container, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+        assert decode["bytes_read"] + decode["cache_seed_bytes"] <= size
+
+
+def test_generation_continued_from_a_kv_equals_the_whole(models, tmp_path):
+    hf_model, container = models["C"]
+    ids = _prompt(90, hf_model.config.vocab_size, seed=5)
+    expected = _transformers_greedy(hf_model, ids, NEW_TOKENS)
+    kv = str(tmp_path / "kv")
+    prefill(container, ids[:60], PrefillOptions(), kv_out=kv)
+    result = generate(container, ids[60:], GenerateOptions(max_new_tokens=NEW_TOKENS, cache_gib=0.0),
+                      continue_from=kv)
+    assert result.generated_ids == expected
+    # no new prompt: decoding starts from the KV's own logits
+    prefill(container, ids, PrefillOptions(), kv_out=str(tmp_path / "kv2"))
+    again = generate(container, [], GenerateOptions(max_new_tokens=NEW_TOKENS), continue_from=str(tmp_path / "kv2"))
+    assert again.generated_ids == expected
+
+
+def test_sampling_with_a_seed_is_reproducible(models):
+    hf_model, container = models["A"]
+    ids = _prompt(20, hf_model.config.vocab_size, seed=3)
+    options = dict(max_new_tokens=16, temperature=1.0, top_p=0.9, top_k=20)
+    first = generate(container, ids, GenerateOptions(**options, seed=1234))
+    second = generate(container, ids, GenerateOptions(**options, seed=1234))
+    other = generate(container, ids, GenerateOptions(**options, seed=4321))
+    assert first.generated_ids == second.generated_ids
+    assert first.generated_ids != other.generated_ids
+    assert first.stats["sampling_seed"] == 1234
+
+
+def test_the_expert_cache_evicts_the_least_recently_used():
+    cache = ExpertCache(budget=10)
+    cache.put((0, 0), torch.zeros(4, dtype=torch.uint8))
+    cache.put((0, 1), torch.zeros(4, dtype=torch.uint8))
+    assert cache.get((0, 0)) is not None  # (0, 1) is now the least recently used
+    cache.put((0, 2), torch.zeros(4, dtype=torch.uint8))
+    assert (0, 1) not in cache and (0, 0) in cache and (0, 2) in cache and cache.bytes == 8
+    cache.put((0, 3), torch.zeros(11, dtype=torch.uint8))  # larger than the whole budget: not kept
+    assert (0, 3) not in cache and cache.bytes == 8
+    assert cache.get((9, 9)) is None and cache.hit_rate == 0.5
+    nothing = ExpertCache(budget=0)
+    nothing.put((0, 0), torch.zeros(1, dtype=torch.uint8))
+    assert len(nothing) == 0
+
+
+def test_the_kv_after_a_generation_continues_it(models, tmp_path):
+    """--kv-out after generating: the KV covers the prompt and the generated tokens but the last, whose logits
+    it records; generating on from it gives what one longer generation gives."""
+    from moepack.v4.kv import read_kv
+
+    hf_model, container = models["B"]
+    ids = _prompt(30, hf_model.config.vocab_size, seed=8)
+    whole = generate(container, ids, GenerateOptions(max_new_tokens=20, stop_at_eos=False))
+    kv = str(tmp_path / "kv")
+    first = generate(container, ids, GenerateOptions(max_new_tokens=8, stop_at_eos=False), kv_out=kv)
+    written = read_kv(kv)
+    assert written.token_ids == ids.tolist() + first.generated_ids[:-1]
+    assert written.next_token == first.generated_ids[-1]
+    rest = generate(container, [], GenerateOptions(max_new_tokens=12, stop_at_eos=False), continue_from=kv)
+    assert first.generated_ids + rest.generated_ids[1:] == whole.generated_ids[:19]
+
+
+def test_the_command_streams_the_text_and_prints_one_json_object(models, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli
+    from moepack.packer.synth import synth_checkpoint
+
+    src, container = str(tmp_path / "src"), str(tmp_path / "tiny.moepack")
+    synth_checkpoint(src, preset="tiny", layout="release", progress=False)
+    convert_checkpoint(src, container, policy="keep", progress=False)
+    args = ["generate", container, "--prompt", "Once upon a time", "--max-new-tokens", "6", "--cache-gib", "0"]
+    as_json = CliRunner().invoke(cli, [*args, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    out = json.loads(as_json.stdout)
+    assert len(out["generated_ids"]) == 6 and out["finish_reason"] == "length"
+    assert out["stats"]["decode"]["tokens"] == 5 and out["stats"]["decode"]["bytes_read_per_token"] > 0
+    streamed = CliRunner().invoke(cli, args)
+    assert streamed.exit_code == 0, streamed.output
+    assert streamed.stdout == out["text"] + "\n"
+    assert "tokens/s" in streamed.stderr
+    empty = CliRunner().invoke(cli, ["generate", container, "--prompt", ""])
+    assert empty.exit_code == 1 and "empty prompt" in empty.stderr
+
+
+def test_a_generation_that_cannot_fit_is_refused_before_any_work(models, monkeypatch):
+    """Resident weights + cache + KV + 1 GiB over the available memory: one line naming what to lower, before the
+    prefill reads anything."""
+    from moepack.format_spec.errors import MoepackError
+    from moepack.runtime import engine, generate as generate_module
+
+    hf_model, container = models["A"]
+    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: 1 << 30)  # the headroom alone
+    monkeypatch.setattr(engine.StreamingPrefill, "run", lambda *a, **k: pytest.fail("the prefill ran"))
+    with pytest.raises(MoepackError, match="--cache-gib or --max-new-tokens") as e:
+        generate(container, [1, 2, 3], GenerateOptions(max_new_tokens=4, cache_gib=0.5))
+    assert "\n" not in str(e.value) and "0.50" in str(e.value)

@@ -1,0 +1,309 @@
+"""The model-free parts of a decode loop: the sampler, the stop matcher and the incremental detokenizer."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from moepack.format_spec.errors import MoepackError
+from moepack.packer.synth import tokenizer_json
+from moepack.runtime.sampling import IncrementalDetokenizer, Sampler, StopMatcher
+
+BYTE0 = 3  # synth's tokenizer: ids 3..258 are the bytes 0..255
+
+
+def random_logits(n=50, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+# --- Sampler ---------------------------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax():
+    sampler = Sampler()
+    for seed in range(20):
+        logits = random_logits(seed=seed)
+        assert sampler.next_token(logits) == int(torch.argmax(logits))
+    tied = torch.tensor([0.0, 5.0, 1.0, 5.0])
+    assert sampler.next_token(tied) == 1  # the lowest id among ties, as torch.argmax
+
+
+def draws(sampler, logits, n):
+    return [sampler.next_token(logits) for _ in range(n)]
+
+
+def test_seeded_sampler_repeats_and_other_seed_differs():
+    logits = random_logits() / 3  # flat enough that many tokens are likely
+    first = draws(Sampler(temperature=1.0, seed=7), logits, 200)
+    assert first == draws(Sampler(temperature=1.0, seed=7), logits, 200)
+    assert first != draws(Sampler(temperature=1.0, seed=8), logits, 200)
+    assert len(set(first)) > 5
+
+
+def test_seed_none_is_drawn_once_and_repeatable():
+    logits = random_logits() / 3
+    sampler = Sampler(temperature=0.8, top_p=0.9)
+    assert isinstance(sampler.seed, int)
+    assert draws(sampler, logits, 100) == draws(Sampler(temperature=0.8, top_p=0.9, seed=sampler.seed), logits, 100)
+
+
+def test_same_draws_from_float32_float64_and_noncontiguous_logits():
+    logits = random_logits()
+    strided = torch.stack([logits, logits], dim=1)[:, 0]  # a non-contiguous view of the same numbers
+    expected = draws(Sampler(temperature=1.3, top_k=20, top_p=0.95, seed=3), logits, 100)
+    assert draws(Sampler(temperature=1.3, top_k=20, top_p=0.95, seed=3), logits.double(), 100) == expected
+    assert draws(Sampler(temperature=1.3, top_k=20, top_p=0.95, seed=3), strided, 100) == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_same_draws_on_cuda():
+    logits = random_logits(n=5000)
+    expected = draws(Sampler(temperature=1.0, top_p=0.9, seed=11), logits, 100)
+    assert draws(Sampler(temperature=1.0, top_p=0.9, seed=11), logits.cuda(), 100) == expected
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    for seed in range(10):
+        logits = random_logits(seed=seed)
+        best = int(torch.argmax(logits))
+        assert set(draws(Sampler(temperature=2.0, top_k=1, seed=seed), logits, 50)) == {best}
+        assert set(draws(Sampler(temperature=2.0, top_p=1e-9, seed=seed), logits, 50)) == {best}
+    tied = torch.tensor([0.0, 5.0, 5.0, 1.0])
+    assert set(draws(Sampler(temperature=1.0, top_k=1, seed=0), tied, 20)) == {1}
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = random_logits()
+    assert set(draws(Sampler(temperature=1e-300, seed=1), logits, 20)) == {int(torch.argmax(logits))}
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# chi-square critical values at p = 1e-4 (the draws are seeded, so this is a fixed check, not a flaky one)
+CHI2_CRITICAL = {2: 18.42, 7: 29.88}
+
+
+def test_temperature_1_matches_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    n = 20_000
+    counts = torch.bincount(torch.tensor(draws(Sampler(temperature=1.0, seed=42), logits, n)), minlength=8)
+    probs = torch.softmax(logits.double(), 0)
+    assert chi_square(counts.double(), probs) < CHI2_CRITICAL[7]
+    assert float((counts / n - probs).abs().max()) < 0.01
+
+
+def test_temperature_top_k_top_p_distribution():
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0])
+    n = 20_000
+    # temperature 2, then top-k 4 keeps ids 0-3, then top-p 0.75 keeps the fewest of them reaching 0.75
+    kept = torch.softmax(logits[:4].double() / 2, 0)
+    m = int((torch.cumsum(kept, 0) < 0.75).sum()) + 1
+    assert m == 3  # (the test's own arithmetic: the nucleus is ids 0-2)
+    nucleus = kept[:m] / kept[:m].sum()
+    got = draws(Sampler(temperature=2.0, top_k=4, top_p=0.75, seed=5), logits, n)
+    assert set(got) == set(range(m))
+    counts = torch.bincount(torch.tensor(got), minlength=m).double()
+    assert chi_square(counts, nucleus) < CHI2_CRITICAL[m - 1]
+
+
+def test_top_p_reaching_exactly_keeps_the_smallest_set():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.25]))
+    assert set(draws(Sampler(temperature=1.0, top_p=0.5, seed=0), logits, 200)) == {0}
+    assert set(draws(Sampler(temperature=1.0, top_p=0.75, seed=0), logits, 200)) == {0, 1}
+
+
+def test_top_k_ties_at_the_boundary_keep_the_lowest_ids():
+    logits = torch.tensor([1.0, 3.0, 2.0, 2.0, 2.0, 0.0])
+    assert set(draws(Sampler(temperature=1.0, top_k=3, seed=0), logits, 300)) == {1, 2, 3}
+
+
+def test_top_k_larger_than_vocab_is_all():
+    logits = torch.zeros(3)
+    assert set(draws(Sampler(temperature=1.0, top_k=100, seed=0), logits, 200)) == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        ({"temperature": -0.1}, "--temperature"),
+        ({"temperature": float("nan")}, "--temperature"),
+        ({"temperature": float("inf")}, "--temperature"),
+        ({"temperature": "hot"}, "--temperature"),
+        ({"top_p": 0.0}, "--top-p"),
+        ({"top_p": 1.5}, "--top-p"),
+        ({"top_p": float("nan")}, "--top-p"),
+        ({"top_k": -1}, "--top-k"),
+        ({"top_k": 2.5}, "--top-k"),
+        ({"top_k": True}, "--top-k"),
+        ({"seed": -1}, "--seed"),
+        ({"seed": 2**64}, "--seed"),
+    ],
+)
+def test_invalid_options_are_one_line_errors_naming_the_option(kwargs, option):
+    with pytest.raises(MoepackError) as e:
+        Sampler(**kwargs)
+    message = str(e.value)
+    assert option in message and "\n" not in message
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_non_finite_logits_are_an_error(bad, temperature):
+    logits = random_logits()
+    logits[7] = bad
+    with pytest.raises(MoepackError, match="non-finite logits") as e:
+        Sampler(temperature=temperature, seed=0).next_token(logits)
+    assert "\n" not in str(e.value)
+
+
+# --- StopMatcher -----------------------------------------------------------------------------------------------
+
+
+def run_matcher(matcher, pieces, eos_at=None):
+    """Feed one token per piece (the eos token at index eos_at); return what was given out, piece by piece."""
+    text, out = "", []
+    for i, piece in enumerate(pieces):
+        token = 0 if i == eos_at else 1
+        text += piece
+        out.append(matcher.feed(token, text))
+        if matcher.finish_reason:
+            break
+    else:
+        out.append(matcher.flush(text))
+    return out
+
+
+def test_stop_string_over_several_tokens_is_held_back_and_cut():
+    matcher = StopMatcher(["</answer>"], eos_ids={0})
+    out = run_matcher(matcher, ["The sum is 4", ".</", "ans", "wer", ">", " and more"])
+    assert out == ["The sum is 4", ".", "", "", ""]  # "</", "</ans", "</answer" held back; then it stops
+    assert matcher.finish_reason == "stop" and matcher.stop_string == "</answer>"
+    assert matcher.text == "The sum is 4."
+
+
+def test_held_back_tail_is_released_when_it_is_not_a_stop_string():
+    matcher = StopMatcher(["STOP"], eos_ids=set())
+    out = run_matcher(matcher, ["a S", "T", "x", "yz"])
+    assert out == ["a ", "", "STx", "yz", ""]
+    assert matcher.finish_reason is None and matcher.text == "a STxyz"
+
+
+def test_flush_gives_out_the_held_tail_when_tokens_run_out():
+    matcher = StopMatcher(["STOP"], eos_ids=set())
+    assert run_matcher(matcher, ["go ST"]) == ["go ", "ST"]
+    assert matcher.finish_reason is None and matcher.text == "go ST"
+
+
+def test_earliest_of_several_stop_strings_wins():
+    matcher = StopMatcher(["world", "lo w"], eos_ids=set())
+    run_matcher(matcher, ["hel", "lo world"])
+    assert matcher.text == "hel" and matcher.stop_string == "lo w"
+
+
+def test_stop_string_in_one_token_with_text_after_it():
+    matcher = StopMatcher(["\n\n"], eos_ids=set())
+    run_matcher(matcher, ["one", " line\n\nnext"])
+    assert matcher.text == "one line" and matcher.finish_reason == "stop"
+
+
+def test_eos_stops_without_its_text_and_releases_the_held_tail():
+    matcher = StopMatcher(["STOP"], eos_ids={0, 9})
+    out = run_matcher(matcher, ["hi S", "</s>", "never"], eos_at=1)
+    assert out == ["hi ", "S"]
+    assert matcher.finish_reason == "stop" and matcher.stop_string is None and matcher.text == "hi S"
+    assert matcher.feed(1, "hi S</s>never") == ""  # stays stopped
+
+
+def test_eos_as_first_token():
+    matcher = StopMatcher([], eos_ids={2})
+    assert matcher.feed(2, "") == "" and matcher.finish_reason == "stop" and matcher.text == ""
+
+
+def test_empty_stop_string_is_an_error():
+    with pytest.raises(MoepackError, match="--stop"):
+        StopMatcher(["ok", ""], eos_ids=set())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.text(alphabet="ab<>/", max_size=4), max_size=12),
+    stop=st.lists(st.text(alphabet="ab<>/", min_size=1, max_size=4), max_size=3),
+)
+def test_stop_matcher_agrees_with_a_plain_search(pieces, stop):
+    matcher = StopMatcher(stop, eos_ids=set())
+    out = run_matcher(matcher, pieces)
+    full = "".join(pieces)
+    cuts = [full.find(s) for s in stop if s in full]
+    assert "".join(out) == matcher.text == (full[: min(cuts)] if cuts else full)
+    assert matcher.finish_reason == ("stop" if cuts else None)
+
+
+# --- IncrementalDetokenizer ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    return Tokenizer.from_str(json.dumps(tokenizer_json()))
+
+
+def detokenize(decode, ids):
+    detok = IncrementalDetokenizer(decode)
+    pieces = [detok.add(i) for i in ids]
+    return pieces, detok.flush()
+
+
+def test_multibyte_characters_split_across_tokens_never_show_replacement(byte_tokenizer):
+    def decode(ids):
+        return byte_tokenizer.decode(ids, skip_special_tokens=False)
+
+    text = "naïve €5 — 日本語 🎉🧪 ok"
+    ids = [BYTE0 + b for b in text.encode("utf-8")]  # one token per byte: every multi-byte character is split
+    pieces, rest = detokenize(decode, ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text and rest == ""
+    assert pieces[ids.index(BYTE0 + 0xF0) :][:4] == ["", "", "", "🎉"]  # held back, then the whole character
+
+
+def test_flush_gives_out_an_unfinished_character(byte_tokenizer):
+    def decode(ids):
+        return byte_tokenizer.decode(ids, skip_special_tokens=False)
+
+    ids = [BYTE0 + b for b in "ok€".encode("utf-8")[:-1]]  # the last byte of € never comes
+    pieces, rest = detokenize(decode, ids)
+    assert "".join(pieces) == "ok" and rest == "\ufffd"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=40))
+def test_pieces_concatenate_to_the_full_decode(byte_tokenizer, text):
+    def decode(ids):
+        return byte_tokenizer.decode(ids, skip_special_tokens=False)
+
+    ids = byte_tokenizer.encode(text, add_special_tokens=False).ids
+    pieces, rest = detokenize(decode, ids)
+    assert "".join(pieces) + rest == decode(ids) == text
+    if "\ufffd" not in text:
+        assert all("\ufffd" not in p for p in pieces)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), text=st.text(max_size=30))
+def test_any_split_of_the_bytes_into_tokens(data, text):
+    """Tokens that hold any run of bytes (as merged byte-level BPE tokens do), not one byte each."""
+    raw = text.encode("utf-8")
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(raw) - 1)), max_size=len(raw))))
+    chunks = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)]) if a < b]
+
+    def decode(ids):
+        return b"".join(chunks[i] for i in ids).decode("utf-8", errors="replace")
+
+    pieces, rest = detokenize(decode, list(range(len(chunks))))
+    assert "".join(pieces) + rest == text
+    if "\ufffd" not in text:
+        assert rest == "" and all("\ufffd" not in p for p in pieces)

@@ -1,0 +1,164 @@
+"""DeepSeek-V4's prompt format: an OpenAI-style conversation as the exact string the model was trained on.
+
+DeepSeek-V4 ships no chat template; its release carries a Python encoder instead (`encoding/encoding_dsv4.py` in
+deepseek-ai/DeepSeek-V4-Flash and -Pro, the same file in both). This module renders the same strings for the text
+part of that format, written from its documented behaviour and checked against its output
+(tests/data/dsv4_chat_reference.json):
+
+    <｜begin▁of▁sentence｜>[effort prefix][system]
+    <｜User｜>question<｜Assistant｜></think>answer<｜end▁of▁sentence｜>   an earlier turn (chat, or reasoning dropped)
+    <｜User｜>question<｜Assistant｜><think>                               the turn to generate, thinking mode
+
+* Chat mode: `</think>` follows the assistant tag at once (an empty thought); thinking mode opens `<think>` on the
+  turn to generate. With `drop_thinking` (the default, as the release) an earlier turn's `reasoning_content` is
+  dropped and that turn is rendered as in chat mode; an assistant message after the last user message (a prefill
+  being continued) keeps its reasoning, closed by `</think>`.
+* A system message is its bare text; a developer message is rendered as a user turn (`<｜User｜>` + text) and, in
+  thinking mode with drop_thinking, dropped altogether when an earlier turn's. Consecutive user messages are one
+  turn, their texts joined by a blank line. Every assistant message ends with `<｜end▁of▁sentence｜>`.
+* reasoning_effort: None, "high" or "max" (what the release's encoder accepts). Only "max" changes the prompt: in
+  thinking mode a fixed instruction goes in front of the first message, right after BOS. "high" renders as None
+  does. (DeepSeek's hosted API, and the later Flash-Vision-Exp encoder, use low/high/max with other texts; this
+  is the open-weights V4-Flash/Pro encoder.)
+
+Left out (a message using them raises MoepackError rather than render something else): tool schemas (`tools`),
+assistant `tool_calls` (DSML), the `tool` role and tool results, `response_format`, the quick-instruction `task`
+tokens, the `latest_reminder` role, assistant turns left open (`wo_eos`), content given as a list of parts, and the
+encoder's `context=` continuation (`add_bos=False` covers rendering a conversation's tail without BOS).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from moepack.format_spec.errors import MoepackError
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END)
+
+ROLES = ("system", "developer", "user", "assistant")
+REASONING_EFFORTS = (None, "high", "max")
+
+# In thinking mode with reasoning_effort="max", this instruction opens the prompt (right after BOS).
+REASONING_EFFORT_MAX_PREFIX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
+    "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
+    "scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
+    "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
+)
+
+# Message fields of the release format this encoder does not render: refused, never silently dropped.
+_UNSUPPORTED_FIELDS = {
+    "tools": "tool schemas",
+    "tool_calls": "tool calls",
+    "response_format": "response formats",
+    "task": "quick-instruction tasks",
+    "wo_eos": "assistant turns left open (wo_eos)",
+}
+_UNSUPPORTED_ROLES = ("tool", "latest_reminder")
+
+
+def encode_messages(messages: Iterable[Mapping[str, Any]], thinking: bool = False,
+                    reasoning_effort: str | None = None, *, drop_thinking: bool = True, add_bos: bool = True) -> str:
+    """The prompt DeepSeek-V4 expects for `messages` (dicts with `role` in system/developer/user/assistant and a
+    string `content`; an assistant's content may be None and it may carry `reasoning_content`). A conversation
+    ending in a user or developer message ends with the assistant tag and `<think>` (thinking) or `</think>`
+    (chat), ready for the reply; one ending in an assistant message ends with its end-of-sentence token."""
+    turns = _merge_user_turns(_checked(messages, reasoning_effort))
+    if thinking and drop_thinking:
+        turns = _drop_earlier_thinking(turns)
+    last_user = _last_user_index(turns)
+    parts = [BOS] if add_bos else []
+    if thinking and reasoning_effort == "max" and turns:
+        parts.append(REASONING_EFFORT_MAX_PREFIX)
+    for i, (role, text, reasoning) in enumerate(turns):
+        if role == "system":
+            parts.append(text)
+        elif role in ("user", "developer"):
+            parts += [USER, text]
+        else:  # assistant
+            if thinking and (not drop_thinking or i > last_user):
+                parts += [reasoning or "", THINK_END]
+            parts += [text, EOS]
+        followed_by_reply = i + 1 == len(turns) or turns[i + 1][0] == "assistant"
+        if role in ("user", "developer") and followed_by_reply:
+            opens_thought = thinking and (not drop_thinking or i >= last_user)
+            parts += [ASSISTANT, THINK_START if opens_thought else THINK_END]
+    return "".join(parts)
+
+
+def encode_chat(text: str, thinking: bool = False, reasoning_effort: str | None = None, *,
+                system: str | None = None) -> str:
+    """The prompt for one user turn (after an optional system message), ready for the assistant's reply."""
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    messages.append({"role": "user", "content": text})
+    return encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort)
+
+
+def _checked(messages: Iterable[Mapping[str, Any]], reasoning_effort: str | None) -> list[tuple[str, str, str | None]]:
+    """(role, content, reasoning_content) per message, or MoepackError naming the first bad message and field."""
+    if reasoning_effort not in REASONING_EFFORTS:
+        raise MoepackError(f"reasoning_effort: {reasoning_effort!r} is not one of None, 'high', 'max'")
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+        raise MoepackError(f"messages: expected a list of {{role, content}} objects, got {type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise MoepackError(f"messages[{i}]: expected an object with role and content, got {type(m).__name__}")
+        role = m.get("role")
+        if role in _UNSUPPORTED_ROLES:
+            raise MoepackError(f"messages[{i}].role: {role!r} messages are not supported by moepack's DeepSeek-V4 "
+                               "encoder")
+        if role not in ROLES:
+            raise MoepackError(f"messages[{i}].role: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        for field, what in _UNSUPPORTED_FIELDS.items():
+            value = m.get(field)
+            present = value is not None if field == "task" else bool(value)  # as the release tests each field
+            if present:
+                raise MoepackError(f"messages[{i}].{field}: {what} are not supported by moepack's DeepSeek-V4 encoder")
+        content = m.get("content")
+        if content is None and role in ("system", "assistant"):
+            content = ""  # as the release renders a missing system or assistant text
+        if not isinstance(content, str):
+            raise MoepackError(f"messages[{i}].content: expected a string, got {type(content).__name__}")
+        if role == "developer" and not content:
+            raise MoepackError(f"messages[{i}].content: a developer message needs non-empty content")
+        reasoning = m.get("reasoning_content") if role == "assistant" else None
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise MoepackError(f"messages[{i}].reasoning_content: expected a string, got {type(reasoning).__name__}")
+        out.append((role, content, reasoning))
+    return out
+
+
+def _merge_user_turns(turns: list[tuple[str, str, str | None]]) -> list[tuple[str, str, str | None]]:
+    """Consecutive user messages are one user turn, their texts joined by a blank line."""
+    merged: list[tuple[str, str, str | None]] = []
+    for turn in turns:
+        if turn[0] == "user" and merged and merged[-1][0] == "user":
+            merged[-1] = ("user", merged[-1][1] + "\n\n" + turn[1], None)
+        else:
+            merged.append(turn)
+    return merged
+
+
+def _last_user_index(turns: list[tuple[str, str, str | None]]) -> int:
+    return max((i for i, (role, _, _) in enumerate(turns) if role in ("user", "developer")), default=-1)
+
+
+def _drop_earlier_thinking(turns: list[tuple[str, str, str | None]]) -> list[tuple[str, str, str | None]]:
+    """Before the last user turn: assistants lose their reasoning, developer messages go; the rest stays."""
+    last_user = _last_user_index(turns)
+    kept = []
+    for i, (role, text, reasoning) in enumerate(turns):
+        if i >= last_user or role in ("system", "user"):
+            kept.append((role, text, reasoning))
+        elif role == "assistant":
+            kept.append((role, text, None))
+    return kept
