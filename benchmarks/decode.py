@@ -85,7 +85,9 @@ def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, 
     return {"cache_gib": budget_gib, "tokens_per_s": d["tokens_per_s"], "hit_rate": d["expert_cache_hit_rate"],
             "bytes_read_per_token": d["bytes_read_per_token"], "disk_wait_s": d["disk_wait_s"],
             "decode_tokens": d["tokens"], "cache_seed_bytes": d["cache_seed_bytes"],
-            "prefill_s": result.stats["prefill"]["seconds"], "generated": result.generated_ids}
+            "prefill_s": result.stats["prefill"]["seconds"], "generated": result.generated_ids,
+            # the process's peak so far (a child per row under --cap-fraction: that row's own)
+            "peak_rss_bytes": d["peak_rss_bytes"], "memory_bound_bytes": d["memory_bound_bytes"]}
 
 
 def transformers_row(container: str, workdir: str, ids: torch.Tensor, new: int) -> dict:

@@ -11,6 +11,7 @@ none) continue it.
 from __future__ import annotations
 
 import os
+import resource
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,8 +65,9 @@ def resident_bytes(container: Container) -> int:
     return max(stored, 4 * params)
 
 
-def check_memory(container: Container, n_tokens: int, cache_bytes: int) -> None:
-    """Refuse, before any work, a generation whose resident weights + cache + KV + HEADROOM_BYTES cannot fit."""
+def check_memory(container: Container, n_tokens: int, cache_bytes: int) -> int:
+    """Refuse, before any work, a generation whose resident weights + cache + KV + HEADROOM_BYTES cannot fit;
+    returns that bound."""
     kv = kv_bytes(container.config, n_tokens)
     need = resident_bytes(container) + cache_bytes + kv + HEADROOM_BYTES
     free = available_memory_bytes()
@@ -74,6 +76,7 @@ def check_memory(container: Container, n_tokens: int, cache_bytes: int) -> None:
                            f"experts {resident_bytes(container) / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
                            f"KV {kv / GIB:.2f}, headroom 1) but only {free / GIB:.1f} GiB of memory is available: "
                            f"lower --cache-gib or --max-new-tokens")
+    return need
 
 
 def generate(path: str, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,
@@ -102,7 +105,7 @@ def generate(path: str, token_ids, options: GenerateOptions | None = None, conti
                 kv = read_kv(continue_from, expect_identity=identity_of_container(c))
                 states, prompt_tokens = kv.layers, kv.seen_tokens
                 all_ids = kv.token_ids + token_ids.tolist()
-                check_memory(c, prompt_tokens + len(token_ids) + options.max_new_tokens, cache_bytes)
+                bound = check_memory(c, prompt_tokens + len(token_ids) + options.max_new_tokens, cache_bytes)
                 if len(token_ids):
                     done = engine.run(token_ids.to(engine.device), states, keep_kv=True)
                     logits, states, prefill_stats = done.logits, done.states, done.stats
@@ -115,7 +118,7 @@ def generate(path: str, token_ids, options: GenerateOptions | None = None, conti
             else:
                 if not len(token_ids):
                     raise MoepackError("empty prompt")
-                check_memory(c, len(token_ids) + options.max_new_tokens, cache_bytes)
+                bound = check_memory(c, len(token_ids) + options.max_new_tokens, cache_bytes)
                 all_ids, prompt_tokens = token_ids.tolist(), 0
                 done = engine.run(token_ids.to(engine.device), keep_kv=True)
                 logits, states, prefill_stats, counts = done.logits, done.states, done.stats, done.tokens_per_expert
@@ -141,7 +144,8 @@ def generate(path: str, token_ids, options: GenerateOptions | None = None, conti
                 if stopper.finish_reason or len(generated) == options.max_new_tokens:
                     break
                 logits = decoder.step(token)
-            decode_stats = decoder.stats_dict()
+            decode_stats = {**decoder.stats_dict(), "memory_bound_bytes": bound,
+                            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
             if kv_out is not None:
                 in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
                 write_kv(kv_out, c, all_ids + generated[:-1], decoder.states, prompt_tokens, generated[-1], logits,
