@@ -94,21 +94,21 @@ class DecodeStats:
 
 
 class Decoder:
-    """Decodes tokens one at a time after `states` (one LayerKVState per layer, all after the same tokens).
-    `step(token_id)` feeds one token and returns the next position's logits ([vocab] float32, on the host)."""
+    """Decodes tokens one at a time over one container: the resident weights and the expert cache are loaded once
+    and serve every sequence. `begin(states)` starts a sequence after `states` (one LayerKVState per layer, all
+    after the same tokens); `step(token_id)` feeds it one token and returns the next position's logits ([vocab]
+    float32, on the host)."""
 
-    def __init__(self, container: Container, cfg, device: torch.device, states: list[LayerKVState],
-                 cache_bytes: int, compute_dtype: torch.dtype = torch.float32,
-                 expert_dtype: torch.dtype = torch.float32, io_mode: str = "auto", verify_reads: bool = True,
-                 queue_depth: int = 8):
-        if len(states) != cfg.num_layers or len({s.seen_tokens for s in states}) != 1:
-            raise MoepackError("decode needs one KV state per layer, all after the same tokens")
+    def __init__(self, container: Container, cfg, device: torch.device, cache_bytes: int,
+                 compute_dtype: torch.dtype = torch.float32, expert_dtype: torch.dtype = torch.float32,
+                 io_mode: str = "auto", verify_reads: bool = True, queue_depth: int = 8):
         self.c, self.cfg, self.device = container, cfg, device
         self.compute_dtype = compute_dtype
-        self.states = [s.to(device) for s in states]
-        self.position = states[0].seen_tokens
+        self.states: list[LayerKVState] = []
+        self.position = 0
         self.stats = DecodeStats()
         self.cache = ExpertCache(cache_bytes)
+        self._cache_counts = (0, 0)  # the cache's hits and misses when this sequence began
         self.checker = RegionChecker(container, verify_reads, on_read=False)
         self.reader = RegionReader(container.part_paths, io_mode, zero_copy=False)
         self.copier = DeviceCopier(device)
@@ -124,6 +124,16 @@ class Decoder:
         entries, read = self._read_globals([*HEAD_GLOBALS, cfg.head_weight], on_device=True)
         self.head_weights = decode_group(entries, read)
         self.stats.resident_s = time.perf_counter() - start
+
+    def begin(self, states: list[LayerKVState]) -> None:
+        """Start a sequence after `states`; the stats count from here."""
+        if len(states) != self.cfg.num_layers or len({s.seen_tokens for s in states}) != 1:
+            raise MoepackError("decode needs one KV state per layer, all after the same tokens")
+        self.states = [s.to(self.device) for s in states]
+        self.position = states[0].seen_tokens
+        resident_s = self.stats.resident_s
+        self.stats = DecodeStats(resident_s=resident_s)
+        self._cache_counts = (self.cache.hits, self.cache.misses)
 
     # --- resident weights ----------------------------------------------------------------------------------------
     def _read_region(self, region) -> torch.Tensor:
@@ -167,6 +177,9 @@ class Decoder:
         room = self.cache.budget
         for _, layer, e in ranked:
             region = self.c.layers[layer].experts[e]
+            if (layer, e) in self.cache:  # kept from an earlier sequence
+                room -= region.length
+                continue
             if region.length > room:
                 continue
             self.cache.put((layer, e), self._read_region(region))
@@ -249,10 +262,10 @@ class Decoder:
 
     def stats_dict(self) -> dict:
         s = self.stats
+        hits, misses = self.cache.hits - self._cache_counts[0], self.cache.misses - self._cache_counts[1]
         return {"tokens": s.tokens, "seconds": round(s.seconds, 4),
                 "tokens_per_s": round(s.tokens / s.seconds, 2) if s.seconds else None,
-                "expert_cache_hit_rate": (round(self.cache.hit_rate, 4) if self.cache.hit_rate is not None
-                                          else None),
+                "expert_cache_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                 "bytes_read": s.bytes_read,
                 "bytes_read_per_token": round(s.bytes_read / s.tokens) if s.tokens else None,
                 "disk_wait_s": round(s.disk_wait_s, 4), "cache_bytes": self.cache.bytes,

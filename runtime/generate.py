@@ -22,7 +22,7 @@ from moepack.format_spec.reader import Container
 from moepack.v4.kv import KVWriter, identity_of_container, kv_bytes, read_kv
 
 from .decode import Decoder
-from .engine import EXPERT_DTYPES, PrefillOptions, StreamingPrefill, model_config
+from .engine import EXPERT_DTYPES, PrefillOptions, StreamingPrefill, compute_device, model_config
 from .io import available_memory_bytes
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher
 
@@ -79,86 +79,131 @@ def check_memory(container: Container, n_tokens: int, cache_bytes: int) -> int:
     return need
 
 
+class Generator:
+    """One container opened once for any number of generations: its non-routed weights stay resident and its
+    expert cache persists from one generation to the next (what `moepack serve` keeps). One generation at a time.
+
+        with Generator("model.moepack", cache_gib=4) as g:
+            g.generate(prompt_ids, GenerateOptions(max_new_tokens=64))"""
+
+    def __init__(self, path: str, cache_gib: float = 4.0, prefill: PrefillOptions | None = None):
+        if cache_gib < 0:
+            raise MoepackError("--cache-gib must be >= 0")
+        self.path = path
+        self.prefill_options = prefill or PrefillOptions()
+        self.cache_bytes = int(cache_gib * GIB)
+        self.c = Container(path)
+        try:
+            self.cfg = model_config(self.c)
+            self.eos_ids = eos_ids(self.c.config)
+            check_memory(self.c, 1, self.cache_bytes)
+            p = self.prefill_options
+            self.device = compute_device(p.device)
+            self.decoder = Decoder(self.c, self.cfg, self.device, self.cache_bytes,
+                                   compute_dtype=EXPERT_DTYPES[p.compute_dtype],
+                                   expert_dtype=EXPERT_DTYPES[p.expert_dtype or p.compute_dtype],
+                                   io_mode=p.io_mode, verify_reads=p.verify_reads)
+        except BaseException:
+            self.c.close()
+            raise
+
+    def __enter__(self) -> "Generator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.decoder.close()
+        self.c.close()
+
+    def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int):
+        """(last logits, states, prefill stats, tokens per expert, all ids so far, tokens the KV held, memory bound)"""
+        engine = StreamingPrefill(self.c, self.prefill_options)
+        try:
+            if continue_from is not None:
+                kv = read_kv(continue_from, expect_identity=identity_of_container(self.c))
+                states, past = kv.layers, kv.seen_tokens
+                all_ids = kv.token_ids + token_ids.tolist()
+                bound = check_memory(self.c, past + len(token_ids) + max_new, self.cache_bytes)
+                if len(token_ids):
+                    done = engine.run(token_ids.to(engine.device), states, keep_kv=True)
+                    logits, states, stats, counts = done.logits, done.states, done.stats, done.tokens_per_expert
+                elif kv.logits is not None:
+                    logits, stats, counts = kv.logits, {"tokens": 0}, None
+                else:
+                    raise MoepackError(f"{continue_from}: the KV holds no logits to continue from: give a prompt")
+                stats = {**stats, "continued_from": continue_from, "past_tokens": past}
+                return logits, states, stats, counts, all_ids, past, bound
+            if not len(token_ids):
+                raise MoepackError("empty prompt")
+            bound = check_memory(self.c, len(token_ids) + max_new, self.cache_bytes)
+            done = engine.run(token_ids.to(engine.device), keep_kv=True)
+            return done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0, bound
+        finally:
+            engine.close()
+
+    def generate(self, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
+                 kv_out: str | None = None, cancelled: Callable[[], bool] | None = None) -> GenerateResult:
+        """Prefill `token_ids` (after `continue_from`'s KV, if given), then decode up to max_new_tokens.
+        `detokenize` (ids -> text) gives `text`, lets `--stop` strings end the generation, and `on_text` the text
+        as it comes (never a split UTF-8 character, never the start of a stop string that may yet complete).
+        `kv_out`: the KV after the generation (prompt and generated tokens; its result, the last generated token)
+        is written there. `cancelled()` true ends the generation (finish_reason "cancelled")."""
+        options = options or GenerateOptions()
+        if options.max_new_tokens < 1:
+            raise MoepackError("--max-new-tokens must be at least 1")
+        if options.stop and detokenize is None:
+            raise MoepackError("--stop needs the container's tokenizer (the prompt was given as token ids)")
+        sampler = Sampler(options.temperature, options.top_p, options.top_k, options.seed)
+        stopper = StopMatcher(list(options.stop), self.eos_ids if options.stop_at_eos else set())
+        token_ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
+        logits, states, prefill_stats, counts, all_ids, past, bound = self._prefill(token_ids, continue_from,
+                                                                                 options.max_new_tokens)
+        decoder = self.decoder
+        decoder.begin(states)
+        del states
+        if counts:
+            decoder.seed(counts)
+        generated: list[int] = []
+        pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None
+        so_far, finish = "", None
+        while True:
+            token = sampler.next_token(logits)
+            generated.append(token)
+            so_far += pieces.add(token) if pieces is not None else ""
+            shown = stopper.feed(token, so_far)
+            if shown and on_text is not None:
+                on_text(shown)
+            if stopper.finish_reason or len(generated) == options.max_new_tokens:
+                break
+            if cancelled is not None and cancelled():
+                finish = "cancelled"
+                break
+            logits = decoder.step(token)
+        decode_stats = {**decoder.stats_dict(), "memory_bound_bytes": bound,
+                        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if kv_out is not None:
+            in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
+            write_kv(kv_out, self.c, all_ids + generated[:-1], decoder.states, past, generated[-1], logits,
+                     overwrite=in_place)
+        if pieces is not None and not stopper.finish_reason and finish is None:
+            shown = stopper.flush(so_far + pieces.flush())
+            if shown and on_text is not None:
+                on_text(shown)
+        return GenerateResult(generated, stopper.text if detokenize is not None else None,
+                              finish or stopper.finish_reason or "length",
+                              {"prefill": prefill_stats, "decode": decode_stats, "sampling_seed": sampler.seed})
+
+
 def generate(path: str, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,
              detokenize: Callable[[list[int]], str] | None = None,
              on_text: Callable[[str], None] | None = None, kv_out: str | None = None) -> GenerateResult:
-    """Prefill `token_ids` (after `continue_from`'s KV, if given), then decode up to max_new_tokens. `detokenize`
-    (ids -> text) gives `text`, lets `--stop` strings end the generation, and `on_text` the text as it comes
-    (never a split UTF-8 character, never the start of a stop string that may yet complete). `kv_out`: the KV
-    after the generation (prompt and generated tokens; its result, the last generated token) is written there."""
+    """One generation on `path` (Generator.generate, the container opened for it alone)."""
     options = options or GenerateOptions()
-    if options.max_new_tokens < 1:
-        raise MoepackError("--max-new-tokens must be at least 1")
-    if options.cache_gib < 0:
-        raise MoepackError("--cache-gib must be >= 0")
-    if options.stop and detokenize is None:
-        raise MoepackError("--stop needs the container's tokenizer (the prompt was given as token ids)")
-    sampler = Sampler(options.temperature, options.top_p, options.top_k, options.seed)
-    token_ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
-    cache_bytes = int(options.cache_gib * GIB)
-    with Container(path) as c:
-        cfg = model_config(c)
-        stopper = StopMatcher(list(options.stop), eos_ids(c.config) if options.stop_at_eos else set())
-        engine = StreamingPrefill(c, options.prefill)
-        try:
-            if continue_from is not None:
-                kv = read_kv(continue_from, expect_identity=identity_of_container(c))
-                states, prompt_tokens = kv.layers, kv.seen_tokens
-                all_ids = kv.token_ids + token_ids.tolist()
-                bound = check_memory(c, prompt_tokens + len(token_ids) + options.max_new_tokens, cache_bytes)
-                if len(token_ids):
-                    done = engine.run(token_ids.to(engine.device), states, keep_kv=True)
-                    logits, states, prefill_stats = done.logits, done.states, done.stats
-                    counts = done.tokens_per_expert
-                elif kv.logits is not None:
-                    logits, prefill_stats, counts = kv.logits, {"tokens": 0, "continued_from": continue_from}, None
-                else:
-                    raise MoepackError(f"{continue_from}: the KV holds no logits to continue from: give a prompt")
-                prefill_stats = {**prefill_stats, "continued_from": continue_from, "past_tokens": prompt_tokens}
-            else:
-                if not len(token_ids):
-                    raise MoepackError("empty prompt")
-                bound = check_memory(c, len(token_ids) + options.max_new_tokens, cache_bytes)
-                all_ids, prompt_tokens = token_ids.tolist(), 0
-                done = engine.run(token_ids.to(engine.device), keep_kv=True)
-                logits, states, prefill_stats, counts = done.logits, done.states, done.stats, done.tokens_per_expert
-        finally:
-            engine.close()
-        decoder = Decoder(c, cfg, engine.device, states, cache_bytes,
-                          compute_dtype=EXPERT_DTYPES[options.prefill.compute_dtype],
-                          expert_dtype=EXPERT_DTYPES[options.prefill.expert_dtype or options.prefill.compute_dtype],
-                          io_mode=options.prefill.io_mode, verify_reads=options.prefill.verify_reads)
-        try:
-            if counts:
-                decoder.seed(counts)
-            generated: list[int] = []
-            pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None
-            so_far = ""
-            while True:
-                token = sampler.next_token(logits)
-                generated.append(token)
-                so_far += pieces.add(token) if pieces is not None else ""
-                shown = stopper.feed(token, so_far)
-                if shown and on_text is not None:
-                    on_text(shown)
-                if stopper.finish_reason or len(generated) == options.max_new_tokens:
-                    break
-                logits = decoder.step(token)
-            decode_stats = {**decoder.stats_dict(), "memory_bound_bytes": bound,
-                            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-            if kv_out is not None:
-                in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
-                write_kv(kv_out, c, all_ids + generated[:-1], decoder.states, prompt_tokens, generated[-1], logits,
-                         overwrite=in_place)
-        finally:
-            decoder.close()
-    if pieces is not None and not stopper.finish_reason:
-        shown = stopper.flush(so_far + pieces.flush())
-        if shown and on_text is not None:
-            on_text(shown)
-    return GenerateResult(generated, stopper.text if detokenize is not None else None,
-                          stopper.finish_reason or "length",
-                          {"prefill": prefill_stats, "decode": decode_stats, "sampling_seed": sampler.seed})
+    with Generator(path, options.cache_gib, options.prefill) as g:
+        return g.generate(token_ids, options, continue_from, detokenize, on_text, kv_out)
 
 
 def write_kv(kv_dir: str, container: Container, token_ids: list[int], states, start: int, next_token: int,

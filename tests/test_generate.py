@@ -166,3 +166,21 @@ def test_a_generation_that_cannot_fit_is_refused_before_any_work(models, monkeyp
     with pytest.raises(MoepackError, match="--cache-gib or --max-new-tokens") as e:
         generate(container, [1, 2, 3], GenerateOptions(max_new_tokens=4, cache_gib=0.5))
     assert "\n" not in str(e.value) and "0.50" in str(e.value)
+
+
+def test_one_generator_serves_several_generations_with_its_cache_kept(models):
+    """A Generator opens the container once: the second generation of the same prompt finds its experts in the
+    cache the first one filled (no expert read), and gives the same tokens as a fresh generate()."""
+    from moepack.runtime.generate import Generator
+
+    hf_model, container = models["B"]
+    ids = _prompt(12, hf_model.config.vocab_size, seed=2)
+    options = GenerateOptions(max_new_tokens=10, stop_at_eos=False)
+    with Generator(container, cache_gib=1.0) as g:
+        first = g.generate(ids, options)
+        second = g.generate(ids, options)
+        stop_early = g.generate(ids, options, cancelled=lambda: True)
+    assert first.generated_ids == second.generated_ids == generate(container, ids, options).generated_ids
+    assert first.stats["decode"]["bytes_read"] + first.stats["decode"]["cache_seed_bytes"] > 0
+    assert second.stats["decode"]["bytes_read"] == 0 and second.stats["decode"]["expert_cache_hit_rate"] == 1.0
+    assert stop_early.finish_reason == "cancelled" and len(stop_early.generated_ids) == 1

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Build llama.cpp (the deepseek4 architecture) as the peer and second reference of moepack's GGUF export: the
+# llama.cpp that llama-cpp-python 0.3.36's source distribution on PyPI vendors (vendor/llama.cpp), CPU only, with
+# its command-line tools. About 8 minutes on 2 cores.
+#
+#   bash benchmarks/llama_cpp.sh [DIR]      (default: ~/.cache/moepack/llama.cpp)
+#   export MOEPACK_LLAMA_CPP=DIR/build      (what the tests and benchmarks look for: bin/llama-cli, bin/llama-bench)
+set -euo pipefail
+DIR=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/moepack/llama.cpp}
+VERSION=0.3.36
+mkdir -p "$DIR"
+cd "$DIR"
+if [ ! -d src/vendor/llama.cpp ]; then
+    python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d sdist
+    mkdir -p src
+    tar -xzf "sdist/llama_cpp_python-$VERSION.tar.gz" -C src --strip-components=1
+fi
+cmake -S src/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF > build.log
+cmake --build build -j "$(nproc)" >> build.log
+echo "built: $DIR/build/bin ($(ls build/bin | tr '\n' ' '))"
+echo "export MOEPACK_LLAMA_CPP=$DIR/build"
