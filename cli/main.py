@@ -19,6 +19,7 @@ from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 from .common import EXIT_ERROR, PREFILL_MEMORY_HINT, emit, json_option, reports_errors
 from .generate import generate
 from .plan_bench import bench, plan
+from .serve import serve
 
 
 
@@ -125,13 +126,24 @@ def _part_lines(parts: list[dict]) -> list[str]:
 
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Directory to write (must not exist, or be empty).")
-@click.option("--dtype", type=click.Choice(["bf16", "f32"]), default="bf16", show_default=True)
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(),
+              help="Directory to write (hf: must not exist, or be empty), or the .gguf file (gguf: must not exist).")
+@click.option("--format", "fmt", type=click.Choice(["hf", "gguf"]), default="hf", show_default=True,
+              help="hf: a Hugging Face checkpoint transformers loads; gguf: one GGUF file of llama.cpp's deepseek4.")
+@click.option("--dtype", type=click.Choice(["bf16", "f32"]), default="bf16", show_default=True,
+              help="hf only: the dtype of dequantized weights.")
 @json_option
 @reports_errors
-def export(file, out_dir, dtype, as_json):
-    """Write a container back out as a Hugging Face checkpoint (dequantized) that transformers loads."""
+def export(file, out_dir, fmt, dtype, as_json):
+    """Write a container back out: a Hugging Face checkpoint (dequantized) that transformers loads, or a GGUF file
+    llama.cpp's deepseek4 architecture loads (--format gguf)."""
+    if fmt == "gguf":
+        from moepack.packer.gguf_export import export_gguf
+
+        result = export_gguf(file, out_dir, progress=not as_json)
+        emit(as_json, result, lambda r: click.echo(
+            f"wrote {r['output']}: {r['tensors']} tensors, {r['bytes'] / 2**20:.1f} MiB (GGUF, {r['architecture']})"))
+        return
     from moepack.packer.export import export_container
 
     result = export_container(file, out_dir, dtype=dtype, progress=not as_json)
@@ -464,6 +476,7 @@ def demo(workdir, preset, prompt, as_json):
 cli.add_command(bench)
 cli.add_command(generate)
 cli.add_command(plan)
+cli.add_command(serve)
 
 
 def main() -> None:

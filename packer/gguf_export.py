@@ -1,0 +1,421 @@
+"""Container -> one GGUF file of llama.cpp's `deepseek4` architecture (`moepack export FILE --format gguf -o X.gguf`).
+
+What llama.cpp's own converter (conversion/deepseek.py, DeepseekV4Model) makes of the release checkpoint, made from
+a container instead:
+
+* names: moepack.v4.names' GGUF column (`blk.L.attn_q_a.weight`, `output_hc_fn.weight`, ...); the MTP layers are
+  not written (the converter skips them), nor the router bias of a hash layer (llama.cpp routes those by tid2eid).
+* types, as the converter chooses them: an F8_E4M3 weight with its E8M0 block scales is dequantized and quantized to
+  Q8_0 (moepack's Q8_0 is byte-identical to ggml's); F32 stays F32; a 2-D BF16 stays BF16, a 1-D one becomes F32;
+  the hash table (I64) becomes I32; routed experts are repacked losslessly from the release's FP4 to MXFP4 and stacked
+  per layer into `ffn_{gate,down,up}_exps` [n_experts, out, in] (w1, w2, w3). Weights a container already holds in a
+  ggml block type (Q8_0, MXFP4, Q2_K, IQ2_XXS: the `--fp4` policy's Q8_0 + MXFP4 are exactly llama.cpp's) are copied
+  byte for byte; any other stored type (NVFP4, a weight with a tensor scale) is decoded and written as Q8_0.
+* metadata: the base TextModel keys and DeepseekV4Model.set_gguf_parameters' (`DEEPSEEK4_KEYS` lists the ones
+  llama.cpp's loader requires), from the config in either spelling (moepack.v4.config), and the tokenizer (gpt2 BPE,
+  pre-tokenizer `deepseek-v3`, tokens padded to vocab_size with `[PAD{i}]`, merges and special ids via gguf-py's
+  SpecialVocab).
+
+Written to a temporary name next to the output, fsynced, then renamed: a failure (a full disk) leaves no file behind
+and raises one MoepackError line. Needs gguf-py (`pip install gguf`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from moepack.format_spec.decode import decode_float, decode_tensor, is_companion, scale_name, tensor_scale_name
+from moepack.format_spec.decode import tensor_scale_value
+from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
+from moepack.format_spec.quants import fp4_to_mxfp4, quantize
+from moepack.format_spec.reader import Container
+from moepack.format_spec.writer import fsync_dir, fsync_file
+from moepack.v4 import names as v4names
+from moepack.v4.config import DEFAULTS, ModelConfig
+
+from .progress import progress_bar
+
+ARCH = "deepseek4"
+TOKENIZER_PRE = "deepseek-v3"  # llama.cpp's pre-tokenizer for the DeepSeek-V3/V4 BPE (src/llama-vocab.cpp)
+FILE_TYPE_MXFP4_MOE = 38  # LlamaFileType.MOSTLY_MXFP4_MOE, what the converter sets for DeepSeek-V4
+QUANT_VERSION = 2
+GATING_FUNC = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}  # ExpertGatingFuncType
+
+# The keys llama.cpp's deepseek4 loader reads with get_key (a missing one fails the load), besides the generic
+# ones every model needs (block_count, context_length, embedding_length, attention.head_count).
+DEEPSEEK4_KEYS = tuple(k.format(arch=ARCH) for k in (
+    "{arch}.block_count", "{arch}.context_length", "{arch}.embedding_length", "{arch}.attention.head_count",
+    "{arch}.attention.layer_norm_rms_epsilon", "{arch}.attention.q_lora_rank", "{arch}.attention.sliding_window",
+    "{arch}.expert_feed_forward_length", "{arch}.expert_shared_count", "{arch}.expert_weights_scale",
+    "{arch}.expert_weights_norm", "{arch}.swiglu_clamp_exp", "{arch}.attention.indexer.head_count",
+    "{arch}.attention.indexer.key_length", "{arch}.attention.indexer.top_k", "{arch}.attention.output_group_count",
+    "{arch}.attention.output_lora_rank", "{arch}.attention.compress_rope_freq_base",
+    "{arch}.hyper_connection.count", "{arch}.hyper_connection.sinkhorn_iterations",
+    "{arch}.hyper_connection.epsilon", "{arch}.hash_layer_count", "{arch}.attention.compress_ratios",
+    "{arch}.expert_gating_func", "{arch}.expert_count", "{arch}.expert_used_count",
+))
+
+_BLOCK_TYPES = ("Q8_0", "MXFP4", "Q2_K", "IQ2_XXS")  # stored in ggml's own block layout: copied as they are
+_EXPERT = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+_EXPERT_GGUF = {"w1": "ffn_gate_exps", "w2": "ffn_down_exps", "w3": "ffn_up_exps"}
+
+
+@dataclass
+class _Job:
+    name: str  # GGUF name
+    qtype: str  # ggml type name (gguf.GGMLQuantizationType member)
+    shape: tuple[int, ...]  # logical numpy shape (ggml ne is its reverse)
+    produce: Callable[[], np.ndarray]  # the tensor's bytes, uint8 (or a numpy array of the right nbytes)
+    source_bytes: int  # stored bytes consumed (progress)
+
+
+def _ggml_nbytes(gguf, qtype: str, shape) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    n = int(np.prod(shape)) if shape else 1
+    if shape[-1] % block:
+        raise MoepackError(f"a row of {shape[-1]} values is not whole {qtype} blocks of {block}")
+    return n // block * size
+
+
+def _raw(c: Container, name: str) -> np.ndarray:
+    return np.frombuffer(bytearray(c.tensor_bytes(name)), dtype=np.uint8)
+
+
+def _float32(c: Container, name: str) -> torch.Tensor:
+    """A weight's float32 values, with its block scales and tensor scale applied."""
+    t = c.tensors[name]
+    s_name, ts_name = scale_name(name), tensor_scale_name(name)
+    scale = None
+    if s_name in c.tensors:
+        s = c.tensors[s_name]
+        scale = decode_tensor(s.dtype, s.shape, c.tensor_bytes(s_name))
+    ts = tensor_scale_value(c.tensor_bytes(ts_name), ts_name) if ts_name in c.tensors else None
+    return decode_float(t.dtype, t.shape, c.tensor_bytes(name), scale, torch.float32, ts).float()
+
+
+def _q8_0(x: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(quantize(x.contiguous(), "Q8_0")).reshape(-1)
+
+
+def _source_bytes(c: Container, name: str) -> int:
+    return sum(c.tensors[n].length for n in (name, scale_name(name), tensor_scale_name(name)) if n in c.tensors)
+
+
+def _plain_job(c: Container, name: str, gguf_name: str) -> _Job:
+    t = c.tensors[name]
+    shape = tuple(t.shape)
+    dt = t.dtype
+    has_ts = tensor_scale_name(name) in c.tensors
+    nbytes = _source_bytes(c, name)
+    if dt in ("I64", "I32", "I16", "I8"):  # the hash table: I32 in llama.cpp
+        return _Job(gguf_name, "I32", shape,
+                    lambda: c.read_tensor(name).to(torch.int32).numpy().reshape(-1).view(np.uint8), nbytes)
+    if len(shape) <= 1 or gguf_name.endswith("_norm.weight"):  # the converter: 1-D tensors and norms are F32
+        if dt == "F32" and not has_ts:
+            return _Job(gguf_name, "F32", shape, lambda: _raw(c, name), nbytes)
+        return _Job(gguf_name, "F32", shape, lambda: _float32(c, name).numpy().reshape(-1).view(np.uint8), nbytes)
+    if dt in ("F32", "BF16", "F16") and not has_ts:  # kept as the source holds them
+        return _Job(gguf_name, dt, shape, lambda: _raw(c, name), nbytes)
+    if dt in _BLOCK_TYPES and not has_ts:  # already llama.cpp's blocks
+        return _Job(gguf_name, dt, shape, lambda: _raw(c, name), nbytes)
+    if shape[-1] % 32:
+        return _Job(gguf_name, "F32", shape, lambda: _float32(c, name).numpy().reshape(-1).view(np.uint8), nbytes)
+    # FP8 + block scales (the converter's dequant_model + tensor_force_quant), or anything else moepack decodes
+    return _Job(gguf_name, "Q8_0", shape, lambda: _q8_0(_float32(c, name)), nbytes)
+
+
+def _expert_job(c: Container, layer: int, proj: str, n_experts: int) -> _Job:
+    names = [f"layers.{layer}.ffn.experts.{e}.{proj}.weight" for e in range(n_experts)]
+    missing = [n for n in names if n not in c.tensors]
+    if missing:
+        raise MoepackError(f"container lacks routed expert {missing[0]}")
+    entries = [c.tensors[n] for n in names]
+    shape = tuple(entries[0].shape)
+    if any(tuple(e.shape) != shape for e in entries) or len(shape) != 2:
+        raise MoepackError(f"routed experts of layer {layer} {proj} differ in shape or are not 2-D")
+    dtypes = {e.dtype for e in entries}
+    has_ts = any(tensor_scale_name(n) in c.tensors for n in names)
+    gguf_name = f"blk.{layer}.{_EXPERT_GGUF[proj]}.weight"
+    nbytes = sum(_source_bytes(c, n) for n in names)
+    if dtypes == {"FP4_E2M1"} and not has_ts and all(scale_name(n) in c.tensors for n in names):
+        def produce():  # release FP4 + E8M0 -> MXFP4, lossless (the converter's repack_mxfp4_blocks)
+            out = []
+            for n in names:
+                s = c.tensors[scale_name(n)]
+                packed = _raw(c, n).reshape(shape[0], -1)
+                out.append(fp4_to_mxfp4(packed, _raw(c, s.name).reshape(tuple(s.shape))).reshape(-1))
+            return np.concatenate(out)
+        return _Job(gguf_name, "MXFP4", (n_experts,) + shape, produce, nbytes)
+    if len(dtypes) == 1 and next(iter(dtypes)) in _BLOCK_TYPES and not has_ts:
+        qtype = next(iter(dtypes))
+        return _Job(gguf_name, qtype, (n_experts,) + shape, lambda: np.concatenate([_raw(c, n) for n in names]),
+                    nbytes)
+    return _Job(gguf_name, "Q8_0", (n_experts,) + shape,
+                lambda: np.concatenate([_q8_0(_float32(c, n)) for n in names]), nbytes)
+
+
+def plan_tensors(c: Container, cfg: ModelConfig) -> list[_Job]:
+    """The GGUF tensors, in container order (a layer's stacked experts where its first expert lies)."""
+    jobs: list[_Job] = []
+    done_experts: set[tuple[int, str]] = set()
+    for name in c.tensors:
+        if is_companion(name, c.tensors):
+            continue
+        m = _EXPERT.match(name)
+        if m:
+            key = (int(m.group(1)), m.group(3))
+            if key not in done_experts:
+                done_experts.add(key)
+                jobs.append(_expert_job(c, key[0], key[1], cfg.n_routed_experts))
+            continue
+        canon = v4names.canonical(name)
+        if canon is None:
+            raise MoepackError(f"tensor {name} has no GGUF name (not a DeepSeek-V4 tensor moepack knows)")
+        if canon.startswith("mtp."):
+            continue  # llama.cpp's converter skips the MTP layers
+        lm = re.match(r"layers\.(\d+)\.", canon)
+        if lm and canon.endswith(".ffn.gate.bias") and cfg.hash_layers[int(lm.group(1))]:
+            continue  # a hash layer's router bias is unused (the converter drops it)
+        gguf_name = v4names.to_gguf(canon)
+        if gguf_name is None:
+            raise MoepackError(f"tensor {name} has no GGUF name")
+        jobs.append(_plain_job(c, name, gguf_name))
+    return jobs
+
+
+def _rope_dim(config: dict, cfg: ModelConfig) -> int:
+    if isinstance(config.get("qk_rope_head_dim"), int):
+        return config["qk_rope_head_dim"]
+    return cfg.main_rope.dim
+
+
+def metadata(config: dict, cfg: ModelConfig) -> list[tuple[str, str, object]]:
+    """(key, kind, value) for every model key, kind one of uint32 / float32 / bool / string / array."""
+    a = ARCH
+    n_hash = sum(cfg.hash_layers)
+    if any(cfg.hash_layers[n_hash:]):
+        raise MoepackError("llama.cpp needs the hash-routed layers to be the first ones (hash_layer_count)")
+    n = cfg.num_layers
+    kv: list[tuple[str, str, object]] = [
+        (f"{a}.block_count", "uint32", n),
+        (f"{a}.context_length", "uint32", config.get("max_position_embeddings", DEFAULTS["max_position_embeddings"])),
+        (f"{a}.embedding_length", "uint32", cfg.hidden_size),
+    ]
+    if isinstance(config.get("intermediate_size"), int):
+        kv.append((f"{a}.feed_forward_length", "uint32", config["intermediate_size"]))
+    kv.append((f"{a}.attention.head_count", "uint32", cfg.num_heads))
+    if isinstance(config.get("num_key_value_heads"), int):
+        kv.append((f"{a}.attention.head_count_kv", "uint32", config["num_key_value_heads"]))
+    rope = cfg.compress_rope
+    if rope.scaling == "yarn":  # the release's rope_scaling: the compressed layers' YaRN (llama.cpp applies it there)
+        kv += [(f"{a}.rope.scaling.type", "string", "yarn"),
+               (f"{a}.rope.scaling.factor", "float32", float(rope.factor)),
+               (f"{a}.rope.scaling.original_context_length", "uint32", int(rope.original_max_position_embeddings)),
+               (f"{a}.rope.scaling.yarn_beta_fast", "float32", float(rope.beta_fast)),
+               (f"{a}.rope.scaling.yarn_beta_slow", "float32", float(rope.beta_slow))]
+    kv += [
+        (f"{a}.rope.freq_base", "float32", float(cfg.main_rope.theta)),
+        (f"{a}.attention.layer_norm_rms_epsilon", "float32", float(cfg.rms_norm_eps)),
+        (f"{a}.expert_count", "uint32", cfg.n_routed_experts),
+        (f"{a}.expert_used_count", "uint32", cfg.num_experts_per_tok),
+        (f"{a}.expert_gating_func", "uint32", GATING_FUNC[cfg.scoring_func]),
+        (f"{a}.attention.key_length", "uint32", cfg.head_dim),
+        (f"{a}.attention.value_length", "uint32", cfg.head_dim),
+        ("general.file_type", "uint32", FILE_TYPE_MXFP4_MOE),
+        # DeepseekV4Model.set_gguf_parameters
+        (f"{a}.rope.dimension_count", "uint32", _rope_dim(config, cfg)),
+        (f"{a}.attention.q_lora_rank", "uint32", cfg.q_lora_rank),
+        (f"{a}.attention.sliding_window", "uint32", cfg.sliding_window),
+        (f"{a}.expert_feed_forward_length", "uint32", cfg.moe_intermediate_size),
+        (f"{a}.expert_shared_count", "uint32", int(config.get("n_shared_experts", 1))),
+        (f"{a}.expert_weights_scale", "float32", float(cfg.routed_scaling_factor)),
+        (f"{a}.expert_weights_norm", "bool", bool(config.get("norm_topk_prob", True))),
+        (f"{a}.swiglu_clamp_exp", "array", [float(cfg.swiglu_limit)] * n),
+        (f"{a}.swiglu_clamp_shexp", "array", [float(cfg.swiglu_limit)] * n),
+        (f"{a}.attention.indexer.head_count", "uint32", cfg.index_n_heads),
+        (f"{a}.attention.indexer.key_length", "uint32", cfg.index_head_dim),
+        (f"{a}.attention.indexer.top_k", "uint32", cfg.index_topk),
+        (f"{a}.attention.output_group_count", "uint32", cfg.o_groups),
+        (f"{a}.attention.output_lora_rank", "uint32", cfg.o_lora_rank),
+        (f"{a}.attention.compress_ratios", "array", [int(r) for r in cfg.compress_rates]),
+        (f"{a}.attention.compress_rope_freq_base", "float32", float(cfg.compress_rope.theta)),
+        (f"{a}.hyper_connection.count", "uint32", cfg.hc_mult),
+        (f"{a}.hyper_connection.sinkhorn_iterations", "uint32", cfg.hc_sinkhorn_iters),
+        (f"{a}.hyper_connection.epsilon", "float32", float(cfg.hc_eps)),
+        (f"{a}.hash_layer_count", "uint32", n_hash),
+        (f"{a}.embedding_length_out", "uint32", cfg.hidden_size * cfg.hc_mult),
+        ("general.quantization_version", "uint32", QUANT_VERSION),
+    ]
+    return kv
+
+
+def _tokenizer_files(c: Container) -> dict[str, bytes]:
+    files = {}
+    for name, entry in c.index.get("tokenizer", {}).items():
+        if os.path.basename(name) != name:
+            raise MoepackError(f"container lists a tokenizer file with a path: {name!r}")
+        files[name] = entry["data"].encode() if entry.get("encoding") == "utf-8" else base64.b64decode(entry["data"])
+    return files
+
+
+def _looks_special(text: str) -> bool:  # the converter's does_token_look_special
+    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+            or (text.startswith("<|") and text.endswith("|>"))
+            or (text.startswith("<\uff5c") and text.endswith("\uff5c>"))
+            or (text.startswith("<unused") and text.endswith(">")))
+
+
+def vocab(files: dict[str, bytes], vocab_size: int) -> tuple[list[str], list[int]]:
+    """Tokens and token types as the converter's get_vocab_base makes them (ids missing below vocab_size become
+    `[PAD{i}]`, UNUSED; added tokens CONTROL if special or special-looking, else USER_DEFINED)."""
+    from tokenizers import Tokenizer
+
+    if "tokenizer.json" not in files:
+        raise MoepackError("container holds no tokenizer.json: a GGUF needs the vocabulary")
+    tok = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+    reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    added = tok.get_added_tokens_decoder()
+    if reverse and max(reverse) >= vocab_size:
+        raise MoepackError(f"tokenizer has token id {max(reverse)}, beyond vocab_size {vocab_size}")
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(5)  # UNUSED
+            continue
+        text = reverse[i]
+        if i in added:
+            if added[i].special or _looks_special(text):
+                types.append(3)  # CONTROL
+            else:
+                text = text.replace("\u2581", " ")
+                types.append(4)  # USER_DEFINED
+        else:
+            types.append(1)  # NORMAL
+        tokens.append(text)
+    return tokens, types
+
+
+def merges(files: dict[str, bytes]) -> list[str]:
+    """tokenizer.json's BPE merges as GGUF stores them: "left right" (a pair list is joined with a space)."""
+    model = json.loads(files["tokenizer.json"]).get("model") or {}
+    return [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+
+
+def _writer_class(gguf):
+    class Writer(gguf.GGUFWriter):
+        """gguf-py's writer, able to write an empty typed array (gguf-py 0.19 refuses one; the format allows it)."""
+
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+                return ((self._pack("I", vtype) if add_vtype else b"") + self._pack("I", sub_type)
+                        + self._pack("Q", 0))
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer
+
+
+def _add_tokenizer(gguf, writer, files: dict[str, bytes], vocab_size: int, tmp_dir: str) -> None:
+    tokens, types = vocab(files, vocab_size)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", TOKENIZER_PRE)
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.token_type", types)
+    # llama.cpp refuses a gpt2 vocabulary without a merges key, even an empty one (a byte-level toy tokenizer)
+    writer.add_key_value("tokenizer.ggml.merges", merges(files), gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
+    tok_dir = tempfile.mkdtemp(prefix=".tok-", dir=tmp_dir)
+    try:
+        for name, data in files.items():
+            with open(os.path.join(tok_dir, name), "wb") as f:
+                f.write(data)
+        special = gguf.SpecialVocab(tok_dir, load_merges=False, n_vocab=len(tokens))
+        special.add_to_gguf(writer, quiet=True)
+    finally:
+        shutil.rmtree(tok_dir, ignore_errors=True)
+
+
+def export_gguf(path: str, out_file: str, progress: bool = True) -> dict:
+    """Write container `path` as GGUF file `out_file` (must not exist). Returns a summary dict."""
+    try:
+        import gguf
+    except ImportError:
+        raise MoepackError("GGUF export needs gguf-py: pip install gguf") from None
+    start = time.perf_counter()
+    out_file = os.fspath(out_file)
+    parent = os.path.dirname(os.path.abspath(out_file))
+    if not os.path.isdir(parent):
+        raise MoepackError(f"output's parent directory {parent} does not exist")
+    if os.path.exists(out_file):
+        raise MoepackError(f"{out_file} exists")
+    with Container(path) as c:
+        cfg = ModelConfig.from_hf(c.config)
+        jobs = plan_tensors(c, cfg)
+        kv = metadata(c.config, cfg)
+        files = _tokenizer_files(c)
+        fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=".gguf.tmp", dir=parent)
+        os.close(fd)
+        writer = None
+        try:
+            writer = _writer_class(gguf)(tmp, ARCH)
+            writer.add_string("general.name", os.path.splitext(os.path.basename(path))[0])
+            for key, kind, value in kv:
+                getattr(writer, f"add_{kind}")(key, value)
+            _add_tokenizer(gguf, writer, files, cfg.vocab_size, parent)
+            total = 0
+            for j in jobs:
+                nbytes = _ggml_nbytes(gguf, j.qtype, j.shape)
+                writer.add_tensor_info(j.name, j.shape, np.dtype(np.float32), nbytes,
+                                       raw_dtype=gguf.GGMLQuantizationType[j.qtype])
+                total += nbytes
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            bar = progress_bar(sum(j.source_bytes for j in jobs), "export gguf", progress)
+            for j in jobs:
+                data = np.ascontiguousarray(j.produce()).reshape(-1).view(np.uint8)
+                if data.nbytes != _ggml_nbytes(gguf, j.qtype, j.shape):
+                    raise MoepackError(f"{j.name}: produced {data.nbytes} bytes, expected "
+                                       f"{_ggml_nbytes(gguf, j.qtype, j.shape)}")
+                writer.write_tensor_data(data)
+                bar.update(j.source_bytes)
+            bar.close()
+            writer.close()
+            writer = None
+            fsync_file(tmp)
+            os.replace(tmp, out_file)
+            fsync_dir(parent)
+        except OSError as e:  # a full disk, a vanished folder: one line, nothing left behind
+            _discard(writer, tmp)
+            full = " (disk full)" if is_disk_full(e) else ""
+            raise MoepackError(f"writing {out_file} failed: {error_reason(e)}{full}") from None
+        except BaseException:
+            _discard(writer, tmp)
+            raise
+    return {"output": out_file, "format": "gguf", "architecture": ARCH, "tensors": len(jobs), "bytes": total,
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
+def _discard(writer, tmp: str) -> None:
+    if writer is not None:
+        try:
+            writer.close()
+        except OSError:
+            pass
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+
+
+__all__ = ["export_gguf", "metadata", "plan_tensors", "vocab", "DEEPSEEK4_KEYS", "ARCH", "TOKENIZER_PRE"]

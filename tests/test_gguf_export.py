@@ -1,0 +1,310 @@
+"""`moepack export FILE --format gguf`: a GGUF of llama.cpp's deepseek4 architecture, read back with gguf-py only.
+
+Checks, for a tiny synthetic container converted `--keep` (release FP8 + FP4) and `--fp4` (Q8_0 + MXFP4): the arch
+string and the keys llama.cpp's loader requires, with the config's values; every tensor name is one llama.cpp's
+deepseek4 template set has (MTP layers and a hash layer's router bias left out); shapes; every tensor's values against
+the container's own decode (FP8 weights: equal to gguf-py's Q8_0 of the dequantized FP8, what llama.cpp's converter
+writes; `--fp4`: the bytes as stored); the tokenizer keys; a failed write leaves one line and no file.
+If MOEPACK_LLAMA_CPP names a llama.cpp build directory, its llama-simple must load the exported file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from moepack.format_spec.decode import decode_float, decode_tensor  # noqa: E402
+from moepack.format_spec.errors import MoepackError  # noqa: E402
+from moepack.format_spec.quants import fp4_to_mxfp4  # noqa: E402
+from moepack.format_spec.reader import Container  # noqa: E402
+from moepack.packer import gguf_export  # noqa: E402
+from moepack.packer.convert import convert_checkpoint  # noqa: E402
+from moepack.packer.gguf_export import ARCH, DEEPSEEK4_KEYS, export_gguf  # noqa: E402
+from moepack.packer.synth import synth_checkpoint  # noqa: E402
+from moepack.v4 import names as v4names  # noqa: E402
+from moepack.v4.config import ModelConfig  # noqa: E402
+
+# llama.cpp's MODEL_ARCH.DEEPSEEK4 tensor templates (gguf-py constants.py of the llama.cpp tree), with the suffixes
+# its loader asks for.
+_TEMPLATES = [
+    "token_embd.weight", "output_norm.weight", "output.weight", "output_hc_fn.weight", "output_hc_base.weight",
+    "output_hc_scale.weight",
+] + [f"blk.{{L}}.{t}" for t in (
+    "attn_norm.weight", "attn_sinks.weight", "attn_q_a.weight", "attn_q_b.weight", "attn_q_a_norm.weight",
+    "attn_kv.weight", "attn_kv_a_norm.weight", "attn_output_a.weight", "attn_output_b.weight",
+    "hc_attn_fn.weight", "hc_attn_base.weight", "hc_attn_scale.weight", "hc_ffn_fn.weight", "hc_ffn_base.weight",
+    "hc_ffn_scale.weight", "attn_compressor_kv.weight", "attn_compressor_gate.weight", "attn_compressor_ape.weight",
+    "attn_compressor_norm.weight", "indexer.proj.weight", "indexer.attn_q_b.weight", "indexer_compressor_kv.weight",
+    "indexer_compressor_gate.weight", "indexer_compressor_ape.weight", "indexer_compressor_norm.weight",
+    "ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "exp_probs_b.bias", "exp_probs_b_vl.bias", "ffn_norm.weight",
+    "ffn_gate_exps.weight", "ffn_down_exps.weight", "ffn_up_exps.weight", "ffn_gate_shexp.weight",
+    "ffn_down_shexp.weight", "ffn_up_shexp.weight",
+)]
+_TEMPLATE_RE = [re.compile(re.escape(t).replace(r"\{L\}", r"(\d+)") + "$") for t in _TEMPLATES]
+
+
+@pytest.fixture(scope="module")
+def containers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf")
+    synth_checkpoint(d / "src", preset="tiny", layout="release", progress=False)
+    out = {}
+    for policy in ("keep", "fp4"):
+        out[policy] = str(d / f"{policy}.moepack")
+        convert_checkpoint(str(d / "src"), out[policy], policy=policy, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(containers, tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf_out")
+    return {p: (c, export_gguf(c, str(d / f"{p}.gguf"), progress=False)["output"]) for p, c in containers.items()}
+
+
+def _field(reader, key):
+    f = reader.fields[key]
+    return f.contents()
+
+
+def _gguf_by_source(c: Container) -> dict[str, list[str]]:
+    """GGUF name -> the container tensors it is made of (experts: in expert order)."""
+    out: dict[str, list[str]] = {}
+    cfg = ModelConfig.from_hf(c.config)
+    for name in c.tensors:
+        if name.endswith((".scale", ".tensor_scale")):
+            continue
+        canon = v4names.canonical(name)
+        g = v4names.to_gguf(canon) if canon else None
+        if g is None:
+            continue
+        m = re.match(r"layers\.(\d+)\.ffn\.gate\.bias$", canon)
+        if m and cfg.hash_layers[int(m.group(1))]:
+            continue
+        out.setdefault(g, []).append(name)
+    for g, ns in out.items():
+        ns.sort(key=lambda n: int(re.search(r"experts\.(\d+)\.", n).group(1)) if ".experts." in n else 0)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["keep", "fp4"])
+def test_metadata(exported, policy):
+    path, out = exported[policy]
+    r = gguf.GGUFReader(out)
+    assert _field(r, "general.architecture") == ARCH
+    keys = set(r.fields)
+    assert not [k for k in DEEPSEEK4_KEYS if k not in keys]
+    with Container(path) as c:
+        config = c.config
+    cfg = ModelConfig.from_hf(config)
+    a = ARCH
+    expect = {
+        f"{a}.block_count": cfg.num_layers, f"{a}.embedding_length": cfg.hidden_size,
+        f"{a}.context_length": config["max_position_embeddings"],
+        f"{a}.attention.head_count": cfg.num_heads, f"{a}.attention.head_count_kv": config["num_key_value_heads"],
+        f"{a}.attention.key_length": cfg.head_dim, f"{a}.attention.value_length": cfg.head_dim,
+        f"{a}.attention.q_lora_rank": cfg.q_lora_rank, f"{a}.attention.sliding_window": cfg.sliding_window,
+        f"{a}.expert_count": cfg.n_routed_experts, f"{a}.expert_used_count": cfg.num_experts_per_tok,
+        f"{a}.expert_feed_forward_length": cfg.moe_intermediate_size,
+        f"{a}.expert_shared_count": config["n_shared_experts"], f"{a}.expert_gating_func": 4,
+        f"{a}.expert_weights_norm": True, f"{a}.attention.indexer.head_count": cfg.index_n_heads,
+        f"{a}.attention.indexer.key_length": cfg.index_head_dim, f"{a}.attention.indexer.top_k": cfg.index_topk,
+        f"{a}.attention.output_group_count": cfg.o_groups, f"{a}.attention.output_lora_rank": cfg.o_lora_rank,
+        f"{a}.hyper_connection.count": cfg.hc_mult, f"{a}.hyper_connection.sinkhorn_iterations": cfg.hc_sinkhorn_iters,
+        f"{a}.hash_layer_count": sum(cfg.hash_layers), f"{a}.embedding_length_out": cfg.hidden_size * cfg.hc_mult,
+        f"{a}.rope.dimension_count": config["qk_rope_head_dim"], "general.file_type": 38,
+        f"{a}.rope.scaling.type": "yarn",
+        f"{a}.rope.scaling.original_context_length": cfg.compress_rope.original_max_position_embeddings,
+    }
+    for k, v in expect.items():
+        assert _field(r, k) == v, k
+    floats = {
+        f"{a}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
+        f"{a}.expert_weights_scale": cfg.routed_scaling_factor,
+        f"{a}.attention.compress_rope_freq_base": cfg.compress_rope.theta, f"{a}.rope.freq_base": cfg.main_rope.theta,
+        f"{a}.hyper_connection.epsilon": cfg.hc_eps, f"{a}.rope.scaling.factor": cfg.compress_rope.factor,
+    }
+    for k, v in floats.items():
+        assert _field(r, k) == pytest.approx(v, rel=1e-6), k
+    assert list(_field(r, f"{a}.attention.compress_ratios")) == list(cfg.compress_rates)
+    assert list(_field(r, f"{a}.swiglu_clamp_exp")) == [cfg.swiglu_limit] * cfg.num_layers
+    # tokenizer
+    assert _field(r, "tokenizer.ggml.model") == "gpt2"
+    assert _field(r, "tokenizer.ggml.pre") == "deepseek-v3"
+    tokens = _field(r, "tokenizer.ggml.tokens")
+    types = _field(r, "tokenizer.ggml.token_type")
+    assert len(tokens) == len(types) == cfg.vocab_size
+    assert "tokenizer.ggml.merges" in keys
+    assert _field(r, "tokenizer.ggml.bos_token_id") == config["bos_token_id"]
+    assert _field(r, "tokenizer.ggml.eos_token_id") == config["eos_token_id"]
+    assert tokens[config["bos_token_id"]] == "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
+    assert types[config["bos_token_id"]] == 3  # CONTROL
+    assert tokens[-1] == f"[PAD{cfg.vocab_size - 1}]" and types[-1] == 5  # padded, UNUSED
+
+
+@pytest.mark.parametrize("policy", ["keep", "fp4"])
+def test_tensors(exported, policy):
+    path, out = exported[policy]
+    r = gguf.GGUFReader(out)
+    T = gguf.GGMLQuantizationType
+    with Container(path) as c:
+        cfg = ModelConfig.from_hf(c.config)
+        sources = _gguf_by_source(c)
+        seen = set()
+        for t in r.tensors:
+            assert any(p.match(t.name) for p in _TEMPLATE_RE), t.name
+            assert t.name not in seen
+            seen.add(t.name)
+            srcs = sources[t.name]
+            first = c.tensors[srcs[0]]
+            shape = tuple(reversed([int(x) for x in t.shape]))  # ggml ne -> numpy order
+            if t.name.endswith(("_exps.weight",)):
+                assert len(srcs) == cfg.n_routed_experts
+                assert shape == (cfg.n_routed_experts,) + tuple(first.shape)
+            else:
+                assert len(srcs) == 1 and shape == tuple(first.shape), t.name
+            if t.tensor_type == T.I32:  # the hash table (gguf-py has no dequantize for integers)
+                assert first.dtype == "I64"
+                np.testing.assert_array_equal(np.asarray(t.data).reshape(shape), c.read_tensor(srcs[0]).numpy())
+                continue
+            values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+            for i, n in enumerate(srcs):
+                e = c.tensors[n]
+                v = values[i] if len(srcs) > 1 else values
+                raw = np.frombuffer(c.tensor_bytes(n), np.uint8)
+                sc = c.tensors.get(n[: -len(".weight")] + ".scale") if n.endswith(".weight") else None
+                scale = decode_tensor(sc.dtype, sc.shape, c.tensor_bytes(sc.name)) if sc is not None else None
+                ref = decode_float(e.dtype, e.shape, c.tensor_bytes(n), scale, torch.float32).numpy()
+                if e.dtype == "F8_E4M3":
+                    # what llama.cpp's converter writes: gguf-py's Q8_0 of the dequantized FP8
+                    assert t.tensor_type == T.Q8_0
+                    q = gguf.quants.quantize(ref, T.Q8_0)
+                    np.testing.assert_array_equal(np.asarray(t.data).reshape(-1), q.reshape(-1))
+                    np.testing.assert_array_equal(v, gguf.quants.dequantize(q, T.Q8_0))
+                elif e.dtype == "FP4_E2M1":
+                    assert t.tensor_type == T.MXFP4
+                    np.testing.assert_array_equal(v, ref)  # lossless repack
+                    s_raw = np.frombuffer(c.tensor_bytes(sc.name), np.uint8).reshape(sc.shape).copy()
+                    mx = fp4_to_mxfp4(raw.reshape(e.shape[0], -1).copy(), s_raw)
+                    np.testing.assert_array_equal(np.asarray(t.data)[i].reshape(-1), np.asarray(mx).reshape(-1))
+                elif e.dtype in ("Q8_0", "MXFP4"):  # --fp4: llama.cpp's own types, copied byte for byte
+                    assert t.tensor_type == T[e.dtype]
+                    got = np.asarray(t.data)[i] if len(srcs) > 1 else np.asarray(t.data)
+                    np.testing.assert_array_equal(got.reshape(-1), raw)
+                    np.testing.assert_array_equal(v, ref)
+                elif e.dtype == "BF16" and len(e.shape) >= 2:
+                    assert t.tensor_type == T.BF16
+                    np.testing.assert_array_equal(np.asarray(t.data).reshape(-1), raw)
+                    np.testing.assert_array_equal(v, ref)
+                else:
+                    assert t.tensor_type == T.F32, (t.name, e.dtype)
+                    np.testing.assert_array_equal(v, ref)
+        # everything llama.cpp converts is there
+        assert seen == set(sources)
+    assert not any(n.startswith("blk.") and ".nextn." in n for n in seen)
+
+
+def test_hash_layers_drop_router_bias(exported):
+    _, out = exported["keep"]
+    names = {t.name for t in gguf.GGUFReader(out).tensors}
+    assert "blk.0.ffn_gate_tid2eid.weight" in names and "blk.0.exp_probs_b.bias" not in names
+    assert "blk.2.exp_probs_b.bias" in names and "blk.2.ffn_gate_tid2eid.weight" not in names
+
+
+def test_refuses_existing_and_missing_parent(containers, tmp_path):
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"keep me")
+    with pytest.raises(MoepackError, match="exists"):
+        export_gguf(containers["fp4"], str(out), progress=False)
+    assert out.read_bytes() == b"keep me"
+    with pytest.raises(MoepackError, match="does not exist"):
+        export_gguf(containers["fp4"], str(tmp_path / "nope" / "x.gguf"), progress=False)
+
+
+def test_disk_full_leaves_nothing(containers, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = gguf.GGUFWriter.write_tensor_data
+
+    def failing(self, tensor, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, tensor, *a, **k)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", failing)
+    out = tmp_path / "x.gguf"
+    with pytest.raises(MoepackError) as e:
+        export_gguf(containers["fp4"], str(out), progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "disk full" in msg and str(out) in msg
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_directory(containers, tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere")
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    try:
+        with pytest.raises(MoepackError) as e:
+            export_gguf(containers["fp4"], str(d / "x.gguf"), progress=False)
+        assert "\n" not in str(e.value)
+        assert os.listdir(d) == []
+    finally:
+        d.chmod(0o700)
+
+
+def test_cli(containers, tmp_path):
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli
+
+    out = tmp_path / "c.gguf"
+    res = CliRunner().invoke(cli, ["export", containers["fp4"], "--format", "gguf", "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    assert gguf.GGUFReader(str(out)).fields["general.architecture"].contents() == ARCH
+
+
+def test_vocab_padding():
+    import json
+
+    tok = {"version": "1.0", "added_tokens": [
+        {"id": 3, "content": "<|x|>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": False},
+        {"id": 4, "content": "hi\u2581there", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": False}],
+        "normalizer": None, "pre_tokenizer": None, "post_processor": None, "decoder": None,
+        "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]]}}
+    files = {"tokenizer.json": json.dumps(tok).encode()}
+    tokens, types = gguf_export.vocab(files, 7)
+    assert tokens == ["a", "b", "ab", "<|x|>", "hi there", "[PAD5]", "[PAD6]"]
+    assert types == [1, 1, 1, 3, 4, 5, 5]
+    assert gguf_export.merges(files) == ["a b"]
+
+
+@pytest.mark.skipif(not os.environ.get("MOEPACK_LLAMA_CPP"), reason="MOEPACK_LLAMA_CPP (a llama.cpp build) not set")
+def test_llama_cpp_loads(tmp_path):
+    """llama.cpp's loader accepts the file (its deepseek4 loader supports compress ratios 0, 4 and 128 only)."""
+    build = os.environ["MOEPACK_LLAMA_CPP"]
+    exe = next((p for p in (os.path.join(build, "bin", "llama-simple"), os.path.join(build, "llama-simple"))
+                if os.path.exists(p)), None)
+    if exe is None:
+        pytest.skip("no llama-simple in MOEPACK_LLAMA_CPP")
+    synth_checkpoint(tmp_path / "src", preset="tiny", layout="release", progress=False, config_overrides={
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}})
+    convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "k.moepack"), policy="keep", progress=False)
+    out = export_gguf(str(tmp_path / "k.moepack"), str(tmp_path / "k.gguf"), progress=False)["output"]
+    res = subprocess.run([exe, "-m", out, "-n", "1", "hi"], capture_output=True, text=True, errors="replace",
+                         timeout=300)
+    log = res.stdout + res.stderr
+    assert "error loading model" not in log, log[-3000:]
+    assert "llama_model_load: error" not in log
+    loaded = "create_tensor: loading tensor blk.3.ffn_up_shexp.weight" in log or "model loaded" in log.lower()
+    assert loaded, log[-3000:]
