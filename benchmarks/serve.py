@@ -1,7 +1,9 @@
 """`moepack serve` against `moepack generate` run as one process per prompt: time to first token and tokens/s,
-for one request and for 4 requests queued at once, on the synthetic `small` preset (synth + convert --keep).
+for one request and for 4 requests queued at once, on a synthetic preset (synth + convert --keep; default `small`)
+or a given container.
 
-    python benchmarks/serve.py [--workdir /tmp/moepack-serve-bench] [--max-new-tokens 32]
+    python benchmarks/serve.py [--workdir /tmp/moepack-serve-bench] [--max-new-tokens 32] [--preset medium]
+                               [--container FILE]
 
 Prints a small table. Not a test."""
 
@@ -22,14 +24,14 @@ import httpx
 PROMPTS = ["Once upon a time", "The quick brown fox", "In the beginning", "It was a dark and stormy night"]
 
 
-def container(workdir: str) -> str:
-    out = os.path.join(workdir, "small.moepack")
+def container(workdir: str, preset: str) -> str:
+    out = os.path.join(workdir, f"{preset}.moepack")
     if not os.path.exists(out):
         from moepack.packer.convert import convert_checkpoint
         from moepack.packer.synth import synth_checkpoint
 
-        src = os.path.join(workdir, "small-src")
-        synth_checkpoint(src, preset="small", progress=False)
+        src = os.path.join(workdir, f"{preset}-src")
+        synth_checkpoint(src, preset=preset, progress=False)
         convert_checkpoint(src, out, policy="keep", progress=False)
     return out
 
@@ -107,9 +109,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default="/tmp/moepack-serve-bench")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--preset", default="small", choices=["tiny", "small", "medium"])
+    ap.add_argument("--container", help="an existing container instead of the synthetic preset's")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    path = container(args.workdir)
+    path = args.container or container(args.workdir, args.preset)
     n = args.max_new_tokens
     s = serve_runs(path, n)
     g = generate_runs(path, n, args.workdir)

@@ -164,8 +164,6 @@ class Generator:
         decoder = self.decoder
         decoder.begin(states)
         del states
-        if counts:
-            decoder.seed(counts)
         generated: list[int] = []
         pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None
         so_far, finish = "", None
@@ -181,6 +179,9 @@ class Generator:
             if cancelled is not None and cancelled():
                 finish = "cancelled"
                 break
+            if counts:  # once the first token is out: warming the cache does not delay it
+                decoder.seed(counts)
+                counts = None
             logits = decoder.step(token)
         decode_stats = {**decoder.stats_dict(), "memory_bound_bytes": bound,
                         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

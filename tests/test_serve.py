@@ -259,6 +259,19 @@ def test_a_prompt_longer_than_the_context_is_refused(a_server):
     _ok(a_server)
 
 
+def test_a_prompt_longer_than_memory_allows_is_refused(tiny_server, monkeypatch):
+    """The generation's memory check (resident weights + cache + KV + 1 GiB) fails: a 400 naming it, before any
+    prefill, and the next request works."""
+    from moepack.runtime import generate as generate_module
+
+    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: 1 << 30)
+    r = _post(tiny_server, "completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert "memory" in r.json()["error"]["message"] and "\n" not in r.json()["error"]["message"]
+    monkeypatch.undo()
+    _ok(tiny_server, KEY)
+
+
 def test_an_internal_error_is_a_500_and_the_next_request_works(tiny_server, monkeypatch, logs):
     real = tiny_server.generator.generate
     calls = []
