@@ -184,7 +184,8 @@ class StreamingPrefill:
     (ReadScheduler -> DeviceCopier -> ExpertRunner). Use `run(token_ids)`."""
 
     def __init__(self, container: Container, options: PrefillOptions,
-                 on_layer_kv: Callable[[int, LayerKVState], None] | None = None, dist=None):
+                 on_layer_kv: Callable[[int, LayerKVState], None] | None = None, dist=None,
+                 resident_dense: list[dict] | None = None):
         if options.expert_ownership not in EXPERT_OWNERSHIPS:
             raise MoepackError(f"unknown expert ownership {options.expert_ownership!r} "
                                f"(choose from {', '.join(EXPERT_OWNERSHIPS)})")
@@ -204,6 +205,8 @@ class StreamingPrefill:
         self.compute_dtype = EXPERT_DTYPES[options.compute_dtype]
         self.expert_dtype = EXPERT_DTYPES[options.expert_dtype or options.compute_dtype]
         self.on_layer_kv = on_layer_kv
+        # every layer's dense weights already decoded on the device (a server keeps them): none is read again
+        self.resident_dense = resident_dense
         self.dist = dist  # runtime.distributed.DistContext for expert-parallel runs, else None
         self.compute = BusyTimer()
         self.reads = ReadScheduler(container, self.cfg, bundle_experts=options.bundle_experts,
@@ -270,7 +273,8 @@ class StreamingPrefill:
         # Only the prompt's rows are decoded, on the host, once the first layer's reads are queued: a
         # vocabulary-sized table is not pinned for them unless it is also the head (tied), which goes to the device
         embed_bytes = self.reads.read_globals(["embed.weight"], for_device=cfg.tie_word_embeddings)
-        pending_dense = self.reads.submit_dense(layers[0])
+        resident = self.resident_dense
+        pending_dense = self.reads.submit_dense(layers[0]) if resident is None else None
         self.reads.begin(n_tokens)
         streams = model.residual_streams(cfg, self._embeddings(embed_bytes, token_ids))
         # a head tied to the embedding uses the bytes just read: read once per prompt, like every region
@@ -283,9 +287,12 @@ class StreamingPrefill:
         states = [] if keep_states else None
         next_w = None  # this layer's dense weights, decoded beside the previous layer's experts
         for number, block in enumerate(layers):
-            w = next_w if next_w is not None else self._dense_weights(block, pending_dense)
+            if resident is not None:
+                w = resident[number]
+            else:
+                w = next_w if next_w is not None else self._dense_weights(block, pending_dense)
             reads = self.reads.reads_before_router(number, token_ids, lambda: w["ffn.gate.tid2eid"])
-            if number + 1 < len(layers):
+            if number + 1 < len(layers) and resident is None:
                 pending_dense = self.reads.submit_dense(layers[number + 1])
             with self.compute:
                 layer_past = past[number].to(self.device) if past else None
@@ -312,7 +319,7 @@ class StreamingPrefill:
             # layer's dense decode (its read began before this layer's attention) instead of alone later with a
             # core idle. Without expert threads the shared expert runs in moe_finish.
             beside = [(model.shared_expert, (cfg, w, routing), True)]
-            if number + 1 < len(layers):
+            if number + 1 < len(layers) and resident is None:
                 beside.append((self._dense_weights, (layers[number + 1], pending_dense), False))
             routed, (shared, *next_dense) = self.experts.run_layer(block, reads, routing, beside)
             next_w = next_dense[0] if next_dense else None
@@ -320,7 +327,7 @@ class StreamingPrefill:
                 routed = self.dist.all_reduce_sum(routed, f"combining layer {number}'s experts")
             with self.compute:
                 streams, spare = model.moe_finish(cfg, number, w, streams, routing, routed, shared, into=spare), streams
-            layer_stats.append(self.reads.layer_stats(number, reads, by_expert))
+            layer_stats.append(self.reads.layer_stats(number, reads, by_expert, dense_read=resident is None))
             self._tokens_per_expert.append(tokens_per_expert(by_expert, len(block.experts)))
         logits = self._head_logits(head_bytes.result() if head_bytes is not None else
                                    self.reads.read_globals((*HEAD_GLOBALS, cfg.head_weight), held_for_head), streams)

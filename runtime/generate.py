@@ -80,8 +80,9 @@ def check_memory(container: Container, n_tokens: int, cache_bytes: int) -> int:
 
 
 class Generator:
-    """One container opened once for any number of generations: its non-routed weights stay resident and its
-    expert cache persists from one generation to the next (what `moepack serve` keeps). One generation at a time.
+    """One container opened once for any number of generations: its non-routed weights stay resident (the
+    prefill and the decode both use them) and its expert cache persists from one generation to the next (what
+    `moepack serve` keeps). One generation at a time.
 
         with Generator("model.moepack", cache_gib=4) as g:
             g.generate(prompt_ids, GenerateOptions(max_new_tokens=64))"""
@@ -119,7 +120,8 @@ class Generator:
 
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int):
         """(last logits, states, prefill stats, tokens per expert, all ids so far, tokens the KV held, memory bound)"""
-        engine = StreamingPrefill(self.c, self.prefill_options)
+        # the prompt runs through the decoder's resident dense weights: only the experts are read
+        engine = StreamingPrefill(self.c, self.prefill_options, resident_dense=self.decoder.dense)
         try:
             if continue_from is not None:
                 kv = read_kv(continue_from, expect_identity=identity_of_container(self.c))

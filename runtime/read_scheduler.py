@@ -307,7 +307,7 @@ class ReadScheduler:
         return self._globals_pool.submit(self.read_globals, names, held)
 
     # --- what was read -----------------------------------------------------------------------------------------
-    def layer_stats(self, layer: int, reads: list, by_expert: dict) -> LayerStats:
+    def layer_stats(self, layer: int, reads: list, by_expert: dict, dense_read: bool = True) -> LayerStats:
         block = self.c.layers[layer]
         n_experts = len(block.experts)
         counts = tokens_per_expert(by_expert, n_experts)
@@ -316,7 +316,8 @@ class ReadScheduler:
         section = sum(block.experts[e].length for e in owned)
         return LayerStats(layer, self.selection(layer, self._n_tokens), sum(count for _, count, _ in reads),
                           len(by_expert), min(counts, default=0), statistics.median(counts) if counts else 0,
-                          max(counts, default=0), counts.count(0), read_bytes + block.dense.length,
+                          max(counts, default=0), counts.count(0),
+                          read_bytes + (block.dense.length if dense_read else 0),
                           section - read_bytes, (owned.start, owned.stop) if self.dist else None,
                           sum(counts[e] for e in owned))
 

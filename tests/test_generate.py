@@ -184,3 +184,28 @@ def test_one_generator_serves_several_generations_with_its_cache_kept(models):
     assert first.stats["decode"]["bytes_read"] + first.stats["decode"]["cache_seed_bytes"] > 0
     assert second.stats["decode"]["bytes_read"] == 0 and second.stats["decode"]["expert_cache_hit_rate"] == 1.0
     assert stop_early.finish_reason == "cancelled" and len(stop_early.generated_ids) == 1
+
+
+def test_a_prefill_over_resident_dense_weights_is_the_streamed_one(models):
+    """The server's prefill runs through the decoder's resident dense weights: the same logits to the bit, and
+    only the experts (and globals) read."""
+    from moepack.format_spec.reader import Container
+    from moepack.runtime.engine import StreamingPrefill
+    from moepack.runtime.generate import Generator
+
+    hf_model, container = models["A"]
+    ids = _prompt(50, hf_model.config.vocab_size, seed=9)
+    with Generator(container, cache_gib=0.0) as g:
+        resident = g.decoder.dense
+        with Container(container) as c:
+            for dense in (None, resident):
+                engine = StreamingPrefill(c, PrefillOptions(expert_selection="all"), resident_dense=dense)
+                try:
+                    result = engine.run(ids)
+                finally:
+                    engine.close()
+                if dense is None:
+                    streamed = result
+            dense_bytes = sum(b.dense.length for b in c.layers)
+    assert torch.equal(result.logits, streamed.logits)
+    assert result.stats["bytes_read"] == streamed.stats["bytes_read"] - dense_bytes
