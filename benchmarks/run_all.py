@@ -151,34 +151,13 @@ def refuse_to_overwrite(path: str, force: bool) -> str | None:
 
 
 def write_atomically(path: str, text: str) -> None:
-    """path holds either its old content or all of text: written under a temporary name, fsynced, renamed."""
+    """path holds either its old content or all of text (format_spec.writer's temporary name, fsync, rename)."""
+    from moepack.format_spec.writer import fsync_dir, write_file_atomically
+
     path = os.path.abspath(path)
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_file_atomically(path, text.encode("utf-8"))
+    fsync_dir(os.path.dirname(path))
 
 
 def table(head: list[str], rows: list[list]) -> str:

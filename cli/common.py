@@ -74,3 +74,14 @@ def reports_errors(fn=None, *, out_of_memory_hint: str | None = None):
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object for machines.")
+
+
+def prompt_options(fn):
+    """--prompt, --prompt-file, --token-ids: the prompt of `prefill` and `generate`."""
+    for option in reversed((
+            click.option("--prompt", help="Prompt text (tokenized with the tokenizer the container carries)."),
+            click.option("--prompt-file", type=click.Path(dir_okay=False), help="File holding the prompt text (UTF-8)."),
+            click.option("--token-ids", "token_ids_file", type=click.Path(dir_okay=False),
+                         help="File of token ids: a JSON array or whitespace-separated integers."))):
+        fn = option(fn)
+    return fn

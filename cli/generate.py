@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from .common import emit, json_option, reports_errors
+from .common import emit, json_option, prompt_options, reports_errors
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
 
@@ -51,10 +51,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--prompt", help="Prompt text, raw (tokenized with the container's tokenizer, no chat template).")
-@click.option("--prompt-file", type=click.Path(dir_okay=False), help="File holding the raw prompt text (UTF-8).")
-@click.option("--token-ids", "token_ids_file", type=click.Path(dir_okay=False),
-              help="File of prompt token ids: a JSON array or whitespace-separated integers.")
+@prompt_options  # raw: no chat template
 @click.option("--messages", "messages_file", type=click.Path(dir_okay=False),
               help="JSON file: an OpenAI-style list of {role, content}, encoded as DeepSeek-V4's chat.")
 @click.option("--chat", help="One user turn, encoded as DeepSeek-V4's chat.")
@@ -85,7 +82,8 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thinking, reasoning_effort,
              continue_from, max_new_tokens, temperature, top_p, top_k, seed, stop, cache_gib, device, kv_out,
              compute_dtype, io_mode, as_json):
-    """Prefill a prompt with the routed experts streamed from FILE, then generate with an expert cache."""
+    """Prefill a prompt with the routed experts streamed from FILE, then generate with an expert cache. --prompt is
+    raw text (no chat template); --messages and --chat are encoded as DeepSeek-V4's chat."""
     from moepack.format_spec.errors import MoepackError
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import PrefillOptions

@@ -16,7 +16,7 @@ from moepack import __version__
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 
-from .common import EXIT_ERROR, PREFILL_MEMORY_HINT, emit, json_option, reports_errors
+from .common import EXIT_ERROR, PREFILL_MEMORY_HINT, emit, json_option, prompt_options, reports_errors
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve
@@ -238,10 +238,7 @@ def _print_verify(r: dict) -> None:
 
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--prompt", help="Prompt text (tokenized with the tokenizer the container carries).")
-@click.option("--prompt-file", type=click.Path(dir_okay=False), help="File holding the prompt text (UTF-8).")
-@click.option("--token-ids", "token_ids_file", type=click.Path(dir_okay=False),
-              help="File of token ids: a JSON array or whitespace-separated integers.")
+@prompt_options
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--kv-out", type=click.Path(file_okay=False), help="Directory for the KV cache, written layer by layer.")
 @click.option("--continue-from", type=click.Path(file_okay=False),

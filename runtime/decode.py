@@ -21,20 +21,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
-from moepack.format_spec.decode import companion_names, decode_group, decode_group_rows
-from moepack.format_spec.errors import FormatError, MoepackError
+from moepack.format_spec.decode import decode_group, decode_group_rows
+from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 from moepack.v4.kv import LayerKVState
 
 from . import model
 from .device_copier import DeviceCopier
-from .expert_runner import BusyTimer, ExpertRunner, decode_regions, entry_bytes
+from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
 from .io import ReadPipeline, RegionReader
-from .read_scheduler import RegionChecker
+from .model import HEAD_GLOBALS
+from .read_scheduler import RegionChecker, global_regions
 
-HEAD_GLOBALS = ("hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight")
 
 
 class ExpertCache:
@@ -119,7 +118,7 @@ class Decoder:
         self.experts = ExpertRunner(cfg, device, expert_dtype, self.checker, self.copier, self.pipe.release,
                                     self.compute)
         start = time.perf_counter()
-        self.dense = [self._read_dense(b) for b in container.layers]
+        self.dense = [decode_dense(b, self._read_region(b.dense).to(device), compute_dtype) for b in container.layers]
         self.embed_entries, self.embed_read = self._read_globals(["embed.weight"], on_device=False)
         entries, read = self._read_globals([*HEAD_GLOBALS, cfg.head_weight], on_device=True)
         self.head_weights = decode_group(entries, read)
@@ -141,25 +140,13 @@ class Decoder:
         raw = torch.empty(region.length, dtype=torch.uint8)
         view = memoryview(raw.numpy())
         self.c.pread_into(view, region.offset, region.part)
-        if self.checker.verify and xxhash.xxh3_64_hexdigest(view) != region.xxh3:
-            raise FormatError(f"region {self.c.describe(region)}: checksum mismatch: the container is damaged "
-                              f"(run `moepack verify`)")
+        self.checker.check([region], view, region.offset)
         return raw
 
-    def _read_dense(self, block) -> dict[str, torch.Tensor]:
-        prefix = block.name + "."
-
-        def dtype_of(t) -> torch.dtype:  # as the prefill decodes them
-            low = model.is_low_precision_matrix(t.name[len(prefix):], len(t.shape))
-            return self.compute_dtype if low else torch.float32
-        raw = self._read_region(block.dense).to(self.device)
-        return decode_regions([block.dense], raw, block.dense.offset, prefix, dtype_of=dtype_of)
-
     def _read_globals(self, names, on_device: bool) -> tuple[list, Callable]:
-        regions = {self.c.tensors[n].region.index: self.c.tensors[n].region
-                   for name in names for n in (name, *companion_names(name)) if n in self.c.tensors}
+        """The entries of the named tensors' regions (with their scales) and read(entry) -> its bytes."""
         entries, reads = [], {}
-        for r in regions.values():
+        for r in global_regions(self.c, names):
             raw = self._read_region(r)
             read = entry_bytes(raw.to(self.device) if on_device else raw, r.offset)
             for t in r.tensors:
@@ -226,7 +213,7 @@ class Decoder:
         start = time.perf_counter()
         ids = torch.tensor([token_id], device=self.device)
         positions = torch.arange(self.position, self.position + 1, device=self.device)
-        rows = decode_group_rows(_group(self.embed_entries, "embed.weight"), self.embed_read, "embed.weight",
+        rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight",
                                  ids.cpu()).to(self.device)
         streams = model.residual_streams(cfg, rows)
         for layer, block in enumerate(self.c.layers):
@@ -277,10 +264,3 @@ class Decoder:
         self.pipe.close()
         self.reader.close()
         self.experts.close()
-
-
-def _group(entries: list, name: str) -> list:
-    by_name = {t.name: t for t in entries}
-    if name not in by_name:
-        raise FormatError(f"the container has no {name}")
-    return [by_name[n] for n in (name, *companion_names(name)) if n in by_name]

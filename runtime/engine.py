@@ -43,16 +43,17 @@ from moepack.v4.names import stored_names
 from moepack.v4.tensors import v4_tensor_specs
 
 from . import model
+from .model import HEAD_GLOBALS
 from .device_copier import DeviceCopier
 from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
-from .expert_runner import BusyTimer, ExpertRunner, decode_regions, entry_bytes
+from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
 from .io import HostBuffer, available_memory_bytes, cpu_steal_seconds, keep_freed_memory, release_freed_memory
-from .read_scheduler import EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, tokens_per_expert
+from .read_scheduler import (EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, global_regions,
+                             tokens_per_expert)
 
 # the LM head is decoded and applied this many float32 bytes of rows at a time, never whole (DeepSeek-V4-Flash's
 # bf16 head [129280, 4096] would be 2 GiB decoded)
 HEAD_CHUNK_BYTES = 16 << 20
-HEAD_GLOBALS = ("hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight")  # and the LM head's matrix
 
 
 @dataclass
@@ -247,8 +248,8 @@ class StreamingPrefill:
         states = past
         for i, chunk in enumerate(chunks):
             final = i == len(chunks) - 1
-            logits, layer_stats, states = self._forward(chunk.to(self.device), states, emit_kv=final,
-                                                        keep_states=keep_kv or not final)
+            logits, layer_stats, states, counts = self._forward(chunk.to(self.device), states, emit_kv=final,
+                                                                keep_states=keep_kv or not final)
             all_stats.extend(layer_stats)
         wall, steal_after = time.perf_counter() - start, cpu_steal_seconds()
         stats = self._stats(n_tokens, wall, all_stats)
@@ -259,11 +260,12 @@ class StreamingPrefill:
         stats["order"] = "chunk" if chunk_tokens else "layer"
         stats["passes_over_model"] = len(chunks)
         return PrefillResult(logits, int(torch.argmax(logits)), stats, all_stats, states if keep_kv else None,
-                             self._tokens_per_expert)
+                             counts)
 
     def _forward(self, token_ids: torch.Tensor, past: list | None, emit_kv: bool, keep_states: bool):
         """One pass of `token_ids` through every layer (reading each region once). Returns the last position's
-        logits, per-layer stats and (keep_states) the new per-layer states."""
+        logits, per-layer stats, (keep_states) the new per-layer states and the tokens the router sent to each
+        expert of each layer."""
         cfg, layers = self.cfg, self.c.layers
         n_tokens = int(token_ids.numel())
         first_position = past[0].seen_tokens if past else 0
@@ -283,7 +285,7 @@ class StreamingPrefill:
         head_bytes: Future | None = None  # read during the last layer, beside its experts
         spare: torch.Tensor | None = None  # the streams' second buffer
         layer_stats: list[LayerStats] = []
-        self._tokens_per_expert = []
+        counts: list[list[int]] = []  # per layer, tokens per expert
         states = [] if keep_states else None
         next_w = None  # this layer's dense weights, decoded beside the previous layer's experts
         for number, block in enumerate(layers):
@@ -328,26 +330,19 @@ class StreamingPrefill:
             with self.compute:
                 streams, spare = model.moe_finish(cfg, number, w, streams, routing, routed, shared, into=spare), streams
             layer_stats.append(self.reads.layer_stats(number, reads, by_expert, dense_read=resident is None))
-            self._tokens_per_expert.append(tokens_per_expert(by_expert, len(block.experts)))
+            counts.append(tokens_per_expert(by_expert, len(block.experts)))
         logits = self._head_logits(head_bytes.result() if head_bytes is not None else
                                    self.reads.read_globals((*HEAD_GLOBALS, cfg.head_weight), held_for_head), streams)
-        return logits, layer_stats, states
+        return logits, layer_stats, states, counts
 
     # --- weights -------------------------------------------------------------------------------------------------
     def _dense_weights(self, block: Block, future: Future) -> dict[str, torch.Tensor]:
-        """A layer's dense weights, decoded on the compute device; the low-precision matrices straight into
-        compute_dtype."""
+        """A layer's dense weights, decoded on the compute device (expert_runner.decode_dense)."""
         buffer, view = future.result()
         try:
             with self.compute:
                 self.reads.checker.before_use([block.dense], view, block.dense.offset)
-                prefix = block.name + "."
-
-                def dtype_of(t) -> torch.dtype:
-                    low = model.is_low_precision_matrix(t.name[len(prefix):], len(t.shape))
-                    return self.compute_dtype if low else torch.float32
-                return decode_regions([block.dense], self.copier.to_device(buffer, view), block.dense.offset,
-                                      prefix, dtype_of=dtype_of)
+                return decode_dense(block, self.copier.to_device(buffer, view), self.compute_dtype)
         finally:
             self.copier.release(buffer, self.reads.dense_pipe.release)
 
@@ -402,7 +397,7 @@ class StreamingPrefill:
         torch_fp8 = self.device.type == "cuda" or not fp8_decoder_compiled()
         fp8_weights = max((t.numel for b in layers for t in b.dense.tensors if t.dtype == "F8_E4M3"),
                           default=0) if torch_fp8 else 0
-        head_bytes = sum(r.length for r in self.reads.global_regions((*HEAD_GLOBALS, self.cfg.head_weight)))
+        head_bytes = sum(r.length for r in global_regions(self.c, (*HEAD_GLOBALS, self.cfg.head_weight)))
         need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
                                     self.reads.experts_pipe.buffer_bytes,
                                     self.reads.pool_buffers_in_memory(self.device), expert_params,

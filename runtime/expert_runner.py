@@ -75,6 +75,17 @@ def decode_regions(regions: list[Region], raw: torch.Tensor, base: int, strip: s
     return out
 
 
+def decode_dense(block: Block, raw: torch.Tensor, compute_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A layer's dense weights from its region's bytes `raw` (on the compute device): the low-precision matrices
+    (model.LOW_PRECISION_PREFIXES) straight into `compute_dtype`, everything else float32."""
+    prefix = block.name + "."
+
+    def dtype_of(t) -> torch.dtype:
+        low = model.is_low_precision_matrix(t.name[len(prefix):], len(t.shape))
+        return compute_dtype if low else torch.float32
+    return decode_regions([block.dense], raw, block.dense.offset, prefix, dtype_of=dtype_of)
+
+
 class ExpertRunner:
     """Runs each layer's routed experts (`run_layer`) and, beside them, other work of the layer on the same
     threads. `release(buffer)` gives a read's buffer back once its experts are done."""

@@ -555,6 +555,9 @@ def moe_finish(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: T
 # ---------------------------------------------------------------------------------------------------------------
 
 
+HEAD_GLOBALS = ("hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight")  # head()'s weights besides the matrix
+
+
 def head(cfg: ModelConfig, streams: Tensor, w_globals: Mapping[str, Tensor],
          which: int | slice | Tensor = -1) -> Tensor:
     """Logits float32 for the positions `which` selects: an int gives [vocab] (default: the last position), a

@@ -106,6 +106,12 @@ def expert_reads(block: Block, expert_ids: list[int], bundle: int) -> list[tuple
             for first, count in block.split_runs(bundle_runs(expert_ids, bundle))]
 
 
+def global_regions(container: Container, names) -> list[Region]:
+    """The regions of the named tensors and of their scale companions, each once."""
+    wanted = [n for name in names for n in (name, *companion_names(name))]
+    return list({r.index: r for r in (container.tensors[n].region for n in wanted if n in container.tensors)}.values())
+
+
 class RegionChecker:
     """Checks regions' xxh3 before their bytes are used (unless `verify` is off). `on_read`: the reader threads
     check as the bytes land; otherwise the consumer calls `check` just before decoding (then the bytes are in the
@@ -278,11 +284,6 @@ class ReadScheduler:
                                       part=block.dense.part)
 
     # --- globals: the embedding, the LM head and its norms -------------------------------------------------------
-    def global_regions(self, names) -> list[Region]:
-        """The regions of the named tensors and of their scale companions, each once."""
-        wanted = [n for name in names for n in (name, *companion_names(name))]
-        return list({r.index: r for r in (self.c.tensors[n].region for n in wanted if n in self.c.tensors)}.values())
-
     def read_globals(self, names, held: list | None = None, for_device: bool = True
                      ) -> list[tuple[Region, HostBuffer, memoryview]]:
         """The bytes of the regions of the named tensors and their scales, read once each (no pool). Regions
@@ -290,7 +291,7 @@ class ReadScheduler:
         unless `for_device` is False (the bytes are decoded on the host)."""
         fetched = list(held or [])
         have = {r.index for r, _, _ in fetched}
-        for r in self.global_regions(names):
+        for r in global_regions(self.c, names):
             if r.index in have:
                 continue
             buf = HostBuffer(r.length, pinned=for_device and self._pinned_globals)

@@ -122,12 +122,10 @@ def _compiler_targets_avx512_bf16(tmp_path_factory) -> bool:
     """Whether the C compiler builds a function for AVX512-BF16 (an old one does not know the target)."""
     if not _compiler_usable():
         return False
-    src = tmp_path_factory.mktemp("probe") / "probe.c"
-    src.write_text('#include <immintrin.h>\n__attribute__((target("avx512f,avx512bw,avx512bf16")))\n'
-                   "__m512 f(__m512 a, __m512i b) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)b); }\n")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "probe_avx512_bf16.c")
+    obj = tmp_path_factory.mktemp("probe") / "probe.o"
     cc = native.c_compiler()
-    return subprocess.run([cc, "-c", "-O1", str(src), "-o", str(src.with_suffix(".o"))],
-                          capture_output=True).returncode == 0
+    return subprocess.run([cc, "-c", "-O1", src, "-o", str(obj)], capture_output=True).returncode == 0
 
 
 def _needs_fused(tmp_path_factory):
