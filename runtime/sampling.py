@@ -34,15 +34,15 @@ class Sampler:
     greedy. The same seed and logits give the same tokens on any device: the work is done on the CPU in float64."""
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None):
-        if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        if not is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
             raise MoepackError(f"--temperature must be a finite number >= 0, got {temperature!r}")
-        if not _is_number(top_p) or not 0 < top_p <= 1:  # NaN fails the comparison too
+        if not is_number(top_p) or not 0 < top_p <= 1:  # NaN fails the comparison too
             raise MoepackError(f"--top-p must be a number in (0, 1], got {top_p!r}")
-        if not _is_int(top_k) or top_k < 0:
+        if not is_int(top_k) or top_k < 0:
             raise MoepackError(f"--top-k must be an integer >= 0 (0 = off), got {top_k!r}")
         if seed is None:
             seed = secrets.randbits(63)  # drawn once and kept in .seed so that the run can be repeated
-        elif not _is_int(seed) or not 0 <= seed < 2**64:
+        elif not is_int(seed) or not 0 <= seed < 2**64:
             raise MoepackError(f"--seed must be an integer in [0, 2**64), got {seed!r}")
         self.temperature, self.top_p, self.top_k, self.seed = float(temperature), float(top_p), top_k, seed
         self._generator = torch.Generator(device="cpu")
@@ -119,15 +119,7 @@ class StopMatcher:
             cut, self.stop_string = min(hits, key=lambda hit: hit[0])
             self.finish_reason = "stop"
             return self._give_out(cut)
-        return self._give_out(len(text) if final else len(text) - self._held_back(text))
-
-    def _held_back(self, text: str) -> int:
-        """The length of the longest end of `text` that begins some stop string (without being all of it)."""
-        longest = max((len(s) for s in self.stop), default=1)
-        for k in range(min(longest - 1, len(text)), 0, -1):
-            if any(s.startswith(text[-k:]) for s in self.stop):
-                return k
-        return 0
+        return self._give_out(len(text) if final else len(text) - partial_match_length(text, self.stop))
 
     def _give_out(self, end: int) -> str:
         piece = self._seen[len(self.text) : end]
@@ -168,9 +160,21 @@ class IncrementalDetokenizer:
         return text[len(done) :]
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
+    """An int or float from JSON or Python (a bool is not one)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An int (a bool is not one)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def partial_match_length(text: str, targets) -> int:
+    """The length of the longest end of `text` that begins one of `targets` (without being all of it): what to
+    hold back from a stream until the next piece tells whether that target follows."""
+    longest = max((len(t) for t in targets), default=1)
+    for k in range(min(longest - 1, len(text)), 0, -1):
+        if any(t.startswith(text[-k:]) for t in targets):
+            return k
+    return 0

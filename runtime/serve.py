@@ -38,6 +38,7 @@ from moepack.format_spec.errors import MoepackError
 from moepack.v4.chat import THINK_END, encode_messages
 
 from .generate import GenerateOptions, GenerateResult
+from .sampling import is_int, is_number, partial_match_length
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_CHAT_TOKENS = 1024  # chat without max_tokens: this, within what the context leaves
@@ -88,8 +89,7 @@ class ThinkSplitter:
             self.in_thought, self.held = False, ""
             out = [("reasoning_content", text[:at]), ("content", text[at + len(THINK_END):])]
             return [(f, t) for f, t in out if t]
-        keep = next((k for k in range(min(len(THINK_END) - 1, len(text)), 0, -1)
-                     if THINK_END.startswith(text[-k:])), 0)
+        keep = partial_match_length(text, (THINK_END,))
         self.held = text[len(text) - keep:] if keep else ""
         shown = text[:len(text) - keep]
         return [("reasoning_content", shown)] if shown else []
@@ -106,14 +106,6 @@ def split_thinking(text: str) -> tuple[str | None, str]:
 
 
 # ---- request checking -------------------------------------------------------------------------------------------
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return (isinstance(v, (int, float))) and not isinstance(v, bool)
-
 
 def _get(body: dict, name: str, check: Callable, what: str, default=None):
     v = body.get(name)
@@ -196,14 +188,14 @@ class Server:
         if model is not None and model != self.model_name:
             raise RequestError(f"the model {model!r} does not exist (this server has {self.model_name!r})",
                                param="model", code="model_not_found", status=404)
-        if _get(body, "n", _is_int, "an integer", 1) != 1:
+        if _get(body, "n", is_int, "an integer", 1) != 1:
             raise RequestError("n: only n=1 is supported", param="n", code="unsupported")
         return body
 
     def options(self, body: dict, n_prompt: int, default_tokens: int) -> GenerateOptions:
-        max_tokens = _get(body, "max_tokens", _is_int, "an integer")
+        max_tokens = _get(body, "max_tokens", is_int, "an integer")
         if max_tokens is None:
-            max_tokens = _get(body, "max_completion_tokens", _is_int, "an integer")
+            max_tokens = _get(body, "max_completion_tokens", is_int, "an integer")
         if n_prompt == 0:
             raise RequestError("empty prompt", param="prompt", code="empty_prompt")
         if self.context and n_prompt >= self.context:
@@ -219,16 +211,16 @@ class Server:
             raise RequestError(f"the prompt ({n_prompt} tokens) and max_tokens ({max_tokens}) exceed this model's "
                                f"context of {self.context} tokens", param="max_tokens",
                                code="context_length_exceeded")
-        temperature = _get(body, "temperature", _is_number, "a number", 1.0)
+        temperature = _get(body, "temperature", is_number, "a number", 1.0)
         if temperature < 0:
             raise RequestError("temperature: must be >= 0", param="temperature", code="invalid_value")
-        top_p = _get(body, "top_p", _is_number, "a number", 1.0)
+        top_p = _get(body, "top_p", is_number, "a number", 1.0)
         if not 0 < top_p <= 1:
             raise RequestError("top_p: must be in (0, 1]", param="top_p", code="invalid_value")
-        top_k = _get(body, "top_k", _is_int, "an integer", 0)
+        top_k = _get(body, "top_k", is_int, "an integer", 0)
         if top_k < 0:
             raise RequestError("top_k: must be >= 0", param="top_k", code="invalid_value")
-        seed = _get(body, "seed", _is_int, "an integer")
+        seed = _get(body, "seed", is_int, "an integer")
         stop = _get(body, "stop", lambda v: isinstance(v, str) or isinstance(v, list)
                     and all(isinstance(s, str) for s in v), "a string or a list of strings", [])
         stop = [stop] if isinstance(stop, str) else stop
@@ -245,7 +237,7 @@ class Server:
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             return self.need_tokenizer("prompt").encode(prompt)
-        if isinstance(prompt, list) and all(_is_int(i) for i in prompt):
+        if isinstance(prompt, list) and all(is_int(i) for i in prompt):
             if self.vocab and any(not 0 <= i < self.vocab for i in prompt):
                 raise RequestError(f"prompt: token ids must lie in [0, {self.vocab})", param="prompt",
                                    code="invalid_value")
