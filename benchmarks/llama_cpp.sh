@@ -4,12 +4,14 @@
 # its command-line tools. About 8 minutes on 2 cores.
 #
 #   bash benchmarks/llama_cpp.sh [DIR]      (default: ~/.cache/moepack/llama.cpp)
-#   export MOEPACK_LLAMA_CPP=DIR/build      (what the tests and benchmarks look for: bin/llama-cli, bin/llama-bench)
+#   export MOEPACK_LLAMA_CPP=DIR/build      (what the tests and benchmarks look for: bin/llama-cli, bin/llama-bench, bin/llama-logits)
 set -euo pipefail
 DIR=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/moepack/llama.cpp}
 VERSION=0.3.36
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 mkdir -p "$DIR"
 cd "$DIR"
+DIR=$(pwd)
 if [ ! -d src/vendor/llama.cpp ]; then
     python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d sdist
     mkdir -p src
@@ -18,5 +20,9 @@ fi
 cmake -S src/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF > build.log
 cmake --build build -j "$(nproc)" >> build.log
+# the logits dumper the tests and benchmarks compare moepack with (benchmarks/llama_logits/llama_logits.cpp)
+LL=src/vendor/llama.cpp
+c++ -O2 -std=c++17 "$HERE/llama_logits/llama_logits.cpp" -I "$LL/include" -I "$LL/ggml/include" -L build/bin \
+    -lllama -lggml -Wl,-rpath,"$DIR/build/bin" -o build/bin/llama-logits
 echo "built: $DIR/build/bin ($(ls build/bin | tr '\n' ' '))"
 echo "export MOEPACK_LLAMA_CPP=$DIR/build"

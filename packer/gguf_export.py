@@ -10,7 +10,8 @@ a container instead:
   the hash table (I64) becomes I32; routed experts are repacked losslessly from the release's FP4 to MXFP4 and stacked
   per layer into `ffn_{gate,down,up}_exps` [n_experts, out, in] (w1, w2, w3). Weights a container already holds in a
   ggml block type (Q8_0, MXFP4, Q2_K, IQ2_XXS: the `--fp4` policy's Q8_0 + MXFP4 are exactly llama.cpp's) are copied
-  byte for byte; any other stored type (NVFP4, a weight with a tensor scale) is decoded and written as Q8_0.
+  byte for byte, float experts (F32, BF16, F16) stacked in their own type; any other stored type (NVFP4, a weight
+  with a tensor scale) is decoded and written as Q8_0.
 * metadata: the base TextModel keys and DeepseekV4Model.set_gguf_parameters' (`DEEPSEEK4_KEYS` lists the ones
   llama.cpp's loader requires), from the config in either spelling (moepack.v4.config), and the tokenizer (gpt2 BPE,
   pre-tokenizer `deepseek-v3`, tokens padded to vocab_size with `[PAD{i}]`, merges and special ids via gguf-py's
@@ -67,6 +68,7 @@ DEEPSEEK4_KEYS = tuple(k.format(arch=ARCH) for k in (
 ))
 
 _BLOCK_TYPES = ("Q8_0", "MXFP4", "Q2_K", "IQ2_XXS")  # stored in ggml's own block layout: copied as they are
+_FLOAT_TYPES = ("F32", "BF16", "F16")
 _EXPERT = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _EXPERT_GGUF = {"w1": "ffn_gate_exps", "w2": "ffn_down_exps", "w3": "ffn_up_exps"}
 
@@ -125,7 +127,7 @@ def _plain_job(c: Container, name: str, gguf_name: str) -> _Job:
         if dt == "F32" and not has_ts:
             return _Job(gguf_name, "F32", shape, lambda: _raw(c, name), nbytes)
         return _Job(gguf_name, "F32", shape, lambda: _float32(c, name).numpy().reshape(-1).view(np.uint8), nbytes)
-    if dt in ("F32", "BF16", "F16") and not has_ts:  # kept as the source holds them
+    if dt in _FLOAT_TYPES and not has_ts:  # kept as the source holds them
         return _Job(gguf_name, dt, shape, lambda: _raw(c, name), nbytes)
     if dt in _BLOCK_TYPES and not has_ts:  # already llama.cpp's blocks
         return _Job(gguf_name, dt, shape, lambda: _raw(c, name), nbytes)
@@ -157,8 +159,8 @@ def _expert_job(c: Container, layer: int, proj: str, n_experts: int) -> _Job:
                 out.append(fp4_to_mxfp4(packed, _raw(c, s.name).reshape(tuple(s.shape))).reshape(-1))
             return np.concatenate(out)
         return _Job(gguf_name, "MXFP4", (n_experts,) + shape, produce, nbytes)
-    if len(dtypes) == 1 and next(iter(dtypes)) in _BLOCK_TYPES and not has_ts:
-        qtype = next(iter(dtypes))
+    if len(dtypes) == 1 and next(iter(dtypes)) in _BLOCK_TYPES + _FLOAT_TYPES and not has_ts:
+        qtype = next(iter(dtypes))  # ggml blocks, or float experts kept in their precision (as other weights are)
         return _Job(gguf_name, qtype, (n_experts,) + shape, lambda: np.concatenate([_raw(c, n) for n in names]),
                     nbytes)
     return _Job(gguf_name, "Q8_0", (n_experts,) + shape,
@@ -326,7 +328,7 @@ def _writer_class(gguf):
     return Writer
 
 
-def _add_tokenizer(gguf, writer, files: dict[str, bytes], vocab_size: int, tmp_dir: str) -> None:
+def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_size: int, tmp_dir: str) -> None:
     tokens, types = vocab(files, vocab_size)
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", TOKENIZER_PRE)
@@ -336,7 +338,9 @@ def _add_tokenizer(gguf, writer, files: dict[str, bytes], vocab_size: int, tmp_d
     writer.add_key_value("tokenizer.ggml.merges", merges(files), gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
     tok_dir = tempfile.mkdtemp(prefix=".tok-", dir=tmp_dir)
     try:
-        for name, data in files.items():
+        # config.json too: SpecialVocab takes bos/eos ids from it when the tokenizer files do not name them (without
+        # them llama.cpp falls back to its own defaults, id 11 for a BPE vocabulary's BOS)
+        for name, data in {**files, "config.json": json.dumps(config).encode()}.items():
             with open(os.path.join(tok_dir, name), "wb") as f:
                 f.write(data)
         special = gguf.SpecialVocab(tok_dir, load_merges=False, n_vocab=len(tokens))
@@ -371,7 +375,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True) -> dict:
             writer.add_string("general.name", os.path.splitext(os.path.basename(path))[0])
             for key, kind, value in kv:
                 getattr(writer, f"add_{kind}")(key, value)
-            _add_tokenizer(gguf, writer, files, cfg.vocab_size, parent)
+            _add_tokenizer(gguf, writer, files, c.config, cfg.vocab_size, parent)
             total = 0
             for j in jobs:
                 nbytes = _ggml_nbytes(gguf, j.qtype, j.shape)

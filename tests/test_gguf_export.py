@@ -5,12 +5,14 @@ string and the keys llama.cpp's loader requires, with the config's values; every
 deepseek4 template set has (MTP layers and a hash layer's router bias left out); shapes; every tensor's values against
 the container's own decode (FP8 weights: equal to gguf-py's Q8_0 of the dequantized FP8, what llama.cpp's converter
 writes; `--fp4`: the bytes as stored); the tokenizer keys; a failed write leaves one line and no file.
-If MOEPACK_LLAMA_CPP names a llama.cpp build directory, its llama-simple must load the exported file.
+If MOEPACK_LLAMA_CPP names a llama.cpp build directory (benchmarks/llama_cpp.sh): its llama-simple continues the
+exported file as moepack does, and its logits (bin/llama-logits) equal moepack's prefill on random float32 models.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import subprocess
@@ -320,3 +322,60 @@ def test_llama_cpp_runs_the_export_and_continues_as_moepack(tmp_path):
     ours_bytes = bytes(t - 3 for t in ours.generated_ids if 3 <= t < 259)
     printed = res.stdout.split(prompt.encode())[-1].rstrip(b"\n")
     assert printed == ours_bytes, (printed, ours.generated_ids)
+
+
+# llama.cpp's deepseek4 takes compress rates 0/4/128 only, head dims that are multiples of 64 (its K-cache Hadamard
+# rotation), 4 hyper-connection streams, sqrtsoftplus scoring and at least one compressed layer. Indexer heads 8: an indexer score is a
+# sum of ReLUs, and exact ties at zero are broken in a different order by each engine's top-k.
+_LLAMA_CONFIGS = {
+    "hash-csa-hca": dict(vocab_size=300, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=4, head_dim=64, q_lora_rank=32, partial_rotary_factor=0.25,
+                         num_experts_per_tok=2, n_routed_experts=8, layer_types=["S", "C", "H", "C"],
+                         mlp_layer_types=["hash_moe"] + ["moe"] * 3, hc_mult=4, sliding_window=16, o_groups=2,
+                         o_lora_rank=16, index_n_heads=8, index_head_dim=64, index_topk=8),
+    "yarn-odd": dict(vocab_size=300, hidden_size=96, moe_intermediate_size=48, num_hidden_layers=5,
+                             num_attention_heads=3, head_dim=128, q_lora_rank=40, partial_rotary_factor=0.125,
+                             num_experts_per_tok=3, n_routed_experts=12, layer_types=["C", "S", "H", "C", "S"],
+                             mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 3, hc_mult=4, sliding_window=32,
+                             o_groups=1, o_lora_rank=24, index_n_heads=8, index_head_dim=64, index_topk=12,
+                             routed_scaling_factor=2.0, swiglu_limit=2.0,
+                             rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 64}),
+}
+
+
+@pytest.mark.skipif(not os.environ.get("MOEPACK_LLAMA_CPP"), reason="MOEPACK_LLAMA_CPP (a llama.cpp build) not set")
+@pytest.mark.parametrize("name", sorted(_LLAMA_CONFIGS))
+def test_llama_cpp_logits_equal_moepack_prefill(name, tmp_path):
+    """llama.cpp (F32 KV cache, flash attention off; benchmarks/llama_logits) on the export of a float32 random
+    model gives the last position's logits moepack's prefill gives, to float32 rounding, prompts of 1-150 tokens."""
+    from v4_models import saved_model
+
+    from moepack.packer.synth import tokenizer_json
+    from moepack.runtime.engine import prefill
+    from moepack.v4.config import CSA, HCA, SLIDING
+
+    exe = os.path.join(os.environ["MOEPACK_LLAMA_CPP"], "bin", "llama-logits")
+    if not os.path.exists(exe):
+        pytest.skip("no bin/llama-logits in MOEPACK_LLAMA_CPP (benchmarks/llama_cpp.sh builds it)")
+    kinds = {"S": SLIDING, "C": CSA, "H": HCA}
+    config = dict(_LLAMA_CONFIGS[name], compress_rates={CSA: 4, HCA: 128}, max_position_embeddings=4096)
+    config["layer_types"] = [kinds[k] for k in config["layer_types"]]
+    src = tmp_path / "src"
+    saved_model(config, sorted(_LLAMA_CONFIGS).index(name) + 11, str(src))
+    (src / "tokenizer.json").write_text(json.dumps(tokenizer_json()))
+    container = str(tmp_path / "f32.moepack")
+    convert_checkpoint(str(src), container, policy="keep", progress=False)
+    out = export_gguf(container, str(tmp_path / "f32.gguf"), progress=False)["output"]
+    assert {t.tensor_type.name for t in gguf.GGUFReader(out).tensors} <= {"F32", "I32"}
+    for n in (1, 40, 150):
+        ids = torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        (tmp_path / "ids.txt").write_text(" ".join(map(str, ids)))
+        res = subprocess.run([exe, out, str(tmp_path / "ids.txt"), str(tmp_path / "out.f32"), "2"],
+                             capture_output=True, timeout=300)
+        assert res.returncode == 0, res.stderr.decode("utf-8", "replace")[-2000:]
+        theirs = np.fromfile(tmp_path / "out.f32", dtype=np.float32)
+        ours = prefill(container, ids).logits.numpy()
+        assert theirs.shape == ours.shape
+        err = np.abs(theirs - ours).max() / np.abs(ours).max()
+        assert err < 2e-5, (n, err)
