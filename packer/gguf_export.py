@@ -14,8 +14,8 @@ a container instead:
   with a tensor scale) is decoded and written as Q8_0.
 * metadata: the base TextModel keys and DeepseekV4Model.set_gguf_parameters' (`DEEPSEEK4_KEYS` lists the ones
   llama.cpp's loader requires), from the config in either spelling (moepack.v4.config), and the tokenizer (gpt2 BPE,
-  pre-tokenizer `deepseek-v3`, tokens padded to vocab_size with `[PAD{i}]`, merges and special ids via gguf-py's
-  SpecialVocab).
+  pre-tokenizer `joyai-llm` as the converter names it, tokens padded to vocab_size with `[PAD{i}]`, merges and
+  special ids via gguf-py's SpecialVocab).
 
 Written to a temporary name next to the output, fsynced, then renamed: a failure (a full disk) leaves no file behind
 and raises one MoepackError line. Needs gguf-py (`pip install gguf`).
@@ -48,7 +48,9 @@ from moepack.v4.config import DEFAULTS, ModelConfig
 from .progress import progress_bar
 
 ARCH = "deepseek4"
-TOKENIZER_PRE = "deepseek-v3"  # llama.cpp's pre-tokenizer for the DeepSeek-V3/V4 BPE (src/llama-vocab.cpp)
+# What llama.cpp's converter names the DeepSeek-V4 tokenizer's pre-tokenizer (it recognises the release's tokenizer
+# by a hash of its output as "joyai-llm"; src/llama-vocab.cpp gives that the same regexes as "deepseek-v3").
+TOKENIZER_PRE = "joyai-llm"
 FILE_TYPE_MXFP4_MOE = 38  # LlamaFileType.MOSTLY_MXFP4_MOE, what the converter sets for DeepSeek-V4
 QUANT_VERSION = 2
 GATING_FUNC = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}  # ExpertGatingFuncType
@@ -372,6 +374,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True) -> dict:
         writer = None
         try:
             writer = _writer_class(gguf)(tmp, ARCH)
+            writer.add_string("general.type", "model")
             writer.add_string("general.name", os.path.splitext(os.path.basename(path))[0])
             for key, kind, value in kv:
                 getattr(writer, f"add_{kind}")(key, value)

