@@ -15,7 +15,8 @@ a container instead:
 * metadata: the base TextModel keys and DeepseekV4Model.set_gguf_parameters' (`DEEPSEEK4_KEYS` lists the ones
   llama.cpp's loader requires), from the config in either spelling (moepack.v4.config), and the tokenizer (gpt2 BPE,
   pre-tokenizer `joyai-llm` as the converter names it, tokens padded to vocab_size with `[PAD{i}]`, merges and
-  special ids via gguf-py's SpecialVocab).
+  special ids via gguf-py's SpecialVocab); the chat template is the tokenizer's own if it has one, else DeepSeek-V4's
+  format as moepack.v4.chat renders it (v4/chat_template.jinja).
 
 Written to a temporary name next to the output, fsynced, then renamed: a failure (a full disk) leaves no file behind
 and raises one MoepackError line. Needs gguf-py (`pip install gguf`).
@@ -43,6 +44,7 @@ from moepack.format_spec.quants import fp4_to_mxfp4, quantize
 from moepack.format_spec.reader import Container
 from moepack.format_spec.writer import fsync_dir, fsync_file
 from moepack.v4 import names as v4names
+from moepack.v4.chat import chat_template
 from moepack.v4.config import DEFAULTS, ModelConfig
 
 from .progress import progress_bar
@@ -346,6 +348,8 @@ def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_si
             with open(os.path.join(tok_dir, name), "wb") as f:
                 f.write(data)
         special = gguf.SpecialVocab(tok_dir, load_merges=False, n_vocab=len(tokens))
+        if special.chat_template is None:  # the release ships none: DeepSeek-V4's format as moepack encodes it
+            special.chat_template = chat_template()
         special.add_to_gguf(writer, quiet=True)
     finally:
         shutil.rmtree(tok_dir, ignore_errors=True)

@@ -15,8 +15,11 @@ import pytest
 from click.testing import CliRunner
 
 from moepack.format_spec.errors import MoepackError
-from moepack.v4.chat import (ASSISTANT, BOS, EOS, SPECIAL_TOKENS, THINK_END, THINK_START, USER, encode_chat,
-                             encode_messages)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moepack.v4.chat import (ASSISTANT, BOS, EOS, SPECIAL_TOKENS, THINK_END, THINK_START, USER, chat_template,
+                             encode_chat, encode_messages)
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 with open(os.path.join(DATA, "dsv4_chat_reference.json"), encoding="utf-8") as _f:
@@ -65,6 +68,41 @@ def test_reference_covers_the_format():
 def test_matches_reference_encoder(name):
     case = CASES[name]
     assert _encode(case) == case["expected"]
+
+
+def _render_template(messages, thinking, reasoning_effort=None, drop_thinking=True, add_generation_prompt=True):
+    import jinja2
+
+    template = jinja2.Environment().from_string(chat_template())  # as transformers' and llama.cpp's (Jinja) engines
+    return template.render(messages=messages, bos_token=BOS, add_generation_prompt=add_generation_prompt,
+                           thinking=thinking, reasoning_effort=reasoning_effort, drop_thinking=drop_thinking)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chat_template_matches_reference_encoder(name):
+    """The Jinja chat template (what a GGUF export carries) renders the reference encoder's strings."""
+    case = CASES[name]
+    assert _render_template(case["messages"], **case["options"]) == case["expected"]
+
+
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
+     "content": st.text(alphabet="ab \n<>|{}%#'\"", min_size=1, max_size=8)},
+    optional={"reasoning_content": st.text(alphabet="xy \n", max_size=5)})
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages=st.lists(_MESSAGE, max_size=7), thinking=st.booleans(), effort=st.sampled_from([None, "high", "max"]),
+       drop=st.booleans())
+def test_chat_template_equals_encoder_on_any_conversation(messages, thinking, effort, drop):
+    for m in messages:
+        if m["role"] != "assistant":
+            m.pop("reasoning_content", None)
+    ours = encode_messages(messages, thinking=thinking, reasoning_effort=effort, drop_thinking=drop)
+    assert _render_template(messages, thinking, effort, drop) == ours
+    if messages and messages[-1]["role"] in ("user", "developer"):  # without the generation prompt: no reply tag
+        assert _render_template(messages, thinking, effort, drop, add_generation_prompt=False) == \
+            ours.rsplit(ASSISTANT, 1)[0]
 
 
 def test_format_landmarks():

@@ -32,6 +32,7 @@ from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.packer.gguf_export import ARCH, DEEPSEEK4_KEYS, export_gguf  # noqa: E402
 from moepack.packer.synth import synth_checkpoint  # noqa: E402
 from moepack.v4 import names as v4names  # noqa: E402
+from moepack.v4.chat import chat_template  # noqa: E402
 from moepack.v4.config import ModelConfig  # noqa: E402
 
 # llama.cpp's MODEL_ARCH.DEEPSEEK4 tensor templates (gguf-py constants.py of the llama.cpp tree), with the suffixes
@@ -139,6 +140,7 @@ def test_metadata(exported, policy):
     # tokenizer
     assert _field(r, "tokenizer.ggml.model") == "gpt2"
     assert _field(r, "tokenizer.ggml.pre") == "joyai-llm"
+    assert _field(r, "tokenizer.chat_template") == chat_template()  # the synthetic tokenizer has none of its own
     tokens = _field(r, "tokenizer.ggml.tokens")
     types = _field(r, "tokenizer.ggml.token_type")
     assert len(tokens) == len(types) == cfg.vocab_size

@@ -29,6 +29,9 @@ encoder's `context=` continuation (`add_bos=False` covers rendering a conversati
 
 from __future__ import annotations
 
+import json
+import os
+from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
 from moepack.format_spec.errors import MoepackError
@@ -162,3 +165,13 @@ def _drop_earlier_thinking(turns: list[tuple[str, str, str | None]]) -> list[tup
         elif role == "assistant":
             kept.append((role, text, None))
     return kept
+
+
+@lru_cache(maxsize=1)
+def chat_template() -> str:
+    """The same format as a Jinja chat template (v4/chat_template.jinja), for engines that take one (a GGUF's
+    `tokenizer.chat_template`). Its variables: messages, bos_token, add_generation_prompt, thinking (or
+    enable_thinking), reasoning_effort, drop_thinking."""
+    with open(os.path.join(os.path.dirname(__file__), "chat_template.jinja"), encoding="utf-8") as f:
+        template = f.read()
+    return template.replace("__REASONING_EFFORT_MAX_PREFIX__", json.dumps(REASONING_EFFORT_MAX_PREFIX))
