@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import click
@@ -88,14 +89,16 @@ def _policy_options(fn):
 @json_option
 @reports_errors
 def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts, part_dirs, as_json):
-    """Convert SRC (a hub repo id such as deepseek-ai/DeepSeek-V4-Flash, or a local checkpoint directory) into a
-    container. Rerunning an interrupted conversion resumes it."""
+    """Convert SRC (a hub repo id such as deepseek-ai/DeepSeek-V4-Flash, a local checkpoint directory, or a
+    llama.cpp deepseek4 GGUF file, the first of its splits for a split one) into a container. Rerunning an
+    interrupted conversion resumes it."""
     from moepack.packer.convert import convert_checkpoint
 
     if policy is None:
         raise click.UsageError("choose a precision policy: --fp4, --nvfp4, --q8, --q2, --bf16 or --keep")
     if out is None:
-        out = f"{os.path.basename(os.path.normpath(src))}-{policy}.moepack"
+        name = re.sub(r"(-\d{5}-of-\d{5})?\.gguf$", "", os.path.basename(os.path.normpath(src)))
+        out = f"{name}-{policy}.moepack"
     if part_dirs and parts < 2:
         raise click.UsageError("--part-dir needs --parts 2 or more")
     result = convert_checkpoint(src, out, policy=policy, progress=not as_json, revision=revision, workers=workers,
@@ -129,21 +132,28 @@ def _part_lines(parts: list[dict]) -> list[str]:
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(),
               help="Directory to write (hf: must not exist, or be empty), or the .gguf file (gguf: must not exist).")
 @click.option("--format", "fmt", type=click.Choice(["hf", "gguf"]), default="hf", show_default=True,
-              help="hf: a Hugging Face checkpoint transformers loads; gguf: one GGUF file of llama.cpp's deepseek4.")
+              help="hf: a Hugging Face checkpoint transformers loads; gguf: a GGUF file of llama.cpp's deepseek4.")
 @click.option("--dtype", type=click.Choice(["bf16", "f32"]), default="bf16", show_default=True,
               help="hf only: the dtype of dequantized weights.")
+@click.option("--split-max-size", metavar="SIZE",
+              help="gguf only: split the file as llama.cpp does (OUT-00001-of-0000N.gguf), at most SIZE of tensor "
+                   "data each (bytes, or with K / M / G / T, e.g. 50G).")
 @json_option
 @reports_errors
-def export(file, out_dir, fmt, dtype, as_json):
+def export(file, out_dir, fmt, dtype, split_max_size, as_json):
     """Write a container back out: a Hugging Face checkpoint (dequantized) that transformers loads, or a GGUF file
     llama.cpp's deepseek4 architecture loads (--format gguf)."""
     if fmt == "gguf":
-        from moepack.packer.gguf_export import export_gguf
+        from moepack.packer.gguf_export import export_gguf, parse_size
 
-        result = export_gguf(file, out_dir, progress=not as_json)
+        size = None if split_max_size is None else parse_size(split_max_size)
+        result = export_gguf(file, out_dir, progress=not as_json, split_max_size=size)
         emit(as_json, result, lambda r: click.echo(
-            f"wrote {r['output']}: {r['tensors']} tensors, {r['bytes'] / 2**20:.1f} MiB (GGUF, {r['architecture']})"))
+            f"wrote {r['output']}" + (f" (+{len(r['files']) - 1} more splits)" if len(r["files"]) > 1 else "")
+            + f": {r['tensors']} tensors, {r['bytes'] / 2**20:.1f} MiB (GGUF, {r['architecture']})"))
         return
+    if split_max_size is not None:
+        raise click.UsageError("--split-max-size applies to --format gguf")
     from moepack.packer.export import export_container
 
     result = export_container(file, out_dir, dtype=dtype, progress=not as_json)
@@ -184,7 +194,7 @@ def _print_summary(s: dict) -> None:
 
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--source", help="Also compare every tensor with this checkpoint (hub id or directory).")
+@click.option("--source", help="Also compare every tensor with this checkpoint (hub id, directory, or GGUF file).")
 @click.option("--revision", help="Revision of --source on the hub.")
 @json_option
 @reports_errors

@@ -30,7 +30,8 @@ from moepack.format_spec.writer import ContainerWriter
 from moepack.v4.arch import Adapter, adapter_for
 
 from .progress import progress_bar
-from .source import CheckpointDir, SourceTensor
+from .gguf_source import GGUFSource, keep_refusal
+from .source import SourceTensor
 
 READ_AHEAD = 2  # regions read ahead of the one being converted
 
@@ -77,6 +78,8 @@ def plan_regions(adapter: Adapter, tensors: dict[str, SourceTensor], drop_mtp: b
 
 def source_type_and_shape(adapter: Adapter, name: str, t: SourceTensor) -> tuple[str, list[int]]:
     """The source's storage type and logical shape; packed FP4 (I8 [out, in/2]) is FP4_E2M1 [out, in]."""
+    if t.storage is not None:
+        return t.storage, list(t.shape)
     if t.dtype == "I8" and adapter.packed_fp4.search(name):
         return "FP4_E2M1", [*t.shape[:-1], t.shape[-1] * 2]
     return FROM_SAFETENSORS[t.dtype], list(t.shape)
@@ -144,10 +147,9 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
     if not os.path.isdir(out_dir):
         raise MoepackError(f"output directory {out_dir} does not exist")
     start = time.perf_counter()
-    from .hub import resolve_source
+    from .hub import open_source
 
-    resolved = resolve_source(src, revision=revision, progress=progress)
-    source = CheckpointDir(resolved.local_dir)
+    source, provenance = open_source(src, revision=revision, progress=progress)
     if workers:
         torch.set_num_threads(workers)
     try:
@@ -157,10 +159,13 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
         problem = layer_count_problem(source.config, sum(1 for kind, block, _, _ in plan
                                                          if kind == "dense" and parse_block_name(block)[0] == "layers"))
         if problem:
-            raise MoepackError(f"{resolved.local_dir}: {problem}")
+            raise MoepackError(f"{provenance['source']}: {problem}")
+        refusal = keep_refusal(source) if policy == "keep" and isinstance(source, GGUFSource) else None
+        if refusal:
+            raise MoepackError(f"{provenance['source']}: {refusal}")
         _check_stripes(plan, parts, stripe_experts)
         converter = RegionConverter(adapter, policy)
-        job = {"source": resolved.provenance["source"], "revision": resolved.provenance.get("revision"),
+        job = {"source": provenance["source"], "revision": provenance.get("revision"),
                "policy": policy, "drop_mtp": drop_mtp, "files": source.file_sizes(),
                "tensors": len(source.tensors)}
         total_in = sum(t.length for _, _, _, items in plan for _, t in items)
@@ -175,7 +180,7 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
             writer.finish(
                 config=source.config, architecture=adapter.architecture,
                 policy={**policy_table(policy), "drop_mtp": drop_mtp},
-                tokenizer=source.side_files(), provenance=resolved.provenance,
+                tokenizer=source.side_files(), provenance=provenance,
             )
         except BaseException:
             writer.abort()

@@ -46,11 +46,10 @@ def _source_values(source: CheckpointDir, adapter, names: dict[str, str], name: 
 
 def compare_with_source(path: str, src: str, revision: str | None = None, progress: bool = True,
                         worst: int = 10) -> dict:
-    from .hub import resolve_source
+    from .hub import open_source
 
     start = time.perf_counter()
-    resolved = resolve_source(src, revision=revision, progress=progress)
-    source = CheckpointDir(resolved.local_dir)
+    source, provenance = open_source(src, revision=revision, progress=progress)
     rows, failures = [], []
     try:
         adapter = adapter_for(source.config)
@@ -85,7 +84,7 @@ def compare_with_source(path: str, src: str, revision: str | None = None, progre
         agg["tensors"] += 1
         agg["max_rel_rmse"] = max(agg["max_rel_rmse"], r["rel_rmse"])
     return {
-        "ok": not failures, "path": path, "source": resolved.provenance["source"], "tensors": len(rows),
+        "ok": not failures, "path": path, "source": provenance["source"], "tensors": len(rows),
         "bit_identical": sum(1 for r in rows if r["check"] == "bytes"),
         "value_identical": sum(1 for r in rows if r["check"] == "values"),
         "lossy": len(lossy), "by_type": by_type, "worst": lossy[:worst], "failures": failures,

@@ -48,6 +48,7 @@ from moepack.v4.chat import chat_template
 from moepack.v4.config import DEFAULTS, ModelConfig
 
 from .progress import progress_bar
+from .sharding import greedy_shards
 
 ARCH = "deepseek4"
 # What llama.cpp's converter names the DeepSeek-V4 tokenizer's pre-tokenizer (it recognises the release's tokenizer
@@ -333,6 +334,9 @@ def _writer_class(gguf):
 
 
 def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_size: int, tmp_dir: str) -> None:
+    if "tokenizer.json" not in files:  # a container run by token ids: llama.cpp's vocabulary type "none"
+        writer.add_string("tokenizer.ggml.model", "none")
+        return
     tokens, types = vocab(files, vocab_size)
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", TOKENIZER_PRE)
@@ -355,8 +359,36 @@ def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_si
         shutil.rmtree(tok_dir, ignore_errors=True)
 
 
-def export_gguf(path: str, out_file: str, progress: bool = True) -> dict:
-    """Write container `path` as GGUF file `out_file` (must not exist). Returns a summary dict."""
+def parse_size(text: str) -> int:
+    """A size as `--split-max-size` takes it, as llama.cpp's gguf-split does: bytes, or a number with K, M, G or T
+    (powers of 1000)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise MoepackError(f"size {text!r}: expected bytes or a number with K, M, G or T (e.g. 50G)")
+    size = int(float(m.group(1)) * 1000 ** " KMGT".index(m.group(2).upper() or " "))
+    if size < 1:
+        raise MoepackError(f"size {text!r} must be at least one byte")
+    return size
+
+
+def split_name(out_file: str, number: int, count: int) -> str:
+    """llama.cpp's name of split `number` (1-based) of `count`: OUT-0000i-of-0000N.gguf."""
+    stem = out_file[: -len(".gguf")] if out_file.endswith(".gguf") else out_file
+    return f"{stem}-{number:05d}-of-{count:05d}.gguf"
+
+
+def _shard(gguf, jobs: list[_Job], max_bytes: int | None) -> list[list[_Job]]:
+    """Tensors in order, a new file whenever the next would pass max_bytes (a bigger tensor gets a file alone)."""
+    if max_bytes is None:
+        return [jobs]
+    return greedy_shards(jobs, lambda j: _ggml_nbytes(gguf, j.qtype, j.shape), max_bytes)
+
+
+def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size: int | None = None) -> dict:
+    """Write container `path` as GGUF file `out_file` (must not exist); with `split_max_size` (bytes of tensor data
+    per file) as llama.cpp's splits OUT-00001-of-0000N.gguf (split.no / split.count / split.tensors.count in each,
+    the model's keys in the first). Every file is written under a temporary name and renamed once all are
+    complete. Returns a summary dict."""
     try:
         import gguf
     except ImportError:
@@ -366,67 +398,91 @@ def export_gguf(path: str, out_file: str, progress: bool = True) -> dict:
     parent = os.path.dirname(os.path.abspath(out_file))
     if not os.path.isdir(parent):
         raise MoepackError(f"output's parent directory {parent} does not exist")
-    if os.path.exists(out_file):
-        raise MoepackError(f"{out_file} exists")
     with Container(path) as c:
         cfg = ModelConfig.from_hf(c.config)
         jobs = plan_tensors(c, cfg)
         kv = metadata(c.config, cfg)
         files = _tokenizer_files(c)
-        fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=".gguf.tmp", dir=parent)
-        os.close(fd)
+        shards = _shard(gguf, jobs, split_max_size)
+        outputs = [out_file] if split_max_size is None else [split_name(out_file, i + 1, len(shards))
+                                                             for i in range(len(shards))]
+        for name in outputs:
+            if os.path.exists(name):
+                raise MoepackError(f"{name} exists")
+        tmps: list[str] = []
         writer = None
+        bar = progress_bar(sum(j.source_bytes for j in jobs), "export gguf", progress)
         try:
-            writer = _writer_class(gguf)(tmp, ARCH)
-            writer.add_string("general.type", "model")
-            writer.add_string("general.name", os.path.splitext(os.path.basename(path))[0])
-            for key, kind, value in kv:
-                getattr(writer, f"add_{kind}")(key, value)
-            _add_tokenizer(gguf, writer, files, c.config, cfg.vocab_size, parent)
-            total = 0
-            for j in jobs:
-                nbytes = _ggml_nbytes(gguf, j.qtype, j.shape)
-                writer.add_tensor_info(j.name, j.shape, np.dtype(np.float32), nbytes,
-                                       raw_dtype=gguf.GGMLQuantizationType[j.qtype])
-                total += nbytes
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-            bar = progress_bar(sum(j.source_bytes for j in jobs), "export gguf", progress)
-            for j in jobs:
-                data = np.ascontiguousarray(j.produce()).reshape(-1).view(np.uint8)
-                if data.nbytes != _ggml_nbytes(gguf, j.qtype, j.shape):
-                    raise MoepackError(f"{j.name}: produced {data.nbytes} bytes, expected "
-                                       f"{_ggml_nbytes(gguf, j.qtype, j.shape)}")
-                writer.write_tensor_data(data)
-                bar.update(j.source_bytes)
+            for number, shard in enumerate(shards):
+                fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=".gguf.tmp", dir=parent)
+                os.fchmod(fd, 0o666 & ~_umask())  # a plain file's mode, not mkstemp's 0600
+                os.close(fd)
+                tmps.append(tmp)
+                writer = _writer_class(gguf)(tmp, ARCH)
+                if number == 0:
+                    writer.add_string("general.type", "model")
+                    writer.add_string("general.name", os.path.splitext(os.path.basename(path))[0])
+                    for key, kind, value in kv:
+                        getattr(writer, f"add_{kind}")(key, value)
+                    _add_tokenizer(gguf, writer, files, c.config, cfg.vocab_size, parent)
+                if split_max_size is not None:
+                    writer.add_uint16("split.no", number)
+                    writer.add_uint16("split.count", len(shards))
+                    writer.add_int32("split.tensors.count", len(jobs))
+                _write_tensors(gguf, writer, shard, bar)
+                writer = None
             bar.close()
-            writer.close()
-            writer = None
-            fsync_file(tmp)
-            os.replace(tmp, out_file)
+            for tmp, name in zip(tmps, outputs):
+                fsync_file(tmp)
+                os.replace(tmp, name)
             fsync_dir(parent)
         except OSError as e:  # a full disk, a vanished folder: one line, nothing left behind
-            _discard(writer, tmp)
+            _discard(writer, tmps)
             full = " (disk full)" if is_disk_full(e) else ""
             raise MoepackError(f"writing {out_file} failed: {error_reason(e)}{full}") from None
         except BaseException:
-            _discard(writer, tmp)
+            _discard(writer, tmps)
             raise
-    return {"output": out_file, "format": "gguf", "architecture": ARCH, "tensors": len(jobs), "bytes": total,
-            "seconds": round(time.perf_counter() - start, 3)}
+    total = sum(_ggml_nbytes(gguf, j.qtype, j.shape) for j in jobs)
+    return {"output": outputs[0], "files": outputs, "format": "gguf", "architecture": ARCH, "tensors": len(jobs),
+            "bytes": total, "seconds": round(time.perf_counter() - start, 3)}
 
 
-def _discard(writer, tmp: str) -> None:
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write_tensors(gguf, writer, jobs: list[_Job], bar) -> None:
+    """Header, keys, tensor infos, then each tensor's bytes as it is produced (one tensor in memory at a time)."""
+    for j in jobs:
+        writer.add_tensor_info(j.name, j.shape, np.dtype(np.float32), _ggml_nbytes(gguf, j.qtype, j.shape),
+                               raw_dtype=gguf.GGMLQuantizationType[j.qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for j in jobs:
+        data = np.ascontiguousarray(j.produce()).reshape(-1).view(np.uint8)
+        if data.nbytes != _ggml_nbytes(gguf, j.qtype, j.shape):
+            raise MoepackError(f"{j.name}: produced {data.nbytes} bytes, expected "
+                               f"{_ggml_nbytes(gguf, j.qtype, j.shape)}")
+        writer.write_tensor_data(data)
+        bar.update(j.source_bytes)
+    writer.close()
+
+
+def _discard(writer, tmps: list[str]) -> None:
     if writer is not None:
         try:
             writer.close()
         except OSError:
             pass
-    try:
-        os.unlink(tmp)
-    except OSError:
-        pass
+    for tmp in tmps:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
-__all__ = ["export_gguf", "metadata", "plan_tensors", "vocab", "DEEPSEEK4_KEYS", "ARCH", "TOKENIZER_PRE"]
+__all__ = ["export_gguf", "parse_size", "split_name", "metadata", "plan_tensors", "vocab", "DEEPSEEK4_KEYS", "ARCH", "TOKENIZER_PRE"]

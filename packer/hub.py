@@ -78,6 +78,21 @@ def resolve_source(src: str, revision: str | None = None, progress: bool = True,
     return plan.source()
 
 
+def open_source(src: str, revision: str | None = None, progress: bool = True):
+    """(source, provenance) for any source the converter takes: a llama.cpp deepseek4 GGUF file (or its first
+    split), a local checkpoint directory, a hub repo id. The source is a GGUFSource or a CheckpointDir; close it."""
+    from .gguf_source import GGUFSource, is_gguf
+    from .source import CheckpointDir
+
+    if is_gguf(src):
+        if revision is not None:
+            raise MoepackError(f"--revision {revision} applies to Hugging Face repos, but {src} is a GGUF file")
+        source = GGUFSource(src)
+        return source, source.provenance
+    resolved = resolve_source(src, revision=revision, progress=progress)
+    return CheckpointDir(resolved.local_dir), resolved.provenance
+
+
 # ----------------------------------------------------------------------------------------------------------- local
 
 

@@ -29,6 +29,7 @@ class SourceTensor:
     file: str
     offset: int  # absolute, in the file
     length: int
+    storage: str | None = None  # the storage type, where the source names it itself (GGUF); else from `dtype`
 
 
 def read_safetensors_header(path: str) -> dict[str, SourceTensor]:

@@ -37,6 +37,8 @@ from moepack.v4.config import CSA, HCA, SLIDING, ModelConfig
 from moepack.v4.tensors import (DTYPE_BYTES as _DTYPE_BYTES, ROLE_DENSE_LINEAR, ROLE_EXPERT, StoredTensor, TensorSpec,
                                 check_layout as _check_layout, stored_tensors, v4_tensor_specs)
 
+from .sharding import greedy_shards
+
 PRESETS = ("tiny", "small", "medium")
 
 # The release's config.json quantization block (as in tests/data/deepseek-v4-flash.config.json).
@@ -300,16 +302,7 @@ def _element_bytes(spec: TensorSpec, layout: str) -> int:
 
 def _plan_shards(specs: list[TensorSpec], layout: str, shard_bytes: int) -> list[list[TensorSpec]]:
     """Greedy, in streaming order; a weight and its scale share a shard; a tensor over shard_bytes gets its own."""
-    shards: list[list[TensorSpec]] = [[]]
-    used = 0
-    for spec in specs:
-        size = sum(t.nbytes for t in stored_tensors(spec, layout))
-        if shards[-1] and used + size > shard_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(spec)
-        used += size
-    return shards
+    return greedy_shards(specs, lambda spec: sum(t.nbytes for t in stored_tensors(spec, layout)), shard_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------

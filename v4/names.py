@@ -181,6 +181,16 @@ def to_gguf(name: str) -> str | None:
     return _convert(name, "name", "gguf")
 
 
+def from_gguf(name: str) -> str | None:
+    """moepack's canonical name of a GGUF tensor of llama.cpp's deepseek4, None for names it does not have (routed
+    experts are stacked in a GGUF: their rows hold an expert placeholder and are not matched here)."""
+    found = lookup(name, "gguf")
+    if found is None or "{E}" in found[0].name:
+        return None
+    row, fields = found
+    return row.name.format(**fields)
+
+
 def to_module(name: str) -> str | None:
     """The parameter (or buffer) of transformers' DeepseekV4ForCausalLM holding canonical `name` (routed experts:
     the fused tensor); None for the MTP layers."""

