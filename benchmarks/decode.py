@@ -8,12 +8,15 @@ On a synthetic DeepSeek-V4 model (default: the `medium` preset in the release la
                      cache: routed bytes per token / fio GB/s (the reader's own rate where fio is missing)
   transformers       DeepseekV4ForCausalLM resident (loaded from `moepack export`), `generate` greedy; decode
                      tokens/s from the difference of a long and a one-token generation
-  llama.cpp          not measured: it needs the GGUF export (the GGUF issue)
+  llama.cpp          with --vs-llama and a llama.cpp build: llama-bench's decode (`-p 0 -n NEW -d TOKENS`) of the
+                     container's GGUF export, the same weights
 --cap-fraction F runs the moepack rows again as a child process in a cgroup (v1 memory controller, or v2) capped at
-F x the container's size, page cache included (root only).
+F x the container's size, page cache included (root only), and llama.cpp's decode in the same cgroup from a cold
+page cache, with the bytes each read from disk.
 
-Usage: python benchmarks/decode.py [--preset medium] [--tokens 64] [--new-tokens 32] [--compute-dtype bfloat16]
-                                   [--cap-fraction 0.45] [--no-transformers] [--json]
+Usage: python benchmarks/decode.py [--preset medium | --vs-llama f32|bf16|q8_0 --llama-cpp BUILD] [--tokens 64]
+                                   [--new-tokens 32] [--compute-dtype bfloat16] [--cap-fraction 0.45]
+                                   [--no-transformers] [--json]
 """
 
 from __future__ import annotations
@@ -109,52 +112,77 @@ def transformers_row(container: str, workdir: str, ids: torch.Tensor, new: int) 
     return {"tokens_per_s": round((new - 1) / max(many - one, 1e-9), 2)}
 
 
-def capped_rows(args, container: str, facts: dict) -> list[dict] | dict:
-    """The moepack rows again, in a child process inside a memory cgroup capped at cap_fraction x the container."""
-    limit = int(args.cap_fraction * facts["size"])
-    name = f"moepack-decode-{os.getpid()}"
-    v1 = "/sys/fs/cgroup/memory"
-    if os.path.isdir(v1):
-        group, limit_file, procs = os.path.join(v1, name), "memory.limit_in_bytes", "cgroup.procs"
-    elif os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-        group, limit_file, procs = os.path.join("/sys/fs/cgroup", name), "memory.max", "cgroup.procs"
+def _child_argv(args, budget: float) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--preset", args.preset,
+            *(["--vs-llama", args.vs_llama] if args.vs_llama else []), "--tokens", str(args.tokens),
+            "--new-tokens", str(args.new_tokens), "--compute-dtype", args.compute_dtype, "--no-transformers",
+            "--no-disk", "--json", "--budget-gib", str(round(budget / GIB, 3))]
+
+
+def llama_row(bench: str, gguf: str, args, procs: str | None = None) -> dict:
+    """llama.cpp's decode on the same weights: llama-bench generating --new-tokens after a --tokens context
+    (`-p 0 -n new -d tokens`), llama-bench's defaults otherwise. Resident: after its warm-up, median of 3. In a
+    cgroup (procs): from a cold page cache, one run, no warm-up, with the bytes the machine read from disk."""
+    from cgroup import disk_read_bytes, killed_for_memory, run_capped
+
+    argv = [bench, "-m", gguf, "-p", "0", "-n", str(args.new_tokens), "-d", str(args.tokens), "-t",
+            str(torch.get_num_threads()), "-o", "json"]
+    if procs is None:
+        done = subprocess.run(argv + ["-r", "3"], capture_output=True, text=True)
+        read = None
     else:
-        return {"skipped": "no memory cgroup on this machine"}
-    try:
-        os.mkdir(group)
-        with open(os.path.join(group, limit_file), "w") as f:
-            f.write(str(limit))
-    except OSError as e:
-        return {"skipped": f"cannot make a memory cgroup ({e.strerror}): run as root"}
-    rows = []
-    try:
+        drop_page_cache(gguf)
+        before = disk_read_bytes()
+        done = run_capped(procs, argv + ["-r", "1", "--no-warmup"])
+        read = disk_read_bytes() - before
+    if done.returncode:
+        why = ("killed (out of memory in the cgroup)" if killed_for_memory(done.returncode) else
+               (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1])
+        return {"failed": why}
+    row = json.loads(done.stdout)[0]
+    out = {"tokens_per_s": round(float(row["avg_ts"]), 2)}
+    if read is not None:  # the depth's prompt is processed first: its reads are counted too
+        out["disk_read_bytes"] = read
+    return out
+
+
+def capped_rows(args, container: str, facts: dict, gguf: str | None, bench: str | None) -> dict:
+    """The moepack rows again, each a child process inside a memory cgroup capped at cap_fraction x the container
+    (page cache included), and llama.cpp's decode of the same weights in the same cgroup."""
+    import cgroup
+    from cgroup import disk_read_bytes, killed_for_memory, memory_cgroup, run_capped
+
+    limit = int(args.cap_fraction * facts["size"])
+    with memory_cgroup(limit, "moepack-decode") as procs:
+        if procs is None:
+            return {"skipped": cgroup.skip_reason}
+        rows = []
         # a cache that leaves the cgroup room: a quarter of what the routed experts may take of it
         room = max(limit - (facts["size"] - facts["routed_bytes"]) * 2, 0) // 4
         for budget in (0, room):  # one child each: one killed for memory leaves the others
-            child = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--preset", args.preset,
-                     "--tokens", str(args.tokens), "--new-tokens", str(args.new_tokens), "--compute-dtype",
-                     args.compute_dtype, "--no-transformers", "--no-disk", "--json",
-                     "--budget-gib", str(round(budget / GIB, 3))]
-            script = f"echo $$ > {os.path.join(group, procs)} && exec " + " ".join(f"'{a}'" for a in child)
-            done = subprocess.run(["sh", "-c", script], capture_output=True, text=True)
+            before = disk_read_bytes()
+            done = run_capped(procs, _child_argv(args, budget))
             if done.returncode:
-                why = ("killed (out of memory in the cgroup)" if done.returncode in (-9, 137) else
+                why = ("killed (out of memory in the cgroup)" if killed_for_memory(done.returncode) else
                        (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1])
                 rows.append({"cache_gib": round(budget / GIB, 3), "failed": why})
             else:
-                rows += json.loads(done.stdout)["moepack"]
-        return {"limit_bytes": limit, "rows": rows}
-    finally:
-        try:
-            os.rmdir(group)
-        except OSError:
-            pass
+                rows += [{**r, "disk_read_bytes": disk_read_bytes() - before} for r in json.loads(done.stdout)["moepack"]]
+        out = {"limit_bytes": limit, "rows": rows}
+        if bench and gguf:
+            out["llama_cpp"] = llama_row(bench, gguf, args, procs)
+        return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "moepack-decode-bench"))
     ap.add_argument("--preset", default="medium", choices=["tiny", "small", "medium"])
+    ap.add_argument("--vs-llama", choices=["f32", "bf16", "q8_0"],
+                    help="instead of --preset: benchmarks/vs_llama_cpp.py's model stored as this type, which "
+                         "llama.cpp's deepseek4 runs (its GGUF export is llama.cpp's rows' file)")
+    ap.add_argument("--llama-cpp", default=os.environ.get("MOEPACK_LLAMA_CPP"),
+                    help="a llama.cpp build (benchmarks/llama_cpp.sh) for the llama.cpp rows (needs --vs-llama)")
     ap.add_argument("--tokens", type=int, default=64, help="prompt length")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -166,24 +194,35 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    container = ensure_container(args.workdir, args.preset)
+    gguf = bench = None
+    if args.vs_llama:
+        from vs_llama_cpp import ensure_files
+
+        container, gguf = ensure_files(args.workdir, args.vs_llama)
+        candidate = os.path.join(args.llama_cpp or "", "bin", "llama-bench")
+        bench = candidate if args.llama_cpp and os.path.exists(candidate) else None
+    else:
+        container = ensure_container(args.workdir, args.preset)
     facts = routed_facts(container)
     ids = torch.randint(0, facts["vocab"], (args.tokens,), generator=torch.Generator().manual_seed(0))
     budgets = ([float(b) for b in args.budget_gib.split(",")] if args.budget_gib else
                [round(f * facts["routed_bytes"] / GIB, 4) for f in BUDGETS])
-    out = {"preset": args.preset, "facts": facts, "threads": torch.get_num_threads(),
+    out = {"model": f"vs-llama {args.vs_llama}" if args.vs_llama else args.preset, "facts": facts,
+           "threads": torch.get_num_threads(),
            "moepack": [moepack_row(container, ids, args.new_tokens, b, args.compute_dtype) for b in budgets]}
     if not args.no_disk:
         disk = disk_rate(container, facts)
         out["disk"] = {**disk, "tokens_per_s_limit": round(disk["gbps"] * 1e9 / facts["routed_bytes_per_token"], 2)}
     if not args.no_transformers:
         out["transformers"] = transformers_row(container, args.workdir, ids, args.new_tokens)
+    if bench and not args.no_transformers:  # (children under the cap skip the resident comparisons)
+        out["llama_cpp"] = llama_row(bench, gguf, args)
     if args.cap_fraction:
-        out["capped"] = capped_rows(args, container, facts)
+        out["capped"] = capped_rows(args, container, facts, gguf, bench)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{args.preset}: {facts['size'] / 1e9:.2f} GB container, routed {facts['routed_bytes'] / 1e9:.2f} GB, "
+    print(f"{out['model']}: {facts['size'] / 1e9:.2f} GB container, routed {facts['routed_bytes'] / 1e9:.2f} GB, "
           f"{facts['routed_bytes_per_token'] / 1e6:.1f} MB of routed experts per token (top-{facts['top_k']}), "
           f"{out['threads']} threads, prompt {args.tokens}, {args.new_tokens} new tokens")
     print(f"{'cache GiB':>10} {'tokens/s':>9} {'hit rate':>9} {'MB read/token':>14} {'disk wait s':>12}")
@@ -196,7 +235,8 @@ def main() -> int:
               f"({out['disk']['source']})")
     if "transformers" in out:
         print(f"transformers resident generate (bf16): {out['transformers']['tokens_per_s']} tokens/s")
-    print("llama.cpp: not measured (needs the GGUF export)")
+    if "llama_cpp" in out:
+        print(f"llama.cpp resident decode (llama-bench, same weights): {json.dumps(out['llama_cpp'])}")
     if "capped" in out:
         print(f"under a memory cgroup of {args.cap_fraction} x the container: {json.dumps(out['capped'])}")
     return 0

@@ -43,16 +43,97 @@ if hasattr(_libc, "mallopt"):  # glibc
     _libc.mallopt.argtypes, _libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
 
 
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what can be used without swapping)."""
+def meminfo_available_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """MemAvailable from /proc/meminfo (what can be used without swapping); 0 where unknown."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+_NO_LIMIT = 1 << 62  # cgroup v1 writes "unlimited" as a page-rounded 2**63 - 1
+
+
+def _cgroup_mounts(mountinfo: str) -> dict[str, str]:
+    """{"v2": mount point of the cgroup2 hierarchy, "memory": mount point of the v1 memory controller}."""
+    mounts: dict[str, str] = {}
+    try:
+        with open(mountinfo) as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields, rest = left.split(), right.split()
+                if len(fields) < 5 or len(rest) < 3:
+                    continue
+                if rest[0] == "cgroup2":
+                    mounts.setdefault("v2", fields[4])
+                elif rest[0] == "cgroup" and "memory" in rest[2].split(","):
+                    mounts.setdefault("memory", fields[4])
+    except OSError:
+        pass
+    return mounts
+
+
+def _read_limit(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if 0 < value < _NO_LIMIT else None
+
+
+def cgroup_memory_limit(proc: str = "/proc/self") -> int | None:
+    """The tightest memory limit on this process's cgroups, page cache included: v1 `memory.limit_in_bytes` and
+    v2 `memory.max` of its cgroup and of every ancestor up to the hierarchy's root; None when there is none."""
+    mounts = _cgroup_mounts(os.path.join(proc, "mountinfo"))
+    limits = []
+    try:
+        with open(os.path.join(proc, "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "" and "v2" in mounts:
+            root, name = mounts["v2"], "memory.max"
+        elif "memory" in controllers.split(",") and "memory" in mounts:
+            root, name = mounts["memory"], "memory.limit_in_bytes"
+        else:
+            continue
+        rel = path.strip("/")
+        while True:  # the cgroup, then each parent: a parent's limit binds its children too
+            limit = _read_limit(os.path.join(root, rel, name))
+            if limit is not None:
+                limits.append(limit)
+            if not rel:
+                break
+            rel = os.path.dirname(rel)
+    return min(limits) if limits else None
+
+
+def available_memory_bytes() -> int:
+    """The memory this process may use: the smallest of MemAvailable, its cgroups' memory limit (page cache
+    included; v1 and v2, ancestors too) and its address-space limit (RLIMIT_AS); 0 where none is known."""
+    import resource
+
+    candidates = [v for v in (meminfo_available_bytes(), cgroup_memory_limit()) if v]
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft not in (resource.RLIM_INFINITY, -1) and soft > 0:
+        candidates.append(soft)
+    return min(candidates) if candidates else 0
 
 
 def cpu_steal_seconds() -> float | None:
@@ -113,7 +194,8 @@ def release_freed_memory() -> None:
 
 
 def choose_io_mode(mode: str, file_size: int) -> str:
-    """auto: page-cache streaming (mmap) when the container fits comfortably in free RAM, O_DIRECT otherwise."""
+    """auto: page-cache streaming (mmap) when the container fits comfortably in the memory this process may use
+    (available_memory_bytes: RAM, its cgroup's limit, its address-space limit), O_DIRECT otherwise."""
     if mode not in IO_MODES:
         raise MoepackError(f"unknown io mode {mode!r} (choose from {', '.join(IO_MODES)})")
     if mode != "auto":
