@@ -52,6 +52,19 @@ def run_capped(procs: str, argv: list[str], timeout: float | None = None) -> sub
     return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=timeout)
 
 
+def peak_bytes(procs: str) -> int | None:
+    """The most memory the cgroup's tasks held at once, page cache included (v1 memory.max_usage_in_bytes, v2
+    memory.peak), or None where the kernel does not keep it."""
+    group = os.path.dirname(procs)
+    for name in ("memory.max_usage_in_bytes", "memory.peak"):
+        try:
+            with open(os.path.join(group, name)) as f:
+                return int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
 def disk_read_bytes() -> int:
     """Bytes read so far by the machine's whole block devices (partitions and loop/ram devices left out)."""
     total = 0
