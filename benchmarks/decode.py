@@ -150,7 +150,7 @@ def capped_rows(args, container: str, facts: dict, gguf: str | None, bench: str 
     """The moepack rows again, each a child process inside a memory cgroup capped at cap_fraction x the container
     (page cache included), and llama.cpp's decode of the same weights in the same cgroup."""
     import cgroup
-    from cgroup import disk_read_bytes, killed_for_memory, memory_cgroup, run_capped
+    from cgroup import disk_read_bytes, killed_for_memory, memory_cgroup, peak_bytes, run_capped
 
     limit = int(args.cap_fraction * facts["size"])
     with memory_cgroup(limit, "moepack-decode") as procs:
@@ -167,7 +167,10 @@ def capped_rows(args, container: str, facts: dict, gguf: str | None, bench: str 
                        (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1])
                 rows.append({"cache_gib": round(budget / GIB, 3), "failed": why})
             else:
-                rows += [{**r, "disk_read_bytes": disk_read_bytes() - before} for r in json.loads(done.stdout)["moepack"]]
+                # (a child's own peak RSS is not its own: Linux keeps ru_maxrss across fork + exec, so the parent's
+                # shows through; the cgroup's peak, page cache included, is the bound that held)
+                rows += [{**r, "disk_read_bytes": disk_read_bytes() - before, "cgroup_peak_bytes": peak_bytes(procs)}
+                         for r in json.loads(done.stdout)["moepack"]]
         out = {"limit_bytes": limit, "rows": rows}
         if bench and gguf:
             out["llama_cpp"] = llama_row(bench, gguf, args, procs)

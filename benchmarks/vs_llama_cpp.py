@@ -5,7 +5,7 @@ The model is a float32 DeepSeek-V4 of ~3.4 GB (8 layers, 64 experts top-6, hidde
 limits: compress ratios 4 / 128, head dims multiples of 64, 4 hyper-connection streams), written by `moepack synth`
 and converted three ways, each exported to GGUF so both engines read the same bytes:
   f32    `convert --keep`   every weight F32
-  bf16   `convert --bf16`   the linears BF16 (norms, mHC, sinks F32)
+  bf16   the bf16 layout of the same synthetic model, `convert --keep` (norms, mHC, sinks F32)
   q8_0   `convert --q8`     the linears Q8_0 (ggml's blocks, byte-identical in both engines)
 For each N: prompt tokens/s, warm (the files in the page cache; moepack's second prefill in one process, llama-bench
 after its warm-up, median of its repetitions) and cold (the files dropped from the page cache first; one run, no
@@ -47,14 +47,17 @@ BENCH_MODEL = dict(
     o_groups=4, o_lora_rank=256, index_n_heads=16, index_head_dim=64, index_topk=16, n_routed_experts=64,
     num_experts_per_tok=6, compress_rates={CSA: 4, HCA: 128}, sliding_window=128, hc_mult=4,
 )
-POLICIES = {"f32": "keep", "bf16": "bf16", "q8_0": "q8"}
+POLICIES = {"f32": "keep", "bf16": "keep", "q8_0": "q8"}
 
 
 def ensure_files(workdir: str, kind: str) -> tuple[str, str]:
-    """(container, its GGUF) of the benchmark model stored as `kind`, built once in workdir."""
-    src = os.path.join(workdir, "bench-f32-src")
+    """(container, its GGUF) of the benchmark model stored as `kind`, built once in workdir. bf16 comes from the
+    synthetic checkpoint's bf16 layout (the same draws, rounded), since `--bf16` keeps float32 sources (it converts
+    only exactly)."""
+    layout = "bf16" if kind == "bf16" else "f32"
+    src = os.path.join(workdir, f"bench-{layout}-src")
     if not os.path.exists(os.path.join(src, "config.json")):
-        synth_checkpoint(src, preset="medium", layout="f32", config_overrides=BENCH_MODEL, progress=False,
+        synth_checkpoint(src, preset="medium", layout=layout, config_overrides=BENCH_MODEL, progress=False,
                          overwrite=True)
     container = os.path.join(workdir, f"bench-{kind}.moepack")
     if not os.path.exists(container):
