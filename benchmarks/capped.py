@@ -29,7 +29,7 @@ import sys
 import time
 
 import cgroup
-from cgroup import disk_read_bytes, killed_for_memory, memory_cgroup, peak_bytes, run_capped
+from cgroup import disk_read_bytes, failure, memory_cgroup, peak_bytes, run_capped
 from vs_llama_cpp import ensure_files
 
 from moepack.runtime.bench import drop_page_cache
@@ -47,8 +47,7 @@ def _capped(limit: int, argv: list[str], drop: list[str]) -> dict:
         wall = time.perf_counter() - start
         row = {"wall_s": round(wall, 2), "disk_read_bytes": disk_read_bytes() - before, "peak_bytes": peak_bytes(procs)}
     if done.returncode:
-        row["failed"] = ("killed (out of memory in the cgroup)" if killed_for_memory(done.returncode) else
-                         (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1])
+        row["failed"] = failure(done)
     row["stdout"] = done.stdout
     return row
 

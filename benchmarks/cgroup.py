@@ -78,5 +78,8 @@ def disk_read_bytes() -> int:
     return total
 
 
-def killed_for_memory(returncode: int) -> bool:
-    return returncode in (-9, 137)
+def failure(done: subprocess.CompletedProcess) -> str:
+    """One line on why a run failed: killed for memory inside the cgroup, else its last line of stderr."""
+    if done.returncode in (-9, 137):
+        return "killed (out of memory in the cgroup)"
+    return (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]

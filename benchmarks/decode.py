@@ -123,7 +123,7 @@ def llama_row(bench: str, gguf: str, args, procs: str | None = None) -> dict:
     """llama.cpp's decode on the same weights: llama-bench generating --new-tokens after a --tokens context
     (`-p 0 -n new -d tokens`), llama-bench's defaults otherwise. Resident: after its warm-up, median of 3. In a
     cgroup (procs): from a cold page cache, one run, no warm-up, with the bytes the machine read from disk."""
-    from cgroup import disk_read_bytes, killed_for_memory, run_capped
+    from cgroup import disk_read_bytes, failure, run_capped
 
     argv = [bench, "-m", gguf, "-p", "0", "-n", str(args.new_tokens), "-d", str(args.tokens), "-t",
             str(torch.get_num_threads()), "-o", "json"]
@@ -136,9 +136,7 @@ def llama_row(bench: str, gguf: str, args, procs: str | None = None) -> dict:
         done = run_capped(procs, argv + ["-r", "1", "--no-warmup"])
         read = disk_read_bytes() - before
     if done.returncode:
-        why = ("killed (out of memory in the cgroup)" if killed_for_memory(done.returncode) else
-               (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1])
-        return {"failed": why}
+        return {"failed": failure(done)}
     row = json.loads(done.stdout)[0]
     out = {"tokens_per_s": round(float(row["avg_ts"]), 2)}
     if read is not None:  # the depth's prompt is processed first: its reads are counted too
@@ -150,7 +148,7 @@ def capped_rows(args, container: str, facts: dict, gguf: str | None, bench: str 
     """The moepack rows again, each a child process inside a memory cgroup capped at cap_fraction x the container
     (page cache included), and llama.cpp's decode of the same weights in the same cgroup."""
     import cgroup
-    from cgroup import disk_read_bytes, killed_for_memory, memory_cgroup, peak_bytes, run_capped
+    from cgroup import disk_read_bytes, failure, memory_cgroup, peak_bytes, run_capped
 
     limit = int(args.cap_fraction * facts["size"])
     with memory_cgroup(limit, "moepack-decode") as procs:
@@ -163,9 +161,7 @@ def capped_rows(args, container: str, facts: dict, gguf: str | None, bench: str 
             before = disk_read_bytes()
             done = run_capped(procs, _child_argv(args, budget))
             if done.returncode:
-                why = ("killed (out of memory in the cgroup)" if killed_for_memory(done.returncode) else
-                       (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1])
-                rows.append({"cache_gib": round(budget / GIB, 3), "failed": why})
+                rows.append({"cache_gib": round(budget / GIB, 3), "failed": failure(done)})
             else:
                 # (a child's own peak RSS is not its own: Linux keeps ru_maxrss across fork + exec, so the parent's
                 # shows through; the cgroup's peak, page cache included, is the bound that held)

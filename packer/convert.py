@@ -30,8 +30,7 @@ from moepack.format_spec.writer import ContainerWriter
 from moepack.v4.arch import Adapter, adapter_for
 
 from .progress import progress_bar
-from .gguf_source import GGUFSource, keep_refusal
-from .source import SourceTensor
+from .source import SourceTensor, keep_refusal
 
 READ_AHEAD = 2  # regions read ahead of the one being converted
 
@@ -160,7 +159,7 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
                                                          if kind == "dense" and parse_block_name(block)[0] == "layers"))
         if problem:
             raise MoepackError(f"{provenance['source']}: {problem}")
-        refusal = keep_refusal(source) if policy == "keep" and isinstance(source, GGUFSource) else None
+        refusal = keep_refusal(source) if policy == "keep" else None
         if refusal:
             raise MoepackError(f"{provenance['source']}: {refusal}")
         _check_stripes(plan, parts, stripe_experts)

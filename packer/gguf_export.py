@@ -31,7 +31,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -85,6 +85,7 @@ class _Job:
     shape: tuple[int, ...]  # logical numpy shape (ggml ne is its reverse)
     produce: Callable[[], np.ndarray]  # the tensor's bytes, uint8 (or a numpy array of the right nbytes)
     source_bytes: int  # stored bytes consumed (progress)
+    nbytes: int = 0  # its size in the GGUF (set by export_gguf, which has gguf-py's block table)
 
 
 def _ggml_nbytes(gguf, qtype: str, shape) -> int:
@@ -377,11 +378,11 @@ def split_name(out_file: str, number: int, count: int) -> str:
     return f"{stem}-{number:05d}-of-{count:05d}.gguf"
 
 
-def _shard(gguf, jobs: list[_Job], max_bytes: int | None) -> list[list[_Job]]:
+def _shard(jobs: list[_Job], max_bytes: int | None) -> list[list[_Job]]:
     """Tensors in order, a new file whenever the next would pass max_bytes (a bigger tensor gets a file alone)."""
     if max_bytes is None:
         return [jobs]
-    return greedy_shards(jobs, lambda j: _ggml_nbytes(gguf, j.qtype, j.shape), max_bytes)
+    return greedy_shards(jobs, lambda j: j.nbytes, max_bytes)
 
 
 def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size: int | None = None) -> dict:
@@ -400,10 +401,10 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
         raise MoepackError(f"output's parent directory {parent} does not exist")
     with Container(path) as c:
         cfg = ModelConfig.from_hf(c.config)
-        jobs = plan_tensors(c, cfg)
+        jobs = [replace(j, nbytes=_ggml_nbytes(gguf, j.qtype, j.shape)) for j in plan_tensors(c, cfg)]
         kv = metadata(c.config, cfg)
         files = _tokenizer_files(c)
-        shards = _shard(gguf, jobs, split_max_size)
+        shards = _shard(jobs, split_max_size)
         outputs = [out_file] if split_max_size is None else [split_name(out_file, i + 1, len(shards))
                                                              for i in range(len(shards))]
         for name in outputs:
@@ -443,7 +444,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
         except BaseException:
             _discard(writer, tmps)
             raise
-    total = sum(_ggml_nbytes(gguf, j.qtype, j.shape) for j in jobs)
+    total = sum(j.nbytes for j in jobs)
     return {"output": outputs[0], "files": outputs, "format": "gguf", "architecture": ARCH, "tensors": len(jobs),
             "bytes": total, "seconds": round(time.perf_counter() - start, 3)}
 
@@ -457,16 +458,15 @@ def _umask() -> int:
 def _write_tensors(gguf, writer, jobs: list[_Job], bar) -> None:
     """Header, keys, tensor infos, then each tensor's bytes as it is produced (one tensor in memory at a time)."""
     for j in jobs:
-        writer.add_tensor_info(j.name, j.shape, np.dtype(np.float32), _ggml_nbytes(gguf, j.qtype, j.shape),
+        writer.add_tensor_info(j.name, j.shape, np.dtype(np.float32), j.nbytes,
                                raw_dtype=gguf.GGMLQuantizationType[j.qtype])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for j in jobs:
         data = np.ascontiguousarray(j.produce()).reshape(-1).view(np.uint8)
-        if data.nbytes != _ggml_nbytes(gguf, j.qtype, j.shape):
-            raise MoepackError(f"{j.name}: produced {data.nbytes} bytes, expected "
-                               f"{_ggml_nbytes(gguf, j.qtype, j.shape)}")
+        if data.nbytes != j.nbytes:
+            raise MoepackError(f"{j.name}: produced {data.nbytes} bytes, expected {j.nbytes}")
         writer.write_tensor_data(data)
         bar.update(j.source_bytes)
     writer.close()

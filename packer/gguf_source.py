@@ -30,7 +30,7 @@ from moepack.format_spec.dtypes import STORAGE_TYPES, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.v4 import names as v4names
 
-from .source import SourceTensor
+from .source import OpenFiles, SourceTensor
 
 GGUF_MAGIC = b"GGUF"
 ARCH = "deepseek4"
@@ -76,11 +76,15 @@ def split_files(path: str) -> list[str]:
     return files
 
 
-def _reader(path: str):
+def _gguf_py():
     try:
         import gguf
     except ImportError:
         raise MoepackError("reading a GGUF needs gguf-py: pip install gguf") from None
+    return gguf
+
+
+def _reader(gguf, path: str):
     name = os.path.basename(path)
     try:
         with open(path, "rb") as f:
@@ -90,7 +94,7 @@ def _reader(path: str):
     if magic != GGUF_MAGIC:
         raise MoepackError(f"{name}: not a GGUF file (magic {magic!r})")
     try:
-        return gguf, gguf.GGUFReader(path, "r")
+        return gguf.GGUFReader(path, "r")
     except Exception as e:  # gguf-py raises ValueError, IndexError, struct errors... on damaged files
         raise MoepackError(f"{name}: damaged or truncated GGUF ({type(e).__name__}: {e})") from None
 
@@ -112,11 +116,11 @@ class GGUFSource:
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
         self.files = split_files(self.path)
-        self._fds: dict[str, int] = {}
-        self._foreign: dict[str, tuple[str, int, tuple[int, ...]]] = {}  # name -> (ggml type, raw bytes, shape)
-        readers = [_reader(f) for f in self.files]
-        gguf, first = readers[0]
-        self._gguf = gguf
+        self._files = OpenFiles()
+        self._foreign: dict[str, tuple[str, int]] = {}  # name -> (ggml type, its bytes in the file)
+        self._gguf = _gguf_py()
+        readers = [_reader(self._gguf, f) for f in self.files]
+        first = readers[0]
         self.meta = {k: _value(first, k) for k in first.fields if not k.startswith("GGUF.")}
         arch = self.meta.get("general.architecture")
         if arch != ARCH:
@@ -124,7 +128,7 @@ class GGUFSource:
                                f"{ARCH!r} GGUFs (DeepSeek-V4)")
         self._check_splits(readers)
         gguf_tensors: dict[str, tuple[str, object]] = {}
-        for file, (_, reader) in zip(self.files, readers):
+        for file, reader in zip(self.files, readers):
             size = os.path.getsize(file)
             for t in reader.tensors:
                 if t.name in gguf_tensors:
@@ -144,7 +148,7 @@ class GGUFSource:
 
     def _check_splits(self, readers) -> None:
         count = len(self.files)
-        for i, (file, (_, reader)) in enumerate(zip(self.files, readers)):
+        for i, (file, reader) in enumerate(zip(self.files, readers)):
             declared = _value(reader, "split.count")
             if count > 1 or declared is not None:
                 if declared != count or _value(reader, "split.no") != i:
@@ -181,41 +185,33 @@ class GGUFSource:
                                    f"GGUF gives {nbytes}")
             return SourceTensor(name, qtype, tuple(shape), file, offset, nbytes, storage=qtype)
         # a ggml type a container does not hold: read as float32 through gguf-py's dequantizer
-        self._foreign[name] = (qtype, nbytes, tuple(shape))
+        self._foreign[name] = (qtype, nbytes)
         return SourceTensor(name, "F32", tuple(shape), file, offset, tensor_nbytes("F32", shape), storage="F32")
 
     def foreign_types(self) -> dict[str, str]:
         """{canonical name: ggml type} of the tensors a container cannot keep as they are."""
-        return {name: qtype for name, (qtype, _, _) in self._foreign.items()}
+        return {name: qtype for name, (qtype, _) in self._foreign.items()}
 
     # -- bytes -------------------------------------------------------------------------------------------------
 
     def read(self, t: SourceTensor) -> bytes:
-        fd = self._fds.get(t.file)
-        if fd is None:
-            fd = self._fds[t.file] = os.open(t.file, os.O_RDONLY)
         foreign = self._foreign.get(t.name)
-        length = foreign[1] if foreign else t.length
-        data = os.pread(fd, length, t.offset)
-        if len(data) != length:
-            raise MoepackError(f"{os.path.basename(t.file)}: short read for {t.name} (file truncated?)")
+        data = self._files.read(t.file, t.offset, foreign[1] if foreign else t.length, t.name)
         if foreign is None:
             return data
-        qtype, _, shape = foreign
-        gq = self._gguf.GGMLQuantizationType[qtype]
+        qtype = foreign[0]
         try:
-            values = self._gguf.quants.dequantize(np.frombuffer(data, dtype=np.uint8), gq)
+            values = self._gguf.quants.dequantize(np.frombuffer(data, dtype=np.uint8),
+                                                  self._gguf.GGMLQuantizationType[qtype])
         except NotImplementedError:
             raise MoepackError(f"{t.name}: gguf-py cannot dequantize ggml type {qtype}") from None
-        return np.ascontiguousarray(values, dtype=np.float32).reshape(shape).tobytes()
+        return np.ascontiguousarray(values, dtype=np.float32).reshape(t.shape).tobytes()
 
     def file_sizes(self) -> dict[str, int]:
         return {os.path.basename(f): os.path.getsize(f) for f in self.files}
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 
     # -- config ------------------------------------------------------------------------------------------------
 
@@ -362,15 +358,4 @@ def byte_level_bpe_json(tokens: list[str], types: list[int], merges: list[str], 
     }
 
 
-def keep_refusal(source: GGUFSource) -> str | None:
-    """Why `--keep` cannot convert this GGUF (a tensor in a ggml type a container cannot hold), or None."""
-    foreign = source.foreign_types()
-    if not foreign:
-        return None
-    name, qtype = next(iter(foreign.items()))
-    kinds = ", ".join(sorted(set(foreign.values())))
-    return (f"{len(foreign)} tensors ({name} first) are ggml {kinds}, which a container cannot keep as they are: "
-            f"convert with a policy (--q8, --fp4, --bf16, ...) to requantize them")
-
-
-__all__ = ["GGUFSource", "is_gguf", "split_files", "byte_level_bpe_json", "keep_refusal"]
+__all__ = ["GGUFSource", "is_gguf", "split_files", "byte_level_bpe_json"]

@@ -74,6 +74,27 @@ def read_safetensors_header(path: str) -> dict[str, SourceTensor]:
     return tensors
 
 
+class OpenFiles:
+    """A source's files, each opened once and read with pread (a short read is a truncated file, one line)."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+
+    def read(self, path: str, offset: int, length: int, what: str) -> bytes:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise MoepackError(f"{os.path.basename(path)}: short read for {what} (file truncated?)")
+        return data
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
 class CheckpointDir:
     """A local HF checkpoint: config.json, shards (+ model.safetensors.index.json when sharded), tokenizer files."""
 
@@ -108,7 +129,7 @@ class CheckpointDir:
                 t = self.tensors.get(key)
                 if t is None or os.path.basename(t.file) != shard:
                     raise MoepackError(f"tensor {key} is listed in the index under {shard} but is not in that shard")
-        self._fds: dict[str, int] = {}
+        self._files = OpenFiles()
 
     def _read_json(self, name: str, required: bool):
         p = os.path.join(self.path, name)
@@ -123,13 +144,7 @@ class CheckpointDir:
             raise MoepackError(f"{name} is not valid JSON: {e}") from None
 
     def read(self, t: SourceTensor) -> bytes:
-        fd = self._fds.get(t.file)
-        if fd is None:
-            fd = self._fds[t.file] = os.open(t.file, os.O_RDONLY)
-        data = os.pread(fd, t.length, t.offset)
-        if len(data) != t.length:
-            raise MoepackError(f"{os.path.basename(t.file)}: short read for {t.name} (file truncated?)")
-        return data
+        return self._files.read(t.file, t.offset, t.length, t.name)
 
     def side_files(self) -> dict[str, dict]:
         """Tokenizer and generation files, as {name: {"encoding": "utf-8"|"base64", "data": str}}."""
@@ -151,7 +166,20 @@ class CheckpointDir:
     def file_sizes(self) -> dict[str, int]:
         return {s: os.path.getsize(os.path.join(self.path, s)) for s in self.shards}
 
+    def foreign_types(self) -> dict[str, str]:
+        """Tensors whose type a container cannot hold: none (every safetensors dtype here is a storage type)."""
+        return {}
+
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
+
+
+def keep_refusal(source) -> str | None:
+    """Why `--keep` cannot convert this source (a tensor in a type a container cannot hold), or None."""
+    foreign = source.foreign_types()
+    if not foreign:
+        return None
+    name = next(iter(foreign))
+    kinds = ", ".join(sorted(set(foreign.values())))
+    return (f"{len(foreign)} tensors ({name} first) are ggml {kinds}, which a container cannot keep as they are: "
+            f"convert with a policy (--q8, --fp4, --bf16, ...) to requantize them")

@@ -17,6 +17,7 @@ import errno
 import mmap
 import os
 import queue
+import resource
 import threading
 import time
 import warnings
@@ -127,8 +128,6 @@ def cgroup_memory_limit(proc: str = "/proc/self") -> int | None:
 def available_memory_bytes() -> int:
     """The memory this process may use: the smallest of MemAvailable, its cgroups' memory limit (page cache
     included; v1 and v2, ancestors too) and its address-space limit (RLIMIT_AS); 0 where none is known."""
-    import resource
-
     candidates = [v for v in (meminfo_available_bytes(), cgroup_memory_limit()) if v]
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft not in (resource.RLIM_INFINITY, -1) and soft > 0:
