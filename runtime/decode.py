@@ -5,8 +5,11 @@ with a byte budget; everything else (attention, norms, router, shared expert, mH
 and stays resident, decoded, on the compute device. Per token and layer: a hash-routed layer knows its experts
 from the token id, so their reads are issued before the layer's attention; a learned layer's once its router
 ran. A miss is one aligned read of that expert's region through the prefill's reader (O_DIRECT where the
-container does not fit in memory), the reads of a layer issued together; each expert is computed as its bytes
-arrive, by the prefill's expert runner (the same decode and matmul, so a token's experts give the prefill's bits).
+container does not fit in memory), the reads of a layer issued together. On a CPU a token's chosen experts then run
+in one call of the compiled token kernel (runtime/token_kernels.py), which reads each matrix from its stored bytes
+(F32, BF16, F16, FP4 E2M1, MXFP4, Q8_0) and splits the rows over every thread, while the small torch ops of the
+token run on one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another
+stored kind) each expert is computed as its bytes arrive by the prefill's expert runner.
 
 The cache holds experts as stored (their container bytes), least recently used evicted first. It starts warm:
 `seed` reads the experts the prompt sent the most tokens to, most used first, until the budget is full.
@@ -15,6 +18,7 @@ The cache holds experts as stored (their container bytes), least recently used e
 from __future__ import annotations
 
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -27,8 +31,9 @@ from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 from moepack.v4.kv import LayerKVState
 
-from . import model
+from . import model, token_kernels
 from .device_copier import DeviceCopier
+from .expert_decode import EXPERT_MATRICES
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
 from .io import ReadPipeline, RegionReader
 from .model import HEAD_GLOBALS
@@ -90,6 +95,7 @@ class DecodeStats:
     seed_bytes: int = 0
     seed_s: float = 0.0
     resident_s: float = 0.0  # reading and decoding the non-routed weights
+    kernel_layers: int = 0  # layers whose routed experts ran in one call of the compiled token kernel
 
 
 class Decoder:
@@ -123,6 +129,11 @@ class Decoder:
         entries, read = self._read_globals([*HEAD_GLOBALS, cfg.head_weight], on_device=True)
         self.head_weights = decode_group(entries, read)
         self.stats.resident_s = time.perf_counter() - start
+        # a token's routed experts in one compiled call (CPU), read from their stored bytes
+        self.kernels = token_kernels.token_kernels() if device.type == "cpu" else None
+        self._layouts: dict[tuple[int, int], list | None] = {}
+        self._matrices: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> (weakref to its bytes, Matrices)
+        self._tables: dict[str, torch.Tensor] = {}
 
     def begin(self, states: list[LayerKVState]) -> None:
         """Start a sequence after `states`; the stats count from here."""
@@ -207,8 +218,84 @@ class Decoder:
         self.cache.put((layer, e), raw)
         return raw.to(self.device)
 
+    # --- the routed experts of a token in one compiled call ----------------------------------------------------------
+    def _kernel_layout(self, layer: int, e: int) -> list[tuple] | None:
+        """Expert e's three matrices as the token kernel reads them, relative to its region's first byte: (kind,
+        data slice, rows, cols, scale slice or None) each; None where a matrix is stored in a kind it lacks."""
+        key = (layer, e)
+        if key not in self._layouts:
+            block = self.c.layers[layer]
+            region = block.experts[e]
+            by_name = {t.name: t for t in region.tensors}
+            prefix = f"{block.name}.ffn.experts.{e}."
+
+            def span(t):
+                return slice(t.file_offset - region.offset, t.file_offset - region.offset + t.length)
+            layout = []
+            for m in EXPERT_MATRICES:
+                w = by_name.get(f"{prefix}{m}.weight")
+                if w is None or w.dtype not in token_kernels.KINDS or len(w.shape) != 2:
+                    layout = None
+                    break
+                scale = by_name.get(f"{prefix}{m}.scale")
+                if w.dtype == "FP4_E2M1" and (scale is None or scale.dtype != "F8_E8M0"):
+                    layout = None
+                    break
+                layout.append((w.dtype, span(w), *w.shape, span(scale) if w.dtype == "FP4_E2M1" else None))
+            self._layouts[key] = layout
+        return self._layouts[key]
+
+    def _routed_by_kernel(self, layer: int, groups, routing, got) -> torch.Tensor | None:
+        """The token's routed experts summed ([1, H] float32) by one call of the compiled token kernel, once every
+        chosen expert's bytes are here; None where the kernel does not run (not a CPU, not one token, a kind it
+        lacks): the caller runs the experts one by one."""
+        if self.kernels is None or routing.x.shape[0] != 1:
+            return None
+        layouts = [self._kernel_layout(layer, e) for e in groups.spans]
+        if not all(layouts):
+            return None
+        experts, keep = [], []
+        for e, layout in zip(groups.spans, layouts):
+            raw = self._expert_bytes(layer, e, got)
+            keep.append(raw)
+            known = self._matrices.get((layer, e))  # a cache hit gives the same bytes as last time
+            if known is None or known[0]() is not raw:
+                known = (weakref.ref(raw), tuple(token_kernels.stored_matrix(
+                    kind, raw[data], rows, cols, raw[scale] if scale is not None else None, self._table(kind))
+                    for kind, data, rows, cols, scale in layout))
+                self._matrices[(layer, e)] = known
+            experts.append(known[1])
+        for e in got.keys() - groups.spans.keys():  # read but not chosen (hash layers choose exactly these)
+            self._expert_bytes(layer, e, got)
+        # a hash layer may pick an expert twice: its rows' weights add up
+        weights = torch.stack([groups.weight[a:b].sum() for a, b in groups.spans.values()])
+        self.stats.kernel_layers += 1
+        with self.compute:
+            return self.kernels.moe(routing.x[0], experts, weights, self.cfg.swiglu_limit,
+                                    self.experts.expert_dtype == torch.bfloat16)[None]
+
+    def _table(self, kind: str) -> torch.Tensor | None:
+        if kind not in ("FP4_E2M1", "MXFP4"):
+            return None
+        if kind not in self._tables:
+            self._tables[kind] = token_kernels.value_table(kind)
+        return self._tables[kind]
+
     # --- one token ---------------------------------------------------------------------------------------------
     def step(self, token_id: int) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return self._step(token_id)
+        # one token's torch ops are small: on one thread, without waking OpenMP's others for each; the compiled
+        # token kernels keep every thread
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with token_kernels.using_threads(threads):
+                return self._step(token_id)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _step(self, token_id: int) -> torch.Tensor:
         cfg = self.cfg
         start = time.perf_counter()
         ids = torch.tensor([token_id], device=self.device)
@@ -228,6 +315,11 @@ class Decoder:
             groups = routing.groups()
             if got is None:
                 got = self._fetch(layer, list(groups.spans))
+            routed = self._routed_by_kernel(layer, groups, routing, got)
+            if routed is not None:
+                with self.compute:
+                    streams = model.moe_finish(cfg, layer, w, streams, routing, routed)
+                continue
             with self.compute:
                 inputs = groups.gather(routing.x.to(self.experts.expert_dtype))
                 outputs = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
@@ -258,7 +350,8 @@ class Decoder:
                 "disk_wait_s": round(s.disk_wait_s, 4), "cache_bytes": self.cache.bytes,
                 "cache_budget_bytes": self.cache.budget, "cache_experts": len(self.cache),
                 "cache_seed_bytes": s.seed_bytes, "cache_seed_s": round(s.seed_s, 4),
-                "resident_load_s": round(s.resident_s, 4), "compute_busy_s": round(self.compute.seconds, 4)}
+                "resident_load_s": round(s.resident_s, 4), "compute_busy_s": round(self.compute.seconds, 4),
+                "kernel_layers": s.kernel_layers}
 
     def close(self) -> None:
         self.pipe.close()

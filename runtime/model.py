@@ -53,7 +53,7 @@ from torch import Tensor
 from moepack.v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
 from moepack.v4.kv import CompressorState, LayerKVState
 
-from . import mhc_native
+from . import mhc_native, token_kernels
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -74,12 +74,31 @@ def is_low_precision_matrix(name: str, ndim: int) -> bool:
     return name.startswith(LOW_PRECISION_PREFIXES) and name.endswith(".weight") and ndim == 2
 
 
+def _token_kernels(rows: int, x: Tensor, w: Tensor):
+    """The compiled token matmul (runtime/token_kernels.py) where x is a few `rows` (a decoded token), both are on a
+    CPU and w is a contiguous float32 / bfloat16 matrix; else None. torch's one-row GEMV reads bf16 weights at half
+    the memory's pace; the kernel does the same products and float32 sums, added in another order."""
+    if rows <= token_kernels.SMALL_ROWS and x.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) \
+            and w.dim() == 2 and w.is_contiguous():
+        return token_kernels.token_kernels()
+    return None
+
+
+def matmul(x: Tensor, w: Tensor) -> Tensor:
+    """F.linear(x, w) (same dtypes), through the token matmul for a few rows of x on a CPU."""
+    kernels = _token_kernels(x.numel() // max(x.shape[-1], 1), x, w) if x.dtype == w.dtype else None
+    if kernels is None:
+        return F.linear(x, w)
+    y = kernels.linear(x.reshape(-1, x.shape[-1]), token_kernels.float_matrix(w), w.dtype == torch.bfloat16)
+    return y.to(w.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
 def linear(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T computed in w's dtype, the result in x's: a bfloat16 weight takes its input rounded to bfloat16
     (products summed in float32, the result rounded to bfloat16); float32 weights give exactly F.linear."""
     if x.dtype == w.dtype:
-        return F.linear(x, w)
-    return F.linear(x.to(w.dtype), w).to(x.dtype)
+        return matmul(x, w)
+    return matmul(x.to(w.dtype), w).to(x.dtype)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -126,7 +145,7 @@ def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: T
     # the RMS norm's per-token factor applied to the few mixes rather than to the hc x H inputs; the mean square
     # from the vector norm (no [N, hc x H] temporary: 3x faster at N = 1024)
     mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_().div_(flat.shape[1])
-    mixes = F.linear(flat, fn) * torch.rsqrt(mean_square + cfg.rms_norm_eps)
+    mixes = matmul(flat, fn) * torch.rsqrt(mean_square + cfg.rms_norm_eps)
     args = (mixes, scale, base, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps)
     pre, post, comb = mhc_native.hc_mix_weights(*args, hc_mix_weights) or hc_mix_weights(*args)  # compiled if it can
     collapsed = torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
@@ -358,6 +377,17 @@ def _bias(visible: Tensor) -> Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
+def low_matmul(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """a @ b with both in `dtype` (bfloat16: products in bf16, float32 sums, the result rounded to bf16). For a few
+    queries (a's first dimension) on a CPU the bf16 product runs in float32 and is rounded after: the same products
+    (bf16 x bf16 is exact in float32), while oneDNN builds a kernel for each new bf16 shape (~0.7 ms) and decode's
+    key count grows by one every token."""
+    a, b = a.to(dtype), b.to(dtype)
+    if dtype == torch.bfloat16 and a.device.type == "cpu" and a.shape[0] <= token_kernels.SMALL_ROWS:
+        return torch.matmul(a.float(), b.float()).to(dtype)
+    return torch.matmul(a, b)
+
+
 def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: float,
             dtype: torch.dtype = torch.float32) -> Tensor:
     """Softmax attention of q [C, heads, D] over several key sets, each (kv, bias [C, K]) with kv either shared by
@@ -373,7 +403,7 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
         if kv.shape[-2] == 0:  # no keys in this set (e.g. index_topk = 0): nothing to attend to
             continue
         kv = kv.to(dtype)  # [K, D] shared, or [C, K, D] per query: matmul broadcasts or batches over C
-        logits = torch.matmul(q_low, kv.transpose(-2, -1))
+        logits = low_matmul(q_low, kv.transpose(-2, -1), dtype)
         sets.append((kv, logits.float().mul_(scale).add_(bias[:, None, :])))
     sink = sink.float().view(1, -1)
     peak = torch.stack([logits.amax(-1) for _, logits in sets]).amax(0).maximum(sink)  # [C, heads]
@@ -384,7 +414,7 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
     out = None
     for kv, weights in sets:
         probs = weights.mul_(inverse).to(dtype)
-        part = torch.matmul(probs, kv)
+        part = low_matmul(probs, kv, dtype)
         out = part.float() if out is None else out.add_(part)
     return out
 
@@ -398,7 +428,7 @@ def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: T
     q = linear(q_lora, w["attn.indexer.wq_b.weight"]).unflatten(-1, (n_heads, head_dim))
     q = apply_rope(q, rotation)  # compress rope, like the indexer's keys
     low = w["attn.indexer.wq_b.weight"].dtype  # the products in the weights' precision (bf16: low-precision path)
-    scores = torch.matmul(q.to(low), index_keys.T.to(low)).float().relu_()  # [C, heads, T]
+    scores = low_matmul(q, index_keys.T, low).float().relu_()  # [C, heads, T]
     head_weights = linear(x, w["attn.indexer.weights_proj.weight"]) * (n_heads ** -0.5 * head_dim ** -0.5)
     scores = torch.bmm(head_weights.unsqueeze(1), scores).squeeze(1)  # [C, T]: the heads' weighted sum, one matmul
     entry_ids = torch.arange(index_keys.shape[0], device=x.device)
@@ -411,11 +441,16 @@ def grouped_output(cfg: ModelConfig, o: Tensor, wo_a: Tensor, wo_b: Tensor) -> T
     """o [C, heads, D] -> [C, H]. Heads split into o_groups groups; each group is projected on its own to
     o_lora_rank (wo_a holds the groups' matrices stacked), then wo_b mixes all groups to the hidden size."""
     groups = cfg.o_groups
+    kernels = _token_kernels(o.shape[0], o, wo_a)
+    if kernels is not None:  # a decoded token's groups in one compiled call
+        low_rank = torch.stack([kernels.grouped(row.reshape(groups, -1), token_kernels.float_matrix(wo_a),
+                                                wo_a.dtype == torch.bfloat16).to(wo_a.dtype) for row in o])
+        return matmul(low_rank.flatten(1).to(wo_b.dtype), wo_b).to(o.dtype)
     grouped = o.reshape(o.shape[0], groups, -1).transpose(0, 1)  # [G, C, heads*D/G]
     per_group = wo_a.view(groups, cfg.o_lora_rank, -1)  # [G, R, heads*D/G]
     # low_rank [C, G, R] goes straight into wo_b's dtype (the values a float32 round trip would give)
     low_rank = torch.bmm(grouped.to(per_group.dtype), per_group.transpose(1, 2)).transpose(0, 1)
-    return F.linear(low_rank.flatten(1).to(wo_b.dtype), wo_b).to(o.dtype)
+    return matmul(low_rank.flatten(1).to(wo_b.dtype), wo_b).to(o.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -504,7 +539,7 @@ def moe_route(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Te
     tid2eid[token id]. Weights are the chosen scores, renormalised, times routed_scaling_factor."""
     collapsed, post, comb = hc_pre(cfg, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], streams)
     x = rms_norm(collapsed, w["ffn_norm.weight"], cfg.rms_norm_eps)
-    scores = _router_scores(cfg, F.linear(x, w["ffn.gate.weight"]))
+    scores = _router_scores(cfg, matmul(x, w["ffn.gate.weight"]))
     if cfg.hash_layers[layer]:
         experts = w["ffn.gate.tid2eid"][token_ids].long()
     else:
@@ -564,7 +599,7 @@ def head(cfg: ModelConfig, streams: Tensor, w_globals: Mapping[str, Tensor],
     slice or index tensor gives [n, vocab]. The streams collapse through the mHC head (pre weights only), then the
     final norm and the LM head."""
     x = head_input(cfg, streams, w_globals, which)
-    logits = F.linear(x, w_globals[cfg.head_weight]).float()
+    logits = matmul(x, w_globals[cfg.head_weight]).float()
     single = not isinstance(which, slice) and torch.as_tensor(which).dim() == 0  # an int: [vocab]
     return logits[0] if single else logits
 
@@ -576,7 +611,7 @@ def head_input(cfg: ModelConfig, streams: Tensor, w_globals: Mapping[str, Tensor
     selected = streams[which]
     if selected.dim() == 2:
         selected = selected.unsqueeze(0)
-    mixes = F.linear(rms_norm(selected.flatten(1), None, cfg.rms_norm_eps), w_globals["hc_head_fn"])
+    mixes = matmul(rms_norm(selected.flatten(1), None, cfg.rms_norm_eps), w_globals["hc_head_fn"])
     pre = torch.sigmoid(mixes * w_globals["hc_head_scale"] + w_globals["hc_head_base"]) + cfg.hc_eps
     return rms_norm((pre.unsqueeze(-1) * selected).sum(dim=1), w_globals["norm.weight"], cfg.rms_norm_eps)
 

@@ -58,7 +58,7 @@ def test_every_source_compiles_without_warnings(tmp_path, source, arch):
 def test_sources_share_code_through_headers():
     """The prelude and the nibble-group code are headers the sources include, each one file."""
     texts = {name: native.read_source(name) for name in native.sources()}
-    assert len(texts) == 6
+    assert len(texts) == 7
     for header, users in (("block_prelude.h", {"q8_0_quantize.c", "mxfp4_quantize.c"}),
                           ("nibble_group.h", {"fp4_decode.c", "fp4_linear.c"})):
         assert os.path.exists(os.path.join(native.SOURCE_DIR, header))
@@ -66,18 +66,19 @@ def test_sources_share_code_through_headers():
     assert not any("@" in t and "@NIBBLE" in t for t in texts.values())  # no text substitution left
 
 
-# The kernels of all six libraries, as the codecs and the runtime load them; the builds they report, as JSON.
+# The kernels of all seven libraries, as the codecs and the runtime load them; the builds they report, as JSON.
 LOAD_ALL = """
 import json
 from moepack.format_spec import quant_fp4, quant_q8_0, quants, source_formats
-from moepack.runtime import expert_decode, mhc_native, model
+from moepack.runtime import expert_decode, mhc_native, model, token_kernels
 for load in (quant_q8_0.native_quantize_chunk, quant_fp4.native_mxfp4_quantize_chunk, source_formats._fp8_native,
              expert_decode._native_kernels, expert_decode._fused_kernel,
-             lambda: mhc_native._kernel(model.hc_mix_weights)):
+             lambda: mhc_native._kernel(model.hc_mix_weights), token_kernels.token_kernels):
     load()
 print(json.dumps(quants.native_kernels()))
 """
-LIBRARIES = {"Q8_0", "MXFP4", "moepack_fp8_decode", "moepack_fp4_decode", "moepack_fp4_linear", "moepack_mhc"}
+LIBRARIES = {"Q8_0", "MXFP4", "moepack_fp8_decode", "moepack_fp4_decode", "moepack_fp4_linear", "moepack_mhc",
+             "moepack_token_matmul"}
 
 
 def test_a_second_process_loads_every_library_from_the_cache(tmp_path):

@@ -1,0 +1,416 @@
+/* Matmuls on a few input rows, for decode (runtime/token_kernels.py): out = x @ W.T with W read as the container
+   stores it (float32, bfloat16, float16, FP4 E2M1 + E8M0 scales, MXFP4, Q8_0), each weight byte read once and
+   turned into float32 in registers; and `moe_token`, a token's routed experts in one call. One token reads every
+   weight for a handful of multiply-adds, so this is a memory-bound scan: torch's bf16 GEMV reached 5-7 GB/s here
+   against 10-14 GB/s for this loop, and decoding a stored expert to a float32 matrix first costs a write and a
+   re-read of twice its size.
+
+   Arithmetic: products and sums in float32 (explicit FMAs, -ffp-contract=off elsewhere). Every weight becomes the
+   float32 the container's decoders give (FP4: the caller's table of code values per scale byte; Q8_0: f16 scale
+   x int8). With round_bf16 the inputs are rounded to bfloat16 first (torch's round to nearest even), and moe_token
+   rounds each hidden activation once, as the fused FP4 kernel does.
+
+   FP4 groups of 32 inputs hold 16 bytes: E2M1 puts elements 2j and 2j + 1 in byte j (low nibble first), MXFP4 j
+   and j + 16. Both are computed as lows . X[0:16] + highs . X[16:32] of a group, with X the input arranged for the
+   layout ("deinterleaved" for E2M1): an input is arranged once per call, not once per row.
+
+   Threads: a pool started on first use (threads - 1 workers; the caller is worker 0), each part a static share
+   of the rows. Workers spin for a short while between calls (a token's calls come back to back), then sleep. */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+enum { KIND_F32, KIND_BF16, KIND_F16, KIND_FP4_E2M1, KIND_MXFP4, KIND_Q8_0, KIND_COUNT };
+#define GROUP 32
+
+typedef struct {
+    int64_t kind;
+    const uint8_t *data;   /* row r at data + r * row_bytes(kind, cols) */
+    const uint8_t *scale;  /* FP4_E2M1: row r's E8M0 bytes at scale + r * cols / 32 */
+    const float *table;    /* FP4 kinds: [256][16], row s = the values of codes 0..15 under scale byte s */
+    int64_t rows, cols;
+} matrix_t;
+
+static int64_t row_bytes(int64_t kind, int64_t cols) {
+    switch (kind) {
+    case KIND_F32: return 4 * cols;
+    case KIND_BF16: case KIND_F16: return 2 * cols;
+    case KIND_FP4_E2M1: return cols / 2;
+    case KIND_MXFP4: return cols / GROUP * 17;
+    default: return cols / GROUP * 34;  /* Q8_0: f16 scale, 32 int8 */
+    }
+}
+
+static int valid(const matrix_t *m) {
+    if (m->kind < 0 || m->kind >= KIND_COUNT || m->rows < 0 || m->cols < 1 || !m->data) return 0;
+    if (m->kind >= KIND_FP4_E2M1 && m->cols % GROUP) return 0;
+    if ((m->kind == KIND_FP4_E2M1 || m->kind == KIND_MXFP4) && !m->table) return 0;
+    return m->kind != KIND_FP4_E2M1 || m->scale;
+}
+
+static int deinterleaved(int64_t kind) { return kind == KIND_FP4_E2M1; }
+
+static float bits_float(uint32_t bits) { float f; memcpy(&f, &bits, 4); return f; }
+
+static float f16_value(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff;
+    if (exp == 0) {  /* zero or subnormal: man x 2^-24, exact in float32 */
+        const float v = ldexpf((float)man, -24);
+        return sign ? -v : v;
+    }
+    if (exp == 31) return bits_float(sign | 0x7f800000u | (man << 13));
+    return bits_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+static float round_to_bf16(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return bits_float(bits | 0x00400000u);  /* NaN stays (quiet) NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1);
+    return bits_float(bits & 0xffff0000u);
+}
+
+/* the index within its group where an input of logical position j (0..31) goes for a deinterleaved layout */
+static int64_t arranged(int64_t k) {
+    const int64_t j = k % GROUP;
+    return k - j + (j & 1 ? GROUP / 2 + j / 2 : j / 2);
+}
+
+/* x [K] -> dst [K] arranged for `kind` (E2M1: each group's even inputs, then its odd ones; such a matrix has
+   whole groups), rounded if asked */
+static void arrange(const float *x, int64_t K, int64_t kind, int round_bf16, float *dst) {
+    const int regroup = deinterleaved(kind) && K % GROUP == 0;
+    for (int64_t k = 0; k < K; k++) dst[regroup ? arranged(k) : k] = round_bf16 ? round_to_bf16(x[k]) : x[k];
+}
+
+/* --- one row . one arranged input ----------------------------------------------------------------------------- */
+
+static float dot_scalar(const matrix_t *m, int64_t r, const float *x) {
+    const int64_t K = m->cols;
+    const uint8_t *row = m->data + r * row_bytes(m->kind, K);
+    float acc = 0.0f;
+    switch (m->kind) {
+    case KIND_F32:
+        for (int64_t k = 0; k < K; k++) { float w; memcpy(&w, row + 4 * k, 4); acc = fmaf(w, x[k], acc); }
+        return acc;
+    case KIND_BF16: case KIND_F16:
+        for (int64_t k = 0; k < K; k++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * k, 2);
+            acc = fmaf(m->kind == KIND_BF16 ? bits_float((uint32_t)h << 16) : f16_value(h), x[k], acc);
+        }
+        return acc;
+    case KIND_Q8_0:
+        for (int64_t g = 0; g < K / GROUP; g++) {
+            const uint8_t *block = row + 34 * g;
+            const float d = f16_value((uint16_t)(block[0] | block[1] << 8));
+            for (int j = 0; j < GROUP; j++) acc = fmaf(d * (float)(int8_t)block[2 + j], x[g * GROUP + j], acc);
+        }
+        return acc;
+    default:
+        for (int64_t g = 0; g < K / GROUP; g++) {
+            const uint8_t *bytes, *s;
+            if (m->kind == KIND_MXFP4) { s = row + 17 * g; bytes = s + 1; }
+            else { s = m->scale + r * (K / GROUP) + g; bytes = row + 16 * g; }
+            const float *values = m->table + 16 * *s, *xg = x + g * GROUP;
+            for (int j = 0; j < 16; j++) {
+                acc = fmaf(values[bytes[j] & 15], xg[j], acc);
+                acc = fmaf(values[bytes[j] >> 4], xg[16 + j], acc);
+            }
+        }
+        return acc;
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_AVX512 1
+static float dot_avx512(const matrix_t *m, int64_t r, const float *x) {
+    const int64_t K = m->cols;
+    const uint8_t *row = m->data + r * row_bytes(m->kind, K);
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t k = 0;
+    switch (m->kind) {
+    case KIND_F32: {
+        const float *w = (const float *)row;
+        for (; k + 32 <= K; k += 32) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+        }
+        for (; k < K; k += 16) {
+            const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
+            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, w + k), _mm512_maskz_loadu_ps(mask, x + k), a0);
+        }
+        break;
+    }
+    case KIND_BF16: case KIND_F16: {
+        const uint16_t *w = (const uint16_t *)row;
+        const int bf16 = m->kind == KIND_BF16;
+        for (; k < K; k += 16) {
+            const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
+            const __m256i h = _mm256_maskz_loadu_epi16(mask, w + k);
+            const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                  : _mm512_cvtph_ps(h);
+            if ((k / 16) & 1) a1 = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, x + k), a1);
+            else a0 = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, x + k), a0);
+        }
+        break;
+    }
+    case KIND_Q8_0:
+        for (int64_t g = 0; g < K / GROUP; g++) {
+            const uint8_t *block = row + 34 * g;
+            const __m512 d = _mm512_set1_ps(f16_value((uint16_t)(block[0] | block[1] << 8)));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18))));
+            a0 = _mm512_fmadd_ps(_mm512_mul_ps(d, lo), _mm512_loadu_ps(x + g * GROUP), a0);
+            a1 = _mm512_fmadd_ps(_mm512_mul_ps(d, hi), _mm512_loadu_ps(x + g * GROUP + 16), a1);
+        }
+        break;
+    default:
+        for (int64_t g = 0; g < K / GROUP; g++) {
+            const uint8_t *bytes, *s;
+            if (m->kind == KIND_MXFP4) { s = row + 17 * g; bytes = s + 1; }
+            else { s = m->scale + r * (K / GROUP) + g; bytes = row + 16 * g; }
+            const __m512 values = _mm512_loadu_ps(m->table + 16 * *s);
+            const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+            const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), values);
+            const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
+            a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + g * GROUP), a0);
+            a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + g * GROUP + 16), a1);
+        }
+        break;
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+#endif
+
+static int use_vector = 1;  /* token_matmul_set_level(0): the scalar loop (self-checks compare both) */
+
+static inline float dot(const matrix_t *m, int64_t r, const float *x) {
+#ifdef HAVE_AVX512
+    if (use_vector) return dot_avx512(m, r, x);
+#endif
+    return dot_scalar(m, r, x);
+}
+
+int token_matmul_vector_level(void) {
+#ifdef HAVE_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void token_matmul_set_level(int vector) { use_vector = vector; }
+
+/* --- the pool ---------------------------------------------------------------------------------------------------- */
+
+typedef void (*part_fn)(void *args, int part, int parts);
+#define MAX_THREADS 256
+#define SPIN_NS 200000  /* a worker polls this long after its last part before it sleeps */
+
+static struct {
+    pthread_mutex_t busy;  /* one caller at a time; others run their parts inline */
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int workers;
+    part_fn fn;
+    void *args;
+    int parts;
+    atomic_uint generation;
+    atomic_int pending;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+/* arg: the worker's id | the generation it was started in << 16 (it may first run after that one began) */
+static void *worker(void *arg) {
+    const int id = (int)((intptr_t)arg & 0xffff);
+    unsigned seen = (unsigned)((uintptr_t)arg >> 16);
+    for (;;) {
+        unsigned gen;
+        const int64_t since = now_ns();
+        for (int polls = 0; (gen = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen; polls++) {
+            if (polls % 64 || now_ns() - since < SPIN_NS) { relax(); continue; }
+            pthread_mutex_lock(&pool.lock);
+            while ((gen = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+            break;
+        }
+        seen = gen;
+        if (id < pool.parts) pool.fn(pool.args, id, pool.parts);
+        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+static void forget_workers(void) {  /* in a forked child: the parent's workers do not exist there */
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.workers = 0;
+}
+
+/* fn(args, part, parts) for every part < parts, on the pool (parts - 1 workers and the caller) */
+static void run_parts(part_fn fn, void *args, int parts) {
+    if (parts > MAX_THREADS) parts = MAX_THREADS;
+    if (parts <= 1 || pthread_mutex_trylock(&pool.busy)) {
+        for (int p = 0; p < parts; p++) fn(args, p, parts);
+        return;
+    }
+    static int fork_handler;
+    if (!fork_handler) fork_handler = !pthread_atfork(NULL, NULL, forget_workers);
+    while (pool.workers < parts - 1) {
+        pthread_t t;
+        const uintptr_t arg = (uintptr_t)atomic_load(&pool.generation) << 16 | (uintptr_t)(pool.workers + 1);
+        if (pthread_create(&t, NULL, worker, (void *)arg)) break;
+        pthread_detach(t);
+        pool.workers++;
+    }
+    const int pooled = pool.workers + 1 < parts ? pool.workers + 1 : parts;  /* fewer when a thread failed */
+    pool.fn = fn;
+    pool.args = args;
+    pool.parts = pooled;
+    atomic_store(&pool.pending, pool.workers);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    fn(args, 0, pooled);
+    for (int p = pooled; p < parts; p++) fn(args, p, parts);  /* never reached unless a thread failed to start */
+    while (atomic_load_explicit(&pool.pending, memory_order_acquire)) relax();
+    pthread_mutex_unlock(&pool.busy);
+}
+
+static void share(int64_t n, int part, int parts, int64_t *a, int64_t *b) {
+    *a = n * part / parts;
+    *b = n * (part + 1) / parts;
+}
+
+/* --- out = x @ W.T --------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *x;  /* [T, K] arranged */
+    int64_t T;
+    const matrix_t *w;
+    float *out;
+    int64_t out_stride;
+    int64_t group_rows;  /* > 0: row r takes input row r / group_rows only, its result in out[r] */
+} linear_args;
+
+static void linear_part(void *p, int part, int parts) {
+    const linear_args *a = p;
+    const int64_t K = a->w->cols;
+    int64_t r0, r1;
+    share(a->w->rows, part, parts, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        if (a->group_rows) { a->out[r] = dot(a->w, r, a->x + r / a->group_rows * K); continue; }
+        for (int64_t t = 0; t < a->T; t++) a->out[t * a->out_stride + r] = dot(a->w, r, a->x + t * K);
+    }
+}
+
+static int linear(const float *x, int64_t T, int64_t x_stride, const matrix_t *w, float *out, int64_t out_stride,
+                  int64_t group_rows, int round_bf16, int threads) {
+    if (!valid(w) || T < 0 || (group_rows && (group_rows < 0 || w->rows != T * group_rows))) return 1;
+    float *arranged_x = malloc(sizeof(float) * (size_t)(T * w->cols + 1));
+    if (!arranged_x) return 2;
+    for (int64_t t = 0; t < T; t++) arrange(x + t * x_stride, w->cols, w->kind, round_bf16, arranged_x + t * w->cols);
+    linear_args args = {arranged_x, T, w, out, out_stride, group_rows};
+    const int64_t work = group_rows ? w->rows : w->rows * T, most = work / 64 + 1;  /* a part of under 64 rows
+                                                                                     costs more than its thread */
+    run_parts(linear_part, &args, (int)(threads < most ? threads : most));
+    free(arranged_x);
+    return 0;
+}
+
+/* out [T, rows] (row stride out_stride) = x [T, cols] (row stride x_stride) @ W.T */
+int token_linear(const float *x, int64_t T, int64_t x_stride, const matrix_t *w, float *out, int64_t out_stride,
+                 int round_bf16, int threads) {
+    return linear(x, T, x_stride, w, out, out_stride, 0, round_bf16, threads);
+}
+
+/* G groups: out [G * R] = for each g, W[g * R: (g + 1) * R] @ x[g] (x [G, cols], row stride x_stride; W [G * R,
+   cols]): a grouped projection (model.grouped_output's wo_a) of one token */
+int token_linear_grouped(const float *x, int64_t G, int64_t x_stride, const matrix_t *w, float *out,
+                         int round_bf16, int threads) {
+    return G < 1 || w->rows % G ? 1 : linear(x, G, x_stride, w, out, 0, w->rows / G, round_bf16, threads);
+}
+
+/* --- a token's routed experts ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *x_plain, *x_deint;  /* the input, as is and deinterleaved */
+    int64_t H, I, n;
+    const matrix_t *w1, *w3, *w2;
+    const float *weights;
+    float limit;
+    int round_bf16;
+    float *hidden;  /* [n, I], each expert's arranged for its w2 */
+    float *out;
+} moe_args;
+
+static void hidden_part(void *p, int part, int parts) {
+    const moe_args *a = p;
+    int64_t i0, i1;
+    share(a->n * a->I, part, parts, &i0, &i1);
+    for (int64_t k = i0; k < i1; k++) {
+        const int64_t e = k / a->I, i = k % a->I;
+        const matrix_t *w1 = a->w1 + e, *w3 = a->w3 + e;
+        float gate = dot(w1, i, deinterleaved(w1->kind) ? a->x_deint : a->x_plain);
+        float up = dot(w3, i, deinterleaved(w3->kind) ? a->x_deint : a->x_plain);
+        gate = fminf(gate, a->limit);  /* torch's clamp: NaN stays NaN */
+        up = up != up ? up : fmaxf(fminf(up, a->limit), -a->limit);
+        float h = gate / (1.0f + expf(-gate)) * up;
+        if (a->round_bf16) h = round_to_bf16(h);
+        a->hidden[e * a->I + (deinterleaved(a->w2[e].kind) ? arranged(i) : i)] = h;
+    }
+}
+
+static void output_part(void *p, int part, int parts) {
+    const moe_args *a = p;
+    int64_t r0, r1;
+    share(a->H, part, parts, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        float acc = 0.0f;
+        for (int64_t e = 0; e < a->n; e++) acc = fmaf(a->weights[e], dot(a->w2 + e, r, a->hidden + e * a->I), acc);
+        a->out[r] = acc;
+    }
+}
+
+/* out [H] = sum over e of weights[e] * expert e (x [H]), the clamped SwiGLU of model.expert_forward:
+   w1[e], w3[e] [I, H], w2[e] [H, I]. Two passes over the pool: every expert's hidden rows, then the output rows
+   (each a sum over the experts in their order). */
+int moe_token(const float *x, int64_t H, int64_t I, int64_t n, const matrix_t *w1, const matrix_t *w3,
+              const matrix_t *w2, const float *weights, float limit, int round_bf16, float *out, int threads) {
+    if (H < 1 || I < 1 || n < 0) return 1;
+    for (int64_t e = 0; e < n; e++) {
+        const matrix_t *m[3] = {w1 + e, w3 + e, w2 + e};
+        for (int j = 0; j < 3; j++)
+            if (!valid(m[j]) || m[j]->rows != (j < 2 ? I : H) || m[j]->cols != (j < 2 ? H : I)) return 1;
+    }
+    float *scratch = malloc(sizeof(float) * (size_t)(2 * H + n * I + 1));
+    if (!scratch) return 2;
+    arrange(x, H, KIND_F32, round_bf16, scratch);
+    arrange(x, H, KIND_FP4_E2M1, round_bf16, scratch + H);
+    moe_args args = {scratch, scratch + H, H, I, n, w1, w3, w2, weights, limit, round_bf16, scratch + 2 * H, out};
+    run_parts(hidden_part, &args, threads);
+    run_parts(output_part, &args, threads);
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,252 @@
+"""Compiled matmuls for a few tokens (native/token_matmul.c): decode's linears and a token's routed experts.
+
+Decode multiplies every weight by one token, so it is a scan of the weights and runs at the memory's pace or not
+at all. torch's bf16 GEMV reached 5-7 GB/s on the 2-core AVX-512 VM (its float32 one 9-14), and an expert stored
+in bf16 or FP4 had to be decoded into a float32 matrix first (a write and a re-read of twice its size per use).
+The kernel reads each weight as stored (F32, BF16, F16, FP4_E2M1 + E8M0 scales, MXFP4, Q8_0), turns it into
+float32 in registers and multiplies in float32, threads splitting the rows:
+
+- `linear(x, w)`: model.linear's x @ w.T for x of at most SMALL_ROWS rows and a float32 / bfloat16 w: a bfloat16 w
+  takes its input rounded to bfloat16 and gives its result rounded to bfloat16, as torch's bf16 matmul does (sums in
+  float32 both ways; only their order differs).
+- `moe(x, experts, weights, limit, round_bf16)`: out = sum of weights[e] x expert e(x) for one token, the clamped
+  SwiGLU of model.expert_forward, every chosen expert of a layer in one call, each matrix read from its stored bytes
+  (`stored_matrix`). Weights are never rounded; `round_bf16` rounds the input and the hidden activation (the
+  fused FP4 kernel's arithmetic, runtime/expert_decode.py).
+
+Built once per machine (skipped with MOEPACK_NATIVE=0), used only after both the AVX-512 and the plain loop agree
+with torch on every kind at load; None (callers keep torch) where it cannot be built or disagrees.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from moepack.native import LazyKernel, c_function, disable, native_library, read_source
+
+_SOURCE = read_source("token_matmul.c")
+LIBRARY = "moepack_token_matmul"
+KINDS = {"F32": 0, "BF16": 1, "F16": 2, "FP4_E2M1": 3, "MXFP4": 4, "Q8_0": 5}  # the C file's enum
+FLOAT_KINDS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+SMALL_ROWS = 4  # model.linear takes the kernel up to this many input rows (decode: one)
+GROUP = 32
+
+
+_local = threading.local()
+
+
+@contextmanager
+def using_threads(n: int):
+    """The kernels called in this block (on this thread) split their rows over n threads, whatever torch's thread
+    count (decode runs its small torch ops on one thread: waking OpenMP's other threads for each op costs more than
+    the op)."""
+    before = getattr(_local, "threads", None)
+    _local.threads = max(1, int(n))
+    try:
+        yield
+    finally:
+        _local.threads = before
+
+
+def _threads(given: int | None) -> int:
+    return given or getattr(_local, "threads", None) or torch.get_num_threads()
+
+
+class Matrix(ctypes.Structure):
+    """native matrix_t: a weight as stored; `keep` holds the tensors its pointers point into."""
+    _fields_ = [("kind", ctypes.c_int64), ("data", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("table", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64)]
+
+
+class TokenKernels:
+    def __init__(self, lib):
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._linear = c_function(lib, "token_linear", (p, i64, i64, p, p, i64, ctypes.c_int, ctypes.c_int))
+        self._grouped = c_function(lib, "token_linear_grouped", (p, i64, i64, p, p, ctypes.c_int, ctypes.c_int))
+        self._moe = c_function(lib, "moe_token", (p, i64, i64, i64, p, p, p, p, ctypes.c_float, ctypes.c_int, p,
+                                                  ctypes.c_int))
+        self._set_level = c_function(lib, "token_matmul_set_level", (ctypes.c_int,), restype=None)
+        self.vector = bool(c_function(lib, "token_matmul_vector_level", ())())
+
+    def set_vector(self, on: bool) -> None:
+        """The AVX-512 loop (where built) or the plain one, for the whole process (the self-check runs both)."""
+        self._set_level(int(on and self.vector))
+
+    def linear(self, x: torch.Tensor, w: Matrix, round_bf16: bool, threads: int | None = None) -> torch.Tensor:
+        """float32 x [T, cols] -> float32 [T, rows] = x @ W.T"""
+        x = x.float().contiguous()
+        if x.dim() != 2 or x.shape[1] != w.cols:
+            raise ValueError(f"input {list(x.shape)} for a {w.rows} x {w.cols} matrix")
+        out = torch.empty(x.shape[0], w.rows, dtype=torch.float32)
+        if self._linear(x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(w), out.data_ptr(), w.rows,
+                        int(round_bf16), _threads(threads)):
+            raise RuntimeError(f"the token matmul refused a {w.rows} x {w.cols} matrix of kind {w.kind}")
+        return out
+
+    def grouped(self, x: torch.Tensor, w: Matrix, round_bf16: bool, threads: int | None = None) -> torch.Tensor:
+        """float32 x [G, cols] -> float32 [G, rows / G]: group g's rows of W (rows g * R ... (g + 1) * R) times
+        x[g], one token's grouped projection."""
+        x = x.float().contiguous()
+        groups = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != w.cols or groups < 1 or w.rows % groups:
+            raise ValueError(f"input {list(x.shape)} for a grouped {w.rows} x {w.cols} matrix")
+        out = torch.empty(groups, w.rows // groups, dtype=torch.float32)
+        if self._grouped(x.data_ptr(), groups, x.shape[1], ctypes.byref(w), out.data_ptr(), int(round_bf16),
+                         _threads(threads)):
+            raise RuntimeError(f"the token matmul refused a grouped {w.rows} x {w.cols} matrix of kind {w.kind}")
+        return out
+
+    def moe(self, x: torch.Tensor, experts: list[tuple[Matrix, Matrix, Matrix]], weights: torch.Tensor,
+            limit: float, round_bf16: bool, threads: int | None = None) -> torch.Tensor:
+        """float32 x [H] -> float32 [H]: the experts' clamped SwiGLU outputs summed with `weights`, in order."""
+        x = x.float().reshape(-1).contiguous()
+        weights = weights.float().reshape(-1).contiguous()
+        if len(weights) != len(experts):
+            raise ValueError(f"{len(weights)} weights for {len(experts)} experts")
+        n, hidden = len(experts), x.shape[0]
+        inter = experts[0][0].rows if experts else 1
+        arrays = [(Matrix * max(n, 1))(*(e[j] for e in experts)) for j in range(3)]
+        out = torch.empty(hidden, dtype=torch.float32)
+        if self._moe(x.data_ptr(), hidden, inter, n, *(ctypes.addressof(a) for a in arrays), weights.data_ptr(),
+                     float(limit), int(round_bf16), out.data_ptr(), _threads(threads)):
+            raise RuntimeError(f"the token MoE refused {n} experts on {hidden} inputs")
+        return out
+
+
+def float_matrix(w: torch.Tensor) -> Matrix:
+    """A contiguous float32 / bfloat16 / float16 [rows, cols] tensor as a Matrix (w must outlive its use)."""
+    if w.dim() != 2 or w.dtype not in FLOAT_KINDS or not w.is_contiguous() or w.device.type != "cpu":
+        raise ValueError(f"not a contiguous CPU float matrix: {w.dtype} {list(w.shape)}")
+    return Matrix(KINDS[FLOAT_KINDS[w.dtype]], w.data_ptr(), None, None, w.shape[0], w.shape[1])
+
+
+def stored_matrix(kind: str, data: torch.Tensor, rows: int, cols: int, scale: torch.Tensor | None = None,
+                  table: torch.Tensor | None = None) -> Matrix:
+    """A weight from its stored bytes (uint8 CPU tensors, contiguous): `kind` a KINDS name; FP4_E2M1 takes its E8M0
+    `scale` bytes ([rows, cols / 32]); both FP4 kinds their code values `table` (float32 [256, 16], row s the values
+    of codes 0..15 under scale byte s). The tensors must outlive the Matrix's use."""
+    if kind not in KINDS:
+        raise ValueError(f"the token matmul has no {kind} weights")
+    need = {"F32": 4 * cols, "BF16": 2 * cols, "F16": 2 * cols, "FP4_E2M1": cols // 2,
+            "MXFP4": cols // GROUP * 17, "Q8_0": cols // GROUP * 34}[kind] * rows
+    if data.numel() * data.element_size() < need or (kind in ("FP4_E2M1", "MXFP4", "Q8_0") and cols % GROUP):
+        raise ValueError(f"{kind} [{rows}, {cols}] needs {need} bytes, got {data.numel() * data.element_size()}")
+    if kind in ("FP4_E2M1", "MXFP4") and (table is None or table.dtype != torch.float32 or table.numel() != 256 * 16):
+        raise ValueError(f"{kind} needs its float32 [256, 16] value table")
+    if kind == "FP4_E2M1" and (scale is None or scale.numel() < rows * cols // GROUP):
+        raise ValueError(f"FP4_E2M1 [{rows}, {cols}] needs {rows * cols // GROUP} scale bytes")
+    return Matrix(KINDS[kind], data.data_ptr(), scale.data_ptr() if scale is not None else None,
+                  table.data_ptr() if table is not None else None, rows, cols)
+
+
+def _reference_values(kind: str, data: torch.Tensor, rows: int, cols: int, scale=None) -> torch.Tensor:
+    """The container's own decoders, for the self-check."""
+    from moepack.format_spec import quants, source_formats
+
+    if kind in ("F32", "BF16", "F16"):
+        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[kind]
+        return data.view(dtype).reshape(rows, cols).float()
+    if kind == "FP4_E2M1":
+        return source_formats.fp4_dequantize(data.reshape(rows, cols // 2),
+                                             scale.reshape(rows, cols // GROUP).view(torch.float8_e8m0fnu))
+    return quants.dequantize_torch(data, kind, (rows, cols))
+
+
+def _random_stored(kind: str, rows: int, cols: int, gen: torch.Generator):
+    """Random stored bytes of a [rows, cols] weight of `kind` with normal magnitudes: (data, scale)."""
+    def rand_bytes(n):
+        return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    if kind in ("F32", "BF16", "F16"):
+        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[kind]
+        return torch.randn(rows * cols, generator=gen).to(dtype).view(torch.uint8), None
+    groups = rows * cols // GROUP
+    if kind == "FP4_E2M1":
+        return rand_bytes(groups * 16), torch.randint(118, 136, (groups,), dtype=torch.uint8, generator=gen)
+    if kind == "MXFP4":
+        blocks = rand_bytes(groups * 17).view(groups, 17)
+        blocks[:, 0] = torch.randint(118, 136, (groups,), dtype=torch.uint8, generator=gen)
+        return blocks.reshape(-1), None
+    blocks = rand_bytes(groups * 34).view(groups, 34)
+    blocks[:, :2] = (torch.rand(groups, generator=gen) * 0.02 + 1e-3).to(torch.float16).view(torch.uint8).view(-1, 2)
+    return blocks.reshape(-1), None
+
+
+def value_table(kind: str) -> torch.Tensor:
+    """float32 [256, 16]: row s = the values of FP4 codes 0..15 under E8M0 scale byte s, from `kind`'s decoder."""
+    scales = torch.arange(256, dtype=torch.uint8)
+    if kind == "FP4_E2M1":
+        codes = torch.arange(16, dtype=torch.uint8)  # code c as the low nibble of byte c: values 2c (and 0)
+        values = _reference_values(kind, codes.repeat(256), 256, GROUP, scales)
+        return values[:, 0::2].contiguous()
+    blocks = torch.cat([scales[:, None], torch.arange(16, dtype=torch.uint8).repeat(256, 1)], 1)
+    return _reference_values(kind, blocks.reshape(-1), 256, GROUP)[:, :16].contiguous()
+
+
+def _self_check(kernels: TokenKernels) -> str | None:
+    """Why the kernel disagrees with torch on random weights of every kind (None: it agrees), in both loops."""
+    gen = torch.Generator().manual_seed(0)
+    tables = {k: value_table(k) for k in ("FP4_E2M1", "MXFP4")}
+    for vector in sorted({False, kernels.vector}):
+        kernels.set_vector(vector)
+        for kind in KINDS:
+            rows, cols = 37, (96 if kind in ("FP4_E2M1", "MXFP4", "Q8_0") else 53)  # vector tails, odd rows
+            data, scale = _random_stored(kind, rows, cols, gen)
+            w = stored_matrix(kind, data, rows, cols, scale, tables.get(kind))
+            values = _reference_values(kind, data, rows, cols, scale).double()
+            for round_bf16 in (False, True):
+                x = torch.randn(3, cols, generator=gen)
+                xr = x.bfloat16().double() if round_bf16 else x.double()
+                want, got = xr @ values.T, kernels.linear(x, w, round_bf16, threads=2).double()
+                if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
+                    return f"{kind} rows (vector loop: {vector}) differ from torch's"
+            if rows % 37 == 0:  # grouped: 37 groups of one row each, each on its own input
+                x = torch.randn(37, cols, generator=gen)
+                want = (x.double() * values).sum(1, keepdim=True)
+                got = kernels.grouped(x, w, False, threads=2).double()
+                if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
+                    return f"{kind} grouped rows (vector loop: {vector}) differ from torch's"
+        hidden, inter, limit = 64, 96, 7.0  # one expert of each FP4 kind and one float, mixed
+        kinds = (("FP4_E2M1", "FP4_E2M1", "MXFP4"), ("MXFP4", "Q8_0", "FP4_E2M1"), ("BF16", "F32", "F16"))
+        experts, refs, keep = [], [], []
+        for k1, k3, k2 in kinds:
+            mats, vals = [], []
+            for kind, (rows, cols) in zip((k1, k3, k2), ((inter, hidden), (inter, hidden), (hidden, inter))):
+                data, scale = _random_stored(kind, rows, cols, gen)
+                keep.append((data, scale))
+                mats.append(stored_matrix(kind, data, rows, cols, scale, tables.get(kind)))
+                vals.append(_reference_values(kind, data, rows, cols, scale).double())
+            experts.append(tuple(mats))
+            refs.append(vals)
+        x, weights = torch.randn(hidden, generator=gen), torch.rand(len(kinds), generator=gen)
+        want = torch.zeros(hidden, dtype=torch.float64)
+        for (w1, w3, w2), weight in zip(refs, weights.double()):
+            gate = (w1 @ x.double()).clamp(max=limit)
+            up = (w3 @ x.double()).clamp(-limit, limit)
+            want += weight * (w2 @ (torch.nn.functional.silu(gate) * up))
+        got = kernels.moe(x, experts, weights, limit, False, threads=2).double()
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())):
+            return f"the MoE (vector loop: {vector}) differs from torch's"
+    kernels.set_vector(True)
+    return None
+
+
+def _load() -> TokenKernels | None:
+    lib = native_library(LIBRARY, _SOURCE)
+    if lib is None:
+        return None
+    kernels = TokenKernels(lib)
+    reason = _self_check(kernels)
+    if reason is not None:
+        disable(LIBRARY, reason)
+        warnings.warn(f"moepack: the compiled token matmul disagrees with torch ({reason}); not using it",
+                      RuntimeWarning)
+        return None
+    return kernels
+
+
+token_kernels = LazyKernel(_load)  # token_kernels() -> TokenKernels or None

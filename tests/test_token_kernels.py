@@ -1,0 +1,246 @@
+"""The compiled token matmul (runtime/token_kernels.py, native/token_matmul.c): decode's linears and a token's
+routed experts, against torch and the container's own decoders, in every stored kind, both loops (AVX-512 and
+plain), any thread count; and decode through it against decode without it."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moepack import native
+from moepack.packer.convert import convert_checkpoint
+from moepack.packer.synth import synth_checkpoint
+from moepack.runtime import model, token_kernels
+from moepack.runtime.engine import PrefillOptions
+from moepack.runtime.generate import Generator
+
+KINDS = list(token_kernels.KINDS)
+BLOCK_KINDS = ("FP4_E2M1", "MXFP4", "Q8_0")
+
+
+def _kernels():
+    kernels = token_kernels.token_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler (or MOEPACK_NATIVE=0): decode keeps torch")
+    return kernels
+
+
+@pytest.fixture(params=["vector", "plain"])
+def loop(request):
+    """Each test once with the AVX-512 loop (where this CPU has it) and once with the plain one."""
+    kernels = _kernels()
+    if request.param == "vector" and not kernels.vector:
+        pytest.skip("this build has no AVX-512 loop")
+    kernels.set_vector(request.param == "vector")
+    yield kernels
+    kernels.set_vector(True)
+
+
+def _weight(kind: str, rows: int, cols: int, seed: int):
+    """(Matrix, its float64 values, the tensors it points into) of a random weight stored as `kind`."""
+    gen = torch.Generator().manual_seed(seed)
+    data, scale = token_kernels._random_stored(kind, rows, cols, gen)
+    table = token_kernels.value_table(kind) if kind in ("FP4_E2M1", "MXFP4") else None
+    values = token_kernels._reference_values(kind, data, rows, cols, scale).double()
+    return token_kernels.stored_matrix(kind, data, rows, cols, scale, table), values, (data, scale, table)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> bool:
+    return torch.allclose(got.double(), want, rtol=rtol, atol=rtol * float(want.abs().max()))
+
+
+def test_the_kernel_is_built_where_a_compiler_is():
+    usable = bool(native.c_compiler()) and os.environ.get(native.NATIVE_ENV, "1") != "0"
+    assert (token_kernels.token_kernels() is not None) == usable, native.native_builds().get(token_kernels.LIBRARY)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,cols,tokens,threads", [(1, 32, 1, 1), (37, 96, 1, 2), (300, 4096, 3, 3),
+                                                      (65, 160, 4, 7)])
+def test_rows_equal_the_decoded_weight_times_x(loop, kind, rows, cols, tokens, threads):
+    """Every stored kind, odd row counts, inputs of a partial vector (float kinds: cols - 5), several tokens, more
+    threads than cores, with and without rounding the input to bfloat16."""
+    cols = cols if kind in BLOCK_KINDS else cols - 5 if cols > 32 else cols
+    w, values, _keep = _weight(kind, rows, cols, seed=rows + cols)
+    for round_bf16 in (False, True):
+        x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+        xr = x.bfloat16().double() if round_bf16 else x.double()
+        got = loop.linear(x, w, round_bf16, threads=threads)
+        assert got.shape == (tokens, rows) and _close(got, xr @ values.T)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grouped_rows_take_their_own_input(loop, kind):
+    groups, per_group, cols = 4, 24, 64
+    w, values, _keep = _weight(kind, groups * per_group, cols, seed=3)
+    x = torch.randn(groups, cols, generator=torch.Generator().manual_seed(1))
+    want = torch.stack([values[g * per_group:(g + 1) * per_group] @ x[g].double() for g in range(groups)])
+    assert _close(loop.grouped(x, w, False, threads=2), want)
+
+
+def _reference_moe(x, experts, weights, limit, round_bf16=False):
+    x = x.bfloat16().double() if round_bf16 else x.double()
+    out = torch.zeros_like(x)
+    for (w1, w3, w2), weight in zip(experts, weights.double()):
+        gate = (w1 @ x).clamp(max=limit)
+        up = (w3 @ x).clamp(-limit, limit)
+        hidden = F.silu(gate) * up
+        if round_bf16:
+            hidden = hidden.float().bfloat16().double()
+        out += weight * (w2 @ hidden)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_a_tokens_experts_in_one_call_equal_their_weighted_sum(loop, threads):
+    """Six experts, each matrix of another kind (the kernel arranges each input for its matrix), with weights
+    that are not normalised, clamping that bites (limit 0.5 on outputs of a few units)."""
+    hidden, inter, limit = 96, 64, 0.5
+    gen = torch.Generator().manual_seed(0)
+    experts, values, keep = [], [], []
+    for e in range(6):
+        kinds = [KINDS[(e + j) % len(KINDS)] for j in range(3)]
+        mats = [_weight(k, r, c, seed=10 * e + j) for j, (k, (r, c)) in
+                enumerate(zip(kinds, ((inter, hidden), (inter, hidden), (hidden, inter))))]
+        experts.append(tuple(m[0] for m in mats))
+        values.append(tuple(m[1] for m in mats))
+        keep.append(mats)
+    x, weights = torch.randn(hidden, generator=gen), torch.rand(6, generator=gen) * 3
+    for round_bf16 in (False, True):
+        got = loop.moe(x, experts, weights, limit, round_bf16, threads=threads)
+        want = _reference_moe(x, values, weights, limit, round_bf16)
+        assert _close(got, want, rtol=1e-4 if not round_bf16 else 1e-2)
+
+
+def test_no_experts_give_zeros_and_a_nan_input_stays_nan():
+    kernels = _kernels()
+    assert torch.equal(kernels.moe(torch.randn(64), [], torch.empty(0), 10.0, False), torch.zeros(64))
+    w, _, _keep = _weight("BF16", 8, 64, seed=0)
+    x = torch.randn(1, 64)
+    x[0, 5] = float("nan")
+    assert kernels.linear(x, w, False).isnan().all()
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    kernels = _kernels()
+    w, _, _keep = _weight("MXFP4", 8, 64, seed=0)
+    with pytest.raises(ValueError):
+        kernels.linear(torch.randn(1, 32), w, False)
+    with pytest.raises(ValueError):
+        token_kernels.stored_matrix("MXFP4", torch.zeros(10, dtype=torch.uint8), 8, 64,
+                                    table=token_kernels.value_table("MXFP4"))
+    with pytest.raises(ValueError):
+        token_kernels.stored_matrix("Q8_0", torch.zeros(8 * 34, dtype=torch.uint8), 8, 40)  # not whole blocks
+    w2, _, _keep2 = _weight("BF16", 64, 8, seed=1)
+    with pytest.raises(RuntimeError):  # w1 [8, 64] with a w2 that does not map 8 back to 64... given as w3
+        kernels.moe(torch.randn(64), [(w, w2, w2)], torch.ones(1), 10.0, False)
+
+
+def test_calls_from_several_threads_at_once_are_each_right():
+    """The pool serves one caller at a time; another runs its rows on its own thread meanwhile."""
+    kernels = _kernels()
+    w, values, _keep = _weight("BF16", 512, 256, seed=5)
+    xs = [torch.randn(1, 256, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    wrong = []
+
+    def run(x):
+        for _ in range(50):
+            if not _close(kernels.linear(x, w, False, threads=2), x.double() @ values.T):
+                wrong.append(x)
+    threads = [threading.Thread(target=run, args=(x,)) for x in xs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
+
+
+def _in_child(queue):
+    kernels = token_kernels.token_kernels()
+    w, values, _keep = _weight("F32", 256, 128, seed=2)
+    x = torch.randn(1, 128)
+    queue.put(_close(kernels.linear(x, w, False, threads=2), x.double() @ values.T))
+
+
+def test_a_forked_child_starts_its_own_workers():
+    """The parent's pool threads do not exist in a child: the child's first call starts its own (no hang)."""
+    kernels = _kernels()
+    w, _, _keep = _weight("F32", 256, 128, seed=2)
+    kernels.linear(torch.randn(1, 128), w, False, threads=2)  # the parent's workers are running
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_in_child, args=(queue,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and queue.get(timeout=5)
+
+
+def test_model_matmul_is_f_linear_for_a_decoded_token():
+    """model.matmul on a few rows goes through the kernel: F.linear's values (bf16: the result rounded the same
+    way, up to one bf16 step where the float32 sums differ in their last bit)."""
+    _kernels()
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(300, 1024, generator=gen).to(dtype)
+        x = torch.randn(1, 3, 1024, generator=gen).to(dtype)  # 3 rows under leading dimensions
+        got, want = model.matmul(x, w), F.linear(x, w)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        step = 2e-6 if dtype == torch.float32 else 8e-3
+        assert torch.allclose(got.float(), want.float(), rtol=step, atol=step * float(want.abs().max()))
+        q, k = torch.randn(1, 8, 64, generator=gen), torch.randn(40, 64, generator=gen)
+        low = model.low_matmul(q, k.T, dtype)
+        assert low.dtype == dtype and torch.allclose(low.float(), torch.matmul(q.to(dtype), k.T.to(dtype)).float(),
+                                                     rtol=step, atol=step * float(low.abs().max()))
+
+
+@pytest.fixture(scope="module")
+def containers(tmp_path_factory):
+    """The tiny preset in the release layout (FP8 dense, FP4 E2M1 experts) kept, and converted bf16 / fp4 (MXFP4)
+    / q8 (Q8_0 dense and experts)."""
+    base = tmp_path_factory.mktemp("token_kernels")
+    src = str(base / "src")
+    synth_checkpoint(src, preset="tiny", layout="release", progress=False)
+    out = {}
+    for policy in ("keep", "bf16", "fp4", "q8"):
+        out[policy] = str(base / f"{policy}.moepack")
+        convert_checkpoint(src, out[policy], policy=policy, progress=False)
+    return out
+
+
+def _decode_logits(path: str, compute_dtype: str, steps: list[int]) -> tuple[list[torch.Tensor], dict, int]:
+    """The prefill of a fixed prompt, then `steps` fed one by one: each step's logits, the decode stats and the
+    number of layers."""
+    with Generator(path, cache_gib=1.0, prefill=PrefillOptions(compute_dtype=compute_dtype)) as g:
+        states = g._prefill(torch.arange(3, 40), None, len(steps))[1]
+        g.decoder.begin(states)
+        return [g.decoder.step(t) for t in steps], g.decoder.stats_dict(), g.cfg.num_layers
+
+
+@pytest.mark.parametrize("policy", ["keep", "bf16", "fp4", "q8"])
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_decode_through_the_kernel_equals_decode_without_it(containers, monkeypatch, policy, compute_dtype):
+    """float32: the same logits up to the sums' order. bfloat16: the kernel rounds less (never the weights, the
+    hidden activation once), so each step's logits are checked against float32 decode: no farther than torch's
+    bf16 path is (which, on this model, once strays 23 % when rounding flips a routing choice)."""
+    _kernels()
+    steps = [5, 17, 2, 40, 9, 33]
+    with_kernel, stats, layers = _decode_logits(containers[policy], compute_dtype, steps)
+    assert stats["kernel_layers"] == len(steps) * layers  # every layer's experts in one call
+    reference = _decode_logits(containers[policy], "float32", steps)[0] if compute_dtype == "bfloat16" else None
+    monkeypatch.setattr(token_kernels, "token_kernels", lambda: None)
+    without, stats, _ = _decode_logits(containers[policy], compute_dtype, steps)
+    assert stats["kernel_layers"] == 0
+    for step, (a, b) in enumerate(zip(with_kernel, without)):
+        if reference is None:
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max())), (a - b).abs().max()
+            assert int(a.argmax()) == int(b.argmax())
+        else:
+            scale = float(reference[step].abs().max())
+            kernel_error = float((a - reference[step]).abs().max()) / scale
+            torch_error = float((b - reference[step]).abs().max()) / scale
+            assert kernel_error <= max(1.5 * torch_error, 1.5e-2), (step, kernel_error, torch_error)
