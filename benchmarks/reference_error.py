@@ -6,7 +6,8 @@ heads, experts, top-k, hash layers, every attention kind, 1 to 2,500 tokens), co
 streamed with the options each case names; this prints the figures the tests only bound. Then `--random K`
 configurations drawn at random (tests/v4_models.py `random_case`: any mix of layer kinds, head, expert and window
 sizes, tied heads, every container policy, streaming options, prompts continued from their KV), each against
-transformers on the same checkpoint (`keep`) or on `moepack export` of its container.
+transformers on the same checkpoint (`keep`) or on `moepack export` of its container. For the test cases it also
+prints `--compute-dtype bfloat16`'s logits against float32's (what `--compute-dtype auto` costs where it picks bf16).
 Usage: python benchmarks/reference_error.py [--random K] [--first-seed S] [--json]
 """
 
@@ -48,7 +49,11 @@ def main() -> None:
             with torch.no_grad():
                 ref = hf_model(ids[None]).logits[0, -1].float()
             got = prefill(container, ids, PrefillOptions(**options)).logits
-            rows.append({"config": name, "tokens": n, "options": options, **logit_error(got, ref)})
+            row = {"config": name, "tokens": n, "options": options, **logit_error(got, ref)}
+            if "compute_dtype" not in options:  # the other choice of --compute-dtype auto, against float32
+                low = prefill(container, ids, PrefillOptions(**options, compute_dtype="bfloat16")).logits
+                row["bfloat16"] = logit_error(low, got)
+            rows.append(row)
         for seed in range(args.first_seed, args.first_seed + args.random):
             case = random_case(seed)
             with tempfile.TemporaryDirectory(dir=base) as work_dir:
@@ -64,6 +69,12 @@ def main() -> None:
         print(f"{r['config']} | {r['tokens']} | {r['options'] or '-'} | {r['max_abs_error']:.2e} | "
               f"{r['logit_scale']:.2f} | {r['relative']:.1e} | {r['same_token']}"
               + (f" | against {r['reference']}" if "reference" in r else ""))
+    low = [r for r in rows if "bfloat16" in r]
+    if low:
+        errors = sorted(r["bfloat16"]["relative"] for r in low)
+        print(f"--compute-dtype bfloat16 against float32, same cases ({len(low)}): error / scale median "
+              f"{errors[len(errors) // 2]:.1e}, largest {errors[-1]:.1e}; same next token in "
+              f"{sum(r['bfloat16']['same_token'] for r in low)} of {len(low)}")
     compared = [r for r in rows if not r.get("reference", "").startswith("none")]
     print(f"largest error / scale: {max(r['relative'] for r in compared):.1e} (bound 1e-3) over {len(compared)} "
           f"cases; {len(rows) - len(compared)} continuation(s) not comparable (transformers' own logits for the "

@@ -12,6 +12,7 @@ import click
 from moepack.format_spec.errors import MoepackError, error_reason
 
 EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 def emit(as_json: bool, result: dict, human) -> None:
@@ -58,8 +59,11 @@ def reports_errors(fn=None, *, out_of_memory_hint: str | None = None):
             message = str(e)
         except OSError as e:
             message = f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
-        except KeyboardInterrupt:
-            message = "interrupted"
+        except KeyboardInterrupt:  # outputs are written under temporary names: nothing partial is left
+            if as_json:
+                click.echo(json.dumps({"ok": False, "error": "interrupted"}))
+            click.echo("moepack: error: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
         except (MemoryError, RuntimeError) as e:
             if not out_of_memory(e):
                 raise
@@ -85,3 +89,17 @@ def prompt_options(fn):
                          help="File of token ids: a JSON array or whitespace-separated integers."))):
         fn = option(fn)
     return fn
+
+
+def check_threads(ctx, param, value):
+    """--threads: at most MAX_THREADS_PER_CPU per CPU of this machine (more only adds switching)."""
+    import os
+
+    from moepack.runtime.limits import MAX_THREADS_PER_CPU
+
+    most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
+    if value is not None and value > most:
+        raise click.BadParameter(f"{value} is more than {MAX_THREADS_PER_CPU} per CPU of this machine's "
+                                 f"{os.cpu_count()} (at most {most})")
+    return value
+

@@ -8,6 +8,8 @@ import sys
 
 import click
 
+from moepack.runtime.limits import MAX_CACHE_GIB
+
 from .common import emit, json_option, prompt_options, reports_errors
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
@@ -68,13 +70,14 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 @click.option("--top-k", type=int, default=0, show_default=True, help="0: off.")
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: drawn, and reported).")
 @click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable); it is not printed.")
-@click.option("--cache-gib", type=click.FloatRange(min=0), default=None,
+@click.option("--cache-gib", type=click.FloatRange(0, MAX_CACHE_GIB), default=None,
               help="Byte budget of the routed-expert cache (0: every selected expert read for every token; "
                    "default: the whole container, within a quarter of the available memory).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--kv-out", type=click.Path(file_okay=False),
               help="Directory for the KV after the generation (the prompt and the generated tokens).")
-@click.option("--compute-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--compute-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True, help="As prefill's --compute-dtype.")
 @click.option("--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap"]), default="auto",
               show_default=True)
 @json_option

@@ -17,7 +17,10 @@ from moepack import __version__
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 
-from .common import EXIT_ERROR, PREFILL_MEMORY_HINT, emit, json_option, prompt_options, reports_errors
+from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
+
+from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PREFILL_MEMORY_HINT, check_threads, emit, json_option,
+                     prompt_options, reports_errors)
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve
@@ -258,9 +261,9 @@ def _print_verify(r: dict) -> None:
 @click.option("--kv-no-fsync", is_flag=True, help="Do not fsync each KV layer file as it is written (once at the end).")
 @click.option("--logits-out", type=click.Path(dir_okay=False),
               help="safetensors file for the last position's logits (key 'logits', float32 [vocab]).")
-@click.option("--bundle-experts", type=click.IntRange(min=1), default=None,
+@click.option("--bundle-experts", type=click.IntRange(1, MAX_BUNDLE_EXPERTS), default=None,
               help="Experts per read (default: the best setting `moepack bench io` measured, else 4).")
-@click.option("--queue-depth", type=click.IntRange(min=1), default=None,
+@click.option("--queue-depth", type=click.IntRange(1, MAX_QUEUE_DEPTH), default=None,
               help="Reads in flight (default: as measured by `moepack bench io`, else 4).")
 @click.option("--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap"]), default="auto",
               show_default=True, help="auto: page-cache streaming when the container fits in free RAM, else O_DIRECT.")
@@ -269,10 +272,12 @@ def _print_verify(r: dict) -> None:
 @click.option("--query-chunk", type=click.IntRange(min=1), default=512, show_default=True,
               help="At most this many queries per attention chunk inside a layer (bounds memory for long prompts; "
                    "chunks are never longer than two sliding windows, 128 queries at least, anyway).")
-@click.option("--compute-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+@click.option("--compute-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True,
               help="The layers' matmuls: float32 (exact) or bfloat16 (the attention's projections and the shared "
                    "expert; streams, norms and router stay float32): 2-4x faster on CPUs with AVX512-BF16 or AMX "
-                   "and on GPUs.")
+                   "and on GPUs. auto: what `moepack bench compute` measured on this CPU, else bfloat16 where it "
+                   "has native bf16 dot products, else float32 (the choice and why are in --json's stats).")
 @click.option("--expert-dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
               help="The routed experts' matmuls (default: --compute-dtype).")
 @click.option("--order", type=click.Choice(["layer", "chunk"]), default="layer", show_default=True,
@@ -292,7 +297,7 @@ def _print_verify(r: dict) -> None:
 @click.option("--dist-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
               help="Seconds a rank waits for its peers before giving up with an error.")
 @click.option("--no-verify-reads", is_flag=True, help="Skip the per-region checksum of every read.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("--threads", type=click.IntRange(min=1), default=None, callback=check_threads,
               help="CPU threads for compute and decode (default: torch's, one per core). Fewer when other work "
                    "shares the cores: a busy core stalls every multi-threaded op (docs/benchmarks.md).")
 @json_option
@@ -308,6 +313,8 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
 
     if sum(x is not None for x in (prompt, prompt_file, token_ids_file)) != 1:
         raise click.UsageError("give exactly one of --prompt, --prompt-file, --token-ids")
+    if prompt == "" and continue_from is None:
+        raise MoepackError("empty prompt")
     if logits_out:
         from moepack.runtime.outputs import check_output_path
 
@@ -487,7 +494,19 @@ cli.add_command(serve)
 
 
 def main() -> None:
-    cli(prog_name="moepack")
+    """The console entry: click's own handling, except that a usage error under --json also prints the JSON error
+    object (a machine reading stdout sees {"ok": false, ...} whatever went wrong)."""
+    try:
+        code = cli.main(prog_name="moepack", standalone_mode=False)
+    except click.ClickException as e:  # usage errors (bad flags, values out of range) and click's own failures
+        if "--json" in sys.argv[1:]:
+            click.echo(json.dumps({"ok": False, "error": e.format_message(), "usage_error": True}))
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:  # Ctrl-C at a prompt
+        click.echo("moepack: error: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import os
 import click
 
 from moepack.format_spec.errors import MoepackError
+from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
 from .common import emit, json_option, reports_errors
 
@@ -238,10 +239,10 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
 @click.option("--stream", type=click.Choice(["all", "experts"]), default="all", show_default=True,
               help="all: every region streams, as moepack prefill does; experts: non-routed weights resident "
                    "(the design note's tables).")
-@click.option("--bundle-experts", type=click.IntRange(min=1),
+@click.option("--bundle-experts", type=click.IntRange(1, MAX_BUNDLE_EXPERTS),
               help="Experts per read for the buffer budget (default: bench io's best for FILE, else 4; 16 for a "
                    "CONFIG).")
-@click.option("--queue-depth", type=click.IntRange(min=1),
+@click.option("--queue-depth", type=click.IntRange(1, MAX_QUEUE_DEPTH),
               help="Reads in flight for the buffer budget (default: bench io's best for FILE, else 4; 2 for a "
                    "CONFIG).")
 @click.option("--attention/--no-attention", "with_attention", default=False, show_default=True,

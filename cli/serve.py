@@ -6,6 +6,8 @@ import os
 
 import click
 
+from moepack.runtime.limits import MAX_CACHE_GIB
+
 from .common import reports_errors
 
 
@@ -14,15 +16,17 @@ from .common import reports_errors
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (default: this machine only).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--cache-gib", type=click.FloatRange(min=0), default=None,
+@click.option("--cache-gib", type=click.FloatRange(0, MAX_CACHE_GIB), default=None,
               help="Byte budget of the routed-expert cache, kept across requests (default: the whole container, "
                    "within a quarter of the available memory).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests admitted at once (waiting + running); more are answered 429.")
+@click.option("--compute-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True, help="As prefill's --compute-dtype.")
 @click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every /v1 request.")
 @click.option("--model-name", default=None, help="The model's id in the API (default: FILE's stem).")
 @reports_errors(out_of_memory_hint="lower --cache-gib")
-def serve(file, host, port, device, cache_gib, max_queue, api_key, model_name):
+def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key, model_name):
     """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
     import uvicorn
 
@@ -32,7 +36,7 @@ def serve(file, host, port, device, cache_gib, max_queue, api_key, model_name):
 
     name = model_name or os.path.splitext(os.path.basename(file))[0]
     generator = Generator(file, default_cache_gib(file) if cache_gib is None else cache_gib,
-                          prefill=PrefillOptions(device=device))
+                          prefill=PrefillOptions(device=device, compute_dtype=compute_dtype))
     try:
         app = make_app(generator, name, api_key=api_key, max_queue=max_queue)
         click.echo(f"moepack serve: {name} at http://{host}:{port}/v1 (max queue {max_queue}"

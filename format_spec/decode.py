@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .dtypes import STORAGE_TYPES, storage_type, tensor_nbytes
@@ -178,3 +179,40 @@ def decode_group_row_slices(tensors, read, name: str, rows_per_slice: int, out_d
     for first in range(0, t.shape[0], max(1, rows_per_slice)):
         yield decode_rows(t.dtype, t.shape, read(t), slice(first, first + rows_per_slice), scale, out_dtype,
                           tensor_scale)
+
+
+# NaN and infinity by their bits: plain type -> (itemsize, exponent mask); a value is not finite where its exponent
+# bits are all ones (F8_E4M3 has no infinity: S.1111.111 is its NaN; F8_E8M0 is all exponent, 0xFF its NaN)
+_NON_FINITE_BITS = {"F64": (8, 0x7FF0000000000000), "F32": (4, 0x7F800000), "F16": (2, 0x7C00),
+                    "BF16": (2, 0x7F80), "F8_E5M2": (1, 0x7C), "F8_E4M3": (1, 0x7F), "F8_E8M0": (1, 0xFF)}
+_NUMPY_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+# ggml blocks whose only non-finite value can sit in their scale: type -> (block bytes, byte of the block to test,
+# mask of that byte's exponent bits, values per block). MXFP4: the E8M0 byte; Q8_0: the f16 scale's high byte.
+_BLOCK_SCALE_BITS = {"MXFP4": (17, 0, 0xFF, 32), "Q8_0": (34, 1, 0x7C, 32)}
+
+
+def checks_finiteness(dtype: str) -> bool:
+    """Whether first_non_finite looks at values of this storage type (integers and FP4 codes are always finite;
+    NVFP4 / Q2_K / IQ2_XXS are not checked)."""
+    return dtype in _NON_FINITE_BITS or dtype in _BLOCK_SCALE_BITS
+
+
+def first_non_finite(dtype: str, buffer, start: int = 0) -> int | None:
+    """The index (in the whole tensor) of the first NaN or infinite value among a piece of a tensor's stored
+    bytes that begins `start` bytes into the tensor (a multiple of the type's item or block size for plain types;
+    any for the block types, whose scale bytes are found by position), or None. From the bits alone: no decode."""
+    data = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)
+    if dtype in _NON_FINITE_BITS:
+        size, mask = _NON_FINITE_BITS[dtype]
+        if start % size:
+            raise ValueError(f"a piece of a {dtype} tensor must start on a whole value, not at byte {start}")
+        values = data[:len(data) - len(data) % size].view(_NUMPY_UINTS[size])
+        bad = np.flatnonzero((values & values.dtype.type(mask)) == mask)
+        return int(bad[0]) + start // size if len(bad) else None
+    if dtype in _BLOCK_SCALE_BITS:
+        block, at, mask, per_block = _BLOCK_SCALE_BITS[dtype]
+        first = (at - start) % block  # the first tested byte in this piece
+        bytes_ = data[first::block]
+        bad = np.flatnonzero((bytes_ & mask) == mask)
+        return ((start + first + int(bad[0]) * block) // block) * per_block if len(bad) else None
+    return None

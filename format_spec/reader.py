@@ -19,6 +19,7 @@ import zstandard
 
 from .dtypes import STORAGE_TYPES, tensor_nbytes
 from .errors import FormatError
+from .files import open_regular
 from .layout import (
     TENSOR_SCALE_SUFFIX, ALIGNMENT, FORMAT_MINOR_PARTS, HEADER_SIZE, MAX_PARTS, REGION_KINDS, TENSOR_ALIGNMENT, Header, PartHeader,
     layer_count_problem, parse_block_name, part_path, region_name, region_part,
@@ -489,9 +490,4 @@ def open_container(path: str) -> Container:
 
 
 def _open_file(path: str, missing: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise FormatError(missing) from None
-    except OSError as e:
-        raise FormatError(f"{path}: cannot open ({e.strerror})") from None
+    return open_regular(path, missing)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from .decode import first_non_finite
 from .errors import FormatError
 from .layout import HEADER_SIZE
 from .reader import Container, Region
@@ -34,7 +35,8 @@ class VerifyReport:
 
 
 def _check_region(c: Container, region: Region, on_bytes) -> None:
-    """Stream one region: its hash, its tensors' hashes, and zero bytes wherever no tensor lies."""
+    """Stream one region: its hash, its tensors' hashes, zero bytes wherever no tensor lies, and no NaN or infinity
+    in a float tensor (decode.first_non_finite: by the bits, as they stream past)."""
     region_hash = xxhash.xxh3_64()
     # Covered byte ranges, in order; everything between them must be zero.
     spans = [(t.offset, t.offset + t.length, t) for t in region.tensors]
@@ -49,7 +51,12 @@ def _check_region(c: Container, region: Region, on_bytes) -> None:
             if end <= pos or start >= pos + n:
                 continue
             _check_zero(c, region, chunk, pos, cursor, start)
-            hashers[t.name].update(chunk[max(start, pos) - pos:min(end, pos + n) - pos])
+            piece = chunk[max(start, pos) - pos:min(end, pos + n) - pos]
+            hashers[t.name].update(piece)
+            bad = first_non_finite(t.dtype, piece, max(start, pos) - start)
+            if bad is not None:
+                raise FormatError(f"tensor {t.name} (region {c.describe(region)}): not finite (NaN or infinity) at "
+                                  f"flat index {bad}")
             cursor = max(cursor, end)
         _check_zero(c, region, chunk, pos, cursor, pos + n)
         on_bytes(n)

@@ -17,10 +17,12 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from moepack.format_spec import quants
-from moepack.format_spec.decode import as_uint8, decode_float, decode_tensor, scale_name, tensor_scale_name
+from moepack.format_spec.decode import (as_uint8, decode_float, decode_tensor, first_non_finite, scale_name,
+                                        tensor_scale_name)
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, storage_type, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import (DEFAULT_STRIPE_EXPERTS, SCALE_SUFFIXES, layer_count_problem, parse_block_name,
@@ -95,6 +97,13 @@ class RegionConverter:
         by_name = dict(items)
         out = []
         consumed: set[str] = set()
+        for name, t in items:  # a NaN or infinity in a weight is refused whatever the policy, --keep too
+            dtype, shape = source_type_and_shape(self.adapter, name, t)
+            bad = first_non_finite(dtype, data[name])
+            if bad is not None:
+                where = ", ".join(str(int(i)) for i in np.unravel_index(bad, shape)) if shape else ""
+                raise MoepackError(f"{name}: not finite (NaN or infinity) at index [{where}] (flat {bad}) of the "
+                                   "source: the checkpoint is damaged")
         for name, t in items:
             if name in consumed:
                 continue

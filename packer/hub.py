@@ -25,6 +25,7 @@ import json
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -167,8 +168,9 @@ class _HubPlan:
     def _from_hub(cls, repo: str, rev: str, cache: str) -> "_HubPlan":
         from huggingface_hub import HfApi
 
-        with _hub_errors(repo, rev):
-            info = HfApi().model_info(repo, revision=rev, files_metadata=True)
+        with _hub_errors(repo, rev):  # huggingface_hub's API calls wait forever unless given a timeout
+            info = _with_retries(lambda: HfApi().model_info(repo, revision=rev, files_metadata=True,
+                                                            timeout=_api_timeout()))
         sha = (info.sha or "").lower()
         if not _FULL_SHA.match(sha):
             raise MoepackError(f"{repo}@{rev}: the hub did not report a commit sha "
@@ -468,6 +470,44 @@ def _ordered(shards: list[str], order: list[str] | None, src: str) -> list[str]:
 
 def _one_line(e: object) -> str:
     return " ".join(str(e).split())[:300]
+
+
+API_ATTEMPTS = 3  # a hub API call that timed out, lost its connection or met a 5xx / 429 is tried this often
+RETRY_PAUSE_S = 1.0  # ... with pauses of 1 s, then 2 s: a stalled endpoint ends within 3 x timeout + 3 s
+
+
+def _api_timeout() -> float:
+    """Seconds a hub API call may wait: HF_HUB_ETAG_TIMEOUT (huggingface_hub's own setting for its metadata calls,
+    10 by default); downloads keep HF_HUB_DOWNLOAD_TIMEOUT, which huggingface_hub applies itself."""
+    from huggingface_hub import constants
+
+    return float(constants.HF_HUB_ETAG_TIMEOUT)
+
+
+def _transient(exc: BaseException) -> bool:
+    """A failure worth another try: a timeout, a dropped or refused connection, HTTP 5xx or 429."""
+    try:
+        import httpx2 as http  # huggingface_hub >= 2
+    except ImportError:  # pragma: no cover - older huggingface_hub (httpx)
+        import httpx as http
+    for e in _chain(exc):
+        if isinstance(e, (http.TimeoutException, http.NetworkError, ConnectionError, TimeoutError)):
+            return True
+        response = getattr(e, "response", None)
+        if response is not None and (response.status_code >= 500 or response.status_code == 429):
+            return True
+    return False
+
+
+def _with_retries(call):
+    """call(), tried up to API_ATTEMPTS times while it fails transiently, with growing pauses."""
+    for attempt in range(API_ATTEMPTS):
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - _hub_errors names it after the last try
+            if attempt == API_ATTEMPTS - 1 or not _transient(e):
+                raise
+            time.sleep(RETRY_PAUSE_S * 2 ** attempt)
 
 
 class _hub_errors:

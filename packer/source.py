@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.files import check_regular, open_regular
 
 # Files worth carrying into the container beside the weights (small, text).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -35,6 +36,7 @@ class SourceTensor:
 def read_safetensors_header(path: str) -> dict[str, SourceTensor]:
     """Parse one safetensors file's header strictly: every tensor inside the file, sized as its dtype says."""
     name = os.path.basename(path)
+    check_regular(path)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -83,7 +85,7 @@ class OpenFiles:
     def read(self, path: str, offset: int, length: int, what: str) -> bytes:
         fd = self._fds.get(path)
         if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            fd = self._fds[path] = open_regular(path)
         data = os.pread(fd, length, offset)
         if len(data) != length:
             raise MoepackError(f"{os.path.basename(path)}: short read for {what} (file truncated?)")

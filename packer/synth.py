@@ -480,10 +480,10 @@ def _write_checkpoint_files(out: Path, config: dict, shards: list, shard_names: 
             else:  # an earlier run's must not pass for this tokenizer's
                 (out / name).unlink(missing_ok=True)
 
-    from tqdm.auto import tqdm
+    from .progress import progress_bar
 
     weight_map: dict[str, str] = {}
-    with tqdm(total=total_tensor_bytes, unit="B", unit_scale=True, disable=not progress, desc=f"synth {preset}") as bar:
+    with progress_bar(total_tensor_bytes, f"synth {preset}", progress) as bar:
         for shard_name, shard_specs in zip(shard_names, shards):
             # Widest elements first (as safetensors' own writer orders them), so every tensor stays aligned to its
             # element size in the file; the sort is stable, so streaming order holds within each width.

@@ -10,7 +10,9 @@ memory and host->device copy rates, and the effective FLOP/s of the runtime's ex
 * `bench_compute()` times decode + SwiGLU of routed experts exactly as the engine runs them (format_spec.decode's
   `decode_float`, runtime.model's `expert_forward`), for several tokens per expert: F measured, not assumed. For
   bf16 FP4 experts on a CPU with the fused kernel it also finds the tokens per expert up to which that kernel beats
-  decode + GEMM; `tuned_fused_max_tokens()` gives `prefill` that crossover.
+  decode + GEMM; `tuned_fused_max_tokens()` gives `prefill` that crossover. On a CPU it also times a GEMM in float32
+  and bfloat16: `default_compute_dtype()` gives `--compute-dtype auto` that choice (before any measurement:
+  bfloat16 where the CPU has native bf16 dot products).
 
 Results are kept in a small per-machine cache, `$MOEPACK_CACHE_DIR/bench.json` (default
 `$XDG_CACHE_HOME/moepack/bench.json`, i.e. `~/.cache/moepack/bench.json`), keyed by the host name and, for io, by
@@ -562,15 +564,19 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     t_dec = _best_seconds(lambda: [_decode_expert(e, dtype, decoder) for e in on_device], repeat, dev) / len(on_device)
     decoder.close()
     fused = _fused_crossover(on_device, cfg, dtype, dev, repeat)
+    dtype_choice = measure_compute_dtype(H, I) if dev.type == "cpu" else None
     result = {
         "machine": machine_id(), "measured_at": _now(), **load, "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model(),
         "threads": torch.get_num_threads(), "source": source, "storage": storage, "hidden": H, "intermediate": I,
         "expert_dtype": expert_dtype, "experts": len(on_device), "repeat": repeat,
         "decode_seconds_per_expert": t_dec, "points": points, **({"fused": fused} if fused else {}),
+        **({"compute_dtype": dtype_choice} if dtype_choice else {}),
     }
     if save:
         result["cache"] = store("compute", compute_key(dev.type, storage, H, I, expert_dtype), result)
+        if dtype_choice:  # --compute-dtype auto's choice for this CPU model
+            store("compute_dtype", dtype_choice["device_name"], dtype_choice)
     return result
 
 
@@ -631,6 +637,65 @@ def tuned_fused_max_tokens(hidden: int, inter: int) -> int | None:
         return value if isinstance(value, int) and value >= 0 else None
     except Exception:  # noqa: BLE001 - any cache problem means "not measured"
         return None
+
+
+# CPU features that give native bf16 dot products: x86's AVX512-BF16 and AMX, aarch64's BF16
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+COMPUTE_DTYPE_TOKENS = 512  # rows of the GEMM float32 and bfloat16 are timed on (a prefill's)
+BF16_WINS_BY = 1.1  # bfloat16 becomes the default where it is at least this much faster
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (x86 "flags", aarch64 "Features"); empty where the file does not say."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def measure_compute_dtype(hidden: int, inter: int, repeat: int = 3) -> dict:
+    """float32 against bfloat16 on this CPU: the best time of a [COMPUTE_DTYPE_TOKENS, hidden] x [hidden, inter]
+    GEMM (an expert's w1 over a prefill's tokens) in each, all threads. The choice is bfloat16 where it is
+    BF16_WINS_BY faster."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(COMPUTE_DTYPE_TOKENS, hidden, generator=g)
+    w = torch.randn(inter, hidden, generator=g) * hidden ** -0.5
+    cpu = torch.device("cpu")
+    out = {"tokens": COMPUTE_DTYPE_TOKENS, "hidden": hidden, "intermediate": inter, "device_name": _cpu_model(),
+           "threads": torch.get_num_threads(), "measured_at": _now()}
+    flops = 2 * COMPUTE_DTYPE_TOKENS * hidden * inter
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, wd = x.to(dtype), w.to(dtype)
+        torch.nn.functional.linear(xd, wd)  # warm-up (oneDNN builds its kernel for the shape)
+        seconds = _best_seconds(lambda: torch.nn.functional.linear(xd, wd), repeat, cpu)
+        out[f"{str(dtype).removeprefix('torch.')}_gflops"] = round(flops / seconds / 1e9, 2)
+    out["choice"] = "bfloat16" if out["bfloat16_gflops"] >= BF16_WINS_BY * out["float32_gflops"] else "float32"
+    return out
+
+
+def default_compute_dtype(device: torch.device) -> tuple[str, str]:
+    """(dtype, why) for `--compute-dtype auto`: on a CPU, what `moepack bench compute` measured for this CPU model
+    (bfloat16 where its GEMM is BF16_WINS_BY faster), else bfloat16 where the CPU has native bf16 dot products
+    (NATIVE_BF16_FLAGS), else float32. Other devices: float32 (not measured there yet). Never raises."""
+    if device.type != "cpu":
+        return "float32", f"{device.type}: float32 until measured there"
+    try:
+        cpu = _cpu_model()
+        entry = cached("compute_dtype").get(cpu)
+        if isinstance(entry, dict) and entry.get("choice") in ("float32", "bfloat16"):
+            ratio = entry["bfloat16_gflops"] / entry["float32_gflops"]
+            return entry["choice"], f"moepack bench compute: bfloat16 GEMM {ratio:.2f}x float32 on this CPU"
+    except Exception:  # noqa: BLE001 - any cache problem means "not measured"
+        pass
+    native = sorted(cpu_flags() & set(NATIVE_BF16_FLAGS))
+    if native:
+        return "bfloat16", f"native bf16 dot products ({', '.join(native)})"
+    return "float32", "no native bf16 dot products on this CPU"
 
 
 def compute_key(device_type: str, storage: str, hidden: int, inter: int, expert_dtype: str) -> str:

@@ -27,7 +27,7 @@ import resource
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,8 @@ from . import model
 from .model import HEAD_GLOBALS
 from .device_copier import DeviceCopier
 from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
+from .bench import default_compute_dtype
+from .limits import MAX_BUNDLE_EXPERTS
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
 from .io import HostBuffer, available_memory_bytes, cpu_steal_seconds, keep_freed_memory, release_freed_memory
 from .read_scheduler import (EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, global_regions,
@@ -68,6 +70,7 @@ class PrefillOptions:
     # The layers' matrices: float32 (the exact reference path) or bfloat16 (the attention's projections and the
     # shared expert, model.LOW_PRECISION_PREFIXES; their inputs are rounded to bf16, the residual streams, norms,
     # mHC and router stay float32). bf16 matmuls are 2-4x faster on CPUs with AVX512-BF16/AMX and on GPUs.
+    # "auto": this machine's choice (resolve_compute_dtype; the commands' default).
     compute_dtype: str = "float32"
     # The routed experts' matmuls: float32 or bfloat16; None: as compute_dtype.
     expert_dtype: str | None = None
@@ -180,6 +183,16 @@ def cuda_free_bytes(device: torch.device) -> int:
     return min(free, max(budget - reserved, 0)) + reserved - torch.cuda.memory_allocated(device)
 
 
+def resolve_compute_dtype(options: PrefillOptions, device: torch.device) -> tuple[PrefillOptions, str]:
+    """`options` with compute_dtype "auto" made this machine's choice (runtime.bench.default_compute_dtype: what
+    `moepack bench compute` measured on this CPU, else bfloat16 where it has native bf16 dot products), and where
+    the dtype came from ("given" where it was named)."""
+    if options.compute_dtype != "auto":
+        return options, "given"
+    name, why = default_compute_dtype(device)
+    return replace(options, compute_dtype=name), f"auto: {why}"
+
+
 class StreamingPrefill:
     """One prefill over one container: walks the layers, all N tokens through each, over the pipeline's stages
     (ReadScheduler -> DeviceCopier -> ExpertRunner). Use `run(token_ids)`."""
@@ -192,11 +205,12 @@ class StreamingPrefill:
                                f"(choose from {', '.join(EXPERT_OWNERSHIPS)})")
         if options.expert_selection not in EXPERT_SELECTIONS:
             raise MoepackError(f"unknown expert selection {options.expert_selection!r}")
-        if options.bundle_experts < 1:
-            raise MoepackError("--bundle-experts must be at least 1")
+        if not 1 <= options.bundle_experts <= MAX_BUNDLE_EXPERTS:
+            raise MoepackError(f"--bundle-experts must be 1 to {MAX_BUNDLE_EXPERTS}, got {options.bundle_experts}")
         self.c = container
-        self.opt = options
         self.device = compute_device(options.device)
+        options, self.compute_dtype_source = resolve_compute_dtype(options, self.device)
+        self.opt = options
         # CPU: activations reused layer to layer, not faulted in again
         self.malloc_keeps_freed = self.device.type == "cpu" and keep_freed_memory()
         self.cfg = model_config(container)
@@ -432,6 +446,7 @@ class StreamingPrefill:
             "bytes_skipped": sum(s.bytes_skipped for s in layers),
             "bundle_experts": self.opt.bundle_experts,
             "compute_dtype": self.opt.compute_dtype,
+            "compute_dtype_source": self.compute_dtype_source,
             "expert_dtype": str(self.expert_dtype).removeprefix("torch."),
             "expert_threads": self.experts.threads,
             # experts on up to this many tokens ran the fused FP4 matmul (the weights never decoded to memory)

@@ -22,7 +22,8 @@ from moepack.format_spec.reader import Container
 from moepack.v4.kv import KVWriter, identity_of_container, kv_bytes, read_kv
 
 from .decode import Decoder
-from .engine import EXPERT_DTYPES, PrefillOptions, StreamingPrefill, compute_device, model_config
+from .engine import (EXPERT_DTYPES, PrefillOptions, StreamingPrefill, compute_device, model_config,
+                     resolve_compute_dtype)
 from .io import available_memory_bytes
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher
 
@@ -100,6 +101,9 @@ class Generator:
             check_memory(self.c, 1, self.cache_bytes)
             p = self.prefill_options
             self.device = compute_device(p.device)
+            # resolved once: the prefill and the decoder's resident weights must agree
+            p, self.compute_dtype_source = resolve_compute_dtype(p, self.device)
+            self.prefill_options = p
             self.decoder = Decoder(self.c, self.cfg, self.device, self.cache_bytes,
                                    compute_dtype=EXPERT_DTYPES[p.compute_dtype],
                                    expert_dtype=EXPERT_DTYPES[p.expert_dtype or p.compute_dtype],
@@ -163,6 +167,8 @@ class Generator:
         token_ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
         logits, states, prefill_stats, counts, all_ids, past, bound = self._prefill(token_ids, continue_from,
                                                                                  options.max_new_tokens)
+        prefill_stats = {**prefill_stats, "compute_dtype": self.prefill_options.compute_dtype,
+                         "compute_dtype_source": self.compute_dtype_source}
         decoder = self.decoder
         decoder.begin(states)
         del states

@@ -31,6 +31,8 @@ import torch
 from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.layout import ALIGNMENT
 
+from .limits import MAX_QUEUE_DEPTH
+
 IO_MODES = ("auto", "direct", "buffered", "mmap")
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages)
 # madvise: fault a range's pages in (Linux 5.14+; Python's mmap module has no name for it before 3.13)
@@ -413,8 +415,9 @@ class ReadPipeline:
 
     def __init__(self, reader: RegionReader, buffer_bytes: int, depth: int, pinned: bool = False,
                  buffers: int | None = None):
-        if depth < 1:
-            raise MoepackError("queue depth must be at least 1")
+        if not 1 <= depth <= MAX_QUEUE_DEPTH:
+            raise MoepackError(f"queue depth {depth}: reads in flight must be 1 to {MAX_QUEUE_DEPTH} (each holds a "
+                               "buffer and a thread)")
         self.reader = reader
         self.buffer_bytes = buffer_bytes
         self.buffers = max(depth, buffers or depth)

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moepack.format_spec.errors import MoepackError
 from moepack.v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
 from moepack.v4.kv import CompressorState, LayerKVState
 
@@ -579,10 +580,21 @@ def shared_expert(cfg: ModelConfig, w: Mapping[str, Tensor], routing: Routing) -
 def moe_finish(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor, routing: Routing,
                routed_out: Tensor, shared: Tensor | None = None, into: Tensor | None = None) -> Tensor:
     """Add the shared expert (computed here unless `shared` is given) to the routed experts' sum and spread the
-    result over the streams (ffn mHC post), written into `into` where it is given."""
+    result over the streams (ffn mHC post), written into `into` where it is given. A layer whose output is not
+    finite stops the forward, named (check_finite)."""
     if shared is None:
         shared = shared_expert(cfg, w, routing)
-    return hc_post(streams, routed_out + shared, routing.post, routing.comb, into)
+    return check_finite(hc_post(streams, routed_out + shared, routing.post, routing.comb, into), layer)
+
+
+def check_finite(streams: Tensor, layer: int) -> Tensor:
+    """`streams`, unless they hold a NaN or an infinity: then a one-line error naming the layer (the first one, as
+    every layer is checked). One sum decides (any NaN or infinity makes it so; 9 ms for [4096, 4, 4096] where
+    isfinite().all() takes 370); only a sum that overflowed finite values looks further."""
+    if not bool(torch.isfinite(streams.sum())) and not bool(torch.isfinite(streams).all()):
+        raise MoepackError(f"layer {layer}: its output is not finite (NaN or infinity): a weight, or the KV "
+                           "continued, holds such values (moepack verify checks the container's)")
+    return streams
 
 
 # ---------------------------------------------------------------------------------------------------------------

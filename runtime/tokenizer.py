@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.files import check_regular
 from moepack.format_spec.reader import Container
 
 
@@ -41,16 +42,21 @@ class PromptTokenizer:
 
 
 def read_prompt_file(path: str) -> str:
-    """A prompt file's text (UTF-8)."""
+    """A prompt file's text (UTF-8); an empty one is refused (a prompt of BOS alone is nobody's intent)."""
+    check_regular(path)
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read()
+            text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise MoepackError(f"{path}: cannot read the prompt ({e})") from None
+    if not text:
+        raise MoepackError(f"{path}: empty prompt")
+    return text
 
 
 def read_token_ids(path: str) -> list[int]:
     """Token ids from a file: a JSON array, or integers separated by whitespace or commas."""
+    check_regular(path)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()

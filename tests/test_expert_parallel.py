@@ -41,7 +41,7 @@ def setup(tmp_path_factory):
 def _torchrun(ranks: int, container: str, ids_file: str, out: str, *extra) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
            str(_free_port()), "-m", "moepack", "prefill", container, "--token-ids", ids_file, "--expert-parallel",
-           "--experts", "all", "--logits-out", out, "--json", *extra]
+           "--experts", "all", "--logits-out", out, "--json", "--compute-dtype", "float32", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]

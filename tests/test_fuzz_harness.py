@@ -57,18 +57,31 @@ def test_an_exception_other_than_moepacks_is_a_failure_named_by_its_frame(target
     assert outcome["key"] == f"KeyError @ {outcome['frame']}"
 
 
-def test_a_hang_is_caught_and_named_by_its_frame(targets, tmp_path):
-    """An input the reader blocks on (a FIFO nobody writes) stands in for a hang: the worker's faulthandler dumps
-    the stack at the timeout and the harness reports where it hung, then carries on with a new worker."""
+def test_a_hang_is_caught_and_named_by_its_frame(targets, tmp_path, monkeypatch):
+    """An open that never returns stands in for a hang (the reader refuses FIFOs, so the worker's interpreter is
+    given a sitecustomize that blocks opening one file name): the worker's faulthandler dumps the stack at the
+    timeout and the harness reports where it hung, then carries on with a new worker."""
     import os
 
     from fuzz_container import Worker
 
-    fifo = tmp_path / "blocks.moepack"
-    os.mkfifo(fifo)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import threading\n"
+        "import moepack.format_spec.reader as reader\n"
+        "opened = reader._open_file\n"
+        "def _open_file(path, missing):\n"
+        "    if path.endswith('blocks.moepack'):\n"
+        "        threading.Event().wait()  # never set: a read that never comes back\n"
+        "    return opened(path, missing)\n"
+        "reader._open_file = _open_file\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    blocks = tmp_path / "blocks.moepack"
+    blocks.write_bytes(b"\0" * 4096)
     worker = Worker(str(tmp_path), timeout=1, memory_mb=1024)
     try:
-        outcome = worker.run("container", str(fifo))
+        outcome = worker.run("container", str(blocks))
         assert outcome["status"] == "failure" and outcome["kind"] == "hang"
         assert outcome["frame"].startswith("format_spec/reader.py:")
         assert worker.run("container", str(tmp_path / "missing.moepack"))["status"] == "error"

@@ -31,6 +31,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from moepack.packer import hub as hub_module
+
 MAIN_SHA = "a" * 8 + "1" * 32
 OLD_SHA = "b" * 8 + "2" * 32
 REPO = "acme/tiny-moe"
@@ -106,6 +108,8 @@ class FakeHub:
         self.drop_once: set[str] = set()  # file names whose first content GET is cut half way
         self.fail_once: set[str] = set()  # file names whose first content GET answers 500
         self.delay: dict[str, float] = {}  # file name -> seconds to wait before sending its content
+        self.api_stall = 0.0  # seconds every repo-info call waits before answering (a stalled endpoint)
+        self.api_fail = 0  # this many repo-info calls answer 503 first (a transient failure)
         self.lock = threading.Lock()
         hub = self
 
@@ -217,6 +221,13 @@ class FakeHub:
 
     def _api(self, h, entry, repo_id, rest) -> None:
         entry["kind"] = "tree" if rest[:1] == ["tree"] else "info"
+        if entry["kind"] == "info" and self.api_stall:
+            time.sleep(self.api_stall)
+            return
+        if entry["kind"] == "info" and self.api_fail:
+            with self.lock:
+                self.api_fail -= 1
+            return self._error(h, entry, 503, None, "Service unavailable")
         repo = self._repo_or_error(h, entry, repo_id)
         if repo is None:
             return
@@ -534,6 +545,22 @@ def test_server_down(tmp_path):
         port = s.getsockname()[1]
     msg = run(tmp_path, f"http://127.0.0.1:{port}", REPO).error
     assert msg.startswith("network unavailable") and f"127.0.0.1:{port}" in msg and "HF_HUB_OFFLINE=1" in msg
+
+
+def test_a_stalled_endpoint_ends_in_one_line_within_a_minute(tmp_path, hub, tiny):
+    """The repo-info call times out (HF_HUB_ETAG_TIMEOUT, 2 s here), is tried API_ATTEMPTS times, then one line."""
+    hub.api_stall = 120
+    started = time.monotonic()
+    msg = run(tmp_path, hub.url, REPO, env_extra={"HF_HUB_ETAG_TIMEOUT": "2"}).error
+    took = time.monotonic() - started
+    assert "timed out" in msg and hub.url in msg and took < 60
+    assert len(hub.requests("info")) == hub_module.API_ATTEMPTS
+
+
+def test_a_transient_failure_is_retried(tmp_path, hub, tiny):
+    hub.api_fail = hub_module.API_ATTEMPTS - 1  # fails, fails, then answers
+    assert run(tmp_path, hub.url, REPO).ok
+    assert len(hub.requests("info")) >= hub_module.API_ATTEMPTS
 
 
 def test_token_is_sent_as_bearer(tmp_path, hub, checkpoints):

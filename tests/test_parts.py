@@ -426,7 +426,8 @@ def test_expert_parallel_container_per_rank_with_parts(build, tmp_path):
                            "print(s.getsockname()[1])"], capture_output=True, text=True).stdout.strip()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port, "-m",
            "moepack", "prefill", str(tmp_path / "copy{rank}.moepack"), "--token-ids", str(ids), "--expert-parallel",
-           "--container-per-rank", "--experts", "all", "--logits-out", logits, "--json"]
+           "--container-per-rank", "--experts", "all", "--logits-out", logits, "--json",
+           "--compute-dtype", "float32"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr[-3000:]
     stats = json.loads(p.stdout[p.stdout.index("{"):])

@@ -1,0 +1,50 @@
+"""Opening inputs: only regular files. A FIFO would block `open` until a writer came (a `verify` that hangs), a pipe
+(`<(cat file)`) cannot seek, a directory or a device is not a file of ours: each is refused at once, by name."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+
+from .errors import FormatError
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO or pipe"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_regular(mode: int) -> str | None:
+    """What a file of this st_mode is when it is not a regular file, else None."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str, missing: str | None = None) -> int:
+    """A read-only descriptor of the regular file `path`; FormatError naming it otherwise (`missing`: the message
+    where it does not exist). Opened non-blocking, so a FIFO is refused instead of waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise FormatError(missing or f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise FormatError(f"{path}: not a regular file (a directory)") from None
+    except OSError as e:
+        raise FormatError(f"{path}: cannot open ({e.strerror})") from None
+    kind = not_regular(os.fstat(fd).st_mode)
+    if kind is not None:
+        os.close(fd)
+        raise FormatError(f"{path}: not a regular file ({kind})")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
+
+
+def check_regular(path: str) -> None:
+    """FormatError naming `path` unless it is a regular file (or does not exist: the opener says so)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    kind = not_regular(mode)
+    if kind is not None:
+        raise FormatError(f"{path}: not a regular file ({kind})")

@@ -1,0 +1,7 @@
+"""Bounds on the tuning knobs (the commands' flags check them before any work; the runtime again, for API callers).
+No imports: the CLI reads these without loading torch."""
+
+MAX_QUEUE_DEPTH = 256  # reads in flight: each holds a buffer of the largest read, and a thread waits on it
+MAX_BUNDLE_EXPERTS = 1024  # experts per read (V4-Flash has 256 per layer; a read is at most one layer's)
+MAX_THREADS_PER_CPU = 8  # --threads beyond this many per CPU the machine has only adds switching
+MAX_CACHE_GIB = 1 << 20  # an expert cache of a PiB is a typo, not a budget (memory is checked too)

@@ -1,0 +1,161 @@
+"""Inputs nobody meant: knobs out of range, files that are not regular files, empty prompts, usage errors under
+--json. Each is refused at once with one line naming the problem and a non-zero exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from moepack.cli.main import cli
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.files import check_regular, open_regular
+from moepack.runtime.engine import PrefillOptions, StreamingPrefill
+from moepack.runtime.io import ReadPipeline, RegionReader
+from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hostile")
+    runner = CliRunner()
+    assert runner.invoke(cli, ["synth", str(base / "src"), "--preset", "tiny"]).exit_code == 0
+    out = str(base / "tiny.moepack")
+    assert runner.invoke(cli, ["convert", str(base / "src"), "-o", out, "--keep"]).exit_code == 0
+    return out
+
+
+def _moepack(*args, timeout=60, **kwargs) -> subprocess.CompletedProcess:
+    """The installed console entry (usage errors are handled there, not inside the command)."""
+    return subprocess.run([sys.executable, "-m", "moepack", *args], capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+@pytest.mark.parametrize("flags", [["--queue-depth", str(MAX_QUEUE_DEPTH + 1)], ["--queue-depth", "0"],
+                                   ["--bundle-experts", str(MAX_BUNDLE_EXPERTS + 1)],
+                                   ["--threads", str(8 * (os.cpu_count() or 1) + 1)]])
+def test_prefill_knobs_out_of_range_are_usage_errors(container, flags):
+    started = time.monotonic()
+    p = _moepack("prefill", container, "--prompt", "hi", *flags, "--json")
+    assert p.returncode == 2 and time.monotonic() - started < 30
+    out = json.loads(p.stdout)  # --json: the error object on stdout too
+    assert out["ok"] is False and out["usage_error"] and flags[0] in out["error"]
+    assert f"Invalid value for '{flags[0]}'" in p.stderr
+
+
+def test_generate_cache_budget_out_of_range(container):
+    p = _moepack("generate", container, "--prompt", "hi", "--cache-gib", "1e12")
+    assert p.returncode == 2 and "--cache-gib" in p.stderr
+
+
+def test_an_unknown_command_under_json_prints_the_error_object():
+    p = _moepack("nonsense", "--json")
+    assert p.returncode == 2 and json.loads(p.stdout) == {"ok": False, "error": "No such command 'nonsense'.",
+                                                          "usage_error": True}
+
+
+def test_the_runtime_bounds_its_knobs_for_api_callers(container):
+    from moepack.format_spec.reader import Container
+
+    with Container(container) as c:
+        reader = RegionReader(c.part_paths, "buffered")
+        try:
+            with pytest.raises(MoepackError, match="queue depth"):
+                ReadPipeline(reader, 4096, MAX_QUEUE_DEPTH + 1)
+        finally:
+            reader.close()
+        with pytest.raises(MoepackError, match="--bundle-experts"):
+            StreamingPrefill(c, PrefillOptions(bundle_experts=MAX_BUNDLE_EXPERTS + 1))
+
+
+def _fifo(tmp_path):
+    path = str(tmp_path / "fifo")
+    os.mkfifo(path)
+    return path
+
+
+def test_a_fifo_is_refused_at_open_not_waited_on(tmp_path):
+    path = _fifo(tmp_path)
+    done = []
+    t = threading.Thread(target=lambda: done.append(pytest.raises(MoepackError, open_regular, path)), daemon=True)
+    t.start()
+    t.join(5)  # a blocking open would never return: nobody writes to the FIFO
+    assert done and "not a regular file (a FIFO or pipe)" in str(done[0].value)
+    with pytest.raises(MoepackError, match="a directory"):
+        open_regular(str(tmp_path))
+    with pytest.raises(MoepackError, match="a character device"):
+        check_regular("/dev/null")
+    check_regular(str(tmp_path / "missing"))  # the opener names a missing file itself
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_commands_refuse_a_fifo_and_a_pipe_by_name(tmp_path, container, command):
+    fifo = _fifo(tmp_path)
+    p = _moepack(command, fifo, timeout=30)
+    assert p.returncode == 1 and p.stderr.strip() == f"moepack: error: {fifo}: not a regular file (a FIFO or pipe)"
+
+
+def test_a_pipe_as_the_container_is_named(container):
+    """As <(cat file) hands it over."""
+    read_end, write_end = os.pipe()
+    try:
+        p = _moepack("verify", f"/dev/fd/{read_end}", pass_fds=(read_end,), timeout=30)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert p.returncode == 1 and p.stderr.strip() == \
+        f"moepack: error: /dev/fd/{read_end}: not a regular file (a FIFO or pipe)"
+
+
+@pytest.mark.parametrize("command", ["prefill", "generate"])
+def test_empty_prompts_are_refused(tmp_path, container, command):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    runner = CliRunner()
+    for args in (["--prompt", ""], ["--prompt-file", str(empty)], ["--token-ids", str(empty)]):
+        r = runner.invoke(cli, [command, container, *args, "--json"])
+        assert r.exit_code == 1, (args, r.output)
+        assert json.loads(r.output.splitlines()[0])["ok"] is False and "empty" in r.output
+    fifo = _fifo(tmp_path)
+    r = runner.invoke(cli, [command, container, "--prompt-file", fifo])
+    assert r.exit_code == 1 and "not a regular file" in r.output
+
+
+def _stderr_on_a_terminal(args: list[str], env: dict) -> bytes:
+    """What the command writes to stderr when that is a terminal (a pseudo-terminal here)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new one is 0 columns wide
+    p = subprocess.Popen([sys.executable, "-m", "moepack", *args], stdout=subprocess.DEVNULL, stderr=slave, env=env)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert p.wait(timeout=120) == 0
+    return out
+
+
+def test_progress_bars_on_a_terminal_only_and_tqdm_disable_honoured(tmp_path):
+    args = ["synth", str(tmp_path / "s"), "--preset", "tiny", "--overwrite"]
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    assert b"B/s" in _stderr_on_a_terminal(args, env)  # bytes per second on a terminal
+    assert b"B/s" not in _stderr_on_a_terminal(args, {**env, "TQDM_DISABLE": "1"})
+    piped = subprocess.run([sys.executable, "-m", "moepack", *args], capture_output=True, timeout=120, env=env)
+    assert piped.returncode == 0 and b"\r" not in piped.stderr  # a log gets no carriage-return frames
