@@ -68,6 +68,9 @@ _POLICY_FLAGS = (
 
 
 def _policy_options(fn):
+    """--fp4, --q8, ... and the same as --policy NAME (for scripts that pick one by name)."""
+    fn = click.option("--policy", "policy", type=click.Choice([name for name, _ in _POLICY_FLAGS]),
+                      help="The precision policy by name (the same as its flag).")(fn)
     for name, help_text in reversed(_POLICY_FLAGS):
         fn = click.option(f"--{name}", "policy", flag_value=name, help=help_text)(fn)
     return fn

@@ -159,3 +159,18 @@ def test_progress_bars_on_a_terminal_only_and_tqdm_disable_honoured(tmp_path):
     assert b"B/s" not in _stderr_on_a_terminal(args, {**env, "TQDM_DISABLE": "1"})
     piped = subprocess.run([sys.executable, "-m", "moepack", *args], capture_output=True, timeout=120, env=env)
     assert piped.returncode == 0 and b"\r" not in piped.stderr  # a log gets no carriage-return frames
+
+
+def test_convert_takes_the_policy_by_name_as_by_its_flag(tmp_path, container):
+    src = os.path.join(os.path.dirname(container), "src")
+    runner = CliRunner()
+    by_name, by_flag = str(tmp_path / "name.moepack"), str(tmp_path / "flag.moepack")
+    assert runner.invoke(cli, ["convert", src, "-o", by_name, "--policy", "q8"]).exit_code == 0
+    assert runner.invoke(cli, ["convert", src, "-o", by_flag, "--q8"]).exit_code == 0
+    from moepack.format_spec.reader import Container
+
+    with Container(by_name) as a, Container(by_flag) as b:
+        assert a.policy["name"] == b.policy["name"] == "q8"
+        assert {n: t.dtype for n, t in a.tensors.items()} == {n: t.dtype for n, t in b.tensors.items()}
+    r = runner.invoke(cli, ["convert", src, "-o", str(tmp_path / "x.moepack"), "--policy", "q9"])
+    assert r.exit_code == 2 and "q9" in r.output
