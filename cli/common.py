@@ -103,3 +103,35 @@ def check_threads(ctx, param, value):
                                  f"{os.cpu_count()} (at most {most})")
     return value
 
+
+
+# One spelling of dtypes for every flag: torch's name (float32, bfloat16, ...), and the container's storage type
+# name (F32, BF16, ...) and the short one (f32, bf16) as its synonyms, in any case.
+_DTYPE_NAMES = {"float32": ("F32", "f32"), "bfloat16": ("BF16", "bf16"), "float16": ("F16", "f16"),
+                "float8_e4m3": ("F8_E4M3", "f8_e4m3")}
+
+
+class Dtype(click.ParamType):
+    """A dtype flag taking any spelling of `allowed` (torch names) and giving the callee's: "torch" (float32),
+    "storage" (F32) or "short" (f32). `extra` words (e.g. auto) pass as they are."""
+
+    name = "dtype"
+
+    def __init__(self, allowed: tuple[str, ...], give: str = "torch", extra: tuple[str, ...] = ()):
+        self.allowed, self.give, self.extra = allowed, give, extra
+        self._lookup = {w: w for w in extra}
+        for torch_name in allowed:
+            for spelling in (torch_name, *_DTYPE_NAMES[torch_name]):
+                self._lookup[spelling.lower()] = torch_name
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return "[" + "|".join((*self.extra, *self.allowed)) + "]"
+
+    def convert(self, value, param, ctx):
+        torch_name = self._lookup.get(str(value).lower())
+        if torch_name is None:
+            self.fail(f"{value!r} is not one of {', '.join((*self.extra, *self.allowed))} (or their storage names "
+                      f"{', '.join(_DTYPE_NAMES[a][0] for a in self.allowed)})", param, ctx)
+        if torch_name in self.extra or self.give == "torch":
+            return torch_name
+        return _DTYPE_NAMES[torch_name][0 if self.give == "storage" else 1]

@@ -10,7 +10,7 @@ import click
 
 from moepack.runtime.limits import MAX_CACHE_GIB
 
-from .common import emit, json_option, prompt_options, reports_errors
+from .common import Dtype, emit, json_option, prompt_options, reports_errors
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
 
@@ -76,7 +76,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--kv-out", type=click.Path(file_okay=False),
               help="Directory for the KV after the generation (the prompt and the generated tokens).")
-@click.option("--compute-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+@click.option("--compute-dtype", type=Dtype(("float32", "bfloat16"), extra=("auto",)), default="auto",
               show_default=True, help="As prefill's --compute-dtype.")
 @click.option("--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap"]), default="auto",
               show_default=True)

@@ -19,7 +19,7 @@ from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
-from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PREFILL_MEMORY_HINT, check_threads, emit, json_option,
+from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PREFILL_MEMORY_HINT, Dtype, check_threads, emit, json_option,
                      prompt_options, reports_errors)
 from .generate import generate
 from .plan_bench import bench, plan
@@ -139,7 +139,7 @@ def _part_lines(parts: list[dict]) -> list[str]:
               help="Directory to write (hf: must not exist, or be empty), or the .gguf file (gguf: must not exist).")
 @click.option("--format", "fmt", type=click.Choice(["hf", "gguf"]), default="hf", show_default=True,
               help="hf: a Hugging Face checkpoint transformers loads; gguf: a GGUF file of llama.cpp's deepseek4.")
-@click.option("--dtype", type=click.Choice(["bf16", "f32"]), default="bf16", show_default=True,
+@click.option("--dtype", type=Dtype(("bfloat16", "float32"), give="short"), default="bfloat16", show_default=True,
               help="hf only: the dtype of dequantized weights.")
 @click.option("--split-max-size", metavar="SIZE",
               help="gguf only: split the file as llama.cpp does (OUT-00001-of-0000N.gguf), at most SIZE of tensor "
@@ -259,7 +259,8 @@ def _print_verify(r: dict) -> None:
 @click.option("--kv-out", type=click.Path(file_okay=False), help="Directory for the KV cache, written layer by layer.")
 @click.option("--continue-from", type=click.Path(file_okay=False),
               help="A KV directory of an earlier prefill on this container: the prompt continues it.")
-@click.option("--kv-dtype", type=click.Choice(["F32", "BF16", "F8_E4M3"]), default="F32", show_default=True,
+@click.option("--kv-dtype", type=Dtype(("float32", "bfloat16", "float8_e4m3"), give="storage"), default="float32",
+              show_default=True,
               help="Storage type of the KV's window and compressed entries (buffers stay F32).")
 @click.option("--kv-no-fsync", is_flag=True, help="Do not fsync each KV layer file as it is written (once at the end).")
 @click.option("--logits-out", type=click.Path(dir_okay=False),
@@ -275,13 +276,13 @@ def _print_verify(r: dict) -> None:
 @click.option("--query-chunk", type=click.IntRange(min=1), default=512, show_default=True,
               help="At most this many queries per attention chunk inside a layer (bounds memory for long prompts; "
                    "chunks are never longer than two sliding windows, 128 queries at least, anyway).")
-@click.option("--compute-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+@click.option("--compute-dtype", type=Dtype(("float32", "bfloat16"), extra=("auto",)), default="auto",
               show_default=True,
               help="The layers' matmuls: float32 (exact) or bfloat16 (the attention's projections and the shared "
                    "expert; streams, norms and router stay float32): 2-4x faster on CPUs with AVX512-BF16 or AMX "
                    "and on GPUs. auto: what `moepack bench compute` measured on this CPU, else bfloat16 where it "
                    "has native bf16 dot products, else float32 (the choice and why are in --json's stats).")
-@click.option("--expert-dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
+@click.option("--expert-dtype", type=Dtype(("float32", "bfloat16")), default=None,
               help="The routed experts' matmuls (default: --compute-dtype).")
 @click.option("--order", type=click.Choice(["layer", "chunk"]), default="layer", show_default=True,
               help="layer: every token through a layer before the next (each weight read once). chunk: the usual "

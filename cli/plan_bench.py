@@ -11,7 +11,7 @@ import click
 from moepack.format_spec.errors import MoepackError
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
-from .common import emit, json_option, reports_errors
+from .common import Dtype, emit, json_option, reports_errors
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -142,7 +142,7 @@ def _print_memory(r: dict) -> None:
               show_default=True, help="Storage of the random experts (FP4_E2M1: the release / keep policy).")
 @click.option("--hidden", type=click.IntRange(min=32), help="Hidden size of the random experts (default 4096).")
 @click.option("--intermediate", type=click.IntRange(min=32), help="Expert intermediate size (default 2048).")
-@click.option("--expert-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+@click.option("--expert-dtype", type=Dtype(("float32", "bfloat16")), default="float32", show_default=True,
               help="Compute dtype, as prefill's --expert-dtype.")
 @click.option("--experts", type=click.IntRange(min=1), default=2, show_default=True, help="Distinct experts per run.")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Best of this many runs.")
@@ -249,7 +249,7 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
               help="Count the context-dependent attention FLOPs in T_compute (the note's tables do not).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Whose measured compute curve to use "
                                                                    "(default: cuda's when measured, else cpu's).")
-@click.option("--expert-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+@click.option("--expert-dtype", type=Dtype(("float32", "bfloat16")), default="float32", show_default=True,
               help="Which measured compute curve: the one timed in prefill's --expert-dtype.")
 @click.option("--mem-gbps", type=click.FloatRange(min=0, min_open=True),
               help="Host memory copy GB/s (default: bench memory's measurement; the host RAM stage).")
@@ -259,7 +259,8 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
               help="Override the config's FLOPs per token (what-if; the note rounds to 26).")
 @click.option("--routed-gflop-per-token", type=click.FloatRange(min=0, min_open=True),
               help="Override the routed experts' FLOPs per token (the note rounds to 13).")
-@click.option("--kv-dtype", type=click.Choice(["F32", "BF16", "F8_E4M3"]), default="F32", show_default=True,
+@click.option("--kv-dtype", type=Dtype(("float32", "bfloat16", "float8_e4m3"), give="storage"), default="float32",
+              show_default=True,
               help="KV storage dtype for the one-layer KV row of the budget.")
 @json_option
 @reports_errors

@@ -8,7 +8,7 @@ import click
 
 from moepack.runtime.limits import MAX_CACHE_GIB
 
-from .common import reports_errors
+from .common import Dtype, reports_errors
 
 
 @click.command()
@@ -21,7 +21,7 @@ from .common import reports_errors
                    "within a quarter of the available memory).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests admitted at once (waiting + running); more are answered 429.")
-@click.option("--compute-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+@click.option("--compute-dtype", type=Dtype(("float32", "bfloat16"), extra=("auto",)), default="auto",
               show_default=True, help="As prefill's --compute-dtype.")
 @click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every /v1 request.")
 @click.option("--model-name", default=None, help="The model's id in the API (default: FILE's stem).")

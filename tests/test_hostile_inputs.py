@@ -174,3 +174,32 @@ def test_convert_takes_the_policy_by_name_as_by_its_flag(tmp_path, container):
         assert {n: t.dtype for n, t in a.tensors.items()} == {n: t.dtype for n, t in b.tensors.items()}
     r = runner.invoke(cli, ["convert", src, "-o", str(tmp_path / "x.moepack"), "--policy", "q9"])
     assert r.exit_code == 2 and "q9" in r.output
+
+
+def test_one_spelling_of_dtypes_with_storage_names_as_synonyms(container, tmp_path):
+    import click
+
+    from moepack.cli.common import Dtype
+
+    kv = Dtype(("float32", "bfloat16", "float8_e4m3"), give="storage")
+    assert [kv.convert(v, None, None) for v in ("bfloat16", "BF16", "bf16", "Float8_E4M3")] == \
+        ["BF16", "BF16", "BF16", "F8_E4M3"]
+    assert Dtype(("bfloat16", "float32"), give="short").convert("F32", None, None) == "f32"
+    assert Dtype(("float32", "bfloat16"), extra=("auto",)).convert("BF16", None, None) == "bfloat16"
+    with pytest.raises(click.BadParameter, match="not one of"):
+        kv.convert("float64", None, None)
+    ids = tmp_path / "ids.json"
+    ids.write_text("[5, 6, 7]")
+    runner = CliRunner()
+    for spelling in ("bfloat16", "BF16"):  # the same KV either way
+        out = tmp_path / spelling
+        r = runner.invoke(cli, ["prefill", container, "--token-ids", str(ids), "--kv-out", str(out),
+                                "--kv-dtype", spelling, "--compute-dtype", "F32", "--json"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.output)["compute_dtype"] == "float32"
+    assert [json.loads((tmp_path / s / "manifest.json").read_text())["dtype"] for s in ("bfloat16", "BF16")] == \
+        ["BF16", "BF16"]
+    r = runner.invoke(cli, ["export", container, "-o", str(tmp_path / "hf"), "--dtype", "F32", "--json"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(cli, ["prefill", container, "--token-ids", str(ids), "--kv-dtype", "int4"])
+    assert r.exit_code == 2 and "int4" in r.output
