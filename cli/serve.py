@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 
 import click
 
 from moepack.runtime.limits import MAX_CACHE_GIB
 
-from .common import Dtype, reports_errors
+from .common import Dtype, json_option, reports_errors
 
 
 @click.command()
@@ -25,9 +27,11 @@ from .common import Dtype, reports_errors
               show_default=True, help="As prefill's --compute-dtype.")
 @click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every /v1 request.")
 @click.option("--model-name", default=None, help="The model's id in the API (default: FILE's stem).")
+@json_option
 @reports_errors(out_of_memory_hint="lower --cache-gib")
-def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key, model_name):
-    """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key, model_name, as_json):
+    """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health.
+    With --json: one JSON line on stdout once the socket is bound (its url and port: --port 0 picks a free one)."""
     import uvicorn
 
     from moepack.runtime.engine import PrefillOptions
@@ -39,8 +43,16 @@ def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key
                           prefill=PrefillOptions(device=device, compute_dtype=compute_dtype))
     try:
         app = make_app(generator, name, api_key=api_key, max_queue=max_queue)
-        click.echo(f"moepack serve: {name} at http://{host}:{port}/v1 (max queue {max_queue}"
+        # bound here, not by uvicorn: the port is known (and reported) before the first request can arrive
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        port = sock.getsockname()[1]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+        click.echo(f"moepack serve: {name} at {url} (max queue {max_queue}"
                    f"{', API key required' if api_key else ''})", err=True)
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        if as_json:
+            click.echo(json.dumps({"ok": True, "model": name, "url": url, "host": host, "port": port,
+                                   "max_queue": max_queue, "api_key_required": bool(api_key)}))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        server.run(sockets=[sock])
     finally:
         generator.close()

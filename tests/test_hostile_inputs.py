@@ -203,3 +203,53 @@ def test_one_spelling_of_dtypes_with_storage_names_as_synonyms(container, tmp_pa
     assert r.exit_code == 0, r.output
     r = runner.invoke(cli, ["prefill", container, "--token-ids", str(ids), "--kv-dtype", "int4"])
     assert r.exit_code == 2 and "int4" in r.output
+
+
+# --- config values through a prefill (issue #26: "nothing but a one-line error or a finite result") -----------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from containers import mutate_index  # noqa: E402
+from test_v4_config import FIELDS, json_values  # noqa: E402
+
+# Near-valid values reach the runtime (shapes, ropes, routing) instead of stopping at the type check.
+near_valid = (st.integers(-2, 300) | st.floats(-10.0, 1e40, allow_nan=False) | st.sampled_from([0, 1, 2, 1e-30, 1e30])
+              | json_values)
+
+
+@settings(max_examples=int(os.environ.get("MOEPACK_FUZZ_EXAMPLES", "60")), deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(field=st.sampled_from(FIELDS), value=near_valid, prompt_len=st.integers(1, 40))
+def test_any_config_value_through_a_prefill_is_a_one_line_error_or_finite_logits(container, tmp_path_factory, field,
+                                                                                 value, prompt_len):
+    from moepack.runtime.engine import prefill
+
+    path = str(tmp_path_factory.mktemp("cfg") / "c.moepack")
+    mutate_index(container, path, lambda index: index["config"].__setitem__(field, value))
+    try:
+        result = prefill(path, [(7 * i + 3) % 200 for i in range(prompt_len)], PrefillOptions(compute_dtype="float32"))
+    except MoepackError as e:
+        assert str(e) and "\n" not in str(e), (field, value, str(e))
+    else:
+        assert bool(result.logits.isfinite().all()), (field, value)
+
+
+# The issue's examples: valid checksums, wrong values. verify fails naming the field; prefill, generate and serve
+# refuse before reading any weight (the index is all they have read).
+ISSUE_VALUES = [("scoring_func", "foo"), ("rms_norm_eps", "x"), ("index_topk", -1), ("routed_scaling_factor", None),
+                ("sliding_window", 0), ("rope_theta", 0), ("swiglu_limit", -1), ("hc_sinkhorn_iters", -1)]
+
+
+@pytest.mark.parametrize("field, value", ISSUE_VALUES, ids=[f for f, _ in ISSUE_VALUES])
+def test_every_command_refuses_a_bad_config_value_naming_the_field(container, tmp_path, field, value):
+    path = str(tmp_path / "bad.moepack")
+    mutate_index(container, path, lambda index: index["config"].__setitem__(field, value))
+    runner = CliRunner()
+    for args in (["verify", path], ["prefill", path, "--prompt", "hello"],
+                 ["generate", path, "--prompt", "hello", "--max-new-tokens", "2"],
+                 ["serve", path, "--port", "0"]):
+        result = runner.invoke(cli, [*args, "--json"])
+        assert result.exit_code == 1, (args, result.output)
+        error = json.loads(result.stdout)["error"]
+        assert field in error and "\n" not in error, (args, error)

@@ -379,19 +379,22 @@ def test_the_log_has_one_line_per_request(tiny_server, logs):
 
 
 def test_the_command_starts_and_serves(containers, tmp_path):
-    """`moepack serve` as a process: it binds, answers /health and /v1/models, and stops on SIGTERM."""
+    """`moepack serve` as a process: it binds (--port 0: a free port, reported by --json), answers /health and
+    /v1/models, and stops on SIGTERM."""
+    import json
     import os
     import signal
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moepack", "serve", containers["tiny"], "--port",
-                             str(port), "--cache-gib", "0.1", "--model-name", "tiny-x"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "moepack", "serve", containers["tiny"], "--port", "0",
+                             "--cache-gib", "0.1", "--model-name", "tiny-x", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        ready = json.loads(proc.stdout.readline())  # printed once the socket is bound
+        port = ready["port"]
+        assert ready["ok"] and ready["model"] == "tiny-x" and port > 0
+        assert ready["url"] == f"http://127.0.0.1:{port}/v1"
         deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None and time.monotonic() < deadline

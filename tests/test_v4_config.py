@@ -105,6 +105,8 @@ BAD = [  # (what to change, the field the message must name)
     ({"vocab_size": 2 ** 64}, "vocab_size"),
     ({"swiglu_limit": None}, "swiglu_limit"),
     ({"swiglu_limit": -1.0}, "swiglu_limit"),
+    ({"swiglu_limit": 3.5e38}, "swiglu_limit"),  # overflows the float32 the runtime computes in
+    ({"hc_sinkhorn_iters": 10 ** 9}, "hc_sinkhorn_iters"),  # work per token per layer
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
     ({"layer_types": [SLIDING, "full_attention", HCA, CSA]}, "layer_types[1]"),
     ({"layer_types": [SLIDING, CSA]}, "layer_types"),
@@ -145,7 +147,8 @@ def test_a_bad_field_is_one_line_naming_it(change, field):
 
 
 def test_the_example_message():
-    with pytest.raises(ConfigError, match=r"^config\.json: rms_norm_eps must be a positive number, not 'x'$"):
+    expected = r"^config\.json: rms_norm_eps must be a positive number at most 1e\+38, not 'x'$"
+    with pytest.raises(ConfigError, match=expected):
         ModelConfig.from_hf({"rms_norm_eps": "x"})
     with pytest.raises(ConfigError, match="not a JSON object"):
         ModelConfig.from_hf([1, 2])

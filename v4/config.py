@@ -46,6 +46,8 @@ DEFAULT_PARTIAL_ROTARY_FACTOR = 64 / 512  # qk_rope_head_dim / head_dim of V4-Fl
 DEFAULT_MTP_LAYERS = 0
 MAX_LAYERS = 1 << 16  # far beyond any model: bounds the per-layer lists a hostile config can make a reader build
 INT_MAX = (1 << 63) - 1  # JSON integers beyond int64 are no sizes (and overflow float arithmetic)
+MAX_FLOAT = 1e38  # the runtime computes in float32 (largest 3.4e38): a larger value would overflow there
+MAX_SINKHORN_ITERS = 1000  # V4 uses 20; a count is work per token per layer, and no size check bounds it
 
 # transformers' DeepseekV4Config defaults, for keys a config.json leaves out.
 DEFAULTS = dict(
@@ -107,10 +109,10 @@ class _Fields:
         return v
 
     def positive(self, name: str):
-        """A finite number > 0, returned as given (an int stays an int: nothing numeric changes)."""
+        """A finite number in (0, MAX_FLOAT], returned as given (an int stays an int: nothing numeric changes)."""
         v = self.value(name)
-        if not _is_number(v) or v <= 0:
-            _fail(name, "a positive number", v)
+        if not _is_number(v) or not 0 < v <= MAX_FLOAT:
+            _fail(name, f"a positive number at most {MAX_FLOAT:g}", v)
         return v
 
     def choice(self, name: str, options: tuple[str, ...]) -> str:
@@ -405,7 +407,8 @@ class ModelConfig:
             o_groups=o_groups, o_lora_rank=f.int("o_lora_rank"), sliding_window=geometry["sliding_window"],
             layer_types=tuple(geometry["layer_types"]), compress_rates=tuple(geometry["compress_rates"]),
             index_n_heads=f.int("index_n_heads"), index_head_dim=geometry["index_head_dim"],
-            index_topk=f.int("index_topk", 0), hc_mult=f.int("hc_mult"), hc_sinkhorn_iters=f.int("hc_sinkhorn_iters"),
+            index_topk=f.int("index_topk", 0), hc_mult=f.int("hc_mult"),
+            hc_sinkhorn_iters=f.int("hc_sinkhorn_iters", 1, MAX_SINKHORN_ITERS),
             hc_eps=f.positive("hc_eps"), rms_norm_eps=f.positive("rms_norm_eps"), n_routed_experts=experts,
             num_experts_per_tok=top_k, moe_intermediate_size=f.int("moe_intermediate_size"),
             scoring_func=f.choice("scoring_func", SCORING_FUNCS),
