@@ -1,10 +1,11 @@
 """What every `moepack` command shares: the one-line error convention (reports_errors), --json, the JSON
-result printer."""
+result printer, the overwrite rule (--force)."""
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 
 import click
@@ -78,6 +79,31 @@ def reports_errors(fn=None, *, out_of_memory_hint: str | None = None):
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object for machines.")
+force_option = click.option("--force", is_flag=True,
+                            help="Replace outputs that exist (a file is replaced only once its new one is complete).")
+
+
+def refuse_existing(force: bool, *paths: str | None) -> None:
+    """The overwrite rule of every command that writes: an output that exists (a file, or a directory that is
+    not empty) is refused before any work unless --force."""
+    for path in paths:
+        if path is None or force or not os.path.lexists(path):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            try:
+                if not os.listdir(path):
+                    continue
+            except OSError:
+                pass
+        raise MoepackError(f"{path} exists: pass --force to replace it")
+
+
+def refuse_existing_kv(force: bool, kv_out: str | None, continue_from: str | None) -> None:
+    """The rule for --kv-out: continuing a KV in place (--kv-out is --continue-from) is no overwrite."""
+    in_place = kv_out is not None and continue_from is not None and (
+        os.path.realpath(kv_out) == os.path.realpath(continue_from))
+    if not in_place:
+        refuse_existing(force, kv_out)
 
 
 def prompt_options(fn):

@@ -10,7 +10,7 @@ import click
 
 from moepack.runtime.limits import MAX_CACHE_GIB
 
-from .common import Dtype, emit, json_option, prompt_options, reports_errors
+from .common import Dtype, emit, force_option, json_option, prompt_options, refuse_existing_kv, reports_errors
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
 
@@ -80,11 +80,12 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
               show_default=True, help="As prefill's --compute-dtype.")
 @click.option("--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap"]), default="auto",
               show_default=True)
+@force_option
 @json_option
 @reports_errors(out_of_memory_hint=GENERATE_MEMORY_HINT)
 def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thinking, reasoning_effort,
              continue_from, max_new_tokens, temperature, top_p, top_k, seed, stop, cache_gib, device, kv_out,
-             compute_dtype, io_mode, as_json):
+             compute_dtype, io_mode, force, as_json):
     """Prefill a prompt with the routed experts streamed from FILE, then generate with an expert cache. --prompt is
     raw text (no chat template); --messages and --chat are encoded as DeepSeek-V4's chat."""
     from moepack.format_spec.errors import MoepackError
@@ -94,6 +95,7 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
 
     if prompt is not None and not prompt or chat is not None and not chat:
         raise MoepackError("empty prompt")
+    refuse_existing_kv(force, kv_out, continue_from)
     with Container(file) as c:
         ids, tokenizer = _prompt_ids(c, prompt, prompt_file, token_ids_file, messages_file, chat, thinking,
                                      reasoning_effort, continuing=continue_from is not None)
@@ -109,7 +111,7 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         sys.stdout.flush()
     result = run_generate(file, ids, options, continue_from=continue_from,
                           detokenize=tokenizer.decode if tokenizer is not None else None,
-                          on_text=None if as_json else show, kv_out=kv_out)
+                          on_text=None if as_json else show, kv_out=kv_out, kv_overwrite=force)
     out = {"generated_ids": result.generated_ids, "text": result.text, "finish_reason": result.finish_reason,
            "stats": result.stats}
     if as_json:

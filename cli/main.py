@@ -19,8 +19,8 @@ from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
-from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PREFILL_MEMORY_HINT, Dtype, check_threads, emit, json_option,
-                     prompt_options, reports_errors)
+from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PREFILL_MEMORY_HINT, Dtype, check_threads, emit, force_option,
+                     json_option, prompt_options, refuse_existing, refuse_existing_kv, reports_errors)
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve
@@ -40,18 +40,19 @@ def cli():
 @click.option("--layout", type=click.Choice(["release", "bf16", "f32"]), default="release", show_default=True,
               help="release: FP8 e4m3 linears + packed FP4 experts, as DeepSeek ships V4-Flash.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--overwrite", is_flag=True, help="Replace a checkpoint already in OUT_DIR.")
 @click.option("--tokenizer", "tokenizer", type=click.Path(exists=True),
               help="Embed this tokenizer.json (or a directory holding tokenizer.json + tokenizer_config.json), e.g. "
                    "the release's, instead of the tiny byte-level one; vocab_size grows to fit it.")
+@force_option
 @json_option
 @reports_errors
-def synth(out_dir, preset, layout, seed, overwrite, tokenizer, as_json):
+def synth(out_dir, preset, layout, seed, tokenizer, force, as_json):
     """Write a random DeepSeek-V4-architecture checkpoint (Hugging Face layout) to OUT_DIR."""
     from moepack.packer.synth import synth_checkpoint
 
+    refuse_existing(force, out_dir)
     result = synth_checkpoint(out_dir, preset=preset, layout=layout, seed=seed, progress=not as_json,
-                              overwrite=overwrite, tokenizer=tokenizer)
+                              overwrite=force, tokenizer=tokenizer)
     emit(as_json, result, lambda r: click.echo(
         f"wrote {r['dir']}: {preset} {layout}, {r.get('params', 0) / 1e6:.1f}M params, "
         f"{r.get('bytes', 0) / 2**20:.1f} MiB in {len(r.get('files', []))} files"))
@@ -92,9 +93,10 @@ def _policy_options(fn):
 @click.option("--part-dir", "part_dirs", multiple=True, metavar="K=DIR",
               help="With --parts: write part K into DIR (e.g. another SSD's mount) and leave a symlink at "
                    "OUT.part<K>. Repeatable.")
+@force_option
 @json_option
 @reports_errors
-def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts, part_dirs, as_json):
+def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts, part_dirs, force, as_json):
     """Convert SRC (a hub repo id such as deepseek-ai/DeepSeek-V4-Flash, a local checkpoint directory, or a
     llama.cpp deepseek4 GGUF file, the first of its splits for a split one) into a container. Rerunning an
     interrupted conversion resumes it."""
@@ -107,6 +109,7 @@ def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts
         out = f"{name}-{policy}.moepack"
     if part_dirs and parts < 2:
         raise click.UsageError("--part-dir needs --parts 2 or more")
+    refuse_existing(force, out)
     result = convert_checkpoint(src, out, policy=policy, progress=not as_json, revision=revision, workers=workers,
                                 drop_mtp=drop_mtp, parts=parts, stripe_experts=stripe_experts,
                                 part_dirs=_parse_part_dirs(part_dirs))
@@ -144,16 +147,18 @@ def _part_lines(parts: list[dict]) -> list[str]:
 @click.option("--split-max-size", metavar="SIZE",
               help="gguf only: split the file as llama.cpp does (OUT-00001-of-0000N.gguf), at most SIZE of tensor "
                    "data each (bytes, or with K / M / G / T, e.g. 50G).")
+@force_option
 @json_option
 @reports_errors
-def export(file, out_dir, fmt, dtype, split_max_size, as_json):
+def export(file, out_dir, fmt, dtype, split_max_size, force, as_json):
     """Write a container back out: a Hugging Face checkpoint (dequantized) that transformers loads, or a GGUF file
     llama.cpp's deepseek4 architecture loads (--format gguf)."""
+    refuse_existing(force, out_dir)
     if fmt == "gguf":
         from moepack.packer.gguf_export import export_gguf, parse_size
 
         size = None if split_max_size is None else parse_size(split_max_size)
-        result = export_gguf(file, out_dir, progress=not as_json, split_max_size=size)
+        result = export_gguf(file, out_dir, progress=not as_json, split_max_size=size, force=force)
         emit(as_json, result, lambda r: click.echo(
             f"wrote {r['output']}" + (f" (+{len(r['files']) - 1} more splits)" if len(r["files"]) > 1 else "")
             + f": {r['tensors']} tensors, {r['bytes'] / 2**20:.1f} MiB (GGUF, {r['architecture']})"))
@@ -162,7 +167,7 @@ def export(file, out_dir, fmt, dtype, split_max_size, as_json):
         raise click.UsageError("--split-max-size applies to --format gguf")
     from moepack.packer.export import export_container
 
-    result = export_container(file, out_dir, dtype=dtype, progress=not as_json)
+    result = export_container(file, out_dir, dtype=dtype, progress=not as_json, force=force)
     emit(as_json, result, lambda r: click.echo(
         f"wrote {r['output']}: {r['tensors']} tensors in {r['shards']} shards, {r['bytes'] / 2**20:.1f} MiB ({dtype})"))
 
@@ -256,7 +261,9 @@ def _print_verify(r: dict) -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 @prompt_options
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--kv-out", type=click.Path(file_okay=False), help="Directory for the KV cache, written layer by layer.")
+@click.option("--kv-out", type=click.Path(file_okay=False),
+              help="Directory for the KV cache, written layer by layer (with --force, a KV there is replaced from "
+                   "the first layer on).")
 @click.option("--continue-from", type=click.Path(file_okay=False),
               help="A KV directory of an earlier prefill on this container: the prompt continues it.")
 @click.option("--kv-dtype", type=Dtype(("float32", "bfloat16", "float8_e4m3"), give="storage"), default="float32",
@@ -304,12 +311,13 @@ def _print_verify(r: dict) -> None:
 @click.option("--threads", type=click.IntRange(min=1), default=None, callback=check_threads,
               help="CPU threads for compute and decode (default: torch's, one per core). Fewer when other work "
                    "shares the cores: a busy core stalls every multi-threaded op (docs/benchmarks.md).")
+@force_option
 @json_option
 @reports_errors(out_of_memory_hint=PREFILL_MEMORY_HINT)
 def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_from, kv_dtype, kv_no_fsync,
             logits_out, bundle_experts, queue_depth,
             io_mode, expert_selection, query_chunk, compute_dtype, expert_dtype, order, chunk_tokens, expert_parallel,
-            expert_ownership, container_per_rank, dist_timeout, no_verify_reads, threads, as_json):
+            expert_ownership, container_per_rank, dist_timeout, no_verify_reads, threads, force, as_json):
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import PrefillOptions, prefill as run_prefill
@@ -319,6 +327,8 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
         raise click.UsageError("give exactly one of --prompt, --prompt-file, --token-ids")
     if prompt == "" and continue_from is None:
         raise MoepackError("empty prompt")
+    refuse_existing(force, logits_out)
+    refuse_existing_kv(force, kv_out, continue_from)
     if logits_out:
         from moepack.runtime.outputs import check_output_path
 
@@ -354,7 +364,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
                              expert_ownership=expert_ownership)
     result = run_prefill(pattern, ids, options, kv_out=kv_out, continue_from=continue_from, kv_dtype=kv_dtype,
                          kv_sync=not kv_no_fsync, chunk_tokens=chunk_tokens if order == "chunk" else None,
-                         expert_parallel=expert_parallel, dist_timeout_s=dist_timeout)
+                         expert_parallel=expert_parallel, dist_timeout_s=dist_timeout, kv_overwrite=force)
     if result.stats.get("rank", 0) != 0:
         return  # rank 0 speaks for the job
     if logits_out:

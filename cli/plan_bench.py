@@ -11,7 +11,7 @@ import click
 from moepack.format_spec.errors import MoepackError
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
-from .common import Dtype, emit, json_option, reports_errors
+from .common import Dtype, emit, force_option, json_option, refuse_existing, reports_errors
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -262,11 +262,12 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
 @click.option("--kv-dtype", type=Dtype(("float32", "bfloat16", "float8_e4m3"), give="storage"), default="float32",
               show_default=True,
               help="KV storage dtype for the one-layer KV row of the budget.")
+@force_option
 @json_option
 @reports_errors
 def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, policy, expert_bpw, stream,
          bundle_experts, queue_depth, with_attention, device, expert_dtype, mem_gbps, pcie_gbps, gflop_per_token,
-         routed_gflop_per_token, kv_dtype, as_json):
+         routed_gflop_per_token, kv_dtype, force, as_json):
     """Break-even calculator for a streamed layer-major prefill of FILE (a container) or CONFIG (a config.json, a
     checkpoint directory, or a preset name): T_SSD = W/BW, T_compute(N), the bottleneck, N* = F x W / (FLOP/token
     x BW), tokens/s per N and the VRAM budget. Measured `moepack bench` values are the defaults."""
@@ -274,6 +275,7 @@ def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, pol
     from moepack.runtime.bench import measured_for_plan, tuned_defaults
     from moepack.v4.config import ModelConfig
 
+    refuse_existing(force, plot_out)
     sizes, config, path = _model_source(target, policy, expert_bpw)
     ctx = [P.parse_tokens(v) for c in contexts for v in str(c).split(",") if v.strip()] or list(P.DEFAULT_CONTEXTS)
     storage = None

@@ -1,5 +1,6 @@
 """Opening inputs: only regular files. A FIFO would block `open` until a writer came (a `verify` that hangs), a pipe
-(`<(cat file)`) cannot seek, a directory or a device is not a file of ours: each is refused at once, by name."""
+(`<(cat file)`) cannot seek, a directory or a device is not a file of ours: each is refused at once, by name.
+Writing outputs: check_free_space refuses, before any work, an output its disk cannot hold."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import fcntl
 import os
 import stat
 
-from .errors import FormatError
+from .errors import FormatError, MoepackError
+
+FREE_SPACE_MARGIN = 1.02  # estimates miss a little (headers, an index, a filesystem's own blocks)
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO or pipe"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -48,3 +51,27 @@ def check_regular(path: str) -> None:
     kind = not_regular(mode)
     if kind is not None:
         raise FormatError(f"{path}: not a regular file ({kind})")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 2**20:.1f} MiB"
+
+
+def check_free_space(needs: dict[str, int], what: str = "the output") -> dict[str, dict]:
+    """Refuse (one line) before any work when a filesystem lacks the bytes to be written there. `needs`: directory
+    -> bytes that will be written under it (directories on one filesystem are summed). Returns, per filesystem's
+    first directory, the need and the free bytes (for reports)."""
+    by_fs: dict[int, list] = {}
+    for directory, n in needs.items():
+        st = os.stat(directory)
+        entry = by_fs.setdefault(st.st_dev, [directory, 0])
+        entry[1] += max(int(n), 0)
+    report = {}
+    for directory, need in by_fs.values():
+        vfs = os.statvfs(directory)
+        free = vfs.f_bavail * vfs.f_frsize
+        report[directory] = {"need_bytes": need, "free_bytes": free}
+        if need * FREE_SPACE_MARGIN > free:
+            raise MoepackError(f"not enough free space for {what} on {directory}: it needs about {_gb(need)}, "
+                               f"{_gb(free)} is free")
+    return report

@@ -44,7 +44,8 @@ def export_tensors(c: Container, region_tensors, dtype: torch.dtype) -> dict[str
 
 
 def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: bool = True,
-                     shard_bytes: int = 2 << 30) -> dict:
+                     shard_bytes: int = 2 << 30, force: bool = False) -> dict:
+    """`out_dir` must not exist or be empty, unless `force`: it is then replaced once the new one is complete."""
     if dtype not in EXPORT_DTYPES:
         raise MoepackError(f"unknown export dtype {dtype!r} (choose from {', '.join(EXPORT_DTYPES)})")
     start = time.perf_counter()
@@ -52,7 +53,9 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
     parent = os.path.dirname(os.path.abspath(out_dir))
     if not os.path.isdir(parent):
         raise MoepackError(f"output's parent directory {parent} does not exist")
-    if os.path.exists(out_dir) and os.listdir(out_dir):
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise MoepackError(f"{out_dir} exists and is not a directory")
+    if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
         raise MoepackError(f"{out_dir} exists and is not empty")
     with Container(path) as c:
         tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
@@ -100,10 +103,14 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
             for name in os.listdir(tmp):  # on disk before the directory gets its final name
                 fsync_file(os.path.join(tmp, name))
             fsync_dir(tmp)
-            if os.path.exists(out_dir):
-                os.rmdir(out_dir)
+            old = None
+            if os.path.exists(out_dir):  # the old one goes only now that the new one is complete
+                old = tempfile.mkdtemp(prefix=".export-old-", dir=parent)
+                os.rename(out_dir, os.path.join(old, "dir"))
             os.replace(tmp, out_dir)
             fsync_dir(parent)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
         except (OSError, SafetensorError) as e:  # a full disk, a vanished folder: one line, nothing left behind
             shutil.rmtree(tmp, ignore_errors=True)
             full = " (disk full)" if is_disk_full(e) else ""

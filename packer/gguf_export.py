@@ -385,10 +385,11 @@ def _shard(jobs: list[_Job], max_bytes: int | None) -> list[list[_Job]]:
     return greedy_shards(jobs, lambda j: j.nbytes, max_bytes)
 
 
-def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size: int | None = None) -> dict:
-    """Write container `path` as GGUF file `out_file` (must not exist); with `split_max_size` (bytes of tensor data
-    per file) as llama.cpp's splits OUT-00001-of-0000N.gguf (split.no / split.count / split.tensors.count in each,
-    the model's keys in the first). Every file is written under a temporary name and renamed once all are
+def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size: int | None = None,
+                force: bool = False) -> dict:
+    """Write container `path` as GGUF file `out_file` (must not exist, unless `force`); with `split_max_size`
+    (bytes of tensor data per file) as llama.cpp's splits OUT-00001-of-0000N.gguf (split.no / split.count /
+    split.tensors.count in each, the model's keys in the first). Every file is written under a temporary name and renamed once all are
     complete. Returns a summary dict."""
     try:
         import gguf
@@ -408,7 +409,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
         outputs = [out_file] if split_max_size is None else [split_name(out_file, i + 1, len(shards))
                                                              for i in range(len(shards))]
         for name in outputs:
-            if os.path.exists(name):
+            if os.path.isdir(name) or os.path.exists(name) and not force:
                 raise MoepackError(f"{name} exists")
         tmps: list[str] = []
         writer = None

@@ -540,7 +540,8 @@ def synth_checkpoint(
         raise MoepackError(f"{out} exists and is not a directory")
     stale = sorted(out.glob("model*.safetensors*")) if out.exists() else []
     if stale and not overwrite:
-        raise MoepackError(f"{out} already holds a checkpoint ({stale[0].name}); pass --overwrite (overwrite=True) to replace it")
+        raise MoepackError(f"{out} already holds a checkpoint ({stale[0].name}); pass --force (overwrite=True) to "
+                           "replace it")
     out.mkdir(parents=True, exist_ok=True)
     for path in stale:
         path.unlink()  # shards of an earlier, differently sharded run must not linger beside the new index

@@ -485,10 +485,11 @@ class StreamingPrefill:
 def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None,
             kv_out: str | None = None, continue_from: str | None = None, kv_dtype: str = "F32",
             kv_sync: bool = True, chunk_tokens: int | None = None, expert_parallel: bool = False,
-            dist_timeout_s: float = 120.0) -> PrefillResult:
+            dist_timeout_s: float = 120.0, kv_overwrite: bool = False) -> PrefillResult:
     """Open `path`, run one prefill of `token_ids` (a sequence of ints or a LongTensor), close.
 
-    `kv_out`: write the KV (format_spec/KV.md) there, layer by layer from a writer thread. `continue_from`: a KV
+    `kv_out`: write the KV (format_spec/KV.md) there, layer by layer from a writer thread (a KV already there is
+    refused unless `kv_overwrite`: the new one then replaces it from its first layer on). `continue_from`: a KV
     directory made with this container; `token_ids` are the tokens that follow its prompt (the KV written to
     `kv_out`, which may be the same directory, covers both). `expert_parallel`: this process is one rank of a
     torchrun job (runtime/distributed.py); `{rank}` in `path` picks each rank's own copy of the container."""
@@ -514,7 +515,7 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
             kv_out = None  # rank 0 writes the KV; every rank holds the same state
     try:
         result = _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, kv_dtype, kv_sync,
-                               chunk_tokens, dist)
+                               chunk_tokens, dist, kv_overwrite)
         if dist:
             # per layer too: which experts each rank owned, and its load
             ranks = dist.gather({**result.stats, "layers": [vars(s) for s in result.layers]})
@@ -528,7 +529,7 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
 
 
 def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, kv_dtype, kv_sync, chunk_tokens,
-                  dist) -> PrefillResult:
+                  dist, kv_overwrite=False) -> PrefillResult:
     from moepack.v4 import kv as kvf
 
     with Container(path) as c:
@@ -549,7 +550,8 @@ def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, 
             if kv_out is not None:
                 in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
                 writer = kvf.BackgroundKVWriter(kvf.KVWriter(kv_out, identity, all_ids, dtype=kv_dtype,
-                                                             start_token=start, overwrite=in_place, sync=kv_sync))
+                                                             start_token=start, overwrite=in_place or kv_overwrite,
+                                                             sync=kv_sync))
                 hooks.insert(0, writer)
             try:
                 result = engine.run(token_ids, past, chunk_tokens=chunk_tokens)

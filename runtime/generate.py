@@ -151,12 +151,14 @@ class Generator:
 
     def generate(self, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
-                 kv_out: str | None = None, cancelled: Callable[[], bool] | None = None) -> GenerateResult:
+                 kv_out: str | None = None, cancelled: Callable[[], bool] | None = None,
+                 kv_overwrite: bool = False) -> GenerateResult:
         """Prefill `token_ids` (after `continue_from`'s KV, if given), then decode up to max_new_tokens.
         `detokenize` (ids -> text) gives `text`, lets `--stop` strings end the generation, and `on_text` the text
         as it comes (never a split UTF-8 character, never the start of a stop string that may yet complete).
         `kv_out`: the KV after the generation (prompt and generated tokens; its result, the last generated token)
-        is written there. `cancelled()` true ends the generation (finish_reason "cancelled")."""
+        is written there (a KV already there is refused unless `kv_overwrite`). `cancelled()` true ends the
+        generation (finish_reason "cancelled")."""
         options = options or GenerateOptions()
         if options.max_new_tokens < 1:
             raise MoepackError("--max-new-tokens must be at least 1")
@@ -196,7 +198,7 @@ class Generator:
         if kv_out is not None:
             in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
             write_kv(kv_out, self.c, all_ids + generated[:-1], decoder.states, past, generated[-1], logits,
-                     overwrite=in_place)
+                     overwrite=in_place or kv_overwrite)
         if pieces is not None and not stopper.finish_reason and finish is None:
             shown = stopper.flush(so_far + pieces.flush())
             if shown and on_text is not None:
@@ -208,11 +210,12 @@ class Generator:
 
 def generate(path: str, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,
              detokenize: Callable[[list[int]], str] | None = None,
-             on_text: Callable[[str], None] | None = None, kv_out: str | None = None) -> GenerateResult:
+             on_text: Callable[[str], None] | None = None, kv_out: str | None = None,
+             kv_overwrite: bool = False) -> GenerateResult:
     """One generation on `path` (Generator.generate, the container opened for it alone)."""
     options = options or GenerateOptions()
     with Generator(path, options.cache_gib, options.prefill) as g:
-        return g.generate(token_ids, options, continue_from, detokenize, on_text, kv_out)
+        return g.generate(token_ids, options, continue_from, detokenize, on_text, kv_out, kv_overwrite=kv_overwrite)
 
 
 def write_kv(kv_dir: str, container: Container, token_ids: list[int], states, start: int, next_token: int,

@@ -790,8 +790,19 @@ def plot_plan(p: dict, out_path: str) -> str:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
+    from moepack.format_spec.writer import fsync_file
+
+    tmp = f"{out_path}.tmp"  # a plot already there is replaced only by a complete one
+    try:
+        fig.savefig(tmp, format=os.path.splitext(out_path)[1].lstrip(".").lower() or "png")
+        fsync_file(tmp)
+        os.replace(tmp, out_path)
+    except (OSError, ValueError) as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise MoepackError(f"cannot write {out_path}: {e}") from None
+    finally:
+        plt.close(fig)
     return out_path
 
 

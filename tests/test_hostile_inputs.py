@@ -153,7 +153,7 @@ def _stderr_on_a_terminal(args: list[str], env: dict) -> bytes:
 
 
 def test_progress_bars_on_a_terminal_only_and_tqdm_disable_honoured(tmp_path):
-    args = ["synth", str(tmp_path / "s"), "--preset", "tiny", "--overwrite"]
+    args = ["synth", str(tmp_path / "s"), "--preset", "tiny", "--force"]
     env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
     assert b"B/s" in _stderr_on_a_terminal(args, env)  # bytes per second on a terminal
     assert b"B/s" not in _stderr_on_a_terminal(args, {**env, "TQDM_DISABLE": "1"})
@@ -253,3 +253,65 @@ def test_every_command_refuses_a_bad_config_value_naming_the_field(container, tm
         assert result.exit_code == 1, (args, result.output)
         error = json.loads(result.stdout)["error"]
         assert field in error and "\n" not in error, (args, error)
+
+
+def _sha(path: str) -> str:
+    import hashlib
+
+    if os.path.isdir(path):
+        return "|".join(f"{n}:{_sha(os.path.join(path, n))}" for n in sorted(os.listdir(path)))
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_one_overwrite_rule_for_every_command_that_writes(tmp_path, container):
+    """An existing output is refused before any work (one line, exit 1, the old output untouched) unless --force,
+    which replaces it with a complete new one."""
+    src = os.path.join(os.path.dirname(container), "src")
+    runner = CliRunner()
+    out = tmp_path / "out"
+    out.mkdir()
+    targets = {
+        "synth": (out / "synth", ["synth", str(out / "synth"), "--preset", "tiny", "--seed", "3"]),
+        "convert": (out / "c.moepack", ["convert", src, "-o", str(out / "c.moepack"), "--q8"]),
+        "export hf": (out / "hf", ["export", container, "-o", str(out / "hf")]),
+        "export gguf": (out / "m.gguf", ["export", container, "--format", "gguf", "-o", str(out / "m.gguf")]),
+        "prefill --kv-out": (out / "kv", ["prefill", container, "--prompt", "hi", "--kv-out", str(out / "kv")]),
+        "prefill --logits-out": (out / "l.safetensors", ["prefill", container, "--prompt", "hi", "--logits-out",
+                                                         str(out / "l.safetensors")]),
+        "generate --kv-out": (out / "gkv", ["generate", container, "--prompt", "hi", "--max-new-tokens", "2",
+                                            "--kv-out", str(out / "gkv")]),
+        "plan --plot": (out / "p.png", ["plan", container, "--plot", str(out / "p.png")]),
+    }
+    for what, (path, args) in targets.items():
+        if what == "export gguf" and not _has_gguf():
+            continue
+        path = str(path)
+        if what.endswith("--kv-out") or what in ("synth", "export hf"):
+            os.makedirs(path)
+            with open(os.path.join(path, "keep.txt"), "w") as f:
+                f.write("mine")
+        else:
+            with open(path, "w") as f:
+                f.write("mine")
+        before = _sha(path)
+        refused = runner.invoke(cli, [*args, "--json"])
+        assert refused.exit_code == 1, (what, refused.output)
+        error = json.loads(refused.stdout)["error"]
+        assert error == f"{path} exists: pass --force to replace it", (what, error)
+        assert _sha(path) == before, what  # untouched
+        replaced = runner.invoke(cli, [*args, "--json", "--force"])
+        assert replaced.exit_code == 0, (what, replaced.output)
+        assert _sha(path) != before, what
+    # continuing a KV in place is no overwrite: --kv-out is --continue-from
+    kv = str(out / "kv")
+    again = runner.invoke(cli, ["prefill", container, "--prompt", " more", "--continue-from", kv, "--kv-out", kv])
+    assert again.exit_code == 0, again.output
+
+
+def _has_gguf() -> bool:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return False
+    return True
