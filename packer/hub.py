@@ -4,9 +4,11 @@ A hub repo is read through huggingface_hub, which gives us its cache (a second r
 run only fetches the files it had not finished), HF_TOKEN / HF_HUB_OFFLINE / HF_ENDPOINT / HF_HOME handling, Xet
 transfers and its byte-rate progress bars. What this module adds:
 
-* pinning: the branch or tag is resolved to its commit sha first and only that sha is downloaded, so the container's
-  provenance records exactly what was read (and the cache's ``refs/<branch>`` is pointed at it, so that
-  HF_HUB_OFFLINE=1 later resolves the same branch to the same sha);
+* pinning: the branch or tag is resolved to its commit sha first (HfApi.resolve_revision, which also records it in
+  the cache, so that HF_HUB_OFFLINE=1 later resolves the same branch to the same sha) and only that sha is
+  downloaded, so the container's provenance records exactly what was read;
+* timeouts: huggingface_hub's shared HTTP client waits forever by default; every request through it gets a connect
+  timeout (HF_HUB_ETAG_TIMEOUT) and a read timeout (HF_HUB_DOWNLOAD_TIMEOUT), and API calls are retried;
 * only the files a conversion needs: config.json, model.safetensors.index.json, the shards the index lists (or the
   top-level ``*.safetensors`` of an unsharded repo), the tokenizer files and generation_config.json -- never
   ``original/``, README, ``*.bin`` or duplicate consolidated weights;
@@ -156,6 +158,7 @@ class _HubPlan:
     def make(cls, repo: str, revision: str | None, cache_dir: str | None) -> "_HubPlan":
         from huggingface_hub import constants
 
+        _install_timeouts()
         rev = revision or constants.DEFAULT_REVISION
         cache = os.path.abspath(os.path.expanduser(cache_dir or constants.HF_HUB_CACHE))
         if constants.is_offline_mode():
@@ -168,10 +171,14 @@ class _HubPlan:
     def _from_hub(cls, repo: str, rev: str, cache: str) -> "_HubPlan":
         from huggingface_hub import HfApi
 
-        with _hub_errors(repo, rev):  # huggingface_hub's API calls wait forever unless given a timeout
-            info = _with_retries(lambda: HfApi().model_info(repo, revision=rev, files_metadata=True,
-                                                            timeout=_api_timeout()))
-        sha = (info.sha or "").lower()
+        with _hub_errors(repo, rev):
+            # the branch's commit, recorded in the cache's refs for offline runs; then the file listing at it
+            resolved = _with_retries(lambda: HfApi().resolve_revision(repo, revision=rev, cache_dir=cache))
+            sha = str(resolved.resolved or "").lower()
+            if _FULL_SHA.match(sha):
+                info = _with_retries(lambda: HfApi().model_info(repo, revision=sha, files_metadata=True,
+                                                                timeout=_api_timeout()))
+                sha = (info.sha or "").lower()
         if not _FULL_SHA.match(sha):
             raise MoepackError(f"{repo}@{rev}: the hub did not report a commit sha "
                                f"(is HF_ENDPOINT a Hugging Face hub?)")
@@ -224,11 +231,7 @@ class _HubPlan:
         if not _FULL_SHA.match(sha) or not os.path.isdir(snap):
             raise MoepackError(not_cached)
         at = f"{repo}@{sha[:12]}"
-        tree = _cached_tree(storage, sha)  # what the repo holds at that commit, if huggingface_hub kept the listing
-        if tree is not None:
-            small = [n for n in SMALL_FILES if n in tree]
-        else:
-            small = [n for n in SMALL_FILES if os.path.isfile(os.path.join(snap, n))]
+        small = [n for n in SMALL_FILES if os.path.isfile(os.path.join(snap, n))]
         missing = [n for n in small if not os.path.isfile(os.path.join(snap, n))]
         if "config.json" not in small:
             missing.insert(0, "config.json")
@@ -236,8 +239,7 @@ class _HubPlan:
             if INDEX_FILE in small:
                 shards = _index_shards(os.path.join(snap, INDEX_FILE), where=at)
             else:
-                names = tree if tree is not None else os.listdir(snap)
-                shards = sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
+                shards = sorted(n for n in os.listdir(snap) if n.endswith(".safetensors"))
                 if not shards:
                     missing.append("*.safetensors")
             missing += [s for s in shards if not os.path.isfile(os.path.join(snap, s))]
@@ -248,9 +250,7 @@ class _HubPlan:
         files = {}
         for n in small + shards:
             p = os.path.join(snap, n)
-            entry = tree.get(n) if tree is not None else None
-            sha256 = entry["sha256"] if entry is not None else _sha256_from_blob_name(p)
-            files[n] = {"size": os.path.getsize(p), "sha256": sha256}
+            files[n] = {"size": os.path.getsize(p), "sha256": _sha256_from_blob_name(p)}
         return cls(repo=repo, revision=rev, sha=sha, cache_dir=cache, snapshot_dir=snap, small=small, shards=shards,
                    files=files, offline=True)
 
@@ -270,14 +270,9 @@ class _HubPlan:
         return p
 
     def finish(self) -> None:
-        """Check every shard arrived, then point the cache's refs/<revision> at the sha (for later offline runs)."""
+        """Check every shard arrived."""
         for name in self.shards:
             self.check_file(name)
-        self.write_ref()
-
-    def write_ref(self) -> None:
-        if self.revision != self.sha:
-            _write_ref(self.cache_dir, self.repo, self.revision, self.sha)
 
 
 def _snapshot(plan: _HubPlan, names: list[str], progress: bool) -> str:
@@ -310,38 +305,6 @@ def _tqdm_class(progress: bool):
             super().__init__(*args, **kwargs)
 
     return RateBars if progress else QuietBars
-
-
-def _write_ref(cache_dir: str, repo: str, revision: str, sha: str) -> None:
-    from huggingface_hub.file_download import repo_folder_name
-
-    ref = os.path.join(cache_dir, repo_folder_name(repo_id=repo, repo_type="model"), "refs", *revision.split("/"))
-    try:
-        os.makedirs(os.path.dirname(ref), exist_ok=True)
-        if os.path.isfile(ref):
-            with open(ref) as f:
-                if f.read().strip() == sha:
-                    return
-        tmp = f"{ref}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(sha)
-        os.replace(tmp, ref)
-    except OSError:
-        pass  # best effort, as huggingface_hub does: a read-only cache still converts
-
-
-def _cached_tree(storage: str, sha: str) -> dict | None:
-    """{path: {"size", "sha256"}} from huggingface_hub's cached tree listing of that commit, or None."""
-    try:
-        from huggingface_hub._tree_cache import read_tree_cache
-
-        entries = read_tree_cache(storage, sha)
-    except Exception:
-        return None
-    if entries is None:
-        return None
-    return {path: {"size": e.lfs_size if e.lfs_size is not None else e.size,
-                   "sha256": e.lfs_sha256.lower() if e.lfs_sha256 else None} for path, e in entries.items()}
 
 
 def _sha256_from_blob_name(path: str) -> str | None:
@@ -410,8 +373,6 @@ class ShardFeed:
             if failed is not None:
                 self._errors[shard] = failed
             self._done[shard].set()
-        if failed is None:
-            plan.write_ref()  # every shard was checked as it arrived
 
     def wait(self, shard: str, timeout: float | None = None) -> str:
         """The local path of `shard` once it is completely downloaded."""
@@ -476,6 +437,35 @@ API_ATTEMPTS = 3  # a hub API call that timed out, lost its connection or met a 
 RETRY_PAUSE_S = 1.0  # ... with pauses of 1 s, then 2 s: a stalled endpoint ends within 3 x timeout + 3 s
 
 
+def _http():
+    try:
+        import httpx2 as http  # huggingface_hub >= 2
+    except ImportError:  # pragma: no cover - older huggingface_hub (httpx)
+        import httpx as http
+    return http
+
+
+def _install_timeouts() -> None:
+    """Connect and read timeouts on every request of huggingface_hub's shared client. Its calls pass timeout=None
+    unless told otherwise (a stalled endpoint would hold `convert` forever): a request hook gives such a request
+    HF_HUB_ETAG_TIMEOUT to connect and HF_HUB_DOWNLOAD_TIMEOUT to read; a request with its own timeout keeps it."""
+    from huggingface_hub import get_session
+
+    hooks = get_session().event_hooks
+    if _default_timeouts not in hooks["request"]:
+        hooks["request"] = [*hooks["request"], _default_timeouts]
+
+
+def _default_timeouts(request) -> None:
+    from huggingface_hub import constants
+
+    given = request.extensions.get("timeout") or {}
+    if all(v is None for v in given.values()):
+        read = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+        request.extensions["timeout"] = {"connect": float(constants.HF_HUB_ETAG_TIMEOUT), "read": read,
+                                         "write": read, "pool": read}
+
+
 def _api_timeout() -> float:
     """Seconds a hub API call may wait: HF_HUB_ETAG_TIMEOUT (huggingface_hub's own setting for its metadata calls,
     10 by default); downloads keep HF_HUB_DOWNLOAD_TIMEOUT, which huggingface_hub applies itself."""
@@ -486,10 +476,7 @@ def _api_timeout() -> float:
 
 def _transient(exc: BaseException) -> bool:
     """A failure worth another try: a timeout, a dropped or refused connection, HTTP 5xx or 429."""
-    try:
-        import httpx2 as http  # huggingface_hub >= 2
-    except ImportError:  # pragma: no cover - older huggingface_hub (httpx)
-        import httpx as http
+    http = _http()
     for e in _chain(exc):
         if isinstance(e, (http.TimeoutException, http.NetworkError, ConnectionError, TimeoutError)):
             return True
@@ -541,10 +528,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
 def _describe(exc: Exception, repo: str, revision: str) -> str:
     from huggingface_hub import constants, errors
 
-    try:
-        import httpx2 as http  # huggingface_hub >= 2
-    except ImportError:  # pragma: no cover - older huggingface_hub (httpx)
-        import httpx as http
+    http = _http()
 
     def err(name):  # a class that never matches when this huggingface_hub lacks it
         return getattr(errors, name, None) or type(name, (Exception,), {})

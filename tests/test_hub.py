@@ -448,10 +448,11 @@ def test_branch_pins_sha_and_fetches_only_needed_files(tmp_path, hub, tiny):
             assert f.read() == main[name]
     assert load_file(os.path.join(out["local_dir"], SHARDS[1]))  # a real safetensors file
     _check_provenance(out["provenance"], main, MAIN_SHA)
-    # The branch was resolved once (repo info with file metadata), then everything was read at the sha.
+    # The branch was resolved once (HfApi.resolve_revision), then the file listing (with its metadata) and every
+    # file were read at the sha.
     infos = hub.requests("info")
-    assert [r["path"] for r in infos] == [f"/api/models/{REPO}/revision/main"]
-    assert infos[0]["query"].get("blobs") == ["True"] or infos[0]["query"].get("blobs") == ["true"]
+    assert [r["path"] for r in infos] == [f"/api/models/{REPO}/revision/main", f"/api/models/{REPO}/revision/{MAIN_SHA}"]
+    assert infos[1]["query"].get("blobs") == ["True"] or infos[1]["query"].get("blobs") == ["true"]
     assert {r["rev"] for r in hub.requests("resolve")} == {MAIN_SHA}
     # Never the README, the .gitattributes or original/huge.bin; every needed file exactly once.
     fetched = [r["file"] for r in hub.requests("resolve")]
@@ -470,8 +471,8 @@ def test_second_call_is_served_from_cache(tmp_path, hub, tiny):
     hub.clear()
     second = run(tmp_path, hub.url, REPO).ok
     assert second == first
-    # Only the branch -> sha look-up; no tree listing, no HEAD, no file bytes.
-    assert [r["kind"] for r in hub.requests()] == ["info"]
+    # Only the branch -> sha look-up and the listing at the sha; no tree listing, no HEAD, no file bytes.
+    assert [r["kind"] for r in hub.requests()] == ["info", "info"]
 
 
 def test_tag_and_sha_revisions(tmp_path, hub, tiny):
