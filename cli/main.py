@@ -93,10 +93,14 @@ def _policy_options(fn):
 @click.option("--part-dir", "part_dirs", multiple=True, metavar="K=DIR",
               help="With --parts: write part K into DIR (e.g. another SSD's mount) and leave a symlink at "
                    "OUT.part<K>. Repeatable.")
+@click.option("--no-keep-source", "no_keep_source", is_flag=True,
+              help="Hub repos: download the shards into a scratch folder beside OUT (not the Hugging Face cache) and "
+                   "delete each once converted: the disk holds the output plus a few shards, not the whole source.")
 @force_option
 @json_option
 @reports_errors
-def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts, part_dirs, force, as_json):
+def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts, part_dirs, no_keep_source, force,
+            as_json):
     """Convert SRC (a hub repo id such as deepseek-ai/DeepSeek-V4-Flash, a local checkpoint directory, or a
     llama.cpp deepseek4 GGUF file, the first of its splits for a split one) into a container. Rerunning an
     interrupted conversion resumes it."""
@@ -112,12 +116,13 @@ def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts
     refuse_existing(force, out)
     result = convert_checkpoint(src, out, policy=policy, progress=not as_json, revision=revision, workers=workers,
                                 drop_mtp=drop_mtp, parts=parts, stripe_experts=stripe_experts,
-                                part_dirs=_parse_part_dirs(part_dirs))
+                                part_dirs=_parse_part_dirs(part_dirs), keep_source=not no_keep_source)
     emit(as_json, result, lambda r: click.echo(
         f"wrote {r['output']} ({policy}): {r['tensors']} tensors in {r['regions']} regions, "
         f"{r['bytes_out'] / 2**20:.1f} MiB, {r['seconds']:.1f} s ({r['in_mb_per_s']:.0f} MB/s in, "
         f"{r['out_mb_per_s']:.0f} MB/s out); experts {r['expert_bits_per_weight']} bits/weight"
         + (f", resumed after {r['resumed_regions']} regions" if r["resumed_regions"] else "")
+        + f"; peak disk use {r['disk']['peak_bytes'] / 2**20:.1f} MiB"
         + ("".join(_part_lines(r["parts"])) if len(r["parts"]) > 1 else "")))
 
 

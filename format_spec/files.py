@@ -53,6 +53,13 @@ def check_regular(path: str) -> None:
         raise FormatError(f"{path}: not a regular file ({kind})")
 
 
+def existing_ancestor(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 2**20:.1f} MiB"
 
@@ -63,6 +70,7 @@ def check_free_space(needs: dict[str, int], what: str = "the output") -> dict[st
     first directory, the need and the free bytes (for reports)."""
     by_fs: dict[int, list] = {}
     for directory, n in needs.items():
+        directory = existing_ancestor(directory)  # one not made yet: its disk is its parent's
         st = os.stat(directory)
         entry = by_fs.setdefault(st.st_dev, [directory, 0])
         entry[1] += max(int(n), 0)

@@ -25,10 +25,11 @@ from moepack.format_spec.decode import (as_uint8, decode_float, decode_tensor, f
                                         tensor_scale_name)
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, storage_type, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.layout import (DEFAULT_STRIPE_EXPERTS, SCALE_SUFFIXES, layer_count_problem, parse_block_name,
-                                        region_name)
+from moepack.format_spec.files import check_free_space, existing_ancestor
+from moepack.format_spec.layout import (DEFAULT_STRIPE_EXPERTS, SCALE_SUFFIXES, TENSOR_ALIGNMENT, align_up,
+                                        layer_count_problem, parse_block_name, region_name)
 from moepack.format_spec.policies import POLICY_NAMES, policy as policy_table, target_type
-from moepack.format_spec.writer import ContainerWriter
+from moepack.format_spec.writer import ContainerWriter, partial_path
 from moepack.v4.arch import Adapter, adapter_for
 
 from .progress import progress_bar
@@ -93,10 +94,33 @@ class RegionConverter:
         self.adapter = adapter
         self.policy = policy
 
+    def _targets(self, items: list[tuple[str, SourceTensor]]) -> list[tuple]:
+        """(name, source type, shape, target type or None: kept as it is, the name of its block scale or None) of
+        each tensor the region stores from `items`, in order; a block scale that goes into its weight's
+        requantization is not stored (one kept beside a kept weight stays, in the weight's order)."""
+        by_name = dict(items)
+        out, consumed = [], set()
+        for name, t in items:
+            if name in consumed:
+                continue
+            dtype, shape = source_type_and_shape(self.adapter, name, t)
+            target = target_type(self.policy, self.adapter.role(name, shape), dtype, shape)
+            scale = scale_name(name) if target is not None and scale_name(name) in by_name else None
+            if scale is not None:
+                consumed.add(scale)
+            out.append((name, dtype, shape, target, scale))
+        return [o for o in out if o[0] not in consumed]
+
+    def stored_bytes(self, items: list[tuple[str, SourceTensor]]) -> int:
+        """About the bytes the region of `items` takes in the container (each tensor aligned, room for a tensor
+        scale), from the source's metadata alone: for the free-space check before a conversion."""
+        size = sum(align_up(tensor_nbytes(target or dtype, shape), TENSOR_ALIGNMENT) + TENSOR_ALIGNMENT
+                   for _, dtype, shape, target, _ in self._targets(items))
+        return align_up(size)
+
     def convert(self, items: list[tuple[str, SourceTensor]], data: dict[str, bytes]) -> list[tuple]:
         by_name = dict(items)
         out = []
-        consumed: set[str] = set()
         for name, t in items:  # a NaN or infinity in a weight is refused whatever the policy, --keep too
             dtype, shape = source_type_and_shape(self.adapter, name, t)
             bad = first_non_finite(dtype, data[name])
@@ -104,27 +128,19 @@ class RegionConverter:
                 where = ", ".join(str(int(i)) for i in np.unravel_index(bad, shape)) if shape else ""
                 raise MoepackError(f"{name}: not finite (NaN or infinity) at index [{where}] (flat {bad}) of the "
                                    "source: the checkpoint is damaged")
-        for name, t in items:
-            if name in consumed:
-                continue
-            dtype, shape = source_type_and_shape(self.adapter, name, t)
-            sname = scale_name(name)
-            has_scale = sname in by_name
-            target = target_type(self.policy, self.adapter.role(name, shape), dtype, shape)
+        for name, dtype, shape, target, sname in self._targets(items):
             if target is None:
                 out.append((name, dtype, shape, data[name]))
                 continue
             scale = None
-            if has_scale:
+            if sname is not None:
                 st = by_name[sname]
                 scale = decode_tensor(FROM_SAFETENSORS[st.dtype], st.shape, data[sname])
-                consumed.add(sname)
             blocks, tensor_scale = self._requantize(name, dtype, shape, data[name], scale, target)
             out.append((name, target, shape, blocks))
             if tensor_scale is not None:  # right after its weight (SPEC.md section 6.1)
                 out.append((tensor_scale_name(name), "F32", [], tensor_scale))
-        # a scale whose weight was kept stays, in the weight's order
-        return [o for o in out if o[0] not in consumed]
+        return out
 
     def _requantize(self, name, dtype, shape, raw, scale, target) -> tuple[memoryview, bytes | None]:
         """(the stored bytes, the F32 bytes of its tensor scale or None)."""
@@ -146,9 +162,15 @@ class RegionConverter:
 
 def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool = True, revision: str | None = None,
                        workers: int | None = None, drop_mtp: bool = False, parts: int = 1,
-                       stripe_experts: int = DEFAULT_STRIPE_EXPERTS, part_dirs: dict[int, str] | None = None) -> dict:
+                       stripe_experts: int = DEFAULT_STRIPE_EXPERTS, part_dirs: dict[int, str] | None = None,
+                       keep_source: bool = True) -> dict:
     """`parts` > 1 writes OUT plus OUT.part1 .. OUT.part<P-1>, each layer's experts striped over them
-    `stripe_experts` at a time; `part_dirs` {k: directory} writes part k there (a symlink stays at OUT.part<k>)."""
+    `stripe_experts` at a time; `part_dirs` {k: directory} writes part k there (a symlink stays at OUT.part<k>).
+
+    A hub repo is converted as its shards arrive (fetched in the order the container needs them);
+    `keep_source=False` downloads them into a scratch folder beside OUT instead of the Hugging Face cache and
+    deletes each one once the regions made from it are durable. Before any work, the disks are checked for room
+    for the output and the download; the summary's `disk` reports the peak use measured."""
     if policy not in POLICY_NAMES:
         raise MoepackError(f"unknown policy {policy!r} (choose from {', '.join(POLICY_NAMES)})")
     out_dir = os.path.dirname(os.path.abspath(out))
@@ -157,7 +179,8 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
     start = time.perf_counter()
     from .hub import open_source
 
-    source, provenance = open_source(src, revision=revision, progress=progress)
+    source, provenance = open_source(src, revision=revision, progress=progress, stream=True,
+                                     keep_source=keep_source, scratch_parent=out_dir)
     if workers:
         torch.set_num_threads(workers)
     try:
@@ -173,6 +196,11 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
             raise MoepackError(f"{provenance['source']}: {refusal}")
         _check_stripes(plan, parts, stripe_experts)
         converter = RegionConverter(adapter, policy)
+        needs = _output_needs(plan, converter, out_dir, parts, part_dirs)
+        if os.path.exists(partial_path(out)):  # a conversion to resume has written part of it already
+            needs[out_dir] -= os.path.getsize(partial_path(out))
+        free = check_free_space(needs | _nonzero(source.download_need()), f"converting {provenance['source']}")
+        disk = _DiskUse([*free, *(part_dirs or {}).values()])
         job = {"source": provenance["source"], "revision": provenance.get("revision"),
                "policy": policy, "drop_mtp": drop_mtp, "files": source.file_sizes(),
                "tensors": len(source.tensors)}
@@ -183,8 +211,11 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
                                  stripe_experts=stripe_experts, part_dirs=part_dirs)
         resumed = _skip_completed(plan, writer.completed)
         read_bar.update(sum(t.length for _, _, _, items in plan[:resumed] for _, t in items))
+        order, last_use = _file_uses(plan, resumed)
         try:
-            _run_pipeline(plan, resumed, source, converter, writer, read_bar)
+            source.fetch(order)
+            _run_pipeline(plan, resumed, source, converter, writer, read_bar,
+                          after_checkpoint=lambda i: _release(source, last_use, i, disk))
             writer.finish(
                 config=source.config, architecture=adapter.architecture,
                 policy={**policy_table(policy), "drop_mtp": drop_mtp},
@@ -199,10 +230,71 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
     finally:
         source.close()
     seconds = time.perf_counter() - start
-    return _summary(out, policy, plan, resumed, total_in, seconds)
+    summary = _summary(out, policy, plan, resumed, total_in, seconds)
+    summary["disk"] = {"peak_bytes": disk.peak, "source_peak_bytes": getattr(source, "peak_kept_bytes", 0),
+                       "source_kept": keep_source, "free_space": free}
+    return summary
 
 
-def _run_pipeline(plan, resumed, source, converter, writer, read_bar) -> None:
+def _file_uses(plan, resumed: int) -> tuple[list[str], dict[str, int]]:
+    """The source files the regions from `resumed` on read, in the order of their first use, and each file's last
+    use (plan index)."""
+    order: list[str] = []
+    last: dict[str, int] = {}
+    for i in range(resumed, len(plan)):
+        for _, t in plan[i][3]:
+            name = os.path.basename(t.file)
+            if name not in last:
+                order.append(name)
+            last[name] = i
+    return order, last
+
+
+def _release(source, last_use: dict[str, int], durable_through: int, disk: "_DiskUse") -> None:
+    """Regions up to `durable_through` are on disk for good: files no later region reads can go."""
+    disk.sample()  # before: the peak is with the files still there
+    for name, last in list(last_use.items()):
+        if last <= durable_through:
+            source.release(name)
+            del last_use[name]
+
+
+def _nonzero(needs: dict[str, int]) -> dict[str, int]:
+    return {d: n for d, n in needs.items() if n}
+
+
+def _output_needs(plan, converter: "RegionConverter", out_dir: str, parts: int,
+                  part_dirs: dict[int, str] | None) -> dict[str, int]:
+    """{directory: bytes} the remaining regions will write: experts spread over the part files' directories."""
+    dirs = [(part_dirs or {}).get(k, out_dir) for k in range(max(parts, 1))]
+    needs = dict.fromkeys(dirs, 0)
+    for kind, _, expert, items in plan:
+        n = converter.stored_bytes(items)
+        target = dirs[expert % len(dirs)] if kind == "expert" else out_dir
+        needs[target] += n
+    return needs
+
+
+class _DiskUse:
+    """The most bytes the conversion added to its filesystems at once (output and download together), sampled
+    after each durable block: what `--no-keep-source` saves is measured, not computed."""
+
+    def __init__(self, directories):
+        self._start = {}
+        for d in map(existing_ancestor, directories):
+            st = os.statvfs(d)
+            self._start.setdefault(os.stat(d).st_dev, (d, (st.f_blocks - st.f_bfree) * st.f_frsize))
+        self.peak = 0
+
+    def sample(self) -> None:
+        added = 0
+        for d, used0 in self._start.values():
+            st = os.statvfs(d)
+            added += (st.f_blocks - st.f_bfree) * st.f_frsize - used0
+        self.peak = max(self.peak, added)
+
+
+def _run_pipeline(plan, resumed, source, converter, writer, read_bar, after_checkpoint=None) -> None:
     """read (thread) -> convert (here, all cores) -> write (thread), in plan order."""
     write_error: list[BaseException] = []
     lock = threading.Lock()
@@ -222,6 +314,8 @@ def _run_pipeline(plan, resumed, source, converter, writer, read_bar) -> None:
             writer.end_region()
             if i + 1 == len(plan) or plan[i + 1][1] != block:
                 writer.checkpoint()  # a block (or the globals) is complete: a rerun resumes after it
+                if after_checkpoint is not None:
+                    after_checkpoint(i)
         except BaseException as e:  # surfaced in the main thread
             with lock:
                 write_error.append(e)

@@ -30,7 +30,7 @@ from moepack.format_spec.dtypes import STORAGE_TYPES, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.v4 import names as v4names
 
-from .source import OpenFiles, SourceTensor
+from .source import LocalSource, OpenFiles, SourceTensor
 
 GGUF_MAGIC = b"GGUF"
 ARCH = "deepseek4"
@@ -109,7 +109,7 @@ def _value(reader, key: str, default=None):
         return default
 
 
-class GGUFSource:
+class GGUFSource(LocalSource):
     """A deepseek4 GGUF, read as a checkpoint: `config`, `tensors` {canonical name: SourceTensor}, `read(t)`,
     `side_files()`, `file_sizes()`, `provenance`, `close()`."""
 

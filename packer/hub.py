@@ -18,6 +18,9 @@ transfers and its byte-rate progress bars. What this module adds:
 
 ``iter_shards_as_they_arrive`` downloads the shards one at a time in a background thread, in the order the caller
 will read them, and hands each one over as soon as it is complete, so conversion can overlap the download.
+``open_source(..., stream=True)`` is what `moepack convert` reads: the tensors of a hub checkpoint known from the
+hub's safetensors metadata before any shard is here, the shards fetched in the order the conversion needs them (into
+a scratch folder, each deleted once converted, with keep_source=False).
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ import functools
 import json
 import os
 import re
+import shutil
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -81,19 +87,97 @@ def resolve_source(src: str, revision: str | None = None, progress: bool = True,
     return plan.source()
 
 
-def open_source(src: str, revision: str | None = None, progress: bool = True):
+SCRATCH_AHEAD = 1  # shards downloaded ahead of the one being converted when each is deleted after its conversion
+
+
+def open_source(src: str, revision: str | None = None, progress: bool = True, stream: bool = False,
+                keep_source: bool = True, scratch_parent: str | None = None):
     """(source, provenance) for any source the converter takes: a llama.cpp deepseek4 GGUF file (or its first
-    split), a local checkpoint directory, a hub repo id. The source is a GGUFSource or a CheckpointDir; close it."""
+    split), a local checkpoint directory, a hub repo id. The source is a GGUFSource, a CheckpointDir or (a hub repo
+    with `stream`, shards still to download) a StreamedCheckpoint; close it.
+
+    `keep_source=False` (hub repos only, with `stream`): the shards go to a scratch folder in `scratch_parent`,
+    each deleted once the caller release()s it, the folder when the source closes."""
     from .gguf_source import GGUFSource, is_gguf
     from .source import CheckpointDir
 
-    if is_gguf(src):
-        if revision is not None:
-            raise MoepackError(f"--revision {revision} applies to Hugging Face repos, but {src} is a GGUF file")
-        source = GGUFSource(src)
-        return source, source.provenance
-    resolved = resolve_source(src, revision=revision, progress=progress)
-    return CheckpointDir(resolved.local_dir), resolved.provenance
+    if is_gguf(src) or os.path.exists(src):
+        if not keep_source:
+            raise MoepackError(f"--no-keep-source deletes the shards it downloads; {src} is a local file or "
+                               f"directory, which is never deleted")
+        if is_gguf(src):
+            if revision is not None:
+                raise MoepackError(f"--revision {revision} applies to Hugging Face repos, but {src} is a GGUF file")
+            source = GGUFSource(src)
+            return source, source.provenance
+    if not stream or os.path.exists(src):
+        resolved = resolve_source(src, revision=revision, progress=progress)
+        return CheckpointDir(resolved.local_dir), resolved.provenance
+    if not looks_like_repo_id(src):
+        raise MoepackError(f"{src}: no such directory (and not a Hugging Face repo id, which is owner/name)")
+    scratch = None if keep_source else tempfile.mkdtemp(prefix=".moepack-download-", dir=scratch_parent)
+    try:
+        plan = _HubPlan.make(src, revision, scratch)
+        source = plan.source()
+        if all(_complete(plan, s) for s in plan.shards):  # offline, or every shard already in the cache
+            return CheckpointDir(source.local_dir), source.provenance
+        return _streamed(plan, progress, scratch), source.provenance
+    except BaseException:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+
+
+def _complete(plan: "_HubPlan", name: str) -> bool:
+    path = os.path.join(plan.snapshot_dir, name)
+    want = plan.files.get(name, {}).get("size")
+    return os.path.isfile(path) and (want is None or os.path.getsize(path) == want)
+
+
+def _streamed(plan: "_HubPlan", progress: bool, scratch: str | None):
+    """A StreamedCheckpoint of `plan`'s shards: every tensor from the hub's safetensors metadata (a shard already in
+    the cache: from its own header), checked against the index's weight map."""
+    from huggingface_hub import HfApi
+
+    from .source import SourceTensor, StreamedCheckpoint, read_safetensors_header
+
+    def listing(shard: str) -> dict[str, tuple[str, tuple, int]]:
+        if _complete(plan, shard):
+            header = read_safetensors_header(os.path.join(plan.snapshot_dir, shard))
+            return {k: (t.dtype, t.shape, t.length) for k, t in header.items()}
+        with _hub_errors(plan.repo, plan.revision):
+            meta = _with_retries(lambda: HfApi().parse_safetensors_file_metadata(
+                plan.repo, shard, revision=plan.sha, timeout=_api_timeout()))
+        out = {}
+        for key, info in meta.tensors.items():
+            begin, end = info.data_offsets
+            out[key] = (info.dtype, tuple(info.shape), end - begin)
+        return out
+
+    with ThreadPoolExecutor(8, thread_name_prefix="moepack-hub-metadata") as pool:
+        shard_listings = dict(zip(plan.shards, pool.map(listing, plan.shards)))
+    tensors: dict[str, SourceTensor] = {}
+    for shard, entries in shard_listings.items():
+        for key, (dtype, shape, length) in entries.items():
+            if key in tensors:
+                raise MoepackError(f"{plan.repo}: tensor {key} is in both {os.path.basename(tensors[key].file)} "
+                                   f"and {shard}")
+            # the offset is the file's own header's to say, once the shard is here
+            tensors[key] = SourceTensor(key, dtype, shape, os.path.join(plan.snapshot_dir, shard), -1, length)
+    index = os.path.join(plan.snapshot_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]  # read and checked by _index_shards already
+        for key, shard in weight_map.items():
+            if key not in tensors or os.path.basename(tensors[key].file) != shard:
+                raise MoepackError(f"{plan.repo}: tensor {key} is listed in the index under {shard} but is not in "
+                                   f"that shard")
+
+    def start_feed(order: list[str], ahead: int | None) -> ShardFeed:
+        return ShardFeed(plan.source(), order, plan, progress, ahead=ahead)
+
+    return StreamedCheckpoint(plan.snapshot_dir, tensors, {s: plan.files[s]["size"] for s in plan.shards},
+                              start_feed, scratch=scratch, ahead=SCRATCH_AHEAD if scratch is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------------------- local
@@ -323,13 +407,20 @@ class ShardFeed:
     """Shards of a resolved source, handed over one by one as their download completes (see
     iter_shards_as_they_arrive). Iterating yields (shard name, path) in download order; `wait(name)` blocks for one
     shard. A failed download raises its MoepackError from `wait` / the iteration. Use as a context manager, or call
-    close(), to stop the download thread early."""
+    close(), to stop the download thread early.
 
-    def __init__(self, source: ResolvedSource, shards: list[str], plan: _HubPlan | None, progress: bool):
+    `ahead`: download shard k only once shard k - ahead has been waited for (bounds the shards on disk that no one
+    has started to read; None: download as fast as the network allows)."""
+
+    def __init__(self, source: ResolvedSource, shards: list[str], plan: _HubPlan | None, progress: bool,
+                 ahead: int | None = None):
         self.source = source
         self.shards = list(shards)
         self._plan = plan
         self._progress = progress
+        self._ahead = ahead
+        self._waited = -1  # the furthest shard (by position) a reader has waited for
+        self._moved = threading.Condition()
         self._done = {s: threading.Event() for s in self.shards}
         self._paths: dict[str, str] = {}
         self._errors: dict[str, MoepackError] = {}
@@ -356,7 +447,10 @@ class ShardFeed:
 
         plan = self._plan
         failed: MoepackError | None = None
-        for shard in self.shards:
+        for position, shard in enumerate(self.shards):
+            if self._ahead is not None:
+                with self._moved:
+                    self._moved.wait_for(lambda: position <= self._waited + self._ahead or self._stop.is_set())
             if failed is None and self._stop.is_set():
                 failed = MoepackError(f"{plan.repo}: download of {shard} cancelled")
             if failed is None:
@@ -379,6 +473,9 @@ class ShardFeed:
         event = self._done.get(shard)
         if event is None:
             raise MoepackError(f"{shard} is not a shard of {self.source.provenance.get('source')}")
+        with self._moved:
+            self._waited = max(self._waited, self.shards.index(shard))
+            self._moved.notify_all()
         if not event.wait(timeout):
             raise MoepackError(f"timed out waiting for {shard} to download")
         if shard in self._errors:
@@ -392,6 +489,8 @@ class ShardFeed:
     def close(self, wait: bool = True) -> None:
         """Stop downloading after the file in progress (waiting for it unless wait=False; the thread is a daemon)."""
         self._stop.set()
+        with self._moved:
+            self._moved.notify_all()
         if wait and self._thread is not None:
             self._thread.join()
 

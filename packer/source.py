@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
+import threading
 from dataclasses import dataclass
 
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
@@ -91,13 +93,29 @@ class OpenFiles:
             raise MoepackError(f"{os.path.basename(path)}: short read for {what} (file truncated?)")
         return data
 
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+    def close(self, path: str | None = None) -> None:
+        """Close every file, or only `path`."""
+        for p in [path] if path is not None else list(self._fds):
+            fd = self._fds.pop(p, None)
+            if fd is not None:
+                os.close(fd)
 
 
-class CheckpointDir:
+class LocalSource:
+    """What the converter asks of a source whose files are all on disk: nothing to fetch, nothing to release."""
+
+    def fetch(self, order: list[str]) -> None:
+        """Make these files (by base name) readable, in this order: already so."""
+
+    def release(self, name: str) -> None:
+        """The conversion is done with this file (and durable): a local source keeps it."""
+
+    def download_need(self) -> dict[str, int]:
+        """{directory: bytes} still to download: none."""
+        return {}
+
+
+class CheckpointDir(LocalSource):
     """A local HF checkpoint: config.json, shards (+ model.safetensors.index.json when sharded), tokenizer files."""
 
     def __init__(self, path: str):
@@ -174,6 +192,94 @@ class CheckpointDir:
 
     def close(self) -> None:
         self._files.close()
+
+
+class StreamedCheckpoint(CheckpointDir):
+    """A hub checkpoint converted while its shards download (packer.hub.open_source(stream=True)).
+
+    Its tensors (name, dtype, shape, size) come from the hub's safetensors metadata before any shard is here;
+    `fetch(order)` starts the download in the order the conversion reads the shards; a read waits for its shard,
+    whose own header is then read and must agree with the metadata. `release(shard)` says the shard is converted
+    and durable: with a scratch folder (--no-keep-source) it is deleted then, and the folder when the source closes.
+    `peak_kept_bytes`: the most shard bytes this source held on disk at once."""
+
+    def __init__(self, path: str, tensors: dict[str, SourceTensor], sizes: dict[str, int], start_feed,
+                 scratch: str | None = None, ahead: int | None = None):
+        self.path = path
+        self.config = self._read_json("config.json", required=True)
+        self.tensors = tensors
+        self.shards = sorted(sizes)
+        self._sizes = sizes
+        self._start_feed = start_feed  # (order, ahead) -> a hub.ShardFeed
+        self._feed = None
+        self._ahead = ahead
+        self.scratch = scratch
+        self._headers: dict[str, dict[str, SourceTensor]] = {}
+        self._released: set[str] = set()
+        self._files = OpenFiles()
+        self._lock = threading.Lock()
+        self.kept_bytes = self.peak_kept_bytes = 0
+
+    def fetch(self, order: list[str]) -> None:
+        """Download these shards, in this order (the ones a resumed conversion still needs)."""
+        self._feed = self._start_feed(list(order), self._ahead)
+
+    def download_need(self) -> dict[str, int]:
+        """{directory: bytes} the download will put on disk at most at once."""
+        sizes = sorted((self._sizes[s] for s in self.shards if s not in self._headers), reverse=True)
+        if self.scratch is None:
+            return {self.path: sum(sizes)}
+        return {self.scratch: sum(sizes[:self._ahead + 2])}  # one read, one waiting, `ahead` downloading
+
+    def read(self, t: SourceTensor) -> bytes:
+        here = self._arrived(os.path.basename(t.file))[t.name]
+        return self._files.read(here.file, here.offset, here.length, t.name)
+
+    def _arrived(self, shard: str) -> dict[str, SourceTensor]:
+        with self._lock:
+            header = self._headers.get(shard)
+        if header is not None:
+            return header
+        if self._feed is None:
+            raise MoepackError(f"{shard} read before the download started (fetch was not called)")
+        header = read_safetensors_header(self._feed.wait(shard))
+        expected = {k: t for k, t in self.tensors.items() if os.path.basename(t.file) == shard}
+        for key in sorted(set(expected) | set(header)):
+            want, got = expected.get(key), header.get(key)
+            if want is None or got is None or (want.dtype, want.shape, want.length) != (got.dtype, got.shape,
+                                                                                     got.length):
+                raise MoepackError(f"{shard}: tensor {key} is not what the hub's metadata said (the file changed "
+                                   f"on the hub during the download?)")
+        with self._lock:
+            self._headers[shard] = header
+            self.kept_bytes += self._sizes[shard]
+            self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+        return header
+
+    def release(self, shard: str) -> None:
+        if self.scratch is None or shard in self._released or shard not in self._headers:
+            return
+        path = os.path.join(self.path, shard)
+        blob = os.path.realpath(path)  # huggingface_hub's cache: snapshots/<sha>/<name> links to blobs/<sha256>
+        self._files.close(path)
+        for p in {path, blob}:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        with self._lock:
+            self._released.add(shard)
+            self.kept_bytes -= self._sizes[shard]
+
+    def file_sizes(self) -> dict[str, int]:
+        return dict(self._sizes)
+
+    def close(self) -> None:
+        super().close()
+        if self._feed is not None:
+            self._feed.close(wait=False)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def keep_refusal(source) -> str | None:

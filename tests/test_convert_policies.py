@@ -280,15 +280,25 @@ def test_thread_count_does_not_change_the_bytes(release_src, tmp_path):
     assert open(a, "rb").read() == open(b, "rb").read()
 
 
-def test_disk_full_is_one_line_and_keeps_the_partial(release_src, tmp_path):
+def test_disk_full_is_one_line_and_keeps_the_partial(release_src, tmp_path, monkeypatch):
     with small_disk(tmp_path / "small-disk", "2M") as small:
         out = os.path.join(small, "full.moepack")
+        # the check before any work sees the disk is too small: one line, nothing written
+        with pytest.raises(MoepackError, match=r"^not enough free space for converting .* on .*small-disk: it needs "
+                                               r"about [0-9.]+ MiB, [0-9.]+ MiB is free$"):
+            convert_checkpoint(release_src, out, policy="keep", progress=False)
+        assert os.listdir(small) == []
+        # the disk fills during the conversion (another writer, after the check): one line, the partial stays
+        import moepack.packer.convert as C
+
+        monkeypatch.setattr(C, "check_free_space", lambda needs, what: {d: {} for d in needs})
         with pytest.raises(MoepackError, match="disk full") as info:
             convert_checkpoint(release_src, out, policy="keep", progress=False)
         assert "\n" not in str(info.value)
         assert not os.path.exists(out) and os.path.exists(out + ".partial")
         # room again: the rerun resumes from the journal and finishes
         subprocess.run(["mount", "-o", "remount,size=64M", small], check=True)
+        monkeypatch.undo()
         summary = convert_checkpoint(release_src, out, policy="keep", progress=False)
         assert summary["resumed_regions"] > 0
         verify_container(out)

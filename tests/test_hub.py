@@ -404,12 +404,18 @@ def tiny(hub, checkpoints):
     return main, old
 
 
-def run(tmp_path, endpoint: str, src: str, revision: str | None = None, *, offline=False, token=None, feed=False,
-        progress=False, cwd=None, env_extra=None) -> Result:
+def hub_env(tmp_path, endpoint: str) -> dict:
+    """The environment of a process that talks to the fake hub only (its own HF_HOME, no proxy, short timeouts)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_")) and "proxy" not in k.lower()}
     env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1",
                HF_HUB_DISABLE_UPDATE_CHECK="1", NO_PROXY="*", HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5")
+    return env
+
+
+def run(tmp_path, endpoint: str, src: str, revision: str | None = None, *, offline=False, token=None, feed=False,
+        progress=False, cwd=None, env_extra=None) -> Result:
+    env = hub_env(tmp_path, endpoint)
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     if token:
@@ -662,3 +668,80 @@ def test_shards_as_they_arrive_failure(tmp_path, hub, tiny):
     hub.fail_once.add(SHARDS[1])
     msg = run(tmp_path, hub.url, REPO, feed=True).error
     assert "HTTP 500" in msg
+
+
+# ------------------------------------------------------------------------------------ convert from the hub, streamed
+
+V4_REPO = "acme/v4-tiny"
+V4_SHA = "c" * 8 + "3" * 32
+
+
+@pytest.fixture(scope="module")
+def v4_release(tmp_path_factory):
+    """A synthetic V4 checkpoint in the release layout, sharded as the release is (a shard about a layer, 26 of
+    them), and its local conversion (the reference)."""
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_checkpoint
+
+    base = tmp_path_factory.mktemp("v4hub")
+    src = base / "src"
+    layers = 16
+    overrides = {"num_hidden_layers": layers, "layer_types": ["sliding_attention"] * layers,
+                 "mlp_layer_types": ["hash_moe"] + ["moe"] * (layers - 1), "num_nextn_predict_layers": 0}
+    synth_checkpoint(src, "tiny", "release", seed=5, progress=False, shard_bytes=1 << 20, config_overrides=overrides)
+    files = {p.name: p.read_bytes() for p in src.iterdir()}
+    convert_checkpoint(str(src), str(base / "local.moepack"), policy="fp4", progress=False)
+    return files, str(base / "local.moepack")
+
+
+def _same_tensors(a: str, b: str) -> None:
+    from moepack.format_spec.reader import Container
+
+    with Container(a) as x, Container(b) as y:
+        assert list(x.tensors) == list(y.tensors)
+        for name in x.tensors:
+            assert x.tensor_bytes(name) == y.tensor_bytes(name), name
+
+
+def _hub_convert(tmp_path, hub, out: str, *flags) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "moepack", "convert", V4_REPO, "-o", out, "--fp4", "--json", *flags],
+                          env=hub_env(tmp_path, hub.url), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_convert_from_the_hub_as_the_shards_arrive(tmp_path, hub, v4_release):
+    files, local = v4_release
+    shards = sorted(n for n in files if n.endswith(".safetensors"))
+    assert len(shards) >= 4
+    hub.add_repo(V4_REPO, FakeRepo({V4_SHA: files}, {"main": V4_SHA}))
+    for shard in shards:
+        hub.delay[shard] = 0.05  # a download slower than the conversion of a shard
+    kept = _hub_convert(tmp_path, hub, str(tmp_path / "kept.moepack"))
+    _same_tensors(str(tmp_path / "kept.moepack"), local)  # the same container as from a local directory
+    assert kept["disk"]["source_kept"] and kept["disk"]["source_peak_bytes"] == sum(len(files[s]) for s in shards)
+    cached = [p for p in (tmp_path / "hf_home").rglob("*.safetensors")]
+    assert len(cached) == len(shards)  # in the Hugging Face cache, for the next run
+    # The tensors were known from the hub's metadata (a ranged read of each shard's header) before the download.
+    ranged = [r for r in hub.requests("cdn") if r["method"] == "GET" and (r["range"] or "").startswith("bytes=0-")]
+    assert {r["file"] for r in ranged} >= set(shards)
+
+
+def test_convert_no_keep_source_deletes_each_shard_once_converted(tmp_path, hub, v4_release):
+    files, local = v4_release
+    shards = sorted(n for n in files if n.endswith(".safetensors"))
+    source_bytes = sum(len(files[s]) for s in shards)
+    hub.add_repo(V4_REPO, FakeRepo({V4_SHA: files}, {"main": V4_SHA}))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    r = _hub_convert(tmp_path, hub, str(out_dir / "lean.moepack"), "--no-keep-source")
+    _same_tensors(str(out_dir / "lean.moepack"), local)
+    # nothing of the source is left: not in the Hugging Face cache, not in a scratch folder
+    assert not list((tmp_path / "hf_home").rglob("*.safetensors")) and os.listdir(out_dir) == ["lean.moepack"]
+    disk = r["disk"]
+    assert not disk["source_kept"]
+    # never the whole source at once: shards were deleted before later ones came
+    largest = sorted((len(files[s]) for s in shards), reverse=True)
+    assert disk["source_peak_bytes"] <= sum(largest[:6]) < source_bytes / 3
+    # measured on the filesystem: the output plus a few shards, not the output plus the source
+    assert disk["peak_bytes"] < r["bytes_out"] + source_bytes / 2
