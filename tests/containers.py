@@ -155,11 +155,25 @@ def source_reads_fail_at(n: int, exc: BaseException):
         CheckpointDir.read = real
 
 
+def _journaled_regions(out: str) -> int:
+    """How many regions the conversion to `out` has made durable (its journal's count; 0 before the first)."""
+    import json
+
+    try:
+        with open(out + ".partial.journal", encoding="utf-8") as f:
+            return len(json.load(f)["regions"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def kill_convert_at_random_points(convert_args: str, out: str, seed: int, after_kill, rounds: int = 4) -> int:
-    """Run `convert_checkpoint(<convert_args>)` in a child (each source read slowed a little, so a conversion
-    lasts long enough to be hit) and SIGKILL it at a random moment, up to `rounds` times, the same command each
-    time, until one run finishes and `out` exists. `after_kill()` checks the state each killed run leaves.
-    Returns how many runs were killed."""
+    """Run `convert_checkpoint(<convert_args>)` in a child (each source read slowed a little) and SIGKILL it at a
+    random point of its progress, up to `rounds` times, the same command each time, until one run finishes and
+    `out` exists. `after_kill()` checks the state each killed run leaves. Returns how many runs were killed.
+
+    The points are observed, never timed (a delay would mean another point on a slower or busier machine): the
+    first run dies as soon as its partial output exists, each later one once its journal holds 1 to 4 more durable
+    regions than when it started."""
     import random
     import signal
     import subprocess
@@ -178,14 +192,18 @@ def kill_convert_at_random_points(convert_args: str, out: str, seed: int, after_
     )
     rng = random.Random(seed)
     kills = 0
-    for _ in range(rounds):
+    for round_ in range(rounds):
+        target = None if round_ == 0 else _journaled_regions(out) + rng.randint(1, 4)
         p = subprocess.Popen([sys.executable, "-c", code])
-        # Killed only once the conversion is seen under way (its partial output exists), then somewhere in it: a
-        # fixed delay after start would, on a slow or loaded machine, kill the interpreter before it began.
-        deadline = time.monotonic() + 120.0
-        while p.poll() is None and not os.path.exists(out + ".partial") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 1.0))
+
+        def reached() -> bool:
+            if target is None:
+                return os.path.exists(out + ".partial")
+            return _journaled_regions(out) >= target
+
+        deadline = time.monotonic() + 300.0  # only a hung child gets here
+        while p.poll() is None and not reached() and time.monotonic() < deadline:
+            time.sleep(0.002)
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
             kills += 1
