@@ -3,6 +3,7 @@ result printer, the overwrite rule (--force)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -96,6 +97,27 @@ def refuse_existing(force: bool, *paths: str | None) -> None:
             except OSError:
                 pass
         raise MoepackError(f"{path} exists: pass --force to replace it")
+
+
+@contextlib.contextmanager
+def layer_progress(enabled: bool, what: str = "prefill"):
+    """Yields PrefillOptions.on_layer for a bar of a prefill's layers (bytes read, their rate, the layer in the
+    description) on a terminal, else None."""
+    from moepack.packer.progress import bars_wanted, progress_bar
+
+    if not bars_wanted(enabled):
+        yield None
+        return
+    bar = progress_bar(None, what)
+
+    def on_layer(layer: int, layers: int, nbytes: int) -> None:
+        bar.set_description(f"{what} layer {layer + 1}/{layers}", refresh=False)
+        bar.update(nbytes)
+        bar.refresh()  # every layer shows, however fast (tqdm draws at most every 0.1 s by itself)
+    try:
+        yield on_layer
+    finally:
+        bar.close()
 
 
 def refuse_existing_kv(force: bool, kv_out: str | None, continue_from: str | None) -> None:

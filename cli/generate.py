@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import click
 
 from moepack.runtime.limits import MAX_CACHE_GIB
 
-from .common import Dtype, emit, force_option, json_option, prompt_options, refuse_existing_kv, reports_errors
+from .common import (Dtype, emit, force_option, json_option, layer_progress, prompt_options, refuse_existing_kv,
+                     reports_errors)
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
 
@@ -109,9 +111,11 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
     def show(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
-    result = run_generate(file, ids, options, continue_from=continue_from,
-                          detokenize=tokenizer.decode if tokenizer is not None else None,
-                          on_text=None if as_json else show, kv_out=kv_out, kv_overwrite=force)
+    with layer_progress(not as_json) as on_layer:  # the prefill's layers: the bar is gone before the first token
+        options = replace(options, prefill=replace(options.prefill, on_layer=on_layer))
+        result = run_generate(file, ids, options, continue_from=continue_from,
+                              detokenize=tokenizer.decode if tokenizer is not None else None,
+                              on_text=None if as_json else show, kv_out=kv_out, kv_overwrite=force)
     out = {"generated_ids": result.generated_ids, "text": result.text, "finish_reason": result.finish_reason,
            "stats": result.stats}
     if as_json:

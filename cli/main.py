@@ -10,6 +10,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import replace
 
 import click
 
@@ -20,7 +21,8 @@ from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
 from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PREFILL_MEMORY_HINT, Dtype, check_threads, emit, force_option,
-                     json_option, prompt_options, refuse_existing, refuse_existing_kv, reports_errors)
+                     json_option, layer_progress, prompt_options, refuse_existing, refuse_existing_kv,
+                     reports_errors)
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve
@@ -367,9 +369,11 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
                              verify_reads=not no_verify_reads, compute_dtype=compute_dtype,
                              expert_dtype=expert_dtype,
                              expert_ownership=expert_ownership)
-    result = run_prefill(pattern, ids, options, kv_out=kv_out, continue_from=continue_from, kv_dtype=kv_dtype,
-                         kv_sync=not kv_no_fsync, chunk_tokens=chunk_tokens if order == "chunk" else None,
-                         expert_parallel=expert_parallel, dist_timeout_s=dist_timeout, kv_overwrite=force)
+    with layer_progress(not as_json) as on_layer:
+        result = run_prefill(pattern, ids, replace(options, on_layer=on_layer), kv_out=kv_out,
+                             continue_from=continue_from, kv_dtype=kv_dtype, kv_sync=not kv_no_fsync,
+                             chunk_tokens=chunk_tokens if order == "chunk" else None,
+                             expert_parallel=expert_parallel, dist_timeout_s=dist_timeout, kv_overwrite=force)
     if result.stats.get("rank", 0) != 0:
         return  # rank 0 speaks for the job
     if logits_out:

@@ -17,6 +17,8 @@ def bars_wanted(enabled: bool = True) -> bool:
     return enabled and not disabled and sys.stderr.isatty()
 
 
-def progress_bar(total: int, desc: str, enabled: bool = True) -> tqdm:
+def progress_bar(total: int | None, desc: str, enabled: bool = True) -> tqdm:
+    """Bytes with their rate; `total` None: no end known (bytes so far and the rate only)."""
+    unbounded = "{desc}: {n_fmt}B [{elapsed}, {rate_fmt}]" if total is None else None
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not bars_wanted(enabled),
-                dynamic_ncols=True, leave=False)
+                dynamic_ncols=True, leave=False, bar_format=unbounded)

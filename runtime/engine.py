@@ -80,6 +80,8 @@ class PrefillOptions:
     # bf16 FP4 experts on up to this many tokens run the fused kernel (CPUs with AVX512-BF16); None: the crossover
     # `moepack bench compute --expert-dtype bfloat16` measured on this CPU, else expert_decode.FUSED_MAX_TOKENS.
     fused_max_tokens: int | None = None
+    # Called as each layer ends: on_layer(layer, number of layers, bytes the layer read) (a progress bar).
+    on_layer: Callable[[int, int, int], None] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -344,6 +346,8 @@ class StreamingPrefill:
             with self.compute:
                 streams, spare = model.moe_finish(cfg, number, w, streams, routing, routed, shared, into=spare), streams
             layer_stats.append(self.reads.layer_stats(number, reads, by_expert, dense_read=resident is None))
+            if self.opt.on_layer is not None:
+                self.opt.on_layer(number, len(layers), layer_stats[-1].bytes_read)
             counts.append(tokens_per_expert(by_expert, len(block.experts)))
         logits = self._head_logits(head_bytes.result() if head_bytes is not None else
                                    self.reads.read_globals((*HEAD_GLOBALS, cfg.head_weight), held_for_head), streams)

@@ -161,6 +161,16 @@ def test_progress_bars_on_a_terminal_only_and_tqdm_disable_honoured(tmp_path):
     assert piped.returncode == 0 and b"\r" not in piped.stderr  # a log gets no carriage-return frames
 
 
+@pytest.mark.parametrize("command", ["prefill", "generate"])
+def test_prefill_and_generate_show_their_layers_on_a_terminal(container, command):
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    args = [command, container, "--prompt", "hello there"] + (["--max-new-tokens", "2"] if command == "generate" else [])
+    shown = _stderr_on_a_terminal(args, env)
+    assert b"prefill layer 4/4" in shown and b"B/s" in shown, shown  # the tiny model's 4 layers, bytes per second
+    piped = subprocess.run([sys.executable, "-m", "moepack", *args], capture_output=True, timeout=120, env=env)
+    assert piped.returncode == 0 and b"prefill layer" not in piped.stderr
+
+
 def test_convert_takes_the_policy_by_name_as_by_its_flag(tmp_path, container):
     src = os.path.join(os.path.dirname(container), "src")
     runner = CliRunner()
