@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from moepack.format_spec.decode import companion_names, decode_group, is_companion
 from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
+from moepack.format_spec.files import check_free_space
 from moepack.format_spec.reader import Container
 from moepack.format_spec.writer import fsync_dir, fsync_file
 
@@ -58,6 +59,10 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
     if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
         raise MoepackError(f"{out_dir} exists and is not empty")
     with Container(path) as c:
+        # every weight comes out dequantized (its scales go into it): elements x the dtype's size
+        element_bytes = torch.empty((), dtype=torch_dtype).element_size()
+        weights = sum(t.numel for t in c.tensors.values() if not is_companion(t.name, c.tensors))
+        check_free_space({parent: weights * element_bytes}, f"exporting {out_dir}")
         tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
         try:
             shards: list[dict[str, str]] = []  # per shard: tensor name -> (final) shard file

@@ -40,6 +40,7 @@ import torch
 from moepack.format_spec.decode import decode_float, decode_tensor, is_companion, scale_name, tensor_scale_name
 from moepack.format_spec.decode import tensor_scale_value
 from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
+from moepack.format_spec.files import check_free_space
 from moepack.format_spec.quants import fp4_to_mxfp4, quantize
 from moepack.format_spec.reader import Container
 from moepack.format_spec.writer import fsync_dir, fsync_file
@@ -411,6 +412,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
         for name in outputs:
             if os.path.isdir(name) or os.path.exists(name) and not force:
                 raise MoepackError(f"{name} exists")
+        check_free_space({parent: sum(j.nbytes for j in jobs)}, f"exporting {out_file}")
         tmps: list[str] = []
         writer = None
         bar = progress_bar(sum(j.source_bytes for j in jobs), "export gguf", progress)

@@ -31,6 +31,7 @@ from typing import Any, BinaryIO
 import torch
 
 from moepack.format_spec.errors import MoepackError, is_disk_full
+from moepack.format_spec.files import check_free_space
 from moepack.format_spec.writer import fsync_dir, write_file_atomically
 from moepack.format_spec.source_formats import FP8_BLOCK, fp4_quantize, fp8_block_quantize
 from moepack.v4.config import CSA, HCA, SLIDING, ModelConfig
@@ -542,11 +543,12 @@ def synth_checkpoint(
     if stale and not overwrite:
         raise MoepackError(f"{out} already holds a checkpoint ({stale[0].name}); pass --force (overwrite=True) to "
                            "replace it")
+    total_tensor_bytes = sum(t.nbytes for s in specs for t in stored_tensors(s, layout))
+    check_free_space({str(out): total_tensor_bytes - sum(p.stat().st_size for p in stale)}, f"synthesizing {out}")
     out.mkdir(parents=True, exist_ok=True)
     for path in stale:
         path.unlink()  # shards of an earlier, differently sharded run must not linger beside the new index
 
-    total_tensor_bytes = sum(t.nbytes for s in specs for t in stored_tensors(s, layout))
     if shard_bytes is None:
         shard_bytes = min(1 << 30, -(-total_tensor_bytes // 3))
     if shard_bytes <= 0:

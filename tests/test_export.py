@@ -85,9 +85,17 @@ def test_export_refuses_a_non_empty_directory(release_container, tmp_path):
         export_container(out, str(tmp_path / "new"), dtype="f8", progress=False)
 
 
-def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(release_container, tmp_path):
+def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(release_container, tmp_path, monkeypatch):
     _, container, _ = release_container
     with small_disk(tmp_path / "small-disk", "64K") as small:
+        with pytest.raises(MoepackError, match=r"^not enough free space for exporting .*/out on .*small-disk: it "
+                                               r"needs about [0-9.]+ MiB, [0-9.]+ MiB is free$"):
+            export_container(container, os.path.join(small, "out"), progress=False)  # seen before any work
+        assert os.listdir(small) == []
+        # the disk fills during the export (another writer, after the check)
+        import moepack.packer.export as E
+
+        monkeypatch.setattr(E, "check_free_space", lambda needs, what: {})
         full = r"writing .*out failed: .*No space left on device.*\(disk full\)"
         with pytest.raises(MoepackError, match=full) as info:
             export_container(container, os.path.join(small, "out"), progress=False)

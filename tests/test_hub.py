@@ -745,3 +745,35 @@ def test_convert_no_keep_source_deletes_each_shard_once_converted(tmp_path, hub,
     assert disk["source_peak_bytes"] <= sum(largest[:6]) < source_bytes / 3
     # measured on the filesystem: the output plus a few shards, not the output plus the source
     assert disk["peak_bytes"] < r["bytes_out"] + source_bytes / 2
+
+
+def test_a_shard_unlike_the_hubs_metadata_is_refused(tmp_path):
+    """A shard whose own header disagrees with the metadata the conversion was planned from (it changed on the hub
+    between the two) is refused by name; one that agrees is read at its header's offsets."""
+    from moepack.format_spec.errors import MoepackError
+    from moepack.packer.source import SourceTensor, StreamedCheckpoint
+
+    snap = tmp_path / "snapshot"
+    snap.mkdir()
+    (snap / "config.json").write_text("{}")
+    shard = snap / "s.safetensors"
+    save_file({"a": np.arange(6, dtype=np.float32).reshape(2, 3)}, str(shard))
+
+    class Feed:
+        def wait(self, name):
+            return str(snap / name)
+
+        def close(self, wait=True):
+            pass
+
+    for shape, agrees in (((3, 2), False), ((2, 3), True)):
+        listed = {"a": SourceTensor("a", "F32", shape, str(shard), -1, 24)}
+        source = StreamedCheckpoint(str(snap), listed, {"s.safetensors": shard.stat().st_size},
+                                    lambda order, ahead: Feed())
+        source.fetch(["s.safetensors"])
+        if agrees:
+            assert source.read(listed["a"]) == np.arange(6, dtype=np.float32).tobytes()
+        else:
+            with pytest.raises(MoepackError, match=r"^s\.safetensors: tensor a is not what the hub's metadata said"):
+                source.read(listed["a"])
+        source.close()

@@ -256,18 +256,26 @@ def test_refuses_to_overwrite_without_asking(tmp_path):
     assert shards == [f for f in summary["files"] if f.startswith("model-")]  # no stale shards left behind
 
 
-def test_a_full_disk_is_one_line_and_leaves_none_of_the_runs_files(tmp_path):
+def test_a_full_disk_is_one_line_and_leaves_none_of_the_runs_files(tmp_path, monkeypatch):
     """Every file is written under a temporary name, fsynced and renamed; when the disk fills, the error names the
     folder and the cause in one line, and nothing of the run is left to pass for a checkpoint."""
     import subprocess
 
+    import moepack.packer.synth as S
+
     with small_disk(tmp_path / "small-disk", "1m") as mounted:
         small = Path(mounted)
+        with pytest.raises(MoepackError, match=r"^not enough free space for synthesizing .*small-disk/s on "):
+            synth_checkpoint(small / "s", "small", "release", progress=False)  # seen before any work
+        assert not (small / "s").exists()
+        real_check = S.check_free_space
+        monkeypatch.setattr(S, "check_free_space", lambda needs, what: {})  # the disk fills after the check
         with pytest.raises(MoepackError, match=r"^writing .*small-disk/s failed: No space left on device "
                                                r"\(disk full\)$"):
             synth_checkpoint(small / "s", "small", "release", progress=False)
         assert list((small / "s").iterdir()) == []
         subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True)  # room again: it completes
+        monkeypatch.setattr(S, "check_free_space", real_check)
         summary = synth_checkpoint(small / "s", "small", "release", progress=False)
         assert sorted(p.name for p in (small / "s").iterdir()) == summary["files"]
 
