@@ -40,7 +40,7 @@ def test_paths_with_spaces_and_unicode(tiny):
 
 def test_read_only_output_is_one_line(tiny, tmp_path):
     _, src = tiny
-    with small_disk(tmp_path / "ro", "4M") as ro:
+    with small_disk(tmp_path / "ro", "64M") as ro:  # room enough: the refusal must be the read-only one
         subprocess.run(["mount", "-o", "remount,ro", ro], check=True)
         with pytest.raises(MoepackError, match="cannot write") as info:
             convert_checkpoint(src, os.path.join(ro, "x.moepack"), policy="keep", progress=False)
