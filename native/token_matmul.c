@@ -8,7 +8,8 @@
    Arithmetic: products and sums in float32 (explicit FMAs, -ffp-contract=off elsewhere). Every weight becomes the
    float32 the container's decoders give (FP4: the caller's table of code values per scale byte; Q8_0: f16 scale
    x int8). With round_bf16 the inputs are rounded to bfloat16 first (torch's round to nearest even), and moe_token
-   rounds each hidden activation once, as the fused FP4 kernel does.
+   rounds each hidden activation once, as the fused FP4 kernel does; the linears' round_bf16 is a set of flags,
+   ROUND_INPUT and ROUND_OUTPUT (the results rounded to bfloat16 too, as a bfloat16 layer's are, kept float32).
 
    FP4 groups of 32 inputs hold 16 bytes: E2M1 puts elements 2j and 2j + 1 in byte j (low nibble first), MXFP4 j
    and j + 16. Both are computed as lows . X[0:16] + highs . X[16:32] of a group, with X the input arranged for the
@@ -28,6 +29,7 @@
 #endif
 
 enum { KIND_F32, KIND_BF16, KIND_F16, KIND_FP4_E2M1, KIND_MXFP4, KIND_Q8_0, KIND_COUNT };
+enum { ROUND_INPUT = 1, ROUND_OUTPUT = 2 };
 #define GROUP 32
 
 typedef struct {
@@ -312,6 +314,7 @@ typedef struct {
     float *out;
     int64_t out_stride;
     int64_t group_rows;  /* > 0: row r takes input row r / group_rows only, its result in out[r] */
+    int round_out;  /* results rounded to bfloat16 (kept as float32): a bfloat16 layer's output */
 } linear_args;
 
 static void linear_part(void *p, int part, int parts) {
@@ -320,8 +323,15 @@ static void linear_part(void *p, int part, int parts) {
     int64_t r0, r1;
     share(a->w->rows, part, parts, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
-        if (a->group_rows) { a->out[r] = dot(a->w, r, a->x + r / a->group_rows * K); continue; }
-        for (int64_t t = 0; t < a->T; t++) a->out[t * a->out_stride + r] = dot(a->w, r, a->x + t * K);
+        if (a->group_rows) {
+            const float y = dot(a->w, r, a->x + r / a->group_rows * K);
+            a->out[r] = a->round_out ? round_to_bf16(y) : y;
+            continue;
+        }
+        for (int64_t t = 0; t < a->T; t++) {
+            const float y = dot(a->w, r, a->x + t * K);
+            a->out[t * a->out_stride + r] = a->round_out ? round_to_bf16(y) : y;
+        }
     }
 }
 
@@ -330,8 +340,9 @@ static int linear(const float *x, int64_t T, int64_t x_stride, const matrix_t *w
     if (!valid(w) || T < 0 || (group_rows && (group_rows < 0 || w->rows != T * group_rows))) return 1;
     float *arranged_x = malloc(sizeof(float) * (size_t)(T * w->cols + 1));
     if (!arranged_x) return 2;
-    for (int64_t t = 0; t < T; t++) arrange(x + t * x_stride, w->cols, w->kind, round_bf16, arranged_x + t * w->cols);
-    linear_args args = {arranged_x, T, w, out, out_stride, group_rows};
+    for (int64_t t = 0; t < T; t++)
+        arrange(x + t * x_stride, w->cols, w->kind, round_bf16 & ROUND_INPUT, arranged_x + t * w->cols);
+    linear_args args = {arranged_x, T, w, out, out_stride, group_rows, round_bf16 & ROUND_OUTPUT};
     const int64_t work = group_rows ? w->rows : w->rows * T, most = work / 64 + 1;  /* a part of under 64 rows
                                                                                      costs more than its thread */
     run_parts(linear_part, &args, (int)(threads < most ? threads : most));

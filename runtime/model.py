@@ -99,6 +99,11 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     (products summed in float32, the result rounded to bfloat16); float32 weights give exactly F.linear."""
     if x.dtype == w.dtype:
         return matmul(x, w)
+    rows = x.numel() // max(x.shape[-1], 1)
+    kernels = _token_kernels(rows, x, w) if x.dtype == torch.float32 and w.dtype == torch.bfloat16 else None
+    if kernels is not None:  # the same roundings inside the kernel: no conversions on either side of it
+        y = kernels.linear(x.reshape(-1, x.shape[-1]), token_kernels.float_matrix(w), True, round_output=True)
+        return y.reshape(*x.shape[:-1], w.shape[0])
     return matmul(x.to(w.dtype), w).to(x.dtype)
 
 

@@ -34,6 +34,7 @@ LIBRARY = "moepack_token_matmul"
 KINDS = {"F32": 0, "BF16": 1, "F16": 2, "FP4_E2M1": 3, "MXFP4": 4, "Q8_0": 5}  # the C file's enum
 FLOAT_KINDS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 SMALL_ROWS = 4  # model.linear takes the kernel up to this many input rows (decode: one)
+ROUND_OUTPUT = 2  # the C file's flag beside round_bf16 (ROUND_INPUT = 1)
 GROUP = 32
 
 
@@ -77,14 +78,16 @@ class TokenKernels:
         """The AVX-512 loop (where built) or the plain one, for the whole process (the self-check runs both)."""
         self._set_level(int(on and self.vector))
 
-    def linear(self, x: torch.Tensor, w: Matrix, round_bf16: bool, threads: int | None = None) -> torch.Tensor:
-        """float32 x [T, cols] -> float32 [T, rows] = x @ W.T"""
+    def linear(self, x: torch.Tensor, w: Matrix, round_bf16: bool, threads: int | None = None,
+               round_output: bool = False) -> torch.Tensor:
+        """float32 x [T, cols] -> float32 [T, rows] = x @ W.T; `round_bf16`: x rounded to bfloat16 first;
+        `round_output`: the results rounded to bfloat16 too (a bfloat16 layer's output, kept float32)."""
         x = x.float().contiguous()
         if x.dim() != 2 or x.shape[1] != w.cols:
             raise ValueError(f"input {list(x.shape)} for a {w.rows} x {w.cols} matrix")
         out = torch.empty(x.shape[0], w.rows, dtype=torch.float32)
         if self._linear(x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(w), out.data_ptr(), w.rows,
-                        int(round_bf16), _threads(threads)):
+                        int(round_bf16) | (ROUND_OUTPUT if round_output else 0), _threads(threads)):
             raise RuntimeError(f"the token matmul refused a {w.rows} x {w.cols} matrix of kind {w.kind}")
         return out
 
@@ -118,11 +121,23 @@ class TokenKernels:
         return out
 
 
+_FLOAT_MATRICES: dict[tuple, Matrix] = {}  # a descriptor is its fields: the same fields, the same (valid) Matrix
+_MAX_FLOAT_MATRICES = 4096
+
+
 def float_matrix(w: torch.Tensor) -> Matrix:
-    """A contiguous float32 / bfloat16 / float16 [rows, cols] tensor as a Matrix (w must outlive its use)."""
+    """A contiguous float32 / bfloat16 / float16 [rows, cols] tensor as a Matrix (w must outlive its use). Made once
+    per (address, shape, dtype): decode asks for each dense weight's on every token."""
     if w.dim() != 2 or w.dtype not in FLOAT_KINDS or not w.is_contiguous() or w.device.type != "cpu":
         raise ValueError(f"not a contiguous CPU float matrix: {w.dtype} {list(w.shape)}")
-    return Matrix(KINDS[FLOAT_KINDS[w.dtype]], w.data_ptr(), None, None, w.shape[0], w.shape[1])
+    key = (w.data_ptr(), w.shape[0], w.shape[1], w.dtype)
+    matrix = _FLOAT_MATRICES.get(key)
+    if matrix is None:
+        if len(_FLOAT_MATRICES) >= _MAX_FLOAT_MATRICES:
+            _FLOAT_MATRICES.clear()
+        matrix = _FLOAT_MATRICES[key] = Matrix(KINDS[FLOAT_KINDS[w.dtype]], w.data_ptr(), None, None, w.shape[0],
+                                               w.shape[1])
+    return matrix
 
 
 def stored_matrix(kind: str, data: torch.Tensor, rows: int, cols: int, scale: torch.Tensor | None = None,

@@ -180,6 +180,23 @@ def test_a_forked_child_starts_its_own_workers():
     assert child.exitcode == 0 and queue.get(timeout=5)
 
 
+def test_a_float32_input_to_a_bfloat16_weight_rounds_inside_the_kernel_as_outside(loop):
+    """model.linear(float32 x, bfloat16 w) for a decoded token rounds x and the result to bfloat16 inside the kernel
+    (ROUND_OUTPUT): bit for bit what rounding around it gives (x.to(bf16), the kernel, .to(bf16).to(float32)),
+    NaN, infinities and ties included."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(257, 1024, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, 1024, generator=gen) * 3
+    x[0, :5] = torch.tensor([float("nan"), float("inf"), 1 + 2 ** -8, 1 + 3 * 2 ** -8, -1 - 2 ** -8])
+    got = model.linear(x, w)
+    want = model.matmul(x.to(torch.bfloat16), w).to(torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got[1], want[1])
+    assert torch.equal(got[0].isnan(), want[0].isnan())  # the NaN input: every result NaN, either way
+    for seed in range(20):  # results near a rounding tie: the same rounding as torch's .to(bfloat16)
+        y = torch.randn(1, 1024, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(model.linear(y, w), model.matmul(y.to(torch.bfloat16), w).float())
+
+
 def test_model_matmul_is_f_linear_for_a_decoded_token():
     """model.matmul on a few rows goes through the kernel: F.linear's values (bf16: the result rounded the same
     way, up to one bf16 step where the float32 sums differ in their last bit)."""
