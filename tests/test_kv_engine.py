@@ -98,14 +98,20 @@ def test_cli_kv_out_and_inspect(model_a, tmp_path):
 
 
 def test_kv_onto_a_full_disk_is_one_line_leaves_no_partial_file_and_reads_as_incomplete(model_a, tmp_path):
-    """The disk fills while the KV is written layer by layer: one line naming the file and the cause, exit 1; the
-    layers already written stay; the half-written one is removed (it would hold the space); the directory says it
-    is incomplete and a continuation from it is refused."""
+    """A KV that cannot fit is refused before the prefill. When the disk fills anyway while the KV is written layer
+    by layer (the estimate leaves out the files' headers and the manifest): one line naming the file and the cause, exit 1; the layers already written stay; the
+    half-written one is removed (it would hold the space); the directory says it is incomplete and a continuation
+    from it is refused."""
     _, container = model_a
     with small_disk(tmp_path / "small-disk", "64k") as small:
-        ids = tmp_path / "ids.txt"
-        ids.write_text(" ".join(str(i) for i in _ids(300, 5).tolist()))
+        long_ids = tmp_path / "long.txt"
+        long_ids.write_text(" ".join(str(i) for i in _ids(1000, 5).tolist()))
         kv_dir = os.path.join(small, "kv")
+        r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(long_ids), "--kv-out", kv_dir])
+        assert r.exit_code == 1 and "not enough free space for the KV in " in r.stderr, r.output
+        assert not [n for n in os.listdir(kv_dir) if n.startswith("layer-")]  # refused before any layer
+        ids = tmp_path / "ids.txt"  # an estimate that fits, then the disk fills anyway
+        ids.write_text(" ".join(str(i) for i in _ids(300, 5).tolist()))
         r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), "--kv-out", kv_dir])
         assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.output
         assert f"{kv_dir}/" in r.stderr and "cannot write (No space left on device)" in r.stderr

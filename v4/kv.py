@@ -32,6 +32,7 @@ from safetensors.torch import save as _st_save
 
 from moepack.format_spec.dtypes import STORAGE_TYPES
 from moepack.format_spec.errors import FormatError, MoepackError
+from moepack.format_spec.files import check_free_space
 from moepack.format_spec.writer import fsync_dir, fsync_file, write_file_atomically
 
 from . import config as v4config
@@ -362,6 +363,12 @@ class KVWriter:
             raise MoepackError(f"{self.kv_dir}: cannot create the KV directory ({e.strerror or e})") from None
         if os.path.exists(manifest_path) and not overwrite:
             raise MoepackError(f"{self.kv_dir} already holds a KV ({MANIFEST_NAME}); choose another directory")
+        # the whole KV before the first layer is computed (a layer's file replaces its old one: that room comes back)
+        old = sum(os.path.getsize(os.path.join(self.kv_dir, layer_file_name(i)))
+                  for i in range(self.geometry["num_layers"])
+                  if os.path.isfile(os.path.join(self.kv_dir, layer_file_name(i))))
+        check_free_space({self.kv_dir: kv_bytes(identity["config"], len(ids), self.dtype) - old},
+                         f"the KV in {self.kv_dir}")
         self._lock = threading.Lock()
         self._claimed: set[int] = set()  # layers whose write has started
         self.manifest: dict[str, Any] = {
