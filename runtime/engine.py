@@ -112,9 +112,9 @@ def estimate_working_set(cfg: ModelConfig, n_tokens: int, query_chunk: int | Non
     keys = cfg.sliding_window + cfg.index_topk + (n_tokens // hca if hca else 0)
     attention = chunk * cfg.num_heads * (keys + cfg.head_dim) * f32 * 3
     indexer = chunk * cfg.index_n_heads * (n_tokens // csa if csa else 0) * f32 * 2
-    # the (token, expert) pairs sorted by expert: their inputs and outputs (compute dtype) and the weighted
-    # float32 outputs combine adds back
-    activations += n_tokens * cfg.num_experts_per_tok * hidden * (2 * f32 + f32)
+    # the routed experts: the FFN input in their dtype and the float32 sum (expert_runner.OrderedSum), and on each
+    # expert thread one expert's gathered rows and outputs (at most every token's), or outputs waiting their turn
+    activations += n_tokens * hidden * f32 * (2 + 2 * expert_threads)
     # the read pool, and each expert thread's decoded weights
     # `globals_bytes`: the LM head's bytes, read during the last layer, and a decoded slice of it;
     # `decode_scratch_bytes`: what decoding the largest dense matrix needs besides its bytes and its output
@@ -233,8 +233,7 @@ class StreamingPrefill:
                                    balanced=dist is not None and options.expert_ownership == "balanced")
         self.copier = DeviceCopier(self.device)
         self.experts = ExpertRunner(self.cfg, self.device, self.expert_dtype, self.reads.checker, self.copier,
-                                    self.reads.experts_pipe.release, self.compute, options.fused_max_tokens,
-                                    zero_rows_each_layer=dist is not None)
+                                    self.reads.experts_pipe.release, self.compute, options.fused_max_tokens)
 
     # --- the prefill ---------------------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, past: list | None = None, chunk_tokens: int | None = None,

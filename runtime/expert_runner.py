@@ -52,6 +52,33 @@ class BusyTimer:
                 self.seconds += time.perf_counter() - self._since
 
 
+class OrderedSum:
+    """combined[token] += weight x output, for each expert's output rows as it comes, added in ascending expert id:
+    every token's terms in the order model.ExpertGroups.combine adds them, whichever thread finishes an expert
+    first (the sums do not depend on threads, bundles or reads). An output waits here only until every smaller
+    expert id of `order` (the experts this process computes) is in."""
+
+    def __init__(self, combined: torch.Tensor, groups: "model.ExpertGroups", order: list[int]):
+        self.combined, self.groups = combined, groups
+        self._order, self._next = order, 0
+        self._waiting: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def add(self, expert: int, out: torch.Tensor) -> None:
+        with self._lock:
+            self._waiting[expert] = out
+            while self._next < len(self._order) and self._order[self._next] in self._waiting:
+                e = self._order[self._next]
+                a, b = self.groups.spans[e]
+                rows = self._waiting.pop(e)
+                self.combined.index_add_(0, self.groups.token_index[a:b], rows * self.groups.weight[a:b, None])
+                self._next += 1
+
+    def check_complete(self) -> None:
+        if self._next != len(self._order):
+            raise RuntimeError(f"experts {self._order[self._next:][:8]} were never added")
+
+
 def entry_bytes(raw: torch.Tensor, base: int) -> Callable:
     """read(entry) for decode_group: the entry's stored bytes within `raw`, the bytes from file offset `base`."""
     return lambda t: raw[t.file_offset - base: t.file_offset - base + t.length]
@@ -91,19 +118,15 @@ class ExpertRunner:
     threads. `release(buffer)` gives a read's buffer back once its experts are done."""
 
     def __init__(self, cfg, device: torch.device, expert_dtype: torch.dtype, checker, copier,
-                 release: Callable, compute: BusyTimer, fused_max_tokens_given: int | None = None,
-                 zero_rows_each_layer: bool = False):
+                 release: Callable, compute: BusyTimer, fused_max_tokens_given: int | None = None):
         self.cfg, self.device, self.expert_dtype = cfg, device, expert_dtype
         self.checker, self.copier, self.release, self.compute = checker, copier, release, compute
-        # expert-parallel: rows of experts another rank owns must read zero, and which those are changes by layer
-        self.zero_rows_each_layer = zero_rows_each_layer
         self.threads = torch.get_num_threads() if device.type == "cpu" else 1
         self._pool = ThreadPoolExecutor(self.threads, "moepack-expert") if self.threads > 1 else None
         self.fused_tokens, self.fused_tokens_source = self._fused_tokens(fused_max_tokens_given)
         self._local = threading.local()  # each expert thread's own decoder (its buffers are reused expert to expert)
         self._decoders: list[ExpertDecoder] = []
         self._decoders_lock = threading.Lock()
-        self._rows: torch.Tensor | None = None  # the experts' output rows, reused layer to layer
 
     @property
     def side_by_side(self) -> bool:
@@ -150,37 +173,29 @@ class ExpertRunner:
         wait for the disk); None each where there are no expert threads (the caller runs them itself)."""
         with self.compute:
             groups = routing.groups()
-            # every pair's token, sorted by expert (converted first: the [P, H] copy is made once, small)
-            inputs = groups.gather(routing.x.to(self.expert_dtype))
-            # float32: the fused kernel's sums as they are. One buffer for every layer (P = N x top_k rows each
-            # time; from N = 1366 it is over glibc's 32 MiB mmap threshold, and fresh pages every layer cost more
-            # than the routed experts' combine). Each row is written by its expert, except rows of experts
-            # another rank owns: those stay zero
-            if self._rows is None or self._rows.shape != inputs.shape:
-                self._rows = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
-            elif self.zero_rows_each_layer:
-                self._rows.zero_()
-            outputs = self._rows
+            # each expert gathers its own tokens' rows from this (no [N x top_k, H] copy of every pair: at
+            # N = 8192 that and the pairs' outputs were 290 MiB)
+            inputs = routing.x.to(self.expert_dtype)
+            combined = torch.zeros(routing.x.shape, dtype=torch.float32, device=routing.x.device)
         threads = torch.get_num_threads()
         tasks = [self._pool.submit(self.on_one_core, fn, *args, timed=timed) for fn, args, timed in beside] \
             if self._pool is not None else []
         try:
-            self._run_experts(block, reads, groups, inputs, outputs)
+            self._run_experts(block, reads, groups, inputs, combined)
         finally:
             for task in tasks:
                 task.exception()  # done in every case before the layer's tensors go
             if tasks:  # after the last expert-thread task: torch.set_num_threads set one thread, process-wide
                 torch.set_num_threads(threads)
         results = [task.result() for task in tasks] if tasks else [None] * len(beside)
-        del inputs
-        with self.compute:
-            return groups.combine(outputs, routing.x.shape[0]), results
+        return combined, results
 
     def _run_experts(self, block: Block, reads: list, groups: "model.ExpertGroups", inputs: torch.Tensor,
-                     outputs: torch.Tensor) -> None:
-        """outputs[span of e] = expert e on inputs[span of e], for every expert of `reads` some token chose, as the
-        reads arrive: here, or on the expert threads where there are some. Each read's buffer goes back to the pool
-        once its experts are done.
+                     combined: torch.Tensor) -> None:
+        """combined [N, H] += each chosen expert of `reads` on its tokens' rows of inputs, times their weights, as
+        the reads arrive: here, or on the expert threads where there are some (OrderedSum: added in ascending
+        expert id, whatever thread finishes first). Each read's buffer goes back to the pool once its experts are
+        done.
 
         The work is one list, in read order: each chosen expert, then (consumer-side checks) one checksum of the
         experts read with the rest but chosen by no token. Each expert thread takes the next item itself, waiting
@@ -196,6 +211,7 @@ class ExpertRunner:
                 items.append(("check", unchosen))
             work += [(number, kind, what) for kind, what in items] or [(number, None, None)]  # one: its release
             left.append(len(items) or 1)
+        summed = OrderedSum(combined, groups, sorted(what.expert for _, kind, what in work if kind == "expert"))
         arrived: dict[int, list] = {}  # read number -> [buffer, view, raw tensor or None until an expert needs it]
         lock = threading.Lock()
         cursor, failed = [0], []
@@ -234,7 +250,7 @@ class ExpertRunner:
                                 with lock:
                                     got[2] = raw if got[2] is None else got[2]
                             with self.compute:
-                                self._expert(block, what, raw, base, inputs, outputs, groups, view)
+                                summed.add(what.expert, self._expert(block, what, raw, base, inputs, groups, view))
                 except BaseException as e:  # a failed read's buffer went back to the pool with its failure
                     with lock:
                         failed.append(e)
@@ -253,12 +269,17 @@ class ExpertRunner:
                 loop.result()
         if failed:
             raise failed[0]
+        summed.check_complete()
 
     def _expert(self, block: Block, region: Region, raw: torch.Tensor, base: int, inputs: torch.Tensor,
-                outputs: torch.Tensor, groups: "model.ExpertGroups", view: memoryview) -> None:
+                groups: "model.ExpertGroups", view: memoryview) -> torch.Tensor:
+        """The expert's float32 output rows for its tokens (in the order of groups.token_index's span)."""
         self.checker.before_use([region], view, base)  # about to be decoded: checked, the bytes are in cache for it
         a, b = groups.spans[region.expert]
-        self.expert_output(block, region, raw, base, inputs[a:b], outputs[a:b])
+        x = inputs.index_select(0, groups.token_index[a:b])
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        self.expert_output(block, region, raw, base, x, out)
+        return out
 
     def expert_output(self, block: Block, region: Region, raw: torch.Tensor, base: int, x: torch.Tensor,
                       out: torch.Tensor) -> torch.Tensor:

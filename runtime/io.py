@@ -153,6 +153,9 @@ def cpu_steal_seconds() -> float | None:
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit: blocks below it come from the heap, reused when freed
 MALLOC_KEEP_FREED = 1 << 30  # freed heap memory kept for reuse, up to this much
+# ... only where the process may use at least this much: under a tighter limit (a cgroup, RLIMIT_AS, a small machine)
+# the kept memory is what runs it out (N = 8192 under a 1.64 GiB cgroup: killed keeping it, 1.53 GiB without)
+KEEP_FREED_MIN_AVAILABLE = 4 * MALLOC_KEEP_FREED
 # MOEPACK_KEEP_FREED_MEMORY=0 leaves the allocator alone
 KEEP_FREED_MEMORY_ENV = "MOEPACK_KEEP_FREED_MEMORY"
 _malloc_tuned: bool | None = None
@@ -175,11 +178,13 @@ def keep_freed_memory() -> bool:
     A CPU prefill allocates and frees the same activation-sized tensors layer after layer. By default glibc maps
     every block over 128 KiB-32 MiB (its threshold adapts) on its own and trims the heap top as soon as 128 KiB are
     free, so each layer faults its activations in again, page by page: 65,000-100,000 page faults per prefill of
-    256 tokens on the medium model, 0.05-0.1 s of system time."""
+    256 tokens on the medium model, 0.05-0.1 s of system time. Not where the process may use less than
+    KEEP_FREED_MIN_AVAILABLE (available_memory_bytes: cgroup limits included)."""
     global _malloc_tuned
     if _malloc_tuned is None:
         mallopt = getattr(_libc, "mallopt", None)  # musl and others: none
-        if mallopt is None or _malloc_is_the_users():
+        available = available_memory_bytes()
+        if mallopt is None or _malloc_is_the_users() or 0 < available < KEEP_FREED_MIN_AVAILABLE:
             _malloc_tuned = False
         else:
             _malloc_tuned = all([mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD),

@@ -525,12 +525,12 @@ def test_an_expert_thread_error_is_raised_and_the_engine_closes(models, monkeypa
     torch.set_num_threads(2)
     calls = []
 
-    def failing(self, block, region, raw, base, inputs, outputs, groups, view):
+    def failing(self, block, region, raw, base, inputs, groups, view):
         calls.append(region.expert)
         if len(calls) == 7:
             raise RuntimeError("expert blew up")
         a, b = groups.spans[region.expert]
-        outputs[a:b].zero_()
+        return torch.zeros(b - a, inputs.shape[1])
     monkeypatch.setattr(expert_runner.ExpertRunner, "_expert", failing)
     try:
         with Container(container) as c:
@@ -730,7 +730,8 @@ def test_zero_copy_populate_falls_back_only_where_the_kernel_lacks_it(tmp_path, 
 def test_keep_freed_memory_tunes_glibc_once_unless_the_allocator_is_the_users(models, monkeypatch):
     """keep_freed_memory (a CPU prefill calls it) asks glibc once to keep freed blocks for reuse (mmap threshold
     32 MiB, trim threshold 1 GiB, top pad 64 MiB) and release_freed_memory trims when a prefill closes; a user's
-    own malloc settings, a preloaded allocator or MOEPACK_KEEP_FREED_MEMORY=0 leave malloc alone."""
+    own malloc settings, a preloaded allocator, MOEPACK_KEEP_FREED_MEMORY=0 or less than 4 GiB of memory the
+    process may use leave malloc alone."""
     from moepack.runtime import io as io_module
 
     calls = []
@@ -748,6 +749,7 @@ def test_keep_freed_memory_tunes_glibc_once_unless_the_allocator_is_the_users(mo
     for k in [k for k in os.environ if k.startswith("MALLOC_")] + ["GLIBC_TUNABLES", "LD_PRELOAD"]:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(io_module, "_malloc_tuned", None)
+    monkeypatch.setattr(io_module, "available_memory_bytes", lambda: 16 << 30)
     assert io_module.keep_freed_memory() and io_module.keep_freed_memory()
     assert calls == [(-3, 32 << 20), (-1, 1 << 30), (-2, 64 << 20)]  # once
     io_module.release_freed_memory()
@@ -761,6 +763,10 @@ def test_keep_freed_memory_tunes_glibc_once_unless_the_allocator_is_the_users(mo
             assert not io_module.keep_freed_memory(), name
             io_module.release_freed_memory()
         assert calls == [], name
+    # a process that may use little memory (a cgroup's limit, say) keeps none: the kept memory would run it out
+    monkeypatch.setattr(io_module, "_malloc_tuned", None)
+    monkeypatch.setattr(io_module, "available_memory_bytes", lambda: (3 << 30) + (1 << 29))
+    assert not io_module.keep_freed_memory() and calls == []
     monkeypatch.undo()
     _, container = models["B"]
     assert prefill(container, _prompt(20, 61, 3), PrefillOptions()).stats["malloc_keeps_freed"] == \
