@@ -280,18 +280,18 @@ class _DiskUse:
     after each durable block: what `--no-keep-source` saves is measured, not computed."""
 
     def __init__(self, directories):
-        self._start = {}
+        self._start = {}  # filesystem -> (a directory on it, its used bytes at the start)
         for d in map(existing_ancestor, directories):
-            st = os.statvfs(d)
-            self._start.setdefault(os.stat(d).st_dev, (d, (st.f_blocks - st.f_bfree) * st.f_frsize))
+            self._start.setdefault(os.stat(d).st_dev, (d, self._used(d)))
         self.peak = 0
 
+    @staticmethod
+    def _used(directory: str) -> int:
+        st = os.statvfs(directory)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
     def sample(self) -> None:
-        added = 0
-        for d, used0 in self._start.values():
-            st = os.statvfs(d)
-            added += (st.f_blocks - st.f_bfree) * st.f_frsize - used0
-        self.peak = max(self.peak, added)
+        self.peak = max(self.peak, sum(self._used(d) - used0 for d, used0 in self._start.values()))
 
 
 def _run_pipeline(plan, resumed, source, converter, writer, read_bar, after_checkpoint=None) -> None:

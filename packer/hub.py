@@ -101,16 +101,16 @@ def open_source(src: str, revision: str | None = None, progress: bool = True, st
     from .gguf_source import GGUFSource, is_gguf
     from .source import CheckpointDir
 
-    if is_gguf(src) or os.path.exists(src):
-        if not keep_source:
-            raise MoepackError(f"--no-keep-source deletes the shards it downloads; {src} is a local file or "
-                               f"directory, which is never deleted")
-        if is_gguf(src):
-            if revision is not None:
-                raise MoepackError(f"--revision {revision} applies to Hugging Face repos, but {src} is a GGUF file")
-            source = GGUFSource(src)
-            return source, source.provenance
-    if not stream or os.path.exists(src):
+    local = is_gguf(src) or os.path.exists(src)
+    if local and not keep_source:
+        raise MoepackError(f"--no-keep-source deletes the shards it downloads; {src} is a local file or directory, "
+                           f"which is never deleted")
+    if is_gguf(src):
+        if revision is not None:
+            raise MoepackError(f"--revision {revision} applies to Hugging Face repos, but {src} is a GGUF file")
+        source = GGUFSource(src)
+        return source, source.provenance
+    if local or not stream:
         resolved = resolve_source(src, revision=revision, progress=progress)
         return CheckpointDir(resolved.local_dir), resolved.provenance
     if not looks_like_repo_id(src):
@@ -119,7 +119,7 @@ def open_source(src: str, revision: str | None = None, progress: bool = True, st
     try:
         plan = _HubPlan.make(src, revision, scratch)
         source = plan.source()
-        if all(_complete(plan, s) for s in plan.shards):  # offline, or every shard already in the cache
+        if all(plan.has_file(s) for s in plan.shards):  # offline, or every shard already in the cache
             return CheckpointDir(source.local_dir), source.provenance
         return _streamed(plan, progress, scratch), source.provenance
     except BaseException:
@@ -128,21 +128,15 @@ def open_source(src: str, revision: str | None = None, progress: bool = True, st
         raise
 
 
-def _complete(plan: "_HubPlan", name: str) -> bool:
-    path = os.path.join(plan.snapshot_dir, name)
-    want = plan.files.get(name, {}).get("size")
-    return os.path.isfile(path) and (want is None or os.path.getsize(path) == want)
-
-
 def _streamed(plan: "_HubPlan", progress: bool, scratch: str | None):
     """A StreamedCheckpoint of `plan`'s shards: every tensor from the hub's safetensors metadata (a shard already in
     the cache: from its own header), checked against the index's weight map."""
     from huggingface_hub import HfApi
 
-    from .source import SourceTensor, StreamedCheckpoint, read_safetensors_header
+    from .source import SourceTensor, StreamedCheckpoint, check_weight_map, read_safetensors_header
 
     def listing(shard: str) -> dict[str, tuple[str, tuple, int]]:
-        if _complete(plan, shard):
+        if plan.has_file(shard):
             header = read_safetensors_header(os.path.join(plan.snapshot_dir, shard))
             return {k: (t.dtype, t.shape, t.length) for k, t in header.items()}
         with _hub_errors(plan.repo, plan.revision):
@@ -168,10 +162,7 @@ def _streamed(plan: "_HubPlan", progress: bool, scratch: str | None):
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]  # read and checked by _index_shards already
-        for key, shard in weight_map.items():
-            if key not in tensors or os.path.basename(tensors[key].file) != shard:
-                raise MoepackError(f"{plan.repo}: tensor {key} is listed in the index under {shard} but is not in "
-                                   f"that shard")
+        check_weight_map(weight_map, tensors, where=f"{plan.repo}: ")
 
     def start_feed(order: list[str], ahead: int | None) -> ShardFeed:
         return ShardFeed(plan.source(), order, plan, progress, ahead=ahead)
@@ -316,9 +307,7 @@ class _HubPlan:
             raise MoepackError(not_cached)
         at = f"{repo}@{sha[:12]}"
         small = [n for n in SMALL_FILES if os.path.isfile(os.path.join(snap, n))]
-        missing = [n for n in small if not os.path.isfile(os.path.join(snap, n))]
-        if "config.json" not in small:
-            missing.insert(0, "config.json")
+        missing = [] if "config.json" in small else ["config.json"]
         if not missing:
             if INDEX_FILE in small:
                 shards = _index_shards(os.path.join(snap, INDEX_FILE), where=at)
@@ -342,13 +331,19 @@ class _HubPlan:
         return ResolvedSource(local_dir=self.snapshot_dir,
                               provenance={"source": self.repo, "revision": self.sha, "files": dict(self.files)})
 
+    def has_file(self, name: str) -> bool:
+        """Whether the file is in the snapshot at the size the hub reported."""
+        p = os.path.join(self.snapshot_dir, name)
+        want = self.files.get(name, {}).get("size")
+        return os.path.isfile(p) and (want is None or os.path.getsize(p) == want)
+
     def check_file(self, name: str) -> str:
         """The downloaded file's path, after checking it is there at the size the hub reported."""
         p = os.path.join(self.snapshot_dir, name)
         if not os.path.isfile(p):
             raise MoepackError(f"{self.repo}@{self.sha[:12]}: {name} is missing after the download")
-        want = self.files.get(name, {}).get("size")
-        if want is not None and os.path.getsize(p) != want:
+        if not self.has_file(name):
+            want = self.files[name]["size"]
             raise MoepackError(f"{self.repo}@{self.sha[:12]}: {name} is {os.path.getsize(p)} bytes, the hub says "
                                f"{want}; delete it from {self.cache_dir} and retry")
         return p

@@ -101,6 +101,14 @@ class OpenFiles:
                 os.close(fd)
 
 
+def check_weight_map(weight_map: dict, tensors: dict[str, SourceTensor], where: str = "") -> None:
+    """Every tensor the index lists is in the shard it names."""
+    for key, shard in weight_map.items():
+        t = tensors.get(key)
+        if t is None or os.path.basename(t.file) != shard:
+            raise MoepackError(f"{where}tensor {key} is listed in the index under {shard} but is not in that shard")
+
+
 class LocalSource:
     """What the converter asks of a source whose files are all on disk: nothing to fetch, nothing to release."""
 
@@ -145,10 +153,7 @@ class CheckpointDir(LocalSource):
                                        f"and {shard}")
                 self.tensors[key] = t
         if weight_map is not None:
-            for key, shard in weight_map.items():
-                t = self.tensors.get(key)
-                if t is None or os.path.basename(t.file) != shard:
-                    raise MoepackError(f"tensor {key} is listed in the index under {shard} but is not in that shard")
+            check_weight_map(weight_map, self.tensors)
         self._files = OpenFiles()
 
     def _read_json(self, name: str, required: bool):
@@ -210,6 +215,9 @@ class StreamedCheckpoint(CheckpointDir):
         self.tensors = tensors
         self.shards = sorted(sizes)
         self._sizes = sizes
+        self._listed: dict[str, dict[str, SourceTensor]] = {s: {} for s in self.shards}  # shard -> its tensors
+        for key, t in tensors.items():
+            self._listed[os.path.basename(t.file)][key] = t
         self._start_feed = start_feed  # (order, ahead) -> a hub.ShardFeed
         self._feed = None
         self._ahead = ahead
@@ -243,7 +251,7 @@ class StreamedCheckpoint(CheckpointDir):
         if self._feed is None:
             raise MoepackError(f"{shard} read before the download started (fetch was not called)")
         header = read_safetensors_header(self._feed.wait(shard))
-        expected = {k: t for k, t in self.tensors.items() if os.path.basename(t.file) == shard}
+        expected = self._listed[shard]
         for key in sorted(set(expected) | set(header)):
             want, got = expected.get(key), header.get(key)
             if want is None or got is None or (want.dtype, want.shape, want.length) != (got.dtype, got.shape,

@@ -85,9 +85,13 @@ def _token_kernels(rows: int, x: Tensor, w: Tensor):
     return None
 
 
+def _rows(x: Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1)
+
+
 def matmul(x: Tensor, w: Tensor) -> Tensor:
     """F.linear(x, w) (same dtypes), through the token matmul for a few rows of x on a CPU."""
-    kernels = _token_kernels(x.numel() // max(x.shape[-1], 1), x, w) if x.dtype == w.dtype else None
+    kernels = _token_kernels(_rows(x), x, w) if x.dtype == w.dtype else None
     if kernels is None:
         return F.linear(x, w)
     y = kernels.linear(x.reshape(-1, x.shape[-1]), token_kernels.float_matrix(w), w.dtype == torch.bfloat16)
@@ -99,8 +103,7 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     (products summed in float32, the result rounded to bfloat16); float32 weights give exactly F.linear."""
     if x.dtype == w.dtype:
         return matmul(x, w)
-    rows = x.numel() // max(x.shape[-1], 1)
-    kernels = _token_kernels(rows, x, w) if x.dtype == torch.float32 and w.dtype == torch.bfloat16 else None
+    kernels = _token_kernels(_rows(x), x, w) if x.dtype == torch.float32 and w.dtype == torch.bfloat16 else None
     if kernels is not None:  # the same roundings inside the kernel: no conversions on either side of it
         y = kernels.linear(x.reshape(-1, x.shape[-1]), token_kernels.float_matrix(w), True, round_output=True)
         return y.reshape(*x.shape[:-1], w.shape[0])

@@ -790,16 +790,15 @@ def plot_plan(p: dict, out_path: str) -> str:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    from moepack.format_spec.writer import fsync_file
+    import io
 
-    tmp = f"{out_path}.tmp"  # a plot already there is replaced only by a complete one
+    from moepack.format_spec.writer import write_file_atomically
+
+    image = io.BytesIO()
     try:
-        fig.savefig(tmp, format=os.path.splitext(out_path)[1].lstrip(".").lower() or "png")
-        fsync_file(tmp)
-        os.replace(tmp, out_path)
+        fig.savefig(image, format=os.path.splitext(out_path)[1].lstrip(".").lower() or "png")
+        write_file_atomically(out_path, image.getvalue())  # a plot already there goes only for a complete one
     except (OSError, ValueError) as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         raise MoepackError(f"cannot write {out_path}: {e}") from None
     finally:
         plt.close(fig)

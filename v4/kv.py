@@ -364,9 +364,8 @@ class KVWriter:
         if os.path.exists(manifest_path) and not overwrite:
             raise MoepackError(f"{self.kv_dir} already holds a KV ({MANIFEST_NAME}); choose another directory")
         # the whole KV before the first layer is computed (a layer's file replaces its old one: that room comes back)
-        old = sum(os.path.getsize(os.path.join(self.kv_dir, layer_file_name(i)))
-                  for i in range(self.geometry["num_layers"])
-                  if os.path.isfile(os.path.join(self.kv_dir, layer_file_name(i))))
+        layer_files = (os.path.join(self.kv_dir, layer_file_name(i)) for i in range(self.geometry["num_layers"]))
+        old = sum(os.path.getsize(p) for p in layer_files if os.path.isfile(p))
         check_free_space({self.kv_dir: kv_bytes(identity["config"], len(ids), self.dtype) - old},
                          f"the KV in {self.kv_dir}")
         self._lock = threading.Lock()
