@@ -4,7 +4,7 @@
 # its command-line tools. About 8 minutes on 2 cores.
 #
 #   bash benchmarks/llama_cpp.sh [DIR]      (default: ~/.cache/moepack/llama.cpp)
-#   export MOEPACK_LLAMA_CPP=DIR/build      (what the tests and benchmarks look for: bin/llama-cli, bin/llama-bench, bin/llama-logits)
+#   export MOEPACK_LLAMA_CPP=DIR/build      (what the tests and benchmarks look for: bin/llama-bench, bin/llama-simple, bin/llama-logits)
 set -euo pipefail
 DIR=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/moepack/llama.cpp}
 VERSION=0.3.36
@@ -19,7 +19,8 @@ if [ ! -d src/vendor/llama.cpp ]; then
 fi
 cmake -S src/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF > build.log
-cmake --build build -j "$(nproc)" >> build.log
+# only what the tests and benchmarks run: the whole tree links an app against the server this build leaves out
+cmake --build build -j "$(nproc)" --target llama-bench llama-simple >> build.log
 # the logits dumper the tests and benchmarks compare moepack with (benchmarks/llama_logits/llama_logits.cpp)
 LL=src/vendor/llama.cpp
 c++ -O2 -std=c++17 "$HERE/llama_logits/llama_logits.cpp" -I "$LL/include" -I "$LL/ggml/include" -L build/bin \

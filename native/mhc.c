@@ -56,3 +56,51 @@ int hc_mix_weights(const float *mixes, int64_t n, int hc, const float *scale, co
     }
     return 0;
 }
+
+/* a . b over n floats in LANES partial sums (a single running sum would be one long chain of dependent adds) */
+static float dot(const float *a, const float *b, int64_t n) {
+    float part[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += a[i + l] * b[i + l];
+    float sum = 0.0f;
+    for (; i < n; i++) sum += a[i] * b[i];
+    for (int l = 0; l < LANES; l++) sum += part[l];
+    return sum;
+}
+
+/* One decoded token's mHC entry, normed (model.hc_pre_norm): streams [hc, H] -> x [H] = RMSNorm(pre . streams) x
+   norm_weight, with post [hc] and comb [hc, hc] from the mixes fn [(2 + hc) * hc, hc * H] . streams, scaled by
+   the streams' RMS factor. In torch it is ~20 small ops. */
+int hc_token_pre(const float *streams, int hc, int64_t hidden, const float *fn, const float *scale,
+                 const float *base, int iters, float hc_eps, float norm_eps, const float *norm_weight, float *x,
+                 float *post, float *comb)
+{
+    if (hc < 1 || hc > HC_MAX || hidden < 1) return 1;
+    const int64_t flat = hc * hidden;
+    const int width = (2 + hc) * hc;
+    float mixes[(2 + HC_MAX) * HC_MAX], pre[HC_MAX];
+    const float factor = 1.0f / sqrtf(dot(streams, streams, flat) / (float)flat + norm_eps);
+    for (int j = 0; j < width; j++) mixes[j] = dot(fn + j * flat, streams, flat) * factor;
+    hc_mix_weights(mixes, 1, hc, scale, base, iters, hc_eps, pre, post, comb);
+    for (int64_t h = 0; h < hidden; h++) x[h] = pre[0] * streams[h];
+    for (int s = 1; s < hc; s++)
+        for (int64_t h = 0; h < hidden; h++) x[h] += pre[s] * streams[s * hidden + h];
+    const float inverse = 1.0f / sqrtf(dot(x, x, hidden) / (float)hidden + norm_eps);
+    for (int64_t h = 0; h < hidden; h++) x[h] = x[h] * inverse * (norm_weight ? norm_weight[h] : 1.0f);
+    return 0;
+}
+
+/* One decoded token's mHC exit (model.hc_post): into [hc, H] = comb^T . streams + post x out. */
+int hc_token_post(const float *streams, const float *out, const float *post, const float *comb, int hc,
+                  int64_t hidden, float *into)
+{
+    if (hc < 1 || hc > HC_MAX || hidden < 1) return 1;
+    for (int k = 0; k < hc; k++) {
+        float *row = into + k * hidden;
+        for (int64_t h = 0; h < hidden; h++) row[h] = post[k] * out[h];
+        for (int j = 0; j < hc; j++)
+            for (int64_t h = 0; h < hidden; h++) row[h] += comb[j * hc + k] * streams[j * hidden + h];
+    }
+    return 0;
+}

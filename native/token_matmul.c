@@ -363,6 +363,51 @@ int token_linear_grouped(const float *x, int64_t G, int64_t x_stride, const matr
     return G < 1 || w->rows % G ? 1 : linear(x, G, x_stride, w, out, 0, w->rows / G, round_bf16, threads);
 }
 
+/* --- several matrices on one token ------------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *x;  /* [n, K]: the input arranged (and rounded) for each matrix */
+    const matrix_t *ws;
+    int n;
+    int64_t rows;  /* all the matrices' rows, one after another */
+    float *const *outs;
+    const int *flags;
+} many_args;
+
+static void many_part(void *p, int part, int parts) {
+    const many_args *a = p;
+    int64_t r0, r1;
+    share(a->rows, part, parts, &r0, &r1);
+    int64_t first = 0;
+    for (int i = 0; i < a->n && first < r1; first += a->ws[i++].rows) {
+        const matrix_t *w = &a->ws[i];
+        const int64_t lo = r0 > first ? r0 - first : 0, hi = r1 - first < w->rows ? r1 - first : w->rows;
+        for (int64_t r = lo; r < hi; r++) {
+            const float y = dot(w, r, a->x + i * w->cols);
+            a->outs[i][r] = a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y) : y;
+        }
+    }
+}
+
+/* outs[i] [rows_i] = ws[i] @ x for one token x [K] and n matrices of K columns each, in one call, the rows of all
+   split over the threads; flags[i]: ROUND_INPUT / ROUND_OUTPUT for matrix i, as token_linear's */
+int token_linear_many(const float *x, int64_t K, const matrix_t *ws, int n, float *const *outs, const int *flags,
+                      int threads) {
+    int64_t rows = 0;
+    for (int i = 0; i < n; i++) {
+        if (!valid(&ws[i]) || ws[i].cols != K || !outs[i]) return 1;
+        rows += ws[i].rows;
+    }
+    float *arranged_x = malloc(sizeof(float) * (size_t)(n * K + 1));
+    if (!arranged_x) return 2;
+    for (int i = 0; i < n; i++) arrange(x, K, ws[i].kind, flags[i] & ROUND_INPUT, arranged_x + i * K);
+    many_args args = {arranged_x, ws, n, rows, outs, flags};
+    const int64_t most = rows / 64 + 1;
+    run_parts(many_part, &args, (int)(threads < most ? threads : most));
+    free(arranged_x);
+    return 0;
+}
+
 /* --- a token's routed experts ---------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -422,6 +467,100 @@ int moe_token(const float *x, int64_t H, int64_t I, int64_t n, const matrix_t *w
     moe_args args = {scratch, scratch + H, H, I, n, w1, w3, w2, weights, limit, round_bf16, scratch + 2 * H, out};
     run_parts(hidden_part, &args, threads);
     run_parts(output_part, &args, threads);
+    free(scratch);
+    return 0;
+}
+
+/* --- one decoded token's attention core (model.attention_token) ------------------------------------------------ */
+
+typedef struct {
+    const float *q;  /* [heads, D] as wq_b gives it */
+    int64_t heads, dim, rope_dim;
+    const float *rot;  /* [rope_dim / 2][2]: cos, sin of the token's angle (times the attention factor) */
+    float eps, scale;
+    const float *const *sets;  /* n_sets key sets [count, D], float32 values already rounded for the products */
+    const int64_t *counts;
+    int n_sets;
+    const float *sink;  /* [heads] */
+    int round_low;
+    float *scratch;  /* per head: its query [D], its part of a set's sum [D], its logits [all keys] */
+    int64_t keys;
+    float *out;  /* [heads, D] */
+} attend_args;
+
+/* the pairs (x[nope + 2i], x[nope + 2i + 1]) of a head times cos + i sin (sign -1: the conjugate), as the complex
+   product torch computes */
+static void rotate(float *x, int64_t dim, int64_t rope_dim, const float *rot, float sign) {
+    float *pairs = x + dim - rope_dim;
+    for (int64_t i = 0; i < rope_dim / 2; i++) {
+        const float a = pairs[2 * i], b = pairs[2 * i + 1], c = rot[2 * i], s = sign * rot[2 * i + 1];
+        pairs[2 * i] = a * c - b * s;
+        pairs[2 * i + 1] = a * s + b * c;
+    }
+}
+
+static void attend_part(void *p, int part, int parts) {
+    const attend_args *a = p;
+    const int64_t D = a->dim;
+    int64_t h0, h1;
+    share(a->heads, part, parts, &h0, &h1);
+    for (int64_t h = h0; h < h1; h++) {
+        float *q = a->scratch + h * (2 * D + a->keys), *sum = q + D, *logits = sum + D, *o = a->out + h * D;
+        float square = 0.0f;
+        for (int64_t d = 0; d < D; d++) square += a->q[h * D + d] * a->q[h * D + d];
+        const float inverse_norm = 1.0f / sqrtf(square / (float)D + a->eps);  /* the per-head norm, no weight */
+        for (int64_t d = 0; d < D; d++) q[d] = a->q[h * D + d] * inverse_norm;
+        rotate(q, D, a->rope_dim, a->rot, 1.0f);
+        if (a->round_low)
+            for (int64_t d = 0; d < D; d++) q[d] = round_to_bf16(q[d]);
+        float peak = a->sink[h];
+        for (int s = 0, at = 0; s < a->n_sets; at += a->counts[s++]) {
+            const matrix_t keys = {KIND_F32, (const uint8_t *)a->sets[s], NULL, NULL, a->counts[s], D};
+            for (int64_t k = 0; k < a->counts[s]; k++) {
+                const float y = dot(&keys, k, q);
+                logits[at + k] = (a->round_low ? round_to_bf16(y) : y) * a->scale;
+                peak = fmaxf(peak, logits[at + k]);
+            }
+        }
+        float total = expf(a->sink[h] - peak);
+        for (int64_t k = 0; k < a->keys; k++) total += (logits[k] = expf(logits[k] - peak));
+        const float inverse = 1.0f / total;
+        for (int s = 0, at = 0; s < a->n_sets; at += a->counts[s++]) {
+            const float *keys = a->sets[s];
+            for (int64_t d = 0; d < D; d++) sum[d] = 0.0f;
+            for (int64_t k = 0; k < a->counts[s]; k++) {
+                const float weight = a->round_low ? round_to_bf16(logits[at + k] * inverse) : logits[at + k] * inverse;
+                for (int64_t d = 0; d < D; d++) sum[d] += weight * keys[k * D + d];
+            }
+            for (int64_t d = 0; d < D; d++) {
+                const float v = a->round_low ? round_to_bf16(sum[d]) : sum[d];
+                o[d] = s ? o[d] + v : v;
+            }
+        }
+        if (!a->n_sets)
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        rotate(o, D, a->rope_dim, a->rot, -1.0f);
+    }
+}
+
+/* q [heads, D] -> out [heads, D]: each head RMS-normed (no weight) and rotated, its softmax over every key of the
+   sets (q . k x scale) and its sink logit, the keys weighted by it and summed set by set, rotated back. round_low:
+   the query, the logits, the probabilities and each set's sum rounded to bfloat16, where bfloat16 matmuls round. */
+int attend_token(const float *q, int64_t heads, int64_t dim, int64_t rope_dim, const float *rot, float eps,
+                 const float *const *sets, const int64_t *counts, int n_sets, const float *sink, float scale,
+                 int round_low, float *out, int threads)
+{
+    if (heads < 1 || dim < 1 || rope_dim < 0 || rope_dim > dim || rope_dim % 2 || n_sets < 0) return 1;
+    int64_t keys = 0;
+    for (int s = 0; s < n_sets; s++) {
+        if (counts[s] < 0 || (counts[s] && !sets[s])) return 1;
+        keys += counts[s];
+    }
+    float *scratch = malloc(sizeof(float) * heads * (2 * dim + keys));
+    if (!scratch) return 2;
+    attend_args a = {q, heads, dim, rope_dim, rot, eps, scale, sets, counts, n_sets, sink, round_low, scratch, keys,
+                     out};
+    run_parts(attend_part, &a, threads < heads ? threads : (int)heads);
     free(scratch);
     return 0;
 }

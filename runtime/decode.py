@@ -86,6 +86,15 @@ class ExpertCache:
         return self.hits / looked_up if looked_up else None
 
 
+def token_choice(routing) -> dict[int, float]:
+    """One token's routed experts: expert id -> its routing weight, in ascending id (a hash layer may pick an
+    expert twice: its weights add up)."""
+    chosen: dict[int, float] = {}
+    for e, weight in sorted(zip(routing.experts[0].tolist(), routing.weights[0].tolist())):
+        chosen[e] = chosen.get(e, 0.0) + weight
+    return chosen
+
+
 @dataclass
 class DecodeStats:
     tokens: int = 0
@@ -109,7 +118,7 @@ class Decoder:
                  io_mode: str = "auto", verify_reads: bool = True, queue_depth: int = 8):
         self.c, self.cfg, self.device = container, cfg, device
         self.compute_dtype = compute_dtype
-        self.states: list[LayerKVState] = []
+        self._kv: list[model.TokenKV] = []
         self.position = 0
         self.stats = DecodeStats()
         self.cache = ExpertCache(cache_bytes)
@@ -139,11 +148,17 @@ class Decoder:
         """Start a sequence after `states`; the stats count from here."""
         if len(states) != self.cfg.num_layers or len({s.seen_tokens for s in states}) != 1:
             raise MoepackError("decode needs one KV state per layer, all after the same tokens")
-        self.states = [s.to(self.device) for s in states]
+        self._kv = [model.TokenKV(self.cfg, layer, s.to(self.device), self.dense[layer]["attn.wq_b.weight"].dtype)
+                    for layer, s in enumerate(states)]
         self.position = states[0].seen_tokens
         resident_s = self.stats.resident_s
         self.stats = DecodeStats(resident_s=resident_s)
         self._cache_counts = (self.cache.hits, self.cache.misses)
+
+    @property
+    def states(self) -> list[LayerKVState]:
+        """Each layer's KV state after the tokens so far."""
+        return [kv.state() for kv in self._kv]
 
     # --- resident weights ----------------------------------------------------------------------------------------
     def _read_region(self, region) -> torch.Tensor:
@@ -245,17 +260,17 @@ class Decoder:
             self._layouts[key] = layout
         return self._layouts[key]
 
-    def _routed_by_kernel(self, layer: int, groups, routing, got) -> torch.Tensor | None:
+    def _routed_by_kernel(self, layer: int, chosen: dict[int, float], routing, got) -> torch.Tensor | None:
         """The token's routed experts summed ([1, H] float32) by one call of the compiled token kernel, once every
-        chosen expert's bytes are here; None where the kernel does not run (not a CPU, not one token, a kind it
-        lacks): the caller runs the experts one by one."""
-        if self.kernels is None or routing.x.shape[0] != 1:
+        chosen expert's bytes are here (`chosen`: expert id -> its routing weight, ascending id); None where the
+        kernel does not run (not a CPU, a kind it lacks): the caller runs the experts one by one."""
+        if self.kernels is None:
             return None
-        layouts = [self._kernel_layout(layer, e) for e in groups.spans]
+        layouts = [self._kernel_layout(layer, e) for e in chosen]
         if not all(layouts):
             return None
         experts, keep = [], []
-        for e, layout in zip(groups.spans, layouts):
+        for e, layout in zip(chosen, layouts):
             raw = self._expert_bytes(layer, e, got)
             keep.append(raw)
             known = self._matrices.get((layer, e))  # a cache hit gives the same bytes as last time
@@ -265,13 +280,11 @@ class Decoder:
                     for kind, data, rows, cols, scale in layout))
                 self._matrices[(layer, e)] = known
             experts.append(known[1])
-        for e in got.keys() - groups.spans.keys():  # read but not chosen (hash layers choose exactly these)
+        for e in got.keys() - chosen.keys():  # read but not chosen (hash layers choose exactly these)
             self._expert_bytes(layer, e, got)
-        # a hash layer may pick an expert twice: its rows' weights add up
-        weights = torch.stack([groups.weight[a:b].sum() for a, b in groups.spans.values()])
         self.stats.kernel_layers += 1
         with self.compute:
-            return self.kernels.moe(routing.x[0], experts, weights, self.cfg.swiglu_limit,
+            return self.kernels.moe(routing.x[0], experts, torch.tensor(list(chosen.values())), self.cfg.swiglu_limit,
                                     self.experts.expert_dtype == torch.bfloat16)[None]
 
     def _table(self, kind: str) -> torch.Tensor | None:
@@ -299,7 +312,6 @@ class Decoder:
         cfg = self.cfg
         start = time.perf_counter()
         ids = torch.tensor([token_id], device=self.device)
-        positions = torch.arange(self.position, self.position + 1, device=self.device)
         rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight",
                                  ids.cpu()).to(self.device)
         streams = model.residual_streams(cfg, rows)
@@ -307,37 +319,40 @@ class Decoder:
             w = self.dense[layer]
             got = None
             if cfg.hash_layers[layer]:  # the token id is the routing: read before the attention runs
-                got = self._fetch(layer, w["ffn.gate.tid2eid"][ids].reshape(-1).tolist())
+                got = self._fetch(layer, w["ffn.gate.tid2eid"][token_id].tolist())
             with self.compute:
-                streams, self.states[layer] = model.attention_sublayer(cfg, layer, w, streams, positions, None,
-                                                                       self.states[layer])
+                streams = model.attention_token_sublayer(cfg, layer, w, streams, self._kv[layer])
                 routing = model.moe_route(cfg, layer, w, streams, ids)
-            groups = routing.groups()
+            chosen = token_choice(routing)
             if got is None:
-                got = self._fetch(layer, list(groups.spans))
-            routed = self._routed_by_kernel(layer, groups, routing, got)
-            if routed is not None:
-                with self.compute:
-                    streams = model.moe_finish(cfg, layer, w, streams, routing, routed)
-                continue
+                got = self._fetch(layer, list(chosen))
+            routed = self._routed_by_kernel(layer, chosen, routing, got)
+            if routed is None:
+                routed = self._routed_one_by_one(layer, routing, got)
             with self.compute:
-                inputs = groups.gather(routing.x.to(self.experts.expert_dtype))
-                outputs = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
-            for e, (a, b) in groups.spans.items():
-                raw = self._expert_bytes(layer, e, got)
-                with self.compute:
-                    region = block.experts[e]
-                    self.experts.expert_output(block, region, raw, region.offset, inputs[a:b], outputs[a:b])
-            for e in got.keys() - groups.spans.keys():  # read but not chosen (hash layers choose exactly these)
-                self._expert_bytes(layer, e, got)
-            with self.compute:
-                streams = model.moe_finish(cfg, layer, w, streams, routing, groups.combine(outputs, 1))
+                streams = model.moe_finish(cfg, layer, w, streams, routing, routed)
         with self.compute:
             logits = model.head(cfg, streams, self.head_weights, -1).float().cpu()
         self.position += 1
         self.stats.tokens += 1
         self.stats.seconds += time.perf_counter() - start
         return logits
+
+    def _routed_one_by_one(self, layer: int, routing, got) -> torch.Tensor:
+        """The token's routed experts summed ([1, H] float32) by the prefill's expert runner, each as its bytes
+        arrive."""
+        block, groups = self.c.layers[layer], routing.groups()
+        with self.compute:
+            inputs = groups.gather(routing.x.to(self.experts.expert_dtype))
+            outputs = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
+        for e, (a, b) in groups.spans.items():
+            raw = self._expert_bytes(layer, e, got)
+            with self.compute:
+                region = block.experts[e]
+                self.experts.expert_output(block, region, raw, region.offset, inputs[a:b], outputs[a:b])
+        for e in got.keys() - groups.spans.keys():  # read but not chosen (hash layers choose exactly these)
+            self._expert_bytes(layer, e, got)
+        return groups.combine(outputs, 1)
 
     def stats_dict(self) -> dict:
         s = self.stats

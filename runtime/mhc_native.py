@@ -11,6 +11,9 @@ Sinkhorn pass dividing by its sums plus eps), so the results agree to float32 ro
 and reductions differ in the last bits); the library is used only after it agrees with the torch path on random
 mixes at load (native/mhc.c: built once per machine into a cache, skipped with MOEPACK_NATIVE=0). CPU float32 only;
 anything else stays in torch.
+
+A decoded token's whole mHC entry (the mixes, their weights, the collapse and the sublayer's RMS norm:
+`token_pre`) and exit (`token_post`) are one call each too: for one token each torch op is mostly dispatch.
 """
 
 from __future__ import annotations
@@ -27,28 +30,81 @@ _SOURCE = read_source("mhc.c")
 HC_MAX = 8  # the kernel's largest hc_mult (DeepSeek-V4: 4)
 
 
+class _Library:
+    def __init__(self, lib):
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self.mix_weights = c_function(lib, "hc_mix_weights", (p, i64, ctypes.c_int, p, p, ctypes.c_int, f32, p, p,
+                                                              p))
+        self.token_pre = c_function(lib, "hc_token_pre", (p, ctypes.c_int, i64, p, p, p, ctypes.c_int, f32, f32, p,
+                                                          p, p, p))
+        self.token_post = c_function(lib, "hc_token_post", (p, p, p, p, ctypes.c_int, i64, p))
+
+
+def _reference_token_pre(streams, fn, scale, base, hc, iters, hc_eps, norm_eps, norm_weight, mix_weights):
+    """model.hc_pre + rms_norm for one token, in float64 (the self-check's reference)."""
+    flat = streams.double().reshape(1, -1)
+    mixes = (flat @ fn.double().T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre, post, comb = mix_weights(mixes.float(), scale, base, hc, iters, hc_eps)
+    x = pre.double() @ streams.double()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps) * norm_weight.double()
+    return x, post, comb
+
+
 def _load(reference):
-    """The compiled kernel where it builds and agrees with `reference` (model.hc_mix_weights, the torch path),
+    """The compiled kernels where they build and agree with `reference` (model.hc_mix_weights, the torch path),
     else None."""
     lib = native_library("moepack_mhc", _SOURCE)
     if lib is None:
         return None
-    p = ctypes.c_void_p
-    fn = c_function(lib, "hc_mix_weights", (p, ctypes.c_int64, ctypes.c_int, p, p, ctypes.c_int, ctypes.c_float,
-                                             p, p, p))
+    kernels = _Library(lib)
     gen = torch.Generator().manual_seed(0)
+    reason = None
     for hc, tokens, iters in ((4, 37, 20), (3, 5, 1), (1, 16, 0)):  # a partial lane group, one round, hc = 1
         mixes = torch.randn(tokens, (2 + hc) * hc, generator=gen) * 3
         scale, base = torch.rand(3, generator=gen) + 0.5, torch.randn((2 + hc) * hc, generator=gen)
         want = reference(mixes, scale, base, hc, iters, 1e-6)
-        got = _call(fn, mixes, scale, base, hc, iters, 1e-6)
+        got = _call(kernels.mix_weights, mixes, scale, base, hc, iters, 1e-6)
         if not all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want)):
             reason = "its results differ from the torch path's on the self-check mixes"
-            disable("moepack_mhc", reason)
-            warnings.warn(f"moepack: the compiled mHC kernel disagrees with torch ({reason}); not using it",
-                          RuntimeWarning)
-            return None
-    return fn
+        hidden = 67  # not a multiple of the kernel's lanes
+        streams = torch.randn(hc, hidden, generator=gen)
+        fn = torch.randn((2 + hc) * hc, hc * hidden, generator=gen) * 0.1
+        norm_weight = torch.rand(hidden, generator=gen) + 0.5
+        args = (streams, fn, scale, base, hc, iters, 1e-6, 1e-6, norm_weight)
+        got, want = _token_pre(kernels, *args), _reference_token_pre(*args, reference)
+        if not all(torch.allclose(g.double(), w.double(), rtol=1e-4, atol=1e-5) for g, w in zip(got, want)):
+            reason = "its one-token mHC entry differs from the torch path's"
+        out, post, comb = torch.randn(hidden, generator=gen), want[1].reshape(-1), want[2].reshape(hc, hc)
+        expect = comb.double().T @ streams.double() + post.double()[:, None] * out.double()
+        if not torch.allclose(_token_post(kernels, streams, out, post, comb).double(), expect, rtol=1e-5,
+                              atol=1e-5):
+            reason = "its one-token mHC exit differs from the torch path's"
+    if reason is not None:
+        disable("moepack_mhc", reason)
+        warnings.warn(f"moepack: the compiled mHC kernel disagrees with torch ({reason}); not using it",
+                      RuntimeWarning)
+        return None
+    return kernels
+
+
+def _token_pre(kernels, streams, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float,
+               norm_weight):
+    hidden = streams.shape[-1]
+    x = torch.empty(1, hidden, dtype=torch.float32)
+    post, comb = torch.empty(1, hc, dtype=torch.float32), torch.empty(1, hc, hc, dtype=torch.float32)
+    if kernels.token_pre(streams.data_ptr(), hc, hidden, fn.data_ptr(), scale.data_ptr(), base.data_ptr(), iters,
+                         hc_eps, norm_eps, norm_weight.data_ptr(), x.data_ptr(), post.data_ptr(), comb.data_ptr()):
+        raise ValueError(f"hc_mult {hc} is outside the compiled mHC kernel's 1..{HC_MAX}")
+    return x, post, comb
+
+
+def _token_post(kernels, streams, out, post, comb, into=None):
+    hc, hidden = streams.shape[-2], streams.shape[-1]
+    into = torch.empty(1, hc, hidden, dtype=torch.float32) if into is None else into
+    if kernels.token_post(streams.data_ptr(), out.data_ptr(), post.data_ptr(), comb.data_ptr(), hc, hidden,
+                          into.data_ptr()):
+        raise ValueError(f"hc_mult {hc} is outside the compiled mHC kernel's 1..{HC_MAX}")
+    return into
 
 
 def _call(fn, mixes, scale, base, hc: int, iters: int, eps: float):
@@ -87,4 +143,34 @@ def hc_mix_weights(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     fn = _kernel(reference)
     if fn is None:
         return None
-    return _call(fn, mixes.contiguous(), scale.contiguous(), base.contiguous(), hc, iters, eps)
+    return _call(fn.mix_weights, mixes.contiguous(), scale.contiguous(), base.contiguous(), hc, iters, eps)
+
+
+def _float_cpu(*tensors) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def token_pre(streams, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float, norm_weight,
+              reference):
+    """model.hc_pre followed by the sublayer's rms_norm for one token, streams [1, hc, H] -> (x [1, H], post
+    [1, hc], comb [1, hc, hc]) in one call; None where it does not apply (not one token, not CPU float32
+    contiguous tensors of the expected shapes, hc outside 1..HC_MAX, no compiler)."""
+    width = (2 + hc) * hc
+    if (streams.dim() != 3 or streams.shape[:2] != (1, hc) or not 1 <= hc <= HC_MAX
+            or fn.shape != (width, hc * streams.shape[2]) or scale.numel() != 3 or base.numel() != width
+            or norm_weight is None or norm_weight.shape != (streams.shape[2],)
+            or not _float_cpu(streams, fn, scale, base, norm_weight)):
+        return None
+    kernels = _kernel(reference)
+    return None if kernels is None else _token_pre(kernels, streams, fn, scale, base, hc, iters, hc_eps, norm_eps,
+                                                   norm_weight)
+
+
+def token_post(streams, out, post, comb, reference):
+    """model.hc_post for one token (streams [1, hc, H], out [1, H]) in one call; None where it does not apply."""
+    hc = streams.shape[1] if streams.dim() == 3 else 0
+    if (streams.shape[0] != 1 or not 1 <= hc <= HC_MAX or out.numel() != streams.shape[2]
+            or post.numel() != hc or comb.numel() != hc * hc or not _float_cpu(streams, out, post, comb)):
+        return None
+    kernels = _kernel(reference)
+    return None if kernels is None else _token_post(kernels, streams, out, post, comb)

@@ -110,6 +110,19 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     return matmul(x.to(w.dtype), w).to(x.dtype)
 
 
+def linears(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    """[linear(x, w) for w in weights]: for one float32 row on a CPU (a decoded token), one compiled call for all
+    of them where the token kernel takes every w (the same roundings as `linear`'s)."""
+    kernels = _token_kernels(_rows(x), x, weights[0]) if x.dtype == torch.float32 and _rows(x) == 1 else None
+    if kernels is not None and all(w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 and w.is_contiguous()
+                                   and w.device.type == "cpu" for w in weights):
+        rounded = token_kernels.ROUND_INPUT | token_kernels.ROUND_OUTPUT
+        outs = kernels.linear_many(x, [token_kernels.float_matrix(w) for w in weights],
+                                   [rounded if w.dtype == torch.bfloat16 else 0 for w in weights])
+        return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
+    return [linear(x, w) for w in weights]
+
+
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     # the mean square from the vector norm (one pass, no squared copy of x), the weight applied in place: on
     # V4-Flash's per-head query norm ([256, 64, 512] per chunk) 26 -> 16 ms
@@ -161,6 +174,18 @@ def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: T
     return collapsed, post, comb
 
 
+def hc_pre_norm(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: Tensor, norm_weight: Tensor):
+    """hc_pre, then the sublayer's RMS norm of the collapsed streams: (x [N, H], post [N, hc], comb [N, hc, hc]).
+    One decoded token takes one compiled call (runtime/mhc_native.py) where it can."""
+    if streams.shape[0] == 1:
+        got = mhc_native.token_pre(streams, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps,
+                                   cfg.rms_norm_eps, norm_weight, hc_mix_weights)
+        if got is not None:
+            return got
+    collapsed, post, comb = hc_pre(cfg, fn, base, scale, streams)
+    return rms_norm(collapsed, norm_weight, cfg.rms_norm_eps), post, comb
+
+
 def hc_mix_weights(mixes: Tensor, scale: Tensor, base: Tensor, hc: int, sinkhorn_iters: int, eps: float
                    ) -> tuple[Tensor, Tensor, Tensor]:
     """The mixes [N, (2 + hc) * hc] -> pre [N, hc], post [N, hc] and comb [N, hc, hc] (Sinkhorn-Knopp, rows
@@ -181,7 +206,11 @@ def hc_post(streams: Tensor, out: Tensor, post: Tensor, comb: Tensor, into: Tens
     """New streams: the old streams mixed by comb (stream j feeds stream k with weight comb[j, k], i.e.
     comb^T @ streams), plus the sublayer output spread by `post` (added in place: no [N, hc, H] temporary).
     `into`: a buffer of the streams' shape, not `streams` itself, to write them into (a caller alternating two
-    buffers never allocates [N, hc, H] again)."""
+    buffers never allocates [N, hc, H] again). One decoded token takes one compiled call where it can."""
+    if into is None and streams.shape[0] == 1:
+        got = mhc_native.token_post(streams, out, post, comb, hc_mix_weights)
+        if got is not None:
+            return got
     return torch.bmm(comb.transpose(-1, -2), streams, out=into).addcmul_(post.unsqueeze(-1), out.unsqueeze(-2))
 
 
@@ -298,8 +327,8 @@ def attention_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], st
     if positions.device.type == "cpu" and not torch.equal(positions, torch.arange(first, first + n_tokens)):
         raise ValueError(f"positions must be arange({first}, {first} + N): the tokens continue "
                          f"{'the past state' if past is not None else 'an empty cache'}")
-    collapsed, post, comb = hc_pre(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams)
-    x = rms_norm(collapsed, w["attn_norm.weight"], cfg.rms_norm_eps)
+    x, post, comb = hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
+                                w["attn_norm.weight"])
     out, kv_state = attention(cfg, layer, w, x, positions, query_chunk, past)
     return hc_post(streams, out, post, comb, into), kv_state
 
@@ -429,16 +458,19 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
 
 
 def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: Tensor, rotation: Tensor,
-                 index_keys: Tensor, complete: Tensor) -> Tensor:
+                 index_keys: Tensor, complete: Tensor, projected: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Lightning Indexer for a chunk of C queries: score(t, s) = sum_h w[t,h] * relu(q[t,h] . k[s]) over the
     complete compressed entries s < complete[t], and keep the top min(index_topk, T) entry ids [C, k]; -1 where a
-    query has fewer than k complete entries."""
+    query has fewer than k complete entries. `projected`: the indexer's query and head weights projections
+    (q_lora @ wq_b.T, x @ weights_proj.T) where the caller made them already."""
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
-    q = linear(q_lora, w["attn.indexer.wq_b.weight"]).unflatten(-1, (n_heads, head_dim))
+    if projected is None:
+        projected = linear(q_lora, w["attn.indexer.wq_b.weight"]), linear(x, w["attn.indexer.weights_proj.weight"])
+    q = projected[0].unflatten(-1, (n_heads, head_dim))
     q = apply_rope(q, rotation)  # compress rope, like the indexer's keys
     low = w["attn.indexer.wq_b.weight"].dtype  # the products in the weights' precision (bf16: low-precision path)
     scores = low_matmul(q, index_keys.T, low).float().relu_()  # [C, heads, T]
-    head_weights = linear(x, w["attn.indexer.weights_proj.weight"]) * (n_heads ** -0.5 * head_dim ** -0.5)
+    head_weights = projected[1] * (n_heads ** -0.5 * head_dim ** -0.5)
     scores = torch.bmm(head_weights.unsqueeze(1), scores).squeeze(1)  # [C, T]: the heads' weighted sum, one matmul
     entry_ids = torch.arange(index_keys.shape[0], device=x.device)
     scores = scores.masked_fill(entry_ids[None, :] >= complete[:, None], float("-inf"))
@@ -460,6 +492,191 @@ def grouped_output(cfg: ModelConfig, o: Tensor, wo_a: Tensor, wo_b: Tensor) -> T
     # low_rank [C, G, R] goes straight into wo_b's dtype (the values a float32 round trip would give)
     low_rank = torch.bmm(grouped.to(per_group.dtype), per_group.transpose(1, 2)).transpose(0, 1)
     return matmul(low_rank.flatten(1).to(wo_b.dtype), wo_b).to(o.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode: one token at a time against a layer's state
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class GrowingRows:
+    """Rows appended one at a time into spare room (a view of the live rows, no copy of them per token), keeping
+    at most `keep` of the latest where `keep` is given. `mirror` rows ride along: each row rounded to the attention
+    products' dtype once, as float32 (what the products read every token)."""
+
+    def __init__(self, rows: Tensor, keep: int | None = None, low: torch.dtype = torch.float32):
+        self.keep, self.low = keep, low
+        room = max(2 * (keep or 0), rows.shape[0] + 64)
+        self._rows = rows.new_empty(room, rows.shape[1])
+        self._mirror = self._rows if low == torch.float32 else torch.empty_like(self._rows)
+        self.count = 0
+        self._put(rows)
+
+    def _put(self, rows: Tensor) -> None:
+        n = rows.shape[0]
+        if self.count + n > self._rows.shape[0]:
+            if self.keep is not None and self.keep + n <= self._rows.shape[0]:  # move the kept rows to the front
+                tail = self.count - self.keep
+                self._rows[:self.keep] = self._rows[tail:self.count].clone()
+                if self._mirror is not self._rows:
+                    self._mirror[:self.keep] = self._mirror[tail:self.count].clone()
+                self.count = self.keep
+            else:  # twice the room
+                rows_before, mirror_before = self._rows[:self.count], self._mirror[:self.count]
+                self._rows = self._rows.new_empty(2 * (self.count + n), self._rows.shape[1])
+                self._mirror = self._rows if self.low == torch.float32 else torch.empty_like(self._rows)
+                self._rows[:self.count] = rows_before
+                if self._mirror is not self._rows:
+                    self._mirror[:self.count] = mirror_before
+        self._rows[self.count:self.count + n] = rows
+        if self._mirror is not self._rows:
+            self._mirror[self.count:self.count + n] = rows.to(self.low)
+        self.count += n
+
+    def append(self, rows: Tensor) -> None:
+        self._put(rows)
+
+    def _start(self, last: int | None) -> int:
+        return 0 if last is None else max(0, self.count - last)
+
+    def rows(self, last: int | None = None) -> Tensor:
+        return self._rows[self._start(last if last is not None else self.keep):self.count]
+
+    def mirror(self, last: int | None = None) -> Tensor:
+        return self._mirror[self._start(last if last is not None else self.keep):self.count]
+
+
+class TokenCompressor:
+    """A compressor's state grown one token at a time: the buffered projections of the current window, the entries
+    emitted so far (with their low-precision mirror) and the CSA overlap; a window's entry is made by `compress`
+    itself when its last token arrives."""
+
+    def __init__(self, state: CompressorState, rate: int, low: torch.dtype):
+        self.rate = rate
+        self.entries = GrowingRows(state.compressed_kv.float(), low=low)
+        width = state.buffer_kv.shape[1]
+        self.buffer_kv = state.buffer_kv.new_empty(rate, width, dtype=torch.float32)
+        self.buffer_gate = torch.empty_like(self.buffer_kv)
+        self.buffered = state.buffer_kv.shape[0]
+        self.buffer_kv[:self.buffered], self.buffer_gate[:self.buffered] = state.buffer_kv, state.buffer_gate
+        self.entry_count, self.overlap_kv, self.overlap_gate = state.entry_count, state.overlap_kv, state.overlap_gate
+
+    def add(self, kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, overlapping: bool, rope: RopeConfig,
+            eps: float) -> None:
+        self.buffer_kv[self.buffered], self.buffer_gate[self.buffered] = kv[0], gate[0]
+        self.buffered += 1
+        if self.buffered < self.rate:
+            return
+        empty = self.buffer_kv.new_zeros(0, self.buffer_kv.shape[1])
+        entry, state = compress(self.buffer_kv, self.buffer_gate, ape, norm_weight, self.rate, overlapping, rope,
+                                eps, CompressorState(empty[:, :0], empty, empty, self.entry_count, self.overlap_kv,
+                                                     self.overlap_gate))
+        self.entries.append(entry)
+        self.entry_count, self.overlap_kv, self.overlap_gate = state.entry_count, state.overlap_kv, state.overlap_gate
+        self.buffered = 0
+
+    def state(self) -> CompressorState:
+        return CompressorState(self.entries.rows(), self.buffer_kv[:self.buffered].clone(),
+                               self.buffer_gate[:self.buffered].clone(), self.entry_count, self.overlap_kv,
+                               self.overlap_gate)
+
+
+class TokenKV:
+    """A layer's KV state grown one decoded token at a time (attention_token): the sliding window's last keys and
+    the compressors, in preallocated rows. `state()` gives the LayerKVState it amounts to."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, state: LayerKVState, low: torch.dtype):
+        self.layer_type, self.seen_tokens = state.layer_type, state.seen_tokens
+        # the window's keys: the last window - 1 kept for the next token, this token's attention reads `window`
+        self.window = GrowingRows(state.window_kv.float(), keep=cfg.sliding_window - 1, low=low)
+        rate = cfg.compress_rates[layer]
+        self.compressor = TokenCompressor(state.compressor, rate, low) if state.compressor is not None else None
+        self.indexer = TokenCompressor(state.indexer, rate, torch.float32) if state.indexer is not None else None
+
+    def state(self) -> LayerKVState:
+        return LayerKVState(self.layer_type, self.seen_tokens, self.window.rows().clone(),
+                            self.compressor.state() if self.compressor is not None else None,
+                            self.indexer.state() if self.indexer is not None else None)
+
+
+def attention_token_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor,
+                             kv_state: TokenKV) -> Tensor:
+    """attention_sublayer for one decoded token (streams [1, hc, H]) after kv_state's tokens, kv_state grown."""
+    x, post, comb = hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
+                                w["attn_norm.weight"])
+    return hc_post(streams, attention_token(cfg, layer, w, x, kv_state), post, comb)
+
+
+def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, kv_state: TokenKV) -> Tensor:
+    """`attention` for one decoded token x [1, H] after kv_state's tokens, growing kv_state in place: the same
+    arithmetic without what a single query never needs (no masks: the token sees every key of its window and
+    every complete compressed entry; no per-token copies of the window or the entries)."""
+    kind, rate, eps = cfg.layer_types[layer], cfg.compress_rates[layer], cfg.rms_norm_eps
+    if kind != kv_state.layer_type:
+        raise ValueError(f"layer {layer}: past state of a {kv_state.layer_type} layer, the model has {kind}")
+    position = kv_state.seen_tokens
+    rotation = rope_rotation(cfg.main_rope if kind == SLIDING else cfg.compress_rope, position, 1, 1, x.device)
+    low = w["attn.wq_b.weight"].dtype
+    # every projection of x in one call: the query's LoRA, K=V, the compressors' (kv, gate) pairs
+    names = ["attn.wq_a.weight", "attn.wkv.weight"]
+    if kind != SLIDING:
+        names += ["attn.compressor.wkv.weight", "attn.compressor.wgate.weight"]
+    if kind == CSA:
+        names += ["attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight",
+                  "attn.indexer.weights_proj.weight"]
+    projected = linears(x, [w[name] for name in names])
+    q_lora = rms_norm(projected[0], w["attn.q_norm.weight"], eps)
+    kv = apply_rope(rms_norm(projected[1], _kv_norm_weight(w), eps), rotation)
+    kv_state.window.append(kv)
+    kv_state.seen_tokens += 1
+    keys = [kv_state.window.mirror(cfg.sliding_window)]
+    if kind != SLIDING:
+        kv_state.compressor.add(*projected[2:4], w["attn.compressor.ape"], w["attn.compressor.norm.weight"],
+                                kind == CSA, cfg.compress_rope, eps)
+    if kind == CSA:
+        kv_state.indexer.add(*projected[4:6], w["attn.indexer.compressor.ape"],
+                             w["attn.indexer.compressor.norm.weight"], True, cfg.compress_rope, eps)
+    entries = kv_state.compressor.entries.mirror() if kind != SLIDING else None
+    indexed = kind == CSA and entries.shape[0] > cfg.index_topk
+    queries = linears(q_lora, [w["attn.wq_b.weight"]] + ([w["attn.indexer.wq_b.weight"]] if indexed else []))
+    q = queries[0].view(cfg.num_heads, cfg.head_dim)
+    if entries is not None and entries.shape[0]:
+        if indexed:
+            complete = torch.tensor([entries.shape[0]], device=x.device)
+            picked = indexer_topk(cfg, w, x, q_lora, rotation, kv_state.indexer.entries.rows(), complete,
+                                  (queries[1], projected[6]))[0]
+            entries = entries.index_select(0, picked)
+        keys.append(entries)
+    sink, scale = w["attn.attn_sink"], cfg.head_dim ** -0.5
+    kernels = token_kernels.token_kernels() if x.device.type == "cpu" and low in (torch.float32, torch.bfloat16) \
+        else None
+    if kernels is not None:  # the norm, RoPE and softmax attention of every head in one compiled call
+        o = kernels.attend(q, keys, sink, scale, rotation, eps, low == torch.bfloat16)[None]
+    else:
+        o = _attend_token(apply_rope(rms_norm(q[None], None, eps), rotation)[0], keys, sink, scale, low)
+        o = apply_rope(o[None], rotation.conj())
+    return grouped_output(cfg, o, w["attn.wo_a.weight"], w["attn.wo_b.weight"])
+
+
+def _attend_token(q: Tensor, key_sets: list[Tensor], sink: Tensor, scale: float, low: torch.dtype) -> Tensor:
+    """_attend for one query q [heads, D] that sees every key of each set [K, D] (float32 values already rounded
+    to `low`, the products' dtype): bfloat16 x bfloat16 products are exact in float32, so only the logits, the
+    probabilities and each set's result are rounded to `low`, where _attend's bfloat16 matmuls round them."""
+    def rounded(t: Tensor) -> Tensor:
+        return t if low == torch.float32 else t.to(low).float()
+    q = rounded(q)
+    logits = [rounded(q @ keys.T).mul_(scale) for keys in key_sets if keys.shape[0]]
+    sink = sink.float()
+    peak = torch.stack([part.amax(-1) for part in logits]).amax(0).maximum(sink)  # [heads]
+    total = (sink - peak).exp_()
+    for part in logits:
+        total += part.sub_(peak[:, None]).exp_().sum(-1)
+    inverse = total.reciprocal_()[:, None]
+    out = None
+    for keys, part in zip((k for k in key_sets if k.shape[0]), logits):
+        got = rounded(rounded(part.mul_(inverse)) @ keys)
+        out = got if out is None else out.add_(got)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -546,8 +763,8 @@ def moe_route(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Te
     """The ffn mHC collapse, ffn_norm and router for all N tokens. Learned layers pick the top-k experts by score
     plus the correction bias (the bias steers the choice only, not the weights); hash layers take the fixed
     tid2eid[token id]. Weights are the chosen scores, renormalised, times routed_scaling_factor."""
-    collapsed, post, comb = hc_pre(cfg, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], streams)
-    x = rms_norm(collapsed, w["ffn_norm.weight"], cfg.rms_norm_eps)
+    x, post, comb = hc_pre_norm(cfg, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], streams,
+                                w["ffn_norm.weight"])
     scores = _router_scores(cfg, matmul(x, w["ffn.gate.weight"]))
     if cfg.hash_layers[layer]:
         experts = w["ffn.gate.tid2eid"][token_ids].long()
@@ -565,8 +782,8 @@ def expert_forward(cfg: ModelConfig, x: Tensor, w1: Tensor, w3: Tensor, w2: Tens
     """Clamped SwiGLU: x [n, H], w1 (gate) / w3 (up) [I, H], w2 (down) [H, I] -> [n, H]. The gate is clamped from
     above, the up projection on both sides, at swiglu_limit. `hidden_order`: w2's columns are stored permuted
     (w2[:, hidden_order]), so the hidden activation is permuted the same way."""
-    gate = linear(x, w1).clamp(max=cfg.swiglu_limit)
-    up = linear(x, w3).clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
+    gate, up = linears(x, [w1, w3])
+    gate, up = gate.clamp(max=cfg.swiglu_limit), up.clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
     hidden = F.silu(gate) * up
     return linear(hidden if hidden_order is None else hidden[:, hidden_order], w2)
 

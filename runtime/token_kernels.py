@@ -13,6 +13,9 @@ float32 in registers and multiplies in float32, threads splitting the rows:
   SwiGLU of model.expert_forward, every chosen expert of a layer in one call, each matrix read from its stored bytes
   (`stored_matrix`). Weights are never rounded; `round_bf16` rounds the input and the hidden activation (the
   fused FP4 kernel's arithmetic, runtime/expert_decode.py).
+- `attend(q, key_sets, sink, scale, rotation, eps, round_bf16)`: one decoded token's attention core (per-head norm,
+  RoPE, one softmax over every key set and the sink, the weighted keys, RoPE undone): ~40 small torch ops in one
+  call, heads split over the threads.
 
 Built once per machine (skipped with MOEPACK_NATIVE=0), used only after both the AVX-512 and the plain loop agree
 with torch on every kind at load; None (callers keep torch) where it cannot be built or disagrees.
@@ -34,7 +37,7 @@ LIBRARY = "moepack_token_matmul"
 KINDS = {"F32": 0, "BF16": 1, "F16": 2, "FP4_E2M1": 3, "MXFP4": 4, "Q8_0": 5}  # the C file's enum
 FLOAT_KINDS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 SMALL_ROWS = 4  # model.linear takes the kernel up to this many input rows (decode: one)
-ROUND_OUTPUT = 2  # the C file's flag beside round_bf16 (ROUND_INPUT = 1)
+ROUND_INPUT, ROUND_OUTPUT = 1, 2  # the C file's flags
 GROUP = 32
 
 
@@ -68,9 +71,12 @@ class TokenKernels:
     def __init__(self, lib):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._linear = c_function(lib, "token_linear", (p, i64, i64, p, p, i64, ctypes.c_int, ctypes.c_int))
+        self._many = c_function(lib, "token_linear_many", (p, i64, p, ctypes.c_int, p, p, ctypes.c_int))
         self._grouped = c_function(lib, "token_linear_grouped", (p, i64, i64, p, p, ctypes.c_int, ctypes.c_int))
         self._moe = c_function(lib, "moe_token", (p, i64, i64, i64, p, p, p, p, ctypes.c_float, ctypes.c_int, p,
                                                   ctypes.c_int))
+        self._attend = c_function(lib, "attend_token", (p, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int, p,
+                                                         ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
         self._set_level = c_function(lib, "token_matmul_set_level", (ctypes.c_int,), restype=None)
         self.vector = bool(c_function(lib, "token_matmul_vector_level", ())())
 
@@ -90,6 +96,21 @@ class TokenKernels:
                         int(round_bf16) | (ROUND_OUTPUT if round_output else 0), _threads(threads)):
             raise RuntimeError(f"the token matmul refused a {w.rows} x {w.cols} matrix of kind {w.kind}")
         return out
+
+    def linear_many(self, x: torch.Tensor, ws: list[Matrix], flags: list[int],
+                    threads: int | None = None) -> list[torch.Tensor]:
+        """One token x [1, cols] times several matrices of `cols` columns in one call: [x @ W_i.T ([1, rows_i])],
+        flags[i] (ROUND_INPUT | ROUND_OUTPUT bits) as `linear`'s round_bf16 / round_output for matrix i."""
+        x = x.float().contiguous()
+        if x.numel() != x.shape[-1] or any(w.cols != x.shape[-1] for w in ws) or len(flags) != len(ws):
+            raise ValueError(f"input {list(x.shape)} for matrices of {[w.cols for w in ws]} columns")
+        outs = [torch.empty(1, w.rows, dtype=torch.float32) for w in ws]
+        n = len(ws)
+        if self._many(x.data_ptr(), x.shape[-1], (Matrix * max(n, 1))(*ws), n,
+                      (ctypes.c_void_p * max(n, 1))(*(o.data_ptr() for o in outs)), (ctypes.c_int * max(n, 1))(*flags),
+                      _threads(threads)):
+            raise RuntimeError("the token matmul refused one of several matrices")
+        return outs
 
     def grouped(self, x: torch.Tensor, w: Matrix, round_bf16: bool, threads: int | None = None) -> torch.Tensor:
         """float32 x [G, cols] -> float32 [G, rows / G]: group g's rows of W (rows g * R ... (g + 1) * R) times
@@ -119,6 +140,51 @@ class TokenKernels:
                      float(limit), int(round_bf16), out.data_ptr(), _threads(threads)):
             raise RuntimeError(f"the token MoE refused {n} experts on {hidden} inputs")
         return out
+
+
+    def attend(self, q: torch.Tensor, key_sets: list[torch.Tensor], sink: torch.Tensor, scale: float,
+               rotation: torch.Tensor, eps: float, round_bf16: bool, threads: int | None = None) -> torch.Tensor:
+        """One decoded token's attention core: q [heads, D] (wq_b's output) -> [heads, D]. Each head is RMS-normed
+        (no weight) and its last 2 x rotation.shape[-1] channels rotated by `rotation` (complex [rope_dim / 2], the
+        token's angles); one softmax spans q . k x scale over every key of the float32 sets [K, D] and the per-head
+        `sink` logit; the keys weighted by it, summed set by set, rotated back. `round_bf16`: the query, logits,
+        probabilities and each set's sum rounded to bfloat16 (the keys must be rounded already)."""
+        heads, dim = q.shape
+        q = q.float().contiguous()
+        rot = torch.view_as_real(rotation.reshape(-1)).float().contiguous()
+        sets = [k.float().contiguous() for k in key_sets if k.shape[0]]
+        if any(k.dim() != 2 or k.shape[1] != dim for k in sets) or sink.numel() != heads or 2 * rot.shape[0] > dim:
+            raise ValueError(f"keys {[list(k.shape) for k in key_sets]} and sink {list(sink.shape)} for a query "
+                             f"{list(q.shape)}")
+        sink = sink.float().contiguous()
+        pointers = (ctypes.c_void_p * max(len(sets), 1))(*(k.data_ptr() for k in sets))
+        counts = (ctypes.c_int64 * max(len(sets), 1))(*(k.shape[0] for k in sets))
+        out = torch.empty(heads, dim, dtype=torch.float32)
+        if self._attend(q.data_ptr(), heads, dim, 2 * rot.shape[0], rot.data_ptr(), eps, pointers, counts,
+                        len(sets), sink.data_ptr(), scale, int(round_bf16), out.data_ptr(), _threads(threads)):
+            raise RuntimeError(f"the token attention refused a query {list(q.shape)}")
+        return out
+
+
+def reference_attend(q, key_sets, sink, scale, rotation, eps, round_bf16) -> torch.Tensor:
+    """TokenKernels.attend in float64 torch (the self-check's reference; rounding where the kernel rounds)."""
+    def rounded(t):
+        return t.float().bfloat16().double() if round_bf16 else t
+    rope_dim = 2 * rotation.shape[-1]
+    rot = rotation.reshape(-1).to(torch.complex128)
+
+    def rotate(x, r):
+        pairs = torch.view_as_complex(x[..., -rope_dim:].contiguous().unflatten(-1, (-1, 2))) * r
+        return torch.cat([x[..., :-rope_dim], torch.view_as_real(pairs).flatten(-2)], -1)
+    q = q.double()
+    q = rounded(rotate(q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps), rot))
+    sets = [k.double() for k in key_sets if k.shape[0]]
+    logits = [rounded(q @ k.T) * scale for k in sets]
+    peak = torch.stack([x.amax(-1) for x in logits] + [sink.double()]).amax(0)
+    weights = [(x - peak[:, None]).exp() for x in logits]
+    total = (sink.double() - peak).exp() + sum(w.sum(-1) for w in weights)
+    out = sum(rounded(rounded(w / total[:, None]) @ k) for w, k in zip(weights, sets))
+    return rotate(out, rot.conj())
 
 
 _FLOAT_MATRICES: dict[tuple, Matrix] = {}  # a descriptor is its fields: the same fields, the same (valid) Matrix
@@ -246,6 +312,31 @@ def _self_check(kernels: TokenKernels) -> str | None:
         got = kernels.moe(x, experts, weights, limit, False, threads=2).double()
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())):
             return f"the MoE (vector loop: {vector}) differs from torch's"
+        mats, refs, keep = [], [], []  # several matrices on one token, float and stored kinds mixed
+        for kind, rows in (("BF16", 37), ("F32", 5), ("Q8_0", 70)):
+            data, scale = _random_stored(kind, rows, 96, gen)
+            keep.append(data)
+            mats.append(stored_matrix(kind, data, rows, 96, scale, tables.get(kind)))
+            refs.append(_reference_values(kind, data, rows, 96, scale).double())
+        x = torch.randn(1, 96, generator=gen)
+        flags = [ROUND_INPUT | ROUND_OUTPUT, 0, ROUND_INPUT]
+        for got, values, flag in zip(kernels.linear_many(x, mats, flags, threads=2), refs, flags):
+            want = (x.bfloat16().double() if flag & ROUND_INPUT else x.double()) @ values.T
+            want = want.float().bfloat16().double() if flag & ROUND_OUTPUT else want
+            if not torch.allclose(got.double(), want, rtol=1e-2 if flag & ROUND_OUTPUT else 1e-5,
+                                  atol=1e-5 * float(want.abs().max())):
+                return f"several matrices on one token (vector loop: {vector}) differ from torch's"
+        heads, dim = 5, 40  # a dimension off the vector width; an empty set
+        q, sink = torch.randn(heads, dim, generator=gen) * 3, torch.randn(heads, generator=gen)
+        angles = torch.rand(12, generator=gen) * 6
+        rotation = torch.polar(torch.full_like(angles, 1.1), angles)
+        for round_bf16 in (False, True):
+            sets = [torch.randn(n, dim, generator=gen) for n in (19, 0, 7)]
+            sets = [k.bfloat16().float() for k in sets] if round_bf16 else sets
+            want = reference_attend(q, sets, sink, 0.3, rotation, 1e-6, round_bf16)
+            got = kernels.attend(q, sets, sink, 0.3, rotation, 1e-6, round_bf16, threads=2).double()
+            if not torch.allclose(got, want, rtol=1e-2 if round_bf16 else 1e-5, atol=1e-2 if round_bf16 else 1e-5):
+                return f"the token attention (vector loop: {vector}) differs from torch's"
     kernels.set_vector(True)
     return None
 
