@@ -3,7 +3,9 @@ routed experts, beside the disk's limit and transformers' resident `generate`, m
 
 On a synthetic DeepSeek-V4 model (default: the `medium` preset in the release layout, FP8 dense + FP4 experts):
   moepack, cache B   greedy generation of --new-tokens after a --tokens prompt, misses read with O_DIRECT from
-                     a cold page cache: decode tokens/s, expert-cache hit rate, routed bytes read per token
+                     a cold page cache: decode tokens/s, expert-cache hit rate, routed bytes read per token;
+                     then "warm": the same generation again on the same Generator (its cache kept, as `moepack
+                     serve` keeps it), the figure llama-bench's (measured after its warm-up) compares with
   disk limit         tokens/s if every token read its routed experts (top-k per layer) at fio's rate, with no
                      cache: routed bytes per token / fio GB/s (the reader's own rate where fio is missing)
   transformers       DeepseekV4ForCausalLM resident (loaded from `moepack export`), `generate` greedy; decode
@@ -38,7 +40,7 @@ from moepack.packer.export import export_container
 from moepack.packer.synth import synth_checkpoint
 from moepack.runtime.bench import drop_page_cache, run_fio
 from moepack.runtime.engine import PrefillOptions
-from moepack.runtime.generate import GenerateOptions, generate
+from moepack.runtime.generate import GenerateOptions, Generator
 
 GIB = 1 << 30
 BUDGETS = (0.0, 0.25, 1.0)
@@ -80,14 +82,21 @@ def disk_rate(container: str, facts: dict) -> dict:
 
 
 def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, compute_dtype: str) -> dict:
+    """The first generation from a cold page cache (its misses read with O_DIRECT), then a second one on the same
+    Generator (its expert cache kept, as `moepack serve` keeps it): `warm_tokens_per_s` is that one's decode, the
+    figure llama-bench's (after its warm-up) compares with."""
     drop_page_cache(container)
     options = GenerateOptions(max_new_tokens=new, cache_gib=budget_gib, stop_at_eos=False,
                               prefill=PrefillOptions(io_mode="direct", compute_dtype=compute_dtype))
-    result = generate(container, ids, options)
+    with Generator(container, cache_gib=budget_gib, prefill=options.prefill) as g:
+        result = g.generate(ids, options)
+        warm = g.generate(ids, options).stats["decode"]
     d = result.stats["decode"]
     return {"cache_gib": budget_gib, "tokens_per_s": d["tokens_per_s"], "hit_rate": d["expert_cache_hit_rate"],
             "bytes_read_per_token": d["bytes_read_per_token"], "disk_wait_s": d["disk_wait_s"],
             "decode_tokens": d["tokens"], "cache_seed_bytes": d["cache_seed_bytes"],
+            "warm_tokens_per_s": warm["tokens_per_s"], "warm_hit_rate": warm["expert_cache_hit_rate"],
+            "warm_bytes_read_per_token": warm["bytes_read_per_token"],
             "prefill_s": result.stats["prefill"]["seconds"], "generated": result.generated_ids,
             # the process's peak so far (a child per row under --cap-fraction: that row's own)
             "peak_rss_bytes": d["peak_rss_bytes"], "memory_bound_bytes": d["memory_bound_bytes"]}
@@ -224,11 +233,14 @@ def main() -> int:
     print(f"{out['model']}: {facts['size'] / 1e9:.2f} GB container, routed {facts['routed_bytes'] / 1e9:.2f} GB, "
           f"{facts['routed_bytes_per_token'] / 1e6:.1f} MB of routed experts per token (top-{facts['top_k']}), "
           f"{out['threads']} threads, prompt {args.tokens}, {args.new_tokens} new tokens")
-    print(f"{'cache GiB':>10} {'tokens/s':>9} {'hit rate':>9} {'MB read/token':>14} {'disk wait s':>12}")
+    print(f"{'cache GiB':>10} {'tokens/s':>9} {'hit rate':>9} {'MB read/token':>14} {'disk wait s':>12} "
+          f"{'warm tokens/s':>14} {'warm hit rate':>14}")
     for r in out["moepack"]:
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.0%}"
+        warm_hit = "-" if r["warm_hit_rate"] is None else f"{r['warm_hit_rate']:.0%}"
         print(f"{r['cache_gib']:>10.3f} {r['tokens_per_s'] or 0:>9.2f} {hit:>9} "
-              f"{(r['bytes_read_per_token'] or 0) / 1e6:>14.2f} {r['disk_wait_s']:>12.3f}")
+              f"{(r['bytes_read_per_token'] or 0) / 1e6:>14.2f} {r['disk_wait_s']:>12.3f} "
+              f"{r['warm_tokens_per_s'] or 0:>14.2f} {warm_hit:>14}")
     if "disk" in out:
         print(f"disk limit (no cache): {out['disk']['tokens_per_s_limit']} tokens/s at {out['disk']['gbps']} GB/s "
               f"({out['disk']['source']})")

@@ -215,7 +215,9 @@ void token_matmul_set_level(int vector) { use_vector = vector; }
 
 typedef void (*part_fn)(void *args, int part, int parts);
 #define MAX_THREADS 256
-#define SPIN_NS 200000  /* a worker polls this long after its last part before it sleeps */
+#define SPIN_NS 2000000  /* a worker polls this long after its last part before it sleeps: a decoded token's
+                                 torch ops between two calls take up to a few hundred us, and a sleeping
+                                 worker's wake-up costs more than the spin */
 
 static struct {
     pthread_mutex_t busy;  /* one caller at a time; others run their parts inline */
@@ -562,5 +564,75 @@ int attend_token(const float *q, int64_t heads, int64_t dim, int64_t rope_dim, c
                      out};
     run_parts(attend_part, &a, threads < heads ? threads : (int)heads);
     free(scratch);
+    return 0;
+}
+
+/* --- RMS norm (and RoPE) of a decoded token's rows ----------------------------------------------------------- */
+
+/* out [rows, cols] = x RMS-normed per row (times weight [cols] where given), then (rot given) the last rope_dim
+   channels of each row rotated by rot [rope_dim / 2][2] (cos, sin), as model.rms_norm and apply_rope compute */
+int token_norm_rope(const float *x, int64_t rows, int64_t cols, const float *weight, float eps, int64_t rope_dim,
+                    const float *rot, float *out)
+{
+    if (rows < 0 || cols < 1 || rope_dim < 0 || rope_dim > cols || rope_dim % 2 || (rope_dim && !rot)) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *in = x + r * cols;
+        float *o = out + r * cols, square = 0.0f;
+        for (int64_t c = 0; c < cols; c++) square += in[c] * in[c];
+        const float inverse = 1.0f / sqrtf(square / (float)cols + eps);
+        for (int64_t c = 0; c < cols; c++) o[c] = weight ? in[c] * inverse * weight[c] : in[c] * inverse;
+        if (rope_dim) rotate(o, cols, rope_dim, rot, 1.0f);
+    }
+    return 0;
+}
+
+/* --- the Lightning Indexer's scores for one decoded token ------------------------------------------------------- */
+
+typedef struct {
+    const float *q;  /* [heads, D] rotated, rounded */
+    int64_t heads, dim;
+    const float *keys;  /* [T, D] */
+    int64_t T;
+    const float *head_weights;  /* [heads] */
+    int round_low;
+    float *scores;
+} index_args;
+
+static void index_part(void *p, int part, int parts) {
+    const index_args *a = p;
+    int64_t t0, t1;
+    share(a->T, part, parts, &t0, &t1);
+    const matrix_t q = {KIND_F32, (const uint8_t *)a->q, NULL, NULL, a->heads, a->dim};
+    for (int64_t t = t0; t < t1; t++) {
+        float score = 0.0f;
+        for (int64_t h = 0; h < a->heads; h++) {
+            float y = dot(&q, h, a->keys + t * a->dim);
+            y = a->round_low ? round_to_bf16(y) : y;
+            score += a->head_weights[h] * (y > 0.0f ? y : 0.0f);
+        }
+        a->scores[t] = score;
+    }
+}
+
+/* scores [T]: score(t) = sum_h head_weights[h] x relu(q_h . keys_t) (model.indexer_topk for one query), q [heads,
+   D] as the indexer's wq_b gives it, its last rope_dim channels of each head rotated by rot first; round_low: the
+   query and each product rounded to bfloat16, as a bfloat16 matmul rounds them (the keys must be rounded already) */
+int index_token(const float *q, int64_t heads, int64_t dim, int64_t rope_dim, const float *rot, const float *keys,
+                int64_t T, const float *head_weights, int round_low, float *scores, int threads)
+{
+    if (heads < 1 || dim < 1 || T < 0 || rope_dim < 0 || rope_dim > dim || rope_dim % 2) return 1;
+    float *rotated = malloc(sizeof(float) * (size_t)(heads * dim));
+    if (!rotated) return 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *row = rotated + h * dim;
+        memcpy(row, q + h * dim, sizeof(float) * (size_t)dim);
+        rotate(row, dim, rope_dim, rot, 1.0f);
+        if (round_low)
+            for (int64_t d = 0; d < dim; d++) row[d] = round_to_bf16(row[d]);
+    }
+    index_args a = {rotated, heads, dim, keys, T, head_weights, round_low, scores};
+    const int64_t most = T / 64 + 1;
+    run_parts(index_part, &a, (int)(threads < most ? threads : most));
+    free(rotated);
     return 0;
 }

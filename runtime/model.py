@@ -591,7 +591,7 @@ class TokenKV:
         self.window = GrowingRows(state.window_kv.float(), keep=cfg.sliding_window - 1, low=low)
         rate = cfg.compress_rates[layer]
         self.compressor = TokenCompressor(state.compressor, rate, low) if state.compressor is not None else None
-        self.indexer = TokenCompressor(state.indexer, rate, torch.float32) if state.indexer is not None else None
+        self.indexer = TokenCompressor(state.indexer, rate, low) if state.indexer is not None else None
 
     def state(self) -> LayerKVState:
         return LayerKVState(self.layer_type, self.seen_tokens, self.window.rows().clone(),
@@ -625,8 +625,14 @@ def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Te
         names += ["attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight",
                   "attn.indexer.weights_proj.weight"]
     projected = linears(x, [w[name] for name in names])
-    q_lora = rms_norm(projected[0], w["attn.q_norm.weight"], eps)
-    kv = apply_rope(rms_norm(projected[1], _kv_norm_weight(w), eps), rotation)
+    kernels = token_kernels.token_kernels() if x.device.type == "cpu" and low in (torch.float32, torch.bfloat16) \
+        else None
+    if kernels is not None:  # the norms (and RoPE) in one compiled call each
+        q_lora = kernels.norm_rope(projected[0], w["attn.q_norm.weight"], eps)
+        kv = kernels.norm_rope(projected[1], _kv_norm_weight(w), eps, rotation)
+    else:
+        q_lora = rms_norm(projected[0], w["attn.q_norm.weight"], eps)
+        kv = apply_rope(rms_norm(projected[1], _kv_norm_weight(w), eps), rotation)
     kv_state.window.append(kv)
     kv_state.seen_tokens += 1
     keys = [kv_state.window.mirror(cfg.sliding_window)]
@@ -642,14 +648,18 @@ def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Te
     q = queries[0].view(cfg.num_heads, cfg.head_dim)
     if entries is not None and entries.shape[0]:
         if indexed:
-            complete = torch.tensor([entries.shape[0]], device=x.device)
-            picked = indexer_topk(cfg, w, x, q_lora, rotation, kv_state.indexer.entries.rows(), complete,
-                                  (queries[1], projected[6]))[0]
+            if kernels is not None:  # every entry is complete: the index_topk best scores
+                head_weights = projected[6] * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
+                scores = kernels.index_scores(queries[1].view(cfg.index_n_heads, cfg.index_head_dim), rotation,
+                                              kv_state.indexer.entries.mirror(), head_weights, low == torch.bfloat16)
+                picked = scores.topk(cfg.index_topk).indices
+            else:
+                complete = torch.tensor([entries.shape[0]], device=x.device)
+                picked = indexer_topk(cfg, w, x, q_lora, rotation, kv_state.indexer.entries.rows(), complete,
+                                      (queries[1], projected[6]))[0]
             entries = entries.index_select(0, picked)
         keys.append(entries)
     sink, scale = w["attn.attn_sink"], cfg.head_dim ** -0.5
-    kernels = token_kernels.token_kernels() if x.device.type == "cpu" and low in (torch.float32, torch.bfloat16) \
-        else None
     if kernels is not None:  # the norm, RoPE and softmax attention of every head in one compiled call
         o = kernels.attend(q, keys, sink, scale, rotation, eps, low == torch.bfloat16)[None]
     else:

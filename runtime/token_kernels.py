@@ -13,6 +13,8 @@ float32 in registers and multiplies in float32, threads splitting the rows:
   SwiGLU of model.expert_forward, every chosen expert of a layer in one call, each matrix read from its stored bytes
   (`stored_matrix`). Weights are never rounded; `round_bf16` rounds the input and the hidden activation (the
   fused FP4 kernel's arithmetic, runtime/expert_decode.py).
+- `linear_many`, `norm_rope`, `index_scores`: several projections of one input, the RMS norm (and RoPE) of a token's
+  rows, the Lightning Indexer's scores of one query, each in one call.
 - `attend(q, key_sets, sink, scale, rotation, eps, round_bf16)`: one decoded token's attention core (per-head norm,
   RoPE, one softmax over every key set and the sink, the weighted keys, RoPE undone): ~40 small torch ops in one
   call, heads split over the threads.
@@ -77,6 +79,8 @@ class TokenKernels:
                                                   ctypes.c_int))
         self._attend = c_function(lib, "attend_token", (p, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int, p,
                                                          ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
+        self._norm_rope = c_function(lib, "token_norm_rope", (p, i64, i64, p, ctypes.c_float, i64, p, p))
+        self._index = c_function(lib, "index_token", (p, i64, i64, i64, p, p, i64, p, ctypes.c_int, p, ctypes.c_int))
         self._set_level = c_function(lib, "token_matmul_set_level", (ctypes.c_int,), restype=None)
         self.vector = bool(c_function(lib, "token_matmul_vector_level", ())())
 
@@ -164,6 +168,44 @@ class TokenKernels:
                         len(sets), sink.data_ptr(), scale, int(round_bf16), out.data_ptr(), _threads(threads)):
             raise RuntimeError(f"the token attention refused a query {list(q.shape)}")
         return out
+
+
+    def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                  rotation: torch.Tensor | None = None) -> torch.Tensor:
+        """model.rms_norm(x, weight, eps) of float32 rows x [..., cols], then (with `rotation`, complex
+        [rope_dim / 2]: one token's angles) model.apply_rope of every row by it, in one call."""
+        x = x.float().contiguous()
+        cols = x.shape[-1]
+        rot = torch.view_as_real(rotation.reshape(-1)).float().contiguous() if rotation is not None else None
+        if weight is not None:
+            weight = weight.float().contiguous()
+        if (weight is not None and weight.numel() != cols) or (rot is not None and 2 * rot.shape[0] > cols):
+            raise ValueError(f"rows of {cols} for a norm weight / rotation of another size")
+        out = torch.empty_like(x)
+        if self._norm_rope(x.data_ptr(), x.numel() // cols, cols, weight.data_ptr() if weight is not None else None,
+                           eps, 2 * rot.shape[0] if rot is not None else 0, rot.data_ptr() if rot is not None else None,
+                           out.data_ptr()):
+            raise RuntimeError(f"the token norm refused rows of {cols}")
+        return out
+
+
+    def index_scores(self, q: torch.Tensor, rotation: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor,
+                     round_bf16: bool, threads: int | None = None) -> torch.Tensor:
+        """The Lightning Indexer's scores for one decoded token: q [heads, D] (the indexer's wq_b output), its last
+        2 x rotation.shape[-1] channels of each head rotated by `rotation`; keys [T, D] float32 (rounded already
+        where `round_bf16`) -> [T] float32, score(t) = sum_h head_weights[h] x relu(q_h . keys_t), the query and
+        each product rounded to bfloat16 where `round_bf16`."""
+        heads, dim = q.shape
+        q, keys = q.float().contiguous(), keys.float().contiguous()
+        rot = torch.view_as_real(rotation.reshape(-1)).float().contiguous()
+        head_weights = head_weights.float().reshape(-1).contiguous()
+        if keys.dim() != 2 or keys.shape[1] != dim or head_weights.numel() != heads or 2 * rot.shape[0] > dim:
+            raise ValueError(f"keys {list(keys.shape)} for an indexer query {list(q.shape)}")
+        scores = torch.empty(keys.shape[0], dtype=torch.float32)
+        if self._index(q.data_ptr(), heads, dim, 2 * rot.shape[0], rot.data_ptr(), keys.data_ptr(), keys.shape[0],
+                       head_weights.data_ptr(), int(round_bf16), scores.data_ptr(), _threads(threads)):
+            raise RuntimeError(f"the token indexer refused a query {list(q.shape)}")
+        return scores
 
 
 def reference_attend(q, key_sets, sink, scale, rotation, eps, round_bf16) -> torch.Tensor:
@@ -326,6 +368,28 @@ def _self_check(kernels: TokenKernels) -> str | None:
             if not torch.allclose(got.double(), want, rtol=1e-2 if flag & ROUND_OUTPUT else 1e-5,
                                   atol=1e-5 * float(want.abs().max())):
                 return f"several matrices on one token (vector loop: {vector}) differ from torch's"
+        rows = torch.randn(3, 44, generator=gen)
+        weight, angles = torch.rand(44, generator=gen) + 0.5, torch.rand(1, 10, generator=gen) * 6
+        rotation = torch.polar(torch.full_like(angles, 1.1), angles)
+        normed = rows.double() * torch.rsqrt(rows.double().square().mean(-1, keepdim=True) + 1e-6) * weight.double()
+        pairs = torch.view_as_complex(normed[:, -20:].contiguous().unflatten(-1, (-1, 2))) * rotation.to(torch.complex128)
+        want = torch.cat([normed[:, :-20], torch.view_as_real(pairs).flatten(-2)], -1)
+        if not torch.allclose(kernels.norm_rope(rows, weight, 1e-6, rotation).double(), want, rtol=1e-5, atol=1e-5):
+            return "the token norm and RoPE differ from torch's"
+        q, keys, head_weights = torch.randn(5, 40, generator=gen), torch.randn(23, 40, generator=gen), torch.randn(5, generator=gen)
+        angles = torch.rand(1, 10, generator=gen) * 6
+        rotation = torch.polar(torch.ones_like(angles), angles)
+        for round_bf16 in (False, True):
+            keys = keys.bfloat16().float() if round_bf16 else keys
+            pairs = torch.view_as_complex(q[:, -20:].double().contiguous().unflatten(-1, (-1, 2))) * \
+                rotation.reshape(-1).to(torch.complex128)
+            rotated = torch.cat([q[:, :-20].double(), torch.view_as_real(pairs).flatten(-2)], -1)
+            products = rotated.float().bfloat16().double() @ keys.double().T if round_bf16 else rotated @ keys.double().T
+            products = products.float().bfloat16().double() if round_bf16 else products
+            want = head_weights.double() @ products.relu()
+            got = kernels.index_scores(q, rotation, keys, head_weights, round_bf16, threads=2).double()
+            if not torch.allclose(got, want, rtol=1e-2 if round_bf16 else 1e-5, atol=1e-2 if round_bf16 else 1e-5):
+                return f"the token indexer (vector loop: {vector}) differs from torch's"
         heads, dim = 5, 40  # a dimension off the vector width; an empty set
         q, sink = torch.randn(heads, dim, generator=gen) * 3, torch.randn(heads, generator=gen)
         angles = torch.rand(12, generator=gen) * 6
