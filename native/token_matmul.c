@@ -432,10 +432,11 @@ static void hidden_part(void *p, int part, int parts) {
         const matrix_t *w1 = a->w1 + e, *w3 = a->w3 + e;
         float gate = dot(w1, i, deinterleaved(w1->kind) ? a->x_deint : a->x_plain);
         float up = dot(w3, i, deinterleaved(w3->kind) ? a->x_deint : a->x_plain);
+        if (a->round_bf16 & ROUND_OUTPUT) { gate = round_to_bf16(gate); up = round_to_bf16(up); }
         gate = fminf(gate, a->limit);  /* torch's clamp: NaN stays NaN */
         up = up != up ? up : fmaxf(fminf(up, a->limit), -a->limit);
         float h = gate / (1.0f + expf(-gate)) * up;
-        if (a->round_bf16) h = round_to_bf16(h);
+        if (a->round_bf16 & ROUND_INPUT) h = round_to_bf16(h);
         a->hidden[e * a->I + (deinterleaved(a->w2[e].kind) ? arranged(i) : i)] = h;
     }
 }
@@ -447,13 +448,15 @@ static void output_part(void *p, int part, int parts) {
     for (int64_t r = r0; r < r1; r++) {
         float acc = 0.0f;
         for (int64_t e = 0; e < a->n; e++) acc = fmaf(a->weights[e], dot(a->w2 + e, r, a->hidden + e * a->I), acc);
-        a->out[r] = acc;
+        a->out[r] = a->round_bf16 & ROUND_OUTPUT ? round_to_bf16(acc) : acc;
     }
 }
 
 /* out [H] = sum over e of weights[e] * expert e (x [H]), the clamped SwiGLU of model.expert_forward:
    w1[e], w3[e] [I, H], w2[e] [H, I]. Two passes over the pool: every expert's hidden rows, then the output rows
-   (each a sum over the experts in their order). */
+   (each a sum over the experts in their order). round_bf16 & ROUND_INPUT: the input and the hidden activation
+   rounded to bfloat16; & ROUND_OUTPUT: the gate, the up projection and the output too (one expert of bfloat16
+   linears, as the shared expert is computed). */
 int moe_token(const float *x, int64_t H, int64_t I, int64_t n, const matrix_t *w1, const matrix_t *w3,
               const matrix_t *w2, const float *weights, float limit, int round_bf16, float *out, int threads) {
     if (H < 1 || I < 1 || n < 0) return 1;
@@ -464,8 +467,8 @@ int moe_token(const float *x, int64_t H, int64_t I, int64_t n, const matrix_t *w
     }
     float *scratch = malloc(sizeof(float) * (size_t)(2 * H + n * I + 1));
     if (!scratch) return 2;
-    arrange(x, H, KIND_F32, round_bf16, scratch);
-    arrange(x, H, KIND_FP4_E2M1, round_bf16, scratch + H);
+    arrange(x, H, KIND_F32, round_bf16 & ROUND_INPUT, scratch);
+    arrange(x, H, KIND_FP4_E2M1, round_bf16 & ROUND_INPUT, scratch + H);
     moe_args args = {scratch, scratch + H, H, I, n, w1, w3, w2, weights, limit, round_bf16, scratch + 2 * H, out};
     run_parts(hidden_part, &args, threads);
     run_parts(output_part, &args, threads);

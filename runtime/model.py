@@ -483,6 +483,11 @@ def grouped_output(cfg: ModelConfig, o: Tensor, wo_a: Tensor, wo_b: Tensor) -> T
     o_lora_rank (wo_a holds the groups' matrices stacked), then wo_b mixes all groups to the hidden size."""
     groups = cfg.o_groups
     kernels = _token_kernels(o.shape[0], o, wo_a)
+    if kernels is not None and o.shape[0] == 1 and o.dtype == torch.float32 and wo_a.dtype == wo_b.dtype:
+        # one token: the roundings to the weights' dtype inside the kernels, no conversions between them
+        low = wo_a.dtype == torch.bfloat16
+        low_rank = kernels.grouped(o.reshape(groups, -1), token_kernels.float_matrix(wo_a), low, round_output=low)
+        return linear(low_rank.reshape(1, -1), wo_b)
     if kernels is not None:  # a decoded token's groups in one compiled call
         low_rank = torch.stack([kernels.grouped(row.reshape(groups, -1), token_kernels.float_matrix(wo_a),
                                                 wo_a.dtype == torch.bfloat16).to(wo_a.dtype) for row in o])
@@ -792,6 +797,15 @@ def expert_forward(cfg: ModelConfig, x: Tensor, w1: Tensor, w3: Tensor, w2: Tens
     """Clamped SwiGLU: x [n, H], w1 (gate) / w3 (up) [I, H], w2 (down) [H, I] -> [n, H]. The gate is clamped from
     above, the up projection on both sides, at swiglu_limit. `hidden_order`: w2's columns are stored permuted
     (w2[:, hidden_order]), so the hidden activation is permuted the same way."""
+    matrices = (w1, w3, w2)
+    kernels = _token_kernels(_rows(x), x, w1) if _rows(x) == 1 and x.dtype == torch.float32 else None
+    if kernels is not None and hidden_order is None and all(w.dtype == w1.dtype and w.is_contiguous()
+                                                            for w in matrices):
+        # one token: the three linears and the SwiGLU between them in one compiled call, rounded as they round
+        low = w1.dtype == torch.bfloat16
+        out = kernels.moe(x.reshape(-1), [tuple(token_kernels.float_matrix(w) for w in matrices)],
+                          torch.ones(1), cfg.swiglu_limit, low, round_output=low)
+        return out.reshape(x.shape)
     gate, up = linears(x, [w1, w3])
     gate, up = gate.clamp(max=cfg.swiglu_limit), up.clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
     hidden = F.silu(gate) * up

@@ -116,22 +116,25 @@ class TokenKernels:
             raise RuntimeError("the token matmul refused one of several matrices")
         return outs
 
-    def grouped(self, x: torch.Tensor, w: Matrix, round_bf16: bool, threads: int | None = None) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, w: Matrix, round_bf16: bool, threads: int | None = None,
+                round_output: bool = False) -> torch.Tensor:
         """float32 x [G, cols] -> float32 [G, rows / G]: group g's rows of W (rows g * R ... (g + 1) * R) times
-        x[g], one token's grouped projection."""
+        x[g], one token's grouped projection (`round_bf16`, `round_output`: as `linear`'s)."""
         x = x.float().contiguous()
         groups = x.shape[0]
         if x.dim() != 2 or x.shape[1] != w.cols or groups < 1 or w.rows % groups:
             raise ValueError(f"input {list(x.shape)} for a grouped {w.rows} x {w.cols} matrix")
         out = torch.empty(groups, w.rows // groups, dtype=torch.float32)
-        if self._grouped(x.data_ptr(), groups, x.shape[1], ctypes.byref(w), out.data_ptr(), int(round_bf16),
-                         _threads(threads)):
+        if self._grouped(x.data_ptr(), groups, x.shape[1], ctypes.byref(w), out.data_ptr(),
+                         int(round_bf16) | (ROUND_OUTPUT if round_output else 0), _threads(threads)):
             raise RuntimeError(f"the token matmul refused a grouped {w.rows} x {w.cols} matrix of kind {w.kind}")
         return out
 
     def moe(self, x: torch.Tensor, experts: list[tuple[Matrix, Matrix, Matrix]], weights: torch.Tensor,
-            limit: float, round_bf16: bool, threads: int | None = None) -> torch.Tensor:
-        """float32 x [H] -> float32 [H]: the experts' clamped SwiGLU outputs summed with `weights`, in order."""
+            limit: float, round_bf16: bool, threads: int | None = None, round_output: bool = False) -> torch.Tensor:
+        """float32 x [H] -> float32 [H]: the experts' clamped SwiGLU outputs summed with `weights`, in order.
+        `round_output` (with round_bf16): the gate, up and output rounded to bfloat16 too, as three bfloat16
+        `linear`s round them (model.expert_forward of the shared expert)."""
         x = x.float().reshape(-1).contiguous()
         weights = weights.float().reshape(-1).contiguous()
         if len(weights) != len(experts):
@@ -141,7 +144,8 @@ class TokenKernels:
         arrays = [(Matrix * max(n, 1))(*(e[j] for e in experts)) for j in range(3)]
         out = torch.empty(hidden, dtype=torch.float32)
         if self._moe(x.data_ptr(), hidden, inter, n, *(ctypes.addressof(a) for a in arrays), weights.data_ptr(),
-                     float(limit), int(round_bf16), out.data_ptr(), _threads(threads)):
+                     float(limit), int(round_bf16) | (ROUND_OUTPUT if round_output else 0), out.data_ptr(),
+                     _threads(threads)):
             raise RuntimeError(f"the token MoE refused {n} experts on {hidden} inputs")
         return out
 
@@ -354,6 +358,16 @@ def _self_check(kernels: TokenKernels) -> str | None:
         got = kernels.moe(x, experts, weights, limit, False, threads=2).double()
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())):
             return f"the MoE (vector loop: {vector}) differs from torch's"
+        w1, w3, w2 = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((96, 64), (96, 64), (64, 96)))
+        x = torch.randn(64, generator=gen)
+        gate = (x.bfloat16().double() @ w1.double().T).float().bfloat16().double().clamp(max=limit)
+        up = (x.bfloat16().double() @ w3.double().T).float().bfloat16().double().clamp(-limit, limit)
+        hidden = (torch.nn.functional.silu(gate) * up).float().bfloat16().double()
+        want = (hidden @ w2.double().T).float().bfloat16().double()
+        got = kernels.moe(x, [tuple(float_matrix(w) for w in (w1, w3, w2))], torch.ones(1), limit, True, threads=2,
+                          round_output=True).double()
+        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+            return f"one expert of bfloat16 linears (vector loop: {vector}) differs from torch's"
         mats, refs, keep = [], [], []  # several matrices on one token, float and stored kinds mixed
         for kind, rows in (("BF16", 37), ("F32", 5), ("Q8_0", 70)):
             data, scale = _random_stored(kind, rows, 96, gen)
