@@ -78,7 +78,8 @@ def disk_rate(container: str, facts: dict) -> dict:
         paths = c.part_paths
     drop_page_cache(container)
     got = time_reads(paths, plan, facts["top_k"], "direct")
-    return {"gbps": got["gbps"], "source": f"moepack's reader ({fio.get('skipped', 'fio failed')})"}
+    return {"gbps": round(got["bytes"] / got["seconds"] / 1e9, 3),
+            "source": f"moepack's reader ({fio.get('skipped', 'fio failed')})"}
 
 
 def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, compute_dtype: str) -> dict:

@@ -9,7 +9,8 @@ container does not fit in memory), the reads of a layer issued together. On a CP
 in one call of the compiled token kernel (runtime/token_kernels.py), which reads each matrix from its stored bytes
 (F32, BF16, F16, FP4 E2M1, MXFP4, Q8_0) and splits the rows over every thread, while the small torch ops of the
 token run on one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another
-stored kind) each expert is computed as its bytes arrive by the prefill's expert runner.
+stored kind) each expert is computed as its bytes arrive by the prefill's expert runner. The attention grows each
+layer's KV one token at a time (model.attention_token over a model.TokenKV); `states` gives them as LayerKVStates.
 
 The cache holds experts as stored (their container bytes), least recently used evicted first. It starts warm:
 `seed` reads the experts the prompt sent the most tokens to, most used first, until the budget is full.

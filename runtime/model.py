@@ -515,9 +515,9 @@ class GrowingRows:
         self._rows = rows.new_empty(room, rows.shape[1])
         self._mirror = self._rows if low == torch.float32 else torch.empty_like(self._rows)
         self.count = 0
-        self._put(rows)
+        self.append(rows)
 
-    def _put(self, rows: Tensor) -> None:
+    def append(self, rows: Tensor) -> None:
         n = rows.shape[0]
         if self.count + n > self._rows.shape[0]:
             if self.keep is not None and self.keep + n <= self._rows.shape[0]:  # move the kept rows to the front
@@ -537,9 +537,6 @@ class GrowingRows:
         if self._mirror is not self._rows:
             self._mirror[self.count:self.count + n] = rows.to(self.low)
         self.count += n
-
-    def append(self, rows: Tensor) -> None:
-        self._put(rows)
 
     def _start(self, last: int | None) -> int:
         return 0 if last is None else max(0, self.count - last)
@@ -616,7 +613,7 @@ def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Te
     """`attention` for one decoded token x [1, H] after kv_state's tokens, growing kv_state in place: the same
     arithmetic without what a single query never needs (no masks: the token sees every key of its window and
     every complete compressed entry; no per-token copies of the window or the entries)."""
-    kind, rate, eps = cfg.layer_types[layer], cfg.compress_rates[layer], cfg.rms_norm_eps
+    kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
     if kind != kv_state.layer_type:
         raise ValueError(f"layer {layer}: past state of a {kv_state.layer_type} layer, the model has {kind}")
     position = kv_state.seen_tokens

@@ -212,25 +212,31 @@ class TokenKernels:
         return scores
 
 
+def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """model.apply_rope of float64 rows x by complex angles `rotation` [rope_dim / 2] (the self-checks' reference)."""
+    rope_dim = 2 * rotation.shape[-1]
+    pairs = torch.view_as_complex(x[..., -rope_dim:].contiguous().unflatten(-1, (-1, 2)))
+    pairs = pairs * rotation.reshape(-1).to(torch.complex128)
+    return torch.cat([x[..., :-rope_dim], torch.view_as_real(pairs).flatten(-2)], -1)
+
+
+def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
 def reference_attend(q, key_sets, sink, scale, rotation, eps, round_bf16) -> torch.Tensor:
     """TokenKernels.attend in float64 torch (the self-check's reference; rounding where the kernel rounds)."""
     def rounded(t):
         return t.float().bfloat16().double() if round_bf16 else t
-    rope_dim = 2 * rotation.shape[-1]
-    rot = rotation.reshape(-1).to(torch.complex128)
-
-    def rotate(x, r):
-        pairs = torch.view_as_complex(x[..., -rope_dim:].contiguous().unflatten(-1, (-1, 2))) * r
-        return torch.cat([x[..., :-rope_dim], torch.view_as_real(pairs).flatten(-2)], -1)
-    q = q.double()
-    q = rounded(rotate(q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps), rot))
+    q = rounded(_rotated(_normed(q, eps), rotation))
     sets = [k.double() for k in key_sets if k.shape[0]]
     logits = [rounded(q @ k.T) * scale for k in sets]
     peak = torch.stack([x.amax(-1) for x in logits] + [sink.double()]).amax(0)
     weights = [(x - peak[:, None]).exp() for x in logits]
     total = (sink.double() - peak).exp() + sum(w.sum(-1) for w in weights)
     out = sum(rounded(rounded(w / total[:, None]) @ k) for w, k in zip(weights, sets))
-    return rotate(out, rot.conj())
+    return _rotated(out, rotation.conj())
 
 
 _FLOAT_MATRICES: dict[tuple, Matrix] = {}  # a descriptor is its fields: the same fields, the same (valid) Matrix
@@ -385,21 +391,16 @@ def _self_check(kernels: TokenKernels) -> str | None:
         rows = torch.randn(3, 44, generator=gen)
         weight, angles = torch.rand(44, generator=gen) + 0.5, torch.rand(1, 10, generator=gen) * 6
         rotation = torch.polar(torch.full_like(angles, 1.1), angles)
-        normed = rows.double() * torch.rsqrt(rows.double().square().mean(-1, keepdim=True) + 1e-6) * weight.double()
-        pairs = torch.view_as_complex(normed[:, -20:].contiguous().unflatten(-1, (-1, 2))) * rotation.to(torch.complex128)
-        want = torch.cat([normed[:, :-20], torch.view_as_real(pairs).flatten(-2)], -1)
+        want = _rotated(_normed(rows, 1e-6) * weight.double(), rotation)
         if not torch.allclose(kernels.norm_rope(rows, weight, 1e-6, rotation).double(), want, rtol=1e-5, atol=1e-5):
             return "the token norm and RoPE differ from torch's"
-        q, keys, head_weights = torch.randn(5, 40, generator=gen), torch.randn(23, 40, generator=gen), torch.randn(5, generator=gen)
-        angles = torch.rand(1, 10, generator=gen) * 6
-        rotation = torch.polar(torch.ones_like(angles), angles)
+        q, keys = torch.randn(5, 40, generator=gen), torch.randn(23, 40, generator=gen)
+        head_weights = torch.randn(5, generator=gen)
         for round_bf16 in (False, True):
-            keys = keys.bfloat16().float() if round_bf16 else keys
-            pairs = torch.view_as_complex(q[:, -20:].double().contiguous().unflatten(-1, (-1, 2))) * \
-                rotation.reshape(-1).to(torch.complex128)
-            rotated = torch.cat([q[:, :-20].double(), torch.view_as_real(pairs).flatten(-2)], -1)
-            products = rotated.float().bfloat16().double() @ keys.double().T if round_bf16 else rotated @ keys.double().T
-            products = products.float().bfloat16().double() if round_bf16 else products
+            def rounded(t):
+                return t.float().bfloat16().double() if round_bf16 else t
+            keys = rounded(keys).float()
+            products = rounded(rounded(_rotated(q.double(), rotation)) @ keys.double().T)
             want = head_weights.double() @ products.relu()
             got = kernels.index_scores(q, rotation, keys, head_weights, round_bf16, threads=2).double()
             if not torch.allclose(got, want, rtol=1e-2 if round_bf16 else 1e-5, atol=1e-2 if round_bf16 else 1e-5):

@@ -174,6 +174,61 @@ def test_continuation_equals_single_prefill(models, name, a, b):
     torch.testing.assert_close(cont[-1], ref, atol=1e-3 * ref.abs().max().item(), rtol=0)
 
 
+def _token_forward(cfg, weights, layers: list[dict], token_id: int, kvs: list[M.TokenKV]) -> torch.Tensor:
+    """One decoded token through every layer with resident weights, the attention through attention_token (what
+    runtime/decode.py's Decoder runs over a container): its logits [vocab]."""
+    ids = torch.tensor([token_id])
+    streams = M.embed(cfg, ids, weights["embed.weight"])
+    for layer, w in enumerate(layers):
+        streams = M.attention_token_sublayer(cfg, layer, w, streams, kvs[layer])
+        routing = M.moe_route(cfg, layer, w, streams, ids)
+        routed = torch.zeros(1, cfg.hidden_size)
+        for e, weight in sorted(zip(routing.experts[0].tolist(), routing.weights[0])):
+            routed += weight * M.expert_forward(cfg, routing.x, *(w[f"ffn.experts.{e}.{m}.weight"]
+                                                                  for m in ("w1", "w3", "w2")))
+        streams = M.moe_finish(cfg, layer, w, streams, routing, routed)
+    return M.head(cfg, streams, weights, -1)
+
+
+# (config, prompt, decoded tokens): B decodes past 64 new CSA entries (the entries' rows grow) and many sliding
+# windows (the window's rows move to the front); A and C cross HCA windows and the indexer's top-k.
+TOKEN_STEPS = [("A", 5, 60), ("B", 3, 200), ("C", 40, 40)]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("name,a,b", TOKEN_STEPS, ids=[f"{c}-{a}+{b}" for c, a, b in TOKEN_STEPS])
+def test_token_attention_equals_the_prefill(models, monkeypatch, name, a, b, compiled):
+    """Decode's one-token attention (model.attention_token over a TokenKV, with the compiled token kernels or the
+    torch path) gives the logits of a single prefill of the whole sequence at every step, and ends in its KV."""
+    if not compiled:
+        monkeypatch.setattr(M.token_kernels, "token_kernels", lambda: None)
+    _, cfg, weights = models(name)
+    ids = _prompt(a + b, cfg.vocab_size, seed=3)
+    whole, whole_states = M.forward_resident(cfg, weights, ids, query_chunk=16, return_kv_state=True)
+    _, states = M.forward_resident(cfg, weights, ids[:a], return_kv_state=True)
+    kvs = [M.TokenKV(cfg, layer, state, torch.float32) for layer, state in enumerate(states)]
+    layers = [M.layer_weights(weights, layer) for layer in range(cfg.num_layers)]
+    scale = whole.abs().max().item()
+    for step, token in enumerate(ids[a:].tolist()):
+        logits = _token_forward(cfg, weights, layers, token, kvs)
+        torch.testing.assert_close(logits, whole[a + step], atol=2e-5 * scale, rtol=0, msg=f"step {step}")
+    for kv, ref in zip(kvs, whole_states):
+        _same_state(kv.state(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_growing_rows_keep_what_was_appended():
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(300, 6, generator=gen)
+    grown, window = M.GrowingRows(rows[:3], low=torch.bfloat16), M.GrowingRows(rows[:3], keep=5)
+    for n in range(3, 300):
+        grown.append(rows[n:n + 1])
+        window.append(rows[n:n + 1])
+        assert torch.equal(window.rows(), rows[max(0, n - 4):n + 1])
+        assert torch.equal(window.mirror(6), rows[max(0, n - 5):n + 1])  # the last `keep` + 1: a token's keys
+    assert torch.equal(grown.rows(), rows) and grown.count == 300
+    assert torch.equal(grown.mirror(), rows.bfloat16().float())
+
+
 def test_splits_cover_every_window_case(models):
     """Every compress rate of every configuration is split inside a window and exactly at a window boundary (after
     at least one full window), and the first chunk passes the sliding window."""

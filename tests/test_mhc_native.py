@@ -1,6 +1,7 @@
 """The compiled mHC weights (runtime/mhc_native.py) against the torch path they replace on a CPU."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,3 +70,26 @@ def test_inputs_the_kernel_cannot_take_go_to_torch():
     if got is not None:
         assert all(t.dtype == torch.float32 for t in got)
         assert torch.allclose(got[2], model.hc_mix_weights(mixes, scale, base, 4, 3, 1e-6)[2], atol=1e-6)
+
+
+@pytest.mark.parametrize("hc,hidden,iters", [(4, 64, 20), (3, 67, 7), (1, 16, 1)])
+def test_one_tokens_mhc_entry_and_exit_match_torch(hc, hidden, iters):
+    """model.hc_pre_norm / hc_post of one token (one compiled call each) against hc_pre + rms_norm and the bmm path
+    on a batch of two tokens (which never takes the one-token call)."""
+    if mhc_native._kernel(model.hc_mix_weights) is None:
+        pytest.skip("no C compiler: the torch path is the only one")
+    gen = torch.Generator().manual_seed(hc)
+    cfg = SimpleNamespace(hc_mult=hc, hc_sinkhorn_iters=iters, hc_eps=1e-6, rms_norm_eps=1e-6)  # what it reads
+    streams = torch.randn(2, hc, hidden, generator=gen)
+    fn = torch.randn((2 + hc) * hc, hc * hidden, generator=gen) * 0.1
+    scale, base = torch.rand(3, generator=gen) + 0.5, torch.randn((2 + hc) * hc, generator=gen)
+    norm_weight = torch.rand(hidden, generator=gen) + 0.5
+    one = model.hc_pre_norm(cfg, fn, base, scale, streams[:1], norm_weight)
+    batch = model.hc_pre_norm(cfg, fn, base, scale, streams, norm_weight)
+    assert mhc_native.token_pre(streams[:1], fn, scale, base, hc, iters, 1e-6, 1e-6, norm_weight,
+                                model.hc_mix_weights) is not None  # the compiled call is the one tested
+    for got, want in zip(one, batch):
+        assert got.shape == want[:1].shape and torch.allclose(got, want[:1], rtol=1e-4, atol=1e-5), (got - want[:1])
+    out = torch.randn(2, hidden, generator=gen)
+    got, want = model.hc_post(streams[:1], out[:1], one[1], one[2]), model.hc_post(streams, out, batch[1], batch[2])
+    assert torch.allclose(got, want[:1], rtol=1e-4, atol=1e-5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -213,6 +214,63 @@ def test_model_matmul_is_f_linear_for_a_decoded_token():
         low = model.low_matmul(q, k.T, dtype)
         assert low.dtype == dtype and torch.allclose(low.float(), torch.matmul(q.to(dtype), k.T.to(dtype)).float(),
                                                      rtol=step, atol=step * float(low.abs().max()))
+
+
+def test_several_matrices_on_one_token_equal_one_call_each(loop):
+    """linear_many: float and stored kinds mixed, each matrix's own roundings, rows split over the threads across
+    matrix boundaries."""
+    weights = [_weight(kind, rows, 96, seed) for seed, (kind, rows) in
+               enumerate((("BF16", 37), ("F32", 5), ("Q8_0", 70), ("FP4_E2M1", 3), ("MXFP4", 64)))]
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(1))
+    flags = [token_kernels.ROUND_INPUT | token_kernels.ROUND_OUTPUT, 0, token_kernels.ROUND_INPUT, 0, 0]
+    outs = loop.linear_many(x, [w[0] for w in weights], flags, threads=3)
+    for out, (matrix, values, _), flag in zip(outs, weights, flags):
+        want = loop.linear(x, matrix, bool(flag & token_kernels.ROUND_INPUT), threads=1,
+                           round_output=bool(flag & token_kernels.ROUND_OUTPUT))
+        assert out.shape == (1, matrix.rows) and torch.allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("low", [torch.float32, torch.bfloat16])
+def test_one_tokens_attention_norms_and_indexer_equal_the_torch_path(loop, low):
+    """attend, norm_rope and index_scores against model's torch path for one query: per-head norm and RoPE,
+    softmax over a window and compressed entries plus the sink, RoPE undone; the indexer's relu-weighted scores."""
+    gen = torch.Generator().manual_seed(0)
+    heads, dim, rope = 6, 72, 16
+    q, sink = torch.randn(heads, dim, generator=gen) * 2, torch.randn(heads, generator=gen)
+    angles = torch.rand(1, rope // 2, generator=gen) * 6
+    rotation = torch.polar(torch.full_like(angles, 1.3), angles)
+    keys = [torch.randn(n, dim, generator=gen).to(low).float() for n in (17, 0, 9)]
+    want = model._attend_token(model.apply_rope(model.rms_norm(q[None], None, 1e-6), rotation)[0], keys, sink, 0.1,
+                               low)
+    want = model.apply_rope(want[None], rotation.conj())[0]
+    got = loop.attend(q, keys, sink, 0.1, rotation, 1e-6, low == torch.bfloat16, threads=2)
+    step = 1e-5 if low == torch.float32 else 2e-2
+    assert torch.allclose(got, want, rtol=step, atol=step * float(want.abs().max())), (got - want).abs().max()
+    rows, weight = torch.randn(3, dim, generator=gen), torch.rand(dim, generator=gen) + 0.5
+    assert torch.allclose(loop.norm_rope(rows, weight, 1e-6, rotation),
+                          model.apply_rope(model.rms_norm(rows, weight, 1e-6), rotation), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(loop.norm_rope(rows, None, 1e-6), model.rms_norm(rows, None, 1e-6), rtol=1e-5, atol=1e-6)
+    index_keys, head_weights = torch.randn(30, dim, generator=gen).to(low).float(), torch.randn(heads, generator=gen)
+    scores = loop.index_scores(q, rotation, index_keys, head_weights, low == torch.bfloat16, threads=2)
+    reference = model.low_matmul(model.apply_rope(q[None], rotation), index_keys.T, low).float().relu_()
+    reference = (head_weights[None, :, None] * reference).sum(1)[0]
+    assert torch.allclose(scores, reference, rtol=step, atol=step * float(reference.abs().max()))
+
+
+def test_the_shared_expert_of_one_token_is_its_three_linears(loop):
+    """model.expert_forward of one float32 token through one compiled call equals the three linears (bf16 weights:
+    the same roundings; float32: the same sums up to their order)."""
+    cfg = SimpleNamespace(swiglu_limit=2.0)  # what expert_forward reads
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w1, w3, w2 = (torch.randn(*shape, generator=gen).to(dtype) * 0.1 for shape in ((48, 64), (48, 64), (64, 48)))
+        x = torch.randn(1, 64, generator=gen) * 3
+        got = model.expert_forward(cfg, x, w1, w3, w2)
+        gate = model.linear(x, w1).clamp(max=2.0)
+        up = model.linear(x, w3).clamp(-2.0, 2.0)
+        want = model.linear(F.silu(gate) * up, w2)
+        step = 1e-5 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(got, want, rtol=step, atol=step * float(want.abs().max())), (got - want).abs().max()
 
 
 @pytest.fixture(scope="module")
