@@ -46,12 +46,13 @@ EOF
 failed=""
 
 step "tests"
-timeout 150 python3 -m pytest -q -rs tests/test_prefill.py tests/test_quants.py tests/test_bench.py tests/test_pipeline_stages.py -k cuda 2>&1 \
+timeout 200 python3 -m pytest -q -rs tests/test_prefill.py tests/test_quants.py tests/test_bench.py tests/test_pipeline_stages.py \
+    tests/test_generate.py -k cuda 2>&1 \
     | tee "$OUT/tests.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
 
 step "prefill benchmark"
-timeout 330 python3 benchmarks/prefill.py --workdir /tmp/moepack-bench --preset "$PRESET" --tokens "$TOKENS" \
+timeout 320 python3 benchmarks/prefill.py --workdir /tmp/moepack-bench --preset "$PRESET" --tokens "$TOKENS" \
     --compute-dtype bfloat16 --repeat 2 --device "$DEVICE" --device-budget-gib "$BUDGET_GIB" \
     2> "$OUT/prefill_stderr.txt" | tee "$OUT/prefill.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed benchmark"

@@ -220,9 +220,9 @@ class Decoder:
         """Expert e's stored bytes on the compute device: a cache hit, or its read (awaited, checked, kept in the
         cache where the budget allows, its buffer given back)."""
         item = got[e]
-        region = self.c.layers[layer].experts[e]
         if isinstance(item, torch.Tensor):
             return item if item.device == self.device else item.to(self.device)
+        region = self.c.layers[layer].experts[e]
         t0 = time.perf_counter()
         buffer, view = item.result()
         self.stats.disk_wait_s += time.perf_counter() - t0

@@ -143,6 +143,16 @@ def rope_rotation(rope: RopeConfig, start: int, count: int, step: int = 1,
     return torch.complex(angles.cos() * rope.attention_factor, angles.sin() * rope.attention_factor)
 
 
+ROTATION_BLOCK = 256  # decoded positions whose rotations are made together
+
+
+def token_rotation(rope: RopeConfig, position: int, device: torch.device | None = None) -> Tensor:
+    """rope_rotation(rope, position, 1): a decoded token's rotation [1, rope.dim/2], sliced from its block of
+    ROTATION_BLOCK positions (made once per block: the same values, not two cos / sin calls per token and rope)."""
+    start = position - position % ROTATION_BLOCK
+    return rope_rotation(rope, start, ROTATION_BLOCK, 1, device)[position - start:position - start + 1]
+
+
 @functools.cache
 def _inv_freq(rope: RopeConfig) -> Tensor:
     return rope.inv_freq()
@@ -617,7 +627,7 @@ def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Te
     if kind != kv_state.layer_type:
         raise ValueError(f"layer {layer}: past state of a {kv_state.layer_type} layer, the model has {kind}")
     position = kv_state.seen_tokens
-    rotation = rope_rotation(cfg.main_rope if kind == SLIDING else cfg.compress_rope, position, 1, 1, x.device)
+    rotation = token_rotation(cfg.main_rope if kind == SLIDING else cfg.compress_rope, position, x.device)
     low = w["attn.wq_b.weight"].dtype
     # every projection of x in one call: the query's LoRA, K=V, the compressors' (kv, gate) pairs
     names = ["attn.wq_a.weight", "attn.wkv.weight"]

@@ -70,6 +70,17 @@ def test_greedy_generation_equals_transformers(models, name, n, cache_gib):
         assert decode["bytes_read"] + decode["cache_seed_bytes"] <= size
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name,n", [("A", 40), ("C", 70)], ids=["A-N40", "C-N70"])
+def test_cuda_greedy_generation_equals_transformers(models, name, n):
+    """The decode on a GPU (`--device cuda`: resident weights and the expert cache's hits on the device, the torch
+    path of the one-token attention) generates transformers' greedy tokens."""
+    hf_model, container = models[name]
+    ids = _prompt(n, hf_model.config.vocab_size, seed=n)
+    options = GenerateOptions(max_new_tokens=NEW_TOKENS, cache_gib=1.0, prefill=PrefillOptions(device="cuda"))
+    assert generate(container, ids, options).generated_ids == _transformers_greedy(hf_model, ids, NEW_TOKENS)
+
+
 def test_generation_continued_from_a_kv_equals_the_whole(models, tmp_path):
     hf_model, container = models["C"]
     ids = _prompt(90, hf_model.config.vocab_size, seed=5)
