@@ -124,7 +124,8 @@ class Decoder:
         self.stats = DecodeStats()
         self.cache = ExpertCache(cache_bytes)
         self._cache_counts = (0, 0)  # the cache's hits and misses when this sequence began
-        self.checker = RegionChecker(container, verify_reads, on_read=False)
+        # a miss's bytes are checked by the reader thread as they land (beside this thread's compute)
+        self.checker = RegionChecker(container, verify_reads, on_read=True)
         self.reader = RegionReader(container.part_paths, io_mode, zero_copy=False)
         self.copier = DeviceCopier(device)
         largest = max((r.length for b in container.layers for r in b.experts), default=4096)
@@ -136,11 +137,15 @@ class Decoder:
         start = time.perf_counter()
         self.dense = [decode_dense(b, self._read_region(b.dense).to(device), compute_dtype) for b in container.layers]
         self.embed_entries, self.embed_read = self._read_globals(["embed.weight"], on_device=False)
-        entries, read = self._read_globals([*HEAD_GLOBALS, cfg.head_weight], on_device=True)
-        self.head_weights = decode_group(entries, read)
-        self.stats.resident_s = time.perf_counter() - start
         # a token's routed experts in one compiled call (CPU), read from their stored bytes
         self.kernels = token_kernels.token_kernels() if device.type == "cpu" else None
+        entries, read = self._read_globals([*HEAD_GLOBALS, cfg.head_weight], on_device=True)
+        # the LM head (the largest matrix a token reads: 1 GB for V4-Flash in bf16) kept bf16 where it is stored so
+        # and the token matmul widens it exactly in its loop (model.widened_matmul): the float32 products of a
+        # float32 copy, from half the bytes
+        self.head_weights = decode_group(entries, read, dtype_of=lambda t: torch.bfloat16 if (
+            self.kernels is not None and t.name == cfg.head_weight and t.dtype == "BF16") else torch.float32)
+        self.stats.resident_s = time.perf_counter() - start
         self._layouts: dict[tuple[int, int], list | None] = {}
         self._matrices: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> (weakref to its bytes, Matrices)
         self._tables: dict[str, torch.Tensor] = {}
@@ -210,15 +215,16 @@ class Decoder:
             if raw is None:
                 region = block.experts[e]
                 span = block.expert_read(e, 1)
-                got[e] = self.pipe.submit(span.offset, span.length, part=span.part)
+                got[e] = self.pipe.submit(span.offset, span.length, self.checker.after_read([region]), span.part)
                 self.stats.bytes_read += region.length
             else:
                 got[e] = raw
         return got
 
-    def _expert_bytes(self, layer: int, e: int, got) -> torch.Tensor:
-        """Expert e's stored bytes on the compute device: a cache hit, or its read (awaited, checked, kept in the
-        cache where the budget allows, its buffer given back)."""
+    def _expert_bytes(self, layer: int, e: int, got, held: list) -> torch.Tensor:
+        """Expert e's stored bytes on the compute device: a cache hit, or its read (awaited; checked as it landed).
+        A read the cache keeps is copied out of its pooled buffer, which goes back at once; one it cannot keep is
+        used in place, its buffer appended to `held` for the caller to give back once the expert has run."""
         item = got[e]
         if isinstance(item, torch.Tensor):
             return item if item.device == self.device else item.to(self.device)
@@ -226,13 +232,21 @@ class Decoder:
         t0 = time.perf_counter()
         buffer, view = item.result()
         self.stats.disk_wait_s += time.perf_counter() - t0
+        raw = self.copier.host_bytes(buffer, view)[:region.length]
+        if not self.cache.fits(region.length):  # no copy of bytes nothing keeps
+            held.append(buffer)
+            return raw.to(self.device)
         try:
-            self.checker.check([region], view, region.offset)
-            raw = self.copier.host_bytes(buffer, view)[:region.length].clone()  # outlives the pooled buffer
+            raw = raw.clone()  # outlives the pooled buffer
         finally:
             self.pipe.release(buffer)
         self.cache.put((layer, e), raw)
         return raw.to(self.device)
+
+    def _give_back(self, held: list) -> None:
+        for buffer in held:
+            self.pipe.release(buffer)
+        held.clear()
 
     # --- the routed experts of a token in one compiled call ----------------------------------------------------------
     def _kernel_layout(self, layer: int, e: int) -> list[tuple] | None:
@@ -270,23 +284,26 @@ class Decoder:
         layouts = [self._kernel_layout(layer, e) for e in chosen]
         if not all(layouts):
             return None
-        experts, keep = [], []
-        for e, layout in zip(chosen, layouts):
-            raw = self._expert_bytes(layer, e, got)
-            keep.append(raw)
-            known = self._matrices.get((layer, e))  # a cache hit gives the same bytes as last time
-            if known is None or known[0]() is not raw:
-                known = (weakref.ref(raw), tuple(token_kernels.stored_matrix(
-                    kind, raw[data], rows, cols, raw[scale] if scale is not None else None, self._table(kind))
-                    for kind, data, rows, cols, scale in layout))
-                self._matrices[(layer, e)] = known
-            experts.append(known[1])
-        for e in got.keys() - chosen.keys():  # read but not chosen (hash layers choose exactly these)
-            self._expert_bytes(layer, e, got)
-        self.stats.kernel_layers += 1
-        with self.compute:
-            return self.kernels.moe(routing.x[0], experts, torch.tensor(list(chosen.values())), self.cfg.swiglu_limit,
-                                    self.experts.expert_dtype == torch.bfloat16)[None]
+        experts, keep, held = [], [], []
+        try:
+            for e, layout in zip(chosen, layouts):
+                raw = self._expert_bytes(layer, e, got, held)
+                keep.append(raw)
+                known = self._matrices.get((layer, e))  # a cache hit gives the same bytes as last time
+                if known is None or known[0]() is not raw:
+                    known = (weakref.ref(raw), tuple(token_kernels.stored_matrix(
+                        kind, raw[data], rows, cols, raw[scale] if scale is not None else None, self._table(kind))
+                        for kind, data, rows, cols, scale in layout))
+                    self._matrices[(layer, e)] = known
+                experts.append(known[1])
+            for e in got.keys() - chosen.keys():  # read but not chosen (hash layers choose exactly these)
+                self._expert_bytes(layer, e, got, held)
+            self.stats.kernel_layers += 1
+            with self.compute:
+                return self.kernels.moe(routing.x[0], experts, torch.tensor(list(chosen.values())),
+                                        self.cfg.swiglu_limit, self.experts.expert_dtype == torch.bfloat16)[None]
+        finally:
+            self._give_back(held)
 
     def _table(self, kind: str) -> torch.Tensor | None:
         if kind not in ("FP4_E2M1", "MXFP4"):
@@ -346,13 +363,18 @@ class Decoder:
         with self.compute:
             inputs = groups.gather(routing.x.to(self.experts.expert_dtype))
             outputs = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
-        for e, (a, b) in groups.spans.items():
-            raw = self._expert_bytes(layer, e, got)
-            with self.compute:
-                region = block.experts[e]
-                self.experts.expert_output(block, region, raw, region.offset, inputs[a:b], outputs[a:b])
-        for e in got.keys() - groups.spans.keys():  # read but not chosen (hash layers choose exactly these)
-            self._expert_bytes(layer, e, got)
+        held = []
+        try:
+            for e, (a, b) in groups.spans.items():
+                raw = self._expert_bytes(layer, e, got, held)
+                with self.compute:
+                    region = block.experts[e]
+                    self.experts.expert_output(block, region, raw, region.offset, inputs[a:b], outputs[a:b])
+                self._give_back(held)
+            for e in got.keys() - groups.spans.keys():  # read but not chosen (hash layers choose exactly these)
+                self._expert_bytes(layer, e, got, held)
+        finally:
+            self._give_back(held)
         return groups.combine(outputs, 1)
 
     def stats_dict(self) -> dict:

@@ -98,6 +98,17 @@ def matmul(x: Tensor, w: Tensor) -> Tensor:
     return y.to(w.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
+def widened_matmul(x: Tensor, w: Tensor) -> Tensor:
+    """float32 x @ w.T for a bfloat16 / float16 w, its values widened to float32 exactly: the products and sums of a
+    float32 copy of w (nothing rounded), reading half the bytes where the token matmul takes x (decode's head,
+    kept as stored)."""
+    kernels = _token_kernels(_rows(x), x, w) if w.dtype == torch.bfloat16 else None
+    if kernels is None:
+        return F.linear(x, w.float())
+    y = kernels.linear(x.reshape(-1, x.shape[-1]), token_kernels.float_matrix(w), False)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
 def linear(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T computed in w's dtype, the result in x's: a bfloat16 weight takes its input rounded to bfloat16
     (products summed in float32, the result rounded to bfloat16); float32 weights give exactly F.linear."""
@@ -867,7 +878,8 @@ def head(cfg: ModelConfig, streams: Tensor, w_globals: Mapping[str, Tensor],
     slice or index tensor gives [n, vocab]. The streams collapse through the mHC head (pre weights only), then the
     final norm and the LM head."""
     x = head_input(cfg, streams, w_globals, which)
-    logits = matmul(x, w_globals[cfg.head_weight]).float()
+    weight = w_globals[cfg.head_weight]
+    logits = (matmul(x, weight) if weight.dtype == x.dtype else widened_matmul(x, weight)).float()
     single = not isinstance(which, slice) and torch.as_tensor(which).dim() == 0  # an int: [vocab]
     return logits[0] if single else logits
 

@@ -4,14 +4,16 @@ against transformers' own greedy `generate` on the same checkpoint."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
 
+from moepack.format_spec.errors import MoepackError
 from moepack.packer.convert import convert_checkpoint
 from moepack.runtime.decode import ExpertCache
 from moepack.runtime.engine import PrefillOptions, prefill
-from moepack.runtime.generate import GenerateOptions, generate
+from moepack.runtime.generate import GenerateOptions, Generator, generate
 from v4_models import CONFIGS, random_config, saved_model
 
 NEW_TOKENS = 32
@@ -79,6 +81,29 @@ def test_cuda_greedy_generation_equals_transformers(models, name, n):
     ids = _prompt(n, hf_model.config.vocab_size, seed=n)
     options = GenerateOptions(max_new_tokens=NEW_TOKENS, cache_gib=1.0, prefill=PrefillOptions(device="cuda"))
     assert generate(container, ids, options).generated_ids == _transformers_greedy(hf_model, ids, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("cache_gib", [0.0, 1.0], ids=["no-cache", "cache"])
+def test_a_damaged_expert_met_by_decode_is_refused_by_its_checksum(models, tmp_path, cache_gib):
+    """A byte of every expert of the last layer flipped after the prefill: decode's first read of one (checked by
+    the reader thread as it lands, whether or not the cache keeps it) fails with one line naming the region."""
+    hf_model, container = models["A"]
+    damaged = str(tmp_path / "damaged.moepack")
+    shutil.copyfile(container, damaged)
+    ids = _prompt(12, hf_model.config.vocab_size, seed=3)
+    with Generator(damaged, cache_gib=cache_gib) as g:
+        g.decoder.begin(g._prefill(ids, None, 4)[1])
+        regions = g.c.layers[-1].experts
+        with open(damaged, "r+b") as f:
+            for r in regions:
+                f.seek(r.offset + r.length // 2)
+                byte = f.read(1)[0]
+                f.seek(r.offset + r.length // 2)
+                f.write(bytes([byte ^ 0x40]))
+        g.decoder.cache = type(g.decoder.cache)(g.decoder.cache.budget)  # nothing cached from the prefill's seed
+        with pytest.raises(MoepackError, match="checksum mismatch"):
+            for token in ids[:4].tolist():
+                g.decoder.step(token)
 
 
 def test_generation_continued_from_a_kv_equals_the_whole(models, tmp_path):

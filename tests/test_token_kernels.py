@@ -296,6 +296,20 @@ def _decode_logits(path: str, compute_dtype: str, steps: list[int]) -> tuple[lis
         return [g.decoder.step(t) for t in steps], g.decoder.stats_dict(), g.cfg.num_layers
 
 
+def test_a_bf16_head_is_kept_as_stored_and_widened_exactly(containers):
+    """Decode keeps a BF16-stored LM head as stored; model.head widens it in the kernel's loop: the float32
+    products and sums of a float32 copy (up to their order), from half the bytes."""
+    _kernels()
+    with Generator(containers["bf16"], cache_gib=0.1) as g:
+        head = g.decoder.head_weights[g.cfg.head_weight]
+    assert head.dtype == torch.bfloat16
+    x = torch.randn(1, head.shape[1], generator=torch.Generator().manual_seed(0)) * 3
+    want = F.linear(x.double(), head.double())
+    got = model.widened_matmul(x, head)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("policy", ["keep", "bf16", "fp4", "q8"])
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 def test_decode_through_the_kernel_equals_decode_without_it(containers, monkeypatch, policy, compute_dtype):
