@@ -4,14 +4,15 @@ routed experts, beside the disk's limit and transformers' resident `generate`, m
 On a synthetic DeepSeek-V4 model (default: the `medium` preset in the release layout, FP8 dense + FP4 experts):
   moepack, cache B   greedy generation of --new-tokens after a --tokens prompt, misses read with O_DIRECT from
                      a cold page cache: decode tokens/s, expert-cache hit rate, routed bytes read per token;
-                     then "warm": the same generation again on the same Generator (its cache kept, as `moepack
-                     serve` keeps it), the figure llama-bench's (measured after its warm-up) compares with
+                     then "warm": the median of three more on the same Generator (its cache kept, as `moepack
+                     serve` keeps it), the figure llama-bench's (after its warm-up, over 3 repetitions) compares with
   disk limit         tokens/s if every token read its routed experts (top-k per layer) at fio's rate, with no
                      cache: routed bytes per token / fio GB/s (the reader's own rate where fio is missing)
   transformers       DeepseekV4ForCausalLM resident (loaded from `moepack export`), `generate` greedy; decode
                      tokens/s from the difference of a long and a one-token generation
   llama.cpp          with --vs-llama and a llama.cpp build: llama-bench's decode (`-p 0 -n NEW -d TOKENS`) of the
-                     container's GGUF export, the same weights
+                     container's GGUF export, the same weights; then "paired": five resident runs of each engine in
+                     alternation (moepack warm, every expert cached), the median of the five ratios
 --cap-fraction F runs the moepack rows again as a child process in a cgroup (v1 memory controller, or v2) capped at
 F x the container's size, page cache included (root only), and llama.cpp's decode in the same cgroup from a cold
 page cache, with the bytes each read from disk.
@@ -44,6 +45,7 @@ from moepack.runtime.generate import GenerateOptions, Generator
 
 GIB = 1 << 30
 BUDGETS = (0.0, 0.25, 1.0)
+WARM_RUNS = 3  # generations after the first, their median reported (llama-bench: -r 3)
 
 
 def ensure_container(workdir: str, preset: str) -> str:
@@ -83,15 +85,16 @@ def disk_rate(container: str, facts: dict) -> dict:
 
 
 def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, compute_dtype: str) -> dict:
-    """The first generation from a cold page cache (its misses read with O_DIRECT), then a second one on the same
-    Generator (its expert cache kept, as `moepack serve` keeps it): `warm_tokens_per_s` is that one's decode, the
-    figure llama-bench's (after its warm-up) compares with."""
+    """The first generation from a cold page cache (its misses read with O_DIRECT), then three more on the same
+    Generator (its expert cache kept, as `moepack serve` keeps it): `warm_tokens_per_s` is their median decode, the
+    figure llama-bench's (after its warm-up, over its repetitions) compares with."""
     drop_page_cache(container)
     options = GenerateOptions(max_new_tokens=new, cache_gib=budget_gib, stop_at_eos=False,
                               prefill=PrefillOptions(io_mode="direct", compute_dtype=compute_dtype))
     with Generator(container, cache_gib=budget_gib, prefill=options.prefill) as g:
         result = g.generate(ids, options)
-        warm = g.generate(ids, options).stats["decode"]
+        warm = sorted((g.generate(ids, options).stats["decode"] for _ in range(WARM_RUNS)),
+                      key=lambda d: d["tokens_per_s"] or 0)[WARM_RUNS // 2]
     d = result.stats["decode"]
     return {"cache_gib": budget_gib, "tokens_per_s": d["tokens_per_s"], "hit_rate": d["expert_cache_hit_rate"],
             "bytes_read_per_token": d["bytes_read_per_token"], "disk_wait_s": d["disk_wait_s"],
@@ -131,7 +134,7 @@ def _child_argv(args, budget: float) -> list[str]:
 
 def llama_row(bench: str, gguf: str, args, procs: str | None = None) -> dict:
     """llama.cpp's decode on the same weights: llama-bench generating --new-tokens after a --tokens context
-    (`-p 0 -n new -d tokens`), llama-bench's defaults otherwise. Resident: after its warm-up, median of 3. In a
+    (`-p 0 -n new -d tokens`), llama-bench's defaults otherwise. Resident: after its warm-up, the mean of 3. In a
     cgroup (procs): from a cold page cache, one run, no warm-up, with the bytes the machine read from disk."""
     from cgroup import disk_read_bytes, failure, run_capped
 
@@ -152,6 +155,31 @@ def llama_row(bench: str, gguf: str, args, procs: str | None = None) -> dict:
     if read is not None:  # the depth's prompt is processed first: its reads are counted too
         out["disk_read_bytes"] = read
     return out
+
+
+def paired_rows(container: str, gguf: str, bench: str, ids: torch.Tensor, args, budget_gib: float,
+                pairs: int = 5) -> dict:
+    """Resident decode of both engines in alternation, moepack (warm: a Generator whose cache holds every expert)
+    then llama-bench (`-r 1`, after its warm-up), `pairs` times: on a shared machine whose pace drifts from minute to
+    minute, the ratio of runs made seconds apart is steadier than the ratio of two separate rows."""
+    from cgroup import failure
+
+    options = GenerateOptions(max_new_tokens=args.new_tokens, cache_gib=budget_gib, stop_at_eos=False,
+                              prefill=PrefillOptions(compute_dtype=args.compute_dtype))
+    argv = [bench, "-m", gguf, "-p", "0", "-n", str(args.new_tokens), "-d", str(args.tokens), "-t",
+            str(torch.get_num_threads()), "-o", "json", "-r", "1"]
+    ours, theirs = [], []
+    with Generator(container, cache_gib=budget_gib, prefill=options.prefill) as g:
+        g.generate(ids, options)  # the cache filled, as after llama-bench's warm-up
+        for _ in range(pairs):
+            ours.append(g.generate(ids, options).stats["decode"]["tokens_per_s"])
+            done = subprocess.run(argv, capture_output=True, text=True)
+            if done.returncode:
+                return {"failed": failure(done)}
+            theirs.append(round(float(json.loads(done.stdout)[0]["avg_ts"]), 2))
+    ratios = sorted(a / b for a, b in zip(ours, theirs))
+    return {"moepack": ours, "llama_cpp": theirs, "ratio_median": round(ratios[len(ratios) // 2], 3),
+            "ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)]}
 
 
 def capped_rows(args, container: str, facts: dict, gguf: str | None, bench: str | None) -> dict:
@@ -226,6 +254,7 @@ def main() -> int:
         out["transformers"] = transformers_row(container, args.workdir, ids, args.new_tokens)
     if bench and not args.no_transformers:  # (children under the cap skip the resident comparisons)
         out["llama_cpp"] = llama_row(bench, gguf, args)
+        out["paired"] = paired_rows(container, gguf, bench, ids, args, max(budgets))
     if args.cap_fraction:
         out["capped"] = capped_rows(args, container, facts, gguf, bench)
     if args.json:
@@ -249,6 +278,8 @@ def main() -> int:
         print(f"transformers resident generate (bf16): {out['transformers']['tokens_per_s']} tokens/s")
     if "llama_cpp" in out:
         print(f"llama.cpp resident decode (llama-bench, same weights): {json.dumps(out['llama_cpp'])}")
+    if "paired" in out:
+        print(f"resident, the two in alternation (tokens/s; moepack / llama.cpp): {json.dumps(out['paired'])}")
     if "capped" in out:
         print(f"under a memory cgroup of {args.cap_fraction} x the container: {json.dumps(out['capped'])}")
     return 0

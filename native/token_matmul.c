@@ -372,7 +372,8 @@ typedef struct {
     const matrix_t *ws;
     int n;
     int64_t rows;  /* all the matrices' rows, one after another */
-    float *const *outs;
+    float *out;  /* matrix i's results at out + offsets[i] */
+    const int64_t *offsets;
     const int *flags;
 } many_args;
 
@@ -386,24 +387,25 @@ static void many_part(void *p, int part, int parts) {
         const int64_t lo = r0 > first ? r0 - first : 0, hi = r1 - first < w->rows ? r1 - first : w->rows;
         for (int64_t r = lo; r < hi; r++) {
             const float y = dot(w, r, a->x + i * w->cols);
-            a->outs[i][r] = a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y) : y;
+            a->out[a->offsets[i] + r] = a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y) : y;
         }
     }
 }
 
-/* outs[i] [rows_i] = ws[i] @ x for one token x [K] and n matrices of K columns each, in one call, the rows of all
-   split over the threads; flags[i]: ROUND_INPUT / ROUND_OUTPUT for matrix i, as token_linear's */
-int token_linear_many(const float *x, int64_t K, const matrix_t *ws, int n, float *const *outs, const int *flags,
-                      int threads) {
+/* out[offsets[i] ...] [rows_i] = ws[i] @ x for one token x [K] and n matrices of K columns each, in one call, the
+   rows of all split over the threads; flags[i]: ROUND_INPUT / ROUND_OUTPUT for matrix i, as token_linear's */
+int token_linear_many(const float *x, int64_t K, const matrix_t *ws, int n, float *out, const int64_t *offsets,
+                      const int *flags, int threads) {
     int64_t rows = 0;
+    if (!out) return 1;
     for (int i = 0; i < n; i++) {
-        if (!valid(&ws[i]) || ws[i].cols != K || !outs[i]) return 1;
+        if (!valid(&ws[i]) || ws[i].cols != K || offsets[i] < 0) return 1;
         rows += ws[i].rows;
     }
     float *arranged_x = malloc(sizeof(float) * (size_t)(n * K + 1));
     if (!arranged_x) return 2;
     for (int i = 0; i < n; i++) arrange(x, K, ws[i].kind, flags[i] & ROUND_INPUT, arranged_x + i * K);
-    many_args args = {arranged_x, ws, n, rows, outs, flags};
+    many_args args = {arranged_x, ws, n, rows, out, offsets, flags};
     const int64_t most = rows / 64 + 1;
     run_parts(many_part, &args, (int)(threads < most ? threads : most));
     free(arranged_x);

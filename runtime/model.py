@@ -42,6 +42,7 @@ depend on the chunk size.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -121,16 +122,38 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     return matmul(x.to(w.dtype), w).to(x.dtype)
 
 
+# the weights' ids -> (weak references to them, their LinearPlan or None): a plan serves only the very tensors it
+# was made for (an id of a freed tensor may come back), and does not keep them alive
+_LINEAR_PLANS: dict[tuple[int, ...], tuple] = {}
+_MAX_LINEAR_PLANS = 4096
+
+
+def _linear_plan(weights: list[Tensor]):
+    """The weights as one token_kernels.LinearPlan (made once per list of weights), or None where the kernel does
+    not take one of them (not a contiguous 2-D CPU float32 / bfloat16 tensor, another column count)."""
+    key = tuple(map(id, weights))
+    known = _LINEAR_PLANS.get(key)
+    if known is not None and all(ref() is w for ref, w in zip(known[0], weights)):
+        return known[1]
+    usable = all(w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 and w.is_contiguous()
+                 and w.device.type == "cpu" and w.shape[1] == weights[0].shape[1] for w in weights)
+    rounded = token_kernels.ROUND_INPUT | token_kernels.ROUND_OUTPUT
+    plan = token_kernels.LinearPlan([token_kernels.float_matrix(w) for w in weights],
+                                    [rounded if w.dtype == torch.bfloat16 else 0 for w in weights]) if usable else None
+    if len(_LINEAR_PLANS) >= _MAX_LINEAR_PLANS:
+        _LINEAR_PLANS.clear()
+    _LINEAR_PLANS[key] = (tuple(weakref.ref(w) for w in weights), plan)
+    return plan
+
+
 def linears(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     """[linear(x, w) for w in weights]: for one float32 row on a CPU (a decoded token), one compiled call for all
     of them where the token kernel takes every w (the same roundings as `linear`'s)."""
-    kernels = _token_kernels(_rows(x), x, weights[0]) if x.dtype == torch.float32 and _rows(x) == 1 else None
-    if kernels is not None and all(w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 and w.is_contiguous()
-                                   and w.device.type == "cpu" for w in weights):
-        rounded = token_kernels.ROUND_INPUT | token_kernels.ROUND_OUTPUT
-        outs = kernels.linear_many(x, [token_kernels.float_matrix(w) for w in weights],
-                                   [rounded if w.dtype == torch.bfloat16 else 0 for w in weights])
-        return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
+    kernels = _token_kernels(1, x, weights[0]) if x.dtype == torch.float32 and _rows(x) == 1 else None
+    plan = _linear_plan(weights) if kernels is not None else None
+    if plan is not None:
+        outs = kernels.linear_many(x, plan)
+        return outs if x.dim() == 2 else [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
     return [linear(x, w) for w in weights]
 
 

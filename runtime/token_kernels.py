@@ -73,7 +73,7 @@ class TokenKernels:
     def __init__(self, lib):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._linear = c_function(lib, "token_linear", (p, i64, i64, p, p, i64, ctypes.c_int, ctypes.c_int))
-        self._many = c_function(lib, "token_linear_many", (p, i64, p, ctypes.c_int, p, p, ctypes.c_int))
+        self._many = c_function(lib, "token_linear_many", (p, i64, p, ctypes.c_int, p, p, p, ctypes.c_int))
         self._grouped = c_function(lib, "token_linear_grouped", (p, i64, i64, p, p, ctypes.c_int, ctypes.c_int))
         self._moe = c_function(lib, "moe_token", (p, i64, i64, i64, p, p, p, p, ctypes.c_float, ctypes.c_int, p,
                                                   ctypes.c_int))
@@ -101,20 +101,17 @@ class TokenKernels:
             raise RuntimeError(f"the token matmul refused a {w.rows} x {w.cols} matrix of kind {w.kind}")
         return out
 
-    def linear_many(self, x: torch.Tensor, ws: list[Matrix], flags: list[int],
-                    threads: int | None = None) -> list[torch.Tensor]:
-        """One token x [1, cols] times several matrices of `cols` columns in one call: [x @ W_i.T ([1, rows_i])],
-        flags[i] (ROUND_INPUT | ROUND_OUTPUT bits) as `linear`'s round_bf16 / round_output for matrix i."""
+    def linear_many(self, x: torch.Tensor, plan: "LinearPlan", threads: int | None = None) -> list[torch.Tensor]:
+        """One token x [1, cols] times the plan's matrices in one call: [x @ W_i.T ([1, rows_i])], each rounded as
+        its flags say (ROUND_INPUT | ROUND_OUTPUT: `linear`'s round_bf16 / round_output)."""
         x = x.float().contiguous()
-        if x.numel() != x.shape[-1] or any(w.cols != x.shape[-1] for w in ws) or len(flags) != len(ws):
-            raise ValueError(f"input {list(x.shape)} for matrices of {[w.cols for w in ws]} columns")
-        outs = [torch.empty(1, w.rows, dtype=torch.float32) for w in ws]
-        n = len(ws)
-        if self._many(x.data_ptr(), x.shape[-1], (Matrix * max(n, 1))(*ws), n,
-                      (ctypes.c_void_p * max(n, 1))(*(o.data_ptr() for o in outs)), (ctypes.c_int * max(n, 1))(*flags),
+        if x.numel() != plan.cols:
+            raise ValueError(f"input {list(x.shape)} for matrices of {plan.cols} columns")
+        out = torch.empty(1, plan.total, dtype=torch.float32)
+        if self._many(x.data_ptr(), plan.cols, plan.matrices, plan.count, out.data_ptr(), plan.offsets, plan.flags,
                       _threads(threads)):
             raise RuntimeError("the token matmul refused one of several matrices")
-        return outs
+        return [out[:, a:b] for a, b in plan.spans]
 
     def grouped(self, x: torch.Tensor, w: Matrix, round_bf16: bool, threads: int | None = None,
                 round_output: bool = False) -> torch.Tensor:
@@ -237,6 +234,23 @@ def reference_attend(q, key_sets, sink, scale, rotation, eps, round_bf16) -> tor
     total = (sink.double() - peak).exp() + sum(w.sum(-1) for w in weights)
     out = sum(rounded(rounded(w / total[:, None]) @ k) for w, k in zip(weights, sets))
     return _rotated(out, rotation.conj())
+
+
+class LinearPlan:
+    """Several matrices of one column count, arranged once for `linear_many` (their descriptors, flags and places
+    in one output row): decode multiplies the same few matrices by each token. The tensors the descriptors point
+    into must outlive the plan's use; `keep` may hold them."""
+
+    def __init__(self, ws: list[Matrix], flags: list[int], keep=()):
+        if not ws or len(flags) != len(ws) or len({w.cols for w in ws}) != 1:
+            raise ValueError(f"matrices of {[w.cols for w in ws]} columns with {len(flags)} flags")
+        self.cols, self.count, self.keep = ws[0].cols, len(ws), keep
+        starts = [sum(w.rows for w in ws[:i]) for i in range(len(ws) + 1)]
+        self.total = starts[-1]
+        self.spans = list(zip(starts[:-1], starts[1:]))
+        self.matrices = (Matrix * len(ws))(*ws)
+        self.offsets = (ctypes.c_int64 * len(ws))(*starts[:-1])
+        self.flags = (ctypes.c_int * len(ws))(*flags)
 
 
 _FLOAT_MATRICES: dict[tuple, Matrix] = {}  # a descriptor is its fields: the same fields, the same (valid) Matrix
@@ -382,7 +396,7 @@ def _self_check(kernels: TokenKernels) -> str | None:
             refs.append(_reference_values(kind, data, rows, 96, scale).double())
         x = torch.randn(1, 96, generator=gen)
         flags = [ROUND_INPUT | ROUND_OUTPUT, 0, ROUND_INPUT]
-        for got, values, flag in zip(kernels.linear_many(x, mats, flags, threads=2), refs, flags):
+        for got, values, flag in zip(kernels.linear_many(x, LinearPlan(mats, flags), threads=2), refs, flags):
             want = (x.bfloat16().double() if flag & ROUND_INPUT else x.double()) @ values.T
             want = want.float().bfloat16().double() if flag & ROUND_OUTPUT else want
             if not torch.allclose(got.double(), want, rtol=1e-2 if flag & ROUND_OUTPUT else 1e-5,

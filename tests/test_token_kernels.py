@@ -223,7 +223,7 @@ def test_several_matrices_on_one_token_equal_one_call_each(loop):
                enumerate((("BF16", 37), ("F32", 5), ("Q8_0", 70), ("FP4_E2M1", 3), ("MXFP4", 64)))]
     x = torch.randn(1, 96, generator=torch.Generator().manual_seed(1))
     flags = [token_kernels.ROUND_INPUT | token_kernels.ROUND_OUTPUT, 0, token_kernels.ROUND_INPUT, 0, 0]
-    outs = loop.linear_many(x, [w[0] for w in weights], flags, threads=3)
+    outs = loop.linear_many(x, token_kernels.LinearPlan([w[0] for w in weights], flags), threads=3)
     for out, (matrix, values, _), flag in zip(outs, weights, flags):
         want = loop.linear(x, matrix, bool(flag & token_kernels.ROUND_INPUT), threads=1,
                            round_output=bool(flag & token_kernels.ROUND_OUTPUT))
