@@ -236,12 +236,20 @@ def test_empty_stop_string_is_an_error():
     stop=st.lists(st.text(alphabet="ab<>/", min_size=1, max_size=4), max_size=3),
 )
 def test_stop_matcher_agrees_with_a_plain_search(pieces, stop):
+    """The plain search runs after each token, as the text streams: the first token whose text completes a stop
+    string ends the answer before the earliest one found then (a longer one that starts earlier but would end
+    later never completes: with pieces "ab", "a" and stops "b", "aba" the answer is "a")."""
     matcher = StopMatcher(stop, eos_ids=set())
     out = run_matcher(matcher, pieces)
-    full = "".join(pieces)
-    cuts = [full.find(s) for s in stop if s in full]
-    assert "".join(out) == matcher.text == (full[: min(cuts)] if cuts else full)
-    assert matcher.finish_reason == ("stop" if cuts else None)
+    text, stopped = "", False
+    for piece in pieces:
+        text += piece
+        cuts = [text.find(s) for s in stop if s in text]
+        if cuts:
+            text, stopped = text[: min(cuts)], True
+            break
+    assert "".join(out) == matcher.text == text
+    assert matcher.finish_reason == ("stop" if stopped else None)
 
 
 # --- IncrementalDetokenizer ------------------------------------------------------------------------------------
