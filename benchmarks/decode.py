@@ -132,14 +132,19 @@ def _child_argv(args, budget: float) -> list[str]:
             "--no-disk", "--json", "--budget-gib", str(round(budget / GIB, 3))]
 
 
+def _llama_bench_argv(bench: str, gguf: str, args) -> list[str]:
+    """llama-bench generating --new-tokens after a --tokens context, as many threads as moepack, JSON out."""
+    return [bench, "-m", gguf, "-p", "0", "-n", str(args.new_tokens), "-d", str(args.tokens), "-t",
+            str(torch.get_num_threads()), "-o", "json"]
+
+
 def llama_row(bench: str, gguf: str, args, procs: str | None = None) -> dict:
     """llama.cpp's decode on the same weights: llama-bench generating --new-tokens after a --tokens context
     (`-p 0 -n new -d tokens`), llama-bench's defaults otherwise. Resident: after its warm-up, the mean of 3. In a
     cgroup (procs): from a cold page cache, one run, no warm-up, with the bytes the machine read from disk."""
     from cgroup import disk_read_bytes, failure, run_capped
 
-    argv = [bench, "-m", gguf, "-p", "0", "-n", str(args.new_tokens), "-d", str(args.tokens), "-t",
-            str(torch.get_num_threads()), "-o", "json"]
+    argv = _llama_bench_argv(bench, gguf, args)
     if procs is None:
         done = subprocess.run(argv + ["-r", "3"], capture_output=True, text=True)
         read = None
@@ -166,8 +171,7 @@ def paired_rows(container: str, gguf: str, bench: str, ids: torch.Tensor, args, 
 
     options = GenerateOptions(max_new_tokens=args.new_tokens, cache_gib=budget_gib, stop_at_eos=False,
                               prefill=PrefillOptions(compute_dtype=args.compute_dtype))
-    argv = [bench, "-m", gguf, "-p", "0", "-n", str(args.new_tokens), "-d", str(args.tokens), "-t",
-            str(torch.get_num_threads()), "-o", "json", "-r", "1"]
+    argv = _llama_bench_argv(bench, gguf, args) + ["-r", "1"]
     ours, theirs = [], []
     with Generator(container, cache_gib=budget_gib, prefill=options.prefill) as g:
         g.generate(ids, options)  # the cache filled, as after llama-bench's warm-up

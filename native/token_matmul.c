@@ -506,6 +506,17 @@ static void rotate(float *x, int64_t dim, int64_t rope_dim, const float *rot, fl
     }
 }
 
+/* out [cols] = in RMS-normed (times weight where given), then its last rope_dim channels rotated by rot: as
+   model.rms_norm and apply_rope compute a row */
+static void norm_rope_row(const float *in, int64_t cols, const float *weight, float eps, int64_t rope_dim,
+                          const float *rot, float *out) {
+    float square = 0.0f;
+    for (int64_t c = 0; c < cols; c++) square += in[c] * in[c];
+    const float inverse = 1.0f / sqrtf(square / (float)cols + eps);
+    for (int64_t c = 0; c < cols; c++) out[c] = weight ? in[c] * inverse * weight[c] : in[c] * inverse;
+    if (rope_dim) rotate(out, cols, rope_dim, rot, 1.0f);
+}
+
 static void attend_part(void *p, int part, int parts) {
     const attend_args *a = p;
     const int64_t D = a->dim;
@@ -513,11 +524,7 @@ static void attend_part(void *p, int part, int parts) {
     share(a->heads, part, parts, &h0, &h1);
     for (int64_t h = h0; h < h1; h++) {
         float *q = a->scratch + h * (2 * D + a->keys), *sum = q + D, *logits = sum + D, *o = a->out + h * D;
-        float square = 0.0f;
-        for (int64_t d = 0; d < D; d++) square += a->q[h * D + d] * a->q[h * D + d];
-        const float inverse_norm = 1.0f / sqrtf(square / (float)D + a->eps);  /* the per-head norm, no weight */
-        for (int64_t d = 0; d < D; d++) q[d] = a->q[h * D + d] * inverse_norm;
-        rotate(q, D, a->rope_dim, a->rot, 1.0f);
+        norm_rope_row(a->q + h * D, D, NULL, a->eps, a->rope_dim, a->rot, q);  /* the per-head norm, no weight */
         if (a->round_low)
             for (int64_t d = 0; d < D; d++) q[d] = round_to_bf16(q[d]);
         float peak = a->sink[h];
@@ -580,14 +587,7 @@ int token_norm_rope(const float *x, int64_t rows, int64_t cols, const float *wei
                     const float *rot, float *out)
 {
     if (rows < 0 || cols < 1 || rope_dim < 0 || rope_dim > cols || rope_dim % 2 || (rope_dim && !rot)) return 1;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *in = x + r * cols;
-        float *o = out + r * cols, square = 0.0f;
-        for (int64_t c = 0; c < cols; c++) square += in[c] * in[c];
-        const float inverse = 1.0f / sqrtf(square / (float)cols + eps);
-        for (int64_t c = 0; c < cols; c++) o[c] = weight ? in[c] * inverse * weight[c] : in[c] * inverse;
-        if (rope_dim) rotate(o, cols, rope_dim, rot, 1.0f);
-    }
+    for (int64_t r = 0; r < rows; r++) norm_rope_row(x + r * cols, cols, weight, eps, rope_dim, rot, out + r * cols);
     return 0;
 }
 

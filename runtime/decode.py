@@ -120,7 +120,6 @@ class Decoder:
         self.c, self.cfg, self.device = container, cfg, device
         self.compute_dtype = compute_dtype
         self._kv: list[model.TokenKV] = []
-        self.position = 0
         self.stats = DecodeStats()
         self.cache = ExpertCache(cache_bytes)
         self._cache_counts = (0, 0)  # the cache's hits and misses when this sequence began
@@ -156,7 +155,6 @@ class Decoder:
             raise MoepackError("decode needs one KV state per layer, all after the same tokens")
         self._kv = [model.TokenKV(self.cfg, layer, s.to(self.device), self.dense[layer]["attn.wq_b.weight"].dtype)
                     for layer, s in enumerate(states)]
-        self.position = states[0].seen_tokens
         resident_s = self.stats.resident_s
         self.stats = DecodeStats(resident_s=resident_s)
         self._cache_counts = (self.cache.hits, self.cache.misses)
@@ -333,8 +331,7 @@ class Decoder:
         rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight",
                                  ids.cpu()).to(self.device)
         streams = model.residual_streams(cfg, rows)
-        for layer, block in enumerate(self.c.layers):
-            w = self.dense[layer]
+        for layer, w in enumerate(self.dense):
             got = None
             if cfg.hash_layers[layer]:  # the token id is the routing: read before the attention runs
                 got = self._fetch(layer, w["ffn.gate.tid2eid"][token_id].tolist())
@@ -351,7 +348,6 @@ class Decoder:
                 streams = model.moe_finish(cfg, layer, w, streams, routing, routed)
         with self.compute:
             logits = model.head(cfg, streams, self.head_weights, -1).float().cpu()
-        self.position += 1
         self.stats.tokens += 1
         self.stats.seconds += time.perf_counter() - start
         return logits

@@ -98,9 +98,9 @@ def _token_pre(kernels, streams, fn, scale, base, hc: int, iters: int, hc_eps: f
     return x, post, comb
 
 
-def _token_post(kernels, streams, out, post, comb, into=None):
+def _token_post(kernels, streams, out, post, comb):
     hc, hidden = streams.shape[-2], streams.shape[-1]
-    into = torch.empty(1, hc, hidden, dtype=torch.float32) if into is None else into
+    into = torch.empty(1, hc, hidden, dtype=torch.float32)
     if kernels.token_post(streams.data_ptr(), out.data_ptr(), post.data_ptr(), comb.data_ptr(), hc, hidden,
                           into.data_ptr()):
         raise ValueError(f"hc_mult {hc} is outside the compiled mHC kernel's 1..{HC_MAX}")

@@ -561,22 +561,22 @@ class GrowingRows:
         self.count = 0
         self.append(rows)
 
+    def _tensors(self) -> tuple[Tensor, ...]:
+        return (self._rows,) if self._mirror is self._rows else (self._rows, self._mirror)
+
     def append(self, rows: Tensor) -> None:
         n = rows.shape[0]
         if self.count + n > self._rows.shape[0]:
             if self.keep is not None and self.keep + n <= self._rows.shape[0]:  # move the kept rows to the front
-                tail = self.count - self.keep
-                self._rows[:self.keep] = self._rows[tail:self.count].clone()
-                if self._mirror is not self._rows:
-                    self._mirror[:self.keep] = self._mirror[tail:self.count].clone()
+                for t in self._tensors():
+                    t[:self.keep] = t[self.count - self.keep:self.count].clone()
                 self.count = self.keep
             else:  # twice the room
-                rows_before, mirror_before = self._rows[:self.count], self._mirror[:self.count]
+                before = self._tensors()
                 self._rows = self._rows.new_empty(2 * (self.count + n), self._rows.shape[1])
                 self._mirror = self._rows if self.low == torch.float32 else torch.empty_like(self._rows)
-                self._rows[:self.count] = rows_before
-                if self._mirror is not self._rows:
-                    self._mirror[:self.count] = mirror_before
+                for t, old in zip(self._tensors(), before):
+                    t[:self.count] = old[:self.count]
         self._rows[self.count:self.count + n] = rows
         if self._mirror is not self._rows:
             self._mirror[self.count:self.count + n] = rows.to(self.low)
@@ -708,31 +708,11 @@ def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Te
     sink, scale = w["attn.attn_sink"], cfg.head_dim ** -0.5
     if kernels is not None:  # the norm, RoPE and softmax attention of every head in one compiled call
         o = kernels.attend(q, keys, sink, scale, rotation, eps, low == torch.bfloat16)[None]
-    else:
-        o = _attend_token(apply_rope(rms_norm(q[None], None, eps), rotation)[0], keys, sink, scale, low)
-        o = apply_rope(o[None], rotation.conj())
+    else:  # the prefill's attention, every key visible (the keys are rounded already: rounding again is exact)
+        q = apply_rope(rms_norm(q[None], None, eps), rotation)
+        o = _attend(q, [(k, k.new_zeros(1, k.shape[0])) for k in keys], sink, scale, low)
+        o = apply_rope(o, rotation.conj())
     return grouped_output(cfg, o, w["attn.wo_a.weight"], w["attn.wo_b.weight"])
-
-
-def _attend_token(q: Tensor, key_sets: list[Tensor], sink: Tensor, scale: float, low: torch.dtype) -> Tensor:
-    """_attend for one query q [heads, D] that sees every key of each set [K, D] (float32 values already rounded
-    to `low`, the products' dtype): bfloat16 x bfloat16 products are exact in float32, so only the logits, the
-    probabilities and each set's result are rounded to `low`, where _attend's bfloat16 matmuls round them."""
-    def rounded(t: Tensor) -> Tensor:
-        return t if low == torch.float32 else t.to(low).float()
-    q = rounded(q)
-    logits = [rounded(q @ keys.T).mul_(scale) for keys in key_sets if keys.shape[0]]
-    sink = sink.float()
-    peak = torch.stack([part.amax(-1) for part in logits]).amax(0).maximum(sink)  # [heads]
-    total = (sink - peak).exp_()
-    for part in logits:
-        total += part.sub_(peak[:, None]).exp_().sum(-1)
-    inverse = total.reciprocal_()[:, None]
-    out = None
-    for keys, part in zip((k for k in key_sets if k.shape[0]), logits):
-        got = rounded(rounded(part.mul_(inverse)) @ keys)
-        out = got if out is None else out.add_(got)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ class TokenKernels:
         probabilities and each set's sum rounded to bfloat16 (the keys must be rounded already)."""
         heads, dim = q.shape
         q = q.float().contiguous()
-        rot = torch.view_as_real(rotation.reshape(-1)).float().contiguous()
+        rot = _angles(rotation)
         sets = [k.float().contiguous() for k in key_sets if k.shape[0]]
         if any(k.dim() != 2 or k.shape[1] != dim for k in sets) or sink.numel() != heads or 2 * rot.shape[0] > dim:
             raise ValueError(f"keys {[list(k.shape) for k in key_sets]} and sink {list(sink.shape)} for a query "
@@ -177,7 +177,7 @@ class TokenKernels:
         [rope_dim / 2]: one token's angles) model.apply_rope of every row by it, in one call."""
         x = x.float().contiguous()
         cols = x.shape[-1]
-        rot = torch.view_as_real(rotation.reshape(-1)).float().contiguous() if rotation is not None else None
+        rot = _angles(rotation) if rotation is not None else None
         if weight is not None:
             weight = weight.float().contiguous()
         if (weight is not None and weight.numel() != cols) or (rot is not None and 2 * rot.shape[0] > cols):
@@ -198,7 +198,7 @@ class TokenKernels:
         each product rounded to bfloat16 where `round_bf16`."""
         heads, dim = q.shape
         q, keys = q.float().contiguous(), keys.float().contiguous()
-        rot = torch.view_as_real(rotation.reshape(-1)).float().contiguous()
+        rot = _angles(rotation)
         head_weights = head_weights.float().reshape(-1).contiguous()
         if keys.dim() != 2 or keys.shape[1] != dim or head_weights.numel() != heads or 2 * rot.shape[0] > dim:
             raise ValueError(f"keys {list(keys.shape)} for an indexer query {list(q.shape)}")
@@ -234,6 +234,11 @@ def reference_attend(q, key_sets, sink, scale, rotation, eps, round_bf16) -> tor
     total = (sink.double() - peak).exp() + sum(w.sum(-1) for w in weights)
     out = sum(rounded(rounded(w / total[:, None]) @ k) for w, k in zip(weights, sets))
     return _rotated(out, rotation.conj())
+
+
+def _angles(rotation: torch.Tensor) -> torch.Tensor:
+    """A token's complex rotation [rope_dim / 2] as the kernels read it: float32 (cos, sin) pairs."""
+    return torch.view_as_real(rotation.reshape(-1)).float().contiguous()
 
 
 class LinearPlan:
