@@ -69,19 +69,19 @@ static float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
-/* One decoded token's mHC entry, normed (model.hc_pre_norm): streams [hc, H] -> x [H] = RMSNorm(pre . streams) x
-   norm_weight, with post [hc] and comb [hc, hc] from the mixes fn [(2 + hc) * hc, hc * H] . streams, scaled by
-   the streams' RMS factor. In torch it is ~20 small ops. */
-int hc_token_pre(const float *streams, int hc, int64_t hidden, const float *fn, const float *scale,
-                 const float *base, int iters, float hc_eps, float norm_eps, const float *norm_weight, float *x,
-                 float *post, float *comb)
+/* The rest of hc_token_pre once the raw mixes [(2 + hc) * hc] = fn . streams are known (decode computes them on its
+   threads: fn is 1.5 MB per sublayer on V4-Flash): scaled by the streams' RMS factor, then the weights, the
+   collapse and the norm. */
+int hc_token_pre_mixed(const float *streams, int hc, int64_t hidden, const float *raw_mixes, const float *scale,
+                       const float *base, int iters, float hc_eps, float norm_eps, const float *norm_weight, float *x,
+                       float *post, float *comb)
 {
     if (hc < 1 || hc > HC_MAX || hidden < 1) return 1;
     const int64_t flat = hc * hidden;
     const int width = (2 + hc) * hc;
     float mixes[(2 + HC_MAX) * HC_MAX], pre[HC_MAX];
     const float factor = 1.0f / sqrtf(dot(streams, streams, flat) / (float)flat + norm_eps);
-    for (int j = 0; j < width; j++) mixes[j] = dot(fn + j * flat, streams, flat) * factor;
+    for (int j = 0; j < width; j++) mixes[j] = raw_mixes[j] * factor;
     hc_mix_weights(mixes, 1, hc, scale, base, iters, hc_eps, pre, post, comb);
     for (int64_t h = 0; h < hidden; h++) x[h] = pre[0] * streams[h];
     for (int s = 1; s < hc; s++)
@@ -91,16 +91,34 @@ int hc_token_pre(const float *streams, int hc, int64_t hidden, const float *fn, 
     return 0;
 }
 
-/* One decoded token's mHC exit (model.hc_post): into [hc, H] = comb^T . streams + post x out. */
+/* One decoded token's mHC entry, normed (model.hc_pre_norm): streams [hc, H] -> x [H] = RMSNorm(pre . streams) x
+   norm_weight, with post [hc] and comb [hc, hc] from the mixes fn [(2 + hc) * hc, hc * H] . streams, scaled by
+   the streams' RMS factor. In torch it is ~20 small ops. */
+int hc_token_pre(const float *streams, int hc, int64_t hidden, const float *fn, const float *scale,
+                 const float *base, int iters, float hc_eps, float norm_eps, const float *norm_weight, float *x,
+                 float *post, float *comb)
+{
+    if (hc < 1 || hc > HC_MAX || hidden < 1) return 1;
+    const int64_t flat = hc * hidden;
+    float raw[(2 + HC_MAX) * HC_MAX];
+    for (int j = 0; j < (2 + hc) * hc; j++) raw[j] = dot(fn + j * flat, streams, flat);
+    return hc_token_pre_mixed(streams, hc, hidden, raw, scale, base, iters, hc_eps, norm_eps, norm_weight, x, post,
+                              comb);
+}
+
+/* One decoded token's mHC exit (model.hc_post): into [hc, H] = comb^T . streams + post x out. Returns 2 (having
+   written them) where the new streams hold a NaN or an infinity (decode's check_finite, from one sum). */
 int hc_token_post(const float *streams, const float *out, const float *post, const float *comb, int hc,
                   int64_t hidden, float *into)
 {
     if (hc < 1 || hc > HC_MAX || hidden < 1) return 1;
+    float total = 0.0f;
     for (int k = 0; k < hc; k++) {
         float *row = into + k * hidden;
         for (int64_t h = 0; h < hidden; h++) row[h] = post[k] * out[h];
         for (int j = 0; j < hc; j++)
             for (int64_t h = 0; h < hidden; h++) row[h] += comb[j * hc + k] * streams[j * hidden + h];
+        for (int64_t h = 0; h < hidden; h++) total += row[h] - row[h];  /* 0, or NaN from a NaN or an infinity */
     }
-    return 0;
+    return total == total ? 0 : 2;
 }

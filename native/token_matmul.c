@@ -415,31 +415,38 @@ int token_linear_many(const float *x, int64_t K, const matrix_t *ws, int n, floa
 /* --- a token's routed experts ---------------------------------------------------------------------------------- */
 
 typedef struct {
-    const float *x_plain, *x_deint;  /* the input, as is and deinterleaved */
-    int64_t H, I, n;
+    const float *x[4];  /* the input arranged: [deinterleaved + 2 x rounded] */
+    int64_t H, n, hidden_rows;
     const matrix_t *w1, *w3, *w2;
     const float *weights;
     float limit;
-    int round_bf16;
-    float *hidden;  /* [n, I], each expert's arranged for its w2 */
+    const int *flags;  /* per expert: ROUND_INPUT / ROUND_OUTPUT */
+    const int64_t *first;  /* expert e's hidden rows start at first[e] (its w1's rows: its intermediate size) */
+    float *hidden;  /* [hidden_rows], each expert's arranged for its w2 */
     float *out;
 } moe_args;
 
+static const float *input_for(const moe_args *a, int64_t kind, int flags) {
+    return a->x[deinterleaved(kind) + 2 * !!(flags & ROUND_INPUT)];
+}
+
 static void hidden_part(void *p, int part, int parts) {
     const moe_args *a = p;
-    int64_t i0, i1;
-    share(a->n * a->I, part, parts, &i0, &i1);
+    int64_t i0, i1, e = 0;
+    share(a->hidden_rows, part, parts, &i0, &i1);
     for (int64_t k = i0; k < i1; k++) {
-        const int64_t e = k / a->I, i = k % a->I;
+        while (k >= a->first[e + 1]) e++;
+        const int64_t i = k - a->first[e];
         const matrix_t *w1 = a->w1 + e, *w3 = a->w3 + e;
-        float gate = dot(w1, i, deinterleaved(w1->kind) ? a->x_deint : a->x_plain);
-        float up = dot(w3, i, deinterleaved(w3->kind) ? a->x_deint : a->x_plain);
-        if (a->round_bf16 & ROUND_OUTPUT) { gate = round_to_bf16(gate); up = round_to_bf16(up); }
+        const int flags = a->flags[e];
+        float gate = dot(w1, i, input_for(a, w1->kind, flags));
+        float up = dot(w3, i, input_for(a, w3->kind, flags));
+        if (flags & ROUND_OUTPUT) { gate = round_to_bf16(gate); up = round_to_bf16(up); }
         gate = fminf(gate, a->limit);  /* torch's clamp: NaN stays NaN */
         up = up != up ? up : fmaxf(fminf(up, a->limit), -a->limit);
         float h = gate / (1.0f + expf(-gate)) * up;
-        if (a->round_bf16 & ROUND_INPUT) h = round_to_bf16(h);
-        a->hidden[e * a->I + (deinterleaved(a->w2[e].kind) ? arranged(i) : i)] = h;
+        if (flags & ROUND_INPUT) h = round_to_bf16(h);
+        a->hidden[a->first[e] + (deinterleaved(a->w2[e].kind) ? arranged(i) : i)] = h;
     }
 }
 
@@ -449,33 +456,102 @@ static void output_part(void *p, int part, int parts) {
     share(a->H, part, parts, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
         float acc = 0.0f;
-        for (int64_t e = 0; e < a->n; e++) acc = fmaf(a->weights[e], dot(a->w2 + e, r, a->hidden + e * a->I), acc);
-        a->out[r] = a->round_bf16 & ROUND_OUTPUT ? round_to_bf16(acc) : acc;
+        for (int64_t e = 0; e < a->n; e++) {
+            const float y = dot(a->w2 + e, r, a->hidden + a->first[e]);
+            acc = fmaf(a->weights[e], a->flags[e] & ROUND_OUTPUT ? round_to_bf16(y) : y, acc);
+        }
+        a->out[r] = acc;
     }
 }
 
-/* out [H] = sum over e of weights[e] * expert e (x [H]), the clamped SwiGLU of model.expert_forward:
-   w1[e], w3[e] [I, H], w2[e] [H, I]. Two passes over the pool: every expert's hidden rows, then the output rows
-   (each a sum over the experts in their order). round_bf16 & ROUND_INPUT: the input and the hidden activation
-   rounded to bfloat16; & ROUND_OUTPUT: the gate, the up projection and the output too (one expert of bfloat16
-   linears, as the shared expert is computed). */
-int moe_token(const float *x, int64_t H, int64_t I, int64_t n, const matrix_t *w1, const matrix_t *w3,
-              const matrix_t *w2, const float *weights, float limit, int round_bf16, float *out, int threads) {
-    if (H < 1 || I < 1 || n < 0) return 1;
+/* out [H] = sum over e, in order, of weights[e] * expert e (x [H]), the clamped SwiGLU of model.expert_forward:
+   w1[e], w3[e] [I_e, H], w2[e] [H, I_e] (each expert its own intermediate size and kinds). Two passes over the
+   pool: every expert's hidden rows, then the output rows. flags[e] & ROUND_INPUT: expert e's input and hidden
+   activation rounded to bfloat16; & ROUND_OUTPUT: its gate, up projection and output too (an expert of bfloat16
+   linears, as the shared expert is computed: appended last with weight 1, out = routed sum + shared). */
+int moe_token(const float *x, int64_t H, int64_t n, const matrix_t *w1, const matrix_t *w3, const matrix_t *w2,
+              const float *weights, float limit, const int *flags, float *out, int threads) {
+    if (H < 1 || n < 0 || n > 4096) return 1;
+    int64_t first[4097];
+    first[0] = 0;
     for (int64_t e = 0; e < n; e++) {
+        const int64_t I = w1[e].rows;
         const matrix_t *m[3] = {w1 + e, w3 + e, w2 + e};
         for (int j = 0; j < 3; j++)
             if (!valid(m[j]) || m[j]->rows != (j < 2 ? I : H) || m[j]->cols != (j < 2 ? H : I)) return 1;
+        first[e + 1] = first[e] + I;
     }
-    float *scratch = malloc(sizeof(float) * (size_t)(2 * H + n * I + 1));
+    float *scratch = malloc(sizeof(float) * (size_t)(4 * H + first[n] + 1));
     if (!scratch) return 2;
-    arrange(x, H, KIND_F32, round_bf16 & ROUND_INPUT, scratch);
-    arrange(x, H, KIND_FP4_E2M1, round_bf16 & ROUND_INPUT, scratch + H);
-    moe_args args = {scratch, scratch + H, H, I, n, w1, w3, w2, weights, limit, round_bf16, scratch + 2 * H, out};
+    moe_args args = {{0}, H, n, first[n], w1, w3, w2, weights, limit, flags, first, scratch + 4 * H, out};
+    for (int v = 0; v < 4; v++) {
+        arrange(x, H, v & 1 ? KIND_FP4_E2M1 : KIND_F32, v & 2, scratch + v * H);
+        args.x[v] = scratch + v * H;
+    }
     run_parts(hidden_part, &args, threads);
     run_parts(output_part, &args, threads);
     free(scratch);
     return 0;
+}
+
+/* --- a token's router (model.moe_route) -------------------------------------------------------------------------- */
+
+enum { SCORE_SQRTSOFTPLUS, SCORE_SIGMOID, SCORE_SOFTMAX };
+
+/* One token's choice of experts: scores = score_func(gate @ x) over the gate's rows (the experts); the top_k by
+   score + bias (bias may be NULL), or the given hash_ids [top_k] (a hash layer); their scores renormalised over
+   the k, times `scale`. Out: `chosen` [top_k] expert ids ascending, an expert picked twice once (its weights
+   added, as decode's token_choice adds them), their weights in `weights`; returns how many, or -1 on bad input.
+   Ties in the top-k go to the lower expert id. */
+int route_token(const float *x, const matrix_t *gate, const float *bias, int score_func, int64_t top_k,
+                const int64_t *hash_ids, float scale, int64_t *chosen, float *weights, int threads) {
+    const int64_t E = gate->rows;
+    if (top_k < 1 || top_k > E || score_func < SCORE_SQRTSOFTPLUS || score_func > SCORE_SOFTMAX) return -1;
+    float *scores = malloc(sizeof(float) * (size_t)E);
+    if (!scores || linear(x, 1, gate->cols, gate, scores, E, 0, 0, threads)) { free(scores); return -1; }
+    float top = -INFINITY, total = 0.0f;
+    if (score_func == SCORE_SOFTMAX) {
+        for (int64_t e = 0; e < E; e++) top = fmaxf(top, scores[e]);
+        for (int64_t e = 0; e < E; e++) total += (scores[e] = expf(scores[e] - top));
+    }
+    for (int64_t e = 0; e < E; e++) {
+        const float v = scores[e];
+        scores[e] = score_func == SCORE_SQRTSOFTPLUS ? sqrtf(v > 20.0f ? v : log1pf(expf(v)))  /* torch's threshold */
+                  : score_func == SCORE_SIGMOID ? 1.0f / (1.0f + expf(-v)) : v / total;
+    }
+    int64_t ids[4096];
+    if (top_k > 4096) { free(scores); return -1; }
+    for (int64_t j = 0; j < top_k; j++) {
+        if (hash_ids) {
+            if (hash_ids[j] < 0 || hash_ids[j] >= E) { free(scores); return -1; }
+            ids[j] = hash_ids[j];
+            continue;
+        }
+        int64_t best = -1;
+        float best_v = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j && !taken; i++) taken = ids[i] == e;
+            const float v = scores[e] + (bias ? bias[e] : 0.0f);
+            if (!taken && (best < 0 || v > best_v)) { best = e; best_v = v; }
+        }
+        ids[j] = best;
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < top_k; j++) sum += scores[ids[j]];
+    int64_t n = 0;
+    for (int64_t j = 0; j < top_k; j++) {  /* insertion by id; a repeated id adds its weight */
+        const float w = scores[ids[j]] / (sum + 1e-20f) * scale;
+        int64_t at = 0;
+        while (at < n && chosen[at] < ids[j]) at++;
+        if (at < n && chosen[at] == ids[j]) { weights[at] += w; continue; }
+        for (int64_t i = n; i > at; i--) { chosen[i] = chosen[i - 1]; weights[i] = weights[i - 1]; }
+        chosen[at] = ids[j];
+        weights[at] = w;
+        n++;
+    }
+    free(scores);
+    return (int)n;
 }
 
 /* --- one decoded token's attention core (model.attention_token) ------------------------------------------------ */
@@ -584,10 +660,12 @@ int attend_token(const float *q, int64_t heads, int64_t dim, int64_t rope_dim, c
 /* out [rows, cols] = x RMS-normed per row (times weight [cols] where given), then (rot given) the last rope_dim
    channels of each row rotated by rot [rope_dim / 2][2] (cos, sin), as model.rms_norm and apply_rope compute */
 int token_norm_rope(const float *x, int64_t rows, int64_t cols, const float *weight, float eps, int64_t rope_dim,
-                    const float *rot, float *out)
+                    const float *rot, float *out, float *out_low)
 {
     if (rows < 0 || cols < 1 || rope_dim < 0 || rope_dim > cols || rope_dim % 2 || (rope_dim && !rot)) return 1;
     for (int64_t r = 0; r < rows; r++) norm_rope_row(x + r * cols, cols, weight, eps, rope_dim, rot, out + r * cols);
+    if (out_low)  /* a copy rounded to bfloat16 (decode's window keeps one beside its rows) */
+        for (int64_t i = 0; i < rows * cols; i++) out_low[i] = round_to_bf16(out[i]);
     return 0;
 }
 

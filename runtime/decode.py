@@ -5,12 +5,14 @@ with a byte budget; everything else (attention, norms, router, shared expert, mH
 and stays resident, decoded, on the compute device. Per token and layer: a hash-routed layer knows its experts
 from the token id, so their reads are issued before the layer's attention; a learned layer's once its router
 ran. A miss is one aligned read of that expert's region through the prefill's reader (O_DIRECT where the
-container does not fit in memory), the reads of a layer issued together. On a CPU a token's chosen experts then run
+container does not fit in memory), the reads of a layer issued together. On a CPU every layer then runs as a few
+compiled calls over fixed buffers (runtime/token_layer.py's TokenLayers): the chosen experts and the shared one
 in one call of the compiled token kernel (runtime/token_kernels.py), which reads each matrix from its stored bytes
-(F32, BF16, F16, FP4 E2M1, MXFP4, Q8_0) and splits the rows over every thread, while the small torch ops of the
-token run on one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another
-stored kind) each expert is computed as its bytes arrive by the prefill's expert runner. The attention grows each
-layer's KV one token at a time (model.attention_token over a model.TokenKV); `states` gives them as LayerKVStates.
+(F32, BF16, F16, FP4 E2M1, MXFP4, Q8_0) and splits the rows over every thread, while the few torch ops of a token
+run on one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another stored
+kind) model.py's functions run each layer and each expert is computed as its bytes arrive by the prefill's expert
+runner. The attention grows each layer's KV one token at a time (a model.TokenKV); `states` gives them as
+LayerKVStates.
 
 The cache holds experts as stored (their container bytes), least recently used evicted first. It starts warm:
 `seed` reads the experts the prompt sent the most tokens to, most used first, until the budget is full.
@@ -39,6 +41,7 @@ from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
 from .io import ReadPipeline, RegionReader
 from .model import HEAD_GLOBALS
 from .read_scheduler import RegionChecker, global_regions
+from .token_layer import TokenLayers
 
 
 
@@ -127,14 +130,15 @@ class Decoder:
         self.checker = RegionChecker(container, verify_reads, on_read=True)
         self.reader = RegionReader(container.part_paths, io_mode, zero_copy=False)
         self.copier = DeviceCopier(device)
-        largest = max((r.length for b in container.layers for r in b.experts), default=4096)
+        self.blocks = container.layers  # (Container.layers makes its list on each call)
+        largest = max((r.length for b in self.blocks for r in b.experts), default=4096)
         self.pipe = ReadPipeline(self.reader, largest, queue_depth, device.type == "cuda",
                                  buffers=2 * queue_depth)
         self.compute = BusyTimer()
         self.experts = ExpertRunner(cfg, device, expert_dtype, self.checker, self.copier, self.pipe.release,
                                     self.compute)
         start = time.perf_counter()
-        self.dense = [decode_dense(b, self._read_region(b.dense).to(device), compute_dtype) for b in container.layers]
+        self.dense = [decode_dense(b, self._read_region(b.dense).to(device), compute_dtype) for b in self.blocks]
         self.embed_entries, self.embed_read = self._read_globals(["embed.weight"], on_device=False)
         # a token's routed experts in one compiled call (CPU), read from their stored bytes
         self.kernels = token_kernels.token_kernels() if device.type == "cpu" else None
@@ -148,6 +152,11 @@ class Decoder:
         self._layouts: dict[tuple[int, int], list | None] = {}
         self._matrices: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> (weakref to its bytes, Matrices)
         self._tables: dict[str, torch.Tensor] = {}
+        self._routed_flag = token_kernels.ROUND_INPUT if self.experts.expert_dtype == torch.bfloat16 else 0
+        # every layer in compiled calls over fixed buffers where the kernels take its weights and every expert
+        self.layers = TokenLayers.make(cfg, self.dense) if self.kernels is not None and all(
+            self._kernel_layout(layer, e) for layer, block in enumerate(self.blocks)
+            for e in range(len(block.experts))) else None
 
     def begin(self, states: list[LayerKVState]) -> None:
         """Start a sequence after `states`; the stats count from here."""
@@ -193,7 +202,7 @@ class Decoder:
                          for e, n in enumerate(counts) if n), reverse=True)
         room = self.cache.budget
         for _, layer, e in ranked:
-            region = self.c.layers[layer].experts[e]
+            region = self.blocks[layer].experts[e]
             if (layer, e) in self.cache:  # kept from an earlier sequence
                 room -= region.length
                 continue
@@ -206,7 +215,7 @@ class Decoder:
 
     def _fetch(self, layer: int, experts: list[int]) -> dict[int, Future | torch.Tensor]:
         """Each expert's bytes: from the cache, or a read issued now (all of a layer's misses together)."""
-        block = self.c.layers[layer]
+        block = self.blocks[layer]
         got: dict[int, Future | torch.Tensor] = {}
         for e in sorted(set(experts)):
             raw = self.cache.get((layer, e))
@@ -226,7 +235,7 @@ class Decoder:
         item = got[e]
         if isinstance(item, torch.Tensor):
             return item if item.device == self.device else item.to(self.device)
-        region = self.c.layers[layer].experts[e]
+        region = self.blocks[layer].experts[e]
         t0 = time.perf_counter()
         buffer, view = item.result()
         self.stats.disk_wait_s += time.perf_counter() - t0
@@ -242,8 +251,10 @@ class Decoder:
         return raw.to(self.device)
 
     def _give_back(self, held: list) -> None:
-        for buffer in held:
-            self.pipe.release(buffer)
+        """Give back the pooled buffers in `held` (the tensors beside them were only kept alive)."""
+        for item in held:
+            if not isinstance(item, torch.Tensor):
+                self.pipe.release(item)
         held.clear()
 
     # --- the routed experts of a token in one compiled call ----------------------------------------------------------
@@ -252,7 +263,7 @@ class Decoder:
         data slice, rows, cols, scale slice or None) each; None where a matrix is stored in a kind it lacks."""
         key = (layer, e)
         if key not in self._layouts:
-            block = self.c.layers[layer]
+            block = self.blocks[layer]
             region = block.experts[e]
             by_name = {t.name: t for t in region.tensors}
             prefix = f"{block.name}.ffn.experts.{e}."
@@ -273,35 +284,31 @@ class Decoder:
             self._layouts[key] = layout
         return self._layouts[key]
 
-    def _routed_by_kernel(self, layer: int, chosen: dict[int, float], routing, got) -> torch.Tensor | None:
-        """The token's routed experts summed ([1, H] float32) by one call of the compiled token kernel, once every
-        chosen expert's bytes are here (`chosen`: expert id -> its routing weight, ascending id); None where the
-        kernel does not run (not a CPU, a kind it lacks): the caller runs the experts one by one."""
+    def _kernel_experts(self, layer: int, chosen: dict[int, float], got, held: list) -> list[tuple] | None:
+        """The chosen experts' matrices as the compiled token kernel reads them from their stored bytes (a cache hit
+        gives the same descriptors as last time), once every chosen expert's bytes are here; None where the kernel
+        does not run them (not a CPU, a kind it lacks). `held` takes the pooled buffers to give back after the
+        call, and the bytes the descriptors point into (kept alive until then)."""
         if self.kernels is None:
             return None
         layouts = [self._kernel_layout(layer, e) for e in chosen]
         if not all(layouts):
             return None
-        experts, keep, held = [], [], []
-        try:
-            for e, layout in zip(chosen, layouts):
-                raw = self._expert_bytes(layer, e, got, held)
-                keep.append(raw)
-                known = self._matrices.get((layer, e))  # a cache hit gives the same bytes as last time
-                if known is None or known[0]() is not raw:
-                    known = (weakref.ref(raw), tuple(token_kernels.stored_matrix(
-                        kind, raw[data], rows, cols, raw[scale] if scale is not None else None, self._table(kind))
-                        for kind, data, rows, cols, scale in layout))
-                    self._matrices[(layer, e)] = known
-                experts.append(known[1])
-            for e in got.keys() - chosen.keys():  # read but not chosen (hash layers choose exactly these)
-                self._expert_bytes(layer, e, got, held)
-            self.stats.kernel_layers += 1
-            with self.compute:
-                return self.kernels.moe(routing.x[0], experts, torch.tensor(list(chosen.values())),
-                                        self.cfg.swiglu_limit, self.experts.expert_dtype == torch.bfloat16)[None]
-        finally:
-            self._give_back(held)
+        experts = []
+        for e, layout in zip(chosen, layouts):
+            raw = self._expert_bytes(layer, e, got, held)
+            held.append(raw)
+            known = self._matrices.get((layer, e))  # a cache hit gives the same bytes as last time
+            if known is None or known[0]() is not raw:
+                known = (weakref.ref(raw), tuple(token_kernels.stored_matrix(
+                    kind, raw[data], rows, cols, raw[scale] if scale is not None else None, self._table(kind))
+                    for kind, data, rows, cols, scale in layout))
+                self._matrices[(layer, e)] = known
+            experts.append(known[1])
+        for e in got.keys() - chosen.keys():  # read but not chosen (hash layers choose exactly these)
+            self._expert_bytes(layer, e, got, held)
+        self.stats.kernel_layers += 1
+        return experts
 
     def _table(self, kind: str) -> torch.Tensor | None:
         if kind not in ("FP4_E2M1", "MXFP4"):
@@ -325,16 +332,49 @@ class Decoder:
             torch.set_num_threads(threads)
 
     def _step(self, token_id: int) -> torch.Tensor:
-        cfg = self.cfg
         start = time.perf_counter()
         ids = torch.tensor([token_id], device=self.device)
-        rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight",
-                                 ids.cpu()).to(self.device)
-        streams = model.residual_streams(cfg, rows)
+        rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", ids.cpu()).to(self.device)
+        streams = self._compiled_layers(token_id, rows) if self.layers is not None else self._layers(ids, rows)
+        with self.compute:
+            logits = model.head(self.cfg, streams, self.head_weights, -1).float().cpu()
+        self.stats.tokens += 1
+        self.stats.seconds += time.perf_counter() - start
+        return logits
+
+    def _hash_fetch(self, layer: int, w, token_id: int) -> tuple[dict | None, list[int] | None]:
+        """A hash layer's experts (the token id is the routing): read before its attention runs."""
+        if not self.cfg.hash_layers[layer]:
+            return None, None
+        hash_ids = w["ffn.gate.tid2eid"][token_id].tolist()
+        return self._fetch(layer, hash_ids), hash_ids
+
+    def _compiled_layers(self, token_id: int, embedding: torch.Tensor) -> torch.Tensor:
+        """Every layer by TokenLayers' compiled calls (a CPU): the streams after the last."""
+        layers = self.layers
+        layers.begin(embedding)
         for layer, w in enumerate(self.dense):
-            got = None
-            if cfg.hash_layers[layer]:  # the token id is the routing: read before the attention runs
-                got = self._fetch(layer, w["ffn.gate.tid2eid"][token_id].tolist())
+            got, hash_ids = self._hash_fetch(layer, w, token_id)
+            with self.compute:
+                layers.attention(layer, self._kv[layer])
+                chosen = layers.route(layer, hash_ids)
+            if got is None:
+                got = self._fetch(layer, list(chosen))
+            held = []
+            try:
+                experts = self._kernel_experts(layer, chosen, got, held)
+                with self.compute:
+                    layers.finish(layer, experts, self._routed_flag)
+            finally:
+                self._give_back(held)
+        return layers.output
+
+    def _layers(self, ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        """Every layer by model.py's functions (a GPU, the native code off): the streams after the last."""
+        cfg = self.cfg
+        streams = model.residual_streams(cfg, embedding)
+        for layer, w in enumerate(self.dense):
+            got, _ = self._hash_fetch(layer, w, int(ids[0]))
             with self.compute:
                 streams = model.attention_token_sublayer(cfg, layer, w, streams, self._kv[layer])
                 routing = model.moe_route(cfg, layer, w, streams, ids)
@@ -346,16 +386,27 @@ class Decoder:
                 routed = self._routed_one_by_one(layer, routing, got)
             with self.compute:
                 streams = model.moe_finish(cfg, layer, w, streams, routing, routed)
-        with self.compute:
-            logits = model.head(cfg, streams, self.head_weights, -1).float().cpu()
-        self.stats.tokens += 1
-        self.stats.seconds += time.perf_counter() - start
-        return logits
+        return streams
+
+    def _routed_by_kernel(self, layer: int, chosen: dict[int, float], routing, got) -> torch.Tensor | None:
+        """The token's routed experts summed ([1, H] float32) by one call of the compiled token kernel (`chosen`:
+        expert id -> its routing weight, ascending id); None where the kernel does not run (not a CPU, a kind it
+        lacks): the caller runs the experts one by one."""
+        held = []
+        try:
+            experts = self._kernel_experts(layer, chosen, got, held)
+            if experts is None:
+                return None
+            with self.compute:
+                return self.kernels.moe(routing.x[0], experts, torch.tensor(list(chosen.values())),
+                                        self.cfg.swiglu_limit, False, flags=[self._routed_flag] * len(experts))[None]
+        finally:
+            self._give_back(held)
 
     def _routed_one_by_one(self, layer: int, routing, got) -> torch.Tensor:
         """The token's routed experts summed ([1, H] float32) by the prefill's expert runner, each as its bytes
         arrive."""
-        block, groups = self.c.layers[layer], routing.groups()
+        block, groups = self.blocks[layer], routing.groups()
         with self.compute:
             inputs = groups.gather(routing.x.to(self.experts.expert_dtype))
             outputs = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)

@@ -38,6 +38,8 @@ class _Library:
         self.token_pre = c_function(lib, "hc_token_pre", (p, ctypes.c_int, i64, p, p, p, ctypes.c_int, f32, f32, p,
                                                           p, p, p))
         self.token_post = c_function(lib, "hc_token_post", (p, p, p, p, ctypes.c_int, i64, p))
+        self.token_pre_mixed = c_function(lib, "hc_token_pre_mixed", (p, ctypes.c_int, i64, p, p, p, ctypes.c_int,
+                                                                      f32, f32, p, p, p, p))
 
 
 def _reference_token_pre(streams, fn, scale, base, hc, iters, hc_eps, norm_eps, norm_weight, mix_weights):
@@ -102,7 +104,7 @@ def _token_post(kernels, streams, out, post, comb):
     hc, hidden = streams.shape[-2], streams.shape[-1]
     into = torch.empty(1, hc, hidden, dtype=torch.float32)
     if kernels.token_post(streams.data_ptr(), out.data_ptr(), post.data_ptr(), comb.data_ptr(), hc, hidden,
-                          into.data_ptr()):
+                          into.data_ptr()) == 1:  # 2: not finite, model.check_finite names the layer
         raise ValueError(f"hc_mult {hc} is outside the compiled mHC kernel's 1..{HC_MAX}")
     return into
 
@@ -150,16 +152,22 @@ def _float_cpu(*tensors) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
+def token_weights_fit(fn, scale, base, norm_weight, hc: int) -> bool:
+    """Whether a sublayer's mHC weights are what the one-token calls take (CPU float32 contiguous, fn
+    [(2 + hc) * hc, hc * H], norm_weight [H], hc_mult in 1..HC_MAX); runtime/token_layer.py checks once."""
+    width = (2 + hc) * hc
+    return (norm_weight is not None and norm_weight.dim() == 1 and 1 <= hc <= HC_MAX
+            and fn.shape == (width, hc * norm_weight.shape[0]) and scale.numel() == 3 and base.numel() == width
+            and _float_cpu(fn, scale, base, norm_weight))
+
+
 def token_pre(streams, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float, norm_weight,
               reference):
     """model.hc_pre followed by the sublayer's rms_norm for one token, streams [1, hc, H] -> (x [1, H], post
     [1, hc], comb [1, hc, hc]) in one call; None where it does not apply (not one token, not CPU float32
     contiguous tensors of the expected shapes, hc outside 1..HC_MAX, no compiler)."""
-    width = (2 + hc) * hc
-    if (streams.dim() != 3 or streams.shape[:2] != (1, hc) or not 1 <= hc <= HC_MAX
-            or fn.shape != (width, hc * streams.shape[2]) or scale.numel() != 3 or base.numel() != width
-            or norm_weight is None or norm_weight.shape != (streams.shape[2],)
-            or not _float_cpu(streams, fn, scale, base, norm_weight)):
+    if (streams.dim() != 3 or streams.shape[:2] != (1, hc) or not token_weights_fit(fn, scale, base, norm_weight, hc)
+            or norm_weight.shape != (streams.shape[2],) or not _float_cpu(streams)):
         return None
     kernels = _kernel(reference)
     return None if kernels is None else _token_pre(kernels, streams, fn, scale, base, hc, iters, hc_eps, norm_eps,
@@ -174,3 +182,4 @@ def token_post(streams, out, post, comb, reference):
         return None
     kernels = _kernel(reference)
     return None if kernels is None else _token_post(kernels, streams, out, post, comb)
+

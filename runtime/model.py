@@ -180,11 +180,21 @@ def rope_rotation(rope: RopeConfig, start: int, count: int, step: int = 1,
 ROTATION_BLOCK = 256  # decoded positions whose rotations are made together
 
 
+_ROTATION_BLOCKS: dict[tuple, tuple[RopeConfig, Tensor]] = {}  # (id(rope), start, device) -> (rope, its block)
+
+
 def token_rotation(rope: RopeConfig, position: int, device: torch.device | None = None) -> Tensor:
     """rope_rotation(rope, position, 1): a decoded token's rotation [1, rope.dim/2], sliced from its block of
-    ROTATION_BLOCK positions (made once per block: the same values, not two cos / sin calls per token and rope)."""
+    ROTATION_BLOCK positions (made once per block: the same values, not two cos / sin calls per token and rope;
+    found by the rope's identity: hashing a RopeConfig per layer and token cost more than the slice)."""
     start = position - position % ROTATION_BLOCK
-    return rope_rotation(rope, start, ROTATION_BLOCK, 1, device)[position - start:position - start + 1]
+    key = (id(rope), start, device)
+    known = _ROTATION_BLOCKS.get(key)
+    if known is None or known[0] is not rope:
+        if len(_ROTATION_BLOCKS) >= 64:
+            _ROTATION_BLOCKS.clear()
+        known = _ROTATION_BLOCKS[key] = (rope, rope_rotation(rope, start, ROTATION_BLOCK, 1, device))
+    return known[1][position - start:position - start + 1]
 
 
 @functools.cache
@@ -564,8 +574,7 @@ class GrowingRows:
     def _tensors(self) -> tuple[Tensor, ...]:
         return (self._rows,) if self._mirror is self._rows else (self._rows, self._mirror)
 
-    def append(self, rows: Tensor) -> None:
-        n = rows.shape[0]
+    def _make_room(self, n: int) -> None:
         if self.count + n > self._rows.shape[0]:
             if self.keep is not None and self.keep + n <= self._rows.shape[0]:  # move the kept rows to the front
                 for t in self._tensors():
@@ -577,10 +586,24 @@ class GrowingRows:
                 self._mirror = self._rows if self.low == torch.float32 else torch.empty_like(self._rows)
                 for t, old in zip(self._tensors(), before):
                     t[:self.count] = old[:self.count]
+
+    def append(self, rows: Tensor) -> None:
+        n = rows.shape[0]
+        self._make_room(n)
         self._rows[self.count:self.count + n] = rows
         if self._mirror is not self._rows:
             self._mirror[self.count:self.count + n] = rows.to(self.low)
         self.count += n
+
+    def next_row(self) -> tuple[Tensor, Tensor | None]:
+        """Room for one more row: (its place [1, cols], its mirror's place or None where the mirror is the rows),
+        for a kernel to write them; `commit` then counts it."""
+        self._make_room(1)
+        row = self._rows[self.count:self.count + 1]
+        return row, (None if self._mirror is self._rows else self._mirror[self.count:self.count + 1])
+
+    def commit(self) -> None:
+        self.count += 1
 
     def _start(self, last: int | None) -> int:
         return 0 if last is None else max(0, self.count - last)
@@ -647,39 +670,30 @@ class TokenKV:
 
 def attention_token_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor,
                              kv_state: TokenKV) -> Tensor:
-    """attention_sublayer for one decoded token (streams [1, hc, H]) after kv_state's tokens, kv_state grown."""
+    """attention_sublayer for one decoded token (streams [1, hc, H]) after kv_state's tokens, kv_state grown (the
+    torch path; runtime/token_layer.py computes the same in compiled calls)."""
     x, post, comb = hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
                                 w["attn_norm.weight"])
     return hc_post(streams, attention_token(cfg, layer, w, x, kv_state), post, comb)
 
 
-def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, kv_state: TokenKV) -> Tensor:
-    """`attention` for one decoded token x [1, H] after kv_state's tokens, growing kv_state in place: the same
-    arithmetic without what a single query never needs (no masks: the token sees every key of its window and
-    every complete compressed entry; no per-token copies of the window or the entries)."""
-    kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
-    if kind != kv_state.layer_type:
-        raise ValueError(f"layer {layer}: past state of a {kv_state.layer_type} layer, the model has {kind}")
-    position = kv_state.seen_tokens
-    rotation = token_rotation(cfg.main_rope if kind == SLIDING else cfg.compress_rope, position, x.device)
-    low = w["attn.wq_b.weight"].dtype
-    # every projection of x in one call: the query's LoRA, K=V, the compressors' (kv, gate) pairs
+def _projection_names(kind: str) -> list[str]:
+    """The matrices a token's attention input goes through first: the query's LoRA, K=V, the compressors' (kv,
+    gate) pairs and the indexer's head weights."""
     names = ["attn.wq_a.weight", "attn.wkv.weight"]
     if kind != SLIDING:
         names += ["attn.compressor.wkv.weight", "attn.compressor.wgate.weight"]
     if kind == CSA:
         names += ["attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight",
                   "attn.indexer.weights_proj.weight"]
-    projected = linears(x, [w[name] for name in names])
-    kernels = token_kernels.token_kernels() if x.device.type == "cpu" and low in (torch.float32, torch.bfloat16) \
-        else None
-    if kernels is not None:  # the norms (and RoPE) in one compiled call each
-        q_lora = kernels.norm_rope(projected[0], w["attn.q_norm.weight"], eps)
-        kv = kernels.norm_rope(projected[1], _kv_norm_weight(w), eps, rotation)
-    else:
-        q_lora = rms_norm(projected[0], w["attn.q_norm.weight"], eps)
-        kv = apply_rope(rms_norm(projected[1], _kv_norm_weight(w), eps), rotation)
-    kv_state.window.append(kv)
+    return names
+
+
+def _grow_state(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_state: TokenKV,
+                projected: list[Tensor]) -> tuple[list[Tensor], Tensor | None, bool]:
+    """After a token's key went into the window: its projections into the compressors, the token counted; (the
+    keys it attends to, the compressed entries or None, whether the indexer picks among them)."""
+    kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
     kv_state.seen_tokens += 1
     keys = [kv_state.window.mirror(cfg.sliding_window)]
     if kind != SLIDING:
@@ -689,30 +703,35 @@ def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Te
         kv_state.indexer.add(*projected[4:6], w["attn.indexer.compressor.ape"],
                              w["attn.indexer.compressor.norm.weight"], True, cfg.compress_rope, eps)
     entries = kv_state.compressor.entries.mirror() if kind != SLIDING else None
-    indexed = kind == CSA and entries.shape[0] > cfg.index_topk
+    return keys, entries, kind == CSA and entries.shape[0] > cfg.index_topk
+
+
+def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, kv_state: TokenKV) -> Tensor:
+    """`attention` for one decoded token x [1, H] after kv_state's tokens, growing kv_state in place: the same
+    arithmetic without what a single query never needs (no masks: the token sees every key of its window and
+    every complete compressed entry; no per-token copies of the window or the entries)."""
+    kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
+    if kind != kv_state.layer_type:
+        raise ValueError(f"layer {layer}: past state of a {kv_state.layer_type} layer, the model has {kind}")
+    rotation = token_rotation(cfg.main_rope if kind == SLIDING else cfg.compress_rope, kv_state.seen_tokens,
+                              x.device)
+    low = w["attn.wq_b.weight"].dtype
+    projected = linears(x, [w[name] for name in _projection_names(kind)])
+    q_lora = rms_norm(projected[0], w["attn.q_norm.weight"], eps)
+    kv_state.window.append(apply_rope(rms_norm(projected[1], _kv_norm_weight(w), eps), rotation))
+    keys, entries, indexed = _grow_state(cfg, layer, w, kv_state, projected)
     queries = linears(q_lora, [w["attn.wq_b.weight"]] + ([w["attn.indexer.wq_b.weight"]] if indexed else []))
-    q = queries[0].view(cfg.num_heads, cfg.head_dim)
     if entries is not None and entries.shape[0]:
         if indexed:
-            if kernels is not None:  # every entry is complete: the index_topk best scores
-                head_weights = projected[6] * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
-                scores = kernels.index_scores(queries[1].view(cfg.index_n_heads, cfg.index_head_dim), rotation,
-                                              kv_state.indexer.entries.mirror(), head_weights, low == torch.bfloat16)
-                picked = scores.topk(cfg.index_topk).indices
-            else:
-                complete = torch.tensor([entries.shape[0]], device=x.device)
-                picked = indexer_topk(cfg, w, x, q_lora, rotation, kv_state.indexer.entries.rows(), complete,
-                                      (queries[1], projected[6]))[0]
+            complete = torch.tensor([entries.shape[0]], device=x.device)
+            picked = indexer_topk(cfg, w, x, q_lora, rotation, kv_state.indexer.entries.rows(), complete,
+                                  (queries[1], projected[6]))[0]
             entries = entries.index_select(0, picked)
         keys.append(entries)
-    sink, scale = w["attn.attn_sink"], cfg.head_dim ** -0.5
-    if kernels is not None:  # the norm, RoPE and softmax attention of every head in one compiled call
-        o = kernels.attend(q, keys, sink, scale, rotation, eps, low == torch.bfloat16)[None]
-    else:  # the prefill's attention, every key visible (the keys are rounded already: rounding again is exact)
-        q = apply_rope(rms_norm(q[None], None, eps), rotation)
-        o = _attend(q, [(k, k.new_zeros(1, k.shape[0])) for k in keys], sink, scale, low)
-        o = apply_rope(o, rotation.conj())
-    return grouped_output(cfg, o, w["attn.wo_a.weight"], w["attn.wo_b.weight"])
+    # the prefill's attention, every key visible (the keys are rounded already: rounding again is exact)
+    q = apply_rope(rms_norm(queries[0].view(1, cfg.num_heads, cfg.head_dim), None, eps), rotation)
+    o = _attend(q, [(k, k.new_zeros(1, k.shape[0])) for k in keys], w["attn.attn_sink"], cfg.head_dim ** -0.5, low)
+    return grouped_output(cfg, apply_rope(o, rotation.conj()), w["attn.wo_a.weight"], w["attn.wo_b.weight"])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ KINDS = {"F32": 0, "BF16": 1, "F16": 2, "FP4_E2M1": 3, "MXFP4": 4, "Q8_0": 5}  #
 FLOAT_KINDS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 SMALL_ROWS = 4  # model.linear takes the kernel up to this many input rows (decode: one)
 ROUND_INPUT, ROUND_OUTPUT = 1, 2  # the C file's flags
+SCORE_FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}  # model.moe_route's scoring functions, the C enum
 GROUP = 32
 
 
@@ -63,6 +64,11 @@ def _threads(given: int | None) -> int:
     return given or getattr(_local, "threads", None) or torch.get_num_threads()
 
 
+def current_threads() -> int:
+    """The thread count the kernels called now on this thread split their rows over (`using_threads`)."""
+    return _threads(None)
+
+
 class Matrix(ctypes.Structure):
     """native matrix_t: a weight as stored; `keep` holds the tensors its pointers point into."""
     _fields_ = [("kind", ctypes.c_int64), ("data", ctypes.c_void_p), ("scale", ctypes.c_void_p),
@@ -75,11 +81,12 @@ class TokenKernels:
         self._linear = c_function(lib, "token_linear", (p, i64, i64, p, p, i64, ctypes.c_int, ctypes.c_int))
         self._many = c_function(lib, "token_linear_many", (p, i64, p, ctypes.c_int, p, p, p, ctypes.c_int))
         self._grouped = c_function(lib, "token_linear_grouped", (p, i64, i64, p, p, ctypes.c_int, ctypes.c_int))
-        self._moe = c_function(lib, "moe_token", (p, i64, i64, i64, p, p, p, p, ctypes.c_float, ctypes.c_int, p,
-                                                  ctypes.c_int))
+        self._moe = c_function(lib, "moe_token", (p, i64, i64, p, p, p, p, ctypes.c_float, p, p, ctypes.c_int))
+        self._route = c_function(lib, "route_token", (p, p, p, ctypes.c_int, i64, p, ctypes.c_float, p, p,
+                                                      ctypes.c_int))
         self._attend = c_function(lib, "attend_token", (p, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int, p,
                                                          ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
-        self._norm_rope = c_function(lib, "token_norm_rope", (p, i64, i64, p, ctypes.c_float, i64, p, p))
+        self._norm_rope = c_function(lib, "token_norm_rope", (p, i64, i64, p, ctypes.c_float, i64, p, p, p))
         self._index = c_function(lib, "index_token", (p, i64, i64, i64, p, p, i64, p, ctypes.c_int, p, ctypes.c_int))
         self._set_level = c_function(lib, "token_matmul_set_level", (ctypes.c_int,), restype=None)
         self.vector = bool(c_function(lib, "token_matmul_vector_level", ())())
@@ -128,24 +135,44 @@ class TokenKernels:
         return out
 
     def moe(self, x: torch.Tensor, experts: list[tuple[Matrix, Matrix, Matrix]], weights: torch.Tensor,
-            limit: float, round_bf16: bool, threads: int | None = None, round_output: bool = False) -> torch.Tensor:
-        """float32 x [H] -> float32 [H]: the experts' clamped SwiGLU outputs summed with `weights`, in order.
-        `round_output` (with round_bf16): the gate, up and output rounded to bfloat16 too, as three bfloat16
-        `linear`s round them (model.expert_forward of the shared expert)."""
+            limit: float, round_bf16: bool, threads: int | None = None, round_output: bool = False,
+            flags: list[int] | None = None) -> torch.Tensor:
+        """float32 x [H] -> float32 [H]: the experts' clamped SwiGLU outputs summed with `weights`, in order (each
+        expert its own intermediate size). `round_bf16`: the input and hidden activation rounded to bfloat16;
+        `round_output` (with it): the gate, up and output rounded too, as three bfloat16 `linear`s round them
+        (model.expert_forward of the shared expert). `flags` (ROUND_INPUT | ROUND_OUTPUT per expert) replaces both:
+        decode appends the shared expert, weight 1, to the routed ones."""
         x = x.float().reshape(-1).contiguous()
         weights = weights.float().reshape(-1).contiguous()
         if len(weights) != len(experts):
             raise ValueError(f"{len(weights)} weights for {len(experts)} experts")
+        if flags is None:
+            flags = [(ROUND_INPUT | (ROUND_OUTPUT if round_output else 0)) if round_bf16 else 0] * len(experts)
         n, hidden = len(experts), x.shape[0]
-        inter = experts[0][0].rows if experts else 1
         arrays = [(Matrix * max(n, 1))(*(e[j] for e in experts)) for j in range(3)]
         out = torch.empty(hidden, dtype=torch.float32)
-        if self._moe(x.data_ptr(), hidden, inter, n, *(ctypes.addressof(a) for a in arrays), weights.data_ptr(),
-                     float(limit), int(round_bf16) | (ROUND_OUTPUT if round_output else 0), out.data_ptr(),
-                     _threads(threads)):
+        if self._moe(x.data_ptr(), hidden, n, *(ctypes.addressof(a) for a in arrays), weights.data_ptr(),
+                     float(limit), (ctypes.c_int * max(n, 1))(*flags), out.data_ptr(), _threads(threads)):
             raise RuntimeError(f"the token MoE refused {n} experts on {hidden} inputs")
         return out
 
+    def route(self, x: torch.Tensor, gate: Matrix, bias: torch.Tensor | None, score_func: str, top_k: int,
+              hash_ids: list[int] | None, scale: float, threads: int | None = None) -> tuple[list[int], list[float]]:
+        """One token's router (model.moe_route, then decode's token_choice): scores = score_func(gate @ x) over the
+        experts (gate's rows); the top_k by score + bias (ties: the lower id), or `hash_ids`; their scores
+        renormalised over the k, times `scale`. -> (expert ids ascending, an expert picked twice once; their
+        weights, a repeated expert's added)."""
+        x = x.float().reshape(-1).contiguous()
+        if x.numel() != gate.cols or score_func not in SCORE_FUNCS or (bias is not None and (
+                bias.dtype != torch.float32 or bias.numel() != gate.rows or not bias.is_contiguous())):
+            raise ValueError(f"router input {list(x.shape)} for a {gate.rows} x {gate.cols} gate ({score_func})")
+        chosen, weights = (ctypes.c_int64 * top_k)(), (ctypes.c_float * top_k)()
+        ids = (ctypes.c_int64 * top_k)(*hash_ids) if hash_ids is not None else None
+        n = self._route(x.data_ptr(), ctypes.byref(gate), bias.data_ptr() if bias is not None else None,
+                        SCORE_FUNCS[score_func], top_k, ids, float(scale), chosen, weights, _threads(threads))
+        if n < 0:
+            raise RuntimeError(f"the token router refused {top_k} of {gate.rows} experts ({score_func})")
+        return chosen[:n], weights[:n]
 
     def attend(self, q: torch.Tensor, key_sets: list[torch.Tensor], sink: torch.Tensor, scale: float,
                rotation: torch.Tensor, eps: float, round_bf16: bool, threads: int | None = None) -> torch.Tensor:
@@ -172,9 +199,11 @@ class TokenKernels:
 
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                  rotation: torch.Tensor | None = None) -> torch.Tensor:
+                  rotation: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  out_low: torch.Tensor | None = None) -> torch.Tensor:
         """model.rms_norm(x, weight, eps) of float32 rows x [..., cols], then (with `rotation`, complex
-        [rope_dim / 2]: one token's angles) model.apply_rope of every row by it, in one call."""
+        [rope_dim / 2]: one token's angles) model.apply_rope of every row by it, in one call; written into `out`
+        where given (contiguous float32, x's size), and rounded to bfloat16 into `out_low` too where given."""
         x = x.float().contiguous()
         cols = x.shape[-1]
         rot = _angles(rotation) if rotation is not None else None
@@ -182,13 +211,16 @@ class TokenKernels:
             weight = weight.float().contiguous()
         if (weight is not None and weight.numel() != cols) or (rot is not None and 2 * rot.shape[0] > cols):
             raise ValueError(f"rows of {cols} for a norm weight / rotation of another size")
-        out = torch.empty_like(x)
+        for given in (out, out_low):
+            if given is not None and (given.dtype != torch.float32 or not given.is_contiguous()
+                                      or given.numel() != x.numel()):
+                raise ValueError(f"an output of {given.dtype} {list(given.shape)} for rows {list(x.shape)}")
+        out = torch.empty_like(x) if out is None else out
         if self._norm_rope(x.data_ptr(), x.numel() // cols, cols, weight.data_ptr() if weight is not None else None,
                            eps, 2 * rot.shape[0] if rot is not None else 0, rot.data_ptr() if rot is not None else None,
-                           out.data_ptr()):
+                           out.data_ptr(), out_low.data_ptr() if out_low is not None else None):
             raise RuntimeError(f"the token norm refused rows of {cols}")
         return out
-
 
     def index_scores(self, q: torch.Tensor, rotation: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor,
                      round_bf16: bool, threads: int | None = None) -> torch.Tensor:
@@ -383,16 +415,23 @@ def _self_check(kernels: TokenKernels) -> str | None:
         got = kernels.moe(x, experts, weights, limit, False, threads=2).double()
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())):
             return f"the MoE (vector loop: {vector}) differs from torch's"
-        w1, w3, w2 = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((96, 64), (96, 64), (64, 96)))
-        x = torch.randn(64, generator=gen)
+        # one expert of bfloat16 linears (the shared expert), alone and appended to the others with another size
+        w1, w3, w2 = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((48, 64), (48, 64), (64, 48)))
         gate = (x.bfloat16().double() @ w1.double().T).float().bfloat16().double().clamp(max=limit)
         up = (x.bfloat16().double() @ w3.double().T).float().bfloat16().double().clamp(-limit, limit)
         hidden = (torch.nn.functional.silu(gate) * up).float().bfloat16().double()
-        want = (hidden @ w2.double().T).float().bfloat16().double()
-        got = kernels.moe(x, [tuple(float_matrix(w) for w in (w1, w3, w2))], torch.ones(1), limit, True, threads=2,
-                          round_output=True).double()
-        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+        shared = (hidden @ w2.double().T).float().bfloat16().double()
+        matrices = tuple(float_matrix(w) for w in (w1, w3, w2))
+        got = kernels.moe(x, [matrices], torch.ones(1), limit, True, threads=2, round_output=True).double()
+        if not torch.allclose(got, shared, rtol=1e-2, atol=1e-2 * float(shared.abs().max())):
             return f"one expert of bfloat16 linears (vector loop: {vector}) differs from torch's"
+        got = kernels.moe(x, experts + [matrices], torch.cat([weights, torch.ones(1)]), limit, False, threads=2,
+                          flags=[0] * len(experts) + [ROUND_INPUT | ROUND_OUTPUT]).double()
+        if not torch.allclose(got, want + shared, rtol=1e-2, atol=1e-4 * float((want + shared).abs().max())):
+            return f"routed experts and a shared one (vector loop: {vector}) differ from torch's"
+        reason = _check_router(kernels, gen)
+        if reason is not None:
+            return f"{reason} (vector loop: {vector})"
         mats, refs, keep = [], [], []  # several matrices on one token, float and stored kinds mixed
         for kind, rows in (("BF16", 37), ("F32", 5), ("Q8_0", 70)):
             data, scale = _random_stored(kind, rows, 96, gen)
@@ -411,7 +450,10 @@ def _self_check(kernels: TokenKernels) -> str | None:
         weight, angles = torch.rand(44, generator=gen) + 0.5, torch.rand(1, 10, generator=gen) * 6
         rotation = torch.polar(torch.full_like(angles, 1.1), angles)
         want = _rotated(_normed(rows, 1e-6) * weight.double(), rotation)
-        if not torch.allclose(kernels.norm_rope(rows, weight, 1e-6, rotation).double(), want, rtol=1e-5, atol=1e-5):
+        out, out_low = torch.empty(3, 44), torch.empty(3, 44)
+        kernels.norm_rope(rows, weight, 1e-6, rotation, out=out, out_low=out_low)
+        if not torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5) or not torch.equal(
+                out_low, out.bfloat16().float()):
             return "the token norm and RoPE differ from torch's"
         q, keys = torch.randn(5, 40, generator=gen), torch.randn(23, 40, generator=gen)
         head_weights = torch.randn(5, generator=gen)
@@ -436,6 +478,40 @@ def _self_check(kernels: TokenKernels) -> str | None:
             if not torch.allclose(got, want, rtol=1e-2 if round_bf16 else 1e-5, atol=1e-2 if round_bf16 else 1e-5):
                 return f"the token attention (vector loop: {vector}) differs from torch's"
     kernels.set_vector(True)
+    return None
+
+
+def reference_route(x, gate, bias, score_func: str, top_k: int, hash_ids, scale: float):
+    """`TokenKernels.route` in float64 torch: (expert ids ascending, their weights)."""
+    logits = gate.double() @ x.double()
+    scores = {"sqrtsoftplus": lambda v: torch.nn.functional.softplus(v).sqrt(), "sigmoid": torch.sigmoid,
+              "softmax": lambda v: torch.softmax(v, -1)}[score_func](logits)
+    ids = hash_ids if hash_ids is not None else (scores + (bias.double() if bias is not None else 0)).topk(
+        top_k).indices.tolist()
+    picked = scores[ids]
+    weights = picked / (picked.sum() + 1e-20) * scale
+    chosen: dict[int, float] = {}
+    for e, w in sorted(zip(ids, weights.tolist())):
+        chosen[e] = chosen.get(e, 0.0) + w
+    return list(chosen), list(chosen.values())
+
+
+def _check_router(kernels: TokenKernels, gen: torch.Generator) -> str | None:
+    """Why the compiled router disagrees with reference_route (None: it agrees): every scoring function, with and
+    without a bias, learned and hash choices (one with a repeated expert)."""
+    experts, cols = 19, 40
+    gate = torch.randn(experts, cols, generator=gen) * 0.3
+    for score_func in SCORE_FUNCS:
+        for bias in (None, torch.randn(experts, generator=gen) * 0.1):
+            for hash_ids in (None, [3, 11, 3, 0]):
+                x = torch.randn(cols, generator=gen)
+                want = reference_route(x, gate, bias, score_func, 4, hash_ids, 1.5)
+                ids, weights = kernels.route(x, float_matrix(gate), bias, score_func, 4, hash_ids, 1.5, threads=2)
+                if ids != want[0] or not torch.allclose(torch.tensor(weights, dtype=torch.float64),
+                                                        torch.tensor(want[1], dtype=torch.float64), rtol=1e-5,
+                                                        atol=1e-6):
+                    return f"the token router ({score_func}, bias: {bias is not None}, hash: {bool(hash_ids)}) " \
+                           "differs from torch's"
     return None
 
 

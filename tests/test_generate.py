@@ -11,9 +11,11 @@ import torch
 
 from moepack.format_spec.errors import MoepackError
 from moepack.packer.convert import convert_checkpoint
+from moepack.runtime import token_kernels
 from moepack.runtime.decode import ExpertCache
 from moepack.runtime.engine import PrefillOptions, prefill
 from moepack.runtime.generate import GenerateOptions, Generator, generate
+from moepack.runtime.token_layer import TokenLayers
 from v4_models import CONFIGS, random_config, saved_model
 
 NEW_TOKENS = 32
@@ -70,6 +72,28 @@ def test_greedy_generation_equals_transformers(models, name, n, cache_gib):
         with open(container, "rb") as f:
             size = os.fstat(f.fileno()).st_size
         assert decode["bytes_read"] + decode["cache_seed_bytes"] <= size
+
+
+@pytest.mark.parametrize("name,n", [("B", 9), ("random7", 33)], ids=["B-N9", "random7-N33"])
+def test_greedy_generation_without_the_compiled_layers_equals_transformers(models, monkeypatch, name, n):
+    """The path decode takes where TokenLayers does not apply (model.py's attention, moe_route and moe_finish, the
+    routed experts in one kernel call) decodes the same tokens."""
+    monkeypatch.setattr(TokenLayers, "make", classmethod(lambda cls, *a: None))
+    hf_model, container = models[name]
+    ids = _prompt(n, hf_model.config.vocab_size, seed=n)
+    with Generator(container, cache_gib=1.0) as g:
+        assert g.decoder.layers is None
+        result = g.generate(ids, GenerateOptions(max_new_tokens=NEW_TOKENS))
+    assert result.generated_ids == _transformers_greedy(hf_model, ids, NEW_TOKENS)
+
+
+def test_decode_on_a_cpu_runs_every_layer_by_compiled_calls(models):
+    """Where the native code builds, these models decode through TokenLayers."""
+    if token_kernels.token_kernels() is None:
+        pytest.skip("no compiled token kernels on this machine")
+    for name, (_, container) in models.items():
+        with Generator(container, cache_gib=1.0) as g:
+            assert g.decoder.layers is not None, name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

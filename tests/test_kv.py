@@ -22,6 +22,8 @@ from v4_models import CONFIGS  # noqa: E402
 from moepack.format_spec.errors import FormatError, MoepackError  # noqa: E402
 from moepack.kv import continuation_input_ids, load_transformers_cache  # noqa: E402
 from moepack.runtime import model as M  # noqa: E402
+from moepack.runtime import token_kernels  # noqa: E402
+from moepack.runtime.token_layer import TokenLayers  # noqa: E402
 from moepack.v4 import kv as K  # noqa: E402
 from moepack.v4.config import CSA as C  # noqa: E402
 from moepack.v4.config import HCA as H  # noqa: E402
@@ -174,10 +176,20 @@ def test_continuation_equals_single_prefill(models, name, a, b):
     torch.testing.assert_close(cont[-1], ref, atol=1e-3 * ref.abs().max().item(), rtol=0)
 
 
-def _token_forward(cfg, weights, layers: list[dict], token_id: int, kvs: list[M.TokenKV]) -> torch.Tensor:
-    """One decoded token through every layer with resident weights, the attention through attention_token (what
-    runtime/decode.py's Decoder runs over a container): its logits [vocab]."""
+def _token_forward(cfg, weights, layers: list[dict], token_id: int, kvs: list[M.TokenKV],
+                   compiled: TokenLayers | None) -> torch.Tensor:
+    """One decoded token through every layer with resident weights, as runtime/decode.py's Decoder runs it over a
+    container: by `compiled` (TokenLayers over `layers`) where given, else by model.py's functions. Its logits."""
     ids = torch.tensor([token_id])
+    if compiled is not None:
+        compiled.begin(weights["embed.weight"][ids])
+        for layer, w in enumerate(layers):
+            compiled.attention(layer, kvs[layer])
+            chosen = compiled.route(layer, w["ffn.gate.tid2eid"][token_id].tolist() if cfg.hash_layers[layer]
+                                    else None)
+            compiled.finish(layer, [tuple(token_kernels.float_matrix(w[f"ffn.experts.{e}.{m}.weight"])
+                                          for m in ("w1", "w3", "w2")) for e in chosen], 0)
+        return M.head(cfg, compiled.output, weights, -1)
     streams = M.embed(cfg, ids, weights["embed.weight"])
     for layer, w in enumerate(layers):
         streams = M.attention_token_sublayer(cfg, layer, w, streams, kvs[layer])
@@ -198,8 +210,8 @@ TOKEN_STEPS = [("A", 5, 60), ("B", 3, 200), ("C", 40, 40)]
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
 @pytest.mark.parametrize("name,a,b", TOKEN_STEPS, ids=[f"{c}-{a}+{b}" for c, a, b in TOKEN_STEPS])
 def test_token_attention_equals_the_prefill(models, monkeypatch, name, a, b, compiled):
-    """Decode's one-token attention (model.attention_token over a TokenKV, with the compiled token kernels or the
-    torch path) gives the logits of a single prefill of the whole sequence at every step, and ends in its KV."""
+    """One decoded token at a time over a TokenKV (runtime/token_layer.py's compiled calls, or model.py's torch
+    path) gives the logits of a single prefill of the whole sequence at every step, and ends in its KV."""
     if not compiled:
         monkeypatch.setattr(M.token_kernels, "token_kernels", lambda: None)
     _, cfg, weights = models(name)
@@ -208,12 +220,50 @@ def test_token_attention_equals_the_prefill(models, monkeypatch, name, a, b, com
     _, states = M.forward_resident(cfg, weights, ids[:a], return_kv_state=True)
     kvs = [M.TokenKV(cfg, layer, state, torch.float32) for layer, state in enumerate(states)]
     layers = [M.layer_weights(weights, layer) for layer in range(cfg.num_layers)]
+    fast = TokenLayers.make(cfg, layers)
+    assert (fast is not None) == (compiled and token_kernels.token_kernels() is not None)
     scale = whole.abs().max().item()
     for step, token in enumerate(ids[a:].tolist()):
-        logits = _token_forward(cfg, weights, layers, token, kvs)
+        logits = _token_forward(cfg, weights, layers, token, kvs, fast)
         torch.testing.assert_close(logits, whole[a + step], atol=2e-5 * scale, rtol=0, msg=f"step {step}")
     for kv, ref in zip(kvs, whole_states):
         _same_state(kv.state(), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_a_decoded_layer_whose_output_is_not_finite_is_named(models, monkeypatch, compiled):
+    """A KV continued with an infinity in layer 1's window: the decoded token stops at layer 1, in one line."""
+    if not compiled:
+        monkeypatch.setattr(M.token_kernels, "token_kernels", lambda: None)
+    _, cfg, weights = models("A")
+    ids = _prompt(6, cfg.vocab_size, seed=5)
+    _, states = M.forward_resident(cfg, weights, ids[:5], return_kv_state=True)
+    states[1].window_kv[-1, 0] = float("inf")
+    kvs = [M.TokenKV(cfg, layer, state, torch.float32) for layer, state in enumerate(states)]
+    layers = [M.layer_weights(weights, layer) for layer in range(cfg.num_layers)]
+    with pytest.raises(MoepackError, match=r"^layer 1: its output is not finite"):
+        _token_forward(cfg, weights, layers, int(ids[5]), kvs, TokenLayers.make(cfg, layers))
+
+
+def test_compiled_layers_are_refused_for_weights_they_do_not_take(models):
+    """TokenLayers.make gives None (decode then runs model.py's functions) for a layer whose weights are not what
+    its fixed buffers and kernels take: another shape, another dtype, a missing shared expert."""
+    if token_kernels.token_kernels() is None:
+        pytest.skip("no compiled token kernels on this machine")
+    _, cfg, weights = models("A")
+    layers = [M.layer_weights(weights, layer) for layer in range(cfg.num_layers)]
+    assert TokenLayers.make(cfg, layers) is not None
+    for name, change in [("attn.wo_b.weight", lambda t: t[:, :-1].contiguous()),
+                         ("attn.wq_a.weight", lambda t: t[:-1].contiguous()),
+                         ("attn.wq_b.weight", lambda t: t.half()),
+                         ("ffn.gate.weight", lambda t: t.bfloat16()),
+                         ("ffn.shared_experts.w2.weight", None)]:
+        changed = [dict(w) for w in layers]
+        if change is None:
+            del changed[1][name]
+        else:
+            changed[1][name] = change(changed[1][name])
+        assert TokenLayers.make(cfg, changed) is None, name
 
 
 def test_growing_rows_keep_what_was_appended():

@@ -273,6 +273,63 @@ def test_the_shared_expert_of_one_token_is_its_three_linears(loop):
         assert torch.allclose(got, want, rtol=step, atol=step * float(want.abs().max())), (got - want).abs().max()
 
 
+def test_routed_experts_with_the_shared_one_appended_equal_routed_plus_shared(loop):
+    """decode's FFN call: routed experts of stored kinds (intermediate size 64) and the shared expert (bf16, 48
+    wide) appended with weight 1 and its own roundings: the routed sum plus model.expert_forward of the shared."""
+    hidden, inter, limit = 96, 64, 3.0
+    gen = torch.Generator().manual_seed(1)
+    experts, values, keep = [], [], []
+    for e, kinds in enumerate((("FP4_E2M1",) * 3, ("MXFP4", "Q8_0", "BF16"))):
+        mats = [_weight(k, r, c, seed=20 + 3 * e + j) for j, (k, (r, c)) in
+                enumerate(zip(kinds, ((inter, hidden), (inter, hidden), (hidden, inter))))]
+        experts.append(tuple(m[0] for m in mats))
+        values.append(tuple(m[1] for m in mats))
+        keep.append(mats)
+    shapes = ((48, hidden), (48, hidden), (hidden, 48))
+    shared = [(torch.randn(*shape, generator=gen) * 0.1).bfloat16() for shape in shapes]
+    x, weights = torch.randn(hidden, generator=gen), torch.rand(2, generator=gen) * 2
+    for routed_flag in (0, token_kernels.ROUND_INPUT):
+        got = loop.moe(x, experts + [tuple(token_kernels.float_matrix(w) for w in shared)],
+                       torch.cat([weights, torch.ones(1)]), limit, False, threads=2,
+                       flags=[routed_flag] * 2 + [token_kernels.ROUND_INPUT | token_kernels.ROUND_OUTPUT])
+        want = _reference_moe(x, values, weights, limit, bool(routed_flag)) \
+            + model.expert_forward(SimpleNamespace(swiglu_limit=limit), x[None], *shared)[0].double()
+        assert _close(got, want, rtol=1e-2)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("hashed", [False, True], ids=["learned", "hash"])
+def test_the_compiled_router_chooses_as_moe_route_and_token_choice(loop, scoring, hashed):
+    """TokenKernels.route against moe_route's arithmetic (then decode's token_choice) on random tokens: the same experts
+    in ascending id, a hash layer's repeated expert once with its weights added, the same weights."""
+    from moepack.runtime.decode import token_choice
+
+    gen = torch.Generator().manual_seed(2)
+    experts, hidden, top_k = 37, 80, 5
+    gate = torch.randn(experts, hidden, generator=gen) * 0.2
+    w = {"ffn.gate.weight": gate}
+    if hashed:
+        w["ffn.gate.tid2eid"] = torch.randint(0, experts, (50, top_k), generator=gen)
+        w["ffn.gate.tid2eid"][7, 1] = w["ffn.gate.tid2eid"][7, 3]  # a repeated expert
+    else:
+        w["ffn.gate.bias"] = torch.randn(experts, generator=gen) * 0.1
+    cfg = SimpleNamespace(scoring_func=scoring, hash_layers=[hashed], num_experts_per_tok=top_k,
+                          routed_scaling_factor=2.5)
+    for token in range(10) if not hashed else (7, 3, 9):
+        x = torch.randn(1, hidden, generator=gen)
+        scores = model._router_scores(cfg, x @ gate.T)
+        experts_ = w["ffn.gate.tid2eid"][[token]] if hashed else (scores + w["ffn.gate.bias"]).topk(top_k).indices
+        weights = scores.gather(1, experts_)
+        routing = SimpleNamespace(experts=experts_, weights=weights / weights.sum() * 2.5)
+        want = token_choice(routing)
+        ids, got = loop.route(x, token_kernels.float_matrix(gate), w.get("ffn.gate.bias"), scoring, top_k,
+                              w["ffn.gate.tid2eid"][token].tolist() if hashed else None, 2.5, threads=2)
+        assert ids == list(want)
+        assert torch.allclose(torch.tensor(got), torch.tensor(list(want.values())), rtol=1e-5, atol=1e-7)
+    with pytest.raises(RuntimeError):  # a hash id out of range
+        loop.route(torch.randn(hidden), token_kernels.float_matrix(gate), None, scoring, 2, [0, experts], 1.0)
+
+
 @pytest.fixture(scope="module")
 def containers(tmp_path_factory):
     """The tiny preset in the release layout (FP8 dense, FP4 E2M1 experts) kept, and converted bf16 / fp4 (MXFP4)

@@ -1,0 +1,277 @@
+"""One decoded token through the model's layers in compiled calls over fixed buffers (a CPU's decode).
+
+At one token a layer's work is a scan of its weights, done by the compiled kernels at the memory's pace; what is
+left is the Python between them. Calling each kernel through its checked wrapper (runtime/token_kernels.py: its
+arguments converted, checked and its output allocated on every call) and torch's small ops between them cost
+about a third of a resident BF16 token. Here everything a layer's calls take is arranged once: the weights'
+descriptors, the plans of its projections, and buffers that never move (the residual streams in two of them, the
+attention sublayer writing the second from the first and the FFN the first from the second), so a call is the
+C function on ready arguments. What varies per token is passed per call: the window's next row (the key is
+written there, with its bf16-rounded copy), the token's RoPE angles, the key sets, the chosen experts.
+
+The arithmetic is model.py's, call for call (attention_token_sublayer, moe_route + decode's token_choice,
+moe_finish with the shared expert): TokenLayers.make gives None where a layer's weights are not what the kernels
+take, and the decoder then runs model.py's functions. The numbers come out of the same kernels either way; tests
+hold the two paths and the prefill together.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from moepack.v4.config import CSA, SLIDING, ModelConfig
+
+from . import mhc_native, model, token_kernels
+from .token_kernels import ROUND_INPUT, ROUND_OUTPUT, Matrix
+
+
+def _ptr(t: Tensor) -> int:
+    return t.data_ptr()
+
+
+def _offset(t: Tensor, floats: int) -> int:
+    return t.data_ptr() + 4 * floats
+
+
+class _Layer:
+    """One layer's ready arguments and its own buffers (the projections' outputs)."""
+
+    def __init__(self, owner: TokenLayers, layer: int, w: Mapping[str, Tensor]):
+        cfg, k, hc = owner.cfg, owner.kernels, owner.hc
+        self.layer, self.w = layer, w
+        self.kind = cfg.layer_types[layer]
+        low = w["attn.wq_b.weight"].dtype == torch.bfloat16
+        self.low, self.rope = low, cfg.main_rope if self.kind == SLIDING else cfg.compress_rope
+        names = model._projection_names(self.kind)
+        self.projections = model._linear_plan([w[n] for n in names])
+        self.queries = model._linear_plan([w["attn.wq_b.weight"]])
+        self.indexed_queries = model._linear_plan([w["attn.wq_b.weight"], w["attn.indexer.wq_b.weight"]]) \
+            if self.kind == CSA else None
+        self.keep = [w[f"attn.wo_{m}.weight"] for m in "ab"]  # what the descriptors below point into
+        self.wo_a, self.wo_b = (token_kernels.float_matrix(m) for m in self.keep)
+        self.q_norm = w["attn.q_norm.weight"].float().contiguous()
+        self.kv_norm = model._kv_norm_weight(w).float().contiguous()
+        self.sink = w["attn.attn_sink"].float().contiguous()
+        self.proj = torch.empty(1, self.projections.total)
+        self.q = torch.empty(1, (self.indexed_queries or self.queries).total)
+        self.parts = [self.proj[:, a:b] for a, b in self.projections.spans]  # views: the contents change per token
+        H, n_hc = cfg.hidden_size, cfg.hc_mult
+        kv_at, kv_stop = self.projections.spans[1]
+        a, b = owner.streams
+        # (function, arguments but the thread count) per call
+        self.attn_pre = owner.hc_attn[layer]
+        self.project = (k._many, (_ptr(owner.x), H, self.projections.matrices, self.projections.count,
+                                  _ptr(self.proj), self.projections.offsets, self.projections.flags))
+        self.q_lora_norm = (k._norm_rope, (_ptr(self.proj), 1, self.projections.spans[0][1], _ptr(self.q_norm),
+                                           cfg.rms_norm_eps, 0, None, _ptr(owner.q_lora), None))
+        self.kv_in, self.kv_cols = _offset(self.proj, kv_at), kv_stop - kv_at
+        self.query = {indexed: (k._many, (_ptr(owner.q_lora), plan.cols, plan.matrices, plan.count, _ptr(self.q),
+                                          plan.offsets, plan.flags))
+                      for indexed, plan in ((False, self.queries), (True, self.indexed_queries)) if plan is not None}
+        self.grouped = (k._grouped, (_ptr(owner.o), cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups,
+                                     ctypes.byref(self.wo_a), _ptr(owner.low_rank), low * (ROUND_INPUT | ROUND_OUTPUT)))
+        self.output = (k._linear, (_ptr(owner.low_rank), 1, self.wo_b.cols, ctypes.byref(self.wo_b), _ptr(owner.out),
+                                   self.wo_b.rows, low * (ROUND_INPUT | ROUND_OUTPUT)))
+        self.attn_post = (hc.token_post, (_ptr(a), _ptr(owner.out), _ptr(owner.post), _ptr(owner.comb), n_hc, H,
+                                          _ptr(b)))
+        self.ffn_pre = owner.hc_ffn[layer]
+        self.gate = token_kernels.float_matrix(w["ffn.gate.weight"])
+        self.keep.append(w["ffn.gate.weight"])
+        bias = None if cfg.hash_layers[layer] else w.get("ffn.gate.bias")
+        self.route = (k._route, (_ptr(owner.x), ctypes.byref(self.gate), _ptr(bias) if bias is not None else None,
+                                 token_kernels.SCORE_FUNCS[cfg.scoring_func], cfg.num_experts_per_tok))
+        shared = [w[f"ffn.shared_experts.{m}.weight"] for m in ("w1", "w3", "w2")]
+        self.keep += shared
+        self.shared = tuple(token_kernels.float_matrix(m) for m in shared)
+        self.shared_flag = ROUND_INPUT | ROUND_OUTPUT if shared[0].dtype == torch.bfloat16 else 0
+        self.ffn_post = (hc.token_post, (_ptr(b), _ptr(owner.moe_out), _ptr(owner.post), _ptr(owner.comb), n_hc, H,
+                                         _ptr(a)))
+
+
+def _usable(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor]) -> bool:
+    """Whether the kernels take every weight of this layer's token path as it is."""
+    kind = cfg.layer_types[layer]
+    low = w["attn.wq_b.weight"].dtype
+    if low not in (torch.float32, torch.bfloat16) or cfg.scoring_func not in token_kernels.SCORE_FUNCS:
+        return False
+    queries = [w["attn.wq_b.weight"]] + ([w["attn.indexer.wq_b.weight"]] if kind == CSA else [])
+    plans = [[w[n] for n in model._projection_names(kind)], queries[:1]] + ([queries] if kind == CSA else [])
+    if any(model._linear_plan(matrices) is None for matrices in plans):
+        return False
+    wo = [w["attn.wo_a.weight"], w["attn.wo_b.weight"]]
+    shared = [w.get(f"ffn.shared_experts.{m}.weight") for m in ("w1", "w3", "w2")]
+    gate, bias = w.get("ffn.gate.weight"), w.get("ffn.gate.bias")
+    floats = wo + shared + [gate]
+    if any(m is None or model._token_kernels(1, m, m) is None for m in floats):
+        return False
+    return (all(m.dtype == low for m in wo) and len({m.dtype for m in shared}) == 1 and gate.dtype == torch.float32
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())) and _shapes_fit(cfg, kind, w))
+
+
+def _shapes_fit(cfg: ModelConfig, kind: str, w: Mapping[str, Tensor]) -> bool:
+    """Whether the weights have the shapes the fixed buffers are made for (a call reads and writes them whole)."""
+    H, heads, dim, rank = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.o_groups * cfg.o_lora_rank
+    want = {"attn.wq_a.weight": (cfg.q_lora_rank, H), "attn.wkv.weight": (dim, H),
+            "attn.wq_b.weight": (heads * dim, cfg.q_lora_rank), "attn.wo_a.weight": (rank, heads * dim // cfg.o_groups),
+            "attn.wo_b.weight": (H, rank), "attn.q_norm.weight": (cfg.q_lora_rank,), "attn.attn_sink": (heads,),
+            "attn_norm.weight": (H,), "ffn_norm.weight": (H,), "ffn.shared_experts.w1.weight": (None, H),
+            "ffn.shared_experts.w2.weight": (H, None), "ffn.gate.weight": (None, H)}
+    if kind == CSA:
+        want["attn.indexer.wq_b.weight"] = (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+    return (heads * dim % cfg.o_groups == 0 and tuple(model._kv_norm_weight(w).shape) == (dim,)
+            and all(len(w[name].shape) == len(shape) and all(n is None or n == m for n, m in zip(shape, w[name].shape))
+                    for name, shape in want.items()))
+
+
+class TokenLayers:
+    """Every layer of one decoded token in compiled calls over fixed buffers (the module's docstring). Per token:
+    `begin(embedding)`, then per layer `attention(layer, kv)`, `route(layer, hash_ids)` -> the chosen experts, and
+    `finish(layer, experts, routed_flag)` with their Matrices; `streams` is then the last layer's output."""
+
+    def __init__(self, cfg: ModelConfig, dense: list[Mapping[str, Tensor]], kernels, hc):
+        self.cfg, self.kernels, self.hc = cfg, kernels, hc
+        H, n_hc = cfg.hidden_size, cfg.hc_mult
+        self.streams = (torch.empty(1, n_hc, H), torch.empty(1, n_hc, H))
+        self.x, self.post, self.comb = torch.empty(1, H), torch.empty(1, n_hc), torch.empty(1, n_hc, n_hc)
+        self.q_lora = torch.empty(1, cfg.q_lora_rank)
+        self.o = torch.empty(cfg.num_heads, cfg.head_dim)
+        self.low_rank = torch.empty(1, cfg.o_groups * cfg.o_lora_rank)
+        self.out, self.moe_out = torch.empty(1, H), torch.empty(1, H)
+        k = cfg.num_experts_per_tok
+        self.chosen, self.weights = (ctypes.c_int64 * k)(), (ctypes.c_float * (k + 1))()
+        self.hash_ids = (ctypes.c_int64 * k)()
+        self.experts = [(Matrix * (k + 1))() for _ in range(3)]
+        self.flags = (ctypes.c_int * (k + 1))()
+
+        self.mixes = torch.empty(1, (2 + n_hc) * n_hc)
+        self.fn_matrices = []  # the mixes' matrices, [hc x H] . streams on every thread (fn: 1.5 MB on V4-Flash)
+
+        def hc_entry(sublayer: str, norm: str, w, streams: Tensor) -> tuple:
+            """(the mixes' call, the rest of the entry's call), each (function, arguments but threads)."""
+            fn, scale, base = (w[f"hc_{sublayer}_{p}"] for p in ("fn", "scale", "base"))
+            self.fn_matrices.append(token_kernels.float_matrix(fn))
+            mixes = (kernels._linear, (_ptr(streams), 1, fn.shape[1], ctypes.byref(self.fn_matrices[-1]),
+                                       _ptr(self.mixes), fn.shape[0], 0))
+            rest = (hc.token_pre_mixed, (_ptr(streams), n_hc, H, _ptr(self.mixes), _ptr(scale), _ptr(base),
+                                         cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, _ptr(w[norm]),
+                                         _ptr(self.x), _ptr(self.post), _ptr(self.comb)))
+            return mixes, rest
+        a, b = self.streams
+        self.hc_attn = [hc_entry("attn", "attn_norm.weight", w, a) for w in dense]
+        self.hc_ffn = [hc_entry("ffn", "ffn_norm.weight", w, b) for w in dense]
+        self.layers = [_Layer(self, layer, w) for layer, w in enumerate(dense)]
+
+    @classmethod
+    def make(cls, cfg: ModelConfig, dense: list[Mapping[str, Tensor]]) -> TokenLayers | None:
+        """The compiled token path over these resident layer weights, or None where the native code is off or a
+        layer's weights are not what it takes (the caller runs model.py's functions)."""
+        kernels = token_kernels.token_kernels()
+        if kernels is None:
+            return None
+        for layer, w in enumerate(dense):
+            if not _usable(cfg, layer, w):
+                return None
+            for sublayer, norm in (("attn", "attn_norm.weight"), ("ffn", "ffn_norm.weight")):
+                if not mhc_native.token_weights_fit(w[f"hc_{sublayer}_fn"], w[f"hc_{sublayer}_scale"],
+                                                    w[f"hc_{sublayer}_base"], w.get(norm), cfg.hc_mult):
+                    return None
+        hc = mhc_native._kernel(model.hc_mix_weights)
+        return None if hc is None else cls(cfg, dense, kernels, hc)
+
+    def begin(self, embedding: Tensor) -> None:
+        """A token's embedding [1, H] into every residual stream."""
+        self.streams[0].copy_(embedding.float().reshape(1, 1, -1).expand_as(self.streams[0]))
+
+    @property
+    def output(self) -> Tensor:
+        """The residual streams [1, hc, H] after the last `finish` (a buffer: read before the next token)."""
+        return self.streams[0]
+
+    def attention(self, layer: int, kv_state: model.TokenKV) -> None:
+        """model.attention_token_sublayer of streams[0] into streams[1], kv_state grown."""
+        L, cfg, k = self.layers[layer], self.cfg, self.kernels
+        if L.kind != kv_state.layer_type:
+            raise ValueError(f"layer {layer}: past state of a {kv_state.layer_type} layer, the model has {L.kind}")
+        threads = token_kernels.current_threads()
+        _entry(L.attn_pre, threads)
+        fn, args = L.project
+        _call(fn, args, threads)
+        fn, args = L.q_lora_norm
+        _call(fn, args)
+        rotation = model.token_rotation(L.rope, kv_state.seen_tokens)
+        angles = token_kernels._angles(rotation)
+        row, mirror = kv_state.window.next_row()  # the key straight into the window (and its rounded copy)
+        _call(k._norm_rope, (L.kv_in, 1, L.kv_cols, _ptr(L.kv_norm), cfg.rms_norm_eps, 2 * angles.shape[0],
+                             _ptr(angles), _ptr(row), _ptr(mirror) if mirror is not None else None))
+        kv_state.window.commit()
+        keys, entries, indexed = model._grow_state(cfg, layer, L.w, kv_state, L.parts)
+        fn, args = L.query[indexed]
+        _call(fn, args, threads)
+        if entries is not None and entries.shape[0]:
+            if indexed:  # every entry is complete: the index_topk best scores
+                index_q = L.q[:, L.indexed_queries.spans[1][0]:].view(cfg.index_n_heads, cfg.index_head_dim)
+                head_weights = L.parts[6] * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
+                scores = k.index_scores(index_q, rotation, kv_state.indexer.entries.mirror(), head_weights, L.low)
+                entries = entries.index_select(0, scores.topk(cfg.index_topk).indices)
+            keys.append(entries)
+        sets = [t for t in keys if t.shape[0]]
+        _call(k._attend, (_ptr(L.q), cfg.num_heads, cfg.head_dim, 2 * angles.shape[0], _ptr(angles),
+                          cfg.rms_norm_eps, (ctypes.c_void_p * len(sets))(*(_ptr(t) for t in sets)),
+                          (ctypes.c_int64 * len(sets))(*(t.shape[0] for t in sets)), len(sets), _ptr(L.sink),
+                          cfg.head_dim ** -0.5, int(L.low), _ptr(self.o)), threads)
+        fn, args = L.grouped
+        _call(fn, args, threads)
+        fn, args = L.output
+        _call(fn, args, threads)
+        fn, args = L.attn_post
+        if fn(*args) == 1:  # (2: not finite; the layer's FFN exit checks)
+            raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
+
+    def route(self, layer: int, hash_ids: list[int] | None) -> dict[int, float]:
+        """The FFN's mHC entry and router from streams[1]: {expert id: weight} ascending (token_choice's)."""
+        L, cfg = self.layers[layer], self.cfg
+        _entry(L.ffn_pre, token_kernels.current_threads())
+        if hash_ids is not None:
+            self.hash_ids[:] = hash_ids
+        fn, args = L.route
+        n = fn(*args, self.hash_ids if hash_ids is not None else None, float(cfg.routed_scaling_factor),
+               self.chosen, self.weights, token_kernels.current_threads())
+        if n < 0:
+            raise RuntimeError(f"layer {layer}: the token router refused its input")
+        return dict(zip(self.chosen[:n], self.weights[:n]))
+
+    def finish(self, layer: int, experts: list[tuple[Matrix, Matrix, Matrix]], routed_flag: int) -> None:
+        """The chosen experts (their Matrices, in route's order, its weights) and the shared expert in one call,
+        then the FFN's mHC exit into streams[0]; a non-finite result stops here, named (model.check_finite)."""
+        L, n = self.layers[layer], len(experts)
+        for j, array in enumerate(self.experts):
+            for e, matrices in enumerate(experts):
+                array[e] = matrices[j]
+            array[n] = L.shared[j]
+        self.flags[:n + 1] = [routed_flag] * n + [L.shared_flag]
+        self.weights[n] = 1.0
+        _call(self.kernels._moe, (_ptr(self.x), self.cfg.hidden_size, n + 1, *self.experts, self.weights,
+                                  float(self.cfg.swiglu_limit), self.flags, _ptr(self.moe_out)),
+              token_kernels.current_threads())
+        fn, args = L.ffn_post
+        done = fn(*args)
+        if done == 1:
+            raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
+        if done == 2:  # the new streams hold a NaN or an infinity: the one-line error naming the layer
+            model.check_finite(self.streams[0], layer)
+
+
+def _entry(calls: tuple, threads: int) -> None:
+    """A sublayer's mHC entry: the mixes on every thread, then the rest in one call."""
+    (mixes, mixes_args), (rest, rest_args) = calls
+    _call(mixes, mixes_args, threads)
+    _call(rest, rest_args)
+
+
+def _call(fn, args: tuple, *threads) -> None:
+    if fn(*args, *threads):
+        raise RuntimeError(f"a compiled decode call ({getattr(fn, '__name__', fn)}) refused its arguments")
