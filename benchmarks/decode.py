@@ -92,7 +92,9 @@ def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, 
     options = GenerateOptions(max_new_tokens=new, cache_gib=budget_gib, stop_at_eos=False,
                               prefill=PrefillOptions(io_mode="direct", compute_dtype=compute_dtype))
     with Generator(container, cache_gib=budget_gib, prefill=options.prefill) as g:
+        start = time.perf_counter()
         result = g.generate(ids, options)
+        first_s = time.perf_counter() - start
         warm = sorted((g.generate(ids, options).stats["decode"] for _ in range(WARM_RUNS)),
                       key=lambda d: d["tokens_per_s"] or 0)[WARM_RUNS // 2]
     d = result.stats["decode"]
@@ -102,6 +104,10 @@ def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, 
             "warm_tokens_per_s": warm["tokens_per_s"], "warm_hit_rate": warm["expert_cache_hit_rate"],
             "warm_bytes_read_per_token": warm["bytes_read_per_token"],
             "prefill_s": result.stats["prefill"]["seconds"], "generated": result.generated_ids,
+            # the first generation whole (prefill, cache seeding, decode) and the prompt's experts it took from the
+            # prefill's reads rather than reading them again
+            "first_generation_s": round(first_s, 3), "cache_seed_s": d["cache_seed_s"],
+            "cache_from_prefill_bytes": d["cache_from_prefill_bytes"],
             # the process's peak so far (a child per row under --cap-fraction: that row's own)
             "peak_rss_bytes": d["peak_rss_bytes"], "memory_bound_bytes": d["memory_bound_bytes"]}
 
@@ -268,13 +274,13 @@ def main() -> int:
           f"{facts['routed_bytes_per_token'] / 1e6:.1f} MB of routed experts per token (top-{facts['top_k']}), "
           f"{out['threads']} threads, prompt {args.tokens}, {args.new_tokens} new tokens")
     print(f"{'cache GiB':>10} {'tokens/s':>9} {'hit rate':>9} {'MB read/token':>14} {'disk wait s':>12} "
-          f"{'warm tokens/s':>14} {'warm hit rate':>14}")
+          f"{'warm tokens/s':>14} {'warm hit rate':>14} {'first gen s':>12}")
     for r in out["moepack"]:
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.0%}"
         warm_hit = "-" if r["warm_hit_rate"] is None else f"{r['warm_hit_rate']:.0%}"
         print(f"{r['cache_gib']:>10.3f} {r['tokens_per_s'] or 0:>9.2f} {hit:>9} "
               f"{(r['bytes_read_per_token'] or 0) / 1e6:>14.2f} {r['disk_wait_s']:>12.3f} "
-              f"{r['warm_tokens_per_s'] or 0:>14.2f} {warm_hit:>14}")
+              f"{r['warm_tokens_per_s'] or 0:>14.2f} {warm_hit:>14} {r['first_generation_s']:>12.2f}")
     if "disk" in out:
         print(f"disk limit (no cache): {out['disk']['tokens_per_s_limit']} tokens/s at {out['disk']['gbps']} GB/s "
               f"({out['disk']['source']})")

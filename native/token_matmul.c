@@ -345,8 +345,9 @@ static int linear(const float *x, int64_t T, int64_t x_stride, const matrix_t *w
     for (int64_t t = 0; t < T; t++)
         arrange(x + t * x_stride, w->cols, w->kind, round_bf16 & ROUND_INPUT, arranged_x + t * w->cols);
     linear_args args = {arranged_x, T, w, out, out_stride, group_rows, round_bf16 & ROUND_OUTPUT};
-    const int64_t work = group_rows ? w->rows : w->rows * T, most = work / 64 + 1;  /* a part of under 64 rows
-                                                                                     costs more than its thread */
+    /* a part of under 64K multiply-adds (64 rows of 1024) costs more than its thread: by work, not rows, so a few long
+       rows (the mHC mixes: 24 of 16K on V4-Flash) still split */
+    const int64_t work = (group_rows ? w->rows : w->rows * T) * w->cols, most = work / 65536 + 1;
     run_parts(linear_part, &args, (int)(threads < most ? threads : most));
     free(arranged_x);
     return 0;
@@ -406,7 +407,7 @@ int token_linear_many(const float *x, int64_t K, const matrix_t *ws, int n, floa
     if (!arranged_x) return 2;
     for (int i = 0; i < n; i++) arrange(x, K, ws[i].kind, flags[i] & ROUND_INPUT, arranged_x + i * K);
     many_args args = {arranged_x, ws, n, rows, out, offsets, flags};
-    const int64_t most = rows / 64 + 1;
+    const int64_t most = rows * K / 65536 + 1;  /* as linear's */
     run_parts(many_part, &args, (int)(threads < most ? threads : most));
     free(arranged_x);
     return 0;

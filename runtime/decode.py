@@ -20,6 +20,7 @@ The cache holds experts as stored (their container bytes), least recently used e
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moepack.format_spec.decode import decode_group, decode_group_rows
@@ -42,7 +44,6 @@ from .io import ReadPipeline, RegionReader
 from .model import HEAD_GLOBALS
 from .read_scheduler import RegionChecker, global_regions
 from .token_layer import TokenLayers
-
 
 
 class ExpertCache:
@@ -78,6 +79,19 @@ class ExpertCache:
         self._entries[key] = raw
         self.bytes += raw.numel()
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether nbytes more fit without evicting anything."""
+        return self.bytes + nbytes <= self.budget
+
+    def drop(self, key: tuple[int, int]) -> None:
+        raw = self._entries.pop(key, None)
+        if raw is not None:
+            self.bytes -= raw.numel()
+
+    def touch(self, key: tuple[int, int]) -> None:
+        """Make an entry the most recently used (not counted as a hit)."""
+        self._entries.move_to_end(key)
+
     def __contains__(self, key) -> bool:
         return key in self._entries
 
@@ -105,8 +119,9 @@ class DecodeStats:
     seconds: float = 0.0
     bytes_read: int = 0  # routed experts read on a miss (the cache's seed is counted apart)
     disk_wait_s: float = 0.0  # time the compute waited for a miss's bytes
-    seed_bytes: int = 0
+    seed_bytes: int = 0  # read by seed
     seed_s: float = 0.0
+    prefill_kept_bytes: int = 0  # the prompt's experts taken into the cache from the prefill's reads
     resident_s: float = 0.0  # reading and decoding the non-routed weights
     kernel_layers: int = 0  # layers whose routed experts ran in one call of the compiled token kernel
 
@@ -149,6 +164,10 @@ class Decoder:
         self.head_weights = decode_group(entries, read, dtype_of=lambda t: torch.bfloat16 if (
             self.kernels is not None and t.name == cfg.head_weight and t.dtype == "BF16") else torch.float32)
         self.stats.resident_s = time.perf_counter() - start
+        self._layer_of = {block.name: layer for layer, block in enumerate(self.blocks)}
+        self._keep_lock = threading.Lock()
+        self._from_prefill: set[tuple[int, int]] = set()  # kept by keep_from_prefill since the last seed
+        self._prefill_kept = 0  # their bytes (into the stats at begin)
         self._layouts: dict[tuple[int, int], list | None] = {}
         self._matrices: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> (weakref to its bytes, Matrices)
         self._tables: dict[str, torch.Tensor] = {}
@@ -164,8 +183,7 @@ class Decoder:
             raise MoepackError("decode needs one KV state per layer, all after the same tokens")
         self._kv = [model.TokenKV(self.cfg, layer, s.to(self.device), self.dense[layer]["attn.wq_b.weight"].dtype)
                     for layer, s in enumerate(states)]
-        resident_s = self.stats.resident_s
-        self.stats = DecodeStats(resident_s=resident_s)
+        self.stats = DecodeStats(resident_s=self.stats.resident_s, prefill_kept_bytes=self._prefill_kept)
         self._cache_counts = (self.cache.hits, self.cache.misses)
 
     @property
@@ -194,23 +212,49 @@ class Decoder:
         return entries, lambda t: reads[t.name](t)
 
     # --- the cache -------------------------------------------------------------------------------------------------
+    def prefill_starts(self) -> None:
+        """A sequence's prefill begins: what keep_from_prefill takes is counted from here."""
+        self._from_prefill.clear()
+        self._prefill_kept = 0
+
+    def keep_from_prefill(self, block, region, view: memoryview, base: int) -> None:
+        """A prompt's expert as the prefill uses it (its bytes checked), copied into the cache while it has room
+        (StreamingPrefill's keep_expert; called from the prefill's expert threads). `seed` then keeps those the
+        prompt used most and reads only what is missing."""
+        layer = self._layer_of[block.name]
+        with self._keep_lock:
+            if (layer, region.expert) in self.cache or not self.cache.has_room(region.length):
+                return
+            start = region.offset - base
+            raw = torch.from_numpy(np.frombuffer(view, dtype=np.uint8)[start:start + region.length].copy())
+            self.cache.put((layer, region.expert), raw)
+            self._from_prefill.add((layer, region.expert))
+            self._prefill_kept += region.length
+
     def seed(self, tokens_per_expert: list[list[int]]) -> None:
         """Warm the cache with the experts the prompt sent the most tokens to (per layer counts), most used
-        first, until the budget is full."""
+        first, until the budget is full: those the prefill's reads left in the cache stay (the rest of them go),
+        the others are read; the most used end as the most recently used."""
         start = time.perf_counter()
         ranked = sorted(((n, layer, e) for layer, counts in enumerate(tokens_per_expert)
                          for e, n in enumerate(counts) if n), reverse=True)
-        room = self.cache.budget
+        room, wanted = self.cache.budget, []
         for _, layer, e in ranked:
-            region = self.blocks[layer].experts[e]
-            if (layer, e) in self.cache:  # kept from an earlier sequence
-                room -= region.length
-                continue
-            if region.length > room:
-                continue
-            self.cache.put((layer, e), self._read_region(region))
-            room -= region.length
-            self.stats.seed_bytes += region.length
+            length = self.blocks[layer].experts[e].length
+            if length <= room:
+                wanted.append((layer, e))
+                room -= length
+        for key in self._from_prefill - set(wanted):  # kept while there was room, used less than others
+            self.cache.drop(key)
+        self._from_prefill.clear()
+        for key in wanted:
+            if key not in self.cache:
+                region = self.blocks[key[0]].experts[key[1]]
+                self.cache.put(key, self._read_region(region))
+                self.stats.seed_bytes += region.length
+        for key in reversed(wanted):
+            if key in self.cache:
+                self.cache.touch(key)
         self.stats.seed_s = time.perf_counter() - start
 
     def _fetch(self, layer: int, experts: list[int]) -> dict[int, Future | torch.Tensor]:
@@ -435,6 +479,7 @@ class Decoder:
                 "disk_wait_s": round(s.disk_wait_s, 4), "cache_bytes": self.cache.bytes,
                 "cache_budget_bytes": self.cache.budget, "cache_experts": len(self.cache),
                 "cache_seed_bytes": s.seed_bytes, "cache_seed_s": round(s.seed_s, 4),
+                "cache_from_prefill_bytes": s.prefill_kept_bytes,
                 "resident_load_s": round(s.resident_s, 4), "compute_busy_s": round(self.compute.seconds, 4),
                 "kernel_layers": s.kernel_layers}
 

@@ -201,7 +201,7 @@ class StreamingPrefill:
 
     def __init__(self, container: Container, options: PrefillOptions,
                  on_layer_kv: Callable[[int, LayerKVState], None] | None = None, dist=None,
-                 resident_dense: list[dict] | None = None):
+                 resident_dense: list[dict] | None = None, keep_expert: Callable | None = None):
         if options.expert_ownership not in EXPERT_OWNERSHIPS:
             raise MoepackError(f"unknown expert ownership {options.expert_ownership!r} "
                                f"(choose from {', '.join(EXPERT_OWNERSHIPS)})")
@@ -234,6 +234,7 @@ class StreamingPrefill:
         self.copier = DeviceCopier(self.device)
         self.experts = ExpertRunner(self.cfg, self.device, self.expert_dtype, self.reads.checker, self.copier,
                                     self.reads.experts_pipe.release, self.compute, options.fused_max_tokens)
+        self.experts.keep_expert = keep_expert  # (ExpertRunner.keep_expert: decode's cache takes the bytes)
 
     # --- the prefill ---------------------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, past: list | None = None, chunk_tokens: int | None = None,

@@ -127,6 +127,9 @@ class ExpertRunner:
         self._local = threading.local()  # each expert thread's own decoder (its buffers are reused expert to expert)
         self._decoders: list[ExpertDecoder] = []
         self._decoders_lock = threading.Lock()
+        # keep_expert(block, region, view, base): each expert's checked bytes as it is used (decode's cache takes
+        # the prompt's experts from the prefill's reads instead of reading them again); called on expert threads
+        self.keep_expert: Callable | None = None
 
     @property
     def side_by_side(self) -> bool:
@@ -275,6 +278,8 @@ class ExpertRunner:
                 groups: "model.ExpertGroups", view: memoryview) -> torch.Tensor:
         """The expert's float32 output rows for its tokens (in the order of groups.token_index's span)."""
         self.checker.before_use([region], view, base)  # about to be decoded: checked, the bytes are in cache for it
+        if self.keep_expert is not None:
+            self.keep_expert(block, region, view, base)
         a, b = groups.spans[region.expert]
         x = inputs.index_select(0, groups.token_index[a:b])
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)

@@ -125,7 +125,10 @@ class Generator:
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int):
         """(last logits, states, prefill stats, tokens per expert, all ids so far, tokens the KV held, memory bound)"""
         # the prompt runs through the decoder's resident dense weights: only the experts are read
-        engine = StreamingPrefill(self.c, self.prefill_options, resident_dense=self.decoder.dense)
+        # the prompt's experts go from the prefill's reads into the expert cache (seeding need not read them again)
+        self.decoder.prefill_starts()
+        engine = StreamingPrefill(self.c, self.prefill_options, resident_dense=self.decoder.dense,
+                                  keep_expert=self.decoder.keep_from_prefill)
         try:
             if continue_from is not None:
                 kv = read_kv(continue_from, expect_identity=identity_of_container(self.c))

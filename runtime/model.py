@@ -605,6 +605,10 @@ class GrowingRows:
     def commit(self) -> None:
         self.count += 1
 
+    @property
+    def width(self) -> int:
+        return self._rows.shape[1]
+
     def _start(self, last: int | None) -> int:
         return 0 if last is None else max(0, self.count - last)
 
@@ -661,6 +665,11 @@ class TokenKV:
         rate = cfg.compress_rates[layer]
         self.compressor = TokenCompressor(state.compressor, rate, low) if state.compressor is not None else None
         self.indexer = TokenCompressor(state.indexer, rate, low) if state.indexer is not None else None
+
+    def widths(self) -> tuple[int, int | None, int | None]:
+        """The widths of the window's rows and of the compressor's and the indexer's entries (None: none)."""
+        return (self.window.width, self.compressor.entries.width if self.compressor is not None else None,
+                self.indexer.entries.width if self.indexer is not None else None)
 
     def state(self) -> LayerKVState:
         return LayerKVState(self.layer_type, self.seen_tokens, self.window.rows().clone(),

@@ -148,6 +148,8 @@ class TokenKernels:
             raise ValueError(f"{len(weights)} weights for {len(experts)} experts")
         if flags is None:
             flags = [(ROUND_INPUT | (ROUND_OUTPUT if round_output else 0)) if round_bf16 else 0] * len(experts)
+        if len(flags) != len(experts):
+            raise ValueError(f"{len(flags)} flags for {len(experts)} experts")
         n, hidden = len(experts), x.shape[0]
         arrays = [(Matrix * max(n, 1))(*(e[j] for e in experts)) for j in range(3)]
         out = torch.empty(hidden, dtype=torch.float32)
@@ -163,8 +165,10 @@ class TokenKernels:
         renormalised over the k, times `scale`. -> (expert ids ascending, an expert picked twice once; their
         weights, a repeated expert's added)."""
         x = x.float().reshape(-1).contiguous()
-        if x.numel() != gate.cols or score_func not in SCORE_FUNCS or (bias is not None and (
-                bias.dtype != torch.float32 or bias.numel() != gate.rows or not bias.is_contiguous())):
+        if (x.numel() != gate.cols or score_func not in SCORE_FUNCS
+                or (hash_ids is not None and len(hash_ids) != top_k)
+                or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != gate.rows
+                                          or not bias.is_contiguous()))):
             raise ValueError(f"router input {list(x.shape)} for a {gate.rows} x {gate.cols} gate ({score_func})")
         chosen, weights = (ctypes.c_int64 * top_k)(), (ctypes.c_float * top_k)()
         ids = (ctypes.c_int64 * top_k)(*hash_ids) if hash_ids is not None else None

@@ -10,9 +10,10 @@ C function on ready arguments. What varies per token is passed per call: the win
 written there, with its bf16-rounded copy), the token's RoPE angles, the key sets, the chosen experts.
 
 The arithmetic is model.py's, call for call (attention_token_sublayer, moe_route + decode's token_choice,
-moe_finish with the shared expert): TokenLayers.make gives None where a layer's weights are not what the kernels
-take, and the decoder then runs model.py's functions. The numbers come out of the same kernels either way; tests
-hold the two paths and the prefill together.
+moe_finish with the shared expert), its sums added in another order (the mHC mixes by the matmul kernel, the
+router's exponentials from libm): float32 results agree to rounding, and a near-tie in a top-k may go the other
+way. TokenLayers.make gives None where a layer's weights are not what the kernels take, and the decoder then runs
+model.py's functions; tests hold the two paths and the prefill together.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def _offset(t: Tensor, floats: int) -> int:
     return t.data_ptr() + 4 * floats
 
 
+def _buffer(*shape: int) -> Tensor:
+    """A fixed float32 buffer (explicitly: a process may have changed torch's default dtype)."""
+    return torch.empty(*shape, dtype=torch.float32)
+
+
 class _Layer:
     """One layer's ready arguments and its own buffers (the projections' outputs)."""
 
@@ -51,13 +57,19 @@ class _Layer:
         self.queries = model._linear_plan([w["attn.wq_b.weight"]])
         self.indexed_queries = model._linear_plan([w["attn.wq_b.weight"], w["attn.indexer.wq_b.weight"]]) \
             if self.kind == CSA else None
-        self.keep = [w[f"attn.wo_{m}.weight"] for m in "ab"]  # what the descriptors below point into
-        self.wo_a, self.wo_b = (token_kernels.float_matrix(m) for m in self.keep)
+        wo = [w[f"attn.wo_{m}.weight"] for m in "ab"]
+        self.wo_a, self.wo_b = (token_kernels.float_matrix(m) for m in wo)
+        hc_weights = [f"hc_{sub}_{part}" for sub in ("attn", "ffn") for part in ("fn", "scale", "base")]
+        # every tensor a pointer below points into, kept here (not only through `w`)
+        self.keep = wo + [w[n] for n in names] + [w[n] for n in ("attn.wq_b.weight", "attn.indexer.wq_b.weight",
+                                                                 "ffn.gate.bias", "attn_norm.weight",
+                                                                 "ffn_norm.weight", *hc_weights)
+                                                  if w.get(n) is not None]
         self.q_norm = w["attn.q_norm.weight"].float().contiguous()
         self.kv_norm = model._kv_norm_weight(w).float().contiguous()
         self.sink = w["attn.attn_sink"].float().contiguous()
-        self.proj = torch.empty(1, self.projections.total)
-        self.q = torch.empty(1, (self.indexed_queries or self.queries).total)
+        self.proj = _buffer(1, self.projections.total)
+        self.q = _buffer(1, (self.indexed_queries or self.queries).total)
         self.parts = [self.proj[:, a:b] for a, b in self.projections.spans]  # views: the contents change per token
         H, n_hc = cfg.hidden_size, cfg.hc_mult
         kv_at, kv_stop = self.projections.spans[1]
@@ -69,6 +81,9 @@ class _Layer:
         self.q_lora_norm = (k._norm_rope, (_ptr(self.proj), 1, self.projections.spans[0][1], _ptr(self.q_norm),
                                            cfg.rms_norm_eps, 0, None, _ptr(owner.q_lora), None))
         self.kv_in, self.kv_cols = _offset(self.proj, kv_at), kv_stop - kv_at
+        # the window's, the compressor's and the indexer's entries (None: the layer has none)
+        self.kv_widths = (cfg.head_dim, None if self.kind == SLIDING else cfg.head_dim,
+                          cfg.index_head_dim if self.kind == CSA else None)
         self.query = {indexed: (k._many, (_ptr(owner.q_lora), plan.cols, plan.matrices, plan.count, _ptr(self.q),
                                           plan.offsets, plan.flags))
                       for indexed, plan in ((False, self.queries), (True, self.indexed_queries)) if plan is not None}
@@ -120,6 +135,8 @@ def _shapes_fit(cfg: ModelConfig, kind: str, w: Mapping[str, Tensor]) -> bool:
             "attn.wo_b.weight": (H, rank), "attn.q_norm.weight": (cfg.q_lora_rank,), "attn.attn_sink": (heads,),
             "attn_norm.weight": (H,), "ffn_norm.weight": (H,), "ffn.shared_experts.w1.weight": (None, H),
             "ffn.shared_experts.w2.weight": (H, None), "ffn.gate.weight": (None, H)}
+    if w.get("ffn.gate.bias") is not None:
+        want["ffn.gate.bias"] = (w["ffn.gate.weight"].shape[0],)
     if kind == CSA:
         want["attn.indexer.wq_b.weight"] = (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
     return (heads * dim % cfg.o_groups == 0 and tuple(model._kv_norm_weight(w).shape) == (dim,)
@@ -135,19 +152,19 @@ class TokenLayers:
     def __init__(self, cfg: ModelConfig, dense: list[Mapping[str, Tensor]], kernels, hc):
         self.cfg, self.kernels, self.hc = cfg, kernels, hc
         H, n_hc = cfg.hidden_size, cfg.hc_mult
-        self.streams = (torch.empty(1, n_hc, H), torch.empty(1, n_hc, H))
-        self.x, self.post, self.comb = torch.empty(1, H), torch.empty(1, n_hc), torch.empty(1, n_hc, n_hc)
-        self.q_lora = torch.empty(1, cfg.q_lora_rank)
-        self.o = torch.empty(cfg.num_heads, cfg.head_dim)
-        self.low_rank = torch.empty(1, cfg.o_groups * cfg.o_lora_rank)
-        self.out, self.moe_out = torch.empty(1, H), torch.empty(1, H)
+        self.streams = (_buffer(1, n_hc, H), _buffer(1, n_hc, H))
+        self.x, self.post, self.comb = _buffer(1, H), _buffer(1, n_hc), _buffer(1, n_hc, n_hc)
+        self.q_lora = _buffer(1, cfg.q_lora_rank)
+        self.o = _buffer(cfg.num_heads, cfg.head_dim)
+        self.low_rank = _buffer(1, cfg.o_groups * cfg.o_lora_rank)
+        self.out, self.moe_out = _buffer(1, H), _buffer(1, H)
         k = cfg.num_experts_per_tok
         self.chosen, self.weights = (ctypes.c_int64 * k)(), (ctypes.c_float * (k + 1))()
         self.hash_ids = (ctypes.c_int64 * k)()
         self.experts = [(Matrix * (k + 1))() for _ in range(3)]
         self.flags = (ctypes.c_int * (k + 1))()
 
-        self.mixes = torch.empty(1, (2 + n_hc) * n_hc)
+        self.mixes = _buffer(1, (2 + n_hc) * n_hc)
         self.fn_matrices = []  # the mixes' matrices, [hc x H] . streams on every thread (fn: 1.5 MB on V4-Flash)
 
         def hc_entry(sublayer: str, norm: str, w, streams: Tensor) -> tuple:
@@ -196,6 +213,8 @@ class TokenLayers:
         L, cfg, k = self.layers[layer], self.cfg, self.kernels
         if L.kind != kv_state.layer_type:
             raise ValueError(f"layer {layer}: past state of a {kv_state.layer_type} layer, the model has {L.kind}")
+        if kv_state.widths() != L.kv_widths:  # the kernels write and read rows of exactly these widths
+            raise ValueError(f"layer {layer}: past state of widths {kv_state.widths()}, the model's are {L.kv_widths}")
         threads = token_kernels.current_threads()
         _entry(L.attn_pre, threads)
         fn, args = L.project

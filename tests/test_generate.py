@@ -241,9 +241,43 @@ def test_one_generator_serves_several_generations_with_its_cache_kept(models):
         second = g.generate(ids, options)
         stop_early = g.generate(ids, options, cancelled=lambda: True)
     assert first.generated_ids == second.generated_ids == generate(container, ids, options).generated_ids
-    assert first.stats["decode"]["bytes_read"] + first.stats["decode"]["cache_seed_bytes"] > 0
+    # the prompt's experts came from the prefill's reads: seeding read nothing again
+    assert first.stats["decode"]["cache_from_prefill_bytes"] > 0 and first.stats["decode"]["cache_seed_bytes"] == 0
     assert second.stats["decode"]["bytes_read"] == 0 and second.stats["decode"]["expert_cache_hit_rate"] == 1.0
     assert stop_early.finish_reason == "cancelled" and len(stop_early.generated_ids) == 1
+
+
+@pytest.mark.parametrize("fraction", [0.3, 1.0])
+def test_the_cache_keeps_the_prompts_most_used_experts_from_the_prefills_reads(models, fraction):
+    """The prefill hands its experts to the cache while it has room; seeding then holds exactly the experts the
+    prompt used most (greedy by count within the budget: those kept but used less go), reads only what the prefill
+    could not keep, and leaves the most used as the most recently used."""
+    hf_model, container = models["random11"]
+    ids = _prompt(40, hf_model.config.vocab_size, seed=9)
+    with Generator(container, cache_gib=1.0) as g:
+        d = g.decoder
+        routed = sum(b.experts[e].length for b in d.blocks for e in range(len(b.experts)))
+        d.cache = ExpertCache(int(fraction * routed))
+        _, states, _, counts, *_ = g._prefill(ids, None, 1)
+        kept = set(d._from_prefill)
+        assert kept and all(key in d.cache for key in kept)
+        d.begin(states)
+        d.seed(counts)
+        ranked = sorted(((n, layer, e) for layer, c in enumerate(counts) for e, n in enumerate(c) if n), reverse=True)
+        room, wanted = d.cache.budget, []
+        for _, layer, e in ranked:
+            if d.blocks[layer].experts[e].length <= room:
+                wanted.append((layer, e))
+                room -= d.blocks[layer].experts[e].length
+        assert list(d.cache._entries) == wanted[::-1]  # least used first out
+        assert d.cache.bytes <= d.cache.budget
+        read = sum(d.blocks[layer].experts[e].length for layer, e in set(wanted) - kept)
+        assert d.stats.seed_bytes == read and d.stats.prefill_kept_bytes == sum(
+            d.blocks[layer].experts[e].length for layer, e in kept)
+        if fraction == 1.0:
+            assert d.stats.seed_bytes == 0
+        else:  # the case where the prefill's first-come experts are not all the most used ones
+            assert kept - set(wanted) and set(wanted) - kept
 
 
 def test_a_prefill_over_resident_dense_weights_is_the_streamed_one(models):

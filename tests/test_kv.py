@@ -266,6 +266,33 @@ def test_compiled_layers_are_refused_for_weights_they_do_not_take(models):
         assert TokenLayers.make(cfg, changed) is None, name
 
 
+def test_compiled_layers_keep_float32_buffers_and_refuse_a_state_of_other_widths(models):
+    """The fixed buffers are float32 whatever torch's default dtype (a script may set bfloat16: half-size buffers
+    would be overrun), and a KV state whose rows are not the model's widths is refused before a kernel writes."""
+    if token_kernels.token_kernels() is None:
+        pytest.skip("no compiled token kernels on this machine")
+    _, cfg, weights = models("A")
+    layers = [M.layer_weights(weights, layer) for layer in range(cfg.num_layers)]
+    ids = _prompt(6, cfg.vocab_size, seed=4)
+    whole = M.forward_resident(cfg, weights, ids)
+    _, states = M.forward_resident(cfg, weights, ids[:5], return_kv_state=True)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        fast = TokenLayers.make(cfg, layers)
+    finally:
+        torch.set_default_dtype(before)
+    assert all(t.dtype == torch.float32 for t in (*fast.streams, fast.x, fast.q_lora, fast.o, fast.moe_out))
+    kvs = [M.TokenKV(cfg, layer, state, torch.float32) for layer, state in enumerate(states)]
+    torch.testing.assert_close(_token_forward(cfg, weights, layers, int(ids[5]), kvs, fast), whole[5],
+                               atol=2e-5 * whole.abs().max().item(), rtol=0)
+    wide = M.TokenKV(cfg, 0, states[0], torch.float32)
+    wide.window = M.GrowingRows(torch.zeros(3, cfg.head_dim + 2), keep=cfg.sliding_window - 1)
+    fast.begin(weights["embed.weight"][ids[:1]])
+    with pytest.raises(ValueError, match="widths"):
+        fast.attention(0, wide)
+
+
 def test_growing_rows_keep_what_was_appended():
     gen = torch.Generator().manual_seed(0)
     rows = torch.randn(300, 6, generator=gen)

@@ -295,6 +295,8 @@ def test_routed_experts_with_the_shared_one_appended_equal_routed_plus_shared(lo
         want = _reference_moe(x, values, weights, limit, bool(routed_flag)) \
             + model.expert_forward(SimpleNamespace(swiglu_limit=limit), x[None], *shared)[0].double()
         assert _close(got, want, rtol=1e-2)
+    with pytest.raises(ValueError):  # a flag for each expert
+        loop.moe(x, experts, weights, limit, False, flags=[0])
 
 
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
@@ -328,6 +330,11 @@ def test_the_compiled_router_chooses_as_moe_route_and_token_choice(loop, scoring
         assert torch.allclose(torch.tensor(got), torch.tensor(list(want.values())), rtol=1e-5, atol=1e-7)
     with pytest.raises(RuntimeError):  # a hash id out of range
         loop.route(torch.randn(hidden), token_kernels.float_matrix(gate), None, scoring, 2, [0, experts], 1.0)
+    with pytest.raises(ValueError):  # fewer hash ids than top_k
+        loop.route(torch.randn(hidden), token_kernels.float_matrix(gate), None, scoring, 2, [0], 1.0)
+    with pytest.raises(ValueError):  # a bias of another size
+        loop.route(torch.randn(hidden), token_kernels.float_matrix(gate), torch.zeros(experts - 1), scoring, 2, None,
+                   1.0)
 
 
 @pytest.fixture(scope="module")
