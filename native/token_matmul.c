@@ -302,6 +302,13 @@ static void run_parts(part_fn fn, void *args, int parts) {
     pthread_mutex_unlock(&pool.busy);
 }
 
+/* how many parts a call of this many multiply-adds takes: a part of under 64K (64 rows of 1024) costs more than its
+   thread; by work, not rows, so a few long rows (the mHC mixes: 24 of 16K on V4-Flash) still split */
+static int parts_for(int64_t multiply_adds, int threads) {
+    const int64_t most = multiply_adds / 65536 + 1;
+    return (int)(threads < most ? threads : most);
+}
+
 static void share(int64_t n, int part, int parts, int64_t *a, int64_t *b) {
     *a = n * part / parts;
     *b = n * (part + 1) / parts;
@@ -345,10 +352,7 @@ static int linear(const float *x, int64_t T, int64_t x_stride, const matrix_t *w
     for (int64_t t = 0; t < T; t++)
         arrange(x + t * x_stride, w->cols, w->kind, round_bf16 & ROUND_INPUT, arranged_x + t * w->cols);
     linear_args args = {arranged_x, T, w, out, out_stride, group_rows, round_bf16 & ROUND_OUTPUT};
-    /* a part of under 64K multiply-adds (64 rows of 1024) costs more than its thread: by work, not rows, so a few long
-       rows (the mHC mixes: 24 of 16K on V4-Flash) still split */
-    const int64_t work = (group_rows ? w->rows : w->rows * T) * w->cols, most = work / 65536 + 1;
-    run_parts(linear_part, &args, (int)(threads < most ? threads : most));
+    run_parts(linear_part, &args, parts_for((group_rows ? w->rows : w->rows * T) * w->cols, threads));
     free(arranged_x);
     return 0;
 }
@@ -407,8 +411,7 @@ int token_linear_many(const float *x, int64_t K, const matrix_t *ws, int n, floa
     if (!arranged_x) return 2;
     for (int i = 0; i < n; i++) arrange(x, K, ws[i].kind, flags[i] & ROUND_INPUT, arranged_x + i * K);
     many_args args = {arranged_x, ws, n, rows, out, offsets, flags};
-    const int64_t most = rows * K / 65536 + 1;  /* as linear's */
-    run_parts(many_part, &args, (int)(threads < most ? threads : most));
+    run_parts(many_part, &args, parts_for(rows * K, threads));
     free(arranged_x);
     return 0;
 }
@@ -507,7 +510,8 @@ enum { SCORE_SQRTSOFTPLUS, SCORE_SIGMOID, SCORE_SOFTMAX };
 int route_token(const float *x, const matrix_t *gate, const float *bias, int score_func, int64_t top_k,
                 const int64_t *hash_ids, float scale, int64_t *chosen, float *weights, int threads) {
     const int64_t E = gate->rows;
-    if (top_k < 1 || top_k > E || score_func < SCORE_SQRTSOFTPLUS || score_func > SCORE_SOFTMAX) return -1;
+    if (top_k < 1 || top_k > E || top_k > 4096 || score_func < SCORE_SQRTSOFTPLUS || score_func > SCORE_SOFTMAX)
+        return -1;
     float *scores = malloc(sizeof(float) * (size_t)E);
     if (!scores || linear(x, 1, gate->cols, gate, scores, E, 0, 0, threads)) { free(scores); return -1; }
     float top = -INFINITY, total = 0.0f;
@@ -521,7 +525,6 @@ int route_token(const float *x, const matrix_t *gate, const float *bias, int sco
                   : score_func == SCORE_SIGMOID ? 1.0f / (1.0f + expf(-v)) : v / total;
     }
     int64_t ids[4096];
-    if (top_k > 4096) { free(scores); return -1; }
     for (int64_t j = 0; j < top_k; j++) {
         if (hash_ids) {
             if (hash_ids[j] < 0 || hash_ids[j] >= E) { free(scores); return -1; }
@@ -715,8 +718,7 @@ int index_token(const float *q, int64_t heads, int64_t dim, int64_t rope_dim, co
             for (int64_t d = 0; d < dim; d++) row[d] = round_to_bf16(row[d]);
     }
     index_args a = {rotated, heads, dim, keys, T, head_weights, round_low, scores};
-    const int64_t most = T / 64 + 1;
-    run_parts(index_part, &a, (int)(threads < most ? threads : most));
+    run_parts(index_part, &a, parts_for(T * heads * dim, threads));
     free(rotated);
     return 0;
 }

@@ -14,8 +14,10 @@ kind) model.py's functions run each layer and each expert is computed as its byt
 runner. The attention grows each layer's KV one token at a time (a model.TokenKV); `states` gives them as
 LayerKVStates.
 
-The cache holds experts as stored (their container bytes), least recently used evicted first. It starts warm:
-`seed` reads the experts the prompt sent the most tokens to, most used first, until the budget is full.
+The cache holds experts as stored (their container bytes), least recently used evicted first. It starts warm
+with the experts the prompt sent the most tokens to, most used first, until the budget is full: the prefill hands
+each expert it uses to the cache while there is room (`keep_from_prefill`), and `seed` keeps the most used of
+those and reads only the rest.
 """
 
 from __future__ import annotations
@@ -47,17 +49,17 @@ from .read_scheduler import RegionChecker, global_regions
 from .token_layer import TokenLayers
 
 
+# faulted in by the mapping call itself where the kernel can (one call, not a fault per page: 2.2 against 1.6 GB/s
+# for a copy into fresh pages here)
+_OWN_PAGES = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+
+
 def own_pages(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 tensor on pages of its own (an anonymous mapping, unmapped when the tensor goes), for
     what the cache takes in bulk (the prompt's experts during the prefill, the seed's reads): in malloc's heap,
     where the prefill has glibc keep its freed activations, they would land beside those and pin them (a generation
     peaked 0.7 GB over the memory bound)."""
     return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1), flags=_OWN_PAGES), dtype=torch.uint8)[:nbytes]
-
-
-# faulted in by the mapping call itself where the kernel can (one call, not a fault per page: 2.2 against 1.6 GB/s
-# for a copy into fresh pages here)
-_OWN_PAGES = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class ExpertCache:
@@ -121,10 +123,7 @@ class ExpertCache:
 def token_choice(routing) -> dict[int, float]:
     """One token's routed experts: expert id -> its routing weight, in ascending id (a hash layer may pick an
     expert twice: its weights add up)."""
-    chosen: dict[int, float] = {}
-    for e, weight in sorted(zip(routing.experts[0].tolist(), routing.weights[0].tolist())):
-        chosen[e] = chosen.get(e, 0.0) + weight
-    return chosen
+    return token_kernels.merged_choice(routing.experts[0].tolist(), routing.weights[0].tolist())
 
 
 @dataclass
@@ -181,7 +180,6 @@ class Decoder:
         self._layer_of = {block.name: layer for layer, block in enumerate(self.blocks)}
         self._keep_lock = threading.Lock()
         self._from_prefill: set[tuple[int, int]] = set()  # kept by keep_from_prefill since the last seed
-        self._prefill_kept = 0  # their bytes (into the stats at begin)
         self._layouts: dict[tuple[int, int], list | None] = {}
         self._matrices: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> (weakref to its bytes, Matrices)
         self._tables: dict[str, torch.Tensor] = {}
@@ -197,7 +195,8 @@ class Decoder:
             raise MoepackError("decode needs one KV state per layer, all after the same tokens")
         self._kv = [model.TokenKV(self.cfg, layer, s.to(self.device), self.dense[layer]["attn.wq_b.weight"].dtype)
                     for layer, s in enumerate(states)]
-        self.stats = DecodeStats(resident_s=self.stats.resident_s, prefill_kept_bytes=self._prefill_kept)
+        kept = sum(self.blocks[layer].experts[e].length for layer, e in self._from_prefill)
+        self.stats = DecodeStats(resident_s=self.stats.resident_s, prefill_kept_bytes=kept)
         self._cache_counts = (self.cache.hits, self.cache.misses)
 
     @property
@@ -229,7 +228,6 @@ class Decoder:
     def prefill_starts(self) -> None:
         """A sequence's prefill begins: what keep_from_prefill takes is counted from here."""
         self._from_prefill.clear()
-        self._prefill_kept = 0
 
     def keep_from_prefill(self, block, region, view: memoryview, base: int) -> None:
         """A prompt's expert as the prefill uses it (its bytes checked), copied into the cache while it has room
@@ -244,7 +242,6 @@ class Decoder:
             raw.numpy()[:] = np.frombuffer(view, dtype=np.uint8)[start:start + region.length]
             self.cache.put((layer, region.expert), raw)
             self._from_prefill.add((layer, region.expert))
-            self._prefill_kept += region.length
 
     def seed(self, tokens_per_expert: list[list[int]]) -> None:
         """Warm the cache with the experts the prompt sent the most tokens to (per layer counts), most used
@@ -396,7 +393,8 @@ class Decoder:
         start = time.perf_counter()
         ids = torch.tensor([token_id], device=self.device)
         rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", ids.cpu()).to(self.device)
-        streams = self._compiled_layers(token_id, rows) if self.layers is not None else self._layers(ids, rows)
+        streams = self._compiled_layers(token_id, rows) if self.layers is not None else self._layers(token_id, ids,
+                                                                                                      rows)
         with self.compute:
             logits = model.head(self.cfg, streams, self.head_weights, -1).float().cpu()
         self.stats.tokens += 1
@@ -430,12 +428,13 @@ class Decoder:
                 self._give_back(held)
         return layers.output
 
-    def _layers(self, ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
-        """Every layer by model.py's functions (a GPU, the native code off): the streams after the last."""
+    def _layers(self, token_id: int, ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        """Every layer by model.py's functions (a GPU, the native code off, weights the kernels do not take): the
+        streams after the last."""
         cfg = self.cfg
         streams = model.residual_streams(cfg, embedding)
         for layer, w in enumerate(self.dense):
-            got, _ = self._hash_fetch(layer, w, int(ids[0]))
+            got, _ = self._hash_fetch(layer, w, token_id)
             with self.compute:
                 streams = model.attention_token_sublayer(cfg, layer, w, streams, self._kv[layer])
                 routing = model.moe_route(cfg, layer, w, streams, ids)

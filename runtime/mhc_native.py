@@ -182,4 +182,3 @@ def token_post(streams, out, post, comb, reference):
         return None
     kernels = _kernel(reference)
     return None if kernels is None else _token_post(kernels, streams, out, post, comb)
-

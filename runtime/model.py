@@ -178,8 +178,6 @@ def rope_rotation(rope: RopeConfig, start: int, count: int, step: int = 1,
 
 
 ROTATION_BLOCK = 256  # decoded positions whose rotations are made together
-
-
 _ROTATION_BLOCKS: dict[tuple, tuple[RopeConfig, Tensor]] = {}  # (id(rope), start, device) -> (rope, its block)
 
 
@@ -812,14 +810,14 @@ class Routing:
         return self._by_expert
 
 
-def _router_scores(cfg: ModelConfig, logits: Tensor) -> Tensor:
-    if cfg.scoring_func == "sqrtsoftplus":
+def _router_scores(scoring_func: str, logits: Tensor) -> Tensor:
+    if scoring_func == "sqrtsoftplus":
         return F.softplus(logits).sqrt()
-    if cfg.scoring_func == "sigmoid":
+    if scoring_func == "sigmoid":
         return torch.sigmoid(logits)
-    if cfg.scoring_func == "softmax":
+    if scoring_func == "softmax":
         return torch.softmax(logits, dim=-1)
-    raise NotImplementedError(f"scoring_func {cfg.scoring_func!r}")
+    raise NotImplementedError(f"scoring_func {scoring_func!r}")
 
 
 def moe_route(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor,
@@ -829,7 +827,7 @@ def moe_route(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Te
     tid2eid[token id]. Weights are the chosen scores, renormalised, times routed_scaling_factor."""
     x, post, comb = hc_pre_norm(cfg, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], streams,
                                 w["ffn_norm.weight"])
-    scores = _router_scores(cfg, matmul(x, w["ffn.gate.weight"]))
+    scores = _router_scores(cfg.scoring_func, matmul(x, w["ffn.gate.weight"]))
     if cfg.hash_layers[layer]:
         experts = w["ffn.gate.tid2eid"][token_ids].long()
     else:

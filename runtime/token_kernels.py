@@ -280,12 +280,12 @@ def _angles(rotation: torch.Tensor) -> torch.Tensor:
 class LinearPlan:
     """Several matrices of one column count, arranged once for `linear_many` (their descriptors, flags and places
     in one output row): decode multiplies the same few matrices by each token. The tensors the descriptors point
-    into must outlive the plan's use; `keep` may hold them."""
+    into must outlive the plan's use."""
 
-    def __init__(self, ws: list[Matrix], flags: list[int], keep=()):
+    def __init__(self, ws: list[Matrix], flags: list[int]):
         if not ws or len(flags) != len(ws) or len({w.cols for w in ws}) != 1:
             raise ValueError(f"matrices of {[w.cols for w in ws]} columns with {len(flags)} flags")
-        self.cols, self.count, self.keep = ws[0].cols, len(ws), keep
+        self.cols, self.count = ws[0].cols, len(ws)
         starts = [sum(w.rows for w in ws[:i]) for i in range(len(ws) + 1)]
         self.total = starts[-1]
         self.spans = list(zip(starts[:-1], starts[1:]))
@@ -485,6 +485,15 @@ def _self_check(kernels: TokenKernels) -> str | None:
     return None
 
 
+def merged_choice(ids, weights) -> dict[int, float]:
+    """Chosen experts and their weights as {expert id: weight} in ascending id, an expert chosen twice (a hash
+    layer may) once with its weights added: decode's token_choice, and what route_token returns."""
+    chosen: dict[int, float] = {}
+    for e, weight in sorted(zip(ids, weights)):
+        chosen[e] = chosen.get(e, 0.0) + weight
+    return chosen
+
+
 def reference_route(x, gate, bias, score_func: str, top_k: int, hash_ids, scale: float):
     """`TokenKernels.route` in float64 torch: (expert ids ascending, their weights)."""
     logits = gate.double() @ x.double()
@@ -493,10 +502,7 @@ def reference_route(x, gate, bias, score_func: str, top_k: int, hash_ids, scale:
     ids = hash_ids if hash_ids is not None else (scores + (bias.double() if bias is not None else 0)).topk(
         top_k).indices.tolist()
     picked = scores[ids]
-    weights = picked / (picked.sum() + 1e-20) * scale
-    chosen: dict[int, float] = {}
-    for e, w in sorted(zip(ids, weights.tolist())):
-        chosen[e] = chosen.get(e, 0.0) + w
+    chosen = merged_choice(ids, (picked / (picked.sum() + 1e-20) * scale).tolist())
     return list(chosen), list(chosen.values())
 
 

@@ -57,25 +57,21 @@ class _Layer:
         self.queries = model._linear_plan([w["attn.wq_b.weight"]])
         self.indexed_queries = model._linear_plan([w["attn.wq_b.weight"], w["attn.indexer.wq_b.weight"]]) \
             if self.kind == CSA else None
-        wo = [w[f"attn.wo_{m}.weight"] for m in "ab"]
-        self.wo_a, self.wo_b = (token_kernels.float_matrix(m) for m in wo)
-        hc_weights = [f"hc_{sub}_{part}" for sub in ("attn", "ffn") for part in ("fn", "scale", "base")]
-        # every tensor a pointer below points into, kept here (not only through `w`)
-        self.keep = wo + [w[n] for n in names] + [w[n] for n in ("attn.wq_b.weight", "attn.indexer.wq_b.weight",
-                                                                 "ffn.gate.bias", "attn_norm.weight",
-                                                                 "ffn_norm.weight", *hc_weights)
-                                                  if w.get(n) is not None]
+        self.keep = list(w.values())  # every tensor a pointer below points into (not only through `w`)
+        self.wo_a, self.wo_b = (token_kernels.float_matrix(w[f"attn.wo_{m}.weight"]) for m in "ab")
         self.q_norm = w["attn.q_norm.weight"].float().contiguous()
         self.kv_norm = model._kv_norm_weight(w).float().contiguous()
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.proj = _buffer(1, self.projections.total)
         self.q = _buffer(1, (self.indexed_queries or self.queries).total)
         self.parts = [self.proj[:, a:b] for a, b in self.projections.spans]  # views: the contents change per token
+        self.index_q = self.q[:, self.indexed_queries.spans[1][0]:].view(cfg.index_n_heads, cfg.index_head_dim) \
+            if self.kind == CSA else None
         H, n_hc = cfg.hidden_size, cfg.hc_mult
         kv_at, kv_stop = self.projections.spans[1]
         a, b = owner.streams
         # (function, arguments but the thread count) per call
-        self.attn_pre = owner.hc_attn[layer]
+        self.attn_pre = self._hc_entry(owner, "attn", "attn_norm.weight", a)
         self.project = (k._many, (_ptr(owner.x), H, self.projections.matrices, self.projections.count,
                                   _ptr(self.proj), self.projections.offsets, self.projections.flags))
         self.q_lora_norm = (k._norm_rope, (_ptr(self.proj), 1, self.projections.spans[0][1], _ptr(self.q_norm),
@@ -93,18 +89,29 @@ class _Layer:
                                    self.wo_b.rows, low * (ROUND_INPUT | ROUND_OUTPUT)))
         self.attn_post = (hc.token_post, (_ptr(a), _ptr(owner.out), _ptr(owner.post), _ptr(owner.comb), n_hc, H,
                                           _ptr(b)))
-        self.ffn_pre = owner.hc_ffn[layer]
+        self.ffn_pre = self._hc_entry(owner, "ffn", "ffn_norm.weight", b)
         self.gate = token_kernels.float_matrix(w["ffn.gate.weight"])
-        self.keep.append(w["ffn.gate.weight"])
         bias = None if cfg.hash_layers[layer] else w.get("ffn.gate.bias")
         self.route = (k._route, (_ptr(owner.x), ctypes.byref(self.gate), _ptr(bias) if bias is not None else None,
                                  token_kernels.SCORE_FUNCS[cfg.scoring_func], cfg.num_experts_per_tok))
         shared = [w[f"ffn.shared_experts.{m}.weight"] for m in ("w1", "w3", "w2")]
-        self.keep += shared
         self.shared = tuple(token_kernels.float_matrix(m) for m in shared)
         self.shared_flag = ROUND_INPUT | ROUND_OUTPUT if shared[0].dtype == torch.bfloat16 else 0
         self.ffn_post = (hc.token_post, (_ptr(b), _ptr(owner.moe_out), _ptr(owner.post), _ptr(owner.comb), n_hc, H,
                                          _ptr(a)))
+
+    def _hc_entry(self, owner: TokenLayers, sublayer: str, norm: str, streams: Tensor) -> tuple:
+        """A sublayer's mHC entry: (the mixes' call, fn . streams on every thread (fn: 1.5 MB on V4-Flash), the rest
+        of the entry's call), each (function, arguments but the thread count)."""
+        cfg, w = owner.cfg, self.w
+        fn, scale, base = (w[f"hc_{sublayer}_{part}"] for part in ("fn", "scale", "base"))
+        mixes = (owner.kernels._linear, (_ptr(streams), 1, fn.shape[1], ctypes.byref(token_kernels.float_matrix(fn)),
+                                         _ptr(owner.mixes), fn.shape[0], 0))
+        rest = (owner.hc.token_pre_mixed, (_ptr(streams), cfg.hc_mult, cfg.hidden_size, _ptr(owner.mixes),
+                                           _ptr(scale), _ptr(base), cfg.hc_sinkhorn_iters, cfg.hc_eps,
+                                           cfg.rms_norm_eps, _ptr(w[norm]), _ptr(owner.x), _ptr(owner.post),
+                                           _ptr(owner.comb)))
+        return mixes, rest
 
 
 def _usable(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor]) -> bool:
@@ -122,6 +129,9 @@ def _usable(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor]) -> bool:
     gate, bias = w.get("ffn.gate.weight"), w.get("ffn.gate.bias")
     floats = wo + shared + [gate]
     if any(m is None or model._token_kernels(1, m, m) is None for m in floats):
+        return False
+    if not all(mhc_native.token_weights_fit(w[f"hc_{sub}_fn"], w[f"hc_{sub}_scale"], w[f"hc_{sub}_base"],
+                                            w.get(f"{sub}_norm.weight"), cfg.hc_mult) for sub in ("attn", "ffn")):
         return False
     return (all(m.dtype == low for m in wo) and len({m.dtype for m in shared}) == 1 and gate.dtype == torch.float32
             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())) and _shapes_fit(cfg, kind, w))
@@ -147,7 +157,7 @@ def _shapes_fit(cfg: ModelConfig, kind: str, w: Mapping[str, Tensor]) -> bool:
 class TokenLayers:
     """Every layer of one decoded token in compiled calls over fixed buffers (the module's docstring). Per token:
     `begin(embedding)`, then per layer `attention(layer, kv)`, `route(layer, hash_ids)` -> the chosen experts, and
-    `finish(layer, experts, routed_flag)` with their Matrices; `streams` is then the last layer's output."""
+    `finish(layer, experts, routed_flag)` with their Matrices; `output` is then the last layer's streams."""
 
     def __init__(self, cfg: ModelConfig, dense: list[Mapping[str, Tensor]], kernels, hc):
         self.cfg, self.kernels, self.hc = cfg, kernels, hc
@@ -165,21 +175,6 @@ class TokenLayers:
         self.flags = (ctypes.c_int * (k + 1))()
 
         self.mixes = _buffer(1, (2 + n_hc) * n_hc)
-        self.fn_matrices = []  # the mixes' matrices, [hc x H] . streams on every thread (fn: 1.5 MB on V4-Flash)
-
-        def hc_entry(sublayer: str, norm: str, w, streams: Tensor) -> tuple:
-            """(the mixes' call, the rest of the entry's call), each (function, arguments but threads)."""
-            fn, scale, base = (w[f"hc_{sublayer}_{p}"] for p in ("fn", "scale", "base"))
-            self.fn_matrices.append(token_kernels.float_matrix(fn))
-            mixes = (kernels._linear, (_ptr(streams), 1, fn.shape[1], ctypes.byref(self.fn_matrices[-1]),
-                                       _ptr(self.mixes), fn.shape[0], 0))
-            rest = (hc.token_pre_mixed, (_ptr(streams), n_hc, H, _ptr(self.mixes), _ptr(scale), _ptr(base),
-                                         cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, _ptr(w[norm]),
-                                         _ptr(self.x), _ptr(self.post), _ptr(self.comb)))
-            return mixes, rest
-        a, b = self.streams
-        self.hc_attn = [hc_entry("attn", "attn_norm.weight", w, a) for w in dense]
-        self.hc_ffn = [hc_entry("ffn", "ffn_norm.weight", w, b) for w in dense]
         self.layers = [_Layer(self, layer, w) for layer, w in enumerate(dense)]
 
     @classmethod
@@ -189,13 +184,8 @@ class TokenLayers:
         kernels = token_kernels.token_kernels()
         if kernels is None:
             return None
-        for layer, w in enumerate(dense):
-            if not _usable(cfg, layer, w):
-                return None
-            for sublayer, norm in (("attn", "attn_norm.weight"), ("ffn", "ffn_norm.weight")):
-                if not mhc_native.token_weights_fit(w[f"hc_{sublayer}_fn"], w[f"hc_{sublayer}_scale"],
-                                                    w[f"hc_{sublayer}_base"], w.get(norm), cfg.hc_mult):
-                    return None
+        if not all(_usable(cfg, layer, w) for layer, w in enumerate(dense)):
+            return None
         hc = mhc_native._kernel(model.hc_mix_weights)
         return None if hc is None else cls(cfg, dense, kernels, hc)
 
@@ -232,9 +222,8 @@ class TokenLayers:
         _call(fn, args, threads)
         if entries is not None and entries.shape[0]:
             if indexed:  # every entry is complete: the index_topk best scores
-                index_q = L.q[:, L.indexed_queries.spans[1][0]:].view(cfg.index_n_heads, cfg.index_head_dim)
                 head_weights = L.parts[6] * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
-                scores = k.index_scores(index_q, rotation, kv_state.indexer.entries.mirror(), head_weights, L.low)
+                scores = k.index_scores(L.index_q, rotation, kv_state.indexer.entries.mirror(), head_weights, L.low)
                 entries = entries.index_select(0, scores.topk(cfg.index_topk).indices)
             keys.append(entries)
         sets = [t for t in keys if t.shape[0]]
@@ -252,13 +241,13 @@ class TokenLayers:
 
     def route(self, layer: int, hash_ids: list[int] | None) -> dict[int, float]:
         """The FFN's mHC entry and router from streams[1]: {expert id: weight} ascending (token_choice's)."""
-        L, cfg = self.layers[layer], self.cfg
-        _entry(L.ffn_pre, token_kernels.current_threads())
+        L, cfg, threads = self.layers[layer], self.cfg, token_kernels.current_threads()
+        _entry(L.ffn_pre, threads)
         if hash_ids is not None:
             self.hash_ids[:] = hash_ids
         fn, args = L.route
         n = fn(*args, self.hash_ids if hash_ids is not None else None, float(cfg.routed_scaling_factor),
-               self.chosen, self.weights, token_kernels.current_threads())
+               self.chosen, self.weights, threads)
         if n < 0:
             raise RuntimeError(f"layer {layer}: the token router refused its input")
         return dict(zip(self.chosen[:n], self.weights[:n]))

@@ -315,11 +315,9 @@ def test_the_compiled_router_chooses_as_moe_route_and_token_choice(loop, scoring
         w["ffn.gate.tid2eid"][7, 1] = w["ffn.gate.tid2eid"][7, 3]  # a repeated expert
     else:
         w["ffn.gate.bias"] = torch.randn(experts, generator=gen) * 0.1
-    cfg = SimpleNamespace(scoring_func=scoring, hash_layers=[hashed], num_experts_per_tok=top_k,
-                          routed_scaling_factor=2.5)
     for token in range(10) if not hashed else (7, 3, 9):
         x = torch.randn(1, hidden, generator=gen)
-        scores = model._router_scores(cfg, x @ gate.T)
+        scores = model._router_scores(scoring, x @ gate.T)
         experts_ = w["ffn.gate.tid2eid"][[token]] if hashed else (scores + w["ffn.gate.bias"]).topk(top_k).indices
         weights = scores.gather(1, experts_)
         routing = SimpleNamespace(experts=experts_, weights=weights / weights.sum() * 2.5)
