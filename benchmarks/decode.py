@@ -19,7 +19,7 @@ page cache, with the bytes each read from disk.
 
 Usage: python benchmarks/decode.py [--preset medium | --vs-llama f32|bf16|q8_0 --llama-cpp BUILD] [--tokens 64]
                                    [--new-tokens 32] [--compute-dtype bfloat16] [--cap-fraction 0.45]
-                                   [--no-transformers] [--json]
+                                   [--no-transformers] [--device cpu|cuda] [--json]
 """
 
 from __future__ import annotations
@@ -84,13 +84,14 @@ def disk_rate(container: str, facts: dict) -> dict:
             "source": f"moepack's reader ({fio.get('skipped', 'fio failed')})"}
 
 
-def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, compute_dtype: str) -> dict:
+def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, compute_dtype: str,
+                device: str = "cpu") -> dict:
     """The first generation from a cold page cache (its misses read with O_DIRECT), then three more on the same
     Generator (its expert cache kept, as `moepack serve` keeps it): `warm_tokens_per_s` is their median decode, the
     figure llama-bench's (after its warm-up, over its repetitions) compares with."""
     drop_page_cache(container)
     options = GenerateOptions(max_new_tokens=new, cache_gib=budget_gib, stop_at_eos=False,
-                              prefill=PrefillOptions(io_mode="direct", compute_dtype=compute_dtype))
+                              prefill=PrefillOptions(io_mode="direct", compute_dtype=compute_dtype, device=device))
     with Generator(container, cache_gib=budget_gib, prefill=options.prefill) as g:
         start = time.perf_counter()
         result = g.generate(ids, options)
@@ -135,7 +136,7 @@ def _child_argv(args, budget: float) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--preset", args.preset,
             *(["--vs-llama", args.vs_llama] if args.vs_llama else []), "--tokens", str(args.tokens),
             "--new-tokens", str(args.new_tokens), "--compute-dtype", args.compute_dtype, "--no-transformers",
-            "--no-disk", "--json", "--budget-gib", str(round(budget / GIB, 3))]
+            "--no-disk", "--json", "--budget-gib", str(round(budget / GIB, 3)), "--device", args.device]
 
 
 def _llama_bench_argv(bench: str, gguf: str, args) -> list[str]:
@@ -176,7 +177,7 @@ def paired_rows(container: str, gguf: str, bench: str, ids: torch.Tensor, args, 
     from cgroup import failure
 
     options = GenerateOptions(max_new_tokens=args.new_tokens, cache_gib=budget_gib, stop_at_eos=False,
-                              prefill=PrefillOptions(compute_dtype=args.compute_dtype))
+                              prefill=PrefillOptions(compute_dtype=args.compute_dtype, device=args.device))
     argv = _llama_bench_argv(bench, gguf, args) + ["-r", "1"]
     ours, theirs = [], []
     with Generator(container, cache_gib=budget_gib, prefill=options.prefill) as g:
@@ -238,6 +239,9 @@ def main() -> int:
     ap.add_argument("--cap-fraction", type=float, help="also run under a memory cgroup of this x the container")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-disk", action="store_true", help="skip the disk-rate measurement")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="moepack's device (cuda: resident weights and the cache's hits on the GPU; llama.cpp's "
+                         "rows then want a CUDA build, which offloads every layer by default)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
@@ -256,7 +260,9 @@ def main() -> int:
                [round(f * facts["routed_bytes"] / GIB, 4) for f in BUDGETS])
     out = {"model": f"vs-llama {args.vs_llama}" if args.vs_llama else args.preset, "facts": facts,
            "threads": torch.get_num_threads(),
-           "moepack": [moepack_row(container, ids, args.new_tokens, b, args.compute_dtype) for b in budgets]}
+           "device": args.device,
+           "moepack": [moepack_row(container, ids, args.new_tokens, b, args.compute_dtype, args.device)
+                       for b in budgets]}
     if not args.no_disk:
         disk = disk_rate(container, facts)
         out["disk"] = {**disk, "tokens_per_s_limit": round(disk["gbps"] * 1e9 / facts["routed_bytes_per_token"], 2)}
@@ -272,7 +278,7 @@ def main() -> int:
         return 0
     print(f"{out['model']}: {facts['size'] / 1e9:.2f} GB container, routed {facts['routed_bytes'] / 1e9:.2f} GB, "
           f"{facts['routed_bytes_per_token'] / 1e6:.1f} MB of routed experts per token (top-{facts['top_k']}), "
-          f"{out['threads']} threads, prompt {args.tokens}, {args.new_tokens} new tokens")
+          f"{out['threads']} threads, prompt {args.tokens}, {args.new_tokens} new tokens, on {args.device}")
     print(f"{'cache GiB':>10} {'tokens/s':>9} {'hit rate':>9} {'MB read/token':>14} {'disk wait s':>12} "
           f"{'warm tokens/s':>14} {'warm hit rate':>14} {'first gen s':>12}")
     for r in out["moepack"]:

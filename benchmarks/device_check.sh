@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks for one lease of a device machine, as one command: the CUDA tests, then benchmarks/prefill.py on
-# the GPU with a device budget smaller than the model's experts (T_ssd = io-alone, T_compute = compute-alone,
-# wall = streamed). Everything lands in $OUT (the device tool brings it back).
+# The GPU checks for one lease of a device machine, as one command. Everything lands in $OUT (the device tool brings
+# it back); each step has its own time limit, and STEPS picks the steps (default: all, in this order):
+#   tests     the CUDA tests (prefill against transformers and the CPU, the release's storage, the quant kernels,
+#             the device copier, greedy decode against transformers, seeded sampling)
+#   generate  `moepack demo`'s model, then `moepack generate --device cuda` and `--device cpu` on it (--json)
+#   capped    benchmarks/capped.py on the GPU: moepack and a CUDA llama.cpp on the same weights, the host memory
+#             capped at 0.45 x the container, the experts over a device budget (VRAM_GIB)
+#   decode    benchmarks/decode.py on the GPU: tokens/s with cache budgets 0 / 25 % / 100 % of the routed experts
+#   prefill   benchmarks/prefill.py on the GPU with a device budget smaller than the model's experts
+#             (T_ssd = io-alone, T_compute = compute-alone, wall = streamed)
+#   profile   torch's profiler over one GPU generation, its experts cached on the device
 #
 # The device's image has torch (a CUDA build) but an older transformers and no zstandard, and nothing can be
 # downloaded there. Once, here, in the repository's root:
@@ -9,23 +17,34 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl transformers==5.24.0 zstandard==0.25.0 regex==2025.11.3
-# then run `bash benchmarks/device_check.sh` through the device tool with `.whl` carried. On a machine without a
-# GPU, DEVICE=cpu runs the same steps (a dry run of this script). The steps' limits add up to under the tool's 600 s
-# for one command; the exit status is non-zero if any step failed.
-# What to read in its output first (the CUDA path has only been checked by reading it): the tests (a GPU-vs-CPU
-# mismatch on a tiny model may be the indexer's zero-score ties, which CUDA's top-k may break otherwise; the
-# device copier's test prints whether a copy was still in flight when it returned); then whether streamed stays
-# near max(io-alone, compute-alone): copies go out on a copy stream ordered by events (runtime/device_copier.py),
-# the host waits only when a buffer goes back to the read pool.
+# For `capped`, a llama.cpp built with CUDA for the device (sm_90 for an H200) by
+# `LLAMA_CUDA=90 bash benchmarks/llama_cpp.sh DIR` where a CUDA toolkit is, carried as LLAMA_CUDA (default
+# .llama-cuda, also in .git/info/exclude): its bin/ files, or them packed with
+#   tar -C DIR/build-cuda/bin -cf - . | xz -9 > .llama-cuda/llama-cuda.tar.xz
+# (libggml-cuda.so alone is 67 MB; the tool carries 64 MiB a call); the cuBLAS it links is the image's. Then run
+# `bash benchmarks/device_check.sh` through the device tool with `.whl` (and `.llama-cuda`) carried. On a machine without a GPU, DEVICE=cpu runs the same steps
+# (a dry run of this script). The exit status is non-zero if any step failed.
+# What to read first: the tests (a GPU-vs-CPU mismatch on a tiny model may be the indexer's zero-score ties, which
+# CUDA's top-k may break otherwise; the device copier's test prints whether a copy was still in flight when it
+# returned); then whether streamed stays near max(io-alone, compute-alone): copies go out on a copy stream ordered
+# by events (runtime/device_copier.py), the host waits only when a buffer goes back to the read pool.
 set -uo pipefail
 OUT=${OUT:-/tmp/moepack-device-check}
 DEVICE=${DEVICE:-cuda}
+STEPS=${STEPS:-tests generate capped decode prefill profile}
 PRESET=${PRESET:-medium}
-TOKENS=${TOKENS:-256,1024,4096}
+TOKENS=${TOKENS:-1024,4096}
 BUDGET_GIB=${BUDGET_GIB:-1}  # below the medium preset's 2.3 GB of experts: they stream, as on a small GPU
+VRAM_GIB=${VRAM_GIB:-1}      # capped: below the benchmark model's 3.2 GB of float32 experts
+CAPPED_TOKENS=${CAPPED_TOKENS:-1024 4096 8192}
+LLAMA_CUDA=${LLAMA_CUDA:-.llama-cuda}
+TOTAL_S=${TOTAL_S:-560}      # every step's limit is cut to what is left of this (the tool allows 600 s a command)
+END=$(( $(date +%s) + TOTAL_S ))
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 step() { echo "== $1 ($(date -u +%T))" | tee -a "$OUT/steps.txt"; }
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
+upto() { local left=$(( END - $(date +%s) )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 
 step "install"
 # the carried wheels, where this python lacks what they bring (here, a dry run, it has them already)
@@ -36,26 +55,105 @@ fi
 # no dependencies: the image's torch is the one to use (the project pins a CPU build for fresh machines)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 python3 - <<'EOF' 2>&1 | tee "$OUT/versions.txt"
-import torch, transformers
+import os, torch, transformers
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
-      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-", "cpus", os.cpu_count())
 print("transformers", transformers.__version__)
 assert hasattr(transformers, "DeepseekV4ForCausalLM"), "this transformers has no DeepseekV4ForCausalLM"
 EOF
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 failed=""
 
-step "tests"
-timeout 200 python3 -m pytest -q -rs tests/test_prefill.py tests/test_quants.py tests/test_bench.py tests/test_pipeline_stages.py \
-    tests/test_generate.py -k cuda 2>&1 \
-    | tee "$OUT/tests.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
+if wants tests; then
+    step "tests"
+    timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_prefill.py tests/test_quants.py tests/test_bench.py \
+        tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py -k cuda 2>&1 | tee "$OUT/tests.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
+fi
 
-step "prefill benchmark"
-timeout 320 python3 benchmarks/prefill.py --workdir /tmp/moepack-bench --preset "$PRESET" --tokens "$TOKENS" \
-    --compute-dtype bfloat16 --repeat 2 --device "$DEVICE" --device-budget-gib "$BUDGET_GIB" \
-    2> "$OUT/prefill_stderr.txt" | tee "$OUT/prefill.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || failed="$failed benchmark"
+if wants generate; then
+    step "generate"
+    {
+        timeout "$(upto 60)" moepack demo --workdir /tmp/moepack-demo --json > /tmp/demo.json &&
+        for dev in "$DEVICE" cpu; do
+            timeout "$(upto 60)" moepack generate /tmp/moepack-demo/small-fp4.moepack --chat "Why does layer-major order matter?" \
+                --max-new-tokens 64 --device "$dev" --json > "/tmp/generate-$dev.json" || exit 1
+            python3 -c "import json, sys; d = json.load(open(sys.argv[1])); s = d['stats']['decode']
+print(sys.argv[2], d['finish_reason'], d['generated_ids'], {k: s[k] for k in ('tokens_per_s', 'expert_cache_hit_rate', 'peak_rss_bytes')})" \
+                "/tmp/generate-$dev.json" "$dev"
+        done
+    } 2>&1 | tee "$OUT/generate.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed generate"
+fi
+
+if wants capped; then
+    step "capped benchmark"
+    {
+        # the CUDA runtime and cuBLAS the CUDA llama.cpp links: the image's (its toolkit, or torch's wheels)
+        libs=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublas.so.*' -o -name 'libcudart.so.*' 2> /dev/null \
+               | xargs -r -n1 dirname | sort -u | tr '\n' ':')
+        export LD_LIBRARY_PATH=/tmp/llama-cuda/bin:$libs${LD_LIBRARY_PATH:-}
+        mkdir -p /tmp/llama-cuda/bin && cp -a "$LLAMA_CUDA"/. /tmp/llama-cuda/bin/
+        for packed in /tmp/llama-cuda/bin/*.tar.xz; do [ -e "$packed" ] && tar -xJf "$packed" -C /tmp/llama-cuda/bin; done
+        ldd /tmp/llama-cuda/bin/llama-bench | grep "not found"
+        # a memory cgroup needs the controller mounted (v2 where nothing is)
+        [ -e /sys/fs/cgroup/cgroup.controllers ] || [ -d /sys/fs/cgroup/memory ] \
+            || mount -t cgroup2 none /sys/fs/cgroup || true
+        timeout "$(upto 330)" python3 benchmarks/capped.py --llama-cpp /tmp/llama-cuda --device "$DEVICE" \
+            --vram-gib "$VRAM_GIB" --tokens $CAPPED_TOKENS --threads 8 --workdir /tmp/moepack-vs-llama
+    } 2>&1 | tee "$OUT/capped.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed capped"
+fi
+
+if wants decode; then
+    step "decode benchmark"
+    timeout "$(upto 200)" python3 benchmarks/decode.py --preset "$PRESET" --device "$DEVICE" --no-transformers \
+        --workdir /tmp/moepack-decode 2> "$OUT/decode_stderr.txt" | tee "$OUT/decode.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed decode"
+fi
+
+if wants prefill; then
+    step "prefill benchmark"
+    # the decode step's model, where it made one (the same synthetic medium preset, converted with --keep)
+    mkdir -p /tmp/moepack-bench
+    [ -e "/tmp/moepack-decode/$PRESET.moepack" ] && ln -sfn "/tmp/moepack-decode/$PRESET-src" \
+        "/tmp/moepack-bench/$PRESET-release" && ln -sfn "/tmp/moepack-decode/$PRESET.moepack" \
+        "/tmp/moepack-bench/$PRESET-keep.moepack"
+    timeout "$(upto 240)" python3 benchmarks/prefill.py --workdir /tmp/moepack-bench --preset "$PRESET" --tokens "$TOKENS" \
+        --compute-dtype bfloat16 --repeat 1 --device "$DEVICE" --device-budget-gib "$BUDGET_GIB" \
+        2> "$OUT/prefill_stderr.txt" | tee "$OUT/prefill.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed prefill"
+fi
+
+if wants profile; then
+    step "decode profile"
+    # where a GPU token's time goes: torch's profiler over one generation (64-token prompt, 32 new tokens), with
+    # every expert cached on the device; the decode benchmark's medium model where that step made it
+    MODEL=/tmp/moepack-decode/$PRESET.moepack
+    [ -e "$MODEL" ] || MODEL=/tmp/moepack-demo/small-fp4.moepack
+    timeout "$(upto 120)" python3 - "$MODEL" "$DEVICE" <<'EOF' 2>&1 | tee "$OUT/profile.txt"
+import sys
+import torch
+from torch.profiler import ProfilerActivity, profile
+from moepack.runtime.engine import PrefillOptions
+from moepack.runtime.generate import GenerateOptions, Generator
+path, device = sys.argv[1], sys.argv[2]
+options = GenerateOptions(max_new_tokens=32, stop_at_eos=False, cache_gib=8.0,
+                          prefill=PrefillOptions(device=device, compute_dtype="bfloat16"))
+with Generator(path, cache_gib=8.0, prefill=options.prefill) as g:
+    ids = [3 + (7919 * i) % 200 for i in range(64)]
+    print("warm-up", g.generate(ids, options).stats["decode"])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        decode = g.generate(ids, options).stats["decode"]
+    print("profiled", decode)
+table = prof.key_averages()
+print(table.table(sort_by="self_cpu_time_total", row_limit=30))
+if device == "cuda":
+    print(table.table(sort_by="self_cuda_time_total", row_limit=15))
+EOF
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed profile"
+fi
 
 step "done${failed:+: FAILED:$failed}"
 [ -z "$failed" ]

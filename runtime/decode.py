@@ -240,7 +240,7 @@ class Decoder:
             start = region.offset - base
             raw = own_pages(region.length)
             raw.numpy()[:] = np.frombuffer(view, dtype=np.uint8)[start:start + region.length]
-            self.cache.put((layer, region.expert), raw)
+            self.cache.put((layer, region.expert), self._resident(raw))
             self._from_prefill.add((layer, region.expert))
 
     def seed(self, tokens_per_expert: list[list[int]]) -> None:
@@ -262,7 +262,7 @@ class Decoder:
         for key in wanted:
             if key not in self.cache:
                 region = self.blocks[key[0]].experts[key[1]]
-                self.cache.put(key, self._read_region(region))
+                self.cache.put(key, self._resident(self._read_region(region)))
                 self.stats.seed_bytes += region.length
         for key in reversed(wanted):
             if key in self.cache:
@@ -302,11 +302,16 @@ class Decoder:
         try:
             # outlives the pooled buffer (malloc's: a cache smaller than the experts in use evicts and takes one of
             # the same size per miss, and malloc hands the evicted one's memory back; fresh pages would fault in)
-            raw = raw.clone()
+            raw = raw.to(self.device) if self.device.type != "cpu" else raw.clone()
         finally:
             self.pipe.release(buffer)
         self.cache.put((layer, e), raw)
-        return raw.to(self.device)
+        return raw
+
+    def _resident(self, raw: torch.Tensor) -> torch.Tensor:
+        """What the cache keeps of an expert's host bytes: on a GPU, a device copy (a hit then copies nothing over
+        PCIe), else the bytes themselves."""
+        return raw if self.device.type == "cpu" else raw.to(self.device)
 
     def _give_back(self, held: list) -> None:
         """Give back the pooled buffers in `held` (the tensors beside them were only kept alive)."""

@@ -22,7 +22,7 @@ from moepack.format_spec.reader import Container
 from moepack.v4.kv import KVWriter, identity_of_container, kv_bytes, read_kv
 
 from .decode import Decoder
-from .engine import (EXPERT_DTYPES, PrefillOptions, StreamingPrefill, compute_device, model_config,
+from .engine import (EXPERT_DTYPES, PrefillOptions, StreamingPrefill, compute_device, cuda_free_bytes, model_config,
                      resolve_compute_dtype)
 from .io import available_memory_bytes
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher
@@ -80,6 +80,18 @@ def check_memory(container: Container, n_tokens: int, cache_bytes: int) -> int:
     return need
 
 
+def check_device_memory(container: Container, device: torch.device, cache_bytes: int) -> None:
+    """Refuse, before any work, a GPU generation whose resident weights + expert cache (both on the device) +
+    HEADROOM_BYTES exceed what this process may allocate there."""
+    need = resident_bytes(container) + cache_bytes + HEADROOM_BYTES
+    free = cuda_free_bytes(device)
+    if need > free:
+        raise MoepackError(f"the decode on {device} needs about {need / GIB:.1f} GiB of device memory (weights "
+                           f"besides the experts {resident_bytes(container) / GIB:.2f}, expert cache "
+                           f"{cache_bytes / GIB:.2f}, headroom 1) but only {free / GIB:.1f} GiB is free there: "
+                           f"lower --cache-gib")
+
+
 class Generator:
     """One container opened once for any number of generations: its non-routed weights stay resident (the
     prefill and the decode both use them) and its expert cache persists from one generation to the next (what
@@ -98,9 +110,13 @@ class Generator:
         try:
             self.cfg = model_config(self.c)
             self.eos_ids = eos_ids(self.c.config)
-            check_memory(self.c, 1, self.cache_bytes)
             p = self.prefill_options
             self.device = compute_device(p.device)
+            # on a GPU the cache lives on the device: the host holds none of it
+            self.host_cache_bytes = self.cache_bytes if self.device.type == "cpu" else 0
+            check_memory(self.c, 1, self.host_cache_bytes)
+            if self.device.type == "cuda":
+                check_device_memory(self.c, self.device, self.cache_bytes)
             # resolved once: the prefill and the decoder's resident weights must agree
             p, self.compute_dtype_source = resolve_compute_dtype(p, self.device)
             self.prefill_options = p
@@ -134,7 +150,7 @@ class Generator:
                 kv = read_kv(continue_from, expect_identity=identity_of_container(self.c))
                 states, past = kv.layers, kv.seen_tokens
                 all_ids = kv.token_ids + token_ids.tolist()
-                bound = check_memory(self.c, past + len(token_ids) + max_new, self.cache_bytes)
+                bound = check_memory(self.c, past + len(token_ids) + max_new, self.host_cache_bytes)
                 if len(token_ids):
                     done = engine.run(token_ids.to(engine.device), states, keep_kv=True)
                     logits, states, stats, counts = done.logits, done.states, done.stats, done.tokens_per_expert
@@ -146,7 +162,7 @@ class Generator:
                 return logits, states, stats, counts, all_ids, past, bound
             if not len(token_ids):
                 raise MoepackError("empty prompt")
-            bound = check_memory(self.c, len(token_ids) + max_new, self.cache_bytes)
+            bound = check_memory(self.c, len(token_ids) + max_new, self.host_cache_bytes)
             done = engine.run(token_ids.to(engine.device), keep_kv=True)
             return done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0, bound
         finally:

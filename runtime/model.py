@@ -511,10 +511,20 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
 
 def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: Tensor, rotation: Tensor,
                  index_keys: Tensor, complete: Tensor, projected: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """Lightning Indexer for a chunk of C queries: score(t, s) = sum_h w[t,h] * relu(q[t,h] . k[s]) over the
-    complete compressed entries s < complete[t], and keep the top min(index_topk, T) entry ids [C, k]; -1 where a
-    query has fewer than k complete entries. `projected`: the indexer's query and head weights projections
-    (q_lora @ wq_b.T, x @ weights_proj.T) where the caller made them already."""
+    """Lightning Indexer for a chunk of C queries: the top min(index_topk, T) entry ids [C, k] by indexer_scores;
+    -1 where a query has fewer than k complete entries. Exact ties at the k-th score are broken by the device's
+    top-k, as the reference does (DeepSeek's and transformers' torch.topk): with a real indexer's 64 heads an exact
+    tie (every head's ReLU zero) does not happen, on a tiny random model it does."""
+    scores = indexer_scores(cfg, w, x, q_lora, rotation, index_keys, complete, projected)
+    picked = scores.topk(min(cfg.index_topk, index_keys.shape[0]), dim=-1).indices
+    return torch.where(picked < complete[:, None], picked, -1)
+
+
+def indexer_scores(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: Tensor, rotation: Tensor,
+                   index_keys: Tensor, complete: Tensor, projected: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """The Lightning Indexer's scores [C, T]: score(t, s) = sum_h w[t,h] * relu(q[t,h] . k[s]) over the complete
+    compressed entries s < complete[t], -inf for the others. `projected`: the indexer's query and head weights
+    projections (q_lora @ wq_b.T, x @ weights_proj.T) where the caller made them already."""
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
     if projected is None:
         projected = linear(q_lora, w["attn.indexer.wq_b.weight"]), linear(x, w["attn.indexer.weights_proj.weight"])
@@ -525,9 +535,7 @@ def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: T
     head_weights = projected[1] * (n_heads ** -0.5 * head_dim ** -0.5)
     scores = torch.bmm(head_weights.unsqueeze(1), scores).squeeze(1)  # [C, T]: the heads' weighted sum, one matmul
     entry_ids = torch.arange(index_keys.shape[0], device=x.device)
-    scores = scores.masked_fill(entry_ids[None, :] >= complete[:, None], float("-inf"))
-    picked = scores.topk(min(cfg.index_topk, index_keys.shape[0]), dim=-1).indices
-    return torch.where(picked < complete[:, None], picked, -1)
+    return scores.masked_fill(entry_ids[None, :] >= complete[:, None], float("-inf"))
 
 
 def grouped_output(cfg: ModelConfig, o: Tensor, wo_a: Tensor, wo_b: Tensor) -> Tensor:

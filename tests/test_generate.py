@@ -16,7 +16,7 @@ from moepack.runtime.decode import ExpertCache
 from moepack.runtime.engine import PrefillOptions, prefill
 from moepack.runtime.generate import GenerateOptions, Generator, generate
 from moepack.runtime.token_layer import TokenLayers
-from v4_models import CONFIGS, random_config, saved_model
+from v4_models import CONFIGS, indexer_boundary_ties, random_config, saved_model, wide_indexer_models
 
 NEW_TOKENS = 32
 
@@ -96,15 +96,25 @@ def test_decode_on_a_cpu_runs_every_layer_by_compiled_calls(models):
             assert g.decoder.layers is not None, name
 
 
+@pytest.fixture(scope="module")
+def wide_models(tmp_path_factory):
+    """A and C with 16 indexer heads (v4_models.wide_indexer): no exact ties for the device's top-k to break."""
+    return wide_indexer_models(str(tmp_path_factory.mktemp("generate-wide")))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("name,n", [("A", 40), ("C", 70)], ids=["A-N40", "C-N70"])
-def test_cuda_greedy_generation_equals_transformers(models, name, n):
+@pytest.mark.parametrize("name,n,cache_gib", [("A", 40, 1.0), ("C", 70, 0.0), ("A", 300, 0.0)],
+                         ids=["A-N40-cache", "C-N70-no-cache", "A-N300-no-cache"])
+def test_cuda_greedy_generation_equals_transformers(wide_models, name, n, cache_gib):
     """The decode on a GPU (`--device cuda`: resident weights and the expert cache's hits on the device, the torch
-    path of the one-token attention) generates transformers' greedy tokens."""
-    hf_model, container = models[name]
+    path of the one-token attention) generates transformers' greedy tokens, with a cache and with none."""
+    hf_model, container = wide_models[name]
     ids = _prompt(n, hf_model.config.vocab_size, seed=n)
-    options = GenerateOptions(max_new_tokens=NEW_TOKENS, cache_gib=1.0, prefill=PrefillOptions(device="cuda"))
-    assert generate(container, ids, options).generated_ids == _transformers_greedy(hf_model, ids, NEW_TOKENS)
+    options = GenerateOptions(max_new_tokens=NEW_TOKENS, cache_gib=cache_gib, prefill=PrefillOptions(device="cuda"))
+    with indexer_boundary_ties() as ties:
+        generated = generate(container, ids, options).generated_ids
+    assert ties == [0]  # else the device's top-k may rightly choose other entries than the CPU's
+    assert generated == _transformers_greedy(hf_model, ids, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("cache_gib", [0.0, 1.0], ids=["no-cache", "cache"])
@@ -226,6 +236,23 @@ def test_a_generation_that_cannot_fit_is_refused_before_any_work(models, monkeyp
     with pytest.raises(MoepackError, match="--cache-gib or --max-new-tokens") as e:
         generate(container, [1, 2, 3], GenerateOptions(max_new_tokens=4, cache_gib=0.5))
     assert "\n" not in str(e.value) and "0.50" in str(e.value)
+
+
+def test_on_a_gpu_the_cache_is_counted_against_the_device_not_the_host(models, monkeypatch):
+    """--device cuda keeps the expert cache on the device: a cache larger than the host's free memory is not
+    refused for it, one larger than what the device has free is, in one line, before anything is read."""
+    from moepack.runtime import generate as generate_module
+
+    hf_model, container = models["A"]
+    monkeypatch.setattr(generate_module, "compute_device", lambda name: torch.device("cuda", 0))
+    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: 2 << 30)  # less than the cache
+    monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: 3 << 30)
+    monkeypatch.setattr(generate_module, "Decoder", lambda *a, **k: pytest.fail("past the device check"))
+    with pytest.raises(MoepackError, match="device memory.*lower --cache-gib") as e:
+        Generator(container, cache_gib=2.5, prefill=PrefillOptions(device="cuda"))
+    assert "\n" not in str(e.value) and "2.50" in str(e.value) and "cuda:0" in str(e.value)
+    with pytest.raises(pytest.fail.Exception, match="past the device check"):  # 1.5 GiB of cache fits there
+        Generator(container, cache_gib=1.5, prefill=PrefillOptions(device="cuda"))
 
 
 def test_one_generator_serves_several_generations_with_its_cache_kept(models):

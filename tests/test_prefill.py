@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
-from v4_models import CONFIGS, build, random_case, run_random_case, saved_model  # noqa: E402
+from v4_models import (CONFIGS, build, indexer_boundary_ties, random_case, run_random_case,  # noqa: E402
+                       saved_model, wide_indexer_models)
 
 from moepack.cli.main import cli  # noqa: E402
 from moepack.format_spec.errors import FormatError, MoepackError  # noqa: E402
@@ -1281,18 +1282,26 @@ def test_free_device_memory_is_the_devices_within_the_process_cap(monkeypatch, f
     assert calls and set(calls) == {0}
 
 
+@pytest.fixture(scope="module")
+def wide_models(tmp_path_factory):
+    """A and C with 16 indexer heads (v4_models.wide_indexer): no exact ties for the device's top-k to break."""
+    return wide_indexer_models(str(tmp_path_factory.mktemp("prefill-wide")))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("name,n", [("A", 300), ("C", 257)])
-def test_cuda_prefill_matches_transformers_and_the_cpu(models, name, n):
+@pytest.mark.parametrize("name,n", [("A", 300), ("C", 257), ("A", 1000)])
+def test_cuda_prefill_matches_transformers_and_the_cpu(wide_models, name, n):
     """The CUDA path: pinned buffers, copies on a copy stream, decode and matmuls on the device. Same logits as
     the reference and as the CPU run; the device's peak memory is reported; each layer's KV reaches the hook."""
-    hf_model, container = models[name]
+    hf_model, container = wide_models[name]
     ids = _prompt(n, hf_model.config.vocab_size, seed=n)
     ref = _reference(hf_model, ids)
     devices = []
-    gpu = prefill(container, ids, PrefillOptions(device="cuda"),
-                  on_layer_kv=lambda layer, state: devices.append(state.window_kv.device.type))
-    cpu = prefill(container, ids, PrefillOptions())
+    with indexer_boundary_ties() as ties:
+        gpu = prefill(container, ids, PrefillOptions(device="cuda"),
+                      on_layer_kv=lambda layer, state: devices.append(state.window_kv.device.type))
+        cpu = prefill(container, ids, PrefillOptions())
+    assert ties == [0]  # else the device's top-k may rightly choose other entries than the CPU's
     assert (gpu.logits - ref).abs().max() <= REL_TOL * ref.abs().max()
     assert torch.allclose(gpu.logits, cpu.logits, atol=REL_TOL * ref.abs().max().item(), rtol=0)
     assert gpu.next_token == cpu.next_token and gpu.stats["bytes_read"] == cpu.stats["bytes_read"]

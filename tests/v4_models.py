@@ -4,6 +4,7 @@ bias and tid2eid), saved with save_pretrained (release names). The numerical ora
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -83,6 +84,50 @@ def _randomise(model: DeepseekV4ForCausalLM, seed: int) -> None:
 
 
 _BUILT: dict[str, tuple] = {}
+
+
+def wide_indexer(config: dict, heads: int = 16) -> dict:
+    """`config` with a wider Lightning Indexer. An indexer score is a weighted sum of ReLUs, so on a tiny model
+    with 4 heads every head is zero for some entries and exact ties at the top-k's boundary are common; there the
+    chosen entries are whatever the device's top-k makes of the tie (the CPU's and CUDA's differ). With 16 heads
+    (the release has 64) such a tie is vanishingly rare, and `indexer_boundary_ties` checks it did not occur."""
+    return {**config, "index_n_heads": heads}
+
+
+def wide_indexer_models(base_dir: str, names=("A", "C"), seed: int = 200) -> dict:
+    """name -> (transformers model, container --keep) for CONFIGS[name] made wide_indexer."""
+    from moepack.packer.convert import convert_checkpoint
+
+    out = {}
+    for i, name in enumerate(names):
+        src, container = os.path.join(base_dir, f"{name}-wide"), os.path.join(base_dir, f"{name}-wide.moepack")
+        hf_model = saved_model(wide_indexer(CONFIGS[name]), seed + i, src)
+        convert_checkpoint(src, container, progress=False)
+        out[name] = hf_model, container
+    return out
+
+
+@contextlib.contextmanager
+def indexer_boundary_ties():
+    """Yields a one-item list counting, while inside, the indexer's queries whose k-th and (k+1)-th best scores
+    were exactly equal: the queries whose chosen entries depend on the top-k implementation."""
+    from moepack.runtime import model
+
+    real, ties = model.indexer_scores, [0]
+
+    def counted(cfg, *args, **kwargs):
+        scores = real(cfg, *args, **kwargs)
+        k = min(cfg.index_topk, scores.shape[-1])
+        if scores.shape[-1] > k:
+            best = scores.topk(k + 1, dim=-1).values  # (the values, unlike the indices, do not depend on ties)
+            ties[0] += int(((best[:, k - 1] == best[:, k]) & torch.isfinite(best[:, k])).sum())
+        return scores
+
+    model.indexer_scores = counted
+    try:
+        yield ties
+    finally:
+        model.indexer_scores = real
 
 
 def saved_model(config: dict, seed: int, out_dir: str) -> DeepseekV4ForCausalLM:
