@@ -11,12 +11,12 @@
 #             (T_ssd = io-alone, T_compute = compute-alone, wall = streamed)
 #   profile   torch's profiler over one GPU generation, its experts cached on the device
 #
-# The device's image has torch (a CUDA build) but an older transformers and no zstandard, and nothing can be
-# downloaded there. Once, here, in the repository's root:
+# The device's image has torch (a CUDA build) but an older transformers and no zstandard or gguf (the GGUF export
+# `capped` needs), and nothing can be downloaded there. Once, here, in the repository's root:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl transformers==5.24.0 zstandard==0.25.0 regex==2025.11.3
+#     -d .whl transformers==5.24.0 zstandard==0.25.0 regex==2025.11.3 gguf==0.19.0
 # For `capped`, a llama.cpp built with CUDA for the device (sm_90 for an H200) by
 # `LLAMA_CUDA=90 bash benchmarks/llama_cpp.sh DIR` where a CUDA toolkit is, carried as LLAMA_CUDA (default
 # .llama-cuda, also in .git/info/exclude): its bin/ files, or them packed with
@@ -48,7 +48,7 @@ upto() { local left=$(( END - $(date +%s) )); echo $(( left < $1 ? (left > 1 ? l
 
 step "install"
 # the carried wheels, where this python lacks what they bring (here, a dry run, it has them already)
-if ! python3 -c "import zstandard, regex, transformers; transformers.DeepseekV4ForCausalLM" 2> /dev/null; then
+if ! python3 -c "import zstandard, regex, gguf, transformers; transformers.DeepseekV4ForCausalLM" 2> /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
 fi
