@@ -62,7 +62,8 @@ def routed_facts(container: str) -> dict:
         experts = [r.length for b in c.layers for r in b.experts]
         top_k = int(c.config["num_experts_per_tok"])
         per_layer = [sum(r.length for r in b.experts) / len(b.experts) for b in c.layers]
-        return {"routed_bytes": sum(experts), "largest_expert": max(experts),
+        weights = sum(t.numel for b in c.layers for r in b.experts for t in r.tensors if t.name.endswith(".weight"))
+        return {"routed_bytes": sum(experts), "largest_expert": max(experts), "routed_weights": weights,
                 "routed_bytes_per_token": int(sum(top_k * avg for avg in per_layer)), "top_k": top_k,
                 "first_expert_offset": min(r.offset for b in c.layers for r in b.experts),
                 "vocab": int(c.config["vocab_size"]), "size": os.path.getsize(container)}
@@ -256,8 +257,11 @@ def main() -> int:
         container = ensure_container(args.workdir, args.preset)
     facts = routed_facts(container)
     ids = torch.randint(0, facts["vocab"], (args.tokens,), generator=torch.Generator().manual_seed(0))
+    # a GPU's cache keeps experts decoded to the compute dtype: its budgets are fractions of that size
+    cached = (facts["routed_weights"] * getattr(torch, args.compute_dtype).itemsize if args.device == "cuda"
+              else facts["routed_bytes"])
     budgets = ([float(b) for b in args.budget_gib.split(",")] if args.budget_gib else
-               [round(f * facts["routed_bytes"] / GIB, 4) for f in BUDGETS])
+               [round(f * cached / GIB, 4) for f in BUDGETS])
     out = {"model": f"vs-llama {args.vs_llama}" if args.vs_llama else args.preset, "facts": facts,
            "threads": torch.get_num_threads(),
            "device": args.device,

@@ -39,7 +39,7 @@ def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key
     from moepack.runtime.serve import make_app
 
     name = model_name or os.path.splitext(os.path.basename(file))[0]
-    generator = Generator(file, default_cache_gib(file) if cache_gib is None else cache_gib,
+    generator = Generator(file, default_cache_gib(file, device) if cache_gib is None else cache_gib,
                           prefill=PrefillOptions(device=device, compute_dtype=compute_dtype))
     try:
         app = make_app(generator, name, api_key=api_key, max_queue=max_queue)

@@ -14,7 +14,8 @@ kind) model.py's functions run each layer and each expert is computed as its byt
 runner. The attention grows each layer's KV one token at a time (a model.TokenKV); `states` gives them as
 LayerKVStates.
 
-The cache holds experts as stored (their container bytes), least recently used evicted first. It starts warm
+The cache holds experts as stored (their container bytes) on a CPU, decoded to the expert dtype on a GPU (a hit
+is then three matmuls, not a chain of decoding kernels), least recently used evicted first. It starts warm
 with the experts the prompt sent the most tokens to, most used first, until the budget is full: the prefill hands
 each expert it uses to the cache while there is room (`keep_from_prefill`), and `seed` keeps the most used of
 those and reads only the rest.
@@ -41,7 +42,7 @@ from moepack.v4.kv import LayerKVState
 
 from . import model, token_kernels
 from .device_copier import DeviceCopier
-from .expert_decode import EXPERT_MATRICES
+from .expert_decode import EXPERT_MATRICES, ExpertWeights
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
 from .io import ReadPipeline, RegionReader, release_freed_memory
 from .model import HEAD_GLOBALS
@@ -63,18 +64,19 @@ def own_pages(nbytes: int) -> torch.Tensor:
 
 
 class ExpertCache:
-    """Routed experts' stored bytes, (layer, expert) -> uint8 tensor, within `budget` bytes; least recently used
-    evicted first. Budget 0: nothing is kept."""
+    """Routed experts, (layer, expert) -> their stored bytes (a uint8 tensor) or their decoded weights, within
+    `budget` bytes; least recently used evicted first. Budget 0: nothing is kept."""
 
     def __init__(self, budget: int):
         if budget < 0:
             raise MoepackError("--cache-gib must be >= 0")
         self.budget = budget
         self.bytes = 0
-        self._entries: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, int], torch.Tensor | ExpertWeights] = OrderedDict()
+        self._sizes: dict[tuple[int, int], int] = {}
         self.hits = self.misses = 0
 
-    def get(self, key: tuple[int, int]) -> torch.Tensor | None:
+    def get(self, key: tuple[int, int]) -> torch.Tensor | ExpertWeights | None:
         raw = self._entries.get(key)
         if raw is None:
             self.misses += 1
@@ -86,23 +88,25 @@ class ExpertCache:
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.budget
 
-    def put(self, key: tuple[int, int], raw: torch.Tensor) -> None:
-        if not self.fits(raw.numel()) or key in self._entries:
+    def put(self, key: tuple[int, int], entry: torch.Tensor | ExpertWeights, nbytes: int | None = None) -> None:
+        """Keep `entry` (`nbytes` of memory; default: a byte tensor's length), evicting the least recently used."""
+        size = entry.numel() if nbytes is None else nbytes
+        if not self.fits(size) or key in self._entries:
             return
-        while self.bytes + raw.numel() > self.budget:
-            _, old = self._entries.popitem(last=False)
-            self.bytes -= old.numel()
-        self._entries[key] = raw
-        self.bytes += raw.numel()
+        while self.bytes + size > self.budget:
+            old, _ = self._entries.popitem(last=False)
+            self.bytes -= self._sizes.pop(old)
+        self._entries[key] = entry
+        self._sizes[key] = size
+        self.bytes += size
 
     def has_room(self, nbytes: int) -> bool:
         """Whether nbytes more fit without evicting anything."""
         return self.bytes + nbytes <= self.budget
 
     def drop(self, key: tuple[int, int]) -> None:
-        raw = self._entries.pop(key, None)
-        if raw is not None:
-            self.bytes -= raw.numel()
+        if self._entries.pop(key, None) is not None:
+            self.bytes -= self._sizes.pop(key)
 
     def touch(self, key: tuple[int, int]) -> None:
         """Make an entry the most recently used (not counted as a hit)."""
@@ -147,8 +151,13 @@ class Decoder:
 
     def __init__(self, container: Container, cfg, device: torch.device, cache_bytes: int,
                  compute_dtype: torch.dtype = torch.float32, expert_dtype: torch.dtype = torch.float32,
-                 io_mode: str = "auto", verify_reads: bool = True, queue_depth: int = 8):
+                 io_mode: str = "auto", verify_reads: bool = True, queue_depth: int = 8,
+                 decoded_experts: bool | None = None):
+        """`decoded_experts` (default: on a GPU) has the cache keep experts decoded to the expert dtype, so that a
+        hit is three matmuls (their memory, not their stored bytes, is counted against the budget); otherwise it
+        keeps their stored bytes, which a CPU's compiled kernels read directly."""
         self.c, self.cfg, self.device = container, cfg, device
+        self.decoded = device.type != "cpu" if decoded_experts is None else decoded_experts
         self.compute_dtype = compute_dtype
         self._kv: list[model.TokenKV] = []
         self.stats = DecodeStats()
@@ -169,7 +178,7 @@ class Decoder:
         self.dense = [decode_dense(b, self._read_region(b.dense).to(device), compute_dtype) for b in self.blocks]
         self.embed_entries, self.embed_read = self._read_globals(["embed.weight"], on_device=False)
         # a token's routed experts in one compiled call (CPU), read from their stored bytes
-        self.kernels = token_kernels.token_kernels() if device.type == "cpu" else None
+        self.kernels = token_kernels.token_kernels() if device.type == "cpu" and not self.decoded else None
         entries, read = self._read_globals([*HEAD_GLOBALS, cfg.head_weight], on_device=True)
         # the LM head (the largest matrix a token reads: 1 GB for V4-Flash in bf16) kept bf16 where it is stored so
         # and the token matmul widens it exactly in its loop (model.widened_matmul): the float32 products of a
@@ -234,13 +243,17 @@ class Decoder:
         (StreamingPrefill's keep_expert; called from the prefill's expert threads). `seed` then keeps those the
         prompt used most and reads only what is missing."""
         layer = self._layer_of[block.name]
+        size = self._entry_bytes(layer, region.expert)
         with self._keep_lock:
-            if (layer, region.expert) in self.cache or not self.cache.has_room(region.length):
+            if (layer, region.expert) in self.cache or not self.cache.has_room(size):
                 return
             start = region.offset - base
-            raw = own_pages(region.length)
-            raw.numpy()[:] = np.frombuffer(view, dtype=np.uint8)[start:start + region.length]
-            self.cache.put((layer, region.expert), self._resident(raw))
+            if self.decoded:  # (straight from the prefill's buffer to the device)
+                raw = torch.frombuffer(view, dtype=torch.uint8)[start:start + region.length]
+            else:
+                raw = own_pages(region.length)
+                raw.numpy()[:] = np.frombuffer(view, dtype=np.uint8)[start:start + region.length]
+            self.cache.put((layer, region.expert), self._entry(layer, region.expert, raw), size)
             self._from_prefill.add((layer, region.expert))
 
     def seed(self, tokens_per_expert: list[list[int]]) -> None:
@@ -252,7 +265,7 @@ class Decoder:
                          for e, n in enumerate(counts) if n), reverse=True)
         room, wanted = self.cache.budget, []
         for _, layer, e in ranked:
-            length = self.blocks[layer].experts[e].length
+            length = self._entry_bytes(layer, e)
             if length <= room:
                 wanted.append((layer, e))
                 room -= length
@@ -262,7 +275,7 @@ class Decoder:
         for key in wanted:
             if key not in self.cache:
                 region = self.blocks[key[0]].experts[key[1]]
-                self.cache.put(key, self._resident(self._read_region(region)))
+                self.cache.put(key, self._entry(*key, self._read_region(region)), self._entry_bytes(*key))
                 self.stats.seed_bytes += region.length
         for key in reversed(wanted):
             if key in self.cache:
@@ -284,11 +297,14 @@ class Decoder:
                 got[e] = raw
         return got
 
-    def _expert_bytes(self, layer: int, e: int, got, held: list) -> torch.Tensor:
-        """Expert e's stored bytes on the compute device: a cache hit, or its read (awaited; checked as it landed).
-        A read the cache keeps is copied out of its pooled buffer, which goes back at once; one it cannot keep is
-        used in place, its buffer appended to `held` for the caller to give back once the expert has run."""
+    def _expert_bytes(self, layer: int, e: int, got, held: list) -> torch.Tensor | ExpertWeights:
+        """Expert e on the compute device: a cache hit (its stored bytes, or its weights where the cache keeps them
+        decoded), or its read (awaited; checked as it landed). A read the cache keeps is copied out of its pooled
+        buffer, which goes back at once; one it cannot keep is used in place (its stored bytes), its buffer
+        appended to `held` for the caller to give back once the expert has run."""
         item = got[e]
+        if isinstance(item, ExpertWeights):
+            return item
         if isinstance(item, torch.Tensor):
             return item if item.device == self.device else item.to(self.device)
         region = self.blocks[layer].experts[e]
@@ -296,22 +312,35 @@ class Decoder:
         buffer, view = item.result()
         self.stats.disk_wait_s += time.perf_counter() - t0
         raw = self.copier.host_bytes(buffer, view)[:region.length]
-        if not self.cache.fits(region.length):  # no copy of bytes nothing keeps
+        size = self._entry_bytes(layer, e)
+        if not self.cache.fits(size):  # no copy of bytes nothing keeps
             held.append(buffer)
             return raw.to(self.device)
         try:
             # outlives the pooled buffer (malloc's: a cache smaller than the experts in use evicts and takes one of
             # the same size per miss, and malloc hands the evicted one's memory back; fresh pages would fault in)
-            raw = raw.to(self.device) if self.device.type != "cpu" else raw.clone()
+            entry = self._entry(layer, e, raw if self.device.type != "cpu" else raw.clone())
         finally:
             self.pipe.release(buffer)
-        self.cache.put((layer, e), raw)
-        return raw
+        self.cache.put((layer, e), entry, size)
+        return entry
 
-    def _resident(self, raw: torch.Tensor) -> torch.Tensor:
-        """What the cache keeps of an expert's host bytes: on a GPU, a device copy (a hit then copies nothing over
-        PCIe), else the bytes themselves."""
-        return raw if self.device.type == "cpu" else raw.to(self.device)
+    def _entry(self, layer: int, e: int, raw: torch.Tensor) -> torch.Tensor | ExpertWeights:
+        """What the cache keeps of expert e's bytes `raw` (of its own, or a view that is copied here): its weights
+        decoded on the compute device (`decoded`), else its bytes there (on a CPU, `raw` itself)."""
+        raw = raw.to(self.device)
+        if not self.decoded:
+            return raw
+        region = self.blocks[layer].experts[e]
+        return self.experts.owned_weights(self.blocks[layer], region, raw, region.offset)
+
+    def _entry_bytes(self, layer: int, e: int) -> int:
+        """The memory expert e takes in the cache: its stored bytes, or (decoded) its three matrices."""
+        region = self.blocks[layer].experts[e]
+        if not self.decoded:
+            return region.length
+        size = self.experts.expert_dtype.itemsize
+        return sum(t.numel * size for t in region.tensors if t.name.endswith(".weight"))
 
     def _give_back(self, held: list) -> None:
         """Give back the pooled buffers in `held` (the tensors beside them were only kept alive)."""
@@ -478,10 +507,13 @@ class Decoder:
         held = []
         try:
             for e, (a, b) in groups.spans.items():
-                raw = self._expert_bytes(layer, e, got, held)
+                expert = self._expert_bytes(layer, e, got, held)
                 with self.compute:
-                    region = block.experts[e]
-                    self.experts.expert_output(block, region, raw, region.offset, inputs[a:b], outputs[a:b])
+                    if isinstance(expert, ExpertWeights):
+                        expert.apply(self.cfg, inputs[a:b], outputs[a:b])
+                    else:
+                        region = block.experts[e]
+                        self.experts.expert_output(block, region, expert, region.offset, inputs[a:b], outputs[a:b])
                 self._give_back(held)
             for e in got.keys() - groups.spans.keys():  # read but not chosen (hash layers choose exactly these)
                 self._expert_bytes(layer, e, got, held)

@@ -14,6 +14,7 @@ on up to a measured number of tokens run the fused FP4 kernel instead, AVX512-BF
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -291,12 +292,24 @@ class ExpertRunner:
         """out (float32 rows) = the expert of `region` (its bytes in `raw`, from file offset `base`) applied to its
         tokens `x`: FP4 experts through the table decoder (the fused kernel writes `out` itself), anything else
         through the generic decode."""
+        return self.expert_weights(block, region, raw, base, tokens=len(x)).apply(self.cfg, x, out)
+
+    def expert_weights(self, block: Block, region: Region, raw: torch.Tensor, base: int,
+                       tokens: int | None = None) -> ExpertWeights:
+        """The expert of `region` decoded from its bytes, for `tokens` tokens (the fused kernel keeps FP4 packed for
+        few). They may be views of `raw` or of the table decoder's buffers: valid until the next decode."""
         prefix = f"{block.name}.ffn.experts.{region.expert}."
         layout = ExpertDecoder.layout(region, prefix)
         if layout is None:
             w = decode_regions([region], raw, base, prefix, self.expert_dtype, own=False)
-            return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"]).apply(self.cfg, x, out)
-        return self._decoder().decode(region, layout, raw, base, prefix, tokens=len(x)).apply(self.cfg, x, out)
+            return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"])
+        return self._decoder().decode(region, layout, raw, base, prefix, tokens=tokens)
+
+    def owned_weights(self, block: Block, region: Region, raw: torch.Tensor, base: int) -> ExpertWeights:
+        """expert_weights as dense matrices of their own, which outlive the bytes and the next decode (a cache of
+        decoded experts)."""
+        w = self.expert_weights(block, region, raw, base)
+        return dataclasses.replace(w, w1=w.w1.clone(), w3=w.w3.clone(), w2=w.w2.clone())
 
     def close(self) -> None:
         if self._pool is not None:

@@ -247,8 +247,12 @@ def write_kv(kv_dir: str, container: Container, token_ids: list[int], states, st
     writer.finish(next_token, logits)
 
 
-def default_cache_gib(path: str) -> float:
-    """All the routed experts where they fit in a quarter of the available memory, else that quarter."""
+def default_cache_gib(path: str, device: str = "cpu") -> float:
+    """All the routed experts where they fit in a quarter of the available memory, else that quarter. On a GPU,
+    whose cache keeps experts decoded (up to 4x their stored bytes: FP4 to bf16), all of them within half of what
+    the device has free."""
     size = os.path.getsize(path)
+    if device != "cpu":
+        return round(min(4 * size, cuda_free_bytes(compute_device(device)) // 2) / GIB, 3)
     free = available_memory_bytes()
     return round(min(size, free // 4 if free else size) / GIB, 3)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
 from moepack.runtime import token_kernels
 from moepack.runtime.decode import ExpertCache
@@ -100,6 +101,60 @@ def test_decode_on_a_cpu_runs_every_layer_by_compiled_calls(models):
 def wide_models(tmp_path_factory):
     """A and C with 16 indexer heads (v4_models.wide_indexer): no exact ties for the device's top-k to break."""
     return wide_indexer_models(str(tmp_path_factory.mktemp("generate-wide")))
+
+
+def _decoded_cache_tokens(monkeypatch, container, ids, cache_gib, new=NEW_TOKENS) -> tuple[list[int], dict]:
+    """Greedy tokens with the cache keeping decoded experts (the GPU's default) on this CPU, and what the cache
+    held after them: its entries' types, their count, their bytes and the budget."""
+    import functools
+
+    from moepack.runtime import generate as generate_module
+    from moepack.runtime.decode import Decoder
+
+    with monkeypatch.context() as m:
+        m.setattr(generate_module, "Decoder", functools.partial(Decoder, decoded_experts=True))
+        with Generator(container, cache_gib=cache_gib) as g:
+            assert g.decoder.layers is None and g.decoder.kernels is None  # model.py's path, as on a GPU
+            tokens = g.generate(ids, GenerateOptions(max_new_tokens=new)).generated_ids
+            cache = g.decoder.cache
+            held = {"types": {type(entry).__name__ for entry in cache._entries.values()}, "count": len(cache),
+                    "bytes": cache.bytes, "budget": cache.budget}
+            return tokens, held
+
+
+@pytest.mark.parametrize("name,n", [("A", 40), ("B", 130)])
+@pytest.mark.parametrize("budget", [1.0, 0.3], ids=["all", "some"])
+def test_a_cache_of_decoded_experts_generates_transformers_tokens(models, monkeypatch, name, n, budget):
+    """The cache a GPU keeps (each expert's three matrices decoded, counted by their size against the budget):
+    the same greedy tokens as transformers, with every expert cached and with a budget that holds only some of
+    them (evicting), hash layers included."""
+    from moepack.runtime.expert_decode import ExpertWeights
+
+    hf_model, container = models[name]
+    ids = _prompt(n, hf_model.config.vocab_size, seed=n)
+    with Container(container) as c:  # float32 experts, float32 compute: 4 bytes a weight
+        decoded_size = sum(t.numel * 4 for t in c.layers[0].experts[0].tensors if t.name.endswith(".weight"))
+    cache_gib = budget if budget == 1.0 else 5.5 * decoded_size / 2**30  # five experts of them
+    tokens, cache = _decoded_cache_tokens(monkeypatch, container, ids, cache_gib)
+    assert tokens == _transformers_greedy(hf_model, ids, NEW_TOKENS)
+    assert cache["types"] == {ExpertWeights.__name__} and cache["count"] > 0
+    assert cache["bytes"] == cache["count"] * decoded_size <= cache["budget"]
+    assert (cache["count"] == 5) == (budget != 1.0)
+
+
+@pytest.mark.parametrize("policy", ["keep", "fp4"])
+def test_decoded_release_experts_generate_what_their_stored_bytes_do(monkeypatch, tmp_path, policy):
+    """FP4 e2m1 (the release's) and MXFP4 (--fp4) experts decoded once into the cache give the tokens the
+    compiled kernels give reading their stored bytes."""
+    from moepack.packer.synth import synth_checkpoint
+
+    src, container = str(tmp_path / "src"), str(tmp_path / f"{policy}.moepack")
+    synth_checkpoint(src, preset="tiny", layout="release", seed=3, progress=False)
+    convert_checkpoint(src, container, policy=policy, progress=False)
+    ids = _prompt(50, 256, seed=5)
+    stored = generate(container, ids, GenerateOptions(max_new_tokens=16, cache_gib=1.0))
+    decoded, _ = _decoded_cache_tokens(monkeypatch, container, ids, 1.0, new=16)
+    assert decoded == stored.generated_ids
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -253,6 +308,24 @@ def test_on_a_gpu_the_cache_is_counted_against_the_device_not_the_host(models, m
     assert "\n" not in str(e.value) and "2.50" in str(e.value) and "cuda:0" in str(e.value)
     with pytest.raises(pytest.fail.Exception, match="past the device check"):  # 1.5 GiB of cache fits there
         Generator(container, cache_gib=1.5, prefill=PrefillOptions(device="cuda"))
+    # the default budget on a GPU: every expert decoded (at most 4x the container) within half the device's free
+    size = os.path.getsize(container)
+    assert generate_module.default_cache_gib(container, "cuda") == round(min(4 * size, 3 << 29) / 2**30, 3)
+    monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: 64 << 30)
+    assert generate_module.default_cache_gib(container, "cuda") == round(4 * size / 2**30, 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")
+def test_generate_on_a_missing_cuda_device_is_one_line(models, tmp_path):
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli
+
+    _, container = models["A"]
+    (tmp_path / "ids.json").write_text("[1, 2]")
+    done = CliRunner().invoke(cli, ["generate", container, "--token-ids", str(tmp_path / "ids.json"), "--device",
+                                    "cuda"])
+    assert done.exit_code == 1 and len(done.stderr.strip().splitlines()) == 1 and "cuda" in done.stderr.lower()
 
 
 def test_one_generator_serves_several_generations_with_its_cache_kept(models):
