@@ -43,7 +43,13 @@ END=$(( $(date +%s) + TOTAL_S ))
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 step() { echo "== $1 ($(date -u +%T))" | tee -a "$OUT/steps.txt"; }
-wants() { [[ " $STEPS " == *" $1 "* ]]; }
+# a step runs if asked for and if at least a minute of TOTAL_S is left (else it says so, without failing)
+wants() {
+    [[ " $STEPS " == *" $1 "* ]] || return 1
+    (( END - $(date +%s) >= 60 )) && return 0
+    echo "== $1: skipped, under a minute of TOTAL_S left" | tee -a "$OUT/steps.txt"
+    return 1
+}
 upto() { local left=$(( END - $(date +%s) )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 
 step "install"
@@ -89,13 +95,18 @@ fi
 if wants capped; then
     step "capped benchmark"
     {
-        # the CUDA runtime and cuBLAS the CUDA llama.cpp links: the image's (its toolkit, or torch's wheels)
-        libs=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublas.so.*' -o -name 'libcudart.so.*' 2> /dev/null \
-               | xargs -r -n1 dirname | sort -u | tr '\n' ':')
-        export LD_LIBRARY_PATH=/tmp/llama-cuda/bin:$libs${LD_LIBRARY_PATH:-}
         mkdir -p /tmp/llama-cuda/bin && cp -a "$LLAMA_CUDA"/. /tmp/llama-cuda/bin/
         for packed in /tmp/llama-cuda/bin/*.tar.xz; do [ -e "$packed" ] && tar -xJf "$packed" -C /tmp/llama-cuda/bin; done
-        ldd /tmp/llama-cuda/bin/llama-bench | grep "not found"
+        # the CUDA runtime and cuBLAS it links: the image's (its toolkit, or the nvidia wheels under /opt), found
+        # for llama-bench alone (a wrapper sets the path; torch keeps loading its own)
+        libs=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublas.so.*' -o -name 'libcudart.so.*' 2> /dev/null \
+               | xargs -r -n1 dirname | sort -u | paste -sd: -)
+        bin=/tmp/llama-cuda/bin
+        [ -e $bin/llama-bench.real ] || mv $bin/llama-bench $bin/llama-bench.real
+        path=$bin${libs:+:$libs}
+        printf '#!/bin/sh\nexport LD_LIBRARY_PATH=%s\nexec %s/llama-bench.real "$@"\n' "$path" "$bin" > $bin/llama-bench
+        chmod +x $bin/llama-bench
+        LD_LIBRARY_PATH=$path ldd $bin/llama-bench.real | grep "not found"
         # a memory cgroup needs the controller mounted (v2 where nothing is)
         [ -e /sys/fs/cgroup/cgroup.controllers ] || [ -d /sys/fs/cgroup/memory ] \
             || mount -t cgroup2 none /sys/fs/cgroup || true

@@ -204,7 +204,7 @@ class Decoder:
             raise MoepackError("decode needs one KV state per layer, all after the same tokens")
         self._kv = [model.TokenKV(self.cfg, layer, s.to(self.device), self.dense[layer]["attn.wq_b.weight"].dtype)
                     for layer, s in enumerate(states)]
-        kept = sum(self.blocks[layer].experts[e].length for layer, e in self._from_prefill)
+        kept = sum(self._entry_bytes(layer, e) for layer, e in self._from_prefill)
         self.stats = DecodeStats(resident_s=self.stats.resident_s, prefill_kept_bytes=kept)
         self._cache_counts = (self.cache.hits, self.cache.misses)
 
@@ -248,11 +248,8 @@ class Decoder:
             if (layer, region.expert) in self.cache or not self.cache.has_room(size):
                 return
             start = region.offset - base
-            if self.decoded:  # (straight from the prefill's buffer to the device)
-                raw = torch.frombuffer(view, dtype=torch.uint8)[start:start + region.length]
-            else:
-                raw = own_pages(region.length)
-                raw.numpy()[:] = np.frombuffer(view, dtype=np.uint8)[start:start + region.length]
+            raw = own_pages(region.length)
+            raw.numpy()[:] = np.frombuffer(view, dtype=np.uint8)[start:start + region.length]
             self.cache.put((layer, region.expert), self._entry(layer, region.expert, raw), size)
             self._from_prefill.add((layer, region.expert))
 
@@ -326,8 +323,9 @@ class Decoder:
         return entry
 
     def _entry(self, layer: int, e: int, raw: torch.Tensor) -> torch.Tensor | ExpertWeights:
-        """What the cache keeps of expert e's bytes `raw` (of its own, or a view that is copied here): its weights
-        decoded on the compute device (`decoded`), else its bytes there (on a CPU, `raw` itself)."""
+        """What the cache keeps of expert e's bytes `raw`: its weights decoded on the compute device (`decoded`),
+        else its bytes there. On a CPU that is `raw` itself, which must therefore be bytes of its own (never a view
+        of a pooled buffer)."""
         raw = raw.to(self.device)
         if not self.decoded:
             return raw

@@ -80,16 +80,20 @@ def check_memory(container: Container, n_tokens: int, cache_bytes: int) -> int:
     return need
 
 
-def check_device_memory(container: Container, device: torch.device, cache_bytes: int) -> None:
-    """Refuse, before any work, a GPU generation whose resident weights + expert cache (both on the device) +
-    HEADROOM_BYTES exceed what this process may allocate there."""
-    need = resident_bytes(container) + cache_bytes + HEADROOM_BYTES
+def check_device_memory(container: Container, device: torch.device, cache_bytes: int, n_tokens: int = 0,
+                        resident: bool = True) -> None:
+    """Refuse, before any work, a GPU generation whose resident weights (unless `resident` is False: loaded
+    already) + expert cache still to fill + the KV of n_tokens + HEADROOM_BYTES exceed what this process may
+    allocate on the device, where all of them live."""
+    weights = resident_bytes(container) if resident else 0
+    kv = kv_bytes(container.config, n_tokens) if n_tokens else 0
+    need = weights + cache_bytes + kv + HEADROOM_BYTES
     free = cuda_free_bytes(device)
     if need > free:
         raise MoepackError(f"the decode on {device} needs about {need / GIB:.1f} GiB of device memory (weights "
-                           f"besides the experts {resident_bytes(container) / GIB:.2f}, expert cache "
-                           f"{cache_bytes / GIB:.2f}, headroom 1) but only {free / GIB:.1f} GiB is free there: "
-                           f"lower --cache-gib")
+                           f"besides the experts {weights / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
+                           f"KV {kv / GIB:.2f}, headroom 1) but only {free / GIB:.1f} GiB is free there: "
+                           f"lower --cache-gib or --max-new-tokens")
 
 
 class Generator:
@@ -128,6 +132,14 @@ class Generator:
             self.c.close()
             raise
 
+    def _check_memory(self, n_tokens: int) -> int:
+        """check_memory for a generation of n_tokens; on a GPU also the device's room for its KV and the rest of
+        the cache's budget. Returns the host bound."""
+        if self.device.type == "cuda":
+            check_device_memory(self.c, self.device, self.cache_bytes - self.decoder.cache.bytes, n_tokens,
+                                resident=False)
+        return check_memory(self.c, n_tokens, self.host_cache_bytes)
+
     def __enter__(self) -> "Generator":
         return self
 
@@ -143,14 +155,16 @@ class Generator:
         # the prompt runs through the decoder's resident dense weights: only the experts are read
         # the prompt's experts go from the prefill's reads into the expert cache (seeding need not read them again)
         self.decoder.prefill_starts()
-        engine = StreamingPrefill(self.c, self.prefill_options, resident_dense=self.decoder.dense,
-                                  keep_expert=self.decoder.keep_from_prefill)
+        # (not where the cache keeps decoded experts on a GPU: they would take the device memory the prefill counted
+        # on having, and decoding them would stall its stream; the seed reads them after it)
+        keep = None if self.decoder.decoded else self.decoder.keep_from_prefill
+        engine = StreamingPrefill(self.c, self.prefill_options, resident_dense=self.decoder.dense, keep_expert=keep)
         try:
             if continue_from is not None:
                 kv = read_kv(continue_from, expect_identity=identity_of_container(self.c))
                 states, past = kv.layers, kv.seen_tokens
                 all_ids = kv.token_ids + token_ids.tolist()
-                bound = check_memory(self.c, past + len(token_ids) + max_new, self.host_cache_bytes)
+                bound = self._check_memory(past + len(token_ids) + max_new)
                 if len(token_ids):
                     done = engine.run(token_ids.to(engine.device), states, keep_kv=True)
                     logits, states, stats, counts = done.logits, done.states, done.stats, done.tokens_per_expert
@@ -162,7 +176,7 @@ class Generator:
                 return logits, states, stats, counts, all_ids, past, bound
             if not len(token_ids):
                 raise MoepackError("empty prompt")
-            bound = check_memory(self.c, len(token_ids) + max_new, self.host_cache_bytes)
+            bound = self._check_memory(len(token_ids) + max_new)
             done = engine.run(token_ids.to(engine.device), keep_kv=True)
             return done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0, bound
         finally:
@@ -249,10 +263,13 @@ def write_kv(kv_dir: str, container: Container, token_ids: list[int], states, st
 
 def default_cache_gib(path: str, device: str = "cpu") -> float:
     """All the routed experts where they fit in a quarter of the available memory, else that quarter. On a GPU,
-    whose cache keeps experts decoded (up to 4x their stored bytes: FP4 to bf16), all of them within half of what
-    the device has free."""
+    whose cache keeps experts decoded (at most float32: 8x an FP4 expert's stored bytes), all of them within half
+    of what the device has free."""
     size = os.path.getsize(path)
     if device != "cpu":
-        return round(min(4 * size, cuda_free_bytes(compute_device(device)) // 2) / GIB, 3)
+        with Container(path) as c:  # decoded as float32 at most
+            decoded = 4 * sum(t.numel for b in c.layers for r in b.experts for t in r.tensors
+                              if t.name.endswith(".weight"))
+        return round(min(decoded, cuda_free_bytes(compute_device(device)) // 2) / GIB, 3)
     free = available_memory_bytes()
     return round(min(size, free // 4 if free else size) / GIB, 3)

@@ -308,11 +308,33 @@ def test_on_a_gpu_the_cache_is_counted_against_the_device_not_the_host(models, m
     assert "\n" not in str(e.value) and "2.50" in str(e.value) and "cuda:0" in str(e.value)
     with pytest.raises(pytest.fail.Exception, match="past the device check"):  # 1.5 GiB of cache fits there
         Generator(container, cache_gib=1.5, prefill=PrefillOptions(device="cuda"))
-    # the default budget on a GPU: every expert decoded (at most 4x the container) within half the device's free
-    size = os.path.getsize(container)
-    assert generate_module.default_cache_gib(container, "cuda") == round(min(4 * size, 3 << 29) / 2**30, 3)
+    # the default budget on a GPU: every expert decoded as float32 within half of the device's free memory
+    with Container(container) as c:
+        decoded = 4 * sum(t.numel for b in c.layers for r in b.experts for t in r.tensors
+                          if t.name.endswith(".weight"))
     monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: 64 << 30)
-    assert generate_module.default_cache_gib(container, "cuda") == round(4 * size / 2**30, 3)
+    assert generate_module.default_cache_gib(container, "cuda") == round(decoded / 2**30, 3) > 0
+    monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: decoded)
+    assert generate_module.default_cache_gib(container, "cuda") == round(decoded / 2 / 2**30, 3)
+
+
+def test_each_gpu_generation_checks_the_device_for_its_kv_and_the_cache_still_to_fill(models, monkeypatch):
+    """Before each generation on a GPU: the KV of prompt + new tokens and the part of the cache's budget not yet
+    filled must fit what the device has free (the resident weights, loaded already, are not counted again)."""
+    from moepack.runtime import generate as generate_module
+    from moepack.v4.kv import kv_bytes
+
+    hf_model, container = models["A"]
+    with Generator(container, cache_gib=0.01) as g:
+        g.decoder.cache.bytes = g.cache_bytes // 2  # half of the budget filled
+        g.device = torch.device("cuda", 0)
+        need = kv_bytes(g.c.config, 4000) + (g.cache_bytes - g.cache_bytes // 2) + (1 << 30)
+        monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: need)
+        g._check_memory(4000)  # fits exactly
+        monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: need - 1)
+        with pytest.raises(MoepackError, match="KV .*lower --cache-gib or --max-new-tokens"):
+            g._check_memory(4000)
+        g.decoder.cache.bytes = 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")
