@@ -22,8 +22,9 @@
 # .llama-cuda, also in .git/info/exclude): its bin/ files, or them packed with
 #   tar -C DIR/build-cuda/bin -cf - . | xz -9 > .llama-cuda/llama-cuda.tar.xz
 # (libggml-cuda.so alone is 67 MB; the tool carries 64 MiB a call); the cuBLAS it links is the image's. Then run
-# `bash benchmarks/device_check.sh` through the device tool with `.whl` (and `.llama-cuda`) carried. On a machine without a GPU, DEVICE=cpu runs the same steps
-# (a dry run of this script). The exit status is non-zero if any step failed.
+# `bash benchmarks/device_check.sh` through the device tool with `.whl` (and `.llama-cuda`) carried. On a machine
+# without a GPU, DEVICE=cpu runs the same steps (a dry run of this script). The exit status is non-zero if any step
+# failed.
 # What to read first: the tests (a GPU-vs-CPU mismatch on a tiny model may be the indexer's zero-score ties, which
 # CUDA's top-k may break otherwise; the device copier's test prints whether a copy was still in flight when it
 # returned); then whether streamed stays near max(io-alone, compute-alone): copies go out on a copy stream ordered
@@ -72,8 +73,9 @@ failed=""
 
 if wants tests; then
     step "tests"
-    timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_prefill.py tests/test_quants.py tests/test_bench.py \
-        tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py -k cuda 2>&1 | tee "$OUT/tests.txt"
+    timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_prefill.py tests/test_quants.py \
+        tests/test_bench.py tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py -k cuda 2>&1 \
+        | tee "$OUT/tests.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
 fi
 
@@ -82,11 +84,12 @@ if wants generate; then
     {
         timeout "$(upto 60)" moepack demo --workdir /tmp/moepack-demo --json > /tmp/demo.json &&
         for dev in "$DEVICE" cpu; do
-            timeout "$(upto 60)" moepack generate /tmp/moepack-demo/small-fp4.moepack --chat "Why does layer-major order matter?" \
-                --max-new-tokens 64 --device "$dev" --json > "/tmp/generate-$dev.json" || exit 1
+            timeout "$(upto 60)" moepack generate /tmp/moepack-demo/small-fp4.moepack \
+                --chat "Why does layer-major order matter?" --max-new-tokens 64 --device "$dev" --json \
+                > "/tmp/generate-$dev.json" || exit 1
             python3 -c "import json, sys; d = json.load(open(sys.argv[1])); s = d['stats']['decode']
-print(sys.argv[2], d['finish_reason'], d['generated_ids'], {k: s[k] for k in ('tokens_per_s', 'expert_cache_hit_rate', 'peak_rss_bytes')})" \
-                "/tmp/generate-$dev.json" "$dev"
+keys = ('tokens_per_s', 'expert_cache_hit_rate', 'peak_rss_bytes')
+print(sys.argv[2], d['finish_reason'], d['generated_ids'], {k: s[k] for k in keys})" "/tmp/generate-$dev.json" "$dev"
         done
     } 2>&1 | tee "$OUT/generate.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed generate"
@@ -96,7 +99,9 @@ if wants capped; then
     step "capped benchmark"
     {
         mkdir -p /tmp/llama-cuda/bin && cp -a "$LLAMA_CUDA"/. /tmp/llama-cuda/bin/
-        for packed in /tmp/llama-cuda/bin/*.tar.xz; do [ -e "$packed" ] && tar -xJf "$packed" -C /tmp/llama-cuda/bin; done
+        for packed in /tmp/llama-cuda/bin/*.tar.xz; do
+            [ -e "$packed" ] && tar -xJf "$packed" -C /tmp/llama-cuda/bin
+        done
         # the CUDA runtime and cuBLAS it links: the image's (its toolkit, or the nvidia wheels under /opt), found
         # for llama-bench alone (a wrapper sets the path; torch keeps loading its own)
         libs=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublas.so.*' -o -name 'libcudart.so.*' 2> /dev/null \
@@ -130,16 +135,16 @@ if wants prefill; then
     [ -e "/tmp/moepack-decode/$PRESET.moepack" ] && ln -sfn "/tmp/moepack-decode/$PRESET-src" \
         "/tmp/moepack-bench/$PRESET-release" && ln -sfn "/tmp/moepack-decode/$PRESET.moepack" \
         "/tmp/moepack-bench/$PRESET-keep.moepack"
-    timeout "$(upto 240)" python3 benchmarks/prefill.py --workdir /tmp/moepack-bench --preset "$PRESET" --tokens "$TOKENS" \
-        --compute-dtype bfloat16 --repeat 1 --device "$DEVICE" --device-budget-gib "$BUDGET_GIB" \
+    timeout "$(upto 240)" python3 benchmarks/prefill.py --workdir /tmp/moepack-bench --preset "$PRESET" \
+        --tokens "$TOKENS" --compute-dtype bfloat16 --repeat 1 --device "$DEVICE" --device-budget-gib "$BUDGET_GIB" \
         2> "$OUT/prefill_stderr.txt" | tee "$OUT/prefill.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed prefill"
 fi
 
 if wants profile; then
     step "decode profile"
-    # where a GPU token's time goes: torch's profiler over one generation (64-token prompt, 32 new tokens), with
-    # every expert cached on the device; the decode benchmark's medium model where that step made it
+    # where a GPU token's time goes: torch's profiler over a short generation (16-token prompt, 8 new tokens) after
+    # a warm-up that cached every expert on the device; the decode benchmark's medium model where that step made it
     MODEL=/tmp/moepack-decode/$PRESET.moepack
     [ -e "$MODEL" ] || MODEL=/tmp/moepack-demo/small-fp4.moepack
     timeout "$(upto 120)" python3 - "$MODEL" "$DEVICE" <<'EOF' 2>&1 | tee "$OUT/profile.txt"
@@ -155,8 +160,9 @@ with Generator(path, cache_gib=8.0, prefill=options.prefill) as g:
     ids = [3 + (7919 * i) % 200 for i in range(64)]
     print("warm-up", g.generate(ids, options).stats["decode"])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        decode = g.generate(ids, options).stats["decode"]
+    short = GenerateOptions(max_new_tokens=8, stop_at_eos=False, cache_gib=8.0, prefill=options.prefill)
+    with profile(activities=activities) as prof:  # (few tokens: the table of a long run took minutes to build)
+        decode = g.generate(ids[:16], short).stats["decode"]
     print("profiled", decode)
 table = prof.key_averages()
 print(table.table(sort_by="self_cpu_time_total", row_limit=30))
