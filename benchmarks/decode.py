@@ -41,6 +41,7 @@ from moepack.packer.export import export_container
 from moepack.packer.synth import synth_checkpoint
 from moepack.runtime.bench import drop_page_cache, run_fio
 from moepack.runtime.engine import PrefillOptions
+from moepack.runtime.expert_decode import expert_weight_count
 from moepack.runtime.generate import GenerateOptions, Generator
 
 GIB = 1 << 30
@@ -62,7 +63,7 @@ def routed_facts(container: str) -> dict:
         experts = [r.length for b in c.layers for r in b.experts]
         top_k = int(c.config["num_experts_per_tok"])
         per_layer = [sum(r.length for r in b.experts) / len(b.experts) for b in c.layers]
-        weights = sum(t.numel for b in c.layers for r in b.experts for t in r.tensors if t.name.endswith(".weight"))
+        weights = sum(expert_weight_count(r) for b in c.layers for r in b.experts)
         return {"routed_bytes": sum(experts), "largest_expert": max(experts), "routed_weights": weights,
                 "routed_bytes_per_token": int(sum(top_k * avg for avg in per_layer)), "top_k": top_k,
                 "first_expert_offset": min(r.offset for b in c.layers for r in b.experts),

@@ -46,7 +46,7 @@ from moepack.packer.export import export_container
 from moepack.packer.synth import synth_checkpoint
 from moepack.runtime.engine import PrefillOptions, prefill
 from moepack.runtime.expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
-from moepack.runtime.expert_decode import ExpertDecoder
+from moepack.runtime.expert_decode import ExpertDecoder, expert_weight_count
 from moepack.runtime.bench import drop_page_cache, prefill_read_plan, run_fio, time_reads
 
 
@@ -91,7 +91,7 @@ def decode_alone(path: str, dtype: torch.dtype, device: torch.device) -> tuple[f
                 _sync(device)
                 seconds += time.perf_counter() - start
                 stored += region.length
-                weights += sum(t.numel for t in region.tensors if t.name.endswith(".weight"))
+                weights += expert_weight_count(region)
     decoder.close()
     return seconds, stored, weights
 
@@ -180,8 +180,7 @@ def main() -> None:
     with Container(container) as c:
         vocab = c.config["vocab_size"]
         file_bytes = c.file_size
-        expert_params = sum(t.numel for b in c.layers for r in b.experts for t in r.tensors
-                            if t.name.endswith(".weight"))
+        expert_params = sum(expert_weight_count(r) for b in c.layers for r in b.experts)
 
     rows = []
     max_read_gbps = 0.0  # the reader's best speed alone so far in this run

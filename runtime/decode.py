@@ -42,7 +42,7 @@ from moepack.v4.kv import LayerKVState
 
 from . import model, token_kernels
 from .device_copier import DeviceCopier
-from .expert_decode import EXPERT_MATRICES, ExpertWeights
+from .expert_decode import EXPERT_MATRICES, ExpertWeights, expert_weight_count
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
 from .io import ReadPipeline, RegionReader, release_freed_memory
 from .model import HEAD_GLOBALS
@@ -337,8 +337,7 @@ class Decoder:
         region = self.blocks[layer].experts[e]
         if not self.decoded:
             return region.length
-        size = self.experts.expert_dtype.itemsize
-        return sum(t.numel * size for t in region.tensors if t.name.endswith(".weight"))
+        return expert_weight_count(region) * self.experts.expert_dtype.itemsize
 
     def _give_back(self, held: list) -> None:
         """Give back the pooled buffers in `held` (the tensors beside them were only kept alive)."""

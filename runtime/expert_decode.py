@@ -71,6 +71,12 @@ EXPERT_MATRICES = ("w1", "w3", "w2")
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what experts' matmuls may run in
 
 
+def expert_weight_count(region: Region) -> int:
+    """The weights of an expert's region (its matrices' elements, their scales left out): decoded, it takes this
+    times its dtype's size."""
+    return sum(t.numel for t in region.tensors if t.name.endswith(".weight"))
+
+
 def _pair_order(columns: int) -> torch.Tensor:
     """Column j of an MXFP4 weight decoded in byte order holds logical column pair_order[j]."""
     within = torch.stack([torch.arange(GROUP_BYTES), torch.arange(GROUP_BYTES) + GROUP_BYTES], 1).reshape(-1)

@@ -24,6 +24,7 @@ from moepack.v4.kv import KVWriter, identity_of_container, kv_bytes, read_kv
 from .decode import Decoder
 from .engine import (EXPERT_DTYPES, PrefillOptions, StreamingPrefill, compute_device, cuda_free_bytes, model_config,
                      resolve_compute_dtype)
+from .expert_decode import expert_weight_count
 from .io import available_memory_bytes
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher
 
@@ -268,8 +269,7 @@ def default_cache_gib(path: str, device: str = "cpu") -> float:
     size = os.path.getsize(path)
     if device != "cpu":
         with Container(path) as c:  # decoded as float32 at most
-            decoded = 4 * sum(t.numel for b in c.layers for r in b.experts for t in r.tensors
-                              if t.name.endswith(".weight"))
+            decoded = 4 * sum(expert_weight_count(r) for b in c.layers for r in b.experts)
         return round(min(decoded, cuda_free_bytes(compute_device(device)) // 2) / GIB, 3)
     free = available_memory_bytes()
     return round(min(size, free // 4 if free else size) / GIB, 3)
