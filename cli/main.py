@@ -298,6 +298,11 @@ def _print_verify(r: dict) -> None:
                    "has native bf16 dot products, else float32 (the choice and why are in --json's stats).")
 @click.option("--expert-dtype", type=Dtype(("float32", "bfloat16")), default=None,
               help="The routed experts' matmuls (default: --compute-dtype).")
+@click.option("--expert-backend", type=click.Choice(["auto", "grouped", "per-expert"]), default="auto",
+              show_default=True,
+              help="grouped: each read's experts decoded together and run as grouped GEMMs (a GPU's way); "
+                   "per-expert: one expert at a time on CPU threads with the compiled FP4 kernels; auto: grouped "
+                   "on a GPU, per-expert on a CPU.")
 @click.option("--order", type=click.Choice(["layer", "chunk"]), default="layer", show_default=True,
               help="layer: every token through a layer before the next (each weight read once). chunk: the usual "
                    "chunked prefill (reads the model ceil(N / --chunk-tokens) times), for comparison.")
@@ -323,7 +328,7 @@ def _print_verify(r: dict) -> None:
 @reports_errors(out_of_memory_hint=PREFILL_MEMORY_HINT)
 def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_from, kv_dtype, kv_no_fsync,
             logits_out, bundle_experts, queue_depth,
-            io_mode, expert_selection, query_chunk, compute_dtype, expert_dtype, order, chunk_tokens, expert_parallel,
+            io_mode, expert_selection, query_chunk, compute_dtype, expert_dtype, expert_backend, order, chunk_tokens, expert_parallel,
             expert_ownership, container_per_rank, dist_timeout, no_verify_reads, threads, force, as_json):
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
@@ -367,7 +372,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
     options = PrefillOptions(device=device, bundle_experts=bundle_experts, queue_depth=queue_depth,
                              io_mode=io_mode, query_chunk=query_chunk, expert_selection=expert_selection,
                              verify_reads=not no_verify_reads, compute_dtype=compute_dtype,
-                             expert_dtype=expert_dtype,
+                             expert_dtype=expert_dtype, expert_backend=expert_backend,
                              expert_ownership=expert_ownership)
     with layer_progress(not as_json) as on_layer:
         result = run_prefill(pattern, ids, replace(options, on_layer=on_layer), kv_out=kv_out,

@@ -191,6 +191,13 @@ class Codec:
         return scale is None
 
     @classmethod
+    def stacks_by_rows(cls, rows: int, scale) -> bool:
+        """Whether E tensors of `rows` rows (with block scales like `scale`, or None) decode as one tensor of
+        E x rows rows whose bytes (and scales) are theirs one after another: true wherever a row's values depend
+        on that row's bytes and scales alone (format_spec.decode.decode_stacked)."""
+        return True
+
+    @classmethod
     def decode_rows(cls, picked, numbers, cols: int, scale, out_dtype):
         """The bytes of some whole rows (uint8 [n, row bytes]; `numbers` their row indices) -> float values."""
         return cls.decode_float(picked.reshape(-1), (picked.shape[0], cols),
@@ -413,6 +420,12 @@ class F8_E4M3(Codec):
         import torch
 
         return scale is None or scale.dtype == torch.float8_e8m0fnu
+
+    @classmethod
+    def stacks_by_rows(cls, rows, scale):
+        from .source_formats import FP8_BLOCK
+
+        return scale is None or rows % FP8_BLOCK == 0  # a 128-row block of scales must not span two tensors
 
     @classmethod
     def decode_rows(cls, picked, numbers, cols, scale, out_dtype):

@@ -154,6 +154,50 @@ def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INT
     return out
 
 
+def decode_stacked(groups, read, suffixes, out_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Same-layout tensors of several groups (a layer's experts), each as decode_group decodes it, stacked:
+    {suffix: [G, *shape]} for the entries `prefix + suffix` of each (prefix, tensors) in `groups`. Where the type
+    allows (Codec.stacks_by_rows) the G tensors' bytes and block scales are put one after another and decoded as
+    one tensor of G x rows rows: a few launches for many experts on a GPU, not a chain of small ones per expert.
+    `read(t)` gives the stored bytes of entry `t`."""
+    by_name = [({t.name: t for t in tensors}, prefix) for prefix, tensors in groups]
+    out = {}
+    for suffix in suffixes:
+        picked = []
+        for names, prefix in by_name:
+            t = names.get(prefix + suffix)
+            if t is None:
+                raise FormatError(f"{prefix + suffix} is missing")
+            picked.append((t, names.get(scale_name(t.name)), names.get(tensor_scale_name(t.name))))
+        out[suffix] = _decode_same_layout(picked, read, out_dtype)
+    return out
+
+
+def _decode_same_layout(picked: list, read, out_dtype: torch.dtype) -> torch.Tensor:
+    """[G, *shape]: the (weight, scale entry or None, tensor-scale entry or None) of `picked`, decoded."""
+    first, first_scale, _ = picked[0]
+    shape = tuple(first.shape)
+
+    def layout(t, s, ts):
+        return t.dtype, tuple(t.shape), s and (s.dtype, tuple(s.shape)), ts is not None
+    codec = storage_type(first.dtype)
+    scales = [decode_tensor(s.dtype, s.shape, read(s)) for _, s, _ in picked] if first_scale is not None else None
+    uniform = len(shape) == 2 and all(layout(*p) == layout(*picked[0]) for p in picked)
+    if not uniform or not codec.stacks_by_rows(shape[0], scales[0] if scales else None):
+        return torch.stack([decode_float(t.dtype, t.shape, read(t), None if scales is None else scales[i], out_dtype,
+                                         tensor_scale_value(read(ts), ts.name) if ts is not None else None)
+                            for i, (t, _, ts) in enumerate(picked)])
+    raw = torch.cat([as_uint8(read(t)) for t, _, _ in picked])
+    scale = torch.cat(scales) if scales is not None else None
+    values = codec.decode_float(raw, (len(picked) * shape[0], shape[1]), scale, out_dtype).view(len(picked), *shape)
+    if picked[0][2] is None:
+        return values
+    factors = [tensor_scale_value(read(ts), ts.name) for _, _, ts in picked]
+    factors = torch.stack(factors) if isinstance(factors[0], torch.Tensor) else torch.tensor(factors)
+    factors = factors.to(device=values.device, dtype=values.dtype).view(-1, 1, 1)  # powers of two: exact
+    return values.mul_(factors) if codec.decodes_fresh(scale) else values * factors
+
+
 def _named_with_companions(tensors, read, name: str):
     """Entry `name` among `tensors`, with its decoded scale and tensor scale (None where absent)."""
     by_name = {t.name: t for t in tensors}

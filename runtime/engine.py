@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,7 @@ from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
 from .bench import default_compute_dtype
 from .limits import MAX_BUNDLE_EXPERTS
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
+from .grouped_experts import GroupedExperts, resolve_expert_backend
 from .io import HostBuffer, available_memory_bytes, cpu_steal_seconds, keep_freed_memory, release_freed_memory
 from .read_scheduler import (EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, global_regions,
                              tokens_per_expert)
@@ -80,6 +82,10 @@ class PrefillOptions:
     # bf16 FP4 experts on up to this many tokens run the fused kernel (CPUs with AVX512-BF16); None: the crossover
     # `moepack bench compute --expert-dtype bfloat16` measured on this CPU, else expert_decode.FUSED_MAX_TOKENS.
     fused_max_tokens: int | None = None
+    # How the routed experts are computed (grouped_experts.py): "grouped" (each read's experts decoded together
+    # and run as grouped GEMMs), "per-expert" (expert_runner.py: one at a time on CPU threads), or "auto" (grouped
+    # on a GPU, per-expert on a CPU).
+    expert_backend: str = "auto"
     # Called as each layer ends: on_layer(layer, number of layers, bytes the layer read) (a progress bar).
     on_layer: Callable[[int, int, int], None] | None = field(default=None, repr=False, compare=False)
 
@@ -96,8 +102,8 @@ class PrefillResult:
 
 def estimate_working_set(cfg: ModelConfig, n_tokens: int, query_chunk: int | None, dense_bytes: int,
                          bundle_bytes: int, pool_buffers: int, expert_params: int,
-                         expert_threads: int = 1, globals_bytes: int = 0, decode_scratch_bytes: int = 0
-                         ) -> dict[str, int]:
+                         expert_threads: int = 1, globals_bytes: int = 0, decode_scratch_bytes: int = 0,
+                         grouped_pairs: int = 0) -> dict[str, int]:
     """Bytes a prefill of n_tokens needs at its peak (float32 compute), by component. Deliberately generous:
     it decides whether to refuse a prompt before any work is done."""
     f32 = 4
@@ -115,6 +121,9 @@ def estimate_working_set(cfg: ModelConfig, n_tokens: int, query_chunk: int | Non
     # the routed experts: the FFN input in their dtype and the float32 sum (expert_runner.OrderedSum), and on each
     # expert thread one expert's gathered rows and outputs (at most every token's), or outputs waiting their turn
     activations += n_tokens * hidden * f32 * (2 + 2 * expert_threads)
+    # the grouped backend: every pair's input and output rows ([P, H] each, P = N x top_k), and a read's gate and up
+    # outputs and activation (at most every pair's)
+    activations += grouped_pairs * f32 * (2 * hidden + 3 * cfg.moe_intermediate_size)
     # the read pool, and each expert thread's decoded weights
     # `globals_bytes`: the LM head's bytes, read during the last layer, and a decoded slice of it;
     # `decode_scratch_bytes`: what decoding the largest dense matrix needs besides its bytes and its output
@@ -232,8 +241,14 @@ class StreamingPrefill:
                                    device=self.device, dist=dist,
                                    balanced=dist is not None and options.expert_ownership == "balanced")
         self.copier = DeviceCopier(self.device)
-        self.experts = ExpertRunner(self.cfg, self.device, self.expert_dtype, self.reads.checker, self.copier,
-                                    self.reads.experts_pipe.release, self.compute, options.fused_max_tokens)
+        self.expert_backend = resolve_expert_backend(options.expert_backend, self.device)
+        if self.expert_backend == "grouped":
+            activation = partial(model.clamped_swiglu, limit=self.cfg.swiglu_limit)
+            self.experts = GroupedExperts(model.EXPERT_NAMING, activation, self.device, self.expert_dtype, self.reads.checker, self.copier,
+                                          self.reads.experts_pipe.release, self.compute, options.bundle_experts)
+        else:
+            self.experts = ExpertRunner(self.cfg, self.device, self.expert_dtype, self.reads.checker, self.copier,
+                                        self.reads.experts_pipe.release, self.compute, options.fused_max_tokens)
         self.experts.keep_expert = keep_expert  # (ExpertRunner.keep_expert: decode's cache takes the bytes)
 
     # --- the prefill ---------------------------------------------------------------------------------------------
@@ -419,8 +434,10 @@ class StreamingPrefill:
         need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
                                     self.reads.experts_pipe.buffer_bytes,
                                     self.reads.pool_buffers_in_memory(self.device), expert_params,
-                                    self.experts.threads, head_bytes + HEAD_CHUNK_BYTES,
-                                    decode_scratch_bytes=4 * fp8_weights)
+                                    self.experts.decoded_at_once, head_bytes + HEAD_CHUNK_BYTES,
+                                    decode_scratch_bytes=4 * fp8_weights,
+                                    grouped_pairs=(n_tokens * self.cfg.num_experts_per_tok
+                                                   if self.expert_backend == "grouped" else 0))
         if self.device.type == "cuda":
             free, where = cuda_free_bytes(self.device), "free device memory"
         else:
@@ -452,6 +469,7 @@ class StreamingPrefill:
             "compute_dtype": self.opt.compute_dtype,
             "compute_dtype_source": self.compute_dtype_source,
             "expert_dtype": str(self.expert_dtype).removeprefix("torch."),
+            "expert_backend": self.expert_backend,
             "expert_threads": self.experts.threads,
             # experts on up to this many tokens ran the fused FP4 matmul (the weights never decoded to memory)
             "fused_expert_max_tokens": self.experts.fused_tokens,

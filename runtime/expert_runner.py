@@ -123,6 +123,7 @@ class ExpertRunner:
         self.cfg, self.device, self.expert_dtype = cfg, device, expert_dtype
         self.checker, self.copier, self.release, self.compute = checker, copier, release, compute
         self.threads = torch.get_num_threads() if device.type == "cpu" else 1
+        self.decoded_at_once = self.threads  # one expert per thread
         self._pool = ThreadPoolExecutor(self.threads, "moepack-expert") if self.threads > 1 else None
         self.fused_tokens, self.fused_tokens_source = self._fused_tokens(fused_max_tokens_given)
         self._local = threading.local()  # each expert thread's own decoder (its buffers are reused expert to expert)

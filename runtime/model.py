@@ -56,6 +56,7 @@ from moepack.v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
 from moepack.v4.kv import CompressorState, LayerKVState
 
 from . import mhc_native, token_kernels
+from .grouped_experts import ExpertNaming
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -861,10 +862,18 @@ def expert_forward(cfg: ModelConfig, x: Tensor, w1: Tensor, w3: Tensor, w2: Tens
         out = kernels.moe(x.reshape(-1), [tuple(token_kernels.float_matrix(w) for w in matrices)],
                           torch.ones(1), cfg.swiglu_limit, low, round_output=low)
         return out.reshape(x.shape)
-    gate, up = linears(x, [w1, w3])
-    gate, up = gate.clamp(max=cfg.swiglu_limit), up.clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
-    hidden = F.silu(gate) * up
+    hidden = clamped_swiglu(*linears(x, [w1, w3]), cfg.swiglu_limit)
     return linear(hidden if hidden_order is None else hidden[:, hidden_order], w2)
+
+
+# where a routed expert's matrices are (the backends know no model's names): gate w1 and up w3 [I, H], down w2 [H, I]
+EXPERT_NAMING = ExpertNaming(prefix=lambda block, expert: f"{block.name}.ffn.experts.{expert}.",
+                             gate="w1.weight", up="w3.weight", down="w2.weight")
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """silu(gate) * up, the gate clamped from above and the up projection on both sides at `limit`."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def accumulate(acc: Tensor, routing: Routing, expert_id: int, y: Tensor) -> Tensor:

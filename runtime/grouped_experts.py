@@ -1,0 +1,166 @@
+"""Expert backends: how a layer's routed experts are computed, behind one interface (`ExpertBackend`).
+
+Two implement it:
+- `expert_runner.ExpertRunner` ("per-expert"): each expert decoded and multiplied on its own, on work-stealing
+  CPU threads, with the compiled FP4 table decoder and fused kernel. What a CPU runs best: an expert's few dozen
+  tokens split badly across cores, and its decoded matrix stays in cache.
+- `GroupedExperts` ("grouped", below): what a GPU runs best. The (token, expert) pairs are permuted once per layer
+  into one [P, H] matrix sorted by expert; each read (a bundle of consecutive experts) is decoded on the device in
+  a few launches for all its experts at once (format_spec.decode.decode_stacked: their bytes side by side,
+  dequantized as one tensor, whatever the storage type), then gate and up run as one grouped GEMM over the
+  bundle's experts, the activation on all their rows, the down projection as a second grouped GEMM; the outputs
+  are combined once per layer. No Python loop over experts; reads still overlap compute, as each bundle is
+  computed as it lands.
+
+A backend knows nothing of a model family: the caller names each expert's tensors (`ExpertNaming`) and gives the
+activation between the two GEMMs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from moepack.format_spec.decode import decode_stacked
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.reader import Block, Region
+
+EXPERT_BACKENDS = ("auto", "grouped", "per-expert")
+
+
+@dataclass(frozen=True)
+class ExpertNaming:
+    """Where an expert's matrices are in the container: `prefix(block, expert)` + gate / up / down, each [out, in]
+    (gate and up [I, H], down [H, I])."""
+
+    prefix: Callable[[Block, int], str]
+    gate: str
+    up: str
+    down: str
+
+
+class ExpertBackend(Protocol):
+    """What the engine needs of an expert backend."""
+
+    threads: int  # the threads its experts run on (the stats; the memory estimate)
+    decoded_at_once: int  # experts decoded at the same time, at most (the memory estimate)
+    fused_tokens: int
+    fused_tokens_source: str
+    keep_expert: Callable | None  # keep_expert(block, region, view, base): each expert's checked bytes as used
+
+    def run_layer(self, block: Block, reads: list, routing, beside: Sequence[tuple] = ()
+                  ) -> tuple[torch.Tensor, list]:
+        """The layer's routed experts on routing's tokens, combined ([N, H] float32), and the results of the
+        `beside` tasks, or None each where the caller is to run them itself."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def resolve_expert_backend(name: str, device: torch.device) -> str:
+    """The backend `--expert-backend` names; "auto": grouped on a GPU, per-expert on a CPU."""
+    if name not in EXPERT_BACKENDS:
+        raise MoepackError(f"unknown expert backend {name!r} (choose from {', '.join(EXPERT_BACKENDS)})")
+    if name == "auto":
+        return "per-expert" if device.type == "cpu" else "grouped"
+    return name
+
+
+def grouped_mm_usable(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes a [rows, K] @ b [G, K, N] (b transposed from [G, N, K]) here: bf16 on
+    CUDA (its kernels take nothing else), any float dtype on a CPU; every row 16-byte aligned."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if a.device.type == "cuda" and a.dtype != torch.bfloat16:
+        return False
+    return all(d * a.element_size() % 16 == 0 for d in (a.shape[1], b.shape[2]))
+
+
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows a[offset_g : offset_g + counts[g]] @ b[g] for each group g, as one [rows, N] tensor: torch's grouped
+    GEMM where it takes these operands, else one matmul per group (float32 on a GPU)."""
+    if grouped_mm_usable(a, b):
+        offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(a.device)
+        return F.grouped_mm(a, b, offs=offsets)
+    out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
+    first = 0
+    for g, n in enumerate(counts):
+        torch.mm(a[first:first + n], b[g], out=out[first:first + n])
+        first += n
+    return out
+
+
+class GroupedExperts:
+    """The grouped expert backend (module docstring). `activation(gate, up)` runs between the two GEMMs."""
+
+    threads = 1
+    fused_tokens, fused_tokens_source = 0, "not used by the grouped backend"
+
+    def __init__(self, naming: ExpertNaming, activation: Callable, device: torch.device, expert_dtype: torch.dtype,
+                 checker, copier, release: Callable, compute, bundle_experts: int):
+        self.naming, self.activation = naming, activation
+        self.device, self.expert_dtype = device, expert_dtype
+        self.checker, self.copier, self.release, self.compute = checker, copier, release, compute
+        self.decoded_at_once = bundle_experts
+        self.keep_expert: Callable | None = None
+
+    def run_layer(self, block: Block, reads: list, routing, beside: Sequence[tuple] = ()
+                  ) -> tuple[torch.Tensor, list]:
+        with self.compute:
+            groups = routing.groups()
+            x = groups.gather(routing.x.to(self.expert_dtype))  # [P, H]: each pair's row, sorted by expert
+            # rows of experts this process does not compute (another rank's) stay zero for the combine
+            y = torch.zeros_like(x)
+        failure = None
+        for first_expert, count, future in reads:  # in read order, each computed as it lands
+            buffer, view = future.result()
+            try:
+                if failure is None:
+                    self._bundle(block, block.experts[first_expert:first_expert + count], buffer, view, groups, x, y)
+            except BaseException as e:  # every read is still awaited and its buffer given back
+                failure = e
+            finally:
+                self.copier.release(buffer, self.release)
+        if failure is not None:
+            raise failure
+        with self.compute:
+            return groups.combine(y, routing.x.shape[0]), [None] * len(beside)
+
+    def _bundle(self, block: Block, regions: list[Region], buffer, view: memoryview, groups, x: torch.Tensor,
+                y: torch.Tensor) -> None:
+        """y's rows of the chosen experts among `regions` (one read's bytes), computed together."""
+        base = regions[0].offset
+        chosen = [r for r in regions if r.expert in groups.spans]
+        with self.compute:
+            unchosen = [r for r in regions if r.expert not in groups.spans]
+            if unchosen and not self.checker.on_read:
+                self.checker.check(unchosen, view, base)  # every byte read is checked, used or not
+            if not chosen:
+                return
+            self.checker.before_use(chosen, view, base)
+            if self.keep_expert is not None:
+                for r in chosen:
+                    self.keep_expert(block, r, view, base)
+            raw = self.copier.to_device(buffer, view)
+            spans = [groups.spans[r.expert] for r in chosen]
+            first, stop = spans[0][0], spans[-1][1]
+            counts = [b - a for a, b in spans]
+            if sum(counts) != stop - first:  # a read is consecutive experts, and the pairs are sorted by expert
+                raise RuntimeError(f"the experts of one read do not own consecutive rows: {spans[:4]}")
+            n = self.naming
+            w = decode_stacked([(n.prefix(block, r.expert), r.tensors) for r in chosen],
+                               lambda t: raw[t.file_offset - base: t.file_offset - base + t.length],
+                               (n.gate, n.up, n.down), self.expert_dtype)
+            inner = w[n.gate].shape[1]
+            gate_up = torch.cat([w.pop(n.gate), w.pop(n.up)], dim=1)  # [G, 2I, H]: both in one GEMM
+            both = grouped_matmul(x[first:stop], gate_up.transpose(1, 2), counts)
+            del gate_up
+            hidden = self.activation(both[:, :inner], both[:, inner:])
+            y[first:stop] = grouped_matmul(hidden, w[n.down].transpose(1, 2), counts)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,210 @@
+"""The grouped expert backend (runtime/grouped_experts.py) equals the per-expert path, for every storage type the
+container holds experts in: decode_stacked against decode_group bit for bit, a layer's grouped GEMMs against each
+expert's own matmuls, and whole prefills against the per-expert runner. torch's grouped GEMM runs on the CPU too."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moepack.format_spec import source_formats
+from moepack.format_spec.decode import decode_group, decode_stacked
+from moepack.format_spec.dtypes import storage_type
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.reader import Container
+from moepack.packer.convert import convert_checkpoint
+from moepack.packer.synth import synth_checkpoint
+from moepack.runtime import grouped_experts, model
+from moepack.runtime.engine import PrefillOptions, model_config, prefill
+from moepack.runtime.grouped_experts import GroupedExperts, grouped_matmul, resolve_expert_backend
+
+# policy -> what its experts are stored as: the release's FP4_E2M1 kept, MXFP4, NVFP4 with tensor scales, Q8_0,
+# IQ2_XXS gate / up with a Q2_K down, BF16
+POLICIES = ("keep", "fp4", "nvfp4", "q8", "q2", "bf16")
+
+
+@pytest.fixture(scope="module")
+def containers(tmp_path_factory):
+    base = tmp_path_factory.mktemp("grouped")
+    src = str(base / "src")
+    synth_checkpoint(src, preset="tiny", layout="release", seed=5, progress=False)
+    out = {}
+    for policy in POLICIES:
+        out[policy] = str(base / f"{policy}.moepack")
+        convert_checkpoint(src, out[policy], policy=policy, progress=False)
+    return out
+
+
+# --- decode_stacked: G experts' bytes side by side, decoded as one tensor ------------------------------------------
+
+def _entries(dtype: str, groups: int, rows: int, cols: int, seed: int):
+    """(groups as (prefix, entries), read, expected per group): `groups` tensors `g{i}.w` stored as `dtype` with
+    the companions that type takes, at arbitrary offsets in one byte buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    blobs, entries, offset = [], [], 0
+
+    def put(name, type_, shape, data: torch.Tensor):
+        nonlocal offset
+        data = data.contiguous().reshape(-1).view(torch.uint8)
+        entries.append(SimpleNamespace(name=name, dtype=type_, shape=tuple(shape), offset=offset, length=data.numel()))
+        blobs.append(data)
+        gap = 16 + (-data.numel()) % 16  # a gap between entries: the stacking must not rely on their being adjacent
+        offset += data.numel() + gap
+        blobs.append(torch.zeros(gap, dtype=torch.uint8))
+
+    groups_out = []
+    for g in range(groups):
+        values = torch.randn(rows, cols, generator=gen) * (g + 1)
+        name = f"g{g}.w.weight"
+        first = len(entries)
+        if dtype == "F8_E4M3":
+            weight, scale = source_formats.fp8_block_quantize(values)
+            put(name, dtype, (rows, cols), weight)
+            put(f"g{g}.w.scale", "F8_E8M0", scale.shape, scale)
+        elif dtype == "FP4_E2M1":
+            packed, scale = source_formats.fp4_quantize(values)
+            put(name, dtype, (rows, cols), packed)
+            put(f"g{g}.w.scale", "F8_E8M0", scale.shape, scale)
+        else:
+            stored, exponent = storage_type(dtype).encode(values)
+            put(name, dtype, (rows, cols), stored)
+            if exponent is not None:
+                put(f"g{g}.w.tensor_scale", "F32", (), torch.tensor(2.0 ** exponent))
+        groups_out.append((f"g{g}.", entries[first:]))
+    raw = torch.cat(blobs)
+
+    def read(t):
+        return raw[t.offset:t.offset + t.length]
+    return groups_out, read
+
+
+@pytest.mark.parametrize("dtype,rows", [("F32", 16), ("F16", 16), ("BF16", 16), ("F8_E4M3", 256), ("F8_E4M3", 200),
+                                        ("FP4_E2M1", 16), ("Q8_0", 16), ("MXFP4", 16), ("NVFP4", 16), ("Q2_K", 8),
+                                        ("IQ2_XXS", 8)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_stacked_decode_equals_each_tensor_decoded_alone(dtype, rows, out_dtype):
+    cols = 256
+    groups, read = _entries(dtype, 3, rows, cols, seed=rows)
+    stacked = decode_stacked(groups, read, ["w.weight"], out_dtype)["w.weight"]
+    assert stacked.shape == (3, rows, cols) and stacked.dtype == out_dtype
+    for g, (prefix, entries) in enumerate(groups):
+        alone = decode_group(entries, read, out_dtype)[prefix + "w.weight"]
+        assert torch.equal(stacked[g].view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+                           alone.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)), g
+
+
+def test_stacked_decode_names_a_missing_tensor():
+    groups, read = _entries("F32", 2, 4, 32, seed=0)
+    with pytest.raises(MoepackError, match="g0.w.bias is missing"):
+        decode_stacked(groups, read, ["w.bias"])
+
+
+# --- the grouped GEMM -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_matmul_equals_a_matmul_per_group_with_empty_groups(dtype, monkeypatch):
+    a = torch.randn(40, 64).to(dtype)
+    b = torch.randn(4, 48, 64).to(dtype)  # [G, N, K] as stored; the GEMM takes it transposed
+    counts = [10, 0, 25, 5]
+    got = grouped_matmul(a, b.transpose(1, 2), counts)
+    first = 0
+    for g, n in enumerate(counts):
+        want = a[first:first + n] @ b[g].T
+        torch.testing.assert_close(got[first:first + n], want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+        first += n
+    # the fallback (one matmul per group) gives the same
+    monkeypatch.setattr(grouped_experts, "grouped_mm_usable", lambda a, b: False)
+    torch.testing.assert_close(grouped_matmul(a, b.transpose(1, 2), counts), got, rtol=1e-2, atol=1e-2)
+
+
+def test_backend_choice():
+    assert resolve_expert_backend("auto", torch.device("cpu")) == "per-expert"
+    assert resolve_expert_backend("auto", torch.device("cuda", 0)) == "grouped"
+    assert resolve_expert_backend("grouped", torch.device("cpu")) == "grouped"
+    with pytest.raises(MoepackError, match="unknown expert backend 'fast'"):
+        resolve_expert_backend("fast", torch.device("cpu"))
+
+
+# --- a layer: the grouped GEMMs against each expert's own matmuls ------------------------------------------------
+
+def _reference_layer(path: str, block_number: int, routing, dtype: torch.dtype) -> torch.Tensor:
+    """The routed experts of `routing`, each decoded alone (decode_group) and run alone (model.expert_forward),
+    summed per token with the routing weights: the per-expert path."""
+    with Container(path) as c:
+        cfg = model_config(c)
+        block = c.layers[block_number]
+        out = torch.zeros(routing.x.shape, dtype=torch.float64)
+        x = routing.x.to(dtype)
+        for e, batch in routing.tokens_by_expert().items():
+            region = block.experts[e]
+            w = decode_group(region.tensors, lambda t: c.tensor_bytes(t.name), dtype)
+            prefix = model.EXPERT_NAMING.prefix(block, e)
+            y = model.expert_forward(cfg, x[batch.token_index], w[prefix + "w1.weight"], w[prefix + "w3.weight"],
+                                     w[prefix + "w2.weight"])
+            out.index_add_(0, batch.token_index, y.double() * batch.weight[:, None].double())
+    return out
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("expert_dtype", ["float32", "bfloat16"])
+def test_each_layer_of_the_grouped_backend_equals_the_per_expert_path(containers, monkeypatch, policy, expert_dtype):
+    seen = []
+    real = GroupedExperts.run_layer
+
+    def recording(self, block, reads, routing, beside=()):
+        combined, results = real(self, block, reads, routing, beside)
+        seen.append((int(block.name.split(".")[1]), routing, combined.clone()))
+        return combined, results
+    monkeypatch.setattr(GroupedExperts, "run_layer", recording)
+    # bundles of 3 experts: reads that are not the whole layer, and experts no token chose among them
+    prefill(containers[policy], list(range(3, 60)), PrefillOptions(expert_dtype=expert_dtype, expert_backend="grouped",
+                                                                  bundle_experts=3))
+    assert seen and len(seen) == len(Container(containers[policy]).layers)
+    dtype = getattr(torch, expert_dtype)
+    for number, routing, got in seen:
+        want = _reference_layer(containers[policy], number, routing, dtype)
+        scale = want.abs().max().item()
+        tolerance = 1e-5 if expert_dtype == "float32" else 2e-2  # bf16: another order of float32 sums, rounded
+        assert (got.double() - want).abs().max().item() <= tolerance * scale, (policy, number)
+
+
+# --- whole prefills -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["keep", "q2"])
+def test_prefill_with_the_grouped_backend_equals_the_per_expert_runner(containers, policy):
+    ids = list(range(7, 71))
+    per_expert = prefill(containers[policy], ids, PrefillOptions(expert_backend="per-expert"))
+    grouped = prefill(containers[policy], ids, PrefillOptions(expert_backend="grouped", bundle_experts=5))
+    assert grouped.stats["expert_backend"] == "grouped" and per_expert.stats["expert_backend"] == "per-expert"
+    torch.testing.assert_close(grouped.logits, per_expert.logits, rtol=1e-4, atol=1e-4)
+    assert grouped.next_token == per_expert.next_token
+    assert grouped.stats["bytes_read"] == per_expert.stats["bytes_read"]  # each region read once either way
+
+
+def test_grouped_backend_refuses_a_damaged_expert(containers, tmp_path):
+    damaged = tmp_path / "damaged.moepack"
+    data = bytearray(open(containers["q8"], "rb").read())
+    with Container(containers["q8"]) as c:
+        region = c.layers[1].experts[2]
+        data[region.offset + 5] ^= 0xFF
+    damaged.write_bytes(data)
+    with pytest.raises(MoepackError, match="checksum mismatch"):
+        prefill(str(damaged), list(range(3, 40)), PrefillOptions(expert_backend="grouped", expert_selection="all"))
+
+
+def test_cli_prefill_takes_the_expert_backend(containers, tmp_path):
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli
+
+    ids = tmp_path / "ids.txt"
+    ids.write_text("5 6 7 8 9 10 11 12")
+    for backend in ("grouped", "per-expert"):
+        result = CliRunner().invoke(cli, ["prefill", containers["fp4"], "--token-ids", str(ids), "--expert-backend",
+                                          backend, "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["expert_backend"] == backend
