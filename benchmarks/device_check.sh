@@ -10,6 +10,9 @@
 #   prefill   benchmarks/prefill.py on the GPU with a device budget smaller than the model's experts
 #             (T_ssd = io-alone, T_compute = compute-alone, wall = streamed)
 #   profile   torch's profiler over one GPU generation, its experts cached on the device
+#   gpu_prefill  benchmarks/gpu_prefill.py: three release layers with all 256 experts at full size, N = GPU_TOKENS,
+#             in each place the weights can be (disk, page cache), beside the chip's dense bf16, grouped-GEMM and
+#             pinned-H2D ceilings measured in the same run
 #
 # The device's image has torch (a CUDA build) but an older transformers and no zstandard or gguf (the GGUF export
 # `capped` needs), and nothing can be downloaded there. Once, here, in the repository's root:
@@ -32,7 +35,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/moepack-device-check}
 DEVICE=${DEVICE:-cuda}
-STEPS=${STEPS:-tests generate capped decode prefill profile}
+STEPS=${STEPS:-tests gpu_prefill generate capped decode prefill profile}
+GPU_TOKENS=${GPU_TOKENS:-4096,16384,65536,131072}
 PRESET=${PRESET:-medium}
 TOKENS=${TOKENS:-1024,4096}
 BUDGET_GIB=${BUDGET_GIB:-1}  # below the medium preset's 2.3 GB of experts: they stream, as on a small GPU
@@ -74,7 +78,8 @@ failed=""
 if wants tests; then
     step "tests"
     timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_prefill.py tests/test_quants.py \
-        tests/test_bench.py tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py -k cuda 2>&1 \
+        tests/test_bench.py tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py \
+        tests/test_grouped_experts.py -k cuda 2>&1 \
         | tee "$OUT/tests.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
 fi
@@ -126,6 +131,14 @@ if wants decode; then
     timeout "$(upto 200)" python3 benchmarks/decode.py --preset "$PRESET" --device "$DEVICE" --no-transformers \
         --workdir /tmp/moepack-decode 2> "$OUT/decode_stderr.txt" | tee "$OUT/decode.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed decode"
+fi
+
+if wants gpu_prefill; then
+    step "gpu prefill at the release's dimensions"
+    timeout "$(upto 300)" python3 benchmarks/gpu_prefill.py --device "$DEVICE" --tokens "$GPU_TOKENS" \
+        --places disk,page-cache --workdir /tmp/moepack-gpu-prefill 2> "$OUT/gpu_prefill_stderr.txt" \
+        | tee "$OUT/gpu_prefill.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_prefill"
 fi
 
 if wants prefill; then

@@ -236,6 +236,22 @@ def encode_tensor(spec: TensorSpec, value: torch.Tensor, layout: str) -> dict[st
     return {spec.name: value.to(dtype)}
 
 
+# the RMS of an e2m1 code drawn uniformly from the 16: sqrt(mean of 0, .25, 1, 2.25, 4, 9, 16, 36) over both signs
+_E2M1_UNIFORM_RMS = math.sqrt(68.5 / 8)
+
+
+def random_fp4_expert(spec: TensorSpec, layout: str, seed: int) -> dict[str, torch.Tensor]:
+    """A routed expert's matrix as the release stores it, its packed codes random bytes and every scale the one
+    power of two that gives its outputs about unit variance (as draw_tensor's linears): no float is drawn."""
+    out_features, in_features = spec.shape
+    parts = stored_tensors(spec, layout)
+    packed = torch.randint(-128, 128, (out_features, in_features // 2), dtype=torch.int8,
+                           generator=_tensor_generator(seed, spec.name))
+    exponent = round(math.log2(1.0 / (_E2M1_UNIFORM_RMS * math.sqrt(in_features))))
+    scale = torch.full((out_features, in_features // 32), exponent + 127, dtype=torch.uint8)
+    return {parts[0].name: packed, parts[1].name: scale.view(torch.float8_e8m0fnu)}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Streaming safetensors writer
 # ---------------------------------------------------------------------------------------------------------
@@ -464,7 +480,8 @@ _METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "t
 
 def _write_checkpoint_files(out: Path, config: dict, shards: list, shard_names: list[str], layout: str, seed: int,
                             preset: str, progress: bool, total_tensor_bytes: int,
-                            tokenizer_files: dict[str, bytes] | None = None) -> None:
+                            tokenizer_files: dict[str, bytes] | None = None, random_expert_codes: bool = False
+                            ) -> None:
     """The checkpoint's metadata files, shards and (last: a directory without it is no checkpoint) its index."""
     _write_json(out / "config.json", config)
     _write_json(
@@ -491,7 +508,10 @@ def _write_checkpoint_files(out: Path, config: dict, shards: list, shard_names: 
             ordered = sorted(shard_specs, key=lambda s: -_element_bytes(s, layout))
             with _ShardWriter(out / shard_name, [t for s in ordered for t in stored_tensors(s, layout)]) as writer:
                 for spec in ordered:
-                    encoded = encode_tensor(spec, draw_tensor(spec, config, seed), layout)
+                    if random_expert_codes and layout == "release" and spec.role == ROLE_EXPERT:
+                        encoded = random_fp4_expert(spec, layout, seed)
+                    else:
+                        encoded = encode_tensor(spec, draw_tensor(spec, config, seed), layout)
                     for part in stored_tensors(spec, layout):
                         bar.update(writer.write(part.name, encoded[part.name]))
                         weight_map[part.name] = shard_name
@@ -513,12 +533,15 @@ def synth_checkpoint(
     overwrite: bool = False,
     config_overrides: dict | None = None,
     tokenizer: str | os.PathLike | None = None,
+    random_expert_codes: bool = False,
 ) -> dict:
     """Write a synthetic DeepSeek-V4 checkpoint directory (config, sharded safetensors + index, tokenizer,
     generation config). shard_bytes=None: at least 3 shards, at most 1 GiB each. `config_overrides` replace
     preset fields (e.g. more layers for a streaming-memory test; keep layer_types/mlp_layer_types consistent).
     `tokenizer`: a tokenizer.json, or a directory holding tokenizer.json (+ tokenizer_config.json), embedded
-    byte for byte instead of the tiny byte-level tokenizer (see read_tokenizer); vocab_size is raised to its
+    byte for byte instead of the tiny byte-level tokenizer (see read_tokenizer); `random_expert_codes` (release
+    layout): the routed experts' FP4 codes drawn as random bytes, each matrix under one scale (random_fp4_expert;
+    a release-sized model's 10 GB of expert floats take minutes to draw and quantize); vocab_size is raised to its
     entries rounded up to a multiple of 128 (the release tokenizer's 129,280 stays 129,280: embed, head and
     tid2eid grow to it) and bos/eos ids follow its tokenizer_config.json.
     Returns a summary: dir, preset, layout, files, bytes (all files written), params (logical, MTP included),
@@ -561,7 +584,7 @@ def synth_checkpoint(
     files = sorted([*metadata_files, *shard_names, "model.safetensors.index.json"])
     try:
         _write_checkpoint_files(out, config, shards, shard_names, layout, seed, preset, progress, total_tensor_bytes,
-                                own_tokenizer["files"] if own_tokenizer is not None else None)
+                                own_tokenizer["files"] if own_tokenizer is not None else None, random_expert_codes)
     except OSError as e:  # a full disk, a vanished folder: one line, and none of this run's files left behind
         for name in files:
             (out / name).unlink(missing_ok=True)

@@ -208,3 +208,17 @@ def test_cli_prefill_takes_the_expert_backend(containers, tmp_path):
                                           backend, "--json"])
         assert result.exit_code == 0, result.output
         assert json.loads(result.output)["expert_backend"] == backend
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cuda_grouped_prefill_matches_the_cpu(containers, policy):
+    """On the device: every storage type decoded there, torch's CUDA grouped GEMM (bf16), against the CPU's
+    float32 per-expert path, within bf16's tolerance."""
+    ids = list(range(7, 71))
+    cpu = prefill(containers[policy], ids, PrefillOptions(expert_backend="per-expert"))
+    cuda = prefill(containers[policy], ids, PrefillOptions(device="cuda", compute_dtype="bfloat16",
+                                                          expert_backend="grouped", bundle_experts=4))
+    assert cuda.stats["expert_backend"] == "grouped"
+    scale = cpu.logits.abs().max().item()
+    assert (cuda.logits - cpu.logits).abs().max().item() <= 0.05 * scale

@@ -1,0 +1,212 @@
+"""GPU prefill at the release's own dimensions, against the chip's own ceilings measured in the same run.
+
+The model: DeepSeek-V4-Flash's config (tests/data/deepseek-v4-flash.config.json) cut to --layers (default release
+layers 1, 2, 3: sliding + hash, CSA + hash, HCA), with all of its 256 routed experts at full size (4096 x 2048):
+the release layout (FP8 dense, FP4 experts), the experts' codes written straight as random bytes
+(synth_checkpoint(random_expert_codes=True): drawing 10 GB of floats is too slow), converted with --keep.
+
+For each N of --tokens, in each place the weights can be (--places):
+  disk        streamed with O_DIRECT from a cold page cache: wall; io-alone (the runtime's reader alone, the same
+              reads), compute-alone (the same prefill from a warm page cache), overlap = wall / max(both)
+  page-cache  the container warm in the page cache, read through it (what a second run of a new user sees)
+  host        the weights pinned in host RAM once per process (--io host): not built yet, reported as such
+  device      the weights on the device once per process (--device-resident): not built yet, reported as such
+each with tokens/s, effective TFLOPS (the design note's measure: tokens/s x 2 x active weights per token, the
+dense matrices and top-k experts of every layer) and the device's peak memory. In the same run, the ceilings:
+  dense bf16  torch's bf16 matmul of 8192^3 (CPU: 2048^3)
+  grouped     one layer's routed-expert GEMMs at N tokens as torch's grouped GEMM (bf16 weights on the device, the
+              pairs spread evenly over the experts): gate+up, then down
+  pinned h2d  a 1 GiB pinned host-to-device copy
+Usage: python benchmarks/gpu_prefill.py [--device cuda] [--tokens 4096,16384,65536,131072] [--places disk,page-cache]
+       [--layers 1,2,3] [--experts 256] [--workdir DIR] [--json]
+On a CPU (a dry run of the script): --device cpu --experts 8 --layers 1 --tokens 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import moepack  # noqa: F401  (before torch: moepack sets OpenMP's spin limit)
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from prefill import io_alone, warm_cache  # noqa: E402
+from release_dims import release_cut  # noqa: E402
+
+from moepack.format_spec.reader import Container  # noqa: E402
+from moepack.packer.convert import convert_checkpoint  # noqa: E402
+from moepack.packer.synth import synth_checkpoint  # noqa: E402
+from moepack.runtime.bench import drop_page_cache  # noqa: E402
+from moepack.runtime.engine import PrefillOptions, model_config, prefill  # noqa: E402
+from moepack.runtime.expert_decode import expert_weight_count  # noqa: E402
+from moepack.runtime.grouped_experts import grouped_matmul  # noqa: E402
+
+PLACES = ("disk", "page-cache", "host", "device")
+NOT_BUILT = {"host": "--io host is not built yet", "device": "--device-resident is not built yet"}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeat: int = 3) -> float:
+    """The best of `repeat` timed calls, after one untimed."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def dense_bf16_tflops(device: torch.device) -> float:
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n ** 3 / timed(lambda: a @ b, device) / 1e12
+
+
+def grouped_gemm_tflops(device: torch.device, tokens: int, top_k: int, experts: int, hidden: int, inter: int
+                        ) -> float:
+    """One layer's routed-expert GEMMs as grouped GEMMs: N x top_k pairs spread evenly over the experts."""
+    pairs = tokens * top_k
+    counts = [pairs // experts + (e < pairs % experts) for e in range(experts)]
+    x = torch.randn(pairs, hidden, device=device, dtype=torch.bfloat16)
+    gate_up = torch.randn(experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16) / hidden ** 0.5
+    down = torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16) / inter ** 0.5
+
+    def layer():
+        both = grouped_matmul(x, gate_up.transpose(1, 2), counts)
+        grouped_matmul(F.silu(both[:, :inter]) * both[:, inter:], down.transpose(1, 2), counts)
+    return 2 * pairs * 3 * hidden * inter / timed(layer, device) / 1e12
+
+
+def pinned_h2d_gbps(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    host = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    return host.numel() / timed(lambda: dev.copy_(host, non_blocking=True), device) / 1e9
+
+
+def active_weights(path: str) -> tuple[int, dict]:
+    """Matrix weights one token uses (every layer's dense matrices, top_k of its experts) and the model's shape."""
+    with Container(path) as c:
+        cfg = model_config(c)
+        dense = sum(t.numel for b in c.layers for t in b.dense.tensors
+                    if t.name.endswith(".weight") and len(t.shape) == 2)
+        per_layer = cfg.num_experts_per_tok * expert_weight_count(c.layers[0].experts[0])
+        shape = dict(layers=len(c.layers), experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
+                     hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, vocab=cfg.vocab_size,
+                     container_bytes=c.file_size)
+    return dense + len(c.layers) * per_layer, shape
+
+
+def build(workdir: str, layers: list[int], experts: int, quiet: bool) -> str:
+    container = os.path.join(workdir, f"release-{'-'.join(map(str, layers))}-{experts}e.moepack")
+    if os.path.exists(container):
+        return container
+    src = os.path.join(workdir, "src")
+    config = release_cut(layers, experts)
+    config.pop("vocab_size", None)  # the synthetic tokenizer's, so that the model converts with it
+    synth_checkpoint(src, preset="tiny", layout="release", seed=0, progress=not quiet, overwrite=True,
+                     config_overrides={k: v for k, v in config.items() if k != "quantization_config"},
+                     random_expert_codes=True)
+    convert_checkpoint(src, container, progress=not quiet)
+    return container
+
+
+def run_place(place: str, path: str, ids: torch.Tensor, base: dict, bundle: int, depth: int) -> dict:
+    if place in NOT_BUILT:
+        return {"place": place, "error": NOT_BUILT[place]}
+    row = {"place": place}
+    if place == "disk":
+        row["io_alone_s"] = round(io_alone(path, bundle, depth)[0], 3)
+        warm_cache(path)
+        row["compute_alone_s"] = prefill(path, ids, PrefillOptions(io_mode="buffered", **base)).stats["seconds"]
+        drop_page_cache(path)
+        stats = prefill(path, ids, PrefillOptions(io_mode="direct", **base)).stats
+        row["overlap"] = round(stats["seconds"] / max(row["io_alone_s"], row["compute_alone_s"]), 3)
+    else:
+        warm_cache(path)
+        stats = prefill(path, ids, PrefillOptions(io_mode="buffered", **base)).stats
+    row.update(seconds=stats["seconds"], tokens_per_s=stats["tokens_per_s"],
+               io_busy_s=stats["io_busy_s"], compute_busy_s=stats["compute_busy_s"],
+               peak_device_gib=round(stats["peak_device_bytes"] / 2**30, 2) if stats["peak_device_bytes"] else None,
+               expert_backend=stats["expert_backend"])
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tokens", default="4096,16384,65536,131072")
+    ap.add_argument("--places", default=",".join(PLACES))
+    ap.add_argument("--layers", default="1,2,3", help="release layer indexes (default 1,2,3)")
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--bundle-experts", type=int, default=16)
+    ap.add_argument("--queue-depth", type=int, default=8)
+    ap.add_argument("--expert-backend", default="auto", choices=["auto", "grouped", "per-expert"])
+    ap.add_argument("--workdir", default="/tmp/moepack-gpu-prefill")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    places = args.places.split(",")
+    unknown = set(places) - set(PLACES)
+    if unknown:
+        raise SystemExit(f"unknown places {sorted(unknown)} (choose from {', '.join(PLACES)})")
+    os.makedirs(args.workdir, exist_ok=True)
+    started = time.perf_counter()
+    path = build(args.workdir, [int(v) for v in args.layers.split(",")], args.experts, args.json)
+    build_s = time.perf_counter() - started
+    active, shape = active_weights(path)
+    ceilings = {"dense_bf16_tflops": round(dense_bf16_tflops(device), 1),
+                "pinned_h2d_gbps": (round(pinned_h2d_gbps(device), 1) if device.type == "cuda" else None)}
+    base = dict(device=str(device), compute_dtype="bfloat16", expert_selection="all", expert_backend=args.expert_backend,
+                bundle_experts=args.bundle_experts, queue_depth=args.queue_depth)
+    rows = []
+    for n in (int(t) for t in args.tokens.split(",")):
+        ids = torch.randint(3, shape["vocab"], (n,), generator=torch.Generator().manual_seed(n))
+        ideal = grouped_gemm_tflops(device, n, shape["top_k"], shape["experts"], shape["hidden"], shape["inter"])
+        for place in places:
+            try:
+                row = run_place(place, path, ids, base, args.bundle_experts, args.queue_depth)
+            except Exception as e:  # one failed cell (out of memory at 128K, say) leaves the others
+                row = {"place": place, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            if "tokens_per_s" in row:
+                row["effective_tflops"] = round(row["tokens_per_s"] * 2 * active / 1e12, 2)
+            rows.append({"tokens": n, "grouped_gemm_tflops": round(ideal, 1), **row})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "model": shape, "active_weights_per_token": active, "build_s": round(build_s, 1),
+              "ceilings": ceilings, "rows": rows}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(f"{report['device']}: {shape['layers']} release layers, {shape['experts']} experts of "
+          f"{shape['hidden']} x {shape['inter']}, container {shape['container_bytes'] / 1e9:.2f} GB, "
+          f"{active / 1e6:.0f}M active weights per token; dense bf16 {ceilings['dense_bf16_tflops']} TFLOPS, "
+          f"pinned H2D {ceilings['pinned_h2d_gbps']} GB/s")
+    head = ["N", "place", "tok/s", "eff TFLOPS", "grouped GEMM TFLOPS", "io-alone s", "compute-alone s", "wall s",
+            "overlap", "device peak GiB", "error"]
+    print(" | ".join(head))
+    for r in rows:
+        print(" | ".join(str(r.get(k, "")) for k in ("tokens", "place", "tokens_per_s", "effective_tflops",
+                                                      "grouped_gemm_tflops", "io_alone_s", "compute_alone_s",
+                                                      "seconds", "overlap", "peak_device_gib", "error")))
+
+
+if __name__ == "__main__":
+    main()
