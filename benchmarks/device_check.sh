@@ -11,7 +11,7 @@
 #             (T_ssd = io-alone, T_compute = compute-alone, wall = streamed)
 #   profile   torch's profiler over one GPU generation, its experts cached on the device
 #   gpu_prefill  benchmarks/gpu_prefill.py: three release layers with all 256 experts at full size, N = GPU_TOKENS,
-#             in each place the weights can be (disk, page cache), beside the chip's dense bf16, grouped-GEMM and
+#             in each place the weights can be (disk, page cache, host RAM, device), beside the chip's dense bf16, grouped-GEMM and
 #             pinned-H2D ceilings measured in the same run
 #
 # The device's image has torch (a CUDA build) but an older transformers and no zstandard or gguf (the GGUF export
@@ -79,7 +79,7 @@ if wants tests; then
     step "tests"
     timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_prefill.py tests/test_quants.py \
         tests/test_bench.py tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py \
-        tests/test_grouped_experts.py -k cuda 2>&1 \
+        tests/test_grouped_experts.py tests/test_resident.py -k cuda 2>&1 \
         | tee "$OUT/tests.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
 fi
@@ -136,7 +136,7 @@ fi
 if wants gpu_prefill; then
     step "gpu prefill at the release's dimensions"
     timeout "$(upto 300)" python3 benchmarks/gpu_prefill.py --device "$DEVICE" --tokens "$GPU_TOKENS" \
-        --places disk,page-cache --workdir /tmp/moepack-gpu-prefill 2> "$OUT/gpu_prefill_stderr.txt" \
+        --workdir /tmp/moepack-gpu-prefill 2> "$OUT/gpu_prefill_stderr.txt" \
         | tee "$OUT/gpu_prefill.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_prefill"
 fi

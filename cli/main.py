@@ -283,8 +283,12 @@ def _print_verify(r: dict) -> None:
               help="Experts per read (default: the best setting `moepack bench io` measured, else 4).")
 @click.option("--queue-depth", type=click.IntRange(1, MAX_QUEUE_DEPTH), default=None,
               help="Reads in flight (default: as measured by `moepack bench io`, else 4).")
-@click.option("--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap"]), default="auto",
-              show_default=True, help="auto: page-cache streaming when the container fits in free RAM, else O_DIRECT.")
+@click.option("--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap", "host"]), default="auto",
+              show_default=True, help="auto: page-cache streaming when the container fits in free RAM, else O_DIRECT; "
+                                      "host: the weights held in host RAM (pinned for a GPU) for this process.")
+@click.option("--device-resident", is_flag=True,
+              help="Hold the weights in the compute device's memory (checked once as they load): the prefill is "
+                   "pure compute. Refused in one line where they do not fit.")
 @click.option("--experts", "expert_selection", type=click.Choice(["auto", "all", "routed"]), default="auto",
               show_default=True, help="Read every expert of a layer, only the routed ones, or choose per layer.")
 @click.option("--query-chunk", type=click.IntRange(min=1), default=512, show_default=True,
@@ -327,9 +331,9 @@ def _print_verify(r: dict) -> None:
 @json_option
 @reports_errors(out_of_memory_hint=PREFILL_MEMORY_HINT)
 def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_from, kv_dtype, kv_no_fsync,
-            logits_out, bundle_experts, queue_depth,
-            io_mode, expert_selection, query_chunk, compute_dtype, expert_dtype, expert_backend, order, chunk_tokens, expert_parallel,
-            expert_ownership, container_per_rank, dist_timeout, no_verify_reads, threads, force, as_json):
+            logits_out, bundle_experts, queue_depth, io_mode, device_resident, expert_selection, query_chunk,
+            compute_dtype, expert_dtype, expert_backend, order, chunk_tokens, expert_parallel, expert_ownership,
+            container_per_rank, dist_timeout, no_verify_reads, threads, force, as_json):
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import PrefillOptions, prefill as run_prefill
@@ -373,6 +377,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
                              io_mode=io_mode, query_chunk=query_chunk, expert_selection=expert_selection,
                              verify_reads=not no_verify_reads, compute_dtype=compute_dtype,
                              expert_dtype=expert_dtype, expert_backend=expert_backend,
+                             device_resident=device_resident, load_progress=not as_json,
                              expert_ownership=expert_ownership)
     with layer_progress(not as_json) as on_layer:
         result = run_prefill(pattern, ids, replace(options, on_layer=on_layer), kv_out=kv_out,

@@ -27,6 +27,8 @@ class DeviceCopier:
     @staticmethod
     def host_bytes(buffer, view: memoryview) -> torch.Tensor:
         """The bytes a read delivered (`view`: in `buffer`, or in place in the page cache) as a host uint8 tensor."""
+        if getattr(buffer, "resident", False):  # held once per process (runtime/resident.py): used where they are
+            return buffer.tensor.cpu()
         if view.readonly:  # a zero-copy read: the mapped page cache itself, never written to
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # torch warns that the memory is read-only
@@ -37,8 +39,12 @@ class DeviceCopier:
         """The bytes a read delivered as a uint8 tensor on the compute device. `pooled`: `buffer` goes back to a
         read pool through `release` (else it is torch's own pinned memory, which torch's host allocator does not
         reuse before the copies out of it are done)."""
+        if getattr(buffer, "resident", False):
+            if buffer.tensor.device == self.device or self.stream is None:
+                return buffer.tensor  # on the device already (or a CPU prefill)
+            pooled = False  # pinned memory that is never written again: no event to wait for before reuse
         host = self.host_bytes(buffer, view)
-        if view.readonly or self.stream is None:
+        if self.stream is None or (view is not None and view.readonly):
             return host
         compute_stream = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):

@@ -52,6 +52,7 @@ from .limits import MAX_BUNDLE_EXPERTS
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
 from .grouped_experts import GroupedExperts, resolve_expert_backend
 from .io import HostBuffer, available_memory_bytes, cpu_steal_seconds, keep_freed_memory, release_freed_memory
+from .resident import resident_bytes
 from .read_scheduler import (EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, global_regions,
                              tokens_per_expert)
 
@@ -86,6 +87,11 @@ class PrefillOptions:
     # and run as grouped GEMMs), "per-expert" (expert_runner.py: one at a time on CPU threads), or "auto" (grouped
     # on a GPU, per-expert on a CPU).
     expert_backend: str = "auto"
+    # The weights held in the compute device's memory once per process (runtime/resident.py): no read, no copy.
+    # io_mode="host" holds them in host RAM instead (pinned for a GPU).
+    device_resident: bool = False
+    # a progress bar while the weights are first loaded into memory (device_resident / io_mode "host")
+    load_progress: bool = False
     # Called as each layer ends: on_layer(layer, number of layers, bytes the layer read) (a progress bar).
     on_layer: Callable[[int, int, int], None] | None = field(default=None, repr=False, compare=False)
 
@@ -235,11 +241,17 @@ class StreamingPrefill:
         self.resident_dense = resident_dense
         self.dist = dist  # runtime.distributed.DistContext for expert-parallel runs, else None
         self.compute = BusyTimer()
+        self.resident, self.resident_load_s = None, 0.0
+        if options.device_resident or options.io_mode == "host":
+            self.resident, loaded = resident_bytes(container, "device" if options.device_resident else "host",
+                                                   self.device, options.verify_reads, options.load_progress)
+            self.resident_load_s = self.resident.load_seconds if loaded else 0.0
         self.reads = ReadScheduler(container, self.cfg, bundle_experts=options.bundle_experts,
                                    queue_depth=options.queue_depth, io_mode=options.io_mode,
                                    expert_selection=options.expert_selection, verify_reads=options.verify_reads,
                                    device=self.device, dist=dist,
-                                   balanced=dist is not None and options.expert_ownership == "balanced")
+                                   balanced=dist is not None and options.expert_ownership == "balanced",
+                                   resident=self.resident)
         self.copier = DeviceCopier(self.device)
         self.expert_backend = resolve_expert_backend(options.expert_backend, self.device)
         if self.expert_backend == "grouped":
@@ -460,7 +472,9 @@ class StreamingPrefill:
             "bytes_read": io.bytes_read,
             "bytes_read_per_part": list(io.bytes_by_part),  # [main file, part 1, ...]
             "read_requests": io.requests,
-            "io_mode": reader.mode,
+            "io_mode": reader.mode if self.resident is None else f"resident in {self.resident.place} memory",
+            # the first prefill of a process over resident weights loads them (here, before the prefill's clock)
+            "resident_load_s": round(self.resident_load_s, 3),
             "io_busy_s": round(io.busy_seconds, 4),
             "compute_busy_s": round(self.compute.seconds, 4),
             "overlap": round(wall / busiest, 3),

@@ -33,7 +33,9 @@ from moepack.format_spec.layout import ALIGNMENT
 
 from .limits import MAX_QUEUE_DEPTH
 
-IO_MODES = ("auto", "direct", "buffered", "mmap")
+# "host": the prefill's weights held in host RAM once per process (runtime/resident.py); what a reader still reads
+# itself (decode's missed experts) goes through the page cache
+IO_MODES = ("auto", "direct", "buffered", "mmap", "host")
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages)
 # madvise: fault a range's pages in (Linux 5.14+; Python's mmap module has no name for it before 3.13)
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -204,6 +206,8 @@ def choose_io_mode(mode: str, file_size: int) -> str:
     (available_memory_bytes: RAM, its cgroup's limit, its address-space limit), O_DIRECT otherwise."""
     if mode not in IO_MODES:
         raise MoepackError(f"unknown io mode {mode!r} (choose from {', '.join(IO_MODES)})")
+    if mode == "host":
+        return "buffered"
     if mode != "auto":
         return mode
     return "mmap" if file_size < 0.7 * available_memory_bytes() else "direct"

@@ -30,6 +30,7 @@ from moepack.format_spec.reader import Block, Container, ReadSpan, Region
 
 from .distributed import balanced_ranges
 from .io import HostBuffer, ReadPipeline, RegionReader, available_memory_bytes
+from .resident import ResidentBytes, ResidentPipe
 
 EXPERT_SELECTIONS = ("auto", "all", "routed")
 EXPERT_OWNERSHIPS = ("contiguous", "balanced")
@@ -162,7 +163,9 @@ class ReadScheduler:
 
     def __init__(self, container: Container, cfg, *, bundle_experts: int, queue_depth: int, io_mode: str,
                  expert_selection: str, verify_reads: bool, device: torch.device, dist=None,
-                 balanced: bool = False):
+                 balanced: bool = False, resident: ResidentBytes | None = None):
+        """`resident`: the container's bytes held in memory (runtime/resident.py, checked as they were loaded):
+        every read is a slice of them, nothing is read from the disk or checked again."""
         if expert_selection not in EXPERT_SELECTIONS:
             raise MoepackError(f"unknown expert selection {expert_selection!r}")
         if bundle_experts < 1:
@@ -174,7 +177,8 @@ class ReadScheduler:
         self._ownership: dict[int, range] = {}  # layer -> this rank's experts, where balanced by load
         pinned = device.type == "cuda"
         # a GPU prefill leaves the reader threads' cores idle: they check as the bytes arrive
-        self.checker = RegionChecker(container, verify_reads, on_read=device.type == "cuda")
+        self.checker = RegionChecker(container, verify_reads and resident is None, on_read=device.type == "cuda")
+        self.resident = resident
         # one descriptor per part file; on a CPU, page-cache reads are used in place (no copy into the pool)
         self.reader = RegionReader(container.part_paths, io_mode, zero_copy=device.type == "cpu")
         self._pinned_globals = pinned
@@ -188,8 +192,11 @@ class ReadScheduler:
                             default=0)
         pool = read_pool_buffers(section_reads, buffer_bytes, queue_depth, available_memory_bytes(), pinned,
                                  dist.world_size if dist is not None else 1)
-        self.experts_pipe = ReadPipeline(self.reader, buffer_bytes, queue_depth, pinned, buffers=pool)
-        self.dense_pipe = ReadPipeline(self.reader, max_dense, 2, pinned)  # current + the next layer's prefetch
+        if resident is not None:
+            self.experts_pipe, self.dense_pipe = ResidentPipe(resident, buffer_bytes), ResidentPipe(resident, max_dense)
+        else:
+            self.experts_pipe = ReadPipeline(self.reader, buffer_bytes, queue_depth, pinned, buffers=pool)
+            self.dense_pipe = ReadPipeline(self.reader, max_dense, 2, pinned)  # current + the next layer's prefetch
         self._globals_pool: ThreadPoolExecutor | None = None  # reads the LM head during the last layer
         self._queued: dict[int, list] = {}
         self._ahead = 0  # the first layer whose reads are not queued yet
@@ -294,6 +301,10 @@ class ReadScheduler:
         for r in global_regions(self.c, names):
             if r.index in have:
                 continue
+            if self.resident is not None:
+                piece = self.resident.slice(r.part, r.offset, r.length)
+                fetched.append((r, piece, piece.view))
+                continue
             buf = HostBuffer(r.length, pinned=for_device and self._pinned_globals)
             view = self.reader.read_into(buf, r.offset, r.length, r.part)
             if self.checker.on_read:
@@ -324,6 +335,8 @@ class ReadScheduler:
 
     def pool_buffers_in_memory(self, device: torch.device) -> int:
         """How many of the expert pool's buffers hold bytes in host memory at once."""
+        if self.resident is not None:
+            return 0  # no pool: the resident bytes are already in memory (and counted there)
         if device.type == "cuda":
             return self.queue_depth  # pinned host memory; the device holds the reads in flight
         if self.reader.zero_copy and self.reader.mode == "mmap":

@@ -1,0 +1,180 @@
+"""A container's bytes held once per process, for prefills that should not read the disk again: in host RAM
+(`--io host`: pinned where a CUDA device takes them, so every layer goes to the device by DMA with no copy out of
+the page cache) or in the compute device's memory (`--device-resident`: the prefill is pure compute).
+
+Loading reads every region once (in file order) and checks its xxh3 as it goes; from then on the bytes are this
+process's own memory, never written, so the prefills that use them check nothing again. A server (or a
+Generator) that prefills many prompts pays the load once: `resident_bytes` keeps one copy per container file and
+place for the life of the process (`release_resident` drops them).
+
+The read scheduler swaps its read pipes for `ResidentPipe`s: a read is then a slice of these bytes (a
+`ResidentSlice`, in place of a pool buffer), handed out at once. The device copier copies a host slice to the device
+on its copy stream and uses a device slice as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import xxhash
+from tqdm import tqdm
+
+from moepack.format_spec.errors import FormatError, MoepackError, error_reason
+from moepack.format_spec.reader import Container, Region
+
+from .io import available_memory_bytes
+
+PLACES = ("host", "device")
+# what may be held at most: the rest of the memory is the prefill's working set (it is checked after the load)
+MEMORY_FRACTION = 0.9
+_STAGING_BYTES = 64 << 20  # the device load's pinned staging buffer, reused region to region
+
+
+@dataclass
+class ResidentSlice:
+    """A read served from resident bytes: `tensor` the bytes (host or device), `view` the host bytes (None on
+    the device). Never goes back to a pool."""
+
+    tensor: torch.Tensor
+    view: memoryview | None
+    resident = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+
+class ResidentBytes:
+    """Every region of `container`'s files, loaded once into `place` (host RAM, pinned for a CUDA `device`; or the
+    device's memory)."""
+
+    def __init__(self, container: Container, place: str, device: torch.device, verify: bool = True,
+                 progress: bool = False):
+        if place not in PLACES:
+            raise MoepackError(f"unknown resident place {place!r} (choose from {', '.join(PLACES)})")
+        self.place, self.device = place, device
+        self.path = container.path
+        sizes = [os.path.getsize(p) for p in container.part_paths]
+        self.nbytes = sum(sizes)
+        on_device = place == "device" and device.type == "cuda"
+        pinned = device.type == "cuda" and not on_device
+        _check_room(self.nbytes, place, device, container.path)
+        started = time.perf_counter()
+        try:
+            self.parts = [torch.empty(size, dtype=torch.uint8, device=device if on_device else "cpu",
+                                      pin_memory=pinned) for size in sizes]
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            where = "device" if on_device else ("page-locked host" if pinned else "host")
+            raise MoepackError(f"cannot hold {container.path}'s {self.nbytes / 2**30:.1f} GiB in {where} memory "
+                               f"({error_reason(e)[:160]}): use --io direct") from None
+        self._host_views = None if on_device else [memoryview(p.numpy()) for p in self.parts]
+        regions = sorted((r for r in container.regions), key=lambda r: (r.part, r.offset))
+        self._load(container, regions, verify, on_device, progress)
+        self.load_seconds = time.perf_counter() - started
+
+    def _load(self, container: Container, regions: list[Region], verify: bool, on_device: bool,
+              progress: bool) -> None:
+        staging = None
+        fds = [os.open(p, os.O_RDONLY) for p in container.part_paths]
+        try:
+            with tqdm(total=sum(r.length for r in regions), unit="B", unit_scale=True, disable=not progress,
+                      desc=f"holding the weights in {self.place} memory", leave=False) as bar:
+                for r in regions:
+                    if on_device:
+                        if staging is None or staging.numel() < r.length:
+                            staging = torch.empty(max(r.length, _STAGING_BYTES), dtype=torch.uint8, pin_memory=True)
+                        view = memoryview(staging.numpy())[:r.length]
+                    else:
+                        view = self._host_views[r.part][r.offset:r.end]
+                    _pread_exactly(fds[r.part], view, r.offset, container.part_paths[r.part])
+                    if verify and xxhash.xxh3_64_hexdigest(view) != r.xxh3:
+                        raise FormatError(f"region {container.describe(r)}: checksum mismatch while loading: the "
+                                          f"container is damaged (run `moepack verify`)")
+                    if on_device:  # synchronous: the staging buffer is reused by the next region
+                        self.parts[r.part][r.offset:r.end].copy_(staging[:r.length])
+                    bar.update(r.length)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def slice(self, part: int, offset: int, length: int) -> ResidentSlice:
+        tensor = self.parts[part][offset:offset + length]
+        view = self._host_views[part][offset:offset + length] if self._host_views is not None else None
+        return ResidentSlice(tensor, view)
+
+
+def _pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise MoepackError(f"{path}: read failed at {offset + done}: {e.strerror}") from None
+        if n == 0:
+            raise MoepackError(f"{path}: unexpected end of file at {offset + done} (truncated?)")
+        done += n
+
+
+def _check_room(nbytes: int, place: str, device: torch.device, path: str) -> None:
+    """Refuse in one line, before allocating, where the memory is not there."""
+    if place == "device" and device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        flag, where = "--device-resident", f"free memory on {device}"
+    else:
+        free = available_memory_bytes()
+        flag, where = ("--io host" if place == "host" else "--device-resident"), "available host memory"
+    if free and nbytes > MEMORY_FRACTION * free:
+        raise MoepackError(f"{flag}: {path} is {nbytes / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of {where} "
+                           f"is there (at most {MEMORY_FRACTION:.0%} of it is used): use --io direct")
+
+
+_HELD: dict[tuple, ResidentBytes] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def resident_bytes(container: Container, place: str, device: torch.device, verify: bool = True,
+                   progress: bool = False) -> tuple[ResidentBytes, bool]:
+    """The container's bytes in `place`, loaded on first use in this process; (bytes, whether this call loaded
+    them). A file changed since (its size or modification time) is loaded again."""
+    stats = [os.stat(p) for p in container.part_paths]
+    key = (os.path.realpath(container.path), tuple((s.st_size, s.st_mtime_ns, s.st_ino) for s in stats), place,
+           str(device))
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is not None:
+            return held, False
+        for old in [k for k in _HELD if k[0] == key[0] and k[2:] == key[2:]]:
+            del _HELD[old]  # an earlier version of the same file
+        held = _HELD[key] = ResidentBytes(container, place, device, verify, progress)
+        return held, True
+
+
+def release_resident() -> None:
+    """Drop every container held (their memory goes back once no prefill uses it)."""
+    with _HELD_LOCK:
+        _HELD.clear()
+
+
+class ResidentPipe:
+    """The read pipe's interface (runtime/io.py ReadPipeline) over resident bytes: each read is done at once."""
+
+    def __init__(self, held: ResidentBytes, buffer_bytes: int):
+        self.held = held
+        self.buffer_bytes, self.buffers = buffer_bytes, 0  # no pool: nothing is copied into a buffer
+
+    def submit(self, offset: int, length: int, after=None, part: int = 0) -> Future:
+        future: Future = Future()
+        piece = self.held.slice(part, offset, length)
+        future.set_result((piece, piece.view))
+        return future
+
+    def release(self, buffer) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

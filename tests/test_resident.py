@@ -1,0 +1,100 @@
+"""The weights held once per process (runtime/resident.py): `--io host` and `--device-resident` give the streamed
+prefill's logits bit for bit, read nothing from the disk after the first load, check every region as they load,
+and refuse in one line where the memory is not there. On a CPU both places are host memory."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from moepack.cli.main import cli
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.reader import Container
+from moepack.packer.convert import convert_checkpoint
+from moepack.packer.synth import synth_checkpoint
+from moepack.runtime import resident
+from moepack.runtime.engine import PrefillOptions, prefill
+
+IDS = list(range(3, 60))
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    base = tmp_path_factory.mktemp("resident")
+    synth_checkpoint(str(base / "src"), preset="tiny", progress=False)
+    path = str(base / "model.moepack")
+    convert_checkpoint(str(base / "src"), path, policy="fp4", progress=False)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def nothing_held():
+    resident.release_resident()
+    yield
+    resident.release_resident()
+
+
+@pytest.mark.parametrize("where", [dict(io_mode="host"), dict(device_resident=True)])
+def test_resident_prefills_equal_the_streamed_one_and_load_once(container, where):
+    streamed = prefill(container, IDS, PrefillOptions(io_mode="direct"))
+    first = prefill(container, IDS, PrefillOptions(**where))
+    again = prefill(container, IDS[:20], PrefillOptions(**where))
+    assert torch.equal(first.logits, streamed.logits) and first.next_token == streamed.next_token
+    assert first.stats["bytes_read"] == 0 and again.stats["bytes_read"] == 0
+    assert first.stats["resident_load_s"] > 0 and again.stats["resident_load_s"] == 0  # held for the process
+    assert first.stats["io_mode"].startswith("resident in")
+    assert torch.equal(again.logits, prefill(container, IDS[:20], PrefillOptions(io_mode="direct")).logits)
+
+
+def test_a_changed_file_is_loaded_again(container, tmp_path):
+    copy = tmp_path / "copy.moepack"
+    copy.write_bytes(open(container, "rb").read())
+    prefill(str(copy), IDS, PrefillOptions(io_mode="host"))
+    os.utime(copy, ns=(1, 1))
+    assert prefill(str(copy), IDS, PrefillOptions(io_mode="host")).stats["resident_load_s"] > 0
+
+
+def test_a_damaged_region_is_refused_as_it_loads(container, tmp_path):
+    damaged = tmp_path / "damaged.moepack"
+    data = bytearray(open(container, "rb").read())
+    with Container(container) as c:
+        region = c.layers[1].experts[1]
+    data[region.offset + 3] ^= 0x40
+    damaged.write_bytes(data)
+    with pytest.raises(MoepackError, match="checksum mismatch while loading"):
+        prefill(str(damaged), IDS, PrefillOptions(io_mode="host"))
+    # unchecked where the user turned checks off, as streamed reads are
+    prefill(str(damaged), IDS, PrefillOptions(io_mode="host", verify_reads=False))
+
+
+def test_no_room_is_one_line(container, monkeypatch):
+    monkeypatch.setattr(resident, "available_memory_bytes", lambda: 1 << 20)
+    with pytest.raises(MoepackError, match=r"--io host: .* but only 0\.0 GiB of available host memory .* "
+                                           r"use --io direct"):
+        prefill(container, IDS, PrefillOptions(io_mode="host"))
+    with pytest.raises(MoepackError, match="--device-resident: "):
+        prefill(container, IDS, PrefillOptions(device_resident=True))
+
+
+@pytest.mark.parametrize("flags", [["--io", "host"], ["--device-resident"]])
+def test_cli_prefill_holds_the_weights(container, tmp_path, flags):
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(map(str, IDS)))
+    r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), *flags, "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["bytes_read"] == 0 and out["io_mode"].startswith("resident in")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("where", [dict(io_mode="host"), dict(device_resident=True)])
+def test_cuda_resident_prefill_equals_the_streamed_one(container, where):
+    options = dict(device="cuda", compute_dtype="bfloat16")
+    streamed = prefill(container, IDS, PrefillOptions(io_mode="direct", **options))
+    held = prefill(container, IDS, PrefillOptions(**where, **options))
+    assert torch.equal(held.logits, streamed.logits)
+    assert held.stats["bytes_read"] == 0
