@@ -11,8 +11,8 @@
 #             (T_ssd = io-alone, T_compute = compute-alone, wall = streamed)
 #   profile   torch's profiler over one GPU generation, its experts cached on the device
 #   gpu_prefill  benchmarks/gpu_prefill.py: three release layers with all 256 experts at full size, N = GPU_TOKENS,
-#             in each place the weights can be (disk, page cache, host RAM, device), beside the chip's dense bf16, grouped-GEMM and
-#             pinned-H2D ceilings measured in the same run
+#             in each place the weights can be (disk, page cache, host RAM, device), beside the chip's dense bf16,
+#             grouped-GEMM and pinned-H2D ceilings measured in the same run
 #
 # The device's image has torch (a CUDA build) but an older transformers and no zstandard or gguf (the GGUF export
 # `capped` needs), and nothing can be downloaded there. Once, here, in the repository's root:

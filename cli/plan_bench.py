@@ -144,13 +144,16 @@ def _print_memory(r: dict) -> None:
 @click.option("--intermediate", type=click.IntRange(min=32), help="Expert intermediate size (default 2048).")
 @click.option("--expert-dtype", type=Dtype(("float32", "bfloat16")), default="float32", show_default=True,
               help="Compute dtype, as prefill's --expert-dtype.")
-@click.option("--experts", type=click.IntRange(min=1), default=2, show_default=True, help="Distinct experts per run.")
+@click.option("--experts", type=click.IntRange(min=1), default=None,
+              help="Distinct experts per run (default 2; 16 for the grouped backend, decoded and run together).")
+@click.option("--expert-backend", type=click.Choice(["auto", "grouped", "per-expert"]), default="auto",
+              show_default=True, help="As prefill's: auto is grouped on a GPU, per-expert on a CPU.")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Best of this many runs.")
 @click.option("--no-save", is_flag=True, help="Do not record the result in the bench cache.")
 @json_option
 @reports_errors
-def bench_compute_cmd(device, tokens, file, storage, hidden, intermediate, expert_dtype, experts, repeat, no_save,
-                      as_json):
+def bench_compute_cmd(device, tokens, file, storage, hidden, intermediate, expert_dtype, experts, expert_backend,
+                      repeat, no_save, as_json):
     """Effective FLOP/s of the runtime's routed-expert path (decode of the stored bytes + clamped SwiGLU) at several
     tokens per expert: the F of `moepack plan`, measured. With --expert-dtype bfloat16 on a CPU with the fused FP4
     kernel, also up to how many tokens per expert that kernel beats decode + GEMM: `prefill` uses it."""
@@ -163,13 +166,14 @@ def bench_compute_cmd(device, tokens, file, storage, hidden, intermediate, exper
     if hidden is not None and hidden % 256 or intermediate is not None and intermediate % 256:
         raise MoepackError("--hidden and --intermediate must be multiples of 256 (the storage types' blocks)")
     result = bench_compute(device, _int_list(tokens, "--tokens"), file, storage, hidden, intermediate, expert_dtype,
-                           experts, repeat, save=not no_save)
+                           experts, repeat, save=not no_save, expert_backend=expert_backend)
     emit(as_json, result, _print_compute)
 
 
 def _print_compute(r: dict) -> None:
     _busy(r)
-    click.echo(f"{r['device']} ({r['device_name']}, {r['threads']} threads): {r['storage']} experts "
+    click.echo(f"{r['device']} ({r['device_name']}, {r['threads']} threads, {r['expert_backend']} backend): "
+               f"{r['storage']} experts "
                f"{r['hidden']}x{r['intermediate']} from {r['source']}, computed in {r['expert_dtype']}; decode "
                f"{r['decode_seconds_per_expert'] * 1e3:.2f} ms per expert")
     click.echo(f"{'tokens/expert':>14} {'GFLOP/s':>10} {'matmul only':>12} {'ms/expert':>10}")

@@ -502,11 +502,16 @@ def _decode_expert(tensors: dict, dtype: torch.dtype, decoder, tokens: int | Non
 
 def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None = None, storage: str = "FP4_E2M1",
                   hidden: int | None = None, intermediate: int | None = None, expert_dtype: str = "float32",
-                  experts: int = 2, repeat: int = 2, save: bool = True, on_point=None) -> dict:
-    """Effective FLOP/s of the engine's per-expert work (decode the stored bytes, then the clamped SwiGLU:
-    6 x tokens x hidden x intermediate FLOPs) at several tokens per expert. The weights are a container's own
-    experts (`file`) or random ones stored as `storage`, V4-Flash-sized unless `hidden`/`intermediate` say
-    otherwise. Reports per point: effective GFLOP/s (decode included), matmul-only GFLOP/s and the decode time."""
+                  experts: int | None = None, repeat: int = 2, save: bool = True, on_point=None,
+                  expert_backend: str = "auto") -> dict:
+    """Effective FLOP/s of the engine's expert work (decode the stored bytes, then the clamped SwiGLU:
+    6 x tokens x hidden x intermediate FLOPs) at several tokens per expert, by the expert backend prefill would use
+    on this device (grouped_experts.py: per-expert on a CPU; grouped on a GPU, `experts` of them decoded together
+    and run as grouped GEMMs, as a read's bundle is). The weights are a container's own experts (`file`) or random
+    ones stored as `storage`, V4-Flash-sized unless `hidden`/`intermediate` say otherwise. Reports per point:
+    effective GFLOP/s (decode included), matmul-only GFLOP/s and the decode time."""
+    from moepack.runtime.grouped_experts import resolve_expert_backend
+
     from moepack.runtime.expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
     from moepack.v4.config import ModelConfig
 
@@ -516,6 +521,8 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     if expert_dtype not in EXPERT_DTYPES:
         raise MoepackError(f"unknown expert dtype {expert_dtype!r} (choose from {', '.join(EXPERT_DTYPES)})")
     tokens = sorted({int(t) for t in tokens})
+    backend = resolve_expert_backend(expert_backend, dev)
+    experts = experts or (16 if backend == "grouped" else 2)
     if not tokens or tokens[0] < 1 or experts < 1 or repeat < 1:
         raise MoepackError("tokens per expert, --experts and --repeat must be at least 1")
     dtype = EXPERT_DTYPES[expert_dtype]
@@ -541,7 +548,9 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     decoded = [own(_decode_expert(e, dtype, decoder)) for e in on_device]  # also warms the decode path up
     g = torch.Generator().manual_seed(0)
     points = []
-    for t in tokens:
+    if backend == "grouped":
+        points = _grouped_points(on_device, tokens, cfg, dtype, dev, repeat, on_point)
+    for t in tokens if backend != "grouped" else ():
         x = (torch.randn(t, H, generator=g) * 0.5).to(dev, dtype)
         decoded[0].apply(cfg, x)  # warm-up at this shape
 
@@ -569,7 +578,7 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
         "machine": machine_id(), "measured_at": _now(), **load, "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model(),
         "threads": torch.get_num_threads(), "source": source, "storage": storage, "hidden": H, "intermediate": I,
-        "expert_dtype": expert_dtype, "experts": len(on_device), "repeat": repeat,
+        "expert_dtype": expert_dtype, "experts": len(on_device), "repeat": repeat, "expert_backend": backend,
         "decode_seconds_per_expert": t_dec, "points": points, **({"fused": fused} if fused else {}),
         **({"compute_dtype": dtype_choice} if dtype_choice else {}),
     }
@@ -578,6 +587,50 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
         if dtype_choice:  # --compute-dtype auto's choice for this CPU model
             store("compute_dtype", dtype_choice["device_name"], dtype_choice)
     return result
+
+
+def _grouped_points(on_device: list, tokens: list[int], cfg, dtype: torch.dtype, dev: torch.device, repeat: int,
+                    on_point=None) -> list[dict]:
+    """bench_compute's points for the grouped backend: every expert of `on_device` decoded together
+    (decode_stacked) and run on `t` tokens each as grouped GEMMs, the engine's bundle work."""
+    from functools import partial
+
+    from moepack.format_spec.decode import decode_stacked
+    from moepack.runtime import model
+    from moepack.runtime.grouped_experts import ExpertNaming, grouped_matmul
+
+    regions = [_expert_region(e) for e in on_device]
+    raw_of = {id(t): raw for region, raw, _ in regions for t in region.tensors}
+    naming = ExpertNaming(lambda block, e: "", "w1.weight", "w3.weight", "w2.weight")
+    activation = partial(model.clamped_swiglu, limit=cfg.swiglu_limit)
+    H, inner = cfg.hidden_size, cfg.moe_intermediate_size
+
+    def decode():
+        w = decode_stacked([("", region.tensors) for region, _, _ in regions],
+                           lambda t: raw_of[id(t)][t.file_offset: t.file_offset + t.length],
+                           (naming.gate, naming.up, naming.down), dtype)
+        return torch.cat([w[naming.gate], w[naming.up]], dim=1), w[naming.down]
+
+    def run(x, counts, gate_up, down):
+        both = grouped_matmul(x, gate_up.transpose(1, 2), counts)
+        return grouped_matmul(activation(both[:, :inner], both[:, inner:]), down.transpose(1, 2), counts)
+
+    decoded = decode()
+    g = torch.Generator().manual_seed(0)
+    points = []
+    for t in tokens:
+        counts = [t] * len(regions)
+        x = (torch.randn(t * len(regions), H, generator=g) * 0.5).to(dev, dtype)
+        run(x, counts, *decoded)  # warm-up at this shape
+        t_full = _best_seconds(lambda: run(x, counts, *decode()), repeat, dev) / len(regions)
+        t_mm = _best_seconds(lambda: run(x, counts, *decoded), repeat, dev) / len(regions)
+        flops = 6 * t * H * inner
+        point = {"tokens_per_expert": t, "seconds_per_expert": t_full, "gflops": flops / t_full / 1e9,
+                 "matmul_gflops": flops / t_mm / 1e9, "decode_seconds_per_expert": max(t_full - t_mm, 0.0)}
+        points.append(point)
+        if on_point:
+            on_point(point)
+    return points
 
 
 def _fused_crossover(on_device: list, cfg, dtype: torch.dtype, dev: torch.device, repeat: int) -> dict | None:

@@ -222,3 +222,16 @@ def test_cuda_grouped_prefill_matches_the_cpu(containers, policy):
     assert cuda.stats["expert_backend"] == "grouped"
     scale = cpu.logits.abs().max().item()
     assert (cuda.logits - cpu.logits).abs().max().item() <= 0.05 * scale
+
+
+@pytest.mark.parametrize("storage", ["FP4_E2M1", "NVFP4", "Q8_0"])
+def test_bench_compute_measures_the_grouped_backend(storage):
+    from moepack.runtime.bench import bench_compute
+
+    r = bench_compute("cpu", [4, 16], storage=storage, hidden=256, intermediate=256, expert_dtype="bfloat16",
+                      experts=3, repeat=1, save=False, expert_backend="grouped")
+    assert r["expert_backend"] == "grouped" and r["experts"] == 3
+    assert [p["tokens_per_expert"] for p in r["points"]] == [4, 16]
+    assert all(p["gflops"] > 0 and p["matmul_gflops"] >= p["gflops"] * 0.5 for p in r["points"])
+    assert bench_compute("cpu", [4], storage=storage, hidden=256, intermediate=256, repeat=1,
+                         save=False)["expert_backend"] == "per-expert"  # auto on a CPU
