@@ -352,6 +352,16 @@ def compress(kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, rate: i
 # chunk much larger than the window spends most of its work on masked keys), at least MIN_QUERY_CHUNK
 SLIDING_CHUNK_WINDOWS = 2
 MIN_QUERY_CHUNK = 128
+# On a GPU a chunk is a few dozen kernel launches whatever its size: larger chunks, fewer launches (the masked
+# sliding keys cost the tensor cores less than the launches cost the host)
+GPU_QUERY_CHUNK = 1024
+
+
+def preferred_query_chunk(cfg: ModelConfig, device: torch.device) -> int:
+    """Queries per attention chunk this device runs best (a smaller `query_chunk` bounds it further)."""
+    if device.type == "cuda":
+        return GPU_QUERY_CHUNK
+    return max(SLIDING_CHUNK_WINDOWS * cfg.sliding_window, MIN_QUERY_CHUNK)
 
 
 def layer_weights(weights: Mapping[str, Tensor], layer: int) -> dict[str, Tensor]:
@@ -427,8 +437,8 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
     out = x.new_empty(n_tokens, cfg.hidden_size)
     low = w["attn.wq_b.weight"].dtype  # the attention products' dtype (bfloat16 on the low-precision path)
     compressed_low = compressed.to(low) if compressed is not None else None
-    # chunks of a few sliding windows, or the fewer queries `query_chunk` (a memory bound) asks for
-    chunk = min(query_chunk or n_tokens, max(SLIDING_CHUNK_WINDOWS * cfg.sliding_window, MIN_QUERY_CHUNK))
+    # the device's chunk (a few sliding windows on a CPU), or the fewer queries `query_chunk` (a memory bound) asks
+    chunk = min(query_chunk or n_tokens, preferred_query_chunk(cfg, x.device))
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
         q_pos, q_rotation = positions[start:end], rotation[start:end]

@@ -235,3 +235,27 @@ def test_bench_compute_measures_the_grouped_backend(storage):
     assert all(p["gflops"] > 0 and p["matmul_gflops"] >= p["gflops"] * 0.5 for p in r["points"])
     assert bench_compute("cpu", [4], storage=storage, hidden=256, intermediate=256, repeat=1,
                          save=False)["expert_backend"] == "per-expert"  # auto on a CPU
+
+
+def test_the_gpu_query_chunk_gives_the_cpu_chunk_logits(containers, monkeypatch):
+    """A GPU runs its attention in larger query chunks (model.preferred_query_chunk): the same arithmetic per
+    query, so the same logits within float32 rounding."""
+    ids = [3 + i % 500 for i in range(700)]  # chunks of 256 against one of 1024
+    options = PrefillOptions(expert_selection="all", query_chunk=None)
+    small = prefill(containers["bf16"], ids, options)
+    monkeypatch.setattr(model, "preferred_query_chunk", lambda cfg, device: model.GPU_QUERY_CHUNK)
+    large = prefill(containers["bf16"], ids, options)
+    torch.testing.assert_close(large.logits, small.logits, rtol=1e-4, atol=1e-4)
+    assert model.preferred_query_chunk(model_config(Container(containers["bf16"])), torch.device("cuda")) == 1024
+
+
+def test_float32_matmuls_use_tf32_only_on_a_gpu_with_bf16_compute():
+    from moepack.runtime.engine import float32_matmuls_on_tensor_cores
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    for device, dtype, inside in ((torch.device("cpu"), torch.bfloat16, before),
+                                  (torch.device("cuda", 0), torch.float32, before),
+                                  (torch.device("cuda", 0), torch.bfloat16, True)):
+        with float32_matmuls_on_tensor_cores(device, dtype):
+            assert torch.backends.cuda.matmul.allow_tf32 == inside
+        assert torch.backends.cuda.matmul.allow_tf32 == before
