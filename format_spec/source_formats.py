@@ -263,6 +263,7 @@ def byte_pair_table(dtype: torch.dtype) -> torch.Tensor:
 
 
 _PAIR_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+FP4_INDEX_CHUNK = 1 << 26  # stored bytes per lookup (512 MiB of int64 indices)
 
 
 def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP,
@@ -282,7 +283,12 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_G
     table = _PAIR_TABLES.get(key)
     if table is None:
         table = _PAIR_TABLES[key] = byte_pair_table(dtype).to(packed.device)
-    pairs = torch.take(table, packed.reshape(-1).view(torch.uint8).to(torch.int64))
+    codes = packed.reshape(-1).view(torch.uint8)
+    # the int64 indices a chunk at a time, not 8 bytes per stored byte (a GPU decodes many experts at once)
+    pairs = torch.empty(codes.numel(), dtype=table.dtype, device=codes.device)
+    for first in range(0, codes.numel(), FP4_INDEX_CHUNK):
+        chunk = slice(first, first + FP4_INDEX_CHUNK)
+        torch.take(table, codes[chunk].to(torch.int64), out=pairs[chunk])
     values = pairs.view(dtype).view(*expected, group)
     values.mul_(_e8m0_to_float(scale).to(dtype)[..., None])
     return values.view(*packed.shape[:-1], inputs)

@@ -259,3 +259,11 @@ def test_float32_matmuls_use_tf32_only_on_a_gpu_with_bf16_compute():
         with float32_matmuls_on_tensor_cores(device, dtype):
             assert torch.backends.cuda.matmul.allow_tf32 == inside
         assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp4_decode_in_index_chunks_equals_one_lookup(monkeypatch, dtype):
+    packed, scale = source_formats.fp4_quantize(torch.randn(48, 256))
+    whole = source_formats.fp4_dequantize(packed, scale, dtype=dtype)
+    monkeypatch.setattr(source_formats, "FP4_INDEX_CHUNK", 1000)  # 6144 bytes: seven lookups, the last partial
+    assert torch.equal(source_formats.fp4_dequantize(packed, scale, dtype=dtype), whole)
