@@ -44,8 +44,9 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
                 raise MoepackError(f"{messages_file}: not a JSON list of messages ({e})") from None
         else:
             messages = [{"role": "user", "content": chat}]
-        text = chat_encoding.encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort)
-        return tokenizer.encode_special(text), tokenizer
+        segments = chat_encoding.encode_message_segments(messages, thinking=thinking,
+                                                         reasoning_effort=reasoning_effort)
+        return tokenizer.encode_segments(segments), tokenizer  # message content stays plain text
     if prompt_file is not None:
         prompt = read_prompt_file(prompt_file)
     if continuing:

@@ -18,8 +18,12 @@ produces the same bytes as an uninterrupted run.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import shutil
+import sys
 from dataclasses import dataclass, field
 
 import xxhash
@@ -375,3 +379,48 @@ def fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # renameat2's flag (linux/fs.h)
+
+
+def exchange_paths(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic step (Linux's renameat2 with RENAME_EXCHANGE). False where the kernel,
+    the C library or the filesystem lacks it, so the caller falls back; any other failure is raised as OSError."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without the wrapper (glibc before 2.28)
+        return False
+    renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+def replace_directory(new: str, target: str, backup: str) -> None:
+    """Put the complete directory `new` (beside `target`, on its filesystem, its files fsynced) at `target`, then
+    remove the old one. Where the kernel exchanges two paths, `target` is at every moment the whole old directory
+    or the whole new one (after the exchange the old one sits at `new` until removed). Elsewhere, two renames:
+    `target` -> `backup`, `new` -> `target`; between them `target` is missing and `backup` holds the old directory
+    (a later run puts it back). The old directory is removed last: whoever finds it left over may remove it."""
+    fsync_dir(new)
+    parent = os.path.dirname(target) or "."
+    if exchange_paths(new, target):
+        fsync_dir(parent)
+        shutil.rmtree(new, ignore_errors=True)  # the old directory, now under the new one's name
+        return
+    os.rename(target, backup)
+    try:
+        os.rename(new, target)
+    except OSError:
+        os.rename(backup, target)
+        raise
+    fsync_dir(parent)
+    shutil.rmtree(backup, ignore_errors=True)

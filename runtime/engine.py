@@ -543,7 +543,7 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
     """Open `path`, run one prefill of `token_ids` (a sequence of ints or a LongTensor), close.
 
     `kv_out`: write the KV (format_spec/KV.md) there, layer by layer from a writer thread (a KV already there is
-    refused unless `kv_overwrite`: the new one then replaces it from its first layer on). `continue_from`: a KV
+    refused unless `kv_overwrite`: the new one is then written beside it and swapped in once complete). `continue_from`: a KV
     directory made with this container; `token_ids` are the tokens that follow its prompt (the KV written to
     `kv_out`, which may be the same directory, covers both). `expert_parallel`: this process is one rank of a
     torchrun job (runtime/distributed.py); `{rank}` in `path` picks each rank's own copy of the container."""
@@ -610,11 +610,8 @@ def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, 
             try:
                 result = engine.run(token_ids, past, chunk_tokens=chunk_tokens)
             except BaseException:
-                if writer is not None:  # keep the layers written so far (the manifest says which); report the
-                    try:            # prefill's error, not a follow-up write error
-                        writer.close()
-                    except MoepackError:
-                        pass
+                if writer is not None:  # a KV written in place keeps the layers written so far (the manifest says
+                    writer.abandon()    # which), a replacement goes (the old KV stays); the prefill's error is raised
                 raise
             if writer is not None:
                 t0 = time.perf_counter()

@@ -255,11 +255,16 @@ def generate(path: str, token_ids, options: GenerateOptions | None = None, conti
 def write_kv(kv_dir: str, container: Container, token_ids: list[int], states, start: int, next_token: int,
              logits: torch.Tensor, overwrite: bool = False) -> None:
     """The KV directory (format_spec/KV.md) of `states`, which cover `token_ids`; `start` of them came from the KV
-    the generation continued (`overwrite`: it is that directory)."""
+    the generation continued (`overwrite`: it is that directory; the new KV is written beside the old one and
+    swapped in once complete)."""
     writer = KVWriter(kv_dir, identity_of_container(container), token_ids, start_token=start, overwrite=overwrite)
-    for layer, state in enumerate(states):
-        writer.write_layer(layer, state)
-    writer.finish(next_token, logits)
+    try:
+        for layer, state in enumerate(states):
+            writer.write_layer(layer, state)
+        writer.finish(next_token, logits)
+    except BaseException:
+        writer.abandon()  # a KV being replaced stays as it was
+        raise
 
 
 def default_cache_gib(path: str, device: str = "cpu") -> float:

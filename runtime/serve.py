@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from moepack.format_spec.errors import MoepackError
-from moepack.v4.chat import THINK_END, encode_messages
+from moepack.v4.chat import THINK_END, encode_message_segments
 
 from .generate import GenerateOptions, GenerateResult
 from .sampling import is_int, is_number, partial_match_length
@@ -236,7 +236,8 @@ class Server:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return self.need_tokenizer("prompt").encode(prompt)
+            # a client's text: a special token's text stays text (token ids are the way to send special tokens)
+            return self.need_tokenizer("prompt").encode(prompt, special_tokens=False)
         if isinstance(prompt, list) and all(is_int(i) for i in prompt):
             if self.vocab and any(not 0 <= i < self.vocab for i in prompt):
                 raise RequestError(f"prompt: token ids must lie in [0, {self.vocab})", param="prompt",
@@ -256,11 +257,11 @@ class Server:
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
         try:
-            text = encode_messages(messages, thinking=thinking, reasoning_effort=effort)
+            segments = encode_message_segments(messages, thinking=thinking, reasoning_effort=effort)
         except MoepackError as e:
             param = "reasoning_effort" if str(e).startswith("reasoning_effort") else "messages"
             raise RequestError(str(e), param=param, code="invalid_value") from None
-        return self.need_tokenizer("messages").encode_special(text), thinking
+        return self.need_tokenizer("messages").encode_segments(segments), thinking  # content stays plain text
 
     # -- admission and the worker
     def admit(self) -> None:

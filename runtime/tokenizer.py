@@ -1,9 +1,18 @@
 """The prompt's tokenizer, loaded from the files the container carries (never from the network, never with
-remote code)."""
+remote code).
+
+Special tokens come only from markup that is trusted: a chat encoding's own (`encode_segments`: the segments of
+v4/chat.py, message content plain text) or a raw prompt the user typed (`moepack prefill/generate --prompt`: the
+user's own text, spelled-out special tokens and all). Text from elsewhere (a server's completions prompt) goes
+through `encode(text, special_tokens=False)`: a special or added token's text stays that text's ordinary tokens.
+The tokenizers library matches its added tokens in every `encode` (add_special_tokens only governs the BOS a
+post-processor adds), so plain text goes through a second tokenizer, the same one without its added tokens."""
 
 from __future__ import annotations
 
 import json
+from functools import cached_property
+from typing import Iterable
 
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import check_regular
@@ -18,8 +27,9 @@ class PromptTokenizer:
             raise MoepackError(f"{container.path} carries no tokenizer.json: pass the prompt as --token-ids")
         from tokenizers import Tokenizer
 
+        self._json = entry["data"]
         try:
-            self._tok = Tokenizer.from_str(entry["data"])
+            self._tok = Tokenizer.from_str(self._json)
         except Exception as e:  # the tokenizers library raises its own exception types
             raise MoepackError(f"the container's tokenizer.json does not load: {e}") from None
         config = {}
@@ -30,12 +40,33 @@ class PromptTokenizer:
                 config = {}
         self.add_special_tokens = bool(config.get("add_bos_token", True))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=self.add_special_tokens).ids
+    @cached_property
+    def _plain(self):
+        """The tokenizer without its added tokens: normalizer, pre-tokenizer, model and post-processor as they are,
+        so text without a special token's text gets the same ids, and with one, the ids of its characters."""
+        from tokenizers import Tokenizer
+
+        spec = json.loads(self._json)
+        spec["added_tokens"] = []
+        return Tokenizer.from_str(json.dumps(spec))
+
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """A raw prompt's ids (BOS in front where the tokenizer's config adds it). `special_tokens=False`: the text
+        of a special or added token in `text` is tokenized as the plain text it is."""
+        tok = self._tok if special_tokens else self._plain
+        return tok.encode(text, add_special_tokens=self.add_special_tokens).ids
 
     def encode_special(self, text: str) -> list[int]:
         """Ids of text that spells out its own special tokens (a chat template's BOS, role tags): none added."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
+        """Ids of a chat encoding's segments (v4/chat.py `encode_message_segments`): its markup into special tokens,
+        every other text (message content) plain, so no message can spell out a special token; none added."""
+        ids: list[int] = []
+        for text, special in segments:
+            ids += (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

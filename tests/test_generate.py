@@ -250,8 +250,11 @@ def test_the_kv_after_a_generation_continues_it(models, tmp_path):
     written = read_kv(kv)
     assert written.token_ids == ids.tolist() + first.generated_ids[:-1]
     assert written.next_token == first.generated_ids[-1]
-    rest = generate(container, [], GenerateOptions(max_new_tokens=12, stop_at_eos=False), continue_from=kv)
+    rest = generate(container, [], GenerateOptions(max_new_tokens=12, stop_at_eos=False), continue_from=kv,
+                    kv_out=kv)  # in place: the new KV written beside the old one, then swapped in
     assert first.generated_ids + rest.generated_ids[1:] == whole.generated_ids[:19]
+    assert read_kv(kv).token_ids == ids.tolist() + first.generated_ids[:-1] + rest.generated_ids[:-1]
+    assert os.listdir(tmp_path) == ["kv"]
 
 
 def test_the_command_streams_the_text_and_prints_one_json_object(models, tmp_path):

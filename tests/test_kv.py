@@ -495,8 +495,11 @@ def test_writer_refusals(models, tmp_path):
         short.write_layer(0, states[0])
     with pytest.raises(MoepackError, match="unknown KV dtype"):
         K.KVWriter(str(tmp_path / "kv3"), _identity(hf_model), ids, dtype="F16")
-    K.KVWriter(str(tmp_path / "kv"), _identity(hf_model), ids, overwrite=True)  # replaces: nothing complete
-    assert K.KVDirectory(str(tmp_path / "kv")).incomplete_layers() == [0, 1, 2, 3, 4]
+    replacing = K.KVWriter(str(tmp_path / "kv"), _identity(hf_model), ids, overwrite=True)
+    assert K.KVDirectory(replacing.write_dir).incomplete_layers() == [0, 1, 2, 3, 4]  # the new one, beside
+    assert K.KVDirectory(str(tmp_path / "kv")).incomplete_layers() == [1, 2, 3, 4]  # the old one, until finished
+    replacing.abandon()
+    assert sorted(os.listdir(tmp_path)) == ["kv", "kv2"]  # nothing left beside
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,11 @@ part of that format, written from its documented behaviour and checked against i
 * A system message is its bare text; a developer message is rendered as a user turn (`<｜User｜>` + text) and, in
   thinking mode with drop_thinking, dropped altogether when an earlier turn's. Consecutive user messages are one
   turn, their texts joined by a blank line. Every assistant message ends with `<｜end▁of▁sentence｜>`.
+* Special tokens: only this encoder's markup (BOS, the role tags, the thinking tags, EOS) is special. The
+  encoder hands its prompt on as segments (`encode_message_segments`): markup, tokenized into its special tokens,
+  and text (every message's content and reasoning, the effort prefix), tokenized as plain text, so a message that
+  spells out `<｜end▁of▁sentence｜>` or `<｜User｜>` gets the ordinary tokens of that text and cannot forge a turn
+  (runtime/tokenizer.py `PromptTokenizer.encode_segments`). Joined, the segments are the release encoder's string.
 * reasoning_effort: None, "high" or "max" (what the release's encoder accepts). Only "max" changes the prompt: in
   thinking mode a fixed instruction goes in front of the first message, right after BOS. "high" renders as None
   does. (DeepSeek's hosted API, and the later Flash-Vision-Exp encoder, use low/high/max with other texts; this
@@ -32,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 from functools import lru_cache
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from moepack.format_spec.errors import MoepackError
 
@@ -68,33 +73,66 @@ _UNSUPPORTED_FIELDS = {
 _UNSUPPORTED_ROLES = ("tool", "latest_reminder")
 
 
+class Segment(NamedTuple):
+    """A piece of the prompt: `special` marks the encoder's own markup (its special tokens); any other text, message
+    content above all, is tokenized as plain text, whatever special token's text it holds."""
+    text: str
+    special: bool
+
+
+def encode_message_segments(messages: Iterable[Mapping[str, Any]], thinking: bool = False,
+                            reasoning_effort: str | None = None, *, drop_thinking: bool = True,
+                            add_bos: bool = True) -> list[Segment]:
+    """The prompt of `encode_messages` as segments: markup and text alternate (adjacent texts joined, so the text
+    between two markups is tokenized in one piece, as in the whole string; empty texts left out)."""
+    turns = _merge_user_turns(_checked(messages, reasoning_effort))
+    if thinking and drop_thinking:
+        turns = _drop_earlier_thinking(turns)
+    last_user = _last_user_index(turns)
+    segments: list[Segment] = []
+
+    def add(text: str, special: bool = False) -> None:
+        if not text:
+            return
+        if not special and segments and not segments[-1].special:
+            segments[-1] = Segment(segments[-1].text + text, False)
+        else:
+            segments.append(Segment(text, special))
+
+    if add_bos:
+        add(BOS, True)
+    if thinking and reasoning_effort == "max" and turns:
+        add(REASONING_EFFORT_MAX_PREFIX)
+    for i, (role, text, reasoning) in enumerate(turns):
+        if role == "system":
+            add(text)
+        elif role in ("user", "developer"):
+            add(USER, True)
+            add(text)
+        else:  # assistant
+            if thinking and (not drop_thinking or i > last_user):
+                add(reasoning or "")
+                add(THINK_END, True)
+            add(text)
+            add(EOS, True)
+        followed_by_reply = i + 1 == len(turns) or turns[i + 1][0] == "assistant"
+        if role in ("user", "developer") and followed_by_reply:
+            opens_thought = thinking and (not drop_thinking or i >= last_user)
+            add(ASSISTANT, True)
+            add(THINK_START if opens_thought else THINK_END, True)
+    return segments
+
+
 def encode_messages(messages: Iterable[Mapping[str, Any]], thinking: bool = False,
                     reasoning_effort: str | None = None, *, drop_thinking: bool = True, add_bos: bool = True) -> str:
     """The prompt DeepSeek-V4 expects for `messages` (dicts with `role` in system/developer/user/assistant and a
     string `content`; an assistant's content may be None and it may carry `reasoning_content`). A conversation
     ending in a user or developer message ends with the assistant tag and `<think>` (thinking) or `</think>`
-    (chat), ready for the reply; one ending in an assistant message ends with its end-of-sentence token."""
-    turns = _merge_user_turns(_checked(messages, reasoning_effort))
-    if thinking and drop_thinking:
-        turns = _drop_earlier_thinking(turns)
-    last_user = _last_user_index(turns)
-    parts = [BOS] if add_bos else []
-    if thinking and reasoning_effort == "max" and turns:
-        parts.append(REASONING_EFFORT_MAX_PREFIX)
-    for i, (role, text, reasoning) in enumerate(turns):
-        if role == "system":
-            parts.append(text)
-        elif role in ("user", "developer"):
-            parts += [USER, text]
-        else:  # assistant
-            if thinking and (not drop_thinking or i > last_user):
-                parts += [reasoning or "", THINK_END]
-            parts += [text, EOS]
-        followed_by_reply = i + 1 == len(turns) or turns[i + 1][0] == "assistant"
-        if role in ("user", "developer") and followed_by_reply:
-            opens_thought = thinking and (not drop_thinking or i >= last_user)
-            parts += [ASSISTANT, THINK_START if opens_thought else THINK_END]
-    return "".join(parts)
+    (chat), ready for the reply; one ending in an assistant message ends with its end-of-sentence token. To
+    tokenize it, take `encode_message_segments` (the string loses which special token's text is markup)."""
+    segments = encode_message_segments(messages, thinking, reasoning_effort, drop_thinking=drop_thinking,
+                                       add_bos=add_bos)
+    return "".join(text for text, _ in segments)
 
 
 def encode_chat(text: str, thinking: bool = False, reasoning_effort: str | None = None, *,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,9 +33,9 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from moepack.format_spec.dtypes import STORAGE_TYPES
-from moepack.format_spec.errors import FormatError, MoepackError
+from moepack.format_spec.errors import FormatError, MoepackError, error_reason, is_disk_full
 from moepack.format_spec.files import check_free_space
-from moepack.format_spec.writer import fsync_dir, fsync_file, write_file_atomically
+from moepack.format_spec.writer import fsync_dir, fsync_file, replace_directory, write_file_atomically
 
 from . import config as v4config
 from .config import CSA, HCA, SLIDING, ConfigError
@@ -255,21 +257,56 @@ def layer_file_name(layer: int) -> str:
     return f"layer-{layer:04d}.safetensors"
 
 
-def _fsync_file(path: str) -> None:
-    try:
-        fsync_file(path)
-    except OSError as e:
-        raise MoepackError(f"{path}: cannot sync ({e.strerror or e})") from None
+# The files a KV directory holds (KV.md section 2); anything else in one is the user's, kept when it is replaced.
+_KV_FILE = re.compile(r"(manifest\.json|logits\.safetensors|layer-[0-9]{4,}\.safetensors)(\.partial)?")
 
 
-def _atomic_write(path: str, data: bytes, sync: bool = True) -> None:
-    """Write `data` to `path.partial`, fsync, rename over `path`, fsync the directory."""
+def replacement_paths(kv_dir: str) -> tuple[str, str]:
+    """Where a KV replacing the one in `kv_dir` is written (beside it, hidden), and where the old one waits while
+    the two are swapped without an atomic exchange."""
+    parent, name = os.path.split(os.path.realpath(kv_dir))
+    return os.path.join(parent, f".{name}.kv-new"), os.path.join(parent, f".{name}.kv-old")
+
+
+def clean_interrupted_replacement(kv_dir: str) -> None:
+    """What a replacement of `kv_dir`'s KV left when it was killed: its new directory (unfinished, or the old KV
+    after the exchange) is removed; an old KV moved aside by the fallback's two renames goes back to `kv_dir`
+    (killed between them) or is removed (killed after them)."""
+    target = os.path.realpath(kv_dir)
+    new, old = replacement_paths(target)
     try:
-        write_file_atomically(path, data, sync)
+        if os.path.isdir(old) and not os.path.islink(old):
+            if os.path.lexists(target):
+                shutil.rmtree(old)
+            else:
+                os.rename(old, target)
+        if os.path.isdir(new) and not os.path.islink(new):
+            shutil.rmtree(new)
     except OSError as e:
-        raise MoepackError(f"{path}: cannot write ({e.strerror or e})") from None
-    if sync:
-        fsync_dir(os.path.dirname(path) or ".")
+        raise MoepackError(f"{kv_dir}: cannot clean up an interrupted replacement of its KV ({error_reason(e)})") \
+            from None
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry_over(old_dir: str, new_dir: str) -> None:
+    """The user's own entries of a KV directory (not KV files) into its replacement, hard-linked where possible:
+    the old directory keeps them until it is swapped out."""
+    for name in os.listdir(old_dir):
+        if _KV_FILE.fullmatch(name) or os.path.lexists(os.path.join(new_dir, name)):
+            continue
+        src, dst = os.path.join(old_dir, name), os.path.join(new_dir, name)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        elif os.path.isdir(src):
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(src, dst)
 
 
 def _encode(t: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
@@ -337,7 +374,12 @@ class KVWriter:
     `sync=True` (default) fsyncs every file as it is written (KV.md section 8): a layer the manifest marks complete
     survives a crash. `sync=False` only renames (readers on the running system still never see a partial file) and
     fsyncs everything once, in `finish()`: per layer that saves the fsync latency (~15 ms of ~20 ms per layer on
-    the test machine)."""
+    the test machine).
+
+    A directory that already holds a KV (`overwrite`, or a continuation written where it was read from) keeps it
+    until the new one is complete: the new KV is written beside it (`replacement_paths`) and swapped in by
+    `finish()` (`format_spec.writer.replace_directory`); a failed write, or `abandon()`, removes the new one and
+    leaves the old one as it was. A stale new directory of a killed run is removed first."""
 
     def __init__(self, kv_dir: str, identity: Mapping, token_ids, dtype: str = "F32", start_token: int = 0,
                  overwrite: bool = False, sync: bool = True):
@@ -356,18 +398,30 @@ class KVWriter:
         if not 0 <= start_token < len(ids):
             raise MoepackError(f"start_token {start_token} outside the prompt of {len(ids)} tokens")
         self.n_tokens = len(ids)
-        manifest_path = os.path.join(self.kv_dir, MANIFEST_NAME)
-        try:
-            os.makedirs(self.kv_dir, exist_ok=True)
-        except OSError as e:
-            raise MoepackError(f"{self.kv_dir}: cannot create the KV directory ({e.strerror or e})") from None
-        if os.path.exists(manifest_path) and not overwrite:
+        clean_interrupted_replacement(self.kv_dir)
+        self.replacing = os.path.lexists(os.path.join(self.kv_dir, MANIFEST_NAME))
+        if self.replacing and not overwrite:
             raise MoepackError(f"{self.kv_dir} already holds a KV ({MANIFEST_NAME}); choose another directory")
-        # the whole KV before the first layer is computed (a layer's file replaces its old one: that room comes back)
-        layer_files = (os.path.join(self.kv_dir, layer_file_name(i)) for i in range(self.geometry["num_layers"]))
-        old = sum(os.path.getsize(p) for p in layer_files if os.path.isfile(p))
-        check_free_space({self.kv_dir: kv_bytes(identity["config"], len(ids), self.dtype) - old},
-                         f"the KV in {self.kv_dir}")
+        self._finished = False
+        need = kv_bytes(identity["config"], len(ids), self.dtype)
+        if self.replacing:  # all of the new KV beside the old one
+            self.write_dir = replacement_paths(self.kv_dir)[0]
+            if os.path.ismount(os.path.realpath(self.kv_dir)):
+                raise MoepackError(f"{self.kv_dir} is a mount point: a KV is replaced by renaming its directory, "
+                                   "which a mount point cannot be; write the KV to a directory inside it")
+            check_free_space({os.path.dirname(self.write_dir): need}, f"{self.kv_dir}'s new KV beside the old one")
+        else:  # a layer's file replaces a stale one of the same name: that room comes back
+            self.write_dir = self.kv_dir
+            layer_files = (os.path.join(self.kv_dir, layer_file_name(i)) for i in range(self.geometry["num_layers"]))
+            need -= sum(os.path.getsize(p) for p in layer_files if os.path.isfile(p))
+            check_free_space({self.kv_dir: need}, f"the KV in {self.kv_dir}")
+        try:
+            if self.replacing:
+                os.mkdir(self.write_dir, os.stat(self.kv_dir).st_mode & 0o7777)
+            else:
+                os.makedirs(self.kv_dir, exist_ok=True)
+        except OSError as e:
+            raise MoepackError(f"{self.write_dir}: cannot create the KV directory ({e.strerror or e})") from None
         self._lock = threading.Lock()
         self._claimed: set[int] = set()  # layers whose write has started
         self.manifest: dict[str, Any] = {
@@ -386,10 +440,28 @@ class KVWriter:
         self._ids_json = json.dumps(ids, separators=(",", ":"))  # the large part, serialised once
         self._write_manifest()
 
+    def _failed(self, e: OSError, what: str) -> MoepackError:
+        """The one-line error of a write that failed; a replacement is abandoned, the old KV untouched."""
+        full = " (disk full)" if is_disk_full(e) else ""
+        if self.replacing:
+            self.abandon()
+            return MoepackError(f"{self.kv_dir}: cannot write the new KV's {what} ({error_reason(e)}){full}; the KV "
+                                "there is unchanged")
+        return MoepackError(f"{os.path.join(self.kv_dir, what)}: cannot write ({error_reason(e)}){full}")
+
+    def _write(self, name: str, data: bytes, sync: bool) -> None:
+        """`data` as the file `name` (temporary name, fsync, rename, fsync the directory; without `sync` renamed)."""
+        try:
+            write_file_atomically(os.path.join(self.write_dir, name), data, sync)
+        except OSError as e:
+            raise self._failed(e, name) from None
+        if sync:
+            fsync_dir(self.write_dir)
+
     def _write_manifest(self, durable: bool = False) -> None:
         m = dict(self.manifest, tokens=dict(self.manifest["tokens"], ids="@IDS@"))
         text = json.dumps(m, indent=1).replace('"@IDS@"', self._ids_json, 1)
-        _atomic_write(os.path.join(self.kv_dir, MANIFEST_NAME), text.encode(), self.sync or durable)
+        self._write(MANIFEST_NAME, text.encode(), self.sync or durable)
 
     def write_layer(self, layer: int, state) -> dict:
         """Write `layer-NNNN.safetensors` (temp name, fsync, rename), then rewrite the manifest marking the layer
@@ -408,7 +480,7 @@ class KVWriter:
                 raise MoepackError(f"layer {layer} written twice")
             self._claimed.add(layer)
         data = encode_layer(layer, state, self.dtype)
-        _atomic_write(os.path.join(self.kv_dir, layer_file_name(layer)), data, self.sync)
+        self._write(layer_file_name(layer), data, self.sync)
         entry = {"layer": layer, "file": layer_file_name(layer), "complete": True, **_entry_summary(state),
                  "bytes": len(data), "xxh3": xxhash.xxh3_64_hexdigest(data)}
         with self._lock:
@@ -418,7 +490,8 @@ class KVWriter:
 
     def finish(self, next_token: int | None = None, logits: torch.Tensor | None = None) -> dict:
         """Mark the KV complete once every layer is written; record the prefill's result (the greedy next token,
-        and optionally the last position's logits [vocab] in `logits.safetensors`, F32)."""
+        and optionally the last position's logits [vocab] in `logits.safetensors`, F32). A replacement is then
+        swapped in for the old KV."""
         with self._lock:
             missing = [e["layer"] for e in self.manifest["layers"] if not e["complete"]]
             if missing:
@@ -427,16 +500,38 @@ class KVWriter:
             if logits is not None:
                 data = _st_save({"logits": logits.detach().to("cpu", torch.float32).reshape(-1).contiguous()},
                                 metadata={"format": KV_FORMAT})
-                _atomic_write(os.path.join(self.kv_dir, LOGITS_NAME), data, True)
+                self._write(LOGITS_NAME, data, True)
                 result["logits"] = {"file": LOGITS_NAME, "bytes": len(data), "xxh3": xxhash.xxh3_64_hexdigest(data)}
             if not self.sync:  # layers were not fsynced as written: make the finished KV durable now
                 for e in self.manifest["layers"]:
-                    _fsync_file(os.path.join(self.kv_dir, e["file"]))
-                fsync_dir(self.kv_dir)
+                    try:
+                        fsync_file(os.path.join(self.write_dir, e["file"]))
+                    except OSError as err:
+                        raise self._failed(err, e["file"]) from None
+                fsync_dir(self.write_dir)
             self.manifest["result"] = result
             self.manifest["complete"] = True
             self._write_manifest(durable=True)
+            if self.replacing:
+                self._swap_in()
+            self._finished = True
         return self.manifest
+
+    def _swap_in(self) -> None:
+        target = os.path.realpath(self.kv_dir)
+        try:
+            _carry_over(target, self.write_dir)
+            replace_directory(self.write_dir, target, replacement_paths(target)[1])
+        except OSError as e:
+            self.abandon()
+            raise MoepackError(f"{self.kv_dir}: cannot put the new KV in place of the old one ({error_reason(e)}); "
+                               "the KV there is unchanged") from None
+
+    def abandon(self) -> None:
+        """Give up an unfinished KV: a replacement's new directory is removed (the old KV stays as it was); a KV
+        written straight into its directory keeps its complete layers (the manifest says which)."""
+        if self.replacing and not self._finished:
+            shutil.rmtree(self.write_dir, ignore_errors=True)
 
 
 class BackgroundKVWriter:
@@ -495,6 +590,16 @@ class BackgroundKVWriter:
     def finish(self, next_token: int | None = None, logits: torch.Tensor | None = None) -> dict:
         self.close()
         return self.writer.finish(next_token, logits)
+
+    def abandon(self) -> None:
+        """After the prefill failed: the queued layers written (their error not raised: the prefill's is the one to
+        report), then `KVWriter.abandon`."""
+        try:
+            self.close()
+        except MoepackError:
+            pass
+        finally:
+            self.writer.abandon()
 
 
 def _ranges(numbers: list[int]) -> str:
