@@ -1,0 +1,195 @@
+"""`moepack serve` under load: 1, 4 and 16 concurrent streaming clients (the official `openai` client), each
+sending one completion at temperature 0, against one server process on a synthetic preset (synth + convert --fp4;
+default `small`) or a given container.
+
+Per concurrency level it prints: time to first token (p50 / p99 over the clients), each stream's decode rate
+(its tokens after the first over the time after the first) and the aggregate rate (every client's tokens over the
+level's wall time), the expert cache's hit rate (from the server's per-request log lines), and how many requests
+were refused (429). Beside them, the load goal's bound: 2 x one prompt's prefill time plus one decode step per
+sequence queued ahead (measured alone first, on the same server).
+
+    python benchmarks/serve_load.py [--preset small|medium] [--container FILE] [--clients 1,4,16]
+                                    [--max-new-tokens 32] [--device cpu] [--serve-arg=--max-batch=8] [--json]
+Loopback only; every loop is bounded; the server is stopped at the end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import openai
+
+PROMPT = ("The design note argues that a prefill streams experts well because many tokens share each read, "
+          "while decode must cache them. Explain why, step by step:")
+
+
+def container(workdir: str, preset: str) -> str:
+    out = os.path.join(workdir, f"{preset}-fp4.moepack")
+    if not os.path.exists(out):
+        from moepack.packer.convert import convert_checkpoint
+        from moepack.packer.synth import synth_checkpoint
+
+        src = os.path.join(workdir, f"{preset}-src")
+        synth_checkpoint(src, preset=preset, progress=False, overwrite=True)
+        convert_checkpoint(src, out, policy="fp4", progress=False)
+    return out
+
+
+class Server:
+    """`moepack serve` in a child process on a free loopback port, its stderr (one line per request) in a file."""
+
+    def __init__(self, path: str, device: str, max_queue: int, extra: list[str], log_path: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "moepack", "serve", path, "--port", str(self.port),
+                                      "--device", device, "--max-queue", str(max_queue), *extra],
+                                     stdout=subprocess.DEVNULL, stderr=self._log)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"moepack serve exited ({self.proc.returncode}); its log: {log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            raise SystemExit("moepack serve did not answer /health within 300 s")
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=900)
+        self.model = self.client.models.list().data[0].id
+
+    def log_lines(self) -> list[str]:
+        with open(self.log_path) as f:
+            return f.readlines()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+def one_client(server: Server, prompt: str, max_tokens: int, t0: float) -> dict:
+    """One streamed completion: time to its first text (from t0), its end, its tokens; or its refusal."""
+    first = None
+    tokens = 0
+    try:
+        stream = server.client.completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens,
+                                                  temperature=0, stream=True,
+                                                  stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text and first is None:
+                first = time.perf_counter() - t0
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    except openai.RateLimitError:
+        return {"refused": True}
+    end = time.perf_counter() - t0
+    return {"refused": False, "ttft": first if first is not None else end, "end": end, "tokens": tokens}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _logged(lines: list[str], key: str) -> list[float]:
+    return [float(m.group(1)) for line in lines if (m := re.search(rf"{key}=([0-9.]+)", line))]
+
+
+def level(server: Server, clients: int, max_tokens: int) -> dict:
+    seen = len(server.log_lines())
+    results: list = [None] * clients
+    t0 = time.perf_counter()
+
+    def run(i: int) -> None:
+        results[i] = one_client(server, f"{PROMPT} (client {i})", max_tokens, t0)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    time.sleep(0.2)  # the server logs a request after its last chunk went out
+    lines = server.log_lines()[seen:]
+    done = [r for r in results if not r["refused"]]
+    hits = _logged(lines, "cache_hit_rate")
+    return {
+        "clients": clients, "refused": clients - len(done), "wall_s": round(wall, 3),
+        "ttft_p50_s": round(_percentile([r["ttft"] for r in done], 0.5), 3) if done else None,
+        "ttft_p99_s": round(_percentile([r["ttft"] for r in done], 0.99), 3) if done else None,
+        "stream_tokens_per_s": round(statistics.median(
+            (r["tokens"] - 1) / (r["end"] - r["ttft"]) for r in done if r["tokens"] > 1 and r["end"] > r["ttft"]),
+            2) if any(r["tokens"] > 1 for r in done) else None,
+        "aggregate_tokens_per_s": round(sum(r["tokens"] for r in done) / wall, 2),
+        "expert_cache_hit_rate": round(statistics.mean(hits), 4) if hits else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "moepack-serve-load"))
+    ap.add_argument("--preset", default="small", choices=["tiny", "small", "medium"])
+    ap.add_argument("--container", help="an existing container instead of the synthetic preset's")
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="an extra `moepack serve` argument (repeat; e.g. --serve-arg=--max-batch=8)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    levels = [int(c) for c in args.clients.split(",")]
+    if not levels or min(levels) < 1 or max(levels) > 64:
+        raise SystemExit("--clients: 1 to 64 each")
+    os.makedirs(args.workdir, exist_ok=True)
+    path = args.container or container(args.workdir, args.preset)
+    server = Server(path, args.device, max(levels) * 2, args.serve_arg, os.path.join(args.workdir, "serve.log"))
+    try:
+        one_client(server, PROMPT, 4, time.perf_counter())  # warm-up: the cache fills, the kernels load
+        alone = level(server, 1, args.max_new_tokens)
+        lines = server.log_lines()
+        prefill_s = _logged(lines, "prefill_s")[-1]
+        decode_s = _logged(lines, "decode_s")[-1]
+        step_s = decode_s / max(args.max_new_tokens - 1, 1)
+        rows = [alone if n == 1 else level(server, n, args.max_new_tokens) for n in levels]
+    finally:
+        server.stop()
+    for row in rows:  # the load goal: p99 TTFT <= 2 x prefill + one decode step per sequence queued ahead
+        row["ttft_bound_s"] = round(2 * prefill_s + step_s * (row["clients"] - 1), 3)
+    report = {"container": path, "container_bytes": os.path.getsize(path), "device": args.device,
+              "max_new_tokens": args.max_new_tokens, "serve_args": args.serve_arg,
+              "prefill_alone_s": prefill_s, "decode_step_s": round(step_s, 4), "levels": rows}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(f"{path} ({report['container_bytes'] / 2**20:.0f} MiB) on {args.device}, {args.max_new_tokens} new tokens "
+          f"per client, serve args {args.serve_arg or 'none'}; one prompt's prefill alone {prefill_s:.3f} s, a decode "
+          f"step {step_s * 1e3:.1f} ms")
+    head = ["clients", "refused", "TTFT p50 s", "TTFT p99 s", "TTFT bound s", "stream tok/s", "aggregate tok/s",
+            "cache hit rate", "wall s"]
+    print(" | ".join(head))
+    for r in rows:
+        print(" | ".join(str(r[k]) for k in ("clients", "refused", "ttft_p50_s", "ttft_p99_s", "ttft_bound_s",
+                                             "stream_tokens_per_s", "aggregate_tokens_per_s",
+                                             "expert_cache_hit_rate", "wall_s")))
+
+
+if __name__ == "__main__":
+    main()
