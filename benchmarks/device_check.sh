@@ -36,7 +36,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/moepack-device-check}
 DEVICE=${DEVICE:-cuda}
 STEPS=${STEPS:-tests gpu_prefill generate capped decode prefill profile}
-GPU_TOKENS=${GPU_TOKENS:-4096,16384,65536,131072}
+GPU_TOKENS=${GPU_TOKENS:-4096,131072,65536,16384}
 PRESET=${PRESET:-medium}
 TOKENS=${TOKENS:-1024,4096}
 BUDGET_GIB=${BUDGET_GIB:-1}  # below the medium preset's 2.3 GB of experts: they stream, as on a small GPU
@@ -136,7 +136,7 @@ fi
 if wants gpu_prefill; then
     step "gpu prefill at the release's dimensions"
     timeout "$(upto 300)" python3 benchmarks/gpu_prefill.py --device "$DEVICE" --tokens "$GPU_TOKENS" \
-        --workdir /tmp/moepack-gpu-prefill 2> "$OUT/gpu_prefill_stderr.txt" \
+        --workdir /tmp/moepack-gpu-prefill 2> >(tee "$OUT/gpu_prefill_stderr.txt" >&2) \
         | tee "$OUT/gpu_prefill.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_prefill"
 fi

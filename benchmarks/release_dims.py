@@ -25,7 +25,6 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from v4_models import logit_error, saved_model  # noqa: E402
 
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.runtime.engine import PrefillOptions, prefill  # noqa: E402
@@ -55,6 +54,8 @@ def main() -> None:
     parser.add_argument("--workdir", help="keep the checkpoint and container here (default: a temporary folder)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    from v4_models import logit_error, saved_model  # transformers: here, not for release_cut's importers
+
     layers = [int(v) for v in args.layers.split(",")]
     config = release_cut(layers, args.experts)
     with tempfile.TemporaryDirectory(prefix="moepack-release-dims-", dir=args.workdir) as work:

@@ -291,9 +291,9 @@ def _print_verify(r: dict) -> None:
                    "pure compute. Refused in one line where they do not fit.")
 @click.option("--experts", "expert_selection", type=click.Choice(["auto", "all", "routed"]), default="auto",
               show_default=True, help="Read every expert of a layer, only the routed ones, or choose per layer.")
-@click.option("--query-chunk", type=click.IntRange(min=1), default=512, show_default=True,
-              help="At most this many queries per attention chunk inside a layer (bounds memory for long prompts; "
-                   "chunks are never longer than two sliding windows, 128 queries at least, anyway).")
+@click.option("--query-chunk", type=click.IntRange(min=1), default=None,
+              help="At most this many queries per attention chunk inside a layer (bounds memory for long prompts). "
+                   "Default: the device's own: two sliding windows (128 queries at least) on a CPU, 1024 on a GPU.")
 @click.option("--compute-dtype", type=Dtype(("float32", "bfloat16"), extra=("auto",)), default="auto",
               show_default=True,
               help="The layers' matmuls: float32 (exact) or bfloat16 (the attention's projections and the shared "

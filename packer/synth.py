@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 
 from moepack.format_spec.errors import MoepackError, is_disk_full
@@ -245,8 +246,8 @@ def random_fp4_expert(spec: TensorSpec, layout: str, seed: int) -> dict[str, tor
     power of two that gives its outputs about unit variance (as draw_tensor's linears): no float is drawn."""
     out_features, in_features = spec.shape
     parts = stored_tensors(spec, layout)
-    packed = torch.randint(-128, 128, (out_features, in_features // 2), dtype=torch.int8,
-                           generator=_tensor_generator(seed, spec.name))
+    rng = np.random.default_rng(_tensor_generator(seed, spec.name).initial_seed())  # numpy's bytes: 3x torch's
+    packed = torch.from_numpy(rng.integers(0, 256, (out_features, in_features // 2), dtype=np.uint8)).view(torch.int8)
     exponent = round(math.log2(1.0 / (_E2M1_UNIFORM_RMS * math.sqrt(in_features))))
     scale = torch.full((out_features, in_features // 32), exponent + 127, dtype=torch.uint8)
     return {parts[0].name: packed, parts[1].name: scale.view(torch.float8_e8m0fnu)}

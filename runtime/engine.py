@@ -57,6 +57,8 @@ from .resident import resident_bytes
 from .read_scheduler import (EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, global_regions,
                              tokens_per_expert)
 
+# the query chunk the memory estimate assumes where --query-chunk does not bound it (at least the device's own)
+ESTIMATE_QUERY_CHUNK = 512
 # the LM head is decoded and applied this many float32 bytes of rows at a time, never whole (DeepSeek-V4-Flash's
 # bf16 head [129280, 4096] would be 2 GiB decoded)
 HEAD_CHUNK_BYTES = 16 << 20
@@ -68,7 +70,8 @@ class PrefillOptions:
     bundle_experts: int = 4
     queue_depth: int = 4
     io_mode: str = "auto"
-    query_chunk: int | None = 512
+    # queries per attention chunk at most (a memory bound); None: the device's own (model.preferred_query_chunk)
+    query_chunk: int | None = None
     expert_selection: str = "auto"
     verify_reads: bool = True  # xxh3 of every region read, checked before its bytes are used
     # The layers' matrices: float32 (the exact reference path) or bfloat16 (the attention's projections and the
@@ -110,11 +113,15 @@ class PrefillResult:
 def estimate_working_set(cfg: ModelConfig, n_tokens: int, query_chunk: int | None, dense_bytes: int,
                          bundle_bytes: int, pool_buffers: int, expert_params: int,
                          expert_threads: int = 1, globals_bytes: int = 0, decode_scratch_bytes: int = 0,
-                         grouped_pairs: int = 0) -> dict[str, int]:
+                         grouped_pairs: int = 0, decoded_experts: int | None = None,
+                         device_chunk: int = ESTIMATE_QUERY_CHUNK) -> dict[str, int]:
     """Bytes a prefill of n_tokens needs at its peak (float32 compute), by component. Deliberately generous:
-    it decides whether to refuse a prompt before any work is done."""
+    it decides whether to refuse a prompt before any work is done. `expert_threads`: threads that each gather
+    an expert's rows (the per-expert backend); `decoded_experts`: experts decoded at once (default: one per expert
+    thread); `grouped_pairs`: the grouped backend's (token, expert) pairs; `device_chunk`: the attention's query
+    chunk where `query_chunk` does not bound it."""
     f32 = 4
-    chunk = min(query_chunk or n_tokens, n_tokens)
+    chunk = min(query_chunk or device_chunk, n_tokens)
     hc, hidden = cfg.hc_mult, cfg.hidden_size
     # residual streams (in and out of a sublayer), mHC collapse, FFN input, routed accumulator, projections
     activations = n_tokens * hidden * f32 * (3 * hc + 8)
@@ -134,7 +141,8 @@ def estimate_working_set(cfg: ModelConfig, n_tokens: int, query_chunk: int | Non
     # the read pool, and each expert thread's decoded weights
     # `globals_bytes`: the LM head's bytes, read during the last layer, and a decoded slice of it;
     # `decode_scratch_bytes`: what decoding the largest dense matrix needs besides its bytes and its output
-    weights = (dense_bytes * 5 + bundle_bytes * (pool_buffers + 2) + expert_params * f32 * 2 * expert_threads
+    decoded_experts = expert_threads if decoded_experts is None else decoded_experts
+    weights = (dense_bytes * 5 + bundle_bytes * (pool_buffers + 2) + expert_params * f32 * 2 * decoded_experts
                + globals_bytes + decode_scratch_bytes)
     parts = {"activations": activations, "kv": kv, "attention_chunk": attention + indexer, "weights": weights}
     parts["total"] = sum(parts.values())
@@ -431,11 +439,12 @@ class StreamingPrefill:
     def _embeddings(self, fetched: list[tuple[Region, HostBuffer, memoryview]], token_ids: torch.Tensor
                     ) -> torch.Tensor:
         """The prompt's rows of the embedding [N, H] float32 on the compute device: only those rows are decoded
-        (on the host: a vocabulary-sized table never goes to the device)."""
+        (on the host: a vocabulary-sized table never goes to the device, unless it is held there already)."""
+        on_device = self.resident is not None and self.resident.on_device
         with self.compute:
-            by_name, read = self._global_tensors(fetched, on_device=False)
+            by_name, read = self._global_tensors(fetched, on_device=on_device)
             return decode_group_rows(self._global_group(by_name, "embed.weight"), read, "embed.weight",
-                                     token_ids.cpu()).to(self.device)
+                                     token_ids if on_device else token_ids.cpu()).to(self.device)
 
     def _head_logits(self, fetched: list[tuple[Region, HostBuffer, memoryview]], streams: torch.Tensor
                      ) -> torch.Tensor:
@@ -464,10 +473,13 @@ class StreamingPrefill:
         need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
                                     self.reads.experts_pipe.buffer_bytes,
                                     self.reads.pool_buffers_in_memory(self.device), expert_params,
-                                    self.experts.decoded_at_once, head_bytes + HEAD_CHUNK_BYTES,
+                                    self.experts.threads, head_bytes + HEAD_CHUNK_BYTES,
                                     decode_scratch_bytes=4 * fp8_weights,
                                     grouped_pairs=(n_tokens * self.cfg.num_experts_per_tok
-                                                   if self.expert_backend == "grouped" else 0))
+                                                   if self.expert_backend == "grouped" else 0),
+                                    decoded_experts=self.experts.decoded_at_once,
+                                    device_chunk=max(ESTIMATE_QUERY_CHUNK,
+                                                     model.preferred_query_chunk(self.cfg, self.device)))
         if self.device.type == "cuda":
             free, where = cuda_free_bytes(self.device), "free device memory"
         else:
@@ -493,6 +505,7 @@ class StreamingPrefill:
             "io_mode": reader.mode if self.resident is None else f"resident in {self.resident.place} memory",
             # the first prefill of a process over resident weights loads them (here, before the prefill's clock)
             "resident_load_s": round(self.resident_load_s, 3),
+            "resident_bytes": self.resident.nbytes if self.resident is not None else 0,
             "io_busy_s": round(io.busy_seconds, 4),
             "compute_busy_s": round(self.compute.seconds, 4),
             "overlap": round(wall / busiest, 3),
@@ -502,6 +515,7 @@ class StreamingPrefill:
             "compute_dtype_source": self.compute_dtype_source,
             "expert_dtype": str(self.expert_dtype).removeprefix("torch."),
             "expert_backend": self.expert_backend,
+            "expert_gemm": self.experts.gemm_kernel() if self.expert_backend == "grouped" else None,
             "expert_threads": self.experts.threads,
             # experts on up to this many tokens ran the fused FP4 matmul (the weights never decoded to memory)
             "fused_expert_max_tokens": self.experts.fused_tokens,

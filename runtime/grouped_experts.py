@@ -70,22 +70,36 @@ def resolve_expert_backend(name: str, device: torch.device) -> str:
     return name
 
 
+# torch's grouped GEMM: the public name (torch >= 2.9), else the private one it grew from (SM90, bf16)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def grouped_mm_usable(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM takes a [rows, K] @ b [G, K, N] (b transposed from [G, N, K]) here: bf16 on
     CUDA (its kernels take nothing else), any float dtype on a CPU; every row 16-byte aligned."""
-    if not hasattr(F, "grouped_mm"):
+    if _GROUPED_MM is None:
         return False
     if a.device.type == "cuda" and a.dtype != torch.bfloat16:
         return False
     return all(d * a.element_size() % 16 == 0 for d in (a.shape[1], b.shape[2]))
 
 
-def grouped_matmul(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def group_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+    """The groups' end rows as the grouped GEMM takes them (int32 on the device), copied without making the host
+    wait for the device (a pageable copy would wait for every kernel queued before it)."""
+    ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    if device.type != "cuda":
+        return ends
+    return ends.pin_memory().to(device, non_blocking=True)  # torch's pinned allocator keeps it until copied
+
+
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor, counts: list[int], offsets: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """Rows a[offset_g : offset_g + counts[g]] @ b[g] for each group g, as one [rows, N] tensor: torch's grouped
-    GEMM where it takes these operands, else one matmul per group (float32 on a GPU)."""
+    GEMM where it takes these operands (`offsets`: group_offsets(counts), made here if not given), else one
+    matmul per group (float32 on a GPU)."""
     if grouped_mm_usable(a, b):
-        offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(a.device)
-        return F.grouped_mm(a, b, offs=offsets)
+        return _GROUPED_MM(a, b, offs=group_offsets(counts, a.device) if offsets is None else offsets)
     out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
     first = 0
     for g, n in enumerate(counts):
@@ -117,14 +131,16 @@ class GroupedExperts:
             y = torch.zeros_like(x)
         failure = None
         for first_expert, count, future in reads:  # in read order, each computed as it lands
-            buffer, view = future.result()
+            buffer = None
             try:
+                buffer, view = future.result()  # a read that failed gave its buffer back itself
                 if failure is None:
                     self._bundle(block, block.experts[first_expert:first_expert + count], buffer, view, groups, x, y)
             except BaseException as e:  # every read is still awaited and its buffer given back
-                failure = e
+                failure = failure or e
             finally:
-                self.copier.release(buffer, self.release)
+                if buffer is not None:
+                    self.copier.release(buffer, self.release)
         if failure is not None:
             raise failure
         with self.compute:
@@ -157,10 +173,16 @@ class GroupedExperts:
                                (n.gate, n.up, n.down), self.expert_dtype)
             inner = w[n.gate].shape[1]
             gate_up = torch.cat([w.pop(n.gate), w.pop(n.up)], dim=1)  # [G, 2I, H]: both in one GEMM
-            both = grouped_matmul(x[first:stop], gate_up.transpose(1, 2), counts)
+            offsets = group_offsets(counts, x.device)  # once for both GEMMs
+            both = grouped_matmul(x[first:stop], gate_up.transpose(1, 2), counts, offsets)
             del gate_up
             hidden = self.activation(both[:, :inner], both[:, inner:])
-            y[first:stop] = grouped_matmul(hidden, w[n.down].transpose(1, 2), counts)
+            y[first:stop] = grouped_matmul(hidden, w[n.down].transpose(1, 2), counts, offsets)
+
+    def gemm_kernel(self) -> str:
+        """Which GEMM runs here (the stats): torch's grouped GEMM, or one matmul per expert."""
+        probe = torch.empty(1, 16, dtype=self.expert_dtype, device=self.device)
+        return "torch grouped_mm" if grouped_mm_usable(probe, probe.new_empty(1, 16, 16)) else "a matmul per expert"
 
     def close(self) -> None:
         pass

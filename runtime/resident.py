@@ -14,9 +14,11 @@ on its copy stream and uses a device slice as it is.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -61,13 +63,15 @@ class ResidentBytes:
         self.path = container.path
         sizes = [os.path.getsize(p) for p in container.part_paths]
         self.nbytes = sum(sizes)
-        on_device = place == "device" and device.type == "cuda"
+        self.verified = verify
+        self.on_device = on_device = place == "device" and device.type == "cuda"
         pinned = device.type == "cuda" and not on_device
         _check_room(self.nbytes, place, device, container.path)
         started = time.perf_counter()
         try:
-            self.parts = [torch.empty(size, dtype=torch.uint8, device=device if on_device else "cpu",
-                                      pin_memory=pinned) for size in sizes]
+            self.parts = [_pinned_host(size) if pinned else torch.empty(size, dtype=torch.uint8,
+                                                                        device=device if on_device else "cpu")
+                          for size in sizes]
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             where = "device" if on_device else ("page-locked host" if pinned else "host")
             raise MoepackError(f"cannot hold {container.path}'s {self.nbytes / 2**30:.1f} GiB in {where} memory "
@@ -108,6 +112,20 @@ class ResidentBytes:
         return ResidentSlice(tensor, view)
 
 
+def _pinned_host(size: int) -> torch.Tensor:
+    """`size` bytes of page-locked host memory, exactly: pages of their own registered with CUDA (torch's pinned
+    allocator would round a 10 GB container up to 16 GiB, and keep it cached after use), unregistered when the
+    tensor goes."""
+    pages = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor = torch.frombuffer(pages, dtype=torch.uint8)[:size]
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(tensor.data_ptr(), max(size, 1), 0)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister failed (CUDA error {int(error)})")
+    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
+    return tensor
+
+
 def _pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
     done = 0
     while done < len(view):
@@ -146,7 +164,7 @@ def resident_bytes(container: Container, place: str, device: torch.device, verif
            str(device))
     with _HELD_LOCK:
         held = _HELD.get(key)
-        if held is not None:
+        if held is not None and (held.verified or not verify):  # bytes loaded unchecked serve no checked prefill
             return held, False
         for old in [k for k in _HELD if k[0] == key[0] and k[2:] == key[2:]]:
             del _HELD[old]  # an earlier version of the same file

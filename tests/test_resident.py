@@ -67,8 +67,10 @@ def test_a_damaged_region_is_refused_as_it_loads(container, tmp_path):
     damaged.write_bytes(data)
     with pytest.raises(MoepackError, match="checksum mismatch while loading"):
         prefill(str(damaged), IDS, PrefillOptions(io_mode="host"))
-    # unchecked where the user turned checks off, as streamed reads are
+    # unchecked where the user turned checks off, as streamed reads are; bytes held unchecked serve no checked run
     prefill(str(damaged), IDS, PrefillOptions(io_mode="host", verify_reads=False))
+    with pytest.raises(MoepackError, match="checksum mismatch while loading"):
+        prefill(str(damaged), IDS, PrefillOptions(io_mode="host"))
 
 
 def test_no_room_is_one_line(container, monkeypatch):
