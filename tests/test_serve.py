@@ -16,7 +16,7 @@ import uvicorn
 
 from moepack.packer.convert import convert_checkpoint
 from moepack.runtime.generate import GenerateOptions, Generator, generate
-from moepack.runtime.serve import ThinkSplitter, make_app, split_thinking
+from moepack.runtime.serve import ThinkSplitter, make_app, split_thinking, uvicorn_config
 from moepack.runtime.tokenizer import PromptTokenizer
 from v4_models import CONFIGS, saved_model
 
@@ -27,12 +27,13 @@ TIMEOUT = 60
 class Running:
     """uvicorn serving `app` on 127.0.0.1 and a free port, in a daemon thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, limits=None):
         self.app = app
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+        self.server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning", access_log=False,
+                                                    lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
