@@ -75,6 +75,13 @@ class ServerLimits:
     request_timeout_s: float = 600.0  # --request-timeout: from arrival to the generation's end
     max_connections: int = 256  # --max-connections: open connections; more get 503
 
+    def __post_init__(self):
+        for flag, value in (("--timeout-read", self.read_timeout_s), ("--request-timeout", self.request_timeout_s)):
+            finite_float(value, flag, lo=0.0, lo_open=True)
+        finite_float(self.keep_alive_s, "--timeout-keep-alive", lo=0.0)
+        int_in_range(self.max_body_bytes, "--max-body-mb (in bytes)", 1, 1 << 40)
+        int_in_range(self.max_connections, "--max-connections", 1, 1 << 20)
+
 
 class RequestError(Exception):
     """A request the client got wrong: HTTP `status` with OpenAI's error object."""

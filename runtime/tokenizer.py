@@ -31,11 +31,16 @@ class PromptTokenizer:
         self.add_special_tokens = bool(config.get("add_bos_token", True))
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=self.add_special_tokens).ids
+        return self._ids(text, self.add_special_tokens)
 
     def encode_special(self, text: str) -> list[int]:
         """Ids of text that spells out its own special tokens (a chat template's BOS, role tags): none added."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._ids(text, False)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        # the batch call lets go of the GIL while it works (encode() holds it: a server's event loop would stall
+        # for the whole of a long prompt)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
