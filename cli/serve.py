@@ -28,7 +28,7 @@ from .common import Dtype, json_option, reports_errors
               show_default=True, help="As prefill's --compute-dtype.")
 @click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every /v1 request.")
 @click.option("--model-name", default=None, help="The model's id in the API (default: FILE's stem).")
-@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True, max=1024), default=8, show_default=True,
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True, max=1024), default=4, show_default=True,
               help="A request body over this is refused (413), by its Content-Length or as it is read.")
 @click.option("--max-context", type=click.IntRange(min=2), default=None,
               help="Prompt tokens + max_tokens allowed per request (400 beyond; default: the model's context, "

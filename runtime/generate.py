@@ -22,8 +22,8 @@ from moepack.format_spec.reader import Container
 from moepack.v4.kv import KVWriter, identity_of_container, kv_bytes, read_kv
 
 from .decode import Decoder
-from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device, cuda_free_bytes, model_config,
-                     resolve_compute_dtype)
+from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
+                     cuda_free_bytes, model_config, resolve_compute_dtype)
 from .expert_decode import expert_weight_count
 from .io import available_memory_bytes
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher

@@ -65,7 +65,7 @@ FLAG_FIELDS = {"--temperature": "temperature", "--top-p": "top_p", "--top-k": "t
 @dataclass(frozen=True)
 class ServerLimits:
     """What one request or connection may cost (`moepack serve`'s flags; docs/failures.md "Server limits")."""
-    max_body_bytes: int = 8 << 20  # --max-body-mb 8
+    max_body_bytes: int = 4 << 20  # --max-body-mb 4: about the text of a 1M-token context
     max_context: int | None = None  # --max-context: prompt + max_tokens, in tokens; None: the model's context
     max_stop: int = 16  # stop strings per request
     max_stop_chars: int = 256  # characters per stop string
