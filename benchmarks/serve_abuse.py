@@ -21,21 +21,10 @@ import threading
 import time
 
 import httpx
+from serve import container  # benchmarks/serve.py: the synthetic preset's container, made once
 
 READ_TIMEOUT_S = 5  # the server's --timeout-read here: slowloris connections must be gone after it
 GOOD = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
-
-
-def container(workdir: str, preset: str) -> str:
-    out = os.path.join(workdir, f"{preset}.moepack")
-    if not os.path.exists(out):
-        from moepack.packer.convert import convert_checkpoint
-        from moepack.packer.synth import synth_checkpoint
-
-        src = os.path.join(workdir, f"{preset}-src")
-        synth_checkpoint(src, preset=preset, progress=False)
-        convert_checkpoint(src, out, policy="keep", progress=False)
-    return out
 
 
 def rss_mib(pid: int) -> float:
@@ -157,7 +146,7 @@ def slowloris(url, port, max_body, count):
 def leaves_mid_prefill(url, port, max_body, log_path):
     """A long prompt whose client gives up after 1 s; how long the next request takes, and what the server's log
     says of the prefill (the layers it ran before it stopped)."""
-    statuses = [post(url, body={"prompt": list(range(1, 1000)) * 8, "max_tokens": 1}, timeout=1.0)]
+    statuses = [post(url, body={"prompt": list(range(1, 500)) * 16, "max_tokens": 1}, timeout=1.0)]
     t0 = time.monotonic()
     statuses.append(post(url, body=GOOD))
     statuses.append(f"next request served in {time.monotonic() - t0:.2f} s")
