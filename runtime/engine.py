@@ -317,7 +317,7 @@ class StreamingPrefill:
         states = [] if keep_states else None
         next_w = None  # this layer's dense weights, decoded beside the previous layer's experts
         for number, block in enumerate(layers):
-            # between layers nothing is in flight but the next dense region's read, which close() waits out
+            # between layers only reads queued ahead are in flight: close() cancels them or waits them out
             if should_stop is not None and should_stop():
                 raise GenerationCancelled(number)
             if resident is not None:

@@ -41,7 +41,7 @@ import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range, loads
@@ -128,7 +128,6 @@ class Job:
     cancelled: bool = False  # its client went away
     timed_out: bool = False
     started: bool = False
-    arrived: float = field(default_factory=time.monotonic)
 
     def stopped(self) -> bool:
         if not self.timed_out and time.monotonic() > self.deadline:

@@ -301,32 +301,6 @@ def test_connections_past_the_limit_get_503_with_retry_after(tiny):
         _stop(running)
 
 
-def test_a_full_queue_says_when_to_retry(tiny, monkeypatch):
-    running = _serve(tiny, max_queue=1)
-    release = threading.Event()
-    real = running.generator.generate
-
-    def held(ids, options, **k):
-        release.wait(TIMEOUT)
-        return real(ids, options, **k)
-
-    monkeypatch.setattr(running.generator, "generate", held)
-    try:
-        first = threading.Thread(target=lambda: _post(running, GOOD))
-        first.start()
-        deadline = time.monotonic() + 10
-        while running.state.admitted != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        r = _post(running, GOOD)
-        release.set()
-        assert r.status_code == 429 and r.headers["retry-after"] == "2"
-        first.join(TIMEOUT)
-    finally:
-        release.set()
-        _stop(running)
-
-
 # ---- work off the event loop ------------------------------------------------------------------------------------
 
 def test_health_answers_while_the_largest_allowed_prompt_is_tokenized(server):
