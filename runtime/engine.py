@@ -67,6 +67,17 @@ class GenerationCancelled(MoepackError):
         self.layers_done = layers_done
 
 
+def stop_check(should_stop: Callable[[], bool] | None, layers_done: int) -> Callable[[], None] | None:
+    """A check that raises GenerationCancelled(layers_done) once `should_stop()` is true (None without one)."""
+    if should_stop is None:
+        return None
+
+    def check() -> None:
+        if should_stop():
+            raise GenerationCancelled(layers_done)
+    return check
+
+
 @dataclass
 class PrefillOptions:
     device: str = "cpu"
@@ -255,7 +266,7 @@ class StreamingPrefill:
         chunk continuing the previous one's state): the same logits, but the model is read ceil(N / C) times. It
         exists to measure what layer-major order saves. `keep_kv`: the result holds every layer's state after the
         prompt (what a decode goes on from). `should_stop()` is asked before each layer (the first time once every
-        check has passed); true raises GenerationCancelled."""
+        check has passed) and between a layer's query chunks; true raises GenerationCancelled."""
         cfg = self.cfg
         n_tokens = int(token_ids.numel())
         if n_tokens < 1:
@@ -317,9 +328,11 @@ class StreamingPrefill:
         states = [] if keep_states else None
         next_w = None  # this layer's dense weights, decoded beside the previous layer's experts
         for number, block in enumerate(layers):
-            # between layers only reads queued ahead are in flight: close() cancels them or waits them out
-            if should_stop is not None and should_stop():
-                raise GenerationCancelled(number)
+            # between layers (and between a layer's query chunks) only reads queued ahead are in flight: close()
+            # cancels them or waits them out
+            between = stop_check(should_stop, number)
+            if between is not None:
+                between()
             if resident is not None:
                 w = resident[number]
             else:
@@ -333,7 +346,8 @@ class StreamingPrefill:
                 # N = 2048 (V4-Flash: N = 512), where each fresh allocation would fault in every page again
                 spare = torch.empty_like(streams) if spare is None else spare
                 new_streams, kv_state = model.attention_sublayer(cfg, number, w, streams, positions,
-                                                                 self.opt.query_chunk, layer_past, into=spare)
+                                                                 self.opt.query_chunk, layer_past, into=spare,
+                                                                 between_chunks=between)
                 streams, spare = new_streams, streams
                 routing = model.moe_route(cfg, number, w, streams, token_ids)
                 by_expert = routing.tokens_by_expert()

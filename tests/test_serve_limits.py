@@ -15,9 +15,10 @@ from collections.abc import Callable
 
 import httpx
 import pytest
+import torch
 
 from moepack.packer.convert import convert_checkpoint
-from moepack.runtime.engine import GenerationCancelled
+from moepack.runtime.engine import GenerationCancelled, StreamingPrefill
 from moepack.runtime.generate import GenerateOptions, Generator
 from moepack.runtime.sampling import StopMatcher
 from moepack.runtime.serve import ServerLimits, make_app
@@ -337,15 +338,24 @@ def test_the_generator_stops_a_prefill_between_layers_and_the_next_one_is_the_sa
         assert result.finish_reason == "cancelled" and result.generated_ids == []
         assert result.stats["prefill"]["cancelled_after_layers"] == 2
         assert g.generate([5, 6, 7, 8], GenerateOptions(max_new_tokens=6)).generated_ids == before
-        with pytest.raises(GenerationCancelled):
-            from moepack.runtime.engine import StreamingPrefill
-            import torch
-
+        # the engine alone (its dense weights read, not resident): asked before the first layer
+        with pytest.raises(GenerationCancelled) as stopped:
             engine = StreamingPrefill(g.c, g.prefill_options)
             try:
                 engine.run(torch.tensor([1, 2, 3]), should_stop=lambda: True)
             finally:
                 engine.close()
+        assert stopped.value.layers_done == 0
+        # and between a layer's query chunks: 40 tokens in chunks of 8, stopped at the second call, inside layer 0
+        asked.clear()
+        with pytest.raises(GenerationCancelled) as stopped:
+            engine = StreamingPrefill(g.c, dataclasses.replace(g.prefill_options, query_chunk=8))
+            try:
+                engine.run(torch.arange(1, 41), should_stop=lambda: (asked.append(1), len(asked) > 1)[1])
+            finally:
+                engine.close()
+        assert stopped.value.layers_done == 0 and len(asked) == 2
+        assert g.generate([5, 6, 7, 8], GenerateOptions(max_new_tokens=6)).generated_ids == before
 
 
 @pytest.mark.parametrize("stream", [False, True])
