@@ -8,6 +8,7 @@ import socket
 
 import click
 
+from moepack.format_spec.untrusted import finite_float
 from moepack.runtime.limits import MAX_CACHE_GIB
 
 from .common import Dtype, json_option, reports_errors
@@ -27,32 +28,56 @@ from .common import Dtype, json_option, reports_errors
               show_default=True, help="As prefill's --compute-dtype.")
 @click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every /v1 request.")
 @click.option("--model-name", default=None, help="The model's id in the API (default: FILE's stem).")
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True, max=1024), default=4, show_default=True,
+              help="A request body over this is refused (413), by its Content-Length or as it is read.")
+@click.option("--max-context", type=click.IntRange(min=2), default=None,
+              help="Prompt tokens + max_tokens allowed per request (400 beyond; default: the model's context, "
+                   "max_position_embeddings).")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True, max=7 * 86400), default=600,
+              show_default=True, help="Seconds from a request's arrival to its generation's end: past it the "
+                                      "prefill stops between layers (408) or the decode ends (finish 'timeout').")
+@click.option("--timeout-read", type=click.FloatRange(min=0, min_open=True, max=3600), default=30,
+              show_default=True, help="Seconds a client has to send a request's headers (else the connection is "
+                                      "closed) and then its body (else 408).")
+@click.option("--timeout-keep-alive", type=click.FloatRange(min=0, max=3600), default=5, show_default=True,
+              help="Seconds an idle connection is kept open between requests.")
+@click.option("--max-connections", type=click.IntRange(min=1, max=100000), default=256, show_default=True,
+              help="Open connections served at once; past it a request gets 503 with Retry-After.")
 @json_option
 @reports_errors(out_of_memory_hint="lower --cache-gib")
-def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key, model_name, as_json):
+def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key, model_name, max_body_mb,
+          max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections, as_json):
     """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health.
-    With --json: one JSON line on stdout once the socket is bound (its url and port: --port 0 picks a free one)."""
+    With --json: one JSON line on stdout once the socket is bound (its url and port: --port 0 picks a free one).
+    Limits and their refusals: docs/failures.md, "Server limits"."""
     import uvicorn
 
     from moepack.runtime.engine import PrefillOptions
     from moepack.runtime.generate import Generator, default_cache_gib
-    from moepack.runtime.serve import make_app
+    from moepack.runtime.serve import ServerLimits, make_app, uvicorn_config
 
     name = model_name or os.path.splitext(os.path.basename(file))[0]
     generator = Generator(file, default_cache_gib(file, device) if cache_gib is None else cache_gib,
                           prefill=PrefillOptions(device=device, compute_dtype=compute_dtype))
     try:
-        app = make_app(generator, name, api_key=api_key, max_queue=max_queue)
+        limits = ServerLimits(max_body_bytes=round(finite_float(max_body_mb, "--max-body-mb", lo=0.0, lo_open=True)
+                                                   * 2**20), max_context=max_context,
+                              read_timeout_s=timeout_read, keep_alive_s=timeout_keep_alive,
+                              request_timeout_s=request_timeout, max_connections=max_connections)
+        app = make_app(generator, name, api_key=api_key, max_queue=max_queue, limits=limits)
+        context = app.state.server.context
         # bound here, not by uvicorn: the port is known (and reported) before the first request can arrive
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         port = sock.getsockname()[1]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
-        click.echo(f"moepack serve: {name} at {url} (max queue {max_queue}"
-                   f"{', API key required' if api_key else ''})", err=True)
+        click.echo(f"moepack serve: {name} at {url} (max queue {max_queue}, max context {context}, max body "
+                   f"{max_body_mb:g} MB{', API key required' if api_key else ''})", err=True)
         if as_json:
             click.echo(json.dumps({"ok": True, "model": name, "url": url, "host": host, "port": port,
-                                   "max_queue": max_queue, "api_key_required": bool(api_key)}))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+                                   "max_queue": max_queue, "api_key_required": bool(api_key),
+                                   "max_context": context, "max_body_bytes": limits.max_body_bytes,
+                                   "max_connections": max_connections}))
+        server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning", access_log=False))
         server.run(sockets=[sock])
     finally:
         generator.close()

@@ -64,6 +64,26 @@ ESTIMATE_QUERY_CHUNK = 512
 HEAD_CHUNK_BYTES = 16 << 20
 
 
+class GenerationCancelled(MoepackError):
+    """The caller's `should_stop` said stop (its client left, its deadline passed): the prefill ended between two
+    layers, after `layers_done` of them; StreamingPrefill.close() still returns its pools and buffers."""
+
+    def __init__(self, layers_done: int):
+        super().__init__(f"cancelled after {layers_done} layers of the prefill")
+        self.layers_done = layers_done
+
+
+def stop_check(should_stop: Callable[[], bool] | None, layers_done: int) -> Callable[[], None] | None:
+    """A check that raises GenerationCancelled(layers_done) once `should_stop()` is true (None without one)."""
+    if should_stop is None:
+        return None
+
+    def check() -> None:
+        if should_stop():
+            raise GenerationCancelled(layers_done)
+    return check
+
+
 @dataclass
 class PrefillOptions:
     device: str = "cpu"
@@ -290,14 +310,15 @@ class StreamingPrefill:
 
     # --- the prefill ---------------------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, past: list | None = None, chunk_tokens: int | None = None,
-            keep_kv: bool = False) -> PrefillResult:
+            keep_kv: bool = False, should_stop: Callable[[], bool] | None = None) -> PrefillResult:
         """Prefill `token_ids`; with `past` (one LayerKVState per layer, e.g. `read_kv(...).layers`) the tokens
         continue that state at positions P.., P = past[0].seen_tokens (the list's entries are released as used).
 
         `chunk_tokens` runs the usual chunked prefill instead (chunk-major: every chunk through every layer, each
         chunk continuing the previous one's state): the same logits, but the model is read ceil(N / C) times. It
         exists to measure what layer-major order saves. `keep_kv`: the result holds every layer's state after the
-        prompt (what a decode goes on from)."""
+        prompt (what a decode goes on from). `should_stop()` is asked before each layer (the first time once every
+        check has passed) and between a layer's query chunks; true raises GenerationCancelled."""
         cfg = self.cfg
         n_tokens = int(token_ids.numel())
         if n_tokens < 1:
@@ -318,7 +339,8 @@ class StreamingPrefill:
             for i, chunk in enumerate(chunks):
                 final = i == len(chunks) - 1
                 logits, layer_stats, states, counts = self._forward(chunk.to(self.device), states, emit_kv=final,
-                                                                    keep_states=keep_kv or not final)
+                                                                    keep_states=keep_kv or not final,
+                                                                    should_stop=should_stop)
                 all_stats.extend(layer_stats)
         wall, steal_after = time.perf_counter() - start, cpu_steal_seconds()
         stats = self._stats(n_tokens, wall, all_stats)
@@ -331,7 +353,8 @@ class StreamingPrefill:
         return PrefillResult(logits, int(torch.argmax(logits)), stats, all_stats, states if keep_kv else None,
                              counts)
 
-    def _forward(self, token_ids: torch.Tensor, past: list | None, emit_kv: bool, keep_states: bool):
+    def _forward(self, token_ids: torch.Tensor, past: list | None, emit_kv: bool, keep_states: bool,
+                 should_stop: Callable[[], bool] | None = None):
         """One pass of `token_ids` through every layer (reading each region once). Returns the last position's
         logits, per-layer stats, (keep_states) the new per-layer states and the tokens the router sent to each
         expert of each layer."""
@@ -358,6 +381,11 @@ class StreamingPrefill:
         states = [] if keep_states else None
         next_w = None  # this layer's dense weights, decoded beside the previous layer's experts
         for number, block in enumerate(layers):
+            # between layers (and between a layer's query chunks) only reads queued ahead are in flight: close()
+            # cancels them or waits them out
+            between = stop_check(should_stop, number)
+            if between is not None:
+                between()
             if resident is not None:
                 w = resident[number]
             else:
@@ -371,7 +399,8 @@ class StreamingPrefill:
                 # N = 2048 (V4-Flash: N = 512), where each fresh allocation would fault in every page again
                 spare = torch.empty_like(streams) if spare is None else spare
                 new_streams, kv_state = model.attention_sublayer(cfg, number, w, streams, positions,
-                                                                 self.opt.query_chunk, layer_past, into=spare)
+                                                                 self.opt.query_chunk, layer_past, into=spare,
+                                                                 between_chunks=between)
                 streams, spare = new_streams, streams
                 routing = model.moe_route(cfg, number, w, streams, token_ids)
                 by_expert = routing.tokens_by_expert()

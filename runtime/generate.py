@@ -22,8 +22,8 @@ from moepack.format_spec.reader import Container
 from moepack.v4.kv import KVWriter, identity_of_container, kv_bytes, read_kv
 
 from .decode import Decoder
-from .engine import (EXPERT_DTYPES, PrefillOptions, StreamingPrefill, compute_device, cuda_free_bytes, model_config,
-                     resolve_compute_dtype)
+from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
+                     cuda_free_bytes, model_config, resolve_compute_dtype)
 from .expert_decode import expert_weight_count
 from .io import available_memory_bytes
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher
@@ -151,7 +151,8 @@ class Generator:
         self.decoder.close()
         self.c.close()
 
-    def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int):
+    def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int,
+                 should_stop: Callable[[], bool] | None = None):
         """(last logits, states, prefill stats, tokens per expert, all ids so far, tokens the KV held, memory bound)"""
         # the prompt runs through the decoder's resident dense weights: only the experts are read
         # the prompt's experts go from the prefill's reads into the expert cache (seeding need not read them again)
@@ -167,7 +168,7 @@ class Generator:
                 all_ids = kv.token_ids + token_ids.tolist()
                 bound = self._check_memory(past + len(token_ids) + max_new)
                 if len(token_ids):
-                    done = engine.run(token_ids.to(engine.device), states, keep_kv=True)
+                    done = engine.run(token_ids.to(engine.device), states, keep_kv=True, should_stop=should_stop)
                     logits, states, stats, counts = done.logits, done.states, done.stats, done.tokens_per_expert
                 elif kv.logits is not None:
                     logits, stats, counts = kv.logits, {"tokens": 0}, None
@@ -178,7 +179,7 @@ class Generator:
             if not len(token_ids):
                 raise MoepackError("empty prompt")
             bound = self._check_memory(len(token_ids) + max_new)
-            done = engine.run(token_ids.to(engine.device), keep_kv=True)
+            done = engine.run(token_ids.to(engine.device), keep_kv=True, should_stop=should_stop)
             return done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0, bound
         finally:
             engine.close()
@@ -192,7 +193,8 @@ class Generator:
         as it comes (never a split UTF-8 character, never the start of a stop string that may yet complete).
         `kv_out`: the KV after the generation (prompt and generated tokens; its result, the last generated token)
         is written there (a KV already there is refused unless `kv_overwrite`). `cancelled()` true ends the
-        generation (finish_reason "cancelled")."""
+        generation (finish_reason "cancelled"): asked between the prefill's layers (the first time once every
+        check has passed) and between decoded tokens."""
         options = options or GenerateOptions()
         if options.max_new_tokens < 1:
             raise MoepackError("--max-new-tokens must be at least 1")
@@ -201,8 +203,12 @@ class Generator:
         sampler = Sampler(options.temperature, options.top_p, options.top_k, options.seed)
         stopper = StopMatcher(list(options.stop), self.eos_ids if options.stop_at_eos else set())
         token_ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
-        logits, states, prefill_stats, counts, all_ids, past, bound = self._prefill(token_ids, continue_from,
-                                                                                 options.max_new_tokens)
+        try:
+            logits, states, prefill_stats, counts, all_ids, past, bound = self._prefill(
+                token_ids, continue_from, options.max_new_tokens, cancelled)
+        except GenerationCancelled as e:  # the engine's close() gave back its pools and buffers
+            return GenerateResult([], "" if detokenize is not None else None, "cancelled",
+                                  {"prefill": {"cancelled_after_layers": e.layers_done}, "decode": {}})
         prefill_stats = {**prefill_stats, "compute_dtype": self.prefill_options.compute_dtype,
                          "compute_dtype_source": self.compute_dtype_source}
         decoder = self.decoder

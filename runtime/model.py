@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -376,9 +376,11 @@ def _kv_norm_weight(w: Mapping[str, Tensor]) -> Tensor:
 
 def attention_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor, positions: Tensor,
                        query_chunk: int | None = None, past: LayerKVState | None = None,
-                       into: Tensor | None = None) -> tuple[Tensor, LayerKVState]:
+                       into: Tensor | None = None, between_chunks: Callable[[], None] | None = None
+                       ) -> tuple[Tensor, LayerKVState]:
     """mHC + attention for all N tokens of one layer: streams [N, hc, H] -> (streams, kv_state); the new streams
-    are written into `into` where it is given (hc_post).
+    are written into `into` where it is given (hc_post). `between_chunks()` runs before each query chunk after
+    the first (a prefill's stop check: it may raise).
 
     Prefill from an empty cache: `positions` must be arange(N). Continuation (`past`, the layer's state after P
     tokens): `positions` must be arange(P, P + N); the new tokens attend to past's window, compressed entries and
@@ -392,12 +394,13 @@ def attention_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], st
                          f"{'the past state' if past is not None else 'an empty cache'}")
     x, post, comb = hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
                                 w["attn_norm.weight"])
-    out, kv_state = attention(cfg, layer, w, x, positions, query_chunk, past)
+    out, kv_state = attention(cfg, layer, w, x, positions, query_chunk, past, between_chunks)
     return hc_post(streams, out, post, comb, into), kv_state
 
 
 def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, positions: Tensor,
-              query_chunk: int | None = None, past: LayerKVState | None = None) -> tuple[Tensor, LayerKVState]:
+              query_chunk: int | None = None, past: LayerKVState | None = None,
+              between_chunks: Callable[[], None] | None = None) -> tuple[Tensor, LayerKVState]:
     """x [N, H] (normed sublayer input) -> attention output [N, H], kv_state.
 
     Shared-KV MQA: one head of K=V. Each query sees the sliding window of the last `sliding_window` tokens, plus
@@ -440,6 +443,8 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
     # the device's chunk (a few sliding windows on a CPU), or the fewer queries `query_chunk` (a memory bound) asks
     chunk = min(query_chunk or n_tokens, preferred_query_chunk(cfg, x.device))
     for start in range(0, n_tokens, chunk):
+        if start and between_chunks is not None:
+            between_chunks()
         end = min(start + chunk, n_tokens)
         q_pos, q_rotation = positions[start:end], rotation[start:end]
         q = linear(q_lora[start:end], w["attn.wq_b.weight"]).unflatten(-1, (cfg.num_heads, cfg.head_dim))

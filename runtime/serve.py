@@ -5,11 +5,20 @@
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream or not).
 
 Scheduling: the Generator runs one generation at a time, so every generation runs on ONE worker thread (a
-single-thread executor), in arrival order. At most `max_queue` requests are admitted at once (waiting + running);
-one more is answered 429 at once. A streamed answer's pieces go from the worker's `on_text` to the event loop
-through an asyncio.Queue (loop.call_soon_threadsafe). A client that goes away (stream or not) sets its job's
-cancel flag: a job not yet started is skipped, a running one stops at its next token (finish_reason "cancelled"),
-and its slot is free once the worker lets go of it.
+single-thread executor), in arrival order. At most `max_queue` requests are admitted at once (reading their body,
+being prepared, waiting or running); one more is answered 429 at once. A streamed answer's pieces go from the
+worker's `on_text` to the event loop through an asyncio.Queue (loop.call_soon_threadsafe). A client that goes
+away (stream or not) or a request past its deadline (--request-timeout) sets its job's stop flag: a job not yet
+started is skipped, a running one stops before its prefill's next layer or its next token (finish_reason
+"cancelled", or "timeout" past the deadline), and its slot is free once the worker lets go of it.
+
+Limits (ServerLimits; docs/failures.md "Server limits"): the body's size (413, counted as it is read, never
+buffered past the limit), the time to send a request (headers: the connection is closed; body: 408), the prompt
+and max_tokens within max_context, the stop strings' number and length, concurrent connections (503). Nothing
+heavy runs on the event loop: the body is parsed (format_spec.untrusted.loads), validated and tokenized on a
+worker thread (the tokenizer's batch call lets go of the GIL), its cost bounded by the body limit. A streamed
+request's status comes once its generation has passed every check (its prefill's first layer starts): a bad
+value is a 4xx, never a 200 followed by an error event.
 
 Chat with thinking on (`"thinking": true`, or DeepSeek's `{"thinking": {"type": "enabled"}}`): the prompt ends with
 `<think>`; the generated text before the first `</think>` is `reasoning_content`, the rest `content` (all of it
@@ -32,44 +41,116 @@ import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range, loads
 from moepack.v4.chat import THINK_END, encode_message_segments
 
 from .generate import GenerateOptions, GenerateResult
-from .sampling import is_int, is_number, partial_match_length
+from .sampling import Sampler, is_int, partial_match_length
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_CHAT_TOKENS = 1024  # chat without max_tokens: this, within what the context leaves
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+MAX_BODY_DEPTH = 32  # a request body nests a few levels (messages, their content parts)
+OVER_LIMIT_HEADER_S = 2.0  # a connection past --max-connections: its request must come this fast (then 503)
+RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and of too many connections
+MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
+# the generator's checks name the CLI's flags: the request's fields they stand for
+FLAG_FIELDS = {"--temperature": "temperature", "--top-p": "top_p", "--top-k": "top_k", "--seed": "seed",
+               "--stop": "stop", "--max-new-tokens": "max_tokens"}
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request or connection may cost (`moepack serve`'s flags; docs/failures.md "Server limits")."""
+    max_body_bytes: int = 4 << 20  # --max-body-mb 4: about the text of a 1M-token context
+    max_context: int | None = None  # --max-context: prompt + max_tokens, in tokens; None: the model's context
+    max_stop: int = 16  # stop strings per request
+    max_stop_chars: int = 256  # characters per stop string
+    read_timeout_s: float = 30.0  # --timeout-read: a request's headers (from the connection's start or its
+    # previous response) and its body must each arrive within this
+    keep_alive_s: float = 5.0  # --timeout-keep-alive: an idle connection between requests
+    request_timeout_s: float = 600.0  # --request-timeout: from arrival to the generation's end
+    max_connections: int = 256  # --max-connections: open connections; more get 503
+
+    def __post_init__(self):
+        for flag, value in (("--timeout-read", self.read_timeout_s), ("--request-timeout", self.request_timeout_s)):
+            finite_float(value, flag, lo=0.0, lo_open=True)
+        finite_float(self.keep_alive_s, "--timeout-keep-alive", lo=0.0)
+        int_in_range(self.max_body_bytes, "--max-body-mb (in bytes)", 1, 1 << 40)
+        int_in_range(self.max_connections, "--max-connections", 1, 1 << 20)
 
 
 class RequestError(Exception):
     """A request the client got wrong: HTTP `status` with OpenAI's error object."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+        self.headers = dict(headers or {})
+        if status in RETRY_AFTER_S:
+            self.headers.setdefault("Retry-After", str(RETRY_AFTER_S[status]))
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def error_response(e: RequestError):
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}},
-                        status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def request_error(e: MoepackError) -> RequestError:
+    """A MoepackError the request caused, as a 400 naming the request's field where the message names the CLI
+    flag that stands for it (the generator's checks are the CLI's)."""
+    text = str(e)
+    for flag, name in FLAG_FIELDS.items():
+        if text.startswith(flag):
+            return RequestError(name + text[len(flag):], param=name, code="invalid_value")
+    return RequestError(text, code="invalid_request")
 
 
 @dataclass
 class Job:
-    """One generation: what the worker thread runs, and the flag that cancels it."""
+    """One generation: what the worker thread runs, and the flags that stop it."""
     request_id: str
     ids: list[int]
     options: GenerateOptions
+    deadline: float  # time.monotonic() past which it stops (--request-timeout)
     on_text: Callable[[str], None] | None = None
-    cancelled: bool = False
-    started: float = field(default_factory=time.monotonic)
+    on_start: Callable[[], None] | None = None  # called on the worker once its generation passed every check
+    queue: asyncio.Queue | None = None  # a streamed job's ("text", piece) events
+    began: asyncio.Event | None = None  # a streamed job's on_start, on the event loop
+    cancelled: bool = False  # its client went away
+    timed_out: bool = False
+    started: bool = False
+
+    def stopped(self) -> bool:
+        if not self.timed_out and time.monotonic() > self.deadline:
+            self.timed_out = True
+        return self.cancelled or self.timed_out
+
+    def should_stop(self) -> bool:
+        """The generator's `cancelled`: asked first before the prefill's first layer, once every check passed."""
+        if not self.started:
+            self.started = True
+            if self.on_start is not None:
+                self.on_start()
+        return self.stopped()
+
+
+@dataclass
+class Prepared:
+    """A request checked and tokenized (on a worker thread), ready to be a Job."""
+    ids: list[int]
+    options: GenerateOptions
+    stream: bool
+    include_usage: bool
+    thinking: bool = False
 
 
 class ThinkSplitter:
@@ -116,6 +197,19 @@ def _get(body: dict, name: str, check: Callable, what: str, default=None):
     return v
 
 
+def _value(body: dict, name: str, checker: Callable, *args, default=None, **kw):
+    """body[name] through one of format_spec.untrusted's checkers (finite_float, int_in_range); its refusal is a
+    400 naming the field."""
+    v = body.get(name)
+    if v is None:
+        return default
+    try:
+        return checker(v, name, *args, **kw)
+    except UntrustedInputError as e:
+        raise RequestError(str(e), param=name,
+                           code="invalid_type" if "expected" in str(e) else "invalid_value") from None
+
+
 def _thinking_flag(body: dict) -> bool:
     v = body.get("thinking")
     if v is None or isinstance(v, bool):
@@ -126,40 +220,55 @@ def _thinking_flag(body: dict) -> bool:
                        code="invalid_type")
 
 
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    so = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    return stream, bool(so.get("include_usage")) if stream else False
+
+
 class Server:
-    """The app's state: the generator, its one worker thread, the admission count."""
+    """The app's state: the generator, its one worker thread, the admission count, the limits."""
 
     def __init__(self, generator, model_name: str, api_key: str | None, max_queue: int,
-                 log: Callable[[str], None] | None):
+                 log: Callable[[str], None] | None, limits: ServerLimits | None = None):
         if max_queue < 1:
             raise MoepackError("--max-queue must be at least 1")
         self.generator = generator
         self.model_name = model_name
         self.api_key = api_key
         self.max_queue = max_queue
+        self.limits = limits = limits or ServerLimits()
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moepack-generate")
         self.lock = threading.Lock()
-        self.admitted = 0  # waiting + running
+        self.admitted = 0  # reading, being prepared, waiting or running
         self.finished: collections.deque = collections.deque(maxlen=256)  # (request id, finish reason)
         self.created = int(time.time())
         self.counter = itertools.count(1)
         config = generator.c.config
-        self.context = config.get("max_position_embeddings")
+        model_context = config.get("max_position_embeddings")
+        if limits.max_context is not None and limits.max_context < 2:
+            raise MoepackError(f"--max-context must be at least 2 tokens, got {limits.max_context}")
+        if limits.max_context is not None and model_context and limits.max_context > model_context:
+            raise MoepackError(f"--max-context {limits.max_context} exceeds the model's context of "
+                               f"{model_context} tokens")
+        self.context = limits.max_context or model_context
         self.vocab = config.get("vocab_size")
         self._tokenizer = None
         self._tokenizer_error: str | None = None
+        self._tokenizer_lock = threading.Lock()
 
     # -- helpers
     @property
     def tokenizer(self):
-        if self._tokenizer is None and self._tokenizer_error is None:
-            from .tokenizer import PromptTokenizer
+        with self._tokenizer_lock:  # loaded once, by whichever preparing thread comes first
+            if self._tokenizer is None and self._tokenizer_error is None:
+                from .tokenizer import PromptTokenizer
 
-            try:
-                self._tokenizer = PromptTokenizer(self.generator.c)
-            except MoepackError as e:
-                self._tokenizer_error = str(e)
+                try:
+                    self._tokenizer = PromptTokenizer(self.generator.c)
+                except MoepackError as e:
+                    self._tokenizer_error = str(e)
         return self._tokenizer
 
     def need_tokenizer(self, param: str):
@@ -176,12 +285,41 @@ class Server:
             raise RequestError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                                kind="invalid_request_error", code="invalid_api_key")
 
-    async def body(self, request) -> dict:
-        raw = await request.body()
+    async def read_body(self, request) -> bytes:
+        """The request's body, refused (413) once over --max-body-mb: by its Content-Length up front, else as the
+        bytes of a chunked body come (never more than the limit is held); 408 when it does not arrive within
+        --timeout-read. Both responses close the connection (the rest of the body is not read)."""
+        from starlette.requests import ClientDisconnect
+
+        limit = self.limits.max_body_bytes
+        too_large = RequestError(f"the request body is over the limit of {limit} bytes ({limit / 2**20:g} MB, "
+                                 "--max-body-mb)", code="body_too_large", status=413,
+                                 headers={"Connection": "close"})
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        body = bytearray()
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+            async with asyncio.timeout(self.limits.read_timeout_s):
+                async for chunk in request.stream():
+                    if len(body) + len(chunk) > limit:
+                        raise too_large
+                    body += chunk
+        except TimeoutError:
+            raise RequestError(f"the request body did not arrive within {self.limits.read_timeout_s:g} s "
+                               "(--timeout-read)", code="request_timeout", status=408,
+                               headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise RequestError("the client went away while sending its body", code="client_gone") from None
+        return bytes(body)
+
+    def parse(self, raw: bytes) -> dict:
+        """The body as a JSON object (format_spec.untrusted.loads: depth, number length, NaN, UTF-8, surrogates),
+        its model and n checked."""
+        try:
+            body = loads(raw, "the request body", max_bytes=self.limits.max_body_bytes, max_depth=MAX_BODY_DEPTH)
+        except UntrustedInputError as e:
+            raise RequestError(str(e), code="invalid_json") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", code="invalid_json")
         model = _get(body, "model", lambda v: isinstance(v, str), "a string")
@@ -192,50 +330,60 @@ class Server:
             raise RequestError("n: only n=1 is supported", param="n", code="unsupported")
         return body
 
-    def options(self, body: dict, n_prompt: int, default_tokens: int) -> GenerateOptions:
-        max_tokens = _get(body, "max_tokens", is_int, "an integer")
-        if max_tokens is None:
-            max_tokens = _get(body, "max_completion_tokens", is_int, "an integer")
-        if n_prompt == 0:
-            raise RequestError("empty prompt", param="prompt", code="empty_prompt")
-        if self.context and n_prompt >= self.context:
-            raise RequestError(f"the prompt is {n_prompt} tokens: this model's context is {self.context} tokens",
-                               param="prompt" if "prompt" in body else "messages", code="context_length_exceeded")
-        room = self.context - n_prompt if self.context else None
-        if max_tokens is None:
-            max_tokens = default_tokens if room is None else min(default_tokens, room)
-        elif max_tokens < 1:
-            raise RequestError(f"max_tokens: must be at least 1, got {max_tokens}", param="max_tokens",
-                               code="invalid_value")
-        elif room is not None and max_tokens > room:
-            raise RequestError(f"the prompt ({n_prompt} tokens) and max_tokens ({max_tokens}) exceed this model's "
-                               f"context of {self.context} tokens", param="max_tokens",
-                               code="context_length_exceeded")
-        temperature = _get(body, "temperature", is_number, "a number", 1.0)
-        if temperature < 0:
-            raise RequestError("temperature: must be >= 0", param="temperature", code="invalid_value")
-        top_p = _get(body, "top_p", is_number, "a number", 1.0)
-        if not 0 < top_p <= 1:
-            raise RequestError("top_p: must be in (0, 1]", param="top_p", code="invalid_value")
-        top_k = _get(body, "top_k", is_int, "an integer", 0)
-        if top_k < 0:
-            raise RequestError("top_k: must be >= 0", param="top_k", code="invalid_value")
-        seed = _get(body, "seed", is_int, "an integer")
+    def stop_strings(self, body: dict) -> list[str]:
         stop = _get(body, "stop", lambda v: isinstance(v, str) or isinstance(v, list)
                     and all(isinstance(s, str) for s in v), "a string or a list of strings", [])
         stop = [stop] if isinstance(stop, str) else stop
+        most, longest = self.limits.max_stop, self.limits.max_stop_chars
+        if len(stop) > most:
+            raise RequestError(f"stop: {len(stop)} stop strings, over the limit of {most}", param="stop",
+                               code="too_many_stop_strings")
+        if any(len(s) > longest for s in stop):
+            raise RequestError(f"stop: a stop string of {max(map(len, stop))} characters, over the limit of "
+                               f"{longest}", param="stop", code="stop_string_too_long")
         if any(not s for s in stop):
             raise RequestError("stop: an empty stop string", param="stop", code="invalid_value")
         if stop:
             self.need_tokenizer("stop")
-        return GenerateOptions(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                               top_k=top_k, seed=seed, stop=tuple(stop))
+        return stop
+
+    def options(self, body: dict, n_prompt: int, default_tokens: int) -> GenerateOptions:
+        max_tokens = _value(body, "max_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
+        if max_tokens is None:
+            max_tokens = _value(body, "max_completion_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
+        if n_prompt == 0:
+            raise RequestError("empty prompt", param="prompt" if "prompt" in body else "messages",
+                               code="empty_prompt")
+        if self.context and n_prompt >= self.context:
+            raise RequestError(f"the prompt is {n_prompt} tokens: this server's max_context is {self.context} "
+                               "tokens (--max-context)", param="prompt" if "prompt" in body else "messages",
+                               code="context_length_exceeded")
+        room = self.context - n_prompt if self.context else None
+        if max_tokens is None:
+            max_tokens = default_tokens if room is None else min(default_tokens, room)
+        elif room is not None and max_tokens > room:
+            raise RequestError(f"the prompt ({n_prompt} tokens) and max_tokens ({max_tokens}) exceed this server's "
+                               f"max_context of {self.context} tokens (--max-context)", param="max_tokens",
+                               code="context_length_exceeded")
+        temperature = _value(body, "temperature", finite_float, lo=0.0, default=1.0)
+        top_p = _value(body, "top_p", finite_float, lo=0.0, hi=1.0, lo_open=True, default=1.0)
+        top_k = _value(body, "top_k", int_in_range, 0, MAX_TOKENS_LIMIT, default=0)
+        seed = _value(body, "seed", int_in_range, 0, 2**64 - 1)
+        options = GenerateOptions(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  seed=seed, stop=tuple(self.stop_strings(body)))
+        try:  # the generator's own checks, here and not after the response has begun
+            Sampler(options.temperature, options.top_p, options.top_k, options.seed)
+        except MoepackError as e:
+            raise request_error(e) from None
+        return options
 
     def prompt_ids(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
+            if not prompt:  # the tokenizer's BOS alone is nobody's prompt (the CLI refuses it too)
+                raise RequestError("empty prompt", param="prompt", code="empty_prompt")
             # a client's text: a special token's text stays text (token ids are the way to send special tokens)
             return self.need_tokenizer("prompt").encode(prompt, special_tokens=False)
         if isinstance(prompt, list) and all(is_int(i) for i in prompt):
@@ -263,6 +411,17 @@ class Server:
             raise RequestError(str(e), param=param, code="invalid_value") from None
         return self.need_tokenizer("messages").encode_segments(segments), thinking  # content stays plain text
 
+    def prepare(self, raw: bytes, chat: bool) -> Prepared:
+        """On a worker thread (the event loop stays free): parse, check and tokenize one request."""
+        body = self.parse(raw)
+        stream, include_usage = _stream_flags(body)
+        if chat:
+            ids, thinking = self.chat_ids(body)
+            return Prepared(ids, self.options(body, len(ids), DEFAULT_CHAT_TOKENS), stream, include_usage,
+                            thinking)
+        ids = self.prompt_ids(body)
+        return Prepared(ids, self.options(body, len(ids), DEFAULT_COMPLETION_TOKENS), stream, include_usage)
+
     # -- admission and the worker
     def admit(self) -> None:
         with self.lock:
@@ -277,24 +436,28 @@ class Server:
             self.admitted -= 1
 
     def run(self, job: Job) -> GenerateResult | None:
-        """On the worker thread. None: cancelled before it started."""
+        """On the worker thread. None: stopped before it started (its client left, or its deadline passed)."""
         try:
-            if job.cancelled:
-                self.finished.append((job.request_id, "cancelled"))
-                self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} cancelled before it "
+            if job.stopped():
+                reason = "timeout" if job.timed_out else "cancelled"
+                self.finished.append((job.request_id, reason))
+                self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} {reason} before it "
                          "started")
                 return None
             tok = self.tokenizer
             result = self.generator.generate(job.ids, job.options,
                                              detokenize=tok.decode if tok is not None else None,
-                                             on_text=job.on_text, cancelled=lambda: job.cancelled)
+                                             on_text=job.on_text, cancelled=job.should_stop)
+            if result.finish_reason == "cancelled" and job.timed_out:
+                result.finish_reason = "timeout"
             self.finished.append((job.request_id, result.finish_reason))
             p, d = result.stats.get("prefill", {}), result.stats.get("decode", {})
             hit = d.get("expert_cache_hit_rate")
+            cut = p.get("cancelled_after_layers")
             self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} "
                      f"generated_tokens={len(result.generated_ids)} prefill_s={p.get('seconds', 0):.3f} "
                      f"decode_s={d.get('seconds', 0) or 0:.3f} cache_hit_rate={'-' if hit is None else f'{hit:.3f}'} "
-                     f"finish={result.finish_reason}")
+                     f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
             return result
         except MoepackError:
             raise
@@ -306,6 +469,10 @@ class Server:
             raise
         finally:
             self.release()
+
+    def timeout_error(self) -> RequestError:
+        return RequestError(f"the request ran past its deadline of {self.limits.request_timeout_s:g} s "
+                            "(--request-timeout)", code="request_timeout", status=408)
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self.counter)}-{uuid.uuid4().hex[:8]}"
@@ -321,15 +488,17 @@ def _internal_error() -> RequestError:
 
 
 def make_app(generator, model_name: str, api_key: str | None = None, max_queue: int = 8,
-             log: Callable[[str], None] | None = None):
+             log: Callable[[str], None] | None = None, limits: ServerLimits | None = None):
     """The starlette app serving `generator` (a runtime.generate.Generator, or anything with its generate() and
     `.c`) as `model_name`. `log`: where the one line per request goes (default stderr). app.state.server holds
-    the Server (its `finished` deque: (request id, finish reason) per generation, newest last)."""
+    the Server (its `finished` deque: (request id, finish reason) per generation, newest last). Serve it with
+    uvicorn_config(app, limits): the connection limits and timeouts live there."""
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    server = Server(generator, model_name, api_key, max_queue, log)
+    server = Server(generator, model_name, api_key, max_queue, log, limits)
 
     def handles_errors(fn):
         async def endpoint(request):
@@ -338,7 +507,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             except RequestError as e:
                 return error_response(e)
             except MoepackError as e:
-                return error_response(RequestError(str(e), code="invalid_request"))
+                return error_response(request_error(e))
             except Exception as e:  # logged where it happened when on the worker; here otherwise
                 if not getattr(e, "_moepack_logged", False):
                     server.log(f"moepack serve: internal error: {type(e).__name__}: {e}")
@@ -356,38 +525,63 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         return JSONResponse({"object": "list", "data": [
             {"id": model_name, "object": "model", "created": server.created, "owned_by": "moepack"}]})
 
-    async def submit(job: Job):
-        """The job's concurrent future on the worker thread; the slot is taken before (429 when none)."""
+    async def admitted_request(request, chat: bool, prefix: str) -> tuple[Prepared, Job, object]:
+        """Auth, a queue slot (429 when none), the body read and prepared off the event loop, the job submitted
+        to the worker: (prepared, job, its concurrent future). The slot is the worker's to free from then on."""
+        server.check_auth(request)
+        arrived = time.monotonic()
         server.admit()
         try:
+            raw = await server.read_body(request)
+            prepared = await run_in_threadpool(server.prepare, raw, chat)
+            job = Job(server.new_id(prefix), prepared.ids, prepared.options,
+                      deadline=arrived + server.limits.request_timeout_s)
+            if prepared.stream:
+                loop = asyncio.get_running_loop()
+                job.queue = asyncio.Queue()
+                job.began = asyncio.Event()
+                job.on_text = lambda piece: loop.call_soon_threadsafe(job.queue.put_nowait, ("text", piece))
+                job.on_start = lambda: loop.call_soon_threadsafe(job.began.set)
             future = server.executor.submit(server.run, job)
         except BaseException:
             server.release()
             raise
-        return future
+        return prepared, job, future
 
-    async def wait_result(request, job: Job, future) -> GenerateResult:
-        """Wait for a non-streamed job, cancelling it if the client goes away."""
+    async def wait_job(request, job: Job, future, until: asyncio.Event | None = None) -> GenerateResult | None:
+        """Wait for the job's end (or, given `until`, for that event, returning None), checking every POLL_S that
+        its client is still there (else the job is stopped). A job that ended in an error raises it; one
+        stopped by its deadline before any token is a 408."""
         wrapped = asyncio.wrap_future(future)
-        while True:
-            done, _ = await asyncio.wait({wrapped}, timeout=POLL_S)
-            if done:
-                break
-            if await request.is_disconnected():
-                job.cancelled = True
+        waits = {wrapped} if until is None else {wrapped, asyncio.ensure_future(until.wait())}
         try:
-            return wrapped.result()
+            while True:
+                done, _ = await asyncio.wait(waits, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if wrapped in done:
+                    break
+                if done:
+                    return None
+                if await request.is_disconnected():
+                    job.cancelled = True
+        finally:
+            for w in waits - {wrapped}:
+                w.cancel()
+        try:
+            result = wrapped.result()
         except MoepackError:
             raise
         except Exception as e:
             e._moepack_logged = True
             raise
+        if job.timed_out and (result is None or not result.generated_ids):
+            raise server.timeout_error()
+        return result
 
-    def streamed(request, job: Job, future_holder: list, queue: asyncio.Queue, make_chunks, final_chunks,
-                 include_usage: bool):
+    def streamed(request, job: Job, future, make_chunks, final_chunks, include_usage: bool):
+        queue = job.queue
+
         async def events():
             try:
-                future = future_holder[0]
                 wrapped = asyncio.wrap_future(future)
                 wrapped.add_done_callback(lambda f: queue.put_nowait(("done", None)))
                 while True:
@@ -404,55 +598,53 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         continue
                     try:
                         result = wrapped.result()
+                        if result is None or (job.timed_out and not result.generated_ids):
+                            raise server.timeout_error() if job.timed_out else RequestError("cancelled")
                     except Exception as e:
-                        if not isinstance(e, MoepackError):
+                        if isinstance(e, RequestError):
+                            err = e
+                        elif isinstance(e, MoepackError):
+                            err = request_error(e)
+                        else:
                             e._moepack_logged = True
-                        err = (RequestError(str(e), code="invalid_request") if isinstance(e, MoepackError)
-                               else _internal_error())
-                        yield ("data: " + json.dumps({"error": {"message": err.message, "type": err.kind,
-                                                                "param": None, "code": err.code}}) + "\n\n")
+                            err = _internal_error()
+                        yield f"data: {json.dumps(err.body())}\n\n"
                         yield "data: [DONE]\n\n"
-                        return
-                    if result is None:
                         return
                     for chunk in final_chunks(result, server.usage(job, result) if include_usage else None):
                         yield f"data: {json.dumps(chunk)}\n\n"
                     yield "data: [DONE]\n\n"
                     return
             finally:
-                if not future_holder[0].done():
+                if not future.done():
                     job.cancelled = True  # the client went away (or the response was torn down)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
 
-    def begin_stream(body: dict) -> tuple[bool, bool]:
-        stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
-        so = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
-        return stream, bool(so.get("include_usage")) if stream else False
+    async def stream_when_started(request, job: Job, future, make_chunks, final_chunks, include_usage: bool):
+        """The 200 and the first event only once the generation passed every check: an error before that (a bad
+        value, the memory check) is the request's 4xx."""
+        result = await wait_job(request, job, future, until=job.began)
+        if result is None and future.done() and not job.began.is_set():
+            raise RequestError("the client went away", code="client_gone")
+        return streamed(request, job, future, make_chunks, final_chunks, include_usage)
 
     async def completions(request):
-        server.check_auth(request)
-        body = await server.body(request)
-        ids = server.prompt_ids(body)
-        options = server.options(body, len(ids), DEFAULT_COMPLETION_TOKENS)
-        stream, include_usage = begin_stream(body)
-        rid = server.new_id("cmpl")
-        job = Job(rid, ids, options)
-        created = int(time.time())
+        prepared, job, future = await admitted_request(request, chat=False, prefix="cmpl")
+        rid, created = job.request_id, int(time.time())
 
         def choice_extra(result):
             return {"token_ids": result.generated_ids}
 
-        if not stream:
-            result = await wait_result(request, job, await submit(job))
+        if not prepared.stream:
+            result = await wait_job(request, job, future)
+            if result is None:
+                raise RequestError("the client went away", code="client_gone")
             return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                                  "choices": [{"index": 0, "text": result.text or "", "logprobs": None,
                                               "finish_reason": result.finish_reason, **choice_extra(result)}],
                                  "usage": server.usage(job, result)}, headers={"X-Request-Id": rid})
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        job.on_text = lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece))
 
         def chunk(text, finish=None, extra=None):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
@@ -465,20 +657,16 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 last["usage"] = usage
             return [last]
 
-        holder = [await submit(job)]
-        return streamed(request, job, holder, queue, lambda piece: [chunk(piece)], final, include_usage)
+        return await stream_when_started(request, job, future, lambda piece: [chunk(piece)], final,
+                                         prepared.include_usage)
 
     async def chat_completions(request):
-        server.check_auth(request)
-        body = await server.body(request)
-        ids, thinking = server.chat_ids(body)
-        options = server.options(body, len(ids), DEFAULT_CHAT_TOKENS)
-        stream, include_usage = begin_stream(body)
-        rid = server.new_id("chatcmpl")
-        job = Job(rid, ids, options)
-        created = int(time.time())
-        if not stream:
-            result = await wait_result(request, job, await submit(job))
+        prepared, job, future = await admitted_request(request, chat=True, prefix="chatcmpl")
+        rid, created, thinking = job.request_id, int(time.time()), prepared.thinking
+        if not prepared.stream:
+            result = await wait_job(request, job, future)
+            if result is None:
+                raise RequestError("the client went away", code="client_gone")
             text = result.text or ""
             message = {"role": "assistant", "content": text}
             if thinking:
@@ -487,9 +675,6 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                                  "choices": [{"index": 0, "message": message, "logprobs": None,
                                               "finish_reason": result.finish_reason}],
                                  "usage": server.usage(job, result)}, headers={"X-Request-Id": rid})
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        job.on_text = lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece))
         splitter = ThinkSplitter(thinking)
         first = [True]
 
@@ -518,9 +703,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 out.append({**chunk({}), "choices": [], "usage": usage})
             return out
 
-        holder = [await submit(job)]
-        return streamed(request, job, holder, queue, lambda piece: pieces(splitter.feed(piece)), final,
-                        include_usage)
+        return await stream_when_started(request, job, future, lambda piece: pieces(splitter.feed(piece)), final,
+                                         prepared.include_usage)
 
     async def shutdown():
         server.executor.shutdown(wait=False, cancel_futures=True)
@@ -540,3 +724,65 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.server = server
     return app
+
+
+def uvicorn_config(app, limits: ServerLimits | None = None, **kw):
+    """uvicorn's Config for `app` with the connection limits: keep-alive (limits.keep_alive_s), each request's
+    headers within limits.read_timeout_s of the connection's start (or of its previous response) else the
+    connection is closed (half-sent requests do not pile up), and past limits.max_connections open connections a
+    503 with Retry-After (and such a connection gets OVER_LIMIT_HEADER_S for its request). `kw`: more of
+    uvicorn.Config's arguments."""
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    limits = limits or ServerLimits()
+
+    async def too_many_connections(scope, receive, send):
+        n = limits.max_connections
+        err = RequestError(f"the server has more than {n} connections open (--max-connections {n}); retry later",
+                           status=503, kind="server_busy", code="too_many_connections",
+                           headers={"Connection": "close"})
+        await error_response(err)(scope, receive, send)
+
+    class GuardedH11Protocol(H11Protocol):
+        """uvicorn's h11 protocol with a deadline on each request's headers and the connection limit's 503."""
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self._app = self.app
+            self._header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            over = len(self.connections) > limits.max_connections
+            self._arm(OVER_LIMIT_HEADER_S if over else limits.read_timeout_s)
+
+        def data_received(self, data: bytes) -> None:
+            # a request whose headers complete now gets the app, or the 503 past the limit
+            over = len(self.connections) > limits.max_connections
+            self.app = too_many_connections if over else self._app
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():  # the next request's headers: after the idle time, as fast
+                self._arm(limits.keep_alive_s + limits.read_timeout_s)
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self, seconds: float) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(seconds, self._headers_late)
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a request is in hand: its headers came in time (its body has the app's deadline)
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return uvicorn.Config(app, http=GuardedH11Protocol, timeout_keep_alive=limits.keep_alive_s, **kw)

@@ -53,19 +53,24 @@ class PromptTokenizer:
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         """A raw prompt's ids (BOS in front where the tokenizer's config adds it). `special_tokens=False`: the text
         of a special or added token in `text` is tokenized as the plain text it is."""
-        tok = self._tok if special_tokens else self._plain
-        return tok.encode(text, add_special_tokens=self.add_special_tokens).ids
+        return self._ids(self._tok if special_tokens else self._plain, text, self.add_special_tokens)
 
     def encode_special(self, text: str) -> list[int]:
         """Ids of text that spells out its own special tokens (a chat template's BOS, role tags): none added."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._ids(self._tok, text, False)
+
+    @staticmethod
+    def _ids(tok, text: str, add_special_tokens: bool) -> list[int]:
+        # the batch call lets go of the GIL while it works (encode() holds it: a server's event loop would stall
+        # for the whole of a long prompt)
+        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
         """Ids of a chat encoding's segments (v4/chat.py `encode_message_segments`): its markup into special tokens,
         every other text (message content) plain, so no message can spell out a special token; none added."""
         ids: list[int] = []
         for text, special in segments:
-            ids += (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
+            ids += self._ids(self._tok if special else self._plain, text, False)
         return ids
 
     def decode(self, ids: list[int]) -> str:

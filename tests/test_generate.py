@@ -364,12 +364,17 @@ def test_one_generator_serves_several_generations_with_its_cache_kept(models):
     with Generator(container, cache_gib=1.0) as g:
         first = g.generate(ids, options)
         second = g.generate(ids, options)
-        stop_early = g.generate(ids, options, cancelled=lambda: True)
+        stop_early = g.generate(ids, options, cancelled=lambda: True)  # before the prefill's first layer
+        asked = []  # asked before each prefill layer, then after each token
+        n_layers = len(g.c.layers)
+        stop_in_decode = g.generate(ids, options, cancelled=lambda: (asked.append(1), len(asked) > n_layers)[1])
     assert first.generated_ids == second.generated_ids == generate(container, ids, options).generated_ids
     # the prompt's experts came from the prefill's reads: seeding read nothing again
     assert first.stats["decode"]["cache_from_prefill_bytes"] > 0 and first.stats["decode"]["cache_seed_bytes"] == 0
     assert second.stats["decode"]["bytes_read"] == 0 and second.stats["decode"]["expert_cache_hit_rate"] == 1.0
-    assert stop_early.finish_reason == "cancelled" and len(stop_early.generated_ids) == 1
+    assert stop_early.finish_reason == "cancelled" and stop_early.generated_ids == []
+    assert stop_early.stats["prefill"]["cancelled_after_layers"] == 0
+    assert stop_in_decode.finish_reason == "cancelled" and len(stop_in_decode.generated_ids) == 1
 
 
 @pytest.mark.parametrize("fraction", [0.3, 1.0])

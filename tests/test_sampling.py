@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 
 from moepack.format_spec.errors import MoepackError
 from moepack.packer.synth import tokenizer_json
-from moepack.runtime.sampling import IncrementalDetokenizer, Sampler, StopMatcher
+from moepack.runtime.sampling import IncrementalDetokenizer, Sampler, StopMatcher, partial_match_length
 
 BYTE0 = 3  # synth's tokenizer: ids 3..258 are the bytes 0..255
 
@@ -250,6 +250,24 @@ def test_stop_matcher_agrees_with_a_plain_search(pieces, stop):
             break
     assert "".join(out) == matcher.text == text
     assert matcher.finish_reason == ("stop" if stopped else None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.text(alphabet="ab<>/", max_size=4), max_size=12),
+    stop=st.lists(st.text(alphabet="ab<>/", min_size=1, max_size=5), max_size=6),
+)
+def test_the_stop_automaton_holds_back_exactly_the_tail_that_may_begin_a_stop_string(pieces, stop):
+    """After each piece (until a stop) the text given out is all of it but its longest tail that begins a stop
+    string: what a search over every stop string holds back."""
+    matcher, text = StopMatcher(stop, eos_ids=set()), ""
+    for piece in pieces:
+        text += piece
+        matcher.feed(1, text)
+        if matcher.finish_reason:
+            assert matcher.stop_string in stop and text.startswith(matcher.text + matcher.stop_string)
+            break
+        assert matcher.text == text[:len(text) - partial_match_length(text, stop)]
 
 
 # --- IncrementalDetokenizer ------------------------------------------------------------------------------------

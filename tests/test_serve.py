@@ -16,7 +16,7 @@ import uvicorn
 
 from moepack.packer.convert import convert_checkpoint
 from moepack.runtime.generate import GenerateOptions, Generator, generate
-from moepack.runtime.serve import ThinkSplitter, make_app, split_thinking
+from moepack.runtime.serve import ThinkSplitter, make_app, split_thinking, uvicorn_config
 from moepack.runtime.tokenizer import PromptTokenizer
 from v4_models import CONFIGS, saved_model
 
@@ -27,12 +27,13 @@ TIMEOUT = 60
 class Running:
     """uvicorn serving `app` on 127.0.0.1 and a free port, in a daemon thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, limits=None):
         self.app = app
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+        self.server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning", access_log=False,
+                                                    lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -304,8 +305,9 @@ def _slow(generator, monkeypatch, delay=0.05):
 
 
 def test_a_full_queue_answers_429(containers, logs, monkeypatch):
-    """The running generation holds the only slot until the test lets it go (it waits in its cancel check after
-    its first token, so an early end of sentence cannot free the slot before the second request comes)."""
+    """The running generation holds the only slot until the test lets it go (it waits in its cancel check, first
+    asked before the prefill's first layer once the checks passed (the stream's 200 goes then), so an early end of
+    sentence cannot free the slot before the second request comes); the 429 says when to retry."""
     import threading
 
     running = _serve(containers["tiny"], logs, model_name="tiny", max_queue=1)
@@ -314,7 +316,7 @@ def test_a_full_queue_answers_429(containers, logs, monkeypatch):
 
     def held(ids, options, **k):
         inner = k.get("cancelled") or (lambda: False)
-        k["cancelled"] = lambda: (release.wait(TIMEOUT), inner())[1]
+        k["cancelled"] = lambda: (inner(), release.wait(TIMEOUT))[0]
         return real(ids, options, **k)
 
     monkeypatch.setattr(running.generator, "generate", held)
@@ -331,7 +333,7 @@ def test_a_full_queue_answers_429(containers, logs, monkeypatch):
             second = _post(running, "completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2}, key=None)
             release.set()
             assert second.status_code == 429, (second.text, logs[-3:], running.state.admitted)
-            assert second.json()["error"]["code"] == "queue_full"
+            assert second.json()["error"]["code"] == "queue_full" and second.headers["retry-after"] == "2"
             body = "".join(lines)
             assert "[DONE]" in body
         deadline = time.monotonic() + 10

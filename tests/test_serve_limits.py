@@ -1,0 +1,400 @@
+"""moepack serve's limits (issue #37): the body's size, the prompt's tokens, stop strings, header / body / idle
+timeouts, concurrent connections, JSON and values named by their request field, a streamed request's 4xx before
+its 200, tokenization off the event loop, and a prefill that stops when its client leaves or its deadline passes.
+Real HTTP (uvicorn on 127.0.0.1) where the behaviour is the transport's."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+import torch
+
+from moepack.packer.convert import convert_checkpoint
+from moepack.runtime.engine import GenerationCancelled, StreamingPrefill
+from moepack.runtime.generate import GenerateOptions, Generator
+from moepack.runtime.sampling import StopMatcher
+from moepack.runtime.serve import ServerLimits, make_app
+from test_serve import Running
+
+TIMEOUT = 60
+GOOD = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from moepack.packer.synth import synth_checkpoint
+
+    base = tmp_path_factory.mktemp("serve-limits")
+    synth_checkpoint(str(base / "tiny"), preset="tiny", progress=False)
+    convert_checkpoint(str(base / "tiny"), str(base / "tiny.moepack"), policy="keep", progress=False)
+    return str(base / "tiny.moepack")
+
+
+def _serve(path, logs=None, max_queue=4, **limits):
+    g = Generator(path, cache_gib=0.5)
+    lim = ServerLimits(**limits)
+    running = Running(make_app(g, "tiny", log=(logs.append if logs is not None else lambda line: None),
+                               max_queue=max_queue, limits=lim), lim)
+    running.generator, running.state = g, running.app.state.server
+    return running
+
+
+def _stop(running):
+    running.stop()
+    running.generator.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    running = _serve(tiny, max_body_bytes=1 << 20, max_context=256, read_timeout_s=1.0, keep_alive_s=1.0)
+    yield running
+    _stop(running)
+
+
+def _post(running, body=None, path="completions", raw=None, **kw):
+    if raw is not None:
+        return httpx.post(f"{running.url}/v1/{path}", content=raw, timeout=TIMEOUT,
+                          headers={"Content-Type": "application/json"}, **kw)
+    return httpx.post(f"{running.url}/v1/{path}", json=body, timeout=TIMEOUT, **kw)
+
+
+def _error(r, status):
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"]
+    return error
+
+
+def _answers(running, expect: str | None = None) -> str:
+    """The request after an abuse: a greedy completion, at once, with the same text as before."""
+    t0 = time.monotonic()
+    r = _post(running, GOOD)
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - t0 < 10
+    text = r.json()["choices"][0]["text"]
+    if expect is not None:
+        assert text == expect
+    return text
+
+
+def _health_worst(url: str, while_running: Callable) -> tuple[float, object]:
+    """The worst /health latency (s) while `while_running()` runs in a thread."""
+    done = threading.Event()
+    result = {}
+
+    def work():
+        try:
+            result["value"] = while_running()
+        finally:
+            done.set()
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    worst = 0.0
+    with httpx.Client(timeout=TIMEOUT) as client:
+        while not done.is_set():
+            t0 = time.monotonic()
+            assert client.get(f"{url}/health").status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.05)
+    t.join()
+    return worst, result.get("value")
+
+
+# ---- the body's size --------------------------------------------------------------------------------------------
+
+def test_a_body_over_the_limit_is_413_by_its_content_length(server):
+    error = _error(_post(server, raw=b"x" * ((1 << 20) + 1)), 413)
+    assert error["code"] == "body_too_large" and "--max-body-mb" in error["message"]
+    _answers(server)
+
+
+def test_a_chunked_body_is_counted_as_it_comes_and_never_read_past_the_limit(server):
+    """No Content-Length: the server stops reading at the limit and answers 413 while the client still sends
+    (64 MiB offered against a 1 MiB limit; the kernel's buffers take a few MiB at most)."""
+    sent = 0
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"%x\r\n%s\r\n" % (1 << 16, b"x" * (1 << 16))
+        try:
+            while sent < 64 << 20:
+                s.sendall(chunk)
+                sent += 1 << 16
+        except OSError:  # the server closed the connection after its 413
+            pass
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:100]
+    assert sent < 32 << 20
+    _answers(server)
+
+
+# ---- the prompt's tokens, stop strings, values ------------------------------------------------------------------
+
+def test_the_prompt_and_max_tokens_are_bounded_by_max_context(server):
+    error = _error(_post(server, {"prompt": [1] * 300, "max_tokens": 2}), 400)
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+    assert "max_context" in error["message"]
+    error = _error(_post(server, {"prompt": [1] * 200, "max_tokens": 100}), 400)
+    assert error["param"] == "max_tokens" and "max_context of 256" in error["message"]
+    _answers(server)
+
+
+def test_stop_strings_are_bounded_in_number_and_length(server):
+    error = _error(_post(server, {**GOOD, "stop": [f"s{i}" for i in range(17)]}), 400)
+    assert error["param"] == "stop" and "limit of 16" in error["message"]
+    error = _error(_post(server, {**GOOD, "stop": ["x" * 257]}), 400)
+    assert error["param"] == "stop" and "limit of 256" in error["message"]
+    error = _error(_post(server, {**GOOD, "stop": [f"s{i}" for i in range(10_000)]}), 400)
+    assert error["param"] == "stop"
+    assert _post(server, {**GOOD, "stop": [f"zz{i}" for i in range(16)]}).status_code == 200
+
+
+def test_ten_thousand_stop_strings_cost_the_matcher_what_one_does():
+    text = "the quick brown fox jumps over the lazy dog " * 8
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+
+    def feed(stop):
+        m = StopMatcher(stop, eos_ids=set())
+        t0, so_far = time.perf_counter(), ""
+        for p in pieces:
+            so_far += p
+            m.feed(1, so_far)
+        return time.perf_counter() - t0, m
+
+    one, _ = feed(["<never>"])
+    many, m = feed([f"<never{i}>" for i in range(10_000)] + ["lazy d"])
+    assert m.finish_reason == "stop" and m.text == text[:text.index("lazy d")]
+    assert many < 0.1 + 5 * one, (one, many)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1), ("temperature", "hot"), ("top_p", 0),
+                                         ("top_p", 1.5), ("top_k", -2), ("seed", 2 ** 64), ("seed", -1),
+                                         ("max_tokens", 0), ("max_tokens", 2 ** 40), ("n", 2), ("stream", "yes"),
+                                         ("top_k", 1.5)])
+def test_a_bad_value_is_a_400_naming_its_field(server, field, value):
+    error = _error(_post(server, {**GOOD, field: value}), 400)
+    assert error["param"] == field
+    assert "--" not in error["message"] and error["message"].startswith(field)
+
+
+@pytest.mark.parametrize("raw,what", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested"),
+    (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", "digits"),
+    (b'{"prompt": "x", "temperature": NaN}', "NaN"),
+    (b'{"prompt": "x", "temperature": 1e999}', "overflows"),
+    (b'{"prompt": "\\ud800"}', "surrogate"),
+    (b'{"prompt": "\xff\xfe"}', "UTF-8"),
+    (b'{"prompt": ', "JSON"),
+])
+def test_hostile_json_is_a_400_invalid_json(server, raw, what):
+    error = _error(_post(server, raw=raw), 400)
+    assert error["code"] == "invalid_json" and what in error["message"]
+    _answers(server)
+
+
+def test_an_empty_prompt_is_refused_like_the_cli(server):
+    for prompt in ("", [""], []):
+        error = _error(_post(server, {**GOOD, "prompt": prompt}), 400)
+        assert error["param"] == "prompt" and "empty prompt" in error["message"]
+
+
+def test_a_streamed_request_with_a_bad_value_gets_its_4xx_before_any_200(server, monkeypatch):
+    """Values checked up front, and what only the generation checks (here its memory check) also comes before
+    the status line: never a 200 followed by an error event."""
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=TIMEOUT,
+                      json={**GOOD, "stream": True, "temperature": -1}) as r:
+        assert r.status_code == 400 and json.loads(r.read())["error"]["param"] == "temperature"
+    from moepack.runtime import generate as generate_module
+
+    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: 1 << 30)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=TIMEOUT,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                            "stream": True}) as r:
+        assert r.status_code == 400
+        assert "memory" in json.loads(r.read())["error"]["message"]
+    monkeypatch.undo()
+    _answers(server)
+
+
+# ---- timeouts and connections -----------------------------------------------------------------------------------
+
+def _closed_within(sock: socket.socket, seconds: float) -> bytes:
+    """What the server sent before closing `sock` (asserting that it did, within `seconds`)."""
+    sock.settimeout(seconds)
+    got = b""
+    while True:
+        data = sock.recv(4096)
+        if not data:
+            return got
+        got += data
+
+
+def test_half_sent_requests_are_closed_and_do_not_hold_the_server(server):
+    """Slowloris: 50 connections that send half their headers, one byte more now and then. Each is closed within
+    --timeout-read (1 s here) of its start; meanwhile /health answers at once."""
+    socks = []
+    for _ in range(50):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+        socks.append(s)
+    t0 = time.monotonic()
+    worst = 0.0
+    while time.monotonic() - t0 < 0.6:
+        for s in socks[:10]:
+            try:
+                s.sendall(b"a")
+            except OSError:
+                pass
+        h = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        worst = max(worst, time.monotonic() - h)
+        time.sleep(0.1)
+    assert worst < 0.5
+    for s in socks:
+        assert _closed_within(s, 5) == b""
+        s.close()
+    assert time.monotonic() - t0 < 5
+    _answers(server)
+
+
+def test_a_body_that_stops_coming_is_408(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        t0 = time.monotonic()
+        reply = _closed_within(s, 5)
+    assert reply.startswith(b"HTTP/1.1 408") and b"--timeout-read" in reply
+    assert 0.8 < time.monotonic() - t0 < 4
+
+
+def test_an_idle_connection_is_closed_after_the_keep_alive(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        t0 = time.monotonic()
+        reply = _closed_within(s, 5)
+    assert reply.startswith(b"HTTP/1.1 200") and time.monotonic() - t0 < 3
+
+
+def test_connections_past_the_limit_get_503_with_retry_after(tiny):
+    running = _serve(tiny, max_connections=3, read_timeout_s=2.0)
+    try:
+        held = [socket.create_connection(("127.0.0.1", running.port), timeout=10) for _ in range(3)]
+        for s in held:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # headers not finished: the connection is held
+        time.sleep(0.2)
+        r = httpx.get(f"{running.url}/health", timeout=5)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "too_many_connections" and "--max-connections" in r.text
+        for s in held:
+            assert _closed_within(s, 5) == b""  # the header deadline lets the held ones go
+            s.close()
+        assert httpx.get(f"{running.url}/health", timeout=5).status_code == 200
+    finally:
+        _stop(running)
+
+
+# ---- work off the event loop ------------------------------------------------------------------------------------
+
+def test_health_answers_while_the_largest_allowed_prompt_is_tokenized(server):
+    """A prompt of the body limit (1 MiB: about a million tokens with tiny's byte-level tokenizer) is tokenized on
+    a worker thread (then refused: over max_context); /health answers meanwhile."""
+    prompt = "Once upon a time, a fox. " * (((1 << 20) - 100) // 25)
+    worst, r = _health_worst(server.url, lambda: _post(server, {"prompt": prompt, "max_tokens": 1}))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # tokenized: the prompt's length in tokens is named
+    assert int(re.search(r"the prompt is (\d+) tokens", r.json()["error"]["message"]).group(1)) > 500_000
+    assert worst < 0.5, worst
+
+
+# ---- a prefill that stops -----------------------------------------------------------------------------------------
+
+def _slow_layers(generator, delay: float) -> list[int]:
+    """Each prefill layer of `generator` takes `delay` s more; returns the list of layers run (appended to)."""
+    ran: list[int] = []
+
+    def on_layer(layer, n_layers, nbytes):
+        ran.append(layer)
+        time.sleep(delay)
+
+    generator.prefill_options = dataclasses.replace(generator.prefill_options, on_layer=on_layer)
+    return ran
+
+
+def test_the_generator_stops_a_prefill_between_layers_and_the_next_one_is_the_same(tiny):
+    with Generator(tiny, cache_gib=0.5) as g:
+        before = g.generate([5, 6, 7, 8], GenerateOptions(max_new_tokens=6)).generated_ids
+        asked = []
+        result = g.generate([5, 6, 7, 8], GenerateOptions(max_new_tokens=6),
+                            cancelled=lambda: (asked.append(1), len(asked) > 2)[1])
+        assert result.finish_reason == "cancelled" and result.generated_ids == []
+        assert result.stats["prefill"]["cancelled_after_layers"] == 2
+        assert g.generate([5, 6, 7, 8], GenerateOptions(max_new_tokens=6)).generated_ids == before
+        # the engine alone (its dense weights read, not resident): asked before the first layer
+        with pytest.raises(GenerationCancelled) as stopped:
+            engine = StreamingPrefill(g.c, g.prefill_options)
+            try:
+                engine.run(torch.tensor([1, 2, 3]), should_stop=lambda: True)
+            finally:
+                engine.close()
+        assert stopped.value.layers_done == 0
+        # and between a layer's query chunks: 40 tokens in chunks of 8, stopped at the second call, inside layer 0
+        asked.clear()
+        with pytest.raises(GenerationCancelled) as stopped:
+            engine = StreamingPrefill(g.c, dataclasses.replace(g.prefill_options, query_chunk=8))
+            try:
+                engine.run(torch.arange(1, 41), should_stop=lambda: (asked.append(1), len(asked) > 1)[1])
+            finally:
+                engine.close()
+        assert stopped.value.layers_done == 0 and len(asked) == 2
+        assert g.generate([5, 6, 7, 8], GenerateOptions(max_new_tokens=6)).generated_ids == before
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_mid_prefill_stops_it(tiny, stream):
+    """Each of tiny's 4 layers takes 0.8 s more; the client leaves 0.5 s in: the prefill stops at its next layer
+    (not all 4 run) and the next request is served at once."""
+    logs: list[str] = []
+    running = _serve(tiny, logs)
+    try:
+        expect = _answers(running)
+        ran = _slow_layers(running.generator, 0.8)
+        body = {**GOOD, "stream": stream}
+        with pytest.raises(httpx.TimeoutException):
+            with httpx.stream("POST", f"{running.url}/v1/completions", json=body,
+                              timeout=httpx.Timeout(0.5, connect=5)) as r:
+                for _ in r.iter_lines():
+                    pass
+        t0 = time.monotonic()
+        while not any("finish=cancelled" in line for line in logs):
+            assert time.monotonic() - t0 < 5, logs[-3:]
+            time.sleep(0.05)
+        assert any("prefill_stopped_after_layers=" in line for line in logs)
+        assert len(ran) < 4, ran
+        running.generator.prefill_options = dataclasses.replace(running.generator.prefill_options, on_layer=None)
+        _answers(running, expect)
+    finally:
+        _stop(running)
+
+
+def test_a_request_past_its_deadline_stops_its_prefill_with_408(tiny):
+    logs: list[str] = []
+    running = _serve(tiny, logs, request_timeout_s=1.0)
+    try:
+        expect = _answers(running)
+        ran = _slow_layers(running.generator, 0.6)
+        error = _error(_post(running, GOOD), 408)
+        assert error["code"] == "request_timeout" and "--request-timeout" in error["message"]
+        assert len(ran) < 4 and any("finish=timeout" in line for line in logs)
+        running.generator.prefill_options = dataclasses.replace(running.generator.prefill_options, on_layer=None)
+        _answers(running, expect)
+    finally:
+        _stop(running)
