@@ -11,7 +11,7 @@ import click
 
 from moepack.runtime.limits import MAX_CACHE_GIB
 
-from .common import (Dtype, emit, force_option, json_option, layer_progress, prompt_options, refuse_existing_kv,
+from .common import (Dtype, FiniteFloat, emit, force_option, json_option, layer_progress, prompt_options, refuse_existing_kv,
                      reports_errors)
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
@@ -67,12 +67,12 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
               help="A KV directory `moepack prefill --kv-out` wrote for this container: the prompt (if any) "
                    "continues it.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--temperature", type=FiniteFloat(min=0), default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True, help="0: off.")
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: drawn, and reported).")
 @click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable); it is not printed.")
-@click.option("--cache-gib", type=click.FloatRange(0, MAX_CACHE_GIB), default=None,
+@click.option("--cache-gib", type=FiniteFloat(0, MAX_CACHE_GIB), default=None,
               help="Byte budget of the routed-expert cache (0: every selected expert read for every token; "
                    "default: the whole container, within a quarter of the available memory). With --device cuda "
                    "the cache is on the device and keeps experts decoded (an FP4 expert takes 4x its stored bytes; "
