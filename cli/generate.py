@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import replace
 
@@ -11,8 +10,8 @@ import click
 
 from moepack.runtime.limits import MAX_CACHE_GIB
 
-from .common import (Dtype, FiniteFloat, emit, force_option, json_option, layer_progress, prompt_options, refuse_existing_kv,
-                     reports_errors)
+from .common import (Dtype, FiniteFloat, emit, force_option, json_option, layer_progress, prompt_options,
+                     refuse_existing_kv, reports_errors)
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
 
@@ -35,13 +34,12 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
         from moepack.v4 import chat as chat_encoding
 
         if messages_file is not None:
+            from moepack.format_spec.untrusted import load_file
+
             try:
-                with open(messages_file, encoding="utf-8") as f:
-                    messages = json.load(f)
+                messages = load_file(messages_file)
             except OSError as e:
                 raise MoepackError(f"{messages_file}: cannot read ({e.strerror})") from None
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise MoepackError(f"{messages_file}: not a JSON list of messages ({e})") from None
         else:
             messages = [{"role": "user", "content": chat}]
         text = chat_encoding.encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort)

@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from moepack.format_spec import untrusted
 from moepack.format_spec.decode import decode_float, decode_tensor, is_companion, scale_name, tensor_scale_name
 from moepack.format_spec.decode import tensor_scale_value
 from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
@@ -318,7 +319,8 @@ def vocab(files: dict[str, bytes], vocab_size: int) -> tuple[list[str], list[int
 
 def merges(files: dict[str, bytes]) -> list[str]:
     """tokenizer.json's BPE merges as GGUF stores them: "left right" (a pair list is joined with a space)."""
-    model = json.loads(files["tokenizer.json"]).get("model") or {}
+    tokenizer = untrusted.loads(files["tokenizer.json"], "the container's tokenizer.json")
+    model = (tokenizer.get("model") if isinstance(tokenizer, dict) else None) or {}
     return [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
 
 

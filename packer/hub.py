@@ -26,7 +26,6 @@ a scratch folder, each deleted once converted, with keep_source=False).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import shutil
@@ -37,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -160,8 +160,7 @@ def _streamed(plan: "_HubPlan", progress: bool, scratch: str | None):
             tensors[key] = SourceTensor(key, dtype, shape, os.path.join(plan.snapshot_dir, shard), -1, length)
     index = os.path.join(plan.snapshot_dir, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]  # read and checked by _index_shards already
+        weight_map = untrusted.load_file(index, INDEX_FILE)["weight_map"]  # checked by _index_shards already
         check_weight_map(weight_map, tensors, where=f"{plan.repo}: ")
 
     def start_feed(order: list[str], ahead: int | None) -> ShardFeed:
@@ -196,10 +195,9 @@ def _resolve_local(src: str, revision: str | None) -> ResolvedSource:
 def _index_shards(index_path: str, where: str) -> list[str]:
     """The shard names an index lists, sorted; MoepackError if the index is unreadable or points outside."""
     try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MoepackError(f"{where}: {INDEX_FILE} is not valid JSON ({_one_line(e)})") from None
+        index = untrusted.load_file(index_path, INDEX_FILE)
+    except MoepackError as e:
+        raise MoepackError(f"{where}: {e}") from None
     except OSError as e:
         raise MoepackError(f"{where}: cannot read {INDEX_FILE} ({e.strerror or e})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

@@ -30,8 +30,9 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from moepack.format_spec import untrusted
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, storage_type, tensor_nbytes
-from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.layout import (ALIGNMENT, HEADER_SIZE, SCALE_SUFFIXES, TENSOR_ALIGNMENT, TENSOR_SCALE_SUFFIX,
                                         align_up)
 from moepack.format_spec.policies import POLICY_NAMES, target_type
@@ -805,17 +806,17 @@ def plot_plan(p: dict, out_path: str) -> str:
     return out_path
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a config.json takes kilobytes
+
+
 def load_config(path: str) -> dict:
     """A config.json (or a directory holding one)."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise MoepackError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MoepackError(f"{path}: not a readable config.json ({e})") from None
+        config = untrusted.load_file(path, max_bytes=MAX_CONFIG_BYTES)
+    except OSError as e:
+        raise MoepackError(f"{path}: not a readable config.json ({error_reason(e)})") from None
     if not isinstance(config, dict):
         raise MoepackError(f"{path}: a config.json holds a JSON object")
     return config
