@@ -162,7 +162,7 @@ class CheckpointDir(LocalSource):
             if required:
                 raise MoepackError(f"{self.path}: missing {name}")
             return None
-        return untrusted.load_file(p, name, max_bytes=MAX_SMALL_JSON_BYTES)
+        return untrusted.load_file(p, max_bytes=MAX_SMALL_JSON_BYTES)
 
     def read(self, t: SourceTensor) -> bytes:
         return self._files.read(t.file, t.offset, t.length, t.name)
