@@ -241,6 +241,22 @@ def untrusted_argv_types(group: click.Group) -> None:
                 param.type = Text()
 
 
+def one_line_warnings() -> None:
+    """moepack's own warnings (a bench cache ignored, O_DIRECT refused) as one line, `moepack: warning: ...`, not
+    Python's two (the file and line, then the source line); a library's keep Python's format."""
+    import warnings
+
+    python_format = warnings.formatwarning
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding cli/, runtime/, ...
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if os.path.abspath(filename).startswith(ours + os.sep):
+            return f"moepack: warning: {message}\n"
+        return python_format(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+
+
 def sigterm_as_interrupt() -> None:
     """SIGTERM (a `kill`, a supervisor stopping the job) ends a command as Ctrl-C does: KeyboardInterrupt, so the
     same cleanup runs (temporary files removed, partial outputs kept for a resume) and the exit status is 130."""

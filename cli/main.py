@@ -21,8 +21,8 @@ from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
 from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, PREFILL_MEMORY_HINT, Dtype, FiniteFloat, check_threads,
-                     emit, force_option, json_option, layer_progress, prompt_options, refuse_existing,
-                     refuse_existing_kv, reports_errors, sigterm_as_interrupt, untrusted_argv_types)
+                     emit, force_option, json_option, layer_progress, one_line_warnings, prompt_options,
+                     refuse_existing, refuse_existing_kv, reports_errors, sigterm_as_interrupt, untrusted_argv_types)
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve
@@ -521,6 +521,7 @@ def main() -> None:
     """The console entry: click's own handling, except that a usage error under --json also prints the JSON error
     object (a machine reading stdout sees {"ok": false, ...} whatever went wrong)."""
     sigterm_as_interrupt()
+    one_line_warnings()
     try:
         code = cli.main(prog_name="moepack", standalone_mode=False)
     except click.ClickException as e:  # usage errors (bad flags, values out of range) and click's own failures

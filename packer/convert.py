@@ -203,9 +203,8 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
         adapter = adapter_for(source.config)
         plan = plan_regions(adapter, source.tensors, drop_mtp)
         # before hours of work, not at the end of it
-        problem = layer_count_problem(source.config, sum(1 for kind, block, _, _ in plan
-                                                         if kind == "dense" and parse_block_name(block)[0] == "layers"))
-        problem = problem or config_problem(source.config, plan)
+        layers = sum(1 for kind, block, _, _ in plan if kind == "dense" and parse_block_name(block)[0] == "layers")
+        problem = config_problem(source.config, plan) or layer_count_problem(source.config, layers)
         if problem:
             raise MoepackError(f"{provenance['source']}: {problem}")
         refusal = keep_refusal(source) if policy == "keep" else None

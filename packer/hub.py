@@ -38,6 +38,7 @@ from typing import Iterator
 
 from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.files import remove_stale_temporaries, temporary_prefix
 
 INDEX_FILE = "model.safetensors.index.json"
 # The small files a conversion reads besides the shards, in the order they are fetched.
@@ -115,7 +116,10 @@ def open_source(src: str, revision: str | None = None, progress: bool = True, st
         return CheckpointDir(resolved.local_dir), resolved.provenance
     if not looks_like_repo_id(src):
         raise MoepackError(f"{src}: no such directory (and not a Hugging Face repo id, which is owner/name)")
-    scratch = None if keep_source else tempfile.mkdtemp(prefix=".moepack-download-", dir=scratch_parent)
+    if not keep_source:  # a killed conversion's downloads: its rerun downloads what it still needs again
+        remove_stale_temporaries(scratch_parent or tempfile.gettempdir(), ("moepack-download",))
+    scratch = None if keep_source else tempfile.mkdtemp(prefix=temporary_prefix("moepack-download"),
+                                                        dir=scratch_parent)
     try:
         plan = _HubPlan.make(src, revision, scratch)
         source = plan.source()

@@ -93,7 +93,8 @@ def load_cache() -> dict:
     try:
         data = untrusted.load_file(path, max_bytes=MAX_CACHE_BYTES)
     except (OSError, MoepackError) as e:
-        warnings.warn(f"{path}: unreadable bench cache ignored ({error_reason(e)})", RuntimeWarning, stacklevel=2)
+        reason = e.detail if isinstance(e, untrusted.UntrustedInputError) else error_reason(e)
+        warnings.warn(f"{path}: unreadable bench cache ignored ({reason})", RuntimeWarning, stacklevel=2)
         return {}
     if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or data.get("version") != CACHE_VERSION:
         return {}

@@ -54,6 +54,9 @@ SHORT_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "c
                "heavily_compressed_attention": "hca"}
 
 
+MAX_PLAN_CONTEXT = 1 << 30  # a thousand times DeepSeek-V4's context: past it the plan's figures are meaningless
+
+
 def parse_tokens(text: str | int) -> int:
     """'8K' -> 8192, '1M' -> 1048576 (context lengths count in 1024s, as the note's tables do), '3000' -> 3000."""
     if isinstance(text, int):
@@ -65,11 +68,13 @@ def parse_tokens(text: str | int) -> int:
     elif s.endswith("M"):
         s, mult = s[:-1], 1024 * 1024
     try:
-        value = int(round(float(s) * mult))
-    except ValueError:
-        raise MoepackError(f"bad context length {text!r} (use e.g. 4096, 8K, 128K)") from None
-    if value < 1:
-        raise MoepackError(f"context length must be at least 1, got {text!r}")
+        value = int(round(float(s[:32]) * mult)) if len(s) <= 32 else None
+    except (ValueError, OverflowError):  # not a number, NaN, infinity (1e999)
+        value = None
+    if value is None:
+        raise MoepackError(f"bad context length {str(text)[:40]!r} (use e.g. 4096, 8K, 128K)") from None
+    if not 1 <= value <= MAX_PLAN_CONTEXT:
+        raise MoepackError(f"context length must be between 1 and {fmt_tokens(MAX_PLAN_CONTEXT)}, got {text!r}")
     return value
 
 
