@@ -171,7 +171,8 @@ def read_bounded(path, max_bytes: int, missing: str | None = None) -> bytes:
     from .files import open_regular
 
     with os.fdopen(open_regular(os.fspath(path), missing), "rb") as f:
-        return f.read(max_bytes + 1)
+        # sized by the file too: a read of n bytes allocates n up front, however short the file
+        return f.read(min(max_bytes, os.fstat(f.fileno()).st_size) + 1)
 
 
 def finite_float(value, name: str, *, lo: float | None = None, hi: float | None = None,
