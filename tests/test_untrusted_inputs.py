@@ -407,12 +407,12 @@ def _export_killed_mid_write(container: str, out: str, sig: int, fmt: str) -> su
 @pytest.fixture(scope="module")
 def small_container(tmp_path_factory):
     """A container whose export takes long enough to be killed in the middle (the tiny one's is over at once)."""
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_checkpoint
+
     base = tmp_path_factory.mktemp("small")
-    runner = CliRunner()
-    assert runner.invoke(cli, ["synth", str(base / "src"), "--preset", "small"]).exit_code == 0
-    out = str(base / "small.moepack")
-    assert runner.invoke(cli, ["convert", str(base / "src"), "-o", out, "--keep"]).exit_code == 0
-    return out
+    synth_checkpoint(str(base / "src"), preset="small", progress=False)
+    return convert_checkpoint(str(base / "src"), str(base / "small.moepack"), policy="keep", progress=False)["output"]
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
