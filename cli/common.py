@@ -247,10 +247,11 @@ def one_line_warnings() -> None:
     import warnings
 
     python_format = warnings.formatwarning
-    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding cli/, runtime/, ...
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding cli/, runtime/, ...
+    ours = {"cli", "runtime", "packer", "v4", "format_spec", "native", "moepack"}
 
     def formatwarning(message, category, filename, lineno, line=None):
-        if os.path.abspath(filename).startswith(ours + os.sep):
+        if os.path.relpath(os.path.abspath(filename), root).split(os.sep)[0] in ours:
             return f"moepack: warning: {message}\n"
         return python_format(message, category, filename, lineno, line)
 

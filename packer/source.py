@@ -13,9 +13,9 @@ import struct
 import threading
 from dataclasses import dataclass
 
+from moepack.format_spec import untrusted
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec import untrusted
 from moepack.format_spec.files import open_regular
 
 # Files worth carrying into the container beside the weights (small, text).
