@@ -7,10 +7,10 @@ import re
 
 from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.files import check_regular
 from moepack.format_spec.reader import Container
 
 MAX_TOKEN_IDS_BYTES = 256 << 20  # a million ids take under 8 MiB
+MAX_PROMPT_BYTES = 256 << 20  # a prompt file: far beyond a million tokens of text
 _ID_WORD = re.compile(r"[+-]?[0-9]{1,32}")  # an id of a whitespace-separated file (ranges are the engine's to check)
 
 
@@ -45,14 +45,23 @@ class PromptTokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
 
+def _read_text(path: str, limit: int, what: str) -> str:
+    """A regular file's UTF-8 text, at most `limit` bytes (a FIFO, a device refused by name); one line otherwise."""
+    try:
+        raw = untrusted.read_bounded(path, limit, missing=f"{path}: cannot read (no such file)")
+    except OSError as e:
+        raise MoepackError(f"{path}: cannot read ({e.strerror})") from None
+    if len(raw) > limit:
+        raise MoepackError(f"{path}: more than {limit} bytes of {what} (the limit)")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MoepackError(f"{path}: not valid UTF-8 (byte {e.start}): expected {what}") from None
+
+
 def read_prompt_file(path: str) -> str:
     """A prompt file's text (UTF-8); an empty one is refused (a prompt of BOS alone is nobody's intent)."""
-    check_regular(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise MoepackError(f"{path}: cannot read the prompt ({e})") from None
+    text = _read_text(path, MAX_PROMPT_BYTES, "the prompt")
     if not text:
         raise MoepackError(f"{path}: empty prompt")
     return text
@@ -60,16 +69,7 @@ def read_prompt_file(path: str) -> str:
 
 def read_token_ids(path: str) -> list[int]:
     """Token ids from a file: a JSON array, or integers separated by whitespace or commas."""
-    try:
-        raw = untrusted.read_bounded(path, MAX_TOKEN_IDS_BYTES, missing=f"{path}: cannot read (no such file)")
-    except OSError as e:
-        raise MoepackError(f"{path}: cannot read ({e.strerror})") from None
-    if len(raw) > MAX_TOKEN_IDS_BYTES:
-        raise MoepackError(f"{path}: more than {MAX_TOKEN_IDS_BYTES} bytes of token ids (the limit)")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise MoepackError(f"{path}: not valid UTF-8 (byte {e.start}): expected token ids") from None
+    text = _read_text(path, MAX_TOKEN_IDS_BYTES, "token ids")
     if text.lstrip().startswith(("[", "{", '"')):  # JSON: bounded in depth and number length like every reader
         value = untrusted.loads(text, path, max_bytes=MAX_TOKEN_IDS_BYTES)
         ids = value if isinstance(value, list) else [value]

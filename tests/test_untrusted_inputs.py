@@ -144,6 +144,19 @@ def test_token_id_files_are_bounded(container, tmp_path, content, named):
         _refused(_moepack(command[0], container, "--token-ids", str(path), *command[1:]), str(path), named)
 
 
+def test_a_prompt_file_of_invalid_utf8_or_over_its_bound_is_one_line(container, tmp_path, monkeypatch):
+    from moepack.runtime import tokenizer
+
+    path = tmp_path / "prompt.txt"
+    path.write_bytes(b"hello \xff")
+    _refused(_moepack("prefill", container, "--prompt-file", str(path)), str(path),
+             "not valid UTF-8 (byte 6): expected the prompt")
+    path.write_bytes(b"hello" * 100)
+    monkeypatch.setattr(tokenizer, "MAX_PROMPT_BYTES", 100)
+    with pytest.raises(MoepackError, match="more than 100 bytes of the prompt"):
+        tokenizer.read_prompt_file(str(path))
+
+
 def test_a_damaged_tokenizer_config_in_a_container_leaves_the_default(container, tmp_path):
     from containers import mutate_index
 
