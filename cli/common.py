@@ -1,12 +1,15 @@
 """What every `moepack` command shares: the one-line error convention (reports_errors), --json, the JSON
-result printer, the overwrite rule (--force)."""
+result printer, the overwrite rule (--force), the argv types that refuse what no option means (nan, infinity,
+text that is not valid UTF-8), SIGTERM handled as Ctrl-C."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
+import math
 import os
+import signal
 import sys
 
 import click
@@ -183,3 +186,85 @@ class Dtype(click.ParamType):
         if torch_name in self.extra or self.give == "torch":
             return torch_name
         return _DTYPE_NAMES[torch_name][0 if self.give == "storage" else 1]
+
+
+class FiniteFloat(click.FloatRange):
+    """Every float option's type: a finite number (click's FLOAT and FloatRange take "nan" and "inf", which no
+    option means: a NaN passes every range check and reaches the arithmetic), within [min, max] where given."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        number = click.types.FloatParamType.convert(self, value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number (nan and inf are refused)", param, ctx)
+        return super().convert(number, param, ctx)
+
+    def _describe_range(self) -> str:
+        return "" if self.min is None and self.max is None else super()._describe_range()
+
+
+class Text(click.types.StringParamType):
+    """Every text option's type: valid Unicode. Python decodes argv bytes that are not UTF-8 to lone surrogates,
+    which fail far from here (a tokenizer, an encoder, stdout)."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        text = super().convert(value, param, ctx)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            self.fail(f"not valid UTF-8 (a lone surrogate or undecodable byte at character {e.start})", param, ctx)
+        return text
+
+
+# A string option that holds a file name (undecodable bytes in a file name are kept: the OS takes them back).
+PATH_TEXT = click.types.StringParamType()
+
+
+def untrusted_argv_types(group: click.Group) -> None:
+    """Give every option of every command under `group` the types above: a float option declared with click's own
+    FLOAT or FloatRange becomes a FiniteFloat of the same range, a plain string option (click.STRING) Text. One
+    place, so an option added anywhere (another module's command too) refuses nan and broken UTF-8."""
+    commands = [group]
+    while commands:
+        command = commands.pop()
+        if isinstance(command, click.Group):
+            commands.extend(command.commands.values())
+        for param in command.params:
+            kind = param.type
+            if isinstance(kind, click.types.FloatParamType) and not isinstance(kind, FiniteFloat):
+                param.type = FiniteFloat(getattr(kind, "min", None), getattr(kind, "max", None),
+                                         getattr(kind, "min_open", False), getattr(kind, "max_open", False))
+            elif kind is click.STRING and isinstance(param, click.Option):
+                param.type = Text()
+
+
+def one_line_warnings() -> None:
+    """moepack's own warnings (a bench cache ignored, O_DIRECT refused) as one line, `moepack: warning: ...`, not
+    Python's two (the file and line, then the source line); a library's keep Python's format."""
+    import warnings
+
+    python_format = warnings.formatwarning
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding cli/, runtime/, ...
+    ours = {"cli", "runtime", "packer", "v4", "format_spec", "native", "moepack"}
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if os.path.relpath(os.path.abspath(filename), root).split(os.sep)[0] in ours:
+            return f"moepack: warning: {message}\n"
+        return python_format(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+
+
+def sigterm_as_interrupt() -> None:
+    """SIGTERM (a `kill`, a supervisor stopping the job) ends a command as Ctrl-C does: KeyboardInterrupt, so the
+    same cleanup runs (temporary files removed, partial outputs kept for a resume) and the exit status is 130."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread (a command called from a thread): its caller owns the signals
+        pass

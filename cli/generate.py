@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import replace
 
@@ -11,8 +10,8 @@ import click
 
 from moepack.runtime.limits import MAX_CACHE_GIB
 
-from .common import (Dtype, emit, force_option, json_option, layer_progress, prompt_options, refuse_existing_kv,
-                     reports_errors)
+from .common import (Dtype, FiniteFloat, emit, force_option, json_option, layer_progress, prompt_options,
+                     refuse_existing_kv, reports_errors)
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
 
@@ -35,13 +34,12 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
         from moepack.v4 import chat as chat_encoding
 
         if messages_file is not None:
+            from moepack.format_spec.untrusted import load_file
+
             try:
-                with open(messages_file, encoding="utf-8") as f:
-                    messages = json.load(f)
+                messages = load_file(messages_file)
             except OSError as e:
                 raise MoepackError(f"{messages_file}: cannot read ({e.strerror})") from None
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise MoepackError(f"{messages_file}: not a JSON list of messages ({e})") from None
         else:
             messages = [{"role": "user", "content": chat}]
         segments = chat_encoding.encode_message_segments(messages, thinking=thinking,
@@ -68,12 +66,12 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
               help="A KV directory `moepack prefill --kv-out` wrote for this container: the prompt (if any) "
                    "continues it.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--temperature", type=FiniteFloat(min=0), default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True, help="0: off.")
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: drawn, and reported).")
 @click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable); it is not printed.")
-@click.option("--cache-gib", type=click.FloatRange(0, MAX_CACHE_GIB), default=None,
+@click.option("--cache-gib", type=FiniteFloat(0, MAX_CACHE_GIB), default=None,
               help="Byte budget of the routed-expert cache (0: every selected expert read for every token; "
                    "default: the whole container, within a quarter of the available memory). With --device cuda "
                    "the cache is on the device and keeps experts decoded (an FP4 expert takes 4x its stored bytes; "

@@ -20,9 +20,9 @@ from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
-from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PREFILL_MEMORY_HINT, Dtype, check_threads, emit, force_option,
-                     json_option, layer_progress, prompt_options, refuse_existing, refuse_existing_kv,
-                     reports_errors)
+from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, PREFILL_MEMORY_HINT, Dtype, FiniteFloat, check_threads,
+                     emit, force_option, json_option, layer_progress, one_line_warnings, prompt_options,
+                     refuse_existing, refuse_existing_kv, reports_errors, sigterm_as_interrupt, untrusted_argv_types)
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve
@@ -92,7 +92,7 @@ def _policy_options(fn):
                    "over them (one file per SSD: reads of the parts run side by side).")
 @click.option("--stripe-experts", type=click.IntRange(min=1), default=DEFAULT_STRIPE_EXPERTS, show_default=True,
               help="With --parts: experts [k*S, (k+1)*S) of each layer go to part k mod P.")
-@click.option("--part-dir", "part_dirs", multiple=True, metavar="K=DIR",
+@click.option("--part-dir", "part_dirs", type=PATH_TEXT, multiple=True, metavar="K=DIR",
               help="With --parts: write part K into DIR (e.g. another SSD's mount) and leave a symlink at "
                    "OUT.part<K>. Repeatable.")
 @click.option("--no-keep-source", "no_keep_source", is_flag=True,
@@ -321,7 +321,7 @@ def _print_verify(r: dict) -> None:
                    "on this prompt per layer (the layer's reads then wait for its router).")
 @click.option("--container-per-rank", is_flag=True,
               help="With --expert-parallel: FILE contains '{rank}', and each rank reads its own copy.")
-@click.option("--dist-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
+@click.option("--dist-timeout", type=FiniteFloat(min=1), default=120.0, show_default=True,
               help="Seconds a rank waits for its peers before giving up with an error.")
 @click.option("--no-verify-reads", is_flag=True, help="Skip the per-region checksum of every read.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, callback=check_threads,
@@ -524,11 +524,14 @@ cli.add_command(bench)
 cli.add_command(generate)
 cli.add_command(plan)
 cli.add_command(serve)
+untrusted_argv_types(cli)
 
 
 def main() -> None:
     """The console entry: click's own handling, except that a usage error under --json also prints the JSON error
     object (a machine reading stdout sees {"ok": false, ...} whatever went wrong)."""
+    sigterm_as_interrupt()
+    one_line_warnings()
     try:
         code = cli.main(prog_name="moepack", standalone_mode=False)
     except click.ClickException as e:  # usage errors (bad flags, values out of range) and click's own failures

@@ -11,7 +11,7 @@ import click
 from moepack.format_spec.errors import MoepackError
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
-from .common import Dtype, emit, force_option, json_option, refuse_existing, reports_errors
+from .common import Dtype, FiniteFloat, emit, force_option, json_option, refuse_existing, reports_errors
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -50,7 +50,7 @@ def bench():
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--bundles", default="1,2,4,8,16", show_default=True, help="Experts per read to try.")
 @click.option("--depths", default="1,2,4,8,16", show_default=True, help="Reads in flight to try.")
-@click.option("--max-gib", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+@click.option("--max-gib", type=FiniteFloat(min=0, min_open=True), default=1.0, show_default=True,
               help="Bytes each cell reads (the same leading expert sections for every cell).")
 @click.option("--all", "read_all", is_flag=True, help="Read every expert section in every cell (no --max-gib cap).")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Best of this many runs.")
@@ -224,22 +224,28 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
     return sizes_from_config(config, policy or "keep", expert_bpw), config, None
 
 
+# A rate or size `plan` takes (GB/s, TFLOPS, GFLOP per token): beyond these the arithmetic under- or overflows to a
+# zero, an infinity or a NaN, and no machine or model is anywhere near them.
+PLAN_RATE = FiniteFloat(1e-3, 1e6)
+
+
 @click.command()
 @click.argument("target", metavar="FILE|CONFIG")
-@click.option("--ssd-gbps", type=click.FloatRange(min=0, min_open=True),
+@click.option("--ssd-gbps", type=PLAN_RATE,
               help="Sequential read GB/s of one SSD (default: `bench io`'s measurement, else 14).")
-@click.option("--tflops", type=click.FloatRange(min=0, min_open=True),
+@click.option("--tflops", type=PLAN_RATE,
               help="Effective TFLOPS of one GPU (default: `bench compute`'s measured curve, else 100).")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True, help="GPUs (experts split).")
 @click.option("--ssds", type=click.IntRange(min=1), default=1, show_default=True, help="SSDs (reads striped).")
 @click.option("--context", "contexts", multiple=True, metavar="N",
               help="Prompt length(s) to plan for: 8192, 8K, 128K; repeat or comma-separate "
                    "(default 1K..128K in powers of two).")
-@click.option("--vram-gib", type=click.FloatRange(min=0, min_open=True), help="Device memory to judge the budget by.")
+@click.option("--vram-gib", type=FiniteFloat(0, PLAN_RATE.max, min_open=True), help="Device memory to judge the budget by.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), help="Write tokens/s versus N to this PNG.")
 @click.option("--policy", type=click.Choice(["keep", "bf16", "fp4", "nvfp4", "q8", "q2"]),
               help="Precision policy a CONFIG is sized for (default keep).")
-@click.option("--expert-bpw", type=float, help="Size the routed experts at this many bits per weight (what-if).")
+@click.option("--expert-bpw", type=FiniteFloat(0, 64, min_open=True),
+              help="Size the routed experts at this many bits per weight (what-if).")
 @click.option("--stream", type=click.Choice(["all", "experts"]), default="all", show_default=True,
               help="all: every region streams, as moepack prefill does; experts: non-routed weights resident "
                    "(the design note's tables).")
@@ -255,13 +261,13 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
                                                                    "(default: cuda's when measured, else cpu's).")
 @click.option("--expert-dtype", type=Dtype(("float32", "bfloat16")), default="float32", show_default=True,
               help="Which measured compute curve: the one timed in prefill's --expert-dtype.")
-@click.option("--mem-gbps", type=click.FloatRange(min=0, min_open=True),
+@click.option("--mem-gbps", type=PLAN_RATE,
               help="Host memory copy GB/s (default: bench memory's measurement; the host RAM stage).")
-@click.option("--pcie-gbps", type=click.FloatRange(min=0, min_open=True),
+@click.option("--pcie-gbps", type=PLAN_RATE,
               help="Host->device GB/s per GPU (default: bench memory's pinned measurement on CUDA).")
-@click.option("--gflop-per-token", type=click.FloatRange(min=0, min_open=True),
+@click.option("--gflop-per-token", type=PLAN_RATE,
               help="Override the config's FLOPs per token (what-if; the note rounds to 26).")
-@click.option("--routed-gflop-per-token", type=click.FloatRange(min=0, min_open=True),
+@click.option("--routed-gflop-per-token", type=PLAN_RATE,
               help="Override the routed experts' FLOPs per token (the note rounds to 13).")
 @click.option("--kv-dtype", type=Dtype(("float32", "bfloat16", "float8_e4m3"), give="storage"), default="float32",
               show_default=True,

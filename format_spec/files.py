@@ -1,11 +1,15 @@
 """Opening inputs: only regular files. A FIFO would block `open` until a writer came (a `verify` that hangs), a pipe
 (`<(cat file)`) cannot seek, a directory or a device is not a file of ours: each is refused at once, by name.
-Writing outputs: check_free_space refuses, before any work, an output its disk cannot hold."""
+Writing outputs: check_free_space refuses, before any work, an output its disk cannot hold; temporary outputs are
+named by temporary_prefix, so that remove_stale_temporaries can clear what a killed run left."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
+import shutil
+import socket
 import stat
 
 from .errors import FormatError, MoepackError
@@ -83,3 +87,55 @@ def check_free_space(needs: dict[str, int], what: str = "the output") -> dict[st
             raise MoepackError(f"not enough free space for {what} on {directory}: it needs about {_gb(need)}, "
                                f"{_gb(free)} is free")
     return report
+
+
+# Temporary outputs (an export's folder, a GGUF being written, a scratch download) are named
+# `.<kind>-<host>.<pid>-<random>`: a run killed by SIGKILL (no cleanup runs) leaves them behind, and the next run
+# in the same folder removes those of its own kinds whose process, on this host, is gone.
+_OWN_TEMPORARY = re.compile(r"^\.(?P<kind>[a-z-]+)-(?P<host>[A-Za-z0-9]*)\.(?P<pid>[0-9]+)-")
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32]
+
+
+def temporary_prefix(kind: str) -> str:
+    """The prefix for tempfile.mkdtemp / mkstemp of a temporary output of `kind` (say whose it is: this host, this
+    process), so remove_stale_temporaries can tell a dead run's leftovers from a live run's work."""
+    return f".{kind}-{_host_tag()}.{os.getpid()}-"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # another user's process: alive
+        return True
+    except (ProcessLookupError, OverflowError):  # gone, or no pid this system can have
+        return False
+    return True
+
+
+def remove_stale_temporaries(directory: str, kinds: tuple[str, ...]) -> list[str]:
+    """Remove, from `directory`, the temporaries of these kinds (named by temporary_prefix) that a process of this
+    host left and that is no longer alive; returns their paths. Only ours, only stale: anything else is kept, and a
+    failure to remove one is no error (the next run tries again)."""
+    removed = []
+    host = _host_tag()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _OWN_TEMPORARY.match(name)
+        if not m or m["kind"] not in kinds or m["host"] != host or _process_alive(int(m["pid"])):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+    return removed

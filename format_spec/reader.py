@@ -10,7 +10,6 @@ and every padding byte.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -19,6 +18,7 @@ import zstandard
 
 from .dtypes import STORAGE_TYPES, tensor_nbytes
 from .errors import FormatError
+from . import untrusted
 from .files import open_regular
 from .layout import (
     TENSOR_SCALE_SUFFIX, ALIGNMENT, FORMAT_MINOR_PARTS, HEADER_SIZE, MAX_PARTS, REGION_KINDS, TENSOR_ALIGNMENT, Header, PartHeader,
@@ -203,10 +203,10 @@ class Container:
             raise FormatError(f"index does not decompress: {e}") from None
         if len(raw) != h.index_raw_length:
             _fail(f"index decompresses to {len(raw)} bytes, header records {h.index_raw_length}")
-        try:
-            index = json.loads(raw)
-        except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a too long number, too deep nesting
-            raise FormatError(f"index is not valid JSON: {e}") from None
+        try:  # the header's recorded length bounds its size; depth, numbers and text are bounded here
+            index = untrusted.loads(raw, "index", max_bytes=len(raw))
+        except untrusted.UntrustedInputError as e:
+            raise FormatError(f"index is not valid JSON: {e.detail}") from None
         self.index = index
         self._validate_index(index)
 

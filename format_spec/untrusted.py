@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 from .errors import MoepackError
@@ -23,7 +24,16 @@ DEFAULT_MAX_BYTES = 64 << 20
 
 
 class UntrustedInputError(MoepackError, ValueError):
-    """Input from outside (a file, a request, argv) that fails a bound: the message names what and why."""
+    """Input from outside (a file, a request, argv) that fails a bound: the message names what and why.
+    `detail`: the message without the leading name of what was read (for callers that word their own)."""
+
+    def __init__(self, message: str, detail: str | None = None):
+        super().__init__(message)
+        self.detail = message if detail is None else detail
+
+
+def _refuse(what: str, detail: str) -> UntrustedInputError:
+    return UntrustedInputError(f"{what}: {detail}", detail)
 
 
 # a JSON string (its escapes included) or one bracket: strings are skipped whole, brackets counted
@@ -47,69 +57,100 @@ def nesting_depth(text: str, limit: int) -> int:
     return deepest
 
 
-def _constant(name: str):
-    raise UntrustedInputError(f"{name} is not a JSON number (NaN and Infinity are refused)")
+class _Refused:
+    """What the parser leaves where a number it must not trust stood; the walk after it names the place."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
 
 
-def _parse_int(literal: str) -> int:
+def _parse_constant(name: str) -> _Refused:
+    return _Refused(f"{name} is not a JSON number (NaN and Infinity are refused)")
+
+
+def _parse_int(literal: str):
     if len(literal) > MAX_NUMBER_CHARS:
-        raise UntrustedInputError(f"a number of {len(literal)} digits (at most {MAX_NUMBER_CHARS})")
+        return _Refused(f"a number of {len(literal)} digits (at most {MAX_NUMBER_CHARS})")
     return int(literal)
 
 
-def _parse_float(literal: str) -> float:
+def _parse_float(literal: str):
     if len(literal) > MAX_NUMBER_CHARS:
-        raise UntrustedInputError(f"a number of {len(literal)} characters (at most {MAX_NUMBER_CHARS})")
+        return _Refused(f"a number of {len(literal)} characters (at most {MAX_NUMBER_CHARS})")
     value = float(literal)
     if not math.isfinite(value):
-        raise UntrustedInputError(f"the number {literal[:24]} overflows a float64")
+        return _Refused(f"the number {literal[:24]} overflows a float64")
     return value
 
 
-def _check_strings(value) -> None:
-    """No lone surrogate (JSON's \\udXXX escapes can make one): it cannot be encoded as UTF-8 anywhere later."""
-    stack = [value]
+def _lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _where(path: tuple) -> str:
+    """A JSON path as a reader names a field: `rope_scaling.factor`, `messages[3].content`."""
+    out = ""
+    for step in path:
+        if isinstance(step, int):
+            out += f"[{step}]"
+        else:
+            key = step if len(step) <= 40 and not _lone_surrogate(step) else repr(step[:40].encode("utf-8", "replace"))
+            out += f".{key}" if out else key
+    return out
+
+
+def _first_problem(value) -> tuple[tuple, str] | None:
+    """(path, reason) of the first refused number or string with a lone surrogate (JSON's \\udXXX escapes can make
+    one: it cannot be encoded as UTF-8 anywhere later), in document order; None when there is none. No recursion."""
+    stack = [((), value)]
     while stack:
-        v = stack.pop()
+        path, v = stack.pop()
+        if isinstance(v, _Refused):
+            return path, v.reason
         if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise UntrustedInputError("a string holds a lone surrogate (not valid Unicode)") from None
+            if _lone_surrogate(v):
+                return path, "a string holds a lone surrogate (not valid Unicode)"
         elif isinstance(v, dict):
-            for k, item in v.items():
-                stack.append(k)
-                stack.append(item)
+            for k in v:
+                if _lone_surrogate(k):
+                    return path, "a key holds a lone surrogate (not valid Unicode)"
+            stack.extend(((*path, k), item) for k, item in reversed(v.items()))
         elif isinstance(v, list):
-            stack.extend(v)
+            stack.extend(((*path, i), item) for i, item in reversed(list(enumerate(v))))
+    return None
 
 
 def loads(data: str | bytes | bytearray, what: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
           max_depth: int = MAX_JSON_DEPTH):
-    """Parse untrusted JSON. Refused in one line naming `what`: over `max_bytes`, not UTF-8, nested deeper
-    than `max_depth`, a number literal over MAX_NUMBER_CHARS or not finite, a lone surrogate, bad JSON."""
+    """Parse untrusted JSON. Refused in one line naming `what` (and the field, where one is to blame): over
+    `max_bytes`, not UTF-8, nested deeper than `max_depth`, a number literal over MAX_NUMBER_CHARS or not finite,
+    a lone surrogate, bad JSON."""
     if len(data) > max_bytes:
-        raise UntrustedInputError(f"{what}: {len(data)} bytes, over the limit of {max_bytes}")
+        raise _refuse(what, f"{len(data)} bytes, over the limit of {max_bytes}")
     if isinstance(data, (bytes, bytearray)):
         try:
             text = bytes(data).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise UntrustedInputError(f"{what}: not valid UTF-8 (byte {e.start})") from None
+            raise _refuse(what, f"not valid UTF-8 (byte {e.start})") from None
     else:
         text = data
     depth = nesting_depth(text, max_depth)
     if depth > max_depth:
-        raise UntrustedInputError(f"{what}: JSON nested more than {max_depth} deep")
+        raise _refuse(what, f"JSON nested more than {max_depth} deep")
     try:
-        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_constant)
-    except UntrustedInputError as e:
-        raise UntrustedInputError(f"{what}: {e}") from None
+        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except (ValueError, RecursionError) as e:
-        raise UntrustedInputError(f"{what}: not valid JSON ({str(e).splitlines()[0] if str(e) else 'bad'})") from None
-    try:
-        _check_strings(value)
-    except UntrustedInputError as e:
-        raise UntrustedInputError(f"{what}: {e}") from None
+        raise _refuse(what, f"not valid JSON ({str(e).splitlines()[0] if str(e) else 'bad'})") from None
+    problem = _first_problem(value)
+    if problem is not None:
+        path, reason = problem
+        raise _refuse(what, f"{_where(path)}: {reason}" if path else reason)
     return value
 
 
@@ -117,12 +158,21 @@ def load_file(path, what: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYT
               max_depth: int = MAX_JSON_DEPTH):
     """`loads` over a regular file's bytes, read at most max_bytes + 1 (a FIFO or /dev/zero is refused by
     format_spec.files.open_regular, not read)."""
+    name = what or str(path)
+    data = read_bounded(path, max_bytes)
+    if len(data) > max_bytes:
+        raise _refuse(name, f"more than {max_bytes} bytes (the limit)")
+    return loads(data, name, max_bytes=max_bytes, max_depth=max_depth)
+
+
+def read_bounded(path, max_bytes: int, missing: str | None = None) -> bytes:
+    """A regular file's bytes, at most max_bytes + 1 of them (one more than the limit, so the caller can tell an
+    oversized file): a FIFO, a device (/dev/zero) or a directory is refused by name, never read (FormatError)."""
     from .files import open_regular
 
-    name = what or str(path)
-    with open_regular(path) as f:
-        data = f.read(max_bytes + 1)
-    return loads(data, name, max_bytes=max_bytes, max_depth=max_depth)
+    with os.fdopen(open_regular(os.fspath(path), missing), "rb") as f:
+        # sized by the file too: a read of n bytes allocates n up front, however short the file
+        return f.read(min(max_bytes, os.fstat(f.fileno()).st_size) + 1)
 
 
 def finite_float(value, name: str, *, lo: float | None = None, hi: float | None = None,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import xxhash
 import zstandard
 
+from . import untrusted
 from .dtypes import tensor_nbytes
 from .errors import MoepackError, is_disk_full
 from .layout import (
@@ -38,6 +39,7 @@ from .layout import (
 )
 
 _ZEROS = bytes(ALIGNMENT)
+MAX_JOURNAL_BYTES = 1 << 30  # a region and its tensors take about 1 KiB: far more than any model's
 
 
 def partial_path(path: str) -> str:
@@ -115,10 +117,9 @@ class ContainerWriter:
 
     def _resume(self) -> bool:
         """Pick up the partial files where the journal says they were; False if there is nothing valid to resume."""
-        try:
-            with open(self.journal_path, encoding="utf-8") as f:
-                journal = json.load(f)
-        except (OSError, ValueError):
+        try:  # a journal that is damaged (or not a file) means starting over, never a traceback
+            journal = untrusted.load_file(self.journal_path, max_bytes=MAX_JOURNAL_BYTES)
+        except (OSError, MoepackError):
             return False
         if not isinstance(journal, dict) or journal.get("job") != self.job or \
                 not all(os.path.exists(out.tmp_path) for out in self._outputs):

@@ -14,7 +14,7 @@ import os
 import struct
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -31,6 +31,7 @@ from moepack.format_spec.layout import (DEFAULT_STRIPE_EXPERTS, SCALE_SUFFIXES, 
 from moepack.format_spec.policies import POLICY_NAMES, policy as policy_table, target_type
 from moepack.format_spec.writer import ContainerWriter, partial_path
 from moepack.v4.arch import Adapter, adapter_for
+from moepack.v4.config import ConfigError, ModelConfig
 
 from .progress import progress_bar
 from .source import SourceTensor, keep_refusal
@@ -76,6 +77,21 @@ def plan_regions(adapter: Adapter, tensors: dict[str, SourceTensor], drop_mtp: b
             items = sorted(experts[block][e], key=lambda it: adapter.expert_sort_key(it[0]))
             plan.append(("expert", block, e, items))
     return plan
+
+
+def config_problem(config, plan) -> str | None:
+    """What in a checkpoint's config `verify` and `prefill` would refuse, found before anything is written: a field
+    of the wrong type or out of range (named, as they name it), a layer with another expert count than the
+    config's. None when they will take it. (A tensor of another shape is the container's to hold: they name it.)"""
+    try:
+        experts = ModelConfig.from_hf(config).n_routed_experts
+    except ConfigError as e:
+        return f"config.json is not a usable DeepSeek-V4 config ({e.detail})"
+    counts = Counter(block for kind, block, _, _ in plan if kind == "expert" and block.startswith("layers."))
+    wrong = next(((block, n) for block, n in counts.items() if n != experts), None)
+    if wrong:
+        return f"{wrong[0]} holds {wrong[1]} experts, the config's n_routed_experts is {experts}"
+    return None
 
 
 def source_type_and_shape(adapter: Adapter, name: str, t: SourceTensor) -> tuple[str, list[int]]:
@@ -187,8 +203,8 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
         adapter = adapter_for(source.config)
         plan = plan_regions(adapter, source.tensors, drop_mtp)
         # before hours of work, not at the end of it
-        problem = layer_count_problem(source.config, sum(1 for kind, block, _, _ in plan
-                                                         if kind == "dense" and parse_block_name(block)[0] == "layers"))
+        layers = sum(1 for kind, block, _, _ in plan if kind == "dense" and parse_block_name(block)[0] == "layers")
+        problem = config_problem(source.config, plan) or layer_count_problem(source.config, layers)
         if problem:
             raise MoepackError(f"{provenance['source']}: {problem}")
         refusal = keep_refusal(source) if policy == "keep" else None

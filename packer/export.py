@@ -24,12 +24,14 @@ from safetensors.torch import save_file
 
 from moepack.format_spec.decode import companion_names, decode_group, is_companion
 from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
-from moepack.format_spec.files import check_free_space
+from moepack.format_spec.files import check_free_space, remove_stale_temporaries, temporary_prefix
 from moepack.format_spec.reader import Container
 from moepack.format_spec.writer import fsync_dir, fsync_file
 
 from .progress import progress_bar
 
+# the temporary outputs of both exports (temporary_prefix kinds): a killed export's are removed by the next one
+EXPORT_TEMPORARIES = ("export", "export-old", "export-tokenizer")
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 _KEEP_TYPES = ("F32", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL")
 
@@ -62,8 +64,9 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
         # every weight comes out dequantized (its scales go into it): elements x the dtype's size
         element_bytes = torch.empty((), dtype=torch_dtype).element_size()
         weights = sum(t.numel for t in c.tensors.values() if not is_companion(t.name, c.tensors))
+        remove_stale_temporaries(parent, EXPORT_TEMPORARIES)  # what a killed export left: its space counts
         check_free_space({parent: weights * element_bytes}, f"exporting {out_dir}")
-        tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+        tmp = tempfile.mkdtemp(prefix=temporary_prefix("export"), dir=parent)
         try:
             shards: list[dict[str, str]] = []  # per shard: tensor name -> (final) shard file
             pending: dict[str, torch.Tensor] = {}
@@ -110,7 +113,7 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
             fsync_dir(tmp)
             old = None
             if os.path.exists(out_dir):  # the old one goes only now that the new one is complete
-                old = tempfile.mkdtemp(prefix=".export-old-", dir=parent)
+                old = tempfile.mkdtemp(prefix=temporary_prefix("export-old"), dir=parent)
                 os.rename(out_dir, os.path.join(old, "dir"))
             os.replace(tmp, out_dir)
             fsync_dir(parent)

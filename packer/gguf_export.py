@@ -37,10 +37,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from moepack.format_spec import untrusted
 from moepack.format_spec.decode import decode_float, decode_tensor, is_companion, scale_name, tensor_scale_name
 from moepack.format_spec.decode import tensor_scale_value
 from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
-from moepack.format_spec.files import check_free_space
+from moepack.format_spec.files import check_free_space, remove_stale_temporaries, temporary_prefix
 from moepack.format_spec.quants import fp4_to_mxfp4, quantize
 from moepack.format_spec.reader import Container
 from moepack.format_spec.writer import fsync_dir, fsync_file
@@ -48,6 +49,7 @@ from moepack.v4 import names as v4names
 from moepack.v4.chat import chat_template
 from moepack.v4.config import DEFAULTS, ModelConfig
 
+from .export import EXPORT_TEMPORARIES
 from .progress import progress_bar
 from .sharding import greedy_shards
 
@@ -318,7 +320,8 @@ def vocab(files: dict[str, bytes], vocab_size: int) -> tuple[list[str], list[int
 
 def merges(files: dict[str, bytes]) -> list[str]:
     """tokenizer.json's BPE merges as GGUF stores them: "left right" (a pair list is joined with a space)."""
-    model = json.loads(files["tokenizer.json"]).get("model") or {}
+    tokenizer = untrusted.loads(files["tokenizer.json"], "the container's tokenizer.json")
+    model = (tokenizer.get("model") if isinstance(tokenizer, dict) else None) or {}
     return [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
 
 
@@ -346,7 +349,7 @@ def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_si
     writer.add_array("tokenizer.ggml.token_type", types)
     # llama.cpp refuses a gpt2 vocabulary without a merges key, even an empty one (a byte-level toy tokenizer)
     writer.add_key_value("tokenizer.ggml.merges", merges(files), gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
-    tok_dir = tempfile.mkdtemp(prefix=".tok-", dir=tmp_dir)
+    tok_dir = tempfile.mkdtemp(prefix=temporary_prefix("export-tokenizer"), dir=tmp_dir)
     try:
         # config.json too: SpecialVocab takes bos/eos ids from it when the tokenizer files do not name them (without
         # them llama.cpp falls back to its own defaults, id 11 for a BPE vocabulary's BOS)
@@ -412,13 +415,14 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
         for name in outputs:
             if os.path.isdir(name) or os.path.exists(name) and not force:
                 raise MoepackError(f"{name} exists")
+        remove_stale_temporaries(parent, EXPORT_TEMPORARIES)  # what a killed export left: its space counts
         check_free_space({parent: sum(j.nbytes for j in jobs)}, f"exporting {out_file}")
         tmps: list[str] = []
         writer = None
         bar = progress_bar(sum(j.source_bytes for j in jobs), "export gguf", progress)
         try:
             for number, shard in enumerate(shards):
-                fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=".gguf.tmp", dir=parent)
+                fd, tmp = tempfile.mkstemp(prefix=temporary_prefix("export"), suffix=".gguf.tmp", dir=parent)
                 os.fchmod(fd, 0o666 & ~_umask())  # a plain file's mode, not mkstemp's 0600
                 os.close(fd)
                 tmps.append(tmp)

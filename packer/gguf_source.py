@@ -21,13 +21,16 @@ unknown tensor) is one MoepackError line naming the file.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
+import struct
 
 import numpy as np
 
 from moepack.format_spec.dtypes import STORAGE_TYPES, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.files import open_regular
 from moepack.v4 import names as v4names
 
 from .source import LocalSource, OpenFiles, SourceTensor
@@ -84,15 +87,109 @@ def _gguf_py():
     return gguf
 
 
+# GGUF value types (gguf-py's GGUFValueType): the fixed sizes, and the two of variable length
+_FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+MAX_TENSOR_DIMS = 8  # ggml has 4
+MAX_ARRAY_NESTING = 4
+
+
+class _HeaderScan:
+    """A walk over a GGUF's header (key/values, tensor infos) that trusts no count or length: each is bounded by the
+    bytes left in the file before anything is skipped or looped over, so gguf-py (which loops over a count as
+    given: 2^40 strings take it minutes) never sees a header that outruns its file."""
+
+    def __init__(self, data, name: str):
+        self.data, self.name, self.pos = data, name, 0
+        self.order = "<"
+
+    def fail(self, what: str):
+        raise MoepackError(f"{self.name}: damaged GGUF: {what}")
+
+    def need(self, n: int, what: str) -> None:
+        left = len(self.data) - self.pos
+        if n > left:
+            self.fail(f"{what} needs {n} bytes, the file has {left} left")
+
+    def number(self, fmt: str, what: str) -> int:
+        size = struct.calcsize(fmt)
+        self.need(size, what)
+        (value,) = struct.unpack_from(self.order + fmt, self.data, self.pos)
+        self.pos += size
+        return value
+
+    def string(self, what: str) -> bytes:
+        n = self.number("Q", what)
+        self.need(n, f"{what} (a string of {n} bytes)")
+        self.pos += n
+        return bytes(self.data[self.pos - n:self.pos])
+
+    def value(self, kind: int, what: str, nesting: int = 0) -> None:
+        if kind in _FIXED_SIZES:
+            self.need(_FIXED_SIZES[kind], what)
+            self.pos += _FIXED_SIZES[kind]
+        elif kind == _STRING:
+            self.string(what)
+        elif kind == _ARRAY:
+            item = self.number("I", what)
+            count = self.number("Q", what)
+            least = _FIXED_SIZES.get(item, 8 if item == _STRING else 12)  # a string: its length; an array: 12
+            self.need(count * least, f"{what} (an array of {count})")
+            if item in _FIXED_SIZES:
+                self.pos += count * least
+            elif item in (_STRING, _ARRAY) and nesting < MAX_ARRAY_NESTING:
+                for _ in range(count):  # bounded: each item takes at least `least` bytes of the file
+                    self.value(item, what, nesting + 1)
+            else:
+                self.fail(f"{what}: an array of value type {item}")
+        else:
+            self.fail(f"{what}: unknown value type {kind}")
+
+    def walk(self) -> None:
+        self.pos = 4
+        if self.number("I", "the version") & 0xFFFF == 0:  # written for the other byte order (gguf-py reads it)
+            self.order = ">"
+        tensors, kvs = self.number("Q", "the tensor count"), self.number("Q", "the key/value count")
+        self.need(kvs * 13, f"a key/value count of {kvs}")  # the least a key/value takes: 8 + 4 + 1 bytes
+        for i in range(kvs):
+            key = self.string(f"key/value #{i}").decode("utf-8", "replace")[:80]
+            self.value(self.number("I", key), key)
+        self.need(tensors * 24, f"a tensor count of {tensors}")  # name length, dims, type, offset
+        for i in range(tensors):
+            what = self.string(f"tensor #{i}'s name").decode("utf-8", "replace")[:80]
+            dims = self.number("I", what)
+            if dims > MAX_TENSOR_DIMS:
+                self.fail(f"tensor {what} has {dims} dimensions")
+            self.need(dims * 8 + 12, what)
+            self.pos += dims * 8 + 12
+
+
+def check_gguf_header(path: str) -> None:
+    """Refuse (one line naming the file) a GGUF whose header states a count or a length its file cannot hold, or
+    that is not a regular file (a FIFO), before gguf-py parses it."""
+    name = os.path.basename(path)
+    with os.fdopen(open_regular(path), "rb") as f:
+        if os.fstat(f.fileno()).st_size < 24:
+            magic = f.read(4)
+            if magic != GGUF_MAGIC:
+                raise MoepackError(f"{name}: not a GGUF file (magic {magic!r})")
+            raise MoepackError(f"{name}: damaged GGUF: truncated header")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != GGUF_MAGIC:
+                raise MoepackError(f"{name}: not a GGUF file (magic {bytes(data[:4])!r})")
+            scan = _HeaderScan(data, name)
+            try:
+                scan.walk()
+            finally:
+                scan.data = None  # no view left on the map as it closes
+
+
 def _reader(gguf, path: str):
     name = os.path.basename(path)
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        check_gguf_header(path)
     except OSError as e:
         raise MoepackError(f"{name}: cannot read ({e.strerror})") from None
-    if magic != GGUF_MAGIC:
-        raise MoepackError(f"{name}: not a GGUF file (magic {magic!r})")
     try:
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # gguf-py raises ValueError, IndexError, struct errors... on damaged files

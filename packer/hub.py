@@ -26,7 +26,6 @@ a scratch folder, each deleted once converted, with keep_source=False).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import shutil
@@ -37,7 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.files import remove_stale_temporaries, temporary_prefix
 
 INDEX_FILE = "model.safetensors.index.json"
 # The small files a conversion reads besides the shards, in the order they are fetched.
@@ -115,7 +116,10 @@ def open_source(src: str, revision: str | None = None, progress: bool = True, st
         return CheckpointDir(resolved.local_dir), resolved.provenance
     if not looks_like_repo_id(src):
         raise MoepackError(f"{src}: no such directory (and not a Hugging Face repo id, which is owner/name)")
-    scratch = None if keep_source else tempfile.mkdtemp(prefix=".moepack-download-", dir=scratch_parent)
+    if not keep_source:  # a killed conversion's downloads: its rerun downloads what it still needs again
+        remove_stale_temporaries(scratch_parent or tempfile.gettempdir(), ("moepack-download",))
+    scratch = None if keep_source else tempfile.mkdtemp(prefix=temporary_prefix("moepack-download"),
+                                                        dir=scratch_parent)
     try:
         plan = _HubPlan.make(src, revision, scratch)
         source = plan.source()
@@ -160,8 +164,7 @@ def _streamed(plan: "_HubPlan", progress: bool, scratch: str | None):
             tensors[key] = SourceTensor(key, dtype, shape, os.path.join(plan.snapshot_dir, shard), -1, length)
     index = os.path.join(plan.snapshot_dir, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]  # read and checked by _index_shards already
+        weight_map = untrusted.load_file(index, INDEX_FILE)["weight_map"]  # checked by _index_shards already
         check_weight_map(weight_map, tensors, where=f"{plan.repo}: ")
 
     def start_feed(order: list[str], ahead: int | None) -> ShardFeed:
@@ -196,10 +199,9 @@ def _resolve_local(src: str, revision: str | None) -> ResolvedSource:
 def _index_shards(index_path: str, where: str) -> list[str]:
     """The shard names an index lists, sorted; MoepackError if the index is unreadable or points outside."""
     try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MoepackError(f"{where}: {INDEX_FILE} is not valid JSON ({_one_line(e)})") from None
+        index = untrusted.load_file(index_path, INDEX_FILE)
+    except MoepackError as e:
+        raise MoepackError(f"{where}: {e}") from None
     except OSError as e:
         raise MoepackError(f"{where}: cannot read {INDEX_FILE} ({e.strerror or e})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

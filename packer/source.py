@@ -7,21 +7,22 @@ being packed are ever in memory.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import struct
 import threading
 from dataclasses import dataclass
 
+from moepack.format_spec import untrusted
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.files import check_regular, open_regular
+from moepack.format_spec.files import open_regular
 
 # Files worth carrying into the container beside the weights (small, text).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 _MAX_HEADER = 100 << 20
+MAX_SMALL_JSON_BYTES = 64 << 20  # config.json, an index of shards: kilobytes to a few megabytes
 
 
 @dataclass(frozen=True)
@@ -38,23 +39,22 @@ class SourceTensor:
 def read_safetensors_header(path: str) -> dict[str, SourceTensor]:
     """Parse one safetensors file's header strictly: every tensor inside the file, sized as its dtype says."""
     name = os.path.basename(path)
-    check_regular(path)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path, missing=f"missing shard {name}"), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) != 8:
                 raise MoepackError(f"{name}: truncated safetensors file (no header)")
             (n,) = struct.unpack("<Q", head)
-            if not 2 <= n <= min(_MAX_HEADER, size - 8):
+            if not 2 <= n <= min(_MAX_HEADER, size - 8):  # bounded by the file's size before anything is read
                 raise MoepackError(f"{name}: bad safetensors header length {n} (file is {size} bytes)")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise MoepackError(f"missing shard {name}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise MoepackError(f"{name}: safetensors header is not valid JSON") from None
+            raw = f.read(n)
     except OSError as e:
-        raise MoepackError(f"{name}: cannot read ({e.strerror})") from None
+        raise MoepackError(f"{name}: cannot read ({e.strerror or e})") from None
+    try:
+        header = untrusted.loads(raw, f"{name}: safetensors header", max_bytes=_MAX_HEADER)
+    except untrusted.UntrustedInputError as e:
+        raise MoepackError(f"{name}: safetensors header is not valid JSON ({e.detail})") from None
     if not isinstance(header, dict):
         raise MoepackError(f"{name}: safetensors header is not an object")
     data_start = 8 + n
@@ -162,11 +162,7 @@ class CheckpointDir(LocalSource):
             if required:
                 raise MoepackError(f"{self.path}: missing {name}")
             return None
-        try:
-            with open(p, encoding="utf-8") as f:
-                return json.load(f)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise MoepackError(f"{name} is not valid JSON: {e}") from None
+        return untrusted.load_file(p, max_bytes=MAX_SMALL_JSON_BYTES)
 
     def read(self, t: SourceTensor) -> bytes:
         return self._files.read(t.file, t.offset, t.length, t.name)

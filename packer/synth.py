@@ -31,6 +31,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError, is_disk_full
 from moepack.format_spec.files import check_free_space
 from moepack.format_spec.writer import fsync_dir, write_file_atomically
@@ -443,9 +444,9 @@ def read_tokenizer(path: str | os.PathLike) -> dict[str, Any]:
     config: dict = {}
     if "tokenizer_config.json" in files:
         try:
-            config = json.loads(files["tokenizer_config.json"])
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise MoepackError(f"--tokenizer {config_path}: not JSON ({e})") from None
+            config = untrusted.loads(files["tokenizer_config.json"], f"--tokenizer {config_path}")
+        except untrusted.UntrustedInputError as e:
+            raise MoepackError(f"--tokenizer {config_path}: not JSON ({e.detail})") from None
         if not isinstance(config, dict):
             raise MoepackError(f"--tokenizer {config_path}: expected a JSON object")
 

@@ -37,13 +37,16 @@ from datetime import datetime, timezone
 
 import torch
 
-from moepack.format_spec.errors import MoepackError
+from moepack.format_spec import untrusted
+from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.reader import ReadSpan
+from moepack.format_spec.untrusted import finite_float
 
 from .read_scheduler import expert_reads
 
 CACHE_ENV = "MOEPACK_CACHE_DIR"
 CACHE_FORMAT = "moepack-bench"
+MAX_CACHE_BYTES = 16 << 20  # a machine's measurements take kilobytes
 CACHE_VERSION = 1
 BUNDLES = (1, 2, 4, 8, 16)
 DEPTHS = (1, 2, 4, 8, 16)
@@ -85,13 +88,13 @@ def load_cache() -> dict:
     """The cache's content ({} when absent; a damaged file is ignored with a warning, and replaced on the next
     write)."""
     path = cache_path()
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        warnings.warn(f"{path}: unreadable bench cache ignored ({e})", RuntimeWarning, stacklevel=2)
+    try:
+        data = untrusted.load_file(path, max_bytes=MAX_CACHE_BYTES)
+    except (OSError, MoepackError) as e:
+        reason = e.detail if isinstance(e, untrusted.UntrustedInputError) else error_reason(e)
+        warnings.warn(f"{path}: unreadable bench cache ignored ({reason})", RuntimeWarning, stacklevel=2)
         return {}
     if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or data.get("version") != CACHE_VERSION:
         return {}
@@ -785,12 +788,12 @@ def measured_for_plan(path: str | None = None, device: str | None = None, storag
         io = cached("io")
         entry = io.get(file_key(path)) if path and os.path.exists(path) else None
         if isinstance(entry, dict) and entry.get("best"):
-            out["ssd"] = (entry["best"]["gbps"], f"measured by bench io on this file, {entry['measured_at']}")
+            out["ssd"] = (_rate(entry["best"]["gbps"]), f"measured by bench io on this file, {entry['measured_at']}")
         elif io:
             latest = max((e for e in io.values() if isinstance(e, dict) and e.get("best")),
                          key=lambda e: e.get("measured_at", ""), default=None)
             if latest:
-                out["ssd"] = (latest["best"]["gbps"], f"measured by bench io on {os.path.basename(latest['path'])}, "
+                out["ssd"] = (_rate(latest["best"]["gbps"]), f"measured by bench io on {os.path.basename(latest['path'])}, "
                                                       f"{latest['measured_at']}")
         runs = [r for r in cached("compute").values() if isinstance(r, dict) and r.get("points")]
         order = [device] if device else ["cuda", "cpu"]
@@ -804,16 +807,25 @@ def measured_for_plan(path: str | None = None, device: str | None = None, storag
                         + (storage is not None and r.get("storage") == storage), r.get("measured_at", ""))
 
             pick = max(mine, key=score)
+            for point in pick["points"]:
+                _rate(point["tokens_per_expert"]), _rate(point["gflops"])
             out["compute"] = (pick, f"measured by bench compute on {pick['device']} ({pick['storage']} "
                                     f"{pick['hidden']}x{pick['intermediate']}, {pick['expert_dtype']}), "
                                     f"{pick['measured_at']}")
             break
         mem = cached("memory").get("latest")
         if isinstance(mem, dict) and mem.get("host_copy_gbps"):
-            out["memory"] = (mem["host_copy_gbps"], f"measured by bench memory, {mem['measured_at']}")
+            out["memory"] = (_rate(mem["host_copy_gbps"]), f"measured by bench memory, {mem['measured_at']}")
             if mem.get("cuda"):
-                out["pcie"] = (mem["cuda"]["h2d_pinned_gbps"], f"measured by bench memory (pinned host->device, "
+                out["pcie"] = (_rate(mem["cuda"]["h2d_pinned_gbps"]), f"measured by bench memory (pinned host->device, "
                                                                f"{mem['cuda']['device']}), {mem['measured_at']}")
     except Exception as e:  # noqa: BLE001 - a damaged cache means "not measured"
-        warnings.warn(f"bench cache not used ({e})", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"bench cache not used ({error_reason(e)})", RuntimeWarning, stacklevel=2)
+        out = {"ssd": None, "compute": None, "memory": None, "pcie": None}  # nothing from a cache found damaged
     return out
+
+
+def _rate(value) -> float:
+    """A measured rate or count from the cache: a finite positive number (a hand-edited or damaged cache can hold
+    anything; a zero or a string would reach the plan's divisions)."""
+    return finite_float(value, "a measured rate", lo=0, lo_open=True)

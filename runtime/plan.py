@@ -30,8 +30,9 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from moepack.format_spec import untrusted
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, storage_type, tensor_nbytes
-from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.layout import (ALIGNMENT, HEADER_SIZE, SCALE_SUFFIXES, TENSOR_ALIGNMENT, TENSOR_SCALE_SUFFIX,
                                         align_up)
 from moepack.format_spec.policies import POLICY_NAMES, target_type
@@ -53,6 +54,9 @@ SHORT_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "c
                "heavily_compressed_attention": "hca"}
 
 
+MAX_PLAN_CONTEXT = 1 << 30  # a thousand times DeepSeek-V4's context: past it the plan's figures are meaningless
+
+
 def parse_tokens(text: str | int) -> int:
     """'8K' -> 8192, '1M' -> 1048576 (context lengths count in 1024s, as the note's tables do), '3000' -> 3000."""
     if isinstance(text, int):
@@ -64,11 +68,13 @@ def parse_tokens(text: str | int) -> int:
     elif s.endswith("M"):
         s, mult = s[:-1], 1024 * 1024
     try:
-        value = int(round(float(s) * mult))
-    except ValueError:
-        raise MoepackError(f"bad context length {text!r} (use e.g. 4096, 8K, 128K)") from None
-    if value < 1:
-        raise MoepackError(f"context length must be at least 1, got {text!r}")
+        value = int(round(float(s[:32]) * mult)) if len(s) <= 32 else None
+    except (ValueError, OverflowError):  # not a number, NaN, infinity (1e999)
+        value = None
+    if value is None:
+        raise MoepackError(f"bad context length {str(text)[:40]!r} (use e.g. 4096, 8K, 128K)") from None
+    if not 1 <= value <= MAX_PLAN_CONTEXT:
+        raise MoepackError(f"context length must be between 1 and {fmt_tokens(MAX_PLAN_CONTEXT)}, got {text!r}")
     return value
 
 
@@ -805,17 +811,17 @@ def plot_plan(p: dict, out_path: str) -> str:
     return out_path
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a config.json takes kilobytes
+
+
 def load_config(path: str) -> dict:
     """A config.json (or a directory holding one)."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise MoepackError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MoepackError(f"{path}: not a readable config.json ({e})") from None
+        config = untrusted.load_file(path, max_bytes=MAX_CONFIG_BYTES)
+    except OSError as e:
+        raise MoepackError(f"{path}: not a readable config.json ({error_reason(e)})") from None
     if not isinstance(config, dict):
         raise MoepackError(f"{path}: a config.json holds a JSON object")
     return config

@@ -221,7 +221,8 @@ def test_kv_config_of_the_wrong_types_is_a_format_error(kv_dir, tmp_path, key, v
         if key == "compress_ratios":
             m["identity"]["config"].pop("layer_types", None)
 
-    assert "config:" in _kv_format_error(_kv_copy(kv_dir, tmp_path, edit))
+    error = _kv_format_error(_kv_copy(kv_dir, tmp_path, edit))
+    assert "config:" in error or f"config.{key}: Infinity is not a JSON number" in error  # refused as it is read
 
 
 def test_kv_token_ids_beyond_int64_are_a_format_error(kv_dir, tmp_path):

@@ -33,8 +33,9 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from moepack.format_spec.dtypes import STORAGE_TYPES
+from moepack.format_spec import untrusted
 from moepack.format_spec.errors import FormatError, MoepackError, error_reason, is_disk_full
-from moepack.format_spec.files import check_free_space
+from moepack.format_spec.files import check_free_space, open_regular
 from moepack.format_spec.writer import fsync_dir, fsync_file, replace_directory, write_file_atomically
 
 from . import config as v4config
@@ -44,6 +45,7 @@ KV_FORMAT = "moepack-kv"
 KV_MAJOR = 1
 KV_MINOR = 0
 MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 256 << 20  # a manifest holds the prompt's ids: a million tokens take under 8 MiB
 LOGITS_NAME = "logits.safetensors"
 
 COMPRESSORS = {SLIDING: (), HCA: ("compressor",), CSA: ("compressor", "indexer")}
@@ -674,21 +676,18 @@ class KVDirectory:
         path = os.path.join(self.path, MANIFEST_NAME)
         if not os.path.isdir(self.path):
             self._fail("no such KV directory")
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            self._fail(f"no {MANIFEST_NAME}: not a moepack KV directory")
+        try:  # a regular file only (a symlink to /dev/zero, a FIFO: refused, not read), at most its bound
+            raw = untrusted.read_bounded(path, MAX_MANIFEST_BYTES,
+                                         missing=f"{self.path}: no {MANIFEST_NAME}: not a moepack KV directory")
         except OSError as e:
             self._fail(f"cannot read {MANIFEST_NAME} ({e.strerror or e})")
+        if len(raw) > MAX_MANIFEST_BYTES:
+            self._fail(f"{MANIFEST_NAME} is larger than {MAX_MANIFEST_BYTES} bytes (the limit)")
         try:
-            m = json.loads(raw)
-        except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a too long number, too deep nesting
-            self._fail(f"{MANIFEST_NAME} is not valid JSON ({e})")
-        try:
-            self.manifest = self._validate(m)
-        except RecursionError:  # json.loads took a value nested near the limit; hashing it (re-encoding) did not
-            self._fail(f"{MANIFEST_NAME}: nested too deeply")
+            m = untrusted.loads(raw, MANIFEST_NAME, max_bytes=MAX_MANIFEST_BYTES)
+        except untrusted.UntrustedInputError as e:  # bad UTF-8 or JSON, a too long number, too deep nesting
+            self._fail(f"{MANIFEST_NAME} is not valid JSON ({e.detail})")
+        self.manifest = self._validate(m)
 
     def _validate(self, m) -> dict:
         fail = self._fail
@@ -790,11 +789,13 @@ class KVDirectory:
     # --- layers ------------------------------------------------------------------------------------------------
     def _read_checked(self, name: str, size: int, digest: str, what: str) -> bytes:
         path = os.path.join(self.path, name)
+        try:  # a regular file only: a FIFO in its place would block the read forever
+            fd = open_regular(path, missing=f"{what}: file {name} is missing")
+        except FormatError as e:
+            self._fail(str(e))
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(fd, "rb") as f:
                 data = f.read(min(size, os.fstat(f.fileno()).st_size) + 1)  # sized by the file, not the manifest
-        except FileNotFoundError:
-            self._fail(f"{what}: file {name} is missing")
         except OSError as e:
             self._fail(f"{what}: cannot read {name} ({e.strerror or e})")
         if len(data) != size:

@@ -1,0 +1,445 @@
+"""Issue #37's hostile inputs outside the server: JSON nested 100,000 deep, numbers of 5,000 digits, NaN, invalid
+UTF-8 and lone surrogates in every file a command reads and in argv; configs convert would write but verify refuses;
+files that hang or blow up a reader (/dev/zero, a FIFO, a GGUF whose counts outrun it); the temporaries of a killed
+export. Each is refused in one line that names the file, the field or the flag: no traceback, a non-zero status."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from containers import tiny_keep_container
+from moepack.cli.common import FiniteFloat, Text
+from moepack.cli.main import cli
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.files import remove_stale_temporaries, temporary_prefix
+
+DEEP = "[" * 100_000 + "]" * 100_000
+LONG_NUMBER = "9" * 5000
+
+
+def _moepack(*args, timeout=120, **kwargs) -> subprocess.CompletedProcess:
+    """The console entry in a process of its own (argv as bytes where a test needs bytes that are not UTF-8)."""
+    return subprocess.run([sys.executable, "-m", "moepack", *args], capture_output=True, timeout=timeout, **kwargs)
+
+
+def _refused(p: subprocess.CompletedProcess, *named: str, status: int = 1) -> str:
+    """One line of error naming each of `named`, the exit status, and no traceback."""
+    err = p.stderr.decode("utf-8", "backslashreplace")
+    assert p.returncode == status, (p.returncode, err)
+    assert "Traceback" not in err, err
+    if status == 1:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("moepack: error: "), err
+        line = lines[0]
+    else:  # click's usage error: usage lines, then one "Error: ..." line
+        line = next(x for x in err.splitlines() if x.startswith("Error: "))
+    for name in named:
+        assert name in line, (name, line)
+    return line
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    return tiny_keep_container(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def source(container):
+    return os.path.join(os.path.dirname(container), "src")
+
+
+def _checkpoint_copy(source, tmp_path) -> str:
+    out = str(tmp_path / "src")
+    shutil.copytree(source, out)
+    return out
+
+
+def _edit_config(src: str, text_of_value: str, field: str) -> None:
+    """Set one config.json field to raw JSON text (NaN, a 5000-digit number: what json.dump will not write)."""
+    path = os.path.join(src, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config[field] = "@@"
+    with open(path, "w") as f:
+        f.write(json.dumps(config).replace('"@@"', text_of_value))
+
+
+# --- JSON files --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, named", [("NaN", "rms_norm_eps: NaN"), (LONG_NUMBER, "a number of 5000 digits"),
+                                          ("1e999", "overflows"), ('"\\ud800"', "lone surrogate"), (DEEP, "nested")],
+                         ids=["nan", "5000 digits", "1e999", "lone surrogate", "nested 100000 deep"])
+def test_config_json_values_python_takes_are_refused_by_convert(source, tmp_path, value, named):
+    src = _checkpoint_copy(source, tmp_path)
+    _edit_config(src, value, "rms_norm_eps")
+    out = tmp_path / "x.moepack"
+    _refused(_moepack("convert", src, "-o", str(out), "--q8"), "config.json", named)
+    assert not os.listdir(tmp_path / "src") == [] and not out.exists() and not (tmp_path / "x.moepack.partial").exists()
+    _refused(_moepack("plan", src), "config.json", named)  # plan reads a checkpoint's config too
+
+
+def test_invalid_utf8_in_config_json_is_named(source, tmp_path):
+    src = _checkpoint_copy(source, tmp_path)
+    with open(os.path.join(src, "config.json"), "ab") as f:
+        f.write(b"\xff")
+    _refused(_moepack("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), "config.json", "not valid UTF-8")
+
+
+def test_the_shard_index_and_a_safetensors_header_are_bounded(source, tmp_path):
+    src = _checkpoint_copy(source, tmp_path)
+    index = os.path.join(src, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        f.write('{"weight_map": ' + DEEP + "}")
+    _refused(_moepack("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), "model.safetensors.index.json",
+             "nested more than")
+    os.remove(index)
+    shard = os.path.join(src, sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))[0])
+    with open(shard, "rb") as f:
+        data = bytearray(f.read())
+    (n,) = struct.unpack_from("<Q", data)
+    header = b'{"a": ' + DEEP[:200].encode() + b"}"
+    bad = bytearray(struct.pack("<Q", n) + header + b" " * (n - len(header)) + data[8 + n:])
+    with open(shard, "wb") as f:
+        f.write(bad)
+    _refused(_moepack("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), os.path.basename(shard),
+             "safetensors header is not valid JSON", "nested")
+    struct.pack_into("<Q", bad, 0, 1 << 40)  # a header length beyond the file: refused before any read
+    with open(shard, "wb") as f:
+        f.write(bad)
+    _refused(_moepack("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), os.path.basename(shard),
+             "bad safetensors header length 1099511627776")
+
+
+@pytest.mark.parametrize("content, named", [
+    (DEEP.encode(), "nested more than"), (b'[{"role": "user", "content": "x\\udc00"}]', "[0].content: a string"),
+    (b'[{"role": "user", "content": "\xff"}]', "not valid UTF-8"), (("[" + LONG_NUMBER + "]").encode(), "5000 digits"),
+    (b'[{"role": "user", "content": NaN}]', "NaN")],
+    ids=["nested 100000 deep", "lone surrogate", "invalid utf-8", "5000 digits", "nan"])
+def test_messages_files_are_bounded(container, tmp_path, content, named):
+    path = tmp_path / "messages.json"
+    path.write_bytes(content)
+    _refused(_moepack("generate", container, "--messages", str(path), "--max-new-tokens", "1"), str(path), named)
+
+
+@pytest.mark.parametrize("content, named", [
+    (b"1 2 \xff 3", "not valid UTF-8 (byte 4)"), (b"[1, " + LONG_NUMBER.encode() + b"]", "5000 digits"),
+    (DEEP.encode(), "nested more than"), (LONG_NUMBER.encode(), "expected a non-empty list of integer token ids")],
+    ids=["invalid utf-8", "5000 digits in json", "nested 100000 deep", "5000 digits bare"])
+def test_token_id_files_are_bounded(container, tmp_path, content, named):
+    path = tmp_path / "ids.txt"
+    path.write_bytes(content)
+    for command in (["prefill"], ["generate", "--max-new-tokens", "1"]):
+        _refused(_moepack(command[0], container, "--token-ids", str(path), *command[1:]), str(path), named)
+
+
+def test_a_prompt_file_of_invalid_utf8_or_over_its_bound_is_one_line(container, tmp_path, monkeypatch):
+    from moepack.runtime import tokenizer
+
+    path = tmp_path / "prompt.txt"
+    path.write_bytes(b"hello \xff")
+    _refused(_moepack("prefill", container, "--prompt-file", str(path)), str(path),
+             "not valid UTF-8 (byte 6): expected the prompt")
+    path.write_bytes(b"hello" * 100)
+    monkeypatch.setattr(tokenizer, "MAX_PROMPT_BYTES", 100)
+    with pytest.raises(MoepackError, match="more than 100 bytes of the prompt"):
+        tokenizer.read_prompt_file(str(path))
+
+
+def test_a_damaged_tokenizer_config_in_a_container_leaves_the_default(container, tmp_path):
+    from containers import mutate_index
+
+    from moepack.format_spec.reader import Container
+    from moepack.runtime.tokenizer import PromptTokenizer
+
+    path = str(tmp_path / "t.moepack")
+    mutate_index(container, path, lambda index: index["tokenizer"].__setitem__(
+        "tokenizer_config.json", {"encoding": "utf-8", "data": DEEP}))
+    with Container(path) as c:
+        assert PromptTokenizer(c).add_special_tokens is True
+
+
+@pytest.mark.parametrize("cache", [
+    DEEP, "{", '{"format": "moepack-bench", "version": 1, "x": ' + LONG_NUMBER + "}", "\xff",
+    "machines-nan", "machines-zero", "machines-string", "machines-points"],
+    ids=["nested 100000 deep", "bad json", "5000 digits", "invalid utf-8", "nan rate", "zero rate", "string rate",
+         "negative gflops"])
+def test_a_damaged_bench_cache_is_ignored_in_one_line(container, tmp_path, cache):
+    from moepack.runtime.bench import CACHE_ENV, CACHE_FORMAT, CACHE_VERSION, machine_id
+
+    machine = {"io": {"x": {"best": {"gbps": "nan", "bundle_experts": 4, "queue_depth": 4, "read_bytes": 1},
+                            "measured_at": "now", "path": "/x"}},
+               "memory": {"latest": {"host_copy_gbps": 10.0, "measured_at": "now"}}}
+    if cache == "machines-zero":
+        machine["io"]["x"]["best"]["gbps"] = 0
+    elif cache == "machines-string":
+        machine["memory"]["latest"]["host_copy_gbps"] = "fast"
+        machine["io"]["x"]["best"]["gbps"] = 3.0
+    elif cache == "machines-points":
+        machine["io"]["x"]["best"]["gbps"] = 3.0
+        machine["compute"] = {"k": {"device": "cpu", "points": [{"tokens_per_expert": 1, "gflops": -1}],
+                                    "storage": "F32", "hidden": 1, "intermediate": 1, "expert_dtype": "float32",
+                                    "measured_at": "now"}}
+    if cache.startswith("machines"):
+        cache = json.dumps({"format": CACHE_FORMAT, "version": CACHE_VERSION, "machines": {machine_id(): machine}})
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    (directory / "bench.json").write_bytes(cache.encode("utf-8", "surrogateescape") if cache != "\xff" else b"\xff")
+    env = {**os.environ, CACHE_ENV: str(directory)}
+    p = _moepack("plan", container, "--context", "1K", env=env)
+    out, err = p.stdout.decode(), p.stderr.decode()
+    assert p.returncode == 0, err
+    assert "Traceback" not in err and "nan" not in out.lower(), (out, err)
+    warnings = [x for x in err.splitlines() if x.strip()]
+    assert len(warnings) <= 1 and all(x.startswith("moepack: warning: ") for x in warnings), err
+
+
+# --- argv --------------------------------------------------------------------------------------------------------
+
+
+def _all_params():
+    commands = [((), cli)]
+    while commands:
+        path, command = commands.pop()
+        if isinstance(command, click.Group):
+            commands += [((*path, name), sub) for name, sub in command.commands.items()]
+        for param in command.params:
+            yield " ".join(path), param
+
+
+def test_every_float_option_of_every_command_is_finite_and_every_text_option_valid_utf8():
+    floats = [(c, p) for c, p in _all_params() if isinstance(p.type, click.types.FloatParamType)]
+    assert {p.name for _, p in floats} >= {"cache_gib", "temperature", "top_p", "ssd_gbps", "dist_timeout"}
+    for command, param in floats:
+        assert isinstance(param.type, FiniteFloat), (command, param.name)
+        for text in ("nan", "NaN", "inf", "-inf", "1e999"):
+            with pytest.raises(click.BadParameter, match="not a finite number"):
+                param.type.convert(text, param, None)
+    texts = [(c, p) for c, p in _all_params() if isinstance(p, click.Option) and p.type is click.STRING]
+    assert not texts, texts  # every plain string option is Text (or a file name's PATH_TEXT)
+    prompt = next(p for c, p in _all_params() if c == "generate" and p.name == "prompt")
+    assert isinstance(prompt.type, Text)
+    with pytest.raises(click.BadParameter, match="not valid UTF-8"):
+        prompt.type.convert("a\udcffb", prompt, None)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["generate", "{c}", "--prompt", "hi", "--cache-gib", "nan"], "--cache-gib"),
+    (["generate", "{c}", "--prompt", "hi", "--temperature", "nan"], "--temperature"),
+    (["generate", "{c}", "--prompt", "hi", "--top-p", "nan"], "--top-p"),
+    (["plan", "{c}", "--ssd-gbps", "nan"], "--ssd-gbps"),
+    (["plan", "{c}", "--tflops", "inf"], "--tflops"),
+    (["serve", "{c}", "--cache-gib", "nan"], "--cache-gib"),
+    (["prefill", "{c}", "--prompt", "hi", "--dist-timeout", "nan"], "--dist-timeout"),
+    ([b"prefill", "{c}", b"--prompt", b"a\xffb"], "--prompt"),
+    ([b"generate", "{c}", b"--chat", b"\xed\xa0\x80"], "--chat"),  # a surrogate encoded as UTF-8 bytes
+    ([b"generate", "{c}", b"--prompt", b"hi", b"--stop", b"\xff"], "--stop"),
+])
+def test_nan_and_broken_text_in_argv_are_usage_errors_naming_the_flag(container, args, flag):
+    argv = [container if a == "{c}" else a for a in args]
+    line = _refused(_moepack(*argv), flag, status=2)
+    assert "not a finite number" in line or "not valid UTF-8" in line
+
+
+@pytest.mark.parametrize("low", ["--ssd-gbps", "--tflops", "--mem-gbps", "--gflop-per-token"])
+def test_plan_never_prints_nan_or_inf_at_the_bounds_of_its_rates(container, low):
+    from moepack.cli.plan_bench import PLAN_RATE
+    from moepack.runtime.plan import MAX_PLAN_CONTEXT
+
+    rates = ["--ssd-gbps", "--tflops", "--mem-gbps", "--pcie-gbps", "--gflop-per-token", "--routed-gflop-per-token"]
+    args = [x for r in rates for x in (r, str(PLAN_RATE.min if r == low else PLAN_RATE.max))]
+    p = _moepack("plan", container, *args, "--vram-gib", "1e-300", "--context", "1",
+                 "--context", str(MAX_PLAN_CONTEXT))
+    out = p.stdout.decode().lower()
+    assert p.returncode == 0, p.stderr
+    assert not {"nan", "inf"} & set(out.replace("(", " ").replace(")", " ").split()), out
+    _refused(_moepack("plan", container, low, "1e-300"), low, "not in the range", status=2)
+    _refused(_moepack("plan", container, "--context", "1e999"), "bad context length '1e999'")
+
+
+# --- convert validates what verify and prefill refuse -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_position_embeddings", "0"), ("n_routed_experts", "0"), ("num_experts_per_tok", "99"),
+    ("sliding_window", "0"), ("hidden_size", "-4"), ("hidden_size", "1e30"), ("rms_norm_eps", '"x"'),
+    ("rms_norm_eps", "0"), ("num_hidden_layers", str((1 << 16) + 1)), ("hc_sinkhorn_iters", "1000000")])
+def test_convert_refuses_a_config_verify_would_refuse_before_writing(source, tmp_path, field, value):
+    src = _checkpoint_copy(source, tmp_path)
+    _edit_config(src, value, field)
+    out = tmp_path / "x.moepack"
+    r = CliRunner().invoke(cli, ["convert", src, "-o", str(out), "--q8", "--json"])
+    assert r.exit_code == 1, r.output
+    error = json.loads(r.stdout)["error"]
+    assert field in error and "\n" not in error, error
+    assert not any(n.startswith("x.moepack") for n in os.listdir(tmp_path)), os.listdir(tmp_path)
+
+
+def test_convert_refuses_an_expert_count_other_than_the_configs(source, tmp_path):
+    src = _checkpoint_copy(source, tmp_path)
+    with open(os.path.join(src, "config.json")) as f:
+        experts = json.load(f)["n_routed_experts"]
+    _edit_config(src, str(experts // 2), "n_routed_experts")
+    _edit_config(src, "1", "num_experts_per_tok")
+    r = CliRunner().invoke(cli, ["convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"])
+    assert r.exit_code == 1 and f"holds {experts} experts, the config's n_routed_experts is {experts // 2}" in r.output
+
+
+# --- files that hang or blow up a reader --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kv_dir(container, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("kv") / "kv")
+    r = CliRunner().invoke(cli, ["prefill", container, "--prompt", "hello there", "--kv-out", out])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_a_kv_manifest_that_is_a_link_to_dev_zero_is_refused_at_once(kv_dir, tmp_path):
+    copy = tmp_path / "kv"
+    shutil.copytree(kv_dir, copy)
+    os.remove(copy / "manifest.json")
+    os.symlink("/dev/zero", copy / "manifest.json")
+    started = time.monotonic()
+    _refused(_moepack("kv", "inspect", str(copy), timeout=30), "manifest.json", "not a regular file",
+             "character device")
+    assert time.monotonic() - started < 20
+
+
+def test_an_oversized_kv_manifest_is_refused(kv_dir, tmp_path, monkeypatch):
+    from moepack.v4 import kv as K
+
+    copy = tmp_path / "kv"
+    shutil.copytree(kv_dir, copy)
+    monkeypatch.setattr(K, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(MoepackError, match="manifest.json is larger than 100 bytes"):
+        K.KVDirectory(str(copy))
+
+
+def test_a_kv_layer_file_that_is_a_fifo_is_refused_not_waited_on(container, kv_dir, tmp_path):
+    copy = tmp_path / "kv"
+    shutil.copytree(kv_dir, copy)
+    os.remove(copy / "layer-0001.safetensors")
+    os.mkfifo(copy / "layer-0001.safetensors")
+    for args in (["kv", "inspect", str(copy)],
+                 ["generate", container, "--continue-from", str(copy), "--prompt", " more", "--max-new-tokens", "1"]):
+        _refused(_moepack(*args, timeout=60), "layer-0001.safetensors", "not a regular file (a FIFO or pipe)")
+
+
+def _small_gguf(path: str) -> bytes:
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(path, "deepseek4")
+    w.add_array("test.tokens", ["a", "bb", "ccc"])
+    w.add_array("test.ints", [1, 2, 3])
+    w.add_string("test.name", "hello")
+    w.add_tensor("x", np.zeros((64, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("key, skip, field, named", [
+    (b"test.tokens", 8, "Q", "test.tokens (an array of 1099511627776)"),  # after the value type and item type
+    (b"test.ints", 8, "Q", "test.ints (an array of 1099511627776)"),
+    (b"test.name", 4, "Q", "test.name (a string of 1099511627776 bytes)"),
+    (b"GGUF", 8, "Q", "a key/value count of 1099511627776"),  # after the magic and version: the tensor count
+    (b"GGUF", 16, "Q", "a key/value count of 1099511627776")])
+def test_a_gguf_whose_counts_outrun_the_file_is_refused_at_once(tmp_path, key, skip, field, named):
+    pytest.importorskip("gguf")
+    path = str(tmp_path / "m.gguf")
+    data = bytearray(_small_gguf(path))
+    at = data.index(key) + (len(key) if key != b"GGUF" else 0) + skip
+    if key == b"GGUF" and skip == 8:  # the tensor count: the key/values first, then it is checked
+        named = "a tensor count of 1099511627776"
+    struct.pack_into("<" + field, data, at, 1 << 40)
+    data += bytes(8 << 20)  # zeros for gguf-py to loop over as items
+    with open(path, "wb") as f:
+        f.write(data)
+    started = time.monotonic()
+    out = str(tmp_path / "x.moepack")
+    _refused(_moepack("convert", path, "-o", out, "--q8", timeout=60), "m.gguf", "damaged GGUF", named)
+    _refused(_moepack("verify", out, "--source", path, timeout=60))  # no container: refused, no hang either
+    assert time.monotonic() - started < 30
+
+
+# --- leftovers of a killed export ----------------------------------------------------------------------------------
+
+
+def test_only_our_stale_temporaries_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = tmp_path / (temporary_prefix("export") + "abc")
+    stale = tmp_path / (temporary_prefix("export").replace(f".{os.getpid()}-", f".{dead.pid}-") + "def")
+    stale_file = tmp_path / (temporary_prefix("export").replace(f".{os.getpid()}-", f".{dead.pid}-") + "x.gguf.tmp")
+    other_host = tmp_path / f".export-someotherhost.{dead.pid}-ghi"
+    other_kind = tmp_path / (temporary_prefix("bench").replace(f".{os.getpid()}-", f".{dead.pid}-") + "jkl")
+    not_ours = tmp_path / ".export-abcdef"
+    for p in (mine, stale, other_host, other_kind, not_ours):
+        p.mkdir()
+    stale_file.write_bytes(b"x")
+    removed = remove_stale_temporaries(str(tmp_path), ("export",))
+    assert sorted(removed) == sorted([str(stale), str(stale_file)])
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (mine, other_host, other_kind, not_ours))
+
+
+def _temporaries(directory) -> list[str]:
+    return [n for n in os.listdir(directory) if n.startswith(".export-")]
+
+
+def _export_killed_mid_write(container: str, out: str, sig: int, fmt: str) -> subprocess.Popen:
+    """An export in a process of its own, sent `sig` as soon as its temporary output appears."""
+    parent = os.path.dirname(out)
+    p = subprocess.Popen([sys.executable, "-m", "moepack", "export", container, "-o", out, "--format", fmt],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not _temporaries(parent) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert p.poll() is None, "the export ended before it could be killed"
+    p.send_signal(sig)
+    p.wait(timeout=60)
+    return p
+
+
+@pytest.fixture(scope="module")
+def small_container(tmp_path_factory):
+    """A container whose export takes long enough to be killed in the middle (the tiny one's is over at once)."""
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_checkpoint
+
+    base = tmp_path_factory.mktemp("small")
+    synth_checkpoint(str(base / "src"), preset="small", progress=False)
+    return convert_checkpoint(str(base / "src"), str(base / "small.moepack"), policy="keep", progress=False)["output"]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_a_sigterm_export_leaves_no_temporaries_and_a_sigkill_one_is_cleared_by_the_rerun(small_container, tmp_path,
+                                                                                         fmt):
+    if fmt == "gguf":
+        pytest.importorskip("gguf")
+    out = str(tmp_path / ("out" if fmt == "hf" else "out.gguf"))
+    p = _export_killed_mid_write(small_container, out, signal.SIGTERM, fmt)
+    err = p.stderr.read().decode()
+    assert p.returncode == 130 and err.strip() == "moepack: error: interrupted", (p.returncode, err)
+    assert not _temporaries(tmp_path) and not os.path.exists(out)
+    p = _export_killed_mid_write(small_container, out, signal.SIGKILL, fmt)
+    assert p.returncode == -signal.SIGKILL and _temporaries(tmp_path)
+    again = _moepack("export", small_container, "-o", out, "--format", fmt)
+    assert again.returncode == 0, again.stderr
+    assert not _temporaries(tmp_path) and os.path.exists(out)
