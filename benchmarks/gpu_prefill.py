@@ -43,7 +43,7 @@ from release_dims import release_cut  # noqa: E402
 from moepack.format_spec.reader import Container  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.packer.synth import synth_checkpoint  # noqa: E402
-from moepack.runtime.bench import drop_page_cache  # noqa: E402
+from moepack.runtime.bench import _best_seconds, drop_page_cache  # noqa: E402
 from moepack.runtime.engine import PrefillOptions, model_config, prefill  # noqa: E402
 from moepack.runtime.expert_decode import expert_weight_count  # noqa: E402
 from moepack.runtime.grouped_experts import grouped_matmul  # noqa: E402
@@ -51,22 +51,10 @@ from moepack.runtime.grouped_experts import grouped_matmul  # noqa: E402
 PLACES = ("disk", "page-cache", "host", "device")
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn, device: torch.device, repeat: int = 3) -> float:
     """The best of `repeat` timed calls, after one untimed."""
     fn()
-    best = float("inf")
-    for _ in range(repeat):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
+    return _best_seconds(fn, repeat, device)
 
 
 def dense_bf16_tflops(device: torch.device) -> float:

@@ -565,14 +565,8 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
             for w in decoded:
                 w.apply(cfg, x)
 
-        t_full = _best_seconds(full, repeat, dev) / len(on_device)
-        t_mm = _best_seconds(matmul_only, repeat, dev) / len(on_device)
-        flops = 6 * t * H * I
-        point = {"tokens_per_expert": t, "seconds_per_expert": t_full, "gflops": flops / t_full / 1e9,
-                 "matmul_gflops": flops / t_mm / 1e9, "decode_seconds_per_expert": max(t_full - t_mm, 0.0)}
-        points.append(point)
-        if on_point:
-            on_point(point)
+        points.append(_compute_point(t, H, I, _best_seconds(full, repeat, dev) / len(on_device),
+                                     _best_seconds(matmul_only, repeat, dev) / len(on_device), on_point))
     t_dec = _best_seconds(lambda: [_decode_expert(e, dtype, decoder) for e in on_device], repeat, dev) / len(on_device)
     decoder.close()
     fused = _fused_crossover(on_device, cfg, dtype, dev, repeat)
@@ -625,15 +619,22 @@ def _grouped_points(on_device: list, tokens: list[int], cfg, dtype: torch.dtype,
         counts = [t] * len(regions)
         x = (torch.randn(t * len(regions), H, generator=g) * 0.5).to(dev, dtype)
         run(x, counts, *decoded)  # warm-up at this shape
-        t_full = _best_seconds(lambda: run(x, counts, *decode()), repeat, dev) / len(regions)
-        t_mm = _best_seconds(lambda: run(x, counts, *decoded), repeat, dev) / len(regions)
-        flops = 6 * t * H * inner
-        point = {"tokens_per_expert": t, "seconds_per_expert": t_full, "gflops": flops / t_full / 1e9,
-                 "matmul_gflops": flops / t_mm / 1e9, "decode_seconds_per_expert": max(t_full - t_mm, 0.0)}
-        points.append(point)
-        if on_point:
-            on_point(point)
+        points.append(_compute_point(t, H, inner, _best_seconds(lambda: run(x, counts, *decode()), repeat, dev)
+                                     / len(regions),
+                                     _best_seconds(lambda: run(x, counts, *decoded), repeat, dev) / len(regions),
+                                     on_point))
     return points
+
+
+def _compute_point(tokens: int, hidden: int, inner: int, full_s: float, matmul_s: float, on_point=None) -> dict:
+    """One point of bench_compute: an expert's 6 x tokens x H x I FLOPs in `full_s` (decode included) and
+    `matmul_s` (the matmuls alone), per expert."""
+    flops = 6 * tokens * hidden * inner
+    point = {"tokens_per_expert": tokens, "seconds_per_expert": full_s, "gflops": flops / full_s / 1e9,
+             "matmul_gflops": flops / matmul_s / 1e9, "decode_seconds_per_expert": max(full_s - matmul_s, 0.0)}
+    if on_point:
+        on_point(point)
+    return point
 
 
 def _fused_crossover(on_device: list, cfg, dtype: torch.dtype, dev: torch.device, repeat: int) -> dict | None:
