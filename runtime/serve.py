@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import json
 import sys
@@ -48,18 +49,41 @@ from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int
 from moepack.v4.chat import THINK_END, encode_message_segments
 
 from .generate import GenerateOptions, GenerateResult
-from .sampling import Sampler, is_int, partial_match_length
+from .sampling import MAX_TOP_LOGPROBS, TokenLogprob, is_int, partial_match_length
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_CHAT_TOKENS = 1024  # chat without max_tokens: this, within what the context leaves
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the request's temperature: 0 for greedy)
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 MAX_BODY_DEPTH = 32  # a request body nests a few levels (messages, their content parts)
 OVER_LIMIT_HEADER_S = 2.0  # a connection past --max-connections: its request must come this fast (then 503)
 RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and of too many connections
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
+MAX_N = 8  # choices per request (n), generated one after the other
+# The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
+# (docs/guide.md "Serving real clients"). `user` is accepted and ignored (no per-user state is kept).
+_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
+                  "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                                "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
+                                "service_tier", "store", "metadata", "modalities"}
+# OpenAI fields moepack does not act on: a 400 naming the field whenever one is given (not null)
+REFUSED_FIELDS = {
+    "audio": "audio output is not supported (moepack serves a text model)",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "the deprecated `functions` is not supported: give `tools`",
+    "function_call": "the deprecated `function_call` is not supported: give `tool_choice`",
+    "verbosity": "verbosity is not supported",
+    "safety_identifier": "safety_identifier is not supported",
+    "prompt_cache_key": "prompt_cache_key is not supported",
+}
 # the generator's checks name the CLI's flags: the request's fields they stand for
 FLAG_FIELDS = {"--temperature": "temperature", "--top-p": "top_p", "--top-k": "top_k", "--seed": "seed",
-               "--stop": "stop", "--max-new-tokens": "max_tokens"}
+               "--stop": "stop", "--max-new-tokens": "max_tokens", "--presence-penalty": "presence_penalty",
+               "--frequency-penalty": "frequency_penalty", "--logit-bias": "logit_bias",
+               "--logprobs": "logprobs"}
 
 
 @dataclass(frozen=True)
@@ -121,7 +145,10 @@ class Job:
     ids: list[int]
     options: GenerateOptions
     deadline: float  # time.monotonic() past which it stops (--request-timeout)
+    n: int = 1  # choices: generations one after the other (distinct seeds: seed, seed + 1, ... when one is given)
+    make_constraint: Callable[[], object] | None = None  # each generation's own output constraint
     on_text: Callable[[str], None] | None = None
+    on_token: Callable[[int, object], None] | None = None  # a streamed job's tokens (their logprobs)
     on_start: Callable[[], None] | None = None  # called on the worker once its generation passed every check
     queue: asyncio.Queue | None = None  # a streamed job's ("text", piece) events
     began: asyncio.Event | None = None  # a streamed job's on_start, on the event loop
@@ -133,6 +160,12 @@ class Job:
         if not self.timed_out and time.monotonic() > self.deadline:
             self.timed_out = True
         return self.cancelled or self.timed_out
+
+    def options_for(self, i: int) -> GenerateOptions:
+        """The i-th choice's options: its own seed (when one was given) and constraint."""
+        seed = self.options.seed
+        return dataclasses.replace(self.options, seed=None if seed is None else (seed + i) % 2**64,
+                                   constraint=self.make_constraint() if self.make_constraint else None)
 
     def should_stop(self) -> bool:
         """The generator's `cancelled`: asked first before the prefill's first layer, once every check passed."""
@@ -151,6 +184,10 @@ class Prepared:
     stream: bool
     include_usage: bool
     thinking: bool = False
+    n: int = 1
+    echo: str | None = None  # completions' echo: the prompt's text, in front of each choice's text
+    make_constraint: Callable[[], object] | None = None
+    tools: object | None = None  # chat: the request's tools (runtime/tools.py ToolCalls parses the answer)
 
 
 class ThinkSplitter:
@@ -218,6 +255,32 @@ def _thinking_flag(body: dict) -> bool:
         return v["type"] == "enabled"
     raise RequestError('thinking: expected true/false or {"type": "enabled" | "disabled"}', param="thinking",
                        code="invalid_type")
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    """Every field one the endpoint acts on: an unknown field, or an OpenAI field moepack does not do, is a 400
+    naming it (never silently ignored); so are the values of the accepted ones that would change nothing here."""
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name, value in body.items():
+        if name in allowed:
+            continue
+        if name in REFUSED_FIELDS:
+            if value is None:
+                continue
+            raise RequestError(f"{name}: {REFUSED_FIELDS[name]}", param=name, code="unsupported_field")
+        where = "/v1/chat/completions" if chat else "/v1/completions"
+        raise RequestError(f"{name[:60]}: unknown field for {where} (docs/guide.md lists the fields served)",
+                           param=name[:60], code="unknown_field")
+    # accepted fields whose other values ask for what is not there
+    plain = {"service_tier": (None, "auto", "default"), "store": (None, False), "suffix": (None, ""),
+             "modalities": (None, ["text"]), "metadata": (None, {})}
+    for name, ok in plain.items():
+        if name in body and body[name] not in ok:
+            what = {"service_tier": "service tiers are not supported (give auto or default)",
+                    "store": "stored completions are not supported", "suffix": "suffix (insertion) is not supported",
+                    "modalities": "only the text modality is supported",
+                    "metadata": "metadata goes with stored completions, which are not supported"}[name]
+            raise RequestError(f"{name}: {what}", param=name, code="unsupported_value")
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -313,9 +376,9 @@ class Server:
             raise RequestError("the client went away while sending its body", code="client_gone") from None
         return bytes(body)
 
-    def parse(self, raw: bytes) -> dict:
+    def parse(self, raw: bytes, chat: bool) -> dict:
         """The body as a JSON object (format_spec.untrusted.loads: depth, number length, NaN, UTF-8, surrogates),
-        its model and n checked."""
+        every field one this endpoint acts on (else a 400 naming it), its model checked."""
         try:
             body = loads(raw, "the request body", max_bytes=self.limits.max_body_bytes, max_depth=MAX_BODY_DEPTH)
         except UntrustedInputError as e:
@@ -326,8 +389,7 @@ class Server:
         if model is not None and model != self.model_name:
             raise RequestError(f"the model {model!r} does not exist (this server has {self.model_name!r})",
                                param="model", code="model_not_found", status=404)
-        if _get(body, "n", is_int, "an integer", 1) != 1:
-            raise RequestError("n: only n=1 is supported", param="n", code="unsupported")
+        _check_fields(body, chat)
         return body
 
     def stop_strings(self, body: dict) -> list[str]:
@@ -347,10 +409,41 @@ class Server:
             self.need_tokenizer("stop")
         return stop
 
-    def options(self, body: dict, n_prompt: int, default_tokens: int) -> GenerateOptions:
+    def max_tokens(self, body: dict) -> int | None:
         max_tokens = _value(body, "max_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
-        if max_tokens is None:
-            max_tokens = _value(body, "max_completion_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
+        completion = _value(body, "max_completion_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
+        if max_tokens is not None and completion is not None and max_tokens != completion:
+            raise RequestError("max_tokens and max_completion_tokens differ: give one", param="max_completion_tokens",
+                               code="invalid_value")
+        return completion if completion is not None else max_tokens
+
+    def logit_bias(self, body: dict) -> dict[int, float] | None:
+        """OpenAI's logit_bias: {"token id": bias in [-100, 100]}, the ids within the vocabulary."""
+        bias = _get(body, "logit_bias", lambda v: isinstance(v, dict), "an object of token id -> bias")
+        if not bias:
+            return None
+        out = {}
+        for key, value in bias.items():
+            if not key.isdigit() or (self.vocab and int(key) >= self.vocab):
+                raise RequestError(f"logit_bias: {key[:20]!r} is not a token id in [0, {self.vocab})",
+                                   param="logit_bias", code="invalid_value")
+            out[int(key)] = _value({"logit_bias": value}, "logit_bias", finite_float, lo=-100.0, hi=100.0)
+        return out
+
+    @staticmethod
+    def logprobs_count(body: dict, chat: bool) -> int | None:
+        """How many alternatives per token (None: no logprobs). Chat: logprobs true with top_logprobs k;
+        completions: logprobs k."""
+        if not chat:
+            return _value(body, "logprobs", int_in_range, 0, MAX_TOP_LOGPROBS)
+        on = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+        top = _value(body, "top_logprobs", int_in_range, 0, MAX_TOP_LOGPROBS)
+        if top is not None and not on:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        return (top or 0) if on else None
+
+    def options(self, body: dict, n_prompt: int, default_tokens: int, chat: bool, n: int = 1) -> GenerateOptions:
+        max_tokens = self.max_tokens(body)
         if n_prompt == 0:
             raise RequestError("empty prompt", param="prompt" if "prompt" in body else "messages",
                                code="empty_prompt")
@@ -365,17 +458,46 @@ class Server:
             raise RequestError(f"the prompt ({n_prompt} tokens) and max_tokens ({max_tokens}) exceed this server's "
                                f"max_context of {self.context} tokens (--max-context)", param="max_tokens",
                                code="context_length_exceeded")
-        temperature = _value(body, "temperature", finite_float, lo=0.0, default=1.0)
+        temperature = _value(body, "temperature", finite_float, lo=0.0, default=DEFAULT_TEMPERATURE)
         top_p = _value(body, "top_p", finite_float, lo=0.0, hi=1.0, lo_open=True, default=1.0)
         top_k = _value(body, "top_k", int_in_range, 0, MAX_TOKENS_LIMIT, default=0)
         seed = _value(body, "seed", int_in_range, 0, 2**64 - 1)
+        penalties = {name: _value(body, name, finite_float, lo=-2.0, hi=2.0, default=0.0)
+                     for name in ("presence_penalty", "frequency_penalty")}
         options = GenerateOptions(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  seed=seed, stop=tuple(self.stop_strings(body)))
+                                  seed=seed, stop=tuple(self.stop_strings(body)), logit_bias=self.logit_bias(body),
+                                  logprobs=self.logprobs_count(body, chat), **penalties)
+        if n > 1 and temperature == 0:
+            raise RequestError(f"n: {n} greedy choices would all be the same: give a temperature above 0",
+                               param="n", code="invalid_value")
         try:  # the generator's own checks, here and not after the response has begun
-            Sampler(options.temperature, options.top_p, options.top_k, options.seed)
+            options.sampler()
         except MoepackError as e:
             raise request_error(e) from None
         return options
+
+    def choices(self, body: dict, stream: bool) -> int:
+        """n (choices, generated one after the other) and completions' best_of (only equal to n: no ranking)."""
+        n = _value(body, "n", int_in_range, 1, MAX_N, default=1)
+        best_of = _value(body, "best_of", int_in_range, 1, MAX_N)
+        if best_of is not None and best_of != n:
+            raise RequestError("best_of: ranking more generations than are returned is not supported (give best_of "
+                               "equal to n, or leave it out)", param="best_of", code="unsupported_value")
+        if n > 1 and stream:
+            raise RequestError("n: more than one choice is not streamed (batching is not there yet): give stream: "
+                               "false", param="n", code="unsupported_value")
+        return n
+
+    def echo_text(self, body: dict, ids: list[int]) -> str | None:
+        """completions' echo: the prompt's own text (or its ids' text) in front of the answer."""
+        if not _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False):
+            return None
+        if body.get("logprobs") is not None:
+            raise RequestError("echo with logprobs would need the prompt's logprobs, which are not computed",
+                               param="echo", code="unsupported_value")
+        prompt = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 and \
+            isinstance(body["prompt"][0], (str, list)) else body["prompt"]
+        return prompt if isinstance(prompt, str) else self.need_tokenizer("echo").decode(ids)
 
     def prompt_ids(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -413,14 +535,16 @@ class Server:
 
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
         """On a worker thread (the event loop stays free): parse, check and tokenize one request."""
-        body = self.parse(raw)
+        body = self.parse(raw, chat)
         stream, include_usage = _stream_flags(body)
+        n = self.choices(body, stream)
         if chat:
             ids, thinking = self.chat_ids(body)
-            return Prepared(ids, self.options(body, len(ids), DEFAULT_CHAT_TOKENS), stream, include_usage,
-                            thinking)
+            return Prepared(ids, self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n), stream,
+                            include_usage, thinking, n)
         ids = self.prompt_ids(body)
-        return Prepared(ids, self.options(body, len(ids), DEFAULT_COMPLETION_TOKENS), stream, include_usage)
+        return Prepared(ids, self.options(body, len(ids), DEFAULT_COMPLETION_TOKENS, False, n), stream,
+                        include_usage, n=n, echo=self.echo_text(body, ids))
 
     # -- admission and the worker
     def admit(self) -> None:
@@ -435,8 +559,9 @@ class Server:
         with self.lock:
             self.admitted -= 1
 
-    def run(self, job: Job) -> GenerateResult | None:
-        """On the worker thread. None: stopped before it started (its client left, or its deadline passed)."""
+    def run(self, job: Job) -> list[GenerateResult] | None:
+        """On the worker thread: the job's n generations. None: stopped before it started (its client left, or
+        its deadline passed)."""
         try:
             if job.stopped():
                 reason = "timeout" if job.timed_out else "cancelled"
@@ -445,20 +570,20 @@ class Server:
                          "started")
                 return None
             tok = self.tokenizer
-            result = self.generator.generate(job.ids, job.options,
-                                             detokenize=tok.decode if tok is not None else None,
-                                             on_text=job.on_text, cancelled=job.should_stop)
-            if result.finish_reason == "cancelled" and job.timed_out:
-                result.finish_reason = "timeout"
-            self.finished.append((job.request_id, result.finish_reason))
-            p, d = result.stats.get("prefill", {}), result.stats.get("decode", {})
-            hit = d.get("expert_cache_hit_rate")
-            cut = p.get("cancelled_after_layers")
-            self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} "
-                     f"generated_tokens={len(result.generated_ids)} prefill_s={p.get('seconds', 0):.3f} "
-                     f"decode_s={d.get('seconds', 0) or 0:.3f} cache_hit_rate={'-' if hit is None else f'{hit:.3f}'} "
-                     f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
-            return result
+            results = []
+            for i in range(job.n):
+                result = self.generator.generate(job.ids, job.options_for(i),
+                                                 detokenize=tok.decode if tok is not None else None,
+                                                 on_text=job.on_text, cancelled=job.should_stop,
+                                                 **({"on_token": job.on_token} if job.on_token else {}))
+                if result.finish_reason == "cancelled" and job.timed_out:
+                    result.finish_reason = "timeout"
+                results.append(result)
+                self.log_generation(job, result)
+                if result.finish_reason in ("cancelled", "timeout"):
+                    break
+            self.finished.append((job.request_id, results[-1].finish_reason))
+            return results
         except MoepackError:
             raise
         except BaseException as e:
@@ -470,6 +595,15 @@ class Server:
         finally:
             self.release()
 
+    def log_generation(self, job: Job, result: GenerateResult) -> None:
+        p, d = result.stats.get("prefill", {}), result.stats.get("decode", {})
+        hit = d.get("expert_cache_hit_rate")
+        cut = p.get("cancelled_after_layers")
+        self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} "
+                 f"generated_tokens={len(result.generated_ids)} prefill_s={p.get('seconds', 0):.3f} "
+                 f"decode_s={d.get('seconds', 0) or 0:.3f} cache_hit_rate={'-' if hit is None else f'{hit:.3f}'} "
+                 f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
+
     def timeout_error(self) -> RequestError:
         return RequestError(f"the request ran past its deadline of {self.limits.request_timeout_s:g} s "
                             "(--request-timeout)", code="request_timeout", status=408)
@@ -477,9 +611,48 @@ class Server:
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self.counter)}-{uuid.uuid4().hex[:8]}"
 
-    def usage(self, job: Job, result: GenerateResult) -> dict:
-        n = len(result.generated_ids)
+    def usage(self, job: Job, results: list[GenerateResult]) -> dict:
+        n = sum(len(r.generated_ids) for r in results)
         return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
+
+
+def timings(job: Job, results: list[GenerateResult]) -> dict:
+    """llama-server's `timings` of a response: the prompt's prefill and the generated tokens' decode (summed over
+    the choices), in milliseconds and tokens per second."""
+    prompt_s = sum(r.stats.get("prefill", {}).get("seconds", 0) or 0 for r in results)
+    predicted_s = sum(r.stats.get("decode", {}).get("seconds", 0) or 0 for r in results)
+    prompt_n, predicted_n = len(job.ids) * len(results), sum(len(r.generated_ids) for r in results)
+    return {"prompt_n": prompt_n, "prompt_ms": round(prompt_s * 1000, 3),
+            "prompt_per_second": round(prompt_n / prompt_s, 3) if prompt_s else None,
+            "predicted_n": predicted_n, "predicted_ms": round(predicted_s * 1000, 3),
+            "predicted_per_second": round(predicted_n / predicted_s, 3) if predicted_s else None}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
+    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def one(token: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
+    """OpenAI's (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} each),
+    text_offset (from `offset`, the characters already given out)."""
+    tokens = [_token_text(tokenizer, e.token) for e in entries]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
 
 
 def _internal_error() -> RequestError:
@@ -535,20 +708,23 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             raw = await server.read_body(request)
             prepared = await run_in_threadpool(server.prepare, raw, chat)
             job = Job(server.new_id(prefix), prepared.ids, prepared.options,
-                      deadline=arrived + server.limits.request_timeout_s)
+                      deadline=arrived + server.limits.request_timeout_s, n=prepared.n,
+                      make_constraint=prepared.make_constraint)
             if prepared.stream:
                 loop = asyncio.get_running_loop()
                 job.queue = asyncio.Queue()
                 job.began = asyncio.Event()
                 job.on_text = lambda piece: loop.call_soon_threadsafe(job.queue.put_nowait, ("text", piece))
                 job.on_start = lambda: loop.call_soon_threadsafe(job.began.set)
+                if prepared.options.logprobs is not None:
+                    job.on_token = lambda token, lp: loop.call_soon_threadsafe(job.queue.put_nowait, ("token", lp))
             future = server.executor.submit(server.run, job)
         except BaseException:
             server.release()
             raise
         return prepared, job, future
 
-    async def wait_job(request, job: Job, future, until: asyncio.Event | None = None) -> GenerateResult | None:
+    async def wait_job(request, job: Job, future, until: asyncio.Event | None = None) -> list[GenerateResult] | None:
         """Wait for the job's end (or, given `until`, for that event, returning None), checking every POLL_S that
         its client is still there (else the job is stopped). A job that ended in an error raises it; one
         stopped by its deadline before any token is a 408."""
@@ -567,20 +743,36 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             for w in waits - {wrapped}:
                 w.cancel()
         try:
-            result = wrapped.result()
+            results = wrapped.result()
         except MoepackError:
             raise
         except Exception as e:
             e._moepack_logged = True
             raise
-        if job.timed_out and (result is None or not result.generated_ids):
+        if job.timed_out and (results is None or not results[0].generated_ids):
             raise server.timeout_error()
-        return result
+        return results
 
-    def streamed(request, job: Job, future, make_chunks, final_chunks, include_usage: bool):
+    async def finished_job(request, job: Job, future) -> list[GenerateResult]:
+        results = await wait_job(request, job, future)
+        if results is None:
+            raise RequestError("the client went away", code="client_gone")
+        return results
+
+    def streamed(request, job: Job, future, make_chunks, final_chunks, include_usage: bool, with_logprobs):
+        """The SSE stream: make_chunks(piece) per text piece, final_chunks(result, usage) at the end; the logprobs
+        of the tokens since the previous chunk (with_logprobs(entries) -> the chunk's `logprobs`) go with the
+        next chunk that carries text."""
         queue = job.queue
 
+        def attach(chunks, pending):
+            if pending and chunks:
+                chunks[0]["choices"][0]["logprobs"] = with_logprobs(pending)
+                return []
+            return pending
+
         async def events():
+            pending: list = []
             try:
                 wrapped = asyncio.wrap_future(future)
                 wrapped.add_done_callback(lambda f: queue.put_nowait(("done", None)))
@@ -592,13 +784,18 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                             job.cancelled = True
                             return
                         continue
+                    if kind == "token":
+                        pending.append(piece)
+                        continue
                     if kind == "text":
-                        for chunk in make_chunks(piece):
+                        chunks = make_chunks(piece)
+                        pending = attach(chunks, pending)
+                        for chunk in chunks:
                             yield f"data: {json.dumps(chunk)}\n\n"
                         continue
                     try:
-                        result = wrapped.result()
-                        if result is None or (job.timed_out and not result.generated_ids):
+                        results = wrapped.result()
+                        if results is None or (job.timed_out and not results[0].generated_ids):
                             raise server.timeout_error() if job.timed_out else RequestError("cancelled")
                     except Exception as e:
                         if isinstance(e, RequestError):
@@ -611,7 +808,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         yield f"data: {json.dumps(err.body())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    for chunk in final_chunks(result, server.usage(job, result) if include_usage else None):
+                    chunks = final_chunks(results[0], server.usage(job, results) if include_usage else None)
+                    attach(chunks, pending)
+                    for chunk in chunks:
                         yield f"data: {json.dumps(chunk)}\n\n"
                     yield "data: [DONE]\n\n"
                     return
@@ -622,59 +821,85 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
 
-    async def stream_when_started(request, job: Job, future, make_chunks, final_chunks, include_usage: bool):
+    async def stream_when_started(request, job: Job, future, make_chunks, final_chunks, include_usage: bool,
+                                  with_logprobs):
         """The 200 and the first event only once the generation passed every check: an error before that (a bad
         value, the memory check) is the request's 4xx."""
         result = await wait_job(request, job, future, until=job.began)
         if result is None and future.done() and not job.began.is_set():
             raise RequestError("the client went away", code="client_gone")
-        return streamed(request, job, future, make_chunks, final_chunks, include_usage)
+        return streamed(request, job, future, make_chunks, final_chunks, include_usage, with_logprobs)
+
+    def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict]):
+        return JSONResponse({"id": job.request_id, "object": kind, "created": int(time.time()), "model": model_name,
+                             "choices": choices, "usage": server.usage(job, results),
+                             "timings": timings(job, results)}, headers={"X-Request-Id": job.request_id})
 
     async def completions(request):
         prepared, job, future = await admitted_request(request, chat=False, prefix="cmpl")
-        rid, created = job.request_id, int(time.time())
+        rid, created, echo = job.request_id, int(time.time()), prepared.echo or ""
+        tok = server.tokenizer
 
         def choice_extra(result):
             return {"token_ids": result.generated_ids}
 
+        def logprobs_of(result):
+            return None if result.logprobs is None else completion_logprobs(tok, result.logprobs, len(echo))
+
         if not prepared.stream:
-            result = await wait_job(request, job, future)
-            if result is None:
-                raise RequestError("the client went away", code="client_gone")
-            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                                 "choices": [{"index": 0, "text": result.text or "", "logprobs": None,
-                                              "finish_reason": result.finish_reason, **choice_extra(result)}],
-                                 "usage": server.usage(job, result)}, headers={"X-Request-Id": rid})
+            results = await finished_job(request, job, future)
+            return response(job, results, "text_completion", [
+                {"index": i, "text": echo + (r.text or ""), "logprobs": logprobs_of(r),
+                 "finish_reason": r.finish_reason, **choice_extra(r)} for i, r in enumerate(results)])
+
+        offset = [len(echo)]
 
         def chunk(text, finish=None, extra=None):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
                                  **(extra or {})}]}
 
+        def with_logprobs(entries):
+            out = completion_logprobs(tok, entries, offset[0])
+            offset[0] += sum(len(t) for t in out["tokens"])
+            return out
+
         def final(result, usage):
             last = chunk("", result.finish_reason, choice_extra(result))
+            last["timings"] = timings(job, [result])
             if usage is not None:
                 last["usage"] = usage
             return [last]
 
-        return await stream_when_started(request, job, future, lambda piece: [chunk(piece)], final,
-                                         prepared.include_usage)
+        if echo:  # the prompt's text first, once the stream has begun
+            first_piece = [True]
+
+            def pieces(piece):
+                out = [chunk(echo)] if first_piece[0] else []
+                first_piece[0] = False
+                return out + [chunk(piece)]
+        else:
+            def pieces(piece):
+                return [chunk(piece)]
+
+        return await stream_when_started(request, job, future, pieces, final, prepared.include_usage,
+                                         with_logprobs)
 
     async def chat_completions(request):
         prepared, job, future = await admitted_request(request, chat=True, prefix="chatcmpl")
         rid, created, thinking = job.request_id, int(time.time()), prepared.thinking
+        tok = server.tokenizer
         if not prepared.stream:
-            result = await wait_job(request, job, future)
-            if result is None:
-                raise RequestError("the client went away", code="client_gone")
-            text = result.text or ""
-            message = {"role": "assistant", "content": text}
-            if thinking:
-                message["reasoning_content"], message["content"] = split_thinking(text)
-            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                                 "choices": [{"index": 0, "message": message, "logprobs": None,
-                                              "finish_reason": result.finish_reason}],
-                                 "usage": server.usage(job, result)}, headers={"X-Request-Id": rid})
+            results = await finished_job(request, job, future)
+            choices = []
+            for i, result in enumerate(results):
+                text = result.text or ""
+                message = {"role": "assistant", "content": text}
+                if thinking:
+                    message["reasoning_content"], message["content"] = split_thinking(text)
+                choices.append({"index": i, "message": message, "finish_reason": result.finish_reason,
+                                "logprobs": None if result.logprobs is None else chat_logprobs(tok, result.logprobs)})
+            return response(job, results, "chat.completion", choices)
         splitter = ThinkSplitter(thinking)
         first = [True]
 
@@ -698,13 +923,14 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 out.append(chunk({"role": "assistant", "content": ""}))
                 first[0] = False
             last = chunk({}, result.finish_reason)
+            last["timings"] = timings(job, [result])
             out.append(last)
             if usage is not None:
                 out.append({**chunk({}), "choices": [], "usage": usage})
             return out
 
         return await stream_when_started(request, job, future, lambda piece: pieces(splitter.feed(piece)), final,
-                                         prepared.include_usage)
+                                         prepared.include_usage, lambda entries: chat_logprobs(tok, entries))
 
     async def shutdown():
         server.executor.shutdown(wait=False, cancel_futures=True)

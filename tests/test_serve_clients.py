@@ -1,0 +1,195 @@
+"""moepack serve for real clients (issue #38), through the official `openai` client: every request field acted on
+or refused by name, logprobs (streamed too), penalties and logit_bias, n, echo, timings; the tokenize / metrics /
+model endpoints; JSON output by constrained decoding; tool calls."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import openai
+import pytest
+
+from moepack.packer.convert import convert_checkpoint
+from moepack.runtime.generate import GenerateOptions, Generator
+from moepack.runtime.serve import make_app
+from moepack.runtime.tokenizer import PromptTokenizer
+from test_serve import Running
+
+TIMEOUT = 60
+CHAT = [{"role": "user", "content": "Tell me a story"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from moepack.packer.synth import synth_checkpoint
+
+    base = tmp_path_factory.mktemp("serve-clients")
+    synth_checkpoint(str(base / "tiny"), preset="tiny", progress=False)
+    convert_checkpoint(str(base / "tiny"), str(base / "tiny.moepack"), policy="keep", progress=False)
+    return str(base / "tiny.moepack")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path):
+    g = Generator(tiny_path, cache_gib=0.5)
+    running = Running(make_app(g, "tiny", log=lambda line: None, max_queue=4))
+    running.generator, running.state = g, running.app.state.server
+    running.tok = PromptTokenizer(g.c)
+    yield running
+    running.stop()
+    g.close()
+
+
+def _client(server) -> openai.OpenAI:
+    return server.client()
+
+
+def _bad(call, param: str) -> str:
+    with pytest.raises(openai.BadRequestError) as e:
+        call()
+    error = e.value.body
+    assert error["param"] == param, error
+    assert "\n" not in error["message"]
+    return error["message"]
+
+
+# ---- 1. every field acted on or refused ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_an_unknown_field_is_a_400_naming_it(server, chat):
+    c = _client(server)
+    if chat:
+        call = lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,  # noqa: E731
+                                                 extra_body={"mirostat": 2})
+    else:
+        call = lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2,  # noqa: E731
+                                            extra_body={"mirostat": 2})
+    assert "unknown field" in _bad(call, "mirostat")
+
+
+@pytest.mark.parametrize("field,value,chat", [
+    ("suffix", "tail", False), ("best_of", 3, False), ("service_tier", "flex", True), ("store", True, True),
+    ("audio", {"voice": "alloy", "format": "wav"}, True), ("functions", [{"name": "f"}], True),
+    ("modalities", ["text", "audio"], True), ("prediction", {"type": "content", "content": "x"}, True),
+    ("messages", [], False), ("prompt", "x", True), ("top_logprobs", 2, True),
+])
+def test_an_openai_field_not_acted_on_is_refused_by_name(server, field, value, chat):
+    c = _client(server)
+    if chat:
+        _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                               extra_body={field: value}), field)
+    else:
+        _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={field: value}),
+             field)
+
+
+def test_accepted_no_op_fields(server):
+    c = _client(server)
+    r = c.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=3, user="someone",
+                                  service_tier="auto", store=False, temperature=0)
+    assert r.usage.completion_tokens <= 3
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=3, max_tokens=4),
+         "max_completion_tokens")
+
+
+def test_chat_logprobs_are_the_greedy_choice_and_stream_the_same(server):
+    c = _client(server)
+    whole = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                      top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the likeliest token
+        assert entry.logprob <= 0 and sum(math.exp(t.logprob) for t in entry.top_logprobs) <= 1 + 1e-9
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    stream = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=3, stream=True)
+    streamed = [e for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_match_the_generator(server):
+    c = _client(server)
+    r = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    direct = server.generator.generate(server.tok.encode("Once upon a time", special_tokens=False),
+                                       GenerateOptions(max_new_tokens=6, logprobs=2), detokenize=server.tok.decode)
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in direct.logprobs])
+    assert lp.tokens == [server.tok.decode([e.token]) for e in direct.logprobs]
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    stream = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                  logprobs=2, stream=True)
+    tokens = [t for chunk in stream if chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+def test_logit_bias_forces_a_token(server):
+    c = _client(server)
+    forced = server.tok.encode("a", special_tokens=False)[-1]
+    r = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=0,
+                             logit_bias={str(forced): 100})
+    assert r.choices[0].model_dump()["token_ids"] == [forced] * 5
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, logit_bias={"x": 1}), "logit_bias")
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, logit_bias={"5": 101}),
+         "logit_bias")
+
+
+def test_penalties_are_applied_as_the_generator_applies_them(server):
+    c = _client(server)
+    ids = [5, 6, 7, 8]
+    free = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    got = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        r = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, **{name: 2.0})
+        got[name] = r.choices[0].model_dump()["token_ids"]
+        direct = server.generator.generate(ids, GenerateOptions(max_new_tokens=12, **{name: 2.0}))
+        assert got[name] == direct.generated_ids
+    # a strong penalty repeats no token as often as the free answer's most repeated one
+    free_ids = free.choices[0].model_dump()["token_ids"]
+    most = max(free_ids.count(t) for t in free_ids)
+    if most > 2:
+        assert max(got["frequency_penalty"].count(t) for t in got["frequency_penalty"]) < most
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, presence_penalty=2.5),
+         "presence_penalty")
+
+
+def test_n_choices_one_after_the_other_with_their_own_seeds(server):
+    c = _client(server)
+    r = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=6, temperature=1.0, seed=11, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    for i, choice in enumerate(r.choices):
+        direct = server.generator.generate([1, 2, 3], GenerateOptions(max_new_tokens=6, temperature=1.0,
+                                                                      seed=11 + i))
+        assert choice.model_dump()["token_ids"] == direct.generated_ids
+    assert r.usage.completion_tokens == sum(len(ch.model_dump()["token_ids"]) for ch in r.choices)
+    chat = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, temperature=1.0, n=3)
+    assert len(chat.choices) == 3
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, stream=True), "n")
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, temperature=0), "n")
+    assert c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, best_of=2).choices[1].index == 1
+
+
+def test_echo_puts_the_prompt_first(server):
+    c = _client(server)
+    plain = c.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0)
+    echoed = c.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Once upon" + plain.choices[0].text
+    stream = c.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True,
+                                  stream=True)
+    assert "".join(ch.choices[0].text for ch in stream) == echoed.choices[0].text
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, echo=True, logprobs=1), "echo")
+
+
+def test_responses_carry_llama_server_timings(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0},
+                   timeout=TIMEOUT).json()
+    t = r["timings"]
+    assert t["prompt_n"] == 3 and t["predicted_n"] == r["usage"]["completion_tokens"]
+    assert t["prompt_ms"] > 0 and t["predicted_per_second"] > 0
+    assert t["prompt_per_second"] == pytest.approx(3 / (t["prompt_ms"] / 1000), rel=1e-2)
