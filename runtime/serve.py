@@ -320,6 +320,8 @@ class Server:
         self._tokenizer = None
         self._tokenizer_error: str | None = None
         self._tokenizer_lock = threading.Lock()
+        self._grammar = None  # runtime.grammar.JsonGrammar, built at the first response_format
+        self._grammar_lock = threading.Lock()
 
     # -- helpers
     @property
@@ -339,6 +341,56 @@ class Server:
             raise RequestError(f"{param}: the model's container carries no tokenizer ({self._tokenizer_error}): "
                                "give the prompt as token ids", param=param, code="no_tokenizer")
         return self.tokenizer
+
+    def json_grammar(self):
+        """The vocabulary's grammar side (llguidance), built once; a 400 naming the extra to install without it."""
+        from .grammar import GrammarUnavailable, JsonGrammar
+
+        tok = self.need_tokenizer("response_format")
+        with self._grammar_lock:
+            if self._grammar is None:
+                try:
+                    self._grammar = JsonGrammar(tok.tokenizer_json, self.vocab or tok.vocab_size,
+                                                sorted(self.generator.eos_ids))
+                except GrammarUnavailable as e:
+                    raise RequestError(f"response_format: {e}", param="response_format",
+                                       code="unsupported_value") from None
+        return self._grammar
+
+    def output_schema(self, body: dict) -> dict | None:
+        """The JSON schema response_format asks for (json_object: any object), None for text."""
+        from .grammar import ANY_OBJECT
+
+        fmt = _get(body, "response_format", lambda v: isinstance(v, dict), "an object")
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return ANY_OBJECT
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise RequestError("response_format.json_schema.schema: expected a JSON schema object",
+                                   param="response_format", code="invalid_type")
+            return schema
+        raise RequestError(f"response_format.type: expected text, json_object or json_schema, got "
+                           f"{json.dumps(kind)[:40]}", param="response_format", code="invalid_value")
+
+    def constraint_factory(self, body: dict, thinking: bool) -> Callable[[], object] | None:
+        """Each generation's JSON constraint for the request's response_format (compiled once here, so that a
+        schema llguidance refuses is this request's 400); in thinking mode the thought runs free until
+        `</think>`."""
+        schema = self.output_schema(body)
+        if schema is None:
+            return None
+        grammar = self.json_grammar()
+        after = self.need_tokenizer("response_format").encode_special(THINK_END) if thinking else None
+        try:
+            grammar.constraint(schema, after)
+        except MoepackError as e:
+            raise RequestError(f"response_format: {e}", param="response_format", code="invalid_value") from None
+        return lambda: grammar.constraint(schema, after)
 
     def check_auth(self, request) -> None:
         if self.api_key is None:
@@ -541,7 +593,7 @@ class Server:
         if chat:
             ids, thinking = self.chat_ids(body)
             return Prepared(ids, self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n), stream,
-                            include_usage, thinking, n)
+                            include_usage, thinking, n, make_constraint=self.constraint_factory(body, thinking))
         ids = self.prompt_ids(body)
         return Prepared(ids, self.options(body, len(ids), DEFAULT_COMPLETION_TOKENS, False, n), stream,
                         include_usage, n=n, echo=self.echo_text(body, ids))

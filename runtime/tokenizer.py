@@ -40,6 +40,15 @@ class PromptTokenizer:
                 config = {}
         self.add_special_tokens = bool(config.get("add_bos_token", True))
 
+    @property
+    def tokenizer_json(self) -> str:
+        """The tokenizer.json text the container carries (what constrained decoding builds its vocabulary from)."""
+        return self._json
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
     @cached_property
     def _plain(self):
         """The tokenizer without its added tokens: normalizer, pre-tokenizer, model and post-processor as they are,

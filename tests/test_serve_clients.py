@@ -4,6 +4,7 @@ model endpoints; JSON output by constrained decoding; tool calls."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -193,3 +194,99 @@ def test_responses_carry_llama_server_timings(server):
     assert t["prompt_n"] == 3 and t["predicted_n"] == r["usage"]["completion_tokens"]
     assert t["prompt_ms"] > 0 and t["predicted_per_second"] > 0
     assert t["prompt_per_second"] == pytest.approx(3 / (t["prompt_ms"] / 1000), rel=1e-2)
+
+
+# ---- 2. JSON output by constrained decoding --------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 120},
+                         "pet": {"enum": ["cat", "dog", "none"]},
+                         "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}}
+
+
+def _needs_llguidance():
+    pytest.importorskip("llguidance", reason="the json extra (pip install 'moepack[json]')")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_output_validates(server, stream):
+    _needs_llguidance()
+    import jsonschema
+
+    c = _client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    if stream:
+        chunks = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, temperature=0,
+                                           response_format=fmt, stream=True)
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    else:
+        r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, temperature=0,
+                                      response_format=fmt)
+        assert r.choices[0].finish_reason == "stop"  # the grammar ended it: only the end of sentence was left
+        text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    # sampled too (any seed): still valid
+    r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, temperature=1.0, seed=3,
+                                  response_format=fmt)
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_json_object_output_is_an_object(server):
+    _needs_llguidance()
+    c = _client(server)
+    r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, temperature=0,
+                                  response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_json_with_thinking_constrains_only_the_answer(server):
+    """Free text until the thought's `</think>` ids have come in a row, the schema after them."""
+    _needs_llguidance()
+    tok = server.tok
+    grammar = server.state.json_grammar()
+    think_end = tok.encode_special("</think>")
+    constraint = grammar.constraint({"enum": ["yes", "no"]}, after=think_end)
+    n = server.state.vocab
+    for token in tok.encode("free <think> text", special_tokens=False) + think_end[:-1]:
+        assert bool(constraint.allowed(n).all())
+        constraint.accept(token)
+    constraint.accept(think_end[-1])
+    allowed = constraint.allowed(n).nonzero().flatten().tolist()
+    assert allowed and all(tok.decode([t]).startswith('"') or tok.decode([t]) in ('"', '"y', '"n')
+                           for t in allowed)
+    c = _client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"enum": ["yes", "no"]}}}
+    r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0, response_format=fmt,
+                                  extra_body={"thinking": True})
+    message = r.choices[0].message.model_dump()
+    if message["content"]:  # the thought ended within the tokens: the answer is the schema's
+        assert json.loads(message["content"]) in ("yes", "no")
+
+
+def test_bad_response_formats_are_400s(server):
+    c = _client(server)
+    for fmt in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "x"}},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}):
+        if fmt["type"] == "json_schema" and "schema" in fmt["json_schema"]:
+            _needs_llguidance()
+        _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, response_format=fmt),
+             "response_format")
+
+
+def test_without_llguidance_response_format_names_the_extra(server, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_llguidance(name, *a, **k):
+        if name == "llguidance":
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_llguidance)
+    monkeypatch.setattr(server.state, "_grammar", None)
+    message = _bad(lambda: _client(server).chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=2, response_format={"type": "json_object"}), "response_format")
+    assert "pip install 'moepack[json]'" in message
