@@ -70,8 +70,8 @@ class JsonGrammar:
 
 
 class JsonConstraint:
-    """One generation's state in the grammar: `allowed(n)` the boolean mask of the next token's ids (n: the logits'
-    length), `accept(token)` after each token is chosen."""
+    """One generation's state in the grammar: `allowed(n)` the ids the next token may be (n: the logits' length),
+    `accept(token)` after each token is chosen."""
 
     def __init__(self, matcher, vocab_size: int, after: list[int] | None = None):
         self.matcher = matcher
@@ -79,14 +79,12 @@ class JsonConstraint:
         self.waiting_for = list(after) if after else None  # free text until these ids
         self._tail: list[int] = []  # the last ids generated while waiting
 
-    def allowed(self, n: int) -> torch.Tensor:
+    def allowed(self, n: int) -> torch.Tensor | None:
+        """The ids the next token may be (a LongTensor), None while the text runs free."""
         if self.waiting_for is not None:
-            return torch.ones(n, dtype=torch.bool)
+            return None
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        mask = np.zeros(n, dtype=bool)
-        m = min(n, len(bits))
-        mask[:m] = bits[:m].astype(bool)
-        return torch.from_numpy(mask)
+        return torch.from_numpy(np.flatnonzero(bits[:n]))
 
     def accept(self, token: int) -> None:
         if self.waiting_for is not None:

@@ -82,10 +82,13 @@ class Sampler:
             x = x.clone()  # mu[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty
             x[ids] -= c * self.frequency_penalty + self.presence_penalty
         if self.constraint is not None:
-            allowed = self.constraint.allowed(len(x))
-            x = x.masked_fill(~allowed, -math.inf)
-            if not bool(allowed.any()):
-                raise MoepackError("the output constraint allows no next token")
+            allowed = self.constraint.allowed(len(x))  # the ids allowed next (few, in JSON), None: any
+            if allowed is not None:
+                if not len(allowed):
+                    raise MoepackError("the output constraint allows no next token")
+                kept = torch.full_like(x, -math.inf)  # cheaper than masking the whole vocabulary
+                kept[allowed] = x[allowed]
+                x = kept
         return x
 
     def next_token(self, logits: torch.Tensor) -> int:
