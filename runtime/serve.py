@@ -46,9 +46,10 @@ from dataclasses import dataclass
 
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range, loads
-from moepack.v4.chat import THINK_END, encode_message_segments
+from moepack.v4.chat import THINK_END, check_reasoning_effort, encode_message_segments, markup_segments
 
 from .generate import GenerateOptions, GenerateResult
+from .tool_calls import ToolCallSplitter, ToolPlan, split_answer, tool_plan, with_prompt_extras
 from .sampling import MAX_TOP_LOGPROBS, TokenLogprob, is_int, partial_match_length
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -187,7 +188,7 @@ class Prepared:
     n: int = 1
     echo: str | None = None  # completions' echo: the prompt's text, in front of each choice's text
     make_constraint: Callable[[], object] | None = None
-    tools: object | None = None  # chat: the request's tools (runtime/tools.py ToolCalls parses the answer)
+    tools: ToolPlan | None = None  # chat: the request's tools (runtime/tool_calls.py)
 
 
 class ThinkSplitter:
@@ -571,7 +572,9 @@ class Server:
         raise RequestError("prompt: expected a string or a list of token ids", param="prompt",
                            code="invalid_type")
 
-    def chat_ids(self, body: dict) -> tuple[list[int], bool]:
+    def chat_ids(self, body: dict) -> tuple[list[int], bool, ToolPlan]:
+        """The conversation's prompt ids (the request's tools and response_format where the release's encoder puts
+        them, a forced tool call's prefill after it), thinking, the tool plan."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages",
@@ -579,11 +582,22 @@ class Server:
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
         try:
-            segments = encode_message_segments(messages, thinking=thinking, reasoning_effort=effort)
+            check_reasoning_effort(effort, thinking)
         except MoepackError as e:
-            param = "reasoning_effort" if str(e).startswith("reasoning_effort") else "messages"
-            raise RequestError(str(e), param=param, code="invalid_value") from None
-        return self.need_tokenizer("messages").encode_segments(segments), thinking  # content stays plain text
+            raise RequestError(str(e), param="reasoning_effort", code="invalid_value") from None
+        try:
+            plan = tool_plan(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), thinking)
+        except MoepackError as e:
+            param = str(e).split(":")[0].split("[")[0]
+            raise RequestError(str(e), param=param if param in body else "tools", code="invalid_value") from None
+        fmt = body.get("response_format") if self.output_schema(body) is not None else None
+        try:
+            segments = encode_message_segments(with_prompt_extras(messages, plan.tools, fmt), thinking=thinking,
+                                               reasoning_effort=effort)
+        except MoepackError as e:
+            raise RequestError(str(e), param="messages", code="invalid_value") from None
+        segments += markup_segments(plan.prefill)
+        return self.need_tokenizer("messages").encode_segments(segments), thinking, plan  # content: plain text
 
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
         """On a worker thread (the event loop stays free): parse, check and tokenize one request."""
@@ -591,9 +605,11 @@ class Server:
         stream, include_usage = _stream_flags(body)
         n = self.choices(body, stream)
         if chat:
-            ids, thinking = self.chat_ids(body)
+            ids, thinking, plan = self.chat_ids(body)
+            thinking = thinking and not plan.prefill  # a forced call's prefill closed the thought
             return Prepared(ids, self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n), stream,
-                            include_usage, thinking, n, make_constraint=self.constraint_factory(body, thinking))
+                            include_usage, thinking, n, make_constraint=self.constraint_factory(body, thinking),
+                            tools=plan)
         ids = self.prompt_ids(body)
         return Prepared(ids, self.options(body, len(ids), DEFAULT_COMPLETION_TOKENS, False, n), stream,
                         include_usage, n=n, echo=self.echo_text(body, ids))
@@ -939,7 +955,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
     async def chat_completions(request):
         prepared, job, future = await admitted_request(request, chat=True, prefix="chatcmpl")
-        rid, created, thinking = job.request_id, int(time.time()), prepared.thinking
+        rid, created, thinking, plan = job.request_id, int(time.time()), prepared.thinking, prepared.tools
         tok = server.tokenizer
         if not prepared.stream:
             results = await finished_job(request, job, future)
@@ -949,20 +965,34 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 message = {"role": "assistant", "content": text}
                 if thinking:
                     message["reasoning_content"], message["content"] = split_thinking(text)
-                choices.append({"index": i, "message": message, "finish_reason": result.finish_reason,
+                finish = result.finish_reason
+                if plan.parse:
+                    message["content"], calls = split_answer(message["content"], plan)
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": i, "message": message, "finish_reason": finish,
                                 "logprobs": None if result.logprobs is None else chat_logprobs(tok, result.logprobs)})
             return response(job, results, "chat.completion", choices)
         splitter = ThinkSplitter(thinking)
-        first = [True]
+        calls = ToolCallSplitter(plan.prefill, plan.parallel) if plan.parse else None
+        first, n_calls = [True], [0]
 
         def chunk(delta, finish=None):
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        def pieces(parts):
+        def pieces(parts, route: bool = True):
             out = []
+            if calls is not None and route:  # the content's tool calls
+                parts = [p for f, text in parts
+                         for p in ([(f, text)] if f != "content" else calls.feed(text))]
             for f, text in parts:
-                delta = {f: text}
+                if f == "tool_call":
+                    delta = {"tool_calls": [{"index": n_calls[0], **text}]}
+                    n_calls[0] += 1
+                else:
+                    delta = {f: text}
                 if first[0]:
                     delta = {"role": "assistant", **delta}
                     first[0] = False
@@ -971,10 +1001,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
         def final(result, usage):
             out = pieces(splitter.flush())
+            if calls is not None:
+                out += pieces(calls.flush(), route=False)
             if first[0]:
                 out.append(chunk({"role": "assistant", "content": ""}))
                 first[0] = False
-            last = chunk({}, result.finish_reason)
+            finish = result.finish_reason
+            last = chunk({}, "tool_calls" if n_calls[0] and finish == "stop" else finish)
             last["timings"] = timings(job, [result])
             out.append(last)
             if usage is not None:

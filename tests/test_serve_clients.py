@@ -290,3 +290,131 @@ def test_without_llguidance_response_format_names_the_extra(server, monkeypatch)
     message = _bad(lambda: _client(server).chat.completions.create(
         model="tiny", messages=CHAT, max_tokens=2, response_format={"type": "json_object"}), "response_format")
     assert "pip install 'moepack[json]'" in message
+
+
+# ---- 3. tool calls -----------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}}}}}
+TWO_CALLS = ('Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+             '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+             '<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="query" string="true">Eiffel "tower"'
+             '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+EXPECTED_CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": 'Eiffel "tower"'})]
+
+
+@pytest.fixture
+def scripted(server, monkeypatch):
+    """The generator answers `scripted.text` (in pieces of 7 characters), whatever the prompt; the prompt's ids are
+    kept in scripted.prompts."""
+    from moepack.runtime.generate import GenerateResult
+
+    class Script:
+        text = ""
+        prompts: list = []
+
+    def generate(ids, options, detokenize=None, on_text=None, cancelled=None, **kw):
+        Script.prompts.append(list(ids))
+        if cancelled is not None:
+            cancelled()  # once every check has passed: a stream's 200 goes now
+        for i in range(0, len(Script.text), 7):
+            if on_text is not None:
+                on_text(Script.text[i:i + 7])
+        return GenerateResult([1] * 5, Script.text, "stop", {"prefill": {"seconds": 0.01},
+                                                              "decode": {"seconds": 0.01}})
+
+    monkeypatch.setattr(server.generator, "generate", generate)
+    Script.prompts = []
+    return Script
+
+
+def _calls(calls):
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def test_the_models_tool_calls_become_tool_calls(server, scripted):
+    scripted.text = TWO_CALLS
+    c = _client(server)
+    r = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER, SEARCH])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert _calls(choice.message.tool_calls) == EXPECTED_CALLS
+    assert all(call.id.startswith("call_") and call.type == "function" for call in choice.message.tool_calls)
+    prompt = server.tok.decode(scripted.prompts[-1])
+    assert "## Tools" in prompt and '"name": "get_weather"' in prompt and '"name": "search"' in prompt
+    # streamed: the calls come as deltas, the content before them as content
+    stream = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER, SEARCH], stream=True)
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            calls.setdefault(call.index, [call.function.name, ""])[1] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Let me check." and finish == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))] == EXPECTED_CALLS
+    one = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER, SEARCH], parallel_tool_calls=False)
+    assert _calls(one.choices[0].message.tool_calls) == EXPECTED_CALLS[:1]
+
+
+def test_a_conversation_with_tool_results_is_the_encoders_prompt(server, scripted):
+    from moepack.runtime.tool_calls import with_prompt_extras
+    from moepack.v4.chat import encode_messages
+
+    scripted.text = "It is sunny."
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Paris"}'}},
+                    {"id": "c2", "type": "function", "function": {"name": "search", "arguments": '{"query": "x"}'}}]},
+                {"role": "tool", "tool_call_id": "c2", "content": "nothing"},
+                {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]
+    r = _client(server).chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, SEARCH])
+    assert r.choices[0].message.content == "It is sunny." and r.choices[0].finish_reason == "stop"
+    expected = encode_messages(with_prompt_extras(messages, [WEATHER, SEARCH], None))
+    assert server.tok.decode(scripted.prompts[-1]) == expected
+    assert "<tool_result>Sunny</tool_result>\n\n<tool_result>nothing</tool_result>" in expected  # call order
+
+
+def test_tool_choice_required_and_named_prefill_the_call(server, scripted):
+    c = _client(server)
+    scripted.text = ('get_weather">\n<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>\n'
+                     '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    r = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER, SEARCH], tool_choice="required")
+    assert server.tok.decode(scripted.prompts[-1]).endswith('</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="')
+    assert _calls(r.choices[0].message.tool_calls) == [("get_weather", {"city": "Oslo"})]
+    assert r.choices[0].message.content is None
+    scripted.text = scripted.text.split('">\n', 1)[1]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER, SEARCH], tool_choice=named,
+                                  extra_body={"thinking": True})
+    assert server.tok.decode(scripted.prompts[-1]).endswith(
+        '<think></think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n')
+    assert _calls(r.choices[0].message.tool_calls) == [("get_weather", {"city": "Oslo"})]
+    stream = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER], tool_choice=named, stream=True)
+    deltas = [call for chunk in stream for call in (chunk.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_tool_choice_none_leaves_the_tools_out(server, scripted):
+    scripted.text = TWO_CALLS
+    r = _client(server).chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER], tool_choice="none")
+    assert "## Tools" not in server.tok.decode(scripted.prompts[-1])
+    assert r.choices[0].message.content == TWO_CALLS and not r.choices[0].message.tool_calls
+
+
+def test_bad_tools_fields_are_400s(server):
+    c = _client(server)
+    other = {"type": "function", "function": {"name": "nope"}}
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER], tool_choice=other),
+         "tool_choice")
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, tool_choice="required"), "tool_choice")
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, tools=[{"type": "function"}]), "tools")
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER],
+                                           parallel_tool_calls="yes"), "parallel_tool_calls")
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": {"x": 1}}]),
+         "messages")

@@ -108,9 +108,8 @@ def encode_message_segments(messages: Iterable[Mapping[str, Any]], thinking: boo
             segments.append(Segment(text, special))
 
     def markup(text: str) -> None:
-        """A template's text: the special tokens it spells are markup, the rest plain (as in the whole string)."""
-        for piece in _SPECIAL_SPLIT.split(text):
-            add(piece, piece in _MARKUP)
+        for piece in markup_segments(text):
+            add(*piece)
 
     def system_extras(turn: dict) -> None:
         if turn["tools"]:
@@ -154,6 +153,12 @@ def encode_message_segments(messages: Iterable[Mapping[str, Any]], thinking: boo
             add(ASSISTANT, True)
             add(THINK_START if opens_thought else THINK_END, True)
     return segments
+
+
+def markup_segments(text: str) -> list[Segment]:
+    """A template's text (the encoder's own, never a message's) as segments: the special tokens it spells are
+    markup, the rest plain, as tokenizing the whole string would split it."""
+    return [Segment(piece, piece in _MARKUP) for piece in _SPECIAL_SPLIT.split(text) if piece]
 
 
 def encode_messages(messages: Iterable[Mapping[str, Any]], thinking: bool = False,
