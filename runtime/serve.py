@@ -2,7 +2,11 @@
 
     app = make_app(Generator("model.moepack", cache_gib=4), "model", api_key=None, max_queue=8)
 
-Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream or not).
+Endpoints: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (stream
+or not), GET /metrics (Prometheus: runtime/serve_metrics.py), POST /tokenize and /detokenize (llama-server's shapes).
+Every request field is acted on or refused by name (CHAT_FIELDS, COMPLETION_FIELDS, REFUSED_FIELDS); logprobs,
+penalties and logit_bias go to the Sampler, response_format to a JSON constraint (runtime/grammar.py), tools to the
+release's encoder and back out of the answer (runtime/tool_calls.py). Responses carry llama-server's `timings`.
 
 Scheduling: the Generator runs one generation at a time, so every generation runs on ONE worker thread (a
 single-thread executor), in arrival order. At most `max_queue` requests are admitted at once (reading their body,
@@ -49,6 +53,7 @@ from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int
 from moepack.v4.chat import THINK_END, check_reasoning_effort, encode_message_segments, markup_segments
 
 from .generate import GenerateOptions, GenerateResult
+from .serve_metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
 from .tool_calls import ToolCallSplitter, ToolPlan, split_answer, tool_plan, with_prompt_extras
 from .sampling import MAX_TOP_LOGPROBS, TokenLogprob, is_int, partial_match_length
 
@@ -146,6 +151,7 @@ class Job:
     ids: list[int]
     options: GenerateOptions
     deadline: float  # time.monotonic() past which it stops (--request-timeout)
+    arrived: float = 0.0  # time.monotonic() of the request's arrival (the time to first token counts from it)
     n: int = 1  # choices: generations one after the other (distinct seeds: seed, seed + 1, ... when one is given)
     make_constraint: Callable[[], object] | None = None  # each generation's own output constraint
     on_text: Callable[[str], None] | None = None
@@ -322,6 +328,7 @@ class Server:
         self._tokenizer_error: str | None = None
         self._tokenizer_lock = threading.Lock()
         self._grammar = None  # runtime.grammar.JsonGrammar, built at the first response_format
+        self.metrics = ServerMetrics(cache_counts_of(generator), lambda: self.admitted)
         self._grammar_lock = threading.Lock()
 
     # -- helpers
@@ -429,15 +436,29 @@ class Server:
             raise RequestError("the client went away while sending its body", code="client_gone") from None
         return bytes(body)
 
-    def parse(self, raw: bytes, chat: bool) -> dict:
-        """The body as a JSON object (format_spec.untrusted.loads: depth, number length, NaN, UTF-8, surrogates),
-        every field one this endpoint acts on (else a 400 naming it), its model checked."""
+    def json_object(self, raw: bytes) -> dict:
+        """The body as a JSON object (format_spec.untrusted.loads: depth, number length, NaN, UTF-8, surrogates)."""
         try:
             body = loads(raw, "the request body", max_bytes=self.limits.max_body_bytes, max_depth=MAX_BODY_DEPTH)
         except UntrustedInputError as e:
             raise RequestError(str(e), code="invalid_json") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", code="invalid_json")
+        return body
+
+    def small_body(self, raw: bytes, fields: set[str]) -> dict:
+        """A /tokenize-like body: a JSON object of these fields only (another is a 400 naming it)."""
+        body = self.json_object(raw)
+        for name in body:
+            if name not in fields:
+                raise RequestError(f"{name[:60]}: unknown field (expected {', '.join(sorted(fields))})",
+                                   param=name[:60], code="unknown_field")
+        return body
+
+    def parse(self, raw: bytes, chat: bool) -> dict:
+        """The body as a JSON object, every field one this endpoint acts on (else a 400 naming it), its model
+        checked."""
+        body = self.json_object(raw)
         model = _get(body, "model", lambda v: isinstance(v, str), "a string")
         if model is not None and model != self.model_name:
             raise RequestError(f"the model {model!r} does not exist (this server has {self.model_name!r})",
@@ -643,7 +664,9 @@ class Server:
                 result = self.generator.generate(job.ids, job.options_for(i),
                                                  detokenize=tok.decode if tok is not None else None,
                                                  on_text=job.on_text, cancelled=job.should_stop,
-                                                 **({"on_token": job.on_token} if job.on_token else {}))
+                                                 on_token=self.timed(job, first=not i))
+                self.metrics.prompt_tokens.inc(len(job.ids))
+                self.metrics.generated_tokens.inc(len(result.generated_ids))
                 if result.finish_reason == "cancelled" and job.timed_out:
                     result.finish_reason = "timeout"
                 results.append(result)
@@ -662,6 +685,22 @@ class Server:
             raise
         finally:
             self.release()
+
+    def timed(self, job: Job, first: bool) -> Callable[[int, object], None]:
+        """The generation's on_token: the time to its first token (the request's first generation) and between
+        its tokens into the metrics, then the job's own on_token."""
+        last: list[float] = []
+
+        def on_token(token: int, logprob) -> None:
+            now = time.monotonic()
+            if last:
+                self.metrics.tpot.observe(now - last[0])
+            elif first:
+                self.metrics.ttft.observe(now - job.arrived)
+            last[:] = [now]
+            if job.on_token is not None:
+                job.on_token(token, logprob)
+        return on_token
 
     def log_generation(self, job: Job, result: GenerateResult) -> None:
         p, d = result.stats.get("prefill", {}), result.stats.get("decode", {})
@@ -736,23 +775,25 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     uvicorn_config(app, limits): the connection limits and timeouts live there."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     server = Server(generator, model_name, api_key, max_queue, log, limits)
 
-    def handles_errors(fn):
+    def handles_errors(fn, path: str):
         async def endpoint(request):
             try:
-                return await fn(request)
+                response = await fn(request)
             except RequestError as e:
-                return error_response(e)
+                response = error_response(e)
             except MoepackError as e:
-                return error_response(request_error(e))
+                response = error_response(request_error(e))
             except Exception as e:  # logged where it happened when on the worker; here otherwise
                 if not getattr(e, "_moepack_logged", False):
                     server.log(f"moepack serve: internal error: {type(e).__name__}: {e}")
-                return error_response(_internal_error())
+                response = error_response(_internal_error())
+            server.metrics.answered(path, response.status_code)
+            return response
         return endpoint
 
     async def health(request):
@@ -761,10 +802,49 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         return JSONResponse({"status": "ok", "model": model_name, "requests_in_flight": busy,
                              "max_queue": max_queue})
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": server.created, "owned_by": "moepack",
+                "max_model_len": server.context}
+
     async def models(request):
         server.check_auth(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": server.created, "owned_by": "moepack"}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def one_model(request):
+        server.check_auth(request)
+        wanted = request.path_params["model_id"]
+        if wanted != model_name:
+            raise RequestError(f"the model {wanted[:80]!r} does not exist (this server has {model_name!r})",
+                               param="model", code="model_not_found", status=404)
+        return JSONResponse(model_card())
+
+    async def metrics(request):
+        server.check_auth(request)
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def tokenize(request):
+        """llama-server's /tokenize: {"content": text, "add_special": false, "with_pieces": false} ->
+        {"tokens": [ids]} (with_pieces: [{"id", "piece"}]); the text's special-token spellings stay text."""
+        server.check_auth(request)
+        body = server.small_body(await server.read_body(request), {"content", "add_special", "with_pieces"})
+        content = _get(body, "content", lambda v: isinstance(v, str), "a string", "")
+        add_special = _get(body, "add_special", lambda v: isinstance(v, bool), "a boolean", False)
+        pieces = _get(body, "with_pieces", lambda v: isinstance(v, bool), "a boolean", False)
+        tok = server.need_tokenizer("content")
+        ids = await run_in_threadpool(tok.encode, content, False, add_special)
+        return JSONResponse({"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids] if pieces else ids})
+
+    async def detokenize(request):
+        """llama-server's /detokenize: {"tokens": [ids]} -> {"content": text}."""
+        server.check_auth(request)
+        body = server.small_body(await server.read_body(request), {"tokens"})
+        ids = _get(body, "tokens", lambda v: isinstance(v, list) and all(is_int(i) for i in v), "a list of token ids",
+                   [])
+        if server.vocab and any(not 0 <= i < server.vocab for i in ids):
+            raise RequestError(f"tokens: token ids must lie in [0, {server.vocab})", param="tokens",
+                               code="invalid_value")
+        tok = server.need_tokenizer("tokens")
+        return JSONResponse({"content": await run_in_threadpool(tok.decode, ids)})
 
     async def admitted_request(request, chat: bool, prefix: str) -> tuple[Prepared, Job, object]:
         """Auth, a queue slot (429 when none), the body read and prepared off the event loop, the job submitted
@@ -776,7 +856,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             raw = await server.read_body(request)
             prepared = await run_in_threadpool(server.prepare, raw, chat)
             job = Job(server.new_id(prefix), prepared.ids, prepared.options,
-                      deadline=arrived + server.limits.request_timeout_s, n=prepared.n,
+                      deadline=arrived + server.limits.request_timeout_s, arrived=arrived, n=prepared.n,
                       make_constraint=prepared.make_constraint)
             if prepared.stream:
                 loop = asyncio.get_running_loop()
@@ -1020,10 +1100,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     async def shutdown():
         server.executor.shutdown(wait=False, cancel_futures=True)
 
-    routes = [Route("/health", handles_errors(health), methods=["GET"]),
-              Route("/v1/models", handles_errors(models), methods=["GET"]),
-              Route("/v1/completions", handles_errors(completions), methods=["POST"]),
-              Route("/v1/chat/completions", handles_errors(chat_completions), methods=["POST"])]
+    endpoints = {"/health": (health, "GET"), "/metrics": (metrics, "GET"), "/v1/models": (models, "GET"),
+                 "/v1/models/{model_id:path}": (one_model, "GET"), "/tokenize": (tokenize, "POST"),
+                 "/detokenize": (detokenize, "POST"), "/v1/completions": (completions, "POST"),
+                 "/v1/chat/completions": (chat_completions, "POST")}
+    routes = [Route(path, handles_errors(fn, path), methods=[method]) for path, (fn, method) in endpoints.items()]
 
     import contextlib
 

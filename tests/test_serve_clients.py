@@ -418,3 +418,94 @@ def test_bad_tools_fields_are_400s(server):
                                            parallel_tool_calls="yes"), "parallel_tool_calls")
     _bad(lambda: c.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": {"x": 1}}]),
          "messages")
+
+
+# ---- 4. endpoints and headers -------------------------------------------------------------------------------------
+
+def test_metrics_count_requests_tokens_errors_and_latencies(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        r = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+    before = scrape()
+    c = _client(server)
+    r = c.completions.create(model="tiny", prompt=[1, 2, 3, 4], max_tokens=5, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt="x", max_tokens=-1)
+    after = scrape()
+
+    def grew(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    ok = (("endpoint", "/v1/completions"), ("status", "200"))
+    bad = (("endpoint", "/v1/completions"), ("status", "400"))
+    assert grew("moepack_requests_total", ok) == 1 and grew("moepack_requests_total", bad) == 1
+    assert grew("moepack_errors_total", bad) == 1 and grew("moepack_errors_total", ok) == 0
+    assert grew("moepack_prompt_tokens_total") == 4
+    assert grew("moepack_generated_tokens_total") == r.usage.completion_tokens
+    assert grew("moepack_time_to_first_token_seconds_count") == 1
+    assert grew("moepack_time_per_output_token_seconds_count") == r.usage.completion_tokens - 1
+    assert grew("moepack_expert_cache_hits_total") + grew("moepack_expert_cache_misses_total") > 0
+    assert after[("moepack_requests_in_flight", ())] == 0
+
+
+def test_tokenize_and_detokenize_as_llama_server(server):
+    text = "Hello <｜User｜> world"
+    r = httpx.post(f"{server.url}/tokenize", json={"content": text}, timeout=TIMEOUT)
+    ids = r.json()["tokens"]
+    assert ids == server.tok.encode(text, special_tokens=False, add_bos=False)
+    with_bos = httpx.post(f"{server.url}/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
+    assert with_bos[-len(ids):] == ids
+    pieces = httpx.post(f"{server.url}/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    ascii_text = "Hello <|User|> world"  # (a byte-level piece of a multi-byte character is no text of its own)
+    pieces = httpx.post(f"{server.url}/tokenize", json={"content": ascii_text, "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == ascii_text
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=TIMEOUT).json()
+    assert back == {"content": text}
+    for path, body, param in (("/tokenize", {"content": 5}, "content"), ("/tokenize", {"text": "x"}, "text"),
+                              ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_one_model_and_an_unknown_one(server):
+    c = _client(server)
+    model = c.models.retrieve("tiny")
+    assert model.id == "tiny" and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("gpt-9")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_the_api_key_from_the_environment_or_a_private_file(tmp_path, monkeypatch):
+    import os
+
+    import click
+
+    from moepack.cli.serve import resolve_api_key
+    from moepack.format_spec.errors import MoepackError
+
+    monkeypatch.delenv("MOEPACK_API_KEY", raising=False)
+    assert resolve_api_key(None, None) is None
+    monkeypatch.setenv("MOEPACK_API_KEY", " from-env \n")
+    assert resolve_api_key(None, None) == "from-env"
+    assert resolve_api_key("flag", None) == "flag"
+    key = tmp_path / "key"
+    key.write_text("  from-file  \nsecond line\n")
+    os.chmod(key, 0o600)
+    assert resolve_api_key(None, str(key)) == "from-file"
+    os.chmod(key, 0o644)
+    with pytest.raises(MoepackError, match="readable by others"):
+        resolve_api_key(None, str(key))
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    os.chmod(empty, 0o600)
+    with pytest.raises(MoepackError, match="empty"):
+        resolve_api_key(None, str(empty))
+    with pytest.raises(click.UsageError):
+        resolve_api_key("flag", str(key))
