@@ -509,3 +509,36 @@ def test_the_api_key_from_the_environment_or_a_private_file(tmp_path, monkeypatc
         resolve_api_key(None, str(empty))
     with pytest.raises(click.UsageError):
         resolve_api_key("flag", str(key))
+
+
+# ---- 5. reasoning effort ------------------------------------------------------------------------------------------
+
+def test_reasoning_effort_is_what_the_release_encoder_knows(server, scripted):
+    from moepack.v4.chat import REASONING_EFFORT_MAX_PREFIX
+
+    scripted.text = "ok"
+    c = _client(server)
+    for effort in ("low", "medium", "minimal"):  # OpenAI's, not the release's
+        message = _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, reasoning_effort=effort,
+                                                         extra_body={"thinking": True}), "reasoning_effort")
+        assert "'high', 'max'" in message
+    assert "thinking" in _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT,
+                                                                reasoning_effort="max"), "reasoning_effort")
+    c.chat.completions.create(model="tiny", messages=CHAT, reasoning_effort="max", extra_body={"thinking": True})
+    assert REASONING_EFFORT_MAX_PREFIX in server.tok.decode(scripted.prompts[-1])
+    c.chat.completions.create(model="tiny", messages=CHAT, reasoning_effort="high")
+
+
+def test_the_cli_offers_what_the_encoder_knows(tiny_path, tmp_path):
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli as main
+
+    runner = CliRunner()
+    low = runner.invoke(main, ["generate", tiny_path, "--chat", "Hi", "--reasoning-effort", "low"])
+    assert low.exit_code == 2 and "'low' is not one of 'high', 'max'" in low.output
+    no_thinking = runner.invoke(main, ["generate", tiny_path, "--chat", "Hi", "--reasoning-effort", "max",
+                                       "--max-new-tokens", "1"])
+    assert no_thinking.exit_code != 0
+    lines = [line for line in no_thinking.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "thinking" in lines[0] and "Traceback" not in no_thinking.output
