@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 
-from moepack.packer.convert import convert_checkpoint
 from moepack.runtime.generate import GenerateOptions, Generator
 from moepack.runtime.serve import make_app
 from moepack.runtime.tokenizer import PromptTokenizer
+from containers import tiny_keep_container
 from test_serve import Running
 
 TIMEOUT = 60
@@ -23,12 +23,7 @@ CHAT = [{"role": "user", "content": "Tell me a story"}]
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from moepack.packer.synth import synth_checkpoint
-
-    base = tmp_path_factory.mktemp("serve-clients")
-    synth_checkpoint(str(base / "tiny"), preset="tiny", progress=False)
-    convert_checkpoint(str(base / "tiny"), str(base / "tiny.moepack"), policy="keep", progress=False)
-    return str(base / "tiny.moepack")
+    return tiny_keep_container(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
