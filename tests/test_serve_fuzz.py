@@ -45,6 +45,23 @@ plausible = {
     "thinking": st.one_of(st.booleans(), st.just({"type": "enabled"}), values),
     "stream_options": st.one_of(st.just({"include_usage": True}), values),
     "reasoning_effort": st.one_of(st.sampled_from(["high", "max", "none"]), values),
+    # issue #38's fields: acted on or refused, never a 5xx
+    "logprobs": st.one_of(st.booleans(), st.integers(-1, 25), values),
+    "top_logprobs": st.one_of(st.integers(-1, 25), values),
+    "logit_bias": st.one_of(st.dictionaries(st.sampled_from(["1", "5", "-3", "x", "99999"]),
+                                            st.one_of(st.floats(-150, 150), values), max_size=3), values),
+    "presence_penalty": st.one_of(st.floats(-3, 3), values),
+    "frequency_penalty": st.one_of(st.floats(-3, 3), values),
+    "echo": st.one_of(st.booleans(), values),
+    "response_format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"]),
+                               "json_schema": st.fixed_dictionaries({"name": st.just("x"),
+                                                                     "schema": st.one_of(values, st.just(
+                                                                         {"type": "object"}))})}), values),
+    "tools": st.one_of(st.just([{"type": "function", "function": {"name": "f", "parameters": {}}}]), values),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]),
+                             st.just({"type": "function", "function": {"name": "f"}}), values),
+    "unknown_field": values,
 }
 VALID = {"model": "tiny", "max_tokens": 3, "temperature": 0}  # with the endpoint's prompt or messages
 # a valid body with one to three fields changed
