@@ -293,7 +293,28 @@ def _check_fields(body: dict, chat: bool) -> None:
 def _stream_flags(body: dict) -> tuple[bool, bool]:
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     so = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
-    return stream, bool(so.get("include_usage")) if stream else False
+    if so and not stream:
+        raise RequestError("stream_options: only with stream: true", param="stream_options", code="invalid_value")
+    if set(so) - {"include_usage"} or not isinstance(so.get("include_usage", False), bool):
+        raise RequestError("stream_options: only include_usage (a boolean) is supported", param="stream_options",
+                           code="unsupported_value")
+    return stream, bool(so.get("include_usage"))
+
+
+# the keys an OpenAI message may carry (`name`: accepted, not rendered, as the release's encoder ignores it;
+# `refusal`, `audio`: only null); tools / response_format on a system or developer message: the release's own
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal", "audio",
+                "tools", "response_format", "task", "wo_eos"}
+
+
+def _check_message_keys(messages: list) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue  # the encoder names it
+        for key, value in m.items():
+            if key not in MESSAGE_KEYS or (key in ("refusal", "audio") and value is not None):
+                raise RequestError(f"messages[{i}].{key[:40]}: not a message field moepack renders",
+                                   param="messages", code="unknown_field")
 
 
 class Server:
@@ -600,6 +621,7 @@ class Server:
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages",
                                code="invalid_type")
+        _check_message_keys(messages)
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
         try:

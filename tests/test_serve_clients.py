@@ -80,6 +80,20 @@ def test_an_openai_field_not_acted_on_is_refused_by_name(server, field, value, c
              field)
 
 
+def test_stream_options_and_message_keys_are_checked(server):
+    c = _client(server)
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                           stream_options={"include_usage": True}), "stream_options")
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, stream=True,
+                                           stream_options={"continuous_usage_stats": True}), "stream_options")
+    message = _bad(lambda: c.chat.completions.create(
+        model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x", "cache_control": {}}]), "messages")
+    assert message.startswith("messages[0].cache_control")
+    named = c.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x",
+                                                                               "name": "ann"}])
+    assert named.choices[0].message.role == "assistant"
+
+
 def test_accepted_no_op_fields(server):
     c = _client(server)
     r = c.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=3, user="someone",
