@@ -314,6 +314,8 @@ def test_generate_prefills_the_chat_encoding(release_tokenizer_container, tmp_pa
     tokens = json.loads(r.stdout)["stats"]["prefill"]["tokens"]
     assert tokens == len(tok.encode_segments(segments)) > len(tok.encode_special(encode_chat(forged))) + 10
     r = CliRunner().invoke(cli, ["generate", out, "--chat", "Hi", "--reasoning-effort", "low"])
+    assert r.exit_code == 2 and "'low' is not one of 'high', 'max'" in r.output  # only what the encoder knows
+    r = CliRunner().invoke(cli, ["generate", out, "--chat", "Hi", "--reasoning-effort", "max"])
     assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1 and "reasoning_effort" in r.stderr
 
 
