@@ -26,10 +26,17 @@ part of that format, written from its documented behaviour and checked against i
   does. (DeepSeek's hosted API, and the later Flash-Vision-Exp encoder, use low/high/max with other texts; this
   is the open-weights V4-Flash/Pro encoder.)
 
-Left out (a message using them raises MoepackError rather than render something else): tool schemas (`tools`),
-assistant `tool_calls` (DSML), the `tool` role and tool results, `response_format`, the quick-instruction `task`
-tokens, the `latest_reminder` role, assistant turns left open (`wo_eos`), content given as a list of parts, and the
-encoder's `context=` continuation (`add_bos=False` covers rendering a conversation's tail without BOS).
+* Tools (v4/tools.py, the DSML format): a system or developer message's OpenAI `tools` (a `## Tools` section, one
+  JSON schema a line) and `response_format` (`## Response Format:`), an assistant's `tool_calls` (its DSML block
+  after the content), `tool` messages (merged with the user messages around them into one user turn of
+  `<tool_result>` blocks, sorted by the order of the calls they answer). A conversation with tools keeps every
+  turn's reasoning (drop_thinking is off), as the release does. Checked against the release's encoder in
+  tests/test_chat_tools.py (tests/data/dsv4_tools_reference.json). The Jinja template renders no tools.
+
+Left out (a message using them raises MoepackError rather than render something else): the quick-instruction
+`task` tokens, the `latest_reminder` role, assistant turns left open (`wo_eos`), user content given as a list of
+parts, and the encoder's `context=` continuation (`add_bos=False` covers rendering a conversation's tail without
+BOS).
 """
 
 from __future__ import annotations
