@@ -42,6 +42,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
                 raise MoepackError(f"{messages_file}: cannot read ({e.strerror})") from None
         else:
             messages = [{"role": "user", "content": chat}]
+        chat_encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs --thinking
         segments = chat_encoding.encode_message_segments(messages, thinking=thinking,
                                                          reasoning_effort=reasoning_effort)
         return tokenizer.encode_segments(segments), tokenizer  # message content stays plain text
@@ -60,7 +61,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 @click.option("--chat", help="One user turn, encoded as DeepSeek-V4's chat.")
 @click.option("--thinking/--no-thinking", default=False, show_default=True,
               help="With --messages/--chat: thinking mode (<think>) or chat mode (</think>).")
-@click.option("--reasoning-effort", type=click.Choice(["low", "high", "max"]), default=None,
+@click.option("--reasoning-effort", type=click.Choice(["high", "max"]), default=None,
               help="With --messages/--chat in thinking mode: the reasoning-effort prefix.")
 @click.option("--continue-from", type=click.Path(file_okay=False),
               help="A KV directory `moepack prefill --kv-out` wrote for this container: the prompt (if any) "

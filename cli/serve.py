@@ -13,6 +13,36 @@ from moepack.runtime.limits import MAX_CACHE_GIB
 
 from .common import Dtype, json_option, reports_errors
 
+API_KEY_ENV = "MOEPACK_API_KEY"
+
+
+def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
+    """The key from --api-key, --api-key-file (a file only its owner may read, its first line stripped) or the
+    MOEPACK_API_KEY environment variable, in that order; MoepackError for a file that is unsafe or empty."""
+    import stat
+
+    from moepack.format_spec.errors import MoepackError
+
+    if api_key is not None and api_key_file is not None:
+        raise click.UsageError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        try:
+            with open(api_key_file, encoding="utf-8") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                    raise MoepackError(f"--api-key-file {api_key_file}: readable by others (mode "
+                                       f"{stat.S_IMODE(mode):o}): chmod 600 it")
+                api_key = f.readline(4096).strip()
+        except OSError as e:
+            raise MoepackError(f"--api-key-file {api_key_file}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise MoepackError(f"--api-key-file {api_key_file}: not UTF-8 text") from None
+        if not api_key:
+            raise MoepackError(f"--api-key-file {api_key_file}: empty")
+    elif api_key is None and os.environ.get(API_KEY_ENV, "").strip():
+        api_key = os.environ[API_KEY_ENV].strip()
+    return api_key
+
 
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False))
@@ -26,11 +56,16 @@ from .common import Dtype, json_option, reports_errors
               help="Requests admitted at once (waiting + running); more are answered 429.")
 @click.option("--compute-dtype", type=Dtype(("float32", "bfloat16"), extra=("auto",)), default="auto",
               show_default=True, help="As prefill's --compute-dtype.")
-@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every /v1 request.")
-@click.option("--model-name", default=None, help="The model's id in the API (default: FILE's stem).")
+@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every /v1 request (and "
+              "/metrics, /tokenize, /detokenize). Visible to `ps`: prefer --api-key-file or MOEPACK_API_KEY.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
+              help="Read the API key from this file (its first line, stripped); the file must not be readable by "
+                   "group or others. Default: the MOEPACK_API_KEY environment variable, if set.")
+@click.option("--model-name", "--served-model-name", "model_name", default=None,
+              help="The model's id in the API (default: FILE's stem).")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True, max=1024), default=4, show_default=True,
               help="A request body over this is refused (413), by its Content-Length or as it is read.")
-@click.option("--max-context", type=click.IntRange(min=2), default=None,
+@click.option("--max-context", "--max-model-len", "max_context", type=click.IntRange(min=2), default=None,
               help="Prompt tokens + max_tokens allowed per request (400 beyond; default: the model's context, "
                    "max_position_embeddings).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True, max=7 * 86400), default=600,
@@ -45,9 +80,11 @@ from .common import Dtype, json_option, reports_errors
               help="Open connections served at once; past it a request gets 503 with Retry-After.")
 @json_option
 @reports_errors(out_of_memory_hint="lower --cache-gib")
-def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key, model_name, max_body_mb,
-          max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections, as_json):
-    """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health.
+def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key, api_key_file, model_name,
+          max_body_mb, max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections, as_json):
+    """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models[/ID], /health,
+    /metrics (Prometheus), /tokenize and /detokenize (llama-server's). Fields, tools, JSON output: docs/guide.md,
+    "Serving real clients".
     With --json: one JSON line on stdout once the socket is bound (its url and port: --port 0 picks a free one).
     Limits and their refusals: docs/failures.md, "Server limits"."""
     import uvicorn
@@ -57,6 +94,7 @@ def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key
     from moepack.runtime.serve import ServerLimits, make_app, uvicorn_config
 
     name = model_name or os.path.splitext(os.path.basename(file))[0]
+    api_key = resolve_api_key(api_key, api_key_file)
     generator = Generator(file, default_cache_gib(file, device) if cache_gib is None else cache_gib,
                           prefill=PrefillOptions(device=device, compute_dtype=compute_dtype))
     try:

@@ -26,7 +26,7 @@ from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, Streami
                      cuda_free_bytes, model_config, resolve_compute_dtype)
 from .expert_decode import expert_weight_count
 from .io import available_memory_bytes
-from .sampling import IncrementalDetokenizer, Sampler, StopMatcher
+from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
 
 GIB = 1 << 30
 HEADROOM_BYTES = 1 << 30  # activations, the read buffers, the interpreter and torch beside the weights and the KV
@@ -43,6 +43,16 @@ class GenerateOptions:
     cache_gib: float = 4.0  # the expert cache's budget; 0: every selected expert read for every token
     stop_at_eos: bool = True
     prefill: PrefillOptions = field(default_factory=PrefillOptions)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated
+    logit_bias: dict[int, float] | None = None  # added to the logits of these token ids
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (GenerateResult.logprobs)
+    constraint: object | None = None  # the allowed next tokens (runtime/grammar.py), one generation's own state
+
+    def sampler(self) -> Sampler:
+        return Sampler(self.temperature, self.top_p, self.top_k, self.seed, presence_penalty=self.presence_penalty,
+                       frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
+                       logprobs=self.logprobs, constraint=self.constraint)
 
 
 @dataclass
@@ -51,6 +61,7 @@ class GenerateResult:
     text: str | None
     finish_reason: str  # "stop" (end of sentence or a stop string) or "length"
     stats: dict
+    logprobs: list[TokenLogprob] | None = None  # per generated token, given options.logprobs
 
 
 def eos_ids(config: dict) -> set[int]:
@@ -187,20 +198,22 @@ class Generator:
     def generate(self, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
                  kv_out: str | None = None, cancelled: Callable[[], bool] | None = None,
-                 kv_overwrite: bool = False) -> GenerateResult:
+                 kv_overwrite: bool = False,
+                 on_token: Callable[[int, TokenLogprob | None], None] | None = None) -> GenerateResult:
         """Prefill `token_ids` (after `continue_from`'s KV, if given), then decode up to max_new_tokens.
         `detokenize` (ids -> text) gives `text`, lets `--stop` strings end the generation, and `on_text` the text
         as it comes (never a split UTF-8 character, never the start of a stop string that may yet complete).
         `kv_out`: the KV after the generation (prompt and generated tokens; its result, the last generated token)
         is written there (a KV already there is refused unless `kv_overwrite`). `cancelled()` true ends the
         generation (finish_reason "cancelled"): asked between the prefill's layers (the first time once every
-        check has passed) and between decoded tokens."""
+        check has passed) and between decoded tokens. `on_token(id, logprob)`: each token as it is chosen, before
+        its text goes to on_text (logprob given options.logprobs, else None)."""
         options = options or GenerateOptions()
         if options.max_new_tokens < 1:
             raise MoepackError("--max-new-tokens must be at least 1")
         if options.stop and detokenize is None:
             raise MoepackError("--stop needs the container's tokenizer (the prompt was given as token ids)")
-        sampler = Sampler(options.temperature, options.top_p, options.top_k, options.seed)
+        sampler = options.sampler()
         stopper = StopMatcher(list(options.stop), self.eos_ids if options.stop_at_eos else set())
         token_ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
         try:
@@ -215,11 +228,16 @@ class Generator:
         decoder.begin(states)
         del states
         generated: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if options.logprobs is not None else None
         pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None
         so_far, finish = "", None
         while True:
             token = sampler.next_token(logits)
             generated.append(token)
+            if logprobs is not None:
+                logprobs.append(sampler.last_logprobs)
+            if on_token is not None:
+                on_token(token, sampler.last_logprobs)
             so_far += pieces.add(token) if pieces is not None else ""
             shown = stopper.feed(token, so_far)
             if shown and on_text is not None:
@@ -245,7 +263,8 @@ class Generator:
                 on_text(shown)
         return GenerateResult(generated, stopper.text if detokenize is not None else None,
                               finish or stopper.finish_reason or "length",
-                              {"prefill": prefill_stats, "decode": decode_stats, "sampling_seed": sampler.seed})
+                              {"prefill": prefill_stats, "decode": decode_stats, "sampling_seed": sampler.seed},
+                              logprobs)
 
 
 def generate(path: str, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -32,9 +33,17 @@ REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character not
 
 class Sampler:
     """Temperature, then top-k, then top-p (nucleus), then one draw from a seeded generator; temperature 0 is
-    greedy. The same seed and logits give the same tokens on any device: the work is done on the CPU in float64."""
+    greedy. The same seed and logits give the same tokens on any device: the work is done on the CPU in float64.
 
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None):
+    Before choosing, the logits are adjusted (`adjust`): `logit_bias` ({token id: bias}) added, OpenAI's
+    `presence_penalty` (once per token already generated) and `frequency_penalty` (per time it was generated)
+    subtracted, and a `constraint` (runtime/grammar.py: a JSON schema's allowed next tokens) masks the rest out.
+    `logprobs` k (>= 0): each token's log-probability under those adjusted logits (before the temperature) and the
+    k likeliest alternatives are kept in `last_logprobs` (a TokenLogprob)."""
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, *,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None, constraint=None):
         if not is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
             raise MoepackError(f"--temperature must be a finite number >= 0, got {temperature!r}")
         if not is_number(top_p) or not 0 < top_p <= 1:  # NaN fails the comparison too
@@ -45,9 +54,42 @@ class Sampler:
             seed = secrets.randbits(63)  # drawn once and kept in .seed so that the run can be repeated
         elif not is_int(seed) or not 0 <= seed < 2**64:
             raise MoepackError(f"--seed must be an integer in [0, 2**64), got {seed!r}")
+        for flag, value in (("--presence-penalty", presence_penalty), ("--frequency-penalty", frequency_penalty)):
+            if not is_number(value) or not -2 <= value <= 2:  # OpenAI's range
+                raise MoepackError(f"{flag} must be a number in [-2, 2], got {value!r}")
+        bias = dict(logit_bias or {})
+        if any(not is_int(t) or t < 0 or not is_number(b) or not -100 <= b <= 100 for t, b in bias.items()):
+            raise MoepackError("--logit-bias: token ids >= 0 with biases in [-100, 100]")
+        if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise MoepackError(f"--logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
         self.temperature, self.top_p, self.top_k, self.seed = float(temperature), float(top_p), top_k, seed
+        self.presence_penalty, self.frequency_penalty = float(presence_penalty), float(frequency_penalty)
+        self.logit_bias, self.logprobs, self.constraint = bias, logprobs, constraint
+        self.counts: dict[int, int] = {}  # how often each token was generated (the penalties' c[j])
+        self.last_logprobs: TokenLogprob | None = None
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
+
+    def adjust(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits the choice is made from: bias, penalties and the constraint's mask applied (float64, CPU)."""
+        if self.logit_bias:
+            ids = [t for t in self.logit_bias if t < len(x)]
+            x = x.clone()
+            x[ids] += torch.tensor([self.logit_bias[t] for t in ids], dtype=x.dtype)
+        if self.counts and (self.presence_penalty or self.frequency_penalty):
+            ids = torch.tensor(list(self.counts), dtype=torch.long)
+            c = torch.tensor(list(self.counts.values()), dtype=x.dtype)
+            x = x.clone()  # mu[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty
+            x[ids] -= c * self.frequency_penalty + self.presence_penalty
+        if self.constraint is not None:
+            allowed = self.constraint.allowed(len(x))  # the ids allowed next (few, in JSON), None: any
+            if allowed is not None:
+                if not len(allowed):
+                    raise MoepackError("the output constraint allows no next token")
+                kept = torch.full_like(x, -math.inf)  # cheaper than masking the whole vocabulary
+                kept[allowed] = x[allowed]
+                x = kept
+        return x
 
     def next_token(self, logits: torch.Tensor) -> int:
         if logits.dim() != 1 or logits.numel() == 0:
@@ -56,6 +98,16 @@ class Sampler:
         x = logits.detach().to(device="cpu", dtype=torch.float64)
         if not bool(torch.isfinite(x).all()):
             raise MoepackError("the model produced non-finite logits (nan or inf): cannot choose the next token")
+        x = self.adjust(x)
+        token = self._choose(x)
+        if self.logprobs is not None:
+            self.last_logprobs = TokenLogprob.of(token, x, self.logprobs)
+        self.counts[token] = self.counts.get(token, 0) + 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
+
+    def _choose(self, x: torch.Tensor) -> int:
         if self.temperature == 0:
             return int(torch.argmax(x))
         # a stable sort puts tied logits in id order, so top-k 1 and a tiny top-p pick what argmax picks
@@ -76,6 +128,25 @@ class Sampler:
         u = torch.rand((), generator=self._generator, dtype=torch.float64) * cumulative[-1]
         i = int(torch.searchsorted(cumulative, u, right=True))
         return int(order[min(i, len(cumulative) - 1)])
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One chosen token's log-probability and the `top` likeliest (token id, log-probability) pairs, from the
+    log_softmax of the logits the sampler chose from (bias, penalties and constraint applied; no temperature)."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+    @staticmethod
+    def of(token: int, x: torch.Tensor, k: int) -> "TokenLogprob":
+        lp = torch.log_softmax(x, dim=0)
+        top = torch.topk(lp, min(k, len(lp))) if k else None
+        pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
+        return TokenLogprob(token, float(lp[token]), pairs)
 
 
 class StopMatcher:

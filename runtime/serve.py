@@ -2,7 +2,11 @@
 
     app = make_app(Generator("model.moepack", cache_gib=4), "model", api_key=None, max_queue=8)
 
-Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream or not).
+Endpoints: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (stream
+or not), GET /metrics (Prometheus: runtime/serve_metrics.py), POST /tokenize and /detokenize (llama-server's shapes).
+Every request field is acted on or refused by name (CHAT_FIELDS, COMPLETION_FIELDS, REFUSED_FIELDS); logprobs,
+penalties and logit_bias go to the Sampler, response_format to a JSON constraint (runtime/grammar.py), tools to the
+release's encoder and back out of the answer (runtime/tool_calls.py). Responses carry llama-server's `timings`.
 
 Scheduling: the Generator runs one generation at a time, so every generation runs on ONE worker thread (a
 single-thread executor), in arrival order. At most `max_queue` requests are admitted at once (reading their body,
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import json
 import sys
@@ -45,21 +50,46 @@ from dataclasses import dataclass
 
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range, loads
-from moepack.v4.chat import THINK_END, encode_message_segments
+from moepack.v4.chat import THINK_END, check_reasoning_effort, encode_message_segments, markup_segments
 
 from .generate import GenerateOptions, GenerateResult
-from .sampling import Sampler, is_int, partial_match_length
+from .serve_metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
+from .tool_calls import ToolCallSplitter, ToolPlan, split_answer, tool_plan, with_prompt_extras
+from .sampling import MAX_TOP_LOGPROBS, TokenLogprob, is_int, partial_match_length
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_CHAT_TOKENS = 1024  # chat without max_tokens: this, within what the context leaves
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the request's temperature: 0 for greedy)
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 MAX_BODY_DEPTH = 32  # a request body nests a few levels (messages, their content parts)
 OVER_LIMIT_HEADER_S = 2.0  # a connection past --max-connections: its request must come this fast (then 503)
 RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and of too many connections
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
+MAX_N = 8  # choices per request (n), generated one after the other
+# The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
+# (docs/guide.md "Serving real clients"). `user` is accepted and ignored (no per-user state is kept).
+_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
+                  "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                                "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
+                                "service_tier", "store", "metadata", "modalities"}
+# OpenAI fields moepack does not act on: a 400 naming the field whenever one is given (not null)
+REFUSED_FIELDS = {
+    "audio": "audio output is not supported (moepack serves a text model)",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "the deprecated functions field is not supported: give tools",
+    "function_call": "the deprecated function_call field is not supported: give tool_choice",
+    "verbosity": "verbosity is not supported",
+    "safety_identifier": "safety_identifier is not supported",
+    "prompt_cache_key": "prompt_cache_key is not supported",
+}
 # the generator's checks name the CLI's flags: the request's fields they stand for
 FLAG_FIELDS = {"--temperature": "temperature", "--top-p": "top_p", "--top-k": "top_k", "--seed": "seed",
-               "--stop": "stop", "--max-new-tokens": "max_tokens"}
+               "--stop": "stop", "--max-new-tokens": "max_tokens", "--presence-penalty": "presence_penalty",
+               "--frequency-penalty": "frequency_penalty", "--logit-bias": "logit_bias",
+               "--logprobs": "logprobs"}
 
 
 @dataclass(frozen=True)
@@ -121,7 +151,11 @@ class Job:
     ids: list[int]
     options: GenerateOptions
     deadline: float  # time.monotonic() past which it stops (--request-timeout)
+    arrived: float = 0.0  # time.monotonic() of the request's arrival (the time to first token counts from it)
+    n: int = 1  # choices: generations one after the other (distinct seeds: seed, seed + 1, ... when one is given)
+    make_constraint: Callable[[], object] | None = None  # each generation's own output constraint
     on_text: Callable[[str], None] | None = None
+    on_token: Callable[[int, object], None] | None = None  # a streamed job's tokens (their logprobs)
     on_start: Callable[[], None] | None = None  # called on the worker once its generation passed every check
     queue: asyncio.Queue | None = None  # a streamed job's ("text", piece) events
     began: asyncio.Event | None = None  # a streamed job's on_start, on the event loop
@@ -133,6 +167,12 @@ class Job:
         if not self.timed_out and time.monotonic() > self.deadline:
             self.timed_out = True
         return self.cancelled or self.timed_out
+
+    def options_for(self, i: int) -> GenerateOptions:
+        """The i-th choice's options: its own seed (when one was given) and constraint."""
+        seed = self.options.seed
+        return dataclasses.replace(self.options, seed=None if seed is None else (seed + i) % 2**64,
+                                   constraint=self.make_constraint() if self.make_constraint else None)
 
     def should_stop(self) -> bool:
         """The generator's `cancelled`: asked first before the prefill's first layer, once every check passed."""
@@ -151,6 +191,10 @@ class Prepared:
     stream: bool
     include_usage: bool
     thinking: bool = False
+    n: int = 1
+    echo: str | None = None  # completions' echo: the prompt's text, in front of each choice's text
+    make_constraint: Callable[[], object] | None = None
+    tools: ToolPlan | None = None  # chat: the request's tools (runtime/tool_calls.py)
 
 
 class ThinkSplitter:
@@ -220,10 +264,57 @@ def _thinking_flag(body: dict) -> bool:
                        code="invalid_type")
 
 
+def _check_fields(body: dict, chat: bool) -> None:
+    """Every field one the endpoint acts on: an unknown field, or an OpenAI field moepack does not do, is a 400
+    naming it (never silently ignored); so are the values of the accepted ones that would change nothing here."""
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name, value in body.items():
+        if name in allowed:
+            continue
+        if name in REFUSED_FIELDS:
+            if value is None:
+                continue
+            raise RequestError(f"{name}: {REFUSED_FIELDS[name]}", param=name, code="unsupported_field")
+        where = "/v1/chat/completions" if chat else "/v1/completions"
+        raise RequestError(f"{name[:60]}: unknown field for {where} (docs/guide.md lists the fields served)",
+                           param=name[:60], code="unknown_field")
+    # accepted fields whose other values ask for what is not there
+    plain = {"service_tier": (None, "auto", "default"), "store": (None, False), "suffix": (None, ""),
+             "modalities": (None, ["text"]), "metadata": (None, {})}
+    for name, ok in plain.items():
+        if name in body and body[name] not in ok:
+            what = {"service_tier": "service tiers are not supported (give auto or default)",
+                    "store": "stored completions are not supported", "suffix": "suffix (insertion) is not supported",
+                    "modalities": "only the text modality is supported",
+                    "metadata": "metadata goes with stored completions, which are not supported"}[name]
+            raise RequestError(f"{name}: {what}", param=name, code="unsupported_value")
+
+
 def _stream_flags(body: dict) -> tuple[bool, bool]:
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     so = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
-    return stream, bool(so.get("include_usage")) if stream else False
+    if so and not stream:
+        raise RequestError("stream_options: only with stream: true", param="stream_options", code="invalid_value")
+    if set(so) - {"include_usage"} or not isinstance(so.get("include_usage", False), bool):
+        raise RequestError("stream_options: only include_usage (a boolean) is supported", param="stream_options",
+                           code="unsupported_value")
+    return stream, bool(so.get("include_usage"))
+
+
+# the keys an OpenAI message may carry (`name`: accepted, not rendered, as the release's encoder ignores it;
+# `refusal`, `audio`: only null); tools / response_format on a system or developer message: the release's own
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal", "audio",
+                "tools", "response_format", "task", "wo_eos"}
+
+
+def _check_message_keys(messages: list) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue  # the encoder names it
+        for key, value in m.items():
+            if key not in MESSAGE_KEYS or (key in ("refusal", "audio") and value is not None):
+                raise RequestError(f"messages[{i}].{key[:40]}: not a message field moepack renders",
+                                   param="messages", code="unknown_field")
 
 
 class Server:
@@ -257,6 +348,9 @@ class Server:
         self._tokenizer = None
         self._tokenizer_error: str | None = None
         self._tokenizer_lock = threading.Lock()
+        self._grammar = None  # runtime.grammar.JsonGrammar, built at the first response_format
+        self.metrics = ServerMetrics(cache_counts_of(generator), lambda: self.admitted)
+        self._grammar_lock = threading.Lock()
 
     # -- helpers
     @property
@@ -276,6 +370,56 @@ class Server:
             raise RequestError(f"{param}: the model's container carries no tokenizer ({self._tokenizer_error}): "
                                "give the prompt as token ids", param=param, code="no_tokenizer")
         return self.tokenizer
+
+    def json_grammar(self):
+        """The vocabulary's grammar side (llguidance), built once; a 400 naming the extra to install without it."""
+        from .grammar import GrammarUnavailable, JsonGrammar
+
+        tok = self.need_tokenizer("response_format")
+        with self._grammar_lock:
+            if self._grammar is None:
+                try:
+                    self._grammar = JsonGrammar(tok.tokenizer_json, self.vocab or tok.vocab_size,
+                                                sorted(self.generator.eos_ids))
+                except GrammarUnavailable as e:
+                    raise RequestError(f"response_format: {e}", param="response_format",
+                                       code="unsupported_value") from None
+        return self._grammar
+
+    def output_schema(self, body: dict) -> dict | None:
+        """The JSON schema response_format asks for (json_object: any object), None for text."""
+        from .grammar import ANY_OBJECT
+
+        fmt = _get(body, "response_format", lambda v: isinstance(v, dict), "an object")
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return ANY_OBJECT
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise RequestError("response_format.json_schema.schema: expected a JSON schema object",
+                                   param="response_format", code="invalid_type")
+            return schema
+        raise RequestError(f"response_format.type: expected text, json_object or json_schema, got "
+                           f"{json.dumps(kind)[:40]}", param="response_format", code="invalid_value")
+
+    def constraint_factory(self, body: dict, thinking: bool) -> Callable[[], object] | None:
+        """Each generation's JSON constraint for the request's response_format (compiled once here, so that a
+        schema llguidance refuses is this request's 400); in thinking mode the thought runs free until
+        `</think>`."""
+        schema = self.output_schema(body)
+        if schema is None:
+            return None
+        grammar = self.json_grammar()
+        after = self.need_tokenizer("response_format").encode_special(THINK_END) if thinking else None
+        try:
+            grammar.constraint(schema, after)
+        except MoepackError as e:
+            raise RequestError(f"response_format: {e}", param="response_format", code="invalid_value") from None
+        return lambda: grammar.constraint(schema, after)
 
     def check_auth(self, request) -> None:
         if self.api_key is None:
@@ -313,21 +457,34 @@ class Server:
             raise RequestError("the client went away while sending its body", code="client_gone") from None
         return bytes(body)
 
-    def parse(self, raw: bytes) -> dict:
-        """The body as a JSON object (format_spec.untrusted.loads: depth, number length, NaN, UTF-8, surrogates),
-        its model and n checked."""
+    def json_object(self, raw: bytes) -> dict:
+        """The body as a JSON object (format_spec.untrusted.loads: depth, number length, NaN, UTF-8, surrogates)."""
         try:
             body = loads(raw, "the request body", max_bytes=self.limits.max_body_bytes, max_depth=MAX_BODY_DEPTH)
         except UntrustedInputError as e:
             raise RequestError(str(e), code="invalid_json") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", code="invalid_json")
+        return body
+
+    def small_body(self, raw: bytes, fields: set[str]) -> dict:
+        """A /tokenize-like body: a JSON object of these fields only (another is a 400 naming it)."""
+        body = self.json_object(raw)
+        for name in body:
+            if name not in fields:
+                raise RequestError(f"{name[:60]}: unknown field (expected {', '.join(sorted(fields))})",
+                                   param=name[:60], code="unknown_field")
+        return body
+
+    def parse(self, raw: bytes, chat: bool) -> dict:
+        """The body as a JSON object, every field one this endpoint acts on (else a 400 naming it), its model
+        checked."""
+        body = self.json_object(raw)
         model = _get(body, "model", lambda v: isinstance(v, str), "a string")
         if model is not None and model != self.model_name:
             raise RequestError(f"the model {model!r} does not exist (this server has {self.model_name!r})",
                                param="model", code="model_not_found", status=404)
-        if _get(body, "n", is_int, "an integer", 1) != 1:
-            raise RequestError("n: only n=1 is supported", param="n", code="unsupported")
+        _check_fields(body, chat)
         return body
 
     def stop_strings(self, body: dict) -> list[str]:
@@ -347,10 +504,41 @@ class Server:
             self.need_tokenizer("stop")
         return stop
 
-    def options(self, body: dict, n_prompt: int, default_tokens: int) -> GenerateOptions:
+    def max_tokens(self, body: dict) -> int | None:
         max_tokens = _value(body, "max_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
-        if max_tokens is None:
-            max_tokens = _value(body, "max_completion_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
+        completion = _value(body, "max_completion_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
+        if max_tokens is not None and completion is not None and max_tokens != completion:
+            raise RequestError("max_tokens and max_completion_tokens differ: give one", param="max_completion_tokens",
+                               code="invalid_value")
+        return completion if completion is not None else max_tokens
+
+    def logit_bias(self, body: dict) -> dict[int, float] | None:
+        """OpenAI's logit_bias: {"token id": bias in [-100, 100]}, the ids within the vocabulary."""
+        bias = _get(body, "logit_bias", lambda v: isinstance(v, dict), "an object of token id -> bias")
+        if not bias:
+            return None
+        out = {}
+        for key, value in bias.items():
+            if not key.isdigit() or (self.vocab and int(key) >= self.vocab):
+                raise RequestError(f"logit_bias: {key[:20]!r} is not a token id in [0, {self.vocab})",
+                                   param="logit_bias", code="invalid_value")
+            out[int(key)] = _value({"logit_bias": value}, "logit_bias", finite_float, lo=-100.0, hi=100.0)
+        return out
+
+    @staticmethod
+    def logprobs_count(body: dict, chat: bool) -> int | None:
+        """How many alternatives per token (None: no logprobs). Chat: logprobs true with top_logprobs k;
+        completions: logprobs k."""
+        if not chat:
+            return _value(body, "logprobs", int_in_range, 0, MAX_TOP_LOGPROBS)
+        on = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+        top = _value(body, "top_logprobs", int_in_range, 0, MAX_TOP_LOGPROBS)
+        if top is not None and not on:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        return (top or 0) if on else None
+
+    def options(self, body: dict, n_prompt: int, default_tokens: int, chat: bool, n: int = 1) -> GenerateOptions:
+        max_tokens = self.max_tokens(body)
         if n_prompt == 0:
             raise RequestError("empty prompt", param="prompt" if "prompt" in body else "messages",
                                code="empty_prompt")
@@ -365,17 +553,46 @@ class Server:
             raise RequestError(f"the prompt ({n_prompt} tokens) and max_tokens ({max_tokens}) exceed this server's "
                                f"max_context of {self.context} tokens (--max-context)", param="max_tokens",
                                code="context_length_exceeded")
-        temperature = _value(body, "temperature", finite_float, lo=0.0, default=1.0)
+        temperature = _value(body, "temperature", finite_float, lo=0.0, default=DEFAULT_TEMPERATURE)
         top_p = _value(body, "top_p", finite_float, lo=0.0, hi=1.0, lo_open=True, default=1.0)
         top_k = _value(body, "top_k", int_in_range, 0, MAX_TOKENS_LIMIT, default=0)
         seed = _value(body, "seed", int_in_range, 0, 2**64 - 1)
+        penalties = {name: _value(body, name, finite_float, lo=-2.0, hi=2.0, default=0.0)
+                     for name in ("presence_penalty", "frequency_penalty")}
         options = GenerateOptions(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  seed=seed, stop=tuple(self.stop_strings(body)))
+                                  seed=seed, stop=tuple(self.stop_strings(body)), logit_bias=self.logit_bias(body),
+                                  logprobs=self.logprobs_count(body, chat), **penalties)
+        if n > 1 and temperature == 0:
+            raise RequestError(f"n: {n} greedy choices would all be the same: give a temperature above 0",
+                               param="n", code="invalid_value")
         try:  # the generator's own checks, here and not after the response has begun
-            Sampler(options.temperature, options.top_p, options.top_k, options.seed)
+            options.sampler()
         except MoepackError as e:
             raise request_error(e) from None
         return options
+
+    def choices(self, body: dict, stream: bool) -> int:
+        """n (choices, generated one after the other) and completions' best_of (only equal to n: no ranking)."""
+        n = _value(body, "n", int_in_range, 1, MAX_N, default=1)
+        best_of = _value(body, "best_of", int_in_range, 1, MAX_N)
+        if best_of is not None and best_of != n:
+            raise RequestError("best_of: ranking more generations than are returned is not supported (give best_of "
+                               "equal to n, or leave it out)", param="best_of", code="unsupported_value")
+        if n > 1 and stream:
+            raise RequestError("n: more than one choice is not streamed (batching is not there yet): give stream: "
+                               "false", param="n", code="unsupported_value")
+        return n
+
+    def echo_text(self, body: dict, ids: list[int]) -> str | None:
+        """completions' echo: the prompt's own text (or its ids' text) in front of the answer."""
+        if not _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False):
+            return None
+        if body.get("logprobs") is not None:
+            raise RequestError("echo with logprobs would need the prompt's logprobs, which are not computed",
+                               param="echo", code="unsupported_value")
+        prompt = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 and \
+            isinstance(body["prompt"][0], (str, list)) else body["prompt"]
+        return prompt if isinstance(prompt, str) else self.need_tokenizer("echo").decode(ids)
 
     def prompt_ids(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -397,30 +614,48 @@ class Server:
         raise RequestError("prompt: expected a string or a list of token ids", param="prompt",
                            code="invalid_type")
 
-    def chat_ids(self, body: dict) -> tuple[list[int], bool]:
+    def chat_ids(self, body: dict) -> tuple[list[int], bool, ToolPlan]:
+        """The conversation's prompt ids (the request's tools and response_format where the release's encoder puts
+        them, a forced tool call's prefill after it), thinking, the tool plan."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages",
                                code="invalid_type")
+        _check_message_keys(messages)
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
         try:
-            segments = encode_message_segments(messages, thinking=thinking, reasoning_effort=effort)
+            check_reasoning_effort(effort, thinking)
         except MoepackError as e:
-            param = "reasoning_effort" if str(e).startswith("reasoning_effort") else "messages"
-            raise RequestError(str(e), param=param, code="invalid_value") from None
-        return self.need_tokenizer("messages").encode_segments(segments), thinking  # content stays plain text
+            raise RequestError(str(e), param="reasoning_effort", code="invalid_value") from None
+        try:
+            plan = tool_plan(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), thinking)
+        except MoepackError as e:
+            param = str(e).split(":")[0].split("[")[0]
+            raise RequestError(str(e), param=param if param in body else "tools", code="invalid_value") from None
+        fmt = body.get("response_format") if self.output_schema(body) is not None else None
+        try:
+            segments = encode_message_segments(with_prompt_extras(messages, plan.tools, fmt), thinking=thinking,
+                                               reasoning_effort=effort)
+        except MoepackError as e:
+            raise RequestError(str(e), param="messages", code="invalid_value") from None
+        segments += markup_segments(plan.prefill)
+        return self.need_tokenizer("messages").encode_segments(segments), thinking, plan  # content: plain text
 
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
         """On a worker thread (the event loop stays free): parse, check and tokenize one request."""
-        body = self.parse(raw)
+        body = self.parse(raw, chat)
         stream, include_usage = _stream_flags(body)
+        n = self.choices(body, stream)
         if chat:
-            ids, thinking = self.chat_ids(body)
-            return Prepared(ids, self.options(body, len(ids), DEFAULT_CHAT_TOKENS), stream, include_usage,
-                            thinking)
+            ids, thinking, plan = self.chat_ids(body)
+            thinking = thinking and not plan.prefill  # a forced call's prefill closed the thought
+            return Prepared(ids, self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n), stream,
+                            include_usage, thinking, n, make_constraint=self.constraint_factory(body, thinking),
+                            tools=plan)
         ids = self.prompt_ids(body)
-        return Prepared(ids, self.options(body, len(ids), DEFAULT_COMPLETION_TOKENS), stream, include_usage)
+        return Prepared(ids, self.options(body, len(ids), DEFAULT_COMPLETION_TOKENS, False, n), stream,
+                        include_usage, n=n, echo=self.echo_text(body, ids))
 
     # -- admission and the worker
     def admit(self) -> None:
@@ -435,8 +670,9 @@ class Server:
         with self.lock:
             self.admitted -= 1
 
-    def run(self, job: Job) -> GenerateResult | None:
-        """On the worker thread. None: stopped before it started (its client left, or its deadline passed)."""
+    def run(self, job: Job) -> list[GenerateResult] | None:
+        """On the worker thread: the job's n generations. None: stopped before it started (its client left, or
+        its deadline passed)."""
         try:
             if job.stopped():
                 reason = "timeout" if job.timed_out else "cancelled"
@@ -445,20 +681,22 @@ class Server:
                          "started")
                 return None
             tok = self.tokenizer
-            result = self.generator.generate(job.ids, job.options,
-                                             detokenize=tok.decode if tok is not None else None,
-                                             on_text=job.on_text, cancelled=job.should_stop)
-            if result.finish_reason == "cancelled" and job.timed_out:
-                result.finish_reason = "timeout"
-            self.finished.append((job.request_id, result.finish_reason))
-            p, d = result.stats.get("prefill", {}), result.stats.get("decode", {})
-            hit = d.get("expert_cache_hit_rate")
-            cut = p.get("cancelled_after_layers")
-            self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} "
-                     f"generated_tokens={len(result.generated_ids)} prefill_s={p.get('seconds', 0):.3f} "
-                     f"decode_s={d.get('seconds', 0) or 0:.3f} cache_hit_rate={'-' if hit is None else f'{hit:.3f}'} "
-                     f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
-            return result
+            results = []
+            for i in range(job.n):
+                result = self.generator.generate(job.ids, job.options_for(i),
+                                                 detokenize=tok.decode if tok is not None else None,
+                                                 on_text=job.on_text, cancelled=job.should_stop,
+                                                 on_token=self.timed(job, first=not i))
+                self.metrics.prompt_tokens.inc(len(job.ids))
+                self.metrics.generated_tokens.inc(len(result.generated_ids))
+                if result.finish_reason == "cancelled" and job.timed_out:
+                    result.finish_reason = "timeout"
+                results.append(result)
+                self.log_generation(job, result)
+                if result.finish_reason in ("cancelled", "timeout"):
+                    break
+            self.finished.append((job.request_id, results[-1].finish_reason))
+            return results
         except MoepackError:
             raise
         except BaseException as e:
@@ -470,6 +708,31 @@ class Server:
         finally:
             self.release()
 
+    def timed(self, job: Job, first: bool) -> Callable[[int, object], None]:
+        """The generation's on_token: the time to its first token (the request's first generation) and between
+        its tokens into the metrics, then the job's own on_token."""
+        last: list[float] = []
+
+        def on_token(token: int, logprob) -> None:
+            now = time.monotonic()
+            if last:
+                self.metrics.tpot.observe(now - last[0])
+            elif first:
+                self.metrics.ttft.observe(now - job.arrived)
+            last[:] = [now]
+            if job.on_token is not None:
+                job.on_token(token, logprob)
+        return on_token
+
+    def log_generation(self, job: Job, result: GenerateResult) -> None:
+        p, d = result.stats.get("prefill", {}), result.stats.get("decode", {})
+        hit = d.get("expert_cache_hit_rate")
+        cut = p.get("cancelled_after_layers")
+        self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} "
+                 f"generated_tokens={len(result.generated_ids)} prefill_s={p.get('seconds', 0):.3f} "
+                 f"decode_s={d.get('seconds', 0) or 0:.3f} cache_hit_rate={'-' if hit is None else f'{hit:.3f}'} "
+                 f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
+
     def timeout_error(self) -> RequestError:
         return RequestError(f"the request ran past its deadline of {self.limits.request_timeout_s:g} s "
                             "(--request-timeout)", code="request_timeout", status=408)
@@ -477,9 +740,48 @@ class Server:
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self.counter)}-{uuid.uuid4().hex[:8]}"
 
-    def usage(self, job: Job, result: GenerateResult) -> dict:
-        n = len(result.generated_ids)
+    def usage(self, job: Job, results: list[GenerateResult]) -> dict:
+        n = sum(len(r.generated_ids) for r in results)
         return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
+
+
+def timings(job: Job, results: list[GenerateResult]) -> dict:
+    """llama-server's `timings` of a response: the prompt's prefill and the generated tokens' decode (summed over
+    the choices), in milliseconds and tokens per second."""
+    prompt_s = sum(r.stats.get("prefill", {}).get("seconds", 0) or 0 for r in results)
+    predicted_s = sum(r.stats.get("decode", {}).get("seconds", 0) or 0 for r in results)
+    prompt_n, predicted_n = len(job.ids) * len(results), sum(len(r.generated_ids) for r in results)
+    return {"prompt_n": prompt_n, "prompt_ms": round(prompt_s * 1000, 3),
+            "prompt_per_second": round(prompt_n / prompt_s, 3) if prompt_s else None,
+            "predicted_n": predicted_n, "predicted_ms": round(predicted_s * 1000, 3),
+            "predicted_per_second": round(predicted_n / predicted_s, 3) if predicted_s else None}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
+    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def one(token: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
+    """OpenAI's (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} each),
+    text_offset (from `offset`, the characters already given out)."""
+    tokens = [_token_text(tokenizer, e.token) for e in entries]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
 
 
 def _internal_error() -> RequestError:
@@ -495,23 +797,25 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     uvicorn_config(app, limits): the connection limits and timeouts live there."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     server = Server(generator, model_name, api_key, max_queue, log, limits)
 
-    def handles_errors(fn):
+    def handles_errors(fn, path: str):
         async def endpoint(request):
             try:
-                return await fn(request)
+                response = await fn(request)
             except RequestError as e:
-                return error_response(e)
+                response = error_response(e)
             except MoepackError as e:
-                return error_response(request_error(e))
+                response = error_response(request_error(e))
             except Exception as e:  # logged where it happened when on the worker; here otherwise
                 if not getattr(e, "_moepack_logged", False):
                     server.log(f"moepack serve: internal error: {type(e).__name__}: {e}")
-                return error_response(_internal_error())
+                response = error_response(_internal_error())
+            server.metrics.answered(path, response.status_code)
+            return response
         return endpoint
 
     async def health(request):
@@ -520,10 +824,49 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         return JSONResponse({"status": "ok", "model": model_name, "requests_in_flight": busy,
                              "max_queue": max_queue})
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": server.created, "owned_by": "moepack",
+                "max_model_len": server.context}
+
     async def models(request):
         server.check_auth(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": server.created, "owned_by": "moepack"}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def one_model(request):
+        server.check_auth(request)
+        wanted = request.path_params["model_id"]
+        if wanted != model_name:
+            raise RequestError(f"the model {wanted[:80]!r} does not exist (this server has {model_name!r})",
+                               param="model", code="model_not_found", status=404)
+        return JSONResponse(model_card())
+
+    async def metrics(request):
+        server.check_auth(request)
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def tokenize(request):
+        """llama-server's /tokenize: {"content": text, "add_special": false, "with_pieces": false} ->
+        {"tokens": [ids]} (with_pieces: [{"id", "piece"}]); the text's special-token spellings stay text."""
+        server.check_auth(request)
+        body = server.small_body(await server.read_body(request), {"content", "add_special", "with_pieces"})
+        content = _get(body, "content", lambda v: isinstance(v, str), "a string", "")
+        add_special = _get(body, "add_special", lambda v: isinstance(v, bool), "a boolean", False)
+        pieces = _get(body, "with_pieces", lambda v: isinstance(v, bool), "a boolean", False)
+        tok = server.need_tokenizer("content")
+        ids = await run_in_threadpool(tok.encode, content, False, add_special)
+        return JSONResponse({"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids] if pieces else ids})
+
+    async def detokenize(request):
+        """llama-server's /detokenize: {"tokens": [ids]} -> {"content": text}."""
+        server.check_auth(request)
+        body = server.small_body(await server.read_body(request), {"tokens"})
+        ids = _get(body, "tokens", lambda v: isinstance(v, list) and all(is_int(i) for i in v), "a list of token ids",
+                   [])
+        if server.vocab and any(not 0 <= i < server.vocab for i in ids):
+            raise RequestError(f"tokens: token ids must lie in [0, {server.vocab})", param="tokens",
+                               code="invalid_value")
+        tok = server.need_tokenizer("tokens")
+        return JSONResponse({"content": await run_in_threadpool(tok.decode, ids)})
 
     async def admitted_request(request, chat: bool, prefix: str) -> tuple[Prepared, Job, object]:
         """Auth, a queue slot (429 when none), the body read and prepared off the event loop, the job submitted
@@ -535,20 +878,23 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             raw = await server.read_body(request)
             prepared = await run_in_threadpool(server.prepare, raw, chat)
             job = Job(server.new_id(prefix), prepared.ids, prepared.options,
-                      deadline=arrived + server.limits.request_timeout_s)
+                      deadline=arrived + server.limits.request_timeout_s, arrived=arrived, n=prepared.n,
+                      make_constraint=prepared.make_constraint)
             if prepared.stream:
                 loop = asyncio.get_running_loop()
                 job.queue = asyncio.Queue()
                 job.began = asyncio.Event()
                 job.on_text = lambda piece: loop.call_soon_threadsafe(job.queue.put_nowait, ("text", piece))
                 job.on_start = lambda: loop.call_soon_threadsafe(job.began.set)
+                if prepared.options.logprobs is not None:
+                    job.on_token = lambda token, lp: loop.call_soon_threadsafe(job.queue.put_nowait, ("token", lp))
             future = server.executor.submit(server.run, job)
         except BaseException:
             server.release()
             raise
         return prepared, job, future
 
-    async def wait_job(request, job: Job, future, until: asyncio.Event | None = None) -> GenerateResult | None:
+    async def wait_job(request, job: Job, future, until: asyncio.Event | None = None) -> list[GenerateResult] | None:
         """Wait for the job's end (or, given `until`, for that event, returning None), checking every POLL_S that
         its client is still there (else the job is stopped). A job that ended in an error raises it; one
         stopped by its deadline before any token is a 408."""
@@ -567,20 +913,36 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             for w in waits - {wrapped}:
                 w.cancel()
         try:
-            result = wrapped.result()
+            results = wrapped.result()
         except MoepackError:
             raise
         except Exception as e:
             e._moepack_logged = True
             raise
-        if job.timed_out and (result is None or not result.generated_ids):
+        if job.timed_out and (results is None or not results[0].generated_ids):
             raise server.timeout_error()
-        return result
+        return results
 
-    def streamed(request, job: Job, future, make_chunks, final_chunks, include_usage: bool):
+    async def finished_job(request, job: Job, future) -> list[GenerateResult]:
+        results = await wait_job(request, job, future)
+        if results is None:
+            raise RequestError("the client went away", code="client_gone")
+        return results
+
+    def streamed(request, job: Job, future, make_chunks, final_chunks, include_usage: bool, with_logprobs):
+        """The SSE stream: make_chunks(piece) per text piece, final_chunks(result, usage) at the end; the logprobs
+        of the tokens since the previous chunk (with_logprobs(entries) -> the chunk's `logprobs`) go with the
+        next chunk that carries text."""
         queue = job.queue
 
+        def attach(chunks, pending):
+            if pending and chunks:
+                chunks[0]["choices"][0]["logprobs"] = with_logprobs(pending)
+                return []
+            return pending
+
         async def events():
+            pending: list = []
             try:
                 wrapped = asyncio.wrap_future(future)
                 wrapped.add_done_callback(lambda f: queue.put_nowait(("done", None)))
@@ -592,13 +954,18 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                             job.cancelled = True
                             return
                         continue
+                    if kind == "token":
+                        pending.append(piece)
+                        continue
                     if kind == "text":
-                        for chunk in make_chunks(piece):
+                        chunks = make_chunks(piece)
+                        pending = attach(chunks, pending)
+                        for chunk in chunks:
                             yield f"data: {json.dumps(chunk)}\n\n"
                         continue
                     try:
-                        result = wrapped.result()
-                        if result is None or (job.timed_out and not result.generated_ids):
+                        results = wrapped.result()
+                        if results is None or (job.timed_out and not results[0].generated_ids):
                             raise server.timeout_error() if job.timed_out else RequestError("cancelled")
                     except Exception as e:
                         if isinstance(e, RequestError):
@@ -611,7 +978,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         yield f"data: {json.dumps(err.body())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    for chunk in final_chunks(result, server.usage(job, result) if include_usage else None):
+                    chunks = final_chunks(results[0], server.usage(job, results) if include_usage else None)
+                    attach(chunks, pending)
+                    for chunk in chunks:
                         yield f"data: {json.dumps(chunk)}\n\n"
                     yield "data: [DONE]\n\n"
                     return
@@ -622,70 +991,110 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
 
-    async def stream_when_started(request, job: Job, future, make_chunks, final_chunks, include_usage: bool):
+    async def stream_when_started(request, job: Job, future, make_chunks, final_chunks, include_usage: bool,
+                                  with_logprobs):
         """The 200 and the first event only once the generation passed every check: an error before that (a bad
         value, the memory check) is the request's 4xx."""
         result = await wait_job(request, job, future, until=job.began)
         if result is None and future.done() and not job.began.is_set():
             raise RequestError("the client went away", code="client_gone")
-        return streamed(request, job, future, make_chunks, final_chunks, include_usage)
+        return streamed(request, job, future, make_chunks, final_chunks, include_usage, with_logprobs)
+
+    def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict]):
+        return JSONResponse({"id": job.request_id, "object": kind, "created": int(time.time()), "model": model_name,
+                             "choices": choices, "usage": server.usage(job, results),
+                             "timings": timings(job, results)}, headers={"X-Request-Id": job.request_id})
 
     async def completions(request):
         prepared, job, future = await admitted_request(request, chat=False, prefix="cmpl")
-        rid, created = job.request_id, int(time.time())
+        rid, created, echo = job.request_id, int(time.time()), prepared.echo or ""
+        tok = server.tokenizer
 
         def choice_extra(result):
             return {"token_ids": result.generated_ids}
 
+        def logprobs_of(result):
+            return None if result.logprobs is None else completion_logprobs(tok, result.logprobs, len(echo))
+
         if not prepared.stream:
-            result = await wait_job(request, job, future)
-            if result is None:
-                raise RequestError("the client went away", code="client_gone")
-            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                                 "choices": [{"index": 0, "text": result.text or "", "logprobs": None,
-                                              "finish_reason": result.finish_reason, **choice_extra(result)}],
-                                 "usage": server.usage(job, result)}, headers={"X-Request-Id": rid})
+            results = await finished_job(request, job, future)
+            return response(job, results, "text_completion", [
+                {"index": i, "text": echo + (r.text or ""), "logprobs": logprobs_of(r),
+                 "finish_reason": r.finish_reason, **choice_extra(r)} for i, r in enumerate(results)])
+
+        offset = [len(echo)]
 
         def chunk(text, finish=None, extra=None):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
                                  **(extra or {})}]}
 
+        def with_logprobs(entries):
+            out = completion_logprobs(tok, entries, offset[0])
+            offset[0] += sum(len(t) for t in out["tokens"])
+            return out
+
         def final(result, usage):
             last = chunk("", result.finish_reason, choice_extra(result))
+            last["timings"] = timings(job, [result])
             if usage is not None:
                 last["usage"] = usage
             return [last]
 
-        return await stream_when_started(request, job, future, lambda piece: [chunk(piece)], final,
-                                         prepared.include_usage)
+        if echo:  # the prompt's text first, once the stream has begun
+            first_piece = [True]
+
+            def pieces(piece):
+                out = [chunk(echo)] if first_piece[0] else []
+                first_piece[0] = False
+                return out + [chunk(piece)]
+        else:
+            def pieces(piece):
+                return [chunk(piece)]
+
+        return await stream_when_started(request, job, future, pieces, final, prepared.include_usage,
+                                         with_logprobs)
 
     async def chat_completions(request):
         prepared, job, future = await admitted_request(request, chat=True, prefix="chatcmpl")
-        rid, created, thinking = job.request_id, int(time.time()), prepared.thinking
+        rid, created, thinking, plan = job.request_id, int(time.time()), prepared.thinking, prepared.tools
+        tok = server.tokenizer
         if not prepared.stream:
-            result = await wait_job(request, job, future)
-            if result is None:
-                raise RequestError("the client went away", code="client_gone")
-            text = result.text or ""
-            message = {"role": "assistant", "content": text}
-            if thinking:
-                message["reasoning_content"], message["content"] = split_thinking(text)
-            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                                 "choices": [{"index": 0, "message": message, "logprobs": None,
-                                              "finish_reason": result.finish_reason}],
-                                 "usage": server.usage(job, result)}, headers={"X-Request-Id": rid})
+            results = await finished_job(request, job, future)
+            choices = []
+            for i, result in enumerate(results):
+                text = result.text or ""
+                message = {"role": "assistant", "content": text}
+                if thinking:
+                    message["reasoning_content"], message["content"] = split_thinking(text)
+                finish = result.finish_reason
+                if plan.parse:
+                    message["content"], calls = split_answer(message["content"], plan)
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": i, "message": message, "finish_reason": finish,
+                                "logprobs": None if result.logprobs is None else chat_logprobs(tok, result.logprobs)})
+            return response(job, results, "chat.completion", choices)
         splitter = ThinkSplitter(thinking)
-        first = [True]
+        calls = ToolCallSplitter(plan.prefill, plan.parallel) if plan.parse else None
+        first, n_calls = [True], [0]
 
         def chunk(delta, finish=None):
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        def pieces(parts):
+        def pieces(parts, route: bool = True):
             out = []
+            if calls is not None and route:  # the content's tool calls
+                parts = [p for f, text in parts
+                         for p in ([(f, text)] if f != "content" else calls.feed(text))]
             for f, text in parts:
-                delta = {f: text}
+                if f == "tool_call":
+                    delta = {"tool_calls": [{"index": n_calls[0], **text}]}
+                    n_calls[0] += 1
+                else:
+                    delta = {f: text}
                 if first[0]:
                     delta = {"role": "assistant", **delta}
                     first[0] = False
@@ -694,25 +1103,30 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
         def final(result, usage):
             out = pieces(splitter.flush())
+            if calls is not None:
+                out += pieces(calls.flush(), route=False)
             if first[0]:
                 out.append(chunk({"role": "assistant", "content": ""}))
                 first[0] = False
-            last = chunk({}, result.finish_reason)
+            finish = result.finish_reason
+            last = chunk({}, "tool_calls" if n_calls[0] and finish == "stop" else finish)
+            last["timings"] = timings(job, [result])
             out.append(last)
             if usage is not None:
                 out.append({**chunk({}), "choices": [], "usage": usage})
             return out
 
         return await stream_when_started(request, job, future, lambda piece: pieces(splitter.feed(piece)), final,
-                                         prepared.include_usage)
+                                         prepared.include_usage, lambda entries: chat_logprobs(tok, entries))
 
     async def shutdown():
         server.executor.shutdown(wait=False, cancel_futures=True)
 
-    routes = [Route("/health", handles_errors(health), methods=["GET"]),
-              Route("/v1/models", handles_errors(models), methods=["GET"]),
-              Route("/v1/completions", handles_errors(completions), methods=["POST"]),
-              Route("/v1/chat/completions", handles_errors(chat_completions), methods=["POST"])]
+    endpoints = {"/health": (health, "GET"), "/metrics": (metrics, "GET"), "/v1/models": (models, "GET"),
+                 "/v1/models/{model_id:path}": (one_model, "GET"), "/tokenize": (tokenize, "POST"),
+                 "/detokenize": (detokenize, "POST"), "/v1/completions": (completions, "POST"),
+                 "/v1/chat/completions": (chat_completions, "POST")}
+    routes = [Route(path, handles_errors(fn, path), methods=[method]) for path, (fn, method) in endpoints.items()]
 
     import contextlib
 

@@ -45,6 +45,15 @@ class PromptTokenizer:
                 config = {}
         self.add_special_tokens = bool(config.get("add_bos_token", True)) if isinstance(config, dict) else True
 
+    @property
+    def tokenizer_json(self) -> str:
+        """The tokenizer.json text the container carries (what constrained decoding builds its vocabulary from)."""
+        return self._json
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
     @cached_property
     def _plain(self):
         """The tokenizer without its added tokens: normalizer, pre-tokenizer, model and post-processor as they are,
@@ -55,10 +64,12 @@ class PromptTokenizer:
         spec["added_tokens"] = []
         return Tokenizer.from_str(json.dumps(spec))
 
-    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
-        """A raw prompt's ids (BOS in front where the tokenizer's config adds it). `special_tokens=False`: the text
-        of a special or added token in `text` is tokenized as the plain text it is."""
-        return self._ids(self._tok if special_tokens else self._plain, text, self.add_special_tokens)
+    def encode(self, text: str, special_tokens: bool = True, add_bos: bool | None = None) -> list[int]:
+        """A raw prompt's ids (BOS in front where the tokenizer's config adds it, or as `add_bos` says).
+        `special_tokens=False`: the text of a special or added token in `text` is tokenized as the plain text it
+        is."""
+        return self._ids(self._tok if special_tokens else self._plain, text,
+                         self.add_special_tokens if add_bos is None else add_bos)
 
     def encode_special(self, text: str) -> list[int]:
         """Ids of text that spells out its own special tokens (a chat template's BOS, role tags): none added."""

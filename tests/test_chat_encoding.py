@@ -137,7 +137,7 @@ def test_encode_chat_is_one_user_turn(name, system):
 
 @pytest.mark.parametrize("messages, kwargs, where", [
     ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], {}, "messages[1].role"),
-    ([{"role": "tool", "content": "42", "tool_call_id": "x"}], {}, "messages[0].role"),
+    ([{"role": "tool", "content": 42, "tool_call_id": "x"}], {}, "messages[0].content"),
     ([{"content": "no role"}], {}, "messages[0].role"),
     ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {}, "messages[0].content"),
     ([{"role": "system", "content": "s"}, {"role": "user", "content": None}], {}, "messages[1].content"),
@@ -145,10 +145,12 @@ def test_encode_chat_is_one_user_turn(name, system):
     ([{"role": "developer", "content": ""}], {}, "messages[0].content"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": ["r"]}], {},
      "messages[1].reasoning_content"),
-    ([{"role": "system", "content": "s", "tools": [{"type": "function", "function": {"name": "f"}}]}], {},
+    ([{"role": "system", "content": "s", "tools": [{"type": "function", "function": {}}]}], {},
+     "messages[0].tools[0]"),
+    ([{"role": "user", "content": "q", "tools": [{"type": "function", "function": {"name": "f"}}]}], {},
      "messages[0].tools"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}], {},
-     "messages[1].tool_calls"),
+     "messages[1].tool_calls[0]"),
     ([{"role": "user", "content": "q", "task": "action"}], {}, "messages[0].task"),
     (["just text"], {}, "messages[0]"),
     ("just text", {}, "messages"),
@@ -312,6 +314,8 @@ def test_generate_prefills_the_chat_encoding(release_tokenizer_container, tmp_pa
     tokens = json.loads(r.stdout)["stats"]["prefill"]["tokens"]
     assert tokens == len(tok.encode_segments(segments)) > len(tok.encode_special(encode_chat(forged))) + 10
     r = CliRunner().invoke(cli, ["generate", out, "--chat", "Hi", "--reasoning-effort", "low"])
+    assert r.exit_code == 2 and "'low' is not one of 'high', 'max'" in r.output  # only what the encoder knows
+    r = CliRunner().invoke(cli, ["generate", out, "--chat", "Hi", "--reasoning-effort", "max"])
     assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1 and "reasoning_effort" in r.stderr
 
 

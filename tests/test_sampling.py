@@ -333,3 +333,27 @@ def test_any_split_of_the_bytes_into_tokens(data, text):
     assert "".join(pieces) + rest == text
     if "\ufffd" not in text:
         assert rest == "" and all("\ufffd" not in p for p in pieces)
+
+
+def test_penalties_follow_openais_definitions():
+    """mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty, c[j]: how often j was generated."""
+    logits = torch.tensor([3.0, 2.5, 0.0])
+    s = Sampler(frequency_penalty=0.4)
+    assert [s.next_token(logits) for _ in range(3)] == [0, 0, 1]  # 3 - 0.4 > 2.5 > 3 - 0.8
+    s = Sampler(presence_penalty=0.6)
+    assert [s.next_token(logits) for _ in range(3)] == [0, 1, 0]  # 2.4 < 2.5, then 1.9 < 2.4
+    assert Sampler(frequency_penalty=0.1, presence_penalty=0.1).adjust(logits.double()).tolist() == [3.0, 2.5, 0.0]
+    with pytest.raises(MoepackError, match="presence"):
+        Sampler(presence_penalty=2.5)
+
+
+def test_logit_bias_and_logprobs():
+    logits = torch.tensor([1.0, 2.0, 0.5, -1.0])
+    s = Sampler(logit_bias={3: 10.0}, logprobs=2)
+    assert s.next_token(logits) == 3
+    expected = torch.log_softmax(torch.tensor([1.0, 2.0, 0.5, 9.0], dtype=torch.float64), 0)
+    assert s.last_logprobs.logprob == pytest.approx(float(expected[3]))
+    assert [t for t, _ in s.last_logprobs.top] == [3, 1]
+    assert Sampler(logprobs=0).next_token(logits) == 1
+    with pytest.raises(MoepackError, match="logit-bias"):
+        Sampler(logit_bias={1: 200})

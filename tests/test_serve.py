@@ -352,7 +352,8 @@ def test_a_client_that_goes_away_cancels_its_generation(containers, logs, monkey
         _slow(running.generator, monkeypatch, delay=0.1)
         with httpx.stream("POST", f"{running.url}/v1/chat/completions", timeout=TIMEOUT,
                           json={"model": "tiny", "messages": [{"role": "user", "content": "Go on"}],
-                                "max_tokens": 500, "stream": True}) as first:
+                                "max_tokens": 500, "stream": True,  # no end of sentence: only the client ends it
+                                "logit_bias": {str(e): -100 for e in running.generator.eos_ids}}) as first:
             rid = first.headers["x-request-id"]
             lines = first.iter_lines()
             assert next(lines).startswith("data: ")

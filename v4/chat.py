@@ -26,20 +26,31 @@ part of that format, written from its documented behaviour and checked against i
   does. (DeepSeek's hosted API, and the later Flash-Vision-Exp encoder, use low/high/max with other texts; this
   is the open-weights V4-Flash/Pro encoder.)
 
-Left out (a message using them raises MoepackError rather than render something else): tool schemas (`tools`),
-assistant `tool_calls` (DSML), the `tool` role and tool results, `response_format`, the quick-instruction `task`
-tokens, the `latest_reminder` role, assistant turns left open (`wo_eos`), content given as a list of parts, and the
-encoder's `context=` continuation (`add_bos=False` covers rendering a conversation's tail without BOS).
+* Tools (v4/tools.py, the DSML format): a system or developer message's OpenAI `tools` (a `## Tools` section, one
+  JSON schema a line) and `response_format` (`## Response Format:`), an assistant's `tool_calls` (its DSML block
+  after the content), `tool` messages (merged with the user messages around them into one user turn of
+  `<tool_result>` blocks, sorted by the order of the calls they answer). A conversation with tools keeps every
+  turn's reasoning (drop_thinking is off), as the release does. Checked against the release's encoder in
+  tests/test_chat_tools.py (tests/data/dsv4_tools_reference.json). The Jinja template renders no tools.
+
+Left out (a message using them raises MoepackError rather than render something else): the quick-instruction
+`task` tokens, the `latest_reminder` role, assistant turns left open (`wo_eos`), user content given as a list of
+parts, and the encoder's `context=` continuation (`add_bos=False` covers rendering a conversation's tail without
+BOS).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from functools import lru_cache
 from typing import Any, Iterable, Mapping, NamedTuple
 
 from moepack.format_spec.errors import MoepackError
+
+from .tools import (DSML, RESPONSE_FORMAT_PREFIX, TOOL_RESULT_END, TOOL_RESULT_START, TOOLS_TEMPLATE_END,
+                    check_tool_calls, check_tools, to_json, tool_calls_parts, tool_schemas, tools_intro)
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -48,8 +59,10 @@ ASSISTANT = "<｜Assistant｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END)
+_MARKUP = (*SPECIAL_TOKENS, DSML)  # what a template's text spells as special tokens
+_SPECIAL_SPLIT = re.compile("(" + "|".join(map(re.escape, _MARKUP)) + ")")
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_EFFORTS = (None, "high", "max")
 
 # In thinking mode with reasoning_effort="max", this instruction opens the prompt (right after BOS).
@@ -64,13 +77,13 @@ REASONING_EFFORT_MAX_PREFIX = (
 
 # Message fields of the release format this encoder does not render: refused, never silently dropped.
 _UNSUPPORTED_FIELDS = {
-    "tools": "tool schemas",
-    "tool_calls": "tool calls",
-    "response_format": "response formats",
     "task": "quick-instruction tasks",
     "wo_eos": "assistant turns left open (wo_eos)",
 }
-_UNSUPPORTED_ROLES = ("tool", "latest_reminder")
+_UNSUPPORTED_ROLES = ("latest_reminder",)
+# fields the release renders only on some roles: elsewhere refused rather than dropped
+_FIELD_ROLES = {"tools": ("system", "developer"), "response_format": ("system", "developer"),
+                "tool_calls": ("assistant",)}
 
 
 class Segment(NamedTuple):
@@ -85,7 +98,9 @@ def encode_message_segments(messages: Iterable[Mapping[str, Any]], thinking: boo
                             add_bos: bool = True) -> list[Segment]:
     """The prompt of `encode_messages` as segments: markup and text alternate (adjacent texts joined, so the text
     between two markups is tokenized in one piece, as in the whole string; empty texts left out)."""
-    turns = _merge_user_turns(_checked(messages, reasoning_effort))
+    turns = _sort_tool_results(_merge_user_turns(_checked(messages, reasoning_effort)))
+    # as the release: a conversation with tools keeps every turn's reasoning
+    drop_thinking = drop_thinking and not any(t["tools"] for t in turns)
     if thinking and drop_thinking:
         turns = _drop_earlier_thinking(turns)
     last_user = _last_user_index(turns)
@@ -99,23 +114,47 @@ def encode_message_segments(messages: Iterable[Mapping[str, Any]], thinking: boo
         else:
             segments.append(Segment(text, special))
 
+    def markup(text: str) -> None:
+        for piece in markup_segments(text):
+            add(*piece)
+
+    def system_extras(turn: dict) -> None:
+        if turn["tools"]:
+            add("\n\n")
+            markup(tools_intro())
+            add(tool_schemas(turn["tools"]))
+            add(TOOLS_TEMPLATE_END)
+        if turn["response_format"]:
+            add("\n\n" + RESPONSE_FORMAT_PREFIX + to_json(turn["response_format"]))
+
     if add_bos:
         add(BOS, True)
     if thinking and reasoning_effort == "max" and turns:
         add(REASONING_EFFORT_MAX_PREFIX)
-    for i, (role, text, reasoning) in enumerate(turns):
+    for i, turn in enumerate(turns):
+        role = turn["role"]
         if role == "system":
-            add(text)
-        elif role in ("user", "developer"):
+            add(turn["text"])
+            system_extras(turn)
+        elif role == "developer":
             add(USER, True)
-            add(text)
+            add(turn["text"])
+            system_extras(turn)
+        elif role == "user":
+            add(USER, True)
+            for j, (kind, text) in enumerate(turn["blocks"]):
+                add("\n\n" if j else "")
+                add(TOOL_RESULT_START + text + TOOL_RESULT_END if kind == "tool_result" else text)
         else:  # assistant
             if thinking and (not drop_thinking or i > last_user):
-                add(reasoning or "")
+                add(turn["reasoning"] or "")
                 add(THINK_END, True)
-            add(text)
+            add(turn["text"])
+            if turn["tool_calls"]:
+                for text, is_markup in tool_calls_parts([(name, args) for _, name, args in turn["tool_calls"]]):
+                    markup(text) if is_markup else add(text)
             add(EOS, True)
-        followed_by_reply = i + 1 == len(turns) or turns[i + 1][0] == "assistant"
+        followed_by_reply = i + 1 == len(turns) or turns[i + 1]["role"] == "assistant"
         if role in ("user", "developer") and followed_by_reply:
             opens_thought = thinking and (not drop_thinking or i >= last_user)
             add(ASSISTANT, True)
@@ -123,13 +162,21 @@ def encode_message_segments(messages: Iterable[Mapping[str, Any]], thinking: boo
     return segments
 
 
+def markup_segments(text: str) -> list[Segment]:
+    """A template's text (the encoder's own, never a message's) as segments: the special tokens it spells are
+    markup, the rest plain, as tokenizing the whole string would split it."""
+    return [Segment(piece, piece in _MARKUP) for piece in _SPECIAL_SPLIT.split(text) if piece]
+
+
 def encode_messages(messages: Iterable[Mapping[str, Any]], thinking: bool = False,
                     reasoning_effort: str | None = None, *, drop_thinking: bool = True, add_bos: bool = True) -> str:
-    """The prompt DeepSeek-V4 expects for `messages` (dicts with `role` in system/developer/user/assistant and a
-    string `content`; an assistant's content may be None and it may carry `reasoning_content`). A conversation
-    ending in a user or developer message ends with the assistant tag and `<think>` (thinking) or `</think>`
-    (chat), ready for the reply; one ending in an assistant message ends with its end-of-sentence token. To
-    tokenize it, take `encode_message_segments` (the string loses which special token's text is markup)."""
+    """The prompt DeepSeek-V4 expects for `messages` (dicts with `role` in system/developer/user/assistant/tool and
+    a string `content`; an assistant's content may be None and it may carry `reasoning_content` and OpenAI
+    `tool_calls`; a system or developer message may carry OpenAI `tools` and a `response_format`; a tool message
+    a `tool_call_id`). A conversation ending in a user, tool or developer message ends with the assistant tag and
+    `<think>` (thinking) or `</think>` (chat), ready for the reply; one ending in an assistant message ends with
+    its end-of-sentence token. To tokenize it, take `encode_message_segments` (the string loses which special
+    token's text is markup)."""
     segments = encode_message_segments(messages, thinking, reasoning_effort, drop_thinking=drop_thinking,
                                        add_bos=add_bos)
     return "".join(text for text, _ in segments)
@@ -143,8 +190,30 @@ def encode_chat(text: str, thinking: bool = False, reasoning_effort: str | None 
     return encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort)
 
 
-def _checked(messages: Iterable[Mapping[str, Any]], reasoning_effort: str | None) -> list[tuple[str, str, str | None]]:
-    """(role, content, reasoning_content) per message, or MoepackError naming the first bad message and field."""
+def check_reasoning_effort(reasoning_effort: str | None, thinking: bool) -> None:
+    """What the release's encoder knows (None, "high", "max"), and only where it changes something: "max" renders
+    nothing in chat mode, so it is refused there ("high" is the default's name). OpenAI's low / medium / minimal
+    are not the release's: refused with what it takes."""
+    if reasoning_effort not in REASONING_EFFORTS:
+        raise MoepackError(f"reasoning_effort: {reasoning_effort!r} is not one of 'high', 'max' (what DeepSeek-V4's "
+                           "encoder knows; 'high' is the default)")
+    if reasoning_effort == "max" and not thinking:
+        raise MoepackError("reasoning_effort: 'max' changes the prompt only in thinking mode: turn thinking on")
+
+
+def _tool_text(content, where: str) -> str:
+    """A tool message's content: a string, or OpenAI's list of text parts (joined by a blank line)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "\n\n".join(p["text"] for p in content)
+    raise MoepackError(f"{where}: expected a string or a list of text parts")
+
+
+def _checked(messages: Iterable[Mapping[str, Any]], reasoning_effort: str | None) -> list[dict]:
+    """A turn per message ({role, text, reasoning, tools, response_format, tool_calls, tool_call_id}), or
+    MoepackError naming the first bad message and field."""
     if reasoning_effort not in REASONING_EFFORTS:
         raise MoepackError(f"reasoning_effort: {reasoning_effort!r} is not one of None, 'high', 'max'")
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
@@ -164,7 +233,12 @@ def _checked(messages: Iterable[Mapping[str, Any]], reasoning_effort: str | None
             present = value is not None if field == "task" else bool(value)  # as the release tests each field
             if present:
                 raise MoepackError(f"messages[{i}].{field}: {what} are not supported by moepack's DeepSeek-V4 encoder")
+        for field, roles in _FIELD_ROLES.items():
+            if m.get(field) and role not in roles:
+                raise MoepackError(f"messages[{i}].{field}: only a {' or '.join(roles)} message carries {field}")
         content = m.get("content")
+        if role == "tool":
+            content = _tool_text(content if content is not None else "", f"messages[{i}].content")
         if content is None and role in ("system", "assistant"):
             content = ""  # as the release renders a missing system or assistant text
         if not isinstance(content, str):
@@ -174,34 +248,65 @@ def _checked(messages: Iterable[Mapping[str, Any]], reasoning_effort: str | None
         reasoning = m.get("reasoning_content") if role == "assistant" else None
         if reasoning is not None and not isinstance(reasoning, str):
             raise MoepackError(f"messages[{i}].reasoning_content: expected a string, got {type(reasoning).__name__}")
-        out.append((role, content, reasoning))
+        tools = check_tools(m["tools"], f"messages[{i}].tools") if m.get("tools") else None
+        calls = check_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls") if m.get("tool_calls") else None
+        fmt = m.get("response_format") or None
+        if fmt is not None and not isinstance(fmt, Mapping):
+            raise MoepackError(f"messages[{i}].response_format: expected an object")
+        call_id = m.get("tool_call_id") if role == "tool" else None
+        out.append({"role": role, "text": content, "reasoning": reasoning, "tools": tools, "response_format": fmt,
+                    "tool_calls": calls, "tool_call_id": call_id if isinstance(call_id, str) else ""})
     return out
 
 
-def _merge_user_turns(turns: list[tuple[str, str, str | None]]) -> list[tuple[str, str, str | None]]:
-    """Consecutive user messages are one user turn, their texts joined by a blank line."""
-    merged: list[tuple[str, str, str | None]] = []
+def _merge_user_turns(turns: list[dict]) -> list[dict]:
+    """Consecutive user and tool messages are one user turn of blocks (text, or a tool's result), rendered joined
+    by a blank line (the release's merge_tool_messages)."""
+    merged: list[dict] = []
     for turn in turns:
-        if turn[0] == "user" and merged and merged[-1][0] == "user":
-            merged[-1] = ("user", merged[-1][1] + "\n\n" + turn[1], None)
-        else:
+        if turn["role"] not in ("user", "tool"):
             merged.append(turn)
+            continue
+        block = ("tool_result", turn["text"], turn["tool_call_id"]) if turn["role"] == "tool" else \
+            ("text", turn["text"], None)
+        if merged and merged[-1]["role"] == "user":
+            merged[-1]["raw_blocks"].append(block)
+        else:
+            merged.append({**turn, "role": "user", "raw_blocks": [block]})
     return merged
 
 
-def _last_user_index(turns: list[tuple[str, str, str | None]]) -> int:
-    return max((i for i, (role, _, _) in enumerate(turns) if role in ("user", "developer")), default=-1)
+def _sort_tool_results(turns: list[dict]) -> list[dict]:
+    """Each user turn's tool results in the order of the calls of the assistant turn before it (by call id; as
+    the release, results with an unknown id sort as the first call's), its text blocks where they were."""
+    order: dict[str, int] = {}
+    for turn in turns:
+        if turn["role"] == "assistant" and turn["tool_calls"]:
+            order = {call_id: k for k, (call_id, _, _) in enumerate(turn["tool_calls"]) if call_id}
+        if turn["role"] != "user":
+            continue
+        blocks = turn["raw_blocks"]
+        results = [b for b in blocks if b[0] == "tool_result"]
+        if len(results) > 1 and order:
+            ranked = iter(sorted(results, key=lambda b: order.get(b[2], 0)))
+            blocks = [next(ranked) if b[0] == "tool_result" else b for b in blocks]
+        turn["blocks"] = [(kind, text) for kind, text, _ in blocks]
+    return turns
 
 
-def _drop_earlier_thinking(turns: list[tuple[str, str, str | None]]) -> list[tuple[str, str, str | None]]:
+def _last_user_index(turns: list[dict]) -> int:
+    return max((i for i, t in enumerate(turns) if t["role"] in ("user", "developer")), default=-1)
+
+
+def _drop_earlier_thinking(turns: list[dict]) -> list[dict]:
     """Before the last user turn: assistants lose their reasoning, developer messages go; the rest stays."""
     last_user = _last_user_index(turns)
     kept = []
-    for i, (role, text, reasoning) in enumerate(turns):
-        if i >= last_user or role in ("system", "user"):
-            kept.append((role, text, reasoning))
-        elif role == "assistant":
-            kept.append((role, text, None))
+    for i, turn in enumerate(turns):
+        if i >= last_user or turn["role"] in ("system", "user"):
+            kept.append(turn)
+        elif turn["role"] == "assistant":
+            kept.append({**turn, "reasoning": None})
     return kept
 
 

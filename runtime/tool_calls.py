@@ -1,0 +1,158 @@
+"""The server's side of tool calling (v4/tools.py holds DeepSeek-V4's format): a request's `tools`, `tool_choice` and
+`parallel_tool_calls` checked into a ToolPlan, the tools and response_format placed where the release's encoder
+reads them (the conversation's system message), and the model's answer split into content and OpenAI `tool_calls`,
+whole or as a stream (ToolCallSplitter).
+
+tool_choice: "auto" (the default with tools): the tools are in the prompt and the answer's calls are parsed;
+"none": the tools are left out of the prompt (the model cannot call what it does not see) and nothing is parsed;
+"required" and a named function: the prompt is prefilled with the opening of the tool-call block (and, named, of
+that function's invoke), so the answer can only go on with a call; in thinking mode the prefill closes the thought
+first (`</think>`): the reply then has no reasoning.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from moepack.format_spec.errors import MoepackError
+from moepack.v4.chat import THINK_END
+from moepack.v4.tools import (DSML, INVOKE_END, TOOL_CALLS_END, TOOL_CALLS_START, ToolCallFormatError, check_tools,
+                              parse_invoke)
+
+from .sampling import partial_match_length
+
+_INVOKE_OPEN = f'<{DSML}invoke name="'
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: list[dict] | None  # what goes into the prompt (None: no tools there)
+    parse: bool  # the answer's tool calls are parsed
+    prefill: str = ""  # markup the prompt ends with: the answer's text goes on from it
+    forced_name: str | None = None  # a named tool_choice: the function the prefill opens
+    parallel: bool = True  # parallel_tool_calls false: only the first call is kept
+
+
+def tool_plan(tools, tool_choice, parallel, thinking: bool) -> ToolPlan:
+    """The plan of a request's tools fields; MoepackError (its message starting with the field) when wrong."""
+    if tools is not None:
+        tools = check_tools(tools, "tools")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise MoepackError("parallel_tool_calls: expected a boolean")
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    name = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise MoepackError('tool_choice: expected "none", "auto", "required" or {"type": "function", '
+                               '"function": {"name": ...}}')
+        if name not in {t["function"]["name"] for t in tools or []}:
+            raise MoepackError(f"tool_choice: the function {name[:60]!r} is not among the request's tools")
+    elif choice not in ("none", "auto", "required"):
+        raise MoepackError('tool_choice: expected "none", "auto", "required" or a named function')
+    if choice in ("auto", "required") and not tools and tool_choice is not None:
+        raise MoepackError(f"tool_choice: {choice!r} needs tools")
+    if choice == "none":
+        return ToolPlan(None, False)
+    if choice == "auto":
+        return ToolPlan(tools, True, parallel=parallel is not False)
+    prefill = (THINK_END if thinking else "") + TOOL_CALLS_START + "\n" + _INVOKE_OPEN
+    if name is not None:
+        prefill += f'{name}">\n'
+    return ToolPlan(tools, True, prefill, name, parallel is not False)
+
+
+def with_prompt_extras(messages: list, tools: list[dict] | None, response_format: dict | None) -> list:
+    """The conversation with the request's tools and response_format on its system message (the one before the
+    first other message; a system message with no text is put first where there is none), where the release's
+    encoder renders them."""
+    if not tools and not response_format:
+        return messages
+    extras = {k: v for k, v in (("tools", tools), ("response_format", response_format)) if v}
+    messages = list(messages)
+    first_other = next((i for i, m in enumerate(messages) if not isinstance(m, dict) or m.get("role") != "system"),
+                       len(messages))
+    if first_other:
+        messages[first_other - 1] = {**messages[first_other - 1], **extras}
+    else:
+        messages.insert(0, {"role": "system", "content": "", **extras})
+    return messages
+
+
+def openai_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+class ToolCallSplitter:
+    """An answer's text (after its thought), piece by piece, into ("content", text) and ("tool_call", call) events:
+    text up to the tool-call block is content (a tail that may open the block is held back until the next piece
+    says), each invoke becomes a call once complete. `prefill`: the markup the prompt ended with (the answer goes
+    on from it). A call that does not follow the format comes out as content, as it was written."""
+
+    def __init__(self, prefill: str = "", parallel: bool = True):
+        self.held = ""
+        self.block: str | None = None  # the text after TOOL_CALLS_START, once it came
+        self.done_at = 0  # how much of the block has become events
+        self.calls = 0
+        self.parallel = parallel
+        if prefill:
+            self.feed(prefill.split(THINK_END, 1)[-1])
+
+    def feed(self, piece: str) -> list[tuple[str, object]]:
+        if self.block is None:
+            text = self.held + piece
+            at = text.find(TOOL_CALLS_START)
+            if at < 0:
+                keep = partial_match_length(text, (TOOL_CALLS_START,))
+                self.held = text[len(text) - keep:] if keep else ""
+                shown = text[:len(text) - keep]
+                return [("content", shown)] if shown else []
+            self.held, self.block = "", text[at + len(TOOL_CALLS_START):]
+            return ([("content", text[:at])] if at else []) + self._complete_calls()
+        self.block += piece
+        return self._complete_calls()
+
+    def _complete_calls(self) -> list[tuple[str, object]]:
+        out = []
+        while True:
+            rest = self.block[self.done_at:]
+            end = rest.find(INVOKE_END)
+            if end < 0:
+                return out
+            call_text = rest[:end + len(INVOKE_END)]
+            self.done_at += len(call_text)
+            start = call_text.find(_INVOKE_OPEN)
+            head, sep, body = call_text[start + len(_INVOKE_OPEN):].partition('">\n')
+            try:
+                if start < 0 or call_text[:start].strip() or not sep:
+                    raise ToolCallFormatError("not an invoke")
+                name, arguments = parse_invoke(head, body[:-len(INVOKE_END)])
+            except ToolCallFormatError:
+                out.append(("content", call_text))
+                continue
+            if self.parallel or not self.calls:
+                out.append(("tool_call", openai_call(name, arguments)))
+                self.calls += 1
+
+    def flush(self) -> list[tuple[str, object]]:
+        """The end of the answer: held text is content; so is a block's text that made no call (a call cut short
+        by max_tokens is dropped)."""
+        if self.block is None:
+            held, self.held = self.held, ""
+            return [("content", held)] if held else []
+        rest = self.block[self.done_at:].split(TOOL_CALLS_END, 1)
+        if len(rest) == 2 and rest[1].strip():
+            return [("content", rest[1])]
+        return []
+
+
+def split_answer(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
+    """(content, OpenAI tool_calls) of a whole answer; content None when there are calls and no text."""
+    splitter = ToolCallSplitter(plan.prefill, plan.parallel)
+    events = splitter.feed(text) + splitter.flush()
+    content = "".join(v for k, v in events if k == "content")
+    calls = [v for k, v in events if k == "tool_call"]
+    return (content or None) if calls else content, calls

@@ -1,0 +1,553 @@
+"""moepack serve for real clients (issue #38), through the official `openai` client: every request field acted on
+or refused by name, logprobs (streamed too), penalties and logit_bias, n, echo, timings; the tokenize / metrics /
+model endpoints; JSON output by constrained decoding; tool calls."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import openai
+import pytest
+
+from moepack.runtime.generate import GenerateOptions, Generator
+from moepack.runtime.serve import make_app
+from moepack.runtime.tokenizer import PromptTokenizer
+from containers import tiny_keep_container
+from test_serve import Running
+
+TIMEOUT = 60
+CHAT = [{"role": "user", "content": "Tell me a story"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return tiny_keep_container(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path):
+    g = Generator(tiny_path, cache_gib=0.5)
+    running = Running(make_app(g, "tiny", log=lambda line: None, max_queue=4))
+    running.generator, running.state = g, running.app.state.server
+    running.tok = PromptTokenizer(g.c)
+    yield running
+    running.stop()
+    g.close()
+
+
+def _client(server) -> openai.OpenAI:
+    return server.client()
+
+
+def _bad(call, param: str) -> str:
+    with pytest.raises(openai.BadRequestError) as e:
+        call()
+    error = e.value.body
+    assert error["param"] == param, error
+    assert "\n" not in error["message"]
+    return error["message"]
+
+
+# ---- 1. every field acted on or refused ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_an_unknown_field_is_a_400_naming_it(server, chat):
+    c = _client(server)
+    if chat:
+        call = lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,  # noqa: E731
+                                                 extra_body={"mirostat": 2})
+    else:
+        call = lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2,  # noqa: E731
+                                            extra_body={"mirostat": 2})
+    assert "unknown field" in _bad(call, "mirostat")
+
+
+@pytest.mark.parametrize("field,value,chat", [
+    ("suffix", "tail", False), ("best_of", 3, False), ("service_tier", "flex", True), ("store", True, True),
+    ("audio", {"voice": "alloy", "format": "wav"}, True), ("functions", [{"name": "f"}], True),
+    ("modalities", ["text", "audio"], True), ("prediction", {"type": "content", "content": "x"}, True),
+    ("messages", [], False), ("prompt", "x", True), ("top_logprobs", 2, True),
+])
+def test_an_openai_field_not_acted_on_is_refused_by_name(server, field, value, chat):
+    c = _client(server)
+    if chat:
+        _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                               extra_body={field: value}), field)
+    else:
+        _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={field: value}),
+             field)
+
+
+def test_stream_options_and_message_keys_are_checked(server):
+    c = _client(server)
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                           stream_options={"include_usage": True}), "stream_options")
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, stream=True,
+                                           stream_options={"continuous_usage_stats": True}), "stream_options")
+    message = _bad(lambda: c.chat.completions.create(
+        model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x", "cache_control": {}}]), "messages")
+    assert message.startswith("messages[0].cache_control")
+    named = c.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x",
+                                                                               "name": "ann"}])
+    assert named.choices[0].message.role == "assistant"
+
+
+def test_accepted_no_op_fields(server):
+    c = _client(server)
+    r = c.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=3, user="someone",
+                                  service_tier="auto", store=False, temperature=0)
+    assert r.usage.completion_tokens <= 3
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=3, max_tokens=4),
+         "max_completion_tokens")
+
+
+def test_chat_logprobs_are_the_greedy_choice_and_stream_the_same(server):
+    c = _client(server)
+    whole = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                      top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the likeliest token
+        assert entry.logprob <= 0 and sum(math.exp(t.logprob) for t in entry.top_logprobs) <= 1 + 1e-9
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    stream = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=3, stream=True)
+    streamed = [e for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_match_the_generator(server):
+    c = _client(server)
+    r = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    direct = server.generator.generate(server.tok.encode("Once upon a time", special_tokens=False),
+                                       GenerateOptions(max_new_tokens=6, logprobs=2), detokenize=server.tok.decode)
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in direct.logprobs])
+    assert lp.tokens == [server.tok.decode([e.token]) for e in direct.logprobs]
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    stream = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                  logprobs=2, stream=True)
+    tokens = [t for chunk in stream if chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+def test_logit_bias_forces_a_token(server):
+    c = _client(server)
+    forced = server.tok.encode("a", special_tokens=False)[-1]
+    r = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=0,
+                             logit_bias={str(forced): 100})
+    assert r.choices[0].model_dump()["token_ids"] == [forced] * 5
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, logit_bias={"x": 1}), "logit_bias")
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, logit_bias={"5": 101}),
+         "logit_bias")
+
+
+def test_penalties_are_applied_as_the_generator_applies_them(server):
+    c = _client(server)
+    ids = [5, 6, 7, 8]
+    free = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    got = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        r = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, **{name: 2.0})
+        got[name] = r.choices[0].model_dump()["token_ids"]
+        direct = server.generator.generate(ids, GenerateOptions(max_new_tokens=12, **{name: 2.0}))
+        assert got[name] == direct.generated_ids
+    # a strong penalty repeats no token as often as the free answer's most repeated one
+    free_ids = free.choices[0].model_dump()["token_ids"]
+    most = max(free_ids.count(t) for t in free_ids)
+    if most > 2:
+        assert max(got["frequency_penalty"].count(t) for t in got["frequency_penalty"]) < most
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, presence_penalty=2.5),
+         "presence_penalty")
+
+
+def test_n_choices_one_after_the_other_with_their_own_seeds(server):
+    c = _client(server)
+    r = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=6, temperature=1.0, seed=11, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    for i, choice in enumerate(r.choices):
+        direct = server.generator.generate([1, 2, 3], GenerateOptions(max_new_tokens=6, temperature=1.0,
+                                                                      seed=11 + i))
+        assert choice.model_dump()["token_ids"] == direct.generated_ids
+    assert r.usage.completion_tokens == sum(len(ch.model_dump()["token_ids"]) for ch in r.choices)
+    chat = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, temperature=1.0, n=3)
+    assert len(chat.choices) == 3
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, stream=True), "n")
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, temperature=0), "n")
+    assert c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, best_of=2).choices[1].index == 1
+
+
+def test_echo_puts_the_prompt_first(server):
+    c = _client(server)
+    plain = c.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0)
+    echoed = c.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Once upon" + plain.choices[0].text
+    stream = c.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True,
+                                  stream=True)
+    assert "".join(ch.choices[0].text for ch in stream) == echoed.choices[0].text
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, echo=True, logprobs=1), "echo")
+
+
+def test_responses_carry_llama_server_timings(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0},
+                   timeout=TIMEOUT).json()
+    t = r["timings"]
+    assert t["prompt_n"] == 3 and t["predicted_n"] == r["usage"]["completion_tokens"]
+    assert t["prompt_ms"] > 0 and t["predicted_per_second"] > 0
+    assert t["prompt_per_second"] == pytest.approx(3 / (t["prompt_ms"] / 1000), rel=1e-2)
+
+
+# ---- 2. JSON output by constrained decoding --------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 120},
+                         "pet": {"enum": ["cat", "dog", "none"]},
+                         "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}}
+
+
+def _needs_llguidance():
+    pytest.importorskip("llguidance", reason="the json extra (pip install 'moepack[json]')")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_output_validates(server, stream):
+    _needs_llguidance()
+    import jsonschema
+
+    c = _client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    if stream:
+        chunks = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, temperature=0,
+                                           response_format=fmt, stream=True)
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    else:
+        r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, temperature=0,
+                                      response_format=fmt)
+        assert r.choices[0].finish_reason == "stop"  # the grammar ended it: only the end of sentence was left
+        text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    # sampled too (any seed): still valid
+    r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, temperature=1.0, seed=3,
+                                  response_format=fmt)
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_json_object_output_is_an_object(server):
+    _needs_llguidance()
+    c = _client(server)
+    r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, temperature=0,
+                                  response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_json_with_thinking_constrains_only_the_answer(server):
+    """Free text until the thought's `</think>` ids have come in a row, the schema after them."""
+    _needs_llguidance()
+    tok = server.tok
+    grammar = server.state.json_grammar()
+    think_end = tok.encode_special("</think>")
+    constraint = grammar.constraint({"enum": ["yes", "no"]}, after=think_end)
+    n = server.state.vocab
+    for token in tok.encode("free <think> text", special_tokens=False) + think_end[:-1]:
+        assert constraint.allowed(n) is None  # any token
+        constraint.accept(token)
+    constraint.accept(think_end[-1])
+    allowed = constraint.allowed(n).tolist()
+    assert allowed and all(tok.decode([t]).startswith('"') or tok.decode([t]) in ('"', '"y', '"n')
+                           for t in allowed)
+    c = _client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"enum": ["yes", "no"]}}}
+    r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0, response_format=fmt,
+                                  extra_body={"thinking": True})
+    message = r.choices[0].message.model_dump()
+    if message["content"]:  # the thought ended within the tokens: the answer is the schema's
+        assert json.loads(message["content"]) in ("yes", "no")
+
+
+def test_bad_response_formats_are_400s(server):
+    c = _client(server)
+    for fmt in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "x"}},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}):
+        if fmt["type"] == "json_schema" and "schema" in fmt["json_schema"]:
+            _needs_llguidance()
+        _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, response_format=fmt),
+             "response_format")
+
+
+def test_without_llguidance_response_format_names_the_extra(server, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_llguidance(name, *a, **k):
+        if name == "llguidance":
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_llguidance)
+    monkeypatch.setattr(server.state, "_grammar", None)
+    message = _bad(lambda: _client(server).chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=2, response_format={"type": "json_object"}), "response_format")
+    assert "pip install 'moepack[json]'" in message
+
+
+# ---- 3. tool calls -----------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}}}}}
+TWO_CALLS = ('Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+             '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+             '<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="query" string="true">Eiffel "tower"'
+             '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+EXPECTED_CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": 'Eiffel "tower"'})]
+
+
+@pytest.fixture
+def scripted(server, monkeypatch):
+    """The generator answers `scripted.text` (in pieces of 7 characters), whatever the prompt; the prompt's ids are
+    kept in scripted.prompts."""
+    from moepack.runtime.generate import GenerateResult
+
+    class Script:
+        text = ""
+        prompts: list = []
+
+    def generate(ids, options, detokenize=None, on_text=None, cancelled=None, **kw):
+        Script.prompts.append(list(ids))
+        if cancelled is not None:
+            cancelled()  # once every check has passed: a stream's 200 goes now
+        for i in range(0, len(Script.text), 7):
+            if on_text is not None:
+                on_text(Script.text[i:i + 7])
+        return GenerateResult([1] * 5, Script.text, "stop", {"prefill": {"seconds": 0.01},
+                                                              "decode": {"seconds": 0.01}})
+
+    monkeypatch.setattr(server.generator, "generate", generate)
+    Script.prompts = []
+    return Script
+
+
+def _calls(calls):
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def test_the_models_tool_calls_become_tool_calls(server, scripted):
+    scripted.text = TWO_CALLS
+    c = _client(server)
+    r = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER, SEARCH])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert _calls(choice.message.tool_calls) == EXPECTED_CALLS
+    assert all(call.id.startswith("call_") and call.type == "function" for call in choice.message.tool_calls)
+    prompt = server.tok.decode(scripted.prompts[-1])
+    assert "## Tools" in prompt and '"name": "get_weather"' in prompt and '"name": "search"' in prompt
+    # streamed: the calls come as deltas, the content before them as content
+    stream = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER, SEARCH], stream=True)
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            calls.setdefault(call.index, [call.function.name, ""])[1] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Let me check." and finish == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))] == EXPECTED_CALLS
+    one = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER, SEARCH], parallel_tool_calls=False)
+    assert _calls(one.choices[0].message.tool_calls) == EXPECTED_CALLS[:1]
+
+
+def test_a_conversation_with_tool_results_is_the_encoders_prompt(server, scripted):
+    from moepack.runtime.tool_calls import with_prompt_extras
+    from moepack.v4.chat import encode_messages
+
+    scripted.text = "It is sunny."
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Paris"}'}},
+                    {"id": "c2", "type": "function", "function": {"name": "search", "arguments": '{"query": "x"}'}}]},
+                {"role": "tool", "tool_call_id": "c2", "content": "nothing"},
+                {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]
+    r = _client(server).chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, SEARCH])
+    assert r.choices[0].message.content == "It is sunny." and r.choices[0].finish_reason == "stop"
+    expected = encode_messages(with_prompt_extras(messages, [WEATHER, SEARCH], None))
+    assert server.tok.decode(scripted.prompts[-1]) == expected
+    assert "<tool_result>Sunny</tool_result>\n\n<tool_result>nothing</tool_result>" in expected  # call order
+
+
+def test_tool_choice_required_and_named_prefill_the_call(server, scripted):
+    c = _client(server)
+    scripted.text = ('get_weather">\n<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>\n'
+                     '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    r = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER, SEARCH], tool_choice="required")
+    assert server.tok.decode(scripted.prompts[-1]).endswith('</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="')
+    assert _calls(r.choices[0].message.tool_calls) == [("get_weather", {"city": "Oslo"})]
+    assert r.choices[0].message.content is None
+    scripted.text = scripted.text.split('">\n', 1)[1]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER, SEARCH], tool_choice=named,
+                                  extra_body={"thinking": True})
+    assert server.tok.decode(scripted.prompts[-1]).endswith(
+        '<think></think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n')
+    assert _calls(r.choices[0].message.tool_calls) == [("get_weather", {"city": "Oslo"})]
+    stream = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER], tool_choice=named, stream=True)
+    deltas = [call for chunk in stream for call in (chunk.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_tool_choice_none_leaves_the_tools_out(server, scripted):
+    scripted.text = TWO_CALLS
+    r = _client(server).chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER], tool_choice="none")
+    assert "## Tools" not in server.tok.decode(scripted.prompts[-1])
+    assert r.choices[0].message.content == TWO_CALLS and not r.choices[0].message.tool_calls
+
+
+def test_bad_tools_fields_are_400s(server):
+    c = _client(server)
+    other = {"type": "function", "function": {"name": "nope"}}
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER], tool_choice=other),
+         "tool_choice")
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, tool_choice="required"), "tool_choice")
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, tools=[{"type": "function"}]), "tools")
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER],
+                                           parallel_tool_calls="yes"), "parallel_tool_calls")
+    _bad(lambda: c.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": {"x": 1}}]),
+         "messages")
+
+
+# ---- 4. endpoints and headers -------------------------------------------------------------------------------------
+
+def test_metrics_count_requests_tokens_errors_and_latencies(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        r = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+    before = scrape()
+    c = _client(server)
+    r = c.completions.create(model="tiny", prompt=[1, 2, 3, 4], max_tokens=5, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt="x", max_tokens=-1)
+    after = scrape()
+
+    def grew(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    ok = (("endpoint", "/v1/completions"), ("status", "200"))
+    bad = (("endpoint", "/v1/completions"), ("status", "400"))
+    assert grew("moepack_requests_total", ok) == 1 and grew("moepack_requests_total", bad) == 1
+    assert grew("moepack_errors_total", bad) == 1 and grew("moepack_errors_total", ok) == 0
+    assert grew("moepack_prompt_tokens_total") == 4
+    assert grew("moepack_generated_tokens_total") == r.usage.completion_tokens
+    assert grew("moepack_time_to_first_token_seconds_count") == 1
+    assert grew("moepack_time_per_output_token_seconds_count") == r.usage.completion_tokens - 1
+    assert grew("moepack_expert_cache_hits_total") + grew("moepack_expert_cache_misses_total") > 0
+    assert after[("moepack_requests_in_flight", ())] == 0
+
+
+def test_tokenize_and_detokenize_as_llama_server(server):
+    text = "Hello <｜User｜> world"
+    r = httpx.post(f"{server.url}/tokenize", json={"content": text}, timeout=TIMEOUT)
+    ids = r.json()["tokens"]
+    assert ids == server.tok.encode(text, special_tokens=False, add_bos=False)
+    with_bos = httpx.post(f"{server.url}/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
+    assert with_bos[-len(ids):] == ids
+    pieces = httpx.post(f"{server.url}/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    ascii_text = "Hello <|User|> world"  # (a byte-level piece of a multi-byte character is no text of its own)
+    pieces = httpx.post(f"{server.url}/tokenize", json={"content": ascii_text, "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == ascii_text
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=TIMEOUT).json()
+    assert back == {"content": text}
+    for path, body, param in (("/tokenize", {"content": 5}, "content"), ("/tokenize", {"text": "x"}, "text"),
+                              ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_one_model_and_an_unknown_one(server):
+    c = _client(server)
+    model = c.models.retrieve("tiny")
+    assert model.id == "tiny" and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("gpt-9")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_the_api_key_from_the_environment_or_a_private_file(tmp_path, monkeypatch):
+    import os
+
+    import click
+
+    from moepack.cli.serve import resolve_api_key
+    from moepack.format_spec.errors import MoepackError
+
+    monkeypatch.delenv("MOEPACK_API_KEY", raising=False)
+    assert resolve_api_key(None, None) is None
+    monkeypatch.setenv("MOEPACK_API_KEY", " from-env \n")
+    assert resolve_api_key(None, None) == "from-env"
+    assert resolve_api_key("flag", None) == "flag"
+    key = tmp_path / "key"
+    key.write_text("  from-file  \nsecond line\n")
+    os.chmod(key, 0o600)
+    assert resolve_api_key(None, str(key)) == "from-file"
+    os.chmod(key, 0o644)
+    with pytest.raises(MoepackError, match="readable by others"):
+        resolve_api_key(None, str(key))
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    os.chmod(empty, 0o600)
+    with pytest.raises(MoepackError, match="empty"):
+        resolve_api_key(None, str(empty))
+    with pytest.raises(click.UsageError):
+        resolve_api_key("flag", str(key))
+
+
+# ---- 5. reasoning effort ------------------------------------------------------------------------------------------
+
+def test_reasoning_effort_is_what_the_release_encoder_knows(server, scripted):
+    from moepack.v4.chat import REASONING_EFFORT_MAX_PREFIX
+
+    scripted.text = "ok"
+    c = _client(server)
+    for effort in ("low", "medium", "minimal"):  # OpenAI's, not the release's
+        message = _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, reasoning_effort=effort,
+                                                         extra_body={"thinking": True}), "reasoning_effort")
+        assert "'high', 'max'" in message
+    assert "thinking" in _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT,
+                                                                reasoning_effort="max"), "reasoning_effort")
+    c.chat.completions.create(model="tiny", messages=CHAT, reasoning_effort="max", extra_body={"thinking": True})
+    assert REASONING_EFFORT_MAX_PREFIX in server.tok.decode(scripted.prompts[-1])
+    c.chat.completions.create(model="tiny", messages=CHAT, reasoning_effort="high")
+
+
+def test_the_cli_offers_what_the_encoder_knows(tiny_path, tmp_path):
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli as main
+
+    runner = CliRunner()
+    low = runner.invoke(main, ["generate", tiny_path, "--chat", "Hi", "--reasoning-effort", "low"])
+    assert low.exit_code == 2 and "'low' is not one of 'high', 'max'" in low.output
+    no_thinking = runner.invoke(main, ["generate", tiny_path, "--chat", "Hi", "--reasoning-effort", "max",
+                                       "--max-new-tokens", "1"])
+    assert no_thinking.exit_code != 0
+    lines = [line for line in no_thinking.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "thinking" in lines[0] and "Traceback" not in no_thinking.output
