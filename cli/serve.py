@@ -19,8 +19,9 @@ from .common import Dtype, json_option, reports_errors
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--cache-gib", type=click.FloatRange(0, MAX_CACHE_GIB), default=None,
-              help="Byte budget of the routed-expert cache, kept across requests (default: the whole container, "
-                   "within a quarter of the available memory).")
+              help="Byte budget of the routed-expert cache, kept across requests (default: every routed "
+                   "expert, within a quarter of the memory this process may use and what is left of it beside the "
+                   "rest of a generation).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests admitted at once (waiting + running); more are answered 429.")
 @click.option("--compute-dtype", type=Dtype(("float32", "bfloat16"), extra=("auto",)), default="auto",
@@ -35,11 +36,11 @@ def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key
     import uvicorn
 
     from moepack.runtime.engine import PrefillOptions
-    from moepack.runtime.generate import Generator, default_cache_gib
+    from moepack.runtime.generate import Generator
     from moepack.runtime.serve import make_app
 
     name = model_name or os.path.splitext(os.path.basename(file))[0]
-    generator = Generator(file, default_cache_gib(file, device) if cache_gib is None else cache_gib,
+    generator = Generator(file, cache_gib,
                           prefill=PrefillOptions(device=device, compute_dtype=compute_dtype))
     try:
         app = make_app(generator, name, api_key=api_key, max_queue=max_queue)
