@@ -69,10 +69,11 @@ class ExpertCache:
     `budget` bytes; least recently used evicted first. Budget 0: nothing is kept.
 
     A miss is taken in only where `admits` says so: while there is room, or where the expert was used more of late
-    than every entry it would evict (TinyLFU's admission: `_uses` counts each key's lookups, halved every
-    `_age_every` lookups). A decode visits the layers in a cycle, so a cache smaller than one token's experts that
-    took in every miss would evict each before its next use: no hit, and a copy per miss (a 0.1 GiB cache decoded
-    3.4x slower than none); it now keeps what it holds and the miss is used in place, as with no cache."""
+    than every entry it would evict (TinyLFU's admission: `_uses` counts each key's lookups, all halved after ten
+    lookups per entry, 640 at least). A decode visits the layers in a cycle, so a cache smaller than one token's
+    experts that took in every miss would evict each before its next use: no hit, and a copy per miss (a 0.1 GiB
+    cache decoded 3.4x slower than none); it now keeps what it holds and the miss is used in place, as with no
+    cache."""
 
     ADMIT_MARGIN = 1  # uses by which a newcomer must lead each entry it evicts (a lead of one is routing's noise)
 
