@@ -234,6 +234,12 @@ class Decoder:
         self.head_weights = decode_group(entries, read, dtype_of=lambda t: torch.bfloat16 if (
             self.kernels is not None and t.name == cfg.head_weight and t.dtype == "BF16") else torch.float32)
         self.stats.resident_s = time.perf_counter() - start
+        # what the resident weights hold of the host's memory (a kept integer tensor may be a view of its region's
+        # bytes: storages counted once)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for weights in [*self.dense, self.head_weights] for t in weights.values()}
+        self.host_resident_bytes = 0 if device.type != "cpu" else sum(storages.values()) + sum(
+            r.length for r in global_regions(container, ["embed.weight"]))
         self._layer_of = {block.name: layer for layer, block in enumerate(self.blocks)}
         self._keep_lock = threading.Lock()
         self._from_prefill: set[tuple[int, int]] = set()  # kept by keep_from_prefill since the last seed

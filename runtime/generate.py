@@ -26,7 +26,7 @@ from .decode import Decoder
 from .engine import (EXPERT_DTYPES, PrefillOptions, StreamingPrefill, compute_device, cuda_free_bytes, model_config,
                      resolve_compute_dtype)
 from .expert_decode import expert_weight_count
-from .io import available_memory_bytes
+from .io import available_memory_bytes, memory_limit_bytes
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher
 
 GIB = 1 << 30
@@ -83,12 +83,23 @@ def device_memory_need(container: Container, cache_bytes: int, n_tokens: int = 0
     return weights + cache_bytes + kv + HEADROOM_BYTES
 
 
-def check_memory(container: Container, n_tokens: int, cache_bytes: int) -> int:
-    """Refuse, before any work, a generation whose resident weights + cache + KV + HEADROOM_BYTES cannot fit;
-    returns that bound."""
+def memory_for_generation(held: int = 0) -> int:
+    """available_memory_bytes, counting as this process's own the `held` bytes it holds already of a generation's
+    need (its resident weights and expert cache): MemAvailable no longer counts them, a cgroup's limit and
+    RLIMIT_AS do. 0 where nothing is known."""
+    free = available_memory_bytes()
+    if not free or not held:
+        return free
+    limit = memory_limit_bytes()
+    return min(free + held, limit) if limit else free + held
+
+
+def check_memory(container: Container, n_tokens: int, cache_bytes: int, held: int = 0) -> int:
+    """Refuse, before any work, a generation whose resident weights + cache + KV + HEADROOM_BYTES cannot fit in
+    memory_for_generation(held); returns that bound."""
     kv = kv_bytes(container.config, n_tokens)
     need = memory_need(container, n_tokens, cache_bytes)
-    free = available_memory_bytes()
+    free = memory_for_generation(held)
     if free and need > free:
         raise MoepackError(f"generating {n_tokens} tokens needs about {need / GIB:.1f} GiB (weights besides the "
                            f"experts {resident_bytes(container) / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
@@ -161,7 +172,11 @@ class Generator:
         if self.device.type == "cuda":
             check_device_memory(self.c, self.device, self.cache_bytes - self.decoder.cache.bytes, n_tokens,
                                 resident=False)
-        return check_memory(self.c, n_tokens, self.host_cache_bytes)
+        return check_memory(self.c, n_tokens, self.host_cache_bytes, self._held())
+
+    def _held(self) -> int:
+        """What this process holds already of a generation's host memory: the resident weights and the cache."""
+        return self.decoder.host_resident_bytes + (self.decoder.cache.bytes if self.device.type == "cpu" else 0)
 
     def _fit_default_cache(self, n_tokens: int) -> None:
         """The default budget for a generation of n_tokens: what the checks leave beside its KV (clamped at 0),
@@ -170,7 +185,7 @@ class Generator:
         if self.device.type == "cuda":
             room = cache.bytes + cuda_free_bytes(self.device) - device_memory_need(self.c, 0, n_tokens, False)
         else:
-            free = available_memory_bytes()
+            free = memory_for_generation(self._held())
             room = free - memory_need(self.c, n_tokens, 0) if free else self.default_budget
         self.cache_bytes = max(0, min(self.default_budget, room))
         self.host_cache_bytes = self.cache_bytes if self.device.type == "cpu" else 0

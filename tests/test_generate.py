@@ -342,7 +342,8 @@ def test_the_default_cache_runs_wherever_no_cache_runs(models, monkeypatch, tmp_
     """The default budget is what the memory this process may use leaves beside the rest of the generation (the
     refusal's own figures): with memory between what no cache needs and what the old default (every expert, within
     a quarter) needed, the default runs where an explicit budget of every expert is refused, through the command
-    too; a longer generation lowers it and a shorter one raises it again."""
+    too; a longer generation lowers it and a shorter one raises it again. Bound by a cgroup (whose limit counts what
+    the process holds) or by MemAvailable (which no longer counts the resident weights once loaded), alike."""
     import json
 
     from click.testing import CliRunner
@@ -364,6 +365,7 @@ def test_the_default_cache_runs_wherever_no_cache_runs(models, monkeypatch, tmp_
             longest, too_long = (mid, too_long) if generate_module.memory_need(c, mid, 0) <= free else (longest, mid)
         room_left = free - generate_module.memory_need(c, longest, 0)
     monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: free)
+    monkeypatch.setattr(generate_module, "memory_limit_bytes", lambda: free)  # a cgroup's limit
     with pytest.raises(MoepackError, match="lower --cache-gib"):  # the old default: every expert
         generate(container, ids, replace(options, cache_gib=routed / 2**30))
     expected = generate(container, ids, replace(options, cache_gib=0.0)).generated_ids
@@ -379,6 +381,15 @@ def test_the_default_cache_runs_wherever_no_cache_runs(models, monkeypatch, tmp_
             g._check_memory(too_long)  # where no cache cannot run either, the default is refused as it is
         g._check_memory(1)
         assert g.decoder.cache.budget == free - one_token
+    monkeypatch.setattr(generate_module, "memory_limit_bytes", lambda: None)  # MemAvailable binds
+    with Generator(container) as g:
+        held = g._held()  # the resident weights, loaded: MemAvailable is that much lower now
+        assert held > 0
+        monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: free - held)
+        g._check_memory(len(ids) + 6)
+        assert g.decoder.cache.budget == free - no_cache  # not counted twice
+    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: free)
+    monkeypatch.setattr(generate_module, "memory_limit_bytes", lambda: free)
     (tmp_path / "ids.json").write_text(json.dumps(ids))
     done = CliRunner().invoke(cli, ["generate", container, "--token-ids", str(tmp_path / "ids.json"),
                                     "--max-new-tokens", "6", "--json"])
