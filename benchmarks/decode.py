@@ -101,7 +101,10 @@ def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, 
         warm = sorted((g.generate(ids, options).stats["decode"] for _ in range(WARM_RUNS)),
                       key=lambda d: d["tokens_per_s"] or 0)[WARM_RUNS // 2]
     d = result.stats["decode"]
-    return {"cache_gib": budget_gib, "tokens_per_s": d["tokens_per_s"], "hit_rate": d["expert_cache_hit_rate"],
+    return {"cache_gib": budget_gib, "cache_budget_bytes": d["cache_budget_bytes"],
+            "tokens_per_s": d["tokens_per_s"], "hit_rate": d["expert_cache_hit_rate"],
+            # misses taken into the cache (each a copy) and entries evicted, in the first generation
+            "cache_admitted": d["cache_admitted"], "cache_evicted": d["cache_evicted"],
             "bytes_read_per_token": d["bytes_read_per_token"], "disk_wait_s": d["disk_wait_s"],
             "decode_tokens": d["tokens"], "cache_seed_bytes": d["cache_seed_bytes"],
             "warm_tokens_per_s": warm["tokens_per_s"], "warm_hit_rate": warm["expert_cache_hit_rate"],
@@ -134,11 +137,12 @@ def transformers_row(container: str, workdir: str, ids: torch.Tensor, new: int) 
     return {"tokens_per_s": round((new - 1) / max(many - one, 1e-9), 2)}
 
 
-def _child_argv(args, budget: float) -> list[str]:
+def _child_argv(args, budget: float | None) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--preset", args.preset,
             *(["--vs-llama", args.vs_llama] if args.vs_llama else []), "--tokens", str(args.tokens),
             "--new-tokens", str(args.new_tokens), "--compute-dtype", args.compute_dtype, "--no-transformers",
-            "--no-disk", "--json", "--budget-gib", str(round(budget / GIB, 3)), "--device", args.device]
+            "--no-disk", "--json", "--budget-gib", "default" if budget is None else str(round(budget / GIB, 3)),
+            "--device", args.device]
 
 
 def _llama_bench_argv(bench: str, gguf: str, args) -> list[str]:
@@ -208,11 +212,12 @@ def capped_rows(args, container: str, facts: dict, gguf: str | None, bench: str 
         rows = []
         # a cache that leaves the cgroup room: a quarter of what the routed experts may take of it
         room = max(limit - (facts["size"] - facts["routed_bytes"]) * 2, 0) // 4
-        for budget in (0, room):  # one child each: one killed for memory leaves the others
+        for budget in (0, room, None):  # one child each (None: the default): one killed for memory leaves the others
             before = disk_read_bytes()
             done = run_capped(procs, _child_argv(args, budget))
             if done.returncode:
-                rows.append({"cache_gib": round(budget / GIB, 3), "failed": failure(done)})
+                rows.append({"cache_gib": None if budget is None else round(budget / GIB, 3),
+                             "failed": failure(done)})
             else:
                 # (a child's own peak RSS is not its own: Linux keeps ru_maxrss across fork + exec, so the parent's
                 # shows through; the cgroup's peak, page cache included, is the bound that held)
@@ -236,8 +241,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="prompt length")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--budget-gib", help="comma-separated cache budgets in GiB (default: 0, 25 %% and 100 %% of the "
-                                         "routed experts)")
+    ap.add_argument("--budget-gib", help="comma-separated cache budgets in GiB, `default` for moepack's default "
+                                         "(default: 0, 25 %% and 100 %% of the routed experts)")
     ap.add_argument("--cap-fraction", type=float, help="also run under a memory cgroup of this x the container")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-disk", action="store_true", help="skip the disk-rate measurement")
@@ -261,7 +266,7 @@ def main() -> int:
     # a GPU's cache keeps experts decoded to the compute dtype: its budgets are fractions of that size
     cached = (facts["routed_weights"] * getattr(torch, args.compute_dtype).itemsize if args.device == "cuda"
               else facts["routed_bytes"])
-    budgets = ([float(b) for b in args.budget_gib.split(",")] if args.budget_gib else
+    budgets = ([None if b == "default" else float(b) for b in args.budget_gib.split(",")] if args.budget_gib else
                [round(f * cached / GIB, 4) for f in BUDGETS])
     out = {"model": f"vs-llama {args.vs_llama}" if args.vs_llama else args.preset, "facts": facts,
            "threads": torch.get_num_threads(),
@@ -275,7 +280,7 @@ def main() -> int:
         out["transformers"] = transformers_row(container, args.workdir, ids, args.new_tokens)
     if bench and not args.no_transformers:  # (children under the cap skip the resident comparisons)
         out["llama_cpp"] = llama_row(bench, gguf, args)
-        out["paired"] = paired_rows(container, gguf, bench, ids, args, max(budgets))
+        out["paired"] = paired_rows(container, gguf, bench, ids, args, max(b or 0 for b in budgets))
     if args.cap_fraction:
         out["capped"] = capped_rows(args, container, facts, gguf, bench)
     if args.json:
@@ -289,7 +294,7 @@ def main() -> int:
     for r in out["moepack"]:
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.0%}"
         warm_hit = "-" if r["warm_hit_rate"] is None else f"{r['warm_hit_rate']:.0%}"
-        print(f"{r['cache_gib']:>10.3f} {r['tokens_per_s'] or 0:>9.2f} {hit:>9} "
+        print(f"{r['cache_budget_bytes'] / GIB:>10.3f} {r['tokens_per_s'] or 0:>9.2f} {hit:>9} "
               f"{(r['bytes_read_per_token'] or 0) / 1e6:>14.2f} {r['disk_wait_s']:>12.3f} "
               f"{r['warm_tokens_per_s'] or 0:>14.2f} {warm_hit:>14} {r['first_generation_s']:>12.2f}")
     if "disk" in out:

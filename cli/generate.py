@@ -74,9 +74,10 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 @click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable); it is not printed.")
 @click.option("--cache-gib", type=FiniteFloat(0, MAX_CACHE_GIB), default=None,
               help="Byte budget of the routed-expert cache (0: every selected expert read for every token; "
-                   "default: the whole container, within a quarter of the available memory). With --device cuda "
-                   "the cache is on the device and keeps experts decoded (an FP4 expert takes 4x its stored bytes; "
-                   "default: within half of the device's free memory).")
+                   "default: every routed expert, within a quarter of the memory this process may use and what the "
+                   "rest of the generation leaves). With --device cuda the cache is on the device and keeps experts "
+                   "decoded (an FP4 expert takes 4x its stored bytes; default: within half of the device's free "
+                   "memory).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--kv-out", type=click.Path(file_okay=False),
               help="Directory for the KV after the generation (the prompt and the generated tokens).")
@@ -95,7 +96,7 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
     from moepack.format_spec.errors import MoepackError
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import PrefillOptions
-    from moepack.runtime.generate import GenerateOptions, default_cache_gib, generate as run_generate
+    from moepack.runtime.generate import GenerateOptions, generate as run_generate
 
     if prompt is not None and not prompt or chat is not None and not chat:
         raise MoepackError("empty prompt")
@@ -107,7 +108,7 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
     options = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               seed=seed, stop=tuple(stop),
-                              cache_gib=default_cache_gib(file, device) if cache_gib is None else cache_gib,
+                              cache_gib=cache_gib,
                               prefill=PrefillOptions(device=device, compute_dtype=compute_dtype, io_mode=io_mode))
 
     def show(piece: str) -> None:

@@ -50,8 +50,9 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--cache-gib", type=click.FloatRange(0, MAX_CACHE_GIB), default=None,
-              help="Byte budget of the routed-expert cache, kept across requests (default: the whole container, "
-                   "within a quarter of the available memory).")
+              help="Byte budget of the routed-expert cache, kept across requests (default: every routed "
+                   "expert, within a quarter of the memory this process may use and what is left of it beside the "
+                   "rest of a generation).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests admitted at once (waiting + running); more are answered 429.")
 @click.option("--compute-dtype", type=Dtype(("float32", "bfloat16"), extra=("auto",)), default="auto",
@@ -90,12 +91,12 @@ def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key
     import uvicorn
 
     from moepack.runtime.engine import PrefillOptions
-    from moepack.runtime.generate import Generator, default_cache_gib
+    from moepack.runtime.generate import Generator
     from moepack.runtime.serve import ServerLimits, make_app, uvicorn_config
 
     name = model_name or os.path.splitext(os.path.basename(file))[0]
     api_key = resolve_api_key(api_key, api_key_file)
-    generator = Generator(file, default_cache_gib(file, device) if cache_gib is None else cache_gib,
+    generator = Generator(file, cache_gib,
                           prefill=PrefillOptions(device=device, compute_dtype=compute_dtype))
     try:
         limits = ServerLimits(max_body_bytes=round(finite_float(max_body_mb, "--max-body-mb", lo=0.0, lo_open=True)

@@ -19,7 +19,11 @@ a container instead:
   format as moepack.v4.chat renders it (v4/chat_template.jinja).
 
 Written to a temporary name next to the output, fsynced, then renamed: a failure (a full disk) leaves no file behind
-and raises one MoepackError line. Needs gguf-py (`pip install gguf`).
+and raises one MoepackError line. Needs gguf-py (`pip install 'moepack[gguf]'`).
+
+A container without a tokenizer (run by token ids) gets llama.cpp's vocabulary type `none`, whose size llama.cpp
+takes from `deepseek4.vocab_size` (without that key it has no tokens and refuses `token_embd.weight`), and the token
+list padded as the converter pads ids a tokenizer lacks (`[PAD{i}]`, UNUSED) for readers that count it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from moepack.v4.chat import chat_template
 from moepack.v4.config import DEFAULTS, ModelConfig
 
 from .export import EXPORT_TEMPORARIES
+from .gguf_source import gguf_py
 from .progress import progress_bar
 from .sharding import greedy_shards
 
@@ -292,11 +297,12 @@ def vocab(files: dict[str, bytes], vocab_size: int) -> tuple[list[str], list[int
     `[PAD{i}]`, UNUSED; added tokens CONTROL if special or special-looking, else USER_DEFINED)."""
     from tokenizers import Tokenizer
 
-    if "tokenizer.json" not in files:
-        raise MoepackError("container holds no tokenizer.json: a GGUF needs the vocabulary")
-    tok = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
-    reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
-    added = tok.get_added_tokens_decoder()
+    if "tokenizer.json" in files:
+        tok = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+        reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+        added = tok.get_added_tokens_decoder()
+    else:  # no tokenizer: every id padding
+        reverse, added = {}, {}
     if reverse and max(reverse) >= vocab_size:
         raise MoepackError(f"tokenizer has token id {max(reverse)}, beyond vocab_size {vocab_size}")
     tokens, types = [], []
@@ -339,10 +345,13 @@ def _writer_class(gguf):
 
 
 def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_size: int, tmp_dir: str) -> None:
-    if "tokenizer.json" not in files:  # a container run by token ids: llama.cpp's vocabulary type "none"
-        writer.add_string("tokenizer.ggml.model", "none")
-        return
     tokens, types = vocab(files, vocab_size)
+    if "tokenizer.json" not in files:  # a container run by token ids: llama.cpp's vocabulary type "none", sized by
+        writer.add_string("tokenizer.ggml.model", "none")  # {arch}.vocab_size (llama.cpp's own saver writes it)
+        writer.add_vocab_size(vocab_size)
+        writer.add_array("tokenizer.ggml.tokens", tokens)
+        writer.add_array("tokenizer.ggml.token_type", types)
+        return
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", TOKENIZER_PRE)
     writer.add_array("tokenizer.ggml.tokens", tokens)
@@ -395,10 +404,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
     (bytes of tensor data per file) as llama.cpp's splits OUT-00001-of-0000N.gguf (split.no / split.count /
     split.tensors.count in each, the model's keys in the first). Every file is written under a temporary name and renamed once all are
     complete. Returns a summary dict."""
-    try:
-        import gguf
-    except ImportError:
-        raise MoepackError("GGUF export needs gguf-py: pip install gguf") from None
+    gguf = gguf_py("GGUF export")
     start = time.perf_counter()
     out_file = os.fspath(out_file)
     parent = os.path.dirname(os.path.abspath(out_file))

@@ -79,11 +79,15 @@ def split_files(path: str) -> list[str]:
     return files
 
 
-def _gguf_py():
+GGUF_EXTRA = "pip install 'moepack[gguf]'"  # gguf-py, an optional dependency: only GGUF import and export need it
+
+
+def gguf_py(what: str = "reading a GGUF"):
+    """gguf-py's module, or one line saying how to install it (`what` needs it)."""
     try:
         import gguf
     except ImportError:
-        raise MoepackError("reading a GGUF needs gguf-py: pip install gguf") from None
+        raise MoepackError(f"{what} needs gguf-py: {GGUF_EXTRA}") from None
     return gguf
 
 
@@ -215,7 +219,7 @@ class GGUFSource(LocalSource):
         self.files = split_files(self.path)
         self._files = OpenFiles()
         self._foreign: dict[str, tuple[str, int]] = {}  # name -> (ggml type, its bytes in the file)
-        self._gguf = _gguf_py()
+        self._gguf = gguf_py()
         readers = [_reader(self._gguf, f) for f in self.files]
         first = readers[0]
         self.meta = {k: _value(first, k) for k in first.fields if not k.startswith("GGUF.")}

@@ -15,8 +15,9 @@ runner. The attention grows each layer's KV one token at a time (a model.TokenKV
 LayerKVStates.
 
 The cache holds experts as stored (their container bytes) on a CPU, decoded to the expert dtype on a GPU (a hit
-is then three matmuls, not a chain of decoding kernels), least recently used evicted first. It starts warm
-with the experts the prompt sent the most tokens to, most used first, until the budget is full: the prefill hands
+is then three matmuls, not a chain of decoding kernels), least recently used evicted first; once full, a miss
+evicts only entries used less of late (ExpertCache.admits), else it is used in place as with no cache. It starts
+warm with the experts the prompt sent the most tokens to, most used first, until the budget is full: the prefill hands
 each expert it uses to the cache while there is room (`keep_from_prefill`), and `seed` keeps the most used of
 those and reads only the rest.
 """
@@ -65,7 +66,16 @@ def own_pages(nbytes: int) -> torch.Tensor:
 
 class ExpertCache:
     """Routed experts, (layer, expert) -> their stored bytes (a uint8 tensor) or their decoded weights, within
-    `budget` bytes; least recently used evicted first. Budget 0: nothing is kept."""
+    `budget` bytes; least recently used evicted first. Budget 0: nothing is kept.
+
+    A miss is taken in only where `admits` says so: while there is room, or where the expert was used more of late
+    than every entry it would evict (TinyLFU's admission: `_uses` counts each key's lookups, all halved after ten
+    lookups per entry, 640 at least). A decode visits the layers in a cycle, so a cache smaller than one token's
+    experts that took in every miss would evict each before its next use: no hit, and a copy per miss (a 0.1 GiB
+    cache decoded 3.4x slower than none); it now keeps what it holds and the miss is used in place, as with no
+    cache."""
+
+    ADMIT_MARGIN = 1  # uses by which a newcomer must lead each entry it evicts (a lead of one is routing's noise)
 
     def __init__(self, budget: int):
         if budget < 0:
@@ -74,9 +84,13 @@ class ExpertCache:
         self.bytes = 0
         self._entries: OrderedDict[tuple[int, int], torch.Tensor | ExpertWeights] = OrderedDict()
         self._sizes: dict[tuple[int, int], int] = {}
+        self._uses: dict[tuple[int, int], int] = {}
+        self._lookups = 0
         self.hits = self.misses = 0
+        self.admitted = self.evicted = self.refused = 0  # misses taken in, entries evicted, misses used in place
 
     def get(self, key: tuple[int, int]) -> torch.Tensor | ExpertWeights | None:
+        self._count_use(key)
         raw = self._entries.get(key)
         if raw is None:
             self.misses += 1
@@ -85,20 +99,54 @@ class ExpertCache:
         self._entries.move_to_end(key)
         return raw
 
+    def _count_use(self, key: tuple[int, int]) -> None:
+        self._uses[key] = self._uses.get(key, 0) + 1
+        self._lookups += 1
+        if self._lookups >= 10 * max(len(self._entries), 64):  # the counts follow the recent routing
+            self._uses = {k: n // 2 for k, n in self._uses.items() if n > 1}
+            self._lookups = 0
+
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.budget
+
+    def admits(self, key: tuple[int, int], nbytes: int) -> bool:
+        """Whether a miss of `key` (`nbytes`) is worth keeping: it fits in the room left, or it was used more of
+        late (by ADMIT_MARGIN) than each least recently used entry it would evict. Counts the refusal of one that
+        fits the budget."""
+        if not self.fits(nbytes) or key in self._entries:
+            return False
+        room, wanted = self.budget - self.bytes, self._uses.get(key, 0) - self.ADMIT_MARGIN
+        for old in self._entries:
+            if room >= nbytes:
+                break
+            if self._uses.get(old, 0) >= wanted:
+                self.refused += 1
+                return False
+            room += self._sizes[old]
+        return True
 
     def put(self, key: tuple[int, int], entry: torch.Tensor | ExpertWeights, nbytes: int | None = None) -> None:
         """Keep `entry` (`nbytes` of memory; default: a byte tensor's length), evicting the least recently used."""
         size = entry.numel() if nbytes is None else nbytes
         if not self.fits(size) or key in self._entries:
             return
-        while self.bytes + size > self.budget:
-            old, _ = self._entries.popitem(last=False)
-            self.bytes -= self._sizes.pop(old)
+        self._evict_to(self.budget - size)
         self._entries[key] = entry
         self._sizes[key] = size
         self.bytes += size
+        self.admitted += 1
+
+    def resize(self, budget: int) -> None:
+        """A new budget; the least recently used go until the entries fit it."""
+        self.budget = budget
+        self._evict_to(budget)
+
+    def _evict_to(self, nbytes: int) -> None:
+        """Evict the least recently used until the entries take at most nbytes."""
+        while self.bytes > nbytes:
+            old, _ = self._entries.popitem(last=False)
+            self.bytes -= self._sizes.pop(old)
+            self.evicted += 1
 
     def has_room(self, nbytes: int) -> bool:
         """Whether nbytes more fit without evicting anything."""
@@ -162,7 +210,7 @@ class Decoder:
         self._kv: list[model.TokenKV] = []
         self.stats = DecodeStats()
         self.cache = ExpertCache(cache_bytes)
-        self._cache_counts = (0, 0)  # the cache's hits and misses when this sequence began
+        self._cache_counts = self._cache_counters()  # when this sequence began
         # a miss's bytes are checked by the reader thread as they land (beside this thread's compute)
         self.checker = RegionChecker(container, verify_reads, on_read=True)
         self.reader = RegionReader(container.part_paths, io_mode, zero_copy=False)
@@ -186,6 +234,12 @@ class Decoder:
         self.head_weights = decode_group(entries, read, dtype_of=lambda t: torch.bfloat16 if (
             self.kernels is not None and t.name == cfg.head_weight and t.dtype == "BF16") else torch.float32)
         self.stats.resident_s = time.perf_counter() - start
+        # what the resident weights hold of the host's memory (a kept integer tensor may be a view of its region's
+        # bytes: storages counted once)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for weights in [*self.dense, self.head_weights] for t in weights.values()}
+        self.host_resident_bytes = 0 if device.type != "cpu" else sum(storages.values()) + sum(
+            r.length for r in global_regions(container, ["embed.weight"]))
         self._layer_of = {block.name: layer for layer, block in enumerate(self.blocks)}
         self._keep_lock = threading.Lock()
         self._from_prefill: set[tuple[int, int]] = set()  # kept by keep_from_prefill since the last seed
@@ -206,7 +260,10 @@ class Decoder:
                     for layer, s in enumerate(states)]
         kept = sum(self._entry_bytes(layer, e) for layer, e in self._from_prefill)
         self.stats = DecodeStats(resident_s=self.stats.resident_s, prefill_kept_bytes=kept)
-        self._cache_counts = (self.cache.hits, self.cache.misses)
+        self._cache_counts = self._cache_counters()
+
+    def _cache_counters(self) -> tuple[int, int, int, int]:
+        return self.cache.hits, self.cache.misses, self.cache.admitted, self.cache.evicted
 
     @property
     def states(self) -> list[LayerKVState]:
@@ -310,7 +367,7 @@ class Decoder:
         self.stats.disk_wait_s += time.perf_counter() - t0
         raw = self.copier.host_bytes(buffer, view)[:region.length]
         size = self._entry_bytes(layer, e)
-        if not self.cache.fits(size):  # no copy of bytes nothing keeps
+        if not self.cache.admits((layer, e), size):  # no copy of bytes nothing keeps
             held.append(buffer)
             return raw.to(self.device)
         try:
@@ -520,7 +577,8 @@ class Decoder:
 
     def stats_dict(self) -> dict:
         s = self.stats
-        hits, misses = self.cache.hits - self._cache_counts[0], self.cache.misses - self._cache_counts[1]
+        hits, misses, admitted, evicted = (now - then for now, then in zip(self._cache_counters(),
+                                                                            self._cache_counts))
         return {"tokens": s.tokens, "seconds": round(s.seconds, 4),
                 "tokens_per_s": round(s.tokens / s.seconds, 2) if s.seconds else None,
                 "expert_cache_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
@@ -528,6 +586,7 @@ class Decoder:
                 "bytes_read_per_token": round(s.bytes_read / s.tokens) if s.tokens else None,
                 "disk_wait_s": round(s.disk_wait_s, 4), "cache_bytes": self.cache.bytes,
                 "cache_budget_bytes": self.cache.budget, "cache_experts": len(self.cache),
+                "cache_admitted": admitted, "cache_evicted": evicted,
                 "cache_seed_bytes": s.seed_bytes, "cache_seed_s": round(s.seed_s, 4),
                 "cache_from_prefill_bytes": s.prefill_kept_bytes,
                 "resident_load_s": round(s.resident_s, 4), "compute_busy_s": round(self.compute.seconds, 4),

@@ -10,6 +10,7 @@ none) continue it.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from .decode import Decoder
 from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
                      cuda_free_bytes, model_config, resolve_compute_dtype)
 from .expert_decode import expert_weight_count
-from .io import available_memory_bytes
+from .io import available_memory_bytes, memory_limit_bytes
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
 
 GIB = 1 << 30
@@ -40,7 +41,9 @@ class GenerateOptions:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    cache_gib: float = 4.0  # the expert cache's budget; 0: every selected expert read for every token
+    # the expert cache's budget; 0: every selected expert read for every token; None: default_cache_bytes, fitted
+    # to each generation (never refused where 0 runs)
+    cache_gib: float | None = None
     stop_at_eos: bool = True
     prefill: PrefillOptions = field(default_factory=PrefillOptions)
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
@@ -78,12 +81,36 @@ def resident_bytes(container: Container) -> int:
     return max(stored, 4 * params)
 
 
-def check_memory(container: Container, n_tokens: int, cache_bytes: int) -> int:
-    """Refuse, before any work, a generation whose resident weights + cache + KV + HEADROOM_BYTES cannot fit;
-    returns that bound."""
-    kv = kv_bytes(container.config, n_tokens)
-    need = resident_bytes(container) + cache_bytes + kv + HEADROOM_BYTES
+def memory_need(container: Container, n_tokens: int, cache_bytes: int) -> int:
+    """The host memory a CPU generation of n_tokens needs: resident weights + cache + KV + HEADROOM_BYTES."""
+    return resident_bytes(container) + cache_bytes + kv_bytes(container.config, n_tokens) + HEADROOM_BYTES
+
+
+def device_memory_need(container: Container, cache_bytes: int, n_tokens: int = 0, resident: bool = True) -> int:
+    """The device memory a GPU generation needs: resident weights (unless loaded already) + the cache still to fill
+    + the KV of n_tokens + HEADROOM_BYTES."""
+    weights = resident_bytes(container) if resident else 0
+    kv = kv_bytes(container.config, n_tokens) if n_tokens else 0
+    return weights + cache_bytes + kv + HEADROOM_BYTES
+
+
+def memory_for_generation(held: int = 0) -> int:
+    """available_memory_bytes, counting as this process's own the `held` bytes it holds already of a generation's
+    need (its resident weights and expert cache): MemAvailable no longer counts them, a cgroup's limit and
+    RLIMIT_AS do. 0 where nothing is known."""
     free = available_memory_bytes()
+    if not free or not held:
+        return free
+    limit = memory_limit_bytes()
+    return min(free + held, limit) if limit else free + held
+
+
+def check_memory(container: Container, n_tokens: int, cache_bytes: int, held: int = 0) -> int:
+    """Refuse, before any work, a generation whose resident weights + cache + KV + HEADROOM_BYTES cannot fit in
+    memory_for_generation(held); returns that bound."""
+    kv = kv_bytes(container.config, n_tokens)
+    need = memory_need(container, n_tokens, cache_bytes)
+    free = memory_for_generation(held)
     if free and need > free:
         raise MoepackError(f"generating {n_tokens} tokens needs about {need / GIB:.1f} GiB (weights besides the "
                            f"experts {resident_bytes(container) / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
@@ -99,7 +126,7 @@ def check_device_memory(container: Container, device: torch.device, cache_bytes:
     allocate on the device, where all of them live."""
     weights = resident_bytes(container) if resident else 0
     kv = kv_bytes(container.config, n_tokens) if n_tokens else 0
-    need = weights + cache_bytes + kv + HEADROOM_BYTES
+    need = device_memory_need(container, cache_bytes, n_tokens, resident)
     free = cuda_free_bytes(device)
     if need > free:
         raise MoepackError(f"the decode on {device} needs about {need / GIB:.1f} GiB of device memory (weights "
@@ -114,20 +141,24 @@ class Generator:
     `moepack serve` keeps). One generation at a time.
 
         with Generator("model.moepack", cache_gib=4) as g:
-            g.generate(prompt_ids, GenerateOptions(max_new_tokens=64))"""
+            g.generate(prompt_ids, GenerateOptions(max_new_tokens=64))
 
-    def __init__(self, path: str, cache_gib: float = 4.0, prefill: PrefillOptions | None = None):
-        if cache_gib < 0:
+    `cache_gib` None: the default budget (default_cache_bytes), lowered for a generation whose KV needs its room
+    (the least recently used experts go) and raised again after, up to that default."""
+
+    def __init__(self, path: str, cache_gib: float | None = None, prefill: PrefillOptions | None = None):
+        if cache_gib is not None and cache_gib < 0:
             raise MoepackError("--cache-gib must be >= 0")
         self.path = path
         self.prefill_options = prefill or PrefillOptions()
-        self.cache_bytes = int(cache_gib * GIB)
         self.c = Container(path)
         try:
             self.cfg = model_config(self.c)
             self.eos_ids = eos_ids(self.c.config)
             p = self.prefill_options
             self.device = compute_device(p.device)
+            self.default_budget = default_cache_bytes(self.c, self.device) if cache_gib is None else None
+            self.cache_bytes = int(cache_gib * GIB) if cache_gib is not None else self.default_budget
             # on a GPU the cache lives on the device: the host holds none of it
             self.host_cache_bytes = self.cache_bytes if self.device.type == "cpu" else 0
             check_memory(self.c, 1, self.host_cache_bytes)
@@ -147,10 +178,29 @@ class Generator:
     def _check_memory(self, n_tokens: int) -> int:
         """check_memory for a generation of n_tokens; on a GPU also the device's room for its KV and the rest of
         the cache's budget. Returns the host bound."""
+        if self.default_budget is not None:
+            self._fit_default_cache(n_tokens)
         if self.device.type == "cuda":
             check_device_memory(self.c, self.device, self.cache_bytes - self.decoder.cache.bytes, n_tokens,
                                 resident=False)
-        return check_memory(self.c, n_tokens, self.host_cache_bytes)
+        return check_memory(self.c, n_tokens, self.host_cache_bytes, self._held())
+
+    def _held(self) -> int:
+        """What this process holds already of a generation's host memory: the resident weights and the cache."""
+        return self.decoder.host_resident_bytes + (self.decoder.cache.bytes if self.device.type == "cpu" else 0)
+
+    def _fit_default_cache(self, n_tokens: int) -> None:
+        """The default budget for a generation of n_tokens: what the checks leave beside its KV (clamped at 0),
+        at most default_cache_bytes."""
+        cache = self.decoder.cache
+        if self.device.type == "cuda":
+            room = cache.bytes + cuda_free_bytes(self.device) - device_memory_need(self.c, 0, n_tokens, False)
+        else:
+            free = memory_for_generation(self._held())
+            room = free - memory_need(self.c, n_tokens, 0) if free else self.default_budget
+        self.cache_bytes = max(0, min(self.default_budget, room))
+        self.host_cache_bytes = self.cache_bytes if self.device.type == "cpu" else 0
+        cache.resize(self.cache_bytes)
 
     def __enter__(self) -> "Generator":
         return self
@@ -292,14 +342,25 @@ def write_kv(kv_dir: str, container: Container, token_ids: list[int], states, st
         raise
 
 
-def default_cache_gib(path: str, device: str = "cpu") -> float:
-    """All the routed experts where they fit in a quarter of the available memory, else that quarter. On a GPU,
-    whose cache keeps experts decoded (at most float32: 8x an FP4 expert's stored bytes), all of them within half
-    of what the device has free."""
-    size = os.path.getsize(path)
-    if device != "cpu":
-        with Container(path) as c:  # decoded as float32 at most
-            decoded = 4 * sum(expert_weight_count(r) for b in c.layers for r in b.experts)
-        return round(min(decoded, cuda_free_bytes(compute_device(device)) // 2) / GIB, 3)
+def default_cache_bytes(container: Container, device: torch.device) -> int:
+    """The expert cache's default budget: all the routed experts, within a quarter of the memory this process may
+    use (available_memory_bytes: cgroup and rlimit included) and within what is left of it beside the resident
+    weights, a token's KV and the headroom (the figures the memory check refuses by, so the default runs wherever
+    --cache-gib 0 runs; clamped at 0). On a GPU, whose cache keeps experts decoded (at most float32: 8x an FP4
+    expert's stored bytes), all of them within half of what the device has free and what is left there beside the
+    resident weights and the headroom."""
+    if device.type != "cpu":
+        decoded = 4 * sum(expert_weight_count(r) for b in container.layers for r in b.experts)
+        free = cuda_free_bytes(device)
+        return max(0, min(decoded, free // 2, free - device_memory_need(container, 0)))
+    routed = sum(r.length for b in container.layers for r in b.experts)
     free = available_memory_bytes()
-    return round(min(size, free // 4 if free else size) / GIB, 3)
+    if not free:
+        return routed
+    return max(0, min(routed, free // 4, free - memory_need(container, 1, 0)))
+
+
+def default_cache_gib(path: str, device: str = "cpu") -> float:
+    """default_cache_bytes of the container at `path`, in GiB (rounded down: never more than fits)."""
+    with Container(path) as c:
+        return math.floor(default_cache_bytes(c, compute_device(device)) / GIB * 1000) / 1000

@@ -129,13 +129,20 @@ def cgroup_memory_limit(proc: str = "/proc/self") -> int | None:
     return min(limits) if limits else None
 
 
-def available_memory_bytes() -> int:
-    """The memory this process may use: the smallest of MemAvailable, its cgroups' memory limit (page cache
-    included; v1 and v2, ancestors too) and its address-space limit (RLIMIT_AS); 0 where none is known."""
-    candidates = [v for v in (meminfo_available_bytes(), cgroup_memory_limit()) if v]
+def memory_limit_bytes() -> int | None:
+    """The limits on this process's memory that count what it holds already: its cgroups' memory limit (page cache
+    included; v1 and v2, ancestors too) and its address-space limit (RLIMIT_AS); None where there is none."""
+    candidates = [v for v in (cgroup_memory_limit(),) if v]
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft not in (resource.RLIM_INFINITY, -1) and soft > 0:
         candidates.append(soft)
+    return min(candidates) if candidates else None
+
+
+def available_memory_bytes() -> int:
+    """The memory this process may use: the smallest of MemAvailable and memory_limit_bytes (its cgroups' memory
+    limit, RLIMIT_AS); 0 where none is known."""
+    candidates = [v for v in (meminfo_available_bytes(), memory_limit_bytes()) if v]
     return min(candidates) if candidates else 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -237,6 +238,47 @@ def test_the_expert_cache_evicts_the_least_recently_used():
     assert len(nothing) == 0
 
 
+def test_a_full_cache_takes_in_only_experts_used_more_than_what_they_evict():
+    """Once full, a miss evicts the least recently used only where it was looked up more of late (by more than
+    ADMIT_MARGIN); otherwise it is refused (used in place) and the cache keeps what it holds."""
+    cache = ExpertCache(budget=8)
+    for key in [(0, 0), (0, 1)]:
+        assert cache.admits(key, 4)  # room left
+        cache.put(key, torch.zeros(4, dtype=torch.uint8))
+        assert cache.get(key) is not None  # used once each; (0, 0) is the least recently used
+    assert cache.get((0, 2)) is None and not cache.admits((0, 2), 4)  # one use against one
+    assert cache.get((0, 2)) is None and not cache.admits((0, 2), 4)  # two: a lead of one is noise
+    assert cache.get((0, 2)) is None and cache.admits((0, 2), 4)  # three: it leads (0, 0) by two
+    assert cache.get((0, 0)) is not None and cache.get((0, 0)) is not None  # (0, 0) three uses, (0, 1) the victim
+    assert cache.admits((0, 2), 4) and cache.refused == 2
+    assert not cache.admits((0, 3), 9) and cache.refused == 2  # larger than the whole budget: no refusal counted
+    cache.put((0, 2), torch.zeros(4, dtype=torch.uint8))
+    assert list(cache._entries) == [(0, 0), (0, 2)] and cache.evicted == 1
+    cache.resize(4)
+    assert list(cache._entries) == [(0, 2)] and cache.bytes == 4 and cache.evicted == 2
+
+
+def test_a_cache_smaller_than_a_tokens_experts_does_not_copy_and_evict_per_miss(models):
+    """A budget below one layer's chosen experts: a decode visits the layers in a cycle, so a cache that took in
+    every miss would evict each entry before its next use (no hit, a copy per miss: a 0.1 GiB cache decoded 3.4x
+    slower than none). Misses are used in place instead, the cache keeps what it holds and hits, and the tokens are
+    those of no cache."""
+    hf_model, container = models["B"]
+    with Container(container) as c:
+        expert = max(r.length for b in c.layers for r in b.experts)
+        top_k = int(c.config["num_experts_per_tok"])
+    ids = _prompt(20, hf_model.config.vocab_size, seed=5)
+    options = GenerateOptions(max_new_tokens=40, stop_at_eos=False)
+    none = generate(container, ids, replace(options, cache_gib=0.0))
+    with Generator(container, cache_gib=(top_k - 1) * expert / 2**30) as g:
+        small = g.generate(ids, options)
+        misses = g.decoder.cache.misses
+    d = small.stats["decode"]
+    assert small.generated_ids == none.generated_ids
+    assert misses > 10 * d["tokens"] and d["cache_evicted"] <= d["tokens"] // 4
+    assert d["cache_admitted"] <= top_k + d["tokens"] // 4 and d["expert_cache_hit_rate"] > 0.05
+
+
 def test_the_kv_after_a_generation_continues_it(models, tmp_path):
     """--kv-out after generating: the KV covers the prompt and the generated tokens but the last, whose logits
     it records; generating on from it gives what one longer generation gives."""
@@ -296,6 +338,66 @@ def test_a_generation_that_cannot_fit_is_refused_before_any_work(models, monkeyp
     assert "\n" not in str(e.value) and "0.50" in str(e.value)
 
 
+def test_the_default_cache_runs_wherever_no_cache_runs(models, monkeypatch, tmp_path):
+    """The default budget is what the memory this process may use leaves beside the rest of the generation (the
+    refusal's own figures): with memory between what no cache needs and what the old default (every expert, within
+    a quarter) needed, the default runs where an explicit budget of every expert is refused, through the command
+    too; a longer generation lowers it and a shorter one raises it again. Bound by a cgroup (whose limit counts what
+    the process holds) or by MemAvailable (which no longer counts the resident weights once loaded), alike."""
+    import json
+
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli
+    from moepack.runtime import generate as generate_module
+
+    hf_model, container = models["A"]
+    ids = _prompt(12, hf_model.config.vocab_size, seed=4).tolist()
+    options = GenerateOptions(max_new_tokens=6, stop_at_eos=False)
+    with Container(container) as c:
+        routed = sum(r.length for b in c.layers for r in b.experts)
+        no_cache = generate_module.memory_need(c, len(ids) + 6, 0)
+        free = no_cache + routed // 2
+        one_token = generate_module.memory_need(c, 1, 0)
+        longest, too_long = len(ids) + 6, 1 << 24  # the longest generation no cache runs in `free`
+        while longest + 1 < too_long:
+            mid = (longest + too_long) // 2
+            longest, too_long = (mid, too_long) if generate_module.memory_need(c, mid, 0) <= free else (longest, mid)
+        room_left = free - generate_module.memory_need(c, longest, 0)
+    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: free)
+    monkeypatch.setattr(generate_module, "memory_limit_bytes", lambda: free)  # a cgroup's limit
+    with pytest.raises(MoepackError, match="lower --cache-gib"):  # the old default: every expert
+        generate(container, ids, replace(options, cache_gib=routed / 2**30))
+    expected = generate(container, ids, replace(options, cache_gib=0.0)).generated_ids
+    with Generator(container) as g:
+        assert g.decoder.cache.budget == min(routed, free // 4, free - one_token) == free - one_token
+        result = g.generate(ids, options)
+        assert result.generated_ids == expected
+        assert g.decoder.cache.budget == free - no_cache == routed // 2  # fitted to this generation's KV
+        assert result.stats["decode"]["memory_bound_bytes"] <= free
+        g._check_memory(longest)  # its KV takes nearly all the cache's room: the budget drops, no refusal
+        assert g.decoder.cache.budget == room_left < routed // 2 and g.decoder.cache.bytes <= room_left
+        with pytest.raises(MoepackError, match="lower --cache-gib"):
+            g._check_memory(too_long)  # where no cache cannot run either, the default is refused as it is
+        g._check_memory(1)
+        assert g.decoder.cache.budget == free - one_token
+    monkeypatch.setattr(generate_module, "memory_limit_bytes", lambda: None)  # MemAvailable binds
+    with Generator(container) as g:
+        held = g._held()  # the resident weights, loaded: MemAvailable is that much lower now
+        assert held > 0
+        monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: free - held)
+        g._check_memory(len(ids) + 6)
+        assert g.decoder.cache.budget == free - no_cache  # not counted twice
+    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: free)
+    monkeypatch.setattr(generate_module, "memory_limit_bytes", lambda: free)
+    (tmp_path / "ids.json").write_text(json.dumps(ids))
+    done = CliRunner().invoke(cli, ["generate", container, "--token-ids", str(tmp_path / "ids.json"),
+                                    "--max-new-tokens", "6", "--json"])
+    assert done.exit_code == 0, done.output
+    decode = json.loads(done.stdout)["stats"]["decode"]
+    assert decode["cache_budget_bytes"] == free - no_cache and decode["memory_bound_bytes"] <= free
+
+
 def test_on_a_gpu_the_cache_is_counted_against_the_device_not_the_host(models, monkeypatch):
     """--device cuda keeps the expert cache on the device: a cache larger than the host's free memory is not
     refused for it, one larger than what the device has free is, in one line, before anything is read."""
@@ -316,9 +418,12 @@ def test_on_a_gpu_the_cache_is_counted_against_the_device_not_the_host(models, m
         decoded = 4 * sum(t.numel for b in c.layers for r in b.experts for t in r.tensors
                           if t.name.endswith(".weight"))
     monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: 64 << 30)
-    assert generate_module.default_cache_gib(container, "cuda") == round(decoded / 2**30, 3) > 0
-    monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: decoded)
-    assert generate_module.default_cache_gib(container, "cuda") == round(decoded / 2 / 2**30, 3)
+    with Container(container) as c:
+        assert generate_module.default_cache_bytes(c, torch.device("cuda", 0)) == decoded > 0
+        besides = generate_module.device_memory_need(c, 0)  # resident weights + headroom
+        for free, default in [(2 * besides, decoded), (besides + decoded // 2, decoded // 2), (besides - 1, 0)]:
+            monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: free)
+            assert generate_module.default_cache_bytes(c, torch.device("cuda", 0)) == min(default, free // 2)
 
 
 def test_each_gpu_generation_checks_the_device_for_its_kv_and_the_cache_still_to_fill(models, monkeypatch):

@@ -293,6 +293,41 @@ def test_vocab_padding():
     assert gguf_export.merges(files) == ["a b"]
 
 
+def test_a_container_without_a_tokenizer_exports_a_vocabulary_of_vocab_size(tmp_path):
+    """No tokenizer (a model run by token ids): llama.cpp's vocabulary type `none` with `deepseek4.vocab_size`, from
+    which llama.cpp makes its tokens (without it: none, and `token_embd.weight` refused for a vocabulary of 0), and
+    the token list padded as the converter pads, vocab_size entries; read back, the GGUF still has no tokenizer."""
+    from v4_models import CONFIGS, saved_model
+
+    saved_model(CONFIGS["A"], 3, str(tmp_path / "src"))
+    container = str(tmp_path / "a.moepack")
+    convert_checkpoint(str(tmp_path / "src"), container, policy="keep", progress=False)
+    out = export_gguf(container, str(tmp_path / "a.gguf"), progress=False)["output"]
+    r = gguf.GGUFReader(out)
+    vocab = CONFIGS["A"]["vocab_size"]
+    assert _field(r, "tokenizer.ggml.model") == "none" and _field(r, f"{ARCH}.vocab_size") == vocab
+    assert _field(r, "tokenizer.ggml.tokens") == [f"[PAD{i}]" for i in range(vocab)]
+    assert _field(r, "tokenizer.ggml.token_type") == [5] * vocab  # UNUSED
+    embedding = next(t for t in r.tensors if t.name == "token_embd.weight")
+    assert int(embedding.shape[-1]) == vocab  # ggml's order: [hidden, vocab]
+    back = str(tmp_path / "back.moepack")
+    convert_checkpoint(out, back, policy="keep", progress=False)
+    with Container(back) as c:
+        assert not c.index.get("tokenizer")
+
+
+def test_without_gguf_py_export_and_import_say_how_to_install_it(exported, tmp_path, monkeypatch):
+    import sys
+
+    container, gguf_file = exported["keep"]
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+    with pytest.raises(MoepackError, match=re.escape("GGUF export needs gguf-py: pip install 'moepack[gguf]'")):
+        export_gguf(container, str(tmp_path / "x.gguf"), progress=False)
+    with pytest.raises(MoepackError, match=re.escape("reading a GGUF needs gguf-py: pip install 'moepack[gguf]'")):
+        convert_checkpoint(gguf_file, str(tmp_path / "y.moepack"), progress=False)
+    assert not os.listdir(tmp_path)
+
+
 @pytest.mark.skipif(not os.environ.get("MOEPACK_LLAMA_CPP"), reason="MOEPACK_LLAMA_CPP (a llama.cpp build) not set")
 def test_llama_cpp_runs_the_export_and_continues_as_moepack(tmp_path):
     """llama.cpp loads and runs the exported file, and its greedy continuation prints the bytes moepack's does.
@@ -347,10 +382,11 @@ _LLAMA_CONFIGS = {
 
 
 @pytest.mark.skipif(not os.environ.get("MOEPACK_LLAMA_CPP"), reason="MOEPACK_LLAMA_CPP (a llama.cpp build) not set")
-@pytest.mark.parametrize("name", sorted(_LLAMA_CONFIGS))
-def test_llama_cpp_logits_equal_moepack_prefill(name, tmp_path):
+@pytest.mark.parametrize("name,tokenizer", [(n, True) for n in sorted(_LLAMA_CONFIGS)] + [("hash-csa-hca", False)])
+def test_llama_cpp_logits_equal_moepack_prefill(name, tokenizer, tmp_path):
     """llama.cpp (F32 KV cache, flash attention off; benchmarks/llama_logits) on the export of a float32 random
-    model gives the last position's logits moepack's prefill gives, to float32 rounding, prompts of 1-150 tokens."""
+    model gives the last position's logits moepack's prefill gives, to float32 rounding, prompts of 1-150 tokens;
+    also for a model without a tokenizer (llama.cpp's vocabulary `none`, sized by deepseek4.vocab_size)."""
     from v4_models import saved_model
 
     from moepack.packer.synth import tokenizer_json
@@ -365,7 +401,8 @@ def test_llama_cpp_logits_equal_moepack_prefill(name, tmp_path):
     config["layer_types"] = [kinds[k] for k in config["layer_types"]]
     src = tmp_path / "src"
     saved_model(config, sorted(_LLAMA_CONFIGS).index(name) + 11, str(src))
-    (src / "tokenizer.json").write_text(json.dumps(tokenizer_json()))
+    if tokenizer:
+        (src / "tokenizer.json").write_text(json.dumps(tokenizer_json()))
     container = str(tmp_path / "f32.moepack")
     convert_checkpoint(str(src), container, policy="keep", progress=False)
     out = export_gguf(container, str(tmp_path / "f32.gguf"), progress=False)["output"]
