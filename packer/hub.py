@@ -88,6 +88,21 @@ def resolve_source(src: str, revision: str | None = None, progress: bool = True,
     return plan.source()
 
 
+def fetch_config(repo: str, revision: str | None = None, *, cache_dir: str | None = None) -> str:
+    """The path of hub repo `repo`'s config.json, downloading that file alone into the Hugging Face cache (what
+    `moepack plan` needs of a repo). With HF_HUB_OFFLINE=1, or when the hub cannot be reached, the cached copy is
+    used (huggingface_hub's local_files_only); MoepackError (one line) when there is none."""
+    from huggingface_hub import constants, hf_hub_download
+
+    if not looks_like_repo_id(repo):
+        raise MoepackError(f"{repo}: not a Hugging Face repo id (owner/name)")
+    _install_timeouts()
+    rev = revision or constants.DEFAULT_REVISION
+    with _hub_errors(repo, rev):
+        return _with_retries(lambda: hf_hub_download(repo, "config.json", revision=rev, cache_dir=cache_dir,
+                                                     local_files_only=constants.is_offline_mode()))
+
+
 SCRATCH_AHEAD = 1  # shards downloaded ahead of the one being converted when each is deleted after its conversion
 
 
