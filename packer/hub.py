@@ -98,9 +98,14 @@ def fetch_config(repo: str, revision: str | None = None, *, cache_dir: str | Non
         raise MoepackError(f"{repo}: not a Hugging Face repo id (owner/name)")
     _install_timeouts()
     rev = revision or constants.DEFAULT_REVISION
+    if constants.is_offline_mode():
+        try:
+            return hf_hub_download(repo, "config.json", revision=rev, cache_dir=cache_dir, local_files_only=True)
+        except Exception:  # huggingface_hub's own types: not cached, a bad cache entry
+            raise MoepackError(f"HF_HUB_OFFLINE is set and {repo}@{rev}'s config.json is not in the local cache "
+                               f"({cache_dir or constants.HF_HUB_CACHE}); fetch it once with network access") from None
     with _hub_errors(repo, rev):
-        return _with_retries(lambda: hf_hub_download(repo, "config.json", revision=rev, cache_dir=cache_dir,
-                                                     local_files_only=constants.is_offline_mode()))
+        return _with_retries(lambda: hf_hub_download(repo, "config.json", revision=rev, cache_dir=cache_dir))
 
 
 SCRATCH_AHEAD = 1  # shards downloaded ahead of the one being converted when each is deleted after its conversion
