@@ -401,11 +401,13 @@ def check_container_path(path: str) -> None:
             raise MoepackError(f"{path} is a checkpoint directory, not a moepack container: convert it first, "
                                f"e.g. `moepack convert {path} --fp4`")
         raise MoepackError(f"{path} is a directory, not a moepack container")
+    if not os.path.isfile(path):  # missing, a FIFO, a device (opening a FIFO would wait for a writer): the
+        return  # command's own open says what is wrong
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
     except OSError:
-        return  # the command's own open says what is wrong
+        return
     if magic == b"GGUF":
         raise MoepackError(f"{path} is a GGUF file, not a moepack container: convert it first, e.g. "
                            f"`moepack convert {path} --fp4`")
