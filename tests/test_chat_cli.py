@@ -153,3 +153,34 @@ def test_chat_refuses_what_it_has_no_use_for(container, tmp_path):
                        stdin=subprocess.DEVNULL, timeout=60)
     assert p.returncode == 1 and p.stderr.count("\n") == 1
     assert f"moepack convert {tmp_path} --fp4" in p.stderr
+
+
+def test_a_stopped_reply_stays_in_the_history_as_far_as_it_was_shown(container):
+    """--json on pipes, Ctrl-C as the signal a terminal sends: the stopped reply's text is the assistant turn the
+    next prompt carries, token for token."""
+    from moepack.format_spec.reader import Container
+    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.v4.chat import encode_message_segments
+
+    chat = subprocess.Popen([sys.executable, "-m", "moepack", "chat", container, "-n", "100000", "--json"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert b"moepack chat" in chat.stderr.readline()  # the banner: the container is open
+        replies = []
+        for line in (b"Hi\n", b"Again\n"):
+            chat.stdin.write(line)
+            chat.stdin.flush()
+            time.sleep(3)  # well into the reply (the tiny model: a few tokens a second at the least)
+            chat.send_signal(signal.SIGINT)
+            replies.append(json.loads(chat.stdout.readline()))
+        chat.stdin.close()
+        assert chat.wait(timeout=60) == 0
+    finally:
+        chat.kill()
+    first, second = replies
+    assert first["finish_reason"] == second["finish_reason"] == "cancelled" and first["generated_ids"]
+    with Container(container) as c:
+        tokenizer = PromptTokenizer(c)
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first["text"]},
+               {"role": "user", "content": "Again"}]
+    assert second["stats"]["prefill"]["tokens"] == len(tokenizer.encode_segments(encode_message_segments(history)))

@@ -101,6 +101,16 @@ def test_llama_cpp_short_forms(container):
     assert r.exit_code == 1 and "context cap" in json.loads(r.output.splitlines()[0])["error"]
 
 
+def test_the_context_cap_counts_the_tokens_of_a_kv_continued(container, tmp_path):
+    kv = str(tmp_path / "kv")
+    r = _run("prefill", container, "-p", "hello there", "--kv-out", kv, "--json")
+    assert r.exit_code == 0, r.output
+    past = json.loads(r.output)["tokens"]
+    r = _run("generate", container, "--continue-from", kv, "-n", "50", "-c", str(past + 2), "--json")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.output)["generated_ids"]) == 2
+
+
 def test_conflicting_precision_flags_are_a_usage_error_naming_both(tmp_path):
     for args, named in ((["--fp4", "--q8"], ("--fp4", "--q8")), (["--q8", "--fp4"], ("--fp4", "--q8")),
                         (["--fp4", "--policy", "q2"], ("--fp4", "--policy q2"))):
