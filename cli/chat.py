@@ -17,6 +17,7 @@ import select
 import signal
 import sys
 from contextlib import suppress
+from dataclasses import replace
 
 import click
 
@@ -121,19 +122,27 @@ def chat(file, system, thinking, max_new_tokens, max_context, temperature, top_p
     """Chat with the model in FILE in the terminal: each reply streams as it is generated; the conversation is kept
     (encoded as DeepSeek-V4's chat) until /reset. /exit or Ctrl-D leaves; Ctrl-C stops a reply, which stays in the
     history as far as it was shown. With --json each reply is one JSON line instead of streamed text."""
+    from moepack.runtime.generate import GenerateOptions
+
     check_container_path(file)
+    reply = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=tuple(stop))
     keyboard = _Keyboard()
     try:
-        _converse(file, system, thinking, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, run,
-                  as_json, keyboard)
+        _converse(file, run, reply, system, thinking, max_context, as_json, keyboard)
     finally:
         keyboard.close()
 
 
-def _converse(file, system, thinking, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, run,
-              as_json, keyboard):
+def _show(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard):
+    """The chat's loop: `reply` the GenerateOptions of every reply (its max_new_tokens cut to the context cap)."""
     from moepack.format_spec.errors import MoepackError
-    from moepack.runtime.generate import GenerateOptions, Generator
+    from moepack.runtime.generate import Generator
     from moepack.runtime.tokenizer import PromptTokenizer
     from moepack.v4 import chat as chat_encoding
 
@@ -155,17 +164,12 @@ def _converse(file, system, thinking, max_new_tokens, max_context, temperature, 
             turn = [*messages, {"role": "user", "content": line}]
             try:
                 ids = tokenizer.encode_segments(chat_encoding.encode_message_segments(turn, thinking=thinking))
-                budget = context_budget(generator.c.config, max_context, len(ids), max_new_tokens)
-            except MoepackError as e:  # the turn is refused, the conversation goes on
+                budget = context_budget(generator.c.config, max_context, len(ids), reply.max_new_tokens)
+                result = generator.generate(ids, replace(reply, max_new_tokens=budget), detokenize=tokenizer.decode,
+                                            on_text=None if as_json else _show, cancelled=keyboard.stop_asked)
+            except MoepackError as e:  # the turn is refused (the context cap, the memory), the conversation goes on
                 click.echo(f"moepack: error: {e}" + ("; /reset to start over" if len(turn) > 1 else ""), err=True)
                 continue
-            options = GenerateOptions(max_new_tokens=budget, temperature=temperature, top_p=top_p, top_k=top_k,
-                                      seed=seed, stop=tuple(stop))
-            def show(piece: str) -> None:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-            result = generator.generate(ids, options, detokenize=tokenizer.decode,
-                                        on_text=None if as_json else show, cancelled=keyboard.stop_asked)
             keyboard.pressed = False  # it stopped this reply: not also a Ctrl-C at the next prompt
             if as_json:
                 click.echo(json.dumps({"ok": True, "text": result.text, "finish_reason": result.finish_reason,

@@ -364,7 +364,6 @@ def model_run_options(fn=None, *, unused: dict[str, str] | None = None):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         values = {name: kwargs.pop(name) for name in RUN_OPTION_NAMES}
-        values["kv_dtype"] = values["kv_dtype"] or defaults.kv_dtype
         for name, why in unused.items():
             if values[name] != getattr(defaults, name):
                 flag = "--io" if name == "io_mode" else "--" + name.replace("_", "-")
