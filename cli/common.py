@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import sys
+from dataclasses import dataclass
 
 import click
 
@@ -134,7 +135,7 @@ def refuse_existing_kv(force: bool, kv_out: str | None, continue_from: str | Non
 def prompt_options(fn):
     """--prompt, --prompt-file, --token-ids: the prompt of `prefill` and `generate`."""
     for option in reversed((
-            click.option("--prompt", help="Prompt text (tokenized with the tokenizer the container carries)."),
+            click.option("-p", "--prompt", help="Prompt text (tokenized with the tokenizer the container carries)."),
             click.option("--prompt-file", type=click.Path(dir_okay=False), help="File holding the prompt text (UTF-8)."),
             click.option("--token-ids", "token_ids_file", type=click.Path(dir_okay=False),
                          help="File of token ids: a JSON array or whitespace-separated integers."))):
@@ -268,3 +269,195 @@ def sigterm_as_interrupt() -> None:
         signal.signal(signal.SIGTERM, interrupt)
     except ValueError:  # not the main thread (a command called from a thread): its caller owns the signals
         pass
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The options every command that runs the model shares (prefill, generate, chat, serve): declared once, here.
+
+@dataclass(frozen=True)
+class ModelRun:
+    """What the shared options say: where and how the model runs."""
+
+    device: str = "cpu"
+    threads: int | None = None
+    io_mode: str = "auto"
+    compute_dtype: str = "auto"
+    kv_dtype: str = "F32"
+    cache_gib: float | None = None
+    device_resident: bool = False
+    expert_backend: str = "auto"
+
+    def prefill_options(self, **more):
+        """The PrefillOptions of these options (and `more` of the command's own)."""
+        from moepack.runtime.engine import PrefillOptions
+
+        return PrefillOptions(device=self.device, io_mode=self.io_mode, compute_dtype=self.compute_dtype,
+                              device_resident=self.device_resident, expert_backend=self.expert_backend, **more)
+
+    def cache_budget(self, path: str) -> float | None:
+        """--cache-gib; None where it was not given: the Generator sizes the default budget per generation from the
+        memory the process may use (runtime/generate.py)."""
+        return self.cache_gib
+
+
+# option name -> (parameter, click option); the help says what each means on every command
+def _run_option_table():
+    from moepack.runtime.limits import MAX_CACHE_GIB
+
+    return {
+        "threads": click.option(
+            "-t", "--threads", type=click.IntRange(min=1), default=None, callback=check_threads,
+            help="CPU threads for compute and decode (default: torch's, one per core). Fewer when other work shares "
+                 "the cores: a busy core stalls every multi-threaded op (docs/benchmarks.md)."),
+        "io_mode": click.option(
+            "--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap", "host"]), default="auto",
+            show_default=True,
+            help="How the container is read. auto: page-cache streaming when it fits in the memory this process "
+                 "may use, else O_DIRECT; host: the weights held in host RAM (pinned for a GPU) for the process."),
+        "device": click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
+        "compute_dtype": click.option(
+            "--compute-dtype", type=Dtype(("float32", "bfloat16"), extra=("auto",)), default="auto",
+            show_default=True,
+            help="The layers' matmuls: float32 (exact) or bfloat16 (the attention's projections and the shared "
+                 "expert; streams, norms and router stay float32): 2-4x faster on CPUs with AVX512-BF16 or AMX and "
+                 "on GPUs. auto: what `moepack bench compute` measured on this CPU, else bfloat16 where it has "
+                 "native bf16 dot products, else float32 (the choice and why are in --json's stats)."),
+        "kv_dtype": click.option(
+            "--kv-dtype", type=Dtype(("float32", "bfloat16", "float8_e4m3"), give="storage"), default="float32",
+            show_default=True,
+            help="Storage type of the window and compressed entries of a KV written to disk (--kv-out; buffers "
+                 "stay F32)."),
+        "cache_gib": click.option(
+            "--cache-gib", type=FiniteFloat(0, MAX_CACHE_GIB), default=None,
+            help="Byte budget of the decode's routed-expert cache, kept across generations (0: every selected "
+                 "expert read for every token; default: every routed expert, within a quarter of the memory this "
+                 "process may use and what the rest of the generation leaves). With --device cuda the cache is on "
+                 "the device and keeps experts decoded (an FP4 expert takes 4x its stored bytes; default: within "
+                 "half of the device's free memory)."),
+        "device_resident": click.option(
+            "--device-resident", is_flag=True,
+            help="Hold the weights in the compute device's memory (checked once as they load): the prefill is pure "
+                 "compute. Refused in one line where they do not fit."),
+        "expert_backend": click.option(
+            "--expert-backend", type=click.Choice(["auto", "grouped", "per-expert"]), default="auto",
+            show_default=True,
+            help="The prefill's routed experts. grouped: each read's experts decoded together and run as grouped "
+                 "GEMMs (a GPU's way); per-expert: one expert at a time on CPU threads with the compiled FP4 "
+                 "kernels; auto: grouped on a GPU, per-expert on a CPU."),
+    }
+
+
+RUN_OPTION_NAMES = ("threads", "io_mode", "device", "compute_dtype", "kv_dtype", "cache_gib", "device_resident",
+                    "expert_backend")
+
+
+def model_run_options(fn=None, *, unused: dict[str, str] | None = None):
+    """The shared options of every command that runs the model, given to the command as one `run` (a ModelRun);
+    --threads is applied before the command runs. `unused`: {parameter: why this command has no use for it}: the
+    option is still declared (the same spelling everywhere), its help says why, and a value other than its
+    default is a usage error naming the option and the reason."""
+    if fn is None:
+        return functools.partial(model_run_options, unused=unused)
+    unused = unused or {}
+    defaults = ModelRun()
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        values = {name: kwargs.pop(name) for name in RUN_OPTION_NAMES}
+        for name, why in unused.items():
+            if values[name] != getattr(defaults, name):
+                flag = "--io" if name == "io_mode" else "--" + name.replace("_", "-")
+                raise click.UsageError(f"{flag}: {why}")
+        if values["threads"] is not None:
+            import torch
+
+            torch.set_num_threads(values["threads"])
+        return fn(*args, run=ModelRun(**values), **kwargs)
+
+    table = _run_option_table()
+    for name in reversed(RUN_OPTION_NAMES):
+        option = table[name]
+        if name in unused:  # the same option, its help replaced by why this command refuses it
+            option = _with_help(option, f"Not on this command: {unused[name]}.")
+        wrapper = option(wrapper)
+    return wrapper
+
+
+def _with_help(option_decorator, text: str):
+    """`option_decorator` (a click.option) with its help replaced by `text`."""
+    def apply(fn):
+        fn = option_decorator(fn)
+        fn.__click_params__[-1].help = text
+        return fn
+    return apply
+
+
+def check_container_path(path: str) -> None:
+    """A GGUF file or a checkpoint directory where a container is expected: one line with the `moepack convert`
+    command that makes the container."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            raise MoepackError(f"{path} is a checkpoint directory, not a moepack container: convert it first, "
+                               f"e.g. `moepack convert {path} --fp4`")
+        raise MoepackError(f"{path} is a directory, not a moepack container")
+    if not os.path.isfile(path):  # missing, a FIFO, a device (opening a FIFO would wait for a writer): the
+        return  # command's own open says what is wrong
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return
+    if magic == b"GGUF":
+        raise MoepackError(f"{path} is a GGUF file, not a moepack container: convert it first, e.g. "
+                           f"`moepack convert {path} --fp4`")
+
+
+def container_argument(fn):
+    """The FILE argument of a command that reads a container (a directory too, to say it is a checkpoint)."""
+    return click.argument("file", type=click.Path())(fn)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Sampling: the same options and defaults in `generate` and `chat`. The CLI samples greedily unless told otherwise
+# (reproducible output for the same command); the server takes a request's omitted temperature as OpenAI's 1.0.
+
+DEFAULT_TEMPERATURE = 0.0
+
+
+def sampling_options(fn):
+    """--temperature, --top-p, --top-k, --seed, --stop."""
+    for option in reversed((
+            click.option("--temperature", type=FiniteFloat(min=0), default=DEFAULT_TEMPERATURE, show_default=True,
+                         help="0: greedy (the CLI's default; the server's is OpenAI's 1.0 for a request that omits "
+                              "it)."),
+            click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True),
+            click.option("--top-k", type=int, default=0, show_default=True, help="0: off."),
+            click.option("--seed", type=int, default=None, help="Sampling seed (default: drawn, and reported)."),
+            click.option("--stop", multiple=True,
+                         help="Stop when this text is generated (repeatable); it is not printed."))):
+        fn = option(fn)
+    return fn
+
+
+def max_new_tokens_option(default: int):
+    return click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=default, show_default=True,
+                        help="Tokens to generate at most.")
+
+
+context_option = click.option(
+    "-c", "--max-context", type=click.IntRange(min=2), default=None,
+    help="Cap on prompt tokens + new tokens (default: the model's context, max_position_embeddings): a prompt that "
+         "fills it is refused, and the generation stops (finish 'length') where it reaches it.")
+
+
+def context_budget(config: dict, max_context: int | None, prompt_tokens: int, max_new_tokens: int) -> int:
+    """The new tokens a generation may make under the context cap (-c, else the model's context): at most
+    max_new_tokens; MoepackError where the prompt alone fills the cap."""
+    model_context = config.get("max_position_embeddings")
+    cap = max_context or (model_context if isinstance(model_context, int) and model_context > 1 else None)
+    if cap is None:
+        return max_new_tokens
+    if prompt_tokens >= cap:
+        raise MoepackError(f"the prompt's {prompt_tokens} tokens fill the context cap of {cap} "
+                           f"({'-c/--max-context' if max_context else 'the model context'})")
+    return min(max_new_tokens, cap - prompt_tokens)

@@ -8,10 +8,9 @@ from dataclasses import replace
 
 import click
 
-from moepack.runtime.limits import MAX_CACHE_GIB
-
-from .common import (Dtype, FiniteFloat, emit, force_option, json_option, layer_progress, prompt_options,
-                     refuse_existing_kv, reports_errors)
+from .common import (check_container_path, container_argument, context_budget, context_option, emit, force_option,
+                     json_option, layer_progress, max_new_tokens_option, model_run_options, prompt_options,
+                     refuse_existing_kv, reports_errors, sampling_options)
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
 
@@ -54,7 +53,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 
 
 @click.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@container_argument
 @prompt_options  # raw: no chat template
 @click.option("--messages", "messages_file", type=click.Path(dir_okay=False),
               help="JSON file: an OpenAI-style list of {role, content}, encoded as DeepSeek-V4's chat.")
@@ -66,50 +65,43 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 @click.option("--continue-from", type=click.Path(file_okay=False),
               help="A KV directory `moepack prefill --kv-out` wrote for this container: the prompt (if any) "
                    "continues it.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--temperature", type=FiniteFloat(min=0), default=0.0, show_default=True, help="0: greedy.")
-@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True, help="0: off.")
-@click.option("--seed", type=int, default=None, help="Sampling seed (default: drawn, and reported).")
-@click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable); it is not printed.")
-@click.option("--cache-gib", type=FiniteFloat(0, MAX_CACHE_GIB), default=None,
-              help="Byte budget of the routed-expert cache (0: every selected expert read for every token; "
-                   "default: every routed expert, within a quarter of the memory this process may use and what the "
-                   "rest of the generation leaves). With --device cuda the cache is on the device and keeps experts "
-                   "decoded (an FP4 expert takes 4x its stored bytes; default: within half of the device's free "
-                   "memory).")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@max_new_tokens_option(128)
+@context_option
+@sampling_options
 @click.option("--kv-out", type=click.Path(file_okay=False),
-              help="Directory for the KV after the generation (the prompt and the generated tokens).")
-@click.option("--compute-dtype", type=Dtype(("float32", "bfloat16"), extra=("auto",)), default="auto",
-              show_default=True, help="As prefill's --compute-dtype.")
-@click.option("--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap"]), default="auto",
-              show_default=True)
+              help="Directory for the KV after the generation (the prompt and the generated tokens), in --kv-dtype.")
+@model_run_options
 @force_option
 @json_option
 @reports_errors(out_of_memory_hint=GENERATE_MEMORY_HINT)
 def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thinking, reasoning_effort,
-             continue_from, max_new_tokens, temperature, top_p, top_k, seed, stop, cache_gib, device, kv_out,
-             compute_dtype, io_mode, force, as_json):
+             continue_from, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, kv_out, run, force,
+             as_json):
     """Prefill a prompt with the routed experts streamed from FILE, then generate with an expert cache. --prompt is
     raw text (no chat template); --messages and --chat are encoded as DeepSeek-V4's chat."""
     from moepack.format_spec.errors import MoepackError
     from moepack.format_spec.reader import Container
-    from moepack.runtime.engine import PrefillOptions
     from moepack.runtime.generate import GenerateOptions, generate as run_generate
 
     if prompt is not None and not prompt or chat is not None and not chat:
         raise MoepackError("empty prompt")
+    check_container_path(file)
     refuse_existing_kv(force, kv_out, continue_from)
     with Container(file) as c:
         ids, tokenizer = _prompt_ids(c, prompt, prompt_file, token_ids_file, messages_file, chat, thinking,
                                      reasoning_effort, continuing=continue_from is not None)
+        config = c.config
     if not ids and continue_from is None:
         raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
+    past = 0
+    if continue_from is not None:
+        from moepack.v4.kv import inspect_kv
+
+        past = inspect_kv(continue_from, verify=False)["tokens"]  # the manifest only: the KV's tokens count too
+    max_new_tokens = context_budget(config, max_context, past + len(ids), max_new_tokens)
     options = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              seed=seed, stop=tuple(stop),
-                              cache_gib=cache_gib,
-                              prefill=PrefillOptions(device=device, compute_dtype=compute_dtype, io_mode=io_mode))
+                              seed=seed, stop=tuple(stop), cache_gib=run.cache_budget(file),
+                              prefill=run.prefill_options())
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
@@ -118,7 +110,8 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         options = replace(options, prefill=replace(options.prefill, on_layer=on_layer))
         result = run_generate(file, ids, options, continue_from=continue_from,
                               detokenize=tokenizer.decode if tokenizer is not None else None,
-                              on_text=None if as_json else show, kv_out=kv_out, kv_overwrite=force)
+                              on_text=None if as_json else show, kv_out=kv_out, kv_overwrite=force,
+                              kv_dtype=run.kv_dtype)
     out = {"generated_ids": result.generated_ids, "text": result.text, "finish_reason": result.finish_reason,
            "stats": result.stats}
     if as_json:

@@ -6,6 +6,7 @@ Every command takes --json (one JSON object on stdout). Failures a user can caus
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -20,9 +21,11 @@ from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
-from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, PREFILL_MEMORY_HINT, Dtype, FiniteFloat, check_threads,
-                     emit, force_option, json_option, layer_progress, one_line_warnings, prompt_options,
-                     refuse_existing, refuse_existing_kv, reports_errors, sigterm_as_interrupt, untrusted_argv_types)
+from .chat import chat
+from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, PREFILL_MEMORY_HINT, Dtype, FiniteFloat,
+                     check_container_path, container_argument, emit, force_option, json_option, layer_progress,
+                     model_run_options, one_line_warnings, prompt_options, refuse_existing, refuse_existing_kv,
+                     reports_errors, sigterm_as_interrupt, untrusted_argv_types)
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve
@@ -71,12 +74,26 @@ _POLICY_FLAGS = (
 
 
 def _policy_options(fn):
-    """--fp4, --q8, ... and the same as --policy NAME (for scripts that pick one by name)."""
-    fn = click.option("--policy", "policy", type=click.Choice([name for name, _ in _POLICY_FLAGS]),
-                      help="The precision policy by name (the same as its flag).")(fn)
+    """--fp4, --q8, ... and the same as --policy NAME (for scripts that pick one by name), given to the command as
+    `policy`. Two different policies (--fp4 --q8, --fp4 --policy q8) are a usage error naming both."""
+    names = [name for name, _ in _POLICY_FLAGS]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        chosen = [f"--{name}" for name in names if kwargs.pop(f"policy_{name}")]
+        by_name = kwargs.pop("policy")
+        if by_name is not None and f"--{by_name}" not in chosen:
+            chosen.append(f"--policy {by_name}")
+        if len(chosen) > 1:
+            raise click.UsageError(f"{' and '.join(chosen)} conflict: choose one precision policy")
+        policy = by_name or (chosen[0][2:] if chosen else None)
+        return fn(*args, policy=policy, **kwargs)
+
+    wrapper = click.option("--policy", "policy", type=click.Choice(names),
+                           help="The precision policy by name (the same as its flag).")(wrapper)
     for name, help_text in reversed(_POLICY_FLAGS):
-        fn = click.option(f"--{name}", "policy", flag_value=name, help=help_text)(fn)
-    return fn
+        wrapper = click.option(f"--{name}", f"policy_{name}", is_flag=True, help=help_text)(wrapper)
+    return wrapper
 
 
 @cli.command()
@@ -144,7 +161,7 @@ def _part_lines(parts: list[dict]) -> list[str]:
 
 
 @cli.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@container_argument
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(),
               help="Directory to write (hf: must not exist, or be empty), or the .gguf file (gguf: must not exist).")
 @click.option("--format", "fmt", type=click.Choice(["hf", "gguf"]), default="hf", show_default=True,
@@ -160,6 +177,7 @@ def _part_lines(parts: list[dict]) -> list[str]:
 def export(file, out_dir, fmt, dtype, split_max_size, force, as_json):
     """Write a container back out: a Hugging Face checkpoint (dequantized) that transformers loads, or a GGUF file
     llama.cpp's deepseek4 architecture loads (--format gguf)."""
+    check_container_path(file)
     refuse_existing(force, out_dir)
     if fmt == "gguf":
         from moepack.packer.gguf_export import export_gguf, parse_size
@@ -180,7 +198,7 @@ def export(file, out_dir, fmt, dtype, split_max_size, force, as_json):
 
 
 @cli.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@container_argument
 @json_option
 @reports_errors
 def inspect(file, as_json):
@@ -188,6 +206,7 @@ def inspect(file, as_json):
     from moepack.format_spec.reader import Container
     from moepack.format_spec.summary import summarize
 
+    check_container_path(file)
     with Container(file) as c:
         result = summarize(c)
         result.update(parts=c.parts_summary(), stripe_experts=c.stripe_experts, total_bytes=c.total_bytes)
@@ -211,7 +230,7 @@ def _print_summary(s: dict) -> None:
 
 
 @cli.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@container_argument
 @click.option("--source", help="Also compare every tensor with this checkpoint (hub id, directory, or GGUF file).")
 @click.option("--revision", help="Revision of --source on the hub.")
 @json_option
@@ -229,6 +248,7 @@ def verify(file, source, revision, as_json):
 
     # the cheap checks first, a broken file fails before any bar shows: the structure, and what prefill checks
     # before it reads (the config's model and its tensors)
+    check_container_path(file)
     with Container(file) as c:
         total = c.total_bytes
         model_config(c, computable=False)
@@ -265,17 +285,13 @@ def _print_verify(r: dict) -> None:
 
 
 @cli.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@container_argument
 @prompt_options
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--kv-out", type=click.Path(file_okay=False),
               help="Directory for the KV cache, written layer by layer (with --force, a KV there is replaced from "
                    "the first layer on).")
 @click.option("--continue-from", type=click.Path(file_okay=False),
               help="A KV directory of an earlier prefill on this container: the prompt continues it.")
-@click.option("--kv-dtype", type=Dtype(("float32", "bfloat16", "float8_e4m3"), give="storage"), default="float32",
-              show_default=True,
-              help="Storage type of the KV's window and compressed entries (buffers stay F32).")
 @click.option("--kv-no-fsync", is_flag=True, help="Do not fsync each KV layer file as it is written (once at the end).")
 @click.option("--logits-out", type=click.Path(dir_okay=False),
               help="safetensors file for the last position's logits (key 'logits', float32 [vocab]).")
@@ -283,30 +299,13 @@ def _print_verify(r: dict) -> None:
               help="Experts per read (default: the best setting `moepack bench io` measured, else 4).")
 @click.option("--queue-depth", type=click.IntRange(1, MAX_QUEUE_DEPTH), default=None,
               help="Reads in flight (default: as measured by `moepack bench io`, else 4).")
-@click.option("--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap", "host"]), default="auto",
-              show_default=True, help="auto: page-cache streaming when the container fits in free RAM, else O_DIRECT; "
-                                      "host: the weights held in host RAM (pinned for a GPU) for this process.")
-@click.option("--device-resident", is_flag=True,
-              help="Hold the weights in the compute device's memory (checked once as they load): the prefill is "
-                   "pure compute. Refused in one line where they do not fit.")
 @click.option("--experts", "expert_selection", type=click.Choice(["auto", "all", "routed"]), default="auto",
               show_default=True, help="Read every expert of a layer, only the routed ones, or choose per layer.")
 @click.option("--query-chunk", type=click.IntRange(min=1), default=None,
               help="At most this many queries per attention chunk inside a layer (bounds memory for long prompts). "
                    "Default: the device's own: two sliding windows (128 queries at least) on a CPU, 1024 on a GPU.")
-@click.option("--compute-dtype", type=Dtype(("float32", "bfloat16"), extra=("auto",)), default="auto",
-              show_default=True,
-              help="The layers' matmuls: float32 (exact) or bfloat16 (the attention's projections and the shared "
-                   "expert; streams, norms and router stay float32): 2-4x faster on CPUs with AVX512-BF16 or AMX "
-                   "and on GPUs. auto: what `moepack bench compute` measured on this CPU, else bfloat16 where it "
-                   "has native bf16 dot products, else float32 (the choice and why are in --json's stats).")
 @click.option("--expert-dtype", type=Dtype(("float32", "bfloat16")), default=None,
               help="The routed experts' matmuls (default: --compute-dtype).")
-@click.option("--expert-backend", type=click.Choice(["auto", "grouped", "per-expert"]), default="auto",
-              show_default=True,
-              help="grouped: each read's experts decoded together and run as grouped GEMMs (a GPU's way); "
-                   "per-expert: one expert at a time on CPU threads with the compiled FP4 kernels; auto: grouped "
-                   "on a GPU, per-expert on a CPU.")
 @click.option("--order", type=click.Choice(["layer", "chunk"]), default="layer", show_default=True,
               help="layer: every token through a layer before the next (each weight read once). chunk: the usual "
                    "chunked prefill (reads the model ceil(N / --chunk-tokens) times), for comparison.")
@@ -324,19 +323,17 @@ def _print_verify(r: dict) -> None:
 @click.option("--dist-timeout", type=FiniteFloat(min=1), default=120.0, show_default=True,
               help="Seconds a rank waits for its peers before giving up with an error.")
 @click.option("--no-verify-reads", is_flag=True, help="Skip the per-region checksum of every read.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, callback=check_threads,
-              help="CPU threads for compute and decode (default: torch's, one per core). Fewer when other work "
-                   "shares the cores: a busy core stalls every multi-threaded op (docs/benchmarks.md).")
+@model_run_options(unused={"cache_gib": "prefill reads every expert once per layer and keeps no expert cache (the "
+                                          "cache is the decode's: generate, chat, serve)"})
 @force_option
 @json_option
 @reports_errors(out_of_memory_hint=PREFILL_MEMORY_HINT)
-def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_from, kv_dtype, kv_no_fsync,
-            logits_out, bundle_experts, queue_depth, io_mode, device_resident, expert_selection, query_chunk,
-            compute_dtype, expert_dtype, expert_backend, order, chunk_tokens, expert_parallel, expert_ownership,
-            container_per_rank, dist_timeout, no_verify_reads, threads, force, as_json):
+def prefill(file, prompt, prompt_file, token_ids_file, kv_out, continue_from, kv_no_fsync, logits_out,
+            bundle_experts, queue_depth, expert_selection, query_chunk, expert_dtype, order, chunk_tokens,
+            expert_parallel, expert_ownership, container_per_rank, dist_timeout, no_verify_reads, run, force, as_json):
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
-    from moepack.runtime.engine import PrefillOptions, prefill as run_prefill
+    from moepack.runtime.engine import prefill as run_prefill
     from moepack.runtime.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
 
     if sum(x is not None for x in (prompt, prompt_file, token_ids_file)) != 1:
@@ -354,6 +351,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
         if not expert_parallel or "{rank}" not in file:
             raise click.UsageError("--container-per-rank needs --expert-parallel and '{rank}' in FILE")
         file = file.replace("{rank}", os.environ.get("RANK", "0"))
+    check_container_path(file)
     with Container(file) as c:
         tokenizer = PromptTokenizer(c) if token_ids_file is None else None
     if token_ids_file is not None:
@@ -369,19 +367,13 @@ def prefill(file, prompt, prompt_file, token_ids_file, device, kv_out, continue_
 
         tuned = tuned_defaults(file) or (4, 4)  # what `moepack bench io` measured for this file, if it did
         bundle_experts, queue_depth = bundle_experts or tuned[0], queue_depth or tuned[1]
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    options = PrefillOptions(device=device, bundle_experts=bundle_experts, queue_depth=queue_depth,
-                             io_mode=io_mode, query_chunk=query_chunk, expert_selection=expert_selection,
-                             verify_reads=not no_verify_reads, compute_dtype=compute_dtype,
-                             expert_dtype=expert_dtype, expert_backend=expert_backend,
-                             device_resident=device_resident, load_progress=not as_json,
-                             expert_ownership=expert_ownership)
+    options = run.prefill_options(bundle_experts=bundle_experts, queue_depth=queue_depth, query_chunk=query_chunk,
+                                  expert_selection=expert_selection, verify_reads=not no_verify_reads,
+                                  expert_dtype=expert_dtype, load_progress=not as_json,
+                                  expert_ownership=expert_ownership)
     with layer_progress(not as_json) as on_layer:
         result = run_prefill(pattern, ids, replace(options, on_layer=on_layer), kv_out=kv_out,
-                             continue_from=continue_from, kv_dtype=kv_dtype, kv_sync=not kv_no_fsync,
+                             continue_from=continue_from, kv_dtype=run.kv_dtype, kv_sync=not kv_no_fsync,
                              chunk_tokens=chunk_tokens if order == "chunk" else None,
                              expert_parallel=expert_parallel, dist_timeout_s=dist_timeout, kv_overwrite=force)
     if result.stats.get("rank", 0) != 0:
@@ -458,7 +450,9 @@ def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
 
 
 @cli.command()
-@click.option("--workdir", type=click.Path(file_okay=False), default="moepack-demo", show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Where the checkpoint, container and KV go (default: moepack's cache folder, "
+                   "$MOEPACK_CACHE_DIR or ~/.cache/moepack, + /demo: never the current directory, a checkout).")
 @click.option("--preset", type=click.Choice(["tiny", "small", "medium"]), default="small", show_default=True)
 @click.option("--prompt", default="Layer-major prefill reads every weight exactly once.", show_default=True)
 @json_option
@@ -474,14 +468,16 @@ def demo(workdir, preset, prompt, as_json):
     from moepack.packer.fidelity import compare_with_source, raise_on_failures
     from moepack.packer.synth import synth_checkpoint
     from moepack.runtime.engine import prefill as run_prefill
+    from moepack.runtime.bench import cache_dir
     from moepack.runtime.tokenizer import PromptTokenizer
 
+    workdir = workdir or os.path.join(cache_dir(), "demo")
     os.makedirs(workdir, exist_ok=True)
     src = os.path.join(workdir, f"{preset}-release")
     out = os.path.join(workdir, f"{preset}-fp4.moepack")
     kv_dir = os.path.join(workdir, "kv")
     quiet = as_json
-    steps = {}
+    steps = {"workdir": workdir}
     if os.path.exists(os.path.join(src, "model.safetensors.index.json")):
         steps["synth"] = {"dir": src, "reused": True}
     else:
@@ -506,6 +502,7 @@ def demo(workdir, preset, prompt, as_json):
         return
     p = steps["prefill"]
     check = steps["verify"]["source_check"]
+    click.echo(f"workdir: {workdir}")
     click.echo(f"synth:   {src}")
     click.echo(f"convert: {out} (--fp4) in {steps['convert']['seconds']:.2f} s, experts "
                f"{steps['convert']['expert_bits_per_weight']} bits/weight")
@@ -521,6 +518,7 @@ def demo(workdir, preset, prompt, as_json):
 
 
 cli.add_command(bench)
+cli.add_command(chat)
 cli.add_command(generate)
 cli.add_command(plan)
 cli.add_command(serve)

@@ -196,8 +196,8 @@ def _print_compute(r: dict) -> None:
 
 
 def _model_source(target: str, policy: str | None, expert_bpw: float | None):
-    """(sizes, config, container path or None) for a container, a config.json / checkpoint directory, or a
-    synthetic preset name (tiny, small, medium)."""
+    """(sizes, config, container path or None) for a container, a config.json / checkpoint directory, a hub repo id
+    (owner/name: its config.json alone is fetched) or a synthetic preset name (tiny, small, medium)."""
     from moepack.runtime.plan import load_config, sizes_from_config, sizes_from_container
 
     if os.path.isfile(target):
@@ -212,15 +212,18 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
                 raise MoepackError("--expert-bpw is for a config: a container's expert sizes are in its index")
             with Container(target) as c:
                 return sizes_from_container(c), c.config, target
+    from moepack.packer.hub import fetch_config, looks_like_repo_id
+    from moepack.packer.synth import PRESETS, RELEASE_QUANTIZATION_CONFIG, preset_config
+
     if os.path.exists(target):
         config = load_config(target)
-    else:
-        from moepack.packer.synth import PRESETS, RELEASE_QUANTIZATION_CONFIG, preset_config
-
-        if target not in PRESETS:
-            raise MoepackError(f"{target}: no such file (give a container, a config.json, a checkpoint directory or "
-                               f"a preset: {', '.join(PRESETS)})")
+    elif target in PRESETS:
         config = {**preset_config(target), "quantization_config": dict(RELEASE_QUANTIZATION_CONFIG)}
+    elif looks_like_repo_id(target):  # a hub repo: its config.json alone (from the cache when offline)
+        config = load_config(fetch_config(target))
+    else:
+        raise MoepackError(f"{target}: no such file (give a container, a config.json, a checkpoint directory, a "
+                           f"Hugging Face repo id or a preset: {', '.join(PRESETS)})")
     return sizes_from_config(config, policy or "keep", expert_bpw), config, None
 
 
@@ -279,7 +282,8 @@ def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, pol
          bundle_experts, queue_depth, with_attention, device, expert_dtype, mem_gbps, pcie_gbps, gflop_per_token,
          routed_gflop_per_token, kv_dtype, force, as_json):
     """Break-even calculator for a streamed layer-major prefill of FILE (a container) or CONFIG (a config.json, a
-    checkpoint directory, or a preset name): T_SSD = W/BW, T_compute(N), the bottleneck, N* = F x W / (FLOP/token
+    checkpoint directory, a Hugging Face repo id such as deepseek-ai/DeepSeek-V4-Flash, whose config.json alone is
+    fetched, or a preset name): T_SSD = W/BW, T_compute(N), the bottleneck, N* = F x W / (FLOP/token
     x BW), tokens/s per N and the VRAM budget. Measured `moepack bench` values are the defaults."""
     from moepack.runtime import plan as P
     from moepack.runtime.bench import measured_for_plan, tuned_defaults

@@ -9,9 +9,8 @@ import socket
 import click
 
 from moepack.format_spec.untrusted import finite_float
-from moepack.runtime.limits import MAX_CACHE_GIB
 
-from .common import Dtype, json_option, reports_errors
+from .common import check_container_path, container_argument, json_option, model_run_options, reports_errors
 
 API_KEY_ENV = "MOEPACK_API_KEY"
 
@@ -45,18 +44,11 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
 
 
 @click.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@container_argument
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (default: this machine only).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--cache-gib", type=click.FloatRange(0, MAX_CACHE_GIB), default=None,
-              help="Byte budget of the routed-expert cache, kept across requests (default: every routed "
-                   "expert, within a quarter of the memory this process may use and what is left of it beside the "
-                   "rest of a generation).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests admitted at once (waiting + running); more are answered 429.")
-@click.option("--compute-dtype", type=Dtype(("float32", "bfloat16"), extra=("auto",)), default="auto",
-              show_default=True, help="As prefill's --compute-dtype.")
 @click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every /v1 request (and "
               "/metrics, /tokenize, /detokenize). Visible to `ps`: prefer --api-key-file or MOEPACK_API_KEY.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
@@ -66,7 +58,7 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
               help="The model's id in the API (default: FILE's stem).")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True, max=1024), default=4, show_default=True,
               help="A request body over this is refused (413), by its Content-Length or as it is read.")
-@click.option("--max-context", "--max-model-len", "max_context", type=click.IntRange(min=2), default=None,
+@click.option("-c", "--max-context", "--max-model-len", "max_context", type=click.IntRange(min=2), default=None,
               help="Prompt tokens + max_tokens allowed per request (400 beyond; default: the model's context, "
                    "max_position_embeddings).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True, max=7 * 86400), default=600,
@@ -79,10 +71,11 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
               help="Seconds an idle connection is kept open between requests.")
 @click.option("--max-connections", type=click.IntRange(min=1, max=100000), default=256, show_default=True,
               help="Open connections served at once; past it a request gets 503 with Retry-After.")
+@model_run_options(unused={"kv_dtype": "the server keeps each request's KV in memory (float32) and writes none"})
 @json_option
 @reports_errors(out_of_memory_hint="lower --cache-gib")
-def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key, api_key_file, model_name,
-          max_body_mb, max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections, as_json):
+def serve(file, host, port, max_queue, api_key, api_key_file, model_name, max_body_mb, max_context,
+          request_timeout, timeout_read, timeout_keep_alive, max_connections, run, as_json):
     """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models[/ID], /health,
     /metrics (Prometheus), /tokenize and /detokenize (llama-server's). Fields, tools, JSON output: docs/guide.md,
     "Serving real clients".
@@ -90,14 +83,13 @@ def serve(file, host, port, device, cache_gib, max_queue, compute_dtype, api_key
     Limits and their refusals: docs/failures.md, "Server limits"."""
     import uvicorn
 
-    from moepack.runtime.engine import PrefillOptions
     from moepack.runtime.generate import Generator
     from moepack.runtime.serve import ServerLimits, make_app, uvicorn_config
 
+    check_container_path(file)
     name = model_name or os.path.splitext(os.path.basename(file))[0]
     api_key = resolve_api_key(api_key, api_key_file)
-    generator = Generator(file, cache_gib,
-                          prefill=PrefillOptions(device=device, compute_dtype=compute_dtype))
+    generator = Generator(file, run.cache_budget(file), prefill=run.prefill_options())
     try:
         limits = ServerLimits(max_body_bytes=round(finite_float(max_body_mb, "--max-body-mb", lo=0.0, lo_open=True)
                                                    * 2**20), max_context=max_context,

@@ -88,6 +88,26 @@ def resolve_source(src: str, revision: str | None = None, progress: bool = True,
     return plan.source()
 
 
+def fetch_config(repo: str, revision: str | None = None, *, cache_dir: str | None = None) -> str:
+    """The path of hub repo `repo`'s config.json, downloading that file alone into the Hugging Face cache (what
+    `moepack plan` needs of a repo). With HF_HUB_OFFLINE=1, or when the hub cannot be reached, the cached copy is
+    used (huggingface_hub's local_files_only); MoepackError (one line) when there is none."""
+    from huggingface_hub import constants, hf_hub_download
+
+    if not looks_like_repo_id(repo):
+        raise MoepackError(f"{repo}: not a Hugging Face repo id (owner/name)")
+    _install_timeouts()
+    rev = revision or constants.DEFAULT_REVISION
+    if constants.is_offline_mode():
+        try:
+            return hf_hub_download(repo, "config.json", revision=rev, cache_dir=cache_dir, local_files_only=True)
+        except Exception:  # huggingface_hub's own types: not cached, a bad cache entry
+            raise MoepackError(f"HF_HUB_OFFLINE is set and {repo}@{rev}'s config.json is not in the local cache "
+                               f"({cache_dir or constants.HF_HUB_CACHE}); fetch it once with network access") from None
+    with _hub_errors(repo, rev):
+        return _with_retries(lambda: hf_hub_download(repo, "config.json", revision=rev, cache_dir=cache_dir))
+
+
 SCRATCH_AHEAD = 1  # shards downloaded ahead of the one being converted when each is deleted after its conversion
 
 

@@ -248,13 +248,14 @@ class Generator:
     def generate(self, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
                  kv_out: str | None = None, cancelled: Callable[[], bool] | None = None,
-                 kv_overwrite: bool = False,
+                 kv_overwrite: bool = False, kv_dtype: str = "F32",
                  on_token: Callable[[int, TokenLogprob | None], None] | None = None) -> GenerateResult:
         """Prefill `token_ids` (after `continue_from`'s KV, if given), then decode up to max_new_tokens.
         `detokenize` (ids -> text) gives `text`, lets `--stop` strings end the generation, and `on_text` the text
         as it comes (never a split UTF-8 character, never the start of a stop string that may yet complete).
         `kv_out`: the KV after the generation (prompt and generated tokens; its result, the last generated token)
-        is written there (a KV already there is refused unless `kv_overwrite`). `cancelled()` true ends the
+        is written there, its entries stored as `kv_dtype` (a KV already there is refused unless `kv_overwrite`).
+        `cancelled()` true ends the
         generation (finish_reason "cancelled"): asked between the prefill's layers (the first time once every
         check has passed) and between decoded tokens. `on_token(id, logprob)`: each token as it is chosen, before
         its text goes to on_text (logprob given options.logprobs, else None)."""
@@ -306,7 +307,7 @@ class Generator:
         if kv_out is not None:
             in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
             write_kv(kv_out, self.c, all_ids + generated[:-1], decoder.states, past, generated[-1], logits,
-                     overwrite=in_place or kv_overwrite)
+                     overwrite=in_place or kv_overwrite, dtype=kv_dtype)
         if pieces is not None and not stopper.finish_reason and finish is None:
             shown = stopper.flush(so_far + pieces.flush())
             if shown and on_text is not None:
@@ -320,19 +321,21 @@ class Generator:
 def generate(path: str, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,
              detokenize: Callable[[list[int]], str] | None = None,
              on_text: Callable[[str], None] | None = None, kv_out: str | None = None,
-             kv_overwrite: bool = False) -> GenerateResult:
+             kv_overwrite: bool = False, kv_dtype: str = "F32") -> GenerateResult:
     """One generation on `path` (Generator.generate, the container opened for it alone)."""
     options = options or GenerateOptions()
     with Generator(path, options.cache_gib, options.prefill) as g:
-        return g.generate(token_ids, options, continue_from, detokenize, on_text, kv_out, kv_overwrite=kv_overwrite)
+        return g.generate(token_ids, options, continue_from, detokenize, on_text, kv_out, kv_overwrite=kv_overwrite,
+                          kv_dtype=kv_dtype)
 
 
 def write_kv(kv_dir: str, container: Container, token_ids: list[int], states, start: int, next_token: int,
-             logits: torch.Tensor, overwrite: bool = False) -> None:
+             logits: torch.Tensor, overwrite: bool = False, dtype: str = "F32") -> None:
     """The KV directory (format_spec/KV.md) of `states`, which cover `token_ids`; `start` of them came from the KV
     the generation continued (`overwrite`: it is that directory; the new KV is written beside the old one and
     swapped in once complete)."""
-    writer = KVWriter(kv_dir, identity_of_container(container), token_ids, start_token=start, overwrite=overwrite)
+    writer = KVWriter(kv_dir, identity_of_container(container), token_ids, dtype=dtype, start_token=start,
+                      overwrite=overwrite)
     try:
         for layer, state in enumerate(states):
             writer.write_layer(layer, state)

@@ -46,7 +46,7 @@ def test_prefill_knobs_out_of_range_are_usage_errors(container, flags):
     assert p.returncode == 2 and time.monotonic() - started < 30
     out = json.loads(p.stdout)  # --json: the error object on stdout too
     assert out["ok"] is False and out["usage_error"] and flags[0] in out["error"]
-    assert f"Invalid value for '{flags[0]}'" in p.stderr
+    assert "Invalid value for" in p.stderr and f"'{flags[0]}'" in p.stderr  # (with its short form, if it has one)
 
 
 def test_generate_cache_budget_out_of_range(container):

@@ -1,0 +1,185 @@
+"""`moepack chat FILE`: an interactive chat in the terminal over one container opened once (runtime/generate.py's
+Generator: the non-routed weights stay resident and the expert cache warm from one turn to the next).
+
+Each turn encodes the whole conversation as DeepSeek-V4's chat (v4/chat.py, the path of `generate --chat`: message
+content stays plain text) and prefills it again: the Generator's decode state is not kept between generations, and
+a layer-major prefill of the history costs one read of the experts the prompt routes to, most of them cached.
+
+Ctrl-C while a reply is generated stops it at the next layer or token; the reply is kept in the history as far as
+it was shown (one stopped before its first token drops the user's message too). At the prompt, Ctrl-C twice in a
+row, /exit or Ctrl-D leaves (status 0); /reset clears the history (the --system message stays)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+from contextlib import suppress
+from dataclasses import replace
+
+import click
+
+from .common import (check_container_path, container_argument, context_budget, context_option, json_option,
+                     max_new_tokens_option, model_run_options, reports_errors, sampling_options)
+
+PROMPT = ">>> "
+HELP_LINE = "/reset clears the history, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
+
+
+class _Keyboard:
+    """The typed lines and Ctrl-C, wherever the kernel delivers the signal. SIGINT goes to any thread that does not
+    block it (a reader's, torch's): Python's handler then runs in the main thread only once that executes again,
+    which a main thread asleep in read() never does. So Ctrl-C only sets `pressed` (a reply's generation asks it
+    between layers and tokens: no KeyboardInterrupt in the middle of the model's arithmetic), and the prompt waits
+    with select() on stdin and the signal module's wakeup pipe, which the signal's C handler writes to on any
+    thread."""
+
+    def __init__(self):
+        self.pressed = False
+        self._pending = b""
+        self._wake_read, self._wake_write = os.pipe()
+        for fd in (self._wake_read, self._wake_write):
+            os.set_blocking(fd, False)
+        self._old_wakeup = signal.set_wakeup_fd(self._wake_write)
+        self._old_handler = signal.signal(signal.SIGINT, self._press)
+
+    def _press(self, signum, frame) -> None:
+        self.pressed = True
+
+    def close(self) -> None:
+        signal.signal(signal.SIGINT, self._old_handler)
+        signal.set_wakeup_fd(self._old_wakeup)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def stop_asked(self) -> bool:
+        return self.pressed
+
+    def read_line(self) -> str | None:
+        """The next line (without its end), None at the end of the input (Ctrl-D); KeyboardInterrupt for Ctrl-C."""
+        stdin = sys.stdin.fileno()
+        while b"\n" not in self._pending:
+            if self.pressed:
+                self.pressed = False
+                raise KeyboardInterrupt
+            ready = select.select([stdin, self._wake_read], [], [])[0]
+            if self._wake_read in ready:
+                with suppress(BlockingIOError):
+                    while os.read(self._wake_read, 512):
+                        pass
+            if stdin in ready:
+                chunk = os.read(stdin, 65536)
+                if not chunk:  # end of input; a last line without its newline still counts
+                    if not self._pending:
+                        return None
+                    chunk = b"\n"
+                self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode("utf-8", "replace").rstrip("\r")
+
+
+def _read_line(keyboard: _Keyboard) -> str | None:
+    """The next line typed after the prompt (on stderr: stdout holds the replies), None to leave: Ctrl-D, or
+    Ctrl-C twice in a row."""
+    interrupted = False
+    while True:
+        click.echo(PROMPT, nl=False, err=True)
+        try:
+            return keyboard.read_line()
+        except KeyboardInterrupt:
+            click.echo(err=True)
+            if interrupted:
+                return None
+            interrupted = True
+            click.echo("(Ctrl-C again, /exit or Ctrl-D to leave)", err=True)
+
+
+def _assistant_message(text: str, thinking: bool) -> dict:
+    """The reply as the history keeps it: in thinking mode the thought (before </think>) is its reasoning, which
+    the encoder drops from earlier turns."""
+    if thinking:
+        from moepack.v4.chat import THINK_END
+
+        reasoning, sep, answer = text.partition(THINK_END)
+        return {"role": "assistant", "content": answer if sep else "", "reasoning_content": reasoning}
+    return {"role": "assistant", "content": text}
+
+
+@click.command()
+@container_argument
+@click.option("--system", help="A system message in front of the conversation (kept by /reset).")
+@click.option("--thinking/--no-thinking", default=False, show_default=True,
+              help="Thinking mode (<think>: the reply starts with its thought) or chat mode (</think>).")
+@max_new_tokens_option(1024)
+@context_option
+@sampling_options
+@model_run_options(unused={"kv_dtype": "chat keeps its KV in memory (float32) and writes none"})
+@json_option
+@reports_errors(out_of_memory_hint="lower --cache-gib or --max-new-tokens, or /reset the conversation")
+def chat(file, system, thinking, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, run, as_json):
+    """Chat with the model in FILE in the terminal: each reply streams as it is generated; the conversation is kept
+    (encoded as DeepSeek-V4's chat) until /reset. /exit or Ctrl-D leaves; Ctrl-C stops a reply, which stays in the
+    history as far as it was shown. With --json each reply is one JSON line instead of streamed text."""
+    from moepack.runtime.generate import GenerateOptions
+
+    check_container_path(file)
+    reply = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=tuple(stop))
+    keyboard = _Keyboard()
+    try:
+        _converse(file, run, reply, system, thinking, max_context, as_json, keyboard)
+    finally:
+        keyboard.close()
+
+
+def _show(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard):
+    """The chat's loop: `reply` the GenerateOptions of every reply (its max_new_tokens cut to the context cap)."""
+    from moepack.format_spec.errors import MoepackError
+    from moepack.runtime.generate import Generator
+    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.v4 import chat as chat_encoding
+
+    start = [] if system is None else [{"role": "system", "content": system}]
+    messages = list(start)
+    with Generator(file, run.cache_budget(file), prefill=run.prefill_options()) as generator:
+        tokenizer = PromptTokenizer(generator.c)
+        click.echo(f"moepack chat: {file} ({HELP_LINE})", err=True)
+        while True:
+            line = _read_line(keyboard)
+            if line is None or line.strip() == "/exit":
+                return
+            if line.strip() == "/reset":
+                messages = list(start)
+                click.echo("(history cleared)", err=True)
+                continue
+            if not line.strip():
+                continue
+            turn = [*messages, {"role": "user", "content": line}]
+            try:
+                ids = tokenizer.encode_segments(chat_encoding.encode_message_segments(turn, thinking=thinking))
+                budget = context_budget(generator.c.config, max_context, len(ids), reply.max_new_tokens)
+                result = generator.generate(ids, replace(reply, max_new_tokens=budget), detokenize=tokenizer.decode,
+                                            on_text=None if as_json else _show, cancelled=keyboard.stop_asked)
+            except MoepackError as e:  # the turn is refused (the context cap, the memory), the conversation goes on
+                click.echo(f"moepack: error: {e}" + ("; /reset to start over" if len(turn) > 1 else ""), err=True)
+                continue
+            keyboard.pressed = False  # it stopped this reply: not also a Ctrl-C at the next prompt
+            if as_json:
+                click.echo(json.dumps({"ok": True, "text": result.text, "finish_reason": result.finish_reason,
+                                       "generated_ids": result.generated_ids, "stats": result.stats}, default=str))
+            else:
+                click.echo()
+                if result.finish_reason == "cancelled":
+                    click.echo("(stopped)", err=True)
+                elif result.finish_reason == "length":
+                    click.echo(f"(cut at {budget} tokens: -n or -c)", err=True)
+            if result.finish_reason == "cancelled" and not result.generated_ids:
+                continue  # stopped before a word: the question goes too
+            messages = [*turn, _assistant_message(result.text, thinking)]
