@@ -178,7 +178,10 @@ def test_a_stopped_reply_stays_in_the_history_as_far_as_it_was_shown(container):
     finally:
         chat.kill()
     first, second = replies
-    assert first["finish_reason"] == second["finish_reason"] == "cancelled" and first["generated_ids"]
+    # the first reply was stopped part-way; the second may end by itself before its Ctrl-C (the tiny random model's
+    # end of sentence): what it checks is the prompt it was given
+    assert first["finish_reason"] == "cancelled" and first["generated_ids"]
+    assert second["finish_reason"] in ("cancelled", "stop")
     with Container(container) as c:
         tokenizer = PromptTokenizer(c)
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first["text"]},

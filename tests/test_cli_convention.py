@@ -88,7 +88,8 @@ def test_llama_cpp_short_forms(container):
     for command in ("generate", "chat"):
         assert _params(command)["max_new_tokens"].opts == ["-n", "--max-new-tokens"]
     for command in ("generate", "chat", "serve"):
-        assert _params(command)["max_context"].opts == ["-c", "--max-context"]
+        assert _params(command)["max_context"].opts[:2] == ["-c", "--max-context"]
+    assert "--max-model-len" in _params("serve")["max_context"].opts  # vLLM's name for it
     r = _run("generate", container, "-p", "hello", "-n", "50", "--json")
     prompt_tokens = json.loads(r.output)["stats"]["prefill"]["tokens"]
     # -c caps prompt + new tokens: the generation stops where it reaches the cap
