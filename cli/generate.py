@@ -23,6 +23,9 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
     given = [x is not None for x in (prompt, prompt_file, token_ids_file, messages_file, chat)]
     if sum(given) > 1:
         raise click.UsageError("give at most one of --prompt, --prompt-file, --token-ids, --messages, --chat")
+    if messages_file is None and chat is None and (thinking or reasoning_effort is not None):
+        # the chat encoding renders them; a raw prompt or token ids would take them and change nothing
+        raise click.UsageError("--thinking and --reasoning-effort shape the chat encoding: give --chat or --messages")
     tokenizer = None
     if token_ids_file is None:
         tokenizer = PromptTokenizer(container)

@@ -188,3 +188,12 @@ def test_demo_writes_outside_the_current_directory(tmp_path, monkeypatch):
     steps = json.loads(r.output)
     assert steps["workdir"] == str(cache / "demo") and (cache / "demo" / "tiny-fp4.moepack").exists()
     assert list(cwd.iterdir()) == []
+
+
+def test_thinking_and_reasoning_effort_without_a_chat_encoding_are_refused(container):
+    """They shape the chat encoding only: on a raw prompt they would be taken and change nothing (#38)."""
+    for flags in (["--thinking"], ["--reasoning-effort", "high"]):
+        r = _run("generate", container, "-p", "hello", "-n", "2", *flags)
+        assert r.exit_code == 2 and "give --chat or --messages" in r.output
+    r = _run("generate", container, "--chat", "hello", "-n", "2", "--thinking", "--reasoning-effort", "max", "--json")
+    assert r.exit_code == 0, r.output
