@@ -53,7 +53,7 @@ from .limits import MAX_BUNDLE_EXPERTS
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
 from .grouped_experts import GroupedExperts, resolve_expert_backend
 from .io import HostBuffer, available_memory_bytes, cpu_steal_seconds, keep_freed_memory, release_freed_memory
-from .resident import resident_bytes
+from .resident import place_that_fits, resident_bytes
 from .read_scheduler import (EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, global_regions,
                              tokens_per_expert)
 
@@ -227,6 +227,20 @@ def cuda_free_bytes(device: torch.device) -> int:
     budget = int((fraction(device) if fraction else 1.0) * total)
     reserved = torch.cuda.memory_reserved(device)
     return min(free, max(budget - reserved, 0)) + reserved - torch.cuda.memory_allocated(device)
+
+
+def held_for_serving(path: str, options: PrefillOptions) -> PrefillOptions:
+    """A server's prefill options: where nothing was asked of the reads (io "auto", not device-resident), the weights
+    held once for the process on a GPU, on the device where they fit its budget, else pinned in host RAM where they
+    fit there (resident.place_that_fits); as given otherwise, and on a CPU (the page cache serves it)."""
+    if options.io_mode != "auto" or options.device_resident:
+        return options
+    device = compute_device(options.device)
+    with Container(path) as c:
+        place = place_that_fits(c.part_paths, device)
+    if place == "device":
+        return replace(options, device_resident=True)
+    return replace(options, io_mode="host") if place == "host" else options
 
 
 def resolve_compute_dtype(options: PrefillOptions, device: torch.device) -> tuple[PrefillOptions, str]:

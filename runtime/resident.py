@@ -140,15 +140,35 @@ def _pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
 
 def _check_room(nbytes: int, place: str, device: torch.device, path: str) -> None:
     """Refuse in one line, before allocating, where the memory is not there."""
+    free = free_bytes(place, device)
     if place == "device" and device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
         flag, where = "--device-resident", f"free memory on {device}"
     else:
-        free = available_memory_bytes()
         flag, where = ("--io host" if place == "host" else "--device-resident"), "available host memory"
     if free and nbytes > MEMORY_FRACTION * free:
         raise MoepackError(f"{flag}: {path} is {nbytes / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of {where} "
                            f"is there (at most {MEMORY_FRACTION:.0%} of it is used): use --io direct")
+
+
+def free_bytes(place: str, device: torch.device) -> int:
+    """What `place` has free for held weights: the device's free memory, or the memory this process may use."""
+    if place == "device" and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory_bytes()
+
+
+def place_that_fits(paths: list[str], device: torch.device, share: float = 0.5) -> str | None:
+    """Where a server holds the weights once for its life (docs/guide.md): on a GPU, "device" where the files take
+    at most `share` of its free memory (the rest is the prefills' and the expert cache's), else "host" where they
+    take at most `share` of the memory this process may use; None on a CPU (the page cache serves it) or where
+    neither fits (they stream)."""
+    if device.type != "cuda":
+        return None
+    size = sum(os.path.getsize(p) for p in paths)
+    for place in PLACES[::-1]:  # the device first
+        if size <= share * free_bytes(place, device):
+            return place
+    return None
 
 
 _HELD: dict[tuple, ResidentBytes] = {}

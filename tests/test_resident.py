@@ -100,3 +100,26 @@ def test_cuda_resident_prefill_equals_the_streamed_one(container, where):
     held = prefill(container, IDS, PrefillOptions(**where, **options))
     assert torch.equal(held.logits, streamed.logits)
     assert held.stats["bytes_read"] == 0
+
+
+def test_a_server_holds_the_weights_where_they_fit(container, monkeypatch):
+    """`serve` on a GPU: on the device where the files take at most half its free memory, else pinned in host RAM
+    where they fit there, else streamed; a CPU's page cache serves it; what the user asked for stands."""
+    from moepack.runtime import engine
+
+    size = os.path.getsize(container)
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(engine, "compute_device", lambda name: device)
+    free = {"device": 4 * size, "host": 4 * size}
+    monkeypatch.setattr(resident, "free_bytes", lambda place, dev: free[place])
+    auto = PrefillOptions(device="cuda")
+    assert engine.held_for_serving(container, auto).device_resident
+    free["device"] = size
+    held = engine.held_for_serving(container, auto)
+    assert not held.device_resident and held.io_mode == "host"
+    free["host"] = size
+    assert engine.held_for_serving(container, auto) == auto  # neither fits: streamed
+    free["device"] = 4 * size
+    assert engine.held_for_serving(container, PrefillOptions(device="cuda", io_mode="direct")).io_mode == "direct"
+    monkeypatch.setattr(engine, "compute_device", lambda name: torch.device("cpu"))
+    assert engine.held_for_serving(container, PrefillOptions()) == PrefillOptions()
