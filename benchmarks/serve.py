@@ -24,15 +24,17 @@ import httpx
 PROMPTS = ["Once upon a time", "The quick brown fox", "In the beginning", "It was a dark and stormy night"]
 
 
-def container(workdir: str, preset: str) -> str:
-    out = os.path.join(workdir, f"{preset}.moepack")
+def container(workdir: str, preset: str, policy: str = "keep") -> str:
+    """The synthetic preset converted with `policy` (made once in `workdir`)."""
+    out = os.path.join(workdir, f"{preset}.moepack" if policy == "keep" else f"{preset}-{policy}.moepack")
     if not os.path.exists(out):
         from moepack.packer.convert import convert_checkpoint
         from moepack.packer.synth import synth_checkpoint
 
         src = os.path.join(workdir, f"{preset}-src")
-        synth_checkpoint(src, preset=preset, progress=False)
-        convert_checkpoint(src, out, policy="keep", progress=False)
+        if not os.path.exists(os.path.join(src, "model.safetensors.index.json")):
+            synth_checkpoint(src, preset=preset, progress=False)
+        convert_checkpoint(src, out, policy=policy, progress=False)
     return out
 
 

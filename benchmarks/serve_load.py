@@ -30,20 +30,10 @@ import time
 import httpx
 import openai
 
+from serve import container  # benchmarks/serve.py: the synthetic preset, converted once
+
 PROMPT = ("The design note argues that a prefill streams experts well because many tokens share each read, "
           "while decode must cache them. Explain why, step by step:")
-
-
-def container(workdir: str, preset: str) -> str:
-    out = os.path.join(workdir, f"{preset}-fp4.moepack")
-    if not os.path.exists(out):
-        from moepack.packer.convert import convert_checkpoint
-        from moepack.packer.synth import synth_checkpoint
-
-        src = os.path.join(workdir, f"{preset}-src")
-        synth_checkpoint(src, preset=preset, progress=False, overwrite=True)
-        convert_checkpoint(src, out, policy="fp4", progress=False)
-    return out
 
 
 class Server:
@@ -159,7 +149,7 @@ def main() -> None:
     if not levels or min(levels) < 1 or max(levels) > 64:
         raise SystemExit("--clients: 1 to 64 each")
     os.makedirs(args.workdir, exist_ok=True)
-    path = args.container or container(args.workdir, args.preset)
+    path = args.container or container(args.workdir, args.preset, "fp4")
     server = Server(path, args.device, max(levels) * 2, args.serve_arg, os.path.join(args.workdir, "serve.log"))
     try:
         one_client(server, PROMPT, 4, time.perf_counter())  # warm-up: the cache fills, the kernels load

@@ -154,6 +154,11 @@ def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INT
     return out
 
 
+def entry_bytes(raw: torch.Tensor, base: int):
+    """read(entry) for decode_group: the entry's stored bytes within `raw`, the bytes from file offset `base`."""
+    return lambda t: raw[t.file_offset - base: t.file_offset - base + t.length]
+
+
 def decode_stacked(groups, read, suffixes, out_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Same-layout tensors of several groups (a layer's experts), each as decode_group decodes it, stacked:
     {suffix: [G, *shape]} for the entries `prefix + suffix` of each (prefix, tensors) in `groups`. Where the type

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moepack.format_spec.decode import decode_group, decode_group_rows
+from moepack.format_spec.decode import decode_group, decode_group_rows, entry_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 from moepack.v4.kv import LayerKVState
@@ -44,7 +44,7 @@ from moepack.v4.kv import LayerKVState
 from . import model, token_kernels
 from .device_copier import DeviceCopier
 from .expert_decode import EXPERT_MATRICES, ExpertWeights, expert_weight_count
-from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
+from .expert_runner import BusyTimer, ExpertRunner, decode_dense
 from .io import ReadPipeline, RegionReader, release_freed_memory
 from .model import HEAD_GLOBALS
 from .read_scheduler import RegionChecker, global_regions
@@ -235,11 +235,13 @@ class Decoder:
             self.kernels is not None and t.name == cfg.head_weight and t.dtype == "BF16") else torch.float32)
         self.stats.resident_s = time.perf_counter() - start
         # what the resident weights hold of the host's memory (a kept integer tensor may be a view of its region's
-        # bytes: storages counted once)
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for weights in [*self.dense, self.head_weights] for t in weights.values()}
-        self.host_resident_bytes = 0 if device.type != "cpu" else sum(storages.values()) + sum(
-            r.length for r in global_regions(container, ["embed.weight"]))
+        # bytes: storages counted once); on a GPU they live on the device
+        self.host_resident_bytes = 0
+        if device.type == "cpu":
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for weights in [*self.dense, self.head_weights] for t in weights.values()}
+            self.host_resident_bytes = sum(storages.values()) + sum(
+                r.length for r in global_regions(container, ["embed.weight"]))
         self._layer_of = {block.name: layer for layer, block in enumerate(self.blocks)}
         self._keep_lock = threading.Lock()
         self._from_prefill: set[tuple[int, int]] = set()  # kept by keep_from_prefill since the last seed

@@ -34,7 +34,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from moepack.format_spec.decode import companion_names, decode_group, decode_group_row_slices, decode_group_rows
+from moepack.format_spec.decode import (companion_names, decode_group, decode_group_row_slices, decode_group_rows,
+                                        entry_bytes)
 from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.layout import SCALE_SUFFIXES
 from moepack.format_spec.reader import Block, Container, Region
@@ -50,7 +51,7 @@ from .device_copier import DeviceCopier
 from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
 from .bench import default_compute_dtype
 from .limits import MAX_BUNDLE_EXPERTS
-from .expert_runner import BusyTimer, ExpertRunner, decode_dense, entry_bytes
+from .expert_runner import BusyTimer, ExpertRunner, decode_dense
 from .grouped_experts import GroupedExperts, resolve_expert_backend
 from .io import HostBuffer, available_memory_bytes, cpu_steal_seconds, keep_freed_memory, release_freed_memory
 from .resident import place_that_fits, resident_bytes

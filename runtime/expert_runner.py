@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from moepack.format_spec.decode import decode_group
+from moepack.format_spec.decode import decode_group, entry_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Block, Region
 
@@ -78,11 +78,6 @@ class OrderedSum:
     def check_complete(self) -> None:
         if self._next != len(self._order):
             raise RuntimeError(f"experts {self._order[self._next:][:8]} were never added")
-
-
-def entry_bytes(raw: torch.Tensor, base: int) -> Callable:
-    """read(entry) for decode_group: the entry's stored bytes within `raw`, the bytes from file offset `base`."""
-    return lambda t: raw[t.file_offset - base: t.file_offset - base + t.length]
 
 
 def decode_regions(regions: list[Region], raw: torch.Tensor, base: int, strip: str,

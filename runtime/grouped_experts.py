@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from moepack.format_spec.decode import decode_stacked
+from moepack.format_spec.decode import decode_stacked, entry_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Block, Region
 
@@ -169,7 +169,7 @@ class GroupedExperts:
                 raise RuntimeError(f"the experts of one read do not own consecutive rows: {spans[:4]}")
             n = self.naming
             w = decode_stacked([(n.prefix(block, r.expert), r.tensors) for r in chosen],
-                               lambda t: raw[t.file_offset - base: t.file_offset - base + t.length],
+                               entry_bytes(raw, base),
                                (n.gate, n.up, n.down), self.expert_dtype)
             inner = w[n.gate].shape[1]
             gate_up = torch.cat([w.pop(n.gate), w.pop(n.up)], dim=1)  # [G, 2I, H]: both in one GEMM

@@ -46,10 +46,6 @@ class ResidentSlice:
     view: memoryview | None
     resident = True
 
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel()
-
 
 class ResidentBytes:
     """Every region of `container`'s files, loaded once into `place` (host RAM, pinned for a CUDA `device`; or the
@@ -77,34 +73,29 @@ class ResidentBytes:
             raise MoepackError(f"cannot hold {container.path}'s {self.nbytes / 2**30:.1f} GiB in {where} memory "
                                f"({error_reason(e)[:160]}): use --io direct") from None
         self._host_views = None if on_device else [memoryview(p.numpy()) for p in self.parts]
-        regions = sorted((r for r in container.regions), key=lambda r: (r.part, r.offset))
+        regions = sorted(container.regions, key=lambda r: (r.part, r.offset))
         self._load(container, regions, verify, on_device, progress)
         self.load_seconds = time.perf_counter() - started
 
     def _load(self, container: Container, regions: list[Region], verify: bool, on_device: bool,
               progress: bool) -> None:
         staging = None
-        fds = [os.open(p, os.O_RDONLY) for p in container.part_paths]
-        try:
-            with tqdm(total=sum(r.length for r in regions), unit="B", unit_scale=True, disable=not progress,
-                      desc=f"holding the weights in {self.place} memory", leave=False) as bar:
-                for r in regions:
-                    if on_device:
-                        if staging is None or staging.numel() < r.length:
-                            staging = torch.empty(max(r.length, _STAGING_BYTES), dtype=torch.uint8, pin_memory=True)
-                        view = memoryview(staging.numpy())[:r.length]
-                    else:
-                        view = self._host_views[r.part][r.offset:r.end]
-                    _pread_exactly(fds[r.part], view, r.offset, container.part_paths[r.part])
-                    if verify and xxhash.xxh3_64_hexdigest(view) != r.xxh3:
-                        raise FormatError(f"region {container.describe(r)}: checksum mismatch while loading: the "
-                                          f"container is damaged (run `moepack verify`)")
-                    if on_device:  # synchronous: the staging buffer is reused by the next region
-                        self.parts[r.part][r.offset:r.end].copy_(staging[:r.length])
-                    bar.update(r.length)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        with tqdm(total=sum(r.length for r in regions), unit="B", unit_scale=True, disable=not progress,
+                  desc=f"holding the weights in {self.place} memory", leave=False) as bar:
+            for r in regions:
+                if on_device:
+                    if staging is None or staging.numel() < r.length:
+                        staging = torch.empty(max(r.length, _STAGING_BYTES), dtype=torch.uint8, pin_memory=True)
+                    view = memoryview(staging.numpy())[:r.length]
+                else:
+                    view = self._host_views[r.part][r.offset:r.end]
+                container.pread_into(view, r.offset, r.part)
+                if verify and xxhash.xxh3_64_hexdigest(view) != r.xxh3:
+                    raise FormatError(f"region {container.describe(r)}: checksum mismatch while loading: the "
+                                      f"container is damaged (run `moepack verify`)")
+                if on_device:  # synchronous: the staging buffer is reused by the next region
+                    self.parts[r.part][r.offset:r.end].copy_(staging[:r.length])
+                bar.update(r.length)
 
     def slice(self, part: int, offset: int, length: int) -> ResidentSlice:
         tensor = self.parts[part][offset:offset + length]
@@ -124,18 +115,6 @@ def _pinned_host(size: int) -> torch.Tensor:
         raise RuntimeError(f"cudaHostRegister failed (CUDA error {int(error)})")
     weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
     return tensor
-
-
-def _pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        try:
-            n = os.preadv(fd, [view[done:]], offset + done)
-        except OSError as e:
-            raise MoepackError(f"{path}: read failed at {offset + done}: {e.strerror}") from None
-        if n == 0:
-            raise MoepackError(f"{path}: unexpected end of file at {offset + done} (truncated?)")
-        done += n
 
 
 def _check_room(nbytes: int, place: str, device: torch.device, path: str) -> None:

@@ -134,6 +134,20 @@ def tiny_keep_container(tmp_path_factory) -> str:
     return str(out)
 
 
+def tiny_policy_containers(base, policies, seed: int) -> dict[str, str]:
+    """policy -> the tiny synthetic model of `seed` (release layout) converted with that policy, under `base`."""
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_checkpoint
+
+    src = str(base / "src")
+    synth_checkpoint(src, preset="tiny", layout="release", seed=seed, progress=False)
+    out = {}
+    for policy in policies:
+        out[policy] = str(base / f"{policy}.moepack")
+        convert_checkpoint(src, out[policy], policy=policy, progress=False)
+    return out
+
+
 @contextlib.contextmanager
 def source_reads_fail_at(n: int, exc: BaseException):
     """Inside the block, the n-th source tensor read raises `exc` (the disk going away, the process stopped)."""

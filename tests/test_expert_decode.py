@@ -11,8 +11,6 @@ import torch
 from moepack import native
 from moepack.format_spec.decode import decode_group
 from moepack.format_spec.reader import Container
-from moepack.packer.convert import convert_checkpoint
-from moepack.packer.synth import synth_checkpoint
 from moepack.runtime import expert_runner
 from moepack.runtime.engine import PrefillOptions, prefill
 from moepack.runtime import expert_decode, model
@@ -21,18 +19,13 @@ from moepack.runtime.expert_decode import (FUSED_MAX_TOKENS, GROUP, NATIVE_LEVEL
                                            fused_available, native_levels)
 from moepack.v4.config import ModelConfig
 
+from containers import tiny_policy_containers
+
 
 @pytest.fixture(scope="module")
 def fp4_containers(tmp_path_factory):
     """policy -> container: the release's FP4_E2M1 experts kept as they are, and repacked as MXFP4."""
-    base = tmp_path_factory.mktemp("expert_decode")
-    src = str(base / "src")
-    synth_checkpoint(src, preset="tiny", layout="release", seed=3, progress=False)
-    out = {}
-    for policy in ("keep", "fp4"):
-        out[policy] = str(base / f"{policy}.moepack")
-        convert_checkpoint(src, out[policy], policy=policy, progress=False)
-    return out
+    return tiny_policy_containers(tmp_path_factory.mktemp("expert_decode"), ("keep", "fp4"), seed=3)
 
 
 def _compiler_usable() -> bool:

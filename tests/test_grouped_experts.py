@@ -15,11 +15,11 @@ from moepack.format_spec.decode import decode_group, decode_stacked
 from moepack.format_spec.dtypes import storage_type
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
-from moepack.packer.convert import convert_checkpoint
-from moepack.packer.synth import synth_checkpoint
 from moepack.runtime import grouped_experts, model
 from moepack.runtime.engine import PrefillOptions, model_config, prefill
 from moepack.runtime.grouped_experts import GroupedExperts, grouped_matmul, resolve_expert_backend
+
+from containers import tiny_policy_containers
 
 # policy -> what its experts are stored as: the release's FP4_E2M1 kept, MXFP4, NVFP4 with tensor scales, Q8_0,
 # IQ2_XXS gate / up with a Q2_K down, BF16
@@ -28,14 +28,7 @@ POLICIES = ("keep", "fp4", "nvfp4", "q8", "q2", "bf16")
 
 @pytest.fixture(scope="module")
 def containers(tmp_path_factory):
-    base = tmp_path_factory.mktemp("grouped")
-    src = str(base / "src")
-    synth_checkpoint(src, preset="tiny", layout="release", seed=5, progress=False)
-    out = {}
-    for policy in POLICIES:
-        out[policy] = str(base / f"{policy}.moepack")
-        convert_checkpoint(src, out[policy], policy=policy, progress=False)
-    return out
+    return tiny_policy_containers(tmp_path_factory.mktemp("grouped"), POLICIES, seed=5)
 
 
 # --- decode_stacked: G experts' bytes side by side, decoded as one tensor ------------------------------------------
