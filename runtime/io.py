@@ -132,7 +132,8 @@ def cgroup_memory_limit(proc: str = "/proc/self") -> int | None:
 def memory_limit_bytes() -> int | None:
     """The limits on this process's memory that count what it holds already: its cgroups' memory limit (page cache
     included; v1 and v2, ancestors too) and its address-space limit (RLIMIT_AS); None where there is none."""
-    candidates = [v for v in (cgroup_memory_limit(),) if v]
+    cgroup = cgroup_memory_limit()
+    candidates = [cgroup] if cgroup else []
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft not in (resource.RLIM_INFINITY, -1) and soft > 0:
         candidates.append(soft)

@@ -35,7 +35,7 @@ from safetensors.torch import save as _st_save
 from moepack.format_spec.dtypes import STORAGE_TYPES
 from moepack.format_spec import untrusted
 from moepack.format_spec.errors import FormatError, MoepackError, error_reason, is_disk_full
-from moepack.format_spec.files import check_free_space, open_regular
+from moepack.format_spec.files import check_free_space
 from moepack.format_spec.writer import fsync_dir, fsync_file, replace_directory, write_file_atomically
 
 from . import config as v4config
@@ -789,13 +789,10 @@ class KVDirectory:
     # --- layers ------------------------------------------------------------------------------------------------
     def _read_checked(self, name: str, size: int, digest: str, what: str) -> bytes:
         path = os.path.join(self.path, name)
-        try:  # a regular file only: a FIFO in its place would block the read forever
-            fd = open_regular(path, missing=f"{what}: file {name} is missing")
+        try:  # a regular file only (a FIFO in its place would block the read forever), sized by the file too
+            data = untrusted.read_bounded(path, size, missing=f"{what}: file {name} is missing")
         except FormatError as e:
             self._fail(str(e))
-        try:
-            with os.fdopen(fd, "rb") as f:
-                data = f.read(min(size, os.fstat(f.fileno()).st_size) + 1)  # sized by the file, not the manifest
         except OSError as e:
             self._fail(f"{what}: cannot read {name} ({e.strerror or e})")
         if len(data) != size:
