@@ -83,14 +83,13 @@ def serve(file, host, port, max_queue, api_key, api_key_file, model_name, max_bo
     Limits and their refusals: docs/failures.md, "Server limits"."""
     import uvicorn
 
+    from moepack.runtime.engine import held_for_serving
     from moepack.runtime.generate import Generator
     from moepack.runtime.serve import ServerLimits, make_app, uvicorn_config
 
     check_container_path(file)
     name = model_name or os.path.splitext(os.path.basename(file))[0]
     api_key = resolve_api_key(api_key, api_key_file)
-    from moepack.runtime.engine import held_for_serving
-
     generator = Generator(file, run.cache_budget(file), prefill=held_for_serving(file, run.prefill_options()))
     try:
         limits = ServerLimits(max_body_bytes=round(finite_float(max_body_mb, "--max-body-mb", lo=0.0, lo_open=True)

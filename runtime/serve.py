@@ -264,6 +264,14 @@ def _thinking_flag(body: dict) -> bool:
                        code="invalid_type")
 
 
+# accepted fields whose other values ask for what is not there: (the values served, the refusal)
+PLAIN_VALUES = {"service_tier": ((None, "auto", "default"), "service tiers are not supported (give auto or default)"),
+                "store": ((None, False), "stored completions are not supported"),
+                "suffix": ((None, ""), "suffix (insertion) is not supported"),
+                "modalities": ((None, ["text"]), "only the text modality is supported"),
+                "metadata": ((None, {}), "metadata goes with stored completions, which are not supported")}
+
+
 def _check_fields(body: dict, chat: bool) -> None:
     """Every field one the endpoint acts on: an unknown field, or an OpenAI field moepack does not do, is a 400
     naming it (never silently ignored); so are the values of the accepted ones that would change nothing here."""
@@ -278,16 +286,16 @@ def _check_fields(body: dict, chat: bool) -> None:
         where = "/v1/chat/completions" if chat else "/v1/completions"
         raise RequestError(f"{name[:60]}: unknown field for {where} (docs/guide.md lists the fields served)",
                            param=name[:60], code="unknown_field")
-    # accepted fields whose other values ask for what is not there
-    plain = {"service_tier": (None, "auto", "default"), "store": (None, False), "suffix": (None, ""),
-             "modalities": (None, ["text"]), "metadata": (None, {})}
-    for name, ok in plain.items():
+    for name, (ok, what) in PLAIN_VALUES.items():
         if name in body and body[name] not in ok:
-            what = {"service_tier": "service tiers are not supported (give auto or default)",
-                    "store": "stored completions are not supported", "suffix": "suffix (insertion) is not supported",
-                    "modalities": "only the text modality is supported",
-                    "metadata": "metadata goes with stored completions, which are not supported"}[name]
             raise RequestError(f"{name}: {what}", param=name, code="unsupported_value")
+
+
+def _one_prompt(prompt):
+    """completions' prompt, a batch of one ([text] or [[ids]]) unwrapped."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]
+    return prompt
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -366,10 +374,11 @@ class Server:
         return self._tokenizer
 
     def need_tokenizer(self, param: str):
-        if self.tokenizer is None:
+        tok = self.tokenizer
+        if tok is None:
             raise RequestError(f"{param}: the model's container carries no tokenizer ({self._tokenizer_error}): "
                                "give the prompt as token ids", param=param, code="no_tokenizer")
-        return self.tokenizer
+        return tok
 
     def json_grammar(self):
         """The vocabulary's grammar side (llguidance), built once; a 400 naming the extra to install without it."""
@@ -590,14 +599,11 @@ class Server:
         if body.get("logprobs") is not None:
             raise RequestError("echo with logprobs would need the prompt's logprobs, which are not computed",
                                param="echo", code="unsupported_value")
-        prompt = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 and \
-            isinstance(body["prompt"][0], (str, list)) else body["prompt"]
+        prompt = _one_prompt(body["prompt"])
         return prompt if isinstance(prompt, str) else self.need_tokenizer("echo").decode(ids)
 
     def prompt_ids(self, body: dict) -> list[int]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+        prompt = _one_prompt(body.get("prompt"))
         if isinstance(prompt, str):
             if not prompt:  # the tokenizer's BOS alone is nobody's prompt (the CLI refuses it too)
                 raise RequestError("empty prompt", param="prompt", code="empty_prompt")
@@ -802,18 +808,23 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
     server = Server(generator, model_name, api_key, max_queue, log, limits)
 
+    def as_request_error(e: Exception) -> RequestError:
+        """The error a request's response carries: its own, a MoepackError's 400, else a 500 (logged where it
+        happened when on the worker; here otherwise)."""
+        if isinstance(e, RequestError):
+            return e
+        if isinstance(e, MoepackError):
+            return request_error(e)
+        if not getattr(e, "_moepack_logged", False):
+            server.log(f"moepack serve: internal error: {type(e).__name__}: {e}")
+        return _internal_error()
+
     def handles_errors(fn, path: str):
         async def endpoint(request):
             try:
                 response = await fn(request)
-            except RequestError as e:
-                response = error_response(e)
-            except MoepackError as e:
-                response = error_response(request_error(e))
-            except Exception as e:  # logged where it happened when on the worker; here otherwise
-                if not getattr(e, "_moepack_logged", False):
-                    server.log(f"moepack serve: internal error: {type(e).__name__}: {e}")
-                response = error_response(_internal_error())
+            except Exception as e:
+                response = error_response(as_request_error(e))
             server.metrics.answered(path, response.status_code)
             return response
         return endpoint
@@ -968,13 +979,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         if results is None or (job.timed_out and not results[0].generated_ids):
                             raise server.timeout_error() if job.timed_out else RequestError("cancelled")
                     except Exception as e:
-                        if isinstance(e, RequestError):
-                            err = e
-                        elif isinstance(e, MoepackError):
-                            err = request_error(e)
-                        else:
-                            e._moepack_logged = True
-                            err = _internal_error()
+                        e._moepack_logged = True  # the worker logged its own errors
+                        err = as_request_error(e)
                         yield f"data: {json.dumps(err.body())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
@@ -1041,16 +1047,12 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 last["usage"] = usage
             return [last]
 
-        if echo:  # the prompt's text first, once the stream has begun
-            first_piece = [True]
+        echo_due = [bool(echo)]  # the prompt's text first, once the stream has begun
 
-            def pieces(piece):
-                out = [chunk(echo)] if first_piece[0] else []
-                first_piece[0] = False
-                return out + [chunk(piece)]
-        else:
-            def pieces(piece):
-                return [chunk(piece)]
+        def pieces(piece):
+            out = [chunk(echo)] if echo_due[0] else []
+            echo_due[0] = False
+            return out + [chunk(piece)]
 
         return await stream_when_started(request, job, future, pieces, final, prepared.include_usage,
                                          with_logprobs)
