@@ -22,7 +22,7 @@ from dataclasses import replace
 import click
 
 from .common import (check_container_path, container_argument, context_budget, context_option, json_option,
-                     max_new_tokens_option, model_run_options, reports_errors, sampling_options)
+                     max_new_tokens_option, model_run_options, reports_errors, sampling_options, show_text)
 
 PROMPT = ">>> "
 HELP_LINE = "/reset clears the history, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
@@ -134,11 +134,6 @@ def chat(file, system, thinking, max_new_tokens, max_context, temperature, top_p
         keyboard.close()
 
 
-def _show(piece: str) -> None:
-    sys.stdout.write(piece)
-    sys.stdout.flush()
-
-
 def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard):
     """The chat's loop: `reply` the GenerateOptions of every reply (its max_new_tokens cut to the context cap)."""
     from moepack.format_spec.errors import MoepackError
@@ -148,7 +143,7 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
 
     start = [] if system is None else [{"role": "system", "content": system}]
     messages = list(start)
-    with Generator(file, run.cache_budget(file), prefill=run.prefill_options()) as generator:
+    with Generator(file, run.cache_gib, prefill=run.prefill_options()) as generator:
         tokenizer = PromptTokenizer(generator.c)
         click.echo(f"moepack chat: {file} ({HELP_LINE})", err=True)
         while True:
@@ -166,7 +161,7 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
                 ids = tokenizer.encode_segments(chat_encoding.encode_message_segments(turn, thinking=thinking))
                 budget = context_budget(generator.c.config, max_context, len(ids), reply.max_new_tokens)
                 result = generator.generate(ids, replace(reply, max_new_tokens=budget), detokenize=tokenizer.decode,
-                                            on_text=None if as_json else _show, cancelled=keyboard.stop_asked)
+                                            on_text=None if as_json else show_text, cancelled=keyboard.stop_asked)
             except MoepackError as e:  # the turn is refused (the context cap, the memory), the conversation goes on
                 click.echo(f"moepack: error: {e}" + ("; /reset to start over" if len(turn) > 1 else ""), err=True)
                 continue

@@ -259,6 +259,12 @@ def one_line_warnings() -> None:
     warnings.formatwarning = formatwarning
 
 
+def show_text(piece: str) -> None:
+    """A generation's text as it streams (its on_text): written to stdout at once."""
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
 def sigterm_as_interrupt() -> None:
     """SIGTERM (a `kill`, a supervisor stopping the job) ends a command as Ctrl-C does: KeyboardInterrupt, so the
     same cleanup runs (temporary files removed, partial outputs kept for a resume) and the exit status is 130."""
@@ -283,7 +289,7 @@ class ModelRun:
     io_mode: str = "auto"
     compute_dtype: str = "auto"
     kv_dtype: str = "F32"
-    cache_gib: float | None = None
+    cache_gib: float | None = None  # None: the Generator sizes the default budget per generation
     device_resident: bool = False
     expert_backend: str = "auto"
 
@@ -294,10 +300,6 @@ class ModelRun:
         return PrefillOptions(device=self.device, io_mode=self.io_mode, compute_dtype=self.compute_dtype,
                               device_resident=self.device_resident, expert_backend=self.expert_backend, **more)
 
-    def cache_budget(self, path: str) -> float | None:
-        """--cache-gib; None where it was not given: the Generator sizes the default budget per generation from the
-        memory the process may use (runtime/generate.py)."""
-        return self.cache_gib
 
 
 # option name -> (parameter, click option); the help says what each means on every command

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 
 import click
 
 from .common import (check_container_path, container_argument, context_budget, context_option, emit, force_option,
                      json_option, layer_progress, max_new_tokens_option, model_run_options, prompt_options,
-                     refuse_existing_kv, reports_errors, sampling_options)
+                     refuse_existing_kv, reports_errors, sampling_options, show_text)
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
 
@@ -103,17 +102,13 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         past = inspect_kv(continue_from, verify=False)["tokens"]  # the manifest only: the KV's tokens count too
     max_new_tokens = context_budget(config, max_context, past + len(ids), max_new_tokens)
     options = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              seed=seed, stop=tuple(stop), cache_gib=run.cache_budget(file),
+                              seed=seed, stop=tuple(stop), cache_gib=run.cache_gib,
                               prefill=run.prefill_options())
-
-    def show(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
     with layer_progress(not as_json) as on_layer:  # the prefill's layers: the bar is gone before the first token
         options = replace(options, prefill=replace(options.prefill, on_layer=on_layer))
         result = run_generate(file, ids, options, continue_from=continue_from,
                               detokenize=tokenizer.decode if tokenizer is not None else None,
-                              on_text=None if as_json else show, kv_out=kv_out, kv_overwrite=force,
+                              on_text=None if as_json else show_text, kv_out=kv_out, kv_overwrite=force,
                               kv_dtype=run.kv_dtype)
     out = {"generated_ids": result.generated_ids, "text": result.text, "finish_reason": result.finish_reason,
            "stats": result.stats}

@@ -90,7 +90,7 @@ def serve(file, host, port, max_queue, api_key, api_key_file, model_name, max_bo
     check_container_path(file)
     name = model_name or os.path.splitext(os.path.basename(file))[0]
     api_key = resolve_api_key(api_key, api_key_file)
-    generator = Generator(file, run.cache_budget(file), prefill=held_for_serving(file, run.prefill_options()))
+    generator = Generator(file, run.cache_gib, prefill=held_for_serving(file, run.prefill_options()))
     try:
         limits = ServerLimits(max_body_bytes=round(finite_float(max_body_mb, "--max-body-mb", lo=0.0, lo_open=True)
                                                    * 2**20), max_context=max_context,

@@ -204,13 +204,10 @@ def int_in_range(value, name: str, lo: int, hi: int) -> int:
 
 def valid_text(value: str, name: str) -> str:
     """A str that is valid Unicode (argv and JSON can carry lone surrogates)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UntrustedInputError(f"{name}: holds a lone surrogate or undecodable bytes (not valid UTF-8)") from None
+    if _lone_surrogate(value):
+        raise UntrustedInputError(f"{name}: holds a lone surrogate or undecodable bytes (not valid UTF-8)")
     return value
 
 
 def _short(value: int) -> str:
-    text = str(value) if abs(value) < 10 ** 30 else f"a {len(str(abs(value)))}-digit number"
-    return text
+    return str(value) if abs(value) < 10 ** 30 else f"a {len(str(abs(value)))}-digit number"

@@ -136,10 +136,10 @@ def open_source(src: str, revision: str | None = None, progress: bool = True, st
         return CheckpointDir(resolved.local_dir), resolved.provenance
     if not looks_like_repo_id(src):
         raise MoepackError(f"{src}: no such directory (and not a Hugging Face repo id, which is owner/name)")
+    scratch = None
     if not keep_source:  # a killed conversion's downloads: its rerun downloads what it still needs again
         remove_stale_temporaries(scratch_parent or tempfile.gettempdir(), ("moepack-download",))
-    scratch = None if keep_source else tempfile.mkdtemp(prefix=temporary_prefix("moepack-download"),
-                                                        dir=scratch_parent)
+        scratch = tempfile.mkdtemp(prefix=temporary_prefix("moepack-download"), dir=scratch_parent)
     try:
         plan = _HubPlan.make(src, revision, scratch)
         source = plan.source()

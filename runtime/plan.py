@@ -68,7 +68,7 @@ def parse_tokens(text: str | int) -> int:
     elif s.endswith("M"):
         s, mult = s[:-1], 1024 * 1024
     try:
-        value = int(round(float(s[:32]) * mult)) if len(s) <= 32 else None
+        value = int(round(float(s) * mult)) if len(s) <= 32 else None
     except (ValueError, OverflowError):  # not a number, NaN, infinity (1e999)
         value = None
     if value is None:
