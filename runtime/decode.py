@@ -178,6 +178,24 @@ def token_choice(routing) -> dict[int, float]:
     return token_kernels.merged_choice(routing.experts[0].tolist(), routing.weights[0].tolist())
 
 
+class DecodeSequence:
+    """One sequence's own part of a decode: its layers' KV grown one token at a time (a model.TokenKV each). The
+    resident weights and the expert cache are the Decoder's, shared by every sequence (Decoder.start makes one,
+    Decoder.step_batch steps several together)."""
+
+    def __init__(self, kv: list[model.TokenKV]):
+        self.kv = kv
+
+    @property
+    def seen_tokens(self) -> int:
+        return self.kv[0].seen_tokens
+
+    @property
+    def states(self) -> list[LayerKVState]:
+        """Each layer's KV state after the tokens so far."""
+        return [kv.state() for kv in self.kv]
+
+
 @dataclass
 class DecodeStats:
     tokens: int = 0
@@ -189,13 +207,15 @@ class DecodeStats:
     prefill_kept_bytes: int = 0  # the prompt's experts taken into the cache from the prefill's reads
     resident_s: float = 0.0  # reading and decoding the non-routed weights
     kernel_layers: int = 0  # layers whose routed experts ran in one call of the compiled token kernel
+    steps: int = 0  # decode steps (a step_batch of B sequences is one step of B tokens)
 
 
 class Decoder:
-    """Decodes tokens one at a time over one container: the resident weights and the expert cache are loaded once
-    and serve every sequence. `begin(states)` starts a sequence after `states` (one LayerKVState per layer, all
-    after the same tokens); `step(token_id)` feeds it one token and returns the next position's logits ([vocab]
-    float32, on the host)."""
+    """Decodes tokens over one container: the resident weights and the expert cache are loaded once and serve every
+    sequence. `begin(states)` starts the current sequence after `states` (one LayerKVState per layer, all after the
+    same tokens); `step(token_id)` feeds it one token and returns the next position's logits ([vocab] float32, on
+    the host). Several sequences: `start(states)` gives each its DecodeSequence, and `step_batch(sequences,
+    token_ids)` feeds each its token in one step ([B, vocab] logits)."""
 
     def __init__(self, container: Container, cfg, device: torch.device, cache_bytes: int,
                  compute_dtype: torch.dtype = torch.float32, expert_dtype: torch.dtype = torch.float32,
@@ -207,7 +227,7 @@ class Decoder:
         self.c, self.cfg, self.device = container, cfg, device
         self.decoded = device.type != "cpu" if decoded_experts is None else decoded_experts
         self.compute_dtype = compute_dtype
-        self._kv: list[model.TokenKV] = []
+        self.current: DecodeSequence | None = None  # the sequence begin() started, which step() feeds
         self.stats = DecodeStats()
         self.cache = ExpertCache(cache_bytes)
         self._cache_counts = self._cache_counters()  # when this sequence began
@@ -254,12 +274,17 @@ class Decoder:
             self._kernel_layout(layer, e) for layer, block in enumerate(self.blocks)
             for e in range(len(block.experts))) else None
 
-    def begin(self, states: list[LayerKVState]) -> None:
-        """Start a sequence after `states`; the stats count from here."""
+    def start(self, states: list[LayerKVState]) -> DecodeSequence:
+        """A sequence after `states` (one per layer, all after the same tokens), for step_batch."""
         if len(states) != self.cfg.num_layers or len({s.seen_tokens for s in states}) != 1:
             raise MoepackError("decode needs one KV state per layer, all after the same tokens")
-        self._kv = [model.TokenKV(self.cfg, layer, s.to(self.device), self.dense[layer]["attn.wq_b.weight"].dtype)
-                    for layer, s in enumerate(states)]
+        return DecodeSequence([model.TokenKV(self.cfg, layer, s.to(self.device),
+                                             self.dense[layer]["attn.wq_b.weight"].dtype)
+                               for layer, s in enumerate(states)])
+
+    def begin(self, states: list[LayerKVState]) -> None:
+        """Start the current sequence after `states`; the stats count from here."""
+        self.current = self.start(states)
         kept = sum(self._entry_bytes(layer, e) for layer, e in self._from_prefill)
         self.stats = DecodeStats(resident_s=self.stats.resident_s, prefill_kept_bytes=kept)
         self._cache_counts = self._cache_counters()
@@ -269,8 +294,8 @@ class Decoder:
 
     @property
     def states(self) -> list[LayerKVState]:
-        """Each layer's KV state after the tokens so far."""
-        return [kv.state() for kv in self._kv]
+        """Each layer's KV state of the current sequence after the tokens so far."""
+        return self.current.states
 
     # --- resident weights ----------------------------------------------------------------------------------------
     def _read_region(self, region) -> torch.Tensor:
@@ -467,29 +492,43 @@ class Decoder:
 
     # --- one token ---------------------------------------------------------------------------------------------
     def step(self, token_id: int) -> torch.Tensor:
+        """The current sequence (begin) fed one token: the next position's logits [vocab]."""
+        return self.step_batch([self.current], [token_id])[0]
+
+    def step_batch(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
+        """Each sequence fed its token in one step: the next positions' logits [B, vocab] (float32, on the host),
+        row b that of sequences[b]. Each row's result is that of the sequence stepped alone."""
+        if len(sequences) != len(token_ids) or not sequences:
+            raise ValueError(f"{len(token_ids)} tokens for {len(sequences)} sequences")
+        if len({id(s) for s in sequences}) != len(sequences):
+            raise ValueError("a sequence appears twice in one step")
         if self.device.type != "cpu":
-            return self._step(token_id)
+            return self._steps(sequences, token_ids)
         # one token's torch ops are small: on one thread, without waking OpenMP's others for each; the compiled
         # token kernels keep every thread
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             with token_kernels.using_threads(threads):
-                return self._step(token_id)
+                return self._steps(sequences, token_ids)
         finally:
             torch.set_num_threads(threads)
 
-    def _step(self, token_id: int) -> torch.Tensor:
+    def _steps(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         start = time.perf_counter()
-        ids = torch.tensor([token_id], device=self.device)
-        rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", ids.cpu()).to(self.device)
-        streams = self._compiled_layers(token_id, rows) if self.layers is not None else self._layers(token_id, ids,
-                                                                                                      rows)
-        with self.compute:
-            logits = model.head(self.cfg, streams, self.head_weights, -1).float().cpu()
-        self.stats.tokens += 1
+        logits = torch.stack([self._step(seq, token) for seq, token in zip(sequences, token_ids)])
+        self.stats.steps += 1
+        self.stats.tokens += len(sequences)
         self.stats.seconds += time.perf_counter() - start
         return logits
+
+    def _step(self, seq: DecodeSequence, token_id: int) -> torch.Tensor:
+        ids = torch.tensor([token_id], device=self.device)
+        rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", ids.cpu()).to(self.device)
+        streams = self._compiled_layers(seq, token_id, rows) if self.layers is not None else self._layers(
+            seq, token_id, ids, rows)
+        with self.compute:
+            return model.head(self.cfg, streams, self.head_weights, -1).float().cpu()
 
     def _hash_fetch(self, layer: int, w, token_id: int) -> tuple[dict | None, list[int] | None]:
         """A hash layer's experts (the token id is the routing): read before its attention runs."""
@@ -498,14 +537,14 @@ class Decoder:
         hash_ids = w["ffn.gate.tid2eid"][token_id].tolist()
         return self._fetch(layer, hash_ids), hash_ids
 
-    def _compiled_layers(self, token_id: int, embedding: torch.Tensor) -> torch.Tensor:
+    def _compiled_layers(self, seq: DecodeSequence, token_id: int, embedding: torch.Tensor) -> torch.Tensor:
         """Every layer by TokenLayers' compiled calls (a CPU): the streams after the last."""
         layers = self.layers
         layers.begin(embedding)
         for layer, w in enumerate(self.dense):
             got, hash_ids = self._hash_fetch(layer, w, token_id)
             with self.compute:
-                layers.attention(layer, self._kv[layer])
+                layers.attention(layer, seq.kv[layer])
                 chosen = layers.route(layer, hash_ids)
             if got is None:
                 got = self._fetch(layer, list(chosen))
@@ -518,7 +557,7 @@ class Decoder:
                 self._give_back(held)
         return layers.output
 
-    def _layers(self, token_id: int, ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+    def _layers(self, seq: DecodeSequence, token_id: int, ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
         """Every layer by model.py's functions (a GPU, the native code off, weights the kernels do not take): the
         streams after the last."""
         cfg = self.cfg
@@ -526,7 +565,7 @@ class Decoder:
         for layer, w in enumerate(self.dense):
             got, _ = self._hash_fetch(layer, w, token_id)
             with self.compute:
-                streams = model.attention_token_sublayer(cfg, layer, w, streams, self._kv[layer])
+                streams = model.attention_token_sublayer(cfg, layer, w, streams, seq.kv[layer])
                 routing = model.moe_route(cfg, layer, w, streams, ids)
             chosen = token_choice(routing)
             if got is None:
@@ -581,7 +620,7 @@ class Decoder:
         s = self.stats
         hits, misses, admitted, evicted = (now - then for now, then in zip(self._cache_counters(),
                                                                             self._cache_counts))
-        return {"tokens": s.tokens, "seconds": round(s.seconds, 4),
+        return {"tokens": s.tokens, "steps": s.steps, "seconds": round(s.seconds, 4),
                 "tokens_per_s": round(s.tokens / s.seconds, 2) if s.seconds else None,
                 "expert_cache_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                 "bytes_read": s.bytes_read,
