@@ -52,8 +52,7 @@ def family_named(name: str) -> ModelFamily:
 
 def family_for(config: Mapping[str, Any]) -> ModelFamily:
     """The family of a config.json: one whose `architectures` or `model_type` it names."""
-    if not isinstance(config, Mapping):
-        raise UnknownFamilyError(f"config.json: expected a JSON object, got {type(config).__name__}")
+    config = config if isinstance(config, Mapping) else {}
     architectures = config.get("architectures")
     names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
     model_type = config.get("model_type")
