@@ -283,3 +283,80 @@ def test_the_chat_template_comes_from_the_tokenizer_config():
     assert family.chat_template({"chat_template": [{"name": "tool_use", "template": "t"},
                                                    {"name": "default", "template": "d"}]}) == "d"
     assert family.chat_template({}) is None
+
+
+# ------------------------------------------------------------------------------------------ moepack synth --family
+
+
+@pytest.fixture(scope="module")
+def synthesized(tmp_path_factory):
+    """`moepack synth --family qwen3-moe` in each layout: {layout: directory}."""
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli
+
+    base, out = tmp_path_factory.mktemp("qwen3-synth"), {}
+    for layout in ("release", "bf16", "f32"):
+        out[layout] = base / layout
+        r = CliRunner().invoke(cli, ["synth", str(out[layout]), "--family", "qwen3-moe", "--layout", layout, "--json"])
+        assert r.exit_code == 0, r.output
+        summary = json.loads(r.output)
+        assert (summary["family"], summary["preset"], summary["layout"]) == ("qwen3-moe", "tiny", layout)
+    return out
+
+
+def test_synth_writes_a_checkpoint_transformers_runs_as_our_forward(synthesized):
+    loaded = load_checkpoint(synthesized["f32"])
+    assert loaded.config.num_kv_heads < loaded.config.num_heads and loaded.config.moe_layers == (0, 1, 2, 3)
+    ours = forward(loaded, PROMPT)
+    torch.testing.assert_close(ours, reference_logits(reference(synthesized["f32"]), PROMPT), atol=1e-4, rtol=1e-5)
+    for layout in ("bf16", "release"):  # the same model drawn: bf16's and FP8's rounding of it
+        other = forward(load_checkpoint(synthesized[layout]), PROMPT)
+        assert (other - ours).norm() / ours.norm() < {"bf16": 0.02, "release": 0.3}[layout]
+
+
+def test_synth_release_layout_is_the_fp8_releases(synthesized):
+    from safetensors import safe_open
+
+    directory = synthesized["release"]
+    config = json.loads((directory / "config.json").read_text())
+    assert config["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                             "weight_block_size": [128, 128]}
+    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    dtypes = {}
+    for shard in sorted(set(index.values())):
+        with safe_open(str(directory / shard), "pt") as f:
+            dtypes.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+    assert set(dtypes) == set(index)
+    for name, dtype in dtypes.items():
+        if name.endswith(FP8_SCALE_SUFFIX):
+            assert dtype == "BF16" and dtypes[name.removesuffix(FP8_SCALE_SUFFIX)] == "F8_E4M3", name
+            continue
+        quantized = name.rsplit(".", 2)[-2] in QUANTIZED
+        assert dtype == ("F8_E4M3" if quantized else "BF16"), name
+        assert (name + FP8_SCALE_SUFFIX in dtypes) == quantized, name
+    assert dtypes["model.layers.0.mlp.gate.weight"] == "BF16"  # the router stays BF16
+
+
+def test_synth_tokenizer_carries_qwens_chat_template(synthesized):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(synthesized["bf16"])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    config = json.loads((synthesized["bf16"] / "tokenizer_config.json").read_text())
+    assert family_named("qwen3-moe").chat_template(config) == config["chat_template"]
+    assert tokenizer.eos_token_id == json.loads((synthesized["bf16"] / "config.json").read_text())["eos_token_id"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "medium"], "unknown qwen3-moe preset 'medium' (choose one of tiny, small)"),
+    (["--tokenizer", "."], "--tokenizer and random expert codes are for deepseek-v4 only, not qwen3-moe"),
+])
+def test_synth_refusals_are_one_line(tmp_path, args, message):
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli
+
+    r = CliRunner().invoke(cli, ["synth", str(tmp_path / "out"), "--family", "qwen3-moe", *args])
+    assert r.exit_code == 1 and message in r.output and len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
