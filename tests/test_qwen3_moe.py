@@ -219,12 +219,32 @@ def test_fp8_release_layout(tmp_path):
     assert 0 < relative < 0.3, relative  # through 3 layers of random weights, a routing choice or two flipped
 
 
-def test_fp8_without_its_scale_is_refused(tmp_path):
+O_PROJ = "model.layers.2.self_attn.o_proj.weight"
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t: t.pop(O_PROJ + FP8_SCALE_SUFFIX), f"tensor {O_PROJ} is FP8 without {O_PROJ}{FP8_SCALE_SUFFIX}"),
+    (lambda t: t.update({O_PROJ + FP8_SCALE_SUFFIX: torch.ones(1, 1, dtype=torch.bfloat16)}),
+     f"{O_PROJ}: FP8 scale shape [1, 1] does not match weight [160, 128] in 128x128 blocks (expected [2, 1])"),
+])
+def test_fp8_with_a_missing_or_misshapen_scale_is_refused(tmp_path, damage, message):
     save_model(tmp_path, {}, torch.float32)
     fp8_release(tmp_path)
-    _rewrite(tmp_path, lambda t: t.pop("model.layers.2.self_attn.o_proj.weight" + FP8_SCALE_SUFFIX))
-    with pytest.raises(MoepackError, match="o_proj.weight is FP8 without model.layers.2.self_attn.o_proj"
-                                           ".weight_scale_inv"):
+    _rewrite(tmp_path, damage)
+    with pytest.raises(MoepackError) as e:
+        load_checkpoint(tmp_path)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("quantization, message", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "only e4m3 in 128x128 blocks is supported"),
+])
+def test_a_quantization_other_than_the_fp8_releases_is_refused(tmp_path, quantization, message):
+    save_model(tmp_path, {}, torch.float32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    with pytest.raises(MoepackError, match=f"config.json quantization_config: {message}"):
         load_checkpoint(tmp_path)
 
 
