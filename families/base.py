@@ -11,6 +11,7 @@ that never compute.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -66,10 +67,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -129,6 +127,11 @@ class ModelFamily(Protocol):
                        ) -> tuple[Tensor, Tensor, Routing | None]:
         """A layer's work up to the routed experts: returns (residual, the experts' input, the routing; None for a
         layer without routed experts, whose FFN `after_experts` computes)."""
+        ...
+
+    def expert_ffn(self, config: Any, expert: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        """One routed expert's output on rows x: its activation is the family's (plain SwiGLU in Qwen3-MoE, a
+        clamped one in DeepSeek-V4), so an expert backend computes whatever family it is given."""
         ...
 
     def after_experts(self, config: Any, layer: int, weights: Mapping[str, Tensor], residual: Tensor,

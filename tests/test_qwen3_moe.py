@@ -380,3 +380,35 @@ def test_synth_refusals_are_one_line(tmp_path, args, message):
     r = CliRunner().invoke(cli, ["synth", str(tmp_path / "out"), "--family", "qwen3-moe", *args])
     assert r.exit_code == 1 and message in r.output and len(r.output.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_directory_that_is_no_checkpoint_is_one_line(tmp_path):
+    with pytest.raises(MoepackError, match="no config.json"):
+        load_checkpoint(tmp_path)
+    save_model(tmp_path, {}, torch.float32)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(MoepackError, match="not a safetensors file the safetensors library reads") as e:
+        load_checkpoint(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_the_family_computes_a_layer_as_the_forward_does(checkpoint):
+    """The protocol's pieces (embed, before_experts, expert_ffn, after_experts, head) make the same logits."""
+    _, directory = checkpoint
+    loaded, family = load_checkpoint(directory), family_named("qwen3-moe")
+    config = family.parse_config(loaded.raw_config)
+    kv = family.new_kv(config)
+    hidden = family.embed(config, loaded.globals, torch.tensor(PROMPT))
+    for layer in range(config.num_layers):
+        w = loaded.layer(layer)
+        residual, x, routing = family.before_experts(config, layer, w, hidden, kv)
+        out = None
+        if routing is not None:
+            out = torch.zeros_like(x)
+            experts = loaded.experts(layer)
+            for token in range(len(PROMPT)):
+                for expert, weight in zip(routing.experts[token].tolist(), routing.weights[token]):
+                    out[token] += weight * family.expert_ffn(config, experts[expert], x[token:token + 1])[0]
+        hidden = family.after_experts(config, layer, w, residual, x, out)
+    torch.testing.assert_close(family.head(config, loaded.globals, hidden), forward(loaded, PROMPT),
+                               atol=1e-5, rtol=1e-5)

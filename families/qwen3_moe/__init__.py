@@ -44,6 +44,11 @@ class Qwen3MoeFamily:
 
         return before_experts(config, layer, weights, hidden, kv.layers[layer])
 
+    def expert_ffn(self, config, expert, x):
+        from .model import swiglu_ffn
+
+        return swiglu_ffn(expert, x)
+
     def after_experts(self, config, layer, weights, residual, ffn_input, expert_out):
         from .model import after_experts
 

@@ -178,19 +178,28 @@ def _shard_files(directory: Path) -> list[Path]:
 
 def load_checkpoint(directory: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Checkpoint:
     """Read a Qwen3-MoE checkpoint directory (config.json and safetensors) into `dtype` tensors, checked against
-    the schema its config implies: a missing, misshapen or unknown tensor is refused by name."""
+    the schema its config implies: a missing, misshapen or unknown tensor is refused by name. The whole model is
+    held in memory: this is the reference's loader (tests, small models), not a streaming converter."""
     from safetensors import safe_open
 
     directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise MoepackError(f"{directory}: no config.json (not a checkpoint directory)")
     raw = load_file(directory / "config.json")
     config = Qwen3MoeConfig.from_hf(raw)
     block = fp8_block(raw)
     specs = {s.name: s for s in tensor_specs(config)}
     stored: dict[str, torch.Tensor] = {}
     for shard in _shard_files(directory):
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                stored[name] = f.get_tensor(name)
+        if not shard.is_file():
+            raise MoepackError(f"{directory}: the index lists shard {shard.name}, which is not in the directory")
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():
+                    stored[name] = f.get_tensor(name)
+        except Exception as e:  # the safetensors library raises its own types for a damaged file
+            raise MoepackError(f"{shard}: not a safetensors file the safetensors library reads "
+                               f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
     tensors = {}
     for name, spec in specs.items():
         if name not in stored:
