@@ -110,9 +110,8 @@ def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
 
 def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode an FP8 weight and its block scales (E8M0, or float: F32 / BF16 / F16) to `dtype` (float32 or bfloat16)
-    [out, in]. bfloat16 gives the float32 values rounded, as .to(torch.bfloat16) would (they are exact unless the
-    scale pushes them out of range, or a float scale is not a power of two)."""
+    """Decode an FP8 weight and its block scales to `dtype` (float32 or bfloat16) [out, in]. bfloat16 gives the
+    float32 values rounded, as .to(torch.bfloat16) would (they are exact unless the scale pushes them out of range)."""
     if weight.ndim != 2:
         raise MoepackError(f"FP8 weight must be 2-D, got shape {list(weight.shape)}")
     rows, cols = weight.shape
@@ -122,8 +121,6 @@ def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int =
             f"FP8 scale shape {list(scale.shape)} does not match weight {[rows, cols]} "
             f"in {block}x{block} blocks (expected {list(expected)})"
         )
-    if scale.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return _fp8_float_scaled(weight, scale, block, dtype)
     # one lookup per element: (scale byte << 8 | weight byte) -> the scaled value (torch's FP8 -> float conversion
     # is scalar on CPUs; the 256 KiB table stays in cache)
     scale_bytes = _e8m0_bytes(scale)
@@ -139,12 +136,20 @@ def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int =
     return _fp8_lookup_torch(weight, scale_bytes, block, table)
 
 
-def _fp8_float_scaled(weight: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 under float block scales, as other releases store them (Qwen3's `-FP8`: `weight_scale_inv`, BF16 or F32,
-    not a power of two): the weight decoded under unit scales, then each block row times its scales in float32."""
-    rows, cols = weight.shape
+FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fp8_float_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
+                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """fp8_block_dequantize under float block scales, as other releases store them (Qwen3's `-FP8`:
+    `weight_scale_inv`, BF16 or F32, not a power of two): the weight decoded under unit E8M0 scales, then each
+    block row times its scales in float32."""
+    if weight.ndim != 2 or scale.dtype not in FLOAT_SCALE_DTYPES:
+        raise MoepackError(f"FP8 float block scales must be float32, bfloat16 or float16 beside a 2-D weight, got "
+                           f"{scale.dtype} beside shape {list(weight.shape)}")
     unit = torch.full(tuple(scale.shape), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^0
-    values = fp8_block_dequantize(weight, unit.to(weight.device), block)
+    values = fp8_block_dequantize(weight, unit.to(weight.device), block)  # (it checks the scales' shape)
+    cols = weight.shape[1]
     per_column = scale.float().repeat_interleave(block, dim=1)[:, :cols]
     for i in range(scale.shape[0]):
         values[i * block:(i + 1) * block].mul_(per_column[i])

@@ -115,16 +115,18 @@ def test_the_schema_is_every_tensor_of_the_checkpoint(checkpoint):
 
 
 def test_gguf_names_are_llama_cpps_qwen3moe():
+    """Each tensor's GGUF name is what gguf-py's own name map (the one convert_hf_to_gguf.py uses) gives its
+    transformers name in the qwen3moe architecture; a routed expert's is its layer's stacked tensor; llama.cpp's
+    qwen3moe has no dense-MLP layer, so those have none."""
     gguf = pytest.importorskip("gguf")
-    arch = gguf.MODEL_ARCH.QWEN3MOE
-    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch]}
     config = Qwen3MoeConfig.from_hf({**BASE, "mlp_only_layers": [0]})
-    for spec in tensor_specs(config):
-        if spec.gguf is None:  # llama.cpp's qwen3moe has no dense-MLP layer
-            assert spec.name.rsplit(".", 2)[-2] in ("gate_proj", "up_proj", "down_proj") and spec.layer == 0
-            continue
-        stem = spec.gguf.removesuffix(".weight")
-        assert stem.replace(f"blk.{spec.layer}.", "blk.{bid}.") in known, spec
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, config.num_layers)
+    specs = tensor_specs(config)
+    for spec in specs:
+        hf = spec.name if spec.expert is None else spec.name.replace(f".experts.{spec.expert}.", ".experts.")
+        assert spec.gguf == name_map.get_name(hf, try_suffixes=(".weight",)), spec
+    assert [s.name for s in specs if s.gguf is None] == [f"model.layers.0.mlp.{m}_proj.weight"
+                                                          for m in ("gate", "up", "down")]
     assert EXPERT_NAMING.names(2, 5)["down"] == "model.layers.2.mlp.experts.5.down_proj.weight"
 
 
@@ -412,3 +414,21 @@ def test_the_family_computes_a_layer_as_the_forward_does(checkpoint):
         hidden = family.after_experts(config, layer, w, residual, x, out)
     torch.testing.assert_close(family.head(config, loaded.globals, hidden), forward(loaded, PROMPT),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_fp8_codec_takes_float_block_scales(scale_dtype, out_dtype):
+    """format_spec's F8_E4M3 codec under float scales (not powers of two): each element times its block's scale,
+    partial edge blocks included; E8M0 scales decode as before."""
+    from moepack.format_spec import decode
+    from moepack.format_spec.source_formats import fp8_block_dequantize, fp8_block_quantize
+
+    weight = (torch.randn(200, 300, generator=torch.Generator().manual_seed(1)) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 3, generator=torch.Generator().manual_seed(2)).add_(0.01).to(scale_dtype)
+    got = decode.decode_float("F8_E4M3", (200, 300), weight.view(torch.uint8).reshape(-1), scale, out_dtype)
+    per_element = scale.float().repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    assert got.dtype == out_dtype and torch.equal(got, (weight.float() * per_element).to(out_dtype))
+    w8, e8m0 = fp8_block_quantize(torch.randn(200, 300))
+    assert torch.equal(decode.decode_float("F8_E4M3", (200, 300), w8.view(torch.uint8).reshape(-1), e8m0),
+                       fp8_block_dequantize(w8, e8m0))
