@@ -432,3 +432,27 @@ def test_the_fp8_codec_takes_float_block_scales(scale_dtype, out_dtype):
     w8, e8m0 = fp8_block_quantize(torch.randn(200, 300))
     assert torch.equal(decode.decode_float("F8_E4M3", (200, 300), w8.view(torch.uint8).reshape(-1), e8m0),
                        fp8_block_dequantize(w8, e8m0))
+
+
+def test_synth_is_seeded_refuses_to_overwrite_and_leaves_nothing_when_a_write_fails(tmp_path, monkeypatch):
+    import errno
+
+    import moepack.packer.synth as synth
+
+    def files(directory):
+        return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+    a = synth.synth_checkpoint(tmp_path / "a", family="qwen3-moe", seed=3, progress=False)
+    synth.synth_checkpoint(tmp_path / "b", family="qwen3-moe", seed=3, progress=False)
+    assert files(tmp_path / "a") == files(tmp_path / "b") and sorted(files(tmp_path / "a")) == a["files"]
+    with pytest.raises(MoepackError, match="already holds a checkpoint"):
+        synth.synth_checkpoint(tmp_path / "a", family="qwen3-moe", seed=4, progress=False)
+    assert files(tmp_path / "a") == files(tmp_path / "b")
+
+    def disk_full(self, name, tensor):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.partial))
+
+    monkeypatch.setattr(synth._ShardWriter, "write", disk_full)
+    with pytest.raises(MoepackError, match=r"^writing .*failed: No space left on device \(disk full\)$"):
+        synth.synth_checkpoint(tmp_path / "c", family="qwen3-moe", progress=False)
+    assert list((tmp_path / "c").iterdir()) == []
