@@ -48,18 +48,22 @@ def cli():
 @click.option("--tokenizer", "tokenizer", type=click.Path(exists=True),
               help="Embed this tokenizer.json (or a directory holding tokenizer.json + tokenizer_config.json), e.g. "
                    "the release's, instead of the tiny byte-level one; vocab_size grows to fit it.")
+@click.option("--family", type=click.Choice(["deepseek-v4", "qwen3-moe"]), default="deepseek-v4", show_default=True,
+              help="The architecture: qwen3-moe writes transformers' Qwen3MoeForCausalLM (presets tiny, small; "
+                   "release: the -FP8 layout, FP8 e4m3 linears with BF16 128x128 weight_scale_inv).")
 @force_option
 @json_option
 @reports_errors
-def synth(out_dir, preset, layout, seed, tokenizer, force, as_json):
-    """Write a random DeepSeek-V4-architecture checkpoint (Hugging Face layout) to OUT_DIR."""
+def synth(out_dir, preset, layout, seed, tokenizer, family, force, as_json):
+    """Write a random DeepSeek-V4-architecture (or --family) checkpoint (Hugging Face layout) to OUT_DIR."""
     from moepack.packer.synth import synth_checkpoint
 
     refuse_existing(force, out_dir)
     result = synth_checkpoint(out_dir, preset=preset, layout=layout, seed=seed, progress=not as_json,
-                              overwrite=force, tokenizer=tokenizer)
+                              overwrite=force, tokenizer=tokenizer, family=family)
+    named = "" if family == "deepseek-v4" else f"{family} "
     emit(as_json, result, lambda r: click.echo(
-        f"wrote {r['dir']}: {preset} {layout}, {r.get('params', 0) / 1e6:.1f}M params, "
+        f"wrote {r['dir']}: {named}{preset} {layout}, {r.get('params', 0) / 1e6:.1f}M params, "
         f"{r.get('bytes', 0) / 2**20:.1f} MiB in {len(r.get('files', []))} files"))
 
 

@@ -398,9 +398,11 @@ class F8_E4M3(Codec):
             return super().decode_float(raw, shape, scale, out_dtype)
         import torch
 
-        from .source_formats import fp8_block_dequantize
+        from .source_formats import FLOAT_SCALE_DTYPES, fp8_block_dequantize, fp8_float_block_dequantize
 
         weight = cls.decode(raw, shape)
+        if scale.dtype in FLOAT_SCALE_DTYPES:  # other releases' float block scales (Qwen3's weight_scale_inv)
+            return fp8_float_block_dequantize(weight, scale, dtype=out_dtype)
         if out_dtype in (torch.float32, torch.bfloat16):  # decoded straight into it
             return fp8_block_dequantize(weight, scale, dtype=out_dtype)
         return fp8_block_dequantize(weight, scale).to(out_dtype)

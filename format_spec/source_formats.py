@@ -136,6 +136,26 @@ def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int =
     return _fp8_lookup_torch(weight, scale_bytes, block, table)
 
 
+FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fp8_float_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
+                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """fp8_block_dequantize under float block scales, as other releases store them (Qwen3's `-FP8`:
+    `weight_scale_inv`, BF16 or F32, not a power of two): the weight decoded under unit E8M0 scales, then each
+    block row times its scales in float32."""
+    if weight.ndim != 2 or scale.dtype not in FLOAT_SCALE_DTYPES:
+        raise MoepackError(f"FP8 float block scales must be float32, bfloat16 or float16 beside a 2-D weight, got "
+                           f"{scale.dtype} beside shape {list(weight.shape)}")
+    unit = torch.full(tuple(scale.shape), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^0
+    values = fp8_block_dequantize(weight, unit.to(weight.device), block)  # (it checks the scales' shape)
+    cols = weight.shape[1]
+    per_column = scale.float().repeat_interleave(block, dim=1)[:, :cols]
+    for i in range(scale.shape[0]):
+        values[i * block:(i + 1) * block].mul_(per_column[i])
+    return values if dtype == torch.float32 else values.to(dtype)
+
+
 def _fp8_lookup_torch(weight: torch.Tensor, scale_bytes: torch.Tensor, block: int, table: torch.Tensor) -> torch.Tensor:
     rows, cols = weight.shape
     index = weight.view(torch.uint8).to(torch.int32)

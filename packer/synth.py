@@ -43,6 +43,7 @@ from moepack.v4.tensors import (DTYPE_BYTES as _DTYPE_BYTES, ROLE_DENSE_LINEAR, 
 from .sharding import greedy_shards
 
 PRESETS = ("tiny", "small", "medium")
+FAMILIES = ("deepseek-v4", "qwen3-moe")  # `synth --family`; DeepSeek-V4 the default
 
 # The release's config.json quantization block (as in tests/data/deepseek-v4-flash.config.json).
 RELEASE_QUANTIZATION_CONFIG = {
@@ -348,11 +349,12 @@ def _byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def tokenizer_json() -> dict:
-    """A byte-level BPE tokenizer with no merges: ids 0-2 special, 3-258 the 256 bytes; it adds BOS in front."""
-    vocab = {token: i for i, token in enumerate(_SPECIAL_TOKENS)}
+def tokenizer_json(special_tokens: tuple[str, ...] = _SPECIAL_TOKENS, bos_token: str | None = BOS_TOKEN) -> dict:
+    """A byte-level BPE tokenizer with no merges: ids 0-2 special, 3-258 the 256 bytes; it adds `bos_token` in front
+    (None: nothing, as Qwen's)."""
+    vocab = {token: i for i, token in enumerate(special_tokens)}
     for byte, char in _byte_to_unicode().items():
-        vocab[char] = len(_SPECIAL_TOKENS) + byte
+        vocab[char] = len(special_tokens) + byte
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     return {
         "version": "1.0",
@@ -368,20 +370,21 @@ def tokenizer_json() -> dict:
                 "normalized": False,
                 "special": True,
             }
-            for i, token in enumerate(_SPECIAL_TOKENS)
+            for i, token in enumerate(special_tokens)
         ],
         "normalizer": None,
         "pre_tokenizer": byte_level,
-        "post_processor": {
+        "post_processor": None if bos_token is None else {
             "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "single": [{"SpecialToken": {"id": bos_token, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
             "pair": [
-                {"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}},
+                {"SpecialToken": {"id": bos_token, "type_id": 0}},
                 {"Sequence": {"id": "A", "type_id": 0}},
-                {"SpecialToken": {"id": BOS_TOKEN, "type_id": 1}},
+                {"SpecialToken": {"id": bos_token, "type_id": 1}},
                 {"Sequence": {"id": "B", "type_id": 1}},
             ],
-            "special_tokens": {BOS_TOKEN: {"id": BOS_TOKEN, "ids": [0], "tokens": [BOS_TOKEN]}},
+            "special_tokens": {bos_token: {"id": bos_token, "ids": [special_tokens.index(bos_token)],
+                                           "tokens": [bos_token]}},
         },
         "decoder": byte_level,
         "model": {
@@ -525,6 +528,43 @@ def _write_json(path: Path, obj: Any) -> None:
     write_file_atomically(str(path), (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
+def _prepare_output(out: Path, total_tensor_bytes: int, overwrite: bool, shard_bytes: int | None) -> int:
+    """The output directory made ready (an earlier run's shards removed when `overwrite`, room for the new ones
+    checked); returns the shard size (None: at least 3 shards, at most 1 GiB each)."""
+    if out.exists() and not out.is_dir():
+        raise MoepackError(f"{out} exists and is not a directory")
+    stale = sorted(out.glob("model*.safetensors*")) if out.exists() else []
+    if stale and not overwrite:
+        raise MoepackError(f"{out} already holds a checkpoint ({stale[0].name}); pass --force (overwrite=True) to "
+                           "replace it")
+    check_free_space({str(out): total_tensor_bytes - sum(p.stat().st_size for p in stale)}, f"synthesizing {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    for path in stale:
+        path.unlink()  # shards of an earlier, differently sharded run must not linger beside the new index
+    if shard_bytes is None:
+        shard_bytes = min(1 << 30, -(-total_tensor_bytes // 3))
+    if shard_bytes <= 0:
+        raise MoepackError(f"shard_bytes must be positive, got {shard_bytes}")
+    return shard_bytes
+
+
+def _shard_names(count: int) -> list[str]:
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _write_or_leave_nothing(out: Path, files: list[str], write) -> None:
+    """write(), then the directory fsynced; an OSError (a full disk, a vanished folder) is one line, and none of
+    this run's `files` are left behind."""
+    try:
+        write()
+    except OSError as e:
+        for name in files:
+            (out / name).unlink(missing_ok=True)
+        full = " (disk full)" if is_disk_full(e) else ""
+        raise MoepackError(f"writing {e.filename or out} failed: {e.strerror or e}{full}") from None
+    fsync_dir(str(out))
+
+
 def synth_checkpoint(
     out_dir: str | os.PathLike,
     preset: str = "tiny",
@@ -536,6 +576,7 @@ def synth_checkpoint(
     config_overrides: dict | None = None,
     tokenizer: str | os.PathLike | None = None,
     random_expert_codes: bool = False,
+    family: str = "deepseek-v4",
 ) -> dict:
     """Write a synthetic DeepSeek-V4 checkpoint directory (config, sharded safetensors + index, tokenizer,
     generation config). shard_bytes=None: at least 3 shards, at most 1 GiB each. `config_overrides` replace
@@ -546,8 +587,16 @@ def synth_checkpoint(
     a release-sized model's 10 GB of expert floats take minutes to draw and quantize); vocab_size is raised to its
     entries rounded up to a multiple of 128 (the release tokenizer's 129,280 stays 129,280: embed, head and
     tid2eid grow to it) and bos/eos ids follow its tokenizer_config.json.
+    `family`: "deepseek-v4", or "qwen3-moe" (synth_qwen3_moe: tiny and small presets, no own tokenizer).
     Returns a summary: dir, preset, layout, files, bytes (all files written), params (logical, MTP included),
     seconds."""
+    if family != "deepseek-v4":
+        if family not in FAMILIES:
+            raise MoepackError(f"unknown model family {family!r} (choose one of {', '.join(FAMILIES)})")
+        if tokenizer is not None or random_expert_codes:
+            raise MoepackError(f"--tokenizer and random expert codes are for deepseek-v4 only, not {family} (it "
+                               "writes its own byte-level tokenizer)")
+        return synth_qwen3_moe(out_dir, preset, layout, seed, shard_bytes, progress, overwrite, config_overrides)
     _check_layout(layout)
     started = time.perf_counter()
     config = {**preset_config(preset), **(config_overrides or {})}
@@ -562,37 +611,17 @@ def synth_checkpoint(
         raise AssertionError("preset vocab smaller than the tokenizer's")
 
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise MoepackError(f"{out} exists and is not a directory")
-    stale = sorted(out.glob("model*.safetensors*")) if out.exists() else []
-    if stale and not overwrite:
-        raise MoepackError(f"{out} already holds a checkpoint ({stale[0].name}); pass --force (overwrite=True) to "
-                           "replace it")
     total_tensor_bytes = sum(t.nbytes for s in specs for t in stored_tensors(s, layout))
-    check_free_space({str(out): total_tensor_bytes - sum(p.stat().st_size for p in stale)}, f"synthesizing {out}")
-    out.mkdir(parents=True, exist_ok=True)
-    for path in stale:
-        path.unlink()  # shards of an earlier, differently sharded run must not linger beside the new index
-
-    if shard_bytes is None:
-        shard_bytes = min(1 << 30, -(-total_tensor_bytes // 3))
-    if shard_bytes <= 0:
-        raise MoepackError(f"shard_bytes must be positive, got {shard_bytes}")
+    shard_bytes = _prepare_output(out, total_tensor_bytes, overwrite, shard_bytes)
     shards = _plan_shards(specs, layout, shard_bytes)
 
-    shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    shard_names = _shard_names(len(shards))
     metadata_files = [f for f in _METADATA_FILES if own_tokenizer is None or not f.startswith("tokenizer")]
     metadata_files += sorted(own_tokenizer["files"]) if own_tokenizer is not None else []
     files = sorted([*metadata_files, *shard_names, "model.safetensors.index.json"])
-    try:
-        _write_checkpoint_files(out, config, shards, shard_names, layout, seed, preset, progress, total_tensor_bytes,
-                                own_tokenizer["files"] if own_tokenizer is not None else None, random_expert_codes)
-    except OSError as e:  # a full disk, a vanished folder: one line, and none of this run's files left behind
-        for name in files:
-            (out / name).unlink(missing_ok=True)
-        full = " (disk full)" if is_disk_full(e) else ""
-        raise MoepackError(f"writing {e.filename or out} failed: {e.strerror or e}{full}") from None
-    fsync_dir(str(out))
+    _write_or_leave_nothing(out, files, lambda: _write_checkpoint_files(
+        out, config, shards, shard_names, layout, seed, preset, progress, total_tensor_bytes,
+        own_tokenizer["files"] if own_tokenizer is not None else None, random_expert_codes))
 
     return {
         "dir": str(out),
@@ -603,3 +632,138 @@ def synth_checkpoint(
         "params": sum(s.numel for s in specs),
         "seconds": round(time.perf_counter() - started, 3),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Qwen3-MoE (`synth --family qwen3-moe`)
+# ---------------------------------------------------------------------------------------------------------
+
+# Qwen3-30B-A3B's proportions, shrunk: GQA (two query heads per KV head), head_dim 64, every layer routed, top-k
+# renormalised; the dims multiples of 128 and 256 as the DeepSeek-V4 presets' (FP8 blocks, ggml super-blocks).
+QWEN3_MOE_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
+                 num_experts_per_tok=2),
+    "small": dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                  num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
+                  num_experts_per_tok=4),
+}
+# config.json's quantization_config of Qwen's `-FP8` releases (the `release` layout here)
+QWEN3_FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                 "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+QWEN3_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen's: ids 0-2 here
+# ChatML, as Qwen3's tokenizer_config carries it (without its tool and thinking parts)
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def qwen3_moe_config(preset: str) -> dict:
+    """The config.json (transformers' Qwen3MoeConfig field names, as the releases spell them) of a preset."""
+    if preset not in QWEN3_MOE_PRESETS:
+        raise MoepackError(f"unknown qwen3-moe preset {preset!r} (choose one of {', '.join(QWEN3_MOE_PRESETS)})")
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": None,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu", "initializer_range": 0.02,
+        "max_position_embeddings": 32768, "norm_topk_prob": True, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "rope_scaling": None, "router_aux_loss_coef": 0.001, "sliding_window": None, "use_sliding_window": False,
+        "tie_word_embeddings": False, "use_cache": True, **QWEN3_MOE_PRESETS[preset],
+    }
+    return dict(sorted(config.items()))
+
+
+def _qwen3_quantized(spec, layout: str) -> bool:
+    """The `release` layout's FP8 linears: attention, experts and dense MLPs (embed, head, norms, routers BF16)."""
+    from moepack.families.base import ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EXPERT as FAMILY_ROLE_EXPERT
+
+    return layout == "release" and spec.role in (ROLE_ATTENTION, ROLE_DENSE_FFN, FAMILY_ROLE_EXPERT)
+
+
+def _qwen3_stored(spec, layout: str) -> list[StoredTensor]:
+    from moepack.families.qwen3_moe.tensors import FP8_SCALE_SUFFIX
+    from moepack.format_spec.source_formats import fp8_block_scale_shape
+
+    if _qwen3_quantized(spec, layout):
+        return [StoredTensor(spec.name, "F8_E4M3", spec.shape),
+                StoredTensor(spec.name + FP8_SCALE_SUFFIX, "BF16", fp8_block_scale_shape(*spec.shape))]
+    return [StoredTensor(spec.name, "F32" if layout == "f32" else "BF16", spec.shape)]
+
+
+def _qwen3_encoded(spec, layout: str, seed: int) -> dict[str, torch.Tensor]:
+    """A tensor drawn from its own generator (as DeepSeek-V4's: unit-variance linears, unit-RMS embedding rows,
+    norms near one) and stored in `layout`; FP8 through format_spec's block quantizer, its power-of-two scales
+    exact in BF16."""
+    from moepack.families.base import ROLE_EMBED, ROLE_NORM
+
+    value = torch.randn(spec.shape, generator=_tensor_generator(seed, spec.name))
+    if spec.role == ROLE_NORM:
+        value.mul_(0.05).add_(1.0)
+    elif spec.role != ROLE_EMBED:
+        value.mul_(1.0 / math.sqrt(spec.shape[-1]))
+    parts = _qwen3_stored(spec, layout)
+    if _qwen3_quantized(spec, layout):
+        weight, scale = fp8_block_quantize(value)
+        return {parts[0].name: weight, parts[1].name: scale.float().to(torch.bfloat16)}
+    return {spec.name: value.to(torch.float32 if layout == "f32" else torch.bfloat16)}
+
+
+def synth_qwen3_moe(out_dir: str | os.PathLike, preset: str = "tiny", layout: str = "release", seed: int = 0,
+                    shard_bytes: int | None = None, progress: bool = True, overwrite: bool = False,
+                    config_overrides: dict | None = None) -> dict:
+    """Write a synthetic Qwen3-MoE checkpoint directory as Qwen ships one: config.json, sharded safetensors + index
+    under transformers' names (moepack.families.qwen3_moe's schema), a byte-level tokenizer with Qwen's special
+    tokens and a ChatML chat_template in its tokenizer_config, generation_config. Layouts: `release` (the `-FP8`
+    releases: F8_E4M3 linears + BF16 `weight_scale_inv` per 128x128 block), `bf16`, `f32`. Returns the same
+    summary as synth_checkpoint."""
+    from moepack.families.qwen3_moe.config import Qwen3MoeConfig
+    from moepack.families.qwen3_moe.tensors import tensor_specs as qwen3_tensor_specs
+
+    _check_layout(layout)
+    started = time.perf_counter()
+    config = {**qwen3_moe_config(preset), **(config_overrides or {})}
+    if layout == "release":
+        config["quantization_config"] = dict(QWEN3_FP8_QUANTIZATION_CONFIG)
+    config["dtype"] = "float32" if layout == "f32" else "bfloat16"
+    specs = qwen3_tensor_specs(Qwen3MoeConfig.from_hf(config))
+    out = Path(out_dir)
+    total_tensor_bytes = sum(t.nbytes for s in specs for t in _qwen3_stored(s, layout))
+    shard_bytes = _prepare_output(out, total_tensor_bytes, overwrite, shard_bytes)
+    shards = greedy_shards(specs, lambda s: sum(t.nbytes for t in _qwen3_stored(s, layout)), shard_bytes)
+    shard_names = _shard_names(len(shards))
+    files = sorted([*_METADATA_FILES, *shard_names, "model.safetensors.index.json"])
+
+    def write() -> None:
+        from .progress import progress_bar
+
+        _write_json(out / "config.json", config)
+        _write_json(out / "generation_config.json", {"bos_token_id": config["bos_token_id"],
+                                                     "eos_token_id": config["eos_token_id"], "do_sample": False})
+        _write_json(out / "tokenizer.json", tokenizer_json(QWEN3_SPECIAL_TOKENS, bos_token=None))
+        _write_json(out / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>", "add_bos_token": False, "add_eos_token": False,
+            "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"],
+            "chat_template": QWEN3_CHAT_TEMPLATE})
+        weight_map: dict[str, str] = {}
+        with progress_bar(total_tensor_bytes, f"synth qwen3-moe {preset}", progress) as bar:
+            for shard_name, shard_specs in zip(shard_names, shards):
+                # widest elements first (an FP8 weight's BF16 scale before every FP8 weight), so each tensor stays
+                # aligned to its element size; a drawn tensor's parts wait in `encoded` until their turn
+                parts = sorted(((t, spec) for spec in shard_specs for t in _qwen3_stored(spec, layout)),
+                               key=lambda part: -_DTYPE_BYTES[part[0].dtype])
+                encoded: dict[str, torch.Tensor] = {}
+                with _ShardWriter(out / shard_name, [t for t, _ in parts]) as writer:
+                    for stored, spec in parts:
+                        if stored.name not in encoded:
+                            encoded.update(_qwen3_encoded(spec, layout, seed))
+                        bar.update(writer.write(stored.name, encoded.pop(stored.name)))
+                        weight_map[stored.name] = shard_name
+        _write_json(out / "model.safetensors.index.json",
+                    {"metadata": {"total_size": total_tensor_bytes}, "weight_map": dict(sorted(weight_map.items()))})
+
+    _write_or_leave_nothing(out, files, write)
+    return {"dir": str(out), "preset": preset, "layout": layout, "family": "qwen3-moe", "files": files,
+            "bytes": sum((out / f).stat().st_size for f in files), "params": sum(s.numel for s in specs),
+            "seconds": round(time.perf_counter() - started, 3)}

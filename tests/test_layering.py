@@ -1,7 +1,8 @@
 """The package's import graph, as installed: every `import` of a moepack module anywhere in a module (at the top or
-inside a function) is an edge. The layers are cli -> packer / runtime -> v4 -> format_spec -> native: nothing
-imports a layer above its own, packer and runtime never import each other, and no module imports itself back
-through others (no cycles, not even through a function-level import)."""
+inside a function) is an edge. The layers are cli -> packer / runtime -> model families (families, v4) ->
+format_spec -> native: nothing imports a layer above its own, packer and runtime never import each other, the
+families' package and DeepSeek-V4's v4 never import each other (a family holds no other family's names), and no
+module imports itself back through others (no cycles, not even through a function-level import)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,16 @@ import pytest
 LAYERS = {
     "moepack.native": 0,
     "moepack.format_spec": 1,
-    "moepack.v4": 2,
+    "moepack.v4": 2,  # DeepSeek-V4, a model family not yet moved into moepack.families
+    "moepack.families": 2,
     "moepack.runtime": 3,
     "moepack.packer": 3,
     "moepack.kv": 3,  # the transformers consumer of a KV directory
     "moepack.cli": 4,
     "moepack.__main__": 4,
 }
-SIBLINGS_APART = {("moepack.runtime", "moepack.packer"), ("moepack.packer", "moepack.runtime")}
+SIBLINGS_APART = {("moepack.runtime", "moepack.packer"), ("moepack.packer", "moepack.runtime"),
+                  ("moepack.families", "moepack.v4"), ("moepack.v4", "moepack.families")}
 
 
 def package_modules() -> dict[str, str]:
@@ -39,11 +42,14 @@ def package_modules() -> dict[str, str]:
         if spec is None:
             continue
         for base in spec.submodule_search_locations:
-            for name in os.listdir(base):
-                if name.endswith(".py"):
-                    stem = name[:-3]
-                    mod = f"moepack.{sub}" if stem == "__init__" else f"moepack.{sub}.{stem}"
-                    modules[mod] = os.path.join(base, name)
+            for folder, subfolders, names in os.walk(base):  # a family's own package too (families/qwen3_moe)
+                subfolders[:] = [d for d in subfolders if os.path.isfile(os.path.join(folder, d, "__init__.py"))]
+                inner = os.path.relpath(folder, base)
+                package = f"moepack.{sub}" + ("" if inner == "." else "." + inner.replace(os.sep, "."))
+                for name in names:
+                    if name.endswith(".py"):
+                        stem = name[:-3]
+                        modules[package if stem == "__init__" else f"{package}.{stem}"] = os.path.join(folder, name)
     return modules
 
 
@@ -90,8 +96,8 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_package_has_every_layer():
     modules = graph()
-    for prefix in ("moepack.native", "moepack.format_spec", "moepack.v4", "moepack.runtime", "moepack.packer",
-                   "moepack.cli"):
+    for prefix in ("moepack.native", "moepack.format_spec", "moepack.v4", "moepack.families",
+                   "moepack.families.qwen3_moe", "moepack.runtime", "moepack.packer", "moepack.cli"):
         assert any(m.startswith(prefix) for m in modules), f"{prefix} not found in the installed package"
 
 

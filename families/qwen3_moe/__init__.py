@@ -1,0 +1,66 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-480B-A35B): transformers' Qwen3MoeForCausalLM as a
+model family. config.py reads its config.json, tensors.py names its tensors (transformers, GGUF) and loads a
+checkpoint through that schema, model.py is the forward."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..base import ExpertNaming, MoeShape, TensorSpec, chat_template_from_tokenizer_config
+from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
+from .tensors import EXPERT_NAMING, tensor_specs
+
+
+class Qwen3MoeFamily:
+    """The ModelFamily protocol for Qwen3-MoE (the forward functions imported when first used: torch)."""
+
+    name = "qwen3-moe"
+    architectures = (ARCHITECTURE,)
+    model_types = (MODEL_TYPE,)
+    expert_naming: ExpertNaming = EXPERT_NAMING
+
+    def parse_config(self, raw: Mapping[str, Any]) -> Qwen3MoeConfig:
+        return Qwen3MoeConfig.from_hf(raw)
+
+    def shape(self, config: Qwen3MoeConfig) -> MoeShape:
+        return config.shape()
+
+    def tensor_specs(self, config: Qwen3MoeConfig) -> list[TensorSpec]:
+        return tensor_specs(config)
+
+    def new_kv(self, config: Qwen3MoeConfig):
+        from .model import KVState
+
+        return KVState.empty(config)
+
+    def embed(self, config, globals_, ids):
+        from .model import embed
+
+        return embed(globals_, ids)
+
+    def before_experts(self, config, layer, weights, hidden, kv):
+        from .model import before_experts
+
+        return before_experts(config, layer, weights, hidden, kv.layers[layer])
+
+    def expert_ffn(self, config, expert, x):
+        from .model import swiglu_ffn
+
+        return swiglu_ffn(expert, x)
+
+    def after_experts(self, config, layer, weights, residual, ffn_input, expert_out):
+        from .model import after_experts
+
+        return after_experts(config, layer, weights, residual, ffn_input, expert_out)
+
+    def head(self, config, globals_, hidden):
+        from .model import head
+
+        return head(config, globals_, hidden)
+
+    def chat_template(self, tokenizer_config: Mapping[str, Any]) -> str | None:
+        return chat_template_from_tokenizer_config(tokenizer_config)
+
+
+FAMILY = Qwen3MoeFamily()

@@ -1,0 +1,178 @@
+"""Qwen3-MoE's forward as short torch functions over one layer's weight dict (names inside the layer, as
+tensors.layer_prefix strips them), the reference arithmetic of transformers' Qwen3MoeForCausalLM:
+
+    h = embed[ids]
+    per layer:  a = h + o_proj(attention(rms(h)))           GQA; q_norm / k_norm per head, then RoPE; causal
+                f = rms(a)                                    post_attention_layernorm
+                a + experts(f) (routed: softmax, top-k, renormalised when norm_topk_prob; SwiGLU, no clamp)
+                  or a + mlp(f)  (the layers of mlp_only_layers or off decoder_sparse_step)
+    logits = lm_head(rms(h))
+
+A prefill and each later token go through the same functions: a token continues the KVState the prefill left.
+Everything computes in the weights' dtype, as transformers does for a model loaded in that dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..base import Routing
+from .config import Qwen3MoeConfig
+from .tensors import DENSE_MLP, ROUTER, Checkpoint
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' Qwen3MoeRMSNorm: the mean square in float32, the weight applied in x's dtype."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_tables(c: Qwen3MoeConfig, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [N, head_dim] of the default RoPE at `positions` (both halves of a head rotate by one frequency)."""
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [heads, N, D] rotated: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class LayerKV:
+    """One layer's keys and values so far, [kv_heads, T, head_dim] each (after k_norm and RoPE)."""
+
+    keys: Tensor | None = None
+    values: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[1]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.keys = k if self.keys is None else torch.cat((self.keys, k), dim=1)
+        self.values = v if self.values is None else torch.cat((self.values, v), dim=1)
+        return self.keys, self.values
+
+
+@dataclass
+class KVState:
+    """Every layer's LayerKV: what a prefill hands to the tokens after it."""
+
+    layers: list[LayerKV] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, c: Qwen3MoeConfig) -> KVState:
+        return cls([LayerKV() for _ in range(c.num_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+
+def attention(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, kv: LayerKV) -> Tensor:
+    """The attention of N new tokens x [N, H] (already normed) after kv's earlier ones; appends their keys and
+    values to kv. Returns o_proj's output [N, H]."""
+    n, past = x.shape[0], kv.length
+    q = (x @ w["self_attn.q_proj.weight"].T).view(n, c.num_heads, c.head_dim)
+    k = (x @ w["self_attn.k_proj.weight"].T).view(n, c.num_kv_heads, c.head_dim)
+    v = (x @ w["self_attn.v_proj.weight"].T).view(n, c.num_kv_heads, c.head_dim)
+    q = rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps).transpose(0, 1)
+    k = rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps).transpose(0, 1)
+    cos, sin = rope_tables(c, torch.arange(past, past + n), x.dtype)
+    keys, values = kv.append(apply_rope(k, cos, sin), v.transpose(0, 1))
+    group = c.num_heads // c.num_kv_heads  # query heads per KV head (GQA)
+    keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+    scores = (apply_rope(q, cos, sin) @ keys.transpose(1, 2)) * c.head_dim ** -0.5  # [heads, N, T]
+    visible = torch.arange(past + n)[None, :] <= torch.arange(past, past + n)[:, None]  # causal
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+    out = (probs @ values).transpose(0, 1).reshape(n, c.num_heads * c.head_dim)
+    return out @ w["self_attn.o_proj.weight"].T
+
+
+def route(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor) -> Routing:
+    """The router: softmax over every expert (float32), the top-k, renormalised to sum 1 when norm_topk_prob."""
+    probs = torch.softmax(x @ w[ROUTER].T, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, c.top_k, dim=-1)
+    if c.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts=experts, weights=weights.to(x.dtype))
+
+
+def swiglu_ffn(ffn: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    """down(silu(gate x) * up x): a routed expert's and a dense layer's FFN alike (no clamp)."""
+    return (F.silu(x @ ffn["gate"].T) * (x @ ffn["up"].T)) @ ffn["down"].T
+
+
+def routed_experts(experts: Sequence[Mapping[str, Tensor]], routing: Routing, x: Tensor) -> Tensor:
+    """Each chosen expert over its tokens, combined by the routing weights: [N, H]."""
+    out = torch.zeros_like(x)
+    for expert in routing.experts.unique().tolist():
+        tokens, slot = torch.nonzero(routing.experts == expert, as_tuple=True)
+        y = swiglu_ffn(experts[expert], x[tokens]) * routing.weights[tokens, slot, None]
+        out.index_add_(0, tokens, y)
+    return out
+
+
+def dense_mlp(w: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    """A layer without routed experts: one SwiGLU MLP of width intermediate_size."""
+    return swiglu_ffn({m: w[name] for m, name in DENSE_MLP.items()}, x)
+
+
+def before_experts(c: Qwen3MoeConfig, layer: int, w: Mapping[str, Tensor], hidden: Tensor, kv: LayerKV
+                   ) -> tuple[Tensor, Tensor, Routing | None]:
+    """Attention with its residual, the FFN's norm and (a routed layer) the router: (residual, FFN input,
+    routing or None)."""
+    residual = hidden + attention(c, w, rms_norm(hidden, w["input_layernorm.weight"], c.rms_norm_eps), kv)
+    ffn_input = rms_norm(residual, w["post_attention_layernorm.weight"], c.rms_norm_eps)
+    return residual, ffn_input, route(c, w, ffn_input) if c.is_moe_layer(layer) else None
+
+
+def after_experts(c: Qwen3MoeConfig, layer: int, w: Mapping[str, Tensor], residual: Tensor, ffn_input: Tensor,
+                  expert_out: Tensor | None) -> Tensor:
+    """The layer's output: the residual plus the combined experts (or, a dense layer, its MLP)."""
+    return residual + (expert_out if c.is_moe_layer(layer) else dense_mlp(w, ffn_input))
+
+
+def embed(globals_: Mapping[str, Tensor], ids: Tensor) -> Tensor:
+    return globals_["embed"][ids]
+
+
+def head(c: Qwen3MoeConfig, globals_: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
+    """Final norm and LM head: logits [N, vocab] float32."""
+    return (rms_norm(hidden, globals_["norm"], c.rms_norm_eps) @ globals_["head"].T).float()
+
+
+def forward(checkpoint: Checkpoint, ids: Sequence[int] | Tensor, kv: KVState | None = None) -> Tensor:
+    """Logits [N, vocab] of `ids` after the tokens `kv` holds (a prefill when kv is empty or None); kv is
+    continued in place."""
+    c = checkpoint.config
+    kv = kv if kv is not None else KVState.empty(c)
+    hidden = embed(checkpoint.globals, torch.as_tensor(ids, dtype=torch.long))
+    for layer in range(c.num_layers):
+        w = checkpoint.layer(layer)
+        residual, ffn_input, routing = before_experts(c, layer, w, hidden, kv.layers[layer])
+        out = routed_experts(checkpoint.experts(layer), routing, ffn_input) if routing is not None else None
+        hidden = after_experts(c, layer, w, residual, ffn_input, out)
+    return head(c, checkpoint.globals, hidden)
+
+
+def greedy(checkpoint: Checkpoint, prompt: Sequence[int], new_tokens: int) -> list[int]:
+    """The prompt prefilled, then `new_tokens` tokens chosen greedily one at a time over the KV state."""
+    kv = KVState.empty(checkpoint.config)
+    logits = forward(checkpoint, prompt, kv)
+    out: list[int] = []
+    for _ in range(new_tokens):
+        out.append(int(logits[-1].argmax()))
+        logits = forward(checkpoint, [out[-1]], kv)
+    return out
