@@ -141,7 +141,8 @@ def check_device_memory(container: Container, device: torch.device, cache_bytes:
 class Generator:
     """One container opened once for any number of generations: its non-routed weights stay resident (the
     prefill and the decode both use them) and its expert cache persists from one generation to the next (what
-    `moepack serve` keeps). One generation at a time.
+    `moepack serve` keeps). generate() runs one generation at a time; runtime/batching.py's BatchScheduler decodes
+    several together over one Generator (its worker thread then alone uses the decoder).
 
         with Generator("model.moepack", cache_gib=4) as g:
             g.generate(prompt_ids, GenerateOptions(max_new_tokens=64))

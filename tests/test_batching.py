@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from moepack.format_spec.errors import MoepackError
-from moepack.packer.convert import convert_checkpoint
 from moepack.runtime import generate as generate_module
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, Generator, memory_need
 from moepack.runtime.serve import make_app
 from moepack.runtime.tokenizer import PromptTokenizer
 from moepack.v4.kv import kv_bytes
+from containers import tiny_keep_container
 from test_serve import Running
 
 TIMEOUT = 120
@@ -26,12 +26,7 @@ TIMEOUT = 120
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from moepack.packer.synth import synth_checkpoint
-
-    base = tmp_path_factory.mktemp("batching")
-    synth_checkpoint(str(base / "tiny"), preset="tiny", progress=False)
-    convert_checkpoint(str(base / "tiny"), str(base / "tiny.moepack"), policy="keep", progress=False)
-    return str(base / "tiny.moepack")
+    return tiny_keep_container(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
