@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -15,7 +16,7 @@ from moepack.format_spec.errors import MoepackError
 from moepack.runtime import generate as generate_module
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, Generator, memory_need
-from moepack.runtime.serve import make_app
+from moepack.runtime.serve import ServerLimits, make_app
 from moepack.runtime.tokenizer import PromptTokenizer
 from moepack.v4.kv import kv_bytes
 from containers import tiny_keep_container
@@ -204,40 +205,88 @@ def test_bad_options_are_refused_when_submitted(generator):
         BatchScheduler(generator, max_batch=0)
 
 
-def test_serve_with_max_batch_answers_concurrent_clients_as_sequential_ones(tiny):
-    prompts = [f"Client {i} asks about streaming experts" + " and more" * i for i in range(5)]
-    body = {"max_tokens": 10, "temperature": 0}
-    g = Generator(tiny, cache_gib=0.5)
-    sequential = Running(make_app(g, "tiny", log=lambda line: None, max_queue=8))
-    try:
-        with httpx.Client(base_url=sequential.url, timeout=TIMEOUT) as http:
-            assert http.get("/health").json()["max_batch"] == 1
-            expected = [http.post("/v1/completions", json={**body, "prompt": p}).json()["choices"][0]["text"]
-                        for p in prompts]
-    finally:
-        sequential.stop()
-    batched = Running(make_app(g, "tiny", log=lambda line: None, max_queue=8, max_batch=4, prefill_chunk=4))
-    try:
-        with httpx.Client(base_url=batched.url, timeout=TIMEOUT) as http:
-            assert http.get("/health").json()["max_batch"] == 4
+PROMPTS = [f"Client {i} asks about streaming experts" + " and more" * i for i in range(3)]
+GREEDY = {"max_tokens": 16, "temperature": 0}
 
-            def one(p):
-                return http.post("/v1/completions", json={**body, "prompt": p}).json()["choices"][0]["text"]
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                got = list(pool.map(one, prompts))
-            streamed = "".join(
-                json.loads(line[6:])["choices"][0]["text"]
-                for line in http.post("/v1/completions", json={**body, "prompt": prompts[2], "stream": True}
-                                      ).text.splitlines() if line.startswith("data: {"))
-            n = http.post("/v1/completions", json={**body, "prompt": prompts[0], "n": 3, "temperature": 1.0,
-                                                   "seed": 5}).json()
-            metrics = http.get("/metrics").text
-        assert got == expected
-        assert streamed == expected[2]
-        assert [c["index"] for c in n["choices"]] == [0, 1, 2] and n["usage"]["completion_tokens"] == 30
-        assert "moepack_decode_batch_size_bucket" in metrics and "moepack_sequences_decoding" in metrics
-        steps = [line for line in metrics.splitlines() if line.startswith("moepack_decode_batch_size_count")]
-        assert steps and float(steps[0].split()[-1]) > 0
-    finally:
-        batched.stop()
-        g.close()
+
+@pytest.fixture(scope="module")
+def sequential_answers(tiny):
+    """Each of PROMPTS answered by a server of one generation at a time (--max-batch 1)."""
+    with Generator(tiny, cache_gib=0.5) as g:
+        running = Running(make_app(g, "tiny", log=lambda line: None, max_queue=8))
+        try:
+            with httpx.Client(base_url=running.url, timeout=TIMEOUT) as http:
+                assert http.get("/health").json()["max_batch"] == 1
+                return [http.post("/v1/completions", json={**GREEDY, "prompt": p}).json()["choices"][0]["text"]
+                        for p in PROMPTS]
+        finally:
+            running.stop()
+
+
+@pytest.fixture(scope="module")
+def batched(tiny):
+    """A server of --max-batch 4 (prompts prefilled 8 tokens at a time while others decode), its log lines in
+    .logs."""
+    logs: list[str] = []
+    with Generator(tiny, cache_gib=0.5) as g:
+        running = Running(make_app(g, "tiny", log=logs.append, max_queue=8, max_batch=4, prefill_chunk=8))
+        running.logs = logs
+        try:
+            yield running
+        finally:
+            running.stop()
+
+
+def _text(http, prompt, **body):
+    r = http.post("/v1/completions", json={**GREEDY, "prompt": prompt, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_serve_with_max_batch_answers_concurrent_clients_as_sequential_ones(batched, sequential_answers):
+    with httpx.Client(base_url=batched.url, timeout=TIMEOUT) as http:
+        assert http.get("/health").json()["max_batch"] == 4
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: _text(http, p), PROMPTS))
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in http.post(
+            "/v1/completions", json={**GREEDY, "prompt": PROMPTS[2], "stream": True}).text.splitlines()
+            if line.startswith("data: {"))
+        n = http.post("/v1/completions", json={**GREEDY, "prompt": PROMPTS[0], "n": 3, "temperature": 1.0,
+                                               "seed": 5}).json()
+        metrics = http.get("/metrics").text
+    assert got == sequential_answers
+    assert streamed == sequential_answers[2]
+    assert [c["index"] for c in n["choices"]] == [0, 1, 2] and n["usage"]["completion_tokens"] == 48
+    assert "moepack_decode_batch_size_bucket" in metrics and "moepack_sequences_decoding" in metrics
+    sizes = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+             if line.startswith("moepack_decode_batch_size_")}
+    assert sizes["moepack_decode_batch_size_count"] > sizes['moepack_decode_batch_size_bucket{le="1.0"}']
+
+
+def test_serve_with_max_batch_cancels_a_vanished_client_alone(batched, sequential_answers):
+    with httpx.Client(base_url=batched.url, timeout=TIMEOUT) as http, ThreadPoolExecutor(2) as pool:
+        other = pool.submit(_text, http, PROMPTS[1])
+        with http.stream("POST", "/v1/completions", json={**GREEDY, "prompt": PROMPTS[0], "max_tokens": 3000,
+                                                          "stream": True}) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: {"))  # decoding: then it leaves
+        assert other.result(TIMEOUT) == sequential_answers[1]
+        t0 = time.monotonic()
+        while not any("finish=cancelled" in line for line in batched.logs):
+            assert time.monotonic() - t0 < 10, batched.logs[-3:]
+            time.sleep(0.05)
+    gone = [line for line in batched.logs if "finish=cancelled" in line]
+    assert int(gone[0].split("generated_tokens=")[1].split()[0]) < 3000
+
+
+def test_serve_with_max_batch_ends_a_request_at_its_deadline(tiny):
+    logs: list[str] = []
+    with Generator(tiny, cache_gib=0.5) as g:
+        running = Running(make_app(g, "tiny", log=logs.append, max_batch=4,
+                                   limits=ServerLimits(request_timeout_s=2.0)))
+        try:
+            late = httpx.post(f"{running.url}/v1/completions", timeout=TIMEOUT,
+                              json={**GREEDY, "prompt": PROMPTS[0], "max_tokens": 3000}).json()
+        finally:
+            running.stop()
+    assert late["choices"][0]["finish_reason"] == "timeout" and 0 < late["usage"]["completion_tokens"] < 3000
+    assert any("finish=timeout" in line for line in logs)
