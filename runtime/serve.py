@@ -15,8 +15,8 @@ sequence leaving at its end or when stopped; a request's n choices decode side b
 generations on a thread of an executor of max_queue threads. With max_batch 1 every generation runs on ONE worker
 thread (a single-thread executor) through Generator.generate, in arrival order, the choices one after the other.
 At most `max_queue` requests are admitted at once (reading their body, being prepared, waiting or running); one
-more is answered 429 at once. A streamed answer's pieces go from the
-worker's `on_text` to the event loop through an asyncio.Queue (loop.call_soon_threadsafe). A client that goes
+more is answered 429 at once. A streamed answer's pieces go from the worker's `on_text` to the event loop through
+an asyncio.Queue (loop.call_soon_threadsafe). A client that goes
 away (stream or not) or a request past its deadline (--request-timeout) sets its job's stop flag: a job not yet
 started is skipped, a running one stops before its prefill's next layer or its next token (finish_reason
 "cancelled", or "timeout" past the deadline), and its slot is free once the worker lets go of it.
