@@ -290,3 +290,57 @@ def test_serve_with_max_batch_ends_a_request_at_its_deadline(tiny):
             running.stop()
     assert late["choices"][0]["finish_reason"] == "timeout" and 0 < late["usage"]["completion_tokens"] < 3000
     assert any("finish=timeout" in line for line in logs)
+
+
+def test_a_sequence_whose_callback_fails_fails_alone(generator):
+    vocab = generator.cfg.vocab_size
+    ids = _prompt(9, 51, vocab)
+    alone = _solo(generator, ids, max_new_tokens=12)
+
+    def broken(token, logprob):
+        raise RuntimeError("the client's callback broke")
+    with Batch(generator, max_batch=2) as batch:
+        futures = [batch.submit(ids, max_new_tokens=12), batch.submit(_prompt(5, 52, vocab), max_new_tokens=12,
+                                                                      on_token=broken)]
+        with pytest.raises(RuntimeError, match="callback broke"):
+            futures[1].result(TIMEOUT)
+        assert futures[0].result(TIMEOUT).generated_ids == alone.generated_ids
+
+
+def test_the_serve_command_takes_max_batch(tiny):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli
+
+    refused = CliRunner().invoke(cli, ["serve", tiny, "--max-batch", "0"])
+    assert refused.exit_code == 2 and "--max-batch" in refused.output
+    proc = subprocess.Popen([sys.executable, "-m", "moepack", "serve", tiny, "--port", "0", "--cache-gib", "0.1",
+                             "--max-batch", "3", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["max_batch"] == 3
+        url = f"http://127.0.0.1:{ready['port']}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                health = httpx.get(f"{url}/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert health.json()["max_batch"] == 3
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+            assert _text(http, PROMPTS[0], max_tokens=4) == _text(http, PROMPTS[0], max_tokens=4)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)  # stops on SIGTERM: the batch's worker let go of the generator, then it closed
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+            raise
