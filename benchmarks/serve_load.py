@@ -6,10 +6,13 @@ Per concurrency level it prints: time to first token (p50 / p99 over the clients
 (its tokens after the first over the time after the first) and the aggregate rate (every client's tokens over the
 level's wall time), the expert cache's hit rate (from the server's per-request log lines), and how many requests
 were refused (429). Beside them, the load goal's bound: 2 x one prompt's prefill time plus one decode step per
-sequence queued ahead (measured alone first, on the same server).
+sequence queued ahead (measured alone first, on the same server), and whether p99 is within it. One run compares
+servers by their --max-batch (default 1 and 16: one generation at a time, then every client's sequence decoding
+together), one after the other on the same container.
 
     python benchmarks/serve_load.py [--preset small|medium] [--container FILE] [--clients 1,4,16]
-                                    [--max-new-tokens 32] [--device cpu] [--serve-arg=--max-batch=8] [--json]
+                                    [--max-batch 1,16] [--max-new-tokens 32] [--device cpu]
+                                    [--serve-arg=--prefill-chunk=64] [--json]
 Loopback only; every loop is bounded; the server is stopped at the end."""
 
 from __future__ import annotations
@@ -133,24 +136,12 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "moepack-serve-load"))
-    ap.add_argument("--preset", default="small", choices=["tiny", "small", "medium"])
-    ap.add_argument("--container", help="an existing container instead of the synthetic preset's")
-    ap.add_argument("--clients", default="1,4,16")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--serve-arg", action="append", default=[],
-                    help="an extra `moepack serve` argument (repeat; e.g. --serve-arg=--max-batch=8)")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    levels = [int(c) for c in args.clients.split(",")]
-    if not levels or min(levels) < 1 or max(levels) > 64:
-        raise SystemExit("--clients: 1 to 64 each")
-    os.makedirs(args.workdir, exist_ok=True)
-    path = args.container or container(args.workdir, args.preset, "fp4")
-    server = Server(path, args.device, max(levels) * 2, args.serve_arg, os.path.join(args.workdir, "serve.log"))
+def run_server(path: str, args, levels: list[int], max_batch: int) -> dict:
+    """One server with --max-batch `max_batch`: a warm-up, one client alone (the bound's prefill and step), then
+    each level."""
+    extra = ["--max-batch", str(max_batch), *args.serve_arg]
+    log = os.path.join(args.workdir, f"serve-batch{max_batch}.log")
+    server = Server(path, args.device, max(levels) * 2, extra, log)  # --max-queue: nothing refused
     try:
         one_client(server, PROMPT, 4, time.perf_counter())  # warm-up: the cache fills, the kernels load
         alone = level(server, 1, args.max_new_tokens)
@@ -163,22 +154,54 @@ def main() -> None:
         server.stop()
     for row in rows:  # the load goal: p99 TTFT <= 2 x prefill + one decode step per sequence queued ahead
         row["ttft_bound_s"] = round(2 * prefill_s + step_s * (row["clients"] - 1), 3)
+        row["within_bound"] = row["ttft_p99_s"] is not None and row["ttft_p99_s"] <= row["ttft_bound_s"]
+    return {"max_batch": max_batch, "prefill_alone_s": prefill_s, "decode_step_s": round(step_s, 4), "levels": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "moepack-serve-load"))
+    ap.add_argument("--preset", default="small", choices=["tiny", "small", "medium"])
+    ap.add_argument("--container", help="an existing container instead of the synthetic preset's")
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--max-batch", default="1,16",
+                    help="the servers to compare, one after the other: their --max-batch (1: one generation at a "
+                         "time)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="an extra `moepack serve` argument (repeat; e.g. --serve-arg=--prefill-chunk=64)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    levels = [int(c) for c in args.clients.split(",")]
+    batches = [int(b) for b in args.max_batch.split(",")]
+    if not levels or min(levels) < 1 or max(levels) > 64:
+        raise SystemExit("--clients: 1 to 64 each")
+    if not batches or min(batches) < 1:
+        raise SystemExit("--max-batch: at least 1 each")
+    os.makedirs(args.workdir, exist_ok=True)
+    path = args.container or container(args.workdir, args.preset, "fp4")
+    load_before = os.getloadavg()
+    runs = [run_server(path, args, levels, b) for b in batches]
     report = {"container": path, "container_bytes": os.path.getsize(path), "device": args.device,
-              "max_new_tokens": args.max_new_tokens, "serve_args": args.serve_arg,
-              "prefill_alone_s": prefill_s, "decode_step_s": round(step_s, 4), "levels": rows}
+              "max_new_tokens": args.max_new_tokens, "serve_args": args.serve_arg, "cpus": os.cpu_count(),
+              "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)], "runs": runs}
     if args.json:
         print(json.dumps(report, indent=1))
         return
     print(f"{path} ({report['container_bytes'] / 2**20:.0f} MiB) on {args.device}, {args.max_new_tokens} new tokens "
-          f"per client, serve args {args.serve_arg or 'none'}; one prompt's prefill alone {prefill_s:.3f} s, a decode "
-          f"step {step_s * 1e3:.1f} ms")
-    head = ["clients", "refused", "TTFT p50 s", "TTFT p99 s", "TTFT bound s", "stream tok/s", "aggregate tok/s",
-            "cache hit rate", "wall s"]
-    print(" | ".join(head))
-    for r in rows:
-        print(" | ".join(str(r[k]) for k in ("clients", "refused", "ttft_p50_s", "ttft_p99_s", "ttft_bound_s",
-                                             "stream_tokens_per_s", "aggregate_tokens_per_s",
-                                             "expert_cache_hit_rate", "wall_s")))
+          f"per client, serve args {args.serve_arg or 'none'}; {report['cpus']} CPUs, 1-minute load "
+          f"{report['load_average_before_after'][0]} before, {report['load_average_before_after'][1]} after")
+    head = ["clients", "refused", "TTFT p50 s", "TTFT p99 s", "bound s", "p99 <= bound", "stream tok/s",
+            "aggregate tok/s", "cache hit rate", "wall s"]
+    for run in runs:
+        print(f"\n--max-batch {run['max_batch']}: one prompt's prefill alone {run['prefill_alone_s']:.3f} s, a decode "
+              f"step {run['decode_step_s'] * 1e3:.1f} ms; bound = 2 x prefill + one step per client queued ahead")
+        print(" | ".join(head))
+        for r in run["levels"]:
+            print(" | ".join(str(r[k]) for k in ("clients", "refused", "ttft_p50_s", "ttft_p99_s", "ttft_bound_s",
+                                                 "within_bound", "stream_tokens_per_s", "aggregate_tokens_per_s",
+                                                 "expert_cache_hit_rate", "wall_s")))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import socket
 import click
 
 from moepack.format_spec.untrusted import finite_float
+from moepack.runtime.limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
 
 from .common import check_container_path, container_argument, json_option, model_run_options, reports_errors
 
@@ -49,6 +50,13 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests admitted at once (waiting + running); more are answered 429.")
+@click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=DEFAULT_MAX_BATCH, show_default=True,
+              help="Sequences decoded together, one step feeding each its next token (continuous batching: a "
+                   "request joins between steps once its prompt is prefilled, a request's n choices decode side by "
+                   "side); each sequence's KV is counted in the memory check. 1: one generation at a time.")
+@click.option("--prefill-chunk", type=click.IntRange(min=0), default=DEFAULT_PREFILL_CHUNK, show_default=True,
+              help="While others decode, a prompt is prefilled this many tokens at a time, between their steps "
+                   "(each chunk reads the experts again); 0: a prompt's prefill in one run.")
 @click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every /v1 request (and "
               "/metrics, /tokenize, /detokenize). Visible to `ps`: prefer --api-key-file or MOEPACK_API_KEY.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
@@ -74,8 +82,8 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
 @model_run_options(unused={"kv_dtype": "the server keeps each request's KV in memory (float32) and writes none"})
 @json_option
 @reports_errors(out_of_memory_hint="lower --cache-gib")
-def serve(file, host, port, max_queue, api_key, api_key_file, model_name, max_body_mb, max_context,
-          request_timeout, timeout_read, timeout_keep_alive, max_connections, run, as_json):
+def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_key_file, model_name, max_body_mb,
+          max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections, run, as_json):
     """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models[/ID], /health,
     /metrics (Prometheus), /tokenize and /detokenize (llama-server's). Fields, tools, JSON output: docs/guide.md,
     "Serving real clients".
@@ -91,25 +99,30 @@ def serve(file, host, port, max_queue, api_key, api_key_file, model_name, max_bo
     name = model_name or os.path.splitext(os.path.basename(file))[0]
     api_key = resolve_api_key(api_key, api_key_file)
     generator = Generator(file, run.cache_gib, prefill=held_for_serving(file, run.prefill_options()))
+    app = None
     try:
         limits = ServerLimits(max_body_bytes=round(finite_float(max_body_mb, "--max-body-mb", lo=0.0, lo_open=True)
                                                    * 2**20), max_context=max_context,
                               read_timeout_s=timeout_read, keep_alive_s=timeout_keep_alive,
                               request_timeout_s=request_timeout, max_connections=max_connections)
-        app = make_app(generator, name, api_key=api_key, max_queue=max_queue, limits=limits)
+        app = make_app(generator, name, api_key=api_key, max_queue=max_queue, limits=limits, max_batch=max_batch,
+                       prefill_chunk=prefill_chunk)
         context = app.state.server.context
         # bound here, not by uvicorn: the port is known (and reported) before the first request can arrive
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         port = sock.getsockname()[1]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
-        click.echo(f"moepack serve: {name} at {url} (max queue {max_queue}, max context {context}, max body "
-                   f"{max_body_mb:g} MB{', API key required' if api_key else ''})", err=True)
+        click.echo(f"moepack serve: {name} at {url} (max queue {max_queue}, max batch {max_batch}, max context "
+                   f"{context}, max body {max_body_mb:g} MB{', API key required' if api_key else ''})", err=True)
         if as_json:
             click.echo(json.dumps({"ok": True, "model": name, "url": url, "host": host, "port": port,
-                                   "max_queue": max_queue, "api_key_required": bool(api_key),
+                                   "max_queue": max_queue, "max_batch": max_batch,
+                                   "api_key_required": bool(api_key),
                                    "max_context": context, "max_body_bytes": limits.max_body_bytes,
                                    "max_connections": max_connections}))
         server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning", access_log=False))
         server.run(sockets=[sock])
     finally:
+        if app is not None:
+            app.state.server.close()  # its batch's worker lets go of the generator first
         generator.close()

@@ -81,17 +81,19 @@ def resident_bytes(container: Container) -> int:
     return max(stored, 4 * params)
 
 
-def memory_need(container: Container, n_tokens: int, cache_bytes: int) -> int:
-    """The host memory a CPU generation of n_tokens needs: resident weights + cache + KV + HEADROOM_BYTES."""
-    return resident_bytes(container) + cache_bytes + kv_bytes(container.config, n_tokens) + HEADROOM_BYTES
+def memory_need(container: Container, n_tokens: int, cache_bytes: int, other_kv: int = 0) -> int:
+    """The host memory a CPU generation of n_tokens needs: resident weights + cache + KV + HEADROOM_BYTES
+    (+ `other_kv`: the KV of the sequences decoding beside it)."""
+    return resident_bytes(container) + cache_bytes + kv_bytes(container.config, n_tokens) + other_kv + HEADROOM_BYTES
 
 
-def device_memory_need(container: Container, cache_bytes: int, n_tokens: int = 0, resident: bool = True) -> int:
+def device_memory_need(container: Container, cache_bytes: int, n_tokens: int = 0, resident: bool = True,
+                       other_kv: int = 0) -> int:
     """The device memory a GPU generation needs: resident weights (unless loaded already) + the cache still to fill
-    + the KV of n_tokens + HEADROOM_BYTES."""
+    + the KV of n_tokens (+ `other_kv`: that of the sequences decoding beside it) + HEADROOM_BYTES."""
     weights = resident_bytes(container) if resident else 0
     kv = kv_bytes(container.config, n_tokens) if n_tokens else 0
-    return weights + cache_bytes + kv + HEADROOM_BYTES
+    return weights + cache_bytes + kv + other_kv + HEADROOM_BYTES
 
 
 def memory_for_generation(held: int = 0) -> int:
@@ -105,28 +107,29 @@ def memory_for_generation(held: int = 0) -> int:
     return min(free + held, limit) if limit else free + held
 
 
-def check_memory(container: Container, n_tokens: int, cache_bytes: int, held: int = 0) -> int:
-    """Refuse, before any work, a generation whose resident weights + cache + KV + HEADROOM_BYTES cannot fit in
-    memory_for_generation(held); returns that bound."""
-    kv = kv_bytes(container.config, n_tokens)
-    need = memory_need(container, n_tokens, cache_bytes)
+def check_memory(container: Container, n_tokens: int, cache_bytes: int, held: int = 0, other_kv: int = 0) -> int:
+    """Refuse, before any work, a generation whose resident weights + cache + KV (+ `other_kv`: that of the
+    sequences decoding beside it) + HEADROOM_BYTES cannot fit in memory_for_generation(held); returns that bound."""
+    kv = kv_bytes(container.config, n_tokens) + other_kv
+    need = memory_need(container, n_tokens, cache_bytes, other_kv)
     free = memory_for_generation(held)
     if free and need > free:
-        raise MoepackError(f"generating {n_tokens} tokens needs about {need / GIB:.1f} GiB (weights besides the "
-                           f"experts {resident_bytes(container) / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
+        beside = f" beside the KV of the sequences decoding ({other_kv / GIB:.2f} GiB)" if other_kv else ""
+        raise MoepackError(f"generating {n_tokens} tokens{beside} needs about {need / GIB:.1f} GiB (weights besides "
+                           f"the experts {resident_bytes(container) / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
                            f"KV {kv / GIB:.2f}, headroom 1) but only {free / GIB:.1f} GiB of memory is available: "
                            f"lower --cache-gib or --max-new-tokens")
     return need
 
 
 def check_device_memory(container: Container, device: torch.device, cache_bytes: int, n_tokens: int = 0,
-                        resident: bool = True) -> None:
+                        resident: bool = True, other_kv: int = 0) -> None:
     """Refuse, before any work, a GPU generation whose resident weights (unless `resident` is False: loaded
-    already) + expert cache still to fill + the KV of n_tokens + HEADROOM_BYTES exceed what this process may
-    allocate on the device, where all of them live."""
+    already) + expert cache still to fill + the KV of n_tokens (+ `other_kv`: that of the sequences decoding beside
+    it) + HEADROOM_BYTES exceed what this process may allocate on the device, where all of them live."""
     weights = resident_bytes(container) if resident else 0
-    kv = kv_bytes(container.config, n_tokens) if n_tokens else 0
-    need = device_memory_need(container, cache_bytes, n_tokens, resident)
+    kv = (kv_bytes(container.config, n_tokens) if n_tokens else 0) + other_kv
+    need = device_memory_need(container, cache_bytes, n_tokens, resident, other_kv)
     free = cuda_free_bytes(device)
     if need > free:
         raise MoepackError(f"the decode on {device} needs about {need / GIB:.1f} GiB of device memory (weights "
@@ -138,7 +141,8 @@ def check_device_memory(container: Container, device: torch.device, cache_bytes:
 class Generator:
     """One container opened once for any number of generations: its non-routed weights stay resident (the
     prefill and the decode both use them) and its expert cache persists from one generation to the next (what
-    `moepack serve` keeps). One generation at a time.
+    `moepack serve` keeps). generate() runs one generation at a time; runtime/batching.py's BatchScheduler decodes
+    several together over one Generator (its worker thread then alone uses the decoder).
 
         with Generator("model.moepack", cache_gib=4) as g:
             g.generate(prompt_ids, GenerateOptions(max_new_tokens=64))
@@ -175,29 +179,31 @@ class Generator:
             self.c.close()
             raise
 
-    def _check_memory(self, n_tokens: int) -> int:
-        """check_memory for a generation of n_tokens; on a GPU also the device's room for its KV and the rest of
-        the cache's budget. Returns the host bound."""
+    def _check_memory(self, n_tokens: int, other_kv: int = 0) -> int:
+        """check_memory for a generation of n_tokens (beside sequences decoding whose KV takes `other_kv` bytes at
+        most: counted whole, as if none of it were allocated yet); on a GPU also the device's room for its KV and
+        the rest of the cache's budget. Returns the host bound."""
         if self.default_budget is not None:
-            self._fit_default_cache(n_tokens)
+            self._fit_default_cache(n_tokens, other_kv)
         if self.device.type == "cuda":
             check_device_memory(self.c, self.device, self.cache_bytes - self.decoder.cache.bytes, n_tokens,
-                                resident=False)
-        return check_memory(self.c, n_tokens, self.host_cache_bytes, self._held())
+                                resident=False, other_kv=other_kv)
+        return check_memory(self.c, n_tokens, self.host_cache_bytes, self._held(), other_kv)
 
     def _held(self) -> int:
         """What this process holds already of a generation's host memory: the resident weights and the cache."""
         return self.decoder.host_resident_bytes + (self.decoder.cache.bytes if self.device.type == "cpu" else 0)
 
-    def _fit_default_cache(self, n_tokens: int) -> None:
-        """The default budget for a generation of n_tokens: what the checks leave beside its KV (clamped at 0),
-        at most default_cache_bytes."""
+    def _fit_default_cache(self, n_tokens: int, other_kv: int = 0) -> None:
+        """The default budget for a generation of n_tokens: what the checks leave beside its KV and `other_kv`
+        (clamped at 0), at most default_cache_bytes."""
         cache = self.decoder.cache
         if self.device.type == "cuda":
-            room = cache.bytes + cuda_free_bytes(self.device) - device_memory_need(self.c, 0, n_tokens, False)
+            room = cache.bytes + cuda_free_bytes(self.device) - device_memory_need(self.c, 0, n_tokens, False,
+                                                                                   other_kv)
         else:
             free = memory_for_generation(self._held())
-            room = free - memory_need(self.c, n_tokens, 0) if free else self.default_budget
+            room = free - memory_need(self.c, n_tokens, 0, other_kv) if free else self.default_budget
         self.cache_bytes = max(0, min(self.default_budget, room))
         self.host_cache_bytes = self.cache_bytes if self.device.type == "cpu" else 0
         cache.resize(self.cache_bytes)
@@ -215,13 +221,7 @@ class Generator:
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int,
                  should_stop: Callable[[], bool] | None = None):
         """(last logits, states, prefill stats, tokens per expert, all ids so far, tokens the KV held, memory bound)"""
-        # the prompt runs through the decoder's resident dense weights: only the experts are read
-        # the prompt's experts go from the prefill's reads into the expert cache (seeding need not read them again)
-        self.decoder.prefill_starts()
-        # (not where the cache keeps decoded experts on a GPU: they would take the device memory the prefill counted
-        # on having, and decoding them would stall its stream; the seed reads them after it)
-        keep = None if self.decoder.decoded else self.decoder.keep_from_prefill
-        engine = StreamingPrefill(self.c, self.prefill_options, resident_dense=self.decoder.dense, keep_expert=keep)
+        engine = self.prefill_engine()
         try:
             if continue_from is not None:
                 kv = read_kv(continue_from, expect_identity=identity_of_container(self.c))
@@ -245,6 +245,16 @@ class Generator:
         finally:
             engine.close()
 
+    def prefill_engine(self) -> StreamingPrefill:
+        """A prefill for one sequence (one or more runs of its prompt's chunks): it runs through the decoder's
+        resident dense weights (only the experts are read), and the prompt's experts go from its reads into the
+        expert cache while there is room (seeding need not read them again)."""
+        self.decoder.prefill_starts()
+        # (not where the cache keeps decoded experts on a GPU: they would take the device memory the prefill counted
+        # on having, and decoding them would stall its stream; the seed reads them after it)
+        keep = None if self.decoder.decoded else self.decoder.keep_from_prefill
+        return StreamingPrefill(self.c, self.prefill_options, resident_dense=self.decoder.dense, keep_expert=keep)
+
     def generate(self, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
                  kv_out: str | None = None, cancelled: Callable[[], bool] | None = None,
@@ -259,63 +269,107 @@ class Generator:
         generation (finish_reason "cancelled"): asked between the prefill's layers (the first time once every
         check has passed) and between decoded tokens. `on_token(id, logprob)`: each token as it is chosen, before
         its text goes to on_text (logprob given options.logprobs, else None)."""
-        options = options or GenerateOptions()
-        if options.max_new_tokens < 1:
-            raise MoepackError("--max-new-tokens must be at least 1")
-        if options.stop and detokenize is None:
-            raise MoepackError("--stop needs the container's tokenizer (the prompt was given as token ids)")
-        sampler = options.sampler()
-        stopper = StopMatcher(list(options.stop), self.eos_ids if options.stop_at_eos else set())
+        out = SequenceOutput(options or GenerateOptions(), self.eos_ids, detokenize, on_text, on_token)
         token_ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
         try:
             logits, states, prefill_stats, counts, all_ids, past, bound = self._prefill(
-                token_ids, continue_from, options.max_new_tokens, cancelled)
+                token_ids, continue_from, out.max_new_tokens, cancelled)
         except GenerationCancelled as e:  # the engine's close() gave back its pools and buffers
-            return GenerateResult([], "" if detokenize is not None else None, "cancelled",
-                                  {"prefill": {"cancelled_after_layers": e.layers_done}, "decode": {}})
-        prefill_stats = {**prefill_stats, "compute_dtype": self.prefill_options.compute_dtype,
-                         "compute_dtype_source": self.compute_dtype_source}
+            return cancelled_in_prefill(e, detokenize)
+        prefill_stats = self.prefill_stats(prefill_stats)
         decoder = self.decoder
         decoder.begin(states)
         del states
-        generated: list[int] = []
-        logprobs: list[TokenLogprob] | None = [] if options.logprobs is not None else None
-        pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None
-        so_far, finish = "", None
-        while True:
-            token = sampler.next_token(logits)
-            generated.append(token)
-            if logprobs is not None:
-                logprobs.append(sampler.last_logprobs)
-            if on_token is not None:
-                on_token(token, sampler.last_logprobs)
-            so_far += pieces.add(token) if pieces is not None else ""
-            shown = stopper.feed(token, so_far)
-            if shown and on_text is not None:
-                on_text(shown)
-            if stopper.finish_reason or len(generated) == options.max_new_tokens:
-                break
+        while not out.take(logits):
             if cancelled is not None and cancelled():
-                finish = "cancelled"
+                out.cancel()
                 break
             if counts:  # once the first token is out: warming the cache does not delay it
                 decoder.seed(counts)
                 counts = None
-            logits = decoder.step(token)
-        decode_stats = {**decoder.stats_dict(), "memory_bound_bytes": bound,
-                        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            logits = decoder.step(out.last)
+        decode_stats = {**decoder.stats_dict(), "memory_bound_bytes": bound, "peak_rss_bytes": peak_rss_bytes()}
         if kv_out is not None:
             in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
-            write_kv(kv_out, self.c, all_ids + generated[:-1], decoder.states, past, generated[-1], logits,
+            write_kv(kv_out, self.c, all_ids + out.generated[:-1], decoder.states, past, out.last, logits,
                      overwrite=in_place or kv_overwrite, dtype=kv_dtype)
-        if pieces is not None and not stopper.finish_reason and finish is None:
-            shown = stopper.flush(so_far + pieces.flush())
-            if shown and on_text is not None:
-                on_text(shown)
-        return GenerateResult(generated, stopper.text if detokenize is not None else None,
-                              finish or stopper.finish_reason or "length",
-                              {"prefill": prefill_stats, "decode": decode_stats, "sampling_seed": sampler.seed},
-                              logprobs)
+        return out.result({"prefill": prefill_stats, "decode": decode_stats})
+
+    def prefill_stats(self, stats: dict) -> dict:
+        """A prefill's stats with the compute dtype it ran in and where that came from."""
+        return {**stats, "compute_dtype": self.prefill_options.compute_dtype,
+                "compute_dtype_source": self.compute_dtype_source}
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cancelled_in_prefill(e: GenerationCancelled, detokenize) -> GenerateResult:
+    """The result of a generation stopped during its prefill (no token)."""
+    return GenerateResult([], "" if detokenize is not None else None, "cancelled",
+                          {"prefill": {"cancelled_after_layers": e.layers_done}, "decode": {}})
+
+
+class SequenceOutput:
+    """What one sequence does with each next position's logits, wherever they come from (Generator.generate's
+    decode, or a step of runtime/batching.py's scheduler): sample its token with its own Sampler (seed, penalties,
+    constraint), record it (and its logprobs), hand it to `on_token`, give its safe text to `on_text` and decide
+    whether the sequence is over (end of sentence, a stop string, max_new_tokens). The options are checked when it is
+    made, before any work."""
+
+    def __init__(self, options: GenerateOptions, eos_ids: set[int],
+                 detokenize: Callable[[list[int]], str] | None = None,
+                 on_text: Callable[[str], None] | None = None,
+                 on_token: Callable[[int, TokenLogprob | None], None] | None = None):
+        if options.max_new_tokens < 1:
+            raise MoepackError("--max-new-tokens must be at least 1")
+        if options.stop and detokenize is None:
+            raise MoepackError("--stop needs the container's tokenizer (the prompt was given as token ids)")
+        self.max_new_tokens = options.max_new_tokens
+        self.sampler = options.sampler()
+        self.stopper = StopMatcher(list(options.stop), eos_ids if options.stop_at_eos else set())
+        self.detokenize, self.on_text, self.on_token = detokenize, on_text, on_token
+        self.pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None
+        self.generated: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if options.logprobs is not None else None
+        self.so_far = ""  # the text of every token so far
+        self.cancelled = False
+
+    @property
+    def last(self) -> int:
+        """The token chosen last: what the next step feeds."""
+        return self.generated[-1]
+
+    def take(self, logits: torch.Tensor) -> bool:
+        """The next token chosen from `logits` ([vocab]) and given out; True once the sequence is over."""
+        sampler = self.sampler
+        token = sampler.next_token(logits)
+        self.generated.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(sampler.last_logprobs)
+        if self.on_token is not None:
+            self.on_token(token, sampler.last_logprobs)
+        self.so_far += self.pieces.add(token) if self.pieces is not None else ""
+        shown = self.stopper.feed(token, self.so_far)
+        if shown and self.on_text is not None:
+            self.on_text(shown)
+        return bool(self.stopper.finish_reason) or len(self.generated) == self.max_new_tokens
+
+    def cancel(self) -> None:
+        """The caller stopped it (finish_reason "cancelled"): its held-back text is not given out."""
+        self.cancelled = True
+
+    def result(self, stats: dict) -> GenerateResult:
+        """The generation's result (the text held back for a stop string that did not complete given out first)."""
+        stopper = self.stopper
+        if self.pieces is not None and not stopper.finish_reason and not self.cancelled:
+            shown = stopper.flush(self.so_far + self.pieces.flush())
+            if shown and self.on_text is not None:
+                self.on_text(shown)
+        finish = "cancelled" if self.cancelled else stopper.finish_reason or "length"
+        return GenerateResult(self.generated, stopper.text if self.detokenize is not None else None, finish,
+                              {**stats, "sampling_seed": self.sampler.seed}, self.logprobs)
 
 
 def generate(path: str, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,

@@ -8,10 +8,15 @@ Every request field is acted on or refused by name (CHAT_FIELDS, COMPLETION_FIEL
 penalties and logit_bias go to the Sampler, response_format to a JSON constraint (runtime/grammar.py), tools to the
 release's encoder and back out of the answer (runtime/tool_calls.py). Responses carry llama-server's `timings`.
 
-Scheduling: the Generator runs one generation at a time, so every generation runs on ONE worker thread (a
-single-thread executor), in arrival order. At most `max_queue` requests are admitted at once (reading their body,
-being prepared, waiting or running); one more is answered 429 at once. A streamed answer's pieces go from the
-worker's `on_text` to the event loop through an asyncio.Queue (loop.call_soon_threadsafe). A client that goes
+Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the generations go to a BatchScheduler
+(runtime/batching.py): up to max_batch sequences decode together, one step feeding each its next token, a newcomer
+joining between steps once its prefill (in chunks of `prefill_chunk` tokens while others decode) is done, and a
+sequence leaving at its end or when stopped; a request's n choices decode side by side. Each request waits for its
+generations on a thread of an executor of max_queue threads. With max_batch 1 every generation runs on ONE worker
+thread (a single-thread executor) through Generator.generate, in arrival order, the choices one after the other.
+At most `max_queue` requests are admitted at once (reading their body, being prepared, waiting or running); one
+more is answered 429 at once. A streamed answer's pieces go from the worker's `on_text` to the event loop through
+an asyncio.Queue (loop.call_soon_threadsafe). A client that goes
 away (stream or not) or a request past its deadline (--request-timeout) sets its job's stop flag: a job not yet
 started is skipped, a running one stops before its prefill's next layer or its next token (finish_reason
 "cancelled", or "timeout" past the deadline), and its slot is free once the worker lets go of it.
@@ -52,7 +57,9 @@ from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range, loads
 from moepack.v4.chat import THINK_END, check_reasoning_effort, encode_message_segments, markup_segments
 
+from .batching import BatchScheduler
 from .generate import GenerateOptions, GenerateResult
+from .limits import DEFAULT_PREFILL_CHUNK
 from .serve_metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
 from .tool_calls import ToolCallSplitter, ToolPlan, split_answer, tool_plan, with_prompt_extras
 from .sampling import MAX_TOP_LOGPROBS, TokenLogprob, is_int, partial_match_length
@@ -65,7 +72,7 @@ MAX_BODY_DEPTH = 32  # a request body nests a few levels (messages, their conten
 OVER_LIMIT_HEADER_S = 2.0  # a connection past --max-connections: its request must come this fast (then 503)
 RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and of too many connections
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
-MAX_N = 8  # choices per request (n), generated one after the other
+MAX_N = 8  # choices per request (n): side by side in a batch, else one after the other
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
 # (docs/guide.md "Serving real clients"). `user` is accepted and ignored (no per-user state is kept).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
@@ -152,7 +159,7 @@ class Job:
     options: GenerateOptions
     deadline: float  # time.monotonic() past which it stops (--request-timeout)
     arrived: float = 0.0  # time.monotonic() of the request's arrival (the time to first token counts from it)
-    n: int = 1  # choices: generations one after the other (distinct seeds: seed, seed + 1, ... when one is given)
+    n: int = 1  # choices: generations of their own (distinct seeds: seed, seed + 1, ... when one is given)
     make_constraint: Callable[[], object] | None = None  # each generation's own output constraint
     on_text: Callable[[str], None] | None = None
     on_token: Callable[[int, object], None] | None = None  # a streamed job's tokens (their logprobs)
@@ -326,10 +333,12 @@ def _check_message_keys(messages: list) -> None:
 
 
 class Server:
-    """The app's state: the generator, its one worker thread, the admission count, the limits."""
+    """The app's state: the generator, the batch scheduler or the one worker thread, the admission count, the
+    limits."""
 
     def __init__(self, generator, model_name: str, api_key: str | None, max_queue: int,
-                 log: Callable[[str], None] | None, limits: ServerLimits | None = None):
+                 log: Callable[[str], None] | None, limits: ServerLimits | None = None, max_batch: int = 1,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if max_queue < 1:
             raise MoepackError("--max-queue must be at least 1")
         self.generator = generator
@@ -338,7 +347,15 @@ class Server:
         self.max_queue = max_queue
         self.limits = limits = limits or ServerLimits()
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moepack-generate")
+        self.max_batch = max_batch
+        self.scheduler: BatchScheduler | None = None
+        self.metrics = ServerMetrics(cache_counts_of(generator), lambda: self.admitted,
+                                     lambda: self.scheduler.decoding if self.scheduler is not None else None)
+        self.scheduler = BatchScheduler(generator, max_batch, prefill_chunk, self.metrics.batch_size.observe) if (
+            max_batch > 1) else None
+        # batched: each admitted request's thread waits for its generations; else the one that runs them
+        self.executor = ThreadPoolExecutor(max_workers=1 if self.scheduler is None else max_queue,
+                                           thread_name_prefix="moepack-generate")
         self.lock = threading.Lock()
         self.admitted = 0  # reading, being prepared, waiting or running
         self.finished: collections.deque = collections.deque(maxlen=256)  # (request id, finish reason)
@@ -357,7 +374,6 @@ class Server:
         self._tokenizer_error: str | None = None
         self._tokenizer_lock = threading.Lock()
         self._grammar = None  # runtime.grammar.JsonGrammar, built at the first response_format
-        self.metrics = ServerMetrics(cache_counts_of(generator), lambda: self.admitted)
         self._grammar_lock = threading.Lock()
 
     # -- helpers
@@ -581,15 +597,15 @@ class Server:
         return options
 
     def choices(self, body: dict, stream: bool) -> int:
-        """n (choices, generated one after the other) and completions' best_of (only equal to n: no ranking)."""
+        """n (choices: generations of their own) and completions' best_of (only equal to n: no ranking)."""
         n = _value(body, "n", int_in_range, 1, MAX_N, default=1)
         best_of = _value(body, "best_of", int_in_range, 1, MAX_N)
         if best_of is not None and best_of != n:
             raise RequestError("best_of: ranking more generations than are returned is not supported (give best_of "
                                "equal to n, or leave it out)", param="best_of", code="unsupported_value")
         if n > 1 and stream:
-            raise RequestError("n: more than one choice is not streamed (batching is not there yet): give stream: "
-                               "false", param="n", code="unsupported_value")
+            raise RequestError("n: more than one choice is not streamed: give stream: false", param="n",
+                               code="unsupported_value")
         return n
 
     def echo_text(self, body: dict, ids: list[int]) -> str | None:
@@ -677,7 +693,7 @@ class Server:
             self.admitted -= 1
 
     def run(self, job: Job) -> list[GenerateResult] | None:
-        """On the worker thread: the job's n generations. None: stopped before it started (its client left, or
+        """On an executor's thread: the job's n generations. None: stopped before it started (its client left, or
         its deadline passed)."""
         try:
             if job.stopped():
@@ -687,20 +703,20 @@ class Server:
                          "started")
                 return None
             tok = self.tokenizer
+
+            def arguments(i: int) -> dict:
+                return dict(detokenize=tok.decode if tok is not None else None, on_text=job.on_text,
+                            cancelled=job.should_stop, on_token=self.timed(job, first=not i))
             results = []
-            for i in range(job.n):
-                result = self.generator.generate(job.ids, job.options_for(i),
-                                                 detokenize=tok.decode if tok is not None else None,
-                                                 on_text=job.on_text, cancelled=job.should_stop,
-                                                 on_token=self.timed(job, first=not i))
-                self.metrics.prompt_tokens.inc(len(job.ids))
-                self.metrics.generated_tokens.inc(len(result.generated_ids))
-                if result.finish_reason == "cancelled" and job.timed_out:
-                    result.finish_reason = "timeout"
-                results.append(result)
-                self.log_generation(job, result)
-                if result.finish_reason in ("cancelled", "timeout"):
-                    break
+            if self.scheduler is not None:  # the choices decode side by side
+                futures = [self.scheduler.submit(job.ids, job.options_for(i), **arguments(i)) for i in range(job.n)]
+                results = [self.counted(job, f.result()) for f in futures]
+            else:  # one at a time
+                for i in range(job.n):
+                    results.append(self.counted(job, self.generator.generate(job.ids, job.options_for(i),
+                                                                             **arguments(i))))
+                    if results[-1].finish_reason in ("cancelled", "timeout"):
+                        break
             self.finished.append((job.request_id, results[-1].finish_reason))
             return results
         except MoepackError:
@@ -713,6 +729,16 @@ class Server:
             raise
         finally:
             self.release()
+
+    def counted(self, job: Job, result: GenerateResult) -> GenerateResult:
+        """A generation's tokens into the metrics and its line into the log ("timeout" for one its deadline
+        stopped)."""
+        self.metrics.prompt_tokens.inc(len(job.ids))
+        self.metrics.generated_tokens.inc(len(result.generated_ids))
+        if result.finish_reason == "cancelled" and job.timed_out:
+            result.finish_reason = "timeout"
+        self.log_generation(job, result)
+        return result
 
     def timed(self, job: Job, first: bool) -> Callable[[int, object], None]:
         """The generation's on_token: the time to its first token (the request's first generation) and between
@@ -738,6 +764,13 @@ class Server:
                  f"generated_tokens={len(result.generated_ids)} prefill_s={p.get('seconds', 0):.3f} "
                  f"decode_s={d.get('seconds', 0) or 0:.3f} cache_hit_rate={'-' if hit is None else f'{hit:.3f}'} "
                  f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
+
+    def close(self) -> None:
+        """No more generations: those waiting are dropped, a batch's running ones end (a prefill before its next
+        layer); its worker lets go of the generator."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     def timeout_error(self) -> RequestError:
         return RequestError(f"the request ran past its deadline of {self.limits.request_timeout_s:g} s "
@@ -796,9 +829,11 @@ def _internal_error() -> RequestError:
 
 
 def make_app(generator, model_name: str, api_key: str | None = None, max_queue: int = 8,
-             log: Callable[[str], None] | None = None, limits: ServerLimits | None = None):
-    """The starlette app serving `generator` (a runtime.generate.Generator, or anything with its generate() and
-    `.c`) as `model_name`. `log`: where the one line per request goes (default stderr). app.state.server holds
+             log: Callable[[str], None] | None = None, limits: ServerLimits | None = None, max_batch: int = 1,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+    """The starlette app serving `generator` (a runtime.generate.Generator, or with max_batch 1 anything with its
+    generate() and `.c`) as `model_name`; `max_batch` > 1: up to that many sequences decode together
+    (runtime/batching.py, its prompts prefilled in chunks of `prefill_chunk` tokens while others decode). `log`: where the one line per request goes (default stderr). app.state.server holds
     the Server (its `finished` deque: (request id, finish reason) per generation, newest last). Serve it with
     uvicorn_config(app, limits): the connection limits and timeouts live there."""
     from starlette.applications import Starlette
@@ -806,7 +841,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    server = Server(generator, model_name, api_key, max_queue, log, limits)
+    server = Server(generator, model_name, api_key, max_queue, log, limits, max_batch, prefill_chunk)
 
     def as_request_error(e: Exception) -> RequestError:
         """The error a request's response carries: its own, a MoepackError's 400, else a 500 (logged where it
@@ -833,7 +868,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         with server.lock:
             busy = server.admitted
         return JSONResponse({"status": "ok", "model": model_name, "requests_in_flight": busy,
-                             "max_queue": max_queue})
+                             "max_queue": max_queue, "max_batch": server.max_batch})
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": server.created, "owned_by": "moepack",
@@ -1122,7 +1157,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                                          prepared.include_usage, lambda entries: chat_logprobs(tok, entries))
 
     async def shutdown():
-        server.executor.shutdown(wait=False, cancel_futures=True)
+        await run_in_threadpool(server.close)
 
     endpoints = {"/health": (health, "GET"), "/metrics": (metrics, "GET"), "/v1/models": (models, "GET"),
                  "/v1/models/{model_id:path}": (one_model, "GET"), "/tokenize": (tokenize, "POST"),

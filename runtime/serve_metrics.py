@@ -8,6 +8,8 @@
     moepack_requests_in_flight                      admitted: reading, being prepared, waiting or running
     moepack_time_to_first_token_seconds             histogram: from a request's arrival to its first token
     moepack_time_per_output_token_seconds           histogram: between consecutive tokens of a generation
+    moepack_decode_batch_size                       histogram: sequences per decode step (serve --max-batch > 1)
+    moepack_sequences_decoding                      sequences decoding now (serve --max-batch > 1)
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from collections.abc import Callable
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServerMetrics:
-    def __init__(self, cache_counts: Callable[[], tuple[int, int] | None], in_flight: Callable[[], int]):
+    def __init__(self, cache_counts: Callable[[], tuple[int, int] | None], in_flight: Callable[[], int],
+                 decoding: Callable[[], int | None] = lambda: None):
+        """`decoding()`: the sequences decoding now, None where nothing batches them (no gauge then)."""
         from prometheus_client import CollectorRegistry, Counter, Histogram
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -36,6 +41,8 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=registry)
         self.tpot = Histogram("moepack_time_per_output_token_seconds", "Between consecutive generated tokens",
                               buckets=TPOT_BUCKETS, registry=registry)
+        self.batch_size = Histogram("moepack_decode_batch_size", "Sequences per decode step",
+                                    buckets=BATCH_BUCKETS, registry=registry)
 
         class Live:  # read at each scrape: the cache's own counters and the admission count
             def collect(self):
@@ -46,6 +53,10 @@ class ServerMetrics:
                                               value=counts[1])
                 yield GaugeMetricFamily("moepack_requests_in_flight", "Requests admitted (reading, being prepared, "
                                         "waiting or running)", value=in_flight())
+                now = decoding()
+                if now is not None:
+                    yield GaugeMetricFamily("moepack_sequences_decoding", "Sequences decoding together now",
+                                            value=now)
 
         registry.register(Live())
 

@@ -1,0 +1,297 @@
+"""Continuous batching over one Generator: up to `max_batch` sequences decode together, each step feeding every
+decoding sequence its last token through `Decoder.step_batch`; a sequence joins and leaves at step boundaries.
+
+    with Generator("model.moepack") as g, BatchScheduler(g, max_batch=8) as batch:
+        futures = [batch.submit(ids, GenerateOptions(max_new_tokens=64)) for ids in prompts]
+        results = [f.result() for f in futures]  # GenerateResult each, as Generator.generate gives it
+
+One worker thread owns the generator's decoder. Each turn of its loop:
+1. a newcomer is admitted (first come, first served) when fewer than max_batch sequences decode and none is being
+   prefilled: its memory check counts the KV of the sequences decoding beside it (a refusal fails its future alone);
+2. one chunk of the newcomer's prefill runs (the layer-major StreamingPrefill, `prefill_chunk` tokens continuing the
+   previous chunk's states, as a continued KV does; the whole rest of the prompt when nothing decodes, as more
+   passes over the model would only cost): the others wait one chunk, never a whole long prompt. Once its prompt
+   is done its first token is chosen from the prefill's logits and it decodes from the next step;
+3. one decode step of every decoding sequence: each takes its row of the logits (SequenceOutput: its own sampler,
+   seed, penalties, constraint, stop strings, text, logprobs) and leaves when over or when its `cancelled()` says
+   so, its future then given its GenerateResult.
+
+Every sequence's greedy tokens are those it decodes alone (Generator.generate): the step's rows are independent
+(Decoder.step_batch) and the prefill of a chunked prompt continues its states. Only the expert cache is shared: a
+sequence's decode stats count the cache's hits and the bytes read over the steps it took part in, all rows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from moepack.format_spec.errors import MoepackError
+from moepack.v4.kv import kv_bytes
+
+from .decode import DecodeSequence
+from .engine import GenerationCancelled, StreamingPrefill
+from .limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
+from .generate import (GenerateOptions, GenerateResult, Generator, SequenceOutput, cancelled_in_prefill,
+                       peak_rss_bytes)
+from .sampling import TokenLogprob
+
+
+
+@dataclass
+class _Sequence:
+    """One submitted generation: its prompt, its output, its future, and its prefill's or decode's state."""
+    ids: torch.Tensor
+    out: SequenceOutput
+    future: Future
+    cancelled: Callable[[], bool] | None
+    detokenize: Callable[[list[int]], str] | None
+    reserved_kv: int = 0  # the KV bytes of its prompt + max_new_tokens: what its memory check counted
+    bound: int = 0  # that check's host memory bound
+    engine: StreamingPrefill | None = None
+    prefilled: int = 0  # prompt tokens through the prefill so far
+    states: list | None = None  # the KV after them
+    counts: list[list[int]] | None = None  # tokens per expert of each layer over the prompt so far
+    prefill_stats: dict = field(default_factory=dict)
+    decoding: DecodeSequence | None = None
+    steps: int = 0  # decode steps it took part in
+    step_s: float = 0.0  # their time
+    rows: int = 0  # the sequences in them, summed (its mean batch: rows / steps)
+    counters: tuple[int, int, int] = (0, 0, 0)  # the cache's hits, misses and the decoder's bytes read at its join
+
+
+def _chunk_stats(total: dict, chunk: dict) -> dict:
+    """The prefill stats of a prompt run in chunks: the last chunk's, with the tokens and seconds of all."""
+    tokens, seconds = total.get("tokens", 0) + chunk["tokens"], total.get("seconds", 0.0) + chunk["seconds"]
+    return {**chunk, "tokens": tokens, "seconds": round(seconds, 4), "chunks": total.get("chunks", 0) + 1,
+            "tokens_per_s": round(tokens / seconds, 2) if seconds else None}
+
+
+def _add_counts(total: list[list[int]] | None, more: list[list[int]] | None) -> list[list[int]] | None:
+    if total is None or more is None:
+        return more if total is None else total
+    return [[a + b for a, b in zip(x, y)] for x, y in zip(total, more)]
+
+
+class BatchScheduler:
+    """Continuous batching of a Generator's generations (the module's docstring): `submit` from any thread, each
+    generation's GenerateResult through its future. While it runs, its worker thread alone uses the generator's
+    decoder: call the generator's own generate() only once it is closed."""
+
+    def __init__(self, generator: Generator, max_batch: int = DEFAULT_MAX_BATCH,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_step: Callable[[int], None] | None = None):
+        """`prefill_chunk` 0: a prompt's prefill runs whole. `on_step(batch size)`: after each decode step."""
+        if not 1 <= max_batch <= MAX_BATCH:
+            raise MoepackError(f"--max-batch must be 1 to {MAX_BATCH}, got {max_batch}")
+        if prefill_chunk < 0:
+            raise MoepackError(f"--prefill-chunk must be >= 0 (0: a prompt's prefill in one run), got {prefill_chunk}")
+        self.generator, self.max_batch, self.prefill_chunk, self.on_step = generator, max_batch, prefill_chunk, on_step
+        self._cv = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()  # submitted, not yet admitted (under _cv)
+        self._closed = False
+        self._prefilling: _Sequence | None = None  # the worker's own from here on
+        self._active: list[_Sequence] = []
+        self._thread = threading.Thread(target=self._run, name="moepack-batch", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> "BatchScheduler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def decoding(self) -> int:
+        """Sequences decoding now."""
+        return len(self._active)
+
+    def submit(self, token_ids, options: GenerateOptions | None = None,
+               detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
+               on_token: Callable[[int, TokenLogprob | None], None] | None = None,
+               cancelled: Callable[[], bool] | None = None) -> Future:
+        """Queue one generation of `token_ids` (Generator.generate's arguments, on the worker thread: on_text,
+        on_token and cancelled are called there); its future's result is its GenerateResult. Bad options raise
+        here (MoepackError); a generation the memory check refuses, or that fails, raises from its future."""
+        out = SequenceOutput(options or GenerateOptions(), self.generator.eos_ids, detokenize, on_text, on_token)
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
+        if not len(ids):
+            raise MoepackError("empty prompt")
+        future: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise MoepackError("the batch scheduler is closed")
+            self._waiting.append(_Sequence(ids, out, future, cancelled, detokenize))
+            self._cv.notify()
+        return future
+
+    def generate(self, token_ids, options: GenerateOptions | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None,
+                 on_token: Callable[[int, TokenLogprob | None], None] | None = None) -> GenerateResult:
+        """One generation through the batch (Generator.generate's shape, without a KV in or out): waits for it."""
+        return self.submit(token_ids, options, detokenize, on_text, on_token, cancelled).result()
+
+    def close(self) -> None:
+        """Stop: a prefill running stops before its next layer; what has not finished fails with a MoepackError."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    # --- the worker --------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._closed or self._waiting or self._active or self._prefilling):
+                        self._cv.wait()
+                    if self._closed:
+                        break
+                    admit = self._prefilling is None and self._waiting and len(self._active) < self.max_batch
+                    newcomer = self._waiting.popleft() if admit else None
+                if newcomer is not None:
+                    self._admit(newcomer)
+                if self._prefilling is not None:
+                    self._prefill_chunk(self._prefilling)
+                if self._active:
+                    self._step()
+        finally:
+            with self._cv:
+                self._closed = True
+                left = [*self._waiting, *self._active] + ([self._prefilling] if self._prefilling else [])
+                self._waiting.clear()
+            for s in left:
+                if s.engine is not None:
+                    s.engine.close()
+                if not s.future.done():
+                    s.future.set_exception(MoepackError("the batch scheduler stopped before this generation ended"))
+            self._active, self._prefilling = [], None
+
+    def _stop_asked(self, s: _Sequence) -> bool:
+        return self._closed or (s.cancelled is not None and s.cancelled())
+
+    def _admit(self, s: _Sequence) -> None:
+        """The newcomer's memory check (beside the decoding sequences' KV) and its prefill engine; a refusal fails
+        its future alone."""
+        g = self.generator
+        s.reserved_kv = kv_bytes(g.c.config, len(s.ids) + s.out.max_new_tokens)
+        try:
+            s.engine = g.prefill_engine()
+            s.bound = g._check_memory(len(s.ids) + s.out.max_new_tokens, sum(a.reserved_kv for a in self._active))
+        except BaseException as e:
+            self._fail(s, e)
+            return
+        self._prefilling = s
+
+    def _fail(self, s: _Sequence, e: BaseException) -> None:
+        if s.engine is not None:
+            s.engine.close()
+            s.engine = None
+        if self._prefilling is s:
+            self._prefilling = None
+        s.future.set_exception(e)
+
+    def _prefill_chunk(self, s: _Sequence) -> None:
+        """One chunk of the newcomer's prompt (all the rest where nothing decodes); after the last, its first token
+        and its start in the batch."""
+        left = len(s.ids) - s.prefilled
+        size = min(left, self.prefill_chunk) if self._active and self.prefill_chunk else left
+        chunk = s.ids[s.prefilled:s.prefilled + size]
+        try:
+            done = s.engine.run(chunk.to(s.engine.device), s.states, keep_kv=True,
+                                should_stop=lambda: self._stop_asked(s))
+        except GenerationCancelled as e:  # the engine's close() gives back its pools and buffers
+            s.engine.close()
+            s.engine, self._prefilling = None, None
+            s.future.set_result(cancelled_in_prefill(e, s.detokenize))
+            return
+        except BaseException as e:
+            self._fail(s, e)
+            return
+        s.states, s.prefilled = done.states, s.prefilled + size
+        s.counts = _add_counts(s.counts, done.tokens_per_expert)
+        s.prefill_stats = _chunk_stats(s.prefill_stats, done.stats)
+        if s.prefilled < len(s.ids):
+            return
+        s.engine.close()
+        s.engine, self._prefilling = None, None
+        g = self.generator
+        s.prefill_stats = g.prefill_stats(s.prefill_stats)
+        try:
+            s.decoding = g.decoder.start(s.states)
+            s.states = None
+            if self._over(s, done.logits):
+                self._finish(s)
+                return
+        except BaseException as e:
+            self._fail(s, e)
+            return
+        # the cache seeded with this prompt's experts evicts the others' (those of the sequences decoding, and of
+        # the next newcomer's prompt): only a sequence about to decode alone seeds it, once its first token is out
+        with self._cv:
+            alone = not self._active and not self._waiting
+        if alone and s.counts:
+            g.decoder.seed(s.counts)
+        s.counts = None
+        s.counters = self._counters()
+        self._active.append(s)
+
+    def _counters(self) -> tuple[int, int, int]:
+        decoder = self.generator.decoder
+        return decoder.cache.hits, decoder.cache.misses, decoder.stats.bytes_read
+
+    def _step(self) -> None:
+        """One decode step of every decoding sequence; those over (or stopped) leave with their results."""
+        batch = self._active
+        start = time.perf_counter()
+        try:
+            logits = self.generator.decoder.step_batch([s.decoding for s in batch], [s.out.last for s in batch])
+        except BaseException as e:  # the step is shared: every sequence in it fails
+            self._active = []
+            for s in batch:
+                self._fail(s, e)
+            return
+        seconds = time.perf_counter() - start
+        if self.on_step is not None:
+            self.on_step(len(batch))
+        staying = []
+        for row, s in enumerate(batch):
+            s.steps, s.step_s, s.rows = s.steps + 1, s.step_s + seconds, s.rows + len(batch)
+            try:
+                if self._over(s, logits[row]):
+                    self._finish(s)
+                else:
+                    staying.append(s)
+            except BaseException as e:  # its own callbacks or constraint: the others go on
+                self._fail(s, e)
+        self._active = staying
+
+    def _over(self, s: _Sequence, logits: torch.Tensor) -> bool:
+        """Its next token taken from `logits`; True once it is over, or stopped (as Generator.generate: asked
+        after each token that does not end it)."""
+        if s.out.take(logits):
+            return True
+        if self._stop_asked(s):
+            s.out.cancel()
+            return True
+        return False
+
+    def _finish(self, s: _Sequence) -> None:
+        """Its result: the decode stats of the steps it took part in."""
+        hits, misses, read = (now - then for now, then in zip(self._counters(), s.counters))
+        decoder = self.generator.decoder
+        decode = {"tokens": s.steps, "steps": s.steps, "seconds": round(s.step_s, 4),
+                  "tokens_per_s": round(s.steps / s.step_s, 2) if s.step_s else None,
+                  "mean_batch": round(s.rows / s.steps, 2) if s.steps else None,
+                  "expert_cache_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+                  "bytes_read": read, "cache_bytes": decoder.cache.bytes, "cache_budget_bytes": decoder.cache.budget,
+                  "memory_bound_bytes": s.bound, "peak_rss_bytes": peak_rss_bytes()}
+        s.decoding = None
+        s.future.set_result(s.out.result({"prefill": s.prefill_stats, "decode": decode}))
