@@ -1,0 +1,277 @@
+"""Decode steps of several sequences over model.py's functions (the path off the CPU's compiled layers), and the
+device expert pool (runtime/device_decode.py): each row equals its sequence stepped alone, the pool equals the
+per-expert path, with and without misses, and asks the host nothing where every expert is pooled."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from moepack.packer.convert import convert_checkpoint
+from moepack.runtime import generate as generate_module
+from moepack.runtime.decode import Decoder
+from moepack.runtime.engine import PrefillOptions
+from moepack.runtime.generate import Generator
+from moepack.runtime.token_layer import TokenLayers
+from containers import tiny_keep_container
+from v4_models import CONFIGS, saved_model
+
+PROMPTS = (5, 17, 33)  # different lengths: each sequence's KV its own
+
+
+@pytest.fixture(scope="module")
+def containers(tmp_path_factory):
+    """A (5 layers, 2 hash layers, 8 experts top-2) and B (16 experts top-4, one hash layer), float32 experts; and
+    the tiny synthetic model in the release layout (FP4 experts)."""
+    base = tmp_path_factory.mktemp("device-decode")
+    out = {}
+    for i, name in enumerate(("A", "B")):
+        saved_model(CONFIGS[name], 300 + i, str(base / name))
+        out[name] = str(base / f"{name}.moepack")
+        convert_checkpoint(str(base / name), out[name], progress=False)
+    out["tiny-fp4"] = tiny_keep_container(tmp_path_factory)
+    return out
+
+
+@pytest.fixture
+def generator(monkeypatch):
+    """generator(container, compute_dtype=, cache_gib=, **Decoder keywords): a Generator whose decoder runs
+    model.py's functions (TokenLayers off), built with those keywords."""
+    monkeypatch.setattr(TokenLayers, "make", classmethod(lambda cls, *a: None))
+
+    def make(container, compute_dtype="float32", cache_gib=1.0, device="cpu", **decoder):
+        monkeypatch.setattr(generate_module, "Decoder", functools.partial(Decoder, **decoder))
+        g = Generator(container, cache_gib=cache_gib,
+                      prefill=PrefillOptions(compute_dtype=compute_dtype, device=device))
+        assert g.decoder.layers is None
+        return g
+    return make
+
+
+def _prompt(n: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefilled(g: Generator, lengths=PROMPTS) -> list[tuple[torch.Tensor, list, int]]:
+    """(prompt, KV states, first greedy token) for a prompt of each length."""
+    out = []
+    for n in lengths:
+        ids = _prompt(n, g.cfg.vocab_size, seed=n)
+        logits, states, *_ = g._prefill(ids, None, 8)
+        out.append((ids, states, int(logits.argmax())))
+    return out
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _batched_against_solo(g: Generator, steps: int, tol: float) -> list[list[int]]:
+    """Greedy steps of every prompt together and of each alone: the same tokens, logits within `tol` (relative).
+    The tokens of each row."""
+    d = g.decoder
+    prefilled = _prefilled(g)
+    together = [d.start(states) for _, states, _ in prefilled]
+    alone = [d.start(states) for _, states, _ in prefilled]
+    tokens = [[first] for *_, first in prefilled]
+    for _ in range(steps):
+        batch = d.step_batch(together, [t[-1] for t in tokens])
+        assert batch.shape == (len(prefilled), g.cfg.vocab_size) and batch.dtype == torch.float32
+        for b, seq in enumerate(alone):
+            solo = d.step_batch([seq], [tokens[b][-1]])[0]
+            assert _relative(batch[b], solo) < tol
+            assert int(batch[b].argmax()) == int(solo.argmax())
+            tokens[b].append(int(solo.argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_a_batched_step_equals_each_sequence_stepped_alone(containers, generator, name):
+    """B = 3 prompts of different lengths (hash layers among the layers) stepped together: each row's greedy
+    tokens and logits (to float32 rounding) are its sequence's stepped alone (B = 1), and B = 1's logits are the
+    prefill's over the prompt with the token appended."""
+    with generator(containers[name]) as g:
+        d = g.decoder
+        tokens = _batched_against_solo(g, steps=4, tol=1e-5)
+        assert d.stats.steps == 4 * (1 + len(PROMPTS))
+        ids, states, first = _prefilled(g, lengths=(17,))[0]
+        stepped = d.step_batch([d.start(states)], [first])[0]
+        whole = g._prefill(torch.cat([ids, torch.tensor([first])]), None, 8)[0]
+        assert _relative(stepped, whole) < 1e-4 and int(stepped.argmax()) == int(whole.argmax())
+    assert all(len(t) == 5 for t in tokens)
+
+
+def test_a_batched_bfloat16_step_equals_each_sequence_stepped_alone(containers, generator):
+    with generator(containers["A"], compute_dtype="bfloat16") as g:
+        assert g.decoder.dense[0]["attn.wq_b.weight"].dtype == torch.bfloat16
+        _batched_against_solo(g, steps=3, tol=2e-2)
+
+
+def test_a_batched_step_of_decoded_experts_equals_each_alone(containers, generator):
+    """The per-expert path over a cache of decoded experts (a GPU's, without the pool), rows together and alone."""
+    with generator(containers["B"], decoded_experts=True, expert_pool=False) as g:
+        assert g.decoder.pool is None
+        _batched_against_solo(g, steps=3, tol=1e-5)
+
+
+def test_a_step_names_two_rows_of_one_sequence_or_unequal_counts(containers, generator):
+    with generator(containers["A"]) as g:
+        d = g.decoder
+        (_, states, first), = _prefilled(g, lengths=(5,))
+        seq = d.start(states)
+        with pytest.raises(ValueError):
+            d.step_batch([seq, seq], [first, first])
+        with pytest.raises(ValueError):
+            d.step_batch([seq], [first, first])
+
+
+# --- the expert pool ---------------------------------------------------------------------------------------------
+
+def _all_experts(d: Decoder) -> list[list[int]]:
+    return [[1] * len(block.experts) for block in d.blocks]
+
+
+def _routed_bytes(d: Decoder) -> int:
+    return sum(d._entry_bytes(layer, e) for layer, b in enumerate(d.blocks) for e in range(len(b.experts)))
+
+
+def _greedy_rows(g: Generator, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy steps of every prompt together: each row's tokens, and each step's logits."""
+    d = g.decoder
+    prefilled = _prefilled(g)
+    seqs = [d.start(states) for _, states, _ in prefilled]
+    tokens, seen = [[first] for *_, first in prefilled], []
+    for _ in range(steps):
+        logits = d.step_batch(seqs, [t[-1] for t in tokens])
+        seen.append(logits)
+        for b, row in enumerate(logits):
+            tokens[b].append(int(row.argmax()))
+    return tokens, seen
+
+
+def _assert_table_consistent(d: Decoder) -> None:
+    """The pool's device table, its host mirror and the cache agree; each slot holds its expert's weights."""
+    pool, cache = d.pool, d.cache
+    table = pool.slot_of.cpu()
+    pooled = {(layer, e): int(table[layer, e]) for layer, e in zip(*torch.nonzero(table >= 0, as_tuple=True))}
+    pooled = {(int(layer), int(e)): s for (layer, e), s in pooled.items()}
+    assert pooled == pool._slots
+    assert set(pooled) == set(cache._entries)  # every entry a slot, every slot an entry
+    assert len(set(pooled.values())) == len(pooled)  # no slot twice
+    assert sorted([*pooled.values(), *pool._free]) == list(range(pool.capacity))
+    assert cache.bytes == len(pooled) * pool.slot_bytes <= cache.budget
+    for layer in range(len(d.blocks)):
+        assert pool.complete(layer) == (sum(1 for key in pooled if key[0] == layer) == len(d.blocks[layer].experts))
+    for (layer, e), slot in list(pooled.items())[:6]:  # the slot's weights are the expert's, decoded afresh
+        region = d.blocks[layer].experts[e]
+        w = d.experts.expert_weights(d.blocks[layer], region, d._read_region(region), region.offset)
+        assert torch.equal(pool.gate_up[slot], torch.cat([w.w1, w.w3]))
+        assert torch.equal(pool.down[slot], w.w2)
+        assert cache._entries[(layer, e)].w1.data_ptr() == pool.gate_up[slot].data_ptr()
+
+
+@pytest.mark.parametrize("name", ["A", "B", "tiny-fp4"])
+def test_a_complete_pool_steps_like_the_per_expert_path_without_asking_the_host(containers, generator, name):
+    """Every expert pooled: the same greedy tokens as the per-expert path over the same decoded experts, logits to
+    float32 rounding, no synchronisation of the routed work (the host never looked at a choice), each layer's
+    choices still counted as hits."""
+    results = {}
+    for pooled in (False, True):
+        with generator(containers[name], decoded_experts=True, expert_pool=pooled) as g:
+            d = g.decoder
+            d.seed(_all_experts(d))
+            if pooled:
+                assert d.pool is not None and all(d.pool.complete(layer) for layer in range(len(d.blocks)))
+                hits = d.cache.hits
+            results[pooled] = _greedy_rows(g, steps=4)
+            if pooled:
+                assert d.pool.syncs == 0 and d.cache.misses == 0 and d.cache.hits > hits
+                assert d.stats.bytes_read == 0
+                _assert_table_consistent(d)
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert _relative(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_a_pool_too_small_for_every_expert_evicts_and_steps_like_the_per_expert_path(containers, generator, name):
+    """A pool for 40 % of the experts: misses read and decoded into free slots (the least recently used evicted),
+    one synchronisation per layer and step at most, the cache's counts truthful, the table consistent; the same
+    greedy tokens as the per-expert path."""
+    results = {}
+    for pooled in (False, True):
+        with generator(containers[name], decoded_experts=True, expert_pool=pooled, cache_gib=0.0) as g:
+            d = g.decoder
+            d.cache.resize(int(0.4 * _routed_bytes(d)))
+            if pooled:
+                d.cache.store = d.pool
+            results[pooled] = _greedy_rows(g, steps=5)
+            if pooled:
+                cache, pool = d.cache, d.pool
+                assert pool.capacity == cache.budget // pool.slot_bytes
+                assert cache.misses > 0 and cache.hits > 0 and cache.evicted > 0 and cache.admitted > 0
+                layer_steps = 5 * len(d.blocks)
+                assert 0 < pool.syncs <= layer_steps
+                assert pool.calls == layer_steps  # every miss decoded into a slot: no layer ran expert by expert
+                stats = d.stats_dict()
+                assert stats["cache_experts"] == len(pool._slots) and stats["cache_bytes"] == cache.bytes
+                assert stats["bytes_read"] > 0
+                _assert_table_consistent(d)
+                # a smaller budget: the stacks shrink, the kept experts move, the table follows
+                cache.resize(cache.budget // 2)
+                assert pool.capacity == cache.budget // pool.slot_bytes
+                _assert_table_consistent(d)
+                results["shrunk"] = _greedy_rows(g, steps=5)
+                _assert_table_consistent(d)
+    assert results[True][0] == results[False][0] == results["shrunk"][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert _relative(a, b) < 1e-5
+
+
+def test_a_pool_in_bfloat16_steps_like_the_per_expert_path(containers, generator):
+    results = {}
+    for pooled in (False, True):
+        with generator(containers["A"], compute_dtype="bfloat16", decoded_experts=True, expert_pool=pooled) as g:
+            d = g.decoder
+            assert d.experts.expert_dtype == torch.bfloat16
+            d.seed(_all_experts(d))
+            results[pooled] = _greedy_rows(g, steps=3)
+            assert not pooled or d.pool.syncs == 0
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert _relative(a, b) < 2e-2
+
+
+def test_the_pool_is_refused_without_decoded_experts(containers):
+    from moepack.format_spec.reader import Container
+    from moepack.runtime.engine import model_config
+
+    with Container(containers["A"]) as c, pytest.raises(ValueError, match="decoded"):
+        Decoder(c, model_config(c), torch.device("cpu"), 1 << 20, decoded_experts=False, expert_pool=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_the_pools_routed_work_is_a_replayed_graph_equal_to_eager(containers, generator):
+    """On a GPU (bf16 experts, the pool by default): the routed work of each (layer, B) captured once and replayed,
+    no synchronisation with every expert pooled; the same tokens as the eager pool, logits to bf16 rounding of the
+    per-expert path's."""
+    results = {}
+    for mode in ("graphs", "eager", "per-expert"):
+        pool = {"expert_pool": False} if mode == "per-expert" else {}
+        with generator(containers["A"], compute_dtype="bfloat16", device="cuda", **pool) as g:
+            d = g.decoder
+            assert d.device.type == "cuda" and (d.pool is not None) == (mode != "per-expert")
+            if d.pool is not None:
+                d.pool.graphs = mode == "graphs"
+            d.seed(_all_experts(d))
+            results[mode] = _greedy_rows(g, steps=4)
+            if d.pool is not None:
+                assert d.pool.syncs == 0 and d.pool.calls == 4 * len(d.blocks)
+                assert d.pool.replays == (d.pool.calls if mode == "graphs" else 0)
+    assert results["graphs"][0] == results["eager"][0]
+    for a, b in zip(results["graphs"][1], results["eager"][1]):
+        assert _relative(a, b) < 1e-6
+    for a, b in zip(results["graphs"][1], results["per-expert"][1]):
+        assert _relative(a, b) < 2e-2
