@@ -159,25 +159,29 @@ class ExpertPool:
 
     def budget_changed(self, budget: int) -> None:
         """The cache's budget changed (its entries already fit it): stacks larger than it are reallocated to it,
-        the pooled experts moved into the new ones, so the device memory follows the budget."""
+        so that the device memory follows the budget. The kept experts wait on the host meanwhile (the budget
+        shrinks where the device lacks room: old and new stacks side by side might not fit)."""
         capacity = min(budget // self.slot_bytes, self.layers * self.experts)
         if self.gate_up is None or capacity >= self.capacity:
-            return
-        old_gate_up, old_down, kept = self.gate_up, self.down, list(self._slots.items())
-        self.gate_up = self.down = None
-        self._slots.clear()
+            return  # (a larger budget is used as it is: the stacks do not grow)
+        kept = list(self._slots.items())
+        index = torch.tensor([slot for _, slot in kept], dtype=torch.long, device=self.device)
+        gate_up, down = self.gate_up.index_select(0, index).cpu(), self.down.index_select(0, index).cpu()
+        for key, _ in kept:  # the cache's views of the old stacks go with them
+            self.cache.replace(key, None)
+        self.release()
         self.slot_of.fill_(-1)
-        self.capacity, self._free = 0, []
-        self._captured.clear()
-        if capacity > 0:
-            self._allocate(capacity)
-            for new, (key, old) in enumerate(kept):
-                self.gate_up[new].copy_(old_gate_up[old])
-                self.down[new].copy_(old_down[old])
-                self.slot_of[key] = new
-                self._slots[key] = new
-                self.cache.replace(key, self.weights(new))  # the cached views of the old stacks go
-            self._free = [s for s in self._free if s >= len(kept)]
+        if capacity <= 0:
+            return
+        self._allocate(capacity)
+        self.gate_up[:len(kept)].copy_(gate_up)
+        self.down[:len(kept)].copy_(down)
+        for new, (key, _) in enumerate(kept):
+            self.slot_of[key] = new
+            self._slots[key] = new
+            self._pooled[key[0]] += 1
+            self.cache.replace(key, self.weights(new))
+        self._free = [s for s in self._free if s >= len(kept)]
 
     @contextlib.contextmanager
     def pinned(self, layer: int, experts: Iterable[int]):
@@ -231,9 +235,11 @@ class ExpertPool:
         return acc
 
     def release(self) -> None:
+        """The stacks freed (the table's host mirror emptied; the caller empties the cache)."""
         self.gate_up = self.down = None
         self.capacity, self._free = 0, []
         self._slots.clear()
+        self._pooled = [0] * self.layers
         self._captured.clear()
 
 

@@ -275,3 +275,32 @@ def test_cuda_the_pools_routed_work_is_a_replayed_graph_equal_to_eager(container
         assert _relative(a, b) < 1e-6
     for a, b in zip(results["graphs"][1], results["per-expert"][1]):
         assert _relative(a, b) < 2e-2
+
+
+def test_the_gpu_decode_benchmark_runs_on_a_cpu(tmp_path):
+    """benchmarks/gpu_decode.py's dry run: both paths at B = 1 and 2, every expert pooled (no sync), the bytes a
+    token reads at B = 1 the resident weights plus top-k experts per layer, a bandwidth fraction against the copy
+    rate it measured."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_decode.py")
+    done = subprocess.run([sys.executable, script, "--device", "cpu", "--preset", "tiny", "--batch", "1,2",
+                           "--steps", "2", "--warmup", "1", "--tokens", "8", "--copy-gib", "0.01",
+                           "--workdir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    shape, rows = report["shape"], report["rows"]
+    assert report["hbm_gbps"] > 0 and report["goal_met"] is None  # a goal for the GPU only
+    assert [(r["path"], r["batch"]) for r in rows] == [("pool", 1), ("per-expert", 1), ("pool", 2), ("per-expert", 2)]
+    expert_bytes = 3 * shape["hidden"] * shape["inter"] * 2  # bf16
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and 0 < r["bandwidth_fraction"] < 1 and r["cache_misses"] == 0
+        assert r["syncs"] == (0 if r["path"] == "pool" else None)
+        assert 0 < r["experts_per_step"] <= r["batch"] * shape["layers"] * shape["top_k"]
+        assert r["step_bytes"] == shape["resident_bytes"] + int(r["experts_per_step"] * expert_bytes)
+        assert r["bytes_per_token"] == r["step_bytes"] // r["batch"]
+    one = rows[0]
+    assert one["experts_per_step"] <= shape["layers"] * shape["top_k"]
