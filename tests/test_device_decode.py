@@ -244,6 +244,21 @@ def test_a_pool_in_bfloat16_steps_like_the_per_expert_path(containers, generator
         assert _relative(a, b) < 2e-2
 
 
+def test_a_pooled_layer_whose_output_is_not_finite_is_named_after_the_step(containers, generator):
+    """The pool's layers are checked finite after the step's logits (no synchronisation per layer): the first
+    layer that is not finite is named, as model.check_finite names it."""
+    from moepack.format_spec.errors import MoepackError
+
+    with generator(containers["A"], decoded_experts=True, expert_pool=True) as g:
+        d = g.decoder
+        d.seed(_all_experts(d))
+        (_, states, first), = _prefilled(g, lengths=(9,))
+        for e in range(len(d.blocks[2].experts)):
+            d.pool.gate_up[d.pool.slot(2, e)] = float("nan")
+        with pytest.raises(MoepackError, match="^layer 2: its output is not finite"):
+            d.step_batch([d.start(states)], [first])
+
+
 def test_the_pool_is_refused_without_decoded_experts(containers):
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import model_config
