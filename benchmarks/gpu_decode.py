@@ -11,9 +11,11 @@ CUDA graphs). Each row of the output:
                  (layer, B); per-expert: the same cached weights, each chosen expert's three matmuls on its own
                  (the path before the pool: host look-ups of every choice)
   tokens/s       B x steps / seconds (a step ends with its logits on the host)
-  bytes/token    what a step reads over its B tokens: the resident weights as held (dense and shared expert in the
-                 compute dtype, norms, router and mHC float32, the head), plus the routed experts it chose (each
-                 distinct (layer, expert) once a step, in the expert dtype); at B = 1 dense + shared + top-k routed
+  bytes/token    what a step reads over its B tokens, every matrix in the compute dtype (the issue's measure): the
+                 resident weights (dense and shared expert, the head; norms and mHC as held), plus the routed
+                 experts it chose (each distinct (layer, expert) once a step, in the expert dtype); at B = 1
+                 dense + shared + top-k routed. held bytes/token: the same with the resident weights as held (the
+                 head and the router float32 on a GPU)
   bw fraction    bytes a step reads x steps/s over the HBM rate (a device-to-device copy of --copy-gib, bytes read
                  plus bytes written, timed with events; on a CPU a host copy)
   syncs          host synchronisations of the pool's routed work (0 when every expert is pooled)
@@ -37,7 +39,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from decode import ensure_container  # noqa: E402
-from gpu_prefill import build  # noqa: E402
+from gpu_prefill import build, device_name, parse_on_device, print_report  # noqa: E402
 
 from moepack.runtime import generate as generate_module  # noqa: E402
 from moepack.runtime.decode import Decoder  # noqa: E402
@@ -71,12 +73,14 @@ def hbm_rate(device: torch.device, gib: float) -> float:
     return 2 * n / best
 
 
-def resident_bytes(decoder: Decoder) -> int:
-    """The resident weights a step reads as held (matrices, norms, router, mHC, the head; index tables left out:
-    a hash layer reads one row)."""
+def resident_bytes(decoder: Decoder, matrices_in: torch.dtype | None = None) -> int:
+    """The resident weights a step reads (matrices, norms, router, mHC, the head; index tables left out: a hash
+    layer reads one row): as held, or with every matrix counted in `matrices_in` (the issue's measure: the
+    compute dtype; the head and the router are held float32 on a GPU)."""
     tensors = [t for weights in [*decoder.dense, decoder.head_weights] for t in weights.values()
                if t.is_floating_point()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * (matrices_in.itemsize if matrices_in is not None and t.dim() == 2 else t.element_size())
+               for t in tensors)
 
 
 def prefilled(g: Generator, prompts: int, length: int, new: int) -> list[tuple[list, int]]:
@@ -106,11 +110,13 @@ def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: 
             tokens = d.step_batch(seqs, tokens).argmax(dim=1).tolist()
         seconds = time.perf_counter() - start
         experts_per_step = (d.cache.hits - hits) / steps  # each distinct (layer, expert) of a step looked up once
-        step_bytes = resident_bytes(d) + experts_per_step * d._entry_bytes(0, 0)
+        routed = experts_per_step * d._entry_bytes(0, 0)
+        step_bytes = resident_bytes(d, d.compute_dtype) + routed
         return {"path": "pool" if pooled else "per-expert", "batch": batch, "steps": steps,
                 "tokens_per_s": round(batch * steps / seconds, 1), "step_ms": round(1e3 * seconds / steps, 3),
                 "bytes_per_token": int(step_bytes / batch), "experts_per_step": round(experts_per_step, 1),
-                "step_bytes": int(step_bytes), "cache_misses": d.cache.misses,
+                "step_bytes": int(step_bytes), "held_bytes_per_token": int((resident_bytes(d) + routed) / batch),
+                "cache_misses": d.cache.misses,
                 "syncs": (pool.syncs - syncs) if pooled else None,
                 "graph_replays": pool.replays if pooled else None}
     finally:
@@ -129,12 +135,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 32 on a GPU, 4 on a CPU)")
     ap.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--copy-gib", type=float, default=None, help="the bandwidth copy (default 4 GPU, 0.25 CPU)")
-    ap.add_argument("--workdir", default="/tmp/moepack-gpu-prefill")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device")
+    args, device = parse_on_device(ap)  # (--workdir: gpu_prefill's, whose release slice this reuses)
     steps = args.steps or (32 if device.type == "cuda" else 4)
     os.makedirs(args.workdir, exist_ok=True)
     started = time.perf_counter()
@@ -168,27 +169,24 @@ def main() -> None:
                 print(json.dumps(row), file=sys.stderr, flush=True)  # each row as it ends: a timeout keeps them
         shape = {"layers": len(d.blocks), "experts": len(d.blocks[0].experts), "top_k": g.cfg.num_experts_per_tok,
                  "hidden": g.cfg.hidden_size, "inter": d.pool.inter, "expert_dtype": str(d.pool.dtype),
-                 "routed_cached_bytes": routed, "resident_bytes": resident_bytes(d)}
+                 "routed_cached_bytes": routed, "resident_bytes": resident_bytes(d, d.compute_dtype),
+                 "resident_held_bytes": resident_bytes(d)}
     one = next((r for r in rows if r["path"] == "pool" and r["batch"] == 1), None)
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "model": args.preset or f"release layers {args.layers}", "shape": shape,
-              "build_s": round(build_s, 1), "seed_s": round(seed_s, 2), "hbm_gbps": round(rate / 1e9, 1),
-              "goal_tokens_per_s": GOAL_TOKENS_PER_S,
+    report = {"device": device_name(device), "torch": torch.__version__,
+              "model": args.preset or f"release layers {args.layers}", "shape": shape, "build_s": round(build_s, 1),
+              "seed_s": round(seed_s, 2), "hbm_gbps": round(rate / 1e9, 1), "goal_tokens_per_s": GOAL_TOKENS_PER_S,
               "goal_met": one["tokens_per_s"] >= GOAL_TOKENS_PER_S if one and device.type == "cuda" else None,
               "rows": rows}
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return
-    print(f"{report['device']}: {report['model']}, {shape['layers']} layers of {shape['experts']} experts "
-          f"({shape['hidden']} x {shape['inter']}, top-{shape['top_k']}, {shape['expert_dtype']}), "
-          f"{routed / 1e9:.2f} GB of experts on the device (seeded in {report['seed_s']} s); "
-          f"copy rate {report['hbm_gbps']} GB/s")
-    head = ["path", "B", "tok/s", "step ms", "bytes/token", "experts/step", "bw fraction", "syncs", "graph replays"]
-    print(" | ".join(head))
-    for r in rows:
-        print(" | ".join(str(r[k]) for k in ("path", "batch", "tokens_per_s", "step_ms", "bytes_per_token",
-                                             "experts_per_step", "bandwidth_fraction", "syncs", "graph_replays")))
-    if report["goal_met"] is not None:
+    print_report(report, args.json,
+                 f"{report['device']}: {report['model']}, {shape['layers']} layers of {shape['experts']} experts "
+                 f"({shape['hidden']} x {shape['inter']}, top-{shape['top_k']}, {shape['expert_dtype']}), "
+                 f"{routed / 1e9:.2f} GB of experts on the device (seeded in {report['seed_s']} s); "
+                 f"copy rate {report['hbm_gbps']} GB/s",
+                 ["path", "B", "tok/s", "step ms", "bytes/token", "held bytes/token", "experts/step", "bw fraction",
+                  "syncs", "graph replays"],
+                 ("path", "batch", "tokens_per_s", "step_ms", "bytes_per_token", "held_bytes_per_token",
+                  "experts_per_step", "bandwidth_fraction", "syncs", "graph_replays"))
+    if report["goal_met"] is not None and not args.json:
         print(f"goal (one stream >= {GOAL_TOKENS_PER_S} tokens/s): {'met' if report['goal_met'] else 'NOT met'}")
 
 
