@@ -619,9 +619,12 @@ class Decoder:
             got = None
             if cfg.hash_layers[layer] and self.pool is None:  # the token ids are the routing: read before attention
                 got = self._fetch(layer, w["ffn.gate.tid2eid"][ids].flatten().tolist())
-            with self.compute:
-                streams = torch.cat([model.attention_token_sublayer(cfg, layer, w, streams[b:b + 1], seq.kv[layer])
-                                     for b, seq in enumerate(sequences)])
+            with self.compute:  # attention_token_sublayer with its mHC on every row at once (a GPU's launches)
+                x, post, comb = model.hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"],
+                                                  streams, w["attn_norm.weight"])
+                attended = torch.cat([model.attention_token(cfg, layer, w, x[b:b + 1], seq.kv[layer])
+                                      for b, seq in enumerate(sequences)])
+                streams = model.hc_post(streams, attended, post, comb)
                 routing = model.moe_route(cfg, layer, w, streams, ids)
             if self.pool is not None:
                 routed = self._routed_from_pool(layer, routing)
@@ -674,8 +677,11 @@ class Decoder:
         if finite and not bool(torch.stack(finite).all()):
             raise model.not_finite(torch.stack(finite).tolist().index(False))  # every layer is pooled
         uses, self._step_uses = self._step_uses, []
-        for layer, experts in uses:
-            for e in sorted(set(experts.flatten().tolist())):
+        if not uses:
+            return
+        chosen = torch.stack([experts for _, experts in uses]).tolist()  # one copy to the host for every layer
+        for (layer, _), rows in zip(uses, chosen):
+            for e in sorted({e for row in rows for e in row}):
                 self.cache.get((layer, e))
 
     def _routed_by_kernel(self, layer: int, routing, got) -> torch.Tensor | None:
