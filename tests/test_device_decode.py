@@ -226,7 +226,13 @@ def test_a_pool_too_small_for_every_expert_evicts_and_steps_like_the_per_expert_
                 _assert_table_consistent(d)
                 results["shrunk"] = _greedy_rows(g, steps=5)
                 _assert_table_consistent(d)
+                cache.resize(0)  # no pool left: every layer reads its experts and runs them one by one
+                assert pool.capacity == 0 and pool.gate_up is None and not len(cache)
+                assert bool((pool.slot_of < 0).all())
+                results["none"] = _greedy_rows(g, steps=2)
+                assert pool.calls == 2 * layer_steps  # (none since)
     assert results[True][0] == results[False][0] == results["shrunk"][0]
+    assert [row[:3] for row in results[False][0]] == results["none"][0]
     for a, b in zip(results[True][1], results[False][1]):
         assert _relative(a, b) < 1e-5
 
