@@ -19,6 +19,7 @@ CUDA graphs). Each row of the output:
   bw fraction    bytes a step reads x steps/s over the HBM rate (a device-to-device copy of --copy-gib, bytes read
                  plus bytes written, timed with events; on a CPU a host copy)
   syncs          host synchronisations of the pool's routed work (0 when every expert is pooled)
+  graph replays  CUDA graphs replayed in the timed steps (two a layer: its attention's mHC entry, its FFN)
 Usage: python benchmarks/gpu_decode.py [--device cuda] [--batch 1,8] [--layers 1,2,3] [--experts 256]
        [--preset NAME] [--workdir DIR] [--json]
 On a CPU (a dry run, seconds): --device cpu --preset small.
@@ -104,7 +105,7 @@ def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: 
         tokens = [first for _, first in prompts]
         for _ in range(warmup):
             tokens = d.step_batch(seqs, tokens).argmax(dim=1).tolist()
-        hits, syncs = d.cache.hits, pool.syncs if pool is not None else 0
+        hits, syncs, replays = d.cache.hits, pool.syncs, pool.graphs.replays
         start = time.perf_counter()
         for _ in range(steps):
             tokens = d.step_batch(seqs, tokens).argmax(dim=1).tolist()
@@ -118,7 +119,7 @@ def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: 
                 "step_bytes": int(step_bytes), "held_bytes_per_token": int((resident_bytes(d) + routed) / batch),
                 "cache_misses": d.cache.misses,
                 "syncs": (pool.syncs - syncs) if pooled else None,
-                "graph_replays": pool.replays if pooled else None}
+                "graph_replays": (pool.graphs.replays - replays) if pooled else None}
     finally:
         d.pool = pool
 

@@ -24,6 +24,7 @@ those and reads only the rest.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import threading
 import time
@@ -43,7 +44,7 @@ from moepack.v4.kv import LayerKVState
 
 from . import model, token_kernels
 from .device_copier import DeviceCopier
-from .device_decode import container_pool
+from .device_decode import StepGraphs, container_pool
 from .expert_decode import EXPERT_MATRICES, ExpertWeights, expert_weight_count
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
 from .io import ReadPipeline, RegionReader, release_freed_memory
@@ -194,6 +195,12 @@ def token_choice(routing) -> dict[int, float]:
     """One token's routed experts: expert id -> its routing weight, in ascending id (a hash layer may pick an
     expert twice: its weights add up)."""
     return token_kernels.merged_choice(routing.experts[0].tolist(), routing.weights[0].tolist())
+
+
+def _attention_entry(cfg, w, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention's mHC entry and norm on every row (attention_token_sublayer's first part)."""
+    return model.hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
+                             w["attn_norm.weight"])
 
 
 class DecodeSequence:
@@ -611,47 +618,71 @@ class Decoder:
         """Every layer by model.py's functions (a GPU, the native code off, weights the kernels do not take) for
         the rows of one step (`ids` [B] their tokens, on the device): the streams after the last. The embedding,
         mHC, router, shared expert and head run on all rows at once, the attention row by row over each
-        sequence's own KV; the routed experts once each on every row that chose them (from the pool where there
-        is one)."""
-        cfg = self.cfg
+        sequence's own KV; the routed experts once each on every row that chose them. With the pool, a layer's
+        fixed-shape work (the attention's mHC entry; its exit and the whole FFN where every expert is pooled)
+        runs as a CUDA graph per (layer, B) where CUDA is (StepGraphs), asking the host nothing."""
+        cfg, pool, rows = self.cfg, self.pool, len(sequences)
+        graphs = pool.graphs if pool is not None else StepGraphs(False)
         streams = model.residual_streams(cfg, embedding)
         for layer, w in enumerate(self.dense):
             got = None
-            if cfg.hash_layers[layer] and self.pool is None:  # the token ids are the routing: read before attention
+            if cfg.hash_layers[layer] and pool is None:  # the token ids are the routing: read before attention
                 got = self._fetch(layer, w["ffn.gate.tid2eid"][ids].flatten().tolist())
-            with self.compute:  # attention_token_sublayer with its mHC on every row at once (a GPU's launches)
-                x, post, comb = model.hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"],
-                                                  streams, w["attn_norm.weight"])
+            with self.compute:  # attention_token_sublayer, its mHC on every row at once, the attention row by row
+                x, post, comb = graphs.run(("attention entry", layer, rows),
+                                           functools.partial(_attention_entry, cfg, w), streams)
                 attended = torch.cat([model.attention_token(cfg, layer, w, x[b:b + 1], seq.kv[layer])
                                       for b, seq in enumerate(sequences)])
+            if pool is not None and pool.complete(layer):
+                with self.compute:
+                    streams, experts, finite = graphs.run(("ffn", layer, rows), functools.partial(
+                        self._pooled_ffn, layer, w), streams, attended, post, comb, ids)
+                pool.calls += 1
+                self._step_uses.append((layer, experts))  # counted after the step (_settle_pooled)
+                self._step_finite.append(finite)
+                continue
+            with self.compute:
                 streams = model.hc_post(streams, attended, post, comb)
                 routing = model.moe_route(cfg, layer, w, streams, ids)
-            if self.pool is not None:
+            if pool is not None:
                 routed = self._routed_from_pool(layer, routing)
-                with self.compute:  # the finite check after the step: no synchronisation per layer
-                    streams = model.hc_post(streams, routed + model.shared_expert(cfg, w, routing), routing.post,
-                                            routing.comb)
-                    self._step_finite.append(torch.isfinite(streams).all())
+                with self.compute:
+                    streams, finite = self._pooled_finish(w, streams, routing, routed)
+                self._step_finite.append(finite)
                 continue
             if got is None:
                 got = self._fetch(layer, routing.experts.flatten().tolist())
-            routed = self._routed_by_kernel(layer, routing, got) if len(sequences) == 1 else None
+            routed = self._routed_by_kernel(layer, routing, got) if rows == 1 else None
             if routed is None:
                 routed = self._routed_one_by_one(layer, routing, got)
             with self.compute:
                 streams = model.moe_finish(cfg, layer, w, streams, routing, routed)
         return streams
 
+    def _pooled_ffn(self, layer: int, w, streams: torch.Tensor, attended: torch.Tensor, post: torch.Tensor,
+                    comb: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer whose experts are all pooled, after its attention: the attention's mHC exit, the router, the
+        routed experts over the pool, the shared expert, the FFN's mHC exit; (the streams, the chosen experts,
+        whether the streams are finite), all on the device (one CUDA graph)."""
+        streams = model.hc_post(streams, attended, post, comb)
+        routing = model.moe_route(self.cfg, layer, w, streams, ids)
+        routed = self.pool.routed(layer, routing.x, routing.experts, routing.weights, graphed=False)
+        streams, finite = self._pooled_finish(w, streams, routing, routed)
+        return streams, routing.experts, finite
+
+    def _pooled_finish(self, w, streams: torch.Tensor, routing, routed: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """moe_finish for a pooled layer: the streams, and whether they are finite as a device flag (checked after
+        the step, _settle_pooled: no synchronisation per layer)."""
+        streams = model.hc_post(streams, routed + model.shared_expert(self.cfg, w, routing), routing.post,
+                                routing.comb)
+        return streams, torch.isfinite(streams).all()
+
     def _routed_from_pool(self, layer: int, routing) -> torch.Tensor:
-        """The rows' routed experts summed ([B, H] float32) over the pool. A layer whose experts are all pooled
-        asks the host nothing (its choices are counted after the step); another reads the choices once, reads
-        its misses through the reader and decodes them into slots, then runs over the pool, or expert by expert
-        where one could not be pooled."""
+        """The rows' routed experts summed ([B, H] float32) for a layer not all of whose experts are pooled: the
+        choices read once (one synchronisation), the misses read through the reader and decoded into slots,
+        then over the pool (or expert by expert where one could not be pooled)."""
         pool = self.pool
-        if pool.complete(layer):
-            self._step_uses.append((layer, routing.experts))
-            with self.compute:
-                return pool.routed(layer, routing.x, routing.experts, routing.weights)
         pool.syncs += 1
         chosen = sorted(set(routing.experts.flatten().tolist()))
         got = self._fetch(layer, chosen)
@@ -663,6 +694,7 @@ class Decoder:
                 for e in chosen:
                     got[e] = self._expert_bytes(layer, e, got, held, keep_fitting=True)
                 if all(pool.holds(layer, e) for e in chosen):
+                    pool.calls += 1
                     with self.compute:
                         return pool.routed(layer, routing.x, routing.experts, routing.weights)
                 return self._routed_one_by_one(layer, routing, got)

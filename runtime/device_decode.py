@@ -22,6 +22,7 @@ after that layer.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -61,6 +62,36 @@ class CapturedCall:
         return self.output
 
 
+class StepGraphs:
+    """Fixed-shape pieces of a decode step, each captured once per key in a CUDA graph and replayed; run eagerly
+    where they are off (a CPU) or their capture failed. A piece must not change anything but its outputs (its
+    capture runs it twice)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._captured: dict[tuple, CapturedCall | None] = {}
+        self.replays = 0
+
+    def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor):
+        """fn(*inputs), from the graph captured for `key` (its outputs are that graph's buffers: valid until its
+        next replay)."""
+        if not self.enabled:
+            return fn(*inputs)
+        if key not in self._captured:
+            try:
+                self._captured[key] = CapturedCall(fn, inputs)
+            except Exception:  # an op that cannot be captured here: eager from now on
+                self._captured[key] = None
+        call = self._captured[key]
+        if call is None:
+            return fn(*inputs)
+        self.replays += 1
+        return call(*inputs)
+
+    def clear(self) -> None:
+        self._captured.clear()
+
+
 class ExpertPool:
     """The decoded routed experts of every layer in device slots (module docstring). `cache` is the ExpertCache
     whose entries the slots are (its `store` is this pool); `slot_bytes` what one expert takes in its budget. The
@@ -73,7 +104,8 @@ class ExpertPool:
         self.inter, self.hidden, self.dtype, self.device = inter, hidden, dtype, device
         self.swiglu_limit = swiglu_limit
         self.slot_bytes = 3 * inter * hidden * dtype.itemsize
-        self.graphs = device.type == "cuda" if graphs is None else graphs and device.type == "cuda"
+        # the step's fixed-shape pieces in CUDA graphs (these stacks' routed work, and the Decoder's)
+        self.graphs = StepGraphs(device.type == "cuda" if graphs is None else graphs and device.type == "cuda")
         self.capacity = 0
         self.gate_up = self.down = None
         self.slot_of = torch.full((layers, experts), -1, dtype=torch.int64, device=device)
@@ -82,10 +114,8 @@ class ExpertPool:
         self._free: list[int] = []
         self._pinned: set[tuple[int, int]] = set()
         self._deferred: list[int] = []  # slots of pinned experts evicted: free after the layer
-        self._captured: dict[tuple[int, int], CapturedCall | None] = {}  # (layer, rows) -> graph (None: eager)
         self.syncs = 0  # host synchronisations the routed work needed (a layer not complete, once a step)
-        self.calls = 0  # layers' routed work run over the pool
-        self.replays = 0  # of those, served by a captured graph
+        self.calls = 0  # layers' routed work run over the pool (counted by the caller)
 
     # --- slots -----------------------------------------------------------------------------------------------
     def complete(self, layer: int) -> bool:
@@ -109,7 +139,7 @@ class ExpertPool:
         self.down = torch.empty(capacity, self.hidden, self.inter, dtype=self.dtype, device=self.device)
         self._slot_ids = torch.arange(capacity, device=self.device)
         self._free = list(range(capacity - 1, -1, -1))  # popped from the end: slot 0 first
-        self._captured.clear()  # the graphs read the old stacks
+        self.graphs.clear()  # the graphs read the old stacks
 
     def _free_slot(self) -> int | None:
         """A free slot, the cache's least recently used evicted for it where none is; None where none can be."""
@@ -195,25 +225,16 @@ class ExpertPool:
             self._deferred.clear()
 
     # --- a layer's routed work ---------------------------------------------------------------------------------
-    def routed(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def routed(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+               graphed: bool = True) -> torch.Tensor:
         """The routed experts of B rows summed ([B, H] float32): x [B, H] (the FFN input), experts [B, k] the
         chosen ids and weights [B, k] their routing weights, all on the device; every chosen expert must be
-        pooled. A CUDA graph per (layer, B) where CUDA is present and capture works."""
+        pooled. A CUDA graph per (layer, B) where `graphed` (not inside another capture) and the graphs are on."""
         x = x.to(self.dtype)
-        self.calls += 1
-        if not self.graphs:
+        if not graphed:
             return self._routed(layer, x, experts, weights)
-        key = (layer, x.shape[0])
-        if key not in self._captured:
-            try:
-                self._captured[key] = CapturedCall(lambda *a: self._routed(layer, *a), (x, experts, weights))
-            except Exception:  # an op that cannot be captured here: eager from now on
-                self._captured[key] = None
-        call = self._captured[key]
-        if call is None:
-            return self._routed(layer, x, experts, weights)
-        self.replays += 1
-        return call(x, experts, weights)
+        return self.graphs.run(("routed", layer, x.shape[0]), functools.partial(self._routed, layer), x, experts,
+                               weights)
 
     def _routed(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         rows, top_k = experts.shape
@@ -240,7 +261,7 @@ class ExpertPool:
         self.capacity, self._free = 0, []
         self._slots.clear()
         self._pooled = [0] * self.layers
-        self._captured.clear()
+        self.graphs.clear()
 
 
 def _columns_in_order(w: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
