@@ -8,7 +8,10 @@ ops: the router's top-k ids (on the device) look their slots up, the (row, choic
 grouped GEMM over the whole pool (empty groups for the slots nobody chose) gives gate and up, the clamped SwiGLU,
 a second grouped GEMM gives down, and each row's terms are summed in ascending expert id with their routing weights
 (ExpertGroups.combine's order). Nothing in it asks the host anything, so where CUDA is present it is captured once
-per (layer, B) in a CUDA graph and replayed (eager where capture fails, and on a CPU).
+per (layer, B) in a CUDA graph and replayed (eager where capture fails, and on a CPU): `StepGraphs`, which the
+Decoder also uses for the rest of a layer's fixed-shape work (the attention's mHC entry; for a layer whose experts
+are all pooled, its whole FFN with the routed work inside). The attention itself stays eager, row by row: each
+sequence's KV grows by a row a token.
 
 The host knows which layers hold all their experts (`complete`): those run without looking at the choice. A layer
 that does not costs one synchronisation (the Decoder reads the chosen ids, reads the misses through its reader

@@ -266,6 +266,50 @@ def test_a_pooled_layer_whose_output_is_not_finite_is_named_after_the_step(conta
             d.step_batch([d.start(states)], [first])
 
 
+class _StaticBuffers:
+    """device_decode.CapturedCall's contract on a CPU: the inputs copied into static tensors, the piece run twice
+    at capture, its outputs static tensors overwritten at each call (what a replayed graph does)."""
+
+    def __init__(self, fn, inputs):
+        self.fn, self.inputs = fn, tuple(t.clone() for t in inputs)
+        fn(*self.inputs)
+        out = fn(*self.inputs)
+        self.output = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+
+    def __call__(self, *args):
+        for static, arg in zip(self.inputs, args):
+            static.copy_(arg)
+        out = self.fn(*self.inputs)
+        for static, new in zip(*((self.output, out) if isinstance(out, tuple) else ((self.output,), (out,)))):
+            static.copy_(new)
+        return self.output
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.4], ids=["complete", "misses"])
+def test_the_step_through_static_buffers_as_cuda_graphs_replay_them_equals_eager(containers, generator, monkeypatch,
+                                                                                  fraction):
+    """The Decoder's use of StepGraphs on a CPU, each piece behind static inputs and outputs as a CUDA graph
+    keeps them: every output is used before its piece runs again, so the tokens and logits are the eager ones
+    (every expert pooled: two pieces a layer; with misses: the attention's entry and the routed work)."""
+    from moepack.runtime import device_decode
+
+    results = {}
+    for graphs in (False, True):
+        with generator(containers["A"], decoded_experts=True, expert_pool=True) as g:
+            d = g.decoder
+            d.cache.resize(int(fraction * _routed_bytes(d)))
+            d.seed(_all_experts(d))
+            if graphs:
+                monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
+                d.pool.graphs.enabled = True
+            results[graphs] = _greedy_rows(g, steps=4)
+            assert d.pool.graphs.replays == (2 * 4 * len(d.blocks) if graphs else 0)
+            assert (d.pool.syncs == 0) == (fraction == 1.0)
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert torch.equal(a, b)
+
+
 def test_the_pool_is_refused_without_decoded_experts(containers):
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import model_config
