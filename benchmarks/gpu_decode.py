@@ -22,7 +22,8 @@ CUDA graphs). Each row of the output:
   graph replays  CUDA graphs replayed in the timed steps (two a layer: its attention's mHC entry, its FFN)
 Usage: python benchmarks/gpu_decode.py [--device cuda] [--batch 1,8] [--layers 1,2,3] [--experts 256]
        [--preset NAME] [--workdir DIR] [--json]
-On a CPU (a dry run, seconds): --device cpu --preset small.
+On a CPU (a dry run, seconds): --device cpu --preset small. The floor, predictions and the device command:
+benchmarks/gpu_decode.md.
 """
 
 from __future__ import annotations
