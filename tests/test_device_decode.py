@@ -15,7 +15,7 @@ from moepack.runtime.decode import Decoder
 from moepack.runtime.engine import PrefillOptions
 from moepack.runtime.generate import Generator
 from moepack.runtime.token_layer import TokenLayers
-from containers import tiny_keep_container
+from containers import tiny_keep_container, tiny_policy_containers
 from v4_models import CONFIGS, saved_model
 
 PROMPTS = (5, 17, 33)  # different lengths: each sequence's KV its own
@@ -24,7 +24,7 @@ PROMPTS = (5, 17, 33)  # different lengths: each sequence's KV its own
 @pytest.fixture(scope="module")
 def containers(tmp_path_factory):
     """A (5 layers, 2 hash layers, 8 experts top-2) and B (16 experts top-4, one hash layer), float32 experts; and
-    the tiny synthetic model in the release layout (FP4 experts)."""
+    the tiny synthetic model in the release layout, its FP4 experts kept, and converted to MXFP4."""
     base = tmp_path_factory.mktemp("device-decode")
     out = {}
     for i, name in enumerate(("A", "B")):
@@ -32,6 +32,7 @@ def containers(tmp_path_factory):
         out[name] = str(base / f"{name}.moepack")
         convert_checkpoint(str(base / name), out[name], progress=False)
     out["tiny-fp4"] = tiny_keep_container(tmp_path_factory)
+    out["tiny-mxfp4"] = tiny_policy_containers(base / "mxfp4", ["fp4"], seed=3)["fp4"]  # (pair-ordered columns)
     return out
 
 
@@ -167,12 +168,16 @@ def _assert_table_consistent(d: Decoder) -> None:
     for (layer, e), slot in list(pooled.items())[:6]:  # the slot's weights are the expert's, decoded afresh
         region = d.blocks[layer].experts[e]
         w = d.experts.expert_weights(d.blocks[layer], region, d._read_region(region), region.offset)
-        assert torch.equal(pool.gate_up[slot], torch.cat([w.w1, w.w3]))
-        assert torch.equal(pool.down[slot], w.w2)
+        if w.input_order is None and w.hidden_order is None:
+            assert torch.equal(pool.gate_up[slot], torch.cat([w.w1, w.w3]))
+            assert torch.equal(pool.down[slot], w.w2)
+        else:  # MXFP4's pair-ordered columns, put in order in the slot: the same expert
+            x = torch.randn(3, pool.hidden, generator=torch.Generator().manual_seed(slot)).to(pool.dtype)
+            assert torch.allclose(pool.weights(slot).apply(d.cfg, x), w.apply(d.cfg, x), rtol=1e-5, atol=1e-6)
         assert cache._entries[(layer, e)].w1.data_ptr() == pool.gate_up[slot].data_ptr()
 
 
-@pytest.mark.parametrize("name", ["A", "B", "tiny-fp4"])
+@pytest.mark.parametrize("name", ["A", "B", "tiny-fp4", "tiny-mxfp4"])
 def test_a_complete_pool_steps_like_the_per_expert_path_without_asking_the_host(containers, generator, name):
     """Every expert pooled: the same greedy tokens as the per-expert path over the same decoded experts, logits to
     float32 rounding, no synchronisation of the routed work (the host never looked at a choice), each layer's
