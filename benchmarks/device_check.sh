@@ -41,6 +41,7 @@ DEVICE=${DEVICE:-cuda}
 STEPS=${STEPS:-tests gpu_prefill gpu_decode generate capped decode prefill profile}
 GPU_TOKENS=${GPU_TOKENS:-4096,131072,65536,16384}
 GPU_BATCH=${GPU_BATCH:-1,8}
+GPU_DECODE_EXPERTS=${GPU_DECODE_EXPERTS:-256}  # gpu_decode: fewer builds a smaller slice (256: gpu_prefill's)
 PRESET=${PRESET:-medium}
 TOKENS=${TOKENS:-1024,4096}
 BUDGET_GIB=${BUDGET_GIB:-1}  # below the medium preset's 2.3 GB of experts: they stream, as on a small GPU
@@ -148,7 +149,7 @@ fi
 if wants gpu_decode; then
     step "gpu decode at the release's dimensions"
     timeout "$(upto 300)" python3 benchmarks/gpu_decode.py --device "$DEVICE" --batch "$GPU_BATCH" \
-        --workdir /tmp/moepack-gpu-prefill 2> >(tee "$OUT/gpu_decode_stderr.txt" >&2) | tee "$OUT/gpu_decode.txt"
+        --experts "$GPU_DECODE_EXPERTS" --workdir /tmp/moepack-gpu-prefill 2> >(tee "$OUT/gpu_decode_stderr.txt" >&2) | tee "$OUT/gpu_decode.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_decode"
 fi
 
