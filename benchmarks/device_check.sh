@@ -13,6 +13,9 @@
 #   gpu_prefill  benchmarks/gpu_prefill.py: three release layers with all 256 experts at full size, N = GPU_TOKENS,
 #             in each place the weights can be (disk, page cache, host RAM, device), beside the chip's dense bf16,
 #             grouped-GEMM and pinned-H2D ceilings measured in the same run
+#   gpu_decode   benchmarks/gpu_decode.py: the same slice (gpu_prefill's container, built here if that step did not
+#             run), every expert in the device's expert pool, B = GPU_BATCH: tokens/s, bytes a token reads and their
+#             fraction of the copy rate measured in the same run, the pool's path beside the per-expert one
 #
 # The device's image has torch (a CUDA build) but an older transformers and no zstandard or gguf (the GGUF export
 # `capped` needs), and nothing can be downloaded there. Once, here, in the repository's root:
@@ -35,8 +38,10 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/moepack-device-check}
 DEVICE=${DEVICE:-cuda}
-STEPS=${STEPS:-tests gpu_prefill generate capped decode prefill profile}
+STEPS=${STEPS:-tests gpu_prefill gpu_decode generate capped decode prefill profile}
 GPU_TOKENS=${GPU_TOKENS:-4096,131072,65536,16384}
+GPU_BATCH=${GPU_BATCH:-1,8}
+GPU_DECODE_EXPERTS=${GPU_DECODE_EXPERTS:-256}  # gpu_decode: fewer builds a smaller slice (256: gpu_prefill's)
 PRESET=${PRESET:-medium}
 TOKENS=${TOKENS:-1024,4096}
 BUDGET_GIB=${BUDGET_GIB:-1}  # below the medium preset's 2.3 GB of experts: they stream, as on a small GPU
@@ -79,7 +84,7 @@ if wants tests; then
     step "tests"
     timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_prefill.py tests/test_quants.py \
         tests/test_bench.py tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py \
-        tests/test_grouped_experts.py tests/test_resident.py -k cuda 2>&1 \
+        tests/test_grouped_experts.py tests/test_resident.py tests/test_device_decode.py -k cuda 2>&1 \
         | tee "$OUT/tests.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
 fi
@@ -139,6 +144,13 @@ if wants gpu_prefill; then
         --workdir /tmp/moepack-gpu-prefill 2> >(tee "$OUT/gpu_prefill_stderr.txt" >&2) \
         | tee "$OUT/gpu_prefill.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_prefill"
+fi
+
+if wants gpu_decode; then
+    step "gpu decode at the release's dimensions"
+    timeout "$(upto 300)" python3 benchmarks/gpu_decode.py --device "$DEVICE" --batch "$GPU_BATCH" \
+        --experts "$GPU_DECODE_EXPERTS" --workdir /tmp/moepack-gpu-prefill 2> >(tee "$OUT/gpu_decode_stderr.txt" >&2) | tee "$OUT/gpu_decode.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_decode"
 fi
 
 if wants prefill; then

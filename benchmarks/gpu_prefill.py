@@ -113,6 +113,33 @@ def build(workdir: str, layers: list[int], experts: int, quiet: bool) -> str:
     return container
 
 
+def parse_on_device(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, torch.device]:
+    """The arguments (with --workdir and --json added) and the --device they name, which torch must see."""
+    ap.add_argument("--workdir", default="/tmp/moepack-gpu-prefill")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    return args, device
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def print_report(report: dict, as_json: bool, title: str, head: list[str], keys: tuple[str, ...]) -> None:
+    """The report as JSON, or `title` then its rows as a table: `head` the columns' titles, `keys` the rows'
+    fields under them ("" where missing)."""
+    if as_json:
+        print(json.dumps(report, indent=1))
+        return
+    print(title)
+    print(" | ".join(head))
+    for r in report["rows"]:
+        print(" | ".join(str(r.get(k, "")) for k in keys))
+
+
 def run_place(place: str, path: str, ids: torch.Tensor, base: dict, bundle: int, depth: int) -> dict:
     row = {"place": place}
     if place == "disk":
@@ -150,12 +177,7 @@ def main() -> None:
     ap.add_argument("--bundle-experts", type=int, default=16)
     ap.add_argument("--queue-depth", type=int, default=8)
     ap.add_argument("--expert-backend", default="auto", choices=["auto", "grouped", "per-expert"])
-    ap.add_argument("--workdir", default="/tmp/moepack-gpu-prefill")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device")
+    args, device = parse_on_device(ap)
     places = args.places.split(",")
     unknown = set(places) - set(PLACES)
     if unknown:
@@ -189,25 +211,17 @@ def main() -> None:
         if "host" in by_place and "device" in by_place and ceilings["pinned_h2d_gbps"]:
             bound = max(shape["container_bytes"] / (ceilings["pinned_h2d_gbps"] * 1e9), by_place["device"]["seconds"])
             by_place["host"]["host_wall_over_bound"] = round(by_place["host"]["seconds"] / bound, 3)
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__,
-              "model": shape, "active_weights_per_token": active, "build_s": round(build_s, 1),
-              "ceilings": ceilings, "rows": rows}
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return
-    print(f"{report['device']}: {shape['layers']} release layers, {shape['experts']} experts of "
-          f"{shape['hidden']} x {shape['inter']}, container {shape['container_bytes'] / 1e9:.2f} GB, "
-          f"{active / 1e6:.0f}M active weights per token; dense bf16 {ceilings['dense_bf16_tflops']} TFLOPS, "
-          f"pinned H2D {ceilings['pinned_h2d_gbps']} GB/s")
-    head = ["N", "place", "tok/s", "eff TFLOPS", "grouped GEMM TFLOPS", "io-alone s", "compute-alone s", "wall s",
-            "overlap", "host wall / bound", "device peak GiB", "error"]
-    print(" | ".join(head))
-    for r in rows:
-        print(" | ".join(str(r.get(k, "")) for k in ("tokens", "place", "tokens_per_s", "effective_tflops",
-                                                      "grouped_gemm_tflops", "io_alone_s", "compute_alone_s",
-                                                      "seconds", "overlap", "host_wall_over_bound",
-                                                      "peak_device_gib", "error")))
+    report = {"device": device_name(device), "torch": torch.__version__, "model": shape,
+              "active_weights_per_token": active, "build_s": round(build_s, 1), "ceilings": ceilings, "rows": rows}
+    print_report(report, args.json,
+                 f"{report['device']}: {shape['layers']} release layers, {shape['experts']} experts of "
+                 f"{shape['hidden']} x {shape['inter']}, container {shape['container_bytes'] / 1e9:.2f} GB, "
+                 f"{active / 1e6:.0f}M active weights per token; dense bf16 {ceilings['dense_bf16_tflops']} TFLOPS, "
+                 f"pinned H2D {ceilings['pinned_h2d_gbps']} GB/s",
+                 ["N", "place", "tok/s", "eff TFLOPS", "grouped GEMM TFLOPS", "io-alone s", "compute-alone s",
+                  "wall s", "overlap", "host wall / bound", "device peak GiB", "error"],
+                 ("tokens", "place", "tokens_per_s", "effective_tflops", "grouped_gemm_tflops", "io_alone_s",
+                  "compute_alone_s", "seconds", "overlap", "host_wall_over_bound", "peak_device_gib", "error"))
 
 
 if __name__ == "__main__":

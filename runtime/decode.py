@@ -24,6 +24,7 @@ those and reads only the rest.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import threading
 import time
@@ -43,6 +44,7 @@ from moepack.v4.kv import LayerKVState
 
 from . import model, token_kernels
 from .device_copier import DeviceCopier
+from .device_decode import StepGraphs, container_pool
 from .expert_decode import EXPERT_MATRICES, ExpertWeights, expert_weight_count
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
 from .io import ReadPipeline, RegionReader, release_freed_memory
@@ -88,6 +90,9 @@ class ExpertCache:
         self._lookups = 0
         self.hits = self.misses = 0
         self.admitted = self.evicted = self.refused = 0  # misses taken in, entries evicted, misses used in place
+        # where the entries live elsewhere (device_decode.ExpertPool's slots): told of each entry dropped and of a
+        # new budget
+        self.store = None
 
     def get(self, key: tuple[int, int]) -> torch.Tensor | ExpertWeights | None:
         self._count_use(key)
@@ -140,13 +145,25 @@ class ExpertCache:
         """A new budget; the least recently used go until the entries fit it."""
         self.budget = budget
         self._evict_to(budget)
+        if self.store is not None:
+            self.store.budget_changed(budget)
 
     def _evict_to(self, nbytes: int) -> None:
         """Evict the least recently used until the entries take at most nbytes."""
         while self.bytes > nbytes:
-            old, _ = self._entries.popitem(last=False)
-            self.bytes -= self._sizes.pop(old)
-            self.evicted += 1
+            self.evict_oldest()
+
+    def evict_oldest(self) -> None:
+        """Evict the least recently used entry."""
+        old, _ = self._entries.popitem(last=False)
+        self.bytes -= self._sizes.pop(old)
+        self.evicted += 1
+        if self.store is not None:
+            self.store.dropped(old)
+
+    def replace(self, key: tuple[int, int], entry) -> None:
+        """The same entry kept elsewhere (its store moved it): its size, place in the order and counts unchanged."""
+        self._entries[key] = entry
 
     def has_room(self, nbytes: int) -> bool:
         """Whether nbytes more fit without evicting anything."""
@@ -155,6 +172,8 @@ class ExpertCache:
     def drop(self, key: tuple[int, int]) -> None:
         if self._entries.pop(key, None) is not None:
             self.bytes -= self._sizes.pop(key)
+            if self.store is not None:
+                self.store.dropped(key)
 
     def touch(self, key: tuple[int, int]) -> None:
         """Make an entry the most recently used (not counted as a hit)."""
@@ -176,6 +195,12 @@ def token_choice(routing) -> dict[int, float]:
     """One token's routed experts: expert id -> its routing weight, in ascending id (a hash layer may pick an
     expert twice: its weights add up)."""
     return token_kernels.merged_choice(routing.experts[0].tolist(), routing.weights[0].tolist())
+
+
+def _attention_entry(cfg, w, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention's mHC entry and norm on every row (attention_token_sublayer's first part)."""
+    return model.hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
+                             w["attn_norm.weight"])
 
 
 class DecodeSequence:
@@ -220,10 +245,12 @@ class Decoder:
     def __init__(self, container: Container, cfg, device: torch.device, cache_bytes: int,
                  compute_dtype: torch.dtype = torch.float32, expert_dtype: torch.dtype = torch.float32,
                  io_mode: str = "auto", verify_reads: bool = True, queue_depth: int = 8,
-                 decoded_experts: bool | None = None):
+                 decoded_experts: bool | None = None, expert_pool: bool | None = None):
         """`decoded_experts` (default: on a GPU) has the cache keep experts decoded to the expert dtype, so that a
         hit is three matmuls (their memory, not their stored bytes, is counted against the budget); otherwise it
-        keeps their stored bytes, which a CPU's compiled kernels read directly."""
+        keeps their stored bytes, which a CPU's compiled kernels read directly. `expert_pool` (default: on a GPU,
+        with decoded experts) keeps the decoded experts in device_decode.ExpertPool's slots, a layer's routed work
+        one grouped GEMM over them with no host round trip where the layer's experts are all there."""
         self.c, self.cfg, self.device = container, cfg, device
         self.decoded = device.type != "cpu" if decoded_experts is None else decoded_experts
         self.compute_dtype = compute_dtype
@@ -273,6 +300,15 @@ class Decoder:
         self.layers = TokenLayers.make(cfg, self.dense) if self.kernels is not None and all(
             self._kernel_layout(layer, e) for layer, block in enumerate(self.blocks)
             for e in range(len(block.experts))) else None
+        if expert_pool and not self.decoded:
+            raise ValueError("the expert pool keeps decoded experts (decoded_experts=True)")
+        wants_pool = self.decoded and (device.type == "cuda" if expert_pool is None else expert_pool)
+        # (None where the experts do not stack, or torch's grouped GEMM does not take them: the cache as before)
+        self.pool = container_pool(self.cache, self.blocks, cfg, self.experts.expert_dtype, device) \
+            if wants_pool else None
+        self.cache.store = self.pool
+        self._step_uses: list[tuple[int, torch.Tensor]] = []  # complete layers' choices, counted after the step
+        self._step_finite: list[torch.Tensor] = []  # each pooled layer's output finite (checked after the step)
 
     def start(self, states: list[LayerKVState]) -> DecodeSequence:
         """A sequence after `states` (one per layer, all after the same tokens), for step_batch."""
@@ -378,10 +414,12 @@ class Decoder:
                 got[e] = raw
         return got
 
-    def _expert_bytes(self, layer: int, e: int, got, held: list) -> torch.Tensor | ExpertWeights:
+    def _expert_bytes(self, layer: int, e: int, got, held: list, keep_fitting: bool = False
+                      ) -> torch.Tensor | ExpertWeights:
         """Expert e on the compute device: a cache hit (its stored bytes, or its weights where the cache keeps them
-        decoded), or its read (awaited; checked as it landed). A read the cache keeps is copied out of its pooled
-        buffer, which goes back at once; one it cannot keep is used in place (its stored bytes), its buffer
+        decoded), or its read (awaited; checked as it landed). A read the cache keeps (`keep_fitting`: any that
+        fits its budget, the least recently used evicted; else what ExpertCache.admits takes) is copied out of its
+        pooled buffer, which goes back at once; one it cannot keep is used in place (its stored bytes), its buffer
         appended to `held` for the caller to give back once the expert has run."""
         item = got[e]
         if isinstance(item, ExpertWeights):
@@ -394,7 +432,8 @@ class Decoder:
         self.stats.disk_wait_s += time.perf_counter() - t0
         raw = self.copier.host_bytes(buffer, view)[:region.length]
         size = self._entry_bytes(layer, e)
-        if not self.cache.admits((layer, e), size):  # no copy of bytes nothing keeps
+        if not (self.cache.fits(size) if keep_fitting else self.cache.admits((layer, e), size)):
+            # no copy of bytes nothing keeps
             held.append(buffer)
             return raw.to(self.device)
         try:
@@ -414,6 +453,11 @@ class Decoder:
         if not self.decoded:
             return raw
         region = self.blocks[layer].experts[e]
+        if self.pool is not None:  # into a slot of the pool (a copy of the decoder's buffers)
+            pooled = self.pool.put(layer, e, self.experts.expert_weights(self.blocks[layer], region, raw,
+                                                                          region.offset))
+            if pooled is not None:
+                return pooled
         return self.experts.owned_weights(self.blocks[layer], region, raw, region.offset)
 
     def _entry_bytes(self, layer: int, e: int) -> int:
@@ -516,7 +560,10 @@ class Decoder:
 
     def _steps(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         start = time.perf_counter()
-        logits = torch.stack([self._step(seq, token) for seq, token in zip(sequences, token_ids)])
+        if self.layers is None:  # model.py's functions, every row of the step at once
+            logits = self._general_step(sequences, token_ids)
+        else:
+            logits = torch.stack([self._step(seq, token) for seq, token in zip(sequences, token_ids)])
         self.stats.steps += 1
         self.stats.tokens += len(sequences)
         self.stats.seconds += time.perf_counter() - start
@@ -526,7 +573,7 @@ class Decoder:
         ids = torch.tensor([token_id], device=self.device)
         rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", ids.cpu()).to(self.device)
         streams = self._compiled_layers(seq, token_id, rows) if self.layers is not None else self._layers(
-            seq, token_id, ids, rows)
+            [seq], ids, rows)
         with self.compute:
             return model.head(self.cfg, streams, self.head_weights, -1).float().cpu()
 
@@ -557,30 +604,122 @@ class Decoder:
                 self._give_back(held)
         return layers.output
 
-    def _layers(self, seq: DecodeSequence, token_id: int, ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
-        """Every layer by model.py's functions (a GPU, the native code off, weights the kernels do not take): the
-        streams after the last."""
-        cfg = self.cfg
+    def _general_step(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
+        """One step of every row by model.py's functions (_layers): the logits [B, vocab] on the host."""
+        self._step_uses, self._step_finite = [], []  # (a step that failed left its own)
+        rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", torch.tensor(token_ids))
+        streams = self._layers(sequences, torch.tensor(token_ids, device=self.device), rows.to(self.device))
+        with self.compute:
+            logits = model.head(self.cfg, streams, self.head_weights, slice(None)).float().cpu()
+        self._settle_pooled()
+        return logits
+
+    def _layers(self, sequences: list[DecodeSequence], ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        """Every layer by model.py's functions (a GPU, the native code off, weights the kernels do not take) for
+        the rows of one step (`ids` [B] their tokens, on the device): the streams after the last. The embedding,
+        mHC, router, shared expert and head run on all rows at once, the attention row by row over each
+        sequence's own KV; the routed experts once each on every row that chose them. With the pool, a layer's
+        fixed-shape work (the attention's mHC entry; its exit and the whole FFN where every expert is pooled)
+        runs as a CUDA graph per (layer, B) where CUDA is (StepGraphs), asking the host nothing."""
+        cfg, pool, rows = self.cfg, self.pool, len(sequences)
+        graphs = pool.graphs if pool is not None else StepGraphs(False)
         streams = model.residual_streams(cfg, embedding)
         for layer, w in enumerate(self.dense):
-            got, _ = self._hash_fetch(layer, w, token_id)
+            got = None
+            if cfg.hash_layers[layer] and pool is None:  # the token ids are the routing: read before attention
+                got = self._fetch(layer, w["ffn.gate.tid2eid"][ids].flatten().tolist())
+            with self.compute:  # attention_token_sublayer, its mHC on every row at once, the attention row by row
+                x, post, comb = graphs.run(("attention entry", layer, rows),
+                                           functools.partial(_attention_entry, cfg, w), streams)
+                attended = torch.cat([model.attention_token(cfg, layer, w, x[b:b + 1], seq.kv[layer])
+                                      for b, seq in enumerate(sequences)])
+            if pool is not None and pool.complete(layer):
+                with self.compute:
+                    streams, experts, finite = graphs.run(("ffn", layer, rows), functools.partial(
+                        self._pooled_ffn, layer, w), streams, attended, post, comb, ids)
+                pool.calls += 1
+                self._step_uses.append((layer, experts))  # counted after the step (_settle_pooled)
+                self._step_finite.append(finite)
+                continue
             with self.compute:
-                streams = model.attention_token_sublayer(cfg, layer, w, streams, seq.kv[layer])
+                streams = model.hc_post(streams, attended, post, comb)
                 routing = model.moe_route(cfg, layer, w, streams, ids)
-            chosen = token_choice(routing)
+            if pool is not None:
+                routed = self._routed_from_pool(layer, routing)
+                with self.compute:
+                    streams, finite = self._pooled_finish(w, streams, routing, routed)
+                self._step_finite.append(finite)
+                continue
             if got is None:
-                got = self._fetch(layer, list(chosen))
-            routed = self._routed_by_kernel(layer, chosen, routing, got)
+                got = self._fetch(layer, routing.experts.flatten().tolist())
+            routed = self._routed_by_kernel(layer, routing, got) if rows == 1 else None
             if routed is None:
                 routed = self._routed_one_by_one(layer, routing, got)
             with self.compute:
                 streams = model.moe_finish(cfg, layer, w, streams, routing, routed)
         return streams
 
-    def _routed_by_kernel(self, layer: int, chosen: dict[int, float], routing, got) -> torch.Tensor | None:
-        """The token's routed experts summed ([1, H] float32) by one call of the compiled token kernel (`chosen`:
-        expert id -> its routing weight, ascending id); None where the kernel does not run (not a CPU, a kind it
-        lacks): the caller runs the experts one by one."""
+    def _pooled_ffn(self, layer: int, w, streams: torch.Tensor, attended: torch.Tensor, post: torch.Tensor,
+                    comb: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer whose experts are all pooled, after its attention: the attention's mHC exit, the router, the
+        routed experts over the pool, the shared expert, the FFN's mHC exit; (the streams, the chosen experts,
+        whether the streams are finite), all on the device (one CUDA graph)."""
+        streams = model.hc_post(streams, attended, post, comb)
+        routing = model.moe_route(self.cfg, layer, w, streams, ids)
+        routed = self.pool.routed(layer, routing.x, routing.experts, routing.weights, graphed=False)
+        streams, finite = self._pooled_finish(w, streams, routing, routed)
+        return streams, routing.experts, finite
+
+    def _pooled_finish(self, w, streams: torch.Tensor, routing, routed: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """moe_finish for a pooled layer: the streams, and whether they are finite as a device flag (checked after
+        the step, _settle_pooled: no synchronisation per layer)."""
+        streams = model.hc_post(streams, routed + model.shared_expert(self.cfg, w, routing), routing.post,
+                                routing.comb)
+        return streams, torch.isfinite(streams).all()
+
+    def _routed_from_pool(self, layer: int, routing) -> torch.Tensor:
+        """The rows' routed experts summed ([B, H] float32) for a layer not all of whose experts are pooled: the
+        choices read once (one synchronisation), the misses read through the reader and decoded into slots,
+        then over the pool (or expert by expert where one could not be pooled)."""
+        pool = self.pool
+        pool.syncs += 1
+        chosen = sorted(set(routing.experts.flatten().tolist()))
+        got = self._fetch(layer, chosen)
+        held = []
+        try:
+            with pool.pinned(layer, chosen):
+                # misses decoded into free slots, the least recently used evicted (not admission's refusals: a
+                # refused miss would run the layer expert by expert, and a slot costs one device copy)
+                for e in chosen:
+                    got[e] = self._expert_bytes(layer, e, got, held, keep_fitting=True)
+                if all(pool.holds(layer, e) for e in chosen):
+                    pool.calls += 1
+                    with self.compute:
+                        return pool.routed(layer, routing.x, routing.experts, routing.weights)
+                return self._routed_one_by_one(layer, routing, got)
+        finally:
+            self._give_back(held)
+
+    def _settle_pooled(self) -> None:
+        """After a step's logits reached the host (the device is done): each pooled layer's output checked
+        finite (the first that is not named), and the complete layers' choices counted as the cache's hits
+        (each expert once per layer and step, as a lookup counts them) and made the most recently used."""
+        finite, self._step_finite = self._step_finite, []
+        if finite and not bool(torch.stack(finite).all()):
+            raise model.not_finite(torch.stack(finite).tolist().index(False))  # every layer is pooled
+        uses, self._step_uses = self._step_uses, []
+        if not uses:
+            return
+        chosen = torch.stack([experts for _, experts in uses]).tolist()  # one copy to the host for every layer
+        for (layer, _), rows in zip(uses, chosen):
+            for e in sorted({e for row in rows for e in row}):
+                self.cache.get((layer, e))
+
+    def _routed_by_kernel(self, layer: int, routing, got) -> torch.Tensor | None:
+        """One token's routed experts summed ([1, H] float32) by one call of the compiled token kernel; None
+        where the kernel does not run (not a CPU, a kind it lacks): the caller runs the experts one by one."""
+        chosen = token_choice(routing)
         held = []
         try:
             experts = self._kernel_experts(layer, chosen, got, held)
@@ -593,8 +732,8 @@ class Decoder:
             self._give_back(held)
 
     def _routed_one_by_one(self, layer: int, routing, got) -> torch.Tensor:
-        """The token's routed experts summed ([1, H] float32) by the prefill's expert runner, each as its bytes
-        arrive."""
+        """The rows' routed experts summed ([B, H] float32) by the prefill's expert runner, each expert once on
+        every row that chose it, as its bytes arrive."""
         block, groups = self.blocks[layer], routing.groups()
         with self.compute:
             inputs = groups.gather(routing.x.to(self.experts.expert_dtype))
@@ -614,7 +753,7 @@ class Decoder:
                 self._expert_bytes(layer, e, got, held)
         finally:
             self._give_back(held)
-        return groups.combine(outputs, 1)
+        return groups.combine(outputs, routing.x.shape[0])
 
     def stats_dict(self) -> dict:
         s = self.stats
@@ -638,5 +777,7 @@ class Decoder:
         self.reader.close()
         self.experts.close()
         self.cache = ExpertCache(0)
+        if self.pool is not None:
+            self.pool.release()
         self._matrices.clear()
         release_freed_memory()  # the misses' copies malloc kept (the prefill had it keep freed memory)

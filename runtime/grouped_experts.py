@@ -93,11 +93,14 @@ def group_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
     return ends.pin_memory().to(device, non_blocking=True)  # torch's pinned allocator keeps it until copied
 
 
-def grouped_matmul(a: torch.Tensor, b: torch.Tensor, counts: list[int], offsets: torch.Tensor | None = None
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor, counts: list[int] | None, offsets: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """Rows a[offset_g : offset_g + counts[g]] @ b[g] for each group g, as one [rows, N] tensor: torch's grouped
     GEMM where it takes these operands (`offsets`: group_offsets(counts), made here if not given), else one
-    matmul per group (float32 on a GPU)."""
+    matmul per group (float32 on a GPU). `counts` None: only `offsets` (on the device, never read by the host),
+    for operands grouped_mm_usable takes."""
+    if counts is None and not grouped_mm_usable(a, b):
+        raise ValueError("grouped_matmul without counts needs operands torch's grouped GEMM takes")
     if grouped_mm_usable(a, b):
         return _GROUPED_MM(a, b, offs=group_offsets(counts, a.device) if offsets is None else offsets)
     out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)

@@ -1,0 +1,196 @@
+"""GPU decode with every routed expert cached on the device, against the chip's memory bandwidth measured in the
+same run (issue 36's goal: one stream at >= 500 tokens/s on the release-dimension slice of an H200).
+
+The model: the release-dimension slice benchmarks/gpu_prefill.py builds (DeepSeek-V4-Flash's config cut to --layers,
+default release layers 1, 2, 3, with all --experts 256 routed experts at full size, FP4 experts, converted with
+--keep; the same --workdir reuses that step's container), or a synthetic --preset. Every expert is decoded into the
+device's expert pool first (runtime/device_decode.py), then for each B of --batch, B prompts of --tokens (different
+ones) are prefilled and stepped together greedily, --steps timed steps after --warmup untimed ones (which capture the
+CUDA graphs). Each row of the output:
+  path           pool: the routed work of a layer one grouped GEMM over the pool, no host sync, a CUDA graph per
+                 (layer, B); per-expert: the same cached weights, each chosen expert's three matmuls on its own
+                 (the path before the pool: host look-ups of every choice)
+  tokens/s       B x steps / seconds (a step ends with its logits on the host)
+  bytes/token    what a step reads over its B tokens, every matrix in the compute dtype (the issue's measure): the
+                 resident weights (dense and shared expert, the head; norms and mHC as held), plus the routed
+                 experts it chose (each distinct (layer, expert) once a step, in the expert dtype); at B = 1
+                 dense + shared + top-k routed. held bytes/token: the same with the resident weights as held (the
+                 head and the router float32 on a GPU)
+  bw fraction    bytes a step reads x steps/s over the HBM rate (a device-to-device copy of --copy-gib, bytes read
+                 plus bytes written, timed with events; on a CPU a host copy)
+  syncs          host synchronisations of the pool's routed work (0 when every expert is pooled)
+  graph replays  CUDA graphs replayed in the timed steps (two a layer: its attention's mHC entry, its FFN)
+Usage: python benchmarks/gpu_decode.py [--device cuda] [--batch 1,8] [--layers 1,2,3] [--experts 256]
+       [--preset NAME] [--workdir DIR] [--json]
+On a CPU (a dry run, seconds): --device cpu --preset small. The floor, predictions and the device command:
+benchmarks/gpu_decode.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+import moepack  # noqa: F401  (before torch: moepack sets OpenMP's spin limit)
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from decode import ensure_container  # noqa: E402
+from gpu_prefill import build, device_name, parse_on_device, print_report  # noqa: E402
+
+from moepack.runtime import generate as generate_module  # noqa: E402
+from moepack.runtime.decode import Decoder  # noqa: E402
+from moepack.runtime.engine import PrefillOptions  # noqa: E402
+from moepack.runtime.generate import Generator  # noqa: E402
+
+GIB = 1 << 30
+GOAL_TOKENS_PER_S = 500  # issue 36: H200, release-dimension slice, one stream
+
+
+def hbm_rate(device: torch.device, gib: float) -> float:
+    """Bytes per second of a large copy on `device` (read + written), the best of five after one untimed."""
+    n = int(gib * GIB)
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)  # not zeros: real data
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - t0
+        best = min(best, seconds)
+    return 2 * n / best
+
+
+def resident_bytes(decoder: Decoder, matrices_in: torch.dtype | None = None) -> int:
+    """The resident weights a step reads (matrices, norms, router, mHC, the head; index tables left out: a hash
+    layer reads one row): as held, or with every matrix counted in `matrices_in` (the issue's measure: the
+    compute dtype; the head and the router are held float32 on a GPU)."""
+    tensors = [t for weights in [*decoder.dense, decoder.head_weights] for t in weights.values()
+               if t.is_floating_point()]
+    return sum(t.numel() * (matrices_in.itemsize if matrices_in is not None and t.dim() == 2 else t.element_size())
+               for t in tensors)
+
+
+def prefilled(g: Generator, prompts: int, length: int, new: int) -> list[tuple[list, int]]:
+    """(KV states, first greedy token) of `prompts` different prompts of `length` tokens."""
+    out = []
+    for b in range(prompts):
+        ids = torch.randint(3, g.cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(1000 + b))
+        logits, states, *_ = g._prefill(ids, None, new)
+        out.append((states, int(logits.argmax())))
+    return out
+
+
+def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: int, pooled: bool) -> dict:
+    """Greedy steps of the prompts together (each a fresh sequence after its prefill), over the pool or expert
+    by expert."""
+    d = g.decoder
+    pool, batch = d.pool, len(prompts)
+    d.pool = pool if pooled else None  # the per-expert path over the very same cached weights
+    try:
+        seqs = [d.start(states) for states, _ in prompts]
+        tokens = [first for _, first in prompts]
+        for _ in range(warmup):
+            tokens = d.step_batch(seqs, tokens).argmax(dim=1).tolist()
+        hits, syncs, replays = d.cache.hits, pool.syncs, pool.graphs.replays
+        start = time.perf_counter()
+        for _ in range(steps):
+            tokens = d.step_batch(seqs, tokens).argmax(dim=1).tolist()
+        seconds = time.perf_counter() - start
+        experts_per_step = (d.cache.hits - hits) / steps  # each distinct (layer, expert) of a step looked up once
+        routed = experts_per_step * d._entry_bytes(0, 0)
+        step_bytes = resident_bytes(d, d.compute_dtype) + routed
+        return {"path": "pool" if pooled else "per-expert", "batch": batch, "steps": steps,
+                "tokens_per_s": round(batch * steps / seconds, 1), "step_ms": round(1e3 * seconds / steps, 3),
+                "bytes_per_token": int(step_bytes / batch), "experts_per_step": round(experts_per_step, 1),
+                "step_bytes": int(step_bytes), "held_bytes_per_token": int((resident_bytes(d) + routed) / batch),
+                "cache_misses": d.cache.misses,
+                "syncs": (pool.syncs - syncs) if pooled else None,
+                "graph_replays": (pool.graphs.replays - replays) if pooled else None}
+    finally:
+        d.pool = pool
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--preset", help="a synthetic preset (tiny, small, medium...) instead of the release slice")
+    ap.add_argument("--layers", default="1,2,3", help="release layer indexes of the slice (default 1,2,3)")
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=64, help="each prompt's length (default 64)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 32 on a GPU, 4 on a CPU)")
+    ap.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--copy-gib", type=float, default=None, help="the bandwidth copy (default 4 GPU, 0.25 CPU)")
+    args, device = parse_on_device(ap)  # (--workdir: gpu_prefill's, whose release slice this reuses)
+    steps = args.steps or (32 if device.type == "cuda" else 4)
+    os.makedirs(args.workdir, exist_ok=True)
+    started = time.perf_counter()
+    path = (ensure_container(args.workdir, args.preset) if args.preset else
+            build(args.workdir, [int(v) for v in args.layers.split(",")], args.experts, args.json))
+    build_s = time.perf_counter() - started
+    rate = hbm_rate(device, args.copy_gib or (4.0 if device.type == "cuda" else 0.25))
+    # the expert pool on any device (a CPU's decoder keeps stored bytes for its compiled kernels by default)
+    pooled = functools.partial(Decoder, decoded_experts=True, expert_pool=True)
+    generate_module.Decoder = pooled
+    options = PrefillOptions(device=str(device), compute_dtype=args.compute_dtype)
+    with Generator(path, cache_gib=0.0, prefill=options) as g:
+        d = g.decoder
+        if d.pool is None:
+            raise SystemExit("the expert pool does not take these experts here (torch's grouped GEMM: bf16 on CUDA)")
+        every = [[1] * len(b.experts) for b in d.blocks]
+        routed = sum(d._entry_bytes(layer, e) for layer, b in enumerate(d.blocks) for e in range(len(b.experts)))
+        d.cache.resize(routed)
+        started = time.perf_counter()
+        d.seed(every)
+        seed_s = time.perf_counter() - started
+        assert all(d.pool.complete(layer) for layer in range(len(d.blocks))), "not every expert was pooled"
+        batches = [int(v) for v in args.batch.split(",")]
+        prompts = prefilled(g, max(batches), args.tokens, args.warmup + steps + 1)  # each prompt prefilled once
+        rows = []
+        for batch in batches:
+            for pooled_path in (True, False):
+                row = run_rows(g, prompts[:batch], args.warmup, steps, pooled_path)
+                row["bandwidth_fraction"] = round(row["step_bytes"] * 1e3 / row["step_ms"] / rate, 4)
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)  # each row as it ends: a timeout keeps them
+        shape = {"layers": len(d.blocks), "experts": len(d.blocks[0].experts), "top_k": g.cfg.num_experts_per_tok,
+                 "hidden": g.cfg.hidden_size, "inter": d.pool.inter, "expert_dtype": str(d.pool.dtype),
+                 "routed_cached_bytes": routed, "resident_bytes": resident_bytes(d, d.compute_dtype),
+                 "resident_held_bytes": resident_bytes(d)}
+    one = next((r for r in rows if r["path"] == "pool" and r["batch"] == 1), None)
+    report = {"device": device_name(device), "torch": torch.__version__,
+              "model": args.preset or f"release layers {args.layers}", "shape": shape, "build_s": round(build_s, 1),
+              "seed_s": round(seed_s, 2), "hbm_gbps": round(rate / 1e9, 1), "goal_tokens_per_s": GOAL_TOKENS_PER_S,
+              "goal_met": one["tokens_per_s"] >= GOAL_TOKENS_PER_S if one and device.type == "cuda" else None,
+              "rows": rows}
+    print_report(report, args.json,
+                 f"{report['device']}: {report['model']}, {shape['layers']} layers of {shape['experts']} experts "
+                 f"({shape['hidden']} x {shape['inter']}, top-{shape['top_k']}, {shape['expert_dtype']}), "
+                 f"{routed / 1e9:.2f} GB of experts on the device (seeded in {report['seed_s']} s); "
+                 f"copy rate {report['hbm_gbps']} GB/s",
+                 ["path", "B", "tok/s", "step ms", "bytes/token", "held bytes/token", "experts/step", "bw fraction",
+                  "syncs", "graph replays"],
+                 ("path", "batch", "tokens_per_s", "step_ms", "bytes_per_token", "held_bytes_per_token",
+                  "experts_per_step", "bandwidth_fraction", "syncs", "graph_replays"))
+    if report["goal_met"] is not None and not args.json:
+        print(f"goal (one stream >= {GOAL_TOKENS_PER_S} tokens/s): {'met' if report['goal_met'] else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""A device pool of decoded routed experts, and a decode layer's routed work over it without a host round trip.
+
+Where the expert cache keeps decoded experts (a GPU by default), the Decoder keeps them here rather than as three
+tensors each: every cached expert is a slot of two preallocated stacks, gate and up side by side `gate_up [slots,
+2I, H]` and `down [slots, H, I]` (the expert dtype), and a device table `slot_of [layers, experts]` (-1: not
+pooled) says where each (layer, expert) is. A layer's routed work for B rows is then a fixed sequence of device
+ops: the router's top-k ids (on the device) look their slots up, the (row, choice) pairs are sorted by slot, one
+grouped GEMM over the whole pool (empty groups for the slots nobody chose) gives gate and up, the clamped SwiGLU,
+a second grouped GEMM gives down, and each row's terms are summed in ascending expert id with their routing weights
+(ExpertGroups.combine's order). Nothing in it asks the host anything, so where CUDA is present it is captured once
+per (layer, B) in a CUDA graph and replayed (eager where capture fails, and on a CPU): `StepGraphs`, which the
+Decoder also uses for the rest of a layer's fixed-shape work (the attention's mHC entry; for a layer whose experts
+are all pooled, its whole FFN with the routed work inside). The attention itself stays eager, row by row: each
+sequence's KV grows by a row a token.
+
+The host knows which layers hold all their experts (`complete`): those run without looking at the choice. A layer
+that does not costs one synchronisation (the Decoder reads the chosen ids, reads the misses through its reader
+and decodes them into free slots). The slots are the cache's entries: ExpertCache keeps the accounting and the
+least-recently-used order (its budget, hits, misses, evictions), and tells the pool what it drops (`dropped`) or
+when its budget shrinks (`budget_changed`: the stacks are reallocated smaller, so the device memory follows the
+budget). A slot whose expert is evicted while the layer being computed still uses it (`pinned`) is reused only
+after that layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable
+
+import torch
+
+from .expert_decode import ExpertWeights
+from .grouped_experts import grouped_matmul, grouped_mm_usable
+from .model import clamped_swiglu
+
+
+def pool_usable(dtype: torch.dtype, device: torch.device, inter: int, hidden: int) -> bool:
+    """Whether torch's grouped GEMM takes the pool's operands here (bf16 on CUDA; any float dtype on a CPU; rows
+    16-byte aligned): the pool computes only through it (its offsets stay on the device)."""
+    gate_up = torch.empty(1, hidden, 2 * inter, dtype=dtype, device=device)
+    down = torch.empty(1, inter, hidden, dtype=dtype, device=device)
+    return grouped_mm_usable(gate_up[:, 0], gate_up) and grouped_mm_usable(down[:, 0], down)
+
+
+class CapturedCall:
+    """fn(*inputs) captured in a CUDA graph over static copies of `inputs`: each call copies its arguments into
+    them and replays the graph; the result is the graph's own output buffer (valid until the next call)."""
+
+    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...]):
+        self.inputs = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up outside the capture: lazy initialisation, workspace
+            fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = fn(*self.inputs)
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        for static, arg in zip(self.inputs, args):
+            static.copy_(arg)
+        self.graph.replay()
+        return self.output
+
+
+class StepGraphs:
+    """Fixed-shape pieces of a decode step, each captured once per key in a CUDA graph and replayed; run eagerly
+    where they are off (a CPU) or their capture failed. A piece must not change anything but its outputs (its
+    capture runs it twice)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._captured: dict[tuple, CapturedCall | None] = {}
+        self.replays = 0
+
+    def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor):
+        """fn(*inputs), from the graph captured for `key` (its outputs are that graph's buffers: valid until its
+        next replay)."""
+        if not self.enabled:
+            return fn(*inputs)
+        if key not in self._captured:
+            try:
+                self._captured[key] = CapturedCall(fn, inputs)
+            except Exception:  # an op that cannot be captured here: eager from now on
+                self._captured[key] = None
+        call = self._captured[key]
+        if call is None:
+            return fn(*inputs)
+        self.replays += 1
+        return call(*inputs)
+
+    def clear(self) -> None:
+        self._captured.clear()
+
+
+class ExpertPool:
+    """The decoded routed experts of every layer in device slots (module docstring). `cache` is the ExpertCache
+    whose entries the slots are (its `store` is this pool); `slot_bytes` what one expert takes in its budget. The
+    stacks are allocated at the first expert kept, as many slots as the budget holds then (at most every
+    expert)."""
+
+    def __init__(self, cache, layers: int, experts: int, inter: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device, swiglu_limit: float, graphs: bool | None = None):
+        self.cache, self.layers, self.experts = cache, layers, experts
+        self.inter, self.hidden, self.dtype, self.device = inter, hidden, dtype, device
+        self.swiglu_limit = swiglu_limit
+        self.slot_bytes = 3 * inter * hidden * dtype.itemsize
+        # the step's fixed-shape pieces in CUDA graphs (these stacks' routed work, and the Decoder's)
+        self.graphs = StepGraphs(device.type == "cuda" if graphs is None else graphs and device.type == "cuda")
+        self.capacity = 0
+        self.gate_up = self.down = None
+        self.slot_of = torch.full((layers, experts), -1, dtype=torch.int64, device=device)
+        self._slots: dict[tuple[int, int], int] = {}  # the table's host mirror
+        self._pooled = [0] * layers  # experts pooled per layer
+        self._free: list[int] = []
+        self._pinned: set[tuple[int, int]] = set()
+        self._deferred: list[int] = []  # slots of pinned experts evicted: free after the layer
+        self.syncs = 0  # host synchronisations the routed work needed (a layer not complete, once a step)
+        self.calls = 0  # layers' routed work run over the pool (counted by the caller)
+
+    # --- slots -----------------------------------------------------------------------------------------------
+    def complete(self, layer: int) -> bool:
+        """Whether every expert of `layer` is pooled: its routed work needs nothing from the host."""
+        return self._pooled[layer] == self.experts
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self._slots
+
+    def slot(self, layer: int, expert: int) -> int | None:
+        return self._slots.get((layer, expert))
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The device memory the stacks take (all their slots, used or not)."""
+        return self.capacity * self.slot_bytes
+
+    def _allocate(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.gate_up = torch.empty(capacity, 2 * self.inter, self.hidden, dtype=self.dtype, device=self.device)
+        self.down = torch.empty(capacity, self.hidden, self.inter, dtype=self.dtype, device=self.device)
+        self._slot_ids = torch.arange(capacity, device=self.device)
+        self._free = list(range(capacity - 1, -1, -1))  # popped from the end: slot 0 first
+        self.graphs.clear()  # the graphs read the old stacks
+
+    def _free_slot(self) -> int | None:
+        """A free slot, the cache's least recently used evicted for it where none is; None where none can be."""
+        if self.gate_up is None:
+            capacity = min(self.cache.budget // self.slot_bytes, self.layers * self.experts)
+            if capacity <= 0:
+                return None
+            self._allocate(capacity)
+        while not self._free and len(self.cache):
+            self.cache.evict_oldest()  # its slot comes back through dropped()
+        return self._free.pop() if self._free else None
+
+    def put(self, layer: int, expert: int, weights: ExpertWeights) -> ExpertWeights | None:
+        """Copy an expert's decoded weights into a slot; its weights as views of the slot, or None where it cannot
+        be pooled (no room, or weights the fused CPU kernel keeps packed)."""
+        if weights.kernel is not None or (layer, expert) in self._slots:
+            return None
+        w1, w3, w2 = weights.w1, weights.w3, weights.w2
+        if weights.input_order is not None:  # MXFP4's pair order undone: the pool's inputs come in column order
+            w1, w3 = (_columns_in_order(w, weights.input_order) for w in (w1, w3))
+        if weights.hidden_order is not None:
+            w2 = _columns_in_order(w2, weights.hidden_order)
+        slot = self._free_slot()
+        if slot is None:
+            return None
+        inter = self.inter
+        self.gate_up[slot, :inter].copy_(w1)
+        self.gate_up[slot, inter:].copy_(w3)
+        self.down[slot].copy_(w2)
+        self.slot_of[layer, expert] = slot
+        self._slots[(layer, expert)] = slot
+        self._pooled[layer] += 1
+        return self.weights(slot)
+
+    def weights(self, slot: int) -> ExpertWeights:
+        return ExpertWeights(self.gate_up[slot, :self.inter], self.gate_up[slot, self.inter:], self.down[slot])
+
+    def dropped(self, key: tuple[int, int]) -> None:
+        """The cache dropped `key` (evicted, or dropped by the seed): its slot is free (after the layer in
+        progress, where that layer uses it)."""
+        slot = self._slots.pop(key, None)
+        if slot is None:
+            return
+        self.slot_of[key] = -1
+        self._pooled[key[0]] -= 1
+        (self._deferred if key in self._pinned else self._free).append(slot)
+
+    def budget_changed(self, budget: int) -> None:
+        """The cache's budget changed (its entries already fit it): stacks larger than it are reallocated to it,
+        so that the device memory follows the budget. The kept experts wait on the host meanwhile (the budget
+        shrinks where the device lacks room: old and new stacks side by side might not fit)."""
+        capacity = min(budget // self.slot_bytes, self.layers * self.experts)
+        if self.gate_up is None or capacity >= self.capacity:
+            return  # (a larger budget is used as it is: the stacks do not grow)
+        kept = list(self._slots.items())
+        index = torch.tensor([slot for _, slot in kept], dtype=torch.long, device=self.device)
+        gate_up, down = self.gate_up.index_select(0, index).cpu(), self.down.index_select(0, index).cpu()
+        for key, _ in kept:  # the cache's views of the old stacks go with them
+            self.cache.replace(key, None)
+        self.release()
+        self.slot_of.fill_(-1)
+        if capacity <= 0:
+            return
+        self._allocate(capacity)
+        self.gate_up[:len(kept)].copy_(gate_up)
+        self.down[:len(kept)].copy_(down)
+        for new, (key, _) in enumerate(kept):
+            self.slot_of[key] = new
+            self._slots[key] = new
+            self._pooled[key[0]] += 1
+            self.cache.replace(key, self.weights(new))
+        self._free = [s for s in self._free if s >= len(kept)]
+
+    @contextlib.contextmanager
+    def pinned(self, layer: int, experts: Iterable[int]):
+        """While the block runs, a slot of these experts is not reused even if the cache evicts them."""
+        self._pinned = {(layer, e) for e in experts}
+        try:
+            yield
+        finally:
+            self._pinned = set()
+            self._free.extend(self._deferred)
+            self._deferred.clear()
+
+    # --- a layer's routed work ---------------------------------------------------------------------------------
+    def routed(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+               graphed: bool = True) -> torch.Tensor:
+        """The routed experts of B rows summed ([B, H] float32): x [B, H] (the FFN input), experts [B, k] the
+        chosen ids and weights [B, k] their routing weights, all on the device; every chosen expert must be
+        pooled. A CUDA graph per (layer, B) where `graphed` (not inside another capture) and the graphs are on."""
+        x = x.to(self.dtype)
+        if not graphed:
+            return self._routed(layer, x, experts, weights)
+        return self.graphs.run(("routed", layer, x.shape[0]), functools.partial(self._routed, layer), x, experts,
+                               weights)
+
+    def _routed(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        rows, top_k = experts.shape
+        experts, by_id = experts.sort(dim=1)  # each row's terms summed in ascending expert id
+        weights = weights.gather(1, by_id)
+        slots = self.slot_of[layer].index_select(0, experts.reshape(-1))  # [P] pairs
+        order = torch.argsort(slots, stable=True)
+        ends = torch.searchsorted(slots.index_select(0, order), self._slot_ids, right=True).to(torch.int32)
+        pairs = x.index_select(0, order // top_k)  # [P, H] sorted by slot
+        both = grouped_matmul(pairs, self.gate_up.transpose(1, 2), None, ends)
+        hidden = clamped_swiglu(both[:, :self.inter], both[:, self.inter:], self.swiglu_limit)
+        out = grouped_matmul(hidden, self.down.transpose(1, 2), None, ends)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        terms = out.index_select(0, back).view(rows, top_k, -1)
+        acc = torch.zeros(rows, terms.shape[2], dtype=torch.float32, device=x.device)
+        for j in range(top_k):
+            acc.addcmul_(terms[:, j].float(), weights[:, j, None].float())
+        return acc
+
+    def release(self) -> None:
+        """The stacks freed (the table's host mirror emptied; the caller empties the cache)."""
+        self.gate_up = self.down = None
+        self.capacity, self._free = 0, []
+        self._slots.clear()
+        self._pooled = [0] * self.layers
+        self.graphs.clear()
+
+
+def _columns_in_order(w: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """w whose column j holds logical column order[j], with its columns put in logical order."""
+    out = torch.empty_like(w)
+    out[:, order.to(w.device)] = w
+    return out
+
+
+def container_pool(cache, blocks, cfg, dtype: torch.dtype, device: torch.device,
+                   graphs: bool | None = None) -> ExpertPool | None:
+    """The pool for a container's routed experts, or None where they do not stack (experts of other shapes, or
+    layers with other counts) or torch's grouped GEMM does not take them here."""
+    shapes, counts = set(), {len(b.experts) for b in blocks}
+    for block in blocks:
+        for region in block.experts:
+            by_kind = {t.name.rsplit(".", 2)[-2]: tuple(t.shape) for t in region.tensors if t.name.endswith(".weight")}
+            shapes.add((by_kind.get("w1"), by_kind.get("w3"), by_kind.get("w2")))
+    if len(shapes) != 1 or len(counts) != 1:
+        return None
+    w1, w3, w2 = shapes.pop()
+    if w1 is None or len(w1) != 2 or w3 != w1 or w2 != w1[::-1]:
+        return None
+    inter, hidden = w1
+    if not pool_usable(dtype, device, inter, hidden):
+        return None
+    return ExpertPool(cache, len(blocks), counts.pop(), inter, hidden, dtype, device, cfg.swiglu_limit, graphs)

@@ -1,0 +1,378 @@
+"""Decode steps of several sequences over model.py's functions (the path off the CPU's compiled layers), and the
+device expert pool (runtime/device_decode.py): each row equals its sequence stepped alone, the pool equals the
+per-expert path, with and without misses, and asks the host nothing where every expert is pooled."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from moepack.packer.convert import convert_checkpoint
+from moepack.runtime import generate as generate_module
+from moepack.runtime.decode import Decoder
+from moepack.runtime.engine import PrefillOptions
+from moepack.runtime.generate import Generator
+from moepack.runtime.token_layer import TokenLayers
+from containers import tiny_keep_container, tiny_policy_containers
+from v4_models import CONFIGS, saved_model
+
+PROMPTS = (5, 17, 33)  # different lengths: each sequence's KV its own
+
+
+@pytest.fixture(scope="module")
+def containers(tmp_path_factory):
+    """A (5 layers, 2 hash layers, 8 experts top-2) and B (16 experts top-4, one hash layer), float32 experts; and
+    the tiny synthetic model in the release layout, its FP4 experts kept, and converted to MXFP4."""
+    base = tmp_path_factory.mktemp("device-decode")
+    out = {}
+    for i, name in enumerate(("A", "B")):
+        saved_model(CONFIGS[name], 300 + i, str(base / name))
+        out[name] = str(base / f"{name}.moepack")
+        convert_checkpoint(str(base / name), out[name], progress=False)
+    out["tiny-fp4"] = tiny_keep_container(tmp_path_factory)
+    out["tiny-mxfp4"] = tiny_policy_containers(base / "mxfp4", ["fp4"], seed=3)["fp4"]  # (pair-ordered columns)
+    return out
+
+
+@pytest.fixture
+def generator(monkeypatch):
+    """generator(container, compute_dtype=, cache_gib=, **Decoder keywords): a Generator whose decoder runs
+    model.py's functions (TokenLayers off), built with those keywords."""
+    monkeypatch.setattr(TokenLayers, "make", classmethod(lambda cls, *a: None))
+
+    def make(container, compute_dtype="float32", cache_gib=1.0, device="cpu", **decoder):
+        monkeypatch.setattr(generate_module, "Decoder", functools.partial(Decoder, **decoder))
+        g = Generator(container, cache_gib=cache_gib,
+                      prefill=PrefillOptions(compute_dtype=compute_dtype, device=device))
+        assert g.decoder.layers is None
+        return g
+    return make
+
+
+def _prompt(n: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefilled(g: Generator, lengths=PROMPTS) -> list[tuple[torch.Tensor, list, int]]:
+    """(prompt, KV states, first greedy token) for a prompt of each length."""
+    out = []
+    for n in lengths:
+        ids = _prompt(n, g.cfg.vocab_size, seed=n)
+        logits, states, *_ = g._prefill(ids, None, 8)
+        out.append((ids, states, int(logits.argmax())))
+    return out
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _batched_against_solo(g: Generator, steps: int, tol: float) -> list[list[int]]:
+    """Greedy steps of every prompt together and of each alone: the same tokens, logits within `tol` (relative).
+    The tokens of each row."""
+    d = g.decoder
+    prefilled = _prefilled(g)
+    together = [d.start(states) for _, states, _ in prefilled]
+    alone = [d.start(states) for _, states, _ in prefilled]
+    tokens = [[first] for *_, first in prefilled]
+    for _ in range(steps):
+        batch = d.step_batch(together, [t[-1] for t in tokens])
+        assert batch.shape == (len(prefilled), g.cfg.vocab_size) and batch.dtype == torch.float32
+        for b, seq in enumerate(alone):
+            solo = d.step_batch([seq], [tokens[b][-1]])[0]
+            assert _relative(batch[b], solo) < tol
+            assert int(batch[b].argmax()) == int(solo.argmax())
+            tokens[b].append(int(solo.argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_a_batched_step_equals_each_sequence_stepped_alone(containers, generator, name):
+    """B = 3 prompts of different lengths (hash layers among the layers) stepped together: each row's greedy
+    tokens and logits (to float32 rounding) are its sequence's stepped alone (B = 1), and B = 1's logits are the
+    prefill's over the prompt with the token appended."""
+    with generator(containers[name]) as g:
+        d = g.decoder
+        tokens = _batched_against_solo(g, steps=4, tol=1e-5)
+        assert d.stats.steps == 4 * (1 + len(PROMPTS))
+        ids, states, first = _prefilled(g, lengths=(17,))[0]
+        stepped = d.step_batch([d.start(states)], [first])[0]
+        whole = g._prefill(torch.cat([ids, torch.tensor([first])]), None, 8)[0]
+        assert _relative(stepped, whole) < 1e-4 and int(stepped.argmax()) == int(whole.argmax())
+    assert all(len(t) == 5 for t in tokens)
+
+
+def test_a_batched_bfloat16_step_equals_each_sequence_stepped_alone(containers, generator):
+    with generator(containers["A"], compute_dtype="bfloat16") as g:
+        assert g.decoder.dense[0]["attn.wq_b.weight"].dtype == torch.bfloat16
+        _batched_against_solo(g, steps=3, tol=2e-2)
+
+
+def test_a_batched_step_of_decoded_experts_equals_each_alone(containers, generator):
+    """The per-expert path over a cache of decoded experts (a GPU's, without the pool), rows together and alone."""
+    with generator(containers["B"], decoded_experts=True, expert_pool=False) as g:
+        assert g.decoder.pool is None
+        _batched_against_solo(g, steps=3, tol=1e-5)
+
+
+def test_a_step_names_two_rows_of_one_sequence_or_unequal_counts(containers, generator):
+    with generator(containers["A"]) as g:
+        d = g.decoder
+        (_, states, first), = _prefilled(g, lengths=(5,))
+        seq = d.start(states)
+        with pytest.raises(ValueError):
+            d.step_batch([seq, seq], [first, first])
+        with pytest.raises(ValueError):
+            d.step_batch([seq], [first, first])
+
+
+# --- the expert pool ---------------------------------------------------------------------------------------------
+
+def _all_experts(d: Decoder) -> list[list[int]]:
+    return [[1] * len(block.experts) for block in d.blocks]
+
+
+def _routed_bytes(d: Decoder) -> int:
+    return sum(d._entry_bytes(layer, e) for layer, b in enumerate(d.blocks) for e in range(len(b.experts)))
+
+
+def _greedy_rows(g: Generator, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy steps of every prompt together: each row's tokens, and each step's logits."""
+    d = g.decoder
+    prefilled = _prefilled(g)
+    seqs = [d.start(states) for _, states, _ in prefilled]
+    tokens, seen = [[first] for *_, first in prefilled], []
+    for _ in range(steps):
+        logits = d.step_batch(seqs, [t[-1] for t in tokens])
+        seen.append(logits)
+        for b, row in enumerate(logits):
+            tokens[b].append(int(row.argmax()))
+    return tokens, seen
+
+
+def _assert_table_consistent(d: Decoder) -> None:
+    """The pool's device table, its host mirror and the cache agree; each slot holds its expert's weights."""
+    pool, cache = d.pool, d.cache
+    table = pool.slot_of.cpu()
+    pooled = {(layer, e): int(table[layer, e]) for layer, e in zip(*torch.nonzero(table >= 0, as_tuple=True))}
+    pooled = {(int(layer), int(e)): s for (layer, e), s in pooled.items()}
+    assert pooled == pool._slots
+    assert set(pooled) == set(cache._entries)  # every entry a slot, every slot an entry
+    assert len(set(pooled.values())) == len(pooled)  # no slot twice
+    assert sorted([*pooled.values(), *pool._free]) == list(range(pool.capacity))
+    assert cache.bytes == len(pooled) * pool.slot_bytes <= cache.budget
+    for layer in range(len(d.blocks)):
+        assert pool.complete(layer) == (sum(1 for key in pooled if key[0] == layer) == len(d.blocks[layer].experts))
+    for (layer, e), slot in list(pooled.items())[:6]:  # the slot's weights are the expert's, decoded afresh
+        region = d.blocks[layer].experts[e]
+        w = d.experts.expert_weights(d.blocks[layer], region, d._read_region(region), region.offset)
+        if w.input_order is None and w.hidden_order is None:
+            assert torch.equal(pool.gate_up[slot], torch.cat([w.w1, w.w3]))
+            assert torch.equal(pool.down[slot], w.w2)
+        else:  # MXFP4's pair-ordered columns, put in order in the slot: the same expert
+            x = torch.randn(3, pool.hidden, generator=torch.Generator().manual_seed(slot)).to(pool.dtype)
+            assert torch.allclose(pool.weights(slot).apply(d.cfg, x), w.apply(d.cfg, x), rtol=1e-5, atol=1e-6)
+        assert cache._entries[(layer, e)].w1.data_ptr() == pool.gate_up[slot].data_ptr()
+
+
+@pytest.mark.parametrize("name", ["A", "B", "tiny-fp4", "tiny-mxfp4"])
+def test_a_complete_pool_steps_like_the_per_expert_path_without_asking_the_host(containers, generator, name):
+    """Every expert pooled: the same greedy tokens as the per-expert path over the same decoded experts, logits to
+    float32 rounding, no synchronisation of the routed work (the host never looked at a choice), each layer's
+    choices still counted as hits."""
+    results, hits = {}, {}
+    for pooled in (False, True):
+        with generator(containers[name], decoded_experts=True, expert_pool=pooled) as g:
+            d = g.decoder
+            d.seed(_all_experts(d))
+            if pooled:
+                assert d.pool is not None and all(d.pool.complete(layer) for layer in range(len(d.blocks)))
+            results[pooled] = _greedy_rows(g, steps=4)
+            hits[pooled] = d.cache.hits
+            assert d.cache.misses == 0 and d.stats.bytes_read == 0
+            if pooled:
+                assert d.pool.syncs == 0 and d.pool.calls == 4 * len(d.blocks)
+                _assert_table_consistent(d)
+    assert results[True][0] == results[False][0]
+    assert hits[True] == hits[False] > 0  # each step's distinct (layer, expert) counted once, as a lookup counts
+    for a, b in zip(results[True][1], results[False][1]):
+        assert _relative(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_a_pool_too_small_for_every_expert_evicts_and_steps_like_the_per_expert_path(containers, generator, name):
+    """A pool for 40 % of the experts: misses read and decoded into free slots (the least recently used evicted),
+    one synchronisation per layer and step at most, the cache's counts truthful, the table consistent; the same
+    greedy tokens as the per-expert path."""
+    results = {}
+    for pooled in (False, True):
+        with generator(containers[name], decoded_experts=True, expert_pool=pooled, cache_gib=0.0) as g:
+            d = g.decoder
+            d.cache.resize(int(0.4 * _routed_bytes(d)))
+            if pooled:
+                d.cache.store = d.pool
+            results[pooled] = _greedy_rows(g, steps=5)
+            if pooled:
+                cache, pool = d.cache, d.pool
+                assert pool.capacity == cache.budget // pool.slot_bytes
+                assert cache.misses > 0 and cache.hits > 0 and cache.evicted > 0 and cache.admitted > 0
+                layer_steps = 5 * len(d.blocks)
+                assert 0 < pool.syncs <= layer_steps
+                assert pool.calls == layer_steps  # every miss decoded into a slot: no layer ran expert by expert
+                stats = d.stats_dict()
+                assert stats["cache_experts"] == len(pool._slots) and stats["cache_bytes"] == cache.bytes
+                assert stats["bytes_read"] > 0
+                _assert_table_consistent(d)
+                # a smaller budget: the stacks shrink, the kept experts move, the table follows
+                cache.resize(cache.budget // 2)
+                assert pool.capacity == cache.budget // pool.slot_bytes
+                _assert_table_consistent(d)
+                results["shrunk"] = _greedy_rows(g, steps=5)
+                _assert_table_consistent(d)
+                cache.resize(0)  # no pool left: every layer reads its experts and runs them one by one
+                assert pool.capacity == 0 and pool.gate_up is None and not len(cache)
+                assert bool((pool.slot_of < 0).all())
+                results["none"] = _greedy_rows(g, steps=2)
+                assert pool.calls == 2 * layer_steps  # (none since)
+    assert results[True][0] == results[False][0] == results["shrunk"][0]
+    assert [row[:3] for row in results[False][0]] == results["none"][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert _relative(a, b) < 1e-5
+
+
+def test_a_pool_in_bfloat16_steps_like_the_per_expert_path(containers, generator):
+    results = {}
+    for pooled in (False, True):
+        with generator(containers["A"], compute_dtype="bfloat16", decoded_experts=True, expert_pool=pooled) as g:
+            d = g.decoder
+            assert d.experts.expert_dtype == torch.bfloat16
+            d.seed(_all_experts(d))
+            results[pooled] = _greedy_rows(g, steps=3)
+            assert not pooled or d.pool.syncs == 0
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert _relative(a, b) < 2e-2
+
+
+def test_a_pooled_layer_whose_output_is_not_finite_is_named_after_the_step(containers, generator):
+    """The pool's layers are checked finite after the step's logits (no synchronisation per layer): the first
+    layer that is not finite is named, as model.check_finite names it."""
+    from moepack.format_spec.errors import MoepackError
+
+    with generator(containers["A"], decoded_experts=True, expert_pool=True) as g:
+        d = g.decoder
+        d.seed(_all_experts(d))
+        (_, states, first), = _prefilled(g, lengths=(9,))
+        for e in range(len(d.blocks[2].experts)):
+            d.pool.gate_up[d.pool.slot(2, e)] = float("nan")
+        with pytest.raises(MoepackError, match="^layer 2: its output is not finite"):
+            d.step_batch([d.start(states)], [first])
+
+
+class _StaticBuffers:
+    """device_decode.CapturedCall's contract on a CPU: the inputs copied into static tensors, the piece run twice
+    at capture, its outputs static tensors overwritten at each call (what a replayed graph does)."""
+
+    def __init__(self, fn, inputs):
+        self.fn, self.inputs = fn, tuple(t.clone() for t in inputs)
+        fn(*self.inputs)
+        out = fn(*self.inputs)
+        self.output = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+
+    def __call__(self, *args):
+        for static, arg in zip(self.inputs, args):
+            static.copy_(arg)
+        out = self.fn(*self.inputs)
+        for static, new in zip(*((self.output, out) if isinstance(out, tuple) else ((self.output,), (out,)))):
+            static.copy_(new)
+        return self.output
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.4], ids=["complete", "misses"])
+def test_the_step_through_static_buffers_as_cuda_graphs_replay_them_equals_eager(containers, generator, monkeypatch,
+                                                                                  fraction):
+    """The Decoder's use of StepGraphs on a CPU, each piece behind static inputs and outputs as a CUDA graph
+    keeps them: every output is used before its piece runs again, so the tokens and logits are the eager ones
+    (every expert pooled: two pieces a layer; with misses: the attention's entry and the routed work)."""
+    from moepack.runtime import device_decode
+
+    results = {}
+    for graphs in (False, True):
+        with generator(containers["A"], decoded_experts=True, expert_pool=True) as g:
+            d = g.decoder
+            d.cache.resize(int(fraction * _routed_bytes(d)))
+            d.seed(_all_experts(d))
+            if graphs:
+                monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
+                d.pool.graphs.enabled = True
+            results[graphs] = _greedy_rows(g, steps=4)
+            assert d.pool.graphs.replays == (2 * 4 * len(d.blocks) if graphs else 0)
+            assert (d.pool.syncs == 0) == (fraction == 1.0)
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert torch.equal(a, b)
+
+
+def test_the_pool_is_refused_without_decoded_experts(containers):
+    from moepack.format_spec.reader import Container
+    from moepack.runtime.engine import model_config
+
+    with Container(containers["A"]) as c, pytest.raises(ValueError, match="decoded"):
+        Decoder(c, model_config(c), torch.device("cpu"), 1 << 20, decoded_experts=False, expert_pool=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_the_pools_routed_work_is_a_replayed_graph_equal_to_eager(containers, generator):
+    """On a GPU (bf16 experts, the pool by default): each layer's fixed-shape work (its attention's mHC entry, its
+    FFN with the routed experts over the pool) captured once per B and replayed, no synchronisation with every
+    expert pooled; the same tokens as the eager pool, logits to bf16 rounding of the
+    per-expert path's."""
+    results = {}
+    for mode in ("graphs", "eager", "per-expert"):
+        pool = {"expert_pool": False} if mode == "per-expert" else {}
+        with generator(containers["A"], compute_dtype="bfloat16", device="cuda", **pool) as g:
+            d = g.decoder
+            assert d.device.type == "cuda" and (d.pool is not None) == (mode != "per-expert")
+            if d.pool is not None:
+                d.pool.graphs.enabled = mode == "graphs"
+            d.seed(_all_experts(d))
+            results[mode] = _greedy_rows(g, steps=4)
+            if d.pool is not None:  # each layer: its attention's entry, then its FFN, each one graph
+                assert d.pool.syncs == 0 and d.pool.calls == 4 * len(d.blocks)
+                assert d.pool.graphs.replays == (2 * d.pool.calls if mode == "graphs" else 0)
+    assert results["graphs"][0] == results["eager"][0]
+    for a, b in zip(results["graphs"][1], results["eager"][1]):
+        assert _relative(a, b) < 1e-6
+    for a, b in zip(results["graphs"][1], results["per-expert"][1]):
+        assert _relative(a, b) < 2e-2
+
+
+def test_the_gpu_decode_benchmark_runs_on_a_cpu(tmp_path):
+    """benchmarks/gpu_decode.py's dry run: both paths at B = 1 and 2, every expert pooled (no sync), the bytes a
+    token reads at B = 1 the resident weights plus top-k experts per layer, a bandwidth fraction against the copy
+    rate it measured."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_decode.py")
+    done = subprocess.run([sys.executable, script, "--device", "cpu", "--preset", "tiny", "--batch", "1,2",
+                           "--steps", "2", "--warmup", "1", "--tokens", "8", "--copy-gib", "0.01",
+                           "--workdir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    shape, rows = report["shape"], report["rows"]
+    assert report["hbm_gbps"] > 0 and report["goal_met"] is None  # a goal for the GPU only
+    assert [(r["path"], r["batch"]) for r in rows] == [("pool", 1), ("per-expert", 1), ("pool", 2), ("per-expert", 2)]
+    expert_bytes = 3 * shape["hidden"] * shape["inter"] * 2  # bf16
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and 0 < r["bandwidth_fraction"] < 1 and r["cache_misses"] == 0
+        assert r["syncs"] == (0 if r["path"] == "pool" else None)
+        assert 0 < r["experts_per_step"] <= r["batch"] * shape["layers"] * shape["top_k"]
+        assert r["step_bytes"] == shape["resident_bytes"] + int(r["experts_per_step"] * expert_bytes)
+        assert r["bytes_per_token"] == r["step_bytes"] // r["batch"]
+    one = rows[0]
+    assert one["experts_per_step"] <= shape["layers"] * shape["top_k"]
