@@ -186,9 +186,15 @@ class Generator:
         if self.default_budget is not None:
             self._fit_default_cache(n_tokens, other_kv)
         if self.device.type == "cuda":
-            check_device_memory(self.c, self.device, self.cache_bytes - self.decoder.cache.bytes, n_tokens,
+            check_device_memory(self.c, self.device, max(0, self.cache_bytes - self._device_cache_held()), n_tokens,
                                 resident=False, other_kv=other_kv)
         return check_memory(self.c, n_tokens, self.host_cache_bytes, self._held(), other_kv)
+
+    def _device_cache_held(self) -> int:
+        """What the cache holds already of the device's memory: its entries, or the expert pool's stacks, which
+        take their whole capacity at the first expert kept (cuda_free_bytes no longer counts them)."""
+        pool = self.decoder.pool
+        return max(self.decoder.cache.bytes, pool.reserved_bytes if pool is not None else 0)
 
     def _held(self) -> int:
         """What this process holds already of a generation's host memory: the resident weights and the cache."""
@@ -199,7 +205,7 @@ class Generator:
         (clamped at 0), at most default_cache_bytes."""
         cache = self.decoder.cache
         if self.device.type == "cuda":
-            room = cache.bytes + cuda_free_bytes(self.device) - device_memory_need(self.c, 0, n_tokens, False,
+            room = self._device_cache_held() + cuda_free_bytes(self.device) - device_memory_need(self.c, 0, n_tokens, False,
                                                                                    other_kv)
         else:
             free = memory_for_generation(self._held())
