@@ -205,8 +205,8 @@ class Generator:
         (clamped at 0), at most default_cache_bytes."""
         cache = self.decoder.cache
         if self.device.type == "cuda":
-            room = self._device_cache_held() + cuda_free_bytes(self.device) - device_memory_need(self.c, 0, n_tokens, False,
-                                                                                   other_kv)
+            need = device_memory_need(self.c, 0, n_tokens, False, other_kv)
+            room = self._device_cache_held() + cuda_free_bytes(self.device) - need
         else:
             free = memory_for_generation(self._held())
             room = free - memory_need(self.c, n_tokens, 0, other_kv) if free else self.default_budget
