@@ -247,6 +247,7 @@ def verify(file, source, revision, as_json):
     from moepack.format_spec.verify import verify_container
     from moepack.packer.progress import progress_bar
 
+    from moepack.families import container_problem
     from moepack.runtime.engine import model_config
     from moepack.v4.config import unsupported
 
@@ -255,8 +256,14 @@ def verify(file, source, revision, as_json):
     check_container_path(file)
     with Container(file) as c:
         total = c.total_bytes
-        model_config(c, computable=False)
-        refused = unsupported(c.config)
+        family, problem = container_problem(c)
+        if problem:
+            raise MoepackError(f"{c.path}: {problem}")
+        if family is None:
+            model_config(c, computable=False)
+        refused = (unsupported(c.config) if family is None else
+                   f"the runtime does not yet run {family.name} containers (convert, verify, inspect, plan and "
+                   "export do)")
     with progress_bar(total, "verify", not as_json) as bar:
         result = verify_container(file, on_bytes=bar.update).as_dict()
     result["prefill"] = f"refused: {refused}" if refused else "ok"

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from moepack.format_spec.adapter import Adapter
+
 # A tensor's role says how a runtime treats it (where it is read, whether a policy may quantize it).
 ROLE_EMBED = "embed"
 ROLE_HEAD = "head"
@@ -104,6 +106,7 @@ class ModelFamily(Protocol):
     architectures: tuple[str, ...]  # config.json `architectures` it accepts
     model_types: tuple[str, ...]  # config.json `model_type` it accepts
     expert_naming: ExpertNaming
+    adapter: Adapter  # its checkpoint's names onto the container's read order (what `moepack convert` writes)
 
     def parse_config(self, raw: Mapping[str, Any]) -> Any:
         """The config.json as this family reads it; a bad field is a one-line MoepackError naming it."""

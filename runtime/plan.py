@@ -36,7 +36,7 @@ from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.layout import (ALIGNMENT, HEADER_SIZE, SCALE_SUFFIXES, TENSOR_ALIGNMENT, TENSOR_SCALE_SUFFIX,
                                         align_up)
 from moepack.format_spec.policies import POLICY_NAMES, target_type
-from moepack.v4.arch import adapter_for
+from moepack.families import adapter_for
 from moepack.v4.config import CSA, HCA, ModelConfig, quant_method
 
 GB = 1e9

@@ -7,7 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from moepack.format_spec.adapter import Adapter
+
 from ..base import ExpertNaming, MoeShape, TensorSpec, chat_template_from_tokenizer_config
+from .adapter import QWEN3_MOE
 from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
 from .tensors import EXPERT_NAMING, tensor_specs
 
@@ -19,6 +22,7 @@ class Qwen3MoeFamily:
     architectures = (ARCHITECTURE,)
     model_types = (MODEL_TYPE,)
     expert_naming: ExpertNaming = EXPERT_NAMING
+    adapter: Adapter = QWEN3_MOE
 
     def parse_config(self, raw: Mapping[str, Any]) -> Qwen3MoeConfig:
         return Qwen3MoeConfig.from_hf(raw)

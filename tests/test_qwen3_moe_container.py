@@ -1,0 +1,257 @@
+"""Qwen3-MoE through the container tools: `moepack convert` (a directory, a hub id; bf16 and the `-FP8` layout),
+`verify`, `inspect`, the round trip (the container's tensors decoded equal the checkpoint's, and the family's
+forward over them gives transformers' logits), with DeepSeek-V4's conversions pinned byte for byte."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from moepack.cli.main import cli
+from moepack.families.qwen3_moe.config import Qwen3MoeConfig
+from moepack.families.qwen3_moe.model import forward
+from moepack.families.qwen3_moe.tensors import EXPERT_NAMING, Checkpoint, load_checkpoint, tensor_specs
+from moepack.format_spec.decode import decode_group, entry_bytes
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.reader import Container
+from moepack.format_spec.verify import verify_container
+from moepack.packer.convert import convert_checkpoint
+from moepack.packer.source import CheckpointDir
+from moepack.packer.synth import synth_checkpoint
+
+transformers = pytest.importorskip("transformers")
+from test_qwen3_moe import (CONFIGS, PROMPT, fp8_release, reference, reference_logits, save_model,  # noqa: E402
+                            save_widened)
+
+
+def container_checkpoint(path) -> Checkpoint:
+    """Every tensor of a Qwen3-MoE container decoded to float32 (scales folded in), as the family's Checkpoint."""
+    tensors = {}
+    with Container(path) as c:
+        for region in c.regions:
+            raw = torch.frombuffer(bytearray(c.pread(region.offset, region.length, region.part)), dtype=torch.uint8)
+            tensors.update(decode_group(region.tensors, entry_bytes(raw, region.offset)))
+        return Checkpoint(Qwen3MoeConfig.from_hf(c.config), c.config, tensors)
+
+
+def index_digest(path) -> str:
+    """sha256 of what a conversion decides (architecture, config, policy, every region's and tensor's place, type
+    and xxh3); the provenance (paths, times) left out."""
+    with Container(path) as c:
+        kept = {k: c.index[k] for k in ("architecture", "config", "policy", "regions", "tensors")}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def synth_dirs(tmp_path_factory):
+    """`synth --family qwen3-moe --preset tiny`: {layout: directory} for the -FP8 release layout and bf16."""
+    base = tmp_path_factory.mktemp("qwen3-synth")
+    out = {}
+    for layout in ("release", "bf16"):
+        out[layout] = base / layout
+        synth_checkpoint(str(out[layout]), preset="tiny", layout=layout, seed=2, progress=False, family="qwen3-moe")
+    return out
+
+
+@pytest.fixture(scope="module")
+def keep_containers(synth_dirs, tmp_path_factory):
+    base = tmp_path_factory.mktemp("qwen3-keep")
+    out = {}
+    for layout, src in synth_dirs.items():
+        out[layout] = str(base / f"{layout}.moepack")
+        convert_checkpoint(str(src), out[layout], policy="keep", progress=False)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ DeepSeek-V4 unchanged
+
+# index_digest of `synth --preset tiny --layout release --seed 3` converted, before the converter asked the families
+V4_DIGESTS = {"keep": "be3970fb1276fb896997ea094deceacf356e389198f101def0abd429e501501c",
+              "fp4": "a098c35e749b05c061907b7dcd3814458942b9597581847398700e052cf3cc51",
+              "q2": "7f1b8dbd4d8f70b34252b5a76df69cb79921a81d3aff962dcd9645686294521e"}
+
+
+def test_deepseek_v4_conversions_are_byte_identical(tmp_path):
+    synth_checkpoint(str(tmp_path / "src"), preset="tiny", layout="release", seed=3, progress=False)
+    for policy, digest in V4_DIGESTS.items():
+        out = str(tmp_path / f"{policy}.moepack")
+        convert_checkpoint(str(tmp_path / "src"), out, policy=policy, progress=False)
+        assert index_digest(out) == digest, policy
+
+
+# ------------------------------------------------------------------------------------------ convert
+
+
+@pytest.mark.parametrize("layout", ["release", "bf16"])
+def test_keep_stores_every_source_tensor_bit_exact_in_read_order(synth_dirs, keep_containers, layout):
+    src = CheckpointDir(str(synth_dirs[layout]))
+    config = Qwen3MoeConfig.from_hf(src.config)
+    with Container(keep_containers[layout]) as c:
+        assert c.architecture == "qwen3_moe" and c.config == src.config
+        renamed = {n.replace(".weight_scale_inv", ".scale"): n for n in src.tensors}
+        assert set(c.tensors) == set(renamed)
+        for name, t in c.tensors.items():
+            source = src.tensors[renamed[name]]
+            assert c.tensor_bytes(name) == src.read(source) and t.dtype == source.dtype, name
+        assert [r.name for r in c.global_regions] == ["global.model.embed_tokens.weight", "global.lm_head.weight",
+                                                       "global.model.norm.weight"]
+        assert len(c.layers) == config.num_layers
+        for block in c.layers:
+            assert not any(".mlp.experts." in t.name for t in block.dense.tensors)
+            assert [r.expert for r in block.experts] == list(range(config.num_experts))
+            for region in block.experts:  # one region per expert: gate, up, down (each with its scale)
+                names = EXPERT_NAMING.names(block.number, region.expert)
+                weights = [t.name for t in region.tensors if t.name.endswith(".weight")]
+                assert weights == [names["gate"], names["up"], names["down"]]
+                assert len(region.tensors) == (6 if layout == "release" else 3)
+    src.close()
+    verify_container(keep_containers[layout])
+
+
+def test_the_fp8_layout_decodes_to_the_loaders_values(synth_dirs, keep_containers):
+    with Container(keep_containers["release"]) as c:
+        assert c.tensors["model.layers.0.self_attn.q_proj.weight"].dtype == "F8_E4M3"
+        assert c.tensors["model.layers.0.self_attn.q_proj.scale"].dtype == "BF16"
+        assert c.tensors["model.layers.0.mlp.gate.weight"].dtype == "BF16"  # the router stays as released
+    ours, theirs = container_checkpoint(keep_containers["release"]), load_checkpoint(synth_dirs["release"])
+    assert set(ours.tensors) == set(theirs.tensors)
+    for name, value in theirs.tensors.items():
+        assert torch.equal(ours.tensors[name], value), name
+
+
+@pytest.mark.parametrize("policy", ["bf16", "q8", "fp4", "q2"])
+def test_every_policy_converts_and_verifies(synth_dirs, tmp_path, policy):
+    """A policy quantizes the linears it names (the routed experts, the attention), never the router or norms."""
+    out = str(tmp_path / f"{policy}.moepack")
+    convert_checkpoint(str(synth_dirs["release"]), out, policy=policy, progress=False)
+    verify_container(out)
+    with Container(out) as c:
+        assert c.tensors["model.layers.1.mlp.gate.weight"].dtype == "BF16"
+        assert c.tensors["model.layers.1.input_layernorm.weight"].dtype == "BF16"
+        expert = c.tensors[EXPERT_NAMING.names(1, 3)["down"]].dtype
+        assert expert == {"bf16": "BF16", "q8": "Q8_0", "fp4": "MXFP4", "q2": "Q2_K"}[policy]
+    decoded = container_checkpoint(out).tensors
+    source = load_checkpoint(synth_dirs["release"]).tensors
+    for name, value in source.items():  # lossless for bf16, within the type's error else
+        err = (decoded[name] - value).norm() / value.norm()
+        assert err <= {"bf16": 0.0, "q8": 0.01, "fp4": 0.2, "q2": 0.45}[policy], (name, float(err))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t, c: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"),
+     "tensor model.layers.1.mlp.experts.3.up_proj.weight is missing (the config implies [256, 256])"),
+    (lambda t, c: [t.pop(n) for n in EXPERT_NAMING.names(1, 7).values()], "layers.1 holds 7 experts, the config "
+                                                                          "implies 8"),
+    (lambda t, c: t.pop("model.layers.2.self_attn.k_norm.weight"), "tensor model.layers.2.self_attn.k_norm.weight "
+                                                                   "is missing"),
+    (lambda t, c: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2, 2)}),
+     "tensor model.layers.0.mlp.extra.weight is not one a qwen3-moe config implies"),
+    (lambda t, c: c.update(num_experts=4), "layers.0 holds 8 experts, the config implies 4"),
+    (lambda t, c: c.update(num_experts_per_tok=0), "config.json is not a usable qwen3-moe config"),
+])
+def test_a_checkpoint_unlike_its_config_is_refused_before_writing(synth_dirs, tmp_path, damage, message):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    tensors = {}
+    for f in sorted(synth_dirs["bf16"].glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    config = json.loads((synth_dirs["bf16"] / "config.json").read_text())
+    damage(tensors, config)
+    save_file(tensors, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MoepackError) as e:
+        convert_checkpoint(str(src), str(tmp_path / "out.moepack"), policy="keep", progress=False)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not list(tmp_path.glob("out.moepack*"))
+
+
+# ------------------------------------------------------------------------------------------ the round trip
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_family_forward_over_the_container_gives_transformers_logits(tmp_path, name):
+    """transformers' random model saved, converted --keep: every tensor reads back equal, and the family's forward
+    over the container's weights gives transformers' logits (dense-MLP layers, tied head and GQA / MHA included)."""
+    model = save_model(tmp_path / "hf", CONFIGS[name], torch.float32)
+    out = str(tmp_path / "m.moepack")
+    convert_checkpoint(str(tmp_path / "hf"), out, policy="keep", progress=False)
+    loaded = container_checkpoint(out)
+    for key, value in load_checkpoint(tmp_path / "hf").tensors.items():
+        assert torch.equal(loaded.tensors[key], value), key
+    torch.testing.assert_close(forward(loaded, PROMPT), reference_logits(model, PROMPT), atol=1e-5, rtol=1e-5)
+
+
+def test_the_fp8_release_layout_round_trips_to_transformers_logits(tmp_path):
+    """An `-FP8` release (F8_E4M3 linears with BF16 weight_scale_inv, not powers of two) converted --keep: the
+    container decodes to the FP8 values, and the forward over them equals transformers' over the same values."""
+    model = save_model(tmp_path / "fp8", {}, torch.float32)
+    values = fp8_release(tmp_path / "fp8")
+    out = str(tmp_path / "fp8.moepack")
+    convert_checkpoint(str(tmp_path / "fp8"), out, policy="keep", progress=False)
+    loaded = container_checkpoint(out)
+    for key, value in values.items():
+        assert torch.equal(loaded.tensors[key], value), key
+    save_widened(model, tmp_path / "fp8", values, tmp_path / "widened")  # transformers over the same values
+    torch.testing.assert_close(forward(loaded, PROMPT), reference_logits(reference(tmp_path / "widened"), PROMPT),
+                               atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ verify, inspect
+
+
+def test_verify_and_inspect_a_qwen3_moe_container(keep_containers, synth_dirs):
+    path = keep_containers["release"]
+    r = CliRunner().invoke(cli, ["verify", path, "--source", str(synth_dirs["release"]), "--json"])
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.output)
+    assert result["source_check"]["ok"] and result["source_check"]["bit_identical"] == result["tensors"]
+    assert result["prefill"].startswith("refused: the runtime does not yet run qwen3-moe")
+    r = CliRunner().invoke(cli, ["inspect", path, "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)
+    assert (s["architecture"], s["model_type"], s["layers"], s["experts_per_layer"]) == ("qwen3_moe", "qwen3_moe",
+                                                                                            4, [8])
+    config = Qwen3MoeConfig.from_hf(json.loads((synth_dirs["release"] / "config.json").read_text()))
+    quantized = [t for t in tensor_specs(config) if t.role in ("attention", "expert", "dense_ffn")]
+    assert s["storage_types"]["F8_E4M3"]["tensors"] == len(quantized)
+
+
+def test_verify_refuses_a_container_missing_a_tensor_its_config_implies(keep_containers, tmp_path):
+    from containers import mutate_index
+
+    bad = str(tmp_path / "bad.moepack")
+    mutate_index(keep_containers["bf16"], bad, lambda index: index["config"].update(num_experts_per_tok=9,
+                                                                                    num_experts=9))
+    r = CliRunner().invoke(cli, ["verify", bad])
+    assert r.exit_code == 1 and "layers.0 holds 8 experts, the config implies 9" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------ the hub
+
+
+def test_convert_a_hub_id(tmp_path, synth_dirs, keep_containers):
+    from test_hub import FakeHub, FakeRepo, hub_env
+
+    files = {p.name: p.read_bytes() for p in synth_dirs["release"].iterdir()}
+    hub = FakeHub()
+    try:
+        hub.add_repo("Qwen/Qwen3-tiny-FP8", FakeRepo({"d" * 40: files}, {"main": "d" * 40}))
+        out = str(tmp_path / "hub.moepack")
+        proc = subprocess.run([sys.executable, "-m", "moepack", "convert", "Qwen/Qwen3-tiny-FP8", "-o", out, "--keep",
+                               "--json"], env=hub_env(tmp_path, hub.url), capture_output=True, text=True, timeout=300)
+    finally:
+        hub.close()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with Container(out) as a, Container(keep_containers["release"]) as b:
+        assert a.architecture == "qwen3_moe" and list(a.tensors) == list(b.tensors)
+        for name in a.tensors:
+            assert a.tensor_bytes(name) == b.tensor_bytes(name), name
