@@ -119,6 +119,21 @@ class ModelFamily(Protocol):
         """Every tensor the config implies, with its shape: what a loader checks a checkpoint against."""
         ...
 
+    def source_tensors(self, raw: Mapping[str, Any]) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+        """Per tensor of the schema (its name), what a release checkpoint of this config.json stores for it:
+        [(name, safetensors dtype, shape)] (a quantized release's weight and its scales): `moepack plan` sizes a
+        conversion from the config alone with it."""
+        ...
+
+    def attention_flops(self, config: Any, n_tokens: int) -> dict[str, float]:
+        """The attention's FLOPs per token of an n_tokens prefill, over the layers (scores and weighted sum):
+        {"window": bounded by a window, "growing": growing with N, "total"}."""
+        ...
+
+    def kv_bytes(self, config: Any, n_tokens: int, element_bytes: int) -> int:
+        """One layer's KV after n_tokens (the largest layer's), at element_bytes per value."""
+        ...
+
     def new_kv(self, config: Any) -> Any:
         """An empty KV state: a prefill fills it, a later token continues it."""
         ...

@@ -255,3 +255,44 @@ def test_convert_a_hub_id(tmp_path, synth_dirs, keep_containers):
         assert a.architecture == "qwen3_moe" and list(a.tensors) == list(b.tensors)
         for name in a.tensors:
             assert a.tensor_bytes(name) == b.tensor_bytes(name), name
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+
+@pytest.mark.parametrize("layout", ["release", "bf16"])
+def test_plan_sizes_a_container_and_its_config_alike(synth_dirs, keep_containers, layout):
+    """`moepack plan` of the container and of the checkpoint's config.json (laid out as convert --keep would) give
+    the same layers, expert and dense bytes; the active weights per token are the schema's."""
+    from moepack.runtime.plan import flops_per_token, sizes_from_config, sizes_from_container
+
+    raw = json.loads((synth_dirs[layout] / "config.json").read_text())
+    config = Qwen3MoeConfig.from_hf(raw)
+    with Container(keep_containers[layout]) as c:
+        ours = sizes_from_container(c)
+        expert_region = c.layers[0].experts[0].length
+        dense_region = c.layers[0].dense.length
+    from_config = sizes_from_config(raw, "keep")
+    assert ours.as_dict()["layers"] == from_config.as_dict()["layers"] == [
+        {"layers": f"0-{config.num_layers - 1}", "count": config.num_layers, "attention": "full", "routing": "topk",
+         "dense_bytes": dense_region, "expert_bytes": expert_region, "experts_bytes": 8 * expert_region,
+         "n_experts": 8}]
+    for field in ("global_bytes", "expert_params", "hidden_size", "top_k", "n_experts", "expert_bpw",
+                  "expert_intermediate"):
+        assert getattr(ours, field) == getattr(from_config, field), field
+    h, i, d = config.hidden_size, config.moe_intermediate_size, config.head_dim
+    assert ours.expert_params == 3 * h * i and ours.top_k == 2
+    attention = h * d * (2 * config.num_heads + 2 * config.num_kv_heads)
+    active = config.num_layers * (attention + 8 * h + config.top_k * 3 * h * i)
+    flops = flops_per_token(raw)
+    assert flops["active_params"] == active and flops["routed"] == 2 * config.num_layers * config.top_k * 3 * h * i
+    assert flops["head"] == 2 * config.vocab_size * h
+
+
+def test_plan_command_on_a_qwen3_moe_container(keep_containers):
+    r = CliRunner().invoke(cli, ["plan", keep_containers["bf16"], "--ssd-gbps", "7", "--tflops", "50",
+                                 "--context", "4K", "--json"])
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.output)
+    assert p["model"]["n_experts"] == 8 and p["model"]["layers"][0]["routing"] == "topk"
+    assert p["rows"][0]["tokens"] == 4096 and p["n_star"]["optimistic"] > 0

@@ -12,7 +12,7 @@ from moepack.format_spec.adapter import Adapter
 from ..base import ExpertNaming, MoeShape, TensorSpec, chat_template_from_tokenizer_config
 from .adapter import QWEN3_MOE
 from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
-from .tensors import EXPERT_NAMING, tensor_specs
+from .tensors import EXPERT_NAMING, fp8_block, release_tensors, tensor_specs
 
 
 class Qwen3MoeFamily:
@@ -32,6 +32,19 @@ class Qwen3MoeFamily:
 
     def tensor_specs(self, config: Qwen3MoeConfig) -> list[TensorSpec]:
         return tensor_specs(config)
+
+    def source_tensors(self, raw: Mapping[str, Any]) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+        config, fp8 = Qwen3MoeConfig.from_hf(raw), fp8_block(raw) is not None
+        return [(spec.name, release_tensors(spec, fp8)) for spec in tensor_specs(config)]
+
+    def attention_flops(self, config: Qwen3MoeConfig, n_tokens: int) -> dict[str, float]:
+        # full causal attention: query t sees t + 1 keys, (N + 1) / 2 on average, in every layer
+        per_key = 4 * config.num_heads * config.head_dim
+        growing = config.num_layers * per_key * (n_tokens + 1) / 2
+        return {"window": 0.0, "growing": growing, "total": growing}
+
+    def kv_bytes(self, config: Qwen3MoeConfig, n_tokens: int, element_bytes: int) -> int:
+        return 2 * n_tokens * config.num_kv_heads * config.head_dim * element_bytes
 
     def new_kv(self, config: Qwen3MoeConfig):
         from .model import KVState
