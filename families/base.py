@@ -88,6 +88,17 @@ class ExpertNaming:
         return {"gate": p + self.gate, "up": p + self.up, "down": p + self.down}
 
 
+@dataclass(frozen=True)
+class GGUFModel:
+    """What a family's model is in llama.cpp: its GGUF architecture, the hyperparameter keys (key, kind, value;
+    kind a gguf-py writer's add_<kind>: uint32, float32, bool, string, array) and the tokenizer's pre-tokenizer
+    name. The tensors' names are the TensorSpecs' `gguf`."""
+
+    architecture: str
+    keys: tuple[tuple[str, str, Any], ...]
+    tokenizer_pre: str
+
+
 @dataclass
 class Routing:
     """The router's choice for N tokens: `experts` [N, k] expert ids, `weights` [N, k] their combine weights."""
@@ -132,6 +143,11 @@ class ModelFamily(Protocol):
 
     def kv_bytes(self, config: Any, n_tokens: int, element_bytes: int) -> int:
         """One layer's KV after n_tokens (the largest layer's), at element_bytes per value."""
+        ...
+
+    def gguf_model(self, config: Any) -> GGUFModel:
+        """The model as llama.cpp's architecture for this family; a config it would compute differently is a
+        one-line MoepackError naming why."""
         ...
 
     def new_kv(self, config: Any) -> Any:

@@ -296,3 +296,76 @@ def test_plan_command_on_a_qwen3_moe_container(keep_containers):
     p = json.loads(r.output)
     assert p["model"]["n_experts"] == 8 and p["model"]["layers"][0]["routing"] == "topk"
     assert p["rows"][0]["tokens"] == 4096 and p["n_star"]["optimistic"] > 0
+
+
+# ------------------------------------------------------------------------------------------ export --format gguf
+
+
+def _gguf_key_names(gguf, arch: str) -> set[str]:
+    """Every per-architecture key gguf-py's Keys spells, for `arch`."""
+    out = set()
+    for group in vars(gguf.Keys).values():
+        for value in vars(group).values() if isinstance(group, type) else ():
+            if isinstance(value, str) and value.startswith("{arch}."):
+                out.add(value.replace("{arch}", arch))
+    return out
+
+
+@pytest.mark.parametrize("layout, policy", [("bf16", "keep"), ("release", "fp4")])
+def test_export_gguf_is_llama_cpps_qwen3moe(synth_dirs, keep_containers, tmp_path, layout, policy):
+    """The GGUF read back by gguf-py: llama.cpp's qwen3moe architecture and keys, every tensor under gguf-py's name
+    for the architecture with its shape, each layer's experts stacked [n_experts, out, in], the values the
+    container's (bit for bit where the type is kept: BF16, MXFP4; Q8_0's rounding of an FP8 linear)."""
+    gguf = pytest.importorskip("gguf")
+    from moepack.families.qwen3_moe.gguf import gguf_model
+    from moepack.packer.gguf_export import export_gguf
+
+    if policy == "keep":
+        container = keep_containers[layout]
+    else:
+        container = str(tmp_path / f"{policy}.moepack")
+        convert_checkpoint(str(synth_dirs[layout]), container, policy=policy, progress=False)
+    out = str(tmp_path / "m.gguf")
+    result = export_gguf(container, out, progress=False)
+    assert result["architecture"] == "qwen3moe"
+    reader = gguf.GGUFReader(out)
+    ours = container_checkpoint(container)
+    config = ours.config
+    assert reader.fields["general.architecture"].contents() == gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3MOE]
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    known = _gguf_key_names(gguf, "qwen3moe")
+    for key, _, value in gguf_model(config).keys:
+        assert key in known, key
+        assert reader.fields[key].contents() == pytest.approx(value), key
+    names = {gguf.TENSOR_NAMES[t].format(bid=layer) + ".weight"
+             for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN3MOE] for layer in range(config.num_layers)}
+    tensors = {t.name: t for t in reader.tensors}
+    specs = tensor_specs(config)
+    assert set(tensors) == {s.gguf for s in specs} and set(tensors) <= names
+    for spec in specs:
+        if spec.expert not in (None, 0):
+            continue
+        t = tensors[spec.gguf]
+        values = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        if spec.expert == 0:
+            matrix = next(m for m, n in EXPERT_NAMING.names(spec.layer, 0).items() if n == spec.name)
+            want = torch.stack([ours.tensors[EXPERT_NAMING.names(spec.layer, e)[matrix]]
+                                for e in range(config.num_experts)])
+        else:
+            want = ours.tensors[spec.name]
+        assert tuple(values.shape) == tuple(want.shape) == tuple(reversed([int(n) for n in t.shape])), spec.name
+        if t.tensor_type.name == "Q8_0":
+            assert (values - want).norm() / want.norm() < 0.01, spec.name
+        else:
+            assert torch.equal(values, want), spec.name
+
+
+def test_export_gguf_refuses_what_llama_cpps_qwen3moe_cannot_run(tmp_path):
+    from moepack.packer.gguf_export import export_gguf
+
+    save_model(tmp_path / "hf", CONFIGS["sparse-step"], torch.float32)
+    convert_checkpoint(str(tmp_path / "hf"), str(tmp_path / "m.moepack"), policy="keep", progress=False)
+    with pytest.raises(MoepackError, match=r"llama.cpp's qwen3moe has routed experts in every layer; layers \[0, 2, "
+                                           r"3\] hold a dense MLP"):
+        export_gguf(str(tmp_path / "m.moepack"), str(tmp_path / "m.gguf"), progress=False)
+    assert not list(tmp_path.glob("*.gguf*"))

@@ -9,8 +9,9 @@ from typing import Any
 
 from moepack.format_spec.adapter import Adapter
 
-from ..base import ExpertNaming, MoeShape, TensorSpec, chat_template_from_tokenizer_config
+from ..base import ExpertNaming, GGUFModel, MoeShape, TensorSpec, chat_template_from_tokenizer_config
 from .adapter import QWEN3_MOE
+from .gguf import gguf_model
 from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
 from .tensors import EXPERT_NAMING, fp8_block, release_tensors, tensor_specs
 
@@ -45,6 +46,9 @@ class Qwen3MoeFamily:
 
     def kv_bytes(self, config: Qwen3MoeConfig, n_tokens: int, element_bytes: int) -> int:
         return 2 * n_tokens * config.num_kv_heads * config.head_dim * element_bytes
+
+    def gguf_model(self, config: Qwen3MoeConfig) -> GGUFModel:
+        return gguf_model(config)
 
     def new_kv(self, config: Qwen3MoeConfig):
         from .model import KVState
