@@ -32,10 +32,11 @@ class _Entry:
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     module: str  # the package whose FAMILY is the family
+    gguf_architectures: tuple[str, ...] = ()  # llama.cpp's name of it (a GGUF's general.architecture)
 
 
 _FAMILIES = (
-    _Entry("qwen3-moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "moepack.families.qwen3_moe"),
+    _Entry("qwen3-moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "moepack.families.qwen3_moe", ("qwen3moe",)),
 )
 FAMILY_NAMES = tuple(e.name for e in _FAMILIES)
 
@@ -86,6 +87,15 @@ def family_of_architecture(architecture: str) -> ModelFamily | None:
     """The family whose adapter writes a container's `architecture` (its model_type), or None (DeepSeek-V4's)."""
     entry = next((e for e in _FAMILIES if architecture in e.model_types), None)
     return _load(entry) if entry is not None else None
+
+
+def family_of_gguf(architecture: Any) -> ModelFamily | None:
+    """The family whose llama.cpp architecture a GGUF's general.architecture names, or None."""
+    entry = next((e for e in _FAMILIES if architecture in e.gguf_architectures), None)
+    return _load(entry) if entry is not None else None
+
+
+GGUF_ARCHITECTURES = tuple(a for e in _FAMILIES for a in e.gguf_architectures)
 
 
 def adapter_for(config: Mapping[str, Any]) -> Adapter:

@@ -150,6 +150,11 @@ class ModelFamily(Protocol):
         one-line MoepackError naming why."""
         ...
 
+    def config_from_gguf(self, keys: Mapping[str, Any], vocab_size: int, tied: bool) -> dict:
+        """The config.json of a GGUF of the family's llama.cpp architecture: its keys (without the architecture's
+        prefix), the embedding's rows, whether the head is the embedding (no `output.weight`)."""
+        ...
+
     def new_kv(self, config: Any) -> Any:
         """An empty KV state: a prefill fills it, a later token continues it."""
         ...

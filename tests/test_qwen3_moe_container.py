@@ -369,3 +369,33 @@ def test_export_gguf_refuses_what_llama_cpps_qwen3moe_cannot_run(tmp_path):
                                            r"3\] hold a dense MLP"):
         export_gguf(str(tmp_path / "m.moepack"), str(tmp_path / "m.gguf"), progress=False)
     assert not list(tmp_path.glob("*.gguf*"))
+
+
+@pytest.mark.parametrize("layout, policy", [("bf16", "keep"), ("release", "fp4")])
+def test_convert_from_the_exported_gguf_gives_the_container_back(synth_dirs, keep_containers, tmp_path, layout,
+                                                                 policy):
+    """container -> export --format gguf -> convert MODEL.gguf: the same config (as the family reads it), the
+    same tensors under the same names with the same values (a norm comes back F32, as llama.cpp stores it; the
+    fp4 policy's Q8_0 and MXFP4 bytes as they were)."""
+    pytest.importorskip("gguf")
+    from moepack.packer.gguf_export import export_gguf
+
+    if policy == "keep":
+        original = keep_containers[layout]
+    else:
+        original = str(tmp_path / f"{policy}.moepack")
+        convert_checkpoint(str(synth_dirs[layout]), original, policy=policy, progress=False)
+    export_gguf(original, str(tmp_path / "m.gguf"), progress=False)
+    back = str(tmp_path / "back.moepack")
+    convert_checkpoint(str(tmp_path / "m.gguf"), back, policy="keep", progress=False)
+    verify_container(back)
+    ours, theirs = container_checkpoint(back), container_checkpoint(original)
+    assert ours.config == theirs.config
+    assert set(ours.tensors) == set(theirs.tensors)
+    for name, value in theirs.tensors.items():
+        assert torch.equal(ours.tensors[name], value), name
+    with Container(back) as a, Container(original) as b:
+        assert a.architecture == "qwen3_moe"
+        for name, t in b.tensors.items():
+            if len(t.shape) == 2 and t.dtype != "F8_E4M3":  # kept as they were; FP8 became Q8_0
+                assert a.tensor_bytes(name) == b.tensor_bytes(name), name

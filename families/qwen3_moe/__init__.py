@@ -11,7 +11,7 @@ from moepack.format_spec.adapter import Adapter
 
 from ..base import ExpertNaming, GGUFModel, MoeShape, TensorSpec, chat_template_from_tokenizer_config
 from .adapter import QWEN3_MOE
-from .gguf import gguf_model
+from .gguf import config_from_gguf, gguf_model
 from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
 from .tensors import EXPERT_NAMING, fp8_block, release_tensors, tensor_specs
 
@@ -49,6 +49,9 @@ class Qwen3MoeFamily:
 
     def gguf_model(self, config: Qwen3MoeConfig) -> GGUFModel:
         return gguf_model(config)
+
+    def config_from_gguf(self, keys: Mapping[str, Any], vocab_size: int, tied: bool) -> dict:
+        return config_from_gguf(keys, vocab_size, tied)
 
     def new_kv(self, config: Qwen3MoeConfig):
         from .model import KVState

@@ -4,10 +4,15 @@ The tensors' GGUF names are in tensors.py (TensorSpec.gguf)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
 from moepack.format_spec.errors import MoepackError
 
 from ..base import GGUFModel
-from .config import Qwen3MoeConfig
+from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
 
 GGUF_ARCH = "qwen3moe"
 TOKENIZER_PRE = "qwen2"  # what llama.cpp's converter names Qwen's BPE pre-tokenizer
@@ -38,3 +43,30 @@ def gguf_model(c: Qwen3MoeConfig) -> GGUFModel:
         (f"{a}.expert_feed_forward_length", "uint32", c.moe_intermediate_size),
     )
     return GGUFModel(GGUF_ARCH, keys, TOKENIZER_PRE)
+
+
+def config_from_gguf(keys: Mapping[str, Any], vocab_size: int, tied: bool) -> dict:
+    """The config.json (transformers' spelling) of a `qwen3moe` GGUF's keys (`keys`: without the `qwen3moe.`
+    prefix): gguf_model's inverse. A key llama.cpp requires that is absent is one line naming it."""
+    def key(name: str, default: Any = None) -> Any:
+        value = keys.get(name, default)
+        if value is None:
+            raise MoepackError(f"no {GGUF_ARCH}.{name} key")
+        return value
+
+    def decimal(name: str) -> float:  # a float32 key as the shortest decimal it rounds from (1e-06, not 9.99e-07)
+        return float(str(np.float32(key(name))))
+
+    heads = int(key("attention.head_count"))
+    return {
+        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "vocab_size": vocab_size,
+        "hidden_size": int(key("embedding_length")), "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": int(key("feed_forward_length")), "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length")), "rope_theta": decimal("rope.freq_base"),
+        "rms_norm_eps": decimal("attention.layer_norm_rms_epsilon"),
+        "num_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
+        "moe_intermediate_size": int(key("expert_feed_forward_length")), "norm_topk_prob": True,
+        "max_position_embeddings": int(key("context_length")), "tie_word_embeddings": tied,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu",
+    }
