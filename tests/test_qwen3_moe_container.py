@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 
@@ -399,3 +400,30 @@ def test_convert_from_the_exported_gguf_gives_the_container_back(synth_dirs, kee
         for name, t in b.tensors.items():
             if len(t.shape) == 2 and t.dtype != "F8_E4M3":  # kept as they were; FP8 became Q8_0
                 assert a.tensor_bytes(name) == b.tensor_bytes(name), name
+
+
+@pytest.mark.skipif(not os.environ.get("MOEPACK_LLAMA_CPP"), reason="MOEPACK_LLAMA_CPP (a llama.cpp build) not set")
+def test_llama_cpp_logits_of_the_export_equal_transformers(tmp_path):
+    """llama.cpp (benchmarks/llama_logits: F32 KV cache, flash attention off) on the GGUF export of a float32
+    random Qwen3-MoE gives transformers' last-position logits, to float32 rounding."""
+    import numpy as np
+
+    from moepack.packer.gguf_export import export_gguf
+
+    exe = os.path.join(os.environ["MOEPACK_LLAMA_CPP"], "bin", "llama-logits")
+    if not os.path.exists(exe):
+        pytest.skip("no bin/llama-logits in MOEPACK_LLAMA_CPP (benchmarks/llama_cpp.sh builds it)")
+    model = save_model(tmp_path / "hf", CONFIGS["gqa"], torch.float32)
+    container = str(tmp_path / "f32.moepack")
+    convert_checkpoint(str(tmp_path / "hf"), container, policy="keep", progress=False)
+    out = export_gguf(container, str(tmp_path / "f32.gguf"), progress=False)["output"]
+    for n in (1, 9, 60):
+        ids = torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        (tmp_path / "ids.txt").write_text(" ".join(map(str, ids)))
+        res = subprocess.run([exe, out, str(tmp_path / "ids.txt"), str(tmp_path / "out.f32"), "2"],
+                             capture_output=True, timeout=300)
+        assert res.returncode == 0, res.stderr.decode("utf-8", "replace")[-2000:]
+        theirs = np.fromfile(tmp_path / "out.f32", dtype=np.float32)
+        want = reference_logits(model, ids)[-1].numpy()
+        assert theirs.shape == want.shape
+        assert np.abs(theirs - want).max() / np.abs(want).max() < 2e-5, n
