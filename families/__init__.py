@@ -108,7 +108,8 @@ def adapter_for(config: Mapping[str, Any]) -> Adapter:
 
     adapter = v4_adapter(config)
     if adapter is None:
-        supported = (*(t for a in ADAPTERS.values() for t in a.model_types), *(t for e in _FAMILIES for t in e.model_types))
+        supported = [t for a in ADAPTERS.values() for t in a.model_types] + [t for e in _FAMILIES
+                                                                              for t in e.model_types]
         raise MoepackError(f"unsupported architecture: model_type {config.get('model_type')!r} (supported: "
                            f"{', '.join(supported)})")
     return adapter

@@ -224,7 +224,8 @@ def family_tensors(c: Container, family, config) -> list[_Job]:
     n_experts = family.shape(config).num_experts
     for spec in family.tensor_specs(config):
         if spec.gguf is None:
-            raise MoepackError(f"tensor {spec.name} has no name in llama.cpp's {family.gguf_model(config).architecture}")
+            raise MoepackError(f"tensor {spec.name} has no name in llama.cpp's "
+                               f"{family.gguf_model(config).architecture}")
         if spec.role != ROLE_EXPERT:
             jobs.append(_plain_job(c, spec.name, spec.gguf))
         elif spec.expert == 0:
@@ -239,7 +240,7 @@ _FILE_TYPE = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_
               "MXFP4": "MOSTLY_MXFP4_MOE", "Q2_K": "MOSTLY_Q2_K", "IQ2_XXS": "MOSTLY_IQ2_XXS"}
 
 
-def family_export(gguf, c: Container) -> tuple[str, list[_Job], list[tuple[str, str, object]], str, int, Callable | None]:
+def family_export(gguf, c: Container) -> tuple[str, list[_Job], list[tuple], str, int, Callable | None]:
     """(architecture, tensors, model keys, pre-tokenizer, vocab size, fallback chat template) of the container's
     model: DeepSeek-V4's (moepack.v4), or a family's (moepack.families, whose chat template is its tokenizer's)."""
     family = family_of_architecture(c.architecture)
