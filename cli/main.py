@@ -125,8 +125,8 @@ def _policy_options(fn):
 def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts, part_dirs, no_keep_source, force,
             as_json):
     """Convert SRC (a hub repo id such as deepseek-ai/DeepSeek-V4-Flash, a local checkpoint directory, or a
-    llama.cpp deepseek4 GGUF file, the first of its splits for a split one) into a container. Rerunning an
-    interrupted conversion resumes it."""
+    llama.cpp deepseek4 or qwen3moe GGUF file, the first of its splits for a split one) of DeepSeek-V4 or a model
+    family (Qwen3-MoE) into a container. Rerunning an interrupted conversion resumes it."""
     from moepack.packer.convert import convert_checkpoint
 
     if policy is None:
@@ -169,7 +169,8 @@ def _part_lines(parts: list[dict]) -> list[str]:
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(),
               help="Directory to write (hf: must not exist, or be empty), or the .gguf file (gguf: must not exist).")
 @click.option("--format", "fmt", type=click.Choice(["hf", "gguf"]), default="hf", show_default=True,
-              help="hf: a Hugging Face checkpoint transformers loads; gguf: a GGUF file of llama.cpp's deepseek4.")
+              help="hf: a Hugging Face checkpoint transformers loads; gguf: a GGUF file of llama.cpp's deepseek4 "
+                   "(qwen3moe for a Qwen3-MoE container).")
 @click.option("--dtype", type=Dtype(("bfloat16", "float32"), give="short"), default="bfloat16", show_default=True,
               help="hf only: the dtype of dequantized weights.")
 @click.option("--split-max-size", metavar="SIZE",
@@ -180,7 +181,7 @@ def _part_lines(parts: list[dict]) -> list[str]:
 @reports_errors
 def export(file, out_dir, fmt, dtype, split_max_size, force, as_json):
     """Write a container back out: a Hugging Face checkpoint (dequantized) that transformers loads, or a GGUF file
-    llama.cpp's deepseek4 architecture loads (--format gguf)."""
+    llama.cpp's deepseek4 (or qwen3moe) architecture loads (--format gguf)."""
     check_container_path(file)
     refuse_existing(force, out_dir)
     if fmt == "gguf":

@@ -334,6 +334,8 @@ def test_export_gguf_is_llama_cpps_qwen3moe(synth_dirs, keep_containers, tmp_pat
     config = ours.config
     assert reader.fields["general.architecture"].contents() == gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3MOE]
     assert reader.fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    tokenizer_config = json.loads((synth_dirs[layout] / "tokenizer_config.json").read_text())
+    assert reader.fields["tokenizer.chat_template"].contents() == tokenizer_config["chat_template"]  # Qwen's own
     known = _gguf_key_names(gguf, "qwen3moe")
     for key, _, value in gguf_model(config).keys:
         assert key in known, key
@@ -427,3 +429,15 @@ def test_llama_cpp_logits_of_the_export_equal_transformers(tmp_path):
         want = reference_logits(model, ids)[-1].numpy()
         assert theirs.shape == want.shape
         assert np.abs(theirs - want).max() / np.abs(want).max() < 2e-5, n
+
+
+def test_export_hf_gives_transformers_the_model_back(tmp_path):
+    """`moepack export` (Hugging Face) of a Qwen3-MoE container: transformers loads it and computes the logits of
+    the model it was converted from (the container's names are transformers' own)."""
+    from moepack.packer.export import export_container
+
+    model = save_model(tmp_path / "hf", CONFIGS["mha-tied"], torch.float32)
+    convert_checkpoint(str(tmp_path / "hf"), str(tmp_path / "m.moepack"), policy="keep", progress=False)
+    export_container(str(tmp_path / "m.moepack"), str(tmp_path / "out"), dtype="f32", progress=False)
+    torch.testing.assert_close(reference_logits(reference(tmp_path / "out"), PROMPT), reference_logits(model, PROMPT),
+                               atol=0, rtol=0)
