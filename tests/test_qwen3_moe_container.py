@@ -409,6 +409,7 @@ def test_llama_cpp_logits_of_the_export_equal_transformers(tmp_path):
     """llama.cpp (benchmarks/llama_logits: F32 KV cache, flash attention off) on the GGUF export of a float32
     random Qwen3-MoE gives transformers' last-position logits, to float32 rounding."""
     import numpy as np
+    from test_gguf_export import llama_cpp_last_logits
 
     from moepack.packer.gguf_export import export_gguf
 
@@ -421,11 +422,7 @@ def test_llama_cpp_logits_of_the_export_equal_transformers(tmp_path):
     out = export_gguf(container, str(tmp_path / "f32.gguf"), progress=False)["output"]
     for n in (1, 9, 60):
         ids = torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-        (tmp_path / "ids.txt").write_text(" ".join(map(str, ids)))
-        res = subprocess.run([exe, out, str(tmp_path / "ids.txt"), str(tmp_path / "out.f32"), "2"],
-                             capture_output=True, timeout=300)
-        assert res.returncode == 0, res.stderr.decode("utf-8", "replace")[-2000:]
-        theirs = np.fromfile(tmp_path / "out.f32", dtype=np.float32)
+        theirs = llama_cpp_last_logits(exe, out, ids, tmp_path)
         want = reference_logits(model, ids)[-1].numpy()
         assert theirs.shape == want.shape
         assert np.abs(theirs - want).max() / np.abs(want).max() < 2e-5, n
