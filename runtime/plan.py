@@ -321,7 +321,7 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
         elif kind == "expert":
             items.sort(key=lambda it: adapter.expert_sort_key(it[0]))
         sizes[key], tensor_bytes = _region_bytes(items, adapter, policy)
-        if kind == "expert" and block == "layers.0":
+        if kind == "expert" and block.startswith("layers.") and not expert_params:  # the first layer with experts
             expert_params = sum(math.prod(s) for n, _, s in items if not n.endswith(SCALE_SUFFIXES))
             expert_tensor_bytes = tensor_bytes
     if expert_bpw is not None:

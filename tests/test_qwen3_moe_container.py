@@ -438,3 +438,19 @@ def test_export_hf_gives_transformers_the_model_back(tmp_path):
     export_container(str(tmp_path / "m.moepack"), str(tmp_path / "out"), dtype="f32", progress=False)
     torch.testing.assert_close(reference_logits(reference(tmp_path / "out"), PROMPT), reference_logits(model, PROMPT),
                                atol=0, rtol=0)
+
+
+def test_plan_of_a_model_with_dense_mlp_layers(tmp_path):
+    """Layers without routed experts (mlp_only_layers, decoder_sparse_step) are planned as dense, from the
+    container and from the config alike, the experts' size taken from a layer that has them."""
+    from moepack.runtime.plan import sizes_from_config, sizes_from_container
+
+    save_model(tmp_path / "hf", CONFIGS["sparse-step"], torch.float32)
+    convert_checkpoint(str(tmp_path / "hf"), str(tmp_path / "m.moepack"), policy="keep", progress=False)
+    with Container(str(tmp_path / "m.moepack")) as c:
+        ours = sizes_from_container(c)
+        theirs = sizes_from_config(c.config, "keep")
+    assert [(s.routing, s.n_experts) for s in ours.layers] == [("dense", 0), ("topk", 6), ("dense", 0), ("dense", 0)]
+    assert [s.routing for s in theirs.layers] == [s.routing for s in ours.layers]
+    assert ours.expert_params == theirs.expert_params == 3 * 160 * 96
+    assert theirs.expert_bpw > 0
