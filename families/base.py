@@ -92,11 +92,12 @@ class ExpertNaming:
 class GGUFModel:
     """What a family's model is in llama.cpp: its GGUF architecture, the hyperparameter keys (key, kind, value;
     kind a gguf-py writer's add_<kind>: uint32, float32, bool, string, array) and the tokenizer's pre-tokenizer
-    name. The tensors' names are the TensorSpecs' `gguf`."""
+    name (with its regexes, which a GGUF does not carry). The tensors' names are the TensorSpecs' `gguf`."""
 
     architecture: str
     keys: tuple[tuple[str, str, Any], ...]
     tokenizer_pre: str
+    tokenizer_splits: tuple[str, ...] = ()  # that pre-tokenizer's regexes before the byte-level step (GGUF import)
 
 
 @dataclass

@@ -458,7 +458,11 @@ class GGUFSource(LocalSource):
         types = self.meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
         merges = self.meta.get("tokenizer.ggml.merges") or []
         pre = self.meta.get("tokenizer.ggml.pre")
-        tokenizer = byte_level_bpe_json(tokens, types, merges, PRE_TOKENIZER_SPLITS.get(pre, ()),
+        splits = PRE_TOKENIZER_SPLITS.get(pre, ())
+        if self.family is not None:  # a family names its own pre-tokenizer's regexes
+            model = self.family.gguf_model(self.family.parse_config(self.config))
+            splits = model.tokenizer_splits if pre == model.tokenizer_pre else splits
+        tokenizer = byte_level_bpe_json(tokens, types, merges, splits,
                                         self.meta.get("tokenizer.ggml.bos_token_id"),
                                         bool(self.meta.get("tokenizer.ggml.add_bos_token", False)))
         config = {"tokenizer_class": "PreTrainedTokenizerFast",

@@ -381,6 +381,8 @@ def test_convert_from_the_exported_gguf_gives_the_container_back(synth_dirs, kee
     same tensors under the same names with the same values (a norm comes back F32, as llama.cpp stores it; the
     fp4 policy's Q8_0 and MXFP4 bytes as they were)."""
     pytest.importorskip("gguf")
+    from tokenizers import Tokenizer
+
     from moepack.packer.gguf_export import export_gguf
 
     if policy == "keep":
@@ -399,6 +401,12 @@ def test_convert_from_the_exported_gguf_gives_the_container_back(synth_dirs, kee
         assert torch.equal(ours.tensors[name], value), name
     with Container(back) as a, Container(original) as b:
         assert a.architecture == "qwen3_moe"
+        rebuilt, source = (Tokenizer.from_str(x.index["tokenizer"]["tokenizer.json"]["data"]) for x in (a, b))
+        text = "hello <|im_start|>user 123's\n<|im_end|>"
+        assert rebuilt.encode(text).ids == source.encode(text).ids
+        # Qwen's pre-tokenizer (one digit at a time), which the GGUF names "qwen2" and the family spells out
+        assert [p for p, _ in rebuilt.pre_tokenizer.pre_tokenize_str("abc 123's")] == ["abc", "Ġ", "1", "2", "3",
+                                                                                       "'s"]
         for name, t in b.tensors.items():
             if len(t.shape) == 2 and t.dtype != "F8_E4M3":  # kept as they were; FP8 became Q8_0
                 assert a.tensor_bytes(name) == b.tensor_bytes(name), name
