@@ -432,10 +432,14 @@ class GGUFSource(LocalSource):
         if embd is None:
             raise MoepackError(f"{os.path.basename(self.files[0])}: no token_embd.weight")
         keys = {k[len(arch) + 1:]: v for k, v in self.meta.items() if k.startswith(arch + ".")}
+        name = os.path.basename(self.files[0])
         try:
             config = self.family.config_from_gguf(keys, int(embd[1].shape[1]), "output.weight" not in gguf_tensors)
+            self.family.parse_config(config)  # every value in range, named as config.json's field
         except MoepackError as e:
-            raise MoepackError(f"{os.path.basename(self.files[0])}: {e}") from None
+            raise MoepackError(f"{name}: {e}") from None
+        except (TypeError, ValueError, OverflowError) as e:  # a key of another type (a string for a count)
+            raise MoepackError(f"{name}: a {self.family.name} key of the wrong type ({e})") from None
         return {**config, **self._special_ids()}
 
     def _special_ids(self) -> dict[str, int]:

@@ -462,3 +462,22 @@ def test_plan_of_a_model_with_dense_mlp_layers(tmp_path):
     assert [s.routing for s in theirs.layers] == [s.routing for s in ours.layers]
     assert ours.expert_params == theirs.expert_params == 3 * 160 * 96
     assert theirs.expert_bpw > 0
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("qwen3moe.expert_count", None, "m.gguf: no qwen3moe.expert_count key"),
+    ("qwen3moe.expert_count", "many", "m.gguf: a qwen3-moe key of the wrong type"),
+    ("qwen3moe.expert_used_count", 0, "m.gguf: config.json num_experts_per_tok: must be between 1 and 8, got 0"),
+])
+def test_a_qwen3moe_gguf_with_a_bad_key_is_one_line(keep_containers, tmp_path, monkeypatch, key, value, message):
+    pytest.importorskip("gguf")
+    from moepack.packer import gguf_source
+    from moepack.packer.gguf_export import export_gguf
+
+    export_gguf(keep_containers["bf16"], str(tmp_path / "m.gguf"), progress=False)
+    read = gguf_source._value
+    monkeypatch.setattr(gguf_source, "_value", lambda reader, k, default=None:
+                        value if k == key else read(reader, k, default))
+    with pytest.raises(MoepackError) as e:
+        convert_checkpoint(str(tmp_path / "m.gguf"), str(tmp_path / "out.moepack"), policy="keep", progress=False)
+    assert message in str(e.value) and "\n" not in str(e.value)
