@@ -125,8 +125,8 @@ def _policy_options(fn):
 def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts, part_dirs, no_keep_source, force,
             as_json):
     """Convert SRC (a hub repo id such as deepseek-ai/DeepSeek-V4-Flash, a local checkpoint directory, or a
-    llama.cpp deepseek4 GGUF file, the first of its splits for a split one) into a container. Rerunning an
-    interrupted conversion resumes it."""
+    llama.cpp deepseek4 or qwen3moe GGUF file, the first of its splits for a split one) of DeepSeek-V4 or a model
+    family (Qwen3-MoE) into a container. Rerunning an interrupted conversion resumes it."""
     from moepack.packer.convert import convert_checkpoint
 
     if policy is None:
@@ -169,7 +169,8 @@ def _part_lines(parts: list[dict]) -> list[str]:
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(),
               help="Directory to write (hf: must not exist, or be empty), or the .gguf file (gguf: must not exist).")
 @click.option("--format", "fmt", type=click.Choice(["hf", "gguf"]), default="hf", show_default=True,
-              help="hf: a Hugging Face checkpoint transformers loads; gguf: a GGUF file of llama.cpp's deepseek4.")
+              help="hf: a Hugging Face checkpoint transformers loads; gguf: a GGUF file of llama.cpp's deepseek4 "
+                   "(qwen3moe for a Qwen3-MoE container).")
 @click.option("--dtype", type=Dtype(("bfloat16", "float32"), give="short"), default="bfloat16", show_default=True,
               help="hf only: the dtype of dequantized weights.")
 @click.option("--split-max-size", metavar="SIZE",
@@ -180,7 +181,7 @@ def _part_lines(parts: list[dict]) -> list[str]:
 @reports_errors
 def export(file, out_dir, fmt, dtype, split_max_size, force, as_json):
     """Write a container back out: a Hugging Face checkpoint (dequantized) that transformers loads, or a GGUF file
-    llama.cpp's deepseek4 architecture loads (--format gguf)."""
+    llama.cpp's deepseek4 (or qwen3moe) architecture loads (--format gguf)."""
     check_container_path(file)
     refuse_existing(force, out_dir)
     if fmt == "gguf":
@@ -247,6 +248,7 @@ def verify(file, source, revision, as_json):
     from moepack.format_spec.verify import verify_container
     from moepack.packer.progress import progress_bar
 
+    from moepack.families import container_problem
     from moepack.runtime.engine import model_config
     from moepack.v4.config import unsupported
 
@@ -255,8 +257,14 @@ def verify(file, source, revision, as_json):
     check_container_path(file)
     with Container(file) as c:
         total = c.total_bytes
-        model_config(c, computable=False)
-        refused = unsupported(c.config)
+        family, problem = container_problem(c)
+        if problem:
+            raise MoepackError(f"{c.path}: {problem}")
+        if family is None:
+            model_config(c, computable=False)
+        refused = (unsupported(c.config) if family is None else
+                   f"the runtime does not yet run {family.name} containers (convert, verify, inspect, plan and "
+                   "export do)")
     with progress_bar(total, "verify", not as_json) as bar:
         result = verify_container(file, on_bytes=bar.update).as_dict()
     result["prefill"] = f"refused: {refused}" if refused else "ok"

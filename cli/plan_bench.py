@@ -287,7 +287,6 @@ def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, pol
     x BW), tokens/s per N and the VRAM budget. Measured `moepack bench` values are the defaults."""
     from moepack.runtime import plan as P
     from moepack.runtime.bench import measured_for_plan, tuned_defaults
-    from moepack.v4.config import ModelConfig
 
     refuse_existing(force, plot_out)
     sizes, config, path = _model_source(target, policy, expert_bpw)
@@ -299,7 +298,7 @@ def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, pol
         with Container(path) as c:
             w1 = next((t for b in c.layers for r in b.experts[:1] for t in r.tensors), None)
             storage = w1.dtype if w1 is not None else None
-    expert_shape = (sizes.hidden_size, ModelConfig.from_hf(config).moe_intermediate_size)
+    expert_shape = (sizes.hidden_size, sizes.expert_intermediate)
     measured = measured_for_plan(path, device, storage, expert_shape, expert_dtype)
 
     if ssd_gbps is not None:

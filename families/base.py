@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from moepack.format_spec.adapter import Adapter
+
 # A tensor's role says how a runtime treats it (where it is read, whether a policy may quantize it).
 ROLE_EMBED = "embed"
 ROLE_HEAD = "head"
@@ -86,6 +88,18 @@ class ExpertNaming:
         return {"gate": p + self.gate, "up": p + self.up, "down": p + self.down}
 
 
+@dataclass(frozen=True)
+class GGUFModel:
+    """What a family's model is in llama.cpp: its GGUF architecture, the hyperparameter keys (key, kind, value;
+    kind a gguf-py writer's add_<kind>: uint32, float32, bool, string, array) and the tokenizer's pre-tokenizer
+    name (with its regexes, which a GGUF does not carry). The tensors' names are the TensorSpecs' `gguf`."""
+
+    architecture: str
+    keys: tuple[tuple[str, str, Any], ...]
+    tokenizer_pre: str
+    tokenizer_splits: tuple[str, ...] = ()  # that pre-tokenizer's regexes before the byte-level step (GGUF import)
+
+
 @dataclass
 class Routing:
     """The router's choice for N tokens: `experts` [N, k] expert ids, `weights` [N, k] their combine weights."""
@@ -104,6 +118,7 @@ class ModelFamily(Protocol):
     architectures: tuple[str, ...]  # config.json `architectures` it accepts
     model_types: tuple[str, ...]  # config.json `model_type` it accepts
     expert_naming: ExpertNaming
+    adapter: Adapter  # its checkpoint's names onto the container's read order (what `moepack convert` writes)
 
     def parse_config(self, raw: Mapping[str, Any]) -> Any:
         """The config.json as this family reads it; a bad field is a one-line MoepackError naming it."""
@@ -114,6 +129,31 @@ class ModelFamily(Protocol):
 
     def tensor_specs(self, config: Any) -> list[TensorSpec]:
         """Every tensor the config implies, with its shape: what a loader checks a checkpoint against."""
+        ...
+
+    def source_tensors(self, raw: Mapping[str, Any]) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+        """Per tensor of the schema (its name), what a release checkpoint of this config.json stores for it:
+        [(name, safetensors dtype, shape)] (a quantized release's weight and its scales): `moepack plan` sizes a
+        conversion from the config alone with it."""
+        ...
+
+    def attention_flops(self, config: Any, n_tokens: int) -> dict[str, float]:
+        """The attention's FLOPs per token of an n_tokens prefill, over the layers (scores and weighted sum):
+        {"window": bounded by a window, "growing": growing with N, "total"}."""
+        ...
+
+    def kv_bytes(self, config: Any, n_tokens: int, element_bytes: int) -> int:
+        """One layer's KV after n_tokens (the largest layer's), at element_bytes per value."""
+        ...
+
+    def gguf_model(self, config: Any) -> GGUFModel:
+        """The model as llama.cpp's architecture for this family; a config it would compute differently is a
+        one-line MoepackError naming why."""
+        ...
+
+    def config_from_gguf(self, keys: Mapping[str, Any], vocab_size: int, tied: bool) -> dict:
+        """The config.json of a GGUF of the family's llama.cpp architecture: its keys (without the architecture's
+        prefix), the embedding's rows, whether the head is the embedding (no `output.weight`)."""
         ...
 
     def new_kv(self, config: Any) -> Any:

@@ -20,7 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from moepack.families import adapter_for, find_family, schema_problem
 from moepack.format_spec import quants
+from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.decode import (as_uint8, decode_float, decode_tensor, first_non_finite, scale_name,
                                         tensor_scale_name)
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, storage_type, tensor_nbytes
@@ -30,7 +32,6 @@ from moepack.format_spec.layout import (DEFAULT_STRIPE_EXPERTS, SCALE_SUFFIXES, 
                                         layer_count_problem, parse_block_name, region_name)
 from moepack.format_spec.policies import POLICY_NAMES, policy as policy_table, target_type
 from moepack.format_spec.writer import ContainerWriter, partial_path
-from moepack.v4.arch import Adapter, adapter_for
 from moepack.v4.config import ConfigError, ModelConfig
 
 from .progress import progress_bar
@@ -83,6 +84,14 @@ def config_problem(config, plan) -> str | None:
     """What in a checkpoint's config `verify` and `prefill` would refuse, found before anything is written: a field
     of the wrong type or out of range (named, as they name it), a layer with another expert count than the
     config's. None when they will take it. (A tensor of another shape is the container's to hold: they name it.)"""
+    family = find_family(config)
+    if family is not None:
+        experts = Counter(parse_block_name(block)[1] for kind, block, _, _ in plan if kind == "expert")
+        layers = {parse_block_name(block)[1]: experts.get(parse_block_name(block)[1], 0)
+                  for kind, block, _, _ in plan if kind == "dense"}
+        shapes = {name: source_type_and_shape(family.adapter, name, t)[1] for _, _, _, items in plan
+                  for name, t in items if not name.endswith(SCALE_SUFFIXES)}
+        return schema_problem(family, config, layers, shapes)
     try:
         experts = ModelConfig.from_hf(config).n_routed_experts
     except ConfigError as e:

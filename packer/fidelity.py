@@ -19,7 +19,7 @@ from moepack.format_spec.dtypes import FROM_SAFETENSORS, STORAGE_TYPES
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import TENSOR_SCALE_SUFFIX
 from moepack.format_spec.reader import Container
-from moepack.v4.arch import adapter_for
+from moepack.families import adapter_for
 
 from .convert import source_type_and_shape
 from .progress import progress_bar

@@ -41,6 +41,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from moepack.families import family_of_architecture
+from moepack.families.base import ROLE_EXPERT
 from moepack.format_spec import untrusted
 from moepack.format_spec.decode import decode_float, decode_tensor, is_companion, scale_name, tensor_scale_name
 from moepack.format_spec.decode import tensor_scale_value
@@ -153,16 +155,21 @@ def _plain_job(c: Container, name: str, gguf_name: str) -> _Job:
 
 def _expert_job(c: Container, layer: int, proj: str, n_experts: int) -> _Job:
     names = [f"layers.{layer}.ffn.experts.{e}.{proj}.weight" for e in range(n_experts)]
+    return _stacked_experts_job(c, names, f"blk.{layer}.{_EXPERT_GGUF[proj]}.weight")
+
+
+def _stacked_experts_job(c: Container, names: list[str], gguf_name: str) -> _Job:
+    """One layer's routed experts' matrix `names` (in expert-ID order) stacked as llama.cpp's [n_experts, out, in]."""
+    n_experts = len(names)
     missing = [n for n in names if n not in c.tensors]
     if missing:
         raise MoepackError(f"container lacks routed expert {missing[0]}")
     entries = [c.tensors[n] for n in names]
     shape = tuple(entries[0].shape)
     if any(tuple(e.shape) != shape for e in entries) or len(shape) != 2:
-        raise MoepackError(f"routed experts of layer {layer} {proj} differ in shape or are not 2-D")
+        raise MoepackError(f"routed experts of {gguf_name} differ in shape or are not 2-D")
     dtypes = {e.dtype for e in entries}
     has_ts = any(tensor_scale_name(n) in c.tensors for n in names)
-    gguf_name = f"blk.{layer}.{_EXPERT_GGUF[proj]}.weight"
     nbytes = sum(_source_bytes(c, n) for n in names)
     if dtypes == {"FP4_E2M1"} and not has_ts and all(scale_name(n) in c.tensors for n in names):
         def produce():  # release FP4 + E8M0 -> MXFP4, lossless (the converter's repack_mxfp4_blocks)
@@ -208,6 +215,46 @@ def plan_tensors(c: Container, cfg: ModelConfig) -> list[_Job]:
             raise MoepackError(f"tensor {name} has no GGUF name")
         jobs.append(_plain_job(c, name, gguf_name))
     return jobs
+
+
+def family_tensors(c: Container, family, config) -> list[_Job]:
+    """The GGUF tensors of a family's model (moepack.families): each tensor of its schema under its `gguf` name, a
+    layer's routed experts stacked per matrix (the family's ExpertNaming) where expert 0 lies."""
+    jobs = []
+    n_experts = family.shape(config).num_experts
+    for spec in family.tensor_specs(config):
+        if spec.gguf is None:
+            raise MoepackError(f"tensor {spec.name} has no name in llama.cpp's "
+                               f"{family.gguf_model(config).architecture}")
+        if spec.role != ROLE_EXPERT:
+            jobs.append(_plain_job(c, spec.name, spec.gguf))
+        elif spec.expert == 0:
+            matrix = next(m for m, n in family.expert_naming.names(spec.layer, 0).items() if n == spec.name)
+            names = [family.expert_naming.names(spec.layer, e)[matrix] for e in range(n_experts)]
+            jobs.append(_stacked_experts_job(c, names, spec.gguf))
+    return jobs
+
+
+# general.file_type (gguf-py's LlamaFileType member) after the routed experts' GGUF type
+_FILE_TYPE = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
+              "MXFP4": "MOSTLY_MXFP4_MOE", "Q2_K": "MOSTLY_Q2_K", "IQ2_XXS": "MOSTLY_IQ2_XXS"}
+
+
+def family_export(gguf, c: Container) -> tuple[str, list[_Job], list[tuple], str, int, Callable | None]:
+    """(architecture, tensors, model keys, pre-tokenizer, vocab size, fallback chat template) of the container's
+    model: DeepSeek-V4's (moepack.v4), or a family's (moepack.families, whose chat template is its tokenizer's)."""
+    family = family_of_architecture(c.architecture)
+    if family is None:
+        cfg = ModelConfig.from_hf(c.config)
+        return ARCH, plan_tensors(c, cfg), metadata(c.config, cfg), TOKENIZER_PRE, cfg.vocab_size, chat_template
+    config = family.parse_config(c.config)
+    model = family.gguf_model(config)
+    jobs = family_tensors(c, family, config)
+    experts = next((j.qtype for j in jobs if len(j.shape) == 3), "F32")
+    file_type = int(gguf.LlamaFileType[_FILE_TYPE.get(experts, "MOSTLY_Q8_0")])
+    keys = [*model.keys, ("general.file_type", "uint32", file_type),
+            ("general.quantization_version", "uint32", QUANT_VERSION)]
+    return model.architecture, jobs, keys, model.tokenizer_pre, family.shape(config).vocab_size, None
 
 
 def _rope_dim(config: dict, cfg: ModelConfig) -> int:
@@ -344,7 +391,8 @@ def _writer_class(gguf):
     return Writer
 
 
-def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_size: int, tmp_dir: str) -> None:
+def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_size: int, tmp_dir: str,
+                   pre: str = TOKENIZER_PRE, fallback_template: Callable[[], str] | None = chat_template) -> None:
     tokens, types = vocab(files, vocab_size)
     if "tokenizer.json" not in files:  # a container run by token ids: llama.cpp's vocabulary type "none", sized by
         writer.add_string("tokenizer.ggml.model", "none")  # {arch}.vocab_size (llama.cpp's own saver writes it)
@@ -353,7 +401,7 @@ def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_si
         writer.add_array("tokenizer.ggml.token_type", types)
         return
     writer.add_string("tokenizer.ggml.model", "gpt2")
-    writer.add_string("tokenizer.ggml.pre", TOKENIZER_PRE)
+    writer.add_string("tokenizer.ggml.pre", pre)
     writer.add_array("tokenizer.ggml.tokens", tokens)
     writer.add_array("tokenizer.ggml.token_type", types)
     # llama.cpp refuses a gpt2 vocabulary without a merges key, even an empty one (a byte-level toy tokenizer)
@@ -366,8 +414,8 @@ def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_si
             with open(os.path.join(tok_dir, name), "wb") as f:
                 f.write(data)
         special = gguf.SpecialVocab(tok_dir, load_merges=False, n_vocab=len(tokens))
-        if special.chat_template is None:  # the release ships none: DeepSeek-V4's format as moepack encodes it
-            special.chat_template = chat_template()
+        if special.chat_template is None and fallback_template is not None:  # DeepSeek-V4's release ships none:
+            special.chat_template = fallback_template()  # its format as moepack encodes it
         special.add_to_gguf(writer, quiet=True)
     finally:
         shutil.rmtree(tok_dir, ignore_errors=True)
@@ -411,9 +459,8 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
     if not os.path.isdir(parent):
         raise MoepackError(f"output's parent directory {parent} does not exist")
     with Container(path) as c:
-        cfg = ModelConfig.from_hf(c.config)
-        jobs = [replace(j, nbytes=_ggml_nbytes(gguf, j.qtype, j.shape)) for j in plan_tensors(c, cfg)]
-        kv = metadata(c.config, cfg)
+        arch, jobs, kv, pre, vocab_size, fallback_template = family_export(gguf, c)
+        jobs = [replace(j, nbytes=_ggml_nbytes(gguf, j.qtype, j.shape)) for j in jobs]
         files = _tokenizer_files(c)
         shards = _shard(jobs, split_max_size)
         outputs = [out_file] if split_max_size is None else [split_name(out_file, i + 1, len(shards))
@@ -432,13 +479,13 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
                 os.fchmod(fd, 0o666 & ~_umask())  # a plain file's mode, not mkstemp's 0600
                 os.close(fd)
                 tmps.append(tmp)
-                writer = _writer_class(gguf)(tmp, ARCH)
+                writer = _writer_class(gguf)(tmp, arch)
                 if number == 0:
                     writer.add_string("general.type", "model")
                     writer.add_string("general.name", os.path.splitext(os.path.basename(path))[0])
                     for key, kind, value in kv:
                         getattr(writer, f"add_{kind}")(key, value)
-                    _add_tokenizer(gguf, writer, files, c.config, cfg.vocab_size, parent)
+                    _add_tokenizer(gguf, writer, files, c.config, vocab_size, parent, pre, fallback_template)
                 if split_max_size is not None:
                     writer.add_uint16("split.no", number)
                     writer.add_uint16("split.count", len(shards))
@@ -458,7 +505,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
             _discard(writer, tmps)
             raise
     total = sum(j.nbytes for j in jobs)
-    return {"output": outputs[0], "files": outputs, "format": "gguf", "architecture": ARCH, "tensors": len(jobs),
+    return {"output": outputs[0], "files": outputs, "format": "gguf", "architecture": arch, "tensors": len(jobs),
             "bytes": total, "seconds": round(time.perf_counter() - start, 3)}
 
 

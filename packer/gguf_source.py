@@ -28,6 +28,8 @@ import struct
 
 import numpy as np
 
+from moepack.families import GGUF_ARCHITECTURES, family_of_gguf
+from moepack.families.base import ROLE_EXPERT
 from moepack.format_spec.dtypes import STORAGE_TYPES, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import open_regular
@@ -224,9 +226,10 @@ class GGUFSource(LocalSource):
         first = readers[0]
         self.meta = {k: _value(first, k) for k in first.fields if not k.startswith("GGUF.")}
         arch = self.meta.get("general.architecture")
-        if arch != ARCH:
+        self.family = family_of_gguf(arch) if arch != ARCH else None  # None: DeepSeek-V4 (moepack.v4)
+        if arch != ARCH and self.family is None:
             raise MoepackError(f"{os.path.basename(self.files[0])}: architecture {arch!r}, moepack converts "
-                               f"{ARCH!r} GGUFs (DeepSeek-V4)")
+                               f"{', '.join(repr(a) for a in (ARCH, *GGUF_ARCHITECTURES))} GGUFs")
         self._check_splits(readers)
         gguf_tensors: dict[str, tuple[str, object]] = {}
         for file, reader in zip(self.files, readers):
@@ -239,8 +242,12 @@ class GGUFSource(LocalSource):
                     raise MoepackError(f"{os.path.basename(file)}: truncated (tensor {t.name} ends at "
                                        f"{int(t.data_offset) + int(t.n_bytes)}, the file has {size} bytes)")
                 gguf_tensors[t.name] = (file, t)
-        self.tensors = self._canonical_tensors(gguf_tensors)
-        self.config = self._config(gguf_tensors)
+        if self.family is None:
+            self.tensors = self._canonical_tensors(gguf_tensors)
+            self.config = self._config(gguf_tensors)
+        else:
+            self.config = self._family_config(arch, gguf_tensors)
+            self.tensors = self._family_tensors(gguf_tensors)
         self.provenance = {"source": self.files[0], "format": "gguf", "revision": None,
                            "files": {os.path.basename(f): {"size": os.path.getsize(f), "sha256": None}
                                      for f in self.files}}
@@ -263,20 +270,48 @@ class GGUFSource(LocalSource):
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml ne -> row-major shape
             m = _EXPERTS.match(gname)
             if m:
-                if len(shape) != 3:
-                    raise MoepackError(f"{gname}: stacked experts must be 3-D, got shape {list(shape)}")
                 layer, proj = int(m.group(1)), _EXPERT_PROJ[m.group(2)]
-                per_expert = int(t.n_bytes) // shape[0]
-                for e in range(shape[0]):
-                    name = f"layers.{layer}.ffn.experts.{e}.{proj}.weight"
-                    out[name] = self._tensor(name, qtype, shape[1:], file, int(t.data_offset) + e * per_expert,
-                                             per_expert)
+                names = [f"layers.{layer}.ffn.experts.{e}.{proj}.weight" for e in range(shape[0] if shape else 0)]
+                out.update(self._unstacked(gname, names, qtype, shape, file, t))
                 continue
             name = v4names.from_gguf(gname)
             if name is None:
                 raise MoepackError(f"{os.path.basename(file)}: tensor {gname} is not a DeepSeek-V4 tensor moepack "
                                    f"knows")
             out[name] = self._tensor(name, qtype, shape, file, int(t.data_offset), int(t.n_bytes))
+        return out
+
+    def _unstacked(self, gname: str, names: list[str], qtype: str, shape: tuple, file: str, t
+                   ) -> dict[str, SourceTensor]:
+        """A layer's stacked routed experts [E, out, in] as E tensors `names` (in expert-ID order), slices of it."""
+        if len(shape) != 3 or shape[0] != len(names):
+            raise MoepackError(f"{gname}: stacked experts must be 3-D of {len(names)} experts, got shape "
+                               f"{list(shape)}")
+        per_expert = int(t.n_bytes) // shape[0]
+        return {name: self._tensor(name, qtype, shape[1:], file, int(t.data_offset) + e * per_expert, per_expert)
+                for e, name in enumerate(names)}
+
+    def _family_tensors(self, gguf_tensors) -> dict[str, SourceTensor]:
+        """A family's GGUF tensors under the names of its schema (TensorSpec.gguf), the stacked experts unstacked."""
+        family = self.family
+        plain, stacked = {}, {}
+        for spec in family.tensor_specs(family.parse_config(self.config)):
+            if spec.role == ROLE_EXPERT:
+                stacked.setdefault(spec.gguf, []).append(spec.name)  # in expert-ID order
+            elif spec.gguf is not None:
+                plain[spec.gguf] = spec.name
+        out: dict[str, SourceTensor] = {}
+        for gname, (file, t) in gguf_tensors.items():
+            qtype = self._gguf.GGMLQuantizationType(int(t.tensor_type)).name
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            if gname in stacked:
+                out.update(self._unstacked(gname, stacked[gname], qtype, shape, file, t))
+            elif gname in plain:
+                out[plain[gname]] = self._tensor(plain[gname], qtype, shape, file, int(t.data_offset),
+                                                 int(t.n_bytes))
+            else:
+                raise MoepackError(f"{os.path.basename(file)}: tensor {gname} is not one a {family.name} model of "
+                                   "its keys has")
         return out
 
     def _tensor(self, name, qtype, shape, file, offset, nbytes) -> SourceTensor:
@@ -389,11 +424,29 @@ class GGUFSource(LocalSource):
         }
         if k("feed_forward_length", required=False) is not None:
             config["intermediate_size"] = int(k("feed_forward_length"))
-        for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
-            token_id = self.meta.get(f"tokenizer.ggml.{name}_token_id")
-            if token_id is not None:
-                config[key] = int(token_id)
-        return config
+        return {**config, **self._special_ids()}
+
+    def _family_config(self, arch: str, gguf_tensors) -> dict:
+        """A family's config.json from its GGUF keys (the family's inverse of its gguf_model)."""
+        embd = gguf_tensors.get("token_embd.weight")
+        if embd is None:
+            raise MoepackError(f"{os.path.basename(self.files[0])}: no token_embd.weight")
+        keys = {k[len(arch) + 1:]: v for k, v in self.meta.items() if k.startswith(arch + ".")}
+        name = os.path.basename(self.files[0])
+        try:
+            config = self.family.config_from_gguf(keys, int(embd[1].shape[1]), "output.weight" not in gguf_tensors)
+            self.family.parse_config(config)  # every value in range, named as config.json's field
+        except MoepackError as e:
+            raise MoepackError(f"{name}: {e}") from None
+        except (TypeError, ValueError, OverflowError) as e:  # a key of another type (a string for a count)
+            raise MoepackError(f"{name}: a {self.family.name} key of the wrong type ({e})") from None
+        return {**config, **self._special_ids()}
+
+    def _special_ids(self) -> dict[str, int]:
+        """bos_token_id / eos_token_id of the tokenizer's keys (where the GGUF names them)."""
+        return {key: int(self.meta[f"tokenizer.ggml.{name}_token_id"])
+                for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"))
+                if self.meta.get(f"tokenizer.ggml.{name}_token_id") is not None}
 
     # -- tokenizer ---------------------------------------------------------------------------------------------
 
@@ -409,7 +462,11 @@ class GGUFSource(LocalSource):
         types = self.meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
         merges = self.meta.get("tokenizer.ggml.merges") or []
         pre = self.meta.get("tokenizer.ggml.pre")
-        tokenizer = byte_level_bpe_json(tokens, types, merges, PRE_TOKENIZER_SPLITS.get(pre, ()),
+        splits = PRE_TOKENIZER_SPLITS.get(pre, ())
+        if self.family is not None:  # a family names its own pre-tokenizer's regexes
+            model = self.family.gguf_model(self.family.parse_config(self.config))
+            splits = model.tokenizer_splits if pre == model.tokenizer_pre else splits
+        tokenizer = byte_level_bpe_json(tokens, types, merges, splits,
                                         self.meta.get("tokenizer.ggml.bos_token_id"),
                                         bool(self.meta.get("tokenizer.ggml.add_bos_token", False)))
         config = {"tokenizer_class": "PreTrainedTokenizerFast",

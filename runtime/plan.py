@@ -36,7 +36,8 @@ from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.layout import (ALIGNMENT, HEADER_SIZE, SCALE_SUFFIXES, TENSOR_ALIGNMENT, TENSOR_SCALE_SUFFIX,
                                         align_up)
 from moepack.format_spec.policies import POLICY_NAMES, target_type
-from moepack.v4.arch import adapter_for
+from moepack.families import adapter_for, family_of_architecture, find_family
+from moepack.families.base import ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EMBED, ROLE_EXPERT, ROLE_ROUTER
 from moepack.v4.config import CSA, HCA, ModelConfig, quant_method
 
 GB = 1e9
@@ -119,6 +120,7 @@ class ModelSizes:
     expert_bpw: float  # bits per routed-expert weight, as stored (scales and padding included)
     expert_bpw_override: float | None = None
     notes: list[str] = field(default_factory=list)
+    expert_intermediate: int = 0  # a routed expert's FFN width (gate / up rows)
 
     @property
     def routed_bytes(self) -> int:
@@ -201,6 +203,31 @@ def _ranges(numbers: list[int]) -> str:
     return ",".join(parts)
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """What a plan needs of a model beside its bytes: from DeepSeek-V4's config, or a family's (moepack.families)."""
+
+    attention: list[str]  # per layer: sliding / csa / hca (DeepSeek-V4), full
+    routing: list[str]  # per layer: hash / topk, or dense (no routed experts)
+    hidden_size: int
+    hc_mult: int  # residual streams (DeepSeek-V4's mHC; 1 elsewhere)
+    top_k: int
+    n_experts: int
+    expert_intermediate: int
+
+
+def _facts(config: dict, family=None) -> _Facts:
+    if family is None:
+        cfg = ModelConfig.from_hf(config)
+        return _Facts([SHORT_TYPES.get(t, t) for t in cfg.layer_types],
+                      ["hash" if h else "topk" for h in cfg.hash_layers], cfg.hidden_size, cfg.hc_mult,
+                      cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.moe_intermediate_size)
+    shape = family.shape(family.parse_config(config))
+    return _Facts(["full"] * shape.num_layers,
+                  ["topk" if layer in shape.moe_layers else "dense" for layer in range(shape.num_layers)],
+                  shape.hidden_size, 1, shape.top_k, shape.num_experts, shape.expert_intermediate)
+
+
 def _source_layout(config: dict) -> str:
     return "release" if quant_method(config) == "fp8" else "bf16"
 
@@ -261,20 +288,30 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
     if expert_bpw is not None and not 0 < expert_bpw <= 64:
         raise MoepackError(f"--expert-bpw must be in (0, 64], got {expert_bpw}")
     adapter = adapter_for(config)
-    layout = layout or _source_layout(config)
-    specs = v4_tensor_specs(config)
-    cfg = ModelConfig.from_hf(config)
+    family = find_family(config)
+    if family is None:
+        layout = layout or _source_layout(config)
+        specs = {spec.name: spec for spec in v4_tensor_specs(config)}
+
+        def stored(name: str) -> list:
+            return _stored_types(adapter, specs[name], layout)
+    else:  # the release's own layout, as the family says (its names made the container's by the adapter)
+        specs = dict(family.source_tensors(config))
+
+        def stored(name: str) -> list:
+            return [(adapter.canonical(n), FROM_SAFETENSORS[d], list(shape)) for n, d, shape in specs[name]]
+    facts = _facts(config, family)
     # Group what each region holds. Experts of one block are identical in shape: size expert 0 and multiply.
     regions: dict[tuple, list] = {}
     n_experts_of: dict[str, int] = {}
-    for spec in specs:
-        kind, block, expert = adapter.place(spec.name)
+    for name in specs:
+        kind, block, expert = adapter.place(name)
         if kind == "expert":
             n_experts_of[block] = max(n_experts_of.get(block, 0), expert + 1)
             if expert != 0:
                 continue
-        key = (kind, block if kind != "global" else spec.name, expert)
-        regions.setdefault(key, []).extend(_stored_types(adapter, spec, layout))
+        key = (kind, block if kind != "global" else name, expert)
+        regions.setdefault(key, []).extend(stored(name))
     sizes: dict[tuple, int] = {}
     expert_params = expert_tensor_bytes = 0
     for key, items in regions.items():
@@ -284,7 +321,7 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
         elif kind == "expert":
             items.sort(key=lambda it: adapter.expert_sort_key(it[0]))
         sizes[key], tensor_bytes = _region_bytes(items, adapter, policy)
-        if kind == "expert" and block == "layers.0":
+        if kind == "expert" and block.startswith("layers.") and not expert_params:  # the first layer with experts
             expert_params = sum(math.prod(s) for n, _, s in items if not n.endswith(SCALE_SUFFIXES))
             expert_tensor_bytes = tensor_bytes
     if expert_bpw is not None:
@@ -293,12 +330,12 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
             if key[0] == "expert":
                 sizes[key] = per_expert
     layers = []
-    for i in range(cfg.num_layers):
+    for i in range(len(facts.attention)):
         block = f"layers.{i}"
         n_exp = n_experts_of.get(block, 0)
         one = sizes.get(("expert", block, 0), 0)
-        layers.append(LayerSize(i, SHORT_TYPES[cfg.layer_types[i]], "hash" if cfg.hash_layers[i] else "topk",
-                                sizes[("dense", block, None)], one, one * n_exp, n_exp))
+        layers.append(LayerSize(i, facts.attention[i], facts.routing[i], sizes[("dense", block, None)], one,
+                                one * n_exp, n_exp))
     global_bytes = sum(v for k, v in sizes.items() if k[0] == "global")
     mtp = sum(v * (n_experts_of.get(k[1], 0) if k[0] == "expert" else 1)
               for k, v in sizes.items() if k[0] != "global" and k[1].startswith("mtp."))
@@ -311,18 +348,17 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
     bpw = (expert_bpw if expert_bpw is not None else
            expert_tensor_bytes * 8 / expert_params if expert_params else 0.0)
     return ModelSizes("config", None, policy, layers, global_bytes, mtp, file_bytes, expert_params,
-                      cfg.hidden_size, cfg.hc_mult, cfg.num_experts_per_tok, cfg.n_routed_experts, round(bpw, 4),
-                      expert_bpw, notes)
+                      facts.hidden_size, facts.hc_mult, facts.top_k, facts.n_experts, round(bpw, 4),
+                      expert_bpw, notes, facts.expert_intermediate)
 
 
 def sizes_from_container(container) -> ModelSizes:
     """Exact sizes from an open container's index (format_spec.reader.Container)."""
-    cfg = ModelConfig.from_hf(container.config)
+    facts = _facts(container.config, family_of_architecture(container.architecture))
     layers = []
     for b in container.layers:
         lengths = [r.length for r in b.experts]
-        layers.append(LayerSize(b.number, SHORT_TYPES.get(cfg.layer_types[b.number], cfg.layer_types[b.number]),
-                                "hash" if cfg.hash_layers[b.number] else "topk", b.dense.length,
+        layers.append(LayerSize(b.number, facts.attention[b.number], facts.routing[b.number], b.dense.length,
                                 max(lengths, default=0), sum(lengths), len(lengths)))
     mtp = sum(b.dense.length + sum(r.length for r in b.experts) for b in container.blocks if b.section == "mtp")
     expert_params, expert_tensor_bytes, n_expert_regions = 0, 0, 0
@@ -335,7 +371,8 @@ def sizes_from_container(container) -> ModelSizes:
     bpw = expert_tensor_bytes * 8 / (expert_params * n_expert_regions) if expert_params else 0.0
     return ModelSizes("container", container.path, str(container.policy.get("name", "?")), layers,
                       sum(r.length for r in container.global_regions), mtp, container.total_bytes, expert_params,
-                      cfg.hidden_size, cfg.hc_mult, cfg.num_experts_per_tok, cfg.n_routed_experts, round(bpw, 4))
+                      facts.hidden_size, facts.hc_mult, facts.top_k, facts.n_experts, round(bpw, 4),
+                      expert_intermediate=facts.expert_intermediate)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -383,6 +420,9 @@ def flops_per_token(config: dict) -> dict:
 def _flops_per_token(config: dict) -> dict:
     from moepack.v4.tensors import v4_tensor_specs
 
+    family = find_family(config)
+    if family is not None:
+        return _family_flops_per_token(family, config)
     adapter = adapter_for(config)
     cfg = ModelConfig.from_hf(config)
     top_k = cfg.num_experts_per_tok
@@ -410,6 +450,28 @@ def _flops_per_token(config: dict) -> dict:
             "active_params": total // 2, "active_params_with_head": (total + head) // 2}
 
 
+FAMILY_FLOP_PARTS = {ROLE_ATTENTION: "attention_projections", ROLE_ROUTER: "router", ROLE_DENSE_FFN: "dense_ffn"}
+
+
+def _family_flops_per_token(family, config: dict) -> dict:
+    """_flops_per_token of a family's model, from its tensor schema's roles: every layer's linears (a routed
+    expert's top-k times), the LM head once per position whose logits are computed."""
+    parsed = family.parse_config(config)
+    shape = family.shape(parsed)
+    parts = dict.fromkeys((*FAMILY_FLOP_PARTS.values(), "routed_experts"), 0)
+    head = 2 * shape.vocab_size * shape.hidden_size  # tied to the embedding or not, it multiplies
+    for spec in family.tensor_specs(parsed):
+        if len(spec.shape) != 2 or spec.layer is None or spec.role == ROLE_EMBED:
+            continue
+        if spec.role == ROLE_EXPERT:
+            parts["routed_experts"] += 2 * spec.numel * shape.top_k if spec.expert == 0 else 0
+        else:
+            parts[FAMILY_FLOP_PARTS[spec.role]] += 2 * spec.numel
+    total = sum(parts.values())
+    return {"total": total, "routed": parts["routed_experts"], "head": head, "parts": parts,
+            "active_params": total // 2, "active_params_with_head": (total + head) // 2}
+
+
 def attention_flops_per_token(config: dict, n_tokens: int) -> dict:
     """Average attention FLOPs per token of an n_tokens prefill (QK scores and the weighted sum, 4 x heads x
     head_dim per key, plus the Lightning Indexer's scores), by kind:
@@ -417,6 +479,9 @@ def attention_flops_per_token(config: dict, n_tokens: int) -> dict:
     window    sliding window keys (every layer) and CSA's top-k selected entries: bounded, not growing with N
     growing   HCA's dense attention over N/rate compressed entries and the indexer scoring N/rate entries per
               query: the O(N^2) part of a prefill (per token, it grows linearly with N)"""
+    family = find_family(config)
+    if family is not None:
+        return family.attention_flops(family.parse_config(config), max(int(n_tokens), 1))
     cfg = ModelConfig.from_hf(config)
     n = max(int(n_tokens), 1)
     per_key = 4 * cfg.num_heads * cfg.head_dim
@@ -519,6 +584,9 @@ def one_layer_kv_bytes(config: dict, n_tokens: int, dtype: str = "F32") -> int:
     indexer's keys), as format_spec/KV.md stores them."""
     if dtype not in KV_BYTES:
         raise MoepackError(f"unknown KV dtype {dtype!r} (choose from {', '.join(KV_BYTES)})")
+    family = find_family(config)
+    if family is not None:
+        return family.kv_bytes(family.parse_config(config), n_tokens, KV_BYTES[dtype])
     cfg = ModelConfig.from_hf(config)
     idx_dim = cfg.index_head_dim
     b = KV_BYTES[dtype]

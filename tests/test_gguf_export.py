@@ -381,6 +381,16 @@ _LLAMA_CONFIGS = {
 }
 
 
+def llama_cpp_last_logits(exe: str, gguf_file: str, ids: list[int], tmp_path) -> np.ndarray:
+    """llama.cpp's last-position logits (float32 [vocab]) of token `ids` on `gguf_file`, by `exe`
+    (benchmarks/llama_logits' llama-logits)."""
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, ids)))
+    res = subprocess.run([exe, gguf_file, str(tmp_path / "ids.txt"), str(tmp_path / "out.f32"), "2"],
+                         capture_output=True, timeout=300)
+    assert res.returncode == 0, res.stderr.decode("utf-8", "replace")[-2000:]
+    return np.fromfile(tmp_path / "out.f32", dtype=np.float32)
+
+
 @pytest.mark.skipif(not os.environ.get("MOEPACK_LLAMA_CPP"), reason="MOEPACK_LLAMA_CPP (a llama.cpp build) not set")
 @pytest.mark.parametrize("name,tokenizer", [(n, True) for n in sorted(_LLAMA_CONFIGS)] + [("hash-csa-hca", False)])
 def test_llama_cpp_logits_equal_moepack_prefill(name, tokenizer, tmp_path):
@@ -409,11 +419,7 @@ def test_llama_cpp_logits_equal_moepack_prefill(name, tokenizer, tmp_path):
     assert {t.tensor_type.name for t in gguf.GGUFReader(out).tensors} <= {"F32", "I32"}
     for n in (1, 40, 150):
         ids = torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-        (tmp_path / "ids.txt").write_text(" ".join(map(str, ids)))
-        res = subprocess.run([exe, out, str(tmp_path / "ids.txt"), str(tmp_path / "out.f32"), "2"],
-                             capture_output=True, timeout=300)
-        assert res.returncode == 0, res.stderr.decode("utf-8", "replace")[-2000:]
-        theirs = np.fromfile(tmp_path / "out.f32", dtype=np.float32)
+        theirs = llama_cpp_last_logits(exe, out, ids, tmp_path)
         ours = prefill(container, ids).logits.numpy()
         assert theirs.shape == ours.shape
         err = np.abs(theirs - ours).max() / np.abs(ours).max()

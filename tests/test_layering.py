@@ -26,6 +26,9 @@ LAYERS = {
 }
 SIBLINGS_APART = {("moepack.runtime", "moepack.packer"), ("moepack.packer", "moepack.runtime"),
                   ("moepack.families", "moepack.v4"), ("moepack.v4", "moepack.families")}
+# The families' registry (moepack.families itself, not a family's package) finds DeepSeek-V4's adapter in moepack.v4
+# until DeepSeek-V4 moves into moepack.families (issue 39): the one edge between the two, by name.
+REGISTRY_BRIDGE = {("moepack.families", "moepack.v4.arch")}
 
 
 def package_modules() -> dict[str, str]:
@@ -110,6 +113,8 @@ def test_no_module_imports_a_layer_above_its_own():
             if mine is None or theirs is None:
                 if mine is None and theirs is not None and module == "moepack" and theirs[1] > 1:
                     violations.append(f"{module} -> {target}")  # the root imports only errors-level modules
+                continue
+            if (module, target) in REGISTRY_BRIDGE:
                 continue
             if theirs[1] > mine[1] or (mine[0], theirs[0]) in SIBLINGS_APART:
                 violations.append(f"{module} -> {target}")

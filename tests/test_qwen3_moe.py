@@ -192,11 +192,20 @@ def fp8_release(directory):
     return values
 
 
+def save_widened(model, fp8, values: dict, widened) -> None:
+    """Save `model` to `widened` with the FP8 release `fp8`'s dequantized `values` (fp8_release's) in float32: the
+    same model as transformers loads it without an FP8 quantizer."""
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(widened)
+    tensors = {n: t.float() for n, t in load_file(str(fp8 / "model.safetensors")).items()
+               if not n.endswith(FP8_SCALE_SUFFIX)}
+    save_file({**tensors, **values}, str(widened / "model.safetensors"), metadata={"format": "pt"})
+
+
 def test_fp8_release_layout(tmp_path):
     """Loaded from the FP8 layout, the logits equal transformers' over the same dequantized weights (float32), and
     stay within FP8's rounding of the model it was made from."""
-    from safetensors.torch import load_file, save_file
-
     fp8, widened = tmp_path / "fp8", tmp_path / "widened"
     model = save_model(fp8, {}, torch.float32)
     values = fp8_release(fp8)
@@ -206,10 +215,7 @@ def test_fp8_release_layout(tmp_path):
     assert loaded.tensors["model.layers.0.self_attn.q_proj.weight"].shape == (128, 160)  # edge blocks
     ours = forward(loaded, PROMPT)
 
-    model.save_pretrained(widened)  # the same model with the FP8 values, as transformers loads it
-    tensors = {n: t.float() for n, t in load_file(str(fp8 / "model.safetensors")).items()
-               if not n.endswith(FP8_SCALE_SUFFIX)}
-    save_file({**tensors, **values}, str(widened / "model.safetensors"), metadata={"format": "pt"})
+    save_widened(model, fp8, values, widened)
     torch.testing.assert_close(ours, reference_logits(reference(widened), PROMPT), atol=1e-5, rtol=1e-5)
 
     originals = dict(model.named_parameters())  # (transformers holds the experts fused: the others compared)

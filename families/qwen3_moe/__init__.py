@@ -7,9 +7,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..base import ExpertNaming, MoeShape, TensorSpec, chat_template_from_tokenizer_config
+from moepack.format_spec.adapter import Adapter
+
+from ..base import ExpertNaming, GGUFModel, MoeShape, TensorSpec, chat_template_from_tokenizer_config
+from .adapter import QWEN3_MOE
+from .gguf import config_from_gguf, gguf_model
 from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
-from .tensors import EXPERT_NAMING, tensor_specs
+from .tensors import EXPERT_NAMING, fp8_block, release_tensors, tensor_specs
 
 
 class Qwen3MoeFamily:
@@ -19,6 +23,7 @@ class Qwen3MoeFamily:
     architectures = (ARCHITECTURE,)
     model_types = (MODEL_TYPE,)
     expert_naming: ExpertNaming = EXPERT_NAMING
+    adapter: Adapter = QWEN3_MOE
 
     def parse_config(self, raw: Mapping[str, Any]) -> Qwen3MoeConfig:
         return Qwen3MoeConfig.from_hf(raw)
@@ -28,6 +33,25 @@ class Qwen3MoeFamily:
 
     def tensor_specs(self, config: Qwen3MoeConfig) -> list[TensorSpec]:
         return tensor_specs(config)
+
+    def source_tensors(self, raw: Mapping[str, Any]) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+        config, fp8 = Qwen3MoeConfig.from_hf(raw), fp8_block(raw) is not None
+        return [(spec.name, release_tensors(spec, fp8)) for spec in tensor_specs(config)]
+
+    def attention_flops(self, config: Qwen3MoeConfig, n_tokens: int) -> dict[str, float]:
+        # full causal attention: query t sees t + 1 keys, (N + 1) / 2 on average, in every layer
+        per_key = 4 * config.num_heads * config.head_dim
+        growing = config.num_layers * per_key * (n_tokens + 1) / 2
+        return {"window": 0.0, "growing": growing, "total": growing}
+
+    def kv_bytes(self, config: Qwen3MoeConfig, n_tokens: int, element_bytes: int) -> int:
+        return 2 * n_tokens * config.num_kv_heads * config.head_dim * element_bytes
+
+    def gguf_model(self, config: Qwen3MoeConfig) -> GGUFModel:
+        return gguf_model(config)
+
+    def config_from_gguf(self, keys: Mapping[str, Any], vocab_size: int, tied: bool) -> dict:
+        return config_from_gguf(keys, vocab_size, tied)
 
     def new_kv(self, config: Qwen3MoeConfig):
         from .model import KVState

@@ -21,7 +21,7 @@ import torch
 
 from moepack.format_spec import decode
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.source_formats import FP8_BLOCK
+from moepack.format_spec.source_formats import FP8_BLOCK, fp8_block_scale_shape
 from moepack.format_spec.untrusted import UntrustedInputError, load_file
 
 from ..base import (ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EMBED, ROLE_EXPERT, ROLE_HEAD, ROLE_NORM, ROLE_ROUTER,
@@ -118,6 +118,18 @@ def fp8_block(raw_config: Mapping[str, Any]) -> int | None:
                                   f"is supported, got {str(quant.get('weight_block_size'))[:40]} "
                                   f"{str(quant.get('fmt'))[:20]}")
     return FP8_BLOCK
+
+
+FP8_ROLES = (ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EXPERT)  # the `-FP8` releases' F8_E4M3 linears
+
+
+def release_tensors(spec: TensorSpec, fp8: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of what a release stores for `spec`: BF16, or with `fp8` (an `-FP8`
+    release) a linear as F8_E4M3 with its BF16 128x128 block scales."""
+    if fp8 and spec.role in FP8_ROLES:
+        return [(spec.name, "F8_E4M3", spec.shape),
+                (spec.name + FP8_SCALE_SUFFIX, "BF16", fp8_block_scale_shape(*spec.shape))]
+    return [(spec.name, "BF16", spec.shape)]
 
 
 def dequantize_fp8(name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

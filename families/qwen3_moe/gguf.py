@@ -1,0 +1,75 @@
+"""Qwen3-MoE as llama.cpp's `qwen3moe` architecture: the hyperparameter keys its loader reads (the names of
+gguf-py's Keys, as llama.cpp's convert_hf_to_gguf.py Qwen3MoeModel writes them) and what it cannot express.
+The tensors' GGUF names are in tensors.py (TensorSpec.gguf)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from moepack.format_spec.errors import MoepackError
+
+from ..base import GGUFModel
+from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
+
+GGUF_ARCH = "qwen3moe"
+TOKENIZER_PRE = "qwen2"  # what llama.cpp's converter names Qwen's BPE pre-tokenizer
+# ... and its regex, as Qwen's tokenizer.json splits before the byte-level step (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2)
+TOKENIZER_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def gguf_model(c: Qwen3MoeConfig) -> GGUFModel:
+    dense = [layer for layer in range(c.num_layers) if not c.is_moe_layer(layer)]
+    if dense:
+        raise MoepackError(f"llama.cpp's {GGUF_ARCH} has routed experts in every layer; layers {dense[:8]} hold a "
+                           "dense MLP (mlp_only_layers / decoder_sparse_step)")
+    if not c.norm_topk_prob:
+        raise MoepackError(f"llama.cpp's {GGUF_ARCH} renormalises the top-k routing weights; this config's "
+                           "norm_topk_prob is false")
+    a = GGUF_ARCH
+    keys = (
+        (f"{a}.block_count", "uint32", c.num_layers),
+        (f"{a}.context_length", "uint32", c.max_position_embeddings),
+        (f"{a}.embedding_length", "uint32", c.hidden_size),
+        (f"{a}.feed_forward_length", "uint32", c.intermediate_size),
+        (f"{a}.attention.head_count", "uint32", c.num_heads),
+        (f"{a}.attention.head_count_kv", "uint32", c.num_kv_heads),
+        (f"{a}.attention.key_length", "uint32", c.head_dim),
+        (f"{a}.attention.value_length", "uint32", c.head_dim),
+        (f"{a}.rope.freq_base", "float32", float(c.rope_theta)),
+        (f"{a}.attention.layer_norm_rms_epsilon", "float32", float(c.rms_norm_eps)),
+        (f"{a}.expert_count", "uint32", c.num_experts),
+        (f"{a}.expert_used_count", "uint32", c.top_k),
+        (f"{a}.expert_feed_forward_length", "uint32", c.moe_intermediate_size),
+    )
+    return GGUFModel(GGUF_ARCH, keys, TOKENIZER_PRE, (TOKENIZER_SPLIT,))
+
+
+def config_from_gguf(keys: Mapping[str, Any], vocab_size: int, tied: bool) -> dict:
+    """The config.json (transformers' spelling) of a `qwen3moe` GGUF's keys (`keys`: without the `qwen3moe.`
+    prefix): gguf_model's inverse. A key llama.cpp requires that is absent is one line naming it."""
+    def key(name: str, default: Any = None) -> Any:
+        value = keys.get(name, default)
+        if value is None:
+            raise MoepackError(f"no {GGUF_ARCH}.{name} key")
+        return value
+
+    def decimal(name: str) -> float:  # a float32 key as the shortest decimal it rounds from (1e-06, not 9.99e-07)
+        return float(str(np.float32(key(name))))
+
+    heads = int(key("attention.head_count"))
+    return {
+        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "vocab_size": vocab_size,
+        "hidden_size": int(key("embedding_length")), "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": int(key("feed_forward_length")), "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length")), "rope_theta": decimal("rope.freq_base"),
+        "rms_norm_eps": decimal("attention.layer_norm_rms_epsilon"),
+        "num_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
+        "moe_intermediate_size": int(key("expert_feed_forward_length")), "norm_topk_prob": True,
+        "max_position_embeddings": int(key("context_length")), "tie_word_embeddings": tied,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu",
+    }
