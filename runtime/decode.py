@@ -516,7 +516,10 @@ class Decoder:
 
     def _steps(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         start = time.perf_counter()
-        logits = torch.stack([self._step(seq, token) for seq, token in zip(sequences, token_ids)])
+        if self.layers is not None and len(sequences) > 1:  # one token: the one-token calls cost less
+            logits = self._compiled_rows(sequences, token_ids)
+        else:
+            logits = torch.stack([self._step(seq, token) for seq, token in zip(sequences, token_ids)])
         self.stats.steps += 1
         self.stats.tokens += len(sequences)
         self.stats.seconds += time.perf_counter() - start
@@ -556,6 +559,43 @@ class Decoder:
             finally:
                 self._give_back(held)
         return layers.output
+
+    def _compiled_rows(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
+        """Each sequence's token as one row of TokenLayers' batched calls (a CPU): every dense weight read once for
+        all rows, the union of the rows' experts fetched once and each run once on the rows that chose it. The
+        logits [B, vocab], each row that of its sequence stepped alone (the same arithmetic per row)."""
+        layers, cfg = self.layers, self.cfg
+        ids = torch.tensor(token_ids)
+        layers.begin_rows(decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", ids))
+        for layer, w in enumerate(self.dense):
+            hash_ids = w["ffn.gate.tid2eid"][ids].tolist() if cfg.hash_layers[layer] else None
+            got = self._fetch(layer, [e for row in hash_ids for e in row]) if hash_ids is not None else None
+            with self.compute:
+                layers.attention_rows(layer, [seq.kv[layer] for seq in sequences])
+                choices = layers.route_rows(layer, hash_ids)
+            chosen = dict.fromkeys(sorted({e for choice in choices for e in choice}))
+            if got is None:
+                got = self._fetch(layer, list(chosen))
+            held = []
+            try:
+                experts = self._kernel_experts(layer, chosen, got, held)
+                with self.compute:
+                    layers.finish_rows(layer, dict(zip(chosen, experts)), choices, self._routed_flag)
+            finally:
+                self._give_back(held)
+        with self.compute:
+            return self._head_rows(layers.rows_output)
+
+    def _head_rows(self, streams: torch.Tensor) -> torch.Tensor:
+        """model.head of each row's streams [B, hc, H] -> [B, vocab] float32: the LM head (the largest matrix)
+        read once for every row, each row's products and sums those of its head alone (the token matmul's)."""
+        weight = self.head_weights[self.cfg.head_weight]
+        x = torch.cat([model.head_input(self.cfg, streams[row:row + 1], self.head_weights, -1)
+                       for row in range(streams.shape[0])])
+        if x.dtype != torch.float32 or model._token_kernels(1, x, weight) is None:  # as model.head would
+            return torch.stack([model.head(self.cfg, streams[row:row + 1], self.head_weights, -1).float().cpu()
+                                for row in range(streams.shape[0])])
+        return self.kernels.linear(x, token_kernels.float_matrix(weight), False)
 
     def _layers(self, seq: DecodeSequence, token_id: int, ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
         """Every layer by model.py's functions (a GPU, the native code off, weights the kernels do not take): the
