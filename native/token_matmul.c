@@ -190,6 +190,80 @@ static float dot_avx512(const matrix_t *m, int64_t r, const float *x) {
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
+
+/* out[j] = dot_avx512(m, r, xs[j]) for j < n <= DOTS_MAX, each weight vector decoded once for all n: every
+   input's accumulators take the same operations in the same order as dot_avx512's, so each result is its to the
+   bit (several tokens' rows, decode's batched step) */
+#define DOTS_MAX 8
+static void dots_avx512(const matrix_t *m, int64_t r, const float *const *xs, int n, float *out) {
+    const int64_t K = m->cols;
+    const uint8_t *row = m->data + r * row_bytes(m->kind, K);
+    __m512 a0[DOTS_MAX], a1[DOTS_MAX];
+    for (int j = 0; j < n; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    switch (m->kind) {
+    case KIND_F32: {
+        const float *w = (const float *)row;
+        for (; k + 32 <= K; k += 32) {
+            const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
+            for (int j = 0; j < n; j++) {
+                a0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[j] + k), a0[j]);
+                a1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs[j] + k + 16), a1[j]);
+            }
+        }
+        for (; k < K; k += 16) {
+            const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
+            const __m512 w0 = _mm512_maskz_loadu_ps(mask, w + k);
+            for (int j = 0; j < n; j++) a0[j] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[j]);
+        }
+        break;
+    }
+    case KIND_BF16: case KIND_F16: {
+        const uint16_t *w = (const uint16_t *)row;
+        const int bf16 = m->kind == KIND_BF16;
+        for (; k < K; k += 16) {
+            const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
+            const __m256i h = _mm256_maskz_loadu_epi16(mask, w + k);
+            const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                  : _mm512_cvtph_ps(h);
+            if ((k / 16) & 1)
+                for (int j = 0; j < n; j++) a1[j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a1[j]);
+            else
+                for (int j = 0; j < n; j++) a0[j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[j]);
+        }
+        break;
+    }
+    case KIND_Q8_0:
+        for (int64_t g = 0; g < K / GROUP; g++) {
+            const uint8_t *block = row + 34 * g;
+            const __m512 d = _mm512_set1_ps(f16_value((uint16_t)(block[0] | block[1] << 8)));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18))));
+            const __m512 wl = _mm512_mul_ps(d, lo), wh = _mm512_mul_ps(d, hi);
+            for (int j = 0; j < n; j++) {
+                a0[j] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xs[j] + g * GROUP), a0[j]);
+                a1[j] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xs[j] + g * GROUP + 16), a1[j]);
+            }
+        }
+        break;
+    default:
+        for (int64_t g = 0; g < K / GROUP; g++) {
+            const uint8_t *bytes, *s;
+            if (m->kind == KIND_MXFP4) { s = row + 17 * g; bytes = s + 1; }
+            else { s = m->scale + r * (K / GROUP) + g; bytes = row + 16 * g; }
+            const __m512 values = _mm512_loadu_ps(m->table + 16 * *s);
+            const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+            const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), values);
+            const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
+            for (int j = 0; j < n; j++) {
+                a0[j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs[j] + g * GROUP), a0[j]);
+                a1[j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs[j] + g * GROUP + 16), a1[j]);
+            }
+        }
+        break;
+    }
+    for (int j = 0; j < n; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+}
 #endif
 
 static int use_vector = 1;  /* token_matmul_set_level(0): the scalar loop (self-checks compare both) */
@@ -199,6 +273,18 @@ static inline float dot(const matrix_t *m, int64_t r, const float *x) {
     if (use_vector) return dot_avx512(m, r, x);
 #endif
     return dot_scalar(m, r, x);
+}
+
+/* out[j] = dot(m, r, xs[j]) for j < n (any n): row r's weights decoded once per DOTS_MAX inputs */
+static void dots(const matrix_t *m, int64_t r, const float *const *xs, int64_t n, float *out) {
+#ifdef HAVE_AVX512
+    if (use_vector) {
+        for (int64_t j = 0; j < n; j += DOTS_MAX) dots_avx512(m, r, xs + j, n - j < DOTS_MAX ? (int)(n - j) : DOTS_MAX,
+                                                              out + j);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < n; j++) out[j] = dot_scalar(m, r, xs[j]);
 }
 
 int token_matmul_vector_level(void) {
@@ -333,17 +419,20 @@ static void linear_part(void *p, int part, int parts) {
     int64_t r0, r1;
     share(a->w->rows, part, parts, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
-        if (a->group_rows) {
-            const int64_t groups = a->w->rows / a->group_rows;
-            for (int64_t t = 0; t < a->tokens; t++) {
-                const float y = dot(a->w, r, a->x + (t * groups + r / a->group_rows) * K);
-                a->out[t * a->out_stride + r] = a->round_out ? round_to_bf16(y) : y;
-            }
+        const int64_t tokens = a->group_rows ? a->tokens : a->T;
+        const int64_t groups = a->group_rows ? a->w->rows / a->group_rows : 1, group = a->group_rows ? r / a->group_rows : 0;
+        if (tokens == 1) {  /* one token: the one-input loop */
+            const float y = dot(a->w, r, a->x + group * K);
+            a->out[r] = a->round_out ? round_to_bf16(y) : y;
             continue;
         }
-        for (int64_t t = 0; t < a->T; t++) {
-            const float y = dot(a->w, r, a->x + t * K);
-            a->out[t * a->out_stride + r] = a->round_out ? round_to_bf16(y) : y;
+        for (int64_t t = 0; t < tokens; t += DOTS_MAX) {  /* several: row r decoded once per DOTS_MAX of them */
+            const int n = tokens - t < DOTS_MAX ? (int)(tokens - t) : DOTS_MAX;
+            const float *xs[DOTS_MAX];
+            float y[DOTS_MAX];
+            for (int j = 0; j < n; j++) xs[j] = a->x + ((t + j) * groups + group) * K;
+            dots(a->w, r, xs, n, y);
+            for (int j = 0; j < n; j++) a->out[(t + j) * a->out_stride + r] = a->round_out ? round_to_bf16(y[j]) : y[j];
         }
     }
 }
@@ -408,9 +497,16 @@ static void many_part(void *p, int part, int parts) {
         const matrix_t *w = &a->ws[i];
         const int64_t lo = r0 > first ? r0 - first : 0, hi = r1 - first < w->rows ? r1 - first : w->rows;
         for (int64_t r = lo; r < hi; r++)
-            for (int64_t t = 0; t < a->T; t++) {
-                const float y = dot(w, r, a->x + (t * a->n + i) * w->cols);
-                a->out[t * a->out_stride + a->offsets[i] + r] = a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y) : y;
+            for (int64_t t = 0; t < a->T; t += DOTS_MAX) {
+                const int n = a->T - t < DOTS_MAX ? (int)(a->T - t) : DOTS_MAX;
+                const float *xs[DOTS_MAX];
+                float y[DOTS_MAX];
+                for (int j = 0; j < n; j++) xs[j] = a->x + ((t + j) * a->n + i) * w->cols;
+                if (n == 1) y[0] = dot(w, r, xs[0]);
+                else dots(w, r, xs, n, y);
+                for (int j = 0; j < n; j++)
+                    a->out[(t + j) * a->out_stride + a->offsets[i] + r] = a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y[j])
+                                                                                                  : y[j];
             }
     }
 }
@@ -569,11 +665,19 @@ static void rows_hidden_part(void *p, int part, int parts) {
         const matrix_t *w1 = a->w1 + e, *w3 = a->w3 + e;
         const int flags = a->flags[e], spread = deinterleaved(a->w2[e].kind);
         for (int64_t i = i0; i < i1; i++)
-            for (int64_t q = a->starts[e]; q < a->starts[e + 1]; q++) {
-                const int64_t t = a->rows[q];
-                a->hidden[a->hidden_first[q] + (spread ? arranged(i) : i)] = swiglu(
-                    dot(w1, i, row_input(a, w1->kind, flags, t)), dot(w3, i, row_input(a, w3->kind, flags, t)),
-                    a->limit, flags);
+            for (int64_t q0 = a->starts[e]; q0 < a->starts[e + 1]; q0 += DOTS_MAX) {  /* rows i decoded once per chunk */
+                const int n = a->starts[e + 1] - q0 < DOTS_MAX ? (int)(a->starts[e + 1] - q0) : DOTS_MAX;
+                const float *x1[DOTS_MAX], *x3[DOTS_MAX];
+                float gate[DOTS_MAX], up[DOTS_MAX];
+                for (int j = 0; j < n; j++) {
+                    x1[j] = row_input(a, w1->kind, flags, a->rows[q0 + j]);
+                    x3[j] = row_input(a, w3->kind, flags, a->rows[q0 + j]);
+                }
+                dots(w1, i, x1, n, gate);
+                dots(w3, i, x3, n, up);
+                for (int j = 0; j < n; j++)
+                    a->hidden[a->hidden_first[q0 + j] + (spread ? arranged(i) : i)] = swiglu(gate[j], up[j], a->limit,
+                                                                                             flags);
             }
     }
 }
@@ -586,10 +690,16 @@ static void rows_output_part(void *p, int part, int parts) {
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t t = 0; t < a->T; t++) a->out[t * a->H + r] = 0.0f;
         for (int64_t e = 0; e < a->n; e++)
-            for (int64_t q = a->starts[e]; q < a->starts[e + 1]; q++) {
-                const float y = dot(a->w2 + e, r, a->hidden + a->hidden_first[q]);
-                float *acc = a->out + a->rows[q] * a->H + r;
-                *acc = fmaf(a->weights[q], a->flags[e] & ROUND_OUTPUT ? round_to_bf16(y) : y, *acc);
+            for (int64_t q0 = a->starts[e]; q0 < a->starts[e + 1]; q0 += DOTS_MAX) {
+                const int n = a->starts[e + 1] - q0 < DOTS_MAX ? (int)(a->starts[e + 1] - q0) : DOTS_MAX;
+                const float *xs[DOTS_MAX];
+                float y[DOTS_MAX];
+                for (int j = 0; j < n; j++) xs[j] = a->hidden + a->hidden_first[q0 + j];
+                dots(a->w2 + e, r, xs, n, y);
+                for (int j = 0; j < n; j++) {
+                    float *acc = a->out + a->rows[q0 + j] * a->H + r;
+                    *acc = fmaf(a->weights[q0 + j], a->flags[e] & ROUND_OUTPUT ? round_to_bf16(y[j]) : y[j], *acc);
+                }
             }
     }
 }
@@ -756,12 +866,19 @@ static void norm_rope_row(const float *in, int64_t cols, const float *weight, fl
     if (rope_dim) rotate(out, cols, rope_dim, rot, 1.0f);
 }
 
+static void attend_head(const attend_args *a, int64_t h);
+
 static void attend_part(void *p, int part, int parts) {
     const attend_args *a = p;
-    const int64_t D = a->dim;
     int64_t h0, h1;
     share(a->heads, part, parts, &h0, &h1);
-    for (int64_t h = h0; h < h1; h++) {
+    for (int64_t h = h0; h < h1; h++) attend_head(a, h);
+}
+
+/* one head of one token's attention */
+static void attend_head(const attend_args *a, int64_t h) {
+    const int64_t D = a->dim;
+    {
         float *q = a->scratch + h * (2 * D + a->keys), *sum = q + D, *logits = sum + D, *o = a->out + h * D;
         norm_rope_row(a->q + h * D, D, NULL, a->eps, a->rope_dim, a->rot, q);  /* the per-head norm, no weight */
         if (a->round_low)
@@ -815,6 +932,53 @@ int attend_token(const float *q, int64_t heads, int64_t dim, int64_t rope_dim, c
                      out};
     run_parts(attend_part, &a, threads < heads ? threads : (int)heads);
     free(scratch);
+    return 0;
+}
+
+typedef struct {
+    const attend_args *rows;
+    int64_t count, heads;
+} attend_rows_args;
+
+static void attend_rows_part(void *p, int part, int parts) {
+    const attend_rows_args *a = p;
+    int64_t u0, u1;
+    share(a->count * a->heads, part, parts, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) attend_head(&a->rows[u / a->heads], u % a->heads);
+}
+
+/* attend_token for T tokens in one call, their (token, head) pairs split over the threads: token t's query at
+   q + t * q_stride, its rotation at rot + t * rope_dim, its n_sets[t] key sets next in sets / counts, its out
+   [heads, D] at out + t * heads * D; each token's what attend_token gives it alone */
+int attend_rows(const float *q, int64_t T, int64_t q_stride, int64_t heads, int64_t dim, int64_t rope_dim,
+                const float *rot, float eps, const float *const *sets, const int64_t *counts, const int *n_sets,
+                const float *sink, float scale, int round_low, float *out, int threads)
+{
+    if (T < 1 || heads < 1 || dim < 1 || rope_dim < 0 || rope_dim > dim || rope_dim % 2) return 1;
+    attend_args *rows = malloc(sizeof(attend_args) * (size_t)T);
+    int64_t scratch_floats = 0, first_set = 0;
+    if (!rows) return 2;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t keys = 0;
+        if (n_sets[t] < 0) { free(rows); return 1; }
+        for (int s = 0; s < n_sets[t]; s++) {
+            const int64_t count = counts[first_set + s];
+            if (count < 0 || (count && !sets[first_set + s])) { free(rows); return 1; }
+            keys += count;
+        }
+        rows[t] = (attend_args){q + t * q_stride, heads, dim, rope_dim, rot + t * rope_dim, eps, scale,
+                                sets + first_set, counts + first_set, n_sets[t], sink, round_low, NULL, keys,
+                                out + t * heads * dim};
+        scratch_floats += heads * (2 * dim + keys);
+        first_set += n_sets[t];
+    }
+    float *scratch = malloc(sizeof(float) * (size_t)(scratch_floats + 1));
+    if (!scratch) { free(rows); return 2; }
+    for (int64_t t = 0, at = 0; t < T; at += heads * (2 * dim + rows[t++].keys)) rows[t].scratch = scratch + at;
+    attend_rows_args a = {rows, T, heads};
+    run_parts(attend_rows_part, &a, threads < T * heads ? threads : (int)(T * heads));
+    free(scratch);
+    free(rows);
     return 0;
 }
 

@@ -94,6 +94,8 @@ class TokenKernels:
                                                       ctypes.c_int))
         self._attend = c_function(lib, "attend_token", (p, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int, p,
                                                          ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
+        self._attend_rows = c_function(lib, "attend_rows", (p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, p, p,
+                                                            ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
         self._norm_rope = c_function(lib, "token_norm_rope", (p, i64, i64, p, ctypes.c_float, i64, p, p, p))
         self._index = c_function(lib, "index_token", (p, i64, i64, i64, p, p, i64, p, ctypes.c_int, p, ctypes.c_int))
         self._set_level = c_function(lib, "token_matmul_set_level", (ctypes.c_int,), restype=None)
@@ -272,6 +274,25 @@ class TokenKernels:
             raise RuntimeError(f"the token attention refused a query {list(q.shape)}")
         return out
 
+    def attend_rows(self, q: torch.Tensor, key_sets: list[list[torch.Tensor]], sink: torch.Tensor, scale: float,
+                    rotations: list[torch.Tensor], eps: float, round_bf16: bool,
+                    threads: int | None = None) -> torch.Tensor:
+        """`attend` of T tokens in one call: q [T, heads, D], token t's key sets key_sets[t] and rotation
+        rotations[t] -> [T, heads, D], each token's what attend gives it alone."""
+        T, heads, dim = q.shape
+        q = q.float().contiguous()
+        rot = torch.stack([_angles(r) for r in rotations]).contiguous()
+        sets = [[k.float().contiguous() for k in row if k.shape[0]] for row in key_sets]
+        if (len(sets) != T or rot.shape[0] != T or sink.numel() != heads or 2 * rot.shape[1] > dim
+                or any(k.dim() != 2 or k.shape[1] != dim for row in sets for k in row)):
+            raise ValueError(f"keys and rotations for {len(key_sets)} tokens for queries {list(q.shape)}")
+        sink = sink.float().contiguous()
+        out = torch.empty(T, heads, dim, dtype=torch.float32)
+        if self._attend_rows(q.data_ptr(), T, heads * dim, heads, dim, 2 * rot.shape[1], rot.data_ptr(), eps,
+                             *attend_rows_arguments(sets), sink.data_ptr(), scale, int(round_bf16), out.data_ptr(),
+                             _threads(threads)):
+            raise RuntimeError(f"the token attention refused queries {list(q.shape)}")
+        return out
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                   rotation: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -328,6 +349,15 @@ def moe_arguments(experts: list[tuple[Matrix, Matrix, Matrix]], rows: list[list[
     return (*((Matrix * n)(*(e[j] for e in experts)) for j in range(3)), (ctypes.c_int * n)(*flags),
             (ctypes.c_int64 * (len(starts)))(*starts), (ctypes.c_int64 * pairs)(*(t for r in rows for t in r)),
             (ctypes.c_float * pairs)(*(w for ws in weights for w in ws)))
+
+
+def attend_rows_arguments(key_sets: list[list[torch.Tensor]]) -> tuple:
+    """attend_rows' C arguments for each token's non-empty float32 key sets [K, D]: every set's address and row
+    count, one token after another, and each token's number of sets."""
+    flat = [k for row in key_sets for k in row]
+    return ((ctypes.c_void_p * max(len(flat), 1))(*(k.data_ptr() for k in flat)),
+            (ctypes.c_int64 * max(len(flat), 1))(*(k.shape[0] for k in flat)),
+            (ctypes.c_int * len(key_sets))(*(len(row) for row in key_sets)))
 
 
 def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -574,6 +604,19 @@ def _self_check(kernels: TokenKernels) -> str | None:
             got = kernels.attend(q, sets, sink, 0.3, rotation, 1e-6, round_bf16, threads=2).double()
             if not torch.allclose(got, want, rtol=1e-2 if round_bf16 else 1e-5, atol=1e-2 if round_bf16 else 1e-5):
                 return f"the token attention (vector loop: {vector}) differs from torch's"
+            # three tokens in one call: the first as above, one with no keys, one with its own keys and angles
+            other = [torch.randn(5, dim, generator=gen)]
+            other = [k.bfloat16().float() for k in other] if round_bf16 else other
+            turned = torch.polar(torch.full_like(angles, 1.1), torch.rand(12, generator=gen) * 6)
+            queries = torch.stack([q, q * 0.5, torch.randn(heads, dim, generator=gen)])
+            rows = kernels.attend_rows(queries, [sets, [], other], sink, 0.3, [rotation, rotation, turned], 1e-6,
+                                       round_bf16, threads=2)
+            for row, keys, turn, query in zip(rows, [sets, [], other], [rotation, rotation, turned], queries):
+                want = reference_attend(query, keys, sink, 0.3, turn, 1e-6, round_bf16) if keys else \
+                    torch.zeros(heads, dim, dtype=torch.float64)  # (only the sink: nothing attended to)
+                if not torch.allclose(row.double(), want, rtol=1e-2 if round_bf16 else 1e-5,
+                                      atol=1e-2 if round_bf16 else 1e-5):
+                    return f"the attention of several tokens (vector loop: {vector}) differs from torch's"
     kernels.set_vector(True)
     return None
 

@@ -346,6 +346,7 @@ class TokenLayers:
         q = R.q[:B * queries.total].view(B, queries.total)
         _call(k._many_rows, (_ptr(R.q_lora), B, queries.cols, queries.cols, queries.matrices, queries.count, _ptr(q),
                              queries.total, queries.offsets, queries.flags), threads)
+        key_sets = []
         for row, (kv_state, (rotation, angles, parts, keys, entries, row_indexed)) in enumerate(zip(kv_states, grown)):
             if entries is not None and entries.shape[0]:
                 if row_indexed:
@@ -354,7 +355,13 @@ class TokenLayers:
                     scores = k.index_scores(index_q, rotation, kv_state.indexer.entries.mirror(), head_weights, L.low)
                     entries = entries.index_select(0, scores.topk(cfg.index_topk).indices)
                 keys.append(entries)
-            self._attend(L, _ptr(q[row]), angles, keys, R.o[row], threads)
+            key_sets.append([t for t in keys if t.shape[0]])
+        # every row's attention in one call (one wake of the threads, not one per row)
+        angles = torch.stack([g[1] for g in grown])
+        sets, counts, n_sets = token_kernels.attend_rows_arguments(key_sets)
+        _call(k._attend_rows, (_ptr(q), B, queries.total, cfg.num_heads, cfg.head_dim, 2 * angles.shape[1],
+                               _ptr(angles), cfg.rms_norm_eps, sets, counts, n_sets, _ptr(L.sink), cfg.head_dim ** -0.5,
+                               int(L.low), _ptr(R.o)), threads)
         _call(k._grouped_rows, (_ptr(R.o), B, cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups,
                                 ctypes.byref(L.wo_a), _ptr(R.low_rank), L.wo_a.rows, L.low * (ROUND_INPUT | ROUND_OUTPUT)),
               threads)
