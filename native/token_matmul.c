@@ -195,7 +195,8 @@ static float dot_avx512(const matrix_t *m, int64_t r, const float *x) {
    input's accumulators take the same operations in the same order as dot_avx512's, so each result is its to the
    bit (several tokens' rows, decode's batched step) */
 #define DOTS_MAX 8
-static void dots_avx512(const matrix_t *m, int64_t r, const float *const *xs, int n, float *out) {
+static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m, int64_t r, const float *const *xs,
+                                                              int n, float *out) {
     const int64_t K = m->cols;
     const uint8_t *row = m->data + r * row_bytes(m->kind, K);
     __m512 a0[DOTS_MAX], a1[DOTS_MAX];
@@ -279,8 +280,17 @@ static inline float dot(const matrix_t *m, int64_t r, const float *x) {
 static void dots(const matrix_t *m, int64_t r, const float *const *xs, int64_t n, float *out) {
 #ifdef HAVE_AVX512
     if (use_vector) {
-        for (int64_t j = 0; j < n; j += DOTS_MAX) dots_avx512(m, r, xs + j, n - j < DOTS_MAX ? (int)(n - j) : DOTS_MAX,
-                                                              out + j);
+        for (int64_t j = 0; j < n; j += DOTS_MAX)
+            switch (n - j < DOTS_MAX ? n - j : DOTS_MAX) {  /* a constant count: the accumulators stay in registers */
+            case 1: dots_avx512(m, r, xs + j, 1, out + j); break;
+            case 2: dots_avx512(m, r, xs + j, 2, out + j); break;
+            case 3: dots_avx512(m, r, xs + j, 3, out + j); break;
+            case 4: dots_avx512(m, r, xs + j, 4, out + j); break;
+            case 5: dots_avx512(m, r, xs + j, 5, out + j); break;
+            case 6: dots_avx512(m, r, xs + j, 6, out + j); break;
+            case 7: dots_avx512(m, r, xs + j, 7, out + j); break;
+            default: dots_avx512(m, r, xs + j, 8, out + j); break;
+            }
         return;
     }
 #endif
