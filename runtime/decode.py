@@ -12,7 +12,9 @@ in one call of the compiled token kernel (runtime/token_kernels.py), which reads
 run on one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another stored
 kind) model.py's functions run each layer and each expert is computed as its bytes arrive by the prefill's expert
 runner. The attention grows each layer's KV one token at a time (a model.TokenKV); `states` gives them as
-LayerKVStates.
+LayerKVStates. Several sequences step together (`step_batch`): on a CPU as rows of TokenLayers' batched calls,
+every resident weight read once per step and the union of the rows' experts fetched once, each run once on the
+rows that chose it; each row's logits are those of its sequence stepped alone, to the bit.
 
 The cache holds experts as stored (their container bytes) on a CPU, decoded to the expert dtype on a GPU (a hit
 is then three matmuls, not a chain of decoding kernels), least recently used evicted first; once full, a miss

@@ -18,6 +18,9 @@ float32 in registers and multiplies in float32, threads splitting the rows:
 - `attend(q, key_sets, sink, scale, rotation, eps, round_bf16)`: one decoded token's attention core (per-head norm,
   RoPE, one softmax over every key set and the sink, the weighted keys, RoPE undone): ~40 small torch ops in one
   call, heads split over the threads.
+- `moe_rows`, `route_rows`, `linear_many_rows`, `grouped_rows`, `attend_rows`: the same for several tokens (decode's
+  batched step, one per sequence) in one call, each weight read once for all of them and each weight vector decoded
+  once for up to 8 (`linear` too); each token's result is, to the bit, what the one-token call gives it.
 
 Built once per machine (skipped with MOEPACK_NATIVE=0), used only after both the AVX-512 and the plain loop agree
 with torch on every kind at load; None (callers keep torch) where it cannot be built or disagrees.
