@@ -131,70 +131,13 @@ static float dot_scalar(const matrix_t *m, int64_t r, const float *x) {
     }
 }
 
+#define DOTS_MAX 8  /* inputs a weight vector is decoded once for (dots) */
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_AVX512 1
-static float dot_avx512(const matrix_t *m, int64_t r, const float *x) {
-    const int64_t K = m->cols;
-    const uint8_t *row = m->data + r * row_bytes(m->kind, K);
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    int64_t k = 0;
-    switch (m->kind) {
-    case KIND_F32: {
-        const float *w = (const float *)row;
-        for (; k + 32 <= K; k += 32) {
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-        }
-        for (; k < K; k += 16) {
-            const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
-            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, w + k), _mm512_maskz_loadu_ps(mask, x + k), a0);
-        }
-        break;
-    }
-    case KIND_BF16: case KIND_F16: {
-        const uint16_t *w = (const uint16_t *)row;
-        const int bf16 = m->kind == KIND_BF16;
-        for (; k < K; k += 16) {
-            const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
-            const __m256i h = _mm256_maskz_loadu_epi16(mask, w + k);
-            const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-                                  : _mm512_cvtph_ps(h);
-            if ((k / 16) & 1) a1 = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, x + k), a1);
-            else a0 = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, x + k), a0);
-        }
-        break;
-    }
-    case KIND_Q8_0:
-        for (int64_t g = 0; g < K / GROUP; g++) {
-            const uint8_t *block = row + 34 * g;
-            const __m512 d = _mm512_set1_ps(f16_value((uint16_t)(block[0] | block[1] << 8)));
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2))));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18))));
-            a0 = _mm512_fmadd_ps(_mm512_mul_ps(d, lo), _mm512_loadu_ps(x + g * GROUP), a0);
-            a1 = _mm512_fmadd_ps(_mm512_mul_ps(d, hi), _mm512_loadu_ps(x + g * GROUP + 16), a1);
-        }
-        break;
-    default:
-        for (int64_t g = 0; g < K / GROUP; g++) {
-            const uint8_t *bytes, *s;
-            if (m->kind == KIND_MXFP4) { s = row + 17 * g; bytes = s + 1; }
-            else { s = m->scale + r * (K / GROUP) + g; bytes = row + 16 * g; }
-            const __m512 values = _mm512_loadu_ps(m->table + 16 * *s);
-            const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
-            const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), values);
-            const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
-            a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + g * GROUP), a0);
-            a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + g * GROUP + 16), a1);
-        }
-        break;
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
-/* out[j] = dot_avx512(m, r, xs[j]) for j < n <= DOTS_MAX, each weight vector decoded once for all n: every
-   input's accumulators take the same operations in the same order as dot_avx512's, so each result is its to the
-   bit (several tokens' rows, decode's batched step) */
-#define DOTS_MAX 8
+/* out[j] = row r of m . xs[j] for j < n <= DOTS_MAX, each weight vector decoded once for all n; each input's
+   accumulators take the same operations in the same order whatever n, so a result is, to the bit, the one-input
+   dot's (dot_avx512: n = 1), as decode's batched step needs */
 static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m, int64_t r, const float *const *xs,
                                                               int n, float *out) {
     const int64_t K = m->cols;
@@ -264,6 +207,12 @@ static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m,
         break;
     }
     for (int j = 0; j < n; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+}
+
+static float dot_avx512(const matrix_t *m, int64_t r, const float *x) {
+    float y;
+    dots_avx512(m, r, &x, 1, &y);
+    return y;
 }
 #endif
 

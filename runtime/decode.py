@@ -551,16 +551,22 @@ class Decoder:
             with self.compute:
                 layers.attention(layer, seq.kv[layer])
                 chosen = layers.route(layer, hash_ids)
-            if got is None:
-                got = self._fetch(layer, list(chosen))
-            held = []
-            try:
-                experts = self._kernel_experts(layer, chosen, got, held)
-                with self.compute:
-                    layers.finish(layer, experts, self._routed_flag)
-            finally:
-                self._give_back(held)
+            self._run_kernel_experts(layer, chosen, got,
+                                     lambda experts: layers.finish(layer, experts, self._routed_flag))
         return layers.output
+
+    def _run_kernel_experts(self, layer: int, chosen: dict[int, float], got, finish: Callable[[list], None]) -> None:
+        """finish(the chosen experts' Matrices, in `chosen`'s order) once their bytes are here (`got`: their fetch,
+        None: fetched now); the pooled buffers given back after."""
+        if got is None:
+            got = self._fetch(layer, list(chosen))
+        held = []
+        try:
+            experts = self._kernel_experts(layer, chosen, got, held)
+            with self.compute:
+                finish(experts)
+        finally:
+            self._give_back(held)
 
     def _compiled_rows(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         """Each sequence's token as one row of TokenLayers' batched calls (a CPU): every dense weight read once for
@@ -576,15 +582,8 @@ class Decoder:
                 layers.attention_rows(layer, [seq.kv[layer] for seq in sequences])
                 choices = layers.route_rows(layer, hash_ids)
             chosen = dict.fromkeys(sorted({e for choice in choices for e in choice}))
-            if got is None:
-                got = self._fetch(layer, list(chosen))
-            held = []
-            try:
-                experts = self._kernel_experts(layer, chosen, got, held)
-                with self.compute:
-                    layers.finish_rows(layer, dict(zip(chosen, experts)), choices, self._routed_flag)
-            finally:
-                self._give_back(held)
+            self._run_kernel_experts(layer, chosen, got, lambda experts: layers.finish_rows(
+                layer, dict(zip(chosen, experts)), choices, self._routed_flag))
         with self.compute:
             return self._head_rows(layers.rows_output)
 
