@@ -16,7 +16,7 @@ On a synthetic DeepSeek-V4 model (default: the `medium` preset in the release la
 --batch 1,4,8 then steps B concurrent sequences together (Decoder.step_batch: B different prompts, each prefilled
 through the Generator and started with decoder.start), --new-tokens steps on one Generator whose cache holds every
 expert: per B the step's ms, the aggregate tokens/s, its ratio to B = 1, and the bytes a step reads (the resident
-weights once, the distinct experts the rows chose).
+weights once, the distinct experts the rows chose); the sizes run in turn, three rounds, the median round reported.
 --cap-fraction F runs the moepack rows again as a child process in a cgroup (v1 memory controller, or v2) capped at
 F x the container's size, page cache included (root only), and llama.cpp's decode in the same cgroup from a cold
 page cache, with the bytes each read from disk.
@@ -126,7 +126,8 @@ def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, 
 def batch_rows(container: str, facts: dict, sizes: list[int], prompt: int, steps: int, compute_dtype: str,
                device: str) -> list[dict]:
     """For each B in `sizes`: B sequences (B prompts of `prompt` tokens, seeds 1..B) stepped together `steps` times
-    by Decoder.step_batch, greedy, on one Generator whose cache holds every expert (warm: one untimed step first).
+    by Decoder.step_batch, greedy, on one Generator whose cache holds every expert (warm: one untimed step first);
+    the sizes in turn for WARM_RUNS rounds, each size's median round reported.
     The step's ms, the aggregate tokens/s, and the bytes a step reads: the resident weights once, the distinct
     experts its rows chose (the cache's lookups: one per distinct expert and layer)."""
     options = PrefillOptions(compute_dtype=compute_dtype, device=device)
@@ -138,17 +139,20 @@ def batch_rows(container: str, facts: dict, sizes: list[int], prompt: int, steps
         d.seed([[1] * len(block.experts) for block in d.blocks])  # every expert in the cache
         dense = sum(t.nbytes for w in d.dense for t in w.values()) + d.head_weights[d.cfg.head_weight].nbytes
         expert = facts["routed_bytes"] / sum(len(block.experts) for block in d.blocks)
+        runs = {size: [] for size in sizes}  # (seconds, distinct experts per step) per round
+        for _ in range(WARM_RUNS):  # the sizes in turn, WARM_RUNS rounds: a shared machine's load hits them alike
+            for size in sizes:
+                sequences = [d.start(copy.deepcopy(states)) for _, states in prefilled[:size]]
+                tokens = [int(logits.argmax()) for logits, _ in prefilled[:size]]
+                tokens = d.step_batch(sequences, tokens).argmax(-1).tolist()  # warm-up
+                lookups = d.cache.hits + d.cache.misses
+                start = time.perf_counter()
+                for _ in range(steps):
+                    tokens = d.step_batch(sequences, tokens).argmax(-1).tolist()
+                runs[size].append((time.perf_counter() - start, (d.cache.hits + d.cache.misses - lookups) / steps))
         rows = []
         for size in sizes:
-            sequences = [d.start(copy.deepcopy(states)) for _, states in prefilled[:size]]
-            tokens = [int(logits.argmax()) for logits, _ in prefilled[:size]]
-            tokens = d.step_batch(sequences, tokens).argmax(-1).tolist()  # warm-up
-            lookups = d.cache.hits + d.cache.misses
-            start = time.perf_counter()
-            for _ in range(steps):
-                tokens = d.step_batch(sequences, tokens).argmax(-1).tolist()
-            seconds = time.perf_counter() - start
-            distinct = (d.cache.hits + d.cache.misses - lookups) / steps
+            seconds, distinct = sorted(runs[size])[WARM_RUNS // 2]  # the median round
             rows.append({"batch": size, "step_ms": round(1000 * seconds / steps, 2),
                          "tokens_per_s": round(size * steps / seconds, 2),
                          "experts_per_step": round(distinct, 1), "dense_mb_per_step": round(dense / 1e6, 1),
