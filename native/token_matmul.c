@@ -379,7 +379,8 @@ static void linear_part(void *p, int part, int parts) {
     share(a->w->rows, part, parts, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
         const int64_t tokens = a->group_rows ? a->tokens : a->T;
-        const int64_t groups = a->group_rows ? a->w->rows / a->group_rows : 1, group = a->group_rows ? r / a->group_rows : 0;
+        const int64_t groups = a->group_rows ? a->w->rows / a->group_rows : 1;
+        const int64_t group = a->group_rows ? r / a->group_rows : 0;
         if (tokens == 1) {  /* one token: the one-input loop */
             const float y = dot(a->w, r, a->x + group * K);
             a->out[r] = a->round_out ? round_to_bf16(y) : y;
@@ -464,8 +465,8 @@ static void many_part(void *p, int part, int parts) {
                 if (n == 1) y[0] = dot(w, r, xs[0]);
                 else dots(w, r, xs, n, y);
                 for (int j = 0; j < n; j++)
-                    a->out[(t + j) * a->out_stride + a->offsets[i] + r] = a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y[j])
-                                                                                                  : y[j];
+                    a->out[(t + j) * a->out_stride + a->offsets[i] + r] =
+                        a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y[j]) : y[j];
             }
     }
 }
@@ -624,7 +625,7 @@ static void rows_hidden_part(void *p, int part, int parts) {
         const matrix_t *w1 = a->w1 + e, *w3 = a->w3 + e;
         const int flags = a->flags[e], spread = deinterleaved(a->w2[e].kind);
         for (int64_t i = i0; i < i1; i++)
-            for (int64_t q0 = a->starts[e]; q0 < a->starts[e + 1]; q0 += DOTS_MAX) {  /* rows i decoded once per chunk */
+            for (int64_t q0 = a->starts[e]; q0 < a->starts[e + 1]; q0 += DOTS_MAX) {  /* rows i decoded once */
                 const int n = a->starts[e + 1] - q0 < DOTS_MAX ? (int)(a->starts[e + 1] - q0) : DOTS_MAX;
                 const float *x1[DOTS_MAX], *x3[DOTS_MAX];
                 float gate[DOTS_MAX], up[DOTS_MAX];

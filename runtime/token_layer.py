@@ -294,7 +294,6 @@ class TokenLayers:
         if done == 2:  # the new streams hold a NaN or an infinity: the one-line error naming the layer
             model.check_finite(self.streams[0], layer)
 
-
     # --- several tokens in one step ------------------------------------------------------------------------------
     def begin_rows(self, embeddings: Tensor) -> None:
         """B tokens' embeddings [B, H] into every residual stream of their rows."""
@@ -312,7 +311,7 @@ class TokenLayers:
 
     def attention_rows(self, layer: int, kv_states: list[model.TokenKV]) -> None:
         """`attention` of each row's token, row b growing kv_states[b]: the projections of every row in one scan of
-        their weights, the attention per row."""
+        their weights, the keys and the indexer's choice per row, every row's attention core in one call."""
         L, cfg, k, R = self.layers[layer], self.cfg, self.kernels, self.rows
         B, H = R.count, cfg.hidden_size
         if len(kv_states) != B:
@@ -362,11 +361,11 @@ class TokenLayers:
         _call(k._attend_rows, (_ptr(q), B, queries.total, cfg.num_heads, cfg.head_dim, 2 * angles.shape[1],
                                _ptr(angles), cfg.rms_norm_eps, sets, counts, n_sets, _ptr(L.sink), cfg.head_dim ** -0.5,
                                int(L.low), _ptr(R.o)), threads)
+        rounding = L.low * (ROUND_INPUT | ROUND_OUTPUT)
         _call(k._grouped_rows, (_ptr(R.o), B, cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups,
-                                ctypes.byref(L.wo_a), _ptr(R.low_rank), L.wo_a.rows, L.low * (ROUND_INPUT | ROUND_OUTPUT)),
+                                ctypes.byref(L.wo_a), _ptr(R.low_rank), L.wo_a.rows, rounding), threads)
+        _call(k._linear, (_ptr(R.low_rank), B, L.wo_b.cols, ctypes.byref(L.wo_b), _ptr(R.out), L.wo_b.rows, rounding),
               threads)
-        _call(k._linear, (_ptr(R.low_rank), B, L.wo_b.cols, ctypes.byref(L.wo_b), _ptr(R.out), L.wo_b.rows,
-                          L.low * (ROUND_INPUT | ROUND_OUTPUT)), threads)
         for row in range(B):
             if self.hc.token_post(_ptr(a[row]), _ptr(R.out[row]), _ptr(R.post[row]), _ptr(R.comb[row]), cfg.hc_mult,
                                   H, _ptr(b[row])) == 1:

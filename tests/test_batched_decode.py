@@ -12,7 +12,6 @@ import torch
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
 from moepack.runtime import token_kernels
-from moepack.runtime.engine import PrefillOptions
 from moepack.runtime.generate import Generator
 from moepack.runtime.token_kernels import ROUND_INPUT, ROUND_OUTPUT, float_matrix, stored_matrix
 
