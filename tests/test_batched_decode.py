@@ -110,12 +110,12 @@ def test_a_batch_reads_each_chosen_expert_once(containers):
     with Generator(containers["release"], cache_gib=0.0) as g:
         d = g.decoder
         prefilled = _prefilled(g, [_prompt(7, 20), _prompt(7, 20)])  # the same prompt twice: the same experts
-        sequences = [d.start(states) for _, states in prefilled]
+        sequences = [d.start(copy.deepcopy(states)) for _, states in prefilled]
         token = int(prefilled[0][0].argmax())
         before = d.stats.bytes_read
         d.step_batch(sequences, [token, token])
         twice = d.stats.bytes_read - before
-        single = d.start(prefilled[0][1])
+        single = d.start(copy.deepcopy(prefilled[0][1]))
         before = d.stats.bytes_read
         d.step_batch([single], [token])
         assert twice == d.stats.bytes_read - before > 0
