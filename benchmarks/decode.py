@@ -13,18 +13,23 @@ On a synthetic DeepSeek-V4 model (default: the `medium` preset in the release la
   llama.cpp          with --vs-llama and a llama.cpp build: llama-bench's decode (`-p 0 -n NEW -d TOKENS`) of the
                      container's GGUF export, the same weights; then "paired": five resident runs of each engine in
                      alternation (moepack warm, every expert cached), the median of the five ratios
+--batch 1,4,8 then steps B concurrent sequences together (Decoder.step_batch: B different prompts, each prefilled
+through the Generator and started with decoder.start), --new-tokens steps on one Generator whose cache holds every
+expert: per B the step's ms, the aggregate tokens/s, its ratio to B = 1, and the bytes a step reads (the resident
+weights once, the distinct experts the rows chose); the sizes run in turn, three rounds, the median round reported.
 --cap-fraction F runs the moepack rows again as a child process in a cgroup (v1 memory controller, or v2) capped at
 F x the container's size, page cache included (root only), and llama.cpp's decode in the same cgroup from a cold
 page cache, with the bytes each read from disk.
 
 Usage: python benchmarks/decode.py [--preset medium | --vs-llama f32|bf16|q8_0 --llama-cpp BUILD] [--tokens 64]
                                    [--new-tokens 32] [--compute-dtype bfloat16] [--cap-fraction 0.45]
-                                   [--no-transformers] [--device cpu|cuda] [--json]
+                                   [--no-transformers] [--device cpu|cuda] [--batch 1,4,8] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -116,6 +121,46 @@ def moepack_row(container: str, ids: torch.Tensor, new: int, budget_gib: float, 
             "cache_from_prefill_bytes": d["cache_from_prefill_bytes"],
             # the process's peak so far (a child per row under --cap-fraction: that row's own)
             "peak_rss_bytes": d["peak_rss_bytes"], "memory_bound_bytes": d["memory_bound_bytes"]}
+
+
+def batch_rows(container: str, facts: dict, sizes: list[int], prompt: int, steps: int, compute_dtype: str,
+               device: str) -> list[dict]:
+    """For each B in `sizes`: B sequences (B prompts of `prompt` tokens, seeds 1..B) stepped together `steps` times
+    by Decoder.step_batch, greedy, on one Generator whose cache holds every expert (warm: one untimed step first);
+    the sizes in turn for WARM_RUNS rounds, each size's median round reported.
+    The step's ms, the aggregate tokens/s, and the bytes a step reads: the resident weights once, the distinct
+    experts its rows chose (the cache's lookups: one per distinct expert and layer)."""
+    options = PrefillOptions(compute_dtype=compute_dtype, device=device)
+    with Generator(container, cache_gib=facts["routed_bytes"] * 1.01 / GIB, prefill=options) as g:
+        d = g.decoder
+        prompts = [torch.randint(0, facts["vocab"], (prompt,), generator=torch.Generator().manual_seed(b + 1))
+                   for b in range(max(sizes))]
+        prefilled = [g._prefill(ids, None, steps + 1)[:2] for ids in prompts]
+        d.seed([[1] * len(block.experts) for block in d.blocks])  # every expert in the cache
+        dense = sum(t.nbytes for w in d.dense for t in w.values()) + d.head_weights[d.cfg.head_weight].nbytes
+        expert = facts["routed_bytes"] / sum(len(block.experts) for block in d.blocks)
+        runs = {size: [] for size in sizes}  # (seconds, distinct experts per step) per round
+        for _ in range(WARM_RUNS):  # the sizes in turn, WARM_RUNS rounds: a shared machine's load hits them alike
+            for size in sizes:
+                sequences = [d.start(copy.deepcopy(states)) for _, states in prefilled[:size]]
+                tokens = [int(logits.argmax()) for logits, _ in prefilled[:size]]
+                tokens = d.step_batch(sequences, tokens).argmax(-1).tolist()  # warm-up
+                lookups = d.cache.hits + d.cache.misses
+                start = time.perf_counter()
+                for _ in range(steps):
+                    tokens = d.step_batch(sequences, tokens).argmax(-1).tolist()
+                runs[size].append((time.perf_counter() - start, (d.cache.hits + d.cache.misses - lookups) / steps))
+        rows = []
+        for size in sizes:
+            seconds, distinct = sorted(runs[size])[WARM_RUNS // 2]  # the median round
+            rows.append({"batch": size, "step_ms": round(1000 * seconds / steps, 2),
+                         "tokens_per_s": round(size * steps / seconds, 2),
+                         "experts_per_step": round(distinct, 1), "dense_mb_per_step": round(dense / 1e6, 1),
+                         "expert_mb_per_step": round(distinct * expert / 1e6, 1)})
+        one = next((r["tokens_per_s"] for r in rows if r["batch"] == 1), None)
+        for r in rows:  # to one stream's
+            r["ratio"] = round(r["tokens_per_s"] / one, 2) if one else None
+        return rows
 
 
 def transformers_row(container: str, workdir: str, ids: torch.Tensor, new: int) -> dict:
@@ -249,8 +294,16 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="moepack's device (cuda: resident weights and the cache's hits on the GPU; llama.cpp's "
                          "rows then want a CUDA build, which offloads every layer by default)")
+    ap.add_argument("--batch", help="comma-separated batch sizes (e.g. 1,4,8): B sequences stepped together, after "
+                                    "the other rows")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    try:
+        sizes = [int(b) for b in args.batch.split(",")] if args.batch else []
+    except ValueError:
+        ap.error(f"--batch: comma-separated integers, got {args.batch!r}")
+    if any(b < 1 for b in sizes):
+        ap.error("--batch: sizes of at least 1")
     os.makedirs(args.workdir, exist_ok=True)
     gguf = bench = None
     if args.vs_llama:
@@ -283,6 +336,9 @@ def main() -> int:
         out["paired"] = paired_rows(container, gguf, bench, ids, args, max(b or 0 for b in budgets))
     if args.cap_fraction:
         out["capped"] = capped_rows(args, container, facts, gguf, bench)
+    if sizes:
+        out["batch"] = batch_rows(container, facts, sizes, args.tokens, args.new_tokens, args.compute_dtype,
+                                  args.device)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -308,6 +364,13 @@ def main() -> int:
         print(f"resident, the two in alternation (tokens/s; moepack / llama.cpp): {json.dumps(out['paired'])}")
     if "capped" in out:
         print(f"under a memory cgroup of {args.cap_fraction} x the container: {json.dumps(out['capped'])}")
+    if "batch" in out:
+        print(f"batched decode, every expert cached ({args.new_tokens} steps):")
+        print(f"{'B':>4} {'step ms':>9} {'tokens/s':>9} {'x B=1':>6} {'experts/step':>13} {'dense MB':>9} "
+              f"{'expert MB':>10}")
+        for r in out["batch"]:
+            print(f"{r['batch']:>4} {r['step_ms']:>9.2f} {r['tokens_per_s']:>9.2f} {r['ratio'] or '-':>6} "
+                  f"{r['experts_per_step']:>13.1f} {r['dense_mb_per_step']:>9.1f} {r['expert_mb_per_step']:>10.1f}")
     return 0
 
 

@@ -131,23 +131,34 @@ static float dot_scalar(const matrix_t *m, int64_t r, const float *x) {
     }
 }
 
+#define DOTS_MAX 8  /* inputs a weight vector is decoded once for (dots) */
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_AVX512 1
-static float dot_avx512(const matrix_t *m, int64_t r, const float *x) {
+/* out[j] = row r of m . xs[j] for j < n <= DOTS_MAX, each weight vector decoded once for all n; each input's
+   accumulators take the same operations in the same order whatever n, so a result is, to the bit, the one-input
+   dot's (dot_avx512: n = 1), as decode's batched step needs */
+static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m, int64_t r, const float *const *xs,
+                                                              int n, float *out) {
     const int64_t K = m->cols;
     const uint8_t *row = m->data + r * row_bytes(m->kind, K);
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a0[DOTS_MAX], a1[DOTS_MAX];
+    for (int j = 0; j < n; j++) a0[j] = a1[j] = _mm512_setzero_ps();
     int64_t k = 0;
     switch (m->kind) {
     case KIND_F32: {
         const float *w = (const float *)row;
         for (; k + 32 <= K; k += 32) {
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+            const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
+            for (int j = 0; j < n; j++) {
+                a0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[j] + k), a0[j]);
+                a1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs[j] + k + 16), a1[j]);
+            }
         }
         for (; k < K; k += 16) {
             const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
-            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, w + k), _mm512_maskz_loadu_ps(mask, x + k), a0);
+            const __m512 w0 = _mm512_maskz_loadu_ps(mask, w + k);
+            for (int j = 0; j < n; j++) a0[j] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[j]);
         }
         break;
     }
@@ -159,8 +170,10 @@ static float dot_avx512(const matrix_t *m, int64_t r, const float *x) {
             const __m256i h = _mm256_maskz_loadu_epi16(mask, w + k);
             const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
                                   : _mm512_cvtph_ps(h);
-            if ((k / 16) & 1) a1 = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, x + k), a1);
-            else a0 = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, x + k), a0);
+            if ((k / 16) & 1)
+                for (int j = 0; j < n; j++) a1[j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a1[j]);
+            else
+                for (int j = 0; j < n; j++) a0[j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[j]);
         }
         break;
     }
@@ -170,8 +183,11 @@ static float dot_avx512(const matrix_t *m, int64_t r, const float *x) {
             const __m512 d = _mm512_set1_ps(f16_value((uint16_t)(block[0] | block[1] << 8)));
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2))));
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18))));
-            a0 = _mm512_fmadd_ps(_mm512_mul_ps(d, lo), _mm512_loadu_ps(x + g * GROUP), a0);
-            a1 = _mm512_fmadd_ps(_mm512_mul_ps(d, hi), _mm512_loadu_ps(x + g * GROUP + 16), a1);
+            const __m512 wl = _mm512_mul_ps(d, lo), wh = _mm512_mul_ps(d, hi);
+            for (int j = 0; j < n; j++) {
+                a0[j] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xs[j] + g * GROUP), a0[j]);
+                a1[j] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xs[j] + g * GROUP + 16), a1[j]);
+            }
         }
         break;
     default:
@@ -183,12 +199,20 @@ static float dot_avx512(const matrix_t *m, int64_t r, const float *x) {
             const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
             const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), values);
             const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
-            a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + g * GROUP), a0);
-            a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + g * GROUP + 16), a1);
+            for (int j = 0; j < n; j++) {
+                a0[j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs[j] + g * GROUP), a0[j]);
+                a1[j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs[j] + g * GROUP + 16), a1[j]);
+            }
         }
         break;
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    for (int j = 0; j < n; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+}
+
+static float dot_avx512(const matrix_t *m, int64_t r, const float *x) {
+    float y;
+    dots_avx512(m, r, &x, 1, &y);
+    return y;
 }
 #endif
 
@@ -199,6 +223,27 @@ static inline float dot(const matrix_t *m, int64_t r, const float *x) {
     if (use_vector) return dot_avx512(m, r, x);
 #endif
     return dot_scalar(m, r, x);
+}
+
+/* out[j] = dot(m, r, xs[j]) for j < n (any n): row r's weights decoded once per DOTS_MAX inputs */
+static void dots(const matrix_t *m, int64_t r, const float *const *xs, int64_t n, float *out) {
+#ifdef HAVE_AVX512
+    if (use_vector) {
+        for (int64_t j = 0; j < n; j += DOTS_MAX)
+            switch (n - j < DOTS_MAX ? n - j : DOTS_MAX) {  /* a constant count: the accumulators stay in registers */
+            case 1: dots_avx512(m, r, xs + j, 1, out + j); break;
+            case 2: dots_avx512(m, r, xs + j, 2, out + j); break;
+            case 3: dots_avx512(m, r, xs + j, 3, out + j); break;
+            case 4: dots_avx512(m, r, xs + j, 4, out + j); break;
+            case 5: dots_avx512(m, r, xs + j, 5, out + j); break;
+            case 6: dots_avx512(m, r, xs + j, 6, out + j); break;
+            case 7: dots_avx512(m, r, xs + j, 7, out + j); break;
+            default: dots_avx512(m, r, xs + j, 8, out + j); break;
+            }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < n; j++) out[j] = dot_scalar(m, r, xs[j]);
 }
 
 int token_matmul_vector_level(void) {
@@ -322,7 +367,8 @@ typedef struct {
     const matrix_t *w;
     float *out;
     int64_t out_stride;
-    int64_t group_rows;  /* > 0: row r takes input row r / group_rows only, its result in out[r] */
+    int64_t group_rows;  /* > 0: row r takes input row r / group_rows only (of each token's groups) */
+    int64_t tokens;  /* group_rows > 0: the tokens, each [groups, K] of x, token t's results at out + t * out_stride */
     int round_out;  /* results rounded to bfloat16 (kept as float32): a bfloat16 layer's output */
 } linear_args;
 
@@ -332,27 +378,37 @@ static void linear_part(void *p, int part, int parts) {
     int64_t r0, r1;
     share(a->w->rows, part, parts, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
-        if (a->group_rows) {
-            const float y = dot(a->w, r, a->x + r / a->group_rows * K);
+        const int64_t tokens = a->group_rows ? a->tokens : a->T;
+        const int64_t groups = a->group_rows ? a->w->rows / a->group_rows : 1;
+        const int64_t group = a->group_rows ? r / a->group_rows : 0;
+        if (tokens == 1) {  /* one token: the one-input loop */
+            const float y = dot(a->w, r, a->x + group * K);
             a->out[r] = a->round_out ? round_to_bf16(y) : y;
             continue;
         }
-        for (int64_t t = 0; t < a->T; t++) {
-            const float y = dot(a->w, r, a->x + t * K);
-            a->out[t * a->out_stride + r] = a->round_out ? round_to_bf16(y) : y;
+        for (int64_t t = 0; t < tokens; t += DOTS_MAX) {  /* several: row r decoded once per DOTS_MAX of them */
+            const int n = tokens - t < DOTS_MAX ? (int)(tokens - t) : DOTS_MAX;
+            const float *xs[DOTS_MAX];
+            float y[DOTS_MAX];
+            for (int j = 0; j < n; j++) xs[j] = a->x + ((t + j) * groups + group) * K;
+            dots(a->w, r, xs, n, y);
+            for (int j = 0; j < n; j++) a->out[(t + j) * a->out_stride + r] = a->round_out ? round_to_bf16(y[j]) : y[j];
         }
     }
 }
 
+/* T input rows x (row stride x_stride); grouped (group_rows > 0): T = tokens x groups rows, token t's groups
+   rows t * groups ... (t + 1) * groups - 1, W's rows g * group_rows ... taking group g */
 static int linear(const float *x, int64_t T, int64_t x_stride, const matrix_t *w, float *out, int64_t out_stride,
-                  int64_t group_rows, int round_bf16, int threads) {
-    if (!valid(w) || T < 0 || (group_rows && (group_rows < 0 || w->rows != T * group_rows))) return 1;
+                  int64_t group_rows, int64_t tokens, int round_bf16, int threads) {
+    if (!valid(w) || T < 0 || (group_rows && (group_rows < 0 || tokens < 1 || T % tokens
+                                              || w->rows != T / tokens * group_rows))) return 1;
     float *arranged_x = malloc(sizeof(float) * (size_t)(T * w->cols + 1));
     if (!arranged_x) return 2;
     for (int64_t t = 0; t < T; t++)
         arrange(x + t * x_stride, w->cols, w->kind, round_bf16 & ROUND_INPUT, arranged_x + t * w->cols);
-    linear_args args = {arranged_x, T, w, out, out_stride, group_rows, round_bf16 & ROUND_OUTPUT};
-    run_parts(linear_part, &args, parts_for((group_rows ? w->rows : w->rows * T) * w->cols, threads));
+    linear_args args = {arranged_x, T, w, out, out_stride, group_rows, tokens, round_bf16 & ROUND_OUTPUT};
+    run_parts(linear_part, &args, parts_for((group_rows ? w->rows * tokens : w->rows * T) * w->cols, threads));
     free(arranged_x);
     return 0;
 }
@@ -360,24 +416,34 @@ static int linear(const float *x, int64_t T, int64_t x_stride, const matrix_t *w
 /* out [T, rows] (row stride out_stride) = x [T, cols] (row stride x_stride) @ W.T */
 int token_linear(const float *x, int64_t T, int64_t x_stride, const matrix_t *w, float *out, int64_t out_stride,
                  int round_bf16, int threads) {
-    return linear(x, T, x_stride, w, out, out_stride, 0, round_bf16, threads);
+    return linear(x, T, x_stride, w, out, out_stride, 0, 1, round_bf16, threads);
 }
 
 /* G groups: out [G * R] = for each g, W[g * R: (g + 1) * R] @ x[g] (x [G, cols], row stride x_stride; W [G * R,
    cols]): a grouped projection (model.grouped_output's wo_a) of one token */
 int token_linear_grouped(const float *x, int64_t G, int64_t x_stride, const matrix_t *w, float *out,
                          int round_bf16, int threads) {
-    return G < 1 || w->rows % G ? 1 : linear(x, G, x_stride, w, out, 0, w->rows / G, round_bf16, threads);
+    return G < 1 || w->rows % G ? 1 : linear(x, G, x_stride, w, out, 0, w->rows / G, 1, round_bf16, threads);
+}
+
+/* token_linear_grouped of T tokens in one scan of W: x [T, G, cols] (row stride x_stride), out [T, G * R] (token
+   t's at out + t * out_stride); each token's results are those token_linear_grouped gives it alone */
+int token_linear_grouped_rows(const float *x, int64_t T, int64_t G, int64_t x_stride, const matrix_t *w, float *out,
+                              int64_t out_stride, int round_bf16, int threads) {
+    return T < 1 || G < 1 || w->rows % G ? 1
+         : linear(x, T * G, x_stride, w, out, out_stride, w->rows / G, T, round_bf16, threads);
 }
 
 /* --- several matrices on one token ------------------------------------------------------------------------------- */
 
 typedef struct {
-    const float *x;  /* [n, K]: the input arranged (and rounded) for each matrix */
+    const float *x;  /* [T, n, K]: each token's input arranged (and rounded) for each matrix */
+    int64_t T;
     const matrix_t *ws;
     int n;
     int64_t rows;  /* all the matrices' rows, one after another */
-    float *out;  /* matrix i's results at out + offsets[i] */
+    float *out;  /* token t's results of matrix i at out + t * out_stride + offsets[i] */
+    int64_t out_stride;
     const int64_t *offsets;
     const int *flags;
 } many_args;
@@ -390,30 +456,47 @@ static void many_part(void *p, int part, int parts) {
     for (int i = 0; i < a->n && first < r1; first += a->ws[i++].rows) {
         const matrix_t *w = &a->ws[i];
         const int64_t lo = r0 > first ? r0 - first : 0, hi = r1 - first < w->rows ? r1 - first : w->rows;
-        for (int64_t r = lo; r < hi; r++) {
-            const float y = dot(w, r, a->x + i * w->cols);
-            a->out[a->offsets[i] + r] = a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y) : y;
-        }
+        for (int64_t r = lo; r < hi; r++)
+            for (int64_t t = 0; t < a->T; t += DOTS_MAX) {
+                const int n = a->T - t < DOTS_MAX ? (int)(a->T - t) : DOTS_MAX;
+                const float *xs[DOTS_MAX];
+                float y[DOTS_MAX];
+                for (int j = 0; j < n; j++) xs[j] = a->x + ((t + j) * a->n + i) * w->cols;
+                if (n == 1) y[0] = dot(w, r, xs[0]);
+                else dots(w, r, xs, n, y);
+                for (int j = 0; j < n; j++)
+                    a->out[(t + j) * a->out_stride + a->offsets[i] + r] =
+                        a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y[j]) : y[j];
+            }
     }
 }
 
 /* out[offsets[i] ...] [rows_i] = ws[i] @ x for one token x [K] and n matrices of K columns each, in one call, the
    rows of all split over the threads; flags[i]: ROUND_INPUT / ROUND_OUTPUT for matrix i, as token_linear's */
-int token_linear_many(const float *x, int64_t K, const matrix_t *ws, int n, float *out, const int64_t *offsets,
-                      const int *flags, int threads) {
+/* token_linear_many of T tokens x [T, K] (row stride x_stride) in one scan of the matrices: token t's results at
+   out + t * out_stride + offsets[i], each token's those token_linear_many gives it alone */
+int token_linear_many_rows(const float *x, int64_t T, int64_t x_stride, int64_t K, const matrix_t *ws, int n,
+                           float *out, int64_t out_stride, const int64_t *offsets, const int *flags, int threads) {
     int64_t rows = 0;
-    if (!out) return 1;
+    if (!out || T < 1 || n < 1) return 1;
     for (int i = 0; i < n; i++) {
         if (!valid(&ws[i]) || ws[i].cols != K || offsets[i] < 0) return 1;
         rows += ws[i].rows;
     }
-    float *arranged_x = malloc(sizeof(float) * (size_t)(n * K + 1));
+    float *arranged_x = malloc(sizeof(float) * (size_t)(T * n * K + 1));
     if (!arranged_x) return 2;
-    for (int i = 0; i < n; i++) arrange(x, K, ws[i].kind, flags[i] & ROUND_INPUT, arranged_x + i * K);
-    many_args args = {arranged_x, ws, n, rows, out, offsets, flags};
-    run_parts(many_part, &args, parts_for(rows * K, threads));
+    for (int64_t t = 0; t < T; t++)
+        for (int i = 0; i < n; i++)
+            arrange(x + t * x_stride, K, ws[i].kind, flags[i] & ROUND_INPUT, arranged_x + (t * n + i) * K);
+    many_args args = {arranged_x, T, ws, n, rows, out, out_stride, offsets, flags};
+    run_parts(many_part, &args, parts_for(rows * K * T, threads));
     free(arranged_x);
     return 0;
+}
+
+int token_linear_many(const float *x, int64_t K, const matrix_t *ws, int n, float *out, const int64_t *offsets,
+                      const int *flags, int threads) {
+    return token_linear_many_rows(x, 1, K, K, ws, n, out, 0, offsets, flags, threads);
 }
 
 /* --- a token's routed experts ---------------------------------------------------------------------------------- */
@@ -430,6 +513,15 @@ typedef struct {
     float *out;
 } moe_args;
 
+/* an expert's hidden activation from its gate and up projections: the clamped SwiGLU (flags: its roundings) */
+static float swiglu(float gate, float up, float limit, int flags) {
+    if (flags & ROUND_OUTPUT) { gate = round_to_bf16(gate); up = round_to_bf16(up); }
+    gate = fminf(gate, limit);  /* torch's clamp: NaN stays NaN */
+    up = up != up ? up : fmaxf(fminf(up, limit), -limit);
+    const float h = gate / (1.0f + expf(-gate)) * up;
+    return flags & ROUND_INPUT ? round_to_bf16(h) : h;
+}
+
 static const float *input_for(const moe_args *a, int64_t kind, int flags) {
     return a->x[deinterleaved(kind) + 2 * !!(flags & ROUND_INPUT)];
 }
@@ -443,13 +535,8 @@ static void hidden_part(void *p, int part, int parts) {
         const int64_t i = k - a->first[e];
         const matrix_t *w1 = a->w1 + e, *w3 = a->w3 + e;
         const int flags = a->flags[e];
-        float gate = dot(w1, i, input_for(a, w1->kind, flags));
-        float up = dot(w3, i, input_for(a, w3->kind, flags));
-        if (flags & ROUND_OUTPUT) { gate = round_to_bf16(gate); up = round_to_bf16(up); }
-        gate = fminf(gate, a->limit);  /* torch's clamp: NaN stays NaN */
-        up = up != up ? up : fmaxf(fminf(up, a->limit), -a->limit);
-        float h = gate / (1.0f + expf(-gate)) * up;
-        if (flags & ROUND_INPUT) h = round_to_bf16(h);
+        const float h = swiglu(dot(w1, i, input_for(a, w1->kind, flags)), dot(w3, i, input_for(a, w3->kind, flags)),
+                               a->limit, flags);
         a->hidden[a->first[e] + (deinterleaved(a->w2[e].kind) ? arranged(i) : i)] = h;
     }
 }
@@ -468,6 +555,15 @@ static void output_part(void *p, int part, int parts) {
     }
 }
 
+/* whether an expert's w1, w3 [I, H] and w2 [H, I] are valid matrices of those shapes */
+static int expert_fits(const matrix_t *w1, const matrix_t *w3, const matrix_t *w2, int64_t H) {
+    const int64_t I = w1->rows;
+    const matrix_t *m[3] = {w1, w3, w2};
+    for (int j = 0; j < 3; j++)
+        if (!valid(m[j]) || m[j]->rows != (j < 2 ? I : H) || m[j]->cols != (j < 2 ? H : I)) return 0;
+    return 1;
+}
+
 /* out [H] = sum over e, in order, of weights[e] * expert e (x [H]), the clamped SwiGLU of model.expert_forward:
    w1[e], w3[e] [I_e, H], w2[e] [H, I_e] (each expert its own intermediate size and kinds). Two passes over the
    pool: every expert's hidden rows, then the output rows. flags[e] & ROUND_INPUT: expert e's input and hidden
@@ -479,11 +575,8 @@ int moe_token(const float *x, int64_t H, int64_t n, const matrix_t *w1, const ma
     int64_t first[4097];
     first[0] = 0;
     for (int64_t e = 0; e < n; e++) {
-        const int64_t I = w1[e].rows;
-        const matrix_t *m[3] = {w1 + e, w3 + e, w2 + e};
-        for (int j = 0; j < 3; j++)
-            if (!valid(m[j]) || m[j]->rows != (j < 2 ? I : H) || m[j]->cols != (j < 2 ? H : I)) return 1;
-        first[e + 1] = first[e] + I;
+        if (!expert_fits(w1 + e, w3 + e, w2 + e, H)) return 1;
+        first[e + 1] = first[e] + w1[e].rows;
     }
     float *scratch = malloc(sizeof(float) * (size_t)(4 * H + first[n] + 1));
     if (!scratch) return 2;
@@ -498,22 +591,122 @@ int moe_token(const float *x, int64_t H, int64_t n, const matrix_t *w1, const ma
     return 0;
 }
 
+/* --- several tokens' routed experts ------------------------------------------------------------------------------ */
+
+typedef struct {
+    const float *x;  /* [4][T][H]: the inputs arranged, variant deinterleaved + 2 x rounded */
+    int64_t T, H, n;
+    const matrix_t *w1, *w3, *w2;
+    const int *flags;
+    const int64_t *starts, *rows;  /* expert e's (token, weight) pairs: starts[e] ... starts[e + 1] - 1 */
+    const float *weights;
+    float limit;
+    const int64_t *cost_first;  /* hidden rows x tokens of the experts before e: the hidden pass's work */
+    const int64_t *hidden_first;  /* pair p's hidden activations (arranged for its w2) at hidden + hidden_first[p] */
+    float *hidden;
+    float *out;
+} rows_args;
+
+static const float *row_input(const rows_args *a, int64_t kind, int flags, int64_t t) {
+    return a->x + ((deinterleaved(kind) + 2 * !!(flags & ROUND_INPUT)) * a->T + t) * a->H;
+}
+
+/* hidden row i of expert e for each of its tokens (w1's and w3's row i read once for all of them), the parts split
+   by work: row i of an expert chosen by c tokens costs c */
+static void rows_hidden_part(void *p, int part, int parts) {
+    const rows_args *a = p;
+    int64_t c0, c1;
+    share(a->cost_first[a->n], part, parts, &c0, &c1);
+    for (int64_t e = 0; e < a->n; e++) {
+        const int64_t count = a->starts[e + 1] - a->starts[e], base = a->cost_first[e], I = a->w1[e].rows;
+        if (!count || base + I * count <= c0 || base >= c1) continue;
+        const int64_t i0 = c0 > base ? (c0 - base + count - 1) / count : 0;
+        const int64_t i1 = (c1 - base + count - 1) / count < I ? (c1 - base + count - 1) / count : I;
+        const matrix_t *w1 = a->w1 + e, *w3 = a->w3 + e;
+        const int flags = a->flags[e], spread = deinterleaved(a->w2[e].kind);
+        for (int64_t i = i0; i < i1; i++)
+            for (int64_t q0 = a->starts[e]; q0 < a->starts[e + 1]; q0 += DOTS_MAX) {  /* rows i decoded once */
+                const int n = a->starts[e + 1] - q0 < DOTS_MAX ? (int)(a->starts[e + 1] - q0) : DOTS_MAX;
+                const float *x1[DOTS_MAX], *x3[DOTS_MAX];
+                float gate[DOTS_MAX], up[DOTS_MAX];
+                for (int j = 0; j < n; j++) {
+                    x1[j] = row_input(a, w1->kind, flags, a->rows[q0 + j]);
+                    x3[j] = row_input(a, w3->kind, flags, a->rows[q0 + j]);
+                }
+                dots(w1, i, x1, n, gate);
+                dots(w3, i, x3, n, up);
+                for (int j = 0; j < n; j++)
+                    a->hidden[a->hidden_first[q0 + j] + (spread ? arranged(i) : i)] = swiglu(gate[j], up[j], a->limit,
+                                                                                             flags);
+            }
+    }
+}
+
+/* output row r of every token: its experts' w2 row r (read once for all their tokens) added in the experts' order */
+static void rows_output_part(void *p, int part, int parts) {
+    const rows_args *a = p;
+    int64_t r0, r1;
+    share(a->H, part, parts, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t t = 0; t < a->T; t++) a->out[t * a->H + r] = 0.0f;
+        for (int64_t e = 0; e < a->n; e++)
+            for (int64_t q0 = a->starts[e]; q0 < a->starts[e + 1]; q0 += DOTS_MAX) {
+                const int n = a->starts[e + 1] - q0 < DOTS_MAX ? (int)(a->starts[e + 1] - q0) : DOTS_MAX;
+                const float *xs[DOTS_MAX];
+                float y[DOTS_MAX];
+                for (int j = 0; j < n; j++) xs[j] = a->hidden + a->hidden_first[q0 + j];
+                dots(a->w2 + e, r, xs, n, y);
+                for (int j = 0; j < n; j++) {
+                    float *acc = a->out + a->rows[q0 + j] * a->H + r;
+                    *acc = fmaf(a->weights[q0 + j], a->flags[e] & ROUND_OUTPUT ? round_to_bf16(y[j]) : y[j], *acc);
+                }
+            }
+    }
+}
+
+/* moe_token for T tokens x [T, H] in one scan of each expert: out [T, H]. Expert e (w1, w3, w2, flags as
+   moe_token's) runs on the tokens rows[starts[e] ... starts[e + 1] - 1], with weights weights[same]; a token's
+   sum adds its experts in the order given (routed ascending by id, then the shared expert, appended with every
+   token and weight 1), so each token's out is bit for bit what moe_token gives it with its own experts alone. Two
+   passes over the pool: the (expert, token) pairs' hidden rows, then the output rows. */
+int moe_rows(const float *x, int64_t T, int64_t H, int64_t n, const matrix_t *w1, const matrix_t *w3,
+             const matrix_t *w2, const int *flags, const int64_t *starts, const int64_t *rows, const float *weights,
+             float limit, float *out, int threads) {
+    if (T < 1 || H < 1 || n < 0 || n > 4096 || starts[0] != 0) return 1;
+    int64_t cost_first[4097], hidden_rows = 0;
+    cost_first[0] = 0;
+    for (int64_t e = 0; e < n; e++) {
+        if (!expert_fits(w1 + e, w3 + e, w2 + e, H) || starts[e + 1] < starts[e]) return 1;
+        for (int64_t q = starts[e]; q < starts[e + 1]; q++)
+            if (rows[q] < 0 || rows[q] >= T) return 1;
+        cost_first[e + 1] = cost_first[e] + w1[e].rows * (starts[e + 1] - starts[e]);
+        hidden_rows += w1[e].rows * (starts[e + 1] - starts[e]);
+    }
+    const int64_t pairs = starts[n];
+    float *scratch = malloc(sizeof(float) * (size_t)(4 * T * H + hidden_rows + 1));
+    int64_t *hidden_first = malloc(sizeof(int64_t) * (size_t)(pairs + 1));
+    if (!scratch || !hidden_first) { free(scratch); free(hidden_first); return 2; }
+    for (int64_t e = 0, at = 0; e < n; e++)
+        for (int64_t q = starts[e]; q < starts[e + 1]; at += w1[e].rows) hidden_first[q++] = at;
+    for (int v = 0; v < 4; v++)
+        for (int64_t t = 0; t < T; t++)
+            arrange(x + t * H, H, v & 1 ? KIND_FP4_E2M1 : KIND_F32, v & 2, scratch + (v * T + t) * H);
+    rows_args args = {scratch, T, H, n, w1, w3, w2, flags, starts, rows, weights, limit, cost_first, hidden_first,
+                      scratch + 4 * T * H, out};
+    run_parts(rows_hidden_part, &args, threads);
+    run_parts(rows_output_part, &args, threads);
+    free(scratch);
+    free(hidden_first);
+    return 0;
+}
+
 /* --- a token's router (model.moe_route) -------------------------------------------------------------------------- */
 
 enum { SCORE_SQRTSOFTPLUS, SCORE_SIGMOID, SCORE_SOFTMAX };
 
-/* One token's choice of experts: scores = score_func(gate @ x) over the gate's rows (the experts); the top_k by
-   score + bias (bias may be NULL), or the given hash_ids [top_k] (a hash layer); their scores renormalised over
-   the k, times `scale`. Out: `chosen` [top_k] expert ids ascending, an expert picked twice once (its weights
-   added, as decode's token_choice adds them), their weights in `weights`; returns how many, or -1 on bad input.
-   Ties in the top-k go to the lower expert id. */
-int route_token(const float *x, const matrix_t *gate, const float *bias, int score_func, int64_t top_k,
-                const int64_t *hash_ids, float scale, int64_t *chosen, float *weights, int threads) {
-    const int64_t E = gate->rows;
-    if (top_k < 1 || top_k > E || top_k > 4096 || score_func < SCORE_SQRTSOFTPLUS || score_func > SCORE_SOFTMAX)
-        return -1;
-    float *scores = malloc(sizeof(float) * (size_t)E);
-    if (!scores || linear(x, 1, gate->cols, gate, scores, E, 0, 0, threads)) { free(scores); return -1; }
+/* one token's choice from its gate logits `scores` [E] (turned into scores in place): route_token's */
+static int choose(float *scores, int64_t E, const float *bias, int score_func, int64_t top_k,
+                  const int64_t *hash_ids, float scale, int64_t *chosen, float *weights) {
     float top = -INFINITY, total = 0.0f;
     if (score_func == SCORE_SOFTMAX) {
         for (int64_t e = 0; e < E; e++) top = fmaxf(top, scores[e]);
@@ -527,7 +720,7 @@ int route_token(const float *x, const matrix_t *gate, const float *bias, int sco
     int64_t ids[4096];
     for (int64_t j = 0; j < top_k; j++) {
         if (hash_ids) {
-            if (hash_ids[j] < 0 || hash_ids[j] >= E) { free(scores); return -1; }
+            if (hash_ids[j] < 0 || hash_ids[j] >= E) return -1;
             ids[j] = hash_ids[j];
             continue;
         }
@@ -554,8 +747,44 @@ int route_token(const float *x, const matrix_t *gate, const float *bias, int sco
         weights[at] = w;
         n++;
     }
-    free(scores);
     return (int)n;
+}
+
+/* One token's choice of experts: scores = score_func(gate @ x) over the gate's rows (the experts); the top_k by
+   score + bias (bias may be NULL), or the given hash_ids [top_k] (a hash layer); their scores renormalised over
+   the k, times `scale`. Out: `chosen` [top_k] expert ids ascending, an expert picked twice once (its weights
+   added, as decode's token_choice adds them), their weights in `weights`; returns how many, or -1 on bad input.
+   Ties in the top-k go to the lower expert id. */
+int route_token(const float *x, const matrix_t *gate, const float *bias, int score_func, int64_t top_k,
+                const int64_t *hash_ids, float scale, int64_t *chosen, float *weights, int threads) {
+    const int64_t E = gate->rows;
+    if (top_k < 1 || top_k > E || top_k > 4096 || score_func < SCORE_SQRTSOFTPLUS || score_func > SCORE_SOFTMAX)
+        return -1;
+    float *scores = malloc(sizeof(float) * (size_t)E);
+    if (!scores || linear(x, 1, gate->cols, gate, scores, E, 0, 1, 0, threads)) { free(scores); return -1; }
+    const int n = choose(scores, E, bias, score_func, top_k, hash_ids, scale, chosen, weights);
+    free(scores);
+    return n;
+}
+
+/* route_token for T tokens x [T, H] in one scan of the gate: token t's choice in chosen[t * top_k ...],
+   weights[t * top_k ...] (hash_ids: [T, top_k]), counts[t] how many; each token's what route_token gives it
+   alone. Returns 0, or -1 on bad input. */
+int route_rows(const float *x, int64_t T, const matrix_t *gate, const float *bias, int score_func, int64_t top_k,
+               const int64_t *hash_ids, float scale, int64_t *chosen, float *weights, int64_t *counts, int threads) {
+    const int64_t E = gate->rows;
+    if (T < 1 || top_k < 1 || top_k > E || top_k > 4096 || score_func < SCORE_SQRTSOFTPLUS
+        || score_func > SCORE_SOFTMAX)
+        return -1;
+    float *scores = malloc(sizeof(float) * (size_t)(E * T));
+    if (!scores || linear(x, T, gate->cols, gate, scores, E, 0, 1, 0, threads)) { free(scores); return -1; }
+    for (int64_t t = 0; t < T; t++) {
+        counts[t] = choose(scores + t * E, E, bias, score_func, top_k, hash_ids ? hash_ids + t * top_k : NULL, scale,
+                           chosen + t * top_k, weights + t * top_k);
+        if (counts[t] < 0) { free(scores); return -1; }
+    }
+    free(scores);
+    return 0;
 }
 
 /* --- one decoded token's attention core (model.attention_token) ------------------------------------------------ */
@@ -597,12 +826,19 @@ static void norm_rope_row(const float *in, int64_t cols, const float *weight, fl
     if (rope_dim) rotate(out, cols, rope_dim, rot, 1.0f);
 }
 
+static void attend_head(const attend_args *a, int64_t h);
+
 static void attend_part(void *p, int part, int parts) {
     const attend_args *a = p;
-    const int64_t D = a->dim;
     int64_t h0, h1;
     share(a->heads, part, parts, &h0, &h1);
-    for (int64_t h = h0; h < h1; h++) {
+    for (int64_t h = h0; h < h1; h++) attend_head(a, h);
+}
+
+/* one head of one token's attention */
+static void attend_head(const attend_args *a, int64_t h) {
+    const int64_t D = a->dim;
+    {
         float *q = a->scratch + h * (2 * D + a->keys), *sum = q + D, *logits = sum + D, *o = a->out + h * D;
         norm_rope_row(a->q + h * D, D, NULL, a->eps, a->rope_dim, a->rot, q);  /* the per-head norm, no weight */
         if (a->round_low)
@@ -656,6 +892,53 @@ int attend_token(const float *q, int64_t heads, int64_t dim, int64_t rope_dim, c
                      out};
     run_parts(attend_part, &a, threads < heads ? threads : (int)heads);
     free(scratch);
+    return 0;
+}
+
+typedef struct {
+    const attend_args *rows;
+    int64_t count, heads;
+} attend_rows_args;
+
+static void attend_rows_part(void *p, int part, int parts) {
+    const attend_rows_args *a = p;
+    int64_t u0, u1;
+    share(a->count * a->heads, part, parts, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) attend_head(&a->rows[u / a->heads], u % a->heads);
+}
+
+/* attend_token for T tokens in one call, their (token, head) pairs split over the threads: token t's query at
+   q + t * q_stride, its rotation at rot + t * rope_dim, its n_sets[t] key sets next in sets / counts, its out
+   [heads, D] at out + t * heads * D; each token's what attend_token gives it alone */
+int attend_rows(const float *q, int64_t T, int64_t q_stride, int64_t heads, int64_t dim, int64_t rope_dim,
+                const float *rot, float eps, const float *const *sets, const int64_t *counts, const int *n_sets,
+                const float *sink, float scale, int round_low, float *out, int threads)
+{
+    if (T < 1 || heads < 1 || dim < 1 || rope_dim < 0 || rope_dim > dim || rope_dim % 2) return 1;
+    attend_args *rows = malloc(sizeof(attend_args) * (size_t)T);
+    int64_t scratch_floats = 0, first_set = 0;
+    if (!rows) return 2;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t keys = 0;
+        if (n_sets[t] < 0) { free(rows); return 1; }
+        for (int s = 0; s < n_sets[t]; s++) {
+            const int64_t count = counts[first_set + s];
+            if (count < 0 || (count && !sets[first_set + s])) { free(rows); return 1; }
+            keys += count;
+        }
+        rows[t] = (attend_args){q + t * q_stride, heads, dim, rope_dim, rot + t * rope_dim, eps, scale,
+                                sets + first_set, counts + first_set, n_sets[t], sink, round_low, NULL, keys,
+                                out + t * heads * dim};
+        scratch_floats += heads * (2 * dim + keys);
+        first_set += n_sets[t];
+    }
+    float *scratch = malloc(sizeof(float) * (size_t)(scratch_floats + 1));
+    if (!scratch) { free(rows); return 2; }
+    for (int64_t t = 0, at = 0; t < T; at += heads * (2 * dim + rows[t++].keys)) rows[t].scratch = scratch + at;
+    attend_rows_args a = {rows, T, heads};
+    run_parts(attend_rows_part, &a, threads < T * heads ? threads : (int)(T * heads));
+    free(scratch);
+    free(rows);
     return 0;
 }
 

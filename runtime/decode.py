@@ -12,7 +12,9 @@ in one call of the compiled token kernel (runtime/token_kernels.py), which reads
 run on one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another stored
 kind) model.py's functions run each layer and each expert is computed as its bytes arrive by the prefill's expert
 runner. The attention grows each layer's KV one token at a time (a model.TokenKV); `states` gives them as
-LayerKVStates.
+LayerKVStates. Several sequences step together (`step_batch`): on a CPU as rows of TokenLayers' batched calls,
+every resident weight read once per step and the union of the rows' experts fetched once, each run once on the
+rows that chose it; each row's logits are those of its sequence stepped alone, to the bit.
 
 The cache holds experts as stored (their container bytes) on a CPU, decoded to the expert dtype on a GPU (a hit
 is then three matmuls, not a chain of decoding kernels), least recently used evicted first; once full, a miss
@@ -562,6 +564,8 @@ class Decoder:
         start = time.perf_counter()
         if self.layers is None:  # model.py's functions, every row of the step at once
             logits = self._general_step(sequences, token_ids)
+        elif len(sequences) > 1:  # one token: the one-token calls cost less
+            logits = self._compiled_rows(sequences, token_ids)
         else:
             logits = torch.stack([self._step(seq, token) for seq, token in zip(sequences, token_ids)])
         self.stats.steps += 1
@@ -570,10 +574,9 @@ class Decoder:
         return logits
 
     def _step(self, seq: DecodeSequence, token_id: int) -> torch.Tensor:
-        ids = torch.tensor([token_id], device=self.device)
-        rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", ids.cpu()).to(self.device)
-        streams = self._compiled_layers(seq, token_id, rows) if self.layers is not None else self._layers(
-            [seq], ids, rows)
+        """One sequence's token by TokenLayers' one-token calls (a CPU)."""
+        rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", torch.tensor([token_id]))
+        streams = self._compiled_layers(seq, token_id, rows)
         with self.compute:
             return model.head(self.cfg, streams, self.head_weights, -1).float().cpu()
 
@@ -593,16 +596,52 @@ class Decoder:
             with self.compute:
                 layers.attention(layer, seq.kv[layer])
                 chosen = layers.route(layer, hash_ids)
-            if got is None:
-                got = self._fetch(layer, list(chosen))
-            held = []
-            try:
-                experts = self._kernel_experts(layer, chosen, got, held)
-                with self.compute:
-                    layers.finish(layer, experts, self._routed_flag)
-            finally:
-                self._give_back(held)
+            self._run_kernel_experts(layer, chosen, got,
+                                     lambda experts: layers.finish(layer, experts, self._routed_flag))
         return layers.output
+
+    def _run_kernel_experts(self, layer: int, chosen: dict[int, float], got, finish: Callable[[list], None]) -> None:
+        """finish(the chosen experts' Matrices, in `chosen`'s order) once their bytes are here (`got`: their fetch,
+        None: fetched now); the pooled buffers given back after."""
+        if got is None:
+            got = self._fetch(layer, list(chosen))
+        held = []
+        try:
+            experts = self._kernel_experts(layer, chosen, got, held)
+            with self.compute:
+                finish(experts)
+        finally:
+            self._give_back(held)
+
+    def _compiled_rows(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
+        """Each sequence's token as one row of TokenLayers' batched calls (a CPU): every dense weight read once for
+        all rows, the union of the rows' experts fetched once and each run once on the rows that chose it. The
+        logits [B, vocab], each row that of its sequence stepped alone (the same arithmetic per row)."""
+        layers, cfg = self.layers, self.cfg
+        ids = torch.tensor(token_ids)
+        layers.begin_rows(decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", ids))
+        for layer, w in enumerate(self.dense):
+            hash_ids = w["ffn.gate.tid2eid"][ids].tolist() if cfg.hash_layers[layer] else None
+            got = self._fetch(layer, [e for row in hash_ids for e in row]) if hash_ids is not None else None
+            with self.compute:
+                layers.attention_rows(layer, [seq.kv[layer] for seq in sequences])
+                choices = layers.route_rows(layer, hash_ids)
+            chosen = dict.fromkeys(sorted({e for choice in choices for e in choice}))
+            self._run_kernel_experts(layer, chosen, got, lambda experts: layers.finish_rows(
+                layer, dict(zip(chosen, experts)), choices, self._routed_flag))
+        with self.compute:
+            return self._head_rows(layers.rows_output)
+
+    def _head_rows(self, streams: torch.Tensor) -> torch.Tensor:
+        """model.head of each row's streams [B, hc, H] -> [B, vocab] float32: the LM head (the largest matrix)
+        read once for every row, each row's products and sums those of its head alone (the token matmul's)."""
+        weight = self.head_weights[self.cfg.head_weight]
+        x = torch.cat([model.head_input(self.cfg, streams[row:row + 1], self.head_weights, -1)
+                       for row in range(streams.shape[0])])
+        if x.dtype != torch.float32 or model._token_kernels(1, x, weight) is None:  # as model.head would
+            return torch.stack([model.head(self.cfg, streams[row:row + 1], self.head_weights, -1).float().cpu()
+                                for row in range(streams.shape[0])])
+        return self.kernels.linear(x, token_kernels.float_matrix(weight), False)
 
     def _general_step(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         """One step of every row by model.py's functions (_layers): the logits [B, vocab] on the host."""

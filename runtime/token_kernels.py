@@ -18,6 +18,9 @@ float32 in registers and multiplies in float32, threads splitting the rows:
 - `attend(q, key_sets, sink, scale, rotation, eps, round_bf16)`: one decoded token's attention core (per-head norm,
   RoPE, one softmax over every key set and the sink, the weighted keys, RoPE undone): ~40 small torch ops in one
   call, heads split over the threads.
+- `moe_rows`, `route_rows`, `linear_many_rows`, `grouped_rows`, `attend_rows`: the same for several tokens (decode's
+  batched step, one per sequence) in one call, each weight read once for all of them and each weight vector decoded
+  once for up to 8 (`linear` too); each token's result is, to the bit, what the one-token call gives it.
 
 Built once per machine (skipped with MOEPACK_NATIVE=0), used only after both the AVX-512 and the plain loop agree
 with torch on every kind at load; None (callers keep torch) where it cannot be built or disagrees.
@@ -81,11 +84,21 @@ class TokenKernels:
         self._linear = c_function(lib, "token_linear", (p, i64, i64, p, p, i64, ctypes.c_int, ctypes.c_int))
         self._many = c_function(lib, "token_linear_many", (p, i64, p, ctypes.c_int, p, p, p, ctypes.c_int))
         self._grouped = c_function(lib, "token_linear_grouped", (p, i64, i64, p, p, ctypes.c_int, ctypes.c_int))
+        self._many_rows = c_function(lib, "token_linear_many_rows", (p, i64, i64, i64, p, ctypes.c_int, p, i64, p, p,
+                                                                     ctypes.c_int))
+        self._grouped_rows = c_function(lib, "token_linear_grouped_rows", (p, i64, i64, i64, p, p, i64, ctypes.c_int,
+                                                                           ctypes.c_int))
         self._moe = c_function(lib, "moe_token", (p, i64, i64, p, p, p, p, ctypes.c_float, p, p, ctypes.c_int))
+        self._moe_rows = c_function(lib, "moe_rows", (p, i64, i64, i64, p, p, p, p, p, p, p, ctypes.c_float, p,
+                                                      ctypes.c_int))
+        self._route_rows = c_function(lib, "route_rows", (p, i64, p, p, ctypes.c_int, i64, p, ctypes.c_float, p, p, p,
+                                                          ctypes.c_int))
         self._route = c_function(lib, "route_token", (p, p, p, ctypes.c_int, i64, p, ctypes.c_float, p, p,
                                                       ctypes.c_int))
         self._attend = c_function(lib, "attend_token", (p, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int, p,
                                                          ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
+        self._attend_rows = c_function(lib, "attend_rows", (p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, p, p,
+                                                            ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
         self._norm_rope = c_function(lib, "token_norm_rope", (p, i64, i64, p, ctypes.c_float, i64, p, p, p))
         self._index = c_function(lib, "index_token", (p, i64, i64, i64, p, p, i64, p, ctypes.c_int, p, ctypes.c_int))
         self._set_level = c_function(lib, "token_matmul_set_level", (ctypes.c_int,), restype=None)
@@ -119,6 +132,30 @@ class TokenKernels:
                       _threads(threads)):
             raise RuntimeError("the token matmul refused one of several matrices")
         return [out[:, a:b] for a, b in plan.spans]
+
+    def linear_many_rows(self, x: torch.Tensor, plan: "LinearPlan", threads: int | None = None) -> list[torch.Tensor]:
+        """`linear_many` of T tokens x [T, cols] in one scan of the matrices: [x @ W_i.T ([T, rows_i])], each
+        token's row what linear_many gives it alone."""
+        x = x.float().contiguous()
+        if x.dim() != 2 or x.shape[1] != plan.cols or not x.shape[0]:
+            raise ValueError(f"input {list(x.shape)} for matrices of {plan.cols} columns")
+        out = torch.empty(x.shape[0], plan.total, dtype=torch.float32)
+        if self._many_rows(x.data_ptr(), x.shape[0], plan.cols, plan.cols, plan.matrices, plan.count, out.data_ptr(),
+                           plan.total, plan.offsets, plan.flags, _threads(threads)):
+            raise RuntimeError("the token matmul refused one of several matrices")
+        return [out[:, a:b] for a, b in plan.spans]
+
+    def grouped_rows(self, x: torch.Tensor, w: Matrix, flags: int, threads: int | None = None) -> torch.Tensor:
+        """`grouped` of T tokens x [T, G, cols] in one scan of W -> [T, G, rows / G] (flags: ROUND_INPUT |
+        ROUND_OUTPUT), each token's what grouped gives it alone."""
+        x = x.float().contiguous()
+        if x.dim() != 3 or x.shape[2] != w.cols or not x.shape[0] or x.shape[1] < 1 or w.rows % x.shape[1]:
+            raise ValueError(f"input {list(x.shape)} for a grouped {w.rows} x {w.cols} matrix")
+        out = torch.empty(x.shape[0], x.shape[1], w.rows // x.shape[1], dtype=torch.float32)
+        if self._grouped_rows(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], ctypes.byref(w), out.data_ptr(),
+                              w.rows, flags, _threads(threads)):
+            raise RuntimeError(f"the token matmul refused a grouped {w.rows} x {w.cols} matrix of kind {w.kind}")
+        return out
 
     def grouped(self, x: torch.Tensor, w: Matrix, round_bf16: bool, threads: int | None = None,
                 round_output: bool = False) -> torch.Tensor:
@@ -157,6 +194,45 @@ class TokenKernels:
                      float(limit), (ctypes.c_int * max(n, 1))(*flags), out.data_ptr(), _threads(threads)):
             raise RuntimeError(f"the token MoE refused {n} experts on {hidden} inputs")
         return out
+
+    def moe_rows(self, x: torch.Tensor, experts: list[tuple[Matrix, Matrix, Matrix]], rows: list[list[int]],
+                 weights: list[list[float]], limit: float, flags: list[int],
+                 threads: int | None = None) -> torch.Tensor:
+        """float32 x [T, H] -> [T, H]: expert e runs on the tokens rows[e] (distinct), weighted by weights[e];
+        each token's sum adds its experts in the order given, so that its row is bit for bit what `moe` gives
+        it with its own experts (flags: `moe`'s). Each expert's matrices are read once for all its tokens."""
+        x = x.float().contiguous()
+        n = len(experts)
+        if x.dim() != 2 or len(rows) != n or len(weights) != n or len(flags) != n \
+                or any(len(r) != len(w) for r, w in zip(rows, weights)):
+            raise ValueError(f"{n} experts with {len(rows)} token lists for input {list(x.shape)}")
+        out = torch.empty_like(x)
+        if self._moe_rows(x.data_ptr(), *x.shape, n, *moe_arguments(experts, rows, weights, flags), float(limit),
+                          out.data_ptr(), _threads(threads)):
+            raise RuntimeError(f"the token MoE refused {n} experts on {list(x.shape)} inputs")
+        return out
+
+    def route_rows(self, x: torch.Tensor, gate: Matrix, bias: torch.Tensor | None, score_func: str, top_k: int,
+                   hash_ids: list[list[int]] | None, scale: float,
+                   threads: int | None = None) -> list[tuple[list[int], list[float]]]:
+        """`route` of T tokens x [T, H] in one scan of the gate (hash_ids: one list per token): each token's
+        (expert ids ascending, weights), what route gives it alone."""
+        x = x.float().contiguous()
+        T = x.shape[0]
+        if (x.dim() != 2 or x.shape[1] != gate.cols or not T or score_func not in SCORE_FUNCS
+                or (hash_ids is not None and (len(hash_ids) != T or any(len(h) != top_k for h in hash_ids)))
+                or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != gate.rows
+                                          or not bias.is_contiguous()))):
+            raise ValueError(f"router input {list(x.shape)} for a {gate.rows} x {gate.cols} gate ({score_func})")
+        chosen, weights, counts = (ctypes.c_int64 * (T * top_k))(), (ctypes.c_float * (T * top_k))(), \
+            (ctypes.c_int64 * T)()
+        ids = (ctypes.c_int64 * (T * top_k))(*(e for h in hash_ids for e in h)) if hash_ids is not None else None
+        if self._route_rows(x.data_ptr(), T, ctypes.byref(gate), bias.data_ptr() if bias is not None else None,
+                            SCORE_FUNCS[score_func], top_k, ids, float(scale), chosen, weights, counts,
+                            _threads(threads)):
+            raise RuntimeError(f"the token router refused {top_k} of {gate.rows} experts ({score_func})")
+        return [(chosen[t * top_k:t * top_k + counts[t]], weights[t * top_k:t * top_k + counts[t]])
+                for t in range(T)]
 
     def route(self, x: torch.Tensor, gate: Matrix, bias: torch.Tensor | None, score_func: str, top_k: int,
               hash_ids: list[int] | None, scale: float, threads: int | None = None) -> tuple[list[int], list[float]]:
@@ -201,6 +277,25 @@ class TokenKernels:
             raise RuntimeError(f"the token attention refused a query {list(q.shape)}")
         return out
 
+    def attend_rows(self, q: torch.Tensor, key_sets: list[list[torch.Tensor]], sink: torch.Tensor, scale: float,
+                    rotations: list[torch.Tensor], eps: float, round_bf16: bool,
+                    threads: int | None = None) -> torch.Tensor:
+        """`attend` of T tokens in one call: q [T, heads, D], token t's key sets key_sets[t] and rotation
+        rotations[t] -> [T, heads, D], each token's what attend gives it alone."""
+        T, heads, dim = q.shape
+        q = q.float().contiguous()
+        rot = torch.stack([_angles(r) for r in rotations]).contiguous()
+        sets = [[k.float().contiguous() for k in row if k.shape[0]] for row in key_sets]
+        if (len(sets) != T or rot.shape[0] != T or sink.numel() != heads or 2 * rot.shape[1] > dim
+                or any(k.dim() != 2 or k.shape[1] != dim for row in sets for k in row)):
+            raise ValueError(f"keys and rotations for {len(key_sets)} tokens for queries {list(q.shape)}")
+        sink = sink.float().contiguous()
+        out = torch.empty(T, heads, dim, dtype=torch.float32)
+        if self._attend_rows(q.data_ptr(), T, heads * dim, heads, dim, 2 * rot.shape[1], rot.data_ptr(), eps,
+                             *attend_rows_arguments(sets), sink.data_ptr(), scale, int(round_bf16), out.data_ptr(),
+                             _threads(threads)):
+            raise RuntimeError(f"the token attention refused queries {list(q.shape)}")
+        return out
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                   rotation: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -243,6 +338,29 @@ class TokenKernels:
                        head_weights.data_ptr(), int(round_bf16), scores.data_ptr(), _threads(threads)):
             raise RuntimeError(f"the token indexer refused a query {list(q.shape)}")
         return scores
+
+
+def moe_arguments(experts: list[tuple[Matrix, Matrix, Matrix]], rows: list[list[int]], weights: list[list[float]],
+                  flags: list[int]) -> tuple:
+    """moe_rows' C arguments after x's: the experts' w1, w3, w2 arrays, their flags, and their (token, weight)
+    pairs as starts [n + 1], tokens, weights."""
+    n = max(len(experts), 1)
+    starts = [0]
+    for r in rows:
+        starts.append(starts[-1] + len(r))
+    pairs = max(starts[-1], 1)
+    return (*((Matrix * n)(*(e[j] for e in experts)) for j in range(3)), (ctypes.c_int * n)(*flags),
+            (ctypes.c_int64 * (len(starts)))(*starts), (ctypes.c_int64 * pairs)(*(t for r in rows for t in r)),
+            (ctypes.c_float * pairs)(*(w for ws in weights for w in ws)))
+
+
+def attend_rows_arguments(key_sets: list[list[torch.Tensor]]) -> tuple:
+    """attend_rows' C arguments for each token's non-empty float32 key sets [K, D]: every set's address and row
+    count, one token after another, and each token's number of sets."""
+    flat = [k for row in key_sets for k in row]
+    return ((ctypes.c_void_p * max(len(flat), 1))(*(k.data_ptr() for k in flat)),
+            (ctypes.c_int64 * max(len(flat), 1))(*(k.shape[0] for k in flat)),
+            (ctypes.c_int * len(key_sets))(*(len(row) for row in key_sets)))
 
 
 def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -398,6 +516,11 @@ def _self_check(kernels: TokenKernels) -> str | None:
                 got = kernels.grouped(x, w, False, threads=2).double()
                 if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
                     return f"{kind} grouped rows (vector loop: {vector}) differ from torch's"
+                tokens = torch.randn(2, 37, cols, generator=gen)  # two tokens in one scan
+                want = (tokens.double() * values).sum(2, keepdim=True)
+                got = kernels.grouped_rows(tokens, w, 0, threads=2).double()
+                if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
+                    return f"{kind} grouped rows of two tokens (vector loop: {vector}) differ from torch's"
         hidden, inter, limit = 64, 96, 7.0  # one expert of each FP4 kind and one float, mixed
         kinds = (("FP4_E2M1", "FP4_E2M1", "MXFP4"), ("MXFP4", "Q8_0", "FP4_E2M1"), ("BF16", "F32", "F16"))
         experts, refs, keep = [], [], []
@@ -420,12 +543,9 @@ def _self_check(kernels: TokenKernels) -> str | None:
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())):
             return f"the MoE (vector loop: {vector}) differs from torch's"
         # one expert of bfloat16 linears (the shared expert), alone and appended to the others with another size
-        w1, w3, w2 = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((48, 64), (48, 64), (64, 48)))
-        gate = (x.bfloat16().double() @ w1.double().T).float().bfloat16().double().clamp(max=limit)
-        up = (x.bfloat16().double() @ w3.double().T).float().bfloat16().double().clamp(-limit, limit)
-        hidden = (torch.nn.functional.silu(gate) * up).float().bfloat16().double()
-        shared = (hidden @ w2.double().T).float().bfloat16().double()
-        matrices = tuple(float_matrix(w) for w in (w1, w3, w2))
+        shared_weights = [torch.randn(*shape, generator=gen).bfloat16() for shape in ((48, 64), (48, 64), (64, 48))]
+        shared = _shared_reference(x, shared_weights, limit)
+        matrices = tuple(float_matrix(w) for w in shared_weights)
         got = kernels.moe(x, [matrices], torch.ones(1), limit, True, threads=2, round_output=True).double()
         if not torch.allclose(got, shared, rtol=1e-2, atol=1e-2 * float(shared.abs().max())):
             return f"one expert of bfloat16 linears (vector loop: {vector}) differs from torch's"
@@ -433,6 +553,9 @@ def _self_check(kernels: TokenKernels) -> str | None:
                           flags=[0] * len(experts) + [ROUND_INPUT | ROUND_OUTPUT]).double()
         if not torch.allclose(got, want + shared, rtol=1e-2, atol=1e-4 * float((want + shared).abs().max())):
             return f"routed experts and a shared one (vector loop: {vector}) differ from torch's"
+        reason = _check_moe_rows(kernels, experts, refs, (matrices, shared_weights), limit, gen)
+        if reason is not None:
+            return f"{reason} (vector loop: {vector})"
         reason = _check_router(kernels, gen)
         if reason is not None:
             return f"{reason} (vector loop: {vector})"
@@ -442,14 +565,17 @@ def _self_check(kernels: TokenKernels) -> str | None:
             keep.append(data)
             mats.append(stored_matrix(kind, data, rows, 96, scale, tables.get(kind)))
             refs.append(_reference_values(kind, data, rows, 96, scale).double())
-        x = torch.randn(1, 96, generator=gen)
         flags = [ROUND_INPUT | ROUND_OUTPUT, 0, ROUND_INPUT]
-        for got, values, flag in zip(kernels.linear_many(x, LinearPlan(mats, flags), threads=2), refs, flags):
-            want = (x.bfloat16().double() if flag & ROUND_INPUT else x.double()) @ values.T
-            want = want.float().bfloat16().double() if flag & ROUND_OUTPUT else want
-            if not torch.allclose(got.double(), want, rtol=1e-2 if flag & ROUND_OUTPUT else 1e-5,
-                                  atol=1e-5 * float(want.abs().max())):
-                return f"several matrices on one token (vector loop: {vector}) differ from torch's"
+        for tokens in (1, 3):  # one token, then three in one scan
+            x = torch.randn(tokens, 96, generator=gen)
+            plan = LinearPlan(mats, flags)
+            outs = kernels.linear_many(x, plan, threads=2) if tokens == 1 else kernels.linear_many_rows(x, plan, 2)
+            for got, values, flag in zip(outs, refs, flags):
+                want = (x.bfloat16().double() if flag & ROUND_INPUT else x.double()) @ values.T
+                want = want.float().bfloat16().double() if flag & ROUND_OUTPUT else want
+                if not torch.allclose(got.double(), want, rtol=1e-2 if flag & ROUND_OUTPUT else 1e-5,
+                                      atol=1e-5 * float(want.abs().max())):
+                    return f"several matrices on {tokens} token(s) (vector loop: {vector}) differ from torch's"
         rows = torch.randn(3, 44, generator=gen)
         weight, angles = torch.rand(44, generator=gen) + 0.5, torch.rand(1, 10, generator=gen) * 6
         rotation = torch.polar(torch.full_like(angles, 1.1), angles)
@@ -481,6 +607,19 @@ def _self_check(kernels: TokenKernels) -> str | None:
             got = kernels.attend(q, sets, sink, 0.3, rotation, 1e-6, round_bf16, threads=2).double()
             if not torch.allclose(got, want, rtol=1e-2 if round_bf16 else 1e-5, atol=1e-2 if round_bf16 else 1e-5):
                 return f"the token attention (vector loop: {vector}) differs from torch's"
+            # three tokens in one call: the first as above, one with no keys, one with its own keys and angles
+            other = [torch.randn(5, dim, generator=gen)]
+            other = [k.bfloat16().float() for k in other] if round_bf16 else other
+            turned = torch.polar(torch.full_like(angles, 1.1), torch.rand(12, generator=gen) * 6)
+            queries = torch.stack([q, q * 0.5, torch.randn(heads, dim, generator=gen)])
+            rows = kernels.attend_rows(queries, [sets, [], other], sink, 0.3, [rotation, rotation, turned], 1e-6,
+                                       round_bf16, threads=2)
+            for row, keys, turn, query in zip(rows, [sets, [], other], [rotation, rotation, turned], queries):
+                want = reference_attend(query, keys, sink, 0.3, turn, 1e-6, round_bf16) if keys else \
+                    torch.zeros(heads, dim, dtype=torch.float64)  # (only the sink: nothing attended to)
+                if not torch.allclose(row.double(), want, rtol=1e-2 if round_bf16 else 1e-5,
+                                      atol=1e-2 if round_bf16 else 1e-5):
+                    return f"the attention of several tokens (vector loop: {vector}) differs from torch's"
     kernels.set_vector(True)
     return None
 
@@ -517,11 +656,57 @@ def _check_router(kernels: TokenKernels, gen: torch.Generator) -> str | None:
                 x = torch.randn(cols, generator=gen)
                 want = reference_route(x, gate, bias, score_func, 4, hash_ids, 1.5)
                 ids, weights = kernels.route(x, float_matrix(gate), bias, score_func, 4, hash_ids, 1.5, threads=2)
-                if ids != want[0] or not torch.allclose(torch.tensor(weights, dtype=torch.float64),
-                                                        torch.tensor(want[1], dtype=torch.float64), rtol=1e-5,
-                                                        atol=1e-6):
-                    return f"the token router ({score_func}, bias: {bias is not None}, hash: {bool(hash_ids)}) " \
-                           "differs from torch's"
+                more = torch.randn(2, cols, generator=gen)  # and three tokens in one scan of the gate
+                rows = kernels.route_rows(torch.cat([x[None], more]), float_matrix(gate), bias, score_func, 4,
+                                          [hash_ids, hash_ids, [1, 2, 3, 4]] if hash_ids else None, 1.5, threads=2)
+                wants = [want, *(reference_route(r, gate, bias, score_func, 4, h, 1.5)
+                                 for r, h in zip(more, [hash_ids, [1, 2, 3, 4]] if hash_ids else [None, None]))]
+                for (ids, weights), want in zip([(ids, weights), *rows], [want, *wants]):
+                    if ids != want[0] or not torch.allclose(torch.tensor(weights, dtype=torch.float64),
+                                                            torch.tensor(want[1], dtype=torch.float64), rtol=1e-5,
+                                                            atol=1e-6):
+                        return f"the token router ({score_func}, bias: {bias is not None}, hash: {bool(hash_ids)}) " \
+                               "differs from torch's"
+    return None
+
+
+def _shared_reference(x: torch.Tensor, weights: list[torch.Tensor], limit: float) -> torch.Tensor:
+    """An expert of bfloat16 linears (w1, w3, w2: the shared expert) on x [H], float64 torch, rounded where three
+    bfloat16 linears round."""
+    w1, w3, w2 = (w.double() for w in weights)
+    gate = (x.bfloat16().double() @ w1.T).float().bfloat16().double().clamp(max=limit)
+    up = (x.bfloat16().double() @ w3.T).float().bfloat16().double().clamp(-limit, limit)
+    hidden = (torch.nn.functional.silu(gate) * up).float().bfloat16().double()
+    return (hidden @ w2.T).float().bfloat16().double()
+
+
+def _check_moe_rows(kernels: TokenKernels, experts: list, refs: list, shared: tuple, limit: float,
+                    gen: torch.Generator) -> str | None:
+    """Why moe_rows disagrees with torch (None: it agrees): three tokens, the routed `experts` (float64 values
+    `refs`) each on some of them, the bfloat16 shared expert (`shared`: its Matrices, its tensors) on all; each
+    token's row also equal to the bit to moe_token's on that token alone."""
+    (shared, shared_weights), hidden = shared, experts[0][2].rows
+    x = torch.randn(3, hidden, generator=gen)
+    rows = [[0, 2], [1], [2, 1]]
+    weights = [[float(w) for w in torch.rand(len(r), generator=gen)] for r in rows]
+    got = kernels.moe_rows(x, experts + [shared], rows + [[0, 1, 2]], weights + [[1.0] * 3], limit,
+                           [0] * len(experts) + [ROUND_INPUT | ROUND_OUTPUT], threads=2)
+    for t in range(3):
+        mine = [e for e, r in enumerate(rows) if t in r]
+        picked = [weights[e][rows[e].index(t)] for e in mine]
+        want = torch.zeros(hidden, dtype=torch.float64)
+        for e, weight in zip(mine, picked):
+            w1, w3, w2 = refs[e]
+            gate = (w1 @ x[t].double()).clamp(max=limit)
+            up = (w3 @ x[t].double()).clamp(-limit, limit)
+            want += weight * (w2 @ (torch.nn.functional.silu(gate) * up))
+        want += _shared_reference(x[t], shared_weights, limit)
+        if not torch.allclose(got[t].double(), want, rtol=1e-2, atol=1e-4 * float(want.abs().max())):
+            return "the experts of one of several tokens differ from torch's"
+        alone = kernels.moe(x[t], [experts[e] for e in mine] + [shared], torch.tensor(picked + [1.0]), limit, False,
+                            threads=2, flags=[0] * len(mine) + [ROUND_INPUT | ROUND_OUTPUT])
+        if not torch.equal(got[t], alone):
+            return "the MoE of several tokens differs from one token's"
     return None
 
 

@@ -72,6 +72,10 @@ class _Layer:
         a, b = owner.streams
         # (function, arguments but the thread count) per call
         self.attn_pre = self._hc_entry(owner, "attn", "attn_norm.weight", a)
+        # the mHC entries' weights for several tokens (TokenLayers' batched calls): (fn, its rows, scale, base, norm)
+        self.hc_weights = {sub: (token_kernels.float_matrix(w[f"hc_{sub}_fn"]), w[f"hc_{sub}_fn"].shape[0],
+                                 w[f"hc_{sub}_scale"], w[f"hc_{sub}_base"], w[f"{sub}_norm.weight"])
+                           for sub in ("attn", "ffn")}
         self.project = (k._many, (_ptr(owner.x), H, self.projections.matrices, self.projections.count,
                                   _ptr(self.proj), self.projections.offsets, self.projections.flags))
         self.q_lora_norm = (k._norm_rope, (_ptr(self.proj), 1, self.projections.spans[0][1], _ptr(self.q_norm),
@@ -92,8 +96,9 @@ class _Layer:
         self.ffn_pre = self._hc_entry(owner, "ffn", "ffn_norm.weight", b)
         self.gate = token_kernels.float_matrix(w["ffn.gate.weight"])
         bias = None if cfg.hash_layers[layer] else w.get("ffn.gate.bias")
-        self.route = (k._route, (_ptr(owner.x), ctypes.byref(self.gate), _ptr(bias) if bias is not None else None,
-                                 token_kernels.SCORE_FUNCS[cfg.scoring_func], cfg.num_experts_per_tok))
+        self.gate_args = (ctypes.byref(self.gate), _ptr(bias) if bias is not None else None,
+                          token_kernels.SCORE_FUNCS[cfg.scoring_func], cfg.num_experts_per_tok)
+        self.route = (k._route, (_ptr(owner.x), *self.gate_args))
         shared = [w[f"ffn.shared_experts.{m}.weight"] for m in ("w1", "w3", "w2")]
         self.shared = tuple(token_kernels.float_matrix(m) for m in shared)
         self.shared_flag = ROUND_INPUT | ROUND_OUTPUT if shared[0].dtype == torch.bfloat16 else 0
@@ -157,7 +162,14 @@ def _shapes_fit(cfg: ModelConfig, kind: str, w: Mapping[str, Tensor]) -> bool:
 class TokenLayers:
     """Every layer of one decoded token in compiled calls over fixed buffers (the module's docstring). Per token:
     `begin(embedding)`, then per layer `attention(layer, kv)`, `route(layer, hash_ids)` -> the chosen experts, and
-    `finish(layer, experts, routed_flag)` with their Matrices; `output` is then the last layer's streams."""
+    `finish(layer, experts, routed_flag)` with their Matrices; `output` is then the last layer's streams.
+
+    Several tokens (one per sequence, each its own KV) in one step: `begin_rows(embeddings)`, then per layer
+    `attention_rows(layer, kvs)`, `route_rows(layer, hash_ids)` and `finish_rows(layer, experts, choices,
+    routed_flag)`; `rows_output` is then the streams [B, hc, H]. Every weight is read once for all of them (the
+    projections, wo_a / wo_b, the mHC mixes, the gate, each chosen expert once for the tokens that chose it); the
+    attention, the mHC's mixing and the router's choice run per token. Each token's arithmetic is the one-token
+    path's, so its results are the same to the bit."""
 
     def __init__(self, cfg: ModelConfig, dense: list[Mapping[str, Tensor]], kernels, hc):
         self.cfg, self.kernels, self.hc = cfg, kernels, hc
@@ -176,6 +188,7 @@ class TokenLayers:
 
         self.mixes = _buffer(1, (2 + n_hc) * n_hc)
         self.layers = [_Layer(self, layer, w) for layer, w in enumerate(dense)]
+        self.rows: _Rows | None = None  # the batched calls' buffers, for the most tokens stepped together so far
 
     @classmethod
     def make(cls, cfg: ModelConfig, dense: list[Mapping[str, Tensor]]) -> TokenLayers | None:
@@ -201,10 +214,7 @@ class TokenLayers:
     def attention(self, layer: int, kv_state: model.TokenKV) -> None:
         """model.attention_token_sublayer of streams[0] into streams[1], kv_state grown."""
         L, cfg, k = self.layers[layer], self.cfg, self.kernels
-        if L.kind != kv_state.layer_type:
-            raise ValueError(f"layer {layer}: past state of a {kv_state.layer_type} layer, the model has {L.kind}")
-        if kv_state.widths() != L.kv_widths:  # the kernels write and read rows of exactly these widths
-            raise ValueError(f"layer {layer}: past state of widths {kv_state.widths()}, the model's are {L.kv_widths}")
+        self._check_state(L, layer, kv_state)
         threads = token_kernels.current_threads()
         _entry(L.attn_pre, threads)
         fn, args = L.project
@@ -226,11 +236,7 @@ class TokenLayers:
                 scores = k.index_scores(L.index_q, rotation, kv_state.indexer.entries.mirror(), head_weights, L.low)
                 entries = entries.index_select(0, scores.topk(cfg.index_topk).indices)
             keys.append(entries)
-        sets = [t for t in keys if t.shape[0]]
-        _call(k._attend, (_ptr(L.q), cfg.num_heads, cfg.head_dim, 2 * angles.shape[0], _ptr(angles),
-                          cfg.rms_norm_eps, (ctypes.c_void_p * len(sets))(*(_ptr(t) for t in sets)),
-                          (ctypes.c_int64 * len(sets))(*(t.shape[0] for t in sets)), len(sets), _ptr(L.sink),
-                          cfg.head_dim ** -0.5, int(L.low), _ptr(self.o)), threads)
+        self._attend(L, _ptr(L.q), angles, keys, self.o, threads)
         fn, args = L.grouped
         _call(fn, args, threads)
         fn, args = L.output
@@ -238,6 +244,22 @@ class TokenLayers:
         fn, args = L.attn_post
         if fn(*args) == 1:  # (2: not finite; the layer's FFN exit checks)
             raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
+
+    @staticmethod
+    def _check_state(L: _Layer, layer: int, kv_state: model.TokenKV) -> None:
+        if L.kind != kv_state.layer_type:
+            raise ValueError(f"layer {layer}: past state of a {kv_state.layer_type} layer, the model has {L.kind}")
+        if kv_state.widths() != L.kv_widths:  # the kernels write and read rows of exactly these widths
+            raise ValueError(f"layer {layer}: past state of widths {kv_state.widths()}, the model's are {L.kv_widths}")
+
+    def _attend(self, L: _Layer, q: int, angles: Tensor, keys: list[Tensor], out: Tensor, threads: int) -> None:
+        """The attention core of one token's queries (at address q) over its key sets into out [heads, D]."""
+        cfg = self.cfg
+        sets = [t for t in keys if t.shape[0]]
+        _call(self.kernels._attend, (q, cfg.num_heads, cfg.head_dim, 2 * angles.shape[0], _ptr(angles),
+                                     cfg.rms_norm_eps, (ctypes.c_void_p * len(sets))(*(_ptr(t) for t in sets)),
+                                     (ctypes.c_int64 * len(sets))(*(t.shape[0] for t in sets)), len(sets),
+                                     _ptr(L.sink), cfg.head_dim ** -0.5, int(L.low), _ptr(out)), threads)
 
     def route(self, layer: int, hash_ids: list[int] | None) -> dict[int, float]:
         """The FFN's mHC entry and router from streams[1]: {expert id: weight} ascending (token_choice's)."""
@@ -271,6 +293,155 @@ class TokenLayers:
             raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
         if done == 2:  # the new streams hold a NaN or an infinity: the one-line error naming the layer
             model.check_finite(self.streams[0], layer)
+
+    # --- several tokens in one step ------------------------------------------------------------------------------
+    def begin_rows(self, embeddings: Tensor) -> None:
+        """B tokens' embeddings [B, H] into every residual stream of their rows."""
+        count = embeddings.shape[0]
+        if self.rows is None or self.rows.capacity < count:
+            self.rows = _Rows(self, count)
+        self.rows.count = count
+        streams = self.rows.streams[0][:count]
+        streams.copy_(embeddings.float().reshape(count, 1, -1).expand_as(streams))
+
+    @property
+    def rows_output(self) -> Tensor:
+        """The residual streams [B, hc, H] after the last `finish_rows` (a buffer: read before the next step)."""
+        return self.rows.streams[0][:self.rows.count]
+
+    def attention_rows(self, layer: int, kv_states: list[model.TokenKV]) -> None:
+        """`attention` of each row's token, row b growing kv_states[b]: the projections of every row in one scan of
+        their weights, the keys and the indexer's choice per row, every row's attention core in one call."""
+        L, cfg, k, R = self.layers[layer], self.cfg, self.kernels, self.rows
+        B, H = R.count, cfg.hidden_size
+        if len(kv_states) != B:
+            raise ValueError(f"{len(kv_states)} KV states for {B} tokens")
+        for kv_state in kv_states:
+            self._check_state(L, layer, kv_state)
+        threads = token_kernels.current_threads()
+        a, b = R.streams
+        self._entry_rows(L, "attn", a, threads)
+        plan = L.projections
+        proj = R.proj[:B * plan.total].view(B, plan.total)
+        _call(k._many_rows, (_ptr(R.x), B, H, H, plan.matrices, plan.count, _ptr(proj), plan.total, plan.offsets,
+                             plan.flags), threads)
+        rank = plan.spans[0][1]
+        kv_at, kv_stop = plan.spans[1]
+        grown = []
+        for row, kv_state in enumerate(kv_states):
+            _call(k._norm_rope, (_ptr(proj[row]), 1, rank, _ptr(L.q_norm), cfg.rms_norm_eps, 0, None,
+                                 _ptr(R.q_lora[row]), None))
+            rotation = model.token_rotation(L.rope, kv_state.seen_tokens)
+            angles = token_kernels._angles(rotation)
+            key, mirror = kv_state.window.next_row()
+            _call(k._norm_rope, (_offset(proj[row], kv_at), 1, kv_stop - kv_at, _ptr(L.kv_norm), cfg.rms_norm_eps,
+                                 2 * angles.shape[0], _ptr(angles), _ptr(key),
+                                 _ptr(mirror) if mirror is not None else None))
+            kv_state.window.commit()
+            parts = [proj[row:row + 1, lo:hi] for lo, hi in plan.spans]
+            grown.append((rotation, angles, parts, *model._grow_state(cfg, layer, L.w, kv_state, parts)))
+        indexed = any(g[-1] for g in grown)  # the indexer's queries too where one row needs them
+        queries = L.indexed_queries if indexed else L.queries
+        q = R.q[:B * queries.total].view(B, queries.total)
+        _call(k._many_rows, (_ptr(R.q_lora), B, queries.cols, queries.cols, queries.matrices, queries.count, _ptr(q),
+                             queries.total, queries.offsets, queries.flags), threads)
+        key_sets = []
+        for row, (kv_state, (rotation, angles, parts, keys, entries, row_indexed)) in enumerate(zip(kv_states, grown)):
+            if entries is not None and entries.shape[0]:
+                if row_indexed:
+                    index_q = q[row, queries.spans[1][0]:].view(cfg.index_n_heads, cfg.index_head_dim)
+                    head_weights = parts[6] * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
+                    scores = k.index_scores(index_q, rotation, kv_state.indexer.entries.mirror(), head_weights, L.low)
+                    entries = entries.index_select(0, scores.topk(cfg.index_topk).indices)
+                keys.append(entries)
+            key_sets.append([t for t in keys if t.shape[0]])
+        # every row's attention in one call (one wake of the threads, not one per row)
+        angles = torch.stack([g[1] for g in grown])
+        sets, counts, n_sets = token_kernels.attend_rows_arguments(key_sets)
+        _call(k._attend_rows, (_ptr(q), B, queries.total, cfg.num_heads, cfg.head_dim, 2 * angles.shape[1],
+                               _ptr(angles), cfg.rms_norm_eps, sets, counts, n_sets, _ptr(L.sink), cfg.head_dim ** -0.5,
+                               int(L.low), _ptr(R.o)), threads)
+        rounding = L.low * (ROUND_INPUT | ROUND_OUTPUT)
+        _call(k._grouped_rows, (_ptr(R.o), B, cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups,
+                                ctypes.byref(L.wo_a), _ptr(R.low_rank), L.wo_a.rows, rounding), threads)
+        _call(k._linear, (_ptr(R.low_rank), B, L.wo_b.cols, ctypes.byref(L.wo_b), _ptr(R.out), L.wo_b.rows, rounding),
+              threads)
+        for row in range(B):
+            if self.hc.token_post(_ptr(a[row]), _ptr(R.out[row]), _ptr(R.post[row]), _ptr(R.comb[row]), cfg.hc_mult,
+                                  H, _ptr(b[row])) == 1:
+                raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
+
+    def route_rows(self, layer: int, hash_ids: list[list[int]] | None) -> list[dict[int, float]]:
+        """`route` of each row's token, the gate read once for all: {expert id: weight} ascending per row."""
+        L, cfg, R = self.layers[layer], self.cfg, self.rows
+        B, top_k, threads = R.count, cfg.num_experts_per_tok, token_kernels.current_threads()
+        self._entry_rows(L, "ffn", R.streams[1], threads)
+        if hash_ids is not None:
+            R.hash_ids[:B * top_k] = [e for ids in hash_ids for e in ids]
+        if self.kernels._route_rows(_ptr(R.x), B, *L.gate_args, R.hash_ids if hash_ids is not None else None,
+                                    float(cfg.routed_scaling_factor), R.chosen, R.weights, R.counts, threads):
+            raise RuntimeError(f"layer {layer}: the token router refused its input")
+        return [dict(zip(R.chosen[row * top_k:row * top_k + n], R.weights[row * top_k:row * top_k + n]))
+                for row, n in enumerate(R.counts[:B])]
+
+    def finish_rows(self, layer: int, experts: dict[int, tuple[Matrix, Matrix, Matrix]],
+                    choices: list[dict[int, float]], routed_flag: int) -> None:
+        """Every row's chosen experts (`experts`: id -> Matrices, the union of `choices`, route_rows' per row) and
+        the shared expert in one call, each expert's matrices read once for the rows that chose it, then each row's
+        FFN mHC exit; a non-finite result stops here, named."""
+        L, cfg, R = self.layers[layer], self.cfg, self.rows
+        B, H = R.count, cfg.hidden_size
+        ids = sorted(experts)  # ascending, the shared expert last: each row adds its experts as `finish` does
+        rows = [[row for row in range(B) if e in choices[row]] for e in ids] + [list(range(B))]
+        weights = [[choices[row][e] for row in picked] for e, picked in zip(ids, rows)] + [[1.0] * B]
+        flags = [routed_flag] * len(ids) + [L.shared_flag]
+        arguments = token_kernels.moe_arguments([experts[e] for e in ids] + [L.shared], rows, weights, flags)
+        _call(self.kernels._moe_rows, (_ptr(R.x), B, H, len(ids) + 1, *arguments, float(cfg.swiglu_limit),
+                                       _ptr(R.moe_out)), token_kernels.current_threads())
+        a, b = R.streams
+        finite = True
+        for row in range(B):
+            done = self.hc.token_post(_ptr(b[row]), _ptr(R.moe_out[row]), _ptr(R.post[row]), _ptr(R.comb[row]),
+                                      cfg.hc_mult, H, _ptr(a[row]))
+            if done == 1:
+                raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
+            finite &= done != 2
+        if not finite:
+            model.check_finite(a[:B], layer)
+
+    def _entry_rows(self, L: _Layer, sublayer: str, streams: Tensor, threads: int) -> None:
+        """A sublayer's mHC entry for every row: the mixes in one scan of fn, the rest per row."""
+        cfg, R = self.cfg, self.rows
+        fn, width, scale, base, norm = L.hc_weights[sublayer]
+        _call(self.kernels._linear, (_ptr(streams), R.count, fn.cols, ctypes.byref(fn), _ptr(R.mixes), width, 0),
+              threads)
+        for row in range(R.count):
+            _call(self.hc.token_pre_mixed, (_ptr(streams[row]), cfg.hc_mult, cfg.hidden_size, _ptr(R.mixes[row]),
+                                            _ptr(scale), _ptr(base), cfg.hc_sinkhorn_iters, cfg.hc_eps,
+                                            cfg.rms_norm_eps, _ptr(norm), _ptr(R.x[row]), _ptr(R.post[row]),
+                                            _ptr(R.comb[row])))
+
+
+class _Rows:
+    """TokenLayers' buffers for up to `capacity` tokens stepped together (`count` of them this step)."""
+
+    def __init__(self, owner: TokenLayers, capacity: int):
+        cfg = owner.cfg
+        H, n_hc = cfg.hidden_size, cfg.hc_mult
+        self.capacity = self.count = capacity
+        self.streams = (_buffer(capacity, n_hc, H), _buffer(capacity, n_hc, H))
+        self.x, self.post, self.comb = _buffer(capacity, H), _buffer(capacity, n_hc), _buffer(capacity, n_hc, n_hc)
+        self.mixes = _buffer(capacity, (2 + n_hc) * n_hc)
+        self.q_lora = _buffer(capacity, cfg.q_lora_rank)
+        # each layer's projections and queries, rows of its own width (CSA layers have the most)
+        self.proj = _buffer(capacity * max(L.projections.total for L in owner.layers))
+        self.q = _buffer(capacity * max((L.indexed_queries or L.queries).total for L in owner.layers))
+        self.o = _buffer(capacity, cfg.num_heads, cfg.head_dim)
+        self.low_rank = _buffer(capacity, cfg.o_groups * cfg.o_lora_rank)
+        self.out, self.moe_out = _buffer(capacity, H), _buffer(capacity, H)
+        k = cfg.num_experts_per_tok
+        self.chosen, self.weights = (ctypes.c_int64 * (capacity * k))(), (ctypes.c_float * (capacity * k))()
+        self.hash_ids, self.counts = (ctypes.c_int64 * (capacity * k))(), (ctypes.c_int64 * capacity)()
 
 
 def _entry(calls: tuple, threads: int) -> None:
