@@ -6,19 +6,30 @@ decoding sequence its last token through `Decoder.step_batch`; a sequence joins 
         results = [f.result() for f in futures]  # GenerateResult each, as Generator.generate gives it
 
 One worker thread owns the generator's decoder. Each turn of its loop:
-1. a newcomer is admitted (first come, first served) when fewer than max_batch sequences decode and none is being
-   prefilled: its memory check counts the KV of the sequences decoding beside it (a refusal fails its future alone);
-2. one chunk of the newcomer's prefill runs (the layer-major StreamingPrefill, `prefill_chunk` tokens continuing the
-   previous chunk's states, as a continued KV does; the whole rest of the prompt when nothing decodes, as more
-   passes over the model would only cost): the others wait one chunk, never a whole long prompt. Once its prompt
-   is done its first token is chosen from the prefill's logits and it decodes from the next step;
+1. every waiting newcomer is admitted (first come, first served) while fewer than max_batch sequences decode or
+   prefill: its memory check counts the KV of the sequences decoding and prefilling beside it (a refusal fails
+   its future alone);
+2. ONE prefill pass for all the prompts being prefilled together (StreamingPrefill.run_many: each layer's
+   weights and every routed expert read once for all of them, the attention per prompt): `prefill_chunk` tokens
+   in all, the earliest prompts first, each chunk continuing its prompt's previous states as a continued KV
+   does (the whole rest of every prompt when nothing decodes, as more passes over the model would only cost).
+   The decoding ones wait one pass, never a whole long prompt nor one prefill per newcomer. A group whose working
+   set does not fit runs without its last prompts (they wait for a later pass); a prompt that does not fit alone
+   fails alone. A sequence whose prompt is done takes its first token from the pass's logits and decodes from the
+   next step;
 3. one decode step of every decoding sequence: each takes its row of the logits (SequenceOutput: its own sampler,
    seed, penalties, constraint, stop strings, text, logprobs) and leaves when over or when its `cancelled()` says
    so, its future then given its GenerateResult.
 
-Every sequence's greedy tokens are those it decodes alone (Generator.generate): the step's rows are independent
-(Decoder.step_batch) and the prefill of a chunked prompt continues its states. Only the expert cache is shared: a
-sequence's decode stats count the cache's hits and the bytes read over the steps it took part in, all rows.
+Stopped during a pass (`cancelled()`, or the scheduler closed), a prompt leaves with a cancelled result once the
+pass ends (the pass stops before its next layer only once every prompt in it asked to). Every sequence's greedy
+tokens are those it decodes alone (Generator.generate): the step's rows are independent (Decoder.step_batch), a
+chunked prompt continues its states, and a prompt prefilled beside others gets its solo logits and states to
+float32 rounding (run_many: only the experts' matmuls see the other prompts' rows). Only the expert cache is
+shared: a sequence's decode stats count the cache's hits and the bytes read over the steps it took part in, all
+rows; its prefill stats are its own tokens, the seconds of the passes it was in, and their `group_prompts` /
+`group_tokens` (the pass's bytes read are the group's). The cache is seeded with a prompt's experts only when its
+sequence is about to decode alone.
 """
 
 from __future__ import annotations
