@@ -170,6 +170,7 @@ class Job:
     cancelled: bool = False  # its client went away
     timed_out: bool = False
     started: bool = False
+    first_token_s: float | None = None  # from its arrival to its first generation's first token (the log line's)
 
     def stopped(self) -> bool:
         if not self.timed_out and time.monotonic() > self.deadline:
@@ -751,7 +752,8 @@ class Server:
             if last:
                 self.metrics.tpot.observe(now - last[0])
             elif first:
-                self.metrics.ttft.observe(now - job.arrived)
+                job.first_token_s = now - job.arrived
+                self.metrics.ttft.observe(job.first_token_s)
             last[:] = [now]
             if job.on_token is not None:
                 job.on_token(token, logprob)
@@ -764,7 +766,8 @@ class Server:
         self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} "
                  f"generated_tokens={len(result.generated_ids)} prefill_s={p.get('seconds', 0):.3f} "
                  f"decode_s={d.get('seconds', 0) or 0:.3f} cache_hit_rate={'-' if hit is None else f'{hit:.3f}'} "
-                 f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
+                 + ("" if job.first_token_s is None else f"first_token_s={job.first_token_s:.3f} ")
+                 + f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
 
     def close(self) -> None:
         """No more generations: those waiting are dropped, a batch's running ones end (a prefill before its next
