@@ -55,7 +55,7 @@ from .sampling import TokenLogprob
 
 
 
-@dataclass
+@dataclass(eq=False)  # one is its own identity (list.remove, `in`): its fields hold tensors
 class _Sequence:
     """One submitted generation: its prompt, its output, its future, and its prefill's or decode's state."""
     ids: torch.Tensor

@@ -23,6 +23,7 @@ that matches the reference to 1e-3.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import resource
 import time
@@ -429,7 +430,7 @@ class StreamingPrefill:
         cfg, layers = self.cfg, self.c.layers
         n_tokens = int(token_ids.numel())
         lengths = lengths or [n_tokens]
-        ends = torch.tensor(lengths).cumsum(0).tolist()
+        ends = list(itertools.accumulate(lengths))
         spans = [(end - n, end) for n, end in zip(lengths, ends)]  # each prompt's rows
         positions = [torch.arange(first, first + n, device=self.device)
                      for first, n in zip((past[0].seen_tokens if past else 0 for past in pasts), lengths)]

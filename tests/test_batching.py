@@ -446,23 +446,30 @@ def test_a_group_shares_one_prefill_chunk_first_come_first_served(generator):
 
 def test_a_prompt_cancelled_during_a_grouped_prefill_leaves_the_others_exact(generator):
     vocab = generator.cfg.vocab_size
-    cases = [(_prompt(13, 91, vocab), 10), (_prompt(6, 92, vocab), 10), (_prompt(21, 93, vocab), 10)]
-    alone = [_solo(generator, ids, max_new_tokens=new).generated_ids for ids, new in cases]
-    asked = []
+    cases = [(_prompt(13, 91, vocab), 10), (_prompt(6, 92, vocab), 10), (_prompt(21, 93, vocab), 10),
+             (_prompt(4, 94, vocab), 10)]
+    alone = {i: _solo(generator, cases[i][0], max_new_tokens=10).generated_ids for i in (1, 3)}
+    asked: dict[int, int] = {0: 0, 2: 0}
 
-    def cancelled() -> bool:  # false before the pass and at its first layer, true from its second on
-        asked.append(1)
-        return len(asked) > 2
-    with Batch(generator, max_batch=3) as batch:
+    def cancelled_after(i: int, calls: int):
+        def cancelled() -> bool:
+            asked[i] += 1
+            return asked[i] > calls
+        return cancelled
+    with Batch(generator, max_batch=4) as batch:
         with batch.scheduler._cv:
-            futures = [batch.submit(cases[0][0], max_new_tokens=10, cancelled=cancelled),
-                       *(batch.submit(ids, max_new_tokens=new) for ids, new in cases[1:])]
-        gone, *kept = [f.result(TIMEOUT) for f in futures]
-    assert gone.finish_reason == "cancelled" and gone.generated_ids == []
-    # the pass went on for the others (their rows shared its reads); it left with no token once it ended
-    assert gone.stats["prefill"]["cancelled_after_layers"] == generator.cfg.num_layers
-    assert [r.generated_ids for r in kept] == alone[1:]
-    assert all(r.stats["prefill"]["group_prompts"] == 3 for r in kept)
+            futures = [batch.submit(ids, max_new_tokens=new, cancelled=cancelled_after(i, 2 - i // 2) if i in asked else None)
+                       for i, (ids, new) in enumerate(cases)]
+        results = [f.result(TIMEOUT) for f in futures]
+    # the first: false before the pass and at its first layer, true from its second on; the third: asked before
+    # the pass and once it ended (the pass asks its stop only while every prompt before it asked stop), true then
+    for gone in (results[0], results[2]):
+        assert gone.finish_reason == "cancelled" and gone.generated_ids == []
+        # the pass went on for the others (their rows shared its reads); it left with no token once it ended
+        assert gone.stats["prefill"]["cancelled_after_layers"] == generator.cfg.num_layers
+    assert asked[2] == 2
+    assert {i: results[i].generated_ids for i in (1, 3)} == alone
+    assert all(results[i].stats["prefill"]["group_prompts"] == 4 for i in (1, 3))
     # every prompt of the pass stopped: the pass itself stops before its next layer
     with Batch(generator, max_batch=3) as batch:
         stop = threading.Event()
@@ -470,6 +477,15 @@ def test_a_prompt_cancelled_during_a_grouped_prefill_leaves_the_others_exact(gen
         stop.set()
         results = [f.result(TIMEOUT) for f in futures]
     assert all(r.finish_reason == "cancelled" and not r.generated_ids for r in results)
+    # one stopped before the pass, behind another: it leaves at once, the others' pass runs without it
+    with Batch(generator, max_batch=4) as batch:
+        with batch.scheduler._cv:
+            futures = [batch.submit(ids, max_new_tokens=new, cancelled=(lambda: True) if i == 2 else None)
+                       for i, (ids, new) in enumerate(cases)]
+        results = [f.result(TIMEOUT) for f in futures]
+    assert results[2].finish_reason == "cancelled" and results[2].stats["prefill"]["cancelled_after_layers"] == 0
+    assert {i: results[i].generated_ids for i in (1, 3)} == alone
+    assert [results[i].stats["prefill"]["group_prompts"] for i in (0, 1, 3)] == [3, 3, 3]
 
 
 def test_a_group_whose_working_set_does_not_fit_runs_smaller_and_a_prompt_too_big_alone_fails_alone(
