@@ -2,13 +2,16 @@
 sending one completion at temperature 0, against one server process on a synthetic preset (synth + convert --fp4;
 default `small`) or a given container.
 
-Per concurrency level it prints: time to first token (p50 / p99 over the clients), each stream's decode rate
-(its tokens after the first over the time after the first) and the aggregate rate (every client's tokens over the
-level's wall time), the expert cache's hit rate (from the server's per-request log lines), and how many requests
-were refused (429). Beside them, the load goal's bound: 2 x one prompt's prefill time plus one decode step per
-sequence queued ahead (measured alone first, on the same server), and whether p99 is within it. One run compares
-servers by their --max-batch (default 1 and 16: one generation at a time, then every client's sequence decoding
-together), one after the other on the same container.
+Per concurrency level it prints: the time to first token, p50 / p99 over the requests (what the server measured
+from each request's arrival: its log line's first_token_s), and to the clients' first text (a synthetic model's
+first text comes several tokens after its first token, as byte pieces are held until they make a whole UTF-8
+character: it waits those decode steps too); each stream's decode rate (its tokens after the first over the time
+after the first) and the aggregate rate (every client's tokens over the level's wall time); the expert cache's hit
+rate (from the server's per-request log lines); how many requests were refused (429). Beside them, the load goal's
+bound: 2 x one prompt's prefill time plus one decode step per sequence queued ahead (measured alone first, on the
+same server), and whether the first token's p99 is within it. One run compares servers by their --max-batch
+(default 1 and 16: one generation at a time, then every client's sequence decoding together), one after the other
+on the same container.
 
     python benchmarks/serve_load.py [--preset small|medium] [--container FILE] [--clients 1,4,16]
                                     [--max-batch 1,16] [--max-new-tokens 32] [--device cpu]
@@ -124,6 +127,7 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
     lines = server.log_lines()[seen:]
     done = [r for r in results if not r["refused"]]
     hits = _logged(lines, "cache_hit_rate")
+    first_tokens = _logged(lines, "first_token_s")
     return {
         "clients": clients, "refused": clients - len(done), "wall_s": round(wall, 3),
         "ttft_p50_s": round(_percentile([r["ttft"] for r in done], 0.5), 3) if done else None,
@@ -133,6 +137,8 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
             2) if any(r["tokens"] > 1 for r in done) else None,
         "aggregate_tokens_per_s": round(sum(r["tokens"] for r in done) / wall, 2),
         "expert_cache_hit_rate": round(statistics.mean(hits), 4) if hits else None,
+        "first_token_p50_s": round(_percentile(first_tokens, 0.5), 3) if first_tokens else None,
+        "first_token_p99_s": round(_percentile(first_tokens, 0.99), 3) if first_tokens else None,
     }
 
 
@@ -154,7 +160,8 @@ def run_server(path: str, args, levels: list[int], max_batch: int) -> dict:
         server.stop()
     for row in rows:  # the load goal: p99 TTFT <= 2 x prefill + one decode step per sequence queued ahead
         row["ttft_bound_s"] = round(2 * prefill_s + step_s * (row["clients"] - 1), 3)
-        row["within_bound"] = row["ttft_p99_s"] is not None and row["ttft_p99_s"] <= row["ttft_bound_s"]
+        row["within_bound"] = row["first_token_p99_s"] is not None and row["first_token_p99_s"] <= row["ttft_bound_s"]
+        row["text_within_bound"] = row["ttft_p99_s"] is not None and row["ttft_p99_s"] <= row["ttft_bound_s"]
     return {"max_batch": max_batch, "prefill_alone_s": prefill_s, "decode_step_s": round(step_s, 4), "levels": rows}
 
 
@@ -192,15 +199,17 @@ def main() -> None:
     print(f"{path} ({report['container_bytes'] / 2**20:.0f} MiB) on {args.device}, {args.max_new_tokens} new tokens "
           f"per client, serve args {args.serve_arg or 'none'}; {report['cpus']} CPUs, 1-minute load "
           f"{report['load_average_before_after'][0]} before, {report['load_average_before_after'][1]} after")
-    head = ["clients", "refused", "TTFT p50 s", "TTFT p99 s", "bound s", "p99 <= bound", "stream tok/s",
+    head = ["clients", "refused", "first token p50 s", "first token p99 s", "bound s", "p99 <= bound",
+            "first text p50 s", "first text p99 s", "stream tok/s",
             "aggregate tok/s", "cache hit rate", "wall s"]
     for run in runs:
         print(f"\n--max-batch {run['max_batch']}: one prompt's prefill alone {run['prefill_alone_s']:.3f} s, a decode "
               f"step {run['decode_step_s'] * 1e3:.1f} ms; bound = 2 x prefill + one step per client queued ahead")
         print(" | ".join(head))
         for r in run["levels"]:
-            print(" | ".join(str(r[k]) for k in ("clients", "refused", "ttft_p50_s", "ttft_p99_s", "ttft_bound_s",
-                                                 "within_bound", "stream_tokens_per_s", "aggregate_tokens_per_s",
+            print(" | ".join(str(r[k]) for k in ("clients", "refused", "first_token_p50_s", "first_token_p99_s",
+                                                 "ttft_bound_s", "within_bound", "ttft_p50_s", "ttft_p99_s",
+                                                 "stream_tokens_per_s", "aggregate_tokens_per_s",
                                                  "expert_cache_hit_rate", "wall_s")))
 
 

@@ -55,8 +55,9 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
                    "request joins between steps once its prompt is prefilled, a request's n choices decode side by "
                    "side); each sequence's KV is counted in the memory check. 1: one generation at a time.")
 @click.option("--prefill-chunk", type=click.IntRange(min=0), default=DEFAULT_PREFILL_CHUNK, show_default=True,
-              help="While others decode, a prompt is prefilled this many tokens at a time, between their steps "
-                   "(each chunk reads the experts again); 0: a prompt's prefill in one run.")
+              help="While others decode, the prompts waiting are prefilled together, this many tokens in all per "
+                   "pass between their steps, the earliest first (each pass reads the experts again); 0: every "
+                   "prompt whole in one pass.")
 @click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every /v1 request (and "
               "/metrics, /tokenize, /detokenize). Visible to `ps`: prefer --api-key-file or MOEPACK_API_KEY.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,

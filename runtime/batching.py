@@ -6,19 +6,30 @@ decoding sequence its last token through `Decoder.step_batch`; a sequence joins 
         results = [f.result() for f in futures]  # GenerateResult each, as Generator.generate gives it
 
 One worker thread owns the generator's decoder. Each turn of its loop:
-1. a newcomer is admitted (first come, first served) when fewer than max_batch sequences decode and none is being
-   prefilled: its memory check counts the KV of the sequences decoding beside it (a refusal fails its future alone);
-2. one chunk of the newcomer's prefill runs (the layer-major StreamingPrefill, `prefill_chunk` tokens continuing the
-   previous chunk's states, as a continued KV does; the whole rest of the prompt when nothing decodes, as more
-   passes over the model would only cost): the others wait one chunk, never a whole long prompt. Once its prompt
-   is done its first token is chosen from the prefill's logits and it decodes from the next step;
+1. every waiting newcomer is admitted (first come, first served) while fewer than max_batch sequences decode or
+   prefill: its memory check counts the KV of the sequences decoding and prefilling beside it (a refusal fails
+   its future alone);
+2. ONE prefill pass for all the prompts being prefilled together (StreamingPrefill.run_many: each layer's
+   weights and every routed expert read once for all of them, the attention per prompt): `prefill_chunk` tokens
+   in all, the earliest prompts first, each chunk continuing its prompt's previous states as a continued KV
+   does (the whole rest of every prompt when nothing decodes, as more passes over the model would only cost).
+   The decoding ones wait one pass, never a whole long prompt nor one prefill per newcomer. A group whose working
+   set does not fit runs without its last prompts (they wait for a later pass); a prompt that does not fit alone
+   fails alone. A sequence whose prompt is done takes its first token from the pass's logits and decodes from the
+   next step;
 3. one decode step of every decoding sequence: each takes its row of the logits (SequenceOutput: its own sampler,
    seed, penalties, constraint, stop strings, text, logprobs) and leaves when over or when its `cancelled()` says
    so, its future then given its GenerateResult.
 
-Every sequence's greedy tokens are those it decodes alone (Generator.generate): the step's rows are independent
-(Decoder.step_batch) and the prefill of a chunked prompt continues its states. Only the expert cache is shared: a
-sequence's decode stats count the cache's hits and the bytes read over the steps it took part in, all rows.
+Stopped during a pass (`cancelled()`, or the scheduler closed), a prompt leaves with a cancelled result once the
+pass ends (the pass stops before its next layer only once every prompt in it asked to). Every sequence's greedy
+tokens are those it decodes alone (Generator.generate): the step's rows are independent (Decoder.step_batch), a
+chunked prompt continues its states, and a prompt prefilled beside others gets its solo logits and states to
+float32 rounding (run_many: only the experts' matmuls see the other prompts' rows). Only the expert cache is
+shared: a sequence's decode stats count the cache's hits and the bytes read over the steps it took part in, all
+rows; its prefill stats are its own tokens, the seconds of the passes it was in, and their `group_prompts` /
+`group_tokens` (the pass's bytes read are the group's). The cache is seeded with a prompt's experts only when its
+sequence is about to decode alone.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ from .sampling import TokenLogprob
 
 
 
-@dataclass
+@dataclass(eq=False)  # one is its own identity (list.remove, `in`): its fields hold tensors
 class _Sequence:
     """One submitted generation: its prompt, its output, its future, and its prefill's or decode's state."""
     ids: torch.Tensor
@@ -54,7 +65,6 @@ class _Sequence:
     detokenize: Callable[[list[int]], str] | None
     reserved_kv: int = 0  # the KV bytes of its prompt + max_new_tokens: what its memory check counted
     bound: int = 0  # that check's host memory bound
-    engine: StreamingPrefill | None = None
     prefilled: int = 0  # prompt tokens through the prefill so far
     states: list | None = None  # the KV after them
     counts: list[list[int]] | None = None  # tokens per expert of each layer over the prompt so far
@@ -95,7 +105,10 @@ class BatchScheduler:
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()  # submitted, not yet admitted (under _cv)
         self._closed = False
-        self._prefilling: _Sequence | None = None  # the worker's own from here on
+        # the worker's own from here on: admitted sequences whose prompt is not through yet (in arrival order), the
+        # prefill engine their passes share (open while any is there), and the sequences decoding
+        self._prefilling: list[_Sequence] = []
+        self._engine: StreamingPrefill | None = None
         self._active: list[_Sequence] = []
         self._thread = threading.Thread(target=self._run, name="moepack-batch", daemon=True)
         self._thread.start()
@@ -154,90 +167,156 @@ class BatchScheduler:
                         self._cv.wait()
                     if self._closed:
                         break
-                    admit = self._prefilling is None and self._waiting and len(self._active) < self.max_batch
-                    newcomer = self._waiting.popleft() if admit else None
-                if newcomer is not None:
-                    self._admit(newcomer)
-                if self._prefilling is not None:
-                    self._prefill_chunk(self._prefilling)
+                    room = self.max_batch - len(self._active) - len(self._prefilling)
+                    newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                for s in newcomers:
+                    self._admit(s)
+                if self._prefilling:
+                    self._prefill_turn()
                 if self._active:
                     self._step()
         finally:
             with self._cv:
                 self._closed = True
-                left = [*self._waiting, *self._active] + ([self._prefilling] if self._prefilling else [])
+                left = [*self._waiting, *self._active, *self._prefilling]
                 self._waiting.clear()
+            self._close_engine()
             for s in left:
-                if s.engine is not None:
-                    s.engine.close()
                 if not s.future.done():
                     s.future.set_exception(MoepackError("the batch scheduler stopped before this generation ended"))
-            self._active, self._prefilling = [], None
+            self._active, self._prefilling = [], []
 
     def _stop_asked(self, s: _Sequence) -> bool:
         return self._closed or (s.cancelled is not None and s.cancelled())
 
     def _admit(self, s: _Sequence) -> None:
-        """The newcomer's memory check (beside the decoding sequences' KV) and its prefill engine; a refusal fails
-        its future alone."""
+        """The newcomer's memory check (beside the KV of the sequences decoding and prefilling) and its place among
+        those prefilling; a refusal fails its future alone."""
         g = self.generator
         s.reserved_kv = kv_bytes(g.c.config, len(s.ids) + s.out.max_new_tokens)
         try:
-            s.engine = g.prefill_engine()
-            s.bound = g._check_memory(len(s.ids) + s.out.max_new_tokens, sum(a.reserved_kv for a in self._active))
+            s.bound = g._check_memory(len(s.ids) + s.out.max_new_tokens,
+                                      sum(a.reserved_kv for a in (*self._active, *self._prefilling)))
         except BaseException as e:
-            self._fail(s, e)
+            s.future.set_exception(e)
             return
-        self._prefilling = s
+        self._prefilling.append(s)
 
     def _fail(self, s: _Sequence, e: BaseException) -> None:
-        if s.engine is not None:
-            s.engine.close()
-            s.engine = None
-        if self._prefilling is s:
-            self._prefilling = None
+        if s in self._prefilling:
+            self._prefilling.remove(s)
         s.future.set_exception(e)
 
-    def _prefill_chunk(self, s: _Sequence) -> None:
-        """One chunk of the newcomer's prompt (all the rest where nothing decodes); after the last, its first token
-        and its start in the batch."""
-        left = len(s.ids) - s.prefilled
-        size = min(left, self.prefill_chunk) if self._active and self.prefill_chunk else left
-        chunk = s.ids[s.prefilled:s.prefilled + size]
+    def _close_engine(self) -> None:
+        """The prefill's engine closed (its pools and buffers given back; after a cancel too): the next turn's
+        group opens another."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def _cancel_in_prefill(self, s: _Sequence, layers_done: int) -> None:
+        self._prefilling.remove(s)
+        s.future.set_result(cancelled_in_prefill(GenerationCancelled(layers_done), s.detokenize))
+
+    def _group(self) -> tuple[list[_Sequence], list[int]]:
+        """This turn's prefill group and each one's tokens: first come first served, PREFILL_CHUNK tokens in all
+        while others decode (none: every prompt's rest).
+
+        A budget for the whole group, not per prompt: a pass costs about its reads and decodes of the routed
+        experts, which grow slowly with its tokens, so the decoding sequences wait about one pass a turn however
+        many prompts share it; per prompt, 16 newcomers could make one pass of 16 x prefill_chunk tokens and freeze
+        them for that long. First come first served within it: the earliest arrivals get their first tokens first,
+        and a prompt never waits behind a later one."""
+        budget = self.prefill_chunk if self._active and self.prefill_chunk else None
+        group, sizes = [], []
+        for s in self._prefilling:
+            size = len(s.ids) - s.prefilled
+            if budget is not None:
+                size = min(size, budget)
+                budget -= size
+            if size < 1:
+                break
+            group.append(s)
+            sizes.append(size)
+        return group, sizes
+
+    def _prefill_turn(self) -> None:
+        """One grouped prefill pass (StreamingPrefill.run_many) of the prompts prefilling: each of its chunk (the
+        _group), continuing its states; those whose prompt is done then take their first token and decode."""
+        for s in [s for s in self._prefilling if self._stop_asked(s)]:  # stopped before the pass: no work for them
+            self._cancel_in_prefill(s, 0)
+        if not self._prefilling:
+            self._close_engine()
+            return
         try:
-            done = s.engine.run(chunk.to(s.engine.device), s.states, keep_kv=True,
-                                should_stop=lambda: self._stop_asked(s))
-        except GenerationCancelled as e:  # the engine's close() gives back its pools and buffers
-            s.engine.close()
-            s.engine, self._prefilling = None, None
-            s.future.set_result(cancelled_in_prefill(e, s.detokenize))
-            return
+            if self._engine is None:
+                self._engine = self.generator.prefill_engine()
         except BaseException as e:
-            self._fail(s, e)
+            for s in list(self._prefilling):
+                self._fail(s, e)
             return
-        s.states, s.prefilled = done.states, s.prefilled + size
-        s.counts = _add_counts(s.counts, done.tokens_per_expert)
-        s.prefill_stats = _chunk_stats(s.prefill_stats, done.stats)
-        if s.prefilled < len(s.ids):
+        group, sizes = self._group()
+        while True:  # the group's working set must fit: the last to join waits for a later turn, one alone fails
+            try:
+                self._engine.check_memory(sum(s.prefilled + n for s, n in zip(group, sizes)))
+                break
+            except MoepackError as e:
+                if len(group) == 1:
+                    self._fail(group[0], e)
+                    return
+                group.pop()
+                sizes.pop()
+        try:
+            done = self._engine.run_many(
+                [s.ids[s.prefilled:s.prefilled + n].to(self._engine.device) for s, n in zip(group, sizes)],
+                [s.states for s in group], keep_kv=True,
+                # the pass stops (before its next layer) once every prompt in it is stopped; one of several
+                # stopped goes on to the pass's end (its rows are the others' weight reads' passengers) and then
+                # leaves with a cancelled result
+                should_stop=lambda: self._closed or all(s.cancelled is not None and s.cancelled() for s in group))
+        except GenerationCancelled as e:  # the engine's close() gives back its pools and buffers
+            self._close_engine()
+            for s in group:
+                self._cancel_in_prefill(s, e.layers_done)
             return
-        s.engine.close()
-        s.engine, self._prefilling = None, None
+        except BaseException as e:  # the pass is shared (a read or compute error): every prompt in it fails
+            self._close_engine()
+            for s in group:
+                self._fail(s, e)
+            return
+        finished = []
+        for s, n, result in zip(group, sizes, done):
+            s.states, s.prefilled = result.states, s.prefilled + n
+            s.counts = _add_counts(s.counts, result.tokens_per_expert)
+            s.prefill_stats = _chunk_stats(s.prefill_stats, result.stats)
+            if self._stop_asked(s):
+                self._cancel_in_prefill(s, len(self.generator.c.layers))
+            elif s.prefilled == len(s.ids):
+                self._prefilling.remove(s)
+                finished.append((s, result.logits))
+        if not self._prefilling:
+            self._close_engine()
+        with self._cv:
+            # the cache seeded with one prompt's experts evicts the others' (those of the sequences decoding, of the
+            # prompts prefilling or waiting): only a sequence about to decode alone seeds it
+            alone = len(finished) == 1 and not (self._active or self._prefilling or self._waiting)
+        for s, logits in finished:
+            self._start_decoding(s, logits, seed=alone)
+
+    def _start_decoding(self, s: _Sequence, logits: torch.Tensor, seed: bool) -> None:
+        """A prompt prefilled: its first token chosen from the prefill's `logits`, then its place in the batch."""
         g = self.generator
         s.prefill_stats = g.prefill_stats(s.prefill_stats)
         try:
             s.decoding = g.decoder.start(s.states)
             s.states = None
-            if self._over(s, done.logits):
+            if self._over(s, logits):
                 self._finish(s)
                 return
         except BaseException as e:
             self._fail(s, e)
             return
-        # the cache seeded with this prompt's experts evicts the others' (those of the sequences decoding, and of
-        # the next newcomer's prompt): only a sequence about to decode alone seeds it, once its first token is out
-        with self._cv:
-            alone = not self._active and not self._waiting
-        if alone and s.counts:
+        if seed and s.counts:  # once its first token is out
             g.decoder.seed(s.counts)
         s.counts = None
         s.counters = self._counters()

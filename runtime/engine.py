@@ -23,6 +23,7 @@ that matches the reference to 1e-3.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import resource
 import time
@@ -334,49 +335,105 @@ class StreamingPrefill:
         exists to measure what layer-major order saves. `keep_kv`: the result holds every layer's state after the
         prompt (what a decode goes on from). `should_stop()` is asked before each layer (the first time once every
         check has passed) and between a layer's query chunks; true raises GenerationCancelled."""
-        cfg = self.cfg
-        n_tokens = int(token_ids.numel())
-        if n_tokens < 1:
-            raise MoepackError("empty prompt")
-        if int(token_ids.max()) >= cfg.vocab_size or int(token_ids.min()) < 0:
-            raise MoepackError(f"token id out of range 0..{cfg.vocab_size - 1}")
+        n_tokens = self._check_ids(token_ids)
         if chunk_tokens is not None and chunk_tokens < 1:
             raise MoepackError("--chunk-tokens must be at least 1")
         past_tokens = past[0].seen_tokens if past else 0
-        self._check_memory(past_tokens + n_tokens)
-        start, steal_before = time.perf_counter(), cpu_steal_seconds()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.check_memory(past_tokens + n_tokens)
+        start, steal_before = self._pass_starts()
         chunks = token_ids.split(chunk_tokens) if chunk_tokens else [token_ids]
         all_stats: list[LayerStats] = []
         states = past
         with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype):
             for i, chunk in enumerate(chunks):
                 final = i == len(chunks) - 1
-                logits, layer_stats, states, counts = self._forward(chunk.to(self.device), states, emit_kv=final,
-                                                                    keep_states=keep_kv or not final,
-                                                                    should_stop=should_stop)
+                logits, layer_stats, (states,), (counts,) = self._forward(
+                    chunk.to(self.device), [states], emit_kv=final, keep_states=keep_kv or not final,
+                    should_stop=should_stop)
                 all_stats.extend(layer_stats)
+        stats = self._pass_stats(n_tokens, start, steal_before, all_stats)
+        stats["order"] = "chunk" if chunk_tokens else "layer"
+        stats["passes_over_model"] = len(chunks)
+        return PrefillResult(logits[0], int(torch.argmax(logits[0])), stats, all_stats, states if keep_kv else None,
+                             counts)
+
+    def run_many(self, prompts: list[torch.Tensor], pasts: list[list | None] | None = None, keep_kv: bool = True,
+                 should_stop: Callable[[], bool] | None = None) -> list[PrefillResult]:
+        """Prefill several prompts in ONE layer-major pass: their tokens concatenated, each layer's dense weights and
+        every routed expert read (and decoded) once for all of them. The attention runs per prompt on its own rows,
+        at its own positions, continuing its own `pasts` entry (one LayerKVState per layer, as run's `past`, or
+        None); mHC, the router, the routed and the shared experts run on all rows at once.
+
+        Result i is what run(prompts[i], pasts[i], keep_kv=keep_kv) gives, to float32 rounding (an expert's matmul
+        sees the other prompts' rows too): prompt i's own last-position logits, states and tokens per expert. Its
+        stats are the pass's (seconds, bytes read, layers: shared by all) with its own `tokens`, and
+        `group_prompts` / `group_tokens` saying what it shared the pass with. `should_stop()` as in run: it stops
+        the whole pass. The memory check counts every prompt's tokens (and past tokens) together.
+
+        Only the plain layer-order pass has a grouped form: run's `chunk_tokens` order exists to measure one
+        prompt's passes over the model, and the refusals below name the other two."""
+        if self.dist is not None:
+            # every rank must run the same prompts through each collective: the group would be a protocol of its own
+            raise MoepackError("an expert-parallel prefill runs one prompt at a time")
+        if self.on_layer_kv is not None:
+            # the KV handed out as each layer ends (kv_out) is one sequence's, written to one directory
+            raise MoepackError("a prefill that hands out its KV layer by layer (kv_out) runs one prompt at a time")
+        if not prompts:
+            raise MoepackError("no prompt to prefill")
+        pasts = list(pasts) if pasts is not None else [None] * len(prompts)
+        if len(pasts) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(pasts)} past states")
+        lengths = [self._check_ids(ids) for ids in prompts]
+        self.check_memory(sum(lengths) + sum(past[0].seen_tokens for past in pasts if past))
+        start, steal_before = self._pass_starts()
+        with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype):
+            logits, layer_stats, states, counts = self._forward(
+                torch.cat([ids.reshape(-1) for ids in prompts]).to(self.device), pasts, emit_kv=False,
+                keep_states=keep_kv, should_stop=should_stop, lengths=lengths)
+        stats = self._pass_stats(sum(lengths), start, steal_before, layer_stats)
+        stats.update(order="layer", passes_over_model=1, group_prompts=len(prompts), group_tokens=sum(lengths))
+        return [PrefillResult(logits[i], int(torch.argmax(logits[i])),
+                              {**stats, "tokens": n, "tokens_per_s": round(n / stats["seconds"], 2)
+                               if stats["seconds"] else None},
+                              layer_stats, states[i] if keep_kv else None, counts[i])
+                for i, n in enumerate(lengths)]
+
+    def _check_ids(self, token_ids: torch.Tensor) -> int:
+        """A prompt's token count, once its ids are checked."""
+        n_tokens = int(token_ids.numel())
+        if n_tokens < 1:
+            raise MoepackError("empty prompt")
+        if int(token_ids.max()) >= self.cfg.vocab_size or int(token_ids.min()) < 0:
+            raise MoepackError(f"token id out of range 0..{self.cfg.vocab_size - 1}")
+        return n_tokens
+
+    def _pass_starts(self) -> tuple[float, float | None]:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return time.perf_counter(), cpu_steal_seconds()
+
+    def _pass_stats(self, n_tokens: int, start: float, steal_before: float | None, layers: list[LayerStats]) -> dict:
         wall, steal_after = time.perf_counter() - start, cpu_steal_seconds()
-        stats = self._stats(n_tokens, wall, all_stats)
+        stats = self._stats(n_tokens, wall, layers)
         # a VM's time lost to its host, machine-wide: on a VM, streamed runs were measured losing 0.15-0.6 s of
         # it and resident runs none (docs/benchmarks.md); it explains a run slower than its parts measured alone
         stats["steal_s"] = (round(steal_after - steal_before, 3)
                             if steal_before is not None and steal_after is not None else None)
-        stats["order"] = "chunk" if chunk_tokens else "layer"
-        stats["passes_over_model"] = len(chunks)
-        return PrefillResult(logits, int(torch.argmax(logits)), stats, all_stats, states if keep_kv else None,
-                             counts)
+        return stats
 
-    def _forward(self, token_ids: torch.Tensor, past: list | None, emit_kv: bool, keep_states: bool,
-                 should_stop: Callable[[], bool] | None = None):
-        """One pass of `token_ids` through every layer (reading each region once). Returns the last position's
-        logits, per-layer stats, (keep_states) the new per-layer states and the tokens the router sent to each
-        expert of each layer."""
+    def _forward(self, token_ids: torch.Tensor, pasts: list[list | None], emit_kv: bool, keep_states: bool,
+                 should_stop: Callable[[], bool] | None = None, lengths: list[int] | None = None):
+        """One pass of `token_ids` through every layer (reading each region once): one prompt, or the prompts of
+        `lengths` tokens each, concatenated (run_many), `pasts` one entry per prompt. Returns each prompt's last
+        position's logits [prompts, vocab], per-layer stats (all prompts), and per prompt (keep_states) its new
+        per-layer states and the tokens its router sent to each expert of each layer."""
         cfg, layers = self.cfg, self.c.layers
         n_tokens = int(token_ids.numel())
-        first_position = past[0].seen_tokens if past else 0
-        positions = torch.arange(first_position, first_position + n_tokens, device=self.device)
+        lengths = lengths or [n_tokens]
+        ends = list(itertools.accumulate(lengths))
+        spans = [(end - n, end) for n, end in zip(lengths, ends)]  # each prompt's rows
+        positions = [torch.arange(first, first + n, device=self.device)
+                     for first, n in zip((past[0].seen_tokens if past else 0 for past in pasts), lengths)]
         # The embedding's bytes first: the first the compute needs (queued behind the expert reads, they would make
         # the compute wait for the disk before it could start; read first, they cost the disk a few milliseconds).
         # Only the prompt's rows are decoded, on the host, once the first layer's reads are queued: a
@@ -392,8 +449,8 @@ class StreamingPrefill:
         head_bytes: Future | None = None  # read during the last layer, beside its experts
         spare: torch.Tensor | None = None  # the streams' second buffer
         layer_stats: list[LayerStats] = []
-        counts: list[list[int]] = []  # per layer, tokens per expert
-        states = [] if keep_states else None
+        counts: list[list[list[int]]] = [[] for _ in spans]  # per prompt, per layer, tokens per expert
+        states = [[] for _ in spans] if keep_states else [None] * len(spans)
         next_w = None  # this layer's dense weights, decoded beside the previous layer's experts
         for number, block in enumerate(layers):
             # between layers (and between a layer's query chunks) only reads queued ahead are in flight: close()
@@ -409,23 +466,27 @@ class StreamingPrefill:
             if number + 1 < len(layers) and resident is None:
                 pending_dense = self.reads.submit_dense(layers[number + 1])
             with self.compute:
-                layer_past = past[number].to(self.device) if past else None
                 # the streams alternate between two buffers: [N, hc, H] is over glibc's 32 MiB mmap threshold from
                 # N = 2048 (V4-Flash: N = 512), where each fresh allocation would fault in every page again
                 spare = torch.empty_like(streams) if spare is None else spare
-                new_streams, kv_state = model.attention_sublayer(cfg, number, w, streams, positions,
-                                                                 self.opt.query_chunk, layer_past, into=spare,
-                                                                 between_chunks=between)
-                streams, spare = new_streams, streams
+                # each prompt attends on its own rows (its positions, its past); their new streams fill `spare`
+                kv_states = []
+                for (a, b), past, prompt_positions in zip(spans, pasts, positions):
+                    layer_past = past[number].to(self.device) if past else None
+                    kv_states.append(model.attention_sublayer(cfg, number, w, streams[a:b], prompt_positions,
+                                                              self.opt.query_chunk, layer_past, into=spare[a:b],
+                                                              between_chunks=between)[1])
+                    if past:
+                        past[number] = layer_past = None  # the old state is folded into the new one
+                streams, spare = spare, streams
                 routing = model.moe_route(cfg, number, w, streams, token_ids)
                 by_expert = routing.tokens_by_expert()
-            if emit_kv and self.on_layer_kv is not None:
-                self.on_layer_kv(number, kv_state)  # the layer's KV is final: it leaves the device now
+            if emit_kv and self.on_layer_kv is not None:  # (one prompt: run_many refuses on_layer_kv)
+                self.on_layer_kv(number, kv_states[0])  # the layer's KV is final: it leaves the device now
             if keep_states:
-                states.append(kv_state)
-            del kv_state
-            if past:
-                past[number] = layer_past = None  # the old state is folded into the new one
+                for prompt_states, kv_state in zip(states, kv_states):
+                    prompt_states.append(kv_state)
+            del kv_states
             if reads is None:
                 reads = self.reads.reads_after_router(number, by_expert)
             if number == len(layers) - 1:  # after the layer's expert reads: the head is needed last
@@ -445,9 +506,15 @@ class StreamingPrefill:
             layer_stats.append(self.reads.layer_stats(number, reads, by_expert, dense_read=resident is None))
             if self.opt.on_layer is not None:
                 self.opt.on_layer(number, len(layers), layer_stats[-1].bytes_read)
-            counts.append(tokens_per_expert(by_expert, len(block.experts)))
+            if len(spans) == 1:
+                counts[0].append(tokens_per_expert(by_expert, len(block.experts)))
+            else:
+                for prompt_counts, (a, b) in zip(counts, spans):
+                    prompt_counts.append(torch.bincount(routing.experts[a:b].reshape(-1),
+                                                        minlength=len(block.experts)).tolist())
         logits = self._head_logits(head_bytes.result() if head_bytes is not None else
-                                   self.reads.read_globals((*HEAD_GLOBALS, cfg.head_weight), held_for_head), streams)
+                                   self.reads.read_globals((*HEAD_GLOBALS, cfg.head_weight), held_for_head), streams,
+                                   torch.tensor(ends, device=self.device) - 1)
         return logits, layer_stats, states, counts
 
     # --- weights -------------------------------------------------------------------------------------------------
@@ -490,22 +557,23 @@ class StreamingPrefill:
             return decode_group_rows(self._global_group(by_name, "embed.weight"), read, "embed.weight",
                                      token_ids if on_device else token_ids.cpu()).to(self.device)
 
-    def _head_logits(self, fetched: list[tuple[Region, HostBuffer, memoryview]], streams: torch.Tensor
-                     ) -> torch.Tensor:
-        """The last position's logits [vocab] float32 (on the host). The LM head is decoded and applied
-        HEAD_CHUNK_BYTES of rows at a time."""
+    def _head_logits(self, fetched: list[tuple[Region, HostBuffer, memoryview]], streams: torch.Tensor,
+                     rows: torch.Tensor) -> torch.Tensor:
+        """The logits [len(rows), vocab] float32 of the positions `rows` (on the host). The LM head is decoded and
+        applied HEAD_CHUNK_BYTES of rows at a time."""
         with self.compute:
             by_name, read = self._global_tensors(fetched, on_device=True)
             weights = decode_group([t for n in HEAD_GLOBALS for t in self._global_group(by_name, n)], read)
             name = self.cfg.head_weight
             head = self._global_group(by_name, name)
-            x = model.head_input(self.cfg, streams, weights, -1)
+            x = model.head_input(self.cfg, streams, weights, rows)
             slices = decode_group_row_slices(head, read, name, HEAD_CHUNK_BYTES // (4 * head[0].shape[1]))
-            return torch.cat([F.linear(x, rows).float() for rows in slices], dim=-1)[0].cpu()
+            return torch.cat([F.linear(x, head_rows).float() for head_rows in slices], dim=-1).cpu()
 
     # --- before and after ----------------------------------------------------------------------------------------
-    def _check_memory(self, n_tokens: int) -> None:
-        """Refuse a prompt whose working set cannot fit, before reading or computing anything."""
+    def check_memory(self, n_tokens: int) -> None:
+        """Refuse a prompt (or prompts prefilled together: n_tokens is all of theirs) whose working set cannot fit,
+        before reading or computing anything."""
         layers = self.c.layers
         expert_params = max((sum(t.numel for t in r.tensors if not t.name.endswith(SCALE_SUFFIXES))
                              for b in layers for r in b.experts), default=0)

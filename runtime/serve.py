@@ -10,9 +10,10 @@ release's encoder and back out of the answer (runtime/tool_calls.py). Responses 
 
 Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the generations go to a BatchScheduler
 (runtime/batching.py): up to max_batch sequences decode together, one step feeding each its next token, a newcomer
-joining between steps once its prefill (in chunks of `prefill_chunk` tokens while others decode) is done, and a
-sequence leaving at its end or when stopped; a request's n choices decode side by side. Each request waits for its
-generations on a thread of an executor of max_queue threads. With max_batch 1 every generation runs on ONE worker
+joining between steps once its prefill is done (the newcomers' prompts prefilled together, one pass per turn of
+`prefill_chunk` tokens in all while others decode), and a sequence leaving at its end or when stopped; a request's
+n choices decode side by side. Each request waits for its generations on a thread of an executor of max_queue
+threads. With max_batch 1 every generation runs on ONE worker
 thread (a single-thread executor) through Generator.generate, in arrival order, the choices one after the other.
 At most `max_queue` requests are admitted at once (reading their body, being prepared, waiting or running); one
 more is answered 429 at once. A streamed answer's pieces go from the worker's `on_text` to the event loop through
@@ -169,6 +170,7 @@ class Job:
     cancelled: bool = False  # its client went away
     timed_out: bool = False
     started: bool = False
+    first_token_s: float | None = None  # from its arrival to its first generation's first token (the log line's)
 
     def stopped(self) -> bool:
         if not self.timed_out and time.monotonic() > self.deadline:
@@ -750,7 +752,8 @@ class Server:
             if last:
                 self.metrics.tpot.observe(now - last[0])
             elif first:
-                self.metrics.ttft.observe(now - job.arrived)
+                job.first_token_s = now - job.arrived
+                self.metrics.ttft.observe(job.first_token_s)
             last[:] = [now]
             if job.on_token is not None:
                 job.on_token(token, logprob)
@@ -763,7 +766,8 @@ class Server:
         self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} "
                  f"generated_tokens={len(result.generated_ids)} prefill_s={p.get('seconds', 0):.3f} "
                  f"decode_s={d.get('seconds', 0) or 0:.3f} cache_hit_rate={'-' if hit is None else f'{hit:.3f}'} "
-                 f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
+                 + ("" if job.first_token_s is None else f"first_token_s={job.first_token_s:.3f} ")
+                 + f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
 
     def close(self) -> None:
         """No more generations: those waiting are dropped, a batch's running ones end (a prefill before its next
@@ -833,7 +837,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
     """The starlette app serving `generator` (a runtime.generate.Generator, or with max_batch 1 anything with its
     generate() and `.c`) as `model_name`; `max_batch` > 1: up to that many sequences decode together
-    (runtime/batching.py, its prompts prefilled in chunks of `prefill_chunk` tokens while others decode). `log`: where the one line per request goes (default stderr). app.state.server holds
+    (runtime/batching.py, its prompts prefilled together, `prefill_chunk` tokens in all per pass while others decode). `log`: where the one line per request goes (default stderr). app.state.server holds
     the Server (its `finished` deque: (request id, finish reason) per generation, newest last). Serve it with
     uvicorn_config(app, limits): the connection limits and timeouts live there."""
     from starlette.applications import Starlette

@@ -3,6 +3,7 @@ joining and leaving at step boundaries, give each the tokens it gets decoded alo
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
@@ -15,6 +16,7 @@ import torch
 from moepack.format_spec.errors import MoepackError
 from moepack.runtime import generate as generate_module
 from moepack.runtime.batching import BatchScheduler
+from moepack.runtime.engine import StreamingPrefill
 from moepack.runtime.generate import GenerateOptions, Generator, memory_need
 from moepack.runtime.serve import ServerLimits, make_app
 from moepack.runtime.tokenizer import PromptTokenizer
@@ -344,3 +346,164 @@ def test_the_serve_command_takes_max_batch(tiny):
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=5)
             raise
+
+
+# --- prompts prefilled together (StreamingPrefill.run_many, the scheduler's grouped passes) ----------------------
+def _tensors(state) -> list[torch.Tensor]:
+    """Every tensor of a LayerKVState (its window, its compressors' entries, buffers and overlaps)."""
+    parts = [state.window_kv]
+    for comp in (state.compressor, state.indexer):
+        if comp is not None:
+            parts += [t for t in (comp.compressed_kv, comp.buffer_kv, comp.buffer_gate, comp.overlap_kv,
+                                  comp.overlap_gate) if t is not None]
+    return parts
+
+
+def _greedy_after(g, states, logits, n: int) -> list[int]:
+    """n greedy tokens decoded from a prefill's states and last logits."""
+    sequence, tokens = g.decoder.start(states), [int(torch.argmax(logits))]
+    while len(tokens) < n:
+        tokens.append(int(torch.argmax(g.decoder.step_batch([sequence], [tokens[-1]])[0])))
+    return tokens
+
+
+def test_prompts_prefilled_in_one_pass_get_their_solo_prefills(generator):
+    vocab = generator.cfg.vocab_size
+    earlier, prompts = _prompt(12, 61, vocab), [_prompt(9, 62, vocab), _prompt(1, 63, vocab), _prompt(30, 64, vocab)]
+    engine = generator.prefill_engine()
+    try:
+        past = engine.run(torch.tensor(earlier), keep_kv=True).states  # the third continues a past state
+        pasts = [None, None, past]
+        alone = [engine.run(torch.tensor(ids), copy.deepcopy(p), keep_kv=True) for ids, p in zip(prompts, pasts)]
+        together = engine.run_many([torch.tensor(ids) for ids in prompts], [None, None, copy.deepcopy(past)])
+    finally:
+        engine.close()
+    for solo, grouped, ids, p in zip(alone, together, prompts, pasts):
+        # the same rows through the same weights; a matmul over more rows may round differently (float32)
+        torch.testing.assert_close(grouped.logits, solo.logits, rtol=1e-5, atol=1e-5)
+        assert grouped.tokens_per_expert == solo.tokens_per_expert
+        assert sum(map(sum, grouped.tokens_per_expert)) == len(ids) * generator.cfg.num_experts_per_tok * len(
+            grouped.tokens_per_expert)
+        assert [s.seen_tokens for s in grouped.states] == [len(ids) + (12 if p else 0)] * generator.cfg.num_layers
+        for a, b in zip(solo.states, grouped.states):
+            for x, y in zip(_tensors(a), _tensors(b), strict=True):
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+        assert grouped.stats["tokens"] == len(ids) and grouped.stats["group_prompts"] == 3
+        assert grouped.stats["group_tokens"] == 40
+        assert _greedy_after(generator, grouped.states, grouped.logits, 8) == _greedy_after(
+            generator, solo.states, solo.logits, 8)
+
+
+def test_a_grouped_pass_refuses_what_runs_one_prompt_at_a_time(generator):
+    engine = generator.prefill_engine()
+    try:
+        with pytest.raises(MoepackError, match="no prompt"):
+            engine.run_many([])
+        with pytest.raises(MoepackError, match="empty prompt"):
+            engine.run_many([torch.tensor([3, 4]), torch.tensor([], dtype=torch.long)])
+        engine.on_layer_kv = lambda layer, state: None  # what a kv_out writer hands the layers to
+        with pytest.raises(MoepackError, match="one prompt at a time"):
+            engine.run_many([torch.tensor([3, 4])])
+    finally:
+        engine.close()
+
+
+def _submitted_together(batch, cases, **kw) -> list:
+    """The cases (ids, max_new_tokens) submitted while the worker is held: it finds them all waiting at once."""
+    with batch.scheduler._cv:
+        return [batch.submit(ids, max_new_tokens=new, **kw) for ids, new in cases]
+
+
+def test_newcomers_are_admitted_together_up_to_max_batch_and_prefilled_in_one_pass(generator):
+    vocab = generator.cfg.vocab_size
+    cases = [(_prompt(n, 70 + n, vocab), new) for n, new in ((5, 9), (17, 4), (1, 7), (33, 12), (8, 6))]
+    alone = [_solo(generator, ids, max_new_tokens=new).generated_ids for ids, new in cases]
+    with Batch(generator, max_batch=4) as batch:
+        results = [f.result(TIMEOUT) for f in _submitted_together(batch, cases)]
+    assert [r.generated_ids for r in results] == alone
+    prefills = [r.stats["prefill"] for r in results]
+    # the first four in one pass (nothing decoding: every prompt whole), the fifth once a slot was free
+    assert [p["group_prompts"] for p in prefills] == [4, 4, 4, 4, 1]
+    assert [p["tokens"] for p in prefills] == [5, 17, 1, 33, 8] and prefills[0]["group_tokens"] == 56
+    assert max(batch.sizes) == 4 and batch.sizes[0] == 4
+
+
+def test_a_group_shares_one_prefill_chunk_first_come_first_served(generator):
+    vocab = generator.cfg.vocab_size
+    first, rest = (_prompt(4, 80, vocab), 30), [(_prompt(n, 80 + n, vocab), 5) for n in (11, 6, 9)]
+    alone = [_solo(generator, ids, max_new_tokens=new).generated_ids for ids, new in (first, *rest)]
+    with Batch(generator, max_batch=4, prefill_chunk=8) as batch:
+        on_token, decoding = _tokens_seen(2)
+        head = batch.submit(first[0], max_new_tokens=first[1], on_token=on_token)
+        assert decoding.wait(TIMEOUT)
+        results = [f.result(TIMEOUT) for f in _submitted_together(batch, rest)]
+        assert head.result(TIMEOUT).generated_ids == alone[0]
+    assert [r.generated_ids for r in results] == alone[1:]
+    # 8 tokens a turn in all, the earliest first: [8], [3 + 5], [1 + 7], [2]
+    assert [r.stats["prefill"]["chunks"] for r in results] == [2, 2, 2]
+    assert [r.stats["prefill"]["tokens"] for r in results] == [11, 6, 9]
+
+
+def test_a_prompt_cancelled_during_a_grouped_prefill_leaves_the_others_exact(generator):
+    vocab = generator.cfg.vocab_size
+    cases = [(_prompt(13, 91, vocab), 10), (_prompt(6, 92, vocab), 10), (_prompt(21, 93, vocab), 10),
+             (_prompt(4, 94, vocab), 10)]
+    alone = {i: _solo(generator, cases[i][0], max_new_tokens=10).generated_ids for i in (1, 3)}
+    asked: dict[int, int] = {0: 0, 2: 0}
+
+    def cancelled_after(i: int, calls: int):
+        def cancelled() -> bool:
+            asked[i] += 1
+            return asked[i] > calls
+        return cancelled
+    with Batch(generator, max_batch=4) as batch:
+        with batch.scheduler._cv:
+            futures = [batch.submit(ids, max_new_tokens=new, cancelled=cancelled_after(i, 2 - i // 2) if i in asked else None)
+                       for i, (ids, new) in enumerate(cases)]
+        results = [f.result(TIMEOUT) for f in futures]
+    # the first: false before the pass and at its first layer, true from its second on; the third: asked before
+    # the pass and once it ended (the pass asks its stop only while every prompt before it asked stop), true then
+    for gone in (results[0], results[2]):
+        assert gone.finish_reason == "cancelled" and gone.generated_ids == []
+        # the pass went on for the others (their rows shared its reads); it left with no token once it ended
+        assert gone.stats["prefill"]["cancelled_after_layers"] == generator.cfg.num_layers
+    assert asked[2] == 2
+    assert {i: results[i].generated_ids for i in (1, 3)} == alone
+    assert all(results[i].stats["prefill"]["group_prompts"] == 4 for i in (1, 3))
+    # every prompt of the pass stopped: the pass itself stops before its next layer
+    with Batch(generator, max_batch=3) as batch:
+        stop = threading.Event()
+        futures = _submitted_together(batch, cases, cancelled=stop.is_set)
+        stop.set()
+        results = [f.result(TIMEOUT) for f in futures]
+    assert all(r.finish_reason == "cancelled" and not r.generated_ids for r in results)
+    # one stopped before the pass, behind another: it leaves at once, the others' pass runs without it
+    with Batch(generator, max_batch=4) as batch:
+        with batch.scheduler._cv:
+            futures = [batch.submit(ids, max_new_tokens=new, cancelled=(lambda: True) if i == 2 else None)
+                       for i, (ids, new) in enumerate(cases)]
+        results = [f.result(TIMEOUT) for f in futures]
+    assert results[2].finish_reason == "cancelled" and results[2].stats["prefill"]["cancelled_after_layers"] == 0
+    assert {i: results[i].generated_ids for i in (1, 3)} == alone
+    assert [results[i].stats["prefill"]["group_prompts"] for i in (0, 1, 3)] == [3, 3, 3]
+
+
+def test_a_group_whose_working_set_does_not_fit_runs_smaller_and_a_prompt_too_big_alone_fails_alone(
+        generator, monkeypatch):
+    vocab = generator.cfg.vocab_size
+    cases = [(_prompt(10, 101, vocab), 6), (_prompt(40, 102, vocab), 6), (_prompt(10, 103, vocab), 6),
+             (_prompt(10, 104, vocab), 6)]
+    alone = {i: _solo(generator, cases[i][0], max_new_tokens=6).generated_ids for i in (0, 2, 3)}
+
+    def check_memory(engine, n_tokens):  # room for the working set of 25 prompt tokens
+        if n_tokens > 25:
+            raise MoepackError(f"a prompt of {n_tokens} tokens needs more than there is")
+    monkeypatch.setattr(StreamingPrefill, "check_memory", check_memory)
+    with Batch(generator, max_batch=4) as batch:
+        futures = _submitted_together(batch, cases)
+        with pytest.raises(MoepackError, match="a prompt of 40 tokens"):
+            futures[1].result(TIMEOUT)
+        results = {i: futures[i].result(TIMEOUT) for i in (0, 2, 3)}
+    assert {i: r.generated_ids for i, r in results.items()} == alone
+    # the group of 0 and 1 did not fit: 0 ran alone; 1 alone failed; 2 and 3 fit together
+    assert [results[i].stats["prefill"]["group_prompts"] for i in (0, 2, 3)] == [1, 2, 2]
