@@ -49,7 +49,7 @@ from . import model
 from .model import HEAD_GLOBALS
 from .device_copier import DeviceCopier
 from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
-from .bench import default_compute_dtype
+from .tuning import default_compute_dtype
 from .limits import MAX_BUNDLE_EXPERTS
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
 from .grouped_experts import GroupedExperts, resolve_expert_backend
