@@ -324,22 +324,31 @@ def bench_memory(size_mib: int = 256, repeat: int = 5, device: str | None = None
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _expert_naming():
+    """How the model names an expert's matrices (model.EXPERT_NAMING): the measurements build and read experts by
+    the model's names, never by their own."""
+    from moepack.runtime.model import EXPERT_NAMING
+
+    return EXPERT_NAMING
+
+
 def _synthetic_expert(storage: str, hidden: int, inter: int, seed: int) -> list[tuple[str, str, tuple, bytes]]:
     """One routed expert's stored tensors (name, storage type, logical shape, bytes), gate/up/down, quantized from
     random Gaussian weights to `storage` the way the release (FP4_E2M1 + E8M0) or `convert` would store them."""
     from moepack.format_spec import quants
+    from moepack.format_spec.decode import scale_name
     from moepack.format_spec.source_formats import fp4_quantize
 
     g = torch.Generator().manual_seed(seed)
+    naming = _expert_naming()
     out = []
-    for proj, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+    for name, shape in ((naming.gate, (inter, hidden)), (naming.up, (inter, hidden)), (naming.down, (hidden, inter))):
         w = torch.randn(shape, generator=g) * shape[1] ** -0.5
-        name = f"{proj}.weight"
         if storage in ("FP4_E2M1", "MXFP4"):
             packed, scale = fp4_quantize(w)
             if storage == "FP4_E2M1":
                 out.append((name, "FP4_E2M1", shape, packed.view(torch.uint8).numpy().tobytes()))
-                out.append((f"{proj}.scale", "F8_E8M0", (shape[0], shape[1] // 32),
+                out.append((scale_name(name), "F8_E8M0", (shape[0], shape[1] // 32),
                             scale.view(torch.uint8).numpy().tobytes()))
             else:
                 blocks = quants.fp4_to_mxfp4(packed, scale.view(torch.uint8))
@@ -363,13 +372,14 @@ def _container_experts(path: str, count: int) -> tuple[list, int, int, str]:
         if not layers:
             raise MoepackError(f"{path}: the container has no routed experts")
         block = layers[-1]
+        naming = _expert_naming()
         experts = []
         for region in block.experts[:count]:
-            prefix = f"{block.name}.ffn.experts.{region.expert}."
+            prefix = naming.prefix(block, region.expert)
             experts.append([(t.name[len(prefix):], t.dtype, t.shape, c.tensor_bytes(t.name))
                             for t in region.tensors])
-        w1 = next(t for t in experts[0] if t[0] == "w1.weight")
-    return experts, int(w1[2][1]), int(w1[2][0]), w1[1]
+        gate = next(t for t in experts[0] if t[0] == naming.gate)
+    return experts, int(gate[2][1]), int(gate[2][0]), gate[1]
 
 
 def _expert_region(tensors: dict):
@@ -400,7 +410,8 @@ def _decode_expert(tensors: dict, dtype: torch.dtype, decoder, tokens: int | Non
     if layout is not None:
         return decoder.decode(region, layout, raw, 0, "", tokens=tokens)
     w = decode_group(region.tensors, lambda t: raw[t.file_offset: t.file_offset + t.length], dtype)
-    return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"])
+    naming = _expert_naming()
+    return ExpertWeights(w[naming.gate], w[naming.up], w[naming.down])
 
 
 def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None = None, storage: str = "FP4_E2M1",
@@ -494,11 +505,11 @@ def _grouped_points(on_device: list, tokens: list[int], cfg, dtype: torch.dtype,
 
     from moepack.format_spec.decode import decode_stacked
     from moepack.runtime import model
-    from moepack.runtime.grouped_experts import ExpertNaming, grouped_matmul
+    from moepack.runtime.grouped_experts import grouped_matmul
 
     regions = [_expert_region(e) for e in on_device]
     raw_of = {id(t): raw for region, raw, _ in regions for t in region.tensors}
-    naming = ExpertNaming(lambda block, e: "", "w1.weight", "w3.weight", "w2.weight")
+    naming = model.EXPERT_NAMING
     activation = partial(model.clamped_swiglu, limit=cfg.swiglu_limit)
     H, inner = cfg.hidden_size, cfg.moe_intermediate_size
 
