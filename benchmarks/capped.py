@@ -44,7 +44,7 @@ from cgroup import disk_read_bytes, failure, memory_cgroup, peak_bytes, run_capp
 from vs_llama_cpp import ensure_files
 
 from moepack.format_spec.reader import Container
-from moepack.runtime.bench import drop_page_cache
+from moepack.tools.bench import drop_page_cache
 
 
 def _capped(limit: int, argv: list[str], drop: list[str], timeout: float | None = None) -> dict:

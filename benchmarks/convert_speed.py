@@ -114,7 +114,7 @@ def main() -> None:
 
 def _v4_flash_source_gb() -> float:
     """The release's size (its container with --keep holds every tensor as the release stores it)."""
-    from moepack.runtime.plan import load_config, sizes_from_config
+    from moepack.tools.plan import load_config, sizes_from_config
 
     config = load_config(os.path.join(os.path.dirname(__file__), "..", "tests", "data",
                                       "deepseek-v4-flash.config.json"))

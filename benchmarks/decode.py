@@ -44,7 +44,7 @@ from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.export import export_container
 from moepack.packer.synth import synth_checkpoint
-from moepack.runtime.bench import drop_page_cache, run_fio
+from moepack.tools.bench import drop_page_cache, run_fio
 from moepack.runtime.engine import PrefillOptions
 from moepack.runtime.expert_decode import expert_weight_count
 from moepack.runtime.generate import GenerateOptions, Generator
@@ -80,7 +80,7 @@ def disk_rate(container: str, facts: dict) -> dict:
                   facts["largest_expert"], facts["top_k"])
     if "gbps" in fio:
         return {"gbps": fio["gbps"], "source": "fio"}
-    from moepack.runtime.bench import prefill_read_plan, time_reads
+    from moepack.tools.bench import prefill_read_plan, time_reads
 
     with Container(container) as c:
         plan = prefill_read_plan(c, 1)

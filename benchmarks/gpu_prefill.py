@@ -43,7 +43,7 @@ from release_dims import release_cut  # noqa: E402
 from moepack.format_spec.reader import Container  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.packer.synth import synth_checkpoint  # noqa: E402
-from moepack.runtime.bench import _best_seconds, drop_page_cache  # noqa: E402
+from moepack.tools.bench import _best_seconds, drop_page_cache  # noqa: E402
 from moepack.runtime.engine import PrefillOptions, model_config, prefill  # noqa: E402
 from moepack.runtime.expert_decode import expert_weight_count  # noqa: E402
 from moepack.runtime.grouped_experts import grouped_matmul  # noqa: E402

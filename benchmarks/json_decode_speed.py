@@ -44,7 +44,7 @@ def main() -> None:
 
     from moepack.runtime.engine import PrefillOptions
     from moepack.runtime.generate import Generator
-    from moepack.runtime.serve import make_app
+    from moepack.serve.app import make_app
 
     path = build(args.workdir, args.preset)
     g = Generator(path, cache_gib=1.0, prefill=PrefillOptions(device=args.device))

@@ -22,7 +22,7 @@ from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS
 from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
-from moepack.runtime.bench import drop_page_cache, prefill_read_plan, run_fio, time_reads
+from moepack.tools.bench import drop_page_cache, prefill_read_plan, run_fio, time_reads
 
 
 def timed_read(path: str, bundle: int, depth: int) -> dict:

@@ -47,7 +47,7 @@ from moepack.packer.synth import synth_checkpoint
 from moepack.runtime.engine import PrefillOptions, prefill
 from moepack.runtime.expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
 from moepack.runtime.expert_decode import ExpertDecoder, expert_weight_count
-from moepack.runtime.bench import drop_page_cache, prefill_read_plan, run_fio, time_reads
+from moepack.tools.bench import drop_page_cache, prefill_read_plan, run_fio, time_reads
 
 
 def warm_cache(path: str) -> None:

@@ -201,7 +201,7 @@ def ensure_container(workdir: str, preset: str) -> str:
 
 
 def section_io(container: str, quick: bool) -> dict:
-    from moepack.runtime.bench import bench_io
+    from moepack.tools.bench import bench_io
 
     grid = ((1, 4), (1, 4)) if quick else ((1, 2, 4, 8, 16), (1, 2, 4, 8, 16))
     return bench_io(container, grid[0], grid[1], max_bytes=None if quick else 1 << 30, mode="direct",
@@ -211,7 +211,7 @@ def section_io(container: str, quick: bool) -> dict:
 def section_compute(container: str, quick: bool) -> list[dict]:
     import torch
 
-    from moepack.runtime.bench import bench_compute
+    from moepack.tools.bench import bench_compute
 
     tokens = (1, 16, 64) if quick else (1, 8, 32, 128, 512, 2048)
     runs = [bench_compute("cpu", tokens, file=container, experts=2, repeat=2 if quick else 3)]
@@ -520,7 +520,7 @@ def main(argv=None) -> int:
             res["io"] = f"failed: {e}"
     if "memory" not in skip:
         log("bench memory")
-        from moepack.runtime.bench import bench_memory
+        from moepack.tools.bench import bench_memory
 
         try:
             res["memory"] = bench_memory(64 if args.quick else 256, 5)

@@ -1,1 +1,1 @@
-"""Command-line interface: parses arguments and calls packer/runtime/format_spec."""
+"""Command-line interface: parses arguments and calls serve/tools/packer/runtime/format_spec."""

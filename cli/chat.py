@@ -138,7 +138,7 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
     """The chat's loop: `reply` the GenerateOptions of every reply (its max_new_tokens cut to the context cap)."""
     from moepack.format_spec.errors import MoepackError
     from moepack.runtime.generate import Generator
-    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.serve.tokenizer import PromptTokenizer
     from moepack.v4 import chat as chat_encoding
 
     start = [] if system is None else [{"role": "system", "content": system}]

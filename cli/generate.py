@@ -17,7 +17,7 @@ GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the pr
 def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, chat, thinking, reasoning_effort,
                 continuing: bool):
     """(prompt token ids, tokenizer or None) from whichever of the five prompt options was given."""
-    from moepack.runtime.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
+    from moepack.serve.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
 
     given = [x is not None for x in (prompt, prompt_file, token_ids_file, messages_file, chat)]
     if sum(given) > 1:

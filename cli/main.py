@@ -346,7 +346,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, kv_out, continue_from, kv
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import prefill as run_prefill
-    from moepack.runtime.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
+    from moepack.serve.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
 
     if sum(x is not None for x in (prompt, prompt_file, token_ids_file)) != 1:
         raise click.UsageError("give exactly one of --prompt, --prompt-file, --token-ids")
@@ -375,7 +375,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, kv_out, continue_from, kv
             tokenizer.add_special_tokens = False  # a continuation: no BOS in the middle of the conversation
         ids = tokenizer.encode(prompt)
     if bundle_experts is None or queue_depth is None:
-        from moepack.runtime.bench import tuned_defaults
+        from moepack.runtime.tuning import tuned_defaults
 
         tuned = tuned_defaults(file) or (4, 4)  # what `moepack bench io` measured for this file, if it did
         bundle_experts, queue_depth = bundle_experts or tuned[0], queue_depth or tuned[1]
@@ -436,7 +436,7 @@ def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
     xxh3, tensors). Fails on a missing, truncated or damaged layer file, another model's KV, another prompt."""
     from moepack.v4.kv import identity_of_container, inspect_kv
     from moepack.format_spec.reader import Container
-    from moepack.runtime.tokenizer import read_token_ids
+    from moepack.serve.tokenizer import read_token_ids
 
     identity = None
     if container is not None:
@@ -480,8 +480,8 @@ def demo(workdir, preset, prompt, as_json):
     from moepack.packer.fidelity import compare_with_source, raise_on_failures
     from moepack.packer.synth import synth_checkpoint
     from moepack.runtime.engine import prefill as run_prefill
-    from moepack.runtime.bench import cache_dir
-    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.runtime.tuning import cache_dir
+    from moepack.serve.tokenizer import PromptTokenizer
 
     workdir = workdir or os.path.join(cache_dir(), "demo")
     os.makedirs(workdir, exist_ok=True)

@@ -1,5 +1,5 @@
 """`moepack bench io|memory|compute` and `moepack plan`: the measurements and the break-even calculator
-(runtime/bench.py, runtime/plan.py, docs/plan.md). cli/main.py adds them to the
+(tools/bench.py, tools/plan.py, docs/plan.md). cli/main.py adds them to the
 `moepack` group."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def bench():
 def bench_io_cmd(file, bundles, depths, max_gib, read_all, repeat, io_mode, no_fio, no_save, as_json):
     """Read FILE's expert sections for a grid of bundle sizes x queue depths; print GB/s per cell and the best
     setting (which `prefill` then uses by default for FILE), and fio's rate for the same reads when installed."""
-    from moepack.runtime.bench import bench_io
+    from moepack.tools.bench import bench_io
 
     if not os.path.exists(file):
         raise MoepackError(f"{file}: no such file")
@@ -110,7 +110,7 @@ def _print_io(r: dict) -> None:
 @reports_errors
 def bench_memory_cmd(size_mib, repeat, device, no_save, as_json):
     """Host memory copy bandwidth and, on CUDA, pinned host->device bandwidth: the pipeline's other stages."""
-    from moepack.runtime.bench import bench_memory
+    from moepack.tools.bench import bench_memory
 
     if device is not None and device != "cpu" and not device.startswith("cuda"):
         raise MoepackError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
@@ -157,7 +157,7 @@ def bench_compute_cmd(device, tokens, file, storage, hidden, intermediate, exper
     """Effective FLOP/s of the runtime's routed-expert path (decode of the stored bytes + clamped SwiGLU) at several
     tokens per expert: the F of `moepack plan`, measured. With --expert-dtype bfloat16 on a CPU with the fused FP4
     kernel, also up to how many tokens per expert that kernel beats decode + GEMM: `prefill` uses it."""
-    from moepack.runtime.bench import bench_compute
+    from moepack.tools.bench import bench_compute
 
     if file is not None and not os.path.exists(file):
         raise MoepackError(f"{file}: no such file")
@@ -198,7 +198,7 @@ def _print_compute(r: dict) -> None:
 def _model_source(target: str, policy: str | None, expert_bpw: float | None):
     """(sizes, config, container path or None) for a container, a config.json / checkpoint directory, a hub repo id
     (owner/name: its config.json alone is fetched) or a synthetic preset name (tiny, small, medium)."""
-    from moepack.runtime.plan import load_config, sizes_from_config, sizes_from_container
+    from moepack.tools.plan import load_config, sizes_from_config, sizes_from_container
 
     if os.path.isfile(target):
         with open(target, "rb") as f:
@@ -285,8 +285,9 @@ def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, pol
     checkpoint directory, a Hugging Face repo id such as deepseek-ai/DeepSeek-V4-Flash, whose config.json alone is
     fetched, or a preset name): T_SSD = W/BW, T_compute(N), the bottleneck, N* = F x W / (FLOP/token
     x BW), tokens/s per N and the VRAM budget. Measured `moepack bench` values are the defaults."""
-    from moepack.runtime import plan as P
-    from moepack.runtime.bench import measured_for_plan, tuned_defaults
+    from moepack.tools import plan as P
+    from moepack.runtime.tuning import tuned_defaults
+    from moepack.tools.bench import measured_for_plan
 
     refuse_existing(force, plot_out)
     sizes, config, path = _model_source(target, policy, expert_bpw)

@@ -1,4 +1,4 @@
-"""`moepack serve`: an OpenAI-compatible HTTP server (runtime/serve.py) over one container opened once."""
+"""`moepack serve`: an OpenAI-compatible HTTP server (serve/app.py) over one container opened once."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_ke
 
     from moepack.runtime.engine import held_for_serving
     from moepack.runtime.generate import Generator
-    from moepack.runtime.serve import ServerLimits, make_app, uvicorn_config
+    from moepack.serve.app import ServerLimits, make_app, uvicorn_config
 
     check_container_path(file)
     name = model_name or os.path.splitext(os.path.basename(file))[0]

@@ -29,7 +29,7 @@ import threading
 import time
 
 NATIVE_ENV = "MOEPACK_NATIVE"  # "0": never compile; every caller uses its torch kernel
-CACHE_ENV = "MOEPACK_CACHE_DIR"  # the cache root, shared with `moepack bench` (runtime/bench.py)
+CACHE_ENV = "MOEPACK_CACHE_DIR"  # the cache root, shared with `moepack bench` (runtime/tuning.py)
 SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # -ffp-contract=off: no fused multiply-adds, so every float operation rounds exactly as the C source says (the

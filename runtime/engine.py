@@ -50,7 +50,7 @@ from . import model
 from .model import HEAD_GLOBALS
 from .device_copier import DeviceCopier
 from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
-from .bench import default_compute_dtype
+from .tuning import default_compute_dtype
 from .limits import MAX_BUNDLE_EXPERTS
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
 from .grouped_experts import GroupedExperts, resolve_expert_backend
@@ -246,7 +246,7 @@ def held_for_serving(path: str, options: PrefillOptions) -> PrefillOptions:
 
 
 def resolve_compute_dtype(options: PrefillOptions, device: torch.device) -> tuple[PrefillOptions, str]:
-    """`options` with compute_dtype "auto" made this machine's choice (runtime.bench.default_compute_dtype: what
+    """`options` with compute_dtype "auto" made this machine's choice (runtime.tuning.default_compute_dtype: what
     `moepack bench compute` measured on this CPU, else bfloat16 where it has native bf16 dot products), and where
     the dtype came from ("given" where it was named)."""
     if options.compute_dtype != "auto":

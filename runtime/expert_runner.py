@@ -27,7 +27,7 @@ from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Block, Region
 
 from . import model
-from .bench import tuned_fused_max_tokens
+from .tuning import tuned_fused_max_tokens
 from .expert_decode import ExpertDecoder, ExpertWeights, default_fused_tokens, fused_max_tokens
 
 

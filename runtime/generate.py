@@ -50,7 +50,7 @@ class GenerateOptions:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated
     logit_bias: dict[int, float] | None = None  # added to the logits of these token ids
     logprobs: int | None = None  # each token's log-probability and this many alternatives (GenerateResult.logprobs)
-    constraint: object | None = None  # the allowed next tokens (runtime/grammar.py), one generation's own state
+    constraint: object | None = None  # the allowed next tokens (serve/grammar.py), one generation's own state
 
     def sampler(self) -> Sampler:
         return Sampler(self.temperature, self.top_p, self.top_k, self.seed, presence_penalty=self.presence_penalty,

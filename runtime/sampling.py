@@ -37,7 +37,7 @@ class Sampler:
 
     Before choosing, the logits are adjusted (`adjust`): `logit_bias` ({token id: bias}) added, OpenAI's
     `presence_penalty` (once per token already generated) and `frequency_penalty` (per time it was generated)
-    subtracted, and a `constraint` (runtime/grammar.py: a JSON schema's allowed next tokens) masks the rest out.
+    subtracted, and a `constraint` (serve/grammar.py: a JSON schema's allowed next tokens) masks the rest out.
     `logprobs` k (>= 0): each token's log-probability under those adjusted logits (before the temperature) and the
     k likeliest alternatives are kept in `last_logprobs` (a TokenLogprob)."""
 

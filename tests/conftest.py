@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from moepack.runtime.bench import CACHE_ENV
+from moepack.runtime.tuning import CACHE_ENV
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,8 +18,8 @@ from moepack.runtime import generate as generate_module
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.engine import StreamingPrefill
 from moepack.runtime.generate import GenerateOptions, Generator, memory_need
-from moepack.runtime.serve import ServerLimits, make_app
-from moepack.runtime.tokenizer import PromptTokenizer
+from moepack.serve.app import ServerLimits, make_app
+from moepack.serve.tokenizer import PromptTokenizer
 from moepack.v4.kv import kv_bytes
 from containers import tiny_keep_container
 from test_serve import Running

@@ -12,7 +12,8 @@ from containers import tiny_keep_container
 from click.testing import CliRunner
 
 from moepack.cli.main import cli
-from moepack.runtime import bench as B
+from moepack.runtime import tuning
+from moepack.tools import bench as B
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +24,12 @@ def tiny(tmp_path_factory) -> str:
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch) -> str:
     d = tmp_path / "cache"
-    monkeypatch.setenv(B.CACHE_ENV, str(d))
+    monkeypatch.setenv(tuning.CACHE_ENV, str(d))
     return str(d)
 
 
 def test_io_grid_and_tuned_defaults(tiny, cache):
-    assert B.tuned_defaults(tiny) is None  # nothing measured yet
+    assert tuning.tuned_defaults(tiny) is None  # nothing measured yet
     seen = []
     r = B.bench_io(tiny, bundles=(1, 4), depths=(1, 2), max_bytes=None, fio=False, on_cell=seen.append)
     assert [(c["bundle_experts"], c["queue_depth"]) for c in r["cells"]] == [(1, 1), (1, 2), (4, 1), (4, 2)]
@@ -46,32 +47,32 @@ def test_io_grid_and_tuned_defaults(tiny, cache):
     assert r["cache"] == os.path.join(cache, "bench.json")
     with open(r["cache"]) as f:
         data = json.load(f)
-    assert data["format"] == "moepack-bench" and B.file_key(tiny) in data["machines"][B.machine_id()]["io"]
-    assert B.tuned_defaults(tiny) == best
+    assert data["format"] == "moepack-bench" and tuning.file_key(tiny) in data["machines"][tuning.machine_id()]["io"]
+    assert tuning.tuned_defaults(tiny) == best
 
 
 def test_tuned_defaults_forget_a_changed_file_or_another_machine(tiny, cache, monkeypatch, tmp_path):
     B.bench_io(tiny, bundles=(2,), depths=(3,), max_bytes=None, fio=False)
-    assert B.tuned_defaults(tiny) == (2, 3)
-    monkeypatch.setattr(B, "machine_id", lambda: "another-host")
-    assert B.tuned_defaults(tiny) is None
+    assert tuning.tuned_defaults(tiny) == (2, 3)
+    monkeypatch.setattr(tuning, "machine_id", lambda: "another-host")
+    assert tuning.tuned_defaults(tiny) is None
     monkeypatch.undo()
-    monkeypatch.setenv(B.CACHE_ENV, cache)
+    monkeypatch.setenv(tuning.CACHE_ENV, cache)
     st = os.stat(tiny)
     try:
         os.utime(tiny, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # "rewritten"
-        assert B.tuned_defaults(tiny) is None
+        assert tuning.tuned_defaults(tiny) is None
     finally:
         os.utime(tiny, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert B.tuned_defaults(tiny) == (2, 3)
-    assert B.tuned_defaults(str(tmp_path / "missing.moepack")) is None
-    with open(B.cache_path(), "w") as f:
+    assert tuning.tuned_defaults(tiny) == (2, 3)
+    assert tuning.tuned_defaults(str(tmp_path / "missing.moepack")) is None
+    with open(tuning.cache_path(), "w") as f:
         f.write("{damaged")
     with pytest.warns(RuntimeWarning):
-        assert B.tuned_defaults(tiny) is None
+        assert tuning.tuned_defaults(tiny) is None
     with pytest.warns(RuntimeWarning):  # a damaged cache is replaced
         B.bench_io(tiny, bundles=(1,), depths=(1,), max_bytes=None, fio=False)
-    assert B.tuned_defaults(tiny) == (1, 1)
+    assert tuning.tuned_defaults(tiny) == (1, 1)
 
 
 def test_io_byte_cap_reads_the_same_prefix_for_every_cell(tiny):
@@ -138,7 +139,7 @@ def test_fio_missing_is_reported_not_fatal(tiny, monkeypatch):
 def test_memory():
     r = B.bench_memory(size_mib=8, repeat=2, device="cpu")
     assert r["host_copy_gbps"] > 0 and r["host_traffic_gbps"] == pytest.approx(2 * r["host_copy_gbps"])
-    assert B.cached("memory")["latest"]["host_copy_gbps"] == r["host_copy_gbps"]
+    assert tuning.cached("memory")["latest"]["host_copy_gbps"] == r["host_copy_gbps"]
     with pytest.raises(B.MoepackError):
         B.bench_memory(size_mib=0)
 
@@ -150,7 +151,7 @@ def test_compute_synthetic_and_from_a_container(tiny):
                for p in r["points"])
     assert r["storage"] == "FP4_E2M1" and (r["hidden"], r["intermediate"]) == (256, 256)
     key = B.compute_key("cpu", "FP4_E2M1", 256, 256, "float32")
-    assert key in B.cached("compute")
+    assert key in tuning.cached("compute")
     r = B.bench_compute("cpu", tokens=(4,), file=tiny, experts=2, repeat=1, save=False)
     assert r["storage"] == "FP4_E2M1" and r["source"] == os.path.realpath(tiny) and r["experts"] == 2
     for storage in ("MXFP4", "Q8_0", "BF16"):
@@ -178,7 +179,7 @@ def _crossover(points: list) -> int:
 def test_compute_finds_the_fused_kernels_crossover(tiny):
     from moepack.runtime.expert_decode import fused_available
 
-    assert B.tuned_fused_max_tokens(256, 256) is None  # nothing measured yet
+    assert tuning.tuned_fused_max_tokens(256, 256) is None  # nothing measured yet
     measured = []
     for storage in ("FP4_E2M1", "MXFP4"):
         r = B.bench_compute("cpu", tokens=(8,), storage=storage, hidden=256, intermediate=256, experts=1,
@@ -196,7 +197,7 @@ def test_compute_finds_the_fused_kernels_crossover(tiny):
         slower = [p["fused_seconds_per_expert"] > p["decoded_seconds_per_expert"] for p in fused["points"]]
         assert len(tokens) == len(B.FUSED_TOKENS) or slower[-2:] == [True, True]
         measured.append(fused["max_tokens"])
-        assert B.tuned_fused_max_tokens(256, 256) in measured  # a run of this shape (both may share a second)
+        assert tuning.tuned_fused_max_tokens(256, 256) in measured  # a run of this shape (both may share a second)
     # the fused kernel is for bf16 FP4 experts only: nothing measured for float32 or other storage types
     for storage, dtype in (("FP4_E2M1", "float32"), ("Q8_0", "bfloat16")):
         r = B.bench_compute("cpu", tokens=(8,), storage=storage, hidden=256, intermediate=256, experts=1, repeat=1,
@@ -205,7 +206,7 @@ def test_compute_finds_the_fused_kernels_crossover(tiny):
 
 
 def _store_crossover(hidden: int, inter: int, max_tokens: int, cpu: str, when: str) -> None:
-    B.store("compute", f"cpu|FP4_E2M1|{hidden}x{inter}|bfloat16|{cpu}", {
+    tuning.store("compute", f"cpu|FP4_E2M1|{hidden}x{inter}|bfloat16|{cpu}", {
         "device": "cpu", "device_name": cpu, "hidden": hidden, "intermediate": inter, "measured_at": when,
         "points": [], "fused": {"threads": 1, "points": [], "max_tokens": max_tokens}})
 
@@ -220,16 +221,16 @@ def test_prefill_takes_the_crossover_measured_on_this_cpu(tiny, monkeypatch):
 
     with Container(tiny) as c:
         hidden, inter = c.config["hidden_size"], c.config["moe_intermediate_size"]
-    cpu = B._cpu_model()
+    cpu = tuning.cpu_model()
     _store_crossover(4096, 2048, 96, cpu, "2026-01-01T00:00:00")
     _store_crossover(hidden, inter, 7, "another CPU", "2026-01-03T00:00:00")  # not this CPU: never taken
     _store_crossover(hidden, inter, 12, cpu, "2026-01-01T00:00:00")
     _store_crossover(hidden, inter, 16, cpu, "2026-01-02T00:00:00")
     _store_crossover(hidden, 2 * inter, 20, cpu, "2026-01-04T00:00:00")
-    assert B.tuned_fused_max_tokens(hidden, inter) == 16  # the same shape, the latest run
-    assert B.tuned_fused_max_tokens(hidden, 3 * inter) == 20  # the same hidden size, the latest run
-    assert B.tuned_fused_max_tokens(4096, 1024) == 96
-    assert B.tuned_fused_max_tokens(2048, 2048) is None  # another hidden size: its crossover says nothing here
+    assert tuning.tuned_fused_max_tokens(hidden, inter) == 16  # the same shape, the latest run
+    assert tuning.tuned_fused_max_tokens(hidden, 3 * inter) == 20  # the same hidden size, the latest run
+    assert tuning.tuned_fused_max_tokens(4096, 1024) == 96
+    assert tuning.tuned_fused_max_tokens(2048, 2048) is None  # another hidden size: its crossover says nothing here
     if not expert_decode.fused_available():
         stats = prefill(tiny, torch.arange(40), PrefillOptions(compute_dtype="bfloat16")).stats
         assert (stats["fused_expert_max_tokens"], stats["fused_expert_max_tokens_source"]) == (0, "not available")

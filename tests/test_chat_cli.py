@@ -159,7 +159,7 @@ def test_a_stopped_reply_stays_in_the_history_as_far_as_it_was_shown(container):
     """--json on pipes, Ctrl-C as the signal a terminal sends: the stopped reply's text is the assistant turn the
     next prompt carries, token for token."""
     from moepack.format_spec.reader import Container
-    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.serve.tokenizer import PromptTokenizer
     from moepack.v4.chat import encode_message_segments
 
     chat = subprocess.Popen([sys.executable, "-m", "moepack", "chat", container, "-n", "100000", "--json"],

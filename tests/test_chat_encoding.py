@@ -204,7 +204,7 @@ def release_tokenizer_container(tmp_path_factory):
 @needs_release_tokenizer
 def test_synth_embeds_the_release_tokenizer_and_convert_carries_it(release_tokenizer_container):
     from moepack.format_spec.reader import Container
-    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.serve.tokenizer import PromptTokenizer
 
     src, out, synth = release_tokenizer_container
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -292,7 +292,7 @@ def test_generate_prefills_the_chat_encoding(release_tokenizer_container, tmp_pa
     ids); a reasoning effort the release encoder does not know is one line."""
     from moepack.cli.main import cli
     from moepack.format_spec.reader import Container
-    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.serve.tokenizer import PromptTokenizer
 
     _, out, _ = release_tokenizer_container
     with Container(out) as c:
@@ -348,7 +348,7 @@ def test_no_message_can_spell_out_a_special_token(release_tokenizer_container):
     """For every added token of the release tokenizer, in every role: the prompt's special ids are exactly those
     of the encoder's markup (as with a harmless text in its place), and the ids decode to the encoder's string."""
     from moepack.format_spec.reader import Container
-    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.serve.tokenizer import PromptTokenizer
 
     with Container(release_tokenizer_container[1]) as c:
         tok = PromptTokenizer(c)
@@ -377,7 +377,7 @@ def test_raw_text_keeps_special_tokens_unless_told_not_to(release_tokenizer_cont
     """A raw prompt is the user's own text: its spelled-out special tokens are special (`moepack generate
     --prompt`); `special_tokens=False` (the server's /v1/completions prompt) keeps them text."""
     from moepack.format_spec.reader import Container
-    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.serve.tokenizer import PromptTokenizer
 
     with Container(release_tokenizer_container[1]) as c:
         tok = PromptTokenizer(c)
@@ -398,8 +398,8 @@ def test_the_server_tokenizes_client_text_as_text(release_tokenizer_container):
     tokens of their text (usage.prompt_tokens); a completions prompt of token ids still sends any token."""
     from moepack.format_spec.reader import Container
     from moepack.runtime.generate import Generator
-    from moepack.runtime.serve import make_app
-    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.serve.app import make_app
+    from moepack.serve.tokenizer import PromptTokenizer
     from test_serve import Running
 
     out = release_tokenizer_container[1]

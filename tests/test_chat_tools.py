@@ -43,7 +43,7 @@ def test_matches_the_release_encoder(name):
 @needs_release_tokenizer
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tokenizes_as_the_release_with_content_plain(name):
-    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.serve.tokenizer import PromptTokenizer
 
     class Carrier:  # what PromptTokenizer reads of a container
         path = "release"

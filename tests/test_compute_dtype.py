@@ -13,15 +13,16 @@ from click.testing import CliRunner
 from moepack.cli.main import cli
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
-from moepack.runtime import bench
+from moepack.runtime import tuning
 from moepack.runtime.engine import PrefillOptions, prefill, resolve_compute_dtype
+from moepack.tools import bench
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture
 def empty_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(bench.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "cache"))
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
@@ -29,28 +30,28 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     x86.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n\n")
     arm = tmp_path / "arm"
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")
-    assert bench.cpu_flags(str(x86)) == {"fpu", "avx512f", "avx512_bf16", "amx_tile"}
-    assert "bf16" in bench.cpu_flags(str(arm))
-    assert bench.cpu_flags(str(tmp_path / "missing")) == set()
+    assert tuning.cpu_flags(str(x86)) == {"fpu", "avx512f", "avx512_bf16", "amx_tile"}
+    assert "bf16" in tuning.cpu_flags(str(arm))
+    assert tuning.cpu_flags(str(tmp_path / "missing")) == set()
 
 
 @pytest.mark.parametrize("flags,want", [({"avx512f", "avx512_bf16"}, "bfloat16"), ({"amx_bf16"}, "bfloat16"),
                                         ({"asimd", "bf16"}, "bfloat16"), ({"avx2", "avx512f"}, "float32"),
                                         (set(), "float32")])
 def test_before_any_measurement_native_bf16_decides(empty_cache, monkeypatch, flags, want):
-    monkeypatch.setattr(bench, "cpu_flags", lambda: flags)
-    dtype, why = bench.default_compute_dtype(CPU)
+    monkeypatch.setattr(tuning, "cpu_flags", lambda: flags)
+    dtype, why = tuning.default_compute_dtype(CPU)
     assert dtype == want and why.startswith("native bf16") == (want == "bfloat16")
-    assert bench.default_compute_dtype(torch.device("cuda")) [0] == "float32"
+    assert tuning.default_compute_dtype(torch.device("cuda")) [0] == "float32"
 
 
 def test_a_measurement_for_this_cpu_overrides_its_flags(empty_cache, monkeypatch):
-    monkeypatch.setattr(bench, "cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr(tuning, "cpu_flags", lambda: {"avx512_bf16"})
     slow_bf16 = {"choice": "float32", "float32_gflops": 100.0, "bfloat16_gflops": 90.0}
-    bench.store("compute_dtype", "another CPU model", {**slow_bf16, "choice": "bfloat16"})
-    assert bench.default_compute_dtype(CPU)[0] == "bfloat16"  # another CPU's measurement does not count
-    bench.store("compute_dtype", bench._cpu_model(), slow_bf16)
-    dtype, why = bench.default_compute_dtype(CPU)
+    tuning.store("compute_dtype", "another CPU model", {**slow_bf16, "choice": "bfloat16"})
+    assert tuning.default_compute_dtype(CPU)[0] == "bfloat16"  # another CPU's measurement does not count
+    tuning.store("compute_dtype", tuning.cpu_model(), slow_bf16)
+    dtype, why = tuning.default_compute_dtype(CPU)
     assert dtype == "float32" and "bench compute" in why and "0.90x" in why
 
 
@@ -64,7 +65,7 @@ def test_the_measurement_times_both_dtypes_and_chooses_by_them():
 def test_bench_compute_records_the_choice_auto_then_takes(empty_cache, monkeypatch):
     result = bench.bench_compute(tokens=(8,), hidden=64, intermediate=64, experts=1, repeat=1)
     choice = result["compute_dtype"]["choice"]
-    monkeypatch.setattr(bench, "cpu_flags", lambda: set())  # the flags would say float32
+    monkeypatch.setattr(tuning, "cpu_flags", lambda: set())  # the flags would say float32
     options, source = resolve_compute_dtype(PrefillOptions(compute_dtype="auto"), CPU)
     assert options.compute_dtype == choice and source.startswith("auto: moepack bench compute")
     assert resolve_compute_dtype(PrefillOptions(compute_dtype="float32"), CPU) == (
@@ -82,7 +83,7 @@ def container(tmp_path_factory):
 
 @pytest.mark.parametrize("flags,want", [({"avx512_bf16"}, "bfloat16"), (set(), "float32")])
 def test_the_commands_default_to_auto_and_say_why(container, empty_cache, monkeypatch, tmp_path, flags, want):
-    monkeypatch.setattr(bench, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(tuning, "cpu_flags", lambda: flags)
     ids = tmp_path / "ids.json"
     ids.write_text("[5, 6, 7, 8]")
     runner = CliRunner()

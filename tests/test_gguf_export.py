@@ -335,7 +335,7 @@ def test_llama_cpp_runs_the_export_and_continues_as_moepack(tmp_path):
     head dims that are multiples of 64 (an indexer head of 32 aborts its first graph): the model is the tiny
     preset with those two changes."""
     from moepack.runtime.generate import GenerateOptions, generate
-    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.serve.tokenizer import PromptTokenizer
 
     build = os.environ["MOEPACK_LLAMA_CPP"]
     exe = next((p for p in (os.path.join(build, "bin", "llama-simple"), os.path.join(build, "llama-simple"))

@@ -35,7 +35,7 @@ from moepack.packer.gguf_export import export_gguf, parse_size, split_name  # no
 from moepack.packer.gguf_source import GGUFSource  # noqa: E402
 from moepack.packer.synth import synth_checkpoint, tokenizer_json  # noqa: E402
 from moepack.runtime.engine import prefill  # noqa: E402
-from moepack.runtime.tokenizer import PromptTokenizer  # noqa: E402
+from moepack.serve.tokenizer import PromptTokenizer  # noqa: E402
 from moepack.v4.chat import chat_template  # noqa: E402
 
 

@@ -219,7 +219,7 @@ def test_cuda_grouped_prefill_matches_the_cpu(containers, policy):
 
 @pytest.mark.parametrize("storage", ["FP4_E2M1", "NVFP4", "Q8_0"])
 def test_bench_compute_measures_the_grouped_backend(storage):
-    from moepack.runtime.bench import bench_compute
+    from moepack.tools.bench import bench_compute
 
     r = bench_compute("cpu", [4, 16], storage=storage, hidden=256, intermediate=256, expert_dtype="bfloat16",
                       experts=3, repeat=1, save=False, expert_backend="grouped")

@@ -1,8 +1,9 @@
 """The package's import graph, as installed: every `import` of a moepack module anywhere in a module (at the top or
-inside a function) is an edge. The layers are cli -> packer / runtime -> model families (families, v4) ->
-format_spec -> native: nothing imports a layer above its own, packer and runtime never import each other, the
-families' package and DeepSeek-V4's v4 never import each other (a family holds no other family's names), and no
-module imports itself back through others (no cycles, not even through a function-level import)."""
+inside a function) is an edge. The layers are cli -> serve / tools -> runtime (packer beside it) -> model families
+(families, v4) -> backends -> format_spec -> native: nothing imports a layer above its own; serve and tools never
+import each other nor packer, packer and runtime never import each other, the families' package and DeepSeek-V4's v4
+never import each other (a family holds no other family's names); and no module imports itself back through others
+(no cycles, not even through a function-level import)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,25 @@ import pytest
 LAYERS = {
     "moepack.native": 0,
     "moepack.format_spec": 1,
-    "moepack.v4": 2,  # DeepSeek-V4, a model family not yet moved into moepack.families
-    "moepack.families": 2,
-    "moepack.runtime": 3,
-    "moepack.packer": 3,
-    "moepack.kv": 3,  # the transformers consumer of a KV directory
-    "moepack.cli": 4,
-    "moepack.__main__": 4,
+    # the device backends, below the model (issue 39). The CPU's compiled kernels still live in moepack.runtime
+    # (token_kernels, mhc_native, expert_decode) and the CUDA expert backend too (grouped_experts): they keep
+    # runtime's rule until they move here
+    "moepack.backends": 2,
+    "moepack.v4": 3,  # DeepSeek-V4, a model family not yet moved into moepack.families
+    "moepack.families": 3,
+    "moepack.runtime": 4,  # runs models; its benchmark-tuning lookups are runtime/tuning.py
+    "moepack.packer": 4,
+    "moepack.kv": 4,  # the transformers consumer of a KV directory
+    "moepack.serve": 5,  # the OpenAI-compatible server and the tokenizer
+    "moepack.tools": 5,  # the planner and the measurements (moepack plan, moepack bench)
+    "moepack.cli": 6,
+    "moepack.__main__": 6,
 }
 SIBLINGS_APART = {("moepack.runtime", "moepack.packer"), ("moepack.packer", "moepack.runtime"),
-                  ("moepack.families", "moepack.v4"), ("moepack.v4", "moepack.families")}
+                  ("moepack.families", "moepack.v4"), ("moepack.v4", "moepack.families"),
+                  # the server and the tools share nothing but the runtime below them, and write no containers
+                  ("moepack.serve", "moepack.tools"), ("moepack.tools", "moepack.serve"),
+                  ("moepack.serve", "moepack.packer"), ("moepack.tools", "moepack.packer")}
 # The families' registry (moepack.families itself, not a family's package) finds DeepSeek-V4's adapter in moepack.v4
 # until DeepSeek-V4 moves into moepack.families (issue 39): the one edge between the two, by name.
 REGISTRY_BRIDGE = {("moepack.families", "moepack.v4.arch")}
@@ -100,7 +110,8 @@ def graph() -> dict[str, set[str]]:
 def test_the_package_has_every_layer():
     modules = graph()
     for prefix in ("moepack.native", "moepack.format_spec", "moepack.v4", "moepack.families",
-                   "moepack.families.qwen3_moe", "moepack.runtime", "moepack.packer", "moepack.cli"):
+                   "moepack.families.qwen3_moe", "moepack.runtime", "moepack.packer", "moepack.serve",
+                   "moepack.tools", "moepack.cli"):
         assert any(m.startswith(prefix) for m in modules), f"{prefix} not found in the installed package"
 
 
@@ -119,6 +130,19 @@ def test_no_module_imports_a_layer_above_its_own():
             if theirs[1] > mine[1] or (mine[0], theirs[0]) in SIBLINGS_APART:
                 violations.append(f"{module} -> {target}")
     assert not violations, "imports against the layering:\n" + "\n".join(sorted(violations))
+
+
+def test_the_runtime_only_runs_models():
+    """The server, the tokenizer, the planner and the measurements live in their own rooms (issue 39): none of
+    their modules is back in moepack.runtime, and the runtime reaches the measurements only through tuning.py."""
+    modules = graph()
+    moved = {"serve", "serve_metrics", "tool_calls", "grammar", "tokenizer", "plan", "bench"}
+    back = sorted(m for m in modules if m.startswith("moepack.runtime.") and m.rpartition(".")[2] in moved)
+    assert not back, f"back in the runtime: {back}"
+    for room in ("moepack.serve.app", "moepack.serve.tokenizer", "moepack.tools.plan", "moepack.tools.bench"):
+        assert room in modules, f"{room} not found"
+    readers = sorted(m for m, targets in modules.items() if "moepack.runtime.tuning" in targets)
+    assert "moepack.runtime.engine" in readers and "moepack.runtime.expert_runner" in readers, readers
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from moepack.cli.main import cli
 from moepack.format_spec.reader import Container
-from moepack.runtime import plan as P
+from moepack.tools import plan as P
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 V4_CONFIG = os.path.join(HERE, "data", "deepseek-v4-flash.config.json")  # the release's config.json

@@ -257,7 +257,7 @@ def test_cli_prefill_on_a_release_layout_container(tmp_path):
 
 
 def test_token_id_files_in_every_accepted_form_and_bad_ones_named(tmp_path):
-    from moepack.runtime.tokenizer import read_token_ids
+    from moepack.serve.tokenizer import read_token_ids
 
     path = tmp_path / "ids.txt"
     for text, ids in (("[3, 1, 4]", [3, 1, 4]), ("3 1\n4", [3, 1, 4]), ("3,1, 4", [3, 1, 4]), ("7", [7])):

@@ -265,7 +265,7 @@ def test_convert_a_hub_id(tmp_path, synth_dirs, keep_containers):
 def test_plan_sizes_a_container_and_its_config_alike(synth_dirs, keep_containers, layout):
     """`moepack plan` of the container and of the checkpoint's config.json (laid out as convert --keep would) give
     the same layers, expert and dense bytes; the active weights per token are the schema's."""
-    from moepack.runtime.plan import flops_per_token, sizes_from_config, sizes_from_container
+    from moepack.tools.plan import flops_per_token, sizes_from_config, sizes_from_container
 
     raw = json.loads((synth_dirs[layout] / "config.json").read_text())
     config = Qwen3MoeConfig.from_hf(raw)
@@ -451,7 +451,7 @@ def test_export_hf_gives_transformers_the_model_back(tmp_path):
 def test_plan_of_a_model_with_dense_mlp_layers(tmp_path):
     """Layers without routed experts (mlp_only_layers, decoder_sparse_step) are planned as dense, from the
     container and from the config alike, the experts' size taken from a layer that has them."""
-    from moepack.runtime.plan import sizes_from_config, sizes_from_container
+    from moepack.tools.plan import sizes_from_config, sizes_from_container
 
     save_model(tmp_path / "hf", CONFIGS["sparse-step"], torch.float32)
     convert_checkpoint(str(tmp_path / "hf"), str(tmp_path / "m.moepack"), policy="keep", progress=False)

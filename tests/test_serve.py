@@ -1,4 +1,4 @@
-"""moepack serve (runtime/serve.py): the OpenAI-compatible API over one Generator, spoken to with the official
+"""moepack serve (serve/app.py): the OpenAI-compatible API over one Generator, spoken to with the official
 `openai` client (and plain httpx for what that client cannot send), on uvicorn in a background thread."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import uvicorn
 
 from moepack.packer.convert import convert_checkpoint
 from moepack.runtime.generate import GenerateOptions, Generator, generate
-from moepack.runtime.serve import ThinkSplitter, make_app, split_thinking, uvicorn_config
-from moepack.runtime.tokenizer import PromptTokenizer
+from moepack.serve.app import ThinkSplitter, make_app, split_thinking, uvicorn_config
+from moepack.serve.tokenizer import PromptTokenizer
 from v4_models import CONFIGS, saved_model
 
 KEY = "sekret"

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from moepack.runtime.generate import GenerateOptions, Generator
-from moepack.runtime.serve import make_app
-from moepack.runtime.tokenizer import PromptTokenizer
+from moepack.serve.app import make_app
+from moepack.serve.tokenizer import PromptTokenizer
 from containers import tiny_keep_container
 from test_serve import Running
 
@@ -371,7 +371,7 @@ def test_the_models_tool_calls_become_tool_calls(server, scripted):
 
 
 def test_a_conversation_with_tool_results_is_the_encoders_prompt(server, scripted):
-    from moepack.runtime.tool_calls import with_prompt_extras
+    from moepack.serve.tool_calls import with_prompt_extras
     from moepack.v4.chat import encode_messages
 
     scripted.text = "It is sunny."

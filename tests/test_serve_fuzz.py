@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 
 from moepack.packer.convert import convert_checkpoint
 from moepack.runtime.generate import Generator
-from moepack.runtime.serve import ServerLimits, make_app
+from moepack.serve.app import ServerLimits, make_app
 
 GOOD = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
 

@@ -21,7 +21,7 @@ from moepack.packer.convert import convert_checkpoint
 from moepack.runtime.engine import GenerationCancelled, StreamingPrefill
 from moepack.runtime.generate import GenerateOptions, Generator
 from moepack.runtime.sampling import StopMatcher
-from moepack.runtime.serve import ServerLimits, make_app
+from moepack.serve.app import ServerLimits, make_app
 from test_serve import Running
 
 TIMEOUT = 60

@@ -145,7 +145,7 @@ def test_token_id_files_are_bounded(container, tmp_path, content, named):
 
 
 def test_a_prompt_file_of_invalid_utf8_or_over_its_bound_is_one_line(container, tmp_path, monkeypatch):
-    from moepack.runtime import tokenizer
+    from moepack.serve import tokenizer
 
     path = tmp_path / "prompt.txt"
     path.write_bytes(b"hello \xff")
@@ -161,7 +161,7 @@ def test_a_damaged_tokenizer_config_in_a_container_leaves_the_default(container,
     from containers import mutate_index
 
     from moepack.format_spec.reader import Container
-    from moepack.runtime.tokenizer import PromptTokenizer
+    from moepack.serve.tokenizer import PromptTokenizer
 
     path = str(tmp_path / "t.moepack")
     mutate_index(container, path, lambda index: index["tokenizer"].__setitem__(
@@ -176,7 +176,7 @@ def test_a_damaged_tokenizer_config_in_a_container_leaves_the_default(container,
     ids=["nested 100000 deep", "bad json", "5000 digits", "invalid utf-8", "nan rate", "zero rate", "string rate",
          "negative gflops"])
 def test_a_damaged_bench_cache_is_ignored_in_one_line(container, tmp_path, cache):
-    from moepack.runtime.bench import CACHE_ENV, CACHE_FORMAT, CACHE_VERSION, machine_id
+    from moepack.runtime.tuning import CACHE_ENV, CACHE_FORMAT, CACHE_VERSION, machine_id
 
     machine = {"io": {"x": {"best": {"gbps": "nan", "bundle_experts": 4, "queue_depth": 4, "read_bytes": 1},
                             "measured_at": "now", "path": "/x"}},
@@ -255,7 +255,7 @@ def test_nan_and_broken_text_in_argv_are_usage_errors_naming_the_flag(container,
 @pytest.mark.parametrize("low", ["--ssd-gbps", "--tflops", "--mem-gbps", "--gflop-per-token"])
 def test_plan_never_prints_nan_or_inf_at_the_bounds_of_its_rates(container, low):
     from moepack.cli.plan_bench import PLAN_RATE
-    from moepack.runtime.plan import MAX_PLAN_CONTEXT
+    from moepack.tools.plan import MAX_PLAN_CONTEXT
 
     rates = ["--ssd-gbps", "--tflops", "--mem-gbps", "--pcie-gbps", "--gflop-per-token", "--routed-gflop-per-token"]
     args = [x for r in rates for x in (r, str(PLAN_RATE.min if r == low else PLAN_RATE.max))]

@@ -20,7 +20,7 @@ part of that format, written from its documented behaviour and checked against i
   encoder hands its prompt on as segments (`encode_message_segments`): markup, tokenized into its special tokens,
   and text (every message's content and reasoning, the effort prefix), tokenized as plain text, so a message that
   spells out `<｜end▁of▁sentence｜>` or `<｜User｜>` gets the ordinary tokens of that text and cannot forge a turn
-  (runtime/tokenizer.py `PromptTokenizer.encode_segments`). Joined, the segments are the release encoder's string.
+  (serve/tokenizer.py `PromptTokenizer.encode_segments`). Joined, the segments are the release encoder's string.
 * reasoning_effort: None, "high" or "max" (what the release's encoder accepts). Only "max" changes the prompt: in
   thinking mode a fixed instruction goes in front of the first message, right after BOS. "high" renders as None
   does. (DeepSeek's hosted API, and the later Flash-Vision-Exp encoder, use low/high/max with other texts; this

@@ -16,11 +16,11 @@ import uuid
 from dataclasses import dataclass
 
 from moepack.format_spec.errors import MoepackError
+from moepack.runtime.sampling import partial_match_length
 from moepack.v4.chat import THINK_END
 from moepack.v4.tools import (DSML, INVOKE_END, TOOL_CALLS_END, TOOL_CALLS_START, ToolCallFormatError, check_tools,
                               parse_invoke)
 
-from .sampling import partial_match_length
 
 _INVOKE_OPEN = f'<{DSML}invoke name="'
 

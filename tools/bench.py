@@ -10,15 +10,15 @@ memory and host->device copy rates, and the effective FLOP/s of the runtime's ex
 * `bench_compute()` times decode + SwiGLU of routed experts exactly as the engine runs them (format_spec.decode's
   `decode_float`, runtime.model's `expert_forward`), for several tokens per expert: F measured, not assumed. For
   bf16 FP4 experts on a CPU with the fused kernel it also finds the tokens per expert up to which that kernel beats
-  decode + GEMM; `tuned_fused_max_tokens()` gives `prefill` that crossover. On a CPU it also times a GEMM in float32
-  and bfloat16: `default_compute_dtype()` gives `--compute-dtype auto` that choice (before any measurement:
+  decode + GEMM; `tuning.tuned_fused_max_tokens()` gives `prefill` that crossover. On a CPU it also times a GEMM in float32
+  and bfloat16: `tuning.default_compute_dtype()` gives `--compute-dtype auto` that choice (before any measurement:
   bfloat16 where the CPU has native bf16 dot products).
 
-Results are kept in a small per-machine cache, `$MOEPACK_CACHE_DIR/bench.json` (default
-`$XDG_CACHE_HOME/moepack/bench.json`, i.e. `~/.cache/moepack/bench.json`), keyed by the host name and, for io, by
-the container's real path, size and mtime (a rewritten container is measured again). `tuned_defaults(path)` gives
-`prefill` the best (bundle_experts, queue_depth) measured for that file on this machine; `moepack plan` takes
-its bandwidth and FLOP/s defaults from the same file.
+Results are kept in a small per-machine cache (runtime/tuning.py, which the runtime reads:
+`$MOEPACK_CACHE_DIR/bench.json`), keyed by the host name and, for io, by the container's real path, size and mtime
+(a rewritten container is measured again). `tuning.tuned_defaults(path)` gives `prefill` the best (bundle_experts,
+queue_depth) measured for that file on this machine; `moepack plan` takes its bandwidth and FLOP/s defaults from
+the same file (`measured_for_plan`).
 """
 
 from __future__ import annotations
@@ -28,26 +28,19 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
-import tempfile
 import time
 import warnings
 from datetime import datetime, timezone
 
 import torch
 
-from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.reader import ReadSpan
 from moepack.format_spec.untrusted import finite_float
+from moepack.runtime.read_scheduler import expert_reads
+from moepack.runtime.tuning import cached, cpu_model, file_key, machine_id, store
 
-from .read_scheduler import expert_reads
-
-CACHE_ENV = "MOEPACK_CACHE_DIR"
-CACHE_FORMAT = "moepack-bench"
-MAX_CACHE_BYTES = 16 << 20  # a machine's measurements take kilobytes
-CACHE_VERSION = 1
 BUNDLES = (1, 2, 4, 8, 16)
 DEPTHS = (1, 2, 4, 8, 16)
 NEAR_TIE = 0.03  # cells within 3% of the fastest count as equally fast: the one with the least buffer memory wins
@@ -55,99 +48,6 @@ COMPUTE_TOKENS = (1, 8, 32, 128, 512, 2048)
 FUSED_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 512)  # where the fused kernel's crossover is looked for
 COMPUTE_STORAGES = ("FP4_E2M1", "MXFP4", "NVFP4", "Q8_0", "BF16")
 V4_FLASH_DIMS = (4096, 2048)  # hidden, moe_intermediate_size
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The cache
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def cache_dir() -> str:
-    d = os.environ.get(CACHE_ENV)
-    if d:
-        return d
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "moepack")
-
-
-def cache_path() -> str:
-    return os.path.join(cache_dir(), "bench.json")
-
-
-def machine_id() -> str:
-    return socket.gethostname() or "unknown-host"
-
-
-def file_key(path: str) -> str:
-    """The io cache key of a container: real path, size and mtime (ns) — a rewritten file is a new key."""
-    st = os.stat(path)
-    return f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
-
-
-def load_cache() -> dict:
-    """The cache's content ({} when absent; a damaged file is ignored with a warning, and replaced on the next
-    write)."""
-    path = cache_path()
-    if not os.path.lexists(path):
-        return {}
-    try:
-        data = untrusted.load_file(path, max_bytes=MAX_CACHE_BYTES)
-    except (OSError, MoepackError) as e:
-        reason = e.detail if isinstance(e, untrusted.UntrustedInputError) else error_reason(e)
-        warnings.warn(f"{path}: unreadable bench cache ignored ({reason})", RuntimeWarning, stacklevel=2)
-        return {}
-    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or data.get("version") != CACHE_VERSION:
-        return {}
-    return data
-
-
-def _machine(data: dict, create: bool = False) -> dict:
-    machines = data.setdefault("machines", {}) if create else data.get("machines", {})
-    if not isinstance(machines, dict):
-        return {}
-    m = machines.get(machine_id())
-    if m is None and create:
-        m = machines[machine_id()] = {}
-    return m if isinstance(m, dict) else {}
-
-
-def store(section: str, key: str, value: dict) -> str:
-    """Record one result under this machine's `section` / `key`; written atomically. Returns the cache path."""
-    path = cache_path()
-    data = load_cache()
-    data.update(format=CACHE_FORMAT, version=CACHE_VERSION)
-    machine = _machine(data, create=True)
-    machine.setdefault(section, {})[key] = value
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".bench.", dir=os.path.dirname(path))
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise MoepackError(f"{path}: cannot write the bench cache ({e.strerror or e})") from None
-    return path
-
-
-def cached(section: str) -> dict:
-    """This machine's results of one section ({} when none)."""
-    value = _machine(load_cache()).get(section, {})
-    return value if isinstance(value, dict) else {}
-
-
-def tuned_defaults(path: str) -> tuple[int, int] | None:
-    """(bundle_experts, queue_depth) that `moepack bench io` found best for this container on this machine, or
-    None (never measured, the file changed since, or no readable cache). Never raises: a prefill must not fail
-    over the cache."""
-    try:
-        entry = cached("io").get(file_key(path))
-        best = entry["best"] if isinstance(entry, dict) else None
-        if not best:
-            return None
-        bundle, depth = int(best["bundle_experts"]), int(best["queue_depth"])
-        return (bundle, depth) if bundle >= 1 and depth >= 1 else None
-    except Exception:  # noqa: BLE001 - any cache problem means "not measured"
-        return None
 
 
 def _now() -> str:
@@ -424,22 +324,31 @@ def bench_memory(size_mib: int = 256, repeat: int = 5, device: str | None = None
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _expert_naming():
+    """How the model names an expert's matrices (model.EXPERT_NAMING): the measurements build and read experts by
+    the model's names, never by their own."""
+    from moepack.runtime.model import EXPERT_NAMING
+
+    return EXPERT_NAMING
+
+
 def _synthetic_expert(storage: str, hidden: int, inter: int, seed: int) -> list[tuple[str, str, tuple, bytes]]:
     """One routed expert's stored tensors (name, storage type, logical shape, bytes), gate/up/down, quantized from
     random Gaussian weights to `storage` the way the release (FP4_E2M1 + E8M0) or `convert` would store them."""
     from moepack.format_spec import quants
+    from moepack.format_spec.decode import scale_name
     from moepack.format_spec.source_formats import fp4_quantize
 
     g = torch.Generator().manual_seed(seed)
+    naming = _expert_naming()
     out = []
-    for proj, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+    for name, shape in ((naming.gate, (inter, hidden)), (naming.up, (inter, hidden)), (naming.down, (hidden, inter))):
         w = torch.randn(shape, generator=g) * shape[1] ** -0.5
-        name = f"{proj}.weight"
         if storage in ("FP4_E2M1", "MXFP4"):
             packed, scale = fp4_quantize(w)
             if storage == "FP4_E2M1":
                 out.append((name, "FP4_E2M1", shape, packed.view(torch.uint8).numpy().tobytes()))
-                out.append((f"{proj}.scale", "F8_E8M0", (shape[0], shape[1] // 32),
+                out.append((scale_name(name), "F8_E8M0", (shape[0], shape[1] // 32),
                             scale.view(torch.uint8).numpy().tobytes()))
             else:
                 blocks = quants.fp4_to_mxfp4(packed, scale.view(torch.uint8))
@@ -463,13 +372,14 @@ def _container_experts(path: str, count: int) -> tuple[list, int, int, str]:
         if not layers:
             raise MoepackError(f"{path}: the container has no routed experts")
         block = layers[-1]
+        naming = _expert_naming()
         experts = []
         for region in block.experts[:count]:
-            prefix = f"{block.name}.ffn.experts.{region.expert}."
+            prefix = naming.prefix(block, region.expert)
             experts.append([(t.name[len(prefix):], t.dtype, t.shape, c.tensor_bytes(t.name))
                             for t in region.tensors])
-        w1 = next(t for t in experts[0] if t[0] == "w1.weight")
-    return experts, int(w1[2][1]), int(w1[2][0]), w1[1]
+        gate = next(t for t in experts[0] if t[0] == naming.gate)
+    return experts, int(gate[2][1]), int(gate[2][0]), gate[1]
 
 
 def _expert_region(tensors: dict):
@@ -500,7 +410,8 @@ def _decode_expert(tensors: dict, dtype: torch.dtype, decoder, tokens: int | Non
     if layout is not None:
         return decoder.decode(region, layout, raw, 0, "", tokens=tokens)
     w = decode_group(region.tensors, lambda t: raw[t.file_offset: t.file_offset + t.length], dtype)
-    return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"])
+    naming = _expert_naming()
+    return ExpertWeights(w[naming.gate], w[naming.up], w[naming.down])
 
 
 def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None = None, storage: str = "FP4_E2M1",
@@ -573,7 +484,7 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     dtype_choice = measure_compute_dtype(H, I) if dev.type == "cpu" else None
     result = {
         "machine": machine_id(), "measured_at": _now(), **load, "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model(),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
         "threads": torch.get_num_threads(), "source": source, "storage": storage, "hidden": H, "intermediate": I,
         "expert_dtype": expert_dtype, "experts": len(on_device), "repeat": repeat, "expert_backend": backend,
         "decode_seconds_per_expert": t_dec, "points": points, **({"fused": fused} if fused else {}),
@@ -594,11 +505,11 @@ def _grouped_points(on_device: list, tokens: list[int], cfg, dtype: torch.dtype,
 
     from moepack.format_spec.decode import decode_stacked
     from moepack.runtime import model
-    from moepack.runtime.grouped_experts import ExpertNaming, grouped_matmul
+    from moepack.runtime.grouped_experts import grouped_matmul
 
     regions = [_expert_region(e) for e in on_device]
     raw_of = {id(t): raw for region, raw, _ in regions for t in region.tensors}
-    naming = ExpertNaming(lambda block, e: "", "w1.weight", "w3.weight", "w2.weight")
+    naming = model.EXPERT_NAMING
     activation = partial(model.clamped_swiglu, limit=cfg.swiglu_limit)
     H, inner = cfg.hidden_size, cfg.moe_intermediate_size
 
@@ -675,44 +586,8 @@ def _fused_crossover(on_device: list, cfg, dtype: torch.dtype, dev: torch.device
     return {"threads": 1, "points": points, "max_tokens": limit}
 
 
-def tuned_fused_max_tokens(hidden: int, inter: int) -> int | None:
-    """Up to how many tokens per expert the fused FP4 kernel is faster on this CPU, as `moepack bench compute
-    --expert-dtype bfloat16` measured it for experts of this hidden size (the same intermediate size first, then
-    the latest), or None when no such run was made here on this CPU model. The crossover moves with the hidden
-    size, the width of the input rows the kernel keeps in L2 (this Zen 5: 512+ tokens for 1024 x 1024 experts, 96
-    for V4-Flash's 4096 x 2048), so a run of another hidden size does not count. Never raises: a prefill must not
-    fail over the cache."""
-    try:
-        cpu = _cpu_model()
-        runs = [r for r in cached("compute").values()
-                if isinstance(r, dict) and isinstance(r.get("fused"), dict) and r.get("device_name") == cpu
-                and r.get("device", "").split(":")[0] == "cpu" and r.get("hidden") == hidden]
-        if not runs:
-            return None
-        pick = max(runs, key=lambda r: (r.get("intermediate") == inter, r.get("measured_at", "")))
-        value = pick["fused"]["max_tokens"]
-        return value if isinstance(value, int) and value >= 0 else None
-    except Exception:  # noqa: BLE001 - any cache problem means "not measured"
-        return None
-
-
-# CPU features that give native bf16 dot products: x86's AVX512-BF16 and AMX, aarch64's BF16
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 COMPUTE_DTYPE_TOKENS = 512  # rows of the GEMM float32 and bfloat16 are timed on (a prefill's)
 BF16_WINS_BY = 1.1  # bfloat16 becomes the default where it is at least this much faster
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (x86 "flags", aarch64 "Features"); empty where the file does not say."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return set(value.split())
-    except OSError:
-        pass
-    return set()
 
 
 def measure_compute_dtype(hidden: int, inter: int, repeat: int = 3) -> dict:
@@ -723,7 +598,7 @@ def measure_compute_dtype(hidden: int, inter: int, repeat: int = 3) -> dict:
     x = torch.randn(COMPUTE_DTYPE_TOKENS, hidden, generator=g)
     w = torch.randn(inter, hidden, generator=g) * hidden ** -0.5
     cpu = torch.device("cpu")
-    out = {"tokens": COMPUTE_DTYPE_TOKENS, "hidden": hidden, "intermediate": inter, "device_name": _cpu_model(),
+    out = {"tokens": COMPUTE_DTYPE_TOKENS, "hidden": hidden, "intermediate": inter, "device_name": cpu_model(),
            "threads": torch.get_num_threads(), "measured_at": _now()}
     flops = 2 * COMPUTE_DTYPE_TOKENS * hidden * inter
     for dtype in (torch.float32, torch.bfloat16):
@@ -735,41 +610,8 @@ def measure_compute_dtype(hidden: int, inter: int, repeat: int = 3) -> dict:
     return out
 
 
-def default_compute_dtype(device: torch.device) -> tuple[str, str]:
-    """(dtype, why) for `--compute-dtype auto`: on a CPU, what `moepack bench compute` measured for this CPU model
-    (bfloat16 where its GEMM is BF16_WINS_BY faster), else bfloat16 where the CPU has native bf16 dot products
-    (NATIVE_BF16_FLAGS), else float32. Other devices: float32 (not measured there yet). Never raises."""
-    if device.type != "cpu":
-        return "float32", f"{device.type}: float32 until measured there"
-    try:
-        cpu = _cpu_model()
-        entry = cached("compute_dtype").get(cpu)
-        if isinstance(entry, dict) and entry.get("choice") in ("float32", "bfloat16"):
-            ratio = entry["bfloat16_gflops"] / entry["float32_gflops"]
-            return entry["choice"], f"moepack bench compute: bfloat16 GEMM {ratio:.2f}x float32 on this CPU"
-    except Exception:  # noqa: BLE001 - any cache problem means "not measured"
-        pass
-    native = sorted(cpu_flags() & set(NATIVE_BF16_FLAGS))
-    if native:
-        return "bfloat16", f"native bf16 dot products ({', '.join(native)})"
-    return "float32", "no native bf16 dot products on this CPU"
-
-
 def compute_key(device_type: str, storage: str, hidden: int, inter: int, expert_dtype: str) -> str:
     return f"{device_type}|{storage}|{hidden}x{inter}|{expert_dtype}"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 # ---------------------------------------------------------------------------------------------------------------

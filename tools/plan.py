@@ -18,7 +18,7 @@ Everything model-side is derived, never typed in:
   Indexer's scores and HCA over compressed entries, which grow with N) is computed separately.
 
 Machine-side numbers (BW, F, host-memory and PCIe bandwidth) come from `moepack bench` when it has measured them
-on this machine (runtime/bench.py's cache), else from the command line, else the design note's assumptions
+on this machine (the cache tools/bench.py writes, runtime/tuning.py), else from the command line, else the design note's assumptions
 (14 GB/s, 100 TFLOPS), and every figure says where it came from.
 """
 

@@ -3,10 +3,10 @@
     app = make_app(Generator("model.moepack", cache_gib=4), "model", api_key=None, max_queue=8)
 
 Endpoints: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (stream
-or not), GET /metrics (Prometheus: runtime/serve_metrics.py), POST /tokenize and /detokenize (llama-server's shapes).
+or not), GET /metrics (Prometheus: serve/metrics.py), POST /tokenize and /detokenize (llama-server's shapes).
 Every request field is acted on or refused by name (CHAT_FIELDS, COMPLETION_FIELDS, REFUSED_FIELDS); logprobs,
-penalties and logit_bias go to the Sampler, response_format to a JSON constraint (runtime/grammar.py), tools to the
-release's encoder and back out of the answer (runtime/tool_calls.py). Responses carry llama-server's `timings`.
+penalties and logit_bias go to the Sampler, response_format to a JSON constraint (serve/grammar.py), tools to the
+release's encoder and back out of the answer (serve/tool_calls.py). Responses carry llama-server's `timings`.
 
 Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the generations go to a BatchScheduler
 (runtime/batching.py): up to max_batch sequences decode together, one step feeding each its next token, a newcomer
@@ -58,12 +58,13 @@ from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range, loads
 from moepack.v4.chat import THINK_END, check_reasoning_effort, encode_message_segments, markup_segments
 
-from .batching import BatchScheduler
-from .generate import GenerateOptions, GenerateResult
-from .limits import DEFAULT_PREFILL_CHUNK
-from .serve_metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
+from moepack.runtime.batching import BatchScheduler
+from moepack.runtime.generate import GenerateOptions, GenerateResult
+from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK
+from moepack.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprob, is_int, partial_match_length
+
+from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
 from .tool_calls import ToolCallSplitter, ToolPlan, split_answer, tool_plan, with_prompt_extras
-from .sampling import MAX_TOP_LOGPROBS, TokenLogprob, is_int, partial_match_length
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_CHAT_TOKENS = 1024  # chat without max_tokens: this, within what the context leaves
@@ -203,7 +204,7 @@ class Prepared:
     n: int = 1
     echo: str | None = None  # completions' echo: the prompt's text, in front of each choice's text
     make_constraint: Callable[[], object] | None = None
-    tools: ToolPlan | None = None  # chat: the request's tools (runtime/tool_calls.py)
+    tools: ToolPlan | None = None  # chat: the request's tools (serve/tool_calls.py)
 
 
 class ThinkSplitter:
@@ -375,7 +376,7 @@ class Server:
         self._tokenizer = None
         self._tokenizer_error: str | None = None
         self._tokenizer_lock = threading.Lock()
-        self._grammar = None  # runtime.grammar.JsonGrammar, built at the first response_format
+        self._grammar = None  # serve.grammar.JsonGrammar, built at the first response_format
         self._grammar_lock = threading.Lock()
 
     # -- helpers
