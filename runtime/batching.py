@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +74,17 @@ class _Sequence:
     step_s: float = 0.0  # their time
     rows: int = 0  # the sequences in them, summed (its mean batch: rows / steps)
     counters: tuple[int, int, int] = (0, 0, 0)  # the cache's hits, misses and the decoder's bytes read at its join
+    error: BaseException | None = None  # what its `cancelled` raised: it fails with it
+
+    def settle(self, result: GenerateResult | None = None, error: BaseException | None = None) -> None:
+        """Its future given `error` (or `result`), unless its caller cancelled the future (Future.cancel)."""
+        try:
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+        except InvalidStateError:  # cancelled by its caller meanwhile: nobody waits for it
+            pass
 
 
 def _chunk_stats(total: dict, chunk: dict) -> dict:
@@ -183,11 +194,19 @@ class BatchScheduler:
             self._close_engine()
             for s in left:
                 if not s.future.done():
-                    s.future.set_exception(MoepackError("the batch scheduler stopped before this generation ended"))
+                    s.settle(error=MoepackError("the batch scheduler stopped before this generation ended"))
             self._active, self._prefilling = [], []
 
     def _stop_asked(self, s: _Sequence) -> bool:
-        return self._closed or (s.cancelled is not None and s.cancelled())
+        """The scheduler closed, its future cancelled, or its `cancelled()` true; one that raises stops it too (it
+        then fails with that error, alone)."""
+        if self._closed or s.error is not None or s.future.cancelled():
+            return True
+        try:
+            return s.cancelled is not None and bool(s.cancelled())
+        except Exception as e:
+            s.error = e
+            return True
 
     def _admit(self, s: _Sequence) -> None:
         """The newcomer's memory check (beside the KV of the sequences decoding and prefilling) and its place among
@@ -198,14 +217,14 @@ class BatchScheduler:
             s.bound = g._check_memory(len(s.ids) + s.out.max_new_tokens,
                                       sum(a.reserved_kv for a in (*self._active, *self._prefilling)))
         except BaseException as e:
-            s.future.set_exception(e)
+            s.settle(error=e)
             return
         self._prefilling.append(s)
 
     def _fail(self, s: _Sequence, e: BaseException) -> None:
         if s in self._prefilling:
             self._prefilling.remove(s)
-        s.future.set_exception(e)
+        s.settle(error=e)
 
     def _close_engine(self) -> None:
         """The prefill's engine closed (its pools and buffers given back; after a cancel too): the next turn's
@@ -216,7 +235,7 @@ class BatchScheduler:
 
     def _cancel_in_prefill(self, s: _Sequence, layers_done: int) -> None:
         self._prefilling.remove(s)
-        s.future.set_result(cancelled_in_prefill(GenerationCancelled(layers_done), s.detokenize))
+        s.settle(cancelled_in_prefill(GenerationCancelled(layers_done), s.detokenize), s.error)
 
     def _group(self) -> tuple[list[_Sequence], list[int]]:
         """This turn's prefill group and each one's tokens: first come first served, PREFILL_CHUNK tokens in all
@@ -273,7 +292,7 @@ class BatchScheduler:
                 # the pass stops (before its next layer) once every prompt in it is stopped; one of several
                 # stopped goes on to the pass's end (its rows are the others' weight reads' passengers) and then
                 # leaves with a cancelled result
-                should_stop=lambda: self._closed or all(s.cancelled is not None and s.cancelled() for s in group))
+                should_stop=lambda: all(self._stop_asked(s) for s in group))
         except GenerationCancelled as e:  # the engine's close() gives back its pools and buffers
             self._close_engine()
             for s in group:
@@ -310,6 +329,7 @@ class BatchScheduler:
         try:
             s.decoding = g.decoder.start(s.states)
             s.states = None
+            s.counters = self._counters()  # before its first token: one that ends there read nothing in a step
             if self._over(s, logits):
                 self._finish(s)
                 return
@@ -319,7 +339,6 @@ class BatchScheduler:
         if seed and s.counts:  # once its first token is out
             g.decoder.seed(s.counts)
         s.counts = None
-        s.counters = self._counters()
         self._active.append(s)
 
     def _counters(self) -> tuple[int, int, int]:
@@ -358,6 +377,8 @@ class BatchScheduler:
         if s.out.take(logits):
             return True
         if self._stop_asked(s):
+            if s.error is not None:
+                raise s.error
             s.out.cancel()
             return True
         return False
@@ -373,4 +394,4 @@ class BatchScheduler:
                   "bytes_read": read, "cache_bytes": decoder.cache.bytes, "cache_budget_bytes": decoder.cache.budget,
                   "memory_bound_bytes": s.bound, "peak_rss_bytes": peak_rss_bytes()}
         s.decoding = None
-        s.future.set_result(s.out.result({"prefill": s.prefill_stats, "decode": decode}))
+        s.settle(s.out.result({"prefill": s.prefill_stats, "decode": decode}))
