@@ -333,11 +333,11 @@ class BatchScheduler:
             if self._over(s, logits):
                 self._finish(s)
                 return
+            if seed and s.counts:  # once its first token is out (its reads may fail: it fails alone)
+                g.decoder.seed(s.counts)
         except BaseException as e:
             self._fail(s, e)
             return
-        if seed and s.counts:  # once its first token is out
-            g.decoder.seed(s.counts)
         s.counts = None
         self._active.append(s)
 

@@ -72,3 +72,18 @@ def test_a_sequence_over_at_its_first_token_counts_no_decode_reads(generator):
     decode = result.stats["decode"]
     assert decode["steps"] == 0 and decode["bytes_read"] == 0 and decode["expert_cache_hit_rate"] is None
     assert decode["expert_cache_hit_rate"] == alone.stats["decode"]["expert_cache_hit_rate"]
+
+
+def test_a_read_that_fails_while_seeding_the_cache_fails_that_sequence_alone(generator, monkeypatch):
+    vocab = generator.cfg.vocab_size
+    ids = _prompt(6, 68, vocab)
+    alone = _solo(generator, ids, max_new_tokens=4)
+
+    def unreadable(counts):
+        raise OSError("an expert's bytes could not be read")
+    with Batch(generator, max_batch=2) as batch:
+        with monkeypatch.context() as patch:
+            patch.setattr(generator.decoder, "seed", unreadable)
+            with pytest.raises(OSError, match="could not be read"):  # alone: its prompt's experts seed the cache
+                batch.submit(ids, max_new_tokens=4).result(TIMEOUT)
+        assert batch.submit(ids, max_new_tokens=4).result(TIMEOUT).generated_ids == alone.generated_ids
