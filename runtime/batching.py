@@ -47,7 +47,7 @@ from moepack.format_spec.errors import MoepackError
 from moepack.v4.kv import kv_bytes
 
 from .decode import DecodeSequence
-from .engine import GenerationCancelled, StreamingPrefill
+from .engine import GenerationCancelled, StreamingPrefill, check_prompt_ids
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
 from .generate import (GenerateOptions, GenerateResult, Generator, SequenceOutput, cancelled_in_prefill,
                        peak_rss_bytes)
@@ -83,7 +83,7 @@ class _Sequence:
                 self.future.set_exception(error)
             else:
                 self.future.set_result(result)
-        except InvalidStateError:  # cancelled by its caller meanwhile: nobody waits for it
+        except InvalidStateError:  # cancelled by its caller meanwhile (nobody waits for it), or already given
             pass
 
 
@@ -144,8 +144,7 @@ class BatchScheduler:
         here (MoepackError); a generation the memory check refuses, or that fails, raises from its future."""
         out = SequenceOutput(options or GenerateOptions(), self.generator.eos_ids, detokenize, on_text, on_token)
         ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
-        if not len(ids):
-            raise MoepackError("empty prompt")
+        check_prompt_ids(ids, self.generator.cfg.vocab_size)  # here: in a grouped pass it would fail the others
         future: Future = Future()
         with self._cv:
             if self._closed:
@@ -193,8 +192,7 @@ class BatchScheduler:
                 self._waiting.clear()
             self._close_engine()
             for s in left:
-                if not s.future.done():
-                    s.settle(error=MoepackError("the batch scheduler stopped before this generation ended"))
+                s.settle(error=MoepackError("the batch scheduler stopped before this generation ended"))
             self._active, self._prefilling = [], []
 
     def _stop_asked(self, s: _Sequence) -> bool:

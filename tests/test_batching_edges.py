@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from moepack.format_spec.errors import MoepackError
 from moepack.runtime.generate import Generator
 from containers import tiny_keep_container
 from test_batching import TIMEOUT, Batch, _prompt, _solo
@@ -87,3 +88,16 @@ def test_a_read_that_fails_while_seeding_the_cache_fails_that_sequence_alone(gen
             with pytest.raises(OSError, match="could not be read"):  # alone: its prompt's experts seed the cache
                 batch.submit(ids, max_new_tokens=4).result(TIMEOUT)
         assert batch.submit(ids, max_new_tokens=4).result(TIMEOUT).generated_ids == alone.generated_ids
+
+
+@pytest.mark.parametrize("bad", [[5, 10 ** 9, 6], [5, -1, 6], []])
+def test_a_prompt_with_an_id_outside_the_vocabulary_is_refused_when_submitted(generator, bad):
+    """Refused at submit, as Generator.generate refuses it: in a grouped prefill pass it failed every prompt."""
+    vocab = generator.cfg.vocab_size
+    ids = _prompt(6, 69, vocab)
+    alone = _solo(generator, ids, max_new_tokens=3)
+    with Batch(generator, max_batch=2) as batch:
+        good = batch.submit(ids, max_new_tokens=3)
+        with pytest.raises(MoepackError, match="token id out of range|empty prompt"):
+            batch.submit(bad, max_new_tokens=3)
+        assert good.result(TIMEOUT).generated_ids == alone.generated_ids
