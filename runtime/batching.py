@@ -209,6 +209,8 @@ class BatchScheduler:
     def _admit(self, s: _Sequence) -> None:
         """The newcomer's memory check (beside the KV of the sequences decoding and prefilling) and its place among
         those prefilling; a refusal fails its future alone."""
+        if s.future.cancelled():  # its caller gave up on it while it waited: nothing to check nor run
+            return
         g = self.generator
         s.reserved_kv = kv_bytes(g.c.config, len(s.ids) + s.out.max_new_tokens)
         try:

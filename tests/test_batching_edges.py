@@ -101,3 +101,16 @@ def test_a_prompt_with_an_id_outside_the_vocabulary_is_refused_when_submitted(ge
         with pytest.raises(MoepackError, match="token id out of range|empty prompt"):
             batch.submit(bad, max_new_tokens=3)
         assert good.result(TIMEOUT).generated_ids == alone.generated_ids
+
+
+def test_a_future_cancelled_while_it_waits_for_a_slot_is_never_run(generator):
+    vocab = generator.cfg.vocab_size
+    ids = _prompt(6, 70, vocab)
+    ran = []
+    with Batch(generator, max_batch=1) as batch:
+        first = batch.submit(_prompt(8, 71, vocab), max_new_tokens=8)
+        waiting = batch.submit(ids, max_new_tokens=4, cancelled=lambda: ran.append(1) or False)
+        assert waiting.cancel()
+        assert first.result(TIMEOUT).finish_reason == "length"
+        after = batch.submit(ids, max_new_tokens=4).result(TIMEOUT)
+    assert not ran and after.generated_ids == _solo(generator, ids, max_new_tokens=4).generated_ids
