@@ -141,7 +141,9 @@ class BatchScheduler:
                cancelled: Callable[[], bool] | None = None) -> Future:
         """Queue one generation of `token_ids` (Generator.generate's arguments, on the worker thread: on_text,
         on_token and cancelled are called there); its future's result is its GenerateResult. Bad options raise
-        here (MoepackError); a generation the memory check refuses, or that fails, raises from its future."""
+        here (MoepackError), as do an empty prompt and an id outside the vocabulary; a generation the memory check
+        refuses, or that fails, raises from its future. Its future cancelled (Future.cancel) stops it as
+        `cancelled()` would."""
         out = SequenceOutput(options or GenerateOptions(), self.generator.eos_ids, detokenize, on_text, on_token)
         ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
         check_prompt_ids(ids, self.generator.cfg.vocab_size)  # here: in a grouped pass it would fail the others
