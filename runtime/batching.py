@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +47,7 @@ from moepack.format_spec.errors import MoepackError
 from moepack.v4.kv import kv_bytes
 
 from .decode import DecodeSequence
-from .engine import GenerationCancelled, StreamingPrefill
+from .engine import GenerationCancelled, StreamingPrefill, check_prompt_ids
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
 from .generate import (GenerateOptions, GenerateResult, Generator, SequenceOutput, cancelled_in_prefill,
                        peak_rss_bytes)
@@ -74,6 +74,17 @@ class _Sequence:
     step_s: float = 0.0  # their time
     rows: int = 0  # the sequences in them, summed (its mean batch: rows / steps)
     counters: tuple[int, int, int] = (0, 0, 0)  # the cache's hits, misses and the decoder's bytes read at its join
+    error: BaseException | None = None  # what its `cancelled` raised: it fails with it
+
+    def settle(self, result: GenerateResult | None = None, error: BaseException | None = None) -> None:
+        """Its future given `error` (or `result`), unless its caller cancelled the future (Future.cancel)."""
+        try:
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+        except InvalidStateError:  # cancelled by its caller meanwhile (nobody waits for it), or already given
+            pass
 
 
 def _chunk_stats(total: dict, chunk: dict) -> dict:
@@ -130,11 +141,12 @@ class BatchScheduler:
                cancelled: Callable[[], bool] | None = None) -> Future:
         """Queue one generation of `token_ids` (Generator.generate's arguments, on the worker thread: on_text,
         on_token and cancelled are called there); its future's result is its GenerateResult. Bad options raise
-        here (MoepackError); a generation the memory check refuses, or that fails, raises from its future."""
+        here (MoepackError), as do an empty prompt and an id outside the vocabulary; a generation the memory check
+        refuses, or that fails, raises from its future. Its future cancelled (Future.cancel) stops it as
+        `cancelled()` would."""
         out = SequenceOutput(options or GenerateOptions(), self.generator.eos_ids, detokenize, on_text, on_token)
         ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
-        if not len(ids):
-            raise MoepackError("empty prompt")
+        check_prompt_ids(ids, self.generator.cfg.vocab_size)  # here: in a grouped pass it would fail the others
         future: Future = Future()
         with self._cv:
             if self._closed:
@@ -182,30 +194,39 @@ class BatchScheduler:
                 self._waiting.clear()
             self._close_engine()
             for s in left:
-                if not s.future.done():
-                    s.future.set_exception(MoepackError("the batch scheduler stopped before this generation ended"))
+                s.settle(error=MoepackError("the batch scheduler stopped before this generation ended"))
             self._active, self._prefilling = [], []
 
     def _stop_asked(self, s: _Sequence) -> bool:
-        return self._closed or (s.cancelled is not None and s.cancelled())
+        """The scheduler closed, its future cancelled, or its `cancelled()` true; one that raises stops it too (it
+        then fails with that error, alone)."""
+        if self._closed or s.error is not None or s.future.cancelled():
+            return True
+        try:
+            return s.cancelled is not None and bool(s.cancelled())
+        except Exception as e:
+            s.error = e
+            return True
 
     def _admit(self, s: _Sequence) -> None:
         """The newcomer's memory check (beside the KV of the sequences decoding and prefilling) and its place among
         those prefilling; a refusal fails its future alone."""
+        if s.future.cancelled():  # its caller gave up on it while it waited: nothing to check nor run
+            return
         g = self.generator
         s.reserved_kv = kv_bytes(g.c.config, len(s.ids) + s.out.max_new_tokens)
         try:
             s.bound = g._check_memory(len(s.ids) + s.out.max_new_tokens,
                                       sum(a.reserved_kv for a in (*self._active, *self._prefilling)))
         except BaseException as e:
-            s.future.set_exception(e)
+            s.settle(error=e)
             return
         self._prefilling.append(s)
 
     def _fail(self, s: _Sequence, e: BaseException) -> None:
         if s in self._prefilling:
             self._prefilling.remove(s)
-        s.future.set_exception(e)
+        s.settle(error=e)
 
     def _close_engine(self) -> None:
         """The prefill's engine closed (its pools and buffers given back; after a cancel too): the next turn's
@@ -216,7 +237,7 @@ class BatchScheduler:
 
     def _cancel_in_prefill(self, s: _Sequence, layers_done: int) -> None:
         self._prefilling.remove(s)
-        s.future.set_result(cancelled_in_prefill(GenerationCancelled(layers_done), s.detokenize))
+        s.settle(cancelled_in_prefill(GenerationCancelled(layers_done), s.detokenize), s.error)
 
     def _group(self) -> tuple[list[_Sequence], list[int]]:
         """This turn's prefill group and each one's tokens: first come first served, PREFILL_CHUNK tokens in all
@@ -273,7 +294,7 @@ class BatchScheduler:
                 # the pass stops (before its next layer) once every prompt in it is stopped; one of several
                 # stopped goes on to the pass's end (its rows are the others' weight reads' passengers) and then
                 # leaves with a cancelled result
-                should_stop=lambda: self._closed or all(s.cancelled is not None and s.cancelled() for s in group))
+                should_stop=lambda: all(self._stop_asked(s) for s in group))
         except GenerationCancelled as e:  # the engine's close() gives back its pools and buffers
             self._close_engine()
             for s in group:
@@ -310,16 +331,16 @@ class BatchScheduler:
         try:
             s.decoding = g.decoder.start(s.states)
             s.states = None
+            s.counters = self._counters()  # before its first token: one that ends there read nothing in a step
             if self._over(s, logits):
                 self._finish(s)
                 return
+            if seed and s.counts:  # once its first token is out (its reads may fail: it fails alone)
+                g.decoder.seed(s.counts)
         except BaseException as e:
             self._fail(s, e)
             return
-        if seed and s.counts:  # once its first token is out
-            g.decoder.seed(s.counts)
         s.counts = None
-        s.counters = self._counters()
         self._active.append(s)
 
     def _counters(self) -> tuple[int, int, int]:
@@ -358,6 +379,8 @@ class BatchScheduler:
         if s.out.take(logits):
             return True
         if self._stop_asked(s):
+            if s.error is not None:
+                raise s.error
             s.out.cancel()
             return True
         return False
@@ -373,4 +396,4 @@ class BatchScheduler:
                   "bytes_read": read, "cache_bytes": decoder.cache.bytes, "cache_budget_bytes": decoder.cache.budget,
                   "memory_bound_bytes": s.bound, "peak_rss_bytes": peak_rss_bytes()}
         s.decoding = None
-        s.future.set_result(s.out.result({"prefill": s.prefill_stats, "decode": decode}))
+        s.settle(s.out.result({"prefill": s.prefill_stats, "decode": decode}))

@@ -564,10 +564,10 @@ class Decoder:
         start = time.perf_counter()
         if self.layers is None:  # model.py's functions, every row of the step at once
             logits = self._general_step(sequences, token_ids)
-        elif len(sequences) > 1:  # one token: the one-token calls cost less
+        elif len(sequences) > 1:
             logits = self._compiled_rows(sequences, token_ids)
-        else:
-            logits = torch.stack([self._step(seq, token) for seq, token in zip(sequences, token_ids)])
+        else:  # one token: the one-token calls cost less
+            logits = self._step(sequences[0], token_ids[0])[None]
         self.stats.steps += 1
         self.stats.tokens += len(sequences)
         self.stats.seconds += time.perf_counter() - start

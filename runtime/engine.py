@@ -271,6 +271,16 @@ def float32_matmuls_on_tensor_cores(device: torch.device, compute_dtype: torch.d
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+def check_prompt_ids(token_ids: torch.Tensor, vocab_size: int) -> int:
+    """A prompt's token count, once its ids are checked (MoepackError: empty, or an id outside the vocabulary)."""
+    n_tokens = int(token_ids.numel())
+    if n_tokens < 1:
+        raise MoepackError("empty prompt")
+    if int(token_ids.max()) >= vocab_size or int(token_ids.min()) < 0:
+        raise MoepackError(f"token id out of range 0..{vocab_size - 1}")
+    return n_tokens
+
+
 class StreamingPrefill:
     """One prefill over one container: walks the layers, all N tokens through each, over the pipeline's stages
     (ReadScheduler -> DeviceCopier -> ExpertRunner). Use `run(token_ids)`."""
@@ -399,13 +409,7 @@ class StreamingPrefill:
                 for i, n in enumerate(lengths)]
 
     def _check_ids(self, token_ids: torch.Tensor) -> int:
-        """A prompt's token count, once its ids are checked."""
-        n_tokens = int(token_ids.numel())
-        if n_tokens < 1:
-            raise MoepackError("empty prompt")
-        if int(token_ids.max()) >= self.cfg.vocab_size or int(token_ids.min()) < 0:
-            raise MoepackError(f"token id out of range 0..{self.cfg.vocab_size - 1}")
-        return n_tokens
+        return check_prompt_ids(token_ids, self.cfg.vocab_size)
 
     def _pass_starts(self) -> tuple[float, float | None]:
         if self.device.type == "cuda":
