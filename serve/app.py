@@ -72,6 +72,7 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the request's temperature: 0 for 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 MAX_BODY_DEPTH = 32  # a request body nests a few levels (messages, their content parts)
 OVER_LIMIT_HEADER_S = 2.0  # a connection past --max-connections: its request must come this fast (then 503)
+LINGER_BYTES = 16 << 20  # a body declared at most this far over --max-body-mb is read and dropped before its 413
 RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and of too many connections
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
 MAX_N = 8  # choices per request (n): side by side in a batch, else one after the other
@@ -458,9 +459,10 @@ class Server:
                                kind="invalid_request_error", code="invalid_api_key")
 
     async def read_body(self, request) -> bytes:
-        """The request's body, refused (413) once over --max-body-mb: by its Content-Length up front, else as the
-        bytes of a chunked body come (never more than the limit is held); 408 when it does not arrive within
-        --timeout-read. Both responses close the connection (the rest of the body is not read)."""
+        """The request's body, refused (413) once over --max-body-mb: by its Content-Length up front (a body
+        declared within LINGER_BYTES of the limit read and dropped first, discard_body), else as the bytes of a
+        chunked body come (never more than the limit is held or read); 408 when it does not arrive within
+        --timeout-read. Both responses close the connection."""
         from starlette.requests import ClientDisconnect
 
         limit = self.limits.max_body_bytes
@@ -469,6 +471,8 @@ class Server:
                                  headers={"Connection": "close"})
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            if int(declared) <= limit + LINGER_BYTES:
+                await self.discard_body(request)
             raise too_large
         body = bytearray()
         try:
@@ -484,6 +488,19 @@ class Server:
         except ClientDisconnect:
             raise RequestError("the client went away while sending its body", code="client_gone") from None
         return bytes(body)
+
+    async def discard_body(self, request) -> None:
+        """Read and drop a refused body, within --timeout-read: a connection closed with request bytes unread is
+        reset, and the reset can destroy the response before the client has read it (an honest client a little
+        over the limit would see its connection dropped, not its 413)."""
+        from starlette.requests import ClientDisconnect
+
+        try:
+            async with asyncio.timeout(self.limits.read_timeout_s):
+                async for _ in request.stream():
+                    pass
+        except (TimeoutError, ClientDisconnect):
+            pass
 
     def json_object(self, raw: bytes) -> dict:
         """The body as a JSON object (format_spec.untrusted.loads: depth, number length, NaN, UTF-8, surrogates)."""

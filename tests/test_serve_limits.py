@@ -398,3 +398,20 @@ def test_a_request_past_its_deadline_stops_its_prefill_with_408(tiny):
         _answers(running, expect)
     finally:
         _stop(running)
+
+
+def test_a_body_a_little_over_the_limit_gets_its_413_even_when_read_late(server):
+    """The whole body sent, the reply read only afterwards: the server reads and drops a body declared a little
+    over the limit before it answers, so closing the connection does not reset it with bytes unread (a reset
+    destroys the 413 the client has not read yet)."""
+    body = b"x" * ((1 << 20) + 1)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.5)  # the server has answered and closed by now
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:100]
+    assert b"body_too_large" in reply
+    _answers(server)
