@@ -761,6 +761,8 @@ class Server:
                 for i, f in enumerate(futures):
                     if not asked[i]:
                         f.cancel()
+            # a future cancelled by its caller is never notified (concurrent.futures.wait would wait on): done here
+            pending = {f for f in pending if not f.cancelled()}
         return [f.result() for f in futures if not f.cancelled()]
 
     def counted(self, job: Job, result: GenerateResult) -> GenerateResult:

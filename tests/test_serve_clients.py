@@ -262,6 +262,43 @@ def test_a_failed_choice_fails_its_request_and_stops_the_others(batched, monkeyp
     assert c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2).choices[0].finish_reason
 
 
+def test_a_client_gone_while_its_choices_wait_for_a_batch_slot_frees_its_queue_place(tiny_path):
+    """--max-batch 2 --max-queue 2: a request's two choices decode (held by no end of sentence); a second client
+    gives up while its choices wait for a slot: its place is free at once (a third request is admitted, not 429)
+    and its choices never run."""
+    import concurrent.futures
+
+    g, lines = Generator(tiny_path, cache_gib=0.5), []
+    running = Running(make_app(g, "tiny", log=lines.append, max_queue=2, max_batch=2))
+    state = running.app.state.server
+
+    def wait_admitted(n):
+        deadline = time.monotonic() + 10
+        while state.admitted != n:
+            assert time.monotonic() < deadline, state.admitted
+            time.sleep(0.02)
+    try:
+        endless = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 100000, "n": 2, "stream": True,
+                   "temperature": 1.0, "logit_bias": {str(e): -100 for e in g.eos_ids}}
+        with httpx.stream("POST", f"{running.url}/v1/completions", json=endless, timeout=TIMEOUT) as first:
+            assert first.status_code == 200
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{running.url}/v1/completions", timeout=httpx.Timeout(TIMEOUT, read=0.5),
+                           json={"model": "tiny", "prompt": [4, 5, 6, 7, 8], "max_tokens": 2})
+            wait_admitted(1)  # the vanished one's place, freed while the first still decodes
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                third = pool.submit(httpx.post, f"{running.url}/v1/completions", timeout=TIMEOUT,
+                                    json={"model": "tiny", "prompt": [7, 8, 9, 10], "max_tokens": 2})
+                wait_admitted(2)
+                first.close()  # the first's client leaves: its choices stop, the third's get their slots
+                assert third.result(TIMEOUT).status_code == 200
+        assert any("prompt_tokens=5 cancelled before it started" in line for line in lines)
+        assert not any("prompt_tokens=5 generated_tokens" in line for line in lines)
+    finally:
+        running.stop()
+        g.close()
+
+
 def test_echo_puts_the_prompt_first(server):
     c = _client(server)
     plain = c.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0)
