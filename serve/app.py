@@ -12,14 +12,16 @@ Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the ge
 (runtime/batching.py): up to max_batch sequences decode together, one step feeding each its next token, a newcomer
 joining between steps once its prefill is done (the newcomers' prompts prefilled together, one pass per turn of
 `prefill_chunk` tokens in all while others decode), and a sequence leaving at its end or when stopped; a request's
-n choices decode side by side. Each request waits for its generations on a thread of an executor of max_queue
+n choices decode side by side (streamed: interleaved, each chunk's choices[0].index naming its choice; one that
+fails stops the others and fails the request). Each request waits for its generations on a thread of an executor of max_queue
 threads. With max_batch 1 every generation runs on ONE worker
 thread (a single-thread executor) through Generator.generate, in arrival order, the choices one after the other.
 At most `max_queue` requests are admitted at once (reading their body, being prepared, waiting or running); one
 more is answered 429 at once. A streamed answer's pieces go from the worker's `on_text` to the event loop through
 an asyncio.Queue (loop.call_soon_threadsafe). A client that goes
 away (stream or not) or a request past its deadline (--request-timeout) sets its job's stop flag: a job not yet
-started is skipped, a running one stops before its prefill's next layer or its next token (finish_reason
+started is skipped (a client gone while it waits for the worker or, batched, its choices for a slot: dropped at
+once, its --max-queue place free), a running one stops before its prefill's next layer or its next token (finish_reason
 "cancelled", or "timeout" past the deadline), and its slot is free once the worker lets go of it.
 
 Limits (ServerLimits; docs/failures.md "Server limits"): the body's size (413, counted as it is read, never
