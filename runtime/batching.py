@@ -179,6 +179,8 @@ class BatchScheduler:
                         self._cv.wait()
                     if self._closed:
                         break
+                    # those their callers gave up on while waiting (Future.cancel) take no slot: never run
+                    self._waiting = deque(s for s in self._waiting if not s.future.cancelled())
                     room = self.max_batch - len(self._active) - len(self._prefilling)
                     newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 for s in newcomers:

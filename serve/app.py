@@ -12,14 +12,16 @@ Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the ge
 (runtime/batching.py): up to max_batch sequences decode together, one step feeding each its next token, a newcomer
 joining between steps once its prefill is done (the newcomers' prompts prefilled together, one pass per turn of
 `prefill_chunk` tokens in all while others decode), and a sequence leaving at its end or when stopped; a request's
-n choices decode side by side. Each request waits for its generations on a thread of an executor of max_queue
+n choices decode side by side (streamed: interleaved, each chunk's choices[0].index naming its choice; one that
+fails stops the others and fails the request). Each request waits for its generations on a thread of an executor of max_queue
 threads. With max_batch 1 every generation runs on ONE worker
 thread (a single-thread executor) through Generator.generate, in arrival order, the choices one after the other.
 At most `max_queue` requests are admitted at once (reading their body, being prepared, waiting or running); one
 more is answered 429 at once. A streamed answer's pieces go from the worker's `on_text` to the event loop through
 an asyncio.Queue (loop.call_soon_threadsafe). A client that goes
 away (stream or not) or a request past its deadline (--request-timeout) sets its job's stop flag: a job not yet
-started is skipped, a running one stops before its prefill's next layer or its next token (finish_reason
+started is skipped (a client gone while it waits for the worker or, batched, its choices for a slot: dropped at
+once, its --max-queue place free), a running one stops before its prefill's next layer or its next token (finish_reason
 "cancelled", or "timeout" past the deadline), and its slot is free once the worker lets go of it.
 
 Limits (ServerLimits; docs/failures.md "Server limits"): the body's size (413, counted as it is read, never
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -164,10 +167,10 @@ class Job:
     arrived: float = 0.0  # time.monotonic() of the request's arrival (the time to first token counts from it)
     n: int = 1  # choices: generations of their own (distinct seeds: seed, seed + 1, ... when one is given)
     make_constraint: Callable[[], object] | None = None  # each generation's own output constraint
-    on_text: Callable[[str], None] | None = None
-    on_token: Callable[[int, object], None] | None = None  # a streamed job's tokens (their logprobs)
+    on_text: Callable[[int, str], None] | None = None  # a streamed job's text: (choice, piece)
+    on_token: Callable[[int, int, object], None] | None = None  # its tokens: (choice, token, logprob)
     on_start: Callable[[], None] | None = None  # called on the worker once its generation passed every check
-    queue: asyncio.Queue | None = None  # a streamed job's ("text", piece) events
+    queue: asyncio.Queue | None = None  # a streamed job's (kind, choice, piece) events
     began: asyncio.Event | None = None  # a streamed job's on_start, on the event loop
     cancelled: bool = False  # its client went away
     timed_out: bool = False
@@ -616,16 +619,13 @@ class Server:
             raise request_error(e) from None
         return options
 
-    def choices(self, body: dict, stream: bool) -> int:
+    def choices(self, body: dict) -> int:
         """n (choices: generations of their own) and completions' best_of (only equal to n: no ranking)."""
         n = _value(body, "n", int_in_range, 1, MAX_N, default=1)
         best_of = _value(body, "best_of", int_in_range, 1, MAX_N)
         if best_of is not None and best_of != n:
             raise RequestError("best_of: ranking more generations than are returned is not supported (give best_of "
                                "equal to n, or leave it out)", param="best_of", code="unsupported_value")
-        if n > 1 and stream:
-            raise RequestError("n: more than one choice is not streamed: give stream: false", param="n",
-                               code="unsupported_value")
         return n
 
     def echo_text(self, body: dict, ids: list[int]) -> str | None:
@@ -688,7 +688,7 @@ class Server:
         """On a worker thread (the event loop stays free): parse, check and tokenize one request."""
         body = self.parse(raw, chat)
         stream, include_usage = _stream_flags(body)
-        n = self.choices(body, stream)
+        n = self.choices(body)
         if chat:
             ids, thinking, plan = self.chat_ids(body)
             thinking = thinking and not plan.prefill  # a forced call's prefill closed the thought
@@ -717,20 +717,24 @@ class Server:
         its deadline passed)."""
         try:
             if job.stopped():
-                reason = "timeout" if job.timed_out else "cancelled"
-                self.finished.append((job.request_id, reason))
-                self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} {reason} before it "
-                         "started")
-                return None
+                return self.skipped(job)
             tok = self.tokenizer
 
+            asked = [False] * job.n  # each choice's cancelled() asked: admitted by the scheduler (memory checked)
+
             def arguments(i: int) -> dict:
-                return dict(detokenize=tok.decode if tok is not None else None, on_text=job.on_text,
-                            cancelled=job.should_stop, on_token=self.timed(job, first=not i))
+                def cancelled() -> bool:
+                    asked[i] = True
+                    return job.should_stop()
+                on_text = None if job.on_text is None else (lambda piece: job.on_text(i, piece))
+                return dict(detokenize=tok.decode if tok is not None else None, on_text=on_text,
+                            cancelled=cancelled, on_token=self.timed(job, i))
             results = []
             if self.scheduler is not None:  # the choices decode side by side
                 futures = [self.scheduler.submit(job.ids, job.options_for(i), **arguments(i)) for i in range(job.n)]
-                results = [self.counted(job, f.result()) for f in futures]
+                results = [self.counted(job, r) for r in self.choice_results(job, futures, asked)]
+                if not results:
+                    return self.skipped(job)
             else:  # one at a time
                 for i in range(job.n):
                     results.append(self.counted(job, self.generator.generate(job.ids, job.options_for(i),
@@ -750,6 +754,36 @@ class Server:
         finally:
             self.release()
 
+    def skipped(self, job: Job) -> None:
+        """A job stopped before any of its choices started: logged, nothing run."""
+        reason = "timeout" if job.timed_out else "cancelled"
+        self.finished.append((job.request_id, reason))
+        self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} {reason} before it started")
+        return None
+
+    @staticmethod
+    def choice_results(job: Job, futures: list, asked: list[bool]) -> list[GenerateResult]:
+        """The batched choices' results, waited for together. One that fails stops the others at once (their
+        futures cancelled: the scheduler drops or stops them) and its error is the request's; a client gone while
+        choices wait for a slot gets them dropped at once (never admitted: its --max-queue place is free as soon
+        as those running stopped). [] when no choice ran."""
+        pending = set(futures)
+        while pending:
+            done, pending = concurrent.futures.wait(pending, timeout=POLL_S,
+                                                    return_when=concurrent.futures.FIRST_EXCEPTION)
+            failed = [f for f in done if not f.cancelled() and f.exception() is not None]
+            if failed:
+                for f in futures:
+                    f.cancel()
+                raise failed[0].exception()
+            if job.cancelled:
+                for i, f in enumerate(futures):
+                    if not asked[i]:
+                        f.cancel()
+            # a future cancelled by its caller is never notified (concurrent.futures.wait would wait on): done here
+            pending = {f for f in pending if not f.cancelled()}
+        return [f.result() for f in futures if not f.cancelled()]
+
     def counted(self, job: Job, result: GenerateResult) -> GenerateResult:
         """A generation's tokens into the metrics and its line into the log ("timeout" for one its deadline
         stopped)."""
@@ -760,7 +794,7 @@ class Server:
         self.log_generation(job, result)
         return result
 
-    def timed(self, job: Job, first: bool) -> Callable[[int, object], None]:
+    def timed(self, job: Job, choice: int) -> Callable[[int, object], None]:
         """The generation's on_token: the time to its first token (the request's first generation) and between
         its tokens into the metrics, then the job's own on_token."""
         last: list[float] = []
@@ -769,12 +803,12 @@ class Server:
             now = time.monotonic()
             if last:
                 self.metrics.tpot.observe(now - last[0])
-            elif first:
+            elif choice == 0:
                 job.first_token_s = now - job.arrived
                 self.metrics.ttft.observe(job.first_token_s)
             last[:] = [now]
             if job.on_token is not None:
-                job.on_token(token, logprob)
+                job.on_token(choice, token, logprob)
         return on_token
 
     def log_generation(self, job: Job, result: GenerateResult) -> None:
@@ -843,6 +877,15 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
             "text_offset": offsets}
+
+
+@dataclass(frozen=True)
+class ChoiceStream:
+    """One streamed choice's chunks: pieces(text) for each text piece, final(result) at its end, logprobs(entries)
+    the `logprobs` of the chunk that carries its tokens' text."""
+    pieces: Callable[[str], list[dict]]
+    final: Callable[[GenerateResult], list[dict]]
+    logprobs: Callable[[list[TokenLogprob]], dict]
 
 
 def _internal_error() -> RequestError:
@@ -952,10 +995,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 loop = asyncio.get_running_loop()
                 job.queue = asyncio.Queue()
                 job.began = asyncio.Event()
-                job.on_text = lambda piece: loop.call_soon_threadsafe(job.queue.put_nowait, ("text", piece))
+                job.on_text = lambda i, piece: loop.call_soon_threadsafe(job.queue.put_nowait, ("text", i, piece))
                 job.on_start = lambda: loop.call_soon_threadsafe(job.began.set)
                 if prepared.options.logprobs is not None:
-                    job.on_token = lambda token, lp: loop.call_soon_threadsafe(job.queue.put_nowait, ("token", lp))
+                    job.on_token = lambda i, token, lp: loop.call_soon_threadsafe(job.queue.put_nowait,
+                                                                                  ("token", i, lp))
             future = server.executor.submit(server.run, job)
         except BaseException:
             server.release()
@@ -977,6 +1021,10 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     return None
                 if await request.is_disconnected():
                     job.cancelled = True
+                    if future.cancel():  # still waiting for the worker: never run, its --max-queue place free now
+                        server.skipped(job)
+                        server.release()
+                        return None
         finally:
             for w in waits - {wrapped}:
                 w.cancel()
@@ -997,37 +1045,38 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             raise RequestError("the client went away", code="client_gone")
         return results
 
-    def streamed(request, job: Job, future, make_chunks, final_chunks, include_usage: bool, with_logprobs):
-        """The SSE stream: make_chunks(piece) per text piece, final_chunks(result, usage) at the end; the logprobs
-        of the tokens since the previous chunk (with_logprobs(entries) -> the chunk's `logprobs`) go with the
-        next chunk that carries text."""
+    def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, with_usage):
+        """The SSE stream of the job's choices, interleaved as their pieces come (each chunk's choices[0].index
+        names its choice): choices[i].pieces(text) per text piece, each choice's final(result) chunks at the end,
+        with_usage(those final chunks, usage) adding the request's usage (include_usage). The logprobs of a choice's tokens since its
+        previous chunk (choices[i].logprobs(entries) -> the chunk's `logprobs`) go with its next chunk that carries
+        text."""
         queue = job.queue
+        pending: list[list] = [[] for _ in choices]
 
-        def attach(chunks, pending):
-            if pending and chunks:
-                chunks[0]["choices"][0]["logprobs"] = with_logprobs(pending)
-                return []
-            return pending
+        def attach(i, chunks):
+            if pending[i] and chunks:
+                chunks[0]["choices"][0]["logprobs"] = choices[i].logprobs(pending[i])
+                pending[i] = []
 
         async def events():
-            pending: list = []
             try:
                 wrapped = asyncio.wrap_future(future)
-                wrapped.add_done_callback(lambda f: queue.put_nowait(("done", None)))
+                wrapped.add_done_callback(lambda f: queue.put_nowait(("done", None, None)))
                 while True:
                     try:
-                        kind, piece = await asyncio.wait_for(queue.get(), timeout=POLL_S)
+                        kind, i, piece = await asyncio.wait_for(queue.get(), timeout=POLL_S)
                     except asyncio.TimeoutError:
                         if await request.is_disconnected():
                             job.cancelled = True
                             return
                         continue
                     if kind == "token":
-                        pending.append(piece)
+                        pending[i].append(piece)
                         continue
                     if kind == "text":
-                        chunks = make_chunks(piece)
-                        pending = attach(chunks, pending)
+                        chunks = choices[i].pieces(piece)
+                        attach(i, chunks)
                         for chunk in chunks:
                             yield f"data: {json.dumps(chunk)}\n\n"
                         continue
@@ -1041,9 +1090,14 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         yield f"data: {json.dumps(err.body())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    chunks = final_chunks(results[0], server.usage(job, results) if include_usage else None)
-                    attach(chunks, pending)
-                    for chunk in chunks:
+                    out = []
+                    for i, result in enumerate(results):
+                        chunks = choices[i].final(result)
+                        attach(i, chunks)
+                        out += chunks
+                    if include_usage:
+                        with_usage(out, server.usage(job, results))
+                    for chunk in out:
                         yield f"data: {json.dumps(chunk)}\n\n"
                     yield "data: [DONE]\n\n"
                     return
@@ -1054,14 +1108,14 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
 
-    async def stream_when_started(request, job: Job, future, make_chunks, final_chunks, include_usage: bool,
-                                  with_logprobs):
+    async def stream_when_started(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool,
+                                  with_usage):
         """The 200 and the first event only once the generation passed every check: an error before that (a bad
         value, the memory check) is the request's 4xx."""
         result = await wait_job(request, job, future, until=job.began)
         if result is None and future.done() and not job.began.is_set():
             raise RequestError("the client went away", code="client_gone")
-        return streamed(request, job, future, make_chunks, final_chunks, include_usage, with_logprobs)
+        return streamed(request, job, future, choices, include_usage, with_usage)
 
     def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict]):
         return JSONResponse({"id": job.request_id, "object": kind, "created": int(time.time()), "model": model_name,
@@ -1085,34 +1139,39 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 {"index": i, "text": echo + (r.text or ""), "logprobs": logprobs_of(r),
                  "finish_reason": r.finish_reason, **choice_extra(r)} for i, r in enumerate(results)])
 
-        offset = [len(echo)]
-
-        def chunk(text, finish=None, extra=None):
+        def chunk(i, text, finish=None, extra=None):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                    "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish,
                                  **(extra or {})}]}
 
-        def with_logprobs(entries):
-            out = completion_logprobs(tok, entries, offset[0])
-            offset[0] += sum(len(t) for t in out["tokens"])
-            return out
+        def choice_stream(i: int) -> ChoiceStream:
+            offset = [len(echo)]
+            echo_due = [bool(echo)]  # the prompt's text first, once the choice's stream has begun
 
-        def final(result, usage):
-            last = chunk("", result.finish_reason, choice_extra(result))
-            last["timings"] = timings(job, [result])
-            if usage is not None:
-                last["usage"] = usage
-            return [last]
+            def with_logprobs(entries):
+                out = completion_logprobs(tok, entries, offset[0])
+                offset[0] += sum(len(t) for t in out["tokens"])
+                return out
 
-        echo_due = [bool(echo)]  # the prompt's text first, once the stream has begun
+            def final(result):
+                last = chunk(i, "", result.finish_reason, choice_extra(result))
+                last["timings"] = timings(job, [result])
+                return pieces("") + [last] if echo_due[0] else [last]
 
-        def pieces(piece):
-            out = [chunk(echo)] if echo_due[0] else []
-            echo_due[0] = False
-            return out + [chunk(piece)]
+            def pieces(piece):
+                out = [chunk(i, echo)] if echo_due[0] else []
+                echo_due[0] = False
+                return out + ([chunk(i, piece)] if piece else [])
+            return ChoiceStream(pieces, final, with_logprobs)
 
-        return await stream_when_started(request, job, future, pieces, final, prepared.include_usage,
-                                         with_logprobs)
+        def with_usage(chunks, usage):
+            if prepared.n == 1:  # one choice: its last chunk carries the usage
+                chunks[-1]["usage"] = usage
+            else:
+                chunks.append({**chunk(0, ""), "choices": [], "usage": usage})
+
+        return await stream_when_started(request, job, future, [choice_stream(i) for i in range(prepared.n)],
+                                         prepared.include_usage, with_usage)
 
     async def chat_completions(request):
         prepared, job, future = await admitted_request(request, chat=True, prefix="chatcmpl")
@@ -1135,48 +1194,52 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 choices.append({"index": i, "message": message, "finish_reason": finish,
                                 "logprobs": None if result.logprobs is None else chat_logprobs(tok, result.logprobs)})
             return response(job, results, "chat.completion", choices)
-        splitter = ThinkSplitter(thinking)
-        calls = ToolCallSplitter(plan.prefill, plan.parallel) if plan.parse else None
-        first, n_calls = [True], [0]
-
-        def chunk(delta, finish=None):
+        def chunk(i, delta, finish=None):
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        def pieces(parts, route: bool = True):
-            out = []
-            if calls is not None and route:  # the content's tool calls
-                parts = [p for f, text in parts
-                         for p in ([(f, text)] if f != "content" else calls.feed(text))]
-            for f, text in parts:
-                if f == "tool_call":
-                    delta = {"tool_calls": [{"index": n_calls[0], **text}]}
-                    n_calls[0] += 1
-                else:
-                    delta = {f: text}
+        def choice_stream(i: int) -> ChoiceStream:
+            splitter = ThinkSplitter(thinking)
+            calls = ToolCallSplitter(plan.prefill, plan.parallel) if plan.parse else None
+            first, n_calls = [True], [0]
+
+            def pieces(parts, route: bool = True):
+                out = []
+                if calls is not None and route:  # the content's tool calls
+                    parts = [p for f, text in parts
+                             for p in ([(f, text)] if f != "content" else calls.feed(text))]
+                for f, text in parts:
+                    if f == "tool_call":
+                        delta = {"tool_calls": [{"index": n_calls[0], **text}]}
+                        n_calls[0] += 1
+                    else:
+                        delta = {f: text}
+                    if first[0]:
+                        delta = {"role": "assistant", **delta}
+                        first[0] = False
+                    out.append(chunk(i, delta))
+                return out
+
+            def final(result):
+                out = pieces(splitter.flush())
+                if calls is not None:
+                    out += pieces(calls.flush(), route=False)
                 if first[0]:
-                    delta = {"role": "assistant", **delta}
+                    out.append(chunk(i, {"role": "assistant", "content": ""}))
                     first[0] = False
-                out.append(chunk(delta))
-            return out
+                finish = result.finish_reason
+                last = chunk(i, {}, "tool_calls" if n_calls[0] and finish == "stop" else finish)
+                last["timings"] = timings(job, [result])
+                out.append(last)
+                return out
+            return ChoiceStream(lambda piece: pieces(splitter.feed(piece)), final,
+                                lambda entries: chat_logprobs(tok, entries))
 
-        def final(result, usage):
-            out = pieces(splitter.flush())
-            if calls is not None:
-                out += pieces(calls.flush(), route=False)
-            if first[0]:
-                out.append(chunk({"role": "assistant", "content": ""}))
-                first[0] = False
-            finish = result.finish_reason
-            last = chunk({}, "tool_calls" if n_calls[0] and finish == "stop" else finish)
-            last["timings"] = timings(job, [result])
-            out.append(last)
-            if usage is not None:
-                out.append({**chunk({}), "choices": [], "usage": usage})
-            return out
+        def with_usage(chunks, usage):
+            chunks.append({**chunk(0, {}), "choices": [], "usage": usage})
 
-        return await stream_when_started(request, job, future, lambda piece: pieces(splitter.feed(piece)), final,
-                                         prepared.include_usage, lambda entries: chat_logprobs(tok, entries))
+        return await stream_when_started(request, job, future, [choice_stream(i) for i in range(prepared.n)],
+                                         prepared.include_usage, with_usage)
 
     async def shutdown():
         await run_in_threadpool(server.close)

@@ -372,6 +372,52 @@ def test_a_client_that_goes_away_cancels_its_generation(containers, logs, monkey
         running.generator.close()
 
 
+def test_a_client_gone_while_waiting_frees_its_queue_place_at_once(containers, logs, monkeypatch):
+    """--max-queue 2: one generation held running, a second client gives up while it waits for the worker; its
+    place is free at once (a third request is admitted, not 429) and it never runs."""
+    import concurrent.futures
+
+    running = _serve(containers["tiny"], logs, model_name="tiny", max_queue=2)
+    release, ran = threading.Event(), []
+    real = running.generator.generate
+
+    def held(ids, options, **k):
+        ran.append(list(ids))
+        inner = k.get("cancelled") or (lambda: False)
+        k["cancelled"] = lambda: (inner(), release.wait(TIMEOUT))[0]
+        return real(ids, options, **k)
+
+    monkeypatch.setattr(running.generator, "generate", held)
+
+    def wait_admitted(n):
+        deadline = time.monotonic() + 10
+        while running.state.admitted != n:
+            assert time.monotonic() < deadline, running.state.admitted
+            time.sleep(0.02)
+    try:
+        with httpx.stream("POST", f"{running.url}/v1/completions", timeout=TIMEOUT,
+                          json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}) as first:
+            assert first.status_code == 200
+            wait_admitted(1)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{running.url}/v1/completions", timeout=httpx.Timeout(TIMEOUT, read=0.5),
+                           json={"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 4})
+            wait_admitted(1)  # the vanished one's place, freed while the first still runs
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                third = pool.submit(_post, running, "completions",
+                                    {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 2}, None)
+                wait_admitted(2)
+                release.set()
+                assert third.result(TIMEOUT).status_code == 200
+            assert "[DONE]" in "".join(first.iter_lines())
+        assert ran == [[1, 2, 3], [7, 8, 9]]
+        assert any("cancelled before it started" in line for line in logs)
+    finally:
+        release.set()
+        running.stop()
+        running.generator.close()
+
+
 def test_the_log_has_one_line_per_request(tiny_server, logs):
     before = len(logs)
     r = tiny_server.client(KEY).completions.create(model="tiny", prompt="Log me", max_tokens=3)

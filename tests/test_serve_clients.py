@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import httpx
 import openai
@@ -180,9 +181,122 @@ def test_n_choices_one_after_the_other_with_their_own_seeds(server):
     assert r.usage.completion_tokens == sum(len(ch.model_dump()["token_ids"]) for ch in r.choices)
     chat = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, temperature=1.0, n=3)
     assert len(chat.choices) == 3
-    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, stream=True), "n")
     _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, temperature=0), "n")
     assert c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, best_of=2).choices[1].index == 1
+
+
+@pytest.fixture(scope="module")
+def batched(tiny_path):
+    g = Generator(tiny_path, cache_gib=0.5)
+    running = Running(make_app(g, "tiny", log=lambda line: None, max_queue=4, max_batch=4))
+    running.generator, running.state = g, running.app.state.server
+    yield running
+    running.stop()
+    g.close()
+
+
+def _streamed_choices(stream, field: str) -> tuple[dict, dict, list]:
+    """Each index's text and finish_reason reassembled from a stream, and its usage chunks."""
+    texts, finishes, usage = {}, {}, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage.append(chunk.usage)
+        for ch in chunk.choices:
+            part = getattr(ch.delta, field, None) if hasattr(ch, "delta") else ch.text
+            texts[ch.index] = texts.get(ch.index, "") + (part or "")
+            if ch.finish_reason is not None:
+                assert ch.index not in finishes
+                finishes[ch.index] = ch.finish_reason
+    return texts, finishes, usage
+
+
+@pytest.mark.parametrize("where", ["server", "batched"])
+def test_n_choices_stream_interleaved_each_as_its_whole_answer(where, request):
+    c = _client(request.getfixturevalue(where))
+    kw = dict(model="tiny", max_tokens=8, temperature=1.0, seed=5, n=3)
+    whole = c.completions.create(prompt="Once upon", echo=True, **kw)
+    texts, finishes, usage = _streamed_choices(c.completions.create(
+        prompt="Once upon", echo=True, stream=True, stream_options={"include_usage": True}, **kw), "text")
+    assert texts == {ch.index: ch.text for ch in whole.choices} and len(texts) == 3
+    assert all(t.startswith("Once upon") for t in texts.values())
+    assert finishes == {ch.index: ch.finish_reason for ch in whole.choices}
+    assert len(usage) == 1 and usage[0].completion_tokens == whole.usage.completion_tokens
+    whole = c.chat.completions.create(messages=CHAT, logprobs=True, **kw)
+    stream = list(c.chat.completions.create(messages=CHAT, logprobs=True, stream=True, **kw))
+    texts, finishes, usage = _streamed_choices(stream, "content")
+    assert texts == {ch.index: ch.message.content for ch in whole.choices} and not usage
+    assert finishes == {ch.index: ch.finish_reason for ch in whole.choices} and set(finishes) == {0, 1, 2}
+    for ch in whole.choices:  # each choice's logprobs streamed with its own chunks
+        streamed = [e.token for chunk in stream for c2 in chunk.choices if c2.index == ch.index and c2.logprobs
+                    for e in c2.logprobs.content]
+        assert streamed == [e.token for e in ch.logprobs.content]
+    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2, stream=True, temperature=0),
+         "n")
+
+
+def test_a_failed_choice_fails_its_request_and_stops_the_others(batched, monkeypatch):
+    """A memory bound that admits one choice only: the request gets the refusal, its first choice (which no end of
+    sentence would end) is stopped with it."""
+    from moepack.format_spec.errors import MoepackError
+
+    g, scheduler = batched.generator, batched.state.scheduler
+    real = g._check_memory
+
+    def one_only(tokens, reserved=0):
+        if reserved:
+            raise MoepackError("not enough memory for this test's second choice")
+        return real(tokens, reserved)
+
+    monkeypatch.setattr(g, "_check_memory", one_only)
+    c = _client(batched)
+    room = batched.state.context - 3
+    message = _bad(lambda: c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=room, n=2,
+                                                temperature=1.0, logit_bias={str(e): -100 for e in g.eos_ids}),
+                   None)
+    assert "second choice" in message
+    deadline = time.monotonic() + 5
+    while scheduler._active or scheduler._prefilling or scheduler._waiting:
+        assert time.monotonic() < deadline, "a choice of the failed request is still decoding"
+        time.sleep(0.02)
+    monkeypatch.undo()
+    assert c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2).choices[0].finish_reason
+
+
+def test_a_client_gone_while_its_choices_wait_for_a_batch_slot_frees_its_queue_place(tiny_path):
+    """--max-batch 2 --max-queue 2: a request's two choices decode (held by no end of sentence); a second client
+    gives up while its choices wait for a slot: its place is free at once (a third request is admitted, not 429)
+    and its choices never run."""
+    import concurrent.futures
+
+    g, lines = Generator(tiny_path, cache_gib=0.5), []
+    running = Running(make_app(g, "tiny", log=lines.append, max_queue=2, max_batch=2))
+    state = running.app.state.server
+
+    def wait_admitted(n):
+        deadline = time.monotonic() + 10
+        while state.admitted != n:
+            assert time.monotonic() < deadline, state.admitted
+            time.sleep(0.02)
+    try:
+        endless = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 100000, "n": 2, "stream": True,
+                   "temperature": 1.0, "logit_bias": {str(e): -100 for e in g.eos_ids}}
+        with httpx.stream("POST", f"{running.url}/v1/completions", json=endless, timeout=TIMEOUT) as first:
+            assert first.status_code == 200
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{running.url}/v1/completions", timeout=httpx.Timeout(TIMEOUT, read=0.5),
+                           json={"model": "tiny", "prompt": [4, 5, 6, 7, 8], "max_tokens": 2})
+            wait_admitted(1)  # the vanished one's place, freed while the first still decodes
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                third = pool.submit(httpx.post, f"{running.url}/v1/completions", timeout=TIMEOUT,
+                                    json={"model": "tiny", "prompt": [7, 8, 9, 10], "max_tokens": 2})
+                wait_admitted(2)
+                first.close()  # the first's client leaves: its choices stop, the third's get their slots
+                assert third.result(TIMEOUT).status_code == 200
+        assert any("prompt_tokens=5 cancelled before it started" in line for line in lines)
+        assert not any("prompt_tokens=5 generated_tokens" in line for line in lines)
+    finally:
+        running.stop()
+        g.close()
 
 
 def test_echo_puts_the_prompt_first(server):
