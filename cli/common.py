@@ -301,7 +301,6 @@ class ModelRun:
                               device_resident=self.device_resident, expert_backend=self.expert_backend, **more)
 
 
-
 # option name -> (parameter, click option); the help says what each means on every command
 def _run_option_table():
     from moepack.runtime.limits import MAX_CACHE_GIB

@@ -8,7 +8,6 @@ import socket
 
 import click
 
-from moepack.format_spec.untrusted import finite_float
 from moepack.runtime.limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
 
 from .common import check_container_path, container_argument, json_option, model_run_options, reports_errors
@@ -102,8 +101,7 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_ke
     generator = Generator(file, run.cache_gib, prefill=held_for_serving(file, run.prefill_options()))
     app = None
     try:
-        limits = ServerLimits(max_body_bytes=round(finite_float(max_body_mb, "--max-body-mb", lo=0.0, lo_open=True)
-                                                   * 2**20), max_context=max_context,
+        limits = ServerLimits(max_body_bytes=round(max_body_mb * 2**20), max_context=max_context,
                               read_timeout_s=timeout_read, keep_alive_s=timeout_keep_alive,
                               request_timeout_s=request_timeout, max_connections=max_connections)
         app = make_app(generator, name, api_key=api_key, max_queue=max_queue, limits=limits, max_batch=max_batch,

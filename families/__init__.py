@@ -83,16 +83,19 @@ def family_for(config: Mapping[str, Any]) -> ModelFamily:
                              f"{supported}; DeepSeek-V4 runs through moepack.v4)")
 
 
+def _family_where(matches) -> ModelFamily | None:
+    entry = next((e for e in _FAMILIES if matches(e)), None)
+    return _load(entry) if entry is not None else None
+
+
 def family_of_architecture(architecture: str) -> ModelFamily | None:
     """The family whose adapter writes a container's `architecture` (its model_type), or None (DeepSeek-V4's)."""
-    entry = next((e for e in _FAMILIES if architecture in e.model_types), None)
-    return _load(entry) if entry is not None else None
+    return _family_where(lambda e: architecture in e.model_types)
 
 
 def family_of_gguf(architecture: Any) -> ModelFamily | None:
     """The family whose llama.cpp architecture a GGUF's general.architecture names, or None."""
-    entry = next((e for e in _FAMILIES if architecture in e.gguf_architectures), None)
-    return _load(entry) if entry is not None else None
+    return _family_where(lambda e: architecture in e.gguf_architectures)
 
 
 GGUF_ARCHITECTURES = tuple(a for e in _FAMILIES for a in e.gguf_architectures)

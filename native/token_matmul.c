@@ -471,8 +471,6 @@ static void many_part(void *p, int part, int parts) {
     }
 }
 
-/* out[offsets[i] ...] [rows_i] = ws[i] @ x for one token x [K] and n matrices of K columns each, in one call, the
-   rows of all split over the threads; flags[i]: ROUND_INPUT / ROUND_OUTPUT for matrix i, as token_linear's */
 /* token_linear_many of T tokens x [T, K] (row stride x_stride) in one scan of the matrices: token t's results at
    out + t * out_stride + offsets[i], each token's those token_linear_many gives it alone */
 int token_linear_many_rows(const float *x, int64_t T, int64_t x_stride, int64_t K, const matrix_t *ws, int n,
@@ -494,6 +492,8 @@ int token_linear_many_rows(const float *x, int64_t T, int64_t x_stride, int64_t 
     return 0;
 }
 
+/* out[offsets[i] ...] [rows_i] = ws[i] @ x for one token x [K] and n matrices of K columns each, in one call, the
+   rows of all split over the threads; flags[i]: ROUND_INPUT / ROUND_OUTPUT for matrix i, as token_linear's */
 int token_linear_many(const float *x, int64_t K, const matrix_t *ws, int n, float *out, const int64_t *offsets,
                       const int *flags, int threads) {
     return token_linear_many_rows(x, 1, K, K, ws, n, out, 0, offsets, flags, threads);
@@ -684,17 +684,16 @@ int moe_rows(const float *x, int64_t T, int64_t H, int64_t n, const matrix_t *w1
              const matrix_t *w2, const int *flags, const int64_t *starts, const int64_t *rows, const float *weights,
              float limit, float *out, int threads) {
     if (T < 1 || H < 1 || n < 0 || n > 4096 || starts[0] != 0) return 1;
-    int64_t cost_first[4097], hidden_rows = 0;
+    int64_t cost_first[4097];
     cost_first[0] = 0;
     for (int64_t e = 0; e < n; e++) {
         if (!expert_fits(w1 + e, w3 + e, w2 + e, H) || starts[e + 1] < starts[e]) return 1;
         for (int64_t q = starts[e]; q < starts[e + 1]; q++)
             if (rows[q] < 0 || rows[q] >= T) return 1;
         cost_first[e + 1] = cost_first[e] + w1[e].rows * (starts[e + 1] - starts[e]);
-        hidden_rows += w1[e].rows * (starts[e + 1] - starts[e]);
     }
     const int64_t pairs = starts[n];
-    float *scratch = malloc(sizeof(float) * (size_t)(4 * T * H + hidden_rows + 1));
+    float *scratch = malloc(sizeof(float) * (size_t)(4 * T * H + cost_first[n] + 1));
     int64_t *hidden_first = malloc(sizeof(int64_t) * (size_t)(pairs + 1));
     if (!scratch || !hidden_first) { free(scratch); free(hidden_first); return 2; }
     for (int64_t e = 0, at = 0; e < n; e++)
@@ -837,51 +836,47 @@ static void norm_rope_row(const float *in, int64_t cols, const float *weight, fl
     if (rope_dim) rotate(out, cols, rope_dim, rot, 1.0f);
 }
 
-static void attend_head(const attend_args *a, int64_t h);
+/* one head of one token's attention */
+static void attend_head(const attend_args *a, int64_t h) {
+    const int64_t D = a->dim;
+    float *q = a->scratch + h * (2 * D + a->keys), *sum = q + D, *logits = sum + D, *o = a->out + h * D;
+    norm_rope_row(a->q + h * D, D, NULL, a->eps, a->rope_dim, a->rot, q);  /* the per-head norm, no weight */
+    if (a->round_low)
+        for (int64_t d = 0; d < D; d++) q[d] = round_to_bf16(q[d]);
+    float peak = a->sink[h];
+    for (int s = 0, at = 0; s < a->n_sets; at += a->counts[s++]) {
+        const matrix_t keys = {KIND_F32, (const uint8_t *)a->sets[s], NULL, NULL, a->counts[s], D};
+        for (int64_t k = 0; k < a->counts[s]; k++) {
+            const float y = dot(&keys, k, q);
+            logits[at + k] = (a->round_low ? round_to_bf16(y) : y) * a->scale;
+            peak = fmaxf(peak, logits[at + k]);
+        }
+    }
+    float total = expf(a->sink[h] - peak);
+    for (int64_t k = 0; k < a->keys; k++) total += (logits[k] = expf(logits[k] - peak));
+    const float inverse = 1.0f / total;
+    for (int s = 0, at = 0; s < a->n_sets; at += a->counts[s++]) {
+        const float *keys = a->sets[s];
+        for (int64_t d = 0; d < D; d++) sum[d] = 0.0f;
+        for (int64_t k = 0; k < a->counts[s]; k++) {
+            const float weight = a->round_low ? round_to_bf16(logits[at + k] * inverse) : logits[at + k] * inverse;
+            for (int64_t d = 0; d < D; d++) sum[d] += weight * keys[k * D + d];
+        }
+        for (int64_t d = 0; d < D; d++) {
+            const float v = a->round_low ? round_to_bf16(sum[d]) : sum[d];
+            o[d] = s ? o[d] + v : v;
+        }
+    }
+    if (!a->n_sets)
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    rotate(o, D, a->rope_dim, a->rot, -1.0f);
+}
 
 static void attend_part(void *p, int part, int parts) {
     const attend_args *a = p;
     int64_t h0, h1;
     share(a->heads, part, parts, &h0, &h1);
     for (int64_t h = h0; h < h1; h++) attend_head(a, h);
-}
-
-/* one head of one token's attention */
-static void attend_head(const attend_args *a, int64_t h) {
-    const int64_t D = a->dim;
-    {
-        float *q = a->scratch + h * (2 * D + a->keys), *sum = q + D, *logits = sum + D, *o = a->out + h * D;
-        norm_rope_row(a->q + h * D, D, NULL, a->eps, a->rope_dim, a->rot, q);  /* the per-head norm, no weight */
-        if (a->round_low)
-            for (int64_t d = 0; d < D; d++) q[d] = round_to_bf16(q[d]);
-        float peak = a->sink[h];
-        for (int s = 0, at = 0; s < a->n_sets; at += a->counts[s++]) {
-            const matrix_t keys = {KIND_F32, (const uint8_t *)a->sets[s], NULL, NULL, a->counts[s], D};
-            for (int64_t k = 0; k < a->counts[s]; k++) {
-                const float y = dot(&keys, k, q);
-                logits[at + k] = (a->round_low ? round_to_bf16(y) : y) * a->scale;
-                peak = fmaxf(peak, logits[at + k]);
-            }
-        }
-        float total = expf(a->sink[h] - peak);
-        for (int64_t k = 0; k < a->keys; k++) total += (logits[k] = expf(logits[k] - peak));
-        const float inverse = 1.0f / total;
-        for (int s = 0, at = 0; s < a->n_sets; at += a->counts[s++]) {
-            const float *keys = a->sets[s];
-            for (int64_t d = 0; d < D; d++) sum[d] = 0.0f;
-            for (int64_t k = 0; k < a->counts[s]; k++) {
-                const float weight = a->round_low ? round_to_bf16(logits[at + k] * inverse) : logits[at + k] * inverse;
-                for (int64_t d = 0; d < D; d++) sum[d] += weight * keys[k * D + d];
-            }
-            for (int64_t d = 0; d < D; d++) {
-                const float v = a->round_low ? round_to_bf16(sum[d]) : sum[d];
-                o[d] = s ? o[d] + v : v;
-            }
-        }
-        if (!a->n_sets)
-            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-        rotate(o, D, a->rope_dim, a->rot, -1.0f);
-    }
 }
 
 /* q [heads, D] -> out [heads, D]: each head RMS-normed (no weight) and rotated, its softmax over every key of the

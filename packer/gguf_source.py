@@ -263,11 +263,15 @@ class GGUFSource(LocalSource):
                     raise MoepackError(f"{os.path.basename(file)}: split {_value(reader, 'split.no')} of "
                                        f"{declared} in its header, expected {i} of {count}")
 
+    def _type_and_shape(self, t) -> tuple[str, tuple[int, ...]]:
+        """A gguf-py tensor's ggml type name and row-major shape (ggml's ne reversed)."""
+        qtype = self._gguf.GGMLQuantizationType(int(t.tensor_type)).name
+        return qtype, tuple(int(d) for d in reversed(t.shape.tolist()))
+
     def _canonical_tensors(self, gguf_tensors) -> dict[str, SourceTensor]:
         out: dict[str, SourceTensor] = {}
         for gname, (file, t) in gguf_tensors.items():
-            qtype = self._gguf.GGMLQuantizationType(int(t.tensor_type)).name
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml ne -> row-major shape
+            qtype, shape = self._type_and_shape(t)
             m = _EXPERTS.match(gname)
             if m:
                 layer, proj = int(m.group(1)), _EXPERT_PROJ[m.group(2)]
@@ -302,8 +306,7 @@ class GGUFSource(LocalSource):
                 plain[spec.gguf] = spec.name
         out: dict[str, SourceTensor] = {}
         for gname, (file, t) in gguf_tensors.items():
-            qtype = self._gguf.GGMLQuantizationType(int(t.tensor_type)).name
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            qtype, shape = self._type_and_shape(t)
             if gname in stacked:
                 out.update(self._unstacked(gname, stacked[gname], qtype, shape, file, t))
             elif gname in plain:

@@ -674,21 +674,14 @@ def qwen3_moe_config(preset: str) -> dict:
     return dict(sorted(config.items()))
 
 
-def _qwen3_quantized(spec, layout: str) -> bool:
-    """The `release` layout's FP8 linears: attention, experts and dense MLPs (embed, head, norms, routers BF16)."""
-    from moepack.families.base import ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EXPERT as FAMILY_ROLE_EXPERT
-
-    return layout == "release" and spec.role in (ROLE_ATTENTION, ROLE_DENSE_FFN, FAMILY_ROLE_EXPERT)
-
-
 def _qwen3_stored(spec, layout: str) -> list[StoredTensor]:
-    from moepack.families.qwen3_moe.tensors import FP8_SCALE_SUFFIX
-    from moepack.format_spec.source_formats import fp8_block_scale_shape
+    """What `layout` stores for `spec`: a release's tensors (the `release` layout's FP8 linears with their BF16
+    `weight_scale_inv`, as families.qwen3_moe reads them), or the one float tensor of `bf16` / `f32`."""
+    from moepack.families.qwen3_moe.tensors import release_tensors
 
-    if _qwen3_quantized(spec, layout):
-        return [StoredTensor(spec.name, "F8_E4M3", spec.shape),
-                StoredTensor(spec.name + FP8_SCALE_SUFFIX, "BF16", fp8_block_scale_shape(*spec.shape))]
-    return [StoredTensor(spec.name, "F32" if layout == "f32" else "BF16", spec.shape)]
+    if layout == "f32":
+        return [StoredTensor(spec.name, "F32", spec.shape)]
+    return [StoredTensor(*t) for t in release_tensors(spec, fp8=layout == "release")]
 
 
 def _qwen3_encoded(spec, layout: str, seed: int) -> dict[str, torch.Tensor]:
@@ -703,7 +696,7 @@ def _qwen3_encoded(spec, layout: str, seed: int) -> dict[str, torch.Tensor]:
     elif spec.role != ROLE_EMBED:
         value.mul_(1.0 / math.sqrt(spec.shape[-1]))
     parts = _qwen3_stored(spec, layout)
-    if _qwen3_quantized(spec, layout):
+    if len(parts) == 2:  # an FP8 weight and its block scales
         weight, scale = fp8_block_quantize(value)
         return {parts[0].name: weight, parts[1].name: scale.float().to(torch.bfloat16)}
     return {spec.name: value.to(torch.float32 if layout == "f32" else torch.bfloat16)}

@@ -600,16 +600,17 @@ class Decoder:
                                      lambda experts: layers.finish(layer, experts, self._routed_flag))
         return layers.output
 
-    def _run_kernel_experts(self, layer: int, chosen: dict[int, float], got, finish: Callable[[list], None]) -> None:
-        """finish(the chosen experts' Matrices, in `chosen`'s order) once their bytes are here (`got`: their fetch,
-        None: fetched now); the pooled buffers given back after."""
+    def _run_kernel_experts(self, layer: int, chosen: dict[int, float], got, finish: Callable[[list | None], object]):
+        """finish(the chosen experts' Matrices, in `chosen`'s order; None where the kernel does not run them) once
+        their bytes are here (`got`: their fetch, None: fetched now), its result returned; the pooled buffers
+        given back after."""
         if got is None:
             got = self._fetch(layer, list(chosen))
         held = []
         try:
             experts = self._kernel_experts(layer, chosen, got, held)
             with self.compute:
-                finish(experts)
+                return finish(experts)
         finally:
             self._give_back(held)
 
@@ -759,16 +760,9 @@ class Decoder:
         """One token's routed experts summed ([1, H] float32) by one call of the compiled token kernel; None
         where the kernel does not run (not a CPU, a kind it lacks): the caller runs the experts one by one."""
         chosen = token_choice(routing)
-        held = []
-        try:
-            experts = self._kernel_experts(layer, chosen, got, held)
-            if experts is None:
-                return None
-            with self.compute:
-                return self.kernels.moe(routing.x[0], experts, torch.tensor(list(chosen.values())),
-                                        self.cfg.swiglu_limit, False, flags=[self._routed_flag] * len(experts))[None]
-        finally:
-            self._give_back(held)
+        return self._run_kernel_experts(layer, chosen, got, lambda experts: None if experts is None else (
+            self.kernels.moe(routing.x[0], experts, torch.tensor(list(chosen.values())), self.cfg.swiglu_limit,
+                             False, flags=[self._routed_flag] * len(experts))[None]))
 
     def _routed_one_by_one(self, layer: int, routing, got) -> torch.Tensor:
         """The rows' routed experts summed ([B, H] float32) by the prefill's expert runner, each expert once on

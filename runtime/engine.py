@@ -345,7 +345,7 @@ class StreamingPrefill:
         exists to measure what layer-major order saves. `keep_kv`: the result holds every layer's state after the
         prompt (what a decode goes on from). `should_stop()` is asked before each layer (the first time once every
         check has passed) and between a layer's query chunks; true raises GenerationCancelled."""
-        n_tokens = self._check_ids(token_ids)
+        n_tokens = check_prompt_ids(token_ids, self.cfg.vocab_size)
         if chunk_tokens is not None and chunk_tokens < 1:
             raise MoepackError("--chunk-tokens must be at least 1")
         past_tokens = past[0].seen_tokens if past else 0
@@ -393,7 +393,7 @@ class StreamingPrefill:
         pasts = list(pasts) if pasts is not None else [None] * len(prompts)
         if len(pasts) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(pasts)} past states")
-        lengths = [self._check_ids(ids) for ids in prompts]
+        lengths = [check_prompt_ids(ids, self.cfg.vocab_size) for ids in prompts]
         self.check_memory(sum(lengths) + sum(past[0].seen_tokens for past in pasts if past))
         start, steal_before = self._pass_starts()
         with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype):
@@ -407,9 +407,6 @@ class StreamingPrefill:
                                if stats["seconds"] else None},
                               layer_stats, states[i] if keep_kv else None, counts[i])
                 for i, n in enumerate(lengths)]
-
-    def _check_ids(self, token_ids: torch.Tensor) -> int:
-        return check_prompt_ids(token_ids, self.cfg.vocab_size)
 
     def _pass_starts(self) -> tuple[float, float | None]:
         if self.device.type == "cuda":

@@ -110,10 +110,10 @@ def memory_for_generation(held: int = 0) -> int:
 def check_memory(container: Container, n_tokens: int, cache_bytes: int, held: int = 0, other_kv: int = 0) -> int:
     """Refuse, before any work, a generation whose resident weights + cache + KV (+ `other_kv`: that of the
     sequences decoding beside it) + HEADROOM_BYTES cannot fit in memory_for_generation(held); returns that bound."""
-    kv = kv_bytes(container.config, n_tokens) + other_kv
     need = memory_need(container, n_tokens, cache_bytes, other_kv)
     free = memory_for_generation(held)
     if free and need > free:
+        kv = kv_bytes(container.config, n_tokens) + other_kv
         beside = f" beside the KV of the sequences decoding ({other_kv / GIB:.2f} GiB)" if other_kv else ""
         raise MoepackError(f"generating {n_tokens} tokens{beside} needs about {need / GIB:.1f} GiB (weights besides "
                            f"the experts {resident_bytes(container) / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
@@ -127,11 +127,11 @@ def check_device_memory(container: Container, device: torch.device, cache_bytes:
     """Refuse, before any work, a GPU generation whose resident weights (unless `resident` is False: loaded
     already) + expert cache still to fill + the KV of n_tokens (+ `other_kv`: that of the sequences decoding beside
     it) + HEADROOM_BYTES exceed what this process may allocate on the device, where all of them live."""
-    weights = resident_bytes(container) if resident else 0
-    kv = (kv_bytes(container.config, n_tokens) if n_tokens else 0) + other_kv
     need = device_memory_need(container, cache_bytes, n_tokens, resident, other_kv)
     free = cuda_free_bytes(device)
-    if need > free:
+    if need > free:  # the parts of `need`, for the message
+        weights = resident_bytes(container) if resident else 0
+        kv = (kv_bytes(container.config, n_tokens) if n_tokens else 0) + other_kv
         raise MoepackError(f"the decode on {device} needs about {need / GIB:.1f} GiB of device memory (weights "
                            f"besides the experts {weights / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
                            f"KV {kv / GIB:.2f}, headroom 1) but only {free / GIB:.1f} GiB is free there: "

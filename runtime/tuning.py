@@ -146,17 +146,23 @@ def tuned_fused_max_tokens(hidden: int, inter: int) -> int | None:
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (x86 "flags", aarch64 "Features"); empty where the file does not say."""
+def _cpuinfo_field(keys: tuple[str, ...], cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The value of the first `cpuinfo` line whose key is one of `keys`; None where the file does not say."""
     try:
         with open(cpuinfo) as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return set(value.split())
+                if key.strip() in keys:
+                    return value
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (x86 "flags", aarch64 "Features"); empty where the file does not say."""
+    value = _cpuinfo_field(("flags", "Features"), cpuinfo)
+    return set(value.split()) if value is not None else set()
 
 
 def default_compute_dtype(device: torch.device) -> tuple[str, str]:
@@ -180,13 +186,9 @@ def default_compute_dtype(device: torch.device) -> tuple[str, str]:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    value = _cpuinfo_field(("model name",))
+    if value is not None:
+        return value.strip()
     import platform
 
     return platform.processor() or platform.machine()

@@ -13,9 +13,9 @@ Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the ge
 joining between steps once its prefill is done (the newcomers' prompts prefilled together, one pass per turn of
 `prefill_chunk` tokens in all while others decode), and a sequence leaving at its end or when stopped; a request's
 n choices decode side by side (streamed: interleaved, each chunk's choices[0].index naming its choice; one that
-fails stops the others and fails the request). Each request waits for its generations on a thread of an executor of max_queue
-threads. With max_batch 1 every generation runs on ONE worker
-thread (a single-thread executor) through Generator.generate, in arrival order, the choices one after the other.
+fails stops the others and fails the request). Each request waits for its generations on a thread of an executor
+of max_queue threads. With max_batch 1 every generation runs on ONE worker thread (a single-thread executor) through
+Generator.generate, in arrival order, the choices one after the other.
 At most `max_queue` requests are admitted at once (reading their body, being prepared, waiting or running); one
 more is answered 429 at once. A streamed answer's pieces go from the worker's `on_text` to the event loop through
 an asyncio.Queue (loop.call_soon_threadsafe). A client that goes
@@ -898,9 +898,10 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
     """The starlette app serving `generator` (a runtime.generate.Generator, or with max_batch 1 anything with its
     generate() and `.c`) as `model_name`; `max_batch` > 1: up to that many sequences decode together
-    (runtime/batching.py, its prompts prefilled together, `prefill_chunk` tokens in all per pass while others decode). `log`: where the one line per request goes (default stderr). app.state.server holds
-    the Server (its `finished` deque: (request id, finish reason) per generation, newest last). Serve it with
-    uvicorn_config(app, limits): the connection limits and timeouts live there."""
+    (runtime/batching.py, its prompts prefilled together, `prefill_chunk` tokens in all per pass while others
+    decode). `log`: where the one line per request goes (default stderr). app.state.server holds the Server (its
+    `finished` deque: (request id, finish reason) per generation, newest last). Serve it with uvicorn_config(app,
+    limits): the connection limits and timeouts live there."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -1048,9 +1049,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, with_usage):
         """The SSE stream of the job's choices, interleaved as their pieces come (each chunk's choices[0].index
         names its choice): choices[i].pieces(text) per text piece, each choice's final(result) chunks at the end,
-        with_usage(those final chunks, usage) adding the request's usage (include_usage). The logprobs of a choice's tokens since its
-        previous chunk (choices[i].logprobs(entries) -> the chunk's `logprobs`) go with its next chunk that carries
-        text."""
+        with_usage(those final chunks, usage) adding the request's usage (include_usage). The logprobs of a
+        choice's tokens since its previous chunk (choices[i].logprobs(entries) -> the chunk's `logprobs`) go with
+        its next chunk that carries text."""
         queue = job.queue
         pending: list[list] = [[] for _ in choices]
 
@@ -1194,6 +1195,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 choices.append({"index": i, "message": message, "finish_reason": finish,
                                 "logprobs": None if result.logprobs is None else chat_logprobs(tok, result.logprobs)})
             return response(job, results, "chat.completion", choices)
+
         def chunk(i, delta, finish=None):
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                     "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}

@@ -10,7 +10,6 @@ the norms and the routers stay BF16. They are dequantized by format_spec's F8_E4
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
