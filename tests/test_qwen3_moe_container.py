@@ -481,3 +481,31 @@ def test_a_qwen3moe_gguf_with_a_bad_key_is_one_line(keep_containers, tmp_path, m
     with pytest.raises(MoepackError) as e:
         convert_checkpoint(str(tmp_path / "m.gguf"), str(tmp_path / "out.moepack"), policy="keep", progress=False)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(not os.environ.get("MOEPACK_LLAMA_CPP"), reason="MOEPACK_LLAMA_CPP (a llama.cpp build) not set")
+@pytest.mark.parametrize("name", ["gqa", "mha-tied"])
+def test_llama_cpp_runs_the_qwen3moe_export_at_transformers_logits(tmp_path, name):
+    """llama.cpp (benchmarks/llama_logits: F32 KV cache, flash attention off) on `export --format gguf` of a float32
+    random Qwen3MoeForCausalLM gives the last position's logits transformers gives, to float32 rounding, for
+    prompts of 1-150 tokens (a model saved without a tokenizer: llama.cpp's vocabulary `none`)."""
+    import numpy as np
+
+    from moepack.packer.gguf_export import export_gguf
+    from test_gguf_export import llama_cpp_last_logits
+
+    exe = os.path.join(os.environ["MOEPACK_LLAMA_CPP"], "bin", "llama-logits")
+    if not os.path.exists(exe):
+        pytest.skip("no bin/llama-logits in MOEPACK_LLAMA_CPP (benchmarks/llama_cpp.sh builds it)")
+    model = save_model(tmp_path / "hf", CONFIGS[name], torch.float32)
+    container = str(tmp_path / "f32.moepack")
+    convert_checkpoint(str(tmp_path / "hf"), container, policy="keep", progress=False)
+    out = export_gguf(container, str(tmp_path / "f32.gguf"), progress=False)["output"]
+    vocab = model.config.vocab_size
+    for n in (1, 40, 150):
+        ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        theirs = llama_cpp_last_logits(exe, out, ids, tmp_path)
+        ours = reference_logits(model, ids)[-1].numpy()
+        assert theirs.shape == ours.shape
+        err = np.abs(theirs - ours).max() / np.abs(ours).max()
+        assert err < 2e-5, (n, err)
