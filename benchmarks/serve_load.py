@@ -11,9 +11,9 @@ rate (from the server's per-request log lines); how many requests were refused (
 bound: 2 x one prompt's prefill time plus one decode step per sequence queued ahead (measured alone first, on the
 same server; both printed beside it), whether the first token's p99 is within it, and where that p99 request's time
 went: its prefill passes (prefill_s) against the rest, waiting (for a batch slot, or between its prefill chunks
-while others decode), from its own log line; the same split summed over every request of the level. One run compares servers by their --max-batch
-(default 1 and 16: one generation at a time, then every client's sequence decoding together), one after the other
-on the same container.
+while others decode), from its own log line; the same split summed over every request of the level. One run
+compares servers by their --max-batch (default 1 and 16: one generation at a time, then every client's sequence
+decoding together), one after the other on the same container.
 
     python benchmarks/serve_load.py [--preset small|medium] [--container FILE] [--clients 1,4,16]
                                     [--max-batch 1,16] [--max-new-tokens 32] [--device cpu]

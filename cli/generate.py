@@ -105,7 +105,8 @@ def _prompt_line(value, where: str) -> PromptSpec:
                            f"{', '.join(PROMPT_KINDS)}, got {type(value).__name__}")
     unknown = sorted(set(value) - PROMPT_LINE_FIELDS)
     if unknown:
-        raise MoepackError(f"{where}: unknown field {unknown[0][:40]!r} (known: {', '.join(sorted(PROMPT_LINE_FIELDS))})")
+        known = ", ".join(sorted(PROMPT_LINE_FIELDS))
+        raise MoepackError(f"{where}: unknown field {unknown[0][:40]!r} (known: {known})")
     kinds = [k for k in PROMPT_KINDS if k in value]
     if len(kinds) != 1:
         raise MoepackError(f"{where}: give exactly one of {', '.join(PROMPT_KINDS)}")

@@ -120,3 +120,27 @@ def test_the_batch_flags_refuse_what_means_nothing(tiny, tmp_path):
     (tmp_path / "long.jsonl").write_text('"a"\n')
     capped = _run(tiny, "--prompts-file", str(tmp_path / "long.jsonl"), "-c", "2", "--cache-gib", "0.1")
     assert capped.exit_code == 1 and "line 1: the prompt's" in capped.stderr and "context cap" in capped.stderr
+
+
+def test_a_prompt_that_fails_while_they_run_fails_alone(tiny, tmp_path, monkeypatch):
+    """One prompt's memory check refuses it (its KV beside the others'): its line says so, the others complete, and
+    the command ends with status 1 saying how many failed."""
+    from moepack.format_spec.errors import MoepackError
+    from moepack.runtime.generate import Generator
+
+    check = Generator._check_memory
+
+    def refusing(self, n_tokens, other_kv=0):
+        if n_tokens == 5 + 7:  # the second prompt's 5 ids + 7 new tokens
+            raise MoepackError("no room for this one")
+        return check(self, n_tokens, other_kv)
+    monkeypatch.setattr(Generator, "_check_memory", refusing)
+    (tmp_path / "p.jsonl").write_text('{"token_ids": [5, 6, 7]}\n{"token_ids": [5, 6, 7, 8, 9]}\n"abc"\n')
+    done = _run(tiny, "--prompts-file", str(tmp_path / "p.jsonl"), *RUN, "--json")
+    assert done.exit_code == 1
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert lines[-1] == {"ok": False, "error": "1 of 3 prompts failed (each one's error above)"}
+    by_index = {line["index"]: line for line in lines[:-1]}
+    assert by_index[1] == {"ok": False, "index": 1, "error": "no room for this one"}
+    assert by_index[0]["ok"] and by_index[2]["ok"] and len(by_index[0]["generated_ids"]) == 7
+    assert "prompt 1 (" in done.stderr and "line 2): no room for this one" in done.stderr
