@@ -283,9 +283,10 @@ def _figures(result) -> str:
               help="JSON file: an OpenAI-style list of {role, content}, encoded as DeepSeek-V4's chat.")
 @click.option("--chat", help="One user turn, encoded as DeepSeek-V4's chat.")
 @click.option("--thinking/--no-thinking", default=False, show_default=True,
-              help="With --messages/--chat: thinking mode (<think>) or chat mode (</think>).")
+              help="With --messages/--chat (or --prompts-file messages): thinking mode (<think>) or chat mode "
+                   "(</think>).")
 @click.option("--reasoning-effort", type=click.Choice(["high", "max"]), default=None,
-              help="With --messages/--chat in thinking mode: the reasoning-effort prefix.")
+              help="With --messages/--chat/--prompts-file messages in thinking mode: the reasoning-effort prefix.")
 @click.option("--continue-from", type=click.Path(file_okay=False),
               help="A KV directory `moepack prefill --kv-out` wrote for this container: the prompt (if any) "
                    "continues it.")
