@@ -9,9 +9,11 @@ character: it waits those decode steps too); each stream's decode rate (its toke
 after the first) and the aggregate rate (every client's tokens over the level's wall time); the expert cache's hit
 rate (from the server's per-request log lines); how many requests were refused (429). Beside them, the load goal's
 bound: 2 x one prompt's prefill time plus one decode step per sequence queued ahead (measured alone first, on the
-same server), and whether the first token's p99 is within it. One run compares servers by their --max-batch
-(default 1 and 16: one generation at a time, then every client's sequence decoding together), one after the other
-on the same container.
+same server; both printed beside it), whether the first token's p99 is within it, and where that p99 request's time
+went: its prefill passes (prefill_s) against the rest, waiting (for a batch slot, or between its prefill chunks
+while others decode), from its own log line; the same split summed over every request of the level. One run
+compares servers by their --max-batch (default 1 and 16: one generation at a time, then every client's sequence
+decoding together), one after the other on the same container.
 
     python benchmarks/serve_load.py [--preset small|medium] [--container FILE] [--clients 1,4,16]
                                     [--max-batch 1,16] [--max-new-tokens 32] [--device cpu]
@@ -106,8 +108,31 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+def _field(line: str, key: str) -> float | None:
+    m = re.search(rf"\b{key}=([0-9.]+)", line)
+    return float(m.group(1)) if m else None
+
+
 def _logged(lines: list[str], key: str) -> list[float]:
-    return [float(m.group(1)) for line in lines if (m := re.search(rf"{key}=([0-9.]+)", line))]
+    return [v for line in lines if (v := _field(line, key)) is not None]
+
+
+def time_split(lines: list[str]) -> dict:
+    """Where the requests' time to first token went, from the server's log lines (each request's first_token_s and
+    prefill_s): the p99 request's prefill and waiting (the rest: queued for a slot, or between its prefill chunks
+    while others decode), and the prefill's share of all the requests' first-token time together."""
+    pairs = sorted((first, prefill) for line in lines
+                   if (first := _field(line, "first_token_s")) is not None
+                   and (prefill := _field(line, "prefill_s")) is not None)
+    if not pairs:
+        return {"p99_prefill_s": None, "p99_waiting_s": None, "p99_prefill_fraction": None,
+                "prefill_fraction_all": None}
+    first, prefill = pairs[min(len(pairs) - 1, max(0, round(0.99 * (len(pairs) - 1))))]  # as _percentile picks
+    prefill = min(prefill, first)
+    total = sum(f for f, _ in pairs)
+    return {"p99_prefill_s": round(prefill, 3), "p99_waiting_s": round(first - prefill, 3),
+            "p99_prefill_fraction": round(prefill / first, 3) if first else None,
+            "prefill_fraction_all": round(sum(min(p, f) for f, p in pairs) / total, 3) if total else None}
 
 
 def level(server: Server, clients: int, max_tokens: int) -> dict:
@@ -139,6 +164,7 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
         "expert_cache_hit_rate": round(statistics.mean(hits), 4) if hits else None,
         "first_token_p50_s": round(_percentile(first_tokens, 0.5), 3) if first_tokens else None,
         "first_token_p99_s": round(_percentile(first_tokens, 0.99), 3) if first_tokens else None,
+        **time_split(lines),
     }
 
 
@@ -200,17 +226,26 @@ def main() -> None:
           f"per client, serve args {args.serve_arg or 'none'}; {report['cpus']} CPUs, 1-minute load "
           f"{report['load_average_before_after'][0]} before, {report['load_average_before_after'][1]} after")
     head = ["clients", "refused", "first token p50 s", "first token p99 s", "bound s", "p99 <= bound",
-            "first text p50 s", "first text p99 s", "stream tok/s",
-            "aggregate tok/s", "cache hit rate", "wall s"]
+            "p99: prefill s", "p99: waiting s", "p99: prefill share", "all: prefill share",
+            "first text p50 s", "first text p99 s", "stream tok/s", "aggregate tok/s", "cache hit rate", "wall s"]
     for run in runs:
-        print(f"\n--max-batch {run['max_batch']}: one prompt's prefill alone {run['prefill_alone_s']:.3f} s, a decode "
-              f"step {run['decode_step_s'] * 1e3:.1f} ms; bound = 2 x prefill + one step per client queued ahead")
+        prefill_s, step_s = run["prefill_alone_s"], run["decode_step_s"]
+        print(f"\n--max-batch {run['max_batch']}: one prompt's prefill alone {prefill_s:.3f} s, a decode "
+              f"step {step_s * 1e3:.1f} ms (measured alone on this server); bound = 2 x prefill + one step per "
+              f"client queued ahead; the p99 request's first-token time split into its prefill passes and waiting")
         print(" | ".join(head))
         for r in run["levels"]:
-            print(" | ".join(str(r[k]) for k in ("clients", "refused", "first_token_p50_s", "first_token_p99_s",
-                                                 "ttft_bound_s", "within_bound", "ttft_p50_s", "ttft_p99_s",
-                                                 "stream_tokens_per_s", "aggregate_tokens_per_s",
-                                                 "expert_cache_hit_rate", "wall_s")))
+            cells = [str(r[k]) for k in ("clients", "refused", "first_token_p50_s", "first_token_p99_s")]
+            cells.append(f"{r['ttft_bound_s']} = 2 x {prefill_s:.3f} + {r['clients'] - 1} x {step_s:.4f}")
+            cells += [str(r[k]) for k in ("within_bound", "p99_prefill_s", "p99_waiting_s")]
+            cells += [_percent(r["p99_prefill_fraction"]), _percent(r["prefill_fraction_all"])]
+            cells += [str(r[k]) for k in ("ttft_p50_s", "ttft_p99_s", "stream_tokens_per_s", "aggregate_tokens_per_s",
+                                          "expert_cache_hit_rate", "wall_s")]
+            print(" | ".join(cells))
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.0%}"
 
 
 if __name__ == "__main__":

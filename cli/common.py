@@ -132,10 +132,15 @@ def refuse_existing_kv(force: bool, kv_out: str | None, continue_from: str | Non
         refuse_existing(force, kv_out)
 
 
-def prompt_options(fn):
-    """--prompt, --prompt-file, --token-ids: the prompt of `prefill` and `generate`."""
+def prompt_options(fn=None, *, repeatable: bool = False):
+    """--prompt, --prompt-file, --token-ids: the prompt of `prefill` and `generate`. `repeatable`: --prompt may be
+    given several times (the command gets a tuple)."""
+    if fn is None:
+        return functools.partial(prompt_options, repeatable=repeatable)
+    more = " Repeat it for several prompts, decoded together (--max-batch)." if repeatable else ""
     for option in reversed((
-            click.option("-p", "--prompt", help="Prompt text (tokenized with the tokenizer the container carries)."),
+            click.option("-p", "--prompt", multiple=repeatable,
+                         help="Prompt text (tokenized with the tokenizer the container carries)." + more),
             click.option("--prompt-file", type=click.Path(dir_okay=False), help="File holding the prompt text (UTF-8)."),
             click.option("--token-ids", "token_ids_file", type=click.Path(dir_okay=False),
                          help="File of token ids: a JSON array or whitespace-separated integers."))):

@@ -1,15 +1,22 @@
 """`moepack generate`: prefill a prompt (streamed, layer-major), then decode with an expert cache
-(runtime/generate.py). The text goes to stdout as it comes, the figures to stderr; --json prints one object."""
+(runtime/generate.py). The text goes to stdout as it comes, the figures to stderr; --json prints one object.
+
+Several prompts (--prompt repeated, or --prompts-file) decode together through runtime/batching.py's BatchScheduler,
+--max-batch at a time: each one's output is printed as it completes (--json: one JSON line per prompt)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import click
 
+from moepack.runtime.limits import DEFAULT_MAX_BATCH, MAX_BATCH, MAX_PROMPTS
+
 from .common import (check_container_path, container_argument, context_budget, context_option, emit, force_option,
-                     json_option, layer_progress, max_new_tokens_option, model_run_options, prompt_options,
-                     refuse_existing_kv, reports_errors, sampling_options, show_text)
+                     json_option, layer_progress, max_new_tokens_option, model_run_options, out_of_memory,
+                     prompt_options, refuse_existing_kv, reports_errors, sampling_options, show_text)
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
 
@@ -19,12 +26,6 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
     """(prompt token ids, tokenizer or None) from whichever of the five prompt options was given."""
     from moepack.serve.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
 
-    given = [x is not None for x in (prompt, prompt_file, token_ids_file, messages_file, chat)]
-    if sum(given) > 1:
-        raise click.UsageError("give at most one of --prompt, --prompt-file, --token-ids, --messages, --chat")
-    if messages_file is None and chat is None and (thinking or reasoning_effort is not None):
-        # the chat encoding renders them; a raw prompt or token ids would take them and change nothing
-        raise click.UsageError("--thinking and --reasoning-effort shape the chat encoding: give --chat or --messages")
     tokenizer = None
     if token_ids_file is None:
         tokenizer = PromptTokenizer(container)
@@ -32,7 +33,6 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
         return read_token_ids(token_ids_file), tokenizer
     if messages_file is not None or chat is not None:
         from moepack.format_spec.errors import MoepackError
-        from moepack.v4 import chat as chat_encoding
 
         if messages_file is not None:
             from moepack.format_spec.untrusted import load_file
@@ -43,10 +43,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
                 raise MoepackError(f"{messages_file}: cannot read ({e.strerror})") from None
         else:
             messages = [{"role": "user", "content": chat}]
-        chat_encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs --thinking
-        segments = chat_encoding.encode_message_segments(messages, thinking=thinking,
-                                                         reasoning_effort=reasoning_effort)
-        return tokenizer.encode_segments(segments), tokenizer  # message content stays plain text
+        return _chat_ids(tokenizer, messages, thinking, reasoning_effort), tokenizer
     if prompt_file is not None:
         prompt = read_prompt_file(prompt_file)
     if continuing:
@@ -54,16 +51,242 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
     return (tokenizer.encode(prompt) if prompt else []), tokenizer
 
 
+def _chat_ids(tokenizer, messages, thinking: bool, reasoning_effort: str | None) -> list[int]:
+    """The ids of `messages` (an OpenAI-style list) in DeepSeek-V4's chat encoding; message content stays plain
+    text."""
+    from moepack.v4 import chat as chat_encoding
+
+    chat_encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs --thinking
+    segments = chat_encoding.encode_message_segments(messages, thinking=thinking, reasoning_effort=reasoning_effort)
+    return tokenizer.encode_segments(segments)
+
+
+def _check_prompt_choice(prompts: tuple, prompt_file, token_ids_file, messages_file, chat, prompts_file, thinking,
+                         reasoning_effort) -> None:
+    """One kind of prompt option (--prompt may repeat); --thinking and --reasoning-effort only where a chat is."""
+    given = [bool(prompts), *(x is not None for x in (prompt_file, token_ids_file, messages_file, chat, prompts_file))]
+    if sum(given) > 1:
+        raise click.UsageError("give at most one of --prompt, --prompt-file, --token-ids, --messages, --chat, "
+                               "--prompts-file")
+    if messages_file is None and chat is None and prompts_file is None and (thinking or reasoning_effort is not None):
+        # the chat encoding renders them; a raw prompt or token ids would take them and change nothing
+        raise click.UsageError("--thinking and --reasoning-effort shape the chat encoding: give --chat or --messages "
+                               "(or a --prompts-file of messages)")
+
+
+# --- several prompts ----------------------------------------------------------------------------------------------
+
+PROMPT_KINDS = ("prompt", "messages", "token_ids")  # a --prompts-file object gives exactly one of these
+PROMPT_LINE_FIELDS = {*PROMPT_KINDS, "id", "seed", "max_new_tokens"}
+MAX_ID_CHARS = 256
+
+
+@dataclass
+class PromptSpec:
+    """One prompt of several: where it came from (for messages), what it is, and its own options."""
+    where: str  # "--prompt 2", "FILE line 7"
+    text: str | None = None
+    messages: list | None = None
+    token_ids: list[int] | None = None
+    id: str | int | None = None  # the caller's name for it, echoed in --json
+    seed: int | None = None
+    max_new_tokens: int | None = None
+
+
+def _prompt_line(value, where: str) -> PromptSpec:
+    """A --prompts-file line's JSON value as a PromptSpec (MoepackError naming `where` and the field)."""
+    from moepack.format_spec.errors import MoepackError
+    from moepack.format_spec.untrusted import int_in_range
+
+    if isinstance(value, str):
+        value = {"prompt": value}
+    if not isinstance(value, dict):
+        raise MoepackError(f"{where}: expected a JSON string (the prompt) or an object with one of "
+                           f"{', '.join(PROMPT_KINDS)}, got {type(value).__name__}")
+    unknown = sorted(set(value) - PROMPT_LINE_FIELDS)
+    if unknown:
+        known = ", ".join(sorted(PROMPT_LINE_FIELDS))
+        raise MoepackError(f"{where}: unknown field {unknown[0][:40]!r} (known: {known})")
+    kinds = [k for k in PROMPT_KINDS if k in value]
+    if len(kinds) != 1:
+        raise MoepackError(f"{where}: give exactly one of {', '.join(PROMPT_KINDS)}")
+    spec = PromptSpec(where)
+    kind, prompt = kinds[0], value[kinds[0]]
+    if kind == "prompt":
+        if not isinstance(prompt, str) or not prompt:
+            raise MoepackError(f"{where}: prompt: expected non-empty text" if isinstance(prompt, str) or prompt is None
+                               else f"{where}: prompt: expected text, got {type(prompt).__name__}")
+        spec.text = prompt
+    elif kind == "messages":
+        if not isinstance(prompt, list) or not prompt:
+            raise MoepackError(f"{where}: messages: expected a non-empty list of {{role, content}}")
+        spec.messages = prompt
+    else:
+        if not isinstance(prompt, list) or not prompt or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            raise MoepackError(f"{where}: token_ids: expected a non-empty list of integer token ids")
+        spec.token_ids = prompt
+    if "id" in value:
+        spec.id = value["id"]
+        if isinstance(spec.id, bool) or not isinstance(spec.id, (str, int)) or len(str(spec.id)) > MAX_ID_CHARS:
+            raise MoepackError(f"{where}: id: expected text or an integer of at most {MAX_ID_CHARS} characters")
+    if "seed" in value:
+        spec.seed = int_in_range(value["seed"], f"{where}: seed", 0, 2**64 - 1)
+    if "max_new_tokens" in value:
+        spec.max_new_tokens = int_in_range(value["max_new_tokens"], f"{where}: max_new_tokens", 1, 2**31)
+    return spec
+
+
+def read_prompts_file(path: str) -> list[PromptSpec]:
+    """A --prompts-file: JSON Lines, one prompt a line (blank lines skipped), each a JSON string (raw text) or an
+    object (_prompt_line). MoepackError, in one line naming the file and the line, for anything else: no prompt,
+    more than MAX_PROMPTS, a line that is not JSON or not a prompt."""
+    from moepack.format_spec.errors import MoepackError
+    from moepack.format_spec.untrusted import loads
+    from moepack.serve.tokenizer import MAX_PROMPT_BYTES, read_text
+
+    specs = []
+    # "\n" only: JSON strings may hold U+2028 and the other breaks str.splitlines() would cut at
+    for n, line in enumerate(read_text(path, MAX_PROMPT_BYTES, "prompts").split("\n"), 1):
+        if not line.strip():
+            continue
+        if len(specs) == MAX_PROMPTS:
+            raise MoepackError(f"{path}: more than {MAX_PROMPTS} prompts (the limit of one run): split the file")
+        where = f"{path} line {n}"
+        specs.append(_prompt_line(loads(line, where, max_bytes=MAX_PROMPT_BYTES), where))
+    if not specs:
+        raise MoepackError(f"{path}: no prompt (expected one JSON string or object a line)")
+    return specs
+
+
+@dataclass
+class _Queued:
+    """A prompt ready for the batch: its ids, options and detokenizer."""
+    index: int
+    spec: PromptSpec
+    ids: list[int]
+    options: object  # GenerateOptions
+    detokenize: Callable[[list[int]], str] | None
+
+
+def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None, thinking: bool,
+              reasoning_effort: str | None) -> list[_Queued]:
+    """Every prompt tokenized and its options made and checked (seed, stop strings, context), before any work: a
+    bad one is refused in one line naming it."""
+    import torch
+
+    from moepack.format_spec.errors import MoepackError
+    from moepack.format_spec.reader import Container
+    from moepack.runtime.engine import check_prompt_ids
+    from moepack.runtime.generate import SequenceOutput
+    from moepack.serve.tokenizer import PromptTokenizer
+
+    out = []
+    with Container(file) as c:
+        config = c.config
+        tokenizer = PromptTokenizer(c) if any(s.token_ids is None for s in specs) else None
+        vocab = c.config.get("vocab_size")
+        for i, spec in enumerate(specs):
+            try:
+                if spec.token_ids is not None:
+                    ids, detokenize = spec.token_ids, None
+                else:
+                    ids = (tokenizer.encode(spec.text) if spec.text is not None
+                           else _chat_ids(tokenizer, spec.messages, thinking, reasoning_effort))
+                    detokenize = tokenizer.decode
+                if isinstance(vocab, int):
+                    check_prompt_ids(torch.as_tensor(ids, dtype=torch.long), vocab)
+                # --seed S: prompt i samples with S + i (the first with S itself: as it would alone)
+                seed = spec.seed if spec.seed is not None else (
+                    None if base.seed is None else base.seed if i == 0 else (base.seed + i) % 2**64)
+                options = replace(base, seed=seed, max_new_tokens=context_budget(
+                    config, max_context, len(ids), spec.max_new_tokens or base.max_new_tokens))
+                SequenceOutput(options, set(), detokenize)  # its checks (seed, --stop), as the batch's submit makes
+            except MoepackError as e:
+                raise MoepackError(f"{spec.where}: {e}") from None
+            out.append(_Queued(i, spec, ids, options, detokenize))
+    return out
+
+
+def _generate_several(file: str, queued: list[_Queued], max_batch: int, run, as_json: bool) -> None:
+    """The prompts decoded together, each one's output printed as it completes (in that order): --json, one line
+    {"ok", "index", "id", "generated_ids", "text", "finish_reason", "stats"} (or {"ok": false, "index", "error"}); else
+    a header line and its text on stdout, its figures on stderr. A prompt that fails leaves the others going; the
+    command then ends with an error naming how many failed."""
+    import time
+    from concurrent.futures import as_completed
+
+    from moepack.format_spec.errors import MoepackError, error_reason
+    from moepack.runtime.batching import BatchScheduler
+    from moepack.runtime.generate import Generator
+
+    failed, tokens = 0, 0
+    start = time.perf_counter()
+    with Generator(file, run.cache_gib, run.prefill_options()) as g, BatchScheduler(g, max_batch) as batch:
+        futures = {batch.submit(q.ids, q.options, q.detokenize): q for q in queued}
+        for future in as_completed(futures):
+            q = futures[future]
+            named = {"index": q.index, **({} if q.spec.id is None else {"id": q.spec.id})}
+            try:
+                result = future.result()
+            except (MoepackError, MemoryError, RuntimeError) as e:
+                if isinstance(e, RuntimeError) and not out_of_memory(e):
+                    raise
+                failed += 1
+                message = error_reason(e) if isinstance(e, MoepackError) else f"out of memory ({error_reason(e)})"
+                if as_json:
+                    click.echo(json.dumps({"ok": False, **named, "error": message}))
+                click.echo(f"moepack: error: prompt {q.index} ({q.spec.where}): {message}", err=True)
+                continue
+            tokens += len(result.generated_ids)
+            if as_json:
+                click.echo(json.dumps({"ok": True, **named, "generated_ids": result.generated_ids,
+                                       "text": result.text, "finish_reason": result.finish_reason,
+                                       "stats": result.stats}, default=str))
+                continue
+            label = f"prompt {q.index}" + ("" if q.spec.id is None else f" ({q.spec.id})")
+            click.echo(f"== {label} ==")
+            click.echo(" ".join(map(str, result.generated_ids)) if result.text is None else result.text)
+            click.echo(f"{label}: {_figures(result)}", err=True)
+    seconds = time.perf_counter() - start
+    if not as_json:
+        click.echo(f"{len(queued)} prompts: {tokens} tokens generated in {seconds:.2f} s, "
+                   f"{tokens / seconds if seconds else 0:.1f} tokens/s together (--max-batch {max_batch})", err=True)
+    if failed:
+        raise MoepackError(f"{failed} of {len(queued)} prompts failed (each one's error above)")
+
+
+def _figures(result) -> str:
+    """A generation's figures in one line: its prefill, its decode, how it finished."""
+    p, d = result.stats["prefill"], result.stats["decode"]
+    hit = d.get("expert_cache_hit_rate")
+    per_token = d.get("bytes_read_per_token")
+    if per_token is None and d.get("tokens"):  # a batched one's: the bytes the steps it was in read, all rows
+        per_token = d.get("bytes_read", 0) / d["tokens"]
+    batch = f", mean batch {d['mean_batch']:.1f}" if d.get("mean_batch") else ""
+    return (f"prefill: {p.get('tokens', 0)} tokens in {p.get('seconds', 0):.2f} s; decode: {d.get('tokens', 0)} "
+            f"tokens at {d.get('tokens_per_s') or 0:.1f} tokens/s{batch}, expert cache hit rate "
+            f"{'-' if hit is None else f'{hit:.0%}'}, {(per_token or 0) / 2**20:.1f} MiB read per token; "
+            f"finish: {result.finish_reason}")
+
+
 @click.command()
 @container_argument
-@prompt_options  # raw: no chat template
+@prompt_options(repeatable=True)  # raw: no chat template
+@click.option("--prompts-file", type=click.Path(dir_okay=False),
+              help="Several prompts, decoded together (--max-batch at a time): JSON Lines, one a line, each a JSON "
+                   "string (raw text, as --prompt) or an object with one of \"prompt\" (text), \"messages\" (as "
+                   "--messages, encoded as the chat with --thinking/--reasoning-effort) or \"token_ids\", and "
+                   "optionally \"id\" (echoed in --json), \"seed\" and \"max_new_tokens\" (its own). Blank lines "
+                   "are skipped.")
 @click.option("--messages", "messages_file", type=click.Path(dir_okay=False),
               help="JSON file: an OpenAI-style list of {role, content}, encoded as DeepSeek-V4's chat.")
 @click.option("--chat", help="One user turn, encoded as DeepSeek-V4's chat.")
 @click.option("--thinking/--no-thinking", default=False, show_default=True,
-              help="With --messages/--chat: thinking mode (<think>) or chat mode (</think>).")
+              help="With --messages/--chat (or --prompts-file messages): thinking mode (<think>) or chat mode "
+                   "(</think>).")
 @click.option("--reasoning-effort", type=click.Choice(["high", "max"]), default=None,
-              help="With --messages/--chat in thinking mode: the reasoning-effort prefix.")
+              help="With --messages/--chat/--prompts-file messages in thinking mode: the reasoning-effort prefix.")
 @click.option("--continue-from", type=click.Path(file_okay=False),
               help="A KV directory `moepack prefill --kv-out` wrote for this container: the prompt (if any) "
                    "continues it.")
@@ -72,22 +295,47 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 @sampling_options
 @click.option("--kv-out", type=click.Path(file_okay=False),
               help="Directory for the KV after the generation (the prompt and the generated tokens), in --kv-dtype.")
+@click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=DEFAULT_MAX_BATCH, show_default=True,
+              help="With several prompts: how many decode together, one step feeding each its next token (the "
+                   "others wait and join as one ends); each one's KV is counted in the memory check.")
 @model_run_options
 @force_option
 @json_option
 @reports_errors(out_of_memory_hint=GENERATE_MEMORY_HINT)
 def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thinking, reasoning_effort,
-             continue_from, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, kv_out, run, force,
-             as_json):
+             continue_from, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, kv_out, prompts_file,
+             max_batch, run, force, as_json):
     """Prefill a prompt with the routed experts streamed from FILE, then generate with an expert cache. --prompt is
-    raw text (no chat template); --messages and --chat are encoded as DeepSeek-V4's chat."""
+    raw text (no chat template); --messages and --chat are encoded as DeepSeek-V4's chat.
+
+    Several prompts (--prompt given more than once, or --prompts-file) decode together, --max-batch at a time
+    (continuous batching: greedy tokens are each prompt's alone). Each one's output is printed as it completes: a
+    "== prompt I ==" line (I counts the prompts from 0, in the order given) then its text, its figures on stderr;
+    with --json one JSON line per prompt, {"ok", "index", "id", "generated_ids", "text", "finish_reason", "stats"}.
+    Sampling, --stop and -c apply to each prompt; with --seed S prompt I samples with S + I (so it repeats alone
+    with --seed S+I), unless its line gives its own seed."""
     from moepack.format_spec.errors import MoepackError
     from moepack.format_spec.reader import Container
     from moepack.runtime.generate import GenerateOptions, generate as run_generate
 
-    if prompt is not None and not prompt or chat is not None and not chat:
+    if any(not p for p in prompt) or chat is not None and not chat:
         raise MoepackError("empty prompt")
+    _check_prompt_choice(prompt, prompt_file, token_ids_file, messages_file, chat, prompts_file, thinking,
+                         reasoning_effort)
     check_container_path(file)
+    if len(prompt) > 1 or prompts_file is not None:
+        if continue_from is not None or kv_out is not None:
+            raise click.UsageError("--continue-from and --kv-out take one prompt")
+        if len(prompt) > MAX_PROMPTS:
+            raise MoepackError(f"more than {MAX_PROMPTS} prompts (the limit of one run)")
+        specs = (read_prompts_file(prompts_file) if prompts_file is not None
+                 else [PromptSpec(f"--prompt {i}", text=p) for i, p in enumerate(prompt)])
+        base = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                               seed=seed, stop=tuple(stop), cache_gib=run.cache_gib)
+        queued = _prepared(file, specs, base, max_context, thinking, reasoning_effort)
+        _generate_several(file, queued, max_batch, run, as_json)
+        return
+    prompt = prompt[0] if prompt else None
     refuse_existing_kv(force, kv_out, continue_from)
     with Container(file) as c:
         ids, tokenizer = _prompt_ids(c, prompt, prompt_file, token_ids_file, messages_file, chat, thinking,
@@ -119,9 +367,4 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         click.echo(" ".join(map(str, result.generated_ids)))
     else:
         click.echo()
-    p, d = result.stats["prefill"], result.stats["decode"]
-    hit = d["expert_cache_hit_rate"]
-    click.echo(f"prefill: {p.get('tokens', 0)} tokens in {p.get('seconds', 0):.2f} s; decode: {d['tokens']} tokens "
-               f"at {d['tokens_per_s'] or 0:.1f} tokens/s, expert cache hit rate "
-               f"{'-' if hit is None else f'{hit:.0%}'}, {(d['bytes_read_per_token'] or 0) / 2**20:.1f} MiB read "
-               f"per token; finish: {result.finish_reason}", err=True)
+    click.echo(_figures(result), err=True)

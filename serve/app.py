@@ -12,10 +12,10 @@ Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the ge
 (runtime/batching.py): up to max_batch sequences decode together, one step feeding each its next token, a newcomer
 joining between steps once its prefill is done (the newcomers' prompts prefilled together, one pass per turn of
 `prefill_chunk` tokens in all while others decode), and a sequence leaving at its end or when stopped; a request's
-n choices decode side by side (streamed: interleaved, each chunk's choices[0].index naming its choice; one that
-fails stops the others and fails the request). Each request waits for its generations on a thread of an executor
-of max_queue threads. With max_batch 1 every generation runs on ONE worker thread (a single-thread executor) through
-Generator.generate, in arrival order, the choices one after the other.
+n choices decode side by side (streamed: interleaved, each chunk's choices[0].index naming its choice, each one's
+finish chunk sent as it ends; one that fails stops the others and fails the request). Each request waits for its
+generations on a thread of an executor of max_queue threads. With max_batch 1 every generation runs on ONE worker
+thread (a single-thread executor) through Generator.generate, in arrival order, the choices one after the other.
 At most `max_queue` requests are admitted at once (reading their body, being prepared, waiting or running); one
 more is answered 429 at once. A streamed answer's pieces go from the worker's `on_text` to the event loop through
 an asyncio.Queue (loop.call_soon_threadsafe). A client that goes
@@ -170,6 +170,7 @@ class Job:
     on_text: Callable[[int, str], None] | None = None  # a streamed job's text: (choice, piece)
     on_token: Callable[[int, int, object], None] | None = None  # its tokens: (choice, token, logprob)
     on_start: Callable[[], None] | None = None  # called on the worker once its generation passed every check
+    on_finish: Callable[[int, GenerateResult], None] | None = None  # a streamed job's choice over: (choice, result)
     queue: asyncio.Queue | None = None  # a streamed job's (kind, choice, piece) events
     began: asyncio.Event | None = None  # a streamed job's on_start, on the event loop
     cancelled: bool = False  # its client went away
@@ -729,16 +730,20 @@ class Server:
                 on_text = None if job.on_text is None else (lambda piece: job.on_text(i, piece))
                 return dict(detokenize=tok.decode if tok is not None else None, on_text=on_text,
                             cancelled=cancelled, on_token=self.timed(job, i))
+            def over(i: int, result: GenerateResult) -> GenerateResult:  # each choice as it ends
+                self.counted(job, result)
+                if job.on_finish is not None:
+                    job.on_finish(i, result)
+                return result
             results = []
             if self.scheduler is not None:  # the choices decode side by side
                 futures = [self.scheduler.submit(job.ids, job.options_for(i), **arguments(i)) for i in range(job.n)]
-                results = [self.counted(job, r) for r in self.choice_results(job, futures, asked)]
+                results = self.choice_results(job, futures, asked, over)
                 if not results:
                     return self.skipped(job)
             else:  # one at a time
                 for i in range(job.n):
-                    results.append(self.counted(job, self.generator.generate(job.ids, job.options_for(i),
-                                                                             **arguments(i))))
+                    results.append(over(i, self.generator.generate(job.ids, job.options_for(i), **arguments(i))))
                     if results[-1].finish_reason in ("cancelled", "timeout"):
                         break
             self.finished.append((job.request_id, results[-1].finish_reason))
@@ -762,20 +767,25 @@ class Server:
         return None
 
     @staticmethod
-    def choice_results(job: Job, futures: list, asked: list[bool]) -> list[GenerateResult]:
-        """The batched choices' results, waited for together. One that fails stops the others at once (their
-        futures cancelled: the scheduler drops or stops them) and its error is the request's; a client gone while
-        choices wait for a slot gets them dropped at once (never admitted: its --max-queue place is free as soon
-        as those running stopped). [] when no choice ran."""
+    def choice_results(job: Job, futures: list, asked: list[bool],
+                       over: Callable[[int, GenerateResult], GenerateResult]) -> list[GenerateResult]:
+        """The batched choices' results, waited for together, each given to over(choice, result) as soon as it
+        ends (a streamed choice's finish chunk goes then, not at the request's end). One that fails stops the
+        others at once (their futures cancelled: the scheduler drops or stops them) and its error is the
+        request's; a client gone while choices wait for a slot gets them dropped at once (never admitted: its
+        --max-queue place is free as soon as those running stopped). [] when no choice ran."""
         pending = set(futures)
         while pending:
             done, pending = concurrent.futures.wait(pending, timeout=POLL_S,
-                                                    return_when=concurrent.futures.FIRST_EXCEPTION)
+                                                    return_when=concurrent.futures.FIRST_COMPLETED)
             failed = [f for f in done if not f.cancelled() and f.exception() is not None]
             if failed:
                 for f in futures:
                     f.cancel()
                 raise failed[0].exception()
+            for i, f in enumerate(futures):
+                if f in done and not f.cancelled():
+                    over(i, f.result())
             if job.cancelled:
                 for i, f in enumerate(futures):
                     if not asked[i]:
@@ -998,6 +1008,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 job.began = asyncio.Event()
                 job.on_text = lambda i, piece: loop.call_soon_threadsafe(job.queue.put_nowait, ("text", i, piece))
                 job.on_start = lambda: loop.call_soon_threadsafe(job.began.set)
+                job.on_finish = lambda i, result: loop.call_soon_threadsafe(job.queue.put_nowait,
+                                                                            ("finish", i, result))
                 if prepared.options.logprobs is not None:
                     job.on_token = lambda i, token, lp: loop.call_soon_threadsafe(job.queue.put_nowait,
                                                                                   ("token", i, lp))
@@ -1048,12 +1060,19 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
     def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, with_usage):
         """The SSE stream of the job's choices, interleaved as their pieces come (each chunk's choices[0].index
-        names its choice): choices[i].pieces(text) per text piece, each choice's final(result) chunks at the end,
-        with_usage(those final chunks, usage) adding the request's usage (include_usage). The logprobs of a
-        choice's tokens since its previous chunk (choices[i].logprobs(entries) -> the chunk's `logprobs`) go with
-        its next chunk that carries text."""
+        names its choice): choices[i].pieces(text) per text piece, each choice's final(result) chunks as soon as
+        it ends when there are several (one: at the request's end), with_usage(the final chunks sent last, usage)
+        adding the request's usage (include_usage). The logprobs of a choice's tokens since its previous chunk
+        (choices[i].logprobs(entries) -> the chunk's `logprobs`) go with its next chunk that carries text."""
         queue = job.queue
         pending: list[list] = [[] for _ in choices]
+        ended = [False] * len(choices)  # its final chunks sent
+
+        def final(i, result) -> list[dict]:
+            ended[i] = True
+            chunks = choices[i].final(result)
+            attach(i, chunks)
+            return chunks
 
         def attach(i, chunks):
             if pending[i] and chunks:
@@ -1075,6 +1094,12 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     if kind == "token":
                         pending[i].append(piece)
                         continue
+                    if kind == "finish":
+                        # one choice's end while others go on; a lone choice's goes with the usage at the end
+                        if len(choices) > 1:
+                            for chunk in final(i, piece):
+                                yield f"data: {json.dumps(chunk)}\n\n"
+                        continue
                     if kind == "text":
                         chunks = choices[i].pieces(piece)
                         attach(i, chunks)
@@ -1091,11 +1116,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         yield f"data: {json.dumps(err.body())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    out = []
-                    for i, result in enumerate(results):
-                        chunks = choices[i].final(result)
-                        attach(i, chunks)
-                        out += chunks
+                    out = [chunk for i, result in enumerate(results) if not ended[i] for chunk in final(i, result)]
                     if include_usage:
                         with_usage(out, server.usage(job, results))
                     for chunk in out:

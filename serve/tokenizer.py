@@ -93,7 +93,7 @@ class PromptTokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
 
-def _read_text(path: str, limit: int, what: str) -> str:
+def read_text(path: str, limit: int, what: str) -> str:
     """A regular file's UTF-8 text, at most `limit` bytes (a FIFO, a device refused by name); one line otherwise."""
     try:
         raw = untrusted.read_bounded(path, limit, missing=f"{path}: cannot read (no such file)")
@@ -109,7 +109,7 @@ def _read_text(path: str, limit: int, what: str) -> str:
 
 def read_prompt_file(path: str) -> str:
     """A prompt file's text (UTF-8); an empty one is refused (a prompt of BOS alone is nobody's intent)."""
-    text = _read_text(path, MAX_PROMPT_BYTES, "the prompt")
+    text = read_text(path, MAX_PROMPT_BYTES, "the prompt")
     if not text:
         raise MoepackError(f"{path}: empty prompt")
     return text
@@ -117,7 +117,7 @@ def read_prompt_file(path: str) -> str:
 
 def read_token_ids(path: str) -> list[int]:
     """Token ids from a file: a JSON array, or integers separated by whitespace or commas."""
-    text = _read_text(path, MAX_TOKEN_IDS_BYTES, "token ids")
+    text = read_text(path, MAX_TOKEN_IDS_BYTES, "token ids")
     if text.lstrip().startswith(("[", "{", '"')):  # JSON: bounded in depth and number length like every reader
         value = untrusted.loads(text, path, max_bytes=MAX_TOKEN_IDS_BYTES)
         ids = value if isinstance(value, list) else [value]

@@ -280,6 +280,47 @@ def test_serve_with_max_batch_cancels_a_vanished_client_alone(batched, sequentia
     assert int(gone[0].split("generated_tokens=")[1].split()[0]) < 3000
 
 
+def _streamed_chunks(http, body: dict) -> list[dict]:
+    """A streamed completion's chunks, in the order they came."""
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def _early_stop(first: str, other: str) -> str:
+    """A short printable piece near the start of `first` that `other` never holds: a stop string that ends the
+    first choice early and leaves the other going to max_tokens."""
+    for length in (1, 2, 3, 4):
+        for start in range(len(first) // 3):
+            piece = first[start:start + length]
+            if piece.isascii() and piece.isprintable() and piece.strip() and piece not in other:
+                return piece
+    pytest.skip("no stop string parts these two choices")
+
+
+def test_a_streamed_choice_that_ends_first_sends_its_finish_chunk_at_once(tiny, batched, generator):
+    """n = 2, streamed: the choice that ends early (a stop string) has its finish chunk sent when it ends, before
+    the other choice's later tokens, whether the choices decode side by side or one after the other."""
+    body = {"prompt": PROMPTS[1], "n": 2, "temperature": 1.0, "seed": 11, "max_tokens": 40,
+            "logit_bias": {str(e): -100 for e in generator.eos_ids}}
+    sequential = Running(make_app(Generator(tiny, cache_gib=0.5), "tiny", log=lambda line: None))
+    try:
+        for running in (batched, sequential):
+            with httpx.Client(base_url=running.url, timeout=TIMEOUT) as http:
+                whole = http.post("/v1/completions", json=body).json()["choices"]
+                stop = _early_stop(whole[0]["text"], whole[1]["text"])
+                chunks = _streamed_chunks(http, {**body, "stop": [stop]})
+            choices = [c["choices"][0] for c in chunks if c["choices"]]
+            ends = [k for k, c in enumerate(choices) if c["finish_reason"] is not None]
+            assert [choices[k]["index"] for k in ends] == [0, 1]
+            assert [choices[k]["finish_reason"] for k in ends] == ["stop", "length"]
+            later = [c for c in choices[ends[0]:] if c["index"] == 1 and c["text"]]
+            assert later, "the other choice's tokens all came before the first one's finish chunk"
+    finally:
+        sequential.stop()
+        sequential.app.state.server.generator.close()
+
+
 def test_serve_with_max_batch_ends_a_request_at_its_deadline(tiny):
     logs: list[str] = []
     with Generator(tiny, cache_gib=0.5) as g:
