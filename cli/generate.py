@@ -31,6 +31,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
     if token_ids_file is not None:
         return read_token_ids(token_ids_file), tokenizer
     if messages_file is not None or chat is not None:
+        from moepack.families import family_of_architecture
         from moepack.format_spec.errors import MoepackError
         from moepack.v4 import chat as chat_encoding
 
@@ -43,6 +44,9 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
                 raise MoepackError(f"{messages_file}: cannot read ({e.strerror})") from None
         else:
             messages = [{"role": "user", "content": chat}]
+        family = family_of_architecture(container.architecture)
+        if family is not None:  # its own chat template (serve/chat_template.py), not DeepSeek-V4's encoding
+            return _family_chat_ids(container, family, messages, thinking, reasoning_effort, tokenizer), tokenizer
         chat_encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs --thinking
         segments = chat_encoding.encode_message_segments(messages, thinking=thinking,
                                                          reasoning_effort=reasoning_effort)
@@ -54,12 +58,28 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
     return (tokenizer.encode(prompt) if prompt else []), tokenizer
 
 
+def _family_chat_ids(container, family, messages, thinking: bool, reasoning_effort, tokenizer) -> list[int]:
+    """A family model's conversation through its chat template, tokenized as apply_chat_template does;
+    --thinking is the template's enable_thinking (left to the template's default without it)."""
+    from moepack.format_spec.errors import MoepackError
+    from moepack.serve.chat_template import family_chat_template
+
+    if reasoning_effort is not None:
+        raise MoepackError(f"--reasoning-effort: DeepSeek-V4's, not a {family.name} model's")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise MoepackError("--messages: expected a non-empty JSON list of {role, content} objects")
+    extra = {"enable_thinking": True} if thinking else {}
+    return tokenizer.encode_special(family_chat_template(container, family).render(messages, **extra))
+
+
 @click.command()
 @container_argument
 @prompt_options  # raw: no chat template
 @click.option("--messages", "messages_file", type=click.Path(dir_okay=False),
-              help="JSON file: an OpenAI-style list of {role, content}, encoded as DeepSeek-V4's chat.")
-@click.option("--chat", help="One user turn, encoded as DeepSeek-V4's chat.")
+              help="JSON file: an OpenAI-style list of {role, content}, encoded as the model's chat "
+                   "(DeepSeek-V4's encoding, or a family's chat template).")
+@click.option("--chat", help="One user turn, encoded as the model's chat (see --messages).")
 @click.option("--thinking/--no-thinking", default=False, show_default=True,
               help="With --messages/--chat: thinking mode (<think>) or chat mode (</think>).")
 @click.option("--reasoning-effort", type=click.Choice(["high", "max"]), default=None,
@@ -80,7 +100,8 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
              continue_from, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, kv_out, run, force,
              as_json):
     """Prefill a prompt with the routed experts streamed from FILE, then generate with an expert cache. --prompt is
-    raw text (no chat template); --messages and --chat are encoded as DeepSeek-V4's chat."""
+    raw text (no chat template); --messages and --chat are encoded as the model's chat (DeepSeek-V4's encoding, or
+    a family's chat template from its tokenizer_config)."""
     from moepack.format_spec.errors import MoepackError
     from moepack.format_spec.reader import Container
     from moepack.runtime.generate import GenerateOptions, generate as run_generate
