@@ -256,6 +256,24 @@ def test_the_chat_template_renders_transformers_prompt_ids(synthesized):
         assert tok.encode_special(template.render(messages)) == list(want)
 
 
+def test_a_chat_template_that_fails_is_one_line():
+    from moepack.serve.chat_template import ChatTemplate
+
+    with pytest.raises(MoepackError, match="chat template refused the messages: no system role"):
+        ChatTemplate("{{ raise_exception('no system role') }}", {}).render(MESSAGES)
+    with pytest.raises(MoepackError, match="chat template does not compile"):
+        ChatTemplate("{% for %}", {})
+    bos = ChatTemplate("{{ bos_token }}{{ messages[0].content }}", {"bos_token": {"content": "<s>"}})
+    assert bos.render(MESSAGES) == "<s>You are terse."
+
+
+def test_generate_chat_refuses_deepseeks_reasoning_effort_for_a_family(synthesized):
+    _, path = synthesized
+    r = CliRunner().invoke(cli, ["generate", path, "--chat", "hi", "--thinking", "--reasoning-effort", "high"])
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1
+    assert "--reasoning-effort: DeepSeek-V4's, not a qwen3-moe model's" in r.output
+
+
 def test_the_eos_ids_come_from_the_config_and_generation_config(synthesized):
     directory, path = synthesized
     config = json.loads((directory / "config.json").read_text())
@@ -282,6 +300,10 @@ def test_a_family_container_without_a_chat_template_is_a_400_and_completions_wor
                        json={"model": "q", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "messages"
+        r = httpx.post(f"{running.url}/v1/chat/completions", timeout=60, json={
+            "model": "q", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "tools: not supported for a qwen3-moe model yet"
         out = running.client().completions.create(model="q", prompt=PROMPT, max_tokens=4, temperature=0)
         assert out.choices[0].model_dump()["token_ids"] == transformers_greedy(hf, PROMPT, 4)
     finally:
