@@ -16,6 +16,11 @@ LayerKVStates. Several sequences step together (`step_batch`): on a CPU as rows 
 every resident weight read once per step and the union of the rows' experts fetched once, each run once on the
 rows that chose it; each row's logits are those of its sequence stepped alone, to the bit.
 
+A model family's container (moepack.families: Qwen3-MoE) decodes through the family's protocol in torch
+(`Decoder(..., family=)`, _family_step): its resident weights under its own keys, its KV state continued in place,
+the routed experts through the same cache and reader (their stored bytes kept, decoded when used, named by the
+family's expert_naming and run by its expert_ffn).
+
 The cache holds experts as stored (their container bytes) on a CPU, decoded to the expert dtype on a GPU (a hit
 is then three matmuls, not a chain of decoding kernels), least recently used evicted first; once full, a miss
 evicts only entries used less of late (ExpertCache.admits), else it is used in place as with no cache. It starts
@@ -293,12 +298,10 @@ class Decoder:
         self._tables: dict[str, torch.Tensor] = {}
         self._step_uses: list[tuple[int, torch.Tensor]] = []  # complete layers' choices, counted after the step
         self._step_finite: list[torch.Tensor] = []  # each pooled layer's output finite (checked after the step)
-        start = time.perf_counter()
         if family is not None:
             self._load_family()
         else:
             self._load_v4(expert_dtype, expert_pool)
-        self.stats.resident_s = time.perf_counter() - start
 
     def _load_v4(self, expert_dtype: torch.dtype, expert_pool: bool | None) -> None:
         """DeepSeek-V4's resident weights, its expert runner, and (where they apply) its compiled layers and the
@@ -306,6 +309,7 @@ class Decoder:
         cfg, device, container = self.cfg, self.device, self.c
         self.experts = ExpertRunner(cfg, device, expert_dtype, self.checker, self.copier, self.pipe.release,
                                     self.compute)
+        start = time.perf_counter()
         self.dense = [decode_dense(b, self._read_region(b.dense).to(device), self.compute_dtype)
                       for b in self.blocks]
         self.embed_entries, self.embed_read = self._read_globals(["embed.weight"], on_device=False)
@@ -317,6 +321,7 @@ class Decoder:
         # float32 copy, from half the bytes
         self.head_weights = decode_group(entries, read, dtype_of=lambda t: torch.bfloat16 if (
             self.kernels is not None and t.name == cfg.head_weight and t.dtype == "BF16") else torch.float32)
+        self.stats.resident_s = time.perf_counter() - start
         # what the resident weights hold of the host's memory (a kept integer tensor may be a view of its region's
         # bytes: storages counted once); on a GPU they live on the device
         self.host_resident_bytes = 0
@@ -344,12 +349,14 @@ class Decoder:
         pool: the family's functions run in torch."""
         family, cfg = self.family, self.cfg
         self.experts = self.kernels = self.layers = self.pool = None
+        start = time.perf_counter()
         self.dense = [family.layer_weights(cfg, layer, self._decoded_region(b.dense))
                       for layer, b in enumerate(self.blocks)]
         named = {}
         for region in self.c.global_regions:
             named.update(self._decoded_region(region))
         self.globals = family.global_weights(cfg, named)
+        self.stats.resident_s = time.perf_counter() - start
         self.host_resident_bytes = 0
         if self.device.type == "cpu":
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

@@ -7,6 +7,8 @@ or not), GET /metrics (Prometheus: serve/metrics.py), POST /tokenize and /detoke
 Every request field is acted on or refused by name (CHAT_FIELDS, COMPLETION_FIELDS, REFUSED_FIELDS); logprobs,
 penalties and logit_bias go to the Sampler, response_format to a JSON constraint (serve/grammar.py), tools to the
 release's encoder and back out of the answer (serve/tool_calls.py). Responses carry llama-server's `timings`.
+A family's model (Qwen3-MoE) chats through its tokenizer_config's chat template (serve/chat_template.py): none
+there is a 400 naming it, and tools are refused for it.
 
 Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the generations go to a BatchScheduler
 (runtime/batching.py): up to max_batch sequences decode together, one step feeding each its next token, a newcomer
