@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from moepack.cli.main import cli
 from moepack.families import family_named
+from moepack.families.base import family_kv_state
 from moepack.families.qwen3_moe.model import KVState, forward
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
@@ -192,10 +193,16 @@ class FamilyForwardPrefill:
 
     def run(self, token_ids, past=None, keep_kv=False, should_stop=None, **_):
         self.runs += 1
-        kv = KVState.empty(self.checkpoint.config)
+        kv = family_kv_state(FAMILY, self.checkpoint.config, past) if past else KVState.empty(self.checkpoint.config)
         logits = forward(self.checkpoint, token_ids, kv)[-1]
-        return PrefillResult(logits, int(logits.argmax()), {"tokens": len(token_ids)}, [],
+        return PrefillResult(logits, int(logits.argmax()), {"tokens": len(token_ids), "seconds": 0.0}, [],
                              kv.layers if keep_kv else None, None)
+
+    def run_many(self, prompts, pasts=None, keep_kv=True, should_stop=None):
+        return [self.run(ids, past, keep_kv) for ids, past in zip(prompts, pasts or [None] * len(prompts))]
+
+    def check_memory(self, n_tokens):
+        pass
 
     def close(self):
         pass
@@ -212,6 +219,22 @@ def test_generator_hands_the_prefills_family_kv_to_the_decode(model, monkeypatch
         assert result.generated_ids == transformers_greedy(hf, PROMPT), cache_gib
         assert result.finish_reason == "length" and result.stats["decode"]["tokens"] == NEW_TOKENS - 1
     assert stand_in.runs == 2
+
+
+def test_the_batch_scheduler_decodes_family_sequences_together(model, monkeypatch):
+    """runtime/batching.py over a family's Generator: prompts prefilled in chunks (each continuing its KV state),
+    then decoded together by step_batch, each giving transformers' greedy tokens."""
+    from moepack.runtime.batching import BatchScheduler
+
+    path, hf = model
+    prompts = [PROMPT, OTHER_PROMPT, PROMPT[:4]]
+    with Generator(path, cache_gib=0.5, prefill=F32) as g:
+        monkeypatch.setattr(g, "prefill_engine", lambda: FamilyForwardPrefill(path))
+        with BatchScheduler(g, max_batch=4, prefill_chunk=4) as scheduler:
+            futures = [scheduler.submit(p, GenerateOptions(max_new_tokens=6, stop_at_eos=False)) for p in prompts]
+            results = [f.result(timeout=120) for f in futures]
+    for prompt, result in zip(prompts, results):
+        assert result.generated_ids == transformers_greedy(hf, prompt, 6)
 
 
 def test_generator_memory_estimate_is_the_familys_kv(model):
@@ -347,7 +370,8 @@ def test_moepack_generate_greedy_tokens_equal_transformers(synthesized, cache_gi
     assert len(got["generated_ids"]) == NEW_TOKENS or got["finish_reason"] == "stop"
 
 
-def test_moepack_serve_chat_completion_through_the_openai_client(synthesized):
+@pytest.mark.parametrize("max_batch", [1, 4], ids=["one-by-one", "batched"])
+def test_moepack_serve_chat_completion_through_the_openai_client(synthesized, max_batch):
     directory, path = synthesized
     needs_family_prefill(path)
     hf, tok = reference(directory), transformers.AutoTokenizer.from_pretrained(directory)
@@ -356,7 +380,7 @@ def test_moepack_serve_chat_completion_through_the_openai_client(synthesized):
     with torch.no_grad():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
     g = Generator(path, cache_gib=0.5, prefill=F32)
-    running = Running(make_app(g, "q", log=lambda line: None))
+    running = Running(make_app(g, "q", log=lambda line: None, max_batch=max_batch))
     try:
         out = running.client().chat.completions.create(model="q", messages=MESSAGES, max_tokens=6, temperature=0)
         assert out.usage.prompt_tokens == len(ids)
