@@ -43,7 +43,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
                 raise MoepackError(f"{messages_file}: cannot read ({e.strerror})") from None
         else:
             messages = [{"role": "user", "content": chat}]
-        return _chat_ids(tokenizer, messages, thinking, reasoning_effort), tokenizer
+        return _chat_ids(container, tokenizer, messages, thinking, reasoning_effort), tokenizer
     if prompt_file is not None:
         prompt = read_prompt_file(prompt_file)
     if continuing:
@@ -51,10 +51,15 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
     return (tokenizer.encode(prompt) if prompt else []), tokenizer
 
 
-def _chat_ids(tokenizer, messages, thinking: bool, reasoning_effort: str | None) -> list[int]:
-    """The ids of `messages` (an OpenAI-style list) in DeepSeek-V4's chat encoding; message content stays plain
-    text."""
+def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: str | None) -> list[int]:
+    """The ids of `messages` (an OpenAI-style list) as the model's chat: a family's chat template
+    (_family_chat_ids), or DeepSeek-V4's chat encoding, whose message content stays plain text."""
+    from moepack.families import family_of_architecture
     from moepack.v4 import chat as chat_encoding
+
+    family = family_of_architecture(container.architecture)
+    if family is not None:
+        return _family_chat_ids(container, family, messages, thinking, reasoning_effort, tokenizer)
 
     chat_encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs --thinking
     segments = chat_encoding.encode_message_segments(messages, thinking=thinking, reasoning_effort=reasoning_effort)
@@ -192,7 +197,7 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
                     ids, detokenize = spec.token_ids, None
                 else:
                     ids = (tokenizer.encode(spec.text) if spec.text is not None
-                           else _chat_ids(tokenizer, spec.messages, thinking, reasoning_effort))
+                           else _chat_ids(c, tokenizer, spec.messages, thinking, reasoning_effort))
                     detokenize = tokenizer.decode
                 if isinstance(vocab, int):
                     check_prompt_ids(torch.as_tensor(ids, dtype=torch.long), vocab)
@@ -270,6 +275,21 @@ def _figures(result) -> str:
             f"finish: {result.finish_reason}")
 
 
+def _family_chat_ids(container, family, messages, thinking: bool, reasoning_effort, tokenizer) -> list[int]:
+    """A family model's conversation through its chat template, tokenized as apply_chat_template does;
+    --thinking is the template's enable_thinking (left to the template's default without it)."""
+    from moepack.format_spec.errors import MoepackError
+    from moepack.serve.chat_template import family_chat_template
+
+    if reasoning_effort is not None:
+        raise MoepackError(f"--reasoning-effort: DeepSeek-V4's, not a {family.name} model's")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise MoepackError("--messages: expected a non-empty JSON list of {role, content} objects")
+    extra = {"enable_thinking": True} if thinking else {}
+    return tokenizer.encode_special(family_chat_template(container, family).render(messages, **extra))
+
+
 @click.command()
 @container_argument
 @prompt_options(repeatable=True)  # raw: no chat template
@@ -280,8 +300,9 @@ def _figures(result) -> str:
                    "optionally \"id\" (echoed in --json), \"seed\" and \"max_new_tokens\" (its own). Blank lines "
                    "are skipped.")
 @click.option("--messages", "messages_file", type=click.Path(dir_okay=False),
-              help="JSON file: an OpenAI-style list of {role, content}, encoded as DeepSeek-V4's chat.")
-@click.option("--chat", help="One user turn, encoded as DeepSeek-V4's chat.")
+              help="JSON file: an OpenAI-style list of {role, content}, encoded as the model's chat "
+                   "(DeepSeek-V4's encoding, or a family's chat template).")
+@click.option("--chat", help="One user turn, encoded as the model's chat (see --messages).")
 @click.option("--thinking/--no-thinking", default=False, show_default=True,
               help="With --messages/--chat (or --prompts-file messages): thinking mode (<think>) or chat mode "
                    "(</think>).")
@@ -306,7 +327,8 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
              continue_from, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, kv_out, prompts_file,
              max_batch, run, force, as_json):
     """Prefill a prompt with the routed experts streamed from FILE, then generate with an expert cache. --prompt is
-    raw text (no chat template); --messages and --chat are encoded as DeepSeek-V4's chat.
+    raw text (no chat template); --messages and --chat are encoded as the model's chat (DeepSeek-V4's encoding, or
+    a family's chat template from its tokenizer_config).
 
     Several prompts (--prompt given more than once, or --prompts-file) decode together, --max-batch at a time
     (continuous batching: greedy tokens are each prompt's alone). Each one's output is printed as it completes: a

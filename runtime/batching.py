@@ -44,13 +44,12 @@ from dataclasses import dataclass, field
 import torch
 
 from moepack.format_spec.errors import MoepackError
-from moepack.v4.kv import kv_bytes
 
 from .decode import DecodeSequence
 from .engine import GenerationCancelled, StreamingPrefill, check_prompt_ids
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
 from .generate import (GenerateOptions, GenerateResult, Generator, SequenceOutput, cancelled_in_prefill,
-                       peak_rss_bytes)
+                       container_kv_bytes, peak_rss_bytes)
 from .sampling import TokenLogprob
 
 
@@ -216,7 +215,7 @@ class BatchScheduler:
         if s.future.cancelled():  # its caller gave up on it while it waited: nothing to check nor run
             return
         g = self.generator
-        s.reserved_kv = kv_bytes(g.c.config, len(s.ids) + s.out.max_new_tokens)
+        s.reserved_kv = container_kv_bytes(g.c, len(s.ids) + s.out.max_new_tokens)
         try:
             s.bound = g._check_memory(len(s.ids) + s.out.max_new_tokens,
                                       sum(a.reserved_kv for a in (*self._active, *self._prefilling)))

@@ -16,6 +16,11 @@ LayerKVStates. Several sequences step together (`step_batch`): on a CPU as rows 
 every resident weight read once per step and the union of the rows' experts fetched once, each run once on the
 rows that chose it; each row's logits are those of its sequence stepped alone, to the bit.
 
+A model family's container (moepack.families: Qwen3-MoE) decodes through the family's protocol in torch
+(`Decoder(..., family=)`, _family_step): its resident weights under its own keys, its KV state continued in place,
+the routed experts through the same cache and reader (their stored bytes kept, decoded when used, named by the
+family's expert_naming and run by its expert_ffn).
+
 The cache holds experts as stored (their container bytes) on a CPU, decoded to the expert dtype on a GPU (a hit
 is then three matmuls, not a chain of decoding kernels), least recently used evicted first; once full, a miss
 evicts only entries used less of late (ExpertCache.admits), else it is used in place as with no cache. It starts
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moepack.families.base import family_kv_state
 from moepack.format_spec.decode import decode_group, decode_group_rows, entry_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
@@ -223,6 +229,18 @@ class DecodeSequence:
         return [kv.state() for kv in self.kv]
 
 
+class FamilySequence(DecodeSequence):
+    """A family's sequence: `kv` is the family's KV state (families/base.py: `layers`, one state per layer)."""
+
+    @property
+    def seen_tokens(self) -> int:
+        return self.kv.layers[0].seen_tokens
+
+    @property
+    def states(self) -> list:
+        return list(self.kv.layers)
+
+
 @dataclass
 class DecodeStats:
     tokens: int = 0
@@ -247,14 +265,17 @@ class Decoder:
     def __init__(self, container: Container, cfg, device: torch.device, cache_bytes: int,
                  compute_dtype: torch.dtype = torch.float32, expert_dtype: torch.dtype = torch.float32,
                  io_mode: str = "auto", verify_reads: bool = True, queue_depth: int = 8,
-                 decoded_experts: bool | None = None, expert_pool: bool | None = None):
+                 decoded_experts: bool | None = None, expert_pool: bool | None = None, family=None):
         """`decoded_experts` (default: on a GPU) has the cache keep experts decoded to the expert dtype, so that a
         hit is three matmuls (their memory, not their stored bytes, is counted against the budget); otherwise it
         keeps their stored bytes, which a CPU's compiled kernels read directly. `expert_pool` (default: on a GPU,
         with decoded experts) keeps the decoded experts in device_decode.ExpertPool's slots, a layer's routed work
-        one grouped GEMM over them with no host round trip where the layer's experts are all there."""
-        self.c, self.cfg, self.device = container, cfg, device
-        self.decoded = device.type != "cpu" if decoded_experts is None else decoded_experts
+        one grouped GEMM over them with no host round trip where the layer's experts are all there.
+
+        `family` (a moepack.families ModelFamily, `cfg` its parsed config): the container is that family's, decoded
+        through its protocol in torch (_family_step), the cache keeping the experts' stored bytes."""
+        self.c, self.cfg, self.device, self.family = container, cfg, device, family
+        self.decoded = family is None and (device.type != "cpu" if decoded_experts is None else decoded_experts)
         self.compute_dtype = compute_dtype
         self.current: DecodeSequence | None = None  # the sequence begin() started, which step() feeds
         self.stats = DecodeStats()
@@ -269,10 +290,28 @@ class Decoder:
         self.pipe = ReadPipeline(self.reader, largest, queue_depth, device.type == "cuda",
                                  buffers=2 * queue_depth)
         self.compute = BusyTimer()
+        self._layer_of = {block.name: layer for layer, block in enumerate(self.blocks)}
+        self._keep_lock = threading.Lock()
+        self._from_prefill: set[tuple[int, int]] = set()  # kept by keep_from_prefill since the last seed
+        self._layouts: dict[tuple[int, int], list | None] = {}
+        self._matrices: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> (weakref to its bytes, Matrices)
+        self._tables: dict[str, torch.Tensor] = {}
+        self._step_uses: list[tuple[int, torch.Tensor]] = []  # complete layers' choices, counted after the step
+        self._step_finite: list[torch.Tensor] = []  # each pooled layer's output finite (checked after the step)
+        if family is not None:
+            self._load_family()
+        else:
+            self._load_v4(expert_dtype, expert_pool)
+
+    def _load_v4(self, expert_dtype: torch.dtype, expert_pool: bool | None) -> None:
+        """DeepSeek-V4's resident weights, its expert runner, and (where they apply) its compiled layers and the
+        device's expert pool."""
+        cfg, device, container = self.cfg, self.device, self.c
         self.experts = ExpertRunner(cfg, device, expert_dtype, self.checker, self.copier, self.pipe.release,
                                     self.compute)
         start = time.perf_counter()
-        self.dense = [decode_dense(b, self._read_region(b.dense).to(device), compute_dtype) for b in self.blocks]
+        self.dense = [decode_dense(b, self._read_region(b.dense).to(device), self.compute_dtype)
+                      for b in self.blocks]
         self.embed_entries, self.embed_read = self._read_globals(["embed.weight"], on_device=False)
         # a token's routed experts in one compiled call (CPU), read from their stored bytes
         self.kernels = token_kernels.token_kernels() if device.type == "cpu" and not self.decoded else None
@@ -291,12 +330,6 @@ class Decoder:
                         for weights in [*self.dense, self.head_weights] for t in weights.values()}
             self.host_resident_bytes = sum(storages.values()) + sum(
                 r.length for r in global_regions(container, ["embed.weight"]))
-        self._layer_of = {block.name: layer for layer, block in enumerate(self.blocks)}
-        self._keep_lock = threading.Lock()
-        self._from_prefill: set[tuple[int, int]] = set()  # kept by keep_from_prefill since the last seed
-        self._layouts: dict[tuple[int, int], list | None] = {}
-        self._matrices: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> (weakref to its bytes, Matrices)
-        self._tables: dict[str, torch.Tensor] = {}
         self._routed_flag = token_kernels.ROUND_INPUT if self.experts.expert_dtype == torch.bfloat16 else 0
         # every layer in compiled calls over fixed buffers where the kernels take its weights and every expert
         self.layers = TokenLayers.make(cfg, self.dense) if self.kernels is not None and all(
@@ -309,11 +342,41 @@ class Decoder:
         self.pool = container_pool(self.cache, self.blocks, cfg, self.experts.expert_dtype, device) \
             if wants_pool else None
         self.cache.store = self.pool
-        self._step_uses: list[tuple[int, torch.Tensor]] = []  # complete layers' choices, counted after the step
-        self._step_finite: list[torch.Tensor] = []  # each pooled layer's output finite (checked after the step)
 
-    def start(self, states: list[LayerKVState]) -> DecodeSequence:
-        """A sequence after `states` (one per layer, all after the same tokens), for step_batch."""
+    def _load_family(self) -> None:
+        """A family's resident weights (every region but the routed experts', decoded to the compute dtype on the
+        device) under the family's own keys (families.base.ContainerWeights); no expert runner, compiled layers or
+        pool: the family's functions run in torch."""
+        family, cfg = self.family, self.cfg
+        self.experts = self.kernels = self.layers = self.pool = None
+        start = time.perf_counter()
+        self.dense = [family.layer_weights(cfg, layer, self._decoded_region(b.dense))
+                      for layer, b in enumerate(self.blocks)]
+        named = {}
+        for region in self.c.global_regions:
+            named.update(self._decoded_region(region))
+        self.globals = family.global_weights(cfg, named)
+        self.stats.resident_s = time.perf_counter() - start
+        self.host_resident_bytes = 0
+        if self.device.type == "cpu":
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for weights in [*self.dense, self.globals] for t in weights.values()}
+            self.host_resident_bytes = sum(storages.values())
+
+    def _decoded_region(self, region, raw: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """A region's tensors (read and checked, unless its bytes `raw` are given) decoded to the compute dtype on
+        the device, by their stored names (scales folded in)."""
+        raw = (self._read_region(region) if raw is None else raw).to(self.device)
+        return decode_group(region.tensors, entry_bytes(raw, region.offset), self.compute_dtype)
+
+    def start(self, states) -> DecodeSequence:
+        """A sequence after `states` (one per layer, all after the same tokens), for step_batch. A family's: its KV
+        state or that state's list of layers (families.base.family_kv_state), continued in place."""
+        if self.family is not None:
+            kv = family_kv_state(self.family, self.cfg, states)
+            if len(kv.layers) != len(self.blocks) or len({s.seen_tokens for s in kv.layers}) != 1:
+                raise MoepackError("decode needs one KV state per layer, all after the same tokens")
+            return FamilySequence(kv)
         if len(states) != self.cfg.num_layers or len({s.seen_tokens for s in states}) != 1:
             raise MoepackError("decode needs one KV state per layer, all after the same tokens")
         return DecodeSequence([model.TokenKV(self.cfg, layer, s.to(self.device),
@@ -548,7 +611,7 @@ class Decoder:
             raise ValueError(f"{len(token_ids)} tokens for {len(sequences)} sequences")
         if len({id(s) for s in sequences}) != len(sequences):
             raise ValueError("a sequence appears twice in one step")
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" or self.family is not None:  # (a family's torch ops use every thread)
             return self._steps(sequences, token_ids)
         # one token's torch ops are small: on one thread, without waking OpenMP's others for each; the compiled
         # token kernels keep every thread
@@ -562,7 +625,9 @@ class Decoder:
 
     def _steps(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         start = time.perf_counter()
-        if self.layers is None:  # model.py's functions, every row of the step at once
+        if self.family is not None:
+            logits = self._family_step(sequences, token_ids)
+        elif self.layers is None:  # model.py's functions, every row of the step at once
             logits = self._general_step(sequences, token_ids)
         elif len(sequences) > 1:
             logits = self._compiled_rows(sequences, token_ids)
@@ -572,6 +637,55 @@ class Decoder:
         self.stats.tokens += len(sequences)
         self.stats.seconds += time.perf_counter() - start
         return logits
+
+    # --- a family's token, through its protocol ----------------------------------------------------------------
+    def _family_step(self, sequences: list[FamilySequence], token_ids: list[int]) -> torch.Tensor:
+        """Every row of one step by the family's functions: the embedding, the FFN's end and the head on all rows at
+        once, the attention and router row by row over each sequence's own KV, each routed expert once on the rows
+        that chose it. The logits [B, vocab] float32 on the host."""
+        family, cfg = self.family, self.cfg
+        with self.compute:
+            hidden = family.embed(cfg, self.globals, torch.tensor(token_ids, device=self.device))
+        for layer, w in enumerate(self.dense):
+            with self.compute:
+                rows = [family.before_experts(cfg, layer, w, hidden[b:b + 1], seq.kv)
+                        for b, seq in enumerate(sequences)]
+                residual, ffn_input = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+            routed = None
+            if rows[0][2] is not None:
+                routed = self._family_experts(layer, torch.cat([r[2].experts for r in rows]),
+                                              torch.cat([r[2].weights for r in rows]), ffn_input)
+            with self.compute:
+                hidden = family.after_experts(cfg, layer, w, residual, ffn_input, routed)
+        with self.compute:
+            logits = family.head(cfg, self.globals, hidden).float().cpu()
+        if not bool(torch.isfinite(logits).all()):
+            raise MoepackError("decode: the logits are not finite (the container's weights or the compute dtype "
+                               "overflow)")
+        return logits
+
+    def _family_experts(self, layer: int, experts: torch.Tensor, weights: torch.Tensor, x: torch.Tensor
+                        ) -> torch.Tensor:
+        """The rows' routed experts ([B, k] ids and weights) on x [B, H], combined: each chosen expert fetched
+        once (a hit from the cache, the misses read together) and run by the family's expert_ffn on every row that
+        chose it, in ascending expert id."""
+        got = self._fetch(layer, experts.flatten().tolist())
+        out = torch.zeros_like(x)
+        held: list = []
+        try:
+            for e in got:
+                region = self.blocks[layer].experts[e]
+                raw = self._expert_bytes(layer, e, got, held)
+                with self.compute:
+                    named = self._decoded_region(region, raw)
+                    expert = {m: named[n] for m, n in self.family.expert_naming.names(layer, e).items()}
+                    rows, slot = torch.nonzero(experts == e, as_tuple=True)
+                    out.index_add_(0, rows, self.family.expert_ffn(self.cfg, expert, x[rows])
+                                   * weights[rows, slot, None])
+                self._give_back(held)
+        finally:
+            self._give_back(held)
+        return out
 
     def _step(self, seq: DecodeSequence, token_id: int) -> torch.Tensor:
         """One sequence's token by TokenLayers' one-token calls (a CPU)."""
@@ -808,7 +922,8 @@ class Decoder:
     def close(self) -> None:
         self.pipe.close()
         self.reader.close()
-        self.experts.close()
+        if self.experts is not None:
+            self.experts.close()
         self.cache = ExpertCache(0)
         if self.pool is not None:
             self.pool.release()

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moepack.families import container_problem, family_of_architecture
+from moepack.families.base import generation_kv_bytes
+from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 from moepack.v4.kv import KVWriter, identity_of_container, kv_bytes, read_kv
@@ -68,8 +71,31 @@ class GenerateResult:
 
 
 def eos_ids(config: dict) -> set[int]:
-    eos = config.get("eos_token_id")
-    return set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
+    eos = config.get("eos_token_id") if isinstance(config, dict) else None
+    if isinstance(eos, list):
+        return {i for i in eos if isinstance(i, int)}
+    return {eos} if isinstance(eos, int) else set()
+
+
+def family_eos_ids(container: Container) -> set[int]:
+    """A family model's end-of-sequence ids: its config's and its generation_config.json's (transformers' generate
+    stops at the latter), where the container carries one."""
+    entry = container.index.get("tokenizer", {}).get("generation_config.json") or {}
+    generation = {}
+    if entry.get("encoding") == "utf-8":
+        try:
+            generation = untrusted.loads(entry["data"], "generation_config.json")
+        except untrusted.UntrustedInputError:  # a damaged optional file: the config's ids stand
+            generation = {}
+    return eos_ids(container.config) | eos_ids(generation)
+
+
+def container_kv_bytes(container: Container, n_tokens: int) -> int:
+    """The KV of n_tokens a generation holds (float32): its family's (every layer), or DeepSeek-V4's."""
+    family = family_of_architecture(container.architecture)
+    if family is None:
+        return kv_bytes(container.config, n_tokens)
+    return generation_kv_bytes(family, family.parse_config(container.config), n_tokens, 4)
 
 
 def resident_bytes(container: Container) -> int:
@@ -84,7 +110,8 @@ def resident_bytes(container: Container) -> int:
 def memory_need(container: Container, n_tokens: int, cache_bytes: int, other_kv: int = 0) -> int:
     """The host memory a CPU generation of n_tokens needs: resident weights + cache + KV + HEADROOM_BYTES
     (+ `other_kv`: the KV of the sequences decoding beside it)."""
-    return resident_bytes(container) + cache_bytes + kv_bytes(container.config, n_tokens) + other_kv + HEADROOM_BYTES
+    return (resident_bytes(container) + cache_bytes + container_kv_bytes(container, n_tokens) + other_kv
+            + HEADROOM_BYTES)
 
 
 def device_memory_need(container: Container, cache_bytes: int, n_tokens: int = 0, resident: bool = True,
@@ -92,7 +119,7 @@ def device_memory_need(container: Container, cache_bytes: int, n_tokens: int = 0
     """The device memory a GPU generation needs: resident weights (unless loaded already) + the cache still to fill
     + the KV of n_tokens (+ `other_kv`: that of the sequences decoding beside it) + HEADROOM_BYTES."""
     weights = resident_bytes(container) if resident else 0
-    kv = kv_bytes(container.config, n_tokens) if n_tokens else 0
+    kv = container_kv_bytes(container, n_tokens) if n_tokens else 0
     return weights + cache_bytes + kv + other_kv + HEADROOM_BYTES
 
 
@@ -113,7 +140,7 @@ def check_memory(container: Container, n_tokens: int, cache_bytes: int, held: in
     need = memory_need(container, n_tokens, cache_bytes, other_kv)
     free = memory_for_generation(held)
     if free and need > free:
-        kv = kv_bytes(container.config, n_tokens) + other_kv
+        kv = container_kv_bytes(container, n_tokens) + other_kv
         beside = f" beside the KV of the sequences decoding ({other_kv / GIB:.2f} GiB)" if other_kv else ""
         raise MoepackError(f"generating {n_tokens} tokens{beside} needs about {need / GIB:.1f} GiB (weights besides "
                            f"the experts {resident_bytes(container) / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
@@ -131,7 +158,7 @@ def check_device_memory(container: Container, device: torch.device, cache_bytes:
     free = cuda_free_bytes(device)
     if need > free:  # the parts of `need`, for the message
         weights = resident_bytes(container) if resident else 0
-        kv = (kv_bytes(container.config, n_tokens) if n_tokens else 0) + other_kv
+        kv = (container_kv_bytes(container, n_tokens) if n_tokens else 0) + other_kv
         raise MoepackError(f"the decode on {device} needs about {need / GIB:.1f} GiB of device memory (weights "
                            f"besides the experts {weights / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
                            f"KV {kv / GIB:.2f}, headroom 1) but only {free / GIB:.1f} GiB is free there: "
@@ -157,8 +184,16 @@ class Generator:
         self.prefill_options = prefill or PrefillOptions()
         self.c = Container(path)
         try:
-            self.cfg = model_config(self.c)
-            self.eos_ids = eos_ids(self.c.config)
+            # a family's container (Qwen3-MoE) runs through its protocol, DeepSeek-V4's through this runtime's model
+            self.family, problem = container_problem(self.c)
+            if problem is not None:
+                raise MoepackError(f"{path}: {problem}")
+            if self.family is not None:
+                self.cfg = self.family.parse_config(self.c.config)
+                self.eos_ids = family_eos_ids(self.c)
+            else:
+                self.cfg = model_config(self.c)
+                self.eos_ids = eos_ids(self.c.config)
             p = self.prefill_options
             self.device = compute_device(p.device)
             self.default_budget = default_cache_bytes(self.c, self.device) if cache_gib is None else None
@@ -174,7 +209,7 @@ class Generator:
             self.decoder = Decoder(self.c, self.cfg, self.device, self.cache_bytes,
                                    compute_dtype=EXPERT_DTYPES[p.compute_dtype],
                                    expert_dtype=EXPERT_DTYPES[p.expert_dtype or p.compute_dtype],
-                                   io_mode=p.io_mode, verify_reads=p.verify_reads)
+                                   io_mode=p.io_mode, verify_reads=p.verify_reads, family=self.family)
         except BaseException:
             self.c.close()
             raise
@@ -227,6 +262,8 @@ class Generator:
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int,
                  should_stop: Callable[[], bool] | None = None):
         """(last logits, states, prefill stats, tokens per expert, all ids so far, tokens the KV held, memory bound)"""
+        if continue_from is not None and self.family is not None:
+            raise MoepackError(f"--continue-from: a {self.family.name} model has no KV directory format yet")
         engine = self.prefill_engine()
         try:
             if continue_from is not None:
@@ -276,6 +313,8 @@ class Generator:
         check has passed) and between decoded tokens. `on_token(id, logprob)`: each token as it is chosen, before
         its text goes to on_text (logprob given options.logprobs, else None)."""
         out = SequenceOutput(options or GenerateOptions(), self.eos_ids, detokenize, on_text, on_token)
+        if kv_out is not None and self.family is not None:
+            raise MoepackError(f"--kv-out: a {self.family.name} model has no KV directory format yet")
         token_ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
         try:
             logits, states, prefill_stats, counts, all_ids, past, bound = self._prefill(

@@ -7,6 +7,8 @@ or not), GET /metrics (Prometheus: serve/metrics.py), POST /tokenize and /detoke
 Every request field is acted on or refused by name (CHAT_FIELDS, COMPLETION_FIELDS, REFUSED_FIELDS); logprobs,
 penalties and logit_bias go to the Sampler, response_format to a JSON constraint (serve/grammar.py), tools to the
 release's encoder and back out of the answer (serve/tool_calls.py). Responses carry llama-server's `timings`.
+A family's model (Qwen3-MoE) chats through its tokenizer_config's chat template (serve/chat_template.py): none
+there is a 400 naming it, and tools are refused for it.
 
 Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the generations go to a BatchScheduler
 (runtime/batching.py): up to max_batch sequences decode together, one step feeding each its next token, a newcomer
@@ -66,6 +68,7 @@ from moepack.runtime.generate import GenerateOptions, GenerateResult
 from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK
 from moepack.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprob, is_int, partial_match_length
 
+from .chat_template import family_chat_template
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
 from .tool_calls import ToolCallSplitter, ToolPlan, split_answer, tool_plan, with_prompt_extras
 
@@ -381,6 +384,10 @@ class Server:
         self._tokenizer = None
         self._tokenizer_error: str | None = None
         self._tokenizer_lock = threading.Lock()
+        # a family's model (Qwen3-MoE): its chat template (serve/chat_template.py), compiled at the first chat
+        self.family = getattr(generator, "family", None)
+        self._chat_template = None
+        self._chat_template_error: str | None = None
         self._grammar = None  # serve.grammar.JsonGrammar, built at the first response_format
         self._grammar_lock = threading.Lock()
 
@@ -657,6 +664,36 @@ class Server:
         raise RequestError("prompt: expected a string or a list of token ids", param="prompt",
                            code="invalid_type")
 
+    def chat_template(self):
+        """A family model's chat template, compiled once; a 400 naming what is missing where it has none."""
+        with self._tokenizer_lock:
+            if self._chat_template is None and self._chat_template_error is None:
+                try:
+                    self._chat_template = family_chat_template(self.generator.c, self.family)
+                except MoepackError as e:
+                    self._chat_template_error = str(e)
+        if self._chat_template is None:
+            raise RequestError(f"messages: {self._chat_template_error}: use /v1/completions with a prompt",
+                               param="messages", code="no_chat_template")
+        return self._chat_template
+
+    def family_chat_ids(self, body: dict, messages: list) -> tuple[list[int], bool, ToolPlan]:
+        """A family model's conversation: its chat template's text, tokenized as apply_chat_template does (its
+        markup into special tokens); no tools (its tool-call format is not parsed here), no thinking split."""
+        for field in ("tools", "tool_choice"):
+            if body.get(field) is not None:
+                raise RequestError(f"{field}: not supported for a {self.family.name} model yet", param=field,
+                                   code="unsupported_parameter")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages",
+                               code="invalid_type")
+        template, tok = self.chat_template(), self.need_tokenizer("messages")
+        try:
+            text = template.render(messages)
+        except MoepackError as e:
+            raise RequestError(str(e), param="messages", code="invalid_value") from None
+        return tok.encode_special(text), False, ToolPlan(None, False)
+
     def chat_ids(self, body: dict) -> tuple[list[int], bool, ToolPlan]:
         """The conversation's prompt ids (the request's tools and response_format where the release's encoder puts
         them, a forced tool call's prefill after it), thinking, the tool plan."""
@@ -665,6 +702,8 @@ class Server:
             raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages",
                                code="invalid_type")
         _check_message_keys(messages)
+        if self.family is not None:
+            return self.family_chat_ids(body, messages)
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
         try:

@@ -58,6 +58,10 @@ class LayerKV:
     def length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[1]
 
+    @property
+    def seen_tokens(self) -> int:  # (families/base.py: what a prefill hands a decode)
+        return self.length
+
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self.keys = k if self.keys is None else torch.cat((self.keys, k), dim=1)
         self.values = v if self.values is None else torch.cat((self.values, v), dim=1)
