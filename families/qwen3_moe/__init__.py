@@ -86,5 +86,10 @@ class Qwen3MoeFamily:
     def chat_template(self, tokenizer_config: Mapping[str, Any]) -> str | None:
         return chat_template_from_tokenizer_config(tokenizer_config)
 
+    def layer_prefill(self, config: Qwen3MoeConfig, compute_dtype):
+        from .prefill import Qwen3MoePrefill
+
+        return Qwen3MoePrefill(config, compute_dtype)
+
 
 FAMILY = Qwen3MoeFamily()

@@ -34,7 +34,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rope_tables(c: Qwen3MoeConfig, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin [N, head_dim] of the default RoPE at `positions` (both halves of a head rotate by one frequency)."""
-    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64,
+                                                     device=positions.device).float() / c.head_dim))
     angles = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((angles, angles), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -88,12 +89,13 @@ def attention(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, kv: LayerKV
     v = (x @ w["self_attn.v_proj.weight"].T).view(n, c.num_kv_heads, c.head_dim)
     q = rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps).transpose(0, 1)
     k = rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps).transpose(0, 1)
-    cos, sin = rope_tables(c, torch.arange(past, past + n), x.dtype)
+    positions = torch.arange(past, past + n, device=x.device)
+    cos, sin = rope_tables(c, positions, x.dtype)
     keys, values = kv.append(apply_rope(k, cos, sin), v.transpose(0, 1))
     group = c.num_heads // c.num_kv_heads  # query heads per KV head (GQA)
     keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
     scores = (apply_rope(q, cos, sin) @ keys.transpose(1, 2)) * c.head_dim ** -0.5  # [heads, N, T]
-    visible = torch.arange(past + n)[None, :] <= torch.arange(past, past + n)[:, None]  # causal
+    visible = torch.arange(past + n, device=x.device)[None, :] <= positions[:, None]  # causal
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
     out = (probs @ values).transpose(0, 1).reshape(n, c.num_heads * c.head_dim)
