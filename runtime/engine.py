@@ -4,20 +4,25 @@ the orchestrator that walks the layers over the streaming pipeline's stages (doc
     ReadScheduler (read_scheduler.py)  what is read when: the dense region a layer ahead, expert bundles in
                                        expert-ID order, every expert / the hash layer's / the routed ones
     DeviceCopier (device_copier.py)    the bytes onto the compute device (a copy stream on CUDA; a no-op on a CPU)
-    ExpertRunner (expert_runner.py)    decode + matmul per expert as its bytes arrive, on work-stealing threads
+    expert backend                     ExpertRunner (expert_runner.py): decode + matmul per expert as its bytes
+                                       arrive, on work-stealing threads; GroupedExperts (grouped_experts.py)
 
-For each layer L: the dense region was prefetched while layer L-1 computed; all N tokens run through the
-attention (model.py); the router picks the experts; the layer's expert reads (queued ahead where they did not
-depend on the router) are computed as they arrive, the shared expert and the next layer's dense decode beside
-them; model.moe_finish adds the result to the residual streams. Every region the prefill needs is read exactly
-once. The embedding's rows are decoded for the prompt's tokens only; the LM head is read during the last layer
-and applied a slice at a time.
+The arithmetic is the model family's (families.base.LayerPrefill: `layer_prefill(container)` gives a family's,
+or DeepSeek-V4's, runtime/model.py DeepseekV4Prefill); this module holds no family's names. For each layer L: the
+dense region was prefetched while layer L-1 computed; all N tokens run through the family's attention (each
+prompt of a grouped pass on its own rows and past); the family's router picks the experts; the layer's expert
+reads (queued ahead where they did not depend on the router) are computed as they arrive, the family's work beside
+them (DeepSeek-V4's shared expert) and the next layer's dense decode beside them; the family's `finish` adds the
+result to the hidden rows. A layer without routed experts (a dense MLP) reads none. Every region the prefill
+needs is read exactly once. The embedding's rows are decoded for the prompt's tokens only; the LM head is read
+during the last layer and applied a slice at a time.
 
 CPU specifics: glibc is asked to keep freed activations for the next layer (io.keep_freed_memory). With
 `io_mode="mmap"` the reads are zero-copy: the experts decode straight from the mapped page cache.
-`compute_dtype="bfloat16"` keeps the attention's projections and the shared expert in bf16 (decoded straight to
-bf16 from FP8); residual streams, norms, mHC, router and softmax stay float32. The float32 default is the path
-that matches the reference to 1e-3.
+`compute_dtype="bfloat16"` keeps the matrices the family names (LayerPrefill.in_compute_dtype; DeepSeek-V4: the
+attention's projections and the shared expert) in bf16 (decoded straight to bf16 from FP8); the rest stays
+float32 (DeepSeek-V4: residual streams, norms, mHC, router and softmax). The float32 default is the path that
+matches the reference to 1e-3.
 """
 
 from __future__ import annotations

@@ -52,9 +52,9 @@ from torch import Tensor
 
 from moepack.families.base import ExpertGroups, ExpertTokens  # noqa: F401 (the routing's pieces, named here too)
 from moepack.families.base import ExpertNaming as FamilyExpertNaming
+from moepack.families.base import check_finite, not_finite  # noqa: F401 (decode and token_layer name them here)
 from moepack.families.base import MoeShape, PrefillNames
 from moepack.families.base import Routing as FamilyRouting
-from moepack.format_spec.errors import MoepackError
 from moepack.v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
 from moepack.v4.kv import CompressorState, LayerKVState
 
@@ -861,21 +861,6 @@ def moe_finish(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: T
     if shared is None:
         shared = shared_expert(cfg, w, routing)
     return check_finite(hc_post(streams, routed_out + shared, routing.post, routing.comb, into), layer)
-
-
-def check_finite(streams: Tensor, layer: int) -> Tensor:
-    """`streams`, unless they hold a NaN or an infinity: then a one-line error naming the layer (the first one, as
-    every layer is checked). One sum decides (any NaN or infinity makes it so; 9 ms for [4096, 4, 4096] where
-    isfinite().all() takes 370); only a sum that overflowed finite values looks further."""
-    if not bool(torch.isfinite(streams.sum())) and not bool(torch.isfinite(streams).all()):
-        raise not_finite(layer)
-    return streams
-
-
-def not_finite(layer: int) -> MoepackError:
-    """check_finite's error for `layer` (for a caller that checked the streams itself)."""
-    return MoepackError(f"layer {layer}: its output is not finite (NaN or infinity): a weight, or the KV "
-                        "continued, holds such values (moepack verify checks the container's)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from moepack.format_spec.errors import MoepackError
 
-from ..base import MoeShape, PrefillNames, Routing
+from ..base import MoeShape, PrefillNames, Routing, check_finite
 from .config import Qwen3MoeConfig
 from .model import LayerKV, after_experts, attention, rms_norm, route, swiglu_ffn
 from .tensors import EMBED, EXPERT_NAMING, FINAL_NORM, HEAD, layer_prefix
@@ -68,8 +68,8 @@ class Qwen3MoePrefill:
 
     def finish(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing, routed: Tensor | None,
                beside, into: Tensor | None) -> Tensor:
-        out = after_experts(self.config, layer, w, hidden, routing.x,
-                            routed.to(hidden.dtype) if routed is not None else None)
+        out = check_finite(after_experts(self.config, layer, w, hidden, routing.x,
+                                         routed.to(hidden.dtype) if routed is not None else None), layer)
         return into.copy_(out) if into is not None else out
 
     def head_input(self, w_globals: Mapping[str, Tensor], hidden: Tensor, rows: Tensor) -> Tensor:
