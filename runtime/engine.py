@@ -48,7 +48,6 @@ from moepack.format_spec.layout import SCALE_SUFFIXES
 from moepack.format_spec.reader import Block, Container, Region
 from moepack.format_spec.source_formats import fp8_decoder_compiled
 from moepack.v4.config import ConfigError, ModelConfig, unsupported
-from moepack.v4.kv import LayerKVState
 from moepack.v4.names import stored_names
 from moepack.v4.tensors import v4_tensor_specs
 
@@ -133,7 +132,8 @@ class PrefillResult:
     next_token: int
     stats: dict
     layers: list[LayerStats] = field(default_factory=list)
-    states: list[LayerKVState] | None = None  # each layer's KV state after the prompt (run(keep_kv=True))
+    # each layer's KV state after the prompt (run(keep_kv=True)), as the family keeps it (DeepSeek-V4: LayerKVState)
+    states: list | None = None
     tokens_per_expert: list[list[int]] | None = None  # per layer, how many tokens the router sent to each expert
 
 
@@ -302,7 +302,7 @@ class StreamingPrefill:
     (ReadScheduler -> DeviceCopier -> ExpertRunner). Use `run(token_ids)`."""
 
     def __init__(self, container: Container, options: PrefillOptions,
-                 on_layer_kv: Callable[[int, LayerKVState], None] | None = None, dist=None,
+                 on_layer_kv: Callable[[int, object], None] | None = None, dist=None,
                  resident_dense: list[dict] | None = None, keep_expert: Callable | None = None):
         if options.expert_ownership not in EXPERT_OWNERSHIPS:
             raise MoepackError(f"unknown expert ownership {options.expert_ownership!r} "
@@ -357,8 +357,9 @@ class StreamingPrefill:
     # --- the prefill ---------------------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, past: list | None = None, chunk_tokens: int | None = None,
             keep_kv: bool = False, should_stop: Callable[[], bool] | None = None) -> PrefillResult:
-        """Prefill `token_ids`; with `past` (one LayerKVState per layer, e.g. `read_kv(...).layers`) the tokens
-        continue that state at positions P.., P = past[0].seen_tokens (the list's entries are released as used).
+        """Prefill `token_ids`; with `past` (one state per layer as the family keeps it, e.g. DeepSeek-V4's
+        `read_kv(...).layers`, or an earlier run's `states`) the tokens continue that state at positions P.., P the
+        tokens it covers (LayerPrefill.seen_tokens; the list's entries are released as used).
 
         `chunk_tokens` runs the usual chunked prefill instead (chunk-major: every chunk through every layer, each
         chunk continuing the previous one's state): the same logits, but the model is read ceil(N / C) times. It
@@ -391,8 +392,8 @@ class StreamingPrefill:
                  should_stop: Callable[[], bool] | None = None) -> list[PrefillResult]:
         """Prefill several prompts in ONE layer-major pass: their tokens concatenated, each layer's dense weights and
         every routed expert read (and decoded) once for all of them. The attention runs per prompt on its own rows,
-        at its own positions, continuing its own `pasts` entry (one LayerKVState per layer, as run's `past`, or
-        None); mHC, the router, the routed and the shared experts run on all rows at once.
+        at its own positions, continuing its own `pasts` entry (one state per layer, as run's `past`, or
+        None); the rest of a layer (DeepSeek-V4: mHC, the router, the routed and shared experts) on all rows at once.
 
         Result i is what run(prompts[i], pasts[i], keep_kv=keep_kv) gives, to float32 rounding (an expert's matmul
         sees the other prompts' rows too): prompt i's own last-position logits, states and tokens per expert. Its

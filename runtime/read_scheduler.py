@@ -241,13 +241,13 @@ class ReadScheduler:
         self.checker.begin_pass()
         self._ahead = self._queue_from(0, READ_AHEAD_LAYERS + 1)
 
-    def reads_before_router(self, layer: int, token_ids: torch.Tensor, tid2eid) -> list | None:
+    def reads_before_router(self, layer: int, token_ids: torch.Tensor, hash_table) -> list | None:
         """The layer's expert reads where they are known before its router runs (queued ahead, or a hash layer's
-        from the token ids, `tid2eid` giving its table), else None."""
+        from the token ids, `hash_table()` giving its token id -> experts table), else None."""
         self._ahead = self._queue_from(self._ahead, layer + 1 + READ_AHEAD_LAYERS)  # top up
         reads = self._queued.pop(layer, None)
         if layer == self._ahead and self.selection(layer, self._n_tokens) == "hash":
-            chosen = tid2eid()[token_ids].reshape(-1)
+            chosen = hash_table()[token_ids].reshape(-1)
             block = self.c.layers[layer]
             if self.balanced:
                 self._balance(layer, torch.bincount(chosen, minlength=len(block.experts)).tolist())

@@ -148,7 +148,8 @@ def _mutated(source: str, target, change) -> str:
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda index: index["config"].update(num_experts=7, num_local_experts=7), "layers.1 holds 6 experts, the config implies 7"),
+    (lambda index: index["config"].update(num_experts=7, num_local_experts=7),
+     "layers.1 holds 6 experts, the config implies 7"),
     (lambda index: index["config"].update(hidden_size=64),
      "tensor model.embed_tokens.weight has shape [300, 160], the config implies [300, 64]"),
     (lambda index: index["config"].update(hidden_act="gelu"), "hidden_act: 'gelu' is not supported"),
@@ -192,3 +193,38 @@ def test_out_of_vocabulary_ids_and_kv_directories_are_refused(qwen3, tmp_path):
     with pytest.raises(MoepackError, match="KV is not written to or continued from a KV directory"):
         prefill(container, PROMPT, _options(), kv_out=str(tmp_path / "kv"))
     assert not (tmp_path / "kv").exists()
+
+
+# ------------------------------------------------------------------------------------------ the engine's boundary
+
+
+def test_the_engine_and_the_read_scheduler_name_no_family():
+    """What DeepSeek-V4 computes is its LayerPrefill's (runtime/model.py DeepseekV4Prefill): the engine and the read
+    scheduler spell none of its names (its tensors, its functions, its config's fields)."""
+    import inspect
+
+    from moepack.runtime import engine, read_scheduler
+
+    v4_names = ("tid2eid", '"embed.weight"', "HEAD_GLOBALS", "residual_streams", "attention_sublayer", "moe_route",
+                "moe_finish", "shared_expert", "clamped_swiglu", "EXPERT_NAMING", "hc_mult", "swiglu_limit",
+                "num_experts_per_tok", "head_weight", "rope_rotation", "w1.weight")
+    for module in (engine, read_scheduler):
+        source = inspect.getsource(module)
+        assert [n for n in v4_names if n in source] == [], module.__name__
+
+
+def test_a_stop_between_layers_cancels_a_qwen3_prefill(qwen3):
+    from moepack.runtime.engine import GenerationCancelled
+
+    container, _ = qwen3["float32"]
+    asked = []
+    with Container(container) as c:
+        engine = StreamingPrefill(c, _options())
+        try:
+            with pytest.raises(GenerationCancelled) as e:
+                engine.run(torch.tensor(PROMPT), should_stop=lambda: asked.append(1) or len(asked) > 2)
+            assert e.value.layers_done == 2
+            again = engine.run(torch.tensor(PROMPT))  # the engine runs on after a cancelled pass
+        finally:
+            engine.close()
+    assert again.next_token == prefill(container, PROMPT, _options()).next_token
