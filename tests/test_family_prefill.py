@@ -228,3 +228,19 @@ def test_a_stop_between_layers_cancels_a_qwen3_prefill(qwen3):
         finally:
             engine.close()
     assert again.next_token == prefill(container, PROMPT, _options()).next_token
+
+
+def test_both_models_implement_the_protocol(qwen3, tmp_path_factory):
+    from containers import tiny_keep_container
+
+    from moepack.families.base import LayerPrefill
+    from moepack.runtime.engine import layer_prefill
+    from moepack.runtime.model import DeepseekV4Prefill
+
+    with Container(tiny_keep_container(tmp_path_factory)) as c:
+        v4 = layer_prefill(c, torch.float32)
+    with Container(qwen3["float32"][0]) as c:
+        family = layer_prefill(c, torch.float32)
+    assert isinstance(v4, DeepseekV4Prefill) and isinstance(v4, LayerPrefill) and isinstance(family, LayerPrefill)
+    assert v4.shape.moe_layers == tuple(range(v4.shape.num_layers)) and v4.shape.hash_layers
+    assert family.shape.moe_layers == (1,) and family.names.head == "lm_head.weight"
