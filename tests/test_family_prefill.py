@@ -51,6 +51,9 @@ def qwen3(tmp_path_factory):
             model = reference(src)  # transformers' float32 load of what was saved (a bf16 checkpoint widened)
         out[layout] = str(base / f"{layout}.moepack"), model
         convert_checkpoint(str(src), out[layout][0], policy="keep", progress=False)
+    # the routed experts as MXFP4 (--fp4): compared with the family's forward over the container's values
+    out["fp4"] = str(base / "fp4.moepack"), None
+    convert_checkpoint(str(base / "float32"), out["fp4"][0], policy="fp4", progress=False)
     return out
 
 
@@ -67,6 +70,19 @@ def test_prefill_logits_equal_transformers(qwen3, layout, backend):
         experts = [len(b.experts) for b in c.layers]
     # every expert of a routed layer read once, none of a dense-MLP layer's (it has none)
     assert [s.experts_read for s in result.layers] == experts and 0 in experts and max(experts) == 6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp4_experts_equal_the_familys_forward_over_the_containers_values(qwen3, backend):
+    from test_qwen3_moe_container import container_checkpoint
+
+    from moepack.families.qwen3_moe.model import forward
+
+    container, _ = qwen3["fp4"]
+    with Container(container) as c:
+        assert c.tensors["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == "MXFP4"
+    want = forward(container_checkpoint(container), PROMPT)[-1]
+    torch.testing.assert_close(prefill(container, PROMPT, _options(backend)).logits, want, atol=ATOL, rtol=0)
 
 
 def test_routed_reads_only_the_chosen_experts(qwen3):
