@@ -260,3 +260,20 @@ def test_both_models_implement_the_protocol(qwen3, tmp_path_factory):
     assert isinstance(v4, DeepseekV4Prefill) and isinstance(v4, LayerPrefill) and isinstance(family, LayerPrefill)
     assert v4.shape.moe_layers == tuple(range(v4.shape.num_layers)) and v4.shape.hash_layers
     assert family.shape.moe_layers == (1,) and family.names.head == "lm_head.weight"
+
+
+def test_query_chunks_give_the_same_logits_and_a_stop_between_them(qwen3):
+    from moepack.runtime.engine import GenerationCancelled
+
+    container, model = qwen3["float32"]
+    want = reference_logits(model, PROMPT)[-1]
+    torch.testing.assert_close(prefill(container, PROMPT, _options(query_chunk=2)).logits, want, atol=ATOL, rtol=0)
+    asked = []
+    with Container(container) as c:
+        engine = StreamingPrefill(c, _options(query_chunk=2))
+        try:  # asked before layer 0, then before each of its chunks after the first: the third ask is mid-layer
+            with pytest.raises(GenerationCancelled) as e:
+                engine.run(torch.tensor(PROMPT), should_stop=lambda: asked.append(1) or len(asked) == 3)
+        finally:
+            engine.close()
+    assert e.value.layers_done == 0 and len(asked) == 3

@@ -18,6 +18,8 @@ from .model import LayerKV, after_experts, attention, rms_norm, route, swiglu_ff
 from .tensors import EMBED, EXPERT_NAMING, FINAL_NORM, HEAD, layer_prefix
 
 F32 = 4  # bytes the memory estimate counts per value (generous for a bf16 prefill)
+# queries per attention chunk where --query-chunk does not bound it: a chunk's scores are [heads, chunk, keys]
+QUERY_CHUNK = 1024
 
 
 class Qwen3MoePrefill:
@@ -49,10 +51,12 @@ class Qwen3MoePrefill:
     def attention(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, positions: Tensor, past: LayerKV | None,
                   query_chunk: int | None, into: Tensor | None, between_chunks: Callable[[], None] | None
                   ) -> tuple[Tensor, LayerKV]:
-        # one chunk: every query at once (the positions follow from the past's length: arange(P, P + n))
+        # (the positions follow from the past's length: arange(P, P + n))
         kv = LayerKV() if past is None else LayerKV(_on(past.keys, hidden), _on(past.values, hidden))
         c = self.config
-        out = hidden + attention(c, w, rms_norm(hidden, w["input_layernorm.weight"], c.rms_norm_eps), kv)
+        x = rms_norm(hidden, w["input_layernorm.weight"], c.rms_norm_eps)
+        out = hidden + attention(c, w, x, kv, query_chunk or self.preferred_query_chunk(hidden.device),
+                                 between_chunks)
         return (into.copy_(out) if into is not None else out), kv
 
     def route(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, token_ids: Tensor) -> Routing:
@@ -84,7 +88,7 @@ class Qwen3MoePrefill:
         return F.silu(gate) * up
 
     def preferred_query_chunk(self, device) -> int:
-        return 1 << 30  # one chunk: the attention takes every query at once
+        return QUERY_CHUNK
 
     def working_set(self, n_tokens: int, query_chunk: int) -> dict[str, int]:
         c = self.config
@@ -94,8 +98,10 @@ class Qwen3MoePrefill:
             "activations": n_tokens * F32 * (8 * c.hidden_size + 2 * c.num_heads * c.head_dim
                                              + 3 * c.intermediate_size),
             "kv": n_tokens * kv_row * c.num_layers,  # every layer's keys and values stay for the tokens after
-            # the scores, their softmax and its output of every query over every key ([heads, N, T] each)
-            "attention_chunk": 3 * c.num_heads * n_tokens * n_tokens * F32,
+            # a query chunk's scores, their softmax and its output over every key ([heads, chunk, T] each), and
+            # the keys and values repeated for every query head
+            "attention_chunk": 3 * c.num_heads * query_chunk * n_tokens * F32 + 2 * c.num_heads * c.head_dim
+            * n_tokens * F32,
         }
 
     def close(self) -> None:
