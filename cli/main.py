@@ -262,9 +262,7 @@ def verify(file, source, revision, as_json):
             raise MoepackError(f"{c.path}: {problem}")
         if family is None:
             model_config(c, computable=False)
-        refused = (unsupported(c.config) if family is None else
-                   f"the runtime does not yet run {family.name} containers (convert, verify, inspect, plan and "
-                   "export do)")
+        refused = unsupported(c.config) if family is None else None  # a family's config: checked above
     with progress_bar(total, "verify", not as_json) as bar:
         result = verify_container(file, on_bytes=bar.update).as_dict()
     result["prefill"] = f"refused: {refused}" if refused else "ok"

@@ -4,20 +4,25 @@ the orchestrator that walks the layers over the streaming pipeline's stages (doc
     ReadScheduler (read_scheduler.py)  what is read when: the dense region a layer ahead, expert bundles in
                                        expert-ID order, every expert / the hash layer's / the routed ones
     DeviceCopier (device_copier.py)    the bytes onto the compute device (a copy stream on CUDA; a no-op on a CPU)
-    ExpertRunner (expert_runner.py)    decode + matmul per expert as its bytes arrive, on work-stealing threads
+    expert backend                     ExpertRunner (expert_runner.py): decode + matmul per expert as its bytes
+                                       arrive, on work-stealing threads; GroupedExperts (grouped_experts.py)
 
-For each layer L: the dense region was prefetched while layer L-1 computed; all N tokens run through the
-attention (model.py); the router picks the experts; the layer's expert reads (queued ahead where they did not
-depend on the router) are computed as they arrive, the shared expert and the next layer's dense decode beside
-them; model.moe_finish adds the result to the residual streams. Every region the prefill needs is read exactly
-once. The embedding's rows are decoded for the prompt's tokens only; the LM head is read during the last layer
-and applied a slice at a time.
+The arithmetic is the model family's (families.base.LayerPrefill: `layer_prefill(container)` gives a family's,
+or DeepSeek-V4's, runtime/model.py DeepseekV4Prefill); this module holds no family's names. For each layer L: the
+dense region was prefetched while layer L-1 computed; all N tokens run through the family's attention (each
+prompt of a grouped pass on its own rows and past); the family's router picks the experts; the layer's expert
+reads (queued ahead where they did not depend on the router) are computed as they arrive, the family's work beside
+them (DeepSeek-V4's shared expert) and the next layer's dense decode beside them; the family's `finish` adds the
+result to the hidden rows. A layer without routed experts (a dense MLP) reads none. Every region the prefill
+needs is read exactly once. The embedding's rows are decoded for the prompt's tokens only; the LM head is read
+during the last layer and applied a slice at a time.
 
 CPU specifics: glibc is asked to keep freed activations for the next layer (io.keep_freed_memory). With
 `io_mode="mmap"` the reads are zero-copy: the experts decode straight from the mapped page cache.
-`compute_dtype="bfloat16"` keeps the attention's projections and the shared expert in bf16 (decoded straight to
-bf16 from FP8); residual streams, norms, mHC, router and softmax stay float32. The float32 default is the path
-that matches the reference to 1e-3.
+`compute_dtype="bfloat16"` keeps the matrices the family names (LayerPrefill.in_compute_dtype; DeepSeek-V4: the
+attention's projections and the shared expert) in bf16 (decoded straight to bf16 from FP8); the rest stays
+float32 (DeepSeek-V4: residual streams, norms, mHC, router and softmax). The float32 default is the path that
+matches the reference to 1e-3.
 """
 
 from __future__ import annotations
@@ -30,30 +35,29 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from moepack.families import container_problem, family_of_architecture
+from moepack.families.base import LayerPrefill
 from moepack.format_spec.decode import (companion_names, decode_group, decode_group_row_slices, decode_group_rows,
                                         entry_bytes)
 from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.layout import SCALE_SUFFIXES
 from moepack.format_spec.reader import Block, Container, Region
 from moepack.format_spec.source_formats import fp8_decoder_compiled
-from moepack.v4.config import CSA, HCA, ConfigError, ModelConfig, unsupported
-from moepack.v4.kv import LayerKVState
+from moepack.v4.config import ConfigError, ModelConfig, unsupported
 from moepack.v4.names import stored_names
 from moepack.v4.tensors import v4_tensor_specs
 
 from . import model
-from .model import HEAD_GLOBALS
 from .device_copier import DeviceCopier
 from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
 from .tuning import default_compute_dtype
 from .limits import MAX_BUNDLE_EXPERTS
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
-from .grouped_experts import GroupedExperts, resolve_expert_backend
+from .grouped_experts import ExpertNaming, GroupedExperts, resolve_expert_backend
 from .io import HostBuffer, available_memory_bytes, cpu_steal_seconds, keep_freed_memory, release_freed_memory
 from .resident import place_that_fits, resident_bytes
 from .read_scheduler import (EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, global_regions,
@@ -128,45 +132,38 @@ class PrefillResult:
     next_token: int
     stats: dict
     layers: list[LayerStats] = field(default_factory=list)
-    states: list[LayerKVState] | None = None  # each layer's KV state after the prompt (run(keep_kv=True))
+    # each layer's KV state after the prompt (run(keep_kv=True)), as the family keeps it (DeepSeek-V4: LayerKVState)
+    states: list | None = None
     tokens_per_expert: list[list[int]] | None = None  # per layer, how many tokens the router sent to each expert
 
 
-def estimate_working_set(cfg: ModelConfig, n_tokens: int, query_chunk: int | None, dense_bytes: int,
+def estimate_working_set(family: LayerPrefill, n_tokens: int, query_chunk: int | None, dense_bytes: int,
                          bundle_bytes: int, pool_buffers: int, expert_params: int,
                          expert_threads: int = 1, globals_bytes: int = 0, decode_scratch_bytes: int = 0,
                          grouped_pairs: int = 0, decoded_experts: int | None = None,
                          device_chunk: int = ESTIMATE_QUERY_CHUNK) -> dict[str, int]:
-    """Bytes a prefill of n_tokens needs at its peak (float32 compute), by component. Deliberately generous:
+    """Bytes a prefill of n_tokens needs at its peak (float32 compute), by component: the family's activations,
+    KV and attention (`family.working_set`), the routed experts' rows and the weights. Deliberately generous:
     it decides whether to refuse a prompt before any work is done. `expert_threads`: threads that each gather
     an expert's rows (the per-expert backend); `decoded_experts`: experts decoded at once (default: one per expert
     thread); `grouped_pairs`: the grouped backend's (token, expert) pairs; `device_chunk`: the attention's query
     chunk where `query_chunk` does not bound it."""
     f32 = 4
     chunk = min(query_chunk or device_chunk, n_tokens)
-    hc, hidden = cfg.hc_mult, cfg.hidden_size
-    # residual streams (in and out of a sublayer), mHC collapse, FFN input, routed accumulator, projections
-    activations = n_tokens * hidden * f32 * (3 * hc + 8)
-    # the layer's K=V, compressor projections (2 series) and indexer keys, for every token
-    kv = n_tokens * f32 * (cfg.head_dim * 5 + cfg.index_head_dim * 4)
-    csa = max([r for r, t in zip(cfg.compress_rates, cfg.layer_types) if t == CSA] or [0])
-    hca = max([r for r, t in zip(cfg.compress_rates, cfg.layer_types) if t == HCA] or [0])
-    keys = cfg.sliding_window + cfg.index_topk + (n_tokens // hca if hca else 0)
-    attention = chunk * cfg.num_heads * (keys + cfg.head_dim) * f32 * 3
-    indexer = chunk * cfg.index_n_heads * (n_tokens // csa if csa else 0) * f32 * 2
+    hidden, inner = family.shape.hidden_size, family.shape.expert_intermediate
+    parts = dict(family.working_set(n_tokens, chunk))
     # the routed experts: the FFN input in their dtype and the float32 sum (expert_runner.OrderedSum), and on each
     # expert thread one expert's gathered rows and outputs (at most every token's), or outputs waiting their turn
-    activations += n_tokens * hidden * f32 * (2 + 2 * expert_threads)
+    parts["activations"] += n_tokens * hidden * f32 * (2 + 2 * expert_threads)
     # the grouped backend: every pair's input and output rows ([P, H] each, P = N x top_k), and a read's gate and up
     # outputs and activation (at most every pair's)
-    activations += grouped_pairs * f32 * (2 * hidden + 3 * cfg.moe_intermediate_size)
+    parts["activations"] += grouped_pairs * f32 * (2 * hidden + 3 * inner)
     # the read pool, and each expert thread's decoded weights
     # `globals_bytes`: the LM head's bytes, read during the last layer, and a decoded slice of it;
     # `decode_scratch_bytes`: what decoding the largest dense matrix needs besides its bytes and its output
     decoded_experts = expert_threads if decoded_experts is None else decoded_experts
-    weights = (dense_bytes * 5 + bundle_bytes * (pool_buffers + 2) + expert_params * f32 * 2 * decoded_experts
-               + globals_bytes + decode_scratch_bytes)
-    parts = {"activations": activations, "kv": kv, "attention_chunk": attention + indexer, "weights": weights}
+    parts["weights"] = (dense_bytes * 5 + bundle_bytes * (pool_buffers + 2) + expert_params * f32 * 2 * decoded_experts
+                        + globals_bytes + decode_scratch_bytes)
     parts["total"] = sum(parts.values())
     return parts
 
@@ -178,8 +175,8 @@ def model_config(container: Container, computable: bool = True) -> ModelConfig:
     or, for an optional one such as the router's bias, silently differ). `moepack verify` runs it too."""
     c = container
     if c.architecture != "deepseek_v4":
-        raise MoepackError(f"{c.path} holds a {c.architecture!r} model; this runtime prefills "
-                           f"DeepSeek-V4 (deepseek_v4) containers")
+        raise MoepackError(f"{c.path} holds a {c.architecture!r} model; this runtime computes "
+                           f"DeepSeek-V4 (deepseek_v4) containers here")
     try:
         cfg = ModelConfig.from_hf(c.config)
     except ConfigError as e:
@@ -200,6 +197,25 @@ def model_config(container: Container, computable: bool = True) -> ModelConfig:
             raise MoepackError(f"{c.path}: tensor {spec.name} is {list(t.shape)} but the config says "
                                f"{list(spec.shape)}")
     return cfg
+
+
+def layer_prefill(container: Container, compute_dtype: torch.dtype) -> LayerPrefill:
+    """The arithmetic of the model a container holds (families.base.LayerPrefill), its config and tensors checked
+    before anything is read: a family's (families.container_problem: the config its family reads, every tensor
+    of its schema with its shape), else DeepSeek-V4's (model_config)."""
+    family, problem = container_problem(container)
+    if problem:
+        raise MoepackError(f"{container.path}: {problem}")
+    if family is None:
+        return model.DeepseekV4Prefill(model_config(container))
+    return family.layer_prefill(family.parse_config(container.config), compute_dtype)
+
+
+def backend_naming(family: LayerPrefill) -> ExpertNaming:
+    """The family's expert names (by layer) as the expert backends take them (by block)."""
+    naming = family.expert_naming
+    return ExpertNaming(prefix=lambda block, expert: naming.prefix(block.number, expert), gate=naming.gate,
+                        up=naming.up, down=naming.down)
 
 
 def compute_device(name: str) -> torch.device:
@@ -286,7 +302,7 @@ class StreamingPrefill:
     (ReadScheduler -> DeviceCopier -> ExpertRunner). Use `run(token_ids)`."""
 
     def __init__(self, container: Container, options: PrefillOptions,
-                 on_layer_kv: Callable[[int, LayerKVState], None] | None = None, dist=None,
+                 on_layer_kv: Callable[[int, object], None] | None = None, dist=None,
                  resident_dense: list[dict] | None = None, keep_expert: Callable | None = None):
         if options.expert_ownership not in EXPERT_OWNERSHIPS:
             raise MoepackError(f"unknown expert ownership {options.expert_ownership!r} "
@@ -301,12 +317,14 @@ class StreamingPrefill:
         self.opt = options
         # CPU: activations reused layer to layer, not faulted in again
         self.malloc_keeps_freed = self.device.type == "cpu" and keep_freed_memory()
-        self.cfg = model_config(container)
         for what, value in (("compute", options.compute_dtype), ("expert", options.expert_dtype)):
             if value is not None and value not in EXPERT_DTYPES:
                 raise MoepackError(f"unknown {what} dtype {value!r} (choose from {', '.join(EXPERT_DTYPES)})")
         self.compute_dtype = EXPERT_DTYPES[options.compute_dtype]
         self.expert_dtype = EXPERT_DTYPES[options.expert_dtype or options.compute_dtype]
+        # the model's arithmetic, its family's (checked before anything is read)
+        self.family = layer_prefill(container, self.compute_dtype)
+        self.cfg = self.family.config
         self.on_layer_kv = on_layer_kv
         # every layer's dense weights already decoded on the device (a server keeps them): none is read again
         self.resident_dense = resident_dense
@@ -317,7 +335,7 @@ class StreamingPrefill:
             self.resident, loaded = resident_bytes(container, "device" if options.device_resident else "host",
                                                    self.device, options.verify_reads, options.load_progress)
             self.resident_load_s = self.resident.load_seconds if loaded else 0.0
-        self.reads = ReadScheduler(container, self.cfg, bundle_experts=options.bundle_experts,
+        self.reads = ReadScheduler(container, self.family.shape, bundle_experts=options.bundle_experts,
                                    queue_depth=options.queue_depth, io_mode=options.io_mode,
                                    expert_selection=options.expert_selection, verify_reads=options.verify_reads,
                                    device=self.device, dist=dist,
@@ -325,30 +343,33 @@ class StreamingPrefill:
                                    resident=self.resident)
         self.copier = DeviceCopier(self.device)
         self.expert_backend = resolve_expert_backend(options.expert_backend, self.device)
+        naming = backend_naming(self.family)
         if self.expert_backend == "grouped":
-            activation = partial(model.clamped_swiglu, limit=self.cfg.swiglu_limit)
-            self.experts = GroupedExperts(model.EXPERT_NAMING, activation, self.device, self.expert_dtype, self.reads.checker, self.copier,
-                                          self.reads.experts_pipe.release, self.compute, options.bundle_experts)
+            self.experts = GroupedExperts(naming, self.family.expert_activation, self.device, self.expert_dtype,
+                                          self.reads.checker, self.copier, self.reads.experts_pipe.release,
+                                          self.compute, options.bundle_experts)
         else:
             self.experts = ExpertRunner(self.cfg, self.device, self.expert_dtype, self.reads.checker, self.copier,
-                                        self.reads.experts_pipe.release, self.compute, options.fused_max_tokens)
+                                        self.reads.experts_pipe.release, self.compute, options.fused_max_tokens,
+                                        naming=naming, expert_ffn=self.family.expert_ffn)
         self.experts.keep_expert = keep_expert  # (ExpertRunner.keep_expert: decode's cache takes the bytes)
 
     # --- the prefill ---------------------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, past: list | None = None, chunk_tokens: int | None = None,
             keep_kv: bool = False, should_stop: Callable[[], bool] | None = None) -> PrefillResult:
-        """Prefill `token_ids`; with `past` (one LayerKVState per layer, e.g. `read_kv(...).layers`) the tokens
-        continue that state at positions P.., P = past[0].seen_tokens (the list's entries are released as used).
+        """Prefill `token_ids`; with `past` (one state per layer as the family keeps it, e.g. DeepSeek-V4's
+        `read_kv(...).layers`, or an earlier run's `states`) the tokens continue that state at positions P.., P the
+        tokens it covers (LayerPrefill.seen_tokens; the list's entries are released as used).
 
         `chunk_tokens` runs the usual chunked prefill instead (chunk-major: every chunk through every layer, each
         chunk continuing the previous one's state): the same logits, but the model is read ceil(N / C) times. It
         exists to measure what layer-major order saves. `keep_kv`: the result holds every layer's state after the
         prompt (what a decode goes on from). `should_stop()` is asked before each layer (the first time once every
         check has passed) and between a layer's query chunks; true raises GenerationCancelled."""
-        n_tokens = check_prompt_ids(token_ids, self.cfg.vocab_size)
+        n_tokens = check_prompt_ids(token_ids, self.family.shape.vocab_size)
         if chunk_tokens is not None and chunk_tokens < 1:
             raise MoepackError("--chunk-tokens must be at least 1")
-        past_tokens = past[0].seen_tokens if past else 0
+        past_tokens = self.family.seen_tokens(past[0]) if past else 0
         self.check_memory(past_tokens + n_tokens)
         start, steal_before = self._pass_starts()
         chunks = token_ids.split(chunk_tokens) if chunk_tokens else [token_ids]
@@ -371,8 +392,8 @@ class StreamingPrefill:
                  should_stop: Callable[[], bool] | None = None) -> list[PrefillResult]:
         """Prefill several prompts in ONE layer-major pass: their tokens concatenated, each layer's dense weights and
         every routed expert read (and decoded) once for all of them. The attention runs per prompt on its own rows,
-        at its own positions, continuing its own `pasts` entry (one LayerKVState per layer, as run's `past`, or
-        None); mHC, the router, the routed and the shared experts run on all rows at once.
+        at its own positions, continuing its own `pasts` entry (one state per layer, as run's `past`, or
+        None); the rest of a layer (DeepSeek-V4: mHC, the router, the routed and shared experts) on all rows at once.
 
         Result i is what run(prompts[i], pasts[i], keep_kv=keep_kv) gives, to float32 rounding (an expert's matmul
         sees the other prompts' rows too): prompt i's own last-position logits, states and tokens per expert. Its
@@ -393,8 +414,8 @@ class StreamingPrefill:
         pasts = list(pasts) if pasts is not None else [None] * len(prompts)
         if len(pasts) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(pasts)} past states")
-        lengths = [check_prompt_ids(ids, self.cfg.vocab_size) for ids in prompts]
-        self.check_memory(sum(lengths) + sum(past[0].seen_tokens for past in pasts if past))
+        lengths = [check_prompt_ids(ids, self.family.shape.vocab_size) for ids in prompts]
+        self.check_memory(sum(lengths) + sum(self.family.seen_tokens(past[0]) for past in pasts if past))
         start, steal_before = self._pass_starts()
         with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype):
             logits, layer_stats, states, counts = self._forward(
@@ -427,33 +448,36 @@ class StreamingPrefill:
         """One pass of `token_ids` through every layer (reading each region once): one prompt, or the prompts of
         `lengths` tokens each, concatenated (run_many), `pasts` one entry per prompt. Returns each prompt's last
         position's logits [prompts, vocab], per-layer stats (all prompts), and per prompt (keep_states) its new
-        per-layer states and the tokens its router sent to each expert of each layer."""
-        cfg, layers = self.cfg, self.c.layers
+        per-layer states and the tokens its router sent to each expert of each layer. The arithmetic is the
+        family's (self.family, families.base.LayerPrefill); the reads, the experts and the order are this one's."""
+        family, blocks, names = self.family, self.c.layers, self.family.names
+        moe_layers = set(family.shape.moe_layers)
         n_tokens = int(token_ids.numel())
         lengths = lengths or [n_tokens]
         ends = list(itertools.accumulate(lengths))
         spans = [(end - n, end) for n, end in zip(lengths, ends)]  # each prompt's rows
         positions = [torch.arange(first, first + n, device=self.device)
-                     for first, n in zip((past[0].seen_tokens if past else 0 for past in pasts), lengths)]
+                     for first, n in zip((family.seen_tokens(past[0]) if past else 0 for past in pasts), lengths)]
         # The embedding's bytes first: the first the compute needs (queued behind the expert reads, they would make
         # the compute wait for the disk before it could start; read first, they cost the disk a few milliseconds).
         # Only the prompt's rows are decoded, on the host, once the first layer's reads are queued: a
         # vocabulary-sized table is not pinned for them unless it is also the head (tied), which goes to the device
-        embed_bytes = self.reads.read_globals(["embed.weight"], for_device=cfg.tie_word_embeddings)
+        embed_bytes = self.reads.read_globals([names.embedding], for_device=names.tied)
         resident = self.resident_dense
-        pending_dense = self.reads.submit_dense(layers[0]) if resident is None else None
+        pending_dense = self.reads.submit_dense(blocks[0]) if resident is None else None
         self.reads.begin(n_tokens)
-        streams = model.residual_streams(cfg, self._embeddings(embed_bytes, token_ids))
+        hidden = family.hidden_from_embeddings(self._embeddings(embed_bytes, token_ids))
         # a head tied to the embedding uses the bytes just read: read once per prompt, like every region
-        held_for_head = embed_bytes if cfg.tie_word_embeddings else None
+        held_for_head = embed_bytes if names.tied else None
         del embed_bytes
+        head_names = (*names.head_globals, names.head)
         head_bytes: Future | None = None  # read during the last layer, beside its experts
-        spare: torch.Tensor | None = None  # the streams' second buffer
+        spare: torch.Tensor | None = None  # the hidden rows' second buffer
         layer_stats: list[LayerStats] = []
         counts: list[list[list[int]]] = [[] for _ in spans]  # per prompt, per layer, tokens per expert
         states = [[] for _ in spans] if keep_states else [None] * len(spans)
         next_w = None  # this layer's dense weights, decoded beside the previous layer's experts
-        for number, block in enumerate(layers):
+        for number, block in enumerate(blocks):
             # between layers (and between a layer's query chunks) only reads queued ahead are in flight: close()
             # cancels them or waits them out
             between = stop_check(should_stop, number)
@@ -463,25 +487,26 @@ class StreamingPrefill:
                 w = resident[number]
             else:
                 w = next_w if next_w is not None else self._dense_weights(block, pending_dense)
-            reads = self.reads.reads_before_router(number, token_ids, lambda: w["ffn.gate.tid2eid"])
-            if number + 1 < len(layers) and resident is None:
-                pending_dense = self.reads.submit_dense(layers[number + 1])
+            # a hash layer's experts come from the token ids: read before its attention
+            reads = self.reads.reads_before_router(number, token_ids, lambda: family.hash_table(number, w))
+            if number + 1 < len(blocks) and resident is None:
+                pending_dense = self.reads.submit_dense(blocks[number + 1])
             with self.compute:
-                # the streams alternate between two buffers: [N, hc, H] is over glibc's 32 MiB mmap threshold from
-                # N = 2048 (V4-Flash: N = 512), where each fresh allocation would fault in every page again
-                spare = torch.empty_like(streams) if spare is None else spare
-                # each prompt attends on its own rows (its positions, its past); their new streams fill `spare`
+                # the hidden rows alternate between two buffers: DeepSeek-V4's [N, hc, H] is over glibc's 32 MiB
+                # mmap threshold from N = 2048 (V4-Flash: N = 512), where each fresh allocation would fault in every
+                # page again
+                spare = torch.empty_like(hidden) if spare is None else spare
+                # each prompt attends on its own rows (its positions, its past); their new rows fill `spare`
                 kv_states = []
                 for (a, b), past, prompt_positions in zip(spans, pasts, positions):
-                    layer_past = past[number].to(self.device) if past else None
-                    kv_states.append(model.attention_sublayer(cfg, number, w, streams[a:b], prompt_positions,
-                                                              self.opt.query_chunk, layer_past, into=spare[a:b],
-                                                              between_chunks=between)[1])
+                    kv_states.append(family.attention(number, w, hidden[a:b], prompt_positions,
+                                                      past[number] if past else None, self.opt.query_chunk,
+                                                      spare[a:b], between)[1])
                     if past:
-                        past[number] = layer_past = None  # the old state is folded into the new one
-                streams, spare = spare, streams
-                routing = model.moe_route(cfg, number, w, streams, token_ids)
-                by_expert = routing.tokens_by_expert()
+                        past[number] = None  # the old state is folded into the new one
+                hidden, spare = spare, hidden
+                routing = family.route(number, w, hidden, token_ids)
+                by_expert = routing.tokens_by_expert() if number in moe_layers else {}
             if emit_kv and self.on_layer_kv is not None:  # (one prompt: run_many refuses on_layer_kv)
                 self.on_layer_kv(number, kv_states[0])  # the layer's KV is final: it leaves the device now
             if keep_states:
@@ -490,33 +515,47 @@ class StreamingPrefill:
             del kv_states
             if reads is None:
                 reads = self.reads.reads_after_router(number, by_expert)
-            if number == len(layers) - 1:  # after the layer's expert reads: the head is needed last
-                head_bytes = self.reads.read_globals_later((*HEAD_GLOBALS, cfg.head_weight), held_for_head)
-            # beside the routed experts (and while they wait for the disk): the shared expert, and the next
-            # layer's dense decode (its read began before this layer's attention) instead of alone later with a
-            # core idle. Without expert threads the shared expert runs in moe_finish.
-            beside = [(model.shared_expert, (cfg, w, routing), True)]
-            if number + 1 < len(layers) and resident is None:
-                beside.append((self._dense_weights, (layers[number + 1], pending_dense), False))
-            routed, (shared, *next_dense) = self.experts.run_layer(block, reads, routing, beside)
-            next_w = next_dense[0] if next_dense else None
-            if self.dist:  # combine: every rank adds its experts' share
-                routed = self.dist.all_reduce_sum(routed, f"combining layer {number}'s experts")
+            if number == len(blocks) - 1:  # after the layer's expert reads: the head is needed last
+                head_bytes = self.reads.read_globals_later(head_names, held_for_head)
+            routed, beside_out, next_w = self._experts(number, block, w, reads, routing, moe_layers, pending_dense)
             with self.compute:
-                streams, spare = model.moe_finish(cfg, number, w, streams, routing, routed, shared, into=spare), streams
+                hidden, spare = family.finish(number, w, hidden, routing, routed, beside_out, spare), hidden
             layer_stats.append(self.reads.layer_stats(number, reads, by_expert, dense_read=resident is None))
             if self.opt.on_layer is not None:
-                self.opt.on_layer(number, len(layers), layer_stats[-1].bytes_read)
+                self.opt.on_layer(number, len(blocks), layer_stats[-1].bytes_read)
             if len(spans) == 1:
                 counts[0].append(tokens_per_expert(by_expert, len(block.experts)))
             else:
                 for prompt_counts, (a, b) in zip(counts, spans):
                     prompt_counts.append(torch.bincount(routing.experts[a:b].reshape(-1),
-                                                        minlength=len(block.experts)).tolist())
+                                                        minlength=len(block.experts)).tolist()
+                                         if number in moe_layers else [])
         logits = self._head_logits(head_bytes.result() if head_bytes is not None else
-                                   self.reads.read_globals((*HEAD_GLOBALS, cfg.head_weight), held_for_head), streams,
+                                   self.reads.read_globals(head_names, held_for_head), hidden,
                                    torch.tensor(ends, device=self.device) - 1)
         return logits, layer_stats, states, counts
+
+    def _experts(self, number: int, block: Block, w: dict, reads: list, routing, moe_layers: set,
+                 pending_dense: Future | None) -> tuple[torch.Tensor | None, object, dict | None]:
+        """The layer's routed experts by the expert backend (None in a layer without them), the family's work
+        beside them (its result, or None where the backend has no threads for it: finish runs it), and the next
+        layer's dense weights where they were decoded beside the experts (else None)."""
+        if number not in moe_layers:
+            return None, None, None
+        # beside the routed experts (and while they wait for the disk): the family's (a shared expert), and the next
+        # layer's dense decode (its read began before this layer's attention) instead of alone later with a core
+        # idle. Without expert threads the backend hands them back undone.
+        beside, family_work = [], self.family.beside_experts(number, w, routing)
+        if family_work is not None:
+            beside.append((*family_work, True))
+        decode_next = number + 1 < len(self.c.layers) and self.resident_dense is None
+        if decode_next:
+            beside.append((self._dense_weights, (self.c.layers[number + 1], pending_dense), False))
+        routed, results = self.experts.run_layer(block, reads, routing, beside)
+        if self.dist:  # combine: every rank adds its experts' share
+            routed = self.dist.all_reduce_sum(routed, f"combining layer {number}'s experts")
+        family_out = results[0] if family_work is not None else None
+        return routed, family_out, results[-1] if decode_next else None
 
     # --- weights -------------------------------------------------------------------------------------------------
     def _dense_weights(self, block: Block, future: Future) -> dict[str, torch.Tensor]:
@@ -525,7 +564,8 @@ class StreamingPrefill:
         try:
             with self.compute:
                 self.reads.checker.before_use([block.dense], view, block.dense.offset)
-                return decode_dense(block, self.copier.to_device(buffer, view), self.compute_dtype)
+                return decode_dense(block, self.copier.to_device(buffer, view), self.compute_dtype,
+                                    self.family.layer_prefix(block.number), self.family.in_compute_dtype)
         finally:
             self.copier.release(buffer, self.reads.dense_pipe.release)
 
@@ -555,21 +595,23 @@ class StreamingPrefill:
         on_device = self.resident is not None and self.resident.on_device
         with self.compute:
             by_name, read = self._global_tensors(fetched, on_device=on_device)
-            return decode_group_rows(self._global_group(by_name, "embed.weight"), read, "embed.weight",
+            name = self.family.names.embedding
+            return decode_group_rows(self._global_group(by_name, name), read, name,
                                      token_ids if on_device else token_ids.cpu()).to(self.device)
 
-    def _head_logits(self, fetched: list[tuple[Region, HostBuffer, memoryview]], streams: torch.Tensor,
+    def _head_logits(self, fetched: list[tuple[Region, HostBuffer, memoryview]], hidden: torch.Tensor,
                      rows: torch.Tensor) -> torch.Tensor:
         """The logits [len(rows), vocab] float32 of the positions `rows` (on the host). The LM head is decoded and
         applied HEAD_CHUNK_BYTES of rows at a time."""
         with self.compute:
             by_name, read = self._global_tensors(fetched, on_device=True)
-            weights = decode_group([t for n in HEAD_GLOBALS for t in self._global_group(by_name, n)], read)
-            name = self.cfg.head_weight
-            head = self._global_group(by_name, name)
-            x = model.head_input(self.cfg, streams, weights, rows)
-            slices = decode_group_row_slices(head, read, name, HEAD_CHUNK_BYTES // (4 * head[0].shape[1]))
-            return torch.cat([F.linear(x, head_rows).float() for head_rows in slices], dim=-1).cpu()
+            names = self.family.names
+            weights = decode_group([t for n in names.head_globals for t in self._global_group(by_name, n)], read)
+            head = self._global_group(by_name, names.head)
+            x = self.family.head_input(weights, hidden, rows)
+            slices = decode_group_row_slices(head, read, names.head, HEAD_CHUNK_BYTES // (4 * head[0].shape[1]))
+            return torch.cat([F.linear(x.to(head_rows.dtype), head_rows).float() for head_rows in slices],
+                             dim=-1).cpu()
 
     # --- before and after ----------------------------------------------------------------------------------------
     def check_memory(self, n_tokens: int) -> None:
@@ -582,17 +624,18 @@ class StreamingPrefill:
         torch_fp8 = self.device.type == "cuda" or not fp8_decoder_compiled()
         fp8_weights = max((t.numel for b in layers for t in b.dense.tensors if t.dtype == "F8_E4M3"),
                           default=0) if torch_fp8 else 0
-        head_bytes = sum(r.length for r in global_regions(self.c, (*HEAD_GLOBALS, self.cfg.head_weight)))
-        need = estimate_working_set(self.cfg, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
+        names = self.family.names
+        head_bytes = sum(r.length for r in global_regions(self.c, (*names.head_globals, names.head)))
+        need = estimate_working_set(self.family, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
                                     self.reads.experts_pipe.buffer_bytes,
                                     self.reads.pool_buffers_in_memory(self.device), expert_params,
                                     self.experts.threads, head_bytes + HEAD_CHUNK_BYTES,
                                     decode_scratch_bytes=4 * fp8_weights,
-                                    grouped_pairs=(n_tokens * self.cfg.num_experts_per_tok
+                                    grouped_pairs=(n_tokens * self.family.shape.top_k
                                                    if self.expert_backend == "grouped" else 0),
                                     decoded_experts=self.experts.decoded_at_once,
                                     device_chunk=max(ESTIMATE_QUERY_CHUNK,
-                                                     model.preferred_query_chunk(self.cfg, self.device)))
+                                                     self.family.preferred_query_chunk(self.device)))
         if self.device.type == "cuda":
             free, where = cuda_free_bytes(self.device), "free device memory"
         else:
@@ -656,7 +699,7 @@ class StreamingPrefill:
         return stats
 
     def close(self) -> None:
-        model.rope_rotation.cache_clear()  # this prompt's rotation tables (on a GPU, device memory)
+        self.family.close()
         self.reads.close()
         self.experts.close()
         if self.malloc_keeps_freed:
@@ -714,6 +757,10 @@ def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, 
     from moepack.v4 import kv as kvf
 
     with Container(path) as c:
+        if (kv_out is not None or continue_from is not None) and family_of_architecture(c.architecture) is not None:
+            # a KV directory (format_spec/KV.md) holds DeepSeek-V4's layer states; a family's stay in memory
+            raise MoepackError(f"{c.path}: a {c.architecture} model's KV is not written to or continued from a KV "
+                               "directory (--kv-out, --continue-from) yet")
         identity = kvf.identity_of_container(c)
         past, all_ids, start = None, token_ids.tolist(), 0
         if continue_from is not None:

@@ -3,8 +3,8 @@ pipeline's three stages (read scheduler -> device copier -> expert runner; docs/
 
 The (token, expert) pairs are sorted by expert once per layer, gathered with one index_select, multiplied expert
 by expert into one float32 buffer of rows, and each token's top-k rows summed back with their routing weights
-(model.ExpertGroups). On a CPU with several threads the experts of a layer run side by side on a pool of threads,
-one core each (torch's intra-op threads set to 1 inside them): an expert's matmuls on a few dozen tokens split
+(families.base.ExpertGroups). On a CPU with several threads the experts of a layer run side by side on a pool of
+threads, one core each (torch's intra-op threads set to 1 inside them): an expert's matmuls on a few dozen tokens split
 badly across cores, and every small op between them would pay an OpenMP barrier, which any other busy core
 stalls. The threads take the layer's work list themselves, in read order (work stealing); other work of the
 layer (the shared expert, the next layer's dense decode) runs beside the routed experts on the same threads.
@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from moepack.families.base import ExpertGroups, Routing
 from moepack.format_spec.decode import decode_group, entry_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Block, Region
@@ -29,6 +30,7 @@ from moepack.format_spec.reader import Block, Region
 from . import model
 from .tuning import tuned_fused_max_tokens
 from .expert_decode import ExpertDecoder, ExpertWeights, default_fused_tokens, fused_max_tokens
+from .grouped_experts import ExpertNaming
 
 
 class BusyTimer:
@@ -55,11 +57,11 @@ class BusyTimer:
 
 class OrderedSum:
     """combined[token] += weight x output, for each expert's output rows as it comes, added in ascending expert id:
-    every token's terms in the order model.ExpertGroups.combine adds them, whichever thread finishes an expert
-    first (the sums do not depend on threads, bundles or reads). An output waits here only until every smaller
+    every token's terms in the order ExpertGroups.combine adds them, whichever thread finishes an expert first
+    (the sums do not depend on threads, bundles or reads). An output waits here only until every smaller
     expert id of `order` (the experts this process computes) is in."""
 
-    def __init__(self, combined: torch.Tensor, groups: "model.ExpertGroups", order: list[int]):
+    def __init__(self, combined: torch.Tensor, groups: ExpertGroups, order: list[int]):
         self.combined, self.groups = combined, groups
         self._order, self._next = order, 0
         self._waiting: dict[int, torch.Tensor] = {}
@@ -98,24 +100,30 @@ def decode_regions(regions: list[Region], raw: torch.Tensor, base: int, strip: s
     return out
 
 
-def decode_dense(block: Block, raw: torch.Tensor, compute_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A layer's dense weights from its region's bytes `raw` (on the compute device): the low-precision matrices
-    (model.LOW_PRECISION_PREFIXES) straight into `compute_dtype`, everything else float32."""
-    prefix = block.name + "."
+def decode_dense(block: Block, raw: torch.Tensor, compute_dtype: torch.dtype, prefix: str | None = None,
+                 in_compute_dtype: Callable[[str, int], bool] | None = None) -> dict[str, torch.Tensor]:
+    """A layer's dense weights from its region's bytes `raw` (on the compute device), named without `prefix`
+    (default: the block's name): those `in_compute_dtype(name, ndim)` chooses (default: DeepSeek-V4's low-precision
+    matrices, model.LOW_PRECISION_PREFIXES) straight into `compute_dtype`, everything else float32."""
+    prefix = block.name + "." if prefix is None else prefix
+    low_precision = in_compute_dtype or model.is_low_precision_matrix
 
     def dtype_of(t) -> torch.dtype:
-        low = model.is_low_precision_matrix(t.name[len(prefix):], len(t.shape))
-        return compute_dtype if low else torch.float32
+        return compute_dtype if low_precision(t.name[len(prefix):], len(t.shape)) else torch.float32
     return decode_regions([block.dense], raw, block.dense.offset, prefix, dtype_of=dtype_of)
 
 
 class ExpertRunner:
     """Runs each layer's routed experts (`run_layer`) and, beside them, other work of the layer on the same
-    threads. `release(buffer)` gives a read's buffer back once its experts are done."""
+    threads. `release(buffer)` gives a read's buffer back once its experts are done. `naming` says where an
+    expert's matrices are; `expert_ffn(x, gate, up, down)` computes one (a family's); without it the compiled
+    kernels of expert_decode.py do (DeepSeek-V4's experts: FP4 decoded by table or fused, clamped SwiGLU)."""
 
     def __init__(self, cfg, device: torch.device, expert_dtype: torch.dtype, checker, copier,
-                 release: Callable, compute: BusyTimer, fused_max_tokens_given: int | None = None):
+                 release: Callable, compute: BusyTimer, fused_max_tokens_given: int | None = None,
+                 naming: ExpertNaming = model.EXPERT_NAMING, expert_ffn: Callable | None = None):
         self.cfg, self.device, self.expert_dtype = cfg, device, expert_dtype
+        self.naming, self.expert_ffn = naming, expert_ffn
         self.checker, self.copier, self.release, self.compute = checker, copier, release, compute
         self.threads = torch.get_num_threads() if device.type == "cpu" else 1
         self.decoded_at_once = self.threads  # one expert per thread
@@ -166,7 +174,7 @@ class ExpertRunner:
             return fn(*args)
 
     # --- one layer -----------------------------------------------------------------------------------------------
-    def run_layer(self, block: Block, reads: list, routing: "model.Routing", beside: list[tuple] = ()
+    def run_layer(self, block: Block, reads: list, routing: Routing, beside: list[tuple] = ()
                   ) -> tuple[torch.Tensor, list]:
         """The layer's routed experts on `routing`'s tokens, combined: [N, H] float32, and the results of the
         `beside` tasks ((fn, args, timed) each), run on the expert threads beside the experts (and while they
@@ -190,7 +198,7 @@ class ExpertRunner:
         results = [task.result() for task in tasks] if tasks else [None] * len(beside)
         return combined, results
 
-    def _run_experts(self, block: Block, reads: list, groups: "model.ExpertGroups", inputs: torch.Tensor,
+    def _run_experts(self, block: Block, reads: list, groups: ExpertGroups, inputs: torch.Tensor,
                      combined: torch.Tensor) -> None:
         """combined [N, H] += each chosen expert of `reads` on its tokens' rows of inputs, times their weights, as
         the reads arrive: here, or on the expert threads where there are some (OrderedSum: added in ascending
@@ -272,7 +280,7 @@ class ExpertRunner:
         summed.check_complete()
 
     def _expert(self, block: Block, region: Region, raw: torch.Tensor, base: int, inputs: torch.Tensor,
-                groups: "model.ExpertGroups", view: memoryview) -> torch.Tensor:
+                groups: ExpertGroups, view: memoryview) -> torch.Tensor:
         """The expert's float32 output rows for its tokens (in the order of groups.token_index's span)."""
         self.checker.before_use([region], view, base)  # about to be decoded: checked, the bytes are in cache for it
         if self.keep_expert is not None:
@@ -287,18 +295,23 @@ class ExpertRunner:
                       out: torch.Tensor) -> torch.Tensor:
         """out (float32 rows) = the expert of `region` (its bytes in `raw`, from file offset `base`) applied to its
         tokens `x`: FP4 experts through the table decoder (the fused kernel writes `out` itself), anything else
-        through the generic decode."""
-        return self.expert_weights(block, region, raw, base, tokens=len(x)).apply(self.cfg, x, out)
+        through the generic decode; a family's expert_ffn where it has one."""
+        weights = self.expert_weights(block, region, raw, base, tokens=len(x))
+        if self.expert_ffn is not None:
+            return out.copy_(self.expert_ffn(x, weights.w1, weights.w3, weights.w2))
+        return weights.apply(self.cfg, x, out)
 
     def expert_weights(self, block: Block, region: Region, raw: torch.Tensor, base: int,
                        tokens: int | None = None) -> ExpertWeights:
         """The expert of `region` decoded from its bytes, for `tokens` tokens (the fused kernel keeps FP4 packed for
         few). They may be views of `raw` or of the table decoder's buffers: valid until the next decode."""
-        prefix = f"{block.name}.ffn.experts.{region.expert}."
-        layout = ExpertDecoder.layout(region, prefix)
+        n = self.naming
+        prefix = n.prefix(block, region.expert)
+        # the compiled decoders' layouts are DeepSeek-V4's experts (their names, their activation)
+        layout = ExpertDecoder.layout(region, prefix) if self.expert_ffn is None else None
         if layout is None:
             w = decode_regions([region], raw, base, prefix, self.expert_dtype, own=False)
-            return ExpertWeights(w["w1.weight"], w["w3.weight"], w["w2.weight"])
+            return ExpertWeights(w[n.gate], w[n.up], w[n.down])
         return self._decoder().decode(region, layout, raw, base, prefix, tokens=tokens)
 
     def owned_weights(self, block: Block, region: Region, raw: torch.Tensor, base: int) -> ExpertWeights:

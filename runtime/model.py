@@ -44,14 +44,17 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moepack.format_spec.errors import MoepackError
+from moepack.families.base import ExpertGroups, ExpertTokens  # noqa: F401 (the routing's pieces, named here too)
+from moepack.families.base import ExpertNaming as FamilyExpertNaming
+from moepack.families.base import check_finite, not_finite  # noqa: F401 (decode and token_layer name them here)
+from moepack.families.base import MoeShape, PrefillNames
+from moepack.families.base import Routing as FamilyRouting
 from moepack.v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
 from moepack.v4.kv import CompressorState, LayerKVState
 
@@ -770,68 +773,13 @@ def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Te
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class ExpertTokens(NamedTuple):
-    token_index: Tensor  # [n] LongTensor, ascending
-    weight: Tensor  # [n] routing weights (normalised, routed scaling applied)
-
-
 @dataclass
-class ExpertGroups:
-    """A layer's (token, expert) pairs sorted by expert, then token: the experts' inputs are gathered with one
-    index_select, expert e's pairs are rows spans[e], and each token's top_k rows are summed back with their
-    routing weights (combine)."""
+class Routing(FamilyRouting):
+    """A layer's routing (families.base.Routing: x the FFN input after the ffn mHC collapse and ffn_norm; the
+    weights normalised over the k, times routed_scaling_factor) with the mHC weights moe_finish needs."""
 
-    token_index: Tensor  # [P] LongTensor
-    weight: Tensor  # [P] routing weights
-    spans: dict[int, tuple[int, int]]  # expert id -> its rows [start, stop), in ascending expert id
-    token_rows: Tensor  # [N, top_k] each token's pair rows, ascending (= ascending expert id)
-
-    def gather(self, x: Tensor) -> Tensor:
-        """x [N, H] -> [P, H], each pair's token row."""
-        return torch.index_select(x, 0, self.token_index)
-
-    def combine(self, outputs: Tensor, n_tokens: int) -> Tensor:
-        """[P, H] expert outputs (rows of pairs whose expert did not run must be zero) -> the weighted sum per
-        token [N, H] float32, each token's terms added in ascending expert id: one [N, H] gather per top-k slot,
-        never a [P, H] temporary (at N = 2048 one of 50 MB, fresh pages every layer: 17 ms against 2.4 ms)."""
-        acc = torch.zeros(n_tokens, outputs.shape[1], dtype=torch.float32, device=outputs.device)
-        for rows in self.token_rows.T:
-            acc.addcmul_(outputs.index_select(0, rows).float(), self.weight[rows, None].float())
-        return acc
-
-
-@dataclass
-class Routing:
-    x: Tensor  # [N, H] the FFN input: ffn mHC collapse + ffn_norm
-    experts: Tensor  # [N, top_k] chosen expert ids
-    weights: Tensor  # [N, top_k] their weights (normalised over the k, times routed_scaling_factor)
-    post: Tensor  # [N, hc] mHC post weights, for moe_finish
-    comb: Tensor  # [N, hc, hc] mHC stream mixing, for moe_finish
-    _groups: ExpertGroups | None = field(default=None, repr=False)
-    _by_expert: dict[int, ExpertTokens] | None = field(default=None, repr=False)
-
-    def groups(self) -> ExpertGroups:
-        """The pairs sorted by expert (once per layer); the engine runs the experts in this order as their bytes
-        arrive."""
-        if self._groups is None:
-            top_k = self.experts.shape[1]
-            flat = self.experts.reshape(-1)
-            order = torch.argsort(flat, stable=True)  # stable: tokens stay ascending within an expert
-            ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
-            stops = counts.cumsum(0).tolist()
-            spans = {int(e): (stop - n, stop) for e, n, stop in zip(ids.tolist(), counts.tolist(), stops)}
-            row_of_pair = torch.empty_like(order)
-            row_of_pair[order] = torch.arange(order.numel(), device=order.device)
-            token_rows = row_of_pair.view(-1, top_k).sort(dim=1).values
-            self._groups = ExpertGroups(order // top_k, self.weights.reshape(-1)[order], spans, token_rows)
-        return self._groups
-
-    def tokens_by_expert(self) -> dict[int, ExpertTokens]:
-        """{expert id: (token indices, weights)} for every expert some token chose, in ascending expert id."""
-        if self._by_expert is None:
-            g = self.groups()
-            self._by_expert = {e: ExpertTokens(g.token_index[a:b], g.weight[a:b]) for e, (a, b) in g.spans.items()}
-        return self._by_expert
+    post: Tensor | None = None  # [N, hc] mHC post weights, for moe_finish
+    comb: Tensor | None = None  # [N, hc, hc] mHC stream mixing, for moe_finish
 
 
 def _router_scores(scoring_func: str, logits: Tensor) -> Tensor:
@@ -915,21 +863,6 @@ def moe_finish(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: T
     return check_finite(hc_post(streams, routed_out + shared, routing.post, routing.comb, into), layer)
 
 
-def check_finite(streams: Tensor, layer: int) -> Tensor:
-    """`streams`, unless they hold a NaN or an infinity: then a one-line error naming the layer (the first one, as
-    every layer is checked). One sum decides (any NaN or infinity makes it so; 9 ms for [4096, 4, 4096] where
-    isfinite().all() takes 370); only a sum that overflowed finite values looks further."""
-    if not bool(torch.isfinite(streams.sum())) and not bool(torch.isfinite(streams).all()):
-        raise not_finite(layer)
-    return streams
-
-
-def not_finite(layer: int) -> MoepackError:
-    """check_finite's error for `layer` (for a caller that checked the streams itself)."""
-    return MoepackError(f"layer {layer}: its output is not finite (NaN or infinity): a weight, or the KV "
-                        "continued, holds such values (moepack verify checks the container's)")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Head and the resident reference path
 # ---------------------------------------------------------------------------------------------------------------
@@ -992,3 +925,89 @@ def forward_resident(cfg: ModelConfig, weights: Mapping[str, Tensor], token_ids:
         streams = moe_finish(cfg, layer, w, streams, routing, groups.combine(outputs, n_tokens))
     logits = head(cfg, streams, weights, slice(None))
     return (logits, kv_states) if return_kv_state else logits
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSeek-V4 as the prefill engine's family (families.base.LayerPrefill): the functions above, named once
+# ---------------------------------------------------------------------------------------------------------------
+
+
+# a routed expert's matrices by layer (families.base.ExpertNaming; EXPERT_NAMING is the same by block)
+LAYER_EXPERT_NAMING = FamilyExpertNaming(prefix=lambda layer, expert: f"layers.{layer}.ffn.experts.{expert}.",
+                                         gate=EXPERT_NAMING.gate, up=EXPERT_NAMING.up, down=EXPERT_NAMING.down)
+
+
+class DeepseekV4Prefill:
+    """LayerPrefill for one DeepSeek-V4 config: the residual is hc_mult streams [N, hc, H] float32, a layer's
+    state its LayerKVState, the shared expert runs beside the routed ones, and the per-expert backend's compiled
+    kernels compute the routed experts (expert_ffn None)."""
+
+    expert_naming = LAYER_EXPERT_NAMING
+    expert_ffn = None
+
+    def __init__(self, cfg: ModelConfig):
+        self.config = cfg
+        self.shape = MoeShape(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                              num_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
+                              expert_intermediate=cfg.moe_intermediate_size, moe_layers=tuple(range(cfg.num_layers)),
+                              hash_layers=tuple(i for i, hashed in enumerate(cfg.hash_layers) if hashed))
+        self.names = PrefillNames(embedding="embed.weight", head=cfg.head_weight, head_globals=HEAD_GLOBALS,
+                                  tied=cfg.tie_word_embeddings)
+
+    def layer_prefix(self, layer: int) -> str:
+        return f"layers.{layer}."
+
+    def in_compute_dtype(self, name: str, ndim: int) -> bool:
+        return is_low_precision_matrix(name, ndim)
+
+    def hidden_from_embeddings(self, rows: Tensor) -> Tensor:
+        return residual_streams(self.config, rows)
+
+    def hash_table(self, layer: int, w: Mapping[str, Tensor]) -> Tensor:
+        return w["ffn.gate.tid2eid"]
+
+    def seen_tokens(self, state: LayerKVState) -> int:
+        return state.seen_tokens
+
+    def attention(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, positions: Tensor,
+                  past: LayerKVState | None, query_chunk: int | None, into: Tensor | None,
+                  between_chunks: Callable[[], None] | None) -> tuple[Tensor, LayerKVState]:
+        past = past.to(hidden.device) if past is not None else None
+        return attention_sublayer(self.config, layer, w, hidden, positions, query_chunk, past, into=into,
+                                  between_chunks=between_chunks)
+
+    def route(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, token_ids: Tensor) -> Routing:
+        return moe_route(self.config, layer, w, hidden, token_ids)
+
+    def beside_experts(self, layer: int, w: Mapping[str, Tensor], routing: Routing) -> tuple:
+        return shared_expert, (self.config, w, routing)
+
+    def finish(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing, routed: Tensor,
+               beside: Tensor | None, into: Tensor | None) -> Tensor:
+        return moe_finish(self.config, layer, w, hidden, routing, routed, beside, into=into)
+
+    def head_input(self, w_globals: Mapping[str, Tensor], hidden: Tensor, rows: Tensor) -> Tensor:
+        return head_input(self.config, hidden, w_globals, rows)
+
+    def expert_activation(self, gate: Tensor, up: Tensor) -> Tensor:
+        return clamped_swiglu(gate, up, self.config.swiglu_limit)
+
+    def preferred_query_chunk(self, device: torch.device) -> int:
+        return preferred_query_chunk(self.config, device)
+
+    def working_set(self, n_tokens: int, query_chunk: int) -> dict[str, int]:
+        cfg, f32 = self.config, 4
+        hc, hidden = cfg.hc_mult, cfg.hidden_size
+        # residual streams (in and out of a sublayer), mHC collapse, FFN input, routed accumulator, projections
+        activations = n_tokens * hidden * f32 * (3 * hc + 8)
+        # the layer's K=V, compressor projections (2 series) and indexer keys, for every token
+        kv = n_tokens * f32 * (cfg.head_dim * 5 + cfg.index_head_dim * 4)
+        csa = max([r for r, t in zip(cfg.compress_rates, cfg.layer_types) if t == CSA] or [0])
+        hca = max([r for r, t in zip(cfg.compress_rates, cfg.layer_types) if t == HCA] or [0])
+        keys = cfg.sliding_window + cfg.index_topk + (n_tokens // hca if hca else 0)
+        attention = query_chunk * cfg.num_heads * (keys + cfg.head_dim) * f32 * 3
+        indexer = query_chunk * cfg.index_n_heads * (n_tokens // csa if csa else 0) * f32 * 2
+        return {"activations": activations, "kv": kv, "attention_chunk": attention + indexer}
+
+    def close(self) -> None:
+        rope_rotation.cache_clear()  # this prompt's rotation tables (on a GPU, device memory)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from moepack.families.base import MoeShape
 from moepack.format_spec.decode import companion_names
 from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.reader import Block, Container, ReadSpan, Region
@@ -161,16 +162,18 @@ class ReadScheduler:
     dense region. Buffers go back with `release_expert` / `release_dense` (through the device copier, which
     knows when their bytes have left)."""
 
-    def __init__(self, container: Container, cfg, *, bundle_experts: int, queue_depth: int, io_mode: str,
+    def __init__(self, container: Container, shape: MoeShape, *, bundle_experts: int, queue_depth: int, io_mode: str,
                  expert_selection: str, verify_reads: bool, device: torch.device, dist=None,
                  balanced: bool = False, resident: ResidentBytes | None = None):
-        """`resident`: the container's bytes held in memory (runtime/resident.py, checked as they were loaded):
-        every read is a slice of them, nothing is read from the disk or checked again."""
+        """`shape`: the model's layers, experts, top-k and hash layers (families.base.MoeShape). `resident`: the
+        container's bytes held in memory (runtime/resident.py, checked as they were loaded): every read is a slice
+        of them, nothing is read from the disk or checked again."""
         if expert_selection not in EXPERT_SELECTIONS:
             raise MoepackError(f"unknown expert selection {expert_selection!r}")
         if bundle_experts < 1:
             raise MoepackError("--bundle-experts must be at least 1")
-        self.c, self.cfg = container, cfg
+        self.c, self.shape = container, shape
+        self._hash_layers = set(shape.hash_layers)
         self.bundle_experts, self.queue_depth, self.expert_selection = bundle_experts, queue_depth, expert_selection
         self.dist = dist  # runtime.distributed.DistContext for expert-parallel runs, else None
         self.balanced = balanced
@@ -205,13 +208,13 @@ class ReadScheduler:
     # --- which experts ---------------------------------------------------------------------------------------
     def selection(self, layer: int, n_tokens: int) -> str:
         n_experts = len(self.c.layers[layer].experts)
-        if self.cfg.hash_layers[layer] and self.expert_selection != "all":
+        if layer in self._hash_layers and self.expert_selection != "all":
             return "hash"
         if self.expert_selection == "all":
             return "all"
         if self.expert_selection == "routed":
             return "routed"
-        unused = expected_unused_fraction(n_tokens, self.cfg.num_experts_per_tok, n_experts)
+        unused = expected_unused_fraction(n_tokens, self.shape.top_k, n_experts)
         return "all" if unused <= ALL_EXPERTS_UNUSED_FRACTION else "routed"
 
     def owned(self, layer: int, n_experts: int) -> range:
@@ -238,13 +241,13 @@ class ReadScheduler:
         self.checker.begin_pass()
         self._ahead = self._queue_from(0, READ_AHEAD_LAYERS + 1)
 
-    def reads_before_router(self, layer: int, token_ids: torch.Tensor, tid2eid) -> list | None:
+    def reads_before_router(self, layer: int, token_ids: torch.Tensor, hash_table) -> list | None:
         """The layer's expert reads where they are known before its router runs (queued ahead, or a hash layer's
-        from the token ids, `tid2eid` giving its table), else None."""
+        from the token ids, `hash_table()` giving its token id -> experts table), else None."""
         self._ahead = self._queue_from(self._ahead, layer + 1 + READ_AHEAD_LAYERS)  # top up
         reads = self._queued.pop(layer, None)
         if layer == self._ahead and self.selection(layer, self._n_tokens) == "hash":
-            chosen = tid2eid()[token_ids].reshape(-1)
+            chosen = hash_table()[token_ids].reshape(-1)
             block = self.c.layers[layer]
             if self.balanced:
                 self._balance(layer, torch.bincount(chosen, minlength=len(block.experts)).tolist())

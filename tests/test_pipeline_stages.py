@@ -10,7 +10,7 @@ import torch
 from containers import tiny_keep_container
 from moepack.format_spec.reader import Container
 from moepack.runtime.device_copier import DeviceCopier
-from moepack.runtime.engine import model_config
+from moepack.runtime.engine import layer_prefill
 from moepack.runtime.read_scheduler import ReadScheduler, expert_reads
 
 
@@ -22,7 +22,7 @@ def tiny(tmp_path_factory) -> str:
 def scheduler(c: Container, **kw) -> ReadScheduler:
     options = dict(bundle_experts=2, queue_depth=2, io_mode="buffered", expert_selection="routed",
                    verify_reads=True, device=torch.device("cpu"))
-    return ReadScheduler(c, model_config(c), **{**options, **kw})
+    return ReadScheduler(c, layer_prefill(c, torch.float32).shape, **{**options, **kw})
 
 
 def routed(experts: list[int]) -> dict:
@@ -61,12 +61,12 @@ def test_auto_selection_reads_whole_sections_of_long_prompts_ahead(tiny):
     """A prompt long enough that every expert is used queues whole expert sections of the first layers that are
     not hash-routed before any of them runs; a one-token prompt queues nothing ahead."""
     with Container(tiny) as c:
-        cfg = model_config(c)
+        shape = layer_prefill(c, torch.float32).shape
         for n_tokens, ahead in ((1, False), (100_000, True)):
             reads = scheduler(c, expert_selection="auto")
             try:
                 reads.begin(n_tokens)
-                learned = [i for i, h in enumerate(cfg.hash_layers) if not h]
+                learned = [i for i in range(shape.num_layers) if i not in shape.hash_layers]
                 queued = set(reads._queued)
                 assert bool(queued) == (ahead and learned[0] == 0), (n_tokens, queued)
                 for layer_reads in reads._queued.values():  # give the buffers back

@@ -93,5 +93,10 @@ class Qwen3MoeFamily:
     def global_weights(self, config, named):
         return global_tensors(config, named)
 
+    def layer_prefill(self, config: Qwen3MoeConfig, compute_dtype):
+        from .prefill import Qwen3MoePrefill
+
+        return Qwen3MoePrefill(config, compute_dtype)
+
 
 FAMILY = Qwen3MoeFamily()

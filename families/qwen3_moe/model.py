@@ -14,7 +14,7 @@ Everything computes in the weights' dtype, as transformers does for a model load
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +34,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rope_tables(c: Qwen3MoeConfig, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin [N, head_dim] of the default RoPE at `positions` (both halves of a head rotate by one frequency)."""
-    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64,
+                                                     device=positions.device).float() / c.head_dim))
     angles = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((angles, angles), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -83,24 +84,36 @@ class KVState:
         return self.layers[0].length if self.layers else 0
 
 
-def attention(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, kv: LayerKV) -> Tensor:
+def attention(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, kv: LayerKV, query_chunk: int | None = None,
+              between_chunks: Callable[[], None] | None = None) -> Tensor:
     """The attention of N new tokens x [N, H] (already normed) after kv's earlier ones; appends their keys and
-    values to kv. Returns o_proj's output [N, H]."""
+    values to kv. Returns o_proj's output [N, H]. The queries go `query_chunk` at a time (all at once by default),
+    each chunk over the keys up to its last position: the scores are [heads, chunk, keys], never [heads, N, T];
+    `between_chunks()` runs before each chunk after the first (a prefill's stop check: it may raise)."""
     n, past = x.shape[0], kv.length
     q = (x @ w["self_attn.q_proj.weight"].T).view(n, c.num_heads, c.head_dim)
     k = (x @ w["self_attn.k_proj.weight"].T).view(n, c.num_kv_heads, c.head_dim)
     v = (x @ w["self_attn.v_proj.weight"].T).view(n, c.num_kv_heads, c.head_dim)
     q = rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps).transpose(0, 1)
     k = rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps).transpose(0, 1)
-    cos, sin = rope_tables(c, torch.arange(past, past + n), x.dtype)
+    positions = torch.arange(past, past + n, device=x.device)
+    cos, sin = rope_tables(c, positions, x.dtype)
     keys, values = kv.append(apply_rope(k, cos, sin), v.transpose(0, 1))
     group = c.num_heads // c.num_kv_heads  # query heads per KV head (GQA)
     keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
-    scores = (apply_rope(q, cos, sin) @ keys.transpose(1, 2)) * c.head_dim ** -0.5  # [heads, N, T]
-    visible = torch.arange(past + n)[None, :] <= torch.arange(past, past + n)[:, None]  # causal
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-    out = (probs @ values).transpose(0, 1).reshape(n, c.num_heads * c.head_dim)
+    q = apply_rope(q, cos, sin)
+    out = torch.empty(n, c.num_heads * c.head_dim, dtype=x.dtype, device=x.device)
+    chunk = query_chunk or n
+    for start in range(0, n, chunk):
+        if start and between_chunks is not None:
+            between_chunks()
+        stop = min(start + chunk, n)
+        seen = past + stop  # the keys this chunk's last query sees
+        scores = (q[:, start:stop] @ keys[:, :seen].transpose(1, 2)) * c.head_dim ** -0.5  # [heads, chunk, seen]
+        visible = torch.arange(seen, device=x.device)[None, :] <= positions[start:stop, None]  # causal
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+        out[start:stop] = (probs @ values[:, :seen]).transpose(0, 1).reshape(stop - start, -1)
     return out @ w["self_attn.o_proj.weight"].T
 
 

@@ -1,0 +1,279 @@
+"""The layer-major prefill engine (runtime/engine.py) running a model family through families.base.LayerPrefill:
+Qwen3-MoE containers converted from transformers' Qwen3MoeForCausalLM (a random tiny config with a dense-MLP
+layer, saved with save_pretrained: float32, bf16, and the `-FP8` block-scaled layout) prefilled by the engine,
+whose last-position logits equal transformers' over the same weights, with either expert backend, grouped with
+another prompt or continued from a shorter one; a damaged or mismatched container is one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from moepack.cli.main import cli
+from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.reader import Container
+from moepack.packer.convert import convert_checkpoint
+from moepack.runtime.engine import PrefillOptions, StreamingPrefill, prefill
+
+transformers = pytest.importorskip("transformers")
+from test_qwen3_moe import (CONFIGS, PROMPT, fp8_release, reference, reference_logits, save_model,  # noqa: E402
+                            save_widened)
+
+# layers 0 and 2 dense (decoder_sparse_step 2), layer 3 dense (mlp_only_layers): the engine streams layer 1's
+# experts only
+DENSE_LAYERS = CONFIGS["sparse-step"]
+BACKENDS = ("per-expert", "grouped")
+ATOL = 1e-4  # float32 through 4 layers of random weights: summation order only
+
+
+def _options(backend: str = "per-expert", **kw) -> PrefillOptions:
+    return PrefillOptions(expert_backend=backend, compute_dtype="float32", **kw)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """{layout: (container, transformers' float32 model over the container's values)} for float32, bf16 and the
+    -FP8 layout, of the config with dense-MLP layers; and "tied" (a head tied to the embedding, layer 0 dense)."""
+    base = tmp_path_factory.mktemp("qwen3-prefill")
+    out = {}
+    for layout, overrides in (("float32", DENSE_LAYERS), ("bf16", DENSE_LAYERS), ("fp8", DENSE_LAYERS),
+                              ("tied", CONFIGS["mha-tied"])):
+        src = base / layout
+        model = save_model(src, overrides, torch.bfloat16 if layout == "bf16" else torch.float32)
+        if layout == "fp8":
+            save_widened(model, src, fp8_release(src), base / "widened")
+            model = reference(base / "widened")
+        else:
+            model = reference(src)  # transformers' float32 load of what was saved (a bf16 checkpoint widened)
+        out[layout] = str(base / f"{layout}.moepack"), model
+        convert_checkpoint(str(src), out[layout][0], policy="keep", progress=False)
+    # the routed experts as MXFP4 (--fp4): compared with the family's forward over the container's values
+    out["fp4"] = str(base / "fp4.moepack"), None
+    convert_checkpoint(str(base / "float32"), out["fp4"][0], policy="fp4", progress=False)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["float32", "bf16", "fp8", "tied"])
+def test_prefill_logits_equal_transformers(qwen3, layout, backend):
+    container, model = qwen3[layout]
+    want = reference_logits(model, PROMPT)[-1]
+    result = prefill(container, PROMPT, _options(backend, expert_selection="all"))
+    torch.testing.assert_close(result.logits, want, atol=ATOL, rtol=0)
+    assert result.next_token == int(want.argmax())
+    assert result.stats["expert_backend"] == backend
+    with Container(container) as c:
+        experts = [len(b.experts) for b in c.layers]
+    # every expert of a routed layer read once, none of a dense-MLP layer's (it has none)
+    assert [s.experts_read for s in result.layers] == experts and 0 in experts and max(experts) == 6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp4_experts_equal_the_familys_forward_over_the_containers_values(qwen3, backend):
+    from test_qwen3_moe_container import container_checkpoint
+
+    from moepack.families.qwen3_moe.model import forward
+
+    container, _ = qwen3["fp4"]
+    with Container(container) as c:
+        assert c.tensors["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == "MXFP4"
+    want = forward(container_checkpoint(container), PROMPT)[-1]
+    torch.testing.assert_close(prefill(container, PROMPT, _options(backend)).logits, want, atol=ATOL, rtol=0)
+
+
+def test_routed_reads_only_the_chosen_experts(qwen3):
+    container, model = qwen3["float32"]
+    result = prefill(container, PROMPT[:2], _options(expert_selection="routed"))
+    torch.testing.assert_close(result.logits, reference_logits(model, PROMPT[:2])[-1], atol=ATOL, rtol=0)
+    layer = result.layers[1]
+    assert layer.selection == "routed" and layer.experts_read == layer.experts_used <= 4 and layer.bytes_skipped > 0
+
+
+def test_the_cli_prefills_a_qwen3_container(qwen3, tmp_path):
+    container, model = qwen3["fp8"]
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(PROMPT))
+    logits = tmp_path / "logits.safetensors"
+    r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), "--logits-out", str(logits),
+                                 "--compute-dtype", "float32", "--json"])
+    assert r.exit_code == 0, r.output
+    want = reference_logits(model, PROMPT)[-1]
+    out = json.loads(r.output)
+    assert out["next_token"] == int(want.argmax()) and out["tokens"] == len(PROMPT)
+    from safetensors.torch import load_file
+
+    torch.testing.assert_close(load_file(str(logits))["logits"], want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_run_many_equals_each_prompt_alone(qwen3, backend):
+    container, _ = qwen3["float32"]
+    prompts = [torch.tensor(PROMPT), torch.tensor([9, 8, 7, 200, 31])]
+    with Container(container) as c:
+        engine = StreamingPrefill(c, _options(backend))
+        try:
+            alone = [engine.run(p, keep_kv=True) for p in prompts]
+            together = engine.run_many(prompts)
+        finally:
+            engine.close()
+    for one, grouped in zip(alone, together):
+        torch.testing.assert_close(grouped.logits, one.logits, atol=ATOL, rtol=0)
+        assert grouped.tokens_per_expert == one.tokens_per_expert
+        assert [s.length for s in grouped.states] == [s.length for s in one.states]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_continued_prefill_equals_the_whole_prompt(qwen3, backend):
+    container, model = qwen3["float32"]
+    ids = torch.tensor(PROMPT)
+    with Container(container) as c:
+        engine = StreamingPrefill(c, _options(backend))
+        try:
+            first = engine.run(ids[:4], keep_kv=True)
+            continued = engine.run(ids[4:], list(first.states), keep_kv=True)
+            # two continuations of one past in one pass: each its own copy of the state
+            again = engine.run_many([ids[4:], ids[4:6]], [list(first.states), list(first.states)])
+        finally:
+            engine.close()
+    want = reference_logits(model, PROMPT)
+    torch.testing.assert_close(continued.logits, want[-1], atol=ATOL, rtol=0)
+    assert [s.length for s in continued.states] == [len(PROMPT)] * 4
+    torch.testing.assert_close(again[0].logits, want[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(again[1].logits, reference_logits(model, PROMPT[:6])[-1], atol=ATOL, rtol=0)
+
+
+def test_bf16_compute_stays_near_float32(qwen3):
+    container, model = qwen3["bf16"]
+    want = reference_logits(model, PROMPT)[-1]
+    got = prefill(container, PROMPT, PrefillOptions(compute_dtype="bfloat16")).logits
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+def _mutated(source: str, target, change) -> str:
+    from containers import mutate_index
+
+    mutate_index(source, str(target), change)
+    return str(target)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda index: index["config"].update(num_experts=7, num_local_experts=7),
+     "layers.1 holds 6 experts, the config implies 7"),
+    (lambda index: index["config"].update(hidden_size=64),
+     "tensor model.embed_tokens.weight has shape [300, 160], the config implies [300, 64]"),
+    (lambda index: index["config"].update(hidden_act="gelu"), "hidden_act: 'gelu' is not supported"),
+])
+def test_a_mismatched_container_is_one_line_before_any_read(qwen3, tmp_path, change, message):
+    bad = _mutated(qwen3["float32"][0], tmp_path / "bad.moepack", change)
+    with pytest.raises(MoepackError) as e:
+        prefill(bad, PROMPT, _options())
+    assert message in str(e.value) and "\n" not in str(e.value)
+    r = CliRunner().invoke(cli, ["prefill", bad, "--token-ids", str(_ids(tmp_path))])
+    assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output
+
+
+def _ids(tmp_path):
+    path = tmp_path / "ids.txt"
+    path.write_text(" ".join(map(str, PROMPT)))
+    return path
+
+
+def test_a_damaged_expert_is_one_line(qwen3, tmp_path):
+    container, _ = qwen3["float32"]
+    bad = str(tmp_path / "damaged.moepack")
+    shutil.copy(container, bad)
+    with Container(bad) as c:
+        region = c.layers[1].experts[2]
+        assert region.part == 0
+    with open(bad, "r+b") as f:
+        f.seek(region.offset + 5)
+        byte = f.read(1)
+        f.seek(region.offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(MoepackError, match="checksum mismatch while streaming") as e:
+        prefill(bad, PROMPT, _options(expert_selection="all"))
+    assert "\n" not in str(e.value)
+
+
+def test_out_of_vocabulary_ids_and_kv_directories_are_refused(qwen3, tmp_path):
+    container, _ = qwen3["float32"]
+    with pytest.raises(MoepackError, match="token id out of range 0..299"):
+        prefill(container, [1, 300], _options())
+    with pytest.raises(MoepackError, match="KV is not written to or continued from a KV directory"):
+        prefill(container, PROMPT, _options(), kv_out=str(tmp_path / "kv"))
+    assert not (tmp_path / "kv").exists()
+
+
+# ------------------------------------------------------------------------------------------ the engine's boundary
+
+
+def test_the_engine_and_the_read_scheduler_name_no_family():
+    """What DeepSeek-V4 computes is its LayerPrefill's (runtime/model.py DeepseekV4Prefill): the engine and the read
+    scheduler spell none of its names (its tensors, its functions, its config's fields)."""
+    import inspect
+
+    from moepack.runtime import engine, read_scheduler
+
+    v4_names = ("tid2eid", '"embed.weight"', "HEAD_GLOBALS", "residual_streams", "attention_sublayer", "moe_route",
+                "moe_finish", "shared_expert", "clamped_swiglu", "EXPERT_NAMING", "hc_mult", "swiglu_limit",
+                "num_experts_per_tok", "head_weight", "rope_rotation", "w1.weight")
+    for module in (engine, read_scheduler):
+        source = inspect.getsource(module)
+        assert [n for n in v4_names if n in source] == [], module.__name__
+
+
+def test_a_stop_between_layers_cancels_a_qwen3_prefill(qwen3):
+    from moepack.runtime.engine import GenerationCancelled
+
+    container, _ = qwen3["float32"]
+    asked = []
+    with Container(container) as c:
+        engine = StreamingPrefill(c, _options())
+        try:
+            with pytest.raises(GenerationCancelled) as e:
+                engine.run(torch.tensor(PROMPT), should_stop=lambda: asked.append(1) or len(asked) > 2)
+            assert e.value.layers_done == 2
+            again = engine.run(torch.tensor(PROMPT))  # the engine runs on after a cancelled pass
+        finally:
+            engine.close()
+    assert again.next_token == prefill(container, PROMPT, _options()).next_token
+
+
+def test_both_models_implement_the_protocol(qwen3, tmp_path_factory):
+    from containers import tiny_keep_container
+
+    from moepack.families.base import LayerPrefill
+    from moepack.runtime.engine import layer_prefill
+    from moepack.runtime.model import DeepseekV4Prefill
+
+    with Container(tiny_keep_container(tmp_path_factory)) as c:
+        v4 = layer_prefill(c, torch.float32)
+    with Container(qwen3["float32"][0]) as c:
+        family = layer_prefill(c, torch.float32)
+    assert isinstance(v4, DeepseekV4Prefill) and isinstance(v4, LayerPrefill) and isinstance(family, LayerPrefill)
+    assert v4.shape.moe_layers == tuple(range(v4.shape.num_layers)) and v4.shape.hash_layers
+    assert family.shape.moe_layers == (1,) and family.names.head == "lm_head.weight"
+
+
+def test_query_chunks_give_the_same_logits_and_a_stop_between_them(qwen3):
+    from moepack.runtime.engine import GenerationCancelled
+
+    container, model = qwen3["float32"]
+    want = reference_logits(model, PROMPT)[-1]
+    torch.testing.assert_close(prefill(container, PROMPT, _options(query_chunk=2)).logits, want, atol=ATOL, rtol=0)
+    asked = []
+    with Container(container) as c:
+        engine = StreamingPrefill(c, _options(query_chunk=2))
+        try:  # asked before layer 0, then before each of its chunks after the first: the third ask is mid-layer
+            with pytest.raises(GenerationCancelled) as e:
+                engine.run(torch.tensor(PROMPT), should_stop=lambda: asked.append(1) or len(asked) == 3)
+        finally:
+            engine.close()
+    assert e.value.layers_done == 0 and len(asked) == 3
