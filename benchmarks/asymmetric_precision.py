@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from moepack.v4.kv import read_kv
+from moepack.families.deepseek_v4.kv import read_kv
 from moepack.kv import continuation_input_ids, load_transformers_cache
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.export import export_container

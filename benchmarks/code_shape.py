@@ -16,13 +16,14 @@ import sys
 
 # the folders pyproject.toml maps into `moepack` (a checkout lacking one, an older one, skips it), with their
 # subpackages (a family's own package: families/qwen3_moe)
-PACKAGE_DIRS = ("moepack", "native", "format_spec", "backends", "v4", "families", "packer", "runtime", "serve",
-                "tools", "cli")
+PACKAGE_DIRS = ("moepack", "native", "format_spec", "backends", "families", "packer", "runtime", "serve", "tools",
+                "cli")
+PACKAGE_DIRS += ("v4",)  # DeepSeek-V4's folder in an older checkout (now families/deepseek_v4)
 SOURCE_SUFFIXES = (".py", ".c", ".h")
 
 # Names only one model family has, as they appear in code (identifiers and string literals; comments and docstrings
-# are not looked at). A source file outside that family's package (v4/ for DeepSeek-V4, families/<name>/ for the
-# others) that holds one of them knows that family: adding a family would touch it.
+# are not looked at). A source file outside that family's package (families/deepseek_v4/ for DeepSeek-V4,
+# families/<name>/ for the others) that holds one of them knows that family: adding a family would touch it.
 FAMILY_NAMES = {
     "deepseek-v4": [
         r"(?<![a-z0-9])hc_",   # the mHC residual streams' tensors and functions (hc_attn_fn, hc_head_scale, ...)
@@ -43,7 +44,8 @@ FAMILY_NAMES = {
 # in string literals only: DeepSeek-V4's expert matrices by the release's names ("w1", f"{p}.w3.weight"); a variable
 # named w1 is any SwiGLU's
 EXPERT_LITERAL = re.compile(r"(?<![a-z0-9])w[123](?![a-z0-9])")
-FAMILY_HOMES = {"deepseek-v4": "v4/", "qwen3-moe": "families/qwen3_moe/"}
+FAMILY_HOMES = {"deepseek-v4": ("families/deepseek_v4/", "v4/"),  # v4/: in an older checkout
+                "qwen3-moe": "families/qwen3_moe/"}
 
 
 def modules(root: str) -> list[str]:

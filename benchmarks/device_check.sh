@@ -34,7 +34,7 @@
 # What to read first: the tests (a GPU-vs-CPU mismatch on a tiny model may be the indexer's zero-score ties, which
 # CUDA's top-k may break otherwise; the device copier's test prints whether a copy was still in flight when it
 # returned); then whether streamed stays near max(io-alone, compute-alone): copies go out on a copy stream ordered
-# by events (runtime/device_copier.py), the host waits only when a buffer goes back to the read pool.
+# by events (backends/device_copier.py), the host waits only when a buffer goes back to the read pool.
 set -uo pipefail
 OUT=${OUT:-/tmp/moepack-device-check}
 DEVICE=${DEVICE:-cuda}

@@ -40,13 +40,13 @@ sys.path.insert(0, HERE)
 from prefill import io_alone, warm_cache  # noqa: E402
 from release_dims import release_cut  # noqa: E402
 
+from moepack.backends.grouped_experts import grouped_matmul  # noqa: E402
 from moepack.format_spec.reader import Container  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.packer.synth import synth_checkpoint  # noqa: E402
-from moepack.tools.bench import _best_seconds, drop_page_cache  # noqa: E402
 from moepack.runtime.engine import PrefillOptions, model_config, prefill  # noqa: E402
 from moepack.runtime.expert_decode import expert_weight_count  # noqa: E402
-from moepack.runtime.grouped_experts import grouped_matmul  # noqa: E402
+from moepack.tools.bench import _best_seconds, drop_page_cache  # noqa: E402
 
 PLACES = ("disk", "page-cache", "host", "device")
 

@@ -31,12 +31,12 @@ import time
 
 import moepack  # noqa: F401  (before torch: moepack sets OpenMP's spin limit)
 
+from moepack.families.deepseek_v4.config import CSA, HCA, SLIDING
 from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.gguf_export import export_gguf
 from moepack.packer.synth import synth_checkpoint
 from moepack.tools.bench import drop_page_cache
-from moepack.v4.config import CSA, HCA, SLIDING
 
 # ~850M parameters: the issue's "3.4 GB float32 V4 model (8 layers, 64 experts, top-6; 302 MB of routed weights
 # per token)", within what llama.cpp's deepseek4 runs.

@@ -1,9 +1,10 @@
 """`moepack chat FILE`: an interactive chat in the terminal over one container opened once (runtime/generate.py's
 Generator: the non-routed weights stay resident and the expert cache warm from one turn to the next).
 
-Each turn encodes the whole conversation as DeepSeek-V4's chat (v4/chat.py, the path of `generate --chat`: message
-content stays plain text) and prefills it again: the Generator's decode state is not kept between generations, and
-a layer-major prefill of the history costs one read of the experts the prompt routes to, most of them cached.
+Each turn encodes the whole conversation as DeepSeek-V4's chat (families/deepseek_v4/chat.py, the path of `generate
+--chat`: message content stays plain text) and prefills it again: the Generator's decode state is not kept between
+generations, and a layer-major prefill of the history costs one read of the experts the prompt routes to, most of them
+cached.
 
 Ctrl-C while a reply is generated stops it at the next layer or token; the reply is kept in the history as far as
 it was shown (one stopped before its first token drops the user's message too). At the prompt, Ctrl-C twice in a
@@ -100,7 +101,7 @@ def _assistant_message(text: str, thinking: bool) -> dict:
     """The reply as the history keeps it: in thinking mode the thought (before </think>) is its reasoning, which
     the encoder drops from earlier turns."""
     if thinking:
-        from moepack.v4.chat import THINK_END
+        from moepack.families.deepseek_v4.chat import THINK_END
 
         reasoning, sep, answer = text.partition(THINK_END)
         return {"role": "assistant", "content": answer if sep else "", "reasoning_content": reasoning}
@@ -139,7 +140,7 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
     from moepack.format_spec.errors import MoepackError
     from moepack.runtime.generate import Generator
     from moepack.serve.tokenizer import PromptTokenizer
-    from moepack.v4 import chat as chat_encoding
+    from moepack.families.deepseek_v4 import chat as chat_encoding
 
     start = [] if system is None else [{"role": "system", "content": system}]
     messages = list(start)

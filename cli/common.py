@@ -254,7 +254,7 @@ def one_line_warnings() -> None:
 
     python_format = warnings.formatwarning
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding cli/, runtime/, ...
-    ours = {"cli", "runtime", "packer", "v4", "format_spec", "native", "moepack"}
+    ours = {"cli", "runtime", "packer", "families", "backends", "format_spec", "native", "moepack"}
 
     def formatwarning(message, category, filename, lineno, line=None):
         if os.path.relpath(os.path.abspath(filename), root).split(os.sep)[0] in ours:

@@ -55,7 +55,7 @@ def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: 
     """The ids of `messages` (an OpenAI-style list) as the model's chat: a family's chat template
     (_family_chat_ids), or DeepSeek-V4's chat encoding, whose message content stays plain text."""
     from moepack.families import family_of_architecture
-    from moepack.v4 import chat as chat_encoding
+    from moepack.families.deepseek_v4 import chat as chat_encoding
 
     family = family_of_architecture(container.architecture)
     if family is not None:
@@ -367,7 +367,7 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
     past = 0
     if continue_from is not None:
-        from moepack.v4.kv import inspect_kv
+        from moepack.families.deepseek_v4.kv import inspect_kv
 
         past = inspect_kv(continue_from, verify=False)["tokens"]  # the manifest only: the KV's tokens count too
     max_new_tokens = context_budget(config, max_context, past + len(ids), max_new_tokens)

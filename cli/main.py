@@ -18,7 +18,6 @@ import click
 from moepack import __version__
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
-
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
 from .chat import chat
@@ -250,7 +249,7 @@ def verify(file, source, revision, as_json):
 
     from moepack.families import container_problem
     from moepack.runtime.engine import model_config
-    from moepack.v4.config import unsupported
+    from moepack.families.deepseek_v4.config import unsupported
 
     # the cheap checks first, a broken file fails before any bar shows: the structure, and what prefill checks
     # before it reads (the config's model and its tensors)
@@ -432,7 +431,7 @@ def kv():
 def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
     """Layers, tokens, bytes and completeness of a KV directory; every complete layer file is checked (size,
     xxh3, tensors). Fails on a missing, truncated or damaged layer file, another model's KV, another prompt."""
-    from moepack.v4.kv import identity_of_container, inspect_kv
+    from moepack.families.deepseek_v4.kv import identity_of_container, inspect_kv
     from moepack.format_spec.reader import Container
     from moepack.serve.tokenizer import read_token_ids
 

@@ -4,9 +4,9 @@
 one is refused in one line naming what is supported. The table below names each family's package without
 importing it, so looking a family up costs no torch import.
 
-DeepSeek-V4 still lives in moepack.v4 and the runtime (issue 39 moves it here next); the runtime does not yet run
-the families of this package. Until it moves, this registry (not a family's package) is the one place that asks
-moepack.v4 for its adapter: `adapter_for(config)` gives the container layout of any config the converter takes.
+DeepSeek-V4's package (families/deepseek_v4) is not yet in the table: a caller that finds no family treats the
+model as DeepSeek-V4's, and `adapter_for(config)` asks that package for its adapter, so it gives the container
+layout of any config the converter takes.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def family_for(config: Mapping[str, Any]) -> ModelFamily:
             else "no architectures or model_type")
     supported = "; ".join(f"{e.name} ({', '.join(e.architectures + e.model_types)})" for e in _FAMILIES)
     raise UnknownFamilyError(f"config.json: {what[:200]} is no model family moepack.families knows (supported: "
-                             f"{supported}; DeepSeek-V4 runs through moepack.v4)")
+                             f"{supported}; DeepSeek-V4 runs through moepack.families.deepseek_v4)")
 
 
 def _family_where(matches) -> ModelFamily | None:
@@ -107,7 +107,7 @@ def adapter_for(config: Mapping[str, Any]) -> Adapter:
     family = find_family(config)
     if family is not None:
         return family.adapter
-    from moepack.v4.arch import ADAPTERS, v4_adapter  # DeepSeek-V4, until it moves into this package
+    from moepack.families.deepseek_v4.arch import ADAPTERS, v4_adapter  # DeepSeek-V4: not in the table yet
 
     adapter = v4_adapter(config)
     if adapter is None:

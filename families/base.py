@@ -1,8 +1,8 @@
 """The boundary between a model family and what runs it (issue 39).
 
-A family is one architecture (Qwen3-MoE; DeepSeek-V4 once it moves here from moepack.v4): what its config says,
-which tensors a config implies under which names, and the short torch functions of its forward. What runs a model
-(the engine, the read scheduler, the expert backends, decode) is to hold no family's names: it asks the family.
+A family is one architecture (Qwen3-MoE, families/qwen3_moe; DeepSeek-V4, families/deepseek_v4): what its config
+says, which tensors a config implies under which names, and the short torch functions of its forward. What runs a
+model (the engine, the read scheduler, the expert backends, decode) is to hold no family's names: it asks the family.
 The protocol is deliberately small, so a third family (gpt-oss, DeepSeek-V3) is one package, not twenty edits.
 
 Nothing here imports torch at module level: the registry (moepack.families.family_for) is read by commands

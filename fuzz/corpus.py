@@ -75,7 +75,7 @@ def _import_test_helpers():
 def _micro_overrides() -> dict:
     """The tiny preset cut to one layer of each attention kind and two experts: every region and tensor kind a
     real container has, a few MB per policy."""
-    from moepack.v4.config import CSA, HCA, SLIDING
+    from moepack.families.deepseek_v4.config import CSA, HCA, SLIDING
 
     return dict(layer_types=[CSA, HCA, SLIDING], mlp_layer_types=["hash_moe", "moe", "moe"], num_hidden_layers=3,
                 n_routed_experts=2, num_experts_per_tok=1)
@@ -91,7 +91,7 @@ def _random_layer_state(kind: str, n_tokens: int, geometry: dict, layer: int, ge
     """A LayerKVState of the right shapes for `kind` after n_tokens (values random: the reader checks structure)."""
     import torch
 
-    from moepack.v4.kv import COMPRESSORS, CSA, CompressorState, LayerKVState
+    from moepack.families.deepseek_v4.kv import COMPRESSORS, CSA, CompressorState, LayerKVState
 
     rand = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
     d, di, rate = geometry["head_dim"], geometry["index_head_dim"], geometry["compress_rates"][layer]
@@ -112,7 +112,7 @@ def _write_synthetic_kv(kv_dir: str, dtype: str, n_tokens: int, layers_written: 
     """A KV written by KVWriter from random states: complete (with logits) or with only the first layers done."""
     import torch
 
-    from moepack.v4.kv import KVWriter, make_identity
+    from moepack.families.deepseek_v4.kv import KVWriter, make_identity
 
     config = _kv_config()
     identity = make_identity("deepseek_v4", config, container_index_xxh3=0x0123456789ABCDEF if start else None)

@@ -10,8 +10,8 @@ Engines. `mutation` (default, no extra dependency): the parent process mutates i
 (mutations.py) and a worker subprocess runs each through the user-facing operations (targets.py), under an
 address-space cap and a per-input timeout, so a crash, hang or memory blow-up is caught and the worker restarted.
 Inputs whose outcome shows behaviour not seen before join the corpus. `atheris` (pip install atheris): libFuzzer's
-coverage guidance over moepack.format_spec and moepack.v4 (the KV), in-process, with the same structure-aware
-mutations offered as a custom mutator beside libFuzzer's own.
+coverage guidance over moepack.format_spec and moepack.families.deepseek_v4 (the KV), in-process, with the same
+structure-aware mutations offered as a custom mutator beside libFuzzer's own.
 
 Every distinct failure -- deduplicated by (exception type, innermost moepack frame) -- is saved once in the
 crashes directory (the input, plus a .txt with the traceback), the smallest input seen for it kept. Exit status 1
@@ -322,12 +322,12 @@ def atheris_child_main(args) -> None:
     torch.set_num_threads(1)
     import atheris
 
-    with atheris.instrument_imports(include=["moepack.format_spec", "moepack.v4"]):
+    with atheris.instrument_imports(include=["moepack.format_spec", "moepack.families.deepseek_v4"]):
         import moepack.format_spec.decode  # noqa: F401
         import moepack.format_spec.quants  # noqa: F401
         import moepack.format_spec.reader  # noqa: F401
         import moepack.format_spec.verify  # noqa: F401
-        import moepack.v4.kv  # noqa: F401
+        import moepack.families.deepseek_v4.kv  # noqa: F401
     import targets
     from mutations import Mutator
 

@@ -29,9 +29,9 @@ import zstandard
 
 from corpus import BUNDLE_MAGIC, MAIN_MEMBER, pack_bundle, unpack_bundle
 
+from moepack.families.deepseek_v4.config import LAYER_TYPES
+from moepack.families.deepseek_v4.kv import KV_DTYPES, MANIFEST_NAME, config_xxh3, kv_geometry, token_ids_xxh3
 from moepack.format_spec.dtypes import STORAGE_TYPES, tensor_nbytes
-from moepack.v4.config import LAYER_TYPES
-from moepack.v4.kv import KV_DTYPES, MANIFEST_NAME, config_xxh3, kv_geometry, token_ids_xxh3
 from moepack.format_spec.layout import (
     _HEADER_FIELDS, _PART_HEADER_FIELDS, ALIGNMENT, HEADER_HASHED_BYTES, HEADER_SIZE, PART_HEADER_HASHED_BYTES,
     align_up,

@@ -20,14 +20,15 @@ import traceback
 
 from corpus import BUNDLE_MAGIC, MAIN_MEMBER, REPO, unpack_bundle
 
+from moepack.families.deepseek_v4.kv import KVDirectory, inspect_kv, make_identity, read_kv
 from moepack.format_spec.decode import decode_group
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 from moepack.format_spec.summary import summarize
 from moepack.format_spec.verify import verify_container
-from moepack.v4.kv import KVDirectory, inspect_kv, make_identity, read_kv
 
-_PACKAGE_DIRS = ("format_spec", "v4", "packer", "runtime", "cli", "moepack")  # what pyproject.toml installs as moepack
+# what pyproject.toml installs as moepack
+_PACKAGE_DIRS = ("format_spec", "families", "backends", "packer", "runtime", "cli", "moepack")
 _FOREIGN_IDENTITY = make_identity("deepseek_v4", {"num_hidden_layers": 1}, container_index_xxh3=1)
 
 
@@ -125,8 +126,8 @@ def materialize(target: str, data: bytes, scratch: str) -> str:
 
 
 def innermost_project_frame(frames) -> str:
-    """'v4/kv.py:612 _decode_layer' for the deepest frame in moepack's own code (not the harness, not a
-    test); `frames` is a list of (filename, line, function), outermost first."""
+    """'families/deepseek_v4/kv.py:612 _decode_layer' for the deepest frame in moepack's own code (not the harness, not
+    a test); `frames` is a list of (filename, line, function), outermost first."""
     for filename, line, function in reversed(frames):
         relative = os.path.relpath(os.path.abspath(filename), REPO)
         if relative.split(os.sep)[0] in _PACKAGE_DIRS:

@@ -20,8 +20,8 @@ import os
 
 import torch
 
+from moepack.families.deepseek_v4.kv import COMPRESSORS, CSA, SLIDING, KVCache, kv_geometry, read_kv
 from moepack.format_spec.errors import FormatError
-from moepack.v4.kv import COMPRESSORS, CSA, SLIDING, KVCache, kv_geometry, read_kv
 
 __all__ = ["load_transformers_cache", "continuation_input_ids", "read_kv"]
 

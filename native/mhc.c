@@ -1,4 +1,4 @@
-/* The mHC weights of a sublayer (runtime/mhc_native.py; model.hc_mix_weights in torch): pre, post and the
+/* The mHC weights of a sublayer (backends/mhc_native.py; model.hc_mix_weights in torch): pre, post and the
    Sinkhorn-normalised comb of LANES tokens side by side, so every step is one vector op. */
 #include <math.h>
 #include <stdint.h>

@@ -1,4 +1,4 @@
-/* Matmuls on a few input rows, for decode (runtime/token_kernels.py): out = x @ W.T with W read as the container
+/* Matmuls on a few input rows, for decode (backends/token_kernels.py): out = x @ W.T with W read as the container
    stores it (float32, bfloat16, float16, FP4 E2M1 + E8M0 scales, MXFP4, Q8_0), each weight byte read once and
    turned into float32 in registers; and `moe_token`, a token's routed experts in one call. One token reads every
    weight for a handful of multiply-adds, so this is a memory-bound scan: torch's bf16 GEMV reached 5-7 GB/s here

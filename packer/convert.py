@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from moepack.families import adapter_for, find_family, schema_problem
+from moepack.families.deepseek_v4.config import ConfigError, ModelConfig
 from moepack.format_spec import quants
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.decode import (as_uint8, decode_float, decode_tensor, first_non_finite, scale_name,
@@ -32,7 +33,6 @@ from moepack.format_spec.layout import (DEFAULT_STRIPE_EXPERTS, SCALE_SUFFIXES, 
                                         layer_count_problem, parse_block_name, region_name)
 from moepack.format_spec.policies import POLICY_NAMES, policy as policy_table, target_type
 from moepack.format_spec.writer import ContainerWriter, partial_path
-from moepack.v4.config import ConfigError, ModelConfig
 
 from .progress import progress_bar
 from .source import SourceTensor, keep_refusal

@@ -3,8 +3,9 @@
 What llama.cpp's own converter (conversion/deepseek.py, DeepseekV4Model) makes of the release checkpoint, made from
 a container instead:
 
-* names: moepack.v4.names' GGUF column (`blk.L.attn_q_a.weight`, `output_hc_fn.weight`, ...); the MTP layers are
-  not written (the converter skips them), nor the router bias of a hash layer (llama.cpp routes those by tid2eid).
+* names: moepack.families.deepseek_v4.names' GGUF column (`blk.L.attn_q_a.weight`, `output_hc_fn.weight`, ...); the MTP
+  layers are not written (the converter skips them), nor the router bias of a hash layer (llama.cpp routes those by
+  tid2eid).
 * types, as the converter chooses them: an F8_E4M3 weight with its E8M0 block scales is dequantized and quantized to
   Q8_0 (moepack's Q8_0 is byte-identical to ggml's); F32 stays F32; a 2-D BF16 stays BF16, a 1-D one becomes F32;
   the hash table (I64) becomes I32; routed experts are repacked losslessly from the release's FP4 to MXFP4 and stacked
@@ -13,10 +14,10 @@ a container instead:
   byte for byte, float experts (F32, BF16, F16) stacked in their own type; any other stored type (NVFP4, a weight
   with a tensor scale) is decoded and written as Q8_0.
 * metadata: the base TextModel keys and DeepseekV4Model.set_gguf_parameters' (`DEEPSEEK4_KEYS` lists the ones
-  llama.cpp's loader requires), from the config in either spelling (moepack.v4.config), and the tokenizer (gpt2 BPE,
-  pre-tokenizer `joyai-llm` as the converter names it, tokens padded to vocab_size with `[PAD{i}]`, merges and
-  special ids via gguf-py's SpecialVocab); the chat template is the tokenizer's own if it has one, else DeepSeek-V4's
-  format as moepack.v4.chat renders it (v4/chat_template.jinja).
+  llama.cpp's loader requires), from the config in either spelling (moepack.families.deepseek_v4.config), and the
+  tokenizer (gpt2 BPE, pre-tokenizer `joyai-llm` as the converter names it, tokens padded to vocab_size with `[PAD{i}]`,
+  merges and special ids via gguf-py's SpecialVocab); the chat template is the tokenizer's own if it has one, else
+  DeepSeek-V4's format as moepack.families.deepseek_v4.chat renders it (families/deepseek_v4/chat_template.jinja).
 
 Written to a temporary name next to the output, fsynced, then renamed: a failure (a full disk) leaves no file behind
 and raises one MoepackError line. Needs gguf-py (`pip install 'moepack[gguf]'`).
@@ -43,6 +44,9 @@ import torch
 
 from moepack.families import family_of_architecture
 from moepack.families.base import ROLE_EXPERT
+from moepack.families.deepseek_v4 import names as v4names
+from moepack.families.deepseek_v4.chat import chat_template
+from moepack.families.deepseek_v4.config import DEFAULTS, ModelConfig
 from moepack.format_spec import untrusted
 from moepack.format_spec.decode import decode_float, decode_tensor, is_companion, scale_name, tensor_scale_name
 from moepack.format_spec.decode import tensor_scale_value
@@ -51,9 +55,6 @@ from moepack.format_spec.files import check_free_space, remove_stale_temporaries
 from moepack.format_spec.quants import fp4_to_mxfp4, quantize
 from moepack.format_spec.reader import Container
 from moepack.format_spec.writer import fsync_dir, fsync_file
-from moepack.v4 import names as v4names
-from moepack.v4.chat import chat_template
-from moepack.v4.config import DEFAULTS, ModelConfig
 
 from .export import EXPORT_TEMPORARIES
 from .gguf_source import gguf_py
@@ -242,7 +243,8 @@ _FILE_TYPE = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_
 
 def family_export(gguf, c: Container) -> tuple[str, list[_Job], list[tuple], str, int, Callable | None]:
     """(architecture, tensors, model keys, pre-tokenizer, vocab size, fallback chat template) of the container's
-    model: DeepSeek-V4's (moepack.v4), or a family's (moepack.families, whose chat template is its tokenizer's)."""
+    model: DeepSeek-V4's (moepack.families.deepseek_v4), or a family's (moepack.families, whose chat template is its
+    tokenizer's)."""
     family = family_of_architecture(c.architecture)
     if family is None:
         cfg = ModelConfig.from_hf(c.config)

@@ -4,10 +4,10 @@ It offers what CheckpointDir offers (config, tensors by canonical name, pread of
 `moepack convert MODEL.gguf` runs the same region pipeline as a Hugging Face checkpoint and `verify --source
 MODEL.gguf` the same comparison:
 
-* tensors: GGUF names to moepack's canonical names (moepack.v4.names' GGUF column); a layer's stacked routed experts
-  (`blk.L.ffn_{gate,up,down}_exps` [E, out, in]) become E tensors each, slices of the stacked bytes. A ggml type a
-  container stores (F32, F16, BF16, Q8_0, MXFP4, NVFP4, Q2_K, IQ2_XXS, the integer types) is handed over byte for
-  byte; any other (Q4_K, Q6_K, ...) is dequantized by gguf-py and handed over as F32 (`--keep` refuses those:
+* tensors: GGUF names to moepack's canonical names (moepack.families.deepseek_v4.names' GGUF column); a layer's stacked
+  routed experts (`blk.L.ffn_{gate,up,down}_exps` [E, out, in]) become E tensors each, slices of the stacked bytes. A
+  ggml type a container stores (F32, F16, BF16, Q8_0, MXFP4, NVFP4, Q2_K, IQ2_XXS, the integer types) is handed over
+  byte for byte; any other (Q4_K, Q6_K, ...) is dequantized by gguf-py and handed over as F32 (`--keep` refuses those:
   their blocks cannot be kept).
 * config: a transformers-spelled DeepSeek-V4 config.json rebuilt from the `deepseek4.*` keys (the exporter's
   inverse; a layer's kind from its compress ratio and whether it has indexer tensors).
@@ -30,10 +30,10 @@ import numpy as np
 
 from moepack.families import GGUF_ARCHITECTURES, family_of_gguf
 from moepack.families.base import ROLE_EXPERT
+from moepack.families.deepseek_v4 import names as v4names
 from moepack.format_spec.dtypes import STORAGE_TYPES, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import open_regular
-from moepack.v4 import names as v4names
 
 from .source import LocalSource, OpenFiles, SourceTensor
 
@@ -226,7 +226,7 @@ class GGUFSource(LocalSource):
         first = readers[0]
         self.meta = {k: _value(first, k) for k in first.fields if not k.startswith("GGUF.")}
         arch = self.meta.get("general.architecture")
-        self.family = family_of_gguf(arch) if arch != ARCH else None  # None: DeepSeek-V4 (moepack.v4)
+        self.family = family_of_gguf(arch) if arch != ARCH else None  # None: DeepSeek-V4 (moepack.families.deepseek_v4)
         if arch != ARCH and self.family is None:
             raise MoepackError(f"{os.path.basename(self.files[0])}: architecture {arch!r}, moepack converts "
                                f"{', '.join(repr(a) for a in (ARCH, *GGUF_ARCHITECTURES))} GGUFs")
@@ -395,7 +395,8 @@ class GGUFSource(LocalSource):
                             original_max_position_embeddings=int(k("rope.scaling.original_context_length")),
                             beta_fast=float(k("rope.scaling.yarn_beta_fast", 32.0, required=False)),
                             beta_slow=float(k("rope.scaling.yarn_beta_slow", 1.0, required=False)),
-                            attention_factor=1.0)  # the V4 reference does not scale cos/sin (moepack.v4.config)
+                            # the V4 reference does not scale cos/sin (moepack.families.deepseek_v4.config)
+                            attention_factor=1.0)
         config = {
             "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
             "vocab_size": int(embd[1].shape[1]), "hidden_size": int(k("embedding_length")), "num_hidden_layers": n,

@@ -1,8 +1,8 @@
 """Synthetic DeepSeek-V4 checkpoints: every tensor the real release holds, at sizes a test or a demo can afford.
 
 No network exists where moepack is tested, so tests and demos build their own models. What a DeepSeek-V4
-checkpoint of a config holds is moepack.v4.tensors' schema (`v4_tensor_specs`, canonical names, no `model.`
-prefix); `synth_checkpoint` writes a Hugging Face-style directory with random but well-scaled weights in one of
+checkpoint of a config holds is moepack.families.deepseek_v4.tensors' schema (`v4_tensor_specs`, canonical names, no
+`model.` prefix); `synth_checkpoint` writes a Hugging Face-style directory with random but well-scaled weights in one of
 three layouts:
 
 * ``release``: what deepseek-ai ships. Dense linears FP8 e4m3 + `.scale` (E8M0, 128x128 blocks); routed experts
@@ -31,14 +31,15 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from moepack.families.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
+from moepack.families.deepseek_v4.tensors import (DTYPE_BYTES as _DTYPE_BYTES, ROLE_DENSE_LINEAR, ROLE_EXPERT,
+                                                  StoredTensor, TensorSpec, check_layout as _check_layout,
+                                                  stored_tensors, v4_tensor_specs)
 from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError, is_disk_full
 from moepack.format_spec.files import check_free_space
-from moepack.format_spec.writer import fsync_dir, write_file_atomically
 from moepack.format_spec.source_formats import FP8_BLOCK, fp4_quantize, fp8_block_quantize
-from moepack.v4.config import CSA, HCA, SLIDING, ModelConfig
-from moepack.v4.tensors import (DTYPE_BYTES as _DTYPE_BYTES, ROLE_DENSE_LINEAR, ROLE_EXPERT, StoredTensor, TensorSpec,
-                                check_layout as _check_layout, stored_tensors, v4_tensor_specs)
+from moepack.format_spec.writer import fsync_dir, write_file_atomically
 
 from .sharding import greedy_shards
 

@@ -6,8 +6,8 @@ and stays resident, decoded, on the compute device. Per token and layer: a hash-
 from the token id, so their reads are issued before the layer's attention; a learned layer's once its router
 ran. A miss is one aligned read of that expert's region through the prefill's reader (O_DIRECT where the
 container does not fit in memory), the reads of a layer issued together. On a CPU every layer then runs as a few
-compiled calls over fixed buffers (runtime/token_layer.py's TokenLayers): the chosen experts and the shared one
-in one call of the compiled token kernel (runtime/token_kernels.py), which reads each matrix from its stored bytes
+compiled calls over fixed buffers (families/deepseek_v4/token_layer.py's TokenLayers): the chosen experts and the shared
+one in one call of the compiled token kernel (backends/token_kernels.py), which reads each matrix from its stored bytes
 (F32, BF16, F16, FP4 E2M1, MXFP4, Q8_0) and splits the rows over every thread, while the few torch ops of a token
 run on one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another stored
 kind) model.py's functions run each layer and each expert is computed as its bytes arrive by the prefill's expert
@@ -44,21 +44,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moepack.families.base import family_kv_state
+from moepack.backends import token_kernels
+from moepack.backends.device_copier import DeviceCopier
+from moepack.families.base import family_kv_state, not_finite
+from moepack.families.deepseek_v4 import model
+from moepack.families.deepseek_v4.kv import LayerKVState
+from moepack.families.deepseek_v4.model import HEAD_GLOBALS
+from moepack.families.deepseek_v4.token_layer import TokenLayers
 from moepack.format_spec.decode import decode_group, decode_group_rows, entry_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
-from moepack.v4.kv import LayerKVState
 
-from . import model, token_kernels
-from .device_copier import DeviceCopier
 from .device_decode import StepGraphs, container_pool
 from .expert_decode import EXPERT_MATRICES, ExpertWeights, expert_weight_count
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
 from .io import ReadPipeline, RegionReader, release_freed_memory
-from .model import HEAD_GLOBALS
 from .read_scheduler import RegionChecker, global_regions
-from .token_layer import TokenLayers
 
 
 # faulted in by the mapping call itself where the kernel can (one call, not a fault per page: 2.2 against 1.6 GB/s
@@ -861,7 +862,7 @@ class Decoder:
         (each expert once per layer and step, as a lookup counts them) and made the most recently used."""
         finite, self._step_finite = self._step_finite, []
         if finite and not bool(torch.stack(finite).all()):
-            raise model.not_finite(torch.stack(finite).tolist().index(False))  # every layer is pooled
+            raise not_finite(torch.stack(finite).tolist().index(False))  # every layer is pooled
         uses, self._step_uses = self._step_uses, []
         if not uses:
             return

@@ -30,9 +30,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from moepack.backends.grouped_experts import grouped_matmul, grouped_mm_usable
+from moepack.families.deepseek_v4.model import clamped_swiglu
+
 from .expert_decode import ExpertWeights
-from .grouped_experts import grouped_matmul, grouped_mm_usable
-from .model import clamped_swiglu
 
 
 def pool_usable(dtype: torch.dtype, device: torch.device, inter: int, hidden: int) -> bool:

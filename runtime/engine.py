@@ -8,8 +8,8 @@ the orchestrator that walks the layers over the streaming pipeline's stages (doc
                                        arrive, on work-stealing threads; GroupedExperts (grouped_experts.py)
 
 The arithmetic is the model family's (families.base.LayerPrefill: `layer_prefill(container)` gives a family's,
-or DeepSeek-V4's, runtime/model.py DeepseekV4Prefill); this module holds no family's names. For each layer L: the
-dense region was prefetched while layer L-1 computed; all N tokens run through the family's attention (each
+or DeepSeek-V4's, families/deepseek_v4/model.py DeepseekV4Prefill); this module holds no family's names. For each layer
+L: the dense region was prefetched while layer L-1 computed; all N tokens run through the family's attention (each
 prompt of a grouped pass on its own rows and past); the family's router picks the experts; the layer's expert
 reads (queued ahead where they did not depend on the router) are computed as they arrive, the family's work beside
 them (DeepSeek-V4's shared expert) and the next layer's dense decode beside them; the family's `finish` adds the
@@ -39,29 +39,29 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from moepack.backends.device_copier import DeviceCopier
+from moepack.backends.grouped_experts import ExpertNaming, GroupedExperts, resolve_expert_backend
 from moepack.families import container_problem, family_of_architecture
 from moepack.families.base import LayerPrefill
+from moepack.families.deepseek_v4 import model
+from moepack.families.deepseek_v4.config import ConfigError, ModelConfig, unsupported
+from moepack.families.deepseek_v4.names import stored_names
+from moepack.families.deepseek_v4.tensors import v4_tensor_specs
 from moepack.format_spec.decode import (companion_names, decode_group, decode_group_row_slices, decode_group_rows,
                                         entry_bytes)
 from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.layout import SCALE_SUFFIXES
 from moepack.format_spec.reader import Block, Container, Region
 from moepack.format_spec.source_formats import fp8_decoder_compiled
-from moepack.v4.config import ConfigError, ModelConfig, unsupported
-from moepack.v4.names import stored_names
-from moepack.v4.tensors import v4_tensor_specs
 
-from . import model
-from .device_copier import DeviceCopier
 from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
-from .tuning import default_compute_dtype
-from .limits import MAX_BUNDLE_EXPERTS
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
-from .grouped_experts import ExpertNaming, GroupedExperts, resolve_expert_backend
 from .io import HostBuffer, available_memory_bytes, cpu_steal_seconds, keep_freed_memory, release_freed_memory
-from .resident import place_that_fits, resident_bytes
+from .limits import MAX_BUNDLE_EXPERTS
 from .read_scheduler import (EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, global_regions,
                              tokens_per_expert)
+from .resident import place_that_fits, resident_bytes
+from .tuning import default_compute_dtype
 
 # the query chunk the memory estimate assumes where --query-chunk does not bound it (at least the device's own)
 ESTIMATE_QUERY_CHUNK = 512
@@ -754,7 +754,7 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
 
 def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, kv_dtype, kv_sync, chunk_tokens,
                   dist, kv_overwrite=False) -> PrefillResult:
-    from moepack.v4 import kv as kvf
+    from moepack.families.deepseek_v4 import kv as kvf
 
     with Container(path) as c:
         if (kv_out is not None or continue_from is not None) and family_of_architecture(c.architecture) is not None:

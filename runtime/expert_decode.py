@@ -39,11 +39,10 @@ from types import SimpleNamespace
 
 import torch
 
+from moepack.families.deepseek_v4 import model
 from moepack.format_spec import quants, source_formats
-from moepack.native import LazyKernel, c_function, native_library, read_source
 from moepack.format_spec.reader import Region
-
-from . import model
+from moepack.native import LazyKernel, c_function, native_library, read_source
 
 # The compiled lookups (native/fp4_decode.c): plain C, SSSE3 and AVX-512 kernels of the same table lookup, each
 # compiled for its own target; the CPU picks at run time, so every level can be checked on a machine that runs the

@@ -22,15 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from moepack.backends.grouped_experts import ExpertNaming
 from moepack.families.base import ExpertGroups, Routing
+from moepack.families.deepseek_v4 import model
 from moepack.format_spec.decode import decode_group, entry_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Block, Region
 
-from . import model
-from .tuning import tuned_fused_max_tokens
 from .expert_decode import ExpertDecoder, ExpertWeights, default_fused_tokens, fused_max_tokens
-from .grouped_experts import ExpertNaming
+from .tuning import tuned_fused_max_tokens
 
 
 class BusyTimer:

@@ -20,10 +20,10 @@ import torch
 
 from moepack.families import container_problem, family_of_architecture
 from moepack.families.base import generation_kv_bytes
+from moepack.families.deepseek_v4.kv import KVWriter, identity_of_container, kv_bytes, read_kv
 from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
-from moepack.v4.kv import KVWriter, identity_of_container, kv_bytes, read_kv
 
 from .decode import Decoder
 from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,

@@ -59,10 +59,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from moepack.families.deepseek_v4.chat import (THINK_END, check_reasoning_effort, encode_message_segments,
+                                               markup_segments)
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range, loads
-from moepack.v4.chat import THINK_END, check_reasoning_effort, encode_message_segments, markup_segments
-
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, GenerateResult
 from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK

@@ -1,7 +1,7 @@
 """A model family's chat encoding: the Jinja chat template its tokenizer_config carries (ModelFamily.chat_template;
 else the checkpoint's chat_template.jinja), rendered as transformers' apply_chat_template renders it (a sandboxed
 environment, trim_blocks and lstrip_blocks, its `tojson`, `raise_exception` and `strftime_now`, the tokenizer's
-special tokens as variables). DeepSeek-V4 keeps its own encoder (v4/chat.py).
+special tokens as variables). DeepSeek-V4 keeps its own encoder (families/deepseek_v4/chat.py).
 
 The rendered text spells out the template's markup, so it is tokenized with its special tokens and nothing added
 (PromptTokenizer.encode_special), as apply_chat_template(tokenize=True) does: the ids are transformers'.

@@ -2,9 +2,9 @@
 remote code).
 
 Special tokens come only from markup that is trusted: a chat encoding's own (`encode_segments`: the segments of
-v4/chat.py, message content plain text) or a raw prompt the user typed (`moepack prefill/generate --prompt`: the
-user's own text, spelled-out special tokens and all). Text from elsewhere (a server's completions prompt) goes
-through `encode(text, special_tokens=False)`: a special or added token's text stays that text's ordinary tokens.
+families/deepseek_v4/chat.py, message content plain text) or a raw prompt the user typed (`moepack prefill/generate
+--prompt`: the user's own text, spelled-out special tokens and all). Text from elsewhere (a server's completions prompt)
+goes through `encode(text, special_tokens=False)`: a special or added token's text stays that text's ordinary tokens.
 The tokenizers library matches its added tokens in every `encode` (add_special_tokens only governs the BOS a
 post-processor adds), so plain text goes through a second tokenizer, the same one without its added tokens."""
 
@@ -82,8 +82,9 @@ class PromptTokenizer:
         return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
-        """Ids of a chat encoding's segments (v4/chat.py `encode_message_segments`): its markup into special tokens,
-        every other text (message content) plain, so no message can spell out a special token; none added."""
+        """Ids of a chat encoding's segments (families/deepseek_v4/chat.py `encode_message_segments`): its markup into
+        special tokens, every other text (message content) plain, so no message can spell out a special token; none
+        added."""
         ids: list[int] = []
         for text, special in segments:
             ids += self._ids(self._tok if special else self._plain, text, False)

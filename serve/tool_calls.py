@@ -1,7 +1,7 @@
-"""The server's side of tool calling (v4/tools.py holds DeepSeek-V4's format): a request's `tools`, `tool_choice` and
-`parallel_tool_calls` checked into a ToolPlan, the tools and response_format placed where the release's encoder
-reads them (the conversation's system message), and the model's answer split into content and OpenAI `tool_calls`,
-whole or as a stream (ToolCallSplitter).
+"""The server's side of tool calling (families/deepseek_v4/tools.py holds DeepSeek-V4's format): a request's `tools`,
+`tool_choice` and `parallel_tool_calls` checked into a ToolPlan, the tools and response_format placed where the
+release's encoder reads them (the conversation's system message), and the model's answer split into content and OpenAI
+`tool_calls`, whole or as a stream (ToolCallSplitter).
 
 tool_choice: "auto" (the default with tools): the tools are in the prompt and the answer's calls are parsed;
 "none": the tools are left out of the prompt (the model cannot call what it does not see) and nothing is parsed;
@@ -15,11 +15,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from moepack.families.deepseek_v4.chat import THINK_END
+from moepack.families.deepseek_v4.tools import (DSML, INVOKE_END, TOOL_CALLS_END, TOOL_CALLS_START, ToolCallFormatError,
+                                                check_tools, parse_invoke)
 from moepack.format_spec.errors import MoepackError
 from moepack.runtime.sampling import partial_match_length
-from moepack.v4.chat import THINK_END
-from moepack.v4.tools import (DSML, INVOKE_END, TOOL_CALLS_END, TOOL_CALLS_START, ToolCallFormatError, check_tools,
-                              parse_invoke)
 
 
 _INVOKE_OPEN = f'<{DSML}invoke name="'

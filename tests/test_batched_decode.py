@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 
+from moepack.backends import token_kernels
+from moepack.backends.token_kernels import ROUND_INPUT, ROUND_OUTPUT, float_matrix, stored_matrix
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
-from moepack.runtime import token_kernels
 from moepack.runtime.generate import Generator
-from moepack.runtime.token_kernels import ROUND_INPUT, ROUND_OUTPUT, float_matrix, stored_matrix
 
 STEPS = 8
 

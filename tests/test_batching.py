@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from moepack.families.deepseek_v4.kv import kv_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.runtime import generate as generate_module
 from moepack.runtime.batching import BatchScheduler
@@ -20,7 +21,6 @@ from moepack.runtime.engine import StreamingPrefill
 from moepack.runtime.generate import GenerateOptions, Generator, memory_need
 from moepack.serve.app import ServerLimits, make_app
 from moepack.serve.tokenizer import PromptTokenizer
-from moepack.v4.kv import kv_bytes
 from containers import tiny_keep_container
 from test_serve import Running
 

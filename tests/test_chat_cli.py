@@ -160,7 +160,7 @@ def test_a_stopped_reply_stays_in_the_history_as_far_as_it_was_shown(container):
     next prompt carries, token for token."""
     from moepack.format_spec.reader import Container
     from moepack.serve.tokenizer import PromptTokenizer
-    from moepack.v4.chat import encode_message_segments
+    from moepack.families.deepseek_v4.chat import encode_message_segments
 
     chat = subprocess.Popen([sys.executable, "-m", "moepack", "chat", container, "-n", "100000", "--json"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

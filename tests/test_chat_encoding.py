@@ -1,5 +1,6 @@
-"""DeepSeek-V4's prompt format (moepack.v4.chat) against the strings DeepSeek's own encoder renders, and the release
-tokenizer carried from `synth --tokenizer` through `convert --keep` into the container's PromptTokenizer.
+"""DeepSeek-V4's prompt format (moepack.families.deepseek_v4.chat) against the strings DeepSeek's own encoder renders,
+and the release tokenizer carried from `synth --tokenizer` through `convert --keep` into the container's
+PromptTokenizer.
 
 tests/data/dsv4_chat_reference.json holds the reference encoder's outputs (its "note" says which file of which
 repository produced them) and, for each, the token ids of the release tokenizer. The tokenizer tests need the
@@ -18,8 +19,8 @@ from moepack.format_spec.errors import MoepackError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moepack.v4.chat import (ASSISTANT, BOS, EOS, SPECIAL_TOKENS, THINK_END, THINK_START, USER, chat_template,
-                             encode_chat, encode_message_segments, encode_messages)
+from moepack.families.deepseek_v4.chat import (ASSISTANT, BOS, EOS, SPECIAL_TOKENS, THINK_END, THINK_START, USER,
+                                               chat_template, encode_chat, encode_message_segments, encode_messages)
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 with open(os.path.join(DATA, "dsv4_chat_reference.json"), encoding="utf-8") as _f:

@@ -1,7 +1,7 @@
-"""DeepSeek-V4's tool format (v4/tools.py, v4/chat.py) against the release's own encoder: conversations with two
-tools, tool calls, tool results (out of call order) and response formats render string for string as
-encoding_dsv4.py renders them, tokenize to the release tokenizer's ids with the content as plain text, and the
-model's tool calls parse to what the release's parser gives (tests/data/dsv4_tools_reference.json; its "note"
+"""DeepSeek-V4's tool format (families/deepseek_v4/tools.py, families/deepseek_v4/chat.py) against the release's own
+encoder: conversations with two tools, tool calls, tool results (out of call order) and response formats render string
+for string as encoding_dsv4.py renders them, tokenize to the release tokenizer's ids with the content as plain text, and
+the model's tool calls parse to what the release's parser gives (tests/data/dsv4_tools_reference.json; its "note"
 says how it was recorded)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from moepack.v4.chat import encode_message_segments, encode_messages
-from moepack.v4.tools import ToolCallFormatError, parse_tool_calls, split_tool_calls
+from moepack.families.deepseek_v4.chat import encode_message_segments, encode_messages
+from moepack.families.deepseek_v4.tools import ToolCallFormatError, parse_tool_calls, split_tool_calls
 from test_chat_encoding import RELEASE_TOKENIZER, needs_release_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data")

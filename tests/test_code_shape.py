@@ -23,7 +23,7 @@ def write(root, rel, text):
 
 
 def test_family_names_in_code_count_and_comments_do_not(tmp_path):
-    for package in ("runtime", "v4", "families", "families/qwen3_moe", "native"):
+    for package in ("runtime", "families/deepseek_v4", "families", "families/qwen3_moe", "native"):
         write(tmp_path, f"{package}/__init__.py", "")
     write(tmp_path, "runtime/mixes.py", "def f(w):\n    return w.hc_attn_fn\n")
     write(tmp_path, "runtime/names.py", 'def name(p):\n    return f"{p}.w3.weight"\n')
@@ -31,7 +31,7 @@ def test_family_names_in_code_count_and_comments_do_not(tmp_path):
     write(tmp_path, "runtime/errors.py", "try:\n    pass\nexcept IndexError:\n    import zstandard\n"
                                           "    zstandard.ZstdDecompressor()\n")
     write(tmp_path, "runtime/qwen_config.py", "def f(cfg):\n    return cfg['norm_topk_prob']\n")
-    write(tmp_path, "v4/model.py", "TID = 'tid2eid'\n")  # DeepSeek-V4's home
+    write(tmp_path, "families/deepseek_v4/model.py", "TID = 'tid2eid'\n")  # DeepSeek-V4's home
     write(tmp_path, "families/qwen3_moe/config.py", "ARCH = 'Qwen3MoeForCausalLM'\n")  # Qwen3-MoE's home
     write(tmp_path, "families/qwen3_moe/odd.py", "def f(x):\n    return x.attn_sink\n")  # another family's name
     write(tmp_path, "native/mix.c", "/* the indexer */\nstatic void hc_pre(void) {}\n")

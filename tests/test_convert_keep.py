@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from containers import kill_convert_at_random_points, source_reads_fail_at
+from moepack.families.deepseek_v4.names import from_transformers
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 from moepack.format_spec.verify import verify_container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.source import CheckpointDir
 from moepack.packer.synth import synth_checkpoint
-from moepack.v4.names import from_transformers
 
 
 @pytest.fixture(scope="module")

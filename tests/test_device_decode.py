@@ -9,12 +9,12 @@ import functools
 import pytest
 import torch
 
+from moepack.families.deepseek_v4.token_layer import TokenLayers
 from moepack.packer.convert import convert_checkpoint
 from moepack.runtime import generate as generate_module
 from moepack.runtime.decode import Decoder
 from moepack.runtime.engine import PrefillOptions
 from moepack.runtime.generate import Generator
-from moepack.runtime.token_layer import TokenLayers
 from containers import tiny_keep_container, tiny_policy_containers
 from v4_models import CONFIGS, saved_model
 

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from moepack import native
+from moepack.families.deepseek_v4 import model
+from moepack.families.deepseek_v4.config import ModelConfig
 from moepack.format_spec.decode import decode_group
 from moepack.format_spec.reader import Container
+from moepack.runtime import expert_decode
 from moepack.runtime import expert_runner
 from moepack.runtime.engine import PrefillOptions, prefill
-from moepack.runtime import expert_decode, model
 from moepack.runtime.expert_decode import (FUSED_MAX_TOKENS, GROUP, NATIVE_LEVELS, ExpertDecoder, PackedMatrix,
                                            _nibble_table, _pair_order, _pair_table, default_fused_tokens,
                                            fused_available, native_levels)
-from moepack.v4.config import ModelConfig
 
 from containers import tiny_policy_containers
 

@@ -215,8 +215,8 @@ def test_out_of_vocabulary_ids_and_kv_directories_are_refused(qwen3, tmp_path):
 
 
 def test_the_engine_and_the_read_scheduler_name_no_family():
-    """What DeepSeek-V4 computes is its LayerPrefill's (runtime/model.py DeepseekV4Prefill): the engine and the read
-    scheduler spell none of its names (its tensors, its functions, its config's fields)."""
+    """What DeepSeek-V4 computes is its LayerPrefill's (families/deepseek_v4/model.py DeepseekV4Prefill): the engine and
+    the read scheduler spell none of its names (its tensors, its functions, its config's fields)."""
     import inspect
 
     from moepack.runtime import engine, read_scheduler
@@ -251,7 +251,7 @@ def test_both_models_implement_the_protocol(qwen3, tmp_path_factory):
 
     from moepack.families.base import LayerPrefill
     from moepack.runtime.engine import layer_prefill
-    from moepack.runtime.model import DeepseekV4Prefill
+    from moepack.families.deepseek_v4.model import DeepseekV4Prefill
 
     with Container(tiny_keep_container(tmp_path_factory)) as c:
         v4 = layer_prefill(c, torch.float32)

@@ -110,7 +110,7 @@ def _paths(value, prefix=()):
 def test_any_value_anywhere_in_the_kv_manifest(kv_dir, tmp_path_factory, data, value):
     import shutil
 
-    from moepack.v4.kv import inspect_kv, read_kv
+    from moepack.families.deepseek_v4.kv import inspect_kv, read_kv
 
     manifest = json.loads((kv_dir / "manifest.json").read_text())
     path = data.draw(st.sampled_from(list(_paths(manifest))))
@@ -173,7 +173,7 @@ def _kv_copy(kv_dir, tmp_path, edit, rehash_config: bool = True):
     reaches the checks behind it."""
     import shutil
 
-    from moepack.v4.kv import config_xxh3
+    from moepack.families.deepseek_v4.kv import config_xxh3
 
     copy = tmp_path / "kv"
     shutil.copytree(kv_dir, copy)
@@ -186,7 +186,7 @@ def _kv_copy(kv_dir, tmp_path, edit, rehash_config: bool = True):
 
 
 def _kv_format_error(path: str) -> str:
-    from moepack.v4.kv import inspect_kv, read_kv
+    from moepack.families.deepseek_v4.kv import inspect_kv, read_kv
 
     messages = []
     for load in (read_kv, inspect_kv):
@@ -261,7 +261,7 @@ def test_kv_layer_size_claim_does_not_size_a_read(kv_dir, tmp_path, size):
 
 def test_kv_inspect_ignores_what_an_incomplete_layer_entry_says(kv_dir, tmp_path):
     """An incomplete entry's other keys are never validated; inspect used to add up its `bytes` (TypeError)."""
-    from moepack.v4.kv import inspect_kv
+    from moepack.families.deepseek_v4.kv import inspect_kv
 
     def edit(m):
         m["layers"][-1].update(complete=False, bytes="x")
@@ -276,7 +276,7 @@ def test_kv_inspect_ignores_what_an_incomplete_layer_entry_says(kv_dir, tmp_path
 def test_kv_numbers_that_only_equal_integers_are_refused(kv_dir, tmp_path, where):
     """3.0 == 3 in Python: a geometry of floats passed the comparison with the derived one, and the manifest's
     num_layers 4.0 then broke `range(directory.num_layers)` (TypeError)."""
-    from moepack.v4.kv import KVDirectory
+    from moepack.families.deepseek_v4.kv import KVDirectory
 
     def edit(m):
         if where == "geometry":
@@ -295,7 +295,7 @@ def test_kv_config_nested_near_the_recursion_limit_is_a_format_error(kv_dir, tmp
     near the limit is tried), found by the atheris engine."""
     import sys
 
-    from moepack.v4.kv import KVDirectory
+    from moepack.families.deepseek_v4.kv import KVDirectory
 
     def edit(m):
         m["identity"]["config"]["deep"] = "@DEEP@"

@@ -10,14 +10,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from moepack.backends import token_kernels
+from moepack.families.deepseek_v4.token_layer import TokenLayers
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
-from moepack.runtime import token_kernels
 from moepack.runtime.decode import ExpertCache
 from moepack.runtime.engine import PrefillOptions, prefill
 from moepack.runtime.generate import GenerateOptions, Generator, generate
-from moepack.runtime.token_layer import TokenLayers
 from v4_models import CONFIGS, indexer_boundary_ties, random_config, saved_model, wide_indexer_models
 
 NEW_TOKENS = 32
@@ -282,7 +282,7 @@ def test_a_cache_smaller_than_a_tokens_experts_does_not_copy_and_evict_per_miss(
 def test_the_kv_after_a_generation_continues_it(models, tmp_path):
     """--kv-out after generating: the KV covers the prompt and the generated tokens but the last, whose logits
     it records; generating on from it gives what one longer generation gives."""
-    from moepack.v4.kv import read_kv
+    from moepack.families.deepseek_v4.kv import read_kv
 
     hf_model, container = models["B"]
     ids = _prompt(30, hf_model.config.vocab_size, seed=8)
@@ -430,7 +430,7 @@ def test_each_gpu_generation_checks_the_device_for_its_kv_and_the_cache_still_to
     """Before each generation on a GPU: the KV of prompt + new tokens and the part of the cache's budget not yet
     filled must fit what the device has free (the resident weights, loaded already, are not counted again)."""
     from moepack.runtime import generate as generate_module
-    from moepack.v4.kv import kv_bytes
+    from moepack.families.deepseek_v4.kv import kv_bytes
 
     hf_model, container = models["A"]
     with Generator(container, cache_gib=0.01) as g:

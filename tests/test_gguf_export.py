@@ -23,6 +23,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from moepack.families.deepseek_v4 import names as v4names  # noqa: E402
+from moepack.families.deepseek_v4.chat import chat_template  # noqa: E402
+from moepack.families.deepseek_v4.config import ModelConfig  # noqa: E402
 from moepack.format_spec.decode import decode_float, decode_tensor  # noqa: E402
 from moepack.format_spec.errors import MoepackError  # noqa: E402
 from moepack.format_spec.quants import fp4_to_mxfp4  # noqa: E402
@@ -31,9 +34,6 @@ from moepack.packer import gguf_export  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.packer.gguf_export import ARCH, DEEPSEEK4_KEYS, export_gguf  # noqa: E402
 from moepack.packer.synth import synth_checkpoint  # noqa: E402
-from moepack.v4 import names as v4names  # noqa: E402
-from moepack.v4.chat import chat_template  # noqa: E402
-from moepack.v4.config import ModelConfig  # noqa: E402
 
 # llama.cpp's MODEL_ARCH.DEEPSEEK4 tensor templates (gguf-py constants.py of the llama.cpp tree), with the suffixes
 # its loader asks for.
@@ -401,7 +401,7 @@ def test_llama_cpp_logits_equal_moepack_prefill(name, tokenizer, tmp_path):
 
     from moepack.packer.synth import tokenizer_json
     from moepack.runtime.engine import prefill
-    from moepack.v4.config import CSA, HCA, SLIDING
+    from moepack.families.deepseek_v4.config import CSA, HCA, SLIDING
 
     exe = os.path.join(os.environ["MOEPACK_LLAMA_CPP"], "bin", "llama-logits")
     if not os.path.exists(exe):

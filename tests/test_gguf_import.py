@@ -26,17 +26,17 @@ from click.testing import CliRunner
 gguf = pytest.importorskip("gguf")
 
 from moepack.cli.main import cli  # noqa: E402
+from moepack.families.deepseek_v4.chat import chat_template  # noqa: E402
 from moepack.format_spec.errors import MoepackError  # noqa: E402
 from moepack.format_spec.reader import Container  # noqa: E402
+from moepack.packer import gguf_export  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.packer.fidelity import compare_with_source  # noqa: E402
-from moepack.packer import gguf_export  # noqa: E402
 from moepack.packer.gguf_export import export_gguf, parse_size, split_name  # noqa: E402
 from moepack.packer.gguf_source import GGUFSource  # noqa: E402
 from moepack.packer.synth import synth_checkpoint, tokenizer_json  # noqa: E402
 from moepack.runtime.engine import prefill  # noqa: E402
 from moepack.serve.tokenizer import PromptTokenizer  # noqa: E402
-from moepack.v4.chat import chat_template  # noqa: E402
 
 
 def _tensors(path: str) -> dict:

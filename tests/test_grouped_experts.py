@@ -1,4 +1,4 @@
-"""The grouped expert backend (runtime/grouped_experts.py) equals the per-expert path, for every storage type the
+"""The grouped expert backend (backends/grouped_experts.py) equals the per-expert path, for every storage type the
 container holds experts in: decode_stacked against decode_group bit for bit, a layer's grouped GEMMs against each
 expert's own matmuls, and whole prefills against the per-expert runner. torch's grouped GEMM runs on the CPU too."""
 
@@ -10,14 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from moepack.backends import grouped_experts
+from moepack.backends.grouped_experts import GroupedExperts, grouped_matmul, resolve_expert_backend
+from moepack.families.deepseek_v4 import model
 from moepack.format_spec import source_formats
 from moepack.format_spec.decode import decode_group, decode_stacked
 from moepack.format_spec.dtypes import storage_type
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
-from moepack.runtime import grouped_experts, model
 from moepack.runtime.engine import PrefillOptions, model_config, prefill
-from moepack.runtime.grouped_experts import GroupedExperts, grouped_matmul, resolve_expert_backend
 
 from containers import tiny_policy_containers
 

@@ -19,16 +19,16 @@ from safetensors import safe_open  # noqa: E402
 import v4_models  # noqa: E402
 from v4_models import CONFIGS  # noqa: E402
 
+from moepack.backends import token_kernels  # noqa: E402
+from moepack.families.deepseek_v4 import kv as K  # noqa: E402
+from moepack.families.deepseek_v4 import model as M  # noqa: E402
+from moepack.families.deepseek_v4.config import CSA as C  # noqa: E402
+from moepack.families.deepseek_v4.config import HCA as H  # noqa: E402
+from moepack.families.deepseek_v4.config import ModelConfig  # noqa: E402
+from moepack.families.deepseek_v4.config import SLIDING as S  # noqa: E402
+from moepack.families.deepseek_v4.token_layer import TokenLayers  # noqa: E402
 from moepack.format_spec.errors import FormatError, MoepackError  # noqa: E402
 from moepack.kv import continuation_input_ids, load_transformers_cache  # noqa: E402
-from moepack.runtime import model as M  # noqa: E402
-from moepack.runtime import token_kernels  # noqa: E402
-from moepack.runtime.token_layer import TokenLayers  # noqa: E402
-from moepack.v4 import kv as K  # noqa: E402
-from moepack.v4.config import CSA as C  # noqa: E402
-from moepack.v4.config import HCA as H  # noqa: E402
-from moepack.v4.config import SLIDING as S  # noqa: E402
-from moepack.v4.config import ModelConfig  # noqa: E402
 FLASH_CONFIG = os.path.join(os.path.dirname(__file__), "data", "deepseek-v4-flash.config.json")
 
 
@@ -210,8 +210,8 @@ TOKEN_STEPS = [("A", 5, 60), ("B", 3, 200), ("C", 40, 40)]
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
 @pytest.mark.parametrize("name,a,b", TOKEN_STEPS, ids=[f"{c}-{a}+{b}" for c, a, b in TOKEN_STEPS])
 def test_token_attention_equals_the_prefill(models, monkeypatch, name, a, b, compiled):
-    """One decoded token at a time over a TokenKV (runtime/token_layer.py's compiled calls, or model.py's torch
-    path) gives the logits of a single prefill of the whole sequence at every step, and ends in its KV."""
+    """One decoded token at a time over a TokenKV (families/deepseek_v4/token_layer.py's compiled calls, or model.py's
+    torch path) gives the logits of a single prefill of the whole sequence at every step, and ends in its KV."""
     if not compiled:
         monkeypatch.setattr(M.token_kernels, "token_kernels", lambda: None)
     _, cfg, weights = models(name)

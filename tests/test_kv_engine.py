@@ -15,11 +15,11 @@ from containers import small_disk  # noqa: E402
 from v4_models import build  # noqa: E402
 
 from moepack.cli.main import cli  # noqa: E402
+from moepack.families.deepseek_v4 import kv as K  # noqa: E402
 from moepack.format_spec.errors import FormatError, MoepackError  # noqa: E402
 from moepack.kv import continuation_input_ids, load_transformers_cache  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.runtime.engine import PrefillOptions, prefill  # noqa: E402
-from moepack.v4 import kv as K  # noqa: E402
 
 
 @pytest.fixture(scope="module")

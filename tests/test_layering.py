@@ -1,9 +1,9 @@
 """The package's import graph, as installed: every `import` of a moepack module anywhere in a module (at the top or
 inside a function) is an edge. The layers are cli -> serve / tools -> runtime (packer beside it) -> model families
-(families, v4) -> backends -> format_spec -> native: nothing imports a layer above its own; serve and tools never
-import each other nor packer, packer and runtime never import each other, the families' package and DeepSeek-V4's v4
-never import each other (a family holds no other family's names); and no module imports itself back through others
-(no cycles, not even through a function-level import)."""
+(families: the registry, and each family in its own package, families/deepseek_v4, families/qwen3_moe) -> backends ->
+format_spec -> native: nothing imports a layer above its own; serve and tools never import each other nor packer, packer
+and runtime never import each other, a family's package never imports another's (a family holds no other family's
+names); and no module imports itself back through others (no cycles, not even through a function-level import)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,9 @@ import pytest
 LAYERS = {
     "moepack.native": 0,
     "moepack.format_spec": 1,
-    # the device backends, below the model (issue 39). The CPU's compiled kernels still live in moepack.runtime
-    # (token_kernels, mhc_native, expert_decode) and the CUDA expert backend too (grouped_experts): they keep
-    # runtime's rule until they move here
+    # the device backends, below the model families: nothing in a backend imports a family
     "moepack.backends": 2,
-    "moepack.v4": 3,  # DeepSeek-V4, a model family not yet moved into moepack.families
-    "moepack.families": 3,
+    "moepack.families": 3,  # the model families, each in its own package (deepseek_v4, qwen3_moe), and their registry
     "moepack.runtime": 4,  # runs models; its benchmark-tuning lookups are runtime/tuning.py
     "moepack.packer": 4,
     "moepack.kv": 4,  # the transformers consumer of a KV directory
@@ -32,13 +29,9 @@ LAYERS = {
     "moepack.__main__": 6,
 }
 SIBLINGS_APART = {("moepack.runtime", "moepack.packer"), ("moepack.packer", "moepack.runtime"),
-                  ("moepack.families", "moepack.v4"), ("moepack.v4", "moepack.families"),
                   # the server and the tools share nothing but the runtime below them, and write no containers
                   ("moepack.serve", "moepack.tools"), ("moepack.tools", "moepack.serve"),
                   ("moepack.serve", "moepack.packer"), ("moepack.tools", "moepack.packer")}
-# The families' registry (moepack.families itself, not a family's package) finds DeepSeek-V4's adapter in moepack.v4
-# until DeepSeek-V4 moves into moepack.families (issue 39): the one edge between the two, by name.
-REGISTRY_BRIDGE = {("moepack.families", "moepack.v4.arch")}
 
 
 def package_modules() -> dict[str, str]:
@@ -109,7 +102,8 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_package_has_every_layer():
     modules = graph()
-    for prefix in ("moepack.native", "moepack.format_spec", "moepack.v4", "moepack.families",
+    for prefix in ("moepack.native", "moepack.format_spec", "moepack.backends", "moepack.families",
+                   "moepack.families.deepseek_v4",
                    "moepack.families.qwen3_moe", "moepack.runtime", "moepack.packer", "moepack.serve",
                    "moepack.tools", "moepack.cli"):
         assert any(m.startswith(prefix) for m in modules), f"{prefix} not found in the installed package"
@@ -124,8 +118,6 @@ def test_no_module_imports_a_layer_above_its_own():
             if mine is None or theirs is None:
                 if mine is None and theirs is not None and module == "moepack" and theirs[1] > 1:
                     violations.append(f"{module} -> {target}")  # the root imports only errors-level modules
-                continue
-            if (module, target) in REGISTRY_BRIDGE:
                 continue
             if theirs[1] > mine[1] or (mine[0], theirs[0]) in SIBLINGS_APART:
                 violations.append(f"{module} -> {target}")
@@ -185,3 +177,30 @@ def test_a_function_level_import_is_an_edge(tmp_path):
     src.write_text("def f():\n    from moepack.cli import main\n    from . import sibling\n")
     got = imports_of("moepack.runtime.m", str(src), {"moepack.cli.main", "moepack.runtime.sibling", "moepack.cli"})
     assert got == {"moepack.cli.main", "moepack.runtime.sibling"}
+
+
+def test_deepseek_v4_and_the_backends_have_their_own_packages():
+    """DeepSeek-V4 is a family in its own package, its forward included, and the device kernels are backends
+    (issue 39): the old DeepSeek-V4 package is gone, and none of the moved modules is back in moepack.runtime."""
+    modules = graph()
+    moved_from_runtime = ("device_copier", "grouped_experts", "mhc_native", "model", "token_kernels", "token_layer")
+    assert not [m for m in modules if m.split(".")[:2] == ["moepack", "v4"]]
+    back = [stem for stem in moved_from_runtime if f"moepack.runtime.{stem}" in modules]
+    assert not back, f"back in the runtime: {back}"
+    assert "moepack.families.deepseek_v4.model" in modules and "moepack.families.deepseek_v4.config" in modules
+
+
+def test_a_family_imports_no_other_family():
+    """A family's package (families/<name>/) imports no other family's: the registry, moepack.families itself, is
+    the one module that knows them all."""
+    modules = package_modules()
+    families = {m for m, path in modules.items()
+                if m.startswith("moepack.families.") and path.endswith("__init__.py") and m.count(".") == 2}
+    assert "moepack.families.deepseek_v4" in families and len(families) >= 2, families
+
+    def family_of(module):
+        return next((f for f in families if module == f or module.startswith(f + ".")), None)
+
+    crossing = sorted(f"{m} -> {t}" for m, targets in graph().items() for t in targets
+                      if family_of(m) and family_of(t) and family_of(m) != family_of(t))
+    assert not crossing, "a family importing another:\n" + "\n".join(crossing)

@@ -1,4 +1,4 @@
-"""runtime/model.py against transformers' DeepseekV4ForCausalLM (the oracle), float32 on CPU.
+"""families/deepseek_v4/model.py against transformers' DeepseekV4ForCausalLM (the oracle), float32 on CPU.
 
 Each configuration is a randomly initialised transformers model whose weights are re-drawn with a fixed seed so
 that no path is degenerate (transformers' init zeroes the sinks, the mHC biases, the compressors' ape, the router
@@ -18,9 +18,9 @@ from torch.utils._pytree import tree_flatten
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV4Config  # noqa: E402
 
-from moepack.runtime import model as M  # noqa: E402
-from moepack.v4.config import ModelConfig, RopeConfig  # noqa: E402
-from moepack.v4.kv import LayerKVState  # noqa: E402
+from moepack.families.deepseek_v4 import model as M  # noqa: E402
+from moepack.families.deepseek_v4.config import ModelConfig, RopeConfig  # noqa: E402
+from moepack.families.deepseek_v4.kv import LayerKVState  # noqa: E402
 
 from v4_models import CONFIGS, S, C, H, _randomise, build  # noqa: E402,F401
 

@@ -70,7 +70,9 @@ def test_sources_share_code_through_headers():
 LOAD_ALL = """
 import json
 from moepack.format_spec import quant_fp4, quant_q8_0, quants, source_formats
-from moepack.runtime import expert_decode, mhc_native, model, token_kernels
+from moepack.runtime import expert_decode
+from moepack.backends import mhc_native, token_kernels
+from moepack.families.deepseek_v4 import model
 for load in (quant_q8_0.native_quantize_chunk, quant_fp4.native_mxfp4_quantize_chunk, source_formats._fp8_native,
              expert_decode._native_kernels, expert_decode._fused_kernel,
              lambda: mhc_native._kernel(model.hc_mix_weights), token_kernels.token_kernels):

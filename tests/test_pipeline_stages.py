@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from containers import tiny_keep_container
+from moepack.backends.device_copier import DeviceCopier
 from moepack.format_spec.reader import Container
-from moepack.runtime.device_copier import DeviceCopier
 from moepack.runtime.engine import layer_prefill
 from moepack.runtime.read_scheduler import ReadScheduler, expert_reads
 
@@ -27,7 +27,7 @@ def scheduler(c: Container, **kw) -> ReadScheduler:
 
 def routed(experts: list[int]) -> dict:
     """Routing.tokens_by_expert() of a router that sent one token to each of `experts`."""
-    from moepack.runtime.model import ExpertTokens
+    from moepack.families.base import ExpertTokens
 
     return {e: ExpertTokens(torch.tensor([0]), torch.tensor([1.0])) for e in sorted(experts)}
 

@@ -486,7 +486,7 @@ def test_the_models_tool_calls_become_tool_calls(server, scripted):
 
 def test_a_conversation_with_tool_results_is_the_encoders_prompt(server, scripted):
     from moepack.serve.tool_calls import with_prompt_extras
-    from moepack.v4.chat import encode_messages
+    from moepack.families.deepseek_v4.chat import encode_messages
 
     scripted.text = "It is sunny."
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
@@ -637,7 +637,7 @@ def test_the_api_key_from_the_environment_or_a_private_file(tmp_path, monkeypatc
 # ---- 5. reasoning effort ------------------------------------------------------------------------------------------
 
 def test_reasoning_effort_is_what_the_release_encoder_knows(server, scripted):
-    from moepack.v4.chat import REASONING_EFFORT_MAX_PREFIX
+    from moepack.families.deepseek_v4.chat import REASONING_EFFORT_MAX_PREFIX
 
     scripted.text = "ok"
     c = _client(server)

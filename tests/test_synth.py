@@ -9,20 +9,12 @@ import torch
 from containers import small_disk
 from safetensors import safe_open
 
+from moepack.families.deepseek_v4.config import CSA, HCA, SLIDING
+from moepack.families.deepseek_v4.tensors import (LAYOUTS, ROLE_BF16_LINEAR, ROLE_DENSE_LINEAR, ROLE_EMBEDDING,
+                                                  ROLE_EXACT, ROLE_EXPERT, stored_tensors, v4_tensor_specs)
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.source_formats import fp4_dequantize, fp8_block_dequantize
 from moepack.packer.synth import PRESETS, TOKENIZER_VOCAB_SIZE, preset_config, synth_checkpoint
-from moepack.v4.config import CSA, HCA, SLIDING
-from moepack.v4.tensors import (
-    LAYOUTS,
-    ROLE_BF16_LINEAR,
-    ROLE_DENSE_LINEAR,
-    ROLE_EMBEDDING,
-    ROLE_EXACT,
-    ROLE_EXPERT,
-    stored_tensors,
-    v4_tensor_specs,
-)
 
 REFERENCE_CONFIG = Path(__file__).parent / "data" / "deepseek-v4-flash.config.json"  # the release's config
 

@@ -1,4 +1,4 @@
-"""The compiled token matmul (runtime/token_kernels.py, native/token_matmul.c): decode's linears and a token's
+"""The compiled token matmul (backends/token_kernels.py, native/token_matmul.c): decode's linears and a token's
 routed experts, against torch and the container's own decoders, in every stored kind, both loops (AVX-512 and
 plain), any thread count; and decode through it against decode without it."""
 
@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from moepack import native
+from moepack.backends import token_kernels
+from moepack.families.deepseek_v4 import model
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
-from moepack.runtime import model, token_kernels
 from moepack.runtime.engine import PrefillOptions
 from moepack.runtime.generate import Generator
 

@@ -319,7 +319,7 @@ def test_a_kv_manifest_that_is_a_link_to_dev_zero_is_refused_at_once(kv_dir, tmp
 
 
 def test_an_oversized_kv_manifest_is_refused(kv_dir, tmp_path, monkeypatch):
-    from moepack.v4 import kv as K
+    from moepack.families.deepseek_v4 import kv as K
 
     copy = tmp_path / "kv"
     shutil.copytree(kv_dir, copy)

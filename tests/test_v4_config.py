@@ -1,4 +1,5 @@
-"""moepack.v4: the one config.json reader (both spellings, every field checked), and the tensor names table."""
+"""moepack.families.deepseek_v4: the one config.json reader (both spellings, every field checked), and the tensor names
+table."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ pytest.importorskip("transformers")
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 from v4_models import CONFIGS  # noqa: E402
 
+from moepack.families.deepseek_v4 import config as V, kv as K, names as N  # noqa: E402
+from moepack.families.deepseek_v4.config import CSA, HCA, SLIDING, ConfigError, ModelConfig  # noqa: E402
+from moepack.families.deepseek_v4.tensors import v4_tensor_specs  # noqa: E402
 from moepack.format_spec.errors import FormatError, MoepackError  # noqa: E402
 from moepack.packer.synth import preset_config  # noqa: E402
-from moepack.v4 import config as V, kv as K, names as N  # noqa: E402
-from moepack.v4.config import CSA, HCA, SLIDING, ConfigError, ModelConfig  # noqa: E402
-from moepack.v4.tensors import v4_tensor_specs  # noqa: E402
 
 RELEASE = os.path.join(os.path.dirname(__file__), "data", "deepseek-v4-flash.config.json")
 

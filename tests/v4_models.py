@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from moepack.v4.config import CSA as C
-from moepack.v4.config import HCA as H
-from moepack.v4.config import SLIDING as S
-from moepack.v4.config import ModelConfig
-from moepack.v4.names import from_transformers
+from moepack.families.deepseek_v4.config import CSA as C
+from moepack.families.deepseek_v4.config import HCA as H
+from moepack.families.deepseek_v4.config import ModelConfig
+from moepack.families.deepseek_v4.config import SLIDING as S
+from moepack.families.deepseek_v4.names import from_transformers
 
 CONFIGS = {
     # 5 layers of every kind, 2 hash layers, 4 streams, YaRN compress rope, clamping SwiGLU.
@@ -111,7 +111,7 @@ def wide_indexer_models(base_dir: str, names=("A", "C"), seed: int = 200) -> dic
 def indexer_boundary_ties():
     """Yields a one-item list counting, while inside, the indexer's queries whose k-th and (k+1)-th best scores
     were exactly equal: the queries whose chosen entries depend on the top-k implementation."""
-    from moepack.runtime import model
+    from moepack.families.deepseek_v4 import model
 
     real, ties = model.indexer_scores, [0]
 

@@ -8,11 +8,11 @@ memory and host->device copy rates, and the effective FLOP/s of the runtime's ex
 * `bench_memory()` times host memory copies (the pipeline's host RAM stage) and, on CUDA, pinned and pageable
   host->device copies (the PCIe stage).
 * `bench_compute()` times decode + SwiGLU of routed experts exactly as the engine runs them (format_spec.decode's
-  `decode_float`, runtime.model's `expert_forward`), for several tokens per expert: F measured, not assumed. For
-  bf16 FP4 experts on a CPU with the fused kernel it also finds the tokens per expert up to which that kernel beats
-  decode + GEMM; `tuning.tuned_fused_max_tokens()` gives `prefill` that crossover. On a CPU it also times a GEMM in float32
-  and bfloat16: `tuning.default_compute_dtype()` gives `--compute-dtype auto` that choice (before any measurement:
-  bfloat16 where the CPU has native bf16 dot products).
+  `decode_float`, families.deepseek_v4.model's `expert_forward`), for several tokens per expert: F measured, not
+  assumed. For bf16 FP4 experts on a CPU with the fused kernel it also finds the tokens per expert up to which that
+  kernel beats decode + GEMM; `tuning.tuned_fused_max_tokens()` gives `prefill` that crossover. On a CPU it also times a
+  GEMM in float32 and bfloat16: `tuning.default_compute_dtype()` gives `--compute-dtype auto` that choice (before any
+  measurement: bfloat16 where the CPU has native bf16 dot products).
 
 Results are kept in a small per-machine cache (runtime/tuning.py, which the runtime reads:
 `$MOEPACK_CACHE_DIR/bench.json`), keyed by the host name and, for io, by the container's real path, size and mtime
@@ -327,7 +327,7 @@ def bench_memory(size_mib: int = 256, repeat: int = 5, device: str | None = None
 def _expert_naming():
     """How the model names an expert's matrices (model.EXPERT_NAMING): the measurements build and read experts by
     the model's names, never by their own."""
-    from moepack.runtime.model import EXPERT_NAMING
+    from moepack.families.deepseek_v4.model import EXPERT_NAMING
 
     return EXPERT_NAMING
 
@@ -424,10 +424,10 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     and run as grouped GEMMs, as a read's bundle is). The weights are a container's own experts (`file`) or random
     ones stored as `storage`, V4-Flash-sized unless `hidden`/`intermediate` say otherwise. Reports per point:
     effective GFLOP/s (decode included), matmul-only GFLOP/s and the decode time."""
-    from moepack.runtime.grouped_experts import resolve_expert_backend
+    from moepack.backends.grouped_experts import resolve_expert_backend
 
     from moepack.runtime.expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
-    from moepack.v4.config import ModelConfig
+    from moepack.families.deepseek_v4.config import ModelConfig
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -504,8 +504,8 @@ def _grouped_points(on_device: list, tokens: list[int], cfg, dtype: torch.dtype,
     from functools import partial
 
     from moepack.format_spec.decode import decode_stacked
-    from moepack.runtime import model
-    from moepack.runtime.grouped_experts import grouped_matmul
+    from moepack.families.deepseek_v4 import model
+    from moepack.backends.grouped_experts import grouped_matmul
 
     regions = [_expert_region(e) for e in on_device]
     raw_of = {id(t): raw for region, raw, _ in regions for t in region.tensors}

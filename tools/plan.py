@@ -30,15 +30,15 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from moepack.families import adapter_for, family_of_architecture, find_family
+from moepack.families.base import ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EMBED, ROLE_EXPERT, ROLE_ROUTER
+from moepack.families.deepseek_v4.config import CSA, HCA, ModelConfig, quant_method
 from moepack.format_spec import untrusted
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, storage_type, tensor_nbytes
 from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.layout import (ALIGNMENT, HEADER_SIZE, SCALE_SUFFIXES, TENSOR_ALIGNMENT, TENSOR_SCALE_SUFFIX,
                                         align_up)
 from moepack.format_spec.policies import POLICY_NAMES, target_type
-from moepack.families import adapter_for, family_of_architecture, find_family
-from moepack.families.base import ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EMBED, ROLE_EXPERT, ROLE_ROUTER
-from moepack.v4.config import CSA, HCA, ModelConfig, quant_method
 
 GB = 1e9
 GIB = 2 ** 30
@@ -234,7 +234,8 @@ def _source_layout(config: dict) -> str:
 
 def _stored_types(adapter, spec, layout: str) -> list[tuple[str, str, list[int]]]:
     """(canonical name, storage type, logical shape) of what the source checkpoint holds for one tensor spec."""
-    from moepack.v4.tensors import stored_tensors  # (torch, through the source formats: not for plan's import)
+    # (torch, through the source formats: not for plan's import)
+    from moepack.families.deepseek_v4.tensors import stored_tensors
 
     out = []
     for st in stored_tensors(spec, layout):
@@ -281,7 +282,7 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
     reading a weight. `layout` is the source's: 'release' (FP8 dense + FP4 experts, as DeepSeek ships; the default
     when the config has the release's quantization_config) or 'bf16'. `expert_bpw` replaces the routed experts'
     size by params x bpw / 8 (a what-if: the note's q2 tables assume 2.3 bits per weight)."""
-    from moepack.v4.tensors import v4_tensor_specs
+    from moepack.families.deepseek_v4.tensors import v4_tensor_specs
 
     if policy not in POLICY_NAMES:
         raise MoepackError(f"unknown policy {policy!r} (choose from {', '.join(POLICY_NAMES)})")
@@ -418,7 +419,7 @@ def flops_per_token(config: dict) -> dict:
 
 
 def _flops_per_token(config: dict) -> dict:
-    from moepack.v4.tensors import v4_tensor_specs
+    from moepack.families.deepseek_v4.tensors import v4_tensor_specs
 
     family = find_family(config)
     if family is not None:

@@ -154,7 +154,7 @@ def _float_cpu(*tensors) -> bool:
 
 def token_weights_fit(fn, scale, base, norm_weight, hc: int) -> bool:
     """Whether a sublayer's mHC weights are what the one-token calls take (CPU float32 contiguous, fn
-    [(2 + hc) * hc, hc * H], norm_weight [H], hc_mult in 1..HC_MAX); runtime/token_layer.py checks once."""
+    [(2 + hc) * hc, hc * H], norm_weight [H], hc_mult in 1..HC_MAX); families/deepseek_v4/token_layer.py checks once."""
     width = (2 + hc) * hc
     return (norm_weight is not None and norm_weight.dim() == 1 and 1 <= hc <= HC_MAX
             and fn.shape == (width, hc * norm_weight.shape[0]) and scale.numel() == 3 and base.numel() == width

@@ -16,16 +16,17 @@ the engine needs to interleave disk reads:
 
 `forward_resident` is exactly that loop with every weight in memory (the reference path).
 
-Configuration. `ModelConfig` (moepack.v4.config, the one reader of a config.json) says what to compute.
+Configuration. `ModelConfig` (moepack.families.deepseek_v4.config, the one reader of a config.json) says what to
+compute.
 
-Continuation. A prefill leaves one `LayerKVState` per layer (v4/kv.py; written to disk by KVWriter, see
-format_spec/KV.md). Passing a layer's state as `past` to `attention_sublayer` (with positions P..P+N-1) runs N
+Continuation. A prefill leaves one `LayerKVState` per layer (families/deepseek_v4/kv.py; written to disk by KVWriter,
+see format_spec/KV.md). Passing a layer's state as `past` to `attention_sublayer` (with positions P..P+N-1) runs N
 more tokens against it, layer-major like the first chunk: prefill(A) then continue(B) equals prefill(A + B).
 
-Weights. Canonical names (moepack.v4.names: the release's, no `model.` prefix), float32. `w` is one layer's non-expert tensors keyed RELATIVE to
-the layer (`w["attn.wq_a.weight"]` for `layers.3.attn.wq_a.weight`; `layer_weights()` builds it from a full
-mapping). `w_globals` holds `embed.weight`, `head.weight` (none where `tie_word_embeddings`: the embedding is the
-head), `norm.weight`, `hc_head_{fn,base,scale}`. The
+Weights. Canonical names (moepack.families.deepseek_v4.names: the release's, no `model.` prefix), float32. `w` is one
+layer's non-expert tensors keyed RELATIVE to the layer (`w["attn.wq_a.weight"]` for `layers.3.attn.wq_a.weight`;
+`layer_weights()` builds it from a full mapping). `w_globals` holds `embed.weight`, `head.weight` (none where
+`tie_word_embeddings`: the embedding is the head), `norm.weight`, `hc_head_{fn,base,scale}`. The
 attention's KV norm is `attn.kv_norm.weight` in the release and `attn.norm.weight` in what transformers'
 save_pretrained writes; both are accepted. Routed experts are `ffn.experts.E.{w1,w3,w2}.weight`
 (gate [I,H], up [I,H], down [H,I]).
@@ -50,16 +51,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moepack.families.base import ExpertGroups, ExpertTokens  # noqa: F401 (the routing's pieces, named here too)
+from moepack.backends import mhc_native, token_kernels
+from moepack.backends.grouped_experts import ExpertNaming
 from moepack.families.base import ExpertNaming as FamilyExpertNaming
-from moepack.families.base import check_finite, not_finite  # noqa: F401 (decode and token_layer name them here)
 from moepack.families.base import MoeShape, PrefillNames
 from moepack.families.base import Routing as FamilyRouting
-from moepack.v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
-from moepack.v4.kv import CompressorState, LayerKVState
-
-from . import mhc_native, token_kernels
-from .grouped_experts import ExpertNaming
+from moepack.families.base import check_finite
+from moepack.families.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
+from moepack.families.deepseek_v4.kv import CompressorState, LayerKVState
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -81,7 +80,7 @@ def is_low_precision_matrix(name: str, ndim: int) -> bool:
 
 
 def _token_kernels(rows: int, x: Tensor, w: Tensor):
-    """The compiled token matmul (runtime/token_kernels.py) where x is a few `rows` (a decoded token), both are on a
+    """The compiled token matmul (backends/token_kernels.py) where x is a few `rows` (a decoded token), both are on a
     CPU and w is a contiguous float32 / bfloat16 matrix; else None. torch's one-row GEMV reads bf16 weights at half
     the memory's pace; the kernel does the same products and float32 sums, added in another order."""
     if rows <= token_kernels.SMALL_ROWS and x.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) \
@@ -232,7 +231,7 @@ def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: T
 
 def hc_pre_norm(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: Tensor, norm_weight: Tensor):
     """hc_pre, then the sublayer's RMS norm of the collapsed streams: (x [N, H], post [N, hc], comb [N, hc, hc]).
-    One decoded token takes one compiled call (runtime/mhc_native.py) where it can."""
+    One decoded token takes one compiled call (backends/mhc_native.py) where it can."""
     if streams.shape[0] == 1:
         got = mhc_native.token_pre(streams, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps,
                                    cfg.rms_norm_eps, norm_weight, hc_mix_weights)
@@ -245,7 +244,7 @@ def hc_pre_norm(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, strea
 def hc_mix_weights(mixes: Tensor, scale: Tensor, base: Tensor, hc: int, sinkhorn_iters: int, eps: float
                    ) -> tuple[Tensor, Tensor, Tensor]:
     """The mixes [N, (2 + hc) * hc] -> pre [N, hc], post [N, hc] and comb [N, hc, hc] (Sinkhorn-Knopp, rows
-    then columns to sum 1). runtime/mhc_native.py computes the same in one compiled call on a CPU."""
+    then columns to sum 1). backends/mhc_native.py computes the same in one compiled call on a CPU."""
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
@@ -705,7 +704,7 @@ class TokenKV:
 def attention_token_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor,
                              kv_state: TokenKV) -> Tensor:
     """attention_sublayer for one decoded token (streams [1, hc, H]) after kv_state's tokens, kv_state grown (the
-    torch path; runtime/token_layer.py computes the same in compiled calls)."""
+    torch path; families/deepseek_v4/token_layer.py computes the same in compiled calls)."""
     x, post, comb = hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
                                 w["attn_norm.weight"])
     return hc_post(streams, attention_token(cfg, layer, w, x, kv_state), post, comb)

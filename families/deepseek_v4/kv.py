@@ -9,9 +9,9 @@ prefill ends, so a consumer can pull layer 0 while later layers still compute. T
 * `read_kv` / `KVDirectory` (the validating reader), `inspect_kv` (what `moepack kv inspect` prints),
 * `kv_geometry` / `kv_bytes_per_token` / `kv_bytes` (the size arithmetic of docs/kv.md).
 
-The KV is DeepSeek-V4 model state, so it lives with the model (moepack.v4), not the container; moepack.v4.config
-reads its geometry from a config. Nothing here imports the runtime; torch and safetensors are needed for the state
-tensors.
+The KV is DeepSeek-V4 model state, so it lives with the model (moepack.families.deepseek_v4), not the container;
+moepack.families.deepseek_v4.config reads its geometry from a config. Nothing here imports the runtime; torch and
+safetensors are needed for the state tensors.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import xxhash
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
-from moepack.format_spec.dtypes import STORAGE_TYPES
 from moepack.format_spec import untrusted
+from moepack.format_spec.dtypes import STORAGE_TYPES
 from moepack.format_spec.errors import FormatError, MoepackError, error_reason, is_disk_full
 from moepack.format_spec.files import check_free_space
 from moepack.format_spec.writer import fsync_dir, fsync_file, replace_directory, write_file_atomically
@@ -73,7 +73,8 @@ def _move(t: torch.Tensor | None, device, dtype) -> torch.Tensor | None:
 class CompressorState:
     """One compressor's decode state after a prefill of N tokens; mirrors what transformers' DeepseekV4HCACache /
     DeepseekV4CSACache hold under one name ("compressor" or "indexer"). d = head_dim (attention compressor) or
-    index_head_dim (indexer); width = d for HCA, 2d for CSA (two series Ca | Cb, see runtime.model.compress)."""
+    index_head_dim (indexer); width = d for HCA, 2d for CSA (two series Ca | Cb, see
+    families.deepseek_v4.model.compress)."""
 
     compressed_kv: torch.Tensor  # [entry_count, d] emitted entries: gated window sums, RMS-normed, RoPE'd at i*rate
     buffer_kv: torch.Tensor  # [N - entry_count*rate, width] raw wkv projections of the tokens after the last window
@@ -130,9 +131,9 @@ class LayerKVState:
 
 
 def kv_geometry(config: Mapping) -> dict:
-    """The shape facts of a DeepSeek-V4 config.json that the KV format depends on (moepack.v4.config reads them,
-    legacy keys included): num_layers, per-layer type and compress rate (0 for sliding), sliding_window, head_dim,
-    index_head_dim. FormatError, naming the field, for a config they can't be read from."""
+    """The shape facts of a DeepSeek-V4 config.json that the KV format depends on (moepack.families.deepseek_v4.config
+    reads them, legacy keys included): num_layers, per-layer type and compress rate (0 for sliding), sliding_window,
+    head_dim, index_head_dim. FormatError, naming the field, for a config they can't be read from."""
     try:
         return v4config.kv_geometry(config)
     except ConfigError as e:  # a damaged or hostile config: the KV's own error type

@@ -1,7 +1,7 @@
 """One decoded token through the model's layers in compiled calls over fixed buffers (a CPU's decode).
 
 At one token a layer's work is a scan of its weights, done by the compiled kernels at the memory's pace; what is
-left is the Python between them. Calling each kernel through its checked wrapper (runtime/token_kernels.py: its
+left is the Python between them. Calling each kernel through its checked wrapper (backends/token_kernels.py: its
 arguments converted, checked and its output allocated on every call) and torch's small ops between them cost
 about a third of a resident BF16 token. Here everything a layer's calls take is arranged once: the weights'
 descriptors, the plans of its projections, and buffers that never move (the residual streams in two of them, the
@@ -24,10 +24,12 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from moepack.v4.config import CSA, SLIDING, ModelConfig
+from moepack.backends import mhc_native, token_kernels
+from moepack.backends.token_kernels import ROUND_INPUT, ROUND_OUTPUT, Matrix
+from moepack.families.base import check_finite
+from moepack.families.deepseek_v4.config import CSA, SLIDING, ModelConfig
 
-from . import mhc_native, model, token_kernels
-from .token_kernels import ROUND_INPUT, ROUND_OUTPUT, Matrix
+from . import model
 
 
 def _ptr(t: Tensor) -> int:
@@ -292,7 +294,7 @@ class TokenLayers:
         if done == 1:
             raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
         if done == 2:  # the new streams hold a NaN or an infinity: the one-line error naming the layer
-            model.check_finite(self.streams[0], layer)
+            check_finite(self.streams[0], layer)
 
     # --- several tokens in one step ------------------------------------------------------------------------------
     def begin_rows(self, embeddings: Tensor) -> None:
@@ -407,7 +409,7 @@ class TokenLayers:
                 raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
             finite &= done != 2
         if not finite:
-            model.check_finite(a[:B], layer)
+            check_finite(a[:B], layer)
 
     def _entry_rows(self, L: _Layer, sublayer: str, streams: Tensor, threads: int) -> None:
         """A sublayer's mHC entry for every row: the mixes in one scan of fn, the rest per row."""

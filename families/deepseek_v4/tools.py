@@ -11,8 +11,9 @@ model's own tool calls parsed back into OpenAI's `tool_calls`.
 
 An assistant's calls follow its content after a blank line; a parameter whose value is a string is written as is
 (`string="true"`), any other value as JSON. Tool results are `<tool_result>...</tool_result>` blocks of a user turn,
-in the order of the calls they answer. `｜DSML｜` is a special token of the release tokenizer: v4/chat.py marks it
-(and the other special tokens these templates spell) as markup, the schemas, arguments and results as plain text.
+in the order of the calls they answer. `｜DSML｜` is a special token of the release tokenizer:
+families/deepseek_v4/chat.py marks it (and the other special tokens these templates spell) as markup, the schemas,
+arguments and results as plain text.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """DeepSeek-V4's adapter: how its checkpoint's tensor names map onto the container's read order.
 
 An adapter (format_spec/adapter.py) is a small table: name rewrites to the canonical names (here from
-moepack.v4.names), the pattern that finds a tensor's block and expert, the order of an expert's tensors (gate | up |
-down), and which tensors are packed FP4. The converter (packer/) places tensors with it and `moepack plan`
-(runtime/) sizes a config with it; the other families' adapters are in their packages (moepack.families.adapter_for
-finds one).
+moepack.families.deepseek_v4.names), the pattern that finds a tensor's block and expert, the order of an expert's
+tensors (gate | up | down), and which tensors are packed FP4. The converter (packer/) places tensors with it and
+`moepack plan` (runtime/) sizes a config with it; the other families' adapters are in their packages
+(moepack.families.adapter_for finds one).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Columns (`TensorName`):
 
-* ``name``: moepack's canonical name, what a container stores and the schema (moepack.v4.tensors) lists: the
-  release's names without a `model.` prefix, except the attention's KV norm, which moepack (like transformers'
-  save_pretrained) calls `attn.norm.weight`; the release's own spelling is ``release`` where it differs
+* ``name``: moepack's canonical name, what a container stores and the schema (moepack.families.deepseek_v4.tensors)
+  lists: the release's names without a `model.` prefix, except the attention's KV norm, which moepack (like
+  transformers' save_pretrained) calls `attn.norm.weight`; the release's own spelling is ``release`` where it differs
   (`attn.kv_norm.weight`), and a container may hold either (`stored_names`).
 * ``transformers``: what transformers' save_pretrained writes for DeepseekV4ForCausalLM (and its loader maps):
   `model.` + the canonical name, except the embedding, the mHC head and the LM head. transformers does not

@@ -7,8 +7,10 @@ as transformers reads them, with its defaults for missing keys (`DEFAULTS`). Eve
 and range: a bad one raises ConfigError (a MoepackError), one line naming the field.
 
 * `ModelConfig.from_hf(config)`: the model as the runtime computes it; `RopeConfig`: one of its two ropes.
-* `kv_geometry(config)`: the few facts the KV format depends on (moepack.v4.kv), read by the same code.
-* `compress_rates_by_type`, `mtp_layer_types`: what the tensor schema (moepack.v4.tensors) needs beyond ModelConfig.
+* `kv_geometry(config)`: the few facts the KV format depends on (moepack.families.deepseek_v4.kv), read by the same
+  code.
+* `compress_rates_by_type`, `mtp_layer_types`: what the tensor schema (moepack.families.deepseek_v4.tensors) needs
+  beyond ModelConfig.
 * `unsupported(config)`: what this runtime would compute differently from transformers; `model_type`,
   `quant_method`: the two other fields the converter and `moepack plan` read.
 """

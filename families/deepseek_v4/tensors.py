@@ -1,5 +1,5 @@
-"""The tensors a DeepSeek-V4 checkpoint of a config holds: names (moepack's canonical names, moepack.v4.names),
-logical shapes, how the release stores each one (role) and what it is (kind).
+"""The tensors a DeepSeek-V4 checkpoint of a config holds: names (moepack's canonical names,
+moepack.families.deepseek_v4.names), logical shapes, how the release stores each one (role) and what it is (kind).
 
 `v4_tensor_specs(config)` lists them in streaming order; `stored_tensors(spec, layout)` says what one becomes in
 a layout's safetensors files (the release's FP8 / FP4 weights with their `.scale`, or plain BF16 / F32). The
@@ -170,7 +170,7 @@ def _hc_head_specs(prefix: str, cfg: ModelConfig) -> list[TensorSpec]:
 def v4_tensor_specs(config: Mapping, mtp: bool = True) -> list[TensorSpec]:
     """Every tensor a DeepSeek-V4 checkpoint of this config.json holds, in streaming order: embed, layers 0..N-1,
     the final norm / mHC head / output head, then the MTP layers (none with `mtp=False`: what the runtime uses).
-    ConfigError (moepack.v4.config) for a config it cannot be read from."""
+    ConfigError (moepack.families.deepseek_v4.config) for a config it cannot be read from."""
     cfg = ModelConfig.from_hf(config)
     rates = compress_rates_by_type(config)
     hidden, vocab = cfg.hidden_size, cfg.vocab_size

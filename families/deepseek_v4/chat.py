@@ -26,9 +26,9 @@ part of that format, written from its documented behaviour and checked against i
   does. (DeepSeek's hosted API, and the later Flash-Vision-Exp encoder, use low/high/max with other texts; this
   is the open-weights V4-Flash/Pro encoder.)
 
-* Tools (v4/tools.py, the DSML format): a system or developer message's OpenAI `tools` (a `## Tools` section, one
-  JSON schema a line) and `response_format` (`## Response Format:`), an assistant's `tool_calls` (its DSML block
-  after the content), `tool` messages (merged with the user messages around them into one user turn of
+* Tools (families/deepseek_v4/tools.py, the DSML format): a system or developer message's OpenAI `tools` (a `## Tools`
+  section, one JSON schema a line) and `response_format` (`## Response Format:`), an assistant's `tool_calls` (its DSML
+  block after the content), `tool` messages (merged with the user messages around them into one user turn of
   `<tool_result>` blocks, sorted by the order of the calls they answer). A conversation with tools keeps every
   turn's reasoning (drop_thinking is off), as the release does. Checked against the release's encoder in
   tests/test_chat_tools.py (tests/data/dsv4_tools_reference.json). The Jinja template renders no tools.
@@ -312,8 +312,8 @@ def _drop_earlier_thinking(turns: list[dict]) -> list[dict]:
 
 @lru_cache(maxsize=1)
 def chat_template() -> str:
-    """The same format as a Jinja chat template (v4/chat_template.jinja), for engines that take one (a GGUF's
-    `tokenizer.chat_template`). Its variables: messages, bos_token, add_generation_prompt, thinking (or
+    """The same format as a Jinja chat template (families/deepseek_v4/chat_template.jinja), for engines that take one (a
+    GGUF's `tokenizer.chat_template`). Its variables: messages, bos_token, add_generation_prompt, thinking (or
     enable_thinking), reasoning_effort, drop_thinking."""
     with open(os.path.join(os.path.dirname(__file__), "chat_template.jinja"), encoding="utf-8") as f:
         template = f.read()
