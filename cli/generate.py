@@ -367,9 +367,11 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
     past = 0
     if continue_from is not None:
-        from moepack.families.deepseek_v4.kv import inspect_kv
+        from moepack.families.kv_directory import inspect_kv
+        from moepack.runtime.engine import kv_format_for
 
-        past = inspect_kv(continue_from, verify=False)["tokens"]  # the manifest only: the KV's tokens count too
+        # the manifest only: the KV's tokens count too
+        past = inspect_kv(continue_from, kv_format_for, verify=False)["tokens"]
     max_new_tokens = context_budget(config, max_context, past + len(ids), max_new_tokens)
     options = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               seed=seed, stop=tuple(stop), cache_gib=run.cache_gib,

@@ -431,8 +431,9 @@ def kv():
 def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
     """Layers, tokens, bytes and completeness of a KV directory; every complete layer file is checked (size,
     xxh3, tensors). Fails on a missing, truncated or damaged layer file, another model's KV, another prompt."""
-    from moepack.families.deepseek_v4.kv import identity_of_container, inspect_kv
+    from moepack.families.kv_directory import identity_of_container, inspect_kv
     from moepack.format_spec.reader import Container
+    from moepack.runtime.engine import kv_format_for
     from moepack.serve.tokenizer import read_token_ids
 
     identity = None
@@ -440,7 +441,7 @@ def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
         with Container(container) as c:
             identity = identity_of_container(c)
     expect = read_token_ids(token_ids_file) if token_ids_file else None
-    report = inspect_kv(kv_dir, expect_identity=identity, expect_prompt=expect, verify=not no_verify)
+    report = inspect_kv(kv_dir, kv_format_for, expect_identity=identity, expect_prompt=expect, verify=not no_verify)
 
     def human(r):
         state = "complete" if r["complete"] else f"INCOMPLETE ({r['layers_complete']}/{r['num_layers']} layers; " \

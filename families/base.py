@@ -430,3 +430,68 @@ def not_finite(layer: int) -> MoepackError:
     """check_finite's error for `layer` (for a caller that checked the rows itself)."""
     return MoepackError(f"layer {layer}: its output is not finite (NaN or infinity): a weight, or the KV "
                         "continued, holds such values (moepack verify checks the container's)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A family's KV directory (format_spec/KV.md; h-famkv). The directory's container part (manifest, identity, tokens,
+# storage dtype, checksums, atomic writes, the reader's checks) is families/kv_directory.py's, the same for every
+# family; what one layer's file holds is the family's KVFormat. A family that writes KV directories has
+# `kv_format` (family_kv_format gives it, or None).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class KVFormat(Protocol):
+    """How one layer's KV state (what the family's prefill hands on) is stored in a KV directory's layer file and
+    read back. `geometry` is the manifest's: the shape facts of the config the tensors depend on (`num_layers`
+    at least); `dtype` the manifest's storage dtype (F32, BF16, F8_E4M3: kv_directory.encode_rows) of the
+    attended-over tensors."""
+
+    entry_fields: tuple[str, ...]  # the fields a complete layer's manifest entry records before bytes and xxh3
+
+    def geometry(self, config: Mapping[str, Any]) -> dict:
+        """From a config.json; a FormatError (one line, naming the field) for one it cannot be read from."""
+        ...
+
+    def kv_bytes(self, config: Mapping[str, Any], n_tokens: int, dtype: str) -> int:
+        """The tensor bytes of a KV of n_tokens (the writer's free-space check)."""
+        ...
+
+    def layer_kind(self, geometry: Mapping[str, Any], layer: int) -> str:
+        """What layer `layer` is (`moepack kv inspect` groups by it)."""
+        ...
+
+    def seen_tokens(self, state: Any) -> int:
+        ...
+
+    def check_state(self, geometry: Mapping[str, Any], layer: int, state: Any) -> None:
+        """A state that is not one of layer `layer` is a MoepackError (before anything is written)."""
+        ...
+
+    def layer_tensors(self, geometry: Mapping[str, Any], layer: int, state: Any, dtype: str
+                      ) -> tuple[dict[str, Tensor], dict[str, str], dict[str, Any]]:
+        """(the tensors stored, the file's own `__metadata__` entries, the manifest entry's fields (entry_fields))."""
+        ...
+
+    def entry_valid(self, geometry: Mapping[str, Any], layer: int, entry: Mapping[str, Any]) -> bool:
+        """Whether a complete manifest entry's family fields are consistent with the geometry."""
+        ...
+
+    def layer_state(self, geometry: Mapping[str, Any], layer: int, entry: Mapping[str, Any],
+                    tensors: Mapping[str, Tensor], dtype: str) -> Any:
+        """The layer's state from its file's tensors (exactly the ones layer_tensors stores for the entry, else a
+        FormatError naming the difference: kv_directory.check_tensors), float32 on the CPU."""
+        ...
+
+    def on_host(self, state: Any) -> Any:
+        """The state in host memory (a copy where it is on a device): what a KV writer's queue holds."""
+        ...
+
+    def moved(self, state: Any, device: Any, dtype: Any) -> Any:
+        """The state on `device` in float `dtype` (a reader's choice)."""
+        ...
+
+
+def family_kv_format(family: Any) -> KVFormat | None:
+    """A family's KVFormat, or None where it writes no KV directories."""
+    return getattr(family, "kv_format", None)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from moepack.backends.device_copier import DeviceCopier
 from moepack.backends.grouped_experts import ExpertNaming, GroupedExperts, resolve_expert_backend
 from moepack.families import container_problem, family_of_architecture
-from moepack.families.base import LayerPrefill
+from moepack.families.base import LayerPrefill, family_kv_format
 from moepack.families.deepseek_v4 import model
 from moepack.families.deepseek_v4.config import ConfigError, ModelConfig, unsupported
 from moepack.families.deepseek_v4.names import stored_names
@@ -752,19 +752,35 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
             dist.close()
 
 
+def kv_format_for(architecture: str):
+    """The KV directory format (families.base.KVFormat) of a model `architecture` (a container's): its family's,
+    DeepSeek-V4's where no family is registered for it; a family without one is refused in one line."""
+    family = family_of_architecture(architecture)
+    if family is None:
+        from moepack.families.deepseek_v4.kv import DEEPSEEK_V4_KV
+
+        return DEEPSEEK_V4_KV
+    kv_format = family_kv_format(family)
+    if kv_format is None:
+        raise MoepackError(f"a {family.name} model has no KV directory format (--kv-out, --continue-from)")
+    return kv_format
+
+
 def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, kv_dtype, kv_sync, chunk_tokens,
                   dist, kv_overwrite=False) -> PrefillResult:
-    from moepack.families.deepseek_v4 import kv as kvf
+    from moepack.families import kv_directory as kvd
 
     with Container(path) as c:
-        if (kv_out is not None or continue_from is not None) and family_of_architecture(c.architecture) is not None:
-            # a KV directory (format_spec/KV.md) holds DeepSeek-V4's layer states; a family's stay in memory
-            raise MoepackError(f"{c.path}: a {c.architecture} model's KV is not written to or continued from a KV "
-                               "directory (--kv-out, --continue-from) yet")
-        identity = kvf.identity_of_container(c)
+        kv_format = None
+        if kv_out is not None or continue_from is not None:
+            try:
+                kv_format = kv_format_for(c.architecture)
+            except MoepackError as e:
+                raise MoepackError(f"{c.path}: {e}") from None
+        identity = kvd.identity_of_container(c)
         past, all_ids, start = None, token_ids.tolist(), 0
         if continue_from is not None:
-            kv = kvf.read_kv(continue_from, expect_identity=identity)  # whole KV in memory before any write
+            kv = kvd.read_kv(continue_from, kv_format, expect_identity=identity)  # whole KV before any write
             past, start, all_ids = kv.layers, kv.seen_tokens, kv.token_ids + token_ids.tolist()
         hooks = [on_layer_kv] if on_layer_kv is not None else []
 
@@ -777,10 +793,10 @@ def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, 
         try:
             if kv_out is not None:
                 in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
-                writer = kvf.BackgroundKVWriter(kvf.KVWriter(kv_out, identity, all_ids, dtype=kv_dtype,
-                                                             start_token=start, overwrite=in_place or kv_overwrite,
-                                                             sync=kv_sync))
-                hooks.insert(0, writer)
+                writer = kvd.BackgroundKVWriter(kvd.open_writer(kv_out, kv_format, identity, all_ids, dtype=kv_dtype,
+                                                                start_token=start, overwrite=in_place or kv_overwrite,
+                                                                sync=kv_sync))
+            hooks.insert(0, writer)
             try:
                 result = engine.run(token_ids, past, chunk_tokens=chunk_tokens)
             except BaseException:

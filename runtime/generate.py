@@ -20,14 +20,15 @@ import torch
 
 from moepack.families import container_problem, family_of_architecture
 from moepack.families.base import generation_kv_bytes
-from moepack.families.deepseek_v4.kv import KVWriter, identity_of_container, kv_bytes, read_kv
+from moepack.families import kv_directory as kvd
+from moepack.families.deepseek_v4.kv import kv_bytes
 from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
 from .decode import Decoder
 from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
-                     cuda_free_bytes, model_config, resolve_compute_dtype)
+                     cuda_free_bytes, kv_format_for, model_config, resolve_compute_dtype)
 from .expert_decode import expert_weight_count
 from .io import available_memory_bytes, memory_limit_bytes
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
@@ -262,12 +263,11 @@ class Generator:
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int,
                  should_stop: Callable[[], bool] | None = None):
         """(last logits, states, prefill stats, tokens per expert, all ids so far, tokens the KV held, memory bound)"""
-        if continue_from is not None and self.family is not None:
-            raise MoepackError(f"--continue-from: a {self.family.name} model has no KV directory format yet")
+        kv_format = self.kv_format() if continue_from is not None else None
         engine = self.prefill_engine()
         try:
             if continue_from is not None:
-                kv = read_kv(continue_from, expect_identity=identity_of_container(self.c))
+                kv = kvd.read_kv(continue_from, kv_format, expect_identity=kvd.identity_of_container(self.c))
                 states, past = kv.layers, kv.seen_tokens
                 all_ids = kv.token_ids + token_ids.tolist()
                 bound = self._check_memory(past + len(token_ids) + max_new)
@@ -313,8 +313,7 @@ class Generator:
         check has passed) and between decoded tokens. `on_token(id, logprob)`: each token as it is chosen, before
         its text goes to on_text (logprob given options.logprobs, else None)."""
         out = SequenceOutput(options or GenerateOptions(), self.eos_ids, detokenize, on_text, on_token)
-        if kv_out is not None and self.family is not None:
-            raise MoepackError(f"--kv-out: a {self.family.name} model has no KV directory format yet")
+        kv_format = self.kv_format() if kv_out is not None else None  # refused before any work
         token_ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
         try:
             logits, states, prefill_stats, counts, all_ids, past, bound = self._prefill(
@@ -336,9 +335,18 @@ class Generator:
         decode_stats = {**decoder.stats_dict(), "memory_bound_bytes": bound, "peak_rss_bytes": peak_rss_bytes()}
         if kv_out is not None:
             in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
-            write_kv(kv_out, self.c, all_ids + out.generated[:-1], decoder.states, past, out.last, logits,
-                     overwrite=in_place or kv_overwrite, dtype=kv_dtype)
+            writer = kvd.open_writer(kv_out, kv_format, kvd.identity_of_container(self.c),
+                                     all_ids + out.generated[:-1], dtype=kv_dtype, start_token=past,
+                                     overwrite=in_place or kv_overwrite)
+            kvd.write_kv_states(writer, decoder.states, out.last, logits)
         return out.result({"prefill": prefill_stats, "decode": decode_stats})
+
+    def kv_format(self):
+        """The KV directory format of this container's model (--continue-from, --kv-out)."""
+        try:
+            return kv_format_for(self.c.architecture)
+        except MoepackError as e:
+            raise MoepackError(f"{self.path}: {e}") from None
 
     def prefill_stats(self, stats: dict) -> dict:
         """A prefill's stats with the compute dtype it ran in and where that came from."""
@@ -426,22 +434,6 @@ def generate(path: str, token_ids, options: GenerateOptions | None = None, conti
     with Generator(path, options.cache_gib, options.prefill) as g:
         return g.generate(token_ids, options, continue_from, detokenize, on_text, kv_out, kv_overwrite=kv_overwrite,
                           kv_dtype=kv_dtype)
-
-
-def write_kv(kv_dir: str, container: Container, token_ids: list[int], states, start: int, next_token: int,
-             logits: torch.Tensor, overwrite: bool = False, dtype: str = "F32") -> None:
-    """The KV directory (format_spec/KV.md) of `states`, which cover `token_ids`; `start` of them came from the KV
-    the generation continued (`overwrite`: it is that directory; the new KV is written beside the old one and
-    swapped in once complete)."""
-    writer = KVWriter(kv_dir, identity_of_container(container), token_ids, dtype=dtype, start_token=start,
-                      overwrite=overwrite)
-    try:
-        for layer, state in enumerate(states):
-            writer.write_layer(layer, state)
-        writer.finish(next_token, logits)
-    except BaseException:
-        writer.abandon()  # a KV being replaced stays as it was
-        raise
 
 
 def default_cache_bytes(container: Container, device: torch.device) -> int:

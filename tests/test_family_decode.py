@@ -245,13 +245,13 @@ def test_generator_memory_estimate_is_the_familys_kv(model):
         assert container_kv_bytes(c, 1000) == cfg.num_layers * per_layer
 
 
-def test_generator_refuses_a_kv_directory_for_a_family(model, tmp_path):
+def test_generator_refuses_a_kv_dtype_it_does_not_know_for_a_family(model, tmp_path):
+    """(a family's KV directories themselves: tests/test_family_kv.py)"""
     path, _ = model
     with Generator(path, cache_gib=0, prefill=F32) as g:
-        with pytest.raises(MoepackError, match="--kv-out: a qwen3-moe model has no KV directory format yet"):
-            g.generate(PROMPT, GenerateOptions(max_new_tokens=2), kv_out=str(tmp_path / "kv"))
-        with pytest.raises(MoepackError, match="--continue-from: a qwen3-moe model has no KV directory format"):
-            g.generate(PROMPT, GenerateOptions(max_new_tokens=2), continue_from=str(tmp_path / "kv"))
+        with pytest.raises(MoepackError, match=r"^unknown KV dtype 'F16' \(choose one of F32, BF16, F8_E4M3\)$"):
+            g.generate(PROMPT, GenerateOptions(max_new_tokens=2), kv_out=str(tmp_path / "kv"), kv_dtype="F16")
+    assert not (tmp_path / "kv").exists()
 
 
 # ------------------------------------------------------------------------------------------ chat template, eos

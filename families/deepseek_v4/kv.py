@@ -1,12 +1,13 @@
-"""The KV hand-off directory (format_spec/KV.md is normative): what a prefill leaves for a decode engine.
+"""DeepSeek-V4's KV state and its layer files in the KV hand-off directory (format_spec/KV.md is normative).
 
-One directory per prefill: `manifest.json` plus one safetensors file per layer, each written the moment that layer's
-prefill ends, so a consumer can pull layer 0 while later layers still compute. This module holds
+The directory's container part (manifest, identity, tokens, checksums, atomic writes, the reader's checks) is every
+family's, in moepack.families.kv_directory; this module is DeepSeek-V4's part of it and its names for the whole:
 
 * the per-layer state containers `LayerKVState` / `CompressorState` (the runtime produces and consumes them),
-* `KVWriter` (atomic, thread-safe layer writes, manifest rewritten after each) and `BackgroundKVWriter` (a single
-  writer thread fed from the prefill's `on_layer_kv` callback),
-* `read_kv` / `KVDirectory` (the validating reader), `inspect_kv` (what `moepack kv inspect` prints),
+* `DEEPSEEK_V4_KV`, the family's KVFormat (families/base.py): a layer's sliding window, compressor and indexer
+  states as the tensors of KV.md section 4, and back,
+* `KVWriter` / `BackgroundKVWriter`, `read_kv` / `KVDirectory` / `inspect_kv`: the directory's writer and reader
+  with this format (kv_directory's, the format given),
 * `kv_geometry` / `kv_bytes_per_token` / `kv_bytes` (the size arithmetic of docs/kv.md).
 
 The KV is DeepSeek-V4 model state, so it lives with the model (moepack.families.deepseek_v4), not the container;
@@ -16,46 +17,27 @@ safetensors are needed for the state tensors.
 
 from __future__ import annotations
 
-import json
-import os
-import queue
-import re
-import shutil
-import threading
-import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Mapping
 
-import numpy as np
 import torch
-import xxhash
-from safetensors.torch import load as _st_load
-from safetensors.torch import save as _st_save
 
-from moepack.format_spec import untrusted
-from moepack.format_spec.dtypes import STORAGE_TYPES
-from moepack.format_spec.errors import FormatError, MoepackError, error_reason, is_disk_full
+from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.files import check_free_space
-from moepack.format_spec.writer import fsync_dir, fsync_file, replace_directory, write_file_atomically
+from moepack.format_spec.writer import write_file_atomically
 
+from .. import kv_directory as kvd
+# the directory's names, as this module always gave them (its callers', its tests')
+from ..kv_directory import (KV_DTYPES, KV_FORMAT, KV_MAJOR, KV_MINOR, LOGITS_NAME, MANIFEST_NAME,  # noqa: F401
+                            MAX_MANIFEST_BYTES, TORCH_DTYPES as _TORCH_DTYPES, BackgroundKVWriter, KVCache,
+                            check_dtype as _check_dtype, clean_interrupted_replacement, config_xxh3,
+                            decode_rows as _decode, encode_rows as _encode, identity_of_container, layer_file_bytes,
+                            layer_file_name, make_identity, replacement_paths, row_bytes as _row_bytes,
+                            token_ids_xxh3)
 from . import config as v4config
 from .config import CSA, HCA, SLIDING, ConfigError
 
-KV_FORMAT = "moepack-kv"
-KV_MAJOR = 1
-KV_MINOR = 0
-MANIFEST_NAME = "manifest.json"
-MAX_MANIFEST_BYTES = 256 << 20  # a manifest holds the prompt's ids: a million tokens take under 8 MiB
-LOGITS_NAME = "logits.safetensors"
-
 COMPRESSORS = {SLIDING: (), HCA: ("compressor",), CSA: ("compressor", "indexer")}
-
-# Storage choices for the attended-over KV (window tail and compressed entries); the compressor's working state
-# (buffers, overlap) is always F32.
-KV_DTYPES = ("F32", "BF16", "F8_E4M3")
-_TORCH_DTYPES = {n: STORAGE_TYPES[n].torch_dtype for n in KV_DTYPES}
-_DTYPE_BYTES = {n: STORAGE_TYPES[n].block_bytes for n in KV_DTYPES}
-_F8_MAX = 448.0  # largest finite float8 e4m3fn
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -140,17 +122,6 @@ def kv_geometry(config: Mapping) -> dict:
         raise FormatError(f"config: {e.detail}") from None
 
 
-def _check_dtype(dtype: str) -> str:
-    if dtype not in KV_DTYPES:
-        raise MoepackError(f"unknown KV dtype {dtype!r} (choose one of {', '.join(KV_DTYPES)})")
-    return dtype
-
-
-def _row_bytes(width: int, dtype: str) -> int:
-    """Bytes of one stored KV row: the values, plus its F32 scale for F8_E4M3."""
-    return width * _DTYPE_BYTES[dtype] + (4 if dtype == "F8_E4M3" else 0)
-
-
 def kv_bytes_per_token(config: Mapping, dtype: str = "F32") -> dict:
     """Tensor bytes of a KV per layer type: `bytes_per_token` (what grows with the prompt: compressed entries, one
     per `rate` tokens, each head_dim values, plus the indexer's index_head_dim for CSA) and `fixed_bytes` (the
@@ -197,145 +168,15 @@ def kv_bytes(config: Mapping, n_tokens: int, dtype: str = "F32") -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Identity and prompt
+# The layer file (KV.md section 4): DeepSeek-V4's KVFormat
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _json_value(value):
-    """`value` as JSON reads it back (integer keys become strings, tuples lists)."""
-    return json.loads(json.dumps(value))
-
-
-def _canonical_json(value) -> bytes:
-    return json.dumps(_json_value(value), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
-def config_xxh3(config: Mapping) -> str:
-    return xxhash.xxh3_64_hexdigest(_canonical_json(config))
-
-
-def token_ids_xxh3(token_ids: Iterable[int]) -> str:
-    """xxh3 of the ids as little-endian int64."""
-    return xxhash.xxh3_64_hexdigest(np.asarray(list(token_ids), dtype="<i8").tobytes())
-
-
-def make_identity(architecture: str, config: Mapping, container_index_xxh3: int | str | None = None) -> dict:
-    """The model identity a KV records: the container's index hash (`Container.header.index_xxh3`, an int, or
-    its 16-digit hex; None for weights that did not come from a container), architecture and config."""
-    if isinstance(container_index_xxh3, int):
-        container_index_xxh3 = f"{container_index_xxh3:016x}"
-    return {"architecture": architecture, "container_index_xxh3": container_index_xxh3,
-            "config_xxh3": config_xxh3(config), "config": _json_value(dict(config))}
-
-
-def identity_of_container(container) -> dict:
-    """Identity of an open `format_spec.reader.Container`."""
-    return make_identity(container.architecture, container.config, container.header.index_xxh3)
-
-
-def _identity_mismatch(recorded: Mapping, expected: Mapping) -> str | None:
-    if expected.get("architecture") != recorded.get("architecture"):
-        return f"architecture {recorded.get('architecture')!r}, expected {expected.get('architecture')!r}"
-    ours, theirs = recorded.get("container_index_xxh3"), expected.get("container_index_xxh3")
-    if ours and theirs and ours != theirs:
-        return f"container index xxh3 {ours}, expected {theirs}"
-    want = expected.get("config_xxh3") or config_xxh3(expected["config"])
-    if recorded.get("config_xxh3") != want:
-        return f"config xxh3 {recorded.get('config_xxh3')}, expected {want}"
-    return None
-
-
-def _prompt_mismatch(recorded: list[int], expected: list[int]) -> str:
-    first = next((i for i, (a, b) in enumerate(zip(recorded, expected)) if a != b), min(len(recorded), len(expected)))
-    return (f"the KV holds {len(recorded)} tokens (xxh3 {token_ids_xxh3(recorded)}), the prompt has {len(expected)} "
-            f"(xxh3 {token_ids_xxh3(expected)}); they differ from position {first}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Files
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def layer_file_name(layer: int) -> str:
-    return f"layer-{layer:04d}.safetensors"
-
-
-# The files a KV directory holds (KV.md section 2); anything else in one is the user's, kept when it is replaced.
-_KV_FILE = re.compile(r"(manifest\.json|logits\.safetensors|layer-[0-9]{4,}\.safetensors)(\.partial)?")
-
-
-def replacement_paths(kv_dir: str) -> tuple[str, str]:
-    """Where a KV replacing the one in `kv_dir` is written (beside it, hidden), and where the old one waits while
-    the two are swapped without an atomic exchange."""
-    parent, name = os.path.split(os.path.realpath(kv_dir))
-    return os.path.join(parent, f".{name}.kv-new"), os.path.join(parent, f".{name}.kv-old")
-
-
-def clean_interrupted_replacement(kv_dir: str) -> None:
-    """What a replacement of `kv_dir`'s KV left when it was killed: its new directory (unfinished, or the old KV
-    after the exchange) is removed; an old KV moved aside by the fallback's two renames goes back to `kv_dir`
-    (killed between them) or is removed (killed after them)."""
-    target = os.path.realpath(kv_dir)
-    new, old = replacement_paths(target)
-    try:
-        if os.path.isdir(old) and not os.path.islink(old):
-            if os.path.lexists(target):
-                shutil.rmtree(old)
-            else:
-                os.rename(old, target)
-        if os.path.isdir(new) and not os.path.islink(new):
-            shutil.rmtree(new)
-    except OSError as e:
-        raise MoepackError(f"{kv_dir}: cannot clean up an interrupted replacement of its KV ({error_reason(e)})") \
-            from None
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _carry_over(old_dir: str, new_dir: str) -> None:
-    """The user's own entries of a KV directory (not KV files) into its replacement, hard-linked where possible:
-    the old directory keeps them until it is swapped out."""
-    for name in os.listdir(old_dir):
-        if _KV_FILE.fullmatch(name) or os.path.lexists(os.path.join(new_dir, name)):
-            continue
-        src, dst = os.path.join(old_dir, name), os.path.join(new_dir, name)
-        if os.path.islink(src):
-            os.symlink(os.readlink(src), dst)
-        elif os.path.isdir(src):
-            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
-        else:
-            _link_or_copy(src, dst)
-
-
-def _encode(t: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """A KV tensor in its storage dtype: {"": data} plus {".scale": per-row F32 scale} for F8_E4M3."""
-    t = t.detach().to("cpu", torch.float32)
-    if dtype == "F32":
-        return {"": t.contiguous()}
-    if dtype == "BF16":
-        return {"": t.to(torch.bfloat16).contiguous()}
-    scale = (t.abs().amax(dim=-1, keepdim=True) / _F8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return {"": (t / scale).clamp(-_F8_MAX, _F8_MAX).to(torch.float8_e4m3fn).contiguous(), ".scale": scale}
-
-
-def _decode(tensors: Mapping[str, torch.Tensor], name: str, dtype: str) -> torch.Tensor:
-    t = tensors[name]
-    if dtype == "F8_E4M3":
-        return t.float() * tensors[name + ".scale"]
-    return t.float()
 
 
 _KV_TENSORS = ("window_kv", "compressor.compressed_kv", "indexer.compressed_kv")  # stored in the KV dtype
 
 
-def encode_layer(layer: int, state, dtype: str = "F32") -> bytes:
-    """The safetensors bytes of one layer file (KV.md section 4)."""
-    _check_dtype(dtype)
+def _layer_parts(layer: int, state, dtype: str) -> tuple[dict, dict, dict]:
+    """(tensors, the file's own metadata, the manifest entry's fields) of one layer's state."""
     tensors: dict[str, torch.Tensor] = {}
     for name, t in state.tensors().items():
         if name in _KV_TENSORS:
@@ -343,514 +184,71 @@ def encode_layer(layer: int, state, dtype: str = "F32") -> bytes:
                 tensors[name + suffix] = part
         else:
             tensors[name] = t.detach().to("cpu", torch.float32).contiguous()
-    meta = {"format": KV_FORMAT, "format_version": f"{KV_MAJOR}.{KV_MINOR}", "layer": str(layer),
-            "layer_type": state.layer_type, "seen_tokens": str(state.seen_tokens), "dtype": dtype}
+    meta = {"layer_type": state.layer_type, "seen_tokens": str(state.seen_tokens)}
+    entries = {}
     for name in COMPRESSORS.get(state.layer_type, ()):
         part = getattr(state, name)
         if part is not None:
             meta[f"{name}.entry_count"] = str(part.entry_count)
-    return _st_save(tensors, metadata=meta)
+            entries[name] = part.entry_count
+    return tensors, meta, {"layer_type": state.layer_type, "seen_tokens": state.seen_tokens, "entries": entries}
 
 
-def _entry_summary(state) -> dict:
-    entries = {name: getattr(state, name).entry_count for name in COMPRESSORS.get(state.layer_type, ())
-               if getattr(state, name) is not None}
-    return {"layer_type": state.layer_type, "seen_tokens": state.seen_tokens, "entries": entries}
+def encode_layer(layer: int, state, dtype: str = "F32") -> bytes:
+    """The safetensors bytes of one layer file (KV.md section 4)."""
+    _check_dtype(dtype)
+    tensors, meta, _ = _layer_parts(layer, state, dtype)
+    return layer_file_bytes(layer, tensors, meta, dtype)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Writer
-# ---------------------------------------------------------------------------------------------------------------
+class DeepseekV4KVFormat:
+    """families.base.KVFormat for DeepSeek-V4: a layer's state is a LayerKVState."""
 
+    entry_fields = ("layer_type", "seen_tokens", "entries")
 
-class KVWriter:
-    """Writes one KV directory. `write_layer` may be called from any thread, in any layer order, once per layer;
-    the manifest is only touched under a lock. Usage::
+    def geometry(self, config: Mapping) -> dict:
+        return kv_geometry(config)
 
-        w = KVWriter(kv_dir, identity_of_container(c), token_ids)        # the manifest: no layer complete yet
-        for layer: w.write_layer(layer, state)                            # file, then manifest marks it complete
-        w.finish(next_token=..., logits=last_logits)                      # "complete": true
+    def kv_bytes(self, config: Mapping, n_tokens: int, dtype: str) -> int:
+        return kv_bytes(config, n_tokens, dtype)
 
-    For a continuation (`--continue-from`), `token_ids` is the whole prompt the KV now covers (old + new tokens)
-    and `start_token` the number of tokens the KV continued from.
+    def layer_kind(self, geometry: Mapping, layer: int) -> str:
+        return geometry["layer_types"][layer]
 
-    `sync=True` (default) fsyncs every file as it is written (KV.md section 8): a layer the manifest marks complete
-    survives a crash. `sync=False` only renames (readers on the running system still never see a partial file) and
-    fsyncs everything once, in `finish()`: per layer that saves the fsync latency (~15 ms of ~20 ms per layer on
-    the test machine).
+    def seen_tokens(self, state: LayerKVState) -> int:
+        return state.seen_tokens
 
-    A directory that already holds a KV (`overwrite`, or a continuation written where it was read from) keeps it
-    until the new one is complete: the new KV is written beside it (`replacement_paths`) and swapped in by
-    `finish()` (`format_spec.writer.replace_directory`); a failed write, or `abandon()`, removes the new one and
-    leaves the old one as it was. A stale new directory of a killed run is removed first."""
-
-    def __init__(self, kv_dir: str, identity: Mapping, token_ids, dtype: str = "F32", start_token: int = 0,
-                 overwrite: bool = False, sync: bool = True):
-        self.kv_dir = str(kv_dir)
-        self.dtype = _check_dtype(dtype)
-        self.sync = sync
-        if "config" not in identity or "architecture" not in identity:
-            raise MoepackError("KV identity needs at least 'architecture' and 'config'")
-        identity = dict(identity)
-        identity.setdefault("container_index_xxh3", None)
-        identity["config_xxh3"] = config_xxh3(identity["config"])
-        self.geometry = kv_geometry(identity["config"])
-        ids = [int(t) for t in (token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)]
-        if not ids:
-            raise MoepackError("KV of an empty prompt")
-        if not 0 <= start_token < len(ids):
-            raise MoepackError(f"start_token {start_token} outside the prompt of {len(ids)} tokens")
-        self.n_tokens = len(ids)
-        clean_interrupted_replacement(self.kv_dir)
-        self.replacing = os.path.lexists(os.path.join(self.kv_dir, MANIFEST_NAME))
-        if self.replacing and not overwrite:
-            raise MoepackError(f"{self.kv_dir} already holds a KV ({MANIFEST_NAME}); choose another directory")
-        self._finished = False
-        need = kv_bytes(identity["config"], len(ids), self.dtype)
-        if self.replacing:  # all of the new KV beside the old one
-            self.write_dir = replacement_paths(self.kv_dir)[0]
-            if os.path.ismount(os.path.realpath(self.kv_dir)):
-                raise MoepackError(f"{self.kv_dir} is a mount point: a KV is replaced by renaming its directory, "
-                                   "which a mount point cannot be; write the KV to a directory inside it")
-            check_free_space({os.path.dirname(self.write_dir): need}, f"{self.kv_dir}'s new KV beside the old one")
-        else:  # a layer's file replaces a stale one of the same name: that room comes back
-            self.write_dir = self.kv_dir
-            layer_files = (os.path.join(self.kv_dir, layer_file_name(i)) for i in range(self.geometry["num_layers"]))
-            need -= sum(os.path.getsize(p) for p in layer_files if os.path.isfile(p))
-            check_free_space({self.kv_dir: need}, f"the KV in {self.kv_dir}")
-        try:
-            if self.replacing:
-                os.mkdir(self.write_dir, os.stat(self.kv_dir).st_mode & 0o7777)
-            else:
-                os.makedirs(self.kv_dir, exist_ok=True)
-        except OSError as e:
-            raise MoepackError(f"{self.write_dir}: cannot create the KV directory ({e.strerror or e})") from None
-        self._lock = threading.Lock()
-        self._claimed: set[int] = set()  # layers whose write has started
-        self.manifest: dict[str, Any] = {
-            "format": KV_FORMAT,
-            "format_version": [KV_MAJOR, KV_MINOR],
-            "identity": identity,
-            "geometry": self.geometry,
-            "tokens": {"count": len(ids), "start": start_token, "ids_xxh3": token_ids_xxh3(ids), "ids": ids},
-            "dtype": self.dtype,
-            "layers": [{"layer": i, "file": layer_file_name(i), "complete": False}
-                       for i in range(self.geometry["num_layers"])],
-            "complete": False,
-            "result": None,
-            "extra": {},
-        }
-        self._ids_json = json.dumps(ids, separators=(",", ":"))  # the large part, serialised once
-        self._write_manifest()
-
-    def _failed(self, e: OSError, what: str) -> MoepackError:
-        """The one-line error of a write that failed; a replacement is abandoned, the old KV untouched."""
-        full = " (disk full)" if is_disk_full(e) else ""
-        if self.replacing:
-            self.abandon()
-            return MoepackError(f"{self.kv_dir}: cannot write the new KV's {what} ({error_reason(e)}){full}; the KV "
-                                "there is unchanged")
-        return MoepackError(f"{os.path.join(self.kv_dir, what)}: cannot write ({error_reason(e)}){full}")
-
-    def _write(self, name: str, data: bytes, sync: bool) -> None:
-        """`data` as the file `name` (temporary name, fsync, rename, fsync the directory; without `sync` renamed)."""
-        try:
-            write_file_atomically(os.path.join(self.write_dir, name), data, sync)
-        except OSError as e:
-            raise self._failed(e, name) from None
-        if sync:
-            fsync_dir(self.write_dir)
-
-    def _write_manifest(self, durable: bool = False) -> None:
-        m = dict(self.manifest, tokens=dict(self.manifest["tokens"], ids="@IDS@"))
-        text = json.dumps(m, indent=1).replace('"@IDS@"', self._ids_json, 1)
-        self._write(MANIFEST_NAME, text.encode(), self.sync or durable)
-
-    def write_layer(self, layer: int, state) -> dict:
-        """Write `layer-NNNN.safetensors` (temp name, fsync, rename), then rewrite the manifest marking the layer
-        complete. Returns the layer's manifest entry."""
-        g = self.geometry
-        if not 0 <= layer < g["num_layers"]:
-            raise MoepackError(f"layer {layer} outside 0..{g['num_layers'] - 1}")
-        if state.layer_type != g["layer_types"][layer]:
+    def check_state(self, geometry: Mapping, layer: int, state: LayerKVState) -> None:
+        if state.layer_type != geometry["layer_types"][layer]:
             raise MoepackError(f"layer {layer}: state of a {state.layer_type} layer, the config says "
-                               f"{g['layer_types'][layer]}")
-        if state.seen_tokens != self.n_tokens:
-            raise MoepackError(f"layer {layer}: state covers {state.seen_tokens} tokens, the KV's prompt has "
-                               f"{self.n_tokens}")
-        with self._lock:
-            if layer in self._claimed:
-                raise MoepackError(f"layer {layer} written twice")
-            self._claimed.add(layer)
-        data = encode_layer(layer, state, self.dtype)
-        self._write(layer_file_name(layer), data, self.sync)
-        entry = {"layer": layer, "file": layer_file_name(layer), "complete": True, **_entry_summary(state),
-                 "bytes": len(data), "xxh3": xxhash.xxh3_64_hexdigest(data)}
-        with self._lock:
-            self.manifest["layers"][layer] = entry
-            self._write_manifest()
-        return entry
+                               f"{geometry['layer_types'][layer]}")
 
-    def finish(self, next_token: int | None = None, logits: torch.Tensor | None = None) -> dict:
-        """Mark the KV complete once every layer is written; record the prefill's result (the greedy next token,
-        and optionally the last position's logits [vocab] in `logits.safetensors`, F32). A replacement is then
-        swapped in for the old KV."""
-        with self._lock:
-            missing = [e["layer"] for e in self.manifest["layers"] if not e["complete"]]
-            if missing:
-                raise MoepackError(f"{self.kv_dir}: cannot finish, layers {_ranges(missing)} not written")
-            result: dict[str, Any] = {"next_token": None if next_token is None else int(next_token), "logits": None}
-            if logits is not None:
-                data = _st_save({"logits": logits.detach().to("cpu", torch.float32).reshape(-1).contiguous()},
-                                metadata={"format": KV_FORMAT})
-                self._write(LOGITS_NAME, data, True)
-                result["logits"] = {"file": LOGITS_NAME, "bytes": len(data), "xxh3": xxhash.xxh3_64_hexdigest(data)}
-            if not self.sync:  # layers were not fsynced as written: make the finished KV durable now
-                for e in self.manifest["layers"]:
-                    try:
-                        fsync_file(os.path.join(self.write_dir, e["file"]))
-                    except OSError as err:
-                        raise self._failed(err, e["file"]) from None
-                fsync_dir(self.write_dir)
-            self.manifest["result"] = result
-            self.manifest["complete"] = True
-            self._write_manifest(durable=True)
-            if self.replacing:
-                self._swap_in()
-            self._finished = True
-        return self.manifest
+    def layer_tensors(self, geometry: Mapping, layer: int, state: LayerKVState, dtype: str):
+        return _layer_parts(layer, state, dtype)
 
-    def _swap_in(self) -> None:
-        target = os.path.realpath(self.kv_dir)
-        try:
-            _carry_over(target, self.write_dir)
-            replace_directory(self.write_dir, target, replacement_paths(target)[1])
-        except OSError as e:
-            self.abandon()
-            raise MoepackError(f"{self.kv_dir}: cannot put the new KV in place of the old one ({error_reason(e)}); "
-                               "the KV there is unchanged") from None
+    def entry_valid(self, geometry: Mapping, layer: int, entry: Mapping) -> bool:
+        kind, entries = geometry["layer_types"][layer], entry.get("entries")
+        return entry.get("layer_type") == kind and isinstance(entries, dict) \
+            and sorted(entries) == sorted(COMPRESSORS[kind]) and all(kvd.is_count(v) for v in entries.values())
 
-    def abandon(self) -> None:
-        """Give up an unfinished KV: a replacement's new directory is removed (the old KV stays as it was); a KV
-        written straight into its directory keeps its complete layers (the manifest says which)."""
-        if self.replacing and not self._finished:
-            shutil.rmtree(self.write_dir, ignore_errors=True)
-
-
-class BackgroundKVWriter:
-    """A KVWriter fed by the prefill: `submit(layer, state)` (the engine's `on_layer_kv`) takes the state off the
-    compute device and queues it; one writer thread writes layers in order while later layers compute. A write
-    error is re-raised by the next `submit`, by `finish` or by `close`. At most `max_pending` layers wait in
-    memory (the prefill blocks beyond that, so a slow disk cannot grow memory without bound)."""
-
-    def __init__(self, writer: KVWriter, max_pending: int = 4):
-        self.writer = writer
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._error: BaseException | None = None
-        self.write_seconds = 0.0  # time the writer thread spent writing
-        self.submit_seconds = 0.0  # time submit() took on the caller's (compute) thread
-        self._thread = threading.Thread(target=self._run, name="moepack-kv-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if self._error is not None:
-                continue  # drain after a failure
-            try:
-                t0 = time.perf_counter()
-                self.writer.write_layer(*item)
-                self.write_seconds += time.perf_counter() - t0
-            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-                self._error = e
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            e = self._error
-            if isinstance(e, MoepackError):
-                raise e
-            raise MoepackError(f"writing the KV to {self.writer.kv_dir} failed: {e}") from e
-
-    def submit(self, layer: int, state) -> None:
-        t0 = time.perf_counter()
-        self._raise()
-        if state.window_kv.device.type != "cpu":
-            state = state.to("cpu")  # synchronous copy: the device memory can go as soon as this returns
-        self._queue.put((layer, state))
-        self.submit_seconds += time.perf_counter() - t0
-
-    __call__ = submit  # usable directly as on_layer_kv
-
-    def close(self) -> None:
-        """Wait for the queued layers to be written."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        self._raise()
-
-    def finish(self, next_token: int | None = None, logits: torch.Tensor | None = None) -> dict:
-        self.close()
-        return self.writer.finish(next_token, logits)
-
-    def abandon(self) -> None:
-        """After the prefill failed: the queued layers written (their error not raised: the prefill's is the one to
-        report), then `KVWriter.abandon`."""
-        try:
-            self.close()
-        except MoepackError:
-            pass
-        finally:
-            self.writer.abandon()
-
-
-def _ranges(numbers: list[int]) -> str:
-    out, start = [], None
-    for i, n in enumerate(numbers):
-        if start is None:
-            start = n
-        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
-            out.append(str(start) if start == n else f"{start}..{n}")
-            start = None
-    return ", ".join(out)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reader
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _is_int(v, minimum: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
-
-
-def _is_hex(v) -> bool:
-    return isinstance(v, str) and len(v) == 16 and all(c in "0123456789abcdef" for c in v)
-
-
-@dataclass
-class KVCache:
-    """A validated, loaded KV directory."""
-
-    path: str
-    manifest: dict
-    identity: dict
-    geometry: dict
-    token_ids: list[int]
-    start_token: int
-    dtype: str
-    layers: list[LayerKVState]
-    complete: bool
-    next_token: int | None = None
-    logits: torch.Tensor | None = None
-    bytes: int = 0
-    files: dict = field(default_factory=dict)
-
-    @property
-    def seen_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def new_tokens(self, token_ids) -> list[int]:
-        """For a prompt that continues this KV's: the tokens after the KV's (FormatError if the KV's tokens are not
-        a strict prefix of `token_ids`)."""
-        ids = [int(t) for t in (token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)]
-        if len(ids) <= len(self.token_ids) or ids[:len(self.token_ids)] != self.token_ids:
-            raise FormatError(f"{self.path}: prompt mismatch: the prompt does not continue the KV's: "
-                              f"{_prompt_mismatch(self.token_ids, ids)}")
-        return ids[len(self.token_ids):]
-
-
-class KVDirectory:
-    """A KV directory opened for reading: the manifest is validated on open (and on `refresh()`); layers are
-    loaded and checked one at a time with `layer(i)`, so a consumer can pull layer i as soon as
-    `layer_complete(i)` while the prefill still writes later ones."""
-
-    def __init__(self, kv_dir: str):
-        self.path = str(kv_dir)
-        self.refresh()
-
-    def _fail(self, msg: str):
-        raise FormatError(f"{self.path}: {msg}")
-
-    def refresh(self) -> None:
-        path = os.path.join(self.path, MANIFEST_NAME)
-        if not os.path.isdir(self.path):
-            self._fail("no such KV directory")
-        try:  # a regular file only (a symlink to /dev/zero, a FIFO: refused, not read), at most its bound
-            raw = untrusted.read_bounded(path, MAX_MANIFEST_BYTES,
-                                         missing=f"{self.path}: no {MANIFEST_NAME}: not a moepack KV directory")
-        except OSError as e:
-            self._fail(f"cannot read {MANIFEST_NAME} ({e.strerror or e})")
-        if len(raw) > MAX_MANIFEST_BYTES:
-            self._fail(f"{MANIFEST_NAME} is larger than {MAX_MANIFEST_BYTES} bytes (the limit)")
-        try:
-            m = untrusted.loads(raw, MANIFEST_NAME, max_bytes=MAX_MANIFEST_BYTES)
-        except untrusted.UntrustedInputError as e:  # bad UTF-8 or JSON, a too long number, too deep nesting
-            self._fail(f"{MANIFEST_NAME} is not valid JSON ({e.detail})")
-        self.manifest = self._validate(m)
-
-    def _validate(self, m) -> dict:
-        fail = self._fail
-        if not isinstance(m, dict) or m.get("format") != KV_FORMAT:
-            fail(f"{MANIFEST_NAME}: not a moepack KV manifest (format must be {KV_FORMAT!r})")
-        version = m.get("format_version")
-        if not (isinstance(version, list) and len(version) == 2 and all(_is_int(v) for v in version)):
-            fail(f"{MANIFEST_NAME}: format_version must be [major, minor]")
-        if version[0] != KV_MAJOR:
-            fail(f"KV format version {version[0]}.{version[1]} is not supported (this reader knows {KV_MAJOR}.x)")
-        for key, kind in (("identity", dict), ("geometry", dict), ("tokens", dict), ("dtype", str),
-                          ("layers", list), ("complete", bool), ("extra", dict)):
-            if not isinstance(m.get(key), kind):
-                fail(f"{MANIFEST_NAME}: '{key}' missing or not a {kind.__name__}")
-        ident = m["identity"]
-        if not isinstance(ident.get("architecture"), str) or not isinstance(ident.get("config"), dict) \
-                or not _is_hex(ident.get("config_xxh3")) \
-                or not (ident.get("container_index_xxh3") is None or _is_hex(ident.get("container_index_xxh3"))):
-            fail(f"{MANIFEST_NAME}: identity needs architecture, config, config_xxh3 (and container_index_xxh3 hex "
-                 f"or null)")
-        if config_xxh3(ident["config"]) != ident["config_xxh3"]:
-            fail(f"{MANIFEST_NAME}: identity config does not match its config_xxh3")
-        try:
-            geometry = kv_geometry(ident["config"])
-        except FormatError as e:
-            fail(str(e))
-        if _canonical_json(m["geometry"]) != _canonical_json(geometry):  # 3.0 == 3 in Python, not in the format
-            fail(f"{MANIFEST_NAME}: geometry does not follow from the recorded config")
-        if m["dtype"] not in KV_DTYPES:
-            fail(f"{MANIFEST_NAME}: unknown dtype {m['dtype']!r}")
-        tok = m["tokens"]
-        ids = tok.get("ids")
-        if not (isinstance(ids, list) and ids and all(_is_int(t) and t < 1 << 63 for t in ids)) \
-                or not _is_int(tok.get("count")) or tok["count"] != len(ids) \
-                or not _is_int(tok.get("start")) or tok["start"] >= len(ids):
-            fail(f"{MANIFEST_NAME}: tokens need ids (non-empty list of int64 ids), count = len(ids), start < count")
-        if tok.get("ids_xxh3") != token_ids_xxh3(ids):
-            fail(f"{MANIFEST_NAME}: token ids do not match their ids_xxh3")
-        layers = m["layers"]
-        if len(layers) != geometry["num_layers"]:
-            fail(f"{MANIFEST_NAME}: {len(layers)} layer entries for a {geometry['num_layers']}-layer model")
-        for i, e in enumerate(layers):
-            if not isinstance(e, dict) or not _is_int(e.get("layer")) or e["layer"] != i \
-                    or e.get("file") != layer_file_name(i) \
-                    or not isinstance(e.get("complete"), bool):
-                fail(f"{MANIFEST_NAME}: layer entry {i} malformed")
-            if not e["complete"]:
-                continue
-            kind = geometry["layer_types"][i]
-            entries = e.get("entries")
-            if e.get("layer_type") != kind or not _is_int(e.get("seen_tokens")) or e["seen_tokens"] != len(ids) \
-                    or not _is_int(e.get("bytes"), 1) \
-                    or not _is_hex(e.get("xxh3")) or not isinstance(entries, dict) \
-                    or sorted(entries) != sorted(COMPRESSORS[kind]) \
-                    or not all(_is_int(v) for v in entries.values()):
-                fail(f"{MANIFEST_NAME}: layer entry {i} malformed (complete layers record layer_type, seen_tokens, "
-                     f"entries, bytes, xxh3)")
-        if m["complete"] and not all(e["complete"] for e in layers):
-            fail(f"{MANIFEST_NAME}: marked complete with incomplete layers")
-        result = m.get("result")
-        if result is not None and not (isinstance(result, dict) and
-                                       (result.get("next_token") is None or _is_int(result.get("next_token")))):
-            fail(f"{MANIFEST_NAME}: result malformed")
-        return m
-
-    # --- properties --------------------------------------------------------------------------------------------
-    @property
-    def identity(self) -> dict:
-        return self.manifest["identity"]
-
-    @property
-    def geometry(self) -> dict:
-        return self.manifest["geometry"]
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.manifest["tokens"]["ids"]
-
-    @property
-    def num_layers(self) -> int:
-        return self.geometry["num_layers"]
-
-    def layer_complete(self, layer: int) -> bool:
-        return self.manifest["layers"][layer]["complete"]
-
-    def incomplete_layers(self) -> list[int]:
-        return [e["layer"] for e in self.manifest["layers"] if not e["complete"]]
-
-    def check_identity(self, expected: Mapping) -> None:
-        problem = _identity_mismatch(self.identity, expected)
-        if problem:
-            self._fail(f"KV from another model: {problem}")
-
-    def check_prompt(self, expected) -> None:
-        ids = [int(t) for t in (expected.tolist() if hasattr(expected, "tolist") else expected)]
-        if ids != self.token_ids:
-            self._fail(f"prompt mismatch: {_prompt_mismatch(self.token_ids, ids)}")
-
-    # --- layers ------------------------------------------------------------------------------------------------
-    def _read_checked(self, name: str, size: int, digest: str, what: str) -> bytes:
-        path = os.path.join(self.path, name)
-        try:  # a regular file only (a FIFO in its place would block the read forever), sized by the file too
-            data = untrusted.read_bounded(path, size, missing=f"{what}: file {name} is missing")
-        except FormatError as e:
-            self._fail(str(e))
-        except OSError as e:
-            self._fail(f"{what}: cannot read {name} ({e.strerror or e})")
-        if len(data) != size:
-            real = os.path.getsize(path)
-            if real < size:
-                self._fail(f"{what}: file {name} is truncated ({real} of {size} bytes)")
-            self._fail(f"{what}: file {name} has {real} bytes, the manifest records {size}")
-        if xxhash.xxh3_64_hexdigest(data) != digest:
-            self._fail(f"{what}: file {name} is damaged (xxh3 mismatch)")
-        return data
-
-    def layer(self, layer: int, device="cpu", dtype: torch.dtype = torch.float32) -> LayerKVState:
-        """Load, check and decode one complete layer (FormatError if it is not complete yet)."""
-        if not 0 <= layer < self.num_layers:
-            self._fail(f"layer {layer} outside 0..{self.num_layers - 1}")
-        e = self.manifest["layers"][layer]
-        if not e["complete"]:
-            self._fail(f"layer {layer} is not complete (prefill still running, or interrupted)")
-        data = self._read_checked(e["file"], e["bytes"], e["xxh3"], f"layer {layer}")
-        return self._decode_layer(layer, e, data).to(device, dtype)
-
-    def _decode_layer(self, layer: int, e: Mapping, data: bytes) -> LayerKVState:
-        what = f"layer {layer} ({e['file']})"
-        try:
-            tensors = _st_load(data)
-        except Exception as err:  # noqa: BLE001 - any parse failure is a damaged file
-            self._fail(f"{what}: not a readable safetensors file ({err})")
-        g, dtype = self.geometry, self.manifest["dtype"]
+    def layer_state(self, geometry: Mapping, layer: int, entry: Mapping, tensors: Mapping[str, torch.Tensor],
+                    dtype: str) -> LayerKVState:
+        g, e = geometry, entry
         kind, rate, n = e["layer_type"], g["compress_rates"][layer], e["seen_tokens"]
         expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-
-        def kv_tensor(name: str, rows: int, width: int) -> None:
-            expected[name] = ((rows, width), _TORCH_DTYPES[dtype])
-            if dtype == "F8_E4M3":
-                expected[name + ".scale"] = ((rows, 1), torch.float32)
-
-        kv_tensor("window_kv", min(n, g["sliding_window"] - 1), g["head_dim"])
+        kvd.expect_rows(expected, "window_kv", (min(n, g["sliding_window"] - 1), g["head_dim"]), dtype)
         for name in COMPRESSORS[kind]:
             d = g["head_dim"] if name == "compressor" else g["index_head_dim"]
             width = 2 * d if kind == CSA else d
             count = e["entries"][name]
             if count * rate > n or n - count * rate >= rate:
-                self._fail(f"{what}: {name} entry_count {count} does not fit {n} tokens at rate {rate}")
-            kv_tensor(f"{name}.compressed_kv", count, d)
+                raise FormatError(f"{name} entry_count {count} does not fit {n} tokens at rate {rate}")
+            kvd.expect_rows(expected, f"{name}.compressed_kv", (count, d), dtype)
             expected[f"{name}.buffer_kv"] = expected[f"{name}.buffer_gate"] = ((n - count * rate, width),
                                                                                torch.float32)
             if kind == CSA and count:
                 expected[f"{name}.overlap_kv"] = expected[f"{name}.overlap_gate"] = ((rate, d), torch.float32)
-        if set(tensors) != set(expected):
-            extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
-            self._fail(f"{what}: tensors do not match the layer's kind ({kind}): "
-                       f"{'missing ' + ', '.join(missing) if missing else ''}{'; ' if missing and extra else ''}"
-                       f"{'unexpected ' + ', '.join(extra) if extra else ''}")
-        for name, (shape, tdtype) in expected.items():
-            t = tensors[name]
-            if tuple(t.shape) != shape or t.dtype != tdtype:
-                self._fail(f"{what}: {name} is {t.dtype} {list(t.shape)}, expected {tdtype} {list(shape)}")
+        kvd.check_tensors(tensors, expected, kind)
 
         def part(name: str) -> CompressorState:
             return CompressorState(
@@ -863,94 +261,58 @@ class KVDirectory:
                             compressor=part("compressor") if kind != SLIDING else None,
                             indexer=part("indexer") if kind == CSA else None)
 
-    def result(self) -> tuple[int | None, torch.Tensor | None]:
-        """(next_token, last-position logits or None) recorded by finish()."""
-        r = self.manifest.get("result") or {}
-        logits = None
-        if r.get("logits"):
-            info = r["logits"]
-            if not (isinstance(info, dict) and info.get("file") == LOGITS_NAME and _is_int(info.get("bytes"), 1)
-                    and _is_hex(info.get("xxh3"))):
-                self._fail(f"{MANIFEST_NAME}: result.logits malformed")
-            data = self._read_checked(LOGITS_NAME, info["bytes"], info["xxh3"], "logits")
-            try:
-                logits = _st_load(data)["logits"]
-            except Exception as err:  # noqa: BLE001
-                self._fail(f"logits: not a readable safetensors file ({err})")
-        return r.get("next_token"), logits
+    def on_host(self, state: LayerKVState) -> LayerKVState:
+        return state.to("cpu") if state.window_kv.device.type != "cpu" else state
+
+    def moved(self, state: LayerKVState, device, dtype) -> LayerKVState:
+        return state.to(device, dtype)
+
+
+DEEPSEEK_V4_KV = DeepseekV4KVFormat()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The directory with this format (kv_directory's writer and reader)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class KVWriter(kvd.KVWriter):
+    """kv_directory.KVWriter of DeepSeek-V4 layer states::
+
+        w = KVWriter(kv_dir, identity_of_container(c), token_ids)        # the manifest: no layer complete yet
+        for layer: w.write_layer(layer, state)                            # file, then manifest marks it complete
+        w.finish(next_token=..., logits=last_logits)                      # "complete": true
+    """
+
+    def __init__(self, kv_dir: str, identity: Mapping, token_ids, dtype: str = "F32", start_token: int = 0,
+                 overwrite: bool = False, sync: bool = True):
+        super().__init__(kv_dir, DEEPSEEK_V4_KV, identity, token_ids, dtype, start_token, overwrite, sync)
+
+    # this module's names (tests of a full disk replace them here)
+    def _check_free_space(self, needs: dict, what: str) -> None:
+        check_free_space(needs, what)
+
+    def _write_file(self, path: str, data: bytes, sync: bool) -> None:
+        write_file_atomically(path, data, sync)
+
+
+DeepseekV4KVFormat.writer = KVWriter  # (kv_directory.open_writer)
+
+
+class KVDirectory(kvd.KVDirectory):
+    """kv_directory.KVDirectory of a DeepSeek-V4 KV (its layers LayerKVState)."""
+
+    def __init__(self, kv_dir: str, kv_format=DEEPSEEK_V4_KV):
+        super().__init__(kv_dir, kv_format)
 
 
 def read_kv(kv_dir: str, expect_identity: Mapping | None = None, expect_prompt=None, prompt_prefix_of=None,
             device="cpu", dtype: torch.dtype = torch.float32) -> KVCache:
-    """Load and validate a complete KV directory: manifest schema, every layer complete, every file present with the
-    recorded size and xxh3, tensors as the layer's kind and the recorded counts require; then identity
-    (`expect_identity`, e.g. `identity_of_container(c)`) and prompt (`expect_prompt`: the exact token ids; or
-    `prompt_prefix_of`: a longer prompt the KV's tokens must begin). FormatError, one line, naming the problem."""
-    d = KVDirectory(kv_dir)
-    if expect_identity is not None:
-        d.check_identity(expect_identity)
-    if expect_prompt is not None:
-        d.check_prompt(expect_prompt)
-    missing = d.incomplete_layers()
-    if missing:
-        d._fail(f"KV incomplete: layers {_ranges(missing)} of {d.num_layers} not written "
-                f"(prefill still running, or interrupted)")
-    layers = [d.layer(i, device, dtype) for i in range(d.num_layers)]
-    next_token, logits = d.result()
-    m = d.manifest
-    kv = KVCache(path=d.path, manifest=m, identity=d.identity, geometry=d.geometry, token_ids=list(d.token_ids),
-                 start_token=m["tokens"]["start"], dtype=m["dtype"], layers=layers, complete=m["complete"],
-                 next_token=next_token, logits=logits, bytes=sum(e["bytes"] for e in m["layers"]))
-    if prompt_prefix_of is not None:
-        kv.new_tokens(prompt_prefix_of)
-    return kv
+    """kv_directory.read_kv of a DeepSeek-V4 KV: one LayerKVState per layer."""
+    return kvd.read_kv(kv_dir, DEEPSEEK_V4_KV, expect_identity, expect_prompt, prompt_prefix_of, device, dtype,
+                       directory=KVDirectory)
 
 
 def inspect_kv(kv_dir: str, expect_identity: Mapping | None = None, expect_prompt=None, verify: bool = True) -> dict:
-    """What `moepack kv inspect` prints. Layers, tokens, bytes, completeness. With `verify`, every complete layer's
-    file is read and checked (size, xxh3, tensors): a missing, truncated or damaged file raises FormatError.
-    Incomplete layers are reported, not an error (the prefill may still be writing)."""
-    d = KVDirectory(kv_dir)
-    if expect_identity is not None:
-        d.check_identity(expect_identity)
-    if expect_prompt is not None:
-        d.check_prompt(expect_prompt)
-    m, g = d.manifest, d.geometry
-    layers = []
-    for e in m["layers"]:
-        row = {"layer": e["layer"], "type": g["layer_types"][e["layer"]], "complete": e["complete"]}
-        if e["complete"]:
-            if verify:
-                d.layer(e["layer"])
-            row.update(tokens=e["seen_tokens"], entries=e["entries"], bytes=e["bytes"])
-        layers.append(row)
-    if verify:
-        d.result()
-    by_type: dict[str, dict] = {}
-    for row in layers:
-        t = by_type.setdefault(row["type"], {"layers": 0, "bytes": 0})
-        t["layers"] += 1
-        t["bytes"] += row.get("bytes", 0)
-    ident = m["identity"]
-    result = m.get("result") or {}
-    return {
-        "path": d.path,
-        "format_version": f"{m['format_version'][0]}.{m['format_version'][1]}",
-        "complete": m["complete"],
-        "layers_complete": sum(e["complete"] for e in m["layers"]),
-        "num_layers": d.num_layers,
-        "incomplete_layers": _ranges(d.incomplete_layers()),
-        "architecture": ident["architecture"],
-        "container_index_xxh3": ident.get("container_index_xxh3"),
-        "config_xxh3": ident["config_xxh3"],
-        "tokens": m["tokens"]["count"],
-        "start_token": m["tokens"]["start"],
-        "token_ids_xxh3": m["tokens"]["ids_xxh3"],
-        "dtype": m["dtype"],
-        "bytes": sum(row.get("bytes", 0) for row in layers),  # complete layers only: others' entries are unchecked
-        "bytes_per_token": round(sum(row.get("bytes", 0) for row in layers) / m["tokens"]["count"], 1),
-        "by_type": by_type,
-        "next_token": result.get("next_token"),
-        "verified": verify,
-        "layers": layers,
-    }
+    """kv_directory.inspect_kv of a DeepSeek-V4 KV (what `moepack kv inspect` prints)."""
+    return kvd.inspect_kv(kv_dir, DEEPSEEK_V4_KV, expect_identity, expect_prompt, verify, directory=KVDirectory)

@@ -98,5 +98,12 @@ class Qwen3MoeFamily:
 
         return Qwen3MoePrefill(config, compute_dtype)
 
+    @property
+    def kv_format(self):
+        """Its layer files in a KV directory (families/base.py KVFormat; kv.py)."""
+        from .kv import QWEN3_MOE_KV
+
+        return QWEN3_MOE_KV
+
 
 FAMILY = Qwen3MoeFamily()
