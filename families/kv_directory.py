@@ -570,29 +570,35 @@ class KVDirectory:
     """A KV directory opened for reading: the manifest is validated on open (and on `refresh()`); layers are
     loaded and checked one at a time with `layer(i)`, so a consumer can pull layer i as soon as
     `layer_complete(i)` while the prefill still writes later ones. `kv_format`: the family's KVFormat, or a function
-    of the manifest's architecture giving it (raising a MoepackError for one it has none for)."""
+    of the manifest's architecture giving it (raising a MoepackError for one it has none for). `expect_identity`:
+    checked as soon as the manifest's identity is read, so another model's KV (another family's too) is named as
+    such, not by what its config lacks for this family's format."""
 
-    def __init__(self, kv_dir: str, kv_format):
+    def __init__(self, kv_dir: str, kv_format, expect_identity: Mapping | None = None):
         self.path = str(kv_dir)
         self._format_choice = kv_format
+        self._expect_identity = expect_identity
         self.refresh()
 
     def _fail(self, msg: str):
         raise FormatError(f"{self.path}: {msg}")
 
+    def _manifest_limit(self) -> int:  # (a seam, as KVWriter's)
+        return MAX_MANIFEST_BYTES
+
     def refresh(self) -> None:
-        path = os.path.join(self.path, MANIFEST_NAME)
+        path, limit = os.path.join(self.path, MANIFEST_NAME), self._manifest_limit()
         if not os.path.isdir(self.path):
             self._fail("no such KV directory")
         try:  # a regular file only (a symlink to /dev/zero, a FIFO: refused, not read), at most its bound
-            raw = untrusted.read_bounded(path, MAX_MANIFEST_BYTES,
+            raw = untrusted.read_bounded(path, limit,
                                          missing=f"{self.path}: no {MANIFEST_NAME}: not a moepack KV directory")
         except OSError as e:
             self._fail(f"cannot read {MANIFEST_NAME} ({e.strerror or e})")
-        if len(raw) > MAX_MANIFEST_BYTES:
-            self._fail(f"{MANIFEST_NAME} is larger than {MAX_MANIFEST_BYTES} bytes (the limit)")
+        if len(raw) > limit:
+            self._fail(f"{MANIFEST_NAME} is larger than {limit} bytes (the limit)")
         try:
-            m = untrusted.loads(raw, MANIFEST_NAME, max_bytes=MAX_MANIFEST_BYTES)
+            m = untrusted.loads(raw, MANIFEST_NAME, max_bytes=limit)
         except untrusted.UntrustedInputError as e:  # bad UTF-8 or JSON, a too long number, too deep nesting
             self._fail(f"{MANIFEST_NAME} is not valid JSON ({e.detail})")
         self.manifest = self._validate(m)
@@ -627,6 +633,8 @@ class KVDirectory:
                  f"or null)")
         if config_xxh3(ident["config"]) != ident["config_xxh3"]:
             fail(f"{MANIFEST_NAME}: identity config does not match its config_xxh3")
+        if self._expect_identity is not None:
+            self.check_identity(self._expect_identity, ident)
         self.kv_format = fmt = self._resolve_format(ident["architecture"])
         try:
             geometry = fmt.geometry(ident["config"])
@@ -690,8 +698,8 @@ class KVDirectory:
     def incomplete_layers(self) -> list[int]:
         return [e["layer"] for e in self.manifest["layers"] if not e["complete"]]
 
-    def check_identity(self, expected: Mapping) -> None:
-        problem = _identity_mismatch(self.identity, expected)
+    def check_identity(self, expected: Mapping, recorded: Mapping | None = None) -> None:
+        problem = _identity_mismatch(self.identity if recorded is None else recorded, expected)
         if problem:
             self._fail(f"KV from another model: {problem}")
 
@@ -761,9 +769,7 @@ def read_kv(kv_dir: str, kv_format, expect_identity: Mapping | None = None, expe
     recorded size and xxh3, tensors as the family's format requires; then identity (`expect_identity`, e.g.
     `identity_of_container(c)`) and prompt (`expect_prompt`: the exact token ids; or `prompt_prefix_of`: a longer
     prompt the KV's tokens must begin). FormatError, one line, naming the problem."""
-    d = directory(kv_dir, kv_format)
-    if expect_identity is not None:
-        d.check_identity(expect_identity)
+    d = directory(kv_dir, kv_format, expect_identity)
     if expect_prompt is not None:
         d.check_prompt(expect_prompt)
     missing = d.incomplete_layers()
@@ -786,9 +792,7 @@ def inspect_kv(kv_dir: str, kv_format, expect_identity: Mapping | None = None, e
     """What `moepack kv inspect` prints. Layers, tokens, bytes, completeness. With `verify`, every complete layer's
     file is read and checked (size, xxh3, tensors): a missing, truncated or damaged file raises FormatError.
     Incomplete layers are reported, not an error (the prefill may still be writing)."""
-    d = directory(kv_dir, kv_format)
-    if expect_identity is not None:
-        d.check_identity(expect_identity)
+    d = directory(kv_dir, kv_format, expect_identity)
     if expect_prompt is not None:
         d.check_prompt(expect_prompt)
     m = d.manifest

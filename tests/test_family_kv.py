@@ -166,12 +166,16 @@ def test_a_kv_of_another_container_is_refused(containers, tmp_path):
                     ["prefill", other, "--token-ids", b]):
         error = _refused(*command, "--continue-from", kv_dir)
         assert f"{kv_dir}: KV from another model: container index xxh3 " in error, error
-    # a DeepSeek-V4 KV's manifest names its architecture: refused for a Qwen3-MoE container before its layers
+    # another family's KV (DeepSeek-V4's: its config no Qwen3-MoE config) is named as another model's, not by what
+    # its config lacks for this family's format
     manifest = json.loads((kv_dir / kvd.MANIFEST_NAME).read_text())
-    manifest["identity"]["architecture"] = "deepseek_v4"
+    config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "num_hidden_layers": 4}
+    manifest["identity"].update(architecture="deepseek_v4", config=config, config_xxh3=kvd.config_xxh3(config))
     (kv_dir / kvd.MANIFEST_NAME).write_text(json.dumps(manifest))
-    error = _refused("prefill", one, "--token-ids", b, "--continue-from", kv_dir)
-    assert "KV from another model: architecture 'deepseek_v4', expected 'qwen3_moe'" in error, error
+    for command in (["generate", one, "--token-ids", b, "--max-new-tokens", 2, "--cache-gib", 0],
+                    ["prefill", one, "--token-ids", b]):
+        error = _refused(*command, "--continue-from", kv_dir)
+        assert f"{kv_dir}: KV from another model: architecture 'deepseek_v4', expected 'qwen3_moe'" in error, error
 
 
 def test_a_truncated_or_damaged_layer_file_is_refused(containers, tmp_path):

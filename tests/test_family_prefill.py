@@ -202,11 +202,15 @@ def test_a_damaged_expert_is_one_line(qwen3, tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_out_of_vocabulary_ids_are_refused_before_a_kv_directory_is_made(qwen3, tmp_path):
+def test_out_of_vocabulary_ids_are_refused_and_leave_no_usable_kv(qwen3, tmp_path):
+    """(a family's KV directories: tests/test_family_kv.py)"""
+    from moepack.families import family_named, kv_directory
+
     container, _ = qwen3["float32"]
     with pytest.raises(MoepackError, match="token id out of range 0..299"):
         prefill(container, [1, 300], _options(), kv_out=str(tmp_path / "kv"))
-    assert not (tmp_path / "kv").exists()  # (a family's KV directories: tests/test_family_kv.py)
+    with pytest.raises(MoepackError, match="KV incomplete: layers 0..3 of 4 not written"):
+        kv_directory.read_kv(str(tmp_path / "kv"), family_named("qwen3-moe").kv_format)
 
 
 # ------------------------------------------------------------------------------------------ the engine's boundary
