@@ -13,8 +13,8 @@ tensors and back, and which shape facts of its config (the manifest's `geometry`
     read_kv(kv_dir, kv_format, expect_identity=...)                      every check of KV.md section 7
 
 `kv_format` may also be a function of the manifest's `identity.architecture` returning the format (a reader that
-does not know the family beforehand: `moepack kv inspect`). DeepSeek-V4's format and its names of these
-(families/deepseek_v4/kv.py) are the first; Qwen3-MoE's (families/qwen3_moe/kv.py) the second.
+does not know the family beforehand: `moepack kv inspect`). Each family's format is in its package
+(families/<family>/kv.py), which may also give these names bound to its format.
 """
 
 from __future__ import annotations
@@ -435,7 +435,7 @@ class KVWriter:
 
 def open_writer(kv_dir: str, kv_format: KVFormat, identity: Mapping, token_ids, **options) -> KVWriter:
     """A KVWriter of `kv_format`'s directory (options: KVWriter's): the format's own `writer` where it has one (a
-    subclass routing the writer's file system calls through its module, DeepSeek-V4's), else KVWriter."""
+    subclass routing the writer's file system calls through its own module), else KVWriter."""
     own = getattr(kv_format, "writer", None)
     if own is not None:
         return own(kv_dir, identity, token_ids, **options)

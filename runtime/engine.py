@@ -796,7 +796,7 @@ def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, 
                 writer = kvd.BackgroundKVWriter(kvd.open_writer(kv_out, kv_format, identity, all_ids, dtype=kv_dtype,
                                                                 start_token=start, overwrite=in_place or kv_overwrite,
                                                                 sync=kv_sync))
-            hooks.insert(0, writer)
+                hooks.insert(0, writer)
             try:
                 result = engine.run(token_ids, past, chunk_tokens=chunk_tokens)
             except BaseException:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from moepack.families import container_problem, family_of_architecture
-from moepack.families.base import generation_kv_bytes
 from moepack.families import kv_directory as kvd
+from moepack.families.base import generation_kv_bytes
 from moepack.families.deepseek_v4.kv import kv_bytes
 from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError

@@ -110,7 +110,10 @@ def test_a_continued_prefill_written_in_place_equals_one_prefill_of_the_whole(co
     container, _ = containers["sparse-step"]
     kv_dir, whole_dir = str(tmp_path / "kv"), str(tmp_path / "whole")
     options = PrefillOptions(compute_dtype="float32")
-    prefill(container, A, options, kv_out=kv_dir)
+    handed = []  # the layer-by-layer hand-off beside the writer, and without one
+    prefill(container, A, options, kv_out=kv_dir, on_layer_kv=lambda layer, state: handed.append(layer))
+    prefill(container, A, options, on_layer_kv=lambda layer, state: handed.append(state.length))
+    assert handed == [0, 1, 2, 3] + [len(A)] * 4
     continued = prefill(container, B, options, kv_out=kv_dir, continue_from=kv_dir)
     whole = prefill(container, A + B, options, kv_out=whole_dir)
     assert continued.next_token == whole.next_token and continued.stats["past_tokens"] == len(A)
