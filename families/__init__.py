@@ -2,16 +2,14 @@
 
 `family_for(config)` picks the family of a config.json by its `architectures` (else its `model_type`); an unknown
 one is refused in one line naming what is supported. The table below names each family's package without
-importing it, so looking a family up costs no torch import.
-
-DeepSeek-V4's package (families/deepseek_v4) is not yet in the table: a caller that finds no family treats the
-model as DeepSeek-V4's, and `adapter_for(config)` asks that package for its adapter, so it gives the container
-layout of any config the converter takes.
+importing it, so looking a family up costs no torch import. Every family here implements base.RegisteredFamily:
+what runs a container asks its family (`check_container`), not which one it is.
 """
 
 from __future__ import annotations
 
 import importlib
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +17,7 @@ from typing import Any
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.errors import MoepackError
 
-from .base import ModelFamily
+from .base import ModelFamily, RegisteredFamily
 
 
 class UnknownFamilyError(MoepackError):
@@ -35,13 +33,19 @@ class _Entry:
     gguf_architectures: tuple[str, ...] = ()  # llama.cpp's name of it (a GGUF's general.architecture)
 
 
+_SHOW = reprlib.Repr()  # a hostile value named in an error, shortened (as the families' config readers do)
+_SHOW.maxstring = _SHOW.maxother = 40
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = 6
+
 _FAMILIES = (
     _Entry("qwen3-moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "moepack.families.qwen3_moe", ("qwen3moe",)),
+    # its GGUF (llama.cpp's deepseek4) is still read and written by packer/gguf_source.py / gguf_export.py
+    _Entry("deepseek-v4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",), "moepack.families.deepseek_v4", ("deepseek4",)),
 )
 FAMILY_NAMES = tuple(e.name for e in _FAMILIES)
 
 
-def _load(entry: _Entry) -> ModelFamily:
+def _load(entry: _Entry) -> RegisteredFamily:
     return importlib.import_module(entry.module).FAMILY
 
 
@@ -66,7 +70,7 @@ def _entry_of(config: Mapping[str, Any]) -> tuple[_Entry | None, list[str], Any]
 
 
 def find_family(config: Mapping[str, Any]) -> ModelFamily | None:
-    """The family of a config.json, or None when it is no family's here (DeepSeek-V4's, or unknown)."""
+    """The family of a config.json, or None when it is no family's here."""
     entry, _, _ = _entry_of(config)
     return _load(entry) if entry is not None else None
 
@@ -80,7 +84,7 @@ def family_for(config: Mapping[str, Any]) -> ModelFamily:
             else "no architectures or model_type")
     supported = "; ".join(f"{e.name} ({', '.join(e.architectures + e.model_types)})" for e in _FAMILIES)
     raise UnknownFamilyError(f"config.json: {what[:200]} is no model family moepack.families knows (supported: "
-                             f"{supported}; DeepSeek-V4 runs through moepack.families.deepseek_v4)")
+                             f"{supported})")
 
 
 def _family_where(matches) -> ModelFamily | None:
@@ -89,7 +93,7 @@ def _family_where(matches) -> ModelFamily | None:
 
 
 def family_of_architecture(architecture: str) -> ModelFamily | None:
-    """The family whose adapter writes a container's `architecture` (its model_type), or None (DeepSeek-V4's)."""
+    """The family whose adapter writes a container's `architecture` (its model_type), or None (no family's)."""
     return _family_where(lambda e: architecture in e.model_types)
 
 
@@ -98,24 +102,38 @@ def family_of_gguf(architecture: Any) -> ModelFamily | None:
     return _family_where(lambda e: architecture in e.gguf_architectures)
 
 
-GGUF_ARCHITECTURES = tuple(a for e in _FAMILIES for a in e.gguf_architectures)
+GGUF_ARCHITECTURES = tuple(sorted(a for e in _FAMILIES for a in e.gguf_architectures))
 
 
 def adapter_for(config: Mapping[str, Any]) -> Adapter:
-    """The container layout (format_spec.adapter.Adapter) of a config.json's model: its family's, or DeepSeek-V4's;
-    any other architecture is refused in one line naming what is supported."""
+    """The container layout (format_spec.adapter.Adapter) of a config.json's model: its family's; any other
+    architecture (or a model_type that is no string) is refused in one line naming what is supported."""
+    model_type = config.get("model_type") if isinstance(config, Mapping) else None
+    if model_type is not None and not isinstance(model_type, str):
+        raise MoepackError(f"config.json: model_type must be a string, not {_SHOW.repr(model_type)}")
     family = find_family(config)
-    if family is not None:
-        return family.adapter
-    from moepack.families.deepseek_v4.arch import ADAPTERS, v4_adapter  # DeepSeek-V4: not in the table yet
-
-    adapter = v4_adapter(config)
-    if adapter is None:
-        supported = [t for a in ADAPTERS.values() for t in a.model_types] + [t for e in _FAMILIES
-                                                                              for t in e.model_types]
-        raise MoepackError(f"unsupported architecture: model_type {config.get('model_type')!r} (supported: "
+    if family is None:
+        supported = sorted(t for e in _FAMILIES for t in e.model_types)
+        raise MoepackError(f"unsupported architecture: model_type {model_type!r} (supported: "
                            f"{', '.join(supported)})")
-    return adapter
+    return family.adapter_for(config)
+
+
+def container_family(container) -> RegisteredFamily:
+    """The family of an open container's model; another architecture is refused in one line."""
+    family = family_of_architecture(container.architecture)
+    if family is None:
+        supported = ", ".join(f"{e.name} ({', '.join(e.model_types)})" for e in _FAMILIES)
+        raise MoepackError(f"{container.path} holds a {container.architecture!r} model; this runtime computes "
+                           f"{supported} containers here")
+    return family
+
+
+def check_container(container, computable: bool = True) -> tuple[RegisteredFamily, Any]:
+    """(the family of an open container's model, its parsed config), checked before anything is read (the family's
+    check_container): a one-line MoepackError naming the container otherwise."""
+    family = container_family(container)
+    return family, family.check_container(container, computable)
 
 
 def schema_problem(family: ModelFamily, config: Mapping[str, Any], experts_per_layer: Mapping[int, int],
@@ -148,13 +166,10 @@ def schema_problem(family: ModelFamily, config: Mapping[str, Any], experts_per_l
     return None
 
 
-def container_problem(container) -> tuple[ModelFamily | None, str | None]:
-    """(the family of an open container's model, or None for DeepSeek-V4's; schema_problem of what it holds)."""
+def container_schema_problem(family: ModelFamily, container) -> str | None:
+    """schema_problem of what an open container holds, for `family` (a family's check_container asks it)."""
     from moepack.format_spec.layout import SCALE_SUFFIXES
 
-    family = family_of_architecture(container.architecture)
-    if family is None:
-        return None, None
     experts = {b.number: len(b.experts) for b in container.layers}
     shapes = {n: list(t.shape) for n, t in container.tensors.items() if not n.endswith(SCALE_SUFFIXES)}
-    return family, schema_problem(family, container.config, experts, shapes)
+    return schema_problem(family, container.config, experts, shapes)
