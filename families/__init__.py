@@ -8,7 +8,11 @@ what runs a container asks its family (`check_container`), not which one it is.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
+import os
+import pkgutil
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,37 +28,60 @@ class UnknownFamilyError(MoepackError):
     """A config.json of an architecture no family here implements."""
 
 
-@dataclass(frozen=True)
-class _Entry:
-    name: str
-    architectures: tuple[str, ...]
-    model_types: tuple[str, ...]
-    module: str  # the package whose FAMILY is the family
-    gguf_architectures: tuple[str, ...] = ()  # llama.cpp's name of it (a GGUF's general.architecture)
-
-
 _SHOW = reprlib.Repr()  # a hostile value named in an error, shortened (as the families' config readers do)
 _SHOW.maxstring = _SHOW.maxother = 40
 _SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = 6
 
-_FAMILIES = (
-    _Entry("qwen3-moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "moepack.families.qwen3_moe", ("qwen3moe",)),
-    # its GGUF (llama.cpp's deepseek4) is still read and written by packer/gguf_source.py / gguf_export.py
-    _Entry("deepseek-v4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",), "moepack.families.deepseek_v4", ("deepseek4",)),
-)
-FAMILY_NAMES = tuple(e.name for e in _FAMILIES)
+
+@dataclass(frozen=True)
+class _Entry:
+    """A family as its package's family.json names it: looked up without importing the package (which may import
+    torch), imported when chosen."""
+
+    name: str
+    architectures: tuple[str, ...]  # config.json `architectures` it accepts
+    model_types: tuple[str, ...]  # config.json `model_type` it accepts (a container's architecture)
+    gguf_architectures: tuple[str, ...]  # llama.cpp's names of it (a GGUF's general.architecture)
+    module: str  # the package whose FAMILY is the family
+
+    @property
+    def family(self) -> RegisteredFamily:
+        family = importlib.import_module(self.module).FAMILY
+        if (family.name, family.architectures, family.model_types, family.gguf_architectures) != (
+                self.name, self.architectures, self.model_types, self.gguf_architectures):
+            raise MoepackError(f"{self.module}: its FAMILY is not what its family.json says")
+        return family
 
 
-def _load(entry: _Entry) -> RegisteredFamily:
-    return importlib.import_module(entry.module).FAMILY
+@functools.cache
+def _families() -> tuple[_Entry, ...]:
+    """Every family: each package in this one with a family.json, in the packages' order."""
+    entries = []
+    for m in pkgutil.iter_modules(__path__):
+        path = os.path.join(m.module_finder.path, m.name, "family.json")
+        if m.ispkg and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+            entries.append(_Entry(d["name"], tuple(d["architectures"]), tuple(d["model_types"]),
+                                  tuple(d["gguf_architectures"]), f"{__name__}.{m.name}"))
+    return tuple(entries)
+
+
+def __getattr__(name: str):
+    if name == "FAMILY_NAMES":  # what `--family` takes
+        return tuple(f.name for f in _families())
+    if name == "GGUF_ARCHITECTURES":  # the GGUF architectures (llama.cpp's names) the families read
+        return tuple(sorted(a for f in _families() for a in f.gguf_architectures))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def family_named(name: str) -> ModelFamily:
     """The family `name` (as `--family` spells it)."""
-    for entry in _FAMILIES:
+    for entry in _families():
         if entry.name == name:
-            return _load(entry)
-    raise UnknownFamilyError(f"unknown model family {name!r} (supported: {', '.join(FAMILY_NAMES)})")
+            return entry.family
+    raise UnknownFamilyError(f"unknown model family {name!r} (supported: "
+                             f"{', '.join(f.name for f in _families())})")
 
 
 def _entry_of(config: Mapping[str, Any]) -> tuple[_Entry | None, list[str], Any]:
@@ -64,32 +91,32 @@ def _entry_of(config: Mapping[str, Any]) -> tuple[_Entry | None, list[str], Any]
     architectures = config.get("architectures")
     names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
     model_type = config.get("model_type")
-    entry = next((e for e in _FAMILIES if any(a in e.architectures for a in names) or model_type in e.model_types),
+    entry = next((e for e in _families() if any(a in e.architectures for a in names) or model_type in e.model_types),
                  None)
     return entry, names, model_type
 
 
 def find_family(config: Mapping[str, Any]) -> ModelFamily | None:
     """The family of a config.json, or None when it is no family's here."""
-    entry, _, _ = _entry_of(config)
-    return _load(entry) if entry is not None else None
+    entry = _entry_of(config)[0]
+    return entry.family if entry is not None else None
 
 
 def family_for(config: Mapping[str, Any]) -> ModelFamily:
     """The family of a config.json: one whose `architectures` or `model_type` it names."""
     entry, names, model_type = _entry_of(config)
     if entry is not None:
-        return _load(entry)
+        return entry.family
     what = (f"architectures {names}" if names else f"model_type {model_type!r}" if isinstance(model_type, str)
             else "no architectures or model_type")
-    supported = "; ".join(f"{e.name} ({', '.join(e.architectures + e.model_types)})" for e in _FAMILIES)
+    supported = "; ".join(f"{e.name} ({', '.join(e.architectures + e.model_types)})" for e in _families())
     raise UnknownFamilyError(f"config.json: {what[:200]} is no model family moepack.families knows (supported: "
                              f"{supported})")
 
 
 def _family_where(matches) -> ModelFamily | None:
-    entry = next((e for e in _FAMILIES if matches(e)), None)
-    return _load(entry) if entry is not None else None
+    entry = next((e for e in _families() if matches(e)), None)
+    return entry.family if entry is not None else None
 
 
 def family_of_architecture(architecture: str) -> ModelFamily | None:
@@ -102,9 +129,6 @@ def family_of_gguf(architecture: Any) -> ModelFamily | None:
     return _family_where(lambda e: architecture in e.gguf_architectures)
 
 
-GGUF_ARCHITECTURES = tuple(sorted(a for e in _FAMILIES for a in e.gguf_architectures))
-
-
 def adapter_for(config: Mapping[str, Any]) -> Adapter:
     """The container layout (format_spec.adapter.Adapter) of a config.json's model: its family's; any other
     architecture (or a model_type that is no string) is refused in one line naming what is supported."""
@@ -112,8 +136,8 @@ def adapter_for(config: Mapping[str, Any]) -> Adapter:
     if model_type is not None and not isinstance(model_type, str):
         raise MoepackError(f"config.json: model_type must be a string, not {_SHOW.repr(model_type)}")
     family = find_family(config)
-    if family is None:
-        supported = sorted(t for e in _FAMILIES for t in e.model_types)
+    if family is None or (model_type is not None and model_type not in family.model_types):  # a contradiction
+        supported = sorted(t for e in _families() for t in e.model_types)
         raise MoepackError(f"unsupported architecture: model_type {model_type!r} (supported: "
                            f"{', '.join(supported)})")
     return family.adapter_for(config)
@@ -123,7 +147,7 @@ def container_family(container) -> RegisteredFamily:
     """The family of an open container's model; another architecture is refused in one line."""
     family = family_of_architecture(container.architecture)
     if family is None:
-        supported = ", ".join(f"{e.name} ({', '.join(e.model_types)})" for e in _FAMILIES)
+        supported = ", ".join(f"{e.name} ({', '.join(e.model_types)})" for e in _families())
         raise MoepackError(f"{container.path} holds a {container.architecture!r} model; this runtime computes "
                            f"{supported} containers here")
     return family

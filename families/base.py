@@ -446,6 +446,7 @@ class RegisteredFamily(ModelFamily, Protocol):
     # functions (embed, before_experts, after_experts, head) and gguf_model / config_from_gguf; False: the family's
     # decode and GGUF are the runtime's and the packer's own still (DeepSeek-V4's)
     generic_forward: bool
+    gguf_architectures: tuple[str, ...]  # llama.cpp's names of it (a GGUF's general.architecture)
 
     # the family's own chat encoder (a module with check_reasoning_effort, encode_message_segments, THINK_END: a
     # chat rendered in code, its markup kept apart from the message text), or None: the chat template its

@@ -55,6 +55,7 @@ class DeepseekV4Family:
     expert_naming: ExpertNaming = EXPERT_NAMING
     adapter: Adapter = DEEPSEEK_V4
     generic_forward = False
+    gguf_architectures = (GGUF_ARCHITECTURE,)  # read and written by packer/gguf_source.py / gguf_export.py still
 
     @property
     def chat_encoding(self):

@@ -13,7 +13,7 @@ from moepack.format_spec.errors import MoepackError
 from ..base import (ExpertNaming, GGUFModel, MoeShape, TensorSpec, chat_template_from_tokenizer_config,
                     role_flops_per_token)
 from .adapter import QWEN3_MOE
-from .gguf import config_from_gguf, gguf_model
+from .gguf import GGUF_ARCH, config_from_gguf, gguf_model
 from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
 from .tensors import EXPERT_NAMING, fp8_block, global_tensors, layer_tensors, release_tensors, tensor_specs
 
@@ -27,6 +27,7 @@ class Qwen3MoeFamily:
     expert_naming: ExpertNaming = EXPERT_NAMING
     adapter: Adapter = QWEN3_MOE
     generic_forward = True
+    gguf_architectures = (GGUF_ARCH,)
     chat_encoding = None  # its tokenizer_config's chat template
 
     def adapter_for(self, config: Mapping[str, Any]) -> Adapter:
