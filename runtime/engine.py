@@ -7,8 +7,8 @@ the orchestrator that walks the layers over the streaming pipeline's stages (doc
     expert backend                     ExpertRunner (expert_runner.py): decode + matmul per expert as its bytes
                                        arrive, on work-stealing threads; GroupedExperts (grouped_experts.py)
 
-The arithmetic is the model family's (families.base.LayerPrefill: `layer_prefill(container)` gives the family's
-of the container, e.g. families/deepseek_v4/model.py DeepseekV4Prefill); this module holds no family's names. For each layer
+The arithmetic is the model family's (families.base.LayerPrefill: `layer_prefill(container)` gives the family's,
+e.g. families/deepseek_v4/model.py DeepseekV4Prefill); this module holds no family's names. For each layer
 L: the dense region was prefetched while layer L-1 computed; all N tokens run through the family's attention (each
 prompt of a grouped pass on its own rows and past); the family's router picks the experts; the layer's expert
 reads (queued ahead where they did not depend on the router) are computed as they arrive, the family's work beside

@@ -42,7 +42,9 @@ class Qwen3MoeFamily:
     def tensor_specs(self, config: Qwen3MoeConfig) -> list[TensorSpec]:
         return tensor_specs(config)
 
-    def source_tensors(self, raw: Mapping[str, Any], layout: str | None = None) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+    def source_tensors(self, raw: Mapping[str, Any], layout: str | None = None
+                       ) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+        # `layout` is DeepSeek-V4's choice of release layout: a Qwen3-MoE config says its own (bf16 or -FP8)
         config, fp8 = Qwen3MoeConfig.from_hf(raw), fp8_block(raw) is not None
         return [(spec.name, release_tensors(spec, fp8)) for spec in tensor_specs(config)]
 
