@@ -14,14 +14,12 @@ from moepack.format_spec.errors import MoepackError
 from ..base import (ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EMBED, ROLE_EXPERT, ROLE_HEAD, ROLE_NORM, ROLE_ROUTER,
                     ExpertNaming, GGUFModel, MoeShape, TensorSpec, flops_summary, sum_entries)
 from . import names
+from .names import EXPERT_NAMING
 from .arch import DEEPSEEK_V4
 from .config import CSA, HCA, MODEL_TYPE, ConfigError, ModelConfig, unsupported
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 GGUF_ARCHITECTURE = "deepseek4"  # llama.cpp's
-# a routed expert's matrices by layer (model.py's LAYER_EXPERT_NAMING is this one)
-EXPERT_NAMING = ExpertNaming(prefix=lambda layer, expert: f"layers.{layer}.ffn.experts.{expert}.",
-                             gate="w1.weight", up="w3.weight", down="w2.weight")
 SHORT_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
                "heavily_compressed_attention": "hca"}
 

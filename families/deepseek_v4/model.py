@@ -57,8 +57,8 @@ from moepack.families.base import MoeShape, PrefillNames
 from moepack.families.base import Routing as FamilyRouting
 from moepack.families.base import check_finite
 from moepack.families.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
-from moepack.families.deepseek_v4.family import EXPERT_NAMING as FAMILY_EXPERT_NAMING
 from moepack.families.deepseek_v4.kv import CompressorState, LayerKVState
+from moepack.families.deepseek_v4.names import EXPERT_NAMING as FAMILY_EXPERT_NAMING
 
 
 # ---------------------------------------------------------------------------------------------------------------
