@@ -97,13 +97,11 @@ def _read_line(keyboard: _Keyboard) -> str | None:
             click.echo("(Ctrl-C again, /exit or Ctrl-D to leave)", err=True)
 
 
-def _assistant_message(text: str, thinking: bool) -> dict:
+def _assistant_message(text: str, thinking: bool, chat_encoding) -> dict:
     """The reply as the history keeps it: in thinking mode the thought (before </think>) is its reasoning, which
     the encoder drops from earlier turns."""
     if thinking:
-        from moepack.families.deepseek_v4.chat import THINK_END
-
-        reasoning, sep, answer = text.partition(THINK_END)
+        reasoning, sep, answer = text.partition(chat_encoding.THINK_END)
         return {"role": "assistant", "content": answer if sep else "", "reasoning_content": reasoning}
     return {"role": "assistant", "content": text}
 
@@ -140,11 +138,16 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
     from moepack.format_spec.errors import MoepackError
     from moepack.runtime.generate import Generator
     from moepack.serve.tokenizer import PromptTokenizer
-    from moepack.families.deepseek_v4 import chat as chat_encoding
+    from moepack.families import container_family
 
     start = [] if system is None else [{"role": "system", "content": system}]
     messages = list(start)
     with Generator(file, run.cache_gib, prefill=run.prefill_options()) as generator:
+        family = container_family(generator.c)
+        chat_encoding = family.chat_encoding  # the conversation is encoded by the family's own chat encoder
+        if chat_encoding is None:
+            raise MoepackError(f"moepack chat: a {family.name} model chats through its chat template: "
+                               "use moepack generate --chat or moepack serve")
         tokenizer = PromptTokenizer(generator.c)
         click.echo(f"moepack chat: {file} ({HELP_LINE})", err=True)
         while True:
@@ -178,4 +181,4 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
                     click.echo(f"(cut at {budget} tokens: -n or -c)", err=True)
             if result.finish_reason == "cancelled" and not result.generated_ids:
                 continue  # stopped before a word: the question goes too
-            messages = [*turn, _assistant_message(result.text, thinking)]
+            messages = [*turn, _assistant_message(result.text, thinking, chat_encoding)]

@@ -52,13 +52,13 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 
 
 def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: str | None) -> list[int]:
-    """The ids of `messages` (an OpenAI-style list) as the model's chat: a family's chat template
-    (_family_chat_ids), or DeepSeek-V4's chat encoding, whose message content stays plain text."""
-    from moepack.families import family_of_architecture
-    from moepack.families.deepseek_v4 import chat as chat_encoding
+    """The ids of `messages` (an OpenAI-style list) as the model's chat: its family's chat encoding, whose message
+    content stays plain text, or its tokenizer's chat template (_family_chat_ids)."""
+    from moepack.families import container_family
 
-    family = family_of_architecture(container.architecture)
-    if family is not None:
+    family = container_family(container)
+    chat_encoding = family.chat_encoding
+    if chat_encoding is None:
         return _family_chat_ids(container, family, messages, thinking, reasoning_effort, tokenizer)
 
     chat_encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs --thinking

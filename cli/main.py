@@ -247,21 +247,15 @@ def verify(file, source, revision, as_json):
     from moepack.format_spec.verify import verify_container
     from moepack.packer.progress import progress_bar
 
-    from moepack.families import container_problem
-    from moepack.runtime.engine import model_config
-    from moepack.families.deepseek_v4.config import unsupported
+    from moepack.families import check_container
 
     # the cheap checks first, a broken file fails before any bar shows: the structure, and what prefill checks
     # before it reads (the config's model and its tensors)
     check_container_path(file)
     with Container(file) as c:
         total = c.total_bytes
-        family, problem = container_problem(c)
-        if problem:
-            raise MoepackError(f"{c.path}: {problem}")
-        if family is None:
-            model_config(c, computable=False)
-        refused = unsupported(c.config) if family is None else None  # a family's config: checked above
+        family, _ = check_container(c, computable=False)
+        refused = family.refusal(c.config)
     with progress_bar(total, "verify", not as_json) as bar:
         result = verify_container(file, on_bytes=bar.update).as_dict()
     result["prefill"] = f"refused: {refused}" if refused else "ok"

@@ -2,16 +2,18 @@
 
 `family_for(config)` picks the family of a config.json by its `architectures` (else its `model_type`); an unknown
 one is refused in one line naming what is supported. The table below names each family's package without
-importing it, so looking a family up costs no torch import.
-
-DeepSeek-V4's package (families/deepseek_v4) is not yet in the table: a caller that finds no family treats the
-model as DeepSeek-V4's, and `adapter_for(config)` asks that package for its adapter, so it gives the container
-layout of any config the converter takes.
+importing it, so looking a family up costs no torch import. Every family here implements base.RegisteredFamily:
+what runs a container asks its family (`check_container`), not which one it is.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
+import os
+import pkgutil
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,38 +21,67 @@ from typing import Any
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.errors import MoepackError
 
-from .base import ModelFamily
+from .base import ModelFamily, RegisteredFamily
 
 
 class UnknownFamilyError(MoepackError):
     """A config.json of an architecture no family here implements."""
 
 
+_SHOW = reprlib.Repr()  # a hostile value named in an error, shortened (as the families' config readers do)
+_SHOW.maxstring = _SHOW.maxother = 40
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = 6
+
+
 @dataclass(frozen=True)
 class _Entry:
+    """A family as its package's family.json names it: looked up without importing the package (which may import
+    torch), imported when chosen."""
+
     name: str
-    architectures: tuple[str, ...]
-    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]  # config.json `architectures` it accepts
+    model_types: tuple[str, ...]  # config.json `model_type` it accepts (a container's architecture)
+    gguf_architectures: tuple[str, ...]  # llama.cpp's names of it (a GGUF's general.architecture)
     module: str  # the package whose FAMILY is the family
-    gguf_architectures: tuple[str, ...] = ()  # llama.cpp's name of it (a GGUF's general.architecture)
+
+    @property
+    def family(self) -> RegisteredFamily:
+        family = importlib.import_module(self.module).FAMILY
+        if (family.name, family.architectures, family.model_types, family.gguf_architectures) != (
+                self.name, self.architectures, self.model_types, self.gguf_architectures):
+            raise MoepackError(f"{self.module}: its FAMILY is not what its family.json says")
+        return family
 
 
-_FAMILIES = (
-    _Entry("qwen3-moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "moepack.families.qwen3_moe", ("qwen3moe",)),
-)
-FAMILY_NAMES = tuple(e.name for e in _FAMILIES)
+@functools.cache
+def _families() -> tuple[_Entry, ...]:
+    """Every family: each package in this one with a family.json, in the packages' order."""
+    entries = []
+    for m in pkgutil.iter_modules(__path__):
+        path = os.path.join(m.module_finder.path, m.name, "family.json")
+        if m.ispkg and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+            entries.append(_Entry(d["name"], tuple(d["architectures"]), tuple(d["model_types"]),
+                                  tuple(d["gguf_architectures"]), f"{__name__}.{m.name}"))
+    return tuple(entries)
 
 
-def _load(entry: _Entry) -> ModelFamily:
-    return importlib.import_module(entry.module).FAMILY
+def __getattr__(name: str):
+    if name == "FAMILY_NAMES":  # what `--family` takes
+        return tuple(f.name for f in _families())
+    if name == "GGUF_ARCHITECTURES":  # the GGUF architectures (llama.cpp's names) the families read
+        return tuple(sorted(a for f in _families() for a in f.gguf_architectures))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def family_named(name: str) -> ModelFamily:
     """The family `name` (as `--family` spells it)."""
-    for entry in _FAMILIES:
+    for entry in _families():
         if entry.name == name:
-            return _load(entry)
-    raise UnknownFamilyError(f"unknown model family {name!r} (supported: {', '.join(FAMILY_NAMES)})")
+            return entry.family
+    raise UnknownFamilyError(f"unknown model family {name!r} (supported: "
+                             f"{', '.join(f.name for f in _families())})")
 
 
 def _entry_of(config: Mapping[str, Any]) -> tuple[_Entry | None, list[str], Any]:
@@ -60,36 +91,36 @@ def _entry_of(config: Mapping[str, Any]) -> tuple[_Entry | None, list[str], Any]
     architectures = config.get("architectures")
     names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
     model_type = config.get("model_type")
-    entry = next((e for e in _FAMILIES if any(a in e.architectures for a in names) or model_type in e.model_types),
+    entry = next((e for e in _families() if any(a in e.architectures for a in names) or model_type in e.model_types),
                  None)
     return entry, names, model_type
 
 
 def find_family(config: Mapping[str, Any]) -> ModelFamily | None:
-    """The family of a config.json, or None when it is no family's here (DeepSeek-V4's, or unknown)."""
-    entry, _, _ = _entry_of(config)
-    return _load(entry) if entry is not None else None
+    """The family of a config.json, or None when it is no family's here."""
+    entry = _entry_of(config)[0]
+    return entry.family if entry is not None else None
 
 
 def family_for(config: Mapping[str, Any]) -> ModelFamily:
     """The family of a config.json: one whose `architectures` or `model_type` it names."""
     entry, names, model_type = _entry_of(config)
     if entry is not None:
-        return _load(entry)
+        return entry.family
     what = (f"architectures {names}" if names else f"model_type {model_type!r}" if isinstance(model_type, str)
             else "no architectures or model_type")
-    supported = "; ".join(f"{e.name} ({', '.join(e.architectures + e.model_types)})" for e in _FAMILIES)
+    supported = "; ".join(f"{e.name} ({', '.join(e.architectures + e.model_types)})" for e in _families())
     raise UnknownFamilyError(f"config.json: {what[:200]} is no model family moepack.families knows (supported: "
-                             f"{supported}; DeepSeek-V4 runs through moepack.families.deepseek_v4)")
+                             f"{supported})")
 
 
 def _family_where(matches) -> ModelFamily | None:
-    entry = next((e for e in _FAMILIES if matches(e)), None)
-    return _load(entry) if entry is not None else None
+    entry = next((e for e in _families() if matches(e)), None)
+    return entry.family if entry is not None else None
 
 
 def family_of_architecture(architecture: str) -> ModelFamily | None:
-    """The family whose adapter writes a container's `architecture` (its model_type), or None (DeepSeek-V4's)."""
+    """The family whose adapter writes a container's `architecture` (its model_type), or None (no family's)."""
     return _family_where(lambda e: architecture in e.model_types)
 
 
@@ -98,24 +129,35 @@ def family_of_gguf(architecture: Any) -> ModelFamily | None:
     return _family_where(lambda e: architecture in e.gguf_architectures)
 
 
-GGUF_ARCHITECTURES = tuple(a for e in _FAMILIES for a in e.gguf_architectures)
-
-
 def adapter_for(config: Mapping[str, Any]) -> Adapter:
-    """The container layout (format_spec.adapter.Adapter) of a config.json's model: its family's, or DeepSeek-V4's;
-    any other architecture is refused in one line naming what is supported."""
+    """The container layout (format_spec.adapter.Adapter) of a config.json's model: its family's; any other
+    architecture (or a model_type that is no string) is refused in one line naming what is supported."""
+    model_type = config.get("model_type") if isinstance(config, Mapping) else None
+    if model_type is not None and not isinstance(model_type, str):
+        raise MoepackError(f"config.json: model_type must be a string, not {_SHOW.repr(model_type)}")
     family = find_family(config)
-    if family is not None:
-        return family.adapter
-    from moepack.families.deepseek_v4.arch import ADAPTERS, v4_adapter  # DeepSeek-V4: not in the table yet
-
-    adapter = v4_adapter(config)
-    if adapter is None:
-        supported = [t for a in ADAPTERS.values() for t in a.model_types] + [t for e in _FAMILIES
-                                                                              for t in e.model_types]
-        raise MoepackError(f"unsupported architecture: model_type {config.get('model_type')!r} (supported: "
+    if family is None or (model_type is not None and model_type not in family.model_types):  # a contradiction
+        supported = sorted(t for e in _families() for t in e.model_types)
+        raise MoepackError(f"unsupported architecture: model_type {model_type!r} (supported: "
                            f"{', '.join(supported)})")
-    return adapter
+    return family.adapter_for(config)
+
+
+def container_family(container) -> RegisteredFamily:
+    """The family of an open container's model; another architecture is refused in one line."""
+    family = family_of_architecture(container.architecture)
+    if family is None:
+        supported = ", ".join(f"{e.name} ({', '.join(e.model_types)})" for e in _families())
+        raise MoepackError(f"{container.path} holds a {container.architecture!r} model; this runtime computes "
+                           f"{supported} containers here")
+    return family
+
+
+def check_container(container, computable: bool = True) -> tuple[RegisteredFamily, Any]:
+    """(the family of an open container's model, its parsed config), checked before anything is read (the family's
+    check_container): a one-line MoepackError naming the container otherwise."""
+    family = container_family(container)
+    return family, family.check_container(container, computable)
 
 
 def schema_problem(family: ModelFamily, config: Mapping[str, Any], experts_per_layer: Mapping[int, int],
@@ -148,13 +190,10 @@ def schema_problem(family: ModelFamily, config: Mapping[str, Any], experts_per_l
     return None
 
 
-def container_problem(container) -> tuple[ModelFamily | None, str | None]:
-    """(the family of an open container's model, or None for DeepSeek-V4's; schema_problem of what it holds)."""
+def container_schema_problem(family: ModelFamily, container) -> str | None:
+    """schema_problem of what an open container holds, for `family` (a family's check_container asks it)."""
     from moepack.format_spec.layout import SCALE_SUFFIXES
 
-    family = family_of_architecture(container.architecture)
-    if family is None:
-        return None, None
     experts = {b.number: len(b.experts) for b in container.layers}
     shapes = {n: list(t.shape) for n, t in container.tensors.items() if not n.endswith(SCALE_SUFFIXES)}
-    return family, schema_problem(family, container.config, experts, shapes)
+    return schema_problem(family, container.config, experts, shapes)

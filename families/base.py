@@ -273,7 +273,7 @@ def chat_template_from_tokenizer_config(tokenizer_config: Mapping[str, Any]) -> 
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Running a family's container: decode, generation, serving (h-famdecode)
+# Running a family's container: decode, generation, serving
 #
 # What runs a family over a container (runtime/decode.py, runtime/generate.py) needs two things ModelFamily leaves
 # open: the weights under the family's own keys (ContainerWeights: the container's tensors, decoded, by their
@@ -433,7 +433,7 @@ def not_finite(layer: int) -> MoepackError:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A family's KV directory (format_spec/KV.md; h-famkv). The directory's container part (manifest, identity, tokens,
+# A family's KV directory (format_spec/KV.md). The directory's container part (manifest, identity, tokens,
 # storage dtype, checksums, atomic writes, the reader's checks) is families/kv_directory.py's, the same for every
 # family; what one layer's file holds is the family's KVFormat. A family that writes KV directories has
 # `kv_format` (family_kv_format gives it, or None).
@@ -495,3 +495,102 @@ class KVFormat(Protocol):
 def family_kv_format(family: Any) -> KVFormat | None:
     """A family's KVFormat, or None where it writes no KV directories."""
     return getattr(family, "kv_format", None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registered families: what the commands ask a family beside ModelFamily, so that nothing outside
+# families/ tells the families apart by name. Every family in moepack.families' table implements RegisteredFamily.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class RegisteredFamily(ModelFamily, Protocol):
+    """ModelFamily plus the questions the converter, `moepack plan`, `verify` and the runtime ask a family."""
+
+    # True: decode, generation and the GGUF export / import run the family through ModelFamily's forward
+    # functions (embed, before_experts, after_experts, head) and gguf_model / config_from_gguf; False: the family's
+    # decode and GGUF are the runtime's and the packer's own still (DeepSeek-V4's)
+    generic_forward: bool
+    gguf_architectures: tuple[str, ...]  # llama.cpp's names of it (a GGUF's general.architecture)
+
+    # the family's own chat encoder (a module with check_reasoning_effort, encode_message_segments, THINK_END: a
+    # chat rendered in code, its markup kept apart from the message text), or None: the chat template its
+    # tokenizer_config carries (serve/chat_template.py renders it)
+    chat_encoding: Any
+
+    def adapter_for(self, config: Mapping[str, Any]) -> Adapter:
+        """The container layout of a checkpoint of this config.json (its release's or transformers' names)."""
+        ...
+
+    def attention_kinds(self, config: Any) -> list[str]:
+        """Per layer, its attention's kind as `moepack plan` prints it ("full", "sliding", ...)."""
+        ...
+
+    def residual_streams(self, config: Any) -> int:
+        """How many residual streams the hidden state carries (1 for a plain residual)."""
+        ...
+
+    def check_container(self, container: Any, computable: bool = True) -> Any:
+        """The parsed config of an open container's model, checked before anything is read: its config as the
+        family reads it, its layers and every tensor its config implies with its shape; a one-line MoepackError
+        naming the container otherwise (with `computable`, also a config this runtime would compute otherwise
+        than the reference)."""
+        ...
+
+    def flops_per_token(self, config: Mapping[str, Any]) -> dict:
+        """Matmul FLOPs (2 per multiply-add) one prompt token costs in the layers of a config.json's model, by
+        part (flops_summary's dict: `moepack plan`'s); the LM head (and what precedes it) apart."""
+        ...
+
+    def checkpoint_problem(self, config: Mapping[str, Any], experts_per_layer: Mapping[int, int],
+                           shapes: Mapping[str, list[int]]) -> str | None:
+        """Why a checkpoint of this config.json would make a container `verify` and `prefill` refuse, found before
+        the converter writes anything (schema_problem's arguments, its names the container's), or None."""
+        ...
+
+    def refusal(self, config: Mapping[str, Any]) -> str | None:
+        """Why a prefill would refuse a model of this config.json though its sizes are sound, or None."""
+        ...
+
+
+def flops_summary(parts: dict[str, int], head: int) -> dict:
+    """flops_per_token's dict from the FLOPs of the layers' parts and the head's."""
+    total = sum(parts.values())
+    return {"total": total, "routed": parts["routed_experts"], "head": head, "parts": parts,
+            "active_params": total // 2, "active_params_with_head": (total + head) // 2}
+
+
+ROLE_FLOP_PARTS = {ROLE_ATTENTION: "attention_projections", ROLE_ROUTER: "router", ROLE_DENSE_FFN: "dense_ffn"}
+
+
+def role_flops_per_token(family: ModelFamily, config: Mapping[str, Any]) -> dict:
+    """flops_per_token of a family's model from its tensor schema's roles: every layer's linears (a routed
+    expert's top-k times), the LM head once per position whose logits are computed."""
+    parsed = family.parse_config(config)
+    shape = family.shape(parsed)
+    parts = dict.fromkeys((*ROLE_FLOP_PARTS.values(), "routed_experts"), 0)
+    head = 2 * shape.vocab_size * shape.hidden_size  # tied to the embedding or not, it multiplies
+    for spec in family.tensor_specs(parsed):
+        if len(spec.shape) != 2 or spec.layer is None or spec.role == ROLE_EMBED:
+            continue
+        if spec.role == ROLE_EXPERT:
+            parts["routed_experts"] += 2 * spec.numel * shape.top_k if spec.expert == 0 else 0
+        else:
+            parts[ROLE_FLOP_PARTS[spec.role]] += 2 * spec.numel
+    return flops_summary(parts, head)
+
+
+def sum_entries(n: int, rate: int, cap: int | None = None) -> int:
+    """sum over t in [0, n) of min(cap, (t+1)//rate), in closed form: the complete entries of a KV compressed
+    every `rate` tokens that queries 0..n-1 see (capped at `cap` chosen ones)."""
+    # positions p = t+1 in [1, n]; floor(p / rate) = e for p in [e*rate, (e+1)*rate)
+    def plain(m: int) -> int:  # sum_{p=1..m} floor(p / rate)
+        q, r = divmod(m, rate)
+        return rate * q * (q - 1) // 2 + q * (r + 1)
+
+    if cap is None:
+        return plain(n)
+    limit = cap * rate  # from p >= limit on, floor(p/rate) >= cap
+    if n < limit:
+        return plain(n)
+    return plain(limit - 1) + cap * (n - limit + 1)

@@ -20,8 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from moepack.families import adapter_for, find_family, schema_problem
-from moepack.families.deepseek_v4.config import ConfigError, ModelConfig
+from moepack.families import adapter_for, family_for
 from moepack.format_spec import quants
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.decode import (as_uint8, decode_float, decode_tensor, first_non_finite, scale_name,
@@ -84,23 +83,13 @@ def config_problem(config, plan) -> str | None:
     """What in a checkpoint's config `verify` and `prefill` would refuse, found before anything is written: a field
     of the wrong type or out of range (named, as they name it), a layer with another expert count than the
     config's. None when they will take it. (A tensor of another shape is the container's to hold: they name it.)"""
-    family = find_family(config)
-    if family is not None:
-        experts = Counter(parse_block_name(block)[1] for kind, block, _, _ in plan if kind == "expert")
-        layers = {parse_block_name(block)[1]: experts.get(parse_block_name(block)[1], 0)
-                  for kind, block, _, _ in plan if kind == "dense"}
-        shapes = {name: source_type_and_shape(family.adapter, name, t)[1] for _, _, _, items in plan
-                  for name, t in items if not name.endswith(SCALE_SUFFIXES)}
-        return schema_problem(family, config, layers, shapes)
-    try:
-        experts = ModelConfig.from_hf(config).n_routed_experts
-    except ConfigError as e:
-        return f"config.json is not a usable DeepSeek-V4 config ({e.detail})"
-    counts = Counter(block for kind, block, _, _ in plan if kind == "expert" and block.startswith("layers."))
-    wrong = next(((block, n) for block, n in counts.items() if n != experts), None)
-    if wrong:
-        return f"{wrong[0]} holds {wrong[1]} experts, the config's n_routed_experts is {experts}"
-    return None
+    family = family_for(config)
+    blocks = [(kind, parse_block_name(block)) for kind, block, _, _ in plan if kind in ("dense", "expert")]
+    experts = Counter(number for kind, (section, number) in blocks if kind == "expert" and section == "layers")
+    layers = {number: experts.get(number, 0) for _, (section, number) in blocks if section == "layers"}
+    shapes = {name: source_type_and_shape(family.adapter, name, t)[1] for _, _, _, items in plan
+              for name, t in items if not name.endswith(SCALE_SUFFIXES)}
+    return family.checkpoint_problem(config, layers, shapes)
 
 
 def source_type_and_shape(adapter: Adapter, name: str, t: SourceTensor) -> tuple[str, list[int]]:

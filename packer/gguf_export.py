@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from moepack.families import family_of_architecture
+from moepack.families import container_family
 from moepack.families.base import ROLE_EXPERT
 from moepack.families.deepseek_v4 import names as v4names
 from moepack.families.deepseek_v4.chat import chat_template
@@ -245,8 +245,8 @@ def family_export(gguf, c: Container) -> tuple[str, list[_Job], list[tuple], str
     """(architecture, tensors, model keys, pre-tokenizer, vocab size, fallback chat template) of the container's
     model: DeepSeek-V4's (moepack.families.deepseek_v4), or a family's (moepack.families, whose chat template is its
     tokenizer's)."""
-    family = family_of_architecture(c.architecture)
-    if family is None:
+    family = container_family(c)
+    if not family.generic_forward:  # DeepSeek-V4's: written here (llama.cpp's deepseek4)
         cfg = ModelConfig.from_hf(c.config)
         return ARCH, plan_tensors(c, cfg), metadata(c.config, cfg), TOKENIZER_PRE, cfg.vocab_size, chat_template
     config = family.parse_config(c.config)

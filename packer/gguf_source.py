@@ -226,10 +226,10 @@ class GGUFSource(LocalSource):
         first = readers[0]
         self.meta = {k: _value(first, k) for k in first.fields if not k.startswith("GGUF.")}
         arch = self.meta.get("general.architecture")
-        self.family = family_of_gguf(arch) if arch != ARCH else None  # None: DeepSeek-V4 (moepack.families.deepseek_v4)
-        if arch != ARCH and self.family is None:
+        self.family = family_of_gguf(arch)
+        if self.family is None:
             raise MoepackError(f"{os.path.basename(self.files[0])}: architecture {arch!r}, moepack converts "
-                               f"{', '.join(repr(a) for a in (ARCH, *GGUF_ARCHITECTURES))} GGUFs")
+                               f"{', '.join(repr(a) for a in GGUF_ARCHITECTURES)} GGUFs")
         self._check_splits(readers)
         gguf_tensors: dict[str, tuple[str, object]] = {}
         for file, reader in zip(self.files, readers):
@@ -242,7 +242,7 @@ class GGUFSource(LocalSource):
                     raise MoepackError(f"{os.path.basename(file)}: truncated (tensor {t.name} ends at "
                                        f"{int(t.data_offset) + int(t.n_bytes)}, the file has {size} bytes)")
                 gguf_tensors[t.name] = (file, t)
-        if self.family is None:
+        if not self.family.generic_forward:  # DeepSeek-V4's (llama.cpp's deepseek4): read here
             self.tensors = self._canonical_tensors(gguf_tensors)
             self.config = self._config(gguf_tensors)
         else:
@@ -467,7 +467,7 @@ class GGUFSource(LocalSource):
         merges = self.meta.get("tokenizer.ggml.merges") or []
         pre = self.meta.get("tokenizer.ggml.pre")
         splits = PRE_TOKENIZER_SPLITS.get(pre, ())
-        if self.family is not None:  # a family names its own pre-tokenizer's regexes
+        if self.family.generic_forward:  # a family names its own pre-tokenizer's regexes
             model = self.family.gguf_model(self.family.parse_config(self.config))
             splits = model.tokenizer_splits if pre == model.tokenizer_pre else splits
         tokenizer = byte_level_bpe_json(tokens, types, merges, splits,

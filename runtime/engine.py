@@ -7,8 +7,8 @@ the orchestrator that walks the layers over the streaming pipeline's stages (doc
     expert backend                     ExpertRunner (expert_runner.py): decode + matmul per expert as its bytes
                                        arrive, on work-stealing threads; GroupedExperts (grouped_experts.py)
 
-The arithmetic is the model family's (families.base.LayerPrefill: `layer_prefill(container)` gives a family's,
-or DeepSeek-V4's, families/deepseek_v4/model.py DeepseekV4Prefill); this module holds no family's names. For each layer
+The arithmetic is the model family's (families.base.LayerPrefill: `layer_prefill(container)` gives the family's,
+e.g. families/deepseek_v4/model.py DeepseekV4Prefill); this module holds no family's names. For each layer
 L: the dense region was prefetched while layer L-1 computed; all N tokens run through the family's attention (each
 prompt of a grouped pass on its own rows and past); the family's router picks the experts; the layer's expert
 reads (queued ahead where they did not depend on the router) are computed as they arrive, the family's work beside
@@ -41,12 +41,8 @@ import torch.nn.functional as F
 
 from moepack.backends.device_copier import DeviceCopier
 from moepack.backends.grouped_experts import ExpertNaming, GroupedExperts, resolve_expert_backend
-from moepack.families import container_problem, family_of_architecture
+from moepack.families import check_container, family_of_architecture
 from moepack.families.base import LayerPrefill, family_kv_format
-from moepack.families.deepseek_v4 import model
-from moepack.families.deepseek_v4.config import ConfigError, ModelConfig, unsupported
-from moepack.families.deepseek_v4.names import stored_names
-from moepack.families.deepseek_v4.tensors import v4_tensor_specs
 from moepack.format_spec.decode import (companion_names, decode_group, decode_group_row_slices, decode_group_rows,
                                         entry_bytes)
 from moepack.format_spec.errors import FormatError, MoepackError
@@ -168,47 +164,20 @@ def estimate_working_set(family: LayerPrefill, n_tokens: int, query_chunk: int |
     return parts
 
 
-def model_config(container: Container, computable: bool = True) -> ModelConfig:
-    """The model a container holds, as this runtime will compute it, checked before anything is read: a
-    DeepSeek-V4 config (that this runtime computes as transformers does, unless `computable` is False), and every
-    tensor that model uses in the container with the shape the config gives it (else compute would fail half-way
-    or, for an optional one such as the router's bias, silently differ). `moepack verify` runs it too."""
-    c = container
-    if c.architecture != "deepseek_v4":
-        raise MoepackError(f"{c.path} holds a {c.architecture!r} model; this runtime computes "
-                           f"DeepSeek-V4 (deepseek_v4) containers here")
-    try:
-        cfg = ModelConfig.from_hf(c.config)
-    except ConfigError as e:
-        raise MoepackError(f"{c.path}: the config in the index is not a usable DeepSeek-V4 config "
-                           f"({e.detail})") from None
-    problem = unsupported(c.config)
-    if problem and computable:
-        raise MoepackError(f"{c.path}: {problem}")
-    if len(c.layers) != cfg.num_layers or any(len(b.experts) != cfg.n_routed_experts for b in c.layers):
-        raise MoepackError(f"{c.path}: the container's layers/experts do not match its config "
-                           f"({cfg.num_layers} layers of {cfg.n_routed_experts} experts)")
-    for spec in v4_tensor_specs(c.config, mtp=False):  # the MTP layers are never run
-        # a name the container may hold it under (the KV norm: `attn.norm`, or the release's `attn.kv_norm`)
-        t = next((c.tensors[n] for n in stored_names(spec.name) if n in c.tensors), None)
-        if t is None:
-            raise MoepackError(f"{c.path}: tensor {spec.name} is missing")
-        if tuple(t.shape) != tuple(spec.shape):
-            raise MoepackError(f"{c.path}: tensor {spec.name} is {list(t.shape)} but the config says "
-                               f"{list(spec.shape)}")
-    return cfg
+def model_config(container: Container, computable: bool = True):
+    """The model a container holds, as this runtime will compute it (its family's parsed config), checked before
+    anything is read: its config as its family reads it (one this runtime computes as the reference does, unless
+    `computable` is False), and every tensor that model uses in the container with the shape the config gives it
+    (else compute would fail half-way or, for an optional one such as the router's bias, silently differ). `moepack
+    verify` runs it too."""
+    return check_container(container, computable)[1]
 
 
 def layer_prefill(container: Container, compute_dtype: torch.dtype) -> LayerPrefill:
     """The arithmetic of the model a container holds (families.base.LayerPrefill), its config and tensors checked
-    before anything is read: a family's (families.container_problem: the config its family reads, every tensor
-    of its schema with its shape), else DeepSeek-V4's (model_config)."""
-    family, problem = container_problem(container)
-    if problem:
-        raise MoepackError(f"{container.path}: {problem}")
-    if family is None:
-        return model.DeepseekV4Prefill(model_config(container))
-    return family.layer_prefill(family.parse_config(container.config), compute_dtype)
+    before anything is read (its family's check_container)."""
+    family, config = check_container(container)
+    return family.layer_prefill(config, compute_dtype)
 
 
 def backend_naming(family: LayerPrefill) -> ExpertNaming:
@@ -753,16 +722,13 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
 
 
 def kv_format_for(architecture: str):
-    """The KV directory format (families.base.KVFormat) of a model `architecture` (a container's): its family's,
-    DeepSeek-V4's where no family is registered for it; a family without one is refused in one line."""
+    """The KV directory format (families.base.KVFormat) of a model `architecture` (a container's): its family's; a
+    model without one is refused in one line."""
     family = family_of_architecture(architecture)
-    if family is None:
-        from moepack.families.deepseek_v4.kv import DEEPSEEK_V4_KV
-
-        return DEEPSEEK_V4_KV
-    kv_format = family_kv_format(family)
+    kv_format = family_kv_format(family) if family is not None else None
     if kv_format is None:
-        raise MoepackError(f"a {family.name} model has no KV directory format (--kv-out, --continue-from)")
+        what = family.name if family is not None else repr(architecture)
+        raise MoepackError(f"a {what} model has no KV directory format (--kv-out, --continue-from)")
     return kv_format
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moepack.families import container_problem, family_of_architecture
+from moepack.families import check_container, family_of_architecture
 from moepack.families import kv_directory as kvd
 from moepack.families.base import generation_kv_bytes
 from moepack.families.deepseek_v4.kv import kv_bytes
@@ -28,7 +28,7 @@ from moepack.format_spec.reader import Container
 
 from .decode import Decoder
 from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
-                     cuda_free_bytes, kv_format_for, model_config, resolve_compute_dtype)
+                     cuda_free_bytes, kv_format_for, resolve_compute_dtype)
 from .expert_decode import expert_weight_count
 from .io import available_memory_bytes, memory_limit_bytes
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
@@ -94,7 +94,7 @@ def family_eos_ids(container: Container) -> set[int]:
 def container_kv_bytes(container: Container, n_tokens: int) -> int:
     """The KV of n_tokens a generation holds (float32): its family's (every layer), or DeepSeek-V4's."""
     family = family_of_architecture(container.architecture)
-    if family is None:
+    if family is None or not family.generic_forward:
         return kv_bytes(container.config, n_tokens)
     return generation_kv_bytes(family, family.parse_config(container.config), n_tokens, 4)
 
@@ -185,16 +185,10 @@ class Generator:
         self.prefill_options = prefill or PrefillOptions()
         self.c = Container(path)
         try:
-            # a family's container (Qwen3-MoE) runs through its protocol, DeepSeek-V4's through this runtime's model
-            self.family, problem = container_problem(self.c)
-            if problem is not None:
-                raise MoepackError(f"{path}: {problem}")
-            if self.family is not None:
-                self.cfg = self.family.parse_config(self.c.config)
-                self.eos_ids = family_eos_ids(self.c)
-            else:
-                self.cfg = model_config(self.c)
-                self.eos_ids = eos_ids(self.c.config)
+            # a family with generic_forward decodes through its protocol, the others through this runtime's own path
+            family, self.cfg = check_container(self.c)
+            self.family = family if family.generic_forward else None  # None: the runtime's own decode path
+            self.eos_ids = family_eos_ids(self.c) if self.family is not None else eos_ids(self.c.config)
             p = self.prefill_options
             self.device = compute_device(p.device)
             self.default_budget = default_cache_bytes(self.c, self.device) if cache_gib is None else None

@@ -290,6 +290,13 @@ def test_a_chat_template_that_fails_is_one_line():
     assert bos.render(MESSAGES) == "<s>You are terse."
 
 
+def test_moepack_chat_refuses_a_family_that_chats_through_its_template(synthesized):
+    _, path = synthesized
+    r = CliRunner().invoke(cli, ["chat", path], input="hi\n/exit\n")
+    assert r.exit_code != 0
+    assert "moepack chat: a qwen3-moe model chats through its chat template: use moepack generate --chat" in r.output
+
+
 def test_generate_chat_refuses_deepseeks_reasoning_effort_for_a_family(synthesized):
     _, path = synthesized
     r = CliRunner().invoke(cli, ["generate", path, "--chat", "hi", "--thinking", "--reasoning-effort", "high"])

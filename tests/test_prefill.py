@@ -18,6 +18,7 @@ from v4_models import (CONFIGS, build, indexer_boundary_ties, random_case, run_r
                        saved_model, wide_indexer_models)
 
 from moepack.cli.main import cli  # noqa: E402
+from moepack.families.deepseek_v4 import model as v4_model  # noqa: E402
 from moepack.format_spec.errors import FormatError, MoepackError  # noqa: E402
 from moepack.format_spec.reader import Container  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
@@ -619,7 +620,7 @@ def test_expert_reads_are_queued_layers_ahead_in_layer_order(models, monkeypatch
     _, container = models["A"]
     attentions_started = []
     submitted = []  # (layer, attention sublayers started so far)
-    real_attention = engine.model.attention_sublayer
+    real_attention = v4_model.attention_sublayer
     real_submit = read_scheduler.ReadScheduler._submit_experts
 
     def attention(cfg, layer, *args, **kwargs):
@@ -629,7 +630,7 @@ def test_expert_reads_are_queued_layers_ahead_in_layer_order(models, monkeypatch
     def submit(self, block, layer, expert_ids):
         submitted.append((layer, len(attentions_started)))
         return real_submit(self, block, layer, expert_ids)
-    monkeypatch.setattr(engine.model, "attention_sublayer", attention)
+    monkeypatch.setattr(v4_model, "attention_sublayer", attention)
     monkeypatch.setattr(read_scheduler.ReadScheduler, "_submit_experts", submit)
     n = 300  # long enough for "auto" to read whole sections of the learned layers
     result = prefill(container, _prompt(n, 97, seed=21), PrefillOptions(expert_selection=selection))
@@ -962,7 +963,7 @@ def test_reads_run_ahead_of_the_compute(models, monkeypatch):
     while its later reads are still on their way (slowed to 20 ms each, one in flight)."""
     _, container = models["A"]
     events = []
-    real_attention = engine.model.attention_sublayer
+    real_attention = v4_model.attention_sublayer
     real_dense, real_task = read_scheduler.ReadScheduler.submit_dense, expert_runner.ExpertRunner._expert
 
     def attention(cfg, layer, *args, **kwargs):
@@ -977,7 +978,7 @@ def test_reads_run_ahead_of_the_compute(models, monkeypatch):
         events.append(("expert", time.perf_counter()))
         return real_task(self, block, *args)
     _slow_reads(monkeypatch, 0.02, events)
-    monkeypatch.setattr(engine.model, "attention_sublayer", attention)
+    monkeypatch.setattr(v4_model, "attention_sublayer", attention)
     monkeypatch.setattr(read_scheduler.ReadScheduler, "submit_dense", submit_dense)
     monkeypatch.setattr(expert_runner.ExpertRunner, "_expert", task)
     prefill(container, _prompt(200, 97, seed=2), PrefillOptions(io_mode="direct", queue_depth=1, bundle_experts=1,
@@ -997,7 +998,7 @@ def test_each_layers_kv_leaves_the_engine_when_the_layer_ends(models):
 
     _, container = models["A"]
     events, refs = [], []
-    real_attention = engine.model.attention_sublayer
+    real_attention = v4_model.attention_sublayer
 
     def attention(cfg, layer, *args, **kwargs):
         events.append(("attention", layer, sum(r() is not None for r in refs)))
@@ -1006,11 +1007,11 @@ def test_each_layers_kv_leaves_the_engine_when_the_layer_ends(models):
     def on_kv(layer, state):
         events.append(("kv", layer))
         refs.append(weakref.ref(state.window_kv))
-    engine.model.attention_sublayer = attention
+    v4_model.attention_sublayer = attention
     try:
         prefill(container, _prompt(60, 97, seed=3), PrefillOptions(), on_layer_kv=on_kv)
     finally:
-        engine.model.attention_sublayer = real_attention
+        v4_model.attention_sublayer = real_attention
     for layer in range(1, 5):
         assert events.index(("kv", layer - 1)) < [e[:2] for e in events].index(("attention", layer))
     assert all(alive == 0 for kind, *rest in events if kind == "attention" for _, alive in [rest])

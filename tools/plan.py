@@ -30,9 +30,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from moepack.families import adapter_for, family_of_architecture, find_family
-from moepack.families.base import ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EMBED, ROLE_EXPERT, ROLE_ROUTER
-from moepack.families.deepseek_v4.config import CSA, HCA, ModelConfig, quant_method
+from moepack.families import adapter_for, container_family, find_family
+from moepack.families.base import sum_entries  # noqa: F401  (plan's closed form, as tests and notes call it)
 from moepack.format_spec import untrusted
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, storage_type, tensor_nbytes
 from moepack.format_spec.errors import MoepackError, error_reason
@@ -51,8 +50,6 @@ STREAM_MODES = ("all", "experts")
 # experts: the note's tables: non-routed weights resident on the device, only the routed experts streamed
 ACTIVATION_BYTES = 2  # the note's F16 boundary activations (hc_mult x hidden per token)
 KV_BYTES = {n: storage_type(n).block_bytes for n in ("F32", "BF16", "F8_E4M3")}  # kv.KV_DTYPES (kv imports torch)
-SHORT_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
-               "heavily_compressed_attention": "hca"}
 
 
 MAX_PLAN_CONTEXT = 1 << 30  # a thousand times DeepSeek-V4's context: past it the plan's figures are meaningless
@@ -216,34 +213,32 @@ class _Facts:
     expert_intermediate: int
 
 
-def _facts(config: dict, family=None) -> _Facts:
-    if family is None:
-        cfg = ModelConfig.from_hf(config)
-        return _Facts([SHORT_TYPES.get(t, t) for t in cfg.layer_types],
-                      ["hash" if h else "topk" for h in cfg.hash_layers], cfg.hidden_size, cfg.hc_mult,
-                      cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.moe_intermediate_size)
-    shape = family.shape(family.parse_config(config))
-    return _Facts(["full"] * shape.num_layers,
-                  ["topk" if layer in shape.moe_layers else "dense" for layer in range(shape.num_layers)],
-                  shape.hidden_size, 1, shape.top_k, shape.num_experts, shape.expert_intermediate)
+def _family_of(config: dict):
+    """The family of a config.json (one no family takes is refused as `convert` refuses it)."""
+    adapter_for(config)
+    return find_family(config)
 
 
-def _source_layout(config: dict) -> str:
-    return "release" if quant_method(config) == "fp8" else "bf16"
+def _facts(config: dict, family) -> _Facts:
+    parsed = family.parse_config(config)
+    shape = family.shape(parsed)
+    return _Facts(family.attention_kinds(parsed),
+                  ["hash" if layer in shape.hash_layers else "topk" if layer in shape.moe_layers else "dense"
+                   for layer in range(shape.num_layers)],
+                  shape.hidden_size, family.residual_streams(parsed), shape.top_k, shape.num_experts,
+                  shape.expert_intermediate)
 
 
-def _stored_types(adapter, spec, layout: str) -> list[tuple[str, str, list[int]]]:
-    """(canonical name, storage type, logical shape) of what the source checkpoint holds for one tensor spec."""
-    # (torch, through the source formats: not for plan's import)
-    from moepack.families.deepseek_v4.tensors import stored_tensors
-
+def _stored_types(adapter, stored: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[str, str, list[int]]]:
+    """(container name, storage type, logical shape) of what the source checkpoint holds for one tensor: packed FP4
+    (I8 [out, in/2]) is FP4_E2M1 [out, in]."""
     out = []
-    for st in stored_tensors(spec, layout):
-        shape = list(st.shape)
-        if st.dtype == "I8" and adapter.packed_fp4.search(st.name):
-            out.append((st.name, "FP4_E2M1", [*shape[:-1], shape[-1] * 2]))
+    for name, dtype, shape in stored:
+        name, shape = adapter.canonical(name), list(shape)
+        if dtype == "I8" and adapter.packed_fp4.search(name):
+            out.append((name, "FP4_E2M1", [*shape[:-1], shape[-1] * 2]))
         else:
-            out.append((st.name, FROM_SAFETENSORS[st.dtype], shape))
+            out.append((name, FROM_SAFETENSORS[dtype], shape))
     return out
 
 
@@ -282,25 +277,17 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
     reading a weight. `layout` is the source's: 'release' (FP8 dense + FP4 experts, as DeepSeek ships; the default
     when the config has the release's quantization_config) or 'bf16'. `expert_bpw` replaces the routed experts'
     size by params x bpw / 8 (a what-if: the note's q2 tables assume 2.3 bits per weight)."""
-    from moepack.families.deepseek_v4.tensors import v4_tensor_specs
-
     if policy not in POLICY_NAMES:
         raise MoepackError(f"unknown policy {policy!r} (choose from {', '.join(POLICY_NAMES)})")
     if expert_bpw is not None and not 0 < expert_bpw <= 64:
         raise MoepackError(f"--expert-bpw must be in (0, 64], got {expert_bpw}")
     adapter = adapter_for(config)
     family = find_family(config)
-    if family is None:
-        layout = layout or _source_layout(config)
-        specs = {spec.name: spec for spec in v4_tensor_specs(config)}
+    # the release's own layout (or `layout`), as the family says; its names made the container's by the adapter
+    specs = dict(family.source_tensors(config, layout))
 
-        def stored(name: str) -> list:
-            return _stored_types(adapter, specs[name], layout)
-    else:  # the release's own layout, as the family says (its names made the container's by the adapter)
-        specs = dict(family.source_tensors(config))
-
-        def stored(name: str) -> list:
-            return [(adapter.canonical(n), FROM_SAFETENSORS[d], list(shape)) for n, d, shape in specs[name]]
+    def stored(name: str) -> list:
+        return _stored_types(adapter, specs[name])
     facts = _facts(config, family)
     # Group what each region holds. Experts of one block are identical in shape: size expert 0 and multiply.
     regions: dict[tuple, list] = {}
@@ -355,7 +342,7 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
 
 def sizes_from_container(container) -> ModelSizes:
     """Exact sizes from an open container's index (format_spec.reader.Container)."""
-    facts = _facts(container.config, family_of_architecture(container.architecture))
+    facts = _facts(container.config, container_family(container))
     layers = []
     for b in container.layers:
         lengths = [r.length for r in b.experts]
@@ -380,24 +367,6 @@ def sizes_from_container(container) -> ModelSizes:
 # FLOPs
 # ---------------------------------------------------------------------------------------------------------------
 
-FLOP_PARTS = ("attention_projections", "compressors", "indexer", "router", "mhc", "shared_experts",
-              "routed_experts")
-
-
-def _flop_part(rest: str) -> str:
-    if rest.startswith("hc_"):
-        return "mhc"
-    if rest.startswith("ffn.shared_experts."):
-        return "shared_experts"
-    if rest.startswith("ffn.gate"):
-        return "router"
-    if rest.startswith("attn.indexer."):
-        return "indexer"
-    if rest.startswith("attn.compressor."):
-        return "compressors"
-    return "attention_projections"
-
-
 _FLOPS_MEMO: dict[str, dict] = {}
 
 
@@ -419,58 +388,7 @@ def flops_per_token(config: dict) -> dict:
 
 
 def _flops_per_token(config: dict) -> dict:
-    from moepack.families.deepseek_v4.tensors import v4_tensor_specs
-
-    family = find_family(config)
-    if family is not None:
-        return _family_flops_per_token(family, config)
-    adapter = adapter_for(config)
-    cfg = ModelConfig.from_hf(config)
-    top_k = cfg.num_experts_per_tok
-    parts = {p: 0 for p in FLOP_PARTS}
-    specs = v4_tensor_specs(config)
-    # a head tied to the embedding is not stored but still multiplies
-    head = 2 * cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0
-    for spec in specs:
-        if len(spec.shape) != 2 or spec.kind not in ("linear", "hc_fn"):
-            continue
-        kind, block, expert = adapter.place(spec.name)
-        n = math.prod(spec.shape)
-        if kind == "global":
-            head += 2 * n  # head.weight, hc_head_fn
-            continue
-        if not block.startswith("layers."):
-            continue
-        if kind == "expert":
-            if expert == 0:
-                parts["routed_experts"] += 2 * n * top_k
-            continue
-        parts[_flop_part(spec.name.split(".", 2)[2])] += 2 * n
-    total = sum(parts.values())
-    return {"total": total, "routed": parts["routed_experts"], "head": head, "parts": parts,
-            "active_params": total // 2, "active_params_with_head": (total + head) // 2}
-
-
-FAMILY_FLOP_PARTS = {ROLE_ATTENTION: "attention_projections", ROLE_ROUTER: "router", ROLE_DENSE_FFN: "dense_ffn"}
-
-
-def _family_flops_per_token(family, config: dict) -> dict:
-    """_flops_per_token of a family's model, from its tensor schema's roles: every layer's linears (a routed
-    expert's top-k times), the LM head once per position whose logits are computed."""
-    parsed = family.parse_config(config)
-    shape = family.shape(parsed)
-    parts = dict.fromkeys((*FAMILY_FLOP_PARTS.values(), "routed_experts"), 0)
-    head = 2 * shape.vocab_size * shape.hidden_size  # tied to the embedding or not, it multiplies
-    for spec in family.tensor_specs(parsed):
-        if len(spec.shape) != 2 or spec.layer is None or spec.role == ROLE_EMBED:
-            continue
-        if spec.role == ROLE_EXPERT:
-            parts["routed_experts"] += 2 * spec.numel * shape.top_k if spec.expert == 0 else 0
-        else:
-            parts[FAMILY_FLOP_PARTS[spec.role]] += 2 * spec.numel
-    total = sum(parts.values())
-    return {"total": total, "routed": parts["routed_experts"], "head": head, "parts": parts,
-            "active_params": total // 2, "active_params_with_head": (total + head) // 2}
+    return _family_of(config).flops_per_token(config)
 
 
 def attention_flops_per_token(config: dict, n_tokens: int) -> dict:
@@ -480,44 +398,8 @@ def attention_flops_per_token(config: dict, n_tokens: int) -> dict:
     window    sliding window keys (every layer) and CSA's top-k selected entries: bounded, not growing with N
     growing   HCA's dense attention over N/rate compressed entries and the indexer scoring N/rate entries per
               query: the O(N^2) part of a prefill (per token, it grows linearly with N)"""
-    family = find_family(config)
-    if family is not None:
-        return family.attention_flops(family.parse_config(config), max(int(n_tokens), 1))
-    cfg = ModelConfig.from_hf(config)
-    n = max(int(n_tokens), 1)
-    per_key = 4 * cfg.num_heads * cfg.head_dim
-    window = growing = 0.0
-    # keys visible to the query at position t (0-based), averaged over t in [0, n)
-    w = cfg.sliding_window
-    avg_window = (min(n, w) * (min(n, w) + 1) / 2 + max(n - w, 0) * w) / n
-    for kind, rate in zip(cfg.layer_types, cfg.compress_rates):
-        window += per_key * avg_window
-        if kind == HCA:
-            growing += per_key * _avg_entries(n, rate)
-        elif kind == CSA:
-            window += per_key * _avg_entries(n, rate, cap=cfg.index_topk)
-            growing += 2 * cfg.index_n_heads * cfg.index_head_dim * _avg_entries(n, rate)
-    return {"window": window, "growing": growing, "total": window + growing}
-
-
-def _avg_entries(n: int, rate: int, cap: int | None = None) -> float:
-    """Average over queries t in [0, n) of the complete compressed entries (t+1)//rate, optionally capped."""
-    return sum_entries(n, rate, cap) / n if rate > 0 else 0.0
-
-
-def sum_entries(n: int, rate: int, cap: int | None = None) -> int:
-    """sum over t in [0, n) of min(cap, (t+1)//rate), in closed form."""
-    # positions p = t+1 in [1, n]; floor(p / rate) = e for p in [e*rate, (e+1)*rate)
-    def plain(m: int) -> int:  # sum_{p=1..m} floor(p / rate)
-        q, r = divmod(m, rate)
-        return rate * q * (q - 1) // 2 + q * (r + 1)
-
-    if cap is None:
-        return plain(n)
-    limit = cap * rate  # from p >= limit on, floor(p/rate) >= cap
-    if n < limit:
-        return plain(n)
-    return plain(limit - 1) + cap * (n - limit + 1)
+    family = _family_of(config)
+    return family.attention_flops(family.parse_config(config), max(int(n_tokens), 1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -585,21 +467,8 @@ def one_layer_kv_bytes(config: dict, n_tokens: int, dtype: str = "F32") -> int:
     indexer's keys), as format_spec/KV.md stores them."""
     if dtype not in KV_BYTES:
         raise MoepackError(f"unknown KV dtype {dtype!r} (choose from {', '.join(KV_BYTES)})")
-    family = find_family(config)
-    if family is not None:
-        return family.kv_bytes(family.parse_config(config), n_tokens, KV_BYTES[dtype])
-    cfg = ModelConfig.from_hf(config)
-    idx_dim = cfg.index_head_dim
-    b = KV_BYTES[dtype]
-    best = 0
-    for kind, rate in zip(cfg.layer_types, cfg.compress_rates):
-        size = min(n_tokens, cfg.sliding_window - 1) * cfg.head_dim * b
-        if kind in (CSA, HCA):
-            size += (n_tokens // rate) * cfg.head_dim * b
-        if kind == CSA:
-            size += (n_tokens // rate) * idx_dim * b
-        best = max(best, size)
-    return best
+    family = _family_of(config)
+    return family.kv_bytes(family.parse_config(config), n_tokens, KV_BYTES[dtype])
 
 
 def make_plan(sizes: ModelSizes, config: dict, *, ssd_gbps: Measured, tflops: Measured | None = None,

@@ -3,3 +3,7 @@ their names in the release, in transformers and in GGUF (names), how the convert
 prefill leaves (kv), its chat encoding and tool calls (chat, tools), the forward (model) and its compiled one-token path
 (token_layer). Layering: cli -> serve / tools -> runtime -> families -> backends -> format_spec -> native; nothing here
 imports runtime, packer, serve, tools or cli, nor another family."""
+
+from .family import FAMILY, DeepseekV4Family
+
+__all__ = ["FAMILY", "DeepseekV4Family"]

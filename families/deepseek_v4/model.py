@@ -53,12 +53,12 @@ from torch import Tensor
 
 from moepack.backends import mhc_native, token_kernels
 from moepack.backends.grouped_experts import ExpertNaming
-from moepack.families.base import ExpertNaming as FamilyExpertNaming
 from moepack.families.base import MoeShape, PrefillNames
 from moepack.families.base import Routing as FamilyRouting
 from moepack.families.base import check_finite
 from moepack.families.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
 from moepack.families.deepseek_v4.kv import CompressorState, LayerKVState
+from moepack.families.deepseek_v4.names import EXPERT_NAMING as FAMILY_EXPERT_NAMING
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -830,7 +830,8 @@ def expert_forward(cfg: ModelConfig, x: Tensor, w1: Tensor, w3: Tensor, w2: Tens
 
 # where a routed expert's matrices are (the backends know no model's names): gate w1 and up w3 [I, H], down w2 [H, I]
 EXPERT_NAMING = ExpertNaming(prefix=lambda block, expert: f"{block.name}.ffn.experts.{expert}.",
-                             gate="w1.weight", up="w3.weight", down="w2.weight")
+                             gate=FAMILY_EXPERT_NAMING.gate, up=FAMILY_EXPERT_NAMING.up,
+                             down=FAMILY_EXPERT_NAMING.down)
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
@@ -932,8 +933,7 @@ def forward_resident(cfg: ModelConfig, weights: Mapping[str, Tensor], token_ids:
 
 
 # a routed expert's matrices by layer (families.base.ExpertNaming; EXPERT_NAMING is the same by block)
-LAYER_EXPERT_NAMING = FamilyExpertNaming(prefix=lambda layer, expert: f"layers.{layer}.ffn.experts.{expert}.",
-                                         gate=EXPERT_NAMING.gate, up=EXPERT_NAMING.up, down=EXPERT_NAMING.down)
+LAYER_EXPERT_NAMING = FAMILY_EXPERT_NAMING
 
 
 class DeepseekV4Prefill:

@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..base import ExpertNaming
+
 
 @dataclass(frozen=True)
 class TensorName:
@@ -202,3 +204,9 @@ def stored_names(name: str) -> tuple[str, ...]:
     (a container keeps a source's names: the release's `attn.kv_norm`, transformers' `attn.norm`)."""
     release = _convert(name, "name", "release")
     return (name,) if release is None or release == name else (name, release)
+
+
+# a routed expert's matrices by layer, gate w1 and up w3 [I, H], down w2 [H, I] (model.py's LAYER_EXPERT_NAMING; its
+# EXPERT_NAMING is the same by block)
+EXPERT_NAMING = ExpertNaming(prefix=lambda layer, expert: f"layers.{layer}.ffn.experts.{expert}.",
+                             gate="w1.weight", up="w3.weight", down="w2.weight")

@@ -8,10 +8,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from moepack.format_spec.adapter import Adapter
+from moepack.format_spec.errors import MoepackError
 
-from ..base import ExpertNaming, GGUFModel, MoeShape, TensorSpec, chat_template_from_tokenizer_config
+from ..base import (ExpertNaming, GGUFModel, MoeShape, TensorSpec, chat_template_from_tokenizer_config,
+                    role_flops_per_token)
 from .adapter import QWEN3_MOE
-from .gguf import config_from_gguf, gguf_model
+from .gguf import GGUF_ARCH, config_from_gguf, gguf_model
 from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
 from .tensors import EXPERT_NAMING, fp8_block, global_tensors, layer_tensors, release_tensors, tensor_specs
 
@@ -24,6 +26,12 @@ class Qwen3MoeFamily:
     model_types = (MODEL_TYPE,)
     expert_naming: ExpertNaming = EXPERT_NAMING
     adapter: Adapter = QWEN3_MOE
+    generic_forward = True
+    gguf_architectures = (GGUF_ARCH,)
+    chat_encoding = None  # its tokenizer_config's chat template
+
+    def adapter_for(self, config: Mapping[str, Any]) -> Adapter:
+        return self.adapter
 
     def parse_config(self, raw: Mapping[str, Any]) -> Qwen3MoeConfig:
         return Qwen3MoeConfig.from_hf(raw)
@@ -34,9 +42,20 @@ class Qwen3MoeFamily:
     def tensor_specs(self, config: Qwen3MoeConfig) -> list[TensorSpec]:
         return tensor_specs(config)
 
-    def source_tensors(self, raw: Mapping[str, Any]) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+    def source_tensors(self, raw: Mapping[str, Any], layout: str | None = None
+                       ) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+        # `layout` is DeepSeek-V4's choice of release layout: a Qwen3-MoE config says its own (bf16 or -FP8)
         config, fp8 = Qwen3MoeConfig.from_hf(raw), fp8_block(raw) is not None
         return [(spec.name, release_tensors(spec, fp8)) for spec in tensor_specs(config)]
+
+    def attention_kinds(self, config: Qwen3MoeConfig) -> list[str]:
+        return ["full"] * config.num_layers
+
+    def residual_streams(self, config: Qwen3MoeConfig) -> int:
+        return 1
+
+    def flops_per_token(self, config: Mapping[str, Any]) -> dict:
+        return role_flops_per_token(self, config)
 
     def attention_flops(self, config: Qwen3MoeConfig, n_tokens: int) -> dict[str, float]:
         # full causal attention: query t sees t + 1 keys, (N + 1) / 2 on average, in every layer
@@ -92,6 +111,22 @@ class Qwen3MoeFamily:
 
     def global_weights(self, config, named):
         return global_tensors(config, named)
+
+    def check_container(self, container, computable: bool = True) -> Qwen3MoeConfig:
+        from moepack.families import container_schema_problem
+
+        problem = container_schema_problem(self, container)
+        if problem:
+            raise MoepackError(f"{container.path}: {problem}")
+        return self.parse_config(container.config)
+
+    def checkpoint_problem(self, config, experts_per_layer, shapes) -> str | None:
+        from moepack.families import schema_problem
+
+        return schema_problem(self, config, experts_per_layer, shapes)
+
+    def refusal(self, config: Mapping[str, Any]) -> str | None:
+        return None  # parse_config refuses what this runtime would compute otherwise
 
     def layer_prefill(self, config: Qwen3MoeConfig, compute_dtype):
         from .prefill import Qwen3MoePrefill
