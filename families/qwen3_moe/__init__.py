@@ -98,5 +98,11 @@ class Qwen3MoeFamily:
 
         return Qwen3MoePrefill(config, compute_dtype)
 
+    def layer_decode(self, config: Qwen3MoeConfig, compute_dtype):
+        """The token-major decode's arithmetic (families.base.LayerDecode)."""
+        from .decode import Qwen3MoeDecode
+
+        return Qwen3MoeDecode(config, compute_dtype)
+
 
 FAMILY = Qwen3MoeFamily()
