@@ -165,16 +165,17 @@ def test_decoder_refuses_states_after_different_tokens(model):
 
 
 def test_the_family_decode_names_no_expert_matrix():
-    """An expert's matrices come from the family's expert_naming: the family code added to decode holds no
-    DeepSeek-V4 expert names."""
+    """An expert's matrices come from the family's expert_naming: decode (one path for every family since
+    LayerDecode) and its device pool hold no DeepSeek-V4 expert names."""
     import inspect
 
-    from moepack.runtime import decode
+    from moepack.runtime import decode, device_decode
 
-    for fn in (Decoder._family_step, Decoder._family_experts, Decoder._load_family, Decoder._decoded_region):
-        source = inspect.getsource(fn)
+    for module in (decode, device_decode):
+        source = inspect.getsource(module)
         assert not any(f'"{m}' in source or f"'{m}" in source or f".{m}." in source for m in ("w1", "w2", "w3"))
-    assert "expert_naming" in inspect.getsource(decode.Decoder._family_experts)
+    assert "expert_naming" in inspect.getsource(decode.Decoder._kernel_layout)
+    assert "naming.names(" in inspect.getsource(device_decode.container_pool)
 
 
 # ------------------------------------------------------------------------------------------ the Generator glue
