@@ -8,18 +8,17 @@ layer (LayerDecode.hash_table) knows its experts from the token id, so their rea
 attention; a learned layer's once its router ran. A miss is one aligned read of that expert's region through the
 prefill's reader (O_DIRECT where the container does not fit in memory), the reads of a layer issued together.
 
-Where the family offers a compiled one-token path (LayerDecode.token_layers, a families.base.TokenPath:
-DeepSeek-V4's TokenLayers) and a CPU's kernels take its weights, every layer runs as a few compiled calls over fixed
-buffers: the chosen experts in one call of the compiled token kernel (backends/token_kernels.py), which reads each
-matrix from its stored bytes (F32, BF16, F16, FP4 E2M1, MXFP4, Q8_0) and splits the rows over every thread, while
-the few torch ops of a token run on one thread (waking OpenMP's others for each op cost more than the op).
-Elsewhere (a GPU, another stored kind, a family without one) the family's functions run each layer (attend,
-route_attended, finish; the head) and each expert is computed as its bytes arrive by the prefill's expert runner
-(the family's expert_ffn and expert_naming). Each sequence keeps one token state per layer
-(LayerDecode.token_state: the KV grown one token at a time, or continued in place); `states` gives them back as a
-prefill hands them on. Several sequences step together (`step_batch`): every resident weight read once per step
-and the union of the rows' experts fetched once, each run once on the rows that chose it; on the compiled path
-each row's logits are those of its sequence stepped alone, to the bit.
+Where the family offers a compiled one-token path (LayerDecode.token_layers, a families.base.TokenPath) and a CPU's
+kernels take its weights, every layer runs as a few compiled calls over fixed buffers: the chosen experts in one
+call of the compiled token kernel (backends/token_kernels.py), which reads each matrix from its stored bytes (F32,
+BF16, F16, FP4 E2M1, MXFP4, Q8_0) and splits the rows over every thread, while the few torch ops of a token run on
+one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another stored kind, a
+family without one) the family's functions run each layer (attend, route_attended, finish; the head) and each expert
+is computed as its bytes arrive by the prefill's expert runner (the family's expert_ffn and expert_naming). Each
+sequence keeps one token state per layer (LayerDecode.token_state: the KV grown one token at a time, or continued in
+place); `states` gives them back as a prefill hands them on. Several sequences step together (`step_batch`): every
+resident weight read once per step and the union of the rows' experts fetched once, each run once on the rows that
+chose it; on the compiled path each row's logits are those of its sequence stepped alone, to the bit.
 
 The cache holds experts as stored (their container bytes) on a CPU, decoded to the expert dtype on a GPU (a hit
 is then three matmuls, not a chain of decoding kernels), least recently used evicted first; once full, a miss

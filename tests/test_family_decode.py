@@ -391,3 +391,28 @@ def test_moepack_serve_chat_completion_through_the_openai_client(synthesized, ma
     finally:
         running.stop()
         g.close()
+
+
+def test_decode_names_no_family_and_both_families_give_its_protocol():
+    """runtime/decode.py and device_decode.py name no family (but the default for a container no registered family
+    claims) and none of DeepSeek-V4's tensors; each family's LayerDecode has every method of the protocol."""
+    import inspect
+
+    from moepack.families.base import LayerDecode
+    from moepack.families.deepseek_v4.decode import DeepseekV4Decode
+    from moepack.families.qwen3_moe.decode import Qwen3MoeDecode
+    from moepack.runtime import decode, device_decode
+
+    default = inspect.getsource(decode.default_layer_decode)
+    for module in (decode, device_decode):
+        source = inspect.getsource(module).replace(default, "")
+        assert "deepseek" not in source.lower() and "qwen" not in source.lower(), module.__name__
+        for name in ("tid2eid", "hc_", "wq_b", "cfg.head_weight", "hash_layers", "swiglu",
+                     "embed.weight", "HEAD_GLOBALS", "TokenLayers", "model."):
+            assert name not in source, (module.__name__, name)
+    methods = [n for n, v in vars(LayerDecode).items() if callable(v) and not n.startswith("_")]
+    assert {"attend", "route_attended", "finish", "head", "token_state", "token_layers"} <= set(methods)
+    optional = {"token_head", "token_head_rows"}  # called only on the path token_layers gives
+    assert all(callable(getattr(DeepseekV4Decode, n, None)) for n in methods)
+    assert all(callable(getattr(Qwen3MoeDecode, n, None)) for n in set(methods) - optional)
+    assert Qwen3MoeDecode.token_layers(None, []) is None  # no compiled path: the torch one
