@@ -594,3 +594,137 @@ def sum_entries(n: int, rate: int, cap: int | None = None) -> int:
     if n < limit:
         return plain(n)
     return plain(limit - 1) + cap * (n - limit + 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The token-major decode's protocol (runtime/decode.py Decoder; issue 39). A family's
+# `layer_decode(config, compute_dtype)` gives one LayerDecode, the decode's analogue of LayerPrefill (and a
+# superset of it: its names, layer prefix, dtypes, embedding, hash tables, expert FFN and activation are the
+# prefill's). The Decoder reads, caches and streams; the LayerDecode computes B rows of one step, one per sequence,
+# each row over its own sequence's per-layer token state:
+#
+#     hidden = hidden_from_embeddings(embedding rows)
+#     per layer:  attended = attend(layer, w, hidden, the rows' token states, graphs)
+#                 hidden, routing = route_attended(layer, w, attended, token_ids)
+#                 routed = the routed experts of `routing` (the expert runner, the pool, the token kernel)
+#                 hidden = finish(layer, w, hidden, routing, routed, None, None)
+#     logits = head(globals, hidden)
+#
+# A family may offer a compiled one-token path besides (token_layers / token_head / token_head_rows, DeepSeek-V4's
+# families/deepseek_v4/token_layer.py); the Decoder uses it where it is offered and its kernels take the weights.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class TokenPath(Protocol):
+    """A family's compiled one-token path over fixed buffers (one row, or B rows in batched calls): the Decoder
+    drives it layer by layer, the routed experts given as the token kernel's matrices (`flag`: its rounding)."""
+
+    output: Tensor  # the last layer's output (one token)
+    rows_output: Tensor  # the last layer's output (B rows)
+
+    def begin(self, embedding: Tensor) -> None: ...
+
+    def attention(self, layer: int, state: Any) -> None: ...
+
+    def route(self, layer: int, hash_ids: list[int] | None) -> dict[int, float]:
+        """The token's routed experts: expert id -> routing weight, ascending id."""
+        ...
+
+    def finish(self, layer: int, experts: list | None, flag: int) -> None: ...
+
+    def begin_rows(self, embeddings: Tensor) -> None: ...
+
+    def attention_rows(self, layer: int, states: list) -> None: ...
+
+    def route_rows(self, layer: int, hash_ids: list[list[int]] | None) -> list[dict[int, float]]: ...
+
+    def finish_rows(self, layer: int, experts: dict, choices: list[dict[int, float]], flag: int) -> None: ...
+
+
+@runtime_checkable
+class LayerDecode(Protocol):
+    """One decode's arithmetic for the Decoder (runtime/decode.py), over a family's config and compute dtype.
+    What the Decoder holds: each layer's dense weights `w` (decode_dense: keyed by name after layer_prefix, in the
+    compute dtype where in_compute_dtype says so), the head's weights by their stored names (names.head_globals
+    and names.head, in global_dtype), the embedding's stored bytes (rows decoded per step), and per sequence one
+    token state per layer (token_state)."""
+
+    config: Any
+    shape: MoeShape
+    names: PrefillNames  # the embedding, the head's matrix and its other weights
+    expert_naming: ExpertNaming  # a routed expert's matrices by their container names (by layer)
+    # the expert runner's expert (x, gate, up, down) -> rows; None: the runner's compiled kernels (DeepSeek-V4's)
+    expert_ffn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None
+    # the clamp of the SwiGLU the compiled token kernel computes (backends/token_kernels.moe); None: that kernel
+    # does not compute this family's experts
+    token_kernel_limit: float | None
+
+    def layer_prefix(self, layer: int) -> str: ...
+
+    def in_compute_dtype(self, name: str, ndim: int) -> bool: ...
+
+    def global_dtype(self, name: str, stored_dtype: str, compiled: bool) -> Any:
+        """The torch dtype the head's weight `name` (stored as `stored_dtype`) is decoded to; `compiled`: the
+        compiled token path runs the head."""
+        ...
+
+    def hidden_from_embeddings(self, rows: Tensor) -> Tensor:
+        """The first layer's input from the step's embedding rows [B, H] float32 (on the compute device)."""
+        ...
+
+    def hash_table(self, layer: int, w: Mapping[str, Tensor]) -> Tensor | None:
+        """A hash layer's token id -> experts table [vocab, top_k] (its reads start before its attention); None
+        for a layer its router routes."""
+        ...
+
+    def token_state(self, layer: int, state: Any, w: Mapping[str, Tensor], device: Any) -> Any:
+        """A sequence's state of layer `layer` for decoding, from the prefill's (continued from here on)."""
+        ...
+
+    def seen_tokens(self, state: Any) -> int:
+        """The tokens a layer's state (a prefill's or a token state) covers."""
+        ...
+
+    def layer_state(self, token_state: Any) -> Any:
+        """The layer's state as a prefill hands it on (what a KV file stores), after the tokens so far."""
+        ...
+
+    def attend(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, states: Sequence[Any], graphs: Any
+               ) -> tuple[Tensor, ...]:
+        """The layer's attention of B rows, row b over states[b] (grown by its token): tensors for route_attended.
+        `graphs.run(key, fn, *tensors)` runs a fixed-shape piece (as a CUDA graph where it can)."""
+        ...
+
+    def route_attended(self, layer: int, w: Mapping[str, Tensor], attended: tuple[Tensor, ...], token_ids: Tensor
+                       ) -> tuple[Tensor, Routing]:
+        """(the rows' hidden state after the attention, the routing: `x` the experts' input; experts None in a
+        layer without routed experts). Fixed-shape: a pooled layer runs it inside a CUDA graph."""
+        ...
+
+    def finish(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing, routed: Tensor | None,
+               beside: Any = None, into: Tensor | None = None, checked: bool = True) -> Tensor:
+        """The layer's output rows from the routed experts' combined output [B, H] float32 (None in a layer
+        without routed experts); `checked`: a row not finite stops the step, named (else the caller checks)."""
+        ...
+
+    def head(self, w_globals: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
+        """Logits [B, vocab] of every row."""
+        ...
+
+    def expert_activation(self, gate: Tensor, up: Tensor) -> Tensor:
+        """Between a routed expert's two GEMMs (the device pool): act(gate x) * (up x)."""
+        ...
+
+    # --- optional: a compiled one-token path (None / never called where the family has none) ---------------------
+    def token_layers(self, dense: Sequence[Mapping[str, Tensor]]) -> TokenPath | None:
+        """The compiled path over these dense weights, or None where its kernels do not take them."""
+        ...
+
+    def token_head(self, w_globals: Mapping[str, Tensor], output: Tensor) -> Tensor:
+        """Logits [vocab] of TokenPath.output."""
+        ...
+
+    def token_head_rows(self, w_globals: Mapping[str, Tensor], rows_output: Tensor, kernels: Any) -> Tensor:
+        """Logits [B, vocab] float32 of TokenPath.rows_output (`kernels`: backends.token_kernels' library)."""
+        ...

@@ -1,25 +1,24 @@
 """Token-major decode over a container, after a layer-major prefill: the rest of `moepack generate`.
 
-Decode streams experts badly (one token amortises each read), so the routed experts come through an ExpertCache
-with a byte budget; everything else (attention, norms, router, shared expert, mHC, embedding, head) is read once
-and stays resident, decoded, on the compute device. Per token and layer: a hash-routed layer knows its experts
-from the token id, so their reads are issued before the layer's attention; a learned layer's once its router
-ran. A miss is one aligned read of that expert's region through the prefill's reader (O_DIRECT where the
-container does not fit in memory), the reads of a layer issued together. On a CPU every layer then runs as a few
-compiled calls over fixed buffers (families/deepseek_v4/token_layer.py's TokenLayers): the chosen experts and the shared
-one in one call of the compiled token kernel (backends/token_kernels.py), which reads each matrix from its stored bytes
-(F32, BF16, F16, FP4 E2M1, MXFP4, Q8_0) and splits the rows over every thread, while the few torch ops of a token
-run on one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another stored
-kind) model.py's functions run each layer and each expert is computed as its bytes arrive by the prefill's expert
-runner. The attention grows each layer's KV one token at a time (a model.TokenKV); `states` gives them as
-LayerKVStates. Several sequences step together (`step_batch`): on a CPU as rows of TokenLayers' batched calls,
-every resident weight read once per step and the union of the rows' experts fetched once, each run once on the
-rows that chose it; each row's logits are those of its sequence stepped alone, to the bit.
+The arithmetic is the model family's (families.base.LayerDecode, from the family's `layer_decode`); this module
+holds no family's names. Decode streams experts badly (one token amortises each read), so the routed experts come
+through an ExpertCache with a byte budget; everything else (attention, norms, router, the family's dense FFN parts,
+embedding, head) is read once and stays resident, decoded, on the compute device. Per token and layer: a hash-routed
+layer (LayerDecode.hash_table) knows its experts from the token id, so their reads are issued before the layer's
+attention; a learned layer's once its router ran. A miss is one aligned read of that expert's region through the
+prefill's reader (O_DIRECT where the container does not fit in memory), the reads of a layer issued together.
 
-A model family's container (moepack.families: Qwen3-MoE) decodes through the family's protocol in torch
-(`Decoder(..., family=)`, _family_step): its resident weights under its own keys, its KV state continued in place,
-the routed experts through the same cache and reader (their stored bytes kept, decoded when used, named by the
-family's expert_naming and run by its expert_ffn).
+Where the family offers a compiled one-token path (LayerDecode.token_layers, a families.base.TokenPath) and a CPU's
+kernels take its weights, every layer runs as a few compiled calls over fixed buffers: the chosen experts in one
+call of the compiled token kernel (backends/token_kernels.py), which reads each matrix from its stored bytes (F32,
+BF16, F16, FP4 E2M1, MXFP4, Q8_0) and splits the rows over every thread, while the few torch ops of a token run on
+one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another stored kind, a
+family without one) the family's functions run each layer (attend, route_attended, finish; the head) and each expert
+is computed as its bytes arrive by the prefill's expert runner (the family's expert_ffn and expert_naming). Each
+sequence keeps one token state per layer (LayerDecode.token_state: the KV grown one token at a time, or continued in
+place); `states` gives them back as a prefill hands them on. Several sequences step together (`step_batch`): every
+resident weight read once per step and the union of the rows' experts fetched once, each run once on the rows that
+chose it; on the compiled path each row's logits are those of its sequence stepped alone, to the bit.
 
 The cache holds experts as stored (their container bytes) on a CPU, decoded to the expert dtype on a GPU (a hit
 is then three matmuls, not a chain of decoding kernels), least recently used evicted first; once full, a miss
@@ -46,17 +45,14 @@ import torch
 
 from moepack.backends import token_kernels
 from moepack.backends.device_copier import DeviceCopier
-from moepack.families.base import family_kv_state, not_finite
-from moepack.families.deepseek_v4 import model
-from moepack.families.deepseek_v4.kv import LayerKVState
-from moepack.families.deepseek_v4.model import HEAD_GLOBALS
-from moepack.families.deepseek_v4.token_layer import TokenLayers
-from moepack.format_spec.decode import decode_group, decode_group_rows, entry_bytes
+from moepack.families.base import LayerDecode, not_finite
+from moepack.format_spec.decode import decode_group, decode_group_rows, entry_bytes, scale_name
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
 from .device_decode import StepGraphs, container_pool
-from .expert_decode import EXPERT_MATRICES, ExpertWeights, expert_weight_count
+from .engine import backend_naming
+from .expert_decode import ExpertWeights, expert_weight_count
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
 from .io import ReadPipeline, RegionReader, release_freed_memory
 from .read_scheduler import RegionChecker, global_regions
@@ -206,40 +202,30 @@ def token_choice(routing) -> dict[int, float]:
     return token_kernels.merged_choice(routing.experts[0].tolist(), routing.weights[0].tolist())
 
 
-def _attention_entry(cfg, w, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The attention's mHC entry and norm on every row (attention_token_sublayer's first part)."""
-    return model.hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
-                             w["attn_norm.weight"])
-
-
 class DecodeSequence:
-    """One sequence's own part of a decode: its layers' KV grown one token at a time (a model.TokenKV each). The
-    resident weights and the expert cache are the Decoder's, shared by every sequence (Decoder.start makes one,
-    Decoder.step_batch steps several together)."""
+    """One sequence's own part of a decode: its layers' token states (the family's LayerDecode.token_state: the KV
+    grown one token at a time, or continued in place). The resident weights and the expert cache are the Decoder's,
+    shared by every sequence (Decoder.start makes one, Decoder.step_batch steps several together)."""
 
-    def __init__(self, kv: list[model.TokenKV]):
-        self.kv = kv
-
-    @property
-    def seen_tokens(self) -> int:
-        return self.kv[0].seen_tokens
-
-    @property
-    def states(self) -> list[LayerKVState]:
-        """Each layer's KV state after the tokens so far."""
-        return [kv.state() for kv in self.kv]
-
-
-class FamilySequence(DecodeSequence):
-    """A family's sequence: `kv` is the family's KV state (families/base.py: `layers`, one state per layer)."""
+    def __init__(self, kv: list, arithmetic: LayerDecode):
+        self.kv, self._arithmetic = kv, arithmetic
 
     @property
     def seen_tokens(self) -> int:
-        return self.kv.layers[0].seen_tokens
+        return self._arithmetic.seen_tokens(self.kv[0])
 
     @property
     def states(self) -> list:
-        return list(self.kv.layers)
+        """Each layer's KV state after the tokens so far, as a prefill hands it on."""
+        return [self._arithmetic.layer_state(kv) for kv in self.kv]
+
+
+def default_layer_decode(cfg, compute_dtype: torch.dtype) -> LayerDecode:
+    """The arithmetic of a container no registered family claims: DeepSeek-V4's (until it is registered as a
+    family, families/__init__.py, whose layer_decode the Generator then passes)."""
+    from moepack.families.deepseek_v4.decode import layer_decode
+
+    return layer_decode(cfg, compute_dtype)
 
 
 @dataclass
@@ -258,7 +244,7 @@ class DecodeStats:
 
 class Decoder:
     """Decodes tokens over one container: the resident weights and the expert cache are loaded once and serve every
-    sequence. `begin(states)` starts the current sequence after `states` (one LayerKVState per layer, all after the
+    sequence. `begin(states)` starts the current sequence after `states` (the family's KV state of each layer, all after the
     same tokens); `step(token_id)` feeds it one token and returns the next position's logits ([vocab] float32, on
     the host). Several sequences: `start(states)` gives each its DecodeSequence, and `step_batch(sequences,
     token_ids)` feeds each its token in one step ([B, vocab] logits)."""
@@ -273,10 +259,16 @@ class Decoder:
         with decoded experts) keeps the decoded experts in device_decode.ExpertPool's slots, a layer's routed work
         one grouped GEMM over them with no host round trip where the layer's experts are all there.
 
-        `family` (a moepack.families ModelFamily, `cfg` its parsed config): the container is that family's, decoded
-        through its protocol in torch (_family_step), the cache keeping the experts' stored bytes."""
+        `family` (a moepack.families ModelFamily, `cfg` its parsed config): the container is that family's, its
+        arithmetic the family's `layer_decode` (families.base.LayerDecode); None: default_layer_decode's."""
         self.c, self.cfg, self.device, self.family = container, cfg, device, family
-        self.decoded = family is None and (device.type != "cpu" if decoded_experts is None else decoded_experts)
+        self.arithmetic: LayerDecode = family.layer_decode(cfg, compute_dtype) if family is not None \
+            else default_layer_decode(cfg, compute_dtype)
+        # a family whose own expert_ffn runs its experts keeps their stored bytes, decoded per use, and runs its
+        # torch functions on every thread; the runner's compiled experts (expert_ffn None) may keep them decoded
+        self.torch_experts = self.arithmetic.expert_ffn is not None
+        self.decoded = not self.torch_experts and (device.type != "cpu" if decoded_experts is None
+                                                   else decoded_experts)
         self.compute_dtype = compute_dtype
         self.current: DecodeSequence | None = None  # the sequence begin() started, which step() feeds
         self.stats = DecodeStats()
@@ -299,29 +291,28 @@ class Decoder:
         self._tables: dict[str, torch.Tensor] = {}
         self._step_uses: list[tuple[int, torch.Tensor]] = []  # complete layers' choices, counted after the step
         self._step_finite: list[torch.Tensor] = []  # each pooled layer's output finite (checked after the step)
-        if family is not None:
-            self._load_family()
-        else:
-            self._load_v4(expert_dtype, expert_pool)
+        self._load(expert_dtype, expert_pool)
 
-    def _load_v4(self, expert_dtype: torch.dtype, expert_pool: bool | None) -> None:
-        """DeepSeek-V4's resident weights, its expert runner, and (where they apply) its compiled layers and the
+    def _load(self, expert_dtype: torch.dtype, expert_pool: bool | None) -> None:
+        """The resident weights, the expert runner, and (where they apply) the family's compiled layers and the
         device's expert pool."""
-        cfg, device, container = self.cfg, self.device, self.c
-        self.experts = ExpertRunner(cfg, device, expert_dtype, self.checker, self.copier, self.pipe.release,
-                                    self.compute)
+        arithmetic, device, container = self.arithmetic, self.device, self.c
+        names = arithmetic.names
+        self.experts = ExpertRunner(self.cfg, device, expert_dtype, self.checker, self.copier, self.pipe.release,
+                                    self.compute, naming=backend_naming(arithmetic),
+                                    expert_ffn=arithmetic.expert_ffn)
         start = time.perf_counter()
-        self.dense = [decode_dense(b, self._read_region(b.dense).to(device), self.compute_dtype)
-                      for b in self.blocks]
-        self.embed_entries, self.embed_read = self._read_globals(["embed.weight"], on_device=False)
-        # a token's routed experts in one compiled call (CPU), read from their stored bytes
-        self.kernels = token_kernels.token_kernels() if device.type == "cpu" and not self.decoded else None
-        entries, read = self._read_globals([*HEAD_GLOBALS, cfg.head_weight], on_device=True)
-        # the LM head (the largest matrix a token reads: 1 GB for V4-Flash in bf16) kept bf16 where it is stored so
-        # and the token matmul widens it exactly in its loop (model.widened_matmul): the float32 products of a
-        # float32 copy, from half the bytes
-        self.head_weights = decode_group(entries, read, dtype_of=lambda t: torch.bfloat16 if (
-            self.kernels is not None and t.name == cfg.head_weight and t.dtype == "BF16") else torch.float32)
+        self.dense = [decode_dense(b, self._read_region(b.dense).to(device), self.compute_dtype,
+                                   arithmetic.layer_prefix(layer), arithmetic.in_compute_dtype)
+                      for layer, b in enumerate(self.blocks)]
+        self.embed_entries, self.embed_read = self._read_globals([names.embedding], on_device=False)
+        # a token's routed experts in one compiled call (CPU), read from their stored bytes, where that kernel
+        # computes the family's experts
+        self.kernels = token_kernels.token_kernels() if device.type == "cpu" and not self.decoded \
+            and arithmetic.token_kernel_limit is not None else None
+        entries, read = self._read_globals([*names.head_globals, names.head], on_device=True)
+        self.head_weights = decode_group(entries, read, dtype_of=lambda t: arithmetic.global_dtype(
+            t.name, t.dtype, self.kernels is not None))
         self.stats.resident_s = time.perf_counter() - start
         # what the resident weights hold of the host's memory (a kept integer tensor may be a view of its region's
         # bytes: storages counted once); on a GPU they live on the device
@@ -330,61 +321,32 @@ class Decoder:
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                         for weights in [*self.dense, self.head_weights] for t in weights.values()}
             self.host_resident_bytes = sum(storages.values()) + sum(
-                r.length for r in global_regions(container, ["embed.weight"]))
+                r.length for r in global_regions(container, [names.embedding]))
         self._routed_flag = token_kernels.ROUND_INPUT if self.experts.expert_dtype == torch.bfloat16 else 0
-        # every layer in compiled calls over fixed buffers where the kernels take its weights and every expert
-        self.layers = TokenLayers.make(cfg, self.dense) if self.kernels is not None and all(
+        # every layer in compiled calls over fixed buffers where the family offers them, and the kernels take its
+        # weights and every expert
+        self.layers = arithmetic.token_layers(self.dense) if self.kernels is not None and all(
             self._kernel_layout(layer, e) for layer, block in enumerate(self.blocks)
             for e in range(len(block.experts))) else None
         if expert_pool and not self.decoded:
             raise ValueError("the expert pool keeps decoded experts (decoded_experts=True)")
         wants_pool = self.decoded and (device.type == "cuda" if expert_pool is None else expert_pool)
         # (None where the experts do not stack, or torch's grouped GEMM does not take them: the cache as before)
-        self.pool = container_pool(self.cache, self.blocks, cfg, self.experts.expert_dtype, device) \
-            if wants_pool else None
+        self.pool = container_pool(self.cache, self.blocks, arithmetic.expert_naming, arithmetic.expert_activation,
+                                   self.experts.expert_dtype, device) if wants_pool else None
         self.cache.store = self.pool
 
-    def _load_family(self) -> None:
-        """A family's resident weights (every region but the routed experts', decoded to the compute dtype on the
-        device) under the family's own keys (families.base.ContainerWeights); no expert runner, compiled layers or
-        pool: the family's functions run in torch."""
-        family, cfg = self.family, self.cfg
-        self.experts = self.kernels = self.layers = self.pool = None
-        start = time.perf_counter()
-        self.dense = [family.layer_weights(cfg, layer, self._decoded_region(b.dense))
-                      for layer, b in enumerate(self.blocks)]
-        named = {}
-        for region in self.c.global_regions:
-            named.update(self._decoded_region(region))
-        self.globals = family.global_weights(cfg, named)
-        self.stats.resident_s = time.perf_counter() - start
-        self.host_resident_bytes = 0
-        if self.device.type == "cpu":
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for weights in [*self.dense, self.globals] for t in weights.values()}
-            self.host_resident_bytes = sum(storages.values())
-
-    def _decoded_region(self, region, raw: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """A region's tensors (read and checked, unless its bytes `raw` are given) decoded to the compute dtype on
-        the device, by their stored names (scales folded in)."""
-        raw = (self._read_region(region) if raw is None else raw).to(self.device)
-        return decode_group(region.tensors, entry_bytes(raw, region.offset), self.compute_dtype)
-
     def start(self, states) -> DecodeSequence:
-        """A sequence after `states` (one per layer, all after the same tokens), for step_batch. A family's: its KV
-        state or that state's list of layers (families.base.family_kv_state), continued in place."""
-        if self.family is not None:
-            kv = family_kv_state(self.family, self.cfg, states)
-            if len(kv.layers) != len(self.blocks) or len({s.seen_tokens for s in kv.layers}) != 1:
-                raise MoepackError("decode needs one KV state per layer, all after the same tokens")
-            return FamilySequence(kv)
-        if len(states) != self.cfg.num_layers or len({s.seen_tokens for s in states}) != 1:
+        """A sequence after `states` (one per layer, all after the same tokens, or a KV state holding them as
+        `layers`), for step_batch."""
+        states = list(states.layers if hasattr(states, "layers") else states)
+        arithmetic = self.arithmetic
+        if len(states) != len(self.blocks) or len({arithmetic.seen_tokens(s) for s in states}) != 1:
             raise MoepackError("decode needs one KV state per layer, all after the same tokens")
-        return DecodeSequence([model.TokenKV(self.cfg, layer, s.to(self.device),
-                                             self.dense[layer]["attn.wq_b.weight"].dtype)
-                               for layer, s in enumerate(states)])
+        return DecodeSequence([arithmetic.token_state(layer, s, self.dense[layer], self.device)
+                               for layer, s in enumerate(states)], arithmetic)
 
-    def begin(self, states: list[LayerKVState]) -> None:
+    def begin(self, states: list) -> None:
         """Start the current sequence after `states`; the stats count from here."""
         self.current = self.start(states)
         kept = sum(self._entry_bytes(layer, e) for layer, e in self._from_prefill)
@@ -395,7 +357,7 @@ class Decoder:
         return self.cache.hits, self.cache.misses, self.cache.admitted, self.cache.evicted
 
     @property
-    def states(self) -> list[LayerKVState]:
+    def states(self) -> list:
         """Each layer's KV state of the current sequence after the tokens so far."""
         return self.current.states
 
@@ -549,17 +511,17 @@ class Decoder:
             block = self.blocks[layer]
             region = block.experts[e]
             by_name = {t.name: t for t in region.tensors}
-            prefix = f"{block.name}.ffn.experts.{e}."
+            names = self.arithmetic.expert_naming.names(layer, e)
 
             def span(t):
                 return slice(t.file_offset - region.offset, t.file_offset - region.offset + t.length)
             layout = []
-            for m in EXPERT_MATRICES:
-                w = by_name.get(f"{prefix}{m}.weight")
+            for m in ("gate", "up", "down"):  # the token kernel's order
+                w = by_name.get(names[m])
                 if w is None or w.dtype not in token_kernels.KINDS or len(w.shape) != 2:
                     layout = None
                     break
-                scale = by_name.get(f"{prefix}{m}.scale")
+                scale = by_name.get(scale_name(w.name))
                 if w.dtype == "FP4_E2M1" and (scale is None or scale.dtype != "F8_E8M0"):
                     layout = None
                     break
@@ -612,7 +574,7 @@ class Decoder:
             raise ValueError(f"{len(token_ids)} tokens for {len(sequences)} sequences")
         if len({id(s) for s in sequences}) != len(sequences):
             raise ValueError("a sequence appears twice in one step")
-        if self.device.type != "cpu" or self.family is not None:  # (a family's torch ops use every thread)
+        if self.device.type != "cpu" or self.torch_experts:  # (a family's torch ops use every thread)
             return self._steps(sequences, token_ids)
         # one token's torch ops are small: on one thread, without waking OpenMP's others for each; the compiled
         # token kernels keep every thread
@@ -626,9 +588,7 @@ class Decoder:
 
     def _steps(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         start = time.perf_counter()
-        if self.family is not None:
-            logits = self._family_step(sequences, token_ids)
-        elif self.layers is None:  # model.py's functions, every row of the step at once
+        if self.layers is None:  # the family's functions, every row of the step at once
             logits = self._general_step(sequences, token_ids)
         elif len(sequences) > 1:
             logits = self._compiled_rows(sequences, token_ids)
@@ -639,71 +599,27 @@ class Decoder:
         self.stats.seconds += time.perf_counter() - start
         return logits
 
-    # --- a family's token, through its protocol ----------------------------------------------------------------
-    def _family_step(self, sequences: list[FamilySequence], token_ids: list[int]) -> torch.Tensor:
-        """Every row of one step by the family's functions: the embedding, the FFN's end and the head on all rows at
-        once, the attention and router row by row over each sequence's own KV, each routed expert once on the rows
-        that chose it. The logits [B, vocab] float32 on the host."""
-        family, cfg = self.family, self.cfg
-        with self.compute:
-            hidden = family.embed(cfg, self.globals, torch.tensor(token_ids, device=self.device))
-        for layer, w in enumerate(self.dense):
-            with self.compute:
-                rows = [family.before_experts(cfg, layer, w, hidden[b:b + 1], seq.kv)
-                        for b, seq in enumerate(sequences)]
-                residual, ffn_input = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
-            routed = None
-            if rows[0][2] is not None:
-                routed = self._family_experts(layer, torch.cat([r[2].experts for r in rows]),
-                                              torch.cat([r[2].weights for r in rows]), ffn_input)
-            with self.compute:
-                hidden = family.after_experts(cfg, layer, w, residual, ffn_input, routed)
-        with self.compute:
-            logits = family.head(cfg, self.globals, hidden).float().cpu()
-        if not bool(torch.isfinite(logits).all()):
-            raise MoepackError("decode: the logits are not finite (the container's weights or the compute dtype "
-                               "overflow)")
-        return logits
-
-    def _family_experts(self, layer: int, experts: torch.Tensor, weights: torch.Tensor, x: torch.Tensor
-                        ) -> torch.Tensor:
-        """The rows' routed experts ([B, k] ids and weights) on x [B, H], combined: each chosen expert fetched
-        once (a hit from the cache, the misses read together) and run by the family's expert_ffn on every row that
-        chose it, in ascending expert id."""
-        got = self._fetch(layer, experts.flatten().tolist())
-        out = torch.zeros_like(x)
-        held: list = []
-        try:
-            for e in got:
-                region = self.blocks[layer].experts[e]
-                raw = self._expert_bytes(layer, e, got, held)
-                with self.compute:
-                    named = self._decoded_region(region, raw)
-                    expert = {m: named[n] for m, n in self.family.expert_naming.names(layer, e).items()}
-                    rows, slot = torch.nonzero(experts == e, as_tuple=True)
-                    out.index_add_(0, rows, self.family.expert_ffn(self.cfg, expert, x[rows])
-                                   * weights[rows, slot, None])
-                self._give_back(held)
-        finally:
-            self._give_back(held)
-        return out
+    # --- the family's compiled one-token path (families.base.TokenPath) -------------------------------------------
+    def _embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows of `ids` [B] (float32, on the host): only those rows decoded."""
+        return decode_group_rows(self.embed_entries, self.embed_read, self.arithmetic.names.embedding, ids)
 
     def _step(self, seq: DecodeSequence, token_id: int) -> torch.Tensor:
-        """One sequence's token by TokenLayers' one-token calls (a CPU)."""
-        rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", torch.tensor([token_id]))
-        streams = self._compiled_layers(seq, token_id, rows)
+        """One sequence's token by the compiled path's one-token calls (a CPU)."""
+        streams = self._compiled_layers(seq, token_id, self._embedding_rows(torch.tensor([token_id])))
         with self.compute:
-            return model.head(self.cfg, streams, self.head_weights, -1).float().cpu()
+            return self.arithmetic.token_head(self.head_weights, streams).float().cpu()
 
     def _hash_fetch(self, layer: int, w, token_id: int) -> tuple[dict | None, list[int] | None]:
         """A hash layer's experts (the token id is the routing): read before its attention runs."""
-        if not self.cfg.hash_layers[layer]:
+        table = self.arithmetic.hash_table(layer, w)
+        if table is None:
             return None, None
-        hash_ids = w["ffn.gate.tid2eid"][token_id].tolist()
+        hash_ids = table[token_id].tolist()
         return self._fetch(layer, hash_ids), hash_ids
 
     def _compiled_layers(self, seq: DecodeSequence, token_id: int, embedding: torch.Tensor) -> torch.Tensor:
-        """Every layer by TokenLayers' compiled calls (a CPU): the streams after the last."""
+        """Every layer by the compiled path's calls (a CPU): its output after the last."""
         layers = self.layers
         layers.begin(embedding)
         for layer, w in enumerate(self.dense):
@@ -730,14 +646,15 @@ class Decoder:
             self._give_back(held)
 
     def _compiled_rows(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
-        """Each sequence's token as one row of TokenLayers' batched calls (a CPU): every dense weight read once for
-        all rows, the union of the rows' experts fetched once and each run once on the rows that chose it. The
-        logits [B, vocab], each row that of its sequence stepped alone (the same arithmetic per row)."""
-        layers, cfg = self.layers, self.cfg
+        """Each sequence's token as one row of the compiled path's batched calls (a CPU): every dense weight read
+        once for all rows, the union of the rows' experts fetched once and each run once on the rows that chose it.
+        The logits [B, vocab], each row that of its sequence stepped alone (the same arithmetic per row)."""
+        layers = self.layers
         ids = torch.tensor(token_ids)
-        layers.begin_rows(decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", ids))
+        layers.begin_rows(self._embedding_rows(ids))
         for layer, w in enumerate(self.dense):
-            hash_ids = w["ffn.gate.tid2eid"][ids].tolist() if cfg.hash_layers[layer] else None
+            table = self.arithmetic.hash_table(layer, w)
+            hash_ids = table[ids].tolist() if table is not None else None
             got = self._fetch(layer, [e for row in hash_ids for e in row]) if hash_ids is not None else None
             with self.compute:
                 layers.attention_rows(layer, [seq.kv[layer] for seq in sequences])
@@ -746,63 +663,52 @@ class Decoder:
             self._run_kernel_experts(layer, chosen, got, lambda experts: layers.finish_rows(
                 layer, dict(zip(chosen, experts)), choices, self._routed_flag))
         with self.compute:
-            return self._head_rows(layers.rows_output)
-
-    def _head_rows(self, streams: torch.Tensor) -> torch.Tensor:
-        """model.head of each row's streams [B, hc, H] -> [B, vocab] float32: the LM head (the largest matrix)
-        read once for every row, each row's products and sums those of its head alone (the token matmul's)."""
-        weight = self.head_weights[self.cfg.head_weight]
-        x = torch.cat([model.head_input(self.cfg, streams[row:row + 1], self.head_weights, -1)
-                       for row in range(streams.shape[0])])
-        if x.dtype != torch.float32 or model._token_kernels(1, x, weight) is None:  # as model.head would
-            return torch.stack([model.head(self.cfg, streams[row:row + 1], self.head_weights, -1).float().cpu()
-                                for row in range(streams.shape[0])])
-        return self.kernels.linear(x, token_kernels.float_matrix(weight), False)
+            return self.arithmetic.token_head_rows(self.head_weights, layers.rows_output, self.kernels)
 
     def _general_step(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
-        """One step of every row by model.py's functions (_layers): the logits [B, vocab] on the host."""
+        """One step of every row by the family's functions (_layers): the logits [B, vocab] on the host."""
         self._step_uses, self._step_finite = [], []  # (a step that failed left its own)
-        rows = decode_group_rows(self.embed_entries, self.embed_read, "embed.weight", torch.tensor(token_ids))
+        rows = self._embedding_rows(torch.tensor(token_ids))
         streams = self._layers(sequences, torch.tensor(token_ids, device=self.device), rows.to(self.device))
         with self.compute:
-            logits = model.head(self.cfg, streams, self.head_weights, slice(None)).float().cpu()
+            logits = self.arithmetic.head(self.head_weights, streams).float().cpu()
         self._settle_pooled()
         return logits
 
     def _layers(self, sequences: list[DecodeSequence], ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
-        """Every layer by model.py's functions (a GPU, the native code off, weights the kernels do not take) for
-        the rows of one step (`ids` [B] their tokens, on the device): the streams after the last. The embedding,
-        mHC, router, shared expert and head run on all rows at once, the attention row by row over each
-        sequence's own KV; the routed experts once each on every row that chose them. With the pool, a layer's
-        fixed-shape work (the attention's mHC entry; its exit and the whole FFN where every expert is pooled)
-        runs as a CUDA graph per (layer, B) where CUDA is (StepGraphs), asking the host nothing."""
-        cfg, pool, rows = self.cfg, self.pool, len(sequences)
+        """Every layer by the family's functions (LayerDecode: a GPU, the native code off, weights the kernels do
+        not take, a family without a compiled path) for the rows of one step (`ids` [B] their tokens, on the
+        device): the hidden rows after the last. The family's attention runs each row over its sequence's own
+        state; the routed experts once each on every row that chose them. With the pool, a layer's fixed-shape
+        work (the family's pieces its `graphs` runs; the whole FFN where every expert is pooled) runs as a CUDA
+        graph per (layer, B) where CUDA is (StepGraphs), asking the host nothing."""
+        arithmetic, pool, rows = self.arithmetic, self.pool, len(sequences)
         graphs = pool.graphs if pool is not None else StepGraphs(False)
-        streams = model.residual_streams(cfg, embedding)
+        hidden = arithmetic.hidden_from_embeddings(embedding)
         for layer, w in enumerate(self.dense):
-            got = None
-            if cfg.hash_layers[layer] and pool is None:  # the token ids are the routing: read before attention
-                got = self._fetch(layer, w["ffn.gate.tid2eid"][ids].flatten().tolist())
-            with self.compute:  # attention_token_sublayer, its mHC on every row at once, the attention row by row
-                x, post, comb = graphs.run(("attention entry", layer, rows),
-                                           functools.partial(_attention_entry, cfg, w), streams)
-                attended = torch.cat([model.attention_token(cfg, layer, w, x[b:b + 1], seq.kv[layer])
-                                      for b, seq in enumerate(sequences)])
+            got, table = None, arithmetic.hash_table(layer, w)
+            if table is not None and pool is None:  # the token ids are the routing: read before attention
+                got = self._fetch(layer, table[ids].flatten().tolist())
+            with self.compute:
+                attended = arithmetic.attend(layer, w, hidden, [seq.kv[layer] for seq in sequences], graphs)
             if pool is not None and pool.complete(layer):
                 with self.compute:
-                    streams, experts, finite = graphs.run(("ffn", layer, rows), functools.partial(
-                        self._pooled_ffn, layer, w), streams, attended, post, comb, ids)
+                    hidden, experts, finite = graphs.run(("ffn", layer, rows), functools.partial(
+                        self._pooled_ffn, layer, w), ids, *attended)
                 pool.calls += 1
                 self._step_uses.append((layer, experts))  # counted after the step (_settle_pooled)
                 self._step_finite.append(finite)
                 continue
             with self.compute:
-                streams = model.hc_post(streams, attended, post, comb)
-                routing = model.moe_route(cfg, layer, w, streams, ids)
+                hidden, routing = arithmetic.route_attended(layer, w, attended, ids)
+            if routing.experts is None:  # a layer without routed experts
+                with self.compute:
+                    hidden = arithmetic.finish(layer, w, hidden, routing, None)
+                continue
             if pool is not None:
                 routed = self._routed_from_pool(layer, routing)
                 with self.compute:
-                    streams, finite = self._pooled_finish(w, streams, routing, routed)
+                    hidden, finite = self._pooled_finish(layer, w, hidden, routing, routed)
                 self._step_finite.append(finite)
                 continue
             if got is None:
@@ -811,27 +717,25 @@ class Decoder:
             if routed is None:
                 routed = self._routed_one_by_one(layer, routing, got)
             with self.compute:
-                streams = model.moe_finish(cfg, layer, w, streams, routing, routed)
-        return streams
+                hidden = arithmetic.finish(layer, w, hidden, routing, routed)
+        return hidden
 
-    def _pooled_ffn(self, layer: int, w, streams: torch.Tensor, attended: torch.Tensor, post: torch.Tensor,
-                    comb: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A layer whose experts are all pooled, after its attention: the attention's mHC exit, the router, the
-        routed experts over the pool, the shared expert, the FFN's mHC exit; (the streams, the chosen experts,
-        whether the streams are finite), all on the device (one CUDA graph)."""
-        streams = model.hc_post(streams, attended, post, comb)
-        routing = model.moe_route(self.cfg, layer, w, streams, ids)
+    def _pooled_ffn(self, layer: int, w, ids: torch.Tensor, *attended: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer whose experts are all pooled, after its attention: the family's route_attended, the routed
+        experts over the pool, its finish; (the hidden rows, the chosen experts, whether the rows are finite), all
+        on the device (one CUDA graph)."""
+        hidden, routing = self.arithmetic.route_attended(layer, w, attended, ids)
         routed = self.pool.routed(layer, routing.x, routing.experts, routing.weights, graphed=False)
-        streams, finite = self._pooled_finish(w, streams, routing, routed)
-        return streams, routing.experts, finite
+        hidden, finite = self._pooled_finish(layer, w, hidden, routing, routed)
+        return hidden, routing.experts, finite
 
-    def _pooled_finish(self, w, streams: torch.Tensor, routing, routed: torch.Tensor
+    def _pooled_finish(self, layer: int, w, hidden: torch.Tensor, routing, routed: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """moe_finish for a pooled layer: the streams, and whether they are finite as a device flag (checked after
-        the step, _settle_pooled: no synchronisation per layer)."""
-        streams = model.hc_post(streams, routed + model.shared_expert(self.cfg, w, routing), routing.post,
-                                routing.comb)
-        return streams, torch.isfinite(streams).all()
+        """The family's finish for a pooled layer: the rows, and whether they are finite as a device flag (checked
+        after the step, _settle_pooled: no synchronisation per layer)."""
+        hidden = self.arithmetic.finish(layer, w, hidden, routing, routed, checked=False)
+        return hidden, torch.isfinite(hidden).all()
 
     def _routed_from_pool(self, layer: int, routing) -> torch.Tensor:
         """The rows' routed experts summed ([B, H] float32) for a layer not all of whose experts are pooled: the
@@ -876,7 +780,8 @@ class Decoder:
         where the kernel does not run (not a CPU, a kind it lacks): the caller runs the experts one by one."""
         chosen = token_choice(routing)
         return self._run_kernel_experts(layer, chosen, got, lambda experts: None if experts is None else (
-            self.kernels.moe(routing.x[0], experts, torch.tensor(list(chosen.values())), self.cfg.swiglu_limit,
+            self.kernels.moe(routing.x[0], experts, torch.tensor(list(chosen.values())),
+                             self.arithmetic.token_kernel_limit,
                              False, flags=[self._routed_flag] * len(experts))[None]))
 
     def _routed_one_by_one(self, layer: int, routing, got) -> torch.Tensor:

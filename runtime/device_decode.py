@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable
 import torch
 
 from moepack.backends.grouped_experts import grouped_matmul, grouped_mm_usable
-from moepack.families.deepseek_v4.model import clamped_swiglu
 
 from .expert_decode import ExpertWeights
 
@@ -103,10 +102,11 @@ class ExpertPool:
     expert)."""
 
     def __init__(self, cache, layers: int, experts: int, inter: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device, swiglu_limit: float, graphs: bool | None = None):
+                 device: torch.device, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 graphs: bool | None = None):
         self.cache, self.layers, self.experts = cache, layers, experts
         self.inter, self.hidden, self.dtype, self.device = inter, hidden, dtype, device
-        self.swiglu_limit = swiglu_limit
+        self.activation = activation  # the family's, between the two grouped GEMMs: act(gate x) * (up x)
         self.slot_bytes = 3 * inter * hidden * dtype.itemsize
         # the step's fixed-shape pieces in CUDA graphs (these stacks' routed work, and the Decoder's)
         self.graphs = StepGraphs(device.type == "cuda" if graphs is None else graphs and device.type == "cuda")
@@ -161,18 +161,18 @@ class ExpertPool:
         be pooled (no room, or weights the fused CPU kernel keeps packed)."""
         if weights.kernel is not None or (layer, expert) in self._slots:
             return None
-        w1, w3, w2 = weights.w1, weights.w3, weights.w2
+        gate, up, down = weights.w1, weights.w3, weights.w2
         if weights.input_order is not None:  # MXFP4's pair order undone: the pool's inputs come in column order
-            w1, w3 = (_columns_in_order(w, weights.input_order) for w in (w1, w3))
+            gate, up = (_columns_in_order(w, weights.input_order) for w in (gate, up))
         if weights.hidden_order is not None:
-            w2 = _columns_in_order(w2, weights.hidden_order)
+            down = _columns_in_order(down, weights.hidden_order)
         slot = self._free_slot()
         if slot is None:
             return None
         inter = self.inter
-        self.gate_up[slot, :inter].copy_(w1)
-        self.gate_up[slot, inter:].copy_(w3)
-        self.down[slot].copy_(w2)
+        self.gate_up[slot, :inter].copy_(gate)
+        self.gate_up[slot, inter:].copy_(up)
+        self.down[slot].copy_(down)
         self.slot_of[layer, expert] = slot
         self._slots[(layer, expert)] = slot
         self._pooled[layer] += 1
@@ -249,7 +249,7 @@ class ExpertPool:
         ends = torch.searchsorted(slots.index_select(0, order), self._slot_ids, right=True).to(torch.int32)
         pairs = x.index_select(0, order // top_k)  # [P, H] sorted by slot
         both = grouped_matmul(pairs, self.gate_up.transpose(1, 2), None, ends)
-        hidden = clamped_swiglu(both[:, :self.inter], both[:, self.inter:], self.swiglu_limit)
+        hidden = self.activation(both[:, :self.inter], both[:, self.inter:])
         out = grouped_matmul(hidden, self.down.transpose(1, 2), None, ends)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
@@ -275,21 +275,23 @@ def _columns_in_order(w: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def container_pool(cache, blocks, cfg, dtype: torch.dtype, device: torch.device,
-                   graphs: bool | None = None) -> ExpertPool | None:
-    """The pool for a container's routed experts, or None where they do not stack (experts of other shapes, or
-    layers with other counts) or torch's grouped GEMM does not take them here."""
+def container_pool(cache, blocks, naming, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   dtype: torch.dtype, device: torch.device, graphs: bool | None = None) -> ExpertPool | None:
+    """The pool for a container's routed experts (`naming`: the family's ExpertNaming, by layer; `activation` its
+    act(gate x) * (up x)), or None where they do not stack (experts of other shapes, or layers with other counts)
+    or torch's grouped GEMM does not take them here."""
     shapes, counts = set(), {len(b.experts) for b in blocks}
-    for block in blocks:
+    for layer, block in enumerate(blocks):
         for region in block.experts:
-            by_kind = {t.name.rsplit(".", 2)[-2]: tuple(t.shape) for t in region.tensors if t.name.endswith(".weight")}
-            shapes.add((by_kind.get("w1"), by_kind.get("w3"), by_kind.get("w2")))
+            shape_of = {t.name: tuple(t.shape) for t in region.tensors}
+            names = naming.names(layer, region.expert)
+            shapes.add(tuple(shape_of.get(names[m]) for m in ("gate", "up", "down")))
     if len(shapes) != 1 or len(counts) != 1:
         return None
-    w1, w3, w2 = shapes.pop()
-    if w1 is None or len(w1) != 2 or w3 != w1 or w2 != w1[::-1]:
+    gate, up, down = shapes.pop()
+    if gate is None or len(gate) != 2 or up != gate or down != gate[::-1]:
         return None
-    inter, hidden = w1
+    inter, hidden = gate
     if not pool_usable(dtype, device, inter, hidden):
         return None
-    return ExpertPool(cache, len(blocks), counts.pop(), inter, hidden, dtype, device, cfg.swiglu_limit, graphs)
+    return ExpertPool(cache, len(blocks), counts.pop(), inter, hidden, dtype, device, activation, graphs)

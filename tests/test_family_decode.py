@@ -165,16 +165,17 @@ def test_decoder_refuses_states_after_different_tokens(model):
 
 
 def test_the_family_decode_names_no_expert_matrix():
-    """An expert's matrices come from the family's expert_naming: the family code added to decode holds no
-    DeepSeek-V4 expert names."""
+    """An expert's matrices come from the family's expert_naming: decode (one path for every family since
+    LayerDecode) and its device pool hold no DeepSeek-V4 expert names."""
     import inspect
 
-    from moepack.runtime import decode
+    from moepack.runtime import decode, device_decode
 
-    for fn in (Decoder._family_step, Decoder._family_experts, Decoder._load_family, Decoder._decoded_region):
-        source = inspect.getsource(fn)
+    for module in (decode, device_decode):
+        source = inspect.getsource(module)
         assert not any(f'"{m}' in source or f"'{m}" in source or f".{m}." in source for m in ("w1", "w2", "w3"))
-    assert "expert_naming" in inspect.getsource(decode.Decoder._family_experts)
+    assert "expert_naming" in inspect.getsource(decode.Decoder._kernel_layout)
+    assert "naming.names(" in inspect.getsource(device_decode.container_pool)
 
 
 # ------------------------------------------------------------------------------------------ the Generator glue
@@ -397,3 +398,28 @@ def test_moepack_serve_chat_completion_through_the_openai_client(synthesized, ma
     finally:
         running.stop()
         g.close()
+
+
+def test_decode_names_no_family_and_both_families_give_its_protocol():
+    """runtime/decode.py and device_decode.py name no family (but the default for a container no registered family
+    claims) and none of DeepSeek-V4's tensors; each family's LayerDecode has every method of the protocol."""
+    import inspect
+
+    from moepack.families.base import LayerDecode
+    from moepack.families.deepseek_v4.decode import DeepseekV4Decode
+    from moepack.families.qwen3_moe.decode import Qwen3MoeDecode
+    from moepack.runtime import decode, device_decode
+
+    default = inspect.getsource(decode.default_layer_decode)
+    for module in (decode, device_decode):
+        source = inspect.getsource(module).replace(default, "")
+        assert "deepseek" not in source.lower() and "qwen" not in source.lower(), module.__name__
+        for name in ("tid2eid", "hc_", "wq_b", "cfg.head_weight", "hash_layers", "swiglu",
+                     "embed.weight", "HEAD_GLOBALS", "TokenLayers", "model."):
+            assert name not in source, (module.__name__, name)
+    methods = [n for n, v in vars(LayerDecode).items() if callable(v) and not n.startswith("_")]
+    assert {"attend", "route_attended", "finish", "head", "token_state", "token_layers"} <= set(methods)
+    optional = {"token_head", "token_head_rows"}  # called only on the path token_layers gives
+    assert all(callable(getattr(DeepseekV4Decode, n, None)) for n in methods)
+    assert all(callable(getattr(Qwen3MoeDecode, n, None)) for n in set(methods) - optional)
+    assert Qwen3MoeDecode.token_layers(None, []) is None  # no compiled path: the torch one

@@ -140,5 +140,11 @@ class Qwen3MoeFamily:
 
         return QWEN3_MOE_KV
 
+    def layer_decode(self, config: Qwen3MoeConfig, compute_dtype):
+        """The token-major decode's arithmetic (families.base.LayerDecode)."""
+        from .decode import Qwen3MoeDecode
+
+        return Qwen3MoeDecode(config, compute_dtype)
+
 
 FAMILY = Qwen3MoeFamily()

@@ -1,0 +1,100 @@
+"""DeepSeek-V4's arithmetic for the token-major decode (families.base.LayerDecode): model.py's one-token functions
+split where the Decoder (runtime/decode.py) fetches the routed experts, and its compiled one-token path
+(token_layer.TokenLayers, the head through the token matmul) offered beside them. A sequence's state of a layer is a
+model.TokenKV (the KV grown one token at a time); the residual is hc_mult streams [B, hc, H] float32."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from moepack.backends import token_kernels
+
+from ..base import Routing
+from . import model
+from .config import ModelConfig
+from .kv import LayerKVState
+from .token_layer import TokenLayers
+
+
+def _attention_entry(cfg: ModelConfig, w: Mapping[str, Tensor], streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention's mHC entry and norm on every row (attention_token_sublayer's first part)."""
+    return model.hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
+                             w["attn_norm.weight"])
+
+
+class DeepseekV4Decode(model.DeepseekV4Prefill):
+    """LayerDecode for one DeepSeek-V4 config (the prefill's names, dtypes and expert naming)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.token_kernel_limit = cfg.swiglu_limit  # the token kernel computes its clamped SwiGLU
+
+    def global_dtype(self, name: str, stored_dtype: str, compiled: bool) -> torch.dtype:
+        # the LM head (the largest matrix a token reads: 1 GB for V4-Flash in bf16) kept bf16 where it is stored
+        # so and the token matmul widens it exactly in its loop (model.widened_matmul): the float32 products of a
+        # float32 copy, from half the bytes
+        return torch.bfloat16 if compiled and name == self.config.head_weight and stored_dtype == "BF16" \
+            else torch.float32
+
+    def hash_table(self, layer: int, w: Mapping[str, Tensor]) -> Tensor | None:
+        return super().hash_table(layer, w) if self.config.hash_layers[layer] else None
+
+    def token_state(self, layer: int, state: LayerKVState, w: Mapping[str, Tensor], device) -> model.TokenKV:
+        return model.TokenKV(self.config, layer, state.to(device), w["attn.wq_b.weight"].dtype)
+
+    def layer_state(self, token_state: model.TokenKV) -> LayerKVState:
+        return token_state.state()
+
+    def attend(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, states: Sequence[model.TokenKV], graphs
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        # attention_token_sublayer: its mHC on every row at once, the attention row by row
+        cfg = self.config
+        x, post, comb = graphs.run(("attention entry", layer, hidden.shape[0]),
+                                   functools.partial(_attention_entry, cfg, w), hidden)
+        attended = torch.cat([model.attention_token(cfg, layer, w, x[b:b + 1], state)
+                              for b, state in enumerate(states)])
+        return hidden, attended, post, comb
+
+    def route_attended(self, layer: int, w: Mapping[str, Tensor], attended: tuple[Tensor, ...], token_ids: Tensor
+                       ) -> tuple[Tensor, Routing]:
+        streams = model.hc_post(*attended)
+        return streams, model.moe_route(self.config, layer, w, streams, token_ids)
+
+    def finish(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing, routed: Tensor | None,
+               beside: Tensor | None = None, into: Tensor | None = None, checked: bool = True) -> Tensor:
+        if checked:
+            return super().finish(layer, w, hidden, routing, routed, beside, into)
+        # moe_finish without its check (the caller checks after the step: no synchronisation per layer)
+        shared = model.shared_expert(self.config, w, routing) if beside is None else beside
+        return model.hc_post(hidden, routed + shared, routing.post, routing.comb, into)
+
+    def head(self, w_globals: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
+        return model.head(self.config, hidden, w_globals, slice(None))
+
+    # --- the compiled one-token path ---------------------------------------------------------------------------
+    def token_layers(self, dense: Sequence[Mapping[str, Tensor]]) -> TokenLayers | None:
+        return TokenLayers.make(self.config, list(dense))
+
+    def token_head(self, w_globals: Mapping[str, Tensor], output: Tensor) -> Tensor:
+        return model.head(self.config, output, w_globals, -1)
+
+    def token_head_rows(self, w_globals: Mapping[str, Tensor], rows_output: Tensor, kernels) -> Tensor:
+        """model.head of each row's streams [B, hc, H] -> [B, vocab] float32: the LM head (the largest matrix)
+        read once for every row, each row's products and sums those of its head alone (the token matmul's)."""
+        cfg = self.config
+        weight = w_globals[cfg.head_weight]
+        x = torch.cat([model.head_input(cfg, rows_output[row:row + 1], w_globals, -1)
+                       for row in range(rows_output.shape[0])])
+        if x.dtype != torch.float32 or model._token_kernels(1, x, weight) is None:  # as model.head would
+            return torch.stack([model.head(cfg, rows_output[row:row + 1], w_globals, -1).float().cpu()
+                                for row in range(rows_output.shape[0])])
+        return kernels.linear(x, token_kernels.float_matrix(weight), False)
+
+
+def layer_decode(cfg: ModelConfig, compute_dtype: torch.dtype | None = None) -> DeepseekV4Decode:
+    """DeepSeek-V4's LayerDecode (its compute dtype is per matrix: in_compute_dtype)."""
+    return DeepseekV4Decode(cfg)

@@ -1,0 +1,59 @@
+"""Qwen3-MoE's arithmetic for the token-major decode (families.base.LayerDecode): the forward's functions (model.py)
+split where the Decoder (runtime/decode.py) fetches the routed experts. A sequence's state of a layer is its LayerKV,
+continued in place; every row runs its attention and router alone, as a prefill of one token would; no compiled
+path (the Decoder runs these functions in torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from ..base import Routing
+from .model import LayerKV, before_experts, head
+from .prefill import Qwen3MoePrefill
+from .tensors import FINAL_NORM
+
+
+class Qwen3MoeDecode(Qwen3MoePrefill):
+    """LayerDecode for one Qwen3-MoE config in one compute dtype (the prefill's names and expert FFN)."""
+
+    token_kernel_limit = None  # the compiled token kernel's clamped SwiGLU is not this family's
+
+    def global_dtype(self, name: str, stored_dtype: str, compiled: bool) -> torch.dtype:
+        return self.dtype
+
+    def hash_table(self, layer: int, w: Mapping[str, Tensor]) -> None:
+        return None  # every layer routes by its router
+
+    def token_state(self, layer: int, state: LayerKV, w: Mapping[str, Tensor], device) -> LayerKV:
+        return state  # continued in place
+
+    def layer_state(self, token_state: LayerKV) -> LayerKV:
+        return token_state
+
+    def attend(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, states: Sequence[LayerKV], graphs
+               ) -> tuple[Tensor, ...]:
+        c = self.config
+        rows = [before_experts(c, layer, w, hidden[b:b + 1], state) for b, state in enumerate(states)]
+        residual, ffn_input = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        if rows[0][2] is None:  # a dense layer
+            return residual, ffn_input
+        return residual, ffn_input, torch.cat([r[2].experts for r in rows]), torch.cat([r[2].weights for r in rows])
+
+    def route_attended(self, layer: int, w: Mapping[str, Tensor], attended: tuple[Tensor, ...], token_ids: Tensor
+                       ) -> tuple[Tensor, Routing]:
+        residual, ffn_input, *chosen = attended
+        experts, weights = chosen if chosen else (None, None)
+        return residual, Routing(experts=experts, weights=weights, x=ffn_input)
+
+    def finish(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing, routed: Tensor | None,
+               beside=None, into: Tensor | None = None, checked: bool = True) -> Tensor:
+        return super().finish(layer, w, hidden, routing, routed, beside, into)
+
+    def head(self, w_globals: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
+        return head(self.config, {"norm": w_globals[FINAL_NORM], "head": w_globals[self.names.head]}, hidden)
+
+    def token_layers(self, dense) -> None:
+        return None
