@@ -211,8 +211,8 @@ def test_route_rows_is_each_tokens_route():
 
 @pytest.mark.parametrize("kind", ["FP4_E2M1", "MXFP4"])
 def test_an_experts_gate_and_up_in_one_pass_give_the_row_by_row_sums(kind):
-    """An FP4 expert's gate and up rows run in one pass for up to 4 tokens, row by row (the weight decoded once per
-    8 tokens) for more: each token's output is the same to the bit whichever count of tokens chose the expert."""
+    """An FP4 expert's gate and up rows run in one pass for 2 to 4 tokens, row by row (the weight decoded once per
+    8 tokens) for one or more than 4: each token's output is the same to the bit whichever count chose the expert."""
     k = token_kernels.token_kernels()
     if not k.vector:
         pytest.skip("no AVX-512 loop on this CPU")
@@ -224,7 +224,7 @@ def test_an_experts_gate_and_up_in_one_pass_give_the_row_by_row_sums(kind):
     weights = [float(w) for w in torch.rand(6, generator=gen)]
     for flags in (0, ROUND_INPUT):
         every = k.moe_rows(x, [expert], [list(range(6))], [weights], 7.0, [flags])  # 6 tokens: row by row
-        for count in (1, 2, 3, 4):  # the one-pass kernel
+        for count in (1, 2, 3, 4):  # 2 to 4: the one-pass kernel
             tokens = list(range(6 - count, 6))
             some = k.moe_rows(x, [expert], [tokens], [[weights[t] for t in tokens]], 7.0, [flags], threads=2)
             assert torch.equal(some[tokens], every[tokens]), (flags, count)
