@@ -207,3 +207,27 @@ def test_route_rows_is_each_tokens_route():
         for t in range(5):
             assert rows[t] == tuple(k.route(x[t], float_matrix(gate), bias, "sqrtsoftplus", 3,
                                             hash_ids[t] if hash_ids else None, 2.5, threads=2))
+
+
+@pytest.mark.parametrize("kind", ["FP4_E2M1", "MXFP4"])
+def test_an_experts_gate_and_up_in_one_pass_give_the_row_by_row_sums(kind):
+    """An FP4 expert's gate and up rows run in one pass for 2 to 4 tokens, row by row (the weight decoded once per
+    8 tokens) for one or more than 4: each token's output is the same to the bit whichever count chose the expert."""
+    k = token_kernels.token_kernels()
+    if not k.vector:
+        pytest.skip("no AVX-512 loop on this CPU")
+    gen = torch.Generator().manual_seed(2)
+    tables = {kind: token_kernels.value_table(kind)}
+    keep = []
+    expert = _random_expert((kind,) * 3, 64, 96, gen, tables, keep)
+    x = torch.randn(6, 64, generator=gen) * 2
+    weights = [float(w) for w in torch.rand(6, generator=gen)]
+    for flags in (0, ROUND_INPUT):
+        every = k.moe_rows(x, [expert], [list(range(6))], [weights], 7.0, [flags])  # 6 tokens: row by row
+        for count in (1, 2, 3, 4):  # 2 to 4: the one-pass kernel
+            tokens = list(range(6 - count, 6))
+            some = k.moe_rows(x, [expert], [tokens], [[weights[t] for t in tokens]], 7.0, [flags], threads=2)
+            assert torch.equal(some[tokens], every[tokens]), (flags, count)
+        for t in range(6):
+            alone = k.moe(x[t], [expert], torch.tensor([weights[t]]), 7.0, False, flags=[flags])
+            assert torch.equal(alone, every[t]), (flags, t)

@@ -40,6 +40,13 @@ def _offset(t: Tensor, floats: int) -> int:
     return t.data_ptr() + 4 * floats
 
 
+def _row_addresses(t: Tensor) -> list[int]:
+    """The address of each row (first dimension) of a fixed buffer: a step's per-row calls take these rather than
+    making a view per row and call."""
+    step = t.stride(0) * t.element_size()
+    return [t.data_ptr() + row * step for row in range(t.shape[0])]
+
+
 def _buffer(*shape: int) -> Tensor:
     """A fixed float32 buffer (explicitly: a process may have changed torch's default dtype)."""
     return torch.empty(*shape, dtype=torch.float32)
@@ -321,26 +328,23 @@ class TokenLayers:
         for kv_state in kv_states:
             self._check_state(L, layer, kv_state)
         threads = token_kernels.current_threads()
-        a, b = R.streams
-        self._entry_rows(L, "attn", a, threads)
+        self._entry_rows(L, "attn", 0, threads)
         plan = L.projections
-        proj = R.proj[:B * plan.total].view(B, plan.total)
-        _call(k._many_rows, (_ptr(R.x), B, H, H, plan.matrices, plan.count, _ptr(proj), plan.total, plan.offsets,
+        _call(k._many_rows, (_ptr(R.x), B, H, H, plan.matrices, plan.count, _ptr(R.proj), plan.total, plan.offsets,
                              plan.flags), threads)
         rank = plan.spans[0][1]
         kv_at, kv_stop = plan.spans[1]
+        q_norm, kv_norm, eps = _ptr(L.q_norm), _ptr(L.kv_norm), cfg.rms_norm_eps
         grown = []
         for row, kv_state in enumerate(kv_states):
-            _call(k._norm_rope, (_ptr(proj[row]), 1, rank, _ptr(L.q_norm), cfg.rms_norm_eps, 0, None,
-                                 _ptr(R.q_lora[row]), None))
+            parts, proj_row = R.parts(layer, plan, row), _offset(R.proj, row * plan.total)
+            _call(k._norm_rope, (proj_row, 1, rank, q_norm, eps, 0, None, R.at["q_lora"][row], None))
             rotation = model.token_rotation(L.rope, kv_state.seen_tokens)
             angles = token_kernels._angles(rotation)
             key, mirror = kv_state.window.next_row()
-            _call(k._norm_rope, (_offset(proj[row], kv_at), 1, kv_stop - kv_at, _ptr(L.kv_norm), cfg.rms_norm_eps,
-                                 2 * angles.shape[0], _ptr(angles), _ptr(key),
-                                 _ptr(mirror) if mirror is not None else None))
+            _call(k._norm_rope, (proj_row + 4 * kv_at, 1, kv_stop - kv_at, kv_norm, eps, 2 * angles.shape[0],
+                                 _ptr(angles), _ptr(key), _ptr(mirror) if mirror is not None else None))
             kv_state.window.commit()
-            parts = [proj[row:row + 1, lo:hi] for lo, hi in plan.spans]
             grown.append((rotation, angles, parts, *model._grow_state(cfg, layer, L.w, kv_state, parts)))
         indexed = any(g[-1] for g in grown)  # the indexer's queries too where one row needs them
         queries = L.indexed_queries if indexed else L.queries
@@ -368,16 +372,17 @@ class TokenLayers:
                                 ctypes.byref(L.wo_a), _ptr(R.low_rank), L.wo_a.rows, rounding), threads)
         _call(k._linear, (_ptr(R.low_rank), B, L.wo_b.cols, ctypes.byref(L.wo_b), _ptr(R.out), L.wo_b.rows, rounding),
               threads)
+        at, post = R.at, self.hc.token_post
         for row in range(B):
-            if self.hc.token_post(_ptr(a[row]), _ptr(R.out[row]), _ptr(R.post[row]), _ptr(R.comb[row]), cfg.hc_mult,
-                                  H, _ptr(b[row])) == 1:
+            if post(at["streams0"][row], at["out"][row], at["post"][row], at["comb"][row], cfg.hc_mult, H,
+                    at["streams1"][row]) == 1:
                 raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
 
     def route_rows(self, layer: int, hash_ids: list[list[int]] | None) -> list[dict[int, float]]:
         """`route` of each row's token, the gate read once for all: {expert id: weight} ascending per row."""
         L, cfg, R = self.layers[layer], self.cfg, self.rows
         B, top_k, threads = R.count, cfg.num_experts_per_tok, token_kernels.current_threads()
-        self._entry_rows(L, "ffn", R.streams[1], threads)
+        self._entry_rows(L, "ffn", 1, threads)
         if hash_ids is not None:
             R.hash_ids[:B * top_k] = [e for ids in hash_ids for e in ids]
         if self.kernels._route_rows(_ptr(R.x), B, *L.gate_args, R.hash_ids if hash_ids is not None else None,
@@ -400,28 +405,31 @@ class TokenLayers:
         arguments = token_kernels.moe_arguments([experts[e] for e in ids] + [L.shared], rows, weights, flags)
         _call(self.kernels._moe_rows, (_ptr(R.x), B, H, len(ids) + 1, *arguments, float(cfg.swiglu_limit),
                                        _ptr(R.moe_out)), token_kernels.current_threads())
-        a, b = R.streams
-        finite = True
+        a = R.streams[0]
+        finite, at, post = True, R.at, self.hc.token_post
         for row in range(B):
-            done = self.hc.token_post(_ptr(b[row]), _ptr(R.moe_out[row]), _ptr(R.post[row]), _ptr(R.comb[row]),
-                                      cfg.hc_mult, H, _ptr(a[row]))
+            done = post(at["streams1"][row], at["moe_out"][row], at["post"][row], at["comb"][row], cfg.hc_mult, H,
+                        at["streams0"][row])
             if done == 1:
                 raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
             finite &= done != 2
         if not finite:
             check_finite(a[:B], layer)
 
-    def _entry_rows(self, L: _Layer, sublayer: str, streams: Tensor, threads: int) -> None:
-        """A sublayer's mHC entry for every row: the mixes in one scan of fn, the rest per row."""
+    def _entry_rows(self, L: _Layer, sublayer: str, stream: int, threads: int) -> None:
+        """A sublayer's mHC entry for every row from R.streams[stream]: the mixes in one scan of fn, the rest per
+        row."""
         cfg, R = self.cfg, self.rows
+        streams = R.streams[stream]
         fn, width, scale, base, norm = L.hc_weights[sublayer]
         _call(self.kernels._linear, (_ptr(streams), R.count, fn.cols, ctypes.byref(fn), _ptr(R.mixes), width, 0),
               threads)
+        at, pre = R.at, self.hc.token_pre_mixed
+        rows = at[f"streams{stream}"]
+        scale, base, norm = _ptr(scale), _ptr(base), _ptr(norm)
         for row in range(R.count):
-            _call(self.hc.token_pre_mixed, (_ptr(streams[row]), cfg.hc_mult, cfg.hidden_size, _ptr(R.mixes[row]),
-                                            _ptr(scale), _ptr(base), cfg.hc_sinkhorn_iters, cfg.hc_eps,
-                                            cfg.rms_norm_eps, _ptr(norm), _ptr(R.x[row]), _ptr(R.post[row]),
-                                            _ptr(R.comb[row])))
+            _call(pre, (rows[row], cfg.hc_mult, cfg.hidden_size, at["mixes"][row], scale, base, cfg.hc_sinkhorn_iters,
+                        cfg.hc_eps, cfg.rms_norm_eps, norm, at["x"][row], at["post"][row], at["comb"][row]))
 
 
 class _Rows:
@@ -444,6 +452,19 @@ class _Rows:
         k = cfg.num_experts_per_tok
         self.chosen, self.weights = (ctypes.c_int64 * (capacity * k))(), (ctypes.c_float * (capacity * k))()
         self.hash_ids, self.counts = (ctypes.c_int64 * (capacity * k))(), (ctypes.c_int64 * capacity)()
+        # each buffer's row addresses, for the per-row calls
+        self.at = {name: _row_addresses(getattr(self, name))
+                   for name in ("x", "post", "comb", "mixes", "q_lora", "out", "moe_out")}
+        self.at["streams0"], self.at["streams1"] = (_row_addresses(s) for s in self.streams)
+        self._parts: dict[tuple[int, int], list[Tensor]] = {}
+
+    def parts(self, layer: int, plan, row: int) -> list[Tensor]:
+        """Row `row`'s views [1, width] of a layer's projections (`plan`'s spans) in `proj`, made once."""
+        key = (layer, row)
+        if key not in self._parts:
+            proj = self.proj[:self.capacity * plan.total].view(self.capacity, plan.total)
+            self._parts[key] = [proj[row:row + 1, lo:hi] for lo, hi in plan.spans]
+        return self._parts[key]
 
 
 def _entry(calls: tuple, threads: int) -> None:
