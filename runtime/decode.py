@@ -294,7 +294,8 @@ class Decoder:
                                     expert_ffn=arithmetic.expert_ffn)
         start = time.perf_counter()
         self.dense = [decode_dense(b, self._read_region(b.dense).to(device), self.compute_dtype,
-                                   arithmetic.layer_prefix(layer), arithmetic.in_compute_dtype)
+                                   arithmetic.layer_prefix(layer),
+                                   in_compute_dtype=arithmetic.in_compute_dtype)
                       for layer, b in enumerate(self.blocks)]
         self.embed_entries, self.embed_read = self._read_globals([names.embedding], on_device=False)
         # a token's routed experts in one compiled call (CPU), read from their stored bytes, where that kernel
