@@ -1,4 +1,4 @@
-"""The server's side of tool calling in a chat encoding's format (its `tools` module: DeepSeek-V4's DSML,
+"""The server's side of tool calling in a chat encoding's format (its `tool_format` module: DeepSeek-V4's DSML,
 families/deepseek_v4/tools.py, reached through the family's chat_encoding): a request's `tools`,
 `tool_choice` and `parallel_tool_calls` checked into a ToolPlan, the tools and response_format placed where the
 release's encoder reads them (the conversation's system message), and the model's answer split into content and OpenAI
@@ -22,7 +22,7 @@ from moepack.runtime.sampling import partial_match_length
 
 
 def _invoke_open(fmt) -> str:
-    """The opening of an invoke in a tool-call format (a chat encoding's `tools` module) up to the name."""
+    """The opening of an invoke in a tool-call format (a chat encoding's `tool_format` module) up to the name."""
     return f'<{fmt.DSML}invoke name="'
 
 
@@ -33,13 +33,13 @@ class ToolPlan:
     prefill: str = ""  # markup the prompt ends with: the answer's text goes on from it
     forced_name: str | None = None  # a named tool_choice: the function the prefill opens
     parallel: bool = True  # parallel_tool_calls false: only the first call is kept
-    encoding: Any = None  # the chat encoding (a module) whose tool-call format `tools` the answer is parsed in
+    encoding: Any = None  # the chat encoding (a module) whose tool_format the answer is parsed in
 
 
 def tool_plan(encoding, tools, tool_choice, parallel, thinking: bool) -> ToolPlan:
     """The plan of a request's tools fields in `encoding`'s (a chat encoding module's) tool-call format; MoepackError
     (its message starting with the field) when wrong."""
-    fmt = encoding.tools
+    fmt = encoding.tool_format
     if tools is not None:
         tools = fmt.check_tools(tools, "tools")
     if parallel is not None and not isinstance(parallel, bool):
@@ -94,11 +94,11 @@ class ToolCallSplitter:
     """An answer's text (after its thought), piece by piece, into ("content", text) and ("tool_call", call) events:
     text up to the tool-call block is content (a tail that may open the block is held back until the next piece
     says), each invoke becomes a call once complete. `prefill`: the markup the prompt ended with (the answer goes
-    on from it). A call that does not follow the format (`encoding`'s, a chat encoding module's `tools`) comes out as
-    content, as it was written."""
+    on from it). A call that does not follow the format (`encoding`'s tool_format) comes out as content, as it was
+    written."""
 
     def __init__(self, encoding, prefill: str = "", parallel: bool = True):
-        self.fmt = encoding.tools
+        self.fmt = encoding.tool_format
         self.held = ""
         self.block: str | None = None  # the text after TOOL_CALLS_START, once it came
         self.done_at = 0  # how much of the block has become events
