@@ -17,7 +17,6 @@ from click.testing import CliRunner
 
 from moepack.cli.main import cli
 from moepack.families import family_named
-from moepack.families.base import family_kv_state
 from moepack.families.qwen3_moe.model import KVState, forward
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
@@ -169,7 +168,7 @@ def test_the_family_decode_names_no_expert_matrix():
     LayerDecode) and its device pool hold no DeepSeek-V4 expert names."""
     import inspect
 
-    from moepack.runtime import decode, device_decode, generate
+    from moepack.runtime import decode, device_decode
 
     for module in (decode, device_decode):
         source = inspect.getsource(module)
@@ -194,7 +193,9 @@ class FamilyForwardPrefill:
 
     def run(self, token_ids, past=None, keep_kv=False, should_stop=None, **_):
         self.runs += 1
-        kv = family_kv_state(FAMILY, self.checkpoint.config, past) if past else KVState.empty(self.checkpoint.config)
+        kv = KVState.empty(self.checkpoint.config)
+        if past:  # a prefill hands on the layers' states
+            kv.layers[:] = list(past)
         logits = forward(self.checkpoint, token_ids, kv)[-1]
         return PrefillResult(logits, int(logits.argmax()), {"tokens": len(token_ids), "seconds": 0.0}, [],
                              kv.layers if keep_kv else None, None)
