@@ -714,14 +714,15 @@ class Server:
         except MoepackError as e:
             raise RequestError(str(e), param="reasoning_effort", code="invalid_value") from None
         try:
-            plan = tool_plan(encoding, body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), thinking)
+            plan = tool_plan(encoding, body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
+                             thinking)
         except MoepackError as e:
             param = str(e).split(":")[0].split("[")[0]
             raise RequestError(str(e), param=param if param in body else "tools", code="invalid_value") from None
         fmt = body.get("response_format") if self.output_schema(body) is not None else None
         try:
-            segments = encoding.encode_message_segments(with_prompt_extras(messages, plan.tools, fmt), thinking=thinking,
-                                               reasoning_effort=effort)
+            segments = encoding.encode_message_segments(with_prompt_extras(messages, plan.tools, fmt),
+                                                        thinking=thinking, reasoning_effort=effort)
         except MoepackError as e:
             raise RequestError(str(e), param="messages", code="invalid_value") from None
         segments += encoding.markup_segments(plan.prefill)
