@@ -272,44 +272,6 @@ def chat_template_from_tokenizer_config(tokenizer_config: Mapping[str, Any]) -> 
     return None
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Running a family's container: decode, generation, serving
-#
-# What runs a family over a container (runtime/decode.py, runtime/generate.py) needs two things ModelFamily leaves
-# open: the weights under the family's own keys (ContainerWeights: the container's tensors, decoded, by their
-# stored names -> what embed / before_experts / after_experts / head take), and a KV state it can hand from the
-# prefill to the decode: a family's KV state (new_kv) holds `layers`, a list of one state per layer, each with
-# `seen_tokens`. A prefill hands on that state or its list of layers; a decode continues it in place.
-
-
-@runtime_checkable
-class ContainerWeights(Protocol):
-    """A family's weights from a container's tensors (`named`: stored name -> float tensor, scales folded in)."""
-
-    def layer_weights(self, config: Any, layer: int, named: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Layer `layer`'s non-expert weights, by the names before_experts / after_experts read."""
-        ...
-
-    def global_weights(self, config: Any, named: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """The globals embed / head read (a tied head: the embedding)."""
-        ...
-
-
-def family_kv_state(family: ModelFamily, config: Any, states: Any) -> Any:
-    """The family's KV state from what a prefill hands on: the state itself (it has `layers`), or its list of
-    per-layer states (wrapped in a new_kv state)."""
-    if hasattr(states, "layers"):
-        return states
-    kv = family.new_kv(config)
-    kv.layers[:] = list(states)
-    return kv
-
-
-def generation_kv_bytes(family: ModelFamily, config: Any, n_tokens: int, element_bytes: int) -> int:
-    """Every layer's KV after n_tokens (kv_bytes is the largest layer's: an upper bound)."""
-    return family.shape(config).num_layers * family.kv_bytes(config, n_tokens, element_bytes)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The layer-major prefill's protocol (runtime/engine.py StreamingPrefill; issue 39). A family's
 # `layer_prefill(config, compute_dtype)` gives one LayerPrefill: the engine reads, decodes and streams, the

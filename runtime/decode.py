@@ -220,14 +220,6 @@ class DecodeSequence:
         return [self._arithmetic.layer_state(kv) for kv in self.kv]
 
 
-def default_layer_decode(cfg, compute_dtype: torch.dtype) -> LayerDecode:
-    """The arithmetic of a container no registered family claims: DeepSeek-V4's (until it is registered as a
-    family, families/__init__.py, whose layer_decode the Generator then passes)."""
-    from moepack.families.deepseek_v4.decode import layer_decode
-
-    return layer_decode(cfg, compute_dtype)
-
-
 @dataclass
 class DecodeStats:
     tokens: int = 0
@@ -252,7 +244,7 @@ class Decoder:
     def __init__(self, container: Container, cfg, device: torch.device, cache_bytes: int,
                  compute_dtype: torch.dtype = torch.float32, expert_dtype: torch.dtype = torch.float32,
                  io_mode: str = "auto", verify_reads: bool = True, queue_depth: int = 8,
-                 decoded_experts: bool | None = None, expert_pool: bool | None = None, family=None):
+                 decoded_experts: bool | None = None, expert_pool: bool | None = None, *, family):
         """`decoded_experts` (default: on a GPU) has the cache keep experts decoded to the expert dtype, so that a
         hit is three matmuls (their memory, not their stored bytes, is counted against the budget); otherwise it
         keeps their stored bytes, which a CPU's compiled kernels read directly. `expert_pool` (default: on a GPU,
@@ -260,10 +252,9 @@ class Decoder:
         one grouped GEMM over them with no host round trip where the layer's experts are all there.
 
         `family` (a moepack.families ModelFamily, `cfg` its parsed config): the container is that family's, its
-        arithmetic the family's `layer_decode` (families.base.LayerDecode); None: default_layer_decode's."""
+        arithmetic the family's `layer_decode` (families.base.LayerDecode)."""
         self.c, self.cfg, self.device, self.family = container, cfg, device, family
-        self.arithmetic: LayerDecode = family.layer_decode(cfg, compute_dtype) if family is not None \
-            else default_layer_decode(cfg, compute_dtype)
+        self.arithmetic: LayerDecode = family.layer_decode(cfg, compute_dtype)
         # a family whose own expert_ffn runs its experts keeps their stored bytes, decoded per use, and runs its
         # torch functions on every thread; the runner's compiled experts (expert_ffn None) may keep them decoded
         self.torch_experts = self.arithmetic.expert_ffn is not None
@@ -303,7 +294,8 @@ class Decoder:
                                     expert_ffn=arithmetic.expert_ffn)
         start = time.perf_counter()
         self.dense = [decode_dense(b, self._read_region(b.dense).to(device), self.compute_dtype,
-                                   arithmetic.layer_prefix(layer), arithmetic.in_compute_dtype)
+                                   arithmetic.layer_prefix(layer),
+                                   in_compute_dtype=arithmetic.in_compute_dtype)
                       for layer, b in enumerate(self.blocks)]
         self.embed_entries, self.embed_read = self._read_globals([names.embedding], on_device=False)
         # a token's routed experts in one compiled call (CPU), read from their stored bytes, where that kernel

@@ -534,7 +534,8 @@ class StreamingPrefill:
             with self.compute:
                 self.reads.checker.before_use([block.dense], view, block.dense.offset)
                 return decode_dense(block, self.copier.to_device(buffer, view), self.compute_dtype,
-                                    self.family.layer_prefix(block.number), self.family.in_compute_dtype)
+                                    self.family.layer_prefix(block.number),
+                                    in_compute_dtype=self.family.in_compute_dtype)
         finally:
             self.copier.release(buffer, self.reads.dense_pipe.release)
 

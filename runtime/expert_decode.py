@@ -32,7 +32,7 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -41,6 +41,7 @@ import torch
 
 from moepack.families.deepseek_v4 import model
 from moepack.format_spec import quants, source_formats
+from moepack.format_spec.decode import scale_name
 from moepack.format_spec.reader import Region
 from moepack.native import LazyKernel, c_function, native_library, read_source
 
@@ -66,7 +67,7 @@ FUSED_MAX_TOKENS = 256
 GROUP = 32  # inputs per scale, both layouts
 GROUP_BYTES = GROUP // 2
 MXFP4_BLOCK_BYTES = 1 + GROUP_BYTES
-EXPERT_MATRICES = ("w1", "w3", "w2")
+EXPERT_ROLES = ("gate", "up", "down")  # an expert's matrices, as a family's ExpertNaming.names gives their names
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what experts' matmuls may run in
 
 
@@ -371,24 +372,26 @@ class ExpertDecoder:
             self._pool.shutdown()
 
     @staticmethod
-    def layout(region: Region, prefix: str) -> str | None:
-        """"FP4_E2M1" or "MXFP4" when all three matrices of the expert are in that layout (and nothing else in the
-        region needs decoding), else None: the caller takes the generic path."""
+    def layout(region: Region, names: Mapping[str, str]) -> str | None:
+        """"FP4_E2M1" or "MXFP4" when all three matrices of the expert (`names`: its gate / up / down weights'
+        names, a family's ExpertNaming.names) are in that layout (and nothing else in the region needs decoding),
+        else None: the caller takes the generic path."""
         by_name = {t.name: t for t in region.tensors}
         layouts = set()
-        for m in EXPERT_MATRICES:
-            w = by_name.get(f"{prefix}{m}.weight")
+        for role in EXPERT_ROLES:
+            w = by_name.get(names[role])
             if w is None or len(w.shape) != 2 or w.shape[1] % GROUP:
                 return None
             if w.dtype == "FP4_E2M1":
-                s = by_name.get(f"{prefix}{m}.scale")
+                s = by_name.get(scale_name(w.name))
                 if s is None or s.dtype != "F8_E8M0" or tuple(s.shape) != (w.shape[0], w.shape[1] // GROUP):
                     return None
             elif w.dtype != "MXFP4":
                 return None
             layouts.add(w.dtype)
-        expected = {f"{prefix}{m}.{kind}" for m in EXPERT_MATRICES
-                    for kind in (("weight", "scale") if layouts == {"FP4_E2M1"} else ("weight",))}
+        expected = {names[role] for role in EXPERT_ROLES}
+        if layouts == {"FP4_E2M1"}:
+            expected |= {scale_name(names[role]) for role in EXPERT_ROLES}
         return layouts.pop() if len(layouts) == 1 and set(by_name) == expected else None
 
     def _buffer(self, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -446,9 +449,10 @@ class ExpertDecoder:
             pieces += [(index[a:b], pairs[a:b]) for a, b in self._pieces(len(index))]
         self._run(lambda piece: torch.index_select(table, 0, piece[0], out=piece[1]), pieces)
 
-    def decode(self, region: Region, layout: str, raw: torch.Tensor, base: int, prefix: str,
+    def decode(self, region: Region, layout: str, raw: torch.Tensor, base: int, names: Mapping[str, str],
                tokens: int | None = None) -> ExpertWeights:
-        """The expert of `region` (bytes in `raw`, which starts at file offset `base`). `tokens`: how many tokens it
+        """The expert of `region` (bytes in `raw`, which starts at file offset `base`; `names` as for layout, the
+        gate / up / down weights becoming ExpertWeights' w1 / w3 / w2). `tokens`: how many tokens it
         is about to run on; up to `fused_tokens`, where the fused kernel runs, the weights stay packed and each
         matmul decodes as it goes."""
         by_name = {t.name: t for t in region.tensors}
@@ -460,11 +464,11 @@ class ExpertDecoder:
         fused = self.fused is not None and tokens is not None and tokens <= self.fused_tokens
         table = self._fused_table(layout) if fused else self._table(layout)
         jobs, weights = [], {}
-        for m in EXPERT_MATRICES:
-            w = by_name[f"{prefix}{m}.weight"]
+        for m in EXPERT_ROLES:
+            w = by_name[names[m]]
             rows, cols = w.shape
             if layout == "FP4_E2M1":
-                data, scale = stored(w.name).view(-1, GROUP_BYTES), stored(f"{prefix}{m}.scale")
+                data, scale = stored(w.name).view(-1, GROUP_BYTES), stored(scale_name(w.name))
             else:
                 blocks = stored(w.name).view(-1, MXFP4_BLOCK_BYTES)
                 data, scale = blocks[:, 1:], blocks[:, 0]
@@ -475,9 +479,9 @@ class ExpertDecoder:
             jobs.append((data, scale, out))
             weights[m] = out.view(rows, cols)
         self._lookup(table, jobs)
-        columns = {m: by_name[f"{prefix}{m}.weight"].shape[1] for m in ("w1", "w2")}
-        orders = (self._order(columns["w1"]), self._order(columns["w2"])) if layout == "MXFP4" else (None, None)
-        return ExpertWeights(weights["w1"], weights["w3"], weights["w2"], *orders,
+        columns = {m: by_name[names[m]].shape[1] for m in ("gate", "down")}
+        orders = (self._order(columns["gate"]), self._order(columns["down"])) if layout == "MXFP4" else (None, None)
+        return ExpertWeights(weights["gate"], weights["up"], weights["down"], *orders,
                              kernel=self._fused_expert if fused else None)
 
     def _fused_table(self, layout: str) -> torch.Tensor:

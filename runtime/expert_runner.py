@@ -24,7 +24,6 @@ import torch
 
 from moepack.backends.grouped_experts import ExpertNaming
 from moepack.families.base import ExpertGroups, Routing
-from moepack.families.deepseek_v4 import model
 from moepack.format_spec.decode import decode_group, entry_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Block, Region
@@ -100,28 +99,28 @@ def decode_regions(regions: list[Region], raw: torch.Tensor, base: int, strip: s
     return out
 
 
-def decode_dense(block: Block, raw: torch.Tensor, compute_dtype: torch.dtype, prefix: str | None = None,
-                 in_compute_dtype: Callable[[str, int], bool] | None = None) -> dict[str, torch.Tensor]:
+def decode_dense(block: Block, raw: torch.Tensor, compute_dtype: torch.dtype, prefix: str | None = None, *,
+                 in_compute_dtype: Callable[[str, int], bool]) -> dict[str, torch.Tensor]:
     """A layer's dense weights from its region's bytes `raw` (on the compute device), named without `prefix`
-    (default: the block's name): those `in_compute_dtype(name, ndim)` chooses (default: DeepSeek-V4's low-precision
-    matrices, model.LOW_PRECISION_PREFIXES) straight into `compute_dtype`, everything else float32."""
+    (default: the block's name): those `in_compute_dtype(name, ndim)` chooses (the family's, LayerPrefill /
+    LayerDecode.in_compute_dtype) straight into `compute_dtype`, everything else float32."""
     prefix = block.name + "." if prefix is None else prefix
-    low_precision = in_compute_dtype or model.is_low_precision_matrix
 
     def dtype_of(t) -> torch.dtype:
-        return compute_dtype if low_precision(t.name[len(prefix):], len(t.shape)) else torch.float32
+        return compute_dtype if in_compute_dtype(t.name[len(prefix):], len(t.shape)) else torch.float32
     return decode_regions([block.dense], raw, block.dense.offset, prefix, dtype_of=dtype_of)
 
 
 class ExpertRunner:
     """Runs each layer's routed experts (`run_layer`) and, beside them, other work of the layer on the same
-    threads. `release(buffer)` gives a read's buffer back once its experts are done. `naming` says where an
-    expert's matrices are; `expert_ffn(x, gate, up, down)` computes one (a family's); without it the compiled
-    kernels of expert_decode.py do (DeepSeek-V4's experts: FP4 decoded by table or fused, clamped SwiGLU)."""
+    threads. `release(buffer)` gives a read's buffer back once its experts are done. `naming` (the family's, by
+    block: engine.backend_naming) says where an expert's matrices are; `expert_ffn(x, gate, up, down)` computes one
+    (a family's); without it the compiled kernels of expert_decode.py do (FP4 decoded by table or fused, clamped
+    SwiGLU)."""
 
     def __init__(self, cfg, device: torch.device, expert_dtype: torch.dtype, checker, copier,
                  release: Callable, compute: BusyTimer, fused_max_tokens_given: int | None = None,
-                 naming: ExpertNaming = model.EXPERT_NAMING, expert_ffn: Callable | None = None):
+                 *, naming: ExpertNaming, expert_ffn: Callable | None = None):
         self.cfg, self.device, self.expert_dtype = cfg, device, expert_dtype
         self.naming, self.expert_ffn = naming, expert_ffn
         self.checker, self.copier, self.release, self.compute = checker, copier, release, compute
@@ -307,12 +306,13 @@ class ExpertRunner:
         few). They may be views of `raw` or of the table decoder's buffers: valid until the next decode."""
         n = self.naming
         prefix = n.prefix(block, region.expert)
-        # the compiled decoders' layouts are DeepSeek-V4's experts (their names, their activation)
-        layout = ExpertDecoder.layout(region, prefix) if self.expert_ffn is None else None
+        names = {role: prefix + name for role, name in (("gate", n.gate), ("up", n.up), ("down", n.down))}
+        # the compiled decoders' layouts are the experts without a family's expert_ffn (their activation)
+        layout = ExpertDecoder.layout(region, names) if self.expert_ffn is None else None
         if layout is None:
             w = decode_regions([region], raw, base, prefix, self.expert_dtype, own=False)
             return ExpertWeights(w[n.gate], w[n.up], w[n.down])
-        return self._decoder().decode(region, layout, raw, base, prefix, tokens=tokens)
+        return self._decoder().decode(region, layout, raw, base, names, tokens=tokens)
 
     def owned_weights(self, block: Block, region: Region, raw: torch.Tensor, base: int) -> ExpertWeights:
         """expert_weights as dense matrices of their own, which outlive the bytes and the next decode (a cache of

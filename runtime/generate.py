@@ -18,10 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moepack.families import check_container, family_of_architecture
+from moepack.families import check_container, container_family
 from moepack.families import kv_directory as kvd
-from moepack.families.base import generation_kv_bytes
-from moepack.families.deepseek_v4.kv import kv_bytes
 from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
@@ -78,9 +76,9 @@ def eos_ids(config: dict) -> set[int]:
     return {eos} if isinstance(eos, int) else set()
 
 
-def family_eos_ids(container: Container) -> set[int]:
-    """A family model's end-of-sequence ids: its config's and its generation_config.json's (transformers' generate
-    stops at the latter), where the container carries one."""
+def model_eos_ids(container: Container) -> set[int]:
+    """A model's end-of-sequence ids: its config's and its generation_config.json's (transformers' generate stops
+    at the latter), where the container carries one."""
     entry = container.index.get("tokenizer", {}).get("generation_config.json") or {}
     generation = {}
     if entry.get("encoding") == "utf-8":
@@ -92,11 +90,8 @@ def family_eos_ids(container: Container) -> set[int]:
 
 
 def container_kv_bytes(container: Container, n_tokens: int) -> int:
-    """The KV of n_tokens a generation holds (float32): its family's (every layer), or DeepSeek-V4's."""
-    family = family_of_architecture(container.architecture)
-    if family is None or not family.generic_forward:
-        return kv_bytes(container.config, n_tokens)
-    return generation_kv_bytes(family, family.parse_config(container.config), n_tokens, 4)
+    """The KV of n_tokens a generation holds (float32, every layer): its family's KV format's count."""
+    return container_family(container).kv_format.kv_bytes(container.config, n_tokens, "F32")
 
 
 def resident_bytes(container: Container) -> int:
@@ -185,10 +180,8 @@ class Generator:
         self.prefill_options = prefill or PrefillOptions()
         self.c = Container(path)
         try:
-            # a family with generic_forward decodes through its protocol, the others through this runtime's own path
-            family, self.cfg = check_container(self.c)
-            self.family = family if family.generic_forward else None  # None: the runtime's own decode path
-            self.eos_ids = family_eos_ids(self.c) if self.family is not None else eos_ids(self.c.config)
+            self.family, self.cfg = check_container(self.c)
+            self.eos_ids = model_eos_ids(self.c)
             p = self.prefill_options
             self.device = compute_device(p.device)
             self.default_budget = default_cache_bytes(self.c, self.device) if cache_gib is None else None

@@ -59,8 +59,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from moepack.families.deepseek_v4.chat import (THINK_END, check_reasoning_effort, encode_message_segments,
-                                               markup_segments)
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range, loads
 from moepack.runtime.batching import BatchScheduler
@@ -219,20 +217,21 @@ class ThinkSplitter:
     """Splits streamed text at the first `</think>`: (field, text) pairs, "reasoning_content" before it and
     "content" after; a tail that may be the start of `</think>` is held back until the next piece says."""
 
-    def __init__(self, thinking: bool):
-        self.in_thought = thinking
+    def __init__(self, think_end: str | None):
+        """`think_end`: the chat encoding's end of a thought (None: the answer has no thought)."""
+        self.in_thought, self.end = think_end is not None, think_end
         self.held = ""
 
     def feed(self, piece: str) -> list[tuple[str, str]]:
         if not self.in_thought:
             return [("content", piece)] if piece else []
         text = self.held + piece
-        at = text.find(THINK_END)
+        at = text.find(self.end)
         if at >= 0:
             self.in_thought, self.held = False, ""
-            out = [("reasoning_content", text[:at]), ("content", text[at + len(THINK_END):])]
+            out = [("reasoning_content", text[:at]), ("content", text[at + len(self.end):])]
             return [(f, t) for f, t in out if t]
-        keep = partial_match_length(text, (THINK_END,))
+        keep = partial_match_length(text, (self.end,))
         self.held = text[len(text) - keep:] if keep else ""
         shown = text[:len(text) - keep]
         return [("reasoning_content", shown)] if shown else []
@@ -242,9 +241,10 @@ class ThinkSplitter:
         return [("reasoning_content" if self.in_thought else "content", held)] if held else []
 
 
-def split_thinking(text: str) -> tuple[str | None, str]:
-    """(reasoning_content, content) of a whole answer generated in thinking mode."""
-    reasoning, sep, content = text.partition(THINK_END)
+def split_thinking(text: str, think_end: str) -> tuple[str | None, str]:
+    """(reasoning_content, content) of a whole answer generated in thinking mode (`think_end`: the chat encoding's
+    end of a thought)."""
+    reasoning, sep, content = text.partition(think_end)
     return (reasoning, content) if sep else (reasoning, "")
 
 
@@ -385,7 +385,9 @@ class Server:
         self._tokenizer_error: str | None = None
         self._tokenizer_lock = threading.Lock()
         # a family's model (Qwen3-MoE): its chat template (serve/chat_template.py), compiled at the first chat
-        self.family = getattr(generator, "family", None)
+        self.family = generator.family
+        # a family's chat encoder (DeepSeek-V4's: markup rendered in code, thinking, tools), else None
+        self.encoding = self.family.chat_encoding
         self._chat_template = None
         self._chat_template_error: str | None = None
         self._grammar = None  # serve.grammar.JsonGrammar, built at the first response_format
@@ -454,7 +456,7 @@ class Server:
         if schema is None:
             return None
         grammar = self.json_grammar()
-        after = self.need_tokenizer("response_format").encode_special(THINK_END) if thinking else None
+        after = self.need_tokenizer("response_format").encode_special(self.encoding.THINK_END) if thinking else None
         try:
             grammar.constraint(schema, after)
         except MoepackError as e:
@@ -702,26 +704,28 @@ class Server:
             raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages",
                                code="invalid_type")
         _check_message_keys(messages)
-        if self.family is not None:
+        if self.encoding is None:
             return self.family_chat_ids(body, messages)
+        encoding = self.encoding
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
         try:
-            check_reasoning_effort(effort, thinking)
+            encoding.check_reasoning_effort(effort, thinking)
         except MoepackError as e:
             raise RequestError(str(e), param="reasoning_effort", code="invalid_value") from None
         try:
-            plan = tool_plan(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), thinking)
+            plan = tool_plan(encoding, body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
+                             thinking)
         except MoepackError as e:
             param = str(e).split(":")[0].split("[")[0]
             raise RequestError(str(e), param=param if param in body else "tools", code="invalid_value") from None
         fmt = body.get("response_format") if self.output_schema(body) is not None else None
         try:
-            segments = encode_message_segments(with_prompt_extras(messages, plan.tools, fmt), thinking=thinking,
-                                               reasoning_effort=effort)
+            segments = encoding.encode_message_segments(with_prompt_extras(messages, plan.tools, fmt),
+                                                        thinking=thinking, reasoning_effort=effort)
         except MoepackError as e:
             raise RequestError(str(e), param="messages", code="invalid_value") from None
-        segments += markup_segments(plan.prefill)
+        segments += encoding.markup_segments(plan.prefill)
         return self.need_tokenizer("messages").encode_segments(segments), thinking, plan  # content: plain text
 
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
@@ -1245,7 +1249,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 text = result.text or ""
                 message = {"role": "assistant", "content": text}
                 if thinking:
-                    message["reasoning_content"], message["content"] = split_thinking(text)
+                    message["reasoning_content"], message["content"] = split_thinking(text, server.encoding.THINK_END)
                 finish = result.finish_reason
                 if plan.parse:
                     message["content"], calls = split_answer(message["content"], plan)
@@ -1261,8 +1265,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
         def choice_stream(i: int) -> ChoiceStream:
-            splitter = ThinkSplitter(thinking)
-            calls = ToolCallSplitter(plan.prefill, plan.parallel) if plan.parse else None
+            splitter = ThinkSplitter(server.encoding.THINK_END if thinking else None)
+            calls = ToolCallSplitter(plan.encoding, plan.prefill, plan.parallel) if plan.parse else None
             first, n_calls = [True], [0]
 
             def pieces(parts, route: bool = True):

@@ -1,4 +1,5 @@
-"""The server's side of tool calling (families/deepseek_v4/tools.py holds DeepSeek-V4's format): a request's `tools`,
+"""The server's side of tool calling in a chat encoding's format (its `tool_format` module: DeepSeek-V4's DSML,
+families/deepseek_v4/tools.py, reached through the family's chat_encoding): a request's `tools`,
 `tool_choice` and `parallel_tool_calls` checked into a ToolPlan, the tools and response_format placed where the
 release's encoder reads them (the conversation's system message), and the model's answer split into content and OpenAI
 `tool_calls`, whole or as a stream (ToolCallSplitter).
@@ -14,15 +15,15 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
-from moepack.families.deepseek_v4.chat import THINK_END
-from moepack.families.deepseek_v4.tools import (DSML, INVOKE_END, TOOL_CALLS_END, TOOL_CALLS_START, ToolCallFormatError,
-                                                check_tools, parse_invoke)
 from moepack.format_spec.errors import MoepackError
 from moepack.runtime.sampling import partial_match_length
 
 
-_INVOKE_OPEN = f'<{DSML}invoke name="'
+def _invoke_open(fmt) -> str:
+    """The opening of an invoke in a tool-call format (a chat encoding's `tool_format` module) up to the name."""
+    return f'<{fmt.DSML}invoke name="'
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,15 @@ class ToolPlan:
     prefill: str = ""  # markup the prompt ends with: the answer's text goes on from it
     forced_name: str | None = None  # a named tool_choice: the function the prefill opens
     parallel: bool = True  # parallel_tool_calls false: only the first call is kept
+    encoding: Any = None  # the chat encoding (a module) whose tool_format the answer is parsed in
 
 
-def tool_plan(tools, tool_choice, parallel, thinking: bool) -> ToolPlan:
-    """The plan of a request's tools fields; MoepackError (its message starting with the field) when wrong."""
+def tool_plan(encoding, tools, tool_choice, parallel, thinking: bool) -> ToolPlan:
+    """The plan of a request's tools fields in `encoding`'s (a chat encoding module's) tool-call format; MoepackError
+    (its message starting with the field) when wrong."""
+    fmt = encoding.tool_format
     if tools is not None:
-        tools = check_tools(tools, "tools")
+        tools = fmt.check_tools(tools, "tools")
     if parallel is not None and not isinstance(parallel, bool):
         raise MoepackError("parallel_tool_calls: expected a boolean")
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
@@ -57,11 +61,11 @@ def tool_plan(tools, tool_choice, parallel, thinking: bool) -> ToolPlan:
     if choice == "none":
         return ToolPlan(None, False)
     if choice == "auto":
-        return ToolPlan(tools, True, parallel=parallel is not False)
-    prefill = (THINK_END if thinking else "") + TOOL_CALLS_START + "\n" + _INVOKE_OPEN
+        return ToolPlan(tools, True, parallel=parallel is not False, encoding=encoding)
+    prefill = (encoding.THINK_END if thinking else "") + fmt.TOOL_CALLS_START + "\n" + _invoke_open(fmt)
     if name is not None:
         prefill += f'{name}">\n'
-    return ToolPlan(tools, True, prefill, name, parallel is not False)
+    return ToolPlan(tools, True, prefill, name, parallel is not False, encoding)
 
 
 def with_prompt_extras(messages: list, tools: list[dict] | None, response_format: dict | None) -> list:
@@ -90,47 +94,51 @@ class ToolCallSplitter:
     """An answer's text (after its thought), piece by piece, into ("content", text) and ("tool_call", call) events:
     text up to the tool-call block is content (a tail that may open the block is held back until the next piece
     says), each invoke becomes a call once complete. `prefill`: the markup the prompt ended with (the answer goes
-    on from it). A call that does not follow the format comes out as content, as it was written."""
+    on from it). A call that does not follow the format (`encoding`'s tool_format) comes out as content, as it was
+    written."""
 
-    def __init__(self, prefill: str = "", parallel: bool = True):
+    def __init__(self, encoding, prefill: str = "", parallel: bool = True):
+        self.fmt = encoding.tool_format
         self.held = ""
         self.block: str | None = None  # the text after TOOL_CALLS_START, once it came
         self.done_at = 0  # how much of the block has become events
         self.calls = 0
         self.parallel = parallel
         if prefill:
-            self.feed(prefill.split(THINK_END, 1)[-1])
+            self.feed(prefill.split(encoding.THINK_END, 1)[-1])
 
     def feed(self, piece: str) -> list[tuple[str, object]]:
         if self.block is None:
             text = self.held + piece
-            at = text.find(TOOL_CALLS_START)
+            start = self.fmt.TOOL_CALLS_START
+            at = text.find(start)
             if at < 0:
-                keep = partial_match_length(text, (TOOL_CALLS_START,))
+                keep = partial_match_length(text, (start,))
                 self.held = text[len(text) - keep:] if keep else ""
                 shown = text[:len(text) - keep]
                 return [("content", shown)] if shown else []
-            self.held, self.block = "", text[at + len(TOOL_CALLS_START):]
+            self.held, self.block = "", text[at + len(start):]
             return ([("content", text[:at])] if at else []) + self._complete_calls()
         self.block += piece
         return self._complete_calls()
 
     def _complete_calls(self) -> list[tuple[str, object]]:
-        out = []
+        out, fmt = [], self.fmt
+        invoke_open = _invoke_open(fmt)
         while True:
             rest = self.block[self.done_at:]
-            end = rest.find(INVOKE_END)
+            end = rest.find(fmt.INVOKE_END)
             if end < 0:
                 return out
-            call_text = rest[:end + len(INVOKE_END)]
+            call_text = rest[:end + len(fmt.INVOKE_END)]
             self.done_at += len(call_text)
-            start = call_text.find(_INVOKE_OPEN)
-            head, sep, body = call_text[start + len(_INVOKE_OPEN):].partition('">\n')
+            start = call_text.find(invoke_open)
+            head, sep, body = call_text[start + len(invoke_open):].partition('">\n')
             try:
                 if start < 0 or call_text[:start].strip() or not sep:
-                    raise ToolCallFormatError("not an invoke")
-                name, arguments = parse_invoke(head, body[:-len(INVOKE_END)])
-            except ToolCallFormatError:
+                    raise fmt.ToolCallFormatError("not an invoke")
+                name, arguments = fmt.parse_invoke(head, body[:-len(fmt.INVOKE_END)])
+            except fmt.ToolCallFormatError:
                 out.append(("content", call_text))
                 continue
             if self.parallel or not self.calls:
@@ -143,7 +151,7 @@ class ToolCallSplitter:
         if self.block is None:
             held, self.held = self.held, ""
             return [("content", held)] if held else []
-        rest = self.block[self.done_at:].split(TOOL_CALLS_END, 1)
+        rest = self.block[self.done_at:].split(self.fmt.TOOL_CALLS_END, 1)
         if len(rest) == 2 and rest[1].strip():
             return [("content", rest[1])]
         return []
@@ -151,7 +159,7 @@ class ToolCallSplitter:
 
 def split_answer(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
     """(content, OpenAI tool_calls) of a whole answer; content None when there are calls and no text."""
-    splitter = ToolCallSplitter(plan.prefill, plan.parallel)
+    splitter = ToolCallSplitter(plan.encoding, plan.prefill, plan.parallel)
     events = splitter.feed(text) + splitter.flush()
     content = "".join(v for k, v in events if k == "content")
     calls = [v for k, v in events if k == "tool_call"]

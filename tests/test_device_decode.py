@@ -316,11 +316,12 @@ def test_the_step_through_static_buffers_as_cuda_graphs_replay_them_equals_eager
 
 
 def test_the_pool_is_refused_without_decoded_experts(containers):
+    from moepack.families import check_container
     from moepack.format_spec.reader import Container
-    from moepack.runtime.engine import model_config
 
     with Container(containers["A"]) as c, pytest.raises(ValueError, match="decoded"):
-        Decoder(c, model_config(c), torch.device("cpu"), 1 << 20, decoded_experts=False, expert_pool=True)
+        family, cfg = check_container(c)
+        Decoder(c, cfg, torch.device("cpu"), 1 << 20, decoded_experts=False, expert_pool=True, family=family)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

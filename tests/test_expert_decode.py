@@ -58,8 +58,8 @@ def test_table_decode_equals_generic_decode_for_arbitrary_bytes(fp4_containers, 
     with Container(fp4_containers[policy]) as c:
         block = c.layers[1]
         region = block.experts[2]
-        prefix = f"{block.name}.ffn.experts.{region.expert}."
-        assert ExpertDecoder.layout(region, prefix) == layout
+        names = model.LAYER_EXPERT_NAMING.names(block.number, region.expert)
+        assert ExpertDecoder.layout(region, names) == layout
         with open(c.path, "rb") as f:
             f.seek(region.offset)
             raw = torch.frombuffer(bytearray(f.read(region.length)), dtype=torch.uint8)
@@ -74,9 +74,9 @@ def test_table_decode_equals_generic_decode_for_arbitrary_bytes(fp4_containers, 
             raw = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
         generic = decode_group(region.tensors, lambda t: raw[t.file_offset - region.offset:
                                                               t.file_offset - region.offset + t.length], dtype)
-        fast = decoder.decode(region, layout, raw, region.offset, prefix)
-        for m in ("w1", "w3", "w2"):
-            want = generic[f"{prefix}{m}.weight"]
+        fast = decoder.decode(region, layout, raw, region.offset, names)
+        for role, m in (("gate", "w1"), ("up", "w3"), ("down", "w2")):  # ExpertWeights' own field names
+            want = generic[names[role]]
             got = getattr(fast, m)
             if layout == "MXFP4":  # stored in pair order: column j is logical column order[j]
                 want = want[:, _pair_order(want.shape[1])]
@@ -93,8 +93,9 @@ def test_pair_order_is_a_permutation_within_each_block():
 def test_layout_refuses_what_the_table_cannot_decode(fp4_containers):
     with Container(fp4_containers["keep"]) as c:
         block = c.layers[0]
-        assert ExpertDecoder.layout(block.experts[0], f"{block.name}.ffn.experts.1.") is None  # wrong prefix
-        assert ExpertDecoder.layout(block.dense, f"{block.name}.ffn.experts.0.") is None
+        wrong = model.LAYER_EXPERT_NAMING.names(block.number, 1)  # another expert's names
+        assert ExpertDecoder.layout(block.experts[0], wrong) is None
+        assert ExpertDecoder.layout(block.dense, model.LAYER_EXPERT_NAMING.names(block.number, 0)) is None
 
 
 @pytest.mark.parametrize("policy", ["keep", "fp4"])
@@ -104,7 +105,7 @@ def test_prefill_with_the_table_decoder_equals_the_generic_path(fp4_containers, 
     ids = torch.randint(0, 500, (70,), generator=torch.Generator().manual_seed(1))
     options = PrefillOptions(expert_dtype=expert_dtype)
     fast = prefill(fp4_containers[policy], ids, options).logits
-    monkeypatch.setattr(expert_runner.ExpertDecoder, "layout", staticmethod(lambda region, prefix: None))
+    monkeypatch.setattr(expert_runner.ExpertDecoder, "layout", staticmethod(lambda region, names: None))
     generic = prefill(fp4_containers[policy], ids, options).logits
     if policy == "keep":  # same values in the same order: the same bits
         assert torch.equal(fast, generic)
@@ -157,17 +158,17 @@ def test_fused_expert_matches_the_decoded_expert(fp4_containers, policy, layout,
         cfg = ModelConfig.from_hf(c.config)
         block = c.layers[1]
         region = block.experts[2]
-        prefix = f"{block.name}.ffn.experts.{region.expert}."
+        names = model.LAYER_EXPERT_NAMING.names(block.number, region.expert)
         with open(c.path, "rb") as f:
             f.seek(region.offset)
             raw = torch.frombuffer(bytearray(f.read(region.length)), dtype=torch.uint8)
     decoder = ExpertDecoder(torch.bfloat16, torch.device("cpu"))
     for tokens in (1, 7, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 1):
         x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
-        packed = decoder.decode(region, layout, raw, region.offset, prefix, tokens=tokens)
+        packed = decoder.decode(region, layout, raw, region.offset, names, tokens=tokens)
         assert isinstance(packed.w1, PackedMatrix) == (tokens <= FUSED_MAX_TOKENS)
         got = packed.apply(cfg, x)
-        full = decoder.decode(region, layout, raw, region.offset, prefix)  # decoded: the exact weights
+        full = decoder.decode(region, layout, raw, region.offset, names)  # decoded: the exact weights
         order = full.input_order if full.input_order is not None else slice(None)
         want = model.expert_forward(cfg, x[:, order].double(), full.w1.double(), full.w3.double(), full.w2.double(),
                                     full.hidden_order)
@@ -180,7 +181,7 @@ def test_fused_expert_matches_the_decoded_expert(fp4_containers, policy, layout,
         assert into.data_ptr() == rows[1].data_ptr() and torch.equal(into.to(torch.bfloat16), got)
         assert torch.equal(rows[0], rows[-1]) and rows[0].eq(7.0).all()  # nothing written around them
     with pytest.raises(ValueError, match="float32"):
-        packed = decoder.decode(region, layout, raw, region.offset, prefix, tokens=3)
+        packed = decoder.decode(region, layout, raw, region.offset, names, tokens=3)
         packed.apply(cfg, torch.zeros(3, cfg.hidden_size, dtype=torch.bfloat16), torch.empty(3, 5))
 
 

@@ -17,7 +17,6 @@ from click.testing import CliRunner
 
 from moepack.cli.main import cli
 from moepack.families import family_named
-from moepack.families.base import family_kv_state
 from moepack.families.qwen3_moe.model import KVState, forward
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
@@ -194,7 +193,9 @@ class FamilyForwardPrefill:
 
     def run(self, token_ids, past=None, keep_kv=False, should_stop=None, **_):
         self.runs += 1
-        kv = family_kv_state(FAMILY, self.checkpoint.config, past) if past else KVState.empty(self.checkpoint.config)
+        kv = KVState.empty(self.checkpoint.config)
+        if past:  # a prefill hands on the layers' states
+            kv.layers[:] = list(past)
         logits = forward(self.checkpoint, token_ids, kv)[-1]
         return PrefillResult(logits, int(logits.argmax()), {"tokens": len(token_ids), "seconds": 0.0}, [],
                              kv.layers if keep_kv else None, None)
@@ -401,18 +402,18 @@ def test_moepack_serve_chat_completion_through_the_openai_client(synthesized, ma
 
 
 def test_decode_names_no_family_and_both_families_give_its_protocol():
-    """runtime/decode.py and device_decode.py name no family (but the default for a container no registered family
-    claims) and none of DeepSeek-V4's tensors; each family's LayerDecode has every method of the protocol."""
+    """runtime/decode.py and device_decode.py name no family and none of DeepSeek-V4's tensors (the Decoder takes
+    its arithmetic from the family's layer_decode, for every family); each family's LayerDecode has every method of
+    the protocol."""
     import inspect
 
     from moepack.families.base import LayerDecode
     from moepack.families.deepseek_v4.decode import DeepseekV4Decode
     from moepack.families.qwen3_moe.decode import Qwen3MoeDecode
-    from moepack.runtime import decode, device_decode
+    from moepack.runtime import decode, device_decode, generate
 
-    default = inspect.getsource(decode.default_layer_decode)
     for module in (decode, device_decode):
-        source = inspect.getsource(module).replace(default, "")
+        source = inspect.getsource(module)
         assert "deepseek" not in source.lower() and "qwen" not in source.lower(), module.__name__
         for name in ("tid2eid", "hc_", "wq_b", "cfg.head_weight", "hash_layers", "swiglu",
                      "embed.weight", "HEAD_GLOBALS", "TokenLayers", "model."):
@@ -423,3 +424,6 @@ def test_decode_names_no_family_and_both_families_give_its_protocol():
     assert all(callable(getattr(DeepseekV4Decode, n, None)) for n in methods)
     assert all(callable(getattr(Qwen3MoeDecode, n, None)) for n in set(methods) - optional)
     assert Qwen3MoeDecode.token_layers(None, []) is None  # no compiled path: the torch one
+    for module in (decode, generate):  # the family's arithmetic for every container, none by default
+        assert "default_layer_decode" not in inspect.getsource(module) and "generic_forward" not in \
+            inspect.getsource(module), module.__name__

@@ -178,11 +178,11 @@ def test_the_think_splitter_matches_the_whole_split():
         for _ in range(20):
             cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
             pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
-            s = ThinkSplitter(True)
+            s = ThinkSplitter("</think>")
             parts = [p for piece in pieces for p in s.feed(piece)] + s.flush()
             reasoning = "".join(t for f, t in parts if f == "reasoning_content")
             content = "".join(t for f, t in parts if f == "content")
-            assert (reasoning, content) == split_thinking(text)
+            assert (reasoning, content) == split_thinking(text, "</think>")
 
 
 def test_three_concurrent_requests_all_succeed(tiny_server):

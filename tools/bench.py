@@ -363,6 +363,12 @@ def _synthetic_expert(storage: str, hidden: int, inter: int, seed: int) -> list[
     return out
 
 
+def _expert_names() -> dict[str, str]:
+    """The gate / up / down weights' names of an expert's tensors as measured here (without their prefix)."""
+    naming = _expert_naming()
+    return {"gate": naming.gate, "up": naming.up, "down": naming.down}
+
+
 def _container_experts(path: str, count: int) -> tuple[list, int, int, str]:
     """`count` experts of the first top-k-routed layer of a container, as stored: (experts, hidden, inter, type)."""
     from moepack.format_spec.reader import Container
@@ -396,7 +402,7 @@ def _expert_region(tensors: dict):
                                        length=raw.numel()))
         offset += raw.numel()
     region = SimpleNamespace(tensors=entries)
-    return region, torch.cat([raw for _, _, raw in tensors.values()]), ExpertDecoder.layout(region, "")
+    return region, torch.cat([raw for _, _, raw in tensors.values()]), ExpertDecoder.layout(region, _expert_names())
 
 
 def _decode_expert(tensors: dict, dtype: torch.dtype, decoder, tokens: int | None = None):
@@ -408,7 +414,7 @@ def _decode_expert(tensors: dict, dtype: torch.dtype, decoder, tokens: int | Non
 
     region, raw, layout = _expert_region(tensors)
     if layout is not None:
-        return decoder.decode(region, layout, raw, 0, "", tokens=tokens)
+        return decoder.decode(region, layout, raw, 0, _expert_names(), tokens=tokens)
     w = decode_group(region.tensors, lambda t: raw[t.file_offset: t.file_offset + t.length], dtype)
     naming = _expert_naming()
     return ExpertWeights(w[naming.gate], w[naming.up], w[naming.down])

@@ -44,8 +44,9 @@ def _role(name: str) -> str:
 
 class DeepseekV4Family:
     """The ModelFamily protocol for DeepSeek-V4 (V4-Flash, V4-Pro: the release's and transformers' layouts, one
-    adapter for both). Its decode and its GGUF writer / reader are still the runtime's and the packer's own
-    (`generic_forward` False): the protocol's forward functions are not implemented here."""
+    adapter for both). Its GGUF writer / reader are still the packer's own (`generic_forward` False): the
+    protocol's generic forward functions are not implemented here; its prefill and decode are layer_prefill's and
+    layer_decode's."""
 
     name = "deepseek-v4"
     architectures = (ARCHITECTURE,)
@@ -191,6 +192,12 @@ class DeepseekV4Family:
         from .model import DeepseekV4Prefill
 
         return DeepseekV4Prefill(config)
+
+    def layer_decode(self, config: ModelConfig, compute_dtype):
+        """The token-major decode's arithmetic (families.base.LayerDecode; decode.py)."""
+        from .decode import layer_decode
+
+        return layer_decode(config, compute_dtype)
 
     def check_container(self, container, computable: bool = True) -> ModelConfig:
         """The model a container holds, as this runtime will compute it, checked before anything is read: a

@@ -15,7 +15,7 @@ from ..base import (ExpertNaming, GGUFModel, MoeShape, TensorSpec, chat_template
 from .adapter import QWEN3_MOE
 from .gguf import GGUF_ARCH, config_from_gguf, gguf_model
 from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
-from .tensors import EXPERT_NAMING, fp8_block, global_tensors, layer_tensors, release_tensors, tensor_specs
+from .tensors import EXPERT_NAMING, fp8_block, release_tensors, tensor_specs
 
 
 class Qwen3MoeFamily:
@@ -104,13 +104,6 @@ class Qwen3MoeFamily:
 
     def chat_template(self, tokenizer_config: Mapping[str, Any]) -> str | None:
         return chat_template_from_tokenizer_config(tokenizer_config)
-
-    # ContainerWeights (families/base.py): the weights by the names the forward reads
-    def layer_weights(self, config, layer, named):
-        return layer_tensors(named, layer)
-
-    def global_weights(self, config, named):
-        return global_tensors(config, named)
 
     def check_container(self, container, computable: bool = True) -> Qwen3MoeConfig:
         from moepack.families import container_schema_problem
