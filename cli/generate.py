@@ -190,7 +190,7 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
     with Container(file) as c:
         config = c.config
         tokenizer = PromptTokenizer(c) if any(s.token_ids is None for s in specs) else None
-        vocab = c.config.get("vocab_size")
+        vocab = config.get("vocab_size")
         for i, spec in enumerate(specs):
             try:
                 if spec.token_ids is not None:
@@ -276,8 +276,9 @@ def _figures(result) -> str:
 
 
 def _family_chat_ids(container, family, messages, thinking: bool, reasoning_effort, tokenizer) -> list[int]:
-    """A family model's conversation through its chat template, tokenized as apply_chat_template does;
-    --thinking is the template's enable_thinking (left to the template's default without it)."""
+    """A conversation through the model's chat template (its family has no chat encoding), tokenized as
+    apply_chat_template does; --thinking is the template's enable_thinking (left to the template's default
+    without it)."""
     from moepack.format_spec.errors import MoepackError
     from moepack.serve.chat_template import family_chat_template
 

@@ -77,9 +77,9 @@ def __getattr__(name: str):
 
 def family_named(name: str) -> ModelFamily:
     """The family `name` (as `--family` spells it)."""
-    for entry in _families():
-        if entry.name == name:
-            return entry.family
+    family = _family_where(lambda e: e.name == name)
+    if family is not None:
+        return family
     raise UnknownFamilyError(f"unknown model family {name!r} (supported: "
                              f"{', '.join(f.name for f in _families())})")
 

@@ -469,9 +469,8 @@ def family_kv_format(family: Any) -> KVFormat | None:
 class RegisteredFamily(ModelFamily, Protocol):
     """ModelFamily plus the questions the converter, `moepack plan`, `verify` and the runtime ask a family."""
 
-    # True: decode, generation and the GGUF export / import run the family through ModelFamily's forward
-    # functions (embed, before_experts, after_experts, head) and gguf_model / config_from_gguf; False: the family's
-    # decode and GGUF are the runtime's and the packer's own still (DeepSeek-V4's)
+    # True: the GGUF export / import run the family through gguf_model / config_from_gguf (and ModelFamily's forward
+    # functions are implemented); False: the family's GGUF writer / reader are the packer's own (DeepSeek-V4's)
     generic_forward: bool
     gguf_architectures: tuple[str, ...]  # llama.cpp's names of it (a GGUF's general.architecture)
 
@@ -562,8 +561,8 @@ def sum_entries(n: int, rate: int, cap: int | None = None) -> int:
 # The token-major decode's protocol (runtime/decode.py Decoder; issue 39). A family's
 # `layer_decode(config, compute_dtype)` gives one LayerDecode, the decode's analogue of LayerPrefill (and a
 # superset of it: its names, layer prefix, dtypes, embedding, hash tables, expert FFN and activation are the
-# prefill's). The Decoder reads, caches and streams; the LayerDecode computes B rows of one step, one per sequence,
-# each row over its own sequence's per-layer token state:
+# prefill's; each family's decode subclasses its prefill). The Decoder reads, caches and streams; the LayerDecode
+# computes B rows of one step, one per sequence, each row over its own sequence's per-layer token state:
 #
 #     hidden = hidden_from_embeddings(embedding rows)
 #     per layer:  attended = attend(layer, w, hidden, the rows' token states, graphs)
@@ -605,26 +604,17 @@ class TokenPath(Protocol):
 
 
 @runtime_checkable
-class LayerDecode(Protocol):
-    """One decode's arithmetic for the Decoder (runtime/decode.py), over a family's config and compute dtype.
-    What the Decoder holds: each layer's dense weights `w` (decode_dense: keyed by name after layer_prefix, in the
-    compute dtype where in_compute_dtype says so), the head's weights by their stored names (names.head_globals
-    and names.head, in global_dtype), the embedding's stored bytes (rows decoded per step), and per sequence one
-    token state per layer (token_state)."""
+class LayerDecode(LayerPrefill, Protocol):
+    """One decode's arithmetic for the Decoder (runtime/decode.py), over a family's config and compute dtype: a
+    LayerPrefill (its config, shape, names, expert naming and FFN, layer prefix and dtypes are the decode's too)
+    plus the members below. What the Decoder holds: each layer's dense weights `w` (decode_dense: keyed by name
+    after layer_prefix, in the compute dtype where in_compute_dtype says so), the head's weights by their stored
+    names (names.head_globals and names.head, in global_dtype), the embedding's stored bytes (rows decoded per
+    step), and per sequence one token state per layer (token_state)."""
 
-    config: Any
-    shape: MoeShape
-    names: PrefillNames  # the embedding, the head's matrix and its other weights
-    expert_naming: ExpertNaming  # a routed expert's matrices by their container names (by layer)
-    # the expert runner's expert (x, gate, up, down) -> rows; None: the runner's compiled kernels (DeepSeek-V4's)
-    expert_ffn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None
     # the clamp of the SwiGLU the compiled token kernel computes (backends/token_kernels.moe); None: that kernel
     # does not compute this family's experts
     token_kernel_limit: float | None
-
-    def layer_prefix(self, layer: int) -> str: ...
-
-    def in_compute_dtype(self, name: str, ndim: int) -> bool: ...
 
     def global_dtype(self, name: str, stored_dtype: str, compiled: bool) -> Any:
         """The torch dtype the head's weight `name` (stored as `stored_dtype`) is decoded to; `compiled`: the

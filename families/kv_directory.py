@@ -167,6 +167,11 @@ def _identity_mismatch(recorded: Mapping, expected: Mapping) -> str | None:
     return None
 
 
+def _ids(token_ids) -> list[int]:
+    """Token ids (a tensor or any iterable of ints) as a list of ints."""
+    return [int(t) for t in (token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)]
+
+
 def _prompt_mismatch(recorded: list[int], expected: list[int]) -> str:
     first = next((i for i, (a, b) in enumerate(zip(recorded, expected)) if a != b), min(len(recorded), len(expected)))
     return (f"the KV holds {len(recorded)} tokens (xxh3 {token_ids_xxh3(recorded)}), the prompt has {len(expected)} "
@@ -284,7 +289,7 @@ class KVWriter:
         identity.setdefault("container_index_xxh3", None)
         identity["config_xxh3"] = config_xxh3(identity["config"])
         self.geometry = kv_format.geometry(identity["config"])
-        ids = [int(t) for t in (token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)]
+        ids = _ids(token_ids)
         if not ids:
             raise MoepackError("KV of an empty prompt")
         if not 0 <= start_token < len(ids):
@@ -559,7 +564,7 @@ class KVCache:
     def new_tokens(self, token_ids) -> list[int]:
         """For a prompt that continues this KV's: the tokens after the KV's (FormatError if the KV's tokens are not
         a strict prefix of `token_ids`)."""
-        ids = [int(t) for t in (token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)]
+        ids = _ids(token_ids)
         if len(ids) <= len(self.token_ids) or ids[:len(self.token_ids)] != self.token_ids:
             raise FormatError(f"{self.path}: prompt mismatch: the prompt does not continue the KV's: "
                               f"{_prompt_mismatch(self.token_ids, ids)}")
@@ -704,7 +709,7 @@ class KVDirectory:
             self._fail(f"KV from another model: {problem}")
 
     def check_prompt(self, expected) -> None:
-        ids = [int(t) for t in (expected.tolist() if hasattr(expected, "tolist") else expected)]
+        ids = _ids(expected)
         if ids != self.token_ids:
             self._fail(f"prompt mismatch: {_prompt_mismatch(self.token_ids, ids)}")
 
@@ -813,6 +818,7 @@ def inspect_kv(kv_dir: str, kv_format, expect_identity: Mapping | None = None, e
         t["bytes"] += row.get("bytes", 0)
     ident = m["identity"]
     result = m.get("result") or {}
+    complete_bytes = sum(row.get("bytes", 0) for row in layers)  # complete layers only: others' entries are unchecked
     return {
         "path": d.path,
         "format_version": f"{m['format_version'][0]}.{m['format_version'][1]}",
@@ -827,8 +833,8 @@ def inspect_kv(kv_dir: str, kv_format, expect_identity: Mapping | None = None, e
         "start_token": m["tokens"]["start"],
         "token_ids_xxh3": m["tokens"]["ids_xxh3"],
         "dtype": m["dtype"],
-        "bytes": sum(row.get("bytes", 0) for row in layers),  # complete layers only: others' entries are unchecked
-        "bytes_per_token": round(sum(row.get("bytes", 0) for row in layers) / m["tokens"]["count"], 1),
+        "bytes": complete_bytes,
+        "bytes_per_token": round(complete_bytes / m["tokens"]["count"], 1),
         "by_type": by_type,
         "next_token": result.get("next_token"),
         "verified": verify,

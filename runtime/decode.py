@@ -236,10 +236,10 @@ class DecodeStats:
 
 class Decoder:
     """Decodes tokens over one container: the resident weights and the expert cache are loaded once and serve every
-    sequence. `begin(states)` starts the current sequence after `states` (the family's KV state of each layer, all after the
-    same tokens); `step(token_id)` feeds it one token and returns the next position's logits ([vocab] float32, on
-    the host). Several sequences: `start(states)` gives each its DecodeSequence, and `step_batch(sequences,
-    token_ids)` feeds each its token in one step ([B, vocab] logits)."""
+    sequence. `begin(states)` starts the current sequence after `states` (the family's KV state of each layer, all
+    after the same tokens); `step(token_id)` feeds it one token and returns the next position's logits ([vocab]
+    float32, on the host). Several sequences: `start(states)` gives each its DecodeSequence, and
+    `step_batch(sequences, token_ids)` feeds each its token in one step ([B, vocab] logits)."""
 
     def __init__(self, container: Container, cfg, device: torch.device, cache_bytes: int,
                  compute_dtype: torch.dtype = torch.float32, expert_dtype: torch.dtype = torch.float32,
@@ -820,8 +820,7 @@ class Decoder:
     def close(self) -> None:
         self.pipe.close()
         self.reader.close()
-        if self.experts is not None:
-            self.experts.close()
+        self.experts.close()
         self.cache = ExpertCache(0)
         if self.pool is not None:
             self.pool.release()

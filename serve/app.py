@@ -7,8 +7,8 @@ or not), GET /metrics (Prometheus: serve/metrics.py), POST /tokenize and /detoke
 Every request field is acted on or refused by name (CHAT_FIELDS, COMPLETION_FIELDS, REFUSED_FIELDS); logprobs,
 penalties and logit_bias go to the Sampler, response_format to a JSON constraint (serve/grammar.py), tools to the
 release's encoder and back out of the answer (serve/tool_calls.py). Responses carry llama-server's `timings`.
-A family's model (Qwen3-MoE) chats through its tokenizer_config's chat template (serve/chat_template.py): none
-there is a 400 naming it, and tools are refused for it.
+A model whose family has no chat encoding (Qwen3-MoE) chats through its tokenizer_config's chat template
+(serve/chat_template.py): none there is a 400 naming it, and tools are refused for it.
 
 Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the generations go to a BatchScheduler
 (runtime/batching.py): up to max_batch sequences decode together, one step feeding each its next token, a newcomer
@@ -384,10 +384,10 @@ class Server:
         self._tokenizer = None
         self._tokenizer_error: str | None = None
         self._tokenizer_lock = threading.Lock()
-        # a family's model (Qwen3-MoE): its chat template (serve/chat_template.py), compiled at the first chat
         self.family = generator.family
-        # a family's chat encoder (DeepSeek-V4's: markup rendered in code, thinking, tools), else None
+        # the family's chat encoder (DeepSeek-V4's: markup rendered in code, thinking, tools), else None
         self.encoding = self.family.chat_encoding
+        # without one (Qwen3-MoE): its chat template (serve/chat_template.py), compiled at the first chat
         self._chat_template = None
         self._chat_template_error: str | None = None
         self._grammar = None  # serve.grammar.JsonGrammar, built at the first response_format
@@ -667,7 +667,8 @@ class Server:
                            code="invalid_type")
 
     def chat_template(self):
-        """A family model's chat template, compiled once; a 400 naming what is missing where it has none."""
+        """The model's chat template (its family has no chat encoding), compiled once; a 400 naming what is
+        missing where it has none."""
         with self._tokenizer_lock:
             if self._chat_template is None and self._chat_template_error is None:
                 try:
@@ -680,8 +681,9 @@ class Server:
         return self._chat_template
 
     def family_chat_ids(self, body: dict, messages: list) -> tuple[list[int], bool, ToolPlan]:
-        """A family model's conversation: its chat template's text, tokenized as apply_chat_template does (its
-        markup into special tokens); no tools (its tool-call format is not parsed here), no thinking split."""
+        """A conversation through the model's chat template (its family has no chat encoding): the template's
+        text, tokenized as apply_chat_template does (its markup into special tokens); no tools (its tool-call
+        format is not parsed here), no thinking split."""
         for field in ("tools", "tool_choice"):
             if body.get(field) is not None:
                 raise RequestError(f"{field}: not supported for a {self.family.name} model yet", param=field,

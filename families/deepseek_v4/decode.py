@@ -93,8 +93,3 @@ class DeepseekV4Decode(model.DeepseekV4Prefill):
             return torch.stack([model.head(cfg, rows_output[row:row + 1], w_globals, -1).float().cpu()
                                 for row in range(rows_output.shape[0])])
         return kernels.linear(x, token_kernels.float_matrix(weight), False)
-
-
-def layer_decode(cfg: ModelConfig, compute_dtype: torch.dtype | None = None) -> DeepseekV4Decode:
-    """DeepSeek-V4's LayerDecode (its compute dtype is per matrix: in_compute_dtype)."""
-    return DeepseekV4Decode(cfg)

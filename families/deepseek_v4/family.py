@@ -44,8 +44,8 @@ def _role(name: str) -> str:
 
 class DeepseekV4Family:
     """The ModelFamily protocol for DeepSeek-V4 (V4-Flash, V4-Pro: the release's and transformers' layouts, one
-    adapter for both). Its GGUF writer / reader are still the packer's own (`generic_forward` False): the
-    protocol's generic forward functions are not implemented here; its prefill and decode are layer_prefill's and
+    adapter for both). Its GGUF writer / reader are the packer's own (`generic_forward` False): the protocol's
+    generic forward functions are not implemented here; its prefill and decode are layer_prefill's and
     layer_decode's."""
 
     name = "deepseek-v4"
@@ -54,7 +54,7 @@ class DeepseekV4Family:
     expert_naming: ExpertNaming = EXPERT_NAMING
     adapter: Adapter = DEEPSEEK_V4
     generic_forward = False
-    gguf_architectures = (GGUF_ARCHITECTURE,)  # read and written by packer/gguf_source.py / gguf_export.py still
+    gguf_architectures = (GGUF_ARCHITECTURE,)  # read and written by packer/gguf_source.py / gguf_export.py
 
     @property
     def chat_encoding(self):
@@ -175,9 +175,9 @@ class DeepseekV4Family:
         raise MoepackError("DeepSeek-V4's GGUF is read by packer/gguf_source.py (generic_forward is False)")
 
     # ModelFamily's forward functions: DeepSeek-V4's forward is model.py's (mHC residual streams, compressed KV),
-    # run by the layer-major prefill (layer_prefill) and the runtime's compiled decode, not one step at a time here
+    # run by its layer_prefill and layer_decode (decode.py), not one step at a time here
     def _no_generic_forward(self, *_args):
-        raise MoepackError("DeepSeek-V4 runs through its LayerPrefill and the runtime's decode, not ModelFamily's "
+        raise MoepackError("DeepSeek-V4 runs through its LayerPrefill and LayerDecode, not ModelFamily's "
                            "forward functions (generic_forward is False)")
 
     new_kv = embed = before_experts = expert_ffn = after_experts = head = _no_generic_forward
@@ -195,9 +195,9 @@ class DeepseekV4Family:
 
     def layer_decode(self, config: ModelConfig, compute_dtype):
         """The token-major decode's arithmetic (families.base.LayerDecode; decode.py)."""
-        from .decode import layer_decode
+        from .decode import DeepseekV4Decode
 
-        return layer_decode(config, compute_dtype)
+        return DeepseekV4Decode(config)  # its compute dtype is per matrix: in_compute_dtype
 
     def check_container(self, container, computable: bool = True) -> ModelConfig:
         """The model a container holds, as this runtime will compute it, checked before anything is read: a
@@ -206,10 +206,7 @@ class DeepseekV4Family:
         half-way or, for an optional one such as the router's bias, silently differ)."""
         from .tensors import v4_tensor_specs
 
-        c = container
-        if c.architecture != MODEL_TYPE:
-            raise MoepackError(f"{c.path} holds a {c.architecture!r} model; this runtime computes "
-                               f"DeepSeek-V4 ({MODEL_TYPE}) containers here")
+        c = container  # (its architecture is this family's: moepack.families.container_family chose it)
         try:
             cfg = ModelConfig.from_hf(c.config)
         except ConfigError as e:

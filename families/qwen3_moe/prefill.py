@@ -62,10 +62,9 @@ class Qwen3MoePrefill:
     def route(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, token_ids: Tensor) -> Routing:
         c = self.config
         ffn_input = rms_norm(hidden, w["post_attention_layernorm.weight"], c.rms_norm_eps)
-        if not c.is_moe_layer(layer):
-            return Routing(experts=None, weights=None, x=ffn_input)
-        chosen = route(c, w, ffn_input)
-        return Routing(experts=chosen.experts, weights=chosen.weights, x=ffn_input)
+        routing = route(c, w, ffn_input) if c.is_moe_layer(layer) else Routing(experts=None, weights=None)
+        routing.x = ffn_input
+        return routing
 
     def beside_experts(self, layer: int, w: Mapping[str, Tensor], routing: Routing) -> None:
         return None  # no shared expert

@@ -153,7 +153,9 @@ class Checkpoint:
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         """Layer `layer`'s non-expert tensors, by their name inside the layer."""
-        return layer_tensors(self.tensors, layer)
+        prefix = layer_prefix(layer)
+        return {n[len(prefix):]: t for n, t in self.tensors.items()
+                if n.startswith(prefix) and ".mlp.experts." not in n}
 
     def experts(self, layer: int) -> list[dict[str, torch.Tensor]]:
         """Layer `layer`'s routed experts, each {"gate", "up", "down"} (empty for a dense-MLP layer)."""
@@ -164,19 +166,8 @@ class Checkpoint:
 
     @property
     def globals(self) -> dict[str, torch.Tensor]:
-        return global_tensors(self.config, self.tensors)
-
-
-def layer_tensors(tensors: Mapping[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
-    """Layer `layer`'s non-expert tensors of `tensors` (full names), by their name inside the layer."""
-    prefix = layer_prefix(layer)
-    return {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix) and ".mlp.experts." not in n}
-
-
-def global_tensors(c: Qwen3MoeConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{"embed", "norm", "head"} of `tensors` (full names): the forward's globals (a tied head is the embedding)."""
-    head = tensors[EMBED if c.tie_word_embeddings else HEAD]
-    return {"embed": tensors[EMBED], "norm": tensors[FINAL_NORM], "head": head}
+        head = self.tensors[EMBED if self.config.tie_word_embeddings else HEAD]
+        return {"embed": self.tensors[EMBED], "norm": self.tensors[FINAL_NORM], "head": head}
 
 
 def _shard_files(directory: Path) -> list[Path]:
