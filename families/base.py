@@ -307,7 +307,8 @@ class LayerPrefill(Protocol):
     names: PrefillNames
     expert_naming: ExpertNaming  # a routed expert's matrices by their names in the container
     # the per-expert backend's expert (x, gate, up, down) -> rows; None: that backend's own compiled kernels,
-    # which compute DeepSeek-V4's experts (runtime/expert_decode.py)
+    # which compute DeepSeek-V4's experts (runtime/expert_decode.py), the family then giving their arithmetic as
+    # `expert_forward(x, gate, up, down, hidden_order)` (decoded matrices) and `expert_limit` (the fused kernel's clamp)
     expert_ffn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None
 
     def layer_prefix(self, layer: int) -> str:

@@ -291,7 +291,9 @@ class Decoder:
         names = arithmetic.names
         self.experts = ExpertRunner(self.cfg, device, expert_dtype, self.checker, self.copier, self.pipe.release,
                                     self.compute, naming=backend_naming(arithmetic),
-                                    expert_ffn=arithmetic.expert_ffn)
+                                    expert_ffn=arithmetic.expert_ffn,
+                                    expert_forward=getattr(arithmetic, "expert_forward", None),
+                                    expert_limit=getattr(arithmetic, "expert_limit", None))
         start = time.perf_counter()
         self.dense = [decode_dense(b, self._read_region(b.dense).to(device), self.compute_dtype,
                                    arithmetic.layer_prefix(layer),
@@ -789,7 +791,8 @@ class Decoder:
                 expert = self._expert_bytes(layer, e, got, held)
                 with self.compute:
                     if isinstance(expert, ExpertWeights):
-                        expert.apply(self.cfg, inputs[a:b], outputs[a:b])
+                        expert.apply(inputs[a:b], outputs[a:b], forward=self.experts.expert_forward,
+                                     limit=self.experts.expert_limit)
                     else:
                         region = block.experts[e]
                         self.experts.expert_output(block, region, expert, region.offset, inputs[a:b], outputs[a:b])

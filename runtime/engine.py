@@ -320,7 +320,9 @@ class StreamingPrefill:
         else:
             self.experts = ExpertRunner(self.cfg, self.device, self.expert_dtype, self.reads.checker, self.copier,
                                         self.reads.experts_pipe.release, self.compute, options.fused_max_tokens,
-                                        naming=naming, expert_ffn=self.family.expert_ffn)
+                                        naming=naming, expert_ffn=self.family.expert_ffn,
+                                        expert_forward=getattr(self.family, "expert_forward", None),
+                                        expert_limit=getattr(self.family, "expert_limit", None))
         self.experts.keep_expert = keep_expert  # (ExpertRunner.keep_expert: decode's cache takes the bytes)
 
     # --- the prefill ---------------------------------------------------------------------------------------------

@@ -35,11 +35,10 @@ import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
-from moepack.families.deepseek_v4 import model
 from moepack.format_spec import quants, source_formats
 from moepack.format_spec.decode import scale_name
 from moepack.format_spec.reader import Region
@@ -209,9 +208,10 @@ class FusedKernels:
 
     def expert(self, x: torch.Tensor, w1: PackedMatrix, w3: PackedMatrix, w2: PackedMatrix, limit: float,
                hidden_order: torch.Tensor | None, buffer, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The clamped SwiGLU expert (model.expert_forward) on bf16 x [tokens, hidden]: float32 [tokens, hidden],
-        written into `out` where it is given (contiguous float32 of that shape). Products in bf16, sums in float32,
-        the hidden activation rounded to bf16 once. `buffer(role, numel, dtype)` gives scratch memory."""
+        """The clamped SwiGLU expert, down(silu(min(gate x, limit)) * clamp(up x, -limit, limit)), on bf16 x
+        [tokens, hidden]: float32 [tokens, hidden], written into `out` where it is given (contiguous float32 of that
+        shape). Products in bf16, sums in float32, the hidden activation rounded to bf16 once. `buffer(role, numel,
+        dtype)` gives scratch memory."""
         x = x.to(torch.bfloat16).contiguous()
         tokens, (inter, hidden) = x.shape[0], (w1.rows, w1.cols)
         if w3.rows != inter or w3.cols != hidden or w2.rows != hidden or w2.cols != inter or x.shape[1] != hidden:
@@ -269,8 +269,9 @@ def _load_fused() -> FusedKernels | None:
     exact = torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     order = torch.randperm(inter, generator=gen)
     got = kernels.expert(x, w1, w3, w2, limit, order, buffer).double()
-    want = model.expert_forward(SimpleNamespace(swiglu_limit=limit), x.double(), w1d.double(), w3d.double(),
-                                w2d.double(), order)
+    # the kernel's own contract in float64: down(silu(min(gate x, limit)) * clamp(up x, -limit, limit))
+    gate, up = F.linear(x.double(), w1d.double()), F.linear(x.double(), w3d.double())
+    want = F.linear((F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit))[:, order], w2d.double())
     close = bool((got - want).abs().max() <= 2e-2 * want.abs().max())  # the hidden activation is rounded to bf16
     if not (exact and close):
         warnings.warn("moepack: the fused FP4 kernels disagree with torch; not using them")
@@ -326,18 +327,20 @@ class ExpertWeights:
     w2: torch.Tensor | PackedMatrix
     input_order: torch.Tensor | None = None  # permute x's columns by this before w1/w3 (MXFP4 pair order)
     hidden_order: torch.Tensor | None = None  # permute the hidden activation's columns by this before w2
-    # (cfg, x, weights) -> the expert on x, for PackedMatrix weights: the fused kernel does the whole expert
+    # (limit, x, weights, out) -> the expert on x, for PackedMatrix weights: the fused kernel does the whole expert
     kernel: Callable | None = None
 
-    def apply(self, cfg: "model.ModelConfig", x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None, *, forward: Callable,
+              limit: float) -> torch.Tensor:
         """The expert on its tokens x [n, hidden], in x's dtype; or written into `out` (float32 [n, hidden],
-        contiguous: the fused kernel writes it directly), which is returned."""
+        contiguous: the fused kernel writes it directly), which is returned. The family's arithmetic: `forward(x,
+        gate, up, down, hidden_order)` for decoded matrices, `limit` the clamp the fused kernel's SwiGLU takes."""
         if self.input_order is not None:
             x = x[:, self.input_order]
         if self.kernel is not None:
-            y = self.kernel(cfg, x, self, out)
+            y = self.kernel(limit, x, self, out)
             return y if out is not None else y.to(x.dtype)
-        y = model.expert_forward(cfg, x, self.w1, self.w3, self.w2, self.hidden_order)
+        y = forward(x, self.w1, self.w3, self.w2, self.hidden_order)
         return y if out is None else out.copy_(y)
 
 
@@ -490,6 +493,6 @@ class ExpertDecoder:
             self._tables[key] = _nibble_table(layout, torch.bfloat16).contiguous()
         return self._tables[key]
 
-    def _fused_expert(self, cfg: "model.ModelConfig", x: torch.Tensor, w: ExpertWeights,
+    def _fused_expert(self, limit: float, x: torch.Tensor, w: ExpertWeights,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.fused.expert(x, w.w1, w.w3, w.w2, cfg.swiglu_limit, w.hidden_order, self._buffer, out)
+        return self.fused.expert(x, w.w1, w.w3, w.w2, limit, w.hidden_order, self._buffer, out)

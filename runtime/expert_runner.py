@@ -120,9 +120,13 @@ class ExpertRunner:
 
     def __init__(self, cfg, device: torch.device, expert_dtype: torch.dtype, checker, copier,
                  release: Callable, compute: BusyTimer, fused_max_tokens_given: int | None = None,
-                 *, naming: ExpertNaming, expert_ffn: Callable | None = None):
+                 *, naming: ExpertNaming, expert_ffn: Callable | None = None,
+                 expert_forward: Callable | None = None, expert_limit: float | None = None):
         self.cfg, self.device, self.expert_dtype = cfg, device, expert_dtype
         self.naming, self.expert_ffn = naming, expert_ffn
+        # without expert_ffn, the family's arithmetic of the compiled decoders' experts: expert_forward(x, gate, up,
+        # down, hidden_order) on decoded matrices, expert_limit the clamp the fused FP4 kernel's SwiGLU takes
+        self.expert_forward, self.expert_limit = expert_forward, expert_limit
         self.checker, self.copier, self.release, self.compute = checker, copier, release, compute
         self.threads = torch.get_num_threads() if device.type == "cpu" else 1
         self.decoded_at_once = self.threads  # one expert per thread
@@ -298,7 +302,7 @@ class ExpertRunner:
         weights = self.expert_weights(block, region, raw, base, tokens=len(x))
         if self.expert_ffn is not None:
             return out.copy_(self.expert_ffn(x, weights.w1, weights.w3, weights.w2))
-        return weights.apply(self.cfg, x, out)
+        return weights.apply(x, out, forward=self.expert_forward, limit=self.expert_limit)
 
     def expert_weights(self, block: Block, region: Region, raw: torch.Tensor, base: int,
                        tokens: int | None = None) -> ExpertWeights:

@@ -271,7 +271,8 @@ def test_compute_decode_is_the_engines(tiny):
     with Container(tiny) as c:
         engine = StreamingPrefill(c, PrefillOptions(io_mode="buffered"))
         try:
-            got = B._decode_expert(tensors, torch.float32, decoder).apply(engine.cfg, x)
+            got = B._decode_expert(tensors, torch.float32, decoder).apply(x, forward=engine.experts.expert_forward,
+                                                                   limit=engine.experts.expert_limit)
             block = [b for b in c.layers if b.experts][-1]
             region = block.experts[0]
             raw = torch.frombuffer(bytearray(c.pread(region.offset, region.length)), dtype=torch.uint8)

@@ -167,7 +167,7 @@ def test_fused_expert_matches_the_decoded_expert(fp4_containers, policy, layout,
         x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
         packed = decoder.decode(region, layout, raw, region.offset, names, tokens=tokens)
         assert isinstance(packed.w1, PackedMatrix) == (tokens <= FUSED_MAX_TOKENS)
-        got = packed.apply(cfg, x)
+        got = packed.apply(x, **model.expert_arithmetic(cfg))
         full = decoder.decode(region, layout, raw, region.offset, names)  # decoded: the exact weights
         order = full.input_order if full.input_order is not None else slice(None)
         want = model.expert_forward(cfg, x[:, order].double(), full.w1.double(), full.w3.double(), full.w2.double(),
@@ -177,12 +177,13 @@ def test_fused_expert_matches_the_decoded_expert(fp4_containers, policy, layout,
         assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max(), tokens
         # into the engine's float32 rows: the fused kernel writes them itself, the same sums before rounding
         rows = torch.full((tokens + 2, cfg.hidden_size), 7.0)
-        into = packed.apply(cfg, x, rows[1:-1])
+        into = packed.apply(x, rows[1:-1], **model.expert_arithmetic(cfg))
         assert into.data_ptr() == rows[1].data_ptr() and torch.equal(into.to(torch.bfloat16), got)
         assert torch.equal(rows[0], rows[-1]) and rows[0].eq(7.0).all()  # nothing written around them
     with pytest.raises(ValueError, match="float32"):
         packed = decoder.decode(region, layout, raw, region.offset, names, tokens=3)
-        packed.apply(cfg, torch.zeros(3, cfg.hidden_size, dtype=torch.bfloat16), torch.empty(3, 5))
+        packed.apply(torch.zeros(3, cfg.hidden_size, dtype=torch.bfloat16), torch.empty(3, 5),
+                     **model.expert_arithmetic(cfg))
 
 
 def test_default_fused_tokens_keep_the_inputs_in_l2(tmp_path, monkeypatch):

@@ -434,6 +434,7 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
 
     from moepack.runtime.expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
     from moepack.families.deepseek_v4.config import ModelConfig
+    from moepack.families.deepseek_v4.model import expert_arithmetic
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -455,6 +456,7 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
         stored = [_synthetic_expert(storage, H, I, seed) for seed in range(experts)]
         source = "synthetic"
     cfg = ModelConfig.from_hf({"hidden_size": H, "moe_intermediate_size": I})
+    expert = expert_arithmetic(cfg)  # ExpertWeights.apply's forward and limit
     # The bytes on the compute device, as the engine has them after _to_device; decoded there.
     on_device = [{n: (t, tuple(s), torch.frombuffer(bytearray(b), dtype=torch.uint8).to(dev)) for n, t, s, b in e}
                  for e in stored]
@@ -472,15 +474,15 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
         points = _grouped_points(on_device, tokens, cfg, dtype, dev, repeat, on_point)
     for t in tokens if backend != "grouped" else ():
         x = (torch.randn(t, H, generator=g) * 0.5).to(dev, dtype)
-        decoded[0].apply(cfg, x)  # warm-up at this shape
+        decoded[0].apply(x, **expert)  # warm-up at this shape
 
         def full():
             for e in on_device:
-                _decode_expert(e, dtype, decoder).apply(cfg, x)
+                _decode_expert(e, dtype, decoder).apply(x, **expert)
 
         def matmul_only():
             for w in decoded:
-                w.apply(cfg, x)
+                w.apply(x, **expert)
 
         points.append(_compute_point(t, H, I, _best_seconds(full, repeat, dev) / len(on_device),
                                      _best_seconds(matmul_only, repeat, dev) / len(on_device), on_point))
@@ -560,8 +562,10 @@ def _fused_crossover(on_device: list, cfg, dtype: torch.dtype, dev: torch.device
     "max_tokens"}: the last of FUSED_TOKENS at which the fused kernel is as fast, before two in a row at which it
     is slower (one slower point alone can be noise; 0: never as fast). None where the fused kernel does not apply
     (not bf16 on a CPU that has it, not FP4 experts)."""
+    from moepack.families.deepseek_v4.model import expert_arithmetic
     from moepack.runtime.expert_decode import ExpertDecoder, fused_max_tokens
 
+    expert = expert_arithmetic(cfg)  # ExpertWeights.apply's forward and limit
     if not fused_max_tokens(dtype, dev) or _expert_region(on_device[0])[2] is None:
         return None
     threads = torch.get_num_threads()
@@ -574,7 +578,7 @@ def _fused_crossover(on_device: list, cfg, dtype: torch.dtype, dev: torch.device
             x = (torch.randn(t, cfg.hidden_size, generator=g) * 0.5).to(dev, dtype)
 
             def run(tokens):
-                return lambda: [_decode_expert(e, dtype, decoder, tokens).apply(cfg, x) for e in on_device]
+                return lambda: [_decode_expert(e, dtype, decoder, tokens).apply(x, **expert) for e in on_device]
 
             run(t)(), run(None)()  # warm-up at this shape
             fused_s = _best_seconds(run(t), repeat, dev) / len(on_device)

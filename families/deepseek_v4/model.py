@@ -828,6 +828,12 @@ def expert_forward(cfg: ModelConfig, x: Tensor, w1: Tensor, w3: Tensor, w2: Tens
     return linear(hidden if hidden_order is None else hidden[:, hidden_order], w2)
 
 
+def expert_arithmetic(cfg: ModelConfig) -> dict:
+    """runtime/expert_decode.py ExpertWeights.apply's arithmetic for this config: {"forward": expert_forward on
+    decoded matrices, "limit": the clamp of the fused FP4 kernel's SwiGLU}."""
+    return {"forward": functools.partial(expert_forward, cfg), "limit": cfg.swiglu_limit}
+
+
 # where a routed expert's matrices are (the backends know no model's names): gate w1 and up w3 [I, H], down w2 [H, I]
 EXPERT_NAMING = ExpertNaming(prefix=lambda block, expert: f"{block.name}.ffn.experts.{expert}.",
                              gate=FAMILY_EXPERT_NAMING.gate, up=FAMILY_EXPERT_NAMING.up,
@@ -952,6 +958,12 @@ class DeepseekV4Prefill:
                               hash_layers=tuple(i for i, hashed in enumerate(cfg.hash_layers) if hashed))
         self.names = PrefillNames(embedding="embed.weight", head=cfg.head_weight, head_globals=HEAD_GLOBALS,
                                   tied=cfg.tie_word_embeddings)
+        self.expert_limit = cfg.swiglu_limit  # the clamp of the runner's fused FP4 expert kernel
+
+    def expert_forward(self, x: Tensor, gate: Tensor, up: Tensor, down: Tensor,
+                       hidden_order: Tensor | None = None) -> Tensor:
+        """A routed expert the runner decoded (expert_ffn None): expert_forward, the clamped SwiGLU."""
+        return expert_forward(self.config, x, gate, up, down, hidden_order)
 
     def layer_prefix(self, layer: int) -> str:
         return f"layers.{layer}."
