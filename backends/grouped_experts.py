@@ -19,28 +19,17 @@ activation between the two GEMMs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from moepack.backends.expert_naming import ExpertNaming
 from moepack.format_spec.decode import decode_stacked, entry_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Block, Region
 
 EXPERT_BACKENDS = ("auto", "grouped", "per-expert")
-
-
-@dataclass(frozen=True)
-class ExpertNaming:
-    """Where an expert's matrices are in the container: `prefix(block, expert)` + gate / up / down, each [out, in]
-    (gate and up [I, H], down [H, I])."""
-
-    prefix: Callable[[Block, int], str]
-    gate: str
-    up: str
-    down: str
 
 
 class ExpertBackend(Protocol):
@@ -171,7 +160,7 @@ class GroupedExperts:
             if sum(counts) != stop - first:  # a read is consecutive experts, and the pairs are sorted by expert
                 raise RuntimeError(f"the experts of one read do not own consecutive rows: {spans[:4]}")
             n = self.naming
-            w = decode_stacked([(n.prefix(block, r.expert), r.tensors) for r in chosen],
+            w = decode_stacked([(n.prefix(block.number, r.expert), r.tensors) for r in chosen],
                                entry_bytes(raw, base),
                                (n.gate, n.up, n.down), self.expert_dtype)
             inner = w[n.gate].shape[1]

@@ -40,7 +40,7 @@ import moepack  # before torch: it limits OpenMP's spinning (moepack/__init__.py
 
 import torch  # noqa: E402
 
-from moepack.families.deepseek_v4.model import LAYER_EXPERT_NAMING
+from moepack.families.deepseek_v4.model import EXPERT_NAMING
 from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.export import export_container
@@ -82,7 +82,7 @@ def decode_alone(path: str, dtype: torch.dtype, device: torch.device) -> tuple[f
             for region in block.experts:
                 raw = torch.frombuffer(bytearray(c.pread(region.offset, region.length, region.part)),
                                        dtype=torch.uint8).to(device)
-                names = LAYER_EXPERT_NAMING.names(block.number, region.expert)
+                names = EXPERT_NAMING.names(block.number, region.expert)
                 layout = ExpertDecoder.layout(region, names)
                 if layout is None:
                     raise SystemExit(f"{path}: experts are not FP4; decode-alone measures the FP4 table decoder")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
+from moepack.backends.expert_naming import ExpertNaming
 from moepack.format_spec.errors import MoepackError
 
 if TYPE_CHECKING:
@@ -72,22 +73,6 @@ class TensorSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class ExpertNaming:
-    """Where one routed expert's three matrices are: `prefix(layer, expert)` + gate / up / down, each [out, in]
-    (gate and up [I, H], down [H, I]). The only place a family spells its experts' names; everything else asks it."""
-
-    prefix: Callable[[int, int], str]
-    gate: str
-    up: str
-    down: str
-
-    def names(self, layer: int, expert: int) -> dict[str, str]:
-        """{"gate": name, "up": name, "down": name} of expert `expert` of layer `layer`."""
-        p = self.prefix(layer, expert)
-        return {"gate": p + self.gate, "up": p + self.up, "down": p + self.down}
 
 
 @dataclass(frozen=True)
@@ -307,9 +292,13 @@ class LayerPrefill(Protocol):
     names: PrefillNames
     expert_naming: ExpertNaming  # a routed expert's matrices by their names in the container
     # the per-expert backend's expert (x, gate, up, down) -> rows; None: that backend's own compiled kernels,
-    # which compute DeepSeek-V4's experts (runtime/expert_decode.py), the family then giving their arithmetic as
-    # `expert_forward(x, gate, up, down, hidden_order)` (decoded matrices) and `expert_limit` (the fused kernel's clamp)
+    # which compute DeepSeek-V4's experts (runtime/expert_decode.py), the family then giving their arithmetic:
     expert_ffn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None
+    # (x, gate, up, down, hidden_order) -> rows on decoded matrices; None where expert_ffn is given
+    expert_forward: Callable[..., Tensor] | None
+    # the clamp of the SwiGLU the compiled expert kernels compute (the fused FP4 prefill kernel, the decode's token
+    # kernel); None: those kernels do not compute this family's experts
+    expert_limit: float | None
 
     def layer_prefix(self, layer: int) -> str:
         """What the container's names of layer `layer`'s dense weights start with (stripped from `w`'s keys)."""
@@ -612,10 +601,6 @@ class LayerDecode(LayerPrefill, Protocol):
     after layer_prefix, in the compute dtype where in_compute_dtype says so), the head's weights by their stored
     names (names.head_globals and names.head, in global_dtype), the embedding's stored bytes (rows decoded per
     step), and per sequence one token state per layer (token_state)."""
-
-    # the clamp of the SwiGLU the compiled token kernel computes (backends/token_kernels.moe); None: that kernel
-    # does not compute this family's experts
-    token_kernel_limit: float | None
 
     def global_dtype(self, name: str, stored_dtype: str, compiled: bool) -> Any:
         """The torch dtype the head's weight `name` (stored as `stored_dtype`) is decoded to; `compiled`: the

@@ -396,6 +396,24 @@ class Container:
         _check_tensor_scales(tensors)
         return tensors
 
+    # --- the embedded tokenizer files -----------------------------------------------------------------------------
+    def tokenizer_text(self, name: str) -> str | None:
+        """An embedded tokenizer file's text (tokenizer_config.json, generation_config.json, ...), or None where the
+        container has none (or holds it as bytes)."""
+        entry = (self.index.get("tokenizer") or {}).get(name)
+        return entry["data"] if isinstance(entry, dict) and entry.get("encoding") == "utf-8" else None
+
+    def tokenizer_json(self, name: str) -> dict:
+        """An embedded optional JSON file of the tokenizer's as a dict: {} where it is absent or damaged."""
+        text = self.tokenizer_text(name)
+        if text is None:
+            return {}
+        try:
+            value = untrusted.loads(text, name)
+        except untrusted.UntrustedInputError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
     # --- navigation ----------------------------------------------------------------------------------------------
     @property
     def layers(self) -> list[Block]:

@@ -51,7 +51,6 @@ from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
 from .device_decode import StepGraphs, container_pool
-from .engine import backend_naming
 from .expert_decode import ExpertWeights, expert_weight_count
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
 from .io import ReadPipeline, RegionReader, release_freed_memory
@@ -290,10 +289,9 @@ class Decoder:
         arithmetic, device, container = self.arithmetic, self.device, self.c
         names = arithmetic.names
         self.experts = ExpertRunner(self.cfg, device, expert_dtype, self.checker, self.copier, self.pipe.release,
-                                    self.compute, naming=backend_naming(arithmetic),
+                                    self.compute, naming=arithmetic.expert_naming,
                                     expert_ffn=arithmetic.expert_ffn,
-                                    expert_forward=getattr(arithmetic, "expert_forward", None),
-                                    expert_limit=getattr(arithmetic, "expert_limit", None))
+                                    expert_forward=arithmetic.expert_forward, expert_limit=arithmetic.expert_limit)
         start = time.perf_counter()
         self.dense = [decode_dense(b, self._read_region(b.dense).to(device), self.compute_dtype,
                                    arithmetic.layer_prefix(layer),
@@ -303,7 +301,7 @@ class Decoder:
         # a token's routed experts in one compiled call (CPU), read from their stored bytes, where that kernel
         # computes the family's experts
         self.kernels = token_kernels.token_kernels() if device.type == "cpu" and not self.decoded \
-            and arithmetic.token_kernel_limit is not None else None
+            and arithmetic.expert_limit is not None else None
         entries, read = self._read_globals([*names.head_globals, names.head], on_device=True)
         self.head_weights = decode_group(entries, read, dtype_of=lambda t: arithmetic.global_dtype(
             t.name, t.dtype, self.kernels is not None))
@@ -775,7 +773,7 @@ class Decoder:
         chosen = token_choice(routing)
         return self._run_kernel_experts(layer, chosen, got, lambda experts: None if experts is None else (
             self.kernels.moe(routing.x[0], experts, torch.tensor(list(chosen.values())),
-                             self.arithmetic.token_kernel_limit,
+                             self.arithmetic.expert_limit,
                              False, flags=[self._routed_flag] * len(experts))[None]))
 
     def _routed_one_by_one(self, layer: int, routing, got) -> torch.Tensor:

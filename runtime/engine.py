@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from moepack.backends.device_copier import DeviceCopier
-from moepack.backends.grouped_experts import ExpertNaming, GroupedExperts, resolve_expert_backend
+from moepack.backends.grouped_experts import GroupedExperts, resolve_expert_backend
 from moepack.families import check_container, family_of_architecture
 from moepack.families.base import LayerPrefill, family_kv_format
 from moepack.format_spec.decode import (companion_names, decode_group, decode_group_row_slices, decode_group_rows,
@@ -180,13 +180,6 @@ def layer_prefill(container: Container, compute_dtype: torch.dtype) -> LayerPref
     return family.layer_prefill(config, compute_dtype)
 
 
-def backend_naming(family: LayerPrefill) -> ExpertNaming:
-    """The family's expert names (by layer) as the expert backends take them (by block)."""
-    naming = family.expert_naming
-    return ExpertNaming(prefix=lambda block, expert: naming.prefix(block.number, expert), gate=naming.gate,
-                        up=naming.up, down=naming.down)
-
-
 def compute_device(name: str) -> torch.device:
     """The device `--device` names, checked; a CUDA device always with its index ("cuda" is the current one), as
     some torch.cuda calls refuse a device without one."""
@@ -312,7 +305,7 @@ class StreamingPrefill:
                                    resident=self.resident)
         self.copier = DeviceCopier(self.device)
         self.expert_backend = resolve_expert_backend(options.expert_backend, self.device)
-        naming = backend_naming(self.family)
+        naming = self.family.expert_naming
         if self.expert_backend == "grouped":
             self.experts = GroupedExperts(naming, self.family.expert_activation, self.device, self.expert_dtype,
                                           self.reads.checker, self.copier, self.reads.experts_pipe.release,
@@ -321,8 +314,8 @@ class StreamingPrefill:
             self.experts = ExpertRunner(self.cfg, self.device, self.expert_dtype, self.reads.checker, self.copier,
                                         self.reads.experts_pipe.release, self.compute, options.fused_max_tokens,
                                         naming=naming, expert_ffn=self.family.expert_ffn,
-                                        expert_forward=getattr(self.family, "expert_forward", None),
-                                        expert_limit=getattr(self.family, "expert_limit", None))
+                                        expert_forward=self.family.expert_forward,
+                                        expert_limit=self.family.expert_limit)
         self.experts.keep_expert = keep_expert  # (ExpertRunner.keep_expert: decode's cache takes the bytes)
 
     # --- the prefill ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from moepack.backends.grouped_experts import ExpertNaming
+from moepack.backends.expert_naming import ExpertNaming
 from moepack.families.base import ExpertGroups, Routing
 from moepack.format_spec.decode import decode_group, entry_bytes
 from moepack.format_spec.errors import MoepackError
@@ -113,8 +113,8 @@ def decode_dense(block: Block, raw: torch.Tensor, compute_dtype: torch.dtype, pr
 
 class ExpertRunner:
     """Runs each layer's routed experts (`run_layer`) and, beside them, other work of the layer on the same
-    threads. `release(buffer)` gives a read's buffer back once its experts are done. `naming` (the family's, by
-    block: engine.backend_naming) says where an expert's matrices are; `expert_ffn(x, gate, up, down)` computes one
+    threads. `release(buffer)` gives a read's buffer back once its experts are done. `naming` (the family's)
+    says where an expert's matrices are; `expert_ffn(x, gate, up, down)` computes one
     (a family's); without it the compiled kernels of expert_decode.py do (FP4 decoded by table or fused, clamped
     SwiGLU)."""
 
@@ -309,8 +309,7 @@ class ExpertRunner:
         """The expert of `region` decoded from its bytes, for `tokens` tokens (the fused kernel keeps FP4 packed for
         few). They may be views of `raw` or of the table decoder's buffers: valid until the next decode."""
         n = self.naming
-        prefix = n.prefix(block, region.expert)
-        names = {role: prefix + name for role, name in (("gate", n.gate), ("up", n.up), ("down", n.down))}
+        prefix, names = n.prefix(block.number, region.expert), n.names(block.number, region.expert)
         # the compiled decoders' layouts are the experts without a family's expert_ffn (their activation)
         layout = ExpertDecoder.layout(region, names) if self.expert_ffn is None else None
         if layout is None:

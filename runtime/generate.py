@@ -20,7 +20,6 @@ import torch
 
 from moepack.families import check_container, container_family
 from moepack.families import kv_directory as kvd
-from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
@@ -79,14 +78,8 @@ def eos_ids(config: dict) -> set[int]:
 def model_eos_ids(container: Container) -> set[int]:
     """A model's end-of-sequence ids: its config's and its generation_config.json's (transformers' generate stops
     at the latter), where the container carries one."""
-    entry = container.index.get("tokenizer", {}).get("generation_config.json") or {}
-    generation = {}
-    if entry.get("encoding") == "utf-8":
-        try:
-            generation = untrusted.loads(entry["data"], "generation_config.json")
-        except untrusted.UntrustedInputError:  # a damaged optional file: the config's ids stand
-            generation = {}
-    return eos_ids(container.config) | eos_ids(generation)
+    # (a damaged optional file: the config's ids stand)
+    return eos_ids(container.config) | eos_ids(container.tokenizer_json("generation_config.json"))
 
 
 def container_kv_bytes(container: Container, n_tokens: int) -> int:

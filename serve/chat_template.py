@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
@@ -27,21 +26,9 @@ class NoChatTemplateError(MoepackError):
     """The container's model carries no chat template."""
 
 
-def _text_file(container: Container, name: str) -> str | None:
-    entry = (container.index.get("tokenizer") or {}).get(name)
-    return entry["data"] if isinstance(entry, dict) and entry.get("encoding") == "utf-8" else None
-
-
 def tokenizer_config(container: Container) -> dict:
     """The container's tokenizer_config.json ({} where it has none or it is damaged: it is optional)."""
-    text = _text_file(container, "tokenizer_config.json")
-    if text is None:
-        return {}
-    try:
-        config = untrusted.loads(text, "tokenizer_config.json")
-    except untrusted.UntrustedInputError:
-        return {}
-    return config if isinstance(config, dict) else {}
+    return container.tokenizer_json("tokenizer_config.json")
 
 
 def _token_text(value: Any) -> str | None:
@@ -93,7 +80,7 @@ def family_chat_template(container: Container, family) -> ChatTemplate:
     """The chat template of a family container's model (`family`: its ModelFamily); NoChatTemplateError naming
     where it was looked for when there is none."""
     config = tokenizer_config(container)
-    template = family.chat_template(config) or _text_file(container, TEMPLATE_FILE)
+    template = family.chat_template(config) or container.tokenizer_text(TEMPLATE_FILE)
     if not template:
         raise NoChatTemplateError(f"the {family.name} model's container carries no chat template (neither "
                                   f"tokenizer_config.json chat_template nor {TEMPLATE_FILE})")

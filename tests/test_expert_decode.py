@@ -58,7 +58,7 @@ def test_table_decode_equals_generic_decode_for_arbitrary_bytes(fp4_containers, 
     with Container(fp4_containers[policy]) as c:
         block = c.layers[1]
         region = block.experts[2]
-        names = model.LAYER_EXPERT_NAMING.names(block.number, region.expert)
+        names = model.EXPERT_NAMING.names(block.number, region.expert)
         assert ExpertDecoder.layout(region, names) == layout
         with open(c.path, "rb") as f:
             f.seek(region.offset)
@@ -93,9 +93,9 @@ def test_pair_order_is_a_permutation_within_each_block():
 def test_layout_refuses_what_the_table_cannot_decode(fp4_containers):
     with Container(fp4_containers["keep"]) as c:
         block = c.layers[0]
-        wrong = model.LAYER_EXPERT_NAMING.names(block.number, 1)  # another expert's names
+        wrong = model.EXPERT_NAMING.names(block.number, 1)  # another expert's names
         assert ExpertDecoder.layout(block.experts[0], wrong) is None
-        assert ExpertDecoder.layout(block.dense, model.LAYER_EXPERT_NAMING.names(block.number, 0)) is None
+        assert ExpertDecoder.layout(block.dense, model.EXPERT_NAMING.names(block.number, 0)) is None
 
 
 @pytest.mark.parametrize("policy", ["keep", "fp4"])
@@ -158,7 +158,7 @@ def test_fused_expert_matches_the_decoded_expert(fp4_containers, policy, layout,
         cfg = ModelConfig.from_hf(c.config)
         block = c.layers[1]
         region = block.experts[2]
-        names = model.LAYER_EXPERT_NAMING.names(block.number, region.expert)
+        names = model.EXPERT_NAMING.names(block.number, region.expert)
         with open(c.path, "rb") as f:
             f.seek(region.offset)
             raw = torch.frombuffer(bytearray(f.read(region.length)), dtype=torch.uint8)

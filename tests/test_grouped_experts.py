@@ -136,7 +136,7 @@ def _reference_layer(path: str, block_number: int, routing, dtype: torch.dtype) 
         for e, batch in routing.tokens_by_expert().items():
             region = block.experts[e]
             w = decode_group(region.tensors, lambda t: c.tensor_bytes(t.name), dtype)
-            prefix = model.EXPERT_NAMING.prefix(block, e)
+            prefix = model.EXPERT_NAMING.prefix(block.number, e)
             y = model.expert_forward(cfg, x[batch.token_index], w[prefix + "w1.weight"], w[prefix + "w3.weight"],
                                      w[prefix + "w2.weight"])
             out.index_add_(0, batch.token_index, y.double() * batch.weight[:, None].double())

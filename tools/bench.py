@@ -381,7 +381,7 @@ def _container_experts(path: str, count: int) -> tuple[list, int, int, str]:
         naming = _expert_naming()
         experts = []
         for region in block.experts[:count]:
-            prefix = naming.prefix(block, region.expert)
+            prefix = naming.prefix(block.number, region.expert)
             experts.append([(t.name[len(prefix):], t.dtype, t.shape, c.tensor_bytes(t.name))
                             for t in region.tensors])
         gate = next(t for t in experts[0] if t[0] == naming.gate)

@@ -15,23 +15,12 @@ from moepack.backends import token_kernels
 
 from ..base import Routing
 from . import model
-from .config import ModelConfig
 from .kv import LayerKVState
 from .token_layer import TokenLayers
 
 
-def _attention_entry(cfg: ModelConfig, w: Mapping[str, Tensor], streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The attention's mHC entry and norm on every row (attention_token_sublayer's first part)."""
-    return model.hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
-                             w["attn_norm.weight"])
-
-
 class DeepseekV4Decode(model.DeepseekV4Prefill):
     """LayerDecode for one DeepSeek-V4 config (the prefill's names, dtypes and expert naming)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.token_kernel_limit = cfg.swiglu_limit  # the token kernel computes its clamped SwiGLU
 
     def global_dtype(self, name: str, stored_dtype: str, compiled: bool) -> torch.dtype:
         # the LM head (the largest matrix a token reads: 1 GB for V4-Flash in bf16) kept bf16 where it is stored
@@ -54,7 +43,7 @@ class DeepseekV4Decode(model.DeepseekV4Prefill):
         # attention_token_sublayer: its mHC on every row at once, the attention row by row
         cfg = self.config
         x, post, comb = graphs.run(("attention entry", layer, hidden.shape[0]),
-                                   functools.partial(_attention_entry, cfg, w), hidden)
+                                   functools.partial(model.attention_entry, cfg, w), hidden)
         attended = torch.cat([model.attention_token(cfg, layer, w, x[b:b + 1], state)
                               for b, state in enumerate(states)])
         return hidden, attended, post, comb
@@ -63,14 +52,6 @@ class DeepseekV4Decode(model.DeepseekV4Prefill):
                        ) -> tuple[Tensor, Routing]:
         streams = model.hc_post(*attended)
         return streams, model.moe_route(self.config, layer, w, streams, token_ids)
-
-    def finish(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing, routed: Tensor | None,
-               beside: Tensor | None = None, into: Tensor | None = None, checked: bool = True) -> Tensor:
-        if checked:
-            return super().finish(layer, w, hidden, routing, routed, beside, into)
-        # moe_finish without its check (the caller checks after the step: no synchronisation per layer)
-        shared = model.shared_expert(self.config, w, routing) if beside is None else beside
-        return model.hc_post(hidden, routed + shared, routing.post, routing.comb, into)
 
     def head(self, w_globals: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
         return model.head(self.config, hidden, w_globals, slice(None))

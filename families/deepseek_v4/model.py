@@ -52,13 +52,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moepack.backends import mhc_native, token_kernels
-from moepack.backends.grouped_experts import ExpertNaming
 from moepack.families.base import MoeShape, PrefillNames
 from moepack.families.base import Routing as FamilyRouting
 from moepack.families.base import check_finite
 from moepack.families.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
 from moepack.families.deepseek_v4.kv import CompressorState, LayerKVState
-from moepack.families.deepseek_v4.names import EXPERT_NAMING as FAMILY_EXPERT_NAMING
+from moepack.families.deepseek_v4.names import EXPERT_NAMING
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,6 +375,11 @@ def _kv_norm_weight(w: Mapping[str, Tensor]) -> Tensor:
     return w["attn.kv_norm.weight"] if "attn.kv_norm.weight" in w else w["attn.norm.weight"]
 
 
+def attention_entry(cfg: ModelConfig, w: Mapping[str, Tensor], streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention's mHC entry and norm on every row: (its input [N, H], the mHC post and comb weights)."""
+    return hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams, w["attn_norm.weight"])
+
+
 def attention_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor, positions: Tensor,
                        query_chunk: int | None = None, past: LayerKVState | None = None,
                        into: Tensor | None = None, between_chunks: Callable[[], None] | None = None
@@ -394,8 +398,7 @@ def attention_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], st
     if positions.device.type == "cpu" and not torch.equal(positions, torch.arange(first, first + n_tokens)):
         raise ValueError(f"positions must be arange({first}, {first} + N): the tokens continue "
                          f"{'the past state' if past is not None else 'an empty cache'}")
-    x, post, comb = hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
-                                w["attn_norm.weight"])
+    x, post, comb = attention_entry(cfg, w, streams)
     out, kv_state = attention(cfg, layer, w, x, positions, query_chunk, past, between_chunks)
     return hc_post(streams, out, post, comb, into), kv_state
 
@@ -705,8 +708,7 @@ def attention_token_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tenso
                              kv_state: TokenKV) -> Tensor:
     """attention_sublayer for one decoded token (streams [1, hc, H]) after kv_state's tokens, kv_state grown (the
     torch path; families/deepseek_v4/token_layer.py computes the same in compiled calls)."""
-    x, post, comb = hc_pre_norm(cfg, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], streams,
-                                w["attn_norm.weight"])
+    x, post, comb = attention_entry(cfg, w, streams)
     return hc_post(streams, attention_token(cfg, layer, w, x, kv_state), post, comb)
 
 
@@ -834,12 +836,6 @@ def expert_arithmetic(cfg: ModelConfig) -> dict:
     return {"forward": functools.partial(expert_forward, cfg), "limit": cfg.swiglu_limit}
 
 
-# where a routed expert's matrices are (the backends know no model's names): gate w1 and up w3 [I, H], down w2 [H, I]
-EXPERT_NAMING = ExpertNaming(prefix=lambda block, expert: f"{block.name}.ffn.experts.{expert}.",
-                             gate=FAMILY_EXPERT_NAMING.gate, up=FAMILY_EXPERT_NAMING.up,
-                             down=FAMILY_EXPERT_NAMING.down)
-
-
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     """silu(gate) * up, the gate clamped from above and the up projection on both sides at `limit`."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
@@ -860,13 +856,16 @@ def shared_expert(cfg: ModelConfig, w: Mapping[str, Tensor], routing: Routing) -
 
 
 def moe_finish(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], streams: Tensor, routing: Routing,
-               routed_out: Tensor, shared: Tensor | None = None, into: Tensor | None = None) -> Tensor:
+               routed_out: Tensor, shared: Tensor | None = None, into: Tensor | None = None,
+               checked: bool = True) -> Tensor:
     """Add the shared expert (computed here unless `shared` is given) to the routed experts' sum and spread the
     result over the streams (ffn mHC post), written into `into` where it is given. A layer whose output is not
-    finite stops the forward, named (check_finite)."""
+    finite stops the forward, named (check_finite), unless `checked` is False (a caller that checks after the
+    step: no synchronisation per layer)."""
     if shared is None:
         shared = shared_expert(cfg, w, routing)
-    return check_finite(hc_post(streams, routed_out + shared, routing.post, routing.comb, into), layer)
+    streams = hc_post(streams, routed_out + shared, routing.post, routing.comb, into)
+    return check_finite(streams, layer) if checked else streams
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -938,16 +937,12 @@ def forward_resident(cfg: ModelConfig, weights: Mapping[str, Tensor], token_ids:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-# a routed expert's matrices by layer (families.base.ExpertNaming; EXPERT_NAMING is the same by block)
-LAYER_EXPERT_NAMING = FAMILY_EXPERT_NAMING
-
-
 class DeepseekV4Prefill:
     """LayerPrefill for one DeepSeek-V4 config: the residual is hc_mult streams [N, hc, H] float32, a layer's
     state its LayerKVState, the shared expert runs beside the routed ones, and the per-expert backend's compiled
     kernels compute the routed experts (expert_ffn None)."""
 
-    expert_naming = LAYER_EXPERT_NAMING
+    expert_naming = EXPERT_NAMING  # names.py's: where a routed expert's matrices are
     expert_ffn = None
 
     def __init__(self, cfg: ModelConfig):
@@ -958,7 +953,7 @@ class DeepseekV4Prefill:
                               hash_layers=tuple(i for i, hashed in enumerate(cfg.hash_layers) if hashed))
         self.names = PrefillNames(embedding="embed.weight", head=cfg.head_weight, head_globals=HEAD_GLOBALS,
                                   tied=cfg.tie_word_embeddings)
-        self.expert_limit = cfg.swiglu_limit  # the clamp of the runner's fused FP4 expert kernel
+        self.expert_limit = cfg.swiglu_limit  # the clamp of the compiled expert kernels' SwiGLU
 
     def expert_forward(self, x: Tensor, gate: Tensor, up: Tensor, down: Tensor,
                        hidden_order: Tensor | None = None) -> Tensor:
@@ -994,8 +989,8 @@ class DeepseekV4Prefill:
         return shared_expert, (self.config, w, routing)
 
     def finish(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing, routed: Tensor,
-               beside: Tensor | None, into: Tensor | None) -> Tensor:
-        return moe_finish(self.config, layer, w, hidden, routing, routed, beside, into=into)
+               beside: Tensor | None = None, into: Tensor | None = None, checked: bool = True) -> Tensor:
+        return moe_finish(self.config, layer, w, hidden, routing, routed, beside, into=into, checked=checked)
 
     def head_input(self, w_globals: Mapping[str, Tensor], hidden: Tensor, rows: Tensor) -> Tensor:
         return head_input(self.config, hidden, w_globals, rows)

@@ -206,7 +206,6 @@ def stored_names(name: str) -> tuple[str, ...]:
     return (name,) if release is None or release == name else (name, release)
 
 
-# a routed expert's matrices by layer, gate w1 and up w3 [I, H], down w2 [H, I] (model.py's LAYER_EXPERT_NAMING; its
-# EXPERT_NAMING is the same by block)
+# a routed expert's matrices by layer, gate w1 and up w3 [I, H], down w2 [H, I]
 EXPERT_NAMING = ExpertNaming(prefix=lambda layer, expert: f"layers.{layer}.ffn.experts.{expert}.",
                              gate="w1.weight", up="w3.weight", down="w2.weight")

@@ -19,8 +19,6 @@ from .tensors import FINAL_NORM
 class Qwen3MoeDecode(Qwen3MoePrefill):
     """LayerDecode for one Qwen3-MoE config in one compute dtype (the prefill's names and expert FFN)."""
 
-    token_kernel_limit = None  # the compiled token kernel's clamped SwiGLU is not this family's
-
     def global_dtype(self, name: str, stored_dtype: str, compiled: bool) -> torch.dtype:
         return self.dtype
 
