@@ -162,6 +162,11 @@ def test_a_stopped_reply_stays_in_the_history_as_far_as_it_was_shown(container):
     from moepack.serve.tokenizer import PromptTokenizer
     from moepack.families.deepseek_v4.chat import encode_message_segments
 
+    # The tiny random model ends its greedy reply to "Hi" by itself after about 2,500 tokens: the Ctrl-C must land
+    # well inside that on this machine, so the wait comes from the decode speed measured here, aimed at ~500 tokens.
+    calibration = subprocess.run([sys.executable, "-m", "moepack", "generate", container, "--prompt", "Hi", "-n", "200",
+                                  "--json"], capture_output=True, text=True, timeout=120)
+    tokens_per_s = json.loads(calibration.stdout)["stats"]["decode"]["tokens_per_s"]
     chat = subprocess.Popen([sys.executable, "-m", "moepack", "chat", container, "-n", "100000", "--json"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -170,7 +175,7 @@ def test_a_stopped_reply_stays_in_the_history_as_far_as_it_was_shown(container):
         for line in (b"Hi\n", b"Again\n"):
             chat.stdin.write(line)
             chat.stdin.flush()
-            time.sleep(3)  # well into the reply (the tiny model: a few tokens a second at the least)
+            time.sleep(0.2 + 500 / tokens_per_s)  # the prompt's prefill, then ~500 tokens into the reply
             chat.send_signal(signal.SIGINT)
             replies.append(json.loads(chat.stdout.readline()))
         chat.stdin.close()
