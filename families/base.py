@@ -12,7 +12,7 @@ that never compute.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -78,13 +78,44 @@ class TensorSpec:
 @dataclass(frozen=True)
 class GGUFModel:
     """What a family's model is in llama.cpp: its GGUF architecture, the hyperparameter keys (key, kind, value;
-    kind a gguf-py writer's add_<kind>: uint32, float32, bool, string, array) and the tokenizer's pre-tokenizer
-    name (with its regexes, which a GGUF does not carry). The tensors' names are the TensorSpecs' `gguf`."""
+    kind a gguf-py writer's add_<kind>: uint32, float32, bool, string, array) in the order they are written, and the
+    tokenizer's pre-tokenizer name. Keys without `general.file_type` get it (after the routed experts' GGUF type)
+    and `general.quantization_version` appended by the writer; a family that fixes them lists both.
+    `chat_template`: the template written for a tokenizer that carries none (None: none written)."""
 
     architecture: str
     keys: tuple[tuple[str, str, Any], ...]
     tokenizer_pre: str
-    tokenizer_splits: tuple[str, ...] = ()  # that pre-tokenizer's regexes before the byte-level step (GGUF import)
+    chat_template: Callable[[], str] | None = None
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a family's GGUF: llama.cpp's `name` and the container tensors it is made of, one, or (stacked)
+    a layer's routed experts' matrix in expert-ID order, stacked [n_experts, out, in]. The family names them; the
+    packer moves the bytes (its types, quantization, stacking)."""
+
+    name: str
+    sources: tuple[str, ...]
+    stacked: bool = False
+
+
+def schema_gguf_tensors(family: ModelFamily, config: Any, architecture: str) -> list[GGUFTensor]:
+    """The GGUF tensors (of llama.cpp's `architecture`) of a family's parsed config from its schema
+    (TensorSpec.gguf), in the schema's order: a layer's routed experts stacked per matrix (the family's
+    ExpertNaming) where expert 0 lies."""
+    out = []
+    n_experts = family.shape(config).num_experts
+    for spec in family.tensor_specs(config):
+        if spec.gguf is None:
+            raise MoepackError(f"tensor {spec.name} has no name in llama.cpp's {architecture}")
+        if spec.role != ROLE_EXPERT:
+            out.append(GGUFTensor(spec.gguf, (spec.name,)))
+        elif spec.expert == 0:
+            matrix = next(m for m, n in family.expert_naming.names(spec.layer, 0).items() if n == spec.name)
+            out.append(GGUFTensor(spec.gguf, tuple(family.expert_naming.names(spec.layer, e)[matrix]
+                                                   for e in range(n_experts)), stacked=True))
+    return out
 
 
 class ExpertTokens(NamedTuple):
@@ -197,14 +228,22 @@ class ModelFamily(Protocol):
         """One layer's KV after n_tokens (the largest layer's), at element_bytes per value."""
         ...
 
-    def gguf_model(self, config: Any) -> GGUFModel:
-        """The model as llama.cpp's architecture for this family; a config it would compute differently is a
-        one-line MoepackError naming why."""
+    def gguf_model(self, config: Mapping[str, Any]) -> GGUFModel:
+        """The model of a config.json as llama.cpp's architecture for this family; a config it would compute
+        differently is a one-line MoepackError naming why."""
         ...
 
-    def config_from_gguf(self, keys: Mapping[str, Any], vocab_size: int, tied: bool) -> dict:
+    def gguf_tensors(self, config: Mapping[str, Any], names: Sequence[str] | None) -> list[GGUFTensor]:
+        """The tensors of the GGUF of a config.json's model, in the order they are written, from a container
+        holding tensors `names` (in its order, scale companions included); None: the tensors of the family's
+        schema (what a GGUF's tensors are read back as). A tensor it cannot name is a one-line MoepackError."""
+        ...
+
+    def config_from_gguf(self, keys: Mapping[str, Any], vocab_size: int, tied: bool,
+                         tensors: Collection[str] = ()) -> dict:
         """The config.json of a GGUF of the family's llama.cpp architecture: its keys (without the architecture's
-        prefix), the embedding's rows, whether the head is the embedding (no `output.weight`)."""
+        prefix), the embedding's rows, whether the head is the embedding (no `output.weight`), the GGUF's tensor
+        names."""
         ...
 
     def new_kv(self, config: Any) -> Any:
@@ -459,10 +498,10 @@ def family_kv_format(family: Any) -> KVFormat | None:
 class RegisteredFamily(ModelFamily, Protocol):
     """ModelFamily plus the questions the converter, `moepack plan`, `verify` and the runtime ask a family."""
 
-    # True: the GGUF export / import run the family through gguf_model / config_from_gguf (and ModelFamily's forward
-    # functions are implemented); False: the family's GGUF writer / reader are the packer's own (DeepSeek-V4's)
-    generic_forward: bool
     gguf_architectures: tuple[str, ...]  # llama.cpp's names of it (a GGUF's general.architecture)
+    # llama.cpp's pre-tokenizers (tokenizer.ggml.pre) of its tokenizers -> their regexes before the byte-level step
+    # (a GGUF does not carry them; its import rebuilds tokenizer.json with them)
+    gguf_pre_tokenizers: Mapping[str, tuple[str, ...]]
 
     # the family's own chat encoder (a module with check_reasoning_effort, encode_message_segments, THINK_END: a
     # chat rendered in code, its markup kept apart from the message text), or None: the chat template its

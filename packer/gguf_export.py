@@ -1,29 +1,26 @@
-"""Container -> one GGUF file of llama.cpp's `deepseek4` architecture (`moepack export FILE --format gguf -o X.gguf`).
+"""Container -> one GGUF file of llama.cpp's architecture for the container's model (`moepack export FILE --format
+gguf -o X.gguf`): DeepSeek-V4's `deepseek4`, Qwen3-MoE's `qwen3moe`, each as llama.cpp's own converter makes it.
 
-What llama.cpp's own converter (conversion/deepseek.py, DeepseekV4Model) makes of the release checkpoint, made from
-a container instead:
+The family names the tensors and the keys (ModelFamily.gguf_tensors, gguf_model: families/<family>/gguf.py); this
+module moves the bytes:
 
-* names: moepack.families.deepseek_v4.names' GGUF column (`blk.L.attn_q_a.weight`, `output_hc_fn.weight`, ...); the MTP
-  layers are not written (the converter skips them), nor the router bias of a hash layer (llama.cpp routes those by
-  tid2eid).
-* types, as the converter chooses them: an F8_E4M3 weight with its E8M0 block scales is dequantized and quantized to
-  Q8_0 (moepack's Q8_0 is byte-identical to ggml's); F32 stays F32; a 2-D BF16 stays BF16, a 1-D one becomes F32;
-  the hash table (I64) becomes I32; routed experts are repacked losslessly from the release's FP4 to MXFP4 and stacked
-  per layer into `ffn_{gate,down,up}_exps` [n_experts, out, in] (w1, w2, w3). Weights a container already holds in a
-  ggml block type (Q8_0, MXFP4, Q2_K, IQ2_XXS: the `--fp4` policy's Q8_0 + MXFP4 are exactly llama.cpp's) are copied
-  byte for byte, float experts (F32, BF16, F16) stacked in their own type; any other stored type (NVFP4, a weight
-  with a tensor scale) is decoded and written as Q8_0.
-* metadata: the base TextModel keys and DeepseekV4Model.set_gguf_parameters' (`DEEPSEEK4_KEYS` lists the ones
-  llama.cpp's loader requires), from the config in either spelling (moepack.families.deepseek_v4.config), and the
-  tokenizer (gpt2 BPE, pre-tokenizer `joyai-llm` as the converter names it, tokens padded to vocab_size with `[PAD{i}]`,
-  merges and special ids via gguf-py's SpecialVocab); the chat template is the tokenizer's own if it has one, else
-  DeepSeek-V4's format as moepack.families.deepseek_v4.chat renders it (families/deepseek_v4/chat_template.jinja).
+* types, as llama.cpp's converter chooses them: an F8_E4M3 weight with its E8M0 block scales is dequantized and
+  quantized to Q8_0 (moepack's Q8_0 is byte-identical to ggml's); F32 stays F32; a 2-D BF16 stays BF16, a 1-D one
+  becomes F32; an integer table (I64) becomes I32; routed experts are repacked losslessly from the release's FP4 to
+  MXFP4 and stacked per layer and matrix [n_experts, out, in]. Weights a container already holds in a ggml block
+  type (Q8_0, MXFP4, Q2_K, IQ2_XXS: the `--fp4` policy's Q8_0 + MXFP4 are exactly llama.cpp's) are copied byte for
+  byte, float experts (F32, BF16, F16) stacked in their own type; any other stored type (NVFP4, a weight with a
+  tensor scale) is decoded and written as Q8_0.
+* metadata: the family's keys (general.file_type after the routed experts' type where the family does not fix
+  it), and the tokenizer (gpt2 BPE with the family's pre-tokenizer name, tokens padded to vocab_size with
+  `[PAD{i}]`, merges and special ids via gguf-py's SpecialVocab); the chat template is the tokenizer's own if it has
+  one, else the family's (DeepSeek-V4's format as its chat encoder renders it).
 
 Written to a temporary name next to the output, fsynced, then renamed: a failure (a full disk) leaves no file behind
 and raises one MoepackError line. Needs gguf-py (`pip install 'moepack[gguf]'`).
 
 A container without a tokenizer (run by token ids) gets llama.cpp's vocabulary type `none`, whose size llama.cpp
-takes from `deepseek4.vocab_size` (without that key it has no tokens and refuses `token_embd.weight`), and the token
+takes from `{arch}.vocab_size` (without that key it has no tokens and refuses `token_embd.weight`), and the token
 list padded as the converter pads ids a tokenizer lacks (`[PAD{i}]`, UNUSED) for readers that count it.
 """
 
@@ -43,12 +40,8 @@ import numpy as np
 import torch
 
 from moepack.families import container_family
-from moepack.families.base import ROLE_EXPERT
-from moepack.families.deepseek_v4 import names as v4names
-from moepack.families.deepseek_v4.chat import chat_template
-from moepack.families.deepseek_v4.config import DEFAULTS, ModelConfig
 from moepack.format_spec import untrusted
-from moepack.format_spec.decode import decode_float, decode_tensor, is_companion, scale_name, tensor_scale_name
+from moepack.format_spec.decode import decode_float, decode_tensor, scale_name, tensor_scale_name
 from moepack.format_spec.decode import tensor_scale_value
 from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
 from moepack.format_spec.files import check_free_space, remove_stale_temporaries, temporary_prefix
@@ -61,32 +54,10 @@ from .gguf_source import gguf_py
 from .progress import progress_bar
 from .sharding import greedy_shards
 
-ARCH = "deepseek4"
-# What llama.cpp's converter names the DeepSeek-V4 tokenizer's pre-tokenizer (it recognises the release's tokenizer
-# by a hash of its output as "joyai-llm"; src/llama-vocab.cpp gives that the same regexes as "deepseek-v3").
-TOKENIZER_PRE = "joyai-llm"
-FILE_TYPE_MXFP4_MOE = 38  # LlamaFileType.MOSTLY_MXFP4_MOE, what the converter sets for DeepSeek-V4
-QUANT_VERSION = 2
-GATING_FUNC = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}  # ExpertGatingFuncType
-
-# The keys llama.cpp's deepseek4 loader reads with get_key (a missing one fails the load), besides the generic
-# ones every model needs (block_count, context_length, embedding_length, attention.head_count).
-DEEPSEEK4_KEYS = tuple(k.format(arch=ARCH) for k in (
-    "{arch}.block_count", "{arch}.context_length", "{arch}.embedding_length", "{arch}.attention.head_count",
-    "{arch}.attention.layer_norm_rms_epsilon", "{arch}.attention.q_lora_rank", "{arch}.attention.sliding_window",
-    "{arch}.expert_feed_forward_length", "{arch}.expert_shared_count", "{arch}.expert_weights_scale",
-    "{arch}.expert_weights_norm", "{arch}.swiglu_clamp_exp", "{arch}.attention.indexer.head_count",
-    "{arch}.attention.indexer.key_length", "{arch}.attention.indexer.top_k", "{arch}.attention.output_group_count",
-    "{arch}.attention.output_lora_rank", "{arch}.attention.compress_rope_freq_base",
-    "{arch}.hyper_connection.count", "{arch}.hyper_connection.sinkhorn_iterations",
-    "{arch}.hyper_connection.epsilon", "{arch}.hash_layer_count", "{arch}.attention.compress_ratios",
-    "{arch}.expert_gating_func", "{arch}.expert_count", "{arch}.expert_used_count",
-))
+QUANT_VERSION = 2  # general.quantization_version of ggml's current block layouts
 
 _BLOCK_TYPES = ("Q8_0", "MXFP4", "Q2_K", "IQ2_XXS")  # stored in ggml's own block layout: copied as they are
 _FLOAT_TYPES = ("F32", "BF16", "F16")
-_EXPERT = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
-_EXPERT_GGUF = {"w1": "ffn_gate_exps", "w2": "ffn_down_exps", "w3": "ffn_up_exps"}
 
 
 @dataclass
@@ -154,11 +125,6 @@ def _plain_job(c: Container, name: str, gguf_name: str) -> _Job:
     return _Job(gguf_name, "Q8_0", shape, lambda: _q8_0(_float32(c, name)), nbytes)
 
 
-def _expert_job(c: Container, layer: int, proj: str, n_experts: int) -> _Job:
-    names = [f"layers.{layer}.ffn.experts.{e}.{proj}.weight" for e in range(n_experts)]
-    return _stacked_experts_job(c, names, f"blk.{layer}.{_EXPERT_GGUF[proj]}.weight")
-
-
 def _stacked_experts_job(c: Container, names: list[str], gguf_name: str) -> _Job:
     """One layer's routed experts' matrix `names` (in expert-ID order) stacked as llama.cpp's [n_experts, out, in]."""
     n_experts = len(names)
@@ -189,53 +155,6 @@ def _stacked_experts_job(c: Container, names: list[str], gguf_name: str) -> _Job
                 lambda: np.concatenate([_q8_0(_float32(c, n)) for n in names]), nbytes)
 
 
-def plan_tensors(c: Container, cfg: ModelConfig) -> list[_Job]:
-    """The GGUF tensors, in container order (a layer's stacked experts where its first expert lies)."""
-    jobs: list[_Job] = []
-    done_experts: set[tuple[int, str]] = set()
-    for name in c.tensors:
-        if is_companion(name, c.tensors):
-            continue
-        m = _EXPERT.match(name)
-        if m:
-            key = (int(m.group(1)), m.group(3))
-            if key not in done_experts:
-                done_experts.add(key)
-                jobs.append(_expert_job(c, key[0], key[1], cfg.n_routed_experts))
-            continue
-        canon = v4names.canonical(name)
-        if canon is None:
-            raise MoepackError(f"tensor {name} has no GGUF name (not a DeepSeek-V4 tensor moepack knows)")
-        if canon.startswith("mtp."):
-            continue  # llama.cpp's converter skips the MTP layers
-        lm = re.match(r"layers\.(\d+)\.", canon)
-        if lm and canon.endswith(".ffn.gate.bias") and cfg.hash_layers[int(lm.group(1))]:
-            continue  # a hash layer's router bias is unused (the converter drops it)
-        gguf_name = v4names.to_gguf(canon)
-        if gguf_name is None:
-            raise MoepackError(f"tensor {name} has no GGUF name")
-        jobs.append(_plain_job(c, name, gguf_name))
-    return jobs
-
-
-def family_tensors(c: Container, family, config) -> list[_Job]:
-    """The GGUF tensors of a family's model (moepack.families): each tensor of its schema under its `gguf` name, a
-    layer's routed experts stacked per matrix (the family's ExpertNaming) where expert 0 lies."""
-    jobs = []
-    n_experts = family.shape(config).num_experts
-    for spec in family.tensor_specs(config):
-        if spec.gguf is None:
-            raise MoepackError(f"tensor {spec.name} has no name in llama.cpp's "
-                               f"{family.gguf_model(config).architecture}")
-        if spec.role != ROLE_EXPERT:
-            jobs.append(_plain_job(c, spec.name, spec.gguf))
-        elif spec.expert == 0:
-            matrix = next(m for m, n in family.expert_naming.names(spec.layer, 0).items() if n == spec.name)
-            names = [family.expert_naming.names(spec.layer, e)[matrix] for e in range(n_experts)]
-            jobs.append(_stacked_experts_job(c, names, spec.gguf))
-    return jobs
-
-
 # general.file_type (gguf-py's LlamaFileType member) after the routed experts' GGUF type
 _FILE_TYPE = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
               "MXFP4": "MOSTLY_MXFP4_MOE", "Q2_K": "MOSTLY_Q2_K", "IQ2_XXS": "MOSTLY_IQ2_XXS"}
@@ -243,86 +162,19 @@ _FILE_TYPE = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_
 
 def family_export(gguf, c: Container) -> tuple[str, list[_Job], list[tuple], str, int, Callable | None]:
     """(architecture, tensors, model keys, pre-tokenizer, vocab size, fallback chat template) of the container's
-    model: DeepSeek-V4's (moepack.families.deepseek_v4), or a family's (moepack.families, whose chat template is its
-    tokenizer's)."""
+    model, as its family (moepack.families) names them."""
     family = container_family(c)
-    if not family.generic_forward:  # DeepSeek-V4's: written here (llama.cpp's deepseek4)
-        cfg = ModelConfig.from_hf(c.config)
-        return ARCH, plan_tensors(c, cfg), metadata(c.config, cfg), TOKENIZER_PRE, cfg.vocab_size, chat_template
-    config = family.parse_config(c.config)
-    model = family.gguf_model(config)
-    jobs = family_tensors(c, family, config)
-    experts = next((j.qtype for j in jobs if len(j.shape) == 3), "F32")
-    file_type = int(gguf.LlamaFileType[_FILE_TYPE.get(experts, "MOSTLY_Q8_0")])
-    keys = [*model.keys, ("general.file_type", "uint32", file_type),
-            ("general.quantization_version", "uint32", QUANT_VERSION)]
-    return model.architecture, jobs, keys, model.tokenizer_pre, family.shape(config).vocab_size, None
-
-
-def _rope_dim(config: dict, cfg: ModelConfig) -> int:
-    if isinstance(config.get("qk_rope_head_dim"), int):
-        return config["qk_rope_head_dim"]
-    return cfg.main_rope.dim
-
-
-def metadata(config: dict, cfg: ModelConfig) -> list[tuple[str, str, object]]:
-    """(key, kind, value) for every model key, kind one of uint32 / float32 / bool / string / array."""
-    a = ARCH
-    n_hash = sum(cfg.hash_layers)
-    if any(cfg.hash_layers[n_hash:]):
-        raise MoepackError("llama.cpp needs the hash-routed layers to be the first ones (hash_layer_count)")
-    n = cfg.num_layers
-    kv: list[tuple[str, str, object]] = [
-        (f"{a}.block_count", "uint32", n),
-        (f"{a}.context_length", "uint32", config.get("max_position_embeddings", DEFAULTS["max_position_embeddings"])),
-        (f"{a}.embedding_length", "uint32", cfg.hidden_size),
-    ]
-    if isinstance(config.get("intermediate_size"), int):
-        kv.append((f"{a}.feed_forward_length", "uint32", config["intermediate_size"]))
-    kv.append((f"{a}.attention.head_count", "uint32", cfg.num_heads))
-    if isinstance(config.get("num_key_value_heads"), int):
-        kv.append((f"{a}.attention.head_count_kv", "uint32", config["num_key_value_heads"]))
-    rope = cfg.compress_rope
-    if rope.scaling == "yarn":  # the release's rope_scaling: the compressed layers' YaRN (llama.cpp applies it there)
-        kv += [(f"{a}.rope.scaling.type", "string", "yarn"),
-               (f"{a}.rope.scaling.factor", "float32", float(rope.factor)),
-               (f"{a}.rope.scaling.original_context_length", "uint32", int(rope.original_max_position_embeddings)),
-               (f"{a}.rope.scaling.yarn_beta_fast", "float32", float(rope.beta_fast)),
-               (f"{a}.rope.scaling.yarn_beta_slow", "float32", float(rope.beta_slow))]
-    kv += [
-        (f"{a}.rope.freq_base", "float32", float(cfg.main_rope.theta)),
-        (f"{a}.attention.layer_norm_rms_epsilon", "float32", float(cfg.rms_norm_eps)),
-        (f"{a}.expert_count", "uint32", cfg.n_routed_experts),
-        (f"{a}.expert_used_count", "uint32", cfg.num_experts_per_tok),
-        (f"{a}.expert_gating_func", "uint32", GATING_FUNC[cfg.scoring_func]),
-        (f"{a}.attention.key_length", "uint32", cfg.head_dim),
-        (f"{a}.attention.value_length", "uint32", cfg.head_dim),
-        ("general.file_type", "uint32", FILE_TYPE_MXFP4_MOE),
-        # DeepseekV4Model.set_gguf_parameters
-        (f"{a}.rope.dimension_count", "uint32", _rope_dim(config, cfg)),
-        (f"{a}.attention.q_lora_rank", "uint32", cfg.q_lora_rank),
-        (f"{a}.attention.sliding_window", "uint32", cfg.sliding_window),
-        (f"{a}.expert_feed_forward_length", "uint32", cfg.moe_intermediate_size),
-        (f"{a}.expert_shared_count", "uint32", int(config.get("n_shared_experts", 1))),
-        (f"{a}.expert_weights_scale", "float32", float(cfg.routed_scaling_factor)),
-        (f"{a}.expert_weights_norm", "bool", bool(config.get("norm_topk_prob", True))),
-        (f"{a}.swiglu_clamp_exp", "array", [float(cfg.swiglu_limit)] * n),
-        (f"{a}.swiglu_clamp_shexp", "array", [float(cfg.swiglu_limit)] * n),
-        (f"{a}.attention.indexer.head_count", "uint32", cfg.index_n_heads),
-        (f"{a}.attention.indexer.key_length", "uint32", cfg.index_head_dim),
-        (f"{a}.attention.indexer.top_k", "uint32", cfg.index_topk),
-        (f"{a}.attention.output_group_count", "uint32", cfg.o_groups),
-        (f"{a}.attention.output_lora_rank", "uint32", cfg.o_lora_rank),
-        (f"{a}.attention.compress_ratios", "array", [int(r) for r in cfg.compress_rates]),
-        (f"{a}.attention.compress_rope_freq_base", "float32", float(cfg.compress_rope.theta)),
-        (f"{a}.hyper_connection.count", "uint32", cfg.hc_mult),
-        (f"{a}.hyper_connection.sinkhorn_iterations", "uint32", cfg.hc_sinkhorn_iters),
-        (f"{a}.hyper_connection.epsilon", "float32", float(cfg.hc_eps)),
-        (f"{a}.hash_layer_count", "uint32", n_hash),
-        (f"{a}.embedding_length_out", "uint32", cfg.hidden_size * cfg.hc_mult),
-        ("general.quantization_version", "uint32", QUANT_VERSION),
-    ]
-    return kv
+    jobs = [_stacked_experts_job(c, list(t.sources), t.name) if t.stacked else _plain_job(c, t.sources[0], t.name)
+            for t in family.gguf_tensors(c.config, list(c.tensors))]
+    model = family.gguf_model(c.config)
+    keys = list(model.keys)
+    if not any(key == "general.file_type" for key, _, _ in keys):  # the family leaves it to the experts' type
+        experts = next((j.qtype for j in jobs if len(j.shape) == 3), "F32")
+        file_type = int(gguf.LlamaFileType[_FILE_TYPE.get(experts, "MOSTLY_Q8_0")])
+        keys += [("general.file_type", "uint32", file_type),
+                 ("general.quantization_version", "uint32", QUANT_VERSION)]
+    vocab_size = family.shape(family.parse_config(c.config)).vocab_size
+    return model.architecture, jobs, keys, model.tokenizer_pre, vocab_size, model.chat_template
 
 
 def _tokenizer_files(c: Container) -> dict[str, bytes]:
@@ -393,8 +245,8 @@ def _writer_class(gguf):
     return Writer
 
 
-def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_size: int, tmp_dir: str,
-                   pre: str = TOKENIZER_PRE, fallback_template: Callable[[], str] | None = chat_template) -> None:
+def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_size: int, tmp_dir: str, pre: str,
+                   fallback_template: Callable[[], str] | None) -> None:
     tokens, types = vocab(files, vocab_size)
     if "tokenizer.json" not in files:  # a container run by token ids: llama.cpp's vocabulary type "none", sized by
         writer.add_string("tokenizer.ggml.model", "none")  # {arch}.vocab_size (llama.cpp's own saver writes it)
@@ -416,8 +268,8 @@ def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_si
             with open(os.path.join(tok_dir, name), "wb") as f:
                 f.write(data)
         special = gguf.SpecialVocab(tok_dir, load_merges=False, n_vocab=len(tokens))
-        if special.chat_template is None and fallback_template is not None:  # DeepSeek-V4's release ships none:
-            special.chat_template = fallback_template()  # its format as moepack encodes it
+        if special.chat_template is None and fallback_template is not None:  # (DeepSeek-V4's release ships none:
+            special.chat_template = fallback_template()  # its format as moepack encodes it)
         special.add_to_gguf(writer, quiet=True)
     finally:
         shutil.rmtree(tok_dir, ignore_errors=True)
@@ -547,4 +399,4 @@ def _discard(writer, tmps: list[str]) -> None:
             pass
 
 
-__all__ = ["export_gguf", "parse_size", "split_name", "metadata", "plan_tensors", "vocab", "DEEPSEEK4_KEYS", "ARCH", "TOKENIZER_PRE"]
+__all__ = ["export_gguf", "parse_size", "split_name", "vocab"]

@@ -1,18 +1,20 @@
-"""A llama.cpp `deepseek4` GGUF (one file, or `NAME-00001-of-0000N.gguf` splits) as a source of the converter.
+"""A llama.cpp GGUF of a family's architecture (DeepSeek-V4's `deepseek4`, Qwen3-MoE's `qwen3moe`; one file, or
+`NAME-00001-of-0000N.gguf` splits) as a source of the converter.
 
 It offers what CheckpointDir offers (config, tensors by canonical name, pread of their bytes, tokenizer files), so
 `moepack convert MODEL.gguf` runs the same region pipeline as a Hugging Face checkpoint and `verify --source
 MODEL.gguf` the same comparison:
 
-* tensors: GGUF names to moepack's canonical names (moepack.families.deepseek_v4.names' GGUF column); a layer's stacked
+* tensors: GGUF names to the family's canonical names (ModelFamily.gguf_tensors of its schema); a layer's stacked
   routed experts (`blk.L.ffn_{gate,up,down}_exps` [E, out, in]) become E tensors each, slices of the stacked bytes. A
   ggml type a container stores (F32, F16, BF16, Q8_0, MXFP4, NVFP4, Q2_K, IQ2_XXS, the integer types) is handed over
   byte for byte; any other (Q4_K, Q6_K, ...) is dequantized by gguf-py and handed over as F32 (`--keep` refuses those:
   their blocks cannot be kept).
-* config: a transformers-spelled DeepSeek-V4 config.json rebuilt from the `deepseek4.*` keys (the exporter's
-  inverse; a layer's kind from its compress ratio and whether it has indexer tensors).
-* tokenizer: tokenizer.json (byte-level BPE: tokens, merges, added tokens by token type, the DeepSeek pre-tokenizer
-  for `deepseek-v3` / `joyai-llm`) and tokenizer_config.json (bos / eos, add_bos_token, chat template).
+* config: a transformers-spelled config.json the family rebuilds from its architecture's keys
+  (ModelFamily.config_from_gguf, the exporter's inverse), with the tokenizer's bos / eos ids.
+* tokenizer: tokenizer.json (byte-level BPE: tokens, merges, added tokens by token type, the regexes of the
+  pre-tokenizer a family names: RegisteredFamily.gguf_pre_tokenizers) and tokenizer_config.json (bos / eos,
+  add_bos_token, chat template).
 
 Every problem (not a GGUF, another architecture, a missing or extra split, a tensor past the end of its file, an
 unknown tensor) is one MoepackError line naming the file.
@@ -28,9 +30,7 @@ import struct
 
 import numpy as np
 
-from moepack.families import GGUF_ARCHITECTURES, family_of_gguf
-from moepack.families.base import ROLE_EXPERT
-from moepack.families.deepseek_v4 import names as v4names
+from moepack.families import FAMILY_NAMES, GGUF_ARCHITECTURES, family_named, family_of_gguf
 from moepack.format_spec.dtypes import STORAGE_TYPES, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import open_regular
@@ -38,20 +38,7 @@ from moepack.format_spec.files import open_regular
 from .source import LocalSource, OpenFiles, SourceTensor
 
 GGUF_MAGIC = b"GGUF"
-ARCH = "deepseek4"
 _SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
-_EXPERT_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
-SCORING = {1: "softmax", 2: "sigmoid", 4: "sqrtsoftplus"}  # ExpertGatingFuncType
-# Byte-level BPE pre-tokenizers, by llama.cpp's name (src/llama-vocab.cpp gives both these regexes, the ones the
-# DeepSeek-V3 / V4 tokenizer.json lists as three Split steps before its ByteLevel step).
-_DEEPSEEK_SPLITS = (
-    r"\p{N}{1,3}",
-    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
-    "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
-)
-PRE_TOKENIZER_SPLITS = {"deepseek-v3": _DEEPSEEK_SPLITS, "joyai-llm": _DEEPSEEK_SPLITS}
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 
 
@@ -213,7 +200,7 @@ def _value(reader, key: str, default=None):
 
 
 class GGUFSource(LocalSource):
-    """A deepseek4 GGUF, read as a checkpoint: `config`, `tensors` {canonical name: SourceTensor}, `read(t)`,
+    """A family's GGUF, read as a checkpoint: `config`, `tensors` {canonical name: SourceTensor}, `read(t)`,
     `side_files()`, `file_sizes()`, `provenance`, `close()`."""
 
     def __init__(self, path: str):
@@ -242,12 +229,8 @@ class GGUFSource(LocalSource):
                     raise MoepackError(f"{os.path.basename(file)}: truncated (tensor {t.name} ends at "
                                        f"{int(t.data_offset) + int(t.n_bytes)}, the file has {size} bytes)")
                 gguf_tensors[t.name] = (file, t)
-        if not self.family.generic_forward:  # DeepSeek-V4's (llama.cpp's deepseek4): read here
-            self.tensors = self._canonical_tensors(gguf_tensors)
-            self.config = self._config(gguf_tensors)
-        else:
-            self.config = self._family_config(arch, gguf_tensors)
-            self.tensors = self._family_tensors(gguf_tensors)
+        self.config = self._family_config(arch, gguf_tensors)
+        self.tensors = self._family_tensors(gguf_tensors)
         self.provenance = {"source": self.files[0], "format": "gguf", "revision": None,
                            "files": {os.path.basename(f): {"size": os.path.getsize(f), "sha256": None}
                                      for f in self.files}}
@@ -268,23 +251,6 @@ class GGUFSource(LocalSource):
         qtype = self._gguf.GGMLQuantizationType(int(t.tensor_type)).name
         return qtype, tuple(int(d) for d in reversed(t.shape.tolist()))
 
-    def _canonical_tensors(self, gguf_tensors) -> dict[str, SourceTensor]:
-        out: dict[str, SourceTensor] = {}
-        for gname, (file, t) in gguf_tensors.items():
-            qtype, shape = self._type_and_shape(t)
-            m = _EXPERTS.match(gname)
-            if m:
-                layer, proj = int(m.group(1)), _EXPERT_PROJ[m.group(2)]
-                names = [f"layers.{layer}.ffn.experts.{e}.{proj}.weight" for e in range(shape[0] if shape else 0)]
-                out.update(self._unstacked(gname, names, qtype, shape, file, t))
-                continue
-            name = v4names.from_gguf(gname)
-            if name is None:
-                raise MoepackError(f"{os.path.basename(file)}: tensor {gname} is not a DeepSeek-V4 tensor moepack "
-                                   f"knows")
-            out[name] = self._tensor(name, qtype, shape, file, int(t.data_offset), int(t.n_bytes))
-        return out
-
     def _unstacked(self, gname: str, names: list[str], qtype: str, shape: tuple, file: str, t
                    ) -> dict[str, SourceTensor]:
         """A layer's stacked routed experts [E, out, in] as E tensors `names` (in expert-ID order), slices of it."""
@@ -296,14 +262,15 @@ class GGUFSource(LocalSource):
                 for e, name in enumerate(names)}
 
     def _family_tensors(self, gguf_tensors) -> dict[str, SourceTensor]:
-        """A family's GGUF tensors under the names of its schema (TensorSpec.gguf), the stacked experts unstacked."""
+        """A family's GGUF tensors under the names of its schema (ModelFamily.gguf_tensors), the stacked experts
+        unstacked."""
         family = self.family
         plain, stacked = {}, {}
-        for spec in family.tensor_specs(family.parse_config(self.config)):
-            if spec.role == ROLE_EXPERT:
-                stacked.setdefault(spec.gguf, []).append(spec.name)  # in expert-ID order
-            elif spec.gguf is not None:
-                plain[spec.gguf] = spec.name
+        for t in family.gguf_tensors(self.config, None):
+            if t.stacked:
+                stacked[t.name] = list(t.sources)  # in expert-ID order
+            else:
+                plain[t.name] = t.sources[0]
         out: dict[str, SourceTensor] = {}
         for gname, (file, t) in gguf_tensors.items():
             qtype, shape = self._type_and_shape(t)
@@ -354,82 +321,6 @@ class GGUFSource(LocalSource):
 
     # -- config ------------------------------------------------------------------------------------------------
 
-    def _key(self, name: str, default=None, required: bool = True):
-        value = self.meta.get(f"{ARCH}.{name}", default)
-        if value is None and required:
-            raise MoepackError(f"{os.path.basename(self.files[0])}: no {ARCH}.{name} key")
-        return value
-
-    def _config(self, gguf_tensors) -> dict:
-        k = self._key
-        n = int(k("block_count"))
-        head_dim = int(k("attention.key_length"))
-        rope_dim = int(k("rope.dimension_count", head_dim))
-        ratios = list(k("attention.compress_ratios"))
-        if len(ratios) < n:
-            raise MoepackError(f"{ARCH}.attention.compress_ratios lists {len(ratios)} layers, block_count is {n}")
-        kinds, rates = [], {}
-        for layer, ratio in enumerate(ratios[:n]):
-            kind = ("sliding_attention" if ratio == 0 else "compressed_sparse_attention"
-                    if f"blk.{layer}.indexer.proj.weight" in gguf_tensors else "heavily_compressed_attention")
-            if ratio and rates.setdefault(kind, int(ratio)) != ratio:
-                raise MoepackError(f"{ARCH}.attention.compress_ratios: {kind} layers with ratios {rates[kind]} and "
-                                   f"{ratio}; moepack's DeepSeek-V4 has one ratio per kind")
-            kinds.append(kind)
-        gating = int(k("expert_gating_func"))
-        if gating not in SCORING:
-            raise MoepackError(f"{ARCH}.expert_gating_func {gating} is none of {sorted(SCORING)}")
-        clamp = k("swiglu_clamp_exp", [10.0], required=False)
-        clamp = clamp if isinstance(clamp, list) else [clamp]
-        if len(set(clamp)) > 1:
-            raise MoepackError(f"{ARCH}.swiglu_clamp_exp differs between layers; moepack's DeepSeek-V4 has one limit")
-        embd = gguf_tensors.get("token_embd.weight")
-        if embd is None:
-            raise MoepackError(f"{os.path.basename(self.files[0])}: no token_embd.weight")
-        n_hash = int(k("hash_layer_count", 0, required=False))
-        partial = rope_dim / head_dim
-        compress = {"rope_type": "default", "rope_theta": float(k("attention.compress_rope_freq_base")),
-                    "partial_rotary_factor": partial}
-        if k("rope.scaling.type", required=False) == "yarn":
-            compress.update(rope_type="yarn", factor=float(k("rope.scaling.factor")),
-                            original_max_position_embeddings=int(k("rope.scaling.original_context_length")),
-                            beta_fast=float(k("rope.scaling.yarn_beta_fast", 32.0, required=False)),
-                            beta_slow=float(k("rope.scaling.yarn_beta_slow", 1.0, required=False)),
-                            # the V4 reference does not scale cos/sin (moepack.families.deepseek_v4.config)
-                            attention_factor=1.0)
-        config = {
-            "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-            "vocab_size": int(embd[1].shape[1]), "hidden_size": int(k("embedding_length")), "num_hidden_layers": n,
-            "num_attention_heads": int(k("attention.head_count")),
-            "num_key_value_heads": int(k("attention.head_count_kv", 1, required=False)),
-            "head_dim": head_dim, "qk_rope_head_dim": rope_dim, "partial_rotary_factor": partial,
-            "q_lora_rank": int(k("attention.q_lora_rank")), "o_lora_rank": int(k("attention.output_lora_rank")),
-            "o_groups": int(k("attention.output_group_count")), "sliding_window": int(k("attention.sliding_window")),
-            "moe_intermediate_size": int(k("expert_feed_forward_length")),
-            "n_routed_experts": int(k("expert_count")), "num_experts_per_tok": int(k("expert_used_count")),
-            "n_shared_experts": int(k("expert_shared_count", 1, required=False)),
-            "routed_scaling_factor": float(k("expert_weights_scale")),
-            "norm_topk_prob": bool(k("expert_weights_norm", True, required=False)),
-            "scoring_func": SCORING[gating], "swiglu_limit": float(clamp[0]),
-            "index_n_heads": int(k("attention.indexer.head_count")),
-            "index_head_dim": int(k("attention.indexer.key_length")),
-            "index_topk": int(k("attention.indexer.top_k")),
-            "layer_types": kinds, "compress_rates": rates,
-            "mlp_layer_types": ["hash_moe" if i < n_hash else "moe" for i in range(n)],
-            "hc_mult": int(k("hyper_connection.count")),
-            "hc_sinkhorn_iters": int(k("hyper_connection.sinkhorn_iterations")),
-            "hc_eps": float(k("hyper_connection.epsilon")),
-            "rms_norm_eps": float(k("attention.layer_norm_rms_epsilon")),
-            "max_position_embeddings": int(k("context_length")),
-            "rope_theta": float(k("rope.freq_base")), "compress_rope_theta": compress["rope_theta"],
-            "rope_parameters": {"main": {"rope_type": "default", "rope_theta": float(k("rope.freq_base")),
-                                         "partial_rotary_factor": partial}, "compress": compress},
-            "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
-        }
-        if k("feed_forward_length", required=False) is not None:
-            config["intermediate_size"] = int(k("feed_forward_length"))
-        return {**config, **self._special_ids()}
-
     def _family_config(self, arch: str, gguf_tensors) -> dict:
         """A family's config.json from its GGUF keys (the family's inverse of its gguf_model)."""
         embd = gguf_tensors.get("token_embd.weight")
@@ -438,7 +329,8 @@ class GGUFSource(LocalSource):
         keys = {k[len(arch) + 1:]: v for k, v in self.meta.items() if k.startswith(arch + ".")}
         name = os.path.basename(self.files[0])
         try:
-            config = self.family.config_from_gguf(keys, int(embd[1].shape[1]), "output.weight" not in gguf_tensors)
+            config = self.family.config_from_gguf(keys, int(embd[1].shape[1]), "output.weight" not in gguf_tensors,
+                                                  tuple(gguf_tensors))
             self.family.parse_config(config)  # every value in range, named as config.json's field
         except MoepackError as e:
             raise MoepackError(f"{name}: {e}") from None
@@ -465,11 +357,7 @@ class GGUFSource(LocalSource):
                                "byte-level BPE (gpt2) tokenizers, or none")
         types = self.meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
         merges = self.meta.get("tokenizer.ggml.merges") or []
-        pre = self.meta.get("tokenizer.ggml.pre")
-        splits = PRE_TOKENIZER_SPLITS.get(pre, ())
-        if self.family.generic_forward:  # a family names its own pre-tokenizer's regexes
-            model = self.family.gguf_model(self.family.parse_config(self.config))
-            splits = model.tokenizer_splits if pre == model.tokenizer_pre else splits
+        splits = pre_tokenizer_splits(self.family, self.meta.get("tokenizer.ggml.pre"))
         tokenizer = byte_level_bpe_json(tokens, types, merges, splits,
                                         self.meta.get("tokenizer.ggml.bos_token_id"),
                                         bool(self.meta.get("tokenizer.ggml.add_bos_token", False)))
@@ -485,6 +373,15 @@ class GGUFSource(LocalSource):
             config["chat_template"] = template
         return {name: {"encoding": "utf-8", "data": json.dumps(obj, ensure_ascii=False)}
                 for name, obj in (("tokenizer.json", tokenizer), ("tokenizer_config.json", config))}
+
+
+def pre_tokenizer_splits(family, pre: str | None) -> tuple[str, ...]:
+    """The regexes of llama.cpp's pre-tokenizer `pre` before the byte-level step, as a family names them (the GGUF's
+    own family first; none: GPT-2's own regex)."""
+    for f in (family, *(family_named(name) for name in FAMILY_NAMES)):
+        if pre in f.gguf_pre_tokenizers:
+            return tuple(f.gguf_pre_tokenizers[pre])
+    return ()
 
 
 def byte_level_bpe_json(tokens: list[str], types: list[int], merges: list[str], splits: tuple[str, ...],

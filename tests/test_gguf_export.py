@@ -32,7 +32,8 @@ from moepack.format_spec.quants import fp4_to_mxfp4  # noqa: E402
 from moepack.format_spec.reader import Container  # noqa: E402
 from moepack.packer import gguf_export  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
-from moepack.packer.gguf_export import ARCH, DEEPSEEK4_KEYS, export_gguf  # noqa: E402
+from moepack.families.deepseek_v4.gguf import ARCH, DEEPSEEK4_KEYS  # noqa: E402
+from moepack.packer.gguf_export import export_gguf  # noqa: E402
 from moepack.packer.synth import synth_checkpoint  # noqa: E402
 
 # llama.cpp's MODEL_ARCH.DEEPSEEK4 tensor templates (gguf-py constants.py of the llama.cpp tree), with the suffixes

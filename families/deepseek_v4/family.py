@@ -5,15 +5,15 @@ look-up of the family imports none."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.errors import MoepackError
 
 from ..base import (ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EMBED, ROLE_EXPERT, ROLE_HEAD, ROLE_NORM, ROLE_ROUTER,
-                    ExpertNaming, GGUFModel, MoeShape, TensorSpec, flops_summary, sum_entries)
-from . import names
+                    ExpertNaming, GGUFModel, GGUFTensor, MoeShape, TensorSpec, flops_summary, sum_entries)
+from . import gguf, names
 from .names import EXPERT_NAMING
 from .arch import DEEPSEEK_V4
 from .config import CSA, HCA, MODEL_TYPE, ConfigError, ModelConfig, unsupported
@@ -44,17 +44,16 @@ def _role(name: str) -> str:
 
 class DeepseekV4Family:
     """The ModelFamily protocol for DeepSeek-V4 (V4-Flash, V4-Pro: the release's and transformers' layouts, one
-    adapter for both). Its GGUF writer / reader are the packer's own (`generic_forward` False): the protocol's
-    generic forward functions are not implemented here; its prefill and decode are layer_prefill's and
-    layer_decode's."""
+    adapter for both). The protocol's generic forward functions are not implemented here; its prefill and decode
+    are layer_prefill's and layer_decode's."""
 
     name = "deepseek-v4"
     architectures = (ARCHITECTURE,)
     model_types = (MODEL_TYPE,)
     expert_naming: ExpertNaming = EXPERT_NAMING
     adapter: Adapter = DEEPSEEK_V4
-    generic_forward = False
-    gguf_architectures = (GGUF_ARCHITECTURE,)  # read and written by packer/gguf_source.py / gguf_export.py
+    gguf_architectures = (GGUF_ARCHITECTURE,)
+    gguf_pre_tokenizers = gguf.PRE_TOKENIZERS
 
     @property
     def chat_encoding(self):
@@ -168,17 +167,21 @@ class DeepseekV4Family:
             best = max(best, size)
         return best
 
-    def gguf_model(self, config: ModelConfig) -> GGUFModel:
-        raise MoepackError("DeepSeek-V4's GGUF is written by packer/gguf_export.py (generic_forward is False)")
+    def gguf_model(self, config: Mapping[str, Any]) -> GGUFModel:
+        return gguf.gguf_model(config)
 
-    def config_from_gguf(self, keys: Mapping[str, Any], vocab_size: int, tied: bool) -> dict:
-        raise MoepackError("DeepSeek-V4's GGUF is read by packer/gguf_source.py (generic_forward is False)")
+    def gguf_tensors(self, config: Mapping[str, Any], names: Sequence[str] | None) -> list[GGUFTensor]:
+        return gguf.gguf_tensors(config, names)
+
+    def config_from_gguf(self, keys: Mapping[str, Any], vocab_size: int, tied: bool,
+                         tensors: Collection[str] = ()) -> dict:
+        return gguf.config_from_gguf(keys, vocab_size, tied, tensors)
 
     # ModelFamily's forward functions: DeepSeek-V4's forward is model.py's (mHC residual streams, compressed KV),
     # run by its layer_prefill and layer_decode (decode.py), not one step at a time here
     def _no_generic_forward(self, *_args):
         raise MoepackError("DeepSeek-V4 runs through its LayerPrefill and LayerDecode, not ModelFamily's "
-                           "forward functions (generic_forward is False)")
+                           "forward functions")
 
     new_kv = embed = before_experts = expert_ffn = after_experts = head = _no_generic_forward
 

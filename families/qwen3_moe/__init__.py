@@ -4,16 +4,16 @@ checkpoint through that schema, model.py is the forward."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.errors import MoepackError
 
-from ..base import (ExpertNaming, GGUFModel, MoeShape, TensorSpec, chat_template_from_tokenizer_config,
-                    role_flops_per_token)
+from ..base import (ExpertNaming, GGUFModel, GGUFTensor, MoeShape, TensorSpec,
+                    chat_template_from_tokenizer_config, role_flops_per_token, schema_gguf_tensors)
 from .adapter import QWEN3_MOE
-from .gguf import GGUF_ARCH, config_from_gguf, gguf_model
+from .gguf import GGUF_ARCH, PRE_TOKENIZERS, config_from_gguf, gguf_model
 from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
 from .tensors import EXPERT_NAMING, fp8_block, release_tensors, tensor_specs
 
@@ -26,8 +26,8 @@ class Qwen3MoeFamily:
     model_types = (MODEL_TYPE,)
     expert_naming: ExpertNaming = EXPERT_NAMING
     adapter: Adapter = QWEN3_MOE
-    generic_forward = True
     gguf_architectures = (GGUF_ARCH,)
+    gguf_pre_tokenizers = PRE_TOKENIZERS
     chat_encoding = None  # its tokenizer_config's chat template
 
     def adapter_for(self, config: Mapping[str, Any]) -> Adapter:
@@ -66,10 +66,16 @@ class Qwen3MoeFamily:
     def kv_bytes(self, config: Qwen3MoeConfig, n_tokens: int, element_bytes: int) -> int:
         return 2 * n_tokens * config.num_kv_heads * config.head_dim * element_bytes
 
-    def gguf_model(self, config: Qwen3MoeConfig) -> GGUFModel:
-        return gguf_model(config)
+    def gguf_model(self, config: Mapping[str, Any]) -> GGUFModel:
+        return gguf_model(Qwen3MoeConfig.from_hf(config))
 
-    def config_from_gguf(self, keys: Mapping[str, Any], vocab_size: int, tied: bool) -> dict:
+    def gguf_tensors(self, config: Mapping[str, Any], names: Sequence[str] | None) -> list[GGUFTensor]:
+        # the schema's tensors and order, whatever the container's; what llama.cpp cannot run refused first
+        parsed = Qwen3MoeConfig.from_hf(config)
+        return schema_gguf_tensors(self, parsed, gguf_model(parsed).architecture)
+
+    def config_from_gguf(self, keys: Mapping[str, Any], vocab_size: int, tied: bool,
+                         tensors: Collection[str] = ()) -> dict:
         return config_from_gguf(keys, vocab_size, tied)
 
     def new_kv(self, config: Qwen3MoeConfig):

@@ -19,6 +19,7 @@ TOKENIZER_PRE = "qwen2"  # what llama.cpp's converter names Qwen's BPE pre-token
 # ... and its regex, as Qwen's tokenizer.json splits before the byte-level step (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2)
 TOKENIZER_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {TOKENIZER_PRE: (TOKENIZER_SPLIT,)}
 
 
 def gguf_model(c: Qwen3MoeConfig) -> GGUFModel:
@@ -45,7 +46,7 @@ def gguf_model(c: Qwen3MoeConfig) -> GGUFModel:
         (f"{a}.expert_used_count", "uint32", c.top_k),
         (f"{a}.expert_feed_forward_length", "uint32", c.moe_intermediate_size),
     )
-    return GGUFModel(GGUF_ARCH, keys, TOKENIZER_PRE, (TOKENIZER_SPLIT,))
+    return GGUFModel(GGUF_ARCH, keys, TOKENIZER_PRE)
 
 
 def config_from_gguf(keys: Mapping[str, Any], vocab_size: int, tied: bool) -> dict:
