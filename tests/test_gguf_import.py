@@ -95,6 +95,25 @@ def test_imported_container_runs_the_same_model(tmp_path):
     assert torch.equal(prefill(a, ids).logits, prefill(b, ids).logits)
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("deepseek4.expert_count", None, "orig.gguf: no deepseek4.expert_count key"),
+    ("deepseek4.block_count", "two", "orig.gguf: a deepseek-v4 key of the wrong type"),
+    ("deepseek4.expert_gating_func", 3, "orig.gguf: deepseek4.expert_gating_func 3 is none of [1, 2, 4]"),
+    ("deepseek4.attention.compress_ratios", [0], "orig.gguf: deepseek4.attention.compress_ratios lists 1 layers"),
+])
+def test_a_deepseek4_gguf_with_a_bad_key_is_one_line(exported, tmp_path, monkeypatch, key, value, message):
+    """The family's config_from_gguf refuses a key its loader needs, absent, of another type or out of range, in
+    one line naming the file (the generic reader's, as for Qwen3-MoE's qwen3moe)."""
+    from moepack.packer import gguf_source
+
+    read = gguf_source._value
+    monkeypatch.setattr(gguf_source, "_value", lambda reader, k, default=None:
+                        value if k == key else read(reader, k, default))
+    with pytest.raises(MoepackError) as e:
+        convert_checkpoint(exported[1], str(tmp_path / "out.moepack"), policy="keep", progress=False)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("name", ["A", "B", "C", "long"])
 def test_config_from_gguf_keys_is_the_model(name, tmp_path):
     """A float32 random model: container -> GGUF -> container gives the same logits to the bit, so every config
@@ -271,3 +290,17 @@ def test_toy_tokenizer_export_round_trip_bytes():
     original = Tokenizer.from_str(files["tokenizer.json"].decode())
     for text in ("plain", "ünï ☃", "<｜begin▁of▁sentence｜>x"):
         assert rebuilt.encode(text).ids == original.encode(text).ids, text
+
+
+def test_a_pre_tokenizer_is_any_familys_by_its_llama_cpp_name():
+    """tokenizer.ggml.pre names llama.cpp's pre-tokenizer, whatever the architecture: its regexes are the family's
+    that names it (DeepSeek-V4's joyai-llm / deepseek-v3, Qwen's qwen2), none for a name no family has (GPT-2's)."""
+    from moepack.families import family_named
+    from moepack.packer.gguf_source import pre_tokenizer_splits
+
+    v4, qwen = family_named("deepseek-v4"), family_named("qwen3-moe")
+    assert pre_tokenizer_splits(v4, "joyai-llm") == pre_tokenizer_splits(qwen, "deepseek-v3") == \
+        tuple(v4.gguf_pre_tokenizers["joyai-llm"])
+    assert len(pre_tokenizer_splits(v4, "joyai-llm")) == 3
+    assert pre_tokenizer_splits(v4, "qwen2") == pre_tokenizer_splits(qwen, "qwen2") == qwen.gguf_pre_tokenizers["qwen2"]
+    assert pre_tokenizer_splits(qwen, "llama-bpe") == pre_tokenizer_splits(v4, None) == ()
