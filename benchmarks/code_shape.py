@@ -38,7 +38,8 @@ FAMILY_NAMES = {
     ],
     "qwen3-moe": [
         r"qwen",               # Qwen3MoeForCausalLM, qwen3_moe, llama.cpp's qwen3moe
-        r"norm_topk_prob", r"decoder_sparse_step", r"mlp_only_layers",  # Qwen3-MoE config fields
+        # Qwen3-MoE's own config fields (norm_topk_prob is not one: DeepSeek-V4's release config has it too)
+        r"decoder_sparse_step", r"mlp_only_layers",
     ],
 }
 # in string literals only: DeepSeek-V4's expert matrices by the release's names ("w1", f"{p}.w3.weight"); a variable
