@@ -31,7 +31,6 @@ from moepack.format_spec.writer import fsync_dir, write_file_atomically
 
 from .sharding import greedy_shards
 
-FAMILIES = families.FAMILY_NAMES  # `synth --family`
 DEFAULT_FAMILY = families.DEFAULT_FAMILY
 
 # The default family's presets, release quantization_config and byte-level tokenizer, under the names `moepack plan`
@@ -210,12 +209,14 @@ def _write_or_leave_nothing(out: Path, files: list[str], write) -> None:
 
 def _family_synth(family: str, tokenizer, random_expert_codes: bool):
     """The synth module of `family`, which must take the options asked for."""
-    if family not in FAMILIES:
-        raise MoepackError(f"unknown model family {family!r} (choose one of {', '.join(FAMILIES)})")
+    names = families.FAMILY_NAMES
+    if family not in names:
+        raise MoepackError(f"unknown model family {family!r} (choose one of {', '.join(names)})")
     synth = families.family_synth(family)
-    if (tokenizer is not None and not synth.TAKES_TOKENIZER) or (random_expert_codes and not synth.RANDOM_EXPERT_CODES):
-        takers = [name for name in FAMILIES
-                  if all((families.family_synth(name).TAKES_TOKENIZER, families.family_synth(name).RANDOM_EXPERT_CODES))]
+    if (tokenizer is not None and not synth.TAKES_TOKENIZER
+            or random_expert_codes and not synth.RANDOM_EXPERT_CODES):
+        takers = [name for name, other in ((name, families.family_synth(name)) for name in names)
+                  if other.TAKES_TOKENIZER and other.RANDOM_EXPERT_CODES]
         raise MoepackError(f"--tokenizer and random expert codes are for {', '.join(takers)} only, not {family} (it "
                            "writes its own byte-level tokenizer)")
     return synth
