@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import click
 
-from moepack import __version__
+from moepack import __version__, families
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
@@ -38,29 +38,35 @@ def cli():
     and prefill long prompts layer by layer with the routed experts left on disk."""
 
 
-@cli.command()
+def _each_family(describe) -> str:
+    """The registry's families, each named with what describe(entry) says of it (help texts name no family)."""
+    return "; ".join(f"{e.name}: {describe(e)}" for e in families.family_entries())
+
+
+@cli.command(help="Write a random checkpoint (Hugging Face layout) of a model family (--family) to OUT_DIR.")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--preset", type=click.Choice(["tiny", "small", "medium"]), default="tiny", show_default=True)
+@click.option("--preset", type=click.Choice(families.SYNTH_PRESETS), default="tiny", show_default=True,
+              help=f"The model's size ({_each_family(lambda e: ', '.join(e.synth_presets))}).")
 @click.option("--layout", type=click.Choice(["release", "bf16", "f32"]), default="release", show_default=True,
-              help="release: FP8 e4m3 linears + packed FP4 experts, as DeepSeek ships V4-Flash.")
+              help=f"release: as the family's releases store their weights "
+                   f"({_each_family(lambda e: e.synth_release_layout)}).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--tokenizer", "tokenizer", type=click.Path(exists=True),
               help="Embed this tokenizer.json (or a directory holding tokenizer.json + tokenizer_config.json), e.g. "
                    "the release's, instead of the tiny byte-level one; vocab_size grows to fit it.")
-@click.option("--family", type=click.Choice(["deepseek-v4", "qwen3-moe"]), default="deepseek-v4", show_default=True,
-              help="The architecture: qwen3-moe writes transformers' Qwen3MoeForCausalLM (presets tiny, small; "
-                   "release: the -FP8 layout, FP8 e4m3 linears with BF16 128x128 weight_scale_inv).")
+@click.option("--family", type=click.Choice(families.FAMILY_NAMES), default=families.DEFAULT_FAMILY,
+              show_default=True, help=f"The model family, by the transformers architecture it writes "
+                                      f"({_each_family(lambda e: ', '.join(e.architectures))}).")
 @force_option
 @json_option
 @reports_errors
 def synth(out_dir, preset, layout, seed, tokenizer, family, force, as_json):
-    """Write a random DeepSeek-V4-architecture (or --family) checkpoint (Hugging Face layout) to OUT_DIR."""
     from moepack.packer.synth import synth_checkpoint
 
     refuse_existing(force, out_dir)
     result = synth_checkpoint(out_dir, preset=preset, layout=layout, seed=seed, progress=not as_json,
                               overwrite=force, tokenizer=tokenizer, family=family)
-    named = "" if family == "deepseek-v4" else f"{family} "
+    named = "" if family == families.DEFAULT_FAMILY else f"{family} "
     emit(as_json, result, lambda r: click.echo(
         f"wrote {r['dir']}: {named}{preset} {layout}, {r.get('params', 0) / 1e6:.1f}M params, "
         f"{r.get('bytes', 0) / 2**20:.1f} MiB in {len(r.get('files', []))} files"))
@@ -99,10 +105,14 @@ def _policy_options(fn):
     return wrapper
 
 
-@cli.command()
+@cli.command(help="Convert SRC (a hub repo id such as owner/name, a local checkpoint directory, or a llama.cpp GGUF "
+                   "file, the first of its splits for a split one) of a model family into a container (families: "
+                   f"{_each_family(lambda e: ', '.join(e.architectures) + ', GGUF ' + ', '.join(e.gguf_architectures))}"
+                   "). Rerunning an interrupted conversion resumes it.")
 @click.argument("src")
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False),
-              help="Container to write (default: ./<name>-<policy>.moepack, e.g. DeepSeek-V4-Flash-fp4.moepack).")
+              help="Container to write (default: ./<name>-<policy>.moepack, e.g. Model-fp4.moepack for a SRC of "
+                   "owner/Model).")
 @_policy_options
 @click.option("--revision", help="Hub branch, tag or commit (resolved to a commit and recorded).")
 @click.option("--workers", type=click.IntRange(min=1), help="CPU threads for (de)quantization (default: all).")
@@ -123,9 +133,6 @@ def _policy_options(fn):
 @reports_errors
 def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts, part_dirs, no_keep_source, force,
             as_json):
-    """Convert SRC (a hub repo id such as deepseek-ai/DeepSeek-V4-Flash, a local checkpoint directory, or a
-    llama.cpp deepseek4 or qwen3moe GGUF file, the first of its splits for a split one) of DeepSeek-V4 or a model
-    family (Qwen3-MoE) into a container. Rerunning an interrupted conversion resumes it."""
     from moepack.packer.convert import convert_checkpoint
 
     if policy is None:
@@ -163,13 +170,14 @@ def _part_lines(parts: list[dict]) -> list[str]:
             f"of experts)" for p in parts]
 
 
-@cli.command()
+@cli.command(help="Write a container back out: a Hugging Face checkpoint (dequantized) that transformers loads, or "
+                   "a GGUF file that llama.cpp's architecture of the container's family loads (--format gguf).")
 @container_argument
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(),
               help="Directory to write (hf: must not exist, or be empty), or the .gguf file (gguf: must not exist).")
 @click.option("--format", "fmt", type=click.Choice(["hf", "gguf"]), default="hf", show_default=True,
-              help="hf: a Hugging Face checkpoint transformers loads; gguf: a GGUF file of llama.cpp's deepseek4 "
-                   "(qwen3moe for a Qwen3-MoE container).")
+              help="hf: a Hugging Face checkpoint transformers loads; gguf: a GGUF file of the family's llama.cpp "
+                   f"architecture ({_each_family(lambda e: ', '.join(e.gguf_architectures))}).")
 @click.option("--dtype", type=Dtype(("bfloat16", "float32"), give="short"), default="bfloat16", show_default=True,
               help="hf only: the dtype of dequantized weights.")
 @click.option("--split-max-size", metavar="SIZE",
@@ -179,8 +187,6 @@ def _part_lines(parts: list[dict]) -> list[str]:
 @json_option
 @reports_errors
 def export(file, out_dir, fmt, dtype, split_max_size, force, as_json):
-    """Write a container back out: a Hugging Face checkpoint (dequantized) that transformers loads, or a GGUF file
-    llama.cpp's deepseek4 (or qwen3moe) architecture loads (--format gguf)."""
     check_container_path(file)
     refuse_existing(force, out_dir)
     if fmt == "gguf":
@@ -462,9 +468,9 @@ def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
 @json_option
 @reports_errors(out_of_memory_hint=PREFILL_MEMORY_HINT)
 def demo(workdir, preset, prompt, as_json):
-    """The main job on the embedded default model: synthesize a DeepSeek-V4-architecture checkpoint in the release
-    layout (FP8 dense, FP4 experts), convert it with --fp4, verify it against its source, prefill a prompt with the
-    experts streamed from disk (KV written layer by layer), and print the stats."""
+    """The main job on the embedded default model: synthesize a checkpoint of the default family (`synth`'s) in
+    the release layout (FP8 dense, FP4 experts), convert it with --fp4, verify it against its source, prefill a
+    prompt with the experts streamed from disk (KV written layer by layer), and print the stats."""
     from moepack.format_spec.reader import Container
     from moepack.format_spec.summary import summarize
     from moepack.format_spec.verify import verify_container

@@ -43,6 +43,9 @@ class _Entry:
     model_types: tuple[str, ...]  # config.json `model_type` it accepts (a container's architecture)
     gguf_architectures: tuple[str, ...]  # llama.cpp's names of it (a GGUF's general.architecture)
     module: str  # the package whose FAMILY is the family
+    default: bool = False  # the family a command takes when none is named (`synth --family`); one has it
+    synth_presets: tuple[str, ...] = ()  # `moepack synth`'s presets of it (its synth module's PRESETS)
+    synth_release_layout: str = ""  # what `synth --layout release` writes of it, in words
 
     @property
     def family(self) -> RegisteredFamily:
@@ -63,8 +66,16 @@ def _families() -> tuple[_Entry, ...]:
             with open(path, encoding="utf-8") as f:
                 d = json.load(f)
             entries.append(_Entry(d["name"], tuple(d["architectures"]), tuple(d["model_types"]),
-                                  tuple(d["gguf_architectures"]), f"{__name__}.{m.name}"))
+                                  tuple(d["gguf_architectures"]), f"{__name__}.{m.name}", d.get("default", False),
+                                  tuple(d.get("synth_presets", ())), d.get("synth_release_layout", "")))
+    if sum(e.default for e in entries) != 1:
+        raise MoepackError(f"{__name__}: exactly one family.json must say \"default\": true")
     return tuple(entries)
+
+
+def family_entries() -> tuple[_Entry, ...]:
+    """Every family as its family.json describes it (name, architectures, synth presets, ...), nothing imported."""
+    return _families()
 
 
 def __getattr__(name: str):
@@ -72,16 +83,30 @@ def __getattr__(name: str):
         return tuple(f.name for f in _families())
     if name == "GGUF_ARCHITECTURES":  # the GGUF architectures (llama.cpp's names) the families read
         return tuple(sorted(a for f in _families() for a in f.gguf_architectures))
+    if name == "DEFAULT_FAMILY":  # the family a command takes when none is named
+        return next(f.name for f in _families() if f.default)
+    if name == "SYNTH_PRESETS":  # what `synth --preset` takes: every family's presets, each once
+        return tuple(dict.fromkeys(p for f in _families() for p in f.synth_presets))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _entry_named(name: str) -> _Entry:
+    entry = next((e for e in _families() if e.name == name), None)
+    if entry is None:
+        raise UnknownFamilyError(f"unknown model family {name!r} (supported: "
+                                 f"{', '.join(f.name for f in _families())})")
+    return entry
 
 
 def family_named(name: str) -> ModelFamily:
     """The family `name` (as `--family` spells it)."""
-    family = _family_where(lambda e: e.name == name)
-    if family is not None:
-        return family
-    raise UnknownFamilyError(f"unknown model family {name!r} (supported: "
-                             f"{', '.join(f.name for f in _families())})")
+    return _entry_named(name).family
+
+
+def family_synth(name: str):
+    """The synthetic-checkpoint module of the family `name` (its package's synth.py; families/synthetic.py says
+    what it holds)."""
+    return importlib.import_module(f"{_entry_named(name).module}.synth")
 
 
 def _entry_of(config: Mapping[str, Any]) -> tuple[_Entry | None, list[str], Any]:

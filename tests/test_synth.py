@@ -319,3 +319,120 @@ def test_transformers_loads_and_runs(tiny, layout):
     assert torch.isfinite(logits).all()
     assert logits.std() > 0.1
     assert not torch.allclose(logits[0, 0], logits[0, -1])  # positions differ: not a degenerate model
+
+
+# ------------------------------------------------------------------------------------------ families
+
+
+def test_each_family_s_synth_module_is_found_by_the_registry_and_matches_its_family_json():
+    """A family's synthetic checkpoints live in its own package (families/<name>/synth.py), found through the
+    registry; its family.json names its presets (what `synth --preset` offers) without importing it."""
+    from moepack import families
+
+    entries = families.family_entries()
+    assert [e.name for e in entries if e.default] == [families.DEFAULT_FAMILY] == ["deepseek-v4"]
+    assert families.SYNTH_PRESETS == ("tiny", "small", "medium")
+    for entry in entries:
+        synth = families.family_synth(entry.name)
+        assert synth.__name__ == f"{entry.module}.synth"
+        assert synth.PRESETS == entry.synth_presets and entry.synth_release_layout
+        assert synth.LAYOUTS == LAYOUTS
+        for preset in synth.PRESETS:
+            assert families.family_for(synth.preset_config(preset)).name == entry.name
+    with pytest.raises(MoepackError, match=r"^unknown model family 'nope' \(supported: deepseek-v4, qwen3-moe\)$"):
+        families.family_synth("nope")
+    with pytest.raises(MoepackError, match=r"^unknown model family 'nope' \(choose one of deepseek-v4, qwen3-moe\)$"):
+        synth_checkpoint("unused", family="nope", progress=False)
+
+
+def test_the_writer_takes_any_family_s_checkpoint(tmp_path, monkeypatch):
+    """packer/synth.py holds no family: a third family's synth module (here a made-up one registered for the test)
+    is written as the two real ones are: its config, its tensors in their stored dtypes (widest first in a shard),
+    its tokenizer, a summary naming it; a tokenizer file it leaves out is removed from an earlier run."""
+    import sys
+    import types
+    from dataclasses import replace
+
+    from moepack import families
+    from moepack.families.synthetic import SynthCheckpoint, byte_level_tokenizer, tensor_generator
+
+    class Spec:
+        def __init__(self, name, shape):
+            self.name, self.shape, self.numel = name, shape, shape[0] * shape[1]
+
+    def checkpoint(preset, layout, seed, config_overrides=None, tokenizer=None, random_expert_codes=False):
+        specs = [Spec("norm.weight", (1, 8)), Spec("w.weight", (4, 8))]
+
+        def stored(spec):
+            return ([(spec.name, "BF16", spec.shape)] if spec.name == "norm.weight" else
+                    [(spec.name, "I8", spec.shape), (spec.name + "_scale", "F32", (4, 1))])
+
+        def encode(spec):
+            value = torch.randn(spec.shape, generator=tensor_generator(seed, spec.name))
+            if spec.name == "norm.weight":
+                return {spec.name: value.to(torch.bfloat16)}
+            return {spec.name: value.mul(10).round().to(torch.int8), spec.name + "_scale": torch.ones(4, 1)}
+
+        config = {"model_type": "toy", "bos_token_id": 0, "eos_token_id": 1, "preset": preset, "layout": layout}
+        return SynthCheckpoint(config, specs, stored, encode, {"tokenizer.json": byte_level_tokenizer(("<s>",), "<s>")})
+
+    module = types.ModuleType("toy_family.synth")
+    module.__dict__.update(PRESETS=("p",), LAYOUTS=("release",), TAKES_TOKENIZER=False, RANDOM_EXPERT_CODES=False,
+                           checkpoint=checkpoint)
+    monkeypatch.setitem(sys.modules, "toy_family.synth", module)
+    real = families.family_entries()
+    toy = replace(real[0], name="toy-moe", module="toy_family", default=False, synth_presets=("p",))
+    monkeypatch.setattr(families, "_families", lambda: (*real, toy))
+
+    out = tmp_path / "toy"
+    out.mkdir()
+    (out / "tokenizer_config.json").write_text("{}")  # an earlier run's
+    summary = synth_checkpoint(out, preset="p", family="toy-moe", progress=False, shard_bytes=1 << 20)
+    assert list(summary)[:4] == ["dir", "preset", "layout", "family"] and summary["family"] == "toy-moe"
+    assert summary["files"] == sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json",
+        "tokenizer.json"]
+    assert summary["params"] == 40
+    assert json.loads((out / "config.json").read_text())["preset"] == "p"
+    tensors = _read_all(out)
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()} == {
+        "norm.weight": (torch.bfloat16, (1, 8)), "w.weight": (torch.int8, (4, 8)),
+        "w.weight_scale": (torch.float32, (4, 1))}
+    raw = (out / "model-00001-of-00001.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    by_offset = sorted((v["data_offsets"][0], n) for n, v in header.items() if n != "__metadata__")
+    assert [n for _, n in by_offset] == ["w.weight_scale", "norm.weight", "w.weight"]  # F32, BF16, I8
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == {
+        name: "model-00001-of-00001.safetensors" for name in sorted(tensors)}
+    with pytest.raises(MoepackError, match=r"^unknown layout 'bf16' \(choose one of release\)$"):
+        synth_checkpoint(tmp_path / "other", preset="p", layout="bf16", family="toy-moe", progress=False)
+    with pytest.raises(MoepackError, match=r"^--tokenizer and random expert codes are for deepseek-v4 only, not "
+                                           r"toy-moe "):
+        synth_checkpoint(tmp_path / "other", preset="p", family="toy-moe", random_expert_codes=True, progress=False)
+
+
+def test_synth_flags_and_help_come_from_the_registry():
+    """`moepack synth`'s --family / --preset choices and defaults are the registry's (as they were when spelled out
+    in cli/main.py), and the help of synth, convert and export describes every registered family from its
+    family.json."""
+    from moepack import families
+    from moepack.cli.main import cli
+
+    def options(command):
+        return {p.name: p for p in cli.commands[command].params}
+
+    def choices(param):
+        return list(param.type.choices), param.default
+
+    synth = options("synth")
+    assert choices(synth["family"]) == (["deepseek-v4", "qwen3-moe"], "deepseek-v4")
+    assert choices(synth["preset"]) == (["tiny", "small", "medium"], "tiny")
+    assert choices(synth["layout"]) == (["release", "bf16", "f32"], "release")
+    assert choices(options("demo")["preset"]) == (["tiny", "small", "medium"], "small")
+    texts = {"synth": [synth["family"].help, synth["preset"].help, synth["layout"].help],
+             "convert": [cli.commands["convert"].help], "export": [options("export")["fmt"].help]}
+    for entry in families.family_entries():
+        assert all(entry.name in text for command_texts in texts.values() for text in command_texts)
+        assert entry.architectures[0] in synth["family"].help and entry.synth_release_layout in synth["layout"].help
+        assert f"{entry.name}: {', '.join(entry.synth_presets)}" in synth["preset"].help
+        assert entry.gguf_architectures[0] in texts["convert"][0] and entry.gguf_architectures[0] in texts["export"][0]
