@@ -30,7 +30,7 @@ def test_family_names_in_code_count_and_comments_do_not(tmp_path):
     write(tmp_path, "runtime/docs_only.py", '"""The indexer, the compressor, tid2eid."""\n# a Qwen comment\nw1 = 1\n')
     write(tmp_path, "runtime/errors.py", "try:\n    pass\nexcept IndexError:\n    import zstandard\n"
                                           "    zstandard.ZstdDecompressor()\n")
-    write(tmp_path, "runtime/qwen_config.py", "def f(cfg):\n    return cfg['norm_topk_prob']\n")
+    write(tmp_path, "runtime/qwen_config.py", "def f(cfg):\n    return cfg['decoder_sparse_step']\n")
     write(tmp_path, "families/deepseek_v4/model.py", "TID = 'tid2eid'\n")  # DeepSeek-V4's home
     write(tmp_path, "families/qwen3_moe/config.py", "ARCH = 'Qwen3MoeForCausalLM'\n")  # Qwen3-MoE's home
     write(tmp_path, "families/qwen3_moe/odd.py", "def f(x):\n    return x.attn_sink\n")  # another family's name
@@ -39,7 +39,7 @@ def test_family_names_in_code_count_and_comments_do_not(tmp_path):
     leaks = shape["files_naming_a_family_outside_its_package"]
     assert leaks == {"runtime/mixes.py": {"deepseek-v4": ["hc_"]},
                      "runtime/names.py": {"deepseek-v4": ['"w3"']},
-                     "runtime/qwen_config.py": {"qwen3-moe": ["norm_topk_prob"]},
+                     "runtime/qwen_config.py": {"qwen3-moe": ["decoder_sparse_step"]},
                      "families/qwen3_moe/odd.py": {"deepseek-v4": ["attn_sink"]},
                      "native/mix.c": {"deepseek-v4": ["hc_"]}}
     assert shape["folders"]["runtime"] == sum(n for rel, n in shape["modules"].items() if rel.startswith("runtime/"))
