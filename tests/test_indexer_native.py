@@ -12,6 +12,7 @@ import torch
 from moepack import native
 from moepack.backends import token_kernels
 from moepack.families.deepseek_v4 import indexer_native, model
+from test_token_kernels import loop  # noqa: F401 (the fixture: each test in the token matmul's two loops)
 
 
 def _indexer():
@@ -19,17 +20,6 @@ def _indexer():
     if indexer is None:
         pytest.skip("no C compiler (or MOEPACK_NATIVE=0): decode keeps torch")
     return indexer
-
-
-@pytest.fixture(params=["vector", "plain"])
-def loop(request):
-    """Each test once with the token matmul's AVX-512 loop (where this CPU has it) and once with its plain one."""
-    indexer, kernels = _indexer(), token_kernels.token_kernels()
-    if request.param == "vector" and not kernels.vector:
-        pytest.skip("this build has no AVX-512 loop")
-    kernels.set_vector(request.param == "vector")
-    yield indexer, kernels
-    kernels.set_vector(True)
 
 
 def test_the_compiled_indexer_is_used_where_a_compiler_is():
@@ -44,7 +34,7 @@ def test_the_compiled_indexer_is_used_where_a_compiler_is():
 def test_one_tokens_indexer_scores_equal_the_torch_path(loop, low):
     """The relu-weighted scores of one query (RoPE on each head's last channels) against model's bfloat16 /
     float32 matmul of the rotated query and the keys."""
-    indexer, _ = loop
+    indexer = _indexer()
     gen = torch.Generator().manual_seed(0)
     heads, dim, rope = 6, 72, 16
     q = torch.randn(heads, dim, generator=gen) * 2
@@ -64,7 +54,7 @@ def test_one_tokens_indexer_scores_equal_the_torch_path(loop, low):
 def test_the_products_are_the_token_matmuls_row_dots_to_the_bit(loop, round_bf16):
     """Without RoPE channels the scores are the token matmul's own q . k (its `linear`, rounded to bfloat16 where
     asked) summed over the heads in order in float32: the same bits, for any split of the keys over threads."""
-    indexer, kernels = loop
+    indexer, kernels = _indexer(), loop
     gen = torch.Generator().manual_seed(1)
     heads, dim = 5, 40  # a dimension off the vector width
     q, keys = torch.randn(heads, dim, generator=gen), torch.randn(77, dim, generator=gen)
