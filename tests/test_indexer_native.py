@@ -15,6 +15,12 @@ from moepack.families.deepseek_v4 import indexer_native, model
 from test_token_kernels import loop  # noqa: F401 (the fixture: each test in the token matmul's two loops)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _loaded_first():
+    """The kernel loaded before a test picks a loop: its self-check runs both loops and leaves the vector one on."""
+    indexer_native.indexer_kernel()
+
+
 def _indexer():
     indexer = indexer_native.indexer_kernel()
     if indexer is None:
