@@ -13,8 +13,8 @@ float32 in registers and multiplies in float32, threads splitting the rows:
   SwiGLU of model.expert_forward, every chosen expert of a layer in one call, each matrix read from its stored bytes
   (`stored_matrix`). Weights are never rounded; `round_bf16` rounds the input and the hidden activation (the
   fused FP4 kernel's arithmetic, runtime/expert_decode.py).
-- `linear_many`, `norm_rope`, `index_scores`: several projections of one input, the RMS norm (and RoPE) of a token's
-  rows, the Lightning Indexer's scores of one query, each in one call.
+- `linear_many`, `norm_rope`: several projections of one input, the RMS norm (and RoPE) of a token's rows, each in
+  one call.
 - `attend(q, key_sets, sink, scale, rotation, eps, round_bf16)`: one decoded token's attention core (per-head norm,
   RoPE, one softmax over every key set and the sink, the weighted keys, RoPE undone): ~40 small torch ops in one
   call, heads split over the threads.
@@ -23,7 +23,9 @@ float32 in registers and multiplies in float32, threads splitting the rows:
   once for up to 8 (`linear` too); each token's result is, to the bit, what the one-token call gives it.
 
 Built once per machine (skipped with MOEPACK_NATIVE=0), used only after both the AVX-512 and the plain loop agree
-with torch on every kind at load; None (callers keep torch) where it cannot be built or disagrees.
+with torch on every kind at load; None (callers keep torch) where it cannot be built or disagrees. A model family's
+own compiled operations (native/token_matmul.h) take the library's row dot and pool of threads (`shared_entries`),
+so that they compute as it does and on its threads.
 """
 
 from __future__ import annotations
@@ -100,9 +102,13 @@ class TokenKernels:
         self._attend_rows = c_function(lib, "attend_rows", (p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, p, p,
                                                             ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
         self._norm_rope = c_function(lib, "token_norm_rope", (p, i64, i64, p, ctypes.c_float, i64, p, p, p))
-        self._index = c_function(lib, "index_token", (p, i64, i64, i64, p, p, i64, p, ctypes.c_int, p, ctypes.c_int))
         self._set_level = c_function(lib, "token_matmul_set_level", (ctypes.c_int,), restype=None)
         self.vector = bool(c_function(lib, "token_matmul_vector_level", ())())
+        # (row dot, parallel-for) addresses for a kernel compiled elsewhere (native/token_matmul.h's row_dot_fn,
+        # parallel_fn); valid while the library is loaded, i.e. for the process (it is never unloaded)
+        self.shared_entries = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p)
+                                    for name in ("token_matmul_dot", "token_matmul_parallel"))
+        self._lib = lib
 
     def set_vector(self, on: bool) -> None:
         """The AVX-512 loop (where built) or the plain one, for the whole process (the self-check runs both)."""
@@ -263,7 +269,7 @@ class TokenKernels:
         probabilities and each set's sum rounded to bfloat16 (the keys must be rounded already)."""
         heads, dim = q.shape
         q = q.float().contiguous()
-        rot = _angles(rotation)
+        rot = angle_pairs(rotation)
         sets = [k.float().contiguous() for k in key_sets if k.shape[0]]
         if any(k.dim() != 2 or k.shape[1] != dim for k in sets) or sink.numel() != heads or 2 * rot.shape[0] > dim:
             raise ValueError(f"keys {[list(k.shape) for k in key_sets]} and sink {list(sink.shape)} for a query "
@@ -284,7 +290,7 @@ class TokenKernels:
         rotations[t] -> [T, heads, D], each token's what attend gives it alone."""
         T, heads, dim = q.shape
         q = q.float().contiguous()
-        rot = torch.stack([_angles(r) for r in rotations]).contiguous()
+        rot = torch.stack([angle_pairs(r) for r in rotations]).contiguous()
         sets = [[k.float().contiguous() for k in row if k.shape[0]] for row in key_sets]
         if (len(sets) != T or rot.shape[0] != T or sink.numel() != heads or 2 * rot.shape[1] > dim
                 or any(k.dim() != 2 or k.shape[1] != dim for row in sets for k in row)):
@@ -305,7 +311,7 @@ class TokenKernels:
         where given (contiguous float32, x's size), and rounded to bfloat16 into `out_low` too where given."""
         x = x.float().contiguous()
         cols = x.shape[-1]
-        rot = _angles(rotation) if rotation is not None else None
+        rot = angle_pairs(rotation) if rotation is not None else None
         if weight is not None:
             weight = weight.float().contiguous()
         if (weight is not None and weight.numel() != cols) or (rot is not None and 2 * rot.shape[0] > cols):
@@ -320,24 +326,6 @@ class TokenKernels:
                            out.data_ptr(), out_low.data_ptr() if out_low is not None else None):
             raise RuntimeError(f"the token norm refused rows of {cols}")
         return out
-
-    def index_scores(self, q: torch.Tensor, rotation: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor,
-                     round_bf16: bool, threads: int | None = None) -> torch.Tensor:
-        """The Lightning Indexer's scores for one decoded token: q [heads, D] (the indexer's wq_b output), its last
-        2 x rotation.shape[-1] channels of each head rotated by `rotation`; keys [T, D] float32 (rounded already
-        where `round_bf16`) -> [T] float32, score(t) = sum_h head_weights[h] x relu(q_h . keys_t), the query and
-        each product rounded to bfloat16 where `round_bf16`."""
-        heads, dim = q.shape
-        q, keys = q.float().contiguous(), keys.float().contiguous()
-        rot = _angles(rotation)
-        head_weights = head_weights.float().reshape(-1).contiguous()
-        if keys.dim() != 2 or keys.shape[1] != dim or head_weights.numel() != heads or 2 * rot.shape[0] > dim:
-            raise ValueError(f"keys {list(keys.shape)} for an indexer query {list(q.shape)}")
-        scores = torch.empty(keys.shape[0], dtype=torch.float32)
-        if self._index(q.data_ptr(), heads, dim, 2 * rot.shape[0], rot.data_ptr(), keys.data_ptr(), keys.shape[0],
-                       head_weights.data_ptr(), int(round_bf16), scores.data_ptr(), _threads(threads)):
-            raise RuntimeError(f"the token indexer refused a query {list(q.shape)}")
-        return scores
 
 
 def moe_arguments(experts: list[tuple[Matrix, Matrix, Matrix]], rows: list[list[int]], weights: list[list[float]],
@@ -363,7 +351,7 @@ def attend_rows_arguments(key_sets: list[list[torch.Tensor]]) -> tuple:
             (ctypes.c_int * len(key_sets))(*(len(row) for row in key_sets)))
 
 
-def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+def rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """model.apply_rope of float64 rows x by complex angles `rotation` [rope_dim / 2] (the self-checks' reference)."""
     rope_dim = 2 * rotation.shape[-1]
     pairs = torch.view_as_complex(x[..., -rope_dim:].contiguous().unflatten(-1, (-1, 2)))
@@ -380,17 +368,17 @@ def reference_attend(q, key_sets, sink, scale, rotation, eps, round_bf16) -> tor
     """TokenKernels.attend in float64 torch (the self-check's reference; rounding where the kernel rounds)."""
     def rounded(t):
         return t.float().bfloat16().double() if round_bf16 else t
-    q = rounded(_rotated(_normed(q, eps), rotation))
+    q = rounded(rotated(_normed(q, eps), rotation))
     sets = [k.double() for k in key_sets if k.shape[0]]
     logits = [rounded(q @ k.T) * scale for k in sets]
     peak = torch.stack([x.amax(-1) for x in logits] + [sink.double()]).amax(0)
     weights = [(x - peak[:, None]).exp() for x in logits]
     total = (sink.double() - peak).exp() + sum(w.sum(-1) for w in weights)
     out = sum(rounded(rounded(w / total[:, None]) @ k) for w, k in zip(weights, sets))
-    return _rotated(out, rotation.conj())
+    return rotated(out, rotation.conj())
 
 
-def _angles(rotation: torch.Tensor) -> torch.Tensor:
+def angle_pairs(rotation: torch.Tensor) -> torch.Tensor:
     """A token's complex rotation [rope_dim / 2] as the kernels read it: float32 (cos, sin) pairs."""
     return torch.view_as_real(rotation.reshape(-1)).float().contiguous()
 
@@ -579,23 +567,12 @@ def _self_check(kernels: TokenKernels) -> str | None:
         rows = torch.randn(3, 44, generator=gen)
         weight, angles = torch.rand(44, generator=gen) + 0.5, torch.rand(1, 10, generator=gen) * 6
         rotation = torch.polar(torch.full_like(angles, 1.1), angles)
-        want = _rotated(_normed(rows, 1e-6) * weight.double(), rotation)
+        want = rotated(_normed(rows, 1e-6) * weight.double(), rotation)
         out, out_low = torch.empty(3, 44), torch.empty(3, 44)
         kernels.norm_rope(rows, weight, 1e-6, rotation, out=out, out_low=out_low)
         if not torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5) or not torch.equal(
                 out_low, out.bfloat16().float()):
             return "the token norm and RoPE differ from torch's"
-        q, keys = torch.randn(5, 40, generator=gen), torch.randn(23, 40, generator=gen)
-        head_weights = torch.randn(5, generator=gen)
-        for round_bf16 in (False, True):
-            def rounded(t):
-                return t.float().bfloat16().double() if round_bf16 else t
-            keys = rounded(keys).float()
-            products = rounded(rounded(_rotated(q.double(), rotation)) @ keys.double().T)
-            want = head_weights.double() @ products.relu()
-            got = kernels.index_scores(q, rotation, keys, head_weights, round_bf16, threads=2).double()
-            if not torch.allclose(got, want, rtol=1e-2 if round_bf16 else 1e-5, atol=1e-2 if round_bf16 else 1e-5):
-                return f"the token indexer (vector loop: {vector}) differs from torch's"
         heads, dim = 5, 40  # a dimension off the vector width; an empty set
         q, sink = torch.randn(heads, dim, generator=gen) * 3, torch.randn(heads, generator=gen)
         angles = torch.rand(12, generator=gen) * 6

@@ -1,9 +1,7 @@
-"""Consumers of a moepack KV directory (format_spec/KV.md) outside moepack's own runtime.
+"""Consumers of a moepack KV directory (format_spec/KV.md) outside moepack's own runtime, for any model family.
 
-`load_transformers_cache(kv_dir, model)` fills the Cache transformers' DeepseekV4 model keeps while it decodes
-(`DynamicCache(config=model.config)`: a DynamicSlidingWindowLayer per sliding-only layer, DeepseekV4HCACache /
-DeepseekV4CSACache per compressed one) from a KV a moepack prefill wrote, so decoding continues where the prefill
-stopped::
+`load_transformers_cache(kv_dir, model)` fills the Cache a transformers model keeps while it decodes from a KV a
+moepack prefill wrote, so decoding continues where the prefill stopped::
 
     cache = load_transformers_cache(kv_dir, model)
     ids = continuation_input_ids(kv_dir)              # the prompt + the prefill's next token, [1, N + 1]
@@ -11,7 +9,10 @@ stopped::
 
 (`cache=` is transformers 5's name; `past_key_values=` its deprecated alias.) `generate` feeds only the tokens
 past the cache (the prefill's next token, at position N) and builds the masks from the cache's length.
-transformers is imported on first use only.
+
+The KV directory's manifest names its model's architecture: its family (moepack.families) reads the layer files
+and fills the cache (its `transformers_cache`, e.g. families/deepseek_v4/transformers_cache.py for transformers'
+DeepseekV4). A family without one is refused in one line. transformers is imported on first use only.
 """
 
 from __future__ import annotations
@@ -20,10 +21,37 @@ import os
 
 import torch
 
-from moepack.families.deepseek_v4.kv import COMPRESSORS, CSA, SLIDING, KVCache, kv_geometry, read_kv
-from moepack.format_spec.errors import FormatError
+from moepack.families import FAMILY_NAMES, family_named, family_of_architecture
+from moepack.families import kv_directory as kvd
+from moepack.families.base import family_kv_format
+from moepack.families.kv_directory import KVCache
+from moepack.format_spec.errors import FormatError, MoepackError
 
 __all__ = ["load_transformers_cache", "continuation_input_ids", "read_kv"]
+
+
+def _family(architecture: str):
+    family = family_of_architecture(architecture)
+    if family is None:
+        raise MoepackError(f"its model ({architecture!r}) is of no model family moepack knows "
+                           f"(supported: {', '.join(FAMILY_NAMES)})")
+    return family
+
+
+def _kv_format(architecture: str):
+    """The KV format of the family the manifest's architecture names (a MoepackError where there is none)."""
+    family = _family(architecture)
+    kv_format = family_kv_format(family)
+    if kv_format is None:
+        raise MoepackError(f"a {family.name} model has no KV directory format")
+    return kv_format
+
+
+def read_kv(kv_dir, expect_identity=None, expect_prompt=None, prompt_prefix_of=None, device="cpu",
+            dtype: torch.dtype = torch.float32) -> KVCache:
+    """families.kv_directory.read_kv of a KV directory of any family: its layers in the format of the family its
+    manifest names (validated; FormatError, one line, naming the problem)."""
+    return kvd.read_kv(os.fspath(kv_dir), _kv_format, expect_identity, expect_prompt, prompt_prefix_of, device, dtype)
 
 
 def _load(kv, expect_prompt=None) -> KVCache:
@@ -33,71 +61,30 @@ def _load(kv, expect_prompt=None) -> KVCache:
             if ids != kv.token_ids:
                 raise FormatError(f"{kv.path}: prompt mismatch: the KV holds {len(kv.token_ids)} other tokens")
         return kv
-    return read_kv(os.fspath(kv), expect_prompt=expect_prompt)
-
-
-def _model_config_dict(model) -> dict:
-    config = getattr(model, "config", model)
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
-
-
-def _check_geometry(kv: KVCache, model) -> None:
-    """The KV must have been made for a model of the same shape as `model` (layer kinds, rates, window, dims)."""
-    ours = kv_geometry(_model_config_dict(model))
-    for key in ("num_layers", "layer_types", "compress_rates", "sliding_window", "head_dim", "index_head_dim"):
-        if ours[key] != kv.geometry[key]:
-            raise FormatError(f"{kv.path}: KV from another model: {key} is {kv.geometry[key]} in the KV, "
-                              f"{ours[key]} in the transformers model")
+    return read_kv(kv, expect_prompt=expect_prompt)
 
 
 def load_transformers_cache(kv_dir, model, expect_prompt=None, device=None, dtype=None):
-    """A `transformers.DynamicCache` for `model` (a DeepseekV4ForCausalLM / DeepseekV4Model) holding the state of
-    the KV in `kv_dir` (a path, or a KVCache from `read_kv`): per layer the sliding-window K=V tail and
-    cumulative length, and for CSA/HCA layers every compressor's emitted entries, window buffer (kv and gate),
-    entry count and CSA overlap. Tensors go to the model's device and dtype unless given. The KV is validated
-    (`read_kv`), and its shape checked against `model.config`."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicSlidingWindowLayer
-
+    """A `transformers.DynamicCache` for `model` (the transformers model of the KV's family, e.g. a
+    DeepseekV4ForCausalLM) holding the state of the KV in `kv_dir` (a path, or a KVCache from `read_kv`). Tensors
+    go to the model's device and dtype unless given. The KV is validated (`read_kv`, `expect_prompt`: the exact
+    token ids it must hold), and the family checks its shape against `model.config`. A KV of a family that fills
+    no transformers cache is a MoepackError naming it and the families that do."""
     kv = _load(kv_dir, expect_prompt)
-    _check_geometry(kv, model)
-    param = next(model.parameters(), None)
-    device = device if device is not None else (param.device if param is not None else torch.device("cpu"))
-    dtype = dtype if dtype is not None else (param.dtype if param is not None else torch.float32)
-
-    cache = DynamicCache(config=model.config)
-    if len(cache.layers) != len(kv.layers):
-        raise FormatError(f"{kv.path}: {len(kv.layers)} layers in the KV, the model's cache has {len(cache.layers)}")
-    for number, (state, layer) in enumerate(zip(kv.layers, cache.layers)):
-        kind = getattr(type(layer), "_layer_type", None)
-        if kind is None and isinstance(layer, DynamicSlidingWindowLayer):
-            kind = SLIDING
-        if kind != state.layer_type or not isinstance(layer, DynamicSlidingWindowLayer):
-            raise FormatError(f"{kv.path}: layer {number} is {state.layer_type} in the KV, the model's cache layer "
-                              f"is {type(layer).__name__}")
-        window = state.window_kv.to(device=device, dtype=dtype)[None, None]  # [batch 1, 1 KV head, W, head_dim]
-        layer.lazy_initialization(window, window)
-        layer.keys = window
-        layer.values = window  # shared K=V, as DeepseekV4HCACache.update keeps it
-        layer.cumulative_length = state.seen_tokens
-        for name in COMPRESSORS[state.layer_type]:
-            part = getattr(state, name)
-            layer.compressed_kv[name] = part.compressed_kv.to(device=device, dtype=dtype)[None]
-            layer.buffer_kv[name] = part.buffer_kv.to(device=device, dtype=dtype)[None]
-            layer.buffer_gate[name] = part.buffer_gate.to(device=device, dtype=dtype)[None]
-            layer.entry_count[name] = part.entry_count
-            if state.layer_type == CSA:
-                overlap = part.overlap_kv is not None
-                layer.overlap_kv[name] = part.overlap_kv.to(device=device, dtype=dtype)[None] if overlap else None
-                layer.overlap_gate[name] = part.overlap_gate.to(device=device, dtype=dtype)[None] if overlap else None
-    return cache
+    family = _family(kv.identity["architecture"])
+    fill = getattr(family, "transformers_cache", None)
+    if fill is None:
+        able = [n for n in FAMILY_NAMES if getattr(family_named(n), "transformers_cache", None) is not None]
+        raise MoepackError(f"{kv.path}: a {family.name} KV directory: moepack.kv fills no transformers cache for "
+                           f"this family (it does for: {', '.join(able) or 'none'})")
+    return fill(kv, model, device=device, dtype=dtype)
 
 
 def continuation_input_ids(kv_dir, next_token: int | None = None, device=None) -> torch.Tensor:
     """[1, N + 1] LongTensor for `model.generate(..., cache=cache)`: the KV's N prompt tokens followed
     by the prefill's next token (recorded in the KV by KVWriter.finish, or given). generate runs only the last
     one, at position N, against the cache."""
-    kv = kv_dir if isinstance(kv_dir, KVCache) else read_kv(os.fspath(kv_dir))
+    kv = kv_dir if isinstance(kv_dir, KVCache) else read_kv(kv_dir)
     token = next_token if next_token is not None else kv.next_token
     if token is None:
         raise FormatError(f"{kv.path}: the KV records no next token (finish(next_token=...)); pass next_token")

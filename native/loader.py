@@ -1,6 +1,7 @@
-"""The one loader of moepack's compiled CPU kernels: C files in this folder, built once per machine into a cache.
+"""The one loader of moepack's compiled CPU kernels: C files in this folder (and a model family's own, in its package:
+read_source takes their path), built once per machine into a cache.
 
-Each library is one .c file here plus the headers it includes with ``#include "..."``. The first process that asks
+Each library is one .c file plus the headers of this folder it includes with ``#include "..."``. The first process that asks
 for it compiles it with the system C compiler into the cache directory (``$MOEPACK_CACHE_DIR/native``, default
 ``$XDG_CACHE_HOME/moepack/native``, i.e. ``~/.cache/moepack/native``), under a name holding a hash of everything
 the build depends on: the source and every header it includes, the compiler (path and ``--version``), the flags, and
@@ -49,8 +50,11 @@ _cpu: list[str] = []
 
 
 def read_source(filename: str) -> str:
-    """The text of one of this folder's C files (e.g. "q8_0_quantize.c")."""
-    with open(os.path.join(SOURCE_DIR, filename), encoding="utf-8") as f:
+    """The text of a C file: one of this folder's by its name (e.g. "q8_0_quantize.c"), or a caller's own by its
+    path (a model family keeps its operations' kernels in its package and builds them through this cache; they may
+    include this folder's headers)."""
+    path = filename if os.path.dirname(filename) else os.path.join(SOURCE_DIR, filename)
+    with open(path, encoding="utf-8") as f:
         return f.read()
 
 

@@ -27,18 +27,10 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include "token_matmul.h"
 
-enum { KIND_F32, KIND_BF16, KIND_F16, KIND_FP4_E2M1, KIND_MXFP4, KIND_Q8_0, KIND_COUNT };
 enum { ROUND_INPUT = 1, ROUND_OUTPUT = 2 };
 #define GROUP 32
-
-typedef struct {
-    int64_t kind;
-    const uint8_t *data;   /* row r at data + r * row_bytes(kind, cols) */
-    const uint8_t *scale;  /* FP4_E2M1: row r's E8M0 bytes at scale + r * cols / 32 */
-    const float *table;    /* FP4 kinds: [256][16], row s = the values of codes 0..15 under scale byte s */
-    int64_t rows, cols;
-} matrix_t;
 
 static int64_t row_bytes(int64_t kind, int64_t cols) {
     switch (kind) {
@@ -59,8 +51,6 @@ static int valid(const matrix_t *m) {
 
 static int deinterleaved(int64_t kind) { return kind == KIND_FP4_E2M1; }
 
-static float bits_float(uint32_t bits) { float f; memcpy(&f, &bits, 4); return f; }
-
 static float f16_value(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff;
     if (exp == 0) {  /* zero or subnormal: man x 2^-24, exact in float32 */
@@ -69,14 +59,6 @@ static float f16_value(uint16_t h) {
     }
     if (exp == 31) return bits_float(sign | 0x7f800000u | (man << 13));
     return bits_float(sign | ((exp + 112) << 23) | (man << 13));
-}
-
-static float round_to_bf16(float v) {
-    uint32_t bits;
-    memcpy(&bits, &v, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return bits_float(bits | 0x00400000u);  /* NaN stays (quiet) NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1);
-    return bits_float(bits & 0xffff0000u);
 }
 
 /* the index within its group where an input of logical position j (0..31) goes for a deinterleaved layout */
@@ -332,7 +314,6 @@ void token_matmul_set_level(int vector) { use_vector = vector; }
 
 /* --- the pool ---------------------------------------------------------------------------------------------------- */
 
-typedef void (*part_fn)(void *args, int part, int parts);
 #define MAX_THREADS 256
 #define SPIN_NS 2000000  /* a worker polls this long after its last part before it sleeps: a decoded token's
                                  torch ops between two calls take up to a few hundred us, and a sleeping
@@ -426,11 +407,6 @@ static void run_parts(part_fn fn, void *args, int parts) {
 static int parts_for(int64_t multiply_adds, int threads) {
     const int64_t most = multiply_adds / 65536 + 1;
     return (int)(threads < most ? threads : most);
-}
-
-static void share(int64_t n, int part, int parts, int64_t *a, int64_t *b) {
-    *a = n * part / parts;
-    *b = n * (part + 1) / parts;
 }
 
 /* --- out = x @ W.T --------------------------------------------------------------------------------------------- */
@@ -887,17 +863,6 @@ typedef struct {
     float *out;  /* [heads, D] */
 } attend_args;
 
-/* the pairs (x[nope + 2i], x[nope + 2i + 1]) of a head times cos + i sin (sign -1: the conjugate), as the complex
-   product torch computes */
-static void rotate(float *x, int64_t dim, int64_t rope_dim, const float *rot, float sign) {
-    float *pairs = x + dim - rope_dim;
-    for (int64_t i = 0; i < rope_dim / 2; i++) {
-        const float a = pairs[2 * i], b = pairs[2 * i + 1], c = rot[2 * i], s = sign * rot[2 * i + 1];
-        pairs[2 * i] = a * c - b * s;
-        pairs[2 * i + 1] = a * s + b * c;
-    }
-}
-
 /* out [cols] = in RMS-normed (times weight where given), then its last rope_dim channels rotated by rot: as
    model.rms_norm and apply_rope compute a row */
 static void norm_rope_row(const float *in, int64_t cols, const float *weight, float eps, int64_t rope_dim,
@@ -1035,52 +1000,10 @@ int token_norm_rope(const float *x, int64_t rows, int64_t cols, const float *wei
     return 0;
 }
 
-/* --- the Lightning Indexer's scores for one decoded token ------------------------------------------------------- */
+/* --- for kernels compiled elsewhere (token_matmul.h): this library's row dot and threads ------------------------ */
 
-typedef struct {
-    const float *q;  /* [heads, D] rotated, rounded */
-    int64_t heads, dim;
-    const float *keys;  /* [T, D] */
-    int64_t T;
-    const float *head_weights;  /* [heads] */
-    int round_low;
-    float *scores;
-} index_args;
+float token_matmul_dot(const matrix_t *m, int64_t r, const float *x) { return dot(m, r, x); }
 
-static void index_part(void *p, int part, int parts) {
-    const index_args *a = p;
-    int64_t t0, t1;
-    share(a->T, part, parts, &t0, &t1);
-    const matrix_t q = {KIND_F32, (const uint8_t *)a->q, NULL, NULL, a->heads, a->dim};
-    for (int64_t t = t0; t < t1; t++) {
-        float score = 0.0f;
-        for (int64_t h = 0; h < a->heads; h++) {
-            float y = dot(&q, h, a->keys + t * a->dim);
-            y = a->round_low ? round_to_bf16(y) : y;
-            score += a->head_weights[h] * (y > 0.0f ? y : 0.0f);
-        }
-        a->scores[t] = score;
-    }
-}
-
-/* scores [T]: score(t) = sum_h head_weights[h] x relu(q_h . keys_t) (model.indexer_topk for one query), q [heads,
-   D] as the indexer's wq_b gives it, its last rope_dim channels of each head rotated by rot first; round_low: the
-   query and each product rounded to bfloat16, as a bfloat16 matmul rounds them (the keys must be rounded already) */
-int index_token(const float *q, int64_t heads, int64_t dim, int64_t rope_dim, const float *rot, const float *keys,
-                int64_t T, const float *head_weights, int round_low, float *scores, int threads)
-{
-    if (heads < 1 || dim < 1 || T < 0 || rope_dim < 0 || rope_dim > dim || rope_dim % 2) return 1;
-    float *rotated = malloc(sizeof(float) * (size_t)(heads * dim));
-    if (!rotated) return 2;
-    for (int64_t h = 0; h < heads; h++) {
-        float *row = rotated + h * dim;
-        memcpy(row, q + h * dim, sizeof(float) * (size_t)dim);
-        rotate(row, dim, rope_dim, rot, 1.0f);
-        if (round_low)
-            for (int64_t d = 0; d < dim; d++) row[d] = round_to_bf16(row[d]);
-    }
-    index_args a = {rotated, heads, dim, keys, T, head_weights, round_low, scores};
-    run_parts(index_part, &a, parts_for(T * heads * dim, threads));
-    free(rotated);
-    return 0;
+void token_matmul_parallel(part_fn fn, void *args, int64_t multiply_adds, int threads) {
+    run_parts(fn, args, parts_for(multiply_adds, threads));
 }

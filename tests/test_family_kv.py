@@ -247,3 +247,24 @@ def test_kv_inspect_reads_a_family_kv(containers, tmp_path):
     assert report["architecture"] == "qwen3_moe" and report["tokens"] == len(A) and report["complete"]
     assert report["by_type"] == {"attention": {"layers": 4, "bytes": report["bytes"]}}
     assert os.path.getsize(kv_dir / kvd.layer_file_name(3)) == report["layers"][3]["bytes"]
+
+
+def test_moepack_kv_reads_a_family_kv_and_refuses_a_transformers_cache_in_one_line(containers, tmp_path):
+    """moepack.kv dispatches through the family its manifest names: read_kv and continuation_input_ids read a
+    Qwen3-MoE KV (its layers the family's states); load_transformers_cache, which Qwen3-MoE has no loader for, is
+    one MoepackError naming the family and those that have one."""
+    from moepack import kv as moepack_kv
+
+    container, hf = containers["sparse-step"]
+    kv_dir = tmp_path / "kv"
+    result = prefill(container, A, PrefillOptions(compute_dtype="float32"), kv_out=str(kv_dir))
+    kv = moepack_kv.read_kv(kv_dir, expect_prompt=A)
+    assert kv.identity["architecture"] == "qwen3_moe" and kv.token_ids == A and len(kv.layers) == 4
+    assert [KV_FORMAT.seen_tokens(state) for state in kv.layers] == [len(A)] * 4
+    assert moepack_kv.continuation_input_ids(kv_dir).tolist() == [A + [kv.next_token]]
+    assert kv.next_token == result.next_token
+    for given in (kv_dir, kv):
+        with pytest.raises(MoepackError) as refused:
+            moepack_kv.load_transformers_cache(given, hf)
+        message = str(refused.value)
+        assert "\n" not in message and "qwen3-moe" in message and "deepseek-v4" in message, message

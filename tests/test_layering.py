@@ -188,6 +188,9 @@ def test_deepseek_v4_and_the_backends_have_their_own_packages():
     back = [stem for stem in moved_from_runtime if f"moepack.runtime.{stem}" in modules]
     assert not back, f"back in the runtime: {back}"
     assert "moepack.families.deepseek_v4.model" in modules and "moepack.families.deepseek_v4.config" in modules
+    # DeepSeek-V4's own operations' kernels (mHC, the Lightning Indexer) are the family's, not the backends'
+    assert {"moepack.families.deepseek_v4.mhc_native", "moepack.families.deepseek_v4.indexer_native"} <= set(modules)
+    assert "moepack.backends.mhc_native" not in modules
 
 
 def test_a_family_imports_no_other_family():

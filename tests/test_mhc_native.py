@@ -1,4 +1,4 @@
-"""The compiled mHC weights (backends/mhc_native.py) against the torch path they replace on a CPU."""
+"""The compiled mHC weights (families/deepseek_v4/mhc_native.py) against the torch path they replace on a CPU."""
 
 import os
 from types import SimpleNamespace
@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from moepack import native
-from moepack.backends import mhc_native
-from moepack.families.deepseek_v4 import model
+from moepack.families.deepseek_v4 import mhc_native, model
 
 
 def _inputs(tokens: int, hc: int, seed: int = 0):

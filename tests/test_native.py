@@ -14,8 +14,13 @@ import textwrap
 
 import pytest
 
+import moepack.families.deepseek_v4
 from moepack import native
 from moepack.native import loader
+
+# a model family's own operations' kernels, in its package, built through this loader from their paths
+FAMILY_DIR = os.path.dirname(os.path.abspath(moepack.families.deepseek_v4.__file__))
+MHC_C, INDEXER_C = os.path.join(FAMILY_DIR, "mhc.c"), os.path.join(FAMILY_DIR, "indexer.c")
 
 
 def _compiler() -> str:
@@ -46,7 +51,7 @@ def _files(cache) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.parametrize("arch", [("-march=native",), ()], ids=["native", "generic"])
-@pytest.mark.parametrize("source", native.sources())
+@pytest.mark.parametrize("source", native.sources() + [MHC_C, INDEXER_C])
 def test_every_source_compiles_without_warnings(tmp_path, source, arch):
     cc = _compiler()
     done = subprocess.run([cc, *native.CFLAGS, *arch, "-I", native.SOURCE_DIR, "-o", str(tmp_path / "lib.so"),
@@ -58,29 +63,33 @@ def test_every_source_compiles_without_warnings(tmp_path, source, arch):
 def test_sources_share_code_through_headers():
     """The prelude and the nibble-group code are headers the sources include, each one file."""
     texts = {name: native.read_source(name) for name in native.sources()}
-    assert len(texts) == 7
+    assert len(texts) == 6
+    texts.update({os.path.basename(path): native.read_source(path) for path in (MHC_C, INDEXER_C)})  # by path
     for header, users in (("block_prelude.h", {"q8_0_quantize.c", "mxfp4_quantize.c"}),
-                          ("nibble_group.h", {"fp4_decode.c", "fp4_linear.c"})):
+                          ("nibble_group.h", {"fp4_decode.c", "fp4_linear.c"}),
+                          ("token_matmul.h", {"token_matmul.c", "indexer.c"})):
         assert os.path.exists(os.path.join(native.SOURCE_DIR, header))
         assert {n for n, t in texts.items() if f'#include "{header}"' in t} == users
     assert not any("@" in t and "@NIBBLE" in t for t in texts.values())  # no text substitution left
 
 
-# The kernels of all seven libraries, as the codecs and the runtime load them; the builds they report, as JSON.
+# The kernels of all eight libraries (DeepSeek-V4's two from its package), as the codecs, the runtime and the family
+# load them; the builds they report, as JSON.
 LOAD_ALL = """
 import json
 from moepack.format_spec import quant_fp4, quant_q8_0, quants, source_formats
 from moepack.runtime import expert_decode
-from moepack.backends import mhc_native, token_kernels
-from moepack.families.deepseek_v4 import model
+from moepack.backends import token_kernels
+from moepack.families.deepseek_v4 import indexer_native, mhc_native, model
 for load in (quant_q8_0.native_quantize_chunk, quant_fp4.native_mxfp4_quantize_chunk, source_formats._fp8_native,
              expert_decode._native_kernels, expert_decode._fused_kernel,
-             lambda: mhc_native._kernel(model.hc_mix_weights), token_kernels.token_kernels):
+             lambda: mhc_native._kernel(model.hc_mix_weights), token_kernels.token_kernels,
+             indexer_native.indexer_kernel):
     load()
 print(json.dumps(quants.native_kernels()))
 """
 LIBRARIES = {"Q8_0", "MXFP4", "moepack_fp8_decode", "moepack_fp4_decode", "moepack_fp4_linear", "moepack_mhc",
-             "moepack_token_matmul"}
+             "moepack_token_matmul", "moepack_indexer"}
 
 
 def test_a_second_process_loads_every_library_from_the_cache(tmp_path):
@@ -161,8 +170,8 @@ def test_any_change_to_a_build_input_gives_another_key(tmp_path, monkeypatch):
     prelude = copy / "block_prelude.h"
     prelude.write_bytes(prelude.read_bytes().replace(b"#define GROUP 16", b"#define GROUP 16 "))  # one byte
     assert native.build_key(source, cc, native.CFLAGS, str(copy)) != key  # a header the source includes
-    assert native.build_key(native.read_source("mhc.c"), cc, native.CFLAGS, str(copy)) == \
-        native.build_key(native.read_source("mhc.c"), cc, native.CFLAGS)  # not a header it doesn't include
+    assert native.build_key(native.read_source(MHC_C), cc, native.CFLAGS, str(copy)) == \
+        native.build_key(native.read_source(MHC_C), cc, native.CFLAGS)  # not a header it doesn't include
     assert native.build_key(source, cc, (*native.CFLAGS, "-march=native")) != key  # the flags
     monkeypatch.setattr(loader, "cpu_identity", lambda: "another CPU")
     assert native.build_key(source, cc, native.CFLAGS) != key  # the CPU
@@ -185,7 +194,7 @@ def test_an_unwritable_cache_builds_in_a_temporary_directory(tmp_path, monkeypat
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))  # under a file: not even root can create it
-    built = native.build("moepack_mhc", native.read_source("mhc.c"))
+    built = native.build("moepack_mhc", native.read_source(MHC_C))
     assert built["library"] is not None and not built["cached"] and built["path"] is None
     assert "cache_error" in built
     assert built["library"].hc_mix_weights  # loaded, though its file is gone
@@ -195,7 +204,7 @@ def test_a_damaged_library_in_the_cache_is_built_again(tmp_path, monkeypatch):
     """A file under a library's name that doesn't load (a truncated copy, say) is replaced by a fresh build."""
     cc = _usable()
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    source = native.read_source("mhc.c")
+    source = native.read_source(MHC_C)
     os.makedirs(tmp_path / "native")
     damaged = {str(tmp_path / "native" / f"moepack_mhc-{native.build_key(source, cc, (*native.CFLAGS, *arch))}.so")
                for arch in loader.ARCH_FLAGS}
@@ -213,10 +222,10 @@ def test_where_march_native_fails_the_generic_build_is_cached(tmp_path, monkeypa
     _usable()
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(loader, "ARCH_FLAGS", (("-march=no-such-cpu",), ()))
-    first = native.build("moepack_mhc", native.read_source("mhc.c"))
+    first = native.build("moepack_mhc", native.read_source(MHC_C))
     assert first["library"] is not None and not first["cached"] and "cache_error" not in first
     assert "-march=no-such-cpu" not in first["flags"] and first["path"].startswith(str(tmp_path))
-    assert native.build("moepack_mhc", native.read_source("mhc.c"))["cached"]
+    assert native.build("moepack_mhc", native.read_source(MHC_C))["cached"]
 
 
 def test_a_build_sweeps_out_what_killed_builds_left(tmp_path, monkeypatch):
@@ -228,19 +237,19 @@ def test_a_build_sweeps_out_what_killed_builds_left(tmp_path, monkeypatch):
     stale.write_bytes(b"")
     fresh.write_bytes(b"")
     os.utime(stale, (os.path.getmtime(stale) - 7200,) * 2)
-    assert native.build("moepack_mhc", native.read_source("mhc.c"))["library"] is not None
+    assert native.build("moepack_mhc", native.read_source(MHC_C))["library"] is not None
     assert not stale.exists() and fresh.exists()
 
 
 def test_native_off_or_no_compiler_builds_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv(native.NATIVE_ENV, "0")
-    assert native.build("moepack_mhc", native.read_source("mhc.c"))["library"] is None
-    assert native.native_library("moepack_native_test", native.read_source("mhc.c")) is None
+    assert native.build("moepack_mhc", native.read_source(MHC_C))["library"] is None
+    assert native.native_library("moepack_native_test", native.read_source(MHC_C)) is None
     assert "disabled" in native.native_builds()["moepack_native_test"]["reason"]
     monkeypatch.delenv(native.NATIVE_ENV)
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    build = native.build("moepack_mhc", native.read_source("mhc.c"))
+    build = native.build("moepack_mhc", native.read_source(MHC_C))
     assert build["library"] is None and "no C compiler" in build["reason"]
     assert not os.path.exists(tmp_path / "native")
     loader._native.pop("moepack_native_test")

@@ -69,6 +69,13 @@ class DeepseekV4Family:
 
         return DEEPSEEK_V4_KV
 
+    def transformers_cache(self, kv, model, device=None, dtype=None):
+        """transformers' DeepseekV4 cache for `model` filled from a read KV directory of this family
+        (transformers_cache.py; moepack.kv.load_transformers_cache asks it)."""
+        from .transformers_cache import load_transformers_cache
+
+        return load_transformers_cache(kv, model, device, dtype)
+
     def adapter_for(self, config: Mapping[str, Any]) -> Adapter:
         return self.adapter
 

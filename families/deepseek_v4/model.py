@@ -51,10 +51,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moepack.backends import mhc_native, token_kernels
+from moepack.backends import token_kernels
 from moepack.families.base import MoeShape, PrefillNames
 from moepack.families.base import Routing as FamilyRouting
 from moepack.families.base import check_finite
+from moepack.families.deepseek_v4 import mhc_native
 from moepack.families.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig, RopeConfig
 from moepack.families.deepseek_v4.kv import CompressorState, LayerKVState
 from moepack.families.deepseek_v4.names import EXPERT_NAMING
@@ -230,7 +231,7 @@ def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: T
 
 def hc_pre_norm(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: Tensor, norm_weight: Tensor):
     """hc_pre, then the sublayer's RMS norm of the collapsed streams: (x [N, H], post [N, hc], comb [N, hc, hc]).
-    One decoded token takes one compiled call (backends/mhc_native.py) where it can."""
+    One decoded token takes one compiled call (mhc_native.py) where it can."""
     if streams.shape[0] == 1:
         got = mhc_native.token_pre(streams, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps,
                                    cfg.rms_norm_eps, norm_weight, hc_mix_weights)
@@ -243,7 +244,7 @@ def hc_pre_norm(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, strea
 def hc_mix_weights(mixes: Tensor, scale: Tensor, base: Tensor, hc: int, sinkhorn_iters: int, eps: float
                    ) -> tuple[Tensor, Tensor, Tensor]:
     """The mixes [N, (2 + hc) * hc] -> pre [N, hc], post [N, hc] and comb [N, hc, hc] (Sinkhorn-Knopp, rows
-    then columns to sum 1). backends/mhc_native.py computes the same in one compiled call on a CPU."""
+    then columns to sum 1). mhc_native.py computes the same in one compiled call on a CPU."""
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps

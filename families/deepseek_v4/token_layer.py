@@ -24,9 +24,10 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from moepack.backends import mhc_native, token_kernels
+from moepack.backends import token_kernels
 from moepack.backends.token_kernels import ROUND_INPUT, ROUND_OUTPUT, Matrix
 from moepack.families.base import check_finite
+from moepack.families.deepseek_v4 import indexer_native, mhc_native
 from moepack.families.deepseek_v4.config import CSA, SLIDING, ModelConfig
 
 from . import model
@@ -180,8 +181,8 @@ class TokenLayers:
     attention, the mHC's mixing and the router's choice run per token. Each token's arithmetic is the one-token
     path's, so its results are the same to the bit."""
 
-    def __init__(self, cfg: ModelConfig, dense: list[Mapping[str, Tensor]], kernels, hc):
-        self.cfg, self.kernels, self.hc = cfg, kernels, hc
+    def __init__(self, cfg: ModelConfig, dense: list[Mapping[str, Tensor]], kernels, hc, indexer):
+        self.cfg, self.kernels, self.hc, self.indexer = cfg, kernels, hc, indexer
         H, n_hc = cfg.hidden_size, cfg.hc_mult
         self.streams = (_buffer(1, n_hc, H), _buffer(1, n_hc, H))
         self.x, self.post, self.comb = _buffer(1, H), _buffer(1, n_hc), _buffer(1, n_hc, n_hc)
@@ -208,8 +209,8 @@ class TokenLayers:
             return None
         if not all(_usable(cfg, layer, w) for layer, w in enumerate(dense)):
             return None
-        hc = mhc_native._kernel(model.hc_mix_weights)
-        return None if hc is None else cls(cfg, dense, kernels, hc)
+        hc, indexer = mhc_native._kernel(model.hc_mix_weights), indexer_native.indexer_kernel()
+        return None if hc is None or indexer is None else cls(cfg, dense, kernels, hc, indexer)
 
     def begin(self, embedding: Tensor) -> None:
         """A token's embedding [1, H] into every residual stream."""
@@ -231,7 +232,7 @@ class TokenLayers:
         fn, args = L.q_lora_norm
         _call(fn, args)
         rotation = model.token_rotation(L.rope, kv_state.seen_tokens)
-        angles = token_kernels._angles(rotation)
+        angles = token_kernels.angle_pairs(rotation)
         row, mirror = kv_state.window.next_row()  # the key straight into the window (and its rounded copy)
         _call(k._norm_rope, (L.kv_in, 1, L.kv_cols, _ptr(L.kv_norm), cfg.rms_norm_eps, 2 * angles.shape[0],
                              _ptr(angles), _ptr(row), _ptr(mirror) if mirror is not None else None))
@@ -242,7 +243,8 @@ class TokenLayers:
         if entries is not None and entries.shape[0]:
             if indexed:  # every entry is complete: the index_topk best scores
                 head_weights = L.parts[6] * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
-                scores = k.index_scores(L.index_q, rotation, kv_state.indexer.entries.mirror(), head_weights, L.low)
+                scores = self.indexer.scores(L.index_q, rotation, kv_state.indexer.entries.mirror(), head_weights,
+                                             L.low)
                 entries = entries.index_select(0, scores.topk(cfg.index_topk).indices)
             keys.append(entries)
         self._attend(L, _ptr(L.q), angles, keys, self.o, threads)
@@ -340,7 +342,7 @@ class TokenLayers:
             parts, proj_row = R.parts(layer, plan, row), _offset(R.proj, row * plan.total)
             _call(k._norm_rope, (proj_row, 1, rank, q_norm, eps, 0, None, R.at["q_lora"][row], None))
             rotation = model.token_rotation(L.rope, kv_state.seen_tokens)
-            angles = token_kernels._angles(rotation)
+            angles = token_kernels.angle_pairs(rotation)
             key, mirror = kv_state.window.next_row()
             _call(k._norm_rope, (proj_row + 4 * kv_at, 1, kv_stop - kv_at, kv_norm, eps, 2 * angles.shape[0],
                                  _ptr(angles), _ptr(key), _ptr(mirror) if mirror is not None else None))
@@ -357,7 +359,8 @@ class TokenLayers:
                 if row_indexed:
                     index_q = q[row, queries.spans[1][0]:].view(cfg.index_n_heads, cfg.index_head_dim)
                     head_weights = parts[6] * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
-                    scores = k.index_scores(index_q, rotation, kv_state.indexer.entries.mirror(), head_weights, L.low)
+                    scores = self.indexer.scores(index_q, rotation, kv_state.indexer.entries.mirror(), head_weights,
+                                                 L.low)
                     entries = entries.index_select(0, scores.topk(cfg.index_topk).indices)
                 keys.append(entries)
             key_sets.append([t for t in keys if t.shape[0]])

@@ -9,8 +9,8 @@ keeps 16 tokens side by side (each step one vector op) and takes 0.03 ms.
 The same formulas as the torch path (sigmoid as 1 / (1 + exp(-x)), softmax with the row maximum subtracted, each
 Sinkhorn pass dividing by its sums plus eps), so the results agree to float32 rounding (torch's vectorised exp
 and reductions differ in the last bits); the library is used only after it agrees with the torch path on random
-mixes at load (native/mhc.c: built once per machine into a cache, skipped with MOEPACK_NATIVE=0). CPU float32 only;
-anything else stays in torch.
+mixes at load (mhc.c beside this file: built once per machine into native/'s cache, skipped with
+MOEPACK_NATIVE=0). CPU float32 only; anything else stays in torch.
 
 A decoded token's whole mHC entry (the mixes, their weights, the collapse and the sublayer's RMS norm:
 `token_pre`) and exit (`token_post`) are one call each too: for one token each torch op is mostly dispatch.
@@ -19,6 +19,7 @@ A decoded token's whole mHC entry (the mixes, their weights, the collapse and th
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import warnings
 
@@ -26,7 +27,7 @@ import torch
 
 from moepack.native import c_function, disable, native_library, read_source
 
-_SOURCE = read_source("mhc.c")
+_SOURCE = read_source(os.path.join(os.path.dirname(os.path.abspath(__file__)), "mhc.c"))
 HC_MAX = 8  # the kernel's largest hc_mult (DeepSeek-V4: 4)
 
 

@@ -1,0 +1,53 @@
+/* What token_matmul.c shares with kernels compiled elsewhere (a model family's own operations, in its package):
+   the weight descriptor, bfloat16 rounding, RoPE's rotation of a row, a part's share of the rows, and the types of
+   the library's two entries such a kernel calls through pointers it is handed once (`token_matmul_dot`, one row
+   of a matrix times an input, in the library's vector or plain loop; `token_matmul_parallel`, a call split over
+   the library's one pool of threads), so that it computes as this library does and on the same threads. */
+#ifndef MOEPACK_TOKEN_MATMUL_H
+#define MOEPACK_TOKEN_MATMUL_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum { KIND_F32, KIND_BF16, KIND_F16, KIND_FP4_E2M1, KIND_MXFP4, KIND_Q8_0, KIND_COUNT };
+
+typedef struct {
+    int64_t kind;
+    const uint8_t *data;   /* row r at data + r * row_bytes(kind, cols) */
+    const uint8_t *scale;  /* FP4_E2M1: row r's E8M0 bytes at scale + r * cols / 32 */
+    const float *table;    /* FP4 kinds: [256][16], row s = the values of codes 0..15 under scale byte s */
+    int64_t rows, cols;
+} matrix_t;
+
+typedef void (*part_fn)(void *args, int part, int parts);
+typedef float (*row_dot_fn)(const matrix_t *m, int64_t r, const float *x);
+typedef void (*parallel_fn)(part_fn fn, void *args, int64_t multiply_adds, int threads);
+
+static inline float bits_float(uint32_t bits) { float f; memcpy(&f, &bits, 4); return f; }
+
+static inline float round_to_bf16(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return bits_float(bits | 0x00400000u);  /* NaN stays (quiet) NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1);
+    return bits_float(bits & 0xffff0000u);
+}
+
+/* the pairs (x[nope + 2i], x[nope + 2i + 1]) of a head times cos + i sin (sign -1: the conjugate), as the complex
+   product torch computes */
+static inline void rotate(float *x, int64_t dim, int64_t rope_dim, const float *rot, float sign) {
+    float *pairs = x + dim - rope_dim;
+    for (int64_t i = 0; i < rope_dim / 2; i++) {
+        const float a = pairs[2 * i], b = pairs[2 * i + 1], c = rot[2 * i], s = sign * rot[2 * i + 1];
+        pairs[2 * i] = a * c - b * s;
+        pairs[2 * i + 1] = a * s + b * c;
+    }
+}
+
+/* part `part` of `parts`' rows [a, b) of n */
+static inline void share(int64_t n, int part, int parts, int64_t *a, int64_t *b) {
+    *a = n * part / parts;
+    *b = n * (part + 1) / parts;
+}
+
+#endif
