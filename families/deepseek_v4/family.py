@@ -55,6 +55,7 @@ class DeepseekV4Family:
     adapter: Adapter = DEEPSEEK_V4
     generic_forward = False
     gguf_architectures = (GGUF_ARCHITECTURE,)  # read and written by packer/gguf_source.py / gguf_export.py
+    kv_label = "KV + indexer KV"  # a CSA layer's compressed entries keep the Lightning Indexer's keys beside them
 
     @property
     def chat_encoding(self):

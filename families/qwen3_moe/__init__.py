@@ -29,6 +29,7 @@ class Qwen3MoeFamily:
     generic_forward = True
     gguf_architectures = (GGUF_ARCH,)
     chat_encoding = None  # its tokenizer_config's chat template
+    kv_label = "KV"  # keys and values of every head
 
     def adapter_for(self, config: Mapping[str, Any]) -> Adapter:
         return self.adapter
