@@ -45,11 +45,13 @@ def test_family_names_in_code_count_and_comments_do_not(tmp_path):
     assert shape["folders"]["runtime"] == sum(n for rel, n in shape["modules"].items() if rel.startswith("runtime/"))
 
 
-def test_the_tree_names_families_outside_their_packages_in_at_most_12_files():
+def test_the_tree_names_families_outside_their_packages_in_at_most_8_files():
     """A ceiling, lowered as files stop naming a family (issue 39 wants 0): the registry, the converter, the
     container check of verify / prefill / generate and `moepack chat`, decode, generate, the expert runner and the
-    server ask the family, never name it; so do the expert decoders (the family gives their arithmetic)."""
+    server ask the family, never name it; so do the expert decoders (the family gives their arithmetic), the
+    planner, the benchmarks and generate's chat path."""
     leaks = code_shape().shape(ROOT, top=1)["files_naming_a_family_outside_its_package"]
-    assert len(leaks) <= 12, sorted(leaks)
+    assert len(leaks) <= 8, sorted(leaks)
     assert not {"families/__init__.py", "packer/convert.py", "cli/chat.py", "runtime/decode.py", "runtime/generate.py",
-                "runtime/expert_runner.py", "serve/app.py", "serve/tool_calls.py"} & set(leaks)
+                "runtime/expert_runner.py", "serve/app.py", "serve/tool_calls.py", "serve/tokenizer.py",
+                "tools/plan.py", "tools/bench.py", "cli/common.py", "cli/generate.py"} & set(leaks)
