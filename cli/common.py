@@ -332,7 +332,7 @@ def _run_option_table():
             "--kv-dtype", type=Dtype(("float32", "bfloat16", "float8_e4m3"), give="storage"), default="float32",
             show_default=True,
             help="Storage type of the attended-over tensors of a KV written to disk (--kv-out: keys and values, "
-                 "window and compressed entries; working state such as compressor buffers stays F32)."),
+                 "and the compressed entries of a family that has them; the layers' working state stays F32)."),
         "cache_gib": click.option(
             "--cache-gib", type=FiniteFloat(0, MAX_CACHE_GIB), default=None,
             help="Byte budget of the decode's routed-expert cache, kept across generations (0: every selected "

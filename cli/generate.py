@@ -52,18 +52,16 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 
 
 def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: str | None) -> list[int]:
-    """The ids of `messages` (an OpenAI-style list) as the model's chat: its family's chat encoding, whose message
-    content stays plain text, or its tokenizer's chat template (_family_chat_ids)."""
+    """The ids of `messages` (an OpenAI-style list) as the model's chat, as the server encodes them
+    (serve/tokenizer.py chat_prompt_ids: its family's chat encoding, or its tokenizer's chat template with --thinking
+    as the template's enable_thinking); bad messages or options are one line naming the field."""
     from moepack.families import container_family
+    from moepack.serve.chat_template import family_chat_template
+    from moepack.serve.tokenizer import chat_prompt_ids
 
     family = container_family(container)
-    chat_encoding = family.chat_encoding
-    if chat_encoding is None:
-        return _family_chat_ids(container, family, messages, thinking, reasoning_effort, tokenizer)
-
-    chat_encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs --thinking
-    segments = chat_encoding.encode_message_segments(messages, thinking=thinking, reasoning_effort=reasoning_effort)
-    return tokenizer.encode_segments(segments)
+    return chat_prompt_ids(family, lambda: tokenizer, messages, thinking=thinking, reasoning_effort=reasoning_effort,
+                           template=lambda: family_chat_template(container, family))
 
 
 def _check_prompt_choice(prompts: tuple, prompt_file, token_ids_file, messages_file, chat, prompts_file, thinking,
@@ -275,22 +273,6 @@ def _figures(result) -> str:
             f"finish: {result.finish_reason}")
 
 
-def _family_chat_ids(container, family, messages, thinking: bool, reasoning_effort, tokenizer) -> list[int]:
-    """A conversation through the model's chat template (its family has no chat encoding), tokenized as
-    apply_chat_template does; --thinking is the template's enable_thinking (left to the template's default
-    without it)."""
-    from moepack.format_spec.errors import MoepackError
-    from moepack.serve.chat_template import family_chat_template
-
-    if reasoning_effort is not None:
-        raise MoepackError(f"--reasoning-effort: DeepSeek-V4's, not a {family.name} model's")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-        raise MoepackError("--messages: expected a non-empty JSON list of {role, content} objects")
-    extra = {"enable_thinking": True} if thinking else {}
-    return tokenizer.encode_special(family_chat_template(container, family).render(messages, **extra))
-
-
 @click.command()
 @container_argument
 @prompt_options(repeatable=True)  # raw: no chat template
@@ -302,13 +284,14 @@ def _family_chat_ids(container, family, messages, thinking: bool, reasoning_effo
                    "are skipped.")
 @click.option("--messages", "messages_file", type=click.Path(dir_okay=False),
               help="JSON file: an OpenAI-style list of {role, content}, encoded as the model's chat "
-                   "(DeepSeek-V4's encoding, or a family's chat template).")
+                   "(its family's own chat encoding, or the chat template its tokenizer_config carries).")
 @click.option("--chat", help="One user turn, encoded as the model's chat (see --messages).")
 @click.option("--thinking/--no-thinking", default=False, show_default=True,
               help="With --messages/--chat (or --prompts-file messages): thinking mode (<think>) or chat mode "
                    "(</think>).")
 @click.option("--reasoning-effort", type=click.Choice(["high", "max"]), default=None,
-              help="With --messages/--chat/--prompts-file messages in thinking mode: the reasoning-effort prefix.")
+              help="With --messages/--chat/--prompts-file messages in thinking mode: the reasoning-effort prefix "
+                   "(a family with its own chat encoding; a chat template takes none).")
 @click.option("--continue-from", type=click.Path(file_okay=False),
               help="A KV directory `moepack prefill --kv-out` wrote for this container: the prompt (if any) "
                    "continues it.")
@@ -328,8 +311,8 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
              continue_from, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, kv_out, prompts_file,
              max_batch, run, force, as_json):
     """Prefill a prompt with the routed experts streamed from FILE, then generate with an expert cache. --prompt is
-    raw text (no chat template); --messages and --chat are encoded as the model's chat (DeepSeek-V4's encoding, or
-    a family's chat template from its tokenizer_config).
+    raw text (no chat template); --messages and --chat are encoded as the model's chat (its family's own chat
+    encoding, or the chat template from its tokenizer_config).
 
     Several prompts (--prompt given more than once, or --prompts-file) decode together, --max-batch at a time
     (continuous batching: greedy tokens are each prompt's alone). Each one's output is printed as it completes: a

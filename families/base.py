@@ -516,6 +516,9 @@ class RegisteredFamily(ModelFamily, Protocol):
         """Per layer, its attention's kind as `moepack plan` prints it ("full", "sliding", ...)."""
         ...
 
+    # what one layer's KV holds, as `moepack plan`'s memory budget names it ("KV", "KV + indexer KV")
+    kv_label: str
+
     def residual_streams(self, config: Any) -> int:
         """How many residual streams the hidden state carries (1 for a plain residual)."""
         ...

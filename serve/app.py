@@ -68,6 +68,7 @@ from moepack.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprob, is_int, par
 
 from .chat_template import family_chat_template
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
+from .tokenizer import ChatInputError, chat_prompt_ids
 from .tool_calls import ToolCallSplitter, ToolPlan, split_answer, tool_plan, with_prompt_extras
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -680,55 +681,37 @@ class Server:
                                param="messages", code="no_chat_template")
         return self._chat_template
 
-    def family_chat_ids(self, body: dict, messages: list) -> tuple[list[int], bool, ToolPlan]:
-        """A conversation through the model's chat template (its family has no chat encoding): the template's
-        text, tokenized as apply_chat_template does (its markup into special tokens); no tools (its tool-call
-        format is not parsed here), no thinking split."""
-        for field in ("tools", "tool_choice"):
-            if body.get(field) is not None:
-                raise RequestError(f"{field}: not supported for a {self.family.name} model yet", param=field,
-                                   code="unsupported_parameter")
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages",
-                               code="invalid_type")
-        template, tok = self.chat_template(), self.need_tokenizer("messages")
-        try:
-            text = template.render(messages)
-        except MoepackError as e:
-            raise RequestError(str(e), param="messages", code="invalid_value") from None
-        return tok.encode_special(text), False, ToolPlan(None, False)
-
     def chat_ids(self, body: dict) -> tuple[list[int], bool, ToolPlan]:
-        """The conversation's prompt ids (the request's tools and response_format where the release's encoder puts
-        them, a forced tool call's prefill after it), thinking, the tool plan."""
+        """The conversation's prompt ids (chat_prompt_ids, as `moepack generate` encodes it: the request's tools and
+        response_format where the family's encoder puts them, a forced tool call's start after it), thinking, the
+        tool plan. A family without its own encoding chats through its template: no tools (their call format is
+        not parsed here), no thinking split."""
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages",
-                               code="invalid_type")
-        _check_message_keys(messages)
-        if self.encoding is None:
-            return self.family_chat_ids(body, messages)
-        encoding = self.encoding
+        if isinstance(messages, list):
+            _check_message_keys(messages)
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
+        encoding, plan, after = self.encoding, ToolPlan(None, False), ()
+        if encoding is None:
+            for field in ("tools", "tool_choice"):
+                if body.get(field) is not None:
+                    raise RequestError(f"{field}: not supported for a {self.family.name} model yet", param=field,
+                                       code="unsupported_parameter")
+        elif isinstance(messages, list) and messages:
+            try:
+                plan = tool_plan(encoding, body.get("tools"), body.get("tool_choice"),
+                                 body.get("parallel_tool_calls"), thinking)
+            except MoepackError as e:
+                param = str(e).split(":")[0].split("[")[0]
+                raise RequestError(str(e), param=param if param in body else "tools", code="invalid_value") from None
+            fmt = body.get("response_format") if self.output_schema(body) is not None else None
+            messages, after = with_prompt_extras(messages, plan.tools, fmt), encoding.markup_segments(plan.prefill)
         try:
-            encoding.check_reasoning_effort(effort, thinking)
-        except MoepackError as e:
-            raise RequestError(str(e), param="reasoning_effort", code="invalid_value") from None
-        try:
-            plan = tool_plan(encoding, body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
-                             thinking)
-        except MoepackError as e:
-            param = str(e).split(":")[0].split("[")[0]
-            raise RequestError(str(e), param=param if param in body else "tools", code="invalid_value") from None
-        fmt = body.get("response_format") if self.output_schema(body) is not None else None
-        try:
-            segments = encoding.encode_message_segments(with_prompt_extras(messages, plan.tools, fmt),
-                                                        thinking=thinking, reasoning_effort=effort)
-        except MoepackError as e:
-            raise RequestError(str(e), param="messages", code="invalid_value") from None
-        segments += encoding.markup_segments(plan.prefill)
-        return self.need_tokenizer("messages").encode_segments(segments), thinking, plan  # content: plain text
+            ids = chat_prompt_ids(self.family, lambda: self.need_tokenizer("messages"), messages, thinking=thinking,
+                                  reasoning_effort=effort, template=self.chat_template, after=after)
+        except ChatInputError as e:
+            raise RequestError(str(e), param=e.param, code=e.code) from None
+        return ids, thinking and encoding is not None, plan
 
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
         """On a worker thread (the event loop stays free): parse, check and tokenize one request."""

@@ -6,14 +6,18 @@ families/deepseek_v4/chat.py, message content plain text) or a raw prompt the us
 --prompt`: the user's own text, spelled-out special tokens and all). Text from elsewhere (a server's completions prompt)
 goes through `encode(text, special_tokens=False)`: a special or added token's text stays that text's ordinary tokens.
 The tokenizers library matches its added tokens in every `encode` (add_special_tokens only governs the BOS a
-post-processor adds), so plain text goes through a second tokenizer, the same one without its added tokens."""
+post-processor adds), so plain text goes through a second tokenizer, the same one without its added tokens.
+
+`chat_prompt_ids` is a conversation's prompt ids as the model's chat, written once for `moepack generate` and the
+server: its errors (ChatInputError) name the field, the server answers them with a 400, the CLI with one line."""
 
 from __future__ import annotations
 
 import json
 import re
 from functools import cached_property
-from typing import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
@@ -92,6 +96,57 @@ class PromptTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+
+class ChatInputError(MoepackError):
+    """A conversation (or a chat option) the model's chat does not take. `param` is the request field it is about
+    ("messages", "reasoning_effort"), `code` the server's error code; the message starts with the field's name."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+NOT_A_CONVERSATION = "messages: expected a non-empty list of {role, content} objects"
+
+
+def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messages: Any, *, thinking: bool = False,
+                    reasoning_effort: str | None = None, template: Callable[[], Any] | None = None,
+                    after: Sequence[tuple[str, bool]] = ()) -> list[int]:
+    """The prompt ids of `messages` (an OpenAI-style list) as `family`'s chat:
+
+    * its own chat encoding (family.chat_encoding): markup rendered in code into special tokens, message content
+      plain text; `reasoning_effort` as the encoding checks it; `after`: more of its segments (a forced tool
+      call's start);
+    * else the chat template `template()` gives (serve/chat_template.py), tokenized as apply_chat_template does;
+      `thinking` is its enable_thinking (the template's default without it); a template takes no reasoning effort.
+
+    `tokenizer()` and `template()` are asked for only when needed (a missing template is named before a missing
+    tokenizer). Bad input is a ChatInputError naming the field."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
+    encoding = family.chat_encoding
+    if encoding is None:
+        if reasoning_effort is not None:
+            raise ChatInputError(f"reasoning_effort: a {family.name} model's chat template takes no reasoning "
+                                 "effort", "reasoning_effort")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
+        chat_template = template()
+        try:
+            text = chat_template.render(messages, **({"enable_thinking": True} if thinking else {}))
+        except MoepackError as e:
+            raise ChatInputError(f"messages: {e}", "messages") from None
+        return tokenizer().encode_special(text)
+    try:
+        encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs thinking
+    except MoepackError as e:
+        raise ChatInputError(str(e), "reasoning_effort") from None
+    try:
+        segments = encoding.encode_message_segments(messages, thinking=thinking, reasoning_effort=reasoning_effort)
+    except MoepackError as e:
+        raise ChatInputError(str(e), "messages") from None
+    return tokenizer().encode_segments([*segments, *after])
 
 
 def read_text(path: str, limit: int, what: str) -> str:

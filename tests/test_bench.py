@@ -258,21 +258,24 @@ def test_prefill_takes_the_crossover_measured_on_this_cpu(tiny, monkeypatch):
 
 def test_compute_decode_is_the_engines(tiny):
     """The bench runs an expert exactly as the engine does: same decode path, same output bits."""
+    _assert_bench_runs_experts_as_the_engine(tiny)
+
+
+def _assert_bench_runs_experts_as_the_engine(path: str) -> None:
     import torch
 
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import PrefillOptions, StreamingPrefill
     from moepack.runtime.expert_decode import ExpertDecoder
 
-    experts, hidden, _, _ = B._container_experts(tiny, 1)
+    experts, hidden, _, _, arith = B._container_experts(path, 1, torch.float32)
     tensors = {n: (t, tuple(s), torch.frombuffer(bytearray(b), dtype=torch.uint8)) for n, t, s, b in experts[0]}
     x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(0))
     decoder = ExpertDecoder(torch.float32, torch.device("cpu"))
-    with Container(tiny) as c:
-        engine = StreamingPrefill(c, PrefillOptions(io_mode="buffered"))
+    with Container(path) as c:
+        engine = StreamingPrefill(c, PrefillOptions(io_mode="buffered", compute_dtype="float32"))
         try:
-            got = B._decode_expert(tensors, torch.float32, decoder).apply(x, forward=engine.experts.expert_forward,
-                                                                   limit=engine.experts.expert_limit)
+            got = arith.run(B._decode_expert(tensors, torch.float32, decoder, arith), x)
             block = [b for b in c.layers if b.experts][-1]
             region = block.experts[0]
             raw = torch.frombuffer(bytearray(c.pread(region.offset, region.length)), dtype=torch.uint8)
@@ -281,6 +284,35 @@ def test_compute_decode_is_the_engines(tiny):
             engine.close()
             decoder.close()
     assert torch.equal(got, ref)
+
+
+@pytest.fixture(scope="module")
+def qwen_tiny(tmp_path_factory) -> str:
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_qwen3_moe
+
+    base = tmp_path_factory.mktemp("bench-qwen3")
+    synth_qwen3_moe(str(base / "src"), preset="tiny", layout="bf16", progress=False)
+    convert_checkpoint(str(base / "src"), str(base / "q.moepack"), policy="keep", progress=False)
+    return str(base / "q.moepack")
+
+
+def test_compute_times_any_familys_container_as_the_engine_runs_it(qwen_tiny, tiny):
+    """A second family's container is timed with its own expert names and FFN (its expert_ffn, no compiled
+    kernels, no fused crossover), and the bench's expert output is the engine's, bit for bit."""
+    r = B.bench_compute("cpu", tokens=(1, 4), file=qwen_tiny, experts=2, repeat=1, save=False,
+                        expert_dtype="bfloat16")
+    assert r["family"] == "qwen3-moe" and r["experts"] == 2 and "fused" not in r
+    assert all(p["gflops"] > 0 for p in r["points"])
+    _assert_bench_runs_experts_as_the_engine(qwen_tiny)
+    # synthetic experts as that family's, and a container timed as another family's is refused in one line
+    r = B.bench_compute("cpu", tokens=(2,), storage="BF16", hidden=256, intermediate=256, experts=1, repeat=1,
+                        save=False, family="qwen3-moe")
+    assert r["family"] == "qwen3-moe" and r["source"] == "synthetic"
+    assert B.bench_compute("cpu", tokens=(2,), storage="BF16", hidden=256, intermediate=256, experts=1, repeat=1,
+                           save=False)["family"] == "deepseek-v4"  # the default: the compiled kernels' family
+    with pytest.raises(B.MoepackError, match="holds a deepseek-v4 model"):
+        B.bench_compute("cpu", tokens=(2,), file=tiny, experts=1, repeat=1, save=False, family="qwen3-moe")
 
 
 def test_plan_uses_the_measurements(tiny):

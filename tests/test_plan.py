@@ -358,3 +358,25 @@ def test_cli_plan_plot(tmp_path, monkeypatch):
                                  "--plot", str(out)])
     assert r.exit_code == 0, r.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+QWEN3_235B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
+              "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+              "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+              "num_experts_per_tok": 8, "vocab_size": 151936, "norm_topk_prob": True, "tie_word_embeddings": False,
+              "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+
+
+def test_the_family_says_its_residual_streams_and_what_its_kv_holds(tmp_path):
+    """The plan takes every model-side fact from the family: DeepSeek-V4's 4 mHC streams and its CSA layers'
+    indexer keys beside the KV; Qwen3-MoE's one residual and plain keys and values."""
+    qwen = tmp_path / "config.json"
+    qwen.write_text(json.dumps(QWEN3_235B))
+    for config, streams, kv in ((V4_CONFIG, 4, "one layer's KV + indexer KV (F32"), (str(qwen), 1, "one layer's KV (F32")):
+        r = CliRunner().invoke(cli, ["plan", config, "--context", "8K", "--json"])
+        assert r.exit_code == 0, r.output
+        p = json.loads(r.output)
+        assert p["model"]["residual_streams"] == streams and "hc_mult" not in p["model"]
+        rows = {row["item"].split(")")[0] + ")": row["bytes"] for row in p["vram"][-1]["rows"]}
+        assert rows[f"layer-boundary activations (8K x {streams} x 4096 x 2 B)"] == 8192 * streams * 4096 * 2
+        assert [item for item in (row["item"] for row in p["vram"][-1]["rows"]) if item.startswith(kv)]

@@ -7,10 +7,11 @@ memory and host->device copy rates, and the effective FLOP/s of the runtime's ex
   cell's block size and depth) so the reader can be compared with the tool everyone trusts.
 * `bench_memory()` times host memory copies (the pipeline's host RAM stage) and, on CUDA, pinned and pageable
   host->device copies (the PCIe stage).
-* `bench_compute()` times decode + SwiGLU of routed experts exactly as the engine runs them (format_spec.decode's
-  `decode_float`, families.deepseek_v4.model's `expert_forward`), for several tokens per expert: F measured, not
-  assumed. For bf16 FP4 experts on a CPU with the fused kernel it also finds the tokens per expert up to which that
-  kernel beats decode + GEMM; `tuning.tuned_fused_max_tokens()` gives `prefill` that crossover. On a CPU it also times a
+* `bench_compute()` times decode + FFN of routed experts exactly as the engine runs them (format_spec.decode's
+  `decode_float` or the compiled decoders, then the family's expert arithmetic: its LayerPrefill's expert_ffn, or
+  expert_forward / expert_limit), for several tokens per expert: F measured, not assumed. For bf16 FP4 experts
+  on a CPU with the fused kernel it also finds the tokens per expert up to which that kernel beats decode + GEMM;
+  `tuning.tuned_fused_max_tokens()` gives `prefill` that crossover. On a CPU it also times a
   GEMM in float32 and bfloat16: `tuning.default_compute_dtype()` gives `--compute-dtype auto` that choice (before any
   measurement: bfloat16 where the CPU has native bf16 dot products).
 
@@ -31,10 +32,13 @@ import shutil
 import subprocess
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 import torch
 
+from moepack.backends.expert_naming import ExpertNaming
 from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.reader import ReadSpan
 from moepack.format_spec.untrusted import finite_float
@@ -47,7 +51,6 @@ NEAR_TIE = 0.03  # cells within 3% of the fastest count as equally fast: the one
 COMPUTE_TOKENS = (1, 8, 32, 128, 512, 2048)
 FUSED_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 512)  # where the fused kernel's crossover is looked for
 COMPUTE_STORAGES = ("FP4_E2M1", "MXFP4", "NVFP4", "Q8_0", "BF16")
-V4_FLASH_DIMS = (4096, 2048)  # hidden, moe_intermediate_size
 
 
 def _now() -> str:
@@ -324,15 +327,57 @@ def bench_memory(size_mib: int = 256, repeat: int = 5, device: str | None = None
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _expert_naming():
-    """How the model names an expert's matrices (model.EXPERT_NAMING): the measurements build and read experts by
-    the model's names, never by their own."""
-    from moepack.families.deepseek_v4.model import EXPERT_NAMING
+@dataclass(frozen=True)
+class ExpertMath:
+    """A family's routed experts as the engine computes them (runtime/expert_runner.py ExpertRunner.expert_output):
+    where their matrices are, and either the family's expert_ffn on generically decoded matrices or the compiled
+    decoders (FP4 by table, or fused) with the family's expert_forward and clamp. The measurements build, read and
+    run experts by the family's names and arithmetic, never by their own."""
 
-    return EXPERT_NAMING
+    family: str  # its name, as --family spells it
+    arithmetic: Any  # the family's LayerPrefill (families/base.py) for the experts' config
+
+    @property
+    def naming(self) -> ExpertNaming:
+        return self.arithmetic.expert_naming
+
+    @property
+    def compiled(self) -> bool:
+        """The compiled decoders (and the fused FP4 kernel) compute these experts (no expert_ffn of the family)."""
+        return self.arithmetic.expert_ffn is None
+
+    def names(self) -> dict[str, str]:
+        """The gate / up / down weights' names of an expert's tensors as measured here (without their prefix)."""
+        return {"gate": self.naming.gate, "up": self.naming.up, "down": self.naming.down}
+
+    def run(self, weights, x: torch.Tensor) -> torch.Tensor:
+        """The expert (an ExpertWeights) on rows x."""
+        a = self.arithmetic
+        if a.expert_ffn is not None:
+            return a.expert_ffn(x, weights.w1, weights.w3, weights.w2)
+        return weights.apply(x, forward=a.expert_forward, limit=a.expert_limit)
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """Between the grouped backend's two GEMMs."""
+        return self.arithmetic.expert_activation(gate, up)
 
 
-def _synthetic_expert(storage: str, hidden: int, inter: int, seed: int) -> list[tuple[str, str, tuple, bytes]]:
+def expert_math(family, config: dict, dtype: torch.dtype) -> ExpertMath:
+    """`family`'s experts (a registered family) for a config.json of it (a container's, or one giving only the
+    experts' hidden_size and moe_intermediate_size, the family's defaults elsewhere), computed in `dtype`."""
+    return ExpertMath(family.name, family.layer_prefill(family.parse_config(config), dtype))
+
+
+def _synthetic_family(name: str | None):
+    """The family synthetic experts are computed as: `name`, else the registry's first (DeepSeek-V4, whose experts
+    the compiled kernels compute)."""
+    from moepack import families
+
+    return families.family_named(name if name is not None else families.FAMILY_NAMES[0])
+
+
+def _synthetic_expert(storage: str, hidden: int, inter: int, seed: int, naming: ExpertNaming
+                      ) -> list[tuple[str, str, tuple, bytes]]:
     """One routed expert's stored tensors (name, storage type, logical shape, bytes), gate/up/down, quantized from
     random Gaussian weights to `storage` the way the release (FP4_E2M1 + E8M0) or `convert` would store them."""
     from moepack.format_spec import quants
@@ -340,7 +385,6 @@ def _synthetic_expert(storage: str, hidden: int, inter: int, seed: int) -> list[
     from moepack.format_spec.source_formats import fp4_quantize
 
     g = torch.Generator().manual_seed(seed)
-    naming = _expert_naming()
     out = []
     for name, shape in ((naming.gate, (inter, hidden)), (naming.up, (inter, hidden)), (naming.down, (hidden, inter))):
         w = torch.randn(shape, generator=g) * shape[1] ** -0.5
@@ -363,35 +407,33 @@ def _synthetic_expert(storage: str, hidden: int, inter: int, seed: int) -> list[
     return out
 
 
-def _expert_names() -> dict[str, str]:
-    """The gate / up / down weights' names of an expert's tensors as measured here (without their prefix)."""
-    naming = _expert_naming()
-    return {"gate": naming.gate, "up": naming.up, "down": naming.down}
-
-
-def _container_experts(path: str, count: int) -> tuple[list, int, int, str]:
-    """`count` experts of the first top-k-routed layer of a container, as stored: (experts, hidden, inter, type)."""
+def _container_experts(path: str, count: int, dtype: torch.dtype) -> tuple[list, int, int, str, ExpertMath]:
+    """`count` experts of the last layer with routed experts of a container, as stored, and its family's
+    arithmetic: (experts, hidden, inter, type, math)."""
+    from moepack.families import container_family
     from moepack.format_spec.reader import Container
 
     with Container(path) as c:
+        family = container_family(c)
+        arith = expert_math(family, c.config, dtype)
         layers = [b for b in c.layers if b.experts]
         if not layers:
             raise MoepackError(f"{path}: the container has no routed experts")
         block = layers[-1]
-        naming = _expert_naming()
+        naming = arith.naming
         experts = []
         for region in block.experts[:count]:
             prefix = naming.prefix(block.number, region.expert)
             experts.append([(t.name[len(prefix):], t.dtype, t.shape, c.tensor_bytes(t.name))
                             for t in region.tensors])
         gate = next(t for t in experts[0] if t[0] == naming.gate)
-    return experts, int(gate[2][1]), int(gate[2][0]), gate[1]
+    return experts, int(gate[2][1]), int(gate[2][0]), gate[1], arith
 
 
-def _expert_region(tensors: dict):
+def _expert_region(tensors: dict, arith: ExpertMath):
     """(region, raw bytes, layout) of an expert as the engine sees it: the tensors' entries laid out one after the
-    other in `raw`, and ExpertDecoder.layout's verdict ("FP4_E2M1", "MXFP4" or None: decode_group's path).
-    `tensors`: name -> (storage type, shape, bytes on device)."""
+    other in `raw`, and ExpertDecoder.layout's verdict ("FP4_E2M1", "MXFP4" or None: decode_group's path; always
+    None for a family's own expert_ffn). `tensors`: name -> (storage type, shape, bytes on device)."""
     from types import SimpleNamespace
 
     from moepack.runtime.expert_decode import ExpertDecoder
@@ -402,39 +444,39 @@ def _expert_region(tensors: dict):
                                        length=raw.numel()))
         offset += raw.numel()
     region = SimpleNamespace(tensors=entries)
-    return region, torch.cat([raw for _, _, raw in tensors.values()]), ExpertDecoder.layout(region, _expert_names())
+    layout = ExpertDecoder.layout(region, arith.names()) if arith.compiled else None
+    return region, torch.cat([raw for _, _, raw in tensors.values()]), layout
 
 
-def _decode_expert(tensors: dict, dtype: torch.dtype, decoder, tokens: int | None = None):
+def _decode_expert(tensors: dict, dtype: torch.dtype, decoder, arith: ExpertMath, tokens: int | None = None):
     """The expert (an ExpertWeights) decoded as the engine decodes a region: FP4 through its table decoder (left
     packed for the fused kernel when `tokens` is within the decoder's fused_tokens), anything else through
     decode_group (scales and tensor scales applied)."""
     from moepack.format_spec.decode import decode_group
     from moepack.runtime.expert_decode import ExpertWeights
 
-    region, raw, layout = _expert_region(tensors)
+    region, raw, layout = _expert_region(tensors, arith)
     if layout is not None:
-        return decoder.decode(region, layout, raw, 0, _expert_names(), tokens=tokens)
+        return decoder.decode(region, layout, raw, 0, arith.names(), tokens=tokens)
     w = decode_group(region.tensors, lambda t: raw[t.file_offset: t.file_offset + t.length], dtype)
-    naming = _expert_naming()
+    naming = arith.naming
     return ExpertWeights(w[naming.gate], w[naming.up], w[naming.down])
 
 
 def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None = None, storage: str = "FP4_E2M1",
                   hidden: int | None = None, intermediate: int | None = None, expert_dtype: str = "float32",
                   experts: int | None = None, repeat: int = 2, save: bool = True, on_point=None,
-                  expert_backend: str = "auto") -> dict:
-    """Effective FLOP/s of the engine's expert work (decode the stored bytes, then the clamped SwiGLU:
+                  expert_backend: str = "auto", family: str | None = None) -> dict:
+    """Effective FLOP/s of the engine's expert work (decode the stored bytes, then the family's expert FFN:
     6 x tokens x hidden x intermediate FLOPs) at several tokens per expert, by the expert backend prefill would use
     on this device (grouped_experts.py: per-expert on a CPU; grouped on a GPU, `experts` of them decoded together
-    and run as grouped GEMMs, as a read's bundle is). The weights are a container's own experts (`file`) or random
-    ones stored as `storage`, V4-Flash-sized unless `hidden`/`intermediate` say otherwise. Reports per point:
+    and run as grouped GEMMs, as a read's bundle is). The weights are a container's own experts (`file`: computed
+    as its family's) or random ones stored as `storage`, computed as `family`'s (its name; default _synthetic_family's)
+    and sized as its default config's unless `hidden`/`intermediate` say otherwise. Reports per point:
     effective GFLOP/s (decode included), matmul-only GFLOP/s and the decode time."""
     from moepack.backends.grouped_experts import resolve_expert_backend
 
     from moepack.runtime.expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
-    from moepack.families.deepseek_v4.config import ModelConfig
-    from moepack.families.deepseek_v4.model import expert_arithmetic
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -449,14 +491,18 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     dtype = EXPERT_DTYPES[expert_dtype]
     load = _load()
     if file is not None:
-        stored, H, I, storage = _container_experts(file, experts)
+        stored, H, I, storage, arith = _container_experts(file, experts, dtype)
+        if family is not None and family != arith.family:
+            raise MoepackError(f"{file} holds a {arith.family} model: its experts are timed as that family's, "
+                               f"not {family}'s")
         source = os.path.realpath(file)
     else:
-        H, I = hidden or V4_FLASH_DIMS[0], intermediate or V4_FLASH_DIMS[1]
-        stored = [_synthetic_expert(storage, H, I, seed) for seed in range(experts)]
+        chosen = _synthetic_family(family)
+        default = chosen.shape(chosen.parse_config({}))  # the family's own default sizes
+        H, I = hidden or default.hidden_size, intermediate or default.expert_intermediate
+        arith = expert_math(chosen, {"hidden_size": H, "moe_intermediate_size": I}, dtype)
+        stored = [_synthetic_expert(storage, H, I, seed, arith.naming) for seed in range(experts)]
         source = "synthetic"
-    cfg = ModelConfig.from_hf({"hidden_size": H, "moe_intermediate_size": I})
-    expert = expert_arithmetic(cfg)  # ExpertWeights.apply's forward and limit
     # The bytes on the compute device, as the engine has them after _to_device; decoded there.
     on_device = [{n: (t, tuple(s), torch.frombuffer(bytearray(b), dtype=torch.uint8).to(dev)) for n, t, s, b in e}
                  for e in stored]
@@ -467,33 +513,35 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     def own(w):  # the table decoder reuses its buffers from one expert to the next
         return dataclasses.replace(w, w1=w.w1.clone(), w3=w.w3.clone(), w2=w.w2.clone())
 
-    decoded = [own(_decode_expert(e, dtype, decoder)) for e in on_device]  # also warms the decode path up
+    decoded = [own(_decode_expert(e, dtype, decoder, arith)) for e in on_device]  # also warms the decode path up
     g = torch.Generator().manual_seed(0)
     points = []
     if backend == "grouped":
-        points = _grouped_points(on_device, tokens, cfg, dtype, dev, repeat, on_point)
+        points = _grouped_points(on_device, tokens, arith, H, I, dtype, dev, repeat, on_point)
     for t in tokens if backend != "grouped" else ():
         x = (torch.randn(t, H, generator=g) * 0.5).to(dev, dtype)
-        decoded[0].apply(x, **expert)  # warm-up at this shape
+        arith.run(decoded[0], x)  # warm-up at this shape
 
         def full():
             for e in on_device:
-                _decode_expert(e, dtype, decoder).apply(x, **expert)
+                arith.run(_decode_expert(e, dtype, decoder, arith), x)
 
         def matmul_only():
             for w in decoded:
-                w.apply(x, **expert)
+                arith.run(w, x)
 
         points.append(_compute_point(t, H, I, _best_seconds(full, repeat, dev) / len(on_device),
                                      _best_seconds(matmul_only, repeat, dev) / len(on_device), on_point))
-    t_dec = _best_seconds(lambda: [_decode_expert(e, dtype, decoder) for e in on_device], repeat, dev) / len(on_device)
+    t_dec = _best_seconds(lambda: [_decode_expert(e, dtype, decoder, arith) for e in on_device], repeat, dev
+                          ) / len(on_device)
     decoder.close()
-    fused = _fused_crossover(on_device, cfg, dtype, dev, repeat)
+    fused = _fused_crossover(on_device, arith, H, dtype, dev, repeat)
     dtype_choice = measure_compute_dtype(H, I) if dev.type == "cpu" else None
     result = {
         "machine": machine_id(), "measured_at": _now(), **load, "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
-        "threads": torch.get_num_threads(), "source": source, "storage": storage, "hidden": H, "intermediate": I,
+        "threads": torch.get_num_threads(), "source": source, "family": arith.family, "storage": storage,
+        "hidden": H, "intermediate": I,
         "expert_dtype": expert_dtype, "experts": len(on_device), "repeat": repeat, "expert_backend": backend,
         "decode_seconds_per_expert": t_dec, "points": points, **({"fused": fused} if fused else {}),
         **({"compute_dtype": dtype_choice} if dtype_choice else {}),
@@ -505,21 +553,17 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     return result
 
 
-def _grouped_points(on_device: list, tokens: list[int], cfg, dtype: torch.dtype, dev: torch.device, repeat: int,
-                    on_point=None) -> list[dict]:
+def _grouped_points(on_device: list, tokens: list[int], arith: ExpertMath, H: int, inner: int, dtype: torch.dtype,
+                    dev: torch.device, repeat: int, on_point=None) -> list[dict]:
     """bench_compute's points for the grouped backend: every expert of `on_device` decoded together
-    (decode_stacked) and run on `t` tokens each as grouped GEMMs, the engine's bundle work."""
-    from functools import partial
-
+    (decode_stacked) and run on `t` tokens each as grouped GEMMs with the family's activation between them, the
+    engine's bundle work."""
     from moepack.format_spec.decode import decode_stacked
-    from moepack.families.deepseek_v4 import model
     from moepack.backends.grouped_experts import grouped_matmul
 
-    regions = [_expert_region(e) for e in on_device]
+    regions = [_expert_region(e, arith) for e in on_device]
     raw_of = {id(t): raw for region, raw, _ in regions for t in region.tensors}
-    naming = model.EXPERT_NAMING
-    activation = partial(model.clamped_swiglu, limit=cfg.swiglu_limit)
-    H, inner = cfg.hidden_size, cfg.moe_intermediate_size
+    naming, activation = arith.naming, arith.activation
 
     def decode():
         w = decode_stacked([("", region.tensors) for region, _, _ in regions],
@@ -556,17 +600,16 @@ def _compute_point(tokens: int, hidden: int, inner: int, full_s: float, matmul_s
     return point
 
 
-def _fused_crossover(on_device: list, cfg, dtype: torch.dtype, dev: torch.device, repeat: int) -> dict | None:
+def _fused_crossover(on_device: list, arith: ExpertMath, H: int, dtype: torch.dtype, dev: torch.device,
+                     repeat: int) -> dict | None:
     """Where this CPU's fused FP4 matmul stops beating decode + GEMM, as the engine runs an expert (one thread):
     {"threads", "points": [{tokens_per_expert, fused_seconds_per_expert, decoded_seconds_per_expert}],
     "max_tokens"}: the last of FUSED_TOKENS at which the fused kernel is as fast, before two in a row at which it
     is slower (one slower point alone can be noise; 0: never as fast). None where the fused kernel does not apply
-    (not bf16 on a CPU that has it, not FP4 experts)."""
-    from moepack.families.deepseek_v4.model import expert_arithmetic
+    (not bf16 on a CPU that has it, not FP4 experts, not a family whose experts the compiled kernels compute)."""
     from moepack.runtime.expert_decode import ExpertDecoder, fused_max_tokens
 
-    expert = expert_arithmetic(cfg)  # ExpertWeights.apply's forward and limit
-    if not fused_max_tokens(dtype, dev) or _expert_region(on_device[0])[2] is None:
+    if not fused_max_tokens(dtype, dev) or _expert_region(on_device[0], arith)[2] is None:
         return None
     threads = torch.get_num_threads()
     decoder = ExpertDecoder(dtype, dev, threads=1, fused_tokens=max(FUSED_TOKENS))
@@ -575,10 +618,10 @@ def _fused_crossover(on_device: list, cfg, dtype: torch.dtype, dev: torch.device
         g = torch.Generator().manual_seed(1)
         points, limit, losses = [], 0, 0
         for t in FUSED_TOKENS:
-            x = (torch.randn(t, cfg.hidden_size, generator=g) * 0.5).to(dev, dtype)
+            x = (torch.randn(t, H, generator=g) * 0.5).to(dev, dtype)
 
             def run(tokens):
-                return lambda: [_decode_expert(e, dtype, decoder, tokens).apply(x, **expert) for e in on_device]
+                return lambda: [arith.run(_decode_expert(e, dtype, decoder, arith, tokens), x) for e in on_device]
 
             run(t)(), run(None)()  # warm-up at this shape
             fused_s = _best_seconds(run(t), repeat, dev) / len(on_device)

@@ -48,7 +48,7 @@ DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 STREAM_MODES = ("all", "experts")
 # all:     what `moepack prefill` does: globals, every layer's dense region and its experts are read once
 # experts: the note's tables: non-routed weights resident on the device, only the routed experts streamed
-ACTIVATION_BYTES = 2  # the note's F16 boundary activations (hc_mult x hidden per token)
+ACTIVATION_BYTES = 2  # the note's F16 boundary activations (residual streams x hidden per token)
 KV_BYTES = {n: storage_type(n).block_bytes for n in ("F32", "BF16", "F8_E4M3")}  # kv.KV_DTYPES (kv imports torch)
 
 
@@ -111,7 +111,7 @@ class ModelSizes:
     file_bytes: int  # the container's size (from a config: header + regions, the small index left out)
     expert_params: int  # parameters of one routed expert (gate + up + down)
     hidden_size: int
-    hc_mult: int
+    residual_streams: int  # the hidden state's width in hidden_size rows (the family's residual_streams)
     top_k: int
     n_experts: int
     expert_bpw: float  # bits per routed-expert weight, as stored (scales and padding included)
@@ -207,7 +207,7 @@ class _Facts:
     attention: list[str]  # per layer: sliding / csa / hca (DeepSeek-V4), full
     routing: list[str]  # per layer: hash / topk, or dense (no routed experts)
     hidden_size: int
-    hc_mult: int  # residual streams (DeepSeek-V4's mHC; 1 elsewhere)
+    residual_streams: int  # the family's residual_streams (1 for a plain residual)
     top_k: int
     n_experts: int
     expert_intermediate: int
@@ -336,7 +336,7 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
     bpw = (expert_bpw if expert_bpw is not None else
            expert_tensor_bytes * 8 / expert_params if expert_params else 0.0)
     return ModelSizes("config", None, policy, layers, global_bytes, mtp, file_bytes, expert_params,
-                      facts.hidden_size, facts.hc_mult, facts.top_k, facts.n_experts, round(bpw, 4),
+                      facts.hidden_size, facts.residual_streams, facts.top_k, facts.n_experts, round(bpw, 4),
                       expert_bpw, notes, facts.expert_intermediate)
 
 
@@ -359,7 +359,7 @@ def sizes_from_container(container) -> ModelSizes:
     bpw = expert_tensor_bytes * 8 / (expert_params * n_expert_regions) if expert_params else 0.0
     return ModelSizes("container", container.path, str(container.policy.get("name", "?")), layers,
                       sum(r.length for r in container.global_regions), mtp, container.total_bytes, expert_params,
-                      facts.hidden_size, facts.hc_mult, facts.top_k, facts.n_experts, round(bpw, 4),
+                      facts.hidden_size, facts.residual_streams, facts.top_k, facts.n_experts, round(bpw, 4),
                       expert_intermediate=facts.expert_intermediate)
 
 
@@ -442,8 +442,9 @@ def vram_budget(sizes: ModelSizes, n_tokens: int, config: dict, *, stream: str =
                 queue_depth: int = 2, activation_bytes: int = ACTIVATION_BYTES, kv_dtype: str = "F32") -> dict:
     """The note's VRAM table for one device: the dense weights (2 layers' regions, the running one and the
     prefetch; or every non-routed weight when stream='experts' keeps them resident), the expert bundle buffers
-    (bundle x largest expert x queue depth), the layer-boundary activations (N x hc_mult x hidden x 2 bytes) and
-    one layer's KV (layers hand their KV off as they finish: the largest layer's, at N tokens)."""
+    (bundle x largest expert x queue depth), the layer-boundary activations (N x residual streams x hidden x 2
+    bytes) and one layer's KV (layers hand their KV off as they finish: the largest layer's, at N tokens; the row
+    names what the family's KV holds)."""
     _check_stream(stream)
     if stream == "all":
         dense = ("dense regions of 2 layers (running + prefetch)", 2 * sizes.max_dense_bytes)
@@ -453,10 +454,10 @@ def vram_budget(sizes: ModelSizes, n_tokens: int, config: dict, *, stream: str =
         dense,
         (f"expert bundle buffers ({bundle_experts} experts x {queue_depth} in flight)",
          bundle_experts * sizes.max_expert_bytes * queue_depth),
-        (f"layer-boundary activations ({fmt_tokens(n_tokens)} x {sizes.hc_mult} x {sizes.hidden_size} x "
-         f"{activation_bytes} B)", n_tokens * sizes.hc_mult * sizes.hidden_size * activation_bytes),
-        (f"one layer's KV + indexer KV ({kv_dtype}, handed off per layer)", one_layer_kv_bytes(config, n_tokens,
-                                                                                              kv_dtype)),
+        (f"layer-boundary activations ({fmt_tokens(n_tokens)} x {sizes.residual_streams} x {sizes.hidden_size} x "
+         f"{activation_bytes} B)", n_tokens * sizes.residual_streams * sizes.hidden_size * activation_bytes),
+        (f"one layer's {_family_of(config).kv_label} ({kv_dtype}, handed off per layer)",
+         one_layer_kv_bytes(config, n_tokens, kv_dtype)),
     ]
     return {"tokens": n_tokens, "rows": [{"item": k, "bytes": int(v)} for k, v in rows],
             "total_bytes": int(sum(v for _, v in rows))}

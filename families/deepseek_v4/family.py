@@ -54,6 +54,7 @@ class DeepseekV4Family:
     adapter: Adapter = DEEPSEEK_V4
     gguf_architectures = (GGUF_ARCHITECTURE,)
     gguf_pre_tokenizers = gguf.PRE_TOKENIZERS
+    kv_label = "KV + indexer KV"  # a CSA layer's compressed entries keep the Lightning Indexer's keys beside them
 
     @property
     def chat_encoding(self):

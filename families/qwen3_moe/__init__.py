@@ -29,6 +29,7 @@ class Qwen3MoeFamily:
     gguf_architectures = (GGUF_ARCH,)
     gguf_pre_tokenizers = PRE_TOKENIZERS
     chat_encoding = None  # its tokenizer_config's chat template
+    kv_label = "KV"  # keys and values of every head
 
     def adapter_for(self, config: Mapping[str, Any]) -> Adapter:
         return self.adapter

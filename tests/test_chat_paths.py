@@ -1,0 +1,98 @@
+"""One chat path (serve/tokenizer.py chat_prompt_ids) for `moepack generate` and the server: for each family (its own
+chat encoding, or the chat template its tokenizer_config carries) both give the same prompt ids for the same
+conversation, and the same error for the same bad one (the server as a 400 naming the field, the CLI as one line)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from containers import tiny_keep_container
+
+from moepack.cli.generate import _chat_ids
+from moepack.cli.main import cli
+from moepack.families import container_family
+from moepack.format_spec.reader import Container
+from moepack.serve.app import RequestError, Server
+from moepack.serve.tokenizer import ChatInputError, PromptTokenizer
+
+CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi <|im_end|> there"}]
+
+
+@pytest.fixture(scope="module")
+def containers(tmp_path_factory) -> dict[str, str]:
+    """{family name: a tiny container of it}."""
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_checkpoint
+
+    base = tmp_path_factory.mktemp("chat-paths")
+    synth_checkpoint(str(base / "src"), preset="tiny", layout="f32", seed=1, progress=False, family="qwen3-moe")
+    convert_checkpoint(str(base / "src"), str(base / "q.moepack"), policy="keep", progress=False)
+    paths = {}
+    for path in (tiny_keep_container(tmp_path_factory), str(base / "q.moepack")):
+        with Container(path) as c:
+            paths[container_family(c).name] = path
+    assert len(paths) == 2  # both families
+    return paths
+
+
+def _server(container) -> Server:
+    generator = SimpleNamespace(c=container, family=container_family(container))
+    server = Server(generator, "m", None, 1, log=lambda line: None)
+    return server
+
+
+def _both(path: str, messages, thinking: bool = False, effort: str | None = None):
+    """(the CLI's ids or its error, the server's ids or its error) for one conversation."""
+    with Container(path) as c:
+        server = _server(c)
+        try:
+            try:
+                cli_ids = _chat_ids(c, PromptTokenizer(c), messages, thinking, effort)
+            except ChatInputError as e:
+                cli_ids = e
+            body = {"messages": messages, "thinking": thinking,
+                    **({"reasoning_effort": effort} if effort is not None else {})}
+            try:
+                server_ids = server.chat_ids(body)[0]
+            except RequestError as e:
+                server_ids = e
+        finally:
+            server.executor.shutdown()
+    return cli_ids, server_ids
+
+
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+def test_the_cli_and_the_server_encode_a_chat_alike(containers, family):
+    for thinking in (False, True):  # the encoding's thinking mode, or the template's enable_thinking
+        cli_ids, server_ids = _both(containers[family], CONVERSATION, thinking)
+        assert isinstance(cli_ids, list) and cli_ids and cli_ids == server_ids
+
+
+BAD = [
+    ([], None, "messages", "expected a non-empty list of {role, content} objects"),
+    ("hello", None, "messages", "expected a non-empty list of {role, content} objects"),
+]
+
+
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+@pytest.mark.parametrize("messages, effort, param, words", BAD + [
+    ([{"role": "user", "content": "hi"}], "max", "reasoning_effort", "reasoning_effort: "),  # no thinking
+    ([{"role": 3, "content": "hi"}], None, "messages", "messages"),
+])
+def test_the_cli_and_the_server_refuse_a_chat_alike(containers, family, messages, effort, param, words):
+    cli_error, server_error = _both(containers[family], messages, effort=effort)
+    assert isinstance(cli_error, ChatInputError) and isinstance(server_error, RequestError)
+    assert str(cli_error) == server_error.message and "\n" not in str(cli_error) and words in str(cli_error)
+    assert (server_error.status, server_error.param) == (400, param) == (400, cli_error.param)
+
+
+def test_a_chat_template_takes_no_reasoning_effort_in_either_path(containers):
+    cli_error, server_error = _both(containers["qwen3-moe"], CONVERSATION, thinking=True, effort="high")
+    want = "reasoning_effort: a qwen3-moe model's chat template takes no reasoning effort"
+    assert str(cli_error) == server_error.message == want and server_error.param == "reasoning_effort"
+    r = CliRunner().invoke(cli, ["generate", containers["qwen3-moe"], "--chat", "hi", "--thinking",
+                                 "--reasoning-effort", "high"])
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [f"moepack: error: {want}"], r.output
