@@ -289,10 +289,10 @@ def _assert_bench_runs_experts_as_the_engine(path: str) -> None:
 @pytest.fixture(scope="module")
 def qwen_tiny(tmp_path_factory) -> str:
     from moepack.packer.convert import convert_checkpoint
-    from moepack.packer.synth import synth_qwen3_moe
+    from moepack.packer.synth import synth_checkpoint
 
     base = tmp_path_factory.mktemp("bench-qwen3")
-    synth_qwen3_moe(str(base / "src"), preset="tiny", layout="bf16", progress=False)
+    synth_checkpoint(str(base / "src"), preset="tiny", layout="bf16", progress=False, family="qwen3-moe")
     convert_checkpoint(str(base / "src"), str(base / "q.moepack"), policy="keep", progress=False)
     return str(base / "q.moepack")
 
