@@ -100,7 +100,8 @@ def _where(path: tuple) -> str:
         if isinstance(step, int):
             out += f"[{step}]"
         else:
-            key = step if len(step) <= 40 and not _lone_surrogate(step) else repr(step[:40].encode("utf-8", "replace"))
+            # a key as written, unless long or not printable (a newline in it would split the one-line error)
+            key = step if len(step) <= 40 and step.isprintable() else repr(step[:40].encode("utf-8", "replace"))
             out += f".{key}" if out else key
     return out
 

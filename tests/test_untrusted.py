@@ -68,6 +68,14 @@ def test_lone_surrogates_are_refused_in_values_and_keys():
     assert loads('"\\ud83d\\ude00"', "pair") == "\U0001f600"  # a surrogate pair is one valid character
 
 
+def test_a_key_with_a_control_character_is_named_escaped_on_one_line():
+    """The path to a refused value names its keys; a newline or another control character in a key is escaped, so
+    the error stays one line (a fuzzed request body found it)."""
+    message = _refused('{"messages": {"\\n": "\\ud800"}}', "a string holds a lone surrogate")
+    assert "messages.b'\\n'" in message
+    assert _refused('{"caf\u00e9": "\\ud800"}', "caf\u00e9: a string holds")  # a printable key as written
+
+
 def test_invalid_utf8_is_refused_naming_the_byte():
     _refused(b'{"a": "\xff"}', "not valid UTF-8 (byte 7)")
     _refused(bytearray(b"\xc3"), "not valid UTF-8 (byte 0)")
