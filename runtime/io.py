@@ -438,6 +438,11 @@ class ReadPipeline:
         self.reader = reader
         self.buffer_bytes = buffer_bytes
         self.buffers = max(depth, buffers or depth)
+        # the buffers handed to the consumer and not released yet, and the reads not yet done: what end_pass
+        # reclaims of a pass that ended before consuming all its reads (cancelled, failed)
+        self._lent: dict[int, HostBuffer] = {}
+        self._lent_lock = threading.Lock()
+        self._unfinished: list[Future] = []
         self._free: queue.Queue[HostBuffer | None] = queue.Queue()
         for _ in range(self.buffers):
             self._free.put(HostBuffer(buffer_bytes, pinned))
@@ -464,6 +469,8 @@ class ReadPipeline:
                 view = self.reader.read_into(buf, offset, length, part)
                 if after is not None:
                     after(view)  # e.g. checksums: runs here, beside the consumer's compute
+                with self._lent_lock:
+                    self._lent[id(buf)] = buf
                 future.set_result((buf, view))
             except BaseException as e:
                 self._free.put(buf)
@@ -473,11 +480,42 @@ class ReadPipeline:
         """Queue a read of part file `part`; `after(view)` runs on the worker once the bytes are in (its exception
         fails the read)."""
         future: Future = Future()
+        if len(self._unfinished) > 2 * self.buffers:  # (a done read needs nothing more of end_pass than its buffer)
+            self._unfinished = [f for f in self._unfinished if not f.done()]
+        self._unfinished.append(future)
         self._requests.put((future, offset, length, after, part))
         return future
 
     def release(self, buffer: HostBuffer) -> None:
+        """Give a read's buffer back (once: a buffer end_pass reclaimed already is not given back twice)."""
+        with self._lent_lock:
+            if self._lent.pop(id(buffer), None) is None:
+                return
         self._free.put(buffer)
+
+    @property
+    def buffers_lent(self) -> int:
+        """Buffers handed to the consumer and not released yet."""
+        with self._lent_lock:
+            return len(self._lent)
+
+    def end_pass(self, give_back=None) -> int:
+        """A pass over the reads ended, however (its consumer may have left reads unconsumed: cancelled, failed):
+        reads not started are cancelled, those in flight awaited, and every buffer still lent given back, through
+        `give_back(buffer, release)` where given (the device copier: after the copies out of it). The pool is then
+        whole for the next pass. Returns how many buffers came back so."""
+        unfinished, self._unfinished = self._unfinished, []
+        for future in unfinished:
+            if not future.cancel():  # (a cancelled read's worker puts its buffer back itself)
+                future.exception()  # in flight: wait; a failed read gave its buffer back
+        with self._lent_lock:
+            left = list(self._lent.values())
+        for buffer in left:
+            if give_back is not None:
+                give_back(buffer, self.release)
+            else:
+                self.release(buffer)
+        return len(left)
 
     def close(self) -> None:
         """Cancel what has not started, stop the workers (a worker may be waiting for a buffer or a request)."""

@@ -241,6 +241,14 @@ class ReadScheduler:
         self.checker.begin_pass()
         self._ahead = self._queue_from(0, READ_AHEAD_LAYERS + 1)
 
+    def end_pass(self, give_back=None) -> int:
+        """The pass ended, however: whatever it left unconsumed (reads queued ahead, a layer's reads or the next
+        dense region when it stopped between layers or failed) is cancelled or awaited and its buffers go back
+        (`give_back(buffer, release)`: the device copier's), so the same pools serve the next pass. Returns how many
+        buffers came back so."""
+        self._queued = {}
+        return self.experts_pipe.end_pass(give_back) + self.dense_pipe.end_pass(give_back)
+
     def reads_before_router(self, layer: int, token_ids: torch.Tensor, hash_table) -> list | None:
         """The layer's expert reads where they are known before its router runs (queued ahead, or a hash layer's
         from the token ids, `hash_table()` giving its token id -> experts table), else None."""
