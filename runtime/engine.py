@@ -50,7 +50,7 @@ from moepack.format_spec.reader import Block, Container, Region
 
 from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
-from .io import HostBuffer, cpu_steal_seconds, keep_freed_memory, release_freed_memory
+from .io import HostBuffer, RegionReader, cpu_steal_seconds, keep_freed_memory, release_freed_memory
 from .limits import MAX_BUNDLE_EXPERTS
 from .memory import check_prefill_memory
 from .read_scheduler import EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, tokens_per_expert
@@ -219,7 +219,10 @@ class StreamingPrefill:
 
     def __init__(self, container: Container, options: PrefillOptions,
                  on_layer_kv: Callable[[int, object], None] | None = None, dist=None,
-                 resident_dense: list[dict] | None = None, keep_expert: Callable | None = None):
+                 resident_dense: list[dict] | None = None, keep_expert: Callable | None = None,
+                 reader: RegionReader | None = None):
+        """`reader`: the container's reader, shared with its owner (a Generator's decoder reads through it too;
+        read_scheduler.prefill_reader), else the prefill opens its own."""
         if options.expert_ownership not in EXPERT_OWNERSHIPS:
             raise MoepackError(f"unknown expert ownership {options.expert_ownership!r} "
                                f"(choose from {', '.join(EXPERT_OWNERSHIPS)})")
@@ -256,7 +259,7 @@ class StreamingPrefill:
                                    expert_selection=options.expert_selection, verify_reads=options.verify_reads,
                                    device=self.device, dist=dist,
                                    balanced=dist is not None and options.expert_ownership == "balanced",
-                                   resident=self.resident)
+                                   resident=self.resident, reader=reader)
         self.copier = DeviceCopier(self.device)
         self.expert_backend = resolve_expert_backend(options.expert_backend, self.device)
         naming = self.family.expert_naming

@@ -27,6 +27,7 @@ from .decode import Decoder
 from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
                      kv_format_for, resolve_compute_dtype)
 from .memory import GIB, cache_room, check_device_memory, check_memory, default_cache_bytes
+from .read_scheduler import prefill_reader
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
 
 
@@ -112,12 +113,17 @@ class Generator:
             # resolved once: the prefill and the decoder's resident weights must agree
             p, self.compute_dtype_source = resolve_compute_dtype(p, self.device)
             self.prefill_options = p
+            # one reader for the prefill's reads and the decode's misses: one io mode chosen, one set of descriptors
+            self.reader = prefill_reader(self.c, p.io_mode, self.device)
             self.decoder = Decoder(self.c, self.cfg, self.device, self.cache_bytes,
                                    compute_dtype=EXPERT_DTYPES[p.compute_dtype],
                                    expert_dtype=EXPERT_DTYPES[p.expert_dtype or p.compute_dtype],
-                                   io_mode=p.io_mode, verify_reads=p.verify_reads, family=self.family)
+                                   io_mode=p.io_mode, verify_reads=p.verify_reads, family=self.family,
+                                   reader=self.reader)
             self._engine: StreamingPrefill | None = None  # opened by the first prefill, then kept
         except BaseException:
+            if getattr(self, "reader", None) is not None:
+                self.reader.close()
             self.c.close()
             raise
 
@@ -161,6 +167,7 @@ class Generator:
             self._engine.close()
             self._engine = None
         self.decoder.close()
+        self.reader.close()
         self.c.close()
 
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int,
@@ -204,7 +211,7 @@ class Generator:
             # counted on having, and decoding them would stall its stream; the seed reads them after it)
             keep = None if self.decoder.decoded else self.decoder.keep_from_prefill
             self._engine = StreamingPrefill(self.c, self.prefill_options, resident_dense=self.decoder.dense,
-                                            keep_expert=keep)
+                                            keep_expert=keep, reader=self.reader)
         return self._engine
 
     def generate(self, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,

@@ -343,8 +343,10 @@ class RegionReader:
         self.warning = self.warning or message
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def read_into(self, buffer: HostBuffer, offset: int, length: int, part: int = 0) -> memoryview:
-        """Read [offset, offset+length) of part file `part` into the start of `buffer`; returns the filled view."""
+    def read_into(self, buffer: HostBuffer, offset: int, length: int, part: int = 0,
+                  zero_copy: bool | None = None) -> memoryview:
+        """Read [offset, offset+length) of part file `part` into the start of `buffer`; returns the filled view.
+        `zero_copy`: this read's (None: the reader's), for a reader shared by consumers that differ."""
         if length > buffer.nbytes:
             raise ValueError(f"read of {length} bytes into a {buffer.nbytes}-byte buffer")
         self.stats.begin()
@@ -353,7 +355,7 @@ class RegionReader:
             if mapped is not None:
                 if offset < 0 or offset + length > len(mapped):
                     raise MoepackError(f"{self.paths[part]}: unexpected end of file at {len(mapped)} (truncated?)")
-                if self.zero_copy:
+                if self.zero_copy if zero_copy is None else zero_copy:
                     self._populate(part, offset, length)
                     return self._map_views[part][offset:offset + length]
                 # one copy, page cache -> buffer, by a ctypes call: it releases the GIL, so the compute thread's
@@ -431,11 +433,13 @@ class ReadPipeline:
     """
 
     def __init__(self, reader: RegionReader, buffer_bytes: int, depth: int, pinned: bool = False,
-                 buffers: int | None = None):
+                 buffers: int | None = None, zero_copy: bool | None = None):
+        """`zero_copy`: whether its reads may be views of the mapped page cache (None: the reader's choice)."""
         if not 1 <= depth <= MAX_QUEUE_DEPTH:
             raise MoepackError(f"queue depth {depth}: reads in flight must be 1 to {MAX_QUEUE_DEPTH} (each holds a "
                                "buffer and a thread)")
         self.reader = reader
+        self.zero_copy = zero_copy
         self.buffer_bytes = buffer_bytes
         self.buffers = max(depth, buffers or depth)
         # the buffers handed to the consumer and not released yet, and the reads not yet done: what end_pass
@@ -466,7 +470,7 @@ class ReadPipeline:
                 self._free.put(buf)
                 continue
             try:
-                view = self.reader.read_into(buf, offset, length, part)
+                view = self.reader.read_into(buf, offset, length, part, self.zero_copy)
                 if after is not None:
                     after(view)  # e.g. checksums: runs here, beside the consumer's compute
                 with self._lent_lock:

@@ -64,7 +64,8 @@ def test_generations_share_one_prefill_engine_across_a_cancel_and_a_failure(tiny
         a, b, c = _prompt(30, 1, vocab), _prompt(12, 2, vocab), _prompt(45, 3, vocab)
         first = g.generate(a, OPTIONS)
         engine = g.prefill_engine()
-        pipe, dense_pipe, pool_buffers = engine.reads.experts_pipe, engine.reads.dense_pipe, engine.reads.experts_pipe.buffers
+        pipe, dense_pipe = engine.reads.experts_pipe, engine.reads.dense_pipe
+        pool_buffers = pipe.buffers
         opened_once = dict(opened)
         threads_once = _moepack_threads()
         assert any(name.startswith("moepack-read") for name in threads_once.values())
@@ -98,6 +99,28 @@ def test_generations_share_one_prefill_engine_across_a_cancel_and_a_failure(tiny
     for got, ids in zip([first, *after], [a, c, b, a]):
         _same(got, _fresh(tiny, ids))
     assert batched.generated_ids == after[1].generated_ids
+
+
+def test_the_decodes_misses_and_the_prefill_read_through_one_reader(tiny, monkeypatch):
+    """One read front end: the Generator opens the container's reader once (one io mode chosen, one set of
+    descriptors) and the prefill's reads and the decode's expert misses both go through it; a closed engine does
+    not close it."""
+    opened = []
+    init = io_module.RegionReader.__init__
+    monkeypatch.setattr(io_module.RegionReader, "__init__",
+                        lambda self, *a, **k: (opened.append(1), init(self, *a, **k))[1])
+    with Generator(tiny, cache_gib=0.0, prefill=PREFILL) as g:  # no cache: every step reads its experts
+        ids = _prompt(10, 5, g.cfg.vocab_size)
+        engine = g.prefill_engine()
+        assert engine.reads.reader is g.reader and g.decoder.reader is g.reader
+        before = g.reader.stats.bytes_read
+        result = g.generate(ids, OPTIONS)
+        decoded = result.stats["decode"]["bytes_read"]
+        assert decoded > 0 and g.reader.stats.bytes_read - before >= decoded + result.stats["prefill"]["bytes_read"]
+        engine.close()
+        again = g.generate(ids, OPTIONS)  # a new engine, over the same open reader
+    assert opened == [1]
+    _same(again, result)
 
 
 def test_a_closed_engine_is_opened_again(tiny):
