@@ -53,7 +53,7 @@ from moepack.format_spec.reader import Container
 from .device_decode import StepGraphs, container_pool
 from .expert_decode import ExpertWeights, expert_weight_count
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
-from .io import ReadPipeline, RegionReader, release_freed_memory
+from .io import HostBuffer, ReadPipeline, RegionReader, release_freed_memory
 from .read_scheduler import RegionChecker, global_regions
 
 
@@ -359,10 +359,10 @@ class Decoder:
 
     # --- resident weights ----------------------------------------------------------------------------------------
     def _read_region(self, region) -> torch.Tensor:
-        """A region's bytes, checked, as a host uint8 tensor of its own."""
+        """A region's bytes, checked, as a host uint8 tensor of its own, read in place by the reader the misses
+        (and a Generator's prefill) read through."""
         raw = own_pages(region.length)
-        view = memoryview(raw.numpy())
-        self.c.pread_into(view, region.offset, region.part)
+        view = self.reader.read_into(HostBuffer.over(raw), region.offset, region.length, region.part, zero_copy=False)
         self.checker.check([region], view, region.offset)
         return raw
 

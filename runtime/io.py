@@ -253,6 +253,14 @@ class HostBuffer:
             self.tensor = whole[start:start + nbytes]
         self.view = memoryview(self.tensor.numpy())
 
+    @classmethod
+    def over(cls, tensor: torch.Tensor) -> "HostBuffer":
+        """A buffer over memory the caller holds (a page-aligned host uint8 tensor), for a reader to fill in place."""
+        buffer = cls.__new__(cls)
+        buffer.nbytes, buffer.tensor, buffer._keep = tensor.numel(), tensor, None
+        buffer.view = memoryview(tensor.numpy())
+        return buffer
+
 
 @dataclass
 class IOStats:

@@ -103,10 +103,14 @@ def test_generations_share_one_prefill_engine_across_a_cancel_and_a_failure(tiny
 
 def test_the_decodes_misses_and_the_prefill_read_through_one_reader(tiny, monkeypatch):
     """One read front end: the Generator opens the container's reader once (one io mode chosen, one set of
-    descriptors) and the prefill's reads and the decode's expert misses both go through it; a closed engine does
-    not close it."""
+    descriptors) and the prefill's reads, the decoder's resident weights and its expert misses all go through it;
+    a closed engine does not close it."""
+    from moepack.format_spec.reader import Container
+
     opened = []
     init = io_module.RegionReader.__init__
+    # the decoder's resident weights and its seed read through it too, not through the container's own descriptors
+    monkeypatch.setattr(Container, "pread_into", lambda *a, **k: pytest.fail("a read past the shared reader"))
     monkeypatch.setattr(io_module.RegionReader, "__init__",
                         lambda self, *a, **k: (opened.append(1), init(self, *a, **k))[1])
     with Generator(tiny, cache_gib=0.0, prefill=PREFILL) as g:  # no cache: every step reads its experts
