@@ -31,7 +31,6 @@ from .read_scheduler import prefill_reader
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
 
 
-
 @dataclass
 class GenerateOptions:
     max_new_tokens: int = 128
