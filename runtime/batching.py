@@ -49,7 +49,8 @@ from .decode import DecodeSequence
 from .engine import GenerationCancelled, StreamingPrefill, check_prompt_ids
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
 from .generate import (GenerateOptions, GenerateResult, Generator, SequenceOutput, cancelled_in_prefill,
-                       container_kv_bytes, peak_rss_bytes)
+                       peak_rss_bytes)
+from .memory import container_kv_bytes
 from .sampling import TokenLogprob
 
 
@@ -193,7 +194,7 @@ class BatchScheduler:
                 self._closed = True
                 left = [*self._waiting, *self._active, *self._prefilling]
                 self._waiting.clear()
-            self._close_engine()
+            self._release_engine()
             for s in left:
                 s.settle(error=MoepackError("the batch scheduler stopped before this generation ended"))
             self._active, self._prefilling = [], []
@@ -229,11 +230,12 @@ class BatchScheduler:
             self._prefilling.remove(s)
         s.settle(error=e)
 
-    def _close_engine(self) -> None:
-        """The prefill's engine closed (its pools and buffers given back; after a cancel too): the next turn's
-        group opens another."""
+    def _release_engine(self) -> None:
+        """No prompt prefilling (or its pass stopped or failed): the generator's prefill engine let go of, its pools
+        and threads kept for the next group (each pass gave back what it read, however it ended), what was kept
+        for these prompts dropped."""
         if self._engine is not None:
-            self._engine.close()
+            self._engine.after_prompt()
             self._engine = None
 
     def _cancel_in_prefill(self, s: _Sequence, layers_done: int) -> None:
@@ -268,7 +270,7 @@ class BatchScheduler:
         for s in [s for s in self._prefilling if self._stop_asked(s)]:  # stopped before the pass: no work for them
             self._cancel_in_prefill(s, 0)
         if not self._prefilling:
-            self._close_engine()
+            self._release_engine()
             return
         try:
             if self._engine is None:
@@ -296,13 +298,13 @@ class BatchScheduler:
                 # stopped goes on to the pass's end (its rows are the others' weight reads' passengers) and then
                 # leaves with a cancelled result
                 should_stop=lambda: all(self._stop_asked(s) for s in group))
-        except GenerationCancelled as e:  # the engine's close() gives back its pools and buffers
-            self._close_engine()
+        except GenerationCancelled as e:  # the pass gave back what it had read
+            self._release_engine()
             for s in group:
                 self._cancel_in_prefill(s, e.layers_done)
             return
         except BaseException as e:  # the pass is shared (a read or compute error): every prompt in it fails
-            self._close_engine()
+            self._release_engine()
             for s in group:
                 self._fail(s, e)
             return
@@ -317,7 +319,7 @@ class BatchScheduler:
                 self._prefilling.remove(s)
                 finished.append((s, result.logits))
         if not self._prefilling:
-            self._close_engine()
+            self._release_engine()
         with self._cv:
             # the cache seeded with one prompt's experts evicts the others' (those of the sequences decoding, of the
             # prompts prefilling or waiting): only a sequence about to decode alone seeds it

@@ -53,7 +53,7 @@ from moepack.format_spec.reader import Container
 from .device_decode import StepGraphs, container_pool
 from .expert_decode import ExpertWeights, expert_weight_count
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
-from .io import ReadPipeline, RegionReader, release_freed_memory
+from .io import HostBuffer, ReadPipeline, RegionReader, release_freed_memory
 from .read_scheduler import RegionChecker, global_regions
 
 
@@ -243,7 +243,8 @@ class Decoder:
     def __init__(self, container: Container, cfg, device: torch.device, cache_bytes: int,
                  compute_dtype: torch.dtype = torch.float32, expert_dtype: torch.dtype = torch.float32,
                  io_mode: str = "auto", verify_reads: bool = True, queue_depth: int = 8,
-                 decoded_experts: bool | None = None, expert_pool: bool | None = None, *, family):
+                 decoded_experts: bool | None = None, expert_pool: bool | None = None, *, family,
+                 reader: RegionReader | None = None):
         """`decoded_experts` (default: on a GPU) has the cache keep experts decoded to the expert dtype, so that a
         hit is three matmuls (their memory, not their stored bytes, is counted against the budget); otherwise it
         keeps their stored bytes, which a CPU's compiled kernels read directly. `expert_pool` (default: on a GPU,
@@ -251,7 +252,9 @@ class Decoder:
         one grouped GEMM over them with no host round trip where the layer's experts are all there.
 
         `family` (a moepack.families ModelFamily, `cfg` its parsed config): the container is that family's, its
-        arithmetic the family's `layer_decode` (families.base.LayerDecode)."""
+        arithmetic the family's `layer_decode` (families.base.LayerDecode). `reader`: the container's reader its
+        owner shares with the prefill (a Generator's: one io mode, one set of descriptors for both; its misses are
+        then copied out of the page cache, never used in place), else one of its own."""
         self.c, self.cfg, self.device, self.family = container, cfg, device, family
         self.arithmetic: LayerDecode = family.layer_decode(cfg, compute_dtype)
         # a family whose own expert_ffn runs its experts keeps their stored bytes, decoded per use, and runs its
@@ -266,12 +269,13 @@ class Decoder:
         self._cache_counts = self._cache_counters()  # when this sequence began
         # a miss's bytes are checked by the reader thread as they land (beside this thread's compute)
         self.checker = RegionChecker(container, verify_reads, on_read=True)
-        self.reader = RegionReader(container.part_paths, io_mode, zero_copy=False)
+        self._owns_reader = reader is None
+        self.reader = reader if reader is not None else RegionReader(container.part_paths, io_mode, zero_copy=False)
         self.copier = DeviceCopier(device)
         self.blocks = container.layers  # (Container.layers makes its list on each call)
         largest = max((r.length for b in self.blocks for r in b.experts), default=4096)
         self.pipe = ReadPipeline(self.reader, largest, queue_depth, device.type == "cuda",
-                                 buffers=2 * queue_depth)
+                                 buffers=2 * queue_depth, zero_copy=False)
         self.compute = BusyTimer()
         self._layer_of = {block.name: layer for layer, block in enumerate(self.blocks)}
         self._keep_lock = threading.Lock()
@@ -355,10 +359,10 @@ class Decoder:
 
     # --- resident weights ----------------------------------------------------------------------------------------
     def _read_region(self, region) -> torch.Tensor:
-        """A region's bytes, checked, as a host uint8 tensor of its own."""
+        """A region's bytes, checked, as a host uint8 tensor of its own, read in place by the reader the misses
+        (and a Generator's prefill) read through."""
         raw = own_pages(region.length)
-        view = memoryview(raw.numpy())
-        self.c.pread_into(view, region.offset, region.part)
+        view = self.reader.read_into(HostBuffer.over(raw), region.offset, region.length, region.part, zero_copy=False)
         self.checker.check([region], view, region.offset)
         return raw
 
@@ -820,7 +824,8 @@ class Decoder:
 
     def close(self) -> None:
         self.pipe.close()
-        self.reader.close()
+        if self._owns_reader:
+            self.reader.close()
         self.experts.close()
         self.cache = ExpertCache(0)
         if self.pool is not None:

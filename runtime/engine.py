@@ -46,21 +46,17 @@ from moepack.families.base import LayerPrefill, family_kv_format
 from moepack.format_spec.decode import (companion_names, decode_group, decode_group_row_slices, decode_group_rows,
                                         entry_bytes)
 from moepack.format_spec.errors import FormatError, MoepackError
-from moepack.format_spec.layout import SCALE_SUFFIXES
 from moepack.format_spec.reader import Block, Container, Region
-from moepack.format_spec.source_formats import fp8_decoder_compiled
 
 from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
-from .io import HostBuffer, available_memory_bytes, cpu_steal_seconds, keep_freed_memory, release_freed_memory
+from .io import HostBuffer, RegionReader, cpu_steal_seconds, keep_freed_memory, release_freed_memory
 from .limits import MAX_BUNDLE_EXPERTS
-from .read_scheduler import (EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, global_regions,
-                             tokens_per_expert)
+from .memory import check_prefill_memory
+from .read_scheduler import EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, tokens_per_expert
 from .resident import place_that_fits, resident_bytes
 from .tuning import default_compute_dtype
 
-# the query chunk the memory estimate assumes where --query-chunk does not bound it (at least the device's own)
-ESTIMATE_QUERY_CHUNK = 512
 # the LM head is decoded and applied this many float32 bytes of rows at a time, never whole (DeepSeek-V4-Flash's
 # bf16 head [129280, 4096] would be 2 GiB decoded)
 HEAD_CHUNK_BYTES = 16 << 20
@@ -133,37 +129,6 @@ class PrefillResult:
     tokens_per_expert: list[list[int]] | None = None  # per layer, how many tokens the router sent to each expert
 
 
-def estimate_working_set(family: LayerPrefill, n_tokens: int, query_chunk: int | None, dense_bytes: int,
-                         bundle_bytes: int, pool_buffers: int, expert_params: int,
-                         expert_threads: int = 1, globals_bytes: int = 0, decode_scratch_bytes: int = 0,
-                         grouped_pairs: int = 0, decoded_experts: int | None = None,
-                         device_chunk: int = ESTIMATE_QUERY_CHUNK) -> dict[str, int]:
-    """Bytes a prefill of n_tokens needs at its peak (float32 compute), by component: the family's activations,
-    KV and attention (`family.working_set`), the routed experts' rows and the weights. Deliberately generous:
-    it decides whether to refuse a prompt before any work is done. `expert_threads`: threads that each gather
-    an expert's rows (the per-expert backend); `decoded_experts`: experts decoded at once (default: one per expert
-    thread); `grouped_pairs`: the grouped backend's (token, expert) pairs; `device_chunk`: the attention's query
-    chunk where `query_chunk` does not bound it."""
-    f32 = 4
-    chunk = min(query_chunk or device_chunk, n_tokens)
-    hidden, inner = family.shape.hidden_size, family.shape.expert_intermediate
-    parts = dict(family.working_set(n_tokens, chunk))
-    # the routed experts: the FFN input in their dtype and the float32 sum (expert_runner.OrderedSum), and on each
-    # expert thread one expert's gathered rows and outputs (at most every token's), or outputs waiting their turn
-    parts["activations"] += n_tokens * hidden * f32 * (2 + 2 * expert_threads)
-    # the grouped backend: every pair's input and output rows ([P, H] each, P = N x top_k), and a read's gate and up
-    # outputs and activation (at most every pair's)
-    parts["activations"] += grouped_pairs * f32 * (2 * hidden + 3 * inner)
-    # the read pool, and each expert thread's decoded weights
-    # `globals_bytes`: the LM head's bytes, read during the last layer, and a decoded slice of it;
-    # `decode_scratch_bytes`: what decoding the largest dense matrix needs besides its bytes and its output
-    decoded_experts = expert_threads if decoded_experts is None else decoded_experts
-    parts["weights"] = (dense_bytes * 5 + bundle_bytes * (pool_buffers + 2) + expert_params * f32 * 2 * decoded_experts
-                        + globals_bytes + decode_scratch_bytes)
-    parts["total"] = sum(parts.values())
-    return parts
-
-
 def model_config(container: Container, computable: bool = True):
     """The model a container holds, as this runtime will compute it (its family's parsed config), checked before
     anything is read: its config as its family reads it (one this runtime computes as the reference does, unless
@@ -196,17 +161,6 @@ def compute_device(name: str) -> torch.device:
     if (device.index or 0) >= torch.cuda.device_count():
         raise MoepackError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s)")
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-
-
-def cuda_free_bytes(device: torch.device) -> int:
-    """What this process may still allocate on `device`: the device's free memory within the process's cap
-    (torch.cuda.set_per_process_memory_fraction, a budget smaller than the device), plus the blocks torch has
-    cached but not handed out."""
-    free, total = torch.cuda.mem_get_info(device)
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
-    budget = int((fraction(device) if fraction else 1.0) * total)
-    reserved = torch.cuda.memory_reserved(device)
-    return min(free, max(budget - reserved, 0)) + reserved - torch.cuda.memory_allocated(device)
 
 
 def held_for_serving(path: str, options: PrefillOptions) -> PrefillOptions:
@@ -265,7 +219,10 @@ class StreamingPrefill:
 
     def __init__(self, container: Container, options: PrefillOptions,
                  on_layer_kv: Callable[[int, object], None] | None = None, dist=None,
-                 resident_dense: list[dict] | None = None, keep_expert: Callable | None = None):
+                 resident_dense: list[dict] | None = None, keep_expert: Callable | None = None,
+                 reader: RegionReader | None = None):
+        """`reader`: the container's reader, shared with its owner (a Generator's decoder reads through it too;
+        read_scheduler.prefill_reader), else the prefill opens its own."""
         if options.expert_ownership not in EXPERT_OWNERSHIPS:
             raise MoepackError(f"unknown expert ownership {options.expert_ownership!r} "
                                f"(choose from {', '.join(EXPERT_OWNERSHIPS)})")
@@ -302,7 +259,7 @@ class StreamingPrefill:
                                    expert_selection=options.expert_selection, verify_reads=options.verify_reads,
                                    device=self.device, dist=dist,
                                    balanced=dist is not None and options.expert_ownership == "balanced",
-                                   resident=self.resident)
+                                   resident=self.resident, reader=reader)
         self.copier = DeviceCopier(self.device)
         self.expert_backend = resolve_expert_backend(options.expert_backend, self.device)
         naming = self.family.expert_naming
@@ -317,6 +274,8 @@ class StreamingPrefill:
                                         expert_forward=self.family.expert_forward,
                                         expert_limit=self.family.expert_limit)
         self.experts.keep_expert = keep_expert  # (ExpertRunner.keep_expert: decode's cache takes the bytes)
+        self.closed = False
+        self._pass_base = PassCounters.of(self)
 
     # --- the prefill ---------------------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, past: list | None = None, chunk_tokens: int | None = None,
@@ -339,7 +298,7 @@ class StreamingPrefill:
         chunks = token_ids.split(chunk_tokens) if chunk_tokens else [token_ids]
         all_stats: list[LayerStats] = []
         states = past
-        with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype):
+        with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype), self._pass():
             for i, chunk in enumerate(chunks):
                 final = i == len(chunks) - 1
                 logits, layer_stats, (states,), (counts,) = self._forward(
@@ -381,7 +340,7 @@ class StreamingPrefill:
         lengths = [check_prompt_ids(ids, self.family.shape.vocab_size) for ids in prompts]
         self.check_memory(sum(lengths) + sum(self.family.seen_tokens(past[0]) for past in pasts if past))
         start, steal_before = self._pass_starts()
-        with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype):
+        with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype), self._pass():
             logits, layer_stats, states, counts = self._forward(
                 torch.cat([ids.reshape(-1) for ids in prompts]).to(self.device), pasts, emit_kv=False,
                 keep_states=keep_kv, should_stop=should_stop, lengths=lengths)
@@ -396,7 +355,26 @@ class StreamingPrefill:
     def _pass_starts(self) -> tuple[float, float | None]:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self._pass_base = PassCounters.of(self)  # the pass's stats count from here: the engine serves many passes
         return time.perf_counter(), cpu_steal_seconds()
+
+    @contextlib.contextmanager
+    def _pass(self):
+        """One pass over the layers; however it ends (done, cancelled, failed), what it left of its reads is
+        cancelled or awaited and their buffers go back (ReadScheduler.end_pass): the engine's pools and threads
+        serve the next pass as they were."""
+        try:
+            yield
+        finally:
+            self.reads.end_pass(self.copier.release)
+
+    def after_prompt(self) -> None:
+        """Between prompts of an engine that stays open (a Generator's): drop what was kept for the prompts just
+        prefilled (the family's tables of their positions) and give the freed memory back to the system, as
+        close() does, while the pools and threads stay for the next."""
+        self.family.close()
+        if self.malloc_keeps_freed:
+            release_freed_memory()
 
     def _pass_stats(self, n_tokens: int, start: float, steal_before: float | None, layers: list[LayerStats]) -> dict:
         wall, steal_after = time.perf_counter() - start, cpu_steal_seconds()
@@ -581,41 +559,17 @@ class StreamingPrefill:
     # --- before and after ----------------------------------------------------------------------------------------
     def check_memory(self, n_tokens: int) -> None:
         """Refuse a prompt (or prompts prefilled together: n_tokens is all of theirs) whose working set cannot fit,
-        before reading or computing anything."""
-        layers = self.c.layers
-        expert_params = max((sum(t.numel for t in r.tensors if not t.name.endswith(SCALE_SUFFIXES))
-                             for b in layers for r in b.experts), default=0)
-        # FP8 decoded by torch's ops (on a GPU; on a CPU without the compiled decoder): an int32 index per weight
-        torch_fp8 = self.device.type == "cuda" or not fp8_decoder_compiled()
-        fp8_weights = max((t.numel for b in layers for t in b.dense.tensors if t.dtype == "F8_E4M3"),
-                          default=0) if torch_fp8 else 0
-        names = self.family.names
-        head_bytes = sum(r.length for r in global_regions(self.c, (*names.head_globals, names.head)))
-        need = estimate_working_set(self.family, n_tokens, self.opt.query_chunk, max(b.dense.length for b in layers),
-                                    self.reads.experts_pipe.buffer_bytes,
-                                    self.reads.pool_buffers_in_memory(self.device), expert_params,
-                                    self.experts.threads, head_bytes + HEAD_CHUNK_BYTES,
-                                    decode_scratch_bytes=4 * fp8_weights,
-                                    grouped_pairs=(n_tokens * self.family.shape.top_k
-                                                   if self.expert_backend == "grouped" else 0),
-                                    decoded_experts=self.experts.decoded_at_once,
-                                    device_chunk=max(ESTIMATE_QUERY_CHUNK,
-                                                     self.family.preferred_query_chunk(self.device)))
-        if self.device.type == "cuda":
-            free, where = cuda_free_bytes(self.device), "free device memory"
-        else:
-            free = available_memory_bytes()
-            where = "available host memory"
-        if free and need["total"] > free:
-            detail = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items() if k != "total")
-            raise MoepackError(f"a prompt of {n_tokens} tokens needs about {need['total'] / 2**30:.1f} GiB "
-                               f"({detail}) but only {free / 2**30:.1f} GiB of {where} is there: shorten the "
-                               f"prompt or lower --query-chunk")
+        before reading or computing anything (memory.check_prefill_memory, with this prefill's pool and threads)."""
+        check_prefill_memory(self.c, self.family, self.device, n_tokens, query_chunk=self.opt.query_chunk,
+                             bundle_bytes=self.reads.experts_pipe.buffer_bytes,
+                             pool_buffers=self.reads.pool_buffers_in_memory(self.device),
+                             expert_threads=self.experts.threads, decoded_experts=self.experts.decoded_at_once,
+                             grouped=self.expert_backend == "grouped", head_chunk_bytes=HEAD_CHUNK_BYTES)
 
     def _stats(self, n_tokens: int, wall: float, layers: list[LayerStats]) -> dict:
         reader, pipe = self.reads.reader, self.reads.experts_pipe
-        io = reader.stats
-        busiest = max(io.busy_seconds, self.compute.seconds, 1e-9)
+        io = PassCounters.of(self).since(self._pass_base)  # this pass's
+        busiest = max(io.busy_seconds, io.compute_seconds, 1e-9)
         stats = {
             "tokens": n_tokens,
             "seconds": round(wall, 4),
@@ -628,7 +582,7 @@ class StreamingPrefill:
             "resident_load_s": round(self.resident_load_s, 3),
             "resident_bytes": self.resident.nbytes if self.resident is not None else 0,
             "io_busy_s": round(io.busy_seconds, 4),
-            "compute_busy_s": round(self.compute.seconds, 4),
+            "compute_busy_s": round(io.compute_seconds, 4),
             "overlap": round(wall / busiest, 3),
             "bytes_skipped": sum(s.bytes_skipped for s in layers),
             "bundle_experts": self.opt.bundle_experts,
@@ -664,11 +618,33 @@ class StreamingPrefill:
         return stats
 
     def close(self) -> None:
+        self.closed = True
         self.family.close()
         self.reads.close()
         self.experts.close()
         if self.malloc_keeps_freed:
             release_freed_memory()
+
+
+@dataclass
+class PassCounters:
+    """An engine's cumulative read and compute counters at one moment: a pass's stats are the difference."""
+    bytes_read: int
+    requests: int
+    busy_seconds: float
+    bytes_by_part: list[int]
+    compute_seconds: float
+
+    @classmethod
+    def of(cls, engine: StreamingPrefill) -> "PassCounters":
+        io = engine.reads.reader.stats
+        return cls(io.bytes_read, io.requests, io.busy_seconds, list(io.bytes_by_part), engine.compute.seconds)
+
+    def since(self, before: "PassCounters") -> "PassCounters":
+        return PassCounters(self.bytes_read - before.bytes_read, self.requests - before.requests,
+                            self.busy_seconds - before.busy_seconds,
+                            [a - b for a, b in zip(self.bytes_by_part, before.bytes_by_part)],
+                            self.compute_seconds - before.compute_seconds)
 
 
 def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_layer_kv=None,

@@ -18,20 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moepack.families import check_container, container_family
+from moepack.families import check_container
 from moepack.families import kv_directory as kvd
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
 from .decode import Decoder
 from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
-                     cuda_free_bytes, kv_format_for, resolve_compute_dtype)
-from .expert_decode import expert_weight_count
-from .io import available_memory_bytes, memory_limit_bytes
+                     kv_format_for, resolve_compute_dtype)
+from .memory import GIB, cache_room, check_device_memory, check_memory, default_cache_bytes
+from .read_scheduler import prefill_reader
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
-
-GIB = 1 << 30
-HEADROOM_BYTES = 1 << 30  # activations, the read buffers, the interpreter and torch beside the weights and the KV
 
 
 @dataclass
@@ -82,78 +79,6 @@ def model_eos_ids(container: Container) -> set[int]:
     return eos_ids(container.config) | eos_ids(container.tokenizer_json("generation_config.json"))
 
 
-def container_kv_bytes(container: Container, n_tokens: int) -> int:
-    """The KV of n_tokens a generation holds (float32, every layer): its family's KV format's count."""
-    return container_family(container).kv_format.kv_bytes(container.config, n_tokens, "F32")
-
-
-def resident_bytes(container: Container) -> int:
-    """What decode keeps resident besides the cache and the KV: the dense regions and the globals, as float32
-    (an upper bound: the low-precision matrices may be bf16)."""
-    stored = sum(b.dense.length for b in container.layers) + sum(r.length for r in container.global_regions)
-    params = sum(t.numel for b in container.layers for t in b.dense.tensors)
-    params += sum(t.numel for r in container.global_regions for t in r.tensors)
-    return max(stored, 4 * params)
-
-
-def memory_need(container: Container, n_tokens: int, cache_bytes: int, other_kv: int = 0) -> int:
-    """The host memory a CPU generation of n_tokens needs: resident weights + cache + KV + HEADROOM_BYTES
-    (+ `other_kv`: the KV of the sequences decoding beside it)."""
-    return (resident_bytes(container) + cache_bytes + container_kv_bytes(container, n_tokens) + other_kv
-            + HEADROOM_BYTES)
-
-
-def device_memory_need(container: Container, cache_bytes: int, n_tokens: int = 0, resident: bool = True,
-                       other_kv: int = 0) -> int:
-    """The device memory a GPU generation needs: resident weights (unless loaded already) + the cache still to fill
-    + the KV of n_tokens (+ `other_kv`: that of the sequences decoding beside it) + HEADROOM_BYTES."""
-    weights = resident_bytes(container) if resident else 0
-    kv = container_kv_bytes(container, n_tokens) if n_tokens else 0
-    return weights + cache_bytes + kv + other_kv + HEADROOM_BYTES
-
-
-def memory_for_generation(held: int = 0) -> int:
-    """available_memory_bytes, counting as this process's own the `held` bytes it holds already of a generation's
-    need (its resident weights and expert cache): MemAvailable no longer counts them, a cgroup's limit and
-    RLIMIT_AS do. 0 where nothing is known."""
-    free = available_memory_bytes()
-    if not free or not held:
-        return free
-    limit = memory_limit_bytes()
-    return min(free + held, limit) if limit else free + held
-
-
-def check_memory(container: Container, n_tokens: int, cache_bytes: int, held: int = 0, other_kv: int = 0) -> int:
-    """Refuse, before any work, a generation whose resident weights + cache + KV (+ `other_kv`: that of the
-    sequences decoding beside it) + HEADROOM_BYTES cannot fit in memory_for_generation(held); returns that bound."""
-    need = memory_need(container, n_tokens, cache_bytes, other_kv)
-    free = memory_for_generation(held)
-    if free and need > free:
-        kv = container_kv_bytes(container, n_tokens) + other_kv
-        beside = f" beside the KV of the sequences decoding ({other_kv / GIB:.2f} GiB)" if other_kv else ""
-        raise MoepackError(f"generating {n_tokens} tokens{beside} needs about {need / GIB:.1f} GiB (weights besides "
-                           f"the experts {resident_bytes(container) / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
-                           f"KV {kv / GIB:.2f}, headroom 1) but only {free / GIB:.1f} GiB of memory is available: "
-                           f"lower --cache-gib or --max-new-tokens")
-    return need
-
-
-def check_device_memory(container: Container, device: torch.device, cache_bytes: int, n_tokens: int = 0,
-                        resident: bool = True, other_kv: int = 0) -> None:
-    """Refuse, before any work, a GPU generation whose resident weights (unless `resident` is False: loaded
-    already) + expert cache still to fill + the KV of n_tokens (+ `other_kv`: that of the sequences decoding beside
-    it) + HEADROOM_BYTES exceed what this process may allocate on the device, where all of them live."""
-    need = device_memory_need(container, cache_bytes, n_tokens, resident, other_kv)
-    free = cuda_free_bytes(device)
-    if need > free:  # the parts of `need`, for the message
-        weights = resident_bytes(container) if resident else 0
-        kv = (container_kv_bytes(container, n_tokens) if n_tokens else 0) + other_kv
-        raise MoepackError(f"the decode on {device} needs about {need / GIB:.1f} GiB of device memory (weights "
-                           f"besides the experts {weights / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
-                           f"KV {kv / GIB:.2f}, headroom 1) but only {free / GIB:.1f} GiB is free there: "
-                           f"lower --cache-gib or --max-new-tokens")
-
-
 class Generator:
     """One container opened once for any number of generations: its non-routed weights stay resident (the
     prefill and the decode both use them) and its expert cache persists from one generation to the next (what
@@ -187,11 +112,17 @@ class Generator:
             # resolved once: the prefill and the decoder's resident weights must agree
             p, self.compute_dtype_source = resolve_compute_dtype(p, self.device)
             self.prefill_options = p
+            # one reader for the prefill's reads and the decode's misses: one io mode chosen, one set of descriptors
+            self.reader = prefill_reader(self.c, p.io_mode, self.device)
             self.decoder = Decoder(self.c, self.cfg, self.device, self.cache_bytes,
                                    compute_dtype=EXPERT_DTYPES[p.compute_dtype],
                                    expert_dtype=EXPERT_DTYPES[p.expert_dtype or p.compute_dtype],
-                                   io_mode=p.io_mode, verify_reads=p.verify_reads, family=self.family)
+                                   io_mode=p.io_mode, verify_reads=p.verify_reads, family=self.family,
+                                   reader=self.reader)
+            self._engine: StreamingPrefill | None = None  # opened by the first prefill, then kept
         except BaseException:
+            if getattr(self, "reader", None) is not None:
+                self.reader.close()
             self.c.close()
             raise
 
@@ -219,16 +150,10 @@ class Generator:
     def _fit_default_cache(self, n_tokens: int, other_kv: int = 0) -> None:
         """The default budget for a generation of n_tokens: what the checks leave beside its KV and `other_kv`
         (clamped at 0), at most default_cache_bytes."""
-        cache = self.decoder.cache
-        if self.device.type == "cuda":
-            need = device_memory_need(self.c, 0, n_tokens, False, other_kv)
-            room = self._device_cache_held() + cuda_free_bytes(self.device) - need
-        else:
-            free = memory_for_generation(self._held())
-            room = free - memory_need(self.c, n_tokens, 0, other_kv) if free else self.default_budget
-        self.cache_bytes = max(0, min(self.default_budget, room))
+        held = self._device_cache_held() if self.device.type == "cuda" else self._held()
+        self.cache_bytes = cache_room(self.c, self.device, n_tokens, other_kv, held, self.default_budget)
         self.host_cache_bytes = self.cache_bytes if self.device.type == "cpu" else 0
-        cache.resize(self.cache_bytes)
+        self.decoder.cache.resize(self.cache_bytes)
 
     def __enter__(self) -> "Generator":
         return self
@@ -237,7 +162,11 @@ class Generator:
         self.close()
 
     def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
         self.decoder.close()
+        self.reader.close()
         self.c.close()
 
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int,
@@ -266,17 +195,23 @@ class Generator:
             done = engine.run(token_ids.to(engine.device), keep_kv=True, should_stop=should_stop)
             return done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0, bound
         finally:
-            engine.close()
+            engine.after_prompt()
 
     def prefill_engine(self) -> StreamingPrefill:
-        """A prefill for one sequence (one or more runs of its prompt's chunks): it runs through the decoder's
-        resident dense weights (only the experts are read), and the prompt's experts go from its reads into the
-        expert cache while there is room (seeding need not read them again)."""
+        """The prefill of this Generator's sequences (each one or more runs of its prompt's chunks), opened once and
+        kept: its read pools, threads and buffers serve every generation (each pass gives back what it read, however
+        it ended: StreamingPrefill._pass). It runs through the decoder's resident dense weights (only the experts
+        are read), and a prompt's experts go from its reads into the expert cache while there is room (seeding
+        need not read them again). Its callers call its after_prompt() once a sequence's prefill is through, not
+        its close() (one closed anyway is opened again here)."""
         self.decoder.prefill_starts()
-        # (not where the cache keeps decoded experts on a GPU: they would take the device memory the prefill counted
-        # on having, and decoding them would stall its stream; the seed reads them after it)
-        keep = None if self.decoder.decoded else self.decoder.keep_from_prefill
-        return StreamingPrefill(self.c, self.prefill_options, resident_dense=self.decoder.dense, keep_expert=keep)
+        if self._engine is None or self._engine.closed:
+            # (not where the cache keeps decoded experts on a GPU: they would take the device memory the prefill
+            # counted on having, and decoding them would stall its stream; the seed reads them after it)
+            keep = None if self.decoder.decoded else self.decoder.keep_from_prefill
+            self._engine = StreamingPrefill(self.c, self.prefill_options, resident_dense=self.decoder.dense,
+                                            keep_expert=keep, reader=self.reader)
+        return self._engine
 
     def generate(self, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
@@ -298,7 +233,7 @@ class Generator:
         try:
             logits, states, prefill_stats, counts, all_ids, past, bound = self._prefill(
                 token_ids, continue_from, out.max_new_tokens, cancelled)
-        except GenerationCancelled as e:  # the engine's close() gave back its pools and buffers
+        except GenerationCancelled as e:  # the engine's pass gave back what it had read: it serves the next
             return cancelled_in_prefill(e, detokenize)
         prefill_stats = self.prefill_stats(prefill_stats)
         decoder = self.decoder
@@ -414,24 +349,6 @@ def generate(path: str, token_ids, options: GenerateOptions | None = None, conti
     with Generator(path, options.cache_gib, options.prefill) as g:
         return g.generate(token_ids, options, continue_from, detokenize, on_text, kv_out, kv_overwrite=kv_overwrite,
                           kv_dtype=kv_dtype)
-
-
-def default_cache_bytes(container: Container, device: torch.device) -> int:
-    """The expert cache's default budget: all the routed experts, within a quarter of the memory this process may
-    use (available_memory_bytes: cgroup and rlimit included) and within what is left of it beside the resident
-    weights, a token's KV and the headroom (the figures the memory check refuses by, so the default runs wherever
-    --cache-gib 0 runs; clamped at 0). On a GPU, whose cache keeps experts decoded (at most float32: 8x an FP4
-    expert's stored bytes), all of them within half of what the device has free and what is left there beside the
-    resident weights and the headroom."""
-    if device.type != "cpu":
-        decoded = 4 * sum(expert_weight_count(r) for b in container.layers for r in b.experts)
-        free = cuda_free_bytes(device)
-        return max(0, min(decoded, free // 2, free - device_memory_need(container, 0)))
-    routed = sum(r.length for b in container.layers for r in b.experts)
-    free = available_memory_bytes()
-    if not free:
-        return routed
-    return max(0, min(routed, free // 4, free - memory_need(container, 1, 0)))
 
 
 def default_cache_gib(path: str, device: str = "cpu") -> float:

@@ -253,6 +253,14 @@ class HostBuffer:
             self.tensor = whole[start:start + nbytes]
         self.view = memoryview(self.tensor.numpy())
 
+    @classmethod
+    def over(cls, tensor: torch.Tensor) -> "HostBuffer":
+        """A buffer over memory the caller holds (a page-aligned host uint8 tensor), for a reader to fill in place."""
+        buffer = cls.__new__(cls)
+        buffer.nbytes, buffer.tensor, buffer._keep = tensor.numel(), tensor, None
+        buffer.view = memoryview(tensor.numpy())
+        return buffer
+
 
 @dataclass
 class IOStats:
@@ -343,8 +351,10 @@ class RegionReader:
         self.warning = self.warning or message
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def read_into(self, buffer: HostBuffer, offset: int, length: int, part: int = 0) -> memoryview:
-        """Read [offset, offset+length) of part file `part` into the start of `buffer`; returns the filled view."""
+    def read_into(self, buffer: HostBuffer, offset: int, length: int, part: int = 0,
+                  zero_copy: bool | None = None) -> memoryview:
+        """Read [offset, offset+length) of part file `part` into the start of `buffer`; returns the filled view.
+        `zero_copy`: this read's (None: the reader's), for a reader shared by consumers that differ."""
         if length > buffer.nbytes:
             raise ValueError(f"read of {length} bytes into a {buffer.nbytes}-byte buffer")
         self.stats.begin()
@@ -353,7 +363,7 @@ class RegionReader:
             if mapped is not None:
                 if offset < 0 or offset + length > len(mapped):
                     raise MoepackError(f"{self.paths[part]}: unexpected end of file at {len(mapped)} (truncated?)")
-                if self.zero_copy:
+                if self.zero_copy if zero_copy is None else zero_copy:
                     self._populate(part, offset, length)
                     return self._map_views[part][offset:offset + length]
                 # one copy, page cache -> buffer, by a ctypes call: it releases the GIL, so the compute thread's
@@ -431,13 +441,20 @@ class ReadPipeline:
     """
 
     def __init__(self, reader: RegionReader, buffer_bytes: int, depth: int, pinned: bool = False,
-                 buffers: int | None = None):
+                 buffers: int | None = None, zero_copy: bool | None = None):
+        """`zero_copy`: whether its reads may be views of the mapped page cache (None: the reader's choice)."""
         if not 1 <= depth <= MAX_QUEUE_DEPTH:
             raise MoepackError(f"queue depth {depth}: reads in flight must be 1 to {MAX_QUEUE_DEPTH} (each holds a "
                                "buffer and a thread)")
         self.reader = reader
+        self.zero_copy = zero_copy
         self.buffer_bytes = buffer_bytes
         self.buffers = max(depth, buffers or depth)
+        # the buffers handed to the consumer and not released yet, and the reads not yet done: what end_pass
+        # reclaims of a pass that ended before consuming all its reads (cancelled, failed)
+        self._lent: dict[int, HostBuffer] = {}
+        self._lent_lock = threading.Lock()
+        self._unfinished: list[Future] = []
         self._free: queue.Queue[HostBuffer | None] = queue.Queue()
         for _ in range(self.buffers):
             self._free.put(HostBuffer(buffer_bytes, pinned))
@@ -461,9 +478,12 @@ class ReadPipeline:
                 self._free.put(buf)
                 continue
             try:
-                view = self.reader.read_into(buf, offset, length, part)
+                copy = {} if self.zero_copy is None else {"zero_copy": self.zero_copy}  # (else the reader's own)
+                view = self.reader.read_into(buf, offset, length, part, **copy)
                 if after is not None:
                     after(view)  # e.g. checksums: runs here, beside the consumer's compute
+                with self._lent_lock:
+                    self._lent[id(buf)] = buf
                 future.set_result((buf, view))
             except BaseException as e:
                 self._free.put(buf)
@@ -473,11 +493,42 @@ class ReadPipeline:
         """Queue a read of part file `part`; `after(view)` runs on the worker once the bytes are in (its exception
         fails the read)."""
         future: Future = Future()
+        if len(self._unfinished) > 2 * self.buffers:  # (a done read needs nothing more of end_pass than its buffer)
+            self._unfinished = [f for f in self._unfinished if not f.done()]
+        self._unfinished.append(future)
         self._requests.put((future, offset, length, after, part))
         return future
 
     def release(self, buffer: HostBuffer) -> None:
+        """Give a read's buffer back (once: a buffer end_pass reclaimed already is not given back twice)."""
+        with self._lent_lock:
+            if self._lent.pop(id(buffer), None) is None:
+                return
         self._free.put(buffer)
+
+    @property
+    def buffers_lent(self) -> int:
+        """Buffers handed to the consumer and not released yet."""
+        with self._lent_lock:
+            return len(self._lent)
+
+    def end_pass(self, give_back=None) -> int:
+        """A pass over the reads ended, however (its consumer may have left reads unconsumed: cancelled, failed):
+        reads not started are cancelled, those in flight awaited, and every buffer still lent given back, through
+        `give_back(buffer, release)` where given (the device copier: after the copies out of it). The pool is then
+        whole for the next pass. Returns how many buffers came back so."""
+        unfinished, self._unfinished = self._unfinished, []
+        for future in unfinished:
+            if not future.cancel():  # (a cancelled read's worker puts its buffer back itself)
+                future.exception()  # in flight: wait; a failed read gave its buffer back
+        with self._lent_lock:
+            left = list(self._lent.values())
+        for buffer in left:
+            if give_back is not None:
+                give_back(buffer, self.release)
+            else:
+                self.release(buffer)
+        return len(left)
 
     def close(self) -> None:
         """Cancel what has not started, stop the workers (a worker may be waiting for a buffer or a request)."""

@@ -108,6 +108,12 @@ def expert_reads(block: Block, expert_ids: list[int], bundle: int) -> list[tuple
             for first, count in block.split_runs(bundle_runs(expert_ids, bundle))]
 
 
+def prefill_reader(container: Container, io_mode: str, device: torch.device) -> RegionReader:
+    """The container's reader as the prefill reads: one descriptor per part file, O_DIRECT or the page cache by
+    `io_mode` (io.choose_io_mode); on a CPU, page-cache reads used in place (no copy into the pool)."""
+    return RegionReader(container.part_paths, io_mode, zero_copy=device.type == "cpu")
+
+
 def global_regions(container: Container, names) -> list[Region]:
     """The regions of the named tensors and of their scale companions, each once."""
     wanted = [n for name in names for n in (name, *companion_names(name))]
@@ -164,10 +170,12 @@ class ReadScheduler:
 
     def __init__(self, container: Container, shape: MoeShape, *, bundle_experts: int, queue_depth: int, io_mode: str,
                  expert_selection: str, verify_reads: bool, device: torch.device, dist=None,
-                 balanced: bool = False, resident: ResidentBytes | None = None):
+                 balanced: bool = False, resident: ResidentBytes | None = None, reader: RegionReader | None = None):
         """`shape`: the model's layers, experts, top-k and hash layers (families.base.MoeShape). `resident`: the
         container's bytes held in memory (runtime/resident.py, checked as they were loaded): every read is a slice
-        of them, nothing is read from the disk or checked again."""
+        of them, nothing is read from the disk or checked again. `reader`: the container's reader where its owner
+        shares it (a Generator's, with its decoder: one io mode, one set of descriptors; opened with
+        `prefill_reader`), else one of its own."""
         if expert_selection not in EXPERT_SELECTIONS:
             raise MoepackError(f"unknown expert selection {expert_selection!r}")
         if bundle_experts < 1:
@@ -182,8 +190,8 @@ class ReadScheduler:
         # a GPU prefill leaves the reader threads' cores idle: they check as the bytes arrive
         self.checker = RegionChecker(container, verify_reads and resident is None, on_read=device.type == "cuda")
         self.resident = resident
-        # one descriptor per part file; on a CPU, page-cache reads are used in place (no copy into the pool)
-        self.reader = RegionReader(container.part_paths, io_mode, zero_copy=device.type == "cpu")
+        self._owns_reader = reader is None
+        self.reader = reader if reader is not None else prefill_reader(container, io_mode, device)
         self._pinned_globals = pinned
         layers = container.layers
         max_expert = max((r.length for b in layers for r in b.experts), default=4096)
@@ -240,6 +248,14 @@ class ReadScheduler:
         self._queued, self._n_tokens = {}, n_tokens
         self.checker.begin_pass()
         self._ahead = self._queue_from(0, READ_AHEAD_LAYERS + 1)
+
+    def end_pass(self, give_back=None) -> int:
+        """The pass ended, however: whatever it left unconsumed (reads queued ahead, a layer's reads or the next
+        dense region when it stopped between layers or failed) is cancelled or awaited and its buffers go back
+        (`give_back(buffer, release)`: the device copier's), so the same pools serve the next pass. Returns how many
+        buffers came back so."""
+        self._queued = {}
+        return self.experts_pipe.end_pass(give_back) + self.dense_pipe.end_pass(give_back)
 
     def reads_before_router(self, layer: int, token_ids: torch.Tensor, hash_table) -> list | None:
         """The layer's expert reads where they are known before its router runs (queued ahead, or a hash layer's
@@ -351,4 +367,5 @@ class ReadScheduler:
             self._globals_pool.shutdown()  # its read finishes before the reader closes
         self.experts_pipe.close()
         self.dense_pipe.close()
-        self.reader.close()
+        if self._owns_reader:
+            self.reader.close()

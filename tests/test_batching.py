@@ -15,10 +15,11 @@ import torch
 
 from moepack.families.deepseek_v4.kv import kv_bytes
 from moepack.format_spec.errors import MoepackError
-from moepack.runtime import generate as generate_module
+from moepack.runtime import memory as memory_module
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.engine import StreamingPrefill
-from moepack.runtime.generate import GenerateOptions, Generator, memory_need
+from moepack.runtime.generate import GenerateOptions, Generator
+from moepack.runtime.memory import memory_need
 from moepack.serve.app import ServerLimits, make_app
 from moepack.serve.tokenizer import PromptTokenizer
 from containers import tiny_keep_container
@@ -183,7 +184,7 @@ def test_a_sequence_that_does_not_fit_beside_the_others_is_refused_alone(generat
     c = generator.c
     one = memory_need(c, 8 + 30, generator.host_cache_bytes)
     free = one + kv_bytes(c.config, 8 + 30) // 2  # room for one sequence's KV, not two
-    monkeypatch.setattr(generate_module, "memory_for_generation", lambda held=0: free)
+    monkeypatch.setattr(memory_module, "memory_for_generation", lambda held=0: free)
     with Batch(generator, max_batch=2) as batch:
         on_token, decoding = _tokens_seen(2)
         first = batch.submit(first_ids, max_new_tokens=30, on_token=on_token)

@@ -24,7 +24,8 @@ from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
 from moepack.runtime.decode import Decoder
 from moepack.runtime.engine import PrefillOptions, PrefillResult, StreamingPrefill
-from moepack.runtime.generate import GenerateOptions, Generator, container_kv_bytes
+from moepack.runtime.generate import GenerateOptions, Generator
+from moepack.runtime.memory import container_kv_bytes
 from moepack.serve.app import make_app
 from moepack.serve.chat_template import family_chat_template
 from moepack.serve.tokenizer import PromptTokenizer
@@ -204,6 +205,9 @@ class FamilyForwardPrefill:
         return [self.run(ids, past, keep_kv) for ids, past in zip(prompts, pasts or [None] * len(prompts))]
 
     def check_memory(self, n_tokens):
+        pass
+
+    def after_prompt(self):  # (a Generator keeps its engine open between prompts)
         pass
 
     def close(self):

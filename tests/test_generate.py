@@ -328,10 +328,10 @@ def test_a_generation_that_cannot_fit_is_refused_before_any_work(models, monkeyp
     """Resident weights + cache + KV + 1 GiB over the available memory: one line naming what to lower, before the
     prefill reads anything."""
     from moepack.format_spec.errors import MoepackError
-    from moepack.runtime import engine, generate as generate_module
+    from moepack.runtime import engine, memory as memory_module
 
     hf_model, container = models["A"]
-    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: 1 << 30)  # the headroom alone
+    monkeypatch.setattr(memory_module, "available_memory_bytes", lambda: 1 << 30)  # the headroom alone
     monkeypatch.setattr(engine.StreamingPrefill, "run", lambda *a, **k: pytest.fail("the prefill ran"))
     with pytest.raises(MoepackError, match="--cache-gib or --max-new-tokens") as e:
         generate(container, [1, 2, 3], GenerateOptions(max_new_tokens=4, cache_gib=0.5))
@@ -349,23 +349,23 @@ def test_the_default_cache_runs_wherever_no_cache_runs(models, monkeypatch, tmp_
     from click.testing import CliRunner
 
     from moepack.cli.main import cli
-    from moepack.runtime import generate as generate_module
+    from moepack.runtime import memory as memory_module
 
     hf_model, container = models["A"]
     ids = _prompt(12, hf_model.config.vocab_size, seed=4).tolist()
     options = GenerateOptions(max_new_tokens=6, stop_at_eos=False)
     with Container(container) as c:
         routed = sum(r.length for b in c.layers for r in b.experts)
-        no_cache = generate_module.memory_need(c, len(ids) + 6, 0)
+        no_cache = memory_module.memory_need(c, len(ids) + 6, 0)
         free = no_cache + routed // 2
-        one_token = generate_module.memory_need(c, 1, 0)
+        one_token = memory_module.memory_need(c, 1, 0)
         longest, too_long = len(ids) + 6, 1 << 24  # the longest generation no cache runs in `free`
         while longest + 1 < too_long:
             mid = (longest + too_long) // 2
-            longest, too_long = (mid, too_long) if generate_module.memory_need(c, mid, 0) <= free else (longest, mid)
-        room_left = free - generate_module.memory_need(c, longest, 0)
-    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: free)
-    monkeypatch.setattr(generate_module, "memory_limit_bytes", lambda: free)  # a cgroup's limit
+            longest, too_long = (mid, too_long) if memory_module.memory_need(c, mid, 0) <= free else (longest, mid)
+        room_left = free - memory_module.memory_need(c, longest, 0)
+    monkeypatch.setattr(memory_module, "available_memory_bytes", lambda: free)
+    monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: free)  # a cgroup's limit
     with pytest.raises(MoepackError, match="lower --cache-gib"):  # the old default: every expert
         generate(container, ids, replace(options, cache_gib=routed / 2**30))
     expected = generate(container, ids, replace(options, cache_gib=0.0)).generated_ids
@@ -381,15 +381,15 @@ def test_the_default_cache_runs_wherever_no_cache_runs(models, monkeypatch, tmp_
             g._check_memory(too_long)  # where no cache cannot run either, the default is refused as it is
         g._check_memory(1)
         assert g.decoder.cache.budget == free - one_token
-    monkeypatch.setattr(generate_module, "memory_limit_bytes", lambda: None)  # MemAvailable binds
+    monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: None)  # MemAvailable binds
     with Generator(container) as g:
         held = g._held()  # the resident weights, loaded: MemAvailable is that much lower now
         assert held > 0
-        monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: free - held)
+        monkeypatch.setattr(memory_module, "available_memory_bytes", lambda: free - held)
         g._check_memory(len(ids) + 6)
         assert g.decoder.cache.budget == free - no_cache  # not counted twice
-    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: free)
-    monkeypatch.setattr(generate_module, "memory_limit_bytes", lambda: free)
+    monkeypatch.setattr(memory_module, "available_memory_bytes", lambda: free)
+    monkeypatch.setattr(memory_module, "memory_limit_bytes", lambda: free)
     (tmp_path / "ids.json").write_text(json.dumps(ids))
     done = CliRunner().invoke(cli, ["generate", container, "--token-ids", str(tmp_path / "ids.json"),
                                     "--max-new-tokens", "6", "--json"])
@@ -401,12 +401,12 @@ def test_the_default_cache_runs_wherever_no_cache_runs(models, monkeypatch, tmp_
 def test_on_a_gpu_the_cache_is_counted_against_the_device_not_the_host(models, monkeypatch):
     """--device cuda keeps the expert cache on the device: a cache larger than the host's free memory is not
     refused for it, one larger than what the device has free is, in one line, before anything is read."""
-    from moepack.runtime import generate as generate_module
+    from moepack.runtime import generate as generate_module, memory as memory_module
 
     hf_model, container = models["A"]
     monkeypatch.setattr(generate_module, "compute_device", lambda name: torch.device("cuda", 0))
-    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: 2 << 30)  # less than the cache
-    monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: 3 << 30)
+    monkeypatch.setattr(memory_module, "available_memory_bytes", lambda: 2 << 30)  # less than the cache
+    monkeypatch.setattr(memory_module, "cuda_free_bytes", lambda device: 3 << 30)
     monkeypatch.setattr(generate_module, "Decoder", lambda *a, **k: pytest.fail("past the device check"))
     with pytest.raises(MoepackError, match="device memory.*lower --cache-gib") as e:
         Generator(container, cache_gib=2.5, prefill=PrefillOptions(device="cuda"))
@@ -417,19 +417,19 @@ def test_on_a_gpu_the_cache_is_counted_against_the_device_not_the_host(models, m
     with Container(container) as c:
         decoded = 4 * sum(t.numel for b in c.layers for r in b.experts for t in r.tensors
                           if t.name.endswith(".weight"))
-    monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: 64 << 30)
+    monkeypatch.setattr(memory_module, "cuda_free_bytes", lambda device: 64 << 30)
     with Container(container) as c:
-        assert generate_module.default_cache_bytes(c, torch.device("cuda", 0)) == decoded > 0
-        besides = generate_module.device_memory_need(c, 0)  # resident weights + headroom
+        assert memory_module.default_cache_bytes(c, torch.device("cuda", 0)) == decoded > 0
+        besides = memory_module.device_memory_need(c, 0)  # resident weights + headroom
         for free, default in [(2 * besides, decoded), (besides + decoded // 2, decoded // 2), (besides - 1, 0)]:
-            monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: free)
-            assert generate_module.default_cache_bytes(c, torch.device("cuda", 0)) == min(default, free // 2)
+            monkeypatch.setattr(memory_module, "cuda_free_bytes", lambda device: free)
+            assert memory_module.default_cache_bytes(c, torch.device("cuda", 0)) == min(default, free // 2)
 
 
 def test_each_gpu_generation_checks_the_device_for_its_kv_and_the_cache_still_to_fill(models, monkeypatch):
     """Before each generation on a GPU: the KV of prompt + new tokens and the part of the cache's budget not yet
     filled must fit what the device has free (the resident weights, loaded already, are not counted again)."""
-    from moepack.runtime import generate as generate_module
+    from moepack.runtime import memory as memory_module
     from moepack.families.deepseek_v4.kv import kv_bytes
 
     hf_model, container = models["A"]
@@ -437,9 +437,9 @@ def test_each_gpu_generation_checks_the_device_for_its_kv_and_the_cache_still_to
         g.decoder.cache.bytes = g.cache_bytes // 2  # half of the budget filled
         g.device = torch.device("cuda", 0)
         need = kv_bytes(g.c.config, 4000) + (g.cache_bytes - g.cache_bytes // 2) + (1 << 30)
-        monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: need)
+        monkeypatch.setattr(memory_module, "cuda_free_bytes", lambda device: need)
         g._check_memory(4000)  # fits exactly
-        monkeypatch.setattr(generate_module, "cuda_free_bytes", lambda device: need - 1)
+        monkeypatch.setattr(memory_module, "cuda_free_bytes", lambda device: need - 1)
         with pytest.raises(MoepackError, match="KV .*lower --cache-gib or --max-new-tokens"):
             g._check_memory(4000)
         g.decoder.cache.bytes = 0

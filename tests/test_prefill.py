@@ -22,7 +22,7 @@ from moepack.families.deepseek_v4 import model as v4_model  # noqa: E402
 from moepack.format_spec.errors import FormatError, MoepackError  # noqa: E402
 from moepack.format_spec.reader import Container  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
-from moepack.runtime import engine, expert_runner, read_scheduler  # noqa: E402
+from moepack.runtime import engine, expert_runner, memory as memory_module, read_scheduler  # noqa: E402
 from moepack.runtime.read_scheduler import bundle_runs  # noqa: E402
 from moepack.runtime.engine import PrefillOptions, prefill  # noqa: E402
 from moepack.runtime.io import HUGE_PAGE, HostBuffer  # noqa: E402
@@ -337,10 +337,10 @@ def test_running_out_of_memory_in_the_middle_is_one_line(models, tmp_path, monke
 
 
 def test_prompt_too_long_for_memory_is_refused_before_any_read(models, monkeypatch):
-    from moepack.runtime import engine as eng
+    from moepack.runtime import memory as memory_module
 
     _, container = models["A"]
-    monkeypatch.setattr(eng, "available_memory_bytes", lambda: 64 << 20)  # a 64 MiB machine
+    monkeypatch.setattr(memory_module, "available_memory_bytes", lambda: 64 << 20)  # a 64 MiB machine
     before = _proc_read_bytes()
     with pytest.raises(MoepackError, match=r"needs about .* GiB .* available host memory"):
         prefill(container, _prompt(200_000, 97, 0), PrefillOptions())
@@ -1089,9 +1089,9 @@ def test_the_memory_check_counts_the_fp8_decoders_scratch(release_storage, monke
     and only where those ops decode."""
     container, _ = release_storage["keep"]
     seen = []
-    real = engine.estimate_working_set
-    monkeypatch.setattr(engine, "estimate_working_set", lambda *a, **k: seen.append(k) or real(*a, **k))
-    monkeypatch.setattr(engine, "fp8_decoder_compiled", lambda: compiled)
+    real = memory_module.estimate_working_set
+    monkeypatch.setattr(memory_module, "estimate_working_set", lambda *a, **k: seen.append(k) or real(*a, **k))
+    monkeypatch.setattr(memory_module, "fp8_decoder_compiled", lambda: compiled)
     with Container(container) as c:
         largest = max(t.numel for t in c.tensors.values() if t.dtype == "F8_E4M3" and t.name.startswith("layers."))
     prefill(container, _prompt(5, 97, 1), PrefillOptions())
@@ -1277,7 +1277,7 @@ def test_free_device_memory_is_the_devices_within_the_process_cap(monkeypatch, f
         monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
     else:
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", strict(fraction))
-    free = engine.cuda_free_bytes(torch.device("cuda", 0))
+    free = memory_module.cuda_free_bytes(torch.device("cuda", 0))
     # no cap: 60 free + 10 cached - 4 in use; a cap of 40 GiB: 40 - 10 reserved = 30 more, + 10 - 4
     assert free == (66 * gib if fraction is None else 36 * gib)
     assert calls and set(calls) == {0}

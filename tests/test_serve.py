@@ -263,9 +263,9 @@ def test_a_prompt_longer_than_the_context_is_refused(a_server):
 def test_a_prompt_longer_than_memory_allows_is_refused(tiny_server, monkeypatch):
     """The generation's memory check (resident weights + cache + KV + 1 GiB) fails: a 400 naming it, before any
     prefill, and the next request works."""
-    from moepack.runtime import generate as generate_module
+    from moepack.runtime import memory as memory_module
 
-    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(memory_module, "available_memory_bytes", lambda: 1 << 30)
     r = _post(tiny_server, "completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 400, r.text
     assert "memory" in r.json()["error"]["message"] and "\n" not in r.json()["error"]["message"]

@@ -213,9 +213,9 @@ def test_a_streamed_request_with_a_bad_value_gets_its_4xx_before_any_200(server,
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=TIMEOUT,
                       json={**GOOD, "stream": True, "temperature": -1}) as r:
         assert r.status_code == 400 and json.loads(r.read())["error"]["param"] == "temperature"
-    from moepack.runtime import generate as generate_module
+    from moepack.runtime import memory as memory_module
 
-    monkeypatch.setattr(generate_module, "available_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(memory_module, "available_memory_bytes", lambda: 1 << 30)
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=TIMEOUT,
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                             "stream": True}) as r:
