@@ -108,7 +108,6 @@ class TokenKernels:
         # parallel_fn); valid while the library is loaded, i.e. for the process (it is never unloaded)
         self.shared_entries = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p)
                                     for name in ("token_matmul_dot", "token_matmul_parallel"))
-        self._lib = lib
 
     def set_vector(self, on: bool) -> None:
         """The AVX-512 loop (where built) or the plain one, for the whole process (the self-check runs both)."""

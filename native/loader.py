@@ -1,14 +1,14 @@
 """The one loader of moepack's compiled CPU kernels: C files in this folder (and a model family's own, in its package:
 read_source takes their path), built once per machine into a cache.
 
-Each library is one .c file plus the headers of this folder it includes with ``#include "..."``. The first process that asks
-for it compiles it with the system C compiler into the cache directory (``$MOEPACK_CACHE_DIR/native``, default
-``$XDG_CACHE_HOME/moepack/native``, i.e. ``~/.cache/moepack/native``), under a name holding a hash of everything
-the build depends on: the source and every header it includes, the compiler (path and ``--version``), the flags, and
-the CPU (``-march=native`` targets it). Later processes find the file and load it without compiling. A library is
-written to a unique temporary file in that directory and renamed into place (``os.replace``), so processes building
-at once never see a partial one and leave one file. Where the cache can't be written (a read-only home), a process
-builds into a temporary directory of its own, as before the cache; nothing fails because of the cache.
+Each library is one .c file plus the headers of this folder it includes with ``#include "..."``. The first process that
+asks for it compiles it with the system C compiler into the cache directory (``$MOEPACK_CACHE_DIR/native``, default
+``$XDG_CACHE_HOME/moepack/native``, i.e. ``~/.cache/moepack/native``), under a name holding a hash of everything the
+build depends on: the source and every header it includes, the compiler (path and ``--version``), the flags, and the CPU
+(``-march=native`` targets it). Later processes find the file and load it without compiling. A library is written to a
+unique temporary file in that directory and renamed into place (``os.replace``), so processes building at once never see
+a partial one and leave one file. Where the cache can't be written (a read-only home), a process builds into a temporary
+directory of its own, as before the cache; nothing fails because of the cache.
 
 ``MOEPACK_NATIVE=0`` never compiles nor loads anything; neither does a machine without a C compiler: callers then run
 their torch kernels, which give the same results (each caller checks its library against them when it loads).

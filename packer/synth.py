@@ -215,8 +215,8 @@ def _family_synth(family: str, tokenizer, random_expert_codes: bool):
     synth = families.family_synth(family)
     if (tokenizer is not None and not synth.TAKES_TOKENIZER
             or random_expert_codes and not synth.RANDOM_EXPERT_CODES):
-        takers = [name for name, other in ((name, families.family_synth(name)) for name in names)
-                  if other.TAKES_TOKENIZER and other.RANDOM_EXPERT_CODES]
+        takers = [name for name in names
+                  if (other := families.family_synth(name)).TAKES_TOKENIZER and other.RANDOM_EXPERT_CODES]
         raise MoepackError(f"--tokenizer and random expert codes are for {', '.join(takers)} only, not {family} (it "
                            "writes its own byte-level tokenizer)")
     return synth

@@ -44,6 +44,9 @@ def load_transformers_cache(kv: KVCache, model, device=None, dtype=None):
     device = device if device is not None else (param.device if param is not None else torch.device("cpu"))
     dtype = dtype if dtype is not None else (param.dtype if param is not None else torch.float32)
 
+    def moved(t: torch.Tensor) -> torch.Tensor:  # on the model's device and dtype, with a batch dimension of 1
+        return t.to(device=device, dtype=dtype)[None]
+
     cache = DynamicCache(config=model.config)
     if len(cache.layers) != len(kv.layers):
         raise FormatError(f"{kv.path}: {len(kv.layers)} layers in the KV, the model's cache has {len(cache.layers)}")
@@ -54,19 +57,19 @@ def load_transformers_cache(kv: KVCache, model, device=None, dtype=None):
         if kind != state.layer_type or not isinstance(layer, DynamicSlidingWindowLayer):
             raise FormatError(f"{kv.path}: layer {number} is {state.layer_type} in the KV, the model's cache layer "
                               f"is {type(layer).__name__}")
-        window = state.window_kv.to(device=device, dtype=dtype)[None, None]  # [batch 1, 1 KV head, W, head_dim]
+        window = moved(state.window_kv)[None]  # [batch 1, 1 KV head, W, head_dim]
         layer.lazy_initialization(window, window)
         layer.keys = window
         layer.values = window  # shared K=V, as DeepseekV4HCACache.update keeps it
         layer.cumulative_length = state.seen_tokens
         for name in COMPRESSORS[state.layer_type]:
             part = getattr(state, name)
-            layer.compressed_kv[name] = part.compressed_kv.to(device=device, dtype=dtype)[None]
-            layer.buffer_kv[name] = part.buffer_kv.to(device=device, dtype=dtype)[None]
-            layer.buffer_gate[name] = part.buffer_gate.to(device=device, dtype=dtype)[None]
+            layer.compressed_kv[name] = moved(part.compressed_kv)
+            layer.buffer_kv[name] = moved(part.buffer_kv)
+            layer.buffer_gate[name] = moved(part.buffer_gate)
             layer.entry_count[name] = part.entry_count
             if state.layer_type == CSA:
                 overlap = part.overlap_kv is not None
-                layer.overlap_kv[name] = part.overlap_kv.to(device=device, dtype=dtype)[None] if overlap else None
-                layer.overlap_gate[name] = part.overlap_gate.to(device=device, dtype=dtype)[None] if overlap else None
+                layer.overlap_kv[name] = moved(part.overlap_kv) if overlap else None
+                layer.overlap_gate[name] = moved(part.overlap_gate) if overlap else None
     return cache
