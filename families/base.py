@@ -75,6 +75,9 @@ class TensorSpec:
         return math.prod(self.shape)
 
 
+GGUF_QUANT_VERSION = 2  # general.quantization_version of ggml's current block layouts
+
+
 @dataclass(frozen=True)
 class GGUFModel:
     """What a family's model is in llama.cpp: its GGUF architecture, the hyperparameter keys (key, kind, value;

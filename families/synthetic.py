@@ -49,6 +49,15 @@ class SynthCheckpoint:
     tokenizer_files: dict[str, dict | bytes]
 
 
+def layout_config(config: dict, layout: str, release_quantization_config: dict) -> dict:
+    """`config` (edited in place, returned) as `layout` stores its model: the release layout's quantization_config
+    (a copy of `release_quantization_config`), then the dtype of its floats."""
+    if layout == "release":
+        config["quantization_config"] = dict(release_quantization_config)
+    config["dtype"] = "float32" if layout == "f32" else "bfloat16"
+    return config
+
+
 def tensor_generator(seed: int, name: str) -> torch.Generator:
     """One generator per tensor: a tensor's values depend on (seed, name) only, not on layout, shard or order."""
     digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from moepack.families import container_family
+from moepack.families.base import GGUF_QUANT_VERSION
 from moepack.format_spec import untrusted
 from moepack.format_spec.decode import decode_float, decode_tensor, scale_name, tensor_scale_name
 from moepack.format_spec.decode import tensor_scale_value
@@ -53,8 +54,6 @@ from .export import EXPORT_TEMPORARIES
 from .gguf_source import gguf_py
 from .progress import progress_bar
 from .sharding import greedy_shards
-
-QUANT_VERSION = 2  # general.quantization_version of ggml's current block layouts
 
 _BLOCK_TYPES = ("Q8_0", "MXFP4", "Q2_K", "IQ2_XXS")  # stored in ggml's own block layout: copied as they are
 _FLOAT_TYPES = ("F32", "BF16", "F16")
@@ -172,7 +171,7 @@ def family_export(gguf, c: Container) -> tuple[str, list[_Job], list[tuple], str
         experts = next((j.qtype for j in jobs if len(j.shape) == 3), "F32")
         file_type = int(gguf.LlamaFileType[_FILE_TYPE.get(experts, "MOSTLY_Q8_0")])
         keys += [("general.file_type", "uint32", file_type),
-                 ("general.quantization_version", "uint32", QUANT_VERSION)]
+                 ("general.quantization_version", "uint32", GGUF_QUANT_VERSION)]
     vocab_size = family.shape(family.parse_config(c.config)).vocab_size
     return model.architecture, jobs, keys, model.tokenizer_pre, vocab_size, model.chat_template
 

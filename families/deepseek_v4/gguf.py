@@ -22,7 +22,7 @@ from typing import Any
 
 from moepack.format_spec.errors import MoepackError
 
-from ..base import GGUFModel, GGUFTensor
+from ..base import GGUF_QUANT_VERSION, GGUFModel, GGUFTensor
 from . import names as v4names
 from .config import DEFAULTS, ModelConfig
 
@@ -39,7 +39,6 @@ _SPLITS = (
 )
 PRE_TOKENIZERS = {"deepseek-v3": _SPLITS, TOKENIZER_PRE: _SPLITS}
 FILE_TYPE_MXFP4_MOE = 38  # LlamaFileType.MOSTLY_MXFP4_MOE, what the converter sets for DeepSeek-V4
-QUANT_VERSION = 2
 GATING_FUNC = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}  # ExpertGatingFuncType
 SCORING = {v: k for k, v in GATING_FUNC.items()}
 
@@ -166,7 +165,7 @@ def metadata(config: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, str
         (f"{a}.hyper_connection.epsilon", "float32", float(cfg.hc_eps)),
         (f"{a}.hash_layer_count", "uint32", n_hash),
         (f"{a}.embedding_length_out", "uint32", cfg.hidden_size * cfg.hc_mult),
-        ("general.quantization_version", "uint32", QUANT_VERSION),
+        ("general.quantization_version", "uint32", GGUF_QUANT_VERSION),
     ]
     return kv
 

@@ -24,11 +24,13 @@ import torch
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.source_formats import FP8_BLOCK, fp4_quantize, fp8_block_quantize
 
-from ..synthetic import SynthCheckpoint, byte_level_tokenizer, read_tokenizer, tensor_generator
+from ..synthetic import SynthCheckpoint, byte_level_tokenizer, layout_config, read_tokenizer, tensor_generator
+from . import tensors as _tensors
 from .config import CSA, HCA, SLIDING, ModelConfig
-from .tensors import LAYOUTS, ROLE_DENSE_LINEAR, ROLE_EXPERT, TensorSpec, stored_tensors, v4_tensor_specs
+from .tensors import ROLE_DENSE_LINEAR, ROLE_EXPERT, TensorSpec, stored_tensors, v4_tensor_specs
 
 PRESETS = ("tiny", "small", "medium")
+LAYOUTS = _tensors.LAYOUTS  # the layouts stored_tensors stores
 TAKES_TOKENIZER = True  # `synth --tokenizer`: the release's tokenizer, say
 RANDOM_EXPERT_CODES = True
 
@@ -288,9 +290,7 @@ def checkpoint(preset: str, layout: str, seed: int, config_overrides: dict | Non
     own_tokenizer = read_tokenizer(tokenizer) if tokenizer is not None else None
     if own_tokenizer is not None:
         _fit_config_to_tokenizer(config, own_tokenizer, "vocab_size" in (config_overrides or {}))
-    if layout == "release":
-        config["quantization_config"] = dict(RELEASE_QUANTIZATION_CONFIG)
-    config["dtype"] = "float32" if layout == "f32" else "bfloat16"
+    layout_config(config, layout, RELEASE_QUANTIZATION_CONFIG)
     specs = v4_tensor_specs(config)
     if own_tokenizer is None and TOKENIZER_VOCAB_SIZE > ModelConfig.from_hf(config).vocab_size:
         raise AssertionError("preset vocab smaller than the tokenizer's")

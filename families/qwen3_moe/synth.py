@@ -18,7 +18,7 @@ from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.source_formats import FP8_BLOCK, fp8_block_quantize
 
 from ..base import ROLE_EMBED, ROLE_NORM, TensorSpec
-from ..synthetic import SynthCheckpoint, byte_level_tokenizer, tensor_generator
+from ..synthetic import SynthCheckpoint, byte_level_tokenizer, layout_config, tensor_generator
 from .config import Qwen3MoeConfig
 from .tensors import release_tensors, tensor_specs
 
@@ -95,10 +95,7 @@ def checkpoint(preset: str, layout: str, seed: int, config_overrides: dict | Non
                tokenizer: str | os.PathLike | None = None, random_expert_codes: bool = False) -> SynthCheckpoint:
     """A preset's checkpoint in `layout` (`config_overrides` replace preset fields); `tokenizer` and
     `random_expert_codes` are not taken (TAKES_TOKENIZER, RANDOM_EXPERT_CODES: the writer refuses them first)."""
-    config = {**preset_config(preset), **(config_overrides or {})}
-    if layout == "release":
-        config["quantization_config"] = dict(RELEASE_QUANTIZATION_CONFIG)
-    config["dtype"] = "float32" if layout == "f32" else "bfloat16"
+    config = layout_config({**preset_config(preset), **(config_overrides or {})}, layout, RELEASE_QUANTIZATION_CONFIG)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "add_bos_token": False, "add_eos_token": False,
