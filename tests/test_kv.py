@@ -213,7 +213,7 @@ def test_token_attention_equals_the_prefill(models, monkeypatch, name, a, b, com
     """One decoded token at a time over a TokenKV (families/deepseek_v4/token_layer.py's compiled calls, or model.py's
     torch path) gives the logits of a single prefill of the whole sequence at every step, and ends in its KV."""
     if not compiled:
-        monkeypatch.setattr(M.token_kernels, "token_kernels", lambda: None)
+        monkeypatch.setattr(token_kernels, "token_kernels", lambda: None)
     _, cfg, weights = models(name)
     ids = _prompt(a + b, cfg.vocab_size, seed=3)
     whole, whole_states = M.forward_resident(cfg, weights, ids, query_chunk=16, return_kv_state=True)
@@ -234,7 +234,7 @@ def test_token_attention_equals_the_prefill(models, monkeypatch, name, a, b, com
 def test_a_decoded_layer_whose_output_is_not_finite_is_named(models, monkeypatch, compiled):
     """A KV continued with an infinity in layer 1's window: the decoded token stops at layer 1, in one line."""
     if not compiled:
-        monkeypatch.setattr(M.token_kernels, "token_kernels", lambda: None)
+        monkeypatch.setattr(token_kernels, "token_kernels", lambda: None)
     _, cfg, weights = models("A")
     ids = _prompt(6, cfg.vocab_size, seed=5)
     _, states = M.forward_resident(cfg, weights, ids[:5], return_kv_state=True)

@@ -207,3 +207,15 @@ def test_a_family_imports_no_other_family():
     crossing = sorted(f"{m} -> {t}" for m, targets in graph().items() for t in targets
                       if family_of(m) and family_of(t) and family_of(m) != family_of(t))
     assert not crossing, "a family importing another:\n" + "\n".join(crossing)
+
+
+def test_the_model_calls_operations_not_the_token_kernels():
+    """DeepSeek-V4's model and decode call backends/ops.py's operations (which choose the compiled CPU kernel or
+    torch), never backends/token_kernels.py itself (issue 39); its compiled token path (token_layer,
+    indexer_native) is the kernels' own user. No backend module imports a family."""
+    modules = graph()
+    for module in ("moepack.families.deepseek_v4.model", "moepack.families.deepseek_v4.decode"):
+        assert "moepack.backends.ops" in modules[module], module
+        assert "moepack.backends.token_kernels" not in modules[module], f"{module} calls token_kernels directly"
+    assert not [t for m, targets in modules.items() if m.startswith("moepack.backends.") for t in targets
+                if t.startswith("moepack.families")]

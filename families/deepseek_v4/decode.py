@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from moepack.backends import token_kernels
+from moepack.backends import ops
 
 from ..base import Routing
 from . import model
@@ -70,7 +70,8 @@ class DeepseekV4Decode(model.DeepseekV4Prefill):
         weight = w_globals[cfg.head_weight]
         x = torch.cat([model.head_input(cfg, rows_output[row:row + 1], w_globals, -1)
                        for row in range(rows_output.shape[0])])
-        if x.dtype != torch.float32 or model._token_kernels(1, x, weight) is None:  # as model.head would
+        logits = ops.widened_rows(x, weight)
+        if logits is None:  # as model.head would
             return torch.stack([model.head(cfg, rows_output[row:row + 1], w_globals, -1).float().cpu()
                                 for row in range(rows_output.shape[0])])
-        return kernels.linear(x, token_kernels.float_matrix(weight), False)
+        return logits

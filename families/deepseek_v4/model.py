@@ -43,7 +43,6 @@ depend on the chunk size.
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -51,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moepack.backends import token_kernels
+from moepack.backends.ops import (clamped_swiglu, grouped_projection, linear, linears, low_matmul, matmul,
+                                  swiglu_ffn, widened_matmul)
 from moepack.families.base import MoeShape, PrefillNames
 from moepack.families.base import Routing as FamilyRouting
 from moepack.families.base import check_finite
@@ -77,87 +77,6 @@ def is_low_precision_matrix(name: str, ndim: int) -> bool:
     """Whether the low-precision path stores layer tensor `name` (relative to the layer, `ndim` dimensions) in
     bfloat16."""
     return name.startswith(LOW_PRECISION_PREFIXES) and name.endswith(".weight") and ndim == 2
-
-
-def _token_kernels(rows: int, x: Tensor, w: Tensor):
-    """The compiled token matmul (backends/token_kernels.py) where x is a few `rows` (a decoded token), both are on a
-    CPU and w is a contiguous float32 / bfloat16 matrix; else None. torch's one-row GEMV reads bf16 weights at half
-    the memory's pace; the kernel does the same products and float32 sums, added in another order."""
-    if rows <= token_kernels.SMALL_ROWS and x.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) \
-            and w.dim() == 2 and w.is_contiguous():
-        return token_kernels.token_kernels()
-    return None
-
-
-def _rows(x: Tensor) -> int:
-    return x.numel() // max(x.shape[-1], 1)
-
-
-def matmul(x: Tensor, w: Tensor) -> Tensor:
-    """F.linear(x, w) (same dtypes), through the token matmul for a few rows of x on a CPU."""
-    kernels = _token_kernels(_rows(x), x, w) if x.dtype == w.dtype else None
-    if kernels is None:
-        return F.linear(x, w)
-    y = kernels.linear(x.reshape(-1, x.shape[-1]), token_kernels.float_matrix(w), w.dtype == torch.bfloat16)
-    return y.to(w.dtype).reshape(*x.shape[:-1], w.shape[0])
-
-
-def widened_matmul(x: Tensor, w: Tensor) -> Tensor:
-    """float32 x @ w.T for a bfloat16 / float16 w, its values widened to float32 exactly: the products and sums of a
-    float32 copy of w (nothing rounded), reading half the bytes where the token matmul takes x (decode's head,
-    kept as stored)."""
-    kernels = _token_kernels(_rows(x), x, w) if w.dtype == torch.bfloat16 else None
-    if kernels is None:
-        return F.linear(x, w.float())
-    y = kernels.linear(x.reshape(-1, x.shape[-1]), token_kernels.float_matrix(w), False)
-    return y.reshape(*x.shape[:-1], w.shape[0])
-
-
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """x @ w.T computed in w's dtype, the result in x's: a bfloat16 weight takes its input rounded to bfloat16
-    (products summed in float32, the result rounded to bfloat16); float32 weights give exactly F.linear."""
-    if x.dtype == w.dtype:
-        return matmul(x, w)
-    kernels = _token_kernels(_rows(x), x, w) if x.dtype == torch.float32 and w.dtype == torch.bfloat16 else None
-    if kernels is not None:  # the same roundings inside the kernel: no conversions on either side of it
-        y = kernels.linear(x.reshape(-1, x.shape[-1]), token_kernels.float_matrix(w), True, round_output=True)
-        return y.reshape(*x.shape[:-1], w.shape[0])
-    return matmul(x.to(w.dtype), w).to(x.dtype)
-
-
-# the weights' ids -> (weak references to them, their LinearPlan or None): a plan serves only the very tensors it
-# was made for (an id of a freed tensor may come back), and does not keep them alive
-_LINEAR_PLANS: dict[tuple[int, ...], tuple] = {}
-_MAX_LINEAR_PLANS = 4096
-
-
-def _linear_plan(weights: list[Tensor]):
-    """The weights as one token_kernels.LinearPlan (made once per list of weights), or None where the kernel does
-    not take one of them (not a contiguous 2-D CPU float32 / bfloat16 tensor, another column count)."""
-    key = tuple(map(id, weights))
-    known = _LINEAR_PLANS.get(key)
-    if known is not None and all(ref() is w for ref, w in zip(known[0], weights)):
-        return known[1]
-    usable = all(w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 and w.is_contiguous()
-                 and w.device.type == "cpu" and w.shape[1] == weights[0].shape[1] for w in weights)
-    rounded = token_kernels.ROUND_INPUT | token_kernels.ROUND_OUTPUT
-    plan = token_kernels.LinearPlan([token_kernels.float_matrix(w) for w in weights],
-                                    [rounded if w.dtype == torch.bfloat16 else 0 for w in weights]) if usable else None
-    if len(_LINEAR_PLANS) >= _MAX_LINEAR_PLANS:
-        _LINEAR_PLANS.clear()
-    _LINEAR_PLANS[key] = (tuple(weakref.ref(w) for w in weights), plan)
-    return plan
-
-
-def linears(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
-    """[linear(x, w) for w in weights]: for one float32 row on a CPU (a decoded token), one compiled call for all
-    of them where the token kernel takes every w (the same roundings as `linear`'s)."""
-    kernels = _token_kernels(1, x, weights[0]) if x.dtype == torch.float32 and _rows(x) == 1 else None
-    plan = _linear_plan(weights) if kernels is not None else None
-    if plan is not None:
-        outs = kernels.linear_many(x, plan)
-        return outs if x.dim() == 2 else [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
-    return [linear(x, w) for w in weights]
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -489,17 +408,6 @@ def _bias(visible: Tensor) -> Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def low_matmul(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
-    """a @ b with both in `dtype` (bfloat16: products in bf16, float32 sums, the result rounded to bf16). For a few
-    queries (a's first dimension) on a CPU the bf16 product runs in float32 and is rounded after: the same products
-    (bf16 x bf16 is exact in float32), while oneDNN builds a kernel for each new bf16 shape (~0.7 ms) and decode's
-    key count grows by one every token."""
-    a, b = a.to(dtype), b.to(dtype)
-    if dtype == torch.bfloat16 and a.device.type == "cpu" and a.shape[0] <= token_kernels.SMALL_ROWS:
-        return torch.matmul(a.float(), b.float()).to(dtype)
-    return torch.matmul(a, b)
-
-
 def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: float,
             dtype: torch.dtype = torch.float32) -> Tensor:
     """Softmax attention of q [C, heads, D] over several key sets, each (kv, bias [C, K]) with kv either shared by
@@ -563,22 +471,7 @@ def indexer_scores(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora:
 def grouped_output(cfg: ModelConfig, o: Tensor, wo_a: Tensor, wo_b: Tensor) -> Tensor:
     """o [C, heads, D] -> [C, H]. Heads split into o_groups groups; each group is projected on its own to
     o_lora_rank (wo_a holds the groups' matrices stacked), then wo_b mixes all groups to the hidden size."""
-    groups = cfg.o_groups
-    kernels = _token_kernels(o.shape[0], o, wo_a)
-    if kernels is not None and o.shape[0] == 1 and o.dtype == torch.float32 and wo_a.dtype == wo_b.dtype:
-        # one token: the roundings to the weights' dtype inside the kernels, no conversions between them
-        low = wo_a.dtype == torch.bfloat16
-        low_rank = kernels.grouped(o.reshape(groups, -1), token_kernels.float_matrix(wo_a), low, round_output=low)
-        return linear(low_rank.reshape(1, -1), wo_b)
-    if kernels is not None:  # a decoded token's groups in one compiled call
-        low_rank = torch.stack([kernels.grouped(row.reshape(groups, -1), token_kernels.float_matrix(wo_a),
-                                                wo_a.dtype == torch.bfloat16).to(wo_a.dtype) for row in o])
-        return matmul(low_rank.flatten(1).to(wo_b.dtype), wo_b).to(o.dtype)
-    grouped = o.reshape(o.shape[0], groups, -1).transpose(0, 1)  # [G, C, heads*D/G]
-    per_group = wo_a.view(groups, cfg.o_lora_rank, -1)  # [G, R, heads*D/G]
-    # low_rank [C, G, R] goes straight into wo_b's dtype (the values a float32 round trip would give)
-    low_rank = torch.bmm(grouped.to(per_group.dtype), per_group.transpose(1, 2)).transpose(0, 1)
-    return matmul(low_rank.flatten(1).to(wo_b.dtype), wo_b).to(o.dtype)
+    return grouped_projection(o, wo_a, wo_b, cfg.o_groups, cfg.o_lora_rank)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -818,28 +711,13 @@ def expert_forward(cfg: ModelConfig, x: Tensor, w1: Tensor, w3: Tensor, w2: Tens
     """Clamped SwiGLU: x [n, H], w1 (gate) / w3 (up) [I, H], w2 (down) [H, I] -> [n, H]. The gate is clamped from
     above, the up projection on both sides, at swiglu_limit. `hidden_order`: w2's columns are stored permuted
     (w2[:, hidden_order]), so the hidden activation is permuted the same way."""
-    matrices = (w1, w3, w2)
-    kernels = _token_kernels(_rows(x), x, w1) if _rows(x) == 1 and x.dtype == torch.float32 else None
-    if kernels is not None and hidden_order is None and all(w.dtype == w1.dtype and w.is_contiguous()
-                                                            for w in matrices):
-        # one token: the three linears and the SwiGLU between them in one compiled call, rounded as they round
-        low = w1.dtype == torch.bfloat16
-        out = kernels.moe(x.reshape(-1), [tuple(token_kernels.float_matrix(w) for w in matrices)],
-                          torch.ones(1), cfg.swiglu_limit, low, round_output=low)
-        return out.reshape(x.shape)
-    hidden = clamped_swiglu(*linears(x, [w1, w3]), cfg.swiglu_limit)
-    return linear(hidden if hidden_order is None else hidden[:, hidden_order], w2)
+    return swiglu_ffn(x, w1, w3, w2, cfg.swiglu_limit, hidden_order)
 
 
 def expert_arithmetic(cfg: ModelConfig) -> dict:
     """runtime/expert_decode.py ExpertWeights.apply's arithmetic for this config: {"forward": expert_forward on
     decoded matrices, "limit": the clamp of the fused FP4 kernel's SwiGLU}."""
     return {"forward": functools.partial(expert_forward, cfg), "limit": cfg.swiglu_limit}
-
-
-def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
-    """silu(gate) * up, the gate clamped from above and the up projection on both sides at `limit`."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def accumulate(acc: Tensor, routing: Routing, expert_id: int, y: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from moepack.backends import token_kernels
+from moepack.backends import ops, token_kernels
 from moepack.backends.token_kernels import ROUND_INPUT, ROUND_OUTPUT, Matrix
 from moepack.families.base import check_finite
 from moepack.families.deepseek_v4 import indexer_native, mhc_native
@@ -63,9 +63,9 @@ class _Layer:
         low = w["attn.wq_b.weight"].dtype == torch.bfloat16
         self.low, self.rope = low, cfg.main_rope if self.kind == SLIDING else cfg.compress_rope
         names = model._projection_names(self.kind)
-        self.projections = model._linear_plan([w[n] for n in names])
-        self.queries = model._linear_plan([w["attn.wq_b.weight"]])
-        self.indexed_queries = model._linear_plan([w["attn.wq_b.weight"], w["attn.indexer.wq_b.weight"]]) \
+        self.projections = ops.linear_plan([w[n] for n in names])
+        self.queries = ops.linear_plan([w["attn.wq_b.weight"]])
+        self.indexed_queries = ops.linear_plan([w["attn.wq_b.weight"], w["attn.indexer.wq_b.weight"]]) \
             if self.kind == CSA else None
         self.keep = list(w.values())  # every tensor a pointer below points into (not only through `w`)
         self.wo_a, self.wo_b = (token_kernels.float_matrix(w[f"attn.wo_{m}.weight"]) for m in "ab")
@@ -137,13 +137,13 @@ def _usable(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor]) -> bool:
         return False
     queries = [w["attn.wq_b.weight"]] + ([w["attn.indexer.wq_b.weight"]] if kind == CSA else [])
     plans = [[w[n] for n in model._projection_names(kind)], queries[:1]] + ([queries] if kind == CSA else [])
-    if any(model._linear_plan(matrices) is None for matrices in plans):
+    if any(ops.linear_plan(matrices) is None for matrices in plans):
         return False
     wo = [w["attn.wo_a.weight"], w["attn.wo_b.weight"]]
     shared = [w.get(f"ffn.shared_experts.{m}.weight") for m in ("w1", "w3", "w2")]
     gate, bias = w.get("ffn.gate.weight"), w.get("ffn.gate.bias")
     floats = wo + shared + [gate]
-    if any(m is None or model._token_kernels(1, m, m) is None for m in floats):
+    if any(m is None or ops.kernels_for(1, m, m) is None for m in floats):
         return False
     if not all(mhc_native.token_weights_fit(w[f"hc_{sub}_fn"], w[f"hc_{sub}_scale"], w[f"hc_{sub}_base"],
                                             w.get(f"{sub}_norm.weight"), cfg.hc_mult) for sub in ("attn", "ffn")):
