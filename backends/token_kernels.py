@@ -83,25 +83,27 @@ class Matrix(ctypes.Structure):
 class TokenKernels:
     def __init__(self, lib):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._linear = c_function(lib, "token_linear", (p, i64, i64, p, p, i64, ctypes.c_int, ctypes.c_int))
-        self._many = c_function(lib, "token_linear_many", (p, i64, p, ctypes.c_int, p, p, p, ctypes.c_int))
-        self._grouped = c_function(lib, "token_linear_grouped", (p, i64, i64, p, p, ctypes.c_int, ctypes.c_int))
-        self._many_rows = c_function(lib, "token_linear_many_rows", (p, i64, i64, i64, p, ctypes.c_int, p, i64, p, p,
-                                                                     ctypes.c_int))
-        self._grouped_rows = c_function(lib, "token_linear_grouped_rows", (p, i64, i64, i64, p, p, i64, ctypes.c_int,
-                                                                           ctypes.c_int))
-        self._moe = c_function(lib, "moe_token", (p, i64, i64, p, p, p, p, ctypes.c_float, p, p, ctypes.c_int))
-        self._moe_rows = c_function(lib, "moe_rows", (p, i64, i64, i64, p, p, p, p, p, p, p, ctypes.c_float, p,
-                                                      ctypes.c_int))
-        self._route_rows = c_function(lib, "route_rows", (p, i64, p, p, ctypes.c_int, i64, p, ctypes.c_float, p, p, p,
-                                                          ctypes.c_int))
-        self._route = c_function(lib, "route_token", (p, p, p, ctypes.c_int, i64, p, ctypes.c_float, p, p,
-                                                      ctypes.c_int))
-        self._attend = c_function(lib, "attend_token", (p, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int, p,
+        # c_*: the C entry points as they are, for a compiled caller that lays out its own arguments (DeepSeek-V4's
+        # one-token path); the methods below check and wrap them
+        self.c_linear = c_function(lib, "token_linear", (p, i64, i64, p, p, i64, ctypes.c_int, ctypes.c_int))
+        self.c_many = c_function(lib, "token_linear_many", (p, i64, p, ctypes.c_int, p, p, p, ctypes.c_int))
+        self.c_grouped = c_function(lib, "token_linear_grouped", (p, i64, i64, p, p, ctypes.c_int, ctypes.c_int))
+        self.c_many_rows = c_function(lib, "token_linear_many_rows", (p, i64, i64, i64, p, ctypes.c_int, p, i64, p, p,
+                                                                      ctypes.c_int))
+        self.c_grouped_rows = c_function(lib, "token_linear_grouped_rows", (p, i64, i64, i64, p, p, i64, ctypes.c_int,
+                                                                            ctypes.c_int))
+        self.c_moe = c_function(lib, "moe_token", (p, i64, i64, p, p, p, p, ctypes.c_float, p, p, ctypes.c_int))
+        self.c_moe_rows = c_function(lib, "moe_rows", (p, i64, i64, i64, p, p, p, p, p, p, p, ctypes.c_float, p,
+                                                       ctypes.c_int))
+        self.c_route_rows = c_function(lib, "route_rows", (p, i64, p, p, ctypes.c_int, i64, p, ctypes.c_float, p, p, p,
+                                                           ctypes.c_int))
+        self.c_route = c_function(lib, "route_token", (p, p, p, ctypes.c_int, i64, p, ctypes.c_float, p, p,
+                                                       ctypes.c_int))
+        self.c_attend = c_function(lib, "attend_token", (p, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int, p,
                                                          ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
-        self._attend_rows = c_function(lib, "attend_rows", (p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, p, p,
-                                                            ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
-        self._norm_rope = c_function(lib, "token_norm_rope", (p, i64, i64, p, ctypes.c_float, i64, p, p, p))
+        self.c_attend_rows = c_function(lib, "attend_rows", (p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, p, p,
+                                                             ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
+        self.c_norm_rope = c_function(lib, "token_norm_rope", (p, i64, i64, p, ctypes.c_float, i64, p, p, p))
         self._set_level = c_function(lib, "token_matmul_set_level", (ctypes.c_int,), restype=None)
         self.vector = bool(c_function(lib, "token_matmul_vector_level", ())())
         # (row dot, parallel-for) addresses for a kernel compiled elsewhere (native/token_matmul.h's row_dot_fn,
@@ -121,7 +123,7 @@ class TokenKernels:
         if x.dim() != 2 or x.shape[1] != w.cols:
             raise ValueError(f"input {list(x.shape)} for a {w.rows} x {w.cols} matrix")
         out = torch.empty(x.shape[0], w.rows, dtype=torch.float32)
-        if self._linear(x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(w), out.data_ptr(), w.rows,
+        if self.c_linear(x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(w), out.data_ptr(), w.rows,
                         int(round_bf16) | (ROUND_OUTPUT if round_output else 0), _threads(threads)):
             raise RuntimeError(f"the token matmul refused a {w.rows} x {w.cols} matrix of kind {w.kind}")
         return out
@@ -133,7 +135,7 @@ class TokenKernels:
         if x.numel() != plan.cols:
             raise ValueError(f"input {list(x.shape)} for matrices of {plan.cols} columns")
         out = torch.empty(1, plan.total, dtype=torch.float32)
-        if self._many(x.data_ptr(), plan.cols, plan.matrices, plan.count, out.data_ptr(), plan.offsets, plan.flags,
+        if self.c_many(x.data_ptr(), plan.cols, plan.matrices, plan.count, out.data_ptr(), plan.offsets, plan.flags,
                       _threads(threads)):
             raise RuntimeError("the token matmul refused one of several matrices")
         return [out[:, a:b] for a, b in plan.spans]
@@ -145,7 +147,7 @@ class TokenKernels:
         if x.dim() != 2 or x.shape[1] != plan.cols or not x.shape[0]:
             raise ValueError(f"input {list(x.shape)} for matrices of {plan.cols} columns")
         out = torch.empty(x.shape[0], plan.total, dtype=torch.float32)
-        if self._many_rows(x.data_ptr(), x.shape[0], plan.cols, plan.cols, plan.matrices, plan.count, out.data_ptr(),
+        if self.c_many_rows(x.data_ptr(), x.shape[0], plan.cols, plan.cols, plan.matrices, plan.count, out.data_ptr(),
                            plan.total, plan.offsets, plan.flags, _threads(threads)):
             raise RuntimeError("the token matmul refused one of several matrices")
         return [out[:, a:b] for a, b in plan.spans]
@@ -157,7 +159,7 @@ class TokenKernels:
         if x.dim() != 3 or x.shape[2] != w.cols or not x.shape[0] or x.shape[1] < 1 or w.rows % x.shape[1]:
             raise ValueError(f"input {list(x.shape)} for a grouped {w.rows} x {w.cols} matrix")
         out = torch.empty(x.shape[0], x.shape[1], w.rows // x.shape[1], dtype=torch.float32)
-        if self._grouped_rows(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], ctypes.byref(w), out.data_ptr(),
+        if self.c_grouped_rows(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], ctypes.byref(w), out.data_ptr(),
                               w.rows, flags, _threads(threads)):
             raise RuntimeError(f"the token matmul refused a grouped {w.rows} x {w.cols} matrix of kind {w.kind}")
         return out
@@ -171,7 +173,7 @@ class TokenKernels:
         if x.dim() != 2 or x.shape[1] != w.cols or groups < 1 or w.rows % groups:
             raise ValueError(f"input {list(x.shape)} for a grouped {w.rows} x {w.cols} matrix")
         out = torch.empty(groups, w.rows // groups, dtype=torch.float32)
-        if self._grouped(x.data_ptr(), groups, x.shape[1], ctypes.byref(w), out.data_ptr(),
+        if self.c_grouped(x.data_ptr(), groups, x.shape[1], ctypes.byref(w), out.data_ptr(),
                          int(round_bf16) | (ROUND_OUTPUT if round_output else 0), _threads(threads)):
             raise RuntimeError(f"the token matmul refused a grouped {w.rows} x {w.cols} matrix of kind {w.kind}")
         return out
@@ -195,7 +197,7 @@ class TokenKernels:
         n, hidden = len(experts), x.shape[0]
         arrays = [(Matrix * max(n, 1))(*(e[j] for e in experts)) for j in range(3)]
         out = torch.empty(hidden, dtype=torch.float32)
-        if self._moe(x.data_ptr(), hidden, n, *(ctypes.addressof(a) for a in arrays), weights.data_ptr(),
+        if self.c_moe(x.data_ptr(), hidden, n, *(ctypes.addressof(a) for a in arrays), weights.data_ptr(),
                      float(limit), (ctypes.c_int * max(n, 1))(*flags), out.data_ptr(), _threads(threads)):
             raise RuntimeError(f"the token MoE refused {n} experts on {hidden} inputs")
         return out
@@ -212,7 +214,7 @@ class TokenKernels:
                 or any(len(r) != len(w) for r, w in zip(rows, weights)):
             raise ValueError(f"{n} experts with {len(rows)} token lists for input {list(x.shape)}")
         out = torch.empty_like(x)
-        if self._moe_rows(x.data_ptr(), *x.shape, n, *moe_arguments(experts, rows, weights, flags), float(limit),
+        if self.c_moe_rows(x.data_ptr(), *x.shape, n, *moe_arguments(experts, rows, weights, flags), float(limit),
                           out.data_ptr(), _threads(threads)):
             raise RuntimeError(f"the token MoE refused {n} experts on {list(x.shape)} inputs")
         return out
@@ -232,7 +234,7 @@ class TokenKernels:
         chosen, weights, counts = (ctypes.c_int64 * (T * top_k))(), (ctypes.c_float * (T * top_k))(), \
             (ctypes.c_int64 * T)()
         ids = (ctypes.c_int64 * (T * top_k))(*(e for h in hash_ids for e in h)) if hash_ids is not None else None
-        if self._route_rows(x.data_ptr(), T, ctypes.byref(gate), bias.data_ptr() if bias is not None else None,
+        if self.c_route_rows(x.data_ptr(), T, ctypes.byref(gate), bias.data_ptr() if bias is not None else None,
                             SCORE_FUNCS[score_func], top_k, ids, float(scale), chosen, weights, counts,
                             _threads(threads)):
             raise RuntimeError(f"the token router refused {top_k} of {gate.rows} experts ({score_func})")
@@ -253,7 +255,7 @@ class TokenKernels:
             raise ValueError(f"router input {list(x.shape)} for a {gate.rows} x {gate.cols} gate ({score_func})")
         chosen, weights = (ctypes.c_int64 * top_k)(), (ctypes.c_float * top_k)()
         ids = (ctypes.c_int64 * top_k)(*hash_ids) if hash_ids is not None else None
-        n = self._route(x.data_ptr(), ctypes.byref(gate), bias.data_ptr() if bias is not None else None,
+        n = self.c_route(x.data_ptr(), ctypes.byref(gate), bias.data_ptr() if bias is not None else None,
                         SCORE_FUNCS[score_func], top_k, ids, float(scale), chosen, weights, _threads(threads))
         if n < 0:
             raise RuntimeError(f"the token router refused {top_k} of {gate.rows} experts ({score_func})")
@@ -277,7 +279,7 @@ class TokenKernels:
         pointers = (ctypes.c_void_p * max(len(sets), 1))(*(k.data_ptr() for k in sets))
         counts = (ctypes.c_int64 * max(len(sets), 1))(*(k.shape[0] for k in sets))
         out = torch.empty(heads, dim, dtype=torch.float32)
-        if self._attend(q.data_ptr(), heads, dim, 2 * rot.shape[0], rot.data_ptr(), eps, pointers, counts,
+        if self.c_attend(q.data_ptr(), heads, dim, 2 * rot.shape[0], rot.data_ptr(), eps, pointers, counts,
                         len(sets), sink.data_ptr(), scale, int(round_bf16), out.data_ptr(), _threads(threads)):
             raise RuntimeError(f"the token attention refused a query {list(q.shape)}")
         return out
@@ -296,7 +298,7 @@ class TokenKernels:
             raise ValueError(f"keys and rotations for {len(key_sets)} tokens for queries {list(q.shape)}")
         sink = sink.float().contiguous()
         out = torch.empty(T, heads, dim, dtype=torch.float32)
-        if self._attend_rows(q.data_ptr(), T, heads * dim, heads, dim, 2 * rot.shape[1], rot.data_ptr(), eps,
+        if self.c_attend_rows(q.data_ptr(), T, heads * dim, heads, dim, 2 * rot.shape[1], rot.data_ptr(), eps,
                              *attend_rows_arguments(sets), sink.data_ptr(), scale, int(round_bf16), out.data_ptr(),
                              _threads(threads)):
             raise RuntimeError(f"the token attention refused queries {list(q.shape)}")
@@ -320,7 +322,7 @@ class TokenKernels:
                                       or given.numel() != x.numel()):
                 raise ValueError(f"an output of {given.dtype} {list(given.shape)} for rows {list(x.shape)}")
         out = torch.empty_like(x) if out is None else out
-        if self._norm_rope(x.data_ptr(), x.numel() // cols, cols, weight.data_ptr() if weight is not None else None,
+        if self.c_norm_rope(x.data_ptr(), x.numel() // cols, cols, weight.data_ptr() if weight is not None else None,
                            eps, 2 * rot.shape[0] if rot is not None else 0, rot.data_ptr() if rot is not None else None,
                            out.data_ptr(), out_low.data_ptr() if out_low is not None else None):
             raise RuntimeError(f"the token norm refused rows of {cols}")

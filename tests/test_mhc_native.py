@@ -18,14 +18,14 @@ def _inputs(tokens: int, hc: int, seed: int = 0):
 
 def test_the_compiled_kernel_is_used_where_a_compiler_is():
     usable = bool(native.c_compiler()) and os.environ.get(native.NATIVE_ENV, "1") != "0"
-    assert (mhc_native._kernel(model.hc_mix_weights) is not None) == usable, native.native_builds().get("moepack_mhc")
+    assert (mhc_native.kernel(model.hc_mix_weights) is not None) == usable, native.native_builds().get("moepack_mhc")
 
 
 @pytest.mark.parametrize("tokens,hc,iters", [(1, 4, 20), (17, 4, 20), (256, 4, 20), (33, 3, 7), (5, 2, 1),
                                              (40, 8, 3), (16, 4, 0)])
 def test_compiled_mhc_weights_match_torch(tokens, hc, iters):
     """Partial and whole groups of 16 tokens, hc from 2 to the kernel's largest, one Sinkhorn round or none."""
-    if mhc_native._kernel(model.hc_mix_weights) is None:
+    if mhc_native.kernel(model.hc_mix_weights) is None:
         pytest.skip("no C compiler: the torch path is the only one")
     args = (*_inputs(tokens, hc), hc, iters, 1e-6)
     got, want = mhc_native.hc_mix_weights(*args, model.hc_mix_weights), model.hc_mix_weights(*args)
@@ -76,7 +76,7 @@ def test_inputs_the_kernel_cannot_take_go_to_torch():
 def test_one_tokens_mhc_entry_and_exit_match_torch(hc, hidden, iters):
     """model.hc_pre_norm / hc_post of one token (one compiled call each) against hc_pre + rms_norm and the bmm path
     on a batch of two tokens (which never takes the one-token call)."""
-    if mhc_native._kernel(model.hc_mix_weights) is None:
+    if mhc_native.kernel(model.hc_mix_weights) is None:
         pytest.skip("no C compiler: the torch path is the only one")
     gen = torch.Generator().manual_seed(hc)
     cfg = SimpleNamespace(hc_mult=hc, hc_sinkhorn_iters=iters, hc_eps=1e-6, rms_norm_eps=1e-6)  # what it reads

@@ -83,7 +83,7 @@ from moepack.backends import token_kernels
 from moepack.families.deepseek_v4 import indexer_native, mhc_native, model
 for load in (quant_q8_0.native_quantize_chunk, quant_fp4.native_mxfp4_quantize_chunk, source_formats._fp8_native,
              expert_decode._native_kernels, expert_decode._fused_kernel,
-             lambda: mhc_native._kernel(model.hc_mix_weights), token_kernels.token_kernels,
+             lambda: mhc_native.kernel(model.hc_mix_weights), token_kernels.token_kernels,
              indexer_native.indexer_kernel):
     load()
 print(json.dumps(quants.native_kernels()))

@@ -124,7 +124,7 @@ _built: list = []  # [] until the first call, then [kernel or None]
 _built_lock = threading.Lock()
 
 
-def _kernel(reference):
+def kernel(reference):
     """The compiled kernel, built and checked against `reference` on the first call (the torch path is passed
     in, not imported: model imports this module)."""
     with _built_lock:
@@ -143,7 +143,7 @@ def hc_mix_weights(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             or base.numel() != width or any(t.device.type != "cpu" or t.dtype != torch.float32
                                             for t in (mixes, scale, base))):
         return None
-    fn = _kernel(reference)
+    fn = kernel(reference)
     if fn is None:
         return None
     return _call(fn.mix_weights, mixes.contiguous(), scale.contiguous(), base.contiguous(), hc, iters, eps)
@@ -170,7 +170,7 @@ def token_pre(streams, fn, scale, base, hc: int, iters: int, hc_eps: float, norm
     if (streams.dim() != 3 or streams.shape[:2] != (1, hc) or not token_weights_fit(fn, scale, base, norm_weight, hc)
             or norm_weight.shape != (streams.shape[2],) or not _float_cpu(streams)):
         return None
-    kernels = _kernel(reference)
+    kernels = kernel(reference)
     return None if kernels is None else _token_pre(kernels, streams, fn, scale, base, hc, iters, hc_eps, norm_eps,
                                                    norm_weight)
 
@@ -181,5 +181,5 @@ def token_post(streams, out, post, comb, reference):
     if (streams.shape[0] != 1 or not 1 <= hc <= HC_MAX or out.numel() != streams.shape[2]
             or post.numel() != hc or comb.numel() != hc * hc or not _float_cpu(streams, out, post, comb)):
         return None
-    kernels = _kernel(reference)
+    kernels = kernel(reference)
     return None if kernels is None else _token_post(kernels, streams, out, post, comb)

@@ -291,7 +291,7 @@ def layer_weights(weights: Mapping[str, Tensor], layer: int) -> dict[str, Tensor
     return {name[len(prefix):]: t for name, t in weights.items() if name.startswith(prefix)}
 
 
-def _kv_norm_weight(w: Mapping[str, Tensor]) -> Tensor:
+def kv_norm_weight(w: Mapping[str, Tensor]) -> Tensor:
     return w["attn.kv_norm.weight"] if "attn.kv_norm.weight" in w else w["attn.norm.weight"]
 
 
@@ -342,7 +342,7 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
 
     # Per-token projections, O(N x hidden): the query LoRA bottleneck (also the indexer's query input) and K=V.
     q_lora = rms_norm(linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], eps)
-    kv = apply_rope(rms_norm(linear(x, w["attn.wkv.weight"]), _kv_norm_weight(w), eps), rotation)
+    kv = apply_rope(rms_norm(linear(x, w["attn.wkv.weight"]), kv_norm_weight(w), eps), rotation)
     # Sliding keys: past's window tail (the window-1 tokens before positions[0]), then the new tokens.
     keys = kv if not n_past else torch.cat([past.window_kv.to(kv), kv])
     key_positions = torch.arange(first - n_past, first + n_tokens, device=x.device)
@@ -606,7 +606,7 @@ def attention_token_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tenso
     return hc_post(streams, attention_token(cfg, layer, w, x, kv_state), post, comb)
 
 
-def _projection_names(kind: str) -> list[str]:
+def projection_names(kind: str) -> list[str]:
     """The matrices a token's attention input goes through first: the query's LoRA, K=V, the compressors' (kv,
     gate) pairs and the indexer's head weights."""
     names = ["attn.wq_a.weight", "attn.wkv.weight"]
@@ -618,7 +618,7 @@ def _projection_names(kind: str) -> list[str]:
     return names
 
 
-def _grow_state(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_state: TokenKV,
+def grow_state(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_state: TokenKV,
                 projected: list[Tensor]) -> tuple[list[Tensor], Tensor | None, bool]:
     """After a token's key went into the window: its projections into the compressors, the token counted; (the
     keys it attends to, the compressed entries or None, whether the indexer picks among them)."""
@@ -645,10 +645,10 @@ def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Te
     rotation = token_rotation(cfg.main_rope if kind == SLIDING else cfg.compress_rope, kv_state.seen_tokens,
                               x.device)
     low = w["attn.wq_b.weight"].dtype
-    projected = linears(x, [w[name] for name in _projection_names(kind)])
+    projected = linears(x, [w[name] for name in projection_names(kind)])
     q_lora = rms_norm(projected[0], w["attn.q_norm.weight"], eps)
-    kv_state.window.append(apply_rope(rms_norm(projected[1], _kv_norm_weight(w), eps), rotation))
-    keys, entries, indexed = _grow_state(cfg, layer, w, kv_state, projected)
+    kv_state.window.append(apply_rope(rms_norm(projected[1], kv_norm_weight(w), eps), rotation))
+    keys, entries, indexed = grow_state(cfg, layer, w, kv_state, projected)
     queries = linears(q_lora, [w["attn.wq_b.weight"]] + ([w["attn.indexer.wq_b.weight"]] if indexed else []))
     if entries is not None and entries.shape[0]:
         if indexed:

@@ -62,7 +62,7 @@ class _Layer:
         self.kind = cfg.layer_types[layer]
         low = w["attn.wq_b.weight"].dtype == torch.bfloat16
         self.low, self.rope = low, cfg.main_rope if self.kind == SLIDING else cfg.compress_rope
-        names = model._projection_names(self.kind)
+        names = model.projection_names(self.kind)
         self.projections = ops.linear_plan([w[n] for n in names])
         self.queries = ops.linear_plan([w["attn.wq_b.weight"]])
         self.indexed_queries = ops.linear_plan([w["attn.wq_b.weight"], w["attn.indexer.wq_b.weight"]]) \
@@ -70,7 +70,7 @@ class _Layer:
         self.keep = list(w.values())  # every tensor a pointer below points into (not only through `w`)
         self.wo_a, self.wo_b = (token_kernels.float_matrix(w[f"attn.wo_{m}.weight"]) for m in "ab")
         self.q_norm = w["attn.q_norm.weight"].float().contiguous()
-        self.kv_norm = model._kv_norm_weight(w).float().contiguous()
+        self.kv_norm = model.kv_norm_weight(w).float().contiguous()
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.proj = _buffer(1, self.projections.total)
         self.q = _buffer(1, (self.indexed_queries or self.queries).total)
@@ -86,20 +86,20 @@ class _Layer:
         self.hc_weights = {sub: (token_kernels.float_matrix(w[f"hc_{sub}_fn"]), w[f"hc_{sub}_fn"].shape[0],
                                  w[f"hc_{sub}_scale"], w[f"hc_{sub}_base"], w[f"{sub}_norm.weight"])
                            for sub in ("attn", "ffn")}
-        self.project = (k._many, (_ptr(owner.x), H, self.projections.matrices, self.projections.count,
+        self.project = (k.c_many, (_ptr(owner.x), H, self.projections.matrices, self.projections.count,
                                   _ptr(self.proj), self.projections.offsets, self.projections.flags))
-        self.q_lora_norm = (k._norm_rope, (_ptr(self.proj), 1, self.projections.spans[0][1], _ptr(self.q_norm),
+        self.q_lora_norm = (k.c_norm_rope, (_ptr(self.proj), 1, self.projections.spans[0][1], _ptr(self.q_norm),
                                            cfg.rms_norm_eps, 0, None, _ptr(owner.q_lora), None))
         self.kv_in, self.kv_cols = _offset(self.proj, kv_at), kv_stop - kv_at
         # the window's, the compressor's and the indexer's entries (None: the layer has none)
         self.kv_widths = (cfg.head_dim, None if self.kind == SLIDING else cfg.head_dim,
                           cfg.index_head_dim if self.kind == CSA else None)
-        self.query = {indexed: (k._many, (_ptr(owner.q_lora), plan.cols, plan.matrices, plan.count, _ptr(self.q),
+        self.query = {indexed: (k.c_many, (_ptr(owner.q_lora), plan.cols, plan.matrices, plan.count, _ptr(self.q),
                                           plan.offsets, plan.flags))
                       for indexed, plan in ((False, self.queries), (True, self.indexed_queries)) if plan is not None}
-        self.grouped = (k._grouped, (_ptr(owner.o), cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups,
+        self.grouped = (k.c_grouped, (_ptr(owner.o), cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups,
                                      ctypes.byref(self.wo_a), _ptr(owner.low_rank), low * (ROUND_INPUT | ROUND_OUTPUT)))
-        self.output = (k._linear, (_ptr(owner.low_rank), 1, self.wo_b.cols, ctypes.byref(self.wo_b), _ptr(owner.out),
+        self.output = (k.c_linear, (_ptr(owner.low_rank), 1, self.wo_b.cols, ctypes.byref(self.wo_b), _ptr(owner.out),
                                    self.wo_b.rows, low * (ROUND_INPUT | ROUND_OUTPUT)))
         self.attn_post = (hc.token_post, (_ptr(a), _ptr(owner.out), _ptr(owner.post), _ptr(owner.comb), n_hc, H,
                                           _ptr(b)))
@@ -108,7 +108,7 @@ class _Layer:
         bias = None if cfg.hash_layers[layer] else w.get("ffn.gate.bias")
         self.gate_args = (ctypes.byref(self.gate), _ptr(bias) if bias is not None else None,
                           token_kernels.SCORE_FUNCS[cfg.scoring_func], cfg.num_experts_per_tok)
-        self.route = (k._route, (_ptr(owner.x), *self.gate_args))
+        self.route = (k.c_route, (_ptr(owner.x), *self.gate_args))
         shared = [w[f"ffn.shared_experts.{m}.weight"] for m in ("w1", "w3", "w2")]
         self.shared = tuple(token_kernels.float_matrix(m) for m in shared)
         self.shared_flag = ROUND_INPUT | ROUND_OUTPUT if shared[0].dtype == torch.bfloat16 else 0
@@ -120,7 +120,7 @@ class _Layer:
         of the entry's call), each (function, arguments but the thread count)."""
         cfg, w = owner.cfg, self.w
         fn, scale, base = (w[f"hc_{sublayer}_{part}"] for part in ("fn", "scale", "base"))
-        mixes = (owner.kernels._linear, (_ptr(streams), 1, fn.shape[1], ctypes.byref(token_kernels.float_matrix(fn)),
+        mixes = (owner.kernels.c_linear, (_ptr(streams), 1, fn.shape[1], ctypes.byref(token_kernels.float_matrix(fn)),
                                          _ptr(owner.mixes), fn.shape[0], 0))
         rest = (owner.hc.token_pre_mixed, (_ptr(streams), cfg.hc_mult, cfg.hidden_size, _ptr(owner.mixes),
                                            _ptr(scale), _ptr(base), cfg.hc_sinkhorn_iters, cfg.hc_eps,
@@ -136,7 +136,7 @@ def _usable(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor]) -> bool:
     if low not in (torch.float32, torch.bfloat16) or cfg.scoring_func not in token_kernels.SCORE_FUNCS:
         return False
     queries = [w["attn.wq_b.weight"]] + ([w["attn.indexer.wq_b.weight"]] if kind == CSA else [])
-    plans = [[w[n] for n in model._projection_names(kind)], queries[:1]] + ([queries] if kind == CSA else [])
+    plans = [[w[n] for n in model.projection_names(kind)], queries[:1]] + ([queries] if kind == CSA else [])
     if any(ops.linear_plan(matrices) is None for matrices in plans):
         return False
     wo = [w["attn.wo_a.weight"], w["attn.wo_b.weight"]]
@@ -164,7 +164,7 @@ def _shapes_fit(cfg: ModelConfig, kind: str, w: Mapping[str, Tensor]) -> bool:
         want["ffn.gate.bias"] = (w["ffn.gate.weight"].shape[0],)
     if kind == CSA:
         want["attn.indexer.wq_b.weight"] = (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
-    return (heads * dim % cfg.o_groups == 0 and tuple(model._kv_norm_weight(w).shape) == (dim,)
+    return (heads * dim % cfg.o_groups == 0 and tuple(model.kv_norm_weight(w).shape) == (dim,)
             and all(len(w[name].shape) == len(shape) and all(n is None or n == m for n, m in zip(shape, w[name].shape))
                     for name, shape in want.items()))
 
@@ -209,7 +209,7 @@ class TokenLayers:
             return None
         if not all(_usable(cfg, layer, w) for layer, w in enumerate(dense)):
             return None
-        hc, indexer = mhc_native._kernel(model.hc_mix_weights), indexer_native.indexer_kernel()
+        hc, indexer = mhc_native.kernel(model.hc_mix_weights), indexer_native.indexer_kernel()
         return None if hc is None or indexer is None else cls(cfg, dense, kernels, hc, indexer)
 
     def begin(self, embedding: Tensor) -> None:
@@ -234,10 +234,10 @@ class TokenLayers:
         rotation = model.token_rotation(L.rope, kv_state.seen_tokens)
         angles = token_kernels.angle_pairs(rotation)
         row, mirror = kv_state.window.next_row()  # the key straight into the window (and its rounded copy)
-        _call(k._norm_rope, (L.kv_in, 1, L.kv_cols, _ptr(L.kv_norm), cfg.rms_norm_eps, 2 * angles.shape[0],
+        _call(k.c_norm_rope, (L.kv_in, 1, L.kv_cols, _ptr(L.kv_norm), cfg.rms_norm_eps, 2 * angles.shape[0],
                              _ptr(angles), _ptr(row), _ptr(mirror) if mirror is not None else None))
         kv_state.window.commit()
-        keys, entries, indexed = model._grow_state(cfg, layer, L.w, kv_state, L.parts)
+        keys, entries, indexed = model.grow_state(cfg, layer, L.w, kv_state, L.parts)
         fn, args = L.query[indexed]
         _call(fn, args, threads)
         if entries is not None and entries.shape[0]:
@@ -267,7 +267,7 @@ class TokenLayers:
         """The attention core of one token's queries (at address q) over its key sets into out [heads, D]."""
         cfg = self.cfg
         sets = [t for t in keys if t.shape[0]]
-        _call(self.kernels._attend, (q, cfg.num_heads, cfg.head_dim, 2 * angles.shape[0], _ptr(angles),
+        _call(self.kernels.c_attend, (q, cfg.num_heads, cfg.head_dim, 2 * angles.shape[0], _ptr(angles),
                                      cfg.rms_norm_eps, (ctypes.c_void_p * len(sets))(*(_ptr(t) for t in sets)),
                                      (ctypes.c_int64 * len(sets))(*(t.shape[0] for t in sets)), len(sets),
                                      _ptr(L.sink), cfg.head_dim ** -0.5, int(L.low), _ptr(out)), threads)
@@ -295,7 +295,7 @@ class TokenLayers:
             array[n] = L.shared[j]
         self.flags[:n + 1] = [routed_flag] * n + [L.shared_flag]
         self.weights[n] = 1.0
-        _call(self.kernels._moe, (_ptr(self.x), self.cfg.hidden_size, n + 1, *self.experts, self.weights,
+        _call(self.kernels.c_moe, (_ptr(self.x), self.cfg.hidden_size, n + 1, *self.experts, self.weights,
                                   float(self.cfg.swiglu_limit), self.flags, _ptr(self.moe_out)),
               token_kernels.current_threads())
         fn, args = L.ffn_post
@@ -332,7 +332,7 @@ class TokenLayers:
         threads = token_kernels.current_threads()
         self._entry_rows(L, "attn", 0, threads)
         plan = L.projections
-        _call(k._many_rows, (_ptr(R.x), B, H, H, plan.matrices, plan.count, _ptr(R.proj), plan.total, plan.offsets,
+        _call(k.c_many_rows, (_ptr(R.x), B, H, H, plan.matrices, plan.count, _ptr(R.proj), plan.total, plan.offsets,
                              plan.flags), threads)
         rank = plan.spans[0][1]
         kv_at, kv_stop = plan.spans[1]
@@ -340,18 +340,18 @@ class TokenLayers:
         grown = []
         for row, kv_state in enumerate(kv_states):
             parts, proj_row = R.parts(layer, plan, row), _offset(R.proj, row * plan.total)
-            _call(k._norm_rope, (proj_row, 1, rank, q_norm, eps, 0, None, R.at["q_lora"][row], None))
+            _call(k.c_norm_rope, (proj_row, 1, rank, q_norm, eps, 0, None, R.at["q_lora"][row], None))
             rotation = model.token_rotation(L.rope, kv_state.seen_tokens)
             angles = token_kernels.angle_pairs(rotation)
             key, mirror = kv_state.window.next_row()
-            _call(k._norm_rope, (proj_row + 4 * kv_at, 1, kv_stop - kv_at, kv_norm, eps, 2 * angles.shape[0],
+            _call(k.c_norm_rope, (proj_row + 4 * kv_at, 1, kv_stop - kv_at, kv_norm, eps, 2 * angles.shape[0],
                                  _ptr(angles), _ptr(key), _ptr(mirror) if mirror is not None else None))
             kv_state.window.commit()
-            grown.append((rotation, angles, parts, *model._grow_state(cfg, layer, L.w, kv_state, parts)))
+            grown.append((rotation, angles, parts, *model.grow_state(cfg, layer, L.w, kv_state, parts)))
         indexed = any(g[-1] for g in grown)  # the indexer's queries too where one row needs them
         queries = L.indexed_queries if indexed else L.queries
         q = R.q[:B * queries.total].view(B, queries.total)
-        _call(k._many_rows, (_ptr(R.q_lora), B, queries.cols, queries.cols, queries.matrices, queries.count, _ptr(q),
+        _call(k.c_many_rows, (_ptr(R.q_lora), B, queries.cols, queries.cols, queries.matrices, queries.count, _ptr(q),
                              queries.total, queries.offsets, queries.flags), threads)
         key_sets = []
         for row, (kv_state, (rotation, angles, parts, keys, entries, row_indexed)) in enumerate(zip(kv_states, grown)):
@@ -367,13 +367,13 @@ class TokenLayers:
         # every row's attention in one call (one wake of the threads, not one per row)
         angles = torch.stack([g[1] for g in grown])
         sets, counts, n_sets = token_kernels.attend_rows_arguments(key_sets)
-        _call(k._attend_rows, (_ptr(q), B, queries.total, cfg.num_heads, cfg.head_dim, 2 * angles.shape[1],
+        _call(k.c_attend_rows, (_ptr(q), B, queries.total, cfg.num_heads, cfg.head_dim, 2 * angles.shape[1],
                                _ptr(angles), cfg.rms_norm_eps, sets, counts, n_sets, _ptr(L.sink), cfg.head_dim ** -0.5,
                                int(L.low), _ptr(R.o)), threads)
         rounding = L.low * (ROUND_INPUT | ROUND_OUTPUT)
-        _call(k._grouped_rows, (_ptr(R.o), B, cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups,
+        _call(k.c_grouped_rows, (_ptr(R.o), B, cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups,
                                 ctypes.byref(L.wo_a), _ptr(R.low_rank), L.wo_a.rows, rounding), threads)
-        _call(k._linear, (_ptr(R.low_rank), B, L.wo_b.cols, ctypes.byref(L.wo_b), _ptr(R.out), L.wo_b.rows, rounding),
+        _call(k.c_linear, (_ptr(R.low_rank), B, L.wo_b.cols, ctypes.byref(L.wo_b), _ptr(R.out), L.wo_b.rows, rounding),
               threads)
         at, post = R.at, self.hc.token_post
         for row in range(B):
@@ -388,7 +388,7 @@ class TokenLayers:
         self._entry_rows(L, "ffn", 1, threads)
         if hash_ids is not None:
             R.hash_ids[:B * top_k] = [e for ids in hash_ids for e in ids]
-        if self.kernels._route_rows(_ptr(R.x), B, *L.gate_args, R.hash_ids if hash_ids is not None else None,
+        if self.kernels.c_route_rows(_ptr(R.x), B, *L.gate_args, R.hash_ids if hash_ids is not None else None,
                                     float(cfg.routed_scaling_factor), R.chosen, R.weights, R.counts, threads):
             raise RuntimeError(f"layer {layer}: the token router refused its input")
         return [dict(zip(R.chosen[row * top_k:row * top_k + n], R.weights[row * top_k:row * top_k + n]))
@@ -406,7 +406,7 @@ class TokenLayers:
         weights = [[choices[row][e] for row in picked] for e, picked in zip(ids, rows)] + [[1.0] * B]
         flags = [routed_flag] * len(ids) + [L.shared_flag]
         arguments = token_kernels.moe_arguments([experts[e] for e in ids] + [L.shared], rows, weights, flags)
-        _call(self.kernels._moe_rows, (_ptr(R.x), B, H, len(ids) + 1, *arguments, float(cfg.swiglu_limit),
+        _call(self.kernels.c_moe_rows, (_ptr(R.x), B, H, len(ids) + 1, *arguments, float(cfg.swiglu_limit),
                                        _ptr(R.moe_out)), token_kernels.current_threads())
         a = R.streams[0]
         finite, at, post = True, R.at, self.hc.token_post
@@ -425,7 +425,7 @@ class TokenLayers:
         cfg, R = self.cfg, self.rows
         streams = R.streams[stream]
         fn, width, scale, base, norm = L.hc_weights[sublayer]
-        _call(self.kernels._linear, (_ptr(streams), R.count, fn.cols, ctypes.byref(fn), _ptr(R.mixes), width, 0),
+        _call(self.kernels.c_linear, (_ptr(streams), R.count, fn.cols, ctypes.byref(fn), _ptr(R.mixes), width, 0),
               threads)
         at, pre = R.at, self.hc.token_pre_mixed
         rows = at[f"streams{stream}"]
