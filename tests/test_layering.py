@@ -219,3 +219,28 @@ def test_the_model_calls_operations_not_the_token_kernels():
         assert "moepack.backends.token_kernels" not in modules[module], f"{module} calls token_kernels directly"
     assert not [t for m, targets in modules.items() if m.startswith("moepack.backends.") for t in targets
                 if t.startswith("moepack.families")]
+
+
+def private_names_used(path: str) -> list[str]:
+    """`module._name` in a source file, for a module it imports (import x / from p import x): another module's
+    private name, which binds the two where no interface says so."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported
+            and node.attr.startswith("_") and not node.attr.startswith("__")]
+
+
+def test_no_module_uses_another_modules_private_names(tmp_path):
+    """The compiled token path once used 14 private names of other modules (issue 39): the kernels' C entry points
+    and the model's helpers it takes are public now, and no module of the package reaches into another's."""
+    found = {m: got for m, p in package_modules().items() if (got := private_names_used(p))}
+    assert found == {}
+    sample = tmp_path / "m.py"
+    sample.write_text("from moepack.families.deepseek_v4 import model\nimport torch\n"
+                      "x = model._grow_state\ny = torch.nn\nz = self._own\n")
+    assert private_names_used(str(sample)) == ["3: model._grow_state"]
