@@ -120,6 +120,7 @@ class Generator:
                                    io_mode=p.io_mode, verify_reads=p.verify_reads, family=self.family,
                                    reader=self.reader)
             self._engine: StreamingPrefill | None = None  # opened by the first prefill, then kept
+            self._engine_options: PrefillOptions | None = None  # the prefill_options it was opened with
         except BaseException:
             if getattr(self, "reader", None) is not None:
                 self.reader.close()
@@ -205,7 +206,10 @@ class Generator:
         need not read them again). Its callers call its after_prompt() once a sequence's prefill is through, not
         its close() (one closed anyway is opened again here)."""
         self.decoder.prefill_starts()
+        if self._engine is not None and self._engine_options is not self.prefill_options:
+            self._engine.close()  # prefill_options replaced since it opened (a caller's on_layer, say): opened again
         if self._engine is None or self._engine.closed:
+            self._engine_options = self.prefill_options
             # (not where the cache keeps decoded experts on a GPU: they would take the device memory the prefill
             # counted on having, and decoding them would stall its stream; the seed reads them after it)
             keep = None if self.decoder.decoded else self.decoder.keep_from_prefill

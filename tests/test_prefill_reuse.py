@@ -138,6 +138,22 @@ def test_a_closed_engine_is_opened_again(tiny):
     _same(result, _fresh(tiny, ids))
 
 
+def test_replaced_prefill_options_take_effect_at_the_next_generation(tiny):
+    """prefill_options replaced between generations (a caller's on_layer): the engine opened with the old ones is
+    closed and the next generation runs with the new ones; unchanged options keep the engine."""
+    with Generator(tiny, cache_gib=0.5, prefill=PREFILL) as g:
+        ids = _prompt(10, 5, g.cfg.vocab_size)
+        first = g.generate(ids, OPTIONS)
+        engine = g.prefill_engine()
+        assert g.prefill_engine() is engine
+        layers = []
+        g.prefill_options = replace(g.prefill_options, on_layer=lambda layer, n, nbytes: layers.append(layer))
+        again = g.generate(ids, OPTIONS)
+        assert engine.closed and g.prefill_engine() is not engine
+        assert layers and layers == list(range(len(layers)))  # each layer once, in order
+    _same(again, first)
+
+
 def test_a_pass_gives_back_its_reads_however_it_ended(tiny):
     """ReadPipeline.end_pass: reads not started are cancelled, those done but never consumed are given back once,
     and a late release of a reclaimed buffer does not put it in the pool twice."""
