@@ -287,6 +287,8 @@ class BatchScheduler:
             except MoepackError as e:
                 if len(group) == 1:
                     self._fail(group[0], e)
+                    if not self._prefilling:
+                        self._release_engine()
                     return
                 group.pop()
                 sizes.pop()

@@ -154,6 +154,31 @@ def test_replaced_prefill_options_take_effect_at_the_next_generation(tiny):
     _same(again, first)
 
 
+def test_the_scheduler_lets_go_of_the_engine_after_a_lone_prompts_memory_refusal(tiny, monkeypatch):
+    """A prompt refused alone for memory: the batch scheduler lets go of the engine as after any pass (the next
+    group asks the Generator again, so replaced prefill_options take effect)."""
+    from moepack.runtime import engine as engine_module
+
+    real = engine_module.StreamingPrefill.check_memory
+
+    def refuse_long(self, n_tokens):
+        if n_tokens > 50:
+            raise MoepackError(f"refused {n_tokens} tokens")
+        return real(self, n_tokens)
+
+    monkeypatch.setattr(engine_module.StreamingPrefill, "check_memory", refuse_long)
+    options = replace(OPTIONS, logprobs=0)
+    with Generator(tiny, cache_gib=0.5, prefill=PREFILL) as g, BatchScheduler(g, max_batch=2) as batch:
+        first = batch.generate([5, 6, 7, 8], options)
+        with pytest.raises(MoepackError, match="refused 80 tokens"):
+            batch.generate(list(range(3, 83)), options)
+        layers = []
+        g.prefill_options = replace(g.prefill_options, on_layer=lambda layer, n, nbytes: layers.append(layer))
+        again = batch.generate([5, 6, 7, 8], options)
+    assert layers and layers == list(range(len(layers)))
+    assert again.generated_ids == first.generated_ids
+
+
 def test_a_pass_gives_back_its_reads_however_it_ended(tiny):
     """ReadPipeline.end_pass: reads not started are cancelled, those done but never consumed are given back once,
     and a late release of a reclaimed buffer does not put it in the pool twice."""
