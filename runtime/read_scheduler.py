@@ -207,7 +207,10 @@ class ReadScheduler:
             self.experts_pipe, self.dense_pipe = ResidentPipe(resident, buffer_bytes), ResidentPipe(resident, max_dense)
         else:
             self.experts_pipe = ReadPipeline(self.reader, buffer_bytes, queue_depth, pinned, buffers=pool)
-            self.dense_pipe = ReadPipeline(self.reader, max_dense, 2, pinned)  # current + the next layer's prefetch
+            # opened at the first dense read: a prefill over dense weights held resident (a Generator's) reads none,
+            # and its engine is kept between generations (pinned on a GPU)
+            self.dense_pipe: ReadPipeline | ResidentPipe | None = None
+        self._dense_buffer = (max_dense, pinned)
         self._globals_pool: ThreadPoolExecutor | None = None  # reads the LM head during the last layer
         self._queued: dict[int, list] = {}
         self._ahead = 0  # the first layer whose reads are not queued yet
@@ -255,7 +258,8 @@ class ReadScheduler:
         (`give_back(buffer, release)`: the device copier's), so the same pools serve the next pass. Returns how many
         buffers came back so."""
         self._queued = {}
-        return self.experts_pipe.end_pass(give_back) + self.dense_pipe.end_pass(give_back)
+        return self.experts_pipe.end_pass(give_back) + (self.dense_pipe.end_pass(give_back)
+                                                         if self.dense_pipe is not None else 0)
 
     def reads_before_router(self, layer: int, token_ids: torch.Tensor, hash_table) -> list | None:
         """The layer's expert reads where they are known before its router runs (queued ahead, or a hash layer's
@@ -306,6 +310,9 @@ class ReadScheduler:
                 for first, count, span in expert_reads(block, expert_ids, self.bundle_experts)]
 
     def submit_dense(self, block: Block) -> Future:
+        if self.dense_pipe is None:
+            max_dense, pinned = self._dense_buffer
+            self.dense_pipe = ReadPipeline(self.reader, max_dense, 2, pinned)  # current + the next layer's prefetch
         return self.dense_pipe.submit(block.dense.offset, block.dense.length, self.checker.after_read([block.dense]),
                                       part=block.dense.part)
 
@@ -366,6 +373,7 @@ class ReadScheduler:
         if self._globals_pool is not None:
             self._globals_pool.shutdown()  # its read finishes before the reader closes
         self.experts_pipe.close()
-        self.dense_pipe.close()
+        if self.dense_pipe is not None:
+            self.dense_pipe.close()
         if self._owns_reader:
             self.reader.close()
