@@ -369,6 +369,7 @@ class Server:
         self.executor = ThreadPoolExecutor(max_workers=1 if self.scheduler is None else max_queue,
                                            thread_name_prefix="moepack-generate")
         self.lock = threading.Lock()
+        self.closing = threading.Event()  # set by close(): a running generation stops before its next layer or token
         self.admitted = 0  # reading, being prepared, waiting or running
         self.finished: collections.deque = collections.deque(maxlen=256)  # (request id, finish reason)
         self.created = int(time.time())
@@ -754,7 +755,7 @@ class Server:
             def arguments(i: int) -> dict:
                 def cancelled() -> bool:
                     asked[i] = True
-                    return job.should_stop()
+                    return job.should_stop() or self.closing.is_set()
                 on_text = None if job.on_text is None else (lambda piece: job.on_text(i, piece))
                 return dict(detokenize=tok.decode if tok is not None else None, on_text=on_text,
                             cancelled=cancelled, on_token=self.timed(job, i))
@@ -861,8 +862,10 @@ class Server:
 
     def close(self) -> None:
         """No more generations: those waiting are dropped, a batch's running ones end (a prefill before its next
-        layer); its worker lets go of the generator."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        layer); its worker lets go of the generator. One at a time (no batch): the running generation is waited for
+        (it stops at its next layer or token), so that the generator it runs on is closed after it."""
+        self.closing.set()
+        self.executor.shutdown(wait=self.scheduler is None, cancel_futures=True)
         if self.scheduler is not None:
             self.scheduler.close()
 

@@ -385,6 +385,30 @@ def test_a_client_that_leaves_mid_prefill_stops_it(tiny, stream):
         _stop(running)
 
 
+def test_closing_the_server_mid_prefill_stops_the_generation_before_the_generator_closes(tiny):
+    """One generation at a time (no batch): Server.close() stops the running one at its next layer and waits for
+    it, so the generator closed right after (as `moepack serve` does on shutdown) is not closed under it."""
+    logs: list[str] = []
+    running = _serve(tiny, logs)
+    try:
+        ran = _slow_layers(running.generator, 0.8)
+        answer = {}
+        client = threading.Thread(target=lambda: answer.update(r=_post(running, GOOD)))
+        client.start()
+        t0 = time.monotonic()
+        while not ran:
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.05)
+        running.state.close()
+        assert any("finish=cancelled" in line for line in logs), logs[-3:]  # stopped, and waited for
+        assert len(ran) < 4, ran
+        running.generator.close()
+        client.join(30)
+        assert not any("internal error" in line for line in logs), logs[-3:]
+    finally:
+        running.stop()
+
+
 def test_a_request_past_its_deadline_stops_its_prefill_with_408(tiny):
     logs: list[str] = []
     running = _serve(tiny, logs, request_timeout_s=1.0)
