@@ -18,7 +18,7 @@ compute does not need the cores (a GPU prefill), else by the consumer just befor
 from __future__ import annotations
 
 import statistics
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -212,6 +212,7 @@ class ReadScheduler:
             self.dense_pipe: ReadPipeline | ResidentPipe | None = None
         self._dense_buffer = (max_dense, pinned)
         self._globals_pool: ThreadPoolExecutor | None = None  # reads the LM head during the last layer
+        self._globals_later: Future | None = None  # its read of this pass
         self._queued: dict[int, list] = {}
         self._ahead = 0  # the first layer whose reads are not queued yet
         self._n_tokens = 0
@@ -258,6 +259,11 @@ class ReadScheduler:
         (`give_back(buffer, release)`: the device copier's), so the same pools serve the next pass. Returns how many
         buffers came back so."""
         self._queued = {}
+        # the LM head's read of a pass that failed in its last layer ends within that pass (its bytes count in its
+        # stats, not the next pass's)
+        if self._globals_later is not None:
+            wait([self._globals_later])
+            self._globals_later = None
         return self.experts_pipe.end_pass(give_back) + (self.dense_pipe.end_pass(give_back)
                                                          if self.dense_pipe is not None else 0)
 
@@ -342,7 +348,8 @@ class ReadScheduler:
         """read_globals on a thread of its own (the LM head, read beside the last layer's experts)."""
         if self._globals_pool is None:
             self._globals_pool = ThreadPoolExecutor(1, "moepack-globals")
-        return self._globals_pool.submit(self.read_globals, names, held)
+        self._globals_later = self._globals_pool.submit(self.read_globals, names, held)
+        return self._globals_later
 
     # --- what was read -----------------------------------------------------------------------------------------
     def layer_stats(self, layer: int, reads: list, by_expert: dict, dense_read: bool = True) -> LayerStats:
