@@ -708,6 +708,6 @@ class LayerDecode(LayerPrefill, Protocol):
         """Logits [vocab] of TokenPath.output."""
         ...
 
-    def token_head_rows(self, w_globals: Mapping[str, Tensor], rows_output: Tensor, kernels: Any) -> Tensor:
-        """Logits [B, vocab] float32 of TokenPath.rows_output (`kernels`: backends.token_kernels' library)."""
+    def token_head_rows(self, w_globals: Mapping[str, Tensor], rows_output: Tensor) -> Tensor:
+        """Logits [B, vocab] float32 of TokenPath.rows_output."""
         ...

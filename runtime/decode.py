@@ -659,7 +659,7 @@ class Decoder:
             self._run_kernel_experts(layer, chosen, got, lambda experts: layers.finish_rows(
                 layer, dict(zip(chosen, experts)), choices, self._routed_flag))
         with self.compute:
-            return self.arithmetic.token_head_rows(self.head_weights, layers.rows_output, self.kernels)
+            return self.arithmetic.token_head_rows(self.head_weights, layers.rows_output)
 
     def _general_step(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         """One step of every row by the family's functions (_layers): the logits [B, vocab] on the host."""

@@ -63,7 +63,7 @@ class DeepseekV4Decode(model.DeepseekV4Prefill):
     def token_head(self, w_globals: Mapping[str, Tensor], output: Tensor) -> Tensor:
         return model.head(self.config, output, w_globals, -1)
 
-    def token_head_rows(self, w_globals: Mapping[str, Tensor], rows_output: Tensor, kernels) -> Tensor:
+    def token_head_rows(self, w_globals: Mapping[str, Tensor], rows_output: Tensor) -> Tensor:
         """model.head of each row's streams [B, hc, H] -> [B, vocab] float32: the LM head (the largest matrix)
         read once for every row, each row's products and sums those of its head alone (the token matmul's)."""
         cfg = self.config
