@@ -353,7 +353,7 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
     past = 0
     if continue_from is not None:
         from moepack.families.kv_directory import inspect_kv, make_identity
-        from moepack.runtime.engine import kv_format_for
+        from moepack.families import kv_format_for
 
         # the manifest only (another model's named as such): the KV's tokens count too
         past = inspect_kv(continue_from, kv_format_for, make_identity(*identity), verify=False)["tokens"]

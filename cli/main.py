@@ -433,7 +433,7 @@ def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
     xxh3, tensors). Fails on a missing, truncated or damaged layer file, another model's KV, another prompt."""
     from moepack.families.kv_directory import identity_of_container, inspect_kv
     from moepack.format_spec.reader import Container
-    from moepack.runtime.engine import kv_format_for
+    from moepack.families import kv_format_for
     from moepack.serve.tokenizer import read_token_ids
 
     identity = None

@@ -21,7 +21,7 @@ from typing import Any
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.errors import MoepackError
 
-from .base import ModelFamily, RegisteredFamily
+from .base import ModelFamily, RegisteredFamily, family_kv_format
 
 
 class UnknownFamilyError(MoepackError):
@@ -147,6 +147,19 @@ def _family_where(matches) -> ModelFamily | None:
 def family_of_architecture(architecture: str) -> ModelFamily | None:
     """The family whose adapter writes a container's `architecture` (its model_type), or None (no family's)."""
     return _family_where(lambda e: architecture in e.model_types)
+
+
+def kv_format_for(architecture: str):
+    """The KV directory format (base.KVFormat) of a model `architecture` (a container's, or a KV manifest's): its
+    family's; a model of no family, or a family without one, is refused in one line."""
+    family = family_of_architecture(architecture)
+    if family is None:
+        raise MoepackError(f"its model ({architecture!r}) is of no model family moepack knows "
+                           f"(supported: {', '.join(e.name for e in _families())})")
+    kv_format = family_kv_format(family)
+    if kv_format is None:
+        raise MoepackError(f"a {family.name} model has no KV directory format (--kv-out, --continue-from)")
+    return kv_format
 
 
 def family_of_gguf(architecture: Any) -> ModelFamily | None:

@@ -81,6 +81,12 @@ def encode_rows(t: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
     return {"": (t / scale).clamp(-_F8_MAX, _F8_MAX).to(torch.float8_e4m3fn).contiguous(), ".scale": scale}
 
 
+def store_rows(tensors: dict, name: str, t: torch.Tensor, dtype: str) -> None:
+    """Into `tensors` (a layer file's, name -> tensor): `t` as `name` in its storage dtype (encode_rows)."""
+    for suffix, part in encode_rows(t, dtype).items():
+        tensors[name + suffix] = part
+
+
 def decode_rows(tensors: Mapping[str, torch.Tensor], name: str, dtype: str) -> torch.Tensor:
     """encode_rows' tensor `name` back as float32."""
     t = tensors[name]

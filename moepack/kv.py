@@ -21,9 +21,8 @@ import os
 
 import torch
 
-from moepack.families import FAMILY_NAMES, family_named, family_of_architecture
+from moepack.families import FAMILY_NAMES, family_named, family_of_architecture, kv_format_for
 from moepack.families import kv_directory as kvd
-from moepack.families.base import family_kv_format
 from moepack.families.kv_directory import KVCache
 from moepack.format_spec.errors import FormatError, MoepackError
 
@@ -38,20 +37,11 @@ def _family(architecture: str):
     return family
 
 
-def _kv_format(architecture: str):
-    """The KV format of the family the manifest's architecture names (a MoepackError where there is none)."""
-    family = _family(architecture)
-    kv_format = family_kv_format(family)
-    if kv_format is None:
-        raise MoepackError(f"a {family.name} model has no KV directory format")
-    return kv_format
-
-
 def read_kv(kv_dir, expect_identity=None, expect_prompt=None, prompt_prefix_of=None, device="cpu",
             dtype: torch.dtype = torch.float32) -> KVCache:
     """families.kv_directory.read_kv of a KV directory of any family: its layers in the format of the family its
     manifest names (validated; FormatError, one line, naming the problem)."""
-    return kvd.read_kv(os.fspath(kv_dir), _kv_format, expect_identity, expect_prompt, prompt_prefix_of, device, dtype)
+    return kvd.read_kv(os.fspath(kv_dir), kv_format_for, expect_identity, expect_prompt, prompt_prefix_of, device, dtype)
 
 
 def _load(kv, expect_prompt=None) -> KVCache:

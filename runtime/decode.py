@@ -793,8 +793,7 @@ class Decoder:
                 expert = self._expert_bytes(layer, e, got, held)
                 with self.compute:
                     if isinstance(expert, ExpertWeights):
-                        expert.apply(inputs[a:b], outputs[a:b], forward=self.experts.expert_forward,
-                                     limit=self.experts.expert_limit)
+                        self.experts.apply(expert, inputs[a:b], outputs[a:b])
                     else:
                         region = block.experts[e]
                         self.experts.expert_output(block, region, expert, region.offset, inputs[a:b], outputs[a:b])

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 
 from moepack.backends.device_copier import DeviceCopier
 from moepack.backends.grouped_experts import GroupedExperts, resolve_expert_backend
-from moepack.families import check_container, family_of_architecture
-from moepack.families.base import LayerPrefill, family_kv_format
+from moepack.families import check_container, kv_format_for
+from moepack.families.base import LayerPrefill
 from moepack.format_spec.decode import (companion_names, decode_group, decode_group_row_slices, decode_group_rows,
                                         entry_bytes)
 from moepack.format_spec.errors import FormatError, MoepackError
@@ -693,15 +693,12 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
             dist.close()
 
 
-def kv_format_for(architecture: str):
-    """The KV directory format (families.base.KVFormat) of a model `architecture` (a container's): its family's; a
-    model without one is refused in one line."""
-    family = family_of_architecture(architecture)
-    kv_format = family_kv_format(family) if family is not None else None
-    if kv_format is None:
-        what = family.name if family is not None else repr(architecture)
-        raise MoepackError(f"a {what} model has no KV directory format (--kv-out, --continue-from)")
-    return kv_format
+def container_kv_format(container: Container):
+    """families.kv_format_for of the container's model, a refusal naming the container."""
+    try:
+        return kv_format_for(container.architecture)
+    except MoepackError as e:
+        raise MoepackError(f"{container.path}: {e}") from None
 
 
 def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, kv_dtype, kv_sync, chunk_tokens,
@@ -709,12 +706,7 @@ def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, 
     from moepack.families import kv_directory as kvd
 
     with Container(path) as c:
-        kv_format = None
-        if kv_out is not None or continue_from is not None:
-            try:
-                kv_format = kv_format_for(c.architecture)
-            except MoepackError as e:
-                raise MoepackError(f"{c.path}: {e}") from None
+        kv_format = container_kv_format(c) if kv_out is not None or continue_from is not None else None
         identity = kvd.identity_of_container(c)
         past, all_ids, start = None, token_ids.tolist(), 0
         if continue_from is not None:

@@ -302,6 +302,10 @@ class ExpertRunner:
         weights = self.expert_weights(block, region, raw, base, tokens=len(x))
         if self.expert_ffn is not None:
             return out.copy_(self.expert_ffn(x, weights.w1, weights.w3, weights.w2))
+        return self.apply(weights, x, out)
+
+    def apply(self, weights: ExpertWeights, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """weights.apply by this runner's arithmetic (the family's expert_forward, expert_limit)."""
         return weights.apply(x, out, forward=self.expert_forward, limit=self.expert_limit)
 
     def expert_weights(self, block: Block, region: Region, raw: torch.Tensor, base: int,

@@ -25,7 +25,7 @@ from moepack.format_spec.reader import Container
 
 from .decode import Decoder
 from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
-                     kv_format_for, resolve_compute_dtype)
+                     container_kv_format, resolve_compute_dtype)
 from .memory import GIB, cache_room, check_device_memory, check_memory, default_cache_bytes
 from .read_scheduler import prefill_reader
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
@@ -262,10 +262,7 @@ class Generator:
 
     def kv_format(self):
         """The KV directory format of this container's model (--continue-from, --kv-out)."""
-        try:
-            return kv_format_for(self.c.architecture)
-        except MoepackError as e:
-            raise MoepackError(f"{self.path}: {e}") from None
+        return container_kv_format(self.c)
 
     def prefill_stats(self, stats: dict) -> dict:
         """A prefill's stats with the compute dtype it ran in and where that came from."""

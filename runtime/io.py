@@ -478,8 +478,7 @@ class ReadPipeline:
                 self._free.put(buf)
                 continue
             try:
-                copy = {} if self.zero_copy is None else {"zero_copy": self.zero_copy}  # (else the reader's own)
-                view = self.reader.read_into(buf, offset, length, part, **copy)
+                view = self.reader.read_into(buf, offset, length, part, zero_copy=self.zero_copy)  # None: reader's
                 if after is not None:
                     after(view)  # e.g. checksums: runs here, beside the consumer's compute
                 with self._lent_lock:

@@ -31,6 +31,7 @@ HEADROOM_BYTES = 1 << 30  # activations, the read buffers, the interpreter and t
 # the query chunk the memory estimate assumes where --query-chunk does not bound it (at least the device's own)
 ESTIMATE_QUERY_CHUNK = 512
 
+
 def cuda_free_bytes(device: torch.device) -> int:
     """What this process may still allocate on `device`: the device's free memory within the process's cap
     (torch.cuda.set_per_process_memory_fraction, a budget smaller than the device), plus the blocks torch has

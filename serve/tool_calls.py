@@ -99,6 +99,7 @@ class ToolCallSplitter:
 
     def __init__(self, encoding, prefill: str = "", parallel: bool = True):
         self.fmt = encoding.tool_format
+        self.invoke_open = _invoke_open(self.fmt)
         self.held = ""
         self.block: str | None = None  # the text after TOOL_CALLS_START, once it came
         self.done_at = 0  # how much of the block has become events
@@ -123,8 +124,7 @@ class ToolCallSplitter:
         return self._complete_calls()
 
     def _complete_calls(self) -> list[tuple[str, object]]:
-        out, fmt = [], self.fmt
-        invoke_open = _invoke_open(fmt)
+        out, fmt, invoke_open = [], self.fmt, self.invoke_open
         while True:
             rest = self.block[self.done_at:]
             end = rest.find(fmt.INVOKE_END)

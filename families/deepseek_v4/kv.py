@@ -31,7 +31,7 @@ from .. import kv_directory as kvd
 from ..kv_directory import (KV_DTYPES, KV_FORMAT, KV_MAJOR, KV_MINOR, LOGITS_NAME, MANIFEST_NAME,  # noqa: F401
                             MAX_MANIFEST_BYTES, TORCH_DTYPES as _TORCH_DTYPES, BackgroundKVWriter, KVCache,
                             check_dtype as _check_dtype, clean_interrupted_replacement, config_xxh3,
-                            decode_rows as _decode, encode_rows as _encode, identity_of_container, layer_file_bytes,
+                            decode_rows as _decode, identity_of_container, layer_file_bytes,
                             layer_file_name, make_identity, replacement_paths, row_bytes as _row_bytes,
                             token_ids_xxh3)
 from . import config as v4config
@@ -175,13 +175,12 @@ def kv_bytes(config: Mapping, n_tokens: int, dtype: str = "F32") -> int:
 _KV_TENSORS = ("window_kv", "compressor.compressed_kv", "indexer.compressed_kv")  # stored in the KV dtype
 
 
-def _layer_parts(layer: int, state, dtype: str) -> tuple[dict, dict, dict]:
+def _layer_parts(state, dtype: str) -> tuple[dict, dict, dict]:
     """(tensors, the file's own metadata, the manifest entry's fields) of one layer's state."""
     tensors: dict[str, torch.Tensor] = {}
     for name, t in state.tensors().items():
         if name in _KV_TENSORS:
-            for suffix, part in _encode(t, dtype).items():
-                tensors[name + suffix] = part
+            kvd.store_rows(tensors, name, t, dtype)
         else:
             tensors[name] = t.detach().to("cpu", torch.float32).contiguous()
     meta = {"layer_type": state.layer_type, "seen_tokens": str(state.seen_tokens)}
@@ -197,7 +196,7 @@ def _layer_parts(layer: int, state, dtype: str) -> tuple[dict, dict, dict]:
 def encode_layer(layer: int, state, dtype: str = "F32") -> bytes:
     """The safetensors bytes of one layer file (KV.md section 4)."""
     _check_dtype(dtype)
-    tensors, meta, _ = _layer_parts(layer, state, dtype)
+    tensors, meta, _ = _layer_parts(state, dtype)
     return layer_file_bytes(layer, tensors, meta, dtype)
 
 
@@ -224,7 +223,7 @@ class DeepseekV4KVFormat:
                                f"{geometry['layer_types'][layer]}")
 
     def layer_tensors(self, geometry: Mapping, layer: int, state: LayerKVState, dtype: str):
-        return _layer_parts(layer, state, dtype)
+        return _layer_parts(state, dtype)
 
     def entry_valid(self, geometry: Mapping, layer: int, entry: Mapping) -> bool:
         kind, entries = geometry["layer_types"][layer], entry.get("entries")

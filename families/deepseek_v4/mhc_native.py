@@ -90,6 +90,11 @@ def _load(reference):
     return kernels
 
 
+def _outside(hc: int) -> ValueError:
+    """What a call refused for its hc_mult raises."""
+    return ValueError(f"hc_mult {hc} is outside the compiled mHC kernel's 1..{HC_MAX}")
+
+
 def _token_pre(kernels, streams, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float,
                norm_weight):
     hidden = streams.shape[-1]
@@ -97,7 +102,7 @@ def _token_pre(kernels, streams, fn, scale, base, hc: int, iters: int, hc_eps: f
     post, comb = torch.empty(1, hc, dtype=torch.float32), torch.empty(1, hc, hc, dtype=torch.float32)
     if kernels.token_pre(streams.data_ptr(), hc, hidden, fn.data_ptr(), scale.data_ptr(), base.data_ptr(), iters,
                          hc_eps, norm_eps, norm_weight.data_ptr(), x.data_ptr(), post.data_ptr(), comb.data_ptr()):
-        raise ValueError(f"hc_mult {hc} is outside the compiled mHC kernel's 1..{HC_MAX}")
+        raise _outside(hc)
     return x, post, comb
 
 
@@ -106,7 +111,7 @@ def _token_post(kernels, streams, out, post, comb):
     into = torch.empty(1, hc, hidden, dtype=torch.float32)
     if kernels.token_post(streams.data_ptr(), out.data_ptr(), post.data_ptr(), comb.data_ptr(), hc, hidden,
                           into.data_ptr()) == 1:  # 2: not finite, model.check_finite names the layer
-        raise ValueError(f"hc_mult {hc} is outside the compiled mHC kernel's 1..{HC_MAX}")
+        raise _outside(hc)
     return into
 
 
@@ -116,7 +121,7 @@ def _call(fn, mixes, scale, base, hc: int, iters: int, eps: float):
     comb = torch.empty(n, hc, hc, dtype=torch.float32)
     if fn(mixes.data_ptr(), n, hc, scale.data_ptr(), base.data_ptr(), iters, eps, pre.data_ptr(), post.data_ptr(),
           comb.data_ptr()):
-        raise ValueError(f"hc_mult {hc} is outside the compiled mHC kernel's 1..{HC_MAX}")
+        raise _outside(hc)
     return pre, post, comb
 
 

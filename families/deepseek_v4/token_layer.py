@@ -242,10 +242,7 @@ class TokenLayers:
         _call(fn, args, threads)
         if entries is not None and entries.shape[0]:
             if indexed:  # every entry is complete: the index_topk best scores
-                head_weights = L.parts[6] * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
-                scores = self.indexer.scores(L.index_q, rotation, kv_state.indexer.entries.mirror(), head_weights,
-                                             L.low)
-                entries = entries.index_select(0, scores.topk(cfg.index_topk).indices)
+                entries = self._picked(L, L.index_q, rotation, kv_state, L.parts, entries)
             keys.append(entries)
         self._attend(L, _ptr(L.q), angles, keys, self.o, threads)
         fn, args = L.grouped
@@ -255,6 +252,15 @@ class TokenLayers:
         fn, args = L.attn_post
         if fn(*args) == 1:  # (2: not finite; the layer's FFN exit checks)
             raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
+
+    def _picked(self, L: _Layer, index_q: Tensor, rotation: Tensor, kv_state: model.TokenKV, parts: list[Tensor],
+                entries: Tensor) -> Tensor:
+        """A CSA layer's compressed entries (every one complete) that one token attends to: the indexer's index_topk
+        best scores of its query index_q [index heads, D], its head weights parts[6]."""
+        cfg = self.cfg
+        head_weights = parts[6] * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
+        scores = self.indexer.scores(index_q, rotation, kv_state.indexer.entries.mirror(), head_weights, L.low)
+        return entries.index_select(0, scores.topk(cfg.index_topk).indices)
 
     @staticmethod
     def _check_state(L: _Layer, layer: int, kv_state: model.TokenKV) -> None:
@@ -358,10 +364,7 @@ class TokenLayers:
             if entries is not None and entries.shape[0]:
                 if row_indexed:
                     index_q = q[row, queries.spans[1][0]:].view(cfg.index_n_heads, cfg.index_head_dim)
-                    head_weights = parts[6] * (cfg.index_n_heads ** -0.5 * cfg.index_head_dim ** -0.5)
-                    scores = self.indexer.scores(index_q, rotation, kv_state.indexer.entries.mirror(), head_weights,
-                                                 L.low)
-                    entries = entries.index_select(0, scores.topk(cfg.index_topk).indices)
+                    entries = self._picked(L, index_q, rotation, kv_state, parts, entries)
                 keys.append(entries)
             key_sets.append([t for t in keys if t.shape[0]])
         # every row's attention in one call (one wake of the threads, not one per row)

@@ -51,8 +51,7 @@ class Qwen3MoeKVFormat:
     def layer_tensors(self, geometry: Mapping[str, Any], layer: int, state: LayerKV, dtype: str):
         tensors = {}
         for name in _TENSORS:
-            for suffix, part in kvd.encode_rows(getattr(state, name), dtype).items():
-                tensors[name + suffix] = part
+            kvd.store_rows(tensors, name, getattr(state, name), dtype)
         return tensors, {"seen_tokens": str(state.length)}, {"seen_tokens": state.length}
 
     def entry_valid(self, geometry: Mapping[str, Any], layer: int, entry: Mapping[str, Any]) -> bool:
