@@ -478,7 +478,8 @@ class ReadPipeline:
                 self._free.put(buf)
                 continue
             try:
-                view = self.reader.read_into(buf, offset, length, part, zero_copy=self.zero_copy)  # None: reader's
+                copy = {} if self.zero_copy is None else {"zero_copy": self.zero_copy}  # (else the reader's own)
+                view = self.reader.read_into(buf, offset, length, part, **copy)
                 if after is not None:
                     after(view)  # e.g. checksums: runs here, beside the consumer's compute
                 with self._lent_lock:
