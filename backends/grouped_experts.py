@@ -61,16 +61,55 @@ def resolve_expert_backend(name: str, device: torch.device) -> str:
 
 # torch's grouped GEMM: the public name (torch >= 2.9), else the private one it grew from (SM90, bf16)
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# CUDA's kernel prepares its groups in one thread block of that many threads: torch refuses 1024 groups or more
+# (aten/src/ATen/native/cuda/GroupMM.cu, "Can't process more than 1024 groups")
+MAX_GROUPS = 1023
+_TMA_BYTES = 16  # CUDA's kernel loads and stores by TMA: base addresses and row strides in multiples of 16 bytes
 
 
-def grouped_mm_usable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes a [rows, K] @ b [G, K, N] (b transposed from [G, N, K]) here: bf16 on
-    CUDA (its kernels take nothing else), any float dtype on a CPU; every row 16-byte aligned."""
+def grouped_mm_refusal(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor | None = None,
+                       as_cuda: bool | None = None) -> str | None:
+    """Why torch's grouped GEMM would not take a [rows, K] @ b [G, K, N] (b transposed from [G, N, K]) with
+    `offsets` (int32 group ends) here, or None where it does. `as_cuda` (default: a is on a GPU): CUDA's own
+    checks, also on CPU tensors (a test), where the only kernel that runs without waiting for the host is
+    CUTLASS's, on sm_90 / sm_100, in bf16 (any other arch or dtype goes to a loop that copies the offsets to the
+    host): torch's _grouped_mm_cuda (GroupedBlas.cpp), _grouped_mm_validate_inputs and
+    check_valid_strides_and_return_transposed (GroupedMMUtils.h), GroupMM.cu."""
+    cuda = a.device.type == "cuda" if as_cuda is None else as_cuda
     if _GROUPED_MM is None:
-        return False
-    if a.device.type == "cuda" and a.dtype != torch.bfloat16:
-        return False
-    return all(d * a.element_size() % 16 == 0 for d in (a.shape[1], b.shape[2]))
+        return "this torch has no grouped GEMM"
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[1]:
+        return f"shapes {list(a.shape)} @ {list(b.shape)} are not [rows, K] @ [G, K, N]"
+    if b.dtype != a.dtype or a.dtype not in ((torch.bfloat16,) if cuda else
+                                             (torch.bfloat16, torch.float16, torch.float32)):
+        return f"dtypes {a.dtype} @ {b.dtype}"
+    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device)[0] not in (9, 10):
+        return "CUDA's grouped kernel needs sm_90 or sm_100"
+    if cuda and b.shape[0] > MAX_GROUPS:
+        return f"{b.shape[0]} groups (CUDA's kernel takes at most {MAX_GROUPS})"
+    if a.shape[0] == 0:
+        return "no rows"
+    for name, t in (("a", a), ("b", b)):
+        if cuda and t.data_ptr() % _TMA_BYTES:
+            return f"{name}'s data is not {_TMA_BYTES}-byte aligned"
+        # one of the last two dimensions dense, the other's stride a multiple of 16 bytes
+        rows_stride, cols_stride = t.stride()[-2:]
+        leading = cols_stride if rows_stride == 1 and cols_stride >= max(1, t.shape[-2]) else \
+            rows_stride if cols_stride == 1 and rows_stride >= max(1, t.shape[-1]) else None
+        if leading is None or leading * t.element_size() % _TMA_BYTES:
+            return f"{name}'s strides {list(t.stride())} (sizes {list(t.shape)})"
+    if any(d * a.element_size() % _TMA_BYTES for d in (a.shape[1], b.shape[2])):
+        return f"K = {a.shape[1]} or N = {b.shape[2]} is not a multiple of {_TMA_BYTES} bytes"
+    if offsets is not None and (offsets.dtype != torch.int32 or offsets.dim() != 1
+                                or offsets.shape[0] != b.shape[0] or offsets.device != a.device):
+        return f"offsets {offsets.dtype} {list(offsets.shape)} on {offsets.device} for {b.shape[0]} groups"
+    return None
+
+
+def grouped_mm_usable(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor | None = None) -> bool:
+    """Whether torch's grouped GEMM takes a [rows, K] @ b [G, K, N] here (grouped_mm_refusal: on CUDA, without a
+    host synchronisation)."""
+    return grouped_mm_refusal(a, b, offsets) is None
 
 
 def group_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
@@ -88,9 +127,10 @@ def grouped_matmul(a: torch.Tensor, b: torch.Tensor, counts: list[int] | None, o
     GEMM where it takes these operands (`offsets`: group_offsets(counts), made here if not given), else one
     matmul per group (float32 on a GPU). `counts` None: only `offsets` (on the device, never read by the host),
     for operands grouped_mm_usable takes."""
-    if counts is None and not grouped_mm_usable(a, b):
-        raise ValueError("grouped_matmul without counts needs operands torch's grouped GEMM takes")
-    if grouped_mm_usable(a, b):
+    refusal = grouped_mm_refusal(a, b, offsets)
+    if counts is None and refusal is not None:
+        raise ValueError(f"grouped_matmul without counts needs operands torch's grouped GEMM takes: {refusal}")
+    if refusal is None:
         return _GROUPED_MM(a, b, offs=group_offsets(counts, a.device) if offsets is None else offsets)
     out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
     first = 0

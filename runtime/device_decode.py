@@ -30,17 +30,20 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from moepack.backends import grouped_experts
 from moepack.backends.grouped_experts import grouped_matmul, grouped_mm_usable
 
 from .expert_decode import ExpertWeights
 
 
 def pool_usable(dtype: torch.dtype, device: torch.device, inter: int, hidden: int) -> bool:
-    """Whether torch's grouped GEMM takes the pool's operands here (bf16 on CUDA; any float dtype on a CPU; rows
-    16-byte aligned): the pool computes only through it (its offsets stay on the device)."""
-    gate_up = torch.empty(1, hidden, 2 * inter, dtype=dtype, device=device)
-    down = torch.empty(1, inter, hidden, dtype=dtype, device=device)
-    return grouped_mm_usable(gate_up[:, 0], gate_up) and grouped_mm_usable(down[:, 0], down)
+    """Whether torch's grouped GEMM takes the pool's operands here, laid out as the pool lays them (bf16 on CUDA's
+    sm_90 / sm_100; any float dtype on a CPU; rows 16-byte aligned): the pool computes only through it (its offsets
+    stay on the device)."""
+    gate_up = torch.empty(1, 2 * inter, hidden, dtype=dtype, device=device)
+    down = torch.empty(1, hidden, inter, dtype=dtype, device=device)
+    rows = [torch.empty(1, k, dtype=dtype, device=device) for k in (hidden, inter)]  # the pairs, the hidden
+    return grouped_mm_usable(rows[0], gate_up.transpose(1, 2)) and grouped_mm_usable(rows[1], down.transpose(1, 2))
 
 
 class CapturedCall:
@@ -49,14 +52,22 @@ class CapturedCall:
 
     def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...]):
         self.inputs = tuple(t.clone() for t in inputs)
+        stream = torch.cuda.current_stream()
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(stream)
         with torch.cuda.stream(side):  # a warm-up outside the capture: lazy initialisation, workspace
             fn(*self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
+        stream.wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.output = fn(*self.inputs)
+        try:
+            # thread_local: what other threads do meanwhile (the reader's copies, another generation's host
+            # waits) neither breaks this capture nor fails there
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.output = fn(*self.inputs)
+        finally:
+            # a capture that failed at its end (an op that waits for the host invalidates it) raises from
+            # torch.cuda.graph's exit before it sets the stream back: the eager run goes on the caller's stream
+            torch.cuda.set_stream(stream)
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         for static, arg in zip(self.inputs, args):
@@ -246,18 +257,39 @@ class ExpertPool:
         weights = weights.gather(1, by_id)
         slots = self.slot_of[layer].index_select(0, experts.reshape(-1))  # [P] pairs
         order = torch.argsort(slots, stable=True)
-        ends = torch.searchsorted(slots.index_select(0, order), self._slot_ids, right=True).to(torch.int32)
+        sorted_slots = slots.index_select(0, order)
+        ends = torch.searchsorted(sorted_slots, self._slot_ids, right=True).to(torch.int32)
         pairs = x.index_select(0, order // top_k)  # [P, H] sorted by slot
-        both = grouped_matmul(pairs, self.gate_up.transpose(1, 2), None, ends)
+        both = self._pool_matmul(pairs, self.gate_up, ends, sorted_slots)
         hidden = self.activation(both[:, :self.inter], both[:, self.inter:])
-        out = grouped_matmul(hidden, self.down.transpose(1, 2), None, ends)
-        back = torch.empty_like(order)
-        back[order] = torch.arange(order.numel(), device=order.device)
+        out = self._pool_matmul(hidden, self.down, ends, sorted_slots)
+        positions = torch.arange(order.numel(), device=order.device)
+        back = torch.empty_like(order).scatter_(0, order, positions)  # order's inverse
         terms = out.index_select(0, back).view(rows, top_k, -1)
         acc = torch.zeros(rows, terms.shape[2], dtype=torch.float32, device=x.device)
         for j in range(top_k):
             acc.addcmul_(terms[:, j].float(), weights[:, j, None].float())
         return acc
+
+    def _pool_matmul(self, a: torch.Tensor, stack: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor
+                     ) -> torch.Tensor:
+        """Each row of `a` (sorted by slot: `slots` each row's, `ends` every slot's end row, on the device) times
+        its slot's matrix of `stack` [capacity, N, K]: one grouped GEMM over the whole pool, or where it has more
+        slots than CUDA's kernel takes groups, one per run of slots, each over every row (its first group, the
+        slot before the run, takes the rows of the runs before: computed and dropped), the rows picked by their
+        slot on the device."""
+        b = stack.transpose(1, 2)
+        limit = grouped_experts.MAX_GROUPS
+        if self.capacity <= limit:
+            return grouped_matmul(a, b, None, ends)
+        out = None
+        for first in range(0, self.capacity, limit - 1):
+            stop = min(first + limit - 1, self.capacity)
+            lead = max(first - 1, 0)
+            part = grouped_matmul(a, b[lead:stop], None, ends[lead:stop])
+            # rows past the run's last end are not written by the kernel: only the run's own rows are taken
+            out = part if out is None else torch.where(((slots >= first) & (slots < stop))[:, None], part, out)
+        return out
 
     def release(self) -> None:
         """The stacks freed (the table's host mirror emptied; the caller empties the cache)."""

@@ -316,6 +316,87 @@ def test_the_step_through_static_buffers_as_cuda_graphs_replay_them_equals_eager
         assert torch.equal(a, b)
 
 
+# ops that make the host wait for the device (or copy host data to it) on CUDA: none may run inside a captured
+# piece (the capture fails, and the step runs eagerly)
+_HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "lift_fresh", "is_nonzero", "equal", "unique",
+               "_unique", "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "_assert_async"}
+
+
+class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops run under it that would wait for the host on CUDA (_HOST_SYNCS, or indexing by a mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        masks = [t for t in torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                 if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.dim() > 0]
+        if name in _HOST_SYNCS or (name in ("index", "index_put", "index_put_") and masks):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.4], ids=["complete", "misses"])
+def test_no_captured_piece_waits_for_the_host(containers, generator, monkeypatch, fraction):
+    """What StepGraphs captures on CUDA (each layer's attention entry and FFN, or its routed work over the pool),
+    run on a CPU along the branches a GPU takes (no compiled token kernels, no native mHC): no op in it waits for
+    the host (an .item(), a nonzero, a mask, a host list made a tensor) -- one would fail the capture on CUDA."""
+    from moepack.backends import ops
+    from moepack.families.deepseek_v4 import mhc_native
+    from moepack.runtime import device_decode
+
+    monkeypatch.setattr(ops, "kernels_for", lambda *a: None)
+    for name in ("hc_mix_weights", "token_pre", "token_post"):
+        monkeypatch.setattr(mhc_native, name, lambda *a, **k: None)
+    captured = []
+
+    class Checked(_StaticBuffers):
+        def __init__(self, fn, inputs):
+            with _HostSyncs() as mode:
+                super().__init__(fn, inputs)
+            captured.append((fn, mode.seen))
+    monkeypatch.setattr(device_decode, "CapturedCall", Checked)
+    with generator(containers["A"], compute_dtype="bfloat16", decoded_experts=True, expert_pool=True) as g:
+        d = g.decoder
+        d.cache.resize(int(fraction * _routed_bytes(d)))
+        d.seed(_all_experts(d))
+        d.pool.graphs.enabled = True
+        _greedy_rows(g, steps=2)
+        assert d.pool.graphs.replays == 2 * 2 * len(d.blocks)
+    assert len(captured) == 2 * len(d.blocks)
+    assert [seen for _, seen in captured if seen] == []
+
+
+def test_a_pool_of_more_slots_than_cudas_grouped_gemm_takes_runs_in_runs_of_slots(containers, generator, monkeypatch):
+    """CUDA's grouped GEMM takes at most MAX_GROUPS groups: a larger pool runs its slots in runs, each GEMM over
+    every row, each row taken from its own slot's run. The same tokens and logits as one GEMM over the pool; every
+    grouped GEMM call meets CUDA's checks (alignment, strides, dtype, group count, offsets)."""
+    from moepack.backends import grouped_experts
+
+    real, calls = grouped_experts._GROUPED_MM, []
+
+    def checked(a, b, offs):
+        calls.append((b.shape[0], grouped_experts.grouped_mm_refusal(a, b, offs, as_cuda=True)))
+        return real(a, b, offs=offs)
+    monkeypatch.setattr(grouped_experts, "_GROUPED_MM", checked)
+    results = {}
+    for limit in (grouped_experts.MAX_GROUPS, 7):
+        monkeypatch.setattr(grouped_experts, "MAX_GROUPS", limit)
+        with generator(containers["A"], compute_dtype="bfloat16", decoded_experts=True, expert_pool=True) as g:
+            d = g.decoder
+            d.seed(_all_experts(d))
+            assert d.pool.capacity == 40 > 7
+            results[limit] = _greedy_rows(g, steps=3)
+    # one GEMM of 40 groups; runs of 6 slots (the first), 6 and their lead, ..., the last 4 and their lead
+    assert {groups for groups, _ in calls} == {40, 6, 7, 40 - 6 * 6 + 1}
+    assert [refusal for _, refusal in calls if refusal] == []
+    assert results[7][0] == results[grouped_experts.MAX_GROUPS][0]
+    for a, b in zip(results[7][1], results[grouped_experts.MAX_GROUPS][1]):
+        assert torch.equal(a, b)
+
+
 def test_the_pool_is_refused_without_decoded_experts(containers):
     from moepack.families import check_container
     from moepack.format_spec.reader import Container

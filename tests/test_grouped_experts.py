@@ -111,8 +111,46 @@ def test_grouped_matmul_equals_a_matmul_per_group_with_empty_groups(dtype, monke
                                    atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
         first += n
     # the fallback (one matmul per group) gives the same
-    monkeypatch.setattr(grouped_experts, "grouped_mm_usable", lambda a, b: False)
+    monkeypatch.setattr(grouped_experts, "grouped_mm_refusal", lambda *args, **kw: "off")
     torch.testing.assert_close(grouped_matmul(a, b.transpose(1, 2), counts), got, rtol=1e-2, atol=1e-2)
+
+
+def test_cudas_grouped_gemm_checks_refuse_what_its_kernel_refuses():
+    """grouped_mm_refusal(as_cuda=True) on CPU tensors: the checks of torch's CUDA grouped GEMM (GroupedBlas.cpp,
+    GroupedMMUtils.h, GroupMM.cu), each refused operand named; the operands as the backends lay them taken."""
+    refusal = grouped_experts.grouped_mm_refusal
+    a = torch.randn(40, 64).to(torch.bfloat16)
+    b = torch.randn(4, 48, 64).to(torch.bfloat16).transpose(1, 2)  # [G, K, N], column-major as stored
+    offs = torch.tensor([10, 10, 35, 40], dtype=torch.int32)
+    assert refusal(a, b, offs, as_cuda=True) is None
+    assert refusal(a, b.contiguous(), offs, as_cuda=True) is None  # row-major b: another kernel, also taken
+    assert "dtypes" in refusal(a.float(), b.float(), offs, as_cuda=True)  # CUDA's kernel: bf16 only
+    assert refusal(a.float(), b.float(), offs, as_cuda=False) is None  # torch's CPU loop takes float32
+    assert "aligned" in refusal(a.view(-1)[4:4 + 39 * 64].view(39, 64), b, offs, as_cuda=True)
+    assert "K = 60" in refusal(a[:, :60], b[:, :60], offs, as_cuda=True)  # K of 120 bytes
+    assert "a's strides" in refusal(torch.randn(40, 68).to(torch.bfloat16)[:, :64], b, offs, as_cuda=True)
+    sparse = torch.randn(4, 64, 96).to(torch.bfloat16)[:, :, ::2]  # neither of its last dimensions dense
+    assert "b's strides" in refusal(a, sparse, offs, as_cuda=True)
+    many = torch.zeros(1024, 64, 48, dtype=torch.bfloat16)
+    assert "groups" in refusal(a, many, torch.zeros(1024, dtype=torch.int32), as_cuda=True)
+    assert refusal(a, many[:1023], torch.zeros(1023, dtype=torch.int32), as_cuda=True) is None
+    assert "offsets" in refusal(a, b, offs.long(), as_cuda=True)
+    assert "offsets" in refusal(a, b, offs[:3], as_cuda=True)
+    assert "no rows" in refusal(a[:0], b, offs, as_cuda=True)
+
+
+def test_every_grouped_gemm_of_a_bf16_grouped_prefill_meets_cudas_checks(containers, monkeypatch):
+    """The grouped backend's calls, as a GPU would make them (bf16 experts): each satisfies CUDA's grouped GEMM
+    (grouped_mm_refusal(as_cuda=True) finds nothing), one call per GEMM and read, none through the loop."""
+    real, calls = grouped_experts._GROUPED_MM, []
+
+    def checked(a, b, offs):
+        calls.append(grouped_experts.grouped_mm_refusal(a, b, offs, as_cuda=True))
+        return real(a, b, offs=offs)
+    monkeypatch.setattr(grouped_experts, "_GROUPED_MM", checked)
+    prefill(containers["keep"], list(range(3, 60)), PrefillOptions(expert_dtype="bfloat16", expert_backend="grouped",
+                                                                  bundle_experts=3))
+    assert calls and calls == [None] * len(calls)
 
 
 def test_backend_choice():
