@@ -44,8 +44,10 @@ class DeviceCopier:
                 return buffer.tensor  # on the device already (or a CPU prefill)
             pooled = False  # pinned memory that is never written again: no event to wait for before reuse
         host = self.host_bytes(buffer, view)
-        if self.stream is None or (view is not None and view.readonly):
+        if self.stream is None:
             return host
+        if view is not None and view.readonly:  # the page cache (not pinned): copied on the compute stream, at once
+            return host.to(self.device)
         compute_stream = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             dev = host.to(self.device, non_blocking=True)

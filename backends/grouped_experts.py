@@ -18,6 +18,7 @@ activation between the two GEMMs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -67,6 +68,11 @@ MAX_GROUPS = 1023
 _TMA_BYTES = 16  # CUDA's kernel loads and stores by TMA: base addresses and row strides in multiples of 16 bytes
 
 
+@functools.lru_cache(maxsize=None)
+def _compute_capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def grouped_mm_refusal(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor | None = None,
                        as_cuda: bool | None = None) -> str | None:
     """Why torch's grouped GEMM would not take a [rows, K] @ b [G, K, N] (b transposed from [G, N, K]) with
@@ -83,7 +89,7 @@ def grouped_mm_refusal(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor |
     if b.dtype != a.dtype or a.dtype not in ((torch.bfloat16,) if cuda else
                                              (torch.bfloat16, torch.float16, torch.float32)):
         return f"dtypes {a.dtype} @ {b.dtype}"
-    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device)[0] not in (9, 10):
+    if a.device.type == "cuda" and _compute_capability(a.device.index)[0] not in (9, 10):
         return "CUDA's grouped kernel needs sm_90 or sm_100"
     if cuda and b.shape[0] > MAX_GROUPS:
         return f"{b.shape[0]} groups (CUDA's kernel takes at most {MAX_GROUPS})"

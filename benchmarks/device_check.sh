@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks for one lease of a device machine, as one command. Everything lands in $OUT (the device tool brings
-# it back); each step has its own time limit, and STEPS picks the steps (default: all, in this order):
+# it back); each step has its own time limit, and STEPS picks the steps and their order (default: all, in this
+# order; a step runs only while a minute of TOTAL_S is left, so name the figures that matter most first):
 #   tests     the CUDA tests (prefill against transformers and the CPU, the release's storage, the quant kernels,
 #             the device copier, greedy decode against transformers, seeded sampling)
 #   generate  `moepack demo`'s model, then `moepack generate --device cuda` and `--device cpu` on it (--json)
@@ -41,7 +42,11 @@ DEVICE=${DEVICE:-cuda}
 STEPS=${STEPS:-tests gpu_prefill gpu_decode generate capped decode prefill profile}
 GPU_TOKENS=${GPU_TOKENS:-4096,131072,65536,16384}
 GPU_BATCH=${GPU_BATCH:-1,8}
-GPU_DECODE_EXPERTS=${GPU_DECODE_EXPERTS:-256}  # gpu_decode: fewer builds a smaller slice (256: gpu_prefill's)
+# the release slice gpu_prefill and gpu_decode share (built once, by whichever runs first): fewer experts or layers
+# build a smaller one (a dry run on a CPU: GPU_EXPERTS=8 GPU_LAYERS=1)
+GPU_EXPERTS=${GPU_EXPERTS:-${GPU_DECODE_EXPERTS:-256}}
+GPU_LAYERS=${GPU_LAYERS:-1,2,3}
+GPU_WORKDIR=${GPU_WORKDIR:-/tmp/moepack-gpu-prefill}
 PRESET=${PRESET:-medium}
 TOKENS=${TOKENS:-1024,4096}
 BUDGET_GIB=${BUDGET_GIB:-1}  # below the medium preset's 2.3 GB of experts: they stream, as on a small GPU
@@ -69,7 +74,10 @@ if ! python3 -c "import zstandard, regex, gguf, transformers; transformers.Deeps
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
 fi
 # no dependencies: the image's torch is the one to use (the project pins a CPU build for fresh machines)
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+# (skipped where this python imports moepack from this tree already: a dry run in the repository's own venv)
+python3 -c "import os, sys, moepack.runtime.engine as m
+sys.exit(not os.path.realpath(m.__file__).startswith(os.path.realpath('.') + os.sep))" 2> /dev/null \
+    || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 python3 - <<'EOF' 2>&1 | tee "$OUT/versions.txt"
 import os, torch, transformers
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
@@ -80,16 +88,16 @@ EOF
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 failed=""
 
-if wants tests; then
+run_tests() {
     step "tests"
     timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_prefill.py tests/test_quants.py \
         tests/test_bench.py tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py \
         tests/test_grouped_experts.py tests/test_resident.py tests/test_device_decode.py -k cuda 2>&1 \
         | tee "$OUT/tests.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
-fi
+}
 
-if wants generate; then
+run_generate() {
     step "generate"
     {
         timeout "$(upto 60)" moepack demo --workdir /tmp/moepack-demo --json > /tmp/demo.json &&
@@ -103,9 +111,9 @@ print(sys.argv[2], d['finish_reason'], d['generated_ids'], {k: s[k] for k in key
         done
     } 2>&1 | tee "$OUT/generate.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed generate"
-fi
+}
 
-if wants capped; then
+run_capped() {
     step "capped benchmark"
     {
         mkdir -p /tmp/llama-cuda/bin && cp -a "$LLAMA_CUDA"/. /tmp/llama-cuda/bin/
@@ -129,31 +137,31 @@ if wants capped; then
             --vram-gib "$VRAM_GIB" --tokens $CAPPED_TOKENS --threads 8 --workdir /tmp/moepack-vs-llama
     } 2>&1 | tee "$OUT/capped.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed capped"
-fi
+}
 
-if wants decode; then
+run_decode() {
     step "decode benchmark"
     timeout "$(upto 200)" python3 benchmarks/decode.py --preset "$PRESET" --device "$DEVICE" --no-transformers \
         --workdir /tmp/moepack-decode 2> "$OUT/decode_stderr.txt" | tee "$OUT/decode.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed decode"
-fi
+}
 
-if wants gpu_prefill; then
+run_gpu_prefill() {
     step "gpu prefill at the release's dimensions"
     timeout "$(upto 300)" python3 benchmarks/gpu_prefill.py --device "$DEVICE" --tokens "$GPU_TOKENS" \
-        --workdir /tmp/moepack-gpu-prefill 2> >(tee "$OUT/gpu_prefill_stderr.txt" >&2) \
+        --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --workdir "$GPU_WORKDIR" 2> >(tee "$OUT/gpu_prefill_stderr.txt" >&2) \
         | tee "$OUT/gpu_prefill.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_prefill"
-fi
+}
 
-if wants gpu_decode; then
+run_gpu_decode() {
     step "gpu decode at the release's dimensions"
     timeout "$(upto 300)" python3 benchmarks/gpu_decode.py --device "$DEVICE" --batch "$GPU_BATCH" \
-        --experts "$GPU_DECODE_EXPERTS" --workdir /tmp/moepack-gpu-prefill 2> >(tee "$OUT/gpu_decode_stderr.txt" >&2) | tee "$OUT/gpu_decode.txt"
+        --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --workdir "$GPU_WORKDIR" 2> >(tee "$OUT/gpu_decode_stderr.txt" >&2) | tee "$OUT/gpu_decode.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_decode"
-fi
+}
 
-if wants prefill; then
+run_prefill() {
     step "prefill benchmark"
     # the decode step's model, where it made one (the same synthetic medium preset, converted with --keep)
     mkdir -p /tmp/moepack-bench
@@ -164,9 +172,9 @@ if wants prefill; then
         --tokens "$TOKENS" --compute-dtype bfloat16 --repeat 1 --device "$DEVICE" --device-budget-gib "$BUDGET_GIB" \
         2> "$OUT/prefill_stderr.txt" | tee "$OUT/prefill.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed prefill"
-fi
+}
 
-if wants profile; then
+run_profile() {
     step "decode profile"
     # where a GPU token's time goes: torch's profiler over a short generation (16-token prompt, 8 new tokens) after
     # a warm-up that cached every expert on the device; the decode benchmark's medium model where that step made it
@@ -195,7 +203,17 @@ if device == "cuda":
     print(table.table(sort_by="self_cuda_time_total", row_limit=15))
 EOF
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed profile"
-fi
+}
+
+# in the order STEPS names them: the figures that matter most first, so a run cut short still has them
+for name in $STEPS; do
+    if ! declare -F "run_$name" > /dev/null; then
+        echo "== $name: no such step" | tee -a "$OUT/steps.txt"
+        failed="$failed $name"
+        continue
+    fi
+    wants "$name" && "run_$name"
+done
 
 step "done${failed:+: FAILED:$failed}"
 [ -z "$failed" ]

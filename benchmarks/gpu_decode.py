@@ -47,6 +47,7 @@ from moepack.runtime import generate as generate_module  # noqa: E402
 from moepack.runtime.decode import Decoder  # noqa: E402
 from moepack.runtime.engine import PrefillOptions  # noqa: E402
 from moepack.runtime.generate import Generator  # noqa: E402
+from moepack.runtime.memory import cuda_free_bytes  # noqa: E402
 
 GIB = 1 << 30
 GOAL_TOKENS_PER_S = 500  # issue 36: H200, release-dimension slice, one stream
@@ -155,6 +156,10 @@ def main() -> None:
             raise SystemExit("the expert pool does not take these experts here (torch's grouped GEMM: bf16 on CUDA)")
         every = [[1] * len(b.experts) for b in d.blocks]
         routed = sum(d._entry_bytes(layer, e) for layer, b in enumerate(d.blocks) for e in range(len(b.experts)))
+        free = cuda_free_bytes(device) if device.type == "cuda" else 0
+        if free and routed > 0.9 * free:  # one line, before a pool allocation fails with a traceback
+            raise SystemExit(f"every expert decoded takes {routed / GIB:.1f} GiB but {device} has "
+                             f"{free / GIB:.1f} GiB free: a smaller slice (--experts, --layers)")
         d.cache.resize(routed)
         started = time.perf_counter()
         d.seed(every)
