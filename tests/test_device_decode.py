@@ -432,6 +432,27 @@ def test_cuda_the_pools_routed_work_is_a_replayed_graph_equal_to_eager(container
         assert _relative(a, b) < 2e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_a_piece_whose_capture_fails_runs_eagerly_on_the_callers_stream():
+    """A piece that waits for the host cannot be captured: StepGraphs runs it eagerly from then on, its result
+    right, the caller's stream current again, and a capturable piece after it is captured and replayed."""
+    from moepack.runtime.device_decode import StepGraphs
+
+    graphs = StepGraphs(True)
+    stream = torch.cuda.Stream()
+    x = torch.arange(6.0, device="cuda")
+    with torch.cuda.stream(stream):
+        waits = graphs.run(("waits",), lambda t: t * float(t.sum()), x)  # float(): a host sync
+        assert torch.cuda.current_stream() == stream
+        assert graphs._captured[("waits",)] is None and graphs.replays == 0
+        torch.testing.assert_close(waits, x * 15.0)
+        doubled = graphs.run(("doubles",), lambda t: t * 2, x)
+        torch.testing.assert_close(doubled, x * 2)
+        assert graphs._captured[("doubles",)] is not None and graphs.replays == 1
+        torch.testing.assert_close(graphs.run(("doubles",), lambda t: t * 2, x + 1), (x + 1) * 2)
+    torch.cuda.synchronize()
+
+
 def test_the_gpu_decode_benchmark_runs_on_a_cpu(tmp_path):
     """benchmarks/gpu_decode.py's dry run: both paths at B = 1 and 2, every expert pooled (no sync), the bytes a
     token reads at B = 1 the resident weights plus top-k experts per layer, a bandwidth fraction against the copy

@@ -139,6 +139,47 @@ def test_cudas_grouped_gemm_checks_refuse_what_its_kernel_refuses():
     assert "no rows" in refusal(a[:0], b, offs, as_cuda=True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_grouped_gemm_refuses_what_grouped_mm_refusal_names_and_computes_what_it_takes():
+    """On the device: torch's own grouped GEMM raises for the operands grouped_mm_refusal names for their layout
+    (alignment, strides, group count), and for those it takes gives each group's matmul, empty groups (most of
+    the pool's) included."""
+    if grouped_experts.grouped_mm_refusal(torch.empty(1, 16, dtype=torch.bfloat16, device="cuda"),
+                                          torch.empty(1, 16, 16, dtype=torch.bfloat16, device="cuda")):
+        pytest.skip("this GPU has no grouped GEMM kernel torch runs without the host (sm_90 / sm_100)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def bf16(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def offsets(counts):
+        return torch.tensor(counts, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    a, b = bf16(40, 64), bf16(4, 48, 64).transpose(1, 2)
+    counts = [10, 0, 25, 5]
+    pool = bf16(768, 32, 64).transpose(1, 2)  # the pool's shape of call: a few rows, most groups empty
+    pool_counts = [0] * 768
+    pool_counts[3], pool_counts[500], pool_counts[767] = 2, 3, 1
+    taken = [(a, b, counts), (a, b.contiguous(), counts), (a[:6], pool, pool_counts)]
+    for x, w, n in taken:
+        assert grouped_experts.grouped_mm_refusal(x, w, offsets(n)) is None
+        got = grouped_experts._GROUPED_MM(x, w, offs=offsets(n))
+        first = 0
+        for g, rows in enumerate(n):
+            torch.testing.assert_close(got[first:first + rows].float(), (x[first:first + rows] @ w[g]).float(),
+                                       rtol=2e-2, atol=2e-2)
+            first += rows
+    # (not a misaligned data pointer: a torch without that host check would run the kernel into a device fault
+    # that ends every test after it)
+    refused = [(bf16(40, 68)[:, :64], b, counts),  # a row stride of 136 bytes
+               (a[:, :60].contiguous(), b[:, :60], counts),  # K of 120 bytes
+               (a, bf16(1024, 48, 64).transpose(1, 2), [40] + [0] * 1023)]  # 1024 groups
+    for x, w, n in refused:
+        assert grouped_experts.grouped_mm_refusal(x, w, offsets(n)) is not None
+        with pytest.raises(RuntimeError):
+            grouped_experts._GROUPED_MM(x, w, offs=offsets(n))
+            torch.cuda.synchronize()
+
+
 def test_every_grouped_gemm_of_a_bf16_grouped_prefill_meets_cudas_checks(containers, monkeypatch):
     """The grouped backend's calls, as a GPU would make them (bf16 experts): each satisfies CUDA's grouped GEMM
     (grouped_mm_refusal(as_cuda=True) finds nothing), one call per GEMM and read, none through the loop."""
