@@ -5,8 +5,9 @@ tensors each: every cached expert is a slot of two preallocated stacks, gate and
 2I, H]` and `down [slots, H, I]` (the expert dtype), and a device table `slot_of [layers, experts]` (-1: not
 pooled) says where each (layer, expert) is. A layer's routed work for B rows is then a fixed sequence of device
 ops: the router's top-k ids (on the device) look their slots up, the (row, choice) pairs are sorted by slot, one
-grouped GEMM over the whole pool (empty groups for the slots nobody chose) gives gate and up, the clamped SwiGLU,
-a second grouped GEMM gives down, and each row's terms are summed in ascending expert id with their routing weights
+grouped GEMM over the whole pool (empty groups for the slots nobody chose; in runs of slots where the pool has
+more than CUDA's kernel takes groups, MAX_GROUPS) gives gate and up, the clamped SwiGLU, a second grouped GEMM gives
+down, and each row's terms are summed in ascending expert id with their routing weights
 (ExpertGroups.combine's order). Nothing in it asks the host anything, so where CUDA is present it is captured once
 per (layer, B) in a CUDA graph and replayed (eager where capture fails, and on a CPU): `StepGraphs`, which the
 Decoder also uses for the rest of a layer's fixed-shape work (the attention's mHC entry; for a layer whose experts
