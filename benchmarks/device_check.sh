@@ -83,6 +83,12 @@ import os, torch, transformers
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-", "cpus", os.cpu_count())
 print("transformers", transformers.__version__)
+if torch.cuda.is_available():  # what the CUDA paths depend on: the arch, the memory, torch's grouped GEMM here
+    from moepack.backends.grouped_experts import grouped_mm_refusal
+    probe = torch.zeros(8, 64, dtype=torch.bfloat16, device="cuda")
+    print("capability", torch.cuda.get_device_capability(0), "free / total GiB",
+          [round(v / 2**30, 1) for v in torch.cuda.mem_get_info(0)],
+          "grouped GEMM:", grouped_mm_refusal(probe, probe.new_zeros(2, 64, 64)) or "torch's CUDA kernel")
 assert hasattr(transformers, "DeepseekV4ForCausalLM"), "this transformers has no DeepseekV4ForCausalLM"
 EOF
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
