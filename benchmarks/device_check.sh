@@ -80,7 +80,7 @@ sys.exit(not os.path.realpath(m.__file__).startswith(os.path.realpath('.') + os.
     || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 python3 - <<'EOF' 2>&1 | tee "$OUT/versions.txt"
 import os, torch, transformers
-print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+print("torch", torch.__version__, "built for CUDA", torch.version.cuda, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-", "cpus", os.cpu_count())
 print("transformers", transformers.__version__)
 if torch.cuda.is_available():  # what the CUDA paths depend on: the arch, the memory, torch's grouped GEMM here
