@@ -480,3 +480,24 @@ def test_the_gpu_decode_benchmark_runs_on_a_cpu(tmp_path):
         assert r["bytes_per_token"] == r["step_bytes"] // r["batch"]
     one = rows[0]
     assert one["experts_per_step"] <= shape["layers"] * shape["top_k"]
+
+
+def test_the_device_check_runs_its_steps_in_the_order_steps_names(tmp_path):
+    """benchmarks/device_check.sh runs the steps in STEPS's order (the first named gets the time first), each
+    skipped in one line once under a minute of TOTAL_S is left, an unknown step named and failed."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               DEVICE="cpu", STEPS="gpu_decode tests gpu_prefill nosuch", TOTAL_S="1", OUT=str(tmp_path))
+    done = subprocess.run(["bash", "benchmarks/device_check.sh"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0
+    steps = (tmp_path / "steps.txt").read_text().splitlines()
+    assert steps[1:] == ["== gpu_decode: skipped, under a minute of TOTAL_S left",
+                         "== tests: skipped, under a minute of TOTAL_S left",
+                         "== gpu_prefill: skipped, under a minute of TOTAL_S left",
+                         "== nosuch: no such step", steps[-1]]
+    assert steps[0].startswith("== install") and steps[-1].startswith("== done") and "FAILED: nosuch" in steps[-1]
