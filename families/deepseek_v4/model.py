@@ -652,7 +652,7 @@ def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Te
     queries = linears(q_lora, [w["attn.wq_b.weight"]] + ([w["attn.indexer.wq_b.weight"]] if indexed else []))
     if entries is not None and entries.shape[0]:
         if indexed:
-            complete = torch.tensor([entries.shape[0]], device=x.device)
+            complete = torch.full((1,), entries.shape[0], device=x.device)  # (no host copy: a GPU would wait)
             picked = indexer_topk(cfg, w, x, q_lora, rotation, kv_state.indexer.entries.rows(), complete,
                                   (queries[1], projected[6]))[0]
             entries = entries.index_select(0, picked)
