@@ -139,7 +139,7 @@ static inline __attribute__((always_inline)) void fp4_group(const matrix_t *m, c
    decoded once for all n and each input chunk loaded once for all R rows; each (row, input)'s accumulators take the
    same operations in the same order whatever R and n, so a result is, to the bit, the one-input dot's (dot_avx512:
    R = n = 1), as decode's batched step needs */
-#define DOTS_ROWS 2
+#define DOTS_ROWS 4  /* an FP4 matrix's rows side by side on one input */
 #define DOTS_SHARED 4  /* inputs two rows take side by side */
 
 /* R rows side by side are R streams the hardware prefetchers lose between blocks: each row's bytes at `offset`
@@ -271,6 +271,8 @@ static inline float dot(const matrix_t *m, int64_t r, const float *x) {
 static void dots_fixed(const matrix_t *m, int64_t r, int R, const float *const *xs, int n, float *out,
                        int64_t stride) {
     switch (R * 16 + n) {
+    case 4 * 16 + 1: dots_avx512(m, r, 4, xs, 1, out, stride); break;
+    case 2 * 16 + 1: dots_avx512(m, r, 2, xs, 1, out, stride); break;
     case 2 * 16 + 2: dots_avx512(m, r, 2, xs, 2, out, stride); break;
     case 2 * 16 + 3: dots_avx512(m, r, 2, xs, 3, out, stride); break;
     case 2 * 16 + 4: dots_avx512(m, r, 2, xs, 4, out, stride); break;
@@ -282,12 +284,14 @@ static void dots_fixed(const matrix_t *m, int64_t r, int R, const float *const *
 }
 #endif
 
-/* out[i * n + j] = dot(m, r + i, xs[j]) for i < R, j < n (any R, n). One input: row by row, the one-token loop
-   (which streams at memory speed there). Several: the inputs DOTS_SHARED at a time, two rows side by side, so
-   that each input chunk loaded feeds two rows' FMAs (one row of eight inputs is bound by loading them: the batched
-   step's dense weights ran at a third of the FMA rate) and each row's dots run as independent chains. */
+/* out[i * n + j] = dot(m, r + i, xs[j]) for i < R, j < n (any R, n). One input of a float or Q8_0 matrix: row by
+   row, the one-token loop (at memory speed there). Of an FP4 matrix (an expert chosen by one row of a batched
+   step): DOTS_ROWS rows side by side, one row's dot being a chain of FMAs bound by their latency (about 5 cycles a
+   group of 32 weights; the batched step's experts at 2 threads 10-25 % faster side by side). Several inputs:
+   DOTS_SHARED at a time, two rows side by side, so that each input chunk loaded feeds two rows' FMAs (one row of
+   eight inputs was bound by loading them: the batched step's dense weights ran at a third of the FMA rate). */
 static void dots_rows(const matrix_t *m, int64_t r, int64_t R, const float *const *xs, int64_t n, float *out) {
-    if (n == 1) {
+    if (n == 1 && m->kind != KIND_FP4_E2M1 && m->kind != KIND_MXFP4) {
         for (int64_t i = 0; i < R; i++) out[i] = dot(m, r + i, xs[0]);
         return;
     }
@@ -296,7 +300,7 @@ static void dots_rows(const matrix_t *m, int64_t r, int64_t R, const float *cons
         for (int64_t j = 0; j < n; j += DOTS_SHARED) {
             const int count = n - j < DOTS_SHARED ? (int)(n - j) : DOTS_SHARED;
             for (int64_t i = 0, rows; i < R; i += rows) {
-                rows = count > 1 && R - i >= DOTS_ROWS ? DOTS_ROWS : 1;
+                for (rows = count == 1 ? DOTS_ROWS : 2; rows > R - i; rows /= 2) {}
                 dots_fixed(m, r + i, (int)rows, xs + j, count, out + i * n + j, n);
             }
         }
