@@ -113,7 +113,9 @@ static float dot_scalar(const matrix_t *m, int64_t r, const float *x) {
     }
 }
 
-#define DOTS_MAX 8  /* inputs a weight vector is decoded once for (dots) */
+#define DOTS_MAX 8  /* inputs a weight vector is decoded once for (dots_rows) */
+#define DOTS_ROWS 4  /* an FP4 matrix's rows side by side on one input */
+#define DOTS_SHARED 4  /* inputs two rows take side by side */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_AVX512 1
@@ -139,8 +141,6 @@ static inline __attribute__((always_inline)) void fp4_group(const matrix_t *m, c
    decoded once for all n and each input chunk loaded once for all R rows; each (row, input)'s accumulators take the
    same operations in the same order whatever R and n, so a result is, to the bit, the one-input dot's (dot_avx512:
    R = n = 1), as decode's batched step needs */
-#define DOTS_ROWS 4  /* an FP4 matrix's rows side by side on one input */
-#define DOTS_SHARED 4  /* inputs two rows take side by side */
 
 /* R rows side by side are R streams the hardware prefetchers lose between blocks: each row's bytes at `offset`
    asked for in the next block of R rows while this one computes (one row alone streams as it is) */
