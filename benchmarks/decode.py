@@ -15,8 +15,10 @@ On a synthetic DeepSeek-V4 model (default: the `medium` preset in the release la
                      alternation (moepack warm, every expert cached), the median of the five ratios
 --batch 1,4,8 then steps B concurrent sequences together (Decoder.step_batch: B different prompts, each prefilled
 through the Generator and started with decoder.start), --new-tokens steps on one Generator whose cache holds every
-expert: per B the step's ms, the aggregate tokens/s, its ratio to B = 1, and the bytes a step reads (the resident
-weights once, the distinct experts the rows chose); the sizes run in turn, three rounds, the median round reported.
+expert: per B the step's ms, the aggregate tokens/s, its ratio to B = 1, the memory-bound ratio beside it (B x the
+bytes a step reads at B = 1 / the bytes at B: the most a step bound only by reading its weights would allow), and the
+bytes a step reads (the resident weights once, the distinct experts the rows chose); the sizes run in turn, three
+rounds, the median round reported.
 --cap-fraction F runs the moepack rows again as a child process in a cgroup (v1 memory controller, or v2) capped at
 F x the container's size, page cache included (root only), and llama.cpp's decode in the same cgroup from a cold
 page cache, with the bytes each read from disk.
@@ -157,10 +159,16 @@ def batch_rows(container: str, facts: dict, sizes: list[int], prompt: int, steps
                          "tokens_per_s": round(size * steps / seconds, 2),
                          "experts_per_step": round(distinct, 1), "dense_mb_per_step": round(dense / 1e6, 1),
                          "expert_mb_per_step": round(distinct * expert / 1e6, 1)})
-        one = next((r["tokens_per_s"] for r in rows if r["batch"] == 1), None)
-        for r in rows:  # to one stream's
-            r["ratio"] = round(r["tokens_per_s"] / one, 2) if one else None
+        one = next((r for r in rows if r["batch"] == 1), None)
+        for r in rows:  # to one stream's; the ceiling: what a step bound only by reading its weights would allow
+            r["ratio"] = round(r["tokens_per_s"] / one["tokens_per_s"], 2) if one else None
+            r["memory_bound_ratio"] = round(r["batch"] * step_mb(one) / step_mb(r), 2) if one else None
         return rows
+
+
+def step_mb(row: dict) -> float:
+    """The MB a batch row's step reads: the resident weights once, its distinct experts."""
+    return row["dense_mb_per_step"] + row["expert_mb_per_step"]
 
 
 def transformers_row(container: str, workdir: str, ids: torch.Tensor, new: int) -> dict:
@@ -366,11 +374,12 @@ def main() -> int:
         print(f"under a memory cgroup of {args.cap_fraction} x the container: {json.dumps(out['capped'])}")
     if "batch" in out:
         print(f"batched decode, every expert cached ({args.new_tokens} steps):")
-        print(f"{'B':>4} {'step ms':>9} {'tokens/s':>9} {'x B=1':>6} {'experts/step':>13} {'dense MB':>9} "
-              f"{'expert MB':>10}")
+        print(f"{'B':>4} {'step ms':>9} {'tokens/s':>9} {'x B=1':>6} {'memory-bound x':>15} {'experts/step':>13} "
+              f"{'dense MB':>9} {'expert MB':>10}")
         for r in out["batch"]:
             print(f"{r['batch']:>4} {r['step_ms']:>9.2f} {r['tokens_per_s']:>9.2f} {r['ratio'] or '-':>6} "
-                  f"{r['experts_per_step']:>13.1f} {r['dense_mb_per_step']:>9.1f} {r['expert_mb_per_step']:>10.1f}")
+                  f"{r['memory_bound_ratio'] or '-':>15} {r['experts_per_step']:>13.1f} {r['dense_mb_per_step']:>9.1f} "
+                  f"{r['expert_mb_per_step']:>10.1f}")
     return 0
 
 

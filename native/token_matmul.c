@@ -113,7 +113,9 @@ static float dot_scalar(const matrix_t *m, int64_t r, const float *x) {
     }
 }
 
-#define DOTS_MAX 8  /* inputs a weight vector is decoded once for (dots) */
+#define DOTS_MAX 8  /* inputs a weight vector is decoded once for (dots_rows) */
+#define DOTS_ROWS 4  /* an FP4 matrix's rows side by side on one input */
+#define DOTS_SHARED 4  /* inputs two rows take side by side */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_AVX512 1
@@ -131,84 +133,126 @@ static inline __attribute__((always_inline)) void fp4_group(const matrix_t *m, c
     else { s = scales + g; bytes = row + 16 * g; }
     const __m512 values = _mm512_loadu_ps(m->table + 16 * *s);
     const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
-    *lo = _mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), values);
+    *lo = _mm512_permutexvar_ps(codes, values);  /* (the permute reads an index's low 4 bits only) */
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
 }
 
-/* out[j] = row r of m . xs[j] for j < n <= DOTS_MAX, each weight vector decoded once for all n; each input's
-   accumulators take the same operations in the same order whatever n, so a result is, to the bit, the one-input
-   dot's (dot_avx512: n = 1), as decode's batched step needs */
-static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m, int64_t r, const float *const *xs,
-                                                              int n, float *out) {
-    const int64_t K = m->cols;
-    const uint8_t *row = m->data + r * row_bytes(m->kind, K);
-    __m512 a0[DOTS_MAX], a1[DOTS_MAX];
-    for (int j = 0; j < n; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+/* out[i * stride + j] = row r + i of m . xs[j] for i < R <= DOTS_ROWS, j < n, R x n <= DOTS_MAX, each weight vector
+   decoded once for all n and each input chunk loaded once for all R rows; each (row, input)'s accumulators take the
+   same operations in the same order whatever R and n, so a result is, to the bit, the one-input dot's (dot_avx512:
+   R = n = 1), as decode's batched step needs */
+
+/* R rows side by side are R streams the hardware prefetchers lose between blocks: each row's bytes at `offset`
+   asked for in the next block of R rows while this one computes (one row alone streams as it is) */
+static inline __attribute__((always_inline)) void ahead(const uint8_t *row, int R, int64_t bytes, int64_t offset) {
+    if (R > 1) _mm_prefetch((const char *)row + R * bytes + offset, _MM_HINT_T0);
+}
+static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m, int64_t r, int R,
+                                                              const float *const *xs, int n, float *out,
+                                                              int64_t stride) {
+    const int64_t K = m->cols, bytes = row_bytes(m->kind, K);
+    const uint8_t *rows[DOTS_ROWS];
+    __m512 a0[DOTS_MAX], a1[DOTS_MAX];  /* (row i, input j)'s at i * n + j: R x n <= DOTS_MAX */
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++) {
+        rows[i] = m->data + (r + i) * bytes;
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < n; j++) a0[i * n + j] = a1[i * n + j] = _mm512_setzero_ps();
+    }
     int64_t k = 0;
     switch (m->kind) {
-    case KIND_F32: {
-        const float *w = (const float *)row;
-        for (; k + 32 <= K; k += 32) {
-            const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
-            for (int j = 0; j < n; j++) {
-                a0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[j] + k), a0[j]);
-                a1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs[j] + k + 16), a1[j]);
+    case KIND_F32:
+        for (; k + 32 <= K; k += 32)
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++) {
+                const float *w = (const float *)rows[i];
+                ahead(rows[i], R, bytes, 4 * k);
+                ahead(rows[i], R, bytes, 4 * k + 64);
+                const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
+                _Pragma("GCC unroll 8")
+                for (int j = 0; j < n; j++) {
+                    a0[i * n + j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[j] + k), a0[i * n + j]);
+                    a1[i * n + j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs[j] + k + 16), a1[i * n + j]);
+                }
             }
-        }
         for (; k < K; k += 16) {
             const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
-            const __m512 w0 = _mm512_maskz_loadu_ps(mask, w + k);
-            for (int j = 0; j < n; j++) a0[j] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[j]);
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++) {
+                const __m512 w0 = _mm512_maskz_loadu_ps(mask, (const float *)rows[i] + k);
+                _Pragma("GCC unroll 8")
+                for (int j = 0; j < n; j++)
+                    a0[i * n + j] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[i * n + j]);
+            }
         }
         break;
-    }
     case KIND_BF16: case KIND_F16: {
-        const uint16_t *w = (const uint16_t *)row;
         const int bf16 = m->kind == KIND_BF16;
         for (; k < K; k += 16) {
             const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
-            const __m256i h = _mm256_maskz_loadu_epi16(mask, w + k);
-            const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-                                  : _mm512_cvtph_ps(h);
-            if ((k / 16) & 1)
-                for (int j = 0; j < n; j++) a1[j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a1[j]);
-            else
-                for (int j = 0; j < n; j++) a0[j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[j]);
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++) {
+                if (!((k / 16) & 1)) ahead(rows[i], R, bytes, 2 * k);
+                const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)rows[i] + k);
+                const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                      : _mm512_cvtph_ps(h);
+                if ((k / 16) & 1)
+                    _Pragma("GCC unroll 8")
+                    for (int j = 0; j < n; j++)
+                        a1[i * n + j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a1[i * n + j]);
+                else
+                    _Pragma("GCC unroll 8")
+                    for (int j = 0; j < n; j++)
+                        a0[i * n + j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[i * n + j]);
+            }
         }
         break;
     }
     case KIND_Q8_0:
-        for (int64_t g = 0; g < K / GROUP; g++) {
-            const uint8_t *block = row + 34 * g;
-            const __m512 d = _mm512_set1_ps(f16_value((uint16_t)(block[0] | block[1] << 8)));
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2))));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18))));
-            const __m512 wl = _mm512_mul_ps(d, lo), wh = _mm512_mul_ps(d, hi);
-            for (int j = 0; j < n; j++) {
-                a0[j] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xs[j] + g * GROUP), a0[j]);
-                a1[j] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xs[j] + g * GROUP + 16), a1[j]);
+        for (int64_t g = 0; g < K / GROUP; g++)
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++) {
+                const uint8_t *block = rows[i] + 34 * g;
+                ahead(rows[i], R, bytes, 34 * g);
+                const __m512 d = _mm512_set1_ps(f16_value((uint16_t)(block[0] | block[1] << 8)));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2))));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18))));
+                const __m512 wl = _mm512_mul_ps(d, lo), wh = _mm512_mul_ps(d, hi);
+                _Pragma("GCC unroll 8")
+                for (int j = 0; j < n; j++) {
+                    a0[i * n + j] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xs[j] + g * GROUP), a0[i * n + j]);
+                    a1[i * n + j] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xs[j] + g * GROUP + 16), a1[i * n + j]);
+                }
             }
-        }
         break;
     default: {
-        const uint8_t *scales = fp4_scales(m, r);
-        for (int64_t g = 0; g < K / GROUP; g++) {
-            __m512 lo, hi;
-            fp4_group(m, row, scales, g, &lo, &hi);
-            for (int j = 0; j < n; j++) {
-                a0[j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs[j] + g * GROUP), a0[j]);
-                a1[j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs[j] + g * GROUP + 16), a1[j]);
+        const uint8_t *scales[DOTS_ROWS];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < R; i++) scales[i] = fp4_scales(m, r + i);
+        for (int64_t g = 0; g < K / GROUP; g++)
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++) {
+                __m512 lo, hi;
+                if (!(g & 3)) ahead(rows[i], R, bytes, m->kind == KIND_MXFP4 ? 17 * g : 16 * g);
+                fp4_group(m, rows[i], scales[i], g, &lo, &hi);
+                _Pragma("GCC unroll 8")
+                for (int j = 0; j < n; j++) {
+                    a0[i * n + j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs[j] + g * GROUP), a0[i * n + j]);
+                    a1[i * n + j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs[j] + g * GROUP + 16), a1[i * n + j]);
+                }
             }
-        }
         break;
     }
     }
-    for (int j = 0; j < n; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < n; j++) out[i * stride + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i * n + j], a1[i * n + j]));
 }
 
 static float dot_avx512(const matrix_t *m, int64_t r, const float *x) {
     float y;
-    dots_avx512(m, r, &x, 1, &y);
+    dots_avx512(m, r, 1, &x, 1, &y, 1);
     return y;
 }
 #endif
@@ -222,84 +266,49 @@ static inline float dot(const matrix_t *m, int64_t r, const float *x) {
     return dot_scalar(m, r, x);
 }
 
-/* out[j] = dot(m, r, xs[j]) for j < n (any n): row r's weights decoded once per DOTS_MAX inputs */
-static void dots(const matrix_t *m, int64_t r, const float *const *xs, int64_t n, float *out) {
+#ifdef HAVE_AVX512
+/* dots_avx512 with constant counts (the accumulators stay in registers) */
+static void dots_fixed(const matrix_t *m, int64_t r, int R, const float *const *xs, int n, float *out,
+                       int64_t stride) {
+    switch (R * 16 + n) {
+    case 4 * 16 + 1: dots_avx512(m, r, 4, xs, 1, out, stride); break;
+    case 2 * 16 + 1: dots_avx512(m, r, 2, xs, 1, out, stride); break;
+    case 2 * 16 + 2: dots_avx512(m, r, 2, xs, 2, out, stride); break;
+    case 2 * 16 + 3: dots_avx512(m, r, 2, xs, 3, out, stride); break;
+    case 2 * 16 + 4: dots_avx512(m, r, 2, xs, 4, out, stride); break;
+    case 16 + 2: dots_avx512(m, r, 1, xs, 2, out, stride); break;
+    case 16 + 3: dots_avx512(m, r, 1, xs, 3, out, stride); break;
+    case 16 + 4: dots_avx512(m, r, 1, xs, 4, out, stride); break;
+    default: dots_avx512(m, r, 1, xs, 1, out, stride); break;
+    }
+}
+#endif
+
+/* out[i * n + j] = dot(m, r + i, xs[j]) for i < R, j < n (any R, n). One input of a float or Q8_0 matrix: row by
+   row, the one-token loop (at memory speed there). Of an FP4 matrix (an expert chosen by one row of a batched
+   step): DOTS_ROWS rows side by side, one row's dot being a chain of FMAs bound by their latency (about 5 cycles a
+   group of 32 weights; the batched step's experts at 2 threads 10-25 % faster side by side). Several inputs:
+   DOTS_SHARED at a time, two rows side by side, so that each input chunk loaded feeds two rows' FMAs (one row of
+   eight inputs was bound by loading them: the batched step's dense weights ran at a third of the FMA rate). */
+static void dots_rows(const matrix_t *m, int64_t r, int64_t R, const float *const *xs, int64_t n, float *out) {
+    if (n == 1 && m->kind != KIND_FP4_E2M1 && m->kind != KIND_MXFP4) {
+        for (int64_t i = 0; i < R; i++) out[i] = dot(m, r + i, xs[0]);
+        return;
+    }
 #ifdef HAVE_AVX512
     if (use_vector) {
-        for (int64_t j = 0; j < n; j += DOTS_MAX)
-            switch (n - j < DOTS_MAX ? n - j : DOTS_MAX) {  /* a constant count: the accumulators stay in registers */
-            case 1: dots_avx512(m, r, xs + j, 1, out + j); break;
-            case 2: dots_avx512(m, r, xs + j, 2, out + j); break;
-            case 3: dots_avx512(m, r, xs + j, 3, out + j); break;
-            case 4: dots_avx512(m, r, xs + j, 4, out + j); break;
-            case 5: dots_avx512(m, r, xs + j, 5, out + j); break;
-            case 6: dots_avx512(m, r, xs + j, 6, out + j); break;
-            case 7: dots_avx512(m, r, xs + j, 7, out + j); break;
-            default: dots_avx512(m, r, xs + j, 8, out + j); break;
+        for (int64_t j = 0; j < n; j += DOTS_SHARED) {
+            const int count = n - j < DOTS_SHARED ? (int)(n - j) : DOTS_SHARED;
+            for (int64_t i = 0, rows; i < R; i += rows) {
+                for (rows = count == 1 ? DOTS_ROWS : 2; rows > R - i; rows /= 2) {}
+                dots_fixed(m, r + i, (int)rows, xs + j, count, out + i * n + j, n);
             }
+        }
         return;
     }
 #endif
-    for (int64_t j = 0; j < n; j++) out[j] = dot_scalar(m, r, xs[j]);
-}
-
-#ifdef HAVE_AVX512
-/* gate[j] = row i of w1 . xs[j], up[j] = row i of w3 . xs[j] for j < n <= 4, two FP4 matrices of one kind (an
-   expert's gate and up projections, which take the same arranged input): each input chunk loaded once for both,
-   four independent sums per input (one row's dot is a chain of FMAs whose latency binds). Each sum takes
-   dots_avx512's operations in its order: each result is, to the bit, dot's. */
-static inline __attribute__((always_inline)) void fp4_pair_avx512(const matrix_t *w1, const matrix_t *w3, int64_t i,
-                                                                  const float *const *xs, int n, float *gate,
-                                                                  float *up) {
-    const int64_t groups = w1->cols / GROUP, stride = row_bytes(w1->kind, w1->cols);
-    const matrix_t *m[2] = {w1, w3};
-    const uint8_t *rows[2] = {w1->data + i * stride, w3->data + i * stride};
-    const uint8_t *scales[2] = {fp4_scales(w1, i), fp4_scales(w3, i)};
-    __m512 a0[2][4], a1[2][4];
-    for (int h = 0; h < 2; h++)
-        for (int j = 0; j < n; j++) a0[h][j] = a1[h][j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m512 x0[4], x1[4];
-        for (int j = 0; j < n; j++) {
-            x0[j] = _mm512_loadu_ps(xs[j] + g * GROUP);
-            x1[j] = _mm512_loadu_ps(xs[j] + g * GROUP + 16);
-        }
-        for (int h = 0; h < 2; h++) {
-            __m512 lo, hi;
-            fp4_group(m[h], rows[h], scales[h], g, &lo, &hi);
-            for (int j = 0; j < n; j++) {
-                a0[h][j] = _mm512_fmadd_ps(lo, x0[j], a0[h][j]);
-                a1[h][j] = _mm512_fmadd_ps(hi, x1[j], a1[h][j]);
-            }
-        }
-    }
-    for (int j = 0; j < n; j++) {
-        gate[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[0][j], a1[0][j]));
-        up[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[1][j], a1[1][j]));
-    }
-}
-#endif
-
-/* gate[j] = dot(w1, i, x1[j]), up[j] = dot(w3, i, x3[j]) for j < n: an expert's hidden row i for n inputs, both
-   rows in one pass where they are FP4 of one kind on the same 2 to 4 inputs (measured on one input, the one pass
-   was no faster than two dots: a token alone keeps them) */
-static void gate_up(const matrix_t *w1, const matrix_t *w3, int64_t i, const float *const *x1, const float *const *x3,
-                    int64_t n, float *gate, float *up) {
-#ifdef HAVE_AVX512
-    int same = use_vector && w1->kind == w3->kind && (w1->kind == KIND_FP4_E2M1 || w1->kind == KIND_MXFP4)
-               && w1->cols == w3->cols && n >= 2 && n <= 4;
-    for (int64_t j = 0; same && j < n; j++) same = x1[j] == x3[j];
-    if (same) {
-        switch (n) {  /* a constant count: the sums stay in registers */
-        case 2: fp4_pair_avx512(w1, w3, i, x1, 2, gate, up); return;
-        case 3: fp4_pair_avx512(w1, w3, i, x1, 3, gate, up); return;
-        case 4: fp4_pair_avx512(w1, w3, i, x1, 4, gate, up); return;
-        default: break;
-        }
-    }
-#endif
-    dots(w1, i, x1, n, gate);
-    dots(w3, i, x3, n, up);
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t j = 0; j < n; j++) out[i * n + j] = dot_scalar(m, r + i, xs[j]);
 }
 
 int token_matmul_vector_level(void) {
@@ -425,24 +434,30 @@ typedef struct {
 static void linear_part(void *p, int part, int parts) {
     const linear_args *a = p;
     const int64_t K = a->w->cols;
+    const int64_t tokens = a->group_rows ? a->tokens : a->T;
+    const int64_t groups = a->group_rows ? a->w->rows / a->group_rows : 1;
     int64_t r0, r1;
     share(a->w->rows, part, parts, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        const int64_t tokens = a->group_rows ? a->tokens : a->T;
-        const int64_t groups = a->group_rows ? a->w->rows / a->group_rows : 1;
+    for (int64_t r = r0, R = 1; r < r1; r += R) {
         const int64_t group = a->group_rows ? r / a->group_rows : 0;
         if (tokens == 1) {  /* one token: the one-input loop */
             const float y = dot(a->w, r, a->x + group * K);
             a->out[r] = a->round_out ? round_to_bf16(y) : y;
             continue;
         }
-        for (int64_t t = 0; t < tokens; t += DOTS_MAX) {  /* several: row r decoded once per DOTS_MAX of them */
+        const int64_t end = a->group_rows && (group + 1) * a->group_rows < r1 ? (group + 1) * a->group_rows : r1;
+        R = end - r < DOTS_ROWS ? end - r : DOTS_ROWS;  /* rows of one group side by side */
+        for (int64_t t = 0; t < tokens; t += DOTS_MAX) {  /* row r decoded once per DOTS_MAX tokens */  /* the rows decoded once per DOTS_MAX tokens */
             const int n = tokens - t < DOTS_MAX ? (int)(tokens - t) : DOTS_MAX;
             const float *xs[DOTS_MAX];
-            float y[DOTS_MAX];
+            float y[DOTS_ROWS * DOTS_MAX];
             for (int j = 0; j < n; j++) xs[j] = a->x + ((t + j) * groups + group) * K;
-            dots(a->w, r, xs, n, y);
-            for (int j = 0; j < n; j++) a->out[(t + j) * a->out_stride + r] = a->round_out ? round_to_bf16(y[j]) : y[j];
+            dots_rows(a->w, r, R, xs, n, y);
+            for (int64_t i = 0; i < R; i++)
+                for (int j = 0; j < n; j++) {
+                    const float v = y[i * n + j];
+                    a->out[(t + j) * a->out_stride + r + i] = a->round_out ? round_to_bf16(v) : v;
+                }
         }
     }
 }
@@ -506,18 +521,25 @@ static void many_part(void *p, int part, int parts) {
     for (int i = 0; i < a->n && first < r1; first += a->ws[i++].rows) {
         const matrix_t *w = &a->ws[i];
         const int64_t lo = r0 > first ? r0 - first : 0, hi = r1 - first < w->rows ? r1 - first : w->rows;
-        for (int64_t r = lo; r < hi; r++)
+        for (int64_t r = lo, R = 1; r < hi; r += R) {
+            if (a->T == 1) {  /* one token: the one-input loop */
+                const float y = dot(w, r, a->x + i * w->cols);
+                a->out[a->offsets[i] + r] = a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y) : y;
+                continue;
+            }
+            R = hi - r < DOTS_ROWS ? hi - r : DOTS_ROWS;
             for (int64_t t = 0; t < a->T; t += DOTS_MAX) {
                 const int n = a->T - t < DOTS_MAX ? (int)(a->T - t) : DOTS_MAX;
                 const float *xs[DOTS_MAX];
-                float y[DOTS_MAX];
+                float y[DOTS_ROWS * DOTS_MAX];
                 for (int j = 0; j < n; j++) xs[j] = a->x + ((t + j) * a->n + i) * w->cols;
-                if (n == 1) y[0] = dot(w, r, xs[0]);
-                else dots(w, r, xs, n, y);
-                for (int j = 0; j < n; j++)
-                    a->out[(t + j) * a->out_stride + a->offsets[i] + r] =
-                        a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y[j]) : y[j];
+                dots_rows(w, r, R, xs, n, y);
+                for (int64_t q = 0; q < R; q++)
+                    for (int j = 0; j < n; j++)
+                        a->out[(t + j) * a->out_stride + a->offsets[i] + r + q] =
+                            a->flags[i] & ROUND_OUTPUT ? round_to_bf16(y[q * n + j]) : y[q * n + j];
             }
+        }
     }
 }
 
@@ -674,20 +696,24 @@ static void rows_hidden_part(void *p, int part, int parts) {
         const int64_t i1 = (c1 - base + count - 1) / count < I ? (c1 - base + count - 1) / count : I;
         const matrix_t *w1 = a->w1 + e, *w3 = a->w3 + e;
         const int flags = a->flags[e], spread = deinterleaved(a->w2[e].kind);
-        for (int64_t i = i0; i < i1; i++)
+        for (int64_t i = i0, R; i < i1; i += R) {  /* up to DOTS_ROWS rows side by side */
+            R = i1 - i < DOTS_ROWS ? i1 - i : DOTS_ROWS;
             for (int64_t q0 = a->starts[e]; q0 < a->starts[e + 1]; q0 += DOTS_MAX) {  /* rows i decoded once */
                 const int n = a->starts[e + 1] - q0 < DOTS_MAX ? (int)(a->starts[e + 1] - q0) : DOTS_MAX;
                 const float *x1[DOTS_MAX], *x3[DOTS_MAX];
-                float gate[DOTS_MAX], up[DOTS_MAX];
+                float gate[DOTS_ROWS * DOTS_MAX], up[DOTS_ROWS * DOTS_MAX];
                 for (int j = 0; j < n; j++) {
                     x1[j] = row_input(a, w1->kind, flags, a->rows[q0 + j]);
                     x3[j] = row_input(a, w3->kind, flags, a->rows[q0 + j]);
                 }
-                gate_up(w1, w3, i, x1, x3, n, gate, up);
-                for (int j = 0; j < n; j++)
-                    a->hidden[a->hidden_first[q0 + j] + (spread ? arranged(i) : i)] = swiglu(gate[j], up[j], a->limit,
-                                                                                             flags);
+                dots_rows(w1, i, R, x1, n, gate);
+                dots_rows(w3, i, R, x3, n, up);
+                for (int64_t q = 0; q < R; q++)
+                    for (int j = 0; j < n; j++)
+                        a->hidden[a->hidden_first[q0 + j] + (spread ? arranged(i + q) : i + q)] =
+                            swiglu(gate[q * n + j], up[q * n + j], a->limit, flags);
             }
+        }
     }
 }
 
@@ -710,15 +736,17 @@ static void rows_output_part(void *p, int part, int parts) {
             for (int64_t q0 = a->starts[e]; q0 < a->starts[e + 1]; q0 += DOTS_MAX) {
                 const int n = a->starts[e + 1] - q0 < DOTS_MAX ? (int)(a->starts[e + 1] - q0) : DOTS_MAX;
                 const float *xs[DOTS_MAX];
-                float y[DOTS_MAX];
+                float y[DOTS_ROWS * DOTS_MAX];
                 for (int j = 0; j < n; j++) xs[j] = a->hidden + a->hidden_first[q0 + j];
-                for (int64_t r = b0; r < b1; r++) {
-                    dots(a->w2 + e, r, xs, n, y);
-                    for (int j = 0; j < n; j++) {
-                        float *acc = a->out + a->rows[q0 + j] * a->H + r;
-                        *acc = fmaf(a->weights[q0 + j], a->flags[e] & ROUND_OUTPUT ? round_to_bf16(y[j]) : y[j],
-                                    *acc);
-                    }
+                for (int64_t r = b0, R; r < b1; r += R) {  /* up to DOTS_ROWS rows side by side */
+                    R = b1 - r < DOTS_ROWS ? b1 - r : DOTS_ROWS;
+                    dots_rows(a->w2 + e, r, R, xs, n, y);
+                    for (int64_t q = 0; q < R; q++)
+                        for (int j = 0; j < n; j++) {
+                            const float v = y[q * n + j];
+                            float *acc = a->out + a->rows[q0 + j] * a->H + r + q;
+                            *acc = fmaf(a->weights[q0 + j], a->flags[e] & ROUND_OUTPUT ? round_to_bf16(v) : v, *acc);
+                        }
                 }
             }
     }
