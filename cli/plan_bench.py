@@ -289,7 +289,7 @@ def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, pol
     from moepack.runtime.tuning import tuned_defaults
     from moepack.tools.bench import measured_for_plan
 
-    refuse_existing(force, plot_out)
+    refuse_existing(force, plot_out, inputs=(target,))
     sizes, config, path = _model_source(target, policy, expert_bpw)
     ctx = [P.parse_tokens(v) for c in contexts for v in str(c).split(",") if v.strip()] or list(P.DEFAULT_CONTEXTS)
     storage = None

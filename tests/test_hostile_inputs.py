@@ -319,6 +319,43 @@ def test_one_overwrite_rule_for_every_command_that_writes(tmp_path, container):
     assert again.exit_code == 0, again.output
 
 
+
+def test_no_output_may_replace_the_commands_own_input_even_with_force(tmp_path, container):
+    """An output that is the command's input (the container, a prompt file, a GGUF converted), a directory holding
+    it, or a file of the checkpoint directory converted is refused before any work with --force too: one line, the
+    input untouched (a --force once wrote a prefill's logits over its container)."""
+    import shutil
+
+    src = os.path.join(os.path.dirname(container), "src")
+    held = tmp_path / "held"
+    held.mkdir()
+    inside = str(held / "m.moepack")
+    shutil.copy(container, inside)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hi")
+    cases = [
+        (container, ["prefill", container, "-p", "hi", "--logits-out", container]),
+        (str(prompt), ["prefill", container, "--prompt-file", str(prompt), "--logits-out", str(prompt)]),
+        (container, ["plan", container, "--plot", container]),
+        (inside, ["export", inside, "-o", str(held)]),
+        (inside, ["prefill", inside, "-p", "hi", "--kv-out", str(held)]),
+        (inside, ["generate", inside, "-p", "hi", "-n", "1", "--kv-out", str(held)]),
+        (os.path.join(src, "config.json"), ["convert", src, "-o", os.path.join(src, "config.json"), "--keep"]),
+    ]
+    if _has_gguf():
+        cases.append((container, ["export", container, "--format", "gguf", "-o", container]))
+    runner = CliRunner()
+    for kept, args in cases:
+        before = _sha(kept)
+        refused = runner.invoke(cli, [*args, "--force", "--json"])
+        assert refused.exit_code == 1, (args, refused.output)
+        assert "writing there would destroy it" in json.loads(refused.stdout)["error"], args
+        assert _sha(kept) == before, args
+    # a new file beside the source's own is no input
+    beside = os.path.join(src, "new.moepack")
+    assert runner.invoke(cli, ["convert", src, "-o", beside, "--keep", "--force"]).exit_code == 0
+    os.remove(beside)
+
 def _has_gguf() -> bool:
     try:
         import gguf  # noqa: F401
