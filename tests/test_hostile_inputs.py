@@ -49,6 +49,25 @@ def test_prefill_knobs_out_of_range_are_usage_errors(container, flags):
     assert "Invalid value for" in p.stderr and f"'{flags[0]}'" in p.stderr  # (with its short form, if it has one)
 
 
+
+@pytest.mark.parametrize("args", [["io", "FILE", "--repeat", "100000000"], ["memory", "--repeat", "100000000"],
+                                  ["compute", "--repeat", "100000000"], ["compute", "--experts", "100000"]],
+                         ids=["io repeat", "memory repeat", "compute repeat", "compute experts"])
+def test_bench_counts_that_would_never_end_are_usage_errors(container, args):
+    """`bench io --repeat 100000000` ran for ever and `bench compute --experts 100000` made experts until the
+    memory ran out: each is bounded (runtime/limits.py), and again for the tools' API callers."""
+    from moepack.runtime.limits import MAX_BENCH_REPEAT
+    from moepack.tools.bench import bench_compute, bench_memory
+
+    started = time.monotonic()
+    p = _moepack("bench", *[container if a == "FILE" else a for a in args], "--no-save")
+    assert p.returncode == 2 and time.monotonic() - started < 30, p.stderr
+    assert f"Invalid value for '{args[-2]}'" in p.stderr
+    with pytest.raises(MoepackError, match="--repeat"):
+        bench_memory(1, MAX_BENCH_REPEAT + 1, save=False)
+    with pytest.raises(MoepackError, match="--experts"):
+        bench_compute("cpu", [1], None, "FP4_E2M1", 256, 256, "float32", MAX_BUNDLE_EXPERTS + 1, 1, save=False)
+
 def test_generate_cache_budget_out_of_range(container):
     p = _moepack("generate", container, "--prompt", "hi", "--cache-gib", "1e12")
     assert p.returncode == 2 and "--cache-gib" in p.stderr
