@@ -108,6 +108,8 @@ def refuse_existing(force: bool, *paths: str | None, inputs: tuple[str | None, .
     for path in paths:
         if path is None:
             continue
+        if not path:  # not the current directory: an empty name is a script's missing variable
+            raise MoepackError("an output path is empty")
         refuse_replacing_an_input(path, inputs)
         if force or not os.path.lexists(path):
             continue

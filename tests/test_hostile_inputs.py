@@ -375,6 +375,17 @@ def test_no_output_may_replace_the_commands_own_input_even_with_force(tmp_path, 
     assert runner.invoke(cli, ["convert", src, "-o", beside, "--keep", "--force"]).exit_code == 0
     os.remove(beside)
 
+
+def test_an_empty_output_path_is_refused_not_taken_for_the_current_directory(tmp_path, container):
+    """`synth ""` wrote a checkpoint into the current directory (an empty name is a script's unset variable)."""
+    runner = CliRunner()
+    for args in (["synth", ""], ["export", container, "-o", ""], ["prefill", container, "-p", "hi", "--kv-out", ""],
+                 ["prefill", container, "-p", "hi", "--logits-out", ""]):
+        with runner.isolated_filesystem(temp_dir=tmp_path):
+            r = runner.invoke(cli, [*args, "--json"])
+            assert r.exit_code == 1 and json.loads(r.stdout)["error"] == "an output path is empty", (args, r.output)
+            assert os.listdir(".") == [], args
+
 def _has_gguf() -> bool:
     try:
         import gguf  # noqa: F401
