@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import json
 import math
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -50,6 +52,16 @@ def _first_sentences(text: str, limit: int = 160) -> str:
     return text[:end + 1] if end > 0 else text[:limit]
 
 
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(message: str) -> str:
+    """`message` as one line: the control characters a damaged file or a hostile name puts in it (a key of a GGUF,
+    a path with a newline) written as escapes, so the error stays the one line a script reads."""
+    return _CONTROL.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), message)
+
+
 def reports_errors(fn=None, *, out_of_memory_hint: str | None = None):
     """Turn MoepackError (and OS-level failures, and running out of memory) into one line + exit status 1.
     `out_of_memory_hint`: what the command's user can do about the last."""
@@ -64,7 +76,7 @@ def reports_errors(fn=None, *, out_of_memory_hint: str | None = None):
         except MoepackError as e:
             message = str(e)
         except OSError as e:
-            message = f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
+            message = f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}"
         except KeyboardInterrupt:  # outputs are written under temporary names: nothing partial is left
             if as_json:
                 click.echo(json.dumps({"ok": False, "error": "interrupted"}))
@@ -75,6 +87,7 @@ def reports_errors(fn=None, *, out_of_memory_hint: str | None = None):
                 raise
             message = f"out of memory ({_first_sentences(error_reason(e))})"
             message += f": {out_of_memory_hint}" if out_of_memory_hint else ""
+        message = one_line(message)
         if as_json:
             click.echo(json.dumps({"ok": False, "error": message}))
         click.echo(f"moepack: error: {message}", err=True)
@@ -88,11 +101,17 @@ force_option = click.option("--force", is_flag=True,
                             help="Replace outputs that exist (a file is replaced only once its new one is complete).")
 
 
-def refuse_existing(force: bool, *paths: str | None) -> None:
+def refuse_existing(force: bool, *paths: str | None, inputs: tuple[str | None, ...] = ()) -> None:
     """The overwrite rule of every command that writes: an output that exists (a file, or a directory that is
-    not empty) is refused before any work unless --force."""
+    not empty) is refused before any work unless --force; an output that would replace one of the command's
+    `inputs` (the same file, a directory holding it, a file of an input checkpoint directory) is refused even so."""
     for path in paths:
-        if path is None or force or not os.path.lexists(path):
+        if path is None:
+            continue
+        if not path:  # not the current directory: an empty name is a script's missing variable
+            raise MoepackError("an output path is empty")
+        refuse_replacing_an_input(path, inputs)
+        if force or not os.path.lexists(path):
             continue
         if os.path.isdir(path) and not os.path.islink(path):
             try:
@@ -124,12 +143,46 @@ def layer_progress(enabled: bool, what: str = "prefill"):
         bar.close()
 
 
-def refuse_existing_kv(force: bool, kv_out: str | None, continue_from: str | None) -> None:
+def refuse_existing_kv(force: bool, kv_out: str | None, continue_from: str | None,
+                       inputs: tuple[str | None, ...] = ()) -> None:
     """The rule for --kv-out: continuing a KV in place (--kv-out is --continue-from) is no overwrite."""
     in_place = kv_out is not None and continue_from is not None and (
         os.path.realpath(kv_out) == os.path.realpath(continue_from))
     if not in_place:
-        refuse_existing(force, kv_out)
+        refuse_existing(force, kv_out, inputs=(*inputs, continue_from))
+
+
+# What a checkpoint directory's converter reads: an output of that name inside it would replace the source's own.
+_CHECKPOINT_FILE = re.compile(r".*\.(safetensors|gguf|json|jinja|model|txt)")
+
+
+def _input_files(path: str) -> list[str]:
+    """The files an input path stands for: itself, a container's parts (PATH.partK), a split GGUF's siblings."""
+    found = [path]
+    found += glob.glob(glob.escape(path) + ".part*")
+    split = re.fullmatch(r"(.*)-\d{5}-of-(\d{5})\.gguf", path)
+    if split:
+        found += glob.glob(f"{glob.escape(split[1])}-*-of-{split[2]}.gguf")
+    return found
+
+
+def refuse_replacing_an_input(out: str, inputs: tuple[str | None, ...]) -> None:
+    """An output path that would replace one of the command's inputs (its file, its parts, a directory holding it,
+    or a file of an input checkpoint directory) is refused, --force or not: the input would be lost."""
+    out_real = os.path.realpath(out)
+    for given in inputs:
+        if not given or not os.path.exists(given):
+            continue
+        for path in _input_files(given):
+            real = os.path.realpath(path)
+            same = out_real == real or (os.path.exists(out) and os.path.samefile(out, path))
+            holds = real.startswith(out_real.rstrip(os.sep) + os.sep)
+            inside = (os.path.isdir(real) and os.path.dirname(out_real) == real and os.path.exists(out_real)
+                      and _CHECKPOINT_FILE.fullmatch(os.path.basename(out_real)) is not None)
+            if same or holds or inside:
+                what = ("is" if same else "holds" if holds else "is a file of")
+                raise MoepackError(f"{out} {what} the input {given}: writing there would destroy it (choose "
+                                   f"another output)")
 
 
 def prompt_options(fn=None, *, repeatable: bool = False):
@@ -258,7 +311,7 @@ def one_line_warnings() -> None:
 
     def formatwarning(message, category, filename, lineno, line=None):
         if os.path.relpath(os.path.abspath(filename), root).split(os.sep)[0] in ours:
-            return f"moepack: warning: {message}\n"
+            return f"moepack: warning: {one_line(str(message))}\n"
         return python_format(message, category, filename, lineno, line)
 
     warnings.formatwarning = formatwarning

@@ -342,7 +342,7 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         _generate_several(file, queued, max_batch, run, as_json)
         return
     prompt = prompt[0] if prompt else None
-    refuse_existing_kv(force, kv_out, continue_from)
+    refuse_existing_kv(force, kv_out, continue_from, inputs=(file, prompt_file, token_ids_file, messages_file))
     with Container(file) as c:
         ids, tokenizer = _prompt_ids(c, prompt, prompt_file, token_ids_file, messages_file, chat, thinking,
                                      reasoning_effort, continuing=continue_from is not None)

@@ -63,7 +63,7 @@ def _each_family(describe) -> str:
 def synth(out_dir, preset, layout, seed, tokenizer, family, force, as_json):
     from moepack.packer.synth import synth_checkpoint
 
-    refuse_existing(force, out_dir)
+    refuse_existing(force, out_dir, inputs=(tokenizer,))
     result = synth_checkpoint(out_dir, preset=preset, layout=layout, seed=seed, progress=not as_json,
                               overwrite=force, tokenizer=tokenizer, family=family)
     named = "" if family == families.DEFAULT_FAMILY else f"{family} "
@@ -142,7 +142,7 @@ def convert(src, out, policy, revision, workers, drop_mtp, parts, stripe_experts
         out = f"{name}-{policy}.moepack"
     if part_dirs and parts < 2:
         raise click.UsageError("--part-dir needs --parts 2 or more")
-    refuse_existing(force, out)
+    refuse_existing(force, out, *(f"{out}.part{k}" for k in range(1, parts)), inputs=(src,))
     result = convert_checkpoint(src, out, policy=policy, progress=not as_json, revision=revision, workers=workers,
                                 drop_mtp=drop_mtp, parts=parts, stripe_experts=stripe_experts,
                                 part_dirs=_parse_part_dirs(part_dirs), keep_source=not no_keep_source)
@@ -188,7 +188,7 @@ def _part_lines(parts: list[dict]) -> list[str]:
 @reports_errors
 def export(file, out_dir, fmt, dtype, split_max_size, force, as_json):
     check_container_path(file)
-    refuse_existing(force, out_dir)
+    refuse_existing(force, out_dir, inputs=(file,))
     if fmt == "gguf":
         from moepack.packer.gguf_export import export_gguf, parse_size
 
@@ -349,8 +349,9 @@ def prefill(file, prompt, prompt_file, token_ids_file, kv_out, continue_from, kv
         raise click.UsageError("give exactly one of --prompt, --prompt-file, --token-ids")
     if prompt == "" and continue_from is None:
         raise MoepackError("empty prompt")
-    refuse_existing(force, logits_out)
-    refuse_existing_kv(force, kv_out, continue_from)
+    inputs = (file, prompt_file, token_ids_file)
+    refuse_existing(force, logits_out, inputs=(*inputs, continue_from))
+    refuse_existing_kv(force, kv_out, continue_from, inputs=inputs)
     if logits_out:
         from moepack.runtime.outputs import check_output_path
 

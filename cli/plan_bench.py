@@ -9,7 +9,7 @@ import os
 import click
 
 from moepack.format_spec.errors import MoepackError
-from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
+from moepack.runtime.limits import MAX_BENCH_REPEAT, MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
 from .common import Dtype, FiniteFloat, emit, force_option, json_option, refuse_existing, reports_errors
 
@@ -53,7 +53,7 @@ def bench():
 @click.option("--max-gib", type=FiniteFloat(min=0, min_open=True), default=1.0, show_default=True,
               help="Bytes each cell reads (the same leading expert sections for every cell).")
 @click.option("--all", "read_all", is_flag=True, help="Read every expert section in every cell (no --max-gib cap).")
-@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Best of this many runs.")
+@click.option("--repeat", type=click.IntRange(1, MAX_BENCH_REPEAT), default=1, show_default=True, help="Best of this many runs.")
 @click.option("--io", "io_mode", type=click.Choice(["direct", "buffered", "mmap"]), default="direct",
               show_default=True, help="direct: O_DIRECT, what prefill uses for a container larger than RAM.")
 @click.option("--no-fio", is_flag=True, help="Skip the fio comparison even when fio is installed.")
@@ -102,7 +102,7 @@ def _print_io(r: dict) -> None:
 
 @bench.command("memory")
 @click.option("--size-mib", type=click.IntRange(min=1), default=256, show_default=True, help="Bytes per copy.")
-@click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="Best of this many copies.")
+@click.option("--repeat", type=click.IntRange(1, MAX_BENCH_REPEAT), default=5, show_default=True, help="Best of this many copies.")
 @click.option("--device", default=None, help="cuda or cuda:N to time host->device copies (default: cuda when "
                                              "torch sees one, else host only).")
 @click.option("--no-save", is_flag=True, help="Do not record the result in the bench cache.")
@@ -144,11 +144,11 @@ def _print_memory(r: dict) -> None:
 @click.option("--intermediate", type=click.IntRange(min=32), help="Expert intermediate size (default 2048).")
 @click.option("--expert-dtype", type=Dtype(("float32", "bfloat16")), default="float32", show_default=True,
               help="Compute dtype, as prefill's --expert-dtype.")
-@click.option("--experts", type=click.IntRange(min=1), default=None,
+@click.option("--experts", type=click.IntRange(1, MAX_BUNDLE_EXPERTS), default=None,
               help="Distinct experts per run (default 2; 16 for the grouped backend, decoded and run together).")
 @click.option("--expert-backend", type=click.Choice(["auto", "grouped", "per-expert"]), default="auto",
               show_default=True, help="As prefill's: auto is grouped on a GPU, per-expert on a CPU.")
-@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Best of this many runs.")
+@click.option("--repeat", type=click.IntRange(1, MAX_BENCH_REPEAT), default=3, show_default=True, help="Best of this many runs.")
 @click.option("--no-save", is_flag=True, help="Do not record the result in the bench cache.")
 @json_option
 @reports_errors
@@ -289,7 +289,7 @@ def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, pol
     from moepack.runtime.tuning import tuned_defaults
     from moepack.tools.bench import measured_for_plan
 
-    refuse_existing(force, plot_out)
+    refuse_existing(force, plot_out, inputs=(target,))
     sizes, config, path = _model_source(target, policy, expert_bpw)
     ctx = [P.parse_tokens(v) for c in contexts for v in str(c).split(",") if v.strip()] or list(P.DEFAULT_CONTEXTS)
     storage = None

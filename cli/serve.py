@@ -93,7 +93,7 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_ke
 
     from moepack.runtime.engine import held_for_serving
     from moepack.runtime.generate import Generator
-    from moepack.serve.app import ServerLimits, make_app, uvicorn_config
+    from moepack.serve.app import ServerLimits, make_app, uvicorn_config, uvicorn_server
 
     check_container_path(file)
     name = model_name or os.path.splitext(os.path.basename(file))[0]
@@ -119,7 +119,7 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_ke
                                    "api_key_required": bool(api_key),
                                    "max_context": context, "max_body_bytes": limits.max_body_bytes,
                                    "max_connections": max_connections}))
-        server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning", access_log=False))
+        server = uvicorn_server(app, uvicorn_config(app, limits, log_level="warning", access_log=False))
         server.run(sockets=[sock])
     finally:
         if app is not None:

@@ -145,14 +145,7 @@ def read_tokenizer(path: str | os.PathLike) -> dict[str, Any]:
             files["tokenizer_config.json"] = config_path.read_bytes()
     except OSError as e:
         raise MoepackError(f"--tokenizer {path}: cannot read {e.filename} ({e.strerror})") from None
-    from tokenizers import Tokenizer
-
-    try:
-        tok = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
-    except Exception as e:  # the tokenizers library raises its own exception types; a bad encoding is one too
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MoepackError(f"--tokenizer {json_path}: not a tokenizer.json the tokenizers library loads "
-                           f"({reason})") from None
+    tok = untrusted.load_tokenizer(files["tokenizer.json"], f"--tokenizer {json_path}")
     config: dict = {}
     if "tokenizer_config.json" in files:
         try:

@@ -212,3 +212,16 @@ def valid_text(value: str, name: str) -> str:
 
 def _short(value: int) -> str:
     return str(value) if abs(value) < 10 ** 30 else f"a {len(str(abs(value)))}-digit number"
+
+
+def load_tokenizer(data: str | bytes, what: str):
+    """A tokenizer.json as the tokenizers library's Tokenizer; one line naming `what` where it does not load (bad
+    UTF-8, bad JSON, a model the library does not know: its own exception types, their reason's first line)."""
+    from tokenizers import Tokenizer
+
+    try:
+        text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+        return Tokenizer.from_str(text)
+    except Exception as e:  # the tokenizers library raises its own exception types
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _refuse(what, f"not a tokenizer.json the tokenizers library loads ({reason})") from None

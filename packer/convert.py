@@ -34,7 +34,7 @@ from moepack.format_spec.policies import POLICY_NAMES, policy as policy_table, t
 from moepack.format_spec.writer import ContainerWriter, partial_path
 
 from .progress import progress_bar
-from .source import SourceTensor, keep_refusal
+from .source import SourceTensor, check_side_files, keep_refusal
 
 READ_AHEAD = 2  # regions read ahead of the one being converted
 
@@ -205,6 +205,8 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
         problem = config_problem(source.config, plan) or layer_count_problem(source.config, layers)
         if problem:
             raise MoepackError(f"{provenance['source']}: {problem}")
+        side_files = source.side_files()
+        check_side_files(side_files, provenance["source"])
         refusal = keep_refusal(source) if policy == "keep" else None
         if refusal:
             raise MoepackError(f"{provenance['source']}: {refusal}")
@@ -233,7 +235,7 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
             writer.finish(
                 config=source.config, architecture=adapter.architecture,
                 policy={**policy_table(policy), "drop_mtp": drop_mtp},
-                tokenizer=source.side_files(), provenance=provenance,
+                tokenizer=side_files, provenance=provenance,
             )
         except BaseException:
             writer.abort()

@@ -195,10 +195,8 @@ def _looks_special(text: str) -> bool:  # the converter's does_token_look_specia
 def vocab(files: dict[str, bytes], vocab_size: int) -> tuple[list[str], list[int]]:
     """Tokens and token types as the converter's get_vocab_base makes them (ids missing below vocab_size become
     `[PAD{i}]`, UNUSED; added tokens CONTROL if special or special-looking, else USER_DEFINED)."""
-    from tokenizers import Tokenizer
-
     if "tokenizer.json" in files:
-        tok = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+        tok = untrusted.load_tokenizer(files["tokenizer.json"], "the container's tokenizer.json")
         reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
         added = tok.get_added_tokens_decoder()
     else:  # no tokenizer: every id padding

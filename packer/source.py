@@ -25,6 +25,21 @@ _MAX_HEADER = 100 << 20
 MAX_SMALL_JSON_BYTES = 64 << 20  # config.json, an index of shards: kilobytes to a few megabytes
 
 
+def check_side_files(files: dict[str, dict], where: str) -> None:
+    """The tokenizer and generation files a conversion carries into the container, refused before any work where
+    they are damaged (the container would be converted for hours, then refuse every text prompt): tokenizer.json
+    must load in the tokenizers library, every other .json file must be a JSON object."""
+    import base64
+
+    for name, entry in files.items():
+        data = entry["data"].encode() if entry["encoding"] == "utf-8" else base64.b64decode(entry["data"])
+        what = f"{where}: {name}"
+        if name == "tokenizer.json":
+            untrusted.load_tokenizer(data, what)
+        elif name.endswith(".json") and not isinstance(untrusted.loads(data, what), dict):
+            raise MoepackError(f"{what}: expected a JSON object")
+
+
 @dataclass(frozen=True)
 class SourceTensor:
     name: str  # as written in the source file
@@ -176,8 +191,9 @@ class CheckpointDir(LocalSource):
             p = os.path.join(self.path, name)
             if not os.path.isfile(p):
                 continue
-            with open(p, "rb") as f:
-                data = f.read()
+            data = untrusted.read_bounded(p, MAX_SMALL_JSON_BYTES)
+            if len(data) > MAX_SMALL_JSON_BYTES:
+                raise MoepackError(f"{p}: more than {MAX_SMALL_JSON_BYTES} bytes (the limit of a tokenizer file)")
             try:
                 out[name] = {"encoding": "utf-8", "data": data.decode("utf-8")}
             except UnicodeDecodeError:

@@ -869,6 +869,13 @@ class Server:
         if self.scheduler is not None:
             self.scheduler.close()
 
+    def stopped_error(self, otherwise: RequestError) -> RequestError:
+        """Why a generation stopped before its answer: the server shutting down (a 503 the client may retry
+        elsewhere), else `otherwise`."""
+        if self.closing.is_set():
+            return RequestError("the server is shutting down; retry later", code="server_shutting_down", status=503)
+        return otherwise
+
     def timeout_error(self) -> RequestError:
         return RequestError(f"the request ran past its deadline of {self.limits.request_timeout_s:g} s "
                             "(--request-timeout)", code="request_timeout", status=408)
@@ -1086,7 +1093,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     async def finished_job(request, job: Job, future) -> list[GenerateResult]:
         results = await wait_job(request, job, future)
         if results is None:
-            raise RequestError("the client went away", code="client_gone")
+            raise server.stopped_error(RequestError("the client went away", code="client_gone"))
         return results
 
     def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, with_usage):
@@ -1140,7 +1147,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     try:
                         results = wrapped.result()
                         if results is None or (job.timed_out and not results[0].generated_ids):
-                            raise server.timeout_error() if job.timed_out else RequestError("cancelled")
+                            raise server.timeout_error() if job.timed_out else server.stopped_error(RequestError("cancelled"))
                     except Exception as e:
                         e._moepack_logged = True  # the worker logged its own errors
                         err = as_request_error(e)
@@ -1167,7 +1174,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         value, the memory check) is the request's 4xx."""
         result = await wait_job(request, job, future, until=job.began)
         if result is None and future.done() and not job.began.is_set():
-            raise RequestError("the client went away", code="client_gone")
+            raise server.stopped_error(RequestError("the client went away", code="client_gone"))
         return streamed(request, job, future, choices, include_usage, with_usage)
 
     def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict]):
@@ -1314,6 +1321,21 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.server = server
     return app
+
+
+def uvicorn_server(app, config):
+    """uvicorn's Server over `config` whose SIGTERM (or Ctrl-C) also ends the app's generations at their next token
+    or layer, each stream with its last chunk: uvicorn waits for every open connection before the app's own
+    shutdown, so a long stream kept a stopping server running for minutes, and requests queued behind it started
+    after the signal (those now get a 503)."""
+    import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.server.closing.set()
+            super().handle_exit(sig, frame)
+
+    return StoppingServer(config)
 
 
 def uvicorn_config(app, limits: ServerLimits | None = None, **kw):

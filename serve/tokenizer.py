@@ -34,13 +34,8 @@ class PromptTokenizer:
         entry = files.get("tokenizer.json")
         if not entry or entry.get("encoding") != "utf-8":
             raise MoepackError(f"{container.path} carries no tokenizer.json: pass the prompt as --token-ids")
-        from tokenizers import Tokenizer
-
         self._json = entry["data"]
-        try:
-            self._tok = Tokenizer.from_str(self._json)
-        except Exception as e:  # the tokenizers library raises its own exception types
-            raise MoepackError(f"the container's tokenizer.json does not load: {e}") from None
+        self._tok = untrusted.load_tokenizer(self._json, "the container's tokenizer.json")
         config = {}
         if files.get("tokenizer_config.json", {}).get("encoding") == "utf-8":
             try:

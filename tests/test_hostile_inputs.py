@@ -49,6 +49,25 @@ def test_prefill_knobs_out_of_range_are_usage_errors(container, flags):
     assert "Invalid value for" in p.stderr and f"'{flags[0]}'" in p.stderr  # (with its short form, if it has one)
 
 
+
+@pytest.mark.parametrize("args", [["io", "FILE", "--repeat", "100000000"], ["memory", "--repeat", "100000000"],
+                                  ["compute", "--repeat", "100000000"], ["compute", "--experts", "100000"]],
+                         ids=["io repeat", "memory repeat", "compute repeat", "compute experts"])
+def test_bench_counts_that_would_never_end_are_usage_errors(container, args):
+    """`bench io --repeat 100000000` ran for ever and `bench compute --experts 100000` made experts until the
+    memory ran out: each is bounded (runtime/limits.py), and again for the tools' API callers."""
+    from moepack.runtime.limits import MAX_BENCH_REPEAT
+    from moepack.tools.bench import bench_compute, bench_memory
+
+    started = time.monotonic()
+    p = _moepack("bench", *[container if a == "FILE" else a for a in args], "--no-save")
+    assert p.returncode == 2 and time.monotonic() - started < 30, p.stderr
+    assert f"Invalid value for '{args[-2]}'" in p.stderr
+    with pytest.raises(MoepackError, match="--repeat"):
+        bench_memory(1, MAX_BENCH_REPEAT + 1, save=False)
+    with pytest.raises(MoepackError, match="--experts"):
+        bench_compute("cpu", [1], None, "FP4_E2M1", 256, 256, "float32", MAX_BUNDLE_EXPERTS + 1, 1, save=False)
+
 def test_generate_cache_budget_out_of_range(container):
     p = _moepack("generate", container, "--prompt", "hi", "--cache-gib", "1e12")
     assert p.returncode == 2 and "--cache-gib" in p.stderr
@@ -318,6 +337,54 @@ def test_one_overwrite_rule_for_every_command_that_writes(tmp_path, container):
     again = runner.invoke(cli, ["prefill", container, "--prompt", " more", "--continue-from", kv, "--kv-out", kv])
     assert again.exit_code == 0, again.output
 
+
+
+def test_no_output_may_replace_the_commands_own_input_even_with_force(tmp_path, container):
+    """An output that is the command's input (the container, a prompt file, a GGUF converted), a directory holding
+    it, or a file of the checkpoint directory converted is refused before any work with --force too: one line, the
+    input untouched (a --force once wrote a prefill's logits over its container)."""
+    import shutil
+
+    src = os.path.join(os.path.dirname(container), "src")
+    held = tmp_path / "held"
+    held.mkdir()
+    inside = str(held / "m.moepack")
+    shutil.copy(container, inside)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hi")
+    cases = [
+        (container, ["prefill", container, "-p", "hi", "--logits-out", container]),
+        (str(prompt), ["prefill", container, "--prompt-file", str(prompt), "--logits-out", str(prompt)]),
+        (container, ["plan", container, "--plot", container]),
+        (inside, ["export", inside, "-o", str(held)]),
+        (inside, ["prefill", inside, "-p", "hi", "--kv-out", str(held)]),
+        (inside, ["generate", inside, "-p", "hi", "-n", "1", "--kv-out", str(held)]),
+        (os.path.join(src, "config.json"), ["convert", src, "-o", os.path.join(src, "config.json"), "--keep"]),
+    ]
+    if _has_gguf():
+        cases.append((container, ["export", container, "--format", "gguf", "-o", container]))
+    runner = CliRunner()
+    for kept, args in cases:
+        before = _sha(kept)
+        refused = runner.invoke(cli, [*args, "--force", "--json"])
+        assert refused.exit_code == 1, (args, refused.output)
+        assert "writing there would destroy it" in json.loads(refused.stdout)["error"], args
+        assert _sha(kept) == before, args
+    # a new file beside the source's own is no input
+    beside = os.path.join(src, "new.moepack")
+    assert runner.invoke(cli, ["convert", src, "-o", beside, "--keep", "--force"]).exit_code == 0
+    os.remove(beside)
+
+
+def test_an_empty_output_path_is_refused_not_taken_for_the_current_directory(tmp_path, container):
+    """`synth ""` wrote a checkpoint into the current directory (an empty name is a script's unset variable)."""
+    runner = CliRunner()
+    for args in (["synth", ""], ["export", container, "-o", ""], ["prefill", container, "-p", "hi", "--kv-out", ""],
+                 ["prefill", container, "-p", "hi", "--logits-out", ""]):
+        with runner.isolated_filesystem(temp_dir=tmp_path):
+            r = runner.invoke(cli, [*args, "--json"])
+            assert r.exit_code == 1 and json.loads(r.stdout)["error"] == "an output path is empty", (args, r.output)
+            assert os.listdir(".") == [], args
 
 def _has_gguf() -> bool:
     try:

@@ -439,3 +439,55 @@ def test_a_body_a_little_over_the_limit_gets_its_413_even_when_read_late(server)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:100]
     assert b"body_too_large" in reply
     _answers(server)
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_sigterm_ends_running_streams_cleanly_and_the_server_exits_at_once(tiny, max_batch):
+    """SIGTERM while streams run: each ends with its last chunk and [DONE] (a request still waiting gets its 503
+    or its stream's end), and the process exits within seconds; uvicorn alone waited for every stream to run to
+    its max_tokens and started the waiting ones after the signal."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "moepack", "serve", tiny, "--port", "0", "--json",
+                             "--max-batch", str(max_batch), "--cache-gib", "0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ends: dict[int, object] = {}
+    started = threading.Event()
+
+    def stream(i):
+        body = {"prompt": "hi", "max_tokens": 100000, "stream": True, "logit_bias": {"65": 100}}  # never an EOS
+        try:
+            with httpx.stream("POST", f"{url}/completions", json=body, timeout=60) as r:
+                if r.status_code != 200:
+                    ends[i] = (r.status_code, json.loads(r.read())["error"]["code"])
+                    return
+                lines = []
+                for line in r.iter_lines():
+                    started.set()
+                    lines.append(line)
+                ends[i] = [x for x in lines if x][-1]
+        except httpx.HTTPError as e:
+            ends[i] = e
+
+    try:
+        url = json.loads(proc.stdout.readline())["url"]
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        proc.wait(timeout=30)
+        assert time.monotonic() - stopped < 15
+        for t in threads:
+            t.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert len(ends) == 2, ends
+    for end in ends.values():
+        assert end == "data: [DONE]" or end == (503, "server_shutting_down"), ends

@@ -296,6 +296,42 @@ def test_convert_refuses_an_expert_count_other_than_the_configs(source, tmp_path
     assert r.exit_code == 1 and f"holds {experts} experts, the config's n_routed_experts is {experts // 2}" in r.output
 
 
+
+@pytest.mark.parametrize("name,data,named", [
+    ("tokenizer.json", "{", "tokenizer.json: not a tokenizer.json the tokenizers library loads"),
+    ("tokenizer.json", '{"model": 5}', "tokenizer.json: not a tokenizer.json the tokenizers library loads"),
+    ("tokenizer.json", b"\xff\xfe", "tokenizer.json: not a tokenizer.json the tokenizers library loads"),
+    ("tokenizer_config.json", "[1]", "tokenizer_config.json: expected a JSON object"),
+    ("generation_config.json", '{"temperature": NaN}', "generation_config.json: temperature: NaN")],
+    ids=["tokenizer cut", "tokenizer of no model", "tokenizer not utf-8", "config a list", "generation NaN"])
+def test_convert_refuses_damaged_tokenizer_files_before_writing(source, tmp_path, name, data, named):
+    """A damaged tokenizer file was carried into the container, which then refused every text prompt (and
+    `export --format gguf` ended in a traceback): convert names it before any work."""
+    src = _checkpoint_copy(source, tmp_path)
+    with open(os.path.join(src, name), "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    r = CliRunner().invoke(cli, ["convert", src, "-o", str(tmp_path / "x.moepack"), "--q8", "--json"])
+    assert r.exit_code == 1, r.output
+    error = json.loads(r.stdout)["error"]
+    assert named in error and "\n" not in error, error
+    assert not any(n.startswith("x.moepack") for n in os.listdir(tmp_path)), os.listdir(tmp_path)
+
+
+def test_a_containers_damaged_tokenizer_is_one_line_in_every_command_that_reads_it(container, tmp_path):
+    from containers import mutate_index
+
+    path = str(tmp_path / "t.moepack")
+    mutate_index(container, path, lambda index: index["tokenizer"].__setitem__(
+        "tokenizer.json", {"encoding": "utf-8", "data": '{"model": 5}'}))
+    runs = [["prefill", path, "-p", "hi"], ["generate", path, "-p", "hi", "-n", "1"]]
+    try:
+        import gguf  # noqa: F401
+        runs.append(["export", path, "--format", "gguf", "-o", str(tmp_path / "t.gguf")])
+    except ImportError:
+        pass
+    for args in runs:
+        _refused(_moepack(*args), "the container's tokenizer.json: not a tokenizer.json the tokenizers library loads")
+
 # --- files that hang or blow up a reader --------------------------------------------------------------------------
 
 
@@ -378,6 +414,22 @@ def test_a_gguf_whose_counts_outrun_the_file_is_refused_at_once(tmp_path, key, s
     _refused(_moepack("verify", out, "--source", path, timeout=60))  # no container: refused, no hang either
     assert time.monotonic() - started < 30
 
+
+
+def test_control_characters_from_a_damaged_file_or_a_name_stay_one_line(tmp_path):
+    """A GGUF whose key holds a newline (a damaged header puts any byte there) and a path holding one: the error
+    is still one line, the control characters written as escapes."""
+    pytest.importorskip("gguf")
+    path = str(tmp_path / "m.gguf")
+    data = bytearray(_small_gguf(path))
+    at = data.index(b"test.name") + len(b"test.name")
+    data[at - 5] = ord("\n")  # the key "test\nname"
+    struct.pack_into("<I", data, at, 99)  # its value type, unknown: refused naming the key
+    with open(path, "wb") as f:
+        f.write(data)
+    line = _refused(_moepack("convert", path, "-o", str(tmp_path / "x.moepack"), "--q8"), "damaged GGUF")
+    assert "test\\nname" in line, line
+    _refused(_moepack("prefill", str(tmp_path / "a\nb.moepack"), "-p", "hi"), "a\\nb.moepack")
 
 # --- leftovers of a killed export ----------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from moepack.backends.expert_naming import ExpertNaming
 from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.reader import ReadSpan
 from moepack.format_spec.untrusted import finite_float
+from moepack.runtime.limits import MAX_BENCH_REPEAT, MAX_BUNDLE_EXPERTS
 from moepack.runtime.read_scheduler import expert_reads
 from moepack.runtime.tuning import cached, cpu_model, file_key, machine_id, store
 
@@ -147,8 +148,8 @@ def bench_io(path: str, bundles=BUNDLES, depths=DEPTHS, max_bytes: int | None = 
     depths = sorted({int(d) for d in depths})
     if not bundles or not depths or bundles[0] < 1 or depths[0] < 1:
         raise MoepackError("bundle sizes and queue depths must be at least 1")
-    if repeat < 1:
-        raise MoepackError("--repeat must be at least 1")
+    if not 1 <= repeat <= MAX_BENCH_REPEAT:
+        raise MoepackError(f"--repeat must be 1 to {MAX_BENCH_REPEAT}")
     with Container(path) as c:
         if not any(b.experts for b in c.layers):
             raise MoepackError(f"{path}: the container has no routed experts to read")
@@ -290,8 +291,8 @@ def bench_memory(size_mib: int = 256, repeat: int = 5, device: str | None = None
     """Host memory copy rate (bytes copied per second; each byte copied is one read and one write of DRAM) and,
     with a CUDA device (`device`, default: cuda when available), host->device rates from pinned and pageable
     memory and device->host into pinned memory."""
-    if size_mib < 1 or repeat < 1:
-        raise MoepackError("--size-mib and --repeat must be at least 1")
+    if size_mib < 1 or not 1 <= repeat <= MAX_BENCH_REPEAT:
+        raise MoepackError(f"--size-mib must be at least 1 and --repeat 1 to {MAX_BENCH_REPEAT}")
     want_cuda = device is not None and device.startswith("cuda")
     if want_cuda and not torch.cuda.is_available():
         raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
@@ -488,6 +489,9 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     experts = experts or (16 if backend == "grouped" else 2)
     if not tokens or tokens[0] < 1 or experts < 1 or repeat < 1:
         raise MoepackError("tokens per expert, --experts and --repeat must be at least 1")
+    if experts > MAX_BUNDLE_EXPERTS or repeat > MAX_BENCH_REPEAT:
+        raise MoepackError(f"--experts must be at most {MAX_BUNDLE_EXPERTS} (a read's bundle) and --repeat at most "
+                           f"{MAX_BENCH_REPEAT}")
     dtype = EXPERT_DTYPES[expert_dtype]
     load = _load()
     if file is not None:
