@@ -159,11 +159,14 @@ class ExpertGroups:
 class Routing:
     """The router's choice for N tokens: `experts` [N, k] expert ids, `weights` [N, k] their combine weights;
     `x` [N, H] the rows the experts multiply (an expert backend's input; None where only the choice is asked).
-    A layer without routed experts routes nothing: `experts` and `weights` None, `x` its FFN's input."""
+    A layer without routed experts routes nothing: `experts` and `weights` None, `x` its FFN's input.
+    `prompt_ends`: in a pass of several prompts (their rows concatenated), where each prompt's rows end; an
+    expert backend whose kernel depends on an expert's token count counts each prompt's own (None: one prompt)."""
 
     experts: Tensor | None
     weights: Tensor | None
     x: Tensor | None = None
+    prompt_ends: list[int] | None = field(default=None, init=False)
     _groups: ExpertGroups | None = field(default=None, init=False, repr=False)
     _by_expert: dict[int, ExpertTokens] | None = field(default=None, init=False, repr=False)
 

@@ -25,7 +25,12 @@ Stopped during a pass (`cancelled()`, or the scheduler closed), a prompt leaves 
 pass ends (the pass stops before its next layer only once every prompt in it asked to). Every sequence's greedy
 tokens are those it decodes alone (Generator.generate): the step's rows are independent (Decoder.step_batch), a
 chunked prompt continues its states, and a prompt prefilled beside others gets its solo logits and states to
-float32 rounding (run_many: only the experts' matmuls see the other prompts' rows). Only the expert cache is
+float32 rounding (run_many: only the experts' matmuls see the other prompts' rows, each prompt's on the kernel its
+own count picks). Not so for a CHUNKED prompt in bfloat16 (`--compute-dtype auto` on a CPU with AVX512-BF16): a
+chunk boundary moves DeepSeek-V4's attention query chunks (its bf16 products then sum their keys in other blocks)
+and lowers an expert's token count (the fused FP4 kernel for few, rounding otherwise): its logits may differ from
+its solo run's by about 1e-2; and in bf16 a grouped prompt's float32-rounding difference can cross a bf16 rounding
+later and so tip a near tie. Only the expert cache is
 shared: a sequence's decode stats count the cache's hits and the bytes read over the steps it took part in, all
 rows; its prefill stats are its own tokens, the seconds of the passes it was in, and their `group_prompts` /
 `group_tokens` (the pass's bytes read are the group's). The cache is seeded with a prompt's experts only when its

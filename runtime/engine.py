@@ -448,6 +448,8 @@ class StreamingPrefill:
                         past[number] = None  # the old state is folded into the new one
                 hidden, spare = spare, hidden
                 routing = family.route(number, w, hidden, token_ids)
+                if len(ends) > 1:  # the experts' kernels are chosen by each prompt's own tokens (ExpertRunner)
+                    routing.prompt_ends = ends
                 by_expert = routing.tokens_by_expert() if number in moe_layers else {}
             if emit_kv and self.on_layer_kv is not None:  # (one prompt: run_many refuses on_layer_kv)
                 self.on_layer_kv(number, kv_states[0])  # the layer's KV is final: it leaves the device now

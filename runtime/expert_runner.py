@@ -192,7 +192,7 @@ class ExpertRunner:
         tasks = [self._pool.submit(self.on_one_core, fn, *args, timed=timed) for fn, args, timed in beside] \
             if self._pool is not None else []
         try:
-            self._run_experts(block, reads, groups, inputs, combined)
+            self._run_experts(block, reads, groups, inputs, combined, routing.prompt_ends)
         finally:
             for task in tasks:
                 task.exception()  # done in every case before the layer's tensors go
@@ -202,7 +202,7 @@ class ExpertRunner:
         return combined, results
 
     def _run_experts(self, block: Block, reads: list, groups: ExpertGroups, inputs: torch.Tensor,
-                     combined: torch.Tensor) -> None:
+                     combined: torch.Tensor, prompt_ends: list[int] | None = None) -> None:
         """combined [N, H] += each chosen expert of `reads` on its tokens' rows of inputs, times their weights, as
         the reads arrive: here, or on the expert threads where there are some (OrderedSum: added in ascending
         expert id, whatever thread finishes first). Each read's buffer goes back to the pool once its experts are
@@ -261,7 +261,8 @@ class ExpertRunner:
                                 with lock:
                                     got[2] = raw if got[2] is None else got[2]
                             with self.compute:
-                                summed.add(what.expert, self._expert(block, what, raw, base, inputs, groups, view))
+                                summed.add(what.expert, self._expert(block, what, raw, base, inputs, groups, view,
+                                                                      prompt_ends))
                 except BaseException as e:  # a failed read's buffer went back to the pool with its failure
                     with lock:
                         failed.append(e)
@@ -283,23 +284,39 @@ class ExpertRunner:
         summed.check_complete()
 
     def _expert(self, block: Block, region: Region, raw: torch.Tensor, base: int, inputs: torch.Tensor,
-                groups: ExpertGroups, view: memoryview) -> torch.Tensor:
+                groups: ExpertGroups, view: memoryview, prompt_ends: list[int] | None = None) -> torch.Tensor:
         """The expert's float32 output rows for its tokens (in the order of groups.token_index's span)."""
         self.checker.before_use([region], view, base)  # about to be decoded: checked, the bytes are in cache for it
         if self.keep_expert is not None:
             self.keep_expert(block, region, view, base)
         a, b = groups.spans[region.expert]
-        x = inputs.index_select(0, groups.token_index[a:b])
+        rows = groups.token_index[a:b]
+        x = inputs.index_select(0, rows)
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        self.expert_output(block, region, raw, base, x, out)
+        if prompt_ends is None:
+            self.expert_output(block, region, raw, base, x, out)
+            return out
+        # several prompts: each prompt's rows on the kernel its own token count chooses (the fused one for few),
+        # the kernel it gets prefilled alone: a prompt's result does not depend on the others' rows
+        prompt = torch.searchsorted(torch.tensor(prompt_ends, device=rows.device), rows, right=True)
+        own = torch.bincount(prompt, minlength=len(prompt_ends))[prompt]  # each row's prompt's tokens here
+        few = own <= self.fused_tokens
+        for picked in (few, ~few):
+            if bool(picked.all()):
+                self.expert_output(block, region, raw, base, x, out, tokens=int(own.max()))
+            elif bool(picked.any()):
+                part = torch.empty((int(picked.sum()), x.shape[1]), dtype=torch.float32, device=x.device)
+                out[picked] = self.expert_output(block, region, raw, base, x[picked], part,
+                                                 tokens=int(own[picked].max()))
         return out
 
     def expert_output(self, block: Block, region: Region, raw: torch.Tensor, base: int, x: torch.Tensor,
-                      out: torch.Tensor) -> torch.Tensor:
+                      out: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
         """out (float32 rows) = the expert of `region` (its bytes in `raw`, from file offset `base`) applied to its
         tokens `x`: FP4 experts through the table decoder (the fused kernel writes `out` itself), anything else
-        through the generic decode; a family's expert_ffn where it has one."""
-        weights = self.expert_weights(block, region, raw, base, tokens=len(x))
+        through the generic decode; a family's expert_ffn where it has one. `tokens`: the count that chooses the
+        kernel (default len(x); in a grouped pass the most any one prompt sends it)."""
+        weights = self.expert_weights(block, region, raw, base, tokens=len(x) if tokens is None else tokens)
         if self.expert_ffn is not None:
             return out.copy_(self.expert_ffn(x, weights.w1, weights.w3, weights.w2))
         return self.apply(weights, x, out)

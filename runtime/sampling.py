@@ -145,7 +145,9 @@ class TokenLogprob:
     def of(token: int, x: torch.Tensor, k: int) -> "TokenLogprob":
         lp = torch.log_softmax(x, dim=0)
         top = torch.topk(lp, min(k, len(lp))) if k else None
-        pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
+        # a token the constraint rules out (-inf) is no alternative (nor valid JSON: a 500 for /v1 clients)
+        pairs = () if top is None else tuple((i, v) for i, v in zip(top.indices.tolist(), top.values.tolist())
+                                             if v != float("-inf"))
         return TokenLogprob(token, float(lp[token]), pairs)
 
 

@@ -17,7 +17,8 @@ from moepack.families.deepseek_v4.kv import kv_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.runtime import memory as memory_module
 from moepack.runtime.batching import BatchScheduler
-from moepack.runtime.engine import StreamingPrefill
+from moepack.runtime.engine import PrefillOptions, StreamingPrefill
+from moepack.runtime.expert_decode import fused_available
 from moepack.runtime.generate import GenerateOptions, Generator
 from moepack.runtime.memory import memory_need
 from moepack.serve.app import ServerLimits, make_app
@@ -434,6 +435,31 @@ def test_prompts_prefilled_in_one_pass_get_their_solo_prefills(generator):
         assert grouped.stats["group_tokens"] == 40
         assert _greedy_after(generator, grouped.states, grouped.logits, 8) == _greedy_after(
             generator, solo.states, solo.logits, 8)
+
+
+@pytest.mark.skipif(not fused_available(), reason="the fused FP4 kernel needs AVX512-BF16 and a C compiler")
+def test_a_prompt_prefilled_beside_others_keeps_its_own_fused_expert_kernel(tiny):
+    """bf16 experts on up to fused_max_tokens tokens run the fused FP4 kernel, which rounds otherwise than the
+    decoded matmul: each prompt's rows of a grouped pass take the kernel its own count chooses, never the group's."""
+    ids = torch.tensor(_prompt(40, 71, 512))
+    with Generator(tiny, cache_gib=0) as probe:
+        engine = probe.prefill_engine()
+        counts = engine.run(ids, keep_kv=True).tokens_per_expert
+        engine.close()
+    most = max(max(layer) for layer in counts if layer)  # alone every expert is fused; two copies: the busiest not
+    options = PrefillOptions(compute_dtype="bfloat16", fused_max_tokens=most)
+    with Generator(tiny, cache_gib=0, prefill=options) as g:
+        engine = g.prefill_engine()
+        try:
+            alone = engine.run(ids, keep_kv=True)
+            together = engine.run_many([ids, ids, ids[:5]], [None, None, None])
+        finally:
+            engine.close()
+    for grouped in together[:2]:
+        torch.testing.assert_close(grouped.logits, alone.logits, rtol=1e-5, atol=1e-5)
+        for a, b in zip(alone.states, grouped.states):
+            for x, y in zip(_tensors(a), _tensors(b), strict=True):
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
 
 
 def test_a_grouped_pass_refuses_what_runs_one_prompt_at_a_time(generator):

@@ -364,6 +364,20 @@ def test_json_object_output_is_an_object(server):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_json_output_with_top_logprobs_lists_only_tokens_it_allows(server):
+    """The constraint leaves few tokens (-inf for the rest): top_logprobs holds only finite ones, never a 500."""
+    _needs_llguidance()
+    c = _client(server)
+    for stream in (False, True):
+        r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+                                      top_logprobs=20, response_format={"type": "json_object"}, stream=stream)
+        content = ([e for chunk in r if chunk.choices and chunk.choices[0].logprobs
+                    for e in chunk.choices[0].logprobs.content] if stream else r.choices[0].logprobs.content)
+        assert content
+        assert any(len(entry.top_logprobs) < 20 for entry in content)  # the first token: "{" or a space
+        assert all(math.isfinite(t.logprob) for entry in content for t in entry.top_logprobs)
+
+
 def test_json_with_thinking_constrains_only_the_answer(server):
     """Free text until the thought's `</think>` ids have come in a row, the schema after them."""
     _needs_llguidance()
