@@ -101,6 +101,9 @@ def gguf_tensors(config: Mapping[str, Any], names: Sequence[str] | None) -> list
         if gguf_name is None:
             raise MoepackError(f"tensor {name} has no GGUF name")
         out.append(GGUFTensor(gguf_name, (name,)))
+        if canon == "embed.weight" and cfg.tie_word_embeddings and "head.weight" not in present:
+            # llama.cpp's deepseek4 loads its own output.weight: a tied model's head is the embedding's copy
+            out.append(GGUFTensor(v4names.to_gguf("head.weight"), (name,)))
     return out
 
 
@@ -172,8 +175,8 @@ def metadata(config: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, str
 
 def config_from_gguf(keys: Mapping[str, Any], vocab_size: int, tied: bool, tensors: Collection[str] = ()) -> dict:
     """The config.json of a `deepseek4` GGUF's keys (`keys`: without the `deepseek4.` prefix; `tensors`: its
-    tensor names, which say a compressed layer's kind). llama.cpp's deepseek4 always has its own head (`tied` is
-    not asked)."""
+    tensor names, which say a compressed layer's kind). `tied`: the GGUF has no output.weight, the head is the
+    embedding (moepack's export of a tied model writes the embedding's copy, as llama.cpp's deepseek4 loads one)."""
     def k(name: str, default=None, required: bool = True):
         value = keys.get(name, default)
         if value is None and required:
@@ -239,7 +242,7 @@ def config_from_gguf(keys: Mapping[str, Any], vocab_size: int, tied: bool, tenso
         "rope_theta": float(k("rope.freq_base")), "compress_rope_theta": compress["rope_theta"],
         "rope_parameters": {"main": {"rope_type": "default", "rope_theta": float(k("rope.freq_base")),
                                      "partial_rotary_factor": partial}, "compress": compress},
-        "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0, "tie_word_embeddings": tied,
     }
     if k("feed_forward_length", required=False) is not None:
         config["intermediate_size"] = int(k("feed_forward_length"))
