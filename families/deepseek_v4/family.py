@@ -16,7 +16,7 @@ from ..base import (ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EMBED, ROLE_EXPERT, ROL
 from . import gguf, names
 from .names import EXPERT_NAMING
 from .arch import DEEPSEEK_V4
-from .config import CSA, HCA, MODEL_TYPE, ConfigError, ModelConfig, unsupported
+from .config import CSA, HCA, MODEL_TYPE, ConfigError, ModelConfig, quantization_problem, unsupported
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 GGUF_ARCHITECTURE = "deepseek4"  # llama.cpp's
@@ -247,7 +247,7 @@ class DeepseekV4Family:
             experts = ModelConfig.from_hf(config).n_routed_experts
         except ConfigError as e:
             return f"config.json is not a usable DeepSeek-V4 config ({e.detail})"
-        problem = unsupported(config)
+        problem = unsupported(config) or quantization_problem(config)
         if problem:
             return f"config.json {problem}"
         wrong = next(((layer, n) for layer, n in experts_per_layer.items() if n and n != experts), None)
