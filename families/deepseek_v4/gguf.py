@@ -113,6 +113,13 @@ def _rope_dim(config: Mapping[str, Any], cfg: ModelConfig) -> int:
     return cfg.main_rope.dim
 
 
+# Fields of a config.json that DeepSeek-V4 (transformers' and moepack's) does not read: one KV head, one shared
+# expert of moe_intermediate_size, the chosen experts' weights always renormalised. The GGUF says what the tensors
+# and the arithmetic are (the release's values), not another value a config may carry, which llama.cpp would read
+# as other tensor shapes or other routing.
+COMPUTED = {"num_key_value_heads": 1, "n_shared_experts": 1, "norm_topk_prob": True}
+
+
 def metadata(config: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, str, object]]:
     """(key, kind, value) for every model key, kind one of uint32 / float32 / bool / string / array."""
     a = ARCH
@@ -129,7 +136,7 @@ def metadata(config: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, str
         kv.append((f"{a}.feed_forward_length", "uint32", config["intermediate_size"]))
     kv.append((f"{a}.attention.head_count", "uint32", cfg.num_heads))
     if isinstance(config.get("num_key_value_heads"), int):
-        kv.append((f"{a}.attention.head_count_kv", "uint32", config["num_key_value_heads"]))
+        kv.append((f"{a}.attention.head_count_kv", "uint32", COMPUTED["num_key_value_heads"]))
     rope = cfg.compress_rope
     if rope.scaling == "yarn":  # the release's rope_scaling: the compressed layers' YaRN (llama.cpp applies it there)
         kv += [(f"{a}.rope.scaling.type", "string", "yarn"),
@@ -151,9 +158,9 @@ def metadata(config: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, str
         (f"{a}.attention.q_lora_rank", "uint32", cfg.q_lora_rank),
         (f"{a}.attention.sliding_window", "uint32", cfg.sliding_window),
         (f"{a}.expert_feed_forward_length", "uint32", cfg.moe_intermediate_size),
-        (f"{a}.expert_shared_count", "uint32", int(config.get("n_shared_experts", 1))),
+        (f"{a}.expert_shared_count", "uint32", COMPUTED["n_shared_experts"]),
         (f"{a}.expert_weights_scale", "float32", float(cfg.routed_scaling_factor)),
-        (f"{a}.expert_weights_norm", "bool", bool(config.get("norm_topk_prob", True))),
+        (f"{a}.expert_weights_norm", "bool", COMPUTED["norm_topk_prob"]),
         (f"{a}.swiglu_clamp_exp", "array", [float(cfg.swiglu_limit)] * n),
         (f"{a}.swiglu_clamp_shexp", "array", [float(cfg.swiglu_limit)] * n),
         (f"{a}.attention.indexer.head_count", "uint32", cfg.index_n_heads),
