@@ -97,6 +97,16 @@ def _q8_0(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(quantize(x.contiguous(), "Q8_0")).reshape(-1)
 
 
+def _f32(x: torch.Tensor) -> np.ndarray:
+    return x.contiguous().numpy().reshape(-1).view(np.uint8)
+
+
+def _requantized(shape) -> tuple[str, Callable[[torch.Tensor], np.ndarray]]:
+    """The GGUF type and encoder of a weight llama.cpp cannot take as stored: Q8_0 (the converter's), or F32 where
+    its rows are not whole Q8_0 blocks of 32 (a width not a multiple of 32)."""
+    return ("F32", _f32) if shape[-1] % 32 else ("Q8_0", _q8_0)
+
+
 def _source_bytes(c: Container, name: str) -> int:
     return sum(c.tensors[n].length for n in (name, scale_name(name), tensor_scale_name(name)) if n in c.tensors)
 
@@ -113,15 +123,14 @@ def _plain_job(c: Container, name: str, gguf_name: str) -> _Job:
     if len(shape) <= 1 or gguf_name.endswith("_norm.weight"):  # the converter: 1-D tensors and norms are F32
         if dt == "F32" and not has_ts:
             return _Job(gguf_name, "F32", shape, lambda: _raw(c, name), nbytes)
-        return _Job(gguf_name, "F32", shape, lambda: _float32(c, name).numpy().reshape(-1).view(np.uint8), nbytes)
+        return _Job(gguf_name, "F32", shape, lambda: _f32(_float32(c, name)), nbytes)
     if dt in _FLOAT_TYPES and not has_ts:  # kept as the source holds them
         return _Job(gguf_name, dt, shape, lambda: _raw(c, name), nbytes)
     if dt in _BLOCK_TYPES and not has_ts:  # already llama.cpp's blocks
         return _Job(gguf_name, dt, shape, lambda: _raw(c, name), nbytes)
-    if shape[-1] % 32:
-        return _Job(gguf_name, "F32", shape, lambda: _float32(c, name).numpy().reshape(-1).view(np.uint8), nbytes)
     # FP8 + block scales (the converter's dequant_model + tensor_force_quant), or anything else moepack decodes
-    return _Job(gguf_name, "Q8_0", shape, lambda: _q8_0(_float32(c, name)), nbytes)
+    qtype, encode = _requantized(shape)
+    return _Job(gguf_name, qtype, shape, lambda: encode(_float32(c, name)), nbytes)
 
 
 def _stacked_experts_job(c: Container, names: list[str], gguf_name: str) -> _Job:
@@ -150,8 +159,9 @@ def _stacked_experts_job(c: Container, names: list[str], gguf_name: str) -> _Job
         qtype = next(iter(dtypes))  # ggml blocks, or float experts kept in their precision (as other weights are)
         return _Job(gguf_name, qtype, (n_experts,) + shape, lambda: np.concatenate([_raw(c, n) for n in names]),
                     nbytes)
-    return _Job(gguf_name, "Q8_0", (n_experts,) + shape,
-                lambda: np.concatenate([_q8_0(_float32(c, n)) for n in names]), nbytes)
+    qtype, encode = _requantized(shape)
+    return _Job(gguf_name, qtype, (n_experts,) + shape,
+                lambda: np.concatenate([encode(_float32(c, n)) for n in names]), nbytes)
 
 
 # general.file_type (gguf-py's LlamaFileType member) after the routed experts' GGUF type

@@ -457,9 +457,15 @@ class Decoder:
         raw = self.copier.host_bytes(buffer, view)[:region.length]
         size = self._entry_bytes(layer, e)
         if not (self.cache.fits(size) if keep_fitting else self.cache.admits((layer, e), size)):
-            # no copy of bytes nothing keeps
-            held.append(buffer)
-            return raw.to(self.device)
+            if sum(not isinstance(item, torch.Tensor) for item in held) + 1 < self.pipe.buffers:
+                held.append(buffer)  # no copy of bytes nothing keeps
+                return raw.to(self.device)
+            # the pool's last buffer: a copy, and the buffer back, for the step's next read (more misses in a step
+            # than buffers, a top-k or a batch's union past them: holding it would leave that read none, for ever)
+            try:
+                return raw.clone() if self.device.type == "cpu" else raw.to(self.device)
+            finally:
+                self.pipe.release(buffer)
         try:
             # outlives the pooled buffer (malloc's: a cache smaller than the experts in use evicts and takes one of
             # the same size per miss, and malloc hands the evicted one's memory back; fresh pages would fault in)
@@ -535,9 +541,11 @@ class Decoder:
         layouts = [self._kernel_layout(layer, e) for e in chosen]
         if not all(layouts):
             return None
+        # awaited in the order they were read (_fetch's): the pool hands its buffers to reads in that order
+        stored = {e: self._expert_bytes(layer, e, got, held) for e in sorted(got)}  # (also those read, not chosen)
         experts = []
         for e, layout in zip(chosen, layouts):
-            raw = self._expert_bytes(layer, e, got, held)
+            raw = stored[e]
             held.append(raw)
             known = self._matrices.get((layer, e))  # a cache hit gives the same bytes as last time
             if known is None or known[0]() is not raw:
@@ -546,8 +554,6 @@ class Decoder:
                     for kind, data, rows, cols, scale in layout))
                 self._matrices[(layer, e)] = known
             experts.append(known[1])
-        for e in got.keys() - chosen.keys():  # read but not chosen (hash layers choose exactly these)
-            self._expert_bytes(layer, e, got, held)
         self.stats.kernel_layers += 1
         return experts
 

@@ -123,6 +123,33 @@ def test_a_config_that_counts_other_layers_than_the_tensors_is_refused_before_co
     assert not os.path.exists(out)
 
 
+@pytest.mark.parametrize("change, named", [
+    ({"weight_block_size": [64, 64]}, "quantization_config weight_block_size [64, 64] fmt 'e4m3': only e4m3 in "
+                                      "[128, 128] blocks"),
+    ({"fmt": "e5m2"}, "quantization_config weight_block_size [128, 128] fmt 'e5m2'"),
+    ({"quant_method": "awq"}, "quantization_config.quant_method 'awq': only the release's fp8"),
+], ids=["block-64", "e5m2", "awq"])
+def test_a_quantization_the_converter_cannot_read_is_refused_in_one_line(release_dir, tmp_path, change, named):
+    """A DeepSeek-V4 quantization_config other than the release's (FP8 e4m3 in 128x128 blocks): `convert` refuses
+    it in one line naming the field and what it reads, writing nothing (it converted, and prefill then failed on
+    scales that did not fit their weights)."""
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli
+
+    src = str(tmp_path / "src")
+    shutil.copytree(release_dir, src)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"].update(change)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(config, f)
+    out = str(tmp_path / "x.moepack")
+    r = CliRunner().invoke(cli, ["convert", src, "-o", out, "--keep"])
+    assert r.exit_code == 1 and named in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not os.path.exists(out)
+
+
 def test_missing_shard_and_bad_sources(release_dir, tmp_path):
     broken = str(tmp_path / "broken")
     shutil.copytree(release_dir, broken)

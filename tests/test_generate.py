@@ -173,6 +173,56 @@ def test_cuda_greedy_generation_equals_transformers(wide_models, name, n, cache_
     assert generated == _transformers_greedy(hf_model, ids, NEW_TOKENS)
 
 
+def _finished_within(seconds: float, work):
+    """work()'s result, run on a thread given `seconds` (a hang fails the test instead of stalling the suite)."""
+    import threading
+
+    out, failed = [], []
+
+    def call():
+        try:
+            out.append(work())
+        except BaseException as e:  # noqa: BLE001  (re-raised on the test's thread)
+            failed.append(e)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if failed:
+        raise failed[0]
+    assert out, f"still running after {seconds} s"
+    return out[0]
+
+
+@pytest.mark.parametrize("batch", [1, 4], ids=["top-20", "four-prompts"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_more_misses_in_a_step_than_read_buffers_decode(tmp_path, monkeypatch, batch, compiled):
+    """A decode step whose misses outnumber the decoder's read buffers (16: top-20 of 24 experts with no cache,
+    or four prompts' union of top-10s) holds no more buffers than leave its next read one: it generates
+    transformers' tokens (it waited for ever, every buffer held by an expert waiting for the rest)."""
+    if not compiled:
+        monkeypatch.setattr(TokenLayers, "make", classmethod(lambda cls, *a: None))
+    config = {**CONFIGS["C"], "n_routed_experts": 24, "num_experts_per_tok": 20 if batch == 1 else 10,
+              "index_n_heads": 16}
+    hf_model = saved_model(config, 5, str(tmp_path / "src"))
+    container = str(tmp_path / "m.moepack")
+    convert_checkpoint(str(tmp_path / "src"), container, progress=False)
+    prompts = [_prompt(n, config["vocab_size"], seed=n) for n in (9, 4, 17, 12)[:batch]]
+
+    def run():
+        from moepack.runtime.batching import BatchScheduler
+
+        with Generator(container, cache_gib=0.0) as g:
+            assert g.decoder.pipe.buffers < 20 and (g.decoder.layers is not None) == compiled
+            with BatchScheduler(g, max_batch=batch) as scheduler:
+                futures = [scheduler.submit(ids, GenerateOptions(max_new_tokens=6)) for ids in prompts]
+                return [f.result() for f in futures]
+
+    results = _finished_within(120, run)  # (on the thread: a hang would also keep the scheduler from closing)
+    for ids, result in zip(prompts, results):
+        assert result.generated_ids == _transformers_greedy(hf_model, ids, 6)
+
+
 @pytest.mark.parametrize("cache_gib", [0.0, 1.0], ids=["no-cache", "cache"])
 def test_a_damaged_expert_met_by_decode_is_refused_by_its_checksum(models, tmp_path, cache_gib):
     """A byte of every expert of the last layer flipped after the prefill: decode's first read of one (checked by

@@ -215,6 +215,25 @@ def test_tensors(exported, policy):
     assert not any(n.startswith("blk.") and ".nextn." in n for n in seen)
 
 
+@pytest.mark.parametrize("fields", [dict(n_shared_experts=2, norm_topk_prob=False, num_key_value_heads=4),
+                                    dict(n_shared_experts=0)], ids=["two-shared-unnormalised-4kv", "no-shared"])
+def test_fields_deepseek_v4_does_not_read_are_written_as_computed(tmp_path, fields):
+    """n_shared_experts, norm_topk_prob and num_key_value_heads are read by neither transformers' DeepSeek-V4 nor
+    moepack's (one shared expert of moe_intermediate_size, renormalised weights, one KV head): the GGUF's keys say
+    what the tensors and the arithmetic are, so llama.cpp reads the shapes and the routing moepack computes."""
+    from v4_models import CONFIGS, saved_model
+
+    saved_model({**CONFIGS["B"], **fields}, 5, str(tmp_path / "src"))
+    container = str(tmp_path / "m.moepack")
+    convert_checkpoint(str(tmp_path / "src"), container, policy="keep", progress=False)
+    r = gguf.GGUFReader(export_gguf(container, str(tmp_path / "m.gguf"), progress=False)["output"])
+    assert _field(r, f"{ARCH}.expert_shared_count") == 1 and _field(r, f"{ARCH}.expert_weights_norm") is True
+    assert _field(r, f"{ARCH}.attention.head_count_kv") == 1
+    shared = {t.name: [int(n) for n in t.shape] for t in r.tensors if t.name.startswith("blk.0.ffn_gate_shexp")}
+    width = [CONFIGS["B"]["hidden_size"], CONFIGS["B"]["moe_intermediate_size"]]  # ggml's order: inputs first
+    assert shared == {"blk.0.ffn_gate_shexp.weight": width}
+
+
 def test_hash_layers_drop_router_bias(exported):
     _, out = exported["keep"]
     names = {t.name for t in gguf.GGUFReader(out).tensors}

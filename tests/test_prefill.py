@@ -1146,11 +1146,19 @@ def test_a_head_tied_to_the_embedding_is_the_embedding_read_once(tmp_path):
 @pytest.mark.parametrize("change,named", [({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
                                           ({"mlp_bias": True}, "mlp_bias")])
 def test_a_model_this_runtime_would_compute_differently_is_refused_in_one_line(tmp_path, change, named):
-    """transformers would run these configurations; this runtime's experts are SiLU-gated without biases, so it
-    refuses them by name rather than return other logits."""
+    """transformers would run these configurations; this runtime's experts are SiLU-gated without biases, so
+    `moepack convert` refuses them by name, in one line, writing nothing (as Qwen3-MoE's); a container that says
+    so all the same (converted by another version) is refused by prefill, reported by verify, and planned."""
+    from containers import mutate_index
+
     _, src = _variant(tmp_path, **change)
     container = str(tmp_path / "other.moepack")
-    convert_checkpoint(src, container, progress=False)
+    r = CliRunner().invoke(cli, ["convert", src, "-o", container, "--keep"])
+    assert r.exit_code == 1 and named in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not os.path.exists(container)
+    _, clean = _variant(tmp_path / "clean")
+    convert_checkpoint(clean, str(tmp_path / "clean.moepack"), progress=False)
+    mutate_index(str(tmp_path / "clean.moepack"), container, lambda index: index["config"].update(change))
     ids = tmp_path / "ids.txt"
     ids.write_text("1 2 3")
     r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids)])

@@ -363,6 +363,29 @@ def test_export_gguf_is_llama_cpps_qwen3moe(synth_dirs, keep_containers, tmp_pat
             assert torch.equal(values, want), spec.name
 
 
+@pytest.mark.parametrize("widths", [dict(moe_intermediate_size=48), dict(hidden_size=72, intermediate_size=40)],
+                         ids=["expert-width-48", "hidden-72"])
+def test_fp8_weights_of_widths_off_q8_0_blocks_export_as_f32(tmp_path, widths):
+    """An `-FP8` checkpoint's linear whose rows are not whole Q8_0 blocks of 32 (a routed expert's down_proj of 48
+    inputs, every linear reading a hidden state of 72) goes to the GGUF as F32, stacked experts as single ones, and
+    the GGUF converted back runs the same logits."""
+    gguf = pytest.importorskip("gguf")
+    from moepack.packer.gguf_export import export_gguf
+    from moepack.runtime.engine import prefill
+
+    save_model(tmp_path / "hf", widths, torch.float32)
+    fp8_release(tmp_path / "hf")
+    original, back = str(tmp_path / "m.moepack"), str(tmp_path / "back.moepack")
+    convert_checkpoint(str(tmp_path / "hf"), original, policy="keep", progress=False)
+    export_gguf(original, str(tmp_path / "m.gguf"), progress=False)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    assert types["blk.0.ffn_down_exps.weight"] == ("F32" if widths.get("moe_intermediate_size", 96) % 32 else "Q8_0")
+    assert types["blk.0.attn_q.weight"] == ("F32" if widths.get("hidden_size", 160) % 32 else "Q8_0")
+    convert_checkpoint(str(tmp_path / "m.gguf"), back, policy="keep", progress=False)
+    theirs = prefill(original, PROMPT).logits
+    torch.testing.assert_close(prefill(back, PROMPT).logits, theirs, atol=0.02 * theirs.abs().max().item(), rtol=0)
+
+
 def test_export_gguf_refuses_what_llama_cpps_qwen3moe_cannot_run(tmp_path):
     from moepack.packer.gguf_export import export_gguf
 

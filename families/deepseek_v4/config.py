@@ -12,7 +12,8 @@ and range: a bad one raises ConfigError (a MoepackError), one line naming the fi
 * `compress_rates_by_type`, `mtp_layer_types`: what the tensor schema (moepack.families.deepseek_v4.tensors) needs
   beyond ModelConfig.
 * `unsupported(config)`: what this runtime would compute differently from transformers; `model_type`,
-  `quant_method`: the two other fields the converter and `moepack plan` read.
+  `quant_method`: the two other fields the converter and `moepack plan` read; `quantization_problem`: a
+  quantization_config the converter cannot read.
 """
 
 from __future__ import annotations
@@ -446,6 +447,25 @@ def quant_method(config: Mapping) -> str | None:
     if method is not None and not isinstance(method, str):
         _fail("quantization_config.quant_method", "a string", method)
     return method
+
+
+def quantization_problem(config: Mapping) -> str | None:
+    """What in quantization_config the converter cannot read, or None: a method other than the release's fp8, or
+    its fp8 in other blocks than 128x128 or another format than e4m3 (the scales would not fit the weights)."""
+    from moepack.format_spec.source_formats import FP8_BLOCK
+
+    method = quant_method(config)
+    if method is None:
+        return None
+    if method != "fp8":
+        return (f"quantization_config.quant_method {method[:40]!r}: only the release's fp8 (FP8 e4m3 in "
+                f"{FP8_BLOCK}x{FP8_BLOCK} blocks, FP4 experts) is read")
+    q = config["quantization_config"]
+    block, fmt = q.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK]), q.get("fmt", "e4m3")
+    if block != [FP8_BLOCK, FP8_BLOCK] or fmt != "e4m3":
+        return (f"quantization_config weight_block_size {reprlib.repr(block)} fmt {reprlib.repr(fmt)}: only e4m3 "
+                f"in [{FP8_BLOCK}, {FP8_BLOCK}] blocks (the release's) is read")
+    return None
 
 
 def unsupported(config: Mapping) -> str | None:

@@ -16,7 +16,7 @@ from ..base import (ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EMBED, ROLE_EXPERT, ROL
 from . import gguf, names
 from .names import EXPERT_NAMING
 from .arch import DEEPSEEK_V4
-from .config import CSA, HCA, MODEL_TYPE, ConfigError, ModelConfig, unsupported
+from .config import CSA, HCA, MODEL_TYPE, ConfigError, ModelConfig, quantization_problem, unsupported
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 GGUF_ARCHITECTURE = "deepseek4"  # llama.cpp's
@@ -240,12 +240,16 @@ class DeepseekV4Family:
         return cfg
 
     def checkpoint_problem(self, config, experts_per_layer, shapes) -> str | None:
-        """A config.json V4's reader refuses, or a layer with another expert count than its n_routed_experts (a
-        tensor of another shape is the container's to hold: verify and prefill name it)."""
+        """A config.json V4's reader refuses or this runtime would compute differently from transformers (as
+        Qwen3-MoE's reader refuses it), or a layer with another expert count than its n_routed_experts (a tensor
+        of another shape is the container's to hold: verify and prefill name it)."""
         try:
             experts = ModelConfig.from_hf(config).n_routed_experts
         except ConfigError as e:
             return f"config.json is not a usable DeepSeek-V4 config ({e.detail})"
+        problem = unsupported(config) or quantization_problem(config)
+        if problem:
+            return f"config.json {problem}"
         wrong = next(((layer, n) for layer, n in experts_per_layer.items() if n and n != experts), None)
         if wrong:
             return f"layers.{wrong[0]} holds {wrong[1]} experts, the config's n_routed_experts is {experts}"

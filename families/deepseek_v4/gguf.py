@@ -101,6 +101,9 @@ def gguf_tensors(config: Mapping[str, Any], names: Sequence[str] | None) -> list
         if gguf_name is None:
             raise MoepackError(f"tensor {name} has no GGUF name")
         out.append(GGUFTensor(gguf_name, (name,)))
+        if canon == "embed.weight" and cfg.tie_word_embeddings and "head.weight" not in present:
+            # llama.cpp's deepseek4 loads its own output.weight: a tied model's head is the embedding's copy
+            out.append(GGUFTensor(v4names.to_gguf("head.weight"), (name,)))
     return out
 
 
@@ -108,6 +111,13 @@ def _rope_dim(config: Mapping[str, Any], cfg: ModelConfig) -> int:
     if isinstance(config.get("qk_rope_head_dim"), int):
         return config["qk_rope_head_dim"]
     return cfg.main_rope.dim
+
+
+# Fields of a config.json that DeepSeek-V4 (transformers' and moepack's) does not read: one KV head, one shared
+# expert of moe_intermediate_size, the chosen experts' weights always renormalised. The GGUF says what the tensors
+# and the arithmetic are (the release's values), not another value a config may carry, which llama.cpp would read
+# as other tensor shapes or other routing.
+COMPUTED = {"num_key_value_heads": 1, "n_shared_experts": 1, "norm_topk_prob": True}
 
 
 def metadata(config: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, str, object]]:
@@ -126,7 +136,7 @@ def metadata(config: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, str
         kv.append((f"{a}.feed_forward_length", "uint32", config["intermediate_size"]))
     kv.append((f"{a}.attention.head_count", "uint32", cfg.num_heads))
     if isinstance(config.get("num_key_value_heads"), int):
-        kv.append((f"{a}.attention.head_count_kv", "uint32", config["num_key_value_heads"]))
+        kv.append((f"{a}.attention.head_count_kv", "uint32", COMPUTED["num_key_value_heads"]))
     rope = cfg.compress_rope
     if rope.scaling == "yarn":  # the release's rope_scaling: the compressed layers' YaRN (llama.cpp applies it there)
         kv += [(f"{a}.rope.scaling.type", "string", "yarn"),
@@ -148,9 +158,9 @@ def metadata(config: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, str
         (f"{a}.attention.q_lora_rank", "uint32", cfg.q_lora_rank),
         (f"{a}.attention.sliding_window", "uint32", cfg.sliding_window),
         (f"{a}.expert_feed_forward_length", "uint32", cfg.moe_intermediate_size),
-        (f"{a}.expert_shared_count", "uint32", int(config.get("n_shared_experts", 1))),
+        (f"{a}.expert_shared_count", "uint32", COMPUTED["n_shared_experts"]),
         (f"{a}.expert_weights_scale", "float32", float(cfg.routed_scaling_factor)),
-        (f"{a}.expert_weights_norm", "bool", bool(config.get("norm_topk_prob", True))),
+        (f"{a}.expert_weights_norm", "bool", COMPUTED["norm_topk_prob"]),
         (f"{a}.swiglu_clamp_exp", "array", [float(cfg.swiglu_limit)] * n),
         (f"{a}.swiglu_clamp_shexp", "array", [float(cfg.swiglu_limit)] * n),
         (f"{a}.attention.indexer.head_count", "uint32", cfg.index_n_heads),
@@ -172,8 +182,8 @@ def metadata(config: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, str
 
 def config_from_gguf(keys: Mapping[str, Any], vocab_size: int, tied: bool, tensors: Collection[str] = ()) -> dict:
     """The config.json of a `deepseek4` GGUF's keys (`keys`: without the `deepseek4.` prefix; `tensors`: its
-    tensor names, which say a compressed layer's kind). llama.cpp's deepseek4 always has its own head (`tied` is
-    not asked)."""
+    tensor names, which say a compressed layer's kind). `tied`: the GGUF has no output.weight, the head is the
+    embedding (moepack's export of a tied model writes the embedding's copy, as llama.cpp's deepseek4 loads one)."""
     def k(name: str, default=None, required: bool = True):
         value = keys.get(name, default)
         if value is None and required:
@@ -239,7 +249,7 @@ def config_from_gguf(keys: Mapping[str, Any], vocab_size: int, tied: bool, tenso
         "rope_theta": float(k("rope.freq_base")), "compress_rope_theta": compress["rope_theta"],
         "rope_parameters": {"main": {"rope_type": "default", "rope_theta": float(k("rope.freq_base")),
                                      "partial_rotary_factor": partial}, "compress": compress},
-        "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0, "tie_word_embeddings": tied,
     }
     if k("feed_forward_length", required=False) is not None:
         config["intermediate_size"] = int(k("feed_forward_length"))
