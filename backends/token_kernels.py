@@ -555,8 +555,9 @@ def _self_check(kernels: TokenKernels) -> str | None:
             mats.append(stored_matrix(kind, data, rows, 96, scale, tables.get(kind)))
             refs.append(_reference_values(kind, data, rows, 96, scale).double())
         flags = [ROUND_INPUT | ROUND_OUTPUT, 0, ROUND_INPUT]
-        for tokens in (1, 3, 6):  # one token, then three and six in one scan (two rows side by side, six inputs
-            x = torch.randn(tokens, 96, generator=gen)  # as four and two)
+        # one token, then three and six in one scan (two rows side by side, six inputs as four and two)
+        for tokens in (1, 3, 6):
+            x = torch.randn(tokens, 96, generator=gen)
             plan = LinearPlan(mats, flags)
             outs = kernels.linear_many(x, plan, threads=2) if tokens == 1 else kernels.linear_many_rows(x, plan, 2)
             if tokens > 1 and not all(torch.equal(torch.cat([o[t:t + 1] for o in outs], 1),

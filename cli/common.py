@@ -52,7 +52,6 @@ def _first_sentences(text: str, limit: int = 160) -> str:
     return text[:end + 1] if end > 0 else text[:limit]
 
 
-
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 

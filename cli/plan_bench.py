@@ -53,7 +53,8 @@ def bench():
 @click.option("--max-gib", type=FiniteFloat(min=0, min_open=True), default=1.0, show_default=True,
               help="Bytes each cell reads (the same leading expert sections for every cell).")
 @click.option("--all", "read_all", is_flag=True, help="Read every expert section in every cell (no --max-gib cap).")
-@click.option("--repeat", type=click.IntRange(1, MAX_BENCH_REPEAT), default=1, show_default=True, help="Best of this many runs.")
+@click.option("--repeat", type=click.IntRange(1, MAX_BENCH_REPEAT), default=1, show_default=True,
+              help="Best of this many runs.")
 @click.option("--io", "io_mode", type=click.Choice(["direct", "buffered", "mmap"]), default="direct",
               show_default=True, help="direct: O_DIRECT, what prefill uses for a container larger than RAM.")
 @click.option("--no-fio", is_flag=True, help="Skip the fio comparison even when fio is installed.")
@@ -102,7 +103,8 @@ def _print_io(r: dict) -> None:
 
 @bench.command("memory")
 @click.option("--size-mib", type=click.IntRange(min=1), default=256, show_default=True, help="Bytes per copy.")
-@click.option("--repeat", type=click.IntRange(1, MAX_BENCH_REPEAT), default=5, show_default=True, help="Best of this many copies.")
+@click.option("--repeat", type=click.IntRange(1, MAX_BENCH_REPEAT), default=5, show_default=True,
+              help="Best of this many copies.")
 @click.option("--device", default=None, help="cuda or cuda:N to time host->device copies (default: cuda when "
                                              "torch sees one, else host only).")
 @click.option("--no-save", is_flag=True, help="Do not record the result in the bench cache.")
@@ -148,7 +150,8 @@ def _print_memory(r: dict) -> None:
               help="Distinct experts per run (default 2; 16 for the grouped backend, decoded and run together).")
 @click.option("--expert-backend", type=click.Choice(["auto", "grouped", "per-expert"]), default="auto",
               show_default=True, help="As prefill's: auto is grouped on a GPU, per-expert on a CPU.")
-@click.option("--repeat", type=click.IntRange(1, MAX_BENCH_REPEAT), default=3, show_default=True, help="Best of this many runs.")
+@click.option("--repeat", type=click.IntRange(1, MAX_BENCH_REPEAT), default=3, show_default=True,
+              help="Best of this many runs.")
 @click.option("--no-save", is_flag=True, help="Do not record the result in the bench cache.")
 @json_option
 @reports_errors

@@ -89,8 +89,6 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_ke
     "Serving real clients".
     With --json: one JSON line on stdout once the socket is bound (its url and port: --port 0 picks a free one).
     Limits and their refusals: docs/failures.md, "Server limits"."""
-    import uvicorn
-
     from moepack.runtime.engine import held_for_serving
     from moepack.runtime.generate import Generator
     from moepack.serve.app import ServerLimits, make_app, uvicorn_config, uvicorn_server

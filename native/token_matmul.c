@@ -137,16 +137,16 @@ static inline __attribute__((always_inline)) void fp4_group(const matrix_t *m, c
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
 }
 
-/* out[i * stride + j] = row r + i of m . xs[j] for i < R <= DOTS_ROWS, j < n, R x n <= DOTS_MAX, each weight vector
-   decoded once for all n and each input chunk loaded once for all R rows; each (row, input)'s accumulators take the
-   same operations in the same order whatever R and n, so a result is, to the bit, the one-input dot's (dot_avx512:
-   R = n = 1), as decode's batched step needs */
-
 /* R rows side by side are R streams the hardware prefetchers lose between blocks: each row's bytes at `offset`
    asked for in the next block of R rows while this one computes (one row alone streams as it is) */
 static inline __attribute__((always_inline)) void ahead(const uint8_t *row, int R, int64_t bytes, int64_t offset) {
     if (R > 1) _mm_prefetch((const char *)row + R * bytes + offset, _MM_HINT_T0);
 }
+
+/* out[i * stride + j] = row r + i of m . xs[j] for i < R <= DOTS_ROWS, j < n, R x n <= DOTS_MAX, each weight vector
+   decoded once for all n and each input chunk loaded once for all R rows; each (row, input)'s accumulators take the
+   same operations in the same order whatever R and n, so a result is, to the bit, the one-input dot's (dot_avx512:
+   R = n = 1), as decode's batched step needs */
 static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m, int64_t r, int R,
                                                               const float *const *xs, int n, float *out,
                                                               int64_t stride) {
@@ -447,7 +447,7 @@ static void linear_part(void *p, int part, int parts) {
         }
         const int64_t end = a->group_rows && (group + 1) * a->group_rows < r1 ? (group + 1) * a->group_rows : r1;
         R = end - r < DOTS_ROWS ? end - r : DOTS_ROWS;  /* rows of one group side by side */
-        for (int64_t t = 0; t < tokens; t += DOTS_MAX) {  /* row r decoded once per DOTS_MAX tokens */  /* the rows decoded once per DOTS_MAX tokens */
+        for (int64_t t = 0; t < tokens; t += DOTS_MAX) {  /* the rows decoded once per DOTS_MAX tokens */
             const int n = tokens - t < DOTS_MAX ? (int)(tokens - t) : DOTS_MAX;
             const float *xs[DOTS_MAX];
             float y[DOTS_ROWS * DOTS_MAX];

@@ -457,7 +457,7 @@ class Decoder:
         raw = self.copier.host_bytes(buffer, view)[:region.length]
         size = self._entry_bytes(layer, e)
         if not (self.cache.fits(size) if keep_fitting else self.cache.admits((layer, e), size)):
-            if sum(not isinstance(item, torch.Tensor) for item in held) + 1 < self.pipe.buffers:
+            if sum(not isinstance(kept, torch.Tensor) for kept in held) + 1 < self.pipe.buffers:  # (as _give_back)
                 held.append(buffer)  # no copy of bytes nothing keeps
                 return raw.to(self.device)
             # the pool's last buffer: a copy, and the buffer back, for the step's next read (more misses in a step

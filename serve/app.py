@@ -1147,7 +1147,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     try:
                         results = wrapped.result()
                         if results is None or (job.timed_out and not results[0].generated_ids):
-                            raise server.timeout_error() if job.timed_out else server.stopped_error(RequestError("cancelled"))
+                            raise (server.timeout_error() if job.timed_out
+                                   else server.stopped_error(RequestError("cancelled")))
                     except Exception as e:
                         e._moepack_logged = True  # the worker logged its own errors
                         err = as_request_error(e)
@@ -1325,9 +1326,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
 def uvicorn_server(app, config):
     """uvicorn's Server over `config` whose SIGTERM (or Ctrl-C) also ends the app's generations at their next token
-    or layer, each stream with its last chunk: uvicorn waits for every open connection before the app's own
-    shutdown, so a long stream kept a stopping server running for minutes, and requests queued behind it started
-    after the signal (those now get a 503)."""
+    or layer, each stream with its last chunk, and answers the requests still waiting with a 503: uvicorn waits
+    for every open connection before the app's own shutdown, so a long stream would otherwise keep a stopping server
+    running for minutes, and requests queued behind it would start after the signal."""
     import uvicorn
 
     class StoppingServer(uvicorn.Server):
