@@ -100,16 +100,16 @@ force_option = click.option("--force", is_flag=True,
                             help="Replace outputs that exist (a file is replaced only once its new one is complete).")
 
 
-def refuse_existing(force: bool, *paths: str | None, inputs: tuple[str | None, ...] = ()) -> None:
+def refuse_existing(force: bool, *paths: str | None, inputs: tuple = (), writes: re.Pattern | None = None) -> None:
     """The overwrite rule of every command that writes: an output that exists (a file, or a directory that is
     not empty) is refused before any work unless --force; an output that would replace one of the command's
-    `inputs` (the same file, a directory holding it, a file of an input checkpoint directory) is refused even so."""
+    `inputs` is refused even so (refuse_replacing_an_input; `writes`: see there)."""
     for path in paths:
         if path is None:
             continue
         if not path:  # not the current directory: an empty name is a script's missing variable
             raise MoepackError("an output path is empty")
-        refuse_replacing_an_input(path, inputs)
+        refuse_replacing_an_input(path, inputs, writes)
         if force or not os.path.lexists(path):
             continue
         if os.path.isdir(path) and not os.path.islink(path):
@@ -144,15 +144,21 @@ def layer_progress(enabled: bool, what: str = "prefill"):
 
 def refuse_existing_kv(force: bool, kv_out: str | None, continue_from: str | None,
                        inputs: tuple[str | None, ...] = ()) -> None:
-    """The rule for --kv-out: continuing a KV in place (--kv-out is --continue-from) is no overwrite."""
+    """The rule for --kv-out: continuing a KV in place (--kv-out is --continue-from) is no overwrite; a KV
+    directory keeps the files that are not its own (kv_directory carries them over), so only those are at stake."""
+    from moepack.families.kv_directory import KV_FILE
+
+    if kv_out == "" or continue_from == "":
+        raise MoepackError("an output path is empty" if kv_out == "" else "--continue-from is empty")
     in_place = kv_out is not None and continue_from is not None and (
         os.path.realpath(kv_out) == os.path.realpath(continue_from))
     if not in_place:
-        refuse_existing(force, kv_out, inputs=(*inputs, continue_from))
+        refuse_existing(force, kv_out, inputs=(*inputs, (continue_from, KV_FILE)), writes=KV_FILE)
 
 
-# What a checkpoint directory's converter reads: an output of that name inside it would replace the source's own.
-_CHECKPOINT_FILE = re.compile(r".*\.(safetensors|gguf|json|jinja|model|txt)")
+# The files of a checkpoint directory: what its converter reads (an output of that name inside it would replace the
+# source's own), and what synth may write into its output directory.
+CHECKPOINT_FILE = re.compile(r".*\.(safetensors|gguf|json|jinja|model|txt)")
 
 
 def _input_files(path: str) -> list[str]:
@@ -165,19 +171,25 @@ def _input_files(path: str) -> list[str]:
     return found
 
 
-def refuse_replacing_an_input(out: str, inputs: tuple[str | None, ...]) -> None:
-    """An output path that would replace one of the command's inputs (its file, its parts, a directory holding it,
-    or a file of an input checkpoint directory) is refused, --force or not: the input would be lost."""
+def refuse_replacing_an_input(out: str, inputs: tuple, writes: re.Pattern | None = None) -> None:
+    """An output path that would replace one of the command's inputs is refused, --force or not: the input would
+    be lost. An input is a path, or (a directory, the pattern of the file names read in it; default
+    CHECKPOINT_FILE). Refused: the output is the input (its file, its parts, a split GGUF's siblings), a file
+    read in an input directory, or a directory holding the input; `writes`, for an output directory that keeps
+    what it does not write (synth's checkpoint, a KV directory): the names written there, and only an input
+    among them is at stake."""
     out_real = os.path.realpath(out)
-    for given in inputs:
+    for entry in inputs:
+        given, reads = entry if isinstance(entry, tuple) else (entry, CHECKPOINT_FILE)
         if not given or not os.path.exists(given):
             continue
         for path in _input_files(given):
             real = os.path.realpath(path)
             same = out_real == real or (os.path.exists(out) and os.path.samefile(out, path))
-            holds = real.startswith(out_real.rstrip(os.sep) + os.sep)
+            holds = real.startswith(out_real.rstrip(os.sep) + os.sep) and (
+                writes is None or (os.path.dirname(real) == out_real and writes.fullmatch(os.path.basename(real))))
             inside = (os.path.isdir(real) and os.path.dirname(out_real) == real and os.path.exists(out_real)
-                      and _CHECKPOINT_FILE.fullmatch(os.path.basename(out_real)) is not None)
+                      and reads.fullmatch(os.path.basename(out_real)) is not None)
             if same or holds or inside:
                 what = ("is" if same else "holds" if holds else "is a file of")
                 raise MoepackError(f"{out} {what} the input {given}: writing there would destroy it (choose "

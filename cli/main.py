@@ -22,7 +22,7 @@ from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
 from .chat import chat
 from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, PREFILL_MEMORY_HINT, Dtype, FiniteFloat,
-                     check_container_path, container_argument, emit, force_option, json_option, layer_progress,
+                     CHECKPOINT_FILE, check_container_path, container_argument, emit, force_option, json_option, layer_progress,
                      model_run_options, one_line_warnings, prompt_options, refuse_existing, refuse_existing_kv,
                      reports_errors, sigterm_as_interrupt, untrusted_argv_types)
 from .generate import generate
@@ -63,7 +63,7 @@ def _each_family(describe) -> str:
 def synth(out_dir, preset, layout, seed, tokenizer, family, force, as_json):
     from moepack.packer.synth import synth_checkpoint
 
-    refuse_existing(force, out_dir, inputs=(tokenizer,))
+    refuse_existing(force, out_dir, inputs=(tokenizer,), writes=CHECKPOINT_FILE)  # synth keeps what it does not write
     result = synth_checkpoint(out_dir, preset=preset, layout=layout, seed=seed, progress=not as_json,
                               overwrite=force, tokenizer=tokenizer, family=family)
     named = "" if family == families.DEFAULT_FAMILY else f"{family} "
@@ -350,7 +350,9 @@ def prefill(file, prompt, prompt_file, token_ids_file, kv_out, continue_from, kv
     if prompt == "" and continue_from is None:
         raise MoepackError("empty prompt")
     inputs = (file, prompt_file, token_ids_file)
-    refuse_existing(force, logits_out, inputs=(*inputs, continue_from))
+    from moepack.families.kv_directory import KV_FILE
+
+    refuse_existing(force, logits_out, inputs=(*inputs, (continue_from, KV_FILE)))
     refuse_existing_kv(force, kv_out, continue_from, inputs=inputs)
     if logits_out:
         from moepack.runtime.outputs import check_output_path

@@ -194,7 +194,7 @@ def layer_file_name(layer: int) -> str:
 
 
 # The files a KV directory holds (KV.md section 2); anything else in one is the user's, kept when it is replaced.
-_KV_FILE = re.compile(r"(manifest\.json|logits\.safetensors|layer-[0-9]{4,}\.safetensors)(\.partial)?")
+KV_FILE = re.compile(r"(manifest\.json|logits\.safetensors|layer-[0-9]{4,}\.safetensors)(\.partial)?")
 
 
 def replacement_paths(kv_dir: str) -> tuple[str, str]:
@@ -234,7 +234,7 @@ def _carry_over(old_dir: str, new_dir: str) -> None:
     """The user's own entries of a KV directory (not KV files) into its replacement, hard-linked where possible:
     the old directory keeps them until it is swapped out."""
     for name in os.listdir(old_dir):
-        if _KV_FILE.fullmatch(name) or os.path.lexists(os.path.join(new_dir, name)):
+        if KV_FILE.fullmatch(name) or os.path.lexists(os.path.join(new_dir, name)):
             continue
         src, dst = os.path.join(old_dir, name), os.path.join(new_dir, name)
         if os.path.islink(src):

@@ -357,8 +357,6 @@ def test_no_output_may_replace_the_commands_own_input_even_with_force(tmp_path, 
         (str(prompt), ["prefill", container, "--prompt-file", str(prompt), "--logits-out", str(prompt)]),
         (container, ["plan", container, "--plot", container]),
         (inside, ["export", inside, "-o", str(held)]),
-        (inside, ["prefill", inside, "-p", "hi", "--kv-out", str(held)]),
-        (inside, ["generate", inside, "-p", "hi", "-n", "1", "--kv-out", str(held)]),
         (os.path.join(src, "config.json"), ["convert", src, "-o", os.path.join(src, "config.json"), "--keep"]),
     ]
     if _has_gguf():
@@ -374,6 +372,41 @@ def test_no_output_may_replace_the_commands_own_input_even_with_force(tmp_path, 
     beside = os.path.join(src, "new.moepack")
     assert runner.invoke(cli, ["convert", src, "-o", beside, "--keep", "--force"]).exit_code == 0
     os.remove(beside)
+
+
+def test_an_output_directory_that_keeps_what_it_does_not_write_may_hold_an_input(tmp_path, container):
+    """synth and --kv-out keep the files of their directory that are not theirs (synth replaces its checkpoint's
+    files, a KV directory carries the others over), so an input there is safe unless it is one of their names; a
+    file read in a KV directory continued from is refused, another name there is not."""
+    import shutil
+
+    runner = CliRunner()
+    held = tmp_path / "held"
+    held.mkdir()
+    inside = str(held / "m.moepack")
+    shutil.copy(container, inside)
+    before = _sha(inside)
+    r = runner.invoke(cli, ["prefill", inside, "-p", "hi", "--kv-out", str(held), "--force", "--json"])
+    assert r.exit_code == 0, r.output
+    assert _sha(inside) == before and os.path.exists(held / "manifest.json")
+    logits = str(held / "mine.safetensors")
+    r = runner.invoke(cli, ["prefill", inside, "-p", " there", "--continue-from", str(held), "--logits-out", logits,
+                            "--json"])
+    assert r.exit_code == 0 and os.path.exists(logits), r.output
+    r = runner.invoke(cli, ["prefill", inside, "-p", " there", "--continue-from", str(held), "--logits-out",
+                            str(held / "logits.safetensors"), "--force", "--json"])
+    assert r.exit_code == 1 and "is a file of the input" in json.loads(r.stdout)["error"], r.output
+    r = runner.invoke(cli, ["prefill", inside, "-p", "hi", "--kv-out", "", "--continue-from", "", "--json"])
+    assert r.exit_code == 1 and json.loads(r.stdout)["error"] == "an output path is empty", r.output
+
+    src = tmp_path / "src"
+    (src / "toks").mkdir(parents=True)
+    shutil.copy(os.path.join(os.path.dirname(container), "src", "tokenizer.json"), src / "toks" / "tokenizer.json")
+    r = runner.invoke(cli, ["synth", str(src), "--tokenizer", str(src / "toks"), "--force", "--json"])
+    assert r.exit_code == 0 and os.path.exists(src / "toks" / "tokenizer.json"), r.output
+    shutil.copy(src / "toks" / "tokenizer.json", src / "tokenizer.json")
+    r = runner.invoke(cli, ["synth", str(src), "--tokenizer", str(src / "tokenizer.json"), "--force", "--json"])
+    assert r.exit_code == 1 and "writing there would destroy it" in json.loads(r.stdout)["error"], r.output
 
 
 def test_an_empty_output_path_is_refused_not_taken_for_the_current_directory(tmp_path, container):
