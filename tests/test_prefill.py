@@ -527,7 +527,7 @@ def test_an_expert_thread_error_is_raised_and_the_engine_closes(models, monkeypa
     torch.set_num_threads(2)
     calls = []
 
-    def failing(self, block, region, raw, base, inputs, groups, view):
+    def failing(self, block, region, raw, base, inputs, groups, view, prompt_ends=None):
         calls.append(region.expert)
         if len(calls) == 7:
             raise RuntimeError("expert blew up")
