@@ -58,9 +58,8 @@ END=$(( $(date +%s) + TOTAL_S ))
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 step() { echo "== $1 ($(date -u +%T))" | tee -a "$OUT/steps.txt"; }
-# a step runs if asked for and if at least a minute of TOTAL_S is left (else it says so, without failing)
+# a step STEPS names runs if at least a minute of TOTAL_S is left (else it says so, without failing)
 wants() {
-    [[ " $STEPS " == *" $1 "* ]] || return 1
     (( END - $(date +%s) >= 60 )) && return 0
     echo "== $1: skipped, under a minute of TOTAL_S left" | tee -a "$OUT/steps.txt"
     return 1

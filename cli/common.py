@@ -178,14 +178,14 @@ def refuse_replacing_an_input(out: str, inputs: tuple, writes: re.Pattern | None
     read in an input directory, or a directory holding the input; `writes`, for an output directory that keeps
     what it does not write (synth's checkpoint, a KV directory): the names written there, and only an input
     among them is at stake."""
-    out_real = os.path.realpath(out)
+    out_real, out_exists = os.path.realpath(out), os.path.exists(out)
     for entry in inputs:
         given, reads = entry if isinstance(entry, tuple) else (entry, CHECKPOINT_FILE)
         if not given or not os.path.exists(given):
             continue
         for path in _input_files(given):
             real = os.path.realpath(path)
-            same = out_real == real or (os.path.exists(out) and os.path.samefile(out, path))
+            same = out_real == real or (out_exists and os.path.samefile(out, path))
             holds = real.startswith(out_real.rstrip(os.sep) + os.sep) and (
                 writes is None or (os.path.dirname(real) == out_real and writes.fullmatch(os.path.basename(real))))
             inside = (os.path.isdir(real) and os.path.dirname(out_real) == real and os.path.exists(out_real)

@@ -21,10 +21,10 @@ from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
 from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
 from .chat import chat
-from .common import (EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, PREFILL_MEMORY_HINT, Dtype, FiniteFloat,
-                     CHECKPOINT_FILE, check_container_path, container_argument, emit, force_option, json_option, layer_progress,
-                     model_run_options, one_line_warnings, prompt_options, refuse_existing, refuse_existing_kv,
-                     reports_errors, sigterm_as_interrupt, untrusted_argv_types)
+from .common import (CHECKPOINT_FILE, EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, PREFILL_MEMORY_HINT, Dtype,
+                     FiniteFloat, check_container_path, container_argument, emit, force_option, json_option,
+                     layer_progress, model_run_options, one_line_warnings, prompt_options, refuse_existing,
+                     refuse_existing_kv, reports_errors, sigterm_as_interrupt, untrusted_argv_types)
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve

@@ -16,7 +16,7 @@ import math
 import os
 import re
 
-from .errors import MoepackError
+from .errors import MoepackError, error_reason
 
 MAX_JSON_DEPTH = 64  # the deepest real file (a tokenizer.json, a chat with tool calls) nests under 20
 MAX_NUMBER_CHARS = 64  # a float64 or int64 needs at most about 25; a longer literal is an attack or damage
@@ -223,5 +223,4 @@ def load_tokenizer(data: str | bytes, what: str):
         text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
         return Tokenizer.from_str(text)
     except Exception as e:  # the tokenizers library raises its own exception types
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise _refuse(what, f"not a tokenizer.json the tokenizers library loads ({reason})") from None
+        raise _refuse(what, f"not a tokenizer.json the tokenizers library loads ({error_reason(e)})") from None

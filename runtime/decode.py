@@ -457,7 +457,7 @@ class Decoder:
         raw = self.copier.host_bytes(buffer, view)[:region.length]
         size = self._entry_bytes(layer, e)
         if not (self.cache.fits(size) if keep_fitting else self.cache.admits((layer, e), size)):
-            if sum(not isinstance(kept, torch.Tensor) for kept in held) + 1 < self.pipe.buffers:  # (as _give_back)
+            if len(self._pool_buffers(held)) + 1 < self.pipe.buffers:
                 held.append(buffer)  # no copy of bytes nothing keeps
                 return raw.to(self.device)
             # the pool's last buffer: a copy, and the buffer back, for the step's next read (more misses in a step
@@ -497,11 +497,15 @@ class Decoder:
             return region.length
         return expert_weight_count(region) * self.experts.expert_dtype.itemsize
 
+    @staticmethod
+    def _pool_buffers(held: list) -> list:
+        """The pooled buffers in `held` (the tensors beside them are only kept alive)."""
+        return [item for item in held if not isinstance(item, torch.Tensor)]
+
     def _give_back(self, held: list) -> None:
-        """Give back the pooled buffers in `held` (the tensors beside them were only kept alive)."""
-        for item in held:
-            if not isinstance(item, torch.Tensor):
-                self.pipe.release(item)
+        """Give back the pooled buffers in `held` and clear it."""
+        for item in self._pool_buffers(held):
+            self.pipe.release(item)
         held.clear()
 
     # --- the routed experts of a token in one compiled call ----------------------------------------------------------

@@ -188,11 +188,15 @@ class ExpertRunner:
             # N = 8192 that and the pairs' outputs were 290 MiB)
             inputs = routing.x.to(self.expert_dtype)
             combined = torch.zeros(routing.x.shape, dtype=torch.float32, device=routing.x.device)
+            # several prompts: each row's prompt (its index in prompt_ends), once for the layer's experts
+            row_prompt = None if routing.prompt_ends is None else torch.searchsorted(
+                torch.tensor(routing.prompt_ends, device=groups.token_index.device),
+                torch.arange(len(routing.x), device=groups.token_index.device), right=True)
         threads = torch.get_num_threads()
         tasks = [self._pool.submit(self.on_one_core, fn, *args, timed=timed) for fn, args, timed in beside] \
             if self._pool is not None else []
         try:
-            self._run_experts(block, reads, groups, inputs, combined, routing.prompt_ends)
+            self._run_experts(block, reads, groups, inputs, combined, row_prompt)
         finally:
             for task in tasks:
                 task.exception()  # done in every case before the layer's tensors go
@@ -202,7 +206,7 @@ class ExpertRunner:
         return combined, results
 
     def _run_experts(self, block: Block, reads: list, groups: ExpertGroups, inputs: torch.Tensor,
-                     combined: torch.Tensor, prompt_ends: list[int] | None = None) -> None:
+                     combined: torch.Tensor, row_prompt: torch.Tensor | None = None) -> None:
         """combined [N, H] += each chosen expert of `reads` on its tokens' rows of inputs, times their weights, as
         the reads arrive: here, or on the expert threads where there are some (OrderedSum: added in ascending
         expert id, whatever thread finishes first). Each read's buffer goes back to the pool once its experts are
@@ -262,7 +266,7 @@ class ExpertRunner:
                                     got[2] = raw if got[2] is None else got[2]
                             with self.compute:
                                 summed.add(what.expert, self._expert(block, what, raw, base, inputs, groups, view,
-                                                                      prompt_ends))
+                                                                      row_prompt))
                 except BaseException as e:  # a failed read's buffer went back to the pool with its failure
                     with lock:
                         failed.append(e)
@@ -284,8 +288,9 @@ class ExpertRunner:
         summed.check_complete()
 
     def _expert(self, block: Block, region: Region, raw: torch.Tensor, base: int, inputs: torch.Tensor,
-                groups: ExpertGroups, view: memoryview, prompt_ends: list[int] | None = None) -> torch.Tensor:
-        """The expert's float32 output rows for its tokens (in the order of groups.token_index's span)."""
+                groups: ExpertGroups, view: memoryview, row_prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """The expert's float32 output rows for its tokens (in the order of groups.token_index's span).
+        `row_prompt`: in a pass of several prompts, each input row's prompt (run_layer's; None: one prompt)."""
         self.checker.before_use([region], view, base)  # about to be decoded: checked, the bytes are in cache for it
         if self.keep_expert is not None:
             self.keep_expert(block, region, view, base)
@@ -293,13 +298,13 @@ class ExpertRunner:
         rows = groups.token_index[a:b]
         x = inputs.index_select(0, rows)
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        if prompt_ends is None:
+        if row_prompt is None:
             self.expert_output(block, region, raw, base, x, out)
             return out
         # several prompts: each prompt's rows on the kernel its own token count chooses (the fused one for few),
         # the kernel it gets prefilled alone: a prompt's result does not depend on the others' rows
-        prompt = torch.searchsorted(torch.tensor(prompt_ends, device=rows.device), rows, right=True)
-        own = torch.bincount(prompt, minlength=len(prompt_ends))[prompt]  # each row's prompt's tokens here
+        prompt = row_prompt[rows]
+        own = torch.bincount(prompt)[prompt]  # each row's prompt's tokens here
         few = own <= self.fused_tokens
         for picked in (few, ~few):
             if bool(picked.all()):

@@ -173,27 +173,6 @@ def test_cuda_greedy_generation_equals_transformers(wide_models, name, n, cache_
     assert generated == _transformers_greedy(hf_model, ids, NEW_TOKENS)
 
 
-def _finished_within(seconds: float, work):
-    """work()'s result, run on a thread given `seconds` (a hang fails the test instead of stalling the suite)."""
-    import threading
-
-    out, failed = [], []
-
-    def call():
-        try:
-            out.append(work())
-        except BaseException as e:  # noqa: BLE001  (re-raised on the test's thread)
-            failed.append(e)
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if failed:
-        raise failed[0]
-    assert out, f"still running after {seconds} s"
-    return out[0]
-
-
 @pytest.mark.parametrize("batch", [1, 4], ids=["top-20", "four-prompts"])
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
 def test_more_misses_in_a_step_than_read_buffers_decode(tmp_path, monkeypatch, batch, compiled):
@@ -218,7 +197,9 @@ def test_more_misses_in_a_step_than_read_buffers_decode(tmp_path, monkeypatch, b
                 futures = [scheduler.submit(ids, GenerateOptions(max_new_tokens=6)) for ids in prompts]
                 return [f.result() for f in futures]
 
-    results = _finished_within(120, run)  # (on the thread: a hang would also keep the scheduler from closing)
+    from test_prefill import _within
+
+    results = _within(120, run)  # (on the thread: a hang would also keep the scheduler from closing)
     for ids, result in zip(prompts, results):
         assert result.generated_ids == _transformers_greedy(hf_model, ids, 6)
 

@@ -49,7 +49,6 @@ def test_prefill_knobs_out_of_range_are_usage_errors(container, flags):
     assert "Invalid value for" in p.stderr and f"'{flags[0]}'" in p.stderr  # (with its short form, if it has one)
 
 
-
 @pytest.mark.parametrize("args", [["io", "FILE", "--repeat", "100000000"], ["memory", "--repeat", "100000000"],
                                   ["compute", "--repeat", "100000000"], ["compute", "--experts", "100000"]],
                          ids=["io repeat", "memory repeat", "compute repeat", "compute experts"])
@@ -67,6 +66,7 @@ def test_bench_counts_that_would_never_end_are_usage_errors(container, args):
         bench_memory(1, MAX_BENCH_REPEAT + 1, save=False)
     with pytest.raises(MoepackError, match="--experts"):
         bench_compute("cpu", [1], None, "FP4_E2M1", 256, 256, "float32", MAX_BUNDLE_EXPERTS + 1, 1, save=False)
+
 
 def test_generate_cache_budget_out_of_range(container):
     p = _moepack("generate", container, "--prompt", "hi", "--cache-gib", "1e12")
@@ -338,7 +338,6 @@ def test_one_overwrite_rule_for_every_command_that_writes(tmp_path, container):
     assert again.exit_code == 0, again.output
 
 
-
 def test_no_output_may_replace_the_commands_own_input_even_with_force(tmp_path, container):
     """An output that is the command's input (the container, a prompt file, a GGUF converted), a directory holding
     it, or a file of the checkpoint directory converted is refused before any work with --force too: one line, the
@@ -418,6 +417,7 @@ def test_an_empty_output_path_is_refused_not_taken_for_the_current_directory(tmp
             r = runner.invoke(cli, [*args, "--json"])
             assert r.exit_code == 1 and json.loads(r.stdout)["error"] == "an output path is empty", (args, r.output)
             assert os.listdir(".") == [], args
+
 
 def _has_gguf() -> bool:
     try:

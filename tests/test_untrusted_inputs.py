@@ -296,7 +296,6 @@ def test_convert_refuses_an_expert_count_other_than_the_configs(source, tmp_path
     assert r.exit_code == 1 and f"holds {experts} experts, the config's n_routed_experts is {experts // 2}" in r.output
 
 
-
 @pytest.mark.parametrize("name,data,named", [
     ("tokenizer.json", "{", "tokenizer.json: not a tokenizer.json the tokenizers library loads"),
     ("tokenizer.json", '{"model": 5}', "tokenizer.json: not a tokenizer.json the tokenizers library loads"),
@@ -331,6 +330,7 @@ def test_a_containers_damaged_tokenizer_is_one_line_in_every_command_that_reads_
         pass
     for args in runs:
         _refused(_moepack(*args), "the container's tokenizer.json: not a tokenizer.json the tokenizers library loads")
+
 
 # --- files that hang or blow up a reader --------------------------------------------------------------------------
 
@@ -415,7 +415,6 @@ def test_a_gguf_whose_counts_outrun_the_file_is_refused_at_once(tmp_path, key, s
     assert time.monotonic() - started < 30
 
 
-
 def test_control_characters_from_a_damaged_file_or_a_name_stay_one_line(tmp_path):
     """A GGUF whose key holds a newline (a damaged header puts any byte there) and a path holding one: the error
     is still one line, the control characters written as escapes."""
@@ -430,6 +429,7 @@ def test_control_characters_from_a_damaged_file_or_a_name_stay_one_line(tmp_path
     line = _refused(_moepack("convert", path, "-o", str(tmp_path / "x.moepack"), "--q8"), "damaged GGUF")
     assert "test\\nname" in line, line
     _refused(_moepack("prefill", str(tmp_path / "a\nb.moepack"), "-p", "hi"), "a\\nb.moepack")
+
 
 # --- leftovers of a killed export ----------------------------------------------------------------------------------
 

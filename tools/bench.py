@@ -487,11 +487,9 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     tokens = sorted({int(t) for t in tokens})
     backend = resolve_expert_backend(expert_backend, dev)
     experts = experts or (16 if backend == "grouped" else 2)
-    if not tokens or tokens[0] < 1 or experts < 1 or repeat < 1:
-        raise MoepackError("tokens per expert, --experts and --repeat must be at least 1")
-    if experts > MAX_BUNDLE_EXPERTS or repeat > MAX_BENCH_REPEAT:
-        raise MoepackError(f"--experts must be at most {MAX_BUNDLE_EXPERTS} (a read's bundle) and --repeat at most "
-                           f"{MAX_BENCH_REPEAT}")
+    if not tokens or tokens[0] < 1 or not 1 <= experts <= MAX_BUNDLE_EXPERTS or not 1 <= repeat <= MAX_BENCH_REPEAT:
+        raise MoepackError(f"tokens per expert must be at least 1, --experts 1 to {MAX_BUNDLE_EXPERTS} (a read's "
+                           f"bundle) and --repeat 1 to {MAX_BENCH_REPEAT}")
     dtype = EXPERT_DTYPES[expert_dtype]
     load = _load()
     if file is not None:
