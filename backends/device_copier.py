@@ -39,7 +39,8 @@ class DeviceCopier:
         """The bytes a read delivered as a uint8 tensor on the compute device. `pooled`: `buffer` goes back to a
         read pool through `release` (else it is torch's own pinned memory, which torch's host allocator does not
         reuse before the copies out of it are done)."""
-        if getattr(buffer, "resident", False):
+        resident = getattr(buffer, "resident", False)
+        if resident:
             if buffer.tensor.device == self.device or self.stream is None:
                 return buffer.tensor  # on the device already (or a CPU prefill)
             pooled = False  # pinned memory that is never written again: no event to wait for before reuse
@@ -60,6 +61,8 @@ class DeviceCopier:
         if pooled:
             with self._lock:
                 self._copied[id(buffer)] = done
+        elif resident:  # its pages are unregistered only once this copy is done (runtime/resident.py)
+            buffer.copy_queued(done)
         return dev
 
     def release(self, buffer, give_back) -> None:

@@ -251,9 +251,7 @@ class StreamingPrefill:
         self.compute = BusyTimer()
         self.resident, self.resident_load_s = None, 0.0
         if options.device_resident or options.io_mode == "host":
-            self.resident, loaded = resident_bytes(container, "device" if options.device_resident else "host",
-                                                   self.device, options.verify_reads, options.load_progress)
-            self.resident_load_s = self.resident.load_seconds if loaded else 0.0
+            self._hold_weights()
         self.reads = ReadScheduler(container, self.family.shape, bundle_experts=options.bundle_experts,
                                    queue_depth=options.queue_depth, io_mode=options.io_mode,
                                    expert_selection=options.expert_selection, verify_reads=options.verify_reads,
@@ -363,10 +361,31 @@ class StreamingPrefill:
         """One pass over the layers; however it ends (done, cancelled, failed), what it left of its reads is
         cancelled or awaited and their buffers go back (ReadScheduler.end_pass): the engine's pools and threads
         serve the next pass as they were."""
+        held = self._resident_for_pass()
         try:
             yield
         finally:
-            self.reads.end_pass(self.copier.release)
+            try:
+                self.reads.end_pass(self.copier.release)
+            finally:
+                if held is not None:
+                    held.done_using()
+
+    def _hold_weights(self) -> None:
+        """The container's bytes held once per process (runtime/resident.py), loaded here on the process's first
+        use."""
+        opt = self.opt
+        self.resident, loaded = resident_bytes(self.c, "device" if opt.device_resident else "host", self.device,
+                                               opt.verify_reads, opt.load_progress)
+        self.resident_load_s = self.resident.load_seconds if loaded else 0.0
+
+    def _resident_for_pass(self):
+        """The held bytes, taken for one pass (none where the prefill reads the disk); held again where they were
+        released since the last pass (resident.release_resident)."""
+        while self.resident is not None and not self.resident.acquire():
+            self._hold_weights()
+            self.reads.use_resident(self.resident)
+        return self.resident
 
     def after_prompt(self) -> None:
         """Between prompts of an engine that stays open (a Generator's): drop what was kept for the prompts just

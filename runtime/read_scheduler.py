@@ -322,6 +322,10 @@ class ReadScheduler:
         return self.dense_pipe.submit(block.dense.offset, block.dense.length, self.checker.after_read([block.dense]),
                                       part=block.dense.part)
 
+    def use_resident(self, held: ResidentBytes) -> None:
+        """Serve the reads out of `held` from now on: the bytes loaded again after the ones before were released."""
+        self.resident = self.experts_pipe.held = self.dense_pipe.held = held
+
     # --- globals: the embedding, the LM head and its norms -------------------------------------------------------
     def read_globals(self, names, held: list | None = None, for_device: bool = True
                      ) -> list[tuple[Region, HostBuffer, memoryview]]:

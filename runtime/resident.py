@@ -5,7 +5,10 @@ the page cache) or in the compute device's memory (`--device-resident`: the pref
 Loading reads every region once (in file order) and checks its xxh3 as it goes; from then on the bytes are this
 process's own memory, never written, so the prefills that use them check nothing again. A server (or a
 Generator) that prefills many prompts pays the load once: `resident_bytes` keeps one copy per container file and
-place for the life of the process (`release_resident` drops them).
+place for the life of the process (`release_resident` drops them). Dropping is safe while prefills still use the
+bytes: each pass holds them (`ResidentBytes.acquire`) and each device copy out of the pinned memory leaves its event
+(`copy_queued`); the pinned pages are unregistered only once no pass holds them and every such copy is done (an
+asynchronous copy out of unregistered pages is undefined). A pass that starts after the drop loads them again.
 
 The read scheduler swaps its read pipes for `ResidentPipe`s: a read is then a slice of these bytes (a
 `ResidentSlice`, in place of a pool buffer), handed out at once. The device copier copies a host slice to the device
@@ -19,6 +22,7 @@ import os
 import threading
 import time
 import weakref
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -44,7 +48,13 @@ class ResidentSlice:
 
     tensor: torch.Tensor
     view: memoryview | None
+    owner: "ResidentBytes | None" = None
     resident = True
+
+    def copy_queued(self, event) -> None:
+        """A device copy out of these bytes was queued; `event` (a CUDA event) is done when it is."""
+        if self.owner is not None:
+            self.owner.copy_queued(event)
 
 
 class ResidentBytes:
@@ -63,9 +73,16 @@ class ResidentBytes:
         self.on_device = on_device = place == "device" and device.type == "cuda"
         pinned = device.type == "cuda" and not on_device
         _check_room(self.nbytes, place, device, container.path)
+        self._users: Counter = Counter()  # thread id -> passes of that thread using the bytes now
+        self._state = threading.Lock()
+        # events of device copies out of the pinned pages not yet known to be done (the unregistering waits on them)
+        self._copies: list = []
+        self._unpins: list[weakref.finalize] = []  # each pinned part's unregistering (run once)
+        self.released = False  # dropped by release_resident: no new pass takes them
+        self.unpinned = threading.Event()  # released, and the pinned pages (if any) unregistered
         started = time.perf_counter()
         try:
-            self.parts = [_pinned_host(size) if pinned else torch.empty(size, dtype=torch.uint8,
+            self.parts = [self._pinned(size) if pinned else torch.empty(size, dtype=torch.uint8,
                                                                         device=device if on_device else "cpu")
                           for size in sizes]
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
@@ -100,21 +117,76 @@ class ResidentBytes:
     def slice(self, part: int, offset: int, length: int) -> ResidentSlice:
         tensor = self.parts[part][offset:offset + length]
         view = self._host_views[part][offset:offset + length] if self._host_views is not None else None
-        return ResidentSlice(tensor, view)
+        return ResidentSlice(tensor, view, self)
+
+    # --- who uses the bytes, and their release --------------------------------------------------------------------
+    def _pinned(self, size: int) -> torch.Tensor:
+        tensor, unpin = _pinned_host(size, self._copies)
+        self._unpins.append(unpin)
+        return tensor
+
+    def acquire(self) -> bool:
+        """A pass starts using the bytes; False (and not taken) once they were released."""
+        with self._state:
+            if self.released:
+                return False
+            self._users[threading.get_ident()] += 1
+            return True
+
+    def done_using(self) -> None:
+        """The pass that acquired the bytes on this thread is over (its copies may still be in flight); the last
+        one after a release unpins them."""
+        with self._state:
+            me = threading.get_ident()
+            self._users[me] -= 1
+            if self._users[me] <= 0:
+                del self._users[me]
+            last = self.released and not self._users
+        if last:
+            self._unpin()
+
+    def copy_queued(self, event) -> None:
+        if not self._unpins:
+            return  # nothing pinned: nothing to wait for
+        with self._state:
+            self._copies[:] = [e for e in self._copies if not e.query()]  # the done ones dropped
+            self._copies.append(event)
+
+    def release(self, wait: bool = True) -> None:
+        """No new pass takes the bytes; the pinned pages are unregistered once the passes using them are over and
+        every copy out of them is done: by the last of those passes as it ends, waited for here where `wait` (and
+        this thread runs none of them: it would wait for itself)."""
+        with self._state:
+            self.released = True
+            in_use, mine = bool(self._users), threading.get_ident() in self._users
+        if not in_use:
+            self._unpin()
+        elif wait and not mine:
+            self.unpinned.wait()
+
+    def _unpin(self) -> None:
+        for unpin in self._unpins:
+            unpin()  # a weakref.finalize: runs once, waiting for the copies first
+        self.unpinned.set()
 
 
-def _pinned_host(size: int) -> torch.Tensor:
+def _pinned_host(size: int, copies: list) -> tuple[torch.Tensor, weakref.finalize]:
     """`size` bytes of page-locked host memory, exactly: pages of their own registered with CUDA (torch's pinned
-    allocator would round a 10 GB container up to 16 GiB, and keep it cached after use), unregistered when the
-    tensor goes."""
+    allocator would round a 10 GB container up to 16 GiB, and keep it cached after use), and the unregistering
+    (once `copies`, the events of the copies out of them, are done), run when called or when the tensor goes."""
     pages = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     tensor = torch.frombuffer(pages, dtype=torch.uint8)[:size]
     cudart = torch.cuda.cudart()
     error = cudart.cudaHostRegister(tensor.data_ptr(), max(size, 1), 0)
     if int(error) != 0:
         raise RuntimeError(f"cudaHostRegister failed (CUDA error {int(error)})")
-    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
-    return tensor
+    return tensor, weakref.finalize(tensor, _unregister, cudart, tensor.data_ptr(), copies)
+
+
+def _unregister(cudart, pointer: int, copies: list) -> None:
+    for event in list(copies):
+        event.synchronize()
+    cudart.cudaHostUnregister(pointer)
 
 
 def _check_room(nbytes: int, place: str, device: torch.device, path: str) -> None:
@@ -166,22 +238,27 @@ def resident_bytes(container: Container, place: str, device: torch.device, verif
         if held is not None and (held.verified or not verify):  # bytes loaded unchecked serve no checked prefill
             return held, False
         for old in [k for k in _HELD if k[0] == key[0] and k[2:] == key[2:]]:
-            del _HELD[old]  # an earlier version of the same file
+            _HELD.pop(old).release(wait=False)  # an earlier version of the same file: unpinned after its passes
         held = _HELD[key] = ResidentBytes(container, place, device, verify, progress)
         return held, True
 
 
-def release_resident() -> None:
-    """Drop every container held (their memory goes back once no prefill uses it)."""
+def release_resident(wait: bool = True) -> None:
+    """Drop every container held. Their pinned pages are unregistered once the passes using them are over and the
+    copies out of them done (ResidentBytes.release: waited for here unless `wait` is False) and their memory goes
+    back once nothing refers to it; an engine that prefills again loads them again."""
     with _HELD_LOCK:
+        held = list(_HELD.values())
         _HELD.clear()
+    for h in held:  # outside the lock: a pass that loads another container meanwhile is not blocked
+        h.release(wait)
 
 
 class ResidentPipe:
     """The read pipe's interface (runtime/io.py ReadPipeline) over resident bytes: each read is done at once."""
 
     def __init__(self, held: ResidentBytes, buffer_bytes: int):
-        self.held = held
+        self.held = held  # replaced where the bytes were released and loaded again (ReadScheduler.use_resident)
         self.buffer_bytes, self.buffers = buffer_bytes, 0  # no pool: nothing is copied into a buffer
 
     def submit(self, offset: int, length: int, after=None, part: int = 0) -> Future:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -123,3 +124,102 @@ def test_a_server_holds_the_weights_where_they_fit(container, monkeypatch):
     assert engine.held_for_serving(container, PrefillOptions(device="cuda", io_mode="direct")).io_mode == "direct"
     monkeypatch.setattr(engine, "compute_device", lambda name: torch.device("cpu"))
     assert engine.held_for_serving(container, PrefillOptions()) == PrefillOptions()
+
+
+def test_a_release_waits_for_the_prefill_using_the_bytes_and_a_later_pass_loads_them_again(container):
+    """release_resident during a prefill (a server's request, or another thread's): it returns only once the
+    pass is over, which finishes with the streamed logits; the engine's next pass holds the bytes again."""
+    from moepack.runtime.engine import StreamingPrefill
+
+    streamed = prefill(container, IDS, PrefillOptions(io_mode="direct"))
+    releasing: list[threading.Thread] = []
+    blocked_while_running = []
+
+    def should_stop():  # asked before each layer
+        if not releasing:
+            releasing.append(threading.Thread(target=resident.release_resident))
+            releasing[0].start()
+        else:
+            releasing[0].join(0.05)
+            blocked_while_running.append(releasing[0].is_alive())
+        return False
+
+    with Container(container) as c:
+        engine = StreamingPrefill(c, PrefillOptions(io_mode="host"))
+        first = engine.resident
+        try:
+            during = engine.run(torch.tensor(IDS), should_stop=should_stop)
+            releasing[0].join(10)
+            assert blocked_while_running and all(blocked_while_running) and not releasing[0].is_alive()
+            assert first.released and first.unpinned.is_set()
+            assert torch.equal(during.logits, streamed.logits)
+            again = engine.run(torch.tensor(IDS))
+            assert engine.resident is not first and again.stats["resident_load_s"] > 0
+            assert torch.equal(again.logits, streamed.logits) and again.stats["bytes_read"] == 0
+        finally:
+            engine.close()
+
+
+class FakeCudart:
+    """torch.cuda.cudart()'s page registration, recorded."""
+
+    def __init__(self, log: list):
+        self.log, self.registered = log, set()
+
+    def cudaHostRegister(self, pointer, size, flags):
+        self.registered.add(pointer)
+        return 0
+
+    def cudaHostUnregister(self, pointer):
+        self.log.append("unregistered")
+        self.registered.discard(pointer)
+        return 0
+
+
+class FakeCopyEvent:
+    """A CUDA event of a copy still in flight until synchronized."""
+
+    def __init__(self, log: list):
+        self.log, self.done = log, False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.log.append("copy done")
+        self.done = True
+
+
+def test_pinned_bytes_are_unregistered_only_after_the_passes_and_their_copies(container, monkeypatch):
+    """`--io host` on a GPU: the pages stay registered while a pass uses them and until each copy out of them is
+    done (an asynchronous copy out of unregistered pages is undefined); a release from another thread waits."""
+    log: list = []
+    cudart = FakeCudart(log)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    with Container(container) as c:
+        held = resident.ResidentBytes(c, "host", torch.device("cuda", 0))
+    assert cudart.registered and held.acquire()  # a pass on this thread
+    held.slice(0, 0, 64).copy_queued(FakeCopyEvent(log))  # the device copier's copy, still in flight
+    releaser = threading.Thread(target=held.release)
+    releaser.start()
+    releaser.join(0.2)
+    assert releaser.is_alive() and log == [] and cudart.registered  # waits for the pass
+    assert not held.acquire()  # no new pass takes released bytes
+    held.done_using()
+    releaser.join(10)
+    assert not releaser.is_alive() and held.unpinned.is_set()
+    assert log == ["copy done", "unregistered"] and not cudart.registered
+    held.release()  # again: nothing more to do
+    assert log == ["copy done", "unregistered"]
+
+
+def test_a_release_from_the_pass_own_thread_leaves_the_unpinning_to_its_end(container, monkeypatch):
+    log: list = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(log))
+    with Container(container) as c:
+        held = resident.ResidentBytes(c, "host", torch.device("cuda", 0))
+    held.acquire()
+    held.release()  # would wait for itself: returns, the pass unpins as it ends
+    assert log == [] and not held.unpinned.is_set()
+    held.done_using()
+    assert log == ["unregistered"] and held.unpinned.is_set()
