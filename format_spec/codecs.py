@@ -475,10 +475,11 @@ class FP4_E2M1(Codec):
         """The unscaled e2m1 values (the scales are a separate tensor)."""
         import torch
 
+        from .quant_common import on_device
         from .source_formats import E2M1_VALUES
 
         codes = torch.stack([(raw & 0x0F).long(), (raw >> 4).long()], dim=-1).reshape(shape)
-        return E2M1_VALUES.to(raw.device)[codes]
+        return on_device(E2M1_VALUES, raw.device)[codes]  # the table copied to a GPU once, not per call
 
     @classmethod
     def decode_float(cls, raw, shape, scale, out_dtype):

@@ -148,3 +148,16 @@ def test_a_new_codec_class_is_known_everywhere(toy, tmp_path):
             Container(path)
     finally:
         codecs.register(toy)
+
+
+def test_fp4_values_without_a_scale_copy_their_table_to_the_device_once():
+    """FP4_E2M1's unscaled decode on a GPU (the meta device stands in): the e2m1 table goes there on the first
+    call only, not on every call."""
+    from host_copies import HostToDevice
+
+    raw = torch.zeros(2, 8, dtype=torch.uint8, device="meta")
+    dtypes.storage_type("FP4_E2M1").decode_checked(raw, (2, 16))
+    with HostToDevice() as later:
+        values = dtypes.storage_type("FP4_E2M1").decode_checked(raw, (2, 16))
+    assert values.shape == (2, 16) and values.device.type == "meta" and values.dtype == torch.float32
+    assert later.copies == []
