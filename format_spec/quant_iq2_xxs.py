@@ -88,6 +88,10 @@ SIGNED_GRID_I64 = SIGNED_GRID.view(torch.int64)  # (32768, 4)
 # scale candidates: the largest grid value 43 * S placed at these fractions of the group's max |x|
 _CAND = torch.linspace(0.6, 1.05, 6)
 _DCAND = torch.tensor([1.0, 0.985, 0.97, 0.955, 0.94, 0.925, 0.91, 0.895, 0.88])
+# the bit positions of a group's words: its four grid bytes, its four 7-bit sign fields (on a GPU through on_device)
+_BYTE_SHIFTS = torch.tensor([0, 8, 16, 24])
+_SIGN_SHIFTS = torch.tensor([0, 7, 14, 21])
+_SIGN_SHIFTS_I32 = _SIGN_SHIFTS.to(torch.int32)
 
 
 def _scores(S, A, B2, n_sub, out=None):
@@ -206,10 +210,10 @@ def quantize_chunk(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | N
     # pack: per group words (idx0 | idx1<<8 | idx2<<16 | idx3<<24, s0 | s1<<7 | s2<<14 | s3<<21 | l<<28)
     idx4 = idx.view(G, n_sub)
     sg4 = sign_field.view(G, n_sub)
-    w0 = (idx4 << torch.tensor([0, 8, 16, 24], device=dev)).sum(1)
-    w1 = (sg4 << torch.tensor([0, 7, 14, 21], device=dev)).sum(1) | (l.reshape(G).to(torch.int64) << 28)
+    w0 = (idx4 << on_device(_BYTE_SHIFTS, dev)).sum(1)
+    w1 = (sg4 << on_device(_SIGN_SHIFTS, dev)).sum(1) | (l.reshape(G).to(torch.int64) << 28)
     words = torch.stack((w0, w1), 1)  # (G, 2) int64 holding uint32 values
-    le = (words.unsqueeze(2) >> torch.tensor([0, 8, 16, 24], device=dev)) & 255
+    le = (words.unsqueeze(2) >> on_device(_BYTE_SHIFTS, dev)) & 255
     out[:, 2:].copy_(le.to(torch.uint8).view(nsb, 64))
     out[:, :2].copy_(d.half().view(torch.uint8).view(nsb, 2))
 
@@ -225,7 +229,7 @@ def dequantize_chunk(blocks: torch.Tensor, out: torch.Tensor) -> None:
     ls = ((w1 >> 28) & 15).float()
     db = (d * (ls + 0.5)) * 0.25  # (nsb, 8)
     gidx = blocks[:, 2:].reshape(nsb, 8, 8)[:, :, :4].long()  # grid index bytes of each group
-    sidx = (w1.unsqueeze(2) >> torch.tensor([0, 7, 14, 21], device=dev, dtype=torch.int32)) & 127
+    sidx = (w1.unsqueeze(2) >> on_device(_SIGN_SHIFTS_I32, dev)) & 127
     rows = (gidx * 128 + sidx.long()).reshape(-1)
     # rows of 8 floats gathered as rows of 4 int64 (same bytes): torch's float index_select is ~6x slower here
     vals = torch.index_select(on_device(SIGNED_GRID_I64, dev), 0, rows).view(torch.float32)  # (nsb*32, 8)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant_common import check_finite
+from .quant_common import check_finite, on_device
 
 QK = 256
 BYTES = 84
@@ -73,8 +73,8 @@ def _best_codes(s_opt, m_opt, d, dm, sums):
     inv_m = torch.where(dm > 0, 1.0 / torch.where(dm > 0, dm, torch.ones_like(dm)), torch.zeros_like(dm))
     fs = torch.floor(s_opt * inv_d).clamp_(0, 15).unsqueeze(-1)
     fm = torch.floor(m_opt * inv_m).clamp_(0, 15).unsqueeze(-1)
-    sc = (fs + _OFF_S.to(fs.device)).clamp_(max=15)  # (..., 4): (floor, floor, ceil, ceil)
-    mc = (fm + _OFF_M.to(fm.device)).clamp_(max=15)  # (..., 4): (floor, ceil, floor, ceil)
+    sc = (fs + on_device(_OFF_S, fs.device)).clamp_(max=15)  # (..., 4): (floor, floor, ceil, ceil)
+    mc = (fm + on_device(_OFF_M, fm.device)).clamp_(max=15)  # (..., 4): (floor, ceil, floor, ceil)
     sv = d.unsqueeze(-1) * sc
     mv = dm.unsqueeze(-1) * mc
     err = sxx + sv * (sv * sl2 - 2 * sxl) + mv * (mv * sw + 2 * sx) - 2 * sv * mv * sl
@@ -109,7 +109,7 @@ def quantize_chunk(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | N
     wg1 = None if wg is None else wg.unsqueeze(1)
     s = b = err = None
     # candidates in batches of 4, so the (groups, candidates, 16) temporaries stay ~1 MiB
-    for cand in (3.0 + _CAND.to(dev)).split(4):
+    for cand in (3.0 + on_device(_CAND, dev)).split(4):
         Lc = (xm * (cand.view(1, -1, 1) * inv_rng.view(-1, 1, 1))).round_().clamp_(0, 3)
         sl, sl2, sxl = _sums(xg.unsqueeze(1), wg1, Lc)
         sc_, bc_, ec_ = _fit(sw.unsqueeze(1), sx.unsqueeze(1), sxx.unsqueeze(1), sl, sl2, sxl)
@@ -143,7 +143,7 @@ def quantize_chunk(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | N
     # 3. super-block steps: d for the scales, dm for the mins (f16), 4-bit codes per group
     s16 = s.view(nsb, 1, 1, 16)
     m16 = m.view(nsb, 1, 1, 16)
-    dcand = _DSCALE.to(dev)
+    dcand = on_device(_DSCALE, dev)
     nd = dcand.numel()
     d = (s.view(nsb, 16).amax(1, keepdim=True) / 15.0 / dcand.view(1, -1)).clamp_(max=F16_MAX).half().float()
     dm = (m.view(nsb, 16).amax(1, keepdim=True) / 15.0 / dcand.view(1, -1)).clamp_(max=F16_MAX).half().float()
@@ -173,20 +173,18 @@ def quantize_chunk(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | N
     out[:, 80:].view(torch.float16).copy_(torch.cat((d, dm), 1))
 
 
-_SHIFTS: dict = {}
+_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)  # the four 2-bit codes of a byte
 
 
 def dequantize_chunk(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """blocks: uint8 (nsb, 84); out: float32 (nsb, 256). Same arithmetic as ggml: (d*sc)*q - dmin*mc."""
     nsb = blocks.shape[0]
     dev = blocks.device
-    if dev not in _SHIFTS:
-        _SHIFTS[dev] = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=dev).view(1, 1, 4, 1)
     dd = blocks[:, 80:84].contiguous().view(torch.float16).float()  # (nsb, 2): d, dmin
     sc = blocks[:, :16]
     dl = dd[:, :1] * (sc & 0x0F).float()
     ml = dd[:, 1:] * (sc >> 4).float()
-    q = (blocks[:, 16:80].reshape(nsb, 2, 1, 32) >> _SHIFTS[dev]) & 3
+    q = (blocks[:, 16:80].reshape(nsb, 2, 1, 32) >> on_device(_SHIFTS, dev)) & 3
     o = out.view(nsb, 16, 16)
     o.copy_(q.view(nsb, 16, 16))
     o.mul_(dl.view(nsb, 16, 1)).sub_(ml.view(nsb, 16, 1))

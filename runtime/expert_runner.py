@@ -15,6 +15,7 @@ on up to a measured number of tokens run the fused FP4 kernel instead, AVX512-BF
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,13 @@ from moepack.format_spec.reader import Block, Region
 
 from .expert_decode import ExpertDecoder, ExpertWeights, default_fused_tokens, fused_max_tokens
 from .tuning import tuned_fused_max_tokens
+
+
+@functools.lru_cache(maxsize=4)
+def rows_prompt(prompt_ends: tuple[int, ...], rows: int, device: torch.device) -> torch.Tensor:
+    """Each of a grouped pass's `rows` rows' prompt (its index in `prompt_ends`) on `device`, made once per pass,
+    not once per layer (on a GPU: no host-to-device copy per layer). Never written to."""
+    return torch.searchsorted(torch.tensor(prompt_ends, device=device), torch.arange(rows, device=device), right=True)
 
 
 class BusyTimer:
@@ -189,9 +197,8 @@ class ExpertRunner:
             inputs = routing.x.to(self.expert_dtype)
             combined = torch.zeros(routing.x.shape, dtype=torch.float32, device=routing.x.device)
             # several prompts: each row's prompt (its index in prompt_ends), once for the layer's experts
-            row_prompt = None if routing.prompt_ends is None else torch.searchsorted(
-                torch.tensor(routing.prompt_ends, device=groups.token_index.device),
-                torch.arange(len(routing.x), device=groups.token_index.device), right=True)
+            row_prompt = None if routing.prompt_ends is None else rows_prompt(
+                tuple(routing.prompt_ends), len(routing.x), groups.token_index.device)
         threads = torch.get_num_threads()
         tasks = [self._pool.submit(self.on_one_core, fn, *args, timed=timed) for fn, args, timed in beside] \
             if self._pool is not None else []

@@ -1317,3 +1317,16 @@ def test_cuda_prefill_matches_transformers_and_the_cpu(wide_models, name, n):
     assert 0 < gpu.stats["peak_device_bytes"] <= gpu.stats["peak_device_reserved_bytes"]
     assert gpu.stats["device"].startswith("cuda:")
     assert len(devices) == hf_model.config.num_hidden_layers
+
+
+def test_a_grouped_pass_makes_its_rows_prompts_once_not_per_layer():
+    """The per-expert backend's rows -> prompt index of a pass of several prompts: right, and on a GPU (the meta
+    device stands in) copied there once for the pass, not again for each layer."""
+    from host_copies import HostToDevice
+
+    assert expert_runner.rows_prompt((2, 5, 6), 6, torch.device("cpu")).tolist() == [0, 0, 1, 1, 1, 2]
+    device = torch.device("meta")
+    first = expert_runner.rows_prompt((3, 7), 7, device)
+    with HostToDevice() as later:
+        again = expert_runner.rows_prompt((3, 7), 7, device)
+    assert again is first and later.copies == []

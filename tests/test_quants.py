@@ -457,3 +457,17 @@ def test_cuda_matches_cpu(qtype):
         e_gpu = _rel_rmse(quants.dequantize(q_gpu.cpu(), qtype, x.shape), x.numpy())
         e_cpu = _rel_rmse(quants.dequantize(q_cpu, qtype, x.shape), x.numpy())
         assert e_gpu <= e_cpu * 1.01
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "NVFP4", "Q2_K", "IQ2_XXS"])
+def test_a_device_dequantization_copies_its_constants_there_once(qtype):
+    """ggml blocks decoded on a GPU (the meta device stands in): the tables and shift constants go there on the
+    first call, not on every call. (MXFP4's decode asks the host whether an exponent is huge: not on meta.)"""
+    from host_copies import HostToDevice
+
+    codec = codecs.block_codec(qtype)
+    blocks = torch.zeros(2 * 256 // codec.block_elems * codec.block_bytes, dtype=torch.uint8, device="meta")
+    quants.dequantize_torch(blocks, qtype, (2, 256))
+    with HostToDevice() as later:
+        values = quants.dequantize_torch(blocks, qtype, (2, 256))
+    assert values.shape == (2, 256) and values.device.type == "meta" and later.copies == []
