@@ -62,9 +62,9 @@ E8M0_HALF = _e8m0_half_table()
 UE4M3_HALF = _ue4m3_half_table()
 
 
-# int64 [256]: byte b's two e2m1 values (b & 15, b >> 4) as float32s packed into one integer: a byte decodes in
-# one gather
-E2M1_PAIRS = byte_pair_table(torch.float32)
+# int64 [256]: byte b's two e2m1 values (b & 15, b >> 4), doubled as ggml's kvalues are, as float32s packed into one
+# integer: a byte decodes in one gather
+E2M1_PAIRS_DOUBLED = (byte_pair_table(torch.float32).view(torch.float32) * 2.0).view(torch.int64)
 
 
 def _codes(t2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -153,30 +153,14 @@ def _e2m1_f16_bits(q16: torch.Tensor, hi: bool) -> torch.Tensor:
 
 
 def mxfp4_dequantize_chunk(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    """blocks: uint8 (nb, 17); out: float32 (nb, 32). Equal to ggml's kvalues[code] * 2^(e-128) bit for bit."""
+    """blocks: uint8 (nb, 17); out: float32 (nb, 32). ggml's kvalues[code] * 2^(e-128) in ggml's own order, so bit
+    for bit for every exponent (2^(e-127) itself overflows at e = 255): nothing asks the host which path to take,
+    which would stall a GPU once per chunk."""
     nb = blocks.shape[0]
-    e = blocks[:, 0].long()
-    if not bool((e > 240).any()):
-        # The common case, one gather per byte: the table holds each byte's two e2m1 values (low, high nibble),
-        # which are elements j and j+16 of the block.
-        pairs = torch.take(on_device(E2M1_PAIRS, blocks.device), blocks[:, 1:].reshape(-1).long())
-        out.view(nb, 2, 16).copy_(pairs.view(torch.float32).view(nb, 16, 2).transpose(1, 2))
-        out.mul_((on_device(E8M0_HALF, blocks.device)[e] * 2.0).view(nb, 1))  # 2^(e-127)
-        return
-    q16 = blocks[:, 1:].to(torch.int16)
-    out[:, :16].copy_(_e2m1_f16_bits(q16, False).view(torch.float16))
-    out[:, 16:].copy_(_e2m1_f16_bits(q16, True).view(torch.float16))
-    # value = e2m1 * 2^-14 * 2^(e-113) = e2m1 * 2^(e-127): exact while 2^(e-113) is a float32 (e <= 240).
-    scale = on_device(E8M0_HALF, blocks.device)[e] * 32768.0
-    big = e > 240
-    if bool(big.any()):
-        scale = torch.where(big, torch.ones_like(scale), scale)
-        out.mul_(scale.view(nb, 1))
-        sel = big.nonzero().squeeze(1)
-        # (e2m1 * 2) * 2^(e-128), ggml's own order, for the huge exponents (overflowing to inf where ggml does)
-        out[sel] = (out[sel] * 32768.0) * on_device(E8M0_HALF, blocks.device)[e[sel]].view(-1, 1)
-        return
-    out.mul_(scale.view(nb, 1))
+    # one gather: each byte's two doubled values, elements j and j+16 of the block
+    pairs = torch.take(on_device(E2M1_PAIRS_DOUBLED, blocks.device), blocks[:, 1:].reshape(-1).long())
+    out.view(nb, 2, 16).copy_(pairs.view(torch.float32).view(nb, 16, 2).transpose(1, 2))
+    out.mul_(on_device(E8M0_HALF, blocks.device)[blocks[:, 0].long()].view(nb, 1))  # 2^(e-128)
 
 
 # --------------------------------------------------------------------------------------------------- NVFP4

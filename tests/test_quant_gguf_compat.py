@@ -215,6 +215,14 @@ def test_dequantize_arbitrary_bytes_like_gguf(qtype):
     np.testing.assert_array_equal(ours, ref)
 
 
+def test_mxfp4_dequantizes_every_exponent_like_gguf():
+    # one block per scale byte, the huge ones (2^(e-127) overflows at 255) and the subnormal ones included
+    rng = np.random.default_rng(6)
+    blocks = np.concatenate([np.arange(256, dtype=np.uint8)[:, None],
+                             rng.integers(0, 256, (256, 16), dtype=np.uint8)], 1)
+    np.testing.assert_array_equal(quants.dequantize(blocks, "MXFP4", (256, 32)), _gguf_dequantize(blocks, "MXFP4"))
+
+
 def _nvfp4_ggml_reference(x: np.ndarray) -> np.ndarray:
     """ggml's quantize_row_nvfp4_ref in numpy: UE4M3 scale of amax/6, nearest kvalue (first index on ties)."""
     from gguf.quants import NVFP4

@@ -459,10 +459,11 @@ def test_cuda_matches_cpu(qtype):
         assert e_gpu <= e_cpu * 1.01
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "NVFP4", "Q2_K", "IQ2_XXS"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4", "NVFP4", "Q2_K", "IQ2_XXS"])
 def test_a_device_dequantization_copies_its_constants_there_once(qtype):
-    """ggml blocks decoded on a GPU (the meta device stands in): the tables and shift constants go there on the
-    first call, not on every call. (MXFP4's decode asks the host whether an exponent is huge: not on meta.)"""
+    """ggml blocks decoded on a GPU (the meta device stands in, whose values the host cannot read: nothing asks
+    for them, as MXFP4's did for its exponents): the tables and shift constants go there on the first call, not on
+    every call."""
     from host_copies import HostToDevice
 
     codec = codecs.block_codec(qtype)
