@@ -69,7 +69,11 @@ from moepack.families.deepseek_v4.names import EXPERT_NAMING
 # The low-precision compute path (engine: compute_dtype="bfloat16") keeps these matrices in bfloat16: the
 # attention's projections (with its compressors and indexer) and the shared expert, most of a layer's dense
 # multiply work. Norms, mHC, the router, the sinks and the head stay float32: they are small, and the residual
-# streams and the choice of experts are where rounding would compound.
+# streams and the choice of experts are where rounding would compound. The float32 matmuls that stay on a GPU's
+# bf16 prefill (benchmarks/prefill_audit.py) are the mHC mixes, collapse and stream mixing, and the router: O(N x
+# hidden x a few dozen), at the release's dimensions about 4 MFLOP a token a layer against the layer's ~600 MFLOP
+# of bf16 matrix work, none growing with the prompt's length per token (TF32 there:
+# engine.float32_matmuls_on_tensor_cores).
 LOW_PRECISION_PREFIXES = ("attn.", "ffn.shared_experts.")
 
 
