@@ -56,15 +56,14 @@ def release_indexer(n_tokens: int = 131072, chunk: int = 1024, heads: int = 64, 
           f"{mib(chunk * heads * entries * 4)}, float32 head-sum bmm {2 * chunk * heads * entries / 1e9:.1f} GFLOP "
           f"reading it; per layer {2 * n_tokens * heads * entries / 1e12:.2f} TFLOP float32, "
           f"{n_tokens * heads * entries * 20 / 1e12:.1f} TB moved (2 + 6 + 8 + 4 bytes an element)")
-    rows = max(1, model.INDEXER_SCORE_BYTES // (4 * entries))
-    block = max(1, model.INDEXER_BLOCK_BYTES // (2 * min(rows, chunk) * heads))
-    seen = sum(min(entries, max((start + chunk) // rate, 1)) for start in range(0, n_tokens, chunk)) / (n_tokens
-                                                                                                   // chunk)
-    print(f"  now: query rows {min(rows, chunk)} at a time ([C', T] float32 scores {mib(min(rows, chunk) * entries * 4)}),"
-          f" key blocks of {block} (bf16 products {mib(min(rows, chunk) * heads * block * 2)}), "
-          f"{seen / entries:.2f} of the entries scored on average; no float32 matmul over heads x entries; "
-          f"per layer {n_tokens * heads * seen * 8 / 1e12:.1f} TB moved (bf16 products written, ReLU read and "
-          f"written, read by the head sum)")
+    rows = min(chunk, max(1, model.INDEXER_SCORE_BYTES // (4 * entries)))
+    block = max(1, model.INDEXER_BLOCK_BYTES // (2 * rows * heads))
+    chunks = range(0, n_tokens, chunk)
+    seen = sum(min(entries, (start + chunk) // rate) for start in chunks) / len(chunks)  # entries a chunk scores
+    print(f"  now: query rows {rows} at a time ([C', T] float32 scores {mib(rows * entries * 4)}), key blocks of "
+          f"{block} (bf16 products {mib(rows * heads * block * 2)}), {seen / entries:.2f} of the entries scored on "
+          f"average; no float32 matmul over heads x entries; per layer {n_tokens * heads * seen * 8 / 1e12:.1f} TB "
+          f"moved (bf16 products written, ReLU read and written, read by the head sum)")
 
 
 def main() -> int:
