@@ -111,3 +111,31 @@ def test_the_gpu_branch_bf16_prefill_gives_the_float32_logits_within_bf16(tiny, 
     scale = want.logits.abs().max().item()
     assert (got.logits - want.logits).abs().max().item() <= 0.05 * scale
     assert got.stats["expert_backend"] == "grouped"
+
+
+def test_the_gpu_prefill_benchmarks_indexer_pass_runs_on_either_branch(tiny):
+    """benchmarks/gpu_prefill.py's indexer-only pass (its cells' indexer share): timed along the CPU's and the
+    CUDA branches; none for a model without a CSA layer."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_prefill.py")
+    spec = importlib.util.spec_from_file_location("gpu_prefill_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = model_config(Container(tiny))
+    calls = []
+    real = model.indexer_scores
+
+    def counted(*args, **kwargs):
+        calls.append(args[2].shape[0])
+        return real(*args, **kwargs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "indexer_scores", counted)
+        assert bench.indexer_seconds(cfg, 300, torch.device("cpu")) > 0
+        with cuda_branches():
+            assert bench.indexer_seconds(cfg, 300, torch.device("cpu")) > 0
+    # CPU chunks of 128 queries, then one chunk of 300 on the device path; each pass twice (an untimed one first)
+    assert calls == [128, 128, 44] * 2 + [300] * 2
+    no_csa = dataclasses.replace(cfg, layer_types=tuple(t for t in cfg.layer_types if t != CSA))
+    assert bench.indexer_seconds(no_csa, 300, torch.device("cpu")) is None
