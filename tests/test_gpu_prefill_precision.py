@@ -109,8 +109,12 @@ def test_the_gpu_branch_bf16_prefill_gives_the_float32_logits_within_bf16(tiny, 
         got = prefill(tiny, ids, PrefillOptions(compute_dtype="bfloat16", expert_dtype="bfloat16",
                                                 expert_backend="grouped", expert_selection="all"))
     scale = want.logits.abs().max().item()
-    assert (got.logits - want.logits).abs().max().item() <= 0.05 * scale
+    error = (got.logits - want.logits).abs().max().item()
+    assert error <= 0.05 * scale
     assert got.stats["expert_backend"] == "grouped"
+    best = want.logits.topk(2).values
+    if best[0] - best[1] > 2 * error:  # the greedy token where no rounding could change it
+        assert got.next_token == want.next_token
 
 
 def test_the_gpu_prefill_benchmarks_indexer_pass_runs_on_either_branch(tiny):
