@@ -517,9 +517,9 @@ def _bf16_index_scores(q: Tensor, keys: Tensor, head_weights: Tensor) -> Tensor:
     """sum_h head_weights[c, h] * relu(q[c, h] . keys[t]) [C, T] float32 from bf16 q [C, heads, D], keys [T, D] and
     head_weights [C, heads], a block of keys at a time (DeepSeek's own indexer kernel keeps a block's products on
     the chip the same way): each block's products rounded to bf16 as the reference's are, the ReLU in place, and
-    the heads' weighted sum one bf16 matmul with float32 sums, its result rounded to bf16 (the reference sums
-    float32 products of the bf16-rounded head weights' float32 originals: a score within bf16's rounding of it).
-    No float32 tensor of heads x entries, no float32 matmul over them."""
+    the heads' weighted sum one bf16 matmul with float32 sums, its result rounded to bf16 (the reference keeps the
+    head weights and the sum in float32: a score within bf16's rounding of it). No float32 tensor of heads x
+    entries, no float32 matmul over them."""
     n_queries, heads, _ = q.shape
     scores = q.new_empty(n_queries, keys.shape[0], dtype=torch.float32)
     block = max(1, INDEXER_BLOCK_BYTES // (2 * n_queries * heads))
