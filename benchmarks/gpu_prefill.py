@@ -13,7 +13,9 @@ For each N of --tokens, in each place the weights can be (--places):
               loaded them; against it, bytes / the pinned H2D rate and the device-resident wall
   device      the weights on the device once per process (--device-resident): pure compute
 each with tokens/s, effective TFLOPS (the design note's measure: tokens/s x 2 x active weights per token, the
-dense matrices and top-k experts of every layer) and the device's peak memory. In the same run, the ceilings:
+dense matrices and top-k experts of every layer), the device's peak memory and the Lightning Indexer's share of the
+wall (one CSA layer's indexer timed alone on random inputs of its dimensions, times the CSA layers). In the same
+run, the ceilings:
   dense bf16  torch's bf16 matmul of 8192^3 (CPU: 2048^3)
   grouped     one layer's routed-expert GEMMs at N tokens as torch's grouped GEMM (bf16 weights on the device, the
               pairs spread evenly over the experts): gate+up, then down
@@ -41,6 +43,8 @@ from prefill import io_alone, warm_cache  # noqa: E402
 from release_dims import release_cut  # noqa: E402
 
 from moepack.backends.grouped_experts import grouped_matmul  # noqa: E402
+from moepack.families.deepseek_v4 import model  # noqa: E402
+from moepack.families.deepseek_v4.config import CSA  # noqa: E402
 from moepack.format_spec.reader import Container  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.packer.synth import synth_checkpoint  # noqa: E402
@@ -86,6 +90,32 @@ def pinned_h2d_gbps(device: torch.device) -> float | None:
     return host.numel() / timed(lambda: dev.copy_(host, non_blocking=True), device) / 1e9
 
 
+def indexer_seconds(cfg, n: int, device: torch.device) -> float | None:
+    """One CSA layer's Lightning Indexer alone over n queries (random inputs at the model's dimensions, bf16 on a
+    GPU, in the device's query chunks, each scoring the entries its last query sees as the attention does there);
+    None where the model has no CSA layer."""
+    if CSA not in cfg.layer_types:
+        return None
+    rate, chunk = cfg.compress_rates[cfg.layer_types.index(CSA)], model.preferred_query_chunk(cfg, device)
+    heads, dim = cfg.index_n_heads, cfg.index_head_dim
+    keys = torch.randn(n // rate, dim, device=device)
+    projected = (torch.randn(chunk, heads * dim, device=device), torch.randn(chunk, heads, device=device))
+    w = {"attn.indexer.wq_b.weight": torch.zeros(1, dtype=torch.bfloat16, device=device)}
+    unused = torch.zeros(chunk, 1, device=device)  # x and q_lora: the projections are given
+
+    def run():
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            seen = end // rate if model.bf16_device_path(device, torch.bfloat16) else keys.shape[0]
+            if keys.shape[0] > cfg.index_topk:  # (else the attention keeps every entry without the indexer)
+                complete = (torch.arange(start, end, device=device) + 1) // rate
+                model.indexer_topk(cfg, w, unused[:end - start], unused[:end - start],
+                                   model.rope_rotation(cfg.compress_rope, start, end - start, 1, device),
+                                   keys[:max(seen, cfg.index_topk)], complete,
+                                   (projected[0][:end - start], projected[1][:end - start]))
+    return timed(run, device, repeat=1)
+
+
 def active_weights(path: str) -> tuple[int, dict]:
     """Matrix weights one token uses (every layer's dense matrices, top_k of its experts) and the model's shape."""
     with Container(path) as c:
@@ -93,7 +123,8 @@ def active_weights(path: str) -> tuple[int, dict]:
         dense = sum(t.numel for b in c.layers for t in b.dense.tensors
                     if t.name.endswith(".weight") and len(t.shape) == 2)
         per_layer = cfg.num_experts_per_tok * expert_weight_count(c.layers[0].experts[0])
-        shape = dict(layers=len(c.layers), experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
+        shape = dict(layers=len(c.layers), csa_layers=cfg.layer_types.count(CSA), experts=cfg.n_routed_experts,
+                     top_k=cfg.num_experts_per_tok,
                      hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, vocab=cfg.vocab_size,
                      container_bytes=c.file_size)
     return dense + len(c.layers) * per_layer, shape
@@ -203,6 +234,9 @@ def main() -> None:
                                               shape["inter"]), 1)
         except Exception as e:
             ideal = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        with Container(path) as c:
+            indexer_s = indexer_seconds(model_config(c), n, device)
+        csa_layers = shape["csa_layers"]
         if device.type == "cuda":
             torch.cuda.empty_cache()
         for place in places:
@@ -212,6 +246,8 @@ def main() -> None:
                 row = {"place": place, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             if "tokens_per_s" in row:
                 row["effective_tflops"] = round(row["tokens_per_s"] * 2 * active / 1e12, 2)
+            if indexer_s is not None and row.get("seconds"):  # the indexer's part of the wall: every CSA layer's
+                row["indexer_share"] = round(indexer_s * csa_layers / row["seconds"], 3)
             rows.append({"tokens": n, "grouped_gemm_tflops": ideal, **row})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # each cell as it ends: a timeout keeps them
             if device.type == "cuda":
@@ -229,9 +265,10 @@ def main() -> None:
                  f"{active / 1e6:.0f}M active weights per token; dense bf16 {ceilings['dense_bf16_tflops']} TFLOPS, "
                  f"pinned H2D {ceilings['pinned_h2d_gbps']} GB/s",
                  ["N", "place", "tok/s", "eff TFLOPS", "grouped GEMM TFLOPS", "io-alone s", "compute-alone s",
-                  "wall s", "overlap", "host wall / bound", "device peak GiB", "error"],
+                  "wall s", "overlap", "host wall / bound", "device peak GiB", "indexer share", "error"],
                  ("tokens", "place", "tokens_per_s", "effective_tflops", "grouped_gemm_tflops", "io_alone_s",
-                  "compute_alone_s", "seconds", "overlap", "host_wall_over_bound", "peak_device_gib", "error"))
+                  "compute_alone_s", "seconds", "overlap", "host_wall_over_bound", "peak_device_gib",
+                  "indexer_share", "error"))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from moepack.runtime.decode import Decoder
 from moepack.runtime.engine import PrefillOptions
 from moepack.runtime.generate import Generator
 from containers import tiny_keep_container, tiny_policy_containers
+from gpu_branches import HostSyncs
 from v4_models import CONFIGS, saved_model
 
 PROMPTS = (5, 17, 33)  # different lengths: each sequence's KV its own
@@ -316,28 +317,6 @@ def test_the_step_through_static_buffers_as_cuda_graphs_replay_them_equals_eager
         assert torch.equal(a, b)
 
 
-# ops that make the host wait for the device (or copy host data to it) on CUDA: none may run inside a captured
-# piece (the capture fails, and the step runs eagerly)
-_HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "lift_fresh", "is_nonzero", "equal", "unique",
-               "_unique", "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "_assert_async"}
-
-
-class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the ops run under it that would wait for the host on CUDA (_HOST_SYNCS, or indexing by a mask)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        masks = [t for t in torch.utils._pytree.tree_leaves((args, kwargs or {}))
-                 if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.dim() > 0]
-        if name in _HOST_SYNCS or (name in ("index", "index_put", "index_put_") and masks):
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("fraction", [1.0, 0.4], ids=["complete", "misses"])
 def test_no_captured_piece_waits_for_the_host(containers, generator, monkeypatch, fraction):
     """What StepGraphs captures on CUDA (each layer's attention entry and FFN, or its routed work over the pool),
@@ -354,7 +333,7 @@ def test_no_captured_piece_waits_for_the_host(containers, generator, monkeypatch
 
     class Checked(_StaticBuffers):
         def __init__(self, fn, inputs):
-            with _HostSyncs() as mode:
+            with HostSyncs() as mode:  # none may run inside a captured piece: the capture fails on CUDA
                 super().__init__(fn, inputs)
             captured.append((fn, mode.seen))
     monkeypatch.setattr(device_decode, "CapturedCall", Checked)

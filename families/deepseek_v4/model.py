@@ -69,7 +69,11 @@ from moepack.families.deepseek_v4.names import EXPERT_NAMING
 # The low-precision compute path (engine: compute_dtype="bfloat16") keeps these matrices in bfloat16: the
 # attention's projections (with its compressors and indexer) and the shared expert, most of a layer's dense
 # multiply work. Norms, mHC, the router, the sinks and the head stay float32: they are small, and the residual
-# streams and the choice of experts are where rounding would compound.
+# streams and the choice of experts are where rounding would compound. The float32 matmuls that stay on a GPU's
+# bf16 prefill (benchmarks/prefill_audit.py) are the mHC mixes, collapse and stream mixing, and the router: O(N x
+# hidden x a few dozen), at the release's dimensions about 4 MFLOP a token a layer against the layer's ~600 MFLOP
+# of bf16 matrix work, none growing with the prompt's length per token (TF32 there:
+# engine.float32_matmuls_on_tensor_cores).
 LOW_PRECISION_PREFIXES = ("attn.", "ffn.shared_experts.")
 
 
@@ -278,9 +282,29 @@ MIN_QUERY_CHUNK = 128
 GPU_QUERY_CHUNK = 1024
 
 
+# The device path's Lightning Indexer (bf16_device_path): its scores [C', T] float32 for at most
+# INDEXER_SCORE_BYTES (C' of a chunk's queries at a time, however many entries T a long prompt has), each from
+# blocks of keys whose bf16 products [C', heads, block] stay within INDEXER_BLOCK_BYTES (no [C, heads, T] tensor:
+# at 128K, C = 1024, 64 heads and T = 32K it would be 4 GiB in bf16, 8 GiB in float32)
+INDEXER_SCORE_BYTES = 256 << 20
+INDEXER_BLOCK_BYTES = 256 << 20
+
+
+def on_cuda(device: torch.device) -> bool:
+    """Whether the forward takes a CUDA device's branches (the one test of it: a test on a CPU forces them here)."""
+    return device.type == "cuda"
+
+
+def bf16_device_path(device: torch.device, low: torch.dtype) -> bool:
+    """Whether the attention runs the device's way: on a CUDA device with bfloat16 products, the indexer's scores
+    from bf16 products in key blocks (no float32 product of every head and entry) and a chunk's compressed entries
+    only those its last query can see. A CPU, or float32 products, keeps the reference arithmetic."""
+    return on_cuda(device) and low == torch.bfloat16
+
+
 def preferred_query_chunk(cfg: ModelConfig, device: torch.device) -> int:
     """Queries per attention chunk this device runs best (a smaller `query_chunk` bounds it further)."""
-    if device.type == "cuda":
+    if on_cuda(device):
         return GPU_QUERY_CHUNK
     return max(SLIDING_CHUNK_WINDOWS * cfg.sliding_window, MIN_QUERY_CHUNK)
 
@@ -315,7 +339,7 @@ def attention_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], st
     first = past.seen_tokens if past is not None else 0
     # checked where it is free: on a GPU the comparison would make the host wait for every queued kernel, each
     # layer (the engine passes the arange itself)
-    if positions.device.type == "cpu" and not torch.equal(positions, torch.arange(first, first + n_tokens)):
+    if not on_cuda(positions.device) and not torch.equal(positions, torch.arange(first, first + n_tokens)):
         raise ValueError(f"positions must be arange({first}, {first} + N): the tokens continue "
                          f"{'the past state' if past is not None else 'an empty cache'}")
     x, post, comb = attention_entry(cfg, w, streams)
@@ -367,6 +391,7 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
     compressed_low = compressed.to(low) if compressed is not None else None
     # the device's chunk (a few sliding windows on a CPU), or the fewer queries `query_chunk` (a memory bound) asks
     chunk = min(query_chunk or n_tokens, preferred_query_chunk(cfg, x.device))
+    on_device = bf16_device_path(x.device, low)
     for start in range(0, n_tokens, chunk):
         if start and between_chunks is not None:
             between_chunks()
@@ -384,13 +409,18 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
         if compressed is not None and compressed.shape[0] > 0:
             # Entry i summarises positions [i*rate, (i+1)*rate): visible once the query has passed its end.
             complete = (q_pos + 1) // rate  # [C] entries visible to each query
+            # the device scores no entry past the chunk's last query (a host count: half the work of a long
+            # prompt, whose later entries every earlier chunk masks); at least index_topk, the top-k's width
+            seen = (first + end) // rate if on_device else compressed.shape[0]
             if kind == HCA or compressed.shape[0] <= cfg.index_topk:
                 # HCA: every complete entry. CSA with no more entries than index_topk: the indexer would keep
                 # every complete one too (its top-k of T <= k entries is all of them), so it is not run.
-                visible = torch.arange(compressed.shape[0], device=x.device)[None, :] < complete[:, None]
-                parts.append((compressed_low, _bias(visible)))
+                entries = compressed_low[:seen]
+                visible = torch.arange(entries.shape[0], device=x.device)[None, :] < complete[:, None]
+                parts.append((entries, _bias(visible)))
             else:
-                picked = indexer_topk(cfg, w, x[start:end], q_lora[start:end], q_rotation, index_keys, complete)
+                keys_seen = index_keys[:max(seen, cfg.index_topk)]
+                picked = indexer_topk(cfg, w, x[start:end], q_lora[start:end], q_rotation, keys_seen, complete)
                 # [C, k, D] per query, gathered in the products' dtype (half the bytes on the bf16 path)
                 gathered = compressed_low.index_select(0, picked.clamp(min=0).flatten())
                 parts.append((gathered.view(*picked.shape, compressed_low.shape[-1]), _bias(picked >= 0)))
@@ -445,8 +475,19 @@ def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: T
     -1 where a query has fewer than k complete entries. Exact ties at the k-th score are broken by the device's
     top-k, as the reference does (DeepSeek's and transformers' torch.topk): with a real indexer's 64 heads an exact
     tie (every head's ReLU zero) does not happen, on a tiny random model it does."""
-    scores = indexer_scores(cfg, w, x, q_lora, rotation, index_keys, complete, projected)
-    picked = scores.topk(min(cfg.index_topk, index_keys.shape[0]), dim=-1).indices
+    k = min(cfg.index_topk, index_keys.shape[0])
+    if not bf16_device_path(x.device, w["attn.indexer.wq_b.weight"].dtype):
+        picked = indexer_scores(cfg, w, x, q_lora, rotation, index_keys, complete, projected).topk(k, dim=-1).indices
+        return torch.where(picked < complete[:, None], picked, -1)
+    # the device: C' queries at a time, their [C', T] float32 scores within INDEXER_SCORE_BYTES
+    rows = max(1, INDEXER_SCORE_BYTES // (4 * index_keys.shape[0]))
+    picked = []
+    for a in range(0, x.shape[0], rows):
+        part = slice(a, a + rows)
+        scores = indexer_scores(cfg, w, x[part], q_lora[part], rotation[part], index_keys, complete[part],
+                                None if projected is None else (projected[0][part], projected[1][part]))
+        picked.append(scores.topk(k, dim=-1).indices)
+    picked = picked[0] if len(picked) == 1 else torch.cat(picked)
     return torch.where(picked < complete[:, None], picked, -1)
 
 
@@ -461,11 +502,32 @@ def indexer_scores(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora:
     q = projected[0].unflatten(-1, (n_heads, head_dim))
     q = apply_rope(q, rotation)  # compress rope, like the indexer's keys
     low = w["attn.indexer.wq_b.weight"].dtype  # the products in the weights' precision (bf16: low-precision path)
-    scores = low_matmul(q, index_keys.T, low).float().relu_()  # [C, heads, T]
     head_weights = projected[1] * (n_heads ** -0.5 * head_dim ** -0.5)
-    scores = torch.bmm(head_weights.unsqueeze(1), scores).squeeze(1)  # [C, T]: the heads' weighted sum, one matmul
     entry_ids = torch.arange(index_keys.shape[0], device=x.device)
-    return scores.masked_fill(entry_ids[None, :] >= complete[:, None], float("-inf"))
+    hidden = entry_ids[None, :] >= complete[:, None]
+    if bf16_device_path(x.device, low):
+        return _bf16_index_scores(q.to(low), index_keys.to(low), head_weights.to(low)).masked_fill_(hidden,
+                                                                                                   float("-inf"))
+    scores = low_matmul(q, index_keys.T, low).float().relu_()  # [C, heads, T]
+    scores = torch.bmm(head_weights.unsqueeze(1), scores).squeeze(1)  # [C, T]: the heads' weighted sum, one matmul
+    return scores.masked_fill(hidden, float("-inf"))
+
+
+def _bf16_index_scores(q: Tensor, keys: Tensor, head_weights: Tensor) -> Tensor:
+    """sum_h head_weights[c, h] * relu(q[c, h] . keys[t]) [C, T] float32 from bf16 q [C, heads, D], keys [T, D] and
+    head_weights [C, heads], a block of keys at a time (DeepSeek's own indexer kernel keeps a block's products on
+    the chip the same way): each block's products rounded to bf16 as the reference's are, the ReLU in place, and
+    the heads' weighted sum one bf16 matmul with float32 sums, its result rounded to bf16 (the reference keeps the
+    head weights and the sum in float32: a score within bf16's rounding of it). No float32 tensor of heads x
+    entries, no float32 matmul over them."""
+    n_queries, heads, _ = q.shape
+    scores = q.new_empty(n_queries, keys.shape[0], dtype=torch.float32)
+    block = max(1, INDEXER_BLOCK_BYTES // (2 * n_queries * heads))
+    weights = head_weights.unsqueeze(1)  # [C, 1, heads]
+    for start in range(0, keys.shape[0], block):
+        products = torch.matmul(q, keys[start:start + block].T).relu_()  # [C, heads, block] bf16
+        scores[:, start:start + block] = torch.bmm(weights, products).squeeze(1)
+    return scores
 
 
 def grouped_output(cfg: ModelConfig, o: Tensor, wo_a: Tensor, wo_b: Tensor) -> Tensor:
