@@ -402,9 +402,10 @@ class LayerPrefill(Protocol):
         """Queries per attention chunk this device runs best (what the memory estimate assumes)."""
         ...
 
-    def working_set(self, n_tokens: int, query_chunk: int) -> dict[str, int]:
-        """Bytes of a prefill of n_tokens besides the weights and the routed experts' rows, by component:
-        {"activations", "kv", "attention_chunk"} (generous: it decides whether to refuse a prompt)."""
+    def working_set(self, n_tokens: int, query_chunk: int, device: Any = None) -> dict[str, int]:
+        """Bytes of a prefill of n_tokens on `device` (None: its reference arithmetic) besides the weights and the
+        routed experts' rows, by component: {"activations", "kv", "attention_chunk"} (generous: it decides whether
+        to refuse a prompt)."""
         ...
 
     def close(self) -> None:

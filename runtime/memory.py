@@ -47,17 +47,18 @@ def estimate_working_set(family: LayerPrefill, n_tokens: int, query_chunk: int |
                          bundle_bytes: int, pool_buffers: int, expert_params: int,
                          expert_threads: int = 1, globals_bytes: int = 0, decode_scratch_bytes: int = 0,
                          grouped_pairs: int = 0, decoded_experts: int | None = None,
-                         device_chunk: int = ESTIMATE_QUERY_CHUNK) -> dict[str, int]:
+                         device_chunk: int = ESTIMATE_QUERY_CHUNK, device: torch.device | None = None
+                         ) -> dict[str, int]:
     """Bytes a prefill of n_tokens needs at its peak (float32 compute), by component: the family's activations,
     KV and attention (`family.working_set`), the routed experts' rows and the weights. Deliberately generous:
     it decides whether to refuse a prompt before any work is done. `expert_threads`: threads that each gather
     an expert's rows (the per-expert backend); `decoded_experts`: experts decoded at once (default: one per expert
     thread); `grouped_pairs`: the grouped backend's (token, expert) pairs; `device_chunk`: the attention's query
-    chunk where `query_chunk` does not bound it."""
+    chunk where `query_chunk` does not bound it; `device`: where it runs (None: the family's reference arithmetic)."""
     f32 = 4
     chunk = min(query_chunk or device_chunk, n_tokens)
     hidden, inner = family.shape.hidden_size, family.shape.expert_intermediate
-    parts = dict(family.working_set(n_tokens, chunk))
+    parts = dict(family.working_set(n_tokens, chunk, device))
     # the routed experts: the FFN input in their dtype and the float32 sum (expert_runner.OrderedSum), and on each
     # expert thread one expert's gathered rows and outputs (at most every token's), or outputs waiting their turn
     parts["activations"] += n_tokens * hidden * f32 * (2 + 2 * expert_threads)
@@ -96,7 +97,8 @@ def check_prefill_memory(container: Container, family: LayerPrefill, device: tor
                                 decode_scratch_bytes=4 * fp8_weights,
                                 grouped_pairs=n_tokens * family.shape.top_k if grouped else 0,
                                 decoded_experts=decoded_experts,
-                                device_chunk=max(ESTIMATE_QUERY_CHUNK, family.preferred_query_chunk(device)))
+                                device_chunk=max(ESTIMATE_QUERY_CHUNK, family.preferred_query_chunk(device)),
+                                device=device)
     if device.type == "cuda":
         free, where = cuda_free_bytes(device), "free device memory"
     else:

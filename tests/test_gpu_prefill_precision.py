@@ -143,3 +143,27 @@ def test_the_gpu_prefill_benchmarks_indexer_pass_runs_on_either_branch(tiny):
     assert calls == [128, 128, 44] * 2 + [300] * 2
     no_csa = dataclasses.replace(cfg, layer_types=tuple(t for t in cfg.layer_types if t != CSA))
     assert bench.indexer_seconds(no_csa, 300, torch.device("cpu")) is None
+
+
+def test_the_memory_estimate_counts_the_indexer_the_device_path_makes():
+    """The release at 64K and 128K: on a CUDA device with bf16 products the estimate's indexer is the device path's
+    bounded blocks (128K needs no more for it than 64K), on a CPU or in float32 the reference's [C, heads, T]
+    products and their float32 copy (16 GiB at 128K with a 1024-query chunk)."""
+    import json
+    import os
+
+    from moepack.families.deepseek_v4.config import ModelConfig
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepseek-v4-flash.config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = ModelConfig.from_hf(json.load(f))
+    cuda, chunk = torch.device("cuda"), model.GPU_QUERY_CHUNK
+    bound = model.INDEXER_SCORE_BYTES + 2 * model.INDEXER_BLOCK_BYTES
+    for n in (65536, 131072):
+        entries = n // cfg.compress_rates[cfg.layer_types.index(CSA)]
+        reference = chunk * cfg.index_n_heads * entries * 8
+        on_device = model.DeepseekV4Prefill(cfg, torch.bfloat16).working_set(n, chunk, cuda)["attention_chunk"]
+        for dtype, device in ((torch.bfloat16, None), (torch.bfloat16, torch.device("cpu")), (torch.float32, cuda)):
+            elsewhere = model.DeepseekV4Prefill(cfg, dtype).working_set(n, chunk, device)["attention_chunk"]
+            assert elsewhere - on_device == reference - bound
+    assert reference == 16 << 30

@@ -202,7 +202,7 @@ class DeepseekV4Family:
     def layer_prefill(self, config: ModelConfig, compute_dtype):
         from .model import DeepseekV4Prefill
 
-        return DeepseekV4Prefill(config)
+        return DeepseekV4Prefill(config, compute_dtype)
 
     def layer_decode(self, config: ModelConfig, compute_dtype):
         """The token-major decode's arithmetic (families.base.LayerDecode; decode.py)."""

@@ -513,6 +513,14 @@ def indexer_scores(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora:
     return scores.masked_fill(hidden, float("-inf"))
 
 
+def indexer_bytes(cfg: ModelConfig, n_queries: int, entries: int, device_path: bool) -> int:
+    """Bytes indexer_topk's pieces take at once for n_queries over `entries` compressed entries: the reference's
+    [C, heads, T] products and their float32 copy, or on the device's bf16 path at most its scores' and a key
+    block's bounds (each of which a larger chunk or prompt does not grow)."""
+    reference = n_queries * cfg.index_n_heads * entries * 4 * 2
+    return min(reference, INDEXER_SCORE_BYTES + 2 * INDEXER_BLOCK_BYTES) if device_path else reference
+
+
 def _bf16_index_scores(q: Tensor, keys: Tensor, head_weights: Tensor) -> Tensor:
     """sum_h head_weights[c, h] * relu(q[c, h] . keys[t]) [C, T] float32 from bf16 q [C, heads, D], keys [T, D] and
     head_weights [C, heads], a block of keys at a time (DeepSeek's own indexer kernel keeps a block's products on
@@ -886,8 +894,8 @@ class DeepseekV4Prefill:
     expert_naming = EXPERT_NAMING  # names.py's: where a routed expert's matrices are
     expert_ffn = None
 
-    def __init__(self, cfg: ModelConfig):
-        self.config = cfg
+    def __init__(self, cfg: ModelConfig, compute_dtype: torch.dtype = torch.float32):
+        self.config, self.dtype = cfg, compute_dtype
         self.shape = MoeShape(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                               num_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
                               expert_intermediate=cfg.moe_intermediate_size, moe_layers=tuple(range(cfg.num_layers)),
@@ -942,7 +950,7 @@ class DeepseekV4Prefill:
     def preferred_query_chunk(self, device: torch.device) -> int:
         return preferred_query_chunk(self.config, device)
 
-    def working_set(self, n_tokens: int, query_chunk: int) -> dict[str, int]:
+    def working_set(self, n_tokens: int, query_chunk: int, device: torch.device | None = None) -> dict[str, int]:
         cfg, f32 = self.config, 4
         hc, hidden = cfg.hc_mult, cfg.hidden_size
         # residual streams (in and out of a sublayer), mHC collapse, FFN input, routed accumulator, projections
@@ -953,7 +961,8 @@ class DeepseekV4Prefill:
         hca = max([r for r, t in zip(cfg.compress_rates, cfg.layer_types) if t == HCA] or [0])
         keys = cfg.sliding_window + cfg.index_topk + (n_tokens // hca if hca else 0)
         attention = query_chunk * cfg.num_heads * (keys + cfg.head_dim) * f32 * 3
-        indexer = query_chunk * cfg.index_n_heads * (n_tokens // csa if csa else 0) * f32 * 2
+        indexer = indexer_bytes(cfg, query_chunk, n_tokens // csa if csa else 0,
+                                device is not None and bf16_device_path(device, self.dtype))
         return {"activations": activations, "kv": kv, "attention_chunk": attention + indexer}
 
     def close(self) -> None:

@@ -90,7 +90,7 @@ class Qwen3MoePrefill:
     def preferred_query_chunk(self, device) -> int:
         return QUERY_CHUNK
 
-    def working_set(self, n_tokens: int, query_chunk: int) -> dict[str, int]:
+    def working_set(self, n_tokens: int, query_chunk: int, device: torch.device | None = None) -> dict[str, int]:
         c = self.config
         kv_row = 2 * c.num_kv_heads * c.head_dim * F32
         return {
