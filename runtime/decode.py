@@ -257,11 +257,9 @@ class Decoder:
         then copied out of the page cache, never used in place), else one of its own."""
         self.c, self.cfg, self.device, self.family = container, cfg, device, family
         self.arithmetic: LayerDecode = family.layer_decode(cfg, compute_dtype)
-        # a family whose own expert_ffn runs its experts keeps their stored bytes, decoded per use, and runs its
-        # torch functions on every thread; the runner's compiled experts (expert_ffn None) may keep them decoded
+        # a family whose own expert_ffn runs its experts runs its torch functions on every thread
         self.torch_experts = self.arithmetic.expert_ffn is not None
-        self.decoded = not self.torch_experts and (device.type != "cpu" if decoded_experts is None
-                                                   else decoded_experts)
+        self.decoded = device.type != "cpu" if decoded_experts is None else decoded_experts
         self.compute_dtype = compute_dtype
         self.current: DecodeSequence | None = None  # the sequence begin() started, which step() feeds
         self.stats = DecodeStats()
@@ -284,7 +282,8 @@ class Decoder:
         self._matrices: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> (weakref to its bytes, Matrices)
         self._tables: dict[str, torch.Tensor] = {}
         self._step_uses: list[tuple[int, torch.Tensor]] = []  # complete layers' choices, counted after the step
-        self._step_finite: list[torch.Tensor] = []  # each pooled layer's output finite (checked after the step)
+        # each pooled layer's output finite, (layer, a device flag): checked after the step
+        self._step_finite: list[tuple[int, torch.Tensor]] = []
         self._load(expert_dtype, expert_pool)
 
     def _load(self, expert_dtype: torch.dtype, expert_pool: bool | None) -> None:
@@ -467,11 +466,14 @@ class Decoder:
             finally:
                 self.pipe.release(buffer)
         try:
-            # outlives the pooled buffer (malloc's: a cache smaller than the experts in use evicts and takes one of
-            # the same size per miss, and malloc hands the evicted one's memory back; fresh pages would fault in)
-            entry = self._entry(layer, e, raw if self.device.type != "cpu" else raw.clone())
+            # on a GPU copied on the copier's stream (the compute waits for that copy, the host for nothing; the
+            # buffer goes back once the copy is done); on a CPU the stored bytes kept outlive the pooled buffer
+            # (malloc's: a cache smaller than the experts in use evicts and takes one of the same size per miss,
+            # and malloc hands the evicted one's memory back; fresh pages would fault in), the decoded are copies
+            raw = self.copier.to_device(buffer, view)[:region.length]
+            entry = self._entry(layer, e, raw.clone() if self.device.type == "cpu" and not self.decoded else raw)
         finally:
-            self.pipe.release(buffer)
+            self.copier.release(buffer, self.pipe.release)
         self.cache.put((layer, e), entry, size)
         return entry
 
@@ -674,12 +676,23 @@ class Decoder:
     def _general_step(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         """One step of every row by the family's functions (_layers): the logits [B, vocab] on the host."""
         self._step_uses, self._step_finite = [], []  # (a step that failed left its own)
-        rows = self._embedding_rows(torch.tensor(token_ids))
-        streams = self._layers(sequences, torch.tensor(token_ids, device=self.device), rows.to(self.device))
+        ids = torch.tensor(token_ids)
+        rows = self._embedding_rows(ids)
+        streams = self._layers(sequences, self._to_device(ids), self._to_device(rows))
         with self.compute:
-            logits = self.arithmetic.head(self.head_weights, streams).float().cpu()
-        self._settle_pooled()
+            logits = self.arithmetic.head(self.head_weights, streams).float()
+            pooled = self._pooled_to_host()  # queued before the logits' copy: on the host once it returns
+            # the step's one synchronisation: the logits on the host, where the sampler, the stop strings and
+            # the stream to the client need the next token
+            logits = logits.cpu()
+        self._settle_pooled(pooled)
         return logits
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the compute device without the host waiting for the device (a pageable or blocking
+        copy waits for every kernel queued before it): from pinned memory, which torch's host allocator keeps
+        until the copy is done."""
+        return (t.pin_memory() if self.device.type == "cuda" else t).to(self.device, non_blocking=True)
 
     def _layers(self, sequences: list[DecodeSequence], ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
         """Every layer by the family's functions (LayerDecode: a GPU, the native code off, weights the kernels do
@@ -703,7 +716,7 @@ class Decoder:
                         self._pooled_ffn, layer, w), ids, *attended)
                 pool.calls += 1
                 self._step_uses.append((layer, experts))  # counted after the step (_settle_pooled)
-                self._step_finite.append(finite)
+                self._step_finite.append((layer, finite))
                 continue
             with self.compute:
                 hidden, routing = arithmetic.route_attended(layer, w, attended, ids)
@@ -715,7 +728,7 @@ class Decoder:
                 routed = self._routed_from_pool(layer, routing)
                 with self.compute:
                     hidden, finite = self._pooled_finish(layer, w, hidden, routing, routed)
-                self._step_finite.append(finite)
+                self._step_finite.append((layer, finite))
                 continue
             if got is None:
                 got = self._fetch(layer, routing.experts.flatten().tolist())
@@ -766,19 +779,33 @@ class Decoder:
         finally:
             self._give_back(held)
 
-    def _settle_pooled(self) -> None:
-        """After a step's logits reached the host (the device is done): each pooled layer's output checked
-        finite (the first that is not named), and the complete layers' choices counted as the cache's hits
-        (each expert once per layer and step, as a lookup counts them) and made the most recently used."""
+    def _pooled_to_host(self) -> torch.Tensor | None:
+        """The step's pooled layers' finite flags, then the complete layers' choices, in one tensor copied to
+        the host without the host waiting (into pinned memory, non-blocking): on the host once a later blocking
+        copy (the logits') returns. None where no layer was pooled."""
+        flags = [finite for _, finite in self._step_finite]
+        if not flags:
+            return None
+        flat = torch.cat([torch.stack(flags).long(), *(experts.flatten() for _, experts in self._step_uses)])
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=self.device.type == "cuda")
+        return host.copy_(flat, non_blocking=True)
+
+    def _settle_pooled(self, pooled: torch.Tensor | None) -> None:
+        """After a step's logits reached the host, with `pooled` (_pooled_to_host's, there too): each pooled
+        layer's output checked finite (the first that is not named), and the complete layers' choices counted
+        as the cache's hits (each expert once per layer and step, as a lookup counts them) and made the most
+        recently used."""
         finite, self._step_finite = self._step_finite, []
-        if finite and not bool(torch.stack(finite).all()):
-            raise not_finite(torch.stack(finite).tolist().index(False))  # every layer is pooled
         uses, self._step_uses = self._step_uses, []
-        if not uses:
+        if pooled is None:
             return
-        chosen = torch.stack([experts for _, experts in uses]).tolist()  # one copy to the host for every layer
-        for (layer, _), rows in zip(uses, chosen):
-            for e in sorted({e for row in rows for e in row}):
+        values = pooled.tolist()
+        flags, chosen = values[:len(finite)], values[len(finite):]
+        if not all(flags):
+            raise not_finite(finite[flags.index(0)][0])
+        for layer, experts in uses:
+            picked, chosen = chosen[:experts.numel()], chosen[experts.numel():]
+            for e in sorted(set(picked)):
                 self.cache.get((layer, e))
 
     def _routed_by_kernel(self, layer: int, routing, got) -> torch.Tensor | None:

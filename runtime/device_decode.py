@@ -313,7 +313,8 @@ def container_pool(cache, blocks, naming, activation: Callable[[torch.Tensor, to
     """The pool for a container's routed experts (`naming`: the family's ExpertNaming, by layer; `activation` its
     act(gate x) * (up x)), or None where they do not stack (experts of other shapes, or layers with other counts)
     or torch's grouped GEMM does not take them here."""
-    shapes, counts = set(), {len(b.experts) for b in blocks}
+    # (layers without routed experts, e.g. a family's dense-MLP layers, take no slots)
+    shapes, counts = set(), {len(b.experts) for b in blocks if b.experts}
     for layer, block in enumerate(blocks):
         for region in block.experts:
             shape_of = {t.name: tuple(t.shape) for t in region.tensors}
