@@ -72,6 +72,7 @@ class StepCounts:
     mixed: list[str] = field(default_factory=list)  # ops mixing host and device tensors (fail on CUDA)
     python_calls: int = 0  # calls of moepack's Python functions
     calls_by_function: Counter = field(default_factory=Counter)
+    launch_sites: Counter = field(default_factory=Counter)  # eager launches by moepack function (StepAudit.sites)
 
     def per_step(self, steps: int) -> dict:
         return {"syncs": len(self.syncs) / steps, "launches": self.launches / steps, "replays": self.replays / steps,
@@ -84,7 +85,8 @@ class StepAudit:
     from `reset()`. `Captured` stands for device_decode.CapturedCall (monkeypatched in by the caller, or by
     `audited_decoder`)."""
 
-    def __init__(self, count_python: bool = True):
+    def __init__(self, count_python: bool = True, sites: bool = False):
+        self.sites = sites  # count the eager launches by the moepack function that made them (slow)
         self._host = WeakIdKeyDictionary()
         self.counts = StepCounts()
         self._placement: list[str] = []  # "host" / "device" / "silent" for the torch call being run
@@ -100,15 +102,32 @@ class StepAudit:
 
     # --- tags ------------------------------------------------------------------------------------------------
     def is_host(self, t: torch.Tensor) -> bool:
-        return t in self._host
+        """A tensor made before the audit is the host's unless `on_device` named it."""
+        return self._host.get(t, True)
 
     def tag(self, out, host: bool) -> None:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                if host:
-                    self._host[t] = True
-                else:
-                    self._host.pop(t, None)
+                self._host[t] = host
+
+    def on_device(self, *objects, depth: int = 6) -> None:
+        """The tensors reachable from `objects` (through containers, dataclasses and attributes) are the
+        device's: what lives there before the step (resident weights, the pool, each sequence's KV)."""
+        seen = set()
+
+        def walk(obj, left):
+            if id(obj) in seen or left < 0 or isinstance(obj, (str, bytes, int, float, type, torch.dtype)):
+                return
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                self._host[obj] = False
+                return
+            items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set)) else \
+                vars(obj).values() if hasattr(obj, "__dict__") and not callable(obj) else ()
+            for item in items:
+                walk(item, left - 1)
+        for obj in objects:
+            walk(obj, depth)
 
     @contextlib.contextmanager
     def placed(self, placement: str):
@@ -134,6 +153,8 @@ class StepAudit:
             return
         self.counts.launches += n
         self.counts.eager_ops[name] += n
+        if self.sites:
+            self.counts.launch_sites[where().split(" < ")[0].split(" ", 1)[-1]] += n
 
     # --- entering ------------------------------------------------------------------------------------------------
     def __enter__(self):
@@ -284,10 +305,10 @@ class _Launches(TorchDispatchMode):
         if placement is None:  # an op no torch function call announced: placed by its tensors
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             placement = "host" if tensors and all(audit.is_host(t) for t in tensors) else "device"
-        if placement == "host":
-            audit.tag(out, host=True)
-            return out
         if placement == "silent":
+            return out
+        audit.tag(out, host=placement == "host")
+        if placement == "host":
             return out
         name = func.overloadpacket.__name__
         masks = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dtype == torch.bool
@@ -301,9 +322,11 @@ class _Launches(TorchDispatchMode):
         return out
 
 
-def audited_decoder(decoder, audit: StepAudit, monkeypatch) -> None:
-    """The Decoder's embedding rows and a read's bytes the host's, its pool's captured pieces
-    `audit.captured_class()`."""
+def audited_decoder(decoder, audit: StepAudit, monkeypatch, sequences=(), caches=()) -> None:
+    """The Decoder's resident weights, its pool, the `sequences`' KV states and `caches` (a family's module-level
+    caches of device tensors) on the device; its embedding rows and a read's bytes the host's; its pool's captured
+    pieces `audit.captured_class()`."""
+    audit.on_device(decoder.dense, decoder.head_weights, decoder.pool, decoder.cache, *sequences, *caches)
     from moepack.runtime import device_decode
 
     def on_host(fn):

@@ -45,13 +45,22 @@ def _sequences(g, rows: int) -> tuple[list, list[int]]:
     return seqs, tokens
 
 
-def _audited_steps(g, monkeypatch, rows: int, steps: int = 3) -> list[tuple]:
+def _device_caches() -> tuple:
+    """DeepSeek-V4's rotations, made on the device once per block of positions and kept; its RoPE frequencies
+    cached afresh (a CPU's prefill cached them on the host, a GPU's on the device)."""
+    from moepack.families.deepseek_v4 import model
+    model._inv_freq.cache_clear()
+    return (model._ROTATION_BLOCKS,)
+
+
+def _audited_steps(g, monkeypatch, rows: int, steps: int = 4) -> list[tuple]:
     """Greedy steps of `rows` sequences, each audited: (its counts, the pool's synchronisations in it)."""
     d = g.decoder
     seqs, tokens = _sequences(g, rows)
     audit = StepAudit()
-    audited_decoder(d, audit, monkeypatch)
-    tokens = d.step_batch(seqs, tokens).argmax(-1).tolist()  # the graphs captured (a step's cost is the later's)
+    audited_decoder(d, audit, monkeypatch, seqs, _device_caches())
+    with audit:  # the graphs captured (a step's cost is the later ones')
+        tokens = d.step_batch(seqs, tokens).argmax(-1).tolist()
     audit.reset()
     out = []
     for _ in range(steps):

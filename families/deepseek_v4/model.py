@@ -95,7 +95,7 @@ def rope_rotation(rope: RopeConfig, start: int, count: int, step: int = 1,
     """cos + i*sin [count, rope.dim/2] complex64 for the positions start, start + step, ...: the rotation of each
     channel pair. Cached (never written to): every layer of a prefill rotates the same positions."""
     positions = torch.arange(count, device=device) * step + start
-    angles = positions[:, None].float() * _inv_freq(rope).to(device)
+    angles = positions[:, None].float() * _inv_freq(rope, device)
     return torch.complex(angles.cos() * rope.attention_factor, angles.sin() * rope.attention_factor)
 
 
@@ -118,8 +118,11 @@ def token_rotation(rope: RopeConfig, position: int, device: torch.device | None 
 
 
 @functools.cache
-def _inv_freq(rope: RopeConfig) -> Tensor:
-    return rope.inv_freq()
+def _inv_freq(rope: RopeConfig, device: torch.device | None) -> Tensor:
+    """On `device` once (a decode's compressor makes an entry's rotation every few tokens: a copy from the host
+    each time would make it wait for the device)."""
+    inv = rope.inv_freq()
+    return inv if device is None else inv.to(device)
 
 
 def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
