@@ -20,7 +20,7 @@ metadata launch none); a captured piece (device_decode.CapturedCall, replaced by
 and outputs as a replayed graph keeps them) costs one launch per replay plus one copy per input. A sync inside a
 captured piece would fail its capture on CUDA: recorded as a sync `in graph`.
 
-`python benchmarks/step_audit.py` prints the counts per step for both families (run it before a GPU run).
+`python tests/step_audit.py` prints the counts per step for both families (run it before a GPU run).
 """
 
 from __future__ import annotations
@@ -359,3 +359,84 @@ def gpu_branches(monkeypatch) -> None:
     monkeypatch.setattr(ops, "kernels_for", lambda *a: None)
     for name in ("hc_mix_weights", "token_pre", "token_post"):
         monkeypatch.setattr(mhc_native, name, lambda *a, **k: None)
+
+
+def main() -> None:
+    """Print the counts per step (the mean over --steps after one that captures the graphs) for each family,
+    every expert pooled and 40 % pooled, B = 1 and 4, on synthetic containers made in --workdir."""
+    import argparse
+    import functools
+    import os
+
+    import pytest
+
+    from moepack.families.deepseek_v4 import model
+    from moepack.families.deepseek_v4.token_layer import TokenLayers
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_checkpoint
+    from moepack.runtime import generate as generate_module
+    from moepack.runtime.decode import Decoder
+    from moepack.runtime.engine import PrefillOptions
+    from moepack.runtime.generate import Generator
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--workdir", default="/tmp/moepack-step-audit")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--sites", action="store_true", help="also the eager launches by moepack function")
+    args = ap.parse_args()
+    print(f"{'family':12} {'experts':8} {'B':>2} {'syncs':>6} {'launches':>8} {'replays':>7} {'py calls':>8}  "
+          "where the syncs are")
+    for family in ("deepseek-v4", "qwen3-moe"):
+        src, path = (os.path.join(args.workdir, f"{family}{ext}") for ext in ("", ".moepack"))
+        if not os.path.exists(path):
+            synth_checkpoint(src, preset="tiny", layout="f32", seed=4, progress=False, family=family)
+            convert_checkpoint(src, path, progress=False)
+        for fraction in (1.0, 0.4):
+            for rows in (1, 4):
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(TokenLayers, "make", classmethod(lambda cls, *a: None))
+                    gpu_branches(mp)
+                    options = PrefillOptions(compute_dtype="bfloat16")
+                    try:
+                        mp.setattr(generate_module, "Decoder", functools.partial(Decoder, decoded_experts=True,
+                                                                                 expert_pool=True))
+                        g = Generator(path, cache_gib=1.0, prefill=options)
+                    except ValueError:  # (a family whose decoder keeps no decoded experts: expert by expert)
+                        mp.setattr(generate_module, "Decoder", functools.partial(Decoder, expert_pool=False))
+                        g = Generator(path, cache_gib=1.0, prefill=options)
+                    with g:
+                        d = g.decoder
+                        d.cache.resize(int(fraction * sum(d._entry_bytes(layer, e) for layer, b in
+                                                          enumerate(d.blocks) for e in range(len(b.experts)))))
+                        d.seed([[1] * len(b.experts) for b in d.blocks])
+                        if d.pool is not None:
+                            d.pool.graphs.enabled = True
+                        seqs, tokens = [], []
+                        for n in (5, 17, 33, 9)[:rows]:
+                            ids = torch.randint(3, g.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+                            logits, states, *_ = g._prefill(ids, None, 8)
+                            seqs.append(d.start(states))
+                            tokens.append(int(logits.argmax()))
+                        audit = StepAudit(sites=args.sites)
+                        model._inv_freq.cache_clear()
+                        audited_decoder(d, audit, mp, seqs, (model._ROTATION_BLOCKS,))
+                        with audit:
+                            tokens = d.step_batch(seqs, tokens).argmax(-1).tolist()
+                            audit.reset()
+                            for _ in range(args.steps):
+                                tokens = d.step_batch(seqs, tokens).argmax(-1).tolist()
+                        c = audit.reset()
+                per = c.per_step(args.steps)
+                sites = Counter(s.split(" @ ")[0] + " @ " + s.split(" @ ")[1].split(" < ")[0] for s in c.syncs)
+                pool = "" if d.pool is not None else " (no pool)"
+                print(f"{family:12} {('all' if fraction == 1 else '40 %') + pool:8} {rows:>2} {per['syncs']:>6.2f} "
+                      f"{per['launches']:>8.1f} {per['replays']:>7.1f} {per['python_calls']:>8.1f}  "
+                      + "; ".join(f"{n / args.steps:g} x {s}" for s, n in sites.items()))
+                if args.sites:
+                    print("    launches by function:", ", ".join(f"{k} {v / args.steps:g}"
+                                                             for k, v in c.launch_sites.most_common(12)))
+                assert not c.graph_syncs and not c.mixed, (c.graph_syncs, c.mixed)
+
+
+if __name__ == "__main__":
+    main()
