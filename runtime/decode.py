@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from moepack.backends import token_kernels
-from moepack.backends.device_copier import DeviceCopier
+from moepack.backends.device_copier import DeviceCopier, to_device_async
 from moepack.families.base import LayerDecode, not_finite
 from moepack.format_spec.decode import decode_group, decode_group_rows, entry_bytes, scale_name
 from moepack.format_spec.errors import MoepackError
@@ -678,7 +678,7 @@ class Decoder:
         self._step_uses, self._step_finite = [], []  # (a step that failed left its own)
         ids = torch.tensor(token_ids)
         rows = self._embedding_rows(ids)
-        streams = self._layers(sequences, self._to_device(ids), self._to_device(rows))
+        streams = self._layers(sequences, to_device_async(ids, self.device), to_device_async(rows, self.device))
         with self.compute:
             logits = self.arithmetic.head(self.head_weights, streams).float()
             pooled = self._pooled_to_host()  # queued before the logits' copy: on the host once it returns
@@ -688,11 +688,6 @@ class Decoder:
         self._settle_pooled(pooled)
         return logits
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the compute device without the host waiting for the device (a pageable or blocking
-        copy waits for every kernel queued before it): from pinned memory, which torch's host allocator keeps
-        until the copy is done."""
-        return (t.pin_memory() if self.device.type == "cuda" else t).to(self.device, non_blocking=True)
 
     def _layers(self, sequences: list[DecodeSequence], ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
         """Every layer by the family's functions (LayerDecode: a GPU, the native code off, weights the kernels do
@@ -702,7 +697,7 @@ class Decoder:
         work (the family's pieces its `graphs` runs; the whole FFN where every expert is pooled) runs as a CUDA
         graph per (layer, B) where CUDA is (StepGraphs), asking the host nothing."""
         arithmetic, pool, rows = self.arithmetic, self.pool, len(sequences)
-        graphs = pool.graphs if pool is not None else StepGraphs(False)
+        graphs = pool.graphs if pool is not None else StepGraphs(False, self.device)
         hidden = arithmetic.hidden_from_embeddings(embedding)
         for layer, w in enumerate(self.dense):
             got, table = None, arithmetic.hash_table(layer, w)

@@ -89,7 +89,7 @@ def test_a_whole_step_waits_for_the_host_once_and_once_per_layer_with_misses(con
         d.seed(_all_experts(d))
         d.pool.graphs.enabled = True
         audited = _audited_steps(g, monkeypatch, rows)
-        pieces = 2 if family == "deepseek-v4" else 1  # (DeepSeek-V4's attention entry is a piece of its own)
+        pieces = 2  # the attention's inputs, then the FFN (or, with misses, the routed work)
         layers = len(d.blocks)
     for counts, layer_syncs in audited:
         assert counts.graph_syncs == [] and counts.mixed == []
@@ -126,7 +126,8 @@ def test_qwen3_moe_runs_the_pool_and_its_graphs_with_the_per_expert_tokens(conta
                 # (with misses, a step whose rows chose more experts than the pool holds runs them one by one)
                 assert d.pool.calls <= 4 * len(routed) and (d.pool.syncs == 0) == (fraction == 1.0)
                 assert fraction < 1.0 or d.pool.calls == 4 * len(routed)
-                assert d.pool.graphs.replays == (d.pool.calls if mode == "graphs" else 0)
+                # each layer's attention inputs, and its FFN or routed work over the pool
+                assert d.pool.graphs.replays == (4 * len(d.blocks) + d.pool.calls if mode == "graphs" else 0)
     assert results["graphs"][0] == results["eager"][0] == results["per-expert"][0]
     for a, b, c in zip(results["graphs"][1], results["eager"][1], results["per-expert"][1]):
         assert torch.equal(a, b) and _relative(a, c) < 1e-5
