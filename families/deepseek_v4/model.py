@@ -411,10 +411,11 @@ def _bias(visible: Tensor) -> Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: float,
+def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor | None]], sink: Tensor, scale: float,
             dtype: torch.dtype = torch.float32) -> Tensor:
-    """Softmax attention of q [C, heads, D] over several key sets, each (kv, bias [C, K]) with kv either shared by
-    all queries [K, D] or per query [C, K, D] (K = V). One softmax spans all sets plus the per-head sink logit,
+    """Softmax attention of q [C, heads, D] over several key sets, each (kv, bias [C, K], or None: every key
+    visible) with kv either shared by all queries [K, D] or per query [C, K, D] (K = V). One softmax spans all
+    sets plus the per-head sink logit,
     whose probability is dropped (the sink only absorbs weight). The two products run in `dtype` (bfloat16 on the
     low-precision path); logits, softmax and the result are float32.
 
@@ -427,7 +428,8 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
             continue
         kv = kv.to(dtype)  # [K, D] shared, or [C, K, D] per query: matmul broadcasts or batches over C
         logits = low_matmul(q_low, kv.transpose(-2, -1), dtype)
-        sets.append((kv, logits.float().mul_(scale).add_(bias[:, None, :])))
+        logits = logits.float().mul_(scale)
+        sets.append((kv, logits if bias is None else logits.add_(bias[:, None, :])))
     sink = sink.float().view(1, -1)
     peak = torch.stack([logits.amax(-1) for _, logits in sets]).amax(0).maximum(sink)  # [C, heads]
     total = (sink - peak).exp_()
@@ -689,7 +691,7 @@ def token_attention_core(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], 
             entries = entries.index_select(0, picked)
         keys.append(entries)
     # the prefill's attention, every key visible (the keys are rounded already: rounding again is exact)
-    return _attend(q, [(k, k.new_zeros(1, k.shape[0])) for k in keys], w["attn.attn_sink"], cfg.head_dim ** -0.5,
+    return _attend(q, [(k, None) for k in keys], w["attn.attn_sink"], cfg.head_dim ** -0.5,
                    w["attn.wq_b.weight"].dtype)
 
 
