@@ -713,6 +713,12 @@ class Decoder:
                 self._step_uses.append((layer, experts))  # counted after the step (_settle_pooled)
                 self._step_finite.append((layer, finite))
                 continue
+            if pool is not None and not self.blocks[layer].experts:  # a dense layer beside the pool: the same
+                with self.compute:
+                    hidden, finite = graphs.run(("ffn", layer, rows), functools.partial(
+                        self._dense_ffn, layer, w), ids, *attended)
+                self._step_finite.append((layer, finite))
+                continue
             with self.compute:
                 hidden, routing = arithmetic.route_attended(layer, w, attended, ids)
             if routing.experts is None:  # a layer without routed experts
@@ -744,10 +750,17 @@ class Decoder:
         hidden, finite = self._pooled_finish(layer, w, hidden, routing, routed)
         return hidden, routing.experts, finite
 
-    def _pooled_finish(self, layer: int, w, hidden: torch.Tensor, routing, routed: torch.Tensor
+    def _dense_ffn(self, layer: int, w, ids: torch.Tensor, *attended: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer without routed experts beside the pool, after its attention: (the hidden rows, whether they are
+        finite), on the device (one CUDA graph)."""
+        hidden, routing = self.arithmetic.route_attended(layer, w, attended, ids)
+        return self._pooled_finish(layer, w, hidden, routing, None)
+
+    def _pooled_finish(self, layer: int, w, hidden: torch.Tensor, routing, routed: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The family's finish for a pooled layer: the rows, and whether they are finite as a device flag (checked
-        after the step, _settle_pooled: no synchronisation per layer)."""
+        """The family's finish for a layer beside the pool: the rows, and whether they are finite as a device flag
+        (checked after the step, _settle_pooled: no synchronisation per layer)."""
         hidden = self.arithmetic.finish(layer, w, hidden, routing, routed, checked=False)
         return hidden, torch.isfinite(hidden).all()
 

@@ -21,7 +21,7 @@ PROMPTS = (5, 17, 33, 9)
 # eager kernel launches per layer and row of a step, every expert pooled, as the audit counts aten ops on a CPU
 # (python tests/step_audit.py, the tiny presets at B = 1: DeepSeek-V4 111 at 8a12725, now 68; Qwen3-MoE 99 once
 # on the pool, now 30)
-EAGER_LAUNCHES = {"deepseek-v4": 80, "qwen3-moe": 40}
+EAGER_LAUNCHES = {"deepseek-v4": 80, "qwen3-moe": 40, "qwen3-moe-sparse": 40}  # (sparse: dense-MLP layers too)
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +77,18 @@ def _audited_steps(g, monkeypatch, rows: int, steps: int = 4) -> list[tuple]:
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe", "qwen3-moe-sparse"])
 @pytest.mark.parametrize("fraction", [1.0, 0.4], ids=["cached", "misses"])
 def test_a_whole_step_waits_for_the_host_once_and_once_per_layer_with_misses(containers, generator, monkeypatch,
                                                                              family, rows, fraction):
-    """Every expert pooled: one synchronisation a step, the logits going to the host (`.cpu()` in _general_step:
+    """Every expert pooled (and the dense-MLP layers beside them): one synchronisation a step, the logits going to the host (`.cpu()` in _general_step:
     the sampler, the stop strings and the stream need the token); the token ids and embedding rows go to the
     device and the layers' finite flags and choices come back without the host waiting. Misses: one more per
     layer that has any (its choices read, in _routed_from_pool), the misses' bytes copied without a wait. No
     captured piece waits, no op mixes host and device tensors, every layer's fixed-shape work replayed; what runs
     eagerly, and the Python calls, bounded per layer and row."""
+    if family == "qwen3-moe-sparse" and fraction < 1.0:
+        pytest.skip("its one routed layer's 6 experts: 40 % of them hold fewer than the rows choose")
     gpu_branches(monkeypatch)
     with generator(containers[family], compute_dtype="bfloat16", decoded_experts=True, expert_pool=True) as g:
         d = g.decoder
@@ -135,9 +137,27 @@ def test_qwen3_moe_runs_the_pool_and_its_graphs_with_the_per_expert_tokens(conta
                 # (with misses, a step whose rows chose more experts than the pool holds runs them one by one)
                 assert d.pool.calls <= 4 * len(routed) and (d.pool.syncs == 0) == (fraction == 1.0)
                 assert fraction < 1.0 or d.pool.calls == 4 * len(routed)
-                # each layer's attention inputs, and its FFN or routed work over the pool
-                assert d.pool.graphs.replays == (4 * len(d.blocks) + d.pool.calls if mode == "graphs" else 0)
+                # each layer's attention inputs, and its FFN or routed work over the pool (a dense layer's FFN)
+                dense = len(d.blocks) - len(routed)
+                assert d.pool.graphs.replays == (4 * (len(d.blocks) + dense) + d.pool.calls if mode == "graphs"
+                                                 else 0)
     assert results["graphs"][0] == results["eager"][0] == results["per-expert"][0]
     for a, b, c in zip(results["graphs"][1], results["eager"][1], results["per-expert"][1]):
         assert torch.equal(a, b) and _relative(a, c) < 1e-5
 
+
+
+def test_a_qwen3_moe_pooled_layer_not_finite_is_named_by_its_number_beside_dense_layers(containers, generator):
+    """The sparse-step model routes only layer 1 (the others hold a dense MLP, outside the pool): a pooled layer
+    that is not finite is named by its own number after the step, not by its place among the pooled layers."""
+    from moepack.format_spec.errors import MoepackError
+
+    with generator(containers["qwen3-moe-sparse"], decoded_experts=True, expert_pool=True) as g:
+        d = g.decoder
+        assert [layer for layer, b in enumerate(d.blocks) if b.experts] == [1]
+        d.seed(_all_experts(d))
+        seqs, tokens = _sequences(g, 1)
+        for e in range(len(d.blocks[1].experts)):
+            d.pool.gate_up[d.pool.slot(1, e)] = float("nan")
+        with pytest.raises(MoepackError, match="^layer 1: its output is not finite"):
+            d.step_batch(seqs, tokens)
