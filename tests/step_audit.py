@@ -352,11 +352,13 @@ def audited_decoder(decoder, audit: StepAudit, monkeypatch, sequences=(), caches
 
 
 def gpu_branches(monkeypatch) -> None:
-    """The branches a CUDA device takes on a CPU: no compiled token kernels (ops), no native mHC."""
-    from moepack.backends import ops
+    """The branches a CUDA device takes on a CPU: no compiled token kernels (ops), no native mHC, a bf16 product
+    of a few rows in bf16 (ops.low_matmul: a CPU's runs it in float32)."""
+    from moepack.backends import ops, token_kernels
     from moepack.families.deepseek_v4 import mhc_native
 
     monkeypatch.setattr(ops, "kernels_for", lambda *a: None)
+    monkeypatch.setattr(token_kernels, "SMALL_ROWS", 0)
     for name in ("hc_mix_weights", "token_pre", "token_post"):
         monkeypatch.setattr(mhc_native, name, lambda *a, **k: None)
 

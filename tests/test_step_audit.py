@@ -19,7 +19,7 @@ from v4_models import CONFIGS, saved_model
 
 PROMPTS = (5, 17, 33, 9)
 # eager kernel launches per layer and row of a step, every expert pooled, as the audit counts aten ops on a CPU
-# (python tests/step_audit.py, the tiny presets at B = 1: DeepSeek-V4 111 at 8a12725, now 68; Qwen3-MoE 99 once
+# (python tests/step_audit.py, the tiny presets at B = 1: DeepSeek-V4 103 at 8a12725, now 57; Qwen3-MoE 99 once
 # on the pool, now 30)
 EAGER_LAUNCHES = {"deepseek-v4": 80, "qwen3-moe": 40, "qwen3-moe-sparse": 40}  # (sparse: dense-MLP layers too)
 
