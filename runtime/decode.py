@@ -282,7 +282,7 @@ class Decoder:
         self._matrices: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> (weakref to its bytes, Matrices)
         self._tables: dict[str, torch.Tensor] = {}
         self._step_uses: list[tuple[int, torch.Tensor]] = []  # complete layers' choices, counted after the step
-        # each pooled layer's output finite, (layer, a device flag): checked after the step
+        # each layer beside the pool, (layer, whether its output is finite: a device flag), checked after the step
         self._step_finite: list[tuple[int, torch.Tensor]] = []
         self._load(expert_dtype, expert_pool)
 
@@ -688,7 +688,6 @@ class Decoder:
         self._settle_pooled(pooled)
         return logits
 
-
     def _layers(self, sequences: list[DecodeSequence], ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
         """Every layer by the family's functions (LayerDecode: a GPU, the native code off, weights the kernels do
         not take, a family without a compiled path) for the rows of one step (`ids` [B] their tokens, on the
@@ -713,7 +712,7 @@ class Decoder:
                 self._step_uses.append((layer, experts))  # counted after the step (_settle_pooled)
                 self._step_finite.append((layer, finite))
                 continue
-            if pool is not None and not self.blocks[layer].experts:  # a dense layer beside the pool: the same
+            if pool is not None and not self.blocks[layer].experts:  # no routed experts: its FFN one graph too
                 with self.compute:
                     hidden, finite = graphs.run(("ffn", layer, rows), functools.partial(
                         self._dense_ffn, layer, w), ids, *attended)
@@ -788,9 +787,9 @@ class Decoder:
             self._give_back(held)
 
     def _pooled_to_host(self) -> torch.Tensor | None:
-        """The step's pooled layers' finite flags, then the complete layers' choices, in one tensor copied to
-        the host without the host waiting (into pinned memory, non-blocking): on the host once a later blocking
-        copy (the logits') returns. None where no layer was pooled."""
+        """The finite flags of the step's layers beside the pool, then the complete layers' choices, in one tensor
+        copied to the host without the host waiting (into pinned memory, non-blocking): there once a later
+        blocking copy (the logits') returns. None where no layer ran beside the pool."""
         flags = [finite for _, finite in self._step_finite]
         if not flags:
             return None
@@ -799,8 +798,8 @@ class Decoder:
         return host.copy_(flat, non_blocking=True)
 
     def _settle_pooled(self, pooled: torch.Tensor | None) -> None:
-        """After a step's logits reached the host, with `pooled` (_pooled_to_host's, there too): each pooled
-        layer's output checked finite (the first that is not named), and the complete layers' choices counted
+        """After a step's logits reached the host, with `pooled` (_pooled_to_host's, there too): each layer
+        beside the pool checked finite (the first that is not named), and the complete layers' choices counted
         as the cache's hits (each expert once per layer and step, as a lookup counts them) and made the most
         recently used."""
         finite, self._step_finite = self._step_finite, []

@@ -12,7 +12,7 @@ import torch
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
 from step_audit import StepAudit, audited_decoder, gpu_branches
-from test_device_decode import (_StaticBuffers, _all_experts, _greedy_rows, _relative, _routed_bytes,  # noqa: F401
+from test_device_decode import (_StaticBuffers, _all_experts, _greedy_rows, _relative, _routed_bytes,  # noqa: F401, F811
                                 generator)
 from test_qwen3_moe import CONFIGS as QWEN_CONFIGS, save_model
 from v4_models import CONFIGS, saved_model
@@ -81,9 +81,10 @@ def _audited_steps(g, monkeypatch, rows: int, steps: int = 4) -> list[tuple]:
 @pytest.mark.parametrize("fraction", [1.0, 0.4], ids=["cached", "misses"])
 def test_a_whole_step_waits_for_the_host_once_and_once_per_layer_with_misses(containers, generator, monkeypatch,
                                                                              family, rows, fraction):
-    """Every expert pooled (and the dense-MLP layers beside them): one synchronisation a step, the logits going to the host (`.cpu()` in _general_step:
-    the sampler, the stop strings and the stream need the token); the token ids and embedding rows go to the
-    device and the layers' finite flags and choices come back without the host waiting. Misses: one more per
+    """Every expert pooled (and the dense-MLP layers beside them): one synchronisation a step, the logits going to
+    the host (`.cpu()` in _general_step: the sampler, the stop strings and the stream need the token); the token
+    ids and embedding rows go to the device and the layers' finite flags and choices come back without the host
+    waiting. Misses: one more per
     layer that has any (its choices read, in _routed_from_pool), the misses' bytes copied without a wait. No
     captured piece waits, no op mixes host and device tensors, every layer's fixed-shape work replayed; what runs
     eagerly, and the Python calls, bounded per layer and row."""
