@@ -12,8 +12,8 @@ import torch
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
 from step_audit import StepAudit, audited_decoder, gpu_branches
-from test_device_decode import (_StaticBuffers, _all_experts, _greedy_rows, _relative, _routed_bytes,  # noqa: F401, F811
-                                generator)
+from test_device_decode import (_StaticBuffers, _all_experts, _greedy_rows, _relative,  # noqa: F401, F811
+                                _routed_bytes, generator)
 from test_qwen3_moe import CONFIGS as QWEN_CONFIGS, save_model
 from v4_models import CONFIGS, saved_model
 
