@@ -17,6 +17,13 @@ import warnings
 import torch
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without the host waiting for the device (a pageable or blocking copy waits
+    for every kernel queued before it): from pinned memory, which torch's host allocator keeps until the copy is
+    done."""
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
 class DeviceCopier:
     def __init__(self, device: torch.device):
         self.device = device

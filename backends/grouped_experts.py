@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from moepack.backends.device_copier import to_device_async
 from moepack.backends.expert_naming import ExpertNaming
 from moepack.format_spec.decode import decode_stacked, entry_bytes
 from moepack.format_spec.errors import MoepackError
@@ -121,10 +122,7 @@ def grouped_mm_usable(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor | 
 def group_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
     """The groups' end rows as the grouped GEMM takes them (int32 on the device), copied without making the host
     wait for the device (a pageable copy would wait for every kernel queued before it)."""
-    ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    if device.type != "cuda":
-        return ends
-    return ends.pin_memory().to(device, non_blocking=True)  # torch's pinned allocator keeps it until copied
+    return to_device_async(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
 
 
 def grouped_matmul(a: torch.Tensor, b: torch.Tensor, counts: list[int] | None, offsets: torch.Tensor | None = None

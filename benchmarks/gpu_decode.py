@@ -20,6 +20,9 @@ CUDA graphs). Each row of the output:
                  plus bytes written, timed with events; on a CPU a host copy)
   syncs          host synchronisations of the pool's routed work (0 when every expert is pooled)
   graph replays  CUDA graphs replayed in the timed steps (two a layer: its attention's mHC entry, its FFN)
+  launches, graph launches, host waits per step (CUDA only, JSON rows): the CUDA runtime calls of one more step
+                 under torch's profiler (kernels launched eagerly, graphs replayed, synchronisations; a step's
+                 one expected wait is its logits' copy to the host); tests/step_audit.py predicts them on a CPU
 Usage: python benchmarks/gpu_decode.py [--device cuda] [--batch 1,8] [--layers 1,2,3] [--experts 256]
        [--preset NAME] [--workdir DIR] [--json]
 On a CPU (a dry run, seconds): --device cpu --preset small. The floor, predictions and the device command:
@@ -86,6 +89,28 @@ def resident_bytes(decoder: Decoder, matrices_in: torch.dtype | None = None) -> 
                for t in tensors)
 
 
+# CUDA runtime calls a step makes, by what they cost it: a kernel launched eagerly, a graph replayed, the host
+# waiting for the device (a synchronisation, or a blocking copy's own)
+_RUNTIME_CALLS = {"launches": ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"),
+                  "graph_launches": ("cudaGraphLaunch", "cuGraphLaunch"),
+                  "host_waits": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                                 "cudaMemcpy", "cuStreamSynchronize", "cuCtxSynchronize")}
+
+
+def device_runtime_calls(step, device: torch.device) -> dict:
+    """One more step under torch's profiler: its CUDA runtime calls counted (_RUNTIME_CALLS), the measure of
+    tests/step_audit.py's counts on the device. Empty on a CPU."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    return {f"{what}_per_step": sum(names.count(n) for n in calls) for what, calls in _RUNTIME_CALLS.items()}
+
+
 def prefilled(g: Generator, prompts: int, length: int, new: int) -> list[tuple[list, int]]:
     """(KV states, first greedy token) of `prompts` different prompts of `length` tokens."""
     out = []
@@ -112,6 +137,7 @@ def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: 
         for _ in range(steps):
             tokens = d.step_batch(seqs, tokens).argmax(dim=1).tolist()
         seconds = time.perf_counter() - start
+        runtime_calls = device_runtime_calls(lambda: d.step_batch(seqs, tokens), d.device)
         experts_per_step = (d.cache.hits - hits) / steps  # each distinct (layer, expert) of a step looked up once
         routed = experts_per_step * d._entry_bytes(0, 0)
         step_bytes = resident_bytes(d, d.compute_dtype) + routed
@@ -121,7 +147,7 @@ def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: 
                 "step_bytes": int(step_bytes), "held_bytes_per_token": int((resident_bytes(d) + routed) / batch),
                 "cache_misses": d.cache.misses,
                 "syncs": (pool.syncs - syncs) if pooled else None,
-                "graph_replays": (pool.graphs.replays - replays) if pooled else None}
+                "graph_replays": (pool.graphs.replays - replays) if pooled else None, **runtime_calls}
     finally:
         d.pool = pool
 

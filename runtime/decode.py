@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from moepack.backends import token_kernels
-from moepack.backends.device_copier import DeviceCopier
+from moepack.backends.device_copier import DeviceCopier, to_device_async
 from moepack.families.base import LayerDecode, not_finite
 from moepack.format_spec.decode import decode_group, decode_group_rows, entry_bytes, scale_name
 from moepack.format_spec.errors import MoepackError
@@ -257,11 +257,9 @@ class Decoder:
         then copied out of the page cache, never used in place), else one of its own."""
         self.c, self.cfg, self.device, self.family = container, cfg, device, family
         self.arithmetic: LayerDecode = family.layer_decode(cfg, compute_dtype)
-        # a family whose own expert_ffn runs its experts keeps their stored bytes, decoded per use, and runs its
-        # torch functions on every thread; the runner's compiled experts (expert_ffn None) may keep them decoded
+        # a family whose own expert_ffn runs its experts runs its torch functions on every thread
         self.torch_experts = self.arithmetic.expert_ffn is not None
-        self.decoded = not self.torch_experts and (device.type != "cpu" if decoded_experts is None
-                                                   else decoded_experts)
+        self.decoded = device.type != "cpu" if decoded_experts is None else decoded_experts
         self.compute_dtype = compute_dtype
         self.current: DecodeSequence | None = None  # the sequence begin() started, which step() feeds
         self.stats = DecodeStats()
@@ -284,7 +282,8 @@ class Decoder:
         self._matrices: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> (weakref to its bytes, Matrices)
         self._tables: dict[str, torch.Tensor] = {}
         self._step_uses: list[tuple[int, torch.Tensor]] = []  # complete layers' choices, counted after the step
-        self._step_finite: list[torch.Tensor] = []  # each pooled layer's output finite (checked after the step)
+        # each layer beside the pool, (layer, whether its output is finite: a device flag), checked after the step
+        self._step_finite: list[tuple[int, torch.Tensor]] = []
         self._load(expert_dtype, expert_pool)
 
     def _load(self, expert_dtype: torch.dtype, expert_pool: bool | None) -> None:
@@ -467,11 +466,14 @@ class Decoder:
             finally:
                 self.pipe.release(buffer)
         try:
-            # outlives the pooled buffer (malloc's: a cache smaller than the experts in use evicts and takes one of
-            # the same size per miss, and malloc hands the evicted one's memory back; fresh pages would fault in)
-            entry = self._entry(layer, e, raw if self.device.type != "cpu" else raw.clone())
+            # on a GPU copied on the copier's stream (the compute waits for that copy, the host for nothing; the
+            # buffer goes back once the copy is done); on a CPU the stored bytes kept outlive the pooled buffer
+            # (malloc's: a cache smaller than the experts in use evicts and takes one of the same size per miss,
+            # and malloc hands the evicted one's memory back; fresh pages would fault in), the decoded are copies
+            raw = self.copier.to_device(buffer, view)[:region.length]
+            entry = self._entry(layer, e, raw.clone() if self.device.type == "cpu" and not self.decoded else raw)
         finally:
-            self.pipe.release(buffer)
+            self.copier.release(buffer, self.pipe.release)
         self.cache.put((layer, e), entry, size)
         return entry
 
@@ -674,11 +676,16 @@ class Decoder:
     def _general_step(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         """One step of every row by the family's functions (_layers): the logits [B, vocab] on the host."""
         self._step_uses, self._step_finite = [], []  # (a step that failed left its own)
-        rows = self._embedding_rows(torch.tensor(token_ids))
-        streams = self._layers(sequences, torch.tensor(token_ids, device=self.device), rows.to(self.device))
+        ids = torch.tensor(token_ids)
+        rows = self._embedding_rows(ids)
+        streams = self._layers(sequences, to_device_async(ids, self.device), to_device_async(rows, self.device))
         with self.compute:
-            logits = self.arithmetic.head(self.head_weights, streams).float().cpu()
-        self._settle_pooled()
+            logits = self.arithmetic.head(self.head_weights, streams).float()
+            pooled = self._pooled_to_host()  # queued before the logits' copy: on the host once it returns
+            # the step's one synchronisation: the logits on the host, where the sampler, the stop strings and
+            # the stream to the client need the next token
+            logits = logits.cpu()
+        self._settle_pooled(pooled)
         return logits
 
     def _layers(self, sequences: list[DecodeSequence], ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
@@ -689,7 +696,7 @@ class Decoder:
         work (the family's pieces its `graphs` runs; the whole FFN where every expert is pooled) runs as a CUDA
         graph per (layer, B) where CUDA is (StepGraphs), asking the host nothing."""
         arithmetic, pool, rows = self.arithmetic, self.pool, len(sequences)
-        graphs = pool.graphs if pool is not None else StepGraphs(False)
+        graphs = pool.graphs if pool is not None else StepGraphs(False, self.device)
         hidden = arithmetic.hidden_from_embeddings(embedding)
         for layer, w in enumerate(self.dense):
             got, table = None, arithmetic.hash_table(layer, w)
@@ -703,7 +710,13 @@ class Decoder:
                         self._pooled_ffn, layer, w), ids, *attended)
                 pool.calls += 1
                 self._step_uses.append((layer, experts))  # counted after the step (_settle_pooled)
-                self._step_finite.append(finite)
+                self._step_finite.append((layer, finite))
+                continue
+            if pool is not None and not self.blocks[layer].experts:  # no routed experts: its FFN one graph too
+                with self.compute:
+                    hidden, finite = graphs.run(("ffn", layer, rows), functools.partial(
+                        self._dense_ffn, layer, w), ids, *attended)
+                self._step_finite.append((layer, finite))
                 continue
             with self.compute:
                 hidden, routing = arithmetic.route_attended(layer, w, attended, ids)
@@ -715,7 +728,7 @@ class Decoder:
                 routed = self._routed_from_pool(layer, routing)
                 with self.compute:
                     hidden, finite = self._pooled_finish(layer, w, hidden, routing, routed)
-                self._step_finite.append(finite)
+                self._step_finite.append((layer, finite))
                 continue
             if got is None:
                 got = self._fetch(layer, routing.experts.flatten().tolist())
@@ -736,10 +749,17 @@ class Decoder:
         hidden, finite = self._pooled_finish(layer, w, hidden, routing, routed)
         return hidden, routing.experts, finite
 
-    def _pooled_finish(self, layer: int, w, hidden: torch.Tensor, routing, routed: torch.Tensor
+    def _dense_ffn(self, layer: int, w, ids: torch.Tensor, *attended: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer without routed experts beside the pool, after its attention: (the hidden rows, whether they are
+        finite), on the device (one CUDA graph)."""
+        hidden, routing = self.arithmetic.route_attended(layer, w, attended, ids)
+        return self._pooled_finish(layer, w, hidden, routing, None)
+
+    def _pooled_finish(self, layer: int, w, hidden: torch.Tensor, routing, routed: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The family's finish for a pooled layer: the rows, and whether they are finite as a device flag (checked
-        after the step, _settle_pooled: no synchronisation per layer)."""
+        """The family's finish for a layer beside the pool: the rows, and whether they are finite as a device flag
+        (checked after the step, _settle_pooled: no synchronisation per layer)."""
         hidden = self.arithmetic.finish(layer, w, hidden, routing, routed, checked=False)
         return hidden, torch.isfinite(hidden).all()
 
@@ -766,19 +786,33 @@ class Decoder:
         finally:
             self._give_back(held)
 
-    def _settle_pooled(self) -> None:
-        """After a step's logits reached the host (the device is done): each pooled layer's output checked
-        finite (the first that is not named), and the complete layers' choices counted as the cache's hits
-        (each expert once per layer and step, as a lookup counts them) and made the most recently used."""
+    def _pooled_to_host(self) -> torch.Tensor | None:
+        """The finite flags of the step's layers beside the pool, then the complete layers' choices, in one tensor
+        copied to the host without the host waiting (into pinned memory, non-blocking): there once a later
+        blocking copy (the logits') returns. None where no layer ran beside the pool."""
+        flags = [finite for _, finite in self._step_finite]
+        if not flags:
+            return None
+        flat = torch.cat([torch.stack(flags).long(), *(experts.flatten() for _, experts in self._step_uses)])
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=self.device.type == "cuda")
+        return host.copy_(flat, non_blocking=True)
+
+    def _settle_pooled(self, pooled: torch.Tensor | None) -> None:
+        """After a step's logits reached the host, with `pooled` (_pooled_to_host's, there too): each layer
+        beside the pool checked finite (the first that is not named), and the complete layers' choices counted
+        as the cache's hits (each expert once per layer and step, as a lookup counts them) and made the most
+        recently used."""
         finite, self._step_finite = self._step_finite, []
-        if finite and not bool(torch.stack(finite).all()):
-            raise not_finite(torch.stack(finite).tolist().index(False))  # every layer is pooled
         uses, self._step_uses = self._step_uses, []
-        if not uses:
+        if pooled is None:
             return
-        chosen = torch.stack([experts for _, experts in uses]).tolist()  # one copy to the host for every layer
-        for (layer, _), rows in zip(uses, chosen):
-            for e in sorted({e for row in rows for e in row}):
+        values = pooled.tolist()
+        flags, chosen = values[:len(finite)], values[len(finite):]
+        if not all(flags):
+            raise not_finite(finite[flags.index(0)][0])
+        for layer, experts in uses:
+            picked, chosen = chosen[:experts.numel()], chosen[experts.numel():]
+            for e in sorted(set(picked)):
                 self.cache.get((layer, e))
 
     def _routed_by_kernel(self, layer: int, routing, got) -> torch.Tensor | None:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from moepack.backends import grouped_experts
+from moepack.backends.device_copier import to_device_async
 from moepack.backends.grouped_experts import grouped_matmul, grouped_mm_usable
 
 from .expert_decode import ExpertWeights
@@ -78,14 +79,18 @@ class CapturedCall:
 
 
 class StepGraphs:
-    """Fixed-shape pieces of a decode step, each captured once per key in a CUDA graph and replayed; run eagerly
-    where they are off (a CPU) or their capture failed. A piece must not change anything but its outputs (its
-    capture runs it twice)."""
+    """Fixed-shape pieces of a decode step on `device`, each captured once per key in a CUDA graph and replayed;
+    run eagerly where they are off (a CPU) or their capture failed. A piece must not change anything but its
+    outputs (its capture runs it twice)."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.device = enabled, device
         self._captured: dict[tuple, CapturedCall | None] = {}
         self.replays = 0
+
+    def values(self, values: list[int]) -> torch.Tensor:
+        """Host integers (each row's position, say) as an int64 tensor on the device, the host not waiting."""
+        return to_device_async(torch.tensor(values, dtype=torch.int64), self.device)
 
     def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor):
         """fn(*inputs), from the graph captured for `key` (its outputs are that graph's buffers: valid until its
@@ -121,7 +126,8 @@ class ExpertPool:
         self.activation = activation  # the family's, between the two grouped GEMMs: act(gate x) * (up x)
         self.slot_bytes = 3 * inter * hidden * dtype.itemsize
         # the step's fixed-shape pieces in CUDA graphs (these stacks' routed work, and the Decoder's)
-        self.graphs = StepGraphs(device.type == "cuda" if graphs is None else graphs and device.type == "cuda")
+        self.graphs = StepGraphs(device.type == "cuda" if graphs is None else graphs and device.type == "cuda",
+                                 device)
         self.capacity = 0
         self.gate_up = self.down = None
         self.slot_of = torch.full((layers, experts), -1, dtype=torch.int64, device=device)
@@ -313,7 +319,8 @@ def container_pool(cache, blocks, naming, activation: Callable[[torch.Tensor, to
     """The pool for a container's routed experts (`naming`: the family's ExpertNaming, by layer; `activation` its
     act(gate x) * (up x)), or None where they do not stack (experts of other shapes, or layers with other counts)
     or torch's grouped GEMM does not take them here."""
-    shapes, counts = set(), {len(b.experts) for b in blocks}
+    # (layers without routed experts, e.g. a family's dense-MLP layers, take no slots)
+    shapes, counts = set(), {len(b.experts) for b in blocks if b.experts}
     for layer, block in enumerate(blocks):
         for region in block.experts:
             shape_of = {t.name: tuple(t.shape) for t in region.tensors}

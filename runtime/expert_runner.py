@@ -329,12 +329,14 @@ class ExpertRunner:
         through the generic decode; a family's expert_ffn where it has one. `tokens`: the count that chooses the
         kernel (default len(x); in a grouped pass the most any one prompt sends it)."""
         weights = self.expert_weights(block, region, raw, base, tokens=len(x) if tokens is None else tokens)
-        if self.expert_ffn is not None:
-            return out.copy_(self.expert_ffn(x, weights.w1, weights.w3, weights.w2))
         return self.apply(weights, x, out)
 
     def apply(self, weights: ExpertWeights, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """weights.apply by this runner's arithmetic (the family's expert_forward, expert_limit)."""
+        """The expert on x by this runner's arithmetic: the family's expert_ffn (its decoded matrices), else
+        weights.apply (the family's expert_forward, expert_limit)."""
+        if self.expert_ffn is not None:
+            y = self.expert_ffn(x, weights.w1, weights.w3, weights.w2)
+            return y if out is None else out.copy_(y)
         return weights.apply(x, out, forward=self.expert_forward, limit=self.expert_limit)
 
     def expert_weights(self, block: Block, region: Region, raw: torch.Tensor, base: int,

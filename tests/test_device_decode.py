@@ -417,7 +417,7 @@ def test_cuda_a_piece_whose_capture_fails_runs_eagerly_on_the_callers_stream():
     right, the caller's stream current again, and a capturable piece after it is captured and replayed."""
     from moepack.runtime.device_decode import StepGraphs
 
-    graphs = StepGraphs(True)
+    graphs = StepGraphs(True, torch.device("cuda"))
     stream = torch.cuda.Stream()
     x = torch.arange(6.0, device="cuda")
     with torch.cuda.stream(stream):

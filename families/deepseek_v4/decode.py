@@ -39,18 +39,28 @@ class DeepseekV4Decode(model.DeepseekV4Prefill):
         return token_state.state()
 
     def attend(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, states: Sequence[model.TokenKV], graphs
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        # attention_token_sublayer: its mHC on every row at once, the attention row by row
+               ) -> tuple[Tensor, ...]:
+        # attention_token_sublayer: its mHC and what needs only the rows on every row at once (one fixed-shape
+        # piece), the attention over each row's state row by row; its output projection runs in route_attended
         cfg = self.config
-        x, post, comb = graphs.run(("attention entry", layer, hidden.shape[0]),
-                                   functools.partial(model.attention_entry, cfg, w), hidden)
-        attended = torch.cat([model.attention_token(cfg, layer, w, x[b:b + 1], state)
-                              for b, state in enumerate(states)])
-        return hidden, attended, post, comb
+        rotations = [model.token_attention_rotation(cfg, layer, state, hidden.device) for state in states]
+        rotation = rotations[0] if len(rotations) == 1 else torch.cat(rotations)
+        x, post, comb, *inputs = graphs.run(("attention entry", layer, hidden.shape[0]),
+                                            functools.partial(self._attention_entry, layer, w), hidden, rotation)
+        heads = torch.cat([model.token_attention_core(cfg, layer, w, x[b:b + 1], rotation[b:b + 1],
+                                                      tuple(t[b:b + 1] for t in inputs), state)
+                           for b, state in enumerate(states)])
+        return hidden, heads, rotation, post, comb
+
+    def _attention_entry(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, rotation: Tensor
+                         ) -> tuple[Tensor, ...]:
+        x, post, comb = model.attention_entry(self.config, w, hidden)
+        return (x, post, comb, *model.token_attention_inputs(self.config, layer, w, x, rotation))
 
     def route_attended(self, layer: int, w: Mapping[str, Tensor], attended: tuple[Tensor, ...], token_ids: Tensor
                        ) -> tuple[Tensor, Routing]:
-        streams = model.hc_post(*attended)
+        hidden, heads, rotation, post, comb = attended
+        streams = model.hc_post(hidden, model.token_attention_output(self.config, w, heads, rotation), post, comb)
         return streams, model.moe_route(self.config, layer, w, streams, token_ids)
 
     def head(self, w_globals: Mapping[str, Tensor], hidden: Tensor) -> Tensor:

@@ -99,7 +99,7 @@ def rope_rotation(rope: RopeConfig, start: int, count: int, step: int = 1,
     """cos + i*sin [count, rope.dim/2] complex64 for the positions start, start + step, ...: the rotation of each
     channel pair. Cached (never written to): every layer of a prefill rotates the same positions."""
     positions = torch.arange(count, device=device) * step + start
-    angles = positions[:, None].float() * _inv_freq(rope).to(device)
+    angles = positions[:, None].float() * _inv_freq(rope, device)
     return torch.complex(angles.cos() * rope.attention_factor, angles.sin() * rope.attention_factor)
 
 
@@ -122,8 +122,11 @@ def token_rotation(rope: RopeConfig, position: int, device: torch.device | None 
 
 
 @functools.cache
-def _inv_freq(rope: RopeConfig) -> Tensor:
-    return rope.inv_freq()
+def _inv_freq(rope: RopeConfig, device: torch.device | None) -> Tensor:
+    """On `device` once (a decode's compressor makes an entry's rotation every few tokens: a copy from the host
+    each time would make it wait for the device)."""
+    inv = rope.inv_freq()
+    return inv if device is None else inv.to(device)
 
 
 def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
@@ -438,10 +441,11 @@ def _bias(visible: Tensor) -> Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: float,
+def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor | None]], sink: Tensor, scale: float,
             dtype: torch.dtype = torch.float32) -> Tensor:
-    """Softmax attention of q [C, heads, D] over several key sets, each (kv, bias [C, K]) with kv either shared by
-    all queries [K, D] or per query [C, K, D] (K = V). One softmax spans all sets plus the per-head sink logit,
+    """Softmax attention of q [C, heads, D] over several key sets, each (kv, bias [C, K], or None: every key
+    visible) with kv either shared by all queries [K, D] or per query [C, K, D] (K = V). One softmax spans all
+    sets plus the per-head sink logit,
     whose probability is dropped (the sink only absorbs weight). The two products run in `dtype` (bfloat16 on the
     low-precision path); logits, softmax and the result are float32.
 
@@ -454,7 +458,8 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, scale: 
             continue
         kv = kv.to(dtype)  # [K, D] shared, or [C, K, D] per query: matmul broadcasts or batches over C
         logits = low_matmul(q_low, kv.transpose(-2, -1), dtype)
-        sets.append((kv, logits.float().mul_(scale).add_(bias[:, None, :])))
+        logits = logits.float().mul_(scale)
+        sets.append((kv, logits if bias is None else logits.add_(bias[:, None, :])))
     sink = sink.float().view(1, -1)
     peak = torch.stack([logits.amax(-1) for _, logits in sets]).amax(0).maximum(sink)  # [C, heads]
     total = (sink - peak).exp_()
@@ -708,28 +713,60 @@ def grow_state(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_state: 
 def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, kv_state: TokenKV) -> Tensor:
     """`attention` for one decoded token x [1, H] after kv_state's tokens, growing kv_state in place: the same
     arithmetic without what a single query never needs (no masks: the token sees every key of its window and
-    every complete compressed entry; no per-token copies of the window or the entries)."""
-    kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
+    every complete compressed entry; no per-token copies of the window or the entries). In three parts: what
+    needs only the rows (token_attention_inputs, token_attention_output: fixed shapes, all rows of a step at
+    once) around what needs each row's state (token_attention_core)."""
+    rotation = token_attention_rotation(cfg, layer, kv_state, x.device)
+    inputs = token_attention_inputs(cfg, layer, w, x, rotation)
+    return token_attention_output(cfg, w, token_attention_core(cfg, layer, w, x, rotation, inputs, kv_state),
+                                  rotation)
+
+
+def token_attention_rotation(cfg: ModelConfig, layer: int, kv_state: TokenKV, device) -> Tensor:
+    """The rotation [1, rope.dim/2] of the token after kv_state's."""
+    kind = cfg.layer_types[layer]
     if kind != kv_state.layer_type:
         raise ValueError(f"layer {layer}: past state of a {kv_state.layer_type} layer, the model has {kind}")
-    rotation = token_rotation(cfg.main_rope if kind == SLIDING else cfg.compress_rope, kv_state.seen_tokens,
-                              x.device)
-    low = w["attn.wq_b.weight"].dtype
+    return token_rotation(cfg.main_rope if kind == SLIDING else cfg.compress_rope, kv_state.seen_tokens, device)
+
+
+def token_attention_inputs(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, rotation: Tensor
+                           ) -> tuple[Tensor, ...]:
+    """What a token's attention computes from its row alone, for rows x [B, H] (rotation [B, rope.dim/2] each
+    row's): its projections (projection_names'), the query's LoRA normed, the key normed and rotated, the query
+    heads normed and rotated, and (a CSA layer) the indexer's query (used where the indexer picks)."""
+    kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
     projected = linears(x, [w[name] for name in projection_names(kind)])
     q_lora = rms_norm(projected[0], w["attn.q_norm.weight"], eps)
-    kv_state.window.append(apply_rope(rms_norm(projected[1], kv_norm_weight(w), eps), rotation))
+    key = apply_rope(rms_norm(projected[1], kv_norm_weight(w), eps), rotation)
+    queries = linears(q_lora, [w["attn.wq_b.weight"]] + ([w["attn.indexer.wq_b.weight"]] if kind == CSA else []))
+    q = apply_rope(rms_norm(queries[0].view(x.shape[0], cfg.num_heads, cfg.head_dim), None, eps), rotation)
+    return (*projected, q_lora, key, q, *queries[1:])
+
+
+def token_attention_core(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, rotation: Tensor,
+                         inputs: tuple[Tensor, ...], kv_state: TokenKV) -> Tensor:
+    """One row's attention over its state (x [1, H], its rotation and token_attention_inputs' rows), the key
+    and the compressors' projections appended to kv_state: the attention's output heads [1, heads, D] (rotated)."""
+    kind = cfg.layer_types[layer]
+    count = len(projection_names(kind))
+    projected, (q_lora, key, q, *index_query) = list(inputs[:count]), inputs[count:]
+    kv_state.window.append(key)
     keys, entries, indexed = grow_state(cfg, layer, w, kv_state, projected)
-    queries = linears(q_lora, [w["attn.wq_b.weight"]] + ([w["attn.indexer.wq_b.weight"]] if indexed else []))
     if entries is not None and entries.shape[0]:
         if indexed:
             complete = torch.full((1,), entries.shape[0], device=x.device)  # (no host copy: a GPU would wait)
             picked = indexer_topk(cfg, w, x, q_lora, rotation, kv_state.indexer.entries.rows(), complete,
-                                  (queries[1], projected[6]))[0]
+                                  (index_query[0], projected[6]))[0]
             entries = entries.index_select(0, picked)
         keys.append(entries)
     # the prefill's attention, every key visible (the keys are rounded already: rounding again is exact)
-    q = apply_rope(rms_norm(queries[0].view(1, cfg.num_heads, cfg.head_dim), None, eps), rotation)
-    o = _attend(q, [(k, k.new_zeros(1, k.shape[0])) for k in keys], w["attn.attn_sink"], cfg.head_dim ** -0.5, low)
+    return _attend(q, [(k, None) for k in keys], w["attn.attn_sink"], cfg.head_dim ** -0.5,
+                   w["attn.wq_b.weight"].dtype)
+
+
+def token_attention_output(cfg: ModelConfig, w: Mapping[str, Tensor], o: Tensor, rotation: Tensor) -> Tensor:
+    """The attention's output rows [B, H] from its heads o [B, heads, D] (rotation each row's)."""
     return grouped_output(cfg, apply_rope(o, rotation.conj()), w["attn.wo_a.weight"], w["attn.wo_b.weight"])
 
 

@@ -5,13 +5,14 @@ path (the Decoder runs these functions in torch)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from ..base import Routing
-from .model import LayerKV, before_experts, head
+from .model import LayerKV, attention_inputs, attention_over, head, rms_norm
 from .prefill import Qwen3MoePrefill
 from .tensors import FINAL_NORM
 
@@ -33,22 +34,34 @@ class Qwen3MoeDecode(Qwen3MoePrefill):
 
     def attend(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, states: Sequence[LayerKV], graphs
                ) -> tuple[Tensor, ...]:
+        # what needs only the rows (the norm, projections, RoPE) on every row at once (one fixed-shape piece), the
+        # attention over each row's keys row by row; o_proj and the router run in route_attended
         c = self.config
-        rows = [before_experts(c, layer, w, hidden[b:b + 1], state) for b, state in enumerate(states)]
-        residual, ffn_input = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
-        if rows[0][2] is None:  # a dense layer
-            return residual, ffn_input
-        return residual, ffn_input, torch.cat([r[2].experts for r in rows]), torch.cat([r[2].weights for r in rows])
+        positions = graphs.values([state.length for state in states])
+        q, k, v = graphs.run(("attention inputs", layer, hidden.shape[0]),
+                             functools.partial(self._attention_inputs, w), hidden, positions)
+        heads = torch.cat([attention_over(c, q[:, b:b + 1], *state.append(k[:, b:b + 1], v[:, b:b + 1]),
+                                          positions[b:b + 1]) for b, state in enumerate(states)])
+        return hidden, heads
+
+    def _attention_inputs(self, w: Mapping[str, Tensor], hidden: Tensor, positions: Tensor
+                          ) -> tuple[Tensor, Tensor, Tensor]:
+        c = self.config
+        return attention_inputs(c, w, rms_norm(hidden, w["input_layernorm.weight"], c.rms_norm_eps), positions)
 
     def route_attended(self, layer: int, w: Mapping[str, Tensor], attended: tuple[Tensor, ...], token_ids: Tensor
                        ) -> tuple[Tensor, Routing]:
-        residual, ffn_input, *chosen = attended
-        experts, weights = chosen if chosen else (None, None)
-        return residual, Routing(experts=experts, weights=weights, x=ffn_input)
+        hidden, heads = attended
+        residual = hidden + heads @ w["self_attn.o_proj.weight"].T
+        return residual, self.route(layer, w, residual, token_ids)
 
     def finish(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing, routed: Tensor | None,
                beside=None, into: Tensor | None = None, checked: bool = True) -> Tensor:
-        return super().finish(layer, w, hidden, routing, routed, beside, into)
+        if checked:
+            return super().finish(layer, w, hidden, routing, routed, beside, into)
+        # the caller checks (a pooled layer, after the step: a check here would make the host wait)
+        out = self.layer_output(layer, w, hidden, routing, routed)
+        return into.copy_(out) if into is not None else out
 
     def head(self, w_globals: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
         return head(self.config, {"norm": w_globals[FINAL_NORM], "head": w_globals[self.names.head]}, hidden)

@@ -90,19 +90,34 @@ def attention(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, kv: LayerKV
     values to kv. Returns o_proj's output [N, H]. The queries go `query_chunk` at a time (all at once by default),
     each chunk over the keys up to its last position: the scores are [heads, chunk, keys], never [heads, N, T];
     `between_chunks()` runs before each chunk after the first (a prefill's stop check: it may raise)."""
-    n, past = x.shape[0], kv.length
+    positions = torch.arange(kv.length, kv.length + x.shape[0], device=x.device)
+    q, k, v = attention_inputs(c, w, x, positions)
+    keys, values = kv.append(k, v)
+    return attention_over(c, q, keys, values, positions, query_chunk, between_chunks) @ w["self_attn.o_proj.weight"].T
+
+
+def attention_inputs(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, positions: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """What the attention computes from the rows alone (x [N, H] normed, at `positions` [N]): the queries
+    [heads, N, D] and keys [kv_heads, N, D] normed and rotated, the values [kv_heads, N, D]."""
+    n = x.shape[0]
     q = (x @ w["self_attn.q_proj.weight"].T).view(n, c.num_heads, c.head_dim)
     k = (x @ w["self_attn.k_proj.weight"].T).view(n, c.num_kv_heads, c.head_dim)
     v = (x @ w["self_attn.v_proj.weight"].T).view(n, c.num_kv_heads, c.head_dim)
     q = rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps).transpose(0, 1)
     k = rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps).transpose(0, 1)
-    positions = torch.arange(past, past + n, device=x.device)
     cos, sin = rope_tables(c, positions, x.dtype)
-    keys, values = kv.append(apply_rope(k, cos, sin), v.transpose(0, 1))
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.transpose(0, 1)
+
+
+def attention_over(c: Qwen3MoeConfig, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
+                   query_chunk: int | None = None, between_chunks: Callable[[], None] | None = None) -> Tensor:
+    """The queries q [heads, N, D] at `positions` (the last N of the keys') over keys and values [kv_heads, T, D],
+    causal: the heads' output [N, heads * D], before o_proj (attention's chunks)."""
+    n, past = q.shape[1], keys.shape[1] - q.shape[1]
     group = c.num_heads // c.num_kv_heads  # query heads per KV head (GQA)
     keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
-    q = apply_rope(q, cos, sin)
-    out = torch.empty(n, c.num_heads * c.head_dim, dtype=x.dtype, device=x.device)
+    out = torch.empty(n, c.num_heads * c.head_dim, dtype=q.dtype, device=q.device)
     chunk = query_chunk or n
     for start in range(0, n, chunk):
         if start and between_chunks is not None:
@@ -110,11 +125,11 @@ def attention(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, kv: LayerKV
         stop = min(start + chunk, n)
         seen = past + stop  # the keys this chunk's last query sees
         scores = (q[:, start:stop] @ keys[:, :seen].transpose(1, 2)) * c.head_dim ** -0.5  # [heads, chunk, seen]
-        visible = torch.arange(seen, device=x.device)[None, :] <= positions[start:stop, None]  # causal
+        visible = torch.arange(seen, device=q.device)[None, :] <= positions[start:stop, None]  # causal
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[start:stop] = (probs @ values[:, :seen]).transpose(0, 1).reshape(stop - start, -1)
-    return out @ w["self_attn.o_proj.weight"].T
+    return out
 
 
 def route(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor) -> Routing:

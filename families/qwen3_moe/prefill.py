@@ -72,9 +72,14 @@ class Qwen3MoePrefill:
 
     def finish(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing, routed: Tensor | None,
                beside, into: Tensor | None) -> Tensor:
-        out = check_finite(after_experts(self.config, layer, w, hidden, routing.x,
-                                         routed.to(hidden.dtype) if routed is not None else None), layer)
+        out = check_finite(self.layer_output(layer, w, hidden, routing, routed), layer)
         return into.copy_(out) if into is not None else out
+
+    def layer_output(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing,
+                     routed: Tensor | None) -> Tensor:
+        """finish's rows, unchecked."""
+        return after_experts(self.config, layer, w, hidden, routing.x,
+                             routed.to(hidden.dtype) if routed is not None else None)
 
     def head_input(self, w_globals: Mapping[str, Tensor], hidden: Tensor, rows: Tensor) -> Tensor:
         return rms_norm(hidden[rows], w_globals[FINAL_NORM].to(hidden.dtype), self.config.rms_norm_eps)
