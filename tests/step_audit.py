@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -53,12 +52,21 @@ _LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "ran
          "new_empty", "new_full", "new_tensor"}
 
 
+def _in_moepack(frame) -> bool:
+    """Whether a frame runs moepack's own code (by its module's name: the package's folders sit anywhere)."""
+    return frame.f_globals.get("__name__", "").startswith("moepack.")
+
+
 def where() -> str:
     """The innermost frames of moepack's code (file:line function), innermost first."""
-    frames = [f for f in traceback.extract_stack() if "/moepack/" in f.filename.replace("\\", "/")
-              or "/wt/" in f.filename and "/tests/" not in f.filename and "/.venv/" not in f.filename]
-    return " < ".join(f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
-                      for f in reversed(frames[-3:]))
+    frames, frame = [], sys._getframe(1)
+    while frame is not None and len(frames) < 3:
+        if _in_moepack(frame):
+            code = frame.f_code
+            folder, name = code.co_filename.replace("\\", "/").rsplit("/", 2)[-2:]
+            frames.append(f"{folder}/{name}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    return " < ".join(frames)
 
 
 @dataclass
@@ -172,10 +180,10 @@ class StepAudit:
 
     def _profile(self, frame, event, arg):
         if event == "call" and not self._capturing and not self._graph:
-            name = frame.f_code.co_filename
-            if "/tests/" not in name and "/.venv/" not in name and ("/moepack/" in name or "/wt/" in name):
+            if _in_moepack(frame):
                 self.counts.python_calls += 1
-                self.counts.calls_by_function[f"{name.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"] += 1
+                name = frame.f_code.co_filename.rsplit("/", 1)[-1]
+                self.counts.calls_by_function[f"{name}:{frame.f_code.co_name}"] += 1
 
     # --- a captured piece ---------------------------------------------------------------------------------------
     def captured_class(self):
