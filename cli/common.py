@@ -328,6 +328,14 @@ def one_line_warnings() -> None:
     warnings.formatwarning = formatwarning
 
 
+def quiet_native_logs() -> None:
+    """torch's C++ side logs to stderr on its own, before the exception it raises (c10d's failed rendezvous of an
+    expert-parallel rank: an error line, a retry warning and a C++ backtrace): only fatal ones are shown, the error
+    itself comes as one line. Set before torch is imported (it reads TORCH_CPP_LOG_LEVEL once); a user's own
+    setting stays."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+
 def show_text(piece: str) -> None:
     """A generation's text as it streams (its on_text): written to stdout at once."""
     sys.stdout.write(piece)

@@ -23,8 +23,8 @@ from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 from .chat import chat
 from .common import (CHECKPOINT_FILE, EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, PREFILL_MEMORY_HINT, Dtype,
                      FiniteFloat, check_container_path, container_argument, emit, force_option, json_option,
-                     layer_progress, model_run_options, one_line_warnings, prompt_options, refuse_existing,
-                     refuse_existing_kv, reports_errors, sigterm_as_interrupt, untrusted_argv_types)
+                     layer_progress, model_run_options, one_line_warnings, prompt_options, quiet_native_logs,
+                     refuse_existing, refuse_existing_kv, reports_errors, sigterm_as_interrupt, untrusted_argv_types)
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve
@@ -543,6 +543,7 @@ def main() -> None:
     object (a machine reading stdout sees {"ok": false, ...} whatever went wrong)."""
     sigterm_as_interrupt()
     one_line_warnings()
+    quiet_native_logs()
     try:
         code = cli.main(prog_name="moepack", standalone_mode=False)
     except click.ClickException as e:  # usage errors (bad flags, values out of range) and click's own failures
