@@ -137,6 +137,11 @@ def open_source(src: str, revision: str | None = None, progress: bool = True, st
     if not looks_like_repo_id(src):
         raise MoepackError(f"{src}: no such directory (and not a Hugging Face repo id, which is owner/name)")
     scratch = None
+    if not keep_source and _offline():
+        # the scratch folder is a cache of its own, empty: offline, nothing could come into it
+        raise MoepackError(f"--no-keep-source downloads {src}'s shards into a scratch folder and deletes each once "
+                           f"converted, but HF_HUB_OFFLINE is set: convert from the local cache without "
+                           f"--no-keep-source, or unset HF_HUB_OFFLINE")
     if not keep_source:  # a killed conversion's downloads: its rerun downloads what it still needs again
         remove_stale_temporaries(scratch_parent or tempfile.gettempdir(), ("moepack-download",))
         scratch = tempfile.mkdtemp(prefix=temporary_prefix("moepack-download"), dir=scratch_parent)
@@ -150,6 +155,12 @@ def open_source(src: str, revision: str | None = None, progress: bool = True, st
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return constants.is_offline_mode()
 
 
 def _streamed(plan: "_HubPlan", progress: bool, scratch: str | None):
@@ -258,7 +269,7 @@ class _HubPlan:
         _install_timeouts()
         rev = revision or constants.DEFAULT_REVISION
         cache = os.path.abspath(os.path.expanduser(cache_dir or constants.HF_HUB_CACHE))
-        if constants.is_offline_mode():
+        if _offline():
             return cls._from_cache(repo, rev, cache)
         return cls._from_hub(repo, rev, cache)
 
@@ -316,6 +327,8 @@ class _HubPlan:
         from huggingface_hub import HfApi
         from huggingface_hub.file_download import repo_folder_name
 
+        from .source import missing_numbered_shards
+
         not_cached = (f"HF_HUB_OFFLINE is set and {repo}@{rev} is not in the local cache ({cache}); "
                       f"download it once with network access")
         try:
@@ -337,6 +350,7 @@ class _HubPlan:
                 shards = sorted(n for n in os.listdir(snap) if n.endswith(".safetensors"))
                 if not shards:
                     missing.append("*.safetensors")
+                missing += missing_numbered_shards(shards)  # no index: the shards' own numbering
             missing += [s for s in shards if not os.path.isfile(os.path.join(snap, s))]
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
