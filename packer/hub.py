@@ -88,6 +88,21 @@ def resolve_source(src: str, revision: str | None = None, progress: bool = True,
     return plan.source()
 
 
+def hub_revision(revision: str | None) -> str:
+    """The revision to resolve (None: the default branch), refused where it cannot name a branch, tag or commit:
+    empty (a script's unset variable, taken for main), or a path out of the cache's refs folder (`../refs/main`
+    read another ref offline), or with whitespace or control characters (git refuses all of these in ref names)."""
+    from huggingface_hub import constants
+
+    if revision is None:
+        return constants.DEFAULT_REVISION
+    bad = (not revision or ".." in revision or revision.startswith(("/", "-")) or revision.endswith(("/", "."))
+           or "//" in revision or any(ch.isspace() or ord(ch) < 32 or ch in "\\~^:?*[" for ch in revision))
+    if bad:
+        raise MoepackError(f"--revision {revision!r}: not a branch, tag or commit name")
+    return revision
+
+
 def fetch_config(repo: str, revision: str | None = None, *, cache_dir: str | None = None) -> str:
     """The path of hub repo `repo`'s config.json, downloading that file alone into the Hugging Face cache (what
     `moepack plan` needs of a repo). With HF_HUB_OFFLINE=1, or when the hub cannot be reached, the cached copy is
@@ -97,7 +112,7 @@ def fetch_config(repo: str, revision: str | None = None, *, cache_dir: str | Non
     if not looks_like_repo_id(repo):
         raise MoepackError(f"{repo}: not a Hugging Face repo id (owner/name)")
     _install_timeouts()
-    rev = revision or constants.DEFAULT_REVISION
+    rev = hub_revision(revision)
     if constants.is_offline_mode():
         try:
             return hf_hub_download(repo, "config.json", revision=rev, cache_dir=cache_dir, local_files_only=True)
@@ -267,7 +282,7 @@ class _HubPlan:
         from huggingface_hub import constants
 
         _install_timeouts()
-        rev = revision or constants.DEFAULT_REVISION
+        rev = hub_revision(revision)
         cache = os.path.abspath(os.path.expanduser(cache_dir or constants.HF_HUB_CACHE))
         if _offline():
             return cls._from_cache(repo, rev, cache)

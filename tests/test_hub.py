@@ -801,3 +801,14 @@ def test_no_keep_source_offline_is_refused_naming_both(tmp_path, hub, tiny):
     assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
     assert "--no-keep-source" in p.stderr and "HF_HUB_OFFLINE" in p.stderr and "scratch" in p.stderr
     assert not [f for f in os.listdir(tmp_path) if "moepack-download" in f]
+
+
+def test_a_revision_that_names_no_ref_is_refused(tmp_path, hub, tiny):
+    """`--revision ""` (a script's unset variable) was taken for main, and offline `../refs/main` was read as a path
+    under the cache's refs folder, resolving to main's snapshot; neither names a branch, tag or commit."""
+    run(tmp_path, hub.url, REPO).ok
+    for revision in ("", "../refs/main", "a b", "-x", "main\n"):
+        for offline in (True, False):
+            msg = run(tmp_path, hub.url, REPO, revision, offline=offline).error
+            assert msg == f"--revision {revision!r}: not a branch, tag or commit name", msg
+    assert run(tmp_path, hub.url, REPO, MAIN_SHA, offline=True).ok
