@@ -319,3 +319,18 @@ def test_experts_one_channel_wide_compute_as_transformers_eager_experts(tmp_path
     convert_checkpoint(src, str(tmp_path / "m.moepack"), progress=False)
     got = prefill(str(tmp_path / "m.moepack"), ids, PrefillOptions(compute_dtype="float32")).logits
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("share, dims", [(5 / 32, 5), (1 / 64, 0), (1 / 32, 1)])
+def test_rope_dimensions_that_are_not_channel_pairs_are_refused(share, dims):
+    """Interleaved RoPE turns channel pairs: an odd count of RoPE dimensions (or none: x[..., -0:] is the whole
+    head) has no defined rotation. transformers' model fails to build (YaRN) or in its forward; moepack's prefill
+    failed with a traceback. Refused naming the field, with the count it gives."""
+    hf = DeepseekV4Config(**CONFIGS["A"]).to_dict()  # head_dim 32
+    for where in ("main", "compress"):
+        params = copy.deepcopy(hf["rope_parameters"])
+        params[where]["partial_rotary_factor"] = share
+        with pytest.raises(ConfigError, match=rf"rope_parameters\.{where}\.partial_rotary_factor must be a share of "
+                                              rf"head_dim \(32\) giving an even number of RoPE dimensions, at least 2 "
+                                              rf"\(it gives {dims}\)"):
+            ModelConfig.from_hf({**hf, "rope_parameters": params})

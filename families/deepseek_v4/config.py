@@ -329,6 +329,11 @@ def _rope_config(where: str, p: Mapping, head_dim: int, partial: float, max_posi
     if not _is_number(share) or not 0 < share <= 1:
         _fail(f"{where}.partial_rotary_factor", "a number in (0, 1]", share)
     dim = int(head_dim * share)
+    if dim < 2 or dim % 2:
+        # interleaved RoPE turns channel pairs: an odd count leaves one without a partner, none leaves x[..., -0:],
+        # the whole head (transformers' model fails on both)
+        _fail(f"{where}.partial_rotary_factor", f"a share of head_dim ({head_dim}) giving an even number of RoPE "
+                                                f"dimensions, at least 2 (it gives {dim})", share)
     kind = p.get("rope_type", p.get("type", "default"))
     if not isinstance(kind, str) or kind not in ROPE_TYPES:
         _fail(f"{where}.rope_type", f"one of {', '.join(ROPE_TYPES)}", kind)
