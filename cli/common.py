@@ -328,6 +328,14 @@ def one_line_warnings() -> None:
     warnings.formatwarning = formatwarning
 
 
+def quiet_native_logs() -> None:
+    """torch's C++ side logs to stderr on its own, before the exception it raises (c10d's failed rendezvous of an
+    expert-parallel rank: an error line, a retry warning and a C++ backtrace): only fatal ones are shown, the error
+    itself comes as one line. Set before torch is imported (it reads TORCH_CPP_LOG_LEVEL once); a user's own
+    setting stays."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+
 def show_text(piece: str) -> None:
     """A generation's text as it streams (its on_text): written to stdout at once."""
     sys.stdout.write(piece)
@@ -520,11 +528,36 @@ context_option = click.option(
          "fills it is refused, and the generation stops (finish 'length') where it reaches it.")
 
 
+def _context_cap(config: dict, max_context: int | None) -> int | None:
+    """-c, else the model's context (max_position_embeddings), else None."""
+    model_context = config.get("max_position_embeddings")
+    return max_context or (model_context if isinstance(model_context, int) and model_context > 1 else None)
+
+
+def check_prefill_context(config: dict, max_context: int | None, tokens: int) -> None:
+    """A prefill's tokens (a KV's continued included) within the context cap: positions past the model's context
+    were computed without a word, where generate refuses them."""
+    cap = _context_cap(config, max_context)
+    if cap is not None and tokens > cap:
+        which = "-c/--max-context" if max_context else "the model context, max_position_embeddings; -c raises it"
+        raise MoepackError(f"the prompt's {tokens} tokens exceed the context cap of {cap} ({which})")
+
+
+def continued_tokens(continue_from: str | None, container) -> int:
+    """The tokens a KV directory to continue holds (its manifest only: another model's KV named as such), 0 for
+    none."""
+    if continue_from is None:
+        return 0
+    from moepack.families import kv_format_for
+    from moepack.families.kv_directory import identity_of_container, inspect_kv
+
+    return inspect_kv(continue_from, kv_format_for, identity_of_container(container), verify=False)["tokens"]
+
+
 def context_budget(config: dict, max_context: int | None, prompt_tokens: int, max_new_tokens: int) -> int:
     """The new tokens a generation may make under the context cap (-c, else the model's context): at most
     max_new_tokens; MoepackError where the prompt alone fills the cap."""
-    model_context = config.get("max_position_embeddings")
-    cap = max_context or (model_context if isinstance(model_context, int) and model_context > 1 else None)
+    cap = _context_cap(config, max_context)
     if cap is None:
         return max_new_tokens
     if prompt_tokens >= cap:

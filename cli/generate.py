@@ -14,8 +14,8 @@ import click
 
 from moepack.runtime.limits import DEFAULT_MAX_BATCH, MAX_BATCH, MAX_PROMPTS
 
-from .common import (check_container_path, container_argument, context_budget, context_option, emit, force_option,
-                     json_option, layer_progress, max_new_tokens_option, model_run_options, out_of_memory,
+from .common import (check_container_path, container_argument, context_budget, context_option, continued_tokens,
+                     emit, force_option, json_option, layer_progress, max_new_tokens_option, model_run_options, out_of_memory,
                      prompt_options, refuse_existing_kv, reports_errors, sampling_options, show_text)
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
@@ -347,16 +347,9 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         ids, tokenizer = _prompt_ids(c, prompt, prompt_file, token_ids_file, messages_file, chat, thinking,
                                      reasoning_effort, continuing=continue_from is not None)
         config = c.config
-        identity = (c.architecture, c.config, c.header.index_xxh3)  # a KV continued must be this container's
-    if not ids and continue_from is None:
-        raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
-    past = 0
-    if continue_from is not None:
-        from moepack.families.kv_directory import inspect_kv, make_identity
-        from moepack.families import kv_format_for
-
-        # the manifest only (another model's named as such): the KV's tokens count too
-        past = inspect_kv(continue_from, kv_format_for, make_identity(*identity), verify=False)["tokens"]
+        if not ids and continue_from is None:
+            raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
+        past = continued_tokens(continue_from, c)  # a KV continued must be this container's; its tokens count too
     max_new_tokens = context_budget(config, max_context, past + len(ids), max_new_tokens)
     options = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               seed=seed, stop=tuple(stop), cache_gib=run.cache_gib,

@@ -22,9 +22,9 @@ from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
 
 from .chat import chat
 from .common import (CHECKPOINT_FILE, EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, PREFILL_MEMORY_HINT, Dtype,
-                     FiniteFloat, check_container_path, container_argument, emit, force_option, json_option,
-                     layer_progress, model_run_options, one_line_warnings, prompt_options, refuse_existing,
-                     refuse_existing_kv, reports_errors, sigterm_as_interrupt, untrusted_argv_types)
+                     FiniteFloat, check_container_path, check_prefill_context, container_argument, continued_tokens,
+                     emit, force_option, json_option, layer_progress, model_run_options, one_line_warnings,
+                     prompt_options, quiet_native_logs, refuse_existing, refuse_existing_kv, reports_errors, sigterm_as_interrupt, untrusted_argv_types)
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve
@@ -332,6 +332,9 @@ def _print_verify(r: dict) -> None:
 @click.option("--dist-timeout", type=FiniteFloat(min=1), default=120.0, show_default=True,
               help="Seconds a rank waits for its peers before giving up with an error.")
 @click.option("--no-verify-reads", is_flag=True, help="Skip the per-region checksum of every read.")
+@click.option("-c", "--max-context", type=click.IntRange(min=1), default=None,
+              help="Cap on the prompt's tokens, a KV continued included (default: the model's context, "
+                   "max_position_embeddings): a longer prompt is refused.")
 @model_run_options(unused={"cache_gib": "prefill reads every expert once per layer and keeps no expert cache (the "
                                           "cache is the decode's: generate, chat, serve)"})
 @force_option
@@ -339,7 +342,8 @@ def _print_verify(r: dict) -> None:
 @reports_errors(out_of_memory_hint=PREFILL_MEMORY_HINT)
 def prefill(file, prompt, prompt_file, token_ids_file, kv_out, continue_from, kv_no_fsync, logits_out,
             bundle_experts, queue_depth, expert_selection, query_chunk, expert_dtype, order, chunk_tokens,
-            expert_parallel, expert_ownership, container_per_rank, dist_timeout, no_verify_reads, run, force, as_json):
+            expert_parallel, expert_ownership, container_per_rank, dist_timeout, no_verify_reads, max_context, run, force,
+            as_json):
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import prefill as run_prefill
@@ -366,6 +370,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, kv_out, continue_from, kv
     check_container_path(file)
     with Container(file) as c:
         tokenizer = PromptTokenizer(c) if token_ids_file is None else None
+        config, past = c.config, continued_tokens(continue_from, c)
     if token_ids_file is not None:
         ids = read_token_ids(token_ids_file)
     else:
@@ -374,6 +379,7 @@ def prefill(file, prompt, prompt_file, token_ids_file, kv_out, continue_from, kv
         if continue_from is not None:
             tokenizer.add_special_tokens = False  # a continuation: no BOS in the middle of the conversation
         ids = tokenizer.encode(prompt)
+    check_prefill_context(config, max_context, past + len(ids))
     if bundle_experts is None or queue_depth is None:
         from moepack.runtime.tuning import tuned_defaults
 
@@ -543,6 +549,7 @@ def main() -> None:
     object (a machine reading stdout sees {"ok": false, ...} whatever went wrong)."""
     sigterm_as_interrupt()
     one_line_warnings()
+    quiet_native_logs()
     try:
         code = cli.main(prog_name="moepack", standalone_mode=False)
     except click.ClickException as e:  # usage errors (bad flags, values out of range) and click's own failures

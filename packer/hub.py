@@ -88,6 +88,21 @@ def resolve_source(src: str, revision: str | None = None, progress: bool = True,
     return plan.source()
 
 
+def hub_revision(revision: str | None) -> str:
+    """The revision to resolve (None: the default branch), refused where it cannot name a branch, tag or commit:
+    empty (a script's unset variable, taken for main), or a path out of the cache's refs folder (`../refs/main`
+    read another ref offline), or with whitespace or control characters (git refuses all of these in ref names)."""
+    from huggingface_hub import constants
+
+    if revision is None:
+        return constants.DEFAULT_REVISION
+    bad = (not revision or ".." in revision or revision.startswith(("/", "-")) or revision.endswith(("/", "."))
+           or "//" in revision or any(ch.isspace() or ord(ch) < 32 or ch in "\\~^:?*[" for ch in revision))
+    if bad:
+        raise MoepackError(f"--revision {revision!r}: not a branch, tag or commit name")
+    return revision
+
+
 def fetch_config(repo: str, revision: str | None = None, *, cache_dir: str | None = None) -> str:
     """The path of hub repo `repo`'s config.json, downloading that file alone into the Hugging Face cache (what
     `moepack plan` needs of a repo). With HF_HUB_OFFLINE=1, or when the hub cannot be reached, the cached copy is
@@ -97,7 +112,7 @@ def fetch_config(repo: str, revision: str | None = None, *, cache_dir: str | Non
     if not looks_like_repo_id(repo):
         raise MoepackError(f"{repo}: not a Hugging Face repo id (owner/name)")
     _install_timeouts()
-    rev = revision or constants.DEFAULT_REVISION
+    rev = hub_revision(revision)
     if constants.is_offline_mode():
         try:
             return hf_hub_download(repo, "config.json", revision=rev, cache_dir=cache_dir, local_files_only=True)
@@ -137,6 +152,11 @@ def open_source(src: str, revision: str | None = None, progress: bool = True, st
     if not looks_like_repo_id(src):
         raise MoepackError(f"{src}: no such directory (and not a Hugging Face repo id, which is owner/name)")
     scratch = None
+    if not keep_source and _offline():
+        # the scratch folder is a cache of its own, empty: offline, nothing could come into it
+        raise MoepackError(f"--no-keep-source downloads {src}'s shards into a scratch folder and deletes each once "
+                           f"converted, but HF_HUB_OFFLINE is set: convert from the local cache without "
+                           f"--no-keep-source, or unset HF_HUB_OFFLINE")
     if not keep_source:  # a killed conversion's downloads: its rerun downloads what it still needs again
         remove_stale_temporaries(scratch_parent or tempfile.gettempdir(), ("moepack-download",))
         scratch = tempfile.mkdtemp(prefix=temporary_prefix("moepack-download"), dir=scratch_parent)
@@ -150,6 +170,12 @@ def open_source(src: str, revision: str | None = None, progress: bool = True, st
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return constants.is_offline_mode()
 
 
 def _streamed(plan: "_HubPlan", progress: bool, scratch: str | None):
@@ -256,9 +282,9 @@ class _HubPlan:
         from huggingface_hub import constants
 
         _install_timeouts()
-        rev = revision or constants.DEFAULT_REVISION
+        rev = hub_revision(revision)
         cache = os.path.abspath(os.path.expanduser(cache_dir or constants.HF_HUB_CACHE))
-        if constants.is_offline_mode():
+        if _offline():
             return cls._from_cache(repo, rev, cache)
         return cls._from_hub(repo, rev, cache)
 
@@ -316,6 +342,8 @@ class _HubPlan:
         from huggingface_hub import HfApi
         from huggingface_hub.file_download import repo_folder_name
 
+        from .source import missing_numbered_shards
+
         not_cached = (f"HF_HUB_OFFLINE is set and {repo}@{rev} is not in the local cache ({cache}); "
                       f"download it once with network access")
         try:
@@ -337,6 +365,7 @@ class _HubPlan:
                 shards = sorted(n for n in os.listdir(snap) if n.endswith(".safetensors"))
                 if not shards:
                     missing.append("*.safetensors")
+                missing += missing_numbered_shards(shards)  # no index: the shards' own numbering
             missing += [s for s in shards if not os.path.isfile(os.path.join(snap, s))]
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""

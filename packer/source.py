@@ -8,6 +8,7 @@ being packed are ever in memory.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import threading
@@ -138,6 +139,30 @@ class LocalSource:
         return {}
 
 
+_NUMBERED_SHARD = re.compile(r"(.*)-(\d+)-of-(\d+)\.safetensors")
+
+
+def missing_numbered_shards(names: list[str]) -> list[str]:
+    """The shards that `names` (without an index to list them) lacks by their own numbering, NAME-00002-of-00004:
+    every number 1..total of each such series. A shard missing from a folder of numbered shards left the converter
+    to say only that a layer lacks experts."""
+    series: dict[tuple[str, str], set[int]] = {}
+    for name in names:
+        m = _NUMBERED_SHARD.fullmatch(name)
+        if m:
+            series.setdefault((m[1], m[3]), set()).add(int(m[2]))
+    missing = []
+    for (prefix, total), have in sorted(series.items()):
+        width = len(total)
+        missing += [f"{prefix}-{k:0{width}d}-of-{total}.safetensors" for k in range(1, int(total) + 1) if k not in have]
+    return missing
+
+
+def missing_shards_text(missing: list[str]) -> str:
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    return f"shard {missing[0]}{more} is missing"
+
+
 class CheckpointDir(LocalSource):
     """A local HF checkpoint: config.json, shards (+ model.safetensors.index.json when sharded), tokenizer files."""
 
@@ -157,6 +182,10 @@ class CheckpointDir(LocalSource):
             weight_map = None
             if not shards:
                 raise MoepackError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+            gaps = missing_numbered_shards(shards)
+            if gaps:
+                raise MoepackError(f"{path}: {missing_shards_text(gaps)} (a partial copy or download?); there is no "
+                                   f"model.safetensors.index.json to say more")
         self.shards = shards
         self.tensors: dict[str, SourceTensor] = {}
         for shard in shards:

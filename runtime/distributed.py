@@ -54,6 +54,25 @@ class DistContext:
             raise MoepackError(f"rank {self.rank}: gathering stats failed ({error_reason(e)[:200]})") from None
         return out
 
+    def check_same_job(self, job: dict[str, object]) -> None:
+        """Refuse, on every rank, a job whose ranks disagree on `job` (what each rank runs: its container, prompt,
+        arithmetic). The combine adds the ranks' partial sums: a rank holding another copy of the model, or another
+        prompt, would make wrong logits without an error, or collectives of other shapes that abort the process."""
+        import torch.distributed as dist
+
+        jobs = [None] * self.world_size
+        try:
+            dist.all_gather_object(jobs, job)
+        except Exception as e:
+            raise MoepackError(f"rank {self.rank}: comparing the ranks' jobs failed, a peer rank is gone or stalled "
+                               f"({error_reason(e)[:200]})") from None
+        for rank, theirs in enumerate(jobs):
+            for what, value in job.items():
+                if theirs.get(what) != jobs[0].get(what):
+                    raise MoepackError(f"rank {rank}'s {what} is not rank 0's ({theirs.get(what)} vs "
+                                       f"{jobs[0].get(what)}): every rank must prefill the same prompt over a copy of "
+                                       f"the same container, with the same options")
+
     def close(self) -> None:
         import torch.distributed as dist
 
@@ -110,6 +129,11 @@ def init_from_env(device: str, timeout_s: float) -> DistContext:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise MoepackError("--expert-parallel needs a launcher: run it under "
                            "`torchrun --nproc-per-node P -m moepack prefill ... --expert-parallel`")
+    rank, world_size = os.environ["RANK"].strip(), os.environ["WORLD_SIZE"].strip()
+    if not (rank.isdigit() and world_size.isdigit() and int(rank) < int(world_size)):
+        # a rank outside the world would wait for a rendezvous that never counts it, then fail after the timeout
+        raise MoepackError(f"--expert-parallel: the launcher's RANK={rank!r} and WORLD_SIZE={world_size!r} must be "
+                           f"integers with 0 <= RANK < WORLD_SIZE")
     backend = "nccl" if device.startswith("cuda") else "gloo"
     try:
         if backend == "nccl":  # NCCL works on the current device: "cuda" is this rank's own (LOCAL_RANK)

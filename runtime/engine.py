@@ -46,6 +46,7 @@ from moepack.families.base import LayerPrefill
 from moepack.format_spec.decode import (companion_names, decode_group, decode_group_row_slices, decode_group_rows,
                                         entry_bytes)
 from moepack.format_spec.errors import FormatError, MoepackError
+from moepack.format_spec.layout import xxh3_hex
 from moepack.format_spec.reader import Block, Container, Region
 
 from .expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
@@ -742,6 +743,14 @@ def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, 
         engine = StreamingPrefill(c, options, on_kv if hooks or kv_out is not None else None, dist)
         writer = None
         try:
+            if dist is not None:
+                opt = engine.opt  # as resolved on this rank ("auto" is each machine's own)
+                prompt_hash = xxh3_hex(torch.tensor(all_ids).numpy().tobytes())
+                dist.check_same_job({"container": f"index xxh3 {identity['container_index_xxh3']}",
+                                     "prompt": f"{len(all_ids)} tokens, xxh3 {prompt_hash}",
+                                     "past tokens": start, "options": (
+                                         opt.compute_dtype, opt.expert_dtype or opt.compute_dtype,
+                                         opt.expert_selection, opt.expert_ownership, chunk_tokens)})
             if kv_out is not None:
                 in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
                 writer = kvd.BackgroundKVWriter(kvd.open_writer(kv_out, kv_format, identity, all_ids, dtype=kv_dtype,

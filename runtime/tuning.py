@@ -87,6 +87,7 @@ def store(section: str, key: str, value: dict) -> str:
     data.update(format=CACHE_FORMAT, version=CACHE_VERSION)
     machine = _machine(data, create=True)
     machine.setdefault(section, {})[key] = value
+    tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".bench.", dir=os.path.dirname(path))
@@ -96,8 +97,24 @@ def store(section: str, key: str, value: dict) -> str:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
+        if tmp is not None and os.path.exists(tmp):  # a full disk: no half-written temporary left beside the cache
+            os.unlink(tmp)
         raise MoepackError(f"{path}: cannot write the bench cache ({e.strerror or e})") from None
     return path
+
+
+def check_cache_writable() -> None:
+    """Refuse, before a measurement that may take minutes, a bench cache that could not be written after it (a
+    read-only MOEPACK_CACHE_DIR, one not ours): the same message `store` gives."""
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".bench.", dir=os.path.dirname(path))
+        os.close(fd)
+        os.unlink(probe)  # the cache is renamed into place: the folder's write permission is what counts
+    except OSError as e:
+        raise MoepackError(f"{path}: cannot write the bench cache ({e.strerror or e}); pass --no-save to measure "
+                           f"without keeping the result") from None
 
 
 def cached(section: str) -> dict:

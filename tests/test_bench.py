@@ -357,3 +357,30 @@ def test_cli_bench(tiny, cache):
     if not __import__("torch").cuda.is_available():
         r = runner.invoke(cli, ["bench", "compute", "--device", "cuda", "--hidden", "256", "--intermediate", "256"])
         assert r.exit_code == 1 and "no CUDA device" in r.output
+
+
+def test_a_bench_cache_that_cannot_be_written_is_refused_before_measuring(tmp_path, monkeypatch):
+    """A read-only (or otherwise unwritable) MOEPACK_CACHE_DIR: every bench measured first, for minutes with a
+    large container, then failed to keep the result; and a write that failed part-way left its temporary."""
+    import errno
+
+    from moepack.format_spec.errors import MoepackError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(tuning.CACHE_ENV, str(blocker / "cache"))  # under a file: no folder can be made there
+    for measure in (lambda: B.bench_io(str(tmp_path / "absent.moepack")), lambda: B.bench_memory(8, 1),
+                    lambda: B.bench_compute(tokens=(1,), repeat=1)):
+        with pytest.raises(MoepackError, match="cannot write the bench cache .*--no-save"):
+            measure()  # the io bench's missing container is never reached
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(tuning.CACHE_ENV, str(cache))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", disk_full)
+    with pytest.raises(MoepackError, match="No space left on device"):
+        tuning.store("memory", "latest", {"x": 1})
+    assert os.listdir(cache) == []

@@ -112,6 +112,34 @@ def test_the_context_cap_counts_the_tokens_of_a_kv_continued(container, tmp_path
     assert len(json.loads(r.output)["generated_ids"]) == 2
 
 
+def test_a_prefill_past_the_model_context_is_refused_unless_c_raises_the_cap(tmp_path):
+    """A prompt (with the KV it continues) longer than max_position_embeddings was prefilled without a word,
+    where generate refuses it; prefill now applies the same cap, and -c moves it."""
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.synth import synth_checkpoint
+
+    src, container = str(tmp_path / "src"), str(tmp_path / "short.moepack")
+    synth_checkpoint(src, preset="tiny", layout="release", progress=False)
+    config = json.load(open(os.path.join(src, "config.json")))
+    json.dump({**config, "max_position_embeddings": 12}, open(os.path.join(src, "config.json"), "w"))
+    convert_checkpoint(src, container, policy="keep", progress=False)
+    ids = tmp_path / "ids.json"
+    for n, cap, code in ((12, None, 0), (13, None, 1), (13, 13, 0), (12, 11, 1)):
+        ids.write_text(json.dumps(list(range(3, 3 + n))))
+        r = _run("prefill", container, "--token-ids", str(ids), "--json", *(("-c", str(cap)) if cap else ()))
+        assert r.exit_code == code, r.output
+        if code:
+            error = json.loads(r.output.splitlines()[0])["error"]
+            assert error == (f"the prompt's {n} tokens exceed the context cap of {cap or 12} "
+                             + ("(-c/--max-context)" if cap else
+                                "(the model context, max_position_embeddings; -c raises it)")), error
+    kv = str(tmp_path / "kv")
+    ids.write_text(json.dumps(list(range(3, 11))))
+    assert _run("prefill", container, "--token-ids", str(ids), "--kv-out", kv).exit_code == 0
+    r = _run("prefill", container, "--token-ids", str(ids), "--continue-from", kv, "--json")  # 8 + 8 tokens
+    assert r.exit_code == 1 and "the prompt's 16 tokens exceed the context cap of 12" in r.output, r.output
+
+
 def test_conflicting_precision_flags_are_a_usage_error_naming_both(tmp_path):
     for args, named in ((["--fp4", "--q8"], ("--fp4", "--q8")), (["--q8", "--fp4"], ("--fp4", "--q8")),
                         (["--fp4", "--policy", "q2"], ("--fp4", "--policy q2"))):

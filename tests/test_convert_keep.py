@@ -178,6 +178,19 @@ def test_missing_shard_and_bad_sources(release_dir, tmp_path):
         convert_checkpoint(other, str(tmp_path / "w.moepack"), progress=False)
 
 
+def test_a_folder_of_numbered_shards_without_an_index_names_the_missing_one(release_dir, tmp_path):
+    """No index to list the shards, one of model-0000K-of-0000N gone (a partial copy): the converter said only that
+    a layer lacks experts."""
+    partial = str(tmp_path / "partial")
+    shutil.copytree(release_dir, partial)
+    os.remove(os.path.join(partial, "model.safetensors.index.json"))
+    shards = sorted(f for f in os.listdir(partial) if f.endswith(".safetensors"))
+    assert len(shards) > 2
+    os.remove(os.path.join(partial, shards[1]))
+    with pytest.raises(MoepackError, match=f"shard {shards[1]} is missing"):
+        convert_checkpoint(partial, str(tmp_path / "x.moepack"), progress=False)
+
+
 def test_existing_output_survives_a_failed_convert(release_dir, packed, tmp_path):
     out = str(tmp_path / "keep.moepack")
     shutil.copy(packed[0], out)

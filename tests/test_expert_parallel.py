@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +182,67 @@ def test_an_empty_balanced_range_stays_empty(setup):
             assert engine.reads.owned(2, n_experts) == range(0, n_experts // 2)
         finally:
             engine.close()
+
+
+def _ranks_by_hand(files: list[str], ids_files: list[str], timeout_s: int = 20) -> list[tuple[int, str]]:
+    """One rank per file, started by hand (no torchrun agent); each rank's exit status and stderr."""
+    port = _free_port()
+    procs = []
+    for rank, (file, ids) in enumerate(zip(files, ids_files)):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(files)), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env.pop("TORCH_CPP_LOG_LEVEL", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "moepack", "prefill", file, "--token-ids", ids, "--expert-parallel",
+             "--experts", "all", "--dist-timeout", str(timeout_s)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs)]
+
+
+@pytest.mark.parametrize("differs", ["container", "prompt"])
+def test_ranks_that_run_different_jobs_are_refused_in_one_line(setup, tmp_path, differs):
+    """The combine adds each rank's partial sums: a rank holding another model (a stale or wrong copy with
+    --container-per-rank) made wrong logits without an error, one of another shape aborted in gloo; another prompt
+    (a rank started by hand with other arguments) the same. Every rank now refuses, naming what differs."""
+    base, container, ids_file, _ = setup
+    files, ids_files = [container, container], [ids_file, ids_file]
+    if differs == "container":
+        files[1] = str(tmp_path / "other.moepack")
+        convert_checkpoint(str(base / "B"), files[1], policy="bf16", progress=False)  # same model, other bytes
+    else:
+        ids_files[1] = str(tmp_path / "ids1.json")
+        Path(ids_files[1]).write_text(json.dumps([i % 61 for i in IDS][::-1]))
+    for code, err in _ranks_by_hand(files, ids_files):
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 1 and len(lines) == 1, err
+        assert lines[0].startswith(f"moepack: error: rank 1's {differs} is not rank 0's"), err
+
+
+def test_a_launch_environment_outside_the_world_is_refused_at_once(monkeypatch):
+    """RANK 3 of a WORLD_SIZE of 2 waited for a rendezvous that never counts it (for ever, under a long timeout)."""
+    from moepack.format_spec.errors import MoepackError
+    from moepack.runtime.distributed import init_from_env
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    for rank, world in (("3", "2"), ("2", "2"), ("-1", "2"), ("x", "2"), ("0", "0")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", world)
+        start = time.time()
+        with pytest.raises(MoepackError, match="must be integers with 0 <= RANK < WORLD_SIZE"):
+            init_from_env("cpu", 10)
+        assert time.time() - start < 5
+
+
+def test_a_rank_whose_peers_never_come_is_one_line(tmp_path, setup):
+    """A rank whose master never starts: c10d logged an error, a retry warning and a C++ backtrace to stderr
+    before the error; the CLI keeps torch's C++ log to fatal messages."""
+    _, container, ids_file, _ = setup
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.pop("TORCH_CPP_LOG_LEVEL", None)
+    p = subprocess.run([sys.executable, "-m", "moepack", "prefill", container, "--token-ids", ids_file,
+                        "--expert-parallel", "--dist-timeout", "1"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 1 and len(lines) == 1 and "cannot join the process group" in lines[0], p.stderr

@@ -777,3 +777,38 @@ def test_a_shard_unlike_the_hubs_metadata_is_refused(tmp_path):
             with pytest.raises(MoepackError, match=r"^s\.safetensors: tensor a is not what the hub's metadata said"):
                 source.read(listed["a"])
         source.close()
+
+
+def test_offline_snapshot_without_an_index_names_its_missing_numbered_shard(tmp_path, hub, tiny):
+    """A snapshot holding no model.safetensors.index.json and only some of its numbered shards converted what was
+    there, to end in a layer that lacks experts: the shards' own numbering names the one missing."""
+    out = run(tmp_path, hub.url, REPO).ok
+    for name in ("model.safetensors.index.json", SHARDS[1]):
+        path = os.path.join(out["local_dir"], name)
+        os.unlink(os.path.realpath(path))
+        os.unlink(path)
+    msg = run(tmp_path, hub.url, REPO, offline=True).error
+    assert "incomplete" in msg and f"missing {SHARDS[1]}" in msg and "HF_HUB_OFFLINE" in msg
+
+
+def test_no_keep_source_offline_is_refused_naming_both(tmp_path, hub, tiny):
+    """--no-keep-source downloads into a scratch folder of its own: offline, that folder is an empty cache, and the
+    refusal said the repo was not in the local cache, naming the scratch folder, though it was in HF_HOME's."""
+    run(tmp_path, hub.url, REPO).ok
+    env = dict(hub_env(tmp_path, hub.url), HF_HUB_OFFLINE="1")
+    p = subprocess.run([sys.executable, "-m", "moepack", "convert", REPO, "-o", str(tmp_path / "x.moepack"), "--keep",
+                        "--no-keep-source"], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert "--no-keep-source" in p.stderr and "HF_HUB_OFFLINE" in p.stderr and "scratch" in p.stderr
+    assert not [f for f in os.listdir(tmp_path) if "moepack-download" in f]
+
+
+def test_a_revision_that_names_no_ref_is_refused(tmp_path, hub, tiny):
+    """`--revision ""` (a script's unset variable) was taken for main, and offline `../refs/main` was read as a path
+    under the cache's refs folder, resolving to main's snapshot; neither names a branch, tag or commit."""
+    run(tmp_path, hub.url, REPO).ok
+    for revision in ("", "../refs/main", "a b", "-x", "main\n"):
+        for offline in (True, False):
+            msg = run(tmp_path, hub.url, REPO, revision, offline=offline).error
+            assert msg == f"--revision {revision!r}: not a branch, tag or commit name", msg
+    assert run(tmp_path, hub.url, REPO, MAIN_SHA, offline=True).ok

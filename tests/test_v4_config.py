@@ -282,3 +282,55 @@ def test_reading_does_not_change_the_config():
     ModelConfig.from_hf(config), v4_tensor_specs(config), V.kv_geometry(config)
     assert config == before
 
+
+
+def test_an_indexer_narrower_than_the_rope_is_refused_only_where_a_layer_has_one(tmp_path):
+    """index_head_dim below the RoPE dimensions: the Lightning Indexer rotates the last rope-dim channels of its
+    heads, which it does not have. transformers' model fails in its forward (a shape mismatch), moepack's prefill
+    failed with a traceback; no computation is defined, so the config is refused naming the field. A model
+    without compressed_sparse_attention layers has no indexer, and computes."""
+    narrow = dict(CONFIGS["A"], index_head_dim=4)  # rope: head_dim 32 x partial_rotary_factor 0.25 = 8
+    with pytest.raises(Exception, match="must match the size"):
+        DeepseekV4ForCausalLM(DeepseekV4Config(**narrow)).eval()(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]))
+    hf = DeepseekV4Config(**narrow).to_dict()
+    with pytest.raises(ConfigError, match=r"index_head_dim must be at least the RoPE dimensions \(8, "
+                                          r"qk_rope_head_dim\).*not 4$"):
+        ModelConfig.from_hf(hf)
+    assert ModelConfig.from_hf({**hf, "index_head_dim": 8}).index_head_dim == 8
+    no_csa = {**hf, "layer_types": [SLIDING, HCA, HCA, SLIDING, HCA]}
+    assert ModelConfig.from_hf(no_csa).index_head_dim == 4
+
+
+def test_experts_one_channel_wide_compute_as_transformers_eager_experts(tmp_path):
+    """moe_intermediate_size 1: transformers' default experts (torch's grouped_mm) fail on the 4-byte rows
+    ("strides should be multiple of 16 bytes"); its eager experts, the same arithmetic, are the reference."""
+    from v4_models import saved_model
+
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    src = str(tmp_path / "m")
+    saved_model(dict(CONFIGS["A"], moe_intermediate_size=1), 7, src)
+    reference = DeepseekV4ForCausalLM.from_pretrained(src, experts_implementation="eager",
+                                                      dtype=torch.float32).eval()
+    ids = [3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 2, 4]
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits[0, -1]
+    convert_checkpoint(src, str(tmp_path / "m.moepack"), progress=False)
+    got = prefill(str(tmp_path / "m.moepack"), ids, PrefillOptions(compute_dtype="float32")).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("share, dims", [(5 / 32, 5), (1 / 64, 0), (1 / 32, 1)])
+def test_rope_dimensions_that_are_not_channel_pairs_are_refused(share, dims):
+    """Interleaved RoPE turns channel pairs: an odd count of RoPE dimensions (or none: x[..., -0:] is the whole
+    head) has no defined rotation. transformers' model fails to build (YaRN) or in its forward; moepack's prefill
+    failed with a traceback. Refused naming the field, with the count it gives."""
+    hf = DeepseekV4Config(**CONFIGS["A"]).to_dict()  # head_dim 32
+    for where in ("main", "compress"):
+        params = copy.deepcopy(hf["rope_parameters"])
+        params[where]["partial_rotary_factor"] = share
+        with pytest.raises(ConfigError, match=rf"rope_parameters\.{where}\.partial_rotary_factor must be a share of "
+                                              rf"head_dim \(32\) giving an even number of RoPE dimensions, at least 2 "
+                                              rf"\(it gives {dims}\)"):
+            ModelConfig.from_hf({**hf, "rope_parameters": params})

@@ -44,7 +44,7 @@ from moepack.format_spec.reader import ReadSpan
 from moepack.format_spec.untrusted import finite_float
 from moepack.runtime.limits import MAX_BENCH_REPEAT, MAX_BUNDLE_EXPERTS
 from moepack.runtime.read_scheduler import expert_reads
-from moepack.runtime.tuning import cached, cpu_model, file_key, machine_id, store
+from moepack.runtime.tuning import cached, check_cache_writable, cpu_model, file_key, machine_id, store
 
 BUNDLES = (1, 2, 4, 8, 16)
 DEPTHS = (1, 2, 4, 8, 16)
@@ -142,6 +142,8 @@ def bench_io(path: str, bundles=BUNDLES, depths=DEPTHS, max_bytes: int | None = 
              repeat: int = 1, fio: bool = True, save: bool = True, on_cell=None) -> dict:
     """The io grid (see the module doc). `max_bytes` caps each cell's reads (None: every expert section);
     `repeat` keeps each cell's best of that many runs; `on_cell(cell)` is called as cells finish."""
+    if save:
+        check_cache_writable()  # before measuring, not after
     from moepack.format_spec.reader import Container
 
     bundles = sorted({int(b) for b in bundles})
@@ -291,6 +293,8 @@ def bench_memory(size_mib: int = 256, repeat: int = 5, device: str | None = None
     """Host memory copy rate (bytes copied per second; each byte copied is one read and one write of DRAM) and,
     with a CUDA device (`device`, default: cuda when available), host->device rates from pinned and pageable
     memory and device->host into pinned memory."""
+    if save:
+        check_cache_writable()  # before measuring, not after
     if size_mib < 1 or not 1 <= repeat <= MAX_BENCH_REPEAT:
         raise MoepackError(f"--size-mib must be at least 1 and --repeat 1 to {MAX_BENCH_REPEAT}")
     want_cuda = device is not None and device.startswith("cuda")
@@ -475,6 +479,8 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     as its family's) or random ones stored as `storage`, computed as `family`'s (its name; default _synthetic_family's)
     and sized as its default config's unless `hidden`/`intermediate` say otherwise. Reports per point:
     effective GFLOP/s (decode included), matmul-only GFLOP/s and the decode time."""
+    if save:
+        check_cache_writable()  # before measuring, not after
     from moepack.backends.grouped_experts import resolve_expert_backend
 
     from moepack.runtime.expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES

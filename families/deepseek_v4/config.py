@@ -329,6 +329,11 @@ def _rope_config(where: str, p: Mapping, head_dim: int, partial: float, max_posi
     if not _is_number(share) or not 0 < share <= 1:
         _fail(f"{where}.partial_rotary_factor", "a number in (0, 1]", share)
     dim = int(head_dim * share)
+    if dim < 2 or dim % 2:
+        # interleaved RoPE turns channel pairs: an odd count leaves one without a partner, none leaves x[..., -0:],
+        # the whole head (transformers' model fails on both)
+        _fail(f"{where}.partial_rotary_factor", f"a share of head_dim ({head_dim}) giving an even number of RoPE "
+                                                f"dimensions, at least 2 (it gives {dim})", share)
     kind = p.get("rope_type", p.get("type", "default"))
     if not isinstance(kind, str) or kind not in ROPE_TYPES:
         _fail(f"{where}.rope_type", f"one of {', '.join(ROPE_TYPES)}", kind)
@@ -404,6 +409,13 @@ class ModelConfig:
         partial = _partial_rotary_factor(f, head_dim)
         max_positions = f.int("max_position_embeddings")
         (main_at, main_params), (compress_at, compress_params) = _rope_params(f, partial)
+        compress_rope = _rope_config(compress_at, compress_params, head_dim, partial, max_positions)
+        if CSA in geometry["layer_types"] and geometry["index_head_dim"] < compress_rope.dim:
+            # the Lightning Indexer rotates the last rope-dim channels of its heads: narrower heads have none to
+            # rotate (transformers' model fails on them too), so no computation is defined
+            _fail("index_head_dim", f"at least the RoPE dimensions ({compress_rope.dim}, qk_rope_head_dim) in a "
+                                    f"model with {CSA} layers, whose indexer rotates that many channels",
+                  geometry["index_head_dim"])
         return cls(
             vocab_size=f.int("vocab_size"), hidden_size=f.int("hidden_size"), num_layers=n,
             num_heads=heads, head_dim=head_dim, q_lora_rank=f.int("q_lora_rank"),
@@ -418,7 +430,7 @@ class ModelConfig:
             routed_scaling_factor=f.positive("routed_scaling_factor"), swiglu_limit=f.positive("swiglu_limit"),
             hash_layers=_hash_layers(f, n),
             main_rope=_rope_config(main_at, main_params, head_dim, partial, max_positions),
-            compress_rope=_rope_config(compress_at, compress_params, head_dim, partial, max_positions),
+            compress_rope=compress_rope,
             tie_word_embeddings=f.boolean("tie_word_embeddings"),
         )
 
