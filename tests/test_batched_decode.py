@@ -13,6 +13,7 @@ from moepack.backends import token_kernels
 from moepack.backends.token_kernels import ROUND_INPUT, ROUND_OUTPUT, float_matrix, stored_matrix
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
+from moepack.runtime.engine import PrefillOptions
 from moepack.runtime.generate import Generator
 
 STEPS = 8
@@ -54,12 +55,15 @@ def _alone(g: Generator, logits: torch.Tensor, states: list, steps: int) -> tupl
 
 @pytest.mark.parametrize("layout", ["release", "bf16"])
 @pytest.mark.parametrize("cache_gib", [0.0, 1.0], ids=["no-cache", "cache"])
-def test_each_row_of_a_batch_is_its_sequence_stepped_alone(containers, layout, cache_gib):
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_each_row_of_a_batch_is_its_sequence_stepped_alone(containers, layout, cache_gib, compute_dtype):
     """Four sequences of different prompt lengths (the CSA layer's indexer picking for some, not others) stepped
-    together for 8 greedy steps: every row's logits torch.equal to the sequence's own steps."""
-    with Generator(containers[layout], cache_gib=cache_gib) as g:
+    together for 8 greedy steps: every row's logits torch.equal to the sequence's own steps; in float32 and in
+    bfloat16 (the keys' rounded copies, the low-precision matmuls)."""
+    with Generator(containers[layout], cache_gib=cache_gib, prefill=PrefillOptions(compute_dtype=compute_dtype)) as g:
         d = g.decoder
         assert d.layers is not None
+        assert d.layers.layers[0].low == (compute_dtype == "bfloat16")
         prompts = [_prompt(n, seed) for n, seed in ((5, 1), (23, 2), (40, 3), (12, 4))]
         prefilled = _prefilled(g, prompts)
         alone = [_alone(g, logits, states, STEPS) for logits, states in prefilled]
