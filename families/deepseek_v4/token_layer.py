@@ -356,11 +356,11 @@ class TokenLayers:
         _call(k.c_norm_rope_rows, (_offset(R.proj, kv_at), B, stride, kv_stop - kv_at, _ptr(L.kv_norm), eps,
                                   2 * angles.shape[1], _row_addresses(angles, B), _addresses(key for key, _ in places),
                                   _addresses(mirror for _, mirror in places)))
-        grown = []
-        for row, (kv_state, rotation) in enumerate(zip(kv_states, rotations)):
+        for kv_state in kv_states:
             kv_state.window.commit()
-            parts = R.parts(layer, plan, row)
-            grown.append((rotation, parts, *model.grow_state(cfg, layer, L.w, kv_state, parts)))
+        parts = [R.parts(layer, plan, row) for row in range(B)]
+        grown = [(rotation, row_parts, *g) for rotation, row_parts, g
+                 in zip(rotations, parts, model.grow_states(cfg, layer, L.w, kv_states, parts))]
         indexed = any(g[-1] for g in grown)  # the indexer's queries too where one row needs them
         queries = L.indexed_queries if indexed else L.queries
         q = R.q[:B * queries.total].view(B, queries.total)
