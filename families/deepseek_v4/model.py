@@ -665,7 +665,14 @@ def grow_state(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_state: 
                projected: list[Tensor]) -> tuple[list[Tensor], Tensor | None, bool]:
     """After a token's key went into the window: its projections into the compressors, the token counted; (the
     keys it attends to, the compressed entries or None, whether the indexer picks among them)."""
-    return grow_states(cfg, layer, w, [kv_state], [projected])[0]
+    kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
+    if kind != SLIDING:
+        kv_state.compressor.add(*projected[2:4], w["attn.compressor.ape"], w["attn.compressor.norm.weight"],
+                                kind == CSA, cfg.compress_rope, eps)
+    if kind == CSA:
+        kv_state.indexer.add(*projected[4:6], w["attn.indexer.compressor.ape"],
+                             w["attn.indexer.compressor.norm.weight"], True, cfg.compress_rope, eps)
+    return _token_counted(cfg, kind, kv_state)
 
 
 def grow_states(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_states: list[TokenKV],
@@ -680,13 +687,14 @@ def grow_states(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_states
     for name, at, prefix in compressors:
         full = [getattr(s, name) for s, p in zip(kv_states, projected) if getattr(s, name).buffer(*p[at:at + 2])]
         close_windows(full, w[prefix + "ape"], w[prefix + "norm.weight"], kind == CSA, cfg.compress_rope, eps)
-    grown = []
-    for kv_state in kv_states:
-        kv_state.seen_tokens += 1
-        entries = kv_state.compressor.entries.mirror() if kind != SLIDING else None
-        grown.append(([kv_state.window.mirror(cfg.sliding_window)], entries,
-                      kind == CSA and entries.shape[0] > cfg.index_topk))
-    return grown
+    return [_token_counted(cfg, kind, kv_state) for kv_state in kv_states]
+
+
+def _token_counted(cfg: ModelConfig, kind: str, kv_state: TokenKV) -> tuple[list[Tensor], Tensor | None, bool]:
+    """grow_state's end, its compressors fed: the token counted; its keys, entries and whether the indexer picks."""
+    kv_state.seen_tokens += 1
+    entries = kv_state.compressor.entries.mirror() if kind != SLIDING else None
+    return [kv_state.window.mirror(cfg.sliding_window)], entries, kind == CSA and entries.shape[0] > cfg.index_topk
 
 
 def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, kv_state: TokenKV) -> Tensor:
