@@ -183,8 +183,10 @@ class TokenLayers:
     `attention_rows(layer, kvs)`, `route_rows(layer, hash_ids)` and `finish_rows(layer, experts, choices,
     routed_flag)`; `rows_output` is then the streams [B, hc, H]. Every weight is read once for all of them (the
     projections, wo_a / wo_b, the mHC mixes, the gate, each chosen expert once for the tokens that chose it); the
-    attention, the mHC's mixing and the router's choice run per token. Each token's arithmetic is the one-token
-    path's, so its results are the same to the bit."""
+    mHC's weights and mixing, the norms, the keys and the attention core run each token's own arithmetic, every
+    row in one call; the compressors' windows closing at this token pooled together (model.grow_states), the
+    indexer's choice per token. Each token's arithmetic is the one-token path's, so its results are the same to
+    the bit."""
 
     def __init__(self, cfg: ModelConfig, dense: list[Mapping[str, Tensor]], kernels, hc, indexer):
         self.cfg, self.kernels, self.hc, self.indexer = cfg, kernels, hc, indexer
@@ -333,7 +335,8 @@ class TokenLayers:
 
     def attention_rows(self, layer: int, kv_states: list[model.TokenKV]) -> None:
         """`attention` of each row's token, row b growing kv_states[b]: the projections of every row in one scan of
-        their weights, the keys and the indexer's choice per row, every row's attention core in one call."""
+        their weights, the norms and keys of every row in one call, the indexer's choice per row, every row's
+        attention core in one call."""
         L, cfg, k, R = self.layers[layer], self.cfg, self.kernels, self.rows
         B, H = R.count, cfg.hidden_size
         if len(kv_states) != B:
