@@ -559,6 +559,8 @@ class TokenCompressor:
         self.buffer_gate = torch.empty_like(self.buffer_kv)
         self.buffered = state.buffer_kv.shape[0]
         self.buffer_kv[:self.buffered], self.buffer_gate[:self.buffered] = state.buffer_kv, state.buffer_gate
+        # each slot's row [1, width], made once: a token's copy is then one op (indexing and setting cost 2.5x)
+        self.slots = list(zip(self.buffer_kv.split(1), self.buffer_gate.split(1)))
         self.entry_count, self.overlap_kv, self.overlap_gate = state.entry_count, state.overlap_kv, state.overlap_gate
 
     def add(self, kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, overlapping: bool, rope: RopeConfig,
@@ -568,7 +570,9 @@ class TokenCompressor:
 
     def buffer(self, kv: Tensor, gate: Tensor) -> bool:
         """A token's projections [1, width] buffered: whether its window is now full (`close` makes its entry)."""
-        self.buffer_kv[self.buffered], self.buffer_gate[self.buffered] = kv[0], gate[0]
+        kv_slot, gate_slot = self.slots[self.buffered]
+        kv_slot.copy_(kv)
+        gate_slot.copy_(gate)
         self.buffered += 1
         return self.buffered == self.rate
 
