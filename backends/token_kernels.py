@@ -104,6 +104,8 @@ class TokenKernels:
         self.c_attend_rows = c_function(lib, "attend_rows", (p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, p, p,
                                                              ctypes.c_float, ctypes.c_int, p, ctypes.c_int))
         self.c_norm_rope = c_function(lib, "token_norm_rope", (p, i64, i64, p, ctypes.c_float, i64, p, p, p))
+        self.c_norm_rope_rows = c_function(lib, "token_norm_rope_rows", (p, i64, i64, i64, p, ctypes.c_float, i64, p,
+                                                                        p, p))
         self._set_level = c_function(lib, "token_matmul_set_level", (ctypes.c_int,), restype=None)
         self.vector = bool(c_function(lib, "token_matmul_vector_level", ())())
         # (row dot, parallel-for) addresses for a kernel compiled elsewhere (native/token_matmul.h's row_dot_fn,

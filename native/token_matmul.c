@@ -1028,6 +1028,26 @@ int token_norm_rope(const float *x, int64_t rows, int64_t cols, const float *wei
     return 0;
 }
 
+/* token_norm_rope for several tokens' rows wherever they lie (a batched decode step's: its query norms into one
+   buffer, its keys straight into each sequence's window): row r read at x + r * stride, rotated by rots[r] (rots:
+   NULL where rope_dim is 0), written to outs[r] and, where outs_low and outs_low[r] are not NULL, rounded to
+   bfloat16 into outs_low[r]; each row's arithmetic token_norm_rope's. */
+int token_norm_rope_rows(const float *x, int64_t rows, int64_t stride, int64_t cols, const float *weight, float eps,
+                         int64_t rope_dim, const float *const *rots, float *const *outs, float *const *outs_low)
+{
+    if (rows < 0 || cols < 1 || stride < cols || rope_dim < 0 || rope_dim > cols || rope_dim % 2 || !outs
+        || (rope_dim && !rots))
+        return 1;
+    for (int64_t r = 0; r < rows; r++)
+        if (!outs[r] || (rope_dim && !rots[r])) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        norm_rope_row(x + r * stride, cols, weight, eps, rope_dim, rope_dim ? rots[r] : NULL, outs[r]);
+        if (outs_low && outs_low[r])
+            for (int64_t c = 0; c < cols; c++) outs_low[r][c] = round_to_bf16(outs[r][c]);
+    }
+    return 0;
+}
+
 /* --- for kernels compiled elsewhere (token_matmul.h): this library's row dot and threads ------------------------ */
 
 float token_matmul_dot(const matrix_t *m, int64_t r, const float *x) { return dot(m, r, x); }

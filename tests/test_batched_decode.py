@@ -11,8 +11,12 @@ import torch
 
 from moepack.backends import token_kernels
 from moepack.backends.token_kernels import ROUND_INPUT, ROUND_OUTPUT, float_matrix, stored_matrix
+from moepack.families.deepseek_v4 import model
+from moepack.families.deepseek_v4.config import RopeConfig
+from moepack.families.deepseek_v4.kv import CompressorState
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
+from moepack.runtime.engine import PrefillOptions
 from moepack.runtime.generate import Generator
 
 STEPS = 8
@@ -54,12 +58,15 @@ def _alone(g: Generator, logits: torch.Tensor, states: list, steps: int) -> tupl
 
 @pytest.mark.parametrize("layout", ["release", "bf16"])
 @pytest.mark.parametrize("cache_gib", [0.0, 1.0], ids=["no-cache", "cache"])
-def test_each_row_of_a_batch_is_its_sequence_stepped_alone(containers, layout, cache_gib):
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_each_row_of_a_batch_is_its_sequence_stepped_alone(containers, layout, cache_gib, compute_dtype):
     """Four sequences of different prompt lengths (the CSA layer's indexer picking for some, not others) stepped
-    together for 8 greedy steps: every row's logits torch.equal to the sequence's own steps."""
-    with Generator(containers[layout], cache_gib=cache_gib) as g:
+    together for 8 greedy steps: every row's logits torch.equal to the sequence's own steps; in float32 and in
+    bfloat16 (the keys' rounded copies, the low-precision matmuls)."""
+    with Generator(containers[layout], cache_gib=cache_gib, prefill=PrefillOptions(compute_dtype=compute_dtype)) as g:
         d = g.decoder
         assert d.layers is not None
+        assert d.layers.layers[0].low == (compute_dtype == "bfloat16")
         prompts = [_prompt(n, seed) for n, seed in ((5, 1), (23, 2), (40, 3), (12, 4))]
         prefilled = _prefilled(g, prompts)
         alone = [_alone(g, logits, states, STEPS) for logits, states in prefilled]
@@ -92,6 +99,72 @@ def test_a_sequence_joins_a_running_batch(containers):
             logits = d.step_batch([sequences[b] for b in rows], [alone[b][1][p] for b, p in zip(rows, positions)])
             for i, (b, p) in enumerate(zip(rows, positions)):
                 assert torch.equal(logits[i], alone[b][0][p]), (step, b)
+
+
+def test_rows_closing_their_windows_together_are_each_their_sequence_alone(containers, monkeypatch):
+    """Four prompts of one length (every row closes its CSA and HCA windows, attention's and indexer's, at the same
+    step: their entries made in one pass, model.close_windows): each row's logits still those of its sequence
+    stepped alone, in float32 and bfloat16."""
+    closed_together = []
+    close_windows = model.close_windows
+
+    def spy(full, *args):
+        closed_together.append(len(full))
+        return close_windows(full, *args)
+
+    monkeypatch.setattr(model, "close_windows", spy)
+    for compute_dtype in ("float32", "bfloat16"):
+        with Generator(containers["release"], cache_gib=1.0, prefill=PrefillOptions(compute_dtype=compute_dtype)) as g:
+            d = g.decoder
+            prefilled = _prefilled(g, [_prompt(8, 30 + i) for i in range(4)])
+            alone = [_alone(g, logits, states, STEPS) for logits, states in prefilled]
+            closed_together.clear()
+            sequences = [d.start(copy.deepcopy(states)) for _, states in prefilled]
+            for step in range(STEPS):
+                logits = d.step_batch(sequences, [a[1][step] for a in alone])
+                for row, (want, _) in enumerate(alone):
+                    assert torch.equal(logits[row], want[step]), (compute_dtype, step, row)
+            # positions 8 to 15: CSA's two compressors close twice (rate 4), HCA's once (rate 8)
+            assert closed_together.count(4) == 5
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("overlapping", [False, True], ids=["HCA", "CSA"])
+def test_windows_closed_together_are_each_closed_alone(overlapping, threads):
+    """close_windows on five compressors (entries so far 0 to 4: with and without the CSA overlap; widths and rope
+    dims that fill torch's vectors or not; a bfloat16 mirror): each entry, mirror, overlap and count equal to the
+    bit to the compressor's own close, on one torch thread (together) and on two (each alone)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _close_windows_together_and_alone(overlapping)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _close_windows_together_and_alone(overlapping: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    for d, rate, rope_dim, low in ((32, 4, 16, torch.float32), (40, 3, 14, torch.bfloat16), (8, 4, 8, torch.float32)):
+        width = 2 * d if overlapping else d
+        rope = RopeConfig(rope_dim, 10000.0)
+        ape, norm = torch.randn(rate, width, generator=gen), torch.rand(d, generator=gen) + 0.5
+        together = []
+        for entries in range(5):
+            overlap = [torch.randn(rate, d, generator=gen) for _ in range(2)] if overlapping and entries else [None] * 2
+            state = CompressorState(torch.randn(entries, d, generator=gen), torch.randn(rate - 1, width, generator=gen),
+                                    torch.randn(rate - 1, width, generator=gen), entries, *overlap)
+            together.append(model.TokenCompressor(state, rate, low))
+        alone = copy.deepcopy(together)
+        for t, a in zip(together, alone):
+            kv, gate = torch.randn(1, width, generator=gen), torch.randn(1, width, generator=gen) * 3
+            assert t.buffer(kv, gate) and a.buffer(kv, gate)  # the window full
+            a.close(ape, norm, overlapping, rope, 1e-6)
+        model.close_windows(together, ape, norm, overlapping, rope, 1e-6)
+        for t, a in zip(together, alone):
+            assert torch.equal(t.entries.rows(), a.entries.rows()) and torch.equal(t.entries.mirror(), a.entries.mirror())
+            assert (t.entry_count, t.buffered) == (a.entry_count, 0)
+            for mine, theirs in ((t.overlap_kv, a.overlap_kv), (t.overlap_gate, a.overlap_gate)):
+                assert (mine is None and theirs is None) if not overlapping else torch.equal(mine, theirs)
 
 
 def test_one_row_keeps_the_one_token_path(containers, monkeypatch):

@@ -122,3 +122,35 @@ int hc_token_post(const float *streams, const float *out, const float *post, con
     }
     return total == total ? 0 : 2;
 }
+
+/* Several decoded tokens' mHC entries after their raw mixes (hc_token_pre_mixed per row, the buffers' rows one after
+   another: streams [rows, hc, H], raw_mixes [rows, (2 + hc) * hc], x [rows, H], post [rows, hc], comb [rows, hc,
+   hc]): a batched step's rows in one call, each row's arithmetic the one-token call's. */
+int hc_rows_pre_mixed(const float *streams, int64_t rows, int hc, int64_t hidden, const float *raw_mixes,
+                      const float *scale, const float *base, int iters, float hc_eps, float norm_eps,
+                      const float *norm_weight, float *x, float *post, float *comb)
+{
+    if (rows < 0) return 1;
+    for (int64_t r = 0; r < rows; r++)
+        if (hc_token_pre_mixed(streams + r * hc * hidden, hc, hidden, raw_mixes + r * (2 + hc) * hc, scale, base,
+                               iters, hc_eps, norm_eps, norm_weight, x + r * hidden, post + r * hc,
+                               comb + r * hc * hc))
+            return 1;
+    return 0;
+}
+
+/* Several decoded tokens' mHC exits (hc_token_post per row, rows one after another as above; out, into: [rows, H],
+   [rows, hc, H]). Returns 1 where refused, else 2 (every row written) where any row's new streams are not finite. */
+int hc_rows_post(const float *streams, const float *out, const float *post, const float *comb, int64_t rows, int hc,
+                 int64_t hidden, float *into)
+{
+    if (rows < 0) return 1;
+    int result = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int done = hc_token_post(streams + r * hc * hidden, out + r * hidden, post + r * hc, comb + r * hc * hc,
+                                       hc, hidden, into + r * hc * hidden);
+        if (done == 1) return 1;
+        if (done == 2) result = 2;
+    }
+    return result;
+}

@@ -41,6 +41,10 @@ class _Library:
         self.token_post = c_function(lib, "hc_token_post", (p, p, p, p, ctypes.c_int, i64, p))
         self.token_pre_mixed = c_function(lib, "hc_token_pre_mixed", (p, ctypes.c_int, i64, p, p, p, ctypes.c_int,
                                                                       f32, f32, p, p, p, p))
+        # the same for a batched step's rows (token_layer.TokenLayers' *_rows calls)
+        self.rows_pre_mixed = c_function(lib, "hc_rows_pre_mixed", (p, i64, ctypes.c_int, i64, p, p, p, ctypes.c_int,
+                                                                    f32, f32, p, p, p, p))
+        self.rows_post = c_function(lib, "hc_rows_post", (p, p, p, p, i64, ctypes.c_int, i64, p))
 
 
 def _reference_token_pre(streams, fn, scale, base, hc, iters, hc_eps, norm_eps, norm_weight, mix_weights):

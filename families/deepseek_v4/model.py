@@ -263,12 +263,18 @@ def compress(kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, rate: i
         windows_kv = torch.cat([previous_kv, windows_kv[..., d:]], dim=1)  # [entries, 2*rate, d]
         windows_gate = torch.cat([previous_gate, windows_gate[..., d:]], dim=1)
 
-    pooled = (windows_kv * windows_gate.softmax(dim=1)).sum(dim=1)
     # entry i sits at position i * rate
-    entries = apply_rope(rms_norm(pooled, norm_weight, eps), rope_rotation(rope, first_entry * rate, n_entries,
-                                                                          rate, kv.device))
+    entries = apply_rope(pooled_windows(windows_kv, windows_gate, norm_weight, eps),
+                         rope_rotation(rope, first_entry * rate, n_entries, rate, kv.device))
     state.compressed_kv = torch.cat([previous, entries]) if previous is not None and previous.shape[0] else entries
     return state.compressed_kv, state
+
+
+def pooled_windows(windows_kv: Tensor, windows_gate: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+    """N compressed entries [N, d] before their RoPE, from N windows' slots [N, slots, d] and their gates (ape
+    included): each window's slots summed by the softmax of their gates, RMS-normed."""
+    pooled = (windows_kv * windows_gate.softmax(dim=1)).sum(dim=1)
+    return rms_norm(pooled, norm_weight, eps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -628,14 +634,25 @@ class TokenCompressor:
         self.buffer_gate = torch.empty_like(self.buffer_kv)
         self.buffered = state.buffer_kv.shape[0]
         self.buffer_kv[:self.buffered], self.buffer_gate[:self.buffered] = state.buffer_kv, state.buffer_gate
+        # each slot's row [1, width], made once: a token's copy is then one op (indexing and setting cost 2.5x)
+        self.slots = list(zip(self.buffer_kv.split(1), self.buffer_gate.split(1)))
         self.entry_count, self.overlap_kv, self.overlap_gate = state.entry_count, state.overlap_kv, state.overlap_gate
 
     def add(self, kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, overlapping: bool, rope: RopeConfig,
             eps: float) -> None:
-        self.buffer_kv[self.buffered], self.buffer_gate[self.buffered] = kv[0], gate[0]
+        if self.buffer(kv, gate):
+            self.close(ape, norm_weight, overlapping, rope, eps)
+
+    def buffer(self, kv: Tensor, gate: Tensor) -> bool:
+        """A token's projections [1, width] buffered: whether its window is now full (`close` makes its entry)."""
+        kv_slot, gate_slot = self.slots[self.buffered]
+        kv_slot.copy_(kv)
+        gate_slot.copy_(gate)
         self.buffered += 1
-        if self.buffered < self.rate:
-            return
+        return self.buffered == self.rate
+
+    def close(self, ape: Tensor, norm_weight: Tensor, overlapping: bool, rope: RopeConfig, eps: float) -> None:
+        """The full window's entry (`compress` of its tokens after the state so far), the buffer emptied."""
         empty = self.buffer_kv.new_zeros(0, self.buffer_kv.shape[1])
         entry, state = compress(self.buffer_kv, self.buffer_gate, ape, norm_weight, self.rate, overlapping, rope,
                                 eps, CompressorState(empty[:, :0], empty, empty, self.entry_count, self.overlap_kv,
@@ -648,6 +665,36 @@ class TokenCompressor:
         return CompressorState(self.entries.rows(), self.buffer_kv[:self.buffered].clone(),
                                self.buffer_gate[:self.buffered].clone(), self.entry_count, self.overlap_kv,
                                self.overlap_gate)
+
+
+def close_windows(full: list[TokenCompressor], ape: Tensor, norm_weight: Tensor, overlapping: bool,
+                  rope: RopeConfig, eps: float) -> None:
+    """`close` of several sequences' compressors (one layer's, each window full: a batched decode step's rows) in
+    one pass of torch ops over their windows side by side: each entry, overlap and count those of its own `close`
+    (compress's arithmetic per window; tests/test_batched_decode.py holds them equal to the bit). Only on one torch
+    thread, as the CPU decode step runs: on more, torch splits even a small op's rows between its threads by their
+    count, so a row's vector lanes, and its rounding, could depend on the others; then each closes alone."""
+    if len(full) < 2 or torch.get_num_threads() > 1:
+        for compressor in full:
+            compressor.close(ape, norm_weight, overlapping, rope, eps)
+        return
+    rate = full[0].rate
+    kv = torch.stack([c.buffer_kv for c in full])  # [N, rate, width]
+    gate = torch.stack([c.buffer_gate for c in full]) + ape
+    if overlapping:  # compress's two series: each window's Cb after the Ca of the window before it
+        d = kv.shape[2] // 2
+        first_kv = torch.stack([c.overlap_kv if c.overlap_kv is not None else kv.new_zeros(rate, d) for c in full])
+        first_gate = torch.stack([c.overlap_gate if c.overlap_gate is not None
+                                  else gate.new_full((rate, d), float("-inf")) for c in full])
+        for i, c in enumerate(full):
+            c.overlap_kv, c.overlap_gate = kv[i, :, :d].clone(), gate[i, :, :d].clone()
+        kv, gate = torch.cat([first_kv, kv[..., d:]], dim=1), torch.cat([first_gate, gate[..., d:]], dim=1)
+    entries = pooled_windows(kv, gate, norm_weight, eps)
+    for i, c in enumerate(full):
+        # the RoPE row by row: torch's complex product of several rows may round a row's tail otherwise
+        c.entries.append(apply_rope(entries[i:i + 1], rope_rotation(rope, c.entry_count * rate, 1, rate, kv.device)))
+        c.entry_count += 1
+        c.buffered = 0
 
 
 class TokenKV:
@@ -694,20 +741,39 @@ def projection_names(kind: str) -> list[str]:
 
 
 def grow_state(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_state: TokenKV,
-                projected: list[Tensor]) -> tuple[list[Tensor], Tensor | None, bool]:
+               projected: list[Tensor]) -> tuple[list[Tensor], Tensor | None, bool]:
     """After a token's key went into the window: its projections into the compressors, the token counted; (the
     keys it attends to, the compressed entries or None, whether the indexer picks among them)."""
     kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
-    kv_state.seen_tokens += 1
-    keys = [kv_state.window.mirror(cfg.sliding_window)]
     if kind != SLIDING:
         kv_state.compressor.add(*projected[2:4], w["attn.compressor.ape"], w["attn.compressor.norm.weight"],
                                 kind == CSA, cfg.compress_rope, eps)
     if kind == CSA:
         kv_state.indexer.add(*projected[4:6], w["attn.indexer.compressor.ape"],
                              w["attn.indexer.compressor.norm.weight"], True, cfg.compress_rope, eps)
+    return _token_counted(cfg, kind, kv_state)
+
+
+def grow_states(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_states: list[TokenKV],
+                projected: list[list[Tensor]]) -> list[tuple[list[Tensor], Tensor | None, bool]]:
+    """grow_state of several sequences' tokens (a batched decode step's rows, row b's projections projected[b]):
+    the windows that close at this token compressed together (close_windows), each row's state and result those
+    of its own grow_state."""
+    kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
+    compressors = [("compressor", 2, "attn.compressor.")] if kind != SLIDING else []
+    if kind == CSA:
+        compressors.append(("indexer", 4, "attn.indexer.compressor."))
+    for name, at, prefix in compressors:
+        full = [getattr(s, name) for s, p in zip(kv_states, projected) if getattr(s, name).buffer(*p[at:at + 2])]
+        close_windows(full, w[prefix + "ape"], w[prefix + "norm.weight"], kind == CSA, cfg.compress_rope, eps)
+    return [_token_counted(cfg, kind, kv_state) for kv_state in kv_states]
+
+
+def _token_counted(cfg: ModelConfig, kind: str, kv_state: TokenKV) -> tuple[list[Tensor], Tensor | None, bool]:
+    """grow_state's end, its compressors fed: the token counted; its keys, entries and whether the indexer picks."""
+    kv_state.seen_tokens += 1
     entries = kv_state.compressor.entries.mirror() if kind != SLIDING else None
-    return keys, entries, kind == CSA and entries.shape[0] > cfg.index_topk
+    return [kv_state.window.mirror(cfg.sliding_window)], entries, kind == CSA and entries.shape[0] > cfg.index_topk
 
 
 def attention_token(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, kv_state: TokenKV) -> Tensor:

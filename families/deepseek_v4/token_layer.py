@@ -41,11 +41,16 @@ def _offset(t: Tensor, floats: int) -> int:
     return t.data_ptr() + 4 * floats
 
 
-def _row_addresses(t: Tensor) -> list[int]:
-    """The address of each row (first dimension) of a fixed buffer: a step's per-row calls take these rather than
-    making a view per row and call."""
+def _row_addresses(t: Tensor, rows: int):
+    """The addresses of the first `rows` rows (first dimension) of t, as a C array of pointers."""
     step = t.stride(0) * t.element_size()
-    return [t.data_ptr() + row * step for row in range(t.shape[0])]
+    return (ctypes.c_void_p * rows)(*(t.data_ptr() + row * step for row in range(rows)))
+
+
+def _addresses(tensors) -> ctypes.Array:
+    """The tensors' addresses (None: a null pointer) as a C array of pointers."""
+    addresses = [None if t is None else t.data_ptr() for t in tensors]
+    return (ctypes.c_void_p * len(addresses))(*addresses)
 
 
 def _buffer(*shape: int) -> Tensor:
@@ -178,8 +183,10 @@ class TokenLayers:
     `attention_rows(layer, kvs)`, `route_rows(layer, hash_ids)` and `finish_rows(layer, experts, choices,
     routed_flag)`; `rows_output` is then the streams [B, hc, H]. Every weight is read once for all of them (the
     projections, wo_a / wo_b, the mHC mixes, the gate, each chosen expert once for the tokens that chose it); the
-    attention, the mHC's mixing and the router's choice run per token. Each token's arithmetic is the one-token
-    path's, so its results are the same to the bit."""
+    mHC's weights and mixing, the norms, the keys and the attention core run each token's own arithmetic, every
+    row in one call; the compressors' windows closing at this token pooled together (model.grow_states), the
+    indexer's choice per token. Each token's arithmetic is the one-token path's, so its results are the same to
+    the bit."""
 
     def __init__(self, cfg: ModelConfig, dense: list[Mapping[str, Tensor]], kernels, hc, indexer):
         self.cfg, self.kernels, self.hc, self.indexer = cfg, kernels, hc, indexer
@@ -328,7 +335,8 @@ class TokenLayers:
 
     def attention_rows(self, layer: int, kv_states: list[model.TokenKV]) -> None:
         """`attention` of each row's token, row b growing kv_states[b]: the projections of every row in one scan of
-        their weights, the keys and the indexer's choice per row, every row's attention core in one call."""
+        their weights, the norms and keys of every row in one call, the indexer's choice per row, every row's
+        attention core in one call."""
         L, cfg, k, R = self.layers[layer], self.cfg, self.kernels, self.rows
         B, H = R.count, cfg.hidden_size
         if len(kv_states) != B:
@@ -342,25 +350,27 @@ class TokenLayers:
                              plan.flags), threads)
         rank = plan.spans[0][1]
         kv_at, kv_stop = plan.spans[1]
-        q_norm, kv_norm, eps = _ptr(L.q_norm), _ptr(L.kv_norm), cfg.rms_norm_eps
-        grown = []
-        for row, kv_state in enumerate(kv_states):
-            parts, proj_row = R.parts(layer, plan, row), _offset(R.proj, row * plan.total)
-            _call(k.c_norm_rope, (proj_row, 1, rank, q_norm, eps, 0, None, R.at["q_lora"][row], None))
-            rotation = model.token_rotation(L.rope, kv_state.seen_tokens)
-            angles = token_kernels.angle_pairs(rotation)
-            key, mirror = kv_state.window.next_row()
-            _call(k.c_norm_rope, (proj_row + 4 * kv_at, 1, kv_stop - kv_at, kv_norm, eps, 2 * angles.shape[0],
-                                 _ptr(angles), _ptr(key), _ptr(mirror) if mirror is not None else None))
+        eps, stride = cfg.rms_norm_eps, plan.total
+        _call(k.c_norm_rope_rows, (_ptr(R.proj), B, stride, rank, _ptr(L.q_norm), eps, 0, None, R.q_lora_rows, None))
+        # each row's key straight into its window (and the rounded copy), the rows' angles side by side
+        rotations = [model.token_rotation(L.rope, kv_state.seen_tokens) for kv_state in kv_states]
+        angles = torch.view_as_real(torch.cat(rotations))  # [B, rope_dim / 2, 2]: (cos, sin) pairs
+        places = [kv_state.window.next_row() for kv_state in kv_states]
+        _call(k.c_norm_rope_rows, (_offset(R.proj, kv_at), B, stride, kv_stop - kv_at, _ptr(L.kv_norm), eps,
+                                  2 * angles.shape[1], _row_addresses(angles, B), _addresses(key for key, _ in places),
+                                  _addresses(mirror for _, mirror in places)))
+        for kv_state in kv_states:
             kv_state.window.commit()
-            grown.append((rotation, angles, parts, *model.grow_state(cfg, layer, L.w, kv_state, parts)))
+        parts = [R.parts(layer, plan, row) for row in range(B)]
+        grown = [(rotation, row_parts, *g) for rotation, row_parts, g
+                 in zip(rotations, parts, model.grow_states(cfg, layer, L.w, kv_states, parts))]
         indexed = any(g[-1] for g in grown)  # the indexer's queries too where one row needs them
         queries = L.indexed_queries if indexed else L.queries
         q = R.q[:B * queries.total].view(B, queries.total)
         _call(k.c_many_rows, (_ptr(R.q_lora), B, queries.cols, queries.cols, queries.matrices, queries.count, _ptr(q),
                              queries.total, queries.offsets, queries.flags), threads)
         key_sets = []
-        for row, (kv_state, (rotation, angles, parts, keys, entries, row_indexed)) in enumerate(zip(kv_states, grown)):
+        for row, (kv_state, (rotation, parts, keys, entries, row_indexed)) in enumerate(zip(kv_states, grown)):
             if entries is not None and entries.shape[0]:
                 if row_indexed:
                     index_q = q[row, queries.spans[1][0]:].view(cfg.index_n_heads, cfg.index_head_dim)
@@ -368,7 +378,6 @@ class TokenLayers:
                 keys.append(entries)
             key_sets.append([t for t in keys if t.shape[0]])
         # every row's attention in one call (one wake of the threads, not one per row)
-        angles = torch.stack([g[1] for g in grown])
         sets, counts, n_sets = token_kernels.attend_rows_arguments(key_sets)
         _call(k.c_attend_rows, (_ptr(q), B, queries.total, cfg.num_heads, cfg.head_dim, 2 * angles.shape[1],
                                _ptr(angles), cfg.rms_norm_eps, sets, counts, n_sets, _ptr(L.sink), cfg.head_dim ** -0.5,
@@ -378,11 +387,9 @@ class TokenLayers:
                                 ctypes.byref(L.wo_a), _ptr(R.low_rank), L.wo_a.rows, rounding), threads)
         _call(k.c_linear, (_ptr(R.low_rank), B, L.wo_b.cols, ctypes.byref(L.wo_b), _ptr(R.out), L.wo_b.rows, rounding),
               threads)
-        at, post = R.at, self.hc.token_post
-        for row in range(B):
-            if post(at["streams0"][row], at["out"][row], at["post"][row], at["comb"][row], cfg.hc_mult, H,
-                    at["streams1"][row]) == 1:
-                raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
+        if self.hc.rows_post(_ptr(R.streams[0]), _ptr(R.out), _ptr(R.post), _ptr(R.comb), B, cfg.hc_mult, H,
+                             _ptr(R.streams[1])) == 1:  # (2: not finite; the layer's FFN exit checks)
+            raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
 
     def route_rows(self, layer: int, hash_ids: list[list[int]] | None) -> list[dict[int, float]]:
         """`route` of each row's token, the gate read once for all: {expert id: weight} ascending per row."""
@@ -411,31 +418,23 @@ class TokenLayers:
         arguments = token_kernels.moe_arguments([experts[e] for e in ids] + [L.shared], rows, weights, flags)
         _call(self.kernels.c_moe_rows, (_ptr(R.x), B, H, len(ids) + 1, *arguments, float(cfg.swiglu_limit),
                                        _ptr(R.moe_out)), token_kernels.current_threads())
-        a = R.streams[0]
-        finite, at, post = True, R.at, self.hc.token_post
-        for row in range(B):
-            done = post(at["streams1"][row], at["moe_out"][row], at["post"][row], at["comb"][row], cfg.hc_mult, H,
-                        at["streams0"][row])
-            if done == 1:
-                raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
-            finite &= done != 2
-        if not finite:
-            check_finite(a[:B], layer)
+        done = self.hc.rows_post(_ptr(R.streams[1]), _ptr(R.moe_out), _ptr(R.post), _ptr(R.comb), B, cfg.hc_mult, H,
+                                 _ptr(R.streams[0]))
+        if done == 1:
+            raise RuntimeError(f"layer {layer}: the mHC exit refused its arguments")
+        if done == 2:  # a row's new streams hold a NaN or an infinity: the one-line error naming the layer
+            check_finite(R.streams[0][:B], layer)
 
     def _entry_rows(self, L: _Layer, sublayer: str, stream: int, threads: int) -> None:
-        """A sublayer's mHC entry for every row from R.streams[stream]: the mixes in one scan of fn, the rest per
-        row."""
+        """A sublayer's mHC entry for every row from R.streams[stream]: the mixes in one scan of fn, the rest in one
+        call (each row's the one-token call's)."""
         cfg, R = self.cfg, self.rows
-        streams = R.streams[stream]
+        streams = _ptr(R.streams[stream])
         fn, width, scale, base, norm = L.hc_weights[sublayer]
-        _call(self.kernels.c_linear, (_ptr(streams), R.count, fn.cols, ctypes.byref(fn), _ptr(R.mixes), width, 0),
-              threads)
-        at, pre = R.at, self.hc.token_pre_mixed
-        rows = at[f"streams{stream}"]
-        scale, base, norm = _ptr(scale), _ptr(base), _ptr(norm)
-        for row in range(R.count):
-            _call(pre, (rows[row], cfg.hc_mult, cfg.hidden_size, at["mixes"][row], scale, base, cfg.hc_sinkhorn_iters,
-                        cfg.hc_eps, cfg.rms_norm_eps, norm, at["x"][row], at["post"][row], at["comb"][row]))
+        _call(self.kernels.c_linear, (streams, R.count, fn.cols, ctypes.byref(fn), _ptr(R.mixes), width, 0), threads)
+        _call(self.hc.rows_pre_mixed, (streams, R.count, cfg.hc_mult, cfg.hidden_size, _ptr(R.mixes), _ptr(scale),
+                                       _ptr(base), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, _ptr(norm),
+                                       _ptr(R.x), _ptr(R.post), _ptr(R.comb)))
 
 
 class _Rows:
@@ -458,10 +457,7 @@ class _Rows:
         k = cfg.num_experts_per_tok
         self.chosen, self.weights = (ctypes.c_int64 * (capacity * k))(), (ctypes.c_float * (capacity * k))()
         self.hash_ids, self.counts = (ctypes.c_int64 * (capacity * k))(), (ctypes.c_int64 * capacity)()
-        # each buffer's row addresses, for the per-row calls
-        self.at = {name: _row_addresses(getattr(self, name))
-                   for name in ("x", "post", "comb", "mixes", "q_lora", "out", "moe_out")}
-        self.at["streams0"], self.at["streams1"] = (_row_addresses(s) for s in self.streams)
+        self.q_lora_rows = _row_addresses(self.q_lora, capacity)  # where the query norms write each row
         self._parts: dict[tuple[int, int], list[Tensor]] = {}
 
     def parts(self, layer: int, plan, row: int) -> list[Tensor]:
