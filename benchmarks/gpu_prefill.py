@@ -102,11 +102,12 @@ def indexer_seconds(cfg, n: int, device: torch.device) -> float | None:
     projected = (torch.randn(chunk, heads * dim, device=device), torch.randn(chunk, heads, device=device))
     w = {"attn.indexer.wq_b.weight": torch.zeros(1, dtype=torch.bfloat16, device=device)}
     unused = torch.zeros(chunk, 1, device=device)  # x and q_lora: the projections are given
+    device_path = model.bf16_device_path(device, torch.bfloat16)
 
     def run():
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            seen = end // rate if model.bf16_device_path(device, torch.bfloat16) else keys.shape[0]
+            seen = end // rate if device_path else keys.shape[0]
             if keys.shape[0] > cfg.index_topk:  # (else the attention keeps every entry without the indexer)
                 complete = (torch.arange(start, end, device=device) + 1) // rate
                 model.indexer_topk(cfg, w, unused[:end - start], unused[:end - start],
@@ -226,6 +227,8 @@ def main() -> None:
     # a warm-up: the first prefill of a process pays one-time costs (kernels loaded, decode tables built) that
     # would otherwise land in the first cell's compute-alone
     prefill(path, torch.arange(3, min(259, shape["vocab"])), PrefillOptions(io_mode="buffered", **base))
+    with Container(path) as c:
+        cfg = model_config(c)
     rows = []
     for n in (int(t) for t in args.tokens.split(",")):
         ids = torch.randint(3, shape["vocab"], (n,), generator=torch.Generator().manual_seed(n))
@@ -234,9 +237,7 @@ def main() -> None:
                                               shape["inter"]), 1)
         except Exception as e:
             ideal = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        with Container(path) as c:
-            indexer_s = indexer_seconds(model_config(c), n, device)
-        csa_layers = shape["csa_layers"]
+        indexer_s = indexer_seconds(cfg, n, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         for place in places:
@@ -247,7 +248,7 @@ def main() -> None:
             if "tokens_per_s" in row:
                 row["effective_tflops"] = round(row["tokens_per_s"] * 2 * active / 1e12, 2)
             if indexer_s is not None and row.get("seconds"):  # the indexer's part of the wall: every CSA layer's
-                row["indexer_share"] = round(indexer_s * csa_layers / row["seconds"], 3)
+                row["indexer_share"] = round(indexer_s * shape["csa_layers"] / row["seconds"], 3)
             rows.append({"tokens": n, "grouped_gemm_tflops": ideal, **row})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # each cell as it ends: a timeout keeps them
             if device.type == "cuda":

@@ -15,8 +15,8 @@ import click
 from moepack.runtime.limits import DEFAULT_MAX_BATCH, MAX_BATCH, MAX_PROMPTS
 
 from .common import (check_container_path, container_argument, context_budget, context_option, continued_tokens,
-                     emit, force_option, json_option, layer_progress, max_new_tokens_option, model_run_options, out_of_memory,
-                     prompt_options, refuse_existing_kv, reports_errors, sampling_options, show_text)
+                     emit, force_option, json_option, layer_progress, max_new_tokens_option, model_run_options,
+                     out_of_memory, prompt_options, refuse_existing_kv, reports_errors, sampling_options, show_text)
 
 GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the prompt"
 

@@ -24,7 +24,8 @@ from .chat import chat
 from .common import (CHECKPOINT_FILE, EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, PREFILL_MEMORY_HINT, Dtype,
                      FiniteFloat, check_container_path, check_prefill_context, container_argument, continued_tokens,
                      emit, force_option, json_option, layer_progress, model_run_options, one_line_warnings,
-                     prompt_options, quiet_native_logs, refuse_existing, refuse_existing_kv, reports_errors, sigterm_as_interrupt, untrusted_argv_types)
+                     prompt_options, quiet_native_logs, refuse_existing, refuse_existing_kv, reports_errors,
+                     sigterm_as_interrupt, untrusted_argv_types)
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve
@@ -342,8 +343,8 @@ def _print_verify(r: dict) -> None:
 @reports_errors(out_of_memory_hint=PREFILL_MEMORY_HINT)
 def prefill(file, prompt, prompt_file, token_ids_file, kv_out, continue_from, kv_no_fsync, logits_out,
             bundle_experts, queue_depth, expert_selection, query_chunk, expert_dtype, order, chunk_tokens,
-            expert_parallel, expert_ownership, container_per_rank, dist_timeout, no_verify_reads, max_context, run, force,
-            as_json):
+            expert_parallel, expert_ownership, container_per_rank, dist_timeout, no_verify_reads, max_context, run,
+            force, as_json):
     """Prefill a prompt layer by layer with the routed experts streamed from FILE; print the greedy next token."""
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import prefill as run_prefill

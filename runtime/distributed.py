@@ -67,7 +67,7 @@ class DistContext:
             raise MoepackError(f"rank {self.rank}: comparing the ranks' jobs failed, a peer rank is gone or stalled "
                                f"({error_reason(e)[:200]})") from None
         for rank, theirs in enumerate(jobs):
-            for what, value in job.items():
+            for what in job:
                 if theirs.get(what) != jobs[0].get(what):
                     raise MoepackError(f"rank {rank}'s {what} is not rank 0's ({theirs.get(what)} vs "
                                        f"{jobs[0].get(what)}): every rank must prefill the same prompt over a copy of "

@@ -44,17 +44,16 @@ _STAGING_BYTES = 64 << 20  # the device load's pinned staging buffer, reused reg
 @dataclass
 class ResidentSlice:
     """A read served from resident bytes: `tensor` the bytes (host or device), `view` the host bytes (None on
-    the device). Never goes back to a pool."""
+    the device), `owner` the ResidentBytes they are a slice of. Never goes back to a pool."""
 
     tensor: torch.Tensor
     view: memoryview | None
-    owner: "ResidentBytes | None" = None
+    owner: "ResidentBytes"
     resident = True
 
     def copy_queued(self, event) -> None:
         """A device copy out of these bytes was queued; `event` (a CUDA event) is done when it is."""
-        if self.owner is not None:
-            self.owner.copy_queued(event)
+        self.owner.copy_queued(event)
 
 
 class ResidentBytes:
@@ -165,9 +164,11 @@ class ResidentBytes:
             self.unpinned.wait()
 
     def _unpin(self) -> None:
-        for unpin in self._unpins:
-            unpin()  # a weakref.finalize: runs once, waiting for the copies first
-        self.unpinned.set()
+        try:
+            for unpin in self._unpins:
+                unpin()  # a weakref.finalize: runs once, waiting for the copies first
+        finally:  # set even where a copy's event raised (a failed device): a waiting release must not hang
+            self.unpinned.set()
 
 
 def _pinned_host(size: int, copies: list) -> tuple[torch.Tensor, weakref.finalize]:

@@ -105,7 +105,7 @@ def store(section: str, key: str, value: dict) -> str:
 
 def check_cache_writable() -> None:
     """Refuse, before a measurement that may take minutes, a bench cache that could not be written after it (a
-    read-only MOEPACK_CACHE_DIR, one not ours): the same message `store` gives."""
+    read-only MOEPACK_CACHE_DIR, one not ours): `store`'s message, and the way round it."""
     path = cache_path()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)

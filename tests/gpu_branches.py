@@ -17,17 +17,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-# ops that make the host wait for the device (or copy host data to it) on CUDA
-HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "lift_fresh", "is_nonzero", "equal", "unique",
-              "_unique", "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "_assert_async"}
+# aten ops whose output size (or result) the host must see on CUDA: the host waits (repeat_interleave: the
+# overload a dispatch mode sees is the one with a tensor of repeats)
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique", "_unique",
+            "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "_assert_async", "item"}
+# where no host/device boundary is drawn: those, and host data copied to the device (torch.tensor(data))
+HOST_SYNCS = SYNC_OPS | {"lift_fresh"}
+_MASKED = ("index", "index_put", "index_put_", "_index_put_impl_")  # a sync where indexed by a boolean mask
 
 
-def host_sync(func, args, kwargs) -> str | None:
-    """The op's name where it would wait for the host on CUDA (HOST_SYNCS, or indexing by a boolean mask)."""
+def host_sync(func, args, kwargs, ops=HOST_SYNCS) -> str | None:
+    """The op's name where it would wait for the host on CUDA (one of `ops`, or indexing by a boolean mask). Shared
+    with tests/step_audit.py, which passes SYNC_OPS: a host tensor copied in is its boundary's to count."""
     name = func.overloadpacket.__name__
-    masks = [t for t in tree_leaves((args, kwargs or {}))
-             if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.dim() > 0]
-    if name in HOST_SYNCS or (name in ("index", "index_put", "index_put_") and masks):
+    if name in ops or (name in _MASKED and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.dim() > 0
+                                               for t in tree_leaves((args, kwargs or {})))):
         return name
     return None
 
@@ -46,18 +50,29 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def without_native_code(patch) -> None:
+    """What a CPU runs natively and a CUDA device does not, patched out with `patch(owner, name, value)`: the
+    compiled token kernels (ops.kernels_for) and DeepSeek-V4's native mHC (cuda_branches here, and
+    tests/step_audit.py's gpu_branches)."""
+    from moepack.backends import ops
+    from moepack.families.deepseek_v4 import mhc_native
+
+    patch(ops, "kernels_for", lambda *a: None)
+    for name in ("hc_mix_weights", "token_pre", "token_post"):
+        patch(mhc_native, name, lambda *a, **k: None)
+
+
 @contextlib.contextmanager
 def cuda_branches():
     """The forward's CUDA branches on a CPU: torch's ops where a CPU would call compiled kernels, and
     DeepSeek-V4's device path (its query chunk, its indexer) taken as on a CUDA device."""
-    from moepack.backends import ops
-    from moepack.families.deepseek_v4 import mhc_native, model
+    from moepack.families.deepseek_v4 import model
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(ops, "kernels_for", lambda *a: None))
-        for name in ("hc_mix_weights", "token_pre", "token_post"):
-            stack.enter_context(mock.patch.object(mhc_native, name, lambda *a, **k: None))
-        stack.enter_context(mock.patch.object(model, "on_cuda", lambda device: True))
+        def patch(owner, name, value):
+            stack.enter_context(mock.patch.object(owner, name, value))
+        without_native_code(patch)
+        patch(model, "on_cuda", lambda device: True)
         yield
 
 

@@ -36,11 +36,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gpu_branches import SYNC_OPS, host_sync, without_native_code
+
 # device -> host reads at the Python level
 _READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "__array__", "cpu"}
-# aten ops whose output size (or result) the host must see: the host waits
-_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique", "_unique",
-             "_unique2", "unique_consecutive", "unique_dim", "_assert_async", "item"}
 # aten ops that launch no kernel: allocations, metadata, views (OpOverload.is_view catches the rest)
 _NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
               "lift_fresh", "_to_copy_noop", "clone_noop", "record_stream", "set_", "resize_", "sym_size",
@@ -319,11 +318,7 @@ class _Launches(TorchDispatchMode):
         if placement == "host":
             return out
         name = func.overloadpacket.__name__
-        masks = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dtype == torch.bool
-                 and t.dim() > 0]
-        if name in _SYNC_OPS or (name == "repeat_interleave" and isinstance(args[0], torch.Tensor)
-                                 and func._overloadname.startswith("Tensor")) or (
-                name in ("index", "index_put", "index_put_", "_index_put_impl_") and masks):
+        if host_sync(func, args, kwargs, SYNC_OPS):  # (a host tensor copied in is the boundary's: _Boundary)
             audit.sync(f"aten.{name}")
         if not (func.is_view or name in _NO_LAUNCH):
             audit.launch(name)
@@ -359,16 +354,36 @@ def audited_decoder(decoder, audit: StepAudit, monkeypatch, sequences=(), caches
     monkeypatch.setattr(device_decode, "CapturedCall", audit.captured_class())
 
 
+PROMPTS = (5, 17, 33, 9)  # the prompt lengths of the sequences a step decodes (`sequences`)
+
+
+def sequences(g, rows: int) -> tuple[list, list[int]]:
+    """`rows` sequences of Generator g's decoder, each prefilled from a random prompt (PROMPTS' lengths), and
+    their first greedy tokens."""
+    d, seqs, tokens = g.decoder, [], []
+    for n in PROMPTS[:rows]:
+        ids = torch.randint(3, g.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        logits, states, *_ = g._prefill(ids, None, 8)
+        seqs.append(d.start(states))
+        tokens.append(int(logits.argmax()))
+    return seqs, tokens
+
+
+def device_caches() -> tuple:
+    """DeepSeek-V4's rotations, made on the device once per block of positions and kept; its RoPE frequencies
+    cached afresh (a CPU's prefill cached them on the host, a GPU's on the device)."""
+    from moepack.families.deepseek_v4 import model
+    model._inv_freq.cache_clear()
+    return (model._ROTATION_BLOCKS,)
+
+
 def gpu_branches(monkeypatch) -> None:
     """The branches a CUDA device takes on a CPU: no compiled token kernels (ops), no native mHC, a bf16 product
     of a few rows in bf16 (ops.low_matmul: a CPU's runs it in float32)."""
-    from moepack.backends import ops, token_kernels
-    from moepack.families.deepseek_v4 import mhc_native
+    from moepack.backends import token_kernels
 
-    monkeypatch.setattr(ops, "kernels_for", lambda *a: None)
+    without_native_code(monkeypatch.setattr)
     monkeypatch.setattr(token_kernels, "SMALL_ROWS", 0)
-    for name in ("hc_mix_weights", "token_pre", "token_post"):
-        monkeypatch.setattr(mhc_native, name, lambda *a, **k: None)
 
 
 def main() -> None:
@@ -380,7 +395,6 @@ def main() -> None:
 
     import pytest
 
-    from moepack.families.deepseek_v4 import model
     from moepack.families.deepseek_v4.token_layer import TokenLayers
     from moepack.packer.convert import convert_checkpoint
     from moepack.packer.synth import synth_checkpoint
@@ -421,15 +435,9 @@ def main() -> None:
                         d.seed([[1] * len(b.experts) for b in d.blocks])
                         if d.pool is not None:
                             d.pool.graphs.enabled = True
-                        seqs, tokens = [], []
-                        for n in (5, 17, 33, 9)[:rows]:
-                            ids = torch.randint(3, g.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-                            logits, states, *_ = g._prefill(ids, None, 8)
-                            seqs.append(d.start(states))
-                            tokens.append(int(logits.argmax()))
+                        seqs, tokens = sequences(g, rows)
                         audit = StepAudit(sites=args.sites)
-                        model._inv_freq.cache_clear()
-                        audited_decoder(d, audit, mp, seqs, (model._ROTATION_BLOCKS,))
+                        audited_decoder(d, audit, mp, seqs, device_caches())
                         with audit:
                             tokens = d.step_batch(seqs, tokens).argmax(-1).tolist()
                             audit.reset()

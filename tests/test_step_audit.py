@@ -11,13 +11,12 @@ import torch
 
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
-from step_audit import StepAudit, audited_decoder, gpu_branches
+from step_audit import StepAudit, audited_decoder, device_caches, gpu_branches, sequences
 from test_device_decode import (_StaticBuffers, _all_experts, _greedy_rows, _relative,  # noqa: F401, F811
                                 _routed_bytes, generator)
 from test_qwen3_moe import CONFIGS as QWEN_CONFIGS, save_model
 from v4_models import CONFIGS, saved_model
 
-PROMPTS = (5, 17, 33, 9)
 # eager kernel launches per layer and row of a step, every expert pooled, as the audit counts aten ops on a CPU
 # (python tests/step_audit.py, the tiny presets at B = 1: DeepSeek-V4 103 at 8a12725, now 57; Qwen3-MoE 99 once
 # on the pool, now 30)
@@ -39,30 +38,12 @@ def containers(tmp_path_factory):
     return out
 
 
-def _sequences(g, rows: int) -> tuple[list, list[int]]:
-    d, seqs, tokens = g.decoder, [], []
-    for n in PROMPTS[:rows]:
-        ids = torch.randint(3, g.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-        logits, states, *_ = g._prefill(ids, None, 8)
-        seqs.append(d.start(states))
-        tokens.append(int(logits.argmax()))
-    return seqs, tokens
-
-
-def _device_caches() -> tuple:
-    """DeepSeek-V4's rotations, made on the device once per block of positions and kept; its RoPE frequencies
-    cached afresh (a CPU's prefill cached them on the host, a GPU's on the device)."""
-    from moepack.families.deepseek_v4 import model
-    model._inv_freq.cache_clear()
-    return (model._ROTATION_BLOCKS,)
-
-
 def _audited_steps(g, monkeypatch, rows: int, steps: int = 4) -> list[tuple]:
     """Greedy steps of `rows` sequences, each audited: (its counts, the pool's synchronisations in it)."""
     d = g.decoder
-    seqs, tokens = _sequences(g, rows)
+    seqs, tokens = sequences(g, rows)
     audit = StepAudit()
-    audited_decoder(d, audit, monkeypatch, seqs, _device_caches())
+    audited_decoder(d, audit, monkeypatch, seqs, device_caches())
     with audit:  # the graphs captured (a step's cost is the later ones')
         tokens = d.step_batch(seqs, tokens).argmax(-1).tolist()
     audit.reset()
@@ -147,7 +128,6 @@ def test_qwen3_moe_runs_the_pool_and_its_graphs_with_the_per_expert_tokens(conta
         assert torch.equal(a, b) and _relative(a, c) < 1e-5
 
 
-
 def test_a_qwen3_moe_pooled_layer_not_finite_is_named_by_its_number_beside_dense_layers(containers, generator):
     """The sparse-step model routes only layer 1 (the others hold a dense MLP, outside the pool): a pooled layer
     that is not finite is named by its own number after the step, not by its place among the pooled layers."""
@@ -157,7 +137,7 @@ def test_a_qwen3_moe_pooled_layer_not_finite_is_named_by_its_number_beside_dense
         d = g.decoder
         assert [layer for layer, b in enumerate(d.blocks) if b.experts] == [1]
         d.seed(_all_experts(d))
-        seqs, tokens = _sequences(g, 1)
+        seqs, tokens = sequences(g, 1)
         for e in range(len(d.blocks[1].experts)):
             d.pool.gate_up[d.pool.slot(1, e)] = float("nan")
         with pytest.raises(MoepackError, match="^layer 1: its output is not finite"):

@@ -55,14 +55,6 @@ class Qwen3MoeDecode(Qwen3MoePrefill):
         residual = hidden + heads @ w["self_attn.o_proj.weight"].T
         return residual, self.route(layer, w, residual, token_ids)
 
-    def finish(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing, routed: Tensor | None,
-               beside=None, into: Tensor | None = None, checked: bool = True) -> Tensor:
-        if checked:
-            return super().finish(layer, w, hidden, routing, routed, beside, into)
-        # the caller checks (a pooled layer, after the step: a check here would make the host wait)
-        out = self.layer_output(layer, w, hidden, routing, routed)
-        return into.copy_(out) if into is not None else out
-
     def head(self, w_globals: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
         return head(self.config, {"norm": w_globals[FINAL_NORM], "head": w_globals[self.names.head]}, hidden)
 

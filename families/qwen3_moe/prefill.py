@@ -71,15 +71,13 @@ class Qwen3MoePrefill:
         return None  # no shared expert
 
     def finish(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing, routed: Tensor | None,
-               beside, into: Tensor | None) -> Tensor:
-        out = check_finite(self.layer_output(layer, w, hidden, routing, routed), layer)
+               beside=None, into: Tensor | None = None, checked: bool = True) -> Tensor:
+        # checked False: the caller checks (a decode's pooled layer, after the step: a check here would make the
+        # host wait)
+        out = after_experts(self.config, layer, w, hidden, routing.x,
+                            routed.to(hidden.dtype) if routed is not None else None)
+        out = check_finite(out, layer) if checked else out
         return into.copy_(out) if into is not None else out
-
-    def layer_output(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, routing: Routing,
-                     routed: Tensor | None) -> Tensor:
-        """finish's rows, unchecked."""
-        return after_experts(self.config, layer, w, hidden, routing.x,
-                             routed.to(hidden.dtype) if routed is not None else None)
 
     def head_input(self, w_globals: Mapping[str, Tensor], hidden: Tensor, rows: Tensor) -> Tensor:
         return rms_norm(hidden[rows], w_globals[FINAL_NORM].to(hidden.dtype), self.config.rms_norm_eps)
