@@ -382,8 +382,11 @@ class StreamingPrefill:
 
     def _resident_for_pass(self):
         """The held bytes, taken for one pass (none where the prefill reads the disk); held again where they were
-        released since the last pass (resident.release_resident)."""
+        released since the last pass (resident.release_resident): the released copy let go of first, so the two
+        need not fit at once."""
         while self.resident is not None and not self.resident.acquire():
+            self.resident = None
+            self.reads.use_resident(None)
             self._hold_weights()
             self.reads.use_resident(self.resident)
         return self.resident

@@ -322,8 +322,9 @@ class ReadScheduler:
         return self.dense_pipe.submit(block.dense.offset, block.dense.length, self.checker.after_read([block.dense]),
                                       part=block.dense.part)
 
-    def use_resident(self, held: ResidentBytes) -> None:
-        """Serve the reads out of `held` from now on: the bytes loaded again after the ones before were released."""
+    def use_resident(self, held: ResidentBytes | None) -> None:
+        """Serve the reads out of `held` from now on: the bytes loaded again after the ones before were released
+        (None: let go of the released ones while their new copy loads)."""
         self.resident = self.experts_pipe.held = self.dense_pipe.held = held
 
     # --- globals: the embedding, the LM head and its norms -------------------------------------------------------

@@ -128,7 +128,12 @@ def test_a_server_holds_the_weights_where_they_fit(container, monkeypatch):
 
 def test_a_release_waits_for_the_prefill_using_the_bytes_and_a_later_pass_loads_them_again(container):
     """release_resident during a prefill (a server's request, or another thread's): it returns only once the
-    pass is over, which finishes with the streamed logits; the engine's next pass holds the bytes again."""
+    pass is over, which finishes with the streamed logits; the engine's next pass holds the bytes again, having
+    let go of the released copy before loading the new one (the two need not fit at once)."""
+    import gc
+    import weakref
+
+    from moepack.runtime import engine as engine_module
     from moepack.runtime.engine import StreamingPrefill
 
     streamed = prefill(container, IDS, PrefillOptions(io_mode="direct"))
@@ -153,8 +158,20 @@ def test_a_release_waits_for_the_prefill_using_the_bytes_and_a_later_pass_loads_
             assert blocked_while_running and all(blocked_while_running) and not releasing[0].is_alive()
             assert first.released and first.unpinned.is_set()
             assert torch.equal(during.logits, streamed.logits)
-            again = engine.run(torch.tensor(IDS))
-            assert engine.resident is not first and again.stats["resident_load_s"] > 0
+            old, first, alive_at_load = weakref.ref(first), None, []
+
+            def load(*args):
+                gc.collect()
+                alive_at_load.append(old() is not None)
+                return resident.resident_bytes(*args)
+
+            engine_module.resident_bytes, real = load, engine_module.resident_bytes
+            try:
+                again = engine.run(torch.tensor(IDS))
+            finally:
+                engine_module.resident_bytes = real
+            assert alive_at_load == [False]
+            assert again.stats["resident_load_s"] > 0
             assert torch.equal(again.logits, streamed.logits) and again.stats["bytes_read"] == 0
         finally:
             engine.close()
