@@ -252,22 +252,37 @@ def compress(kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, rate: i
 
     if overlapping:
         d = out_width
-        if state.overlap_kv is not None:  # the window before the first new one closed in an earlier call
-            first_kv, first_gate = state.overlap_kv[None], state.overlap_gate[None]
-        else:
-            first_kv, first_gate = kv.new_zeros(1, rate, d), gate.new_full((1, rate, d), float("-inf"))
+        # the window before the first new one closed in an earlier call, or none
+        first_kv, first_gate = _overlap(state.overlap_kv, state.overlap_gate, kv, gate, rate, d)
         # The last window's Ca is what the next (later) window pools with.
         state.overlap_kv, state.overlap_gate = windows_kv[-1, :, :d].clone(), windows_gate[-1, :, :d].clone()
-        previous_kv = torch.cat([first_kv, windows_kv[:-1, :, :d]])
-        previous_gate = torch.cat([first_gate, windows_gate[:-1, :, :d]])
-        windows_kv = torch.cat([previous_kv, windows_kv[..., d:]], dim=1)  # [entries, 2*rate, d]
-        windows_gate = torch.cat([previous_gate, windows_gate[..., d:]], dim=1)
+        previous_kv = torch.cat([first_kv[None], windows_kv[:-1, :, :d]])
+        previous_gate = torch.cat([first_gate[None], windows_gate[:-1, :, :d]])
+        windows_kv, windows_gate = _after_previous(windows_kv, windows_gate, previous_kv, previous_gate)
 
     # entry i sits at position i * rate
     entries = apply_rope(pooled_windows(windows_kv, windows_gate, norm_weight, eps),
                          rope_rotation(rope, first_entry * rate, n_entries, rate, kv.device))
     state.compressed_kv = torch.cat([previous, entries]) if previous is not None and previous.shape[0] else entries
     return state.compressed_kv, state
+
+
+def _overlap(overlap_kv: Tensor | None, overlap_gate: Tensor | None, kv: Tensor, gate: Tensor, rate: int, d: int
+             ) -> tuple[Tensor, Tensor]:
+    """The Ca [rate, d] a CSA window pools with: the previous window's (overlap_kv, overlap_gate), or before the
+    first window none (zero slots of gate -inf: no weight)."""
+    if overlap_kv is not None:
+        return overlap_kv, overlap_gate
+    return kv.new_zeros(rate, d), gate.new_full((rate, d), float("-inf"))
+
+
+def _after_previous(windows_kv: Tensor, windows_gate: Tensor, previous_kv: Tensor, previous_gate: Tensor
+                    ) -> tuple[Tensor, Tensor]:
+    """CSA's windows [N, 2*rate, d]: each window's Cb (its slots' second half) after the Ca before it (previous_*
+    [N, rate, d])."""
+    d = previous_kv.shape[-1]
+    return (torch.cat([previous_kv, windows_kv[..., d:]], dim=1),
+            torch.cat([previous_gate, windows_gate[..., d:]], dim=1))
 
 
 def pooled_windows(windows_kv: Tensor, windows_gate: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
@@ -683,12 +698,11 @@ def close_windows(full: list[TokenCompressor], ape: Tensor, norm_weight: Tensor,
     gate = torch.stack([c.buffer_gate for c in full]) + ape
     if overlapping:  # compress's two series: each window's Cb after the Ca of the window before it
         d = kv.shape[2] // 2
-        first_kv = torch.stack([c.overlap_kv if c.overlap_kv is not None else kv.new_zeros(rate, d) for c in full])
-        first_gate = torch.stack([c.overlap_gate if c.overlap_gate is not None
-                                  else gate.new_full((rate, d), float("-inf")) for c in full])
+        first = [_overlap(c.overlap_kv, c.overlap_gate, kv, gate, rate, d) for c in full]
+        first_kv, first_gate = torch.stack([f[0] for f in first]), torch.stack([f[1] for f in first])
         for i, c in enumerate(full):
             c.overlap_kv, c.overlap_gate = kv[i, :, :d].clone(), gate[i, :, :d].clone()
-        kv, gate = torch.cat([first_kv, kv[..., d:]], dim=1), torch.cat([first_gate, gate[..., d:]], dim=1)
+        kv, gate = _after_previous(kv, gate, first_kv, first_gate)
     entries = pooled_windows(kv, gate, norm_weight, eps)
     for i, c in enumerate(full):
         # the RoPE row by row: torch's complex product of several rows may round a row's tail otherwise
@@ -740,17 +754,21 @@ def projection_names(kind: str) -> list[str]:
     return names
 
 
+# The compressors a token of each layer kind feeds (grow_state, grow_states): TokenKV's attribute, where its (kv,
+# gate) pair sits in projection_names' order, its ape and norm weights.
+_COMPRESSORS = {SLIDING: (),
+                HCA: (("compressor", 2, "attn.compressor.ape", "attn.compressor.norm.weight"),),
+                CSA: (("compressor", 2, "attn.compressor.ape", "attn.compressor.norm.weight"),
+                      ("indexer", 4, "attn.indexer.compressor.ape", "attn.indexer.compressor.norm.weight"))}
+
+
 def grow_state(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_state: TokenKV,
                projected: list[Tensor]) -> tuple[list[Tensor], Tensor | None, bool]:
     """After a token's key went into the window: its projections into the compressors, the token counted; (the
     keys it attends to, the compressed entries or None, whether the indexer picks among them)."""
     kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
-    if kind != SLIDING:
-        kv_state.compressor.add(*projected[2:4], w["attn.compressor.ape"], w["attn.compressor.norm.weight"],
-                                kind == CSA, cfg.compress_rope, eps)
-    if kind == CSA:
-        kv_state.indexer.add(*projected[4:6], w["attn.indexer.compressor.ape"],
-                             w["attn.indexer.compressor.norm.weight"], True, cfg.compress_rope, eps)
+    for name, at, ape, norm in _COMPRESSORS[kind]:
+        getattr(kv_state, name).add(*projected[at:at + 2], w[ape], w[norm], kind == CSA, cfg.compress_rope, eps)
     return _token_counted(cfg, kind, kv_state)
 
 
@@ -760,12 +778,9 @@ def grow_states(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_states
     the windows that close at this token compressed together (close_windows), each row's state and result those
     of its own grow_state."""
     kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
-    compressors = [("compressor", 2, "attn.compressor.")] if kind != SLIDING else []
-    if kind == CSA:
-        compressors.append(("indexer", 4, "attn.indexer.compressor."))
-    for name, at, prefix in compressors:
+    for name, at, ape, norm in _COMPRESSORS[kind]:
         full = [getattr(s, name) for s, p in zip(kv_states, projected) if getattr(s, name).buffer(*p[at:at + 2])]
-        close_windows(full, w[prefix + "ape"], w[prefix + "norm.weight"], kind == CSA, cfg.compress_rope, eps)
+        close_windows(full, w[ape], w[norm], kind == CSA, cfg.compress_rope, eps)
     return [_token_counted(cfg, kind, kv_state) for kv_state in kv_states]
 
 

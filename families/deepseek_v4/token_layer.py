@@ -362,19 +362,19 @@ class TokenLayers:
         for kv_state in kv_states:
             kv_state.window.commit()
         parts = [R.parts(layer, plan, row) for row in range(B)]
-        grown = [(rotation, row_parts, *g) for rotation, row_parts, g
-                 in zip(rotations, parts, model.grow_states(cfg, layer, L.w, kv_states, parts))]
+        grown = model.grow_states(cfg, layer, L.w, kv_states, parts)  # each row's (keys, entries, indexed)
         indexed = any(g[-1] for g in grown)  # the indexer's queries too where one row needs them
         queries = L.indexed_queries if indexed else L.queries
         q = R.q[:B * queries.total].view(B, queries.total)
         _call(k.c_many_rows, (_ptr(R.q_lora), B, queries.cols, queries.cols, queries.matrices, queries.count, _ptr(q),
                              queries.total, queries.offsets, queries.flags), threads)
         key_sets = []
-        for row, (kv_state, (rotation, parts, keys, entries, row_indexed)) in enumerate(zip(kv_states, grown)):
+        for row, (kv_state, rotation, row_parts, (keys, entries, row_indexed)) in enumerate(
+                zip(kv_states, rotations, parts, grown)):
             if entries is not None and entries.shape[0]:
                 if row_indexed:
                     index_q = q[row, queries.spans[1][0]:].view(cfg.index_n_heads, cfg.index_head_dim)
-                    entries = self._picked(L, index_q, rotation, kv_state, parts, entries)
+                    entries = self._picked(L, index_q, rotation, kv_state, row_parts, entries)
                 keys.append(entries)
             key_sets.append([t for t in keys if t.shape[0]])
         # every row's attention in one call (one wake of the threads, not one per row)
