@@ -80,7 +80,7 @@ def _byte_to_unicode() -> dict[int, str]:
 
 def byte_level_tokenizer(special_tokens: tuple[str, ...], bos_token: str | None) -> dict:
     """A byte-level BPE tokenizer.json with no merges: ids 0..len(special_tokens)-1 special, then the 256 bytes; it
-    adds `bos_token` in front of a text or a pair of texts (None: nothing)."""
+    adds `bos_token` in front (None: nothing)."""
     vocab = {token: i for i, token in enumerate(special_tokens)}
     for byte, char in _byte_to_unicode().items():
         vocab[char] = len(special_tokens) + byte
@@ -106,11 +106,10 @@ def byte_level_tokenizer(special_tokens: tuple[str, ...], bos_token: str | None)
         "post_processor": None if bos_token is None else {
             "type": "TemplateProcessing",
             "single": [{"SpecialToken": {"id": bos_token, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            # BOS in front of a pair too, nothing between (a BOS there, as the release's has, is no separator
-            # gguf-py knows: it warns of an unknown separator token on every export)
             "pair": [
                 {"SpecialToken": {"id": bos_token, "type_id": 0}},
                 {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": bos_token, "type_id": 1}},
                 {"Sequence": {"id": "B", "type_id": 1}},
             ],
             "special_tokens": {bos_token: {"id": bos_token, "ids": [special_tokens.index(bos_token)],

@@ -296,24 +296,6 @@ def test_cli(containers, tmp_path):
     assert gguf.GGUFReader(str(out)).fields["general.architecture"].contents() == ARCH
 
 
-def test_the_export_of_a_synthetic_checkpoint_warns_of_nothing(containers, tmp_path):
-    """gguf-py reads the synthetic tokenizer's post-processor without a warning on stderr (it warned of an
-    unknown separator token: BOS between a pair's texts); the tokenizer still puts BOS in front of each."""
-    import sys
-
-    from tokenizers import Tokenizer
-
-    from moepack.families.deepseek_v4.synth import tokenizer_json
-
-    res = subprocess.run([sys.executable, "-m", "moepack", "export", containers["fp4"], "--format", "gguf",
-                          "-o", str(tmp_path / "m.gguf")], capture_output=True, timeout=300)
-    assert res.returncode == 0, res.stderr.decode("utf-8", "replace")[-2000:]
-    stderr = res.stderr.decode("utf-8", "replace")
-    assert "Unknown separator token" not in stderr and "TemplateProcessing" not in stderr, stderr
-    tok = Tokenizer.from_str(json.dumps(tokenizer_json()))
-    assert tok.encode("a").ids == [0, 100] and tok.encode("a", "b").ids == [0, 100, 101]  # BOS = id 0
-
-
 def test_vocab_padding():
     import json
 
