@@ -108,12 +108,13 @@ def test_kv_onto_a_full_disk_is_one_line_leaves_no_partial_file_and_reads_as_inc
         long_ids = tmp_path / "long.txt"
         long_ids.write_text(" ".join(str(i) for i in _ids(1000, 5).tolist()))
         kv_dir = os.path.join(small, "kv")
-        r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(long_ids), "--kv-out", kv_dir])
+        r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(long_ids), "--kv-out", kv_dir,
+                                     "-c", "1000"])  # past the model's context of 256: the cap raised
         assert r.exit_code == 1 and "not enough free space for the KV in " in r.stderr, r.output
         assert not os.path.exists(kv_dir)  # refused before anything is written
         ids = tmp_path / "ids.txt"  # an estimate that fits, then the disk fills anyway
         ids.write_text(" ".join(str(i) for i in _ids(300, 5).tolist()))
-        r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), "--kv-out", kv_dir])
+        r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", str(ids), "--kv-out", kv_dir, "-c", "1000"])
         assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.output
         assert f"{kv_dir}/" in r.stderr and "cannot write (No space left on device)" in r.stderr
         names = os.listdir(kv_dir)
