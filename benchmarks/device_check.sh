@@ -18,6 +18,9 @@
 #             run), every expert in the device's expert pool, B = GPU_BATCH: tokens/s, bytes a token reads and their
 #             fraction of the copy rate measured in the same run, the pool's path beside the per-expert one
 #
+# The goals are an H200's: ask the device tool for that kind (an H100's 78 GiB refuses gpu_prefill's 128K cells in
+# one line, the other cells go on).
+#
 # The device's image has torch (a CUDA build) but an older transformers and no zstandard or gguf (the GGUF export
 # `capped` needs), and nothing can be downloaded there. Once, here, in the repository's root:
 #   echo /.whl/ >> .git/info/exclude
