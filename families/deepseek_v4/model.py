@@ -742,15 +742,18 @@ def attention_token_sublayer(cfg: ModelConfig, layer: int, w: Mapping[str, Tenso
     return hc_post(streams, attention_token(cfg, layer, w, x, kv_state), post, comb)
 
 
-def projection_names(kind: str) -> list[str]:
+INDEXER_HEAD_WEIGHTS = "attn.indexer.weights_proj.weight"
+
+
+@functools.lru_cache(maxsize=None)
+def projection_names(kind: str) -> tuple[str, ...]:
     """The matrices a token's attention input goes through first: the query's LoRA, K=V, the compressors' (kv,
-    gate) pairs and the indexer's head weights."""
-    names = ["attn.wq_a.weight", "attn.wkv.weight"]
+    gate) pairs and the indexer's head weights (made once per layer kind: a decoded row asks for every layer)."""
+    names = ("attn.wq_a.weight", "attn.wkv.weight")
     if kind != SLIDING:
-        names += ["attn.compressor.wkv.weight", "attn.compressor.wgate.weight"]
+        names += ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight")
     if kind == CSA:
-        names += ["attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight",
-                  "attn.indexer.weights_proj.weight"]
+        names += ("attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight", INDEXER_HEAD_WEIGHTS)
     return names
 
 
@@ -829,16 +832,15 @@ def token_attention_core(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], 
                          inputs: tuple[Tensor, ...], kv_state: TokenKV) -> Tensor:
     """One row's attention over its state (x [1, H], its rotation and token_attention_inputs' rows), the key
     and the compressors' projections appended to kv_state: the attention's output heads [1, heads, D] (rotated)."""
-    kind = cfg.layer_types[layer]
-    count = len(projection_names(kind))
-    projected, (q_lora, key, q, *index_query) = list(inputs[:count]), inputs[count:]
+    names = projection_names(cfg.layer_types[layer])
+    projected, (q_lora, key, q, *index_query) = list(inputs[:len(names)]), inputs[len(names):]
     kv_state.window.append(key)
     keys, entries, indexed = grow_state(cfg, layer, w, kv_state, projected)
     if entries is not None and entries.shape[0]:
         if indexed:
             complete = torch.full((1,), entries.shape[0], device=x.device)  # (no host copy: a GPU would wait)
             picked = indexer_topk(cfg, w, x, q_lora, rotation, kv_state.indexer.entries.rows(), complete,
-                                  (index_query[0], projected[6]))[0]
+                                  (index_query[0], projected[names.index(INDEXER_HEAD_WEIGHTS)]))[0]
             entries = entries.index_select(0, picked)
         keys.append(entries)
     # the prefill's attention, every key visible (the keys are rounded already: rounding again is exact)
