@@ -669,6 +669,9 @@ class LayerDecode(LayerPrefill, Protocol):
         """A sequence's state of layer `layer` for decoding, from the prefill's (continued from here on)."""
         ...
 
+    # optional: token_states(states, dense, device) -> every layer's token state of one sequence at once (a family
+    # that keeps a sequence's layers together, e.g. in slots of device tensors); token_state per layer otherwise
+
     def seen_tokens(self, state: Any) -> int:
         """The tokens a layer's state (a prefill's or a token state) covers."""
         ...

@@ -338,8 +338,10 @@ class Decoder:
         arithmetic = self.arithmetic
         if len(states) != len(self.blocks) or len({arithmetic.seen_tokens(s) for s in states}) != 1:
             raise MoepackError("decode needs one KV state per layer, all after the same tokens")
-        return DecodeSequence([arithmetic.token_state(layer, s, self.dense[layer], self.device)
-                               for layer, s in enumerate(states)], arithmetic)
+        together = getattr(arithmetic, "token_states", None)  # (a family may keep a sequence's layers together)
+        kv = together(states, self.dense, self.device) if together is not None else [
+            arithmetic.token_state(layer, s, self.dense[layer], self.device) for layer, s in enumerate(states)]
+        return DecodeSequence(kv, arithmetic)
 
     def begin(self, states: list) -> None:
         """Start the current sequence after `states`; the stats count from here."""

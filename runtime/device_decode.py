@@ -108,6 +108,10 @@ class StepGraphs:
         self.replays += 1
         return call(*inputs)
 
+    def forget(self, key: tuple) -> None:
+        """The graph captured for `key` dropped (its memory given back): what it read moved, or it is not needed."""
+        self._captured.pop(key, None)
+
     def clear(self) -> None:
         self._captured.clear()
 

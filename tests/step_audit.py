@@ -379,11 +379,14 @@ def device_caches() -> tuple:
 
 def gpu_branches(monkeypatch) -> None:
     """The branches a CUDA device takes on a CPU: no compiled token kernels (ops), no native mHC, a bf16 product
-    of a few rows in bf16 (ops.low_matmul: a CPU's runs it in float32)."""
+    of a few rows in bf16 (ops.low_matmul: a CPU's runs it in float32), DeepSeek-V4's CUDA branches (its KV in
+    the device arena, its indexer's bf16 path)."""
     from moepack.backends import token_kernels
+    from moepack.families.deepseek_v4 import model
 
     without_native_code(monkeypatch.setattr)
     monkeypatch.setattr(token_kernels, "SMALL_ROWS", 0)
+    monkeypatch.setattr(model, "on_cuda", lambda device: True)
 
 
 def main() -> None:

@@ -241,7 +241,7 @@ def test_one_tokens_attention_and_norms_equal_the_torch_path(loop, low):
     angles = torch.rand(1, rope // 2, generator=gen) * 6
     rotation = torch.polar(torch.full_like(angles, 1.3), angles)
     keys = [torch.randn(n, dim, generator=gen).to(low).float() for n in (17, 0, 9)]
-    want = model._attend(model.apply_rope(model.rms_norm(q[None], None, 1e-6), rotation),
+    want = model.attend_key_sets(model.apply_rope(model.rms_norm(q[None], None, 1e-6), rotation),
                          [(k, torch.zeros(1, k.shape[0])) for k in keys], sink, 0.1, low)
     want = model.apply_rope(want, rotation.conj())[0]
     got = loop.attend(q, keys, sink, 0.1, rotation, 1e-6, low == torch.bfloat16, threads=2)

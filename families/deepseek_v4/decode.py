@@ -16,11 +16,14 @@ from moepack.backends import ops
 from ..base import Routing
 from . import model
 from .kv import LayerKVState
+from .device_kv import ArenaKV, KVArena
 from .token_layer import TokenLayers
 
 
 class DeepseekV4Decode(model.DeepseekV4Prefill):
     """LayerDecode for one DeepSeek-V4 config (the prefill's names, dtypes and expert naming)."""
+
+    _arena: KVArena | None = None  # the sequences' states on a CUDA device (token_states)
 
     def global_dtype(self, name: str, stored_dtype: str, compiled: bool) -> torch.dtype:
         # the LM head (the largest matrix a token reads: 1 GB for V4-Flash in bf16) kept bf16 where it is stored
@@ -35,6 +38,16 @@ class DeepseekV4Decode(model.DeepseekV4Prefill):
     def token_state(self, layer: int, state: LayerKVState, w: Mapping[str, Tensor], device) -> model.TokenKV:
         return model.TokenKV(self.config, layer, state.to(device), w["attn.wq_b.weight"].dtype)
 
+    def token_states(self, states: Sequence[LayerKVState], dense: Sequence[Mapping[str, Tensor]], device
+                     ) -> list[model.TokenKV | ArenaKV]:
+        # on a CUDA device, in the decoder's arena (device_kv.py): a layer's attention one piece for every row
+        device = torch.device(device)
+        if not model.on_cuda(device):
+            return [self.token_state(layer, s, w, device) for layer, (s, w) in enumerate(zip(states, dense))]
+        if self._arena is None:
+            self._arena = KVArena(self.config, device, [w["attn.wq_b.weight"].dtype for w in dense])
+        return self._arena.admit([s.to(device) for s in states])
+
     def layer_state(self, token_state: model.TokenKV) -> LayerKVState:
         return token_state.state()
 
@@ -42,6 +55,8 @@ class DeepseekV4Decode(model.DeepseekV4Prefill):
                ) -> tuple[Tensor, ...]:
         # attention_token_sublayer: its mHC and what needs only the rows on every row at once (one fixed-shape
         # piece), the attention over each row's state row by row; its output projection runs in route_attended
+        if states and isinstance(states[0], ArenaKV):
+            return states[0].arena.attend(layer, w, hidden, states, graphs)
         cfg = self.config
         rotations = [model.token_attention_rotation(cfg, layer, state, hidden.device) for state in states]
         rotation = rotations[0] if len(rotations) == 1 else torch.cat(rotations)

@@ -98,8 +98,13 @@ def rope_rotation(rope: RopeConfig, start: int, count: int, step: int = 1,
                   device: torch.device | None = None) -> Tensor:
     """cos + i*sin [count, rope.dim/2] complex64 for the positions start, start + step, ...: the rotation of each
     channel pair. Cached (never written to): every layer of a prefill rotates the same positions."""
-    positions = torch.arange(count, device=device) * step + start
-    angles = positions[:, None].float() * _inv_freq(rope, device)
+    return rows_rotation(rope, torch.arange(count, device=device) * step + start)
+
+
+def rows_rotation(rope: RopeConfig, positions: Tensor) -> Tensor:
+    """cos + i*sin [N, rope.dim/2] complex64 for the positions [N] (int64, on their device: a decode step's rows
+    made inside a CUDA graph, the host not asked)."""
+    angles = positions[:, None].float() * _inv_freq(rope, positions.device)
     return torch.complex(angles.cos() * rope.attention_factor, angles.sin() * rope.attention_factor)
 
 
@@ -258,7 +263,7 @@ def compress(kv: Tensor, gate: Tensor, ape: Tensor, norm_weight: Tensor, rate: i
         state.overlap_kv, state.overlap_gate = windows_kv[-1, :, :d].clone(), windows_gate[-1, :, :d].clone()
         previous_kv = torch.cat([first_kv[None], windows_kv[:-1, :, :d]])
         previous_gate = torch.cat([first_gate[None], windows_gate[:-1, :, :d]])
-        windows_kv, windows_gate = _after_previous(windows_kv, windows_gate, previous_kv, previous_gate)
+        windows_kv, windows_gate = after_previous(windows_kv, windows_gate, previous_kv, previous_gate)
 
     # entry i sits at position i * rate
     entries = apply_rope(pooled_windows(windows_kv, windows_gate, norm_weight, eps),
@@ -276,7 +281,7 @@ def _overlap(overlap_kv: Tensor | None, overlap_gate: Tensor | None, kv: Tensor,
     return kv.new_zeros(rate, d), gate.new_full((rate, d), float("-inf"))
 
 
-def _after_previous(windows_kv: Tensor, windows_gate: Tensor, previous_kv: Tensor, previous_gate: Tensor
+def after_previous(windows_kv: Tensor, windows_gate: Tensor, previous_kv: Tensor, previous_gate: Tensor
                     ) -> tuple[Tensor, Tensor]:
     """CSA's windows [N, 2*rate, d]: each window's Cb (its slots' second half) after the Ca before it (previous_*
     [N, rate, d])."""
@@ -428,7 +433,7 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
         first_key = max(0, n_past + start - cfg.sliding_window + 1)
         k_pos = key_positions[first_key:n_past + end]
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - cfg.sliding_window)
-        parts = [(keys[first_key:n_past + end], _bias(visible))]
+        parts = [(keys[first_key:n_past + end], logit_bias(visible))]
 
         if compressed is not None and compressed.shape[0] > 0:
             # Entry i summarises positions [i*rate, (i+1)*rate): visible once the query has passed its end.
@@ -441,15 +446,15 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
                 # every complete one too (its top-k of T <= k entries is all of them), so it is not run.
                 entries = compressed_low[:seen]
                 visible = torch.arange(entries.shape[0], device=x.device)[None, :] < complete[:, None]
-                parts.append((entries, _bias(visible)))
+                parts.append((entries, logit_bias(visible)))
             else:
                 keys_seen = index_keys[:max(seen, cfg.index_topk)]
                 picked = indexer_topk(cfg, w, x[start:end], q_lora[start:end], q_rotation, keys_seen, complete)
                 # [C, k, D] per query, gathered in the products' dtype (half the bytes on the bf16 path)
                 gathered = compressed_low.index_select(0, picked.clamp(min=0).flatten())
-                parts.append((gathered.view(*picked.shape, compressed_low.shape[-1]), _bias(picked >= 0)))
+                parts.append((gathered.view(*picked.shape, compressed_low.shape[-1]), logit_bias(picked >= 0)))
 
-        o = _attend(q, parts, w["attn.attn_sink"], cfg.head_dim ** -0.5, low)
+        o = attend_key_sets(q, parts, w["attn.attn_sink"], cfg.head_dim ** -0.5, low)
         # V = K carries RoPE on its rope channels: rotate the output back by the query's angle, so what each
         # entry contributes depends on its distance to the query only.
         o = apply_rope(o, q_rotation.conj())
@@ -457,12 +462,12 @@ def attention(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], x: Tensor, 
     return out, state
 
 
-def _bias(visible: Tensor) -> Tensor:
+def logit_bias(visible: Tensor) -> Tensor:
     """Boolean visibility -> additive logit bias (0 / -inf)."""
     return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor | None]], sink: Tensor, scale: float,
+def attend_key_sets(q: Tensor, parts: list[tuple[Tensor, Tensor | None]], sink: Tensor, scale: float,
             dtype: torch.dtype = torch.float32) -> Tensor:
     """Softmax attention of q [C, heads, D] over several key sets, each (kv, bias [C, K], or None: every key
     visible) with kv either shared by all queries [K, D] or per query [C, K, D] (K = V). One softmax spans all
@@ -498,19 +503,21 @@ def _attend(q: Tensor, parts: list[tuple[Tensor, Tensor | None]], sink: Tensor, 
 def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: Tensor, rotation: Tensor,
                  index_keys: Tensor, complete: Tensor, projected: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Lightning Indexer for a chunk of C queries: the top min(index_topk, T) entry ids [C, k] by indexer_scores;
-    -1 where a query has fewer than k complete entries. Exact ties at the k-th score are broken by the device's
+    -1 where a query has fewer than k complete entries. index_keys [T, d] are every query's, or [C, T, d] each
+    query's own (a decode step's rows, each its sequence's). Exact ties at the k-th score are broken by the device's
     top-k, as the reference does (DeepSeek's and transformers' torch.topk): with a real indexer's 64 heads an exact
     tie (every head's ReLU zero) does not happen, on a tiny random model it does."""
-    k = min(cfg.index_topk, index_keys.shape[0])
+    k = min(cfg.index_topk, index_keys.shape[-2])
     if not bf16_device_path(x.device, w["attn.indexer.wq_b.weight"].dtype):
         picked = indexer_scores(cfg, w, x, q_lora, rotation, index_keys, complete, projected).topk(k, dim=-1).indices
         return torch.where(picked < complete[:, None], picked, -1)
     # the device: C' queries at a time, their [C', T] float32 scores within INDEXER_SCORE_BYTES
-    rows = max(1, INDEXER_SCORE_BYTES // (4 * index_keys.shape[0]))
+    rows = max(1, INDEXER_SCORE_BYTES // (4 * index_keys.shape[-2]))
     picked = []
     for a in range(0, x.shape[0], rows):
         part = slice(a, a + rows)
-        scores = indexer_scores(cfg, w, x[part], q_lora[part], rotation[part], index_keys, complete[part],
+        scores = indexer_scores(cfg, w, x[part], q_lora[part], rotation[part],
+                                index_keys[part] if index_keys.dim() == 3 else index_keys, complete[part],
                                 None if projected is None else (projected[0][part], projected[1][part]))
         picked.append(scores.topk(k, dim=-1).indices)
     picked = picked[0] if len(picked) == 1 else torch.cat(picked)
@@ -520,8 +527,9 @@ def indexer_topk(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: T
 def indexer_scores(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora: Tensor, rotation: Tensor,
                    index_keys: Tensor, complete: Tensor, projected: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The Lightning Indexer's scores [C, T]: score(t, s) = sum_h w[t,h] * relu(q[t,h] . k[s]) over the complete
-    compressed entries s < complete[t], -inf for the others. `projected`: the indexer's query and head weights
-    projections (q_lora @ wq_b.T, x @ weights_proj.T) where the caller made them already."""
+    compressed entries s < complete[t], -inf for the others (index_keys [T, d] shared or [C, T, d] per query, as
+    indexer_topk's). `projected`: the indexer's query and head weights projections (q_lora @ wq_b.T,
+    x @ weights_proj.T) where the caller made them already."""
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
     if projected is None:
         projected = linear(q_lora, w["attn.indexer.wq_b.weight"]), linear(x, w["attn.indexer.weights_proj.weight"])
@@ -529,12 +537,12 @@ def indexer_scores(cfg: ModelConfig, w: Mapping[str, Tensor], x: Tensor, q_lora:
     q = apply_rope(q, rotation)  # compress rope, like the indexer's keys
     low = w["attn.indexer.wq_b.weight"].dtype  # the products in the weights' precision (bf16: low-precision path)
     head_weights = projected[1] * (n_heads ** -0.5 * head_dim ** -0.5)
-    entry_ids = torch.arange(index_keys.shape[0], device=x.device)
+    entry_ids = torch.arange(index_keys.shape[-2], device=x.device)
     hidden = entry_ids[None, :] >= complete[:, None]
     if bf16_device_path(x.device, low):
         return _bf16_index_scores(q.to(low), index_keys.to(low), head_weights.to(low)).masked_fill_(hidden,
                                                                                                    float("-inf"))
-    scores = low_matmul(q, index_keys.T, low).float().relu_()  # [C, heads, T]
+    scores = low_matmul(q, index_keys.transpose(-2, -1), low).float().relu_()  # [C, heads, T]
     scores = torch.bmm(head_weights.unsqueeze(1), scores).squeeze(1)  # [C, T]: the heads' weighted sum, one matmul
     return scores.masked_fill(hidden, float("-inf"))
 
@@ -548,18 +556,19 @@ def indexer_bytes(cfg: ModelConfig, n_queries: int, entries: int, device_path: b
 
 
 def _bf16_index_scores(q: Tensor, keys: Tensor, head_weights: Tensor) -> Tensor:
-    """sum_h head_weights[c, h] * relu(q[c, h] . keys[t]) [C, T] float32 from bf16 q [C, heads, D], keys [T, D] and
-    head_weights [C, heads], a block of keys at a time (DeepSeek's own indexer kernel keeps a block's products on
+    """sum_h head_weights[c, h] * relu(q[c, h] . keys[t]) [C, T] float32 from bf16 q [C, heads, D], keys [T, D]
+    (or [C, T, D]: each query's own) and head_weights [C, heads], a block of keys at a time (DeepSeek's own indexer kernel keeps a block's products on
     the chip the same way): each block's products rounded to bf16 as the reference's are, the ReLU in place, and
     the heads' weighted sum one bf16 matmul with float32 sums, its result rounded to bf16 (the reference keeps the
     head weights and the sum in float32: a score within bf16's rounding of it). No float32 tensor of heads x
     entries, no float32 matmul over them."""
     n_queries, heads, _ = q.shape
-    scores = q.new_empty(n_queries, keys.shape[0], dtype=torch.float32)
+    entries = keys.shape[-2]
+    scores = q.new_empty(n_queries, entries, dtype=torch.float32)
     block = max(1, INDEXER_BLOCK_BYTES // (2 * n_queries * heads))
     weights = head_weights.unsqueeze(1)  # [C, 1, heads]
-    for start in range(0, keys.shape[0], block):
-        products = torch.matmul(q, keys[start:start + block].T).relu_()  # [C, heads, block] bf16
+    for start in range(0, entries, block):
+        products = torch.matmul(q, keys[..., start:start + block, :].transpose(-2, -1)).relu_()  # [C, heads, block]
         scores[:, start:start + block] = torch.bmm(weights, products).squeeze(1)
     return scores
 
@@ -702,7 +711,7 @@ def close_windows(full: list[TokenCompressor], ape: Tensor, norm_weight: Tensor,
         first_kv, first_gate = torch.stack([f[0] for f in first]), torch.stack([f[1] for f in first])
         for i, c in enumerate(full):
             c.overlap_kv, c.overlap_gate = kv[i, :, :d].clone(), gate[i, :, :d].clone()
-        kv, gate = _after_previous(kv, gate, first_kv, first_gate)
+        kv, gate = after_previous(kv, gate, first_kv, first_gate)
     entries = pooled_windows(kv, gate, norm_weight, eps)
     for i, c in enumerate(full):
         # the RoPE row by row: torch's complex product of several rows may round a row's tail otherwise
@@ -757,12 +766,12 @@ def projection_names(kind: str) -> tuple[str, ...]:
     return names
 
 
-# The compressors a token of each layer kind feeds (grow_state, grow_states): TokenKV's attribute, where its (kv,
+# The compressors a token of each layer kind feeds (grow_state, grow_states, device_kv): TokenKV's attribute, where its (kv,
 # gate) pair sits in projection_names' order, its ape and norm weights.
-_COMPRESSORS = {SLIDING: (),
-                HCA: (("compressor", 2, "attn.compressor.ape", "attn.compressor.norm.weight"),),
-                CSA: (("compressor", 2, "attn.compressor.ape", "attn.compressor.norm.weight"),
-                      ("indexer", 4, "attn.indexer.compressor.ape", "attn.indexer.compressor.norm.weight"))}
+TOKEN_COMPRESSORS = {SLIDING: (),
+                     HCA: (("compressor", 2, "attn.compressor.ape", "attn.compressor.norm.weight"),),
+                     CSA: (("compressor", 2, "attn.compressor.ape", "attn.compressor.norm.weight"),
+                           ("indexer", 4, "attn.indexer.compressor.ape", "attn.indexer.compressor.norm.weight"))}
 
 
 def grow_state(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_state: TokenKV,
@@ -770,7 +779,7 @@ def grow_state(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_state: 
     """After a token's key went into the window: its projections into the compressors, the token counted; (the
     keys it attends to, the compressed entries or None, whether the indexer picks among them)."""
     kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
-    for name, at, ape, norm in _COMPRESSORS[kind]:
+    for name, at, ape, norm in TOKEN_COMPRESSORS[kind]:
         getattr(kv_state, name).add(*projected[at:at + 2], w[ape], w[norm], kind == CSA, cfg.compress_rope, eps)
     return _token_counted(cfg, kind, kv_state)
 
@@ -781,7 +790,7 @@ def grow_states(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], kv_states
     the windows that close at this token compressed together (close_windows), each row's state and result those
     of its own grow_state."""
     kind, eps = cfg.layer_types[layer], cfg.rms_norm_eps
-    for name, at, ape, norm in _COMPRESSORS[kind]:
+    for name, at, ape, norm in TOKEN_COMPRESSORS[kind]:
         full = [getattr(s, name) for s, p in zip(kv_states, projected) if getattr(s, name).buffer(*p[at:at + 2])]
         close_windows(full, w[ape], w[norm], kind == CSA, cfg.compress_rope, eps)
     return [_token_counted(cfg, kind, kv_state) for kv_state in kv_states]
@@ -844,7 +853,7 @@ def token_attention_core(cfg: ModelConfig, layer: int, w: Mapping[str, Tensor], 
             entries = entries.index_select(0, picked)
         keys.append(entries)
     # the prefill's attention, every key visible (the keys are rounded already: rounding again is exact)
-    return _attend(q, [(k, None) for k in keys], w["attn.attn_sink"], cfg.head_dim ** -0.5,
+    return attend_key_sets(q, [(k, None) for k in keys], w["attn.attn_sink"], cfg.head_dim ** -0.5,
                    w["attn.wq_b.weight"].dtype)
 
 

@@ -1,0 +1,312 @@
+"""DeepSeek-V4's decode KV on a CUDA device in fixed places, so that a layer's attention for every row of a step is
+one fixed-shape piece (a CUDA graph per layer, rows and entry bucket), not per-row ops whose shapes grow a token at
+a time (model.TokenKV, the CPU's).
+
+A `KVArena` holds, per layer, every decoding sequence's state in slots of preallocated tensors:
+- the sliding window as a ring of `sliding_window` rows (a token's key at position p goes to row p % window: the
+  ring holds exactly the keys a token attends to, the rows not yet written masked);
+- each compressor's current window as a ring of `rate` rows (raw projections, the token at p in row p % rate),
+  CSA's overlap (a window's first series, ape included) in two parities by entry: window e writes parity e % 2 at
+  each of its tokens (complete at its last) and its close reads parity (e + 1) % 2, window e - 1's, so a piece run
+  twice, as a capture runs it, computes the same; and its entries [slots, capacity, d] with their copy in the
+  products' dtype.
+
+A step's rows give their slots and positions as one small device tensor; everything else follows on the device.
+Every row's compressor window is pooled every step (compress's arithmetic, close_windows' order) and its entry
+written at index position // rate, which counts only once the window is full (the masks read the count from the
+positions): no host decision per row. The entries a row attends to are the bucket's prefix (`entry_bucket`: a
+power of two at least the rows' largest count, so that a graph serves many tokens), masked past its count; a CSA
+layer whose bucket exceeds index_topk picks them with the Lightning Indexer over the same prefix (its scores
+-inf past the count), as model.attention_token does once a sequence has more than index_topk entries (with fewer,
+the picks past the count are masked: every complete entry, as there).
+
+A sequence takes a slot when it starts (`admit`, its prefill state checked and written in) and gives it back when
+its states are dropped; the arena grows by doubling (slots, or a layer's entry capacity), which makes its graphs
+stale (`generation`). `ArenaKV.state()` hands the state on as a prefill would (LayerKVState).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from moepack.backends.device_copier import to_device_async
+from moepack.format_spec.errors import MoepackError
+
+from . import model
+from .config import CSA, SLIDING, ModelConfig
+from .kv import CompressorState, LayerKVState
+
+ENTRY_BUCKET_MIN = 16  # the fewest entries a bucket holds (a new graph per bucket: few while a prompt is short)
+
+
+def entry_bucket(count: int) -> int:
+    """The entries a step's attention reads for rows of at most `count` complete entries."""
+    return max(ENTRY_BUCKET_MIN, 1 << max(count - 1, 0).bit_length())
+
+
+def _grown(t: Tensor, dim: int, size: int, fill: float = 0.0) -> Tensor:
+    """t with dimension `dim` grown to `size`, the new part `fill` (finite where read masked: a NaN times a
+    masked weight is still NaN)."""
+    shape = list(t.shape)
+    shape[dim] = size
+    out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+class _Rows:
+    """A float32 tensor [slots, rows, width] and its copy in the products' dtype (the same tensor in float32)."""
+
+    def __init__(self, slots: int, rows: int, width: int, low: torch.dtype, device: torch.device):
+        self.rows = torch.zeros(slots, rows, width, dtype=torch.float32, device=device)
+        self.low = self.rows if low == torch.float32 else self.rows.to(low)
+
+    def write(self, slots: Tensor, index: Tensor, values: Tensor) -> None:
+        """values [B, width] into row index[b] of slot slots[b]."""
+        self.rows[slots, index] = values
+        if self.low is not self.rows:
+            self.low[slots, index] = values.to(self.low.dtype)
+
+    def load(self, slot: int, start: Tensor | int, values: Tensor) -> None:
+        """A state's rows [n, width] into slot `slot` from row `start` (or at the rows `start` names)."""
+        index = start if isinstance(start, Tensor) else torch.arange(start, start + values.shape[0])
+        index = index.to(self.rows.device)
+        self.rows[slot].index_copy_(0, index, values.float())
+        if self.low is not self.rows:
+            self.low[slot].index_copy_(0, index, values.to(self.low.dtype))
+
+    def grow(self, dim: int, size: int) -> None:
+        same = self.low is self.rows
+        self.rows = _grown(self.rows, dim, size)
+        self.low = self.rows if same else _grown(self.low, dim, size)
+
+
+class _Compressor:
+    """One compressor of one layer, every slot's: its window's ring, CSA's overlap parities, its entries."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, name: str, slots: int, low: torch.dtype, device: torch.device):
+        kind = cfg.layer_types[layer]
+        self.rate, self.overlapping = cfg.compress_rates[layer], kind == CSA
+        self.d = cfg.head_dim if name == "compressor" else cfg.index_head_dim
+        width = 2 * self.d if self.overlapping else self.d
+        self.buffer_kv = torch.zeros(slots, self.rate, width, device=device)
+        self.buffer_gate = torch.zeros_like(self.buffer_kv)
+        if self.overlapping:
+            self.overlap_kv = torch.zeros(slots, 2, self.rate, self.d, device=device)
+            self.overlap_gate = torch.zeros_like(self.overlap_kv)
+        self.entries = _Rows(slots, ENTRY_BUCKET_MIN, self.d, low, device)
+
+    def grow_slots(self, slots: int) -> None:
+        self.buffer_kv, self.buffer_gate = (_grown(t, 0, slots) for t in (self.buffer_kv, self.buffer_gate))
+        if self.overlapping:
+            self.overlap_kv, self.overlap_gate = (_grown(t, 0, slots) for t in (self.overlap_kv, self.overlap_gate))
+        self.entries.grow(0, slots)
+
+    def load(self, slot: int, state: CompressorState, layer: int, name: str, seen: int) -> None:
+        """A prefill's compressor state into `slot` (checked against the token count: windows start at 0)."""
+        count, buffered = state.entry_count, state.buffer_kv.shape[0]
+        if count != seen // self.rate or buffered != seen % self.rate or state.compressed_kv.shape[0] != count:
+            raise MoepackError(f"layer {layer}: its {name} state holds {state.compressed_kv.shape[0]} entries "
+                               f"(count {count}) and {buffered} buffered tokens after {seen} tokens at rate "
+                               f"{self.rate}: not a prefill's")
+        if tuple(state.compressed_kv.shape[1:]) != (self.d,) or state.buffer_kv.shape[1] != self.buffer_kv.shape[2]:
+            raise MoepackError(f"layer {layer}: its {name} state's widths are not the model's")
+        self.entries.load(slot, 0, state.compressed_kv)
+        self.buffer_kv[slot, :buffered] = state.buffer_kv.float()
+        self.buffer_gate[slot, :buffered] = state.buffer_gate.float()
+        if self.overlapping:
+            if count:  # entry count - 1 wrote it: the next entry reads its parity
+                self.overlap_kv[slot, (count - 1) % 2] = state.overlap_kv.float()
+                self.overlap_gate[slot, (count - 1) % 2] = state.overlap_gate.float()
+            else:  # no window before the first: zero slots of gate -inf (model._overlap's)
+                self.overlap_kv[slot, 1] = 0.0
+                self.overlap_gate[slot, 1] = float("-inf")
+
+    def state(self, slot: int, seen: int) -> CompressorState:
+        count, buffered = seen // self.rate, seen % self.rate
+        overlap = (self.overlap_kv[slot, (count - 1) % 2].clone(), self.overlap_gate[slot, (count - 1) % 2].clone()) \
+            if self.overlapping and count else (None, None)
+        return CompressorState(self.entries.rows[slot, :count].clone(), self.buffer_kv[slot, :buffered].clone(),
+                               self.buffer_gate[slot, :buffered].clone(), count, *overlap)
+
+    def add(self, slots: Tensor, positions: Tensor, kv: Tensor, gate: Tensor, ape: Tensor, norm: Tensor,
+            rope, eps: float) -> None:
+        """Each row's projections [B, width] into its window, and its window pooled into entry position // rate
+        (counted only once the window is full): model.close_windows' arithmetic, every row every step."""
+        rate = self.rate
+        self.buffer_kv[slots, positions % rate] = kv.float()
+        self.buffer_gate[slots, positions % rate] = gate.float()
+        entry = positions // rate
+        windows_kv = self.buffer_kv.index_select(0, slots)  # [B, rate, width]
+        windows_gate = self.buffer_gate.index_select(0, slots) + ape
+        if self.overlapping:  # the window's first series is the next entry's overlap (complete once it closes)
+            previous = (self.overlap_kv[slots, (entry + 1) % 2], self.overlap_gate[slots, (entry + 1) % 2])
+            self.overlap_kv[slots, entry % 2] = windows_kv[..., :self.d]
+            self.overlap_gate[slots, entry % 2] = windows_gate[..., :self.d]
+            windows_kv, windows_gate = model.after_previous(windows_kv, windows_gate, *previous)
+        pooled = model.pooled_windows(windows_kv, windows_gate, norm, eps)
+        self.entries.write(slots, entry, model.apply_rope(pooled, model.rows_rotation(rope, entry * rate)))
+
+
+class _Layer:
+    """One layer's slots: its window ring and its compressors."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, slots: int, low: torch.dtype, device: torch.device):
+        self.kind, self.low = cfg.layer_types[layer], low
+        self.window = _Rows(slots, cfg.sliding_window, cfg.head_dim, low, device)
+        self.compressors = {name: _Compressor(cfg, layer, name, slots, low, device)
+                            for name, *_ in model.TOKEN_COMPRESSORS[self.kind]}
+        self.generation = 0  # bumped when its tensors move (its captured graphs read the old ones)
+
+    def grow_slots(self, slots: int) -> None:
+        self.window.grow(0, slots)
+        for c in self.compressors.values():
+            c.grow_slots(slots)
+        self.generation += 1
+
+    def reserve_entries(self, entries: int) -> None:
+        """Room for `entries` entries in every slot (doubling: a long decode grows it a few times)."""
+        capacity = next(iter(self.compressors.values())).entries.rows.shape[1]
+        if entries <= capacity:
+            return
+        while capacity < entries:
+            capacity *= 2
+        for c in self.compressors.values():
+            c.entries.grow(1, capacity)
+        self.generation += 1
+
+
+class ArenaSlot:
+    """A sequence's slot in the arena: given back when the last of its layers' states is dropped."""
+
+    def __init__(self, arena: KVArena, index: int):
+        self.index = index
+        weakref.finalize(self, arena._free.append, index)
+
+
+class ArenaKV:
+    """One layer's decode state of one sequence in the arena (what token_state gives on a CUDA device)."""
+
+    def __init__(self, arena: KVArena, layer: int, slot: ArenaSlot, layer_type: str, seen_tokens: int):
+        self.arena, self.layer, self.slot = arena, layer, slot
+        self.layer_type, self.seen_tokens = layer_type, seen_tokens
+
+    def state(self) -> LayerKVState:
+        """The state as a prefill hands it on (model.TokenKV.state's): the window's last window - 1 keys in order,
+        each compressor's entries, buffered tokens and overlap."""
+        L, slot, seen = self.arena.layers[self.layer], self.slot.index, self.seen_tokens
+        ring = L.window.rows.shape[1]
+        kept = torch.arange(max(0, seen - ring + 1), seen) % ring
+        window = L.window.rows[slot].index_select(0, kept.to(L.window.rows.device))
+        parts = {name: c.state(slot, seen) for name, c in L.compressors.items()}
+        return LayerKVState(self.layer_type, seen, window, parts.get("compressor"), parts.get("indexer"))
+
+
+class KVArena:
+    """Every decoding sequence's KV of every layer in slots on `device` (the module's docstring)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, low: Sequence[torch.dtype]):
+        self.cfg, self.device = cfg, device
+        self.layers = [_Layer(cfg, layer, 1, dtype, device) for layer, dtype in enumerate(low)]
+        self.slots = 1
+        self._free = [0]
+        self._step: tuple[tuple, Tensor] | None = None  # (the rows' (slot, position) pairs, them on the device)
+        self._keys: dict[tuple[int, int], tuple] = {}  # (layer, rows) -> its attention's last graph key
+
+    def admit(self, states: Sequence[LayerKVState]) -> list[ArenaKV]:
+        """A sequence after a prefill's `states` (one per layer, on this device) in a free slot: its layers'
+        ArenaKV. A state that is not a prefill's of this model is refused in one line."""
+        cfg = self.cfg
+        if not self._free:
+            for L in self.layers:
+                L.grow_slots(2 * self.slots)
+            self._free.extend(range(2 * self.slots - 1, self.slots - 1, -1))
+            self.slots *= 2
+        slot = ArenaSlot(self, self._free.pop())
+        out = []
+        for layer, (L, state) in enumerate(zip(self.layers, states)):
+            seen, window = state.seen_tokens, state.window_kv
+            if state.layer_type != L.kind:
+                raise ValueError(f"layer {layer}: past state of a {state.layer_type} layer, the model has {L.kind}")
+            if tuple(window.shape) != (min(seen, cfg.sliding_window - 1), cfg.head_dim):
+                raise MoepackError(f"layer {layer}: its window state is {tuple(window.shape)} after {seen} tokens, "
+                                   f"not the last {min(seen, cfg.sliding_window - 1)} keys of width {cfg.head_dim}")
+            L.window.load(slot.index, torch.arange(seen - window.shape[0], seen) % cfg.sliding_window, window)
+            for name, c in L.compressors.items():
+                part = getattr(state, name)
+                if part is None:
+                    raise MoepackError(f"layer {layer}: a {L.kind} layer's state lacks its {name}")
+                L.reserve_entries(part.entry_count + 1)
+                c.load(slot.index, part, layer, name, seen)
+            out.append(ArenaKV(self, layer, slot, L.kind, seen))
+        return out
+
+    def step_rows(self, states: Sequence[ArenaKV]) -> Tensor:
+        """The rows' (slots, positions) [2, B] on the device, sent once per step (every layer's rows are the same
+        sequences at the same positions)."""
+        key = tuple((s.slot.index, s.seen_tokens) for s in states)
+        if self._step is None or self._step[0] != key:
+            self._step = key, to_device_async(torch.tensor(list(zip(*key)), dtype=torch.int64), self.device)
+        return self._step[1]
+
+    def attend(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, states: Sequence[ArenaKV], graphs
+               ) -> tuple[Tensor, ...]:
+        """DeepseekV4Decode.attend over the arena: one fixed-shape piece for every row (a CUDA graph per layer,
+        rows, entry bucket and generation), the states counted after it."""
+        cfg, L = self.cfg, self.layers[layer]
+        bucket = 0
+        if L.kind != SLIDING:
+            rate = cfg.compress_rates[layer]
+            bucket = entry_bucket(max((s.seen_tokens + 1) // rate for s in states))
+            # the bucket's prefix is read, and each row writes entry position // rate
+            L.reserve_entries(max(bucket, max(s.seen_tokens // rate for s in states) + 1))
+        rows = self.step_rows(states)
+        key = ("arena attention", layer, len(states), bucket, L.generation)
+        last = self._keys.get((layer, len(states)))
+        if last != key:  # one graph per layer and rows: a new bucket or generation retires the last one
+            if last is not None:
+                graphs.forget(last)
+            self._keys[(layer, len(states))] = key
+        heads, rotation, post, comb = graphs.run(key, functools.partial(self._attention, layer, w, bucket), hidden,
+                                                 rows)
+        for s in states:
+            s.seen_tokens += 1
+        return hidden, heads, rotation, post, comb
+
+    def _attention(self, layer: int, w: Mapping[str, Tensor], bucket: int, hidden: Tensor, rows: Tensor
+                   ) -> tuple[Tensor, ...]:
+        """model.attention_token of every row (hidden [B, hc, H], rows [2, B] their slots and positions), asking
+        the host nothing: (the output heads [B, heads, D] rotated, the rotations, the mHC post and comb)."""
+        cfg, L = self.cfg, self.layers[layer]
+        slots, positions = rows[0], rows[1]
+        kind, eps = L.kind, cfg.rms_norm_eps
+        rotation = model.rows_rotation(cfg.main_rope if kind == SLIDING else cfg.compress_rope, positions)
+        x, post, comb = model.attention_entry(cfg, w, hidden)
+        inputs = model.token_attention_inputs(cfg, layer, w, x, rotation)
+        names = model.projection_names(kind)
+        projected, (q_lora, key, q, *index_query) = inputs[:len(names)], inputs[len(names):]
+        ring = cfg.sliding_window
+        L.window.write(slots, positions % ring, key)
+        window = L.window.low.index_select(0, slots)  # [B, window, D]
+        parts = [(window, model.logit_bias(torch.arange(ring, device=positions.device)[None] <= positions[:, None]))]
+        for name, at, ape, norm in model.TOKEN_COMPRESSORS[kind]:
+            L.compressors[name].add(slots, positions, projected[at], projected[at + 1], w[ape], w[norm],
+                                    cfg.compress_rope, eps)
+        if kind != SLIDING:
+            entries = L.compressors["compressor"].entries.low
+            complete = (positions + 1) // cfg.compress_rates[layer]
+            if kind == CSA and bucket > cfg.index_topk:
+                index_keys = L.compressors["indexer"].entries.low[:, :bucket].index_select(0, slots)
+                picked = model.indexer_topk(cfg, w, x, q_lora, rotation, index_keys, complete,
+                                            (index_query[0], projected[names.index(model.INDEXER_HEAD_WEIGHTS)]))
+                parts.append((entries[slots[:, None], picked.clamp(min=0)], model.logit_bias(picked >= 0)))
+            else:
+                visible = torch.arange(bucket, device=positions.device)[None] < complete[:, None]
+                parts.append((entries[:, :bucket].index_select(0, slots), model.logit_bias(visible)))
+        heads = model.attend_key_sets(q, parts, w["attn.attn_sink"], cfg.head_dim ** -0.5, L.low)
+        return heads, rotation, post, comb
