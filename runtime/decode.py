@@ -681,14 +681,17 @@ class Decoder:
         ids = torch.tensor(token_ids)
         rows = self._embedding_rows(ids)
         streams = self._layers(sequences, to_device_async(ids, self.device), to_device_async(rows, self.device))
+        graphs = self._graphs()
         with self.compute:
-            logits = self.arithmetic.head(self.head_weights, streams).float()
+            logits = graphs.run(("head", len(sequences)), self._head, streams)
             pooled = self._pooled_to_host()  # queued before the logits' copy: on the host once it returns
             # the step's one synchronisation: the logits on the host, where the sampler, the stop strings and
             # the stream to the client need the next token
-            logits = logits.cpu()
+            host = logits.cpu()
+        if host is logits and graphs.enabled:  # (a CPU's .cpu() is the tensor: a graph's buffer must not escape)
+            host = host.clone()
         self._settle_pooled(pooled)
-        return logits
+        return host
 
     def _layers(self, sequences: list[DecodeSequence], ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
         """Every layer by the family's functions (LayerDecode: a GPU, the native code off, weights the kernels do
@@ -698,7 +701,7 @@ class Decoder:
         work (the family's pieces its `graphs` runs; the whole FFN where every expert is pooled) runs as a CUDA
         graph per (layer, B) where CUDA is (StepGraphs), asking the host nothing."""
         arithmetic, pool, rows = self.arithmetic, self.pool, len(sequences)
-        graphs = pool.graphs if pool is not None else StepGraphs(False, self.device)
+        graphs = self._graphs()
         hidden = arithmetic.hidden_from_embeddings(embedding)
         for layer, w in enumerate(self.dense):
             got, table = None, arithmetic.hash_table(layer, w)
@@ -740,6 +743,14 @@ class Decoder:
             with self.compute:
                 hidden = arithmetic.finish(layer, w, hidden, routing, routed)
         return hidden
+
+    def _graphs(self) -> StepGraphs:
+        """Where the step's fixed-shape pieces run: the pool's CUDA graphs, or eagerly (no pool)."""
+        return self.pool.graphs if self.pool is not None else StepGraphs(False, self.device)
+
+    def _head(self, streams: torch.Tensor) -> torch.Tensor:
+        """The rows' logits [B, vocab] float32 on the device (a fixed-shape piece)."""
+        return self.arithmetic.head(self.head_weights, streams).float()
 
     def _pooled_ffn(self, layer: int, w, ids: torch.Tensor, *attended: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -81,11 +83,14 @@ class CapturedCall:
 class StepGraphs:
     """Fixed-shape pieces of a decode step on `device`, each captured once per key in a CUDA graph and replayed;
     run eagerly where they are off (a CPU) or their capture failed. A piece must not change anything but its
-    outputs (its capture runs it twice)."""
+    outputs (its capture runs it twice). An input that is another piece's output buffer (the attention's heads
+    the FFN reads, a layer's output the next layer reads) is read in place, not copied at each replay: the piece
+    is captured again should that input ever be another tensor."""
 
     def __init__(self, enabled: bool, device: torch.device):
         self.enabled, self.device = enabled, device
-        self._captured: dict[tuple, CapturedCall | None] = {}
+        self._captured: dict[tuple, _Piece | None] = {}
+        self._outputs: dict[int, weakref.ref] = {}  # id -> the captured pieces' output buffers
         self.replays = 0
 
     def values(self, values: list[int]) -> torch.Tensor:
@@ -97,16 +102,38 @@ class StepGraphs:
         next replay)."""
         if not self.enabled:
             return fn(*inputs)
-        if key not in self._captured:
-            try:
-                self._captured[key] = CapturedCall(fn, inputs)
-            except Exception:  # an op that cannot be captured here: eager from now on
-                self._captured[key] = None
-        call = self._captured[key]
-        if call is None:
+        piece = self._captured.get(key, False)
+        if piece and any(inputs[i] is not t for i, t in piece.shared):  # an output buffer it read moved
+            piece = False
+        if piece is False:
+            piece = self._captured[key] = self._capture(fn, inputs)
+        if piece is None:
             return fn(*inputs)
         self.replays += 1
-        return call(*inputs)
+        return piece.call(*(inputs[i] for i in piece.copied))
+
+    def _capture(self, fn: Callable, inputs: tuple[torch.Tensor, ...]) -> _Piece | None:
+        """fn captured over static copies of the inputs that are not output buffers of earlier pieces; None where
+        it cannot be (an op that cannot be captured here: eager from now on)."""
+        shared = tuple((i, t) for i, t in enumerate(inputs) if self._is_output(t))
+        copied = tuple(i for i in range(len(inputs)) if all(i != j for j, _ in shared))
+
+        def bound(*statics: torch.Tensor):
+            args = list(inputs)
+            for i, t in zip(copied, statics):
+                args[i] = t
+            return fn(*args)
+        try:
+            call = CapturedCall(bound, tuple(inputs[i] for i in copied))
+        except Exception:
+            return None
+        for t in call.output if isinstance(call.output, tuple) else (call.output,):
+            self._outputs[id(t)] = weakref.ref(t)
+        return _Piece(call, shared, copied)
+
+    def _is_output(self, t: torch.Tensor) -> bool:
+        ref = self._outputs.get(id(t))
+        return ref is not None and ref() is t
 
     def forget(self, key: tuple) -> None:
         """The graph captured for `key` dropped (its memory given back): what it read moved, or it is not needed."""
@@ -114,6 +141,15 @@ class StepGraphs:
 
     def clear(self) -> None:
         self._captured.clear()
+        self._outputs.clear()
+
+
+@dataclass
+class _Piece:
+    """A captured piece: its call, the inputs it reads in place (index, the buffer) and those it copies."""
+    call: CapturedCall
+    shared: tuple[tuple[int, torch.Tensor], ...]
+    copied: tuple[int, ...]
 
 
 class ExpertPool:

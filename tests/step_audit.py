@@ -249,10 +249,13 @@ class _Boundary(TorchFunctionMode):
         device = [t for t in tensors if not audit.is_host(t)]
         non_blocking = bool(kwargs.get("non_blocking", False))
         if name in _READS:
-            if args and isinstance(args[0], torch.Tensor) and not audit.is_host(args[0]):
+            read = args and isinstance(args[0], torch.Tensor) and not audit.is_host(args[0])
+            if read:
                 audit.sync(f"{name}()")
             with audit.placed("host"):
                 out = func(*args, **kwargs)
+                # a device tensor's .cpu() is a new host tensor (a CPU's is the tensor itself: not here)
+                out = out.clone() if read and out is args[0] else out
             audit.tag(out, host=True)
             return out
         if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor) and (

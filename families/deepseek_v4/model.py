@@ -766,8 +766,8 @@ def projection_names(kind: str) -> tuple[str, ...]:
     return names
 
 
-# The compressors a token of each layer kind feeds (grow_state, grow_states, device_kv): TokenKV's attribute, where its (kv,
-# gate) pair sits in projection_names' order, its ape and norm weights.
+# The compressors a token of each layer kind feeds (grow_state, grow_states, device_kv): TokenKV's attribute,
+# where its (kv, gate) pair sits in projection_names' order, its ape and norm weights.
 TOKEN_COMPRESSORS = {SLIDING: (),
                      HCA: (("compressor", 2, "attn.compressor.ape", "attn.compressor.norm.weight"),),
                      CSA: (("compressor", 2, "attn.compressor.ape", "attn.compressor.norm.weight"),
