@@ -1,5 +1,6 @@
 """A model's dense operations, each choosing its backend: the compiled token kernels (backends/token_kernels.py) for
-a few rows on a CPU (a decoded token), torch otherwise. A model family calls these, not token_kernels: which kernel
+a few rows on a CPU (a decoded token), torch otherwise (torch.compile'd on a CUDA device where a family asks:
+DeviceCompiled). A model family calls these, not token_kernels: which kernel
 runs where, and the roundings each path keeps equal, live here once. Nothing here names a family.
 
 Roundings: a bfloat16 weight takes its input rounded to bfloat16, products summed in float32, the result rounded to
@@ -7,13 +8,48 @@ bfloat16, on either path; the kernel adds the same products in another order tha
 
 from __future__ import annotations
 
+import os
+import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from moepack.backends import token_kernels
+
+
+COMPILE_ENV = "MOEPACK_COMPILE"  # "0": no torch.compile on a CUDA device (its callers run their torch ops)
+
+
+def compiling_on(device: torch.device) -> bool:
+    """Whether DeviceCompiled functions run compiled on `device` (a CUDA device, unless MOEPACK_COMPILE=0)."""
+    return device.type == "cuda" and os.environ.get(COMPILE_ENV, "1") != "0"
+
+
+class DeviceCompiled:
+    """fn (of tensors on one device, the first argument's) compiled by torch.compile where `compiling_on` its
+    device: many small ops (a loop of tiny reductions) fused into a few kernels, one compile for every leading size
+    (a step's rows, a prefill's chunk); fn itself elsewhere, or after its compile failed (one warning line). Its
+    first call on a shape compiles: a caller that captures CUDA graphs runs it once before its capture."""
+
+    def __init__(self, fn: Callable):
+        self.fn, self._compiled, self.failed = fn, None, False
+
+    def __call__(self, *args):
+        if self.failed or not compiling_on(args[0].device):
+            return self.fn(*args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=False)
+        try:
+            return self._compiled(*args)
+        except Exception as e:  # a machine where inductor cannot build (no compiler, no Triton): the torch ops
+            self.failed = True
+            warnings.warn(f"moepack: torch.compile of {self.fn.__name__} failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); it runs uncompiled", RuntimeWarning,
+                          stacklevel=2)
+            return self.fn(*args)
 
 
 def kernels_for(rows: int, x: Tensor, w: Tensor):

@@ -93,3 +93,50 @@ def test_one_tokens_mhc_entry_and_exit_match_torch(hc, hidden, iters):
     out = torch.randn(2, hidden, generator=gen)
     got, want = model.hc_post(streams[:1], out[:1], one[1], one[2]), model.hc_post(streams, out, batch[1], batch[2])
     assert torch.allclose(got, want[:1], rtol=1e-4, atol=1e-5)
+
+
+def test_on_a_cuda_device_the_mix_weights_are_one_compile_for_every_row_count(monkeypatch):
+    """model.device_mix_weights (ops.DeviceCompiled, what hc_pre calls on a CUDA device) compiled by torch.compile,
+    run on a CPU here (inductor's C++ backend standing for its Triton one): the torch path's values for 1, 5, 64
+    and 7 rows, from two graphs (one row, and any other count: no compile per count)."""
+    from torch._dynamo.utils import counters
+
+    from moepack.backends import ops
+
+    monkeypatch.setattr(ops, "compiling_on", lambda device: True)
+    compiled = ops.DeviceCompiled(model.hc_mix_weights)
+    counters.clear()
+    for tokens in (1, 5, 64, 7):
+        args = (*_inputs(tokens, 4, seed=tokens), 4, 20, 1e-6)
+        for g, w in zip(compiled(*args), model.hc_mix_weights(*args)):
+            assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-5, atol=1e-6), (g - w).abs().max()
+    assert not compiled.failed and counters["stats"]["unique_graphs"] == 2
+
+
+def test_a_compile_that_fails_warns_once_and_runs_the_torch_ops(monkeypatch):
+    from moepack.backends import ops
+
+    def broken(fn, **options):
+        def run(*args):
+            raise RuntimeError("no compiler here\nsecond line")
+        return run
+    monkeypatch.setattr(ops, "compiling_on", lambda device: True)
+    monkeypatch.setattr(torch, "compile", broken)
+    compiled = ops.DeviceCompiled(model.hc_mix_weights)
+    args = (*_inputs(3, 4), 4, 20, 1e-6)
+    with pytest.warns(RuntimeWarning, match=r"^moepack: torch.compile of hc_mix_weights failed \(RuntimeError: no "
+                                            r"compiler here\); it runs uncompiled$"):
+        got = compiled(*args)
+    assert compiled.failed
+    for g, w in zip(got, model.hc_mix_weights(*args)):
+        assert torch.equal(g, w)
+    assert all(torch.equal(g, w) for g, w in zip(compiled(*args), model.hc_mix_weights(*args)))  # (no warning again)
+
+
+def test_compile_is_for_cuda_devices_and_can_be_turned_off(monkeypatch):
+    from moepack.backends import ops
+
+    assert not ops.compiling_on(torch.device("cpu"))
+    assert ops.compiling_on(torch.device("cuda"))
+    monkeypatch.setenv(ops.COMPILE_ENV, "0")
+    assert not ops.compiling_on(torch.device("cuda"))

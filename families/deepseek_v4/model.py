@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moepack.backends.ops import (clamped_swiglu, grouped_projection, linear, linears, low_matmul, matmul,
-                                  swiglu_ffn, widened_matmul)
+from moepack.backends.ops import (DeviceCompiled, clamped_swiglu, grouped_projection, linear, linears, low_matmul,
+                                  matmul, swiglu_ffn, widened_matmul)
 from moepack.families.base import MoeShape, PrefillNames
 from moepack.families.base import Routing as FamilyRouting
 from moepack.families.base import check_finite
@@ -155,7 +155,8 @@ def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: T
     mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_().div_(flat.shape[1])
     mixes = matmul(flat, fn) * torch.rsqrt(mean_square + cfg.rms_norm_eps)
     args = (mixes, scale, base, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-    pre, post, comb = mhc_native.hc_mix_weights(*args, hc_mix_weights) or hc_mix_weights(*args)  # compiled if it can
+    # compiled where it can: a CPU's native call, a CUDA device's torch.compile
+    pre, post, comb = mhc_native.hc_mix_weights(*args, hc_mix_weights) or device_mix_weights(*args)
     collapsed = torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
     return collapsed, post, comb
 
@@ -186,6 +187,11 @@ def hc_mix_weights(mixes: Tensor, scale: Tensor, base: Tensor, hc: int, sinkhorn
         comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
         comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
     return pre, post, comb
+
+
+# On a CUDA device the mixes' ~120 small kernels (the Sinkhorn iterations' 114: each a launch, or a graph node of
+# ~2 us, twice a layer and token) fused by torch.compile into a few
+device_mix_weights = DeviceCompiled(hc_mix_weights)
 
 
 def hc_post(streams: Tensor, out: Tensor, post: Tensor, comb: Tensor, into: Tensor | None = None) -> Tensor:
