@@ -17,8 +17,10 @@ embedding rows, decoded from the stored bytes it keeps in host memory). Crossing
 
 Each aten op run on the device's tensors outside a captured piece is one kernel launch (views, allocations and
 metadata launch none); a captured piece (device_decode.CapturedCall, replaced by `Captured` here: static inputs
-and outputs as a replayed graph keeps them) costs one launch per replay plus one copy per input. A sync inside a
-captured piece would fail its capture on CUDA: recorded as a sync `in graph`.
+and outputs as a replayed graph keeps them) costs one launch per replay plus one copy per input (none for an input
+that is another piece's output buffer, read in place). The ops a replay runs are counted apart (`graph_kernels`:
+each a graph node, ~1-2 us of the device's time however small). A sync inside a captured piece would fail its
+capture on CUDA: recorded as a sync `in graph`.
 
 `python tests/step_audit.py` prints the counts per step for both families (run it before a GPU run).
 """
@@ -78,13 +80,15 @@ class StepCounts:
     graph_syncs: list[str] = field(default_factory=list)  # syncs inside a captured piece (its capture would fail)
     mixed: list[str] = field(default_factory=list)  # ops mixing host and device tensors (fail on CUDA)
     python_calls: int = 0  # calls of moepack's Python functions
+    graph_kernels: int = 0  # kernels inside the replayed graphs (each a graph node: ~1-2 us of the device's time)
     calls_by_function: Counter = field(default_factory=Counter)
     launch_sites: Counter = field(default_factory=Counter)  # eager launches by moepack function (StepAudit.sites)
+    graph_sites: Counter = field(default_factory=Counter)  # the graphs' kernels by moepack function (sites)
 
     def per_step(self, steps: int) -> dict:
         return {"syncs": len(self.syncs) / steps, "launches": self.launches / steps, "replays": self.replays / steps,
                 "graph_syncs": len(self.graph_syncs) / steps, "mixed": len(self.mixed) / steps,
-                "python_calls": self.python_calls / steps}
+                "python_calls": self.python_calls / steps, "graph_kernels": self.graph_kernels / steps}
 
 
 class StepAudit:
@@ -156,7 +160,12 @@ class StepAudit:
         (self.counts.graph_syncs if self._graph else self.counts.syncs).append(f"{what} @ {where()}")
 
     def launch(self, name: str, n: int = 1) -> None:
-        if self._graph or self._capturing:
+        if self._capturing:
+            return
+        if self._graph:  # a kernel (a node) of a replayed graph: the device's time, not the host's
+            self.counts.graph_kernels += n
+            if self.sites:
+                self.counts.graph_sites[where().split(" < ")[0].split(" ", 1)[-1]] += n
             return
         self.counts.launches += n
         self.counts.eager_ops[name] += n
@@ -412,10 +421,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--workdir", default="/tmp/moepack-step-audit")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--sites", action="store_true", help="also the eager launches by moepack function")
+    ap.add_argument("--sites", action="store_true", help="also the launches by moepack function (eager, in graphs)")
     args = ap.parse_args()
-    print(f"{'family':12} {'experts':8} {'B':>2} {'syncs':>6} {'launches':>8} {'replays':>7} {'py calls':>8}  "
-          "where the syncs are")
+    print(f"{'family':12} {'experts':8} {'B':>2} {'syncs':>6} {'launches':>8} {'replays':>7} {'in graphs':>9} "
+          f"{'py calls':>8}  where the syncs are")
     for family in ("deepseek-v4", "qwen3-moe"):
         src, path = (os.path.join(args.workdir, f"{family}{ext}") for ext in ("", ".moepack"))
         if not os.path.exists(path):
@@ -454,11 +463,14 @@ def main() -> None:
                 sites = Counter(s.split(" @ ")[0] + " @ " + s.split(" @ ")[1].split(" < ")[0] for s in c.syncs)
                 pool = "" if d.pool is not None else " (no pool)"
                 print(f"{family:12} {('all' if fraction == 1 else '40 %') + pool:8} {rows:>2} {per['syncs']:>6.2f} "
-                      f"{per['launches']:>8.1f} {per['replays']:>7.1f} {per['python_calls']:>8.1f}  "
+                      f"{per['launches']:>8.1f} {per['replays']:>7.1f} {per['graph_kernels']:>9.1f} "
+                      f"{per['python_calls']:>8.1f}  "
                       + "; ".join(f"{n / args.steps:g} x {s}" for s, n in sites.items()))
                 if args.sites:
                     print("    launches by function:", ", ".join(f"{k} {v / args.steps:g}"
                                                              for k, v in c.launch_sites.most_common(12)))
+                    print("    in graphs by function:", ", ".join(f"{k} {v / args.steps:g}"
+                                                              for k, v in c.graph_sites.most_common(8)))
                 assert not c.graph_syncs and not c.mixed, (c.graph_syncs, c.mixed)
 
 
