@@ -1,7 +1,7 @@
-"""What every family's decode KV arena on a device shares (families/deepseek_v4/device_kv.py,
-families/qwen3_moe/device_kv.py): each decoding sequence's state lives in a slot of preallocated device tensors, so
-that a layer's attention for every row of a step is one fixed-shape piece (a CUDA graph per layer, rows, bucket and
-generation) rather than per-row ops whose shapes grow a token at a time.
+"""What every family's decode KV arena on a device shares (each family's `device_kv.py`): each decoding sequence's
+state lives in a slot of preallocated device tensors, so that a layer's attention for every row of a step is one
+fixed-shape piece (a CUDA graph per layer, rows, bucket and generation) rather than per-row ops whose shapes grow a
+token at a time.
 
 `SlotArena` keeps the slots: a sequence takes one when it starts (`take_slot`) and gives it back when its states
 are dropped (`ArenaSlot`); with none free the slots double (the family's `grow_slots`, which moves its tensors and

@@ -18,7 +18,8 @@ from moepack.families.qwen3_moe.model import LayerKV
 from moepack.format_spec.errors import MoepackError
 from moepack.packer.convert import convert_checkpoint
 from gpu_branches import HostSyncs, without_native_code
-from test_device_decode import _StaticBuffers, _all_experts, _relative, generator  # noqa: F401
+from test_device_decode import _StaticBuffers, _all_experts, _relative, generator  # noqa: F401, F811
+from test_device_kv import _greedy, _prefilled
 from test_qwen3_moe import CONFIGS, save_model
 
 ARENA_CONFIGS = ("gqa", "sparse-step")  # two query heads per KV head; dense-MLP layers beside routed ones
@@ -47,27 +48,16 @@ def states_kept(path: str):
         yield
 
 
-def _prefilled(g, lengths=PROMPTS):
-    out = []
-    for n in lengths:
-        ids = torch.randint(3, g.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-        logits, states, *_ = g._prefill(ids, None, 8)
-        out.append((states, int(logits.argmax())))
-    return out
-
-
-def _greedy(g, steps=STEPS, lengths=PROMPTS):
-    """Greedy steps of every prompt together: (each step's logits [B, vocab], the sequences)."""
-    d = g.decoder
-    prefilled = _prefilled(g, lengths)
-    seqs = [d.start(states) for states, _ in prefilled]
-    tokens = [first for _, first in prefilled]
-    out = []
-    for _ in range(steps):
-        logits = d.step_batch(seqs, tokens)
-        out.append(logits)
-        tokens = logits.argmax(-1).tolist()
-    return out, seqs
+def _steps(g, steps=STEPS, lengths=PROMPTS, follow: list | None = None):
+    """Greedy steps of every prompt together (test_device_kv._greedy), or steps fed the greedy tokens of
+    `follow`'s logits (another run's, step by step): (each step's logits [B, vocab], the sequences)."""
+    if follow is None:
+        return _greedy(g, steps, lengths)
+    got, step_batch = [], g.decoder.step_batch
+    with pytest.MonkeyPatch.context() as patch:  # each step's logits kept, `follow`'s handed to _greedy
+        patch.setattr(g.decoder, "step_batch", lambda *args: got.append(step_batch(*args)) or follow[len(got) - 1])
+        seqs = _greedy(g, steps, lengths)[1]
+    return got, seqs
 
 
 def _same_states(a: list[LayerKV], b: list[LayerKV], atol: float) -> None:
@@ -88,7 +78,7 @@ def test_the_arena_steps_every_row_as_the_per_row_states_do(containers, generato
     runs = {}
     for path in ("per-row", "arena"):
         with states_kept(path), generator(containers[name]) as g:
-            logits, seqs = _greedy(g)
+            logits, seqs = _steps(g)
             assert all(isinstance(kv, ArenaKV) == (path == "arena") for s in seqs for kv in s.kv)
             if path == "arena":
                 arena = seqs[0].kv[0].arena
@@ -110,35 +100,23 @@ def test_the_arena_in_bfloat16_steps_as_the_per_row_states_do(containers, genera
     runs = {}
     for path in ("per-row", "arena"):
         with states_kept(path), generator(containers["gqa"], compute_dtype="bfloat16") as g:
-            d = g.decoder
-            prefilled = _prefilled(g)
-            seqs = [d.start(states) for states, _ in prefilled]
-            tokens = [first for _, first in prefilled]
-            out = []
-            for step in range(8):  # the per-row run's tokens fed to both: a near tie may go either way in bf16
-                out.append(d.step_batch(seqs, tokens))
-                tokens = (runs["per-row"] if "per-row" in runs else out)[step].argmax(-1).tolist()
+            # the per-row run's tokens fed to both: a near tie may go either way in bf16
+            runs[path], seqs = _steps(g, steps=8, follow=runs.get("per-row"))
             assert all(kv.dtype == torch.bfloat16 for kv in seqs[0].states[0].__dict__.values())
-            runs[path] = out
     for a, b in zip(runs["arena"], runs["per-row"]):
         assert max(_relative(a[r], b[r]) for r in range(len(PROMPTS))) < 2e-2
 
 
 def test_a_batch_in_the_arena_equals_each_sequence_alone(containers, generator):
+    """Three prompts stepped together, then each alone (in other slots of the same arena, the batch's still
+    held): each row's logits to float32 rounding and greedy tokens, and its states, those of its sequence alone."""
     with states_kept("arena"), generator(containers["gqa"]) as g:
-        d = g.decoder
-        prefilled = _prefilled(g)
-        together = [d.start(states) for states, _ in prefilled]
-        alone = [d.start(states) for states, _ in prefilled]
-        tokens = [first for _, first in prefilled]
-        for _ in range(12):
-            batch = d.step_batch(together, tokens)
-            for b, seq in enumerate(alone):
-                solo = d.step_batch([seq], [tokens[b]])[0]
-                assert _relative(batch[b], solo) < 1e-5 and int(batch[b].argmax()) == int(solo.argmax())
-            tokens = batch.argmax(-1).tolist()
-        for a, b in zip(together, alone):
-            _same_states(a.states, b.states, atol=1e-5)
+        together, seqs = _steps(g, steps=12)
+        for row, n in enumerate(PROMPTS):
+            alone, (seq,) = _steps(g, steps=12, lengths=(n,))
+            for batch, solo in zip(together, alone):
+                assert _relative(batch[row], solo[0]) < 1e-5 and int(batch[row].argmax()) == int(solo[0].argmax())
+            _same_states(seqs[row].states, seq.states, atol=1e-5)
 
 
 def test_slots_are_given_back_and_the_arena_grows_under_its_sequences(containers, generator):
@@ -172,15 +150,8 @@ def test_slots_are_given_back_and_the_arena_grows_under_its_sequences(containers
         for _ in range(6):
             tokens = d.step_batch(rows, tokens).argmax(-1).tolist()
         after = [s.states for s in rows]
-    # the same sequences through the per-row states
-    with states_kept("per-row"), generator(containers["gqa"]) as g:
-        d = g.decoder
-        prefilled = _prefilled(g, lengths=(5, 17, 100))
-        seqs = [d.start(states) for states, _ in prefilled]
-        tokens = [f for _, f in prefilled]
-        for _ in range(6):
-            tokens = d.step_batch(seqs, tokens).argmax(-1).tolist()
-        for a, s in zip(after, seqs):
+    with states_kept("per-row"), generator(containers["gqa"]) as g:  # the same sequences through per-row states
+        for a, s in zip(after, _steps(g, steps=6, lengths=(5, 17, 100))[1]):
             _same_states(a, s.states, atol=1e-5)
 
 
@@ -190,34 +161,35 @@ def test_the_arena_pieces_as_cuda_graphs_replay_them_equal_eager_and_never_wait(
     layer whatever the rows, none waiting for the host, and a new bucket retiring its layer's last graph."""
     from moepack.runtime import device_decode
 
-    captured = []
+    captured = []  # (the piece's function, the host syncs its capture met)
 
-    class Checked(_StaticBuffers):
-        def __init__(self, fn, inputs):
-            with HostSyncs() as mode:
-                super().__init__(fn, inputs)
-            captured.append((fn, mode.seen))
-    results = {}
-    for graphs in (False, True):
+    def checked_capture(fn, inputs):
+        with HostSyncs() as mode:
+            call = _StaticBuffers(fn, inputs)
+        captured.append((getattr(fn, "func", fn), mode.seen))
+        return call
+
+    def decoded(graphs: bool) -> tuple[list, list[tuple], int, int]:
+        """12 greedy steps of the prompts with every expert pooled: (their logits, the graph keys held after, the
+        replays, the layers)."""
         with states_kept("arena"), generator(containers["sparse-step"], decoded_experts=True,
                                              expert_pool=True) as g:
-            d = g.decoder
-            d.seed(_all_experts(d))
-            if graphs:
-                monkeypatch.setattr(device_decode, "CapturedCall", Checked)
-                d.pool.graphs.enabled = True
-            results[graphs] = _greedy(g, steps=12)[0]
-            if graphs:
-                keys = [k for k in d.pool.graphs._captured if k[0] == "arena attention"]
-                # one live graph per layer (rows 3), at the latest bucket (64: 30 + 12 tokens)
-                assert sorted(k[1] for k in keys) == list(range(len(d.blocks))) and {k[3] for k in keys} == {64}
-                # each layer's attention, and its FFN (routed over the pool, or dense)
-                assert d.pool.graphs.replays == 2 * 12 * len(d.blocks)
-    arena_pieces = [seen for fn, seen in captured if getattr(fn, "func", None) is not None
-                    and fn.func.__name__ == "_attention"]
-    assert len(arena_pieces) == 2 * len(d.blocks)  # buckets 32 and 64
+            g.decoder.seed(_all_experts(g.decoder))
+            step_graphs = g.decoder.pool.graphs
+            step_graphs.enabled = graphs
+            logits = _steps(g, steps=12)[0]
+            return logits, list(step_graphs._captured), step_graphs.replays, len(g.decoder.blocks)
+
+    eager, *_ = decoded(False)
+    monkeypatch.setattr(device_decode, "CapturedCall", checked_capture)
+    replayed, held, replays, layers = decoded(True)
+    keys = [k for k in held if k[0] == "arena attention"]
+    # one live graph per layer (rows 3), at the latest bucket (64: 30 + 12 tokens), the one of 32 retired
+    assert sorted(k[1] for k in keys) == list(range(layers)) and {k[3] for k in keys} == {64}
+    assert len([fn for fn, _ in captured if fn.__name__ == "_attention"]) == 2 * layers
+    assert replays == 2 * 12 * layers  # each layer's attention, and its FFN (routed over the pool, or dense)
     assert captured and all(seen == [] for _, seen in captured)
-    for a, b in zip(results[True], results[False]):
+    for a, b in zip(replayed, eager):
         assert torch.equal(a, b)
 
 
@@ -236,6 +208,7 @@ def test_a_state_that_is_not_a_prefills_is_refused_in_one_line(containers, gener
         with pytest.raises(MoepackError, match=f"^layer {layer}: ") as info:
             g.decoder.start(states)
         assert "\n" not in str(info.value)
+        assert g.decoder.arithmetic._arena._free == [0]  # refused before it took a slot
 
 
 def test_key_buckets_are_powers_of_two_from_the_least():
