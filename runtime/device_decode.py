@@ -118,6 +118,7 @@ class StepGraphs:
         shared = tuple((i, t) for i, t in enumerate(inputs) if self._is_output(t))
         copied = tuple(i for i in range(len(inputs)) if all(i != j for j, _ in shared))
 
+        @functools.wraps(fn)  # (fn's name: what the piece is)
         def bound(*statics: torch.Tensor):
             args = list(inputs)
             for i, t in zip(copied, statics):

@@ -392,13 +392,15 @@ def device_caches() -> tuple:
 def gpu_branches(monkeypatch) -> None:
     """The branches a CUDA device takes on a CPU: no compiled token kernels (ops), no native mHC, a bf16 product
     of a few rows in bf16 (ops.low_matmul: a CPU's runs it in float32), DeepSeek-V4's CUDA branches (its KV in
-    the device arena, its indexer's bf16 path)."""
+    the device arena, its indexer's bf16 path), Qwen3-MoE's KV in its device arena."""
     from moepack.backends import token_kernels
     from moepack.families.deepseek_v4 import model
+    from moepack.families.qwen3_moe import device_kv
 
     without_native_code(monkeypatch.setattr)
     monkeypatch.setattr(token_kernels, "SMALL_ROWS", 0)
     monkeypatch.setattr(model, "on_cuda", lambda device: True)
+    monkeypatch.setattr(device_kv, "on_cuda", lambda device: True)
 
 
 def main() -> None:

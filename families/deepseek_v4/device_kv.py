@@ -28,13 +28,12 @@ stale (`generation`). `ArenaKV.state()` hands the state on as a prefill would (L
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from moepack.backends.device_copier import to_device_async
+from moepack.backends.kv_arena import ArenaSlot, SlotArena, bucket_for, grown
 from moepack.format_spec.errors import MoepackError
 
 from . import model
@@ -46,17 +45,7 @@ ENTRY_BUCKET_MIN = 16  # the fewest entries a bucket holds (a new graph per buck
 
 def entry_bucket(count: int) -> int:
     """The entries a step's attention reads for rows of at most `count` complete entries."""
-    return max(ENTRY_BUCKET_MIN, 1 << max(count - 1, 0).bit_length())
-
-
-def _grown(t: Tensor, dim: int, size: int, fill: float = 0.0) -> Tensor:
-    """t with dimension `dim` grown to `size`, the new part `fill` (finite where read masked: a NaN times a
-    masked weight is still NaN)."""
-    shape = list(t.shape)
-    shape[dim] = size
-    out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
-    out.narrow(dim, 0, t.shape[dim]).copy_(t)
-    return out
+    return bucket_for(count, ENTRY_BUCKET_MIN)
 
 
 class _Rows:
@@ -82,8 +71,8 @@ class _Rows:
 
     def grow(self, dim: int, size: int) -> None:
         same = self.low is self.rows
-        self.rows = _grown(self.rows, dim, size)
-        self.low = self.rows if same else _grown(self.low, dim, size)
+        self.rows = grown(self.rows, dim, size)
+        self.low = self.rows if same else grown(self.low, dim, size)
 
 
 class _Compressor:
@@ -102,9 +91,9 @@ class _Compressor:
         self.entries = _Rows(slots, ENTRY_BUCKET_MIN, self.d, low, device)
 
     def grow_slots(self, slots: int) -> None:
-        self.buffer_kv, self.buffer_gate = (_grown(t, 0, slots) for t in (self.buffer_kv, self.buffer_gate))
+        self.buffer_kv, self.buffer_gate = (grown(t, 0, slots) for t in (self.buffer_kv, self.buffer_gate))
         if self.overlapping:
-            self.overlap_kv, self.overlap_gate = (_grown(t, 0, slots) for t in (self.overlap_kv, self.overlap_gate))
+            self.overlap_kv, self.overlap_gate = (grown(t, 0, slots) for t in (self.overlap_kv, self.overlap_gate))
         self.entries.grow(0, slots)
 
     def load(self, slot: int, state: CompressorState, layer: int, name: str, seen: int) -> None:
@@ -181,14 +170,6 @@ class _Layer:
         self.generation += 1
 
 
-class ArenaSlot:
-    """A sequence's slot in the arena: given back when the last of its layers' states is dropped."""
-
-    def __init__(self, arena: KVArena, index: int):
-        self.index = index
-        weakref.finalize(self, arena._free.append, index)
-
-
 class ArenaKV:
     """One layer's decode state of one sequence in the arena (what token_state gives on a CUDA device)."""
 
@@ -207,27 +188,24 @@ class ArenaKV:
         return LayerKVState(self.layer_type, seen, window, parts.get("compressor"), parts.get("indexer"))
 
 
-class KVArena:
-    """Every decoding sequence's KV of every layer in slots on `device` (the module's docstring)."""
+class KVArena(SlotArena):
+    """Every decoding sequence's KV of every layer in slots on `device` (the module's docstring; the slots, the
+    step's rows and the graph keys backends/kv_arena.py's)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device, low: Sequence[torch.dtype]):
-        self.cfg, self.device = cfg, device
+        super().__init__(device)
+        self.cfg = cfg
         self.layers = [_Layer(cfg, layer, 1, dtype, device) for layer, dtype in enumerate(low)]
-        self.slots = 1
-        self._free = [0]
-        self._step: tuple[tuple, Tensor] | None = None  # (the rows' (slot, position) pairs, them on the device)
-        self._keys: dict[tuple[int, int], tuple] = {}  # (layer, rows) -> its attention's last graph key
+
+    def grow_slots(self, slots: int) -> None:
+        for L in self.layers:
+            L.grow_slots(slots)
 
     def admit(self, states: Sequence[LayerKVState]) -> list[ArenaKV]:
         """A sequence after a prefill's `states` (one per layer, on this device) in a free slot: its layers'
         ArenaKV. A state that is not a prefill's of this model is refused in one line."""
         cfg = self.cfg
-        if not self._free:
-            for L in self.layers:
-                L.grow_slots(2 * self.slots)
-            self._free.extend(range(2 * self.slots - 1, self.slots - 1, -1))
-            self.slots *= 2
-        slot = ArenaSlot(self, self._free.pop())
+        slot = self.take_slot()
         out = []
         for layer, (L, state) in enumerate(zip(self.layers, states)):
             seen, window = state.seen_tokens, state.window_kv
@@ -246,14 +224,6 @@ class KVArena:
             out.append(ArenaKV(self, layer, slot, L.kind, seen))
         return out
 
-    def step_rows(self, states: Sequence[ArenaKV]) -> Tensor:
-        """The rows' (slots, positions) [2, B] on the device, sent once per step (every layer's rows are the same
-        sequences at the same positions)."""
-        key = tuple((s.slot.index, s.seen_tokens) for s in states)
-        if self._step is None or self._step[0] != key:
-            self._step = key, to_device_async(torch.tensor(list(zip(*key)), dtype=torch.int64), self.device)
-        return self._step[1]
-
     def attend(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, states: Sequence[ArenaKV], graphs
                ) -> tuple[Tensor, ...]:
         """DeepseekV4Decode.attend over the arena: one fixed-shape piece for every row (a CUDA graph per layer,
@@ -266,12 +236,7 @@ class KVArena:
             # the bucket's prefix is read, and each row writes entry position // rate
             L.reserve_entries(max(bucket, max(s.seen_tokens // rate for s in states) + 1))
         rows = self.step_rows(states)
-        key = ("arena attention", layer, len(states), bucket, L.generation)
-        last = self._keys.get((layer, len(states)))
-        if last != key:  # one graph per layer and rows: a new bucket or generation retires the last one
-            if last is not None:
-                graphs.forget(last)
-            self._keys[(layer, len(states))] = key
+        key = self.graph_key(graphs, layer, len(states), bucket, L.generation)  # (retiring the last one)
         heads, rotation, post, comb = graphs.run(key, functools.partial(self._attention, layer, w, bucket), hidden,
                                                  rows)
         for s in states:

@@ -1,6 +1,7 @@
 """Qwen3-MoE's arithmetic for the token-major decode (families.base.LayerDecode): the forward's functions (model.py)
 split where the Decoder (runtime/decode.py) fetches the routed experts. A sequence's state of a layer is its LayerKV,
-continued in place; every row runs its attention and router alone, as a prefill of one token would; no compiled
+continued in place, every row's attention over its own keys, as a prefill of one token would; on a CUDA device its
+ArenaKV (device_kv.py: every row's attention one fixed-shape piece over slots of the decoder's arena). No compiled
 path (the Decoder runs these functions in torch)."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import torch
 from torch import Tensor
 
 from ..base import Routing
+from . import device_kv
+from .device_kv import ArenaKV, KVArena
 from .model import LayerKV, attention_inputs, attention_over, head, rms_norm
 from .prefill import Qwen3MoePrefill
 from .tensors import FINAL_NORM
@@ -19,6 +22,8 @@ from .tensors import FINAL_NORM
 
 class Qwen3MoeDecode(Qwen3MoePrefill):
     """LayerDecode for one Qwen3-MoE config in one compute dtype (the prefill's names and expert FFN)."""
+
+    _arena: KVArena | None = None  # the sequences' states on a CUDA device (token_states)
 
     def global_dtype(self, name: str, stored_dtype: str, compiled: bool) -> torch.dtype:
         return self.dtype
@@ -29,13 +34,26 @@ class Qwen3MoeDecode(Qwen3MoePrefill):
     def token_state(self, layer: int, state: LayerKV, w: Mapping[str, Tensor], device) -> LayerKV:
         return state  # continued in place
 
-    def layer_state(self, token_state: LayerKV) -> LayerKV:
-        return token_state
+    def token_states(self, states: Sequence[LayerKV], dense: Sequence[Mapping[str, Tensor]], device
+                     ) -> list[LayerKV | ArenaKV]:
+        # on a CUDA device, in the decoder's arena (device_kv.py): a layer's attention one piece for every row
+        device = torch.device(device)
+        if not device_kv.on_cuda(device):
+            return [self.token_state(layer, s, w, device) for layer, (s, w) in enumerate(zip(states, dense))]
+        if self._arena is None:
+            self._arena = KVArena(self.config, device, self.dtype)
+        return self._arena.admit(states)
+
+    def layer_state(self, token_state: LayerKV | ArenaKV) -> LayerKV:
+        return token_state.state() if isinstance(token_state, ArenaKV) else token_state
 
     def attend(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, states: Sequence[LayerKV], graphs
                ) -> tuple[Tensor, ...]:
         # what needs only the rows (the norm, projections, RoPE) on every row at once (one fixed-shape piece), the
-        # attention over each row's keys row by row; o_proj and the router run in route_attended
+        # attention over each row's keys row by row (in the arena: all in one piece); o_proj and the router run in
+        # route_attended
+        if states and isinstance(states[0], ArenaKV):
+            return states[0].arena.attend(layer, w, hidden, states, graphs)
         c = self.config
         positions = graphs.values([state.length for state in states])
         q, k, v = graphs.run(("attention inputs", layer, hidden.shape[0]),

@@ -1,0 +1,88 @@
+"""What every family's decode KV arena on a device shares (each family's `device_kv.py`): each decoding sequence's
+state lives in a slot of preallocated device tensors, so that a layer's attention for every row of a step is one
+fixed-shape piece (a CUDA graph per layer, rows, bucket and generation) rather than per-row ops whose shapes grow a
+token at a time.
+
+`SlotArena` keeps the slots: a sequence takes one when it starts (`take_slot`) and gives it back when its states
+are dropped (`ArenaSlot`); with none free the slots double (the family's `grow_slots`, which moves its tensors and
+so makes its graphs stale: the family bumps its generation). A step's rows give their slots and positions as one
+small device tensor sent once a step (`step_rows`), and each (layer, rows) keeps one live graph: a new bucket or
+generation retires the last (`graph_key`). A bucket is a power of two (`bucket`): one graph serves many tokens.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .device_copier import to_device_async
+
+
+def bucket_for(count: int, least: int) -> int:
+    """The least power of two that is at least `count` and `least`."""
+    return max(least, 1 << max(count - 1, 0).bit_length())
+
+
+def grown(t: Tensor, dim: int, size: int, fill: float = 0.0) -> Tensor:
+    """t with dimension `dim` grown to `size`, the new part `fill` (finite where read masked: a NaN times a
+    masked weight is still NaN)."""
+    shape = list(t.shape)
+    shape[dim] = size
+    out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+class ArenaSlot:
+    """A sequence's slot in the arena: given back when the last of its layers' states is dropped."""
+
+    def __init__(self, arena: SlotArena, index: int):
+        self.index = index
+        weakref.finalize(self, arena._free.append, index)
+
+
+class SlotArena:
+    """The slots of a family's arena on `device` (module docstring); the family's arena says how its tensors grow
+    (`grow_slots`). Its states give `slot` (an ArenaSlot) and `seen_tokens` (the row's position this step)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.slots = 1
+        self._free = [0]
+        self._step: tuple[tuple, Tensor] | None = None  # (the rows' (slot, position) pairs, them on the device)
+        self._keys: dict[tuple[int, int], tuple] = {}  # (layer, rows) -> its attention's last graph key
+
+    def grow_slots(self, slots: int) -> None:
+        """Every tensor's slots grown to `slots` (the family's arena)."""
+        raise NotImplementedError
+
+    def take_slot(self) -> ArenaSlot:
+        """A free slot, the slots doubled where none is."""
+        if not self._free:
+            self.grow_slots(2 * self.slots)
+            self._free.extend(range(2 * self.slots - 1, self.slots - 1, -1))
+            self.slots *= 2
+        return ArenaSlot(self, self._free.pop())
+
+    def step_rows(self, states: Sequence) -> Tensor:
+        """The rows' (slots, positions) [2, B] on the device, sent once per step (every layer's rows are the same
+        sequences at the same positions)."""
+        key = tuple((s.slot.index, s.seen_tokens) for s in states)
+        if self._step is None or self._step[0] != key:
+            self._step = key, to_device_async(torch.tensor(list(zip(*key)), dtype=torch.int64), self.device)
+        return self._step[1]
+
+    def graph_key(self, graphs, layer: int, rows: int, *version) -> tuple:
+        """The graph key of layer `layer`'s attention for `rows` rows at `version` (bucket, generation, ...); the
+        last key of (layer, rows), if another, forgotten by `graphs` (device_decode.StepGraphs): one live graph
+        per layer and rows."""
+        key = ("arena attention", layer, rows, *version)
+        last = self._keys.get((layer, rows))
+        if last != key:
+            if last is not None:
+                graphs.forget(last)
+            self._keys[(layer, rows)] = key
+        return key
