@@ -54,12 +54,14 @@ def _triton():
 
 def fused_applies(q: Tensor, keys: Tensor, head_weights: Tensor) -> bool:
     """Whether the kernel can compute these scores: Triton present, CUDA tensors (or CPU ones under Triton's
-    interpreter), keys shared by every query, a power-of-two head dimension of at least 16 (tl.dot's)."""
+    interpreter), keys shared by every query, a power-of-two head dimension of at least 16 (tl.dot's), fewer than
+    2^31 elements in every operand and the scores."""
     on_device = q.is_cuda or (interpreting() and q.device.type == "cpu")
     head_dim = q.shape[-1]
     return (on_device and q.dim() == 3 and keys.dim() == 2 and keys.shape[-1] == head_dim
             and head_weights.shape == q.shape[:2] and q.dtype in (torch.bfloat16, torch.float16)
             and keys.dtype == q.dtype and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            and max(q.numel(), keys.numel(), q.shape[0] * keys.shape[0]) < 2**31  # (the kernel's int32 offsets)
             and _triton() is not None)
 
 
@@ -106,7 +108,7 @@ def _kernel_source(tl):
 # WIDEN (the interpreter's bf16 dot only: numpy's reads bf16's bits as integers) widens q and keys to float32 first,
 # exact products of bf16 values as the GPU's bf16 dot's are
 # tile sizes tried on a GPU (the first run of a kernel's shapes picks one); the interpreter runs one small tile
-_GPU_TILES = ((64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 4, 3), (32, 128, 4, 3))
+_GPU_TILES = ((64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4))
 _INTERPRETER_TILE = (16, 32)
 
 

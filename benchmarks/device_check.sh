@@ -11,6 +11,9 @@
 #   prefill   benchmarks/prefill.py on the GPU with a device budget smaller than the model's experts
 #             (T_ssd = io-alone, T_compute = compute-alone, wall = streamed)
 #   profile   torch's profiler over one GPU generation, its experts cached on the device
+#   indexer_scores  benchmarks/indexer_scores.py: one query chunk's Lightning Indexer scores at the release's
+#             dimensions (64 heads of 128, 1024 queries; 64K and 128K prompts), torch's blocks against the fused Triton
+#             kernel (bf16, with counts, FP8), the errors against float32 and which one the selection keeps
 #   gpu_prefill  benchmarks/gpu_prefill.py: three release layers with all 256 experts at full size, N = GPU_TOKENS,
 #             in each place the weights can be (disk, page cache, host RAM, device), beside the chip's dense bf16,
 #             grouped-GEMM and pinned-H2D ceilings measured in the same run
@@ -42,7 +45,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/moepack-device-check}
 DEVICE=${DEVICE:-cuda}
-STEPS=${STEPS:-tests gpu_prefill gpu_decode generate capped decode prefill profile}
+STEPS=${STEPS:-tests indexer_scores gpu_prefill gpu_decode generate capped decode prefill profile}
 GPU_TOKENS=${GPU_TOKENS:-4096,131072,65536,16384}
 GPU_BATCH=${GPU_BATCH:-1,8}
 # the release slice gpu_prefill and gpu_decode share (built once, by whichever runs first): fewer experts or layers
@@ -50,6 +53,8 @@ GPU_BATCH=${GPU_BATCH:-1,8}
 GPU_EXPERTS=${GPU_EXPERTS:-${GPU_DECODE_EXPERTS:-256}}
 GPU_LAYERS=${GPU_LAYERS:-1,2,3}
 GPU_WORKDIR=${GPU_WORKDIR:-/tmp/moepack-gpu-prefill}
+# indexer_scores' shapes (a dry run on a CPU: INDEXER_ARGS="--tokens 4096 --heads 4 --chunk 64")
+INDEXER_ARGS=${INDEXER_ARGS:---tokens 131072,65536}
 PRESET=${PRESET:-medium}
 TOKENS=${TOKENS:-1024,4096}
 BUDGET_GIB=${BUDGET_GIB:-1}  # below the medium preset's 2.3 GB of experts: they stream, as on a small GPU
@@ -152,6 +157,13 @@ run_decode() {
     timeout "$(upto 200)" python3 benchmarks/decode.py --preset "$PRESET" --device "$DEVICE" --no-transformers \
         --workdir /tmp/moepack-decode 2> "$OUT/decode_stderr.txt" | tee "$OUT/decode.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed decode"
+}
+
+run_indexer_scores() {
+    step "indexer scores: torch's blocks against the fused kernel"
+    timeout "$(upto 90)" python3 benchmarks/indexer_scores.py --device "$DEVICE" $INDEXER_ARGS \
+        2> >(tee "$OUT/indexer_scores_stderr.txt" >&2) | tee "$OUT/indexer_scores.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed indexer_scores"
 }
 
 run_gpu_prefill() {
