@@ -67,7 +67,7 @@ def fused_applies(q: Tensor, keys: Tensor, head_weights: Tensor) -> bool:
 
 def _kernel_source(tl):
     def weighted_relu_head_sum_kernel(
-            q_ptr, k_ptr, w_ptr, counts_ptr, key_scales_ptr, out_ptr, n_queries, n_keys,
+            q_ptr, k_ptr, w_ptr, counts_ptr, key_scales_ptr, out_ptr, n_queries, n_keys, queries_class, keys_class,
             stride_qc, stride_qh, stride_kt, stride_wc, stride_wh, stride_oc,
             HEADS: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
             HAS_COUNTS: tl.constexpr, HAS_KEY_SCALES: tl.constexpr, WIDEN: tl.constexpr):
@@ -107,8 +107,9 @@ def _kernel_source(tl):
 
 # WIDEN (the interpreter's bf16 dot only: numpy's reads bf16's bits as integers) widens q and keys to float32 first,
 # exact products of bf16 values as the GPU's bf16 dot's are
-# tile sizes tried on a GPU (the first run of a kernel's shapes picks one); the interpreter runs one small tile
-_GPU_TILES = ((64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4))
+# tile sizes tried on a GPU (the first run of each shape class picks one: queries_class and keys_class, unused by
+# the kernel, are shape_class's powers of two, the autotuner's key); the interpreter runs one small tile
+_GPU_TILES = ((64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4))
 _INTERPRETER_TILE = (16, 32)
 
 
@@ -117,12 +118,17 @@ def _kernel(interpret: bool):
     """The jitted kernel (autotuned over _GPU_TILES on a GPU), made at first use: whether it is interpreted is
     Triton's reading of TRITON_INTERPRET when it is decorated."""
     triton, tl = _triton()
-    jitted = triton.jit(_kernel_source(tl))
+    jitted = triton.jit(_kernel_source(tl), do_not_specialize=["n_queries", "n_keys", "queries_class", "keys_class"])
     if interpret:
         return jitted
     configs = [triton.Config({"BLOCK_C": c, "BLOCK_T": t}, num_warps=warps, num_stages=stages)
                for c, t, warps, stages in _GPU_TILES]
-    return triton.autotune(configs, key=["HEADS", "D", "HAS_COUNTS", "HAS_KEY_SCALES"])(jitted)
+
+    def short_bench(kernel_call, quantiles):  # (Triton's default, 25 + 100 ms a tile size, is most of a prefill's)
+        from triton.testing import do_bench
+        return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+    return triton.autotune(configs, key=["queries_class", "keys_class", "HEADS", "D", "HAS_COUNTS", "HAS_KEY_SCALES"],
+                           do_bench=short_bench)(jitted)
 
 
 def _launch(q: Tensor, keys: Tensor, head_weights: Tensor, counts: Tensor | None,
@@ -143,7 +149,8 @@ def _launch(q: Tensor, keys: Tensor, head_weights: Tensor, counts: Tensor | None
     def grid(meta):
         return (-(-n_queries // meta["BLOCK_C"]), -(-n_keys // meta["BLOCK_T"]))
     kernel[grid](q, keys, head_weights, counts if counts is not None else out, key_scales if key_scales is not None
-                 else out, out, n_queries, n_keys, q.stride(0), q.stride(1), keys.stride(0),
+                 else out, out, n_queries, n_keys, power_of_two_above(n_queries),
+                 power_of_two_above(n_keys), q.stride(0), q.stride(1), keys.stride(0),
                  head_weights.stride(0), head_weights.stride(1), out.stride(0), HEADS=heads, D=head_dim,
                  HAS_COUNTS=counts is not None, HAS_KEY_SCALES=key_scales is not None,
                  WIDEN=interpret and q.dtype == torch.bfloat16, **tiles)
@@ -182,11 +189,14 @@ def weighted_relu_head_sum_fp8(q: Tensor, keys: Tensor, head_weights: Tensor, co
 def shape_class(q: Tensor, keys: Tensor) -> str:
     """What a decision is kept for: the device, dtype, heads and head dimension, and the queries and keys each
     rounded up to a power of two (a prompt's chunks see ever more keys: a few classes, not one per chunk)."""
-    def up(n: int) -> int:
-        return 1 << max(n - 1, 0).bit_length()
     n_queries, heads, head_dim = q.shape
     return f"{q.device} {str(q.dtype).removeprefix('torch.')} heads={heads} D={head_dim} " \
-           f"C<={up(n_queries)} T<={up(keys.shape[0])}"
+           f"C<={power_of_two_above(n_queries)} T<={power_of_two_above(keys.shape[0])}"
+
+
+def power_of_two_above(n: int) -> int:
+    """The least power of two >= n."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _seconds(fn: Callable[[], Tensor], device: torch.device) -> float:
@@ -263,6 +273,8 @@ def weighted_relu_scores(q: Tensor, keys: Tensor, head_weights: Tensor, torch_sc
         decision = DECISIONS.setdefault(key, {"chosen": "fused", "reason": "forced"})
     else:
         decision = DECISIONS.get(key)
+        if decision is None and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return torch_scores()  # (a CUDA graph's capture cannot wait for timings: its warm-up run decides)
         if decision is None:
             return _decide(key, q, keys, head_weights, torch_scores)
     if decision["chosen"] != "fused":

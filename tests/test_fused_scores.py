@@ -162,3 +162,43 @@ def test_torch_where_the_kernel_does_not_apply(interpreted):
     assert fused_scores.DECISIONS == {}
     with pytest.raises(ValueError, match="no fused scores"):
         fused_scores.weighted_relu_head_sum(q, keys, weights)
+
+
+
+# (in a process of its own: this one's Triton is the interpreter's, whose library Triton's compiler refuses)
+HOPPER_COMPILE = """
+import inspect, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moepack.backends import fused_scores
+
+source = fused_scores._kernel_source(tl)
+for operands, counts, key_scales, tiles in (("bf16", False, False, fused_scores._GPU_TILES),
+                                            ("fp8e4nv", True, True, fused_scores._GPU_TILES[:1])):
+    kinds = {"q_ptr": operands, "k_ptr": operands, "w_ptr": "fp32" if key_scales else "bf16",
+             "counts_ptr": "i32" if counts else "fp32"}
+    signature = {name: ("constexpr" if name.isupper() else f"*{kinds.get(name, 'fp32')}" if name.endswith("_ptr")
+                        else "i32") for name in inspect.signature(source).parameters}
+    for block_c, block_t, warps, stages in tiles:
+        constants = dict(HEADS=64, D=128, BLOCK_C=block_c, BLOCK_T=block_t, HAS_COUNTS=counts,
+                         HAS_KEY_SCALES=key_scales, WIDEN=False)
+        compiled = triton.compile(ASTSource(fn=triton.jit(source), signature=signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        assert "wgmma" in compiled.asm["ptx"] and compiled.asm["cubin"], (operands, block_c, block_t)
+        print(operands, block_c, block_t, "shared", compiled.metadata.shared)
+"""
+
+
+def test_kernel_compiles_for_hopper():
+    """The GPU's compile for sm_90 (H100 / H200), without a GPU: tensor-core (wgmma) dots through ptxas, bf16 at
+    every tile size the autotuner tries, FP8 with counts and key scales at one."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if "ModuleNotFoundError: No module named 'triton.backends.compiler'" in done.stderr:
+        pytest.skip("this Triton has no ahead-of-time compile")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("shared") == len(fused_scores._GPU_TILES) + 1
