@@ -32,6 +32,9 @@ FORCE_ENV = "MOEPACK_FUSED_SCORES"
 # product and the sum to bf16 (2^-9 relative each), the kernel keeps float32; a wrong kernel is off by O(1)
 SCORE_TOLERANCE = 2e-2
 TIMED_REPS = 3
+# queries x keys x heads below which torch's is kept without a trial: the kernel's tiles would be mostly empty
+# (a decode row's one query) or its compile and trial would cost more than the scores (a tiny model's)
+MIN_FUSED_WORK = 1 << 20
 # shape class -> {"chosen": "fused" | "torch", "fused_s", "torch_s", "error", "reason"}
 DECISIONS: dict[str, dict] = {}
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -228,11 +231,11 @@ def relative_error(got: Tensor, want: Tensor) -> float:
     return float((got[finite] - want[finite]).abs().max() / scale)
 
 
-def _fell_back(key: str, error: Exception, **timings) -> dict:
+def _fell_back(key: str, error: Exception) -> None:
     first = (str(error).strip().splitlines() or [""])[0][:160]
     warnings.warn(f"fused scores failed for {key} ({type(error).__name__}: {first}); torch's scores used",
                   RuntimeWarning, stacklevel=3)
-    return DECISIONS.setdefault(key, {"chosen": "torch", "reason": f"{type(error).__name__}: {first}", **timings})
+    DECISIONS[key] = {"chosen": "torch", "reason": f"{type(error).__name__}: {first}"}
 
 
 def _decide(key: str, q: Tensor, keys: Tensor, head_weights: Tensor, torch_scores: Callable[[], Tensor]
@@ -263,9 +266,11 @@ def weighted_relu_scores(q: Tensor, keys: Tensor, head_weights: Tensor, torch_sc
                          ) -> Tensor:
     """sum_h head_weights[c, h] * relu(q[c, h] . keys[t]) [C, T] float32, from the fused kernel or from
     `torch_scores()` (the caller's torch computation of the same scores, the fallback), as this shape class's
-    decision says (made at its first call, see the module's doc). Where the kernel does not apply, torch's."""
+    decision says (made at its first call, see the module's doc). Where the kernel does not apply, or below
+    MIN_FUSED_WORK unless forced, torch's."""
     forced = os.environ.get(FORCE_ENV, "")
-    if forced == "0" or not fused_applies(q, keys, head_weights):
+    if forced == "0" or not fused_applies(q, keys, head_weights) \
+            or (forced != "1" and q.shape[0] * keys.shape[0] * q.shape[1] < MIN_FUSED_WORK):
         return torch_scores()
     key = shape_class(q, keys)
     if forced == "1":  # the kernel unchecked and untimed (until it raises)
@@ -282,6 +287,5 @@ def weighted_relu_scores(q: Tensor, keys: Tensor, head_weights: Tensor, torch_sc
     try:
         return weighted_relu_head_sum(q, keys, head_weights)
     except Exception as e:  # a later call's launch failing (out of memory, say): torch's from then on
-        DECISIONS.pop(key, None)
         _fell_back(key, e)
         return torch_scores()

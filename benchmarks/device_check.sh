@@ -3,7 +3,7 @@
 # it back); each step has its own time limit, and STEPS picks the steps and their order (default: all, in this
 # order; a step runs only while a minute of TOTAL_S is left, so name the figures that matter most first):
 #   tests     the CUDA tests (prefill against transformers and the CPU, the release's storage, the quant kernels,
-#             the device copier, greedy decode against transformers, seeded sampling)
+#             the device copier, greedy decode against transformers, seeded sampling, the fused indexer scores)
 #   generate  `moepack demo`'s model, then `moepack generate --device cuda` and `--device cpu` on it (--json)
 #   capped    benchmarks/capped.py on the GPU: moepack and a CUDA llama.cpp on the same weights, the host memory
 #             capped at 0.45 x the container, the experts over a device budget (VRAM_GIB)
@@ -105,7 +105,8 @@ run_tests() {
     step "tests"
     timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_prefill.py tests/test_quants.py \
         tests/test_bench.py tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py \
-        tests/test_grouped_experts.py tests/test_resident.py tests/test_device_decode.py -k cuda 2>&1 \
+        tests/test_grouped_experts.py tests/test_resident.py tests/test_device_decode.py tests/test_fused_scores_cuda.py \
+        -k cuda 2>&1 \
         | tee "$OUT/tests.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
 }

@@ -14,6 +14,9 @@ import torch
 
 # Triton's interpreter takes over its library's jitted functions (tl.max...) when they are decorated, at its import:
 # import it here with TRITON_INTERPRET set, for these tests only (each sets it again while it runs)
+# (where CUDA is, test_fused_scores_cuda.py runs the kernel itself, and the two Tritons cannot share a process)
+if torch.cuda.is_available():
+    pytest.skip("a CUDA device: the kernel is tested there (test_fused_scores_cuda.py)", allow_module_level=True)
 if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("triton was imported before, not for its interpreter", allow_module_level=True)
 _before = os.environ.get("TRITON_INTERPRET")
@@ -35,6 +38,7 @@ def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv(fused_scores.FORCE_ENV, raising=False)
     monkeypatch.setattr(fused_scores, "DECISIONS", {})
+    monkeypatch.setattr(fused_scores, "MIN_FUSED_WORK", 0)  # (the interpreter's shapes are tiny)
     return monkeypatch
 
 
@@ -157,6 +161,8 @@ def test_torch_where_the_kernel_does_not_apply(interpreted):
     per_query_keys = keys.expand(9, 40, 16)
     assert fused_scores.weighted_relu_scores(q, per_query_keys, weights, lambda: sentinel) is sentinel
     assert fused_scores.weighted_relu_scores(q.float(), keys.float(), weights, lambda: sentinel) is sentinel
+    interpreted.setattr(fused_scores, "MIN_FUSED_WORK", 9 * 40 * 4 + 1)  # too little work to try
+    assert fused_scores.weighted_relu_scores(q, keys, weights, lambda: sentinel) is sentinel
     interpreted.setattr(fused_scores, "_triton", lambda: None)  # Triton absent
     assert fused_scores.weighted_relu_scores(q, keys, weights, lambda: sentinel) is sentinel
     assert fused_scores.DECISIONS == {}
