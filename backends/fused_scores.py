@@ -9,8 +9,8 @@ An FP8 e4m3 variant (`weighted_relu_head_sum_fp8`: q per (query, head) row and k
 each, folded out of the dot: relu(s x) = s relu(x) for s > 0) is there for measurement; the selector never picks it.
 
 `weighted_relu_scores` chooses, per shape class, between the kernel and torch's scores (the caller's function,
-kept as the fallback): torch's wherever Triton is absent or the tensors are not on CUDA; on CUDA the first call of a
-shape class runs both, checks the kernel against torch's (SCORE_TOLERANCE of torch's largest score), times both
+kept as the fallback): torch's wherever Triton is absent, the tensors are not on CUDA or the work is under
+MIN_FUSED_WORK; on CUDA the first call of a shape class runs both, checks the kernel against torch's (SCORE_TOLERANCE of torch's largest score), times both
 and keeps the faster; a kernel that fails to compile or launch gives torch's with one warning. DECISIONS records
 every choice with its timings (benchmarks print it). MOEPACK_FUSED_SCORES=0 forces torch's, =1 the kernel (still
 torch's if it raises). TRITON_INTERPRET=1 runs the kernel on CPU tensors (Triton's interpreter: the tests).
