@@ -12,8 +12,9 @@ each, folded out of the dot: relu(s x) = s relu(x) for s > 0) is there for measu
 kept as the fallback): torch's wherever Triton is absent, the tensors are not on CUDA or the work is under
 MIN_FUSED_WORK; on CUDA the first call of a shape class runs both, checks the kernel against torch's
 (SCORE_TOLERANCE of torch's largest score), times both and keeps the faster; a kernel that fails to compile or
-launch gives torch's with one warning. DECISIONS records every choice with its timings (benchmarks print it). MOEPACK_FUSED_SCORES=0 forces torch's, =1 the kernel (still
-torch's if it raises). TRITON_INTERPRET=1 runs the kernel on CPU tensors (Triton's interpreter: the tests).
+launch gives torch's with one warning. DECISIONS records every choice with its timings (benchmarks print it).
+MOEPACK_FUSED_SCORES=0 forces torch's, =1 the kernel (still torch's if it raises). TRITON_INTERPRET=1 runs the
+kernel on CPU tensors (Triton's interpreter: the tests).
 Triton is imported only when the kernel may run (never on a CPU path)."""
 
 from __future__ import annotations
