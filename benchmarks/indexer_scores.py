@@ -11,6 +11,7 @@ its middle (T / 2), random bf16 operands at the model's scale. Per row:
                fp8_index; keys would be stored so): the kernel alone
   *_tflops     2 x C x heads x D x T / seconds
   *_error      max |score - float32 reference| / max |reference| over the chunk's first --check-rows queries
+  *_topk       the fraction of the reference's top --topk entries (of those queries) the scores pick too
   chosen       what the selection (weighted_relu_scores, on the chunk's first call) kept, with its own timings
 Each measurement is on its own: one that fails prints its error and the others go on. The best of --repeat calls
 (CUDA events), after one untimed (the kernel's compile and autotune).
@@ -37,11 +38,25 @@ def failure(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
 
 
-def measure(row: dict, name: str, fn, flops: float, reference: torch.Tensor, rows: int, repeat: int) -> None:
-    """row[name_s], row[name_tflops] and row[name_error] of fn(), or row[name_error] = the failure."""
+def topk_overlap(scores: torch.Tensor, reference: torch.Tensor, k: int) -> float:
+    """The fraction of the reference's top-k entries per query that the scores' top-k also picks (what the indexer
+    hands the attention), over the queries that see more than k entries."""
+    seen = torch.isfinite(reference).sum(-1) > k
+    if not seen.any():
+        return 1.0
+    want, got = reference[seen].topk(k, dim=-1).indices, scores[seen].topk(k, dim=-1).indices
+    hits = (got.sort(-1).values[:, :, None] == want[:, None, :]).any(-1)
+    return float(hits.float().mean())
+
+
+def measure(row: dict, name: str, fn, flops: float, reference: torch.Tensor, rows: int, repeat: int,
+            topk: int) -> None:
+    """row[name_s], row[name_tflops], row[name_error] and row[name_topk] (topk_overlap) of fn(), or
+    row[name_error] = the failure."""
     try:
         scores = fn()  # untimed: a kernel's compile and autotune
         error = fused_scores.relative_error(scores[:rows].float(), reference)
+        row[f"{name}_topk"] = round(topk_overlap(scores[:rows].float(), reference, topk), 4)
         del scores
         fused_scores.TIMED_REPS = repeat
         seconds = fused_scores._seconds(fn, reference.device)
@@ -75,13 +90,13 @@ def chunk_row(entries: int, args, device: torch.device) -> dict:
             return model._bf16_index_scores(q, keys, weights)
         finally:
             os.environ.pop(fused_scores.FORCE_ENV)
-    measure(row, "torch", torch_scores, flops, reference, rows, args.repeat)
+    measure(row, "torch", torch_scores, flops, reference, rows, args.repeat, args.topk)
     measure(row, "fused", lambda: fused_scores.weighted_relu_head_sum(q, keys, weights), flops, reference, rows,
-            args.repeat)
+            args.repeat, args.topk)
     hidden = torch.arange(entries, device=device)[None, :] >= counts[:rows, None]
     masked = reference.masked_fill(hidden, float("-inf"))
     measure(row, "counts", lambda: fused_scores.weighted_relu_head_sum(q, keys, weights, counts), flops, masked,
-            rows, args.repeat)
+            rows, args.repeat, args.topk)
     try:
         if not fused_scores.fused_applies(q, keys, weights):
             raise ValueError("the fused kernel does not apply here (no CUDA device, or no Triton)")
@@ -89,7 +104,7 @@ def chunk_row(entries: int, args, device: torch.device) -> dict:
         k8, k_scales = fused_scores.quantize_rows_e4m3(keys)
         w8 = weights.float() * q_scales
         measure(row, "fp8", lambda: fused_scores._launch(q8, k8, w8, None, k_scales), flops, reference, rows,
-                args.repeat)
+                args.repeat, args.topk)
     except Exception as e:
         row["fp8_error"] = failure(e)
     try:  # the selection as the prefill meets it: the first call of this shape class decides
@@ -98,7 +113,7 @@ def chunk_row(entries: int, args, device: torch.device) -> dict:
         key = fused_scores.shape_class(q, keys)
         decision = fused_scores.DECISIONS.get(key)
         row["class"] = key
-        row["chosen"] = decision["chosen"] if decision else "torch (the kernel does not apply)"
+        row["chosen"] = decision["chosen"] if decision else "torch (no trial: the kernel does not apply, or too little work)"
         if decision and key in before:
             row["chosen"] += " (decided before)"
         if decision:
@@ -118,6 +133,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=model.GPU_QUERY_CHUNK)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--check-rows", type=int, default=64, help="queries checked against the float32 reference")
+    ap.add_argument("--topk", type=int, default=512, help="the indexer's top-k (index_topk), for *_topk")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -142,7 +158,8 @@ def main() -> None:
     print(f"{name}: the Lightning Indexer's scores of one {args.chunk}-query chunk, {args.heads} heads of "
           f"{args.head_dim} (torch {torch.__version__})")
     keys = ("tokens", "entries", "torch_s", "torch_tflops", "fused_s", "fused_tflops", "fused_error", "counts_s",
-            "fp8_s", "fp8_tflops", "fp8_error", "torch_error", "chosen", "error")
+            "fp8_s", "fp8_tflops", "fp8_error", "torch_error", "torch_topk", "fused_topk", "fp8_topk", "chosen",
+            "error")
     print(" | ".join(keys))
     for r in rows:
         print(" | ".join(str(r.get(k, "")) for k in keys))
