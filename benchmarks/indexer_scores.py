@@ -113,7 +113,8 @@ def chunk_row(entries: int, args, device: torch.device) -> dict:
         key = fused_scores.shape_class(q, keys)
         decision = fused_scores.DECISIONS.get(key)
         row["class"] = key
-        row["chosen"] = decision["chosen"] if decision else "torch (no trial: the kernel does not apply, or too little work)"
+        row["chosen"] = decision["chosen"] if decision else \
+            "torch (no trial: the kernel does not apply, or too little work)"
         if decision and key in before:
             row["chosen"] += " (decided before)"
         if decision:
