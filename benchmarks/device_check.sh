@@ -3,7 +3,7 @@
 # it back); each step has its own time limit, and STEPS picks the steps and their order (default: all, in this
 # order; a step runs only while a minute of TOTAL_S is left, so name the figures that matter most first):
 #   tests     the CUDA tests (prefill against transformers and the CPU, the release's storage, the quant kernels,
-#             the device copier, greedy decode against transformers, seeded sampling)
+#             the device copier, greedy decode against transformers, seeded sampling, the fused indexer scores)
 #   generate  `moepack demo`'s model, then `moepack generate --device cuda` and `--device cpu` on it (--json)
 #   capped    benchmarks/capped.py on the GPU: moepack and a CUDA llama.cpp on the same weights, the host memory
 #             capped at 0.45 x the container, the experts over a device budget (VRAM_GIB)
@@ -11,6 +11,9 @@
 #   prefill   benchmarks/prefill.py on the GPU with a device budget smaller than the model's experts
 #             (T_ssd = io-alone, T_compute = compute-alone, wall = streamed)
 #   profile   torch's profiler over one GPU generation, its experts cached on the device
+#   indexer_scores  benchmarks/indexer_scores.py: one query chunk's Lightning Indexer scores at the release's
+#             dimensions (64 heads of 128, 1024 queries; 64K and 128K prompts), torch's blocks against the fused Triton
+#             kernel (bf16, with counts, FP8), the errors against float32 and which one the selection keeps
 #   gpu_prefill  benchmarks/gpu_prefill.py: three release layers with all 256 experts at full size, N = GPU_TOKENS,
 #             in each place the weights can be (disk, page cache, host RAM, device), beside the chip's dense bf16,
 #             grouped-GEMM and pinned-H2D ceilings measured in the same run
@@ -42,7 +45,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/moepack-device-check}
 DEVICE=${DEVICE:-cuda}
-STEPS=${STEPS:-tests gpu_prefill gpu_decode generate capped decode prefill profile}
+STEPS=${STEPS:-tests indexer_scores gpu_prefill gpu_decode generate capped decode prefill profile}
 GPU_TOKENS=${GPU_TOKENS:-4096,131072,65536,16384}
 GPU_BATCH=${GPU_BATCH:-1,8}
 # the release slice gpu_prefill and gpu_decode share (built once, by whichever runs first): fewer experts or layers
@@ -50,6 +53,8 @@ GPU_BATCH=${GPU_BATCH:-1,8}
 GPU_EXPERTS=${GPU_EXPERTS:-${GPU_DECODE_EXPERTS:-256}}
 GPU_LAYERS=${GPU_LAYERS:-1,2,3}
 GPU_WORKDIR=${GPU_WORKDIR:-/tmp/moepack-gpu-prefill}
+# indexer_scores' shapes (a dry run on a CPU: INDEXER_ARGS="--tokens 4096 --heads 4 --chunk 64")
+INDEXER_ARGS=${INDEXER_ARGS:---tokens 131072,65536}
 PRESET=${PRESET:-medium}
 TOKENS=${TOKENS:-1024,4096}
 BUDGET_GIB=${BUDGET_GIB:-1}  # below the medium preset's 2.3 GB of experts: they stream, as on a small GPU
@@ -100,7 +105,8 @@ run_tests() {
     step "tests"
     timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_prefill.py tests/test_quants.py \
         tests/test_bench.py tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py \
-        tests/test_grouped_experts.py tests/test_resident.py tests/test_device_decode.py -k cuda 2>&1 \
+        tests/test_grouped_experts.py tests/test_resident.py tests/test_device_decode.py tests/test_fused_scores_cuda.py \
+        -k cuda 2>&1 \
         | tee "$OUT/tests.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
 }
@@ -152,6 +158,13 @@ run_decode() {
     timeout "$(upto 200)" python3 benchmarks/decode.py --preset "$PRESET" --device "$DEVICE" --no-transformers \
         --workdir /tmp/moepack-decode 2> "$OUT/decode_stderr.txt" | tee "$OUT/decode.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed decode"
+}
+
+run_indexer_scores() {
+    step "indexer scores: torch's blocks against the fused kernel"
+    timeout "$(upto 90)" python3 benchmarks/indexer_scores.py --device "$DEVICE" $INDEXER_ARGS \
+        2> >(tee "$OUT/indexer_scores_stderr.txt" >&2) | tee "$OUT/indexer_scores.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed indexer_scores"
 }
 
 run_gpu_prefill() {

@@ -14,8 +14,9 @@ For each N of --tokens, in each place the weights can be (--places):
   device      the weights on the device once per process (--device-resident): pure compute
 each with tokens/s, effective TFLOPS (the design note's measure: tokens/s x 2 x active weights per token, the
 dense matrices and top-k experts of every layer), the device's peak memory and the Lightning Indexer's share of the
-wall (one CSA layer's indexer timed alone on random inputs of its dimensions, times the CSA layers). In the same
-run, the ceilings:
+wall (one CSA layer's indexer timed alone on random inputs of its dimensions, times the CSA layers), and per shape
+class of the indexer's scores which scorer the selection kept (backends/fused_scores.py: the fused kernel or torch's,
+with both timings). In the same run, the ceilings:
   dense bf16  torch's bf16 matmul of 8192^3 (CPU: 2048^3)
   grouped     one layer's routed-expert GEMMs at N tokens as torch's grouped GEMM (bf16 weights on the device, the
               pairs spread evenly over the experts): gate+up, then down
@@ -42,6 +43,7 @@ sys.path.insert(0, HERE)
 from prefill import io_alone, warm_cache  # noqa: E402
 from release_dims import release_cut  # noqa: E402
 
+from moepack.backends import fused_scores  # noqa: E402
 from moepack.backends.grouped_experts import grouped_matmul  # noqa: E402
 from moepack.families.deepseek_v4 import model  # noqa: E402
 from moepack.families.deepseek_v4.config import CSA  # noqa: E402
@@ -253,13 +255,15 @@ def main() -> None:
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # each cell as it ends: a timeout keeps them
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        print(json.dumps({"tokens": n, "indexer_scores": fused_scores.DECISIONS}), file=sys.stderr, flush=True)
     for n in {r["tokens"] for r in rows}:  # the host goal: wall <= 1.15 x max(bytes / pinned H2D, device wall)
         by_place = {r["place"]: r for r in rows if r["tokens"] == n and "seconds" in r}
         if "host" in by_place and "device" in by_place and ceilings["pinned_h2d_gbps"]:
             bound = max(shape["container_bytes"] / (ceilings["pinned_h2d_gbps"] * 1e9), by_place["device"]["seconds"])
             by_place["host"]["host_wall_over_bound"] = round(by_place["host"]["seconds"] / bound, 3)
     report = {"device": device_name(device), "torch": torch.__version__, "model": shape,
-              "active_weights_per_token": active, "build_s": round(build_s, 1), "ceilings": ceilings, "rows": rows}
+              "active_weights_per_token": active, "build_s": round(build_s, 1), "ceilings": ceilings, "rows": rows,
+              "indexer_scores": fused_scores.DECISIONS}
     print_report(report, args.json,
                  f"{report['device']}: {shape['layers']} release layers, {shape['experts']} experts of "
                  f"{shape['hidden']} x {shape['inter']}, container {shape['container_bytes'] / 1e9:.2f} GB, "
@@ -270,6 +274,9 @@ def main() -> None:
                  ("tokens", "place", "tokens_per_s", "effective_tflops", "grouped_gemm_tflops", "io_alone_s",
                   "compute_alone_s", "seconds", "overlap", "host_wall_over_bound", "peak_device_gib",
                   "indexer_share", "error"))
+    if not args.json:  # which indexer scores each shape class took (fused kernel or torch's), with both timings
+        for key, decision in fused_scores.DECISIONS.items():
+            print(f"indexer scores {key}: {decision}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,292 @@
+"""Weighted ReLU head sum, fused: scores[c, t] = sum_h w[c, h] * relu(q[c, h] . k[t]) as one Triton kernel that
+keeps the [queries, heads, keys] products on the chip (torch's way writes them to memory a block at a time and reads
+them back for the heads' sum: at 64 heads that traffic, not the arithmetic, is its time).
+
+The kernel tiles (queries, keys); each tile loops over the heads: a [BLOCK_C, D] x [D, BLOCK_T] dot with float32
+sums, the ReLU, times the head's weight, added into a float32 tile. Optional per-query visible counts write -inf past
+each count and skip key tiles wholly past the tile's largest count. Keys shared by every query ([T, D]) only.
+An FP8 e4m3 variant (`weighted_relu_head_sum_fp8`: q per (query, head) row and keys per row quantised with a scale
+each, folded out of the dot: relu(s x) = s relu(x) for s > 0) is there for measurement; the selector never picks it.
+
+`weighted_relu_scores` chooses, per shape class, between the kernel and torch's scores (the caller's function,
+kept as the fallback): torch's wherever Triton is absent, the tensors are not on CUDA or the work is under
+MIN_FUSED_WORK; on CUDA the first call of a shape class runs both, checks the kernel against torch's
+(SCORE_TOLERANCE of torch's largest score), times both and keeps the faster; a kernel that fails to compile or
+launch gives torch's with one warning. DECISIONS records every choice with its timings (benchmarks print it).
+MOEPACK_FUSED_SCORES=0 forces torch's, =1 the kernel (still torch's if it raises). TRITON_INTERPRET=1 runs the
+kernel on CPU tensors (Triton's interpreter: the tests).
+Triton is imported only when the kernel may run (never on a CPU path)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import warnings
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+FORCE_ENV = "MOEPACK_FUSED_SCORES"
+# the kernel's scores against torch's, at most this fraction of torch's largest |score| apart: torch's round each
+# product and the sum to bf16 (2^-9 relative each), the kernel keeps float32; a wrong kernel is off by O(1)
+SCORE_TOLERANCE = 2e-2
+TIMED_REPS = 3
+# queries x keys x heads below which torch's is kept without a trial: the kernel's tiles would be mostly empty
+# (a decode row's one query) or its compile and trial would cost more than the scores (a tiny model's)
+MIN_FUSED_WORK = 1 << 20
+# shape class -> {"chosen": "fused" | "torch", "fused_s", "torch_s", "error", "reason"}
+DECISIONS: dict[str, dict] = {}
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _triton():
+    """(triton, triton.language), or None where Triton is not installed."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    return triton, tl
+
+
+def fused_applies(q: Tensor, keys: Tensor, head_weights: Tensor) -> bool:
+    """Whether the kernel can compute these scores: Triton present, CUDA tensors (or CPU ones under Triton's
+    interpreter), keys shared by every query, a power-of-two head dimension of at least 16 (tl.dot's), fewer than
+    2^31 elements in every operand and the scores."""
+    on_device = q.is_cuda or (interpreting() and q.device.type == "cpu")
+    head_dim = q.shape[-1]
+    return (on_device and q.dim() == 3 and keys.dim() == 2 and keys.shape[-1] == head_dim
+            and head_weights.shape == q.shape[:2] and q.dtype in (torch.bfloat16, torch.float16)
+            and keys.dtype == q.dtype and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            and max(q.numel(), keys.numel(), q.shape[0] * keys.shape[0]) < 2**31  # (the kernel's int32 offsets)
+            and _triton() is not None)
+
+
+def _kernel_source(tl):
+    def weighted_relu_head_sum_kernel(
+            q_ptr, k_ptr, w_ptr, counts_ptr, key_scales_ptr, out_ptr, n_queries, n_keys, queries_class, keys_class,
+            stride_qc, stride_qh, stride_kt, stride_wc, stride_wh, stride_oc,
+            HEADS: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+            HAS_COUNTS: tl.constexpr, HAS_KEY_SCALES: tl.constexpr, WIDEN: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        first_key = tl.program_id(1) * BLOCK_T
+        cols = first_key + tl.arange(0, BLOCK_T)
+        dims = tl.arange(0, D)
+        row_ok = rows < n_queries
+        col_ok = cols < n_keys
+        seen = n_keys
+        if HAS_COUNTS:
+            counts = tl.load(counts_ptr + rows, mask=row_ok, other=0)
+            seen = tl.max(counts, axis=0)
+        acc = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
+        if first_key < seen:  # (else every query of the tile sees none of these keys)
+            keys = tl.load(k_ptr + cols[None, :] * stride_kt + dims[:, None], mask=col_ok[None, :], other=0.0)
+            if WIDEN:
+                keys = keys.to(tl.float32)
+            for h in range(0, HEADS):
+                q = tl.load(q_ptr + rows[:, None] * stride_qc + h * stride_qh + dims[None, :],
+                            mask=row_ok[:, None], other=0.0)
+                if WIDEN:
+                    q = q.to(tl.float32)
+                w = tl.load(w_ptr + rows * stride_wc + h * stride_wh, mask=row_ok, other=0.0).to(tl.float32)
+                if WIDEN:
+                    products = tl.dot(q, keys, input_precision="ieee", out_dtype=tl.float32)
+                else:
+                    products = tl.dot(q, keys, out_dtype=tl.float32)
+                acc += tl.maximum(products, 0.0) * w[:, None]
+        if HAS_KEY_SCALES:
+            acc = acc * tl.load(key_scales_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_COUNTS:
+            acc = tl.where(cols[None, :] < counts[:, None], acc, float("-inf"))
+        tl.store(out_ptr + rows[:, None] * stride_oc + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+    return weighted_relu_head_sum_kernel
+
+
+# WIDEN (the interpreter's bf16 dot only: numpy's reads bf16's bits as integers) widens q and keys to float32 first,
+# exact products of bf16 values as the GPU's bf16 dot's are
+# tile sizes tried on a GPU (the first run of each shape class picks one: queries_class and keys_class, unused by
+# the kernel, are shape_class's powers of two, the autotuner's key); the interpreter runs one small tile
+_GPU_TILES = ((64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4))
+_INTERPRETER_TILE = (16, 32)
+
+
+@functools.cache
+def _kernel(interpret: bool):
+    """The jitted kernel (autotuned over _GPU_TILES on a GPU), made at first use: whether it is interpreted is
+    Triton's reading of TRITON_INTERPRET when it is decorated."""
+    triton, tl = _triton()
+    jitted = triton.jit(_kernel_source(tl), do_not_specialize=["n_queries", "n_keys", "queries_class", "keys_class"])
+    if interpret:
+        return jitted
+    configs = [triton.Config({"BLOCK_C": c, "BLOCK_T": t}, num_warps=warps, num_stages=stages)
+               for c, t, warps, stages in _GPU_TILES]
+
+    def short_bench(kernel_call, quantiles):  # (Triton's default, 25 + 100 ms a tile size, is most of a prefill's)
+        from triton.testing import do_bench
+        return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+    return triton.autotune(configs, key=["queries_class", "keys_class", "HEADS", "D", "HAS_COUNTS", "HAS_KEY_SCALES"],
+                           do_bench=short_bench)(jitted)
+
+
+def _launch(q: Tensor, keys: Tensor, head_weights: Tensor, counts: Tensor | None,
+            key_scales: Tensor | None) -> Tensor:
+    n_queries, heads, head_dim = q.shape
+    n_keys = keys.shape[0]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    out = torch.empty(n_queries, n_keys, dtype=torch.float32, device=q.device)
+    if n_queries == 0 or n_keys == 0:
+        return out
+    if counts is not None:
+        counts = counts.to(device=q.device, dtype=torch.int32).contiguous()
+    interpret = interpreting()
+    kernel = _kernel(interpret)
+    tiles = dict(zip(("BLOCK_C", "BLOCK_T"), _INTERPRETER_TILE)) if interpret else {}
+
+    def grid(meta):
+        return (-(-n_queries // meta["BLOCK_C"]), -(-n_keys // meta["BLOCK_T"]))
+    kernel[grid](q, keys, head_weights, counts if counts is not None else out, key_scales if key_scales is not None
+                 else out, out, n_queries, n_keys, power_of_two_above(n_queries),
+                 power_of_two_above(n_keys), q.stride(0), q.stride(1), keys.stride(0),
+                 head_weights.stride(0), head_weights.stride(1), out.stride(0), HEADS=heads, D=head_dim,
+                 HAS_COUNTS=counts is not None, HAS_KEY_SCALES=key_scales is not None,
+                 WIDEN=interpret and q.dtype == torch.bfloat16, **tiles)
+    return out
+
+
+def weighted_relu_head_sum(q: Tensor, keys: Tensor, head_weights: Tensor, counts: Tensor | None = None) -> Tensor:
+    """The kernel's scores [C, T] float32 from q [C, heads, D], keys [T, D] (bf16 or fp16, on CUDA or under the
+    interpreter) and head_weights [C, heads]: sum_h w[c, h] * relu(q[c, h] . keys[t]), the products' sums in
+    float32; with counts [C], -inf at every t >= counts[c]. Raises where it cannot run (see fused_applies)."""
+    if not fused_applies(q, keys, head_weights):
+        raise ValueError(f"no fused scores for q {tuple(q.shape)} {q.dtype} on {q.device}, keys {tuple(keys.shape)}"
+                         f" {keys.dtype}, head weights {tuple(head_weights.shape)}, or Triton is not installed")
+    return _launch(q, keys, head_weights, counts, None)
+
+
+def quantize_rows_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., D] -> (codes float8_e4m3fn [..., D], scales float32 [...]): each row over its largest |value|, as
+    DeepSeek's indexer quantises its queries and keys (x ~ codes * scale)."""
+    scales = x.float().abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    return (x.float() / scales.unsqueeze(-1)).to(torch.float8_e4m3fn), scales
+
+
+def weighted_relu_head_sum_fp8(q: Tensor, keys: Tensor, head_weights: Tensor, counts: Tensor | None = None
+                               ) -> Tensor:
+    """weighted_relu_head_sum with q and keys quantised to FP8 e4m3, a scale per (query, head) row and per key:
+    the query's scale goes into its head weight, the key's multiplies the heads' sum (both positive, through the
+    ReLU). Needs an FP8 tensor core (sm_89 on) or the interpreter. Not chosen by weighted_relu_scores."""
+    if not fused_applies(q, keys, head_weights):
+        raise ValueError("no fused FP8 scores for these tensors (see fused_applies)")
+    q_codes, q_scales = quantize_rows_e4m3(q)
+    key_codes, key_scales = quantize_rows_e4m3(keys)
+    return _launch(q_codes, key_codes, head_weights.float() * q_scales, counts, key_scales)
+
+
+def shape_class(q: Tensor, keys: Tensor) -> str:
+    """What a decision is kept for: the device, dtype, heads and head dimension, and the queries and keys each
+    rounded up to a power of two (a prompt's chunks see ever more keys: a few classes, not one per chunk)."""
+    n_queries, heads, head_dim = q.shape
+    return f"{q.device} {str(q.dtype).removeprefix('torch.')} heads={heads} D={head_dim} " \
+           f"C<={power_of_two_above(n_queries)} T<={power_of_two_above(keys.shape[0])}"
+
+
+def power_of_two_above(n: int) -> int:
+    """The least power of two >= n."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _seconds(fn: Callable[[], Tensor], device: torch.device) -> float:
+    """The best of TIMED_REPS calls: CUDA events on a GPU, the wall clock elsewhere."""
+    best = float("inf")
+    for _ in range(TIMED_REPS):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - began)
+    return best
+
+
+def relative_error(got: Tensor, want: Tensor) -> float:
+    """max |got - want| over max |want| where want is finite; inf where the two disagree on which are -inf."""
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    scale = want[finite].abs().max().clamp_min(1e-30)
+    return float((got[finite] - want[finite]).abs().max() / scale)
+
+
+def _fell_back(key: str, error: Exception) -> None:
+    first = (str(error).strip().splitlines() or [""])[0][:160]
+    warnings.warn(f"fused scores failed for {key} ({type(error).__name__}: {first}); torch's scores used",
+                  RuntimeWarning, stacklevel=3)
+    DECISIONS[key] = {"chosen": "torch", "reason": f"{type(error).__name__}: {first}"}
+
+
+def _decide(key: str, q: Tensor, keys: Tensor, head_weights: Tensor, torch_scores: Callable[[], Tensor]
+            ) -> Tensor:
+    """The first call of a shape class: both paths, the kernel checked against torch's and both timed; the
+    decision recorded, the checked result returned."""
+    want = torch_scores()
+    try:
+        got = weighted_relu_head_sum(q, keys, head_weights)
+        error = relative_error(got, want)
+        fused_s = _seconds(lambda: weighted_relu_head_sum(q, keys, head_weights), q.device)
+    except Exception as e:  # Triton's compile and launch errors are of many types: any of them means torch's
+        _fell_back(key, e)
+        return want
+    torch_s = _seconds(torch_scores, q.device)
+    decision = {"fused_s": fused_s, "torch_s": torch_s, "error": error}
+    if error > SCORE_TOLERANCE:
+        warnings.warn(f"fused scores for {key} are {error:.3g} of the largest score off torch's "
+                      f"(over {SCORE_TOLERANCE}); torch's scores used", RuntimeWarning, stacklevel=3)
+        DECISIONS[key] = {"chosen": "torch", "reason": "fused scores off torch's", **decision}
+        return want
+    chosen = "fused" if fused_s < torch_s else "torch"
+    DECISIONS[key] = {"chosen": chosen, "reason": "faster", **decision}
+    return got if chosen == "fused" else want
+
+
+def weighted_relu_scores(q: Tensor, keys: Tensor, head_weights: Tensor, torch_scores: Callable[[], Tensor]
+                         ) -> Tensor:
+    """sum_h head_weights[c, h] * relu(q[c, h] . keys[t]) [C, T] float32, from the fused kernel or from
+    `torch_scores()` (the caller's torch computation of the same scores, the fallback), as this shape class's
+    decision says (made at its first call, see the module's doc). Where the kernel does not apply, or below
+    MIN_FUSED_WORK unless forced, torch's."""
+    forced = os.environ.get(FORCE_ENV, "")
+    if forced == "0" or not fused_applies(q, keys, head_weights) \
+            or (forced != "1" and q.shape[0] * keys.shape[0] * q.shape[1] < MIN_FUSED_WORK):
+        return torch_scores()
+    key = shape_class(q, keys)
+    if forced == "1":  # the kernel unchecked and untimed (until it raises)
+        key += " forced"
+        decision = DECISIONS.setdefault(key, {"chosen": "fused", "reason": "forced"})
+    else:
+        decision = DECISIONS.get(key)
+        if decision is None and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return torch_scores()  # (a CUDA graph's capture cannot wait for timings: its warm-up run decides)
+        if decision is None:
+            return _decide(key, q, keys, head_weights, torch_scores)
+    if decision["chosen"] != "fused":
+        return torch_scores()
+    try:
+        return weighted_relu_head_sum(q, keys, head_weights)
+    except Exception as e:  # a later call's launch failing (out of memory, say): torch's from then on
+        _fell_back(key, e)
+        return torch_scores()

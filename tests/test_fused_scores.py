@@ -1,0 +1,210 @@
+"""The fused weighted-ReLU head sum (backends/fused_scores.py) under Triton's interpreter on the CPU: its scores
+against torch's (the Lightning Indexer's _bf16_index_scores) and the float32 reference, -inf exactly past each
+query's count, the FP8 variant within its tolerance, and the selection: torch's where the kernel does not apply,
+raises or is wrong, the faster of the two otherwise. Skipped where Triton is not installed (the project's CI)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+# Triton's interpreter takes over its library's jitted functions (tl.max...) when they are decorated, at its import:
+# import it here with TRITON_INTERPRET set, for these tests only (each sets it again while it runs)
+# (where CUDA is, test_fused_scores_cuda.py runs the kernel itself, and the two Tritons cannot share a process)
+if torch.cuda.is_available():
+    pytest.skip("a CUDA device: the kernel is tested there (test_fused_scores_cuda.py)", allow_module_level=True)
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported before, not for its interpreter", allow_module_level=True)
+_before = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.language")
+finally:
+    if _before is None:
+        del os.environ["TRITON_INTERPRET"]
+
+from moepack.backends import fused_scores  # noqa: E402
+from moepack.families.deepseek_v4.model import _bf16_index_scores  # noqa: E402
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """Kernels run by Triton's interpreter on CPU tensors; no decision or forcing left over from another test."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv(fused_scores.FORCE_ENV, raising=False)
+    monkeypatch.setattr(fused_scores, "DECISIONS", {})
+    monkeypatch.setattr(fused_scores, "MIN_FUSED_WORK", 0)  # (the interpreter's shapes are tiny)
+    return monkeypatch
+
+
+def operands(n_queries: int, heads: int, head_dim: int, entries: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n_queries, heads, head_dim, generator=g).bfloat16()
+    keys = torch.randn(entries, head_dim, generator=g).bfloat16()
+    weights = (torch.randn(n_queries, heads, generator=g) * (heads * head_dim) ** -0.5).bfloat16()
+    return q, keys, weights
+
+
+def float32_scores(q, keys, weights):
+    products = torch.einsum("chd,td->cht", q.float(), keys.float()).relu()
+    return (weights.float()[:, :, None] * products).sum(1)
+
+
+def torch_scores(q, keys, weights, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setenv(fused_scores.FORCE_ENV, "0")
+        return _bf16_index_scores(q, keys, weights)
+
+
+@pytest.mark.parametrize("n_queries, heads, head_dim, entries", [(37, 4, 32, 71), (19, 16, 64, 45), (5, 7, 16, 33)])
+def test_fused_scores_equal_torch_and_float32(interpreted, n_queries, heads, head_dim, entries):
+    q, keys, weights = operands(n_queries, heads, head_dim, entries)
+    got = fused_scores.weighted_relu_head_sum(q, keys, weights)
+    assert got.shape == (n_queries, entries) and got.dtype == torch.float32
+    # float32 sums of exact bf16 products: the float32 reference's to float32 rounding
+    assert fused_scores.relative_error(got, float32_scores(q, keys, weights)) < 1e-5
+    # torch's rounds each product and the heads' sum to bf16
+    want = torch_scores(q, keys, weights, interpreted)
+    assert 0 < fused_scores.relative_error(got, want) < 1e-2
+
+
+def test_minus_inf_exactly_past_each_count(interpreted):
+    q, keys, weights = operands(40, 5, 32, 100, seed=1)
+    # 0, a few, past the end; rows 32.. (the second query tile) see at most 20: key tiles from 32 on are skipped
+    counts = torch.tensor([0, 1, 100, 130] + [7 * i % 90 for i in range(28)] + [20, 3, 0, 19, 1, 20, 2, 11])
+    got = fused_scores.weighted_relu_head_sum(q, keys, weights, counts)
+    hidden = torch.arange(100)[None, :] >= counts[:, None]
+    assert torch.equal(torch.isneginf(got), hidden)
+    want = float32_scores(q, keys, weights).masked_fill(hidden, float("-inf"))
+    assert fused_scores.relative_error(got, want) < 1e-5
+
+
+def test_fp8_scores_within_their_tolerance(interpreted):
+    q, keys, weights = operands(21, 8, 128, 50, seed=2)
+    want = float32_scores(q, keys, weights)
+    got = fused_scores.weighted_relu_head_sum_fp8(q, keys, weights)
+    # e4m3 keeps 3 mantissa bits: measured 3-4 % of the largest score on such data, bf16's is 0.3 %
+    assert 1e-3 < fused_scores.relative_error(got, want) < 0.06
+    counts = torch.arange(21) * 3
+    masked = fused_scores.weighted_relu_head_sum_fp8(q, keys, weights, counts)
+    assert torch.equal(torch.isneginf(masked), torch.arange(50)[None, :] >= counts[:, None])
+
+
+def test_selection_keeps_the_faster_and_records_it(interpreted):
+    q, keys, weights = operands(9, 4, 16, 40, seed=3)
+    got = _bf16_index_scores(q, keys, weights)
+    (key, decision), = fused_scores.DECISIONS.items()
+    assert key == fused_scores.shape_class(q, keys) and "heads=4" in key and "T<=64" in key
+    assert decision["fused_s"] > 0 and decision["torch_s"] > 0 and decision["error"] < 1e-2
+    assert decision["chosen"] == ("fused" if decision["fused_s"] < decision["torch_s"] else "torch")
+    assert fused_scores.relative_error(got, float32_scores(q, keys, weights)) < 1e-2
+    # a later call of the class follows the decision without timing again
+    calls = []
+    fused_scores.weighted_relu_scores(q, keys[:35], weights, lambda: calls.append(1) or torch.zeros(9, 35))
+    assert calls == ([1] if decision["chosen"] == "torch" else [])
+    assert len(fused_scores.DECISIONS) == 1
+
+
+def test_selection_falls_back_when_the_kernel_raises(interpreted):
+    q, keys, weights = operands(9, 4, 16, 40, seed=4)
+
+    def broken(*args):
+        raise RuntimeError("no kernel image is available\nsecond line")
+    interpreted.setattr(fused_scores, "_launch", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _bf16_index_scores(q, keys, weights)
+    assert torch.equal(got, torch_scores(q, keys, weights, interpreted))
+    assert [str(w.message).count("\n") for w in caught] == [0]
+    assert "RuntimeError: no kernel image is available" in str(caught[0].message)
+    decision = fused_scores.DECISIONS[fused_scores.shape_class(q, keys)]
+    assert decision["chosen"] == "torch" and decision["reason"].startswith("RuntimeError")
+    # forced, it still gives torch's when the kernel raises
+    interpreted.setenv(fused_scores.FORCE_ENV, "1")
+    with pytest.warns(RuntimeWarning, match="torch's scores used"):
+        assert torch.equal(_bf16_index_scores(q, keys, weights), got)
+
+
+def test_selection_refuses_a_wrong_kernel(interpreted):
+    q, keys, weights = operands(9, 4, 16, 40, seed=5)
+    interpreted.setattr(fused_scores, "_launch", lambda q, keys, w, counts, scales: torch.zeros(9, 40))
+    with pytest.warns(RuntimeWarning, match="off torch's"):
+        got = _bf16_index_scores(q, keys, weights)
+    assert torch.equal(got, torch_scores(q, keys, weights, interpreted))
+    assert fused_scores.DECISIONS[fused_scores.shape_class(q, keys)]["chosen"] == "torch"
+
+
+def test_forcing_either_path(interpreted):
+    q, keys, weights = operands(9, 4, 16, 40, seed=6)
+    sentinel = torch.full((9, 40), 7.0)
+    interpreted.setenv(fused_scores.FORCE_ENV, "0")
+    assert fused_scores.weighted_relu_scores(q, keys, weights, lambda: sentinel) is sentinel
+    assert fused_scores.DECISIONS == {}
+    interpreted.setenv(fused_scores.FORCE_ENV, "1")
+    got = fused_scores.weighted_relu_scores(q, keys, weights, lambda: pytest.fail("torch's ran"))
+    assert fused_scores.relative_error(got, float32_scores(q, keys, weights)) < 1e-5
+    assert list(fused_scores.DECISIONS.values()) == [{"chosen": "fused", "reason": "forced"}]
+
+
+def test_torch_where_the_kernel_does_not_apply(interpreted):
+    q, keys, weights = operands(9, 4, 16, 40, seed=7)
+    sentinel = torch.full((9, 40), 7.0)
+    interpreted.delenv("TRITON_INTERPRET")  # CPU tensors, no interpreter: not CUDA
+    assert not fused_scores.fused_applies(q, keys, weights)
+    assert fused_scores.weighted_relu_scores(q, keys, weights, lambda: sentinel) is sentinel
+    interpreted.setenv("TRITON_INTERPRET", "1")
+    per_query_keys = keys.expand(9, 40, 16)
+    assert fused_scores.weighted_relu_scores(q, per_query_keys, weights, lambda: sentinel) is sentinel
+    assert fused_scores.weighted_relu_scores(q.float(), keys.float(), weights, lambda: sentinel) is sentinel
+    interpreted.setattr(fused_scores, "MIN_FUSED_WORK", 9 * 40 * 4 + 1)  # too little work to try
+    assert fused_scores.weighted_relu_scores(q, keys, weights, lambda: sentinel) is sentinel
+    interpreted.setattr(fused_scores, "_triton", lambda: None)  # Triton absent
+    assert fused_scores.weighted_relu_scores(q, keys, weights, lambda: sentinel) is sentinel
+    assert fused_scores.DECISIONS == {}
+    with pytest.raises(ValueError, match="no fused scores"):
+        fused_scores.weighted_relu_head_sum(q, keys, weights)
+
+
+
+# (in a process of its own: this one's Triton is the interpreter's, whose library Triton's compiler refuses)
+HOPPER_COMPILE = """
+import inspect, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moepack.backends import fused_scores
+
+source = fused_scores._kernel_source(tl)
+for operands, counts, key_scales, tiles in (("bf16", False, False, fused_scores._GPU_TILES),
+                                            ("fp8e4nv", True, True, fused_scores._GPU_TILES[:1])):
+    kinds = {"q_ptr": operands, "k_ptr": operands, "w_ptr": "fp32" if key_scales else "bf16",
+             "counts_ptr": "i32" if counts else "fp32"}
+    signature = {name: ("constexpr" if name.isupper() else f"*{kinds.get(name, 'fp32')}" if name.endswith("_ptr")
+                        else "i32") for name in inspect.signature(source).parameters}
+    for block_c, block_t, warps, stages in tiles:
+        constants = dict(HEADS=64, D=128, BLOCK_C=block_c, BLOCK_T=block_t, HAS_COUNTS=counts,
+                         HAS_KEY_SCALES=key_scales, WIDEN=False)
+        compiled = triton.compile(ASTSource(fn=triton.jit(source), signature=signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        assert "wgmma" in compiled.asm["ptx"] and compiled.asm["cubin"], (operands, block_c, block_t)
+        print(operands, block_c, block_t, "shared", compiled.metadata.shared)
+"""
+
+
+def test_kernel_compiles_for_hopper():
+    """The GPU's compile for sm_90 (H100 / H200), without a GPU: tensor-core (wgmma) dots through ptxas, bf16 at
+    every tile size the autotuner tries, FP8 with counts and key scales at one."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if "ModuleNotFoundError: No module named 'triton.backends.compiler'" in done.stderr:
+        pytest.skip("this Triton has no ahead-of-time compile")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("shared") == len(fused_scores._GPU_TILES) + 1
