@@ -259,3 +259,33 @@ def test_a_state_that_is_not_a_prefills_is_refused_in_one_line(containers, gener
 
 def test_entry_buckets_are_powers_of_two_from_the_least():
     assert [device_kv.entry_bucket(n) for n in (0, 1, 16, 17, 32, 33, 1000)] == [16, 16, 16, 32, 32, 64, 1024]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_the_arena_as_graphs_steps_as_the_per_row_states_do(containers, generator):
+    """On a CUDA device, every expert pooled, bf16: each layer's attention over the arena captured as a CUDA graph
+    (and replayed), the logits within bf16 rounding of the per-row states' (eager, row by row), fed the same tokens;
+    the states handed on after the same."""
+    runs, fed = {}, []
+    for path in ("per-row", "arena"):
+        with states_kept(path), generator(containers["A16"], compute_dtype="bfloat16", device="cuda",
+                                          decoded_experts=True, expert_pool=True) as g:
+            d = g.decoder
+            d.seed(_all_experts(d))
+            prefilled = _prefilled(g)
+            seqs = [d.start(states) for states, _ in prefilled]
+            assert all(isinstance(kv, ArenaKV) == (path == "arena") for s in seqs for kv in s.kv)
+            tokens, out = [first for _, first in prefilled], []
+            for step in range(12):
+                out.append(d.step_batch(seqs, tokens))
+                if path == "per-row":
+                    fed.append(out[-1].argmax(-1).tolist())
+                tokens = fed[step]
+            if path == "arena":
+                pieces = {k: v for k, v in d.pool.graphs._captured.items() if k[0] == "arena attention"}
+                assert len(pieces) == len(d.blocks) and all(v is not None for v in pieces.values())
+            runs[path] = out, [[t.to("cpu") for t in s.states] for s in seqs]
+    for a, b in zip(runs["arena"][0], runs["per-row"][0]):
+        assert max(_relative(a[r], b[r]) for r in range(len(PROMPTS))) < 2e-2
+    for a, b in zip(runs["arena"][1], runs["per-row"][1]):
+        _same_states(a, b, atol=5e-2)

@@ -140,3 +140,16 @@ def test_compile_is_for_cuda_devices_and_can_be_turned_off(monkeypatch):
     assert ops.compiling_on(torch.device("cuda"))
     monkeypatch.setenv(ops.COMPILE_ENV, "0")
     assert not ops.compiling_on(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_the_mix_weights_compile_on_the_device():
+    """model.device_mix_weights on CUDA tensors: compiled (inductor, Triton), the torch ops' values."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for tokens in (1, 8, 1000):
+        args = (*(t.cuda() for t in _inputs(tokens, 4, seed=tokens)), 4, 20, 1e-6)
+        for g, w in zip(model.device_mix_weights(*args), model.hc_mix_weights(*args)):
+            assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (g - w).abs().max()
+    assert not model.device_mix_weights.failed and counters["stats"]["unique_graphs"] >= 1
