@@ -156,8 +156,10 @@ def hc_pre(cfg: ModelConfig, fn: Tensor, base: Tensor, scale: Tensor, streams: T
     mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_().div_(flat.shape[1])
     mixes = matmul(flat, fn) * torch.rsqrt(mean_square + cfg.rms_norm_eps)
     args = (mixes, scale, base, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-    # compiled where it can: a CPU's native call, a CUDA device's torch.compile
-    pre, post, comb = mhc_native.hc_mix_weights(*args, hc_mix_weights) or device_mix_weights(*args)
+    # compiled where it can: a CPU's native call; a CUDA device's torch.compile for a decode step's rows (a
+    # prefill's chunk pays its ops' launches once for many tokens, and would pay a compile at its first call)
+    mix_weights = device_mix_weights if mixes.shape[0] <= COMPILED_MIX_ROWS else hc_mix_weights
+    pre, post, comb = mhc_native.hc_mix_weights(*args, hc_mix_weights) or mix_weights(*args)
     collapsed = torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
     return collapsed, post, comb
 
@@ -191,8 +193,9 @@ def hc_mix_weights(mixes: Tensor, scale: Tensor, base: Tensor, hc: int, sinkhorn
 
 
 # On a CUDA device the mixes' ~120 small kernels (the Sinkhorn iterations' 114: each a launch, or a graph node of
-# ~2 us, twice a layer and token) fused by torch.compile into a few
+# ~2 us, twice a layer and token) fused by torch.compile into a few, for up to COMPILED_MIX_ROWS rows
 device_mix_weights = DeviceCompiled(hc_mix_weights)
+COMPILED_MIX_ROWS = 64
 
 
 def hc_post(streams: Tensor, out: Tensor, post: Tensor, comb: Tensor, into: Tensor | None = None) -> Tensor:
