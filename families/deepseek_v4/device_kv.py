@@ -28,6 +28,8 @@ stale (`generation`). `ArenaKV.state()` hands the state on as a prefill would (L
 from __future__ import annotations
 
 import functools
+import itertools
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -42,6 +44,9 @@ from .config import CSA, SLIDING, ModelConfig
 from .kv import CompressorState, LayerKVState
 
 ENTRY_BUCKET_MIN = 16  # the fewest entries a bucket holds (a new graph per bucket: few while a prompt is short)
+# a layer's tensors' generations, never reused (a captured graph reads the tensors of its generation: a layer made
+# anew, after the arena was given back, must not replay the graphs of the one before)
+_generations = itertools.count(1)
 
 
 def entry_bucket(count: int) -> int:
@@ -59,6 +64,38 @@ def _grown(t: Tensor, dim: int, size: int, fill: float = 0.0) -> Tensor:
     return out
 
 
+def check_state(cfg: ModelConfig, layer: int, state: LayerKVState) -> None:
+    """Refuses, in one line naming the layer, a state that is not a prefill's of this model (its kind, counts,
+    shapes, float tensors): before the arena takes any memory or slot for it."""
+    kind, seen = cfg.layer_types[layer], state.seen_tokens
+    if state.layer_type != kind:
+        raise MoepackError(f"layer {layer}: past state of a {state.layer_type} layer, the model has {kind}")
+    if not isinstance(seen, int) or seen < 0:
+        raise MoepackError(f"layer {layer}: its state's token count {seen!r} is not a count")
+
+    def rows(t: Tensor | None, what: str, shape: tuple[int, int]) -> None:
+        if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else "missing"
+            raise MoepackError(f"layer {layer}: its {what} state is {got} after {seen} tokens, not {shape} floats")
+
+    rows(state.window_kv, "window", (min(seen, cfg.sliding_window - 1), cfg.head_dim))
+    for name, *_ in model.TOKEN_COMPRESSORS[kind]:
+        part, rate = getattr(state, name), cfg.compress_rates[layer]
+        if part is None:
+            raise MoepackError(f"layer {layer}: a {kind} layer's state lacks its {name}")
+        d = cfg.head_dim if name == "compressor" else cfg.index_head_dim
+        width = 2 * d if kind == CSA else d
+        if part.entry_count != seen // rate:
+            raise MoepackError(f"layer {layer}: its {name} state counts {part.entry_count!r} entries after {seen} "
+                               f"tokens at rate {rate}: not a prefill's")
+        rows(part.compressed_kv, f"{name} entries", (seen // rate, d))
+        for what, t in (("buffer_kv", part.buffer_kv), ("buffer_gate", part.buffer_gate)):
+            rows(t, f"{name} {what}", (seen % rate, width))
+        if kind == CSA and seen // rate:
+            for what, t in (("overlap_kv", part.overlap_kv), ("overlap_gate", part.overlap_gate)):
+                rows(t, f"{name} {what}", (rate, d))
+
+
 class _Rows:
     """A float32 tensor [slots, rows, width] and its copy in the products' dtype (the same tensor in float32)."""
 
@@ -73,9 +110,13 @@ class _Rows:
             self.low[slots, index] = values.to(self.low.dtype)
 
     def load(self, slot: int, start: Tensor | int, values: Tensor) -> None:
-        """A state's rows [n, width] into slot `slot` from row `start` (or at the rows `start` names)."""
+        """A state's rows [n, width] into slot `slot` from row `start` (or at the rows `start` names), the slot's
+        other rows zero."""
         index = start if isinstance(start, Tensor) else torch.arange(start, start + values.shape[0])
         index = index.to(self.rows.device)
+        self.rows[slot].zero_()
+        if self.low is not self.rows:
+            self.low[slot].zero_()
         self.rows[slot].index_copy_(0, index, values.float())
         if self.low is not self.rows:
             self.low[slot].index_copy_(0, index, values.to(self.low.dtype))
@@ -107,15 +148,12 @@ class _Compressor:
             self.overlap_kv, self.overlap_gate = (_grown(t, 0, slots) for t in (self.overlap_kv, self.overlap_gate))
         self.entries.grow(0, slots)
 
-    def load(self, slot: int, state: CompressorState, layer: int, name: str, seen: int) -> None:
-        """A prefill's compressor state into `slot` (checked against the token count: windows start at 0)."""
-        count, buffered = state.entry_count, state.buffer_kv.shape[0]
-        if count != seen // self.rate or buffered != seen % self.rate or state.compressed_kv.shape[0] != count:
-            raise MoepackError(f"layer {layer}: its {name} state holds {state.compressed_kv.shape[0]} entries "
-                               f"(count {count}) and {buffered} buffered tokens after {seen} tokens at rate "
-                               f"{self.rate}: not a prefill's")
-        if tuple(state.compressed_kv.shape[1:]) != (self.d,) or state.buffer_kv.shape[1] != self.buffer_kv.shape[2]:
-            raise MoepackError(f"layer {layer}: its {name} state's widths are not the model's")
+    def load(self, slot: int, state: CompressorState, seen: int) -> None:
+        """A prefill's compressor state (check_state's) into `slot`, what it does not fill zero (finite where read
+        masked: the rows of the slot's last sequence may not be)."""
+        count, buffered = state.entry_count, seen % self.rate
+        for t in (self.buffer_kv, self.buffer_gate) + ((self.overlap_kv, self.overlap_gate) if self.overlapping else ()):
+            t[slot].zero_()
         self.entries.load(slot, 0, state.compressed_kv)
         self.buffer_kv[slot, :buffered] = state.buffer_kv.float()
         self.buffer_gate[slot, :buffered] = state.buffer_gate.float()
@@ -124,7 +162,6 @@ class _Compressor:
                 self.overlap_kv[slot, (count - 1) % 2] = state.overlap_kv.float()
                 self.overlap_gate[slot, (count - 1) % 2] = state.overlap_gate.float()
             else:  # no window before the first: zero slots of gate -inf (model._overlap's)
-                self.overlap_kv[slot, 1] = 0.0
                 self.overlap_gate[slot, 1] = float("-inf")
 
     def state(self, slot: int, seen: int) -> CompressorState:
@@ -161,13 +198,13 @@ class _Layer:
         self.window = _Rows(slots, cfg.sliding_window, cfg.head_dim, low, device)
         self.compressors = {name: _Compressor(cfg, layer, name, slots, low, device)
                             for name, *_ in model.TOKEN_COMPRESSORS[self.kind]}
-        self.generation = 0  # bumped when its tensors move (its captured graphs read the old ones)
+        self.generation = next(_generations)  # a new one when its tensors move (its captured graphs read the old)
 
     def grow_slots(self, slots: int) -> None:
         self.window.grow(0, slots)
         for c in self.compressors.values():
             c.grow_slots(slots)
-        self.generation += 1
+        self.generation = next(_generations)
 
     def reserve_entries(self, entries: int) -> None:
         """Room for `entries` entries in every slot (doubling: a long decode grows it a few times)."""
@@ -178,7 +215,7 @@ class _Layer:
             capacity *= 2
         for c in self.compressors.values():
             c.entries.grow(1, capacity)
-        self.generation += 1
+        self.generation = next(_generations)
 
 
 class ArenaSlot:
@@ -186,7 +223,7 @@ class ArenaSlot:
 
     def __init__(self, arena: KVArena, index: int):
         self.index = index
-        weakref.finalize(self, arena._free.append, index)
+        weakref.finalize(self, arena._release, index)
 
 
 class ArenaKV:
@@ -208,43 +245,61 @@ class ArenaKV:
 
 
 class KVArena:
-    """Every decoding sequence's KV of every layer in slots on `device` (the module's docstring)."""
+    """Every decoding sequence's KV of every layer in slots on `device` (the module's docstring). Its tensors are
+    made at the first sequence and given back when the last one leaves (`layers` None): a long prompt's capacity
+    is not kept by a server once it is idle."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device, low: Sequence[torch.dtype]):
-        self.cfg, self.device = cfg, device
-        self.layers = [_Layer(cfg, layer, 1, dtype, device) for layer, dtype in enumerate(low)]
-        self.slots = 1
-        self._free = [0]
+        self.cfg, self.device, self.low = cfg, device, list(low)
+        self.layers: list[_Layer] | None = None
+        self.slots = 0
+        self._free: list[int] = []
+        # admit, and the release of the last slot (a finalizer: any thread, at any allocation), one at a time
+        self._lock = threading.Lock()
         self._step: tuple[tuple, Tensor] | None = None  # (the rows' (slot, position) pairs, them on the device)
         self._keys: dict[tuple[int, int], tuple] = {}  # (layer, rows) -> its attention's last graph key
 
     def admit(self, states: Sequence[LayerKVState]) -> list[ArenaKV]:
         """A sequence after a prefill's `states` (one per layer, on this device) in a free slot: its layers'
-        ArenaKV. A state that is not a prefill's of this model is refused in one line."""
-        cfg = self.cfg
-        if not self._free:
-            for L in self.layers:
-                L.grow_slots(2 * self.slots)
-            self._free.extend(range(2 * self.slots - 1, self.slots - 1, -1))
-            self.slots *= 2
-        slot = ArenaSlot(self, self._free.pop())
-        out = []
-        for layer, (L, state) in enumerate(zip(self.layers, states)):
-            seen, window = state.seen_tokens, state.window_kv
-            if state.layer_type != L.kind:
-                raise ValueError(f"layer {layer}: past state of a {state.layer_type} layer, the model has {L.kind}")
-            if tuple(window.shape) != (min(seen, cfg.sliding_window - 1), cfg.head_dim):
-                raise MoepackError(f"layer {layer}: its window state is {tuple(window.shape)} after {seen} tokens, "
-                                   f"not the last {min(seen, cfg.sliding_window - 1)} keys of width {cfg.head_dim}")
-            L.window.load(slot.index, torch.arange(seen - window.shape[0], seen) % cfg.sliding_window, window)
-            for name, c in L.compressors.items():
-                part = getattr(state, name)
-                if part is None:
-                    raise MoepackError(f"layer {layer}: a {L.kind} layer's state lacks its {name}")
-                L.reserve_entries(part.entry_count + 1)
-                c.load(slot.index, part, layer, name, seen)
-            out.append(ArenaKV(self, layer, slot, L.kind, seen))
+        ArenaKV. A state that is not a prefill's of this model is refused in one line, the arena untouched."""
+        for layer, state in enumerate(states):
+            check_state(self.cfg, layer, state)
+        with self._lock:
+            self._give_back_if_idle()
+            if self.layers is None:
+                self.layers = [_Layer(self.cfg, layer, 1, dtype, self.device) for layer, dtype in enumerate(self.low)]
+                self.slots, self._free = 1, [0]
+            if not self._free:
+                for L in self.layers:
+                    L.grow_slots(2 * self.slots)
+                self._free.extend(range(2 * self.slots - 1, self.slots - 1, -1))
+                self.slots *= 2
+            slot = ArenaSlot(self, self._free.pop())
+            out = []
+            for layer, (L, state) in enumerate(zip(self.layers, states)):
+                seen, window, ring = state.seen_tokens, state.window_kv, self.cfg.sliding_window
+                L.window.load(slot.index, torch.arange(seen - window.shape[0], seen) % ring, window)
+                for name, c in L.compressors.items():
+                    part = getattr(state, name)
+                    L.reserve_entries(part.entry_count + 1)
+                    c.load(slot.index, part, seen)
+                out.append(ArenaKV(self, layer, slot, L.kind, seen))
         return out
+
+    def _release(self, index: int) -> None:
+        """A slot's sequence is gone (its ArenaSlot's finalizer): the slot free, and the arena given back where it
+        was the last. Not while an admit runs (it gives an idle arena back itself): a finalizer may run inside it."""
+        self._free.append(index)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._give_back_if_idle()
+            finally:
+                self._lock.release()
+
+    def _give_back_if_idle(self) -> None:
+        """No sequence left: the tensors dropped (the next admit makes them anew, at its own size)."""
+        if self.layers is not None and len(self._free) == self.slots:
+            self.layers, self.slots, self._free = None, 0, []
 
     def step_rows(self, states: Sequence[ArenaKV]) -> Tensor:
         """The rows' (slots, positions) [2, B] on the device, sent once per step (every layer's rows are the same
@@ -267,10 +322,12 @@ class KVArena:
             L.reserve_entries(max(bucket, max(s.seen_tokens // rate for s in states) + 1))
         rows = self.step_rows(states)
         key = ("arena attention", layer, len(states), bucket, L.generation)
-        last = self._keys.get((layer, len(states)))
-        if last != key:  # one graph per layer and rows: a new bucket or generation retires the last one
-            if last is not None:
-                graphs.forget(last)
+        if self._keys.get((layer, len(states))) != key:
+            # one graph per layer and rows: a new bucket retires the last one, a new generation every other rows'
+            # too (they read the tensors before: never replayed, their memory given back)
+            for at, old in list(self._keys.items()):
+                if at[0] == layer and (at[1] == len(states) or old[-1] != L.generation):
+                    graphs.forget(self._keys.pop(at))
             self._keys[(layer, len(states))] = key
         heads, rotation, post, comb = graphs.run(key, functools.partial(self._attention, layer, w, bucket), hidden,
                                                  rows)

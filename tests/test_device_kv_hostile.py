@@ -1,0 +1,264 @@
+"""The device KV arena (families/deepseek_v4/device_kv.py) under a server's traffic and hostile states, on a CPU
+along a CUDA device's branches: sequences joining and leaving in any order, a slot reused after a sequence whose
+KV was not finite, states handed on mid-decode and continued, damaged states refused in one line before any
+memory is taken, and the arena's memory following its sequences (given back once none is left)."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from moepack.families.deepseek_v4 import device_kv, model
+from moepack.families.deepseek_v4.device_kv import ArenaKV
+from moepack.format_spec.errors import MoepackError
+from moepack.packer.convert import convert_checkpoint
+from test_device_decode import _StaticBuffers, _all_experts, _relative, generator  # noqa: F401
+from test_device_kv import (ARENA_CONFIGS, _prefilled, _same_states, containers, device_branches,  # noqa: F401
+                            no_ties, states_kept)
+from v4_models import CONFIGS, saved_model
+
+S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def _arena(seq) -> device_kv.KVArena:
+    return seq.kv[0].arena
+
+
+def _entry_capacity(arena) -> int:
+    return max(c.entries.rows.shape[1] for L in arena.layers for c in L.compressors.values())
+
+
+def _poisoned(states: list) -> list:
+    """Every tensor of `states` NaN (a hostile KV, or a sequence whose activations overflowed)."""
+    for s in states:
+        for t in s.tensors().values():
+            t.fill_(float("nan"))
+    return states
+
+
+def test_a_slot_left_by_a_non_finite_sequence_serves_the_next_as_if_new(containers, generator, device_branches):
+    """A sequence whose KV is NaN leaves; the next one takes its slot: the rows it reads masked (its window's
+    unwritten rows, its entries past its count, its window's unfilled buffer) must not be the last one's, or its
+    logits are NaN (a NaN key times a zero weight is NaN)."""
+    runs = {}
+    for path in ("per-row", "arena"):
+        with states_kept(path), generator(containers["A16"]) as g:
+            d = g.decoder
+            (bad, _), = _prefilled(g, lengths=(70,))
+            poisoned = d.start(_poisoned(bad))
+            del poisoned
+            gc.collect()
+            (states, first), = _prefilled(g, lengths=(5,))
+            seq = d.start(states)
+            if path == "arena":
+                assert _arena(seq).slots == 1  # the poisoned sequence's slot
+            tokens, out = [first], []
+            for _ in range(6):
+                out.append(d.step_batch([seq], tokens)[0])
+                tokens = [int(out[-1].argmax())]
+            runs[path] = out
+    for a, b in zip(runs["arena"], runs["per-row"]):
+        assert bool(torch.isfinite(a).all()) and _relative(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("damage", ["huge count", "no overlap", "overlap shape", "gate rows", "entry width",
+                                    "window dtype"])
+def test_a_damaged_state_is_refused_in_one_line_before_any_memory_is_taken(containers, generator, device_branches,
+                                                                            damage):
+    """A state that is not a prefill's of this model: one MoepackError naming its layer, the arena as it was (no
+    slot kept, no capacity grown: a count of 2**40 entries allocates nothing)."""
+    with generator(containers["A16"]) as g:
+        d = g.decoder
+        (ok, _), = _prefilled(g, lengths=(5,))
+        keep = d.start(ok)  # the arena made, one slot in use
+        arena = _arena(keep)
+        (states, _), = _prefilled(g, lengths=(17,))
+        layer = next(i for i, s in enumerate(states) if s.layer_type == model.CSA)
+        part = states[layer].compressor
+        if damage == "huge count":
+            part.entry_count = 2 ** 40
+        elif damage == "no overlap":
+            part.overlap_kv = part.overlap_gate = None
+        elif damage == "overlap shape":
+            part.overlap_kv = part.overlap_kv[:-1]
+        elif damage == "gate rows":
+            part.buffer_gate = part.buffer_gate[:-1]
+        elif damage == "entry width":
+            part.compressed_kv = part.compressed_kv[:, :-1]
+        else:
+            states[layer].window_kv = states[layer].window_kv.to(torch.complex64)
+        before = arena.slots, _entry_capacity(arena), [L.generation for L in arena.layers], list(arena._free)
+        with pytest.raises(MoepackError, match=f"^layer {layer}: ") as info:
+            d.start(states)
+        assert "\n" not in str(info.value)
+        gc.collect()
+        assert (arena.slots, _entry_capacity(arena), [L.generation for L in arena.layers], list(arena._free)) == before
+
+
+# 1 token; a multiple of CSA's rate (4); index_topk (6) entries exactly; more than the first bucket (16) holds
+SCHEDULE_PROMPTS = (1, 8, 24, 5, 70, 17)
+
+
+def _scheduled(g, seed: int, steps: int = 14) -> dict:
+    """A server's traffic, drawn from `seed`: each step some sequences join (a new prompt, or the states another
+    hands on mid-decode), some leave, the rest step together in a shuffled order, each fed drawn tokens (not its
+    greedy ones: a near tie may go either way). Every sequence's logits per step, by its name."""
+    d, rng = g.decoder, random.Random(seed)
+    prefilled = dict(zip(SCHEDULE_PROMPTS, _prefilled(g, SCHEDULE_PROMPTS)))
+    live, out, names = {}, {}, iter(range(1000))
+    for step in range(steps):
+        if not live or rng.random() < 0.5:
+            if live and rng.random() < 0.4:  # a fork: the KV a live sequence hands on, continued by a new one
+                parent = rng.choice(sorted(live))
+                live[f"{next(names)}<{parent}"] = d.start(live[parent].states)
+            else:
+                n = rng.choice(SCHEDULE_PROMPTS)
+                live[f"{next(names)}:{n}"] = d.start(prefilled[n][0])
+        if len(live) > 1 and rng.random() < 0.4:
+            del live[rng.choice(sorted(live))]
+            gc.collect()  # (its slot given back now, as it is where nothing holds a cycle)
+        rows = rng.sample(sorted(live), rng.randint(1, len(live)))  # a different subset, in any order
+        logits = d.step_batch([live[name] for name in rows], [rng.randrange(3, g.cfg.vocab_size) for _ in rows])
+        for name, row in zip(rows, logits):
+            out.setdefault(name, []).append(row)
+    return out
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sequences_joining_leaving_and_forking_in_any_order_step_as_alone(containers, generator, device_branches,
+                                                                         monkeypatch, seed):
+    """Drawn schedules of joins, leaves, forks from handed-on states and row subsets, the arena's pieces as CUDA
+    graphs (static buffers, each run twice at its capture): every sequence's logits those of the per-row states
+    (model.TokenKV) under the same schedule, across slot reuse at the same positions, buckets that shrink when a
+    long sequence leaves, slots that double mid-traffic."""
+    from moepack.runtime import device_decode
+
+    runs = {}
+    for path in ("per-row", "arena"):
+        with states_kept(path), generator(containers["A16"], decoded_experts=True, expert_pool=True) as g:
+            d = g.decoder
+            d.seed(_all_experts(d))
+            if path == "arena":
+                monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
+                d.pool.graphs.enabled = True
+            runs[path] = _scheduled(g, seed)
+    assert runs["arena"].keys() == runs["per-row"].keys()
+    for name, want in runs["per-row"].items():
+        got = runs["arena"][name]
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert _relative(a, b) < 1e-5, name
+
+
+def test_the_arena_is_given_back_when_its_last_sequence_leaves(containers, generator, device_branches):
+    """A long prompt grows every slot's entries, more sequences the slots; while one sequence is left nothing
+    moves, once none is the tensors are dropped, and the next sequence gets an arena of its own size, decoding as
+    the per-row states do."""
+    runs = {}
+    for path in ("per-row", "arena"):
+        with states_kept(path), generator(containers["A16"]) as g:
+            d = g.decoder
+            prefilled = _prefilled(g, lengths=(300, 5, 17))
+            seqs = [d.start(states) for states, _ in prefilled]
+            for _ in range(2):
+                d.step_batch(seqs, [f for _, f in prefilled])
+            if path == "arena":
+                arena = _arena(seqs[0])
+                assert arena.slots == 4 and _entry_capacity(arena) >= 300 // 4 + 1
+                kept = seqs.pop(1)
+                del seqs[:]
+                gc.collect()
+                assert arena.layers is not None and arena.slots == 4  # one sequence left: kept
+                del kept
+                gc.collect()
+                assert arena.layers is None and arena.slots == 0  # none left: given back
+            else:
+                del seqs[:]
+            (states, first), = _prefilled(g, lengths=(17,))
+            seq = d.start(states)
+            if path == "arena":
+                assert _arena(seq) is arena and arena.slots == 1 and _entry_capacity(arena) == 16
+            tokens, out = [first], []
+            for _ in range(6):
+                out.append(d.step_batch([seq], tokens)[0])
+                tokens = [int(out[-1].argmax())]
+            runs[path] = out
+    for a, b in zip(runs["arena"], runs["per-row"]):
+        assert _relative(a, b) < 1e-5
+
+
+def test_graphs_of_moved_tensors_are_retired_whatever_their_rows(containers, generator, device_branches,
+                                                                  monkeypatch):
+    """Three rows, then two (one left), then four of five (the slots double: every layer's tensors move): no graph of
+    the tensors before is kept, whichever rows it was captured for (each holds its own memory on a device)."""
+    from moepack.runtime import device_decode
+
+    with generator(containers["A16"], decoded_experts=True, expert_pool=True) as g:
+        d = g.decoder
+        d.seed(_all_experts(d))
+        monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
+        d.pool.graphs.enabled = True
+        prefilled = _prefilled(g, lengths=(5, 17, 9, 12, 3, 6))
+        seqs = [d.start(states) for states, _ in prefilled[:3]]
+        for rows in (3, 2):
+            seqs = seqs[:rows]
+            gc.collect()
+            d.step_batch(seqs, [4] * rows)
+        seqs += [d.start(states) for states, _ in prefilled[3:]]
+        arena = _arena(seqs[0])
+        assert arena.slots == 8
+        d.step_batch(seqs[:4], [4] * 4)
+        keys = [k for k in d.pool.graphs._captured if k[0] == "arena attention"]
+        assert sorted((k[1], k[2]) for k in keys) == [(layer, 4) for layer in range(len(d.blocks))]
+        assert all(k[-1] == arena.layers[k[1]].generation for k in keys)
+
+
+@pytest.mark.parametrize("after", [3, 4, 5, 16])
+def test_a_sequence_continued_from_handed_on_states_goes_on_as_the_original(containers, generator, device_branches,
+                                                                           after):
+    """`states` handed on after a 17-token prompt and `after` steps (the KV of `generate --kv-out`, of serve's
+    prefix cache: a window just closed, mid-window, the sliding window's wrap) and a new sequence started from
+    them: it steps as the original does, to the bit."""
+    with generator(containers["A16"]) as g:
+        d = g.decoder
+        (states, first), = _prefilled(g, lengths=(17,))
+        seq = d.start(states)
+        token = first
+        for _ in range(after):
+            token = int(d.step_batch([seq], [token])[0].argmax())
+        twin = d.start(seq.states)
+        for _ in range(8):
+            a, b = d.step_batch([seq, twin], [token, token])
+            assert torch.equal(a, b)
+            token = int(a.argmax())
+        _same_states(seq.states, twin.states, atol=0)
+
+
+@pytest.fixture(scope="module")
+def sliding_only(tmp_path_factory):
+    base = tmp_path_factory.mktemp("sliding-only")
+    config = dict(CONFIGS["B"], layer_types=[S] * 4)
+    saved_model(config, 7, str(base / "src"))
+    convert_checkpoint(str(base / "src"), str(base / "S.moepack"), progress=False)
+    return str(base / "S.moepack")
+
+
+def test_a_model_of_sliding_layers_only_steps_in_the_arena_as_per_row(sliding_only, generator, device_branches):
+    runs = {}
+    for path in ("per-row", "arena"):
+        with states_kept(path), generator(sliding_only) as g:
+            d = g.decoder
+            prefilled = _prefilled(g, lengths=(1, 7, 8, 20))
+            seqs = [d.start(states) for states, _ in prefilled]
+            tokens, out = [f for _, f in prefilled], []
+            for _ in range(10):
+                out.append(d.step_batch(seqs, tokens))
+                tokens = out[-1].argmax(-1).tolist()
+            runs[path] = out, [s.states for s in seqs]
+    for a, b in zip(runs["arena"][0], runs["per-row"][0]):
+        assert max(_relative(a[r], b[r]) for r in range(4)) < 1e-5
+    for a, b in zip(runs["arena"][1], runs["per-row"][1]):
+        _same_states(a, b, atol=1e-5)
