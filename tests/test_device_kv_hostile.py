@@ -28,7 +28,9 @@ def _arena(seq) -> device_kv.KVArena:
 
 
 def _entry_capacity(arena) -> int:
-    return max(c.entries.rows.shape[1] for L in arena.layers for c in L.compressors.values())
+    """The most entries a layer's pool holds (every slot's pages)."""
+    return max(c.entries.pages.rows.shape[0] * device_kv.ENTRY_PAGE for L in arena.layers
+               for c in L.compressors.values())
 
 
 def _poisoned(states: list) -> list:
@@ -180,7 +182,7 @@ def test_the_arena_is_given_back_when_its_last_sequence_leaves(containers, gener
             (states, first), = _prefilled(g, lengths=(17,))
             seq = d.start(states)
             if path == "arena":
-                assert _arena(seq) is arena and arena.slots == 1 and _entry_capacity(arena) == 16
+                assert _arena(seq) is arena and arena.slots == 1 and _entry_capacity(arena) == 2 * device_kv.ENTRY_PAGE
             tokens, out = [first], []
             for _ in range(6):
                 out.append(d.step_batch([seq], tokens)[0])
@@ -262,3 +264,41 @@ def test_a_model_of_sliding_layers_only_steps_in_the_arena_as_per_row(sliding_on
         assert max(_relative(a[r], b[r]) for r in range(4)) < 1e-5
     for a, b in zip(runs["arena"][1], runs["per-row"][1]):
         _same_states(a, b, atol=1e-5)
+
+
+def _device_bytes(arena) -> int:
+    """The bytes of every tensor the arena's layers hold (each storage once)."""
+    seen, total, todo = set(), 0, list(arena.layers)
+    while todo:
+        obj = todo.pop()
+        for value in (obj.values() if isinstance(obj, dict) else vars(obj).values()):
+            if isinstance(value, torch.Tensor):
+                if value.untyped_storage().data_ptr() not in seen:
+                    seen.add(value.untyped_storage().data_ptr())
+                    total += value.untyped_storage().nbytes()
+            elif isinstance(value, dict) or hasattr(value, "__dict__") and not isinstance(value, type):
+                todo.append(value)
+    return total
+
+
+def test_the_arena_holds_about_its_sequences_kv_not_every_slot_the_longests(containers, generator, device_branches):
+    """One long prompt (300 tokens: 75 CSA entries) beside seven short ones, as `serve --max-batch 8` meets them:
+    the arena's entries take about what the sequences' own do (pages of them), not eight slots of the longest's
+    capacity (what the memory checks, which count each sequence's KV, would not foresee: a GPU out of memory in
+    the middle of a step). Ring and buffers are per slot (a window and a compressor window each)."""
+    with generator(containers["A16"]) as g:
+        d = g.decoder
+        prefilled = _prefilled(g, lengths=(300,) + (5,) * 7)
+        seqs = [d.start(states) for states, _ in prefilled]
+        d.step_batch(seqs, [f for _, f in prefilled])
+        arena, cfg = _arena(seqs[0]), g.cfg
+        per_slot = entries = 0
+        for layer, kind in enumerate(cfg.layer_types):
+            per_slot += cfg.sliding_window * cfg.head_dim
+            for name, *_ in model.TOKEN_COMPRESSORS[kind]:
+                rate, dim = cfg.compress_rates[layer], cfg.head_dim if name == "compressor" else cfg.index_head_dim
+                width = 2 * dim if kind == model.CSA else dim
+                per_slot += 2 * rate * width + (4 * rate * dim if kind == model.CSA else 0)
+                # each sequence's entries so far and the one it writes, in whole pages of 16
+                entries += sum(-(-(s.seen_tokens // rate + 1) // 16) * 16 for s in seqs) * dim
+        assert _device_bytes(arena) <= 4 * (per_slot * arena.slots + 2 * entries) + 64 * 1024
