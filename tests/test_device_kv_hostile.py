@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 
 import pytest
 import torch
@@ -347,3 +348,27 @@ def test_a_slot_taken_again_at_the_same_position_steps_as_its_first_sequence(con
         again = d.start(states)
         assert again.kv[0].slot.index == slot
         assert torch.equal(d.step_batch([again], [first]), want)
+
+
+def test_the_last_sequence_dropped_on_another_thread_or_inside_an_admit(containers, generator, device_branches):
+    """A sequence's slot is given back by a finalizer, in whatever thread drops it last (a server's request
+    thread): the arena given back there too. One dropped while an admit holds the arena (a finalizer run by an
+    allocation inside it) only marks its slot: that admit, or the next, gives the idle arena back itself."""
+    with generator(containers["A16"]) as g:
+        d = g.decoder
+        (long, _), (short, _) = _prefilled(g, lengths=(300, 5))
+        held = [d.start(long)]
+        arena = _arena(held[0])
+        dropper = threading.Thread(target=lambda: (held.clear(), gc.collect()))
+        dropper.start()
+        dropper.join()
+        assert arena.layers is None
+        held.append(d.start(long))
+        assert _entry_capacity(arena) > 2 * device_kv.ENTRY_PAGE
+        with arena._lock:  # as inside an admit
+            held.clear()
+            gc.collect()
+        assert arena.layers is not None and arena._dead == [0]
+        seq = d.start(short)
+        assert arena.slots == 1 and _entry_capacity(arena) == 2 * device_kv.ENTRY_PAGE
+        assert seq.kv[0].slot.index == 0
