@@ -126,6 +126,12 @@ class _Rows:
         if self.low is not self.rows:
             self.low[slot].index_copy_(0, index, values.to(self.low.dtype))
 
+    def zero(self, index: Tensor) -> None:
+        """The slots `index` names zero."""
+        self.rows.index_fill_(0, index, 0.0)
+        if self.low is not self.rows:
+            self.low.index_fill_(0, index, 0.0)
+
     def grow(self, dim: int, size: int) -> None:
         same = self.low is self.rows
         self.rows = _grown(self.rows, dim, size)
@@ -135,8 +141,8 @@ class _Rows:
 class _Entries:
     """One compressor's entries of every slot, in pages of ENTRY_PAGE rows from a pool the slots share (a slot holds
     the pages its own entries need, not the longest sequence's), and each slot's page table [slots, pages] on the
-    device. Page 0 stays zero: a table points there past a slot's pages (rows read masked, finite). A page a slot
-    takes is zeroed (its last owner's rows may not be finite)."""
+    device. Page 0 stays zero: a table points there past a slot's pages (rows read masked, finite). A page given
+    back is zeroed (its last owner's rows may not be finite), one op for all of a slot's."""
 
     def __init__(self, slots: int, d: int, low: torch.dtype, device: torch.device):
         self.pages = _Rows(2, ENTRY_PAGE, d, low, device)
@@ -158,27 +164,32 @@ class _Entries:
         return True
 
     def reserve(self, slot: int, entries: int) -> bool:
-        """Pages for `entries` entries in `slot`; whether a tensor moved (a new pool or table)."""
-        pages, owned = -(-entries // ENTRY_PAGE), self.owned[slot]
-        moved = self.widen(entries)
-        while len(owned) < pages:
-            if not self.free:  # twice the pool
-                size = self.pages.rows.shape[0]
-                self.pages.grow(0, 2 * size)
-                self.free.extend(range(2 * size - 1, size - 1, -1))
-                moved = True
-            page = self.free.pop()
-            self.pages.rows[page].zero_()
-            if self.pages.low is not self.pages.rows:
-                self.pages.low[page].zero_()
+        """Pages for `entries` entries in `slot` (free pages are zero); whether a tensor moved (a new pool or
+        table)."""
+        owned = self.owned[slot]
+        moved, missing = self.widen(entries), -(-entries // ENTRY_PAGE) - len(owned)
+        if missing <= 0:
+            return moved
+        if len(self.free) < missing:  # at least twice the pool
+            size = self.pages.rows.shape[0]
+            grown = max(2 * size, size + missing)
+            self.pages.grow(0, grown)
+            self.free[:0] = range(grown - 1, size - 1, -1)
+            moved = True
+        for page in (self.free.pop() for _ in range(missing)):
             self._changed[slot, len(owned)] = page
             owned.append(page)
         return moved
 
     def release(self, slot: int) -> None:
-        """The slot's pages back to the pool."""
-        self.free.extend(self.owned[slot])
-        self._changed.update(((slot, column), 0) for column in range(len(self.owned[slot])))
+        """The slot's pages back to the pool, zeroed (the next owner reads their unwritten rows masked: its last
+        owner's may not be finite)."""
+        owned = self.owned[slot]
+        if owned:
+            pages = to_device_async(torch.tensor(owned, dtype=torch.int64), self.table.device)
+            self.pages.zero(pages)
+        self.free.extend(owned)
+        self._changed.update(((slot, column), 0) for column in range(len(owned)))
         self.owned[slot] = []
 
     def send_table(self) -> None:
