@@ -372,3 +372,34 @@ def test_the_last_sequence_dropped_on_another_thread_or_inside_an_admit(containe
         seq = d.start(short)
         assert arena.slots == 1 and _entry_capacity(arena) == 2 * device_kv.ENTRY_PAGE
         assert seq.kv[0].slot.index == 0
+
+
+def _pools(arena) -> list[tuple[int, int]]:
+    """Each layer's page pools: (pages, pages in use, the zero page with them)."""
+    return [(c.entries.pages.rows.shape[0], 1 + sum(map(len, c.entries.owned)))
+            for L in arena.layers for c in L.compressors.values()]
+
+
+def test_a_pool_mostly_free_once_a_long_sequence_leaves_is_made_small(containers, generator, device_branches):
+    """A 600-token prompt decodes beside a short one, then leaves (a server never idle): a layer's page pool
+    grown for it, now mostly free, is made anew (the pages in use copied) at most four times what is in use; the
+    short one decodes on as the per-row states do."""
+    runs = {}
+    for path in ("per-row", "arena"):
+        with states_kept(path), generator(containers["A16"]) as g:
+            d = g.decoder
+            (long, long_first), (short, first) = _prefilled(g, lengths=(600, 17))
+            seqs = [d.start(long), d.start(short)]
+            tokens = d.step_batch(seqs, [long_first, first]).argmax(-1).tolist()
+            seq = seqs.pop()
+            if path == "arena":
+                arena = _arena(seq)
+                grown = sum(size for size, _ in _pools(arena))
+            del seqs[:]
+            gc.collect()
+            runs[path] = _greedy_alone(d, seq, tokens[1], 6)
+            if path == "arena":
+                assert all(size <= 4 * used for size, used in _pools(arena))
+                assert sum(size for size, _ in _pools(arena)) < grown / 2
+    for a, b in zip(runs["arena"], runs["per-row"]):
+        assert _relative(a, b) < 1e-5

@@ -25,7 +25,8 @@ A sequence takes a slot when it starts (`admit`: its prefill state checked first
 memory is taken; then written in, the slot's rows and pages it does not fill zero, so that a masked read never
 meets the last sequence's values) and gives it back when its states are dropped (its pages at the next step);
 the arena grows by doubling (slots, a layer's page pool or page table), which makes its graphs stale
-(`generation`), and is dropped whole when its last sequence leaves. `ArenaKV.state()` hands the state on as a
+(`generation`); a page pool at most a quarter in use is made anew at twice that, and the arena is dropped whole
+when its last sequence leaves. `ArenaKV.state()` hands the state on as a
 prefill would (LayerKVState).
 """
 
@@ -192,6 +193,28 @@ class _Entries:
         self._changed.update(((slot, column), 0) for column in range(len(owned)))
         self.owned[slot] = []
 
+    def compact(self) -> bool:
+        """A pool at most a quarter in use (a long sequence gone, others going on) made anew at twice what is in
+        use, the pages in use copied to its front and the table rewritten; whether it moved."""
+        size, in_use = self.pages.rows.shape[0], [page for pages in self.owned for page in pages]
+        if 4 * (1 + len(in_use)) > size:
+            return False
+        device, old = self.table.device, self.pages
+        self.pages = _Rows(2 * (1 + len(in_use)), ENTRY_PAGE, old.rows.shape[-1], old.low.dtype, device)
+        if in_use:
+            before = to_device_async(torch.tensor(in_use, dtype=torch.int64), device)
+            after = torch.arange(1, 1 + len(in_use), device=device)
+            self.pages.rows[after] = old.rows[before]
+            if self.pages.low is not self.pages.rows:
+                self.pages.low[after] = old.low[before]
+        renumbered = iter(range(1, 1 + len(in_use)))
+        self.owned = [[next(renumbered) for _ in pages] for pages in self.owned]
+        self.free = list(range(self.pages.rows.shape[0] - 1, len(in_use), -1))
+        self.table = torch.zeros(len(self.owned), max(1, *map(len, self.owned)), dtype=torch.int64, device=device)
+        self._changed = {(slot, column): page for slot, pages in enumerate(self.owned)
+                         for column, page in enumerate(pages)}
+        return True
+
     def send_table(self) -> None:
         """The table's changes written into the device's (in place: the graphs read it there), the host not
         waiting."""
@@ -326,8 +349,13 @@ class _Layer:
             self.generation = next(_generations)
 
     def release(self, slot: int) -> None:
+        """The slot's pages back to the pools, a pool then mostly free made small (a new generation)."""
+        moved = False
         for c in self.compressors.values():
             c.entries.release(slot)
+            moved |= c.entries.compact()
+        if moved:
+            self.generation = next(_generations)
 
 
 class ArenaSlot:
