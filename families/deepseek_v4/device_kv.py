@@ -26,8 +26,7 @@ memory is taken; then written in, the slot's rows and pages it does not fill zer
 meets the last sequence's values) and gives it back when its states are dropped (its pages at the next step);
 the arena grows by doubling (slots, a layer's page pool or page table), which makes its graphs stale
 (`generation`); a page pool at most a quarter in use is made anew at twice that, and the arena is dropped whole
-when its last sequence leaves. `ArenaKV.state()` hands the state on as a
-prefill would (LayerKVState).
+when its last sequence leaves. `ArenaKV.state()` hands the state on as a prefill would (LayerKVState).
 """
 
 from __future__ import annotations
