@@ -380,14 +380,21 @@ def _pools(arena) -> list[tuple[int, int]]:
             for L in arena.layers for c in L.compressors.values()]
 
 
-def test_a_pool_mostly_free_once_a_long_sequence_leaves_is_made_small(containers, generator, device_branches):
+def test_a_pool_mostly_free_once_a_long_sequence_leaves_is_made_small(containers, generator, device_branches,
+                                                                      monkeypatch):
     """A 600-token prompt decodes beside a short one, then leaves (a server never idle): a layer's page pool
     grown for it, now mostly free, is made anew (the pages in use copied) at most four times what is in use; the
-    short one decodes on as the per-row states do."""
+    short one decodes on as the per-row states do, its pieces as CUDA graphs (those of the old pools retired)."""
+    from moepack.runtime import device_decode
+
     runs = {}
     for path in ("per-row", "arena"):
-        with states_kept(path), generator(containers["A16"]) as g:
+        with states_kept(path), generator(containers["A16"], decoded_experts=True, expert_pool=True) as g:
             d = g.decoder
+            d.seed(_all_experts(d))
+            if path == "arena":
+                monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
+                d.pool.graphs.enabled = True
             (long, long_first), (short, first) = _prefilled(g, lengths=(600, 17))
             seqs = [d.start(long), d.start(short)]
             tokens = d.step_batch(seqs, [long_first, first]).argmax(-1).tolist()
@@ -401,5 +408,7 @@ def test_a_pool_mostly_free_once_a_long_sequence_leaves_is_made_small(containers
             if path == "arena":
                 assert all(size <= 4 * used for size, used in _pools(arena))
                 assert sum(size for size, _ in _pools(arena)) < grown / 2
+                keys = [k for k in d.pool.graphs._captured if k[0] == "arena attention"]
+                assert all(k[-1] == arena.layers[k[1]].generation for k in keys)  # (B = 2's of a pool moved gone)
     for a, b in zip(runs["arena"], runs["per-row"]):
         assert _relative(a, b) < 1e-5
