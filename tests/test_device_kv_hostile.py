@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from moepack.families.deepseek_v4 import device_kv, model
-from moepack.families.deepseek_v4.device_kv import ArenaKV
 from moepack.format_spec.errors import MoepackError
 from moepack.packer.convert import convert_checkpoint
+from gpu_branches import HostSyncs
 from test_device_decode import _StaticBuffers, _all_experts, _relative, generator  # noqa: F401
-from test_device_kv import (ARENA_CONFIGS, _prefilled, _same_states, containers, device_branches,  # noqa: F401
-                            no_ties, states_kept)
+from test_device_kv import _prefilled, _same_states, containers, device_branches, states_kept  # noqa: F401
 from v4_models import CONFIGS, saved_model
 
 S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -140,6 +139,16 @@ def _scheduled(g, seed: int, steps: int = 14) -> dict:
     return out
 
 
+class _Waits(_StaticBuffers):
+    """_StaticBuffers recording what in a piece would wait for the host on CUDA (its capture would fail)."""
+    seen: list = []
+
+    def __init__(self, fn, inputs):
+        with HostSyncs() as mode:
+            super().__init__(fn, inputs)
+        _Waits.seen += mode.seen
+
+
 @pytest.mark.parametrize("seed, dtype", [(1, "float32"), (2, "float32"), (3, "float32"), (4, "bfloat16")])
 def test_sequences_joining_leaving_and_forking_in_any_order_step_as_alone(containers, generator, device_branches,
                                                                          monkeypatch, seed, dtype):
@@ -156,9 +165,11 @@ def test_sequences_joining_leaving_and_forking_in_any_order_step_as_alone(contai
             d = g.decoder
             d.seed(_all_experts(d))
             if path == "arena":
-                monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
+                monkeypatch.setattr(device_decode, "CapturedCall", _Waits)
+                monkeypatch.setattr(_Waits, "seen", [])
                 d.pool.graphs.enabled = True
             runs[path] = _scheduled(g, seed)
+            assert path == "per-row" or (d.pool.graphs.replays and _Waits.seen == [])
     assert runs["arena"].keys() == runs["per-row"].keys()
     for name, want in runs["per-row"].items():
         got = runs["arena"][name]
@@ -412,3 +423,26 @@ def test_a_pool_mostly_free_once_a_long_sequence_leaves_is_made_small(containers
                 assert all(k[-1] == arena.layers[k[1]].generation for k in keys)  # (B = 2's of a pool moved gone)
     for a, b in zip(runs["arena"], runs["per-row"]):
         assert _relative(a, b) < 1e-5
+
+
+def test_graphs_of_a_larger_bucket_are_retired_when_the_rows_change(containers, generator, device_branches,
+                                                                   monkeypatch):
+    """A long sequence beside a short one (two rows, a large bucket) leaves: the short one's steps (one row, the
+    least bucket) retire the two rows' graphs of the large bucket (on a device each holds its [rows, bucket]
+    intermediates: gigabytes at a long context), not only the one row's."""
+    from moepack.runtime import device_decode
+
+    with generator(containers["A16"], decoded_experts=True, expert_pool=True) as g:
+        d = g.decoder
+        d.seed(_all_experts(d))
+        monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
+        d.pool.graphs.enabled = True
+        (long, long_first), (short, first) = _prefilled(g, lengths=(300, 17))
+        seqs = [d.start(long), d.start(short)]
+        tokens = d.step_batch(seqs, [long_first, first]).argmax(-1).tolist()
+        seq = seqs.pop()
+        del seqs[:]
+        gc.collect()
+        _greedy_alone(d, seq, tokens[1], 2)
+        keys = [k for k in d.pool.graphs._captured if k[0] == "arena attention"]
+        assert {k[3] for k in keys} <= {0, device_kv.ENTRY_BUCKET_MIN}, keys

@@ -114,10 +114,8 @@ class _Rows:
         if self.low is not self.rows:
             self.low[slots, index] = values.to(self.low.dtype)
 
-    def load(self, slot: int, start: Tensor | int, values: Tensor) -> None:
-        """A state's rows [n, width] into slot `slot` from row `start` (or at the rows `start` names), the slot's
-        other rows zero."""
-        index = start if isinstance(start, Tensor) else torch.arange(start, start + values.shape[0])
+    def load(self, slot: int, index: Tensor, values: Tensor) -> None:
+        """A state's rows [n, width] into slot `slot` at the rows `index` names, the slot's other rows zero."""
         index = index.to(self.rows.device)
         self.rows[slot].zero_()
         if self.low is not self.rows:
@@ -475,10 +473,11 @@ class KVArena:
         rows = self.step_rows(states)
         key = ("arena attention", layer, len(states), bucket, L.generation)
         if self._keys.get((layer, len(states))) != key:
-            # one graph per layer and rows: a new bucket retires the last one, a new generation every other rows'
-            # too (they read the tensors before: never replayed, their memory given back)
+            # one graph per layer and rows: a new bucket retires the last one; a new generation every other rows'
+            # too (they read the tensors before: never replayed), and so does a smaller bucket those of a larger
+            # (a long sequence gone: each holds its [rows, bucket] intermediates on the device)
             for at, old in list(self._keys.items()):
-                if at[0] == layer and (at[1] == len(states) or old[-1] != L.generation):
+                if at[0] == layer and (at[1] == len(states) or old[-1] != L.generation or old[3] > bucket):
                     graphs.forget(self._keys.pop(at))
             self._keys[(layer, len(states))] = key
         heads, rotation, post, comb = graphs.run(key, functools.partial(self._attention, layer, w, bucket), hidden,
