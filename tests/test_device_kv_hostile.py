@@ -42,6 +42,16 @@ def _greedy_alone(d, seq, token: int, steps: int) -> list:
     return out
 
 
+def _graphed(d, monkeypatch, captured=_StaticBuffers) -> None:
+    """Every expert of the decoder pooled, a step's pieces as CUDA graphs (`captured`: static buffers, each piece
+    run twice at its capture)."""
+    from moepack.runtime import device_decode
+
+    d.seed(_all_experts(d))
+    monkeypatch.setattr(device_decode, "CapturedCall", captured)
+    d.pool.graphs.enabled = True
+
+
 def _poisoned(states: list) -> list:
     """Every tensor of `states` NaN (a hostile KV, or a sequence whose activations overflowed)."""
     for s in states:
@@ -155,19 +165,17 @@ def test_sequences_joining_leaving_and_forking_in_any_order_step_as_alone(contai
     """Drawn schedules of joins, leaves, forks from handed-on states and row subsets, the arena's pieces as CUDA
     graphs (static buffers, each run twice at its capture): every sequence's logits those of the per-row states
     (model.TokenKV) under the same schedule, across slot reuse at the same positions, buckets that shrink when a
-    long sequence leaves, slots that double mid-traffic."""
-    from moepack.runtime import device_decode
-
+    long sequence leaves, slots that double mid-traffic, pools made small; no piece waiting for the host."""
     runs = {}
     for path in ("per-row", "arena"):
         with states_kept(path), generator(containers["A16"], compute_dtype=dtype, decoded_experts=True,
                                           expert_pool=True) as g:
             d = g.decoder
-            d.seed(_all_experts(d))
             if path == "arena":
-                monkeypatch.setattr(device_decode, "CapturedCall", _Waits)
                 monkeypatch.setattr(_Waits, "seen", [])
-                d.pool.graphs.enabled = True
+                _graphed(d, monkeypatch, _Waits)
+            else:
+                d.seed(_all_experts(d))
             runs[path] = _scheduled(g, seed)
             assert path == "per-row" or (d.pool.graphs.replays and _Waits.seen == [])
     assert runs["arena"].keys() == runs["per-row"].keys()
@@ -215,13 +223,9 @@ def test_graphs_of_moved_tensors_are_retired_whatever_their_rows(containers, gen
                                                                   monkeypatch):
     """Three rows, then two (one left), then four of five (the slots double: every layer's tensors move): no graph of
     the tensors before is kept, whichever rows it was captured for (each holds its own memory on a device)."""
-    from moepack.runtime import device_decode
-
     with generator(containers["A16"], decoded_experts=True, expert_pool=True) as g:
         d = g.decoder
-        d.seed(_all_experts(d))
-        monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
-        d.pool.graphs.enabled = True
+        _graphed(d, monkeypatch)
         prefilled = _prefilled(g, lengths=(5, 17, 9, 12, 3, 6))
         seqs = [d.start(states) for states, _ in prefilled[:3]]
         for rows in (3, 2):
@@ -328,7 +332,7 @@ def test_a_sequence_after_no_token_steps_as_per_row(containers, generator, devic
     runs = {}
     for path in ("per-row", "arena"):
         with states_kept(path), generator(containers["A16"]) as g:
-            d, cfg = g.decoder, g.cfg
+            d = g.decoder
             (states, _), = _prefilled(g, lengths=(1,))
             empty = []
             for s in states:
@@ -385,6 +389,20 @@ def test_the_last_sequence_dropped_on_another_thread_or_inside_an_admit(containe
         assert seq.kv[0].slot.index == 0
 
 
+def _left_by_a_long_one(g, long: int) -> tuple:
+    """A `long`-token prompt and a 17-token one step once together, then the long one leaves: (the short one, its
+    next token, the layers' pools before it left; None per-row)."""
+    d = g.decoder
+    (long, long_first), (short, first) = _prefilled(g, lengths=(long, 17))
+    seqs = [d.start(long), d.start(short)]
+    tokens = d.step_batch(seqs, [long_first, first]).argmax(-1).tolist()
+    seq = seqs.pop()
+    pools = _pools(_arena(seq)) if isinstance(seq.kv[0], device_kv.ArenaKV) else None
+    del seqs[:]
+    gc.collect()
+    return seq, tokens[1], pools
+
+
 def _pools(arena) -> list[tuple[int, int]]:
     """Each layer's page pools: (pages, pages in use, the zero page with them)."""
     return [(c.entries.pages.rows.shape[0], 1 + sum(map(len, c.entries.owned)))
@@ -396,29 +414,18 @@ def test_a_pool_mostly_free_once_a_long_sequence_leaves_is_made_small(containers
     """A 600-token prompt decodes beside a short one, then leaves (a server never idle): a layer's page pool
     grown for it, now mostly free, is made anew (the pages in use copied) at most four times what is in use; the
     short one decodes on as the per-row states do, its pieces as CUDA graphs (those of the old pools retired)."""
-    from moepack.runtime import device_decode
-
     runs = {}
     for path in ("per-row", "arena"):
         with states_kept(path), generator(containers["A16"], decoded_experts=True, expert_pool=True) as g:
             d = g.decoder
-            d.seed(_all_experts(d))
             if path == "arena":
-                monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
-                d.pool.graphs.enabled = True
-            (long, long_first), (short, first) = _prefilled(g, lengths=(600, 17))
-            seqs = [d.start(long), d.start(short)]
-            tokens = d.step_batch(seqs, [long_first, first]).argmax(-1).tolist()
-            seq = seqs.pop()
+                _graphed(d, monkeypatch)
+            seq, token, grown = _left_by_a_long_one(g, 600)
+            runs[path] = _greedy_alone(d, seq, token, 6)
             if path == "arena":
                 arena = _arena(seq)
-                grown = sum(size for size, _ in _pools(arena))
-            del seqs[:]
-            gc.collect()
-            runs[path] = _greedy_alone(d, seq, tokens[1], 6)
-            if path == "arena":
                 assert all(size <= 4 * used for size, used in _pools(arena))
-                assert sum(size for size, _ in _pools(arena)) < grown / 2
+                assert sum(size for size, _ in _pools(arena)) < sum(size for size, _ in grown) / 2
                 keys = [k for k in d.pool.graphs._captured if k[0] == "arena attention"]
                 assert all(k[-1] == arena.layers[k[1]].generation for k in keys)  # (B = 2's of a pool moved gone)
     for a, b in zip(runs["arena"], runs["per-row"]):
@@ -430,19 +437,10 @@ def test_graphs_of_a_larger_bucket_are_retired_when_the_rows_change(containers, 
     """A long sequence beside a short one (two rows, a large bucket) leaves: the short one's steps (one row, the
     least bucket) retire the two rows' graphs of the large bucket (on a device each holds its [rows, bucket]
     intermediates: gigabytes at a long context), not only the one row's."""
-    from moepack.runtime import device_decode
-
     with generator(containers["A16"], decoded_experts=True, expert_pool=True) as g:
         d = g.decoder
-        d.seed(_all_experts(d))
-        monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
-        d.pool.graphs.enabled = True
-        (long, long_first), (short, first) = _prefilled(g, lengths=(300, 17))
-        seqs = [d.start(long), d.start(short)]
-        tokens = d.step_batch(seqs, [long_first, first]).argmax(-1).tolist()
-        seq = seqs.pop()
-        del seqs[:]
-        gc.collect()
-        _greedy_alone(d, seq, tokens[1], 2)
+        _graphed(d, monkeypatch)
+        seq, token, _ = _left_by_a_long_one(g, 300)
+        _greedy_alone(d, seq, token, 2)
         keys = [k for k in d.pool.graphs._captured if k[0] == "arena attention"]
         assert {k[3] for k in keys} <= {0, device_kv.ENTRY_BUCKET_MIN}, keys
