@@ -127,7 +127,8 @@ SCHEDULE_PROMPTS = (1, 8, 24, 5, 70, 17, 300)
 def _scheduled(g, seed: int, steps: int = 14) -> dict:
     """A server's traffic, drawn from `seed`: each step some sequences join (a new prompt, or the states another
     hands on mid-decode), some leave, the rest step together in a shuffled order, each fed drawn tokens (not its
-    greedy ones: a near tie may go either way). Every sequence's logits per step, by its name."""
+    greedy ones: a near tie may go either way). Every sequence's logits per step, by its name, and the states the
+    live ones hand on at the end."""
     d, rng = g.decoder, random.Random(seed)
     prefilled = dict(zip(SCHEDULE_PROMPTS, _prefilled(g, SCHEDULE_PROMPTS)))
     live, out, names = {}, {}, iter(range(1000))
@@ -146,7 +147,7 @@ def _scheduled(g, seed: int, steps: int = 14) -> dict:
         logits = d.step_batch([live[name] for name in rows], [rng.randrange(3, g.cfg.vocab_size) for _ in rows])
         for name, row in zip(rows, logits):
             out.setdefault(name, []).append(row)
-    return out
+    return out, {name: seq.states for name, seq in live.items()}
 
 
 class _Waits(_StaticBuffers):
@@ -178,12 +179,15 @@ def test_sequences_joining_leaving_and_forking_in_any_order_step_as_alone(contai
                 d.seed(_all_experts(d))
             runs[path] = _scheduled(g, seed)
             assert path == "per-row" or (d.pool.graphs.replays and _Waits.seen == [])
-    assert runs["arena"].keys() == runs["per-row"].keys()
-    for name, want in runs["per-row"].items():
-        got = runs["arena"][name]
-        assert len(got) == len(want)
-        for a, b in zip(got, want):  # (bf16: the products' rounding)
+    (got, got_states), (want, want_states) = runs["arena"], runs["per-row"]
+    assert got.keys() == want.keys() and got_states.keys() == want_states.keys()
+    for name in want:
+        assert len(got[name]) == len(want[name])
+        for a, b in zip(got[name], want[name]):  # (bf16: the products' rounding)
             assert _relative(a, b) < (1e-5 if dtype == "float32" else 2e-2), name
+    if dtype == "float32":
+        for name in want_states:
+            _same_states(got_states[name], want_states[name], atol=1e-5)
 
 
 def test_the_arena_is_given_back_when_its_last_sequence_leaves(containers, generator, device_branches):
