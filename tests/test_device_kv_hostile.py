@@ -448,3 +448,31 @@ def test_graphs_of_a_larger_bucket_are_retired_when_the_rows_change(containers, 
         _greedy_alone(d, seq, token, 2)
         keys = [k for k in d.pool.graphs._captured if k[0] == "arena attention"]
         assert {k[3] for k in keys} <= {0, device_kv.ENTRY_BUCKET_MIN}, keys
+
+
+def test_continuous_batching_over_the_arena_gives_each_sequence_its_tokens_alone(containers, generator,
+                                                                                device_branches):
+    """`serve --max-batch 3`'s scheduler over the arena: five greedy generations (1 to 70 prompt tokens, chunked
+    prefills, joining and leaving between steps) get the tokens the per-row states give each alone; once all are
+    over, no slot is left held (the arena given back)."""
+    from moepack.runtime.batching import BatchScheduler
+    from moepack.runtime.generate import GenerateOptions
+
+    lengths, new = (1, 70, 8, 24, 17), (9, 5, 12, 7, 10)
+    with states_kept("per-row"), generator(containers["A16"]) as g:
+        prompts = [torch.randint(3, g.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                   for n in lengths]
+        alone = [g.generate(ids, GenerateOptions(max_new_tokens=m, stop_at_eos=False)).generated_ids
+                 for ids, m in zip(prompts, new)]
+    with generator(containers["A16"]) as g:
+        scheduler = BatchScheduler(g, max_batch=3, prefill_chunk=16)
+        try:
+            futures = [scheduler.submit(ids, GenerateOptions(max_new_tokens=m, stop_at_eos=False))
+                       for ids, m in zip(prompts, new)]
+            got = [f.result(120).generated_ids for f in futures]
+        finally:
+            scheduler.close()
+        arena = g.decoder.arithmetic._arena
+        gc.collect()
+        assert arena is not None and arena.layers is None
+    assert got == alone
