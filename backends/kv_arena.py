@@ -4,10 +4,11 @@ fixed-shape piece (a CUDA graph per layer, rows, bucket and generation) rather t
 token at a time.
 
 `SlotArena` keeps the slots: a sequence takes one when it starts (`take_slot`) and gives it back when its states
-are dropped (`ArenaSlot`); with none free the slots double (the family's `grow_slots`, which moves its tensors and
+are dropped (`ArenaSlot`, `release`); with none free the slots double (the family's `grow_slots`, which moves its tensors and
 so makes its graphs stale: the family bumps its generation). A step's rows give their slots and positions as one
 small device tensor sent once a step (`step_rows`), and each (layer, rows) keeps one live graph: a new bucket or
-generation retires the last (`graph_key`). A bucket is a power of two (`bucket`): one graph serves many tokens.
+generation retires the graphs it makes stale (`graph_key`). A bucket is a power of two (`bucket_for`): one graph
+serves many tokens.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ def grown(t: Tensor, dim: int, size: int, fill: float = 0.0) -> Tensor:
 
 
 class ArenaSlot:
-    """A sequence's slot in the arena: given back when the last of its layers' states is dropped."""
+    """A sequence's slot in the arena: given back (SlotArena.release) when the last of its layers' states is
+    dropped."""
 
     def __init__(self, arena: SlotArena, index: int):
         self.index = index
-        weakref.finalize(self, arena._free.append, index)
+        weakref.finalize(self, arena.release, index)
 
 
 class SlotArena:
@@ -59,6 +61,10 @@ class SlotArena:
         """Every tensor's slots grown to `slots` (the family's arena)."""
         raise NotImplementedError
 
+    def release(self, index: int) -> None:
+        """Slot `index`'s sequence is gone (its ArenaSlot's finalizer: any thread, at any allocation): free."""
+        self._free.append(index)
+
     def take_slot(self) -> ArenaSlot:
         """A free slot, the slots doubled where none is."""
         if not self._free:
@@ -75,14 +81,16 @@ class SlotArena:
             self._step = key, to_device_async(torch.tensor(list(zip(*key)), dtype=torch.int64), self.device)
         return self._step[1]
 
-    def graph_key(self, graphs, layer: int, rows: int, *version) -> tuple:
-        """The graph key of layer `layer`'s attention for `rows` rows at `version` (bucket, generation, ...); the
-        last key of (layer, rows), if another, forgotten by `graphs` (device_decode.StepGraphs): one live graph
-        per layer and rows."""
-        key = ("arena attention", layer, rows, *version)
-        last = self._keys.get((layer, rows))
-        if last != key:
-            if last is not None:
-                graphs.forget(last)
+    def graph_key(self, graphs, layer: int, rows: int, bucket: int, generation: int) -> tuple:
+        """The graph key of layer `layer`'s attention for `rows` rows over `bucket` at the layer's tensors'
+        `generation`, the graphs it makes stale forgotten by `graphs` (device_decode.StepGraphs): one live graph
+        per layer and rows (a new bucket retires the last one); a new generation every other rows' too (they read
+        the tensors before: never replayed again), and a smaller bucket those of a larger (a long sequence gone:
+        each holds its [rows, bucket] intermediates on the device)."""
+        key = ("arena attention", layer, rows, bucket, generation)
+        if self._keys.get((layer, rows)) != key:
+            for at, old in list(self._keys.items()):
+                if at[0] == layer and (at[1] == rows or old[4] != generation or old[3] > bucket):
+                    graphs.forget(self._keys.pop(at))
             self._keys[(layer, rows)] = key
         return key

@@ -121,7 +121,7 @@ class StepAudit:
             if isinstance(t, torch.Tensor):
                 self._host[t] = host
 
-    def on_device(self, *objects, depth: int = 6) -> None:
+    def on_device(self, *objects, depth: int = 10) -> None:
         """The tensors reachable from `objects` (through containers, dataclasses and attributes) are the
         device's: what lives there before the step (resident weights, the pool, each sequence's KV)."""
         seen = set()

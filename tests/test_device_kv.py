@@ -189,7 +189,8 @@ def test_slots_are_given_back_and_the_arena_grows_under_its_sequences(containers
         longer = d.start(long_states)
         assert [L.generation for L in arena.layers] != generations
         csa = [layer for layer, L in enumerate(arena.layers) if L.kind == model.CSA]
-        assert arena.layers[csa[0]].compressors["compressor"].entries.rows.shape[1] >= 300 // 4 + 1
+        assert len(arena.layers[csa[0]].compressors["compressor"].entries.owned[longer.kv[0].slot.index]) \
+            * device_kv.ENTRY_PAGE >= 300 // 4 + 1
         tokens = [f for _, f in prefilled] + [long_first]
         rows = first + [longer]
         for _ in range(6):

@@ -8,8 +8,9 @@ A `KVArena` holds, per layer, every decoding sequence's state in slots of preall
 - each compressor's current window as a ring of `rate` rows (raw projections, the token at p in row p % rate),
   CSA's overlap (a window's first series, ape included) in two parities by entry: window e writes parity e % 2 at
   each of its tokens (complete at its last) and its close reads parity (e + 1) % 2, window e - 1's, so a piece run
-  twice, as a capture runs it, computes the same; and its entries [slots, capacity, d] with their copy in the
-  products' dtype.
+  twice, as a capture runs it, computes the same; and its entries in pages of ENTRY_PAGE rows (with their copy in
+  the products' dtype) from a pool every slot takes from, each slot's pages in its row of a device page table: a
+  sequence holds about its own entries, not every slot the longest sequence's.
 
 A step's rows give their slots and positions as one small device tensor; everything else follows on the device.
 Every row's compressor window is pooled every step (compress's arithmetic, close_windows' order) and its entry
@@ -20,19 +21,25 @@ layer whose bucket exceeds index_topk picks them with the Lightning Indexer over
 -inf past the count), as model.attention_token does once a sequence has more than index_topk entries (with fewer,
 the picks past the count are masked: every complete entry, as there).
 
-A sequence takes a slot when it starts (`admit`, its prefill state checked and written in) and gives it back when
-its states are dropped; the arena grows by doubling (slots, or a layer's entry capacity), which makes its graphs
-stale (`generation`). `ArenaKV.state()` hands the state on as a prefill would (LayerKVState).
+A sequence takes a slot when it starts (`admit`: its prefill state checked first, refused in one line before any
+memory is taken; then written in, the slot's rows and pages it does not fill zero, so that a masked read never
+meets the last sequence's values) and gives it back when its states are dropped (its pages at the next step);
+the arena grows by doubling (slots, a layer's page pool or page table), which makes its graphs stale
+(`generation`); a page pool at most a quarter in use is made anew at twice that, and the arena is dropped whole
+when its last sequence leaves. `ArenaKV.state()` hands the state on as a prefill would (LayerKVState).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from moepack.backends.device_copier import to_device_async
 from moepack.backends.kv_arena import ArenaSlot, SlotArena, bucket_for, grown
 from moepack.format_spec.errors import MoepackError
 
@@ -41,11 +48,47 @@ from .config import CSA, SLIDING, ModelConfig
 from .kv import CompressorState, LayerKVState
 
 ENTRY_BUCKET_MIN = 16  # the fewest entries a bucket holds (a new graph per bucket: few while a prompt is short)
+ENTRY_PAGE = ENTRY_BUCKET_MIN  # entries per page of a layer's entry pool (a bucket is a whole number of pages)
+# a layer's tensors' generations, never reused (a captured graph reads the tensors of its generation: a layer made
+# anew, after the arena was given back, must not replay the graphs of the one before)
+_generations = itertools.count(1)
 
 
 def entry_bucket(count: int) -> int:
     """The entries a step's attention reads for rows of at most `count` complete entries."""
     return bucket_for(count, ENTRY_BUCKET_MIN)
+
+
+def check_state(cfg: ModelConfig, layer: int, state: LayerKVState) -> None:
+    """Refuses, in one line naming the layer, a state that is not a prefill's of this model (its kind, counts,
+    shapes, float tensors): before the arena takes any memory or slot for it."""
+    kind, seen = cfg.layer_types[layer], state.seen_tokens
+    if state.layer_type != kind:
+        raise MoepackError(f"layer {layer}: past state of a {state.layer_type} layer, the model has {kind}")
+    if not isinstance(seen, int) or seen < 0:
+        raise MoepackError(f"layer {layer}: its state's token count {seen!r} is not a count")
+
+    def rows(t: Tensor | None, what: str, shape: tuple[int, int]) -> None:
+        if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else "missing"
+            raise MoepackError(f"layer {layer}: its {what} state is {got} after {seen} tokens, not {shape} floats")
+
+    rows(state.window_kv, "window", (min(seen, cfg.sliding_window - 1), cfg.head_dim))
+    for name, *_ in model.TOKEN_COMPRESSORS[kind]:
+        part, rate = getattr(state, name), cfg.compress_rates[layer]
+        if part is None:
+            raise MoepackError(f"layer {layer}: a {kind} layer's state lacks its {name}")
+        d = cfg.head_dim if name == "compressor" else cfg.index_head_dim
+        width = 2 * d if kind == CSA else d
+        if part.entry_count != seen // rate:
+            raise MoepackError(f"layer {layer}: its {name} state counts {part.entry_count!r} entries after {seen} "
+                               f"tokens at rate {rate}: not a prefill's")
+        rows(part.compressed_kv, f"{name} entries", (seen // rate, d))
+        for what, t in (("buffer_kv", part.buffer_kv), ("buffer_gate", part.buffer_gate)):
+            rows(t, f"{name} {what}", (seen % rate, width))
+        if kind == CSA and seen // rate:
+            for what, t in (("overlap_kv", part.overlap_kv), ("overlap_gate", part.overlap_gate)):
+                rows(t, f"{name} {what}", (rate, d))
 
 
 class _Rows:
@@ -61,18 +104,143 @@ class _Rows:
         if self.low is not self.rows:
             self.low[slots, index] = values.to(self.low.dtype)
 
-    def load(self, slot: int, start: Tensor | int, values: Tensor) -> None:
-        """A state's rows [n, width] into slot `slot` from row `start` (or at the rows `start` names)."""
-        index = start if isinstance(start, Tensor) else torch.arange(start, start + values.shape[0])
+    def load(self, slot: int, index: Tensor, values: Tensor) -> None:
+        """A state's rows [n, width] into slot `slot` at the rows `index` names, the slot's other rows zero."""
         index = index.to(self.rows.device)
+        self.rows[slot].zero_()
+        if self.low is not self.rows:
+            self.low[slot].zero_()
         self.rows[slot].index_copy_(0, index, values.float())
         if self.low is not self.rows:
             self.low[slot].index_copy_(0, index, values.to(self.low.dtype))
+
+    def zero(self, index: Tensor) -> None:
+        """The slots `index` names zero."""
+        self.rows.index_fill_(0, index, 0.0)
+        if self.low is not self.rows:
+            self.low.index_fill_(0, index, 0.0)
 
     def grow(self, dim: int, size: int) -> None:
         same = self.low is self.rows
         self.rows = grown(self.rows, dim, size)
         self.low = self.rows if same else grown(self.low, dim, size)
+
+
+class _Entries:
+    """One compressor's entries of every slot, in pages of ENTRY_PAGE rows from a pool the slots share (a slot holds
+    the pages its own entries need, not the longest sequence's), and each slot's page table [slots, pages] on the
+    device. Page 0 stays zero: a table points there past a slot's pages (rows read masked, finite). A page given
+    back is zeroed (its last owner's rows may not be finite), one op for all of a slot's."""
+
+    def __init__(self, slots: int, d: int, low: torch.dtype, device: torch.device):
+        self.pages = _Rows(2, ENTRY_PAGE, d, low, device)
+        self.free = [1]
+        self.owned: list[list[int]] = [[] for _ in range(slots)]  # the table's host mirror
+        self.table = torch.zeros(slots, 1, dtype=torch.int64, device=device)
+        self._changed: dict[tuple[int, int], int] = {}  # (slot, column) -> page: not yet in the device's table
+
+    def grow_slots(self, slots: int) -> None:
+        self.owned += [[] for _ in range(slots - len(self.owned))]
+        self.table = grown(self.table, 0, slots)
+
+    def widen(self, entries: int) -> bool:
+        """A table `entries` wide (a step's bucket); whether it moved (the graphs reading the old are stale)."""
+        pages = -(-entries // ENTRY_PAGE)
+        if pages <= self.table.shape[1]:
+            return False
+        self.table = grown(self.table, 1, max(pages, 2 * self.table.shape[1]))
+        return True
+
+    def reserve(self, slot: int, entries: int) -> bool:
+        """Pages for `entries` entries in `slot` (free pages are zero); whether a tensor moved (a new pool or
+        table)."""
+        owned = self.owned[slot]
+        moved, missing = self.widen(entries), -(-entries // ENTRY_PAGE) - len(owned)
+        if missing <= 0:
+            return moved
+        if len(self.free) < missing:  # at least twice the pool
+            size = self.pages.rows.shape[0]
+            larger = max(2 * size, size + missing)
+            self.pages.grow(0, larger)
+            self.free[:0] = range(larger - 1, size - 1, -1)
+            moved = True
+        for page in (self.free.pop() for _ in range(missing)):
+            self._changed[slot, len(owned)] = page
+            owned.append(page)
+        return moved
+
+    def release(self, slot: int) -> None:
+        """The slot's pages back to the pool, zeroed (the next owner reads their unwritten rows masked: its last
+        owner's may not be finite)."""
+        owned = self.owned[slot]
+        if owned:
+            pages = to_device_async(torch.tensor(owned, dtype=torch.int64), self.table.device)
+            self.pages.zero(pages)
+        self.free.extend(owned)
+        self._changed.update(((slot, column), 0) for column in range(len(owned)))
+        self.owned[slot] = []
+
+    def compact(self) -> bool:
+        """A pool at most a quarter in use (a long sequence gone, others going on) made anew at twice what is in
+        use, the pages in use copied to its front and the table rewritten; whether it moved."""
+        size, in_use = self.pages.rows.shape[0], [page for pages in self.owned for page in pages]
+        if 4 * (1 + len(in_use)) > size:
+            return False
+        device, old = self.table.device, self.pages
+        self.pages = _Rows(2 * (1 + len(in_use)), ENTRY_PAGE, old.rows.shape[-1], old.low.dtype, device)
+        if in_use:
+            before = to_device_async(torch.tensor(in_use, dtype=torch.int64), device)
+            after = torch.arange(1, 1 + len(in_use), device=device)
+            self.pages.rows[after] = old.rows[before]
+            if self.pages.low is not self.pages.rows:
+                self.pages.low[after] = old.low[before]
+        renumbered = iter(range(1, 1 + len(in_use)))
+        self.owned = [[next(renumbered) for _ in pages] for pages in self.owned]
+        self.free = list(range(self.pages.rows.shape[0] - 1, len(in_use), -1))
+        self.table = torch.zeros(len(self.owned), max(1, *map(len, self.owned)), dtype=torch.int64, device=device)
+        self._changed = {(slot, column): page for slot, pages in enumerate(self.owned)
+                         for column, page in enumerate(pages)}
+        return True
+
+    def send_table(self) -> None:
+        """The table's changes written into the device's (in place: the graphs read it there), the host not
+        waiting."""
+        if self._changed:
+            changes = torch.tensor([(*at, page) for at, page in self._changed.items()], dtype=torch.int64)
+            changes = to_device_async(changes.T.contiguous(), self.table.device)
+            self.table[changes[0], changes[1]] = changes[2]
+            self._changed = {}
+
+    def _rows_of(self, slot: int, count: int) -> Tensor:
+        """The pool's flat row ids [count] of the slot's first `count` entries (on the device)."""
+        pages = torch.tensor(self.owned[slot][:-(-count // ENTRY_PAGE)], dtype=torch.int64)
+        flat = (pages[:, None] * ENTRY_PAGE + torch.arange(ENTRY_PAGE)).flatten()[:count]
+        return flat.to(self.pages.rows.device)
+
+    def load(self, slot: int, values: Tensor) -> None:
+        """A state's entries [n, d] into the slot (its pages taken: reserve)."""
+        flat = self._rows_of(slot, values.shape[0])
+        self.pages.rows.view(-1, self.pages.rows.shape[-1]).index_copy_(0, flat, values.float())
+        if self.pages.low is not self.pages.rows:
+            self.pages.low.view(-1, self.pages.low.shape[-1]).index_copy_(0, flat, values.to(self.pages.low.dtype))
+
+    def state(self, slot: int, count: int) -> Tensor:
+        """The slot's first `count` entries [count, d] float32 (a copy)."""
+        return self.pages.rows.view(-1, self.pages.rows.shape[-1]).index_select(0, self._rows_of(slot, count))
+
+    def write(self, slots: Tensor, index: Tensor, values: Tensor) -> None:
+        """values [B, d] as entry index[b] of slot slots[b] (inside a step's piece: the device's table)."""
+        page = self.table[slots, index // ENTRY_PAGE]
+        self.pages.write(page, index % ENTRY_PAGE, values)
+
+    def prefix(self, slots: Tensor, bucket: int) -> Tensor:
+        """Each row's first `bucket` entries [B, bucket, d] in the products' dtype (past its pages page 0's)."""
+        pages = self.table.index_select(0, slots)[:, :bucket // ENTRY_PAGE]
+        return self.pages.low[pages].flatten(1, 2)
+
+    def gather(self, slots: Tensor, picked: Tensor) -> Tensor:
+        """Row b's entries picked[b] [B, k, d] in the products' dtype."""
+        return self.pages.low[self.table[slots[:, None], picked // ENTRY_PAGE], picked % ENTRY_PAGE]
 
 
 class _Compressor:
@@ -88,24 +256,22 @@ class _Compressor:
         if self.overlapping:
             self.overlap_kv = torch.zeros(slots, 2, self.rate, self.d, device=device)
             self.overlap_gate = torch.zeros_like(self.overlap_kv)
-        self.entries = _Rows(slots, ENTRY_BUCKET_MIN, self.d, low, device)
+        self.entries = _Entries(slots, self.d, low, device)
 
     def grow_slots(self, slots: int) -> None:
         self.buffer_kv, self.buffer_gate = (grown(t, 0, slots) for t in (self.buffer_kv, self.buffer_gate))
         if self.overlapping:
             self.overlap_kv, self.overlap_gate = (grown(t, 0, slots) for t in (self.overlap_kv, self.overlap_gate))
-        self.entries.grow(0, slots)
+        self.entries.grow_slots(slots)
 
-    def load(self, slot: int, state: CompressorState, layer: int, name: str, seen: int) -> None:
-        """A prefill's compressor state into `slot` (checked against the token count: windows start at 0)."""
-        count, buffered = state.entry_count, state.buffer_kv.shape[0]
-        if count != seen // self.rate or buffered != seen % self.rate or state.compressed_kv.shape[0] != count:
-            raise MoepackError(f"layer {layer}: its {name} state holds {state.compressed_kv.shape[0]} entries "
-                               f"(count {count}) and {buffered} buffered tokens after {seen} tokens at rate "
-                               f"{self.rate}: not a prefill's")
-        if tuple(state.compressed_kv.shape[1:]) != (self.d,) or state.buffer_kv.shape[1] != self.buffer_kv.shape[2]:
-            raise MoepackError(f"layer {layer}: its {name} state's widths are not the model's")
-        self.entries.load(slot, 0, state.compressed_kv)
+    def load(self, slot: int, state: CompressorState, seen: int) -> None:
+        """A prefill's compressor state (check_state's) into `slot`, what it does not fill zero (finite where read
+        masked: the rows of the slot's last sequence may not be)."""
+        count, buffered = state.entry_count, seen % self.rate
+        overlap = (self.overlap_kv, self.overlap_gate) if self.overlapping else ()
+        for t in (self.buffer_kv, self.buffer_gate, *overlap):
+            t[slot].zero_()
+        self.entries.load(slot, state.compressed_kv)
         self.buffer_kv[slot, :buffered] = state.buffer_kv.float()
         self.buffer_gate[slot, :buffered] = state.buffer_gate.float()
         if self.overlapping:
@@ -113,14 +279,13 @@ class _Compressor:
                 self.overlap_kv[slot, (count - 1) % 2] = state.overlap_kv.float()
                 self.overlap_gate[slot, (count - 1) % 2] = state.overlap_gate.float()
             else:  # no window before the first: zero slots of gate -inf (model._overlap's)
-                self.overlap_kv[slot, 1] = 0.0
                 self.overlap_gate[slot, 1] = float("-inf")
 
     def state(self, slot: int, seen: int) -> CompressorState:
         count, buffered = seen // self.rate, seen % self.rate
         overlap = (self.overlap_kv[slot, (count - 1) % 2].clone(), self.overlap_gate[slot, (count - 1) % 2].clone()) \
             if self.overlapping and count else (None, None)
-        return CompressorState(self.entries.rows[slot, :count].clone(), self.buffer_kv[slot, :buffered].clone(),
+        return CompressorState(self.entries.state(slot, count), self.buffer_kv[slot, :buffered].clone(),
                                self.buffer_gate[slot, :buffered].clone(), count, *overlap)
 
     def add(self, slots: Tensor, positions: Tensor, kv: Tensor, gate: Tensor, ape: Tensor, norm: Tensor,
@@ -150,24 +315,34 @@ class _Layer:
         self.window = _Rows(slots, cfg.sliding_window, cfg.head_dim, low, device)
         self.compressors = {name: _Compressor(cfg, layer, name, slots, low, device)
                             for name, *_ in model.TOKEN_COMPRESSORS[self.kind]}
-        self.generation = 0  # bumped when its tensors move (its captured graphs read the old ones)
+        self.generation = next(_generations)  # a new one when its tensors move (its captured graphs read the old)
 
     def grow_slots(self, slots: int) -> None:
         self.window.grow(0, slots)
         for c in self.compressors.values():
             c.grow_slots(slots)
-        self.generation += 1
+        self.generation = next(_generations)
 
-    def reserve_entries(self, entries: int) -> None:
-        """Room for `entries` entries in every slot (doubling: a long decode grows it a few times)."""
-        capacity = next(iter(self.compressors.values())).entries.rows.shape[1]
-        if entries <= capacity:
-            return
-        while capacity < entries:
-            capacity *= 2
+    def reserve_entries(self, needs: Sequence[tuple[int, int]], bucket: int = 0) -> None:
+        """Room for needs' (slot, entries) and tables `bucket` entries wide, on the device before the step's piece
+        (a pool or table that moved: a new generation)."""
+        moved = False
         for c in self.compressors.values():
-            c.entries.grow(1, capacity)
-        self.generation += 1
+            moved |= c.entries.widen(bucket)
+            for slot, entries in needs:
+                moved |= c.entries.reserve(slot, entries)
+            c.entries.send_table()
+        if moved:
+            self.generation = next(_generations)
+
+    def release(self, slot: int) -> None:
+        """The slot's pages back to the pools, a pool then mostly free made small (a new generation)."""
+        moved = False
+        for c in self.compressors.values():
+            c.entries.release(slot)
+            moved |= c.entries.compact()
+        if moved:
+            self.generation = next(_generations)
 
 
 class ArenaKV:
@@ -190,12 +365,18 @@ class ArenaKV:
 
 class KVArena(SlotArena):
     """Every decoding sequence's KV of every layer in slots on `device` (the module's docstring; the slots, the
-    step's rows and the graph keys backends/kv_arena.py's)."""
+    step's rows and the graph keys backends/kv_arena.py's). Its tensors are made at the first sequence and given
+    back when the last one leaves (`layers` None): a long prompt's capacity is not kept by a server once it is
+    idle."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device, low: Sequence[torch.dtype]):
         super().__init__(device)
-        self.cfg = cfg
-        self.layers = [_Layer(cfg, layer, 1, dtype, device) for layer, dtype in enumerate(low)]
+        self.cfg, self.low = cfg, list(low)
+        self.layers: list[_Layer] | None = None
+        self.slots, self._free = 0, []  # (slots to take: their pages given back)
+        self._dead: list[int] = []  # slots whose sequence is gone, their pages not yet given back (_reclaim)
+        # admit, and the release of the last slot (a finalizer: any thread, at any allocation), one at a time
+        self._lock = threading.Lock()
 
     def grow_slots(self, slots: int) -> None:
         for L in self.layers:
@@ -203,40 +384,66 @@ class KVArena(SlotArena):
 
     def admit(self, states: Sequence[LayerKVState]) -> list[ArenaKV]:
         """A sequence after a prefill's `states` (one per layer, on this device) in a free slot: its layers'
-        ArenaKV. A state that is not a prefill's of this model is refused in one line."""
-        cfg = self.cfg
-        slot = self.take_slot()
-        out = []
-        for layer, (L, state) in enumerate(zip(self.layers, states)):
-            seen, window = state.seen_tokens, state.window_kv
-            if state.layer_type != L.kind:
-                raise ValueError(f"layer {layer}: past state of a {state.layer_type} layer, the model has {L.kind}")
-            if tuple(window.shape) != (min(seen, cfg.sliding_window - 1), cfg.head_dim):
-                raise MoepackError(f"layer {layer}: its window state is {tuple(window.shape)} after {seen} tokens, "
-                                   f"not the last {min(seen, cfg.sliding_window - 1)} keys of width {cfg.head_dim}")
-            L.window.load(slot.index, torch.arange(seen - window.shape[0], seen) % cfg.sliding_window, window)
-            for name, c in L.compressors.items():
-                part = getattr(state, name)
-                if part is None:
-                    raise MoepackError(f"layer {layer}: a {L.kind} layer's state lacks its {name}")
-                L.reserve_entries(part.entry_count + 1)
-                c.load(slot.index, part, layer, name, seen)
-            out.append(ArenaKV(self, layer, slot, L.kind, seen))
+        ArenaKV. A state that is not a prefill's of this model is refused in one line, the arena untouched."""
+        for layer, state in enumerate(states):
+            check_state(self.cfg, layer, state)
+        with self._lock:
+            self._give_back_if_idle()
+            self._reclaim()
+            if self.layers is None:
+                self.layers = [_Layer(self.cfg, layer, 1, dtype, self.device) for layer, dtype in enumerate(self.low)]
+                self.slots, self._free = 1, [0]
+            slot = self.take_slot()
+            out = []
+            for layer, (L, state) in enumerate(zip(self.layers, states)):
+                seen, window, ring = state.seen_tokens, state.window_kv, self.cfg.sliding_window
+                L.window.load(slot.index, torch.arange(seen - window.shape[0], seen) % ring, window)
+                L.reserve_entries([(slot.index, seen // self.cfg.compress_rates[layer] + 1)] if L.compressors else [])
+                for name, c in L.compressors.items():
+                    c.load(slot.index, getattr(state, name), seen)
+                out.append(ArenaKV(self, layer, slot, L.kind, seen))
         return out
+
+    def release(self, index: int) -> None:
+        """A slot's sequence is gone (its ArenaSlot's finalizer): its pages given back at the next step or admit
+        (_reclaim: a finalizer runs in any thread, at any allocation), the whole arena now where it was the last.
+        Not while an admit runs (it gives an idle arena back itself): a finalizer may run inside it."""
+        self._dead.append(index)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._give_back_if_idle()
+            finally:
+                self._lock.release()
+
+    def _give_back_if_idle(self) -> None:
+        """No sequence left: the tensors dropped (the next admit makes them anew, at its own size)."""
+        if self.layers is not None and len(self._free) + len(self._dead) == self.slots:
+            self.layers, self.slots, self._free, self._dead = None, 0, [], []
+
+    def _reclaim(self) -> None:
+        """The pages of the slots whose sequences are gone back to their pools, the slots free (the arena's own
+        thread: between steps, or before a step's first piece)."""
+        while self._dead:
+            slot = self._dead.pop()
+            for L in self.layers:
+                L.release(slot)
+            self._free.append(slot)
 
     def attend(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, states: Sequence[ArenaKV], graphs
                ) -> tuple[Tensor, ...]:
         """DeepseekV4Decode.attend over the arena: one fixed-shape piece for every row (a CUDA graph per layer,
         rows, entry bucket and generation), the states counted after it."""
+        if self._dead:
+            self._reclaim()
         cfg, L = self.cfg, self.layers[layer]
         bucket = 0
         if L.kind != SLIDING:
             rate = cfg.compress_rates[layer]
             bucket = entry_bucket(max((s.seen_tokens + 1) // rate for s in states))
             # the bucket's prefix is read, and each row writes entry position // rate
-            L.reserve_entries(max(bucket, max(s.seen_tokens // rate for s in states) + 1))
+            L.reserve_entries([(s.slot.index, s.seen_tokens // rate + 1) for s in states], bucket)
         rows = self.step_rows(states)
-        key = self.graph_key(graphs, layer, len(states), bucket, L.generation)  # (retiring the last one)
+        key = self.graph_key(graphs, layer, len(states), bucket, L.generation)  # (retiring the stale graphs)
         heads, rotation, post, comb = graphs.run(key, functools.partial(self._attention, layer, w, bucket), hidden,
                                                  rows)
         for s in states:
@@ -263,15 +470,15 @@ class KVArena(SlotArena):
             L.compressors[name].add(slots, positions, projected[at], projected[at + 1], w[ape], w[norm],
                                     cfg.compress_rope, eps)
         if kind != SLIDING:
-            entries = L.compressors["compressor"].entries.low
+            entries = L.compressors["compressor"].entries
             complete = (positions + 1) // cfg.compress_rates[layer]
             if kind == CSA and bucket > cfg.index_topk:
-                index_keys = L.compressors["indexer"].entries.low[:, :bucket].index_select(0, slots)
+                index_keys = L.compressors["indexer"].entries.prefix(slots, bucket)
                 picked = model.indexer_topk(cfg, w, x, q_lora, rotation, index_keys, complete,
                                             (index_query[0], projected[names.index(model.INDEXER_HEAD_WEIGHTS)]))
-                parts.append((entries[slots[:, None], picked.clamp(min=0)], model.logit_bias(picked >= 0)))
+                parts.append((entries.gather(slots, picked.clamp(min=0)), model.logit_bias(picked >= 0)))
             else:
                 visible = torch.arange(bucket, device=positions.device)[None] < complete[:, None]
-                parts.append((entries[:, :bucket].index_select(0, slots), model.logit_bias(visible)))
+                parts.append((entries.prefix(slots, bucket), model.logit_bias(visible)))
         heads = model.attend_key_sets(q, parts, w["attn.attn_sink"], cfg.head_dim ** -0.5, L.low)
         return heads, rotation, post, comb
