@@ -750,6 +750,9 @@ class KVDirectory:
             tensors = _st_load(data)
         except Exception as err:  # noqa: BLE001 - any parse failure is a damaged file
             self._fail(f"{what}: not a readable safetensors file ({err})")
+        for name, t in tensors.items():  # (a prefill's states are finite: a decode would carry it to every token)
+            if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
+                self._fail(f"{what}: {name} holds a NaN or an infinity")
         try:
             state = self.kv_format.layer_state(self.geometry, layer, e, tensors, self.manifest["dtype"])
         except FormatError as err:

@@ -579,6 +579,25 @@ def test_layer_file_consistent_with_manifest(kv_dir):
     _refused(kv_dir, "tensors do not match the layer's kind")
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_layer_file_holding_a_nan_or_an_infinity_is_refused(kv_dir, value):
+    """A readable file whose size and xxh3 agree with the manifest (rehashed: a writer's bug or a hostile file)
+    but whose compressor entries hold a NaN or an infinity: refused in one line naming the layer and the tensor,
+    not carried into every decoded token (a NaN in the indexer's keys would change its picks unseen)."""
+    import xxhash
+    from safetensors.torch import load, save
+
+    layer = kv_dir / "layer-0001.safetensors"
+    tensors = load(layer.read_bytes())
+    name = next(n for n in tensors if n.startswith("indexer.compressed_kv"))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[3] = value
+    data = save(tensors)
+    layer.write_bytes(data)
+    _edit_manifest(kv_dir, lambda m: m["layers"][1].update(bytes=len(data), xxh3=xxhash.xxh3_64_hexdigest(data)))
+    _refused(kv_dir, rf"layer 1 \(layer-0001.safetensors\): {name} holds a NaN or an infinity$")
+
+
 def test_identity_mismatch(models, kv_dir):
     hf_a, _, _ = models("A")
     hf_b, _, _ = models("B")
