@@ -46,7 +46,7 @@ class DeviceCompiled:
             return self._compiled(*args)
         except Exception as e:  # a machine where inductor cannot build (no compiler, no Triton): the torch ops
             self.failed = True
-            warnings.warn(f"moepack: torch.compile of {self.fn.__name__} failed ({type(e).__name__}: "
+            warnings.warn(f"torch.compile of {self.fn.__name__} failed ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}); it runs uncompiled", RuntimeWarning,
                           stacklevel=2)
             return self.fn(*args)
