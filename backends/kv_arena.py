@@ -13,6 +13,7 @@ serves many tokens.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Sequence
 
@@ -20,6 +21,15 @@ import torch
 from torch import Tensor
 
 from .device_copier import to_device_async
+
+# the arenas' tensors' generations, never reused (a captured graph reads the tensors of its generation: tensors made
+# anew, by a grown arena or one made after another was given back, must not replay the graphs of those before)
+_generations = itertools.count(1)
+
+
+def next_generation() -> int:
+    """A generation no arena's tensors had before (`graph_key`'s)."""
+    return next(_generations)
 
 
 def bucket_for(count: int, least: int) -> int:

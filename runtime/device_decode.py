@@ -11,8 +11,9 @@ down, and each row's terms are summed in ascending expert id with their routing 
 (ExpertGroups.combine's order). Nothing in it asks the host anything, so where CUDA is present it is captured once
 per (layer, B) in a CUDA graph and replayed (eager where capture fails, and on a CPU): `StepGraphs`, which the
 Decoder also uses for the rest of a layer's fixed-shape work (the attention's mHC entry; for a layer whose experts
-are all pooled, its whole FFN with the routed work inside). The attention itself stays eager, row by row: each
-sequence's KV grows by a row a token.
+are all pooled, its whole FFN with the routed work inside). The attention over each row's KV runs row by row where
+that KV grows a row a token; a family that keeps it in a device arena (backends/kv_arena.py) runs it as one piece
+too.
 
 The host knows which layers hold all their experts (`complete`): those run without looking at the choice. A layer
 that does not costs one synchronisation (the Decoder reads the chosen ids, reads the misses through its reader
@@ -115,8 +116,9 @@ class StepGraphs:
     def _capture(self, fn: Callable, inputs: tuple[torch.Tensor, ...]) -> _Piece | None:
         """fn captured over static copies of the inputs that are not output buffers of earlier pieces; None where
         it cannot be (an op that cannot be captured here: eager from now on)."""
-        shared = tuple((i, t) for i, t in enumerate(inputs) if self._is_output(t))
-        copied = tuple(i for i in range(len(inputs)) if all(i != j for j, _ in shared))
+        read_in_place = [self._is_output(t) for t in inputs]
+        shared = tuple((i, t) for i, t in enumerate(inputs) if read_in_place[i])
+        copied = tuple(i for i, in_place in enumerate(read_in_place) if not in_place)
 
         @functools.wraps(fn)  # (fn's name: what the piece is)
         def bound(*statics: torch.Tensor):

@@ -1,7 +1,8 @@
 """DeepSeek-V4's arithmetic for the token-major decode (families.base.LayerDecode): model.py's one-token functions
 split where the Decoder (runtime/decode.py) fetches the routed experts, and its compiled one-token path
 (token_layer.TokenLayers, the head through the token matmul) offered beside them. A sequence's state of a layer is a
-model.TokenKV (the KV grown one token at a time); the residual is hc_mult streams [B, hc, H] float32."""
+model.TokenKV (the KV grown one token at a time); on a CUDA device its device_kv.ArenaKV (every row's attention one
+fixed-shape piece over slots of the decoder's arena). The residual is hc_mult streams [B, hc, H] float32."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from moepack.backends import ops
 
 from ..base import Routing
 from . import model
-from .kv import LayerKVState
 from .device_kv import ArenaKV, KVArena
+from .kv import LayerKVState
 from .token_layer import TokenLayers
 
 
@@ -46,7 +47,7 @@ class DeepseekV4Decode(model.DeepseekV4Prefill):
             return [self.token_state(layer, s, w, device) for layer, (s, w) in enumerate(zip(states, dense))]
         if self._arena is None:
             self._arena = KVArena(self.config, device, [w["attn.wq_b.weight"].dtype for w in dense])
-        return self._arena.admit([s.to(device) for s in states])
+        return self._arena.admit(states)
 
     def layer_state(self, token_state: model.TokenKV) -> LayerKVState:
         return token_state.state()
@@ -54,7 +55,8 @@ class DeepseekV4Decode(model.DeepseekV4Prefill):
     def attend(self, layer: int, w: Mapping[str, Tensor], hidden: Tensor, states: Sequence[model.TokenKV], graphs
                ) -> tuple[Tensor, ...]:
         # attention_token_sublayer: its mHC and what needs only the rows on every row at once (one fixed-shape
-        # piece), the attention over each row's state row by row; its output projection runs in route_attended
+        # piece), the attention over each row's state row by row (in the arena: all in one piece); its output
+        # projection runs in route_attended
         if states and isinstance(states[0], ArenaKV):
             return states[0].arena.attend(layer, w, hidden, states, graphs)
         cfg = self.config

@@ -32,7 +32,6 @@ when its last sequence leaves. `ArenaKV.state()` hands the state on as a prefill
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -40,7 +39,7 @@ import torch
 from torch import Tensor
 
 from moepack.backends.device_copier import to_device_async
-from moepack.backends.kv_arena import ArenaSlot, SlotArena, bucket_for, grown
+from moepack.backends.kv_arena import ArenaSlot, SlotArena, bucket_for, grown, next_generation
 from moepack.format_spec.errors import MoepackError
 
 from . import model
@@ -49,9 +48,6 @@ from .kv import CompressorState, LayerKVState
 
 ENTRY_BUCKET_MIN = 16  # the fewest entries a bucket holds (a new graph per bucket: few while a prompt is short)
 ENTRY_PAGE = ENTRY_BUCKET_MIN  # entries per page of a layer's entry pool (a bucket is a whole number of pages)
-# a layer's tensors' generations, never reused (a captured graph reads the tensors of its generation: a layer made
-# anew, after the arena was given back, must not replay the graphs of the one before)
-_generations = itertools.count(1)
 
 
 def entry_bucket(count: int) -> int:
@@ -108,10 +104,9 @@ class _Rows:
         """A state's rows [n, width] into slot `slot` at the rows `index` names, the slot's other rows zero."""
         index = index.to(self.rows.device)
         self.rows[slot].zero_()
-        if self.low is not self.rows:
-            self.low[slot].zero_()
         self.rows[slot].index_copy_(0, index, values.float())
         if self.low is not self.rows:
+            self.low[slot].zero_()
             self.low[slot].index_copy_(0, index, values.to(self.low.dtype))
 
     def zero(self, index: Tensor) -> None:
@@ -315,13 +310,13 @@ class _Layer:
         self.window = _Rows(slots, cfg.sliding_window, cfg.head_dim, low, device)
         self.compressors = {name: _Compressor(cfg, layer, name, slots, low, device)
                             for name, *_ in model.TOKEN_COMPRESSORS[self.kind]}
-        self.generation = next(_generations)  # a new one when its tensors move (its captured graphs read the old)
+        self.generation = next_generation()  # a new one when its tensors move (its captured graphs read the old)
 
     def grow_slots(self, slots: int) -> None:
         self.window.grow(0, slots)
         for c in self.compressors.values():
             c.grow_slots(slots)
-        self.generation = next(_generations)
+        self.generation = next_generation()
 
     def reserve_entries(self, needs: Sequence[tuple[int, int]], bucket: int = 0) -> None:
         """Room for needs' (slot, entries) and tables `bucket` entries wide, on the device before the step's piece
@@ -333,7 +328,7 @@ class _Layer:
                 moved |= c.entries.reserve(slot, entries)
             c.entries.send_table()
         if moved:
-            self.generation = next(_generations)
+            self.generation = next_generation()
 
     def release(self, slot: int) -> None:
         """The slot's pages back to the pools, a pool then mostly free made small (a new generation)."""
@@ -342,11 +337,11 @@ class _Layer:
             c.entries.release(slot)
             moved |= c.entries.compact()
         if moved:
-            self.generation = next(_generations)
+            self.generation = next_generation()
 
 
 class ArenaKV:
-    """One layer's decode state of one sequence in the arena (what token_state gives on a CUDA device)."""
+    """One layer's decode state of one sequence in the arena (what token_states gives on a CUDA device)."""
 
     def __init__(self, arena: KVArena, layer: int, slot: ArenaSlot, layer_type: str, seen_tokens: int):
         self.arena, self.layer, self.slot = arena, layer, slot
@@ -383,8 +378,9 @@ class KVArena(SlotArena):
             L.grow_slots(slots)
 
     def admit(self, states: Sequence[LayerKVState]) -> list[ArenaKV]:
-        """A sequence after a prefill's `states` (one per layer, on this device) in a free slot: its layers'
-        ArenaKV. A state that is not a prefill's of this model is refused in one line, the arena untouched."""
+        """A sequence after a prefill's `states` (one per layer, on any device: copied to this one once checked) in
+        a free slot: its layers' ArenaKV. A state that is not a prefill's of this model is refused in one line, the
+        arena untouched."""
         for layer, state in enumerate(states):
             check_state(self.cfg, layer, state)
         with self._lock:
@@ -396,6 +392,7 @@ class KVArena(SlotArena):
             slot = self.take_slot()
             out = []
             for layer, (L, state) in enumerate(zip(self.layers, states)):
+                state = state.to(self.device)
                 seen, window, ring = state.seen_tokens, state.window_kv, self.cfg.sliding_window
                 L.window.load(slot.index, torch.arange(seen - window.shape[0], seen) % ring, window)
                 L.reserve_entries([(slot.index, seen // self.cfg.compress_rates[layer] + 1)] if L.compressors else [])

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from moepack.backends.kv_arena import ArenaSlot, SlotArena, bucket_for, grown
+from moepack.backends.kv_arena import ArenaSlot, SlotArena, bucket_for, grown, next_generation
 
 from .config import Qwen3MoeConfig
 from .kv import QWEN3_MOE_KV
@@ -84,7 +84,7 @@ class KVArena(SlotArena):
         shape = (1, self.capacity, config.num_kv_heads, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.generation = 0  # bumped when the tensors move (the captured graphs read the old ones)
+        self.generation = next_generation()  # a new one when the tensors move (the captured graphs read the old)
 
     def tensors(self, layer: int) -> tuple[Tensor, Tensor]:
         return self.keys[layer], self.values[layer]
@@ -92,7 +92,7 @@ class KVArena(SlotArena):
     def _grow(self, dim: int, size: int) -> None:
         self.keys = [grown(t, dim, size) for t in self.keys]
         self.values = [grown(t, dim, size) for t in self.values]
-        self.generation += 1
+        self.generation = next_generation()
 
     def grow_slots(self, slots: int) -> None:
         self._grow(0, slots)
