@@ -85,8 +85,9 @@ class StepGraphs:
     """Fixed-shape pieces of a decode step on `device`, each captured once per key in a CUDA graph and replayed;
     run eagerly where they are off (a CPU) or their capture failed. A piece must not change anything but its
     outputs (its capture runs it twice). An input that is another piece's output buffer (the attention's heads
-    the FFN reads, a layer's output the next layer reads) is read in place, not copied at each replay: the piece
-    is captured again should that input ever be another tensor."""
+    the FFN reads, a layer's output the next layer reads) is read in place, not copied at each replay; should that
+    input ever be another tensor (its producer captured again for a new bucket, or run eagerly), it is copied into
+    the buffer the piece reads (kept alive by the piece), not captured again (nor every piece after it)."""
 
     def __init__(self, enabled: bool, device: torch.device):
         self.enabled, self.device = enabled, device
@@ -104,8 +105,10 @@ class StepGraphs:
         if not self.enabled:
             return fn(*inputs)
         piece = self._captured.get(key, False)
-        if piece and any(inputs[i] is not t for i, t in piece.shared):  # an output buffer it read moved
-            piece = False
+        if piece:
+            for i, buffer in piece.shared:
+                if inputs[i] is not buffer:  # (its producer captured again, or run eagerly): copied where it reads
+                    buffer.copy_(inputs[i])
         if piece is False:
             piece = self._captured[key] = self._capture(fn, inputs)
         if piece is None:

@@ -412,6 +412,36 @@ def test_cuda_the_pools_routed_work_is_a_replayed_graph_equal_to_eager(container
         assert _relative(a, b) < 2e-2
 
 
+def test_a_piece_reads_another_pieces_output_in_place_and_one_replaced_is_copied_in(monkeypatch):
+    """StepGraphs (graphs as a CPU emulates them): a piece whose input is an earlier piece's output buffer reads it
+    where it is (no copy at its replays); when that producer is captured again (new buffers) or the input comes
+    from elsewhere, the new tensor is copied where the piece reads, and the piece is not captured again."""
+    from moepack.runtime import device_decode
+
+    monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
+    graphs = device_decode.StepGraphs(True, torch.device("cpu"))
+
+    def double(t):
+        return t * 2
+
+    def plus_one(t):
+        return t + 1
+    x = torch.arange(4.0)
+    produced = graphs.run(("double",), double, x)
+    assert torch.equal(graphs.run(("plus",), plus_one, produced), x * 2 + 1)
+    piece = graphs._captured[("plus",)]
+    assert piece.copied == () and piece.shared[0][1] is produced
+    x = torch.arange(4.0) + 10
+    assert graphs.run(("double",), double, x) is produced
+    assert torch.equal(graphs.run(("plus",), plus_one, produced), x * 2 + 1)
+    graphs.forget(("double",))  # (a new bucket's producer: its outputs are new tensors)
+    again = graphs.run(("double",), double, x - 5)
+    assert again is not produced
+    assert torch.equal(graphs.run(("plus",), plus_one, again), (x - 5) * 2 + 1)
+    assert torch.equal(graphs.run(("plus",), plus_one, torch.ones(4)), torch.full((4,), 2.0))  # (an eager input)
+    assert graphs._captured[("plus",)] is piece and graphs.replays == 7
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_a_piece_whose_capture_fails_runs_eagerly_on_the_callers_stream():
     """A piece that waits for the host cannot be captured: StepGraphs runs it eagerly from then on, its result
