@@ -6,13 +6,15 @@ token at a time.
 `SlotArena` keeps the slots: a sequence takes one when it starts (`take_slot`) and gives it back when its states
 are dropped (`ArenaSlot`, `release`); with none free the slots double (the family's `grow_slots`, which moves its tensors and
 so makes its graphs stale: the family bumps its generation). A step's rows give their slots and positions as one
-small device tensor sent once a step (`step_rows`), and each (layer, rows) keeps one live graph: a new bucket or
+small device tensor sent once a step (`step_rows`); a layer's attention for them runs as one piece
+(`run_attention`), and each (layer, rows) keeps one live graph: a new bucket or
 generation retires the graphs it makes stale (`graph_key`). A bucket is a power of two (`bucket_for`): one graph
 serves many tokens.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -90,6 +92,18 @@ class SlotArena:
         if self._step is None or self._step[0] != key:
             self._step = key, to_device_async(torch.tensor(list(zip(*key)), dtype=torch.int64), self.device)
         return self._step[1]
+
+    def run_attention(self, graphs, layer: int, states: Sequence, bucket: int, generation: int, attention,
+                      hidden: Tensor):
+        """attention(bucket, hidden, rows) of every row of the step (`states`, each a row's state of `layer`;
+        rows: their slots and positions on the device) as one piece through `graphs`
+        (device_decode.StepGraphs: a CUDA graph per layer, rows, bucket and generation), the rows' states
+        counted after it: its result."""
+        key = self.graph_key(graphs, layer, len(states), bucket, generation)
+        out = graphs.run(key, functools.partial(attention, bucket), hidden, self.step_rows(states))
+        for s in states:
+            s.seen_tokens += 1
+        return out
 
     def graph_key(self, graphs, layer: int, rows: int, bucket: int, generation: int) -> tuple:
         """The graph key of layer `layer`'s attention for `rows` rows over `bucket` at the layer's tensors'

@@ -439,12 +439,8 @@ class KVArena(SlotArena):
             bucket = entry_bucket(max((s.seen_tokens + 1) // rate for s in states))
             # the bucket's prefix is read, and each row writes entry position // rate
             L.reserve_entries([(s.slot.index, s.seen_tokens // rate + 1) for s in states], bucket)
-        rows = self.step_rows(states)
-        key = self.graph_key(graphs, layer, len(states), bucket, L.generation)  # (retiring the stale graphs)
-        heads, rotation, post, comb = graphs.run(key, functools.partial(self._attention, layer, w, bucket), hidden,
-                                                 rows)
-        for s in states:
-            s.seen_tokens += 1
+        heads, rotation, post, comb = self.run_attention(graphs, layer, states, bucket, L.generation,
+                                                         functools.partial(self._attention, layer, w), hidden)
         return hidden, heads, rotation, post, comb
 
     def _attention(self, layer: int, w: Mapping[str, Tensor], bucket: int, hidden: Tensor, rows: Tensor

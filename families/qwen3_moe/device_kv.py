@@ -127,12 +127,8 @@ class KVArena(SlotArena):
         rows, key bucket and generation), the states counted after it: (hidden, the heads' output [B, heads * D])."""
         bucket = key_bucket(max(s.seen_tokens for s in states) + 1)  # each row's keys, its own included
         self.reserve(bucket)
-        rows = self.step_rows(states)
-        key = self.graph_key(graphs, layer, len(states), bucket, self.generation)  # (retiring the last one)
-        heads = graphs.run(key, functools.partial(self._attention, layer, w, bucket), hidden, rows)
-        for s in states:
-            s.seen_tokens += 1
-        return hidden, heads
+        return hidden, self.run_attention(graphs, layer, states, bucket, self.generation,
+                                          functools.partial(self._attention, layer, w), hidden)
 
     def _attention(self, layer: int, w: Mapping[str, Tensor], bucket: int, hidden: Tensor, rows: Tensor) -> Tensor:
         """The attention of every row (hidden [B, H], rows [2, B] their slots and positions) before o_proj, its key
