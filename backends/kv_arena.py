@@ -4,12 +4,12 @@ fixed-shape piece (a CUDA graph per layer, rows, bucket and generation) rather t
 token at a time.
 
 `SlotArena` keeps the slots: a sequence takes one when it starts (`take_slot`) and gives it back when its states
-are dropped (`ArenaSlot`, `release`); with none free the slots double (the family's `grow_slots`, which moves its tensors and
-so makes its graphs stale: the family bumps its generation). A step's rows give their slots and positions as one
-small device tensor sent once a step (`step_rows`); a layer's attention for them runs as one piece
-(`run_attention`), and each (layer, rows) keeps one live graph: a new bucket or
-generation retires the graphs it makes stale (`graph_key`). A bucket is a power of two (`bucket_for`): one graph
-serves many tokens.
+are dropped (`ArenaSlot`, `release`); with none free the slots double (the family's `grow_slots`, which moves its
+tensors and so makes its graphs stale: the family bumps its generation, `next_generation`). A step's rows give
+their slots and positions as one small device tensor sent once a step (`step_rows`); a layer's attention for them
+runs as one piece (`run_attention`), and each (layer, rows) keeps one live graph: a new bucket or generation
+retires the graphs it makes stale (`graph_key`). A bucket is a power of two (`bucket_for`): one graph serves many
+tokens.
 """
 
 from __future__ import annotations
