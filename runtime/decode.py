@@ -330,6 +330,7 @@ class Decoder:
         self.pool = container_pool(self.cache, self.blocks, arithmetic.expert_naming, arithmetic.expert_activation,
                                    self.experts.expert_dtype, device) if wants_pool else None
         self.cache.store = self.pool
+        self._eager = StepGraphs(False, device)  # (no pool: the pieces run as plain calls)
 
     def start(self, states) -> DecodeSequence:
         """A sequence after `states` (one per layer, all after the same tokens, or a KV state holding them as
@@ -746,7 +747,7 @@ class Decoder:
 
     def _graphs(self) -> StepGraphs:
         """Where the step's fixed-shape pieces run: the pool's CUDA graphs, or eagerly (no pool)."""
-        return self.pool.graphs if self.pool is not None else StepGraphs(False, self.device)
+        return self.pool.graphs if self.pool is not None else self._eager
 
     def _head(self, streams: torch.Tensor) -> torch.Tensor:
         """The rows' logits [B, vocab] float32 on the device (a fixed-shape piece)."""

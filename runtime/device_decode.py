@@ -125,10 +125,9 @@ class StepGraphs:
 
         @functools.wraps(fn)  # (fn's name: what the piece is)
         def bound(*statics: torch.Tensor):
-            args = list(inputs)
-            for i, t in zip(copied, statics):
-                args[i] = t
-            return fn(*args)
+            args = dict(shared)  # (not the first call's copied inputs: the statics stand for them)
+            args.update(zip(copied, statics))
+            return fn(*(args[i] for i in range(len(read_in_place))))
         try:
             call = CapturedCall(bound, tuple(inputs[i] for i in copied))
         except Exception:

@@ -292,7 +292,7 @@ def _overlap(overlap_kv: Tensor | None, overlap_gate: Tensor | None, kv: Tensor,
 
 
 def after_previous(windows_kv: Tensor, windows_gate: Tensor, previous_kv: Tensor, previous_gate: Tensor
-                    ) -> tuple[Tensor, Tensor]:
+                   ) -> tuple[Tensor, Tensor]:
     """CSA's windows [N, 2*rate, d]: each window's Cb (its slots' second half) after the Ca before it (previous_*
     [N, rate, d])."""
     d = previous_kv.shape[-1]
@@ -478,7 +478,7 @@ def logit_bias(visible: Tensor) -> Tensor:
 
 
 def attend_key_sets(q: Tensor, parts: list[tuple[Tensor, Tensor | None]], sink: Tensor, scale: float,
-            dtype: torch.dtype = torch.float32) -> Tensor:
+                    dtype: torch.dtype = torch.float32) -> Tensor:
     """Softmax attention of q [C, heads, D] over several key sets, each (kv, bias [C, K], or None: every key
     visible) with kv either shared by all queries [K, D] or per query [C, K, D] (K = V). One softmax spans all
     sets plus the per-head sink logit,
