@@ -89,8 +89,7 @@ def store(section: str, key: str, value: dict) -> str:
     machine.setdefault(section, {})[key] = value
     tmp = None
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".bench.", dir=os.path.dirname(path))
+        fd, tmp = _temporary_beside(path)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1, sort_keys=True)
             f.flush()
@@ -103,13 +102,19 @@ def store(section: str, key: str, value: dict) -> str:
     return path
 
 
+def _temporary_beside(path: str) -> tuple[int, str]:
+    """A new temporary file (fd, its path) in the cache's folder, made where missing: where the cache is written
+    before it is renamed into place."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return tempfile.mkstemp(prefix=".bench.", dir=os.path.dirname(path))
+
+
 def check_cache_writable() -> None:
     """Refuse, before a measurement that may take minutes, a bench cache that could not be written after it (a
     read-only MOEPACK_CACHE_DIR, one not ours): `store`'s message, and the way round it."""
     path = cache_path()
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".bench.", dir=os.path.dirname(path))
+        fd, probe = _temporary_beside(path)
         os.close(fd)
         os.unlink(probe)  # the cache is renamed into place: the folder's write permission is what counts
     except OSError as e:

@@ -281,7 +281,7 @@ class TokenLayers:
         cfg = self.cfg
         sets = [t for t in keys if t.shape[0]]
         _call(self.kernels.c_attend, (q, cfg.num_heads, cfg.head_dim, 2 * angles.shape[0], _ptr(angles),
-                                     cfg.rms_norm_eps, (ctypes.c_void_p * len(sets))(*(_ptr(t) for t in sets)),
+                                     cfg.rms_norm_eps, _addresses(sets),
                                      (ctypes.c_int64 * len(sets))(*(t.shape[0] for t in sets)), len(sets),
                                      _ptr(L.sink), cfg.head_dim ** -0.5, int(L.low), _ptr(out)), threads)
 
