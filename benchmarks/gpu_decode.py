@@ -9,7 +9,9 @@ ones) are prefilled and stepped together greedily, --steps timed steps after --w
 CUDA graphs). Each row of the output:
   path           pool: the routed work of a layer one grouped GEMM over the pool, no host sync, a CUDA graph per
                  (layer, B); per-expert: the same cached weights, each chosen expert's three matmuls on its own
-                 (the path before the pool: host look-ups of every choice)
+                 (the path before the pool: host look-ups of every choice); stored pool (--pool-forms): the
+                 experts' stored FP4 bytes pooled (a quarter of the memory), each step's chosen experts decoded side
+                 by side and run as batched matmuls, no host sync, not in graphs
   tokens/s       B x steps / seconds (a step ends with its logits on the host)
   bytes/token    what a step reads over its B tokens, every matrix in the compute dtype (the issue's measure): the
                  resident weights (dense and shared expert, the head; norms and mHC as held), plus the routed
@@ -139,9 +141,11 @@ def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: 
         seconds = time.perf_counter() - start
         runtime_calls = device_runtime_calls(lambda: d.step_batch(seqs, tokens), d.device)
         experts_per_step = (d.cache.hits - hits) / steps  # each distinct (layer, expert) of a step looked up once
-        routed = experts_per_step * d._entry_bytes(0, 0)
+        # (the issue's measure: each routed expert's matrices in the expert dtype, whatever the pool keeps)
+        routed = experts_per_step * 3 * pool.inter * pool.hidden * pool.dtype.itemsize
         step_bytes = resident_bytes(d, d.compute_dtype) + routed
-        return {"path": "pool" if pooled else "per-expert", "batch": batch, "steps": steps,
+        path = ("stored pool" if pool.form == "stored" else "pool") if pooled else "per-expert"
+        return {"path": path, "batch": batch, "steps": steps,
                 "tokens_per_s": round(batch * steps / seconds, 1), "step_ms": round(1e3 * seconds / steps, 3),
                 "bytes_per_token": int(step_bytes / batch), "experts_per_step": round(experts_per_step, 1),
                 "step_bytes": int(step_bytes), "held_bytes_per_token": int((resident_bytes(d) + routed) / batch),
@@ -163,6 +167,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 32 on a GPU, 4 on a CPU)")
     ap.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--pool-forms", default="decoded,stored",
+                    help="the pools measured: decoded weights, stored bytes decoded at each step (default both)")
     ap.add_argument("--copy-gib", type=float, default=None, help="the bandwidth copy (default 4 GPU, 0.25 CPU)")
     args, device = parse_on_device(ap)  # (--workdir: gpu_prefill's, whose release slice this reuses)
     steps = args.steps or (32 if device.type == "cuda" else 4)
@@ -172,48 +178,53 @@ def main() -> None:
             build(args.workdir, [int(v) for v in args.layers.split(",")], args.experts, args.json))
     build_s = time.perf_counter() - started
     rate = hbm_rate(device, args.copy_gib or (4.0 if device.type == "cuda" else 0.25))
-    # the expert pool on any device (a CPU's decoder keeps stored bytes for its compiled kernels by default)
-    pooled = functools.partial(Decoder, decoded_experts=True, expert_pool=True)
-    generate_module.Decoder = pooled
+    batches = [int(v) for v in args.batch.split(",")]
     options = PrefillOptions(device=str(device), compute_dtype=args.compute_dtype)
-    with Generator(path, cache_gib=0.0, prefill=options) as g:
-        d = g.decoder
-        if d.pool is None:
-            raise SystemExit("the expert pool does not take these experts here (torch's grouped GEMM: bf16 on CUDA)")
-        every = [[1] * len(b.experts) for b in d.blocks]
-        routed = sum(d._entry_bytes(layer, e) for layer, b in enumerate(d.blocks) for e in range(len(b.experts)))
-        free = cuda_free_bytes(device) if device.type == "cuda" else 0
-        if free and routed > 0.9 * free:  # one line, before a pool allocation fails with a traceback
-            raise SystemExit(f"every expert decoded takes {routed / GIB:.1f} GiB but {device} has "
-                             f"{free / GIB:.1f} GiB free: a smaller slice (--experts, --layers)")
-        d.cache.resize(routed)
-        started = time.perf_counter()
-        d.seed(every)
-        seed_s = time.perf_counter() - started
-        assert all(d.pool.complete(layer) for layer in range(len(d.blocks))), "not every expert was pooled"
-        batches = [int(v) for v in args.batch.split(",")]
-        prompts = prefilled(g, max(batches), args.tokens, args.warmup + steps + 1)  # each prompt prefilled once
-        rows = []
-        for batch in batches:
-            for pooled_path in (True, False):
-                row = run_rows(g, prompts[:batch], args.warmup, steps, pooled_path)
-                row["bandwidth_fraction"] = round(row["step_bytes"] * 1e3 / row["step_ms"] / rate, 4)
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)  # each row as it ends: a timeout keeps them
-        shape = {"layers": len(d.blocks), "experts": len(d.blocks[0].experts), "top_k": g.cfg.num_experts_per_tok,
-                 "hidden": g.cfg.hidden_size, "inter": d.pool.inter, "expert_dtype": str(d.pool.dtype),
-                 "routed_cached_bytes": routed, "resident_bytes": resident_bytes(d, d.compute_dtype),
-                 "resident_held_bytes": resident_bytes(d)}
+    rows, shapes, seeds = [], {}, {}
+    for form in args.pool_forms.split(","):
+        # the expert pool on any device (a CPU's decoder keeps stored bytes for its compiled kernels by default)
+        generate_module.Decoder = functools.partial(Decoder, decoded_experts=form == "decoded", expert_pool=True,
+                                                    pool_form=form)
+        with Generator(path, cache_gib=0.0, prefill=options) as g:
+            d = g.decoder
+            if d.pool is None:
+                raise SystemExit(f"the {form} expert pool does not take these experts here (the decoded pool: "
+                                 "torch's grouped GEMM, bf16 on CUDA)")
+            every = [[1] * len(b.experts) for b in d.blocks]
+            routed = sum(d._entry_bytes(layer, e) for layer, b in enumerate(d.blocks) for e in range(len(b.experts)))
+            free = cuda_free_bytes(device) if device.type == "cuda" else 0
+            if free and routed > 0.9 * free:  # one line, before a pool allocation fails with a traceback
+                raise SystemExit(f"every expert {form} takes {routed / GIB:.1f} GiB but {device} has "
+                                 f"{free / GIB:.1f} GiB free: a smaller slice (--experts, --layers)")
+            d.cache.resize(routed)
+            started = time.perf_counter()
+            d.seed(every)
+            seeds[form] = round(time.perf_counter() - started, 2)
+            assert all(d.pool.complete(layer) for layer in range(len(d.blocks))), "not every expert was pooled"
+            prompts = prefilled(g, max(batches), args.tokens, args.warmup + steps + 1)  # each prompt prefilled once
+            for batch in batches:
+                for pooled_path in (True, False) if form == "decoded" else (True,):
+                    row = run_rows(g, prompts[:batch], args.warmup, steps, pooled_path)
+                    row["bandwidth_fraction"] = round(row["step_bytes"] * 1e3 / row["step_ms"] / rate, 4)
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr, flush=True)  # each row as it ends: a timeout keeps them
+            shapes[form] = routed
+            shape = {"layers": len(d.blocks), "experts": len(d.blocks[0].experts),
+                     "top_k": g.cfg.num_experts_per_tok, "hidden": g.cfg.hidden_size, "inter": d.pool.inter,
+                     "expert_dtype": str(d.pool.dtype), "resident_bytes": resident_bytes(d, d.compute_dtype),
+                     "resident_held_bytes": resident_bytes(d)}
+    shape["routed_cached_bytes"] = shapes
     one = next((r for r in rows if r["path"] == "pool" and r["batch"] == 1), None)
     report = {"device": device_name(device), "torch": torch.__version__,
               "model": args.preset or f"release layers {args.layers}", "shape": shape, "build_s": round(build_s, 1),
-              "seed_s": round(seed_s, 2), "hbm_gbps": round(rate / 1e9, 1), "goal_tokens_per_s": GOAL_TOKENS_PER_S,
+              "seed_s": seeds, "hbm_gbps": round(rate / 1e9, 1), "goal_tokens_per_s": GOAL_TOKENS_PER_S,
               "goal_met": one["tokens_per_s"] >= GOAL_TOKENS_PER_S if one and device.type == "cuda" else None,
               "rows": rows}
     print_report(report, args.json,
                  f"{report['device']}: {report['model']}, {shape['layers']} layers of {shape['experts']} experts "
                  f"({shape['hidden']} x {shape['inter']}, top-{shape['top_k']}, {shape['expert_dtype']}), "
-                 f"{routed / 1e9:.2f} GB of experts on the device (seeded in {report['seed_s']} s); "
+                 + ", ".join(f"{form} {n / 1e9:.2f} GB of experts on the device (seeded in {seeds[form]} s)"
+                             for form, n in shapes.items()) + "; "
                  f"copy rate {report['hbm_gbps']} GB/s",
                  ["path", "B", "tok/s", "step ms", "bytes/token", "held bytes/token", "experts/step", "bw fraction",
                   "syncs", "graph replays"],

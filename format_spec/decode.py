@@ -185,21 +185,39 @@ def _decode_same_layout(picked: list, read, out_dtype: torch.dtype) -> torch.Ten
 
     def layout(t, s, ts):
         return t.dtype, tuple(t.shape), s and (s.dtype, tuple(s.shape)), ts is not None
-    codec = storage_type(first.dtype)
     scales = [decode_tensor(s.dtype, s.shape, read(s)) for _, s, _ in picked] if first_scale is not None else None
-    uniform = len(shape) == 2 and all(layout(*p) == layout(*picked[0]) for p in picked)
-    if not uniform or not codec.stacks_by_rows(shape[0], scales[0] if scales else None):
+    if len(shape) != 2 or not all(layout(*p) == layout(*picked[0]) for p in picked):
         return torch.stack([decode_float(t.dtype, t.shape, read(t), None if scales is None else scales[i], out_dtype,
                                          tensor_scale_value(read(ts), ts.name) if ts is not None else None)
                             for i, (t, _, ts) in enumerate(picked)])
-    raw = torch.cat([as_uint8(read(t)) for t, _, _ in picked])
-    scale = torch.cat(scales) if scales is not None else None
-    values = codec.decode_float(raw, (len(picked) * shape[0], shape[1]), scale, out_dtype).view(len(picked), *shape)
-    if picked[0][2] is None:
+    raw = torch.stack([as_uint8(read(t)) for t, _, _ in picked])
+    factors = None
+    if picked[0][2] is not None:
+        factors = [tensor_scale_value(read(ts), ts.name) for _, _, ts in picked]
+        factors = torch.stack(factors) if isinstance(factors[0], torch.Tensor) else torch.tensor(factors)
+    return decode_side_by_side(first.dtype, shape, raw, torch.stack(scales) if scales is not None else None, factors,
+                               out_dtype)
+
+
+def decode_side_by_side(dtype: str, shape, raw: torch.Tensor, scale: torch.Tensor | None = None,
+                        tensor_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32
+                        ) -> torch.Tensor:
+    """G 2-D tensors of one storage type and `shape`, their stored bytes the rows of `raw` (uint8 [G, nbytes]),
+    their decoded block scales `scale` [G, *scale shape] (or None) and tensor scales `tensor_scale` [G] (powers of
+    two, or None) -> [G, *shape] `out_dtype` values. Where the type allows (Codec.stacks_by_rows) one decode of
+    G x rows rows: a few launches for many experts on a GPU, whatever G; else one per tensor. Nothing in it waits
+    for the host."""
+    codec, shape, groups = storage_type(dtype), tuple(shape), raw.shape[0]
+    if codec.stacks_by_rows(shape[0], scale[0] if scale is not None else None):
+        flat_scale = scale.reshape(-1, *scale.shape[2:]) if scale is not None else None
+        values = codec.decode_float(raw.reshape(-1), (groups * shape[0], shape[1]), flat_scale, out_dtype)
+        values = values.view(groups, *shape)
+    else:
+        values = torch.stack([codec.decode_float(raw[g], shape, None if scale is None else scale[g], out_dtype)
+                              for g in range(groups)])
+    if tensor_scale is None:
         return values
-    factors = [tensor_scale_value(read(ts), ts.name) for _, _, ts in picked]
-    factors = torch.stack(factors) if isinstance(factors[0], torch.Tensor) else torch.tensor(factors)
-    factors = factors.to(device=values.device, dtype=values.dtype).view(-1, 1, 1)  # powers of two: exact
+    factors = tensor_scale.to(device=values.device, dtype=values.dtype).view(-1, 1, 1)  # powers of two: exact
     return values.mul_(factors) if codec.decodes_fresh(scale) else values * factors
 
 

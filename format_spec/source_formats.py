@@ -147,12 +147,14 @@ def fp8_float_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block:
     if weight.ndim != 2 or scale.dtype not in FLOAT_SCALE_DTYPES:
         raise MoepackError(f"FP8 float block scales must be float32, bfloat16 or float16 beside a 2-D weight, got "
                            f"{scale.dtype} beside shape {list(weight.shape)}")
-    unit = torch.full(tuple(scale.shape), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^0
-    values = fp8_block_dequantize(weight, unit.to(weight.device), block)  # (it checks the scales' shape)
+    # 2^0, made where the weight is (a host tensor copied to a GPU would make the host wait at every decode)
+    unit = torch.full(tuple(scale.shape), 127, dtype=torch.uint8, device=weight.device).view(torch.float8_e8m0fnu)
+    values = fp8_block_dequantize(weight, unit, block)  # (it checks the scales' shape)
     cols = weight.shape[1]
     per_column = scale.float().repeat_interleave(block, dim=1)[:, :cols]
-    for i in range(scale.shape[0]):
-        values[i * block:(i + 1) * block].mul_(per_column[i])
+    full = weight.shape[0] // block  # every whole block row at once (a launch per block row: many for stacked experts)
+    values[:full * block].view(full, block, cols).mul_(per_column[:full, None, :])
+    values[full * block:].mul_(per_column[full:])
     return values if dtype == torch.float32 else values.to(dtype)
 
 

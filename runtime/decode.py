@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -50,7 +51,7 @@ from moepack.format_spec.decode import decode_group, decode_group_rows, entry_by
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
-from .device_decode import StepGraphs, container_pool
+from .device_decode import RoutingPieces, StepGraphs, container_pool
 from .expert_decode import ExpertWeights, expert_weight_count
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
 from .io import HostBuffer, ReadPipeline, RegionReader, release_freed_memory
@@ -244,12 +245,16 @@ class Decoder:
                  compute_dtype: torch.dtype = torch.float32, expert_dtype: torch.dtype = torch.float32,
                  io_mode: str = "auto", verify_reads: bool = True, queue_depth: int = 8,
                  decoded_experts: bool | None = None, expert_pool: bool | None = None, *, family,
-                 reader: RegionReader | None = None):
-        """`decoded_experts` (default: on a GPU) has the cache keep experts decoded to the expert dtype, so that a
-        hit is three matmuls (their memory, not their stored bytes, is counted against the budget); otherwise it
-        keeps their stored bytes, which a CPU's compiled kernels read directly. `expert_pool` (default: on a GPU,
-        with decoded experts) keeps the decoded experts in device_decode.ExpertPool's slots, a layer's routed work
-        one grouped GEMM over them with no host round trip where the layer's experts are all there.
+                 reader: RegionReader | None = None, pool_form: str | None = None):
+        """`decoded_experts` (default: on a GPU, unless the pool keeps stored bytes) has the cache keep experts
+        decoded to the expert dtype, so that a hit is three matmuls (their memory, not their stored bytes, is
+        counted against the budget); otherwise it keeps their stored bytes, which a CPU's compiled kernels read
+        directly. `expert_pool` (default: on a GPU) keeps the cached experts in device slots, a layer's routed work
+        over them with no host round trip where the layer's experts are all there: `pool_form` "decoded"
+        (device_decode.ExpertPool: one grouped GEMM over the decoded weights, captured in a CUDA graph) or
+        "stored" (StoredExpertPool: their stored bytes, decoded side by side at each step: several times as many
+        experts in the same memory); default (or MOEPACK_EXPERT_POOL): decoded where the budget holds every routed
+        expert decoded or decoded_experts asks for it, stored where that holds more experts than decoded would.
 
         `family` (a moepack.families ModelFamily, `cfg` its parsed config): the container is that family's, its
         arithmetic the family's `layer_decode` (families.base.LayerDecode). `reader`: the container's reader its
@@ -284,9 +289,10 @@ class Decoder:
         self._step_uses: list[tuple[int, torch.Tensor]] = []  # complete layers' choices, counted after the step
         # each layer beside the pool, (layer, whether its output is finite: a device flag), checked after the step
         self._step_finite: list[tuple[int, torch.Tensor]] = []
-        self._load(expert_dtype, expert_pool)
+        self._load(expert_dtype, expert_pool, pool_form, decoded_experts)
 
-    def _load(self, expert_dtype: torch.dtype, expert_pool: bool | None) -> None:
+    def _load(self, expert_dtype: torch.dtype, expert_pool: bool | None, pool_form: str | None,
+              decoded_experts: bool | None) -> None:
         """The resident weights, the expert runner, and (where they apply) the family's compiled layers and the
         device's expert pool."""
         arithmetic, device, container = self.arithmetic, self.device, self.c
@@ -301,10 +307,12 @@ class Decoder:
                                    in_compute_dtype=arithmetic.in_compute_dtype)
                       for layer, b in enumerate(self.blocks)]
         self.embed_entries, self.embed_read = self._read_globals([names.embedding], on_device=False)
+        self.pool = self._expert_pool(expert_pool, pool_form, decoded_experts)
+        self.cache.store = self.pool
         # a token's routed experts in one compiled call (CPU), read from their stored bytes, where that kernel
-        # computes the family's experts
+        # computes the family's experts (and no pool runs them)
         self.kernels = token_kernels.token_kernels() if device.type == "cpu" and not self.decoded \
-            and arithmetic.expert_limit is not None else None
+            and self.pool is None and arithmetic.expert_limit is not None else None
         entries, read = self._read_globals([*names.head_globals, names.head], on_device=True)
         self.head_weights = decode_group(entries, read, dtype_of=lambda t: arithmetic.global_dtype(
             t.name, t.dtype, self.kernels is not None))
@@ -323,14 +331,39 @@ class Decoder:
         self.layers = arithmetic.token_layers(self.dense) if self.kernels is not None and all(
             self._kernel_layout(layer, e) for layer, block in enumerate(self.blocks)
             for e in range(len(block.experts))) else None
-        if expert_pool and not self.decoded:
-            raise ValueError("the expert pool keeps decoded experts (decoded_experts=True)")
-        wants_pool = self.decoded and (device.type == "cuda" if expert_pool is None else expert_pool)
-        # (None where the experts do not stack, or torch's grouped GEMM does not take them: the cache as before)
-        self.pool = container_pool(self.cache, self.blocks, arithmetic.expert_naming, arithmetic.expert_activation,
-                                   self.experts.expert_dtype, device) if wants_pool else None
-        self.cache.store = self.pool
         self._eager = StepGraphs(False, device)  # (no pool: the pieces run as plain calls)
+        self._pieces = RoutingPieces(arithmetic, self._pooled_finish)
+
+    def _expert_pool(self, expert_pool: bool | None, form: str | None, decoded_experts: bool | None):
+        """The device pool of cached experts (Decoder's docstring), None where there is none (off, or the experts do
+        not stack there: the cache as before); `self.decoded` follows the pool's form."""
+        if not (self.device.type == "cuda" if expert_pool is None else expert_pool):
+            return None
+        form = form or os.environ.get("MOEPACK_EXPERT_POOL") or None
+        if form not in (None, "decoded", "stored"):
+            raise MoepackError(f"the expert pool keeps its experts 'decoded' or 'stored', not {form!r}")
+        if form is None:
+            form = {True: "decoded", False: "stored"}.get(decoded_experts) or self._fitting_form()
+        if decoded_experts is not None and (form == "decoded") != decoded_experts:
+            raise ValueError(f"a {form} expert pool with decoded_experts={decoded_experts}")
+        arithmetic, dtype = self.arithmetic, self.experts.expert_dtype
+        # (a stored pool where its experts lie differently from layer to layer: the decoded one)
+        pool = container_pool(self.cache, self.blocks, arithmetic.expert_naming, arithmetic.expert_activation,
+                              dtype, self.device, stored=form == "stored")
+        if pool is None and form == "stored" and decoded_experts is None:
+            form, pool = "decoded", container_pool(self.cache, self.blocks, arithmetic.expert_naming,
+                                                   arithmetic.expert_activation, dtype, self.device)
+        if pool is not None:
+            self.decoded = form == "decoded"
+        return pool
+
+    def _fitting_form(self) -> str:
+        """The pool's form by default: decoded where the budget holds every routed expert decoded, or their stored
+        bytes take over half their decoded size; stored where more experts fit that way."""
+        regions = [r for block in self.blocks for r in block.experts]
+        stored = sum(r.length for r in regions)
+        decoded = sum(expert_weight_count(r) for r in regions) * self.experts.expert_dtype.itemsize
+        return "decoded" if self.cache.budget >= decoded or 2 * stored > decoded else "stored"
 
     def start(self, states) -> DecodeSequence:
         """A sequence after `states` (one per layer, all after the same tokens, or a KV state holding them as
@@ -485,18 +518,20 @@ class Decoder:
         else its bytes there. On a CPU that is `raw` itself, which must therefore be bytes of its own (never a view
         of a pooled buffer)."""
         raw = raw.to(self.device)
-        if not self.decoded:
-            return raw
         region = self.blocks[layer].experts[e]
-        if self.pool is not None:  # into a slot of the pool (a copy of the decoder's buffers)
+        if self.pool is not None:  # into a slot of the pool (a copy of the bytes, or of the decoder's buffers)
             pooled = self.pool.put(layer, e, self.experts.expert_weights(self.blocks[layer], region, raw,
-                                                                          region.offset))
+                                                                          region.offset) if self.decoded else raw)
             if pooled is not None:
                 return pooled
+        if not self.decoded:
+            return raw
         return self.experts.owned_weights(self.blocks[layer], region, raw, region.offset)
 
     def _entry_bytes(self, layer: int, e: int) -> int:
         """The memory expert e takes in the cache: its stored bytes, or (decoded) its three matrices."""
+        if self.pool is not None:
+            return self.pool.slot_bytes
         region = self.blocks[layer].experts[e]
         if not self.decoded:
             return region.length
@@ -710,7 +745,7 @@ class Decoder:
                 got = self._fetch(layer, table[ids].flatten().tolist())
             with self.compute:
                 attended = arithmetic.attend(layer, w, hidden, [seq.kv[layer] for seq in sequences], graphs)
-            if pool is not None and pool.complete(layer):
+            if pool is not None and pool.complete(layer) and pool.captures_routed:
                 with self.compute:
                     hidden, experts, finite = graphs.run(("ffn", layer, rows), functools.partial(
                         self._pooled_ffn, layer, w), ids, *attended)
@@ -724,17 +759,19 @@ class Decoder:
                         self._dense_ffn, layer, w), ids, *attended)
                 self._step_finite.append((layer, finite))
                 continue
+            if pool is not None:  # the router and the finish each a piece, the routed work between them
+                with self.compute:
+                    hidden, routing = self._pieces.route(graphs, layer, w, ids, attended)
+                routed = self._routed_from_pool(layer, routing)
+                with self.compute:
+                    hidden, finite = self._pieces.finish(graphs, layer, w, hidden, routing, routed)
+                self._step_finite.append((layer, finite))
+                continue
             with self.compute:
                 hidden, routing = arithmetic.route_attended(layer, w, attended, ids)
             if routing.experts is None:  # a layer without routed experts
                 with self.compute:
                     hidden = arithmetic.finish(layer, w, hidden, routing, None)
-                continue
-            if pool is not None:
-                routed = self._routed_from_pool(layer, routing)
-                with self.compute:
-                    hidden, finite = self._pooled_finish(layer, w, hidden, routing, routed)
-                self._step_finite.append((layer, finite))
                 continue
             if got is None:
                 got = self._fetch(layer, routing.experts.flatten().tolist())
@@ -778,10 +815,15 @@ class Decoder:
         return hidden, torch.isfinite(hidden).all()
 
     def _routed_from_pool(self, layer: int, routing) -> torch.Tensor:
-        """The rows' routed experts summed ([B, H] float32) for a layer not all of whose experts are pooled: the
-        choices read once (one synchronisation), the misses read through the reader and decoded into slots,
-        then over the pool (or expert by expert where one could not be pooled)."""
+        """The rows' routed experts summed ([B, H] float32) over the pool: for a layer not all of whose experts
+        are pooled, the choices read once (one synchronisation) and the misses read through the reader into
+        slots first (or the experts run one by one where one could not be pooled)."""
         pool = self.pool
+        if pool.complete(layer):  # (a pool whose routed work is not in the layer's one piece: nothing to ask)
+            pool.calls += 1
+            self._step_uses.append((layer, routing.experts))  # counted after the step (_settle_pooled)
+            with self.compute:
+                return pool.routed(layer, routing.x, routing.experts, routing.weights)
         pool.syncs += 1
         chosen = sorted(set(routing.experts.flatten().tolist()))
         got = self._fetch(layer, chosen)

@@ -27,16 +27,19 @@ after that layer.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from moepack.backends import grouped_experts
 from moepack.backends.device_copier import to_device_async
 from moepack.backends.grouped_experts import grouped_matmul, grouped_mm_usable
+
+from moepack.format_spec.decode import decode_side_by_side, decode_tensor, scale_name, tensor_scale_name
 
 from .expert_decode import ExpertWeights
 
@@ -157,24 +160,72 @@ class _Piece:
     copied: tuple[int, ...]
 
 
+class RoutingPieces:
+    """A layer's router and its finish as two fixed-shape pieces of a step (StepGraphs), for a layer whose routed
+    work runs between them (its experts not all pooled, or a pool whose routed work is not captured): the
+    family's `route_attended` (the attention's output, the router) gives the hidden rows and its Routing, whose
+    tensors are the piece's outputs (a piece returns tensors; the Routing, a family's dataclass, is made again
+    around them from the one its capture made); `finish(layer, w, hidden, routing, routed)` gives the rows and
+    whether they are finite."""
+
+    def __init__(self, arithmetic, finish: Callable):
+        self.arithmetic, self._finish = arithmetic, finish
+        self._routings: dict[tuple[int, int], object] = {}  # (layer, rows) -> a Routing its piece made
+
+    def route(self, graphs: StepGraphs, layer: int, w, ids: torch.Tensor, attended: tuple[torch.Tensor, ...]):
+        """(the hidden rows, the Routing) of the layer's router, a piece per (layer, rows)."""
+        key = (layer, ids.shape[0])
+
+        def route(ids: torch.Tensor, *attended: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            hidden, routing = self.arithmetic.route_attended(layer, w, attended, ids)
+            self._routings[key] = routing
+            return (hidden, *(getattr(routing, name) for name in _tensor_fields(routing)))
+        hidden, *tensors = graphs.run(("route", *key), route, ids, *attended)
+        return hidden, self._rebuilt(key, tensors)
+
+    def finish(self, graphs: StepGraphs, layer: int, w, hidden: torch.Tensor, routing, routed: torch.Tensor):
+        """(the hidden rows, whether they are finite) of the layer's finish, a piece per (layer, rows)."""
+        key = (layer, hidden.shape[0])
+
+        def finish(hidden: torch.Tensor, routed: torch.Tensor, *tensors: torch.Tensor):
+            return self._finish(layer, w, hidden, self._rebuilt(key, tensors), routed)
+        return graphs.run(("finish", *key), finish, hidden, routed,
+                          *(getattr(routing, name) for name in _tensor_fields(routing)))
+
+    def _rebuilt(self, key: tuple[int, int], tensors) -> object:
+        routing = copy.copy(self._routings[key])
+        for name, t in zip(_tensor_fields(routing), tensors):
+            setattr(routing, name, t)
+        return routing
+
+
+def _tensor_fields(routing) -> list[str]:
+    """The fields of a Routing (a dataclass) that hold tensors, in their order."""
+    return [f.name for f in fields(routing) if isinstance(getattr(routing, f.name), torch.Tensor)]
+
+
 class ExpertPool:
-    """The decoded routed experts of every layer in device slots (module docstring). `cache` is the ExpertCache
-    whose entries the slots are (its `store` is this pool); `slot_bytes` what one expert takes in its budget. The
-    stacks are allocated at the first expert kept, as many slots as the budget holds then (at most every
-    expert)."""
+    """The routed experts of every layer in device slots (module docstring), each slot holding one expert's
+    decoded weights: gate and up side by side `gate_up [slots, 2I, H]` and `down [slots, H, I]` (the expert dtype).
+    `cache` is the ExpertCache whose entries the slots are (its `store` is this pool); `slot_bytes` what one
+    expert takes in its budget. The stacks are allocated at the first expert kept, as many slots as the budget
+    holds then (at most every expert). StoredExpertPool keeps the experts' stored bytes instead."""
+
+    form = "decoded"  # what a slot holds
+    captures_routed = True  # a layer's routed work is a fixed-shape piece (StepGraphs)
 
     def __init__(self, cache, layers: int, experts: int, inter: int, hidden: int, dtype: torch.dtype,
                  device: torch.device, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  graphs: bool | None = None):
         self.cache, self.layers, self.experts = cache, layers, experts
         self.inter, self.hidden, self.dtype, self.device = inter, hidden, dtype, device
-        self.activation = activation  # the family's, between the two grouped GEMMs: act(gate x) * (up x)
+        self.activation = activation  # the family's, between the two matmuls: act(gate x) * (up x)
         self.slot_bytes = 3 * inter * hidden * dtype.itemsize
         # the step's fixed-shape pieces in CUDA graphs (these stacks' routed work, and the Decoder's)
         self.graphs = StepGraphs(device.type == "cuda" if graphs is None else graphs and device.type == "cuda",
                                  device)
         self.capacity = 0
-        self.gate_up = self.down = None
+        self.stacks: list[torch.Tensor] = []
         self.slot_of = torch.full((layers, experts), -1, dtype=torch.int64, device=device)
         self._slots: dict[tuple[int, int], int] = {}  # the table's host mirror
         self._pooled = [0] * layers  # experts pooled per layer
@@ -183,6 +234,18 @@ class ExpertPool:
         self._deferred: list[int] = []  # slots of pinned experts evicted: free after the layer
         self.syncs = 0  # host synchronisations the routed work needed (a layer not complete, once a step)
         self.calls = 0  # layers' routed work run over the pool (counted by the caller)
+
+    @property
+    def gate_up(self) -> torch.Tensor | None:
+        return self.stacks[0] if self.stacks else None
+
+    @property
+    def down(self) -> torch.Tensor | None:
+        return self.stacks[1] if self.stacks else None
+
+    def _slot_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """What a slot holds: one (shape, dtype) per stack."""
+        return [((2 * self.inter, self.hidden), self.dtype), ((self.hidden, self.inter), self.dtype)]
 
     # --- slots -----------------------------------------------------------------------------------------------
     def complete(self, layer: int) -> bool:
@@ -202,15 +265,15 @@ class ExpertPool:
 
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
-        self.gate_up = torch.empty(capacity, 2 * self.inter, self.hidden, dtype=self.dtype, device=self.device)
-        self.down = torch.empty(capacity, self.hidden, self.inter, dtype=self.dtype, device=self.device)
+        self.stacks = [torch.empty(capacity, *shape, dtype=dtype, device=self.device)
+                       for shape, dtype in self._slot_shapes()]
         self._slot_ids = torch.arange(capacity, device=self.device)
         self._free = list(range(capacity - 1, -1, -1))  # popped from the end: slot 0 first
         self.graphs.clear()  # the graphs read the old stacks
 
     def _free_slot(self) -> int | None:
         """A free slot, the cache's least recently used evicted for it where none is; None where none can be."""
-        if self.gate_up is None:
+        if not self.stacks:
             capacity = min(self.cache.budget // self.slot_bytes, self.layers * self.experts)
             if capacity <= 0:
                 return None
@@ -219,26 +282,43 @@ class ExpertPool:
             self.cache.evict_oldest()  # its slot comes back through dropped()
         return self._free.pop() if self._free else None
 
-    def put(self, layer: int, expert: int, weights: ExpertWeights) -> ExpertWeights | None:
-        """Copy an expert's decoded weights into a slot; its weights as views of the slot, or None where it cannot
-        be pooled (no room, or weights the fused CPU kernel keeps packed)."""
-        if weights.kernel is not None or (layer, expert) in self._slots:
+    def put(self, layer: int, expert: int, content):
+        """Copy an expert (its decoded weights, ExpertWeights: `_slot_content`) into a slot; the cache's entry for
+        it (views of the slot), or None where it cannot be pooled (no room, or content the pool does not take)."""
+        if (layer, expert) in self._slots:
+            return None
+        parts = self._slot_content(layer, content)
+        if parts is None:
+            return None
+        slot = self._free_slot()
+        if slot is None:
+            return None
+        for target, part in zip(self._slot_parts(slot, parts), parts):
+            target.copy_(part)
+        self.slot_of[layer, expert] = slot
+        self._slots[(layer, expert)] = slot
+        self._pooled[layer] += 1
+        return self.entry(layer, slot)
+
+    def _slot_content(self, layer: int, weights: ExpertWeights) -> list[torch.Tensor] | None:
+        """What goes into a slot's parts (`_slot_parts`), or None where the weights are not pooled (the fused CPU
+        kernel's, kept packed)."""
+        if weights.kernel is not None:
             return None
         gate, up, down = weights.w1, weights.w3, weights.w2
         if weights.input_order is not None:  # MXFP4's pair order undone: the pool's inputs come in column order
             gate, up = (_columns_in_order(w, weights.input_order) for w in (gate, up))
         if weights.hidden_order is not None:
             down = _columns_in_order(down, weights.hidden_order)
-        slot = self._free_slot()
-        if slot is None:
-            return None
+        return [gate, up, down]
+
+    def _slot_parts(self, slot: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Where each of `parts` (_slot_content's) goes in the slot."""
         inter = self.inter
-        self.gate_up[slot, :inter].copy_(gate)
-        self.gate_up[slot, inter:].copy_(up)
-        self.down[slot].copy_(down)
-        self.slot_of[layer, expert] = slot
-        self._slots[(layer, expert)] = slot
-        self._pooled[layer] += 1
+        return [self.gate_up[slot, :inter], self.gate_up[slot, inter:], self.down[slot]]
+
+    def entry(self, layer: int, slot: int):
+        """The cache's entry for the expert of `layer` in `slot`: views of the slot."""
         return self.weights(slot)
 
     def weights(self, slot: int) -> ExpertWeights:
@@ -259,11 +339,11 @@ class ExpertPool:
         so that the device memory follows the budget. The kept experts wait on the host meanwhile (the budget
         shrinks where the device lacks room: old and new stacks side by side might not fit)."""
         capacity = min(budget // self.slot_bytes, self.layers * self.experts)
-        if self.gate_up is None or capacity >= self.capacity:
+        if not self.stacks or capacity >= self.capacity:
             return  # (a larger budget is used as it is: the stacks do not grow)
         kept = list(self._slots.items())
         index = torch.tensor([slot for _, slot in kept], dtype=torch.long, device=self.device)
-        gate_up, down = self.gate_up.index_select(0, index).cpu(), self.down.index_select(0, index).cpu()
+        saved = [stack.index_select(0, index).cpu() for stack in self.stacks]
         for key, _ in kept:  # the cache's views of the old stacks go with them
             self.cache.replace(key, None)
         self.release()
@@ -271,13 +351,13 @@ class ExpertPool:
         if capacity <= 0:
             return
         self._allocate(capacity)
-        self.gate_up[:len(kept)].copy_(gate_up)
-        self.down[:len(kept)].copy_(down)
+        for stack, old in zip(self.stacks, saved):
+            stack[:len(kept)].copy_(old)
         for new, (key, _) in enumerate(kept):
             self.slot_of[key] = new
             self._slots[key] = new
             self._pooled[key[0]] += 1
-            self.cache.replace(key, self.weights(new))
+            self.cache.replace(key, self.entry(key[0], new))
         self._free = [s for s in self._free if s >= len(kept)]
 
     @contextlib.contextmanager
@@ -296,17 +376,17 @@ class ExpertPool:
                graphed: bool = True) -> torch.Tensor:
         """The routed experts of B rows summed ([B, H] float32): x [B, H] (the FFN input), experts [B, k] the
         chosen ids and weights [B, k] their routing weights, all on the device; every chosen expert must be
-        pooled. A CUDA graph per (layer, B) where `graphed` (not inside another capture) and the graphs are on."""
+        pooled. A CUDA graph per (layer, B) where `graphed` (not inside another capture), the graphs are on and
+        the pool's routed work is captured (`captures_routed`)."""
         x = x.to(self.dtype)
-        if not graphed:
+        if not (graphed and self.captures_routed):
             return self._routed(layer, x, experts, weights)
         return self.graphs.run(("routed", layer, x.shape[0]), functools.partial(self._routed, layer), x, experts,
                                weights)
 
     def _routed(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        rows, top_k = experts.shape
-        experts, by_id = experts.sort(dim=1)  # each row's terms summed in ascending expert id
-        weights = weights.gather(1, by_id)
+        top_k = experts.shape[1]
+        experts, weights = _by_expert_id(experts, weights)
         slots = self.slot_of[layer].index_select(0, experts.reshape(-1))  # [P] pairs
         order = torch.argsort(slots, stable=True)
         sorted_slots = slots.index_select(0, order)
@@ -317,11 +397,7 @@ class ExpertPool:
         out = self._pool_matmul(hidden, self.down, ends, sorted_slots)
         positions = torch.arange(order.numel(), device=order.device)
         back = torch.empty_like(order).scatter_(0, order, positions)  # order's inverse
-        terms = out.index_select(0, back).view(rows, top_k, -1)
-        acc = torch.zeros(rows, terms.shape[2], dtype=torch.float32, device=x.device)
-        for j in range(top_k):
-            acc.addcmul_(terms[:, j].float(), weights[:, j, None].float())
-        return acc
+        return _combined(out.index_select(0, back), weights)
 
     def _pool_matmul(self, a: torch.Tensor, stack: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor
                      ) -> torch.Tensor:
@@ -345,11 +421,125 @@ class ExpertPool:
 
     def release(self) -> None:
         """The stacks freed (the table's host mirror emptied; the caller empties the cache)."""
-        self.gate_up = self.down = None
+        self.stacks = []
         self.capacity, self._free = 0, []
         self._slots.clear()
         self._pooled = [0] * self.layers
         self.graphs.clear()
+
+
+def _by_expert_id(experts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's choices [B, k] and their routing weights in ascending expert id: the order its terms are summed
+    in (ExpertGroups.combine's)."""
+    experts, by_id = experts.sort(dim=1)
+    return experts, weights.gather(1, by_id)
+
+
+def _combined(terms: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each row's routed terms (`terms` [B x k, H], row-major by (row, choice)) times their routing weights
+    (`weights` [B, k]) summed in choice order: [B, H] float32."""
+    rows, top_k = weights.shape
+    terms = terms.view(rows, top_k, -1)
+    acc = torch.zeros(rows, terms.shape[2], dtype=torch.float32, device=terms.device)
+    for j in range(top_k):
+        acc.addcmul_(terms[:, j].float(), weights[:, j, None].float())
+    return acc
+
+
+@dataclass(frozen=True)
+class _StoredMatrix:
+    """Where one of an expert's matrices lies in its region's bytes, the same in every expert of a layer: its
+    storage type, shape and byte span, its block scale's (type, shape, span) and its tensor scale's span, if any."""
+    dtype: str
+    shape: tuple[int, ...]
+    span: tuple[int, int]
+    scale: tuple[str, tuple[int, ...], tuple[int, int]] | None
+    tensor_scale: tuple[int, int] | None
+
+    def decode(self, stack: torch.Tensor, slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The matrix of each slot in `slots` (a device tensor) from the slots' bytes `stack` [capacity, bytes]:
+        [len(slots), *shape], decoded side by side, nothing asked of the host."""
+        def gathered(span):
+            return stack[:, span[0]:span[1]].index_select(0, slots)
+        scale = None
+        if self.scale is not None:
+            dtype, shape, span = self.scale
+            scale = decode_tensor(dtype, (len(slots), *shape), gathered(span).reshape(-1))
+        # (the bytes were checked as they were read; a GPU's decode never reads a tensor scale back to check it)
+        factors = gathered(self.tensor_scale).view(torch.float32).reshape(-1) if self.tensor_scale else None
+        return decode_side_by_side(self.dtype, self.shape, gathered(self.span), scale, factors, out_dtype)
+
+
+def stored_layout(region, names: dict[str, str]) -> dict[str, _StoredMatrix] | None:
+    """{"gate" | "up" | "down": where that matrix lies in `region`'s bytes} (names: the family's, ExpertNaming's);
+    None where a matrix is missing, not 2-D or has companions the pool does not decode."""
+    by_name = {t.name: t for t in region.tensors}
+    layout = {}
+    for role, name in names.items():
+        t = by_name.get(name)
+        if t is None or len(t.shape) != 2:
+            return None
+        def span(entry):
+            return entry.file_offset - region.offset, entry.file_offset - region.offset + entry.length
+        s, ts = by_name.get(scale_name(name)), by_name.get(tensor_scale_name(name))
+        if ts is not None and (ts.dtype != "F32" or tuple(ts.shape) != ()):
+            return None
+        layout[role] = _StoredMatrix(t.dtype, tuple(t.shape), span(t),
+                                     (s.dtype, tuple(s.shape), span(s)) if s is not None else None,
+                                     span(ts) if ts is not None else None)
+    return layout
+
+
+class StoredExpertPool(ExpertPool):
+    """The pool's slots holding the experts' stored bytes (FP4, a ggml block type...) rather than their decoded
+    weights: 3.8x as many FP4 experts in the same device memory, where the decoded ones do not all fit (the full
+    model's routed experts decoded to bf16 take 4x a GPU's memory). Hits and misses are as the decoded pool's, a
+    miss one copy of its bytes into a slot. A layer's routed work gathers each (row, choice) pair's bytes by slot,
+    decodes them side by side (`STORED_DECODE_BYTES` of weights at a time) and runs batched matmuls: no host round
+    trip, but not captured in a graph (its decoded weights, hundreds of MB a layer at the release's size, would
+    each be held by a graph's private memory, per layer and B). `layouts[layer]`: where each matrix lies in that
+    layer's expert regions (stored_layout); `lengths[layer]` its longest region; a slot the longest of all."""
+
+    form = "stored"
+    captures_routed = False
+
+    def __init__(self, cache, layouts: list, lengths: list[int], experts: int, inter: int, hidden: int,
+                 dtype: torch.dtype, device: torch.device, activation, graphs: bool | None = None):
+        super().__init__(cache, len(layouts), experts, inter, hidden, dtype, device, activation, graphs)
+        self.layouts = layouts
+        self.slot_bytes = -(-max(lengths) // SLOT_ALIGN) * SLOT_ALIGN
+        self.lengths = lengths  # each layer's longest region: a cache entry's bytes
+        self.chunk_pairs = max(1, STORED_DECODE_BYTES // (3 * inter * hidden * dtype.itemsize))
+
+    def _slot_shapes(self):
+        return [((self.slot_bytes,), torch.uint8)]
+
+    def _slot_content(self, layer: int, raw: torch.Tensor) -> list[torch.Tensor] | None:
+        return [raw]
+
+    def _slot_parts(self, slot: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self.stacks[0][slot, :parts[0].numel()]]
+
+    def entry(self, layer: int, slot: int) -> torch.Tensor:
+        return self.stacks[0][slot, :self.lengths[layer]]
+
+    def _routed(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        top_k = experts.shape[1]
+        experts, weights = _by_expert_id(experts, weights)
+        slots = self.slot_of[layer].index_select(0, experts.reshape(-1))  # [P] pairs, row-major
+        pairs = x[:, None, :].expand(-1, top_k, -1).reshape(-1, x.shape[1])  # [P, H]: pair p is row p // top_k
+        terms = torch.empty(pairs.shape, dtype=self.dtype, device=x.device)
+        stack, layout = self.stacks[0], self.layouts[layer]
+        for first in range(0, slots.numel(), self.chunk_pairs):
+            part = slice(first, first + self.chunk_pairs)
+            w = {role: m.decode(stack, slots[part], self.dtype) for role, m in layout.items()}
+            xs = pairs[part, None, :]  # [c, 1, H]
+            hidden = self.activation(torch.bmm(xs, w["gate"].transpose(1, 2)), torch.bmm(xs, w["up"].transpose(1, 2)))
+            terms[part] = torch.bmm(hidden, w["down"].transpose(1, 2))[:, 0]
+        return _combined(terms, weights)
+
+
+STORED_DECODE_BYTES = 512 << 20  # decoded weights a stored pool's layer holds at once (a chunk of its pairs)
 
 
 def _columns_in_order(w: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -360,23 +550,40 @@ def _columns_in_order(w: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 def container_pool(cache, blocks, naming, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   dtype: torch.dtype, device: torch.device, graphs: bool | None = None) -> ExpertPool | None:
+                   dtype: torch.dtype, device: torch.device, graphs: bool | None = None, stored: bool = False
+                   ) -> ExpertPool | None:
     """The pool for a container's routed experts (`naming`: the family's ExpertNaming, by layer; `activation` its
-    act(gate x) * (up x)), or None where they do not stack (experts of other shapes, or layers with other counts)
-    or torch's grouped GEMM does not take them here."""
+    act(gate x) * (up x)), keeping them decoded (or their stored bytes: `stored`), or None where they do not stack
+    (experts of other shapes, layers with other counts; stored: a layer whose experts lie differently in their
+    regions) or, decoded, torch's grouped GEMM does not take them here."""
     # (layers without routed experts, e.g. a family's dense-MLP layers, take no slots)
     shapes, counts = set(), {len(b.experts) for b in blocks if b.experts}
+    layouts: list[dict | None] = []
     for layer, block in enumerate(blocks):
+        placed = set()
         for region in block.experts:
             shape_of = {t.name: tuple(t.shape) for t in region.tensors}
             names = naming.names(layer, region.expert)
             shapes.add(tuple(shape_of.get(names[m]) for m in ("gate", "up", "down")))
+            if stored:
+                layout = stored_layout(region, names)
+                placed.add(tuple(layout.values()) if layout is not None else None)
+        if stored and (None in placed or len(placed) > 1):
+            return None
+        layouts.append(dict(zip(("gate", "up", "down"), placed.pop())) if placed else {})
     if len(shapes) != 1 or len(counts) != 1:
         return None
     gate, up, down = shapes.pop()
     if gate is None or len(gate) != 2 or up != gate or down != gate[::-1]:
         return None
     inter, hidden = gate
+    if stored:
+        lengths = [max((r.length for r in b.experts), default=0) for b in blocks]
+        return StoredExpertPool(cache, layouts, lengths, counts.pop(), inter, hidden, dtype, device, activation,
+                                graphs)
     if not pool_usable(dtype, device, inter, hidden):
         return None
     return ExpertPool(cache, len(blocks), counts.pop(), inter, hidden, dtype, device, activation, graphs)
+
+
+SLOT_ALIGN = 64  # a stored slot's length rounds up to this: every slot's bytes start aligned for any dtype's view

@@ -37,14 +37,15 @@ def host_sync(func, args, kwargs, ops=HOST_SYNCS) -> str | None:
 
 
 class HostSyncs(TorchDispatchMode):
-    """Records the ops run under it that would wait for the host on CUDA (`host_sync`)."""
+    """Records the ops run under it that would wait for the host on CUDA (`host_sync` of `ops`: SYNC_OPS where
+    host tensors made on a CPU, a CUDA device's torch.empty, are not to be counted)."""
 
-    def __init__(self):
+    def __init__(self, ops=HOST_SYNCS):
         super().__init__()
-        self.seen = []
+        self.seen, self.ops = [], ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = host_sync(func, args, kwargs)
+        name = host_sync(func, args, kwargs, self.ops)
         if name:
             self.seen.append(name)
         return func(*args, **(kwargs or {}))
@@ -57,9 +58,12 @@ def without_native_code(patch) -> None:
     from moepack.backends import ops
     from moepack.families.deepseek_v4 import mhc_native
 
+    from moepack.format_spec import source_formats
+
     patch(ops, "kernels_for", lambda *a: None)
     for name in ("hc_mix_weights", "token_pre", "token_post"):
         patch(mhc_native, name, lambda *a, **k: None)
+    patch(source_formats, "_fp8_native", lambda: None)  # (the FP8 decode's compiled loop: its torch lookup)
 
 
 @contextlib.contextmanager

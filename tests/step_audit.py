@@ -383,10 +383,15 @@ def sequences(g, rows: int) -> tuple[list, list[int]]:
 
 def device_caches() -> tuple:
     """DeepSeek-V4's rotations, made on the device once per block of positions and kept; its RoPE frequencies
-    cached afresh (a CPU's prefill cached them on the host, a GPU's on the device)."""
+    cached afresh (a CPU's prefill cached them on the host, a GPU's on the device); the FP4 and FP8 decodes'
+    tables (a stored pool's decode: made on the device at its first decode)."""
     from moepack.families.deepseek_v4 import model
+    from moepack.format_spec import source_formats
     model._inv_freq.cache_clear()
-    return (model._ROTATION_BLOCKS,)
+    for dtype in (torch.float32, torch.bfloat16):
+        source_formats._PAIR_TABLES.setdefault((dtype, torch.device("cpu")), source_formats.byte_pair_table(dtype))
+        source_formats._fp8_scaled_table(torch.device("cpu"), dtype)
+    return (model._ROTATION_BLOCKS, source_formats._PAIR_TABLES, source_formats._FP8_TABLES)
 
 
 def gpu_branches(monkeypatch) -> None:
@@ -408,6 +413,7 @@ def main() -> None:
     every expert pooled and 40 % pooled, B = 1 and 4, on synthetic containers made in --workdir."""
     import argparse
     import functools
+    import itertools
     import os
 
     import pytest
@@ -425,12 +431,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--sites", action="store_true", help="also the launches by moepack function (eager, in graphs)")
     args = ap.parse_args()
-    print(f"{'family':12} {'experts':8} {'B':>2} {'syncs':>6} {'launches':>8} {'replays':>7} {'in graphs':>9} "
+    print(f"{'family':12} {'experts, pool':16} {'B':>2} {'syncs':>6} {'launches':>8} {'replays':>7} {'in graphs':>9} "
           f"{'py calls':>8}  where the syncs are")
-    for family in ("deepseek-v4", "qwen3-moe"):
-        src, path = (os.path.join(args.workdir, f"{family}{ext}") for ext in ("", ".moepack"))
+    # the pool of decoded experts over float32 experts; of stored bytes over the release's (FP4, FP8)
+    for family, (form, layout) in itertools.product(("deepseek-v4", "qwen3-moe"),
+                                                    (("decoded", "f32"), ("stored", "release"))):
+        src, path = (os.path.join(args.workdir, f"{family}-{layout}{ext}") for ext in ("", ".moepack"))
         if not os.path.exists(path):
-            synth_checkpoint(src, preset="tiny", layout="f32", seed=4, progress=False, family=family)
+            synth_checkpoint(src, preset="tiny", layout=layout, seed=4, progress=False, family=family)
             convert_checkpoint(src, path, progress=False)
         for fraction in (1.0, 0.4):
             for rows in (1, 4):
@@ -439,8 +447,8 @@ def main() -> None:
                     gpu_branches(mp)
                     options = PrefillOptions(compute_dtype="bfloat16")
                     try:
-                        mp.setattr(generate_module, "Decoder", functools.partial(Decoder, decoded_experts=True,
-                                                                                 expert_pool=True))
+                        mp.setattr(generate_module, "Decoder", functools.partial(
+                            Decoder, decoded_experts=form == "decoded", expert_pool=True, pool_form=form))
                         g = Generator(path, cache_gib=1.0, prefill=options)
                     except ValueError:  # (a family whose decoder keeps no decoded experts: expert by expert)
                         mp.setattr(generate_module, "Decoder", functools.partial(Decoder, expert_pool=False))
@@ -463,8 +471,8 @@ def main() -> None:
                         c = audit.reset()
                 per = c.per_step(args.steps)
                 sites = Counter(s.split(" @ ")[0] + " @ " + s.split(" @ ")[1].split(" < ")[0] for s in c.syncs)
-                pool = "" if d.pool is not None else " (no pool)"
-                print(f"{family:12} {('all' if fraction == 1 else '40 %') + pool:8} {rows:>2} {per['syncs']:>6.2f} "
+                pool = f" {form}" if d.pool is not None else " (no pool)"
+                print(f"{family:12} {('all' if fraction == 1 else '40 %') + pool:16} {rows:>2} {per['syncs']:>6.2f} "
                       f"{per['launches']:>8.1f} {per['replays']:>7.1f} {per['graph_kernels']:>9.1f} "
                       f"{per['python_calls']:>8.1f}  "
                       + "; ".join(f"{n / args.steps:g} x {s}" for s, n in sites.items()))

@@ -80,21 +80,63 @@ def test_a_whole_step_waits_for_the_host_once_and_once_per_layer_with_misses(con
         d.seed(_all_experts(d))
         d.pool.graphs.enabled = True
         audited = _audited_steps(g, monkeypatch, rows)
-        pieces = 2  # the attention's inputs, then the FFN (or, with misses, the routed work)
         layers = len(d.blocks)
     for counts, layer_syncs in audited:
         assert counts.graph_syncs == [] and counts.mixed == []
         assert [s.split(" @ ")[0] for s in counts.syncs if "_routed_from_pool" not in s] == ["cpu()"]
         assert "_general_step" in counts.syncs[-1]
         assert len(counts.syncs) == 1 + layer_syncs
-        # (each miss got a slot; and the head)
-        assert counts.eager_ops["graph replay"] == counts.replays == pieces * layers + 1
+        # the attention's inputs, then the FFN; a layer with misses (its one sync) the router, the routed work
+        # (each miss got a slot) and the finish; and the head
+        assert counts.eager_ops["graph replay"] == counts.replays == 2 * layers + 2 * layer_syncs + 1
         assert layer_syncs == 0 if fraction == 1.0 else layer_syncs <= layers
     if fraction == 1.0:  # what runs eagerly: the replays and their input copies, the embedding rows
         per_layer = len(audited) * layers
         assert sum(c.launches for c, _ in audited) <= EAGER_LAUNCHES[family] * per_layer
         assert sum(c.python_calls for c, _ in audited) <= 72 * per_layer * rows
     assert fraction == 1.0 or sum(n for _, n in audited) > 0
+
+
+# eager launches per layer of a stored pool's step (its routed work eager between the router's and the finish's
+# pieces: the gathers, each matrix's decode, three batched matmuls, the combine), the tiny release presets of 4
+# layers: DeepSeek-V4 (FP4 experts) 187 a step at B = 1, 195 at B = 4; Qwen3-MoE (FP8 with float block scales)
+# 279 at B = 1
+STORED_EAGER_LAUNCHES = {"deepseek-v4": 60, "qwen3-moe": 80}
+
+
+@pytest.fixture(scope="module")
+def release_containers(tmp_path_factory):
+    """Each family's tiny synthetic preset in its release layout (DeepSeek-V4: FP4 experts; Qwen3-MoE: FP8)."""
+    base = tmp_path_factory.mktemp("step-audit-release")
+    out = {}
+    for family in STORED_EAGER_LAUNCHES:
+        synth_checkpoint(str(base / family), preset="tiny", layout="release", seed=4, progress=False, family=family)
+        out[family] = str(base / f"{family}.moepack")
+        convert_checkpoint(str(base / family), out[family], progress=False)
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("family", list(STORED_EAGER_LAUNCHES))
+def test_a_stored_pool_step_waits_for_the_host_once(release_containers, generator, monkeypatch, family, rows):
+    """Every expert pooled as its stored bytes: one synchronisation a step (the logits); the routed work (gather,
+    decode side by side, batched matmuls) runs eagerly between two captured pieces, the router's and the
+    finish's, without waiting and without mixing host and device tensors; what runs eagerly bounded per layer
+    whatever the rows."""
+    gpu_branches(monkeypatch)
+    with generator(release_containers[family], compute_dtype="bfloat16", expert_pool=True, pool_form="stored") as g:
+        d = g.decoder
+        assert d.pool.form == "stored"
+        d.cache.resize(_routed_bytes(d))
+        d.seed(_all_experts(d))
+        d.pool.graphs.enabled = True
+        audited = _audited_steps(g, monkeypatch, rows)
+        layers = len(d.blocks)
+    for counts, layer_syncs in audited:
+        assert counts.graph_syncs == [] and counts.mixed == [] and layer_syncs == 0
+        assert [s.split(" @ ")[0] for s in counts.syncs] == ["cpu()"]
+        assert counts.replays == 3 * layers + 1  # the attention's inputs, the router, the finish; the head
+    assert sum(c.launches for c, _ in audited) <= STORED_EAGER_LAUNCHES[family] * len(audited) * layers
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen3-moe-sparse"])
@@ -122,10 +164,11 @@ def test_qwen3_moe_runs_the_pool_and_its_graphs_with_the_per_expert_tokens(conta
                 # (with misses, a step whose rows chose more experts than the pool holds runs them one by one)
                 assert d.pool.calls <= 4 * len(routed) and (d.pool.syncs == 0) == (fraction == 1.0)
                 assert fraction < 1.0 or d.pool.calls == 4 * len(routed)
-                # each layer's attention inputs, its FFN or routed work over the pool (a dense layer's FFN); the head
+                # each layer's attention inputs, its FFN (a dense layer's too), or with misses (a sync each) its
+                # router and finish with the routed work over the pool between them; the head
                 dense = len(d.blocks) - len(routed)
-                assert d.pool.graphs.replays == (4 * (len(d.blocks) + dense + 1) + d.pool.calls if mode == "graphs"
-                                                 else 0)
+                assert d.pool.graphs.replays == (4 * (len(d.blocks) + dense + 1) + d.pool.calls + 2 * d.pool.syncs
+                                                 if mode == "graphs" else 0)
     assert results["graphs"][0] == results["eager"][0] == results["per-expert"][0]
     for a, b, c in zip(results["graphs"][1], results["eager"][1], results["per-expert"][1]):
         assert torch.equal(a, b) and _relative(a, c) < 1e-5
