@@ -10,6 +10,10 @@ their slots and positions as one small device tensor sent once a step (`step_row
 runs as one piece (`run_attention`), and each (layer, rows) keeps one live graph: a new bucket or generation
 retires the graphs it makes stale (`graph_key`). A bucket is a power of two (`bucket_for`): one graph serves many
 tokens.
+
+What an arena holds of the device (`allocated_bytes`) is bounded, from the config, by its family's `arena_bytes`
+for the sequences decoding together (`slots_for`: their slots); the memory checks count what it may still take
+(`growth`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -37,6 +41,18 @@ def next_generation() -> int:
 def bucket_for(count: int, least: int) -> int:
     """The least power of two that is at least `count` and `least`."""
     return max(least, 1 << max(count - 1, 0).bit_length())
+
+
+def slots_for(sequences: int, slots: int = 1) -> int:
+    """The slots an arena of `slots` has once `sequences` decode together in it (take_slot doubles them while none
+    is free)."""
+    return max(slots, bucket_for(sequences, 1))
+
+
+def growth(most: int, arena: SlotArena | None) -> int:
+    """What an arena may still take of the device: `most` (its family's arena_bytes for its sequences) less what
+    it holds now (None: not made yet)."""
+    return max(0, most - (arena.allocated_bytes() if arena is not None else 0))
 
 
 def grown(t: Tensor, dim: int, size: int, fill: float = 0.0) -> Tensor:
@@ -72,6 +88,14 @@ class SlotArena:
     def grow_slots(self, slots: int) -> None:
         """Every tensor's slots grown to `slots` (the family's arena)."""
         raise NotImplementedError
+
+    def held_tensors(self) -> Iterable[Tensor]:
+        """Every device tensor the arena holds now, each once (the family's arena)."""
+        raise NotImplementedError
+
+    def allocated_bytes(self) -> int:
+        """The device bytes its tensors hold now."""
+        return sum(t.nbytes for t in self.held_tensors())
 
     def release(self, index: int) -> None:
         """Slot `index`'s sequence is gone (its ArenaSlot's finalizer: any thread, at any allocation): free."""

@@ -671,6 +671,10 @@ class LayerDecode(LayerPrefill, Protocol):
 
     # optional: token_states(states, dense, device) -> every layer's token state of one sequence at once (a family
     # that keeps a sequence's layers together, e.g. in slots of device tensors); token_state per layer otherwise
+    # optional, with token_states' device tensors: device_kv_growth(lengths, device) -> the device bytes they may
+    # still take for sequences decoding together of at most `lengths` tokens each (prompt and new tokens): the most
+    # they hold for them, a growth's copies included, less what they hold now (0 where `device` keeps none); the
+    # memory checks count only the prefills' states otherwise
 
     def seen_tokens(self, state: Any) -> int:
         """The tokens a layer's state (a prefill's or a token state) covers."""

@@ -55,7 +55,6 @@ from .engine import GenerationCancelled, StreamingPrefill, check_prompt_ids
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
 from .generate import (GenerateOptions, GenerateResult, Generator, SequenceOutput, cancelled_in_prefill,
                        peak_rss_bytes)
-from .memory import container_kv_bytes
 from .sampling import TokenLogprob
 
 
@@ -68,7 +67,7 @@ class _Sequence:
     future: Future
     cancelled: Callable[[], bool] | None
     detokenize: Callable[[list[int]], str] | None
-    reserved_kv: int = 0  # the KV bytes of its prompt + max_new_tokens: what its memory check counted
+    reserved_tokens: int = 0  # its prompt + max_new_tokens: the KV its memory check counted
     bound: int = 0  # that check's host memory bound
     prefilled: int = 0  # prompt tokens through the prefill so far
     states: list | None = None  # the KV after them
@@ -221,10 +220,10 @@ class BatchScheduler:
         if s.future.cancelled():  # its caller gave up on it while it waited: nothing to check nor run
             return
         g = self.generator
-        s.reserved_kv = container_kv_bytes(g.c, len(s.ids) + s.out.max_new_tokens)
+        s.reserved_tokens = len(s.ids) + s.out.max_new_tokens
+        others = [a.reserved_tokens for a in (*self._active, *self._prefilling)]
         try:
-            s.bound = g._check_memory(len(s.ids) + s.out.max_new_tokens,
-                                      sum(a.reserved_kv for a in (*self._active, *self._prefilling)))
+            s.bound = g._check_memory(s.reserved_tokens, others)
         except BaseException as e:
             s.settle(error=e)
             return

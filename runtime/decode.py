@@ -378,7 +378,9 @@ class Decoder:
         return DecodeSequence(kv, arithmetic)
 
     def begin(self, states: list) -> None:
-        """Start the current sequence after `states`; the stats count from here."""
+        """Start the current sequence after `states` (the last one's dropped first: a device arena's slot and pages
+        given back before the next takes its own, as the memory checks count); the stats count from here."""
+        self.current = None
         self.current = self.start(states)
         kept = sum(self._entry_bytes(layer, e) for layer, e in self._from_prefill)
         self.stats = DecodeStats(resident_s=self.stats.resident_s, prefill_kept_bytes=kept)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +26,7 @@ from moepack.format_spec.reader import Container
 from .decode import Decoder
 from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
                      container_kv_format, resolve_compute_dtype)
-from .memory import GIB, cache_room, check_device_memory, check_memory, default_cache_bytes
+from .memory import GIB, cache_room, check_device_memory, check_memory, default_cache_bytes, device_kv, others_kv
 from .read_scheduler import prefill_reader
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
 
@@ -127,16 +127,18 @@ class Generator:
             self.c.close()
             raise
 
-    def _check_memory(self, n_tokens: int, other_kv: int = 0) -> int:
-        """check_memory for a generation of n_tokens (beside sequences decoding whose KV takes `other_kv` bytes at
-        most: counted whole, as if none of it were allocated yet); on a GPU also the device's room for its KV and
-        the rest of the cache's budget. Returns the host bound."""
+    def _check_memory(self, n_tokens: int, others: Sequence[int] = ()) -> int:
+        """check_memory for a generation of n_tokens (beside sequences of `others` tokens each, prompt and new
+        tokens, decoding or prefilling: their KV counted whole, as if none of it were allocated yet); on a GPU also
+        the device's room for the KV (with what the decode's arena may still grow by for all of them: device_kv)
+        and the rest of the cache's budget. Returns the host bound."""
         if self.default_budget is not None:
-            self._fit_default_cache(n_tokens, other_kv)
+            self._fit_default_cache(n_tokens, others)
         if self.device.type == "cuda":
-            check_device_memory(self.c, self.device, max(0, self.cache_bytes - self._device_cache_held()), n_tokens,
-                                resident=False, other_kv=other_kv)
-        return check_memory(self.c, n_tokens, self.host_cache_bytes, self._held(), other_kv)
+            kv = device_kv(self.c, self.device, n_tokens, others, self.decoder.arithmetic)
+            check_device_memory(self.c, self.device, max(0, self.cache_bytes - self._device_cache_held()), kv,
+                                resident=False)
+        return check_memory(self.c, n_tokens, self.host_cache_bytes, self._held(), others_kv(self.c, others))
 
     def _device_cache_held(self) -> int:
         """What the cache holds already of the device's memory: its entries, or the expert pool's stacks, which
@@ -148,11 +150,12 @@ class Generator:
         """What this process holds already of a generation's host memory: the resident weights and the cache."""
         return self.decoder.host_resident_bytes + (self.decoder.cache.bytes if self.device.type == "cpu" else 0)
 
-    def _fit_default_cache(self, n_tokens: int, other_kv: int = 0) -> None:
-        """The default budget for a generation of n_tokens: what the checks leave beside its KV and `other_kv`
-        (clamped at 0), at most default_cache_bytes."""
+    def _fit_default_cache(self, n_tokens: int, others: Sequence[int] = ()) -> None:
+        """The default budget for a generation of n_tokens: what the checks leave beside its KV and that of
+        `others` (clamped at 0), at most default_cache_bytes."""
         held = self._device_cache_held() if self.device.type == "cuda" else self._held()
-        self.cache_bytes = cache_room(self.c, self.device, n_tokens, other_kv, held, self.default_budget)
+        self.cache_bytes = cache_room(self.c, self.device, n_tokens, others, held, self.default_budget,
+                                      self.decoder.arithmetic)
         self.host_cache_bytes = self.cache_bytes if self.device.type == "cpu" else 0
         self.decoder.cache.resize(self.cache_bytes)
 

@@ -4,7 +4,8 @@ before any work, and the figures a default expert cache is fitted to, computed h
 - the prefill's working set at its peak (`estimate_working_set`, `check_prefill_memory`: StreamingPrefill.check_memory,
   per pass, on the host or the device it computes on);
 - a generation's resident weights, expert cache and KV (`memory_need` / `check_memory` on the host,
-  `device_memory_need` / `check_device_memory` on a GPU: Generator's checks, BatchScheduler's admissions);
+  `device_memory_need` / `check_device_memory` on a GPU: Generator's checks, BatchScheduler's admissions; a GPU's
+  KV, `device_kv`, with what the decode's arena may still grow by for every sequence decoding);
 - the expert cache's default budget (`default_cache_bytes`), within what those checks leave.
 
 What this process may use comes from runtime/io.py (available_memory_bytes: RAM, cgroup, RLIMIT_AS) and
@@ -13,10 +14,13 @@ What this process may use comes from runtime/io.py (available_memory_bytes: RAM,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
 from moepack.families import container_family
-from moepack.families.base import LayerPrefill
+from moepack.families.base import LayerDecode, LayerPrefill
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import SCALE_SUFFIXES
 from moepack.format_spec.reader import Container
@@ -116,6 +120,31 @@ def container_kv_bytes(container: Container, n_tokens: int) -> int:
     return container_family(container).kv_format.kv_bytes(container.config, n_tokens, "F32")
 
 
+def others_kv(container: Container, others: Sequence[int]) -> int:
+    """The KV of sequences of `others` tokens each (container_kv_bytes of each): what the host's checks count
+    beside a generation."""
+    return sum(container_kv_bytes(container, n) for n in others)
+
+
+class DeviceKV(NamedTuple):
+    """A GPU generation's KV beside the sequences decoding with it (device_kv): `states` their prefills' states
+    (container_kv_bytes of each, counted whole, as if none were allocated yet: the device holds a prefill's until
+    the decode takes it in), `arena` what the decode's arena may still grow by for all of them."""
+    states: int = 0
+    arena: int = 0
+
+
+def device_kv(container: Container, device: torch.device, n_tokens: int, others: Sequence[int] = (),
+              decode: LayerDecode | None = None) -> DeviceKV:
+    """The device's KV for a generation of n_tokens beside sequences of `others` tokens each (prompt and new tokens:
+    those decoding and prefilling beside it), where `decode` (the decoder's LayerDecode) may keep them in device
+    tensors of its own (its device_kv_growth: the arena, sized for all of them at once, with its slots doubled and
+    its pools' headroom) besides their prefills' states."""
+    lengths = [n for n in (n_tokens, *others) if n]
+    grows = getattr(decode, "device_kv_growth", None)
+    return DeviceKV(others_kv(container, lengths), grows(lengths, device) if grows is not None and lengths else 0)
+
+
 def resident_bytes(container: Container) -> int:
     """What decode keeps resident besides the cache and the KV: the dense regions and the globals, as float32
     (an upper bound: the low-precision matrices may be bf16)."""
@@ -132,13 +161,12 @@ def memory_need(container: Container, n_tokens: int, cache_bytes: int, other_kv:
             + HEADROOM_BYTES)
 
 
-def device_memory_need(container: Container, cache_bytes: int, n_tokens: int = 0, resident: bool = True,
-                       other_kv: int = 0) -> int:
+def device_memory_need(container: Container, cache_bytes: int, kv: DeviceKV = DeviceKV(), resident: bool = True
+                       ) -> int:
     """The device memory a GPU generation needs: resident weights (unless loaded already) + the cache still to fill
-    + the KV of n_tokens (+ `other_kv`: that of the sequences decoding beside it) + HEADROOM_BYTES."""
+    + its KV and that of the sequences decoding beside it (device_kv) + HEADROOM_BYTES."""
     weights = resident_bytes(container) if resident else 0
-    kv = container_kv_bytes(container, n_tokens) if n_tokens else 0
-    return weights + cache_bytes + kv + other_kv + HEADROOM_BYTES
+    return weights + cache_bytes + sum(kv) + HEADROOM_BYTES
 
 
 def memory_for_generation(held: int = 0) -> int:
@@ -167,34 +195,34 @@ def check_memory(container: Container, n_tokens: int, cache_bytes: int, held: in
     return need
 
 
-def check_device_memory(container: Container, device: torch.device, cache_bytes: int, n_tokens: int = 0,
-                        resident: bool = True, other_kv: int = 0) -> None:
+def check_device_memory(container: Container, device: torch.device, cache_bytes: int, kv: DeviceKV = DeviceKV(),
+                        resident: bool = True) -> None:
     """Refuse, before any work, a GPU generation whose resident weights (unless `resident` is False: loaded
-    already) + expert cache still to fill + the KV of n_tokens (+ `other_kv`: that of the sequences decoding beside
-    it) + HEADROOM_BYTES exceed what this process may allocate on the device, where all of them live."""
-    need = device_memory_need(container, cache_bytes, n_tokens, resident, other_kv)
+    already) + expert cache still to fill + KV (device_kv: its own and the sequences' decoding beside it, their
+    prefills' states and the decode arena's growth) + HEADROOM_BYTES exceed what this process may allocate on the
+    device, where all of them live."""
+    need = device_memory_need(container, cache_bytes, kv, resident)
     free = cuda_free_bytes(device)
     if need > free:  # the parts of `need`, for the message
         weights = resident_bytes(container) if resident else 0
-        kv = (container_kv_bytes(container, n_tokens) if n_tokens else 0) + other_kv
         raise MoepackError(f"the decode on {device} needs about {need / GIB:.1f} GiB of device memory (weights "
                            f"besides the experts {weights / GIB:.2f}, expert cache {cache_bytes / GIB:.2f}, "
-                           f"KV {kv / GIB:.2f}, headroom 1) but only {free / GIB:.1f} GiB is free there: "
-                           f"lower --cache-gib or --max-new-tokens")
+                           f"KV {kv.states / GIB:.2f}, decode KV arena {kv.arena / GIB:.2f}, headroom 1) but only "
+                           f"{free / GIB:.1f} GiB is free there: lower --cache-gib or --max-new-tokens")
 
 
-def cache_room(container: Container, device: torch.device, n_tokens: int, other_kv: int, held: int,
-               default_budget: int) -> int:
+def cache_room(container: Container, device: torch.device, n_tokens: int, others: Sequence[int], held: int,
+               default_budget: int, decode: LayerDecode | None = None) -> int:
     """The default expert cache's budget for a generation of n_tokens: what check_memory / check_device_memory
-    leave beside its KV and `other_kv` (that of the sequences decoding beside it), clamped at 0, at most
-    `default_budget`. `held`: what this process holds already of that memory (a GPU's: its cache; a CPU's: the
-    resident weights and the cache)."""
+    leave beside its KV and that of the sequences of `others` tokens decoding beside it (on a GPU, device_kv's, with
+    `decode`'s arena), clamped at 0, at most `default_budget`. `held`: what this process holds already of that
+    memory (a GPU's: its cache; a CPU's: the resident weights and the cache)."""
     if device.type == "cuda":
-        need = device_memory_need(container, 0, n_tokens, False, other_kv)
+        need = device_memory_need(container, 0, device_kv(container, device, n_tokens, others, decode), False)
         room = held + cuda_free_bytes(device) - need
     else:
         free = memory_for_generation(held)
-        room = free - memory_need(container, n_tokens, 0, other_kv) if free else default_budget
+        room = free - memory_need(container, n_tokens, 0, others_kv(container, others)) if free else default_budget
     return max(0, min(default_budget, room))
 
 

@@ -241,6 +241,65 @@ def test_the_arena_pieces_as_cuda_graphs_replay_them_equal_eager_and_never_wait(
         assert torch.equal(a, b)
 
 
+# prompt lengths joining the arena one after the other, each followed by this many steps of all so far: the slots
+# double twice (1 -> 2 -> 4, three sequences in four), a sequence's CSA entries go past a page (60 tokens: 16
+# entries, then 17), a long prompt grows every compressor's pool
+JOINS = ((5, 2), (60, 6), (17, 3), (300, 4))
+
+
+def arena_within_its_estimate(g, kv_module, joins=JOINS) -> tuple[int, int, list]:
+    """Sequences joining the decoder's arena as `joins` says, stepped greedily together: after each admission and
+    step, what the arena holds, and what it held while a growth copied a tensor (its tensors then, the new one
+    beside them), is at most the family's arena_bytes, from the config, for the sequences' lengths then (prompt +
+    tokens generated). Returns (the most the arena held after an admission or step, the estimate at the end, the
+    sequences: the arena is there while they are)."""
+    d, seqs, tokens, lengths, held = g.decoder, [], [], [], []
+    grown, growing = kv_module.grown, []
+
+    def watched(t, dim, size, fill=0.0):  # (the arena's tensors, the old one among them, and the new one)
+        out = grown(t, dim, size, fill)
+        growing.append(d.arithmetic._arena.allocated_bytes() + out.nbytes)
+        return out
+
+    def within() -> int:
+        estimate = kv_module.arena_bytes(d.arithmetic.config, lengths, d.arithmetic.dtype)
+        held.append(d.arithmetic._arena.allocated_bytes())
+        assert max([held[-1], *growing]) <= estimate, (lengths, held[-1], growing, estimate)
+        growing.clear()
+        return estimate
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_module, "grown", watched)
+        for prompt, steps in joins:
+            (states, first), = _prefilled(g, lengths=(prompt,))
+            seqs.append(d.start(states))
+            tokens.append(first)
+            lengths.append(prompt + 1)  # (its first token, the prefill's)
+            within()
+            for _ in range(steps):
+                tokens = d.step_batch(seqs, tokens).argmax(-1).tolist()
+                lengths = [n + 1 for n in lengths]
+                estimate = within()
+    assert d.arithmetic._arena.slots == 4 and len(seqs) == 4
+    return max(held), estimate, seqs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_arena_holds_at_most_its_estimate_from_the_config(containers, generator, device_branches, dtype):
+    """What the arena's tensors hold, stepping sequences that join at different times (the slots doubling, the
+    entries growing past a page and the pools past theirs), is at most device_kv.arena_bytes for their lengths,
+    and that estimate at most 2 x (1 + 1 / layers) of what the arena held at its fullest (a pool and a table at
+    most twice what is in use, one layer's tensors beside them for a growth's copy); an arena larger than a short
+    sequence needs may still take one layer's copy (the decoder's device_kv_growth)."""
+    with generator(containers["A16"], compute_dtype=dtype) as g:
+        fullest, estimate, _sequences = arena_within_its_estimate(g, device_kv)
+        assert estimate <= 2 * (1 + 1 / len(g.decoder.blocks)) * fullest
+        arena = g.decoder.arithmetic._arena
+        layers = [sum(t.nbytes for part in (L.window, *L.compressors.values()) for t in part.tensors())
+                  for L in arena.layers]
+        assert g.decoder.arithmetic.device_kv_growth([1], torch.device("cuda", 0)) == max(layers)
+        assert sum(layers) == arena.allocated_bytes()
+
+
 @pytest.mark.parametrize("damage", ["entries", "buffer", "window"])
 def test_a_state_that_is_not_a_prefills_is_refused_in_one_line(containers, generator, device_branches, damage):
     with generator(containers["A16"]) as g:

@@ -458,8 +458,9 @@ def test_on_a_gpu_the_cache_is_counted_against_the_device_not_the_host(models, m
 
 
 def test_each_gpu_generation_checks_the_device_for_its_kv_and_the_cache_still_to_fill(models, monkeypatch):
-    """Before each generation on a GPU: the KV of prompt + new tokens and the part of the cache's budget not yet
-    filled must fit what the device has free (the resident weights, loaded already, are not counted again)."""
+    """Before each generation on a GPU: the KV of prompt + new tokens (its prefill's state, and what the decode's
+    arena takes for it) and the part of the cache's budget not yet filled must fit what the device has free (the
+    resident weights, loaded already, are not counted again)."""
     from moepack.runtime import memory as memory_module
     from moepack.families.deepseek_v4.kv import kv_bytes
 
@@ -467,7 +468,9 @@ def test_each_gpu_generation_checks_the_device_for_its_kv_and_the_cache_still_to
     with Generator(container, cache_gib=0.01) as g:
         g.decoder.cache.bytes = g.cache_bytes // 2  # half of the budget filled
         g.device = torch.device("cuda", 0)
-        need = kv_bytes(g.c.config, 4000) + (g.cache_bytes - g.cache_bytes // 2) + (1 << 30)
+        arena = g.decoder.arithmetic.device_kv_growth([4000], g.device)
+        assert arena > 0
+        need = kv_bytes(g.c.config, 4000) + arena + (g.cache_bytes - g.cache_bytes // 2) + (1 << 30)
         monkeypatch.setattr(memory_module, "cuda_free_bytes", lambda device: need)
         g._check_memory(4000)  # fits exactly
         monkeypatch.setattr(memory_module, "cuda_free_bytes", lambda device: need - 1)

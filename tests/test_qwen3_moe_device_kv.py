@@ -20,7 +20,7 @@ from moepack.format_spec.errors import MoepackError
 from moepack.packer.convert import convert_checkpoint
 from gpu_branches import HostSyncs, without_native_code
 from test_device_decode import _StaticBuffers, _all_experts, _relative, generator  # noqa: F401, F811
-from test_device_kv import _greedy, _prefilled
+from test_device_kv import _greedy, _prefilled, arena_within_its_estimate
 from test_qwen3_moe import CONFIGS, save_model
 
 ARENA_CONFIGS = ("gqa", "sparse-step")  # two query heads per KV head; dense-MLP layers beside routed ones
@@ -193,6 +193,64 @@ def test_the_arena_pieces_as_cuda_graphs_replay_them_equal_eager_and_never_wait(
     assert captured and all(seen == [] for _, seen in captured)
     for a, b in zip(replayed, eager):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_arena_holds_at_most_its_estimate_from_the_config(containers, generator, dtype):
+    """What the arena's tensors hold, stepping sequences that join at different times (the slots doubling, every
+    layer's capacity growing in a step and at a long prompt), is at most device_kv.arena_bytes for their lengths,
+    and that estimate at most 2 x (1 + 1 / layers) of what the arena held at its fullest (a longest sequence's
+    bucket may be twice its keys', one layer's tensors beside them for a growth's copy); an arena larger than a
+    short sequence needs may still take one layer's copy (the decoder's device_kv_growth)."""
+    with states_kept("arena"), generator(containers["sparse-step"], compute_dtype=dtype) as g:
+        fullest, estimate, _sequences = arena_within_its_estimate(g, device_kv)
+        layers = len(g.decoder.blocks)
+        assert estimate <= 2 * (1 + 1 / layers) * fullest
+        arena = g.decoder.arithmetic._arena
+        assert g.decoder.arithmetic.device_kv_growth([1], torch.device("cuda", 0)) == arena.allocated_bytes() // layers
+        assert arena.allocated_bytes() == sum(t.nbytes for t in arena.keys + arena.values)
+
+
+def test_a_gpu_generation_whose_arena_would_not_fit_is_refused_though_its_kv_would(containers, generator,
+                                                                                     monkeypatch):
+    """On a GPU a generation beside sequences decoding is checked for what the decode's arena may still take for
+    all of them (their slots doubled, each slot as long as the longest one's bucket), besides their prefills'
+    states: where the device has room for the states but not the arena, it is refused in one line before any work,
+    naming the arena; where it has room for both, not; the default cache's budget leaves the arena its room."""
+    from moepack.runtime import memory as memory_module
+
+    with states_kept("arena"), generator(containers["gqa"], cache_gib=None) as g:
+        (states, _), = _prefilled(g, lengths=(5,))
+        decoding = g.decoder.start(states)  # one sequence decoding: the arena there, one slot of 16 positions
+        arena, dtype = g.decoder.arithmetic._arena, g.decoder.arithmetic.dtype
+        g.device = torch.device("cuda", 0)
+        n, others = 3000, [decoding.kv[0].seen_tokens + 8] * 6  # with the six beside it: eight slots of 4096
+        lengths = [n, *others]
+        kv = memory_module.device_kv(g.c, g.device, n, others, g.decoder.arithmetic)
+        assert kv.states == sum(memory_module.container_kv_bytes(g.c, m) for m in lengths)
+        assert kv.arena == device_kv.arena_bytes(g.cfg, lengths, dtype, arena) - arena.allocated_bytes() > kv.states
+        g.decoder.cache.bytes = held = 1000  # (what the cache holds of the device already)
+        plain = kv.states + memory_module.HEADROOM_BYTES  # what the device needed, its arena not counted
+        monkeypatch.setattr(memory_module, "cuda_free_bytes", lambda device: plain + kv.arena + 5000)
+        g._check_memory(n, others)  # the default budget: what is left beside the KV and the arena
+        assert g.cache_bytes == held + 5000
+        g.default_budget, g.cache_bytes = None, held + 5000  # a fixed budget from here: its rest to fill
+        monkeypatch.setattr(memory_module, "cuda_free_bytes", lambda device: plain + kv.arena + 4999)
+        with pytest.raises(MoepackError, match="decode KV arena .*lower --cache-gib or --max-new-tokens") as e:
+            g._check_memory(n, others)
+        assert "\n" not in str(e.value)
+        monkeypatch.setattr(memory_module, "cuda_free_bytes", lambda device: plain + kv.arena * 2 // 3)
+        with pytest.raises(MoepackError, match="decode KV arena"):  # room for the states and more, not the arena
+            g._check_memory(n, others)
+
+
+def test_a_generators_next_sequence_takes_the_last_ones_slot(containers, generator):
+    """Decoder.begin drops the sequence before (its slot given back) before the next takes one: one generation at
+    a time holds one slot, as the memory checks count."""
+    with states_kept("arena"), generator(containers["gqa"]) as g:
+        for states, _ in _prefilled(g, lengths=(5, 17, 9)):
+            g.decoder.begin(states)
+        assert g.decoder.arithmetic._arena.slots == 1
 
 
 @pytest.mark.parametrize("damage", ["values", "heads", "missing"])

@@ -13,9 +13,10 @@ import torch
 from torch import Tensor
 
 from moepack.backends import ops
+from moepack.backends.kv_arena import growth
 
 from ..base import Routing
-from . import model
+from . import device_kv, model
 from .device_kv import ArenaKV, KVArena
 from .kv import LayerKVState
 from .token_layer import TokenLayers
@@ -48,6 +49,12 @@ class DeepseekV4Decode(model.DeepseekV4Prefill):
         if self._arena is None:
             self._arena = KVArena(self.config, device, [w["attn.wq_b.weight"].dtype for w in dense])
         return self._arena.admit(states)
+
+    def device_kv_growth(self, lengths: Sequence[int], device) -> int:
+        # what the arena token_states keeps on a CUDA device may still take for these sequences
+        if not model.on_cuda(torch.device(device)):
+            return 0
+        return growth(device_kv.arena_bytes(self.config, lengths, self.dtype, self._arena), self._arena)
 
     def layer_state(self, token_state: model.TokenKV) -> LayerKVState:
         return token_state.state()

@@ -26,20 +26,21 @@ memory is taken; then written in, the slot's rows and pages it does not fill zer
 meets the last sequence's values) and gives it back when its states are dropped (its pages at the next step);
 the arena grows by doubling (slots, a layer's page pool or page table), which makes its graphs stale
 (`generation`); a page pool at most a quarter in use is made anew at twice that, and the arena is dropped whole
-when its last sequence leaves. `ArenaKV.state()` hands the state on as a prefill would (LayerKVState).
+when its last sequence leaves (`arena_bytes` bounds what it holds). `ArenaKV.state()` hands the state on as a
+prefill would (LayerKVState).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from moepack.backends.device_copier import to_device_async
-from moepack.backends.kv_arena import ArenaSlot, SlotArena, bucket_for, grown, next_generation
+from moepack.backends.kv_arena import ArenaSlot, SlotArena, bucket_for, grown, next_generation, slots_for
 from moepack.format_spec.errors import MoepackError
 
 from . import model
@@ -53,6 +54,35 @@ ENTRY_PAGE = ENTRY_BUCKET_MIN  # entries per page of a layer's entry pool (a buc
 def entry_bucket(count: int) -> int:
     """The entries a step's attention reads for rows of at most `count` complete entries."""
     return bucket_for(count, ENTRY_BUCKET_MIN)
+
+
+def arena_bytes(cfg: ModelConfig, lengths: Sequence[int], low: torch.dtype, arena: KVArena | None = None) -> int:
+    """The most a KVArena whose products are in `low` holds for sequences decoding together of at most `lengths`
+    tokens each (prompt and new tokens), from the config: their slots (doubled from `arena`'s, or a new arena's
+    one) of every layer's window ring and compressor rings; each compressor's page pool at most twice the pages
+    they use (a pool grows to at most twice what is in use then, and is made anew at twice that) and its page
+    table twice the widest bucket's pages (at least `arena`'s); plus one layer's tensors, which a growth holds
+    beside their new ones while it copies them."""
+    live = arena.layers if arena is not None else None
+    slots = slots_for(len(lengths), arena.slots if live else 1)
+    f32, copy = 4, 0 if low == torch.float32 else low.itemsize  # (entries and window: float32 and their copy)
+    longest = max(lengths, default=0)
+    sizes = []
+    for layer, kind in enumerate(cfg.layer_types):
+        size = slots * cfg.sliding_window * cfg.head_dim * (f32 + copy)
+        for name, *_ in model.TOKEN_COMPRESSORS[kind]:
+            rate, d = cfg.compress_rates[layer], cfg.head_dim if name == "compressor" else cfg.index_head_dim
+            # its window's kv and gate (CSA: twice as wide, and its overlap's two parities of each)
+            size += slots * f32 * (2 * rate * 2 * d + 2 * 2 * rate * d if kind == CSA else 2 * rate * d)
+            entries = live[layer].compressors[name].entries if live else None
+            # a row writes entry position // rate, and reserves one past it
+            in_use = sum(-(-(n // rate + 1) // ENTRY_PAGE) for n in lengths)
+            pages = max(2, 2 * in_use, entries.pages.rows.shape[0] if entries else 0)
+            widest = 2 * entry_bucket(longest // rate + 1) // ENTRY_PAGE
+            columns = max(widest, entries.table.shape[1] if entries else 1)
+            size += pages * ENTRY_PAGE * d * (f32 + copy) + slots * columns * 8
+        sizes.append(size)
+    return sum(sizes) + max(sizes, default=0)
 
 
 def check_state(cfg: ModelConfig, layer: int, state: LayerKVState) -> None:
@@ -115,6 +145,9 @@ class _Rows:
         if self.low is not self.rows:
             self.low.index_fill_(0, index, 0.0)
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.rows,) if self.low is self.rows else (self.rows, self.low)
+
     def grow(self, dim: int, size: int) -> None:
         same = self.low is self.rows
         self.rows = grown(self.rows, dim, size)
@@ -133,6 +166,9 @@ class _Entries:
         self.owned: list[list[int]] = [[] for _ in range(slots)]  # the table's host mirror
         self.table = torch.zeros(slots, 1, dtype=torch.int64, device=device)
         self._changed: dict[tuple[int, int], int] = {}  # (slot, column) -> page: not yet in the device's table
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (*self.pages.tensors(), self.table)
 
     def grow_slots(self, slots: int) -> None:
         self.owned += [[] for _ in range(slots - len(self.owned))]
@@ -252,6 +288,10 @@ class _Compressor:
             self.overlap_kv = torch.zeros(slots, 2, self.rate, self.d, device=device)
             self.overlap_gate = torch.zeros_like(self.overlap_kv)
         self.entries = _Entries(slots, self.d, low, device)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        overlap = (self.overlap_kv, self.overlap_gate) if self.overlapping else ()
+        return (self.buffer_kv, self.buffer_gate, *overlap, *self.entries.tensors())
 
     def grow_slots(self, slots: int) -> None:
         self.buffer_kv, self.buffer_gate = (grown(t, 0, slots) for t in (self.buffer_kv, self.buffer_gate))
@@ -376,6 +416,12 @@ class KVArena(SlotArena):
     def grow_slots(self, slots: int) -> None:
         for L in self.layers:
             L.grow_slots(slots)
+
+    def held_tensors(self) -> Iterable[Tensor]:
+        for L in self.layers or ():
+            yield from L.window.tensors()
+            for c in L.compressors.values():
+                yield from c.tensors()
 
     def admit(self, states: Sequence[LayerKVState]) -> list[ArenaKV]:
         """A sequence after a prefill's `states` (one per layer, on any device: copied to this one once checked) in

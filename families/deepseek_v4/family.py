@@ -208,7 +208,8 @@ class DeepseekV4Family:
         """The token-major decode's arithmetic (families.base.LayerDecode; decode.py)."""
         from .decode import DeepseekV4Decode
 
-        return DeepseekV4Decode(config)  # its compute dtype is per matrix: in_compute_dtype
+        # (the compute dtype is per matrix, in_compute_dtype's: the low-precision matrices', the arena's products')
+        return DeepseekV4Decode(config, compute_dtype)
 
     def check_container(self, container, computable: bool = True) -> ModelConfig:
         """The model a container holds, as this runtime will compute it, checked before anything is read: a

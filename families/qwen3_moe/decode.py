@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from moepack.backends.kv_arena import growth
+
 from ..base import Routing
 from . import device_kv
 from .device_kv import ArenaKV, KVArena
@@ -43,6 +45,12 @@ class Qwen3MoeDecode(Qwen3MoePrefill):
         if self._arena is None:
             self._arena = KVArena(self.config, device, self.dtype)
         return self._arena.admit(states)
+
+    def device_kv_growth(self, lengths: Sequence[int], device) -> int:
+        # what the arena token_states keeps on a CUDA device may still take for these sequences
+        if not device_kv.on_cuda(torch.device(device)):
+            return 0
+        return growth(device_kv.arena_bytes(self.config, lengths, self.dtype, self._arena), self._arena)
 
     def layer_state(self, token_state: LayerKV | ArenaKV) -> LayerKV:
         return token_state.state() if isinstance(token_state, ArenaKV) else token_state

@@ -11,19 +11,20 @@ queries over the bucket's prefix of its slot (`key_bucket`: a power of two at le
 so that one graph serves many tokens), the positions past its own masked.
 
 A sequence takes a slot when it starts (`admit`, its prefill state checked and written in) and gives it back when
-its states are dropped; the arena grows by doubling (slots, or every layer's capacity), which makes its graphs
-stale (`generation`). `ArenaKV.state()` hands the state on as a prefill would (LayerKV).
+its states are dropped; the arena grows by doubling (slots, or every layer's capacity), a layer's tensors at a
+time, which makes its graphs stale (`generation`); it is never made smaller (`arena_bytes` bounds what it holds).
+`ArenaKV.state()` hands the state on as a prefill would (LayerKV).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from moepack.backends.kv_arena import ArenaSlot, SlotArena, bucket_for, grown, next_generation
+from moepack.backends.kv_arena import ArenaSlot, SlotArena, bucket_for, grown, next_generation, slots_for
 
 from .config import Qwen3MoeConfig
 from .kv import QWEN3_MOE_KV
@@ -40,6 +41,17 @@ def on_cuda(device: torch.device) -> bool:
 def key_bucket(tokens: int) -> int:
     """The positions a step's attention reads for rows of at most `tokens` keys (their own included)."""
     return bucket_for(tokens, KEY_BUCKET_MIN)
+
+
+def arena_bytes(c: Qwen3MoeConfig, lengths: Sequence[int], dtype: torch.dtype, arena: KVArena | None = None) -> int:
+    """The most a KVArena in `dtype` holds for sequences decoding together of at most `lengths` tokens each (prompt
+    and new tokens), from the config: their slots (doubled from `arena`'s, or a new arena's one) of every layer's
+    keys and values, each slot as many positions as the longest one's bucket (at least `arena`'s capacity); plus
+    one layer's, which a growth holds beside their new ones while it copies them."""
+    slots = slots_for(len(lengths), arena.slots if arena is not None else 1)
+    capacity = max(key_bucket(max(lengths, default=0)), arena.capacity if arena is not None else KEY_BUCKET_MIN)
+    layer = 2 * slots * capacity * c.num_kv_heads * c.head_dim * dtype.itemsize
+    return (c.num_layers + 1) * layer
 
 
 def attention_rows(c: Qwen3MoeConfig, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
@@ -89,9 +101,13 @@ class KVArena(SlotArena):
     def tensors(self, layer: int) -> tuple[Tensor, Tensor]:
         return self.keys[layer], self.values[layer]
 
+    def held_tensors(self) -> Iterable[Tensor]:
+        return (*self.keys, *self.values)
+
     def _grow(self, dim: int, size: int) -> None:
-        self.keys = [grown(t, dim, size) for t in self.keys]
-        self.values = [grown(t, dim, size) for t in self.values]
+        for layer in range(len(self.keys)):  # one layer's at a time: the old tensors beside the new are one layer's
+            self.keys[layer] = grown(self.keys[layer], dim, size)
+            self.values[layer] = grown(self.values[layer], dim, size)
         self.generation = next_generation()
 
     def grow_slots(self, slots: int) -> None:
