@@ -539,7 +539,9 @@ class StoredExpertPool(ExpertPool):
         return _combined(terms, weights)
 
 
-STORED_DECODE_BYTES = 512 << 20  # decoded weights a stored pool's layer holds at once (a chunk of its pairs)
+# decoded weights a stored pool's layer holds at once (a chunk of its pairs): with the decode's own transients (the
+# gathered bytes, FP4's int64 indices) about half a GiB, inside the memory checks' HEADROOM_BYTES
+STORED_DECODE_BYTES = 256 << 20
 
 
 def _columns_in_order(w: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
