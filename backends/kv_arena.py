@@ -121,10 +121,11 @@ class SlotArena:
                       hidden: Tensor):
         """attention(bucket, hidden, rows) of every row of the step (`states`, each a row's state of `layer`;
         rows: their slots and positions on the device) as one piece through `graphs`
-        (device_decode.StepGraphs: a CUDA graph per layer, rows, bucket and generation), the rows' states
-        counted after it: its result."""
+        (device_decode.StepGraphs: a CUDA graph per layer, rows, bucket and generation; a transient one, its
+        [rows, bucket] intermediates in the memory every layer's share: its result is used before the next layer's
+        attention), the rows' states counted after it: its result."""
         key = self.graph_key(graphs, layer, len(states), bucket, generation)
-        out = graphs.run(key, functools.partial(attention, bucket), hidden, self.step_rows(states))
+        out = graphs.run(key, functools.partial(attention, bucket), hidden, self.step_rows(states), transient=True)
         for s in states:
             s.seen_tokens += 1
         return out

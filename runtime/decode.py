@@ -747,7 +747,7 @@ class Decoder:
                 got = self._fetch(layer, table[ids].flatten().tolist())
             with self.compute:
                 attended = arithmetic.attend(layer, w, hidden, [seq.kv[layer] for seq in sequences], graphs)
-            if pool is not None and pool.complete(layer) and pool.captures_routed:
+            if pool is not None and pool.complete(layer) and pool.whole_ffn:
                 with self.compute:
                     hidden, experts, finite = graphs.run(("ffn", layer, rows), functools.partial(
                         self._pooled_ffn, layer, w), ids, *attended)
@@ -821,7 +821,7 @@ class Decoder:
         are pooled, the choices read once (one synchronisation) and the misses read through the reader into
         slots first (or the experts run one by one where one could not be pooled)."""
         pool = self.pool
-        if pool.complete(layer):  # (a pool whose routed work is not in the layer's one piece: nothing to ask)
+        if pool.complete(layer):  # (a pool that runs no FFN whole: nothing to ask)
             pool.calls += 1
             self._step_uses.append((layer, routing.experts))  # counted after the step (_settle_pooled)
             with self.compute:

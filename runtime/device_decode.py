@@ -56,9 +56,10 @@ def pool_usable(dtype: torch.dtype, device: torch.device, inter: int, hidden: in
 
 class CapturedCall:
     """fn(*inputs) captured in a CUDA graph over static copies of `inputs`: each call copies its arguments into
-    them and replays the graph; the result is the graph's own output buffer (valid until the next call)."""
+    them and replays the graph; the result is the graph's own output buffer (valid until the next call). `pool`: a
+    graph memory pool shared with other captures (torch.cuda.graph_pool_handle()), else the graph's own."""
 
-    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...]):
+    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], pool=None):
         self.inputs = tuple(t.clone() for t in inputs)
         stream = torch.cuda.current_stream()
         side = torch.cuda.Stream()
@@ -70,7 +71,7 @@ class CapturedCall:
         try:
             # thread_local: what other threads do meanwhile (the reader's copies, another generation's host
             # waits) neither breaks this capture nor fails there
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
                 self.output = fn(*self.inputs)
         finally:
             # a capture that failed at its end (an op that waits for the host invalidates it) raises from
@@ -90,21 +91,30 @@ class StepGraphs:
     outputs (its capture runs it twice). An input that is another piece's output buffer (the attention's heads
     the FFN reads, a layer's output the next layer reads) is read in place, not copied at each replay; should that
     input ever be another tensor (its producer captured again for a new bucket, or run eagerly), it is copied into
-    the buffer the piece reads (kept alive by the piece), not captured again (nor every piece after it)."""
+    the buffer the piece reads (kept alive by the piece), not captured again (nor every piece after it).
+
+    A `transient` piece (a layer's attention, its routed work) is one whose outputs are used before the next
+    transient piece runs: those pieces share one graph memory pool, so that their intermediates (a step's gathered
+    keys and values over a long bucket, a stored pool's decoded experts) take the largest one's memory, not one
+    for every layer and B. (A graph captured into the pool after another may put its outputs where the other's
+    intermediates were; the other's next replay writes over them, which is harmless only once they are used.) A
+    transient piece reads no other transient piece's output in place: it copies it, since its own intermediates
+    may lie there."""
 
     def __init__(self, enabled: bool, device: torch.device):
         self.enabled, self.device = enabled, device
         self._captured: dict[tuple, _Piece | None] = {}
-        self._outputs: dict[int, weakref.ref] = {}  # id -> the captured pieces' output buffers
+        self._outputs: dict[int, tuple[weakref.ref, bool]] = {}  # id -> (a piece's output buffer, transient)
+        self._transient_pool = None  # the transient pieces' graph memory pool (made at their first capture)
         self.replays = 0
 
     def values(self, values: list[int]) -> torch.Tensor:
         """Host integers (each row's position, say) as an int64 tensor on the device, the host not waiting."""
         return to_device_async(torch.tensor(values, dtype=torch.int64), self.device)
 
-    def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor):
+    def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor, transient: bool = False):
         """fn(*inputs), from the graph captured for `key` (its outputs are that graph's buffers: valid until its
-        next replay)."""
+        next replay; a `transient` piece's until the next transient piece runs)."""
         if not self.enabled:
             return fn(*inputs)
         piece = self._captured.get(key, False)
@@ -113,16 +123,17 @@ class StepGraphs:
                 if inputs[i] is not buffer:  # (its producer captured again, or run eagerly): copied where it reads
                     buffer.copy_(inputs[i])
         if piece is False:
-            piece = self._captured[key] = self._capture(fn, inputs)
+            piece = self._captured[key] = self._capture(fn, inputs, transient)
         if piece is None:
             return fn(*inputs)
         self.replays += 1
         return piece.call(*(inputs[i] for i in piece.copied))
 
-    def _capture(self, fn: Callable, inputs: tuple[torch.Tensor, ...]) -> _Piece | None:
-        """fn captured over static copies of the inputs that are not output buffers of earlier pieces; None where
-        it cannot be (an op that cannot be captured here: eager from now on)."""
-        read_in_place = [self._is_output(t) for t in inputs]
+    def _capture(self, fn: Callable, inputs: tuple[torch.Tensor, ...], transient: bool) -> _Piece | None:
+        """fn captured over static copies of the inputs that are not output buffers of earlier pieces (for a
+        transient piece, not of earlier non-transient ones); None where it cannot be (an op that cannot be captured
+        here: eager from now on)."""
+        read_in_place = [self._is_output(t, transient) for t in inputs]
         shared = tuple((i, t) for i, t in enumerate(inputs) if read_in_place[i])
         copied = tuple(i for i, in_place in enumerate(read_in_place) if not in_place)
 
@@ -131,17 +142,20 @@ class StepGraphs:
             args = dict(shared)  # (not the first call's copied inputs: the statics stand for them)
             args.update(zip(copied, statics))
             return fn(*(args[i] for i in range(len(read_in_place))))
+        if transient and self._transient_pool is None:  # (no CUDA: a test's stand-in for the captures)
+            self._transient_pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else object()
         try:
-            call = CapturedCall(bound, tuple(inputs[i] for i in copied))
+            call = CapturedCall(bound, tuple(inputs[i] for i in copied), self._transient_pool if transient else None)
         except Exception:
             return None
         for t in call.output if isinstance(call.output, tuple) else (call.output,):
-            self._outputs[id(t)] = weakref.ref(t)
+            self._outputs[id(t)] = (weakref.ref(t), transient)
         return _Piece(call, shared, copied)
 
-    def _is_output(self, t: torch.Tensor) -> bool:
-        ref = self._outputs.get(id(t))
-        return ref is not None and ref() is t
+    def _is_output(self, t: torch.Tensor, transient: bool) -> bool:
+        """Whether `t` is a piece's output buffer that a piece (`transient` or not) may read in place."""
+        ref, from_transient = self._outputs.get(id(t), (None, False))
+        return ref is not None and ref() is t and not (transient and from_transient)
 
     def forget(self, key: tuple) -> None:
         """The graph captured for `key` dropped (its memory given back): what it read moved, or it is not needed."""
@@ -150,6 +164,7 @@ class StepGraphs:
     def clear(self) -> None:
         self._captured.clear()
         self._outputs.clear()
+        self._transient_pool = None  # (its memory goes with the last graph captured into it)
 
 
 @dataclass
@@ -162,7 +177,7 @@ class _Piece:
 
 class RoutingPieces:
     """A layer's router and its finish as two fixed-shape pieces of a step (StepGraphs), for a layer whose routed
-    work runs between them (its experts not all pooled, or a pool whose routed work is not captured): the
+    work runs between them (its experts not all pooled, or a pool that runs no layer's FFN whole): the
     family's `route_attended` (the attention's output, the router) gives the hidden rows and its Routing, whose
     tensors are the piece's outputs (a piece returns tensors; the Routing, a family's dataclass, is made again
     around them from the one its capture made); `finish(layer, w, hidden, routing, routed)` gives the rows and
@@ -212,7 +227,7 @@ class ExpertPool:
     holds then (at most every expert). StoredExpertPool keeps the experts' stored bytes instead."""
 
     form = "decoded"  # what a slot holds
-    captures_routed = True  # a layer's routed work is a fixed-shape piece (StepGraphs)
+    whole_ffn = True  # a layer whose experts are all pooled runs its whole FFN as one piece (the routed work in it)
 
     def __init__(self, cache, layers: int, experts: int, inter: int, hidden: int, dtype: torch.dtype,
                  device: torch.device, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -376,13 +391,13 @@ class ExpertPool:
                graphed: bool = True) -> torch.Tensor:
         """The routed experts of B rows summed ([B, H] float32): x [B, H] (the FFN input), experts [B, k] the
         chosen ids and weights [B, k] their routing weights, all on the device; every chosen expert must be
-        pooled. A CUDA graph per (layer, B) where `graphed` (not inside another capture), the graphs are on and
-        the pool's routed work is captured (`captures_routed`)."""
+        pooled. A CUDA graph per (layer, B) where `graphed` (not inside another capture) and the graphs are on: a
+        transient piece (StepGraphs), its output used by the layer's finish at once."""
         x = x.to(self.dtype)
-        if not (graphed and self.captures_routed):
+        if not graphed:
             return self._routed(layer, x, experts, weights)
         return self.graphs.run(("routed", layer, x.shape[0]), functools.partial(self._routed, layer), x, experts,
-                               weights)
+                               weights, transient=True)
 
     def _routed(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         top_k = experts.shape[1]
@@ -496,12 +511,13 @@ class StoredExpertPool(ExpertPool):
     model's routed experts decoded to bf16 take 4x a GPU's memory). Hits and misses are as the decoded pool's, a
     miss one copy of its bytes into a slot. A layer's routed work gathers each (row, choice) pair's bytes by slot,
     decodes them side by side (`STORED_DECODE_BYTES` of weights at a time) and runs batched matmuls: no host round
-    trip, but not captured in a graph (its decoded weights, hundreds of MB a layer at the release's size, would
-    each be held by a graph's private memory, per layer and B). `layouts[layer]`: where each matrix lies in that
+    trip; a transient piece between the router's and the finish's (its decoded weights, hundreds of MB a layer at
+    the release's size, in the memory the transient pieces share, not held per layer and B by a graph's own).
+    `layouts[layer]`: where each matrix lies in that
     layer's expert regions (stored_layout); `lengths[layer]` its longest region; a slot the longest of all."""
 
     form = "stored"
-    captures_routed = False
+    whole_ffn = False  # (its routed work a transient piece between the router's and the finish's)
 
     def __init__(self, cache, layouts: list, lengths: list[int], experts: int, inter: int, hidden: int,
                  dtype: torch.dtype, device: torch.device, activation, graphs: bool | None = None):

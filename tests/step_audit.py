@@ -201,7 +201,7 @@ class StepAudit:
             """CapturedCall's contract on a CPU (inputs copied into static tensors, the piece run twice at capture,
             its outputs static tensors overwritten at each call), its replays counted as one launch each."""
 
-            def __init__(self, fn, inputs):
+            def __init__(self, fn, inputs, pool=None):
                 audit._capturing += 1
                 try:
                     self.fn, self.inputs = fn, tuple(t.clone() for t in inputs)

@@ -275,10 +275,10 @@ def test_a_pooled_layer_whose_output_is_not_finite_is_named_after_the_step(conta
 
 class _StaticBuffers:
     """device_decode.CapturedCall's contract on a CPU: the inputs copied into static tensors, the piece run twice
-    at capture, its outputs static tensors overwritten at each call (what a replayed graph does)."""
+    at capture, its outputs static tensors overwritten at each call (what a replayed graph does); `pool` kept."""
 
-    def __init__(self, fn, inputs):
-        self.fn, self.inputs = fn, tuple(t.clone() for t in inputs)
+    def __init__(self, fn, inputs, pool=None):
+        self.fn, self.inputs, self.pool = fn, tuple(t.clone() for t in inputs), pool
         fn(*self.inputs)
         out = fn(*self.inputs)
         self.output = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
@@ -312,7 +312,8 @@ def test_the_step_through_static_buffers_as_cuda_graphs_replay_them_equals_eager
                 monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
                 d.pool.graphs.enabled = True
                 run = d.pool.graphs.run
-                monkeypatch.setattr(d.pool.graphs, "run", lambda key, *a: kinds.append(key[0]) or run(key, *a))
+                monkeypatch.setattr(d.pool.graphs, "run",
+                                    lambda key, *a, **k: kinds.append(key[0]) or run(key, *a, **k))
             results[graphs] = _greedy_rows(g, steps=4)
             assert (d.pool.syncs == 0) == (fraction == 1.0)
             if not graphs:
@@ -343,7 +344,7 @@ def test_no_captured_piece_waits_for_the_host(containers, generator, monkeypatch
     captured = []
 
     class Checked(_StaticBuffers):
-        def __init__(self, fn, inputs):
+        def __init__(self, fn, inputs, pool=None):
             with HostSyncs() as mode:  # none may run inside a captured piece: the capture fails on CUDA
                 super().__init__(fn, inputs)
             captured.append((fn, mode.seen))
@@ -441,6 +442,31 @@ def test_a_piece_reads_another_pieces_output_in_place_and_one_replaced_is_copied
     assert torch.equal(graphs.run(("plus",), plus_one, again), (x - 5) * 2 + 1)
     assert torch.equal(graphs.run(("plus",), plus_one, torch.ones(4)), torch.full((4,), 2.0))  # (an eager input)
     assert graphs._captured[("plus",)] is piece and graphs.replays == 7
+
+
+def test_transient_pieces_share_one_memory_pool_and_copy_each_others_outputs(monkeypatch):
+    """Transient pieces are captured into one shared graph memory pool, the others each into their own; a
+    transient piece copies another transient piece's output (its own intermediates may lie there) and reads a
+    non-transient piece's in place; a non-transient piece reads either in place."""
+    from moepack.runtime import device_decode
+
+    monkeypatch.setattr(device_decode, "CapturedCall", _StaticBuffers)
+    graphs = device_decode.StepGraphs(True, torch.device("cpu"))
+    x = torch.arange(4.0)
+    first = graphs.run(("first",), lambda t: t * 2, x, transient=True)
+    second = graphs.run(("second",), lambda t: t + 1, first, transient=True)
+    plain = graphs.run(("plain",), lambda a, b: a - b, first, second)
+    last = graphs.run(("last",), lambda t: t * 3, plain, transient=True)
+    assert torch.equal(last, (x * 2 - (x * 2 + 1)) * 3)
+    pieces = graphs._captured
+    pools = [pieces[(k,)].call.pool for k in ("first", "second", "plain", "last")]
+    assert pools[0] is not None and pools[0] is pools[1] is pools[3] and pools[2] is None
+    assert pieces[("second",)].copied == (0,) and pieces[("second",)].shared == ()  # a transient's: copied
+    assert [i for i, _ in pieces[("plain",)].shared] == [0, 1]  # read in place
+    assert [i for i, _ in pieces[("last",)].shared] == [0]  # a non-transient's: in place
+    graphs.clear()
+    assert graphs.run(("first",), lambda t: t * 2, x, transient=True) is not first
+    assert graphs._captured[("first",)].call.pool is not pools[0]  # (a new pool with the new captures)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -218,7 +218,7 @@ def test_the_arena_pieces_as_cuda_graphs_replay_them_equal_eager_and_never_wait(
     captured = []
 
     class Checked(_StaticBuffers):
-        def __init__(self, fn, inputs):
+        def __init__(self, fn, inputs, pool=None):
             with HostSyncs() as mode:
                 super().__init__(fn, inputs)
             captured.append(mode.seen)

@@ -154,7 +154,7 @@ class _Waits(_StaticBuffers):
     """_StaticBuffers recording what in a piece would wait for the host on CUDA (its capture would fail)."""
     seen: list = []
 
-    def __init__(self, fn, inputs):
+    def __init__(self, fn, inputs, pool=None):
         with HostSyncs() as mode:
             super().__init__(fn, inputs)
         _Waits.seen += mode.seen

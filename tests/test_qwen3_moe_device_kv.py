@@ -164,9 +164,9 @@ def test_the_arena_pieces_as_cuda_graphs_replay_them_equal_eager_and_never_wait(
 
     captured = []  # (the piece's function, the host syncs its capture met)
 
-    def checked_capture(fn, inputs):
+    def checked_capture(fn, inputs, pool=None):
         with HostSyncs() as mode:
-            call = _StaticBuffers(fn, inputs)
+            call = _StaticBuffers(fn, inputs, pool)
         piece = inspect.unwrap(fn)  # (StepGraphs binds the inputs it reads in place around the piece)
         captured.append((getattr(piece, "func", piece), mode.seen))
         return call

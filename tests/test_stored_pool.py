@@ -166,3 +166,74 @@ def test_a_decoded_pool_refuses_stored_experts_and_a_stored_pool_decoded_ones(co
     for form, decoded in (("decoded", False), ("stored", True)):
         with pytest.raises(ValueError, match=f"a {form} expert pool with decoded_experts={decoded}"):
             generator(containers["f32"], expert_pool=True, pool_form=form, decoded_experts=decoded)
+
+
+class _SharedPoolGraphs:
+    """device_decode.CapturedCall on a CPU as a shared graph memory pool can leave it: the inputs copied into
+    static tensors, the piece run twice at capture, its outputs static tensors overwritten at each call; and every
+    time a transient piece (one captured into the shared pool) is captured or replayed, the other transient
+    pieces' outputs are filled with NaN: on a GPU its intermediates may lie where theirs are. A caller that used a
+    transient output after the next transient piece ran would see NaN."""
+
+    transient: list = []
+
+    def __init__(self, fn, inputs, pool=None):
+        self.fn, self.inputs, self.pool = fn, tuple(t.clone() for t in inputs), pool
+        self._clobber_others()
+        fn(*self.inputs)
+        out = fn(*self.inputs)
+        self.output = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+        if pool is not None:
+            _SharedPoolGraphs.transient.append(self)
+
+    def _clobber_others(self) -> None:
+        if self.pool is None:
+            return
+        for other in _SharedPoolGraphs.transient:
+            if other is not self:
+                for t in other.output if isinstance(other.output, tuple) else (other.output,):
+                    if t.is_floating_point():
+                        t.fill_(float("nan"))
+                    else:
+                        t.fill_(-1 if t.dtype != torch.bool else False)
+
+    def __call__(self, *args):
+        for static, arg in zip(self.inputs, args):
+            static.copy_(arg)
+        self._clobber_others()
+        out = self.fn(*self.inputs)
+        for static, new in zip(*((self.output, out) if isinstance(out, tuple) else ((self.output,), (out,)))):
+            static.copy_(new)
+        return self.output
+
+
+@pytest.mark.parametrize("form, fraction", [("stored", 1.0), ("stored", 0.4), ("decoded", 0.4)])
+@pytest.mark.parametrize("name", ["fp4-release", "qwen-fp8"])
+def test_every_transient_pieces_output_is_used_before_the_next_one_runs(containers, generator, monkeypatch, name,
+                                                                         form, fraction):
+    """Along a GPU's branches (each family's attention over its device arena, a transient piece like the routed
+    work), with captures that clobber the other transient pieces' outputs as a shared graph memory pool may:
+    three rows' greedy tokens and logits equal the eager step's, and the attention and the routed work were
+    captured into the shared pool."""
+    from moepack.runtime import device_decode
+    from step_audit import gpu_branches
+
+    gpu_branches(monkeypatch)
+    monkeypatch.setattr(_SharedPoolGraphs, "transient", [])
+    results = {}
+    for graphs in (False, True):
+        with generator(containers[name], "bfloat16", cache_gib=0.0, expert_pool=True, pool_form=form) as g:
+            d = g.decoder
+            d.cache.resize(int(fraction * _routed_bytes(d)))
+            d.seed(_all_experts(d))
+            if graphs:
+                monkeypatch.setattr(device_decode, "CapturedCall", _SharedPoolGraphs)
+                d.pool.graphs.enabled = True
+            results[graphs] = _greedy_rows(g, steps=4)
+            if graphs:
+                kinds = {key[0] for key, piece in d.pool.graphs._captured.items()
+                         if piece is not None and piece.call.pool is not None}
+                assert kinds == {"arena attention", "routed"}
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert torch.equal(a, b)
