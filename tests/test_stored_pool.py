@@ -31,10 +31,22 @@ def containers(tmp_path_factory):
     convert_checkpoint(str(base / "B"), out["f32"], progress=False)
     policies = tiny_policy_containers(base / "tiny", ["fp4", "nvfp4", "q8", "q2", "bf16"], seed=4)
     out.update({"mxfp4": policies["fp4"], **{p: policies[p] for p in ("nvfp4", "q8", "q2", "bf16")}})
-    synth_checkpoint(str(base / "qwen"), preset="tiny", layout="release", seed=5, progress=False, family="qwen3-moe")
-    out["qwen-fp8"] = str(base / "qwen.moepack")
-    convert_checkpoint(str(base / "qwen"), out["qwen-fp8"], policy="keep", progress=False)
+    out["qwen-fp8"] = _qwen_fp8(base)
     return out
+
+
+def _qwen_fp8(base) -> str:
+    """Qwen3-MoE's tiny synthetic preset in its release (-FP8) layout, converted --keep, under `base`."""
+    synth_checkpoint(str(base / "qwen"), preset="tiny", layout="release", seed=5, progress=False, family="qwen3-moe")
+    convert_checkpoint(str(base / "qwen"), str(base / "qwen.moepack"), policy="keep", progress=False)
+    return str(base / "qwen.moepack")
+
+
+@pytest.fixture(scope="module")
+def release_containers(tmp_path_factory):
+    """Only the two release layouts (the CUDA test's: the device's test step has minutes, not the policies')."""
+    return {"fp4-release": tiny_keep_container(tmp_path_factory),
+            "qwen-fp8": _qwen_fp8(tmp_path_factory.mktemp("stored-pool-release"))}
 
 
 def _expert_types(d) -> set[str]:
@@ -237,3 +249,27 @@ def test_every_transient_pieces_output_is_used_before_the_next_one_runs(containe
     assert results[True][0] == results[False][0]
     for a, b in zip(results[True][1], results[False][1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("form, fraction", [("stored", 1.0), ("stored", 0.4), ("decoded", 1.0), ("decoded", 0.4)])
+def test_cuda_either_pool_steps_as_graphs_as_it_does_eagerly(release_containers, generator, form, fraction):
+    """On a GPU (bf16, each family's KV in its device arena): three rows' greedy steps with the step's pieces as
+    CUDA graphs, the transient ones (the attention, the routed work) in one shared memory pool, equal the same
+    pool's eager steps; every expert pooled, no synchronisation of the routed work."""
+    for name in ("fp4-release", "qwen-fp8"):
+        results = {}
+        for graphs in (False, True):
+            with generator(release_containers[name], "bfloat16", cache_gib=0.0, device="cuda", expert_pool=True,
+                           pool_form=form) as g:
+                d = g.decoder
+                d.cache.resize(int(fraction * _routed_bytes(d)))
+                d.seed(_all_experts(d))
+                d.pool.graphs.enabled = graphs
+                results[graphs] = _greedy_rows(g, steps=6)
+                assert fraction < 1 or d.pool.syncs == 0
+                if graphs:
+                    assert d.pool.graphs.replays > 0 and d.pool.graphs._transient_pool is not None
+        assert results[True][0] == results[False][0], name
+        for a, b in zip(results[True][1], results[False][1]):
+            assert _relative(a, b) < 1e-3, name
