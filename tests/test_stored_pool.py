@@ -149,8 +149,8 @@ def test_the_stored_pools_routed_work_asks_the_host_nothing(containers, generato
 
 def test_the_default_form_follows_the_budget(containers, generator, monkeypatch):
     """Decoded where the budget holds every routed expert decoded, stored where it does not (FP4: several times
-    as many experts in the same budget); decoded for BF16 experts decoded to bf16, whose bytes are their decoded
-    size;
+    as many experts in the same budget; Q8_0 about twice); decoded where the stored bytes are not smaller (BF16
+    or F32 experts decoded to bf16);
     MOEPACK_EXPERT_POOL overrides, a form it does not know is refused in one line."""
     def pool_of(name, budget_of_decoded, dtype="float32"):
         with generator(containers[name], dtype, cache_gib=0.0, expert_pool=True, pool_form="decoded") as probe:
@@ -167,6 +167,8 @@ def test_the_default_form_follows_the_budget(containers, generator, monkeypatch)
     assert stored_slots >= 3 * decoded_slots
     assert pool_of("bf16", 0.5, "bfloat16")[0] is ExpertPool  # (bf16 bytes decoded to bf16: no smaller stored)
     assert pool_of("bf16", 0.5)[0] is StoredExpertPool  # (decoded to float32 on a CPU: half the size stored)
+    assert pool_of("q8", 0.5, "bfloat16")[0] is StoredExpertPool  # (Q8_0's 8.5 bits against bf16's 16)
+    assert pool_of("f32", 0.5, "bfloat16")[0] is ExpertPool  # (float32 bytes: twice their bf16 decode)
     monkeypatch.setenv("MOEPACK_EXPERT_POOL", "stored")
     assert pool_of("bf16", 1.001)[0] is StoredExpertPool
     monkeypatch.setenv("MOEPACK_EXPERT_POOL", "packed")
