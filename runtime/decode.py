@@ -918,6 +918,7 @@ class Decoder:
                 "bytes_read_per_token": round(s.bytes_read / s.tokens) if s.tokens else None,
                 "disk_wait_s": round(s.disk_wait_s, 4), "cache_bytes": self.cache.bytes,
                 "cache_budget_bytes": self.cache.budget, "cache_experts": len(self.cache),
+                "expert_pool": self.pool.form if self.pool is not None else None,
                 "cache_admitted": admitted, "cache_evicted": evicted,
                 "cache_seed_bytes": s.seed_bytes, "cache_seed_s": round(s.seed_s, 4),
                 "cache_from_prefill_bytes": s.prefill_kept_bytes,

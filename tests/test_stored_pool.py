@@ -85,6 +85,7 @@ def test_a_stored_pool_steps_as_the_decoded_pool_for_every_storage_type(containe
             assert all(d.pool.complete(layer) for layer in range(len(d.blocks)) if d.blocks[layer].experts)
             results[form] = _greedy_rows(g, steps=4)
             assert d.pool.syncs == 0 and d.cache.misses == 0 and d.stats.bytes_read == 0
+            assert d.stats_dict()["expert_pool"] == form
             if form == "stored":
                 _assert_slots_hold_the_bytes(d)
                 longest = max(r.length for b in d.blocks for r in b.experts)
