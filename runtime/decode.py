@@ -361,7 +361,8 @@ class Decoder:
         """The pool's form by default: decoded where the budget holds every routed expert decoded, or their stored
         bytes take over half their decoded size; stored where more experts fit that way."""
         regions = [r for block in self.blocks for r in block.experts]
-        stored = sum(r.length for r in regions)
+        # each stored slot holds the longest region (StoredExpertPool): a layer of larger experts sets every slot
+        stored = len(regions) * max((r.length for r in regions), default=0)
         decoded = sum(expert_weight_count(r) for r in regions) * self.experts.expert_dtype.itemsize
         return "decoded" if self.cache.budget >= decoded or 2 * stored > decoded else "stored"
 

@@ -1,0 +1,67 @@
+"""Hostile cases for the stored expert pool (runtime/device_decode.py's StoredExpertPool): containers whose layers
+keep their experts in different storage types (a stored slot holds the longest region of all), on a CPU along the
+pool's device path."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from moepack.packer.convert import RegionConverter, convert_checkpoint
+from moepack.packer.synth import synth_checkpoint
+from moepack.runtime.device_decode import ExpertPool, StoredExpertPool
+from test_device_decode import _routed_bytes, generator  # noqa: F401
+
+
+def _converted_by_layer(src: str, out: str, policy_of) -> str:
+    """`src` converted with each layer's routed experts in policy_of(layer), everything else as nvfp4 stores it."""
+    real = RegionConverter._targets
+
+    def targets(self, items):
+        name = items[0][0]
+        layer, expert = re.search(r"layers\.(\d+)\.", name), re.search(r"experts\.(\d+)\.", name)
+        saved = self.policy
+        if layer and expert:
+            self.policy = policy_of(int(layer.group(1)))
+        try:
+            return real(self, items)
+        finally:
+            self.policy = saved
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RegionConverter, "_targets", targets)
+        convert_checkpoint(src, out, policy="nvfp4", progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """The tiny synthetic model with layer 0's experts in BF16 and the other layers' in MXFP4."""
+    base = tmp_path_factory.mktemp("stored-hostile")
+    synth_checkpoint(str(base / "src"), preset="tiny", layout="release", seed=7, progress=False)
+    return _converted_by_layer(str(base / "src"), str(base / "bf16-fp4.moepack"),
+                               lambda layer: "bf16" if layer == 0 else "fp4")
+
+
+def _expert_types(d) -> list[set[str]]:
+    """Each layer's storage types of its experts' matrices."""
+    names = d.arithmetic.expert_naming.names
+    return [{t.dtype for r in b.experts for t in r.tensors if t.name in names(layer, r.expert).values()}
+            for layer, b in enumerate(d.blocks)]
+
+
+def test_the_default_form_counts_a_stored_slot_as_the_longest_region(mixed, generator):
+    """One layer's experts in BF16, the others' in MXFP4, decoded to bfloat16: a stored slot is the longest region,
+    a BF16 expert's (its decoded size), so the stored pool holds no more experts than the decoded one in half their
+    decoded size: the default is the decoded pool, though the stored bytes average far under half."""
+    with generator(mixed, "bfloat16", cache_gib=0.0, expert_pool=True, pool_form="stored") as probe:
+        d = probe.decoder
+        assert _expert_types(d) == [{"BF16"}, {"MXFP4"}, {"MXFP4"}, {"MXFP4"}]
+        stored_slot = d.pool.slot_bytes
+        regions = [r for b in d.blocks for r in b.experts]
+        assert 2 * sum(r.length for r in regions) < len(regions) * stored_slot  # (the average: under half)
+    with generator(mixed, "bfloat16", cache_gib=0.0, expert_pool=True, pool_form="decoded") as probe:
+        decoded, decoded_slot = _routed_bytes(probe.decoder), probe.decoder.pool.slot_bytes
+    assert stored_slot >= decoded_slot
+    with generator(mixed, "bfloat16", cache_gib=0.5 * decoded / (1 << 30), expert_pool=True) as g:
+        assert type(g.decoder.pool) is ExpertPool and g.decoder.decoded
