@@ -11,7 +11,7 @@ import pytest
 from moepack.packer.convert import RegionConverter, convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
 from moepack.runtime.device_decode import ExpertPool, StoredExpertPool
-from test_device_decode import _routed_bytes, generator  # noqa: F401
+from test_device_decode import _all_experts, _greedy_rows, _relative, _routed_bytes, generator  # noqa: F401
 
 
 def _converted_by_layer(src: str, out: str, policy_of) -> str:
@@ -36,11 +36,14 @@ def _converted_by_layer(src: str, out: str, policy_of) -> str:
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
-    """The tiny synthetic model with layer 0's experts in BF16 and the other layers' in MXFP4."""
+    """The tiny synthetic model with layer 0's experts in BF16 and the other layers' in MXFP4 ("bf16-fp4"), and
+    with layer 0's in Q8_0 and the others' in NVFP4 with their tensor scales ("q8-nvfp4")."""
     base = tmp_path_factory.mktemp("stored-hostile")
     synth_checkpoint(str(base / "src"), preset="tiny", layout="release", seed=7, progress=False)
-    return _converted_by_layer(str(base / "src"), str(base / "bf16-fp4.moepack"),
-                               lambda layer: "bf16" if layer == 0 else "fp4")
+    return {"bf16-fp4": _converted_by_layer(str(base / "src"), str(base / "bf16-fp4.moepack"),
+                                            lambda layer: "bf16" if layer == 0 else "fp4"),
+            "q8-nvfp4": _converted_by_layer(str(base / "src"), str(base / "q8-nvfp4.moepack"),
+                                            lambda layer: "q8" if layer == 0 else "nvfp4")}
 
 
 def _expert_types(d) -> list[set[str]]:
@@ -54,6 +57,7 @@ def test_the_default_form_counts_a_stored_slot_as_the_longest_region(mixed, gene
     """One layer's experts in BF16, the others' in MXFP4, decoded to bfloat16: a stored slot is the longest region,
     a BF16 expert's (its decoded size), so the stored pool holds no more experts than the decoded one in half their
     decoded size: the default is the decoded pool, though the stored bytes average far under half."""
+    mixed = mixed["bf16-fp4"]
     with generator(mixed, "bfloat16", cache_gib=0.0, expert_pool=True, pool_form="stored") as probe:
         d = probe.decoder
         assert _expert_types(d) == [{"BF16"}, {"MXFP4"}, {"MXFP4"}, {"MXFP4"}]
@@ -65,3 +69,27 @@ def test_the_default_form_counts_a_stored_slot_as_the_longest_region(mixed, gene
     assert stored_slot >= decoded_slot
     with generator(mixed, "bfloat16", cache_gib=0.5 * decoded / (1 << 30), expert_pool=True) as g:
         assert type(g.decoder.pool) is ExpertPool and g.decoder.decoded
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.4, 0.05])
+def test_a_stored_pool_over_layers_of_different_types_steps_as_the_per_expert_path(mixed, generator, fraction):
+    """Layer 0's experts in Q8_0, the others' in NVFP4: each layer's experts decoded by their own layout from slots
+    of the longest region; every expert pooled, 40 % of them (misses copied in), or too few slots for a layer's
+    choices (its experts one by one, the pooled ones from their slots' bytes): the per-expert path's tokens."""
+    results = {}
+    for pooled in (False, True):
+        with generator(mixed["q8-nvfp4"], cache_gib=0.0, decoded_experts=False, expert_pool=pooled) as g:
+            d = g.decoder
+            d.cache.resize(int(fraction * _routed_bytes(d)))
+            if fraction == 1.0:
+                d.seed(_all_experts(d))
+            results[pooled] = _greedy_rows(g, steps=4)
+            if pooled:
+                assert isinstance(d.pool, StoredExpertPool)
+                assert _expert_types(d) == [{"Q8_0"}, {"NVFP4"}, {"NVFP4"}, {"NVFP4"}]
+                assert d.pool.lengths[0] > d.pool.lengths[1] and d.pool.slot_bytes >= d.pool.lengths[0]
+                layers = sum(1 for b in d.blocks if b.experts)
+                assert (d.pool.calls == 4 * layers) == (fraction >= 0.4) and (d.pool.syncs == 0) == (fraction == 1.0)
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert _relative(a, b) < 1e-5
