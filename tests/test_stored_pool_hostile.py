@@ -1,17 +1,19 @@
-"""Hostile cases for the stored expert pool (runtime/device_decode.py's StoredExpertPool): containers whose layers
-keep their experts in different storage types (a stored slot holds the longest region of all), on a CPU along the
-pool's device path."""
+"""Hostile cases for the device expert pools (runtime/device_decode.py's StoredExpertPool and ExpertPool):
+containers whose layers keep their experts in different storage types (a stored slot holds the longest region of
+all), or have layers without routed experts; on a CPU along the pools' device path."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+import torch
 
 from moepack.packer.convert import RegionConverter, convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
 from moepack.runtime.device_decode import ExpertPool, StoredExpertPool
 from test_device_decode import _all_experts, _greedy_rows, _relative, _routed_bytes, generator  # noqa: F401
+from test_qwen3_moe import CONFIGS as QWEN_CONFIGS, save_model as save_qwen
 
 
 def _converted_by_layer(src: str, out: str, policy_of) -> str:
@@ -93,3 +95,29 @@ def test_a_stored_pool_over_layers_of_different_types_steps_as_the_per_expert_pa
     assert results[True][0] == results[False][0]
     for a, b in zip(results[True][1], results[False][1]):
         assert _relative(a, b) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def sparse_step(tmp_path_factory):
+    """A Qwen3-MoE model whose layers 0, 2 and 3 have no routed experts (decoder_sparse_step 2, mlp_only_layers)."""
+    base = tmp_path_factory.mktemp("stored-hostile-qwen")
+    save_qwen(str(base / "src"), QWEN_CONFIGS["sparse-step"], torch.bfloat16)
+    convert_checkpoint(str(base / "src"), str(base / "sparse-step.moepack"), progress=False)
+    return str(base / "sparse-step.moepack")
+
+
+@pytest.mark.parametrize("form", ["stored", "decoded"])
+def test_a_pool_over_layers_without_routed_experts_takes_slots_for_the_routed_ones_only(sparse_step, generator,
+                                                                                         form):
+    """Layers without routed experts take no slots: a budget twice every routed expert gives a pool of one slot
+    per routed expert (its stacks hold no device memory that nothing could ever use), all of them pooled."""
+    with generator(sparse_step, cache_gib=0.0, expert_pool=True, pool_form=form) as g:
+        d = g.decoder
+        routed = sum(len(b.experts) for b in d.blocks)
+        assert 0 < routed < len(d.blocks) * d.pool.experts  # (layers without routed experts)
+        d.cache.resize(2 * _routed_bytes(d))
+        d.seed(_all_experts(d))
+        assert d.pool.capacity == routed and d.pool.reserved_bytes == d.cache.bytes
+        assert all(d.pool.complete(layer) for layer, b in enumerate(d.blocks) if b.experts)
+        d.cache.resize(3 * _routed_bytes(d) // 2)  # (a smaller budget, still over every expert: the stacks as they are)
+        assert d.pool.capacity == routed
