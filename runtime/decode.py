@@ -362,7 +362,8 @@ class Decoder:
         bytes take over three quarters of their decoded size (BF16: no smaller); stored where a third more experts or
         more fit that way (Q8_0 1.9x, FP8 2x, FP4 3.8x): a hit decodes, but a miss reads the disk."""
         regions = [r for block in self.blocks for r in block.experts]
-        stored = sum(r.length for r in regions)
+        # each stored slot holds the longest region (StoredExpertPool): a layer of larger experts sets every slot
+        stored = len(regions) * max((r.length for r in regions), default=0)
         decoded = sum(expert_weight_count(r) for r in regions) * self.experts.expert_dtype.itemsize
         return "decoded" if self.cache.budget >= decoded or 4 * stored > 3 * decoded else "stored"
 

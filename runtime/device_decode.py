@@ -224,15 +224,17 @@ class ExpertPool:
     decoded weights: gate and up side by side `gate_up [slots, 2I, H]` and `down [slots, H, I]` (the expert dtype).
     `cache` is the ExpertCache whose entries the slots are (its `store` is this pool); `slot_bytes` what one
     expert takes in its budget. The stacks are allocated at the first expert kept, as many slots as the budget
-    holds then (at most every expert). StoredExpertPool keeps the experts' stored bytes instead."""
+    holds then (at most every routed expert). StoredExpertPool keeps the experts' stored bytes instead."""
 
     form = "decoded"  # what a slot holds
     whole_ffn = True  # a layer whose experts are all pooled runs its whole FFN as one piece (the routed work in it)
 
     def __init__(self, cache, layers: int, experts: int, inter: int, hidden: int, dtype: torch.dtype,
                  device: torch.device, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, *, routed_experts: int | None = None):
         self.cache, self.layers, self.experts = cache, layers, experts
+        # the routed experts of all layers, the most slots ever used (a layer without routed experts takes none)
+        self.routed_experts = layers * experts if routed_experts is None else routed_experts
         self.inter, self.hidden, self.dtype, self.device = inter, hidden, dtype, device
         self.activation = activation  # the family's, between the two matmuls: act(gate x) * (up x)
         self.slot_bytes = 3 * inter * hidden * dtype.itemsize
@@ -289,7 +291,7 @@ class ExpertPool:
     def _free_slot(self) -> int | None:
         """A free slot, the cache's least recently used evicted for it where none is; None where none can be."""
         if not self.stacks:
-            capacity = min(self.cache.budget // self.slot_bytes, self.layers * self.experts)
+            capacity = min(self.cache.budget // self.slot_bytes, self.routed_experts)
             if capacity <= 0:
                 return None
             self._allocate(capacity)
@@ -353,7 +355,7 @@ class ExpertPool:
         """The cache's budget changed (its entries already fit it): stacks larger than it are reallocated to it,
         so that the device memory follows the budget. The kept experts wait on the host meanwhile (the budget
         shrinks where the device lacks room: old and new stacks side by side might not fit)."""
-        capacity = min(budget // self.slot_bytes, self.layers * self.experts)
+        capacity = min(budget // self.slot_bytes, self.routed_experts)
         if not self.stacks or capacity >= self.capacity:
             return  # (a larger budget is used as it is: the stacks do not grow)
         kept = list(self._slots.items())
@@ -520,8 +522,10 @@ class StoredExpertPool(ExpertPool):
     whole_ffn = False  # (its routed work a transient piece between the router's and the finish's)
 
     def __init__(self, cache, layouts: list, lengths: list[int], experts: int, inter: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device, activation, graphs: bool | None = None):
-        super().__init__(cache, len(layouts), experts, inter, hidden, dtype, device, activation, graphs)
+                 dtype: torch.dtype, device: torch.device, activation, graphs: bool | None = None, *,
+                 routed_experts: int | None = None):
+        super().__init__(cache, len(layouts), experts, inter, hidden, dtype, device, activation, graphs,
+                         routed_experts=routed_experts)
         self.layouts = layouts
         self.slot_bytes = -(-max(lengths) // SLOT_ALIGN) * SLOT_ALIGN
         self.lengths = lengths  # each layer's longest region: a cache entry's bytes
@@ -595,13 +599,15 @@ def container_pool(cache, blocks, naming, activation: Callable[[torch.Tensor, to
     if gate is None or len(gate) != 2 or up != gate or down != gate[::-1]:
         return None
     inter, hidden = gate
+    routed = sum(len(b.experts) for b in blocks)
     if stored:
         lengths = [max((r.length for r in b.experts), default=0) for b in blocks]
         return StoredExpertPool(cache, layouts, lengths, counts.pop(), inter, hidden, dtype, device, activation,
-                                graphs)
+                                graphs, routed_experts=routed)
     if not pool_usable(dtype, device, inter, hidden):
         return None
-    return ExpertPool(cache, len(blocks), counts.pop(), inter, hidden, dtype, device, activation, graphs)
+    return ExpertPool(cache, len(blocks), counts.pop(), inter, hidden, dtype, device, activation, graphs,
+                      routed_experts=routed)
 
 
 SLOT_ALIGN = 64  # a stored slot's length rounds up to this: every slot's bytes start aligned for any dtype's view
