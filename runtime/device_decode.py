@@ -185,7 +185,8 @@ class RoutingPieces:
 
     def __init__(self, arithmetic, finish: Callable):
         self.arithmetic, self._finish = arithmetic, finish
-        self._routings: dict[tuple[int, int], object] = {}  # (layer, rows) -> a Routing its piece made
+        # (layer, rows) -> (the names of its tensor fields, a Routing its piece made, those fields None)
+        self._routings: dict[tuple[int, int], tuple[list[str], object]] = {}
 
     def route(self, graphs: StepGraphs, layer: int, w, ids: torch.Tensor, attended: tuple[torch.Tensor, ...]):
         """(the hidden rows, the Routing) of the layer's router, a piece per (layer, rows)."""
@@ -193,8 +194,13 @@ class RoutingPieces:
 
         def route(ids: torch.Tensor, *attended: torch.Tensor) -> tuple[torch.Tensor, ...]:
             hidden, routing = self.arithmetic.route_attended(layer, w, attended, ids)
-            self._routings[key] = routing
-            return (hidden, *(getattr(routing, name) for name in _tensor_fields(routing)))
+            names = _tensor_fields(routing)
+            tensors = tuple(getattr(routing, name) for name in names)
+            # kept without its tensors (a graph's outputs would keep the graph's memory once it is dropped)
+            self._routings[key] = names, copy.copy(routing)
+            for name in names:
+                setattr(self._routings[key][1], name, None)
+            return (hidden, *tensors)
         hidden, *tensors = graphs.run(("route", *key), route, ids, *attended)
         return hidden, self._rebuilt(key, tensors)
 
@@ -208,8 +214,9 @@ class RoutingPieces:
                           *(getattr(routing, name) for name in _tensor_fields(routing)))
 
     def _rebuilt(self, key: tuple[int, int], tensors) -> object:
-        routing = copy.copy(self._routings[key])
-        for name, t in zip(_tensor_fields(routing), tensors):
+        names, routing = self._routings[key]
+        routing = copy.copy(routing)
+        for name, t in zip(names, tensors):
             setattr(routing, name, t)
         return routing
 

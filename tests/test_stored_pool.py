@@ -249,6 +249,9 @@ def test_every_transient_pieces_output_is_used_before_the_next_one_runs(containe
                 kinds = {key[0] for key, piece in d.pool.graphs._captured.items()
                          if piece is not None and piece.call.pool is not None}
                 assert kinds == {"arena attention", "routed"}
+                # the Routing each router piece made is kept without its tensors (the graphs' outputs)
+                kept = d._pieces._routings.values()
+                assert kept and all(getattr(r, n) is None for names, r in kept for n in names)
     assert results[True][0] == results[False][0]
     for a, b in zip(results[True][1], results[False][1]):
         assert torch.equal(a, b)
