@@ -10,7 +10,7 @@ before their scale multiplies them (a power of two: exact but for overflow). The
 (N, K, pairs rounded up to a power of two) on a GPU; the interpreter (TRITON_INTERPRET=1, CPU tensors: the tests)
 runs one small tile.
 
-`pairs_matmul` chooses, per shape class, between the kernel and the caller's torch computation (kernel_choice.py:
+`pairs_result` chooses, per shape class, between the kernel and the caller's torch computation (kernel_choice.py:
 checked against torch's within PAIRS_TOLERANCE, timed, the faster kept; MOEPACK_STORED_GEMV=0/1 forces; any
 exception gives torch's with one warning); DECISIONS records the choices."""
 
@@ -30,9 +30,10 @@ from .kernel_choice import KernelChoice, interpreting, power_of_two_above, short
 
 FORCE_ENV = "MOEPACK_STORED_GEMV"
 # the kernel's terms against torch's, as a fraction of torch's largest |term|: both multiply the same exact weights
-# (e2m1 values times powers of two); they differ in float32 summation order and in where bf16 rounds (torch's bmm
-# rounds gate and up to bf16 before the activation, 2^-9 relative each, and the down sums of such values: a few
-# bf16 steps of the largest term); a wrong kernel (a nibble swapped, a scale misplaced) is off by O(1)
+# (e2m1 values times powers of two); they differ in float32 summation order and in where bf16 rounds (both round
+# gate and up to bf16 before the activation, 2^-9 relative each, perhaps on either side of a rounding boundary;
+# torch's bmm rounds each term too, the kernel keeps it float32): a few bf16 steps of the largest term at most; a
+# wrong kernel (a nibble swapped, a scale misplaced) is off by O(1)
 PAIRS_TOLERANCE = 2e-2
 # shape class -> {"chosen": "fused" | "torch", "fused_s", "torch_s", "error", "reason"}
 DECISIONS: dict[str, dict] = {}
