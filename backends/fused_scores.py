@@ -12,48 +12,33 @@ each, folded out of the dot: relu(s x) = s relu(x) for s > 0) is there for measu
 kept as the fallback): torch's wherever Triton is absent, the tensors are not on CUDA or the work is under
 MIN_FUSED_WORK; on CUDA the first call of a shape class runs both, checks the kernel against torch's
 (SCORE_TOLERANCE of torch's largest score), times both and keeps the faster; a kernel that fails to compile or
-launch gives torch's with one warning. DECISIONS records every choice with its timings (benchmarks print it).
-MOEPACK_FUSED_SCORES=0 forces torch's, =1 the kernel (still torch's if it raises). TRITON_INTERPRET=1 runs the
-kernel on CPU tensors (Triton's interpreter: the tests).
+launch gives torch's with one warning (kernel_choice.py's choice). DECISIONS records every choice with its timings
+(benchmarks print it). MOEPACK_FUSED_SCORES=0 forces torch's, =1 the kernel (still torch's if it raises).
+TRITON_INTERPRET=1 runs the kernel on CPU tensors (Triton's interpreter: the tests).
 Triton is imported only when the kernel may run (never on a CPU path)."""
 
 from __future__ import annotations
 
 import functools
-import os
-import time
-import warnings
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+from .kernel_choice import KernelChoice, interpreting, power_of_two_above, relative_error, short_bench
+from .kernel_choice import triton_modules as _triton
+
 FORCE_ENV = "MOEPACK_FUSED_SCORES"
 # the kernel's scores against torch's, at most this fraction of torch's largest |score| apart: torch's round each
 # product and the sum to bf16 (2^-9 relative each), the kernel keeps float32; a wrong kernel is off by O(1)
 SCORE_TOLERANCE = 2e-2
-TIMED_REPS = 3
+_CHOICE = KernelChoice("fused scores", "torch's scores", FORCE_ENV, SCORE_TOLERANCE)
 # queries x keys x heads below which torch's is kept without a trial: the kernel's tiles would be mostly empty
 # (a decode row's one query) or its compile and trial would cost more than the scores (a tiny model's)
 MIN_FUSED_WORK = 1 << 20
 # shape class -> {"chosen": "fused" | "torch", "fused_s", "torch_s", "error", "reason"}
 DECISIONS: dict[str, dict] = {}
 FP8_MAX = 448.0  # e4m3's largest finite value
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _triton():
-    """(triton, triton.language), or None where Triton is not installed."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return triton, tl
 
 
 def fused_applies(q: Tensor, keys: Tensor, head_weights: Tensor) -> bool:
@@ -127,10 +112,6 @@ def _kernel(interpret: bool):
         return jitted
     configs = [triton.Config({"BLOCK_C": c, "BLOCK_T": t}, num_warps=warps, num_stages=stages)
                for c, t, warps, stages in _GPU_TILES]
-
-    def short_bench(kernel_call, quantiles):  # (Triton's default, 25 + 100 ms a tile size, is most of a prefill's)
-        from triton.testing import do_bench
-        return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
     return triton.autotune(configs, key=["queries_class", "keys_class", "HEADS", "D", "HAS_COUNTS", "HAS_KEY_SCALES"],
                            do_bench=short_bench)(jitted)
 
@@ -198,95 +179,15 @@ def shape_class(q: Tensor, keys: Tensor) -> str:
            f"C<={power_of_two_above(n_queries)} T<={power_of_two_above(keys.shape[0])}"
 
 
-def power_of_two_above(n: int) -> int:
-    """The least power of two >= n."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _seconds(fn: Callable[[], Tensor], device: torch.device) -> float:
-    """The best of TIMED_REPS calls: CUDA events on a GPU, the wall clock elsewhere."""
-    best = float("inf")
-    for _ in range(TIMED_REPS):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        else:
-            began = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - began)
-    return best
-
-
-def relative_error(got: Tensor, want: Tensor) -> float:
-    """max |got - want| over max |want| where want is finite; inf where the two disagree on which are -inf."""
-    finite = torch.isfinite(want)
-    if not torch.equal(finite, torch.isfinite(got)):
-        return float("inf")
-    if not finite.any():
-        return 0.0
-    scale = want[finite].abs().max().clamp_min(1e-30)
-    return float((got[finite] - want[finite]).abs().max() / scale)
-
-
-def _fell_back(key: str, error: Exception) -> None:
-    first = (str(error).strip().splitlines() or [""])[0][:160]
-    warnings.warn(f"fused scores failed for {key} ({type(error).__name__}: {first}); torch's scores used",
-                  RuntimeWarning, stacklevel=3)
-    DECISIONS[key] = {"chosen": "torch", "reason": f"{type(error).__name__}: {first}"}
-
-
-def _decide(key: str, q: Tensor, keys: Tensor, head_weights: Tensor, torch_scores: Callable[[], Tensor]
-            ) -> Tensor:
-    """The first call of a shape class: both paths, the kernel checked against torch's and both timed; the
-    decision recorded, the checked result returned."""
-    want = torch_scores()
-    try:
-        got = weighted_relu_head_sum(q, keys, head_weights)
-        error = relative_error(got, want)
-        fused_s = _seconds(lambda: weighted_relu_head_sum(q, keys, head_weights), q.device)
-    except Exception as e:  # Triton's compile and launch errors are of many types: any of them means torch's
-        _fell_back(key, e)
-        return want
-    torch_s = _seconds(torch_scores, q.device)
-    decision = {"fused_s": fused_s, "torch_s": torch_s, "error": error}
-    if error > SCORE_TOLERANCE:
-        warnings.warn(f"fused scores for {key} are {error:.3g} of the largest score off torch's "
-                      f"(over {SCORE_TOLERANCE}); torch's scores used", RuntimeWarning, stacklevel=3)
-        DECISIONS[key] = {"chosen": "torch", "reason": "fused scores off torch's", **decision}
-        return want
-    chosen = "fused" if fused_s < torch_s else "torch"
-    DECISIONS[key] = {"chosen": chosen, "reason": "faster", **decision}
-    return got if chosen == "fused" else want
-
-
 def weighted_relu_scores(q: Tensor, keys: Tensor, head_weights: Tensor, torch_scores: Callable[[], Tensor]
                          ) -> Tensor:
     """sum_h head_weights[c, h] * relu(q[c, h] . keys[t]) [C, T] float32, from the fused kernel or from
     `torch_scores()` (the caller's torch computation of the same scores, the fallback), as this shape class's
     decision says (made at its first call, see the module's doc). Where the kernel does not apply, or below
     MIN_FUSED_WORK unless forced, torch's."""
-    forced = os.environ.get(FORCE_ENV, "")
+    forced = _CHOICE.forced()
     if forced == "0" or not fused_applies(q, keys, head_weights) \
             or (forced != "1" and q.shape[0] * keys.shape[0] * q.shape[1] < MIN_FUSED_WORK):
         return torch_scores()
-    key = shape_class(q, keys)
-    if forced == "1":  # the kernel unchecked and untimed (until it raises)
-        key += " forced"
-        decision = DECISIONS.setdefault(key, {"chosen": "fused", "reason": "forced"})
-    else:
-        decision = DECISIONS.get(key)
-        if decision is None and q.is_cuda and torch.cuda.is_current_stream_capturing():
-            return torch_scores()  # (a CUDA graph's capture cannot wait for timings: its warm-up run decides)
-        if decision is None:
-            return _decide(key, q, keys, head_weights, torch_scores)
-    if decision["chosen"] != "fused":
-        return torch_scores()
-    try:
-        return weighted_relu_head_sum(q, keys, head_weights)
-    except Exception as e:  # a later call's launch failing (out of memory, say): torch's from then on
-        _fell_back(key, e)
-        return torch_scores()
+    return _CHOICE.result(DECISIONS, shape_class(q, keys), q.device,
+                          lambda: weighted_relu_head_sum(q, keys, head_weights), torch_scores)

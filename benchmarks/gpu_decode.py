@@ -11,7 +11,9 @@ CUDA graphs). Each row of the output:
                  (layer, B); per-expert: the same cached weights, each chosen expert's three matmuls on its own
                  (the path before the pool: host look-ups of every choice); stored pool (--pool-forms): the
                  experts' stored FP4 bytes pooled (a quarter of the memory), each step's chosen experts decoded side
-                 by side and run as batched matmuls, no host sync, not in graphs
+                 by side and run as batched matmuls, or read straight from their bytes by the stored FP4 kernel
+                 where its selection chose it (backends/stored_gemv.py: the report's stored_gemv, each shape class's
+                 choice with both timings), no host sync, not in graphs
   tokens/s       B x steps / seconds (a step ends with its logits on the host)
   bytes/token    what a step reads over its B tokens, every matrix in the compute dtype (the issue's measure): the
                  resident weights (dense and shared expert, the head; norms and mHC as held), plus the routed
@@ -48,6 +50,7 @@ sys.path.insert(0, HERE)
 from decode import ensure_container  # noqa: E402
 from gpu_prefill import build, device_name, parse_on_device, print_report  # noqa: E402
 
+from moepack.backends import stored_gemv  # noqa: E402
 from moepack.runtime import generate as generate_module  # noqa: E402
 from moepack.runtime.decode import Decoder  # noqa: E402
 from moepack.runtime.engine import PrefillOptions  # noqa: E402
@@ -219,7 +222,7 @@ def main() -> None:
               "model": args.preset or f"release layers {args.layers}", "shape": shape, "build_s": round(build_s, 1),
               "seed_s": seeds, "hbm_gbps": round(rate / 1e9, 1), "goal_tokens_per_s": GOAL_TOKENS_PER_S,
               "goal_met": one["tokens_per_s"] >= GOAL_TOKENS_PER_S if one and device.type == "cuda" else None,
-              "rows": rows}
+              "rows": rows, "stored_gemv": stored_gemv.DECISIONS}
     print_report(report, args.json,
                  f"{report['device']}: {report['model']}, {shape['layers']} layers of {shape['experts']} experts "
                  f"({shape['hidden']} x {shape['inter']}, top-{shape['top_k']}, {shape['expert_dtype']}), "
@@ -230,6 +233,9 @@ def main() -> None:
                   "syncs", "graph replays"],
                  ("path", "batch", "tokens_per_s", "step_ms", "bytes_per_token", "held_bytes_per_token",
                   "experts_per_step", "bandwidth_fraction", "syncs", "graph_replays"))
+    if not args.json:  # which path the stored pool's FP4 experts took per shape class (the kernel or torch's)
+        for key, decision in stored_gemv.DECISIONS.items():
+            print(f"stored FP4 experts {key}: {decision}")
     if report["goal_met"] is not None and not args.json:
         print(f"goal (one stream >= {GOAL_TOKENS_PER_S} tokens/s): {'met' if report['goal_met'] else 'NOT met'}")
 

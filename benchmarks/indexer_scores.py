@@ -30,7 +30,7 @@ import sys
 import moepack  # noqa: F401  (before torch: moepack sets OpenMP's spin limit)
 import torch
 
-from moepack.backends import fused_scores
+from moepack.backends import fused_scores, kernel_choice
 from moepack.families.deepseek_v4 import model
 
 
@@ -58,8 +58,8 @@ def measure(row: dict, name: str, fn, flops: float, reference: torch.Tensor, row
         error = fused_scores.relative_error(scores[:rows].float(), reference)
         row[f"{name}_topk"] = round(topk_overlap(scores[:rows].float(), reference, topk), 4)
         del scores
-        fused_scores.TIMED_REPS = repeat
-        seconds = fused_scores._seconds(fn, reference.device)
+        kernel_choice.TIMED_REPS = repeat
+        seconds = kernel_choice.seconds(fn, reference.device)
         row.update({f"{name}_s": round(seconds, 5), f"{name}_tflops": round(flops / seconds / 1e12, 1),
                     f"{name}_error": float(f"{error:.3g}")})
     except Exception as e:  # one failed measurement (no FP8 tensor cores, out of memory) leaves the others

@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from moepack.backends import grouped_experts
+from moepack.backends import grouped_experts, stored_gemv
 from moepack.backends.device_copier import to_device_async
 from moepack.backends.grouped_experts import grouped_matmul, grouped_mm_usable
 
@@ -493,6 +493,10 @@ class _StoredMatrix:
         factors = gathered(self.tensor_scale).view(torch.float32).reshape(-1) if self.tensor_scale else None
         return decode_side_by_side(self.dtype, self.shape, gathered(self.span), scale, factors, out_dtype)
 
+    def fp4(self) -> stored_gemv.Fp4Matrix | None:
+        """Where the stored FP4 kernel reads this matrix (FP4_E2M1, E8M0 scales, no tensor scale), else None."""
+        return stored_gemv.fp4_matrix(self.dtype, self.shape, self.span, self.scale, self.tensor_scale)
+
 
 def stored_layout(region, names: dict[str, str]) -> dict[str, _StoredMatrix] | None:
     """{"gate" | "up" | "down": where that matrix lies in `region`'s bytes} (names: the family's, ExpertNaming's);
@@ -537,6 +541,8 @@ class StoredExpertPool(ExpertPool):
         self.slot_bytes = -(-max(lengths) // SLOT_ALIGN) * SLOT_ALIGN
         self.lengths = lengths  # each layer's longest region: a cache entry's bytes
         self.chunk_pairs = max(1, STORED_DECODE_BYTES // (3 * inter * hidden * dtype.itemsize))
+        # per layer, where the stored FP4 kernel reads its three matrices (None: not all FP4 with E8M0 scales)
+        self.fp4_layouts = [_fp4_layout(layout) for layout in layouts]
 
     def _slot_shapes(self):
         return [((self.slot_bytes,), torch.uint8)]
@@ -555,7 +561,19 @@ class StoredExpertPool(ExpertPool):
         experts, weights = _by_expert_id(experts, weights)
         slots = self.slot_of[layer].index_select(0, experts.reshape(-1))  # [P] pairs, row-major
         pairs = x[:, None, :].expand(-1, top_k, -1).reshape(-1, x.shape[1])  # [P, H]: pair p is row p // top_k
-        terms = torch.empty(pairs.shape, dtype=self.dtype, device=x.device)
+        fp4 = self.fp4_layouts[layer]
+        if fp4 is None:
+            return _combined(self._decoded_terms(layer, slots, pairs), weights)
+        # the stored FP4 kernel or torch's decode, as the selection chose for this shape class (stored_gemv.py)
+        terms = stored_gemv.pairs_result(self.stacks[0], pairs, [fp4[role] for role in _ROLES],
+                                         lambda: self._fp4_terms(fp4, slots, pairs),
+                                         lambda: self._decoded_terms(layer, slots, pairs))
+        return _combined(terms, weights)
+
+    def _decoded_terms(self, layer: int, slots: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        """Each pair's expert output [P, H] (the expert dtype): its matrices decoded side by side (a chunk of pairs
+        at a time) and batched matmuls."""
+        terms = torch.empty(pairs.shape, dtype=self.dtype, device=pairs.device)
         stack, layout = self.stacks[0], self.layouts[layer]
         for first in range(0, slots.numel(), self.chunk_pairs):
             part = slice(first, first + self.chunk_pairs)
@@ -563,7 +581,27 @@ class StoredExpertPool(ExpertPool):
             xs = pairs[part, None, :]  # [c, 1, H]
             hidden = self.activation(torch.bmm(xs, w["gate"].transpose(1, 2)), torch.bmm(xs, w["up"].transpose(1, 2)))
             terms[part] = torch.bmm(hidden, w["down"].transpose(1, 2))[:, 0]
-        return _combined(terms, weights)
+        return terms
+
+    def _fp4_terms(self, fp4: dict[str, stored_gemv.Fp4Matrix], slots: torch.Tensor, pairs: torch.Tensor
+                   ) -> torch.Tensor:
+        """_decoded_terms by the stored FP4 kernel, from the slots' bytes ([P, H] float32): gate and up rounded to
+        the expert dtype before the activation, as torch's bmm gives them (by torch: to nearest, as a GPU's kernel
+        would, where Triton's interpreter truncates)."""
+        stack = self.stacks[0]
+        gate, up = (stored_gemv.fp4_pairs_matmul(stack, slots, pairs, fp4[role]).to(self.dtype)
+                    for role in ("gate", "up"))
+        return stored_gemv.fp4_pairs_matmul(stack, slots, self.activation(gate, up), fp4["down"])
+
+
+_ROLES = ("gate", "up", "down")
+
+
+def _fp4_layout(layout: dict) -> dict | None:
+    """{role: stored_gemv.Fp4Matrix} of a layer's stored layout, or None where a matrix is not one the stored FP4
+    kernel reads."""
+    matrices = {role: layout[role].fp4() for role in _ROLES if role in layout}
+    return matrices if len(matrices) == len(_ROLES) and None not in matrices.values() else None
 
 
 # decoded weights a stored pool's layer holds at once (a chunk of its pairs): with the decode's own transients (the

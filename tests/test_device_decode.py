@@ -507,6 +507,7 @@ def test_the_gpu_decode_benchmark_runs_on_a_cpu(tmp_path):
     report = json.loads(done.stdout)
     shape, rows = report["shape"], report["rows"]
     assert report["hbm_gbps"] > 0 and report["goal_met"] is None  # a goal for the GPU only
+    assert report["stored_gemv"] == {}  # the stored FP4 kernel's choices: none on a CPU (no kernel tried)
     assert [(r["path"], r["batch"]) for r in rows] == [("pool", 1), ("per-expert", 1), ("pool", 2), ("per-expert", 2),
                                                        ("stored pool", 1), ("stored pool", 2)]
     cached = shape["routed_cached_bytes"]  # every expert, decoded to bf16 and as the FP4 bytes stored

@@ -5,28 +5,14 @@ raises or is wrong, the faster of the two otherwise. Skipped where Triton is not
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 
 import pytest
 import torch
 
-# Triton's interpreter takes over its library's jitted functions (tl.max...) when they are decorated, at its import:
-# import it here with TRITON_INTERPRET set, for these tests only (each sets it again while it runs)
-# (where CUDA is, test_fused_scores_cuda.py runs the kernel itself, and the two Tritons cannot share a process)
-if torch.cuda.is_available():
-    pytest.skip("a CUDA device: the kernel is tested there (test_fused_scores_cuda.py)", allow_module_level=True)
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported before, not for its interpreter", allow_module_level=True)
-_before = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton")
-    pytest.importorskip("triton.language")
-finally:
-    if _before is None:
-        del os.environ["TRITON_INTERPRET"]
+from triton_interpreter import compiled_for_hopper, import_for_the_interpreter, interpreting
+
+import_for_the_interpreter()
 
 from moepack.backends import fused_scores  # noqa: E402
 from moepack.families.deepseek_v4.model import _bf16_index_scores  # noqa: E402
@@ -34,10 +20,7 @@ from moepack.families.deepseek_v4.model import _bf16_index_scores  # noqa: E402
 
 @pytest.fixture
 def interpreted(monkeypatch):
-    """Kernels run by Triton's interpreter on CPU tensors; no decision or forcing left over from another test."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv(fused_scores.FORCE_ENV, raising=False)
-    monkeypatch.setattr(fused_scores, "DECISIONS", {})
+    interpreting(monkeypatch, fused_scores)
     monkeypatch.setattr(fused_scores, "MIN_FUSED_WORK", 0)  # (the interpreter's shapes are tiny)
     return monkeypatch
 
@@ -171,7 +154,6 @@ def test_torch_where_the_kernel_does_not_apply(interpreted):
 
 
 
-# (in a process of its own: this one's Triton is the interpreter's, whose library Triton's compiler refuses)
 HOPPER_COMPILE = """
 import inspect, sys
 import triton
@@ -200,11 +182,4 @@ for operands, counts, key_scales, tiles in (("bf16", False, False, fused_scores.
 def test_kernel_compiles_for_hopper():
     """The GPU's compile for sm_90 (H100 / H200), without a GPU: tensor-core (wgmma) dots through ptxas, bf16 at
     every tile size the autotuner tries, FP8 with counts and key scales at one."""
-    import subprocess
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
-                          timeout=300)
-    if "ModuleNotFoundError: No module named 'triton.backends.compiler'" in done.stderr:
-        pytest.skip("this Triton has no ahead-of-time compile")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("shared") == len(fused_scores._GPU_TILES) + 1
+    assert compiled_for_hopper(HOPPER_COMPILE).count("shared") == len(fused_scores._GPU_TILES) + 1
