@@ -22,6 +22,9 @@ CUDA graphs). Each row of the output:
                  head and the router float32 on a GPU)
   bw fraction    bytes a step reads x steps/s over the HBM rate (a device-to-device copy of --copy-gib, bytes read
                  plus bytes written, timed with events; on a CPU a host copy)
+  hit rate       the expert cache's hits over its look-ups in the timed steps; read/token: the bytes of missed
+                 experts read per token (both 1 and 0 with every expert cached; --cache-fraction F gives each pool
+                 a budget of F x every expert decoded: the stored pool holds several times as many)
   syncs          host synchronisations of the pool's routed work (0 when every expert is pooled)
   graph replays  CUDA graphs replayed in the timed steps (two a layer: its attention's mHC entry, its FFN)
   launches, graph launches, host waits per step (CUDA only, JSON rows): the CUDA runtime calls of one more step
@@ -137,13 +140,15 @@ def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: 
         tokens = [first for _, first in prompts]
         for _ in range(warmup):
             tokens = d.step_batch(seqs, tokens).argmax(dim=1).tolist()
-        hits, syncs, replays = d.cache.hits, pool.syncs, pool.graphs.replays
+        hits, misses, read = d.cache.hits, d.cache.misses, d.stats.bytes_read
+        syncs, replays = pool.syncs, pool.graphs.replays
         start = time.perf_counter()
         for _ in range(steps):
             tokens = d.step_batch(seqs, tokens).argmax(dim=1).tolist()
         seconds = time.perf_counter() - start
+        hits, misses, read = d.cache.hits - hits, d.cache.misses - misses, d.stats.bytes_read - read
         runtime_calls = device_runtime_calls(lambda: d.step_batch(seqs, tokens), d.device)
-        experts_per_step = (d.cache.hits - hits) / steps  # each distinct (layer, expert) of a step looked up once
+        experts_per_step = (hits + misses) / steps  # each distinct (layer, expert) of a step looked up once
         # (the issue's measure: each routed expert's matrices in the expert dtype, whatever the pool keeps)
         routed = experts_per_step * 3 * pool.inter * pool.hidden * pool.dtype.itemsize
         step_bytes = resident_bytes(d, d.compute_dtype) + routed
@@ -152,7 +157,8 @@ def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: 
                 "tokens_per_s": round(batch * steps / seconds, 1), "step_ms": round(1e3 * seconds / steps, 3),
                 "bytes_per_token": int(step_bytes / batch), "experts_per_step": round(experts_per_step, 1),
                 "step_bytes": int(step_bytes), "held_bytes_per_token": int((resident_bytes(d) + routed) / batch),
-                "cache_misses": d.cache.misses,
+                "cache_misses": d.cache.misses, "hit_rate": round(hits / (hits + misses), 4),
+                "read_bytes_per_token": int(read / (batch * steps)),
                 "syncs": (pool.syncs - syncs) if pooled else None,
                 "graph_replays": (pool.graphs.replays - replays) if pooled else None, **runtime_calls}
     finally:
@@ -172,6 +178,9 @@ def main() -> None:
     ap.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--pool-forms", default="decoded,stored",
                     help="the pools measured: decoded weights, stored bytes decoded at each step (default both)")
+    ap.add_argument("--cache-fraction", type=float, default=1.0,
+                    help="a budget of this fraction of every expert decoded, for each pool form (default: every "
+                         "expert cached): the stored pool holds several times as many, the rest are misses")
     ap.add_argument("--copy-gib", type=float, default=None, help="the bandwidth copy (default 4 GPU, 0.25 CPU)")
     args, device = parse_on_device(ap)  # (--workdir: gpu_prefill's, whose release slice this reuses)
     steps = args.steps or (32 if device.type == "cuda" else 4)
@@ -195,15 +204,19 @@ def main() -> None:
                                  "torch's grouped GEMM, bf16 on CUDA)")
             every = [[1] * len(b.experts) for b in d.blocks]
             routed = sum(d._entry_bytes(layer, e) for layer, b in enumerate(d.blocks) for e in range(len(b.experts)))
+            # the budget: every expert as this pool keeps it, or --cache-fraction of them all decoded (both forms)
+            budget = routed if args.cache_fraction >= 1 else int(args.cache_fraction * sum(
+                len(b.experts) for b in d.blocks) * 3 * d.pool.inter * d.pool.hidden * d.pool.dtype.itemsize)
             free = cuda_free_bytes(device) if device.type == "cuda" else 0
-            if free and routed > 0.9 * free:  # one line, before a pool allocation fails with a traceback
-                raise SystemExit(f"every expert {form} takes {routed / GIB:.1f} GiB but {device} has "
+            if free and budget > 0.9 * free:  # one line, before a pool allocation fails with a traceback
+                raise SystemExit(f"the {form} experts' budget takes {budget / GIB:.1f} GiB but {device} has "
                                  f"{free / GIB:.1f} GiB free: a smaller slice (--experts, --layers)")
-            d.cache.resize(routed)
+            d.cache.resize(budget)
             started = time.perf_counter()
-            d.seed(every)
+            d.seed(every)  # (as many as the budget holds)
             seeds[form] = round(time.perf_counter() - started, 2)
-            assert all(d.pool.complete(layer) for layer in range(len(d.blocks))), "not every expert was pooled"
+            assert args.cache_fraction < 1 or all(d.pool.complete(layer) for layer in range(len(d.blocks))), \
+                "not every expert was pooled"
             prompts = prefilled(g, max(batches), args.tokens, args.warmup + steps + 1)  # each prompt prefilled once
             for batch in batches:
                 for pooled_path in (True, False) if form == "decoded" else (True,):
@@ -211,7 +224,7 @@ def main() -> None:
                     row["bandwidth_fraction"] = round(row["step_bytes"] * 1e3 / row["step_ms"] / rate, 4)
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)  # each row as it ends: a timeout keeps them
-            shapes[form] = routed
+            shapes[form] = d.cache.bytes
             shape = {"layers": len(d.blocks), "experts": len(d.blocks[0].experts),
                      "top_k": g.cfg.num_experts_per_tok, "hidden": g.cfg.hidden_size, "inter": d.pool.inter,
                      "expert_dtype": str(d.pool.dtype), "resident_bytes": resident_bytes(d, d.compute_dtype),
@@ -221,7 +234,9 @@ def main() -> None:
     report = {"device": device_name(device), "torch": torch.__version__,
               "model": args.preset or f"release layers {args.layers}", "shape": shape, "build_s": round(build_s, 1),
               "seed_s": seeds, "hbm_gbps": round(rate / 1e9, 1), "goal_tokens_per_s": GOAL_TOKENS_PER_S,
-              "goal_met": one["tokens_per_s"] >= GOAL_TOKENS_PER_S if one and device.type == "cuda" else None,
+              "cache_fraction": args.cache_fraction,
+              "goal_met": one["tokens_per_s"] >= GOAL_TOKENS_PER_S
+              if one and device.type == "cuda" and args.cache_fraction >= 1 else None,
               "rows": rows, "stored_gemv": stored_gemv.DECISIONS}
     print_report(report, args.json,
                  f"{report['device']}: {report['model']}, {shape['layers']} layers of {shape['experts']} experts "
@@ -230,9 +245,10 @@ def main() -> None:
                              for form, n in shapes.items()) + "; "
                  f"copy rate {report['hbm_gbps']} GB/s",
                  ["path", "B", "tok/s", "step ms", "bytes/token", "held bytes/token", "experts/step", "bw fraction",
-                  "syncs", "graph replays"],
+                  "hit rate", "read/token", "syncs", "graph replays"],
                  ("path", "batch", "tokens_per_s", "step_ms", "bytes_per_token", "held_bytes_per_token",
-                  "experts_per_step", "bandwidth_fraction", "syncs", "graph_replays"))
+                  "experts_per_step", "bandwidth_fraction", "hit_rate", "read_bytes_per_token", "syncs",
+                  "graph_replays"))
     if not args.json:  # which path the stored pool's FP4 experts took per shape class (the kernel or torch's)
         for key, decision in stored_gemv.DECISIONS.items():
             print(f"stored FP4 experts {key}: {decision}")

@@ -515,12 +515,38 @@ def test_the_gpu_decode_benchmark_runs_on_a_cpu(tmp_path):
     expert_bytes = 3 * shape["hidden"] * shape["inter"] * 2  # bf16
     for r in rows:
         assert r["tokens_per_s"] > 0 and 0 < r["bandwidth_fraction"] < 1 and r["cache_misses"] == 0
+        assert r["hit_rate"] == 1 and r["read_bytes_per_token"] == 0
         assert r["syncs"] == (None if r["path"] == "per-expert" else 0)
         assert 0 < r["experts_per_step"] <= r["batch"] * shape["layers"] * shape["top_k"]
         assert r["step_bytes"] == shape["resident_bytes"] + int(r["experts_per_step"] * expert_bytes)
         assert r["bytes_per_token"] == r["step_bytes"] // r["batch"]
     one = rows[0]
     assert one["experts_per_step"] <= shape["layers"] * shape["top_k"]
+
+
+def test_at_a_quarter_of_the_decoded_size_the_stored_pool_holds_more_and_reads_less(tmp_path):
+    """benchmarks/gpu_decode.py --cache-fraction 0.25 on a CPU (the tiny preset's FP4 experts, bf16): each pool
+    gets a budget of a quarter of every expert decoded; the stored pool's slots (the FP4 bytes) hold several times
+    as many experts, so its rows hit more often and read fewer bytes a token than the decoded pool's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_decode.py")
+    done = subprocess.run([sys.executable, script, "--device", "cpu", "--preset", "tiny", "--batch", "1,2",
+                           "--steps", "4", "--warmup", "1", "--tokens", "8", "--copy-gib", "0.01",
+                           "--cache-fraction", "0.25", "--workdir", str(tmp_path), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    cached = report["shape"]["routed_cached_bytes"]
+    assert report["goal_met"] is None and 3 * cached["decoded"] < 4 * cached["stored"] <= 4 * cached["decoded"]
+    rows = {(r["path"], r["batch"]): r for r in report["rows"]}
+    for batch in (1, 2):
+        stored, decoded = rows[("stored pool", batch)], rows[("pool", batch)]
+        assert stored["hit_rate"] > decoded["hit_rate"] + 0.3
+        assert stored["read_bytes_per_token"] < decoded["read_bytes_per_token"] / 2
 
 
 def test_the_device_check_runs_its_steps_in_the_order_steps_names(tmp_path):
