@@ -346,13 +346,13 @@ class Decoder:
             form = {True: "decoded", False: "stored"}.get(decoded_experts) or self._fitting_form()
         if decoded_experts is not None and (form == "decoded") != decoded_experts:
             raise ValueError(f"a {form} expert pool with decoded_experts={decoded_experts}")
-        arithmetic, dtype = self.arithmetic, self.experts.expert_dtype
+        arithmetic = self.arithmetic
+        pool_of = functools.partial(container_pool, self.cache, self.blocks, arithmetic.expert_naming,
+                                    arithmetic.expert_activation, self.experts.expert_dtype, self.device)
+        pool = pool_of(stored=form == "stored")
         # (a stored pool where its experts lie differently from layer to layer: the decoded one)
-        pool = container_pool(self.cache, self.blocks, arithmetic.expert_naming, arithmetic.expert_activation,
-                              dtype, self.device, stored=form == "stored")
         if pool is None and form == "stored" and decoded_experts is None:
-            form, pool = "decoded", container_pool(self.cache, self.blocks, arithmetic.expert_naming,
-                                                   arithmetic.expert_activation, dtype, self.device)
+            form, pool = "decoded", pool_of()
         if pool is not None:
             self.decoded = form == "decoded"
         return pool
