@@ -738,8 +738,9 @@ class Decoder:
         not take, a family without a compiled path) for the rows of one step (`ids` [B] their tokens, on the
         device): the hidden rows after the last. The family's attention runs each row over its sequence's own
         state; the routed experts once each on every row that chose them. With the pool, a layer's fixed-shape
-        work (the family's pieces its `graphs` runs; the whole FFN where every expert is pooled) runs as a CUDA
-        graph per (layer, B) where CUDA is (StepGraphs), asking the host nothing."""
+        work (the family's pieces its `graphs` runs; the whole FFN where every expert is pooled and the pool runs it
+        whole, else the router and the finish around the routed work: RoutingPieces) runs as a CUDA graph per
+        (layer, B) where CUDA is (StepGraphs), asking the host nothing where the layer's experts are all pooled."""
         arithmetic, pool, rows = self.arithmetic, self.pool, len(sequences)
         graphs = self._graphs()
         hidden = arithmetic.hidden_from_embeddings(embedding)
@@ -753,8 +754,7 @@ class Decoder:
                 with self.compute:
                     hidden, experts, finite = graphs.run(("ffn", layer, rows), functools.partial(
                         self._pooled_ffn, layer, w), ids, *attended)
-                pool.calls += 1
-                self._step_uses.append((layer, experts))  # counted after the step (_settle_pooled)
+                self._pooled_call(layer, experts)
                 self._step_finite.append((layer, finite))
                 continue
             if pool is not None and not self.blocks[layer].experts:  # no routed experts: its FFN one graph too
@@ -818,14 +818,19 @@ class Decoder:
         hidden = self.arithmetic.finish(layer, w, hidden, routing, routed, checked=False)
         return hidden, torch.isfinite(hidden).all()
 
+    def _pooled_call(self, layer: int, experts: torch.Tensor) -> None:
+        """A complete layer's routed work run over the pool: counted, its choices (on the device) counted as the
+        cache's uses after the step (_settle_pooled)."""
+        self.pool.calls += 1
+        self._step_uses.append((layer, experts))
+
     def _routed_from_pool(self, layer: int, routing) -> torch.Tensor:
         """The rows' routed experts summed ([B, H] float32) over the pool: for a layer not all of whose experts
         are pooled, the choices read once (one synchronisation) and the misses read through the reader into
         slots first (or the experts run one by one where one could not be pooled)."""
         pool = self.pool
         if pool.complete(layer):  # (a pool that runs no FFN whole: nothing to ask)
-            pool.calls += 1
-            self._step_uses.append((layer, routing.experts))  # counted after the step (_settle_pooled)
+            self._pooled_call(layer, routing.experts)
             with self.compute:
                 return pool.routed(layer, routing.x, routing.experts, routing.weights)
         pool.syncs += 1
