@@ -519,8 +519,8 @@ class Decoder:
 
     def _entry(self, layer: int, e: int, raw: torch.Tensor) -> torch.Tensor | ExpertWeights:
         """What the cache keeps of expert e's bytes `raw`: its weights decoded on the compute device (`decoded`),
-        else its bytes there. On a CPU that is `raw` itself, which must therefore be bytes of its own (never a view
-        of a pooled buffer)."""
+        else its bytes there; with a pool, views of the slot they are copied into (where one is free). On a CPU
+        that is `raw` itself, which must therefore be bytes of its own (never a view of a pooled buffer)."""
         raw = raw.to(self.device)
         region = self.blocks[layer].experts[e]
         if self.pool is not None:  # into a slot of the pool (a copy of the bytes, or of the decoder's buffers)
@@ -533,7 +533,8 @@ class Decoder:
         return self.experts.owned_weights(self.blocks[layer], region, raw, region.offset)
 
     def _entry_bytes(self, layer: int, e: int) -> int:
-        """The memory expert e takes in the cache: its stored bytes, or (decoded) its three matrices."""
+        """The memory expert e takes in the cache: a pool's slot, else its stored bytes, or (decoded) its three
+        matrices."""
         if self.pool is not None:
             return self.pool.slot_bytes
         region = self.blocks[layer].experts[e]
