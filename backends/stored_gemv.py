@@ -23,8 +23,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moepack.format_spec.decode import decode_side_by_side, decode_tensor
-
 from . import kernel_choice
 from .kernel_choice import KernelChoice, interpreting, power_of_two_above, short_bench
 
@@ -161,17 +159,6 @@ def fp4_pairs_matmul(stack: Tensor, slots: Tensor, x: Tensor, matrix: Fp4Matrix,
                              matrix.codes_at, matrix.scales_at, x.stride(0), out.stride(0),
                              power_of_two_above(pairs), N_IN=n_in, **tiles)
     return out
-
-
-def fp4_pairs_matmul_torch(stack: Tensor, slots: Tensor, x: Tensor, matrix: Fp4Matrix,
-                           out_dtype: torch.dtype = torch.float32) -> Tensor:
-    """fp4_pairs_matmul by torch's decode (format_spec's, to x's dtype) and a batched matmul: the reference."""
-    def gathered(at: int, length: int) -> Tensor:
-        return stack[:, at:at + length].index_select(0, slots)
-    n, k = matrix.out_features, matrix.in_features
-    scale = decode_tensor("F8_E8M0", (len(slots), n, k // FP4_GROUP), gathered(matrix.scales_at, matrix.scales_bytes))
-    w = decode_side_by_side("FP4_E2M1", (n, k), gathered(matrix.codes_at, matrix.codes_bytes), scale, None, x.dtype)
-    return torch.bmm(w, x[:, :, None])[:, :, 0].to(out_dtype)
 
 
 def shape_class(stack: Tensor, x: Tensor, matrices: list[Fp4Matrix]) -> str:

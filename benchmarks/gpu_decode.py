@@ -3,17 +3,18 @@ same run (issue 36's goal: one stream at >= 500 tokens/s on the release-dimensio
 
 The model: the release-dimension slice benchmarks/gpu_prefill.py builds (DeepSeek-V4-Flash's config cut to --layers,
 default release layers 1, 2, 3, with all --experts 256 routed experts at full size, FP4 experts, converted with
---keep; the same --workdir reuses that step's container), or a synthetic --preset. Every expert is decoded into the
-device's expert pool first (runtime/device_decode.py), then for each B of --batch, B prompts of --tokens (different
-ones) are prefilled and stepped together greedily, --steps timed steps after --warmup untimed ones (which capture the
-CUDA graphs). Each row of the output:
+--keep; the same --workdir reuses that step's container), or a synthetic --preset. Every expert is put into the
+device's expert pool first (runtime/device_decode.py: decoded, or as its stored bytes, each of --pool-forms), then for
+each B of --batch, B prompts of --tokens (different ones) are prefilled and stepped together greedily, --steps
+timed steps after --warmup untimed ones (which capture the CUDA graphs). Each row of the output:
   path           pool: the routed work of a layer one grouped GEMM over the pool, no host sync, a CUDA graph per
                  (layer, B); per-expert: the same cached weights, each chosen expert's three matmuls on its own
                  (the path before the pool: host look-ups of every choice); stored pool (--pool-forms): the
                  experts' stored FP4 bytes pooled (a quarter of the memory), each step's chosen experts decoded side
                  by side and run as batched matmuls, or read straight from their bytes by the stored FP4 kernel
                  where its selection chose it (backends/stored_gemv.py: the report's stored_gemv, each shape class's
-                 choice with both timings), no host sync, not in graphs
+                 choice with both timings), no host sync, a CUDA graph per (layer, B) between the router's and the
+                 finish's (runtime/device_decode.py StoredExpertPool)
   tokens/s       B x steps / seconds (a step ends with its logits on the host)
   bytes/token    what a step reads over its B tokens, every matrix in the compute dtype (the issue's measure): the
                  resident weights (dense and shared expert, the head; norms and mHC as held), plus the routed

@@ -346,13 +346,13 @@ class Decoder:
             form = {True: "decoded", False: "stored"}.get(decoded_experts) or self._fitting_form()
         if decoded_experts is not None and (form == "decoded") != decoded_experts:
             raise ValueError(f"a {form} expert pool with decoded_experts={decoded_experts}")
-        arithmetic, dtype = self.arithmetic, self.experts.expert_dtype
+        arithmetic = self.arithmetic
+        pool_of = functools.partial(container_pool, self.cache, self.blocks, arithmetic.expert_naming,
+                                    arithmetic.expert_activation, self.experts.expert_dtype, self.device)
+        pool = pool_of(stored=form == "stored")
         # (a stored pool where its experts lie differently from layer to layer: the decoded one)
-        pool = container_pool(self.cache, self.blocks, arithmetic.expert_naming, arithmetic.expert_activation,
-                              dtype, self.device, stored=form == "stored")
         if pool is None and form == "stored" and decoded_experts is None:
-            form, pool = "decoded", container_pool(self.cache, self.blocks, arithmetic.expert_naming,
-                                                   arithmetic.expert_activation, dtype, self.device)
+            form, pool = "decoded", pool_of()
         if pool is not None:
             self.decoded = form == "decoded"
         return pool
@@ -519,8 +519,8 @@ class Decoder:
 
     def _entry(self, layer: int, e: int, raw: torch.Tensor) -> torch.Tensor | ExpertWeights:
         """What the cache keeps of expert e's bytes `raw`: its weights decoded on the compute device (`decoded`),
-        else its bytes there. On a CPU that is `raw` itself, which must therefore be bytes of its own (never a view
-        of a pooled buffer)."""
+        else its bytes there; with a pool, views of the slot they are copied into (where one is free). On a CPU
+        that is `raw` itself, which must therefore be bytes of its own (never a view of a pooled buffer)."""
         raw = raw.to(self.device)
         region = self.blocks[layer].experts[e]
         if self.pool is not None:  # into a slot of the pool (a copy of the bytes, or of the decoder's buffers)
@@ -533,7 +533,8 @@ class Decoder:
         return self.experts.owned_weights(self.blocks[layer], region, raw, region.offset)
 
     def _entry_bytes(self, layer: int, e: int) -> int:
-        """The memory expert e takes in the cache: its stored bytes, or (decoded) its three matrices."""
+        """The memory expert e takes in the cache: a pool's slot, else its stored bytes, or (decoded) its three
+        matrices."""
         if self.pool is not None:
             return self.pool.slot_bytes
         region = self.blocks[layer].experts[e]
@@ -738,8 +739,9 @@ class Decoder:
         not take, a family without a compiled path) for the rows of one step (`ids` [B] their tokens, on the
         device): the hidden rows after the last. The family's attention runs each row over its sequence's own
         state; the routed experts once each on every row that chose them. With the pool, a layer's fixed-shape
-        work (the family's pieces its `graphs` runs; the whole FFN where every expert is pooled) runs as a CUDA
-        graph per (layer, B) where CUDA is (StepGraphs), asking the host nothing."""
+        work (the family's pieces its `graphs` runs; the whole FFN where every expert is pooled and the pool runs it
+        whole, else the router and the finish around the routed work: RoutingPieces) runs as a CUDA graph per
+        (layer, B) where CUDA is (StepGraphs), asking the host nothing where the layer's experts are all pooled."""
         arithmetic, pool, rows = self.arithmetic, self.pool, len(sequences)
         graphs = self._graphs()
         hidden = arithmetic.hidden_from_embeddings(embedding)
@@ -753,8 +755,7 @@ class Decoder:
                 with self.compute:
                     hidden, experts, finite = graphs.run(("ffn", layer, rows), functools.partial(
                         self._pooled_ffn, layer, w), ids, *attended)
-                pool.calls += 1
-                self._step_uses.append((layer, experts))  # counted after the step (_settle_pooled)
+                self._pooled_call(layer, experts)
                 self._step_finite.append((layer, finite))
                 continue
             if pool is not None and not self.blocks[layer].experts:  # no routed experts: its FFN one graph too
@@ -818,14 +819,19 @@ class Decoder:
         hidden = self.arithmetic.finish(layer, w, hidden, routing, routed, checked=False)
         return hidden, torch.isfinite(hidden).all()
 
+    def _pooled_call(self, layer: int, experts: torch.Tensor) -> None:
+        """A complete layer's routed work run over the pool: counted, its choices (on the device) counted as the
+        cache's uses after the step (_settle_pooled)."""
+        self.pool.calls += 1
+        self._step_uses.append((layer, experts))
+
     def _routed_from_pool(self, layer: int, routing) -> torch.Tensor:
         """The rows' routed experts summed ([B, H] float32) over the pool: for a layer not all of whose experts
         are pooled, the choices read once (one synchronisation) and the misses read through the reader into
         slots first (or the experts run one by one where one could not be pooled)."""
         pool = self.pool
         if pool.complete(layer):  # (a pool that runs no FFN whole: nothing to ask)
-            pool.calls += 1
-            self._step_uses.append((layer, routing.experts))  # counted after the step (_settle_pooled)
+            self._pooled_call(layer, routing.experts)
             with self.compute:
                 return pool.routed(layer, routing.x, routing.experts, routing.weights)
         pool.syncs += 1

@@ -523,11 +523,12 @@ class StoredExpertPool(ExpertPool):
     weights: 3.8x as many FP4 experts in the same device memory, where the decoded ones do not all fit (the full
     model's routed experts decoded to bf16 take 4x a GPU's memory). Hits and misses are as the decoded pool's, a
     miss one copy of its bytes into a slot. A layer's routed work gathers each (row, choice) pair's bytes by slot,
-    decodes them side by side (`STORED_DECODE_BYTES` of weights at a time) and runs batched matmuls: no host round
-    trip; a transient piece between the router's and the finish's (its decoded weights, hundreds of MB a layer at
-    the release's size, in the memory the transient pieces share, not held per layer and B by a graph's own).
-    `layouts[layer]`: where each matrix lies in that
-    layer's expert regions (stored_layout); `lengths[layer]` its longest region; a slot the longest of all."""
+    decodes them side by side (`STORED_DECODE_BYTES` of weights at a time) and runs batched matmuls (FP4 with E8M0
+    scales: or the stored FP4 kernel reads them, where its selection chose it: stored_gemv.py): no host round trip;
+    a transient piece between the router's and the finish's (its decoded weights, hundreds of MB a layer at the
+    release's size, in the memory the transient pieces share, not held per layer and B by a graph's own).
+    `layouts[layer]`: where each matrix lies in that layer's expert regions (stored_layout); `lengths[layer]` its
+    longest region; a slot the longest of all."""
 
     form = "stored"
     whole_ffn = False  # (its routed work a transient piece between the router's and the finish's)
@@ -631,13 +632,13 @@ def container_pool(cache, blocks, naming, activation: Callable[[torch.Tensor, to
         for region in block.experts:
             shape_of = {t.name: tuple(t.shape) for t in region.tensors}
             names = naming.names(layer, region.expert)
-            shapes.add(tuple(shape_of.get(names[m]) for m in ("gate", "up", "down")))
+            shapes.add(tuple(shape_of.get(names[m]) for m in _ROLES))
             if stored:
                 layout = stored_layout(region, names)
                 placed.add(tuple(layout.values()) if layout is not None else None)
         if stored and (None in placed or len(placed) > 1):
             return None
-        layouts.append(dict(zip(("gate", "up", "down"), placed.pop())) if placed else {})
+        layouts.append(dict(zip(_ROLES, placed.pop())) if placed else {})
     if len(shapes) != 1 or len(counts) != 1:
         return None
     gate, up, down = shapes.pop()

@@ -40,8 +40,6 @@ def test_the_kernel_equals_the_decoded_matmul(interpreted, n_out, n_in, x_dtype)
     # the float32 sums to bf16: within one bf16 step (the interpreter truncates; a GPU rounds to nearest, equal to
     # torch's rounding: test_stored_gemv_cuda.py)
     assert rounded.dtype == torch.bfloat16 and ((rounded.float() - got).abs() <= got.abs() * 2**-7).all()
-    torch_way = stored_gemv.fp4_pairs_matmul_torch(stack, slots, x, m)
-    assert kernel_choice.relative_error(torch_way.double(), want) < (1e-6 if x_dtype == torch.float32 else 1e-2)
 
 
 def test_e8m0_scales_read_as_torch_reads_them(interpreted):
