@@ -332,8 +332,9 @@ def test_the_step_through_static_buffers_as_cuda_graphs_replay_them_equals_eager
 @pytest.mark.parametrize("fraction", [1.0, 0.4], ids=["complete", "misses"])
 def test_no_captured_piece_waits_for_the_host(containers, generator, monkeypatch, fraction):
     """What StepGraphs captures on CUDA (each layer's attention entry and FFN, or with misses its router, its routed
-    work over the pool and its finish), run on a CPU along the branches a GPU takes (no compiled token kernels, no native mHC): no op in it waits for
-    the host (an .item(), a nonzero, a mask, a host list made a tensor) -- one would fail the capture on CUDA."""
+    work over the pool and its finish), run on a CPU along the branches a GPU takes (no compiled token kernels, no
+    native mHC): no op in it waits for the host (an .item(), a nonzero, a mask, a host list made a tensor) -- one
+    would fail the capture on CUDA."""
     from moepack.backends import ops
     from moepack.families.deepseek_v4 import mhc_native
     from moepack.runtime import device_decode
