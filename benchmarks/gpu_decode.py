@@ -151,7 +151,7 @@ def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: 
         runtime_calls = device_runtime_calls(lambda: d.step_batch(seqs, tokens), d.device)
         experts_per_step = (hits + misses) / steps  # each distinct (layer, expert) of a step looked up once
         # (the issue's measure: each routed expert's matrices in the expert dtype, whatever the pool keeps)
-        routed = experts_per_step * 3 * pool.inter * pool.hidden * pool.dtype.itemsize
+        routed = experts_per_step * pool.decoded_bytes
         step_bytes = resident_bytes(d, d.compute_dtype) + routed
         path = ("stored pool" if pool.form == "stored" else "pool") if pooled else "per-expert"
         return {"path": path, "batch": batch, "steps": steps,
@@ -206,8 +206,8 @@ def main() -> None:
             every = [[1] * len(b.experts) for b in d.blocks]
             routed = sum(d._entry_bytes(layer, e) for layer, b in enumerate(d.blocks) for e in range(len(b.experts)))
             # the budget: every expert as this pool keeps it, or --cache-fraction of them all decoded (both forms)
-            budget = routed if args.cache_fraction >= 1 else int(args.cache_fraction * sum(
-                len(b.experts) for b in d.blocks) * 3 * d.pool.inter * d.pool.hidden * d.pool.dtype.itemsize)
+            budget = routed if args.cache_fraction >= 1 else \
+                int(args.cache_fraction * d.pool.routed_experts * d.pool.decoded_bytes)
             free = cuda_free_bytes(device) if device.type == "cuda" else 0
             if free and budget > 0.9 * free:  # one line, before a pool allocation fails with a traceback
                 raise SystemExit(f"the {form} experts' budget takes {budget / GIB:.1f} GiB but {device} has "

@@ -342,30 +342,19 @@ class Decoder:
         form = form or os.environ.get("MOEPACK_EXPERT_POOL") or None
         if form not in (None, "decoded", "stored"):
             raise MoepackError(f"the expert pool keeps its experts 'decoded' or 'stored', not {form!r}")
-        if form is None:
-            form = {True: "decoded", False: "stored"}.get(decoded_experts) or self._fitting_form()
-        if decoded_experts is not None and (form == "decoded") != decoded_experts:
+        if decoded_experts is not None and form is not None and (form == "decoded") != decoded_experts:
             raise ValueError(f"a {form} expert pool with decoded_experts={decoded_experts}")
         arithmetic = self.arithmetic
         pool_of = functools.partial(container_pool, self.cache, self.blocks, arithmetic.expert_naming,
                                     arithmetic.expert_activation, self.experts.expert_dtype, self.device)
-        pool = pool_of(stored=form == "stored")
-        # (a stored pool where its experts lie differently from layer to layer: the decoded one)
-        if pool is None and form == "stored" and decoded_experts is None:
-            form, pool = "decoded", pool_of()
+        if form is None and decoded_experts is None:  # stored where that form holds more at this budget
+            stored = pool_of(stored=True)  # (None where its experts lie differently from layer to layer)
+            pool = stored if stored is not None and stored.holds_more(self.cache.budget) else pool_of()
+        else:
+            pool = pool_of(stored=form == "stored" if form is not None else not decoded_experts)
         if pool is not None:
-            self.decoded = form == "decoded"
+            self.decoded = pool.form == "decoded"
         return pool
-
-    def _fitting_form(self) -> str:
-        """The pool's form by default: decoded where the budget holds every routed expert decoded, or their stored
-        bytes take over three quarters of their decoded size (BF16: no smaller); stored where a third more experts or
-        more fit that way (Q8_0 1.9x, FP8 2x, FP4 3.8x): a hit decodes, but a miss reads the disk."""
-        regions = [r for block in self.blocks for r in block.experts]
-        # each stored slot holds the longest region (StoredExpertPool): a layer of larger experts sets every slot
-        stored = len(regions) * max((r.length for r in regions), default=0)
-        decoded = sum(expert_weight_count(r) for r in regions) * self.experts.expert_dtype.itemsize
-        return "decoded" if self.cache.budget >= decoded or 4 * stored > 3 * decoded else "stored"
 
     def start(self, states) -> DecodeSequence:
         """A sequence after `states` (one per layer, all after the same tokens, or a KV state holding them as

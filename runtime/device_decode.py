@@ -210,8 +210,8 @@ class RoutingPieces:
 
         def finish(hidden: torch.Tensor, routed: torch.Tensor, *tensors: torch.Tensor):
             return self._finish(layer, w, hidden, self._rebuilt(key, tensors), routed)
-        return graphs.run(("finish", *key), finish, hidden, routed,
-                          *(getattr(routing, name) for name in _tensor_fields(routing)))
+        names, _ = self._routings[key]
+        return graphs.run(("finish", *key), finish, hidden, routed, *(getattr(routing, name) for name in names))
 
     def _rebuilt(self, key: tuple[int, int], tensors) -> object:
         names, routing = self._routings[key]
@@ -244,7 +244,8 @@ class ExpertPool:
         self.routed_experts = layers * experts if routed_experts is None else routed_experts
         self.inter, self.hidden, self.dtype, self.device = inter, hidden, dtype, device
         self.activation = activation  # the family's, between the two matmuls: act(gate x) * (up x)
-        self.slot_bytes = 3 * inter * hidden * dtype.itemsize
+        self.decoded_bytes = 3 * inter * hidden * dtype.itemsize  # one expert's three matrices, decoded
+        self.slot_bytes = self.decoded_bytes
         # the step's fixed-shape pieces in CUDA graphs (these stacks' routed work, and the Decoder's)
         self.graphs = StepGraphs(device.type == "cuda" if graphs is None else graphs and device.type == "cuda",
                                  device)
@@ -409,9 +410,19 @@ class ExpertPool:
                                weights, transient=True)
 
     def _routed(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        top_k = experts.shape[1]
-        experts, weights = _by_expert_id(experts, weights)
-        slots = self.slot_of[layer].index_select(0, experts.reshape(-1))  # [P] pairs
+        experts, by_id = experts.sort(dim=1)  # each row's terms summed in ascending expert id
+        slots = self.slot_of[layer].index_select(0, experts.reshape(-1))  # [P] pairs, row-major
+        terms = self._terms(layer, x, slots, experts.shape[1])  # [P, H]
+        # each row's terms times their routing weights, summed in choice order (ExpertGroups.combine's)
+        terms, weights = terms.view(*experts.shape, -1), weights.gather(1, by_id)
+        acc = torch.zeros(x.shape[0], terms.shape[2], dtype=torch.float32, device=terms.device)
+        for j in range(experts.shape[1]):
+            acc.addcmul_(terms[:, j].float(), weights[:, j, None].float())
+        return acc
+
+    def _terms(self, layer: int, x: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
+        """Each (row, choice) pair's expert output [P, H] (row-major: pair p is row p // top_k), `slots` [P] the
+        pairs' slots: one grouped GEMM over the whole pool for gate and up, one for down."""
         order = torch.argsort(slots, stable=True)
         sorted_slots = slots.index_select(0, order)
         ends = torch.searchsorted(sorted_slots, self._slot_ids, right=True).to(torch.int32)
@@ -421,7 +432,7 @@ class ExpertPool:
         out = self._pool_matmul(hidden, self.down, ends, sorted_slots)
         positions = torch.arange(order.numel(), device=order.device)
         back = torch.empty_like(order).scatter_(0, order, positions)  # order's inverse
-        return _combined(out.index_select(0, back), weights)
+        return out.index_select(0, back)
 
     def _pool_matmul(self, a: torch.Tensor, stack: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor
                      ) -> torch.Tensor:
@@ -450,24 +461,6 @@ class ExpertPool:
         self._slots.clear()
         self._pooled = [0] * self.layers
         self.graphs.clear()
-
-
-def _by_expert_id(experts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's choices [B, k] and their routing weights in ascending expert id: the order its terms are summed
-    in (ExpertGroups.combine's)."""
-    experts, by_id = experts.sort(dim=1)
-    return experts, weights.gather(1, by_id)
-
-
-def _combined(terms: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Each row's routed terms (`terms` [B x k, H], row-major by (row, choice)) times their routing weights
-    (`weights` [B, k]) summed in choice order: [B, H] float32."""
-    rows, top_k = weights.shape
-    terms = terms.view(rows, top_k, -1)
-    acc = torch.zeros(rows, terms.shape[2], dtype=torch.float32, device=terms.device)
-    for j in range(top_k):
-        acc.addcmul_(terms[:, j].float(), weights[:, j, None].float())
-    return acc
 
 
 @dataclass(frozen=True)
@@ -541,7 +534,7 @@ class StoredExpertPool(ExpertPool):
         self.layouts = layouts
         self.slot_bytes = -(-max(lengths) // SLOT_ALIGN) * SLOT_ALIGN
         self.lengths = lengths  # each layer's longest region: a cache entry's bytes
-        self.chunk_pairs = max(1, STORED_DECODE_BYTES // (3 * inter * hidden * dtype.itemsize))
+        self.chunk_pairs = max(1, STORED_DECODE_BYTES // self.decoded_bytes)
         # per layer, where the stored FP4 kernel reads its three matrices (None: not all FP4 with E8M0 scales)
         self.fp4_layouts = [_fp4_layout(layout) for layout in layouts]
 
@@ -557,19 +550,21 @@ class StoredExpertPool(ExpertPool):
     def entry(self, layer: int, slot: int) -> torch.Tensor:
         return self.stacks[0][slot, :self.lengths[layer]]
 
-    def _routed(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        top_k = experts.shape[1]
-        experts, weights = _by_expert_id(experts, weights)
-        slots = self.slot_of[layer].index_select(0, experts.reshape(-1))  # [P] pairs, row-major
+    def _terms(self, layer: int, x: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
         pairs = x[:, None, :].expand(-1, top_k, -1).reshape(-1, x.shape[1])  # [P, H]: pair p is row p // top_k
         fp4 = self.fp4_layouts[layer]
         if fp4 is None:
-            return _combined(self._decoded_terms(layer, slots, pairs), weights)
+            return self._decoded_terms(layer, slots, pairs)
         # the stored FP4 kernel or torch's decode, as the selection chose for this shape class (stored_gemv.py)
-        terms = stored_gemv.pairs_result(self.stacks[0], pairs, [fp4[role] for role in _ROLES],
-                                         lambda: self._fp4_terms(fp4, slots, pairs),
-                                         lambda: self._decoded_terms(layer, slots, pairs))
-        return _combined(terms, weights)
+        return stored_gemv.pairs_result(self.stacks[0], pairs, [fp4[role] for role in _ROLES],
+                                        lambda: self._fp4_terms(fp4, slots, pairs),
+                                        lambda: self._decoded_terms(layer, slots, pairs))
+
+    def holds_more(self, budget: int) -> bool:
+        """Whether, at `budget`, this pool is the better form: the budget does not hold every routed expert
+        decoded, and a slot of stored bytes is at most three quarters of a decoded one (a third more experts or
+        more: Q8_0 1.9x, FP8 2x, FP4 3.8x; a hit decodes, but a miss reads the disk)."""
+        return budget < self.routed_experts * self.decoded_bytes and 4 * self.slot_bytes <= 3 * self.decoded_bytes
 
     def _decoded_terms(self, layer: int, slots: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
         """Each pair's expert output [P, H] (the expert dtype): its matrices decoded side by side (a chunk of pairs
