@@ -163,9 +163,9 @@ def test_a_stopped_reply_stays_in_the_history_as_far_as_it_was_shown(container):
     from moepack.families.deepseek_v4.chat import encode_message_segments
 
     # The tiny random model ends its greedy reply to "Hi" by itself after about 2,500 tokens: the Ctrl-C must land
-    # well inside that on this machine, so the wait comes from the decode speed measured here, aimed at ~200 tokens
+    # well inside that on this machine, so the wait comes from the decode speed measured here, aimed at ~100 tokens
     # (a busy machine's speed may change several times between the calibration and the chat).
-    calibration = subprocess.run([sys.executable, "-m", "moepack", "generate", container, "--prompt", "Hi", "-n", "200",
+    calibration = subprocess.run([sys.executable, "-m", "moepack", "generate", container, "--prompt", "Hi", "-n", "100",
                                   "--json"], capture_output=True, text=True, timeout=120)
     tokens_per_s = json.loads(calibration.stdout)["stats"]["decode"]["tokens_per_s"]
     chat = subprocess.Popen([sys.executable, "-m", "moepack", "chat", container, "-n", "100000", "--json"],
@@ -176,7 +176,7 @@ def test_a_stopped_reply_stays_in_the_history_as_far_as_it_was_shown(container):
         for line in (b"Hi\n", b"Again\n"):
             chat.stdin.write(line)
             chat.stdin.flush()
-            time.sleep(0.2 + 200 / tokens_per_s)  # the prompt's prefill, then ~200 tokens into the reply
+            time.sleep(0.2 + 100 / tokens_per_s)  # the prompt's prefill, then ~100 tokens into the reply
             chat.send_signal(signal.SIGINT)
             replies.append(json.loads(chat.stdout.readline()))
         chat.stdin.close()
