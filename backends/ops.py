@@ -66,6 +66,21 @@ def rows(x: Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
+def fused_norm_on(device: torch.device) -> bool:
+    """Whether `fused_rms_norm` runs on `device`: CUDA, where torch's rms_norm is one kernel (_fused_rms_norm); on a
+    CPU it is torch's composite of the same steps, so the families keep their own arithmetic there."""
+    return device.type == "cuda"
+
+
+def fused_rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor | None:
+    """x times the inverse root of its mean square over the last dimension (+ eps), times `weight` if any, in one
+    kernel where `fused_norm_on` x's device and the weight has x's dtype; else None (the caller's own steps: about
+    seven launches, and a decode step runs several norms a layer, each a node of its CUDA graph)."""
+    if not fused_norm_on(x.device) or (weight is not None and weight.dtype != x.dtype):
+        return None
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 def matmul(x: Tensor, w: Tensor) -> Tensor:
     """F.linear(x, w) (same dtypes), through the token matmul for a few rows of x on a CPU."""
     kernels = kernels_for(rows(x), x, w) if x.dtype == w.dtype else None

@@ -106,7 +106,7 @@ run_tests() {
     timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_prefill.py tests/test_quants.py \
         tests/test_bench.py tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py \
         tests/test_grouped_experts.py tests/test_resident.py tests/test_device_decode.py tests/test_fused_scores_cuda.py \
-        tests/test_stored_gemv_cuda.py tests/test_stored_pool.py \
+        tests/test_stored_gemv_cuda.py tests/test_stored_pool.py tests/test_fused_norm.py \
         tests/test_device_kv.py tests/test_mhc_native.py \
         -k cuda 2>&1 \
         | tee "$OUT/tests.txt"

@@ -54,13 +54,14 @@ class HostSyncs(TorchDispatchMode):
 def without_native_code(patch) -> None:
     """What a CPU runs natively and a CUDA device does not, patched out with `patch(owner, name, value)`: the
     compiled token kernels (ops.kernels_for) and DeepSeek-V4's native mHC (cuda_branches here, and
-    tests/step_audit.py's gpu_branches)."""
+    tests/step_audit.py's gpu_branches); and torch's fused RMS norm taken, as on CUDA."""
     from moepack.backends import ops
     from moepack.families.deepseek_v4 import mhc_native
 
     from moepack.format_spec import source_formats
 
     patch(ops, "kernels_for", lambda *a: None)
+    patch(ops, "fused_norm_on", lambda device: True)  # (torch's rms_norm: on a CPU its composite of the same steps)
     for name in ("hc_mix_weights", "token_pre", "token_post"):
         patch(mhc_native, name, lambda *a, **k: None)
     patch(source_formats, "_fp8_native", lambda: None)  # (the FP8 decode's compiled loop: its torch lookup)

@@ -47,6 +47,8 @@ _NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
               "lift_fresh", "_to_copy_noop", "clone_noop", "record_stream", "set_", "resize_", "sym_size",
               "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type",
               "is_pinned", "_nested_tensor_size"}
+# torch functions that are one kernel on CUDA and a composite of several ops on a CPU: one launch
+_FUSED_ON_CUDA = {"rms_norm"}
 _FACTORIES = {"tensor", "as_tensor", "arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint",
               "linspace", "eye", "frombuffer", "from_numpy", "asarray", "empty_strided", "scalar_tensor"}
 _LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "new_zeros", "new_ones",
@@ -298,6 +300,12 @@ class _Boundary(TorchFunctionMode):
             with audit.placed("device" if on_device else "host"):
                 out = func(*args, **kwargs)
             audit.tag(out, host=not on_device)
+            return out
+        if name in _FUSED_ON_CUDA and device and not host:
+            audit.launch(name)
+            with audit.placed("silent"):
+                out = func(*args, **kwargs)
+            audit.tag(out, host=False)
             return out
         if name in _LIKE and args and isinstance(args[0], torch.Tensor) and kwargs.get("device") is None:
             on_host = audit.is_host(args[0])

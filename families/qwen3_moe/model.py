@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moepack.backends.ops import fused_rms_norm
+
 from ..base import Routing
 from .config import Qwen3MoeConfig
 from .tensors import DENSE_MLP, ROUTER, Checkpoint
@@ -29,7 +31,10 @@ from .tensors import DENSE_MLP, ROUTER, Checkpoint
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """transformers' Qwen3MoeRMSNorm: the mean square in float32, the weight applied in x's dtype."""
     x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = fused_rms_norm(x32, None, eps)  # one kernel on CUDA
+    if normed is None:
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
 
 
 def rope_tables(c: Qwen3MoeConfig, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
