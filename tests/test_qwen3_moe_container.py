@@ -511,3 +511,26 @@ def test_llama_cpp_runs_the_qwen3moe_export_at_transformers_logits(tmp_path, ove
         assert theirs.shape == ours.shape
         err = np.abs(theirs - ours).max() / np.abs(ours).max()
         assert err < 2e-5, (n, err)
+
+
+def test_a_single_file_beside_an_index_is_converted_as_transformers_loads_it(tmp_path):
+    """transformers' from_pretrained reads model.safetensors where there is one, before model.safetensors.index.json
+    (a sharded save_pretrained over a single-file checkpoint leaves the old file there): convert reads that file
+    alone, locally and as the hub plan lists it, and the container's logits are transformers' of it."""
+    from moepack.packer.hub import resolve_source
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    single = save_model(tmp_path, {}, torch.float32)
+    with torch.no_grad():  # other weights, saved as shards + index beside the single file
+        for p in single.parameters():
+            p.mul_(-1.5)
+    single.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and (tmp_path / "model.safetensors").exists()
+    want = reference_logits(reference(tmp_path), PROMPT)[-1]
+    assert not torch.allclose(want, reference_logits(single, PROMPT)[-1], atol=1e-2)  # it loaded the single file
+    assert [n for n in resolve_source(str(tmp_path)).provenance["files"] if n.endswith(".safetensors")] == [
+        "model.safetensors"]
+    out = str(tmp_path / "m.moepack")
+    convert_checkpoint(str(tmp_path), out, policy="keep", progress=False)
+    got = prefill(out, PROMPT, PrefillOptions(compute_dtype="float32", expert_selection="all")).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
