@@ -40,7 +40,8 @@ from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import remove_stale_temporaries, temporary_prefix
 
-INDEX_FILE = "model.safetensors.index.json"
+from .source import INDEX_FILE, weight_files
+
 # The small files a conversion reads besides the shards, in the order they are fetched.
 SMALL_FILES = ("config.json", INDEX_FILE, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -229,15 +230,12 @@ def _resolve_local(src: str, revision: str | None) -> ResolvedSource:
         raise MoepackError(f"--revision {revision} applies to Hugging Face repos, but {src} is a local directory")
     if not os.path.isdir(path):
         raise MoepackError(f"{src}: not a directory")
-    names = [n for n in SMALL_FILES if os.path.isfile(os.path.join(path, n))]
-    if INDEX_FILE in names:
-        shards = _index_shards(os.path.join(path, INDEX_FILE), where=path)
-        for shard in shards:
-            if not os.path.isfile(os.path.join(path, shard)):
-                raise MoepackError(f"{path}: {INDEX_FILE} lists shard {shard}, which is not in the directory")
-    else:
-        shards = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")
-                        and os.path.isfile(os.path.join(path, n)))
+    listing = [n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))]
+    names = [n for n in SMALL_FILES if n in listing]
+    shards = weight_files(listing, lambda: _index_shards(os.path.join(path, INDEX_FILE), where=path))
+    for shard in shards:
+        if not os.path.isfile(os.path.join(path, shard)):
+            raise MoepackError(f"{path}: {INDEX_FILE} lists shard {shard}, which is not in the directory")
     files = {n: {"size": os.path.getsize(os.path.join(path, n)), "sha256": None} for n in names + shards}
     return ResolvedSource(local_dir=path, provenance={"source": path, "revision": None, "files": files})
 
@@ -321,16 +319,14 @@ class _HubPlan:
             plan.snapshot_dir = _snapshot(plan, small, progress=False)
         for name in small:
             plan.check_file(name)
-        if INDEX_FILE in listed:
-            shards = _index_shards(os.path.join(plan.snapshot_dir, INDEX_FILE), where=at)
-            absent = [s for s in shards if s not in listed]
-            if absent:
-                more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
-                raise MoepackError(f"{at}: {INDEX_FILE} lists shard {absent[0]}{more}, which the repo does not have")
-        else:
-            shards = sorted(n for n in listed if n.endswith(".safetensors") and "/" not in n)
-            if not shards:
-                raise MoepackError(f"{at}: the repo has no *.safetensors weights at its top level")
+        shards = weight_files([n for n in listed if "/" not in n],
+                              lambda: _index_shards(os.path.join(plan.snapshot_dir, INDEX_FILE), where=at))
+        absent = [s for s in shards if s not in listed]
+        if absent:
+            more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+            raise MoepackError(f"{at}: {INDEX_FILE} lists shard {absent[0]}{more}, which the repo does not have")
+        if not shards:
+            raise MoepackError(f"{at}: the repo has no *.safetensors weights at its top level")
         plan.shards = shards
         plan.files = {n: listed[n] for n in small + shards}
         return plan
@@ -359,12 +355,10 @@ class _HubPlan:
         small = [n for n in SMALL_FILES if os.path.isfile(os.path.join(snap, n))]
         missing = [] if "config.json" in small else ["config.json"]
         if not missing:
-            if INDEX_FILE in small:
-                shards = _index_shards(os.path.join(snap, INDEX_FILE), where=at)
-            else:
-                shards = sorted(n for n in os.listdir(snap) if n.endswith(".safetensors"))
-                if not shards:
-                    missing.append("*.safetensors")
+            shards = weight_files(os.listdir(snap), lambda: _index_shards(os.path.join(snap, INDEX_FILE), where=at))
+            if not shards:
+                missing.append("*.safetensors")
+            if INDEX_FILE not in small:
                 missing += missing_numbered_shards(shards)  # no index: the shards' own numbering
             missing += [s for s in shards if not os.path.isfile(os.path.join(snap, s))]
         if missing:

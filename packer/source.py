@@ -12,6 +12,7 @@ import re
 import shutil
 import struct
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from moepack.format_spec import untrusted
@@ -139,6 +140,23 @@ class LocalSource:
         return {}
 
 
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def weight_files(names: Iterable[str], index_shards: Callable[[], list[str]]) -> list[str]:
+    """The safetensors files a checkpoint's weights are read from, given the file names at its top level, chosen as
+    transformers' from_pretrained chooses: model.safetensors alone where there is one, even beside an index (a
+    sharded save_pretrained over a single-file checkpoint leaves the old file, and transformers loads that), else
+    the shards `index_shards()` reads from the index, else every *.safetensors there (transformers would refuse)."""
+    names = set(names)
+    if SINGLE_FILE in names:
+        return [SINGLE_FILE]
+    if INDEX_FILE in names:
+        return index_shards()
+    return sorted(n for n in names if n.endswith(".safetensors"))
+
+
 _NUMBERED_SHARD = re.compile(r"(.*)-(\d+)-of-(\d+)\.safetensors")
 
 
@@ -171,21 +189,24 @@ class CheckpointDir(LocalSource):
         if not os.path.isdir(path):
             raise MoepackError(f"{path}: not a directory")
         self.config = self._read_json("config.json", required=True)
-        index = self._read_json("model.safetensors.index.json", required=False)
-        if index is not None:
+        weight_map = None
+
+        def index_shards() -> list[str]:
+            nonlocal weight_map
+            index = self._read_json(INDEX_FILE, required=True)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
-                raise MoepackError("model.safetensors.index.json has no weight_map")
-            shards = sorted(set(weight_map.values()))
-        else:
-            shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-            weight_map = None
+                raise MoepackError(f"{INDEX_FILE} has no weight_map")
+            return sorted(set(weight_map.values()))
+
+        shards = weight_files(os.listdir(path), index_shards)
+        if weight_map is None:
             if not shards:
-                raise MoepackError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+                raise MoepackError(f"{path}: no *.safetensors files and no {INDEX_FILE}")
             gaps = missing_numbered_shards(shards)
             if gaps:
                 raise MoepackError(f"{path}: {missing_shards_text(gaps)} (a partial copy or download?); there is no "
-                                   f"model.safetensors.index.json to say more")
+                                   f"{INDEX_FILE} to say more")
         self.shards = shards
         self.tensors: dict[str, SourceTensor] = {}
         for shard in shards:

@@ -546,6 +546,19 @@ def test_index_lists_a_shard_the_repo_lacks(tmp_path, hub):
     assert not set(SHARDS) & set(hub.content_gets())  # found out before any shard was downloaded
 
 
+def test_a_single_file_beside_an_index_is_the_one_fetched(tmp_path, hub):
+    """transformers loads model.safetensors where there is one, before an index: so does the plan, online and from
+    the cache offline; the index's shards are not fetched."""
+    files = make_checkpoint(tmp_path, 2)
+    files["model.safetensors"] = make_checkpoint(tmp_path, 3)[SHARDS[0]]
+    hub.add_repo("acme/both", FakeRepo({MAIN_SHA: files}, {"main": MAIN_SHA}))
+    for offline in (False, True):
+        r = run(tmp_path, hub.url, "acme/both", offline=offline)
+        assert r.rc == 0, r.data
+        assert [n for n in r.data["provenance"]["files"] if n.endswith(".safetensors")] == ["model.safetensors"]
+    assert not set(SHARDS) & set(hub.content_gets())
+
+
 def test_server_down(tmp_path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

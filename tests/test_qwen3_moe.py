@@ -275,7 +275,11 @@ def test_a_quantization_other_than_the_fp8_releases_is_refused(tmp_path, quantiz
     (dict(use_sliding_window=True), "use_sliding_window"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), "rope_parameters"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}), "rope_parameters"),
+    (dict(rope_parameters=None, rope_scaling={"rope_type": "longrope", "factor": 4.0}), "rope_scaling"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6}), "rope_parameters.factor"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "truncate": "no"}),
+     "rope_parameters.truncate"),
     (dict(rope_parameters=None, rope_theta=-1.0), "rope_theta"),
 ])
 def test_an_absurd_config_is_one_line_naming_the_field(change, field):
@@ -290,6 +294,39 @@ def test_both_spellings_of_a_config():
     written = {k: v for k, v in BASE.items() if k != "num_experts"} | {"num_local_experts": 6}
     assert Qwen3MoeConfig.from_hf(release).rope_theta == 1e6
     assert Qwen3MoeConfig.from_hf(written).num_experts == 6
+
+
+# The RoPE scalings Qwen's model cards configure (YaRN, factor 4 over 32768 positions, as rope_scaling) and
+# transformers' other spellings of them, each field chosen so that it moves the logits.
+SCALED_ROPES = {
+    "yarn-release": dict(rope_parameters=None, rope_theta=1e6, max_position_embeddings=64,
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+    "yarn-untruncated-mscale": dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 4096,
+        "truncate": False, "mscale": 0.8, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2}),
+    "yarn-attention-factor": dict(max_position_embeddings=32, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "attention_factor": 1.3}),
+    "linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 3.0}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALED_ROPES))
+def test_a_scaled_rope_gives_transformers_logits(tmp_path, name):
+    save_model(tmp_path, SCALED_ROPES[name], torch.float32)
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.config.rope_scaling.kind == name.split("-")[0]
+    ids = PROMPT * 3
+    torch.testing.assert_close(forward(loaded, ids), reference_logits(reference(tmp_path), ids), atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_yarn_without_its_original_context_takes_max_position_embeddings():
+    """As transformers' rope standardisation fills it in (a config.json written by hand may leave it out)."""
+    raw = {**BASE, "max_position_embeddings": 128, "rope_parameters": None, "rope_theta": 1e6,
+           "rope_scaling": {"type": "yarn", "factor": 4.0}}
+    scaling = Qwen3MoeConfig.from_hf(raw).rope_scaling
+    assert (scaling.kind, scaling.factor, scaling.original_max_position_embeddings) == ("yarn", 4.0, 128)
+    assert scaling == Qwen3MoeConfig.from_hf({**raw, **transformers.Qwen3MoeConfig(**raw).to_dict()}).rope_scaling
 
 
 def test_family_for_picks_qwen3_moe_and_refuses_the_unknown():

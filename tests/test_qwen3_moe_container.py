@@ -312,6 +312,32 @@ def _gguf_key_names(gguf, arch: str) -> set[str]:
     return out
 
 
+def test_a_scaled_rope_goes_to_the_gguf_and_back(tmp_path):
+    """A YaRN (or linear) RoPE is written as llama.cpp's rope.scaling keys and read back from them: the GGUF
+    converted back runs the container's logits; a YaRN llama.cpp would scale otherwise is refused in one line."""
+    gguf = pytest.importorskip("gguf")
+    from test_qwen3_moe import SCALED_ROPES
+
+    from moepack.packer.gguf_export import export_gguf
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    f32 = PrefillOptions(compute_dtype="float32")
+    for name in ("yarn-release", "linear", "yarn-attention-factor"):
+        src, original, back, out = (tmp_path / name / n for n in ("hf", "m.moepack", "back.moepack", "m.gguf"))
+        save_model(src, SCALED_ROPES[name], torch.float32)
+        convert_checkpoint(str(src), str(original), policy="keep", progress=False)
+        if name == "yarn-attention-factor":
+            with pytest.raises(MoepackError, match="llama.cpp's YaRN scales cos and sin by its own mscale"):
+                export_gguf(str(original), str(out), progress=False)
+            continue
+        export_gguf(str(original), str(out), progress=False)
+        assert gguf.GGUFReader(str(out)).fields["qwen3moe.rope.scaling.type"].contents() == name.split("-")[0]
+        convert_checkpoint(str(out), str(back), policy="keep", progress=False)
+        theirs = prefill(str(original), PROMPT * 3, f32).logits
+        torch.testing.assert_close(prefill(str(back), PROMPT * 3, f32).logits, theirs,
+                                   atol=0.02 * theirs.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("layout, policy", [("bf16", "keep"), ("release", "fp4")])
 def test_export_gguf_is_llama_cpps_qwen3moe(synth_dirs, keep_containers, tmp_path, layout, policy):
     """The GGUF read back by gguf-py: llama.cpp's qwen3moe architecture and keys, every tensor under gguf-py's name
@@ -511,3 +537,26 @@ def test_llama_cpp_runs_the_qwen3moe_export_at_transformers_logits(tmp_path, ove
         assert theirs.shape == ours.shape
         err = np.abs(theirs - ours).max() / np.abs(ours).max()
         assert err < 2e-5, (n, err)
+
+
+def test_a_single_file_beside_an_index_is_converted_as_transformers_loads_it(tmp_path):
+    """transformers' from_pretrained reads model.safetensors where there is one, before model.safetensors.index.json
+    (a sharded save_pretrained over a single-file checkpoint leaves the old file there): convert reads that file
+    alone, locally and as the hub plan lists it, and the container's logits are transformers' of it."""
+    from moepack.packer.hub import resolve_source
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    single = save_model(tmp_path, {}, torch.float32)
+    with torch.no_grad():  # other weights, saved as shards + index beside the single file
+        for p in single.parameters():
+            p.mul_(-1.5)
+    single.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and (tmp_path / "model.safetensors").exists()
+    want = reference_logits(reference(tmp_path), PROMPT)[-1]
+    assert not torch.allclose(want, reference_logits(single, PROMPT)[-1], atol=1e-2)  # it loaded the single file
+    assert [n for n in resolve_source(str(tmp_path)).provenance["files"] if n.endswith(".safetensors")] == [
+        "model.safetensors"]
+    out = str(tmp_path / "m.moepack")
+    convert_checkpoint(str(tmp_path), out, policy="keep", progress=False)
+    got = prefill(out, PROMPT, PrefillOptions(compute_dtype="float32", expert_selection="all")).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

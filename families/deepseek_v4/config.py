@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 from moepack.format_spec.errors import MoepackError
 
+from ..rope import yarn_attention_factor, yarn_inv_freq
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -261,25 +263,10 @@ class RopeConfig:
         """[dim/2] float32 frequencies, computed the way transformers computes them."""
         import torch  # here: reading a config (moepack plan) needs no torch
 
-        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim
         if self.scaling == "default":
-            return 1.0 / (self.theta ** exponents)
-        # YaRN: extrapolate the fast (high-frequency) pairs, interpolate the slow ones by `factor`, and blend linearly
-        # between the pair indices where a pair turns `beta_fast` resp. `beta_slow` times over the original context.
-        pos_freqs = self.theta ** exponents
-        extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
-
-        def pair_index(rotations: float) -> float:
-            return (self.dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
-                    / (2 * math.log(self.theta)))
-
-        low = max(math.floor(pair_index(self.beta_fast)), 0)
-        high = min(math.ceil(pair_index(self.beta_slow)), self.dim - 1)
-        if low == high:
-            high += 0.001  # avoid a zero-width ramp
-        ramp = ((torch.arange(self.dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        extrapolated_share = 1 - ramp
-        return interpolated * (1 - extrapolated_share) + extrapolated * extrapolated_share
+            return 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+        return yarn_inv_freq(self.dim, self.theta, self.factor, self.original_max_position_embeddings,
+                             self.beta_fast, self.beta_slow)
 
 
 def _partial_rotary_factor(f: _Fields, head_dim: int) -> float:
@@ -348,11 +335,8 @@ def _rope_config(where: str, p: Mapping, head_dim: int, partial: float, max_posi
     m, m_all = number("mscale", minimum=0, open_min=False), number("mscale_all_dim", minimum=0, open_min=False)
     beta_fast = number("beta_fast", minimum=0, open_min=False)
     beta_slow = number("beta_slow", minimum=0, open_min=False)
-    if attention_factor is None:  # YaRN's default mscale, as transformers derives it
-        def mscale(scale, m=1.0):
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    if attention_factor is None:
+        attention_factor = yarn_attention_factor(factor, m, m_all)
     return RopeConfig(dim=dim, theta=float(theta), scaling="yarn", factor=float(factor),
                       original_max_position_embeddings=original, beta_fast=float(beta_fast or 32),
                       beta_slow=float(beta_slow or 1), attention_factor=float(attention_factor))

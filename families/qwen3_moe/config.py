@@ -3,8 +3,8 @@ every field checked: an absurd or unsupported value is one line naming the field
 
 Two spellings occur: the releases' (`num_experts`, `rope_theta`, `rope_scaling`) and what transformers 5 writes
 (`num_local_experts`, `rope_parameters` {rope_type, rope_theta}). Features this family does not compute
-(a sliding window, attention biases, a RoPE other than the default, an activation other than SiLU) are refused
-rather than computed differently from the reference.
+(a sliding window, attention biases, a RoPE other than the default, linear or YaRN, an activation other than SiLU)
+are refused rather than computed differently from the reference.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range
 
 from ..base import MoeShape
+from ..rope import RopeScaling, yarn_attention_factor
 
 MODEL_TYPE = "qwen3_moe"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -48,22 +49,48 @@ def _bool(raw: Mapping[str, Any], key: str) -> bool:
     return value
 
 
-def _rope_theta(raw: Mapping[str, Any]) -> float:
-    """rope_parameters {rope_type, rope_theta} (transformers 5) or rope_theta + rope_scaling (the releases); only
-    the default RoPE is computed here."""
+ROPE_KINDS = ("default", "linear", "yarn")
+
+
+def _rope(raw: Mapping[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, its scaling or None) from rope_parameters {rope_type, rope_theta, ...} (transformers 5) or
+    rope_theta + rope_scaling (the releases), read as transformers reads them: the default RoPE, linear, or YaRN
+    (original_max_position_embeddings defaulting to max_position_embeddings, attention_factor to YaRN's mscale)."""
     params = raw.get("rope_parameters")
     scaling = raw.get("rope_scaling")
     if params is not None and not isinstance(params, Mapping):
         raise UntrustedInputError("config.json rope_parameters: expected an object")
     if scaling is not None and not isinstance(scaling, Mapping):
         raise UntrustedInputError("config.json rope_scaling: expected an object")
-    for key, block in (("rope_parameters", params), ("rope_scaling", scaling)):
-        kind = (block or {}).get("rope_type", (block or {}).get("type", "default"))
-        if kind != "default":
-            raise UntrustedInputError(f"config.json {key}: RoPE type {str(kind)[:40]!r} is not supported "
-                                      "(qwen3-moe computes the default RoPE only)")
-    theta = (params or {}).get("rope_theta", raw.get("rope_theta", DEFAULTS["rope_theta"]))
-    return finite_float(theta, "config.json rope_theta", lo=1.0, hi=1e12)
+    key, block = ("rope_parameters", params) if params else ("rope_scaling", scaling or {})
+    theta = finite_float(block.get("rope_theta", raw.get("rope_theta", DEFAULTS["rope_theta"])),
+                         "config.json rope_theta", lo=1.0, hi=1e12)
+    kind = block.get("rope_type", block.get("type", "default"))
+    if kind not in ROPE_KINDS:
+        raise UntrustedInputError(f"config.json {key}: RoPE type {str(kind)[:40]!r} is not supported "
+                                  f"(qwen3-moe computes {', '.join(ROPE_KINDS)})")
+    if kind == "default":
+        return theta, None
+
+    def number(name: str, default: float | None = None) -> float:
+        value = block.get(name)
+        if value is None and default is not None:
+            return default
+        return finite_float(value, f"config.json {key}.{name}", lo=0.0, hi=1e12, lo_open=True)
+
+    factor = number("factor")
+    if kind == "linear":
+        return theta, RopeScaling("linear", factor)
+    original = int_in_range(block.get("original_max_position_embeddings") or max_positions,
+                            f"config.json {key}.original_max_position_embeddings", 1, 1 << 31)
+    truncate = block.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise UntrustedInputError(f"config.json {key}.truncate: expected true or false")
+    mscale = block.get("mscale") and number("mscale")
+    mscale_all_dim = block.get("mscale_all_dim") and number("mscale_all_dim")
+    attention = number("attention_factor", yarn_attention_factor(factor, mscale, mscale_all_dim))
+    return theta, RopeScaling("yarn", factor, original, number("beta_fast", 32.0), number("beta_slow", 1.0),
+                              truncate, attention)
 
 
 @dataclass(frozen=True)
@@ -87,6 +114,7 @@ class Qwen3MoeConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
+    rope_scaling: RopeScaling | None = None  # linear or YaRN; None: the default RoPE
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> Qwen3MoeConfig:
@@ -122,6 +150,8 @@ class Qwen3MoeConfig:
             raise UntrustedInputError(f"config.json mlp_only_layers: expected a list of at most {layers} layer "
                                       "indices")
         only = tuple(sorted({int_in_range(i, "config.json mlp_only_layers[]", 0, layers - 1) for i in only}))
+        max_positions = _int(raw, "max_position_embeddings", 1, 1 << 31)
+        rope_theta, rope_scaling = _rope(raw, max_positions)
         return cls(
             vocab_size=_int(raw, "vocab_size", 1, MAX_VOCAB), hidden_size=hidden, num_layers=layers,
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -129,11 +159,11 @@ class Qwen3MoeConfig:
             moe_intermediate_size=_int(raw, "moe_intermediate_size", 1, MAX_DIM),
             num_experts=experts, top_k=top_k, norm_topk_prob=_bool(raw, "norm_topk_prob"),
             decoder_sparse_step=_int(raw, "decoder_sparse_step", 1, MAX_LAYERS), mlp_only_layers=only,
-            rope_theta=_rope_theta(raw),
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
             rms_norm_eps=finite_float(_field(raw, "rms_norm_eps"), "config.json rms_norm_eps", lo=0.0, hi=1.0,
                                       lo_open=True),
             tie_word_embeddings=_bool(raw, "tie_word_embeddings"),
-            max_position_embeddings=_int(raw, "max_position_embeddings", 1, 1 << 31),
+            max_position_embeddings=max_positions,
         )
 
     def is_moe_layer(self, layer: int) -> bool:

@@ -12,6 +12,7 @@ import numpy as np
 from moepack.format_spec.errors import MoepackError
 
 from ..base import GGUFModel
+from ..rope import yarn_attention_factor
 from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
 
 GGUF_ARCH = "qwen3moe"
@@ -45,8 +46,42 @@ def gguf_model(c: Qwen3MoeConfig) -> GGUFModel:
         (f"{a}.expert_count", "uint32", c.num_experts),
         (f"{a}.expert_used_count", "uint32", c.top_k),
         (f"{a}.expert_feed_forward_length", "uint32", c.moe_intermediate_size),
-    )
+    ) + _rope_scaling_keys(c)
     return GGUFModel(GGUF_ARCH, keys, TOKENIZER_PRE)
+
+
+def _rope_scaling_keys(c: Qwen3MoeConfig) -> tuple:
+    """llama.cpp's rope.scaling keys of the config's linear or YaRN RoPE (as convert_hf_to_gguf.py writes them); a
+    YaRN whose cos/sin scale or untruncated ramp llama.cpp would compute otherwise is one line."""
+    s, a = c.rope_scaling, GGUF_ARCH
+    if s is None:
+        return ()
+    keys = ((f"{a}.rope.scaling.type", "string", s.kind), (f"{a}.rope.scaling.factor", "float32", float(s.factor)))
+    if s.kind == "linear":
+        return keys
+    if not s.truncate or s.attention_factor != yarn_attention_factor(s.factor):
+        raise MoepackError("llama.cpp's YaRN scales cos and sin by its own mscale over a truncated ramp; this "
+                           "config's rope_scaling sets attention_factor / mscale or truncate false")
+    return keys + ((f"{a}.rope.scaling.original_context_length", "uint32", s.original_max_position_embeddings),
+                   (f"{a}.rope.scaling.yarn_beta_fast", "float32", s.beta_fast),
+                   (f"{a}.rope.scaling.yarn_beta_slow", "float32", s.beta_slow))
+
+
+def _rope_scaling_config(key) -> dict:
+    """gguf rope.scaling keys back to config.json's rope_scaling ({} for none); a kind not computed here is one
+    line."""
+    kind = key("rope.scaling.type", "none")
+    if kind == "none":
+        return {}
+    if kind not in ("linear", "yarn"):
+        raise MoepackError(f"{GGUF_ARCH}.rope.scaling.type {str(kind)[:40]!r} is not supported (qwen3-moe computes "
+                           "none, linear and yarn)")
+    scaling = {"rope_type": kind, "factor": float(key("rope.scaling.factor"))}
+    if kind == "yarn":
+        scaling.update(original_max_position_embeddings=int(key("rope.scaling.original_context_length")),
+                       beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                       beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)))
+    return {"rope_scaling": scaling}
 
 
 def config_from_gguf(keys: Mapping[str, Any], vocab_size: int, tied: bool) -> dict:
@@ -72,5 +107,5 @@ def config_from_gguf(keys: Mapping[str, Any], vocab_size: int, tied: bool) -> di
         "num_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
         "moe_intermediate_size": int(key("expert_feed_forward_length")), "norm_topk_prob": True,
         "max_position_embeddings": int(key("context_length")), "tie_word_embeddings": tied,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu",
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu", **_rope_scaling_config(key),
     }

@@ -38,12 +38,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rope_tables(c: Qwen3MoeConfig, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [N, head_dim] of the default RoPE at `positions` (both halves of a head rotate by one frequency)."""
-    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64,
-                                                     device=positions.device).float() / c.head_dim))
+    """cos, sin [N, head_dim] of the RoPE at `positions` (both halves of a head rotate by one frequency): the
+    default, or the config's linear or YaRN scaling (YaRN's cos and sin times its attention factor)."""
+    if c.rope_scaling is None:
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64,
+                                                         device=positions.device).float() / c.head_dim))
+    else:
+        inv_freq = c.rope_scaling.inv_freq(c.head_dim, c.rope_theta).to(positions.device)
     angles = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((angles, angles), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if c.rope_scaling is None or c.rope_scaling.attention_factor == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    scale = c.rope_scaling.attention_factor
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
