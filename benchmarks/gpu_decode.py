@@ -28,6 +28,9 @@ timed steps after --warmup untimed ones (which capture the CUDA graphs). Each ro
                  a budget of F x every expert decoded: the stored pool holds several times as many)
   syncs          host synchronisations of the pool's routed work (0 when every expert is pooled)
   graph replays  CUDA graphs replayed in the timed steps (two a layer: its attention's mHC entry, its FFN)
+  pool calls/step  layers whose routed work ran as one call over the pool, a step (the rest ran expert by expert:
+                 a miss that could not be had in a slot); scratch/step: misses the cache refused that ran from the
+                 pool's scratch slots, a step
   launches, graph launches, host waits per step (CUDA only, JSON rows): the CUDA runtime calls of one more step
                  under torch's profiler (kernels launched eagerly, graphs replayed, synchronisations; a step's
                  one expected wait is its logits' copy to the host); tests/step_audit.py predicts them on a CPU
@@ -142,7 +145,7 @@ def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: 
         for _ in range(warmup):
             tokens = d.step_batch(seqs, tokens).argmax(dim=1).tolist()
         hits, misses, read = d.cache.hits, d.cache.misses, d.stats.bytes_read
-        syncs, replays = pool.syncs, pool.graphs.replays
+        syncs, replays, calls, scratch = pool.syncs, pool.graphs.replays, pool.calls, pool.scratch_runs
         start = time.perf_counter()
         for _ in range(steps):
             tokens = d.step_batch(seqs, tokens).argmax(dim=1).tolist()
@@ -161,7 +164,10 @@ def run_rows(g: Generator, prompts: list[tuple[list, int]], warmup: int, steps: 
                 "cache_misses": d.cache.misses, "hit_rate": round(hits / (hits + misses), 4),
                 "read_bytes_per_token": int(read / (batch * steps)),
                 "syncs": (pool.syncs - syncs) if pooled else None,
-                "graph_replays": (pool.graphs.replays - replays) if pooled else None, **runtime_calls}
+                "graph_replays": (pool.graphs.replays - replays) if pooled else None,
+                "pool_calls_per_step": round((pool.calls - calls) / steps, 2) if pooled else None,
+                "scratch_per_step": round((pool.scratch_runs - scratch) / steps, 2) if pooled else None,
+                **runtime_calls}
     finally:
         d.pool = pool
 
@@ -225,7 +231,7 @@ def main() -> None:
                     row["bandwidth_fraction"] = round(row["step_bytes"] * 1e3 / row["step_ms"] / rate, 4)
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)  # each row as it ends: a timeout keeps them
-            shapes[form] = d.cache.bytes
+            shapes[form] = d.cache.bytes + d.cache.reserved  # (its scratch slots too: the budget all used)
             shape = {"layers": len(d.blocks), "experts": len(d.blocks[0].experts),
                      "top_k": g.cfg.num_experts_per_tok, "hidden": g.cfg.hidden_size, "inter": d.pool.inter,
                      "expert_dtype": str(d.pool.dtype), "resident_bytes": resident_bytes(d, d.compute_dtype),
@@ -246,10 +252,10 @@ def main() -> None:
                              for form, n in shapes.items()) + "; "
                  f"copy rate {report['hbm_gbps']} GB/s",
                  ["path", "B", "tok/s", "step ms", "bytes/token", "held bytes/token", "experts/step", "bw fraction",
-                  "hit rate", "read/token", "syncs", "graph replays"],
+                  "hit rate", "read/token", "syncs", "graph replays", "pool calls/step", "scratch/step"],
                  ("path", "batch", "tokens_per_s", "step_ms", "bytes_per_token", "held_bytes_per_token",
                   "experts_per_step", "bandwidth_fraction", "hit_rate", "read_bytes_per_token", "syncs",
-                  "graph_replays"))
+                  "graph_replays", "pool_calls_per_step", "scratch_per_step"))
     if not args.json:  # which path the stored pool's FP4 experts took per shape class (the kernel or torch's)
         for key, decision in stored_gemv.DECISIONS.items():
             print(f"stored FP4 experts {key}: {decision}")

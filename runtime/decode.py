@@ -95,6 +95,8 @@ class ExpertCache:
         self._lookups = 0
         self.hits = self.misses = 0
         self.admitted = self.evicted = self.refused = 0  # misses taken in, entries evicted, misses used in place
+        # of the budget, what its store holds apart from the entries (the pool's scratch slots): not the entries'
+        self.reserved = 0
         # where the entries live elsewhere (device_decode.ExpertPool's slots): told of each entry dropped and of a
         # new budget
         self.store = None
@@ -116,8 +118,13 @@ class ExpertCache:
             self._uses = {k: n // 2 for k, n in self._uses.items() if n > 1}
             self._lookups = 0
 
+    @property
+    def entry_budget(self) -> int:
+        """What the entries may take: the budget less what its store holds apart (`reserved`)."""
+        return max(self.budget - self.reserved, 0)
+
     def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.budget
+        return nbytes <= self.entry_budget
 
     def admits(self, key: tuple[int, int], nbytes: int) -> bool:
         """Whether a miss of `key` (`nbytes`) is worth keeping: it fits in the room left, or it was used more of
@@ -125,7 +132,7 @@ class ExpertCache:
         fits the budget."""
         if not self.fits(nbytes) or key in self._entries:
             return False
-        room, wanted = self.budget - self.bytes, self._uses.get(key, 0) - self.ADMIT_MARGIN
+        room, wanted = self.entry_budget - self.bytes, self._uses.get(key, 0) - self.ADMIT_MARGIN
         for old in self._entries:
             if room >= nbytes:
                 break
@@ -140,7 +147,7 @@ class ExpertCache:
         size = entry.numel() if nbytes is None else nbytes
         if not self.fits(size) or key in self._entries:
             return
-        self._evict_to(self.budget - size)
+        self._evict_to(self.entry_budget - size)
         self._entries[key] = entry
         self._sizes[key] = size
         self.bytes += size
@@ -149,7 +156,7 @@ class ExpertCache:
     def resize(self, budget: int) -> None:
         """A new budget; the least recently used go until the entries fit it."""
         self.budget = budget
-        self._evict_to(budget)
+        self._evict_to(self.entry_budget)
         if self.store is not None:
             self.store.budget_changed(budget)
 
@@ -157,6 +164,10 @@ class ExpertCache:
         """Evict the least recently used until the entries take at most nbytes."""
         while self.bytes > nbytes:
             self.evict_oldest()
+
+    def oldest(self) -> tuple[int, int] | None:
+        """The least recently used entry's key (None: no entry)."""
+        return next(iter(self._entries), None)
 
     def evict_oldest(self) -> None:
         """Evict the least recently used entry."""
@@ -172,7 +183,7 @@ class ExpertCache:
 
     def has_room(self, nbytes: int) -> bool:
         """Whether nbytes more fit without evicting anything."""
-        return self.bytes + nbytes <= self.budget
+        return self.bytes + nbytes <= self.entry_budget
 
     def drop(self, key: tuple[int, int]) -> None:
         if self._entries.pop(key, None) is not None:
@@ -432,7 +443,7 @@ class Decoder:
         start = time.perf_counter()
         ranked = sorted(((n, layer, e) for layer, counts in enumerate(tokens_per_expert)
                          for e, n in enumerate(counts) if n), reverse=True)
-        room, wanted = self.cache.budget, []
+        room, wanted = self.cache.entry_budget, []
         for _, layer, e in ranked:
             length = self._entry_bytes(layer, e)
             if length <= room:
@@ -466,13 +477,13 @@ class Decoder:
                 got[e] = raw
         return got
 
-    def _expert_bytes(self, layer: int, e: int, got, held: list, keep_fitting: bool = False
+    def _expert_bytes(self, layer: int, e: int, got, held: list, scratch: bool = False
                       ) -> torch.Tensor | ExpertWeights:
         """Expert e on the compute device: a cache hit (its stored bytes, or its weights where the cache keeps them
-        decoded), or its read (awaited; checked as it landed). A read the cache keeps (`keep_fitting`: any that
-        fits its budget, the least recently used evicted; else what ExpertCache.admits takes) is copied out of its
-        pooled buffer, which goes back at once; one it cannot keep is used in place (its stored bytes), its buffer
-        appended to `held` for the caller to give back once the expert has run."""
+        decoded), or its read (awaited; checked as it landed). A read the cache keeps (what ExpertCache.admits
+        takes) is copied out of its pooled buffer, which goes back at once; one it cannot keep goes into the pool's
+        scratch (`scratch`: _scratch_expert), else is used in place (its stored bytes), its buffer appended to
+        `held` for the caller to give back once the expert has run."""
         item = got[e]
         if isinstance(item, ExpertWeights):
             return item
@@ -484,7 +495,9 @@ class Decoder:
         self.stats.disk_wait_s += time.perf_counter() - t0
         raw = self.copier.host_bytes(buffer, view)[:region.length]
         size = self._entry_bytes(layer, e)
-        if not (self.cache.fits(size) if keep_fitting else self.cache.admits((layer, e), size)):
+        if not self.cache.admits((layer, e), size):
+            if scratch:
+                return self._scratch_expert(layer, e, buffer, view)
             if len(self._pool_buffers(held)) + 1 < self.pipe.buffers:
                 held.append(buffer)  # no copy of bytes nothing keeps
                 return raw.to(self.device)
@@ -506,6 +519,18 @@ class Decoder:
         self.cache.put((layer, e), entry, size)
         return entry
 
+    def _scratch_expert(self, layer: int, e: int, buffer, view: memoryview) -> torch.Tensor | ExpertWeights:
+        """A read the cache refused, for the pool's layer in progress (inside its `pinned`): copied to the device as
+        a kept read is (the host waits for nothing; the buffer goes back at once) and into a scratch slot for the
+        layer: views of it; its bytes on the device, of their own, where no scratch slot can be had (the layer then
+        runs expert by expert)."""
+        try:
+            raw = self.copier.to_device(buffer, view)[:self.blocks[layer].experts[e].length]
+            entry = self.pool.put_scratch(layer, e, self._pool_content(layer, e, raw))
+            return entry if entry is not None else raw.clone() if self.device.type == "cpu" else raw
+        finally:
+            self.copier.release(buffer, self.pipe.release)
+
     def _entry(self, layer: int, e: int, raw: torch.Tensor) -> torch.Tensor | ExpertWeights:
         """What the cache keeps of expert e's bytes `raw`: its weights decoded on the compute device (`decoded`),
         else its bytes there; with a pool, views of the slot they are copied into (where one is free). On a CPU
@@ -513,13 +538,21 @@ class Decoder:
         raw = raw.to(self.device)
         region = self.blocks[layer].experts[e]
         if self.pool is not None:  # into a slot of the pool (a copy of the bytes, or of the decoder's buffers)
-            pooled = self.pool.put(layer, e, self.experts.expert_weights(self.blocks[layer], region, raw,
-                                                                          region.offset) if self.decoded else raw)
+            pooled = self.pool.put(layer, e, self._pool_content(layer, e, raw))
             if pooled is not None:
                 return pooled
         if not self.decoded:
             return raw
         return self.experts.owned_weights(self.blocks[layer], region, raw, region.offset)
+
+    def _pool_content(self, layer: int, e: int, expert: torch.Tensor | ExpertWeights
+                      ) -> torch.Tensor | ExpertWeights:
+        """What the pool copies into a slot of expert e (its bytes `expert` on the device, or its weights): the
+        weights decoded (views of the decoder's buffers) where the pool keeps them so, else the bytes."""
+        if not self.decoded or isinstance(expert, ExpertWeights):
+            return expert
+        region = self.blocks[layer].experts[e]
+        return self.experts.expert_weights(self.blocks[layer], region, expert, region.offset)
 
     def _entry_bytes(self, layer: int, e: int) -> int:
         """The memory expert e takes in the cache: a pool's slot, else its stored bytes, or (decoded) its three
@@ -817,7 +850,10 @@ class Decoder:
     def _routed_from_pool(self, layer: int, routing) -> torch.Tensor:
         """The rows' routed experts summed ([B, H] float32) over the pool: for a layer not all of whose experts
         are pooled, the choices read once (one synchronisation) and the misses read through the reader into
-        slots first (or the experts run one by one where one could not be pooled)."""
+        slots first: the cache's where its admission takes them (ExpertCache.admits: the least recently used
+        evicted), else the pool's scratch slots for this layer, so that a pool smaller than a step's experts keeps
+        what it holds rather than evicting each expert before its next use (or the experts run one by one where
+        one could not be had)."""
         pool = self.pool
         if pool.complete(layer):  # (a pool that runs no FFN whole: nothing to ask)
             self._pooled_call(layer, routing.experts)
@@ -829,11 +865,11 @@ class Decoder:
         held = []
         try:
             with pool.pinned(layer, chosen):
-                # misses decoded into free slots, the least recently used evicted (not admission's refusals: a
-                # refused miss would run the layer expert by expert, and a slot costs one device copy)
                 for e in chosen:
-                    got[e] = self._expert_bytes(layer, e, got, held, keep_fitting=True)
-                if all(pool.holds(layer, e) for e in chosen):
+                    got[e] = self._expert_bytes(layer, e, got, held, scratch=True)
+                    if not pool.in_slots(layer, e):  # cached outside the slots (while the pool was off): scratch
+                        pool.put_scratch(layer, e, self._pool_content(layer, e, got[e]))
+                if all(pool.in_slots(layer, e) for e in chosen):
                     pool.calls += 1
                     with self.compute:
                         return pool.routed(layer, routing.x, routing.experts, routing.weights)

@@ -17,11 +17,14 @@ too.
 
 The host knows which layers hold all their experts (`complete`): those run without looking at the choice. A layer
 that does not costs one synchronisation (the Decoder reads the chosen ids, reads the misses through its reader
-and decodes them into free slots). The slots are the cache's entries: ExpertCache keeps the accounting and the
-least-recently-used order (its budget, hits, misses, evictions), and tells the pool what it drops (`dropped`) or
-when its budget shrinks (`budget_changed`: the stacks are reallocated smaller, so the device memory follows the
-budget). A slot whose expert is evicted while the layer being computed still uses it (`pinned`) is reused only
-after that layer.
+and decodes them into slots). The slots are the cache's entries: ExpertCache keeps the accounting, the
+least-recently-used order and the admission (its budget, hits, misses, evictions, refusals), and tells the pool
+what it drops (`dropped`) or when its budget changes (`budget_changed`: the stacks are reallocated smaller or
+larger, so the device memory follows the budget). A miss the cache refuses goes into a scratch slot (`put_scratch`)
+for the layer in progress: slots held apart from the entries' budget (the cache's `reserved`), reused by every
+layer, grown from the budget as a layer needs, so that the layer still runs as one pooled call and the cache keeps
+what it holds. A slot whose expert is evicted while the layer being computed still uses it (`pinned`) is reused only
+after that layer, as the scratch slots are.
 """
 
 from __future__ import annotations
@@ -257,6 +260,11 @@ class ExpertPool:
         self._free: list[int] = []
         self._pinned: set[tuple[int, int]] = set()
         self._deferred: list[int] = []  # slots of pinned experts evicted: free after the layer
+        # slots held apart from the cache's (its `reserved`) for the misses it refuses, reused by every layer; the
+        # layer in progress's refused misses in them (the first of them, in order)
+        self._scratch: list[int] = []
+        self._in_scratch: dict[tuple[int, int], int] = {}
+        self.scratch_runs = 0  # refused misses run from a scratch slot
         self.syncs = 0  # host synchronisations the routed work needed (a layer not complete, once a step)
         self.calls = 0  # layers' routed work run over the pool (counted by the caller)
 
@@ -288,21 +296,29 @@ class ExpertPool:
         """The device memory the stacks take (all their slots, used or not)."""
         return self.capacity * self.slot_bytes
 
+    def _new_stacks(self, capacity: int) -> list[torch.Tensor]:
+        return [torch.empty(capacity, *shape, dtype=dtype, device=self.device) for shape, dtype in self._slot_shapes()]
+
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
-        self.stacks = [torch.empty(capacity, *shape, dtype=dtype, device=self.device)
-                       for shape, dtype in self._slot_shapes()]
+        self.stacks = self._new_stacks(capacity)
         self._slot_ids = torch.arange(capacity, device=self.device)
         self._free = list(range(capacity - 1, -1, -1))  # popped from the end: slot 0 first
         self.graphs.clear()  # the graphs read the old stacks
 
-    def _free_slot(self) -> int | None:
-        """A free slot, the cache's least recently used evicted for it where none is; None where none can be."""
+    def _stacks_ready(self) -> bool:
+        """Whether there are stacks: allocated at the first expert kept, as many slots as the budget holds then."""
         if not self.stacks:
             capacity = min(self.cache.budget // self.slot_bytes, self.routed_experts)
             if capacity <= 0:
-                return None
+                return False
             self._allocate(capacity)
+        return True
+
+    def _free_slot(self) -> int | None:
+        """A free slot, the cache's least recently used evicted for it where none is; None where none can be."""
+        if not self._stacks_ready():
+            return None
         while not self._free and len(self.cache):
             self.cache.evict_oldest()  # its slot comes back through dropped()
         return self._free.pop() if self._free else None
@@ -313,17 +329,55 @@ class ExpertPool:
         if (layer, expert) in self._slots:
             return None
         parts = self._slot_content(layer, content)
-        if parts is None:
-            return None
-        slot = self._free_slot()
+        slot = self._free_slot() if parts is not None else None
         if slot is None:
             return None
-        for target, part in zip(self._slot_parts(slot, parts), parts):
-            target.copy_(part)
-        self.slot_of[layer, expert] = slot
+        self._fill(layer, expert, slot, parts)
         self._slots[(layer, expert)] = slot
         self._pooled[layer] += 1
         return self.entry(layer, slot)
+
+    def put_scratch(self, layer: int, expert: int, content):
+        """Copy an expert the cache does not keep (a miss its admission refused) into a scratch slot for the layer
+        in progress (inside `pinned`, which frees it for the next layer), so that the layer still runs as one pooled
+        call and the cache keeps what it holds: views of the slot (`entry`), or None where no scratch slot can be
+        had (the layer then runs expert by expert) or the pool does not take the content."""
+        parts = self._slot_content(layer, content)
+        slot = self._scratch_slot() if parts is not None and (layer, expert) not in self._slots else None
+        if slot is None:
+            return None
+        self._fill(layer, expert, slot, parts)
+        self._in_scratch[(layer, expert)] = slot
+        self.scratch_runs += 1
+        return self.entry(layer, slot)
+
+    def _scratch_slot(self) -> int | None:
+        """The layer's next scratch slot. Where all are in use, one more is taken from the budget, so that the
+        scratch grows to the most refused misses one layer has had (at most its distinct experts at the largest
+        batch seen): a free slot, else the cache's least recently used entry's (not one the layer uses: that slot
+        is not free before the layer ends). None where none can be had."""
+        if len(self._in_scratch) < len(self._scratch):
+            return self._scratch[len(self._in_scratch)]
+        if not self._stacks_ready():
+            return None
+        if not self._free and self.cache.oldest() not in (None, *self._pinned):
+            self.cache.evict_oldest()  # its slot comes back through dropped()
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._scratch.append(slot)
+        self.cache.reserved += self.slot_bytes
+        return slot
+
+    def in_slots(self, layer: int, expert: int) -> bool:
+        """Whether the expert is in a slot for the layer in progress: kept, or in a scratch slot."""
+        return (layer, expert) in self._slots or (layer, expert) in self._in_scratch
+
+    def _fill(self, layer: int, expert: int, slot: int, parts: list[torch.Tensor]) -> None:
+        """`parts` (_slot_content's) copied into `slot`, the table pointing the expert there."""
+        for target, part in zip(self._slot_parts(slot, parts), parts):
+            target.copy_(part)
+        self.slot_of[layer, expert] = slot
 
     def _slot_content(self, layer: int, weights: ExpertWeights) -> list[torch.Tensor] | None:
         """What goes into a slot's parts (`_slot_parts`), or None where the weights are not pooled (the fused CPU
@@ -360,17 +414,32 @@ class ExpertPool:
         (self._deferred if key in self._pinned else self._free).append(slot)
 
     def budget_changed(self, budget: int) -> None:
-        """The cache's budget changed (its entries already fit it): stacks larger than it are reallocated to it,
-        so that the device memory follows the budget. The kept experts wait on the host meanwhile (the budget
-        shrinks where the device lacks room: old and new stacks side by side might not fit)."""
+        """The cache's budget changed (its entries already fit it): the stacks are reallocated to it, so that the
+        device memory follows the budget, smaller or larger (a budget shrunk for a long sequence's KV grows back
+        once that KV is freed). The scratch keeps its slots, at most half the new ones (the cache's room is not
+        left to it: it grows again where a layer needs more)."""
         capacity = min(budget // self.slot_bytes, self.routed_experts)
-        if not self.stacks or capacity >= self.capacity:
-            return  # (a larger budget is used as it is: the stacks do not grow)
+        if not self.stacks or capacity == self.capacity:
+            return
+        scratch = min(len(self._scratch), capacity // 2)
+        if capacity > self.capacity:
+            self._grow(capacity)
+        else:
+            self._shrink(capacity)
+        if self.capacity:  # the scratch's first slots again (none in use between layers)
+            self._free.extend(self._scratch[scratch:])
+            del self._scratch[scratch:]
+        self.cache.reserved = len(self._scratch) * self.slot_bytes
+
+    def _shrink(self, capacity: int) -> None:
+        """The stacks reallocated smaller, the kept experts moved to the first slots, the scratch's after them. The
+        kept experts wait on the host meanwhile (the budget shrinks where the device lacks room: old and new stacks
+        side by side might not fit)."""
         kept = list(self._slots.items())
         index = torch.tensor([slot for _, slot in kept], dtype=torch.long, device=self.device)
         saved = [stack.index_select(0, index).cpu() for stack in self.stacks]
-        for key, _ in kept:  # the cache's views of the old stacks go with them
-            self.cache.replace(key, None)
+        scratch = len(self._scratch)
+        self._drop_views()
         self.release()
         self.slot_of.fill_(-1)
         if capacity <= 0:
@@ -382,12 +451,48 @@ class ExpertPool:
             self.slot_of[key] = new
             self._slots[key] = new
             self._pooled[key[0]] += 1
-            self.cache.replace(key, self.entry(key[0], new))
-        self._free = [s for s in self._free if s >= len(kept)]
+        self._scratch = list(range(len(kept), min(len(kept) + scratch, capacity)))
+        self._free = [s for s in self._free if s >= len(kept) + len(self._scratch)]
+        self._views_back()
+
+    def _grow(self, capacity: int) -> None:
+        """The stacks reallocated larger, every slot copied to the same place in the new ones (the table stays):
+        side by side on the device, else through the host (the old stacks freed first), else (no room for the new
+        ones even so) the old capacity again."""
+        old, old_capacity = self.stacks, self.capacity
+        try:
+            stacks = self._new_stacks(capacity)
+        except torch.OutOfMemoryError:
+            old = [stack.cpu() for stack in old]
+            self._drop_views()
+            self.stacks = []
+            self.graphs.clear()  # (the captures read the old stacks)
+            try:
+                stacks = self._new_stacks(capacity)
+            except torch.OutOfMemoryError:
+                stacks, capacity = self._new_stacks(old_capacity), old_capacity
+        for stack, before in zip(stacks, old):
+            stack[:old_capacity].copy_(before)
+        self.stacks, self.capacity = stacks, capacity
+        self._slot_ids = torch.arange(capacity, device=self.device)
+        self._free = list(range(capacity - 1, old_capacity - 1, -1)) + self._free  # the old free ones first
+        self.graphs.clear()
+        self._views_back()
+
+    def _drop_views(self) -> None:
+        """The cache's entries (views of the stacks) let go, so that the old stacks can be freed."""
+        for key in self._slots:
+            self.cache.replace(key, None)
+
+    def _views_back(self) -> None:
+        """The cache's entries views of the stacks now."""
+        for key, slot in self._slots.items():
+            self.cache.replace(key, self.entry(key[0], slot))
 
     @contextlib.contextmanager
     def pinned(self, layer: int, experts: Iterable[int]):
-        """While the block runs, a slot of these experts is not reused even if the cache evicts them."""
+        """While the block runs, a slot of these experts is not reused even if the cache evicts them; the scratch
+        slots the block took (put_scratch) are freed for the next layer when it ends."""
         self._pinned = {(layer, e) for e in experts}
         try:
             yield
@@ -395,6 +500,9 @@ class ExpertPool:
             self._pinned = set()
             self._free.extend(self._deferred)
             self._deferred.clear()
+            for key in self._in_scratch:
+                self.slot_of[key] = -1
+            self._in_scratch.clear()
 
     # --- a layer's routed work ---------------------------------------------------------------------------------
     def routed(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
@@ -459,6 +567,8 @@ class ExpertPool:
         self.stacks = []
         self.capacity, self._free = 0, []
         self._slots.clear()
+        self._scratch, self._in_scratch = [], {}
+        self.cache.reserved = 0
         self._pooled = [0] * self.layers
         self.graphs.clear()
 

@@ -154,16 +154,18 @@ def _greedy_rows(g: Generator, steps: int) -> tuple[list[list[int]], list[torch.
 
 
 def _assert_table_consistent(d: Decoder) -> None:
-    """The pool's device table, its host mirror and the cache agree; each slot holds its expert's weights."""
+    """The pool's device table, its host mirror and the cache agree (between steps: no scratch slot in use, the
+    scratch's part of the budget held apart from the entries'); each slot holds its expert's weights."""
     pool, cache = d.pool, d.cache
     table = pool.slot_of.cpu()
     pooled = {(layer, e): int(table[layer, e]) for layer, e in zip(*torch.nonzero(table >= 0, as_tuple=True))}
     pooled = {(int(layer), int(e)): s for (layer, e), s in pooled.items()}
-    assert pooled == pool._slots
+    assert pooled == pool._slots and not pool._in_scratch
     assert set(pooled) == set(cache._entries)  # every entry a slot, every slot an entry
     assert len(set(pooled.values())) == len(pooled)  # no slot twice
-    assert sorted([*pooled.values(), *pool._free]) == list(range(pool.capacity))
-    assert cache.bytes == len(pooled) * pool.slot_bytes <= cache.budget
+    assert sorted([*pooled.values(), *pool._free, *pool._scratch]) == list(range(pool.capacity))
+    assert cache.reserved == len(pool._scratch) * pool.slot_bytes
+    assert cache.bytes == len(pooled) * pool.slot_bytes <= cache.budget - cache.reserved
     for layer in range(len(d.blocks)):
         assert pool.complete(layer) == (sum(1 for key in pooled if key[0] == layer) == len(d.blocks[layer].experts))
     for (layer, e), slot in list(pooled.items())[:6]:  # the slot's weights are the expert's, decoded afresh
@@ -236,8 +238,9 @@ def test_a_pool_too_small_for_every_expert_evicts_and_steps_like_the_per_expert_
                 cache.resize(0)  # no pool left: every layer reads its experts and runs them one by one
                 assert pool.capacity == 0 and pool.gate_up is None and not len(cache)
                 assert bool((pool.slot_of < 0).all())
+                calls = pool.calls
                 results["none"] = _greedy_rows(g, steps=2)
-                assert pool.calls == 2 * layer_steps  # (none since)
+                assert pool.calls == calls  # (none since)
     assert results[True][0] == results[False][0] == results["shrunk"][0]
     assert [row[:3] for row in results[False][0]] == results["none"][0]
     for a, b in zip(results[True][1], results[False][1]):
@@ -570,3 +573,72 @@ def test_the_device_check_runs_its_steps_in_the_order_steps_names(tmp_path):
                          "== gpu_prefill: skipped, under a minute of TOTAL_S left",
                          "== nosuch: no such step", steps[-1]]
     assert steps[0].startswith("== install") and steps[-1].startswith("== done") and "FAILED: nosuch" in steps[-1]
+
+
+
+@pytest.mark.parametrize("name, form", [("B", "decoded"), ("tiny-fp4", "stored")])
+def test_a_pool_smaller_than_a_steps_experts_keeps_what_admission_takes_and_runs_every_layer_pooled(
+        containers, generator, name, form):
+    """Three rows over a pool of 40 % of the experts (a step's distinct experts more than its slots): the misses
+    the cache's admission refuses run from the pool's scratch slots, never evicting a cached expert, so the cache
+    keeps what it holds (its hits near the per-expert path's with the same admission; taking every miss, the pool
+    evicted nearly one expert a miss and hit a third as often) and every layer still runs as one pooled call; the
+    same greedy tokens as the per-expert path, logits to float32 rounding. Either pool form."""
+    results, counts = {}, {}
+    for pooled in (False, True):
+        with generator(containers[name], cache_gib=0.0, decoded_experts=form == "decoded", expert_pool=pooled,
+                       pool_form=form) as g:
+            d = g.decoder
+            d.cache.resize(int(0.4 * _routed_bytes(d)))
+            results[pooled] = _greedy_rows(g, steps=4)
+            cache, pool = d.cache, d.pool
+            counts[pooled] = cache.hits
+            if pooled:
+                layers = sum(1 for b in d.blocks if b.experts)
+                assert pool.calls == 4 * layers and 0 < pool.syncs <= 4 * layers  # none expert by expert
+                assert cache.admitted > 0 and cache.evicted < cache.misses / 4
+                assert pool.scratch_runs == cache.refused > 0 and pool._scratch
+                assert d.stats_dict()["cache_bytes"] == cache.bytes == len(pool._slots) * pool.slot_bytes
+                assert cache.bytes + cache.reserved <= cache.budget
+                if form == "decoded":
+                    _assert_table_consistent(d)
+    assert counts[True] > 0.6 * counts[False]
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert _relative(a, b) < 1e-5
+
+
+def test_a_pools_stacks_grow_back_with_its_budget(containers, generator, monkeypatch):
+    """A budget shrunk (for a long sequence's KV, say) and grown again: the stacks grow to it, every slot kept where
+    it was (the table, the scratch and the cache's views follow); side by side on the device, else through the host
+    (no room for old and new together), else at the old capacity without an error; the steps after it the same."""
+    with generator(containers["A"], decoded_experts=True, expert_pool=True, cache_gib=0.0) as g:
+        d = g.decoder
+        cache, pool, every = d.cache, d.pool, _routed_bytes(d)
+        cache.resize(int(0.4 * every))
+        before = _greedy_rows(g, steps=3)
+        cache.resize(int(0.2 * every))
+        shrunk = pool.capacity
+        allocations, scarce = [], []  # each new stacks' capacity; how many of the next allocations fail
+        new_stacks = pool._new_stacks
+
+        def allocate(capacity):
+            allocations.append(capacity)
+            if scarce and scarce.pop():
+                raise torch.OutOfMemoryError("no room")
+            return new_stacks(capacity)
+        monkeypatch.setattr(pool, "_new_stacks", allocate)
+        for fraction, fails, grown in ((0.6, [], True), (0.8, [True], True), (1.0, [True, True], False)):
+            old, slots, scratch = pool.capacity, dict(pool._slots), list(pool._scratch)
+            held = {key: pool.gate_up[slot].clone() for key, slot in slots.items()}
+            scarce[:], allocations[:] = fails, []
+            cache.resize(int(fraction * every))
+            wanted = min(cache.budget // pool.slot_bytes, pool.routed_experts)
+            assert pool.capacity == (wanted if grown else old) > shrunk
+            assert allocations == [wanted] * (len(fails) + grown) + ([] if grown else [old])
+            assert pool._slots == slots and pool._scratch == scratch
+            assert all(torch.equal(pool.gate_up[slot], held[key]) for key, slot in slots.items())
+            _assert_table_consistent(d)
+        assert _greedy_rows(g, steps=3)[0] == before[0]
+        assert len(cache) > shrunk  # the larger stacks used
+        _assert_table_consistent(d)

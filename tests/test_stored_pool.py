@@ -59,9 +59,9 @@ def _assert_slots_hold_the_bytes(d) -> None:
     pool, cache = d.pool, d.cache
     table = pool.slot_of.cpu()
     pooled = {(int(layer), int(e)): int(table[layer, e]) for layer, e in zip(*torch.nonzero(table >= 0, as_tuple=True))}
-    assert pooled == pool._slots and set(pooled) == set(cache._entries)
-    assert sorted([*pooled.values(), *pool._free]) == list(range(pool.capacity))
-    assert cache.bytes == len(pooled) * pool.slot_bytes <= cache.budget
+    assert pooled == pool._slots and set(pooled) == set(cache._entries) and not pool._in_scratch
+    assert sorted([*pooled.values(), *pool._free, *pool._scratch]) == list(range(pool.capacity))
+    assert cache.bytes == len(pooled) * pool.slot_bytes <= cache.budget - len(pool._scratch) * pool.slot_bytes
     for (layer, e), slot in pooled.items():
         region = d.blocks[layer].experts[e]
         assert torch.equal(pool.stacks[0][slot, :region.length], d._read_region(region))
@@ -100,7 +100,8 @@ def test_a_stored_pool_too_small_for_every_expert_copies_its_misses_in_and_steps
         containers, generator, monkeypatch, name):
     """A stored pool for 40 % of the experts: misses read and their bytes copied into slots (no expert decoded on
     its own: the per-expert decode is never called), evictions, one synchronisation per layer and step at most,
-    the table consistent; the same greedy tokens as the per-expert path over the cache of stored bytes."""
+    the table consistent, through a shrink and a growth of the budget; the same greedy tokens as the per-expert
+    path over the cache of stored bytes."""
     results = {}
     for pooled in (False, True):
         with generator(containers[name], cache_gib=0.0, decoded_experts=False, expert_pool=pooled) as g:
@@ -121,6 +122,10 @@ def test_a_stored_pool_too_small_for_every_expert_copies_its_misses_in_and_steps
                 assert pool.capacity == cache.budget // pool.slot_bytes
                 _assert_slots_hold_the_bytes(d)
                 results["shrunk"] = _greedy_rows(g, steps=5)
+                _assert_slots_hold_the_bytes(d)
+                kept, shrunk = dict(pool._slots), pool.capacity
+                cache.resize(cache.budget * 2)  # and grow back: the kept bytes stay in their slots
+                assert pool.capacity == cache.budget // pool.slot_bytes > shrunk and pool._slots == kept
                 _assert_slots_hold_the_bytes(d)
     assert results[True][0] == results[False][0] == results["shrunk"][0]
     for a, b in zip(results[True][1], results[False][1]):
