@@ -18,7 +18,9 @@ is computed as its bytes arrive by the prefill's expert runner (the family's exp
 sequence keeps one token state per layer (LayerDecode.token_state: the KV grown one token at a time, or continued in
 place); `states` gives them back as a prefill hands them on. Several sequences step together (`step_batch`): every
 resident weight read once per step and the union of the rows' experts fetched once, each run once on the rows that
-chose it; on the compiled path each row's logits are those of its sequence stepped alone, to the bit.
+chose it; on the compiled path each row's logits are those of its sequence stepped alone, to the bit; on the
+family's functions (a GPU, a stored kind the kernels lack, Qwen3-MoE) within float32 rounding (a matmul over B rows
+may sum in another order than over one), so that a greedy token differs only where two logits tie that closely.
 
 The cache holds experts as stored (their container bytes) on a CPU, decoded to the expert dtype on a GPU (a hit
 is then three matmuls, not a chain of decoding kernels), least recently used evicted first; once full, a miss
@@ -642,7 +644,8 @@ class Decoder:
 
     def step_batch(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         """Each sequence fed its token in one step: the next positions' logits [B, vocab] (float32, on the host),
-        row b that of sequences[b]. Each row's result is that of the sequence stepped alone."""
+        row b that of sequences[b]. Each row's result is that of the sequence stepped alone (module docstring: to
+        the bit on the compiled path, within float32 rounding on the family's functions)."""
         if len(sequences) != len(token_ids) or not sequences:
             raise ValueError(f"{len(token_ids)} tokens for {len(sequences)} sequences")
         if len({id(s) for s in sequences}) != len(sequences):
