@@ -19,8 +19,8 @@ sequence keeps one token state per layer (LayerDecode.token_state: the KV grown 
 place); `states` gives them back as a prefill hands them on. Several sequences step together (`step_batch`): every
 resident weight read once per step and the union of the rows' experts fetched once, each run once on the rows that
 chose it; on the compiled path each row's logits are those of its sequence stepped alone, to the bit; on the
-family's functions (a GPU, a stored kind the kernels lack, Qwen3-MoE) within float32 rounding (a matmul over B rows
-may sum in another order than over one), so that a greedy token differs only where two logits tie that closely.
+family's functions (a GPU, a stored kind the kernels lack, a family without them) within float32 rounding (a
+matmul over B rows may sum in another order than over one): a greedy token differs only at so close a tie.
 
 The cache holds experts as stored (their container bytes) on a CPU, decoded to the expert dtype on a GPU (a hit
 is then three matmuls, not a chain of decoding kernels), least recently used evicted first; once full, a miss

@@ -14,6 +14,7 @@ Everything computes in the weights' dtype, as transformers does for a model load
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -37,15 +38,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * normed.to(x.dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def rope_frequencies(c: Qwen3MoeConfig, device: torch.device) -> Tensor:
+    """[head_dim / 2] float32: the RoPE's frequencies on `device`, made once (every layer of a step reuses them; on
+    CUDA the scaled ones would otherwise be a host tensor copied in at each layer's graph piece)."""
+    if c.rope_scaling is None:
+        return 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=device).float()
+                                        / c.head_dim))
+    return c.rope_scaling.inv_freq(c.head_dim, c.rope_theta).to(device)
+
+
 def rope_tables(c: Qwen3MoeConfig, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin [N, head_dim] of the RoPE at `positions` (both halves of a head rotate by one frequency): the
     default, or the config's linear or YaRN scaling (YaRN's cos and sin times its attention factor)."""
-    if c.rope_scaling is None:
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64,
-                                                         device=positions.device).float() / c.head_dim))
-    else:
-        inv_freq = c.rope_scaling.inv_freq(c.head_dim, c.rope_theta).to(positions.device)
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[:, None] * rope_frequencies(c, positions.device)[None, :]
     emb = torch.cat((angles, angles), dim=-1)
     if c.rope_scaling is None or c.rope_scaling.attention_factor == 1.0:
         return emb.cos().to(dtype), emb.sin().to(dtype)
