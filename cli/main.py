@@ -472,7 +472,8 @@ def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
 @cli.command()
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where the checkpoint, container and KV go (default: moepack's cache folder, "
-                   "$MOEPACK_CACHE_DIR or ~/.cache/moepack, + /demo: never the current directory, a checkout).")
+                   "$MOEPACK_CACHE_DIR, else $XDG_CACHE_HOME/moepack or ~/.cache/moepack, + /demo: never the "
+                   "current directory, a checkout).")
 @click.option("--preset", type=click.Choice(["tiny", "small", "medium"]), default="small", show_default=True)
 @click.option("--prompt", default="Layer-major prefill reads every weight exactly once.", show_default=True)
 @json_option
