@@ -313,7 +313,8 @@ def _print_verify(r: dict) -> None:
               show_default=True, help="Read every expert of a layer, only the routed ones, or choose per layer.")
 @click.option("--query-chunk", type=click.IntRange(min=1), default=None,
               help="At most this many queries per attention chunk inside a layer (bounds memory for long prompts). "
-                   "Default: the device's own: two sliding windows (128 queries at least) on a CPU, 1024 on a GPU.")
+                   "Default: the model family's own: 1024 on a GPU; on a CPU two sliding windows (128 queries at "
+                   "least) for a family with sliding-window layers, else 1024.")
 @click.option("--expert-dtype", type=Dtype(("float32", "bfloat16")), default=None,
               help="The routed experts' matmuls (default: --compute-dtype).")
 @click.option("--order", type=click.Choice(["layer", "chunk"]), default="layer", show_default=True,
