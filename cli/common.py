@@ -410,8 +410,9 @@ def _run_option_table():
             help="Byte budget of the decode's routed-expert cache, kept across generations (0: every selected "
                  "expert read for every token; default: every routed expert, within a quarter of the memory this "
                  "process may use and what the rest of the generation leaves). With --device cuda the cache is on "
-                 "the device and keeps experts decoded (an FP4 expert takes 4x its stored bytes; default: within "
-                 "half of the device's free memory)."),
+                 "the device (default: within half of its free memory): experts kept decoded where the budget "
+                 "holds them all so (an FP4 expert takes 4x its stored bytes), else as their stored bytes where "
+                 "those are smaller, decoded in each step."),
         "device_resident": click.option(
             "--device-resident", is_flag=True,
             help="Hold the weights in the compute device's memory (checked once as they load): the prefill is pure "

@@ -313,7 +313,8 @@ def _print_verify(r: dict) -> None:
               show_default=True, help="Read every expert of a layer, only the routed ones, or choose per layer.")
 @click.option("--query-chunk", type=click.IntRange(min=1), default=None,
               help="At most this many queries per attention chunk inside a layer (bounds memory for long prompts). "
-                   "Default: the device's own: two sliding windows (128 queries at least) on a CPU, 1024 on a GPU.")
+                   "Default: the model family's own: 1024 on a GPU; on a CPU two sliding windows (128 queries at "
+                   "least) for a family with sliding-window layers, else 1024.")
 @click.option("--expert-dtype", type=Dtype(("float32", "bfloat16")), default=None,
               help="The routed experts' matmuls (default: --compute-dtype).")
 @click.option("--order", type=click.Choice(["layer", "chunk"]), default="layer", show_default=True,
@@ -472,7 +473,8 @@ def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
 @cli.command()
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where the checkpoint, container and KV go (default: moepack's cache folder, "
-                   "$MOEPACK_CACHE_DIR or ~/.cache/moepack, + /demo: never the current directory, a checkout).")
+                   "$MOEPACK_CACHE_DIR, else $XDG_CACHE_HOME/moepack or ~/.cache/moepack, + /demo: never the "
+                   "current directory, a checkout).")
 @click.option("--preset", type=click.Choice(["tiny", "small", "medium"]), default="small", show_default=True)
 @click.option("--prompt", default="Layer-major prefill reads every weight exactly once.", show_default=True)
 @json_option

@@ -43,7 +43,8 @@ def _gb(n: float) -> str:
 def bench():
     """Measure this machine: SSD reads with the runtime's reader (io), host memory and host->device copies
     (memory), the expert matmul path's FLOP/s (compute). Results go to a per-machine cache
-    (~/.cache/moepack/bench.json, or $MOEPACK_CACHE_DIR) that `prefill` and `plan` use as defaults."""
+    (bench.json in $MOEPACK_CACHE_DIR, else $XDG_CACHE_HOME/moepack or ~/.cache/moepack) that `prefill` and `plan`
+    use as defaults."""
 
 
 @bench.command("io")

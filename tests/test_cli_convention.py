@@ -225,3 +225,37 @@ def test_thinking_and_reasoning_effort_without_a_chat_encoding_are_refused(conta
         assert r.exit_code == 2 and "give --chat or --messages" in r.output
     r = _run("generate", container, "--chat", "hello", "-n", "2", "--thinking", "--reasoning-effort", "max", "--json")
     assert r.exit_code == 0, r.output
+
+
+# Each a refusal before any work (docs/failures.md, "Flags that do not go together"): the arguments (FILE is a file
+# that exists, MISSING one that does not, DIR a directory), the exit status (2: a usage error) and the message.
+ARGUMENT_REFUSALS = [
+    (["generate", "FILE", "-p", "a", "--chat", "b"], 2,
+     "give at most one of --prompt, --prompt-file, --token-ids, --messages, --chat, --prompts-file"),
+    (["prefill", "FILE", "-p", "a", "--token-ids", "FILE"], 2,
+     "give exactly one of --prompt, --prompt-file, --token-ids"),
+    (["convert", "MISSING"], 2, "choose a precision policy: --fp4, --nvfp4, --q8, --q2, --bf16 or --keep"),
+    (["convert", "MISSING", "--fp4", "--part-dir", "1=/tmp"], 2, "--part-dir needs --parts 2 or more"),
+    (["convert", "MISSING", "--fp4", "--parts", "2", "--part-dir", "x"], 2, "--part-dir 'x': expected K=DIR"),
+    (["export", "FILE", "-o", "MISSING", "--split-max-size", "1G"], 2, "--split-max-size applies to --format gguf"),
+    (["prefill", "FILE", "-p", "a", "--container-per-rank"], 2,
+     "--container-per-rank needs --expert-parallel and '{rank}' in FILE"),
+    (["prefill", "FILE", "-p", "a", "--continue-from", ""], 1, "--continue-from is empty"),
+    (["serve", "FILE", "--api-key", "k", "--api-key-file", "FILE"], 2, "give --api-key or --api-key-file, not both"),
+    (["plan", "MISSING"], 1, "no such file (give a container, a config.json, a checkpoint directory"),
+    (["bench", "io", "FILE", "--depths", "0"], 1, "--depths: expected integers >= 1, got '0'"),
+    (["bench", "compute", "--device", "tpu"], 1, "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (["bench", "io", "MISSING"], 1, "no such file"),
+    (["inspect", "DIR"], 1, "is a directory, not a moepack container"),
+    (["prefill", "FILE", "-p", "a", "-t", "100000"], 2, "per CPU of this machine's"),
+]
+
+
+@pytest.mark.parametrize("args, status, message", ARGUMENT_REFUSALS)
+def test_flags_that_do_not_go_together_are_refused_before_any_work(args, status, message, tmp_path):
+    file = tmp_path / "m.moepack"
+    file.write_bytes(b"not read: the refusal comes first")
+    names = {"FILE": str(file), "MISSING": str(tmp_path / "missing"), "DIR": str(tmp_path)}
+    r = _run(*(names.get(a, a) for a in args))
+    assert r.exit_code == status and message in r.output, r.output
+    assert sorted(os.listdir(tmp_path)) == ["m.moepack"]  # nothing written
