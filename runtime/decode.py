@@ -97,10 +97,8 @@ class ExpertCache:
         self._lookups = 0
         self.hits = self.misses = 0
         self.admitted = self.evicted = self.refused = 0  # misses taken in, entries evicted, misses used in place
-        # of the budget, what its store holds apart from the entries (the pool's scratch slots): not the entries'
-        self.reserved = 0
         # where the entries live elsewhere (device_decode.ExpertPool's slots): told of each entry dropped and of a
-        # new budget
+        # new budget, asked what of the budget it holds apart from the entries (`reserved`)
         self.store = None
 
     def get(self, key: tuple[int, int]) -> torch.Tensor | ExpertWeights | None:
@@ -119,6 +117,11 @@ class ExpertCache:
         if self._lookups >= 10 * max(len(self._entries), 64):  # the counts follow the recent routing
             self._uses = {k: n // 2 for k, n in self._uses.items() if n > 1}
             self._lookups = 0
+
+    @property
+    def reserved(self) -> int:
+        """Of the budget, what its store holds apart from the entries (the pool's scratch slots)."""
+        return self.store.scratch_bytes if self.store is not None else 0
 
     @property
     def entry_budget(self) -> int:

@@ -264,7 +264,7 @@ class ExpertPool:
         # layer in progress's refused misses in them (the first of them, in order)
         self._scratch: list[int] = []
         self._in_scratch: dict[tuple[int, int], int] = {}
-        self.scratch_runs = 0  # refused misses run from a scratch slot
+        self.scratch_runs = 0  # experts run from a scratch slot (misses the cache refused, entries kept elsewhere)
         self.syncs = 0  # host synchronisations the routed work needed (a layer not complete, once a step)
         self.calls = 0  # layers' routed work run over the pool (counted by the caller)
 
@@ -295,6 +295,11 @@ class ExpertPool:
     def reserved_bytes(self) -> int:
         """The device memory the stacks take (all their slots, used or not)."""
         return self.capacity * self.slot_bytes
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Of the cache's budget, what the scratch slots take (its `reserved`: not the entries')."""
+        return len(self._scratch) * self.slot_bytes
 
     def _new_stacks(self, capacity: int) -> list[torch.Tensor]:
         return [torch.empty(capacity, *shape, dtype=dtype, device=self.device) for shape, dtype in self._slot_shapes()]
@@ -366,7 +371,6 @@ class ExpertPool:
             return None
         slot = self._free.pop()
         self._scratch.append(slot)
-        self.cache.reserved += self.slot_bytes
         return slot
 
     def in_slots(self, layer: int, expert: int) -> bool:
@@ -429,7 +433,6 @@ class ExpertPool:
         if self.capacity:  # the scratch's first slots again (none in use between layers)
             self._free.extend(self._scratch[scratch:])
             del self._scratch[scratch:]
-        self.cache.reserved = len(self._scratch) * self.slot_bytes
 
     def _shrink(self, capacity: int) -> None:
         """The stacks reallocated smaller, the kept experts moved to the first slots, the scratch's after them. The
@@ -568,7 +571,6 @@ class ExpertPool:
         self.capacity, self._free = 0, []
         self._slots.clear()
         self._scratch, self._in_scratch = [], {}
-        self.cache.reserved = 0
         self._pooled = [0] * self.layers
         self.graphs.clear()
 
