@@ -482,13 +482,13 @@ class Decoder:
                 got[e] = raw
         return got
 
-    def _expert_bytes(self, layer: int, e: int, got, held: list, scratch: bool = False
+    def _expert_bytes(self, layer: int, e: int, got, held: list, copy_refused: bool = False
                       ) -> torch.Tensor | ExpertWeights:
         """Expert e on the compute device: a cache hit (its stored bytes, or its weights where the cache keeps them
         decoded), or its read (awaited; checked as it landed). A read the cache keeps (what ExpertCache.admits
-        takes) is copied out of its pooled buffer, which goes back at once; one it cannot keep goes into the pool's
-        scratch (`scratch`: _scratch_expert), else is used in place (its stored bytes), its buffer appended to
-        `held` for the caller to give back once the expert has run."""
+        takes) is copied out of its pooled buffer, which goes back at once; one it cannot keep is used in place (its
+        stored bytes), its buffer appended to `held` for the caller to give back once the expert has run, or
+        (`copy_refused`: for the pool's scratch) copied out as a kept read is (_device_copy)."""
         item = got[e]
         if isinstance(item, ExpertWeights):
             return item
@@ -501,8 +501,8 @@ class Decoder:
         raw = self.copier.host_bytes(buffer, view)[:region.length]
         size = self._entry_bytes(layer, e)
         if not self.cache.admits((layer, e), size):
-            if scratch:
-                return self._scratch_expert(layer, e, buffer, view)
+            if copy_refused:
+                return self._device_copy(layer, e, buffer, view)
             if len(self._pool_buffers(held)) + 1 < self.pipe.buffers:
                 held.append(buffer)  # no copy of bytes nothing keeps
                 return raw.to(self.device)
@@ -524,15 +524,12 @@ class Decoder:
         self.cache.put((layer, e), entry, size)
         return entry
 
-    def _scratch_expert(self, layer: int, e: int, buffer, view: memoryview) -> torch.Tensor | ExpertWeights:
-        """A read the cache refused, for the pool's layer in progress (inside its `pinned`): copied to the device as
-        a kept read is (the host waits for nothing; the buffer goes back at once) and into a scratch slot for the
-        layer: views of it; its bytes on the device, of their own, where no scratch slot can be had (the layer then
-        runs expert by expert)."""
+    def _device_copy(self, layer: int, e: int, buffer, view: memoryview) -> torch.Tensor:
+        """Expert e's read bytes on the device, of their own, copied as a kept read's are (the host waits for
+        nothing; the buffer goes back at once)."""
         try:
             raw = self.copier.to_device(buffer, view)[:self.blocks[layer].experts[e].length]
-            entry = self.pool.put_scratch(layer, e, self._pool_content(layer, e, raw))
-            return entry if entry is not None else raw.clone() if self.device.type == "cpu" else raw
+            return raw.clone() if self.device.type == "cpu" else raw
         finally:
             self.copier.release(buffer, self.pipe.release)
 
@@ -872,9 +869,10 @@ class Decoder:
         try:
             with pool.pinned(layer, chosen):
                 for e in chosen:
-                    got[e] = self._expert_bytes(layer, e, got, held, scratch=True)
-                    if not pool.in_slots(layer, e):  # cached outside the slots (while the pool was off): scratch
-                        pool.put_scratch(layer, e, self._pool_content(layer, e, got[e]))
+                    got[e] = self._expert_bytes(layer, e, got, held, copy_refused=True)
+                    if not pool.in_slots(layer, e):  # a miss the cache refused, or an entry it keeps elsewhere
+                        scratch = pool.put_scratch(layer, e, self._pool_content(layer, e, got[e]))
+                        got[e] = got[e] if scratch is None else scratch
                 if all(pool.in_slots(layer, e) for e in chosen):
                     pool.calls += 1
                     with self.compute:

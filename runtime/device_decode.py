@@ -343,12 +343,13 @@ class ExpertPool:
         return self.entry(layer, slot)
 
     def put_scratch(self, layer: int, expert: int, content):
-        """Copy an expert the cache does not keep (a miss its admission refused) into a scratch slot for the layer
-        in progress (inside `pinned`, which frees it for the next layer), so that the layer still runs as one pooled
-        call and the cache keeps what it holds: views of the slot (`entry`), or None where no scratch slot can be
-        had (the layer then runs expert by expert) or the pool does not take the content."""
+        """Copy an expert not in a slot (a miss the cache's admission refused, or an entry it keeps outside the
+        slots) into a scratch slot for the layer in progress (inside `pinned`, which frees it for the next layer), so
+        that the layer still runs as one pooled call and the cache keeps what it holds: views of the slot (`entry`),
+        or None where no scratch slot can be had (the layer then runs expert by expert), the pool does not take the
+        content or the expert is in a slot already."""
         parts = self._slot_content(layer, content)
-        slot = self._scratch_slot() if parts is not None and (layer, expert) not in self._slots else None
+        slot = self._scratch_slot() if parts is not None and not self.in_slots(layer, expert) else None
         if slot is None:
             return None
         self._fill(layer, expert, slot, parts)
