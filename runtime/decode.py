@@ -96,7 +96,8 @@ class ExpertCache:
         self._uses: dict[tuple[int, int], int] = {}
         self._lookups = 0
         self.hits = self.misses = 0
-        self.admitted = self.evicted = self.refused = 0  # misses taken in, entries evicted, misses used in place
+        # misses taken in, entries evicted, misses that fit but were not kept (used in place, or a pool's scratch)
+        self.admitted = self.evicted = self.refused = 0
         # where the entries live elsewhere (device_decode.ExpertPool's slots): told of each entry dropped and of a
         # new budget, asked what of the budget it holds apart from the entries (`reserved`)
         self.store = None
