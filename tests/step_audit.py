@@ -390,12 +390,14 @@ def sequences(g, rows: int) -> tuple[list, list[int]]:
 
 
 def device_caches() -> tuple:
-    """DeepSeek-V4's rotations, made on the device once per block of positions and kept; its RoPE frequencies
-    cached afresh (a CPU's prefill cached them on the host, a GPU's on the device); the FP4 and FP8 decodes'
-    tables (a stored pool's decode: made on the device at its first decode)."""
+    """DeepSeek-V4's rotations, made on the device once per block of positions and kept; its and Qwen3-MoE's RoPE
+    frequencies cached afresh (a CPU's prefill cached them on the host, a GPU's on the device); the FP4 and FP8
+    decodes' tables (a stored pool's decode: made on the device at its first decode)."""
     from moepack.families.deepseek_v4 import model
+    from moepack.families.qwen3_moe import model as qwen3_model
     from moepack.format_spec import source_formats
     model._inv_freq.cache_clear()
+    qwen3_model.rope_frequencies.cache_clear()
     for dtype in (torch.float32, torch.bfloat16):
         source_formats._PAIR_TABLES.setdefault((dtype, torch.device("cpu")), source_formats.byte_pair_table(dtype))
         source_formats._fp8_scaled_table(torch.device("cpu"), dtype)
