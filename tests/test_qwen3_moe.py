@@ -329,6 +329,19 @@ def test_yarn_without_its_original_context_takes_max_position_embeddings():
     assert scaling == Qwen3MoeConfig.from_hf({**raw, **transformers.Qwen3MoeConfig(**raw).to_dict()}).rope_scaling
 
 
+def test_the_rope_frequencies_made_for_a_device_are_kept_for_the_process():
+    """A decode step's CUDA graphs read them by address: made once per config and device, never evicted for
+    others made since (freed, their memory would be reused under the graphs)."""
+    from moepack.families.qwen3_moe.model import rope_frequencies
+
+    cpu = torch.device("cpu")
+    c = Qwen3MoeConfig.from_hf({**BASE, "rope_parameters": None, "rope_theta": 1e4})
+    kept = rope_frequencies(c, cpu)
+    for theta in range(32):
+        rope_frequencies(Qwen3MoeConfig.from_hf({**BASE, "rope_parameters": None, "rope_theta": 2e4 + theta}), cpu)
+    assert rope_frequencies(c, cpu) is kept
+
+
 def test_family_for_picks_qwen3_moe_and_refuses_the_unknown():
     family = family_for({"architectures": ["Qwen3MoeForCausalLM"]})
     assert isinstance(family, ModelFamily) and family is family_named("qwen3-moe")

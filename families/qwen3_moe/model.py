@@ -38,7 +38,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * normed.to(x.dtype)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.cache  # (never evicted: a decode step's CUDA graphs read them by address)
 def rope_frequencies(c: Qwen3MoeConfig, device: torch.device) -> Tensor:
     """[head_dim / 2] float32: the RoPE's frequencies on `device`, made once (every layer of a step reuses them; on
     CUDA the scaled ones would otherwise be a host tensor copied in at each layer's graph piece)."""
