@@ -575,7 +575,6 @@ def test_the_device_check_runs_its_steps_in_the_order_steps_names(tmp_path):
     assert steps[0].startswith("== install") and steps[-1].startswith("== done") and "FAILED: nosuch" in steps[-1]
 
 
-
 @pytest.mark.parametrize("name, form", [("B", "decoded"), ("tiny-fp4", "stored")])
 def test_a_pool_smaller_than_a_steps_experts_keeps_what_admission_takes_and_runs_every_layer_pooled(
         containers, generator, name, form):
