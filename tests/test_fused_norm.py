@@ -3,7 +3,6 @@ own steps are about seven), with their own arithmetic's values; on a CPU their o
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from moepack.backends import ops
