@@ -281,6 +281,8 @@ def test_a_quantization_other_than_the_fp8_releases_is_refused(tmp_path, quantiz
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "truncate": "no"}),
      "rope_parameters.truncate"),
     (dict(rope_parameters=None, rope_theta=-1.0), "rope_theta"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0},
+          rope_scaling={"rope_type": "linear", "factor": 4.0}), "rope_parameters and rope_scaling disagree"),
 ])
 def test_an_absurd_config_is_one_line_naming_the_field(change, field):
     with pytest.raises(MoepackError) as e:
@@ -294,6 +296,10 @@ def test_both_spellings_of_a_config():
     written = {k: v for k, v in BASE.items() if k != "num_experts"} | {"num_local_experts": 6}
     assert Qwen3MoeConfig.from_hf(release).rope_theta == 1e6
     assert Qwen3MoeConfig.from_hf(written).num_experts == 6
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}  # both names, agreeing: one scaling
+    both = Qwen3MoeConfig.from_hf(BASE | {"rope_theta": 1e6, "rope_parameters": yarn,
+                                          "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    assert both.rope_scaling == Qwen3MoeConfig.from_hf(BASE | {"rope_parameters": yarn}).rope_scaling
 
 
 # The RoPE scalings Qwen's model cards configure (YaRN, factor 4 over 32768 positions, as rope_scaling) and

@@ -62,7 +62,19 @@ def _rope(raw: Mapping[str, Any], max_positions: int) -> tuple[float, RopeScalin
         raise UntrustedInputError("config.json rope_parameters: expected an object")
     if scaling is not None and not isinstance(scaling, Mapping):
         raise UntrustedInputError("config.json rope_scaling: expected an object")
-    key, block = ("rope_parameters", params) if params else ("rope_scaling", scaling or {})
+    if params and scaling:  # (transformers takes rope_scaling as another name of rope_parameters: both must agree)
+        chosen = _rope_block(raw, "rope_parameters", params, max_positions)
+        if _rope_block(raw, "rope_scaling", scaling, max_positions) != chosen:
+            raise UntrustedInputError("config.json rope_parameters and rope_scaling disagree: keep one")
+        return chosen
+    if params:
+        return _rope_block(raw, "rope_parameters", params, max_positions)
+    return _rope_block(raw, "rope_scaling", scaling or {}, max_positions)
+
+
+def _rope_block(raw: Mapping[str, Any], key: str, block: Mapping[str, Any], max_positions: int
+                ) -> tuple[float, RopeScaling | None]:
+    """_rope's reading of one block (`key` in config.json)."""
     theta = finite_float(block.get("rope_theta", raw.get("rope_theta", DEFAULTS["rope_theta"])),
                          "config.json rope_theta", lo=1.0, hi=1e12)
     kind = block.get("rope_type", block.get("type", "default"))
