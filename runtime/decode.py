@@ -192,7 +192,8 @@ class ExpertCache:
         return self.bytes + nbytes <= self.entry_budget
 
     def drop(self, key: tuple[int, int]) -> None:
-        if self._entries.pop(key, None) is not None:
+        if key in self._entries:  # (an entry its store let go of, None for now, too)
+            del self._entries[key]
             self.bytes -= self._sizes.pop(key)
             if self.store is not None:
                 self.store.dropped(key)

@@ -305,8 +305,8 @@ class ExpertPool:
         return [torch.empty(capacity, *shape, dtype=dtype, device=self.device) for shape, dtype in self._slot_shapes()]
 
     def _allocate(self, capacity: int) -> None:
+        self.stacks = self._new_stacks(capacity)  # (first: where it fails, the pool still has no capacity)
         self.capacity = capacity
-        self.stacks = self._new_stacks(capacity)
         self._slot_ids = torch.arange(capacity, device=self.device)
         self._free = list(range(capacity - 1, -1, -1))  # popped from the end: slot 0 first
         self.graphs.clear()  # the graphs read the old stacks
@@ -422,15 +422,20 @@ class ExpertPool:
         """The cache's budget changed (its entries already fit it): the stacks are reallocated to it, so that the
         device memory follows the budget, smaller or larger (a budget shrunk for a long sequence's KV grows back
         once that KV is freed). The scratch keeps its slots, at most half the new ones (the cache's room is not
-        left to it: it grows again where a layer needs more)."""
+        left to it: it grows again where a layer needs more). Where the device has no room for any stacks, not even
+        the old ones again, the pool empties (`_empty`): its experts are read again as misses."""
         capacity = min(budget // self.slot_bytes, self.routed_experts)
         if not self.stacks or capacity == self.capacity:
             return
-        scratch = min(len(self._scratch), capacity // 2)
-        if capacity > self.capacity:
-            self._grow(capacity)
-        else:
-            self._shrink(capacity)
+        scratch, kept = min(len(self._scratch), capacity // 2), list(self._slots)
+        try:
+            if capacity > self.capacity:
+                self._grow(capacity)
+            else:
+                self._shrink(capacity)
+        except torch.OutOfMemoryError:  # no stacks could be had at all, not even the old ones again
+            self._empty(kept)
+            return
         if self.capacity:  # the scratch's first slots again (none in use between layers)
             self._free.extend(self._scratch[scratch:])
             del self._scratch[scratch:]
@@ -482,6 +487,13 @@ class ExpertPool:
         self._free = list(range(capacity - 1, old_capacity - 1, -1)) + self._free  # the old free ones first
         self.graphs.clear()
         self._views_back()
+
+    def _empty(self, kept: list[tuple[int, int]]) -> None:
+        """The pool without stacks and its experts (`kept`) out of the cache: read again as misses."""
+        self.release()
+        self.slot_of.fill_(-1)
+        for key in kept:
+            self.cache.drop(key)
 
     def _drop_views(self) -> None:
         """The cache's entries (views of the stacks) let go, so that the old stacks can be freed."""

@@ -641,3 +641,14 @@ def test_a_pools_stacks_grow_back_with_its_budget(containers, generator, monkeyp
         assert _greedy_rows(g, steps=3)[0] == before[0]
         assert len(cache) > shrunk  # the larger stacks used
         _assert_table_consistent(d)
+        # no stacks at all, growing (not even the old ones again) or shrinking: the pool empties, its experts out
+        # of the cache (read again as misses), the steps after it the same
+        for fraction, fails in ((1.0, [True, True, True]), (0.3, [True])):
+            cache.resize(int(0.6 * every))
+            _greedy_rows(g, steps=1)
+            assert pool.capacity and len(cache)
+            scarce[:] = fails
+            cache.resize(int(fraction * every))
+            assert pool.capacity == 0 and not pool.stacks and len(cache) == 0 and cache.bytes == 0
+            _assert_table_consistent(d)
+            assert _greedy_rows(g, steps=3)[0] == before[0]
