@@ -11,6 +11,13 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
+def default_inv_freq(dim: int, theta: float, device=None) -> Tensor:
+    """[dim/2] float32 frequencies of the unscaled RoPE: theta^(-2i/dim) for each channel pair i."""
+    import torch  # here: reading a config (moepack plan) needs no torch
+
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+
+
 def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_position_embeddings: int,
                   beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> Tensor:
     """[dim/2] float32 YaRN frequencies: extrapolate the fast (high-frequency) pairs, interpolate the slow ones by
@@ -59,9 +66,7 @@ class RopeScaling:
 
     def inv_freq(self, dim: int, theta: float) -> Tensor:
         """[dim/2] float32 frequencies of a head of `dim` channels rotated from base `theta`."""
-        import torch
-
         if self.kind == "linear":
-            return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)) / self.factor
+            return default_inv_freq(dim, theta) / self.factor
         return yarn_inv_freq(dim, theta, self.factor, self.original_max_position_embeddings, self.beta_fast,
                              self.beta_slow, self.truncate)

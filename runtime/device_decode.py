@@ -450,7 +450,6 @@ class ExpertPool:
         scratch = len(self._scratch)
         self._drop_views()
         self.release()
-        self.slot_of.fill_(-1)
         if capacity <= 0:
             return
         self._allocate(capacity)
@@ -491,7 +490,6 @@ class ExpertPool:
     def _empty(self, kept: list[tuple[int, int]]) -> None:
         """The pool without stacks and its experts (`kept`) out of the cache: read again as misses."""
         self.release()
-        self.slot_of.fill_(-1)
         for key in kept:
             self.cache.drop(key)
 
@@ -579,8 +577,9 @@ class ExpertPool:
         return out
 
     def release(self) -> None:
-        """The stacks freed (the table's host mirror emptied; the caller empties the cache)."""
+        """The stacks freed (the table and its host mirror emptied; the caller empties the cache)."""
         self.stacks = []
+        self.slot_of.fill_(-1)
         self.capacity, self._free = 0, []
         self._slots.clear()
         self._scratch, self._in_scratch = [], {}

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from moepack.format_spec.errors import MoepackError
 
-from ..rope import yarn_attention_factor, yarn_inv_freq
+from ..rope import default_inv_freq, yarn_attention_factor, yarn_inv_freq
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -261,10 +261,8 @@ class RopeConfig:
 
     def inv_freq(self) -> Tensor:
         """[dim/2] float32 frequencies, computed the way transformers computes them."""
-        import torch  # here: reading a config (moepack plan) needs no torch
-
         if self.scaling == "default":
-            return 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+            return default_inv_freq(self.dim, self.theta)
         return yarn_inv_freq(self.dim, self.theta, self.factor, self.original_max_position_embeddings,
                              self.beta_fast, self.beta_slow)
 

@@ -25,6 +25,7 @@ from torch import Tensor
 from moepack.backends.ops import fused_rms_norm
 
 from ..base import Routing
+from ..rope import default_inv_freq
 from .config import Qwen3MoeConfig
 from .tensors import DENSE_MLP, ROUTER, Checkpoint
 
@@ -43,8 +44,7 @@ def rope_frequencies(c: Qwen3MoeConfig, device: torch.device) -> Tensor:
     """[head_dim / 2] float32: the RoPE's frequencies on `device`, made once (every layer of a step reuses them; on
     CUDA the scaled ones would otherwise be a host tensor copied in at each layer's graph piece)."""
     if c.rope_scaling is None:
-        return 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=device).float()
-                                        / c.head_dim))
+        return default_inv_freq(c.head_dim, c.rope_theta, device)
     return c.rope_scaling.inv_freq(c.head_dim, c.rope_theta).to(device)
 
 
