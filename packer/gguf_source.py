@@ -23,10 +23,12 @@ unknown tensor) is one MoepackError line naming the file.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -80,21 +82,51 @@ def gguf_py(what: str = "reading a GGUF"):
     return gguf
 
 
-# GGUF value types (gguf-py's GGUFValueType): the fixed sizes, and the two of variable length
-_FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
+# GGUF value types (gguf-py's GGUFValueType): the fixed ones as struct formats, and the two of variable length
+_FIXED_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_FIXED_SIZES = {kind: struct.calcsize(fmt) for kind, fmt in _FIXED_FORMATS.items()}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+READ_VERSIONS = (2, 3)  # gguf-py's READER_SUPPORTED_VERSIONS
+DEFAULT_ALIGNMENT = 32
 MAX_TENSOR_DIMS = 8  # ggml has 4
 MAX_ARRAY_NESTING = 4
+MAX_ARRAY_ITEMS = 1 << 24  # a vocabulary is ~10^5 tokens; more is a damaged or hostile count, not metadata
+UNDECODABLE = object()  # a string value that is not UTF-8 (gguf-py raises reading it): the key is absent
 
 
-class _HeaderScan:
-    """A walk over a GGUF's header (key/values, tensor infos) that trusts no count or length: each is bounded by the
-    bytes left in the file before anything is skipped or looped over, so gguf-py (which loops over a count as
-    given: 2^40 strings take it minutes) never sees a header that outruns its file."""
+class GGUFTensorInfo(NamedTuple):
+    name: str
+    ggml_type: int
+    dims: tuple[int, ...]  # ggml's order (ne): the row length first
+    data_offset: int  # from the start of the file
+    n_bytes: int
 
-    def __init__(self, data, name: str):
-        self.data, self.name, self.pos = data, name, 0
-        self.order = "<"
+
+class GGUFHeader:
+    """A GGUF's key/values (`fields`: key -> Python value) and tensor infos (`tensors`), read in one pass that
+    trusts no count or length: each is bounded by the bytes left in the file before anything is read or looped
+    over, so a header that outruns its file is refused at once. gguf-py's GGUFReader reads the same, but builds a
+    numpy view per string (a 129K-token vocabulary takes it seconds to tens of seconds); its type table names and
+    sizes the tensors."""
+
+    def __init__(self, path: str, gguf):
+        self.name = os.path.basename(path)
+        self.fields: dict[str, object] = {}
+        self.tensors: list[GGUFTensorInfo] = []
+        self.order, self.pos = "<", 0
+        with os.fdopen(open_regular(path), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            magic = f.read(4)
+            if magic != GGUF_MAGIC:
+                raise MoepackError(f"{self.name}: not a GGUF file (magic {magic!r})")
+            if size < 24:
+                self.fail("truncated header")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                self.data = data
+                try:
+                    self._read(gguf)
+                finally:
+                    self.data = None  # no view left on the map as it closes
 
     def fail(self, what: str):
         raise MoepackError(f"{self.name}: damaged GGUF: {what}")
@@ -104,99 +136,138 @@ class _HeaderScan:
         if n > left:
             self.fail(f"{what} needs {n} bytes, the file has {left} left")
 
-    def number(self, fmt: str, what: str) -> int:
+    def number(self, fmt: str, what: str):
         size = struct.calcsize(fmt)
         self.need(size, what)
         (value,) = struct.unpack_from(self.order + fmt, self.data, self.pos)
         self.pos += size
         return value
 
-    def string(self, what: str) -> bytes:
+    def raw_string(self, what: str) -> bytes:
         n = self.number("Q", what)
         self.need(n, f"{what} (a string of {n} bytes)")
         self.pos += n
         return bytes(self.data[self.pos - n:self.pos])
 
-    def value(self, kind: int, what: str, nesting: int = 0) -> None:
-        if kind in _FIXED_SIZES:
-            self.need(_FIXED_SIZES[kind], what)
-            self.pos += _FIXED_SIZES[kind]
-        elif kind == _STRING:
-            self.string(what)
-        elif kind == _ARRAY:
-            item = self.number("I", what)
-            count = self.number("Q", what)
-            least = _FIXED_SIZES.get(item, 8 if item == _STRING else 12)  # a string: its length; an array: 12
-            self.need(count * least, f"{what} (an array of {count})")
-            if item in _FIXED_SIZES:
-                self.pos += count * least
-            elif item in (_STRING, _ARRAY) and nesting < MAX_ARRAY_NESTING:
-                for _ in range(count):  # bounded: each item takes at least `least` bytes of the file
-                    self.value(item, what, nesting + 1)
-            else:
-                self.fail(f"{what}: an array of value type {item}")
-        else:
-            self.fail(f"{what}: unknown value type {kind}")
+    def text(self, what: str) -> str:
+        """A key or a tensor name: UTF-8, or the file is refused (as gguf-py refuses it)."""
+        raw = self.raw_string(what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what} is not UTF-8 ({raw[:40]!r})")
 
-    def walk(self) -> None:
+    def value(self, kind: int, what: str, nesting: int = 0):
+        if kind in _FIXED_FORMATS:
+            return self.number(_FIXED_FORMATS[kind], what)
+        if kind == _STRING:
+            try:
+                return self.raw_string(what).decode("utf-8")
+            except UnicodeDecodeError:
+                return UNDECODABLE
+        if kind != _ARRAY:
+            self.fail(f"{what}: unknown value type {kind}")
+        item = self.number("I", what)
+        count = self.number("Q", what)
+        least = _FIXED_SIZES.get(item, 8 if item == _STRING else 12)  # a string: its length; an array: 12
+        self.need(count * least, f"{what} (an array of {count})")
+        if count > MAX_ARRAY_ITEMS:
+            self.fail(f"{what}: an array of {count} items (moepack reads at most {MAX_ARRAY_ITEMS})")
+        if item in _FIXED_FORMATS:  # at once: a 129K-entry array is one call
+            values = np.frombuffer(self.data, np.dtype(self.order + _FIXED_FORMATS[item]), count, self.pos)
+            self.pos += count * least
+            return values.tolist()
+        if item == _STRING:  # a vocabulary: one tight loop (each item takes at least its 8-byte length)
+            return self._strings(count, what)
+        if item != _ARRAY or nesting >= MAX_ARRAY_NESTING:
+            self.fail(f"{what}: an array of value type {item}")
+        values = [self.value(item, what, nesting + 1) for _ in range(count)]  # each item takes `least` bytes
+        return UNDECODABLE if any(v is UNDECODABLE for v in values) else values
+
+    def _strings(self, count: int, what: str):
+        data, pos, length, end = self.data, self.pos, struct.Struct(self.order + "Q"), len(self.data)
+        raw = []
+        for _ in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8, what)
+            (n,) = length.unpack_from(data, pos)
+            pos += 8
+            if n > end - pos:
+                self.pos = pos
+                self.need(n, f"{what} (a string of {n} bytes)")
+            raw.append(data[pos:pos + n])
+            pos += n
+        self.pos = pos
+        try:
+            return [b.decode("utf-8") for b in raw]
+        except UnicodeDecodeError:
+            return UNDECODABLE
+
+    def _read(self, gguf) -> None:
         self.pos = 4
-        if self.number("I", "the version") & 0xFFFF == 0:  # written for the other byte order (gguf-py reads it)
-            self.order = ">"
+        version = self.number("I", "the version")
+        if version & 0xFFFF == 0:  # written for the other byte order (gguf-py reads it)
+            self.order, version = ">", int.from_bytes(version.to_bytes(4, "little"), "big")
+        if version not in READ_VERSIONS:
+            self.fail(f"version {version} (moepack reads GGUF versions {', '.join(map(str, READ_VERSIONS))})")
         tensors, kvs = self.number("Q", "the tensor count"), self.number("Q", "the key/value count")
         self.need(kvs * 13, f"a key/value count of {kvs}")  # the least a key/value takes: 8 + 4 + 1 bytes
+        kinds = {}
         for i in range(kvs):
-            key = self.string(f"key/value #{i}").decode("utf-8", "replace")[:80]
-            self.value(self.number("I", key), key)
+            key = self.text(f"key/value #{i}'s key")
+            if key in kinds:
+                self.fail(f"key {key} appears twice")
+            kinds[key] = self.number("I", key)
+            value = self.value(kinds[key], key)
+            if value is not UNDECODABLE:  # else absent: the checks that read the key name it
+                self.fields[key] = value
         self.need(tensors * 24, f"a tensor count of {tensors}")  # name length, dims, type, offset
+        infos = []
         for i in range(tensors):
-            what = self.string(f"tensor #{i}'s name").decode("utf-8", "replace")[:80]
+            name = self.text(f"tensor #{i}'s name")
+            what = name[:80]
             dims = self.number("I", what)
             if dims > MAX_TENSOR_DIMS:
                 self.fail(f"tensor {what} has {dims} dimensions")
             self.need(dims * 8 + 12, what)
-            self.pos += dims * 8 + 12
+            shape = struct.unpack_from(f"{self.order}{dims}Q", self.data, self.pos)
+            self.pos += dims * 8
+            infos.append((name, shape, self.number("I", what), self.number("Q", what)))
+        alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if "general.alignment" in self.fields and (kinds["general.alignment"] != _UINT32 or alignment <= 0
+                                                   or alignment & (alignment - 1)):
+            self.fail(f"general.alignment {alignment!r} is not a power of two (a uint32)")
+        start = -(-self.pos // alignment) * alignment
+        names = set()
+        for name, shape, ggml_type, offset in infos:
+            if name in names:
+                self.fail(f"tensor {name[:80]} appears twice")
+            names.add(name)
+            sizes = gguf.GGML_QUANT_SIZES.get(_ggml_type(gguf, ggml_type))
+            if sizes is None:
+                self.fail(f"tensor {name[:80]} has an unknown ggml type {ggml_type}")
+            block, type_size = sizes
+            self.tensors.append(GGUFTensorInfo(name, ggml_type, shape, start + offset,
+                                               math.prod(shape) * type_size // block))
 
 
-def check_gguf_header(path: str) -> None:
-    """Refuse (one line naming the file) a GGUF whose header states a count or a length its file cannot hold, or
-    that is not a regular file (a FIFO), before gguf-py parses it."""
-    name = os.path.basename(path)
-    with os.fdopen(open_regular(path), "rb") as f:
-        if os.fstat(f.fileno()).st_size < 24:
-            magic = f.read(4)
-            if magic != GGUF_MAGIC:
-                raise MoepackError(f"{name}: not a GGUF file (magic {magic!r})")
-            raise MoepackError(f"{name}: damaged GGUF: truncated header")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            if data[:4] != GGUF_MAGIC:
-                raise MoepackError(f"{name}: not a GGUF file (magic {bytes(data[:4])!r})")
-            scan = _HeaderScan(data, name)
-            try:
-                scan.walk()
-            finally:
-                scan.data = None  # no view left on the map as it closes
-
-
-def _reader(gguf, path: str):
-    name = os.path.basename(path)
+def _ggml_type(gguf, value: int):
     try:
-        check_gguf_header(path)
+        return gguf.GGMLQuantizationType(value)
+    except ValueError:
+        return None
+
+
+def _reader(gguf, path: str) -> GGUFHeader:
+    try:
+        return GGUFHeader(path, gguf)
     except OSError as e:
-        raise MoepackError(f"{name}: cannot read ({e.strerror})") from None
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as e:  # gguf-py raises ValueError, IndexError, struct errors... on damaged files
-        raise MoepackError(f"{name}: damaged or truncated GGUF ({type(e).__name__}: {e})") from None
+        raise MoepackError(f"{os.path.basename(path)}: cannot read ({e.strerror})") from None
 
 
-def _value(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    try:
-        return field.contents()
-    except Exception:  # a malformed value: as if absent, the checks below name the key
-        return default
+def _value(reader: GGUFHeader, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 class GGUFSource(LocalSource):
@@ -211,7 +282,7 @@ class GGUFSource(LocalSource):
         self._gguf = gguf_py()
         readers = [_reader(self._gguf, f) for f in self.files]
         first = readers[0]
-        self.meta = {k: _value(first, k) for k in first.fields if not k.startswith("GGUF.")}
+        self.meta = {k: _value(first, k) for k in first.fields}
         arch = self.meta.get("general.architecture")
         self.family = family_of_gguf(arch)
         if self.family is None:
@@ -225,9 +296,9 @@ class GGUFSource(LocalSource):
                 if t.name in gguf_tensors:
                     raise MoepackError(f"tensor {t.name} appears in {os.path.basename(gguf_tensors[t.name][0])} "
                                        f"and {os.path.basename(file)}")
-                if int(t.data_offset) + int(t.n_bytes) > size:
+                if t.data_offset + t.n_bytes > size:
                     raise MoepackError(f"{os.path.basename(file)}: truncated (tensor {t.name} ends at "
-                                       f"{int(t.data_offset) + int(t.n_bytes)}, the file has {size} bytes)")
+                                       f"{t.data_offset + t.n_bytes}, the file has {size} bytes)")
                 gguf_tensors[t.name] = (file, t)
         self.config = self._family_config(arch, gguf_tensors)
         self.tensors = self._family_tensors(gguf_tensors)
@@ -248,8 +319,7 @@ class GGUFSource(LocalSource):
 
     def _type_and_shape(self, t) -> tuple[str, tuple[int, ...]]:
         """A gguf-py tensor's ggml type name and row-major shape (ggml's ne reversed)."""
-        qtype = self._gguf.GGMLQuantizationType(int(t.tensor_type)).name
-        return qtype, tuple(int(d) for d in reversed(t.shape.tolist()))
+        return self._gguf.GGMLQuantizationType(t.ggml_type).name, tuple(reversed(t.dims))
 
     def _unstacked(self, gname: str, names: list[str], qtype: str, shape: tuple, file: str, t
                    ) -> dict[str, SourceTensor]:
@@ -257,8 +327,8 @@ class GGUFSource(LocalSource):
         if len(shape) != 3 or shape[0] != len(names):
             raise MoepackError(f"{gname}: stacked experts must be 3-D of {len(names)} experts, got shape "
                                f"{list(shape)}")
-        per_expert = int(t.n_bytes) // shape[0]
-        return {name: self._tensor(name, qtype, shape[1:], file, int(t.data_offset) + e * per_expert, per_expert)
+        per_expert = t.n_bytes // shape[0]
+        return {name: self._tensor(name, qtype, shape[1:], file, t.data_offset + e * per_expert, per_expert)
                 for e, name in enumerate(names)}
 
     def _family_tensors(self, gguf_tensors) -> dict[str, SourceTensor]:
@@ -277,8 +347,8 @@ class GGUFSource(LocalSource):
             if gname in stacked:
                 out.update(self._unstacked(gname, stacked[gname], qtype, shape, file, t))
             elif gname in plain:
-                out[plain[gname]] = self._tensor(plain[gname], qtype, shape, file, int(t.data_offset),
-                                                 int(t.n_bytes))
+                out[plain[gname]] = self._tensor(plain[gname], qtype, shape, file, t.data_offset,
+                                                 t.n_bytes)
             else:
                 raise MoepackError(f"{os.path.basename(file)}: tensor {gname} is not one a {family.name} model of "
                                    "its keys has")
@@ -329,7 +399,7 @@ class GGUFSource(LocalSource):
         keys = {k[len(arch) + 1:]: v for k, v in self.meta.items() if k.startswith(arch + ".")}
         name = os.path.basename(self.files[0])
         try:
-            config = self.family.config_from_gguf(keys, int(embd[1].shape[1]), "output.weight" not in gguf_tensors,
+            config = self.family.config_from_gguf(keys, embd[1].dims[1], "output.weight" not in gguf_tensors,
                                                   tuple(gguf_tensors))
             self.family.parse_config(config)  # every value in range, named as config.json's field
         except MoepackError as e:

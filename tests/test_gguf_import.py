@@ -33,7 +33,7 @@ from moepack.packer import gguf_export  # noqa: E402
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.packer.fidelity import compare_with_source  # noqa: E402
 from moepack.packer.gguf_export import export_gguf, parse_size, split_name  # noqa: E402
-from moepack.packer.gguf_source import GGUFSource  # noqa: E402
+from moepack.packer.gguf_source import GGUFHeader, GGUFSource  # noqa: E402
 from moepack.packer.synth import synth_checkpoint, tokenizer_json  # noqa: E402
 from moepack.runtime.engine import prefill  # noqa: E402
 from moepack.serve.tokenizer import PromptTokenizer  # noqa: E402
@@ -51,9 +51,9 @@ def _tensors(path: str) -> dict:
 
 
 def _metadata(path: str) -> dict:
-    r = gguf.GGUFReader(path)
-    skip = ("GGUF.", "general.name", "split.")
-    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(skip)}
+    """Its key/values, read by moepack's reader (test_our_reader_reads_what_gguf_py_reads: gguf-py's answers)."""
+    skip = ("general.name", "split.")
+    return {k: v for k, v in GGUFHeader(path, gguf).fields.items() if not k.startswith(skip)}
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ def test_release_tokenizer_and_chat_template_survive(tmp_path):
             assert tb.encode_special(text) == ta.encode_special(text), text
             assert tb.decode(ta.encode(text)) == ta.decode(ta.encode(text))
     again = export_gguf(b, str(tmp_path / "again.gguf"), progress=False)["output"]
-    metadata = _metadata(first)  # (gguf-py takes seconds to parse a 129K-token vocabulary: once per file)
+    metadata = _metadata(first)
     assert _metadata(again) == metadata
     assert metadata["tokenizer.chat_template"] == chat_template()
 
@@ -214,6 +214,93 @@ def _one_line(path, tmp_path, *args) -> str:
     assert len(lines) == 1 and lines[0].startswith("moepack: error:"), res.output
     assert not os.path.exists(tmp_path / "bad.moepack")
     return lines[0]
+
+
+def _every_value_type(path: str, endian, alignment: int = 64) -> None:
+    w = gguf.GGUFWriter(path, "deepseek4", endianess=endian)
+    w.add_custom_alignment(alignment)
+    for kind, value in ((gguf.GGUFValueType.UINT8, 200), (gguf.GGUFValueType.INT8, -100),
+                        (gguf.GGUFValueType.UINT16, 60000), (gguf.GGUFValueType.INT16, -30000),
+                        (gguf.GGUFValueType.UINT32, 4_000_000_000), (gguf.GGUFValueType.INT32, -2_000_000_000),
+                        (gguf.GGUFValueType.FLOAT32, 0.1), (gguf.GGUFValueType.BOOL, True),
+                        (gguf.GGUFValueType.STRING, "naïve 🤖"), (gguf.GGUFValueType.UINT64, 1 << 63),
+                        (gguf.GGUFValueType.INT64, -(1 << 62)), (gguf.GGUFValueType.FLOAT64, 0.1)):
+        w.add_key_value(f"t.{kind.name.lower()}", value, kind)
+    w.add_array("t.strings", ["", "a", "ĠHello", "日本"])
+    w.add_array("t.floats", [0.5, -1.25, 3e-8])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.bools", [True, False])
+    w.add_array("t.empty", [])
+    w.add_tensor("a", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("b", np.zeros((2, 34), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # 2 x 32 values
+    w.add_tensor("c", np.ones(5, dtype=np.float16))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+@pytest.mark.parametrize("endian", ["LITTLE", "BIG"])
+def test_our_reader_reads_what_gguf_py_reads(exported, tmp_path, endian):
+    """moepack's GGUF reader (gguf-py takes tens of seconds on a 129K-token vocabulary) against gguf-py's GGUFReader:
+    every key/value and every tensor's name, ggml type, shape, offset in the file and size, on a file of every value
+    type in either byte order and on an exported model."""
+    path = str(tmp_path / "every.gguf")
+    _every_value_type(path, gguf.GGUFEndian[endian])
+    for f in (path, exported[1]):
+        ours, theirs = GGUFHeader(f, gguf), gguf.GGUFReader(f)
+        expected = {k: field.contents() for k, field in theirs.fields.items() if not k.startswith("GGUF.")}
+        assert ours.fields == expected and list(ours.fields) == list(expected)
+        assert [tuple(t) for t in ours.tensors] == [
+            (t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes))
+            for t in theirs.tensors]
+    assert GGUFHeader(path, gguf).tensors[0].data_offset % 64 == 0
+
+
+def _damaged(tmp_path, damage) -> str:
+    path = tmp_path / "every.gguf"
+    _every_value_type(str(path), gguf.GGUFEndian.LITTLE)
+    path.write_bytes(damage(path.read_bytes()))  # each damage keeps every length
+    return str(path)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: d.replace(b"t.uint8", b"t.int16", 1), "key t.int16 appears twice"),
+    (lambda d: d.replace(b"t.strings", b"t.strin\xff\xfe", 1), "is not UTF-8"),
+    (lambda d: d[:4] + (1).to_bytes(4, "little") + d[8:], "version 1"),
+    (lambda d: d.replace(b"general.alignment\x04\x00\x00\x00\x40", b"general.alignment\x04\x00\x00\x00\x30", 1),
+     "general.alignment 48 is not a power of two")])
+def test_our_reader_refuses_what_gguf_py_refuses(tmp_path, damage, message):
+    path = _damaged(tmp_path, damage)
+    with pytest.raises(MoepackError, match="every.gguf: damaged GGUF: .*" + message):
+        GGUFHeader(path, gguf)
+    with pytest.raises(Exception):
+        gguf.GGUFReader(path)
+
+
+def test_a_metadata_array_beyond_any_vocabulary_is_refused(tmp_path):
+    """2^24 + 1 items, all in the file: not metadata moepack reads (a damaged or hostile count)."""
+    import struct
+
+    from moepack.packer.gguf_source import MAX_ARRAY_ITEMS
+
+    count = MAX_ARRAY_ITEMS + 1
+    key = b"t.big"
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 0, count)
+    (tmp_path / "big.gguf").write_bytes(data + bytes(count))
+    with pytest.raises(MoepackError, match=f"big.gguf: damaged GGUF: t.big: an array of {count} items"):
+        GGUFHeader(str(tmp_path / "big.gguf"), gguf)
+    (tmp_path / "big.gguf").write_bytes(data[:-8] + struct.pack("<Q", count - 1) + bytes(count))
+    assert len(GGUFHeader(str(tmp_path / "big.gguf"), gguf).fields["t.big"]) == count - 1
+
+
+@pytest.mark.parametrize("damage, key", [
+    (lambda d: d.replace("naïve".encode(), b"na\xff\xffve", 1), "t.string"),
+    (lambda d: d.replace("日本".encode(), b"\xff" * 6, 1), "t.strings")])  # one item: the whole array
+def test_a_value_not_utf8_is_read_as_absent(tmp_path, damage, key):
+    """As gguf-py raises reading it: the checks that need the key then name it."""
+    path = _damaged(tmp_path, damage)
+    fields = GGUFHeader(path, gguf).fields
+    assert key not in fields and "t.uint8" in fields
+    with pytest.raises(UnicodeDecodeError):
+        gguf.GGUFReader(path).fields[key].contents()
 
 
 def test_damaged_gguf_is_one_line(exported, tmp_path):
