@@ -3,8 +3,9 @@
 Decode multiplies every weight by one token, so it is a scan of the weights and runs at the memory's pace or not
 at all. torch's bf16 GEMV reached 5-7 GB/s on the 2-core AVX-512 VM (its float32 one 9-14), and an expert stored
 in bf16 or FP4 had to be decoded into a float32 matrix first (a write and a re-read of twice its size per use).
-The kernel reads each weight as stored (F32, BF16, F16, FP4_E2M1 + E8M0 scales, MXFP4, Q8_0), turns it into
-float32 in registers and multiplies in float32, threads splitting the rows:
+The kernel reads each weight as stored (F32, BF16, F16, FP4_E2M1 + E8M0 scales, MXFP4, Q8_0, F8_E4M3 + float32
+scales per 128 x 128 block), turns it into float32 in registers and multiplies in float32, threads splitting the
+rows:
 
 - `linear(x, w)`: model.linear's x @ w.T for x of at most SMALL_ROWS rows and a float32 / bfloat16 w: a bfloat16 w
   takes its input rounded to bfloat16 and gives its result rounded to bfloat16, as torch's bf16 matmul does (sums in
@@ -41,7 +42,8 @@ from moepack.native import LazyKernel, c_function, disable, native_library, read
 
 _SOURCE = read_source("token_matmul.c")
 LIBRARY = "moepack_token_matmul"
-KINDS = {"F32": 0, "BF16": 1, "F16": 2, "FP4_E2M1": 3, "MXFP4": 4, "Q8_0": 5}  # the C file's enum
+KINDS = {"F32": 0, "BF16": 1, "F16": 2, "FP4_E2M1": 3, "MXFP4": 4, "Q8_0": 5, "F8_E4M3": 6}  # the C file's enum
+FP8_BLOCK = 128  # an F8_E4M3 matrix's scale blocks (FP8_BLOCK in token_matmul.h)
 FLOAT_KINDS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 SMALL_ROWS = 4  # model.linear takes the kernel up to this many input rows (decode: one)
 ROUND_INPUT, ROUND_OUTPUT = 1, 2  # the C file's flags
@@ -425,25 +427,45 @@ def float_matrix(w: torch.Tensor) -> Matrix:
 def stored_matrix(kind: str, data: torch.Tensor, rows: int, cols: int, scale: torch.Tensor | None = None,
                   table: torch.Tensor | None = None) -> Matrix:
     """A weight from its stored bytes (uint8 CPU tensors, contiguous): `kind` a KINDS name; FP4_E2M1 takes its E8M0
-    `scale` bytes ([rows, cols / 32]); both FP4 kinds their code values `table` (float32 [256, 16], row s the values
-    of codes 0..15 under scale byte s). The tensors must outlive the Matrix's use."""
+    `scale` bytes ([rows, cols / 32]), F8_E4M3 its block scales as float32 ([ceil(rows / 128), ceil(cols / 128)]:
+    fp8_block_scales); both FP4 kinds their code values `table` (float32 [256, 16], row s the values of codes 0..15
+    under scale byte s). The tensors must outlive the Matrix's use."""
     if kind not in KINDS:
         raise ValueError(f"the token matmul has no {kind} weights")
     need = {"F32": 4 * cols, "BF16": 2 * cols, "F16": 2 * cols, "FP4_E2M1": cols // 2,
-            "MXFP4": cols // GROUP * 17, "Q8_0": cols // GROUP * 34}[kind] * rows
+            "MXFP4": cols // GROUP * 17, "Q8_0": cols // GROUP * 34, "F8_E4M3": cols}[kind] * rows
     if data.numel() * data.element_size() < need or (kind in ("FP4_E2M1", "MXFP4", "Q8_0") and cols % GROUP):
         raise ValueError(f"{kind} [{rows}, {cols}] needs {need} bytes, got {data.numel() * data.element_size()}")
     if kind in ("FP4_E2M1", "MXFP4") and (table is None or table.dtype != torch.float32 or table.numel() != 256 * 16):
         raise ValueError(f"{kind} needs its float32 [256, 16] value table")
     if kind == "FP4_E2M1" and (scale is None or scale.numel() < rows * cols // GROUP):
         raise ValueError(f"FP4_E2M1 [{rows}, {cols}] needs {rows * cols // GROUP} scale bytes")
+    blocks = fp8_scale_blocks(rows, cols)
+    if kind == "F8_E4M3" and (scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != blocks
+                              or not scale.is_contiguous()):
+        raise ValueError(f"F8_E4M3 [{rows}, {cols}] needs contiguous float32 block scales {list(blocks)}")
     return Matrix(KINDS[kind], data.data_ptr(), scale.data_ptr() if scale is not None else None,
                   table.data_ptr() if table is not None else None, rows, cols)
+
+
+def fp8_scale_blocks(rows: int, cols: int) -> tuple[int, int]:
+    """The shape of an F8_E4M3 [rows, cols] weight's block scales."""
+    return -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+
+
+def fp8_block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """An F8_E4M3 weight's stored block scales (E8M0, or a float dtype: Qwen3's weight_scale_inv) as the float32
+    the kernel multiplies by: the factors its decoders apply (format_spec.source_formats), in a tensor of their own
+    (never a view of the stored bytes, which a Matrix holding it would keep alive)."""
+    return scale.to(torch.float32, copy=True).contiguous()
 
 
 def _reference_values(kind: str, data: torch.Tensor, rows: int, cols: int, scale=None) -> torch.Tensor:
     """The container's own decoders, for the self-check."""
     from moepack.format_spec import quants, source_formats
+
+    if kind == "F8_E4M3":
+        return source_formats.fp8_float_block_dequantize(data.view(torch.float8_e4m3fn).reshape(rows, cols), scale)
 
     if kind in ("F32", "BF16", "F16"):
         dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[kind]
@@ -461,6 +483,10 @@ def _random_stored(kind: str, rows: int, cols: int, gen: torch.Generator):
     if kind in ("F32", "BF16", "F16"):
         dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[kind]
         return torch.randn(rows * cols, generator=gen).to(dtype).view(torch.uint8), None
+    if kind == "F8_E4M3":  # every code but the two NaNs; scales over a few binades, not powers of two
+        codes = rand_bytes(rows * cols)
+        codes[(codes & 0x7F) == 0x7F] = 0x3F
+        return codes, torch.rand(fp8_scale_blocks(rows, cols), generator=gen) * 0.05 + 1e-3
     groups = rows * cols // GROUP
     if kind == "FP4_E2M1":
         return rand_bytes(groups * 16), torch.randint(118, 136, (groups,), dtype=torch.uint8, generator=gen)
@@ -491,7 +517,8 @@ def _self_check(kernels: TokenKernels) -> str | None:
     for vector in sorted({False, kernels.vector}):
         kernels.set_vector(vector)
         for kind in KINDS:
-            rows, cols = 37, (96 if kind in ("FP4_E2M1", "MXFP4", "Q8_0") else 53)  # vector tails, odd rows
+            # vector tails, odd rows; F8_E4M3 two blocks of columns
+            rows, cols = 37, {"FP4_E2M1": 96, "MXFP4": 96, "Q8_0": 96, "F8_E4M3": 147}.get(kind, 53)
             data, scale = _random_stored(kind, rows, cols, gen)
             w = stored_matrix(kind, data, rows, cols, scale, tables.get(kind))
             values = _reference_values(kind, data, rows, cols, scale).double()

@@ -1,5 +1,6 @@
 /* Matmuls on a few input rows, for decode (backends/token_kernels.py): out = x @ W.T with W read as the container
-   stores it (float32, bfloat16, float16, FP4 E2M1 + E8M0 scales, MXFP4, Q8_0), each weight byte read once and
+   stores it (float32, bfloat16, float16, FP4 E2M1 + E8M0 scales, MXFP4, Q8_0, FP8 E4M3 + float32 block scales),
+   each weight byte read once and
    turned into float32 in registers; and `moe_token`, a token's routed experts in one call. One token reads every
    weight for a handful of multiply-adds, so this is a memory-bound scan: torch's bf16 GEMV reached 5-7 GB/s here
    against 10-14 GB/s for this loop, and decoding a stored expert to a float32 matrix first costs a write and a
@@ -7,7 +8,7 @@
 
    Arithmetic: products and sums in float32 (explicit FMAs, -ffp-contract=off elsewhere). Every weight becomes the
    float32 the container's decoders give (FP4: the caller's table of code values per scale byte; Q8_0: f16 scale
-   x int8). With round_bf16 the inputs are rounded to bfloat16 first (torch's round to nearest even), and moe_token
+   x int8; FP8: the e4m3 value times its block's float32 scale, one float32 product). With round_bf16 the inputs are rounded to bfloat16 first (torch's round to nearest even), and moe_token
    rounds each hidden activation once, as the fused FP4 kernel does; the linears' round_bf16 is a set of flags,
    ROUND_INPUT and ROUND_OUTPUT (the results rounded to bfloat16 too, as a bfloat16 layer's are, kept float32).
 
@@ -38,12 +39,14 @@ static int64_t row_bytes(int64_t kind, int64_t cols) {
     case KIND_BF16: case KIND_F16: return 2 * cols;
     case KIND_FP4_E2M1: return cols / 2;
     case KIND_MXFP4: return cols / GROUP * 17;
+    case KIND_FP8_E4M3: return cols;
     default: return cols / GROUP * 34;  /* Q8_0: f16 scale, 32 int8 */
     }
 }
 
 static int valid(const matrix_t *m) {
     if (m->kind < 0 || m->kind >= KIND_COUNT || m->rows < 0 || m->cols < 1 || !m->data) return 0;
+    if (m->kind == KIND_FP8_E4M3) return m->scale != NULL;
     if (m->kind >= KIND_FP4_E2M1 && m->cols % GROUP) return 0;
     if ((m->kind == KIND_FP4_E2M1 || m->kind == KIND_MXFP4) && !m->table) return 0;
     return m->kind != KIND_FP4_E2M1 || m->scale;
@@ -59,6 +62,19 @@ static float f16_value(uint16_t h) {
     }
     if (exp == 31) return bits_float(sign | 0x7f800000u | (man << 13));
     return bits_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+/* an e4m3fn byte's value (torch's float8_e4m3fn): s eeee mmm, 2^(e - 7) x 1.mmm, e = 0 m x 2^-9, 0x7f NaN */
+static float fp8_value(uint8_t b) {
+    const uint32_t mag = b & 0x7f;
+    float v = mag < 8 ? (float)mag * (1.0f / 512) : bits_float((mag << 20) + (120u << 23));
+    if (mag == 0x7f) v = NAN;
+    return b & 0x80 ? -v : v;
+}
+
+/* row r's block scales of an FP8_E4M3 matrix (one per FP8_BLOCK columns) */
+static inline const float *fp8_scales(const matrix_t *m, int64_t r) {
+    return (const float *)m->scale + (r / FP8_BLOCK) * ((m->cols + FP8_BLOCK - 1) / FP8_BLOCK);
 }
 
 /* the index within its group where an input of logical position j (0..31) goes for a deinterleaved layout */
@@ -91,6 +107,11 @@ static float dot_scalar(const matrix_t *m, int64_t r, const float *x) {
             acc = fmaf(m->kind == KIND_BF16 ? bits_float((uint32_t)h << 16) : f16_value(h), x[k], acc);
         }
         return acc;
+    case KIND_FP8_E4M3: {
+        const float *scales = fp8_scales(m, r);
+        for (int64_t k = 0; k < K; k++) acc = fmaf(fp8_value(row[k]) * scales[k / FP8_BLOCK], x[k], acc);
+        return acc;
+    }
     case KIND_Q8_0:
         for (int64_t g = 0; g < K / GROUP; g++) {
             const uint8_t *block = row + 34 * g;
@@ -135,6 +156,18 @@ static inline __attribute__((always_inline)) void fp4_group(const matrix_t *m, c
     const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
     *lo = _mm512_permutexvar_ps(codes, values);  /* (the permute reads an index's low 4 bits only) */
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
+}
+
+/* 16 e4m3fn bytes as float32, as fp8_value: the magnitude's bits moved into a float32's (normal values), m x 2^-9
+   (subnormal ones), NaN for 0x7f, then the sign */
+static inline __attribute__((always_inline)) __m512 fp8_e4m3_ps(__m128i bytes) {
+    const __m512i b = _mm512_cvtepu8_epi32(bytes), mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+    __m512 v = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+    v = _mm512_mask_mul_ps(v, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), _mm512_cvtepi32_ps(mag),
+                           _mm512_set1_ps(1.0f / 512));
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), _mm512_set1_ps(NAN));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
 }
 
 /* R rows side by side are R streams the hardware prefetchers lose between blocks: each row's bytes at `offset`
@@ -196,6 +229,29 @@ static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m,
                 const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)rows[i] + k);
                 const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
                                       : _mm512_cvtph_ps(h);
+                if ((k / 16) & 1)
+                    _Pragma("GCC unroll 8")
+                    for (int j = 0; j < n; j++)
+                        a1[i * n + j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a1[i * n + j]);
+                else
+                    _Pragma("GCC unroll 8")
+                    for (int j = 0; j < n; j++)
+                        a0[i * n + j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[i * n + j]);
+            }
+        }
+        break;
+    }
+    case KIND_FP8_E4M3: {
+        const float *scales[DOTS_ROWS];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < R; i++) scales[i] = fp8_scales(m, r + i);
+        for (; k < K; k += 16) {  /* (16 divides FP8_BLOCK: a chunk lies in one block) */
+            const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++) {
+                if (!((k / 16) & 3)) ahead(rows[i], R, bytes, k);
+                const __m512 v = _mm512_mul_ps(fp8_e4m3_ps(_mm_maskz_loadu_epi8(mask, rows[i] + k)),
+                                               _mm512_set1_ps(scales[i][k / FP8_BLOCK]));
                 if ((k / 16) & 1)
                     _Pragma("GCC unroll 8")
                     for (int j = 0; j < n; j++)

@@ -9,12 +9,14 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { KIND_F32, KIND_BF16, KIND_F16, KIND_FP4_E2M1, KIND_MXFP4, KIND_Q8_0, KIND_COUNT };
+enum { KIND_F32, KIND_BF16, KIND_F16, KIND_FP4_E2M1, KIND_MXFP4, KIND_Q8_0, KIND_FP8_E4M3, KIND_COUNT };
+#define FP8_BLOCK 128  /* an FP8_E4M3 matrix's scales: one float32 per FP8_BLOCK x FP8_BLOCK block */
 
 typedef struct {
     int64_t kind;
     const uint8_t *data;   /* row r at data + r * row_bytes(kind, cols) */
-    const uint8_t *scale;  /* FP4_E2M1: row r's E8M0 bytes at scale + r * cols / 32 */
+    const uint8_t *scale;  /* FP4_E2M1: row r's E8M0 bytes at scale + r * cols / 32; FP8_E4M3: float32
+                              [ceil(rows / FP8_BLOCK)][ceil(cols / FP8_BLOCK)] */
     const float *table;    /* FP4 kinds: [256][16], row s = the values of codes 0..15 under scale byte s */
     int64_t rows, cols;
 } matrix_t;

@@ -11,10 +11,12 @@ prefill's reader (O_DIRECT where the container does not fit in memory), the read
 Where the family offers a compiled one-token path (LayerDecode.token_layers, a families.base.TokenPath) and a CPU's
 kernels take its weights, every layer runs as a few compiled calls over fixed buffers: the chosen experts in one
 call of the compiled token kernel (backends/token_kernels.py), which reads each matrix from its stored bytes (F32,
-BF16, F16, FP4 E2M1, MXFP4, Q8_0) and splits the rows over every thread, while the few torch ops of a token run on
-one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another stored kind, a
-family without one) the family's functions run each layer (attend, route_attended, finish; the head) and each expert
-is computed as its bytes arrive by the prefill's expert runner (the family's expert_ffn and expert_naming). Each
+BF16, F16, FP4 E2M1, MXFP4, Q8_0, FP8 E4M3) and splits the rows over every thread, while the few torch ops of a
+token run on one thread (waking OpenMP's others for each op cost more than the op). Elsewhere (a GPU, another stored
+kind, a family without one) the family's functions run each layer (attend, route_attended, finish; the head) and
+each expert is computed as its bytes arrive by the prefill's expert runner (the family's expert_ffn and
+expert_naming), except that on a CPU every row's routed experts still go to the token kernel in one call where it
+takes their stored kind and computes the family's experts (its expert_limit). Each
 sequence keeps one token state per layer (LayerDecode.token_state: the KV grown one token at a time, or continued in
 place); `states` gives them back as a prefill hands them on. Several sequences step together (`step_batch`): every
 resident weight read once per step and the union of the rows' experts fetched once, each run once on the rows that
@@ -49,6 +51,7 @@ import torch
 from moepack.backends import token_kernels
 from moepack.backends.device_copier import DeviceCopier, to_device_async
 from moepack.families.base import LayerDecode, not_finite
+from moepack.format_spec.codecs import codec
 from moepack.format_spec.decode import decode_group, decode_group_rows, entry_bytes, scale_name
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
@@ -214,10 +217,27 @@ class ExpertCache:
         return self.hits / looked_up if looked_up else None
 
 
-def token_choice(routing) -> dict[int, float]:
-    """One token's routed experts: expert id -> its routing weight, in ascending id (a hash layer may pick an
-    expert twice: its weights add up)."""
-    return token_kernels.merged_choice(routing.experts[0].tolist(), routing.weights[0].tolist())
+# the stored scales the token kernel takes beside a weight kind (E8M0 bytes; an FP8 weight's as float32 too)
+_KERNEL_SCALES = {"FP4_E2M1": ("F8_E8M0",), "F8_E4M3": ("F8_E8M0", "F32", "BF16", "F16")}
+
+
+def _stored_matrix(raw: torch.Tensor, kind: str, data: slice, rows: int, cols: int, scale: tuple | None,
+                   table: torch.Tensor | None) -> token_kernels.Matrix:
+    """One matrix of an expert's stored bytes `raw` (a _kernel_layout entry) as the token kernel reads it; an FP8
+    weight's block scales decoded to the float32 the kernel multiplies by (held by the Matrix)."""
+    if kind != "F8_E4M3":
+        return token_kernels.stored_matrix(kind, raw[data], rows, cols, raw[scale[0]] if scale else None, table)
+    where, dtype, shape = scale
+    scales = token_kernels.fp8_block_scales(codec(dtype).decode(raw[where], shape))
+    matrix = token_kernels.stored_matrix(kind, raw[data], rows, cols, scales)
+    matrix.keep = scales
+    return matrix
+
+
+def token_choice(routing, row: int = 0) -> dict[int, float]:
+    """One token's routed experts (row `row` of the routing): expert id -> its routing weight, in ascending id (a
+    hash layer may pick an expert twice: its weights add up)."""
+    return token_kernels.merged_choice(routing.experts[row].tolist(), routing.weights[row].tolist())
 
 
 class DecodeSequence:
@@ -582,7 +602,8 @@ class Decoder:
     # --- the routed experts of a token in one compiled call ----------------------------------------------------------
     def _kernel_layout(self, layer: int, e: int) -> list[tuple] | None:
         """Expert e's three matrices as the token kernel reads them, relative to its region's first byte: (kind,
-        data slice, rows, cols, scale slice or None) each; None where a matrix is stored in a kind it lacks."""
+        data slice, rows, cols, scale or None) each, the scale (its slice, stored dtype, shape) of FP4_E2M1 (E8M0
+        per 32) and F8_E4M3 (E8M0 or float per 128 x 128 block); None where a matrix is stored in a kind it lacks."""
         key = (layer, e)
         if key not in self._layouts:
             block = self.blocks[layer]
@@ -599,10 +620,13 @@ class Decoder:
                     layout = None
                     break
                 scale = by_name.get(scale_name(w.name))
-                if w.dtype == "FP4_E2M1" and (scale is None or scale.dtype != "F8_E8M0"):
+                scale_kinds = _KERNEL_SCALES.get(w.dtype)
+                if scale_kinds is not None and (scale is None or scale.dtype not in scale_kinds or (
+                        w.dtype == "F8_E4M3" and tuple(scale.shape) != token_kernels.fp8_scale_blocks(*w.shape))):
                     layout = None
                     break
-                layout.append((w.dtype, span(w), *w.shape, span(scale) if w.dtype == "FP4_E2M1" else None))
+                layout.append((w.dtype, span(w), *w.shape,
+                               (span(scale), scale.dtype, tuple(scale.shape)) if scale_kinds else None))
             self._layouts[key] = layout
         return self._layouts[key]
 
@@ -624,9 +648,8 @@ class Decoder:
             held.append(raw)
             known = self._matrices.get((layer, e))  # a cache hit gives the same bytes as last time
             if known is None or known[0]() is not raw:
-                known = (weakref.ref(raw), tuple(token_kernels.stored_matrix(
-                    kind, raw[data], rows, cols, raw[scale] if scale is not None else None, self._table(kind))
-                    for kind, data, rows, cols, scale in layout))
+                known = (weakref.ref(raw), tuple(_stored_matrix(raw, *matrix, self._table(matrix[0]))
+                                                 for matrix in layout))
                 self._matrices[(layer, e)] = known
             experts.append(known[1])
         self.stats.kernel_layers += 1
@@ -807,7 +830,7 @@ class Decoder:
                 continue
             if got is None:
                 got = self._fetch(layer, routing.experts.flatten().tolist())
-            routed = self._routed_by_kernel(layer, routing, got) if rows == 1 else None
+            routed = self._routed_by_kernel(layer, routing, got)
             if routed is None:
                 routed = self._routed_one_by_one(layer, routing, got)
             with self.compute:
@@ -913,13 +936,24 @@ class Decoder:
                 self.cache.get((layer, e))
 
     def _routed_by_kernel(self, layer: int, routing, got) -> torch.Tensor | None:
-        """One token's routed experts summed ([1, H] float32) by one call of the compiled token kernel; None
-        where the kernel does not run (not a CPU, a kind it lacks): the caller runs the experts one by one."""
-        chosen = token_choice(routing)
-        return self._run_kernel_experts(layer, chosen, got, lambda experts: None if experts is None else (
-            self.kernels.moe(routing.x[0], experts, torch.tensor(list(chosen.values())),
-                             self.arithmetic.expert_limit,
-                             False, flags=[self._routed_flag] * len(experts))[None]))
+        """The rows' routed experts summed ([B, H] float32) by one call of the compiled token kernel, each row's
+        to the bit what it gives that row alone (moe_rows: each expert read once for the rows that chose it, each
+        row's experts added in ascending id, as `moe` adds one token's); None where the kernel does not run (not a
+        CPU, a kind it lacks): the caller runs the experts one by one."""
+        choices = [token_choice(routing, row) for row in range(routing.x.shape[0])]
+        union = dict.fromkeys(sorted(set().union(*choices)), 0.0)  # ascending, as each row's
+        limit, flag = self.arithmetic.expert_limit, self._routed_flag
+
+        def run(experts):
+            if experts is None:
+                return None
+            if len(choices) == 1:
+                return self.kernels.moe(routing.x[0], experts, torch.tensor(list(choices[0].values())), limit,
+                                        False, flags=[flag] * len(experts))[None]
+            rows = [[row for row, chosen in enumerate(choices) if e in chosen] for e in union]
+            weights = [[choices[row][e] for row in picked] for e, picked in zip(union, rows)]
+            return self.kernels.moe_rows(routing.x, experts, rows, weights, limit, [flag] * len(experts))
+        return self._run_kernel_experts(layer, union, got, run)
 
     def _routed_one_by_one(self, layer: int, routing, got) -> torch.Tensor:
         """The rows' routed experts summed ([B, H] float32) by the prefill's expert runner, each expert once on

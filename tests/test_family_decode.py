@@ -100,6 +100,52 @@ def test_decoder_greedy_tokens_equal_transformers_generate(model, cache_bytes):
         assert stats["expert_cache_hit_rate"] == 0 and stats["cache_experts"] == 0 and stats["cache_bytes"] == 0
 
 
+def test_fp8_experts_run_in_the_token_kernel_alone_and_batched(tmp_path, monkeypatch):
+    """A Qwen3 `-FP8` release's experts (e4m3 under BF16 scales per 128 x 128 block) kept as stored: each decode
+    step runs them in the compiled token kernel on a CPU, one call a layer, alone and for a batch's rows (each
+    row's routed sum that of its sequence alone), with the logits of decode without the kernel (the experts
+    decoded to float32, then torch's matmuls: sums in another order)."""
+    from moepack.backends import token_kernels
+
+    if token_kernels.token_kernels() is None:
+        pytest.skip("no C compiler (or MOEPACK_NATIVE=0): decode keeps torch")
+    synth_checkpoint(str(tmp_path / "src"), preset="tiny", layout="release", seed=3, progress=False,
+                     family="qwen3-moe")
+    path = str(tmp_path / "fp8.moepack")
+    convert_checkpoint(str(tmp_path / "src"), path, policy="keep", progress=False)
+    with Container(path) as c:
+        assert {t.dtype for r in c.layers[0].experts for t in r.tensors} == {"F8_E4M3", "BF16"}
+    prompts, steps = [PROMPT, OTHER_PROMPT], 4
+
+    def decode(batched: bool):
+        with Container(path) as c:
+            d = decoder(c, 1 << 30)
+            try:
+                kvs = [prefilled(path, p) for p in prompts]
+                seqs = [d.start(kv.layers) for _, kv in kvs]
+                tokens, rows = [int(logits.argmax()) for logits, _ in kvs], []
+                for _ in range(steps):
+                    if batched:
+                        step = d.step_batch(seqs, tokens)
+                    else:
+                        step = torch.cat([d.step_batch([s], [t]) for s, t in zip(seqs, tokens)])
+                    rows.append(step)
+                    tokens = step.argmax(-1).tolist()
+                return torch.stack(rows), d.stats.kernel_layers, len(d.blocks)
+            finally:
+                d.close()
+
+    alone, calls, layers = decode(False)
+    assert calls == steps * len(prompts) * layers
+    batched, calls, _ = decode(True)
+    assert calls == steps * layers and torch.allclose(batched, alone, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(token_kernels, "token_kernels", lambda: None)
+    torch_path, calls, _ = decode(False)
+    assert calls == 0
+    assert torch.allclose(alone, torch_path, rtol=1e-4, atol=1e-4 * float(torch_path.abs().max()))
+    assert torch.equal(alone.argmax(-1), torch_path.argmax(-1))
+
+
 def test_a_cache_hit_reads_nothing_and_gives_the_same_logits(model):
     """The same tokens decoded twice over one Decoder: the second pass is all hits (nothing read), same logits."""
     path, _ = model

@@ -2,7 +2,8 @@
 split where the Decoder (runtime/decode.py) fetches the routed experts. A sequence's state of a layer is its LayerKV,
 continued in place, every row's attention over its own keys, as a prefill of one token would; on a CUDA device its
 ArenaKV (device_kv.py: every row's attention one fixed-shape piece over slots of the decoder's arena). No compiled
-path (the Decoder runs these functions in torch)."""
+one-token path: the Decoder runs these functions in torch, and on a CPU the routed experts in its token kernel (their
+SwiGLU unclamped: expert_limit inf)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ class Qwen3MoePrefill:
     """LayerPrefill for one Qwen3-MoE config. A layer's state is its LayerKV (keys and values so far)."""
 
     expert_naming = EXPERT_NAMING
-    expert_forward = expert_limit = None  # its experts run as expert_ffn; the compiled kernels are not its
+    expert_forward = None  # its experts run as expert_ffn (the prefill's, and decode's off the token kernel)
+    expert_limit = float("inf")  # the token kernel's SwiGLU computes its experts unclamped (decode on a CPU)
 
     def __init__(self, config: Qwen3MoeConfig, compute_dtype: torch.dtype):
         self.config, self.dtype = config, compute_dtype
