@@ -38,8 +38,10 @@ Chat with thinking on (`"thinking": true`, or DeepSeek's `{"thinking": {"type": 
 `<think>`; the generated text before the first `</think>` is `reasoning_content`, the rest `content` (all of it
 reasoning when `</think>` never comes).
 
-Errors a request causes: 4xx with OpenAI's error object {"error": {"message", "type", "param", "code"}}. Anything
-else: 500, one log line, and the server goes on.
+Errors a request causes: 4xx with OpenAI's error object {"error": {"message", "type", "param", "code"}}, a path or
+method no endpoint serves included (404 / 405), and a body not sent as UTF-8 JSON (415: another charset, a
+Content-Encoding). Anything else: 500, one log line, and the server goes on. A streamed answer's include_usage is
+OpenAI's: usage null on every chunk, then a chunk of its own (choices []) with the request's usage.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import hmac
 import itertools
 import json
+import re
 import sys
 import threading
 import time
@@ -81,6 +85,7 @@ LINGER_BYTES = 16 << 20  # a body declared at most this far over --max-body-mb i
 RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and of too many connections
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
 MAX_N = 8  # choices per request (n): side by side in a batch, else one after the other
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits: int() on them is cheap)
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
 # (docs/guide.md "Serving real clients"). `user` is accepted and ignored (no per-user state is kept).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
@@ -468,8 +473,10 @@ class Server:
     def check_auth(self, request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        # the scheme's case is the client's (RFC 9110); the key compared in a time that does not tell how much of
+        # it matched
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise RequestError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                                kind="invalid_request_error", code="invalid_api_key")
 
@@ -502,7 +509,25 @@ class Server:
                                headers={"Connection": "close"}) from None
         except ClientDisconnect:
             raise RequestError("the client went away while sending its body", code="client_gone") from None
+        self.check_body_encoding(request.headers)
         return bytes(body)
+
+    @staticmethod
+    def check_body_encoding(headers) -> None:
+        """A body declared in a charset other than UTF-8, or compressed, is a 415 naming it: read as UTF-8 JSON it
+        would be refused for bytes the client did not get wrong, or (a Latin-1 text that happens to be valid UTF-8,
+        a Content-Encoding on an uncompressed body) read as other text than the client meant."""
+        def refused(what: str) -> RequestError:
+            return RequestError(what[:120], code="unsupported_media_type", status=415)
+
+        for param in headers.get("content-type", "").split(";")[1:]:
+            name, _, value = param.partition("=")
+            charset = value.strip().strip('"')
+            if name.strip().lower() == "charset" and charset.lower() not in ("utf-8", "utf8"):
+                raise refused(f"Content-Type charset {charset}: the request body must be JSON in UTF-8")
+        encoding = headers.get("content-encoding", "").strip()
+        if encoding and encoding.lower() != "identity":
+            raise refused(f"Content-Encoding {encoding}: the request body must be sent uncompressed")
 
     async def discard_body(self, request) -> None:
         """Read and drop a refused body, within --timeout-read: a connection closed with request bytes unread is
@@ -518,9 +543,11 @@ class Server:
             pass
 
     def json_object(self, raw: bytes) -> dict:
-        """The body as a JSON object (format_spec.untrusted.loads: depth, number length, NaN, UTF-8, surrogates)."""
+        """The body as a JSON object (format_spec.untrusted.loads: depth, number length, NaN, UTF-8, surrogates, a
+        key given twice)."""
         try:
-            body = loads(raw, "the request body", max_bytes=self.limits.max_body_bytes, max_depth=MAX_BODY_DEPTH)
+            body = loads(raw, "the request body", max_bytes=self.limits.max_body_bytes, max_depth=MAX_BODY_DEPTH,
+                         unique_keys=True)
         except UntrustedInputError as e:
             raise RequestError(str(e), code="invalid_json") from None
         if not isinstance(body, dict):
@@ -579,7 +606,9 @@ class Server:
             return None
         out = {}
         for key, value in bias.items():
-            if not key.isdigit() or (self.vocab and int(key) >= self.vocab):
+            # a token id as a JSON encoder writes one: ASCII digits, no sign, blank or leading zero (str.isdigit
+            # takes "²", which int() refuses, and "٣", which it reads as 3; "05" and "5" would be one id)
+            if not TOKEN_ID_KEY.fullmatch(key) or (self.vocab and int(key) >= self.vocab):
                 raise RequestError(f"logit_bias: {key[:20]!r} is not a token id in [0, {self.vocab})",
                                    param="logit_bias", code="invalid_value")
             out[int(key)] = _value({"logit_bias": value}, "logit_bias", finite_float, lo=-100.0, hi=100.0)
@@ -1096,13 +1125,19 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             raise server.stopped_error(RequestError("the client went away", code="client_gone"))
         return results
 
-    def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, with_usage):
+    def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, head: dict):
         """The SSE stream of the job's choices, interleaved as their pieces come (each chunk's choices[0].index
         names its choice): choices[i].pieces(text) per text piece, each choice's final(result) chunks as soon as
-        it ends when there are several (one: at the request's end), with_usage(the final chunks sent last, usage)
-        adding the request's usage (include_usage). The logprobs of a choice's tokens since its previous chunk
-        (choices[i].logprobs(entries) -> the chunk's `logprobs`) go with its next chunk that carries text."""
+        it ends when there are several (one: at the request's end). With include_usage, as OpenAI's: every chunk's
+        usage null, then one more chunk (`head`: its id, object, created, model) with choices [] and the request's
+        usage. The logprobs of a choice's tokens since its previous chunk (choices[i].logprobs(entries) -> the
+        chunk's `logprobs`) go with its next chunk that carries text."""
         queue = job.queue
+
+        def event(chunk: dict) -> str:
+            if include_usage:
+                chunk.setdefault("usage", None)
+            return f"data: {json.dumps(chunk)}\n\n"
         pending: list[list] = [[] for _ in choices]
         ended = [False] * len(choices)  # its final chunks sent
 
@@ -1136,13 +1171,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         # one choice's end while others go on; a lone choice's goes with the usage at the end
                         if len(choices) > 1:
                             for chunk in final(i, piece):
-                                yield f"data: {json.dumps(chunk)}\n\n"
+                                yield event(chunk)
                         continue
                     if kind == "text":
                         chunks = choices[i].pieces(piece)
                         attach(i, chunks)
                         for chunk in chunks:
-                            yield f"data: {json.dumps(chunk)}\n\n"
+                            yield event(chunk)
                         continue
                     try:
                         results = wrapped.result()
@@ -1157,9 +1192,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         return
                     out = [chunk for i, result in enumerate(results) if not ended[i] for chunk in final(i, result)]
                     if include_usage:
-                        with_usage(out, server.usage(job, results))
+                        out.append({**head, "choices": [], "usage": server.usage(job, results)})
                     for chunk in out:
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        yield event(chunk)
                     yield "data: [DONE]\n\n"
                     return
             finally:
@@ -1170,13 +1205,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
 
     async def stream_when_started(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool,
-                                  with_usage):
+                                  head: dict):
         """The 200 and the first event only once the generation passed every check: an error before that (a bad
         value, the memory check) is the request's 4xx."""
         result = await wait_job(request, job, future, until=job.began)
         if result is None and future.done() and not job.began.is_set():
             raise server.stopped_error(RequestError("the client went away", code="client_gone"))
-        return streamed(request, job, future, choices, include_usage, with_usage)
+        return streamed(request, job, future, choices, include_usage, head)
 
     def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict]):
         return JSONResponse({"id": job.request_id, "object": kind, "created": int(time.time()), "model": model_name,
@@ -1225,14 +1260,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 return out + ([chunk(i, piece)] if piece else [])
             return ChoiceStream(pieces, final, with_logprobs)
 
-        def with_usage(chunks, usage):
-            if prepared.n == 1:  # one choice: its last chunk carries the usage
-                chunks[-1]["usage"] = usage
-            else:
-                chunks.append({**chunk(0, ""), "choices": [], "usage": usage})
-
         return await stream_when_started(request, job, future, [choice_stream(i) for i in range(prepared.n)],
-                                         prepared.include_usage, with_usage)
+                                         prepared.include_usage, chunk(0, ""))
 
     async def chat_completions(request):
         prepared, job, future = await admitted_request(request, chat=True, prefix="chatcmpl")
@@ -1297,11 +1326,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             return ChoiceStream(lambda piece: pieces(splitter.feed(piece)), final,
                                 lambda entries: chat_logprobs(tok, entries))
 
-        def with_usage(chunks, usage):
-            chunks.append({**chunk(0, {}), "choices": [], "usage": usage})
-
         return await stream_when_started(request, job, future, [choice_stream(i) for i in range(prepared.n)],
-                                         prepared.include_usage, with_usage)
+                                         prepared.include_usage, chunk(0, {}))
 
     async def shutdown():
         await run_in_threadpool(server.close)
@@ -1319,7 +1345,21 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         yield
         await shutdown()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    served = ", ".join(f"{method} {path.replace('{model_id:path}', '{id}')}" for path, (_, method) in endpoints.items())
+
+    async def not_served(request, exc):
+        """A path or method no endpoint serves: OpenAI's error object naming it (Starlette's is plain text, which
+        a client shows as a bare status), not counted in the metrics (its path is the client's to choose)."""
+        what = f"{request.method} {request.url.path[:200]}"
+        if exc.status_code == 405:
+            err = RequestError(f"{what}: method not allowed (this endpoint takes {exc.headers['Allow']})",
+                               code="method_not_allowed", status=405, headers=exc.headers)
+        else:
+            err = RequestError(f"{what}: no such endpoint (moepack serves {served})", code="unknown_endpoint",
+                               status=404)
+        return error_response(err)
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_served, 405: not_served})
     app.state.server = server
     return app
 
