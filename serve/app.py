@@ -41,7 +41,8 @@ reasoning when `</think>` never comes).
 Errors a request causes: 4xx with OpenAI's error object {"error": {"message", "type", "param", "code"}}, a path or
 method no endpoint serves included (404 / 405), and a body not sent as UTF-8 JSON (415: another charset, a
 Content-Encoding). Anything else: 500, one log line, and the server goes on. A streamed answer's include_usage is
-OpenAI's: usage null on every chunk, then a chunk of its own (choices []) with the request's usage.
+OpenAI's: usage null on every chunk, then a chunk of its own (choices []) with the request's usage. A browser's
+page may call the API only from an origin `allowed_origins` names (CORS; none by default: its preflight is a 403).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -972,15 +973,18 @@ def _internal_error() -> RequestError:
 
 def make_app(generator, model_name: str, api_key: str | None = None, max_queue: int = 8,
              log: Callable[[str], None] | None = None, limits: ServerLimits | None = None, max_batch: int = 1,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, allowed_origins: Sequence[str] = ()):
     """The starlette app serving `generator` (a runtime.generate.Generator, or with max_batch 1 anything with its
     generate() and `.c`) as `model_name`; `max_batch` > 1: up to that many sequences decode together
     (runtime/batching.py, its prompts prefilled together, `prefill_chunk` tokens in all per pass while others
-    decode). `log`: where the one line per request goes (default stderr). app.state.server holds the Server (its
+    decode). `log`: where the one line per request goes (default stderr). `allowed_origins`: the web pages' origins
+    (`*`: any) whose scripts may call the API (CORS); none by default. app.state.server holds the Server (its
     `finished` deque: (request id, finish reason) per generation, newest last). Serve it with uvicorn_config(app,
     limits): the connection limits and timeouts live there."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
@@ -1351,7 +1355,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         """A path or method no endpoint serves: OpenAI's error object naming it (Starlette's is plain text, which
         a client shows as a bare status), not counted in the metrics (its path is the client's to choose)."""
         what = f"{request.method} {request.url.path[:200]}"
-        if exc.status_code == 405:
+        if request.method == "OPTIONS" and "access-control-request-method" in request.headers:
+            err = RequestError("cross-origin requests (CORS) are not allowed here: start moepack serve with "
+                               "--allowed-origin ORIGIN for the web page's origin", code="cors_not_allowed",
+                               status=403)
+        elif exc.status_code == 405:
             err = RequestError(f"{what}: method not allowed (this endpoint takes {exc.headers['Allow']})",
                                code="method_not_allowed", status=405, headers=exc.headers)
         else:
@@ -1359,7 +1367,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                                status=404)
         return error_response(err)
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_served, 405: not_served})
+    # a browser's page of an allowed origin may call the API and read its answers (the key still needed)
+    cors = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"])] if allowed_origins else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=cors,
+                    exception_handlers={404: not_served, 405: not_served})
     app.state.server = server
     return app
 

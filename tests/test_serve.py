@@ -446,7 +446,8 @@ def test_the_command_starts_and_serves(containers, tmp_path):
     import sys
 
     proc = subprocess.Popen([sys.executable, "-m", "moepack", "serve", containers["tiny"], "--port", "0",
-                             "--cache-gib", "0.1", "--model-name", "tiny-x", "--json"],
+                             "--cache-gib", "0.1", "--model-name", "tiny-x", "--allowed-origin", "http://ui.example",
+                             "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready = json.loads(proc.stdout.readline())  # printed once the socket is bound
@@ -463,6 +464,10 @@ def test_the_command_starts_and_serves(containers, tmp_path):
                 time.sleep(0.2)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
         assert [m["id"] for m in models["data"]] == ["tiny-x"]
+        assert ready["allowed_origins"] == ["http://ui.example"]
+        preflight = httpx.options(f"http://127.0.0.1:{port}/v1/models", timeout=5, headers={
+            "Origin": "http://ui.example", "Access-Control-Request-Method": "GET"})
+        assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -757,3 +757,48 @@ def test_a_logit_bias_key_that_is_no_plain_token_id_is_a_400(server):
         r = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT,
                        json={"prompt": [1, 2], "max_tokens": 2, "logit_bias": {key: 1}})
         assert _error_of(r, 400)["param"] == "logit_bias", key
+
+
+def _preflight(url: str, origin: str) -> httpx.Response:
+    return httpx.options(f"{url}/v1/chat/completions", timeout=TIMEOUT, headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})
+
+
+def test_a_browser_client_is_served_from_the_origins_allowed_and_told_the_flag_elsewhere(server):
+    """A browser's CORS preflight: refused by default, naming the flag (a page of any site could otherwise have a
+    local server generate for it and read the answer); from an origin --allowed-origin names: allowed, and the
+    answers carry the headers the page needs to read them (streamed ones too)."""
+    error = _error_of(_preflight(server.url, "http://ui.example"), 403)
+    assert error["code"] == "cors_not_allowed" and "--allowed-origin" in error["message"]
+    plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
+                       headers={"Origin": "http://ui.example"}, timeout=TIMEOUT)
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+    allowing = Running(make_app(server.generator, "tiny", log=lambda line: None,
+                                allowed_origins=("http://ui.example",)))
+    try:
+        ok = _preflight(allowing.url, "http://ui.example")
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://ui.example"
+        assert "POST" in ok.headers["access-control-allow-methods"]
+        assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+        assert _preflight(allowing.url, "http://elsewhere.example").status_code == 400
+        body = {"messages": CHAT, "max_tokens": 1, "stream": True}
+        with httpx.stream("POST", f"{allowing.url}/v1/chat/completions", json=body, timeout=TIMEOUT,
+                          headers={"Origin": "http://ui.example"}) as r:
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+            assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+            r.read()
+    finally:
+        allowing.stop()
+
+
+def test_an_allowed_origin_that_no_browser_sends_is_a_usage_error(tmp_path):
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli as main
+
+    missing = str(tmp_path / "missing.moepack")  # refused before the container is looked at (never served)
+    for origin in ("http://ui.example/", "ui.example", "http://ui.example/app"):
+        out = CliRunner().invoke(main, ["serve", missing, "--allowed-origin", origin])
+        assert out.exit_code == 2 and "is not an origin" in out.output, out.output
