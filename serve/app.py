@@ -1354,7 +1354,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     async def not_served(request, exc):
         """A path or method no endpoint serves: OpenAI's error object naming it (Starlette's is plain text, which
         a client shows as a bare status), not counted in the metrics (its path is the client's to choose)."""
-        what = f"{request.method} {request.url.path[:200]}"
+        # the path as sent (percent-encoded, as HTTP has it printable): the decoded one may hold control characters
+        what = f"{request.method} {request.scope.get('raw_path', b'').decode('latin-1')[:200]}"
         if request.method == "OPTIONS" and "access-control-request-method" in request.headers:
             err = RequestError("cross-origin requests (CORS) are not allowed here: start moepack serve with "
                                "--allowed-origin ORIGIN for the web page's origin", code="cors_not_allowed",

@@ -701,6 +701,8 @@ def test_an_endpoint_or_method_not_served_is_openais_error_naming_it(server):
     assert e.value.body["code"] == "unknown_endpoint" and "POST /v1/embeddings" in e.value.body["message"]
     error = _error_of(httpx.get(f"{server.url}/v1/chat/completions", timeout=TIMEOUT), 405)
     assert error["code"] == "method_not_allowed" and "GET /v1/chat/completions" in error["message"]
+    error = _error_of(httpx.get(f"{server.url}/v1/a%0Ab%00c", timeout=TIMEOUT), 404)
+    assert error["message"].startswith("GET /v1/a%0Ab%00c: no such endpoint") and error["message"].isprintable()
     preflight = httpx.options(f"{server.url}/v1/chat/completions", timeout=TIMEOUT)
     assert _error_of(preflight, 405)["code"] == "method_not_allowed" and preflight.headers["allow"] == "POST"
 
