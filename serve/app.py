@@ -314,6 +314,7 @@ def _check_fields(body: dict, chat: bool) -> None:
     for name, (ok, what) in PLAIN_VALUES.items():
         if name in body and body[name] not in ok:
             raise RequestError(f"{name}: {what}", param=name, code="unsupported_value")
+    _get(body, "user", lambda v: isinstance(v, str), "a string")  # not used, but OpenAI's type
 
 
 def _one_prompt(prompt):
@@ -442,12 +443,20 @@ class Server:
 
         fmt = _get(body, "response_format", lambda v: isinstance(v, dict), "an object")
         kind = None if fmt is None else fmt.get("type")
+        # OpenAI's keys (json_schema's `strict` asks for no more than the constraint does); another is refused
+        # by name rather than left unread
+        unread = [] if fmt is None else sorted(set(fmt) - {"type", "json_schema"})
+        spec = None if fmt is None else fmt.get("json_schema")
+        if isinstance(spec, dict):
+            unread += [f"json_schema.{k}" for k in sorted(set(spec) - {"name", "description", "schema", "strict"})]
+        if unread:
+            raise RequestError(f"response_format.{unread[0][:40]}: not a response_format key moepack reads",
+                               param="response_format", code="unknown_field")
         if kind in (None, "text"):
             return None
         if kind == "json_object":
             return ANY_OBJECT
         if kind == "json_schema":
-            spec = fmt.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise RequestError("response_format.json_schema.schema: expected a JSON schema object",

@@ -102,6 +102,8 @@ def test_accepted_no_op_fields(server):
     assert r.usage.completion_tokens <= 3
     _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=3, max_tokens=4),
          "max_completion_tokens")
+    for user in (5, {"id": "x"}):  # OpenAI's user is a string: another value is no client's intent
+        _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=1, extra_body={"user": user}), "user")
 
 
 def test_chat_logprobs_are_the_greedy_choice_and_stream_the_same(server):
@@ -405,6 +407,8 @@ def test_json_with_thinking_constrains_only_the_answer(server):
 def test_bad_response_formats_are_400s(server):
     c = _client(server)
     for fmt in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "x"}},
+                {"type": "text", "schema": {"type": "object"}},  # a key moepack does not read: not left unread
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": True, "extra": 1}},
                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}):
         if fmt["type"] == "json_schema" and "schema" in fmt["json_schema"]:
             _needs_llguidance()
