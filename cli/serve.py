@@ -43,6 +43,17 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
     return api_key
 
 
+def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
+    """--allowed-origin's values as a browser sends its Origin (scheme://host[:port], no path), or `*`: another
+    would never match, and the pages it was meant for would be refused without a word."""
+    import re
+
+    for value in values:
+        if value != "*" and not re.fullmatch(r"https?://[^/\s?#]+", value):
+            raise click.BadParameter(f"{value!r} is not an origin (scheme://host[:port], no path; or *)")
+    return values
+
+
 @click.command()
 @container_argument
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (default: this machine only).")
@@ -79,11 +90,15 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
               help="Seconds an idle connection is kept open between requests.")
 @click.option("--max-connections", type=click.IntRange(min=1, max=100000), default=256, show_default=True,
               help="Open connections served at once; past it a request gets 503 with Retry-After.")
+@click.option("--allowed-origin", "allowed_origins", multiple=True, metavar="ORIGIN", callback=_origins,
+              help="A web page's origin (http://host:port; `*`: any) whose scripts may call the API and read its "
+                   "answers (CORS); repeatable. Default: none (a browser's preflight gets 403 naming this flag).")
 @model_run_options(unused={"kv_dtype": "the server keeps each request's KV in memory (float32) and writes none"})
 @json_option
 @reports_errors(out_of_memory_hint="lower --cache-gib")
 def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_key_file, model_name, max_body_mb,
-          max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections, run, as_json):
+          max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections, allowed_origins, run,
+          as_json):
     """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models[/ID], /health,
     /metrics (Prometheus), /tokenize and /detokenize (llama-server's). Fields, tools, JSON output: docs/guide.md,
     "Serving real clients".
@@ -103,7 +118,7 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_ke
                               read_timeout_s=timeout_read, keep_alive_s=timeout_keep_alive,
                               request_timeout_s=request_timeout, max_connections=max_connections)
         app = make_app(generator, name, api_key=api_key, max_queue=max_queue, limits=limits, max_batch=max_batch,
-                       prefill_chunk=prefill_chunk)
+                       prefill_chunk=prefill_chunk, allowed_origins=allowed_origins)
         context = app.state.server.context
         # bound here, not by uvicorn: the port is known (and reported) before the first request can arrive
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -116,7 +131,7 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_ke
                                    "max_queue": max_queue, "max_batch": max_batch,
                                    "api_key_required": bool(api_key),
                                    "max_context": context, "max_body_bytes": limits.max_body_bytes,
-                                   "max_connections": max_connections}))
+                                   "max_connections": max_connections, "allowed_origins": list(allowed_origins)}))
         server = uvicorn_server(app, uvicorn_config(app, limits, log_level="warning", access_log=False))
         server.run(sockets=[sock])
     finally:

@@ -85,6 +85,15 @@ def _parse_float(literal: str):
     return value
 
 
+def _unique_keys(pairs: list) -> dict:
+    """An object whose keys are each given once; a key given again holds a _Refused (parsers disagree on which of
+    the two counts: the first, the last, or an error)."""
+    out = {}
+    for key, value in pairs:
+        out[key] = _Refused("given twice in one object") if key in out else value
+    return out
+
+
 def _lone_surrogate(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -128,10 +137,10 @@ def _first_problem(value) -> tuple[tuple, str] | None:
 
 
 def loads(data: str | bytes | bytearray, what: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
-          max_depth: int = MAX_JSON_DEPTH):
+          max_depth: int = MAX_JSON_DEPTH, unique_keys: bool = False):
     """Parse untrusted JSON. Refused in one line naming `what` (and the field, where one is to blame): over
     `max_bytes`, not UTF-8, nested deeper than `max_depth`, a number literal over MAX_NUMBER_CHARS or not finite,
-    a lone surrogate, bad JSON."""
+    a lone surrogate, bad JSON; with `unique_keys`, a key given twice in one object."""
     if len(data) > max_bytes:
         raise _refuse(what, f"{len(data)} bytes, over the limit of {max_bytes}")
     if isinstance(data, (bytes, bytearray)):
@@ -145,7 +154,8 @@ def loads(data: str | bytes | bytearray, what: str, *, max_bytes: int = DEFAULT_
     if depth > max_depth:
         raise _refuse(what, f"JSON nested more than {max_depth} deep")
     try:
-        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant,
+                           object_pairs_hook=_unique_keys if unique_keys else None)
     except (ValueError, RecursionError) as e:
         raise _refuse(what, f"not valid JSON ({str(e).splitlines()[0] if str(e) else 'bad'})") from None
     problem = _first_problem(value)

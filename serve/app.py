@@ -38,8 +38,11 @@ Chat with thinking on (`"thinking": true`, or DeepSeek's `{"thinking": {"type": 
 `<think>`; the generated text before the first `</think>` is `reasoning_content`, the rest `content` (all of it
 reasoning when `</think>` never comes).
 
-Errors a request causes: 4xx with OpenAI's error object {"error": {"message", "type", "param", "code"}}. Anything
-else: 500, one log line, and the server goes on.
+Errors a request causes: 4xx with OpenAI's error object {"error": {"message", "type", "param", "code"}}, a path or
+method no endpoint serves included (404 / 405), and a body not sent as UTF-8 JSON (415: another charset, a
+Content-Encoding). Anything else: 500, one log line, and the server goes on. A streamed answer's include_usage is
+OpenAI's: usage null on every chunk, then a chunk of its own (choices []) with the request's usage. A browser's
+page may call the API only from an origin `allowed_origins` names (CORS; none by default: its preflight is a 403).
 """
 
 from __future__ import annotations
@@ -48,14 +51,16 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import hmac
 import itertools
 import json
+import re
 import sys
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -81,6 +86,7 @@ LINGER_BYTES = 16 << 20  # a body declared at most this far over --max-body-mb i
 RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and of too many connections
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
 MAX_N = 8  # choices per request (n): side by side in a batch, else one after the other
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits: int() on them is cheap)
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
 # (docs/guide.md "Serving real clients"). `user` is accepted and ignored (no per-user state is kept).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
@@ -308,6 +314,7 @@ def _check_fields(body: dict, chat: bool) -> None:
     for name, (ok, what) in PLAIN_VALUES.items():
         if name in body and body[name] not in ok:
             raise RequestError(f"{name}: {what}", param=name, code="unsupported_value")
+    _get(body, "user", lambda v: isinstance(v, str), "a string")  # not used, but OpenAI's type
 
 
 def _one_prompt(prompt):
@@ -436,12 +443,20 @@ class Server:
 
         fmt = _get(body, "response_format", lambda v: isinstance(v, dict), "an object")
         kind = None if fmt is None else fmt.get("type")
+        # OpenAI's keys (json_schema's `strict` asks for no more than the constraint does); another is refused
+        # by name rather than left unread
+        unread = [] if fmt is None else sorted(set(fmt) - {"type", "json_schema"})
+        spec = None if fmt is None else fmt.get("json_schema")
+        if isinstance(spec, dict):
+            unread += [f"json_schema.{k}" for k in sorted(set(spec) - {"name", "description", "schema", "strict"})]
+        if unread:
+            raise RequestError(f"response_format.{unread[0][:40]}: not a response_format key moepack reads",
+                               param="response_format", code="unknown_field")
         if kind in (None, "text"):
             return None
         if kind == "json_object":
             return ANY_OBJECT
         if kind == "json_schema":
-            spec = fmt.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise RequestError("response_format.json_schema.schema: expected a JSON schema object",
@@ -468,8 +483,10 @@ class Server:
     def check_auth(self, request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        # the scheme's case is the client's (RFC 9110); the key compared in a time that does not tell how much of
+        # it matched
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise RequestError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                                kind="invalid_request_error", code="invalid_api_key")
 
@@ -502,7 +519,25 @@ class Server:
                                headers={"Connection": "close"}) from None
         except ClientDisconnect:
             raise RequestError("the client went away while sending its body", code="client_gone") from None
+        self.check_body_encoding(request.headers)
         return bytes(body)
+
+    @staticmethod
+    def check_body_encoding(headers) -> None:
+        """A body declared in a charset other than UTF-8, or compressed, is a 415 naming it: read as UTF-8 JSON it
+        would be refused for bytes the client did not get wrong, or (a Latin-1 text that happens to be valid UTF-8,
+        a Content-Encoding on an uncompressed body) read as other text than the client meant."""
+        def refused(what: str) -> RequestError:
+            return RequestError(what[:120], code="unsupported_media_type", status=415)
+
+        for param in headers.get("content-type", "").split(";")[1:]:
+            name, _, value = param.partition("=")
+            charset = value.strip().strip('"')
+            if name.strip().lower() == "charset" and charset.lower() not in ("utf-8", "utf8"):
+                raise refused(f"Content-Type charset {charset}: the request body must be JSON in UTF-8")
+        encoding = headers.get("content-encoding", "").strip()
+        if encoding and encoding.lower() != "identity":
+            raise refused(f"Content-Encoding {encoding}: the request body must be sent uncompressed")
 
     async def discard_body(self, request) -> None:
         """Read and drop a refused body, within --timeout-read: a connection closed with request bytes unread is
@@ -518,9 +553,11 @@ class Server:
             pass
 
     def json_object(self, raw: bytes) -> dict:
-        """The body as a JSON object (format_spec.untrusted.loads: depth, number length, NaN, UTF-8, surrogates)."""
+        """The body as a JSON object (format_spec.untrusted.loads: depth, number length, NaN, UTF-8, surrogates, a
+        key given twice)."""
         try:
-            body = loads(raw, "the request body", max_bytes=self.limits.max_body_bytes, max_depth=MAX_BODY_DEPTH)
+            body = loads(raw, "the request body", max_bytes=self.limits.max_body_bytes, max_depth=MAX_BODY_DEPTH,
+                         unique_keys=True)
         except UntrustedInputError as e:
             raise RequestError(str(e), code="invalid_json") from None
         if not isinstance(body, dict):
@@ -579,7 +616,9 @@ class Server:
             return None
         out = {}
         for key, value in bias.items():
-            if not key.isdigit() or (self.vocab and int(key) >= self.vocab):
+            # a token id as a JSON encoder writes one: ASCII digits, no sign, blank or leading zero (str.isdigit
+            # takes "²", which int() refuses, and "٣", which it reads as 3; "05" and "5" would be one id)
+            if not TOKEN_ID_KEY.fullmatch(key) or (self.vocab and int(key) >= self.vocab):
                 raise RequestError(f"logit_bias: {key[:20]!r} is not a token id in [0, {self.vocab})",
                                    param="logit_bias", code="invalid_value")
             out[int(key)] = _value({"logit_bias": value}, "logit_bias", finite_float, lo=-100.0, hi=100.0)
@@ -943,15 +982,18 @@ def _internal_error() -> RequestError:
 
 def make_app(generator, model_name: str, api_key: str | None = None, max_queue: int = 8,
              log: Callable[[str], None] | None = None, limits: ServerLimits | None = None, max_batch: int = 1,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, allowed_origins: Sequence[str] = ()):
     """The starlette app serving `generator` (a runtime.generate.Generator, or with max_batch 1 anything with its
     generate() and `.c`) as `model_name`; `max_batch` > 1: up to that many sequences decode together
     (runtime/batching.py, its prompts prefilled together, `prefill_chunk` tokens in all per pass while others
-    decode). `log`: where the one line per request goes (default stderr). app.state.server holds the Server (its
+    decode). `log`: where the one line per request goes (default stderr). `allowed_origins`: the web pages' origins
+    (`*`: any) whose scripts may call the API (CORS); none by default. app.state.server holds the Server (its
     `finished` deque: (request id, finish reason) per generation, newest last). Serve it with uvicorn_config(app,
     limits): the connection limits and timeouts live there."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
@@ -1096,13 +1138,19 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             raise server.stopped_error(RequestError("the client went away", code="client_gone"))
         return results
 
-    def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, with_usage):
+    def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, head: dict):
         """The SSE stream of the job's choices, interleaved as their pieces come (each chunk's choices[0].index
         names its choice): choices[i].pieces(text) per text piece, each choice's final(result) chunks as soon as
-        it ends when there are several (one: at the request's end), with_usage(the final chunks sent last, usage)
-        adding the request's usage (include_usage). The logprobs of a choice's tokens since its previous chunk
-        (choices[i].logprobs(entries) -> the chunk's `logprobs`) go with its next chunk that carries text."""
+        it ends when there are several (one: at the request's end). With include_usage, as OpenAI's: every chunk's
+        usage null, then one more chunk (`head`: its id, object, created, model) with choices [] and the request's
+        usage. The logprobs of a choice's tokens since its previous chunk (choices[i].logprobs(entries) -> the
+        chunk's `logprobs`) go with its next chunk that carries text."""
         queue = job.queue
+
+        def event(chunk: dict) -> str:
+            if include_usage:
+                chunk.setdefault("usage", None)
+            return f"data: {json.dumps(chunk)}\n\n"
         pending: list[list] = [[] for _ in choices]
         ended = [False] * len(choices)  # its final chunks sent
 
@@ -1136,13 +1184,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         # one choice's end while others go on; a lone choice's goes with the usage at the end
                         if len(choices) > 1:
                             for chunk in final(i, piece):
-                                yield f"data: {json.dumps(chunk)}\n\n"
+                                yield event(chunk)
                         continue
                     if kind == "text":
                         chunks = choices[i].pieces(piece)
                         attach(i, chunks)
                         for chunk in chunks:
-                            yield f"data: {json.dumps(chunk)}\n\n"
+                            yield event(chunk)
                         continue
                     try:
                         results = wrapped.result()
@@ -1157,9 +1205,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         return
                     out = [chunk for i, result in enumerate(results) if not ended[i] for chunk in final(i, result)]
                     if include_usage:
-                        with_usage(out, server.usage(job, results))
+                        out.append({**head, "choices": [], "usage": server.usage(job, results)})
                     for chunk in out:
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        yield event(chunk)
                     yield "data: [DONE]\n\n"
                     return
             finally:
@@ -1170,13 +1218,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
 
     async def stream_when_started(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool,
-                                  with_usage):
+                                  head: dict):
         """The 200 and the first event only once the generation passed every check: an error before that (a bad
         value, the memory check) is the request's 4xx."""
         result = await wait_job(request, job, future, until=job.began)
         if result is None and future.done() and not job.began.is_set():
             raise server.stopped_error(RequestError("the client went away", code="client_gone"))
-        return streamed(request, job, future, choices, include_usage, with_usage)
+        return streamed(request, job, future, choices, include_usage, head)
 
     def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict]):
         return JSONResponse({"id": job.request_id, "object": kind, "created": int(time.time()), "model": model_name,
@@ -1225,14 +1273,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 return out + ([chunk(i, piece)] if piece else [])
             return ChoiceStream(pieces, final, with_logprobs)
 
-        def with_usage(chunks, usage):
-            if prepared.n == 1:  # one choice: its last chunk carries the usage
-                chunks[-1]["usage"] = usage
-            else:
-                chunks.append({**chunk(0, ""), "choices": [], "usage": usage})
-
         return await stream_when_started(request, job, future, [choice_stream(i) for i in range(prepared.n)],
-                                         prepared.include_usage, with_usage)
+                                         prepared.include_usage, chunk(0, ""))
 
     async def chat_completions(request):
         prepared, job, future = await admitted_request(request, chat=True, prefix="chatcmpl")
@@ -1297,11 +1339,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             return ChoiceStream(lambda piece: pieces(splitter.feed(piece)), final,
                                 lambda entries: chat_logprobs(tok, entries))
 
-        def with_usage(chunks, usage):
-            chunks.append({**chunk(0, {}), "choices": [], "usage": usage})
-
         return await stream_when_started(request, job, future, [choice_stream(i) for i in range(prepared.n)],
-                                         prepared.include_usage, with_usage)
+                                         prepared.include_usage, chunk(0, {}))
 
     async def shutdown():
         await run_in_threadpool(server.close)
@@ -1319,7 +1358,30 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         yield
         await shutdown()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    served = ", ".join(f"{method} {path.replace('{model_id:path}', '{id}')}" for path, (_, method) in endpoints.items())
+
+    async def not_served(request, exc):
+        """A path or method no endpoint serves: OpenAI's error object naming it (Starlette's is plain text, which
+        a client shows as a bare status), not counted in the metrics (its path is the client's to choose)."""
+        # the path as sent (percent-encoded, as HTTP has it printable): the decoded one may hold control characters
+        what = f"{request.method} {request.scope.get('raw_path', b'').decode('latin-1')[:200]}"
+        if request.method == "OPTIONS" and "access-control-request-method" in request.headers:
+            err = RequestError("cross-origin requests (CORS) are not allowed here: start moepack serve with "
+                               "--allowed-origin ORIGIN for the web page's origin", code="cors_not_allowed",
+                               status=403)
+        elif exc.status_code == 405:
+            err = RequestError(f"{what}: method not allowed (this endpoint takes {exc.headers['Allow']})",
+                               code="method_not_allowed", status=405, headers=exc.headers)
+        else:
+            err = RequestError(f"{what}: no such endpoint (moepack serves {served})", code="unknown_endpoint",
+                               status=404)
+        return error_response(err)
+
+    # a browser's page of an allowed origin may call the API and read its answers (the key still needed)
+    cors = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"])] if allowed_origins else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=cors,
+                    exception_handlers={404: not_served, 405: not_served})
     app.state.server = server
     return app
 

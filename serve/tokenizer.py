@@ -103,6 +103,22 @@ class ChatInputError(MoepackError):
 
 
 NOT_A_CONVERSATION = "messages: expected a non-empty list of {role, content} objects"
+# the roles a chat template is given: Qwen3's renders these and drops any other (developer too) without a word
+TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_template_messages(messages: list[dict], family_name: str) -> None:
+    """Each message one the template renders as it is: a role of TEMPLATE_ROLES, text content (an assistant's may be
+    None, beside its tool calls); Qwen3's template renders any other content (a list of parts) as nothing."""
+    for i, m in enumerate(messages):
+        role, content = m["role"], m.get("content")
+        if role not in TEMPLATE_ROLES:
+            hint = ": give it as a system message" if role == "developer" else ""
+            raise ChatInputError(f"messages[{i}].role: {role[:40]!r} is no role a {family_name} model's chat "
+                                 f"template renders (expected one of {', '.join(TEMPLATE_ROLES)}){hint}", "messages")
+        if not isinstance(content, str) and not (content is None and role == "assistant"):
+            raise ChatInputError(f"messages[{i}].content: expected a string, got {type(content).__name__} (a "
+                                 f"{family_name} model's chat template renders text)", "messages", "invalid_type")
 
 
 def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messages: Any, *, thinking: bool = False,
@@ -114,7 +130,8 @@ def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messa
       plain text; `reasoning_effort` as the encoding checks it; `after`: more of its segments (a forced tool
       call's start);
     * else the chat template `template()` gives (serve/chat_template.py), tokenized as apply_chat_template does;
-      `thinking` is its enable_thinking (the template's default without it); a template takes no reasoning effort.
+      `thinking` is its enable_thinking (the template's default without it); a template takes no reasoning effort,
+      and only messages of TEMPLATE_ROLES with text content (what it would drop is refused).
 
     `tokenizer()` and `template()` are asked for only when needed (a missing template is named before a missing
     tokenizer). Bad input is a ChatInputError naming the field."""
@@ -127,6 +144,7 @@ def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messa
                                  "effort", "reasoning_effort")
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
+        _check_template_messages(messages, family.name)
         chat_template = template()
         try:
             text = chat_template.render(messages, **({"enable_thinking": True} if thinking else {}))

@@ -96,3 +96,18 @@ def test_a_chat_template_takes_no_reasoning_effort_in_either_path(containers):
     r = CliRunner().invoke(cli, ["generate", containers["qwen3-moe"], "--chat", "hi", "--thinking",
                                  "--reasoning-effort", "high"])
     assert r.exit_code == 1 and r.output.strip().splitlines() == [f"moepack: error: {want}"], r.output
+
+
+@pytest.mark.parametrize("message, words", [
+    ({"role": "robot", "content": "hi"}, "messages[1].role: 'robot' is no role"),
+    ({"role": "developer", "content": "hi"}, "give it as a system message"),
+    ({"role": "user", "content": [{"type": "text", "text": "hi"}]}, "messages[1].content: expected a string, got list"),
+    ({"role": "user", "content": None}, "messages[1].content: expected a string, got NoneType"),
+])
+def test_a_chat_template_gets_only_the_roles_and_text_it_renders(containers, message, words):
+    """Qwen3's own template drops a message of a role it does not know (developer too) and renders a content that is
+    not a string as nothing: both paths refuse them, naming the message, where the model would not see them."""
+    cli_error, server_error = _both(containers["qwen3-moe"], [CONVERSATION[0], message])
+    assert isinstance(cli_error, ChatInputError) and isinstance(server_error, RequestError)
+    assert str(cli_error) == server_error.message and words in server_error.message, server_error.message
+    assert (server_error.status, server_error.param) == (400, "messages")

@@ -251,6 +251,15 @@ def test_the_openai_client_sees_its_errors(tiny_server):
         tiny_server.client(KEY).completions.create(model="tiny", prompt="x", max_tokens=-3)
 
 
+def test_the_api_key_is_read_as_a_bearer_token(tiny_server):
+    def status(authorization: str) -> int:
+        return httpx.get(f"{tiny_server.url}/v1/models", headers={"Authorization": authorization}).status_code
+
+    assert status(f"Bearer {KEY}") == status(f"bearer {KEY}") == status(f"BEARER  {KEY}") == 200
+    for wrong in (f"Basic {KEY}", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", "Bearer", KEY, f"Bearer {KEY} {KEY}"):
+        assert status(wrong) == 401, wrong
+
+
 def test_a_prompt_longer_than_the_context_is_refused(a_server):
     context = a_server.generator.c.config["max_position_embeddings"]
     r = _post(a_server, "completions", {"model": "A", "prompt": [1] * (context + 5), "max_tokens": 2})
@@ -437,7 +446,8 @@ def test_the_command_starts_and_serves(containers, tmp_path):
     import sys
 
     proc = subprocess.Popen([sys.executable, "-m", "moepack", "serve", containers["tiny"], "--port", "0",
-                             "--cache-gib", "0.1", "--model-name", "tiny-x", "--json"],
+                             "--cache-gib", "0.1", "--model-name", "tiny-x", "--allowed-origin", "http://ui.example",
+                             "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready = json.loads(proc.stdout.readline())  # printed once the socket is bound
@@ -454,6 +464,10 @@ def test_the_command_starts_and_serves(containers, tmp_path):
                 time.sleep(0.2)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
         assert [m["id"] for m in models["data"]] == ["tiny-x"]
+        assert ready["allowed_origins"] == ["http://ui.example"]
+        preflight = httpx.options(f"http://127.0.0.1:{port}/v1/models", timeout=5, headers={
+            "Origin": "http://ui.example", "Access-Control-Request-Method": "GET"})
+        assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

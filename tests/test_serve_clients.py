@@ -102,6 +102,8 @@ def test_accepted_no_op_fields(server):
     assert r.usage.completion_tokens <= 3
     _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=3, max_tokens=4),
          "max_completion_tokens")
+    for user in (5, {"id": "x"}):  # OpenAI's user is a string: another value is no client's intent
+        _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=1, extra_body={"user": user}), "user")
 
 
 def test_chat_logprobs_are_the_greedy_choice_and_stream_the_same(server):
@@ -405,6 +407,8 @@ def test_json_with_thinking_constrains_only_the_answer(server):
 def test_bad_response_formats_are_400s(server):
     c = _client(server)
     for fmt in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "x"}},
+                {"type": "text", "schema": {"type": "object"}},  # a key moepack does not read: not left unread
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": True, "extra": 1}},
                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}):
         if fmt["type"] == "json_schema" and "schema" in fmt["json_schema"]:
             _needs_llguidance()
@@ -679,3 +683,128 @@ def test_the_cli_offers_what_the_encoder_knows(tiny_path, tmp_path):
     assert no_thinking.exit_code != 0
     lines = [line for line in no_thinking.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "thinking" in lines[0] and "Traceback" not in no_thinking.output
+
+
+# ---- 6. what HTTP clients send beside the fields ----------------------------------------------------------------
+
+def _raw_post(server, body: bytes, path: str = "/v1/completions", **headers) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", content=body, timeout=TIMEOUT,
+                      headers={"Content-Type": "application/json", **headers})
+
+
+def _error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"]
+    return error
+
+
+def test_an_endpoint_or_method_not_served_is_openais_error_naming_it(server):
+    with pytest.raises(openai.NotFoundError) as e:
+        _client(server).embeddings.create(model="tiny", input="Hi")
+    assert e.value.body["code"] == "unknown_endpoint" and "POST /v1/embeddings" in e.value.body["message"]
+    error = _error_of(httpx.get(f"{server.url}/v1/chat/completions", timeout=TIMEOUT), 405)
+    assert error["code"] == "method_not_allowed" and "GET /v1/chat/completions" in error["message"]
+    error = _error_of(httpx.get(f"{server.url}/v1/a%0Ab%00c", timeout=TIMEOUT), 404)
+    assert error["message"].startswith("GET /v1/a%0Ab%00c: no such endpoint") and error["message"].isprintable()
+    preflight = httpx.options(f"{server.url}/v1/chat/completions", timeout=TIMEOUT)
+    assert _error_of(preflight, 405)["code"] == "method_not_allowed" and preflight.headers["allow"] == "POST"
+
+
+def _sse(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "Once upon"}),
+                                       ("/v1/chat/completions", {"messages": CHAT})])
+def test_include_usage_is_a_last_chunk_of_its_own_and_null_on_the_others(server, path, body):
+    """OpenAI's stream_options.include_usage: one more chunk before [DONE], choices [], the request's usage; every
+    other chunk's usage null (a client reading choices[0] of each chunk but the usage one finds its finish)."""
+    body = {**body, "max_tokens": 3, "temperature": 0, "stream": True}
+    whole = httpx.post(f"{server.url}{path}", json={**body, "stream": False}, timeout=TIMEOUT).json()
+    chunks = _sse(server, path, {**body, "stream_options": {"include_usage": True}})
+    *answer, last = chunks
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    assert all("usage" in c and c["usage"] is None and len(c["choices"]) == 1 for c in answer)
+    assert answer[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert all("usage" not in c for c in _sse(server, path, body))
+
+
+def test_a_key_given_twice_is_refused_by_name(server):
+    for raw, key in ((b'{"prompt": "Hi", "max_tokens": 2, "max_tokens": 3}', "max_tokens"),
+                     (b'{"model": "other", "model": "tiny", "prompt": "Hi"}', "model"),
+                     (b'{"prompt": [1, 2], "logit_bias": {"5": 1, "5": -100}}', "5")):
+        error = _error_of(_raw_post(server, raw), 400)
+        assert error["code"] == "invalid_json" and f"{key}: given twice" in error["message"], error
+
+
+def test_a_body_in_another_charset_or_content_encoding_is_415_naming_it(server):
+    import gzip
+
+    body = json.dumps({"prompt": "caf\u00e9", "max_tokens": 1}).encode()
+    for content_type in ("application/json; charset=utf-8", 'application/json;charset="UTF-8"', "application/json",
+                         "application/json; charset=utf8"):
+        assert _raw_post(server, body, **{"Content-Type": content_type}).status_code == 200, content_type
+    assert _raw_post(server, body, **{"Content-Encoding": "identity"}).status_code == 200
+    latin = json.dumps({"prompt": "caf\u00e9", "max_tokens": 2}, ensure_ascii=False).encode("latin-1")
+    for content_type, named in (("application/json; charset=latin-1", "latin-1"),
+                                ("application/json; charset=UTF-16", "UTF-16")):
+        error = _error_of(_raw_post(server, latin, **{"Content-Type": content_type}), 415)
+        assert error["code"] == "unsupported_media_type" and f"charset {named}" in error["message"]
+    for encoding, payload in (("gzip", gzip.compress(body)), ("gzip", body), ("br", body)):
+        error = _error_of(_raw_post(server, payload, **{"Content-Encoding": encoding}), 415)
+        assert error["code"] == "unsupported_media_type" and f"Content-Encoding {encoding}" in error["message"]
+
+
+def test_a_logit_bias_key_that_is_no_plain_token_id_is_a_400(server):
+    for key in ("\u00b2", "\u0663", "05", "+5", " 5", "-1", "", "9" * 5000):
+        r = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT,
+                       json={"prompt": [1, 2], "max_tokens": 2, "logit_bias": {key: 1}})
+        assert _error_of(r, 400)["param"] == "logit_bias", key
+
+
+def _preflight(url: str, origin: str) -> httpx.Response:
+    return httpx.options(f"{url}/v1/chat/completions", timeout=TIMEOUT, headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})
+
+
+def test_a_browser_client_is_served_from_the_origins_allowed_and_told_the_flag_elsewhere(server):
+    """A browser's CORS preflight: refused by default, naming the flag (a page of any site could otherwise have a
+    local server generate for it and read the answer); from an origin --allowed-origin names: allowed, and the
+    answers carry the headers the page needs to read them (streamed ones too)."""
+    error = _error_of(_preflight(server.url, "http://ui.example"), 403)
+    assert error["code"] == "cors_not_allowed" and "--allowed-origin" in error["message"]
+    plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
+                       headers={"Origin": "http://ui.example"}, timeout=TIMEOUT)
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+    allowing = Running(make_app(server.generator, "tiny", log=lambda line: None,
+                                allowed_origins=("http://ui.example",)))
+    try:
+        ok = _preflight(allowing.url, "http://ui.example")
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://ui.example"
+        assert "POST" in ok.headers["access-control-allow-methods"]
+        assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+        assert _preflight(allowing.url, "http://elsewhere.example").status_code == 400
+        body = {"messages": CHAT, "max_tokens": 1, "stream": True}
+        with httpx.stream("POST", f"{allowing.url}/v1/chat/completions", json=body, timeout=TIMEOUT,
+                          headers={"Origin": "http://ui.example"}) as r:
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+            assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+            r.read()
+    finally:
+        allowing.stop()
+
+
+def test_an_allowed_origin_that_no_browser_sends_is_a_usage_error(tmp_path):
+    from click.testing import CliRunner
+
+    from moepack.cli.main import cli as main
+
+    missing = str(tmp_path / "missing.moepack")  # refused before the container is looked at (never served)
+    for origin in ("http://ui.example/", "ui.example", "http://ui.example/app"):
+        out = CliRunner().invoke(main, ["serve", missing, "--allowed-origin", origin])
+        assert out.exit_code == 2 and "is not an origin" in out.output, out.output

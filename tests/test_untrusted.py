@@ -76,6 +76,13 @@ def test_a_key_with_a_control_character_is_named_escaped_on_one_line():
     assert _refused('{"caf\u00e9": "\\ud800"}', "caf\u00e9: a string holds")  # a printable key as written
 
 
+def test_unique_keys_refuses_a_key_given_twice_naming_it():
+    text = '{"a": 1, "m": [{"b": 1, "c": 2, "b": 3}]}'
+    assert loads(text, "x") == {"a": 1, "m": [{"b": 3, "c": 2}]}  # json's reading by default: the last one
+    _refused(text, "m[0].b: given twice in one object", unique_keys=True)
+    assert loads('{"a": {"a": 1}, "b": [{"a": 2}, {"a": 3}]}', "x", unique_keys=True)["b"][1] == {"a": 3}
+
+
 def test_invalid_utf8_is_refused_naming_the_byte():
     _refused(b'{"a": "\xff"}', "not valid UTF-8 (byte 7)")
     _refused(bytearray(b"\xc3"), "not valid UTF-8 (byte 0)")
