@@ -299,7 +299,8 @@ def _figures(result) -> str:
 @context_option
 @sampling_options
 @click.option("--kv-out", type=click.Path(file_okay=False),
-              help="Directory for the KV after the generation (the prompt and the generated tokens), in --kv-dtype.")
+              help="Directory for the KV after the generation (the prompt and every generated token: a "
+                   "--continue-from goes on after the last), in --kv-dtype.")
 @click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=DEFAULT_MAX_BATCH, show_default=True,
               help="With several prompts: how many decode together, one step feeding each its next token (the "
                    "others wait and join as one ends); each one's KV is counted in the memory check.")
