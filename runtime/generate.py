@@ -25,7 +25,7 @@ from moepack.format_spec.reader import Container
 
 from .decode import Decoder
 from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
-                     container_kv_format, resolve_compute_dtype)
+                     container_kv_format, prompt_ids, resolve_compute_dtype)
 from .memory import GIB, cache_room, check_device_memory, check_memory, default_cache_bytes, device_kv, others_kv
 from .read_scheduler import prefill_reader
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
@@ -236,7 +236,7 @@ class Generator:
         its text goes to on_text (logprob given options.logprobs, else None)."""
         out = SequenceOutput(options or GenerateOptions(), self.eos_ids, detokenize, on_text, on_token)
         kv_format = self.kv_format() if kv_out is not None else None  # refused before any work
-        token_ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
+        token_ids = prompt_ids(token_ids)
         try:
             logits, states, prefill_stats, counts, all_ids, past, bound = self._prefill(
                 token_ids, continue_from, out.max_new_tokens, cancelled)
