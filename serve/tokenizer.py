@@ -43,6 +43,10 @@ class PromptTokenizer:
             except untrusted.UntrustedInputError:  # a damaged optional file: the default (a BOS) stands
                 config = {}
         self.add_special_tokens = bool(config.get("add_bos_token", True)) if isinstance(config, dict) else True
+        bos = config.get("bos_token") if isinstance(config, dict) else None
+        bos = bos.get("content") if isinstance(bos, dict) else bos  # a string, or an AddedToken's object
+        # the id of the config's BOS, where the vocabulary has it (a chat continuing a KV starts without it)
+        self.bos_id = self._tok.token_to_id(bos) if isinstance(bos, str) else None
 
     @property
     def tokenizer_json(self) -> str:
@@ -107,7 +111,7 @@ NOT_A_CONVERSATION = "messages: expected a non-empty list of {role, content} obj
 
 def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messages: Any, *, thinking: bool = False,
                     reasoning_effort: str | None = None, template: Callable[[], Any] | None = None,
-                    after: Sequence[tuple[str, bool]] = ()) -> list[int]:
+                    after: Sequence[tuple[str, bool]] = (), continuing: bool = False) -> list[int]:
     """The prompt ids of `messages` (an OpenAI-style list) as `family`'s chat:
 
     * its own chat encoding (family.chat_encoding): markup rendered in code into special tokens, message content
@@ -116,8 +120,18 @@ def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messa
     * else the chat template `template()` gives (serve/chat_template.py), tokenized as apply_chat_template does;
       `thinking` is its enable_thinking (the template's default without it); a template takes no reasoning effort.
 
+    `continuing`: the messages go on after a KV's conversation (`generate --continue-from`), so the BOS a first
+    turn starts with is left out, as the whole conversation has it only at its start.
+
     `tokenizer()` and `template()` are asked for only when needed (a missing template is named before a missing
     tokenizer). Bad input is a ChatInputError naming the field."""
+    ids = _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after)
+    bos = tokenizer().bos_id if continuing and ids else None
+    return ids[1:] if bos is not None and ids[0] == bos else ids
+
+
+def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after) -> list[int]:
+    """chat_prompt_ids as a first turn's."""
     if not isinstance(messages, list) or not messages:
         raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
     encoding = family.chat_encoding

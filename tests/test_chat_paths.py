@@ -96,3 +96,21 @@ def test_a_chat_template_takes_no_reasoning_effort_in_either_path(containers):
     r = CliRunner().invoke(cli, ["generate", containers["qwen3-moe"], "--chat", "hi", "--thinking",
                                  "--reasoning-effort", "high"])
     assert r.exit_code == 1 and r.output.strip().splitlines() == [f"moepack: error: {want}"], r.output
+
+
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+def test_a_chat_continuing_a_kv_is_the_next_turn_without_a_second_bos(containers, family):
+    """`generate --continue-from KV --chat X`: X's turn as the whole conversation ends with it, so the KV's
+    conversation then it are the whole conversation's ids (a BOS had been put in the middle, as for a first turn);
+    a raw prompt continuing a KV takes none either."""
+    from moepack.cli.generate import _prompt_ids
+
+    whole = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "more"}]
+    with Container(containers[family]) as c:
+        tokenizer = PromptTokenizer(c)
+        whole_ids = _chat_ids(c, tokenizer, whole, False, None)
+        then, _ = _prompt_ids(c, None, None, None, None, "more", False, None, continuing=True)
+        raw, _ = _prompt_ids(c, "more", None, None, None, None, False, None, continuing=True)
+    assert 0 < len(then) < len(whole_ids) and whole_ids[-len(then):] == then
+    assert raw == tokenizer.encode("more", add_bos=False)
