@@ -2,7 +2,8 @@
 remote code).
 
 Special tokens come only from markup that is trusted: a chat encoding's own (`encode_segments`: the segments of
-families/deepseek_v4/chat.py, message content plain text) or a raw prompt the user typed (`moepack prefill/generate
+families/deepseek_v4/chat.py, message content plain text; a chat template's markup, `encode_rendered`, a message
+string spelling out a special token's text plain) or a raw prompt the user typed (`moepack prefill/generate
 --prompt`: the user's own text, spelled-out special tokens and all). Text from elsewhere (a server's completions prompt)
 goes through `encode(text, special_tokens=False)`: a special or added token's text stays that text's ordinary tokens.
 The tokenizers library matches its added tokens in every `encode` (add_special_tokens only governs the BOS a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from functools import cached_property
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -96,6 +98,48 @@ class PromptTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    @cached_property
+    def _added_texts(self) -> tuple[str, ...]:
+        """The texts of the added tokens (special or not: the tokenizers library matches them all in `encode`)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.content)
+
+    def shield_messages(self, messages: list) -> tuple[list, dict[str, str]]:
+        """`messages` with each string of theirs that spells out an added token's text (a content, a content part's
+        text, a reasoning_content) replaced by a placeholder, for a chat template to render (`encode_rendered`
+        then tokenizes each such string as the plain text it is, the template's own markup with its special
+        tokens); and the placeholders' texts. Messages without one come back as they are, so their ids stay
+        transformers' apply_chat_template's."""
+        nonce, texts = secrets.token_hex(8), {}
+
+        def shielded(value):
+            if not isinstance(value, str) or not any(t in value for t in self._added_texts):
+                return value
+            key = f"\ue000{nonce}{len(texts)}\ue001"  # (private-use characters: no token's text, kept by templates)
+            texts[key] = value
+            return key
+
+        def message(m):
+            if not isinstance(m, dict):
+                return m
+            out = {**m, **{k: shielded(m[k]) for k in ("content", "reasoning_content") if k in m}}
+            if isinstance(m.get("content"), list):
+                out["content"] = [{**p, "text": shielded(p["text"])} if isinstance(p, dict) and "text" in p else p
+                                  for p in m["content"]]
+            return out
+
+        return [message(m) for m in messages], texts
+
+    def encode_rendered(self, text: str, shielded: dict[str, str]) -> list[int]:
+        """A rendered chat's ids: its markup with its special tokens, nothing added (encode_special), and the text
+        behind each of `shielded`'s placeholders (shield_messages) plain."""
+        if not shielded:
+            return self.encode_special(text)
+        ids: list[int] = []
+        pieces = re.split("(" + "|".join(map(re.escape, shielded)) + ")", text)
+        for i, piece in enumerate(pieces):  # (odd pieces are the placeholders the split kept)
+            ids += self._ids(self._plain, shielded[piece], False) if i % 2 else self.encode_special(piece)
+        return ids
+
 
 class ChatInputError(MoepackError):
     """A conversation (or a chat option) the model's chat does not take. `param` is the request field it is about
@@ -142,11 +186,13 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
         chat_template = template()
+        tok = tokenizer()
+        messages, shielded = tok.shield_messages(messages)  # no message can spell out a special token
         try:
             text = chat_template.render(messages, **({"enable_thinking": True} if thinking else {}))
         except MoepackError as e:
             raise ChatInputError(f"messages: {e}", "messages") from None
-        return tokenizer().encode_special(text)
+        return tok.encode_rendered(text, shielded)
     try:
         encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs thinking
     except MoepackError as e:
