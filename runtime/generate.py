@@ -229,11 +229,11 @@ class Generator:
         `detokenize` (ids -> text) gives `text`, lets `--stop` strings end the generation, and `on_text` the text
         as it comes (never a split UTF-8 character, never the start of a stop string that may yet complete).
         `kv_out`: the KV after the generation (the prompt and every generated token, the last one fed too; its
-        result, the greedy token after them) is written there, its entries stored as `kv_dtype` (a KV already there is refused unless `kv_overwrite`).
-        `cancelled()` true ends the
-        generation (finish_reason "cancelled"): asked between the prefill's layers (the first time once every
-        check has passed) and between decoded tokens. `on_token(id, logprob)`: each token as it is chosen, before
-        its text goes to on_text (logprob given options.logprobs, else None)."""
+        result, the greedy token after them) is written there, its entries stored as `kv_dtype` (a KV already there
+        is refused unless `kv_overwrite`). `cancelled()` true ends the generation (finish_reason "cancelled"):
+        asked between the prefill's layers (the first time once every check has passed) and between decoded tokens.
+        `on_token(id, logprob)`: each token as it is chosen, before its text goes to on_text (logprob given
+        options.logprobs, else None)."""
         out = SequenceOutput(options or GenerateOptions(), self.eos_ids, detokenize, on_text, on_token)
         kv_format = self.kv_format() if kv_out is not None else None  # refused before any work
         token_ids = prompt_ids(token_ids)

@@ -198,8 +198,9 @@ def test_o_direct_refused_falls_back_with_a_warning(models, monkeypatch):
 
 
 # token ids no model takes, and the one line each is refused with (test_batching: by generate and submit too)
-BAD_PROMPTS = [([1, 2, 10 ** 6], "out of range"), ([], "empty prompt"), ([1.5, 2], "must be integers, not torch.float32"),
-               ([True], "not torch.bool"), (torch.tensor([1.7]), "not torch.float32"), ([1, 2 ** 70], "within 64 bits"),
+BAD_PROMPTS = [([1, 2, 10 ** 6], "out of range"), ([], "empty prompt"),
+               ([1.5, 2], "must be integers, not torch.float32"), ([True], "not torch.bool"),
+               (torch.tensor([1.7]), "not torch.float32"), ([1, 2 ** 70], "within 64 bits"),
                ([[1, 2], [3]], "within 64 bits"), ("hello", "not text"), (None, "within 64 bits"),
                (torch.tensor([[1, 2], [3, 4]]), "one prompt at a time")]
 
