@@ -99,20 +99,21 @@ class PromptTokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
     @cached_property
-    def _added_texts(self) -> tuple[str, ...]:
-        """The texts of the added tokens (special or not: the tokenizers library matches them all in `encode`)."""
-        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.content)
+    def _special_texts(self) -> tuple[str, ...]:
+        """The texts of the added tokens marked special (a chat's role markers, BOS, EOS; not Qwen3's <think> or
+        <tool_call>, added tokens a template reads in a message's text and splits it at)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content)
 
     def shield_messages(self, messages: list) -> tuple[list, dict[str, str]]:
-        """`messages` with each string of theirs that spells out an added token's text (a content, a content part's
-        text, a reasoning_content) replaced by a placeholder, for a chat template to render (`encode_rendered`
-        then tokenizes each such string as the plain text it is, the template's own markup with its special
-        tokens); and the placeholders' texts. Messages without one come back as they are, so their ids stay
-        transformers' apply_chat_template's."""
+        """`messages` with each string of theirs that spells out a special token's text (a content, a content
+        part's text, a reasoning_content) replaced by a placeholder, for a chat template to render
+        (`encode_rendered` then tokenizes each such string as the plain text it is, the template's own markup with
+        its special tokens); and the placeholders' texts. Messages without one come back as they are, so their ids
+        stay transformers' apply_chat_template's."""
         nonce, texts = secrets.token_hex(8), {}
 
         def shielded(value):
-            if not isinstance(value, str) or not any(t in value for t in self._added_texts):
+            if not isinstance(value, str) or not any(t in value for t in self._special_texts):
                 return value
             key = f"\ue000{nonce}{len(texts)}\ue001"  # (private-use characters: no token's text, kept by templates)
             texts[key] = value
