@@ -43,7 +43,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
                 raise MoepackError(f"{messages_file}: cannot read ({e.strerror})") from None
         else:
             messages = [{"role": "user", "content": chat}]
-        return _chat_ids(container, tokenizer, messages, thinking, reasoning_effort), tokenizer
+        return _chat_ids(container, tokenizer, messages, thinking, reasoning_effort, continuing), tokenizer
     if prompt_file is not None:
         prompt = read_prompt_file(prompt_file)
     if continuing:
@@ -51,17 +51,19 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
     return (tokenizer.encode(prompt) if prompt else []), tokenizer
 
 
-def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: str | None) -> list[int]:
+def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: str | None,
+              continuing: bool = False) -> list[int]:
     """The ids of `messages` (an OpenAI-style list) as the model's chat, as the server encodes them
     (serve/tokenizer.py chat_prompt_ids: its family's chat encoding, or its tokenizer's chat template with --thinking
-    as the template's enable_thinking); bad messages or options are one line naming the field."""
+    as the template's enable_thinking; `continuing` a KV: without a first turn's BOS); bad messages or options are
+    one line naming the field."""
     from moepack.families import container_family
     from moepack.serve.chat_template import family_chat_template
     from moepack.serve.tokenizer import chat_prompt_ids
 
     family = container_family(container)
     return chat_prompt_ids(family, lambda: tokenizer, messages, thinking=thinking, reasoning_effort=reasoning_effort,
-                           template=lambda: family_chat_template(container, family))
+                           template=lambda: family_chat_template(container, family), continuing=continuing)
 
 
 def _check_prompt_choice(prompts: tuple, prompt_file, token_ids_file, messages_file, chat, prompts_file, thinking,
@@ -299,7 +301,8 @@ def _figures(result) -> str:
 @context_option
 @sampling_options
 @click.option("--kv-out", type=click.Path(file_okay=False),
-              help="Directory for the KV after the generation (the prompt and the generated tokens), in --kv-dtype.")
+              help="Directory for the KV after the generation (the prompt and every generated token: a "
+                   "--continue-from goes on after the last), in --kv-dtype.")
 @click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=DEFAULT_MAX_BATCH, show_default=True,
               help="With several prompts: how many decode together, one step feeding each its next token (the "
                    "others wait and join as one ends); each one's KV is counted in the memory check.")

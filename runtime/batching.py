@@ -51,7 +51,7 @@ import torch
 from moepack.format_spec.errors import MoepackError
 
 from .decode import DecodeSequence
-from .engine import GenerationCancelled, StreamingPrefill, check_prompt_ids
+from .engine import GenerationCancelled, StreamingPrefill, check_prompt_ids, prompt_ids
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
 from .generate import (GenerateOptions, GenerateResult, Generator, SequenceOutput, cancelled_in_prefill,
                        peak_rss_bytes)
@@ -149,7 +149,7 @@ class BatchScheduler:
         refuses, or that fails, raises from its future. Its future cancelled (Future.cancel) stops it as
         `cancelled()` would."""
         out = SequenceOutput(options or GenerateOptions(), self.generator.eos_ids, detokenize, on_text, on_token)
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
+        ids = prompt_ids(token_ids)
         check_prompt_ids(ids, self.generator.cfg.vocab_size)  # here: in a grouped pass it would fail the others
         future: Future = Future()
         with self._cv:

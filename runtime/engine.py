@@ -32,7 +32,7 @@ import itertools
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -202,6 +202,25 @@ def float32_matmuls_on_tensor_cores(device: torch.device, compute_dtype: torch.d
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def prompt_ids(token_ids) -> torch.Tensor:
+    """One prompt's token ids, as the API takes them (a sequence or iterable of ints, an integer tensor or array,
+    one row of them: [1, N] as a tokenizer's return_tensors gives), as a 1-D LongTensor (possibly empty). What is
+    not that is a MoepackError, never rounded (floats), run as one prompt (several rows) or a traceback."""
+    if isinstance(token_ids, (str, bytes)):
+        raise MoepackError("token ids must be integers, not text (tokenize the prompt first)")
+    if isinstance(token_ids, Iterator):  # a generator: torch takes no iterator
+        token_ids = list(token_ids)
+    try:
+        ids = torch.as_tensor(token_ids)
+    except (OverflowError, RuntimeError, TypeError, ValueError) as e:  # 2**64, ragged lists, None
+        raise MoepackError(f"token ids must be integers within 64 bits ({e})") from None
+    if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise MoepackError(f"token ids must be integers, not {ids.dtype}")
+    if any(size != 1 for size in ids.shape[:-1]):
+        raise MoepackError(f"token ids of shape {list(ids.shape)}: one prompt at a time ([N] or [1, N])")
+    return ids.to(torch.long).reshape(-1)
 
 
 def check_prompt_ids(token_ids: torch.Tensor, vocab_size: int) -> int:
@@ -684,14 +703,7 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
     `kv_out`, which may be the same directory, covers both). `expert_parallel`: this process is one rank of a
     torchrun job (runtime/distributed.py); `{rank}` in `path` picks each rank's own copy of the container."""
     options = options or PrefillOptions()
-    try:
-        token_ids = torch.as_tensor(token_ids)
-    except (OverflowError, RuntimeError, TypeError, ValueError) as e:  # 2**64, ragged lists, strings
-        raise MoepackError(f"token ids must be integers within 64 bits ({e})") from None
-    not_integers = token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool
-    if token_ids.numel() and not_integers:
-        raise MoepackError(f"token ids must be integers, not {token_ids.dtype}")
-    token_ids = token_ids.to(torch.long).reshape(-1)
+    token_ids = prompt_ids(token_ids)
     if token_ids.numel() < 1:
         raise MoepackError("empty prompt")
     dist = None

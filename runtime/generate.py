@@ -25,7 +25,7 @@ from moepack.format_spec.reader import Container
 
 from .decode import Decoder
 from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
-                     container_kv_format, resolve_compute_dtype)
+                     container_kv_format, prompt_ids, resolve_compute_dtype)
 from .memory import GIB, cache_room, check_device_memory, check_memory, default_cache_bytes, device_kv, others_kv
 from .read_scheduler import prefill_reader
 from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
@@ -228,15 +228,15 @@ class Generator:
         """Prefill `token_ids` (after `continue_from`'s KV, if given), then decode up to max_new_tokens.
         `detokenize` (ids -> text) gives `text`, lets `--stop` strings end the generation, and `on_text` the text
         as it comes (never a split UTF-8 character, never the start of a stop string that may yet complete).
-        `kv_out`: the KV after the generation (prompt and generated tokens; its result, the last generated token)
-        is written there, its entries stored as `kv_dtype` (a KV already there is refused unless `kv_overwrite`).
-        `cancelled()` true ends the
-        generation (finish_reason "cancelled"): asked between the prefill's layers (the first time once every
-        check has passed) and between decoded tokens. `on_token(id, logprob)`: each token as it is chosen, before
-        its text goes to on_text (logprob given options.logprobs, else None)."""
+        `kv_out`: the KV after the generation (the prompt and every generated token, the last one fed too; its
+        result, the greedy token after them) is written there, its entries stored as `kv_dtype` (a KV already there
+        is refused unless `kv_overwrite`). `cancelled()` true ends the generation (finish_reason "cancelled"):
+        asked between the prefill's layers (the first time once every check has passed) and between decoded tokens.
+        `on_token(id, logprob)`: each token as it is chosen, before its text goes to on_text (logprob given
+        options.logprobs, else None)."""
         out = SequenceOutput(options or GenerateOptions(), self.eos_ids, detokenize, on_text, on_token)
         kv_format = self.kv_format() if kv_out is not None else None  # refused before any work
-        token_ids = torch.as_tensor(list(token_ids), dtype=torch.long).reshape(-1)
+        token_ids = prompt_ids(token_ids)
         try:
             logits, states, prefill_stats, counts, all_ids, past, bound = self._prefill(
                 token_ids, continue_from, out.max_new_tokens, cancelled)
@@ -256,11 +256,13 @@ class Generator:
             logits = decoder.step(out.last)
         decode_stats = {**decoder.stats_dict(), "memory_bound_bytes": bound, "peak_rss_bytes": peak_rss_bytes()}
         if kv_out is not None:
+            # the last token was given out: fed too, so that a continuation (a next turn's prompt, or none) goes on
+            # after it, as after a prefill's prompt; the KV's result is then the greedy token after all of it
+            logits = decoder.step(out.last)
             in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
-            writer = kvd.open_writer(kv_out, kv_format, kvd.identity_of_container(self.c),
-                                     all_ids + out.generated[:-1], dtype=kv_dtype, start_token=past,
-                                     overwrite=in_place or kv_overwrite)
-            kvd.write_kv_states(writer, decoder.states, out.last, logits)
+            writer = kvd.open_writer(kv_out, kv_format, kvd.identity_of_container(self.c), all_ids + out.generated,
+                                     dtype=kv_dtype, start_token=past, overwrite=in_place or kv_overwrite)
+            kvd.write_kv_states(writer, decoder.states, int(torch.argmax(logits)), logits)
         return out.result({"prefill": prefill_stats, "decode": decode_stats})
 
     def kv_format(self):

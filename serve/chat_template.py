@@ -4,7 +4,9 @@ environment, trim_blocks and lstrip_blocks, its `tojson`, `raise_exception` and 
 special tokens as variables). DeepSeek-V4 keeps its own encoder (families/deepseek_v4/chat.py).
 
 The rendered text spells out the template's markup, so it is tokenized with its special tokens and nothing added
-(PromptTokenizer.encode_special), as apply_chat_template(tokenize=True) does: the ids are transformers'.
+(PromptTokenizer.encode_special), as apply_chat_template(tokenize=True) does: the ids are transformers'. Only a
+message string that spells out a special token's text differs: it is rendered as a placeholder and tokenized as
+plain text (PromptTokenizer.shield_messages, encode_rendered), so no message forges a turn.
 """
 
 from __future__ import annotations

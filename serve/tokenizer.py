@@ -2,7 +2,8 @@
 remote code).
 
 Special tokens come only from markup that is trusted: a chat encoding's own (`encode_segments`: the segments of
-families/deepseek_v4/chat.py, message content plain text) or a raw prompt the user typed (`moepack prefill/generate
+families/deepseek_v4/chat.py, message content plain text; a chat template's markup, `encode_rendered`, a message
+string spelling out a special token's text plain) or a raw prompt the user typed (`moepack prefill/generate
 --prompt`: the user's own text, spelled-out special tokens and all). Text from elsewhere (a server's completions prompt)
 goes through `encode(text, special_tokens=False)`: a special or added token's text stays that text's ordinary tokens.
 The tokenizers library matches its added tokens in every `encode` (add_special_tokens only governs the BOS a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from functools import cached_property
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -43,6 +45,10 @@ class PromptTokenizer:
             except untrusted.UntrustedInputError:  # a damaged optional file: the default (a BOS) stands
                 config = {}
         self.add_special_tokens = bool(config.get("add_bos_token", True)) if isinstance(config, dict) else True
+        bos = config.get("bos_token") if isinstance(config, dict) else None
+        bos = bos.get("content") if isinstance(bos, dict) else bos  # a string, or an AddedToken's object
+        # the id of the config's BOS, where the vocabulary has it (a chat continuing a KV starts without it)
+        self.bos_id = self._tok.token_to_id(bos) if isinstance(bos, str) else None
 
     @property
     def tokenizer_json(self) -> str:
@@ -92,6 +98,49 @@ class PromptTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    @cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        """The texts of the added tokens marked special (a chat's role markers, BOS, EOS; not Qwen3's <think> or
+        <tool_call>, added tokens a template reads in a message's text and splits it at)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content)
+
+    def shield_messages(self, messages: list) -> tuple[list, dict[str, str]]:
+        """`messages` with each string of theirs that spells out a special token's text (a content, a content
+        part's text, a reasoning_content) replaced by a placeholder, for a chat template to render
+        (`encode_rendered` then tokenizes each such string as the plain text it is, the template's own markup with
+        its special tokens); and the placeholders' texts. Messages without one come back as they are, so their ids
+        stay transformers' apply_chat_template's."""
+        nonce, texts = secrets.token_hex(8), {}
+
+        def shielded(value):
+            if not isinstance(value, str) or not any(t in value for t in self._special_texts):
+                return value
+            key = f"\ue000{nonce}{len(texts)}\ue001"  # (private-use characters: no token's text, kept by templates)
+            texts[key] = value
+            return key
+
+        def message(m):
+            if not isinstance(m, dict):
+                return m
+            out = {**m, **{k: shielded(m[k]) for k in ("content", "reasoning_content") if k in m}}
+            if isinstance(m.get("content"), list):
+                out["content"] = [{**p, "text": shielded(p["text"])} if isinstance(p, dict) and "text" in p else p
+                                  for p in m["content"]]
+            return out
+
+        return [message(m) for m in messages], texts
+
+    def encode_rendered(self, text: str, shielded: dict[str, str]) -> list[int]:
+        """A rendered chat's ids: its markup with its special tokens, nothing added (encode_special), and the text
+        behind each of `shielded`'s placeholders (shield_messages) plain."""
+        if not shielded:
+            return self.encode_special(text)
+        ids: list[int] = []
+        pieces = re.split("(" + "|".join(map(re.escape, shielded)) + ")", text)
+        for i, piece in enumerate(pieces):  # (odd pieces are the placeholders the split kept)
+            ids += self._ids(self._plain, shielded[piece], False) if i % 2 else self.encode_special(piece)
+        return ids
+
 
 class ChatInputError(MoepackError):
     """A conversation (or a chat option) the model's chat does not take. `param` is the request field it is about
@@ -107,23 +156,37 @@ NOT_A_CONVERSATION = "messages: expected a non-empty list of {role, content} obj
 TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
 
 
-def _check_template_messages(messages: list[dict], family_name: str) -> None:
-    """Each message one the template renders as it is: a role of TEMPLATE_ROLES, text content (an assistant's may be
-    None, beside its tool calls); Qwen3's template renders any other content (a list of parts) as nothing."""
+def _template_messages(messages: list[dict], family_name: str) -> list[dict]:
+    """The messages as a chat template renders them: a role of TEMPLATE_ROLES, text content (an assistant's may be
+    None, beside its tool calls). OpenAI's list of text parts is joined into one text by newlines, as vLLM gives it
+    to such templates (Qwen3's renders a list as nothing); a part of another type, another role, other content are
+    refused (the template would drop them without a word)."""
+    out = []
     for i, m in enumerate(messages):
         role, content = m["role"], m.get("content")
         if role not in TEMPLATE_ROLES:
             hint = ": give it as a system message" if role == "developer" else ""
             raise ChatInputError(f"messages[{i}].role: {role[:40]!r} is no role a {family_name} model's chat "
                                  f"template renders (expected one of {', '.join(TEMPLATE_ROLES)}){hint}", "messages")
-        if not isinstance(content, str) and not (content is None and role == "assistant"):
-            raise ChatInputError(f"messages[{i}].content: expected a string, got {type(content).__name__} (a "
-                                 f"{family_name} model's chat template renders text)", "messages", "invalid_type")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    what = f"a {str(kind)[:40]!r} part" if isinstance(kind, str) else "not a {type, text} part"
+                    raise ChatInputError(f"messages[{i}].content[{j}]: {what}: a {family_name} model reads text "
+                                         "parts only", "messages", "invalid_type")
+            m = {**m, "content": "\n".join(part["text"] for part in content)}
+        elif not isinstance(content, str) and not (content is None and role == "assistant"):
+            raise ChatInputError(f"messages[{i}].content: expected a string or a list of text parts, got "
+                                 f"{type(content).__name__} (a {family_name} model's chat template renders text)",
+                                 "messages", "invalid_type")
+        out.append(m)
+    return out
 
 
 def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messages: Any, *, thinking: bool = False,
                     reasoning_effort: str | None = None, template: Callable[[], Any] | None = None,
-                    after: Sequence[tuple[str, bool]] = ()) -> list[int]:
+                    after: Sequence[tuple[str, bool]] = (), continuing: bool = False) -> list[int]:
     """The prompt ids of `messages` (an OpenAI-style list) as `family`'s chat:
 
     * its own chat encoding (family.chat_encoding): markup rendered in code into special tokens, message content
@@ -131,10 +194,21 @@ def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messa
       call's start);
     * else the chat template `template()` gives (serve/chat_template.py), tokenized as apply_chat_template does;
       `thinking` is its enable_thinking (the template's default without it); a template takes no reasoning effort,
-      and only messages of TEMPLATE_ROLES with text content (what it would drop is refused).
+      and only messages of TEMPLATE_ROLES with text content, a list of text parts joined (what it would drop is
+      refused).
+
+    `continuing`: the messages go on after a KV's conversation (`generate --continue-from`), so the BOS a first
+    turn starts with is left out, as the whole conversation has it only at its start.
 
     `tokenizer()` and `template()` are asked for only when needed (a missing template is named before a missing
     tokenizer). Bad input is a ChatInputError naming the field."""
+    ids = _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after)
+    bos = tokenizer().bos_id if continuing and ids else None
+    return ids[1:] if bos is not None and ids[0] == bos else ids
+
+
+def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after) -> list[int]:
+    """chat_prompt_ids as a first turn's."""
     if not isinstance(messages, list) or not messages:
         raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
     encoding = family.chat_encoding
@@ -144,13 +218,15 @@ def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messa
                                  "effort", "reasoning_effort")
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
-        _check_template_messages(messages, family.name)
+        messages = _template_messages(messages, family.name)
         chat_template = template()
+        tok = tokenizer()
+        messages, shielded = tok.shield_messages(messages)  # no message can spell out a special token
         try:
             text = chat_template.render(messages, **({"enable_thinking": True} if thinking else {}))
         except MoepackError as e:
             raise ChatInputError(f"messages: {e}", "messages") from None
-        return tokenizer().encode_special(text)
+        return tok.encode_rendered(text, shielded)
     try:
         encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs thinking
     except MoepackError as e:

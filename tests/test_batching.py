@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from moepack.runtime.memory import memory_need
 from moepack.serve.app import ServerLimits, make_app
 from moepack.serve.tokenizer import PromptTokenizer
 from containers import tiny_keep_container
+from test_prefill import BAD_PROMPTS
 from test_serve import Running
 
 TIMEOUT = 120
@@ -207,6 +209,16 @@ def test_bad_options_are_refused_when_submitted(generator):
             batch.submit([], max_new_tokens=2)
     with pytest.raises(MoepackError, match="--max-batch"):
         BatchScheduler(generator, max_batch=0)
+
+
+def test_bad_token_ids_are_refused_by_generate_and_submit(generator):
+    """As by prefill (test_prefill.BAD_PROMPTS): none rounded, run as one prompt, or a traceback."""
+    with Batch(generator) as batch:
+        for ids, message in BAD_PROMPTS:
+            with pytest.raises(MoepackError, match=re.escape(message)):
+                generator.generate(ids, GenerateOptions(max_new_tokens=1))
+            with pytest.raises(MoepackError, match=re.escape(message)):
+                batch.submit(ids)
 
 
 PROMPTS = [f"Client {i} asks about streaming experts" + " and more" * i for i in range(3)]

@@ -131,9 +131,13 @@ def test_generate_kv_out_hands_its_kv_to_the_next_generation(containers, tmp_pat
     kv_dir = tmp_path / "kv"
     first = _generate(container, tmp_path, "--token-ids", _ids_file(tmp_path / "a.json", A), "--kv-out", kv_dir)
     kv = kvd.read_kv(str(kv_dir), KV_FORMAT)
-    assert kv.token_ids == A + first[:-1] and kv.next_token == first[-1]  # the last token is not fed yet
-    then = _continue(container, kv_dir)
-    assert first[:-1] + then == _greedy(hf, A, len(first) - 1 + len(then))
+    whole = _greedy(hf, A, 2 * NEW_TOKENS)
+    assert kv.token_ids == A + first and kv.next_token == whole[NEW_TOKENS]  # every token given out is fed
+    assert first + _continue(container, kv_dir) == whole
+    # a next turn's prompt goes on after the last generated token, as one generation over all of it
+    continued = _generate(container, tmp_path, "--token-ids", _ids_file(tmp_path / "b.json", B), "--continue-from",
+                          kv_dir)
+    assert continued == _greedy(hf, A + first + B)
 
 
 @pytest.mark.parametrize("dtype,storage,tolerance", [("bfloat16", "BF16", 1e-2), ("float8_e4m3", "F8_E4M3", 0.07)])

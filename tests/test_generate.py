@@ -311,23 +311,28 @@ def test_a_cache_smaller_than_a_tokens_experts_does_not_copy_and_evict_per_miss(
 
 
 def test_the_kv_after_a_generation_continues_it(models, tmp_path):
-    """--kv-out after generating: the KV covers the prompt and the generated tokens but the last, whose logits
-    it records; generating on from it gives what one longer generation gives."""
+    """--kv-out after generating: the KV covers the prompt and every generated token (the last one was given out:
+    it is fed too), its result the greedy token after them; generating on from it, without a prompt or with a new
+    one, gives what one generation over all of it gives."""
     from moepack.families.deepseek_v4.kv import read_kv
 
     hf_model, container = models["B"]
-    ids = _prompt(30, hf_model.config.vocab_size, seed=8)
-    whole = generate(container, ids, GenerateOptions(max_new_tokens=20, stop_at_eos=False))
+    ids = _prompt(30, hf_model.config.vocab_size, seed=8).tolist()
+    options = GenerateOptions(max_new_tokens=20, stop_at_eos=False)
     kv = str(tmp_path / "kv")
-    first = generate(container, ids, GenerateOptions(max_new_tokens=8, stop_at_eos=False), kv_out=kv)
-    written = read_kv(kv)
-    assert written.token_ids == ids.tolist() + first.generated_ids[:-1]
-    assert written.next_token == first.generated_ids[-1]
-    rest = generate(container, [], GenerateOptions(max_new_tokens=12, stop_at_eos=False), continue_from=kv,
-                    kv_out=kv)  # in place: the new KV written beside the old one, then swapped in
-    assert first.generated_ids + rest.generated_ids[1:] == whole.generated_ids[:19]
-    assert read_kv(kv).token_ids == ids.tolist() + first.generated_ids[:-1] + rest.generated_ids[:-1]
-    assert os.listdir(tmp_path) == ["kv"]
+    with Generator(container) as g:  # (one container opened for all of them)
+        whole = g.generate(ids, options).generated_ids
+        first = g.generate(ids, replace(options, max_new_tokens=8), kv_out=kv).generated_ids
+        written = read_kv(kv)
+        assert written.token_ids == ids + first and written.next_token == whole[8]
+        rest = g.generate([], replace(options, max_new_tokens=12), continue_from=kv,
+                          kv_out=kv).generated_ids  # in place: the new KV written beside the old one, then swapped in
+        assert first + rest == whole
+        assert read_kv(kv).token_ids == ids + whole
+        assert os.listdir(tmp_path) == ["kv"]
+        more = _prompt(5, hf_model.config.vocab_size, seed=9).tolist()  # the next turn's prompt
+        after = g.generate(more, replace(options, max_new_tokens=6), continue_from=kv).generated_ids
+        assert after == g.generate(ids + whole + more, replace(options, max_new_tokens=6)).generated_ids
 
 
 def test_the_command_streams_the_text_and_prints_one_json_object(models, tmp_path):

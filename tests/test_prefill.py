@@ -8,6 +8,7 @@ import re
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -196,16 +197,25 @@ def test_o_direct_refused_falls_back_with_a_warning(models, monkeypatch):
     assert result.stats["io_mode"] == "buffered" and "O_DIRECT" in result.stats["io_warning"]
 
 
-def test_bad_prompts(models):
-    _, container = models["C"]
-    with pytest.raises(MoepackError, match="out of range"):
-        prefill(container, [1, 2, 50], PrefillOptions())
-    with pytest.raises(MoepackError, match="empty prompt"):
-        prefill(container, [], PrefillOptions())
-    for ids, message in (([1.5, 2], "must be integers, not torch.float32"), ([True], "not torch.bool"),
-                         ([1, 2 ** 70], "within 64 bits"), ([[1, 2], [3]], "within 64 bits")):
-        with pytest.raises(MoepackError, match=re.escape(message)):
-            prefill(container, ids, PrefillOptions())
+# token ids no model takes, and the one line each is refused with (test_batching: by generate and submit too)
+BAD_PROMPTS = [([1, 2, 10 ** 6], "out of range"), ([], "empty prompt"),
+               ([1.5, 2], "must be integers, not torch.float32"), ([True], "not torch.bool"),
+               (torch.tensor([1.7]), "not torch.float32"), ([1, 2 ** 70], "within 64 bits"),
+               ([[1, 2], [3]], "within 64 bits"), ("hello", "not text"), (None, "within 64 bits"),
+               (torch.tensor([[1, 2], [3, 4]]), "one prompt at a time")]
+
+
+@pytest.mark.parametrize("ids,message", BAD_PROMPTS, ids=[m for _, m in BAD_PROMPTS])
+def test_bad_prompts(models, ids, message):
+    """None is rounded (a float), run as one prompt (a batch of several rows) or a Python traceback (text)."""
+    with pytest.raises(MoepackError, match=re.escape(message)):
+        prefill(models["C"][1], ids, PrefillOptions())
+
+
+def test_a_prompt_as_one_row_a_range_a_generator_or_an_array_is_that_prompt():
+    """[1, N] is what a tokenizer's return_tensors="pt" gives."""
+    for ids in (torch.tensor([[3, 4, 5]]), range(3, 6), (i for i in (3, 4, 5)), np.array([3, 4, 5], np.int8)):
+        assert engine.prompt_ids(ids).tolist() == [3, 4, 5]
 
 
 def test_cli_prefill_on_a_release_layout_container(tmp_path):
