@@ -440,10 +440,10 @@ def stored_matrix(kind: str, data: torch.Tensor, rows: int, cols: int, scale: to
         raise ValueError(f"{kind} needs its float32 [256, 16] value table")
     if kind == "FP4_E2M1" and (scale is None or scale.numel() < rows * cols // GROUP):
         raise ValueError(f"FP4_E2M1 [{rows}, {cols}] needs {rows * cols // GROUP} scale bytes")
-    blocks = fp8_scale_blocks(rows, cols)
-    if kind == "F8_E4M3" and (scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != blocks
-                              or not scale.is_contiguous()):
-        raise ValueError(f"F8_E4M3 [{rows}, {cols}] needs contiguous float32 block scales {list(blocks)}")
+    if kind == "F8_E4M3" and (scale is None or scale.dtype != torch.float32 or not scale.is_contiguous()
+                              or tuple(scale.shape) != fp8_scale_blocks(rows, cols)):
+        raise ValueError(f"F8_E4M3 [{rows}, {cols}] needs contiguous float32 block scales "
+                         f"{list(fp8_scale_blocks(rows, cols))}")
     return Matrix(KINDS[kind], data.data_ptr(), scale.data_ptr() if scale is not None else None,
                   table.data_ptr() if table is not None else None, rows, cols)
 

@@ -1,16 +1,16 @@
 /* Matmuls on a few input rows, for decode (backends/token_kernels.py): out = x @ W.T with W read as the container
    stores it (float32, bfloat16, float16, FP4 E2M1 + E8M0 scales, MXFP4, Q8_0, FP8 E4M3 + float32 block scales),
-   each weight byte read once and
-   turned into float32 in registers; and `moe_token`, a token's routed experts in one call. One token reads every
-   weight for a handful of multiply-adds, so this is a memory-bound scan: torch's bf16 GEMV reached 5-7 GB/s here
-   against 10-14 GB/s for this loop, and decoding a stored expert to a float32 matrix first costs a write and a
-   re-read of twice its size.
+   each weight byte read once and turned into float32 in registers; and `moe_token`, a token's routed experts in
+   one call. One token reads every weight for a handful of multiply-adds, so this is a memory-bound scan: torch's
+   bf16 GEMV reached 5-7 GB/s here against 10-14 GB/s for this loop, and decoding a stored expert to a float32
+   matrix first costs a write and a re-read of twice its size.
 
    Arithmetic: products and sums in float32 (explicit FMAs, -ffp-contract=off elsewhere). Every weight becomes the
    float32 the container's decoders give (FP4: the caller's table of code values per scale byte; Q8_0: f16 scale
-   x int8; FP8: the e4m3 value times its block's float32 scale, one float32 product). With round_bf16 the inputs are rounded to bfloat16 first (torch's round to nearest even), and moe_token
-   rounds each hidden activation once, as the fused FP4 kernel does; the linears' round_bf16 is a set of flags,
-   ROUND_INPUT and ROUND_OUTPUT (the results rounded to bfloat16 too, as a bfloat16 layer's are, kept float32).
+   x int8; FP8: the e4m3 value times its block's float32 scale, one float32 product). With round_bf16 the inputs
+   are rounded to bfloat16 first (torch's round to nearest even), and moe_token rounds each hidden activation
+   once, as the fused FP4 kernel does; the linears' round_bf16 is a set of flags, ROUND_INPUT and ROUND_OUTPUT
+   (the results rounded to bfloat16 too, as a bfloat16 layer's are, kept float32).
 
    FP4 groups of 32 inputs hold 16 bytes: E2M1 puts elements 2j and 2j + 1 in byte j (low nibble first), MXFP4 j
    and j + 16. Both are computed as lows . X[0:16] + highs . X[16:32] of a group, with X the input arranged for the

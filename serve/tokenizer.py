@@ -104,12 +104,12 @@ class PromptTokenizer:
         <tool_call>, added tokens a template reads in a message's text and splits it at)."""
         return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content)
 
-    def shield_messages(self, messages: list) -> tuple[list, dict[str, str]]:
-        """`messages` with each string of theirs that spells out a special token's text (a content, a content
-        part's text, a reasoning_content) replaced by a placeholder, for a chat template to render
-        (`encode_rendered` then tokenizes each such string as the plain text it is, the template's own markup with
-        its special tokens); and the placeholders' texts. Messages without one come back as they are, so their ids
-        stay transformers' apply_chat_template's."""
+    def shield_messages(self, messages: list[dict]) -> tuple[list[dict], dict[str, str]]:
+        """`messages` (each with text content: _template_messages) with each string of theirs that spells out a
+        special token's text (a content, a reasoning_content) replaced by a placeholder, for a chat template to
+        render (`encode_rendered` then tokenizes each such string as the plain text it is, the template's own markup
+        with its special tokens); and the placeholders' texts. Messages without one come back as they are, so their
+        ids stay transformers' apply_chat_template's."""
         nonce, texts = secrets.token_hex(8), {}
 
         def shielded(value):
@@ -119,16 +119,8 @@ class PromptTokenizer:
             texts[key] = value
             return key
 
-        def message(m):
-            if not isinstance(m, dict):
-                return m
-            out = {**m, **{k: shielded(m[k]) for k in ("content", "reasoning_content") if k in m}}
-            if isinstance(m.get("content"), list):
-                out["content"] = [{**p, "text": shielded(p["text"])} if isinstance(p, dict) and "text" in p else p
-                                  for p in m["content"]]
-            return out
-
-        return [message(m) for m in messages], texts
+        return [{**m, **{k: shielded(m[k]) for k in ("content", "reasoning_content") if k in m}}
+                for m in messages], texts
 
     def encode_rendered(self, text: str, shielded: dict[str, str]) -> list[int]:
         """A rendered chat's ids: its markup with its special tokens, nothing added (encode_special), and the text
