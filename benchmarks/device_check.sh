@@ -75,15 +75,20 @@ wants() {
 upto() { local left=$(( END - $(date +%s) )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 
 step "install"
-# the carried wheels, where this python lacks what they bring (here, a dry run, it has them already)
-if ! python3 -c "import zstandard, regex, gguf, transformers; transformers.DeepseekV4ForCausalLM" 2> /dev/null; then
+# the carried wheels, where this python lacks what they bring (here, a dry run, it has them already); the checks
+# find modules without importing them: each torch import costs seconds of the lease, the versions below take one
+if ! python3 -c "import importlib.metadata as m, importlib.util as u, sys
+need = ('zstandard', 'regex', 'gguf', 'transformers')
+sys.exit(any(u.find_spec(n) is None for n in need) or tuple(map(int, m.version('transformers').split('.')[:2])) < (5, 24))
+" 2> /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
 fi
 # no dependencies: the image's torch is the one to use (the project pins a CPU build for fresh machines)
 # (skipped where this python imports moepack from this tree already: a dry run in the repository's own venv)
-python3 -c "import os, sys, moepack.runtime.engine as m
-sys.exit(not os.path.realpath(m.__file__).startswith(os.path.realpath('.') + os.sep))" 2> /dev/null \
+python3 -c "import importlib.util as u, os, sys
+sys.exit(not os.path.realpath(u.find_spec('moepack.runtime.engine').origin).startswith(os.path.realpath('.') + os.sep))" \
+    2> /dev/null \
     || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 python3 - <<'EOF' 2>&1 | tee "$OUT/versions.txt"
 import os, torch, transformers

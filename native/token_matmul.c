@@ -17,7 +17,12 @@
    layout ("deinterleaved" for E2M1): an input is arranged once per call, not once per row.
 
    Threads: a pool started on first use (threads - 1 workers; the caller is worker 0), each part a static share
-   of the rows. Workers spin for a short while between calls (a token's calls come back to back), then sleep. */
+   of the rows, at most one thread per CPU the process may use. Workers spin for a short while between calls (a
+   token's calls come back to back), then sleep. */
+#if defined(__linux__)
+#define _GNU_SOURCE /* sched_getaffinity */
+#include <sched.h>
+#endif
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -25,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -436,8 +442,24 @@ static void forget_workers(void) {  /* in a forked child: the parent's workers d
     pool.workers = 0;
 }
 
-/* fn(args, part, parts) for every part < parts, on the pool (parts - 1 workers and the caller) */
+/* The CPUs this process may run on. More threads than that only take turns on them, and a worker spinning for
+   the next call then holds a CPU that a part (or torch, between calls) needs: a pool grown to 3 threads on 2 CPUs
+   made every later call of 2 several times slower, as each call waits for every worker. */
+static int usable_cpus(void) {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (!sched_getaffinity(0, sizeof set, &set) && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+    const long online = sysconf(_SC_NPROCESSORS_ONLN);
+    return online > 0 ? (int)online : 1;
+}
+
+/* fn(args, part, parts) for every part < parts, on the pool (parts - 1 workers and the caller); parts above the
+   usable CPUs are fewer parts (a part is a static share of rows: the results are the same) */
 static void run_parts(part_fn fn, void *args, int parts) {
+    static int cpus;
+    if (!cpus) cpus = usable_cpus();
+    if (parts > cpus) parts = cpus;
     if (parts > MAX_THREADS) parts = MAX_THREADS;
     if (parts <= 1 || pthread_mutex_trylock(&pool.busy)) {
         for (int p = 0; p < parts; p++) fn(args, p, parts);
@@ -449,6 +471,9 @@ static void run_parts(part_fn fn, void *args, int parts) {
         pthread_t t;
         const uintptr_t arg = (uintptr_t)atomic_load(&pool.generation) << 16 | (uintptr_t)(pool.workers + 1);
         if (pthread_create(&t, NULL, worker, (void *)arg)) break;
+#if defined(__linux__)
+        pthread_setname_np(t, "moepack-kernel");  /* as `top -H` and /proc/PID/task/TID/comm show it */
+#endif
         pthread_detach(t);
         pool.workers++;
     }

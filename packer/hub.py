@@ -587,7 +587,8 @@ def _http():
 def _install_timeouts() -> None:
     """Connect and read timeouts on every request of huggingface_hub's shared client. Its calls pass timeout=None
     unless told otherwise (a stalled endpoint would hold `convert` forever): a request hook gives such a request
-    HF_HUB_ETAG_TIMEOUT to connect and HF_HUB_DOWNLOAD_TIMEOUT to read; a request with its own timeout keeps it."""
+    HF_HUB_ETAG_TIMEOUT to connect, and to read an API call's answer (the metadata HF_HUB_ETAG_TIMEOUT is for, as
+    _api_timeout), HF_HUB_DOWNLOAD_TIMEOUT to read a file; a request with its own timeout keeps it."""
     from huggingface_hub import get_session
 
     hooks = get_session().event_hooks
@@ -600,7 +601,8 @@ def _default_timeouts(request) -> None:
 
     given = request.extensions.get("timeout") or {}
     if all(v is None for v in given.values()):
-        read = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+        api_call = str(request.url).startswith(constants.ENDPOINT.rstrip("/") + "/api/")
+        read = float(constants.HF_HUB_ETAG_TIMEOUT if api_call else constants.HF_HUB_DOWNLOAD_TIMEOUT)
         request.extensions["timeout"] = {"connect": float(constants.HF_HUB_ETAG_TIMEOUT), "read": read,
                                          "write": read, "pool": read}
 

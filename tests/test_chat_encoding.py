@@ -92,7 +92,7 @@ _MESSAGE = st.fixed_dictionaries(
     optional={"reasoning_content": st.text(alphabet="xy \n", max_size=5)})
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(messages=st.lists(_MESSAGE, max_size=7), thinking=st.booleans(), effort=st.sampled_from([None, "high", "max"]),
        drop=st.booleans())
 def test_chat_template_equals_encoder_on_any_conversation(messages, thinking, effort, drop):

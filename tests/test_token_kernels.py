@@ -162,24 +162,49 @@ def test_calls_from_several_threads_at_once_are_each_right():
     assert not wrong
 
 
-def _in_child(queue):
-    kernels = token_kernels.token_kernels()
-    w, values, _keep = _weight("F32", 256, 128, seed=2)
-    x = torch.randn(1, 128)
-    queue.put(_close(kernels.linear(x, w, False, threads=2), x.double() @ values.T))
+def _in_child(queue, x, w):
+    """The kernel alone (torch's own parallel ops may hang in a forked child: its OpenMP pool is the parent's)."""
+    queue.put(token_kernels.token_kernels().linear(x, w, False, threads=2).tolist())
 
 
 def test_a_forked_child_starts_its_own_workers():
-    """The parent's pool threads do not exist in a child: the child's first call starts its own (no hang)."""
+    """The parent's pool threads do not exist in a child: the child's first call starts its own (no hang). The
+    weight is large enough for two parts (a call under 64K multiply-adds runs on the caller alone)."""
     kernels = _kernels()
-    w, _, _keep = _weight("F32", 256, 128, seed=2)
-    kernels.linear(torch.randn(1, 128), w, False, threads=2)  # the parent's workers are running
+    w, values, _keep = _weight("F32", 512, 256, seed=2)
+    x = torch.randn(1, 256)
+    kernels.linear(x, w, False, threads=2)  # the parent's workers are running
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    child = ctx.Process(target=_in_child, args=(queue,))
+    child = ctx.Process(target=_in_child, args=(queue, x, w))
     child.start()
     child.join(60)
-    assert child.exitcode == 0 and queue.get(timeout=5)
+    assert child.exitcode == 0 and _close(torch.tensor(queue.get(timeout=5)), x.double() @ values.T)
+
+
+def _kernel_threads() -> int:
+    """The pool's workers in this process (by the name the kernel gives them)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return names.count("moepack-kernel")
+
+
+def test_the_pool_never_runs_more_threads_than_the_usable_cpus():
+    """More threads asked for than CPUs the process may use run as one part a CPU (the same rows each way): a
+    pool grown past them made every later call wait for workers taking turns on the CPUs, several times slower."""
+    kernels = _kernels()
+    if not hasattr(os, "sched_getaffinity") or not os.path.isdir("/proc/self/task"):
+        pytest.skip("counts threads through Linux's /proc")
+    cpus = len(os.sched_getaffinity(0))
+    w, values, _keep = _weight("F32", 256 * (cpus + 9), 256, seed=3)  # work enough for cpus + 10 parts
+    x = torch.randn(1, 256)
+    assert _close(kernels.linear(x, w, False, threads=cpus + 8), x.double() @ values.T)
+    assert 0 < _kernel_threads() <= cpus - 1 or cpus == 1
 
 
 def test_a_float32_input_to_a_bfloat16_weight_rounds_inside_the_kernel_as_outside(loop):

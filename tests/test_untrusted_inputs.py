@@ -18,6 +18,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from console import run_console
 from containers import tiny_keep_container
 from moepack.cli.common import FiniteFloat, Text
 from moepack.cli.main import cli
@@ -85,16 +86,16 @@ def test_config_json_values_python_takes_are_refused_by_convert(source, tmp_path
     src = _checkpoint_copy(source, tmp_path)
     _edit_config(src, value, "rms_norm_eps")
     out = tmp_path / "x.moepack"
-    _refused(_moepack("convert", src, "-o", str(out), "--q8"), "config.json", named)
+    _refused(run_console("convert", src, "-o", str(out), "--q8"), "config.json", named)
     assert not os.listdir(tmp_path / "src") == [] and not out.exists() and not (tmp_path / "x.moepack.partial").exists()
-    _refused(_moepack("plan", src), "config.json", named)  # plan reads a checkpoint's config too
+    _refused(run_console("plan", src), "config.json", named)  # plan reads a checkpoint's config too
 
 
 def test_invalid_utf8_in_config_json_is_named(source, tmp_path):
     src = _checkpoint_copy(source, tmp_path)
     with open(os.path.join(src, "config.json"), "ab") as f:
         f.write(b"\xff")
-    _refused(_moepack("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), "config.json", "not valid UTF-8")
+    _refused(run_console("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), "config.json", "not valid UTF-8")
 
 
 def test_the_shard_index_and_a_safetensors_header_are_bounded(source, tmp_path):
@@ -102,7 +103,7 @@ def test_the_shard_index_and_a_safetensors_header_are_bounded(source, tmp_path):
     index = os.path.join(src, "model.safetensors.index.json")
     with open(index, "w") as f:
         f.write('{"weight_map": ' + DEEP + "}")
-    _refused(_moepack("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), "model.safetensors.index.json",
+    _refused(run_console("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), "model.safetensors.index.json",
              "nested more than")
     os.remove(index)
     shard = os.path.join(src, sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))[0])
@@ -113,12 +114,12 @@ def test_the_shard_index_and_a_safetensors_header_are_bounded(source, tmp_path):
     bad = bytearray(struct.pack("<Q", n) + header + b" " * (n - len(header)) + data[8 + n:])
     with open(shard, "wb") as f:
         f.write(bad)
-    _refused(_moepack("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), os.path.basename(shard),
+    _refused(run_console("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), os.path.basename(shard),
              "safetensors header is not valid JSON", "nested")
     struct.pack_into("<Q", bad, 0, 1 << 40)  # a header length beyond the file: refused before any read
     with open(shard, "wb") as f:
         f.write(bad)
-    _refused(_moepack("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), os.path.basename(shard),
+    _refused(run_console("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), os.path.basename(shard),
              "bad safetensors header length 1099511627776")
 
 
@@ -130,7 +131,7 @@ def test_the_shard_index_and_a_safetensors_header_are_bounded(source, tmp_path):
 def test_messages_files_are_bounded(container, tmp_path, content, named):
     path = tmp_path / "messages.json"
     path.write_bytes(content)
-    _refused(_moepack("generate", container, "--messages", str(path), "--max-new-tokens", "1"), str(path), named)
+    _refused(run_console("generate", container, "--messages", str(path), "--max-new-tokens", "1"), str(path), named)
 
 
 @pytest.mark.parametrize("content, named", [
@@ -141,7 +142,7 @@ def test_token_id_files_are_bounded(container, tmp_path, content, named):
     path = tmp_path / "ids.txt"
     path.write_bytes(content)
     for command in (["prefill"], ["generate", "--max-new-tokens", "1"]):
-        _refused(_moepack(command[0], container, "--token-ids", str(path), *command[1:]), str(path), named)
+        _refused(run_console(command[0], container, "--token-ids", str(path), *command[1:]), str(path), named)
 
 
 def test_a_prompt_file_of_invalid_utf8_or_over_its_bound_is_one_line(container, tmp_path, monkeypatch):
@@ -149,7 +150,7 @@ def test_a_prompt_file_of_invalid_utf8_or_over_its_bound_is_one_line(container, 
 
     path = tmp_path / "prompt.txt"
     path.write_bytes(b"hello \xff")
-    _refused(_moepack("prefill", container, "--prompt-file", str(path)), str(path),
+    _refused(run_console("prefill", container, "--prompt-file", str(path)), str(path),
              "not valid UTF-8 (byte 6): expected the prompt")
     path.write_bytes(b"hello" * 100)
     monkeypatch.setattr(tokenizer, "MAX_PROMPT_BYTES", 100)
@@ -196,8 +197,7 @@ def test_a_damaged_bench_cache_is_ignored_in_one_line(container, tmp_path, cache
     directory = tmp_path / "cache"
     directory.mkdir()
     (directory / "bench.json").write_bytes(cache.encode("utf-8", "surrogateescape") if cache != "\xff" else b"\xff")
-    env = {**os.environ, CACHE_ENV: str(directory)}
-    p = _moepack("plan", container, "--context", "1K", env=env)
+    p = run_console("plan", container, "--context", "1K", env={CACHE_ENV: str(directory)})
     out, err = p.stdout.decode(), p.stderr.decode()
     assert p.returncode == 0, err
     assert "Traceback" not in err and "nan" not in out.lower(), (out, err)
@@ -259,13 +259,13 @@ def test_plan_never_prints_nan_or_inf_at_the_bounds_of_its_rates(container, low)
 
     rates = ["--ssd-gbps", "--tflops", "--mem-gbps", "--pcie-gbps", "--gflop-per-token", "--routed-gflop-per-token"]
     args = [x for r in rates for x in (r, str(PLAN_RATE.min if r == low else PLAN_RATE.max))]
-    p = _moepack("plan", container, *args, "--vram-gib", "1e-300", "--context", "1",
+    p = run_console("plan", container, *args, "--vram-gib", "1e-300", "--context", "1",
                  "--context", str(MAX_PLAN_CONTEXT))
     out = p.stdout.decode().lower()
     assert p.returncode == 0, p.stderr
     assert not {"nan", "inf"} & set(out.replace("(", " ").replace(")", " ").split()), out
-    _refused(_moepack("plan", container, low, "1e-300"), low, "not in the range", status=2)
-    _refused(_moepack("plan", container, "--context", "1e999"), "bad context length '1e999'")
+    _refused(run_console("plan", container, low, "1e-300"), low, "not in the range", status=2)
+    _refused(run_console("plan", container, "--context", "1e999"), "bad context length '1e999'")
 
 
 # --- convert validates what verify and prefill refuse -------------------------------------------------------------
@@ -329,7 +329,7 @@ def test_a_containers_damaged_tokenizer_is_one_line_in_every_command_that_reads_
     except ImportError:
         pass
     for args in runs:
-        _refused(_moepack(*args), "the container's tokenizer.json: not a tokenizer.json the tokenizers library loads")
+        _refused(run_console(*args), "the container's tokenizer.json: not a tokenizer.json the tokenizers library loads")
 
 
 # --- files that hang or blow up a reader --------------------------------------------------------------------------
@@ -410,8 +410,8 @@ def test_a_gguf_whose_counts_outrun_the_file_is_refused_at_once(tmp_path, key, s
         f.write(data)
     started = time.monotonic()
     out = str(tmp_path / "x.moepack")
-    _refused(_moepack("convert", path, "-o", out, "--q8", timeout=60), "m.gguf", "damaged GGUF", named)
-    _refused(_moepack("verify", out, "--source", path, timeout=60))  # no container: refused, no hang either
+    _refused(run_console("convert", path, "-o", out, "--q8"), "m.gguf", "damaged GGUF", named)
+    _refused(run_console("verify", out, "--source", path))  # no container: refused, no hang either
     assert time.monotonic() - started < 30
 
 
@@ -426,9 +426,9 @@ def test_control_characters_from_a_damaged_file_or_a_name_stay_one_line(tmp_path
     struct.pack_into("<I", data, at, 99)  # its value type, unknown: refused naming the key
     with open(path, "wb") as f:
         f.write(data)
-    line = _refused(_moepack("convert", path, "-o", str(tmp_path / "x.moepack"), "--q8"), "damaged GGUF")
+    line = _refused(run_console("convert", path, "-o", str(tmp_path / "x.moepack"), "--q8"), "damaged GGUF")
     assert "test\\nname" in line, line
-    _refused(_moepack("prefill", str(tmp_path / "a\nb.moepack"), "-p", "hi"), "a\\nb.moepack")
+    _refused(run_console("prefill", str(tmp_path / "a\nb.moepack"), "-p", "hi"), "a\\nb.moepack")
 
 
 # --- leftovers of a killed export ----------------------------------------------------------------------------------
@@ -492,6 +492,6 @@ def test_a_sigterm_export_leaves_no_temporaries_and_a_sigkill_one_is_cleared_by_
     assert not _temporaries(tmp_path) and not os.path.exists(out)
     p = _export_killed_mid_write(small_container, out, signal.SIGKILL, fmt)
     assert p.returncode == -signal.SIGKILL and _temporaries(tmp_path)
-    again = _moepack("export", small_container, "-o", out, "--format", fmt)
+    again = run_console("export", small_container, "-o", out, "--format", fmt)
     assert again.returncode == 0, again.stderr
     assert not _temporaries(tmp_path) and os.path.exists(out)
