@@ -385,8 +385,9 @@ def _run_option_table():
     return {
         "threads": click.option(
             "-t", "--threads", type=click.IntRange(min=1), default=None, callback=check_threads,
-            help="CPU threads for compute and decode (default: torch's, one per core). Fewer when other work shares "
-                 "the cores: a busy core stalls every multi-threaded op (docs/benchmarks.md)."),
+            help="CPU threads for compute and decode (default: torch's, one per core, at most the CPUs this process "
+                 "may use: its affinity and its cgroups' CPU quota). Fewer when other work shares the cores: a busy "
+                 "core stalls every multi-threaded op (docs/benchmarks.md)."),
         "io_mode": click.option(
             "--io", "io_mode", type=click.Choice(["auto", "direct", "buffered", "mmap", "host"]), default="auto",
             show_default=True,
@@ -447,10 +448,14 @@ def model_run_options(fn=None, *, unused: dict[str, str] | None = None):
             if values[name] != getattr(defaults, name):
                 flag = "--io" if name == "io_mode" else "--" + name.replace("_", "-")
                 raise click.UsageError(f"{flag}: {why}")
-        if values["threads"] is not None:
-            import torch
+        import torch
 
+        from moepack.runtime.io import usable_cpus
+
+        if values["threads"] is not None:
             torch.set_num_threads(values["threads"])
+        elif torch.get_num_threads() > usable_cpus():  # torch counts the cores, not a container's CPU quota
+            torch.set_num_threads(usable_cpus())
         return fn(*args, run=ModelRun(**values), **kwargs)
 
     table = _run_option_table()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import mmap
 import os
 import queue
@@ -64,7 +65,7 @@ _NO_LIMIT = 1 << 62  # cgroup v1 writes "unlimited" as a page-rounded 2**63 - 1
 
 
 def _cgroup_mounts(mountinfo: str) -> dict[str, str]:
-    """{"v2": mount point of the cgroup2 hierarchy, "memory": mount point of the v1 memory controller}."""
+    """{"v2": mount point of the cgroup2 hierarchy, and per v1 controller (memory, cpu, ...) its mount point}."""
     mounts: dict[str, str] = {}
     try:
         with open(mountinfo) as f:
@@ -75,21 +76,54 @@ def _cgroup_mounts(mountinfo: str) -> dict[str, str]:
                     continue
                 if rest[0] == "cgroup2":
                     mounts.setdefault("v2", fields[4])
-                elif rest[0] == "cgroup" and "memory" in rest[2].split(","):
-                    mounts.setdefault("memory", fields[4])
+                elif rest[0] == "cgroup":
+                    for controller in rest[2].split(","):
+                        mounts.setdefault(controller, fields[4])
     except OSError:
         pass
     return mounts
 
 
+def _cgroup_folders(proc: str, controller: str) -> list[tuple[bool, str]]:
+    """(v2?, folder) of this process's cgroup and of every ancestor up to the hierarchy's root, in the v2 hierarchy
+    and in v1's `controller` hierarchy (a parent's limit binds its children too)."""
+    mounts = _cgroup_mounts(os.path.join(proc, "mountinfo"))
+    try:
+        with open(os.path.join(proc, "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    folders = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "" and "v2" in mounts:
+            v2, root = True, mounts["v2"]
+        elif controller in controllers.split(",") and controller in mounts:
+            v2, root = False, mounts[controller]
+        else:
+            continue
+        rel = path.strip("/")
+        while True:
+            folders.append((v2, os.path.join(root, rel)))
+            if not rel:
+                break
+            rel = os.path.dirname(rel)
+    return folders
+
+
 def _read_limit(path: str) -> int | None:
     try:
         with open(path) as f:
-            text = f.read().strip()
+            return _limit(f.read().strip())
     except OSError:
         return None
-    if text == "max":
-        return None
+
+
+def _limit(text: str) -> int | None:
+    """A cgroup file's number; None for "max", junk, or a value that means none (v1's -1 or 2**63 - 1)."""
     try:
         value = int(text)
     except ValueError:
@@ -100,33 +134,40 @@ def _read_limit(path: str) -> int | None:
 def cgroup_memory_limit(proc: str = "/proc/self") -> int | None:
     """The tightest memory limit on this process's cgroups, page cache included: v1 `memory.limit_in_bytes` and
     v2 `memory.max` of its cgroup and of every ancestor up to the hierarchy's root; None when there is none."""
-    mounts = _cgroup_mounts(os.path.join(proc, "mountinfo"))
+    limits = [_read_limit(os.path.join(folder, "memory.max" if v2 else "memory.limit_in_bytes"))
+              for v2, folder in _cgroup_folders(proc, "memory")]
+    return min((x for x in limits if x is not None), default=None)
+
+
+def cgroup_cpu_limit(proc: str = "/proc/self") -> float | None:
+    """The tightest CPU quota on this process's cgroups, in CPUs (quota / period): v2 `cpu.max` and v1
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us` of its cgroup and every ancestor; None when there is none."""
     limits = []
+    for v2, folder in _cgroup_folders(proc, "cpu"):
+        if v2:
+            try:
+                with open(os.path.join(folder, "cpu.max")) as f:
+                    quota, period = (f.read().split() + ["", ""])[:2]
+            except OSError:
+                continue
+            quota, period = _limit(quota), _limit(period)
+        else:  # v1: a quota of -1 is none
+            quota, period = (_read_limit(os.path.join(folder, f"cpu.cfs_{name}_us")) for name in ("quota", "period"))
+        if quota and period:
+            limits.append(quota / period)
+    return min(limits, default=None)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may keep busy at once: those its affinity allows, at most its cgroups' CPU quota
+    (rounded up). A thread beyond them only takes turns, and one that spins waiting for work (OpenMP's, the token
+    kernel's) then holds a CPU that the work needs."""
     try:
-        with open(os.path.join(proc, "cgroup")) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if controllers == "" and "v2" in mounts:
-            root, name = mounts["v2"], "memory.max"
-        elif "memory" in controllers.split(",") and "memory" in mounts:
-            root, name = mounts["memory"], "memory.limit_in_bytes"
-        else:
-            continue
-        rel = path.strip("/")
-        while True:  # the cgroup, then each parent: a parent's limit binds its children too
-            limit = _read_limit(os.path.join(root, rel, name))
-            if limit is not None:
-                limits.append(limit)
-            if not rel:
-                break
-            rel = os.path.dirname(rel)
-    return min(limits) if limits else None
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_limit()
+    return max(1, min(cpus, math.ceil(quota)) if quota else cpus)
 
 
 def memory_limit_bytes() -> int | None:

@@ -8,6 +8,7 @@ controller enabled for children), in a child process."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -131,3 +132,49 @@ def test_address_space_limit_counts():
     assert out.returncode == 0, out.stderr
     available = __import__("json").loads(out.stdout)[0]
     assert 0 < available <= limit
+
+
+def test_cpu_quota_of_the_cgroup_and_its_parents_v1_and_v2(tmp_path):
+    """A container's CPU quota (docker --cpus, a Kubernetes limit) is what its threads may keep busy, however many
+    cores the machine has: v2 cpu.max and v1 cfs quota / period, the tightest of the cgroup and its parents."""
+    from moepack.runtime.io import cgroup_cpu_limit
+
+    for kind in ("v2", "v1", "none"):
+        (tmp_path / kind).mkdir()
+    proc = _fake(tmp_path / "v2", ["0::/pod/app"], [("cgroup2", "nsdelegate", "cg2")],
+                 {"cg2/pod/cpu.max": "250000 100000", "cg2/pod/app/cpu.max": "max 100000"})
+    assert cgroup_cpu_limit(proc) == 2.5
+    (tmp_path / "v2/cg2/pod/app/cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(proc) == 1.5
+    proc = _fake(tmp_path / "v1", ["3:cpu,cpuacct:/docker/abc", "4:memory:/docker/abc"],
+                 [("cgroup", "cpu,cpuacct", "cg/cpu"), ("cgroup", "memory", "cg/memory")],
+                 {"cg/cpu/docker/abc/cpu.cfs_quota_us": "-1", "cg/cpu/docker/abc/cpu.cfs_period_us": "100000",
+                  "cg/cpu/docker/cpu.cfs_quota_us": "300000", "cg/cpu/docker/cpu.cfs_period_us": "100000"})
+    assert cgroup_cpu_limit(proc) == 3.0
+    proc = _fake(tmp_path / "none", ["0::/a"], [("cgroup2", "", "cg2")], {"cg2/a/cpu.max": "max 100000"})
+    assert cgroup_cpu_limit(proc) is None and cgroup_cpu_limit(str(tmp_path / "nowhere")) is None
+
+
+def test_a_model_command_runs_no_more_threads_than_the_cpus_it_may_use(monkeypatch, tmp_path_factory):
+    """Under a CPU quota below torch's count of the cores, a command's default threads are the quota's CPUs
+    (rounded up); a --threads given is kept."""
+    import torch
+    from click.testing import CliRunner
+    from containers import tiny_keep_container
+
+    from moepack.cli.main import cli
+    from moepack.runtime import io
+
+    tiny = tiny_keep_container(tmp_path_factory)
+    before = torch.get_num_threads()
+    monkeypatch.setattr(io, "cgroup_cpu_limit", lambda proc="/proc/self": 0.5)
+    assert io.usable_cpus() == 1
+    try:
+        torch.set_num_threads(2)
+        r = CliRunner().invoke(cli, ["prefill", tiny, "-p", "hi", "--json"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["threads"] == 1 == torch.get_num_threads()
+        r = CliRunner().invoke(cli, ["prefill", tiny, "-p", "hi", "--json", "--threads", "2"])
+        assert r.exit_code == 0 and json.loads(r.stdout)["threads"] == 2, r.output
+    finally:
+        torch.set_num_threads(before)
