@@ -454,8 +454,8 @@ def model_run_options(fn=None, *, unused: dict[str, str] | None = None):
 
         if values["threads"] is not None:
             torch.set_num_threads(values["threads"])
-        elif torch.get_num_threads() > usable_cpus():  # torch counts the cores, not a container's CPU quota
-            torch.set_num_threads(usable_cpus())
+        elif torch.get_num_threads() > (usable := usable_cpus()):  # torch counts cores, not a cgroup's CPU quota
+            torch.set_num_threads(usable)
         return fn(*args, run=ModelRun(**values), **kwargs)
 
     table = _run_option_table()
