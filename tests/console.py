@@ -3,8 +3,9 @@
 A process of its own costs a torch import (about 3 s on a CI runner) before a command can refuse its input; this
 runs the same entry with the same argv, stdin and environment, stdout and stderr captured as bytes and the exit
 status taken from its SystemExit, warnings shown on its stderr under Python's default filters (not pytest's
-capture). What it changes process-wide (argv, the signal handlers, the warnings' format) is put back after. Tests of what only a process shows (signals, a hang that needs a timeout, the environment torch
-reads when it loads, argv bytes) keep a subprocess.
+capture). What it changes process-wide (argv, the signal handlers, the warnings' format) is put back after.
+Tests of what only a process shows (signals, a hang that needs a timeout, the environment torch or huggingface_hub
+read as they load, argv bytes) keep a subprocess.
 """
 
 from __future__ import annotations
