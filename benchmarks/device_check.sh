@@ -79,7 +79,8 @@ step "install"
 # find modules without importing them: each torch import costs seconds of the lease, the versions below take one
 if ! python3 -c "import importlib.metadata as m, importlib.util as u, sys
 need = ('zstandard', 'regex', 'gguf', 'transformers')
-sys.exit(any(u.find_spec(n) is None for n in need) or tuple(map(int, m.version('transformers').split('.')[:2])) < (5, 24))
+sys.exit(any(u.find_spec(n) is None for n in need)
+         or tuple(map(int, m.version('transformers').split('.')[:2])) < (5, 24))
 " 2> /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1

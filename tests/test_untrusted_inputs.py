@@ -329,7 +329,8 @@ def test_a_containers_damaged_tokenizer_is_one_line_in_every_command_that_reads_
     except ImportError:
         pass
     for args in runs:
-        _refused(run_console(*args), "the container's tokenizer.json: not a tokenizer.json the tokenizers library loads")
+        _refused(run_console(*args),
+                 "the container's tokenizer.json: not a tokenizer.json the tokenizers library loads")
 
 
 # --- files that hang or blow up a reader --------------------------------------------------------------------------
