@@ -182,6 +182,14 @@ static inline __attribute__((always_inline)) void ahead(const uint8_t *row, int 
     if (R > 1) _mm_prefetch((const char *)row + R * bytes + offset, _MM_HINT_T0);
 }
 
+/* acc[j] += v * xs[j][k : k + 16] (the lanes of `mask`) for j < n: one 16-wide chunk of weights, decoded, into
+   each input's accumulator */
+static inline __attribute__((always_inline)) void chunk_fma(__m512 *acc, __m512 v, const float *const *xs, int n,
+                                                            int64_t k, __mmask16 mask) {
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < n; j++) acc[j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), acc[j]);
+}
+
 /* out[i * stride + j] = row r + i of m . xs[j] for i < R <= DOTS_ROWS, j < n, R x n <= DOTS_MAX, each weight vector
    decoded once for all n and each input chunk loaded once for all R rows; each (row, input)'s accumulators take the
    same operations in the same order whatever R and n, so a result is, to the bit, the one-input dot's (dot_avx512:
@@ -218,10 +226,7 @@ static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m,
             const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
             _Pragma("GCC unroll 8")
             for (int i = 0; i < R; i++) {
-                const __m512 w0 = _mm512_maskz_loadu_ps(mask, (const float *)rows[i] + k);
-                _Pragma("GCC unroll 8")
-                for (int j = 0; j < n; j++)
-                    a0[i * n + j] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[i * n + j]);
+                chunk_fma(a0 + i * n, _mm512_maskz_loadu_ps(mask, (const float *)rows[i] + k), xs, n, k, mask);
             }
         }
         break;
@@ -236,13 +241,9 @@ static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m,
                 const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
                                       : _mm512_cvtph_ps(h);
                 if ((k / 16) & 1)
-                    _Pragma("GCC unroll 8")
-                    for (int j = 0; j < n; j++)
-                        a1[i * n + j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a1[i * n + j]);
+                    chunk_fma(a1 + i * n, v, xs, n, k, mask);
                 else
-                    _Pragma("GCC unroll 8")
-                    for (int j = 0; j < n; j++)
-                        a0[i * n + j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[i * n + j]);
+                    chunk_fma(a0 + i * n, v, xs, n, k, mask);
             }
         }
         break;
@@ -259,13 +260,9 @@ static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m,
                 const __m512 v = _mm512_mul_ps(fp8_e4m3_ps(_mm_maskz_loadu_epi8(mask, rows[i] + k)),
                                                _mm512_set1_ps(scales[i][k / FP8_BLOCK]));
                 if ((k / 16) & 1)
-                    _Pragma("GCC unroll 8")
-                    for (int j = 0; j < n; j++)
-                        a1[i * n + j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a1[i * n + j]);
+                    chunk_fma(a1 + i * n, v, xs, n, k, mask);
                 else
-                    _Pragma("GCC unroll 8")
-                    for (int j = 0; j < n; j++)
-                        a0[i * n + j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, xs[j] + k), a0[i * n + j]);
+                    chunk_fma(a0 + i * n, v, xs, n, k, mask);
             }
         }
         break;
