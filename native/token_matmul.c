@@ -164,16 +164,23 @@ static inline __attribute__((always_inline)) void fp4_group(const matrix_t *m, c
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
 }
 
-/* 16 e4m3fn bytes as float32, as fp8_value: the magnitude's bits moved into a float32's (normal values), m x 2^-9
-   (subnormal ones), NaN for 0x7f, then the sign */
-static inline __attribute__((always_inline)) __m512 fp8_e4m3_ps(__m128i bytes) {
-    const __m512i b = _mm512_cvtepu8_epi32(bytes), mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
-    __m512 v = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-    v = _mm512_mask_mul_ps(v, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), _mm512_cvtepi32_ps(mag),
-                           _mm512_set1_ps(1.0f / 512));
-    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), _mm512_set1_ps(NAN));
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+/* 16 e4m3fn bytes as float32 over 256, exactly (fp8_value / 256): each byte's bits placed as a float16's, the sign
+   to bit 15 and eeee mmm to bits 13..7 (a float16's exponent is e4m3's with 8 more bias, and its subnormals are
+   e4m3's, m x 2^-17), which the conversion widens exactly; the NaN codes (0x7f, 0xff) made NaN after, rarely */
+static inline __attribute__((always_inline)) __m512 fp8_e4m3_ps_over_256(__m128i bytes) {
+    const __m256i signed16 = _mm256_cvtepi8_epi16(bytes);  /* the sign copied into bits 15..8 */
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(signed16, 7), _mm256_set1_epi16((short)0xbf80));
+    const __m512 v = _mm512_cvtph_ps(half);
+    const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_or_si128(bytes, _mm_set1_epi8((char)0x80)), _mm_set1_epi8(-1));
+    return nan ? _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN)) : v;
+}
+
+/* 16 e4m3fn bytes' values times their block's scale, each one rounding as fp8_value(b) x scale: (value / 256) x
+   (scale x 256), unless scale x 256 would overflow where value x scale need not */
+static inline __attribute__((always_inline)) __m512 fp8_scaled(__m128i bytes, float scale) {
+    const __m512 over_256 = fp8_e4m3_ps_over_256(bytes);
+    if (fabsf(scale) < 0x1p119f) return _mm512_mul_ps(over_256, _mm512_set1_ps(scale * 256.0f));
+    return _mm512_mul_ps(_mm512_mul_ps(over_256, _mm512_set1_ps(256.0f)), _mm512_set1_ps(scale));
 }
 
 /* R rows side by side are R streams the hardware prefetchers lose between blocks: each row's bytes at `offset`
@@ -252,13 +259,21 @@ static inline __attribute__((always_inline)) void dots_avx512(const matrix_t *m,
         const float *scales[DOTS_ROWS];
         _Pragma("GCC unroll 8")
         for (int i = 0; i < R; i++) scales[i] = fp8_scales(m, r + i);
-        for (; k < K; k += 16) {  /* (16 divides FP8_BLOCK: a chunk lies in one block) */
+        for (; k + 32 <= K; k += 32)  /* two whole chunks, a0's and a1's (32 divides FP8_BLOCK: both in one block) */
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++) {
+                if (!((k / 32) & 1)) ahead(rows[i], R, bytes, k);
+                const float scale = scales[i][k / FP8_BLOCK];
+                chunk_fma(a0 + i * n, fp8_scaled(_mm_loadu_si128((const __m128i *)(rows[i] + k)), scale), xs, n, k,
+                          0xffff);
+                chunk_fma(a1 + i * n, fp8_scaled(_mm_loadu_si128((const __m128i *)(rows[i] + k + 16)), scale), xs, n,
+                          k + 16, 0xffff);
+            }
+        for (; k < K; k += 16) {  /* the tail (16 divides FP8_BLOCK: a chunk lies in one block) */
             const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
             _Pragma("GCC unroll 8")
             for (int i = 0; i < R; i++) {
-                if (!((k / 16) & 3)) ahead(rows[i], R, bytes, k);
-                const __m512 v = _mm512_mul_ps(fp8_e4m3_ps(_mm_maskz_loadu_epi8(mask, rows[i] + k)),
-                                               _mm512_set1_ps(scales[i][k / FP8_BLOCK]));
+                const __m512 v = fp8_scaled(_mm_maskz_loadu_epi8(mask, rows[i] + k), scales[i][k / FP8_BLOCK]);
                 if ((k / 16) & 1)
                     chunk_fma(a1 + i * n, v, xs, n, k, mask);
                 else

@@ -119,6 +119,20 @@ def test_a_tokens_experts_in_one_call_equal_their_weighted_sum(loop, threads):
         assert _close(got, want, rtol=1e-4 if not round_bf16 else 1e-2)
 
 
+@pytest.mark.parametrize("scale", [0.0371, 1.0, 2.0 ** -140, 2.0 ** 125, 3e38])
+def test_every_fp8_code_times_its_scale_is_exactly_torchs(loop, scale):
+    """Each of the 256 e4m3fn codes (subnormals, both zeros, the NaNs) times a block scale, one rounding: exactly
+    torch's float8_e4m3fn value times the scale in float32, whatever the scale (subnormal products; one where the
+    AVX-512 loop's scale x 256 would overflow, and one where the product does)."""
+    codes = torch.arange(256, dtype=torch.uint8)  # one code per row, one column: a row's dot is its value
+    scales = torch.full(token_kernels.fp8_scale_blocks(256, 1), scale, dtype=torch.float32)
+    w = token_kernels.stored_matrix("F8_E4M3", codes, 256, 1, scales)
+    got = loop.linear(torch.ones(1, 1), w, False)[0]
+    want = codes.view(torch.float8_e4m3fn).float() * torch.tensor(scale, dtype=torch.float32)
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
 def test_no_experts_give_zeros_and_a_nan_input_stays_nan():
     kernels = _kernels()
     assert torch.equal(kernels.moe(torch.randn(64), [], torch.empty(0), 10.0, False), torch.zeros(64))
