@@ -1,15 +1,17 @@
 """Decode benchmark: `moepack generate`'s token-major decode with expert-cache budgets of 0, 25 % and 100 % of the
 routed experts, beside the disk's limit and transformers' resident `generate`, measured in one run.
 
-On a synthetic DeepSeek-V4 model (default: the `medium` preset in the release layout, FP8 dense + FP4 experts):
+On a synthetic model of a family (--family, default deepseek-v4: the `medium` preset in the release layout, FP8
+dense + FP4 experts; qwen3-moe: its `medium`, Qwen3-30B-A3B's width, the -FP8 layout):
   moepack, cache B   greedy generation of --new-tokens after a --tokens prompt, misses read with O_DIRECT from
                      a cold page cache: decode tokens/s, expert-cache hit rate, routed bytes read per token;
                      then "warm": the median of three more on the same Generator (its cache kept, as `moepack
                      serve` keeps it), the figure llama-bench's (after its warm-up, over 3 repetitions) compares with
   disk limit         tokens/s if every token read its routed experts (top-k per layer) at fio's rate, with no
                      cache: routed bytes per token / fio GB/s (the reader's own rate where fio is missing)
-  transformers       DeepseekV4ForCausalLM resident (loaded from `moepack export`), `generate` greedy; decode
-                     tokens/s from the difference of a long and a one-token generation
+  transformers       the family's model (DeepseekV4ForCausalLM, Qwen3MoeForCausalLM) resident (loaded from
+                     `moepack export`), `generate` greedy; decode tokens/s from the difference of a long and a
+                     one-token generation
   llama.cpp          with --vs-llama and a llama.cpp build: llama-bench's decode (`-p 0 -n NEW -d TOKENS`) of the
                      container's GGUF export, the same weights; then "paired": five resident runs of each engine in
                      alternation (moepack warm, every expert cached), the median of the five ratios
@@ -23,8 +25,9 @@ rounds, the median round reported.
 F x the container's size, page cache included (root only), and llama.cpp's decode in the same cgroup from a cold
 page cache, with the bytes each read from disk.
 
-Usage: python benchmarks/decode.py [--preset medium | --vs-llama f32|bf16|q8_0 --llama-cpp BUILD] [--tokens 64]
-                                   [--new-tokens 32] [--compute-dtype bfloat16] [--cap-fraction 0.45]
+Usage: python benchmarks/decode.py [--family deepseek-v4|qwen3-moe] [--preset medium
+                                   | --vs-llama f32|bf16|q8_0 --llama-cpp BUILD] [--tokens 64] [--new-tokens 32]
+                                   [--compute-dtype bfloat16] [--cap-fraction 0.45]
                                    [--no-transformers] [--device cpu|cuda] [--batch 1,4,8] [--json]
 """
 
@@ -42,6 +45,7 @@ import time
 import moepack  # noqa: F401  (before torch: moepack sets OpenMP's spin limit)
 import torch
 
+from moepack.families import DEFAULT_FAMILY, family_entries
 from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.export import export_container
@@ -52,15 +56,17 @@ from moepack.runtime.expert_decode import expert_weight_count
 from moepack.runtime.generate import GenerateOptions, Generator
 
 GIB = 1 << 30
+FAMILY_PRESETS = {entry.name: entry.synth_presets for entry in family_entries() if entry.synth_presets}
 BUDGETS = (0.0, 0.25, 1.0)
 WARM_RUNS = 3  # generations after the first, their median reported (llama-bench: -r 3)
 
 
-def ensure_container(workdir: str, preset: str) -> str:
-    src, out = os.path.join(workdir, f"{preset}-src"), os.path.join(workdir, f"{preset}.moepack")
+def ensure_container(workdir: str, preset: str, family: str = DEFAULT_FAMILY) -> str:
+    name = preset if family == DEFAULT_FAMILY else f"{family}-{preset}"
+    src, out = os.path.join(workdir, f"{name}-src"), os.path.join(workdir, f"{name}.moepack")
     if not os.path.exists(out):
         if not os.path.exists(os.path.join(src, "config.json")):
-            synth_checkpoint(src, preset=preset, layout="release", progress=False)
+            synth_checkpoint(src, preset=preset, layout="release", progress=False, family=family)
         convert_checkpoint(src, out, policy="keep", progress=False)
     return out
 
@@ -139,7 +145,7 @@ def batch_rows(container: str, facts: dict, sizes: list[int], prompt: int, steps
                    for b in range(max(sizes))]
         prefilled = [g._prefill(ids, None, steps + 1)[:2] for ids in prompts]
         d.seed([[1] * len(block.experts) for block in d.blocks])  # every expert in the cache
-        dense = sum(t.nbytes for w in d.dense for t in w.values()) + d.head_weights[d.cfg.head_weight].nbytes
+        dense = sum(t.nbytes for w in d.dense for t in w.values()) + d.head_weights[d.arithmetic.names.head].nbytes
         expert = facts["routed_bytes"] / sum(len(block.experts) for block in d.blocks)
         runs = {size: [] for size in sizes}  # (seconds, distinct experts per step) per round
         for _ in range(WARM_RUNS):  # the sizes in turn, WARM_RUNS rounds: a shared machine's load hits them alike
@@ -172,12 +178,12 @@ def step_mb(row: dict) -> float:
 
 
 def transformers_row(container: str, workdir: str, ids: torch.Tensor, new: int) -> dict:
-    from transformers import DeepseekV4ForCausalLM
+    from transformers import AutoModelForCausalLM  # (the family's: DeepseekV4ForCausalLM, Qwen3MoeForCausalLM)
 
-    export = os.path.join(workdir, "export-bf16")
+    export = os.path.join(workdir, f"export-bf16-{os.path.basename(container)}")
     if not os.path.exists(os.path.join(export, "config.json")):
         export_container(container, export, dtype="bf16", progress=False)
-    model = DeepseekV4ForCausalLM.from_pretrained(export, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16).eval()
 
     def timed(n: int) -> float:
         start = time.perf_counter()
@@ -191,7 +197,8 @@ def transformers_row(container: str, workdir: str, ids: torch.Tensor, new: int) 
 
 
 def _child_argv(args, budget: float | None) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--preset", args.preset,
+    return [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--family", args.family,
+            "--preset", args.preset,
             *(["--vs-llama", args.vs_llama] if args.vs_llama else []), "--tokens", str(args.tokens),
             "--new-tokens", str(args.new_tokens), "--compute-dtype", args.compute_dtype, "--no-transformers",
             "--no-disk", "--json", "--budget-gib", "default" if budget is None else str(round(budget / GIB, 3)),
@@ -285,7 +292,9 @@ def capped_rows(args, container: str, facts: dict, gguf: str | None, bench: str 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "moepack-decode-bench"))
-    ap.add_argument("--preset", default="medium", choices=["tiny", "small", "medium"])
+    ap.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(FAMILY_PRESETS),
+                    help="the synthetic model's family (--vs-llama: deepseek-v4)")
+    ap.add_argument("--preset", help="the family's preset (default: medium for deepseek-v4, else its largest)")
     ap.add_argument("--vs-llama", choices=["f32", "bf16", "q8_0"],
                     help="instead of --preset: benchmarks/vs_llama_cpp.py's model stored as this type, which "
                          "llama.cpp's deepseek4 runs (its GGUF export is llama.cpp's rows' file)")
@@ -312,6 +321,12 @@ def main() -> int:
         ap.error(f"--batch: comma-separated integers, got {args.batch!r}")
     if any(b < 1 for b in sizes):
         ap.error("--batch: sizes of at least 1")
+    presets = FAMILY_PRESETS[args.family]
+    args.preset = args.preset or ("medium" if "medium" in presets else presets[-1])
+    if args.preset not in presets:
+        ap.error(f"--preset: {args.family} has {', '.join(presets)}")
+    if args.vs_llama and args.family != DEFAULT_FAMILY:
+        ap.error(f"--vs-llama compares {DEFAULT_FAMILY} containers")
     os.makedirs(args.workdir, exist_ok=True)
     gguf = bench = None
     if args.vs_llama:
@@ -321,7 +336,7 @@ def main() -> int:
         candidate = os.path.join(args.llama_cpp or "", "bin", "llama-bench")
         bench = candidate if args.llama_cpp and os.path.exists(candidate) else None
     else:
-        container = ensure_container(args.workdir, args.preset)
+        container = ensure_container(args.workdir, args.preset, args.family)
     facts = routed_facts(container)
     ids = torch.randint(0, facts["vocab"], (args.tokens,), generator=torch.Generator().manual_seed(0))
     # a GPU's cache keeps experts decoded to the compute dtype: its budgets are fractions of that size
@@ -329,7 +344,7 @@ def main() -> int:
               else facts["routed_bytes"])
     budgets = ([None if b == "default" else float(b) for b in args.budget_gib.split(",")] if args.budget_gib else
                [round(f * cached / GIB, 4) for f in BUDGETS])
-    out = {"model": f"vs-llama {args.vs_llama}" if args.vs_llama else args.preset, "facts": facts,
+    out = {"model": f"vs-llama {args.vs_llama}" if args.vs_llama else f"{args.family} {args.preset}", "facts": facts,
            "threads": torch.get_num_threads(),
            "device": args.device,
            "moepack": [moepack_row(container, ids, args.new_tokens, b, args.compute_dtype, args.device)

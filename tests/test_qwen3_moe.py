@@ -432,17 +432,17 @@ def test_synth_tokenizer_carries_qwens_chat_template(synthesized):
     assert tokenizer.eos_token_id == json.loads((synthesized["bf16"] / "config.json").read_text())["eos_token_id"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--preset", "medium"], "unknown qwen3-moe preset 'medium' (choose one of tiny, small)"),
-    (["--tokenizer", "."], "--tokenizer and random expert codes are for deepseek-v4 only, not qwen3-moe"),
-])
-def test_synth_refusals_are_one_line(tmp_path, args, message):
+def test_synth_refusals_are_one_line(tmp_path):
     from click.testing import CliRunner
 
     from moepack.cli.main import cli
+    from moepack.packer.synth import synth_checkpoint
 
-    r = CliRunner().invoke(cli, ["synth", str(tmp_path / "out"), "--family", "qwen3-moe", *args])
+    r = CliRunner().invoke(cli, ["synth", str(tmp_path / "out"), "--family", "qwen3-moe", "--tokenizer", "."])
+    message = "--tokenizer and random expert codes are for deepseek-v4 only, not qwen3-moe"
     assert r.exit_code == 1 and message in r.output and len(r.output.strip().splitlines()) == 1
+    with pytest.raises(MoepackError, match=r"^unknown qwen3-moe preset 'huge' \(choose one of tiny, small, medium\)$"):
+        synth_checkpoint(str(tmp_path / "out"), preset="huge", family="qwen3-moe", progress=False)
     assert not (tmp_path / "out").exists()
 
 

@@ -35,6 +35,11 @@ _PRESET_DIMS: dict[str, dict[str, Any]] = {
     "small": dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                   num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
                   num_experts_per_tok=4),
+    # Qwen3-30B-A3B's layer at its own width (hidden 2048, 32 query heads over 4 KV heads of 128, experts of 768,
+    # top-8), 6 layers of 64 experts: ~2 GB in the release layout, benchmarks/decode.py --family qwen3-moe's
+    "medium": dict(vocab_size=8192, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                   num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64,
+                   num_experts_per_tok=8),
 }
 PRESETS = tuple(_PRESET_DIMS)
 # config.json's quantization_config of Qwen's `-FP8` releases (the `release` layout here)
