@@ -53,10 +53,10 @@ class DeviceCompiled:
 
 
 def kernels_for(rows: int, x: Tensor, w: Tensor):
-    """The compiled token matmul where x is a few `rows` (a decoded token), both are on a CPU and w is a contiguous
-    float32 / bfloat16 matrix; else None. torch's one-row GEMV reads bf16 weights at half the memory's pace; the
-    kernel does the same products and float32 sums, added in another order."""
-    if rows <= token_kernels.SMALL_ROWS and x.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) \
+    """The compiled token matmul where x is a few `rows` (a decoded token, a decode step's rows: small_rows), both
+    are on a CPU and w is a contiguous float32 / bfloat16 matrix; else None. torch's one-row GEMV reads bf16 weights
+    at half the memory's pace; the kernel does the same products and float32 sums, added in another order."""
+    if rows <= token_kernels.small_rows() and x.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) \
             and w.dim() == 2 and w.is_contiguous():
         return token_kernels.token_kernels()
     return None

@@ -67,6 +67,23 @@ def using_threads(n: int):
         _local.threads = before
 
 
+@contextmanager
+def step_rows(n: int):
+    """ops' matmuls take the kernels for up to n input rows (not only SMALL_ROWS) in this block, on this thread: a
+    decode step's rows, one per sequence, whose torch ops run on one thread beside the kernels' every thread."""
+    before = getattr(_local, "step_rows", None)
+    _local.step_rows = int(n)
+    try:
+        yield
+    finally:
+        _local.step_rows = before
+
+
+def small_rows() -> int:
+    """The most input rows ops' matmuls take the kernels for here (SMALL_ROWS, or a decode step's: step_rows)."""
+    return max(SMALL_ROWS, getattr(_local, "step_rows", None) or 0)
+
+
 def _threads(given: int | None) -> int:
     return given or getattr(_local, "threads", None) or torch.get_num_threads()
 

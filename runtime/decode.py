@@ -16,13 +16,15 @@ token run on one thread (waking OpenMP's others for each op cost more than the o
 kind, a family without one) the family's functions run each layer (attend, route_attended, finish; the head) and
 each expert is computed as its bytes arrive by the prefill's expert runner (the family's expert_ffn and
 expert_naming), except that on a CPU every row's routed experts still go to the token kernel in one call where it
-takes their stored kind and computes the family's experts (its expert_limit). Each
+takes their stored kind and computes the family's experts (its expert_limit), the step's torch ops then on one thread
+too (a family's torch experts, where the kernel lacks their kind, on every thread). Each
 sequence keeps one token state per layer (LayerDecode.token_state: the KV grown one token at a time, or continued in
 place); `states` gives them back as a prefill hands them on. Several sequences step together (`step_batch`): every
 resident weight read once per step and the union of the rows' experts fetched once, each run once on the rows that
 chose it; on the compiled path each row's logits are those of its sequence stepped alone, to the bit; on the
 family's functions (a GPU, a stored kind the kernels lack, a family without them) within float32 rounding (a
-matmul over B rows may sum in another order than over one): a greedy token differs only at so close a tie.
+matmul over B rows may sum in another order than over one; on a CPU the step's matmuls take the token kernel for
+every row, each row's sums its own): a greedy token differs only at so close a tie.
 
 The cache holds experts as stored (their container bytes) on a CPU, decoded to the expert dtype on a GPU (a hit
 is then three matmuls, not a chain of decoding kernels), least recently used evicted first; once full, a miss
@@ -34,6 +36,7 @@ those and reads only the rest.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -256,6 +259,17 @@ class DecodeSequence:
     def states(self) -> list:
         """Each layer's KV state after the tokens so far, as a prefill hands it on."""
         return [self._arithmetic.layer_state(kv) for kv in self.kv]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count n (process-wide) for this block, then the count before."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass
@@ -675,17 +689,16 @@ class Decoder:
             raise ValueError(f"{len(token_ids)} tokens for {len(sequences)} sequences")
         if len({id(s) for s in sequences}) != len(sequences):
             raise ValueError("a sequence appears twice in one step")
-        if self.device.type != "cpu" or self.torch_experts:  # (a family's torch ops use every thread)
+        if self.device.type != "cpu" or (self.torch_experts and self.kernels is None):
+            return self._steps(sequences, token_ids)  # (a family's torch experts use every thread)
+        # one token's torch ops are small: on one thread, without waking OpenMP's others for each (nor running
+        # them beside the kernel's workers, which spin a while after each call: two pools on the same CPUs each
+        # wait for the other's descheduled threads); the compiled token kernels keep every thread, and take the
+        # family's matmuls of every row of the step (backends/ops.py), and a family's torch experts get every
+        # thread back (_routed_one_by_one)
+        with token_kernels.using_threads(torch.get_num_threads()), token_kernels.step_rows(len(sequences)), \
+                torch_threads(1):
             return self._steps(sequences, token_ids)
-        # one token's torch ops are small: on one thread, without waking OpenMP's others for each; the compiled
-        # token kernels keep every thread
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with token_kernels.using_threads(threads):
-                return self._steps(sequences, token_ids)
-        finally:
-            torch.set_num_threads(threads)
 
     def _steps(self, sequences: list[DecodeSequence], token_ids: list[int]) -> torch.Tensor:
         start = time.perf_counter()
@@ -958,6 +971,17 @@ class Decoder:
     def _routed_one_by_one(self, layer: int, routing, got) -> torch.Tensor:
         """The rows' routed experts summed ([B, H] float32) by the prefill's expert runner, each expert once on
         every row that chose it, as its bytes arrive."""
+        with self._torch_experts_threads():
+            return self._experts_one_by_one(layer, routing, got)
+
+    def _torch_experts_threads(self):
+        """Where a family's torch functions run its experts on a CPU step (torch on one thread, step_batch): torch
+        on every thread the step's kernels use, for this block."""
+        if not self.torch_experts or self.device.type != "cpu" or torch.get_num_threads() != 1:
+            return contextlib.nullcontext()
+        return torch_threads(token_kernels.current_threads())
+
+    def _experts_one_by_one(self, layer: int, routing, got) -> torch.Tensor:
         block, groups = self.blocks[layer], routing.groups()
         with self.compute:
             inputs = groups.gather(routing.x.to(self.experts.expert_dtype))

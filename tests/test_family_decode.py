@@ -146,6 +146,56 @@ def test_fp8_experts_run_in_the_token_kernel_alone_and_batched(tmp_path, monkeyp
     assert torch.equal(alone.argmax(-1), torch_path.argmax(-1))
 
 
+@pytest.mark.parametrize("kernel_takes_them", [True, False])
+def test_a_cpu_step_runs_torch_on_one_thread_beside_the_kernels_threads(tmp_path, monkeypatch, kernel_takes_them):
+    """A CPU step of a family whose torch functions could run its experts: the family's attention on one torch
+    thread, beside the token kernel's, which splits the routed experts over every thread (two pools on the same
+    CPUs each wait for the other's descheduled threads: 2x slower on 2 CPUs); experts the kernel does not take (a
+    kind it lacks, as Q2_K) run by the family's torch FFN, torch then on every thread."""
+    from moepack.backends import token_kernels
+    from moepack.families.qwen3_moe.decode import Qwen3MoeDecode
+
+    if token_kernels.token_kernels() is None:
+        pytest.skip("no C compiler (or MOEPACK_NATIVE=0): decode keeps torch")
+    synth_checkpoint(str(tmp_path / "src"), preset="tiny", layout="release", seed=3, progress=False,
+                     family="qwen3-moe")
+    path = str(tmp_path / "m.moepack")
+    convert_checkpoint(str(tmp_path / "src"), path, policy="keep", progress=False)
+    if not kernel_takes_them:
+        monkeypatch.setattr(Decoder, "_kernel_experts", lambda *args: None)
+    seen = {"attend": set(), "kernel": set(), "torch experts": set()}
+
+    def recording(name, fn, threads):
+        def call(*args, **kwargs):
+            seen[name].add(threads())
+            return fn(*args, **kwargs)
+        return call
+    monkeypatch.setattr(Qwen3MoeDecode, "attend", recording("attend", Qwen3MoeDecode.attend, torch.get_num_threads))
+    monkeypatch.setattr(Qwen3MoeDecode, "expert_ffn", staticmethod(recording(
+        "torch experts", Qwen3MoeDecode.expert_ffn, torch.get_num_threads)))
+    for name in ("moe", "moe_rows"):
+        monkeypatch.setattr(token_kernels.TokenKernels, name, recording(
+            "kernel", getattr(token_kernels.TokenKernels, name), token_kernels.current_threads))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        logits, kv = prefilled(path, PROMPT)
+        with Container(path) as c:
+            d = decoder(c, 1 << 30)
+            try:
+                d.step_batch([d.start(kv.layers)], [int(logits.argmax())])
+                after = torch.get_num_threads()
+            finally:
+                d.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert after == 3 and seen["attend"] == {1}
+    if kernel_takes_them:
+        assert seen["kernel"] == {3} and not seen["torch experts"]
+    else:
+        assert seen["torch experts"] == {3} and not seen["kernel"]
+
+
 def test_a_cache_hit_reads_nothing_and_gives_the_same_logits(model):
     """The same tokens decoded twice over one Decoder: the second pass is all hits (nothing read), same logits."""
     path, _ = model
@@ -192,6 +242,27 @@ def test_step_batch_of_two_sequences_equals_each_alone(model):
     for b in range(2):
         torch.testing.assert_close(together[b], alone[b], atol=1e-5, rtol=1e-5)
         assert together[b].argmax(-1).tolist() == alone[b].argmax(-1).tolist()
+
+
+def test_on_a_cpu_a_step_of_six_sequences_gives_each_its_logits_alone_to_the_bit(model):
+    """More rows than ops' SMALL_ROWS: the step's matmuls still take the token kernel for every row (each row's
+    products and sums those of its sequence alone), the attention row by row, the experts in moe_rows: each
+    sequence's logits those of its steps alone, to the bit (torch's GEMM over 6 rows sums in another order)."""
+    from moepack.backends import token_kernels
+
+    if token_kernels.token_kernels() is None:
+        pytest.skip("no C compiler (or MOEPACK_NATIVE=0): decode keeps torch")
+    path, _ = model
+    prompts = [PROMPT, OTHER_PROMPT, PROMPT[:5], OTHER_PROMPT[:3], [7, 8], PROMPT[2:]]
+    with Container(path) as c:
+        d = decoder(c, 1 << 30)
+        try:
+            starts = [prefilled(path, p) for p in prompts]
+            together = d.step_batch([d.start(kv) for _, kv in starts], [int(logits.argmax()) for logits, _ in starts])
+            for row, (logits, kv) in enumerate(prefilled(path, p) for p in prompts):
+                assert torch.equal(d.step_batch([d.start(kv)], [int(logits.argmax())])[0], together[row])
+        finally:
+            d.close()
 
 
 def test_decoder_refuses_states_after_different_tokens(model):

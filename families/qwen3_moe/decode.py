@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from moepack.backends.kv_arena import growth
+from moepack.backends.ops import matmul
 
 from ..base import Routing
 from . import device_kv
@@ -79,7 +80,7 @@ class Qwen3MoeDecode(Qwen3MoePrefill):
     def route_attended(self, layer: int, w: Mapping[str, Tensor], attended: tuple[Tensor, ...], token_ids: Tensor
                        ) -> tuple[Tensor, Routing]:
         hidden, heads = attended
-        residual = hidden + heads @ w["self_attn.o_proj.weight"].T
+        residual = hidden + matmul(heads, w["self_attn.o_proj.weight"])
         return residual, self.route(layer, w, residual, token_ids)
 
     def head(self, w_globals: Mapping[str, Tensor], hidden: Tensor) -> Tensor:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moepack.backends.ops import fused_rms_norm
+from moepack.backends.ops import fused_rms_norm, linears, matmul
 
 from ..base import Routing
 from ..rope import default_inv_freq
@@ -111,7 +111,8 @@ def attention(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, kv: LayerKV
     positions = torch.arange(kv.length, kv.length + x.shape[0], device=x.device)
     q, k, v = attention_inputs(c, w, x, positions)
     keys, values = kv.append(k, v)
-    return attention_over(c, q, keys, values, positions, query_chunk, between_chunks) @ w["self_attn.o_proj.weight"].T
+    heads = attention_over(c, q, keys, values, positions, query_chunk, between_chunks)
+    return matmul(heads, w["self_attn.o_proj.weight"])
 
 
 def attention_inputs(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, positions: Tensor
@@ -119,9 +120,8 @@ def attention_inputs(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, posi
     """What the attention computes from the rows alone (x [N, H] normed, at `positions` [N]): the queries
     [heads, N, D] and keys [kv_heads, N, D] normed and rotated, the values [kv_heads, N, D]."""
     n = x.shape[0]
-    q = (x @ w["self_attn.q_proj.weight"].T).view(n, c.num_heads, c.head_dim)
-    k = (x @ w["self_attn.k_proj.weight"].T).view(n, c.num_kv_heads, c.head_dim)
-    v = (x @ w["self_attn.v_proj.weight"].T).view(n, c.num_kv_heads, c.head_dim)
+    q, k, v = linears(x, [w[f"self_attn.{m}_proj.weight"] for m in "qkv"])  # (a decoded token: one kernel call)
+    q, k, v = (t.view(n, -1, c.head_dim) for t in (q, k, v))
     q = rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps).transpose(0, 1)
     k = rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps).transpose(0, 1)
     cos, sin = rope_tables(c, positions, x.dtype)
@@ -131,10 +131,12 @@ def attention_inputs(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, posi
 def attention_over(c: Qwen3MoeConfig, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
                    query_chunk: int | None = None, between_chunks: Callable[[], None] | None = None) -> Tensor:
     """The queries q [heads, N, D] at `positions` (the last N of the keys') over keys and values [kv_heads, T, D],
-    causal: the heads' output [N, heads * D], before o_proj (attention's chunks)."""
+    causal: the heads' output [N, heads * D], before o_proj (attention's chunks). The query heads of one KV head
+    (GQA's group) are one matmul's rows over its keys, as they are read: never a copy of the keys per query head (a
+    decoded token's step would copy the whole KV, group times over)."""
     n, past = q.shape[1], keys.shape[1] - q.shape[1]
     group = c.num_heads // c.num_kv_heads  # query heads per KV head (GQA)
-    keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+    q = q.reshape(c.num_kv_heads, group, n, c.head_dim)
     out = torch.empty(n, c.num_heads * c.head_dim, dtype=q.dtype, device=q.device)
     chunk = query_chunk or n
     for start in range(0, n, chunk):
@@ -142,17 +144,19 @@ def attention_over(c: Qwen3MoeConfig, q: Tensor, keys: Tensor, values: Tensor, p
             between_chunks()
         stop = min(start + chunk, n)
         seen = past + stop  # the keys this chunk's last query sees
-        scores = (q[:, start:stop] @ keys[:, :seen].transpose(1, 2)) * c.head_dim ** -0.5  # [heads, chunk, seen]
+        rows = q[:, :, start:stop].reshape(c.num_kv_heads, group * (stop - start), c.head_dim)
+        scores = (rows @ keys[:, :seen].transpose(1, 2)) * c.head_dim ** -0.5  # [kv_heads, group * chunk, seen]
         visible = torch.arange(seen, device=q.device)[None, :] <= positions[start:stop, None]  # causal
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scores.view(c.num_kv_heads, group, stop - start, seen).masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[start:stop] = (probs @ values[:, :seen]).transpose(0, 1).reshape(stop - start, -1)
+        heads = probs.view(c.num_kv_heads, group * (stop - start), seen) @ values[:, :seen]
+        out[start:stop] = heads.view(c.num_heads, stop - start, c.head_dim).transpose(0, 1).reshape(stop - start, -1)
     return out
 
 
 def route(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor) -> Routing:
     """The router: softmax over every expert (float32), the top-k, renormalised to sum 1 when norm_topk_prob."""
-    probs = torch.softmax(x @ w[ROUTER].T, dim=-1, dtype=torch.float32)
+    probs = torch.softmax(matmul(x, w[ROUTER]), dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, c.top_k, dim=-1)
     if c.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -161,7 +165,7 @@ def route(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor) -> Routing:
 
 def swiglu_ffn(ffn: Mapping[str, Tensor], x: Tensor) -> Tensor:
     """down(silu(gate x) * up x): a routed expert's and a dense layer's FFN alike (no clamp)."""
-    return (F.silu(x @ ffn["gate"].T) * (x @ ffn["up"].T)) @ ffn["down"].T
+    return matmul(F.silu(matmul(x, ffn["gate"])) * matmul(x, ffn["up"]), ffn["down"])
 
 
 def routed_experts(experts: Sequence[Mapping[str, Tensor]], routing: Routing, x: Tensor) -> Tensor:
@@ -200,7 +204,7 @@ def embed(globals_: Mapping[str, Tensor], ids: Tensor) -> Tensor:
 
 def head(c: Qwen3MoeConfig, globals_: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
     """Final norm and LM head: logits [N, vocab] float32."""
-    return (rms_norm(hidden, globals_["norm"], c.rms_norm_eps) @ globals_["head"].T).float()
+    return matmul(rms_norm(hidden, globals_["norm"], c.rms_norm_eps), globals_["head"]).float()
 
 
 def forward(checkpoint: Checkpoint, ids: Sequence[int] | Tensor, kv: KVState | None = None) -> Tensor:

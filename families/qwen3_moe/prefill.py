@@ -102,10 +102,9 @@ class Qwen3MoePrefill:
             "activations": n_tokens * F32 * (8 * c.hidden_size + 2 * c.num_heads * c.head_dim
                                              + 3 * c.intermediate_size),
             "kv": n_tokens * kv_row * c.num_layers,  # every layer's keys and values stay for the tokens after
-            # a query chunk's scores, their softmax and its output over every key ([heads, chunk, T] each), and
-            # the keys and values repeated for every query head
-            "attention_chunk": 3 * c.num_heads * query_chunk * n_tokens * F32 + 2 * c.num_heads * c.head_dim
-            * n_tokens * F32,
+            # a query chunk's scores, their softmax and its output over every key ([heads, chunk, T] each; a GQA
+            # group's queries read their KV head's keys in place, model.attention_over)
+            "attention_chunk": 3 * c.num_heads * query_chunk * n_tokens * F32,
         }
 
     def close(self) -> None:
