@@ -54,6 +54,23 @@ def model(request, tmp_path_factory):
     return path, hf.eval()
 
 
+def needs_kernels() -> None:
+    from moepack.backends import token_kernels
+
+    if token_kernels.token_kernels() is None:
+        pytest.skip("no C compiler (or MOEPACK_NATIVE=0): decode keeps torch")
+
+
+@pytest.fixture(scope="module")
+def fp8_release(tmp_path_factory) -> str:
+    """A tiny Qwen3 `-FP8` release converted --keep (its experts FP8 as stored), where the token kernels are."""
+    needs_kernels()
+    base = tmp_path_factory.mktemp("fp8-release")
+    synth_checkpoint(str(base / "src"), preset="tiny", layout="release", seed=3, progress=False, family="qwen3-moe")
+    convert_checkpoint(str(base / "src"), str(base / "fp8.moepack"), policy="keep", progress=False)
+    return str(base / "fp8.moepack")
+
+
 def transformers_greedy(hf, prompt, new_tokens=NEW_TOKENS) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -100,19 +117,14 @@ def test_decoder_greedy_tokens_equal_transformers_generate(model, cache_bytes):
         assert stats["expert_cache_hit_rate"] == 0 and stats["cache_experts"] == 0 and stats["cache_bytes"] == 0
 
 
-def test_fp8_experts_run_in_the_token_kernel_alone_and_batched(tmp_path, monkeypatch):
+def test_fp8_experts_run_in_the_token_kernel_alone_and_batched(fp8_release, monkeypatch):
     """A Qwen3 `-FP8` release's experts (e4m3 under BF16 scales per 128 x 128 block) kept as stored: each decode
     step runs them in the compiled token kernel on a CPU, one call a layer, alone and for a batch's rows (each
     row's routed sum that of its sequence alone), with the logits of decode without the kernel (the experts
     decoded to float32, then torch's matmuls: sums in another order)."""
     from moepack.backends import token_kernels
 
-    if token_kernels.token_kernels() is None:
-        pytest.skip("no C compiler (or MOEPACK_NATIVE=0): decode keeps torch")
-    synth_checkpoint(str(tmp_path / "src"), preset="tiny", layout="release", seed=3, progress=False,
-                     family="qwen3-moe")
-    path = str(tmp_path / "fp8.moepack")
-    convert_checkpoint(str(tmp_path / "src"), path, policy="keep", progress=False)
+    path = fp8_release
     with Container(path) as c:
         assert {t.dtype for r in c.layers[0].experts for t in r.tensors} == {"F8_E4M3", "BF16"}
     prompts, steps = [PROMPT, OTHER_PROMPT], 4
@@ -147,7 +159,7 @@ def test_fp8_experts_run_in_the_token_kernel_alone_and_batched(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("kernel_takes_them", [True, False])
-def test_a_cpu_step_runs_torch_on_one_thread_beside_the_kernels_threads(tmp_path, monkeypatch, kernel_takes_them):
+def test_a_cpu_step_runs_torch_on_one_thread_beside_the_kernels_threads(fp8_release, monkeypatch, kernel_takes_them):
     """A CPU step of a family whose torch functions could run its experts: the family's attention on one torch
     thread, beside the token kernel's, which splits the routed experts over every thread (two pools on the same
     CPUs each wait for the other's descheduled threads: 2x slower on 2 CPUs); experts the kernel does not take (a
@@ -155,12 +167,7 @@ def test_a_cpu_step_runs_torch_on_one_thread_beside_the_kernels_threads(tmp_path
     from moepack.backends import token_kernels
     from moepack.families.qwen3_moe.decode import Qwen3MoeDecode
 
-    if token_kernels.token_kernels() is None:
-        pytest.skip("no C compiler (or MOEPACK_NATIVE=0): decode keeps torch")
-    synth_checkpoint(str(tmp_path / "src"), preset="tiny", layout="release", seed=3, progress=False,
-                     family="qwen3-moe")
-    path = str(tmp_path / "m.moepack")
-    convert_checkpoint(str(tmp_path / "src"), path, policy="keep", progress=False)
+    path = fp8_release
     if not kernel_takes_them:
         monkeypatch.setattr(Decoder, "_kernel_experts", lambda *args: None)
     seen = {"attend": set(), "kernel": set(), "torch experts": set()}
@@ -248,10 +255,7 @@ def test_on_a_cpu_a_step_of_six_sequences_gives_each_its_logits_alone_to_the_bit
     """More rows than ops' SMALL_ROWS: the step's matmuls still take the token kernel for every row (each row's
     products and sums those of its sequence alone), the attention row by row, the experts in moe_rows: each
     sequence's logits those of its steps alone, to the bit (torch's GEMM over 6 rows sums in another order)."""
-    from moepack.backends import token_kernels
-
-    if token_kernels.token_kernels() is None:
-        pytest.skip("no C compiler (or MOEPACK_NATIVE=0): decode keeps torch")
+    needs_kernels()
     path, _ = model
     prompts = [PROMPT, OTHER_PROMPT, PROMPT[:5], OTHER_PROMPT[:3], [7, 8], PROMPT[2:]]
     with Container(path) as c:
