@@ -518,3 +518,28 @@ def test_synth_is_seeded_refuses_to_overwrite_and_leaves_nothing_when_a_write_fa
     with pytest.raises(MoepackError, match=r"^writing .*failed: No space left on device \(disk full\)$"):
         synth.synth_checkpoint(tmp_path / "c", family="qwen3-moe", progress=False)
     assert list((tmp_path / "c").iterdir()) == []
+
+
+def test_a_decoded_tokens_keys_go_into_room_kept_for_them_not_a_copy_of_the_kv():
+    """LayerKV.append after a prefill's: the rows land in buffers with room for more (a copy of the whole KV only
+    when the room is used up, an eighth more at a time), the keys and values exactly torch.cat's; keys or values set
+    from outside since (a KV file's, a moved state's) are what the next append continues."""
+    from moepack.families.qwen3_moe.model import ROOM_ROWS, LayerKV
+
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 10, 8, generator=gen), torch.randn(2, 10, 8, generator=gen)
+    kv, buffers = LayerKV(), set()
+    kv.append(keys, values)
+    for _ in range(3 * ROOM_ROWS):
+        k, v = torch.randn(2, 1, 8, generator=gen), torch.randn(2, 1, 8, generator=gen)
+        keys, values = torch.cat((keys, k), dim=1), torch.cat((values, v), dim=1)
+        got = kv.append(k, v)
+        buffers.add(got[0].data_ptr())
+        assert torch.equal(got[0], keys) and torch.equal(got[1], values) and kv.length == keys.shape[1]
+    assert len(buffers) <= 3  # 3 x ROOM_ROWS tokens: room made after the prefill's, then grown twice at most
+    keys, values = torch.randn(2, 5, 8, generator=gen), torch.randn(2, 5, 8, generator=gen)
+    kv.keys, kv.values = keys, values  # set from outside: continued as it is now
+    k, v = torch.randn(2, 1, 8, generator=gen), torch.randn(2, 1, 8, generator=gen)
+    got = kv.append(k, v)
+    assert torch.equal(got[0], torch.cat((keys, k), dim=1)) and kv.length == 6
+    assert torch.equal(got[1], torch.cat((values, v), dim=1))

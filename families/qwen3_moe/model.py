@@ -66,12 +66,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+ROOM_ROWS = 64  # the fewest rows a LayerKV's buffers grow by (a decode's tokens between two copies)
+
+
 @dataclass
 class LayerKV:
-    """One layer's keys and values so far, [kv_heads, T, head_dim] each (after k_norm and RoPE)."""
+    """One layer's keys and values so far, [kv_heads, T, head_dim] each (after k_norm and RoPE). Appended to, they
+    are views of buffers with room for more tokens (`_room`: an eighth more, at least ROOM_ROWS), so that a decoded
+    token writes its row in place: a copy of the whole KV at every token would make each step cost more the longer
+    its context. The first append (a prefill's) keeps its tensors as they are."""
 
     keys: Tensor | None = None
     values: Tensor | None = None
+    _room: tuple[Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -82,9 +89,28 @@ class LayerKV:
         return self.length
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.keys = k if self.keys is None else torch.cat((self.keys, k), dim=1)
-        self.values = v if self.values is None else torch.cat((self.values, v), dim=1)
+        if self.keys is None:
+            self.keys, self.values = k, v
+            return k, v
+        before, after = self.length, self.length + k.shape[1]
+        if not self._in_room(after):  # new buffers, this state's rows copied in once
+            rows = after + max(ROOM_ROWS, after // 8)
+            self._room = tuple(t.new_empty(t.shape[0], rows, *t.shape[2:]) for t in (self.keys, self.values))
+            for buffer, t in zip(self._room, (self.keys, self.values)):
+                buffer[:, :before] = t
+        for buffer, t in zip(self._room, (k, v)):
+            buffer[:, before:after] = t
+        self.keys, self.values = (buffer[:, :after] for buffer in self._room)
         return self.keys, self.values
+
+    def _in_room(self, rows: int) -> bool:
+        """Whether the keys and values are still the first rows of the room's buffers (not tensors set since) and
+        `rows` of them fit."""
+        if self._room is None or self._room[0].shape[1] < rows:
+            return False
+        return all(t.data_ptr() == buffer.data_ptr() and t.shape == buffer[:, :t.shape[1]].shape
+                   and t.stride() == buffer.stride() and t.dtype == buffer.dtype
+                   for t, buffer in zip((self.keys, self.values), self._room))
 
 
 @dataclass
