@@ -522,7 +522,7 @@ def test_synth_is_seeded_refuses_to_overwrite_and_leaves_nothing_when_a_write_fa
 
 def test_a_decoded_tokens_keys_go_into_room_kept_for_them_not_a_copy_of_the_kv():
     """LayerKV.append after a prefill's: the rows land in buffers with room for more (a copy of the whole KV only
-    when the room is used up, an eighth more at a time), the keys and values exactly torch.cat's; keys or values set
+    when the room is used up, a 32nd more at a time), the keys and values exactly torch.cat's; keys or values set
     from outside since (a KV file's, a moved state's) are what the next append continues."""
     from moepack.families.qwen3_moe.model import ROOM_ROWS, LayerKV
 

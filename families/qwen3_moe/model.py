@@ -72,9 +72,10 @@ ROOM_ROWS = 64  # the fewest rows a LayerKV's buffers grow by (a decode's tokens
 @dataclass
 class LayerKV:
     """One layer's keys and values so far, [kv_heads, T, head_dim] each (after k_norm and RoPE). Appended to, they
-    are views of buffers with room for more tokens (`_room`: an eighth more, at least ROOM_ROWS), so that a decoded
-    token writes its row in place: a copy of the whole KV at every token would make each step cost more the longer
-    its context. The first append (a prefill's) keeps its tensors as they are."""
+    are views of buffers with room for more tokens (`_room`: a 32nd more, at least ROOM_ROWS: little beside the KV
+    the memory checks count), so that a decoded token writes its row in place: a copy of the whole KV at every token
+    would make each step cost more the longer its context. The first append (a prefill's) keeps its tensors as they
+    are."""
 
     keys: Tensor | None = None
     values: Tensor | None = None
@@ -94,7 +95,7 @@ class LayerKV:
             return k, v
         before, after = self.length, self.length + k.shape[1]
         if not self._in_room(after):  # new buffers, this state's rows copied in once
-            rows = after + max(ROOM_ROWS, after // 8)
+            rows = after + max(ROOM_ROWS, after // 32)
             self._room = tuple(t.new_empty(t.shape[0], rows, *t.shape[2:]) for t in (self.keys, self.values))
             for buffer, t in zip(self._room, (self.keys, self.values)):
                 buffer[:, :before] = t
