@@ -62,7 +62,7 @@ from moepack.format_spec.reader import Container
 from .device_decode import RoutingPieces, StepGraphs, container_pool
 from .expert_decode import ExpertWeights, expert_weight_count
 from .expert_runner import BusyTimer, ExpertRunner, decode_dense
-from .io import HostBuffer, ReadPipeline, RegionReader, release_freed_memory
+from .io import HostBuffer, ReadPipeline, RegionReader, release_freed_memory, torch_threads
 from .read_scheduler import RegionChecker, global_regions
 
 
@@ -259,17 +259,6 @@ class DecodeSequence:
     def states(self) -> list:
         """Each layer's KV state after the tokens so far, as a prefill hands it on."""
         return [self._arithmetic.layer_state(kv) for kv in self.kv]
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch's intra-op thread count n (process-wide) for this block, then the count before."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass
@@ -975,9 +964,9 @@ class Decoder:
             return self._experts_one_by_one(layer, routing, got)
 
     def _torch_experts_threads(self):
-        """Where a family's torch functions run its experts on a CPU step (torch on one thread, step_batch): torch
-        on every thread the step's kernels use, for this block."""
-        if not self.torch_experts or self.device.type != "cpu" or torch.get_num_threads() != 1:
+        """Where a family's torch functions run its experts on a CPU: torch on every thread the step's kernels use,
+        for this block (step_batch keeps torch on one thread for the rest of a step)."""
+        if not self.torch_experts or self.device.type != "cpu":
             return contextlib.nullcontext()
         return torch_threads(token_kernels.current_threads())
 

@@ -12,6 +12,7 @@ different parts in flight at once proceed side by side, so the devices' bandwidt
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import math
@@ -168,6 +169,17 @@ def usable_cpus() -> int:
         cpus = os.cpu_count() or 1
     quota = cgroup_cpu_limit()
     return max(1, min(cpus, math.ceil(quota)) if quota else cpus)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count n (process-wide) for this block, then the count before."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def memory_limit_bytes() -> int | None:

@@ -616,34 +616,33 @@ def _fused_crossover(on_device: list, arith: ExpertMath, H: int, dtype: torch.dt
     is slower (one slower point alone can be noise; 0: never as fast). None where the fused kernel does not apply
     (not bf16 on a CPU that has it, not FP4 experts, not a family whose experts the compiled kernels compute)."""
     from moepack.runtime.expert_decode import ExpertDecoder, fused_max_tokens
+    from moepack.runtime.io import torch_threads
 
     if not fused_max_tokens(dtype, dev) or _expert_region(on_device[0], arith)[2] is None:
         return None
-    threads = torch.get_num_threads()
     decoder = ExpertDecoder(dtype, dev, threads=1, fused_tokens=max(FUSED_TOKENS))
     try:
-        torch.set_num_threads(1)  # an expert thread's own core, as in the engine
-        g = torch.Generator().manual_seed(1)
-        points, limit, losses = [], 0, 0
-        for t in FUSED_TOKENS:
-            x = (torch.randn(t, H, generator=g) * 0.5).to(dev, dtype)
+        with torch_threads(1):  # an expert thread's own core, as in the engine
+            g = torch.Generator().manual_seed(1)
+            points, limit, losses = [], 0, 0
+            for t in FUSED_TOKENS:
+                x = (torch.randn(t, H, generator=g) * 0.5).to(dev, dtype)
 
-            def run(tokens):
-                return lambda: [arith.run(_decode_expert(e, dtype, decoder, arith, tokens), x) for e in on_device]
+                def run(tokens):
+                    return lambda: [arith.run(_decode_expert(e, dtype, decoder, arith, tokens), x) for e in on_device]
 
-            run(t)(), run(None)()  # warm-up at this shape
-            fused_s = _best_seconds(run(t), repeat, dev) / len(on_device)
-            decoded_s = _best_seconds(run(None), repeat, dev) / len(on_device)
-            points.append({"tokens_per_expert": t, "fused_seconds_per_expert": fused_s,
-                           "decoded_seconds_per_expert": decoded_s})
-            losses = losses + 1 if fused_s > decoded_s else 0
-            if losses == 2:
-                break
-            if not losses:
-                limit = t
+                run(t)(), run(None)()  # warm-up at this shape
+                fused_s = _best_seconds(run(t), repeat, dev) / len(on_device)
+                decoded_s = _best_seconds(run(None), repeat, dev) / len(on_device)
+                points.append({"tokens_per_expert": t, "fused_seconds_per_expert": fused_s,
+                               "decoded_seconds_per_expert": decoded_s})
+                losses = losses + 1 if fused_s > decoded_s else 0
+                if losses == 2:
+                    break
+                if not losses:
+                    limit = t
     finally:
         decoder.close()
-        torch.set_num_threads(threads)
     return {"threads": 1, "points": points, "max_tokens": limit}
 
 

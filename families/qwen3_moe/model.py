@@ -80,6 +80,7 @@ class LayerKV:
     keys: Tensor | None = None
     values: Tensor | None = None
     _room: tuple[Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
+    _views: tuple[Tensor, Tensor] | None = field(default=None, repr=False, compare=False)  # the last append's
 
     @property
     def length(self) -> int:
@@ -101,17 +102,14 @@ class LayerKV:
                 buffer[:, :before] = t
         for buffer, t in zip(self._room, (k, v)):
             buffer[:, before:after] = t
-        self.keys, self.values = (buffer[:, :after] for buffer in self._room)
+        self.keys, self.values = self._views = tuple(buffer[:, :after] for buffer in self._room)
         return self.keys, self.values
 
     def _in_room(self, rows: int) -> bool:
-        """Whether the keys and values are still the first rows of the room's buffers (not tensors set since) and
-        `rows` of them fit."""
-        if self._room is None or self._room[0].shape[1] < rows:
-            return False
-        return all(t.data_ptr() == buffer.data_ptr() and t.shape == buffer[:, :t.shape[1]].shape
-                   and t.stride() == buffer.stride() and t.dtype == buffer.dtype
-                   for t, buffer in zip((self.keys, self.values), self._room))
+        """Whether the keys and values are still the room's views the last append gave (not tensors set since) and
+        `rows` rows fit."""
+        return (self._room is not None and self._room[0].shape[1] >= rows
+                and self.keys is self._views[0] and self.values is self._views[1])
 
 
 @dataclass
