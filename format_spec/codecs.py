@@ -170,9 +170,19 @@ class Codec:
         return cls.dequantize(raw, shape)
 
     @classmethod
-    def decode_float(cls, raw, shape: tuple, scale, out_dtype):
-        """raw -> `out_dtype` values, applying `scale` where the type takes block scales (others have none)."""
-        return cls.decode(raw, shape).to(out_dtype)
+    def decode_float(cls, raw, shape: tuple, scale, out_dtype, out=None):
+        """raw -> `out_dtype` values, applying `scale` where the type takes block scales (others have none).
+        `out`: a contiguous CPU tensor of `shape` and `out_dtype` the values may be decoded into (a buffer reused
+        from one call to the next: no fresh pages to fault in); the result is then `out`, a view of raw where the
+        stored type is `out_dtype`, or (a type that cannot decode into it) a tensor of its own."""
+        import torch
+
+        if out is not None and cls.torch_dtype is None and out_dtype == torch.float32:
+            return cls.dequantize(raw, shape, out=out)
+        values = cls.decode(raw, shape)
+        if out is not None and values.dtype != out_dtype:
+            return out.copy_(values)
+        return values.to(out_dtype)
 
     @classmethod
     def decodes_fresh(cls, scale) -> bool:
@@ -393,18 +403,18 @@ class F8_E4M3(Codec):
     takes_scale = True
 
     @classmethod
-    def decode_float(cls, raw, shape, scale, out_dtype):
+    def decode_float(cls, raw, shape, scale, out_dtype, out=None):
         if scale is None:
-            return super().decode_float(raw, shape, scale, out_dtype)
+            return super().decode_float(raw, shape, scale, out_dtype, out)
         import torch
 
         from .source_formats import FLOAT_SCALE_DTYPES, fp8_block_dequantize, fp8_float_block_dequantize
 
         weight = cls.decode(raw, shape)
         if scale.dtype in FLOAT_SCALE_DTYPES:  # other releases' float block scales (Qwen3's weight_scale_inv)
-            return fp8_float_block_dequantize(weight, scale, dtype=out_dtype)
+            return fp8_float_block_dequantize(weight, scale, dtype=out_dtype, out=out)
         if out_dtype in (torch.float32, torch.bfloat16):  # decoded straight into it
-            return fp8_block_dequantize(weight, scale, dtype=out_dtype)
+            return fp8_block_dequantize(weight, scale, dtype=out_dtype, out=out)
         return fp8_block_dequantize(weight, scale).to(out_dtype)
 
     @classmethod
@@ -482,7 +492,8 @@ class FP4_E2M1(Codec):
         return on_device(E2M1_VALUES, raw.device)[codes]  # the table copied to a GPU once, not per call
 
     @classmethod
-    def decode_float(cls, raw, shape, scale, out_dtype):
+    def decode_float(cls, raw, shape, scale, out_dtype, out=None):  # (a tensor of its own: expert_decode.py's
+        # ExpertDecoder decodes FP4 experts into buffers it reuses)
         if scale is None:
             raise FormatError("an FP4_E2M1 tensor needs its scale tensor to be decoded")
         from .source_formats import fp4_dequantize

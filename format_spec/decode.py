@@ -71,15 +71,16 @@ def tensor_scale_value(buffer, name: str = "tensor scale") -> float | torch.Tens
 
 
 def decode_float(dtype: str, shape, buffer, scale: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.float32, tensor_scale: float | torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float32, tensor_scale: float | torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Stored bytes -> float values (`out_dtype`: float32, or bfloat16 for a faster compute path), applying the
     release's block scales where the type needs them: F8_E4M3 with 128x128 block scales (E8M0 or F32),
     FP4_E2M1 with one E8M0 scale per 32 inputs. ggml block types are dequantized. `tensor_scale` (the weight's
-    `P.tensor_scale` from tensor_scale_value, a power of two) multiplies the result, exactly."""
+    `P.tensor_scale` from tensor_scale_value, a power of two) multiplies the result, exactly. `out`: a buffer the
+    values may be decoded into (Codec.decode_float)."""
     codec = storage_type(dtype)
-    values = codec.decode_float(as_uint8(buffer), tuple(shape), scale, out_dtype)
-    return _apply_tensor_scale(values, tensor_scale, fresh=codec.decodes_fresh(scale))
+    values = codec.decode_float(as_uint8(buffer), tuple(shape), scale, out_dtype, out)
+    return _apply_tensor_scale(values, tensor_scale, fresh=values is out or codec.decodes_fresh(scale))
 
 
 def _apply_tensor_scale(values: torch.Tensor, tensor_scale: float | torch.Tensor | None,
@@ -135,11 +136,13 @@ def _companions(t, by_name: dict, read) -> tuple[torch.Tensor | None, float | to
             tensor_scale_value(read(ts), ts.name) if ts is not None else None)
 
 
-def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INTEGER_TYPES, dtype_of=None) -> dict:
+def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INTEGER_TYPES, dtype_of=None,
+                 out_for=None) -> dict:
     """Decode tensors stored together (a region): each `P.weight` takes its `P.scale` and `P.tensor_scale`
     along and they are not returned; types in `keep` come back as stored (times a tensor scale, if one goes with
     them); everything else as `out_dtype` values, or `dtype_of(entry)` where that is given. `read(t)` gives the
-    stored bytes of entry `t` (anything with .name, .dtype, .shape)."""
+    stored bytes of entry `t` (anything with .name, .dtype, .shape). `out_for(t, dtype)`: a buffer (contiguous,
+    CPU, t's shape) entry t's values may be decoded into (decode_float's `out`)."""
     by_name = {t.name: t for t in tensors}
     out = {}
     for t in tensors:
@@ -149,8 +152,9 @@ def decode_group(tensors, read, out_dtype: torch.dtype = torch.float32, keep=INT
         if t.dtype in keep:
             out[t.name] = _apply_tensor_scale(decode_tensor(t.dtype, t.shape, read(t)), tensor_scale, fresh=False)
             continue
-        out[t.name] = decode_float(t.dtype, t.shape, read(t), scale, dtype_of(t) if dtype_of else out_dtype,
-                                   tensor_scale)
+        dtype = dtype_of(t) if dtype_of else out_dtype
+        out[t.name] = decode_float(t.dtype, t.shape, read(t), scale, dtype, tensor_scale,
+                                   out_for(t, dtype) if out_for else None)
     return out
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -108,45 +110,55 @@ def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
     return weight.contiguous(), _exponent_to_e8m0(exponent)
 
 
+def _check_scale_shape(weight: torch.Tensor, scale: torch.Tensor, block: int) -> None:
+    expected = fp8_block_scale_shape(*weight.shape, block)
+    if tuple(scale.shape) != expected:
+        raise MoepackError(f"FP8 scale shape {list(scale.shape)} does not match weight {list(weight.shape)} "
+                           f"in {block}x{block} blocks (expected {list(expected)})")
+
+
 def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                         dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode an FP8 weight and its block scales to `dtype` (float32 or bfloat16) [out, in]. bfloat16 gives the
-    float32 values rounded, as .to(torch.bfloat16) would (they are exact unless the scale pushes them out of range)."""
+    float32 values rounded, as .to(torch.bfloat16) would (they are exact unless the scale pushes them out of range).
+    `out`: a contiguous tensor of the weight's shape and `dtype` to decode into (the result is then `out`)."""
     if weight.ndim != 2:
         raise MoepackError(f"FP8 weight must be 2-D, got shape {list(weight.shape)}")
     rows, cols = weight.shape
-    expected = fp8_block_scale_shape(rows, cols, block)
-    if tuple(scale.shape) != expected:
-        raise MoepackError(
-            f"FP8 scale shape {list(scale.shape)} does not match weight {[rows, cols]} "
-            f"in {block}x{block} blocks (expected {list(expected)})"
-        )
+    _check_scale_shape(weight, scale, block)
+    scale_bytes = _e8m0_bytes(scale)
+    kernels = _fp8_native() if weight.device.type == "cpu" else None
+    if kernels is not None and dtype == torch.float32:  # an E8M0 scale is a float32: one product per weight
+        return _fp8_float_scaled(kernels, weight, _e8m0_to_float(scale), block, dtype, out)
     # one lookup per element: (scale byte << 8 | weight byte) -> the scaled value (torch's FP8 -> float conversion
     # is scalar on CPUs; the 256 KiB table stays in cache)
-    scale_bytes = _e8m0_bytes(scale)
     table = _fp8_scaled_table(weight.device, dtype)
-    kernels = _fp8_native() if weight.device.type == "cpu" else None
-    kernel = kernels.get(dtype.itemsize) if kernels else None  # bf16 and f32 are compiled; others: torch
-    if kernel is not None:
-        out = torch.empty(rows, cols, dtype=dtype)
+    if kernels is not None and dtype.itemsize == 2:  # 16-bit tables are compiled; others: torch
+        out = _output(out, weight, dtype)
         codes, scales = weight.view(torch.uint8).contiguous(), scale_bytes.contiguous()  # alive through the call
-        kernel(codes.data_ptr(), scales.data_ptr(), rows, cols, block, expected[1], table.data_ptr(),
-                               out.data_ptr())
+        kernels.lookup16(codes.data_ptr(), scales.data_ptr(), rows, cols, block, scale.shape[1], table.data_ptr(),
+                         out.data_ptr())
         return out
-    return _fp8_lookup_torch(weight, scale_bytes, block, table)
+    values = _fp8_lookup_torch(weight, scale_bytes, block, table)
+    return values if out is None else out.copy_(values)
 
 
 FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+
 def fp8_float_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
-                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp8_block_dequantize under float block scales, as other releases store them (Qwen3's `-FP8`:
-    `weight_scale_inv`, BF16 or F32, not a power of two): the weight decoded under unit E8M0 scales, then each
-    block row times its scales in float32."""
+    `weight_scale_inv`, BF16 or F32, not a power of two): each value times its block's scale in float32 (then
+    rounded to `dtype`). `out` as for fp8_block_dequantize."""
     if weight.ndim != 2 or scale.dtype not in FLOAT_SCALE_DTYPES:
         raise MoepackError(f"FP8 float block scales must be float32, bfloat16 or float16 beside a 2-D weight, got "
                            f"{scale.dtype} beside shape {list(weight.shape)}")
+    kernels = _fp8_native() if weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
+    if kernels is not None:
+        _check_scale_shape(weight, scale, block)
+        return _fp8_float_scaled(kernels, weight, scale.float(), block, dtype, out)
     # 2^0, made where the weight is (a host tensor copied to a GPU would make the host wait at every decode)
     unit = torch.full(tuple(scale.shape), 127, dtype=torch.uint8, device=weight.device).view(torch.float8_e8m0fnu)
     values = fp8_block_dequantize(weight, unit, block)  # (it checks the scales' shape)
@@ -155,7 +167,8 @@ def fp8_float_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block:
     full = weight.shape[0] // block  # every whole block row at once (a launch per block row: many for stacked experts)
     values[:full * block].view(full, block, cols).mul_(per_column[:full, None, :])
     values[full * block:].mul_(per_column[full:])
-    return values if dtype == torch.float32 else values.to(dtype)
+    values = values if dtype == torch.float32 else values.to(dtype)
+    return values if out is None else out.copy_(values)
 
 
 def _fp8_lookup_torch(weight: torch.Tensor, scale_bytes: torch.Tensor, block: int, table: torch.Tensor) -> torch.Tensor:
@@ -182,36 +195,77 @@ def _fp8_scaled_table(device: torch.device, dtype: torch.dtype = torch.float32) 
     return _FP8_TABLES[device, dtype]
 
 
-# The same lookup as a compiled loop (native/fp8_decode.c): one pass, no index tensor; 32 weights per step for 16-bit
-# outputs where the CPU has AVX-512 (BW).
+# The same decode as compiled loops (native/fp8_decode.c): one pass, no index tensor. `lookup16`: the lookup into a
+# 16-bit table (bfloat16: 32 weights per step where the CPU has AVX-512 BW); `float_scaled`: one float32 product per
+# weight under float32 block scales, float32 or bfloat16 out (16 weights per step with AVX-512, no table).
 _FP8_NATIVE_SOURCE = native.read_source("fp8_decode.c")
 
 
-def _load_fp8_native():
-    """{output itemsize: C function}, or None without a compiler or when it disagrees with the torch lookup."""
+class Fp8Kernels(NamedTuple):
+    lookup16: Callable
+    float_scaled: Callable
+
+
+def _output(out: torch.Tensor | None, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where a compiled decode of `weight` writes: `out` (checked: a kernel writes through its pointer), else a
+    new tensor."""
+    if out is None:
+        return torch.empty(weight.shape, dtype=dtype)
+    if out.shape != weight.shape or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+        raise MoepackError(f"FP8 decode: out must be a contiguous CPU {dtype} tensor of shape {list(weight.shape)}, "
+                           f"got {out.dtype} {list(out.shape)} on {out.device}")
+    return out
+
+
+def _fp8_float_scaled(kernels: Fp8Kernels, weight: torch.Tensor, scale: torch.Tensor, block: int,
+                      dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.float_scaled on a CPU weight [rows, cols] and its float32 block scales (shape checked by the
+    caller): float32 or bfloat16 [rows, cols], in `out` if given."""
+    rows, cols = weight.shape
+    out = _output(out, weight, dtype)
+    codes, scales = weight.view(torch.uint8).contiguous(), scale.contiguous()  # alive through the call
+    unit = _fp8_scaled_table(torch.device("cpu"))[127 << 8:128 << 8]  # the codes' values (scale byte 127: 2^0)
+    kernels.float_scaled(codes.data_ptr(), scales.data_ptr(), rows, cols, block, scale.shape[1], unit.data_ptr(),
+                         dtype.itemsize, out.data_ptr())
+    return out
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, any NaN equal to any NaN (its payload is the conversion's own)."""
+    bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return (torch.equal(a.isnan(), b.isnan())
+            and torch.equal(a.nan_to_num(0, 0, 0).view(bits), b.nan_to_num(0, 0, 0).view(bits)))
+
+
+def _load_fp8_native() -> Fp8Kernels | None:
+    """The compiled FP8 decoders, or None without a compiler or when they disagree with torch's arithmetic."""
     lib = native.native_library("moepack_fp8_decode", _FP8_NATIVE_SOURCE)
     if lib is None:
         return None
-    kernels = {}
     wide = ("fp8_block_decode16_avx512" if native.c_function(lib, "fp8_avx512_supported", ())()
             else "fp8_block_decode16")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for itemsize, symbol in ((2, wide), (4, "fp8_block_decode32")):
-        kernels[itemsize] = native.c_function(lib, symbol, (p, p, i64, i64, i64, i64, p, p), restype=None)
+    kernels = Fp8Kernels(
+        native.c_function(lib, wide, (p, p, i64, i64, i64, i64, p, p), restype=None),
+        native.c_function(lib, "fp8_float_block_decode", (p, p, i64, i64, i64, i64, p, i64, p), restype=None))
     # self-check: random weight bytes under random scale bytes, in blocks of 64 (whole 32-wide AVX-512 steps) and
-    # of 48 (a step and a scalar tail, steps starting off a multiple of 32), with partial blocks at the edges
+    # of 48 (a step and a scalar tail, steps starting off a multiple of 32), with partial blocks at the edges; float
+    # scales of every magnitude (over 2^119 too: the vector loop's other product)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(0, 256, (300, 200), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
     for block in (64, 48):
         scale = torch.randint(0, 256, fp8_block_scale_shape(300, 200, block), dtype=torch.uint8, generator=gen)
+        floats = _e8m0_to_float(scale.view(torch.float8_e8m0fnu)) * torch.rand(scale.shape, generator=gen)
+        table = _fp8_scaled_table(torch.device("cpu"), torch.bfloat16)
+        looked_up = torch.empty(300, 200, dtype=torch.bfloat16)
+        kernels.lookup16(weight.view(torch.uint8).data_ptr(), scale.data_ptr(), 300, 200, block, scale.shape[1],
+                         table.data_ptr(), looked_up.data_ptr())
+        if not _same_values(looked_up, _fp8_lookup_torch(weight, scale, block, table)):
+            warnings.warn("moepack: the compiled FP8 decoder disagrees with torch; using torch")
+            return None
+        products = weight.float() * floats.repeat_interleave(block, 0).repeat_interleave(block, 1)[:300, :200]
         for dtype in (torch.bfloat16, torch.float32):
-            table = _fp8_scaled_table(torch.device("cpu"), dtype)
-            out = torch.empty(300, 200, dtype=dtype)
-            kernels[dtype.itemsize](weight.view(torch.uint8).data_ptr(), scale.data_ptr(), 300, 200, block,
-                                    scale.shape[1], table.data_ptr(), out.data_ptr())
-            want = _fp8_lookup_torch(weight, scale, block, table)
-            bits = torch.int16 if dtype.itemsize == 2 else torch.int32
-            if not torch.equal(out.view(bits), want.view(bits)):
+            if not _same_values(_fp8_float_scaled(kernels, weight, floats, block, dtype), products.to(dtype)):
                 warnings.warn("moepack: the compiled FP8 decoder disagrees with torch; using torch")
                 return None
     return kernels

@@ -164,17 +164,6 @@ static inline __attribute__((always_inline)) void fp4_group(const matrix_t *m, c
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
 }
 
-/* 16 e4m3fn bytes as float32 over 256, exactly (fp8_value / 256): each byte's bits placed as a float16's, the sign
-   to bit 15 and eeee mmm to bits 13..7 (a float16's exponent is e4m3's with 8 more bias, and its subnormals are
-   e4m3's, m x 2^-17), which the conversion widens exactly; the NaN codes (0x7f, 0xff) made NaN after, rarely */
-static inline __attribute__((always_inline)) __m512 fp8_e4m3_ps_over_256(__m128i bytes) {
-    const __m256i signed16 = _mm256_cvtepi8_epi16(bytes);  /* the sign copied into bits 15..8 */
-    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(signed16, 7), _mm256_set1_epi16((short)0xbf80));
-    const __m512 v = _mm512_cvtph_ps(half);
-    const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_or_si128(bytes, _mm_set1_epi8((char)0x80)), _mm_set1_epi8(-1));
-    return nan ? _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN)) : v;
-}
-
 /* 16 e4m3fn bytes' values times their block's scale, each one rounding as fp8_value(b) x scale: (value / 256) x
    (scale x 256), unless scale x 256 would overflow where value x scale need not */
 static inline __attribute__((always_inline)) __m512 fp8_scaled(__m128i bytes, float scale) {

@@ -1,8 +1,9 @@
 /* What token_matmul.c shares with kernels compiled elsewhere (a model family's own operations, in its package):
-   the weight descriptor, bfloat16 rounding, RoPE's rotation of a row, a part's share of the rows, and the types of
-   the library's two entries such a kernel calls through pointers it is handed once (`token_matmul_dot`, one row
-   of a matrix times an input, in the library's vector or plain loop; `token_matmul_parallel`, a call split over
-   the library's one pool of threads), so that it computes as this library does and on the same threads. */
+   the weight descriptor, bfloat16 rounding, FP8 e4m3's widening, RoPE's rotation of a row, a part's share of the
+   rows, and the types of the library's two entries such a kernel calls through pointers it is handed once
+   (`token_matmul_dot`, one row of a matrix times an input, in the library's vector or plain loop;
+   `token_matmul_parallel`, a call split over the library's one pool of threads), so that it computes as this
+   library does and on the same threads. native/fp8_decode.c includes it for the rounding and the widening. */
 #ifndef MOEPACK_TOKEN_MATMUL_H
 #define MOEPACK_TOKEN_MATMUL_H
 
@@ -34,6 +35,21 @@ static inline float round_to_bf16(float v) {
     bits += 0x7fffu + ((bits >> 16) & 1);
     return bits_float(bits & 0xffff0000u);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#include <math.h>
+/* 16 e4m3fn bytes as float32 over 256, exactly (fp8_value / 256): each byte's bits placed as a float16's, the sign
+   to bit 15 and eeee mmm to bits 13..7 (a float16's exponent is e4m3's with 8 more bias, and its subnormals are
+   e4m3's, m x 2^-17), which the conversion widens exactly; the NaN codes (0x7f, 0xff) made NaN after, rarely */
+static inline __attribute__((always_inline)) __m512 fp8_e4m3_ps_over_256(__m128i bytes) {
+    const __m256i signed16 = _mm256_cvtepi8_epi16(bytes);  /* the sign copied into bits 15..8 */
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(signed16, 7), _mm256_set1_epi16((short)0xbf80));
+    const __m512 v = _mm512_cvtph_ps(half);
+    const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_or_si128(bytes, _mm_set1_epi8((char)0x80)), _mm_set1_epi8(-1));
+    return nan ? _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN)) : v;
+}
+#endif
 
 /* the pairs (x[nope + 2i], x[nope + 2i + 1]) of a head times cos + i sin (sign -1: the conjugate), as the complex
    product torch computes */

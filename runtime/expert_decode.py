@@ -30,11 +30,13 @@ order" (0, 16, 1, 17, ...). Rather than shuffling the weight, the expert permute
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -403,6 +405,14 @@ class ExpertDecoder:
         if buf is None or buf.numel() < numel:
             buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=self.device)
         return buf[:numel]
+
+    def buffer_for(self, prefix: str) -> Callable[[Any, torch.dtype], torch.Tensor]:
+        """out_for(entry, dtype) for format_spec.decode.decode_group: the buffer of the expert's matrix `entry`
+        (named `prefix` + its role), reused from one expert to the next as this decoder's own are."""
+        def out_for(entry, dtype: torch.dtype) -> torch.Tensor:
+            shape = tuple(entry.shape)
+            return self._buffer(entry.name[len(prefix):], math.prod(shape), dtype).view(shape)
+        return out_for
 
     def _table(self, layout: str) -> torch.Tensor:
         if layout not in self._tables:

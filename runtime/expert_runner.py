@@ -90,7 +90,8 @@ class OrderedSum:
 
 
 def decode_regions(regions: list[Region], raw: torch.Tensor, base: int, strip: str,
-                   dtype: torch.dtype = torch.float32, own: bool = True, dtype_of=None) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype = torch.float32, own: bool = True, dtype_of=None,
+                   out_for=None) -> dict[str, torch.Tensor]:
     """Float weights in `dtype` (or `dtype_of(entry)`; integers as they are) of the tensors of `regions`, from
     bytes at `base`, named without the prefix `strip`.
 
@@ -99,7 +100,7 @@ def decode_regions(regions: list[Region], raw: torch.Tensor, base: int, strip: s
     a small float32 norm kept as a view would hold the layer's whole region of bytes."""
     out = {}
     for r in regions:
-        values = decode_group(r.tensors, entry_bytes(raw, base), dtype, dtype_of=dtype_of)
+        values = decode_group(r.tensors, entry_bytes(raw, base), dtype, dtype_of=dtype_of, out_for=out_for)
         for name, value in values.items():
             if own and value.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
                 value = value.clone()
@@ -342,13 +343,14 @@ class ExpertRunner:
     def expert_weights(self, block: Block, region: Region, raw: torch.Tensor, base: int,
                        tokens: int | None = None) -> ExpertWeights:
         """The expert of `region` decoded from its bytes, for `tokens` tokens (the fused kernel keeps FP4 packed for
-        few). They may be views of `raw` or of the table decoder's buffers: valid until the next decode."""
+        few). They may be views of `raw` or of this thread's decoder's buffers: valid until its next decode."""
         n = self.naming
         prefix, names = n.prefix(block.number, region.expert), n.names(block.number, region.expert)
         # the compiled decoders' layouts are the experts without a family's expert_ffn (their activation)
         layout = ExpertDecoder.layout(region, names) if self.expert_ffn is None else None
-        if layout is None:
-            w = decode_regions([region], raw, base, prefix, self.expert_dtype, own=False)
+        if layout is None:  # on a CPU into the thread's buffers: fresh pages for every expert would each fault in
+            out_for = self._decoder().buffer_for(prefix) if self.device.type == "cpu" else None
+            w = decode_regions([region], raw, base, prefix, self.expert_dtype, own=False, out_for=out_for)
             return ExpertWeights(w[n.gate], w[n.up], w[n.down])
         return self._decoder().decode(region, layout, raw, base, names, tokens=tokens)
 

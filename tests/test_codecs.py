@@ -161,3 +161,44 @@ def test_fp4_values_without_a_scale_copy_their_table_to_the_device_once():
         values = dtypes.storage_type("FP4_E2M1").decode_checked(raw, (2, 16))
     assert values.shape == (2, 16) and values.device.type == "meta" and values.dtype == torch.float32
     assert later.copies == []
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_decode_float_into_a_buffer_gives_the_values_it_gives_alone(out_dtype):
+    """decode_float's `out` (a buffer a CPU prefill reuses from one expert to the next: no fresh pages each time):
+    every float type decodes to the same bits with it as without; FP8 under either kind of block scale, the ggml
+    block types and a plain type of another dtype end in the buffer itself; a plain type of the same dtype stays a
+    view of its bytes."""
+    gen = torch.Generator().manual_seed(4)
+    into = set()
+    for name, c in codecs.REGISTRY.items():
+        if name in decode.INTEGER_TYPES:
+            continue
+        shape = (256, max(8 * c.block_elems, 64)) if c.block_elems > 1 else (256, 260)
+        raw = torch.randint(0, 256, (c.nbytes(shape),), dtype=torch.uint8, generator=gen)
+        if name in ("F32", "F16", "BF16", "F64"):  # finite values (random bytes of these are NaN often)
+            raw = torch.randn(shape, generator=gen).to(c.torch_dtype).view(torch.uint8).reshape(-1)
+        if name == "F8_E8M0":
+            continue  # (a scale type: no weight decodes through it)
+        scales = [None]
+        if name == "F8_E4M3":
+            e8m0 = torch.randint(100, 140, (2, 3), dtype=torch.uint8, generator=gen).view(torch.float8_e8m0fnu)
+            scales = [None, e8m0, torch.rand(2, 3, generator=gen).to(torch.bfloat16)]
+        if name == "FP4_E2M1":
+            scales = [torch.randint(110, 130, (256, shape[1] // 32), dtype=torch.uint8,
+                                    generator=gen).view(torch.float8_e8m0fnu)]
+        for scale in scales:
+            alone = decode.decode_float(name, shape, raw, scale, out_dtype)
+            buffer = torch.full(shape, float("nan"), dtype=out_dtype)
+            got = decode.decode_float(name, shape, raw, scale, out_dtype, out=buffer)
+            bits = torch.int16 if out_dtype.itemsize == 2 else torch.int32
+            assert got.dtype == out_dtype and torch.equal(got.view(bits), alone.view(bits)), name
+            if got.data_ptr() == buffer.data_ptr():
+                into.add(name if scale is None else f"{name} {scale.dtype}")
+            elif got.data_ptr() == raw.data_ptr():
+                assert c.torch_dtype == out_dtype, name
+    fp8 = {"F8_E4M3 torch.float8_e8m0fnu", "F8_E4M3 torch.bfloat16"}
+    ggml = {"Q8_0", "MXFP4", "NVFP4", "Q2_K", "IQ2_XXS"}  # (bfloat16: through a float32 tensor of their own)
+    plain = {n for n in ("F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2")
+             if codecs.REGISTRY[n].torch_dtype != out_dtype}
+    assert into == fp8 | ggml | plain

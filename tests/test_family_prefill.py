@@ -72,6 +72,32 @@ def test_prefill_logits_equal_transformers(qwen3, layout, backend):
     assert [s.experts_read for s in result.layers] == experts and 0 in experts and max(experts) == 6
 
 
+def test_a_cpu_prefill_decodes_each_fp8_expert_into_its_threads_buffers(qwen3, monkeypatch):
+    """The per-expert backend on a CPU decodes a family's FP8 experts (the generic decode, for its expert_ffn) into
+    its thread's decoder's buffers, reused from one expert to the next (fresh pages for every expert would each
+    fault in: 2-3x the decode's time), with the logits of fresh tensors."""
+    from moepack.runtime.expert_decode import ExpertDecoder
+    from moepack.runtime.expert_runner import ExpertRunner
+
+    container = qwen3["fp8"][0]
+    decoded, whole = [], ExpertRunner.expert_weights
+
+    def spy(self, *args, **kwargs):
+        w = whole(self, *args, **kwargs)
+        buffers = {b.data_ptr() for b in self._decoder()._buffers.values()}
+        decoded.append([m.data_ptr() in buffers for m in (w.w1, w.w3, w.w2)])
+        return w
+    monkeypatch.setattr(ExpertRunner, "expert_weights", spy)
+    reused = prefill(container, PROMPT, _options(expert_selection="all")).logits
+    chosen = len(decoded)  # (the experts some token chose: of the 6 read)
+    assert chosen >= 3 and all(all(roles) for roles in decoded)
+    monkeypatch.setattr(ExpertDecoder, "buffer_for", lambda self, prefix: lambda entry, dtype: None)
+    decoded.clear()
+    fresh = prefill(container, PROMPT, _options(expert_selection="all")).logits
+    assert len(decoded) == chosen and not any(any(roles) for roles in decoded)
+    assert torch.equal(reused, fresh)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp4_experts_equal_the_familys_forward_over_the_containers_values(qwen3, backend):
     from test_qwen3_moe_container import container_checkpoint

@@ -234,7 +234,7 @@ def test_fp8_decode_is_the_scaled_value_table_for_every_byte(monkeypatch, compil
         assert source_formats._fp8_native() is not None
         flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
         wide = "avx512bw" in flags and "avx512f" in flags
-        assert (source_formats._fp8_native()[2].__name__ == "fp8_block_decode16_avx512") == wide
+        assert (source_formats._fp8_native().lookup16.__name__ == "fp8_block_decode16_avx512") == wide
     g = torch.Generator().manual_seed(5)
     weight = torch.randint(0, 256, (300, 260), generator=g, dtype=torch.uint8)
     weight[:256, :256] = torch.arange(256, dtype=torch.uint8)[None, :]  # every byte in every row
@@ -252,6 +252,45 @@ def test_fp8_decode_is_the_scaled_value_table_for_every_byte(monkeypatch, compil
     strided = wide[:, :260].view(torch.float8_e4m3fn)  # not contiguous: decoded from a copy that stays alive
     assert not strided.is_contiguous()
     assert torch.equal(fp8_block_dequantize(strided, scale).nan_to_num(), f32.nan_to_num())
+
+
+@pytest.mark.parametrize("build", ["native", "generic", "torch"])
+def test_fp8_under_float_scales_is_one_float32_product_per_weight(monkeypatch, tmp_path, build):
+    """Qwen3's `-FP8` layout (float block scales, BF16 in its files): every e4m3 byte times its block's scale,
+    as torch multiplies in float32, in edge (partial) blocks too and under scales of every magnitude (subnormal;
+    over 2^119, where the vector loop takes its other product; products that overflow), then rounded to bfloat16
+    as torch rounds; from the compiled loop's vector build (-march=native) and its plain C build alike."""
+    from moepack.format_spec import source_formats
+
+    if build == "torch":
+        monkeypatch.setattr(source_formats, "_fp8_native", lambda: None)
+    else:
+        if native.c_compiler() is None or os.environ.get(native.NATIVE_ENV, "1") == "0":
+            pytest.skip("no compiled kernels here")
+        if build == "generic":
+            monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+            monkeypatch.setattr(native.loader, "ARCH_FLAGS", ((),))
+            monkeypatch.setattr(native.loader, "_native", {})
+        kernels = source_formats._load_fp8_native()  # (None where it failed its load-time check)
+        assert kernels is not None
+        assert "-march=native" in native.native_builds()["moepack_fp8_decode"]["flags"] or build == "generic"
+        monkeypatch.setattr(source_formats, "_fp8_native", lambda: kernels)
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randint(0, 256, (300, 260), generator=g, dtype=torch.uint8)
+    weight[:256, :256] = torch.arange(256, dtype=torch.uint8)[None, :]  # every byte in every row
+    codes = weight.view(torch.float8_e4m3fn)
+    scale = torch.tensor([[2.0 ** -140, 0.7 * 2.0 ** -127, 1e-3], [0.37, -2.5, 3e4],
+                          [1.3 * 2.0 ** 120, 1.9 * 2.0 ** 127, -1.5 * 2.0 ** 119]])
+    for given in (scale, scale.to(torch.bfloat16)):
+        want = codes.float() * given.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :260]
+        f32 = source_formats.fp8_float_block_dequantize(codes, given)
+        bf16 = source_formats.fp8_float_block_dequantize(codes, given, dtype=torch.bfloat16)
+        assert f32.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+        assert want.isinf().any() and want.isnan().any() and (want.abs() < 2.0 ** -126).logical_and(want != 0).any()
+        assert source_formats._same_values(f32, want)
+        assert source_formats._same_values(bf16, want.to(torch.bfloat16))
+    with pytest.raises(MoepackError, match="does not match"):
+        source_formats.fp8_float_block_dequantize(codes, scale[:2])
 
 
 def test_fp8_compiled_decoder_is_off_without_native(monkeypatch):
