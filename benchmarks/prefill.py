@@ -1,7 +1,7 @@
 """Prefill benchmark: streaming vs its parts vs transformers, measured side by side in one run.
 
-For each prompt length N, on a synthetic DeepSeek-V4 model (default: the `medium` preset in the release layout,
-FP8 dense + FP4 experts, a few GB):
+For each prompt length N, on a synthetic model of a family (--family, default deepseek-v4) in its release layout
+(default: its `medium` preset; DeepSeek-V4's FP8 dense + FP4 experts, Qwen3-MoE's `-FP8`, a few GB):
   io-alone       every region a prefill reads, read with the runtime's own reader (O_DIRECT, same bundles and
                  queue depth), cold cache, no compute
   compute-alone  the same prefill with the container already in RAM (page cache, mmap): no disk in the way
@@ -10,7 +10,8 @@ FP8 dense + FP4 experts, a few GB):
                  against the io-alone and compute-alone runs beside it (the three interleaved), the median kept;
                  "overlap in run" is the prefill's own stat, wall / max(io busy, compute busy) within the streamed
                  run, and "steal s" what the hypervisor took from each streamed run's CPUs (0 on bare metal)
-  transformers   DeepseekV4ForCausalLM resident in memory (bf16, loaded from `moepack export`), forward only
+  transformers   the family's model (DeepseekV4ForCausalLM, Qwen3MoeForCausalLM) resident in memory (bf16, or
+                 --transformers-dtype float32; loaded from `moepack export`), forward only
   io floor       the bytes a streamed prefill reads at the best speed measured in this run (fio's, or the
                  reader's alone where fio had no huge-page buffers and so read slower): no streamed prefill is
                  faster, so "best possible x" = transformers / io floor is the most a streamed run could show
@@ -22,7 +23,8 @@ On a GPU (--device cuda) the same rows come out with the device's peak memory; -
 this process (and transformers') may allocate on the device (torch's per-process memory fraction), so a model
 whose experts exceed B shows the prefill streaming what cannot stay resident: T_ssd = io-alone, T_compute =
 compute-alone, wall = streamed. transformers is reported only where the model fits the budget.
-Usage: python benchmarks/prefill.py [--preset medium] [--tokens 256,1024] [--compute-dtype bfloat16]
+Usage: python benchmarks/prefill.py [--family deepseek-v4|qwen3-moe] [--preset medium] [--tokens 256,1024]
+                                    [--compute-dtype bfloat16] [--transformers-dtype float32]
                                     [--device cuda --device-budget-gib 1] [--json]
 """
 
@@ -40,15 +42,19 @@ import moepack  # before torch: it limits OpenMP's spinning (moepack/__init__.py
 
 import torch  # noqa: E402
 
-from moepack.families.deepseek_v4.model import EXPERT_NAMING
+from moepack.families import DEFAULT_FAMILY, family_entries
 from moepack.format_spec.reader import Container
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.export import export_container
 from moepack.packer.synth import synth_checkpoint
-from moepack.runtime.engine import PrefillOptions, prefill
+from moepack.runtime.engine import PrefillOptions, layer_prefill, prefill
 from moepack.runtime.expert_decode import COMPUTE_DTYPES as EXPERT_DTYPES
 from moepack.runtime.expert_decode import ExpertDecoder, expert_weight_count
+from moepack.runtime.expert_runner import decode_expert
 from moepack.tools.bench import drop_page_cache, prefill_read_plan, run_fio, time_reads
+
+
+PRESETS = {entry.name: entry.synth_presets for entry in family_entries() if entry.synth_presets}
 
 
 def warm_cache(path: str) -> None:
@@ -73,26 +79,26 @@ def _sync(device: torch.device) -> None:
 
 
 def decode_alone(path: str, dtype: torch.dtype, device: torch.device) -> tuple[float, int, int]:
-    """Decode every routed expert once (bytes already in memory: RAM, or the device's), as the prefill does:
-    (seconds, bytes, weights)."""
+    """Decode every routed expert once (bytes already in memory: RAM, or the device's), as the prefill's expert
+    threads do (runtime/expert_runner.py's decode_expert, the family's naming and kernels): (seconds, bytes,
+    weights)."""
     decoder = ExpertDecoder(dtype, device, threads=1)  # on a CPU as each expert thread of the prefill
     seconds = stored = weights = 0
     with Container(path) as c:
+        family = layer_prefill(c, dtype)
         for block in c.layers:
             for region in block.experts:
                 raw = torch.frombuffer(bytearray(c.pread(region.offset, region.length, region.part)),
                                        dtype=torch.uint8).to(device)
-                names = EXPERT_NAMING.names(block.number, region.expert)
-                layout = ExpertDecoder.layout(region, names)
-                if layout is None:
-                    raise SystemExit(f"{path}: experts are not FP4; decode-alone measures the FP4 table decoder")
                 _sync(device)
                 start = time.perf_counter()
-                decoder.decode(region, layout, raw, region.offset, names)
+                decode_expert(decoder, family.expert_naming, block.number, region, raw, region.offset,
+                              compiled=family.expert_ffn is None)
                 _sync(device)
                 seconds += time.perf_counter() - start
                 stored += region.length
                 weights += expert_weight_count(region)
+        family.close()
     decoder.close()
     return seconds, stored, weights
 
@@ -104,7 +110,7 @@ torch.set_num_threads(int(sys.argv[3]))
 device, budget = torch.device(sys.argv[5]), float(sys.argv[6])
 if device.type == "cuda" and budget:
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.get_device_properties(device).total_memory))
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16).eval().to(device)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=getattr(torch, sys.argv[7])).eval().to(device)
 sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 results = {}
 for n in json.loads(sys.argv[2]):
@@ -124,8 +130,9 @@ print(json.dumps(results))
 
 
 def transformers_resident(export_dir: str, tokens: list[int], repeat: int, device: str = "cpu",
-                          budget_bytes: int = 0, omp_spincount: str | None = None) -> dict:
-    """transformers' forward on the model in memory (on `device`, within `budget_bytes` of it where given): {N:
+                          budget_bytes: int = 0, omp_spincount: str | None = None, dtype: str = "bfloat16") -> dict:
+    """transformers' forward on the model in memory (in `dtype`, on `device`, within `budget_bytes` of it where
+    given): {N:
     {"seconds", "next_token"}}, or {"error": ...} (e.g. the model does not fit the budget). It runs with OpenMP's
     defaults unless `omp_spincount` is given: the spin limit moepack sets for itself is not passed on."""
     env = dict(os.environ)
@@ -134,7 +141,7 @@ def transformers_resident(export_dir: str, tokens: list[int], repeat: int, devic
     if omp_spincount is not None:
         env["GOMP_SPINCOUNT"] = omp_spincount
     p = subprocess.run([sys.executable, "-c", TRANSFORMERS_RUN, export_dir, json.dumps(tokens),
-                        str(torch.get_num_threads()), str(repeat), device, str(budget_bytes)],
+                        str(torch.get_num_threads()), str(repeat), device, str(budget_bytes), dtype],
                        capture_output=True, text=True, env=env)
     if p.returncode:
         return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "failed"}
@@ -144,7 +151,8 @@ def transformers_resident(export_dir: str, tokens: list[int], repeat: int, devic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="bench-work")
-    ap.add_argument("--preset", default="medium", choices=["tiny", "small", "medium"])
+    ap.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(PRESETS), help="the synthetic model's family")
+    ap.add_argument("--preset", help="the family's preset (default: medium where it has one, else its largest)")
     ap.add_argument("--tokens", default="128,512,2048")
     ap.add_argument("--bundle-experts", type=int, default=4)
     ap.add_argument("--queue-depth", type=int, default=4)
@@ -159,11 +167,18 @@ def main() -> None:
     ap.add_argument("--device-budget-gib", type=float, default=0,
                     help="cuda: the device memory this process may use (0: all of it)")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--transformers-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the dtype transformers' model is loaded in (float32: the compute dtype float32's twin; "
+                         "its experts take 4 bytes a weight in RAM)")
     ap.add_argument("--transformers-omp-spincount", default=None,
                     help="run transformers with this GOMP_SPINCOUNT too (default: OpenMP's own)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.repeat = max(1, args.repeat)
+    presets = PRESETS[args.family]
+    args.preset = args.preset or ("medium" if "medium" in presets else presets[-1])
+    if args.preset not in presets:
+        ap.error(f"--preset: {args.family} has {', '.join(presets)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
@@ -172,10 +187,12 @@ def main() -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.get_device_properties(device).total_memory))
     tokens = [int(t) for t in args.tokens.split(",")]
     os.makedirs(args.workdir, exist_ok=True)
-    src = os.path.join(args.workdir, f"{args.preset}-release")
-    container = os.path.join(args.workdir, f"{args.preset}-keep.moepack")
+    name = args.preset if args.family == DEFAULT_FAMILY else f"{args.family}-{args.preset}"
+    src = os.path.join(args.workdir, f"{name}-release")
+    container = os.path.join(args.workdir, f"{name}-keep.moepack")
     if not os.path.exists(os.path.join(src, "model.safetensors.index.json")):
-        synth_checkpoint(src, preset=args.preset, layout="release", seed=0, progress=not args.json)
+        synth_checkpoint(src, preset=args.preset, layout="release", seed=0, progress=not args.json,
+                         family=args.family)
     if not os.path.exists(container):
         convert_checkpoint(src, container, progress=not args.json)
     with Container(container) as c:
@@ -239,11 +256,11 @@ def main() -> None:
             "fused_expert_max_tokens_source": s["fused_expert_max_tokens_source"],
         })
     if not args.no_transformers:
-        export_dir = os.path.join(args.workdir, f"{args.preset}-bf16-export")
+        export_dir = os.path.join(args.workdir, f"{name}-bf16-export")
         if not os.path.exists(os.path.join(export_dir, "config.json")):
             export_container(container, export_dir, dtype="bf16", progress=not args.json)
         ref = transformers_resident(export_dir, tokens, args.repeat, args.device, budget,
-                                    args.transformers_omp_spincount)
+                                    args.transformers_omp_spincount, args.transformers_dtype)
         for row in rows:
             r = ref.get(row["tokens"]) if "error" not in ref else None
             row["transformers_s"] = round(r["seconds"], 3) if r else None
@@ -256,7 +273,8 @@ def main() -> None:
             row["best_possible_vs_transformers"] = round(r["seconds"] / floor, 2) if r and floor else None
         if "error" in ref:
             print(f"transformers run failed: {ref['error']}", file=sys.stderr)
-    result = {"preset": args.preset, "container_bytes": file_bytes, "compute_dtype": args.compute_dtype,
+    result = {"family": args.family, "preset": args.preset, "container_bytes": file_bytes,
+              "compute_dtype": args.compute_dtype, "transformers_dtype": args.transformers_dtype,
               "expert_dtype": args.expert_dtype,
               "bundle_experts": args.bundle_experts, "queue_depth": args.queue_depth,
               "threads": torch.get_num_threads(), "repeat": args.repeat, "expert_decode_alone": decode,
@@ -268,8 +286,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print(f"{args.preset}: container {file_bytes / 1e9:.2f} GB, compute in {args.compute_dtype}, experts in "
-          f"{args.expert_dtype}, bundle "
+    print(f"{args.family} {args.preset}: container {file_bytes / 1e9:.2f} GB, compute in {args.compute_dtype}, "
+          f"experts in {args.expert_dtype}, transformers in {args.transformers_dtype}, bundle "
           f"{args.bundle_experts}, depth {args.queue_depth}, {torch.get_num_threads()} threads, on {args.device}; "
           f"fused FP4 experts up to {rows[0]['fused_expert_max_tokens']} tokens "
           f"({rows[0]['fused_expert_max_tokens_source']})")

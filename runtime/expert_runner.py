@@ -89,6 +89,22 @@ class OrderedSum:
             raise RuntimeError(f"experts {self._order[self._next:][:8]} were never added")
 
 
+def decode_expert(decoder: ExpertDecoder, naming: ExpertNaming, layer: int, region: Region, raw: torch.Tensor,
+                  base: int, *, compiled: bool, tokens: int | None = None) -> ExpertWeights:
+    """The expert of `region` (layer `layer`, its bytes in `raw` from file offset `base`) in the decoder's dtype,
+    for `tokens` tokens: by the decoder's compiled FP4 paths where `compiled` (experts without a family's
+    expert_ffn: the fused kernel's activation is the family's expert_forward) and the layout allows, else by the
+    generic decode, on a CPU into the decoder's buffers (fresh pages for every expert would each fault in). Views of
+    `raw` or of the decoder's buffers: valid until its next decode."""
+    prefix, names = naming.prefix(layer, region.expert), naming.names(layer, region.expert)
+    layout = ExpertDecoder.layout(region, names) if compiled else None
+    if layout is not None:
+        return decoder.decode(region, layout, raw, base, names, tokens=tokens)
+    out_for = decoder.buffer_for(prefix) if decoder.device.type == "cpu" else None
+    w = decode_regions([region], raw, base, prefix, decoder.dtype, own=False, out_for=out_for)
+    return ExpertWeights(w[naming.gate], w[naming.up], w[naming.down])
+
+
 def decode_regions(regions: list[Region], raw: torch.Tensor, base: int, strip: str,
                    dtype: torch.dtype = torch.float32, own: bool = True, dtype_of=None,
                    out_for=None) -> dict[str, torch.Tensor]:
@@ -344,15 +360,8 @@ class ExpertRunner:
                        tokens: int | None = None) -> ExpertWeights:
         """The expert of `region` decoded from its bytes, for `tokens` tokens (the fused kernel keeps FP4 packed for
         few). They may be views of `raw` or of this thread's decoder's buffers: valid until its next decode."""
-        n = self.naming
-        prefix, names = n.prefix(block.number, region.expert), n.names(block.number, region.expert)
-        # the compiled decoders' layouts are the experts without a family's expert_ffn (their activation)
-        layout = ExpertDecoder.layout(region, names) if self.expert_ffn is None else None
-        if layout is None:  # on a CPU into the thread's buffers: fresh pages for every expert would each fault in
-            out_for = self._decoder().buffer_for(prefix) if self.device.type == "cpu" else None
-            w = decode_regions([region], raw, base, prefix, self.expert_dtype, own=False, out_for=out_for)
-            return ExpertWeights(w[n.gate], w[n.up], w[n.down])
-        return self._decoder().decode(region, layout, raw, base, names, tokens=tokens)
+        return decode_expert(self._decoder(), self.naming, block.number, region, raw, base,
+                             compiled=self.expert_ffn is None, tokens=tokens)
 
     def owned_weights(self, block: Block, region: Region, raw: torch.Tensor, base: int) -> ExpertWeights:
         """expert_weights as dense matrices of their own, which outlive the bytes and the next decode (a cache of

@@ -543,3 +543,42 @@ def test_a_decoded_tokens_keys_go_into_room_kept_for_them_not_a_copy_of_the_kv()
     got = kv.append(k, v)
     assert torch.equal(got[0], torch.cat((keys, k), dim=1)) and kv.length == 6
     assert torch.equal(got[1], torch.cat((values, v), dim=1))
+
+
+@pytest.mark.parametrize("past", [0, 37])
+def test_attention_chunks_of_many_queries_take_the_fused_kernel_and_agree_with_float64(monkeypatch, past):
+    """A chunk of FUSED_MIN_QUERIES queries or more goes through torch's fused attention (the kernel's own causal
+    mask where the chunk starts the sequence, else the chunk's mask), fewer through the grouped matmuls; chunks of
+    every size, after a past or not, give the causal GQA attention a float64 computation gives."""
+    import torch.nn.functional as F
+
+    from moepack.families.qwen3_moe import model
+
+    c = Qwen3MoeConfig.from_hf({"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2,
+                                  "head_dim": 16, "num_hidden_layers": 1, "num_experts": 4,
+                                  "num_experts_per_tok": 2, "moe_intermediate_size": 8, "intermediate_size": 8,
+                                  "vocab_size": 32})
+    n = 80
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(8, n, 16, generator=g)
+    keys, values = (torch.randn(2, past + n, 16, generator=g) for _ in range(2))
+    positions = torch.arange(past, past + n)
+    heads = 8 // 2
+    k64, v64 = (t.double().repeat_interleave(heads, 0) for t in (keys, values))
+    scores = (q.double() @ k64.transpose(1, 2)) / 4.0
+    scores = scores.masked_fill(torch.arange(past + n)[None, :] > positions[:, None], float("-inf"))
+    want = (torch.softmax(scores, -1) @ v64).transpose(0, 1).reshape(n, -1)
+    fused, whole = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        fused.append((args[0].shape[2], kwargs["is_causal"]))
+        return whole(*args, **kwargs)
+    monkeypatch.setattr(model.F, "scaled_dot_product_attention", spy)
+    for chunk in (1, 7, model.FUSED_MIN_QUERIES - 1, model.FUSED_MIN_QUERIES, 33, n):
+        fused.clear()
+        got = model.attention_over(c, q, keys, values, positions, chunk)
+        assert (got.double() - want).abs().max() < 1e-5, chunk
+        sizes = [min(chunk, n - s) for s in range(0, n, chunk)]
+        assert [rows for rows, _ in fused] == [m for m in sizes if m >= model.FUSED_MIN_QUERIES], chunk
+        assert [causal for _, causal in fused] == [past == 0 and i == 0 for i, m in enumerate(sizes)
+                                                   if m >= model.FUSED_MIN_QUERIES], chunk
