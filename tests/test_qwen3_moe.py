@@ -582,3 +582,50 @@ def test_attention_chunks_of_many_queries_take_the_fused_kernel_and_agree_with_f
         assert [rows for rows, _ in fused] == [m for m in sizes if m >= model.FUSED_MIN_QUERIES], chunk
         assert [causal for _, causal in fused] == [past == 0 and i == 0 for i, m in enumerate(sizes)
                                                    if m >= model.FUSED_MIN_QUERIES], chunk
+
+
+ATTENTION_PEAK = """
+import json, torch
+from moepack.families.qwen3_moe import model, prefill
+from moepack.families.qwen3_moe.config import Qwen3MoeConfig
+
+
+def status(field):  # bytes (the file says kB)
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":")) << 10
+
+
+torch.set_num_threads(2)
+c = Qwen3MoeConfig.from_hf({"hidden_size": 1024, "num_attention_heads": 32, "num_key_value_heads": 4,
+                            "head_dim": 128, "num_hidden_layers": 1, "num_experts": 4, "num_experts_per_tok": 2,
+                            "moe_intermediate_size": 8, "intermediate_size": 8, "vocab_size": 32})
+T, chunk = 16384, 1024
+q = torch.randn(32, chunk, 128)
+keys, values = torch.randn(4, T, 128), torch.randn(4, T, 128)
+positions = torch.arange(T - chunk, T)
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) from here on
+except OSError as e:
+    print(json.dumps({"skip": f"no resettable peak RSS here: {e}"}))
+    raise SystemExit(0)
+before = status("VmRSS")
+model.attention_over(c, q, keys, values, positions, chunk)
+grown = status("VmHWM") - before
+cpu = prefill._attention_bytes(c, T, chunk, torch.device("cpu"))
+print(json.dumps({"grown": grown, "cpu": cpu, "elsewhere": prefill._attention_bytes(c, T, chunk, None)}))
+"""
+
+
+def test_a_cpu_prefills_attention_estimate_covers_what_the_fused_kernel_holds():
+    """The memory check's attention term on a CPU is what torch's fused attention holds for a chunk (its mask, not
+    the [heads, chunk, T] scores: a 16,384-token prompt's last chunk of 1,024 queries), measured as the process's
+    peak: at least that, and a small part of the scores' bytes the check counts where the kernels may hold them."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", ATTENTION_PEAK], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in peak:
+        pytest.skip(peak["skip"])
+    assert 0 < peak["grown"] <= peak["cpu"] < peak["elsewhere"] / 10, peak

@@ -14,7 +14,7 @@ from moepack.format_spec.errors import MoepackError
 
 from ..base import MoeShape, PrefillNames, Routing, check_finite
 from .config import Qwen3MoeConfig
-from .model import LayerKV, after_experts, attention, rms_norm, route, swiglu_ffn
+from .model import FUSED_MIN_QUERIES, LayerKV, after_experts, attention, rms_norm, route, swiglu_ffn
 from .tensors import EMBED, EXPERT_NAMING, FINAL_NORM, HEAD, layer_prefix
 
 F32 = 4  # bytes the memory estimate counts per value (generous for a bf16 prefill)
@@ -102,13 +102,25 @@ class Qwen3MoePrefill:
             "activations": n_tokens * F32 * (8 * c.hidden_size + 2 * c.num_heads * c.head_dim
                                              + 3 * c.intermediate_size),
             "kv": n_tokens * kv_row * c.num_layers,  # every layer's keys and values stay for the tokens after
-            # a query chunk's scores, their softmax and its output over every key ([heads, chunk, T] each; a GQA
-            # group's queries read their KV head's keys in place, model.attention_over)
-            "attention_chunk": 3 * c.num_heads * query_chunk * n_tokens * F32,
+            "attention_chunk": _attention_bytes(c, n_tokens, query_chunk, device),
         }
 
     def close(self) -> None:
         pass
+
+
+def _attention_bytes(c: Qwen3MoeConfig, n_tokens: int, query_chunk: int, device: torch.device | None) -> int:
+    """The most one attention chunk of a prefill of n_tokens holds (model.attention_over). Torch's fused attention
+    on a CPU (a chunk of FUSED_MIN_QUERIES queries or more) keeps the chunk's mask ([chunk, T], bool and float) and
+    its own blocks, never the scores; elsewhere (a GPU's kernels may fall back to materialising them) and in the grouped matmuls
+    (a chunk of fewer queries, the last one included) the scores, their softmax and the output ([heads, chunk, T]
+    each; a GQA group's queries read their KV head's keys in place)."""
+    def scores(rows: int) -> int:
+        return 3 * c.num_heads * rows * n_tokens * F32
+
+    if device is None or device.type != "cpu" or query_chunk < FUSED_MIN_QUERIES:
+        return scores(query_chunk)
+    return max(12 * query_chunk * n_tokens, scores(FUSED_MIN_QUERIES - 1))  # (generous: 107 MB of 201 at 16K)
 
 
 def _on(t: Tensor | None, like: Tensor) -> Tensor | None:
