@@ -140,7 +140,7 @@ def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: int =
                          out.data_ptr())
         return out
     values = _fp8_lookup_torch(weight, scale_bytes, block, table)
-    return values if out is None else out.copy_(values)
+    return values if out is None else _output(out, weight, dtype).copy_(values)
 
 
 FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -168,7 +168,7 @@ def fp8_float_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block:
     values[:full * block].view(full, block, cols).mul_(per_column[:full, None, :])
     values[full * block:].mul_(per_column[full:])
     values = values if dtype == torch.float32 else values.to(dtype)
-    return values if out is None else out.copy_(values)
+    return values if out is None else _output(out, weight, dtype).copy_(values)
 
 
 def _fp8_lookup_torch(weight: torch.Tensor, scale_bytes: torch.Tensor, block: int, table: torch.Tensor) -> torch.Tensor:
@@ -231,10 +231,12 @@ def _fp8_float_scaled(kernels: Fp8Kernels, weight: torch.Tensor, scale: torch.Te
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit, any NaN equal to any NaN (its payload is the conversion's own)."""
+    """Bit for bit (infinities and signed zeros too), any NaN equal to any NaN (its payload is the conversion's
+    own)."""
     bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
-    return (torch.equal(a.isnan(), b.isnan())
-            and torch.equal(a.nan_to_num(0, 0, 0).view(bits), b.nan_to_num(0, 0, 0).view(bits)))
+    nan = a.isnan()
+    return (torch.equal(nan, b.isnan())
+            and torch.equal(a.masked_fill(nan, 0).view(bits), b.masked_fill(nan, 0).view(bits)))
 
 
 def _load_fp8_native() -> Fp8Kernels | None:

@@ -172,6 +172,44 @@ def test_a_continued_prefill_equals_the_whole_prompt(qwen3, backend):
     torch.testing.assert_close(again[1].logits, reference_logits(model, PROMPT[:6])[-1], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_long_prompts_fused_attention_chunks_give_transformers_logits(qwen3, backend, monkeypatch):
+    """A prompt long enough for torch's fused attention (chunks of model.FUSED_MIN_QUERIES queries or more): whole
+    (one chunk, the kernel's causal mask), in query chunks of 24 (masked chunks after the first), and continued
+    after 50 tokens (a fused chunk over a past) or after 60 (a tail of 10 through the grouped matmuls), each with
+    the last position's logits of transformers' forward."""
+    import torch.nn.functional as F
+
+    from moepack.families.qwen3_moe import model as qwen3_model
+
+    container, model = qwen3["float32"]
+    ids = torch.randint(3, 300, (70,), generator=torch.Generator().manual_seed(8))
+    want = reference_logits(model, ids.tolist())[-1]
+    fused, whole = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        fused.append(args[0].shape[2])
+        return whole(*args, **kwargs)
+    monkeypatch.setattr(qwen3_model.F, "scaled_dot_product_attention", spy)
+    for query_chunk in (None, 24):
+        fused.clear()
+        result = prefill(container, ids, _options(backend, query_chunk=query_chunk))
+        torch.testing.assert_close(result.logits, want, atol=ATOL, rtol=0)
+        assert fused and set(fused) == ({70} if query_chunk is None else {24, 22}), fused
+    with Container(container) as c:
+        engine, layers = StreamingPrefill(c, _options(backend)), len(c.layers)
+        try:
+            for cut in (50, 60):
+                fused.clear()
+                first = engine.run(ids[:cut], keep_kv=True)
+                continued = engine.run(ids[cut:], list(first.states))
+                torch.testing.assert_close(continued.logits, want, atol=ATOL, rtol=0)
+                tail = [70 - cut] if 70 - cut >= qwen3_model.FUSED_MIN_QUERIES else []
+                assert fused == [cut] * layers + tail * layers
+        finally:
+            engine.close()
+
+
 def test_bf16_compute_stays_near_float32(qwen3):
     container, model = qwen3["bf16"]
     want = reference_logits(model, PROMPT)[-1]

@@ -156,7 +156,9 @@ def attention_inputs(c: Qwen3MoeConfig, w: Mapping[str, Tensor], x: Tensor, posi
 # A chunk of at least this many queries goes through torch's fused attention (scaled_dot_product_attention: on a
 # CPU flash attention, 3-8x the matmuls' speed on a prefill's chunks, the causal part skipped where the chunk starts
 # the sequence); fewer (a decoded token's) through two matmuls over the group's queries, which are faster there
-# (at 3,000 keys, 1-8 queries: 5 ms against 7-21 ms; 16: 32 against 14).
+# (at 3,000 keys, 1-8 queries: 5 ms against 7-21 ms; 16: 32 against 14). On a GPU only a chunk that starts the
+# sequence (the kernel's own causal mask): torch's fused GPU kernels take no mask beside GQA, and their fallback
+# would copy the keys per query head.
 FUSED_MIN_QUERIES = 16
 
 
@@ -175,8 +177,10 @@ def attention_over(c: Qwen3MoeConfig, q: Tensor, keys: Tensor, values: Tensor, p
         stop = min(start + chunk, n)
         seen = past + stop  # the keys this chunk's last query sees
         visible = torch.arange(seen, device=q.device)[None, :] <= positions[start:stop, None]  # causal
-        attend = _fused_attention if stop - start >= FUSED_MIN_QUERIES else _grouped_attention
-        heads = attend(c, q[:, start:stop], keys[:, :seen], values[:, :seen], visible, causal=past + start == 0)
+        causal = past + start == 0
+        fused = stop - start >= FUSED_MIN_QUERIES and (causal or q.device.type == "cpu")
+        attend = _fused_attention if fused else _grouped_attention
+        heads = attend(c, q[:, start:stop], keys[:, :seen], values[:, :seen], visible, causal=causal)
         out[start:stop] = heads.transpose(0, 1).reshape(stop - start, -1)
     return out
 

@@ -109,18 +109,22 @@ class Qwen3MoePrefill:
         pass
 
 
+FUSED_THREAD_BYTES = 4 << 20  # what torch's fused CPU attention keeps per thread (its blocks: 1.3-1.8 MB measured)
+
+
 def _attention_bytes(c: Qwen3MoeConfig, n_tokens: int, query_chunk: int, device: torch.device | None) -> int:
     """The most one attention chunk of a prefill of n_tokens holds (model.attention_over). Torch's fused attention
     on a CPU (a chunk of FUSED_MIN_QUERIES queries or more) keeps the chunk's mask ([chunk, T], bool and float) and
-    its own blocks, never the scores; elsewhere (a GPU's kernels may fall back to materialising them) and in the grouped matmuls
-    (a chunk of fewer queries, the last one included) the scores, their softmax and the output ([heads, chunk, T]
-    each; a GQA group's queries read their KV head's keys in place)."""
+    each thread's blocks, never the scores; elsewhere (a GPU's masked chunks take the grouped matmuls) and in the
+    grouped matmuls (a chunk of fewer queries, the last one included) the scores, their softmax and the output
+    ([heads, chunk, T] each; a GQA group's queries read their KV head's keys in place)."""
     def scores(rows: int) -> int:
         return 3 * c.num_heads * rows * n_tokens * F32
 
     if device is None or device.type != "cpu" or query_chunk < FUSED_MIN_QUERIES:
         return scores(query_chunk)
-    return max(12 * query_chunk * n_tokens, scores(FUSED_MIN_QUERIES - 1))  # (generous: 107 MB of 201 at 16K)
+    fused = 12 * query_chunk * n_tokens + FUSED_THREAD_BYTES * torch.get_num_threads()  # (107 MB of 209 at 16K)
+    return max(fused, scores(FUSED_MIN_QUERIES - 1))
 
 
 def _on(t: Tensor | None, like: Tensor) -> Tensor | None:
