@@ -54,14 +54,13 @@ import torch
 from moepack.backends import token_kernels
 from moepack.backends.device_copier import DeviceCopier, to_device_async
 from moepack.families.base import LayerDecode, not_finite
-from moepack.format_spec.codecs import codec
-from moepack.format_spec.decode import decode_group, decode_group_rows, entry_bytes, scale_name
+from moepack.format_spec.decode import decode_group, decode_group_rows, entry_bytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
 from .device_decode import RoutingPieces, StepGraphs, container_pool
 from .expert_decode import ExpertWeights, expert_weight_count
-from .expert_runner import BusyTimer, ExpertRunner, decode_dense
+from .expert_runner import BusyTimer, ExpertRunner, decode_dense, kernel_layout, stored_matrix
 from .io import HostBuffer, ReadPipeline, RegionReader, release_freed_memory, torch_threads
 from .read_scheduler import RegionChecker, global_regions
 
@@ -220,23 +219,6 @@ class ExpertCache:
         return self.hits / looked_up if looked_up else None
 
 
-# the stored scales the token kernel takes beside a weight kind (E8M0 bytes; an FP8 weight's as float32 too)
-_KERNEL_SCALES = {"FP4_E2M1": ("F8_E8M0",), "F8_E4M3": ("F8_E8M0", "F32", "BF16", "F16")}
-
-
-def _stored_matrix(raw: torch.Tensor, kind: str, data: slice, rows: int, cols: int, scale: tuple | None,
-                   table: torch.Tensor | None) -> token_kernels.Matrix:
-    """One matrix of an expert's stored bytes `raw` (a _kernel_layout entry) as the token kernel reads it; an FP8
-    weight's block scales decoded to the float32 the kernel multiplies by (held by the Matrix)."""
-    if kind != "F8_E4M3":
-        return token_kernels.stored_matrix(kind, raw[data], rows, cols, raw[scale[0]] if scale else None, table)
-    where, dtype, shape = scale
-    scales = token_kernels.fp8_block_scales(codec(dtype).decode(raw[where], shape))
-    matrix = token_kernels.stored_matrix(kind, raw[data], rows, cols, scales)
-    matrix.keep = scales
-    return matrix
-
-
 def token_choice(routing, row: int = 0) -> dict[int, float]:
     """One token's routed experts (row `row` of the routing): expert id -> its routing weight, in ascending id (a
     hash layer may pick an expert twice: its weights add up)."""
@@ -326,7 +308,6 @@ class Decoder:
         self._from_prefill: set[tuple[int, int]] = set()  # kept by keep_from_prefill since the last seed
         self._layouts: dict[tuple[int, int], list | None] = {}
         self._matrices: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> (weakref to its bytes, Matrices)
-        self._tables: dict[str, torch.Tensor] = {}
         self._step_uses: list[tuple[int, torch.Tensor]] = []  # complete layers' choices, counted after the step
         # each layer beside the pool, (layer, whether its output is finite: a device flag), checked after the step
         self._step_finite: list[tuple[int, torch.Tensor]] = []
@@ -604,33 +585,11 @@ class Decoder:
 
     # --- the routed experts of a token in one compiled call ----------------------------------------------------------
     def _kernel_layout(self, layer: int, e: int) -> list[tuple] | None:
-        """Expert e's three matrices as the token kernel reads them, relative to its region's first byte: (kind,
-        data slice, rows, cols, scale or None) each, the scale (its slice, stored dtype, shape) of FP4_E2M1 (E8M0
-        per 32) and F8_E4M3 (E8M0 or float per 128 x 128 block); None where a matrix is stored in a kind it lacks."""
+        """Expert e's kernel_layout (expert_runner.py), kept per expert."""
         key = (layer, e)
         if key not in self._layouts:
-            block = self.blocks[layer]
-            region = block.experts[e]
-            by_name = {t.name: t for t in region.tensors}
-            names = self.arithmetic.expert_naming.names(layer, e)
-
-            def span(t):
-                return slice(t.file_offset - region.offset, t.file_offset - region.offset + t.length)
-            layout = []
-            for m in ("gate", "up", "down"):  # the token kernel's order
-                w = by_name.get(names[m])
-                if w is None or w.dtype not in token_kernels.KINDS or len(w.shape) != 2:
-                    layout = None
-                    break
-                scale = by_name.get(scale_name(w.name))
-                scale_kinds = _KERNEL_SCALES.get(w.dtype)
-                if scale_kinds is not None and (scale is None or scale.dtype not in scale_kinds or (
-                        w.dtype == "F8_E4M3" and tuple(scale.shape) != token_kernels.fp8_scale_blocks(*w.shape))):
-                    layout = None
-                    break
-                layout.append((w.dtype, span(w), *w.shape,
-                               (span(scale), scale.dtype, tuple(scale.shape)) if scale_kinds else None))
-            self._layouts[key] = layout
+            self._layouts[key] = kernel_layout(self.blocks[layer].experts[e],
+                                               self.arithmetic.expert_naming.names(layer, e))
         return self._layouts[key]
 
     def _kernel_experts(self, layer: int, chosen: dict[int, float], got, held: list) -> list[tuple] | None:
@@ -651,19 +610,12 @@ class Decoder:
             held.append(raw)
             known = self._matrices.get((layer, e))  # a cache hit gives the same bytes as last time
             if known is None or known[0]() is not raw:
-                known = (weakref.ref(raw), tuple(_stored_matrix(raw, *matrix, self._table(matrix[0]))
+                known = (weakref.ref(raw), tuple(stored_matrix(raw, *matrix, self.experts.kernel_table(matrix[0]))
                                                  for matrix in layout))
                 self._matrices[(layer, e)] = known
             experts.append(known[1])
         self.stats.kernel_layers += 1
         return experts
-
-    def _table(self, kind: str) -> torch.Tensor | None:
-        if kind not in ("FP4_E2M1", "MXFP4"):
-            return None
-        if kind not in self._tables:
-            self._tables[kind] = token_kernels.value_table(kind)
-        return self._tables[kind]
 
     # --- one token ---------------------------------------------------------------------------------------------
     def step(self, token_id: int) -> torch.Tensor:

@@ -18,14 +18,16 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from moepack.backends import token_kernels
 from moepack.backends.expert_naming import ExpertNaming
 from moepack.families.base import ExpertGroups, Routing
-from moepack.format_spec.decode import decode_group, entry_bytes
+from moepack.format_spec.codecs import codec
+from moepack.format_spec.decode import decode_group, entry_bytes, scale_name
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Block, Region
 
@@ -87,6 +89,53 @@ class OrderedSum:
     def check_complete(self) -> None:
         if self._next != len(self._order):
             raise RuntimeError(f"experts {self._order[self._next:][:8]} were never added")
+
+
+# An expert on up to this many tokens whose kind the compiled decoders lack (a family's FP8, Q8_0...) runs in the
+# token kernel straight from its stored bytes on a CPU, not decoded to float: an FP8 expert of 2048 x 768 took
+# 1.2 / 3.0 / 4.2 ms on 1 / 8 / 16 tokens there against 6.4 / 7.6 / 7.1 decoded and multiplied (even at 32). A
+# prompt of a few dozen tokens sends most experts a handful.
+KERNEL_MAX_TOKENS = 16
+
+# the stored scales the token kernel takes beside a weight kind (E8M0 bytes; an FP8 weight's as float32 too)
+_KERNEL_SCALES = {"FP4_E2M1": ("F8_E8M0",), "F8_E4M3": ("F8_E8M0", "F32", "BF16", "F16")}
+
+
+def kernel_layout(region: Region, names: Mapping[str, str]) -> list[tuple] | None:
+    """An expert's three matrices (`names`: its gate / up / down weights', ExpertNaming.names) as the compiled token
+    kernel reads them, relative to its region's first byte: (kind, data slice, rows, cols, scale or None) each, the
+    scale (its slice, stored dtype, shape) of FP4_E2M1 (E8M0 per 32) and F8_E4M3 (E8M0 or float per 128 x 128
+    block); None where a matrix is stored in a kind it lacks."""
+    by_name = {t.name: t for t in region.tensors}
+
+    def span(t):
+        return slice(t.file_offset - region.offset, t.file_offset - region.offset + t.length)
+    layout = []
+    for m in ("gate", "up", "down"):  # the token kernel's order
+        w = by_name.get(names[m])
+        if w is None or w.dtype not in token_kernels.KINDS or len(w.shape) != 2:
+            return None
+        scale = by_name.get(scale_name(w.name))
+        scale_kinds = _KERNEL_SCALES.get(w.dtype)
+        if scale_kinds is not None and (scale is None or scale.dtype not in scale_kinds or (
+                w.dtype == "F8_E4M3" and tuple(scale.shape) != token_kernels.fp8_scale_blocks(*w.shape))):
+            return None
+        layout.append((w.dtype, span(w), *w.shape,
+                       (span(scale), scale.dtype, tuple(scale.shape)) if scale_kinds else None))
+    return layout
+
+
+def stored_matrix(raw: torch.Tensor, kind: str, data: slice, rows: int, cols: int, scale: tuple | None,
+                  table: torch.Tensor | None) -> token_kernels.Matrix:
+    """One matrix of an expert's stored bytes `raw` (a kernel_layout entry) as the token kernel reads it; an FP8
+    weight's block scales decoded to the float32 the kernel multiplies by (held by the Matrix)."""
+    if kind != "F8_E4M3":
+        return token_kernels.stored_matrix(kind, raw[data], rows, cols, raw[scale[0]] if scale else None, table)
+    where, dtype, shape = scale
+    scales = token_kernels.fp8_block_scales(codec(dtype).decode(raw[where], shape))
+    matrix = token_kernels.stored_matrix(kind, raw[data], rows, cols, scales)
+    matrix.keep = scales
+    return matrix
 
 
 def decode_expert(decoder: ExpertDecoder, naming: ExpertNaming, layer: int, region: Region, raw: torch.Tensor,
@@ -152,6 +201,11 @@ class ExpertRunner:
         # without expert_ffn, the family's arithmetic of the compiled decoders' experts: expert_forward(x, gate, up,
         # down, hidden_order) on decoded matrices, expert_limit the clamp the fused FP4 kernel's SwiGLU takes
         self.expert_forward, self.expert_limit = expert_forward, expert_limit
+        # the token kernel computes the family's experts where it knows their clamp (expert_limit), on a CPU
+        self._kernel_route = device.type == "cpu" and expert_limit is not None
+        self._kernel_layouts: dict[tuple[int, int], list | None] = {}
+        self._kernel_flag = token_kernels.ROUND_INPUT if expert_dtype == torch.bfloat16 else 0
+        self._tables: dict[str, torch.Tensor] = {}
         self.checker, self.copier, self.release, self.compute = checker, copier, release, compute
         self.threads = torch.get_num_threads() if device.type == "cpu" else 1
         self.decoded_at_once = self.threads  # one expert per thread
@@ -329,7 +383,7 @@ class ExpertRunner:
         # the kernel it gets prefilled alone: a prompt's result does not depend on the others' rows
         prompt = row_prompt[rows]
         own = torch.bincount(prompt)[prompt]  # each row's prompt's tokens here
-        few = own <= self.fused_tokens
+        few = own <= self._few_tokens(block, region)
         for picked in (few, ~few):
             if bool(picked.all()):
                 self.expert_output(block, region, raw, base, x, out, tokens=int(own.max()))
@@ -344,9 +398,42 @@ class ExpertRunner:
         """out (float32 rows) = the expert of `region` (its bytes in `raw`, from file offset `base`) applied to its
         tokens `x`: FP4 experts through the table decoder (the fused kernel writes `out` itself), anything else
         through the generic decode; a family's expert_ffn where it has one. `tokens`: the count that chooses the
-        kernel (default len(x); in a grouped pass the most any one prompt sends it)."""
-        weights = self.expert_weights(block, region, raw, base, tokens=len(x) if tokens is None else tokens)
+        kernel (default len(x); in a grouped pass the most any one prompt sends it): on up to KERNEL_MAX_TOKENS an
+        expert of a kind the compiled decoders lack runs in the token kernel from its bytes."""
+        tokens = len(x) if tokens is None else tokens
+        layout = self._kernel_layout(block, region) if tokens <= KERNEL_MAX_TOKENS else None
+        if layout is not None:
+            stored = raw[region.offset - base: region.end - base]
+            expert = tuple(stored_matrix(stored, *matrix, self.kernel_table(matrix[0])) for matrix in layout)
+            rows = list(range(len(x)))
+            return out.copy_(token_kernels.token_kernels().moe_rows(
+                x, [expert], [rows], [[1.0] * len(rows)], self.expert_limit, [self._kernel_flag], threads=1))
+        weights = self.expert_weights(block, region, raw, base, tokens=tokens)
         return self.apply(weights, x, out)
+
+    def _kernel_layout(self, block: Block, region: Region) -> list[tuple] | None:
+        """The expert's kernel_layout where the token kernel may run it on few tokens: on a CPU, a family whose
+        clamp it knows, a kind the compiled decoders lack (those keep theirs: the fused FP4 kernel, the table),
+        and the kernel built here; else None."""
+        key = (block.number, region.expert)
+        if key not in self._kernel_layouts:
+            names = self.naming.names(block.number, region.expert)
+            compiled = self.expert_ffn is None and ExpertDecoder.layout(region, names) is not None
+            usable = self._kernel_route and not compiled and token_kernels.token_kernels() is not None
+            self._kernel_layouts[key] = kernel_layout(region, names) if usable else None
+        return self._kernel_layouts[key]
+
+    def _few_tokens(self, block: Block, region: Region) -> int:
+        """Up to how many tokens the expert runs on its few-token kernel (token kernel, or fused FP4)."""
+        return KERNEL_MAX_TOKENS if self._kernel_layout(block, region) is not None else self.fused_tokens
+
+    def kernel_table(self, kind: str) -> torch.Tensor | None:
+        """The token kernel's value table of an FP4 kind (None for others), made once per runner."""
+        if kind not in ("FP4_E2M1", "MXFP4"):
+            return None
+        if kind not in self._tables:
+            self._tables[kind] = token_kernels.value_table(kind)
+        return self._tables[kind]
 
     def apply(self, weights: ExpertWeights, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The expert on x by this runner's arithmetic: the family's expert_ffn (its decoded matrices), else

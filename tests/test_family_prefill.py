@@ -76,9 +76,11 @@ def test_a_cpu_prefill_decodes_each_fp8_expert_into_its_threads_buffers(qwen3, m
     """The per-expert backend on a CPU decodes a family's FP8 experts (the generic decode, for its expert_ffn) into
     its thread's decoder's buffers, reused from one expert to the next (fresh pages for every expert would each
     fault in: 2-3x the decode's time), with the logits of fresh tensors."""
+    from moepack.runtime import expert_runner
     from moepack.runtime.expert_decode import ExpertDecoder
     from moepack.runtime.expert_runner import ExpertRunner
 
+    monkeypatch.setattr(expert_runner, "KERNEL_MAX_TOKENS", 0)  # every expert decoded (not the token kernel's)
     container = qwen3["fp8"][0]
     decoded, whole = [], ExpertRunner.expert_weights
 
@@ -96,6 +98,38 @@ def test_a_cpu_prefill_decodes_each_fp8_expert_into_its_threads_buffers(qwen3, m
     fresh = prefill(container, PROMPT, _options(expert_selection="all")).logits
     assert len(decoded) == chosen and not any(any(roles) for roles in decoded)
     assert torch.equal(reused, fresh)
+
+
+@pytest.mark.parametrize("layout", ["fp8", "bf16", "fp4"])
+def test_experts_on_few_tokens_run_in_the_token_kernel_from_their_bytes(qwen3, monkeypatch, layout):
+    """On a CPU an expert on up to KERNEL_MAX_TOKENS tokens (a short prompt's: every expert here) whose kind the
+    compiled decoders lack runs in the token kernel from its stored bytes, never decoded; with the logits of every
+    expert decoded and multiplied by torch (float32 sums in another order)."""
+    from moepack.backends import token_kernels
+    from moepack.runtime import expert_runner
+
+    if token_kernels.token_kernels() is None:
+        pytest.skip("no compiled token kernel here")
+    container = qwen3[layout][0]
+    decoded, kernel_calls = [], []
+    whole_weights, whole_rows = expert_runner.ExpertRunner.expert_weights, token_kernels.TokenKernels.moe_rows
+
+    def weights_spy(self, *args, **kwargs):
+        decoded.append(1)
+        return whole_weights(self, *args, **kwargs)
+
+    def rows_spy(self, x, *args, **kwargs):
+        kernel_calls.append(x.shape[0])
+        return whole_rows(self, x, *args, **kwargs)
+    monkeypatch.setattr(expert_runner.ExpertRunner, "expert_weights", weights_spy)
+    monkeypatch.setattr(token_kernels.TokenKernels, "moe_rows", rows_spy)
+    by_kernel = prefill(container, PROMPT, _options(expert_selection="all")).logits
+    assert kernel_calls and max(kernel_calls) <= expert_runner.KERNEL_MAX_TOKENS and not decoded
+    monkeypatch.setattr(expert_runner, "KERNEL_MAX_TOKENS", 0)
+    kernel_calls.clear()
+    by_torch = prefill(container, PROMPT, _options(expert_selection="all")).logits
+    assert decoded and not kernel_calls
+    torch.testing.assert_close(by_kernel, by_torch, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
