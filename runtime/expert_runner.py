@@ -91,8 +91,8 @@ class OrderedSum:
             raise RuntimeError(f"experts {self._order[self._next:][:8]} were never added")
 
 
-# An expert on up to this many tokens whose kind the compiled decoders lack (a family's FP8, Q8_0...) runs in the
-# token kernel straight from its stored bytes on a CPU, not decoded to float: an FP8 expert of 2048 x 768 took
+# A family's expert (one its expert_ffn computes) on up to this many tokens runs in the token kernel straight from
+# its stored bytes on a CPU, not decoded to float (ExpertRunner._kernel_layout): an FP8 expert of 2048 x 768 took
 # 1.2 / 3.0 / 4.2 ms on 1 / 8 / 16 tokens there against 6.4 / 7.6 / 7.1 decoded and multiplied (even at 32). A
 # prompt of a few dozen tokens sends most experts a handful.
 KERNEL_MAX_TOKENS = 16
@@ -201,9 +201,11 @@ class ExpertRunner:
         # without expert_ffn, the family's arithmetic of the compiled decoders' experts: expert_forward(x, gate, up,
         # down, hidden_order) on decoded matrices, expert_limit the clamp the fused FP4 kernel's SwiGLU takes
         self.expert_forward, self.expert_limit = expert_forward, expert_limit
-        # the token kernel computes the family's experts where it knows their clamp (expert_limit), on a CPU
-        self._kernel_route = device.type == "cpu" and expert_limit is not None
-        self._kernel_layouts: dict[tuple[int, int], list | None] = {}
+        # few-token experts through the token kernel: on a CPU, for a family whose own torch FFN computes its
+        # experts (expert_ffn) and whose clamp the kernel knows (expert_limit); the others keep the compiled decoders'
+        # arithmetic, or decode + torch's, which their CPU fingerprints pin (benchmarks/logits_fingerprint.py)
+        self._kernel_route = device.type == "cpu" and expert_ffn is not None and expert_limit is not None
+        self._kernel_layouts: dict[tuple[str, int], list | None] = {}
         self._kernel_flag = token_kernels.ROUND_INPUT if expert_dtype == torch.bfloat16 else 0
         self._tables: dict[str, torch.Tensor] = {}
         self.checker, self.copier, self.release, self.compute = checker, copier, release, compute
@@ -398,8 +400,8 @@ class ExpertRunner:
         """out (float32 rows) = the expert of `region` (its bytes in `raw`, from file offset `base`) applied to its
         tokens `x`: FP4 experts through the table decoder (the fused kernel writes `out` itself), anything else
         through the generic decode; a family's expert_ffn where it has one. `tokens`: the count that chooses the
-        kernel (default len(x); in a grouped pass the most any one prompt sends it): on up to KERNEL_MAX_TOKENS an
-        expert of a kind the compiled decoders lack runs in the token kernel from its bytes."""
+        kernel (default len(x); in a grouped pass the most any one prompt sends it): on up to KERNEL_MAX_TOKENS a
+        family's expert (its expert_ffn's) runs in the token kernel from its bytes (_kernel_layout)."""
         tokens = len(x) if tokens is None else tokens
         layout = self._kernel_layout(block, region) if tokens <= KERNEL_MAX_TOKENS else None
         if layout is not None:
@@ -412,14 +414,12 @@ class ExpertRunner:
         return self.apply(weights, x, out)
 
     def _kernel_layout(self, block: Block, region: Region) -> list[tuple] | None:
-        """The expert's kernel_layout where the token kernel may run it on few tokens: on a CPU, a family whose
-        clamp it knows, a kind the compiled decoders lack (those keep theirs: the fused FP4 kernel, the table),
-        and the kernel built here; else None."""
-        key = (block.number, region.expert)
+        """The expert's kernel_layout where the token kernel may run it on few tokens (`_kernel_route`, a kind the
+        kernel takes, the kernel built here); else None."""
+        key = (block.name, region.expert)
         if key not in self._kernel_layouts:
+            usable = self._kernel_route and token_kernels.token_kernels() is not None
             names = self.naming.names(block.number, region.expert)
-            compiled = self.expert_ffn is None and ExpertDecoder.layout(region, names) is not None
-            usable = self._kernel_route and not compiled and token_kernels.token_kernels() is not None
             self._kernel_layouts[key] = kernel_layout(region, names) if usable else None
         return self._kernel_layouts[key]
 
