@@ -29,9 +29,9 @@ float32 rounding (run_many: only the experts' matmuls see the other prompts' row
 own count picks). Not so for a CHUNKED prompt in bfloat16 (`--compute-dtype auto` on a CPU with AVX512-BF16): a
 chunk boundary moves DeepSeek-V4's attention query chunks (its bf16 products then sum their keys in other blocks),
 may leave Qwen3-MoE a chunk of fewer than 16 queries (its scores then rounded to bf16, not kept float32 by the
-fused attention) and lowers an expert's token count (the fused FP4 kernel for few, rounding otherwise): its logits may differ from
-its solo run's by about 1e-2; and in bf16 a grouped prompt's float32-rounding difference can cross a bf16 rounding
-later and so tip a near tie. Only the expert cache is
+fused attention) and lowers an expert's token count (the fused FP4 kernel, or the token kernel, for few; rounding
+otherwise): its logits may differ from its solo run's by about 1e-2; and in bf16 a grouped prompt's
+float32-rounding difference can cross a bf16 rounding later and so tip a near tie. Only the expert cache is
 shared: a sequence's decode stats count the cache's hits and the bytes read over the steps it took part in, all
 rows; its prefill stats are its own tokens, the seconds of the passes it was in, and their `group_prompts` /
 `group_tokens` (the pass's bytes read are the group's). The cache is seeded with a prompt's experts only when its
