@@ -379,7 +379,7 @@ class ExpertRunner:
         x = inputs.index_select(0, rows)
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         if row_prompt is None:
-            self.expert_output(block, region, raw, base, x, out)
+            self.expert_output(block, region, raw, base, x, out, token_kernel=True)
             return out
         # several prompts: each prompt's rows on the kernel its own token count chooses (the fused one for few),
         # the kernel it gets prefilled alone: a prompt's result does not depend on the others' rows
@@ -388,22 +388,24 @@ class ExpertRunner:
         few = own <= self._few_tokens(block, region)
         for picked in (few, ~few):
             if bool(picked.all()):
-                self.expert_output(block, region, raw, base, x, out, tokens=int(own.max()))
+                self.expert_output(block, region, raw, base, x, out, tokens=int(own.max()), token_kernel=True)
             elif bool(picked.any()):
                 part = torch.empty((int(picked.sum()), x.shape[1]), dtype=torch.float32, device=x.device)
                 out[picked] = self.expert_output(block, region, raw, base, x[picked], part,
-                                                 tokens=int(own[picked].max()))
+                                                 tokens=int(own[picked].max()), token_kernel=True)
         return out
 
     def expert_output(self, block: Block, region: Region, raw: torch.Tensor, base: int, x: torch.Tensor,
-                      out: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
+                      out: torch.Tensor, tokens: int | None = None, token_kernel: bool = False) -> torch.Tensor:
         """out (float32 rows) = the expert of `region` (its bytes in `raw`, from file offset `base`) applied to its
         tokens `x`: FP4 experts through the table decoder (the fused kernel writes `out` itself), anything else
         through the generic decode; a family's expert_ffn where it has one. `tokens`: the count that chooses the
-        kernel (default len(x); in a grouped pass the most any one prompt sends it): on up to KERNEL_MAX_TOKENS a
-        family's expert (its expert_ffn's) runs in the token kernel from its bytes (_kernel_layout)."""
+        kernel (default len(x); in a grouped pass the most any one prompt sends it). `token_kernel` (a prefill's,
+        on an expert thread): on up to KERNEL_MAX_TOKENS a family's expert (its expert_ffn's) runs in the token
+        kernel from its bytes (_kernel_layout); a decode's experts one by one keep the family's torch FFN, as its
+        cached decoded experts do."""
         tokens = len(x) if tokens is None else tokens
-        layout = self._kernel_layout(block, region) if tokens <= KERNEL_MAX_TOKENS else None
+        layout = self._kernel_layout(block, region) if token_kernel and tokens <= KERNEL_MAX_TOKENS else None
         if layout is not None:
             stored = raw[region.offset - base: region.end - base]
             expert = tuple(stored_matrix(stored, *matrix, self.kernel_table(matrix[0])) for matrix in layout)
@@ -431,9 +433,10 @@ class ExpertRunner:
         """The token kernel's value table of an FP4 kind (None for others), made once per runner."""
         if kind not in ("FP4_E2M1", "MXFP4"):
             return None
-        if kind not in self._tables:
-            self._tables[kind] = token_kernels.value_table(kind)
-        return self._tables[kind]
+        table = self._tables.get(kind)
+        if table is None:  # (expert threads at once: one table kept, and that one handed to each)
+            table = self._tables.setdefault(kind, token_kernels.value_table(kind))
+        return table
 
     def apply(self, weights: ExpertWeights, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The expert on x by this runner's arithmetic: the family's expert_ffn (its decoded matrices), else

@@ -334,10 +334,12 @@ def bench_memory(size_mib: int = 256, repeat: int = 5, device: str | None = None
 
 @dataclass(frozen=True)
 class ExpertMath:
-    """A family's routed experts as the engine computes them (runtime/expert_runner.py ExpertRunner.expert_output):
-    where their matrices are, and either the family's expert_ffn on generically decoded matrices or the compiled
-    decoders (FP4 by table, or fused) with the family's expert_forward and clamp. The measurements build, read and
-    run experts by the family's names and arithmetic, never by their own."""
+    """A family's routed experts as the engine computes them on the token counts a measurement asks about
+    (runtime/expert_runner.py ExpertRunner.expert_output; on a CPU a family's expert on up to KERNEL_MAX_TOKENS
+    tokens runs in the token kernel instead): where their matrices are, and either the family's expert_ffn on
+    generically decoded matrices or the compiled decoders (FP4 by table, or fused) with the family's
+    expert_forward and clamp. The measurements build, read and run experts by the family's names and arithmetic,
+    never by their own."""
 
     family: str  # its name, as --family spells it
     arithmetic: Any  # the family's LayerPrefill (families/base.py) for the experts' config
