@@ -53,10 +53,13 @@ class HostSyncs(TorchDispatchMode):
 
 def without_native_code(patch) -> None:
     """What a CPU runs natively and a CUDA device does not, patched out with `patch(owner, name, value)`: the
-    compiled token kernels (ops.kernels_for) and DeepSeek-V4's native mHC (cuda_branches here, and
-    tests/step_audit.py's gpu_branches); and torch's fused RMS norm taken, as on CUDA."""
+    compiled token kernels (ops.kernels_for; a prefill's few-token experts in them) and DeepSeek-V4's native mHC
+    (cuda_branches here, and tests/step_audit.py's gpu_branches); an expert thread's reused decode buffers (a
+    CPU's: fresh tensors on a GPU); and torch's fused RMS norm taken, as on CUDA."""
     from moepack.backends import ops
     from moepack.families.deepseek_v4 import mhc_native
+    from moepack.runtime import expert_runner
+    from moepack.runtime.expert_decode import ExpertDecoder
 
     from moepack.format_spec import source_formats
 
@@ -65,6 +68,8 @@ def without_native_code(patch) -> None:
     for name in ("hc_mix_weights", "token_pre", "token_post"):
         patch(mhc_native, name, lambda *a, **k: None)
     patch(source_formats, "_fp8_native", lambda: None)  # (the FP8 decode's compiled loop: its torch lookup)
+    patch(expert_runner, "KERNEL_MAX_TOKENS", 0)
+    patch(ExpertDecoder, "buffer_for", lambda self, prefix: lambda entry, dtype: None)
 
 
 @contextlib.contextmanager
