@@ -275,7 +275,7 @@ def _assert_bench_runs_experts_as_the_engine(path: str) -> None:
     with Container(path) as c:
         engine = StreamingPrefill(c, PrefillOptions(io_mode="buffered", compute_dtype="float32"))
         try:
-            got = arith.run(B._decode_expert(tensors, torch.float32, decoder, arith), x)
+            got = arith.run(B._decode_expert(tensors, decoder, arith), x)
             block = [b for b in c.layers if b.experts][-1]
             region = block.experts[0]
             raw = torch.frombuffer(bytearray(c.pread(region.offset, region.length)), dtype=torch.uint8)

@@ -353,9 +353,14 @@ class ExpertMath:
         """The compiled decoders (and the fused FP4 kernel) compute these experts (no expert_ffn of the family)."""
         return self.arithmetic.expert_ffn is None
 
+    @property
+    def bare_naming(self) -> ExpertNaming:
+        """The naming of an expert's tensors as measured here: without their prefix."""
+        return dataclasses.replace(self.naming, prefix=lambda layer, expert: "")
+
     def names(self) -> dict[str, str]:
         """The gate / up / down weights' names of an expert's tensors as measured here (without their prefix)."""
-        return {"gate": self.naming.gate, "up": self.naming.up, "down": self.naming.down}
+        return self.bare_naming.names(0, 0)
 
     def run(self, weights, x: torch.Tensor) -> torch.Tensor:
         """The expert (an ExpertWeights) on rows x."""
@@ -450,24 +455,20 @@ def _expert_region(tensors: dict, arith: ExpertMath):
         entries.append(SimpleNamespace(name=name, dtype=stype, shape=tuple(shape), file_offset=offset,
                                        length=raw.numel()))
         offset += raw.numel()
-    region = SimpleNamespace(tensors=entries)
+    region = SimpleNamespace(tensors=entries, expert=0)
     layout = ExpertDecoder.layout(region, arith.names()) if arith.compiled else None
     return region, torch.cat([raw for _, _, raw in tensors.values()]), layout
 
 
-def _decode_expert(tensors: dict, dtype: torch.dtype, decoder, arith: ExpertMath, tokens: int | None = None):
-    """The expert (an ExpertWeights) decoded as the engine decodes a region: FP4 through its table decoder (left
-    packed for the fused kernel when `tokens` is within the decoder's fused_tokens), anything else through
-    decode_group (scales and tensor scales applied)."""
-    from moepack.format_spec.decode import decode_group
-    from moepack.runtime.expert_decode import ExpertWeights
+def _decode_expert(tensors: dict, decoder, arith: ExpertMath, tokens: int | None = None):
+    """The expert (an ExpertWeights) decoded as the engine decodes a region (runtime/expert_runner.py
+    decode_expert, in the decoder's dtype): FP4 through its table decoder (left packed for the fused kernel when
+    `tokens` is within the decoder's fused_tokens), anything else through decode_group (scales and tensor scales
+    applied; on a CPU into the decoder's buffers)."""
+    from moepack.runtime.expert_runner import decode_expert
 
-    region, raw, layout = _expert_region(tensors, arith)
-    if layout is not None:
-        return decoder.decode(region, layout, raw, 0, arith.names(), tokens=tokens)
-    w = decode_group(region.tensors, lambda t: raw[t.file_offset: t.file_offset + t.length], dtype)
-    naming = arith.naming
-    return ExpertWeights(w[naming.gate], w[naming.up], w[naming.down])
+    region, raw, _ = _expert_region(tensors, arith)
+    return decode_expert(decoder, arith.bare_naming, 0, region, raw, 0, compiled=arith.compiled, tokens=tokens)
 
 
 def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None = None, storage: str = "FP4_E2M1",
@@ -523,7 +524,7 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
     def own(w):  # the table decoder reuses its buffers from one expert to the next
         return dataclasses.replace(w, w1=w.w1.clone(), w3=w.w3.clone(), w2=w.w2.clone())
 
-    decoded = [own(_decode_expert(e, dtype, decoder, arith)) for e in on_device]  # also warms the decode path up
+    decoded = [own(_decode_expert(e, decoder, arith)) for e in on_device]  # also warms the decode path up
     g = torch.Generator().manual_seed(0)
     points = []
     if backend == "grouped":
@@ -534,7 +535,7 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
 
         def full():
             for e in on_device:
-                arith.run(_decode_expert(e, dtype, decoder, arith), x)
+                arith.run(_decode_expert(e, decoder, arith), x)
 
         def matmul_only():
             for w in decoded:
@@ -542,7 +543,7 @@ def bench_compute(device: str = "cpu", tokens=COMPUTE_TOKENS, file: str | None =
 
         points.append(_compute_point(t, H, I, _best_seconds(full, repeat, dev) / len(on_device),
                                      _best_seconds(matmul_only, repeat, dev) / len(on_device), on_point))
-    t_dec = _best_seconds(lambda: [_decode_expert(e, dtype, decoder, arith) for e in on_device], repeat, dev
+    t_dec = _best_seconds(lambda: [_decode_expert(e, decoder, arith) for e in on_device], repeat, dev
                           ) / len(on_device)
     decoder.close()
     fused = _fused_crossover(on_device, arith, H, dtype, dev, repeat)
@@ -631,7 +632,7 @@ def _fused_crossover(on_device: list, arith: ExpertMath, H: int, dtype: torch.dt
                 x = (torch.randn(t, H, generator=g) * 0.5).to(dev, dtype)
 
                 def run(tokens):
-                    return lambda: [arith.run(_decode_expert(e, dtype, decoder, arith, tokens), x) for e in on_device]
+                    return lambda: [arith.run(_decode_expert(e, decoder, arith, tokens), x) for e in on_device]
 
                 run(t)(), run(None)()  # warm-up at this shape
                 fused_s = _best_seconds(run(t), repeat, dev) / len(on_device)
