@@ -40,7 +40,9 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
             raise MoepackError(f"--api-key-file {api_key_file}: empty")
     elif api_key is None and os.environ.get(API_KEY_ENV, "").strip():
         api_key = os.environ[API_KEY_ENV].strip()
-    return api_key
+    from moepack.serve.app import check_api_key
+
+    return check_api_key(api_key)  # (before the model is loaded)
 
 
 def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:

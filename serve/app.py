@@ -110,7 +110,8 @@ REFUSED_FIELDS = {
 FLAG_FIELDS = {"--temperature": "temperature", "--top-p": "top_p", "--top-k": "top_k", "--seed": "seed",
                "--stop": "stop", "--max-new-tokens": "max_tokens", "--presence-penalty": "presence_penalty",
                "--frequency-penalty": "frequency_penalty", "--logit-bias": "logit_bias",
-               "--logprobs": "logprobs"}
+               "--logprobs": "logprobs",
+               "response_format": "response_format"}  # (the JSON constraint's own errors, serve/grammar.py)
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,15 @@ def request_error(e: MoepackError) -> RequestError:
         if text.startswith(flag):
             return RequestError(name + text[len(flag):], param=name, code="invalid_value")
     return RequestError(text, code="invalid_request")
+
+
+def check_api_key(key: str | None) -> str | None:
+    """The server's API key, or MoepackError: a client sends it in an HTTP header, which carries only visible
+    ASCII (a key with another character could never be matched, and an empty one would let in anyone)."""
+    if key is not None and not re.fullmatch(r"[\x21-\x7e]+", key):
+        raise MoepackError("the API key (--api-key, --api-key-file or MOEPACK_API_KEY) must be visible ASCII "
+                           "characters, at least one: an HTTP header carries no others")
+    return key
 
 
 @dataclass
@@ -362,7 +372,7 @@ class Server:
             raise MoepackError("--max-queue must be at least 1")
         self.generator = generator
         self.model_name = model_name
-        self.api_key = api_key
+        self.api_key = check_api_key(api_key)
         self.max_queue = max_queue
         self.limits = limits = limits or ServerLimits()
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -465,17 +475,17 @@ class Server:
         raise RequestError(f"response_format.type: expected text, json_object or json_schema, got "
                            f"{json.dumps(kind)[:40]}", param="response_format", code="invalid_value")
 
-    def constraint_factory(self, body: dict, thinking: bool) -> Callable[[], object] | None:
-        """Each generation's JSON constraint for the request's response_format (compiled once here, so that a
-        schema llguidance refuses is this request's 400); in thinking mode the thought runs free until
-        `</think>`."""
+    def constraint_factory(self, body: dict, thinking: bool, max_tokens: int) -> Callable[[], object] | None:
+        """Each generation's JSON constraint for the request's response_format (compiled and probed once here, so
+        that a schema llguidance refuses, or no answer within max_tokens could satisfy, is this request's 400); in
+        thinking mode the thought runs free until `</think>`."""
         schema = self.output_schema(body)
         if schema is None:
             return None
         grammar = self.json_grammar()
         after = self.need_tokenizer("response_format").encode_special(self.encoding.THINK_END) if thinking else None
         try:
-            grammar.constraint(schema, after)
+            grammar.check(schema, max_tokens)
         except MoepackError as e:
             raise RequestError(f"response_format: {e}", param="response_format", code="invalid_value") from None
         return lambda: grammar.constraint(schema, after)
@@ -579,7 +589,7 @@ class Server:
         body = self.json_object(raw)
         model = _get(body, "model", lambda v: isinstance(v, str), "a string")
         if model is not None and model != self.model_name:
-            raise RequestError(f"the model {model!r} does not exist (this server has {self.model_name!r})",
+            raise RequestError(f"the model {model[:80]!r} does not exist (this server has {self.model_name!r})",
                                param="model", code="model_not_found", status=404)
         _check_fields(body, chat)
         return body
@@ -761,9 +771,9 @@ class Server:
         if chat:
             ids, thinking, plan = self.chat_ids(body)
             thinking = thinking and not plan.prefill  # a forced call's prefill closed the thought
-            return Prepared(ids, self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n), stream,
-                            include_usage, thinking, n, make_constraint=self.constraint_factory(body, thinking),
-                            tools=plan)
+            options = self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n)
+            return Prepared(ids, options, stream, include_usage, thinking, n, tools=plan,
+                            make_constraint=self.constraint_factory(body, thinking, options.max_new_tokens))
         ids = self.prompt_ids(body)
         return Prepared(ids, self.options(body, len(ids), DEFAULT_COMPLETION_TOKENS, False, n), stream,
                         include_usage, n=n, echo=self.echo_text(body, ids))
@@ -927,6 +937,20 @@ class Server:
         return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
 
 
+JSON_SLICE = 1 << 16  # list items json_body writes in one call
+
+
+def json_body(obj: dict) -> bytes:
+    """obj as compact JSON (Starlette's JSONResponse's), a long list a slice at a time: the encoder holds the GIL
+    through a call, and a million token ids would hold the event loop ~0.2 s."""
+    def value(v) -> str:
+        if not isinstance(v, list) or len(v) <= JSON_SLICE:
+            return json.dumps(v, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return "[" + ",".join(value(v[i:i + JSON_SLICE])[1:-1] for i in range(0, len(v), JSON_SLICE)) + "]"
+
+    return ("{" + ",".join(f"{value(k)}:{value(v)}" for k, v in obj.items()) + "}").encode()
+
+
 def timings(job: Job, results: list[GenerateResult]) -> dict:
     """llama-server's `timings` of a response: the prompt's prefill and the generated tokens' decode (summed over
     the choices), in milliseconds and tokens per second."""
@@ -1049,26 +1073,45 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     async def tokenize(request):
         """llama-server's /tokenize: {"content": text, "add_special": false, "with_pieces": false} ->
         {"tokens": [ids]} (with_pieces: [{"id", "piece"}]); the text's special-token spellings stay text."""
-        server.check_auth(request)
-        body = server.small_body(await server.read_body(request), {"content", "add_special", "with_pieces"})
-        content = _get(body, "content", lambda v: isinstance(v, str), "a string", "")
-        add_special = _get(body, "add_special", lambda v: isinstance(v, bool), "a boolean", False)
-        pieces = _get(body, "with_pieces", lambda v: isinstance(v, bool), "a boolean", False)
-        tok = server.need_tokenizer("content")
-        ids = await run_in_threadpool(tok.encode, content, False, add_special)
-        return JSONResponse({"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids] if pieces else ids})
+        def answer(body: dict) -> dict:
+            content = _get(body, "content", lambda v: isinstance(v, str), "a string", "")
+            add_special = _get(body, "add_special", lambda v: isinstance(v, bool), "a boolean", False)
+            pieces = _get(body, "with_pieces", lambda v: isinstance(v, bool), "a boolean", False)
+            tok = server.need_tokenizer("content")
+            ids = tok.encode(content, False, add_special)
+            if not pieces:
+                return {"tokens": ids}
+            if server.context and len(ids) > server.context:  # (a piece's object is ~25 bytes of JSON a token)
+                raise RequestError(f"with_pieces: the content is {len(ids)} tokens, over this server's max_context "
+                                   f"of {server.context} (--max-context): ask for fewer, or without pieces",
+                                   param="with_pieces", code="invalid_value")
+            return {"tokens": [{"id": i, "piece": p} for i, p in zip(ids, tok.pieces(ids))]}
+
+        return await small_request(request, {"content", "add_special", "with_pieces"}, answer)
 
     async def detokenize(request):
         """llama-server's /detokenize: {"tokens": [ids]} -> {"content": text}."""
+        def answer(body: dict) -> dict:
+            ids = _get(body, "tokens", lambda v: isinstance(v, list) and all(is_int(i) for i in v),
+                       "a list of token ids", [])
+            if server.vocab and any(not 0 <= i < server.vocab for i in ids):
+                raise RequestError(f"tokens: token ids must lie in [0, {server.vocab})", param="tokens",
+                                   code="invalid_value")
+            return {"content": server.need_tokenizer("tokens").decode(ids)}
+
+        return await small_request(request, {"tokens"}, answer)
+
+    async def small_request(request, fields: set[str], answer: Callable[[dict], dict]):
+        """A /tokenize-like request: auth, a --max-queue place (a 4 MB text's encoding is seconds of work), the
+        body read, then parsed, answered and written out as JSON on a worker thread, never on the event loop."""
         server.check_auth(request)
-        body = server.small_body(await server.read_body(request), {"tokens"})
-        ids = _get(body, "tokens", lambda v: isinstance(v, list) and all(is_int(i) for i in v), "a list of token ids",
-                   [])
-        if server.vocab and any(not 0 <= i < server.vocab for i in ids):
-            raise RequestError(f"tokens: token ids must lie in [0, {server.vocab})", param="tokens",
-                               code="invalid_value")
-        tok = server.need_tokenizer("tokens")
-        return JSONResponse({"content": await run_in_threadpool(tok.decode, ids)})
+        server.admit()
+        try:
+            raw = await server.read_body(request)
+            content = await run_in_threadpool(lambda: json_body(answer(server.small_body(raw, fields))))
+        finally:
+            server.release()
+        return Response(content, media_type="application/json")
 
     async def admitted_request(request, chat: bool, prefix: str) -> tuple[Prepared, Job, object]:
         """Auth, a queue slot (429 when none), the body read and prepared off the event loop, the job submitted
@@ -1382,6 +1425,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                        allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"])] if allowed_origins else []
     app = Starlette(routes=routes, lifespan=lifespan, middleware=cors,
                     exception_handlers={404: not_served, 405: not_served})
+    # a path with a slash added is not served (Starlette's redirect would name a host from the client's Host header)
+    app.router.redirect_slashes = False
     app.state.server = server
     return app
 

@@ -28,6 +28,7 @@ from moepack.format_spec.errors import MoepackError
 INSTALL_HINT = "pip install 'moepack[json]'"
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = {"type": "object"}  # response_format json_object: any JSON object
+FORCED_REFUSED = 1000  # forced tokens past max_tokens that refuse a schema (an endless one forces 10,000s)
 
 
 class GrammarUnavailable(MoepackError):
@@ -68,6 +69,21 @@ class JsonGrammar:
             raise MoepackError(f"the JSON schema is not usable: {matcher.get_error().splitlines()[0][:200]}")
         return JsonConstraint(matcher, self.vocab_size, after)
 
+    def check(self, schema: dict, max_tokens: int) -> None:
+        """MoepackError for a schema that compiles but no answer of at most `max_tokens` tokens can satisfy: one
+        no JSON value satisfies (a `$ref` to itself: llguidance allows nothing but the end), or one whose first
+        tokens are forced past max_tokens (a required property that must recur forever: endless; a few forced
+        tokens past a small max_tokens are the client's to cut short)."""
+        matcher = self.constraint(schema).matcher
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            raise MoepackError("no JSON value satisfies the schema (does it only refer to itself?)")
+        forced = len(matcher.compute_ff_tokens())
+        if matcher.is_error() or forced >= max(max_tokens, FORCED_REFUSED):
+            raise MoepackError(f"the schema forces the answer's first {forced} tokens, and max_tokens is "
+                               f"{max_tokens}: no answer could complete it (does a required property recur "
+                               "without end?)")
+
 
 class JsonConstraint:
     """One generation's state in the grammar: `allowed(n)` the ids the next token may be (n: the logits' length),
@@ -93,8 +109,9 @@ class JsonConstraint:
                 self.waiting_for = None
             return
         if not self.matcher.consume_token(token):
-            raise MoepackError(f"constrained decoding: token {token} is outside the grammar "
-                               f"({self.matcher.get_error()[:200]})")
+            reason = (self.matcher.get_error().splitlines() or [""])[0][:200]
+            raise MoepackError(f"response_format: the answer's token {token} is outside the schema's grammar "
+                               f"({reason})")
 
     def done(self) -> bool:
         return self.waiting_for is None and self.matcher.is_stopped()

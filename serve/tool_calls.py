@@ -146,15 +146,19 @@ class ToolCallSplitter:
                 self.calls += 1
 
     def flush(self) -> list[tuple[str, object]]:
-        """The end of the answer: held text is content; so is a block's text that made no call (a call cut short
-        by max_tokens is dropped)."""
+        """The end of the answer: held text is content; so is a block's text that made no call: after the block,
+        or a call never finished (cut short by max_tokens or a stop string: as written, the block's opening with
+        it where no call came before, so that no text the model wrote is lost)."""
         if self.block is None:
             held, self.held = self.held, ""
             return [("content", held)] if held else []
-        rest = self.block[self.done_at:].split(self.fmt.TOOL_CALLS_END, 1)
-        if len(rest) == 2 and rest[1].strip():
-            return [("content", rest[1])]
-        return []
+        unfinished, *after = self.block[self.done_at:].split(self.fmt.TOOL_CALLS_END, 1)
+        out = []
+        if unfinished.strip():
+            out.append(("content", (self.fmt.TOOL_CALLS_START if not self.done_at else "") + unfinished))
+        if after and after[0].strip():
+            out.append(("content", after[0]))
+        return out
 
 
 def split_answer(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:

@@ -140,7 +140,7 @@ def test_encode_chat_is_one_user_turn(name, system):
     ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], {}, "messages[1].role"),
     ([{"role": "tool", "content": 42, "tool_call_id": "x"}], {}, "messages[0].content"),
     ([{"content": "no role"}], {}, "messages[0].role"),
-    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {}, "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {}, "messages[0].content"),
     ([{"role": "system", "content": "s"}, {"role": "user", "content": None}], {}, "messages[1].content"),
     ([{"role": "user", "content": 7}], {}, "messages[0].content"),
     ([{"role": "developer", "content": ""}], {}, "messages[0].content"),

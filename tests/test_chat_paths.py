@@ -99,7 +99,38 @@ def test_a_chat_template_takes_no_reasoning_effort_in_either_path(containers):
     assert r.exit_code == 1 and r.output.strip().splitlines() == [f"moepack: error: {want}"], r.output
 
 
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+def test_content_as_a_list_of_text_parts_is_its_texts_joined_in_either_family(containers, family):
+    """OpenAI's content as text parts (what agent frameworks send) is the texts joined by a line, as vLLM gives
+    them to a template, in both families' chats."""
+    parts = [{"type": "text", "text": "Hi <|im_end|>"}, {"type": "text", "text": "there"}]
+    as_parts, _ = _both(containers[family], [CONVERSATION[0], {"role": "user", "content": parts}])
+    as_text, _ = _both(containers[family], [CONVERSATION[0], {"role": "user", "content": "Hi <|im_end|>\nthere"}])
+    assert isinstance(as_parts, list) and as_parts == as_text
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+
+
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+def test_an_assistants_tool_calls_and_reasoning_are_checked_alike(containers, family):
+    """A past assistant turn of tool calls and no content (OpenAI's null) encodes; tool_calls not of OpenAI's
+    shape, or reasoning_content not text, is a 400 naming the message's field, never a template's own error."""
+    ids, _ = _both(containers[family], [*CONVERSATION, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                                        {"role": "tool", "tool_call_id": "c1", "content": "2"}])
+    assert isinstance(ids, list) and ids
+    for bad, field in (({"tool_calls": "x"}, "tool_calls"), ({"tool_calls": [{"function": "f"}]}, "tool_calls"),
+                       ({"reasoning_content": {"x": 1}}, "reasoning_content")):
+        cli_error, server_error = _both(containers[family], [*CONVERSATION, {"role": "assistant", "content": None,
+                                                                             **bad}])
+        assert isinstance(cli_error, ChatInputError) and isinstance(server_error, RequestError), (bad, cli_error)
+        assert str(cli_error) == server_error.message and str(cli_error).startswith(f"messages[2].{field}")
+        assert "expected" in str(cli_error) and str(cli_error).count("{") == str(cli_error).count("}")
+        assert (server_error.status, server_error.param) == (400, "messages")
+
+
 @pytest.mark.parametrize("message, words", [
+    ({"role": "user", "content": "hi", "tool_calls": [CALL]}, "messages[1].tool_calls: only an assistant message"),
     ({"role": "robot", "content": "hi"}, "messages[1].role: 'robot' is no role"),
     ({"role": "developer", "content": "hi"}, "give it as a system message"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},

@@ -416,6 +416,27 @@ def test_bad_response_formats_are_400s(server):
              "response_format")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_no_answer_can_satisfy_is_a_400_before_any_token(server, stream):
+    """Schemas llguidance compiles but no answer within max_tokens can satisfy: a $ref to itself (or a loop of
+    $defs) allows no JSON value; a required property that recurs forever forces its tokens without end. Each is
+    the request's 400 (streamed too: before any 200), never an empty "stop" or an error after the answer began;
+    a few forced tokens past a small max_tokens (json_object's "{" at 1) are left to the client."""
+    _needs_llguidance()
+    c = _client(server)
+    loop = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    endless = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+    nested = {"type": "array", "items": {"$ref": "#"}, "minItems": 1}
+    for schema, says in (({"$ref": "#"}, "no JSON value"), (loop, "no JSON value"), (endless, "forces"),
+                         (nested, "forces")):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        message = _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=200, stream=stream,
+                                                         response_format=fmt), "response_format")
+        assert says in message, message
+    r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, response_format={"type": "json_object"})
+    assert r.choices[0].message.content == "{" and r.choices[0].finish_reason == "length"
+
+
 def test_without_llguidance_response_format_names_the_extra(server, monkeypatch):
     import builtins
 
@@ -541,6 +562,31 @@ def test_tool_choice_required_and_named_prefill_the_call(server, scripted):
     assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("get_weather", {"city": "Oslo"})]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_short_is_content_as_written(server, scripted, stream):
+    """A forced call the answer never finished (max_tokens, a stop string): no tool_calls, and its text, the
+    prefilled opening with it, is content; after a finished call, only the unfinished one's text."""
+    c = _client(server)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cases = (('<｜DSML｜parameter name="city" string="true">Os', named,
+              '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Os'),
+             (TWO_CALLS.split("<｜DSML｜invoke name=\"search\">")[0].split('name="', 1)[1]
+              + '<｜DSML｜invoke name="sea', "required", '\n<｜DSML｜invoke name="sea'))
+    for text, choice, content in cases:
+        scripted.text = text
+        r = c.chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER, SEARCH], tool_choice=choice,
+                                      stream=stream)
+        if stream:
+            chunks = [chunk.choices[0].delta for chunk in r if chunk.choices]
+            got = "".join(d.content or "" for d in chunks)
+            calls = [call.function.name for d in chunks for call in (d.tool_calls or [])]
+        else:
+            got = r.choices[0].message.content
+            calls = [call.function.name for call in r.choices[0].message.tool_calls or []]
+        assert got == content
+        assert calls == ([] if choice is named else ["get_weather"])
+
+
 def test_tool_choice_none_leaves_the_tools_out(server, scripted):
     scripted.text = TWO_CALLS
     r = _client(server).chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER], tool_choice="none")
@@ -621,6 +667,9 @@ def test_one_model_and_an_unknown_one(server):
     with pytest.raises(openai.NotFoundError) as e:
         c.models.retrieve("gpt-9")
     assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as e:  # a name the client chose is not echoed whole
+        c.completions.create(model="m" * 100_000, prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found" and len(e.value.body["message"]) < 200
 
 
 def test_the_api_key_from_the_environment_or_a_private_file(tmp_path, monkeypatch):
@@ -650,6 +699,15 @@ def test_the_api_key_from_the_environment_or_a_private_file(tmp_path, monkeypatc
         resolve_api_key(None, str(empty))
     with pytest.raises(click.UsageError):
         resolve_api_key("flag", str(key))
+    # a key no HTTP header can carry (not visible ASCII), or an empty one, is refused before the model loads
+    for bad in ("ключ-sk", "", "two words", "tab\tkey"):
+        with pytest.raises(MoepackError, match="must be visible ASCII"):
+            resolve_api_key(bad, None)
+    monkeypatch.setenv("MOEPACK_API_KEY", "ключ")
+    with pytest.raises(MoepackError, match="must be visible ASCII"):
+        resolve_api_key(None, None)
+    with pytest.raises(MoepackError, match="must be visible ASCII"):
+        make_app(None, "m", api_key="clé")
 
 
 # ---- 5. reasoning effort ------------------------------------------------------------------------------------------
@@ -705,6 +763,9 @@ def test_an_endpoint_or_method_not_served_is_openais_error_naming_it(server):
     assert e.value.body["code"] == "unknown_endpoint" and "POST /v1/embeddings" in e.value.body["message"]
     error = _error_of(httpx.get(f"{server.url}/v1/chat/completions", timeout=TIMEOUT), 405)
     assert error["code"] == "method_not_allowed" and "GET /v1/chat/completions" in error["message"]
+    error = _error_of(httpx.post(f"{server.url}/v1/completions/", json={"prompt": "x"}, timeout=TIMEOUT,
+                                 headers={"Host": "evil.example"}), 404)  # never a redirect to the Host sent
+    assert error["code"] == "unknown_endpoint" and "POST /v1/completions/" in error["message"]
     error = _error_of(httpx.get(f"{server.url}/v1/a%0Ab%00c", timeout=TIMEOUT), 404)
     assert error["message"].startswith("GET /v1/a%0Ab%00c: no such endpoint") and error["message"].isprintable()
     preflight = httpx.options(f"{server.url}/v1/chat/completions", timeout=TIMEOUT)

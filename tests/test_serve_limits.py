@@ -5,6 +5,7 @@ Real HTTP (uvicorn on 127.0.0.1) where the behaviour is the transport's."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import re
@@ -313,6 +314,43 @@ def test_health_answers_while_the_largest_allowed_prompt_is_tokenized(server):
     # tokenized: the prompt's length in tokens is named
     assert int(re.search(r"the prompt is (\d+) tokens", r.json()["error"]["message"]).group(1)) > 500_000
     assert worst < 0.5, worst
+
+
+@pytest.mark.parametrize("pieces", [False, True])
+def test_health_answers_while_the_largest_allowed_text_is_tokenized_by_itself(server, pieces):
+    """/tokenize of a text of the body limit: encoded, answered and its JSON written on a worker thread; its pieces
+    (a JSON object a token) only within max_context, else a 400 naming with_pieces."""
+    content = "Once upon a time, a fox. " * (((1 << 20) - 100) // 25)
+    worst, r = _health_worst(server.url, lambda: httpx.post(f"{server.url}/tokenize", timeout=TIMEOUT,
+                                                            json={"content": content, "with_pieces": pieces}))
+    if pieces:
+        assert _error(r, 400)["param"] == "with_pieces"
+        assert re.search(r"the content is \d{6,} tokens, over this server's max_context of 256", r.text), r.text
+    else:
+        assert r.status_code == 200 and len(r.json()["tokens"]) > 500_000
+    assert worst < 0.5, worst
+
+
+def test_tokenize_takes_a_place_in_the_queue(server, monkeypatch):
+    """Requests to /tokenize count against --max-queue as generations do (4 here): a fifth at once is a 429."""
+    release = threading.Event()
+    tok = server.state.tokenizer
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda *a, **kw: release.wait(TIMEOUT) and encode(*a, **kw))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        held = [pool.submit(httpx.post, f"{server.url}/tokenize", json={"content": "a fox"}, timeout=TIMEOUT)
+                for _ in range(4)]
+        deadline = time.monotonic() + 10
+        while server.state.admitted < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            assert _error(httpx.post(f"{server.url}/tokenize", json={"content": "x"}, timeout=TIMEOUT),
+                          429)["code"] == "queue_full"
+        finally:
+            release.set()
+        assert [f.result().status_code for f in held] == [200] * 4
+    assert server.state.admitted == 0
+    assert httpx.post(f"{server.url}/tokenize", json={"content": "x"}, timeout=TIMEOUT).status_code == 200
 
 
 # ---- a prefill that stops -----------------------------------------------------------------------------------------

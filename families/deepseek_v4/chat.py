@@ -203,13 +203,13 @@ def check_reasoning_effort(reasoning_effort: str | None, thinking: bool) -> None
         raise MoepackError("reasoning_effort: 'max' changes the prompt only in thinking mode: turn thinking on")
 
 
-def _tool_text(content, where: str) -> str:
-    """A tool message's content: a string, or OpenAI's list of text parts (joined by a blank line)."""
+def _text_of(content, where: str, joiner: str) -> str:
+    """A message's content: a string, or OpenAI's list of text parts (joined by `joiner`)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "\n\n".join(p["text"] for p in content)
+        return joiner.join(p["text"] for p in content)
     raise MoepackError(f"{where}: expected a string or a list of text parts")
 
 
@@ -239,8 +239,10 @@ def _checked(messages: Iterable[Mapping[str, Any]], reasoning_effort: str | None
             if m.get(field) and role not in roles:
                 raise MoepackError(f"messages[{i}].{field}: only a {' or '.join(roles)} message carries {field}")
         content = m.get("content")
-        if role == "tool":
-            content = _tool_text(content if content is not None else "", f"messages[{i}].content")
+        if role == "tool":  # (a tool's parts as the release joins blocks: a blank line; another's as vLLM: a line)
+            content = _text_of(content if content is not None else "", f"messages[{i}].content", "\n\n")
+        elif isinstance(content, list):
+            content = _text_of(content, f"messages[{i}].content", "\n")
         if content is None and role in ("system", "assistant"):
             content = ""  # as the release renders a missing system or assistant text
         if not isinstance(content, str):

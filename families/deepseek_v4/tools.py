@@ -179,7 +179,7 @@ def check_tool_calls(calls, where: str) -> list[tuple[str, str, str]]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
                 or not isinstance(fn.get("arguments", ""), str):
             raise MoepackError(f'{where}[{i}]: expected {{"id", "type": "function", "function": {{"name", '
-                               '"arguments"}}}}')
+                               '"arguments"}}')
         call_id = call.get("id") or fn.get("id") or ""
         out.append((call_id if isinstance(call_id, str) else "", fn["name"], fn.get("arguments", "")))
     return out
