@@ -18,14 +18,14 @@ import click
 from moepack import __version__, families
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.layout import DEFAULT_STRIPE_EXPERTS, MAX_PARTS
-from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_QUEUE_DEPTH
+from moepack.runtime.limits import MAX_BUNDLE_EXPERTS, MAX_CHUNK_TOKENS, MAX_QUEUE_DEPTH
 
 from .chat import chat
 from .common import (CHECKPOINT_FILE, EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, PREFILL_MEMORY_HINT, Dtype,
-                     FiniteFloat, check_container_path, check_prefill_context, container_argument, continued_tokens,
-                     emit, force_option, json_option, layer_progress, model_run_options, one_line_warnings,
-                     prompt_options, quiet_native_logs, refuse_existing, refuse_existing_kv, reports_errors,
-                     sigterm_as_interrupt, untrusted_argv_types)
+                     FiniteFloat, check_container_path, check_prefill_context, check_threads, container_argument,
+                     continued_tokens, emit, force_option, json_option, layer_progress, model_run_options,
+                     one_line_warnings, prompt_options, quiet_native_logs, refuse_existing, refuse_existing_kv,
+                     reports_errors, sigterm_as_interrupt, untrusted_argv_types)
 from .generate import generate
 from .plan_bench import bench, plan
 from .serve import serve
@@ -116,7 +116,8 @@ def _policy_options(fn):
                    "owner/Model).")
 @_policy_options
 @click.option("--revision", help="Hub branch, tag or commit (resolved to a commit and recorded).")
-@click.option("--workers", type=click.IntRange(min=1), help="CPU threads for (de)quantization (default: all).")
+@click.option("--workers", type=click.IntRange(min=1), callback=check_threads,
+              help="CPU threads for (de)quantization (default: all).")
 @click.option("--drop-mtp", is_flag=True, help="Leave out the multi-token-prediction block(s) (prefill never reads them).")
 @click.option("--parts", type=click.IntRange(min=1, max=MAX_PARTS), default=1, show_default=True,
               help="Write the container as P files, OUT and OUT.part1 .. OUT.part<P-1>, each layer's experts striped "
@@ -311,7 +312,7 @@ def _print_verify(r: dict) -> None:
               help="Reads in flight (default: as measured by `moepack bench io`, else 4).")
 @click.option("--experts", "expert_selection", type=click.Choice(["auto", "all", "routed"]), default="auto",
               show_default=True, help="Read every expert of a layer, only the routed ones, or choose per layer.")
-@click.option("--query-chunk", type=click.IntRange(min=1), default=None,
+@click.option("--query-chunk", type=click.IntRange(1, MAX_CHUNK_TOKENS), default=None,
               help="At most this many queries per attention chunk inside a layer (bounds memory for long prompts). "
                    "Default: the model family's own: 1024 on a GPU; on a CPU two sliding windows (128 queries at "
                    "least) for a family with sliding-window layers, else 1024.")
@@ -320,7 +321,7 @@ def _print_verify(r: dict) -> None:
 @click.option("--order", type=click.Choice(["layer", "chunk"]), default="layer", show_default=True,
               help="layer: every token through a layer before the next (each weight read once). chunk: the usual "
                    "chunked prefill (reads the model ceil(N / --chunk-tokens) times), for comparison.")
-@click.option("--chunk-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+@click.option("--chunk-tokens", type=click.IntRange(1, MAX_CHUNK_TOKENS), default=2048, show_default=True,
               help="Tokens per chunk with --order chunk.")
 @click.option("--expert-parallel", is_flag=True,
               help="Run as one rank of `torchrun --nproc-per-node P -m moepack prefill ...`: each rank reads and "

@@ -68,6 +68,14 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 2**20:.1f} MiB"
 
 
+def plain_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0644 under 022): what a file made by a library
+    that creates its own at 0600 (mkstemp, safetensors) is set to, as every other output is."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def check_free_space(needs: dict[str, int], what: str = "the output") -> dict[str, dict]:
     """Refuse (one line) before any work when a filesystem lacks the bytes to be written there. `needs`: directory
     -> bytes that will be written under it (directories on one filesystem are summed). Returns, per filesystem's
@@ -81,11 +89,13 @@ def check_free_space(needs: dict[str, int], what: str = "the output") -> dict[st
     report = {}
     for directory, need in by_fs.values():
         vfs = os.statvfs(directory)
+        if vfs.f_flag & os.ST_RDONLY:  # (its free count may be anything: a read-only disk is not a full one)
+            raise MoepackError(f"cannot write {what} on {directory}: Read-only file system")
         free = vfs.f_bavail * vfs.f_frsize
         report[directory] = {"need_bytes": need, "free_bytes": free}
         if need * FREE_SPACE_MARGIN > free:
-            raise MoepackError(f"not enough free space for {what} on {directory}: it needs about {_gb(need)}, "
-                               f"{_gb(free)} is free")
+            raise MoepackError(f"not enough free space for {what} on {directory}: it needs about "
+                               f"{_gb(need * FREE_SPACE_MARGIN)} (a margin included), {_gb(free)} is free")
     return report
 
 

@@ -90,10 +90,14 @@ class Header:
         if len(raw) < HEADER_USED_BYTES or raw[:8] != MAGIC:
             if raw[:8] == PART_MAGIC and len(raw) >= PART_HEADER_USED_BYTES:
                 part, count = _PART_HEADER_FIELDS.unpack_from(raw)[7:9]
+                if not 1 <= part < count <= MAX_PARTS:
+                    raise FormatError(f"a moepack part file whose header is damaged (it says part {part} of {count})")
                 raise FormatError(f"this is part file {part} of {count} of a multi-part container, not its main file "
                                   f"(open the file without the .part{part} suffix)")
             if len(raw) >= 4 and raw[:4] == b"GGUF":
                 raise FormatError("this is a GGUF file, not a moepack container")
+            if raw[:8] in (MAGIC, PART_MAGIC):
+                raise FormatError(f"truncated inside its header ({len(raw)} of {HEADER_SIZE} bytes)")
             raise FormatError("not a moepack container (bad magic)")
         if len(raw) < HEADER_SIZE:
             raise FormatError(f"file is truncated inside the header ({len(raw)} of {HEADER_SIZE} bytes)")

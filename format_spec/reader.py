@@ -467,9 +467,14 @@ class Container:
                 raise FormatError(f"{self.part_paths[part]}: short read at {offset + done}: the file is truncated")
             done += n
 
-    def tensor_bytes(self, name: str) -> bytes:
+    def tensor_bytes(self, name: str, check: bool = True) -> bytes:
+        """The tensor's stored bytes; FormatError where they fail its checksum (`check`), so that no copy of a
+        damaged tensor (an export) goes out as if whole."""
         t = self.tensor_entry(name)
-        return self.pread(t.file_offset, t.length, t.region.part)
+        data = self.pread(t.file_offset, t.length, t.region.part)
+        if check and xxhash.xxh3_64_hexdigest(data) != t.xxh3:
+            raise FormatError(f"tensor {name}: checksum mismatch (region {t.region.name} is damaged)")
+        return data
 
     def tensor_entry(self, name: str) -> TensorEntry:
         try:
@@ -480,9 +485,7 @@ class Container:
     def read_tensor(self, name: str, check: bool = True):
         """The tensor as torch (plain types in their own dtype; block types dequantized to float32)."""
         t = self.tensor_entry(name)
-        data = self.tensor_bytes(name)
-        if check and xxhash.xxh3_64_hexdigest(data) != t.xxh3:
-            raise FormatError(f"tensor {name}: checksum mismatch (region {t.region.name} is damaged)")
+        data = self.tensor_bytes(name, check)
         from .decode import decode_tensor
 
         return decode_tensor(t.dtype, t.shape, data)

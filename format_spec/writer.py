@@ -105,6 +105,7 @@ class ContainerWriter:
         self._names: set[str] = set()
         self._open: _OpenRegion | None = None
         self.completed: list[str] = []
+        self._lock = _hold_partial(self.tmp_path, path)
         try:
             if not (resume and self._resume()):
                 for out in self._outputs:
@@ -283,6 +284,7 @@ class ContainerWriter:
                 os.remove(self.journal_path)
         except OSError as e:
             raise MoepackError(f"finishing {self.path} failed: {e.strerror or e}") from None
+        self._release()
         return self.path
 
     def abort(self) -> None:
@@ -290,10 +292,37 @@ class ContainerWriter:
         for out in self._outputs:
             if out.file is not None and not out.file.closed:
                 out.file.close()
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     @property
     def bytes_written(self) -> int:
         return sum(out.pos for out in self._outputs)
+
+
+def _hold_partial(tmp_path: str, path: str) -> int:
+    """An exclusive lock on the main partial file (created empty where there is none, never truncated here), held
+    until the writer finishes or aborts: a second writer of the same path would write into the first one's file,
+    and one of them would then finish with the other's model under its name. MoepackError when another holds it."""
+    import fcntl
+
+    try:
+        fd = os.open(tmp_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        raise MoepackError(f"cannot write {tmp_path}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise MoepackError(f"another process is writing {path} (its {os.path.basename(tmp_path)} is locked): "
+                               "wait for it to finish, or write elsewhere") from None
+        raise MoepackError(f"cannot lock {tmp_path}: {e.strerror or e}") from None
+    return fd
 
 
 def _plan_outputs(path: str, parts: int, stripe_experts: int, part_dirs: dict[int, str]) -> list[_PartOutput]:

@@ -75,7 +75,7 @@ def exercise_container(path: str, stage: list[str]) -> None:
     stage[0] = "decode"
     with Container(path) as c:
         for region in c.regions:
-            decode_group(region.tensors, lambda t: c.tensor_bytes(t.name))
+            decode_group(region.tensors, lambda t: c.tensor_bytes(t.name, check=False))
         for name in c.tensors:
             c.read_tensor(name)
 

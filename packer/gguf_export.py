@@ -45,7 +45,7 @@ from moepack.format_spec import untrusted
 from moepack.format_spec.decode import decode_float, decode_tensor, scale_name, tensor_scale_name
 from moepack.format_spec.decode import tensor_scale_value
 from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
-from moepack.format_spec.files import check_free_space, remove_stale_temporaries, temporary_prefix
+from moepack.format_spec.files import check_free_space, plain_file_mode, remove_stale_temporaries, temporary_prefix
 from moepack.format_spec.quants import fp4_to_mxfp4, quantize
 from moepack.format_spec.reader import Container
 from moepack.format_spec.writer import fsync_dir, fsync_file
@@ -337,7 +337,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
         try:
             for number, shard in enumerate(shards):
                 fd, tmp = tempfile.mkstemp(prefix=temporary_prefix("export"), suffix=".gguf.tmp", dir=parent)
-                os.fchmod(fd, 0o666 & ~_umask())  # a plain file's mode, not mkstemp's 0600
+                os.fchmod(fd, plain_file_mode())  # a plain file's mode, not mkstemp's 0600
                 os.close(fd)
                 tmps.append(tmp)
                 writer = _writer_class(gguf)(tmp, arch)
@@ -368,12 +368,6 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
     total = sum(j.nbytes for j in jobs)
     return {"output": outputs[0], "files": outputs, "format": "gguf", "architecture": arch, "tensors": len(jobs),
             "bytes": total, "seconds": round(time.perf_counter() - start, 3)}
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _write_tensors(gguf, writer, jobs: list[_Job], bar) -> None:

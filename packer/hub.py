@@ -78,6 +78,8 @@ def resolve_source(src: str, revision: str | None = None, progress: bool = True,
     `cache_dir` defaults to huggingface_hub's (HF_HUB_CACHE, else HF_HOME/hub). Raises MoepackError (one line)."""
     if os.path.exists(src):
         return _resolve_local(src, revision)
+    if os.path.lexists(src):  # (exists() is False for it: not a repo id to look up)
+        raise MoepackError(f"{src}: a symbolic link that leads nowhere (a loop, or its target is gone)")
     if not looks_like_repo_id(src):
         raise MoepackError(f"{src}: no such directory (and not a Hugging Face repo id, which is owner/name)")
     plan = _HubPlan.make(src, revision, cache_dir)
@@ -138,7 +140,7 @@ def open_source(src: str, revision: str | None = None, progress: bool = True, st
     from .gguf_source import GGUFSource, is_gguf
     from .source import CheckpointDir
 
-    local = is_gguf(src) or os.path.exists(src)
+    local = is_gguf(src) or os.path.lexists(src)
     if local and not keep_source:
         raise MoepackError(f"--no-keep-source deletes the shards it downloads; {src} is a local file or directory, "
                            f"which is never deleted")
@@ -229,7 +231,8 @@ def _resolve_local(src: str, revision: str | None) -> ResolvedSource:
     if revision is not None:
         raise MoepackError(f"--revision {revision} applies to Hugging Face repos, but {src} is a local directory")
     if not os.path.isdir(path):
-        raise MoepackError(f"{src}: not a directory")
+        raise MoepackError(f"{src}: not a directory" + (" (nor a GGUF file: too short for its magic)"
+                                                        if src.endswith(".gguf") else ""))
     listing = [n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))]
     names = [n for n in SMALL_FILES if n in listing]
     shards = weight_files(listing, lambda: _index_shards(os.path.join(path, INDEX_FILE), where=path))

@@ -9,4 +9,5 @@ MAX_BATCH = 256  # sequences decoding together (`serve --max-batch`): each holds
 DEFAULT_MAX_BATCH = 8  # a decode step is bound by reading the weights: 8 sequences cost about what one does
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill run while others decode: each run reads the model again
 MAX_BENCH_REPEAT = 100  # runs a bench keeps the best of: more measure nothing new, and 10^8 never end
+MAX_CHUNK_TOKENS = 1 << 31  # a token chunk flag's bound: past any prompt it is the whole prompt (2^63 overflows)
 MAX_PROMPTS = 10_000  # prompts of one `generate` run: all are tokenized and queued up front

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from moepack.format_spec.errors import MoepackError, error_reason
+from moepack.format_spec.files import plain_file_mode
 from moepack.format_spec.writer import fsync_file
 
 
@@ -28,6 +29,7 @@ def write_logits(path: str, logits: torch.Tensor) -> None:
     tmp = path + ".tmp"
     try:
         save_file({"logits": logits.detach().float().cpu().contiguous()}, tmp)
+        os.chmod(tmp, plain_file_mode())  # (safetensors makes it 0600)
         fsync_file(tmp)
         os.replace(tmp, path)
     except Exception as e:  # OSError, or safetensors' own error type for the same failures

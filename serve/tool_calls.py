@@ -155,7 +155,7 @@ class ToolCallSplitter:
         unfinished, *after = self.block[self.done_at:].split(self.fmt.TOOL_CALLS_END, 1)
         out = []
         if unfinished.strip():
-            out.append(("content", (self.fmt.TOOL_CALLS_START if not self.done_at else "") + unfinished))
+            out.append(("content", (self.fmt.TOOL_CALLS_START.lstrip() if not self.done_at else "") + unfinished))
         if after and after[0].strip():
             out.append(("content", after[0]))
         return out

@@ -89,3 +89,22 @@ def test_convert_names_the_output_after_the_source_by_default(container, workdir
     r = CliRunner().invoke(cli, ["convert", str(workdir / "src"), "--keep", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["output"] == "src-keep.moepack" and (workdir / "src-keep.moepack").exists()
+
+
+def test_absurd_numbers_are_refused_before_any_work(container, workdir):
+    """Counts no machine has (threads), chunk sizes past 2^31 (torch's split overflowed at 2^63: a traceback), a
+    benchmark buffer past the memory: usage errors (exit 2, click's) or one line (exit 1, the JSON error on
+    stdout), naming the flag."""
+    src = os.path.join(workdir, "src")
+    cases = ((["convert", src, "-o", os.path.join(workdir, "w.moepack"), "--keep", "--workers", "100000"], 2,
+              "--workers"),
+             (["prefill", container, "-p", "hi", "--order", "chunk", "--chunk-tokens", str(1 << 64)], 2,
+              "--chunk-tokens"),
+             (["prefill", container, "-p", "hi", "--query-chunk", str(10 ** 30)], 2, "--query-chunk"),
+             (["bench", "memory", "--size-mib", str(10 ** 20), "--no-save"], 1, "--size-mib"))
+    for args, code, flag in cases:
+        r = CliRunner().invoke(cli, [*args, "--json"])
+        assert r.exit_code == code, (args, r.output)
+        error = json.loads(r.stdout)["error"] if code == 1 else r.output.strip().splitlines()[-1]
+        assert flag in error and "\n" not in error, error
+    assert not any(n.startswith("w.moepack") for n in os.listdir(workdir))

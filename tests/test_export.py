@@ -89,7 +89,7 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(release_containe
     _, container, _ = release_container
     with small_disk(tmp_path / "small-disk", "64K") as small:
         with pytest.raises(MoepackError, match=r"^not enough free space for exporting .*/out on .*small-disk: it "
-                                               r"needs about [0-9.]+ MiB, [0-9.]+ MiB is free$"):
+                                               r"needs about [0-9.]+ MiB \(a margin included\), [0-9.]+ MiB is free$"):
             export_container(container, os.path.join(small, "out"), progress=False)  # seen before any work
         assert os.listdir(small) == []
         # the disk fills during the export (another writer, after the check)
@@ -101,3 +101,30 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(release_containe
             export_container(container, os.path.join(small, "out"), progress=False)
         assert "\n" not in str(info.value)
         assert os.listdir(small) == []  # neither the output nor its temporary folder
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize("kind", ["dense", "expert"])
+def test_a_damaged_container_is_not_exported(release_container, tmp_path, fmt, kind):
+    """An export carries no checksums of its own: a tensor that fails the container's is a one-line error, and
+    nothing is left under the output's name (the damage would go on silently into transformers or llama.cpp)."""
+    from moepack.format_spec.reader import Container
+    from moepack.packer.gguf_export import export_gguf
+
+    _, container, _ = release_container
+    damaged = str(tmp_path / "damaged.moepack")
+    with open(container, "rb") as f:
+        data = bytearray(f.read())
+    with Container(container) as c:
+        region = next(r for r in c.regions if r.kind == kind)
+        t = max(region.tensors, key=lambda t: t.length)
+        data[t.file_offset + t.length // 2] ^= 0x10
+    with open(damaged, "wb") as f:
+        f.write(data)
+    out = str(tmp_path / ("out.gguf" if fmt == "gguf" else "out"))
+    export = (lambda: export_gguf(damaged, out, progress=False)) if fmt == "gguf" else (
+        lambda: export_container(damaged, out, progress=False))
+    damage = rf"^tensor {t.name}: checksum mismatch \(region {region.name} is damaged\)$"
+    with pytest.raises(MoepackError, match=damage):
+        export()
+    assert sorted(os.listdir(tmp_path)) == ["damaged.moepack"]

@@ -234,6 +234,32 @@ def test_fields_deepseek_v4_does_not_read_are_written_as_computed(tmp_path, fiel
     assert shared == {"blk.0.ffn_gate_shexp.weight": width}
 
 
+def test_a_rope_the_gguf_keys_cannot_say_is_refused_in_one_line():
+    """A GGUF says one rotated channel count, an unscaled RoPE for the sliding layers and the compressed layers'
+    YaRN with cos and sin unscaled (the release's): a config with another (nested rope_parameters that
+    transformers reads) would come back from llama.cpp, or from the GGUF read back, as another model."""
+    from v4_models import CONFIGS
+
+    from moepack.families.deepseek_v4.gguf import metadata
+
+    base = CONFIGS["A"]
+    assert metadata(base, ModelConfig.from_hf(base))  # the flat release form: its YaRN's attention_factor is 1
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    plain = {"rope_type": "default", "rope_theta": 10000.0}
+    for main, compress, words in ((plain, {**yarn, "attention_factor": 1.0}, None),
+                                  (yarn | {"attention_factor": 1.0}, plain, "main (sliding-window) RoPE is scaled"),
+                                  (plain, yarn, "scales cos and sin by 1.13863"),
+                                  ({**plain, "partial_rotary_factor": 0.5}, {**yarn, "attention_factor": 1.0},
+                                   "rotate 16 and 8 channels")):
+        config = {**base, "rope_parameters": {"main": main, "compress": compress}}
+        if words is None:
+            assert metadata(config, ModelConfig.from_hf(config))
+            continue
+        with pytest.raises(MoepackError, match=r"^llama.cpp's deepseek4 cannot hold this config's RoPE: ") as e:
+            metadata(config, ModelConfig.from_hf(config))
+        assert words in str(e.value) and "\n" not in str(e.value)
+
+
 def test_hash_layers_drop_router_bias(exported):
     _, out = exported["keep"]
     names = {t.name for t in gguf.GGUFReader(out).tensors}

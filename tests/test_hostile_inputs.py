@@ -332,6 +332,10 @@ def test_one_overwrite_rule_for_every_command_that_writes(tmp_path, container):
         replaced = runner.invoke(cli, [*args, "--json", "--force"])
         assert replaced.exit_code == 0, (what, replaced.output)
         assert _sha(path) != before, what
+        if os.path.isfile(path):  # every file output a plain file's mode (safetensors had made the logits 0600)
+            from moepack.format_spec.files import plain_file_mode
+
+            assert os.stat(path).st_mode & 0o777 == plain_file_mode(), (what, oct(os.stat(path).st_mode))
     # continuing a KV in place is no overwrite: --kv-out is --continue-from
     kv = str(out / "kv")
     again = runner.invoke(cli, ["prefill", container, "--prompt", " more", "--continue-from", kv, "--kv-out", kv])

@@ -22,7 +22,7 @@ from containers import (
 )
 from moepack.cli.main import cli
 from moepack.format_spec.errors import FormatError, MoepackError
-from moepack.format_spec.layout import HEADER_SIZE
+from moepack.format_spec.layout import _PART_HEADER_FIELDS, HEADER_SIZE
 from moepack.format_spec.reader import Container
 from moepack.format_spec.verify import verify_container
 from moepack.packer.convert import convert_checkpoint
@@ -221,9 +221,18 @@ def test_a_part_from_another_container_is_refused(build, tmp_path):
         Container(path)
 
 
-def test_a_part_file_is_not_a_container(build):
+def test_a_part_file_is_not_a_container(build, tmp_path):
     with pytest.raises(FormatError, match="part file 2 of 3 of a multi-part container, not its main file"):
         Container(build("keep", 3, 1) + ".part2")
+    data = bytearray(open(build("keep", 3, 1) + ".part2", "rb").read())
+    for number, count in ((9064448, 0), (0, 3), (3, 3), (1, 10_000)):  # numbers no part file has: not repeated
+        fields = list(_PART_HEADER_FIELDS.unpack_from(data))
+        fields[7:9] = number, count
+        _PART_HEADER_FIELDS.pack_into(data, 0, *fields)
+        (tmp_path / "odd.part").write_bytes(data)
+        with pytest.raises(FormatError, match=rf"^a moepack part file whose header is damaged \(it says part "
+                                              rf"{number} of {count}\)$"):
+            Container(str(tmp_path / "odd.part"))
 
 
 def test_flipped_byte_in_part_2_is_caught_and_named(build, tmp_path):

@@ -380,3 +380,14 @@ def test_the_family_says_its_residual_streams_and_what_its_kv_holds(tmp_path):
         rows = {row["item"].split(")")[0] + ")": row["bytes"] for row in p["vram"][-1]["rows"]}
         assert rows[f"layer-boundary activations (8K x {streams} x 4096 x 2 B)"] == 8192 * streams * 4096 * 2
         assert [item for item in (row["item"] for row in p["vram"][-1]["rows"]) if item.startswith(kv)]
+
+
+def test_a_model_with_no_routed_experts_is_named_not_a_flops_error(tmp_path):
+    """A Qwen3-MoE whose every layer is a dense MLP (mlp_only_layers) streams nothing: the plan says so in one
+    line, not that its FLOPs are not positive."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**QWEN3_235B, "num_hidden_layers": 2, "mlp_only_layers": [0, 1]}))
+    r = CliRunner().invoke(cli, ["plan", str(config), "--context", "8K", "--json"])
+    assert r.exit_code == 1, r.output
+    assert json.loads(r.stdout)["error"] == ("this model has no routed experts (every layer a dense MLP): nothing of "
+                                             "it is streamed from disk, so there is no break-even to plan")

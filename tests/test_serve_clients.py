@@ -569,7 +569,8 @@ def test_a_call_cut_short_is_content_as_written(server, scripted, stream):
     c = _client(server)
     named = {"type": "function", "function": {"name": "get_weather"}}
     cases = (('<｜DSML｜parameter name="city" string="true">Os', named,
-              '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Os'),
+              '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+              '<｜DSML｜parameter name="city" string="true">Os'),
              (TWO_CALLS.split("<｜DSML｜invoke name=\"search\">")[0].split('name="', 1)[1]
               + '<｜DSML｜invoke name="sea', "required", '\n<｜DSML｜invoke name="sea'))
     for text, choice, content in cases:

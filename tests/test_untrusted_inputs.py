@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -296,6 +297,25 @@ def test_convert_refuses_an_expert_count_other_than_the_configs(source, tmp_path
     assert r.exit_code == 1 and f"holds {experts} experts, the config's n_routed_experts is {experts // 2}" in r.output
 
 
+def test_convert_refuses_a_tensor_of_another_shape_than_the_config_says(source, tmp_path):
+    """A tensor a prefill runs, stored in another shape (a damaged GGUF's zero dimension, a mislabelled
+    checkpoint): refused before anything is written, as verify would refuse the container."""
+    from safetensors.torch import load_file, save_file
+
+    src = _checkpoint_copy(source, tmp_path)
+    shard = next(os.path.join(src, n) for n in sorted(os.listdir(src)) if n.endswith(".safetensors")
+                 and any(k.endswith("norm.weight") for k in load_file(os.path.join(src, n))))
+    tensors = load_file(shard)
+    name = next(k for k in sorted(tensors) if k.endswith("norm.weight"))
+    tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, shard)
+    r = CliRunner().invoke(cli, ["convert", src, "-o", str(tmp_path / "x.moepack"), "--q8", "--json"])
+    assert r.exit_code == 1, r.output
+    error = json.loads(r.stdout)["error"]
+    assert re.search(r"tensor \S+norm\S* is \[\d+\] but the config says \[\d+\]$", error), error
+    assert not any(n.startswith("x.moepack") for n in os.listdir(tmp_path)), os.listdir(tmp_path)
+
+
 @pytest.mark.parametrize("name,data,named", [
     ("tokenizer.json", "{", "tokenizer.json: not a tokenizer.json the tokenizers library loads"),
     ("tokenizer.json", '{"model": 5}', "tokenizer.json: not a tokenizer.json the tokenizers library loads"),
@@ -496,3 +516,18 @@ def test_a_sigterm_export_leaves_no_temporaries_and_a_sigkill_one_is_cleared_by_
     again = run_console("export", small_container, "-o", out, "--format", fmt)
     assert again.returncode == 0, again.stderr
     assert not _temporaries(tmp_path) and os.path.exists(out)
+
+
+def test_a_dangling_link_or_a_stub_gguf_is_named_as_what_it_is(tmp_path):
+    """A symbolic link loop (or one to nothing) is a local path gone wrong, never a hub repo id to look up; a
+    .gguf too short for its magic is named as such, not only as "not a directory"."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "gone").symlink_to(tmp_path / "nothing")
+    (tmp_path / "t.gguf").write_bytes(b"GG")
+    nowhere = "a symbolic link that leads nowhere (a loop, or its target is gone)"
+    for src, words in ((tmp_path / "a", nowhere), (tmp_path / "gone", nowhere),
+                       (tmp_path / "t.gguf", "not a directory (nor a GGUF file: too short for its magic)")):
+        r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "x.moepack"), "--keep", "--json"])
+        assert r.exit_code == 1 and json.loads(r.stdout)["error"] == f"{src}: {words}", r.output
+    assert not any(n.startswith("x.moepack") for n in os.listdir(tmp_path))

@@ -42,6 +42,7 @@ from moepack.backends.expert_naming import ExpertNaming
 from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.reader import ReadSpan
 from moepack.format_spec.untrusted import finite_float
+from moepack.runtime.io import available_memory_bytes
 from moepack.runtime.limits import MAX_BENCH_REPEAT, MAX_BUNDLE_EXPERTS
 from moepack.runtime.read_scheduler import expert_reads
 from moepack.runtime.tuning import cached, check_cache_writable, cpu_model, file_key, machine_id, store
@@ -300,8 +301,12 @@ def bench_memory(size_mib: int = 256, repeat: int = 5, device: str | None = None
     want_cuda = device is not None and device.startswith("cuda")
     if want_cuda and not torch.cuda.is_available():
         raise MoepackError("--device cuda asked for, but torch sees no CUDA device")
-    load = _load()
     n = size_mib << 20
+    room = available_memory_bytes()
+    if room and 2 * n > room:  # the source and the copy target
+        raise MoepackError(f"--size-mib {size_mib}: two buffers of it need {2 * n / 2**30:.3g} GiB, but "
+                           f"{room / 2**30:.3g} GiB of memory is available: lower --size-mib")
+    load = _load()
     src = torch.empty(n, dtype=torch.uint8)
     src.fill_(1)
     dst = torch.empty_like(src)

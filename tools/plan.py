@@ -496,6 +496,9 @@ def make_plan(sizes: ModelSizes, config: dict, *, ssd_gbps: Measured, tflops: Me
     if flops:
         fl = {**fl, **flops}
     per_token, routed, head = float(fl["total"]), float(fl["routed"]), float(fl.get("head", 0))
+    if per_token > 0 and routed <= 0 and not flops:
+        raise MoepackError("this model has no routed experts (every layer a dense MLP): nothing of it is streamed "
+                           "from disk, so there is no break-even to plan")
     if per_token <= 0 or routed <= 0:
         raise MoepackError("FLOPs per token must be positive")
     W = sizes.streamed_bytes(stream)

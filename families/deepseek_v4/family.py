@@ -216,8 +216,6 @@ class DeepseekV4Family:
         DeepSeek-V4 config (that this runtime computes as transformers does, unless `computable` is False), and
         every tensor that model uses in the container with the shape the config gives it (else compute would fail
         half-way or, for an optional one such as the router's bias, silently differ)."""
-        from .tensors import v4_tensor_specs
-
         c = container  # (its architecture is this family's: moepack.families.container_family chose it)
         try:
             cfg = ModelConfig.from_hf(c.config)
@@ -230,20 +228,15 @@ class DeepseekV4Family:
         if len(c.layers) != cfg.num_layers or any(len(b.experts) != cfg.n_routed_experts for b in c.layers):
             raise MoepackError(f"{c.path}: the container's layers/experts do not match its config "
                                f"({cfg.num_layers} layers of {cfg.n_routed_experts} experts)")
-        for spec in v4_tensor_specs(c.config, mtp=False):  # the MTP layers are never run
-            # a name the container may hold it under (the KV norm: `attn.norm`, or the release's `attn.kv_norm`)
-            t = next((c.tensors[n] for n in names.stored_names(spec.name) if n in c.tensors), None)
-            if t is None:
-                raise MoepackError(f"{c.path}: tensor {spec.name} is missing")
-            if tuple(t.shape) != tuple(spec.shape):
-                raise MoepackError(f"{c.path}: tensor {spec.name} is {list(t.shape)} but the config says "
-                                   f"{list(spec.shape)}")
+        problem = _tensor_problem(c.config, {n: t.shape for n, t in c.tensors.items()})
+        if problem:
+            raise MoepackError(f"{c.path}: {problem}")
         return cfg
 
     def checkpoint_problem(self, config, experts_per_layer, shapes) -> str | None:
         """A config.json V4's reader refuses or this runtime would compute differently from transformers (as
-        Qwen3-MoE's reader refuses it), or a layer with another expert count than its n_routed_experts (a tensor
-        of another shape is the container's to hold: verify and prefill name it)."""
+        Qwen3-MoE's reader refuses it), a layer with another expert count than its n_routed_experts, or a tensor a
+        prefill runs missing or of another shape than the config says (verify would refuse the container)."""
         try:
             experts = ModelConfig.from_hf(config).n_routed_experts
         except ConfigError as e:
@@ -254,12 +247,27 @@ class DeepseekV4Family:
         wrong = next(((layer, n) for layer, n in experts_per_layer.items() if n and n != experts), None)
         if wrong:
             return f"layers.{wrong[0]} holds {wrong[1]} experts, the config's n_routed_experts is {experts}"
-        return None
+        return _tensor_problem(config, shapes)
 
     def refusal(self, config: Mapping[str, Any]) -> str | None:
         """What in a config.json this runtime would compute differently from transformers (a prefill refuses
         it; `moepack verify` reports it), or None."""
         return unsupported(config)
+
+
+def _tensor_problem(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> str | None:
+    """The first tensor a prefill runs that `shapes` (name -> shape) lacks or holds in another shape than the config
+    says, or None: what verify refuses in a container, the converter in a checkpoint before it writes."""
+    from .tensors import v4_tensor_specs
+
+    for spec in v4_tensor_specs(config, mtp=False):  # the MTP layers are never run
+        # a name it may be held under (the KV norm: `attn.norm`, or the release's `attn.kv_norm`)
+        shape = next((shapes[n] for n in names.stored_names(spec.name) if n in shapes), None)
+        if shape is None:
+            return f"tensor {spec.name} is missing"
+        if tuple(shape) != tuple(spec.shape):
+            return f"tensor {spec.name} is {list(shape)} but the config says {list(spec.shape)}"
+    return None
 
 
 FLOP_PARTS = ("attention_projections", "compressors", "indexer", "router", "mhc", "shared_experts",

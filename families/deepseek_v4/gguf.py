@@ -107,6 +107,22 @@ def gguf_tensors(config: Mapping[str, Any], names: Sequence[str] | None) -> list
     return out
 
 
+def _rope_problem(config: Mapping[str, Any], cfg: ModelConfig) -> str | None:
+    """What of the config's two RoPEs the GGUF keys cannot say (one rotated channel count, the sliding layers'
+    RoPE without scaling, the compressed layers' YaRN with cos and sin unscaled, as the release has them), or None:
+    llama.cpp, and a GGUF read back, would compute another model."""
+    main, compress = cfg.main_rope, cfg.compress_rope
+    if main.scaling != "default":
+        return "the main (sliding-window) RoPE is scaled (rope_parameters.main): only the compressed layers' may be"
+    if compress.scaling == "yarn" and compress.attention_factor != 1.0:
+        return (f"the compressed layers' YaRN scales cos and sin by {compress.attention_factor:.6g} (its "
+                "attention_factor, or mscale's default): the release's is 1")
+    if len({main.dim, compress.dim, _rope_dim(config, cfg)}) > 1:
+        return (f"the main and compressed RoPEs rotate {main.dim} and {compress.dim} channels of a head: a GGUF says "
+                "one count")
+    return None
+
+
 def _rope_dim(config: Mapping[str, Any], cfg: ModelConfig) -> int:
     if isinstance(config.get("qk_rope_head_dim"), int):
         return config["qk_rope_head_dim"]
@@ -126,6 +142,9 @@ def metadata(config: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, str
     n_hash = sum(cfg.hash_layers)
     if any(cfg.hash_layers[n_hash:]):
         raise MoepackError("llama.cpp needs the hash-routed layers to be the first ones (hash_layer_count)")
+    problem = _rope_problem(config, cfg)
+    if problem:
+        raise MoepackError(f"llama.cpp's deepseek4 cannot hold this config's RoPE: {problem}")
     n = cfg.num_layers
     kv: list[tuple[str, str, object]] = [
         (f"{a}.block_count", "uint32", n),
