@@ -69,7 +69,8 @@ from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, GenerateResult
 from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK
-from moepack.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprob, is_int, partial_match_length
+from moepack.runtime.sampling import (MAX_TOP_LOGPROBS, IncrementalDetokenizer, TokenLogprob, is_int,
+                                     partial_match_length)
 
 from .chat_template import family_chat_template
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
@@ -968,26 +969,41 @@ def _token_text(tokenizer, token: int) -> str:
 
 
 def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
-    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}; `bytes` the token's
+    own, also for part of a character (its text is then U+FFFD), so that a client can join them into the text."""
     def one(token: int, logprob: float) -> dict:
         text = _token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+        raw = tokenizer.token_bytes(token) if tokenizer is not None else text.encode()
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                         for e in entries], "refusal": None}
 
 
-def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
+class TextOffsets:
+    """Where each generated token's text begins in a completion's text, in characters from `start` (the echoed
+    prompt's), token after token (a stream's chunks go on where the last left off): a token that ends inside a
+    character begins where that character will, as the text holds only whole characters."""
+
+    def __init__(self, tokenizer, start: int = 0):
+        self.tokenizer, self.at = tokenizer, start
+        self._text = IncrementalDetokenizer(tokenizer.decode) if tokenizer is not None else None
+
+    def of(self, tokens: list[int]) -> list[int]:
+        out = []
+        for token in tokens:
+            out.append(self.at)
+            self.at += len(self._text.add(token) if self._text is not None else _token_text(None, token))
+        return out
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprob], offsets: TextOffsets) -> dict:
     """OpenAI's (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} each),
-    text_offset (from `offset`, the characters already given out)."""
-    tokens = [_token_text(tokenizer, e.token) for e in entries]
-    offsets, at = [], offset
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+    text_offset (`offsets`: the completion's, carried on from chunk to chunk)."""
+    return {"tokens": [_token_text(tokenizer, e.token) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
-            "text_offset": offsets}
+            "text_offset": offsets.of([e.token for e in entries])}
 
 
 @dataclass(frozen=True)
@@ -1283,7 +1299,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             return {"token_ids": result.generated_ids}
 
         def logprobs_of(result):
-            return None if result.logprobs is None else completion_logprobs(tok, result.logprobs, len(echo))
+            return None if result.logprobs is None else completion_logprobs(tok, result.logprobs,
+                                                                             TextOffsets(tok, len(echo)))
 
         if not prepared.stream:
             results = await finished_job(request, job, future)
@@ -1297,13 +1314,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                                  **(extra or {})}]}
 
         def choice_stream(i: int) -> ChoiceStream:
-            offset = [len(echo)]
+            offsets = TextOffsets(tok, len(echo))
             echo_due = [bool(echo)]  # the prompt's text first, once the choice's stream has begun
 
             def with_logprobs(entries):
-                out = completion_logprobs(tok, entries, offset[0])
-                offset[0] += sum(len(t) for t in out["tokens"])
-                return out
+                return completion_logprobs(tok, entries, offsets)
 
             def final(result):
                 last = chunk(i, "", result.finish_reason, choice_extra(result))

@@ -30,6 +30,17 @@ MAX_PROMPT_BYTES = 256 << 20  # a prompt file: far beyond a million tokens of te
 _ID_WORD = re.compile(r"[+-]?[0-9]{1,32}")  # an id of a whitespace-separated file (ranges are the engine's to check)
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's) character for each byte, inverted: printable Latin-1 bytes stand for themselves,
+    the other bytes for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+
+
 class PromptTokenizer:
     def __init__(self, container: Container):
         files = container.index["tokenizer"]
@@ -98,6 +109,18 @@ class PromptTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for, also where it holds part of a character (its text alone is then U+FFFD):
+        byte-level BPE's characters mapped back to bytes, a byte-fallback piece `<0xC9>` as its byte."""
+        text = self.decode([token])
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._tok.id_to_token(token) or ""
+        if piece and all(ch in _BYTE_OF_CHAR for ch in piece):
+            return bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+        fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        return bytes([int(fallback.group(1), 16)]) if fallback else text.encode()
 
     def pieces(self, ids: list[int]) -> list[str]:
         """Each id's text alone (decode([i]) of each; the batch call lets go of the GIL)."""

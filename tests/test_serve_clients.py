@@ -126,6 +126,30 @@ def test_chat_logprobs_are_the_greedy_choice_and_stream_the_same(server):
     assert plain.choices[0].logprobs is None
 
 
+def test_logprobs_of_tokens_inside_a_character_give_its_bytes_and_its_offset(server):
+    """Byte-level tokens that hold part of a character: chat's `bytes` are the token's own (joined, the text's
+    UTF-8), never U+FFFD's; completions' text_offset never points past the text, each token at the place its
+    text (or its character's) begins."""
+    from moepack.runtime.sampling import TokenLogprob
+    from moepack.serve.app import TextOffsets, chat_logprobs, completion_logprobs
+
+    text = "aɸ 你好, b ✓"
+    tok = server.tok
+    ids = tok.encode(text, special_tokens=False, add_bos=False)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # the case: some token is part of a character
+    entries = [TokenLogprob(i, -0.5, ()) for i in ids]
+    chat = chat_logprobs(tok, entries)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat) == text.encode()
+    echo = "Say: "
+    offsets = TextOffsets(tok, len(echo))
+    got = [o for part in (entries[:3], entries[3:]) for o in completion_logprobs(tok, part, offsets)["text_offset"]]
+    whole = echo + text
+    assert got == sorted(got) and all(len(echo) <= o < len(whole) for o in got), got
+    for token, at in zip(ids, got):
+        piece = tok.decode([token])
+        assert "\ufffd" in piece or whole[at:].startswith(piece), (piece, at)
+
+
 def test_completion_logprobs_match_the_generator(server):
     c = _client(server)
     r = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
