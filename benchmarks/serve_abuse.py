@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import json
 import os
 import signal
@@ -115,6 +116,23 @@ def huge_prompt(url, port, max_body):
     return [post(url, body={"prompt": text, "max_tokens": 1})]
 
 
+def tokenize_everything(url, port, max_body):
+    """/tokenize of a text of the body limit, without and with its pieces (a JSON object a token: refused past
+    max_context), and the same text twice at once."""
+    text = "Once upon a time, a fox. " * ((max_body - 200) // 25)
+
+    def one(pieces: bool):
+        try:
+            r = httpx.post(f"{url}/tokenize", json={"content": text, "with_pieces": pieces}, timeout=300)
+            return r.status_code
+        except httpx.HTTPError as e:
+            return type(e).__name__
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(one, (False, False)))
+    return [one(False), one(True), *both]
+
+
 def slowloris(url, port, max_body, count):
     """`count` connections each sending half a request's headers and a byte a second; how many the server
     closed by READ_TIMEOUT_S + 2 s, then a normal request."""
@@ -184,6 +202,7 @@ def kinds(slowloris_count: int, log_path: str):
     return [
         ("huge body (40 MiB)", huge_body),
         ("huge prompt (the body limit)", huge_prompt),
+        ("/tokenize the body limit (alone, pieces, twice at once)", tokenize_everything),
         (f"slowloris ({slowloris_count} half-sent)", lambda u, p, m: slowloris(u, p, m, slowloris_count)),
         ("client leaves mid-prefill", lambda u, p, m: leaves_mid_prefill(u, p, m, log_path)),
         ("10,000 stop strings", many_stop_strings),
