@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import re
 import shutil
@@ -274,7 +275,15 @@ def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_si
         for name, data in {**files, "config.json": json.dumps(config).encode()}.items():
             with open(os.path.join(tok_dir, name), "wb") as f:
                 f.write(data)
-        special = gguf.SpecialVocab(tok_dir, load_merges=False, n_vocab=len(tokens))
+        # (gguf-py warns on stderr that it cannot read the release's pair template, which llama.cpp never uses: the
+        # BOS it adds is read from the single one; no line of ours to show for it)
+        quiet = logging.getLogger("gguf")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            special = gguf.SpecialVocab(tok_dir, load_merges=False, n_vocab=len(tokens))
+        finally:
+            quiet.setLevel(level)
         if special.chat_template is None and fallback_template is not None:  # (DeepSeek-V4's release ships none:
             special.chat_template = fallback_template()  # its format as moepack encodes it)
         special.add_to_gguf(writer, quiet=True)
