@@ -213,7 +213,8 @@ def prompt_options(fn=None, *, repeatable: bool = False):
 
 
 def check_threads(ctx, param, value):
-    """--threads: at most MAX_THREADS_PER_CPU per CPU of this machine (more only adds switching)."""
+    """--threads (and convert's --workers): at most MAX_THREADS_PER_CPU per CPU of this machine (more only adds
+    switching; 100,000 threads could not be started)."""
     import os
 
     from moepack.runtime.limits import MAX_THREADS_PER_CPU

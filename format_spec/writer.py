@@ -115,6 +115,9 @@ class ContainerWriter:
         except OSError as e:
             self.abort()
             raise MoepackError(f"cannot write {e.filename or self.tmp_path}: {e.strerror or e}") from None
+        except BaseException:  # (a damaged journal's entries, Ctrl-C while re-hashing: the lock let go too)
+            self.abort()
+            raise
 
     def _resume(self) -> bool:
         """Pick up the partial files where the journal says they were; False if there is nothing valid to resume."""
@@ -295,9 +298,9 @@ class ContainerWriter:
         self._release()
 
     def _release(self) -> None:
-        if self._lock is not None:
+        if self._lock is not None and self._lock >= 0:
             os.close(self._lock)
-            self._lock = None
+        self._lock = None
 
     @property
     def bytes_written(self) -> int:
@@ -310,19 +313,29 @@ def _hold_partial(tmp_path: str, path: str) -> int:
     and one of them would then finish with the other's model under its name. MoepackError when another holds it."""
     import fcntl
 
-    try:
-        fd = os.open(tmp_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-    except OSError as e:
-        raise MoepackError(f"cannot write {tmp_path}: {e.strerror or e}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise MoepackError(f"another process is writing {path} (its {os.path.basename(tmp_path)} is locked): "
-                               "wait for it to finish, or write elsewhere") from None
-        raise MoepackError(f"cannot lock {tmp_path}: {e.strerror or e}") from None
-    return fd
+    for _ in range(8):
+        try:  # (0o666: the umask makes it a plain file's mode, as open() would)
+            fd = os.open(tmp_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except OSError as e:
+            raise MoepackError(f"cannot write {tmp_path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise MoepackError(f"another process is writing {path} (its {os.path.basename(tmp_path)} is "
+                                   "locked): wait for it to finish, or write elsewhere") from None
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return -1  # a filesystem without locks (NFS without lockd): written unlocked, as before locks
+            raise MoepackError(f"cannot lock {tmp_path}: {e.strerror or e}") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(tmp_path))
+        except OSError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # the file was renamed into place (its writer finished) between the open and the lock: again
+    raise MoepackError(f"cannot lock {tmp_path}: it keeps being replaced")
 
 
 def _plan_outputs(path: str, parts: int, stripe_experts: int, part_dirs: dict[int, str]) -> list[_PartOutput]:

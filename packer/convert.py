@@ -82,7 +82,8 @@ def plan_regions(adapter: Adapter, tensors: dict[str, SourceTensor], drop_mtp: b
 def config_problem(config, plan) -> str | None:
     """What in a checkpoint's config `verify` and `prefill` would refuse, found before anything is written: a field
     of the wrong type or out of range (named, as they name it), a layer with another expert count than the
-    config's. None when they will take it. (A tensor of another shape is the container's to hold: they name it.)"""
+    config's, a tensor missing or of another shape than the config says (the family's checkpoint_problem). None
+    when they will take it."""
     family = family_for(config)
     blocks = [(kind, parse_block_name(block)) for kind, block, _, _ in plan if kind in ("dense", "expert")]
     experts = Counter(number for kind, (section, number) in blocks if kind == "expert" and section == "layers")

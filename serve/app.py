@@ -168,11 +168,12 @@ def request_error(e: MoepackError) -> RequestError:
 
 
 def check_api_key(key: str | None) -> str | None:
-    """The server's API key, or MoepackError: a client sends it in an HTTP header, which carries only visible
-    ASCII (a key with another character could never be matched, and an empty one would let in anyone)."""
-    if key is not None and not re.fullmatch(r"[\x21-\x7e]+", key):
-        raise MoepackError("the API key (--api-key, --api-key-file or MOEPACK_API_KEY) must be visible ASCII "
-                           "characters, at least one: an HTTP header carries no others")
+    """The server's API key, or MoepackError: a client sends it in an HTTP header as ASCII (a key with another
+    character could never be matched), its ends stripped (a space or tab there would never match either), and an
+    empty one would let in anyone."""
+    if key is not None and not re.fullmatch(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?", key):
+        raise MoepackError("the API key (--api-key, --api-key-file or MOEPACK_API_KEY) must be printable ASCII, at "
+                           "least one character, no space at its ends: an HTTP header carries it as that")
     return key
 
 

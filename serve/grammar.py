@@ -29,6 +29,7 @@ INSTALL_HINT = "pip install 'moepack[json]'"
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = {"type": "object"}  # response_format json_object: any JSON object
 FORCED_REFUSED = 1000  # forced tokens past max_tokens that refuse a schema (an endless one forces 10,000s)
+PROBED_SCHEMAS = 256  # schemas whose probe (check) is kept
 
 
 class GrammarUnavailable(MoepackError):
@@ -50,6 +51,7 @@ class JsonGrammar:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]):
         llg = _llguidance()
         self.vocab_size = vocab_size
+        self._forced: dict[str, int | None] = {}  # a schema's JSON -> its forced tokens (None: no value allowed)
         try:
             self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
         except Exception as e:  # llguidance's own errors: the tokenizer it cannot use
@@ -73,13 +75,20 @@ class JsonGrammar:
         """MoepackError for a schema that compiles but no answer of at most `max_tokens` tokens can satisfy: one
         no JSON value satisfies (a `$ref` to itself: llguidance allows nothing but the end), or one whose first
         tokens are forced past max_tokens (a required property that must recur forever: endless; a few forced
-        tokens past a small max_tokens are the client's to cut short)."""
-        matcher = self.constraint(schema).matcher
-        matcher.compute_bitmask()
-        if matcher.is_error():
+        tokens past a small max_tokens are the client's to cut short). An endless schema forces as many tokens as
+        llguidance follows (10,000s): a max_tokens past that meets it mid-answer, a 400 naming response_format."""
+        key = json.dumps(schema, sort_keys=True)
+        if key not in self._forced:  # (probed once a schema: the probe holds the GIL up to ~0.1 s on an endless one)
+            matcher = self.constraint(schema).matcher
+            matcher.compute_bitmask()
+            forced = None if matcher.is_error() else len(matcher.compute_ff_tokens())
+            if len(self._forced) >= PROBED_SCHEMAS:
+                self._forced.pop(next(iter(self._forced)))
+            self._forced[key] = None if matcher.is_error() else forced
+        forced = self._forced[key]
+        if forced is None:
             raise MoepackError("no JSON value satisfies the schema (does it only refer to itself?)")
-        forced = len(matcher.compute_ff_tokens())
-        if matcher.is_error() or forced >= max(max_tokens, FORCED_REFUSED):
+        if forced >= max(max_tokens, FORCED_REFUSED):
             raise MoepackError(f"the schema forces the answer's first {forced} tokens, and max_tokens is "
                                f"{max_tokens}: no answer could complete it (does a required property recur "
                                "without end?)")

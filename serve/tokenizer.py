@@ -214,7 +214,7 @@ def _check_assistant_fields(m: dict, i: int) -> None:
     calls, reasoning = m.get("tool_calls"), m.get("reasoning_content")
     if m["role"] != "assistant":
         for field in ("tool_calls", "reasoning_content"):
-            if m.get(field) is not None:
+            if m.get(field):  # (an empty one says nothing: as DeepSeek-V4's encoder reads them)
                 raise ChatInputError(f"messages[{i}].{field}: only an assistant message carries {field}", "messages")
         return
     if calls is not None and not (isinstance(calls, list) and all(

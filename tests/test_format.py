@@ -372,3 +372,31 @@ def test_a_second_writer_of_the_same_path_is_refused_while_the_first_writes(tmp_
     second = ContainerWriter(path, resume=True)
     assert second.completed == ["global.embed.weight"]
     second.abort()
+
+
+def test_the_lock_is_let_go_on_every_failure_and_the_output_keeps_a_plain_files_mode(tmp_path):
+    """A writer that fails while opening (a journal of this job whose entries are damaged) lets go of its lock: the
+    next writer of the path starts, in this process too; the finished container's mode is what the umask gives a
+    new file (0664 under 002), as its part files' are."""
+    path = str(tmp_path / "m.moepack")
+    w = ContainerWriter(path)
+    w.begin_region("global", tensor="embed.weight")
+    w.add_tensor("embed.weight", "F32", [4, 4], np.ones((4, 4), np.float32).tobytes())
+    w.end_region()
+    w.checkpoint()
+    w.abort()
+    journal = json.load(open(path + ".partial.journal"))
+    journal["tensors"].append(5)  # not a tensor's entry
+    json.dump(journal, open(path + ".partial.journal", "w"))
+    with pytest.raises(Exception):
+        ContainerWriter(path, resume=True)
+    os.remove(path + ".partial.journal")
+    old = os.umask(0o002)
+    try:
+        ContainerWriter(path, resume=True).abort()  # not "another process is writing"
+        os.remove(path + ".partial")
+        fresh = ContainerWriter(path)
+        assert os.stat(path + ".partial").st_mode & 0o777 == 0o664
+        fresh.abort()
+    finally:
+        os.umask(old)
