@@ -168,6 +168,8 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
                                             on_text=None if as_json else show_text, cancelled=keyboard.stop_asked)
             except MoepackError as e:  # the turn is refused (the context cap, the memory), the conversation goes on
                 click.echo(f"moepack: error: {e}" + ("; /reset to start over" if len(turn) > 1 else ""), err=True)
+                if as_json:  # (a program reading a line a turn gets this turn's too)
+                    click.echo(json.dumps({"ok": False, "error": str(e)}))
                 continue
             keyboard.pressed = False  # it stopped this reply: not also a Ctrl-C at the next prompt
             if as_json:

@@ -39,7 +39,7 @@ from safetensors.torch import save as _st_save
 from moepack.format_spec import untrusted
 from moepack.format_spec.dtypes import STORAGE_TYPES
 from moepack.format_spec.errors import FormatError, MoepackError, error_reason, is_disk_full
-from moepack.format_spec.files import check_free_space
+from moepack.format_spec.files import check_free_space, exclusive_lock, release_lock
 from moepack.format_spec.writer import fsync_dir, fsync_file, replace_directory, write_file_atomically
 
 if TYPE_CHECKING:
@@ -204,6 +204,12 @@ def replacement_paths(kv_dir: str) -> tuple[str, str]:
     return os.path.join(parent, f".{name}.kv-new"), os.path.join(parent, f".{name}.kv-old")
 
 
+def kv_lock_path(kv_dir: str) -> str:
+    """The lock file a KV's writer holds (beside it, hidden; removed as the writer lets go)."""
+    parent, name = os.path.split(os.path.realpath(kv_dir))
+    return os.path.join(parent, f".{name}.kv-lock")
+
+
 def clean_interrupted_replacement(kv_dir: str) -> None:
     """What a replacement of `kv_dir`'s KV left when it was killed: its new directory (unfinished, or the old KV
     after the exchange) is removed; an old KV moved aside by the fallback's two renames goes back to `kv_dir`
@@ -301,6 +307,19 @@ class KVWriter:
         if not 0 <= start_token < len(ids):
             raise MoepackError(f"start_token {start_token} outside the prompt of {len(ids)} tokens")
         self.n_tokens = len(ids)
+        self._hold, self._hold_path = None, kv_lock_path(self.kv_dir)
+        try:
+            self._open(kv_format, identity, ids, start_token, overwrite)
+        except BaseException:
+            self._let_go()
+            raise
+
+    def _open(self, kv_format: KVFormat, identity: dict, ids: list[int], start_token: int, overwrite: bool) -> None:
+        # one writer of a KV at a time: a second one's clean-up would take the first one's new directory for a
+        # killed run's, and both would then write into one (a damaged KV, its writer exiting 0)
+        os.makedirs(os.path.dirname(self._hold_path), exist_ok=True)
+        self._hold = exclusive_lock(self._hold_path, f"another process is writing the KV in {self.kv_dir}: wait "
+                                                     "for it to finish, or write elsewhere")
         clean_interrupted_replacement(self.kv_dir)
         self.replacing = os.path.lexists(os.path.join(self.kv_dir, MANIFEST_NAME))
         if self.replacing and not overwrite:
@@ -425,7 +444,12 @@ class KVWriter:
             if self.replacing:
                 self._swap_in()
             self._finished = True
+        self._let_go()
         return self.manifest
+
+    def _let_go(self) -> None:
+        release_lock(self._hold, self._hold_path)
+        self._hold = None
 
     def _swap_in(self) -> None:
         target = os.path.realpath(self.kv_dir)
@@ -442,6 +466,7 @@ class KVWriter:
         written straight into its directory keeps its complete layers (the manifest says which)."""
         if self.replacing and not self._finished:
             shutil.rmtree(self.write_dir, ignore_errors=True)
+        self._let_go()
 
 
 def open_writer(kv_dir: str, kv_format: KVFormat, identity: Mapping, token_ids, **options) -> KVWriter:

@@ -5,6 +5,7 @@ named by temporary_prefix, so that remove_stale_temporaries can clear what a kil
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -66,6 +67,47 @@ def existing_ancestor(path: str) -> str:
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 2**20:.1f} MiB"
+
+
+def exclusive_lock(path: str, busy: str) -> int:
+    """An exclusive lock on the file at `path` (created empty where missing, never truncated), this process's until
+    `release_lock`: the fd, or -1 on a filesystem without locks (NFS without lockd: written unlocked, as before).
+    MoepackError(`busy`) where another process holds it."""
+    for _ in range(8):
+        try:  # (0o666: the umask makes it a plain file's mode, as open() would)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except OSError as e:
+            raise MoepackError(f"cannot write {path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise MoepackError(busy) from None
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return -1
+            raise MoepackError(f"cannot lock {path}: {e.strerror or e}") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except OSError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # renamed or removed by its holder between the open and the lock: the path's file, again
+    raise MoepackError(f"cannot lock {path}: it keeps being replaced")
+
+
+def release_lock(fd: int | None, remove: str | None = None) -> None:
+    """Let go of exclusive_lock's lock; `remove`: its lock file's path, removed first (while still held, so that no
+    other process locks a file no longer there)."""
+    if fd is None or fd < 0:
+        return
+    if remove is not None:
+        try:
+            os.unlink(remove)
+        except OSError:
+            pass
+    os.close(fd)
 
 
 def plain_file_mode() -> int:

@@ -32,6 +32,7 @@ import zstandard
 from . import untrusted
 from .dtypes import tensor_nbytes
 from .errors import MoepackError, is_disk_full
+from .files import exclusive_lock, release_lock
 from .layout import (
     ALIGNMENT, CODEC_ZSTD, DEFAULT_STRIPE_EXPERTS, FORMAT_MAJOR, FORMAT_MINOR, FORMAT_MINOR_PARTS, HEADER_SIZE,
     MAX_PARTS, TENSOR_ALIGNMENT, Header, PartHeader, align_up, layer_count_problem, parse_block_name, part_path,
@@ -298,8 +299,7 @@ class ContainerWriter:
         self._release()
 
     def _release(self) -> None:
-        if self._lock is not None and self._lock >= 0:
-            os.close(self._lock)
+        release_lock(self._lock)
         self._lock = None
 
     @property
@@ -308,34 +308,11 @@ class ContainerWriter:
 
 
 def _hold_partial(tmp_path: str, path: str) -> int:
-    """An exclusive lock on the main partial file (created empty where there is none, never truncated here), held
-    until the writer finishes or aborts: a second writer of the same path would write into the first one's file,
-    and one of them would then finish with the other's model under its name. MoepackError when another holds it."""
-    import fcntl
-
-    for _ in range(8):
-        try:  # (0o666: the umask makes it a plain file's mode, as open() would)
-            fd = os.open(tmp_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
-        except OSError as e:
-            raise MoepackError(f"cannot write {tmp_path}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise MoepackError(f"another process is writing {path} (its {os.path.basename(tmp_path)} is "
-                                   "locked): wait for it to finish, or write elsewhere") from None
-            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                return -1  # a filesystem without locks (NFS without lockd): written unlocked, as before locks
-            raise MoepackError(f"cannot lock {tmp_path}: {e.strerror or e}") from None
-        try:
-            same = os.path.samestat(os.fstat(fd), os.stat(tmp_path))
-        except OSError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)  # the file was renamed into place (its writer finished) between the open and the lock: again
-    raise MoepackError(f"cannot lock {tmp_path}: it keeps being replaced")
+    """An exclusive lock on the main partial file, held until the writer finishes or aborts: a second writer of the
+    same path would write into the first one's file, and one of them would then finish with the other's model under
+    its name."""
+    return exclusive_lock(tmp_path, f"another process is writing {path} (its {os.path.basename(tmp_path)} is "
+                                    "locked): wait for it to finish, or write elsewhere")
 
 
 def _plan_outputs(path: str, parts: int, stripe_experts: int, part_dirs: dict[int, str]) -> list[_PartOutput]:

@@ -193,3 +193,15 @@ def test_a_stopped_reply_stays_in_the_history_as_far_as_it_was_shown(container):
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first["text"]},
                {"role": "user", "content": "Again"}]
     assert second["stats"]["prefill"]["tokens"] == len(tokenizer.encode_segments(encode_message_segments(history)))
+
+
+def test_a_refused_turn_is_a_json_line_too(container):
+    """--json on pipes, a line a turn: a turn the context cap refuses gets its {"ok": false} line (a program reading
+    one line a turn had waited forever), and the chat goes on to the next."""
+    p = subprocess.run([sys.executable, "-m", "moepack", "chat", container, "-c", "64", "-n", "2", "--json"],
+                       input="a long first message, " * 4 + "over the context cap\nhi\n", capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(line) for line in p.stdout.splitlines()]
+    assert lines[0]["ok"] is False and "context cap" in lines[0]["error"], lines
+    assert len(lines) == 2 and lines[1]["ok"] is True, lines

@@ -488,11 +488,16 @@ def test_writer_refusals(models, tmp_path):
         writer.write_layer(5, states[0])
     with pytest.raises(MoepackError, match=r"cannot finish, layers 1\.\.4 not written"):
         writer.finish()
+    # one writer of a KV at a time, in this process too (a second one had removed the first one's new directory)
+    with pytest.raises(MoepackError, match=r"another process is writing the KV in .*kv: wait for it to finish"):
+        K.KVWriter(str(tmp_path / "kv"), _identity(hf_model), ids, overwrite=True)
+    writer.abandon()
     with pytest.raises(MoepackError, match="already holds a KV"):
         K.KVWriter(str(tmp_path / "kv"), _identity(hf_model), ids)
     short = K.KVWriter(str(tmp_path / "kv2"), _identity(hf_model), ids[:5])
     with pytest.raises(MoepackError, match="covers 10 tokens"):
         short.write_layer(0, states[0])
+    short.abandon()
     with pytest.raises(MoepackError, match="unknown KV dtype"):
         K.KVWriter(str(tmp_path / "kv3"), _identity(hf_model), ids, dtype="F16")
     replacing = K.KVWriter(str(tmp_path / "kv"), _identity(hf_model), ids, overwrite=True)
