@@ -38,7 +38,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
             from moepack.format_spec.untrusted import load_file
 
             try:
-                messages = load_file(messages_file)
+                messages = load_file(messages_file, unique_keys=True)  # (a key twice: which counts? as serve)
             except OSError as e:
                 raise MoepackError(f"{messages_file}: cannot read ({e.strerror})") from None
         else:
@@ -158,7 +158,7 @@ def read_prompts_file(path: str) -> list[PromptSpec]:
         if len(specs) == MAX_PROMPTS:
             raise MoepackError(f"{path}: more than {MAX_PROMPTS} prompts (the limit of one run): split the file")
         where = f"{path} line {n}"
-        specs.append(_prompt_line(loads(line, where, max_bytes=MAX_PROMPT_BYTES), where))
+        specs.append(_prompt_line(loads(line, where, max_bytes=MAX_PROMPT_BYTES, unique_keys=True), where))
     if not specs:
         raise MoepackError(f"{path}: no prompt (expected one JSON string or object a line)")
     return specs

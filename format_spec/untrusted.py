@@ -166,14 +166,15 @@ def loads(data: str | bytes | bytearray, what: str, *, max_bytes: int = DEFAULT_
 
 
 def load_file(path, what: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
-              max_depth: int = MAX_JSON_DEPTH):
+              max_depth: int = MAX_JSON_DEPTH, unique_keys: bool = False):
     """`loads` over a regular file's bytes, read at most max_bytes + 1 (a FIFO or /dev/zero is refused by
-    format_spec.files.open_regular, not read)."""
+    format_spec.files.open_regular, not read); a leading UTF-8 byte-order mark (an editor's) is no JSON error."""
     name = what or str(path)
     data = read_bounded(path, max_bytes)
     if len(data) > max_bytes:
         raise _refuse(name, f"more than {max_bytes} bytes (the limit)")
-    return loads(data, name, max_bytes=max_bytes, max_depth=max_depth)
+    return loads(data.removeprefix(b"\xef\xbb\xbf"), name, max_bytes=max_bytes, max_depth=max_depth,
+                 unique_keys=unique_keys)
 
 
 def read_bounded(path, max_bytes: int, missing: str | None = None) -> bytes:

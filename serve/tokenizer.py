@@ -289,8 +289,8 @@ def read_text(path: str, limit: int, what: str) -> str:
         raise MoepackError(f"{path}: cannot read ({e.strerror})") from None
     if len(raw) > limit:
         raise MoepackError(f"{path}: more than {limit} bytes of {what} (the limit)")
-    try:
-        return raw.decode("utf-8")
+    try:  # (a leading byte-order mark is the file's encoding, an editor's, not text of the prompt)
+        return raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise MoepackError(f"{path}: not valid UTF-8 (byte {e.start}): expected {what}") from None
 

@@ -429,3 +429,28 @@ def _has_gguf() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_input_files_read_as_the_server_reads_requests(tmp_path, container):
+    """A leading byte-order mark (an editor's) is no text of a prompt file, nor a JSON error of a --messages or
+    --prompts-file; a key given twice in one of their objects is refused, as the server refuses it (which one
+    counts is the parser's choice)."""
+    runner = CliRunner()
+
+    def generate(*args):
+        r = runner.invoke(cli, ["generate", container, "-n", "2", "--json", *args])
+        return r.exit_code, json.loads(r.stdout)
+
+    (tmp_path / "plain.txt").write_text("Hello there")
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfHello there")
+    plain, bom = generate("--prompt-file", str(tmp_path / "plain.txt")), generate("--prompt-file",
+                                                                                  str(tmp_path / "bom.txt"))
+    assert plain[0] == bom[0] == 0 and plain[1]["stats"]["prefill"]["tokens"] == bom[1]["stats"]["prefill"]["tokens"]
+    assert plain[1]["generated_ids"] == bom[1]["generated_ids"]
+    (tmp_path / "m.json").write_bytes(b'\xef\xbb\xbf[{"role": "user", "content": "Hi"}]')
+    assert generate("--messages", str(tmp_path / "m.json"))[0] == 0
+    (tmp_path / "dup.json").write_text('[{"role": "user", "content": "abc", "content": "Hi"}]')
+    (tmp_path / "dup.jsonl").write_text('{"prompt": "abc", "prompt": "Hello world"}\n')
+    for flag, path in (("--messages", "dup.json"), ("--prompts-file", "dup.jsonl")):
+        code, out = generate(flag, str(tmp_path / path))
+        assert code == 1 and "given twice" in out["error"] and "\n" not in out["error"], out
