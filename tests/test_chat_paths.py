@@ -4,6 +4,7 @@ conversation, and the same error for the same bad one (the server as a 400 namin
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -163,6 +164,29 @@ def test_a_chat_continuing_a_kv_is_the_next_turn_without_a_second_bos(containers
         raw, _ = _prompt_ids(c, "more", None, None, None, None, False, None, continuing=True)
     assert 0 < len(then) < len(whole_ids) and whole_ids[-len(then):] == then
     assert raw == tokenizer.encode("more", add_bos=False)
+
+
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+def test_a_chat_continuing_a_reply_cut_short_closes_it_first(containers, family, tmp_path):
+    """A KV whose last reply did not end (cut by --max-new-tokens): the next --chat turn starts with the
+    end-of-sequence id the model ends a turn with (the config's), as --messages gives the same conversation; the
+    model had seen an assistant turn that never closed."""
+    from moepack.runtime.generate import model_eos_ids
+
+    def generate(*args):
+        r = CliRunner().invoke(cli, ["generate", containers[family], "-n", "3", "--json", *args])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    first = generate("--chat", "hi", "--kv-out", str(tmp_path / "kv1"))
+    with Container(containers[family]) as c:
+        eos = model_eos_ids(c)
+        close = c.config["eos_token_id"]
+    close = close[0] if isinstance(close, list) else close
+    assert first["finish_reason"] == "length" and not eos & set(first["generated_ids"])
+    generate("--continue-from", str(tmp_path / "kv1"), "--chat", "more", "--kv-out", str(tmp_path / "kv2"))
+    kv1, kv2 = (json.load(open(tmp_path / d / "manifest.json"))["tokens"]["ids"] for d in ("kv1", "kv2"))
+    assert kv2[:len(kv1)] == kv1 and kv2[len(kv1)] == close
 
 
 def test_a_message_spelling_out_a_special_token_gets_its_plain_tokens_from_a_chat_template(containers):
