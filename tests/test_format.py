@@ -353,15 +353,21 @@ def test_decode_rows_rejects_bad_input():
         decode_rows("BF16", (10, 32), stored, slice(0, 10, 2))
 
 
+def _one_region_written(path: str) -> ContainerWriter:
+    """A writer of `path` with one region written and checkpointed (resumable), still open."""
+    w = ContainerWriter(path)
+    w.begin_region("global", tensor="embed.weight")
+    w.add_tensor("embed.weight", "F32", [4, 4], np.ones((4, 4), np.float32).tobytes())
+    w.end_region()
+    w.checkpoint()
+    return w
+
+
 def test_a_second_writer_of_the_same_path_is_refused_while_the_first_writes(tmp_path):
     """Two writers of one path would write into one partial file, and one would finish with the other's model
     under its name: the second is refused in one line, the first's bytes untouched, until the first ends."""
     path = str(tmp_path / "m.moepack")
-    first = ContainerWriter(path)
-    first.begin_region("global", tensor="embed.weight")
-    first.add_tensor("embed.weight", "F32", [4, 4], np.ones((4, 4), np.float32).tobytes())
-    first.end_region()
-    first.checkpoint()
+    first = _one_region_written(path)
     written = open(path + ".partial", "rb").read()
     for resume in (False, True):
         with pytest.raises(MoepackError, match=r"^another process is writing .*m\.moepack \(its m\.moepack\.partial "
@@ -379,12 +385,7 @@ def test_the_lock_is_let_go_on_every_failure_and_the_output_keeps_a_plain_files_
     next writer of the path starts, in this process too; the finished container's mode is what the umask gives a
     new file (0664 under 002), as its part files' are."""
     path = str(tmp_path / "m.moepack")
-    w = ContainerWriter(path)
-    w.begin_region("global", tensor="embed.weight")
-    w.add_tensor("embed.weight", "F32", [4, 4], np.ones((4, 4), np.float32).tobytes())
-    w.end_region()
-    w.checkpoint()
-    w.abort()
+    _one_region_written(path).abort()
     journal = json.load(open(path + ".partial.journal"))
     journal["tensors"].append(5)  # not a tensor's entry
     json.dump(journal, open(path + ".partial.journal", "w"))
