@@ -987,7 +987,7 @@ class TextOffsets:
     character begins where that character will, as the text holds only whole characters."""
 
     def __init__(self, tokenizer, start: int = 0):
-        self.tokenizer, self.at = tokenizer, start
+        self.at = start
         self._text = IncrementalDetokenizer(tokenizer.decode) if tokenizer is not None else None
 
     def of(self, tokens: list[int]) -> list[int]:
