@@ -1187,16 +1187,24 @@ def test_a_model_this_runtime_would_compute_differently_is_refused_in_one_line(t
     ("config:index_topk=3", None),  # not a shape: a valid model
 ])
 def test_a_container_whose_tensors_do_not_fit_its_config_is_refused_before_any_read(tmp_path, damage, named):
-    """A checkpoint missing a tensor, or whose config gives it another shape, converts (the container holds what
-    it was given) but prefill names the first tensor that does not fit, in one line, before reading anything."""
+    """A checkpoint missing a tensor, or whose config gives it another shape, is refused by convert before it
+    writes anything; a container holding such a model (its index edited) is refused by prefill, which names the
+    first tensor that does not fit, in one line, before reading anything, and by verify."""
+    from containers import mutate_index
     from safetensors.torch import save_file
 
     _, src = _variant(tmp_path)
+    clean = str(tmp_path / "clean.moepack")
+    convert_checkpoint(src, clean, progress=False)
     kind, _, what = damage.partition(":")
     if kind == "drop":
         weights = load_file(os.path.join(src, "model.safetensors"))
         del weights[what]
         save_file(weights, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+        stored = what.removeprefix("model.")
+
+        def edit(index):
+            index["tensors"] = [t for t in index["tensors"] if t["name"] != stored]
     else:
         key, value = what.split("=")
         with open(os.path.join(src, "config.json")) as f:
@@ -1204,8 +1212,15 @@ def test_a_container_whose_tensors_do_not_fit_its_config_is_refused_before_any_r
         config[key] = int(value)
         with open(os.path.join(src, "config.json"), "w") as f:
             json.dump(config, f)
+
+        def edit(index):
+            index["config"][key] = int(value)
     container = str(tmp_path / "damaged.moepack")
-    convert_checkpoint(src, container, progress=False)
+    if named is not None:
+        with pytest.raises(MoepackError, match=re.escape(named)):
+            convert_checkpoint(src, container, progress=False)
+        assert not os.path.exists(container)
+    mutate_index(clean, container, edit)
     ids = tmp_path / "ids.txt"
     ids.write_text("1 2 3")
     before = _proc_read_bytes()
