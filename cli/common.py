@@ -550,15 +550,20 @@ def check_prefill_context(config: dict, max_context: int | None, tokens: int) ->
         raise MoepackError(f"the prompt's {tokens} tokens exceed the context cap of {cap} ({which})")
 
 
-def continued_tokens(continue_from: str | None, container) -> int:
-    """The tokens a KV directory to continue holds (its manifest only: another model's KV named as such), 0 for
-    none."""
+def continued_kv(continue_from: str | None, container):
+    """The KV directory to continue, opened once (its manifest only: another model's KV named as such), or None."""
     if continue_from is None:
-        return 0
+        return None
     from moepack.families import kv_format_for
-    from moepack.families.kv_directory import identity_of_container, inspect_kv
+    from moepack.families.kv_directory import KVDirectory, identity_of_container
 
-    return inspect_kv(continue_from, kv_format_for, identity_of_container(container), verify=False)["tokens"]
+    return KVDirectory(continue_from, kv_format_for, identity_of_container(container))
+
+
+def continued_tokens(continue_from: str | None, container) -> int:
+    """The tokens a KV directory to continue holds, 0 for none."""
+    kv = continued_kv(continue_from, container)
+    return 0 if kv is None else kv.manifest["tokens"]["count"]
 
 
 def context_budget(config: dict, max_context: int | None, prompt_tokens: int, max_new_tokens: int) -> int:

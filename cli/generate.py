@@ -14,7 +14,7 @@ import click
 
 from moepack.runtime.limits import DEFAULT_MAX_BATCH, MAX_BATCH, MAX_PROMPTS
 
-from .common import (check_container_path, container_argument, context_budget, context_option, continued_tokens,
+from .common import (check_container_path, container_argument, context_budget, context_option, continued_kv,
                      emit, force_option, json_option, layer_progress, max_new_tokens_option, model_run_options,
                      out_of_memory, prompt_options, refuse_existing_kv, reports_errors, sampling_options, show_text)
 
@@ -66,15 +66,12 @@ def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: 
                            template=lambda: family_chat_template(container, family), continuing=continuing)
 
 
-def _closing_the_last_turn(continue_from: str, container) -> list[int]:
-    """A chat turn continuing a KV whose last reply did not end (cut by --max-new-tokens, a stop string, Ctrl-C):
-    the end-of-sequence id the model ends its turn with (the config's first), as the reply would have closed and
-    as --messages gives the same conversation; [] after a reply that ended by itself."""
-    from moepack.families import kv_format_for
-    from moepack.families.kv_directory import KVDirectory
+def _closing_the_last_turn(last: int, container) -> list[int]:
+    """A chat turn continuing a KV whose last token (`last`) did not end its reply (cut by --max-new-tokens, a stop
+    string, Ctrl-C): the end-of-sequence id the model ends its turn with (the config's first), as the reply would
+    have closed and as --messages gives the same conversation; [] after a reply that ended by itself."""
     from moepack.runtime.generate import model_eos_ids
 
-    last = KVDirectory(continue_from, kv_format_for).token_ids[-1]
     if last in model_eos_ids(container):
         return []
     eos = container.config.get("eos_token_id")
@@ -368,9 +365,10 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         config = c.config
         if not ids and continue_from is None:
             raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
-        past = continued_tokens(continue_from, c)  # a KV continued must be this container's; its tokens count too
-        if continue_from is not None and (messages_file is not None or chat is not None):
-            ids = _closing_the_last_turn(continue_from, c) + ids
+        kv = continued_kv(continue_from, c)  # a KV continued must be this container's; its tokens count too
+        past = 0 if kv is None else kv.manifest["tokens"]["count"]
+        if kv is not None and (messages_file is not None or chat is not None):
+            ids = _closing_the_last_turn(kv.token_ids[-1], c) + ids
     max_new_tokens = context_budget(config, max_context, past + len(ids), max_new_tokens)
     options = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               seed=seed, stop=tuple(stop), cache_gib=run.cache_gib,
