@@ -347,22 +347,6 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool(so.get("include_usage"))
 
 
-# the keys an OpenAI message may carry (`name`: accepted, not rendered, as the release's encoder ignores it;
-# `refusal`, `audio`: only null); tools / response_format on a system or developer message: the release's own
-MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal", "audio",
-                "tools", "response_format", "task", "wo_eos"}
-
-
-def _check_message_keys(messages: list) -> None:
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            continue  # the encoder names it
-        for key, value in m.items():
-            if key not in MESSAGE_KEYS or (key in ("refusal", "audio") and value is not None):
-                raise RequestError(f"messages[{i}].{key[:40]}: not a message field moepack renders",
-                                   param="messages", code="unknown_field")
-
-
 class Server:
     """The app's state: the generator, the batch scheduler or the one worker thread, the admission count, the
     limits."""
@@ -739,8 +723,6 @@ class Server:
         tool plan. A family without its own encoding chats through its template: no tools (their call format is
         not parsed here), no thinking split."""
         messages = body.get("messages")
-        if isinstance(messages, list):
-            _check_message_keys(messages)
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
         encoding, plan, after = self.encoding, ToolPlan(None, False), ()

@@ -171,6 +171,24 @@ class ChatInputError(MoepackError):
         self.param, self.code = param, code
 
 
+# the keys an OpenAI message may carry (`name`: accepted, not rendered, as the release's encoder ignores it;
+# `refusal`, `audio`: only null); tools / response_format on a system or developer message: the release's own
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal", "audio",
+                "tools", "response_format", "task", "wo_eos"}
+
+
+def check_message_keys(messages: list) -> None:
+    """Every key of every message one moepack renders (a chat encoder or template would drop another without a
+    word): the server's request and `generate --messages` alike."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue  # the encoder names it
+        for key, value in m.items():
+            if key not in MESSAGE_KEYS or (key in ("refusal", "audio") and value is not None):
+                raise ChatInputError(f"messages[{i}].{str(key)[:40]}: not a message field moepack renders",
+                                     "messages", "unknown_field")
+
+
 NOT_A_CONVERSATION = "messages: expected a non-empty list of {role, content} objects"
 # the roles a chat template is given: Qwen3's renders these and drops any other (developer too) without a word
 TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
@@ -254,6 +272,7 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
     """chat_prompt_ids as a first turn's."""
     if not isinstance(messages, list) or not messages:
         raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
+    check_message_keys(messages)
     encoding = family.chat_encoding
     if encoding is None:
         if reasoning_effort is not None:

@@ -83,6 +83,9 @@ BAD = [
 @pytest.mark.parametrize("messages, effort, param, words", BAD + [
     ([{"role": "user", "content": "hi"}], "max", "reasoning_effort", "reasoning_effort: "),  # no thinking
     ([{"role": 3, "content": "hi"}], None, "messages", "messages"),
+    # a key no encoder or template renders would be dropped without a word: refused by both paths
+    ([{"role": "user", "content": "hi", "contnet": "x"}], None, "messages", "messages[0].contnet: not a message"),
+    ([{"role": "user", "content": "hi", "refusal": "no"}], None, "messages", "messages[0].refusal: not a message"),
 ])
 def test_the_cli_and_the_server_refuse_a_chat_alike(containers, family, messages, effort, param, words):
     cli_error, server_error = _both(containers[family], messages, effort=effort)
