@@ -13,6 +13,7 @@ row, /exit or Ctrl-D leaves (status 0); /reset clears the history (the --system 
 from __future__ import annotations
 
 import json
+import re
 import os
 import select
 import signal
@@ -26,7 +27,27 @@ from .common import (check_container_path, container_argument, context_budget, c
                      max_new_tokens_option, model_run_options, reports_errors, sampling_options, show_text)
 
 PROMPT = ">>> "
-HELP_LINE = "/reset clears the history, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
+HELP_LINE = "/reset clears the history, /exit or Ctrl-D leaves, Ctrl-C stops a reply, /help"
+COMMANDS = {"/exit": "leave", "/reset": "clear the history", "/help": "this list"}
+# a line whose first word looks so is a command: a mistyped one is named, not sent to the model as a question
+COMMAND_WORD = re.compile(r"/[A-Za-z?][\w?-]*")
+
+
+def _command(line: str) -> tuple[str | None, str]:
+    """The chat command a typed line is (None: text for the model), and the text to send. A line of text that
+    must start with a slash is typed with two ("//x" sends "/x"); a path ("/usr/lib ...") is text as it is."""
+    if line.startswith("//"):
+        return None, line[1:]
+    words = line.split()
+    if not words or not COMMAND_WORD.fullmatch(words[0]):
+        return None, line
+    name = "/help" if words[0] == "/?" else words[0]
+    if name not in COMMANDS:
+        raise click.UsageError(f"{words[0][:40]}: no such command ({', '.join(COMMANDS)}; a line of text starting "
+                               "with / is typed with //)")
+    if len(words) > 1:
+        raise click.UsageError(f"{name} takes nothing after it")
+    return name, line
 
 
 class _Keyboard:
@@ -133,6 +154,12 @@ def chat(file, system, thinking, max_new_tokens, max_context, temperature, top_p
         keyboard.close()
 
 
+def _say_refused(message: str, as_json: bool) -> None:
+    click.echo(f"moepack: error: {message}", err=True)
+    if as_json:  # (a program reading a line a turn gets this turn's too)
+        click.echo(json.dumps({"ok": False, "error": message}))
+
+
 def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard):
     """The chat's loop: `reply` the GenerateOptions of every reply (its max_new_tokens cut to the context cap)."""
     from moepack.format_spec.errors import MoepackError
@@ -152,11 +179,21 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
         click.echo(f"moepack chat: {file} ({HELP_LINE})", err=True)
         while True:
             line = _read_line(keyboard)
-            if line is None or line.strip() == "/exit":
+            if line is None:
                 return
-            if line.strip() == "/reset":
+            try:
+                command, line = _command(line)
+            except click.UsageError as e:  # nothing is sent: the conversation goes on as it was
+                _say_refused(e.message, as_json)
+                continue
+            if command == "/exit":
+                return
+            if command == "/reset":
                 messages = list(start)
                 click.echo("(history cleared)", err=True)
+                continue
+            if command == "/help":
+                click.echo("\n".join(f"{name}: {what}" for name, what in COMMANDS.items()), err=True)
                 continue
             if not line.strip():
                 continue
@@ -167,9 +204,7 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
                 result = generator.generate(ids, replace(reply, max_new_tokens=budget), detokenize=tokenizer.decode,
                                             on_text=None if as_json else show_text, cancelled=keyboard.stop_asked)
             except MoepackError as e:  # the turn is refused (the context cap, the memory), the conversation goes on
-                click.echo(f"moepack: error: {e}" + ("; /reset to start over" if len(turn) > 1 else ""), err=True)
-                if as_json:  # (a program reading a line a turn gets this turn's too)
-                    click.echo(json.dumps({"ok": False, "error": str(e)}))
+                _say_refused(str(e) + ("; /reset to start over" if len(turn) > 1 else ""), as_json)
                 continue
             keyboard.pressed = False  # it stopped this reply: not also a Ctrl-C at the next prompt
             if as_json:

@@ -205,3 +205,26 @@ def test_a_refused_turn_is_a_json_line_too(container):
     lines = [json.loads(line) for line in p.stdout.splitlines()]
     assert lines[0]["ok"] is False and "context cap" in lines[0]["error"], lines
     assert len(lines) == 2 and lines[1]["ok"] is True, lines
+
+
+def test_a_mistyped_command_is_named_and_not_sent_to_the_model(container):
+    """A line whose first word looks like a command is one: an unknown one (or a known one with words after it) is
+    an error line, sent to no model; "//x" sends "/x"; a path is text. /help lists the commands."""
+    lines = "/rest\n/reset now\n/help\n//reset\n/tmp/a.txt hi\n/exit\n"
+    p = subprocess.run([sys.executable, "-m", "moepack", "chat", container, "-n", "2", "--json"],
+                       input=lines, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [o["ok"] for o in out] == [False, False, True, True], out
+    assert out[0]["error"].startswith("/rest: no such command (/exit, /reset, /help;")
+    assert out[1]["error"] == "/reset takes nothing after it"
+    assert "/reset: clear the history" in p.stderr
+    from moepack.families.deepseek_v4.chat import encode_message_segments
+    from moepack.format_spec.reader import Container
+    from moepack.serve.tokenizer import PromptTokenizer
+    with Container(container) as c:
+        tokenizer = PromptTokenizer(c)
+    first = [{"role": "user", "content": "/reset"}]  # the first turn sent: the ones before it were refused
+    history = [*first, {"role": "assistant", "content": out[2]["text"]}, {"role": "user", "content": "/tmp/a.txt hi"}]
+    for o, messages in zip(out[2:], (first, history)):
+        assert o["stats"]["prefill"]["tokens"] == len(tokenizer.encode_segments(encode_message_segments(messages)))
