@@ -9,6 +9,7 @@ import errno
 import fcntl
 import os
 import re
+import resource
 import shutil
 import socket
 import stat
@@ -116,6 +117,23 @@ def plain_file_mode() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+def short_write_reason(path: str) -> str | None:
+    """Why a write to `path` stopped short where the library that wrote it gave no errno (numpy's tofile says only
+    "N requested and M written"): the process's file size limit (ulimit -f) reached, or the disk full; None when
+    neither is seen."""
+    try:
+        size = os.path.getsize(path)
+        vfs = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and size + (1 << 20) >= limit:  # (a buffered writer may stop a little short)
+        return f"File too large: the process's file size limit (ulimit -f) is {limit:,} bytes"
+    if vfs.f_bavail * vfs.f_frsize < (1 << 20):
+        return "No space left on device (disk full)"
+    return None
 
 
 def check_free_space(needs: dict[str, int], what: str = "the output") -> dict[str, dict]:

@@ -46,7 +46,8 @@ from moepack.format_spec import untrusted
 from moepack.format_spec.decode import decode_float, decode_tensor, scale_name, tensor_scale_name
 from moepack.format_spec.decode import tensor_scale_value
 from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
-from moepack.format_spec.files import check_free_space, plain_file_mode, remove_stale_temporaries, temporary_prefix
+from moepack.format_spec.files import (check_free_space, plain_file_mode, remove_stale_temporaries, short_write_reason,
+                                         temporary_prefix)
 from moepack.format_spec.quants import fp4_to_mxfp4, quantize
 from moepack.format_spec.reader import Container
 from moepack.format_spec.writer import fsync_dir, fsync_file
@@ -368,9 +369,10 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
                 os.replace(tmp, name)
             fsync_dir(parent)
         except OSError as e:  # a full disk, a vanished folder: one line, nothing left behind
+            cause = None if e.errno is not None else next(filter(None, map(short_write_reason, tmps)), None)
             _discard(writer, tmps)
             full = " (disk full)" if is_disk_full(e) else ""
-            raise MoepackError(f"writing {out_file} failed: {error_reason(e)}{full}") from None
+            raise MoepackError(f"writing {out_file} failed: {cause or error_reason(e) + full}") from None
         except BaseException:
             _discard(writer, tmps)
             raise

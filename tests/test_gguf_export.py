@@ -296,6 +296,24 @@ def test_disk_full_leaves_nothing(containers, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_file_size_limit_is_named_and_leaves_nothing(containers, tmp_path):
+    """ulimit -f: numpy's short write says only "N requested and M written"; the message names the limit.
+    (Python ignores SIGXFSZ, so the write fails with EFBIG instead of killing the process.)"""
+    import resource
+
+    out = tmp_path / "x.gguf"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, hard))  # past the header, inside the first big tensors
+    try:
+        with pytest.raises(MoepackError) as e:
+            export_gguf(containers["fp4"], str(out), progress=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    msg = str(e.value)
+    assert "\n" not in msg and "file size limit (ulimit -f) is 3,145,728 bytes" in msg and str(out) in msg, msg
+    assert os.listdir(tmp_path) == []
+
+
 def test_unwritable_directory(containers, tmp_path):
     if os.geteuid() == 0:
         pytest.skip("root writes anywhere")
