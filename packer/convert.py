@@ -14,6 +14,7 @@ import os
 import struct
 import threading
 import time
+import warnings
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -91,6 +92,26 @@ def config_problem(config, plan) -> str | None:
     shapes = {name: source_type_and_shape(family.adapter, name, t)[1] for _, _, _, items in plan
               for name, t in items if not name.endswith(SCALE_SUFFIXES)}
     return family.checkpoint_problem(config, layers, shapes)
+
+
+def untie_a_stored_head(config: dict, names) -> dict:
+    """The config a checkpoint is converted under when its config.json ties the LM head to the embedding
+    (`tie_word_embeddings`) and it stores a head as well: transformers then leaves the two untied and computes
+    with the stored head ("both are present in the checkpoints ... we will NOT tie them"), so the container's
+    config says untied and holds that head (a warning says so). Any other config is returned as it is."""
+    if config.get("tie_word_embeddings") is not True:
+        return config
+    family, untied = family_for(config), {**config, "tie_word_embeddings": False}
+    try:
+        head = ({s.name for s in family.tensor_specs(family.parse_config(untied))}
+                - {s.name for s in family.tensor_specs(family.parse_config(config))})
+    except MoepackError:
+        return config  # config_problem names what is wrong with it
+    if not head or not head <= set(names):
+        return config
+    warnings.warn(f"config.json ties the LM head to the embedding, but the checkpoint stores {min(head)}: it is "
+                  "kept and used as the head, as transformers does", stacklevel=2)
+    return untied
 
 
 def source_type_and_shape(adapter: Adapter, name: str, t: SourceTensor) -> tuple[str, list[int]]:
@@ -199,6 +220,7 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
     if workers:
         torch.set_num_threads(workers)
     try:
+        source.config = untie_a_stored_head(source.config, source.tensors)
         adapter = adapter_for(source.config)
         plan = plan_regions(adapter, source.tensors, drop_mtp)
         # before hours of work, not at the end of it

@@ -560,3 +560,27 @@ def test_a_single_file_beside_an_index_is_converted_as_transformers_loads_it(tmp
     convert_checkpoint(str(tmp_path), out, policy="keep", progress=False)
     got = prefill(out, PROMPT, PrefillOptions(compute_dtype="float32", expert_selection="all")).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_tied_config_beside_a_stored_head_uses_the_stored_head_as_transformers_does(tmp_path):
+    """config.json ties the head to the embedding, yet the checkpoint stores an lm_head.weight of its own:
+    transformers warns and computes with the stored head; convert says so in a warning and keeps that head (the
+    container's config untied), so the logits are transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    save_model(tmp_path, {"tie_word_embeddings": True}, torch.float32)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in weights  # transformers saves a tied head once
+    weights["lm_head.weight"] = torch.randn(weights["model.embed_tokens.weight"].shape,
+                                            generator=torch.Generator().manual_seed(3))
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    want = reference_logits(reference(tmp_path), PROMPT)[-1]
+    out = str(tmp_path / "m.moepack")
+    with pytest.warns(UserWarning, match="stores lm_head.weight: it is kept and used as the head"):
+        convert_checkpoint(str(tmp_path), out, policy="keep", progress=False)
+    with Container(out) as c:
+        assert c.config["tie_word_embeddings"] is False and "lm_head.weight" in c.tensors
+    got = prefill(out, PROMPT, PrefillOptions(compute_dtype="float32", expert_selection="all")).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
