@@ -478,6 +478,18 @@ def open_writer(kv_dir: str, kv_format: KVFormat, identity: Mapping, token_ids, 
     return KVWriter(kv_dir, kv_format, identity, token_ids, **options)
 
 
+def copied_states(kv_format: KVFormat, config: Mapping, states) -> list:
+    """Each layer's state copied through the format's own float32 tensors, on the CPU: a decode that continues a
+    state in place leaves the copy as it was."""
+    geometry, copies = kv_format.geometry(config), []
+    for layer, state in enumerate(states):
+        tensors, _, entry = kv_format.layer_tensors(geometry, layer, state, "F32")
+        own = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+        copies.append(kv_format.layer_state(geometry, layer, {"seen_tokens": kv_format.seen_tokens(state), **entry},
+                                            own, "F32"))
+    return copies
+
+
 def write_kv_states(writer: KVWriter, states, next_token: int | None, logits: torch.Tensor | None) -> None:
     """Every layer's state (in order) through `writer`, then its finish; on any failure the writer is abandoned (a
     KV being replaced stays as it was) and the error raised."""

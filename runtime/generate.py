@@ -244,6 +244,10 @@ class Generator:
             return cancelled_in_prefill(e, detokenize)
         prefill_stats = self.prefill_stats(prefill_stats)
         decoder = self.decoder
+        # a stop string's tokens are not shown: the KV then holds the prompt and the shown tokens only, continued
+        # from a copy of the prompt's state (a decode may continue a state in place)
+        prompt = (kvd.copied_states(kv_format, self.c.config, states), logits) \
+            if kv_out is not None and out.stopper.stop else None
         decoder.begin(states)
         del states
         while not out.take(logits):
@@ -255,15 +259,34 @@ class Generator:
                 counts = None
             logits = decoder.step(out.last)
         decode_stats = {**decoder.stats_dict(), "memory_bound_bytes": bound, "peak_rss_bytes": peak_rss_bytes()}
+        result = out.result({"prefill": prefill_stats, "decode": decode_stats})
         if kv_out is not None:
-            # the last token was given out: fed too, so that a continuation (a next turn's prompt, or none) goes on
-            # after it, as after a prefill's prompt; the KV's result is then the greedy token after all of it
-            logits = decoder.step(out.last)
             in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
-            writer = kvd.open_writer(kv_out, kv_format, kvd.identity_of_container(self.c), all_ids + out.generated,
+            ids, states, logits = self._kv_after(out, prompt)
+            writer = kvd.open_writer(kv_out, kv_format, kvd.identity_of_container(self.c), all_ids + ids,
                                      dtype=kv_dtype, start_token=past, overwrite=in_place or kv_overwrite)
-            kvd.write_kv_states(writer, decoder.states, int(torch.argmax(logits)), logits)
-        return out.result({"prefill": prefill_stats, "decode": decode_stats})
+            kvd.write_kv_states(writer, states, int(torch.argmax(logits)), logits)
+            result.stats["kv_out"] = {"generated_tokens": len(ids), "dropped_tokens": len(out.generated) - len(ids)}
+        return result
+
+    def _kv_after(self, out: "SequenceOutput", prompt: tuple | None) -> tuple[list[int], list, torch.Tensor]:
+        """(the generated ids the KV holds, its states, the logits after them). Every token whose text was shown,
+        the last one fed too, so that a continuation (a next turn's prompt, or none) goes on after it as after a
+        prefill's prompt; the KV's result is the greedy token after all of it. Tokens a stop string hid (its own,
+        and any after the last whole token before it) are not in it: the shown ones are prefilled again after the
+        prompt's state (`prompt`: a copy of it and its logits)."""
+        shown = out.shown_tokens()
+        if prompt is None or shown == len(out.generated):
+            return out.generated, self.decoder.states, self.decoder.step(out.last)
+        states, logits = prompt
+        if shown:
+            engine = self.prefill_engine()
+            try:
+                done = engine.run(torch.tensor(out.generated[:shown]).to(engine.device), states, keep_kv=True)
+            finally:
+                engine.after_prompt()
+            states, logits = done.states, done.logits
+        return out.generated[:shown], states, logits
 
     def kv_format(self):
         """The KV directory format of this container's model (--continue-from, --kv-out)."""
@@ -329,6 +352,16 @@ class SequenceOutput:
         if shown and self.on_text is not None:
             self.on_text(shown)
         return bool(self.stopper.finish_reason) or len(self.generated) == self.max_new_tokens
+
+    def shown_tokens(self) -> int:
+        """How many of the generated tokens had their text shown whole: all of them, unless a stop string hid its
+        own (or text held back for one is not given out, cancelled): then the longest run whose text begins the
+        shown text."""
+        stopper, generated = self.stopper, self.generated
+        if self.detokenize is None or not (stopper.stop_string is not None or self.cancelled and stopper.stop):
+            return len(generated)
+        shown = stopper.text
+        return next(n for n in range(len(generated), -1, -1) if shown.startswith(self.detokenize(generated[:n])))
 
     def cancel(self) -> None:
         """The caller stopped it (finish_reason "cancelled"): its held-back text is not given out."""

@@ -272,3 +272,11 @@ def test_moepack_kv_reads_a_family_kv_and_refuses_a_transformers_cache_in_one_li
             moepack_kv.load_transformers_cache(given, hf)
         message = str(refused.value)
         assert "\n" not in message and "qwen3-moe" in message and "deepseek-v4" in message, message
+
+
+def test_the_kv_at_a_stop_string_holds_the_shown_tokens(containers, tmp_path):
+    """As DeepSeek-V4's (test_generate.py): this family's decode continues its prompt's state in place, so the KV
+    of the shown tokens is continued from a copy of that state."""
+    from test_generate import check_the_kv_at_a_stop_string_holds_the_shown_tokens
+
+    check_the_kv_at_a_stop_string_holds_the_shown_tokens(containers["sparse-step"][0], A + B, tmp_path)

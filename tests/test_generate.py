@@ -335,6 +335,42 @@ def test_the_kv_after_a_generation_continues_it(models, tmp_path):
         assert after == g.generate(ids + whole + more, replace(options, max_new_tokens=6)).generated_ids
 
 
+def two_letters(ids: list[int]) -> str:
+    """A detokenizer of two letters a token: a stop string can begin in the middle of one."""
+    return "".join(chr(97 + i % 26) + chr(97 + i // 26 % 26) for i in ids)
+
+
+def check_the_kv_at_a_stop_string_holds_the_shown_tokens(container, ids: list[int], tmp_path) -> None:
+    """A generation ended by a stop string writes a KV of the prompt and the tokens whose text was shown whole:
+    not the stop string's (which the user never saw), nor the token it begins in the middle of. Its result is the
+    greedy token after them, and generating on from it gives what the one generation gave there."""
+    from moepack.families.kv_directory import read_kv
+    from moepack.runtime.engine import container_kv_format
+
+    options = GenerateOptions(max_new_tokens=16, stop_at_eos=False)
+    with Generator(container) as g:
+        whole = g.generate(ids, options).generated_ids
+        text = two_letters(whole)
+        for cut in (1, 2 * (len(whole) // 2) - 5):  # in the first token, and in the middle of a later one
+            stop = next(text[cut:cut + n] for n in range(3, len(text)) if text.find(text[cut:cut + n]) == cut)
+            kv = str(tmp_path / f"kv{cut}")
+            r = g.generate(ids, replace(options, stop=(stop,)), detokenize=two_letters, kv_out=kv)
+            assert r.finish_reason == "stop" and r.text == text[:cut]
+            assert r.generated_ids == whole[:len(r.generated_ids)]
+            shown = cut // 2
+            written = read_kv(kv, container_kv_format(g.c))
+            assert written.token_ids == ids + whole[:shown] and written.next_token == whole[shown]
+            assert r.stats["kv_out"] == {"generated_tokens": shown, "dropped_tokens": len(r.generated_ids) - shown}
+            on = g.generate([], replace(options, max_new_tokens=4), continue_from=kv).generated_ids
+            assert on == whole[shown:shown + 4]
+
+
+def test_the_kv_at_a_stop_string_holds_the_shown_tokens(models, tmp_path):
+    hf_model, container = models["B"]
+    check_the_kv_at_a_stop_string_holds_the_shown_tokens(container, _prompt(30, hf_model.config.vocab_size, 8).tolist(),
+                                                         tmp_path)
+
+
 def test_the_command_streams_the_text_and_prints_one_json_object(models, tmp_path):
     import json
 
