@@ -277,7 +277,8 @@ class Generator:
         prompt's state (`prompt`: a copy of it and its logits)."""
         shown = out.shown_tokens()
         if prompt is None or shown == len(out.generated):
-            return out.generated, self.decoder.states, self.decoder.step(out.last)
+            logits = self.decoder.step(out.last)  # (before its states are taken: they then hold the last token)
+            return out.generated, self.decoder.states, logits
         states, logits = prompt
         if shown:
             engine = self.prefill_engine()
