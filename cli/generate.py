@@ -26,11 +26,12 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
     """(prompt token ids, tokenizer or None) from whichever of the five prompt options was given."""
     from moepack.serve.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
 
-    tokenizer = None
-    if token_ids_file is None:
-        tokenizer = PromptTokenizer(container)
     if token_ids_file is not None:
-        return read_token_ids(token_ids_file), tokenizer
+        return read_token_ids(token_ids_file), None
+    no_prompt = continuing and not prompt and prompt_file is None and messages_file is None and chat is None
+    if no_prompt and not PromptTokenizer.carried_by(container):  # a KV's own continuation: nothing to encode
+        return [], None
+    tokenizer = PromptTokenizer(container)
     if messages_file is not None or chat is not None:
         from moepack.format_spec.errors import MoepackError
 

@@ -42,12 +42,17 @@ _BYTE_OF_CHAR = _byte_level_chars()
 
 
 class PromptTokenizer:
+    @staticmethod
+    def carried_by(container: Container) -> bool:
+        """Whether the container carries a tokenizer.json (a model converted without one runs by token ids)."""
+        entry = container.index["tokenizer"].get("tokenizer.json")
+        return bool(entry) and entry.get("encoding") == "utf-8"
+
     def __init__(self, container: Container):
-        files = container.index["tokenizer"]
-        entry = files.get("tokenizer.json")
-        if not entry or entry.get("encoding") != "utf-8":
+        if not self.carried_by(container):
             raise MoepackError(f"{container.path} carries no tokenizer.json: pass the prompt as --token-ids")
-        self._json = entry["data"]
+        files = container.index["tokenizer"]
+        self._json = files["tokenizer.json"]["data"]
         self._tok = untrusted.load_tokenizer(self._json, "the container's tokenizer.json")
         config = {}
         if files.get("tokenizer_config.json", {}).get("encoding") == "utf-8":

@@ -18,7 +18,6 @@ from moepack.families import family_named, kv_directory as kvd
 from moepack.families.base import KVFormat, family_kv_format
 from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.runtime.engine import PrefillOptions, prefill
-from moepack.runtime.generate import GenerateOptions, generate
 
 transformers = pytest.importorskip("transformers")
 from test_qwen3_moe import CONFIGS, reference, save_model  # noqa: E402
@@ -78,10 +77,9 @@ def _generate(container, tmp_path, *args) -> list[int]:
 
 
 def _continue(container, kv_dir) -> list[int]:
-    """The greedy tokens after a KV, without a prompt (the API: the command takes no empty prompt)."""
-    options = GenerateOptions(max_new_tokens=NEW_TOKENS, temperature=0.0, cache_gib=0,
-                              prefill=PrefillOptions(compute_dtype="float32"))
-    return generate(container, [], options, continue_from=str(kv_dir)).generated_ids
+    """The greedy tokens after a KV, without a prompt: the command needs no tokenizer for none (these containers
+    carry none)."""
+    return _generate(container, None, "--continue-from", kv_dir)
 
 
 def test_qwen3_moe_has_a_kv_format():
