@@ -22,8 +22,9 @@ GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the pr
 
 
 def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, chat, thinking, reasoning_effort,
-                continuing: bool):
-    """(prompt token ids, tokenizer or None) from whichever of the five prompt options was given."""
+                continuing: bool, turn_end: int | None = None):
+    """(prompt token ids, tokenizer or None) from whichever of the five prompt options was given; `continuing` a
+    KV whose conversation ends with `turn_end` (a chat's: see serve/tokenizer.py chat_prompt_ids)."""
     from moepack.serve.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
 
     if token_ids_file is not None:
@@ -44,7 +45,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
                 raise MoepackError(f"{messages_file}: cannot read ({e.strerror})") from None
         else:
             messages = [{"role": "user", "content": chat}]
-        return _chat_ids(container, tokenizer, messages, thinking, reasoning_effort, continuing), tokenizer
+        return _chat_ids(container, tokenizer, messages, thinking, reasoning_effort, continuing, turn_end), tokenizer
     if prompt_file is not None:
         prompt = read_prompt_file(prompt_file)
     if continuing:
@@ -53,7 +54,7 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
 
 
 def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: str | None,
-              continuing: bool = False) -> list[int]:
+              continuing: bool = False, turn_end: int | None = None) -> list[int]:
     """The ids of `messages` (an OpenAI-style list) as the model's chat, as the server encodes them
     (serve/tokenizer.py chat_prompt_ids: its family's chat encoding, or its tokenizer's chat template with --thinking
     as the template's enable_thinking; `continuing` a KV: without a first turn's BOS); bad messages or options are
@@ -64,7 +65,8 @@ def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: 
 
     family = container_family(container)
     return chat_prompt_ids(family, lambda: tokenizer, messages, thinking=thinking, reasoning_effort=reasoning_effort,
-                           template=lambda: family_chat_template(container, family), continuing=continuing)
+                           template=lambda: family_chat_template(container, family), continuing=continuing,
+                           turn_end=turn_end)
 
 
 def _closing_the_last_turn(last: int, container) -> list[int]:
@@ -361,15 +363,17 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
     prompt = prompt[0] if prompt else None
     refuse_existing_kv(force, kv_out, continue_from, inputs=(file, prompt_file, token_ids_file, messages_file))
     with Container(file) as c:
+        kv = continued_kv(continue_from, c)  # a KV continued must be this container's; its tokens count too
+        past = 0 if kv is None else kv.manifest["tokens"]["count"]
+        closing = _closing_the_last_turn(kv.token_ids[-1], c) if kv is not None and (
+            messages_file is not None or chat is not None) else []
         ids, tokenizer = _prompt_ids(c, prompt, prompt_file, token_ids_file, messages_file, chat, thinking,
-                                     reasoning_effort, continuing=continue_from is not None)
+                                     reasoning_effort, continuing=kv is not None,
+                                     turn_end=(closing or kv.token_ids[-1:] or [None])[-1] if kv else None)
+        ids = closing + ids
         config = c.config
         if not ids and continue_from is None:
             raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
-        kv = continued_kv(continue_from, c)  # a KV continued must be this container's; its tokens count too
-        past = 0 if kv is None else kv.manifest["tokens"]["count"]
-        if kv is not None and (messages_file is not None or chat is not None):
-            ids = _closing_the_last_turn(kv.token_ids[-1], c) + ids
     max_new_tokens = context_budget(config, max_context, past + len(ids), max_new_tokens)
     options = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               seed=seed, stop=tuple(stop), cache_gib=run.cache_gib,

@@ -252,7 +252,8 @@ def _check_assistant_fields(m: dict, i: int) -> None:
 
 def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messages: Any, *, thinking: bool = False,
                     reasoning_effort: str | None = None, template: Callable[[], Any] | None = None,
-                    after: Sequence[tuple[str, bool]] = (), continuing: bool = False) -> list[int]:
+                    after: Sequence[tuple[str, bool]] = (), continuing: bool = False,
+                    turn_end: int | None = None) -> list[int]:
     """The prompt ids of `messages` (an OpenAI-style list) as `family`'s chat:
 
     * its own chat encoding (family.chat_encoding): markup rendered in code into special tokens, message content
@@ -264,17 +265,34 @@ def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messa
       refused).
 
     `continuing`: the messages go on after a KV's conversation (`generate --continue-from`), so the BOS a first
-    turn starts with is left out, as the whole conversation has it only at its start.
+    turn starts with is left out, as the whole conversation has it only at its start. `turn_end`: the token that
+    conversation ends with, its last turn closed; a template's messages then start with what the template puts
+    after a turn so closed (Qwen3's newline after <|im_end|>), as in the whole conversation.
 
     `tokenizer()` and `template()` are asked for only when needed (a missing template is named before a missing
     tokenizer). Bad input is a ChatInputError naming the field."""
-    ids = _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after)
+    ids = _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after,
+                          turn_end if continuing else None)
     bos = tokenizer().bos_id if continuing and ids else None
     return ids[1:] if bos is not None and ids[0] == bos else ids
 
 
-def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after) -> list[int]:
-    """chat_prompt_ids as a first turn's."""
+# a closed exchange a continued conversation's messages are rendered after, to learn what a template puts between
+# a turn's end and the next turn; its reply a private-use character no template changes
+_CLOSED_EXCHANGE = [{"role": "user", "content": "\ue002"}, {"role": "assistant", "content": "\ue003"}]
+
+
+def _after_the_closed_exchange(text: str, turn_end: str) -> str | None:
+    """The rendered text after _CLOSED_EXCHANGE's reply and the `turn_end` that closes it; None where the
+    template does not close a reply so."""
+    reply = text.find(_CLOSED_EXCHANGE[1]["content"])
+    end = text.find(turn_end, reply) if reply >= 0 and turn_end else -1
+    return text[end + len(turn_end):] if end >= 0 else None
+
+
+def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after,
+                    turn_end: int | None = None) -> list[int]:
+    """chat_prompt_ids as a first turn's (`turn_end`: as a continued conversation's, see there)."""
     if not isinstance(messages, list) or not messages:
         raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
     check_message_keys(messages)
@@ -289,8 +307,13 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
         chat_template = template()
         tok = tokenizer()
         messages, shielded = tok.shield_messages(messages)  # no message can spell out a special token
+        options = {"enable_thinking": True} if thinking else {}
         try:
-            text = chat_template.render(messages, **({"enable_thinking": True} if thinking else {}))
+            text = chat_template.render(messages, **options)
+            if turn_end is not None:
+                after_end = _after_the_closed_exchange(chat_template.render(_CLOSED_EXCHANGE + messages, **options),
+                                                       tok.pieces([turn_end])[0])
+                text = text if after_end is None else after_end
         except MoepackError as e:
             raise ChatInputError(f"messages: {e}", "messages") from None
         return tok.encode_rendered(text, shielded)

@@ -153,9 +153,10 @@ def test_a_chat_template_gets_only_the_roles_and_text_it_renders(containers, mes
 
 @pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
 def test_a_chat_continuing_a_kv_is_the_next_turn_without_a_second_bos(containers, family):
-    """`generate --continue-from KV --chat X`: X's turn as the whole conversation ends with it, so the KV's
-    conversation then it are the whole conversation's ids (a BOS had been put in the middle, as for a first turn);
-    a raw prompt continuing a KV takes none either."""
+    """`generate --continue-from KV --chat X`: the KV's conversation (a first turn, its reply closed by the model's
+    end-of-sequence) then X's turn are the whole conversation's ids, token for token: no BOS in the middle, and
+    what a template puts after a closed turn (Qwen3's newline after <|im_end|>) before X's; a raw prompt
+    continuing a KV takes no BOS either."""
     from moepack.cli.generate import _prompt_ids
 
     whole = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
@@ -163,9 +164,12 @@ def test_a_chat_continuing_a_kv_is_the_next_turn_without_a_second_bos(containers
     with Container(containers[family]) as c:
         tokenizer = PromptTokenizer(c)
         whole_ids = _chat_ids(c, tokenizer, whole, False, None)
-        then, _ = _prompt_ids(c, None, None, None, None, "more", False, None, continuing=True)
+        eos = c.config["eos_token_id"]
+        eos = eos[0] if isinstance(eos, list) else eos
+        reply = tokenizer.encode("hello", add_bos=False) + [eos]  # as the model generates it
+        then, _ = _prompt_ids(c, None, None, None, None, "more", False, None, continuing=True, turn_end=eos)
         raw, _ = _prompt_ids(c, "more", None, None, None, None, False, None, continuing=True)
-    assert 0 < len(then) < len(whole_ids) and whole_ids[-len(then):] == then
+    assert _chat_ids(c, tokenizer, whole[:1], False, None) + reply + then == whole_ids
     assert raw == tokenizer.encode("more", add_bos=False)
 
 
