@@ -209,13 +209,16 @@ class Job:
         return dataclasses.replace(self.options, seed=None if seed is None else (seed + i) % 2**64,
                                    constraint=self.make_constraint() if self.make_constraint else None)
 
-    def should_stop(self) -> bool:
-        """The generator's `cancelled`: asked first before the prefill's first layer, once every check passed."""
-        if not self.started:
+    def should_stop(self, closing: bool = False) -> bool:
+        """The generator's `cancelled`: asked first before the prefill's first layer, once every check passed.
+        The job starts (on_start: a stream's 200 goes out) only if it is not to stop there (`closing`: the server
+        shutting down), so a job stopped before its start is answered as such (408, 503), never a 200."""
+        stop = self.stopped() or closing
+        if not self.started and not stop:
             self.started = True
             if self.on_start is not None:
                 self.on_start()
-        return self.stopped()
+        return stop
 
 
 @dataclass
@@ -779,7 +782,7 @@ class Server:
         """On an executor's thread: the job's n generations. None: stopped before it started (its client left, or
         its deadline passed)."""
         try:
-            if job.stopped():
+            if job.stopped() or self.closing.is_set():
                 return self.skipped(job)
             tok = self.tokenizer
 
@@ -788,7 +791,7 @@ class Server:
             def arguments(i: int) -> dict:
                 def cancelled() -> bool:
                     asked[i] = True
-                    return job.should_stop() or self.closing.is_set()
+                    return job.should_stop(self.closing.is_set())
                 on_text = None if job.on_text is None else (lambda piece: job.on_text(i, piece))
                 return dict(detokenize=tok.decode if tok is not None else None, on_text=on_text,
                             cancelled=cancelled, on_token=self.timed(job, i))
@@ -902,12 +905,21 @@ class Server:
         if self.scheduler is not None:
             self.scheduler.close()
 
-    def stopped_error(self, otherwise: RequestError) -> RequestError:
+    def stopped_error(self, otherwise: RequestError | None) -> RequestError | None:
         """Why a generation stopped before its answer: the server shutting down (a 503 the client may retry
         elsewhere), else `otherwise`."""
         if self.closing.is_set():
             return RequestError("the server is shutting down; retry later", code="server_shutting_down", status=503)
         return otherwise
+
+    def unanswered(self, job: Job, results: list[GenerateResult] | None) -> RequestError | None:
+        """Why a job that ended (`results` None: never run) has no answer to give: stopped before any token by its
+        deadline (408) or by the server's shutdown (503); None when it has one, or its client left."""
+        if results is not None and any(r.generated_ids for r in results):
+            return None
+        if job.timed_out:
+            return self.timeout_error()
+        return self.stopped_error(None) if self.closing.is_set() else None
 
     def timeout_error(self) -> RequestError:
         return RequestError(f"the request ran past its deadline of {self.limits.request_timeout_s:g} s "
@@ -1170,8 +1182,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         except Exception as e:
             e._moepack_logged = True
             raise
-        if job.timed_out and (results is None or not results[0].generated_ids):
-            raise server.timeout_error()
+        error = server.unanswered(job, results)
+        if error is not None:
+            raise error
         return results
 
     async def finished_job(request, job: Job, future) -> list[GenerateResult]:
@@ -1236,9 +1249,10 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         continue
                     try:
                         results = wrapped.result()
-                        if results is None or (job.timed_out and not results[0].generated_ids):
-                            raise (server.timeout_error() if job.timed_out
-                                   else server.stopped_error(RequestError("cancelled")))
+                        error = server.unanswered(job, results) or (RequestError("cancelled") if results is None
+                                                                     else None)
+                        if error is not None:
+                            raise error
                     except Exception as e:
                         e._moepack_logged = True  # the worker logged its own errors
                         err = as_request_error(e)
