@@ -10,6 +10,7 @@ engine on the family: until the engine prefills a family they skip, and only on 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -418,6 +419,26 @@ def test_a_chat_template_that_fails_is_one_line():
         ChatTemplate("{% for %}", {})
     bos = ChatTemplate("{{ bos_token }}{{ messages[0].content }}", {"bos_token": {"content": "<s>"}})
     assert bos.render(MESSAGES) == "<s>You are terse."
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{{ 7**(7**9) }}", "** builds an integer of more than 4096 bits"),  # jinja had folded it while compiling
+    ("{{ 'A' * 50000000 }}", "* builds more than 1,048,576 items"),
+    ("{% for i in range(99999) %}{{ 'x' * 999 }}{% endfor %}", "its text ran past 67,108,864 characters"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "it ran past 0.5 s"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"), ("{{ 10.0 ** 400 }}", "OverflowError"),
+])
+def test_a_chat_template_past_its_bounds_or_failing_is_one_line(monkeypatch, template, words):
+    """The checkpoint's template is code run on every chat request: bounded in time, in text and in what one
+    operator builds, and any failure of it one line (a server thread never hangs on it, nor fills the memory)."""
+    from moepack.serve import chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
+    started = time.monotonic()
+    with pytest.raises(MoepackError) as e:
+        chat_template.ChatTemplate(template, {}).render(MESSAGES)
+    assert words in str(e.value) and "\n" not in str(e.value) and time.monotonic() - started < 10
 
 
 def test_moepack_chat_refuses_a_family_that_chats_through_its_template(synthesized):
