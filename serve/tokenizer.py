@@ -101,7 +101,13 @@ class PromptTokenizer:
         # the batch call lets go of the GIL while it works (encode() holds it: a server's event loop would stall
         # for the whole of a long prompt); the fast one keeps no offsets: the same ids in 0.4x the time, and no
         # per-token strings to free after (freeing a 1M-token encoding's held the GIL 0.1-0.4 s)
-        return tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        try:
+            return tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        except BaseException as e:  # the library's Rust panic is a BaseException: one line, not a dead thread
+            if type(e).__name__ != "PanicException":
+                raise
+            why = (str(e).splitlines() or ["a panic"])[0][:200]
+            raise MoepackError(f"the container's tokenizer failed on the text ({why})") from None
 
     def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
         """Ids of a chat encoding's segments (families/deepseek_v4/chat.py `encode_message_segments`): its markup into

@@ -531,3 +531,18 @@ def test_a_dangling_link_or_a_stub_gguf_is_named_as_what_it_is(tmp_path):
         r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "x.moepack"), "--keep", "--json"])
         assert r.exit_code == 1 and json.loads(r.stdout)["error"] == f"{src}: {words}", r.output
     assert not any(n.startswith("x.moepack") for n in os.listdir(tmp_path))
+
+
+def test_a_tokenizer_that_panics_on_a_text_is_one_line():
+    """A tokenizer.json whose pre-tokenizer regex backtracks past the regex engine's limit loads and converts; the
+    tokenizers library then panics on some texts (a Rust panic: a BaseException, past every `except Exception`):
+    one line naming the tokenizer, not a dead server thread or a traceback."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    from moepack.serve.tokenizer import PromptTokenizer
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(a|aa)+$"), "isolated")
+    assert PromptTokenizer._ids(tok, "b", False) == [1]
+    with pytest.raises(MoepackError, match="the container's tokenizer failed on the text .*retry-limit"):
+        PromptTokenizer._ids(tok, "a" * 59 + "b", False)
