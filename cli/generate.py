@@ -27,8 +27,9 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
     KV whose conversation ends with `turn_end` (a chat's: see serve/tokenizer.py chat_prompt_ids)."""
     from moepack.serve.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
 
-    if token_ids_file is not None:
-        return read_token_ids(token_ids_file), None
+    if token_ids_file is not None:  # (the text of what is generated, and --stop, where the container can give it)
+        return read_token_ids(token_ids_file), PromptTokenizer(container) if PromptTokenizer.carried_by(container) \
+            else None
     no_prompt = continuing and not prompt and prompt_file is None and messages_file is None and chat is None
     if no_prompt and not PromptTokenizer.carried_by(container):  # a KV's own continuation: nothing to encode
         return [], None
@@ -205,12 +206,13 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
     out = []
     with Container(file) as c:
         config = c.config
-        tokenizer = PromptTokenizer(c) if any(s.token_ids is None for s in specs) else None
+        tokenizer = PromptTokenizer(c) if any(s.token_ids is None for s in specs) or PromptTokenizer.carried_by(c) \
+            else None
         vocab = config.get("vocab_size")
         for i, spec in enumerate(specs):
             try:
                 if spec.token_ids is not None:
-                    ids, detokenize = spec.token_ids, None
+                    ids, detokenize = spec.token_ids, tokenizer.decode if tokenizer is not None else None
                 else:
                     ids = (tokenizer.encode(spec.text) if spec.text is not None
                            else _chat_ids(c, tokenizer, spec.messages, thinking, reasoning_effort))

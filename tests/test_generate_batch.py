@@ -71,7 +71,15 @@ def test_json_gives_one_line_per_prompt_and_text_lists_each_as_it_completes(tiny
     for x in lines:
         assert set(x) >= {"generated_ids", "text", "finish_reason", "stats"}
         assert x["stats"]["decode"]["mean_batch"] >= 1 and x["stats"]["prefill"]["tokens"] > 0
-    assert len(lines[1]["generated_ids"]) == 3 and lines[1]["text"] is None  # token ids in: no text, as alone
+    # token ids in: the text of the ids out, and --stop, where the container carries a tokenizer, as alone
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text("[5, 6, 7]")
+    done = _run(tiny, "--token-ids", str(ids_file), *RUN, "-n", "3", "--json")
+    alone = json.loads(done.stdout)
+    assert lines[1]["generated_ids"] == alone["generated_ids"] and isinstance(alone["text"], str) and alone["text"]
+    assert lines[1]["text"] == alone["text"]
+    done = _run(tiny, "--token-ids", str(ids_file), *RUN, "-n", "3", "--stop", alone["text"][-1], "--json")
+    assert json.loads(done.stdout)["finish_reason"] == "stop", done.output
     assert lines[0]["text"] == _alone(tiny, "--prompt", PROMPTS[0])["text"]
     assert lines[2]["generated_ids"] == _alone(tiny, "--chat", "Hi")["generated_ids"]
 
