@@ -135,7 +135,10 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_ke
                                    "max_context": context, "max_body_bytes": limits.max_body_bytes,
                                    "max_connections": max_connections, "allowed_origins": list(allowed_origins)}))
         server = uvicorn_server(app, uvicorn_config(app, limits, log_level="warning", access_log=False))
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn raises the SIGTERM or Ctrl-C it stopped on again once stopped: a
+            click.echo("moepack serve: stopped", err=True)  # server's normal end, status 0, --json's one object
     finally:
         if app is not None:
             app.state.server.close()  # its batch's worker lets go of the generator first
