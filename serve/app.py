@@ -350,6 +350,17 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool(so.get("include_usage"))
 
 
+_LOG_LOCK = threading.Lock()
+
+
+def write_log_line(line: str) -> None:
+    """One line onto stderr in one write, under a lock: lines the worker threads log at once stay whole (print writes
+    the text and its newline apart)."""
+    with _LOG_LOCK:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
 class Server:
     """The app's state: the generator, the batch scheduler or the one worker thread, the admission count, the
     limits."""
@@ -364,7 +375,7 @@ class Server:
         self.api_key = check_api_key(api_key)
         self.max_queue = max_queue
         self.limits = limits = limits or ServerLimits()
-        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.log = log or write_log_line
         self.max_batch = max_batch
         self.scheduler: BatchScheduler | None = None
         self.metrics = ServerMetrics(cache_counts_of(generator), lambda: self.admitted,

@@ -545,3 +545,22 @@ def test_sigterm_ends_running_streams_cleanly_and_the_server_exits_at_once(tiny,
         assert ends[i] == "data: [DONE]" or ends[i] == (503, "server_shutting_down"), ends
     for i in (2, 3):  # waiting behind the one stream (max_batch 1): a 503; running: its tokens so far
         assert ends[i] == (503, "server_shutting_down") or max_batch > 1 and ends[i][0] == 200 and ends[i][1] > 0, ends
+
+
+def test_log_lines_from_many_threads_stay_whole(capfd):
+    """The worker threads log at once: each line is written whole (print wrote the text and its newline apart,
+    and under load two lines ran together with an empty one after)."""
+    from moepack.serve.app import write_log_line
+
+    def log(t):
+        for i in range(300):
+            write_log_line(f"moepack serve: thread {t} line {i} " + "x" * 50)
+
+    threads = [threading.Thread(target=log, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 2400 and all(line.startswith("moepack serve: thread ") and line.endswith("x" * 50)
+                                      for line in lines)
