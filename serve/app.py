@@ -151,6 +151,20 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+async def first_of(work, stop) -> bool:
+    """Await `work` (True once it ends; its error raised) unless `stop` ends first (False: `work` cancelled)."""
+    working, stopping = asyncio.ensure_future(work), asyncio.ensure_future(stop)
+    try:
+        done, _ = await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (working, stopping):
+            task.cancel()
+    if working in done:
+        working.result()
+        return True
+    return False
+
+
 def error_response(e: RequestError):
     from starlette.responses import JSONResponse
 
@@ -517,12 +531,18 @@ class Server:
                 await self.discard_body(request)
             raise too_large
         body = bytearray()
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                if len(body) + len(chunk) > limit:
+                    raise too_large
+                body.extend(chunk)
         try:
             async with asyncio.timeout(self.limits.read_timeout_s):
-                async for chunk in request.stream():
-                    if len(body) + len(chunk) > limit:
-                        raise too_large
-                    body += chunk
+                if not await first_of(read(), self.closed()):  # a slow body does not hold up a shutdown
+                    stopped = self.stopped_error(None)
+                    stopped.headers["Connection"] = "close"
+                    raise stopped
         except TimeoutError:
             raise RequestError(f"the request body did not arrive within {self.limits.read_timeout_s:g} s "
                                "(--timeout-read)", code="request_timeout", status=408,
@@ -531,6 +551,11 @@ class Server:
             raise RequestError("the client went away while sending its body", code="client_gone") from None
         self.check_body_encoding(request.headers)
         return bytes(body)
+
+    async def closed(self) -> None:
+        """Returns once the server is closing (its flag is set by the signal handler: looked at every POLL_S)."""
+        while not self.closing.is_set():
+            await asyncio.sleep(POLL_S)
 
     @staticmethod
     def check_body_encoding(headers) -> None:

@@ -529,11 +529,16 @@ def test_sigterm_ends_running_streams_cleanly_and_the_server_exits_at_once(tiny,
         threads += [threading.Thread(target=whole, args=(i,)) for i in (2, 3)]
         for t in threads[2:]:
             t.start()
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        slow = socket.create_connection((host, int(port)))  # its body half sent: held up the exit --timeout-read
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         stopped = time.monotonic()
         assert proc.wait(timeout=30) == 0  # a server's normal end
         assert time.monotonic() - stopped < 15 and proc.stdout.read() == ""  # --json: its one object only
+        assert slow.recv(4096).startswith(b"HTTP/1.1 503 ")
         for t in threads:
             t.join(10)
     finally:
