@@ -27,17 +27,21 @@ _MAX_HEADER = 100 << 20
 MAX_SMALL_JSON_BYTES = 64 << 20  # config.json, an index of shards: kilobytes to a few megabytes
 
 
-def check_side_files(files: dict[str, dict], where: str) -> None:
+def check_side_files(files: dict[str, dict], where: str, vocab_size: int | None = None) -> None:
     """The tokenizer and generation files a conversion carries into the container, refused before any work where
     they are damaged (the container would be converted for hours, then refuse every text prompt): tokenizer.json
-    must load in the tokenizers library, every other .json file must be a JSON object."""
+    must load in the tokenizers library, with no token id past the model's embedding (`vocab_size` rows), every
+    other .json file must be a JSON object."""
     import base64
 
     for name, entry in files.items():
         data = entry["data"].encode() if entry["encoding"] == "utf-8" else base64.b64decode(entry["data"])
         what = f"{where}: {name}"
         if name == "tokenizer.json":
-            untrusted.load_tokenizer(data, what)
+            last = max(untrusted.load_tokenizer(data, what).get_vocab(with_added_tokens=True).values(), default=-1)
+            if isinstance(vocab_size, int) and last >= vocab_size:
+                raise MoepackError(f"{what}: token id {last} is past the model's embedding of {vocab_size} rows "
+                                   "(config.json vocab_size): a prompt holding it could not be run")
         elif name.endswith(".json") and not isinstance(untrusted.loads(data, what), dict):
             raise MoepackError(f"{what}: expected a JSON object")
 

@@ -336,6 +336,26 @@ def test_convert_refuses_damaged_tokenizer_files_before_writing(source, tmp_path
     assert not any(n.startswith("x.moepack") for n in os.listdir(tmp_path)), os.listdir(tmp_path)
 
 
+def test_convert_refuses_a_tokenizer_with_ids_past_the_embedding(source, tmp_path):
+    """A tokenizer.json with a token id past config.json's vocab_size: every prompt holding it (a chat's markup,
+    perhaps) would be refused at run time as an id out of range; convert names the mismatch before any work."""
+    src = _checkpoint_copy(source, tmp_path)
+    vocab = json.load(open(os.path.join(src, "config.json")))["vocab_size"]
+    path = os.path.join(src, "tokenizer.json")
+    tokenizer = json.load(open(path))
+    ids = {t["id"] for t in tokenizer["added_tokens"]} | set(tokenizer["model"]["vocab"].values())
+    tokenizer["added_tokens"] += [{"id": i, "content": f"<filler{i}>", "single_word": False, "lstrip": False,
+                                   "rstrip": False, "normalized": False, "special": True}
+                                  for i in range(max(ids) + 1, vocab + 4)]  # (the library renumbers a gap away)
+    with open(path, "w") as f:
+        json.dump(tokenizer, f)
+    r = CliRunner().invoke(cli, ["convert", src, "-o", str(tmp_path / "x.moepack"), "--q8", "--json"])
+    assert r.exit_code == 1, r.output
+    assert json.loads(r.stdout)["error"].endswith(
+        f"tokenizer.json: token id {vocab + 3} is past the model's embedding of {vocab} rows (config.json "
+        "vocab_size): a prompt holding it could not be run")
+
+
 def test_a_containers_damaged_tokenizer_is_one_line_in_every_command_that_reads_it(container, tmp_path):
     from containers import mutate_index
 
