@@ -110,20 +110,41 @@ def fetch_config(repo: str, revision: str | None = None, *, cache_dir: str | Non
     """The path of hub repo `repo`'s config.json, downloading that file alone into the Hugging Face cache (what
     `moepack plan` needs of a repo). With HF_HUB_OFFLINE=1, or when the hub cannot be reached, the cached copy is
     used (huggingface_hub's local_files_only); MoepackError (one line) when there is none."""
-    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub import HfApi, constants, hf_hub_download
 
     if not looks_like_repo_id(repo):
         raise MoepackError(f"{repo}: not a Hugging Face repo id (owner/name)")
     _install_timeouts()
     rev = hub_revision(revision)
     if constants.is_offline_mode():
-        try:
-            return hf_hub_download(repo, "config.json", revision=rev, cache_dir=cache_dir, local_files_only=True)
-        except Exception:  # huggingface_hub's own types: not cached, a bad cache entry
+        cached = _cached_file(repo, "config.json", rev, cache_dir)
+        if cached is None:
             raise MoepackError(f"HF_HUB_OFFLINE is set and {repo}@{rev}'s config.json is not in the local cache "
-                               f"({cache_dir or constants.HF_HUB_CACHE}); fetch it once with network access") from None
+                               f"({cache_dir or constants.HF_HUB_CACHE}); fetch it once with network access")
+        return cached
     with _hub_errors(repo, rev):
-        return _with_retries(lambda: hf_hub_download(repo, "config.json", revision=rev, cache_dir=cache_dir))
+        # the commit first, as convert asks it (hf_hub_download retries an unreachable hub itself for half a minute,
+        # each try a warning on stderr, and the tries here would triple that): the hub out of reach, the cached copy
+        try:
+            sha = _with_retries(lambda: HfApi().resolve_revision(repo, revision=rev, cache_dir=cache_dir)).resolved
+        except Exception as e:
+            if not _transient(e):
+                raise
+            cached = _cached_file(repo, "config.json", rev, cache_dir)
+            if cached is None:  # the hub's failure is the one to name
+                raise
+            return cached
+        return _with_retries(lambda: hf_hub_download(repo, "config.json", revision=sha or rev, cache_dir=cache_dir))
+
+
+def _cached_file(repo: str, name: str, revision: str, cache_dir: str | None) -> str | None:
+    """The Hugging Face cache's copy of a repo's file at `revision` (a branch as its cached ref says), or None."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(repo, name, revision=revision, cache_dir=cache_dir, local_files_only=True)
+    except Exception:  # noqa: BLE001 - huggingface_hub's own types: not cached, a bad cache entry
+        return None
 
 
 SCRATCH_AHEAD = 1  # shards downloaded ahead of the one being converted when each is deleted after its conversion

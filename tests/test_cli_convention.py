@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -203,6 +204,10 @@ def test_plan_takes_a_hub_id_from_the_cache_offline(tmp_path):
         assert got["model"] == want["model"] and got["W_bytes"] == want["W_bytes"]
     p = _plan("acme/absent", home, HF_HUB_OFFLINE="1")
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "HF_HUB_OFFLINE" in p.stderr, p.stderr
+    started = time.monotonic()  # online, the hub out of reach, nothing cached: one line, in seconds (it had taken
+    p = _plan("acme/absent", home)  # 76 s of huggingface_hub's retries, each a warning on stderr)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "network unavailable" in p.stderr, p.stderr
+    assert time.monotonic() - started < 30
 
 
 def test_demo_writes_outside_the_current_directory(tmp_path, monkeypatch):
