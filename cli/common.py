@@ -133,7 +133,7 @@ def layer_progress(enabled: bool, what: str = "prefill"):
     bar = progress_bar(None, what)
 
     def on_layer(layer: int, layers: int, nbytes: int) -> None:
-        bar.set_description(f"{what} layer {layer + 1}/{layers}", refresh=False)
+        bar.set_description_str(f"{what} layer {layer + 1}/{layers}", refresh=False)
         bar.update(nbytes)
         bar.refresh()  # every layer shows, however fast (tqdm draws at most every 0.1 s by itself)
     try:

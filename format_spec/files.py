@@ -150,7 +150,7 @@ def check_free_space(needs: dict[str, int], what: str = "the output") -> dict[st
     for directory, need in by_fs.values():
         vfs = os.statvfs(directory)
         if vfs.f_flag & os.ST_RDONLY:  # (its free count may be anything: a read-only disk is not a full one)
-            raise MoepackError(f"cannot write {what} on {directory}: Read-only file system")
+            raise MoepackError(f"cannot write to {directory} ({what}): Read-only file system")
         free = vfs.f_bavail * vfs.f_frsize
         report[directory] = {"need_bytes": need, "free_bytes": free}
         if need * FREE_SPACE_MARGIN > free:

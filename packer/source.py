@@ -181,8 +181,8 @@ def missing_numbered_shards(names: list[str]) -> list[str]:
 
 
 def missing_shards_text(missing: list[str]) -> str:
-    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-    return f"shard {missing[0]}{more} is missing"
+    more = f" and {len(missing) - 1} more are" if len(missing) > 1 else " is"
+    return f"shard {missing[0]}{more} missing"
 
 
 class CheckpointDir(LocalSource):
