@@ -229,7 +229,7 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
         if problem:
             raise MoepackError(f"{provenance['source']}: {problem}")
         side_files = source.side_files()
-        check_side_files(side_files, provenance["source"], source.config.get("vocab_size"))
+        check_side_files(side_files, provenance["source"], source.config.get("vocab_size"), source.config)
         refusal = keep_refusal(source) if policy == "keep" else None
         if refusal:
             raise MoepackError(f"{provenance['source']}: {refusal}")

@@ -7,6 +7,7 @@ being packed are ever in memory.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,13 +28,32 @@ _MAX_HEADER = 100 << 20
 MAX_SMALL_JSON_BYTES = 64 << 20  # config.json, an index of shards: kilobytes to a few megabytes
 
 
-def check_side_files(files: dict[str, dict], where: str, vocab_size: int | None = None) -> None:
+def eos_problem(value, vocab_size: int | None) -> str | None:
+    """Why an `eos_token_id` (config.json's, generation_config.json's) is not one a generation can stop at: not a
+    token id or a list of them (a string, a boolean), or an id past the model's embedding; None when it is."""
+    ids = value if isinstance(value, list) else [value]
+    if value is None or (isinstance(value, list) and not value):
+        return None
+    for i in ids:
+        if type(i) is not int or i < 0:
+            return f"eos_token_id: expected a token id or a list of them, got {json.dumps(value)[:80]}"
+        if isinstance(vocab_size, int) and i >= vocab_size:
+            return f"eos_token_id {i} is past the model's embedding of {vocab_size} rows (config.json vocab_size)"
+    return None
+
+
+def check_side_files(files: dict[str, dict], where: str, vocab_size: int | None = None,
+                     config: dict | None = None) -> None:
     """The tokenizer and generation files a conversion carries into the container, refused before any work where
     they are damaged (the container would be converted for hours, then refuse every text prompt): tokenizer.json
     must load in the tokenizers library, with no token id past the model's embedding (`vocab_size` rows), every
-    other .json file must be a JSON object."""
+    other .json file must be a JSON object; the end-of-sequence ids of `config` (config.json) and
+    generation_config.json token ids of the model (a generation would never stop at one that is not)."""
     import base64
 
+    problem = eos_problem((config or {}).get("eos_token_id"), vocab_size)
+    if problem:
+        raise MoepackError(f"{where}: config.json: {problem}")
     for name, entry in files.items():
         data = entry["data"].encode() if entry["encoding"] == "utf-8" else base64.b64decode(entry["data"])
         what = f"{where}: {name}"
@@ -42,8 +62,13 @@ def check_side_files(files: dict[str, dict], where: str, vocab_size: int | None 
             if isinstance(vocab_size, int) and last >= vocab_size:
                 raise MoepackError(f"{what}: token id {last} is past the model's embedding of {vocab_size} rows "
                                    "(config.json vocab_size): a prompt holding it could not be run")
-        elif name.endswith(".json") and not isinstance(untrusted.loads(data, what), dict):
-            raise MoepackError(f"{what}: expected a JSON object")
+        elif name.endswith(".json"):
+            value = untrusted.loads(data, what)
+            if not isinstance(value, dict):
+                raise MoepackError(f"{what}: expected a JSON object")
+            problem = eos_problem(value.get("eos_token_id"), vocab_size) if name == "generation_config.json" else None
+            if problem:
+                raise MoepackError(f"{what}: {problem}")
 
 
 @dataclass(frozen=True)

@@ -321,8 +321,13 @@ def test_convert_refuses_a_tensor_of_another_shape_than_the_config_says(source, 
     ("tokenizer.json", '{"model": 5}', "tokenizer.json: not a tokenizer.json the tokenizers library loads"),
     ("tokenizer.json", b"\xff\xfe", "tokenizer.json: not a tokenizer.json the tokenizers library loads"),
     ("tokenizer_config.json", "[1]", "tokenizer_config.json: expected a JSON object"),
-    ("generation_config.json", '{"temperature": NaN}', "generation_config.json: temperature: NaN")],
-    ids=["tokenizer cut", "tokenizer of no model", "tokenizer not utf-8", "config a list", "generation NaN"])
+    ("generation_config.json", '{"temperature": NaN}', "generation_config.json: temperature: NaN"),
+    ("generation_config.json", '{"eos_token_id": true}',
+     "generation_config.json: eos_token_id: expected a token id or a list of them, got true"),
+    ("generation_config.json", '{"eos_token_id": [2, 100000000]}',
+     "generation_config.json: eos_token_id 100000000 is past the model's embedding of")],
+    ids=["tokenizer cut", "tokenizer of no model", "tokenizer not utf-8", "config a list", "generation NaN",
+         "eos a boolean", "eos past the embedding"])
 def test_convert_refuses_damaged_tokenizer_files_before_writing(source, tmp_path, name, data, named):
     """A damaged tokenizer file was carried into the container, which then refused every text prompt (and
     `export --format gguf` ended in a traceback): convert names it before any work."""
