@@ -538,7 +538,7 @@ context_option = click.option(
 def _context_cap(config: dict, max_context: int | None) -> int | None:
     """-c, else the model's context (max_position_embeddings), else None."""
     model_context = config.get("max_position_embeddings")
-    return max_context or (model_context if isinstance(model_context, int) and model_context > 1 else None)
+    return max_context or (model_context if isinstance(model_context, int) and model_context >= 1 else None)
 
 
 def check_prefill_context(config: dict, max_context: int | None, tokens: int) -> None:
