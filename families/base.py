@@ -290,16 +290,22 @@ class ModelFamily(Protocol):
 
 
 def chat_template_from_tokenizer_config(tokenizer_config: Mapping[str, Any]) -> str | None:
-    """tokenizer_config.json's `chat_template`: a Jinja string, or (transformers' older form) a list of
-    {"name", "template"} whose "default" entry is the chat template. None when it has none."""
+    """tokenizer_config.json's `chat_template`: a Jinja string, or (transformers' older forms) a list of
+    {"name", "template"} or a {name: template} object, whose "default" entry is the chat template. None when it
+    has none; a MoepackError naming what is there when it is none of these (transformers refuses it too)."""
     template = tokenizer_config.get("chat_template")
-    if isinstance(template, str):
+    if template is None or isinstance(template, str):
         return template
-    if isinstance(template, Sequence):
-        for entry in template:
-            if isinstance(entry, Mapping) and entry.get("name") == "default" and isinstance(entry.get("template"), str):
-                return entry["template"]
-    return None
+    named = None
+    if isinstance(template, list) and all(isinstance(e, Mapping) and "name" in e for e in template):
+        named = {e["name"]: e.get("template") for e in template}
+    elif isinstance(template, Mapping):
+        named = template
+    if named is not None and isinstance(named.get("default"), str):
+        return named["default"]
+    what = "named templates without a 'default' one" if named is not None else \
+        f"expected a Jinja text or named templates, got {type(template).__name__}"
+    raise MoepackError(f"tokenizer_config.json chat_template: {what}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,9 +13,11 @@ import re
 import shutil
 import struct
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from moepack.families.base import chat_template_from_tokenizer_config
 from moepack.format_spec import untrusted
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
@@ -69,6 +71,13 @@ def check_side_files(files: dict[str, dict], where: str, vocab_size: int | None 
             problem = eos_problem(value.get("eos_token_id"), vocab_size) if name == "generation_config.json" else None
             if problem:
                 raise MoepackError(f"{what}: {problem}")
+            if name == "tokenizer_config.json":
+                try:
+                    chat_template_from_tokenizer_config(value)
+                except MoepackError as e:  # the model runs; its chat requests would be refused
+                    warnings.warn(f"{where}: {e}: chat requests will be refused", stacklevel=2)
+        elif name == "chat_template.jinja" and entry["encoding"] != "utf-8":
+            warnings.warn(f"{what}: not UTF-8 text: chat requests will be refused", stacklevel=2)
 
 
 @dataclass(frozen=True)

@@ -441,6 +441,20 @@ def test_a_chat_template_past_its_bounds_or_failing_is_one_line(monkeypatch, tem
     assert words in str(e.value) and "\n" not in str(e.value) and time.monotonic() - started < 10
 
 
+def test_tokenizer_config_chat_template_forms_as_transformers_reads_them():
+    """A Jinja text; transformers' named forms (a list of {name, template}, a {name: template} object) by their
+    'default'; anything else named for what it is, not read as a model without a template."""
+    from moepack.families.base import chat_template_from_tokenizer_config as template_of
+
+    assert template_of({}) is None and template_of({"chat_template": "T"}) == "T"
+    named = [{"name": "tool_use", "template": "U"}, {"name": "default", "template": "T"}]
+    assert template_of({"chat_template": named}) == template_of({"chat_template": {"default": "T"}}) == "T"
+    for bad, words in (([{"name": "tool_use", "template": "U"}], "named templates without a 'default' one"),
+                       (42, "expected a Jinja text or named templates, got int")):
+        with pytest.raises(MoepackError, match=f"tokenizer_config.json chat_template: {words}"):
+            template_of({"chat_template": bad})
+
+
 def test_moepack_chat_refuses_a_family_that_chats_through_its_template(synthesized):
     _, path = synthesized
     r = CliRunner().invoke(cli, ["chat", path], input="hi\n/exit\n")
