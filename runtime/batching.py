@@ -11,7 +11,7 @@ One worker thread owns the generator's decoder. Each turn of its loop:
    its future alone);
 2. ONE prefill pass for all the prompts being prefilled together (StreamingPrefill.run_many: each layer's
    weights and every routed expert read once for all of them, the attention per prompt): `prefill_chunk` tokens
-   in all, the earliest prompts first, each chunk continuing its prompt's previous states as a continued KV
+   in all, the prompts that can end in the pass first, then the earliest, each chunk continuing its prompt's previous states as a continued KV
    does (the whole rest of every prompt when nothing decodes, as more passes over the model would only cost).
    The decoding ones wait one pass, never a whole long prompt nor one prefill per newcomer. A group whose working
    set does not fit runs without its last prompts (they wait for a later pass); a prompt that does not fit alone
@@ -248,26 +248,29 @@ class BatchScheduler:
         s.settle(cancelled_in_prefill(GenerationCancelled(layers_done), s.detokenize), s.error)
 
     def _group(self) -> tuple[list[_Sequence], list[int]]:
-        """This turn's prefill group and each one's tokens: first come first served, PREFILL_CHUNK tokens in all
-        while others decode (none: every prompt's rest).
+        """This turn's prefill group and each one's tokens: PREFILL_CHUNK tokens in all while others decode (none:
+        every prompt's rest); first every prompt whose rest fits in what is left of it, in arrival order, then the
+        rest of it to the others, first come first served.
 
         A budget for the whole group, not per prompt: a pass costs about its reads and decodes of the routed
         experts, which grow slowly with its tokens, so the decoding sequences wait about one pass a turn however
         many prompts share it; per prompt, 16 newcomers could make one pass of 16 x prefill_chunk tokens and freeze
-        them for that long. First come first served within it: the earliest arrivals get their first tokens first,
-        and a prompt never waits behind a later one."""
+        them for that long. The prompts that can end in this pass first: a short question that arrives behind a
+        long document gets its first token after one pass, not after every chunk of the document (which still
+        gets what is left, and all of it once no short one waits)."""
         budget = self.prefill_chunk if self._active and self.prefill_chunk else None
-        group, sizes = [], []
-        for s in self._prefilling:
-            size = len(s.ids) - s.prefilled
-            if budget is not None:
-                size = min(size, budget)
-                budget -= size
-            if size < 1:
-                break
-            group.append(s)
-            sizes.append(size)
-        return group, sizes
+        rests = [len(s.ids) - s.prefilled for s in self._prefilling]
+        if budget is None:
+            return list(self._prefilling), rests
+        sizes = [0] * len(rests)
+        for i, rest in enumerate(rests):
+            if rest <= budget:
+                sizes[i], budget = rest, budget - rest
+        for i, rest in enumerate(rests):
+            take = min(rest - sizes[i], budget)
+            sizes[i], budget = sizes[i] + take, budget - take
+        group = [(s, n) for s, n in zip(self._prefilling, sizes) if n > 0]
+        return [s for s, _ in group], [n for _, n in group]
 
     def _prefill_turn(self) -> None:
         """One grouped prefill pass (StreamingPrefill.run_many) of the prompts prefilling: each of its chunk (the

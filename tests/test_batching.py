@@ -508,7 +508,7 @@ def test_newcomers_are_admitted_together_up_to_max_batch_and_prefilled_in_one_pa
     assert max(batch.sizes) == 4 and batch.sizes[0] == 4
 
 
-def test_a_group_shares_one_prefill_chunk_first_come_first_served(generator):
+def test_a_group_shares_one_prefill_chunk_the_prompts_that_can_end_first(generator):
     vocab = generator.cfg.vocab_size
     first, rest = (_prompt(4, 80, vocab), 30), [(_prompt(n, 80 + n, vocab), 5) for n in (11, 6, 9)]
     alone = [_solo(generator, ids, max_new_tokens=new).generated_ids for ids, new in (first, *rest)]
@@ -519,8 +519,9 @@ def test_a_group_shares_one_prefill_chunk_first_come_first_served(generator):
         results = [f.result(TIMEOUT) for f in _submitted_together(batch, rest)]
         assert head.result(TIMEOUT).generated_ids == alone[0]
     assert [r.generated_ids for r in results] == alone[1:]
-    # 8 tokens a turn in all, the earliest first: [8], [3 + 5], [1 + 7], [2]
-    assert [r.stats["prefill"]["chunks"] for r in results] == [2, 2, 2]
+    # 8 tokens a turn in all, a prompt that can end in the pass first, then the earliest: 11, 6, 9 -> [2, 6, 0],
+    # [8, -, 0], [1, -, 7], [-, -, 2] (first come first served had kept the 6 behind the 11: [8], [3 + 5], ...)
+    assert [r.stats["prefill"]["chunks"] for r in results] == [3, 1, 2]
     assert [r.stats["prefill"]["tokens"] for r in results] == [11, 6, 9]
 
 
