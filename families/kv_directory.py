@@ -290,7 +290,7 @@ class KVWriter:
     leaves the old one as it was. A stale new directory of a killed run is removed first."""
 
     def __init__(self, kv_dir: str, kv_format: KVFormat, identity: Mapping, token_ids, dtype: str = "F32",
-                 start_token: int = 0, overwrite: bool = False, sync: bool = True):
+                 start_token: int = 0, overwrite: bool = False, sync: bool = True, extra: Mapping | None = None):
         self.kv_dir = str(kv_dir)
         self.kv_format = kv_format
         self.dtype = check_dtype(dtype)
@@ -308,6 +308,7 @@ class KVWriter:
             raise MoepackError(f"start_token {start_token} outside the prompt of {len(ids)} tokens")
         self.n_tokens = len(ids)
         self._hold, self._hold_path = None, kv_lock_path(self.kv_dir)
+        self._extra = extra
         try:
             self._open(kv_format, identity, ids, start_token, overwrite)
         except BaseException:
@@ -358,7 +359,7 @@ class KVWriter:
                        for i in range(self.geometry["num_layers"])],
             "complete": False,
             "result": None,
-            "extra": {},
+            "extra": dict(self._extra or {}),
         }
         self._ids_json = json.dumps(ids, separators=(",", ":"))  # the large part, serialised once
         self._write_manifest()
@@ -488,6 +489,24 @@ def copied_states(kv_format: KVFormat, config: Mapping, states) -> list:
         copies.append(kv_format.layer_state(geometry, layer, {"seen_tokens": kv_format.seen_tokens(state), **entry},
                                             own, "F32"))
     return copies
+
+
+def computed_in(dtype: str, continued: "KVCache | None" = None) -> dict:
+    """A KV's manifest `extra`: the compute dtypes its tokens were computed in (this run's, and those of the KV it
+    continues). A continuation in another dtype than its KV's is told (kv_dtype_warning)."""
+    before = continued.manifest.get("extra", {}).get("compute_dtypes") if continued is not None else None
+    return {"compute_dtypes": sorted({dtype, *(before if isinstance(before, list) else [])})}
+
+
+def kv_dtype_warning(continued: "KVCache", dtype: str) -> None:
+    """A warning where a KV computed in other dtypes is continued in `dtype`: the logits are then neither run's
+    (a bfloat16 KV continued in float32 differs from a float32 prefill of the whole by about 3e-2, not 2e-6)."""
+    import warnings
+
+    before = continued.manifest.get("extra", {}).get("compute_dtypes")
+    if isinstance(before, list) and before and set(before) != {dtype}:
+        warnings.warn(f"{continued.path}: the KV was computed in {', '.join(map(str, before))}; this run computes in "
+                      f"{dtype} (--compute-dtype): its logits are not a {dtype} prefill's of the whole", stacklevel=2)
 
 
 def write_kv_states(writer: KVWriter, states, next_token: int | None, logits: torch.Tensor | None) -> None:

@@ -746,6 +746,7 @@ def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, 
         kv_format = container_kv_format(c) if kv_out is not None or continue_from is not None else None
         identity = kvd.identity_of_container(c)
         past, all_ids, start = None, token_ids.tolist(), 0
+        kv = None
         if continue_from is not None:
             kv = kvd.read_kv(continue_from, kv_format, expect_identity=identity)  # whole KV before any write
             past, start, all_ids = kv.layers, kv.seen_tokens, kv.token_ids + token_ids.tolist()
@@ -756,6 +757,8 @@ def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, 
                 hook(layer, state)
 
         engine = StreamingPrefill(c, options, on_kv if hooks or kv_out is not None else None, dist)
+        if kv is not None:
+            kvd.kv_dtype_warning(kv, engine.opt.compute_dtype)
         writer = None
         try:
             if dist is not None:
@@ -768,9 +771,10 @@ def _prefill_open(path, token_ids, options, on_layer_kv, kv_out, continue_from, 
                                          opt.expert_selection, opt.expert_ownership, chunk_tokens)})
             if kv_out is not None:
                 in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
-                writer = kvd.BackgroundKVWriter(kvd.open_writer(kv_out, kv_format, identity, all_ids, dtype=kv_dtype,
-                                                                start_token=start, overwrite=in_place or kv_overwrite,
-                                                                sync=kv_sync))
+                writer = kvd.BackgroundKVWriter(kvd.open_writer(
+                    kv_out, kv_format, identity, all_ids, dtype=kv_dtype, start_token=start,
+                    overwrite=in_place or kv_overwrite, sync=kv_sync,
+                    extra=kvd.computed_in(engine.opt.compute_dtype, kv)))
                 hooks.insert(0, writer)
             try:
                 result = engine.run(token_ids, past, chunk_tokens=chunk_tokens)

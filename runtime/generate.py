@@ -175,12 +175,14 @@ class Generator:
 
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int,
                  should_stop: Callable[[], bool] | None = None):
-        """(last logits, states, prefill stats, tokens per expert, all ids so far, tokens the KV held, memory bound)"""
+        """(last logits, states, prefill stats, tokens per expert, all ids so far, tokens the KV held, memory bound,
+        the KV continued or None)"""
         kv_format = self.kv_format() if continue_from is not None else None
         engine = self.prefill_engine()
         try:
             if continue_from is not None:
                 kv = kvd.read_kv(continue_from, kv_format, expect_identity=kvd.identity_of_container(self.c))
+                kvd.kv_dtype_warning(kv, self.prefill_options.compute_dtype)
                 states, past = kv.layers, kv.seen_tokens
                 all_ids = kv.token_ids + token_ids.tolist()
                 bound = self._check_memory(past + len(token_ids) + max_new)
@@ -192,12 +194,12 @@ class Generator:
                 else:
                     raise MoepackError(f"{continue_from}: the KV holds no logits to continue from: give a prompt")
                 stats = {**stats, "continued_from": continue_from, "past_tokens": past}
-                return logits, states, stats, counts, all_ids, past, bound
+                return logits, states, stats, counts, all_ids, past, bound, kv
             if not len(token_ids):
                 raise MoepackError("empty prompt")
             bound = self._check_memory(len(token_ids) + max_new)
             done = engine.run(token_ids.to(engine.device), keep_kv=True, should_stop=should_stop)
-            return done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0, bound
+            return done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0, bound, None
         finally:
             engine.after_prompt()
 
@@ -238,7 +240,7 @@ class Generator:
         kv_format = self.kv_format() if kv_out is not None else None  # refused before any work
         token_ids = prompt_ids(token_ids)
         try:
-            logits, states, prefill_stats, counts, all_ids, past, bound = self._prefill(
+            logits, states, prefill_stats, counts, all_ids, past, bound, continued = self._prefill(
                 token_ids, continue_from, out.max_new_tokens, cancelled)
         except GenerationCancelled as e:  # the engine's pass gave back what it had read: it serves the next
             return cancelled_in_prefill(e, detokenize)
@@ -264,7 +266,8 @@ class Generator:
             in_place = continue_from is not None and os.path.realpath(kv_out) == os.path.realpath(continue_from)
             ids, states, logits = self._kv_after(out, prompt)
             writer = kvd.open_writer(kv_out, kv_format, kvd.identity_of_container(self.c), all_ids + ids,
-                                     dtype=kv_dtype, start_token=past, overwrite=in_place or kv_overwrite)
+                                     dtype=kv_dtype, start_token=past, overwrite=in_place or kv_overwrite,
+                                     extra=kvd.computed_in(self.prefill_options.compute_dtype, continued))
             kvd.write_kv_states(writer, states, int(torch.argmax(logits)), logits)
             result.stats["kv_out"] = {"generated_tokens": len(ids), "dropped_tokens": len(out.generated) - len(ids)}
         return result

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -278,3 +279,32 @@ def test_the_kv_at_a_stop_string_holds_the_shown_tokens(containers, tmp_path):
     from test_generate import check_the_kv_at_a_stop_string_holds_the_shown_tokens
 
     check_the_kv_at_a_stop_string_holds_the_shown_tokens(containers["sparse-step"][0], A + B, tmp_path)
+
+
+def test_a_kv_records_its_compute_dtype_and_a_continuation_in_another_is_told(containers, tmp_path):
+    """The manifest's extra says what the KV's tokens were computed in; continuing it in another compute dtype
+    warns (the logits are then neither dtype's prefill of the whole), the same one does not."""
+    container, _ = containers["sparse-step"]
+    ids = _ids_file(tmp_path / "a.json", A)
+    kv_dir = tmp_path / "kv"
+    prefill = CliRunner().invoke(cli, ["prefill", container, "--token-ids", ids, "--kv-out", str(kv_dir),
+                                       "--compute-dtype", "bfloat16", "--json"])
+    assert prefill.exit_code == 0, prefill.output
+    assert json.loads((kv_dir / "manifest.json").read_text())["extra"] == {"compute_dtypes": ["bfloat16"]}
+    more = _ids_file(tmp_path / "b.json", B)
+    for dtype, warned in (("bfloat16", False), ("float32", True)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            r = CliRunner().invoke(cli, ["generate", container, "--token-ids", more, "--continue-from", str(kv_dir),
+                                         "-n", "2", "--compute-dtype", dtype, "--kv-out", str(tmp_path / dtype),
+                                         "--json"])
+        assert r.exit_code == 0, r.output
+        told = [w for w in seen if "the KV was computed in bfloat16; this run computes in float32" in str(w.message)]
+        assert len(told) == warned, [str(w.message) for w in seen]
+        extra = json.loads((tmp_path / dtype / "manifest.json").read_text())["extra"]
+        assert extra == {"compute_dtypes": sorted({"bfloat16", dtype})}
+    with warnings.catch_warnings(record=True) as seen:  # a prefill continuing it, as generate
+        warnings.simplefilter("always")
+        r = CliRunner().invoke(cli, ["prefill", container, "--token-ids", more, "--continue-from", str(kv_dir),
+                                     "--compute-dtype", "float32", "--json"])
+    assert r.exit_code == 0 and any("this run computes in float32" in str(w.message) for w in seen), r.output
