@@ -284,8 +284,8 @@ class KVWriter(kvd.KVWriter):
     """
 
     def __init__(self, kv_dir: str, identity: Mapping, token_ids, dtype: str = "F32", start_token: int = 0,
-                 overwrite: bool = False, sync: bool = True):
-        super().__init__(kv_dir, DEEPSEEK_V4_KV, identity, token_ids, dtype, start_token, overwrite, sync)
+                 overwrite: bool = False, sync: bool = True, extra: Mapping | None = None):
+        super().__init__(kv_dir, DEEPSEEK_V4_KV, identity, token_ids, dtype, start_token, overwrite, sync, extra)
 
     # this module's names (tests of a full disk replace them here)
     def _check_free_space(self, needs: dict, what: str) -> None:
