@@ -171,7 +171,7 @@ def test_a_kv_of_another_container_is_refused(containers, tmp_path):
     for command in (["generate", other, "--token-ids", b, "--max-new-tokens", 2, "--cache-gib", 0],
                     ["prefill", other, "--token-ids", b]):
         error = _refused(*command, "--continue-from", kv_dir)
-        assert f"{kv_dir}: KV from another model: container index xxh3 " in error, error
+        assert f"{kv_dir}: KV from another model: config xxh3 " in error, error  # (its config first)
     # another family's KV (DeepSeek-V4's: its config no Qwen3-MoE config) is named as another model's, not by what
     # its config lacks for this family's format
     manifest = json.loads((kv_dir / kvd.MANIFEST_NAME).read_text())
