@@ -11,7 +11,9 @@ plain text (PromptTokenizer.shield_messages, encode_rendered), so no message for
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -30,28 +32,63 @@ class NoChatTemplateError(MoepackError):
     """The container's model carries no chat template."""
 
 
-# A template is the checkpoint's code, run on every chat request: its time, its text and what one operator of its
-# builds are bounded, so that a damaged or hostile one is a one-line refusal, never a server that hangs (jinja
-# would fold `7**(7**9)` while compiling, in C, holding the GIL) or fills the memory (`'A' * 10**9`).
+# A template is the checkpoint's code, run on every chat request: its time, its text and the values it builds are
+# bounded, so that a damaged or hostile one is a one-line refusal, never a server that hangs (jinja would fold
+# `7**(7**9)` while compiling, in C, holding the GIL) or fills the memory (`'A' * 10**9`, a string doubled by `~`
+# in a loop, `'a'|center(10**9)`).
 RENDER_SECONDS = 5.0
 MAX_RENDERED_CHARS = 64 << 20
-MAX_REPEATED_ITEMS = 1 << 20  # a string or list that `*` builds
-MAX_POWER_BITS = 4096  # an integer that `**` builds
+MAX_VALUE_ITEMS = 16 << 20  # a string or list a template holds, builds with `*` or gets from a filter
+MAX_INT_BITS = 4096  # an integer that `*` or `**` builds
 
 
-class TemplateLimitError(Exception):
-    """A chat template went past one of the bounds above."""
+class TemplateLimitError(BaseException):
+    """A chat template went past one of the bounds above (a BaseException: no `except Exception` of a library the
+    template calls can swallow it and go on unbounded)."""
 
 
 def _bounded_binop(operator: str, left: Any, right: Any) -> None:
     """TemplateLimitError for `left operator right` building past the bounds (checked before it is computed)."""
-    if operator == "**" and type(left) is int and type(right) is int and right > 0 and abs(left) > 1:
-        if right * abs(left).bit_length() > MAX_POWER_BITS:
-            raise TemplateLimitError(f"{operator} builds an integer of more than {MAX_POWER_BITS} bits")
+    ints = type(left) is int and type(right) is int
+    if operator == "**" and ints and right > 0 and abs(left) > 1 and right * abs(left).bit_length() > MAX_INT_BITS:
+        raise TemplateLimitError(f"** builds an integer of more than {MAX_INT_BITS} bits")
+    if operator == "*" and ints and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+        raise TemplateLimitError(f"* builds an integer of more than {MAX_INT_BITS} bits")
     if operator == "*":
         for items, times in ((left, right), (right, left)):
-            if isinstance(items, (str, list, tuple)) and type(times) is int and len(items) * times > MAX_REPEATED_ITEMS:
-                raise TemplateLimitError(f"* builds more than {MAX_REPEATED_ITEMS:,} items")
+            if isinstance(items, (str, list, tuple)) and type(times) is int and len(items) * times > MAX_VALUE_ITEMS:
+                raise TemplateLimitError(f"* builds more than {MAX_VALUE_ITEMS:,} items")
+    sized = (str, list, tuple)
+    if operator == "+" and isinstance(left, sized) and isinstance(right, sized) and \
+            len(left) + len(right) > MAX_VALUE_ITEMS:
+        raise TemplateLimitError(f"+ builds more than {MAX_VALUE_ITEMS:,} items")
+
+
+def _check_size(value: Any, what: str) -> Any:
+    """`value`, or TemplateLimitError for a string or list past MAX_VALUE_ITEMS."""
+    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_VALUE_ITEMS:
+        raise TemplateLimitError(f"{what} builds more than {MAX_VALUE_ITEMS:,} items")
+    return value
+
+
+def _check_arguments(args, what: str) -> None:
+    """TemplateLimitError for a width or count past MAX_VALUE_ITEMS (`center(10**9)`, a format spec of one) before
+    the call builds it."""
+    for a in args:
+        if (type(a) is int and a > MAX_VALUE_ITEMS) or (isinstance(a, str) and _WIDE_SPEC.search(a)):
+            raise TemplateLimitError(f"{what} asked for more than {MAX_VALUE_ITEMS:,} items")
+
+
+_WIDE_SPEC = re.compile(r"%[-+ #0]*\d{9,}|\{[^{}]*:[^{}]*\d{9,}")  # a printf or format() width of 9+ digits
+
+
+def _bounded_filter(f):
+    """A jinja filter under _check_arguments and _check_size."""
+    @functools.wraps(f)  # (its jinja_pass_arg too: pass_context and the like)
+    def bounded(*args, **kwargs):
+        _check_arguments((*args, *kwargs.values()), "a filter")
+        return _check_size(f(*args, **kwargs), "a filter")
+    return bounded
 
 
 def _within_time(run, seconds: float):
@@ -101,6 +138,7 @@ class ChatTemplate:
 
     def __init__(self, template: str, config: Mapping[str, Any]):
         import jinja2
+        from jinja2.compiler import CodeGenerator
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -110,22 +148,46 @@ class ChatTemplate:
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # transformers' (no escaping)
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
+        class BoundedCodeGenerator(CodeGenerator):
+            def visit_Concat(self, node, frame):  # `a ~ b`: through the environment's bounded join
+                self.write("environment.bounded_concat((")
+                for arg in node.nodes:
+                    self.visit(arg, frame)
+                    self.write(", ")
+                self.write("))")
+
         class BoundedEnvironment(ImmutableSandboxedEnvironment):
-            intercepted_binops = frozenset({"*", "**"})  # (jinja then folds neither while compiling)
+            intercepted_binops = frozenset({"*", "**", "+"})  # (jinja then folds none of them while compiling)
+            code_generator_class = BoundedCodeGenerator
 
             def call_binop(self, context, operator, left, right):
                 _bounded_binop(operator, left, right)
                 return super().call_binop(context, operator, left, right)
 
+            def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+                _check_arguments((*args, *kwargs.values()), "a call")
+                return _check_size(super().call(__context, __obj, *args, **kwargs), "a call")
+
+            def wrap_str_format(self, value):  # '{:>999999999}'.format: its width is in its string
+                owner = getattr(value, "__self__", None)
+                if isinstance(owner, str) and getattr(value, "__name__", None) in ("format", "format_map"):
+                    _check_arguments((owner,), "a format")
+                return super().wrap_str_format(value)
+
+            @staticmethod
+            def bounded_concat(parts) -> str:
+                return _check_size("".join(map(str, parts)), "~")
+
         env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = tojson
+        env.filters.update({name: _bounded_filter(f) for name, f in env.filters.items()})
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self._template = _within_time(lambda: env.from_string(template), RENDER_SECONDS)
         except jinja2.exceptions.TemplateError as e:
             raise MoepackError(f"the model's chat template does not compile: {str(e)[:200]}") from None
-        except Exception as e:  # noqa: BLE001 - the checkpoint's code: any failure is one line
+        except (Exception, TemplateLimitError) as e:  # noqa: BLE001 - the checkpoint's code: any failure is one line
             raise MoepackError(f"the model's chat template does not compile ({_failure(e)})") from None
         self._special = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
 
@@ -141,7 +203,7 @@ class ChatTemplate:
             return _within_time(pieces, RENDER_SECONDS)
         except jinja2.exceptions.TemplateError as e:
             raise MoepackError(f"the model's chat template refused the messages: {str(e)[:200]}") from None
-        except Exception as e:  # noqa: BLE001 - the checkpoint's code over the messages: any failure is one line
+        except (Exception, TemplateLimitError) as e:  # noqa: BLE001 - the checkpoint's code: any failure, one line
             raise MoepackError(f"the model's chat template failed on the messages ({_failure(e)})") from None
 
 

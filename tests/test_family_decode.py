@@ -423,7 +423,17 @@ def test_a_chat_template_that_fails_is_one_line():
 
 @pytest.mark.parametrize("template, words", [
     ("{{ 7**(7**9) }}", "** builds an integer of more than 4096 bits"),  # jinja had folded it while compiling
-    ("{{ 'A' * 50000000 }}", "* builds more than 1,048,576 items"),
+    ("{{ 'A' * 50000000 }}", "* builds more than 16,777,216 items"),
+    ("{% set ns = namespace(x=3) %}{% for i in range(27) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+     "* builds an integer of more than 4096 bits"),  # (in C, holding the GIL: no clock could stop it)
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "~ builds more than 16,777,216 items"),
+    ("{% set ns = namespace(s=['x']) %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "+ builds more than 16,777,216 items"),
+    ("{% set x = 'a'|center(n) %}", "a filter asked for more than 16,777,216 items"),
+    ("{% set x = '%0200000000d'|format(1) %}", "a filter asked for more than"),
+    ("{% set x = '{:>999999999}'.format(1) %}", "a format asked for more than"),
+    ("{% set x = 'ab'.replace('a', 'a' * 1000000).replace('a', 'a' * 100) %}", "a call builds more than"),
     ("{% for i in range(70) %}{{ 'x' * 1000000 }}{% endfor %}", "its text ran past 67,108,864 characters"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "it ran past 0.5 s"),
     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
@@ -437,7 +447,7 @@ def test_a_chat_template_past_its_bounds_or_failing_is_one_line(monkeypatch, tem
     monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
     started = time.monotonic()
     with pytest.raises(MoepackError) as e:
-        chat_template.ChatTemplate(template, {}).render(MESSAGES)
+        chat_template.ChatTemplate(template, {}).render(MESSAGES, n=10**9)
     assert words in str(e.value) and "\n" not in str(e.value) and time.monotonic() - started < 10
 
 
