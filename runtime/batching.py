@@ -11,8 +11,9 @@ One worker thread owns the generator's decoder. Each turn of its loop:
    its future alone);
 2. ONE prefill pass for all the prompts being prefilled together (StreamingPrefill.run_many: each layer's
    weights and every routed expert read once for all of them, the attention per prompt): `prefill_chunk` tokens
-   in all, the prompts that can end in the pass first, then the earliest, each chunk continuing its prompt's previous states as a continued KV
-   does (the whole rest of every prompt when nothing decodes, as more passes over the model would only cost).
+   in all (half to the earliest prompt, then the prompts that can end in the pass, then the earliest), each chunk
+   continuing its prompt's previous states as a continued KV does (the whole rest of every prompt when nothing
+   decodes, as more passes over the model would only cost).
    The decoding ones wait one pass, never a whole long prompt nor one prefill per newcomer. A group whose working
    set does not fit runs without its last prompts (they wait for a later pass); a prompt that does not fit alone
    fails alone. A sequence whose prompt is done takes its first token from the pass's logits and decodes from the
@@ -249,23 +250,25 @@ class BatchScheduler:
 
     def _group(self) -> tuple[list[_Sequence], list[int]]:
         """This turn's prefill group and each one's tokens: PREFILL_CHUNK tokens in all while others decode (none:
-        every prompt's rest); first every prompt whose rest fits in what is left of it, in arrival order, then the
-        rest of it to the others, first come first served.
+        every prompt's rest); half of it to the earliest prompt, then to every prompt whose rest fits in what is
+        left, in arrival order, then the rest of it first come first served.
 
         A budget for the whole group, not per prompt: a pass costs about its reads and decodes of the routed
         experts, which grow slowly with its tokens, so the decoding sequences wait about one pass a turn however
         many prompts share it; per prompt, 16 newcomers could make one pass of 16 x prefill_chunk tokens and freeze
-        them for that long. The prompts that can end in this pass first: a short question that arrives behind a
-        long document gets its first token after one pass, not after every chunk of the document (which still
-        gets what is left, and all of it once no short one waits)."""
+        them for that long. The prompts that can end in this pass before the rest: a short question that arrives
+        behind a long document gets its first token after one pass, not after every chunk of the document; the
+        earliest prompt's half keeps a stream of short ones from starving it."""
         budget = self.prefill_chunk if self._active and self.prefill_chunk else None
         rests = [len(s.ids) - s.prefilled for s in self._prefilling]
         if budget is None:
             return list(self._prefilling), rests
         sizes = [0] * len(rests)
+        sizes[0] = min(rests[0], max(budget // 2, 1))  # the earliest always half: later short ones cannot starve it
+        budget -= sizes[0]
         for i, rest in enumerate(rests):
-            if rest <= budget:
-                sizes[i], budget = rest, budget - rest
+            if 0 < rest - sizes[i] <= budget:
+                sizes[i], budget = rest, budget - (rest - sizes[i])
         for i, rest in enumerate(rests):
             take = min(rest - sizes[i], budget)
             sizes[i], budget = sizes[i] + take, budget - take

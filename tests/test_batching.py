@@ -508,7 +508,7 @@ def test_newcomers_are_admitted_together_up_to_max_batch_and_prefilled_in_one_pa
     assert max(batch.sizes) == 4 and batch.sizes[0] == 4
 
 
-def test_a_group_shares_one_prefill_chunk_the_prompts_that_can_end_first(generator):
+def test_a_group_shares_one_prefill_chunk_first_come_first_served(generator):
     vocab = generator.cfg.vocab_size
     first, rest = (_prompt(4, 80, vocab), 30), [(_prompt(n, 80 + n, vocab), 5) for n in (11, 6, 9)]
     alone = [_solo(generator, ids, max_new_tokens=new).generated_ids for ids, new in (first, *rest)]
@@ -519,10 +519,31 @@ def test_a_group_shares_one_prefill_chunk_the_prompts_that_can_end_first(generat
         results = [f.result(TIMEOUT) for f in _submitted_together(batch, rest)]
         assert head.result(TIMEOUT).generated_ids == alone[0]
     assert [r.generated_ids for r in results] == alone[1:]
-    # 8 tokens a turn in all, a prompt that can end in the pass first, then the earliest: 11, 6, 9 -> [2, 6, 0],
-    # [8, -, 0], [1, -, 7], [-, -, 2] (first come first served had kept the 6 behind the 11: [8], [3 + 5], ...)
-    assert [r.stats["prefill"]["chunks"] for r in results] == [3, 1, 2]
+    # 8 tokens a turn in all, none short enough to end in a pass beside the earliest's half: [8], [3 + 5], [1 + 7], [2]
+    assert [r.stats["prefill"]["chunks"] for r in results] == [2, 2, 2]
     assert [r.stats["prefill"]["tokens"] for r in results] == [11, 6, 9]
+
+
+def test_a_short_prompt_behind_a_long_ones_chunks_ends_in_the_next_pass(generator):
+    """While others decode, a prompt that can end within the chunk left beside the earliest prompt's half goes in
+    the next pass: its first token comes before the long prompt's, which first come first served had kept it
+    behind for every chunk; the long prompt still gets its half each pass."""
+    vocab = generator.cfg.vocab_size
+    head, cases = _prompt(4, 90, vocab), [(_prompt(30, 91, vocab), 2), (_prompt(3, 92, vocab), 2)]
+    alone = [_solo(generator, ids, max_new_tokens=new).generated_ids for ids, new in cases]
+    firsts: list[int] = []
+    with Batch(generator, max_batch=4, prefill_chunk=8) as batch:
+        on_token, decoding = _tokens_seen(2)
+        running = batch.submit(head, max_new_tokens=40, on_token=on_token)
+        assert decoding.wait(TIMEOUT)
+        with batch.scheduler._cv:
+            futures = [batch.submit(ids, max_new_tokens=new, on_token=lambda t, lp, i=i: firsts.append(i))
+                       for i, (ids, new) in enumerate(cases)]
+        results = [f.result(TIMEOUT) for f in futures]
+        running.result(TIMEOUT)
+    assert [r.generated_ids for r in results] == alone
+    assert firsts[0] == 1  # the short one's first token first
+    assert [r.stats["prefill"]["chunks"] for r in results] == [5, 1]  # 30: 4 (+1 left) + 8 + 8 + 8 + 1; 3 at once
 
 
 def test_a_prompt_cancelled_during_a_grouped_prefill_leaves_the_others_exact(generator):
