@@ -207,6 +207,7 @@ class ModelFamily(Protocol):
     model_types: tuple[str, ...]  # config.json `model_type` it accepts
     expert_naming: ExpertNaming
     adapter: Adapter  # its checkpoint's names onto the container's read order (what `moepack convert` writes)
+    head_tensor: str  # the LM head's container name, stored where config.json does not tie it to the embedding
 
     def parse_config(self, raw: Mapping[str, Any]) -> Any:
         """The config.json as this family reads it; a bad field is a one-line MoepackError naming it."""

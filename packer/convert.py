@@ -94,24 +94,21 @@ def config_problem(config, plan) -> str | None:
     return family.checkpoint_problem(config, layers, shapes)
 
 
-def untie_a_stored_head(config: dict, names) -> dict:
+def untie_a_stored_head(config: dict, plan) -> dict:
     """The config a checkpoint is converted under when its config.json ties the LM head to the embedding
-    (`tie_word_embeddings`) and it stores a head as well: transformers then leaves the two untied and computes
-    with the stored head ("both are present in the checkpoints ... we will NOT tie them"), so the container's
-    config says untied and holds that head (a warning says so). Any other config is returned as it is."""
+    (`tie_word_embeddings`) and it stores a head as well (the family's head_tensor, under any name its adapter
+    reads as that): transformers then leaves the two untied and computes with the stored head ("both are present
+    in the checkpoints ... we will NOT tie them"), so the container's config says untied and holds that head (a
+    warning says so). Any other config is returned as it is."""
     if config.get("tie_word_embeddings") is not True:
         return config
-    family, untied = family_for(config), {**config, "tie_word_embeddings": False}
-    try:
-        head = ({s.name for s in family.tensor_specs(family.parse_config(untied))}
-                - {s.name for s in family.tensor_specs(family.parse_config(config))})
-    except MoepackError:
-        return config  # config_problem names what is wrong with it
-    if not head or not head <= set(names):
+    family = family_for(config)
+    stored = {family.adapter.canonical(name) for _, _, _, items in plan for name, _ in items}
+    if family.head_tensor not in stored:
         return config
-    warnings.warn(f"config.json ties the LM head to the embedding, but the checkpoint stores {min(head)}: it is "
+    warnings.warn("config.json ties the LM head to the embedding, but the checkpoint stores a head of its own: it is "
                   "kept and used as the head, as transformers does", stacklevel=2)
-    return untied
+    return {**config, "tie_word_embeddings": False}
 
 
 def source_type_and_shape(adapter: Adapter, name: str, t: SourceTensor) -> tuple[str, list[int]]:
@@ -220,9 +217,9 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
     if workers:
         torch.set_num_threads(workers)
     try:
-        source.config = untie_a_stored_head(source.config, source.tensors)
         adapter = adapter_for(source.config)
         plan = plan_regions(adapter, source.tensors, drop_mtp)
+        source.config = untie_a_stored_head(source.config, plan)
         # before hours of work, not at the end of it
         layers = sum(1 for kind, block, _, _ in plan if kind == "dense" and parse_block_name(block)[0] == "layers")
         problem = config_problem(source.config, plan) or layer_count_problem(source.config, layers)

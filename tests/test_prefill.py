@@ -1153,6 +1153,31 @@ def test_a_head_tied_to_the_embedding_is_the_embedding_read_once(tmp_path):
     assert torch.allclose(_reference(exported, ids), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
 
 
+def test_a_tied_config_beside_a_stored_head_uses_the_stored_head_as_transformers_does(tmp_path):
+    """tie_word_embeddings in config.json, yet the checkpoint stores a head of its own: transformers computes with
+    the stored head, and so does the container (its config untied, a warning said so)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV4ForCausalLM
+
+    _, src = _variant(tmp_path, tie_word_embeddings=True)
+    shard = next(os.path.join(src, n) for n in sorted(os.listdir(src)) if n.endswith(".safetensors"))
+    weights = load_file(shard)
+    embed = next(n for n in weights if n.endswith("embed.weight") or n.endswith("embed_tokens.weight"))
+    head = "lm_head.weight" if embed.startswith("model.") else "head.weight"
+    weights[head] = torch.randn(weights[embed].shape, generator=torch.Generator().manual_seed(5))
+    save_file(weights, shard, metadata={"format": "pt"})
+    hf_model = DeepseekV4ForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    container = str(tmp_path / "untied.moepack")
+    with pytest.warns(UserWarning, match="stores a head of its own: it is kept and used as the head"):
+        convert_checkpoint(src, container, progress=False)
+    with Container(container) as c:
+        assert c.config["tie_word_embeddings"] is False and "head.weight" in c.tensors
+    ids = _prompt(20, 97, seed=8)
+    ref = _reference(hf_model, ids)
+    result = prefill(container, ids, PrefillOptions(expert_selection="all"))
+    assert (result.logits - ref).abs().max() <= REL_TOL * ref.abs().max()
+
+
 @pytest.mark.parametrize("change,named", [({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
                                           ({"mlp_bias": True}, "mlp_bias")])
 def test_a_model_this_runtime_would_compute_differently_is_refused_in_one_line(tmp_path, change, named):

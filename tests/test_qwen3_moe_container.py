@@ -578,7 +578,7 @@ def test_a_tied_config_beside_a_stored_head_uses_the_stored_head_as_transformers
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     want = reference_logits(reference(tmp_path), PROMPT)[-1]
     out = str(tmp_path / "m.moepack")
-    with pytest.warns(UserWarning, match="stores lm_head.weight: it is kept and used as the head"):
+    with pytest.warns(UserWarning, match="stores a head of its own: it is kept and used as the head"):
         convert_checkpoint(str(tmp_path), out, policy="keep", progress=False)
     with Container(out) as c:
         assert c.config["tie_word_embeddings"] is False and "lm_head.weight" in c.tensors

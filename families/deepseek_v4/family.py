@@ -48,6 +48,7 @@ class DeepseekV4Family:
     are layer_prefill's and layer_decode's."""
 
     name = "deepseek-v4"
+    head_tensor = "head.weight"
     architectures = (ARCHITECTURE,)
     model_types = (MODEL_TYPE,)
     expert_naming: ExpertNaming = EXPERT_NAMING

@@ -15,13 +15,14 @@ from ..base import (ExpertNaming, GGUFModel, GGUFTensor, MoeShape, TensorSpec,
 from .adapter import QWEN3_MOE
 from .gguf import GGUF_ARCH, PRE_TOKENIZERS, config_from_gguf, gguf_model
 from .config import ARCHITECTURE, MODEL_TYPE, Qwen3MoeConfig
-from .tensors import EXPERT_NAMING, fp8_block, release_tensors, tensor_specs
+from .tensors import EXPERT_NAMING, HEAD, fp8_block, release_tensors, tensor_specs
 
 
 class Qwen3MoeFamily:
     """The ModelFamily protocol for Qwen3-MoE (the forward functions imported when first used: torch)."""
 
     name = "qwen3-moe"
+    head_tensor = HEAD
     architectures = (ARCHITECTURE,)
     model_types = (MODEL_TYPE,)
     expert_naming: ExpertNaming = EXPERT_NAMING
