@@ -27,9 +27,8 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
     KV whose conversation ends with `turn_end` (a chat's: see serve/tokenizer.py chat_prompt_ids)."""
     from moepack.serve.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
 
-    if token_ids_file is not None:  # (the text of what is generated, and --stop, where the container can give it)
-        return read_token_ids(token_ids_file), PromptTokenizer(container) if PromptTokenizer.carried_by(container) \
-            else None
+    if token_ids_file is not None:
+        return read_token_ids(token_ids_file), _tokenizer_for_text(container)
     no_prompt = continuing and not prompt and prompt_file is None and messages_file is None and chat is None
     if no_prompt and not PromptTokenizer.carried_by(container):  # a KV's own continuation: nothing to encode
         return [], None
@@ -52,6 +51,23 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
     if continuing:
         tokenizer.add_special_tokens = False  # a continuation: no BOS in the middle of the conversation
     return (tokenizer.encode(prompt) if prompt else []), tokenizer
+
+
+def _tokenizer_for_text(container):
+    """The container's tokenizer, for the text of what token-id prompts generate (and --stop): None where it
+    carries none, or one that does not load (a warning says so: the ids run all the same)."""
+    import warnings
+
+    from moepack.format_spec.errors import MoepackError
+    from moepack.serve.tokenizer import PromptTokenizer
+
+    if not PromptTokenizer.carried_by(container):
+        return None
+    try:
+        return PromptTokenizer(container)
+    except MoepackError as e:
+        warnings.warn(f"{e}: the generated ids are given without their text", stacklevel=2)
+        return None
 
 
 def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: str | None,
@@ -206,8 +222,7 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
     out = []
     with Container(file) as c:
         config = c.config
-        tokenizer = PromptTokenizer(c) if any(s.token_ids is None for s in specs) or PromptTokenizer.carried_by(c) \
-            else None
+        tokenizer = PromptTokenizer(c) if any(s.token_ids is None for s in specs) else _tokenizer_for_text(c)
         vocab = config.get("vocab_size")
         for i, spec in enumerate(specs):
             try:

@@ -376,6 +376,10 @@ def test_a_containers_damaged_tokenizer_is_one_line_in_every_command_that_reads_
     for args in runs:
         _refused(run_console(*args),
                  "the container's tokenizer.json: not a tokenizer.json the tokenizers library loads")
+    ids = tmp_path / "ids.json"  # token ids need no tokenizer: they run, their text left out with a warning
+    ids.write_text("[5, 6, 7]")
+    r = CliRunner().invoke(cli, ["generate", path, "--token-ids", str(ids), "-n", "2", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["text"] is None, r.output
 
 
 # --- files that hang or blow up a reader --------------------------------------------------------------------------
