@@ -71,8 +71,8 @@ def check_side_files(files: dict[str, dict], where: str, vocab_size: int | None 
             problem = eos_problem(value.get("eos_token_id"), vocab_size) if name == "generation_config.json" else None
             if problem:
                 raise MoepackError(f"{what}: {problem}")
-            if name == "tokenizer_config.json":
-                try:
+            if name == "tokenizer_config.json" and files.get("chat_template.jinja", {}).get("encoding") != "utf-8":
+                try:  # (a chat_template.jinja beside it is the template transformers takes)
                     chat_template_from_tokenizer_config(value)
                 except MoepackError as e:  # the model runs; its chat requests would be refused
                     warnings.warn(f"{where}: {e}: chat requests will be refused", stacklevel=2)

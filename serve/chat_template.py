@@ -216,7 +216,10 @@ def family_chat_template(container: Container, family) -> ChatTemplate:
     """The chat template of a family container's model (`family`: its ModelFamily); NoChatTemplateError naming
     where it was looked for when there is none."""
     config = tokenizer_config(container)
-    template = family.chat_template(config) or container.tokenizer_text(TEMPLATE_FILE)
+    from_file = container.tokenizer_text(TEMPLATE_FILE)
+    # transformers: a chat_template.jinja takes priority over tokenizer_config.json's (a family with its own chat
+    # encoding renders its own)
+    template = from_file if from_file and family.chat_encoding is None else family.chat_template(config) or from_file
     if not template:
         raise NoChatTemplateError(f"the {family.name} model's container carries no chat template (neither "
                                   f"tokenizer_config.json chat_template nor {TEMPLATE_FILE})")

@@ -465,6 +465,28 @@ def test_tokenizer_config_chat_template_forms_as_transformers_reads_them():
             template_of({"chat_template": bad})
 
 
+def test_a_chat_template_jinja_file_takes_priority_over_tokenizer_config_as_in_transformers():
+    """transformers reads chat_template.jinja before tokenizer_config.json's chat_template (which may then be of
+    no form it reads at all); with neither, the error names both."""
+    from moepack.serve.chat_template import NoChatTemplateError, family_chat_template
+
+    class Files:
+        def __init__(self, config, jinja):
+            self.config, self.jinja = config, jinja
+
+        def tokenizer_json(self, name):
+            return self.config
+
+        def tokenizer_text(self, name):
+            return self.jinja
+
+    for config in ({"chat_template": "config's"}, {"chat_template": 42}, {}):
+        assert family_chat_template(Files(config, "file's"), FAMILY).render(MESSAGES) == "file's"
+    assert family_chat_template(Files({"chat_template": "config's"}, None), FAMILY).render(MESSAGES) == "config's"
+    with pytest.raises(NoChatTemplateError, match="neither tokenizer_config.json chat_template nor"):
+        family_chat_template(Files({}, None), FAMILY)
+
+
 def test_moepack_chat_refuses_a_family_that_chats_through_its_template(synthesized):
     _, path = synthesized
     r = CliRunner().invoke(cli, ["chat", path], input="hi\n/exit\n")
