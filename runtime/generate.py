@@ -365,7 +365,11 @@ class SequenceOutput:
         if self.detokenize is None or not (stopper.stop_string is not None or self.cancelled and stopper.stop):
             return len(generated)
         shown = stopper.text
-        return next(n for n in range(len(generated), -1, -1) if shown.startswith(self.detokenize(generated[:n])))
+        # (a token holds at least one character, or part of one: the hidden text bounds how far back to look;
+        # none found there, as a detokenizer whose prefixes are not the text's would give, keeps them all)
+        back = len(self.so_far) - len(shown) + 8
+        return next((n for n in range(len(generated), max(len(generated) - back, 0) - 1, -1)
+                     if shown.startswith(self.detokenize(generated[:n]))), len(generated))
 
     def cancel(self) -> None:
         """The caller stopped it (finish_reason "cancelled"): its held-back text is not given out."""

@@ -158,7 +158,8 @@ async def first_of(work, stop) -> bool:
         done, _ = await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in (working, stopping):
-            task.cancel()
+            task.cancel()  # (its error, if it ends in one as it is cancelled, retrieved: not logged as lost)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
     if working in done:
         working.result()
         return True
