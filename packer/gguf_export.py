@@ -34,6 +34,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -69,6 +70,7 @@ class _Job:
     produce: Callable[[], np.ndarray]  # the tensor's bytes, uint8 (or a numpy array of the right nbytes)
     source_bytes: int  # stored bytes consumed (progress)
     nbytes: int = 0  # its size in the GGUF (set by export_gguf, which has gguf-py's block table)
+    requantized: str | None = None  # the stored type decoded and encoded again as `qtype`, where it is
 
 
 def _ggml_nbytes(gguf, qtype: str, shape) -> int:
@@ -132,7 +134,8 @@ def _plain_job(c: Container, name: str, gguf_name: str) -> _Job:
         return _Job(gguf_name, dt, shape, lambda: _raw(c, name), nbytes)
     # FP8 + block scales (the converter's dequant_model + tensor_force_quant), or anything else moepack decodes
     qtype, encode = _requantized(shape)
-    return _Job(gguf_name, qtype, shape, lambda: encode(_float32(c, name)), nbytes)
+    return _Job(gguf_name, qtype, shape, lambda: encode(_float32(c, name)), nbytes,
+                requantized=dt + (" with a tensor scale" if has_ts else ""))
 
 
 def _stacked_experts_job(c: Container, names: list[str], gguf_name: str) -> _Job:
@@ -163,7 +166,8 @@ def _stacked_experts_job(c: Container, names: list[str], gguf_name: str) -> _Job
                     nbytes)
     qtype, encode = _requantized(shape)
     return _Job(gguf_name, qtype, (n_experts,) + shape,
-                lambda: np.concatenate([encode(_float32(c, n)) for n in names]), nbytes)
+                lambda: np.concatenate([encode(_float32(c, n)) for n in names]), nbytes,
+                requantized="/".join(sorted(dtypes)) + (" with a tensor scale" if has_ts else ""))
 
 
 # general.file_type (gguf-py's LlamaFileType member) after the routed experts' GGUF type
@@ -332,6 +336,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
     with Container(path) as c:
         arch, jobs, kv, pre, vocab_size, fallback_template = family_export(gguf, c)
         jobs = [replace(j, nbytes=_ggml_nbytes(gguf, j.qtype, j.shape)) for j in jobs]
+        requantized = _requantized_types(jobs)
         files = _tokenizer_files(c)
         shards = _shard(jobs, split_max_size)
         outputs = [out_file] if split_max_size is None else [split_name(out_file, i + 1, len(shards))
@@ -378,6 +383,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
             raise
     total = sum(j.nbytes for j in jobs)
     return {"output": outputs[0], "files": outputs, "format": "gguf", "architecture": arch, "tensors": len(jobs),
+            "requantized": requantized,
             "bytes": total, "seconds": round(time.perf_counter() - start, 3)}
 
 
@@ -396,6 +402,24 @@ def _write_tensors(gguf, writer, jobs: list[_Job], bar) -> None:
         writer.write_tensor_data(data)
         bar.update(j.source_bytes)
     writer.close()
+
+
+_CONVERTER_REQUANTIZES = ("F8_E4M3",)  # what llama.cpp's own converter decodes and writes as Q8_0 too
+
+
+def _requantized_types(jobs: list[_Job]) -> dict[str, int]:
+    """{stored type: tensors} of those decoded and encoded again; a warning where that is a second lossy step
+    llama.cpp's own converter would not take (NVFP4, a tensor scale: the `--nvfp4` policy's)."""
+    counts: dict[str, int] = {}
+    for j in jobs:
+        if j.requantized is not None:
+            counts[j.requantized] = counts.get(j.requantized, 0) + 1
+    again = sorted(t for t in counts if t not in _CONVERTER_REQUANTIZES)
+    if again:
+        warnings.warn(f"{sum(counts[t] for t in again)} tensors stored as {', '.join(again)} are decoded and written "
+                      "again as Q8_0, a second lossy step (llama.cpp has no such type): export a container of "
+                      "another policy (--fp4, --q8, --keep) to have them copied as they are", stacklevel=3)
+    return counts
 
 
 def _discard(writer, tmps: list[str]) -> None:

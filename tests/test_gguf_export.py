@@ -314,6 +314,24 @@ def test_a_file_size_limit_is_named_and_leaves_nothing(containers, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_second_lossy_step_is_told_and_counted(containers, tmp_path):
+    """NVFP4 experts (llama.cpp has no such type) are decoded and written as Q8_0: a second lossy step, told by a
+    warning and counted in the summary's `requantized`; FP8 -> Q8_0 is llama.cpp's own converter's and is only
+    counted."""
+    import warnings
+
+    nvfp4 = str(tmp_path / "nvfp4.moepack")
+    convert_checkpoint(os.path.join(os.path.dirname(containers["keep"]), "src"), nvfp4, policy="nvfp4",
+                       progress=False)
+    with pytest.warns(UserWarning, match=r"tensors stored as NVFP4 .* are decoded and written again as Q8_0"):
+        summary = export_gguf(nvfp4, str(tmp_path / "n.gguf"), progress=False)
+    assert summary["requantized"] == {"NVFP4 with a tensor scale": 12}  # a layer's three expert matrices each
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the release's FP8 dense weights: as llama.cpp converts them, no warning
+        summary = export_gguf(containers["keep"], str(tmp_path / "k.gguf"), progress=False)
+    assert summary["requantized"].get("F8_E4M3", 0) > 0 and set(summary["requantized"]) == {"F8_E4M3"}
+
+
 def test_unwritable_directory(containers, tmp_path):
     if os.geteuid() == 0:
         pytest.skip("root writes anywhere")
