@@ -9,6 +9,8 @@ either way.
 
 from __future__ import annotations
 
+import json
+
 import time
 
 import torch
@@ -55,6 +57,9 @@ def compare_with_source(path: str, src: str, revision: str | None = None, progre
         adapter = adapter_for(source.config)
         names = {adapter.canonical(n): n for n in source.tensors}
         with Container(path) as c:
+            problem = config_difference(c, source.config)
+            if problem:
+                failures.append({"tensor": "config.json", "problem": problem})
             missing = sorted(n for n in names if n not in c.tensors and not _consumed_scale(c, n)
                              and not (c.policy.get("drop_mtp") and n.startswith("mtp.")))
             if missing:
@@ -90,6 +95,28 @@ def compare_with_source(path: str, src: str, revision: str | None = None, progre
         "lossy": len(lossy), "by_type": by_type, "worst": lossy[:worst], "failures": failures,
         "seconds": round(time.perf_counter() - start, 3),
     }
+
+
+def config_difference(c: Container, source_config: dict) -> str | None:
+    """How the container's config.json differs from its source's (the model computes by it: another
+    routed_scaling_factor is another model with the same weights), or None. The one difference convert makes is
+    allowed: a tied head untied where the checkpoint stored a head of its own (convert.untie_a_stored_head)."""
+    ours = dict(c.config)
+    if source_config.get("tie_word_embeddings") is True and ours.get("tie_word_embeddings") is False:
+        ours["tie_word_embeddings"] = True
+    keys = sorted(set(ours) | set(source_config), key=str)
+    differ = [k for k in keys if ours.get(k, _ABSENT) != source_config.get(k, _ABSENT)]
+    if not differ:
+        return None
+
+    def shown(config, key):
+        return "absent" if key not in config else json.dumps(config[key])[:60]
+    first = differ[0]
+    return (f"differs from the source's: {first} is {shown(source_config, first)} there, "
+            f"{shown(c.config, first)} here" + (f" (and {len(differ) - 1} more keys)" if len(differ) > 1 else ""))
+
+
+_ABSENT = object()
 
 
 def _consumed_scale(c: Container, name: str) -> bool:
@@ -141,4 +168,5 @@ def raise_on_failures(report: dict) -> None:
     if report["failures"]:
         first = report["failures"][0]
         more = len(report["failures"]) - 1
-        raise MoepackError(f"tensor {first['tensor']}: {first['problem']}" + (f" (and {more} more)" if more else ""))
+        what = first["tensor"] if first["tensor"].endswith(".json") else f"tensor {first['tensor']}"
+        raise MoepackError(f"{what}: {first['problem']}" + (f" (and {more} more)" if more else ""))

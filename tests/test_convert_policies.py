@@ -237,6 +237,27 @@ def test_verify_source_catches_a_different_checkpoint(release_src, tmp_path):
     assert "bytes differ" in problems and "should be lossless" in problems and "exceeds its threshold" in problems
 
 
+def test_verify_source_catches_the_same_weights_under_another_config(release_src, tmp_path):
+    """The same tensors, another config.json (routed_scaling_factor: another model computed from them): verify
+    --source names the key; the config it was converted from passes."""
+    import shutil
+
+    from moepack.packer.fidelity import raise_on_failures
+
+    out = str(tmp_path / "keep.moepack")
+    convert_checkpoint(release_src, out, policy="keep", progress=False)
+    assert compare_with_source(out, release_src, progress=False)["ok"]
+    other = shutil.copytree(release_src, str(tmp_path / "other"))
+    config = json.load(open(os.path.join(other, "config.json")))
+    config["routed_scaling_factor"] = 7.0
+    json.dump(config, open(os.path.join(other, "config.json"), "w"))
+    report = compare_with_source(out, other, progress=False)
+    assert not report["ok"] and report["failures"][0]["tensor"] == "config.json"
+    with pytest.raises(MoepackError, match=r"^config.json: differs from the source's: routed_scaling_factor is 7.0 "
+                                           r"there, [0-9.]+ here$"):
+        raise_on_failures(report)
+
+
 @pytest.mark.parametrize("policy", ["fp4", "nvfp4", "q8", "q2", "bf16"])  # nvfp4: both apply the tensor scales
 def test_quantized_prefill_matches_transformers_on_the_export(release_src, tmp_path, policy):
     transformers = pytest.importorskip("transformers")
