@@ -180,8 +180,8 @@ def _part_lines(parts: list[dict]) -> list[str]:
 @click.option("--format", "fmt", type=click.Choice(["hf", "gguf"]), default="hf", show_default=True,
               help="hf: a Hugging Face checkpoint transformers loads; gguf: a GGUF file of the family's llama.cpp "
                    f"architecture ({_each_family(lambda e: ', '.join(e.gguf_architectures))}).")
-@click.option("--dtype", type=Dtype(("bfloat16", "float32"), give="short"), default="bfloat16", show_default=True,
-              help="hf only: the dtype of dequantized weights.")
+@click.option("--dtype", type=Dtype(("bfloat16", "float32"), give="short"), default=None,
+              help="hf only: the dtype of dequantized weights (default bfloat16).")
 @click.option("--split-max-size", metavar="SIZE",
               help="gguf only: split the file as llama.cpp does (OUT-00001-of-0000N.gguf), at most SIZE of tensor "
                    "data each (bytes, or with K / M / G / T, e.g. 50G).")
@@ -189,6 +189,9 @@ def _part_lines(parts: list[dict]) -> list[str]:
 @json_option
 @reports_errors
 def export(file, out_dir, fmt, dtype, split_max_size, force, as_json):
+    if fmt == "gguf" and dtype is not None:  # (llama.cpp's types follow the stored ones: nothing to choose)
+        raise click.UsageError("--dtype applies to --format hf")
+    dtype = dtype or "bf16"
     check_container_path(file)
     refuse_existing(force, out_dir, inputs=(file,))
     if fmt == "gguf":

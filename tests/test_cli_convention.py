@@ -243,6 +243,7 @@ ARGUMENT_REFUSALS = [
     (["convert", "MISSING", "--fp4", "--part-dir", "1=/tmp"], 2, "--part-dir needs --parts 2 or more"),
     (["convert", "MISSING", "--fp4", "--parts", "2", "--part-dir", "x"], 2, "--part-dir 'x': expected K=DIR"),
     (["export", "FILE", "-o", "MISSING", "--split-max-size", "1G"], 2, "--split-max-size applies to --format gguf"),
+    (["export", "FILE", "-o", "MISSING", "--format", "gguf", "--dtype", "f32"], 2, "--dtype applies to --format hf"),
     (["prefill", "FILE", "-p", "a", "--container-per-rank"], 2,
      "--container-per-rank needs --expert-parallel and '{rank}' in FILE"),
     (["prefill", "FILE", "-p", "a", "--continue-from", ""], 1, "--continue-from is empty"),
