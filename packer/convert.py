@@ -26,7 +26,7 @@ from moepack.format_spec import quants
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.decode import (as_uint8, decode_float, decode_tensor, first_non_finite, scale_name,
                                         tensor_scale_name)
-from moepack.format_spec.dtypes import FROM_SAFETENSORS, storage_type, tensor_nbytes
+from moepack.format_spec.dtypes import FROM_SAFETENSORS, STORAGE_TYPES, storage_type, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import check_free_space, existing_ancestor
 from moepack.format_spec.layout import (DEFAULT_STRIPE_EXPERTS, SCALE_SUFFIXES, TENSOR_ALIGNMENT, align_up,
@@ -144,6 +144,24 @@ class RegionConverter:
             out.append((name, dtype, shape, target, scale))
         return [o for o in out if o[0] not in consumed]
 
+    def warn_of_block_fallbacks(self, plan) -> None:
+        """A warning naming the tensors whose rows are not whole blocks of the policy's type for them (stored as
+        Q8_0 instead, or kept): the output is larger than the policy says, which `inspect` alone had shown."""
+        wanted = policy_table(self.policy)["roles"]
+        fallbacks: dict[tuple[str, str], list[int]] = {}
+        for _, _, _, items in plan:
+            for name, _, shape, target, _ in self._targets(items):
+                want = wanted.get(self.adapter.role(name, shape))
+                if want not in (None, "BF16") and target != want and len(shape) >= 2 and \
+                        shape[-1] % STORAGE_TYPES[want].block_elems:
+                    fallbacks.setdefault((want, f"stored as {target}" if target else "kept in their source type"),
+                                         []).append(shape[-1])
+        if fallbacks:
+            warnings.warn(f"--{self.policy}: " + "; ".join(
+                f"{len(widths)} tensors with rows of {min(widths)} (not whole {want} blocks of "
+                f"{STORAGE_TYPES[want].block_elems}) {got}" for (want, got), widths in fallbacks.items()),
+                stacklevel=2)
+
     def stored_bytes(self, items: list[tuple[str, SourceTensor]]) -> int:
         """About the bytes the region of `items` takes in the container (each tensor aligned, room for a tensor
         scale), from the source's metadata alone: for the free-space check before a conversion."""
@@ -232,6 +250,7 @@ def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool 
             raise MoepackError(f"{provenance['source']}: {refusal}")
         _check_stripes(plan, parts, stripe_experts)
         converter = RegionConverter(adapter, policy)
+        converter.warn_of_block_fallbacks(plan)
         needs = _output_needs(plan, converter, out_dir, parts, part_dirs)
         if os.path.exists(partial_path(out)):  # a conversion to resume has written part of it already
             needs[out_dir] -= os.path.getsize(partial_path(out))

@@ -584,3 +584,18 @@ def test_a_tied_config_beside_a_stored_head_uses_the_stored_head_as_transformers
         assert c.config["tie_word_embeddings"] is False and "lm_head.weight" in c.tensors
     got = prefill(out, PROMPT, PrefillOptions(compute_dtype="float32", expert_selection="all")).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_policy_whose_blocks_do_not_fit_a_width_says_what_it_stored_instead(tmp_path):
+    """--q2 on widths that are not whole 256-blocks (hidden 160, experts 96 wide) stores those tensors as Q8_0: a
+    larger output than the policy says, which convert now names (inspect alone had shown it); --q8, whose 32-blocks
+    fit every width here, says nothing."""
+    import warnings
+
+    save_model(tmp_path / "src", {}, torch.float32)
+    with pytest.warns(UserWarning, match=r"--q2: 36 tensors with rows of 160 \(not whole IQ2_XXS blocks of 256\) "
+                                         r"stored as Q8_0; 18 tensors with rows of 96 \(not whole Q2_K blocks"):
+        convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "q2.moepack"), policy="q2", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "q8.moepack"), policy="q8", progress=False)
