@@ -510,6 +510,14 @@ def kv_dtype_warning(continued: "KVCache", dtype: str) -> None:
                       f"{dtype} (--compute-dtype): its logits are not a {dtype} prefill's of the whole", stacklevel=2)
 
 
+def model_device_and_dtype(model, device=None, dtype=None) -> tuple[torch.device, torch.dtype]:
+    """Where a transformers cache for `model` keeps its tensors: `device` / `dtype` where given, else its
+    parameters' (CPU, float32 for a model without any)."""
+    param = next(model.parameters(), None)
+    device = device if device is not None else (param.device if param is not None else torch.device("cpu"))
+    return device, dtype if dtype is not None else (param.dtype if param is not None else torch.float32)
+
+
 def write_kv_states(writer: KVWriter, states, next_token: int | None, logits: torch.Tensor | None) -> None:
     """Every layer's state (in order) through `writer`, then its finish; on any failure the writer is abandoned (a
     KV being replaced stays as it was) and the error raised."""

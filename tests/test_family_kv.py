@@ -252,10 +252,11 @@ def test_kv_inspect_reads_a_family_kv(containers, tmp_path):
     assert os.path.getsize(kv_dir / kvd.layer_file_name(3)) == report["layers"][3]["bytes"]
 
 
-def test_moepack_kv_reads_a_family_kv_and_refuses_a_transformers_cache_in_one_line(containers, tmp_path):
+def test_moepack_kv_fills_transformers_cache_from_a_family_kv(containers, tmp_path, monkeypatch):
     """moepack.kv dispatches through the family its manifest names: read_kv and continuation_input_ids read a
-    Qwen3-MoE KV (its layers the family's states); load_transformers_cache, which Qwen3-MoE has no loader for, is
-    one MoepackError naming the family and those that have one."""
+    Qwen3-MoE KV, and load_transformers_cache fills transformers' cache from it, so that transformers' own decode
+    goes on from moepack's prefill to the tokens it gives over the whole prompt; a model of another shape, or a
+    family with no loader, is one line."""
     from moepack import kv as moepack_kv
 
     container, hf = containers["sparse-step"]
@@ -266,11 +267,18 @@ def test_moepack_kv_reads_a_family_kv_and_refuses_a_transformers_cache_in_one_li
     assert [KV_FORMAT.seen_tokens(state) for state in kv.layers] == [len(A)] * 4
     assert moepack_kv.continuation_input_ids(kv_dir).tolist() == [A + [kv.next_token]]
     assert kv.next_token == result.next_token
-    for given in (kv_dir, kv):
-        with pytest.raises(MoepackError) as refused:
-            moepack_kv.load_transformers_cache(given, hf)
-        message = str(refused.value)
-        assert "\n" not in message and "qwen3-moe" in message and "deepseek-v4" in message, message
+    ids = moepack_kv.continuation_input_ids(kv_dir)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), cache=moepack_kv.load_transformers_cache(kv, hf),
+                          max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    assert [kv.next_token] + out[0, ids.shape[1]:].tolist() == _greedy(hf, A, NEW_TOKENS + 1)
+    with pytest.raises(FormatError, match="KV from another model: num_layers is 4 in the KV, 3 in the transformers"):
+        moepack_kv.load_transformers_cache(kv, containers["mha-tied"][1])
+    monkeypatch.delattr(type(FAMILY), "transformers_cache")
+    with pytest.raises(MoepackError) as refused:
+        moepack_kv.load_transformers_cache(kv_dir, hf)
+    message = str(refused.value)
+    assert "\n" not in message and "moepack.kv fills no transformers cache for this family" in message, message
 
 
 def test_the_kv_at_a_stop_string_holds_the_shown_tokens(containers, tmp_path):

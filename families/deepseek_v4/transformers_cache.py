@@ -13,6 +13,7 @@ import torch
 
 from moepack.format_spec.errors import FormatError
 
+from ..kv_directory import model_device_and_dtype
 from .kv import COMPRESSORS, CSA, SLIDING, KVCache, kv_geometry
 
 
@@ -40,9 +41,7 @@ def load_transformers_cache(kv: KVCache, model, device=None, dtype=None):
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     _check_geometry(kv, model)
-    param = next(model.parameters(), None)
-    device = device if device is not None else (param.device if param is not None else torch.device("cpu"))
-    dtype = dtype if dtype is not None else (param.dtype if param is not None else torch.float32)
+    device, dtype = model_device_and_dtype(model, device, dtype)
 
     def moved(t: torch.Tensor) -> torch.Tensor:  # on the model's device and dtype, with a batch dimension of 1
         return t.to(device=device, dtype=dtype)[None]

@@ -110,6 +110,13 @@ class Qwen3MoeFamily:
 
         return head(config, globals_, hidden)
 
+    def transformers_cache(self, kv, model, device=None, dtype=None):
+        """transformers' Qwen3-MoE cache for `model` filled from a read KV directory of this family
+        (transformers_cache.py; moepack.kv.load_transformers_cache asks it)."""
+        from .transformers_cache import load_transformers_cache
+
+        return load_transformers_cache(kv, model, device, dtype)
+
     def chat_template(self, tokenizer_config: Mapping[str, Any]) -> str | None:
         return chat_template_from_tokenizer_config(tokenizer_config)
 
