@@ -236,6 +236,22 @@ class Job:
         return stop
 
 
+MAX_UNREAD_EVENTS = 4096  # a stream's events its client has not read yet: past them, it is taken as not reading
+
+
+def events_onto(job: Job, loop, log: Callable[[str], None]) -> Callable[[tuple], None]:
+    """How the worker thread hands a streamed job's events to its queue on the event loop. Past MAX_UNREAD_EVENTS
+    unread (a client that never reads its stream: they would pile up in memory until max_tokens), the job is
+    stopped as a client gone is, and logged."""
+    def push(event: tuple) -> None:
+        if not job.cancelled and job.queue.qsize() > MAX_UNREAD_EVENTS:
+            job.cancelled = True
+            log(f"moepack serve: {job.request_id} stopped: its client read none of its last {MAX_UNREAD_EVENTS} "
+                "events")
+        loop.call_soon_threadsafe(job.queue.put_nowait, event)
+    return push
+
+
 @dataclass
 class Prepared:
     """A request checked and tokenized (on a worker thread), ready to be a Job."""
@@ -1177,13 +1193,12 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 loop = asyncio.get_running_loop()
                 job.queue = asyncio.Queue()
                 job.began = asyncio.Event()
-                job.on_text = lambda i, piece: loop.call_soon_threadsafe(job.queue.put_nowait, ("text", i, piece))
+                push = events_onto(job, loop, server.log)
+                job.on_text = lambda i, piece: push(("text", i, piece))
                 job.on_start = lambda: loop.call_soon_threadsafe(job.began.set)
-                job.on_finish = lambda i, result: loop.call_soon_threadsafe(job.queue.put_nowait,
-                                                                            ("finish", i, result))
+                job.on_finish = lambda i, result: push(("finish", i, result))
                 if prepared.options.logprobs is not None:
-                    job.on_token = lambda i, token, lp: loop.call_soon_threadsafe(job.queue.put_nowait,
-                                                                                  ("token", i, lp))
+                    job.on_token = lambda i, token, lp: push(("token", i, lp))
             future = server.executor.submit(server.run, job)
         except BaseException:
             server.release()

@@ -569,3 +569,30 @@ def test_log_lines_from_many_threads_stay_whole(capfd):
     lines = capfd.readouterr().err.splitlines()
     assert len(lines) == 2400 and all(line.startswith("moepack serve: thread ") and line.endswith("x" * 50)
                                       for line in lines)
+
+
+def test_a_stream_whose_client_reads_none_of_its_events_is_stopped(monkeypatch):
+    """A client that never reads its stream: its events pile up in the server's memory (every token, its logprobs)
+    until max_tokens or --request-timeout. Past MAX_UNREAD_EVENTS unread the job is stopped as a client gone is,
+    and the log says why; a client that keeps reading is never stopped."""
+    import asyncio
+
+    from moepack.serve import app as serve_app
+
+    monkeypatch.setattr(serve_app, "MAX_UNREAD_EVENTS", 8)
+    logs: list[str] = []
+
+    async def run(read: bool) -> serve_app.Job:
+        job = serve_app.Job("cmpl-1", [1], None, deadline=time.monotonic() + 60)
+        job.queue = asyncio.Queue()
+        push = serve_app.events_onto(job, asyncio.get_running_loop(), logs.append)
+        for i in range(40):  # (the worker thread's pushes, each delivered by the loop before the next)
+            push(("text", 0, f"piece {i}"))
+            await asyncio.sleep(0)
+            if read:
+                job.queue.get_nowait()
+        return job
+
+    assert not asyncio.run(run(read=True)).cancelled and not logs
+    assert asyncio.run(run(read=False)).cancelled
+    assert logs == ["moepack serve: cmpl-1 stopped: its client read none of its last 8 events"]
