@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .layout import SCALE_SUFFIXES
+from .layout import HEADER_SIZE, SCALE_SUFFIXES
 from .reader import Container
 
 
@@ -36,6 +36,9 @@ def summarize(c: Container) -> dict:
         "regions": len(c.regions),
         "tensors": len(c.tensors),
         "bytes_by_region_kind": dict(region_bytes),
+        # the rest of the file: its header, its index (compressed) and the alignment padding between regions
+        "header_bytes": HEADER_SIZE,
+        "index_bytes": c.header.index_length,
         "storage_types": {k: dict(v) for k, v in sorted(types.items())},
         "expert_bits_per_weight": round(expert_bytes * 8 / expert_params, 3) if expert_params else None,
         "tokenizer_files": sorted(c.index["tokenizer"]),

@@ -40,6 +40,10 @@ def test_inspect_json_and_text(container):
     info = json.loads(r.output)
     assert info["architecture"] == "deepseek_v4" and info["layers"] >= 2
     assert info["file_bytes"] == os.path.getsize(container)
+    # header, index and regions make up the file, but for the alignment padding between them
+    regions = sum(info["bytes_by_region_kind"].values())
+    padding = info["file_bytes"] - info["header_bytes"] - info["index_bytes"] - regions
+    assert info["header_bytes"] == 4096 and 0 <= padding < 4096 * (info["regions"] + 1)
     assert "FP4_E2M1" in info["storage_types"] and info["expert_bits_per_weight"] > 4
     r = runner.invoke(cli, ["inspect", container])
     assert r.exit_code == 0 and "deepseek_v4" in r.output and "FP4_E2M1" in r.output
