@@ -127,18 +127,22 @@ class Generator:
             self.c.close()
             raise
 
-    def _check_memory(self, n_tokens: int, others: Sequence[int] = ()) -> int:
+    def _check_memory(self, n_tokens: int, others: Sequence[int] = (), host_copies: Sequence[int] = ()) -> int:
         """check_memory for a generation of n_tokens (beside sequences of `others` tokens each, prompt and new
-        tokens, decoding or prefilling: their KV counted whole, as if none of it were allocated yet); on a GPU also
-        the device's room for the KV (with what the decode's arena may still grow by for all of them: device_kv)
-        and the rest of the cache's budget. Returns the host bound."""
+        tokens, decoding or prefilling: their KV counted whole, as if none of it were allocated yet; and copies of
+        KVs of `host_copies` tokens each, kept in host memory); on a GPU also the device's room for the KV (with
+        what the decode's arena may still grow by for all of them: device_kv) and the rest of the cache's budget.
+        Returns the host bound."""
+        host_kv = others_kv(self.c, [*others, *host_copies])
+        if self.device.type == "cpu":
+            others = [*others, *host_copies]
         if self.default_budget is not None:
             self._fit_default_cache(n_tokens, others)
         if self.device.type == "cuda":
             kv = device_kv(self.c, self.device, n_tokens, others, self.decoder.arithmetic)
             check_device_memory(self.c, self.device, max(0, self.cache_bytes - self._device_cache_held()), kv,
                                 resident=False)
-        return check_memory(self.c, n_tokens, self.host_cache_bytes, self._held(), others_kv(self.c, others))
+        return check_memory(self.c, n_tokens, self.host_cache_bytes, self._held(), host_kv)
 
     def _device_cache_held(self) -> int:
         """What the cache holds already of the device's memory: its entries, or the expert pool's stacks, which
@@ -174,9 +178,10 @@ class Generator:
         self.c.close()
 
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int,
-                 should_stop: Callable[[], bool] | None = None):
+                 should_stop: Callable[[], bool] | None = None, prompt_copy: bool = False):
         """(last logits, states, prefill stats, tokens per expert, all ids so far, tokens the KV held, memory bound,
-        the KV continued or None)"""
+        the KV continued or None). `prompt_copy`: a copy of the prompt's KV will be kept beside the generation's
+        (generate's KV cut at a stop string): the memory check counts it."""
         kv_format = self.kv_format() if continue_from is not None else None
         engine = self.prefill_engine()
         try:
@@ -185,7 +190,8 @@ class Generator:
                 kvd.kv_dtype_warning(kv, self.prefill_options.compute_dtype)
                 states, past = kv.layers, kv.seen_tokens
                 all_ids = kv.token_ids + token_ids.tolist()
-                bound = self._check_memory(past + len(token_ids) + max_new)
+                prompt = past + len(token_ids)
+                bound = self._check_memory(prompt + max_new, host_copies=[prompt] if prompt_copy else [])
                 if len(token_ids):
                     done = engine.run(token_ids.to(engine.device), states, keep_kv=True, should_stop=should_stop)
                     logits, states, stats, counts = done.logits, done.states, done.stats, done.tokens_per_expert
@@ -197,7 +203,7 @@ class Generator:
                 return logits, states, stats, counts, all_ids, past, bound, kv
             if not len(token_ids):
                 raise MoepackError("empty prompt")
-            bound = self._check_memory(len(token_ids) + max_new)
+            bound = self._check_memory(len(token_ids) + max_new, host_copies=[len(token_ids)] if prompt_copy else [])
             done = engine.run(token_ids.to(engine.device), keep_kv=True, should_stop=should_stop)
             return done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0, bound, None
         finally:
@@ -238,18 +244,18 @@ class Generator:
         options.logprobs, else None)."""
         out = SequenceOutput(options or GenerateOptions(), self.eos_ids, detokenize, on_text, on_token)
         kv_format = self.kv_format() if kv_out is not None else None  # refused before any work
+        # a stop string's tokens are not shown: the KV then holds the prompt and the shown tokens only, continued
+        # from a copy of the prompt's state (a decode may continue a state in place)
+        prompt_copy = kv_out is not None and bool(out.stopper.stop)
         token_ids = prompt_ids(token_ids)
         try:
             logits, states, prefill_stats, counts, all_ids, past, bound, continued = self._prefill(
-                token_ids, continue_from, out.max_new_tokens, cancelled)
+                token_ids, continue_from, out.max_new_tokens, cancelled, prompt_copy)
         except GenerationCancelled as e:  # the engine's pass gave back what it had read: it serves the next
             return cancelled_in_prefill(e, detokenize)
         prefill_stats = self.prefill_stats(prefill_stats)
         decoder = self.decoder
-        # a stop string's tokens are not shown: the KV then holds the prompt and the shown tokens only, continued
-        # from a copy of the prompt's state (a decode may continue a state in place)
-        prompt = (kvd.copied_states(kv_format, self.c.config, states), logits) \
-            if kv_out is not None and out.stopper.stop else None
+        prompt = (kvd.copied_states(kv_format, self.c.config, states), logits) if prompt_copy else None
         decoder.begin(states)
         del states
         while not out.take(logits):

@@ -371,6 +371,25 @@ def test_the_kv_at_a_stop_string_holds_the_shown_tokens(models, tmp_path):
                                                          tmp_path)
 
 
+def test_the_prompts_kv_copy_a_stop_string_may_need_is_counted_in_the_memory_check(models, tmp_path, monkeypatch):
+    """generate --kv-out with --stop keeps a copy of the prompt's KV (to cut the KV back at a stop string): the
+    host memory check counts it as a second prompt's KV; without --stop, or without --kv-out, nothing more."""
+    import moepack.runtime.generate as generate_module
+
+    counted: list[list[int]] = []
+    real = generate_module.others_kv
+    monkeypatch.setattr(generate_module, "others_kv", lambda c, others: counted.append(list(others)) or real(c, others))
+    hf_model, container = models["B"]
+    ids = _prompt(30, hf_model.config.vocab_size, seed=8).tolist()
+    options = GenerateOptions(max_new_tokens=2, stop_at_eos=False)
+    with Generator(container) as g:
+        for stop, kv_out, copies in (((), True, []), (("zz",), False, []), (("zz",), True, [30])):
+            counted.clear()
+            g.generate(ids, replace(options, stop=stop), detokenize=two_letters,
+                       kv_out=str(tmp_path / f"kv{len(stop)}") if kv_out else None, kv_overwrite=True)
+            assert counted == [copies], (stop, kv_out, counted)
+
+
 def test_the_command_streams_the_text_and_prints_one_json_object(models, tmp_path):
     import json
 
