@@ -495,8 +495,13 @@ def copied_states(kv_format: KVFormat, config: Mapping, states) -> list:
 def computed_in(dtype: str, continued: "KVCache | None" = None) -> dict:
     """A KV's manifest `extra`: the compute dtypes its tokens were computed in (this run's, and those of the KV it
     continues). A continuation in another dtype than its KV's is told (kv_dtype_warning)."""
-    before = continued.manifest.get("extra", {}).get("compute_dtypes") if continued is not None else None
-    return {"compute_dtypes": sorted({dtype, *(before if isinstance(before, list) else [])})}
+    return {"compute_dtypes": sorted({dtype, *(_computed_dtypes(continued) if continued is not None else [])})}
+
+
+def _computed_dtypes(kv: "KVCache") -> list:
+    """The compute dtypes a KV's manifest records (none where an older writer recorded none)."""
+    recorded = kv.manifest.get("extra", {}).get("compute_dtypes")
+    return recorded if isinstance(recorded, list) else []
 
 
 def kv_dtype_warning(continued: "KVCache", dtype: str) -> None:
@@ -504,8 +509,8 @@ def kv_dtype_warning(continued: "KVCache", dtype: str) -> None:
     (a bfloat16 KV continued in float32 differs from a float32 prefill of the whole by about 3e-2, not 2e-6)."""
     import warnings
 
-    before = continued.manifest.get("extra", {}).get("compute_dtypes")
-    if isinstance(before, list) and before and set(before) != {dtype}:
+    before = _computed_dtypes(continued)
+    if before and set(before) != {dtype}:
         warnings.warn(f"{continued.path}: the KV was computed in {', '.join(map(str, before))}; this run computes in "
                       f"{dtype} (--compute-dtype): its logits are not a {dtype} prefill's of the whole", stacklevel=2)
 
