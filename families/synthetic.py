@@ -78,12 +78,16 @@ def _byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def byte_level_tokenizer(special_tokens: tuple[str, ...], bos_token: str | None) -> dict:
-    """A byte-level BPE tokenizer.json with no merges: ids 0..len(special_tokens)-1 special, then the 256 bytes; it
+def byte_level_tokenizer(special_tokens: tuple[str, ...], bos_token: str | None,
+                         markup_tokens: tuple[str, ...] = ()) -> dict:
+    """A byte-level BPE tokenizer.json with no merges: ids 0..len(special_tokens)-1 special, then the 256 bytes, then
+    `markup_tokens` (a chat format's role and thinking tags: added tokens, not special, as a release marks them); it
     adds `bos_token` in front (None: nothing)."""
     vocab = {token: i for i, token in enumerate(special_tokens)}
     for byte, char in _byte_to_unicode().items():
         vocab[char] = len(special_tokens) + byte
+    added = [(i, token, True) for i, token in enumerate(special_tokens)]
+    added += [(len(special_tokens) + 256 + i, token, False) for i, token in enumerate(markup_tokens)]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     return {
         "version": "1.0",
@@ -96,10 +100,10 @@ def byte_level_tokenizer(special_tokens: tuple[str, ...], bos_token: str | None)
                 "single_word": False,
                 "lstrip": False,
                 "rstrip": False,
-                "normalized": False,
-                "special": True,
+                "normalized": not special,
+                "special": special,
             }
-            for i, token in enumerate(special_tokens)
+            for i, token, special in added
         ],
         "normalizer": None,
         "pre_tokenizer": byte_level,

@@ -74,7 +74,7 @@ from moepack.runtime.sampling import (MAX_TOP_LOGPROBS, IncrementalDetokenizer, 
 
 from .chat_template import family_chat_template
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
-from .tokenizer import ChatInputError, chat_prompt_ids
+from .tokenizer import ChatInputError, chat_prompt_ids, markup_warning
 from .tool_calls import ToolCallSplitter, ToolPlan, split_answer, tool_plan, with_prompt_extras
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -454,6 +454,10 @@ class Server:
                     self._tokenizer = PromptTokenizer(self.generator.c)
                 except MoepackError as e:
                     self._tokenizer_error = str(e)
+                else:
+                    warning = markup_warning(self.family, self._tokenizer)
+                    if warning:  # once, as the tokenizer loads (at the first request that needs it)
+                        self.log(f"moepack serve: warning: {warning}")
         return self._tokenizer
 
     def need_tokenizer(self, param: str):

@@ -121,6 +121,10 @@ class PromptTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token whose text is `text` (an added token's content, a vocabulary entry), None without one."""
+        return self._tok.token_to_id(text)
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for, also where it holds part of a character (its text alone is then U+FFFD):
         byte-level BPE's characters mapped back to bytes, a byte-fallback piece `<0xC9>` as its byte."""
@@ -254,6 +258,19 @@ def _check_assistant_fields(m: dict, i: int) -> None:
     if reasoning is not None and not isinstance(reasoning, str):
         raise ChatInputError(f"messages[{i}].reasoning_content: expected a string, got {type(reasoning).__name__}",
                              "messages", "invalid_type")
+
+
+def markup_warning(family: Any, tokenizer: PromptTokenizer) -> str | None:
+    """What to tell the user where `family`'s own chat encoding has markup (its SPECIAL_TOKENS: role and thinking
+    tags) that `tokenizer` holds no token for: a chat spells each out as plain text, which the model never saw (a
+    checkpoint converted with another model's tokenizer, say); None where every one is a token, or the family chats
+    through a template (its tokenizer's own)."""
+    markup = getattr(family.chat_encoding, "SPECIAL_TOKENS", ()) if family.chat_encoding is not None else ()
+    missing = [text for text in markup if tokenizer.token_id(text) is None]
+    if not missing:
+        return None
+    return (f"the container's tokenizer has no token for {', '.join(missing)} ({family.name}'s chat markup): chat "
+            "prompts spell them out as plain text, which the model was not trained on")
 
 
 def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messages: Any, *, thinking: bool = False,

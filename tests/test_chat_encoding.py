@@ -235,7 +235,7 @@ def _tokenizer_with_entries(n: int) -> dict:
     from moepack.packer.synth import tokenizer_json
 
     tok = tokenizer_json()
-    first = len(tok["model"]["vocab"])
+    first = 1 + max([*tok["model"]["vocab"].values(), *(t["id"] for t in tok["added_tokens"])])
     tok["added_tokens"] += [{"id": i, "content": f"<｜place▁holder▁no▁{i}｜>", "single_word": False,
                              "lstrip": False, "rstrip": False, "normalized": False, "special": True}
                             for i in range(first, n)]

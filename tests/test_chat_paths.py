@@ -241,3 +241,38 @@ def test_an_added_token_not_marked_special_stays_the_templates_to_read(container
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r</think>a"}]
     ids = chat_prompt_ids(family, lambda: tokenizer, messages, template=lambda: template)
     assert ids == tokenizer.encode_special(template.render(messages)) and tokenizer.encode_special("</think>")[0] in ids
+
+
+def test_a_tokenizer_without_the_chat_markup_is_warned_of_in_either_path(containers, tmp_path):
+    """DeepSeek-V4's chat encodes its role and thinking tags as single tokens; a tokenizer that holds none of them (a
+    checkpoint converted with another model's tokenizer) would spell them out as plain bytes: both paths say so,
+    the server once. The synthetic tokenizer holds them, as the release's does."""
+    from containers import mutate_index
+    from moepack.families.deepseek_v4 import chat, synth
+    from moepack.families.synthetic import byte_level_tokenizer
+
+    messages = [{"role": "user", "content": "hi"}]
+    path = containers["deepseek-v4"]
+    with Container(path) as c:
+        tok = PromptTokenizer(c)
+        ids = _chat_ids(c, tok, messages, False, None)
+    markup = [tok.token_id(t) for t in (chat.BOS, chat.USER, chat.ASSISTANT, chat.THINK_END)]
+    assert None not in markup and ids[:2] == markup[:2] and ids[-2:] == markup[2:], ids
+
+    bare = json.dumps(byte_level_tokenizer((synth.BOS_TOKEN, synth.EOS_TOKEN, synth.PAD_TOKEN), synth.BOS_TOKEN))
+    damaged = str(tmp_path / "bare.moepack")
+    mutate_index(path, damaged, lambda index: index["tokenizer"].__setitem__(
+        "tokenizer.json", {"encoding": "utf-8", "data": bare}))
+    with Container(damaged) as c:
+        with pytest.warns(UserWarning, match=f"no token for {chat.USER}, {chat.ASSISTANT}, {chat.THINK_START}, "
+                                             f"{chat.THINK_END} "):
+            spelled = _chat_ids(c, PromptTokenizer(c), messages, False, None)
+        assert len(spelled) > len(ids)  # the tags as their bytes
+        logged = []
+        server = Server(SimpleNamespace(c=c, family=container_family(c)), "m", None, 1, log=logged.append)
+        try:
+            for _ in range(2):
+                assert server.chat_ids({"messages": messages})[0] == spelled
+        finally:
+            server.executor.shutdown()
+    assert len(logged) == 1 and logged[0].startswith("moepack serve: warning: ") and chat.USER in logged[0], logged

@@ -25,6 +25,7 @@ from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.source_formats import FP8_BLOCK, fp4_quantize, fp8_block_quantize
 
 from ..synthetic import SynthCheckpoint, byte_level_tokenizer, layout_config, read_tokenizer, tensor_generator
+from . import chat
 from . import tensors as _tensors
 from .config import CSA, HCA, SLIDING, ModelConfig
 from .tensors import ROLE_DENSE_LINEAR, ROLE_EXPERT, TensorSpec, stored_tensors, v4_tensor_specs
@@ -237,12 +238,15 @@ BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 PAD_TOKEN = "<｜▁pad▁｜>"
 _SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2, as bos/eos in the release config
-TOKENIZER_VOCAB_SIZE = len(_SPECIAL_TOKENS) + 256
+# the rest of the chat encoding's markup (chat.py), one token each as in the release's tokenizer: ids 259-262
+_MARKUP_TOKENS = tuple(t for t in chat.SPECIAL_TOKENS if t not in _SPECIAL_TOKENS)
+TOKENIZER_VOCAB_SIZE = len(_SPECIAL_TOKENS) + 256 + len(_MARKUP_TOKENS)
 
 
 def tokenizer_json() -> dict:
-    """The tiny byte-level tokenizer: ids 0-2 the release's special tokens, 3-258 the 256 bytes; BOS in front."""
-    return byte_level_tokenizer(_SPECIAL_TOKENS, BOS_TOKEN)
+    """The tiny byte-level tokenizer: ids 0-2 the release's special tokens, 3-258 the 256 bytes, 259-262 the chat's
+    role and thinking tags; BOS in front."""
+    return byte_level_tokenizer(_SPECIAL_TOKENS, BOS_TOKEN, _MARKUP_TOKENS)
 
 
 def _tokenizer_config() -> dict:
