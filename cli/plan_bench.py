@@ -200,8 +200,9 @@ def _print_compute(r: dict) -> None:
 
 
 def _model_source(target: str, policy: str | None, expert_bpw: float | None):
-    """(sizes, config, container path or None) for a container, a config.json / checkpoint directory, a hub repo id
-    (owner/name: its config.json alone is fetched) or a synthetic preset name (tiny, small, medium)."""
+    """(sizes, config, container path or None) for a container, a config.json / checkpoint directory (sized by its
+    safetensors headers where it has weights), a hub repo id (owner/name: its config.json alone is fetched) or a
+    synthetic preset name (tiny, small, medium)."""
     from moepack.tools.plan import load_config, sizes_from_config, sizes_from_container
 
     if os.path.isfile(target):
@@ -219,8 +220,11 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
     from moepack.packer.hub import fetch_config, looks_like_repo_id
     from moepack.packer.synth import PRESETS, RELEASE_QUANTIZATION_CONFIG, preset_config
 
+    stored, notes = None, []
     if os.path.exists(target):
         config = load_config(target)
+        if os.path.isdir(target):
+            stored, notes = _checkpoint_tensors(target)
     elif target in PRESETS:
         config = {**preset_config(target), "quantization_config": dict(RELEASE_QUANTIZATION_CONFIG)}
     elif looks_like_repo_id(target):  # a hub repo: its config.json alone (from the cache when offline)
@@ -228,7 +232,27 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
     else:
         raise MoepackError(f"{target}: no such file (give a container, a config.json, a checkpoint directory, a "
                            f"Hugging Face repo id or a preset: {', '.join(PRESETS)})")
-    return sizes_from_config(config, policy or "keep", expert_bpw), config, None
+    sizes = sizes_from_config(config, policy or "keep", expert_bpw, stored=stored)
+    sizes.notes[:0] = notes
+    return sizes, config, None
+
+
+def _checkpoint_tensors(path: str) -> tuple[dict | None, list[str]]:
+    """A checkpoint directory's tensors as its safetensors headers give them ({name: (dtype, shape)}: what it
+    stores, not what its config implies), and notes; (None, ...) for a directory of its config alone (or of weights
+    that do not read: a partial download, say), which its config.json sizes."""
+    from moepack.packer.source import INDEX_FILE, CheckpointDir
+
+    if not any(n.endswith(".safetensors") or n == INDEX_FILE for n in os.listdir(path)):
+        return None, []
+    try:
+        source = CheckpointDir(path)
+    except MoepackError as e:
+        return None, [f"sized from config.json alone: the weights do not read ({e})"]
+    try:
+        return {name: (t.dtype, t.shape) for name, t in source.tensors.items()}, []
+    finally:
+        source.close()
 
 
 # A rate or size `plan` takes (GB/s, TFLOPS, GFLOP per token): beyond these the arithmetic under- or overflows to a

@@ -391,3 +391,32 @@ def test_a_model_with_no_routed_experts_is_named_not_a_flops_error(tmp_path):
     assert r.exit_code == 1, r.output
     assert json.loads(r.stdout)["error"] == ("this model has no routed experts (every layer a dense MLP): nothing of "
                                              "it is streamed from disk, so there is no break-even to plan")
+
+
+def test_a_checkpoint_directory_is_sized_by_its_headers(tmp_path, monkeypatch):
+    """A checkpoint directory is sized as it stores its weights (an F32 one at 32 bits, not at the 16 its config
+    implies) and only with the blocks it holds (no MTP where it has none): `plan DIR` agrees with what `convert
+    --keep` then writes."""
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.source import CheckpointDir
+    from moepack.packer.synth import synth_checkpoint
+
+    monkeypatch.setenv("MOEPACK_CACHE_DIR", str(tmp_path / "cache"))
+    src, out = str(tmp_path / "src"), str(tmp_path / "f32.moepack")
+    synth_checkpoint(src, preset="tiny", layout="f32", seed=3, progress=False)
+    r = CliRunner().invoke(cli, ["plan", src, "--ssd-gbps", "14", "--tflops", "100", "--context", "1K", "--json"])
+    assert r.exit_code == 0, r.output
+    planned = json.loads(r.output)["model"]
+    convert_checkpoint(src, out, policy="keep", progress=False)
+    with Container(out) as c:
+        written = P.sizes_from_container(c)
+    assert planned["source"] == "checkpoint" and planned["mtp_bytes"] == written.mtp_bytes > 0
+    assert planned["file_bytes"] <= written.file_bytes < planned["file_bytes"] + (1 << 20)  # + the index
+    config = json.load(open(os.path.join(src, "config.json")))
+    assert P.sizes_from_config(config, "keep").file_bytes < 0.7 * written.file_bytes  # the config alone: 16 bits
+
+    source = CheckpointDir(src)
+    stored = {name: (t.dtype, t.shape) for name, t in source.tensors.items() if not name.startswith("mtp.")}
+    source.close()
+    without_mtp = P.sizes_from_config(config, "keep", stored=stored)
+    assert without_mtp.mtp_bytes == 0 and without_mtp.file_bytes == planned["file_bytes"] - written.mtp_bytes

@@ -29,6 +29,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Mapping
 
 from moepack.families import adapter_for, container_family, find_family
 from moepack.families.base import sum_entries  # noqa: F401  (plan's closed form, as tests and notes call it)
@@ -102,7 +103,7 @@ class LayerSize:
 
 @dataclass
 class ModelSizes:
-    source: str  # "container" or "config"
+    source: str  # "container", "checkpoint" (its headers) or "config"
     path: str | None
     policy: str
     layers: list[LayerSize]
@@ -272,11 +273,14 @@ def _region_bytes(items: list[tuple[str, str, list[int]]], adapter, policy: str)
 
 
 def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | None = None,
-                      layout: str | None = None) -> ModelSizes:
+                      layout: str | None = None,
+                      stored: Mapping[str, tuple[str, tuple[int, ...]]] | None = None) -> ModelSizes:
     """The container `moepack convert --<policy>` would write for a checkpoint of this config.json, sized without
     reading a weight. `layout` is the source's: 'release' (FP8 dense + FP4 experts, as DeepSeek ships; the default
-    when the config has the release's quantization_config) or 'bf16'. `expert_bpw` replaces the routed experts'
-    size by params x bpw / 8 (a what-if: the note's q2 tables assume 2.3 bits per weight)."""
+    when the config has the release's quantization_config) or 'bf16'. `stored`: instead of a layout, what the
+    checkpoint itself holds (its safetensors headers: source name -> (dtype, shape)), so an F32 checkpoint is sized
+    at 32 bits and a block it lacks (its MTP, say) is not counted. `expert_bpw` replaces the routed experts' size
+    by params x bpw / 8 (a what-if: the note's q2 tables assume 2.3 bits per weight)."""
     if policy not in POLICY_NAMES:
         raise MoepackError(f"unknown policy {policy!r} (choose from {', '.join(POLICY_NAMES)})")
     if expert_bpw is not None and not 0 < expert_bpw <= 64:
@@ -284,7 +288,8 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
     adapter = adapter_for(config)
     family = find_family(config)
     # the release's own layout (or `layout`), as the family says; its names made the container's by the adapter
-    specs = dict(family.source_tensors(config, layout))
+    specs = dict(family.source_tensors(config, layout)) if stored is None else {
+        adapter.canonical(name): [(name, dtype, tuple(shape))] for name, (dtype, shape) in stored.items()}
 
     def stored(name: str) -> list:
         return _stored_types(adapter, specs[name])
@@ -335,9 +340,9 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
     # bits per weight as stored (tensor bytes with their scales, region padding left out), as `convert` reports it
     bpw = (expert_bpw if expert_bpw is not None else
            expert_tensor_bytes * 8 / expert_params if expert_params else 0.0)
-    return ModelSizes("config", None, policy, layers, global_bytes, mtp, file_bytes, expert_params,
-                      facts.hidden_size, facts.residual_streams, facts.top_k, facts.n_experts, round(bpw, 4),
-                      expert_bpw, notes, facts.expert_intermediate)
+    return ModelSizes("config" if stored is None else "checkpoint", None, policy, layers, global_bytes, mtp,
+                      file_bytes, expert_params, facts.hidden_size, facts.residual_streams, facts.top_k,
+                      facts.n_experts, round(bpw, 4), expert_bpw, notes, facts.expert_intermediate)
 
 
 def sizes_from_container(container) -> ModelSizes:
@@ -639,7 +644,7 @@ def _secs(s: float) -> str:
 def format_plan(p: dict) -> str:
     m, s, fl = p["model"], p["settings"], p["flops"]
     lines = []
-    src = m["path"] or "config"
+    src = m["path"] or m["source"]
     lines.append(f"{src}: {m['policy']} policy, {len(m['layers']) and sum(g['count'] for g in m['layers'])} layers, "
                  f"{m['n_experts']} experts/layer (top-{m['top_k']}), experts {m['expert_bpw']} bits/weight")
     for note in m.get("notes", []):
