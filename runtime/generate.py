@@ -15,6 +15,7 @@ import os
 import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -178,10 +179,9 @@ class Generator:
         self.c.close()
 
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int,
-                 should_stop: Callable[[], bool] | None = None, prompt_copy: bool = False):
-        """(last logits, states, prefill stats, tokens per expert, all ids so far, tokens the KV held, memory bound,
-        the KV continued or None). `prompt_copy`: a copy of the prompt's KV will be kept beside the generation's
-        (generate's KV cut at a stop string): the memory check counts it."""
+                 should_stop: Callable[[], bool] | None = None, prompt_copy: bool = False) -> "_Prefilled":
+        """The prompt's prefill, after `continue_from`'s KV where given. `prompt_copy`: a copy of the prompt's KV will
+        be kept beside the generation's (generate's KV cut at a stop string): the memory check counts it."""
         kv_format = self.kv_format() if continue_from is not None else None
         engine = self.prefill_engine()
         try:
@@ -200,12 +200,13 @@ class Generator:
                 else:
                     raise MoepackError(f"{continue_from}: the KV holds no logits to continue from: give a prompt")
                 stats = {**stats, "continued_from": continue_from, "past_tokens": past}
-                return logits, states, stats, counts, all_ids, past, bound, kv
+                return _Prefilled(logits, states, stats, counts, all_ids, past, bound, kv)
             if not len(token_ids):
                 raise MoepackError("empty prompt")
             bound = self._check_memory(len(token_ids) + max_new, host_copies=[len(token_ids)] if prompt_copy else [])
             done = engine.run(token_ids.to(engine.device), keep_kv=True, should_stop=should_stop)
-            return done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0, bound, None
+            return _Prefilled(done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0,
+                              bound, None)
         finally:
             engine.after_prompt()
 
@@ -306,6 +307,19 @@ class Generator:
         """A prefill's stats with the compute dtype it ran in and where that came from."""
         return {**stats, "compute_dtype": self.prefill_options.compute_dtype,
                 "compute_dtype_source": self.compute_dtype_source}
+
+
+class _Prefilled(NamedTuple):
+    """What a generation's prefill leaves (Generator._prefill)."""
+
+    logits: torch.Tensor  # after the prompt's last token
+    states: list  # each layer's KV
+    stats: dict  # the prefill's
+    tokens_per_expert: Any  # what seeds the expert cache (None: nothing to seed)
+    all_ids: list[int]  # the sequence's ids so far: a continued KV's, then the prompt's
+    past: int  # tokens the continued KV held (0: none continued)
+    memory_bound: int  # bytes the memory check counted on
+    continued: Any  # the KV read (kv.py's), or None
 
 
 def peak_rss_bytes() -> int:
