@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks for one lease of a device machine, as one command. Everything lands in $OUT (the device tool brings
-# it back); each step has its own time limit, and STEPS picks the steps and their order (default: all, in this
-# order; a step runs only while a minute of TOTAL_S is left, so name the figures that matter most first):
+# it back), a file a step, NAME.txt (its output and errors together: the rows each benchmark prints as it goes, then
+# its table); the tool brings back 8 files, so past the 7th the steps' files come back packed in rest.tar.gz. Each
+# step has its own time limit, cut to what is left of TOTAL_S less LATER_S (default 60 s) for each step named after
+# it; at its limit a step is interrupted (pytest then prints its summary, a benchmark the line it was on). STEPS
+# picks the steps and their order (default: all, in this order; a step runs only while a minute of TOTAL_S is left,
+# so name the figures that matter most first):
 #   tests     the CUDA tests (prefill against transformers and the CPU, the release's storage, the quant kernels,
 #             the device copier, greedy decode against transformers, seeded sampling, the fused indexer scores)
 #   generate  `moepack demo`'s model, then `moepack generate --device cuda` and `--device cpu` on it (--json)
@@ -62,6 +66,7 @@ VRAM_GIB=${VRAM_GIB:-1}      # capped: below the benchmark model's 3.2 GB of flo
 CAPPED_TOKENS=${CAPPED_TOKENS:-1024 4096 8192}
 LLAMA_CUDA=${LLAMA_CUDA:-.llama-cuda}
 TOTAL_S=${TOTAL_S:-560}      # every step's limit is cut to what is left of this (the tool allows 600 s a command)
+LATER_S=${LATER_S:-60}       # ... less this for each step STEPS names after it, so that each of those still runs
 END=$(( $(date +%s) + TOTAL_S ))
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -72,7 +77,15 @@ wants() {
     echo "== $1: skipped, under a minute of TOTAL_S left" | tee -a "$OUT/steps.txt"
     return 1
 }
-upto() { local left=$(( END - $(date +%s) )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
+# a step's limit: its own, cut to what is left of TOTAL_S less LATER_S for each step after it (`later`, set below)
+later=0
+upto() {
+    local left=$(( END - $(date +%s) - later * LATER_S ))
+    echo $(( left < $1 ? (left > 1 ? left : 1) : $1 ))
+}
+# at the limit an interrupt, not a kill: pytest then prints its summary of the tests run, a benchmark the line it was
+# on (its rows are already out); killed 15 s later if still running
+timeout() { command timeout -s INT -k 15 "$@"; }
 
 step "install"
 # the carried wheels, where this python lacks what they bring (here, a dry run, it has them already); the checks
@@ -109,13 +122,14 @@ failed=""
 
 run_tests() {
     step "tests"
-    timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_prefill.py tests/test_quants.py \
-        tests/test_bench.py tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py \
-        tests/test_grouped_experts.py tests/test_resident.py tests/test_device_decode.py tests/test_fused_scores_cuda.py \
-        tests/test_stored_gemv_cuda.py tests/test_stored_pool.py tests/test_fused_norm.py \
-        tests/test_device_kv.py tests/test_mhc_native.py \
-        -k cuda 2>&1 \
-        | tee "$OUT/tests.txt"
+    # first the files no GPU has run yet (CUDA graphs, the Triton kernels, the compiled mHC weights, torch's grouped
+    # GEMM), then those an H200 passed on 2026-12-04: a run cut at its limit has the new ones
+    timeout "$(upto 240)" python3 -m pytest -rs --durations=8 tests/test_device_decode.py tests/test_stored_pool.py \
+        tests/test_device_kv.py tests/test_stored_gemv_cuda.py tests/test_fused_scores_cuda.py \
+        tests/test_fused_norm.py tests/test_mhc_native.py tests/test_grouped_experts.py tests/test_resident.py \
+        tests/test_prefill.py \
+        tests/test_quants.py tests/test_pipeline_stages.py tests/test_generate.py tests/test_sampling.py \
+        -k cuda 2>&1 | tee "$OUT/tests.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed tests"
 }
 
@@ -164,29 +178,28 @@ run_capped() {
 run_decode() {
     step "decode benchmark"
     timeout "$(upto 200)" python3 benchmarks/decode.py --preset "$PRESET" --device "$DEVICE" --no-transformers \
-        --workdir /tmp/moepack-decode 2> "$OUT/decode_stderr.txt" | tee "$OUT/decode.txt"
+        --workdir /tmp/moepack-decode 2>&1 | tee "$OUT/decode.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed decode"
 }
 
 run_indexer_scores() {
     step "indexer scores: torch's blocks against the fused kernel"
-    timeout "$(upto 90)" python3 benchmarks/indexer_scores.py --device "$DEVICE" $INDEXER_ARGS \
-        2> >(tee "$OUT/indexer_scores_stderr.txt" >&2) | tee "$OUT/indexer_scores.txt"
+    timeout "$(upto 90)" python3 benchmarks/indexer_scores.py --device "$DEVICE" $INDEXER_ARGS 2>&1 \
+        | tee "$OUT/indexer_scores.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed indexer_scores"
 }
 
 run_gpu_prefill() {
     step "gpu prefill at the release's dimensions"
     timeout "$(upto 300)" python3 benchmarks/gpu_prefill.py --device "$DEVICE" --tokens "$GPU_TOKENS" \
-        --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --workdir "$GPU_WORKDIR" 2> >(tee "$OUT/gpu_prefill_stderr.txt" >&2) \
-        | tee "$OUT/gpu_prefill.txt"
+        --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --workdir "$GPU_WORKDIR" 2>&1 | tee "$OUT/gpu_prefill.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_prefill"
 }
 
 run_gpu_decode() {
     step "gpu decode at the release's dimensions"
     timeout "$(upto 300)" python3 benchmarks/gpu_decode.py --device "$DEVICE" --batch "$GPU_BATCH" \
-        --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --workdir "$GPU_WORKDIR" 2> >(tee "$OUT/gpu_decode_stderr.txt" >&2) | tee "$OUT/gpu_decode.txt"
+        --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --workdir "$GPU_WORKDIR" 2>&1 | tee "$OUT/gpu_decode.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_decode"
 }
 
@@ -199,7 +212,7 @@ run_prefill() {
         "/tmp/moepack-bench/$PRESET-keep.moepack"
     timeout "$(upto 240)" python3 benchmarks/prefill.py --workdir /tmp/moepack-bench --preset "$PRESET" \
         --tokens "$TOKENS" --compute-dtype bfloat16 --repeat 1 --device "$DEVICE" --device-budget-gib "$BUDGET_GIB" \
-        2> "$OUT/prefill_stderr.txt" | tee "$OUT/prefill.txt"
+        2>&1 | tee "$OUT/prefill.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed prefill"
 }
 
@@ -235,7 +248,9 @@ EOF
 }
 
 # in the order STEPS names them: the figures that matter most first, so a run cut short still has them
-for name in $STEPS; do
+steps=($STEPS)
+for i in "${!steps[@]}"; do
+    name=${steps[i]} later=$(( ${#steps[@]} - 1 - i ))
     if ! declare -F "run_$name" > /dev/null; then
         echo "== $name: no such step" | tee -a "$OUT/steps.txt"
         failed="$failed $name"
@@ -244,5 +259,14 @@ for name in $STEPS; do
     wants "$name" && "run_$name"
 done
 
+# the device tool brings back 8 files of $OUT at most: the steps' own after the 7th go back packed in one
+names=(steps.txt versions.txt)
+for name in "${steps[@]/%/.txt}" $(ls "$OUT"); do  # (each step writes NAME.txt)
+    [ -f "$OUT/$name" ] && [[ " ${names[*]} " != *" $name "* ]] && names+=("$name")
+done
+if (( ${#names[@]} > 8 )); then
+    echo "== packed in rest.tar.gz (the device tool brings back 8 files): ${names[*]:7}" | tee -a "$OUT/steps.txt"
+    tar -C "$OUT" -czf "$OUT/rest.tar.gz" "${names[@]:7}" && (cd "$OUT" && rm -f "${names[@]:7}")
+fi
 step "done${failed:+: FAILED:$failed}"
 [ -z "$failed" ]

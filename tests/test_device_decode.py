@@ -556,23 +556,39 @@ def test_at_a_quarter_of_the_decoded_size_the_stored_pool_holds_more_and_reads_l
 
 def test_the_device_check_runs_its_steps_in_the_order_steps_names(tmp_path):
     """benchmarks/device_check.sh runs the steps in STEPS's order (the first named gets the time first), each
-    skipped in one line once under a minute of TOTAL_S is left, an unknown step named and failed."""
+    skipped in one line once under a minute of TOTAL_S is left, an unknown step named and failed. The device tool
+    brings back 8 files of $OUT: past the 7th (steps.txt, versions.txt, then the steps' own in STEPS's order, then
+    any other) they are packed in rest.tar.gz."""
     import os
     import subprocess
     import sys
+    import tarfile
 
     root = os.path.join(os.path.dirname(__file__), "..")
+    out = tmp_path / "out"
+    out.mkdir()
+    others = [f"other{i}.txt" for i in range(5)]
+    for name in ["tests.txt", "gpu_decode.txt", *others]:  # (as if those steps had run)
+        (out / name).write_text(name)
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               DEVICE="cpu", STEPS="gpu_decode tests gpu_prefill nosuch", TOTAL_S="1", OUT=str(tmp_path))
+               DEVICE="cpu", STEPS="gpu_decode tests gpu_prefill nosuch", TOTAL_S="1", OUT=str(out))
     done = subprocess.run(["bash", "benchmarks/device_check.sh"], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode != 0
-    steps = (tmp_path / "steps.txt").read_text().splitlines()
+    steps = (out / "steps.txt").read_text().splitlines()
+    packed = others[3:]
     assert steps[1:] == ["== gpu_decode: skipped, under a minute of TOTAL_S left",
                          "== tests: skipped, under a minute of TOTAL_S left",
                          "== gpu_prefill: skipped, under a minute of TOTAL_S left",
-                         "== nosuch: no such step", steps[-1]]
+                         "== nosuch: no such step",
+                         f"== packed in rest.tar.gz (the device tool brings back 8 files): {' '.join(packed)}",
+                         steps[-1]]
     assert steps[0].startswith("== install") and steps[-1].startswith("== done") and "FAILED: nosuch" in steps[-1]
+    kept = ["steps.txt", "versions.txt", "gpu_decode.txt", "tests.txt", *others[:3], "rest.tar.gz"]
+    assert sorted(os.listdir(out)) == sorted(kept)
+    with tarfile.open(out / "rest.tar.gz") as rest:
+        assert sorted(rest.getnames()) == packed
+        assert [rest.extractfile(name).read().decode() for name in packed] == packed
 
 
 @pytest.mark.parametrize("name, form", [("B", "decoded"), ("tiny-fp4", "stored")])
