@@ -291,7 +291,7 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
     specs = dict(family.source_tensors(config, layout)) if stored is None else {
         adapter.canonical(name): [(name, dtype, tuple(shape))] for name, (dtype, shape) in stored.items()}
 
-    def stored(name: str) -> list:
+    def stored_types(name: str) -> list:
         return _stored_types(adapter, specs[name])
     facts = _facts(config, family)
     # Group what each region holds. Experts of one block are identical in shape: size expert 0 and multiply.
@@ -304,7 +304,7 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
             if expert != 0:
                 continue
         key = (kind, block if kind != "global" else name, expert)
-        regions.setdefault(key, []).extend(stored(name))
+        regions.setdefault(key, []).extend(stored_types(name))
     sizes: dict[tuple, int] = {}
     expert_params = expert_tensor_bytes = 0
     for key, items in regions.items():
