@@ -9,10 +9,12 @@ correction bias and tid2eid), saved with save_pretrained (which writes release n
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from safetensors.torch import load_file
 from torch.utils._pytree import tree_flatten
 
 transformers = pytest.importorskip("transformers")
@@ -21,8 +23,9 @@ from transformers import DeepseekV4Config  # noqa: E402
 from moepack.families.deepseek_v4 import model as M  # noqa: E402
 from moepack.families.deepseek_v4.config import ModelConfig, RopeConfig  # noqa: E402
 from moepack.families.deepseek_v4.kv import LayerKVState  # noqa: E402
+from moepack.families.deepseek_v4.names import from_transformers  # noqa: E402
 
-from v4_models import CONFIGS, S, C, H, _randomise, build  # noqa: E402,F401
+from v4_models import CONFIGS, S, C, H, _randomise, build, saved_model  # noqa: E402,F401
 
 REL_TOL = 1e-3  # max abs error <= REL_TOL * max |logit|
 PROMPTS = [("A", 1), ("A", 7), ("A", 37), ("A", 301), ("B", 5), ("B", 130), ("C", 20), ("C", 257)]
@@ -329,3 +332,20 @@ def test_rope_rotates_each_channel_pair_by_its_positions_angle():
     assert torch.allclose(M.apply_rope(got, rotation.conj()), x, atol=1e-5)
     assert M.rope_rotation(rope, 7, 5, 4) is rotation  # cached: every layer rotates the same positions
     assert M.apply_rope(x[:0], M.rope_rotation(rope, 0, 0)).shape == (0, 3, 12)  # no tokens: nothing to turn
+
+
+def test_the_working_set_counts_a_csa_chunks_gathered_entries(tmp_path):
+    """A CSA chunk gathers index_topk entries of head_dim per query ([chunk, k, D]): with a wide head and a large
+    top-k over few heads that tensor outgrows the scores, and the memory estimate that refuses a long prompt must
+    count it. The largest tensor a chunked forward makes fits in the estimate's attention_chunk."""
+    config = {**CONFIGS["long"], "layer_types": [C], "compress_rates": {C: 4}, "num_hidden_layers": 1,
+              "mlp_layer_types": ["moe"], "head_dim": 128, "partial_rotary_factor": 0.125, "index_topk": 64,
+              "max_position_embeddings": 4096}
+    saved_model(config, 1, str(tmp_path))
+    weights = {from_transformers(k): t for k, t in load_file(str(tmp_path / "model.safetensors")).items()}
+    cfg = ModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    n, chunk = 400, 64
+    with LargestTensor() as probe:
+        M.forward_resident(cfg, weights, prompt(n, cfg.vocab_size), query_chunk=chunk)
+    estimate = M.DeepseekV4Prefill(cfg, torch.float32).working_set(n, chunk, torch.device("cpu"))
+    assert probe.numel * 4 <= estimate["attention_chunk"], (probe.numel * 4, estimate)
