@@ -1108,10 +1108,9 @@ class DeepseekV4Prefill:
         hca = max([r for r, t in zip(cfg.compress_rates, cfg.layer_types) if t == HCA] or [0])
         keys = cfg.sliding_window + cfg.index_topk + (n_tokens // hca if hca else 0)
         attention = query_chunk * cfg.num_heads * (keys + cfg.head_dim) * f32 * 3
-        # a CSA chunk's entries gathered per query, [chunk, index_topk, head_dim], and a copy as large (a product's
-        # operand), counted in float32 (half that on the bf16 path): more than the scores where head_dim x
-        # index_topk outgrows the heads
-        gathered = query_chunk * cfg.index_topk * cfg.head_dim * f32 * 2 if csa else 0
+        # a CSA chunk's entries gathered per query, [chunk, index_topk, head_dim] in the products' dtype, and a copy
+        # as large (a product's operand): more than the scores where head_dim x index_topk outgrows the heads
+        gathered = query_chunk * cfg.index_topk * cfg.head_dim * self.dtype.itemsize * 2 if csa else 0
         indexer = indexer_bytes(cfg, query_chunk, n_tokens // csa if csa else 0,
                                 device is not None and bf16_device_path(device, self.dtype))
         return {"activations": activations, "kv": kv, "attention_chunk": attention + gathered + indexer}
