@@ -334,17 +334,29 @@ def test_rope_rotates_each_channel_pair_by_its_positions_angle():
     assert M.apply_rope(x[:0], M.rope_rotation(rope, 0, 0)).shape == (0, 3, 12)  # no tokens: nothing to turn
 
 
-def test_the_working_set_counts_a_csa_chunks_gathered_entries(tmp_path):
-    """A CSA chunk gathers index_topk entries of head_dim per query ([chunk, k, D]): with a wide head and a large
-    top-k over few heads that tensor outgrows the scores, and the memory estimate that refuses a long prompt must
-    count it. The largest tensor a chunked forward makes fits in the estimate's attention_chunk."""
-    config = {**CONFIGS["long"], "layer_types": [C], "compress_rates": {C: 4}, "num_hidden_layers": 1,
-              "mlp_layer_types": ["moe"], "head_dim": 128, "partial_rotary_factor": 0.125, "index_topk": 64,
-              "max_position_embeddings": 4096}
+# (config, query chunk): a CSA layer whose wide head and large top-k over few heads make its gathered entries
+# outgrow the scores; a sliding layer of many heads whose chunk of 128 queries (a CPU's least) scores 131 keys a
+# query, not its window's 4
+_WORKING_SET_CASES = {
+    "csa-gathered": (dict(layer_types=[C], compress_rates={C: 4}, head_dim=128, partial_rotary_factor=0.125,
+                          index_topk=64), 64),
+    "sliding-chunk": (dict(layer_types=[S], compress_rates={}, num_attention_heads=16, sliding_window=4,
+                           index_topk=4, head_dim=16), 128),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_WORKING_SET_CASES))
+def test_the_working_set_counts_a_chunks_largest_tensor(tmp_path, case):
+    """The memory estimate that refuses a long prompt must count what a query chunk's attention holds: a CSA chunk
+    gathers index_topk entries of head_dim per query ([chunk, k, D]), and a chunk scores its sliding keys for every
+    query of it, the masked ones too ([chunk, heads, chunk + window - 1]). The largest tensor a chunked forward
+    makes fits in the estimate's attention_chunk."""
+    config = {**CONFIGS["long"], "num_hidden_layers": 1, "mlp_layer_types": ["moe"], "max_position_embeddings": 4096,
+              **_WORKING_SET_CASES[case][0]}
     saved_model(config, 1, str(tmp_path))
     weights = {from_transformers(k): t for k, t in load_file(str(tmp_path / "model.safetensors")).items()}
     cfg = ModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
-    n, chunk = 400, 64
+    n, chunk = 400, _WORKING_SET_CASES[case][1]
     with LargestTensor() as probe:
         M.forward_resident(cfg, weights, prompt(n, cfg.vocab_size), query_chunk=chunk)
     estimate = M.DeepseekV4Prefill(cfg, torch.float32).working_set(n, chunk, torch.device("cpu"))

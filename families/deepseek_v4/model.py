@@ -1106,7 +1106,9 @@ class DeepseekV4Prefill:
         kv = n_tokens * f32 * (cfg.head_dim * 5 + cfg.index_head_dim * 4)
         csa = max([r for r, t in zip(cfg.compress_rates, cfg.layer_types) if t == CSA] or [0])
         hca = max([r for r, t in zip(cfg.compress_rates, cfg.layer_types) if t == HCA] or [0])
-        keys = cfg.sliding_window + cfg.index_topk + (n_tokens // hca if hca else 0)
+        # per query: the chunk's sliding keys (its chunk + window - 1, the masked ones scored too), the picked or
+        # complete compressed entries
+        keys = query_chunk + cfg.sliding_window - 1 + cfg.index_topk + (n_tokens // hca if hca else 0)
         attention = query_chunk * cfg.num_heads * (keys + cfg.head_dim) * f32 * 3
         # a CSA chunk's entries gathered per query, [chunk, index_topk, head_dim] in the products' dtype, and a copy
         # as large (a product's operand): more than the scores where head_dim x index_topk outgrows the heads
