@@ -8,7 +8,8 @@ Every request field is acted on or refused by name (CHAT_FIELDS, COMPLETION_FIEL
 penalties and logit_bias go to the Sampler, response_format to a JSON constraint (serve/grammar.py), tools to the
 release's encoder and back out of the answer (serve/tool_calls.py). Responses carry llama-server's `timings`.
 A model whose family has no chat encoding (Qwen3-MoE) chats through its tokenizer_config's chat template
-(serve/chat_template.py): none there is a 400 naming it, and tools are refused for it.
+(serve/chat_template.py): none there is a 400 naming it; tools go to a template that renders them in the
+`<tool_call>` format, and are refused for one that does not.
 
 Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the generations go to a BatchScheduler
 (runtime/batching.py): up to max_batch sequences decode together, one step feeding each its next token, a newcomer
@@ -75,7 +76,7 @@ from moepack.runtime.sampling import (MAX_TOP_LOGPROBS, IncrementalDetokenizer, 
 from .chat_template import family_chat_template
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
 from .tokenizer import ChatInputError, chat_prompt_ids, markup_warning
-from .tool_calls import ToolCallSplitter, ToolPlan, split_answer, tool_plan, with_prompt_extras
+from .tool_calls import ToolPlan, renders_tool_calls, split_answer, tool_plan, with_prompt_extras
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_CHAT_TOKENS = 1024  # chat without max_tokens: this, within what the context leaves
@@ -777,32 +778,42 @@ class Server:
                                param="messages", code="no_chat_template")
         return self._chat_template
 
+    def check_template_tools(self, body: dict) -> None:
+        """A 400 for tools or tool_choice where the model's chat template renders no tools in the `<tool_call>`
+        format (the one serve/tool_calls.py parses)."""
+        field = next((f for f in ("tools", "tool_choice") if body.get(f) is not None), None)
+        if field is not None and not renders_tool_calls(self.chat_template()):
+            raise RequestError(f"{field}: the {self.family.name} model's chat template renders no tools (in the "
+                               "<tool_call> format moepack parses)", param=field, code="unsupported_parameter")
+
     def chat_ids(self, body: dict) -> tuple[list[int], bool, ToolPlan]:
         """The conversation's prompt ids (chat_prompt_ids, as `moepack generate` encodes it: the request's tools and
         response_format where the family's encoder puts them, a forced tool call's start after it), thinking, the
-        tool plan. A family without its own encoding chats through its template: no tools (their call format is
-        not parsed here), no thinking split."""
+        tool plan. A family without its own encoding chats through its template: tools where the template renders
+        them in the `<tool_call>` format (serve/tool_calls.py), no thinking split."""
         messages = body.get("messages")
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
         encoding, plan, after = self.encoding, ToolPlan(None, False), ()
-        if encoding is None:
-            for field in ("tools", "tool_choice"):
-                if body.get(field) is not None:
-                    raise RequestError(f"{field}: not supported for a {self.family.name} model yet", param=field,
-                                       code="unsupported_parameter")
-        elif isinstance(messages, list) and messages:
+        if isinstance(messages, list) and messages:
+            if encoding is None:
+                self.check_template_tools(body)
             try:
                 plan = tool_plan(encoding, body.get("tools"), body.get("tool_choice"),
                                  body.get("parallel_tool_calls"), thinking)
             except MoepackError as e:
                 param = str(e).split(":")[0].split("[")[0]
                 raise RequestError(str(e), param=param if param in body else "tools", code="invalid_value") from None
-            fmt = body.get("response_format") if self.output_schema(body) is not None else None
-            messages, after = with_prompt_extras(messages, plan.tools, fmt), encoding.markup_segments(plan.prefill)
+            if encoding is None:
+                after = [(plan.prefill, True)] if plan.prefill else ()
+            else:
+                fmt = body.get("response_format") if self.output_schema(body) is not None else None
+                messages = with_prompt_extras(messages, plan.tools, fmt)
+                after = encoding.markup_segments(plan.prefill)
         try:
             ids = chat_prompt_ids(self.family, lambda: self.need_tokenizer("messages"), messages, thinking=thinking,
-                                  reasoning_effort=effort, template=self.chat_template, after=after)
+                                  reasoning_effort=effort, template=self.chat_template, after=after,
+                                  tools=plan.tools if encoding is None else None)
         except ChatInputError as e:
             raise RequestError(str(e), param=e.param, code=e.code) from None
         return ids, thinking and encoding is not None, plan
@@ -1415,7 +1426,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
         def choice_stream(i: int) -> ChoiceStream:
             splitter = ThinkSplitter(server.encoding.THINK_END if thinking else None)
-            calls = ToolCallSplitter(plan.encoding, plan.prefill, plan.parallel) if plan.parse else None
+            calls = plan.splitter() if plan.parse else None
             first, n_calls = [True], [0]
 
             def pieces(parts, route: bool = True):

@@ -138,6 +138,7 @@ class ChatTemplate:
 
     def __init__(self, template: str, config: Mapping[str, Any]):
         import jinja2
+        import jinja2.meta
         from jinja2.compiler import CodeGenerator
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -185,10 +186,13 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:  # (no clock: parsing is linear in the text, and jinja folds no bounded operator or call while compiling)
             self._template = env.from_string(template)
+            # the variables it reads (`tools`: it renders a request's tools, serve/tool_calls.py renders_tool_calls)
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
         except jinja2.exceptions.TemplateError as e:
             raise MoepackError(f"the model's chat template does not compile: {str(e)[:200]}") from None
         except (Exception, TemplateLimitError) as e:  # noqa: BLE001 - the checkpoint's code: any failure is one line
             raise MoepackError(f"the model's chat template does not compile ({_failure(e)})") from None
+        self.source = template
         self._special = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any) -> str:

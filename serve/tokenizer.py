@@ -165,6 +165,14 @@ class PromptTokenizer:
         return [{**m, **{k: shielded(m[k]) for k in ("content", "reasoning_content") if k in m}}
                 for m in messages], texts
 
+    def special_text_in(self, value: Any) -> str | None:
+        """The first special token's text a string of `value` (a JSON value: its keys too) spells out; None where
+        none does (what a template renders without shield_messages: tools, tool calls)."""
+        if isinstance(value, str):
+            return next((t for t in self._special_texts if t in value), None)
+        items = [*value, *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else ()
+        return next((t for t in map(self.special_text_in, items) if t is not None), None)
+
     def encode_rendered(self, text: str, shielded: dict[str, str]) -> list[int]:
         """A rendered chat's ids: its markup with its special tokens, nothing added (encode_special), and the text
         behind each of `shielded`'s placeholders (shield_messages) plain."""
@@ -236,8 +244,21 @@ def _template_messages(messages: list[dict], family_name: str) -> list[dict]:
                                  f"{type(content).__name__} (a {family_name} model's chat template renders text)",
                                  "messages", "invalid_type")
         _check_assistant_fields(m, i)
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            m = {**m, "tool_calls": [_template_call(call) for call in m["tool_calls"]]}
         out.append(m)
     return out
+
+
+def _template_call(call: dict) -> dict:
+    """An assistant's tool call as a template reads it (as vLLM gives it): OpenAI's `arguments`, a JSON object's
+    text, as that object (Qwen3's template writes a string as it is, an object with tojson)."""
+    arguments = call["function"].get("arguments")
+    try:
+        value = untrusted.loads(arguments, "arguments") if isinstance(arguments, str) else None
+    except untrusted.UntrustedInputError:
+        value = None
+    return {**call, "function": {**call["function"], "arguments": value}} if isinstance(value, dict) else call
 
 
 def _check_assistant_fields(m: dict, i: int) -> None:
@@ -260,6 +281,17 @@ def _check_assistant_fields(m: dict, i: int) -> None:
                              "messages", "invalid_type")
 
 
+def _refuse_spelled_markup(tok: PromptTokenizer, messages: list[dict], tools: list[dict] | None) -> None:
+    """ChatInputError where the tools or an assistant's tool calls (rendered by a template as they are, JSON and
+    all: no placeholder stands for them) spell out a special token's text."""
+    for where, value in (("tools", tools), *((f"messages[{i}].tool_calls", m.get("tool_calls"))
+                                            for i, m in enumerate(messages))):
+        spelled = tok.special_text_in(value) if value else None
+        if spelled is not None:
+            raise ChatInputError(f"{where}: spells out the special token {spelled!r}, which the chat template would "
+                                 "render as markup", where.split("[")[0].split(".")[0])
+
+
 def markup_warning(family: Any, tokenizer: PromptTokenizer) -> str | None:
     """What to tell the user where `family`'s own chat encoding has markup (its SPECIAL_TOKENS: role and thinking
     tags) that `tokenizer` holds no token for: a chat spells each out as plain text, which the model never saw (a
@@ -276,16 +308,18 @@ def markup_warning(family: Any, tokenizer: PromptTokenizer) -> str | None:
 def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messages: Any, *, thinking: bool = False,
                     reasoning_effort: str | None = None, template: Callable[[], Any] | None = None,
                     after: Sequence[tuple[str, bool]] = (), continuing: bool = False,
-                    turn_end: int | None = None) -> list[int]:
+                    turn_end: int | None = None, tools: list[dict] | None = None) -> list[int]:
     """The prompt ids of `messages` (an OpenAI-style list) as `family`'s chat:
 
     * its own chat encoding (family.chat_encoding): markup rendered in code into special tokens, message content
       plain text; `reasoning_effort` as the encoding checks it; `after`: more of its segments (a forced tool
       call's start);
     * else the chat template `template()` gives (serve/chat_template.py), tokenized as apply_chat_template does;
-      `thinking` is its enable_thinking (the template's default without it); a template takes no reasoning effort,
-      and only messages of TEMPLATE_ROLES with text content, a list of text parts joined (what it would drop is
-      refused).
+      `thinking` is its enable_thinking (the template's default without it); `tools` its tools variable (as
+      apply_chat_template(tools=...) passes them); `after`: text the prompt ends with (a forced tool call's start);
+      a template takes no reasoning effort, and only messages of TEMPLATE_ROLES with text content, a list of text
+      parts joined (what it would drop is refused); tools or tool calls that spell out a special token are
+      refused (no request forges a turn).
 
     `continuing`: the messages go on after a KV's conversation (`generate --continue-from`), so the BOS a first
     turn starts with is left out, as the whole conversation has it only at its start. `turn_end`: the token that
@@ -295,7 +329,7 @@ def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messa
     `tokenizer()` and `template()` are asked for only when needed (a missing template is named before a missing
     tokenizer). Bad input is a ChatInputError naming the field."""
     ids = _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after,
-                          turn_end if continuing else None)
+                          turn_end if continuing else None, tools)
     bos = tokenizer().bos_id if continuing and ids else None
     return ids[1:] if bos is not None and ids[0] == bos else ids
 
@@ -314,7 +348,7 @@ def _after_the_closed_exchange(text: str, turn_end: str) -> str | None:
 
 
 def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after,
-                    turn_end: int | None = None) -> list[int]:
+                    turn_end: int | None = None, tools: list[dict] | None = None) -> list[int]:
     """chat_prompt_ids as a first turn's (`turn_end`: as a continued conversation's, see there)."""
     if not isinstance(messages, list) or not messages:
         raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
@@ -329,8 +363,11 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
         messages = _template_messages(messages, family.name)
         chat_template = template()
         tok = tokenizer()
+        _refuse_spelled_markup(tok, messages, tools)
         messages, shielded = tok.shield_messages(messages)  # no message can spell out a special token
         options = {"enable_thinking": True} if thinking else {}
+        if tools:
+            options["tools"] = tools
         try:
             text = chat_template.render(messages, **options)
             if turn_end is not None:
@@ -339,7 +376,7 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
                 text = text if after_end is None else after_end
         except MoepackError as e:
             raise ChatInputError(f"messages: {e}", "messages") from None
-        return tok.encode_rendered(text, shielded)
+        return tok.encode_rendered(text + "".join(piece for piece, _ in after), shielded)
     try:
         encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs thinking
     except MoepackError as e:

@@ -1,24 +1,42 @@
-"""The server's side of tool calling in a chat encoding's format (its `tool_format` module: DeepSeek-V4's DSML,
-families/deepseek_v4/tools.py, reached through the family's chat_encoding): a request's `tools`,
-`tool_choice` and `parallel_tool_calls` checked into a ToolPlan, the tools and response_format placed where the
-release's encoder reads them (the conversation's system message), and the model's answer split into content and OpenAI
-`tool_calls`, whole or as a stream (ToolCallSplitter).
+"""The server's side of tool calling: a request's `tools`, `tool_choice` and `parallel_tool_calls` checked into a
+ToolPlan, the tools placed where the model's chat reads them, and the model's answer split into content and OpenAI
+`tool_calls`, whole or as a stream (ToolPlan.splitter). Two formats:
+
+* a chat encoding's (its `tool_format` module: DeepSeek-V4's DSML, families/deepseek_v4/tools.py): the tools and
+  response_format on the conversation's system message, where the release's encoder reads them (with_prompt_extras);
+  the answer's calls split by ToolCallSplitter;
+* a chat template's (a family whose chat_encoding is None) that renders `tools` and spells `<tool_call>`
+  (renders_tool_calls; Qwen3's): the tools go to the template as transformers passes them (its `tools` variable),
+  each call of the answer is a `<tool_call>` JSON `</tool_call>` block (TaggedCallSplitter, as vLLM's hermes parser
+  reads them).
 
 tool_choice: "auto" (the default with tools): the tools are in the prompt and the answer's calls are parsed;
 "none": the tools are left out of the prompt (the model cannot call what it does not see) and nothing is parsed;
 "required" and a named function: the prompt is prefilled with the opening of the tool-call block (and, named, of
-that function's invoke), so the answer can only go on with a call; in thinking mode the prefill closes the thought
-first (`</think>`): the reply then has no reasoning.
+that function's call), so the answer can only go on with a call; with a chat encoding in thinking mode the prefill
+closes the thought first (`</think>`): the reply then has no reasoning.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from moepack.families.openai_tools import check_tools
+from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
 from moepack.runtime.sampling import partial_match_length
+
+# a chat template's tool-call markup (Qwen3's, vLLM's hermes format): each call one block of JSON
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def renders_tool_calls(template) -> bool:
+    """Whether a chat template (serve/chat_template.py's ChatTemplate) takes tools in the `<tool_call>` format: it
+    reads the `tools` variable and its text spells the call's tag."""
+    return "tools" in template.variables and CALL_OPEN in template.source
 
 
 def _invoke_open(fmt) -> str:
@@ -33,15 +51,20 @@ class ToolPlan:
     prefill: str = ""  # markup the prompt ends with: the answer's text goes on from it
     forced_name: str | None = None  # a named tool_choice: the function the prefill opens
     parallel: bool = True  # parallel_tool_calls false: only the first call is kept
-    encoding: Any = None  # the chat encoding (a module) whose tool_format the answer is parsed in
+    encoding: Any = None  # the chat encoding (a module) whose tool_format the answer is parsed in; None: a template's
+
+    def splitter(self):
+        """A new splitter of an answer in the plan's format (ToolCallSplitter or TaggedCallSplitter)."""
+        if self.encoding is None:
+            return TaggedCallSplitter(self.prefill, self.parallel)
+        return ToolCallSplitter(self.encoding, self.prefill, self.parallel)
 
 
 def tool_plan(encoding, tools, tool_choice, parallel, thinking: bool) -> ToolPlan:
-    """The plan of a request's tools fields in `encoding`'s (a chat encoding module's) tool-call format; MoepackError
-    (its message starting with the field) when wrong."""
-    fmt = encoding.tool_format
+    """The plan of a request's tools fields in `encoding`'s (a chat encoding module's) tool-call format, or (None) a
+    chat template's `<tool_call>` format; MoepackError (its message starting with the field) when wrong."""
     if tools is not None:
-        tools = fmt.check_tools(tools, "tools")
+        tools = check_tools(tools, "tools")
     if parallel is not None and not isinstance(parallel, bool):
         raise MoepackError("parallel_tool_calls: expected a boolean")
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
@@ -62,9 +85,13 @@ def tool_plan(encoding, tools, tool_choice, parallel, thinking: bool) -> ToolPla
         return ToolPlan(None, False)
     if choice == "auto":
         return ToolPlan(tools, True, parallel=parallel is not False, encoding=encoding)
-    prefill = (encoding.THINK_END if thinking else "") + fmt.TOOL_CALLS_START + "\n" + _invoke_open(fmt)
-    if name is not None:
-        prefill += f'{name}">\n'
+    if encoding is None:  # the call's JSON as the template writes an assistant's (`"name"` first)
+        prefill = CALL_OPEN + "\n" + ("" if name is None else f'{{"name": {json.dumps(name, ensure_ascii=False)}, '
+                                                               '"arguments": ')
+    else:
+        fmt = encoding.tool_format
+        prefill = (encoding.THINK_END if thinking else "") + fmt.TOOL_CALLS_START + "\n" + _invoke_open(fmt)
+        prefill += "" if name is None else f'{name}">\n'
     return ToolPlan(tools, True, prefill, name, parallel is not False, encoding)
 
 
@@ -90,6 +117,19 @@ def openai_call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
+def _before_marker(text: str, marker: str, hold_space: bool = False) -> tuple[str, str, str | None]:
+    """A stream's content so far up to `marker`: (shown, held, after). Where the marker is in `text`: the text
+    before it, "", the text after it. Else: what can be shown now, the tail held back until the next piece says (what
+    may begin the marker; with `hold_space` the whitespace before that too), None."""
+    at = text.find(marker)
+    if at >= 0:
+        return text[:at], "", text[at + len(marker):]
+    cut = len(text) - partial_match_length(text, (marker,))
+    if hold_space:
+        cut = len(text[:cut].rstrip())
+    return text[:cut], text[cut:], None
+
+
 class ToolCallSplitter:
     """An answer's text (after its thought), piece by piece, into ("content", text) and ("tool_call", call) events:
     text up to the tool-call block is content (a tail that may open the block is held back until the next piece
@@ -110,16 +150,12 @@ class ToolCallSplitter:
 
     def feed(self, piece: str) -> list[tuple[str, object]]:
         if self.block is None:
-            text = self.held + piece
-            start = self.fmt.TOOL_CALLS_START
-            at = text.find(start)
-            if at < 0:
-                keep = partial_match_length(text, (start,))
-                self.held = text[len(text) - keep:] if keep else ""
-                shown = text[:len(text) - keep]
-                return [("content", shown)] if shown else []
-            self.held, self.block = "", text[at + len(start):]
-            return ([("content", text[:at])] if at else []) + self._complete_calls()
+            shown, self.held, after = _before_marker(self.held + piece, self.fmt.TOOL_CALLS_START)
+            out = [("content", shown)] if shown else []
+            if after is None:
+                return out
+            self.block = after
+            return out + self._complete_calls()
         self.block += piece
         return self._complete_calls()
 
@@ -161,9 +197,78 @@ class ToolCallSplitter:
         return out
 
 
+def _tagged_call(block: str) -> dict | None:
+    """The OpenAI call of a `<tool_call>` block's text: JSON {"name": ..., "arguments": ...} (the arguments given
+    back as JSON text); None where it is not one."""
+    try:
+        value = untrusted.loads(block, "a tool call")  # (the model's text: bounded in depth like every JSON read)
+    except untrusted.UntrustedInputError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    return openai_call(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False))
+
+
+class TaggedCallSplitter:
+    """A chat template's answer, piece by piece, into ("content", text) and ("tool_call", call) events, as
+    ToolCallSplitter does for a chat encoding's: each `<tool_call>` JSON `</tool_call>` block is a call once closed;
+    one whose JSON does not parse (or names no function) is content as written, as vLLM's hermes parser leaves it.
+    The whitespace around a call's block is its markup (the template writes a newline before each call), so a reply
+    of calls alone has no content. `prefill`: the markup the prompt ended with (the answer goes on from it)."""
+
+    def __init__(self, prefill: str = "", parallel: bool = True):
+        self.held = ""  # content held back: whitespace and what may begin CALL_OPEN
+        self.space = ""  # the whitespace before the open block (content again if the block makes no call)
+        self.block: str | None = None  # the open block's text so far
+        self.after_call = False  # the whitespace after a call's block is still its markup
+        self.calls = 0
+        self.parallel = parallel
+        if prefill:
+            self.feed(prefill)
+
+    def _content(self, text: str) -> list[tuple[str, object]]:
+        if self.after_call:
+            text = text.lstrip()
+            self.after_call = not text
+        return [("content", text)] if text else []
+
+    def feed(self, piece: str) -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = []
+        while True:
+            if self.block is None:
+                shown, self.held, after = _before_marker(self.held + piece, CALL_OPEN, hold_space=True)
+                if after is None:
+                    return out + self._content(shown)
+                content = shown.rstrip()
+                out += self._content(content)
+                self.space, self.block, piece = shown[len(content):], "", after
+            self.block += piece
+            end = self.block.find(CALL_CLOSE)
+            if end < 0:
+                return out
+            block, piece, self.block = self.block[:end], self.block[end + len(CALL_CLOSE):], None
+            call = _tagged_call(block)
+            if call is None:
+                out += self._content(self.space + CALL_OPEN + block + CALL_CLOSE)
+                continue
+            self.after_call = True
+            if self.parallel or not self.calls:
+                out.append(("tool_call", call))
+                self.calls += 1
+
+    def flush(self) -> list[tuple[str, object]]:
+        """The end of the answer: held text is content; so is a block never closed (cut short by max_tokens or a
+        stop string), as written."""
+        if self.block is None:
+            text, self.held = self.held, ""
+        else:
+            text, self.block = self.space + CALL_OPEN + self.block, None
+        return self._content(text)
+
+
 def split_answer(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
     """(content, OpenAI tool_calls) of a whole answer; content None when there are calls and no text."""
-    splitter = ToolCallSplitter(plan.encoding, plan.prefill, plan.parallel)
+    splitter = plan.splitter()
     events = splitter.feed(text) + splitter.flush()
     content = "".join(v for k, v in events if k == "content")
     calls = [v for k, v in events if k == "tool_call"]

@@ -517,6 +517,12 @@ EXPECTED_CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"qu
 def scripted(server, monkeypatch):
     """The generator answers `scripted.text` (in pieces of 7 characters), whatever the prompt; the prompt's ids are
     kept in scripted.prompts."""
+    return scripted_generator(server.generator, monkeypatch)
+
+
+def scripted_generator(generator, monkeypatch):
+    """`generator` (a Generator) made to answer Script.text in pieces of 7 characters; the prompts kept in
+    Script.prompts (the `scripted` fixture's, tests/test_template_tools.py's)."""
     from moepack.runtime.generate import GenerateResult
 
     class Script:
@@ -533,7 +539,7 @@ def scripted(server, monkeypatch):
         return GenerateResult([1] * 5, Script.text, "stop", {"prefill": {"seconds": 0.01},
                                                               "decode": {"seconds": 0.01}})
 
-    monkeypatch.setattr(server.generator, "generate", generate)
+    monkeypatch.setattr(generator, "generate", generate)
     Script.prompts = []
     return Script
 

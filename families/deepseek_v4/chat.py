@@ -49,10 +49,12 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 from moepack.format_spec.errors import MoepackError
 
+from ..openai_tools import check_tools
+
 # the encoding's tool-call format (DSML): the server parses answers by it (serve/tool_calls.py)
 from . import tools as tool_format  # noqa: F401
 from .tools import (DSML, RESPONSE_FORMAT_PREFIX, TOOL_RESULT_END, TOOL_RESULT_START, TOOLS_TEMPLATE_END,
-                    check_tool_calls, check_tools, to_json, tool_calls_parts, tool_schemas, tools_intro)
+                    check_tool_calls, to_json, tool_calls_parts, tool_schemas, tools_intro)
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

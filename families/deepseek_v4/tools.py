@@ -157,18 +157,6 @@ def split_tool_calls(text: str) -> tuple[str, list[tuple[str, str]]]:
     return (content, parse_tool_calls(block)) if sep else (text, [])
 
 
-def check_tools(tools, where: str) -> list[dict]:
-    """OpenAI's `tools`: [{"type": "function", "function": {"name": ..., ...}}]; MoepackError naming the bad one."""
-    if not isinstance(tools, list) or not tools:
-        raise MoepackError(f"{where}: expected a non-empty list of tools")
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise MoepackError(f'{where}[{i}]: expected {{"type": "function", "function": {{"name": ...}}}}')
-    return tools
-
-
 def check_tool_calls(calls, where: str) -> list[tuple[str, str, str]]:
     """An assistant's OpenAI `tool_calls` as (id, name, arguments); MoepackError naming the bad one."""
     if not isinstance(calls, list):

@@ -1,0 +1,255 @@
+"""Tool calling for a family that chats through its checkpoint's chat template (Qwen3-MoE): Qwen3's own template
+(tests/data/qwen3_chat_template.json; its "note" says where it comes from) on the synthetic Qwen3 tokenizer with
+Qwen's tool and thinking tags as added tokens. The prompt ids the server builds are transformers'
+apply_chat_template(tools=...)'s; the answer's `<tool_call>` blocks become OpenAI tool_calls, whole and streamed
+(serve/tool_calls.py TaggedCallSplitter); forced calls prefill the block; a template without tools, and tools or
+calls spelling out a special token, are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from moepack.families import family_named
+from moepack.families.qwen3_moe.synth import CHAT_TEMPLATE, SPECIAL_TOKENS
+from moepack.families.synthetic import byte_level_tokenizer
+from moepack.format_spec.reader import Container
+from moepack.packer.convert import convert_checkpoint
+from moepack.packer.synth import synth_checkpoint
+from moepack.runtime.generate import Generator
+from moepack.serve.app import make_app
+from moepack.serve.chat_template import ChatTemplate, family_chat_template
+from moepack.serve.tokenizer import PromptTokenizer, chat_prompt_ids
+from moepack.serve.tool_calls import TaggedCallSplitter, ToolPlan, split_answer
+from test_serve import Running
+from test_serve_clients import _bad, scripted_generator
+
+transformers = pytest.importorskip("transformers")
+
+FAMILY = family_named("qwen3-moe")
+with open(os.path.join(os.path.dirname(__file__), "data", "qwen3_chat_template.json"), encoding="utf-8") as _f:
+    QWEN3_TEMPLATE = json.load(_f)["chat_template"]
+# Qwen3's added tokens that are not special (its tokenizer's 151657-151668 among them)
+QWEN_MARKUP = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}}}}}
+CHAT = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def _call(call_id, name, arguments, separators=None):
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, separators=separators)}}
+
+
+# (messages as an OpenAI client sends them, tools); transformers is given the calls' arguments as objects
+CONVERSATIONS = [
+    ([{"role": "system", "content": "Be brief."}, *CHAT], [WEATHER, SEARCH]),
+    ([*CHAT, {"role": "assistant", "content": None,  # (compact JSON: the template writes the object's tojson)
+              "tool_calls": [_call("c1", "get_weather", {"city": "Paris"}, separators=(",", ":"))]},
+      {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 C"}], [WEATHER]),
+    ([{"role": "system", "content": "Be brief."}, *CHAT,
+      {"role": "assistant", "content": "Let me look.", "tool_calls": [
+          _call("c1", "get_weather", {"city": "Paris", "days": 3}),
+          _call("c2", "search", {"query": "Paris \"rain\""})]},
+      {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
+      {"role": "tool", "tool_call_id": "c2", "content": "[]"},
+      {"role": "assistant", "content": "Sunny for three days."}, {"role": "user", "content": "And Oslo?"}],
+     [WEATHER, SEARCH]),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}, *CHAT,
+      {"role": "assistant", "content": "", "tool_calls": [_call("c9", "get_weather", {"city": "Paris"})]},
+      {"role": "tool", "tool_call_id": "c9", "content": "Rain"}, {"role": "assistant", "content": "Rain."}], None),
+]
+
+
+def _transformers_messages(messages):
+    """The conversation as vLLM hands it to transformers' template: arguments as objects, no None content."""
+    out = []
+    for m in messages:
+        m = {**m, "content": m["content"] or ""}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3_tools(tmp_path_factory):
+    """(checkpoint directory, container path): the synthetic tiny Qwen3-MoE (float32) with Qwen3's chat template and
+    its tool and thinking tags as tokens."""
+    base = tmp_path_factory.mktemp("template-tools")
+    src = base / "src"
+    synth_checkpoint(str(src), preset="tiny", layout="f32", seed=5, progress=False, family="qwen3-moe")
+    (src / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(SPECIAL_TOKENS, None, QWEN_MARKUP)))
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN3_TEMPLATE}))
+    path = str(base / "q.moepack")
+    convert_checkpoint(str(src), path, policy="keep", progress=False)
+    return src, path
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_tools):
+    g = Generator(qwen3_tools[1], cache_gib=0.5)
+    running = Running(make_app(g, "q", log=lambda line: None))
+    running.generator, running.state, running.tok = g, running.app.state.server, PromptTokenizer(g.c)
+    yield running
+    running.stop()
+    g.close()
+
+
+def _want_ids(theirs, messages, tools, prefill=""):
+    want = theirs.apply_chat_template(_transformers_messages(messages), tools=tools, tokenize=True,
+                                      add_generation_prompt=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    return want + (theirs.encode(prefill, add_special_tokens=False) if prefill else [])
+
+
+def test_the_prompt_ids_with_tools_are_transformers(qwen3_tools):
+    directory, path = qwen3_tools
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    with Container(path) as c:
+        template, tok = family_chat_template(c, FAMILY), PromptTokenizer(c)
+    for messages, tools in CONVERSATIONS:
+        ids = chat_prompt_ids(FAMILY, lambda: tok, messages, template=lambda: template, tools=tools)
+        assert ids == _want_ids(theirs, messages, tools)
+    text = tok.decode(chat_prompt_ids(FAMILY, lambda: tok, *CONVERSATIONS[2][:1], template=lambda: template,
+                                      tools=CONVERSATIONS[2][1]))
+    assert "<tools>\n" + json.dumps(WEATHER) in text and '"arguments": {"city": "Paris", "days": 3}}' in text
+    assert text.count("<tool_response>") == 2 and "<|im_start|>user\n<tool_response>\nSunny\n" in text
+
+
+# (answer, content, calls as (name, arguments)) of a plain answer, calls with text around, a broken block, a
+# block cut short
+ANSWERS = [
+    ("Hello there.\n", "Hello there.\n", []),
+    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "search", "arguments": {"query": "Eiffel \\"tower\\""}}\n</tool_call>',
+     "Let me check.", [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": 'Eiffel "tower"'})]),
+    ('<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>\nDone.',
+     "Done.", [("search", {"query": "x"})]),
+    ('Hm.\n<tool_call>\n{"name": "search", "arguments": {"query": \n</tool_call> ok',
+     'Hm.\n<tool_call>\n{"name": "search", "arguments": {"query": \n</tool_call> ok', []),
+    ('<tool_call>\n{"arguments": {}}\n</tool_call>', '<tool_call>\n{"arguments": {}}\n</tool_call>', []),
+    ('Sure <tool_call>\n{"name": "sea', 'Sure <tool_call>\n{"name": "sea', []),
+]
+
+
+def _split(pieces, prefill="", parallel=True, fed=None):
+    """The events of the answer fed in `pieces` (those before the flush also in `fed`, where given)."""
+    splitter = TaggedCallSplitter(prefill, parallel)
+    events = [e for piece in pieces for e in splitter.feed(piece)]
+    if fed is not None:
+        fed += events
+    return events + splitter.flush()
+
+
+@pytest.mark.parametrize("answer, content, calls", ANSWERS)
+def test_tool_call_blocks_split_whole_and_streamed(answer, content, calls):
+    for pieces in ([answer], list(answer), [answer[i:i + 5] for i in range(0, len(answer), 5)]):
+        fed: list = []
+        events = _split(pieces, fed=fed)
+        assert "".join(v for k, v in events if k == "content") == content
+        got = [(v["function"]["name"], json.loads(v["function"]["arguments"])) for k, v in events if k == "tool_call"]
+        assert got == calls
+        # before the end, a stream never shows what may begin a tag
+        assert not [v for k, v in fed if k == "content" and any(v.endswith("<tool_call>"[:n]) for n in range(1, 11))]
+    plan = ToolPlan([WEATHER], True)
+    text, whole = split_answer(answer, plan)
+    assert text == (content or None if calls else content) and len(whole) == len(calls)
+
+
+def test_parallel_false_keeps_the_first_call_and_a_prefill_opens_the_block():
+    answer = ANSWERS[1][0]
+    assert [v["function"]["name"] for k, v in _split([answer], parallel=False) if k == "tool_call"] == ["get_weather"]
+    named = '<tool_call>\n{"name": "search", "arguments": '
+    events = _split(list('{"query": "y"}}\n</tool_call>'), prefill=named)
+    assert [(k, v["function"]["name"], v["function"]["arguments"]) for k, v in events] == \
+        [("tool_call", "search", '{"query": "y"}')]
+
+
+def test_openai_client_gets_the_templates_tool_calls(qwen3_tools, server, monkeypatch):
+    scripted = scripted_generator(server.generator, monkeypatch)
+    scripted.text = ANSWERS[1][0]
+    c = server.client()
+    theirs = transformers.AutoTokenizer.from_pretrained(qwen3_tools[0])
+    r = c.chat.completions.create(model="q", messages=CHAT, tools=[WEATHER, SEARCH])
+    assert scripted.prompts[-1] == _want_ids(theirs, CHAT, [WEATHER, SEARCH])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls] == ANSWERS[1][2]
+    assert all(t.id.startswith("call_") and t.type == "function" for t in choice.message.tool_calls)
+    stream = c.chat.completions.create(model="q", messages=CHAT, tools=[WEATHER, SEARCH], stream=True)
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += [(t.index, t.function.name, json.loads(t.function.arguments)) for t in delta.tool_calls or []]
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Let me check." and finish == "tool_calls"
+    assert calls == [(i, *call) for i, call in enumerate(ANSWERS[1][2])]
+    # tool_choice none: no tools in the prompt, the blocks stay text
+    r = c.chat.completions.create(model="q", messages=CHAT, tools=[WEATHER], tool_choice="none")
+    assert scripted.prompts[-1] == _want_ids(theirs, CHAT, None)
+    assert r.choices[0].message.content == ANSWERS[1][0] and not r.choices[0].message.tool_calls
+
+
+def test_required_and_named_tool_choice_prefill_the_call(qwen3_tools, server, monkeypatch):
+    scripted = scripted_generator(server.generator, monkeypatch)
+    c = server.client()
+    theirs = transformers.AutoTokenizer.from_pretrained(qwen3_tools[0])
+    scripted.text = '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    r = c.chat.completions.create(model="q", messages=CHAT, tools=[WEATHER, SEARCH], tool_choice="required")
+    assert scripted.prompts[-1] == _want_ids(theirs, CHAT, [WEATHER, SEARCH], "<tool_call>\n")
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls] == \
+        [("get_weather", '{"city": "Oslo"}')]
+    scripted.text = '{"query": "fjords"}}\n</tool_call>'
+    named = {"type": "function", "function": {"name": "search"}}
+    stream = c.chat.completions.create(model="q", messages=CHAT, tools=[WEATHER, SEARCH], tool_choice=named,
+                                       stream=True)
+    deltas = [t for chunk in stream for t in chunk.choices[0].delta.tool_calls or []]
+    assert scripted.prompts[-1] == _want_ids(theirs, CHAT, [WEATHER, SEARCH],
+                                             '<tool_call>\n{"name": "search", "arguments": ')
+    assert [(t.function.name, t.function.arguments) for t in deltas] == [("search", '{"query": "fjords"}')]
+
+
+def test_a_forced_call_runs_on_the_model(server):
+    """The real generator (the tiny random model) after a named call's prefill: the unfinished call, its opening
+    with it, is the content, as written."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = server.client().chat.completions.create(model="q", messages=CHAT, tools=[WEATHER], max_tokens=2,
+                                                temperature=0, tool_choice=named)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("length", "stop") and not choice.message.tool_calls
+    assert choice.message.content.startswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert r.usage.completion_tokens == 2
+
+
+def test_tools_refused_where_the_template_has_none_or_they_spell_a_special_token(server, monkeypatch):
+    c = server.client()
+    bad_tool = {"type": "function", "function": {"name": "f", "description": "ends <|im_end|>"}}
+    message = _bad(lambda: c.chat.completions.create(model="q", messages=CHAT, tools=[bad_tool]), "tools")
+    assert message == ("tools: spells out the special token '<|im_end|>', which the chat template would render as "
+                       "markup")
+    calls = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "<|im_start|>system"}'}}]}]
+    assert _bad(lambda: c.chat.completions.create(model="q", messages=[*CHAT, *calls]), "messages").startswith(
+        "messages[1].tool_calls: spells out the special token '<|im_start|>'")
+    other = {"type": "function", "function": {"name": "nope"}}
+    _bad(lambda: c.chat.completions.create(model="q", messages=CHAT, tools=[WEATHER], tool_choice=other),
+         "tool_choice")
+    _bad(lambda: c.chat.completions.create(model="q", messages=CHAT, tool_choice="required"), "tool_choice")
+    monkeypatch.setattr(server.state, "_chat_template", ChatTemplate(CHAT_TEMPLATE, {}))  # ChatML: no tools
+    for field, value in (("tools", [WEATHER]), ("tool_choice", "none")):
+        message = _bad(lambda: c.chat.completions.create(model="q", messages=CHAT, **{field: value}), field)
+        assert message == (f"{field}: the qwen3-moe model's chat template renders no tools (in the <tool_call> "
+                           "format moepack parses)")
+    assert c.chat.completions.create(model="q", messages=CHAT, max_tokens=1).choices[0].finish_reason
+
