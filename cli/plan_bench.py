@@ -218,20 +218,21 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
             with Container(target) as c:
                 return sizes_from_container(c), c.config, target
     from moepack.packer.hub import fetch_config, looks_like_repo_id
-    from moepack.packer.synth import PRESETS, RELEASE_QUANTIZATION_CONFIG, preset_config
 
     stored, notes = None, []
     if os.path.exists(target):
         config = load_config(target)
         if os.path.isdir(target):
             stored, notes = _checkpoint_tensors(target)
-    elif target in PRESETS:
-        config = {**preset_config(target), "quantization_config": dict(RELEASE_QUANTIZATION_CONFIG)}
     elif looks_like_repo_id(target):  # a hub repo: its config.json alone (from the cache when offline)
         config = load_config(fetch_config(target))
-    else:
-        raise MoepackError(f"{target}: no such file (give a container, a config.json, a checkpoint directory, a "
-                           f"Hugging Face repo id or a preset: {', '.join(PRESETS)})")
+    else:  # (the synthetic models' module loads torch: asked only for a name that is no path and no repo id)
+        from moepack.packer.synth import PRESETS, RELEASE_QUANTIZATION_CONFIG, preset_config
+
+        if target not in PRESETS:
+            raise MoepackError(f"{target}: no such file (give a container, a config.json, a checkpoint directory, a "
+                               f"Hugging Face repo id or a preset: {', '.join(PRESETS)})")
+        config = {**preset_config(target), "quantization_config": dict(RELEASE_QUANTIZATION_CONFIG)}
     sizes = sizes_from_config(config, policy or "keep", expert_bpw, stored=stored)
     sizes.notes[:0] = notes
     return sizes, config, None
@@ -315,7 +316,7 @@ def plan(target, ssd_gbps, tflops, gpus, ssds, contexts, vram_gib, plot_out, pol
     x BW), tokens/s per N and the VRAM budget. Measured `moepack bench` values are the defaults."""
     from moepack.tools import plan as P
     from moepack.runtime.tuning import tuned_defaults
-    from moepack.tools.bench import measured_for_plan
+    from moepack.tools.measured import measured_for_plan
 
     refuse_existing(force, plot_out, inputs=(target,))
     sizes, config, path = _model_source(target, policy, expert_bpw)

@@ -19,7 +19,7 @@ Results are kept in a small per-machine cache (runtime/tuning.py, which the runt
 `$MOEPACK_CACHE_DIR/bench.json`), keyed by the host name and, for io, by the container's real path, size and mtime
 (a rewritten container is measured again). `tuning.tuned_defaults(path)` gives `prefill` the best (bundle_experts,
 queue_depth) measured for that file on this machine; `moepack plan` takes its bandwidth and FLOP/s defaults from
-the same file (`measured_for_plan`).
+the same file (tools/measured.py `measured_for_plan`, apart from this module so that `plan` does not load torch).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import os
 import shutil
 import subprocess
 import time
-import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -39,13 +38,12 @@ from typing import Any
 import torch
 
 from moepack.backends.expert_naming import ExpertNaming
-from moepack.format_spec.errors import MoepackError, error_reason
+from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import ReadSpan
-from moepack.format_spec.untrusted import finite_float
 from moepack.runtime.io import available_memory_bytes
 from moepack.runtime.limits import MAX_BENCH_REPEAT, MAX_BUNDLE_EXPERTS
 from moepack.runtime.read_scheduler import expert_reads
-from moepack.runtime.tuning import cached, check_cache_writable, cpu_model, file_key, machine_id, store
+from moepack.runtime.tuning import check_cache_writable, cpu_model, file_key, machine_id, store
 
 BUNDLES = (1, 2, 4, 8, 16)
 DEPTHS = (1, 2, 4, 8, 16)
@@ -680,63 +678,3 @@ def measure_compute_dtype(hidden: int, inter: int, repeat: int = 3) -> dict:
 
 def compute_key(device_type: str, storage: str, hidden: int, inter: int, expert_dtype: str) -> str:
     return f"{device_type}|{storage}|{hidden}x{inter}|{expert_dtype}"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# What `moepack plan` takes from the cache
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def measured_for_plan(path: str | None = None, device: str | None = None, storage: str | None = None,
-                      dims: tuple[int, int] | None = None, expert_dtype: str = "float32") -> dict:
-    """The measurements `plan` defaults to: {"ssd": (GB/s, source), "compute": (result, source), "memory": (GB/s,
-    source), "pcie": (GB/s, source)}, each None when not measured. The SSD rate is this file's best io cell when
-    it was measured, else the latest io measurement on this machine; the compute curve is the device's run (cuda
-    before cpu when not given) that matches best: compute dtype first, then the expert shape, then the storage
-    type, the latest among equals."""
-    out = {"ssd": None, "compute": None, "memory": None, "pcie": None}
-    try:
-        io = cached("io")
-        entry = io.get(file_key(path)) if path and os.path.exists(path) else None
-        if isinstance(entry, dict) and entry.get("best"):
-            out["ssd"] = (_rate(entry["best"]["gbps"]), f"measured by bench io on this file, {entry['measured_at']}")
-        elif io:
-            latest = max((e for e in io.values() if isinstance(e, dict) and e.get("best")),
-                         key=lambda e: e.get("measured_at", ""), default=None)
-            if latest:
-                out["ssd"] = (_rate(latest["best"]["gbps"]), f"measured by bench io on {os.path.basename(latest['path'])}, "
-                                                      f"{latest['measured_at']}")
-        runs = [r for r in cached("compute").values() if isinstance(r, dict) and r.get("points")]
-        order = [device] if device else ["cuda", "cpu"]
-        for dev in order:
-            mine = [r for r in runs if r.get("device", "").split(":")[0] == dev]
-            if not mine:
-                continue
-            def score(r):
-                return (4 * (r.get("expert_dtype") == expert_dtype)
-                        + 2 * (dims is not None and (r.get("hidden"), r.get("intermediate")) == tuple(dims))
-                        + (storage is not None and r.get("storage") == storage), r.get("measured_at", ""))
-
-            pick = max(mine, key=score)
-            for point in pick["points"]:
-                _rate(point["tokens_per_expert"]), _rate(point["gflops"])
-            out["compute"] = (pick, f"measured by bench compute on {pick['device']} ({pick['storage']} "
-                                    f"{pick['hidden']}x{pick['intermediate']}, {pick['expert_dtype']}), "
-                                    f"{pick['measured_at']}")
-            break
-        mem = cached("memory").get("latest")
-        if isinstance(mem, dict) and mem.get("host_copy_gbps"):
-            out["memory"] = (_rate(mem["host_copy_gbps"]), f"measured by bench memory, {mem['measured_at']}")
-            if mem.get("cuda"):
-                out["pcie"] = (_rate(mem["cuda"]["h2d_pinned_gbps"]), f"measured by bench memory (pinned host->device, "
-                                                               f"{mem['cuda']['device']}), {mem['measured_at']}")
-    except Exception as e:  # noqa: BLE001 - a damaged cache means "not measured"
-        warnings.warn(f"bench cache not used ({error_reason(e)})", RuntimeWarning, stacklevel=2)
-        out = {"ssd": None, "compute": None, "memory": None, "pcie": None}  # nothing from a cache found damaged
-    return out
-
-
-def _rate(value) -> float:
-    """A measured rate or count from the cache: a finite positive number (a hand-edited or damaged cache can hold
-    anything; a zero or a string would reach the plan's divisions)."""
-    return finite_float(value, "a measured rate", lo=0, lo_open=True)
