@@ -233,7 +233,13 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
             raise MoepackError(f"{target}: no such file (give a container, a config.json, a checkpoint directory, a "
                                f"Hugging Face repo id or a preset: {', '.join(PRESETS)})")
         config = {**preset_config(target), "quantization_config": dict(RELEASE_QUANTIZATION_CONFIG)}
-    sizes = sizes_from_config(config, policy or "keep", expert_bpw, stored=stored)
+    try:
+        sizes = sizes_from_config(config, policy or "keep", expert_bpw, stored=stored)
+    except MoepackError as e:
+        if stored is None:
+            raise
+        sizes = sizes_from_config(config, policy or "keep", expert_bpw)
+        notes = [f"sized from config.json alone: the weights do not match it ({e})"]
     sizes.notes[:0] = notes
     return sizes, config, None
 

@@ -420,3 +420,25 @@ def test_a_checkpoint_directory_is_sized_by_its_headers(tmp_path, monkeypatch):
     source.close()
     without_mtp = P.sizes_from_config(config, "keep", stored=stored)
     assert without_mtp.mtp_bytes == 0 and without_mtp.file_bytes == planned["file_bytes"] - written.mtp_bytes
+
+
+def test_a_checkpoint_directory_missing_a_layer_is_sized_by_its_config(tmp_path):
+    """A checkpoint whose headers hold none of a layer the config names (a truncated or hand-trimmed one) is sized
+    by its config.json, with a note saying why, not a KeyError."""
+    import shutil
+
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    shutil.copy(V4_CONFIG, tmp_path / "config.json")
+    save_file({"embed.weight": np.zeros((4, 4), np.float32)}, str(tmp_path / "model.safetensors"))
+    config = P.load_config(V4_CONFIG)
+    with pytest.raises(P.MoepackError, match=r"^the checkpoint holds no tensor of layers\.0 \("):
+        P.sizes_from_config(config, stored={"embed.weight": ("F32", (4, 4))})
+    r = CliRunner().invoke(cli, ["plan", str(tmp_path), "--ssd-gbps", "14", "--tflops", "100", "--context", "1K",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    planned = json.loads(r.output)["model"]
+    assert planned["source"] == "config" and planned["file_bytes"] == P.sizes_from_config(config).file_bytes
+    assert planned["notes"][0].startswith("sized from config.json alone: the weights do not match it (the "
+                                          "checkpoint holds no tensor of layers.0"), planned["notes"]

@@ -322,6 +322,10 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
         for key in sizes:
             if key[0] == "expert":
                 sizes[key] = per_expert
+    missing = [i for i in range(len(facts.attention)) if ("dense", f"layers.{i}", None) not in sizes]
+    if missing:  # (only `stored` can lack one: a checkpoint that holds fewer layers than its config names)
+        raise MoepackError(f"the checkpoint holds no tensor of layers.{missing[0]} ({len(missing)} of the config's "
+                           f"{len(facts.attention)} layers)")
     layers = []
     for i in range(len(facts.attention)):
         block = f"layers.{i}"
