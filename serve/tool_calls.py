@@ -31,12 +31,14 @@ from moepack.runtime.sampling import partial_match_length
 
 # a chat template's tool-call markup (Qwen3's, vLLM's hermes format): each call one block of JSON
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# the same tag around XML parameters, not JSON (Qwen3-Coder's template, a qwen3_moe model's too): not parsed here
+XML_CALL_OPEN = "<function="
 
 
 def renders_tool_calls(template) -> bool:
     """Whether a chat template (serve/chat_template.py's ChatTemplate) takes tools in the `<tool_call>` format: it
-    reads the `tools` variable and its text spells the call's tag."""
-    return "tools" in template.variables and CALL_OPEN in template.source
+    reads the `tools` variable and its text spells the call's tag, with no `<function=` (the XML dialect)."""
+    return "tools" in template.variables and CALL_OPEN in template.source and XML_CALL_OPEN not in template.source
 
 
 def _invoke_open(fmt) -> str:

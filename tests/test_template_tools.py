@@ -22,7 +22,7 @@ from moepack.runtime.generate import Generator
 from moepack.serve.app import make_app
 from moepack.serve.chat_template import ChatTemplate, family_chat_template
 from moepack.serve.tokenizer import PromptTokenizer, chat_prompt_ids
-from moepack.serve.tool_calls import TaggedCallSplitter, ToolPlan, split_answer
+from moepack.serve.tool_calls import TaggedCallSplitter, ToolPlan, renders_tool_calls, split_answer
 from test_serve import Running
 from test_serve_clients import _bad, scripted_generator
 
@@ -253,3 +253,15 @@ def test_tools_refused_where_the_template_has_none_or_they_spell_a_special_token
                            "format moepack parses)")
     assert c.chat.completions.create(model="q", messages=CHAT, max_tokens=1).choices[0].finish_reason
 
+
+
+def test_only_a_template_writing_json_calls_takes_tools():
+    """Qwen3's template writes a call as `<tool_call>` JSON; Qwen3-Coder's (a qwen3_moe model too) spells the same tag
+    around XML parameters (`<function=NAME>`), which TaggedCallSplitter cannot read (every call would come back as
+    content, a forced one prefilled in the wrong format): its tools are refused, as a template's without tools."""
+    coder = ("{%- if tools %}{{- tools | tojson }}{%- endif %}{%- for m in messages %}{{- m.content }}"
+             "{%- for c in m.tool_calls or [] %}{{- '<tool_call>\\n<function=' + c.function.name + '>\\n' }}"
+             "{{- '</function>\\n</tool_call>' }}{%- endfor %}{%- endfor %}")
+    assert renders_tool_calls(ChatTemplate(QWEN3_TEMPLATE, {}))
+    assert not renders_tool_calls(ChatTemplate(coder, {}))
+    assert not renders_tool_calls(ChatTemplate(CHAT_TEMPLATE, {}))
