@@ -17,6 +17,7 @@ import importlib
 from collections.abc import Sequence
 
 from .errors import FormatError, MoepackError
+from .source_blocks import FP4_GROUP, FP8_BLOCK, fp8_block_scale_shape
 
 # name -> codec class, in definition order (the order listings and the fuzzer's choices follow)
 REGISTRY: dict[str, type[Codec]] = {}
@@ -423,8 +424,6 @@ class F8_E4M3(Codec):
 
     @classmethod
     def scale_shape(cls, rows, cols):
-        from .source_formats import FP8_BLOCK, fp8_block_scale_shape
-
         return fp8_block_scale_shape(rows, cols, FP8_BLOCK)
 
     @classmethod
@@ -435,8 +434,6 @@ class F8_E4M3(Codec):
 
     @classmethod
     def stacks_by_rows(cls, rows, scale):
-        from .source_formats import FP8_BLOCK
-
         return scale is None or rows % FP8_BLOCK == 0  # a 128-row block of scales must not span two tensors
 
     @classmethod
@@ -444,8 +441,6 @@ class F8_E4M3(Codec):
         if scale is None:
             return super().decode_rows(picked, numbers, cols, scale, out_dtype)
         import torch
-
-        from .source_formats import FP8_BLOCK
 
         # each row times its block row's scales, one per 128 columns
         scales = scale[numbers // FP8_BLOCK].float().repeat_interleave(FP8_BLOCK, dim=1)[:, :cols]
@@ -502,8 +497,6 @@ class FP4_E2M1(Codec):
 
     @classmethod
     def scale_shape(cls, rows, cols):
-        from .source_formats import FP4_GROUP
-
         return (rows, cols // FP4_GROUP)
 
     @classmethod

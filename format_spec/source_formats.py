@@ -24,11 +24,10 @@ import torch
 from moepack import native
 
 from .errors import MoepackError
+from .source_blocks import FP4_GROUP, FP8_BLOCK, fp8_block_scale_shape  # noqa: F401  (also from here)
 
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
-FP8_BLOCK = 128
-FP4_GROUP = 32
 
 # E8M0 can encode 2^-127 .. 2^127 (byte 0 .. 254; 255 is NaN).
 _E8M0_MIN_EXP = -127
@@ -77,11 +76,6 @@ def _e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 # FP8 e4m3 with 128x128 E8M0 block scales
 # ---------------------------------------------------------------------------------------------------------
-
-
-def fp8_block_scale_shape(out_features: int, in_features: int, block: int = FP8_BLOCK) -> tuple[int, int]:
-    """Shape of the `.scale` tensor that goes with an [out, in] FP8 weight (edge blocks count as whole)."""
-    return (-(-out_features // block), -(-in_features // block))
 
 
 def _pad_to_blocks(w: torch.Tensor, block: int) -> torch.Tensor:

@@ -442,3 +442,16 @@ def test_a_checkpoint_directory_missing_a_layer_is_sized_by_its_config(tmp_path)
     assert planned["source"] == "config" and planned["file_bytes"] == P.sizes_from_config(config).file_bytes
     assert planned["notes"][0].startswith("sized from config.json alone: the weights do not match it (the "
                                           "checkpoint holds no tensor of layers.0"), planned["notes"]
+
+
+def test_planning_a_config_loads_no_torch():
+    """`plan` is a calculator: sizing a config (the release's tensor schema, its FP8 / FP4 blocks) and taking bench's
+    measurements import no torch (seconds of start-up), as tools/measured.py says."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from click.testing import CliRunner; from moepack.cli.main import cli\n"
+            f"r = CliRunner().invoke(cli, ['plan', {V4_CONFIG!r}, '--ssd-gbps', '14', '--tflops', '100', '--json'])\n"
+            "print(r.exit_code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["0", "False"], done.stdout + done.stderr

@@ -30,8 +30,8 @@ def measured_for_plan(path: str | None = None, device: str | None = None, storag
             latest = max((e for e in io.values() if isinstance(e, dict) and e.get("best")),
                          key=lambda e: e.get("measured_at", ""), default=None)
             if latest:
-                out["ssd"] = (_rate(latest["best"]["gbps"]), f"measured by bench io on {os.path.basename(latest['path'])}, "
-                                                      f"{latest['measured_at']}")
+                out["ssd"] = (_rate(latest["best"]["gbps"]),
+                              f"measured by bench io on {os.path.basename(latest['path'])}, {latest['measured_at']}")
         runs = [r for r in cached("compute").values() if isinstance(r, dict) and r.get("points")]
         order = [device] if device else ["cuda", "cpu"]
         for dev in order:

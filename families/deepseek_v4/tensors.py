@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.source_formats import FP4_GROUP, fp8_block_scale_shape
+from moepack.format_spec.source_blocks import FP4_GROUP, fp8_block_scale_shape
 
 from .config import CSA, HCA, ModelConfig, compress_rates_by_type, mtp_layer_types
 

@@ -20,7 +20,7 @@ import torch
 
 from moepack.format_spec import decode
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.source_formats import FP8_BLOCK, fp8_block_scale_shape
+from moepack.format_spec.source_blocks import FP8_BLOCK, fp8_block_scale_shape
 from moepack.format_spec.untrusted import UntrustedInputError, load_file
 
 from ..base import (ROLE_ATTENTION, ROLE_DENSE_FFN, ROLE_EMBED, ROLE_EXPERT, ROLE_HEAD, ROLE_NORM, ROLE_ROUTER,
