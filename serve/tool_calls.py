@@ -216,22 +216,25 @@ class TaggedCallSplitter:
     ToolCallSplitter does for a chat encoding's: each `<tool_call>` JSON `</tool_call>` block is a call once closed;
     one whose JSON does not parse (or names no function) is content as written, as vLLM's hermes parser leaves it.
     The whitespace around a call's block is its markup (the template writes a newline before each call), so a reply
-    of calls alone has no content. `prefill`: the markup the prompt ended with (the answer goes on from it)."""
+    of calls alone has no content; where text comes both before and after calls, the whitespace after parts them. `prefill`: the markup the prompt ended with (the answer goes on from it)."""
 
     def __init__(self, prefill: str = "", parallel: bool = True):
         self.held = ""  # content held back: whitespace and what may begin CALL_OPEN
         self.space = ""  # the whitespace before the open block (content again if the block makes no call)
         self.block: str | None = None  # the open block's text so far
         self.after_call = False  # the whitespace after a call's block is still its markup
+        self.shown = False  # some content came out: the whitespace after a call then parts it from what follows
         self.calls = 0
         self.parallel = parallel
         if prefill:
             self.feed(prefill)
 
     def _content(self, text: str) -> list[tuple[str, object]]:
-        if self.after_call:
-            text = text.lstrip()
-            self.after_call = not text
+        if self.after_call:  # (text that goes on after a call keeps its whitespace, where text came before)
+            stripped = text.lstrip()
+            self.after_call = not stripped
+            text = text if stripped and self.shown else stripped
+        self.shown = self.shown or bool(text)
         return [("content", text)] if text else []
 
     def feed(self, piece: str) -> list[tuple[str, object]]:

@@ -125,8 +125,8 @@ def test_the_prompt_ids_with_tools_are_transformers(qwen3_tools):
     assert text.count("<tool_response>") == 2 and "<|im_start|>user\n<tool_response>\nSunny\n" in text
 
 
-# (answer, content, calls as (name, arguments)) of a plain answer, calls with text around, a broken block, a
-# block cut short
+# (answer, content, calls as (name, arguments)) of a plain answer, calls with text before or after (or both), a
+# broken block, a block cut short
 ANSWERS = [
     ("Hello there.\n", "Hello there.\n", []),
     ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n'
@@ -134,6 +134,8 @@ ANSWERS = [
      "Let me check.", [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": 'Eiffel "tower"'})]),
     ('<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>\nDone.',
      "Done.", [("search", {"query": "x"})]),
+    ('Before it\n<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>\nafter it.\n',  # text on both sides
+     "Before it\nafter it.\n", [("search", {})]),
     ('Hm.\n<tool_call>\n{"name": "search", "arguments": {"query": \n</tool_call> ok',
      'Hm.\n<tool_call>\n{"name": "search", "arguments": {"query": \n</tool_call> ok', []),
     ('<tool_call>\n{"arguments": {}}\n</tool_call>', '<tool_call>\n{"arguments": {}}\n</tool_call>', []),
