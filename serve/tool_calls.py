@@ -216,7 +216,8 @@ class TaggedCallSplitter:
     ToolCallSplitter does for a chat encoding's: each `<tool_call>` JSON `</tool_call>` block is a call once closed;
     one whose JSON does not parse (or names no function) is content as written, as vLLM's hermes parser leaves it.
     The whitespace around a call's block is its markup (the template writes a newline before each call), so a reply
-    of calls alone has no content; where text comes both before and after calls, the whitespace after parts them. `prefill`: the markup the prompt ended with (the answer goes on from it)."""
+    of calls alone has no content; where text comes both before and after calls, the whitespace after parts them.
+    `prefill`: the markup the prompt ended with (the answer goes on from it)."""
 
     def __init__(self, prefill: str = "", parallel: bool = True):
         self.held = ""  # content held back: whitespace and what may begin CALL_OPEN
