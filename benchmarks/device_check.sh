@@ -2,10 +2,11 @@
 # The GPU checks for one lease of a device machine, as one command. Everything lands in $OUT (the device tool brings
 # it back), a file a step, NAME.txt (its output and errors together: the rows each benchmark prints as it goes, then
 # its table); the tool brings back 8 files, so past the 7th the steps' files come back packed in rest.tar.gz. Each
-# step has its own time limit, cut to what is left of TOTAL_S less LATER_S (default 60 s) for each step named after
-# it; at its limit a step is interrupted (pytest then prints its summary, a benchmark the line it was on). STEPS
-# picks the steps and their order (default: all, in this order; a step runs only while a minute of TOTAL_S is left,
-# so name the figures that matter most first):
+# step has its own time limit, cut to what is left of TOTAL_S, less LATER_S for each step named after it (default 0:
+# the steps named first take what they need; LATER_S=60 keeps a minute for each later step); at its limit a step is
+# interrupted (pytest then prints its summary, a benchmark the line it was on). STEPS picks the steps and their order
+# (default: all, in this order; a step runs only while a minute of TOTAL_S is left, so name the figures that matter
+# most first):
 #   tests     the CUDA tests (prefill against transformers and the CPU, the release's storage, the quant kernels,
 #             the device copier, greedy decode against transformers, seeded sampling, the fused indexer scores)
 #   generate  `moepack demo`'s model, then `moepack generate --device cuda` and `--device cpu` on it (--json)
@@ -66,7 +67,7 @@ VRAM_GIB=${VRAM_GIB:-1}      # capped: below the benchmark model's 3.2 GB of flo
 CAPPED_TOKENS=${CAPPED_TOKENS:-1024 4096 8192}
 LLAMA_CUDA=${LLAMA_CUDA:-.llama-cuda}
 TOTAL_S=${TOTAL_S:-560}      # every step's limit is cut to what is left of this (the tool allows 600 s a command)
-LATER_S=${LATER_S:-60}       # ... less this for each step STEPS names after it, so that each of those still runs
+LATER_S=${LATER_S:-0}        # ... less this for each step STEPS names after it, so that each of those still runs
 END=$(( $(date +%s) + TOTAL_S ))
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
