@@ -241,6 +241,7 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
         sizes = sizes_from_config(config, policy or "keep", expert_bpw)
         notes = [f"sized from config.json alone: the weights do not match it ({e})"]
     sizes.notes[:0] = notes
+    sizes.path = target  # (the plan's first line names what it sized: a file, a directory, a repo id, a preset)
     return sizes, config, None
 
 

@@ -201,7 +201,8 @@ def test_plan_takes_a_hub_id_from_the_cache_offline(tmp_path):
         p = _plan("acme/flash", home, **env)
         assert p.returncode == 0, p.stderr
         got, want = json.loads(p.stdout), json.loads(by_file.stdout)
-        assert got["model"] == want["model"] and got["W_bytes"] == want["W_bytes"]
+        assert got["model"]["path"] == "acme/flash" and want["model"]["path"] == FLASH_CONFIG
+        assert {**got["model"], "path": None} == {**want["model"], "path": None} and got["W_bytes"] == want["W_bytes"]
     p = _plan("acme/absent", home, HF_HUB_OFFLINE="1")
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "HF_HUB_OFFLINE" in p.stderr, p.stderr
     started = time.monotonic()  # online, the hub out of reach, nothing cached: one line, in seconds (it had taken
