@@ -217,6 +217,9 @@ def _model_source(target: str, policy: str | None, expert_bpw: float | None):
                 raise MoepackError("--expert-bpw is for a config: a container's expert sizes are in its index")
             with Container(target) as c:
                 return sizes_from_container(c), c.config, target
+        if magic[:4] == b"GGUF":
+            raise MoepackError(f"{target} is a GGUF file: plan a container, or its checkpoint's config.json; convert "
+                               f"it first, e.g. `moepack convert {target} --fp4`")
     from moepack.packer.hub import fetch_config, looks_like_repo_id
 
     stored, notes = None, []

@@ -337,7 +337,11 @@ def test_cli_plan_defaults_are_labelled(tmp_path, monkeypatch):
 def test_cli_plan_errors(tiny_keep, tmp_path, monkeypatch):
     monkeypatch.setenv("MOEPACK_CACHE_DIR", str(tmp_path / "cache"))
     runner = CliRunner()
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64))
     for args, message in ((["plan", str(tmp_path / "nope.json")], "no such file"),
+                          (["plan", str(gguf)], f"is a GGUF file: plan a container, or its checkpoint's config.json; "
+                                                f"convert it first, e.g. `moepack convert {gguf} --fp4`"),
                           (["plan", tiny_keep[0], "--policy", "q2"], "--policy is for a config"),
                           (["plan", "tiny", "--context", "soon"], "bad context length")):
         r = runner.invoke(cli, args)
