@@ -55,12 +55,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def two_ranks(setup, tmp_path_factory) -> tuple[dict, torch.Tensor]:
+    """(stats, logits) of one 2-rank run with the default (contiguous) ownership: two tests read it."""
+    _, container, ids_file, _ = setup
+    out = str(tmp_path_factory.mktemp("ep2") / "logits.safetensors")
+    return _torchrun(2, container, ids_file, out), load_file(out)["logits"]
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_ranks_match_single_process_and_split_the_reads(setup, tmp_path, ranks):
+def test_ranks_match_single_process_and_split_the_reads(setup, two_ranks, tmp_path, ranks):
     base, container, ids_file, single = setup
-    out = str(tmp_path / "logits.safetensors")
-    stats = _torchrun(ranks, container, ids_file, out)
-    logits = load_file(out)["logits"]
+    if ranks == 2:
+        stats, logits = two_ranks
+    else:
+        out = str(tmp_path / "logits.safetensors")
+        stats = _torchrun(ranks, container, ids_file, out)
+        logits = load_file(out)["logits"]
     assert (logits - single.logits).abs().max() <= 1e-3 * single.logits.abs().max()
     assert stats["next_token"] == single.next_token
     per_rank = stats["ranks"]
@@ -137,13 +148,12 @@ def test_balanced_ranges_are_contiguous_complete_and_optimal():
             assert max(sum(loads[e] for e in r) for r in got) == optimum(loads, ranks)
 
 
-def test_balanced_ownership_matches_and_evens_the_load(setup, tmp_path):
+def test_balanced_ownership_matches_and_evens_the_load(setup, two_ranks, tmp_path):
     base, container, ids_file, single = setup
-    runs = {}
-    for ownership in ("contiguous", "balanced"):
-        out = str(tmp_path / f"{ownership}.safetensors")
-        runs[ownership] = _torchrun(2, container, ids_file, out, "--expert-ownership", ownership)["ranks"]
-        logits = load_file(out)["logits"]
+    out = str(tmp_path / "balanced.safetensors")
+    runs = {"contiguous": two_ranks[0]["ranks"],  # (the default)
+            "balanced": _torchrun(2, container, ids_file, out, "--expert-ownership", "balanced")["ranks"]}
+    for logits in (two_ranks[1], load_file(out)["logits"]):
         assert (logits - single.logits).abs().max() <= 1e-3 * single.logits.abs().max()
     with Container(container) as c:
         fixed = sum(r.length for r in c.global_regions) + sum(b.dense.length for b in c.layers)
