@@ -18,7 +18,6 @@ import os
 import select
 import signal
 import sys
-import warnings
 from contextlib import suppress
 from dataclasses import replace
 
@@ -165,7 +164,7 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
     """The chat's loop: `reply` the GenerateOptions of every reply (its max_new_tokens cut to the context cap)."""
     from moepack.format_spec.errors import MoepackError
     from moepack.runtime.generate import Generator
-    from moepack.serve.tokenizer import PromptTokenizer, markup_warning
+    from moepack.serve.tokenizer import PromptTokenizer, warn_of_missing_markup
     from moepack.families import container_family
 
     start = [] if system is None else [{"role": "system", "content": system}]
@@ -177,9 +176,7 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
             raise MoepackError(f"moepack chat: a {family.name} model chats through its chat template: "
                                "use moepack generate --chat or moepack serve")
         tokenizer = PromptTokenizer(generator.c)
-        warning = markup_warning(family, tokenizer)
-        if warning:
-            warnings.warn(warning, stacklevel=1)
+        warn_of_missing_markup(family, tokenizer)
         click.echo(f"moepack chat: {file} ({HELP_LINE})", err=True)
         while True:
             line = _read_line(keyboard)

@@ -76,16 +76,13 @@ def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: 
     (serve/tokenizer.py chat_prompt_ids: its family's chat encoding, or its tokenizer's chat template with --thinking
     as the template's enable_thinking; `continuing` a KV: without a first turn's BOS); bad messages or options are
     one line naming the field."""
-    import warnings
-
     from moepack.families import container_family
     from moepack.serve.chat_template import family_chat_template
-    from moepack.serve.tokenizer import chat_prompt_ids, markup_warning
+    from moepack.serve.tokenizer import chat_prompt_ids, warn_of_missing_markup
 
     family = container_family(container)
-    warning = None if tokenizer is None else markup_warning(family, tokenizer)
-    if warning:
-        warnings.warn(warning, stacklevel=1)
+    if tokenizer is not None:
+        warn_of_missing_markup(family, tokenizer)
     return chat_prompt_ids(family, lambda: tokenizer, messages, thinking=thinking, reasoning_effort=reasoning_effort,
                            template=lambda: family_chat_template(container, family), continuing=continuing,
                            turn_end=turn_end)

@@ -35,6 +35,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -135,7 +136,7 @@ def _plain_job(c: Container, name: str, gguf_name: str) -> _Job:
     # FP8 + block scales (the converter's dequant_model + tensor_force_quant), or anything else moepack decodes
     qtype, encode = _requantized(shape)
     return _Job(gguf_name, qtype, shape, lambda: encode(_float32(c, name)), nbytes,
-                requantized=dt + (" with a tensor scale" if has_ts else ""))
+                requantized=_stored_as({dt}, has_ts))
 
 
 def _stacked_experts_job(c: Container, names: list[str], gguf_name: str) -> _Job:
@@ -167,7 +168,12 @@ def _stacked_experts_job(c: Container, names: list[str], gguf_name: str) -> _Job
     qtype, encode = _requantized(shape)
     return _Job(gguf_name, qtype, (n_experts,) + shape,
                 lambda: np.concatenate([encode(_float32(c, n)) for n in names]), nbytes,
-                requantized="/".join(sorted(dtypes)) + (" with a tensor scale" if has_ts else ""))
+                requantized=_stored_as(dtypes, has_ts))
+
+
+def _stored_as(dtypes: set[str], has_tensor_scale: bool) -> str:
+    """How a re-encoded job's weights were stored, as the export's `requantized` counts and its warning name it."""
+    return "/".join(sorted(dtypes)) + (" with a tensor scale" if has_tensor_scale else "")
 
 
 # general.file_type (gguf-py's LlamaFileType member) after the routed experts' GGUF type
@@ -410,10 +416,7 @@ _CONVERTER_REQUANTIZES = ("F8_E4M3",)  # what llama.cpp's own converter decodes 
 def _requantized_types(jobs: list[_Job]) -> dict[str, int]:
     """{stored type: tensors} of those decoded and encoded again; a warning where that is a second lossy step
     llama.cpp's own converter would not take (NVFP4, a tensor scale: the `--nvfp4` policy's)."""
-    counts: dict[str, int] = {}
-    for j in jobs:
-        if j.requantized is not None:
-            counts[j.requantized] = counts.get(j.requantized, 0) + 1
+    counts = dict(Counter(j.requantized for j in jobs if j.requantized is not None))
     again = sorted(t for t in counts if t not in _CONVERTER_REQUANTIZES)
     if again:
         warnings.warn(f"{sum(counts[t] for t in again)} tensors stored as {', '.join(again)} are decoded and written "

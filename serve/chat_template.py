@@ -185,9 +185,10 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:  # (no clock: parsing is linear in the text, and jinja folds no bounded operator or call while compiling)
-            self._template = env.from_string(template)
+            parsed = env.parse(template)
             # the variables it reads (`tools`: it renders a request's tools, serve/tool_calls.py renders_tool_calls)
-            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(parsed))
+            self._template = env.from_string(parsed)
         except jinja2.exceptions.TemplateError as e:
             raise MoepackError(f"the model's chat template does not compile: {str(e)[:200]}") from None
         except (Exception, TemplateLimitError) as e:  # noqa: BLE001 - the checkpoint's code: any failure is one line

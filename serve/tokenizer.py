@@ -305,6 +305,15 @@ def markup_warning(family: Any, tokenizer: PromptTokenizer) -> str | None:
             "prompts spell them out as plain text, which the model was not trained on")
 
 
+def warn_of_missing_markup(family: Any, tokenizer: PromptTokenizer) -> None:
+    """markup_warning as a command's warning line (`generate --messages`, `chat`; the server logs it instead)."""
+    import warnings
+
+    warning = markup_warning(family, tokenizer)
+    if warning:
+        warnings.warn(warning, stacklevel=2)  # (the command's line: its module names the warning ours)
+
+
 def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messages: Any, *, thinking: bool = False,
                     reasoning_effort: str | None = None, template: Callable[[], Any] | None = None,
                     after: Sequence[tuple[str, bool]] = (), continuing: bool = False,
