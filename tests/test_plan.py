@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -424,6 +425,14 @@ def test_a_checkpoint_directory_is_sized_by_its_headers(tmp_path, monkeypatch):
     source.close()
     without_mtp = P.sizes_from_config(config, "keep", stored=stored)
     assert without_mtp.mtp_bytes == 0 and without_mtp.file_bytes == planned["file_bytes"] - written.mtp_bytes
+    # a partial download: an expert of one layer missing (not the last: its id cannot be counted up to) is no
+    # smaller model, but one convert refuses
+    partial = {name: v for name, v in stored.items() if not name.startswith("layers.1.ffn.experts.1.")}
+    with pytest.raises(P.MoepackError, match=r"^the checkpoint holds (\d+) of layers\.1's (\d+) routed experts "
+                                             r"\(1 layers short\)$") as refused:
+        P.sizes_from_config(config, "keep", stored=partial)
+    held, named = map(int, re.match(r"\D+(\d+)\D+1's (\d+)", str(refused.value)).groups())
+    assert held == named - 1, refused.value
 
 
 def test_a_checkpoint_directory_missing_a_layer_is_sized_by_its_config(tmp_path):

@@ -296,11 +296,11 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
     facts = _facts(config, family)
     # Group what each region holds. Experts of one block are identical in shape: size expert 0 and multiply.
     regions: dict[tuple, list] = {}
-    n_experts_of: dict[str, int] = {}
+    experts_of: dict[str, set[int]] = {}
     for name in specs:
         kind, block, expert = adapter.place(name)
         if kind == "expert":
-            n_experts_of[block] = max(n_experts_of.get(block, 0), expert + 1)
+            experts_of.setdefault(block, set()).add(expert)
             if expert != 0:
                 continue
         key = (kind, block if kind != "global" else name, expert)
@@ -322,10 +322,17 @@ def sizes_from_config(config: dict, policy: str = "keep", expert_bpw: float | No
         for key in sizes:
             if key[0] == "expert":
                 sizes[key] = per_expert
+    n_experts_of = {block: len(ids) for block, ids in experts_of.items()}
     missing = [i for i in range(len(facts.attention)) if ("dense", f"layers.{i}", None) not in sizes]
     if missing:  # (only `stored` can lack one: a checkpoint that holds fewer layers than its config names)
         raise MoepackError(f"the checkpoint holds no tensor of layers.{missing[0]} ({len(missing)} of the config's "
                            f"{len(facts.attention)} layers)")
+    short = [i for i, routing in enumerate(facts.routing)
+             if routing != "dense" and n_experts_of.get(f"layers.{i}", 0) != facts.n_experts]
+    if short:  # (`stored` again: a partial download, say; convert would refuse it)
+        block = f"layers.{short[0]}"
+        raise MoepackError(f"the checkpoint holds {n_experts_of.get(block, 0)} of {block}'s {facts.n_experts} routed "
+                           f"experts ({len(short)} layers short)")
     layers = []
     for i in range(len(facts.attention)):
         block = f"layers.{i}"
