@@ -92,6 +92,9 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
               help="Seconds an idle connection is kept open between requests.")
 @click.option("--max-connections", type=click.IntRange(min=1, max=100000), default=256, show_default=True,
               help="Open connections served at once; past it a request gets 503 with Retry-After.")
+@click.option("--sampling-defaults", type=click.Choice(["model", "openai"]), default="model", show_default=True,
+              help="What a request's omitted temperature, top_p and top_k are: the model's generation_config.json "
+                   "recommendation where it makes one (as vLLM takes it), else OpenAI's (1.0, 1.0, off).")
 @click.option("--allowed-origin", "allowed_origins", multiple=True, metavar="ORIGIN", callback=_origins,
               help="A web page's origin (http://host:port; `*`: any) whose scripts may call the API and read its "
                    "answers (CORS); repeatable. Default: none (a browser's preflight gets 403 naming this flag).")
@@ -99,8 +102,8 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
 @json_option
 @reports_errors(out_of_memory_hint="lower --cache-gib")
 def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_key_file, model_name, max_body_mb,
-          max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections, allowed_origins, run,
-          as_json):
+          max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections, sampling_defaults,
+          allowed_origins, run, as_json):
     """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models[/ID], /health,
     /metrics (Prometheus), /tokenize and /detokenize (llama-server's). Fields, tools, JSON output: docs/guide.md,
     "Serving real clients".
@@ -120,7 +123,8 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_ke
                               read_timeout_s=timeout_read, keep_alive_s=timeout_keep_alive,
                               request_timeout_s=request_timeout, max_connections=max_connections)
         app = make_app(generator, name, api_key=api_key, max_queue=max_queue, limits=limits, max_batch=max_batch,
-                       prefill_chunk=prefill_chunk, allowed_origins=allowed_origins)
+                       prefill_chunk=prefill_chunk, allowed_origins=allowed_origins,
+                       sampling_defaults=sampling_defaults)
         context = app.state.server.context
         # bound here, not by uvicorn: the port is known (and reported) before the first request can arrive
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -133,7 +137,8 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_ke
                                    "max_queue": max_queue, "max_batch": max_batch,
                                    "api_key_required": bool(api_key),
                                    "max_context": context, "max_body_bytes": limits.max_body_bytes,
-                                   "max_connections": max_connections, "allowed_origins": list(allowed_origins)}))
+                                   "max_connections": max_connections, "allowed_origins": list(allowed_origins),
+                                   "sampling_defaults": app.state.server.sampling_defaults}))
         server = uvicorn_server(app, uvicorn_config(app, limits, log_level="warning", access_log=False))
         try:
             server.run(sockets=[sock])

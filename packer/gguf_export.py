@@ -50,6 +50,7 @@ from moepack.format_spec.decode import tensor_scale_value
 from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
 from moepack.format_spec.files import (check_free_space, plain_file_mode, remove_stale_temporaries, short_write_reason,
                                          temporary_prefix)
+from moepack.format_spec.generation_config import GENERATION_CONFIG, gguf_sampling_keys
 from moepack.format_spec.quants import fp4_to_mxfp4, quantize
 from moepack.format_spec.reader import Container
 from moepack.format_spec.writer import fsync_dir, fsync_file
@@ -365,7 +366,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
                 if number == 0:
                     writer.add_string("general.type", "model")
                     writer.add_string("general.name", os.path.splitext(os.path.basename(path))[0])
-                    for key, kind, value in kv:
+                    for key, kind, value in kv + gguf_sampling_keys(c.tokenizer_json(GENERATION_CONFIG)):
                         getattr(writer, f"add_{kind}")(key, value)
                     _add_tokenizer(gguf, writer, files, c.config, vocab_size, parent, pre, fallback_template)
                 if split_max_size is not None:

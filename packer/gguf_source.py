@@ -36,6 +36,7 @@ from moepack.families import FAMILY_NAMES, GGUF_ARCHITECTURES, family_named, fam
 from moepack.format_spec.dtypes import STORAGE_TYPES, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import open_regular
+from moepack.format_spec.generation_config import GENERATION_CONFIG, from_gguf_sampling
 
 from .source import LocalSource, OpenFiles, SourceTensor
 
@@ -417,7 +418,13 @@ class GGUFSource(LocalSource):
     # -- tokenizer ---------------------------------------------------------------------------------------------
 
     def side_files(self) -> dict[str, dict]:
-        """tokenizer.json and tokenizer_config.json rebuilt from the GGUF's tokenizer keys (none if it has none)."""
+        """tokenizer.json and tokenizer_config.json rebuilt from the GGUF's tokenizer keys (none if it has none),
+        and generation_config.json from its recommended sampling (general.sampling.*), where it has some."""
+        sampling = from_gguf_sampling(self.meta)
+        files = {GENERATION_CONFIG: {"encoding": "utf-8", "data": json.dumps(sampling)}} if sampling else {}
+        return {**self._tokenizer_files(), **files}
+
+    def _tokenizer_files(self) -> dict[str, dict]:
         tokens = self.meta.get("tokenizer.ggml.tokens")
         model = self.meta.get("tokenizer.ggml.model")
         if model == "none" or (model is None and not tokens):  # run by token ids

@@ -66,6 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.generation_config import GENERATION_CONFIG, recommended_sampling
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range, loads
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, GenerateResult
@@ -399,7 +400,7 @@ class Server:
 
     def __init__(self, generator, model_name: str, api_key: str | None, max_queue: int,
                  log: Callable[[str], None] | None, limits: ServerLimits | None = None, max_batch: int = 1,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, sampling_defaults: str = "model"):
         if max_queue < 1:
             raise MoepackError("--max-queue must be at least 1")
         self.generator = generator
@@ -443,6 +444,20 @@ class Server:
         self._chat_template_error: str | None = None
         self._grammar = None  # serve.grammar.JsonGrammar, built at the first response_format
         self._grammar_lock = threading.Lock()
+        # what a request that omits temperature / top_p / top_k samples with: OpenAI's defaults, or over them the
+        # model's own recommendation (its generation_config.json, as vLLM and transformers take it)
+        self.sampling_defaults = {"temperature": DEFAULT_TEMPERATURE, "top_p": 1.0, "top_k": 0}
+        if sampling_defaults not in ("model", "openai"):
+            raise MoepackError(f"--sampling-defaults: expected model or openai, got {sampling_defaults!r}")
+        if sampling_defaults == "model":
+            recommended, notes = recommended_sampling(generator.c.tokenizer_json(GENERATION_CONFIG))
+            self.sampling_defaults.update(recommended)
+            for note in notes:
+                self.log(f"moepack serve: warning: {note}")
+            if recommended:
+                said = ", ".join(f"{k} is {v}" for k, v in recommended.items())
+                self.log(f"moepack serve: a request's omitted {said} (the model's generation_config.json; "
+                         "--sampling-defaults openai: OpenAI's)")
 
     # -- helpers
     @property
@@ -709,9 +724,10 @@ class Server:
             raise RequestError(f"the prompt ({n_prompt} tokens) and max_tokens ({max_tokens}) exceed this server's "
                                f"max_context of {self.context} tokens (--max-context)", param="max_tokens",
                                code="context_length_exceeded")
-        temperature = _value(body, "temperature", finite_float, lo=0.0, default=DEFAULT_TEMPERATURE)
-        top_p = _value(body, "top_p", finite_float, lo=0.0, hi=1.0, lo_open=True, default=1.0)
-        top_k = _value(body, "top_k", int_in_range, 0, MAX_TOKENS_LIMIT, default=0)
+        defaults = self.sampling_defaults
+        temperature = _value(body, "temperature", finite_float, lo=0.0, default=defaults["temperature"])
+        top_p = _value(body, "top_p", finite_float, lo=0.0, hi=1.0, lo_open=True, default=defaults["top_p"])
+        top_k = _value(body, "top_k", int_in_range, 0, MAX_TOKENS_LIMIT, default=defaults["top_k"])
         seed = _value(body, "seed", int_in_range, 0, 2**64 - 1)
         penalties = {name: _value(body, name, finite_float, lo=-2.0, hi=2.0, default=0.0)
                      for name in ("presence_penalty", "frequency_penalty")}
@@ -1085,14 +1101,17 @@ def _internal_error() -> RequestError:
 
 def make_app(generator, model_name: str, api_key: str | None = None, max_queue: int = 8,
              log: Callable[[str], None] | None = None, limits: ServerLimits | None = None, max_batch: int = 1,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, allowed_origins: Sequence[str] = ()):
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, allowed_origins: Sequence[str] = (),
+             sampling_defaults: str = "model"):
     """The starlette app serving `generator` (a runtime.generate.Generator, or with max_batch 1 anything with its
     generate() and `.c`) as `model_name`; `max_batch` > 1: up to that many sequences decode together
     (runtime/batching.py, its prompts prefilled together, `prefill_chunk` tokens in all per pass while others
     decode). `log`: where the one line per request goes (default stderr). `allowed_origins`: the web pages' origins
     (`*`: any) whose scripts may call the API (CORS); none by default. app.state.server holds the Server (its
-    `finished` deque: (request id, finish reason) per generation, newest last). Serve it with uvicorn_config(app,
-    limits): the connection limits and timeouts live there."""
+    `finished` deque: (request id, finish reason) per generation, newest last). `sampling_defaults`: what a
+    request's omitted temperature, top_p and top_k are: "model" (the model's generation_config.json recommends them,
+    where it does; OpenAI's otherwise) or "openai" (1.0, 1.0, off). Serve it with uvicorn_config(app, limits): the
+    connection limits and timeouts live there."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.middleware import Middleware
@@ -1100,7 +1119,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    server = Server(generator, model_name, api_key, max_queue, log, limits, max_batch, prefill_chunk)
+    server = Server(generator, model_name, api_key, max_queue, log, limits, max_batch, prefill_chunk,
+                    sampling_defaults)
 
     def as_request_error(e: Exception) -> RequestError:
         """The error a request's response carries: its own, a MoepackError's 400, else a 500 (logged where it

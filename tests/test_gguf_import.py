@@ -56,11 +56,17 @@ def _metadata(path: str) -> dict:
     return {k: v for k, v in GGUFHeader(path, gguf).fields.items() if not k.startswith(skip)}
 
 
+SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}  # (Qwen3's generation_config.json)
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """A release-layout tiny model converted --keep (FP8 -> Q8_0 and FP4 -> MXFP4 on export) and its GGUF."""
+    """A release-layout tiny model converted --keep (FP8 -> Q8_0 and FP4 -> MXFP4 on export) and its GGUF; its
+    generation_config.json recommends a sampling (SAMPLING)."""
     d = tmp_path_factory.mktemp("gguf_import")
     synth_checkpoint(d / "src", preset="tiny", layout="release", progress=False)
+    generation = d / "src" / "generation_config.json"
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), **SAMPLING, "repetition_penalty": 1.1}))
     container = str(d / "orig.moepack")
     convert_checkpoint(str(d / "src"), container, policy="keep", progress=False)
     return container, export_gguf(container, str(d / "orig.gguf"), progress=False)["output"]
@@ -78,6 +84,10 @@ def test_round_trip_keeps_every_tensor_and_key(exported, tmp_path):
     assert check["ok"] and check["tensors"] == check["bit_identical"] > 0
     with Container(back) as c:
         assert {t.dtype for t in c.tensors.values()} >= {"Q8_0", "MXFP4", "I32"}
+        # the recommended sampling as llama.cpp's converter writes it (general.sampling.*, float32), and back
+        assert c.tokenizer_json("generation_config.json") == SAMPLING
+    written = _metadata(first)
+    assert written["general.sampling.top_k"] == 20 and written["general.sampling.temp"] == pytest.approx(0.6)
 
 
 def test_imported_container_runs_the_same_model(tmp_path):

@@ -51,6 +51,51 @@ def _bad(call, param: str) -> str:
     return error["message"]
 
 
+# ---- 0. what an omitted sampling field is ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("generation, defaults, warnings", [
+    ({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True}, (0.6, 0.95, 20), []),
+    ({"temperature": 0, "top_k": 0}, (0.0, 1.0, 0), []),  # (greedy, whatever do_sample says: vLLM's reading)
+    ({"temperature": -1, "top_p": 1.5, "top_k": 2.5}, (1.0, 1.0, 0), ["temperature", "top_p", "top_k"]),
+    ({"temperature": "hot", "top_p": True, "top_k": [1]}, (1.0, 1.0, 0), ["temperature", "top_p", "top_k"]),
+    (None, (1.0, 1.0, 0), []),  # none: OpenAI's
+])
+def test_an_omitted_sampling_field_is_the_models_recommendation(tiny_path, tmp_path, generation, defaults, warnings):
+    """`serve` takes a request's omitted temperature / top_p / top_k from the model's generation_config.json where
+    it recommends them (as vLLM does), saying so once at start; a value out of range or of another type is left out
+    with a warning naming it; a request's own fields win; `--sampling-defaults openai` keeps OpenAI's."""
+    from containers import mutate_index
+    from moepack.families import container_family
+    from moepack.format_spec.reader import Container
+    from moepack.serve.app import Server
+    from types import SimpleNamespace
+
+    path = str(tmp_path / "m.moepack")
+    mutate_index(tiny_path, path, lambda index: index["tokenizer"].__setitem__(
+        "generation_config.json", {"encoding": "utf-8", "data": json.dumps(generation)}))
+
+    def sampled(server, body) -> tuple:
+        options = server.options(body, 5, 16, chat=True)
+        return options.temperature, options.top_p, options.top_k
+    with Container(path) as c:
+        for choice in ("model", "openai"):
+            logged = []
+            server = Server(SimpleNamespace(c=c, family=container_family(c)), "m", None, 1, log=logged.append,
+                            sampling_defaults=choice)
+            try:
+                assert sampled(server, {}) == (defaults if choice == "model" else (1.0, 1.0, 0))
+                assert sampled(server, {"temperature": 0.2, "top_p": 0.5, "top_k": 3}) == (0.2, 0.5, 3)
+            finally:
+                server.executor.shutdown()
+            said = [line for line in logged if "generation_config.json" in line]
+            if choice == "openai":
+                assert not said
+                continue
+            assert [line.split("'s ")[1].split()[0] for line in said if "warning" in line] == warnings, said
+            announced = defaults != (1.0, 1.0, 0) or generation == {"temperature": 0, "top_k": 0}
+            assert sum("omitted" in line for line in said) == announced, said
+
+
 # ---- 1. every field acted on or refused ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("chat", [False, True])
