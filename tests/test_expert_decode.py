@@ -109,8 +109,10 @@ def test_prefill_with_the_table_decoder_equals_the_generic_path(fp4_containers, 
     generic = prefill(fp4_containers[policy], ids, options).logits
     if policy == "keep":  # same values in the same order: the same bits
         assert torch.equal(fast, generic)
-    else:  # the same products summed in another order
-        assert (fast - generic).abs().max() <= 1e-3 * generic.abs().max()
+    else:  # the same products summed in another order: in bfloat16, each sum rounded to its 8 bits (about 4e-3
+        # apart where the two orders round apart: seen on an AMD EPYC without AVX512-BF16's kernels)
+        tolerance = 1e-3 if expert_dtype == "float32" else 1e-2
+        assert (fast - generic).abs().max() <= tolerance * generic.abs().max()
 
 
 def _compiler_targets_avx512_bf16(tmp_path_factory) -> bool:
