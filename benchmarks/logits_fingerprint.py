@@ -7,7 +7,10 @@ leaves the numbers bit-identical: run it before and after, then compare the two 
 Each case converts one of tests/v4_models.py's configurations (transformers' DeepseekV4 with re-drawn weights,
 saved in release names) with a container policy, prefills a prompt with a set of streaming options (sometimes
 continued from the KV of its first half) and records the SHA-256 of the last position's float32 logits and of
-the written KV files. The release layout (FP8 + FP4 as shipped) comes from `moepack synth`.
+the written KV files. The release layout (FP8 + FP4 as shipped) comes from `moepack synth`. Decode is
+fingerprinted too: for some containers, a greedy generation's tokens and each step's log-probabilities (with the
+expert cache off and on), and for tests/test_qwen3_moe.py's configurations (transformers' Qwen3MoeForCausalLM) the
+same prefill and decode cases.
 """
 
 from __future__ import annotations
@@ -27,9 +30,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from moepack.packer.convert import convert_checkpoint  # noqa: E402
 from moepack.packer.synth import synth_checkpoint  # noqa: E402
 from moepack.runtime.engine import PrefillOptions, prefill  # noqa: E402
+from moepack.runtime.generate import GenerateOptions, generate  # noqa: E402
+from tests.test_qwen3_moe import CONFIGS as QWEN3_CONFIGS  # noqa: E402
+from tests.test_qwen3_moe import save_model as save_qwen3  # noqa: E402
 from tests.v4_models import CONFIGS, saved_model  # noqa: E402
 
 POLICIES = ("keep", "fp4", "nvfp4", "q8", "q2", "bf16")
+DECODED_POLICIES = ("keep", "fp4", "q8")  # the containers whose greedy generation is fingerprinted too
+DECODE_OPTIONS = {"uncached": {"cache_gib": 0}, "cached": {},
+                  "bf16": {"prefill": PrefillOptions(compute_dtype="bfloat16")}}
 OPTIONS = {
     "default": {},
     "bf16": {"compute_dtype": "bfloat16"},
@@ -68,6 +77,19 @@ def cases(work: str):
         ids = torch.randint(0, 200, (90,), generator=torch.Generator().manual_seed(preset_seed))
         for policy in ("keep", "fp4"):
             yield f"release{preset_seed}/{policy}", src, policy, ids
+    for i, name in enumerate(sorted(QWEN3_CONFIGS)):
+        src = os.path.join(work, f"qwen3-{name}")
+        save_qwen3(src, QWEN3_CONFIGS[name], torch.float32)
+        ids = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(100 + i))
+        for policy in ("keep", "q8", "bf16"):
+            yield f"qwen3-{name}/{policy}", src, policy, ids
+
+
+def decode_digest(container: str, ids: torch.Tensor, **options) -> str:
+    """A greedy generation's tokens and each step's log-probabilities (the chosen token's and the top 3)."""
+    got = generate(container, ids, GenerateOptions(max_new_tokens=8, stop_at_eos=False, logprobs=3, **options))
+    steps = [[p.token, p.logprob, list(p.top)] for p in got.logprobs]
+    return hashlib.sha256(json.dumps([got.generated_ids, steps]).encode()).hexdigest()[:16]
 
 
 def run(work: str) -> dict:
@@ -84,6 +106,9 @@ def run(work: str) -> dict:
         got = prefill(container, ids[split:], PrefillOptions(), continue_from=kv, kv_out=kv + "2")
         out[f"{label}/continued"] = digest(got.logits)
         out[f"{label}/continued-kv"] = kv_digest(kv + "2")
+        if policy in DECODED_POLICIES:
+            for opt_name, opts in DECODE_OPTIONS.items():
+                out[f"{label}/decode-{opt_name}"] = decode_digest(container, ids, **opts)
         os.remove(container)
         print(label, file=sys.stderr)
     return out
