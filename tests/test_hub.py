@@ -825,9 +825,16 @@ def test_no_keep_source_offline_is_refused_naming_both(tmp_path, hub, tiny):
 def test_a_revision_that_names_no_ref_is_refused(tmp_path, hub, tiny):
     """`--revision ""` (a script's unset variable) was taken for main, and offline `../refs/main` was read as a path
     under the cache's refs folder, resolving to main's snapshot; neither names a branch, tag or commit."""
+    from moepack.format_spec.errors import MoepackError
+    from moepack.packer.hub import hub_revision
+
     run(tmp_path, hub.url, REPO).ok
-    for revision in ("", "../refs/main", "a b", "-x", "main\n"):
-        for offline in (True, False):
-            msg = run(tmp_path, hub.url, REPO, revision, offline=offline).error
-            assert msg == f"--revision {revision!r}: not a branch, tag or commit name", msg
+    for revision in ("", "../refs/main", "a b", "-x", "main\n", "x/", "a//b", "v1.", "a~1"):
+        with pytest.raises(MoepackError) as refused:
+            hub_revision(revision)
+        assert str(refused.value) == f"--revision {revision!r}: not a branch, tag or commit name"
+    for revision, offline in (("", False), ("../refs/main", True)):  # (as a conversion meets them)
+        msg = run(tmp_path, hub.url, REPO, revision, offline=offline).error
+        assert msg == f"--revision {revision!r}: not a branch, tag or commit name", msg
     assert run(tmp_path, hub.url, REPO, MAIN_SHA, offline=True).ok
+    assert hub_revision("refs/pr/1") == "refs/pr/1" and hub_revision(MAIN_SHA) == MAIN_SHA
