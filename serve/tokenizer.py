@@ -374,7 +374,9 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
         tok = tokenizer()
         _refuse_spelled_markup(tok, messages, tools)
         messages, shielded = tok.shield_messages(messages)  # no message can spell out a special token
-        options = {"enable_thinking": True} if thinking else {}
+        # `after` (a forced tool call's start) follows the reply's form with no thought (Qwen3's empty <think>
+        # block), as a chat encoding's forced call closes its thought first: the model is not cut off mid-thought
+        options = {"enable_thinking": False} if after else {"enable_thinking": True} if thinking else {}
         if tools:
             options["tools"] = tools
         try:

@@ -14,7 +14,8 @@ tool_choice: "auto" (the default with tools): the tools are in the prompt and th
 "none": the tools are left out of the prompt (the model cannot call what it does not see) and nothing is parsed;
 "required" and a named function: the prompt is prefilled with the opening of the tool-call block (and, named, of
 that function's call), so the answer can only go on with a call; with a chat encoding in thinking mode the prefill
-closes the thought first (`</think>`): the reply then has no reasoning.
+closes the thought first (`</think>`), a chat template's prompt is rendered with enable_thinking false (Qwen3's empty
+thought) before it (serve/tokenizer.py): the reply then has no reasoning.
 """
 
 from __future__ import annotations

@@ -104,9 +104,9 @@ def server(qwen3_tools):
     g.close()
 
 
-def _want_ids(theirs, messages, tools, prefill=""):
+def _want_ids(theirs, messages, tools, prefill="", **options):
     want = theirs.apply_chat_template(_transformers_messages(messages), tools=tools, tokenize=True,
-                                      add_generation_prompt=True)
+                                      add_generation_prompt=True, **options)
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
     return want + (theirs.encode(prefill, add_special_tokens=False) if prefill else [])
 
@@ -217,7 +217,9 @@ def test_required_and_named_tool_choice_prefill_the_call(qwen3_tools, server, mo
     theirs = transformers.AutoTokenizer.from_pretrained(qwen3_tools[0])
     scripted.text = '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     r = c.chat.completions.create(model="q", messages=CHAT, tools=[WEATHER, SEARCH], tool_choice="required")
-    assert scripted.prompts[-1] == _want_ids(theirs, CHAT, [WEATHER, SEARCH], "<tool_call>\n")
+    # (a forced call follows the template's reply without a thought: Qwen3's `<think>\n\n</think>\n\n`)
+    assert scripted.prompts[-1] == _want_ids(theirs, CHAT, [WEATHER, SEARCH], "<tool_call>\n", enable_thinking=False)
+    assert server.tok.decode(scripted.prompts[-1]).endswith("assistant\n<think>\n\n</think>\n\n<tool_call>\n")
     assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
     assert [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls] == \
         [("get_weather", '{"city": "Oslo"}')]
@@ -227,7 +229,7 @@ def test_required_and_named_tool_choice_prefill_the_call(qwen3_tools, server, mo
                                        stream=True)
     deltas = [t for chunk in stream for t in chunk.choices[0].delta.tool_calls or []]
     assert scripted.prompts[-1] == _want_ids(theirs, CHAT, [WEATHER, SEARCH],
-                                             '<tool_call>\n{"name": "search", "arguments": ')
+                                             '<tool_call>\n{"name": "search", "arguments": ', enable_thinking=False)
     assert [(t.function.name, t.function.arguments) for t in deltas] == [("search", '{"query": "fjords"}')]
 
 
