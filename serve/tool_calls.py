@@ -214,6 +214,28 @@ def _tagged_call(block: str) -> dict | None:
     return openai_call(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False))
 
 
+def _inside_json_string(text: str) -> bool:
+    """Whether JSON text cut at its end is inside a string (an odd count of unescaped quotes)."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = inside
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
+def _block_end(block: str) -> int:
+    """Where a `<tool_call>` block's text ends: its first CALL_CLOSE outside the call's JSON strings (an argument
+    may spell the tag: code, a prompt template); -1 while none came."""
+    end = block.find(CALL_CLOSE)
+    while end >= 0 and _inside_json_string(block[:end]):
+        end = block.find(CALL_CLOSE, end + 1)
+    return end
+
+
 class TaggedCallSplitter:
     """A chat template's answer, piece by piece, into ("content", text) and ("tool_call", call) events, as
     ToolCallSplitter does for a chat encoding's: each `<tool_call>` JSON `</tool_call>` block is a call once closed;
@@ -278,7 +300,7 @@ class TaggedCallSplitter:
                 out += self._content(content)
                 self.space, self.block, piece = shown[len(content):], "", after
             self.block += piece
-            end = self.block.find(CALL_CLOSE)
+            end = _block_end(self.block)
             if end < 0:
                 return out
             block, piece, self.block = self.block[:end], self.block[end + len(CALL_CLOSE):], None
@@ -293,9 +315,14 @@ class TaggedCallSplitter:
 
     def flush(self) -> list[tuple[str, object]]:
         """The end of the answer: held text is content; so is a block never closed (cut short by max_tokens or a
-        stop string), as written."""
+        stop string), as written. A block whose closing tags all came inside a string never ended (a quote left
+        open): its first tag closes it, as written, and what follows is split again."""
         if self.block is None:
             text, self.held, self.opening = self.opening + self.held, "", ""
+        elif CALL_CLOSE in self.block:
+            block, rest = self.block.split(CALL_CLOSE, 1)
+            self.block = None
+            return self._content(self.space + CALL_OPEN + block + CALL_CLOSE) + self.feed(rest) + self.flush()
         else:
             text, self.block = self.space + CALL_OPEN + self.block, None
         return self._content(text)

@@ -148,6 +148,13 @@ ANSWERS = [
     ('\n<think>\nhm <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
      '\n<think>\nhm <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', []),
     ("<thi", "<thi", []),
+    # an argument that spells the closing tag (code, a prompt) is the call's; a quote left open: as before, its
+    # first tag closes the block (content as written), the rest is split again
+    ('<tool_call>\n{"name": "write", "arguments": {"text": "a \\"</tool_call>\\" tag </tool_call>"}}\n</tool_call>',
+     "", [("write", {"text": 'a "</tool_call>" tag </tool_call>'})]),
+    ('<tool_call>\n{"name": "a", "arguments": {"x": "open}}\n</tool_call>\n<tool_call>\n{"name": "search", '
+     '"arguments": {}}\n</tool_call>', '<tool_call>\n{"name": "a", "arguments": {"x": "open}}\n</tool_call>',
+     [("search", {})]),
 ]
 
 
