@@ -118,10 +118,11 @@ def _read_line(keyboard: _Keyboard) -> str | None:
             click.echo("(Ctrl-C again, /exit or Ctrl-D to leave)", err=True)
 
 
-def _assistant_message(text: str, thinking: bool, chat_encoding) -> dict:
-    """The reply as the history keeps it: in thinking mode the thought (before </think>) is its reasoning, which
-    the encoder drops from earlier turns."""
-    if thinking:
+def _assistant_message(text: str, thinking: bool | None, chat_encoding) -> dict:
+    """The reply as the history keeps it: in a chat encoding's thinking mode the thought (before </think>) is its
+    reasoning, which the encoder drops from earlier turns (a chat template's reply is kept as it came: Qwen3's
+    template drops an earlier turn's thought itself)."""
+    if thinking and chat_encoding is not None:
         reasoning, sep, answer = text.partition(chat_encoding.THINK_END)
         return {"role": "assistant", "content": answer if sep else "", "reasoning_content": reasoning}
     return {"role": "assistant", "content": text}
@@ -130,8 +131,10 @@ def _assistant_message(text: str, thinking: bool, chat_encoding) -> dict:
 @click.command()
 @container_argument
 @click.option("--system", help="A system message in front of the conversation (kept by /reset).")
-@click.option("--thinking/--no-thinking", default=False, show_default=True,
-              help="Thinking mode (<think>: the reply starts with its thought) or chat mode (</think>).")
+@click.option("--thinking/--no-thinking", default=None,
+              help="Thinking mode (<think>: the reply starts with its thought) or chat mode (</think>); a chat "
+                   "template's enable_thinking. Default: the chat's own (a chat encoding's chat mode, a template's "
+                   "default).")
 @max_new_tokens_option(1024)
 @context_option
 @sampling_options
@@ -140,7 +143,7 @@ def _assistant_message(text: str, thinking: bool, chat_encoding) -> dict:
 @reports_errors(out_of_memory_hint="lower --cache-gib or --max-new-tokens, or /reset the conversation")
 def chat(file, system, thinking, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, run, as_json):
     """Chat with the model in FILE in the terminal: each reply streams as it is generated; the conversation is kept
-    (encoded as DeepSeek-V4's chat) until /reset. /exit or Ctrl-D leaves; Ctrl-C stops a reply, which stays in the
+    (encoded as the model's chat: its family's chat encoding, or its chat template) until /reset. /exit or Ctrl-D leaves; Ctrl-C stops a reply, which stays in the
     history as far as it was shown. With --json each reply is one JSON line instead of streamed text."""
     from moepack.runtime.generate import GenerateOptions
 
@@ -164,17 +167,16 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
     """The chat's loop: `reply` the GenerateOptions of every reply (its max_new_tokens cut to the context cap)."""
     from moepack.format_spec.errors import MoepackError
     from moepack.runtime.generate import Generator
-    from moepack.serve.tokenizer import PromptTokenizer, warn_of_missing_markup
+    from moepack.serve.chat_template import family_chat_template
+    from moepack.serve.tokenizer import PromptTokenizer, chat_prompt_ids, warn_of_missing_markup
     from moepack.families import container_family
 
     start = [] if system is None else [{"role": "system", "content": system}]
     messages = list(start)
     with Generator(file, run.cache_gib, prefill=run.prefill_options()) as generator:
         family = container_family(generator.c)
-        chat_encoding = family.chat_encoding  # the conversation is encoded by the family's own chat encoder
-        if chat_encoding is None:
-            raise MoepackError(f"moepack chat: a {family.name} model chats through its chat template: "
-                               "use moepack generate --chat or moepack serve")
+        chat_encoding = family.chat_encoding  # the family's own chat encoder, or None: its chat template
+        template = family_chat_template(generator.c, family) if chat_encoding is None else None  # (no chat: said now)
         tokenizer = PromptTokenizer(generator.c)
         warn_of_missing_markup(family, tokenizer)
         click.echo(f"moepack chat: {file} ({HELP_LINE})", err=True)
@@ -200,7 +202,7 @@ def _converse(file, run, reply, system, thinking, max_context, as_json, keyboard
                 continue
             turn = [*messages, {"role": "user", "content": line}]
             try:
-                ids = tokenizer.encode_segments(chat_encoding.encode_message_segments(turn, thinking=thinking))
+                ids = chat_prompt_ids(family, lambda: tokenizer, turn, thinking=thinking, template=lambda: template)
                 budget = context_budget(generator.c.config, max_context, len(ids), reply.max_new_tokens)
                 result = generator.generate(ids, replace(reply, max_new_tokens=budget), detokenize=tokenizer.decode,
                                             on_text=None if as_json else show_text, cancelled=keyboard.stop_asked)

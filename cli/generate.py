@@ -70,7 +70,7 @@ def _tokenizer_for_text(container):
         return None
 
 
-def _chat_ids(container, tokenizer, messages, thinking: bool, reasoning_effort: str | None,
+def _chat_ids(container, tokenizer, messages, thinking: bool | None, reasoning_effort: str | None,
               continuing: bool = False, turn_end: int | None = None) -> list[int]:
     """The ids of `messages` (an OpenAI-style list) as the model's chat, as the server encodes them
     (serve/tokenizer.py chat_prompt_ids: its family's chat encoding, or its tokenizer's chat template with --thinking
@@ -209,7 +209,7 @@ class _Queued:
     detokenize: Callable[[list[int]], str] | None
 
 
-def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None, thinking: bool,
+def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None, thinking: bool | None,
               reasoning_effort: str | None) -> list[_Queued]:
     """Every prompt tokenized and its options made and checked (seed, stop strings, context), before any work: a
     bad one is refused in one line naming it."""
@@ -323,9 +323,10 @@ def _figures(result) -> str:
               help="JSON file: an OpenAI-style list of {role, content}, encoded as the model's chat "
                    "(its family's own chat encoding, or the chat template its tokenizer_config carries).")
 @click.option("--chat", help="One user turn, encoded as the model's chat (see --messages).")
-@click.option("--thinking/--no-thinking", default=False, show_default=True,
+@click.option("--thinking/--no-thinking", default=None,
               help="With --messages/--chat (or --prompts-file messages): thinking mode (<think>) or chat mode "
-                   "(</think>).")
+                   "(</think>); a chat template's enable_thinking. Default: the chat's own (a chat encoding's chat "
+                   "mode, a template's default).")
 @click.option("--reasoning-effort", type=click.Choice(["high", "max"]), default=None,
               help="With --messages/--chat/--prompts-file messages in thinking mode: the reasoning-effort prefix "
                    "(a family with its own chat encoding; a chat template takes none).")

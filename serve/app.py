@@ -35,9 +35,10 @@ worker thread (the tokenizer's batch call lets go of the GIL), its cost bounded 
 request's status comes once its generation has passed every check (its prefill's first layer starts): a bad
 value is a 4xx, never a 200 followed by an error event.
 
-Chat with thinking on (`"thinking": true`, or DeepSeek's `{"thinking": {"type": "enabled"}}`): the prompt ends with
-`<think>`; the generated text before the first `</think>` is `reasoning_content`, the rest `content` (all of it
-reasoning when `</think>` never comes).
+Chat with thinking on (`"thinking": true`, DeepSeek's `{"thinking": {"type": "enabled"}}`, or vLLM's
+`"chat_template_kwargs": {"enable_thinking": true}`): with a chat encoding the prompt ends with `<think>`; the
+generated text before the first `</think>` is `reasoning_content`, the rest `content` (all of it reasoning when
+`</think>` never comes). A chat template takes it as its enable_thinking (unsaid: the template's default).
 
 Errors a request causes: 4xx with OpenAI's error object {"error": {"message", "type", "param", "code"}}, a path or
 method no endpoint serves included (404 / 405), and a body not sent as UTF-8 JSON (415: another charset, a
@@ -97,6 +98,7 @@ _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", 
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                 "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
+                                "chat_template_kwargs",
                                 "service_tier", "store", "metadata", "modalities"}
 # OpenAI fields moepack does not act on: a 400 naming the field whenever one is given (not null)
 REFUSED_FIELDS = {
@@ -327,14 +329,41 @@ def _value(body: dict, name: str, checker: Callable, *args, default=None, **kw):
                            code="invalid_type" if "expected" in str(e) else "invalid_value") from None
 
 
-def _thinking_flag(body: dict) -> bool:
+# chat_template_kwargs (vLLM's and SGLang's extension) keys moepack acts on: the thinking switch as Qwen3's and
+# DeepSeek's templates name it (other keys would change a template's rendering in ways not checked here: a 400)
+THINKING_KWARGS = ("enable_thinking", "thinking")
+
+
+def _thinking_flag(body: dict) -> bool | None:
+    """The request's thinking switch: `thinking` (true/false, or DeepSeek's {"type": "enabled" | "disabled"}) or
+    chat_template_kwargs' enable_thinking / thinking (booleans); None where none says (the chat's default)."""
     v = body.get("thinking")
     if v is None or isinstance(v, bool):
-        return bool(v)
-    if isinstance(v, dict) and v.get("type") in ("enabled", "disabled"):
-        return v["type"] == "enabled"
-    raise RequestError('thinking: expected true/false or {"type": "enabled" | "disabled"}', param="thinking",
-                       code="invalid_type")
+        said = v
+    elif isinstance(v, dict) and v.get("type") in ("enabled", "disabled"):
+        said = v["type"] == "enabled"
+    else:
+        raise RequestError('thinking: expected true/false or {"type": "enabled" | "disabled"}', param="thinking",
+                           code="invalid_type")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return said
+    if not isinstance(kwargs, dict):
+        raise RequestError("chat_template_kwargs: expected an object", param="chat_template_kwargs",
+                           code="invalid_type")
+    for key, value in kwargs.items():
+        if key not in THINKING_KWARGS:
+            raise RequestError(f"chat_template_kwargs.{key[:40]}: not supported (moepack takes "
+                               f"{' / '.join(THINKING_KWARGS)})", param="chat_template_kwargs",
+                               code="unsupported_parameter")
+        if not isinstance(value, bool):
+            raise RequestError(f"chat_template_kwargs.{key}: expected true or false", param="chat_template_kwargs",
+                               code="invalid_type")
+        if said is not None and value != said:
+            raise RequestError(f"chat_template_kwargs.{key} ({str(value).lower()}) and thinking disagree: give one",
+                               param="chat_template_kwargs", code="invalid_value")
+        said = value
+    return said
 
 
 # accepted fields whose other values ask for what is not there: (the values served, the refusal)
@@ -832,7 +861,7 @@ class Server:
                                   tools=plan.tools if encoding is None else None)
         except ChatInputError as e:
             raise RequestError(str(e), param=e.param, code=e.code) from None
-        return ids, thinking and encoding is not None, plan
+        return ids, bool(thinking) and encoding is not None, plan
 
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
         """On a worker thread (the event loop stays free): parse, check and tokenize one request."""

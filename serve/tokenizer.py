@@ -314,17 +314,18 @@ def warn_of_missing_markup(family: Any, tokenizer: PromptTokenizer) -> None:
         warnings.warn(warning, stacklevel=2)  # (the command's line: its module names the warning ours)
 
 
-def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messages: Any, *, thinking: bool = False,
+def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messages: Any, *,
+                    thinking: bool | None = None,
                     reasoning_effort: str | None = None, template: Callable[[], Any] | None = None,
                     after: Sequence[tuple[str, bool]] = (), continuing: bool = False,
                     turn_end: int | None = None, tools: list[dict] | None = None) -> list[int]:
     """The prompt ids of `messages` (an OpenAI-style list) as `family`'s chat:
 
     * its own chat encoding (family.chat_encoding): markup rendered in code into special tokens, message content
-      plain text; `reasoning_effort` as the encoding checks it; `after`: more of its segments (a forced tool
-      call's start);
+      plain text; `thinking` its thinking mode (None: off, its chat mode); `reasoning_effort` as the encoding
+      checks it; `after`: more of its segments (a forced tool call's start);
     * else the chat template `template()` gives (serve/chat_template.py), tokenized as apply_chat_template does;
-      `thinking` is its enable_thinking (the template's default without it); `tools` its tools variable (as
+      `thinking` is its enable_thinking (None: not passed, the template's default); `tools` its tools variable (as
       apply_chat_template(tools=...) passes them); `after`: text the prompt ends with (a forced tool call's start);
       a template takes no reasoning effort, and only messages of TEMPLATE_ROLES with text content, a list of text
       parts joined (what it would drop is refused); tools or tool calls that spell out a special token are
@@ -376,7 +377,7 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
         messages, shielded = tok.shield_messages(messages)  # no message can spell out a special token
         # `after` (a forced tool call's start) follows the reply's form with no thought (Qwen3's empty <think>
         # block), as a chat encoding's forced call closes its thought first: the model is not cut off mid-thought
-        options = {"enable_thinking": False} if after else {"enable_thinking": True} if thinking else {}
+        options = {"enable_thinking": False if after else thinking} if after or thinking is not None else {}
         if tools:
             options["tools"] = tools
         try:
@@ -389,6 +390,7 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
             raise ChatInputError(f"messages: {e}", "messages") from None
         return tok.encode_rendered(text + "".join(piece for piece, _ in after), shielded)
     try:
+        thinking = bool(thinking)
         encoding.check_reasoning_effort(reasoning_effort, thinking)  # "max" needs thinking
     except MoepackError as e:
         raise ChatInputError(str(e), "reasoning_effort") from None

@@ -487,11 +487,21 @@ def test_a_chat_template_jinja_file_takes_priority_over_tokenizer_config_as_in_t
         family_chat_template(Files({}, None), FAMILY)
 
 
-def test_moepack_chat_refuses_a_family_that_chats_through_its_template(synthesized):
+def test_moepack_chat_talks_through_the_chat_template(synthesized):
+    """`moepack chat` on a family that chats through its chat template: each turn encoded as `generate --chat`
+    encodes it (the same greedy reply), the second turn after the first's reply."""
     _, path = synthesized
-    r = CliRunner().invoke(cli, ["chat", path], input="hi\n/exit\n")
-    assert r.exit_code != 0
-    assert "moepack chat: a qwen3-moe model chats through its chat template: use moepack generate --chat" in r.output
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "moepack", "chat", path, "-n", "5", "--json"], input="hi\nmore\n/exit\n",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    replies = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(replies) == 2 and all(reply["ok"] for reply in replies)
+    alone = CliRunner().invoke(cli, ["generate", path, "--chat", "hi", "-n", "5", "--json"])
+    assert alone.exit_code == 0, alone.output
+    assert json.loads(alone.stdout)["generated_ids"] == replies[0]["generated_ids"]
 
 
 def test_generate_chat_refuses_a_reasoning_effort_for_a_chat_template(synthesized):

@@ -240,6 +240,31 @@ def test_required_and_named_tool_choice_prefill_the_call(qwen3_tools, server, mo
     assert [(t.function.name, t.function.arguments) for t in deltas] == [("search", '{"query": "fjords"}')]
 
 
+def test_thinking_is_the_templates_enable_thinking_however_a_client_says_it(qwen3_tools, server):
+    """A request's thinking switch (`thinking`, DeepSeek's {"type": ...}, or vLLM's chat_template_kwargs
+    enable_thinking) is the template's enable_thinking, as transformers renders it; unsaid, the template's default
+    (Qwen3's: it thinks). Another chat_template_kwargs key, a value not a boolean, or two that disagree: a 400."""
+    from moepack.serve.app import RequestError
+
+    theirs = transformers.AutoTokenizer.from_pretrained(qwen3_tools[0])
+    state = server.state
+    for said, body in [(None, {}), (False, {"thinking": False}), (True, {"thinking": {"type": "enabled"}}),
+                       (False, {"chat_template_kwargs": {"enable_thinking": False}}),
+                       (True, {"chat_template_kwargs": {"thinking": True}, "thinking": True})]:
+        ids = state.chat_ids({"messages": CHAT, **body})[0]
+        assert ids == _want_ids(theirs, CHAT, None, **({} if said is None else {"enable_thinking": said})), body
+    assert state.chat_ids({"messages": CHAT, "thinking": False})[0] != state.chat_ids({"messages": CHAT})[0]
+    for body, words in [({"chat_template_kwargs": {"add_generation_prompt": False}},
+                         "chat_template_kwargs.add_generation_prompt: not supported"),
+                        ({"chat_template_kwargs": {"enable_thinking": "no"}}, "expected true or false"),
+                        ({"chat_template_kwargs": [1]}, "chat_template_kwargs: expected an object"),
+                        ({"chat_template_kwargs": {"enable_thinking": False}, "thinking": True}, "disagree")]:
+        with pytest.raises(RequestError) as refused:
+            state.chat_ids({"messages": CHAT, **body})
+        assert refused.value.status == 400 and refused.value.param == "chat_template_kwargs"
+        assert words in refused.value.message, refused.value.message
+
+
 def test_a_forced_call_runs_on_the_model(server):
     """The real generator (the tiny random model) after a named call's prefill: the unfinished call, its opening
     with it, is the content, as written."""
