@@ -416,6 +416,7 @@ class RegionReader:
             if mapped is not None:
                 if offset < 0 or offset + length > len(mapped):
                     raise MoepackError(f"{self.paths[part]}: unexpected end of file at {len(mapped)} (truncated?)")
+                self._check_still_mapped(part, offset + length)
                 if self.zero_copy if zero_copy is None else zero_copy:
                     self._populate(part, offset, length)
                     return self._map_views[part][offset:offset + length]
@@ -439,6 +440,14 @@ class RegionReader:
             return buffer.view[:length]
         finally:
             self.stats.end(length, part)
+
+    def _check_still_mapped(self, part: int, end: int) -> None:
+        """A mapped file cut short since it was mapped (overwritten in place, e.g. by `cp`): touching a page past its
+        new end is a SIGBUS that kills the process, so the read is refused while the file still holds it."""
+        size = os.fstat(self._fds[part]).st_size
+        if size < end:
+            raise MoepackError(f"{self.paths[part]}: the file shrank to {size} bytes while being read "
+                               f"(overwritten in place?); a read up to {end} failed")
 
     def _populate(self, part: int, offset: int, length: int) -> None:
         """Map the pages of a zero-copy read into this process now, on the reader thread: the read the copy used to

@@ -93,3 +93,34 @@ def test_no_code_execution_on_any_loading_path():
                 if forbidden.search(line):
                     offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_mapped_container_cut_short_while_open_is_one_line_not_a_sigbus(tmp_path, zero_copy):
+    """`cp other.moepack c.moepack` over a container a server has mapped shrinks the file under the mapping: a read
+    past its new end had been a SIGBUS that killed the process. Read in a forked child, which a SIGBUS kills alone."""
+    from containers import build_container
+
+    from moepack.runtime.io import HostBuffer, RegionReader
+
+    path = str(tmp_path / "c.moepack")
+    build_container(path, n_layers=1, n_experts=2)
+    reader = RegionReader(path, mode="mmap", zero_copy=zero_copy)
+    os.truncate(path, 4096)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child's outcome is reported through the pipe and its status)
+        try:
+            bytes(reader.read_into(HostBuffer(8192, pinned=False), 8192, 8192)[:1])
+            message = "read"
+        except MoepackError as e:
+            message = str(e)
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    message = os.read(read, 4096).decode()
+    os.close(read)
+    _, status = os.waitpid(child, 0)
+    reader.close()
+    assert os.WIFEXITED(status), f"the read killed the process (signal {os.WTERMSIG(status)})"
+    assert "shrank to 4096 bytes while being read" in message, message
