@@ -121,9 +121,15 @@ def read_safetensors_header(path: str) -> dict[str, SourceTensor]:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise MoepackError(f"{name}: malformed header entry for {key}") from None
+        if not (isinstance(dtype, str) and isinstance(info["shape"], list) and isinstance(info["data_offsets"], list)):
+            raise MoepackError(f"{name}: malformed header entry for {key} (dtype a text, shape and data_offsets "
+                               f"lists)")
         if dtype not in FROM_SAFETENSORS:
             raise MoepackError(f"{name}: tensor {key} has unsupported dtype {dtype}")
-        need = tensor_nbytes(FROM_SAFETENSORS[dtype], shape)
+        try:
+            need = tensor_nbytes(FROM_SAFETENSORS[dtype], shape)
+        except MoepackError as e:
+            raise MoepackError(f"{name}: tensor {key}: {e}") from None
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end and end - begin == need):
             raise MoepackError(f"{name}: tensor {key} has data offsets {begin}..{end}, {dtype}{list(shape)} "
                                f"needs {need} bytes")

@@ -575,3 +575,21 @@ def test_a_tokenizer_that_panics_on_a_text_is_one_line():
     assert PromptTokenizer._ids(tok, "b", False) == [1]
     with pytest.raises(MoepackError, match="the container's tokenizer failed on the text .*retry-limit"):
         PromptTokenizer._ids(tok, "a" * 59 + "b", False)
+
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]},
+    {"dtype": {"F32": 1}, "shape": [2], "data_offsets": [0, 8]},
+    {"dtype": None, "shape": [2], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": {"2": 2}, "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2], "data_offsets": {"0": 0, "8": 8}},
+    {"dtype": "F32", "shape": 2, "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": ["a", 2], "data_offsets": [0, 8]}])
+def test_a_safetensors_header_entry_of_any_json_type_is_one_line(tmp_path, entry):
+    from moepack.packer.source import read_safetensors_header
+
+    header = json.dumps({"w": entry}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(MoepackError, match=r"^model.safetensors: .*\bw\b"):
+        read_safetensors_header(str(path))
