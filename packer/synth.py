@@ -7,8 +7,9 @@ it as a Hugging Face-style directory: config.json, generation_config.json, the t
 their index.
 
 Writing streams: shard headers are known up front (shapes and dtypes follow from the config), so each tensor is
-drawn, encoded and written on its own and memory holds one tensor at a time. Every file goes to a temporary name,
-is fsynced and renamed; a failed run leaves none of its files.
+drawn, encoded and written on its own and memory holds one tensor at a time. Every file goes into a temporary
+folder inside the output and is fsynced; only the complete set is renamed over an earlier run's, so a failed or
+killed run leaves none of its files and the earlier checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import struct
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -26,7 +29,7 @@ import torch
 from moepack import families
 from moepack.format_spec.decode import TORCH_DTYPES
 from moepack.format_spec.errors import MoepackError, is_disk_full
-from moepack.format_spec.files import check_free_space
+from moepack.format_spec.files import check_free_space, remove_stale_temporaries, temporary_prefix
 from moepack.format_spec.writer import fsync_dir, write_file_atomically
 
 from .sharding import greedy_shards
@@ -142,8 +145,6 @@ def _write_checkpoint_files(out: Path, checkpoint, parts_of, shards: list, shard
             write_file_atomically(str(out / name), content)
         elif content is not None:
             _write_json(out / name, content)
-        else:  # an earlier run's must not pass for this tokenizer's
-            (out / name).unlink(missing_ok=True)
 
     from .progress import progress_bar
 
@@ -171,18 +172,18 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _prepare_output(out: Path, total_tensor_bytes: int, overwrite: bool, shard_bytes: int | None) -> int:
-    """The output directory made ready (an earlier run's shards removed when `overwrite`, room for the new ones
-    checked); returns the shard size (None: at least 3 shards, at most 1 GiB each)."""
+    """The output directory made ready (room for the new files checked: an earlier run's stay until they are
+    complete); returns the shard size (None: at least 3 shards, at most 1 GiB each)."""
     if out.exists() and not out.is_dir():
         raise MoepackError(f"{out} exists and is not a directory")
     stale = sorted(out.glob("model*.safetensors*")) if out.exists() else []
     if stale and not overwrite:
         raise MoepackError(f"{out} already holds a checkpoint ({stale[0].name}); pass --force (overwrite=True) to "
                            "replace it")
-    check_free_space({str(out): total_tensor_bytes - sum(p.stat().st_size for p in stale)}, f"synthesizing {out}")
+    if out.is_dir():
+        remove_stale_temporaries(str(out), (_STAGING,))  # what a killed run left: its space counts
+    check_free_space({str(out): total_tensor_bytes}, f"synthesizing {out}")
     out.mkdir(parents=True, exist_ok=True)
-    for path in stale:
-        path.unlink()  # shards of an earlier, differently sharded run must not linger beside the new index
     if shard_bytes is None:
         shard_bytes = min(1 << 30, -(-total_tensor_bytes // 3))
     if shard_bytes <= 0:
@@ -194,17 +195,40 @@ def _shard_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
+_STAGING = "synth"
+_INDEX = "model.safetensors.index.json"
+
+
 def _write_or_leave_nothing(out: Path, files: list[str], write) -> None:
-    """write(), then the directory fsynced; an OSError (a full disk, a vanished folder) is one line, and none of
-    this run's `files` are left behind."""
+    """write(folder) into a temporary folder inside `out`, then its `files` renamed into `out`: a full disk, an
+    interrupt or a kill before that leaves what `out` held as it was (an earlier run's checkpoint that --force
+    replaces included) and none of this run's files. An OSError (a full disk, a vanished folder) is one line."""
+    staging = Path(tempfile.mkdtemp(prefix=temporary_prefix(_STAGING), dir=out))
     try:
-        write()
+        write(staging)
+        fsync_dir(str(staging))
+        _move_into_place(staging, out, files)
     except OSError as e:
-        for name in files:
-            (out / name).unlink(missing_ok=True)
+        where = out if e.filename is None or str(e.filename).startswith(str(staging)) else e.filename
         full = " (disk full)" if is_disk_full(e) else ""
-        raise MoepackError(f"writing {e.filename or out} failed: {e.strerror or e}{full}") from None
+        raise MoepackError(f"writing {where} failed: {e.strerror or e}{full}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     fsync_dir(str(out))
+
+
+def _move_into_place(staging: Path, out: Path, files: list[str]) -> None:
+    """The complete new checkpoint's files renamed over the earlier run's; that run's shards (another sharding)
+    and tokenizer files (another tokenizer) the new one lacks removed. The index goes first and comes back last: a
+    run killed among the renames leaves a folder no reader takes for a checkpoint."""
+    (out / _INDEX).unlink(missing_ok=True)
+    for name in files:
+        if name != _INDEX:
+            os.replace(staging / name, out / name)
+    for stale in [*out.glob("model*.safetensors*"), *(out / name for name in _TOKENIZER_FILES)]:
+        if stale.name not in files:
+            stale.unlink(missing_ok=True)
+    os.replace(staging / _INDEX, out / _INDEX)
 
 
 def _family_synth(family: str, tokenizer, random_expert_codes: bool):
@@ -263,8 +287,8 @@ def synth_checkpoint(
     files = sorted([*metadata, *shard_names, "model.safetensors.index.json"])
     named = {} if family == DEFAULT_FAMILY else {"family": family}  # the default one's summary names none
     label = " ".join(["synth", *named.values(), preset])
-    _write_or_leave_nothing(out, files, lambda: _write_checkpoint_files(
-        out, checkpoint, parts_of, shards, shard_names, total_tensor_bytes, label, progress))
+    _write_or_leave_nothing(out, files, lambda folder: _write_checkpoint_files(
+        folder, checkpoint, parts_of, shards, shard_names, total_tensor_bytes, label, progress))
 
     return {
         "dir": str(out),

@@ -272,6 +272,35 @@ def test_a_full_disk_is_one_line_and_leaves_none_of_the_runs_files(tmp_path, mon
         assert sorted(p.name for p in (small / "s").iterdir()) == summary["files"]
 
 
+
+def test_a_replacing_run_that_fails_leaves_the_earlier_checkpoint_as_it_was(tmp_path, monkeypatch):
+    """--force (overwrite=True) replaces an earlier checkpoint only once the new one is complete: a full disk (or a
+    kill) in the middle of the new run had left neither, the earlier run's shards deleted up front."""
+    import errno
+
+    import moepack.packer.synth as S
+
+    synth_checkpoint(tmp_path, "tiny", "f32", shard_bytes=1 << 20, progress=False)  # f32: the fastest to draw
+    (tmp_path / "mine.txt").write_text("kept")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_write, calls = S._ShardWriter.write, []
+
+    def fills_the_disk(self, name, tensor):
+        calls.append(name)
+        if len(calls) > 40:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, name, tensor)
+
+    monkeypatch.setattr(S._ShardWriter, "write", fills_the_disk)
+    with pytest.raises(MoepackError, match=rf"^writing {re.escape(str(tmp_path))} failed: No space left on device "
+                                           r"\(disk full\)$"):
+        synth_checkpoint(tmp_path, "tiny", "f32", seed=1, progress=False, overwrite=True)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    monkeypatch.setattr(S._ShardWriter, "write", real_write)
+    summary = synth_checkpoint(tmp_path, "tiny", "f32", seed=1, progress=False, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*summary["files"], "mine.txt"])
+
+
 # ------------------------------------------------------------------------------------------ consumers
 
 
