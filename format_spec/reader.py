@@ -10,6 +10,8 @@ and every padding byte.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 from dataclasses import dataclass, field
 
@@ -130,6 +132,26 @@ def _fail(msg: str):
     raise FormatError(msg)
 
 
+TOKENIZER_ENCODINGS = ("utf-8", "base64")
+
+
+def _validate_tokenizer_files(files: dict) -> None:
+    """The index's embedded tokenizer files (SPEC: file name -> {"encoding": "utf-8" | "base64", "data": string}):
+    each a plain file name whose bytes decode, so what reads them (the tokenizer, the exports) meets no other form."""
+    for name, entry in files.items():
+        if name in ("", ".", "..") or os.path.basename(name) != name:
+            _fail(f"index tokenizer file name {name!r} is not a plain file name")
+        if not (isinstance(entry, dict) and entry.get("encoding") in TOKENIZER_ENCODINGS
+                and isinstance(entry.get("data"), str)):
+            _fail(f"index tokenizer file {name!r} is not an object of an encoding ('utf-8' or 'base64') and a data "
+                  f"string")
+        if entry["encoding"] == "base64":
+            try:
+                base64.b64decode(entry["data"], validate=True)
+            except (binascii.Error, ValueError) as e:
+                _fail(f"index tokenizer file {name!r}: its data is not base64 ({e})")
+
+
 def _decompress_index(stored: bytes, raw_length: int) -> bytes:
     """The index frame's output, at most raw_length + 1 bytes, read in steps: memory follows what the frame really
     produces, never a size the header or the frame merely claims."""
@@ -226,6 +248,7 @@ class Container:
         self.config: dict = index["config"]
         self.architecture: str = index["architecture"]
         self.policy: dict = index["policy"]
+        _validate_tokenizer_files(index["tokenizer"])
         self._validate_parts(index.get("parts"))
         self.regions = self._validate_regions(index["regions"])
         self._open_parts()

@@ -593,3 +593,23 @@ def test_a_safetensors_header_entry_of_any_json_type_is_one_line(tmp_path, entry
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
     with pytest.raises(MoepackError, match=r"^model.safetensors: .*\bw\b"):
         read_safetensors_header(str(path))
+
+
+@pytest.mark.parametrize("name, entry, named", [
+    ("tokenizer.json", "x", "'tokenizer.json' is not an object of an encoding"),
+    ("tokenizer.json", {"encoding": "utf-8", "data": 5}, "'tokenizer.json' is not an object of an encoding"),
+    ("tokenizer.json", {"encoding": "rot13", "data": "{}"}, "'tokenizer.json' is not an object of an encoding"),
+    ("tokenizer.model", {"encoding": "base64", "data": "!!!"}, "'tokenizer.model': its data is not base64"),
+    ("../../evil.json", {"encoding": "utf-8", "data": "{}"}, "'../../evil.json' is not a plain file name"),
+    ("", {"encoding": "utf-8", "data": "{}"}, "'' is not a plain file name")])
+def test_a_containers_tokenizer_file_of_another_form_is_refused_at_open(container, tmp_path, name, entry, named):
+    """The index's tokenizer files are read by the tokenizer and both exports (b64decode, .get, a path joined):
+    an entry of another form had been a traceback in each; the reader refuses it for all of them."""
+    from containers import mutate_index
+
+    from moepack.format_spec.reader import Container
+
+    path = str(tmp_path / "t.moepack")
+    mutate_index(container, path, lambda index: index["tokenizer"].__setitem__(name, entry))
+    with pytest.raises(MoepackError, match=re.escape(f"index tokenizer file {'name ' * ('plain' in named)}{named}")):
+        Container(path)
