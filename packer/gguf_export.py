@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from moepack.families import container_family
+from moepack.families import check_container
 from moepack.families.base import GGUF_QUANT_VERSION
 from moepack.format_spec import untrusted
 from moepack.format_spec.decode import decode_float, decode_tensor, scale_name, tensor_scale_name
@@ -185,7 +185,7 @@ _FILE_TYPE = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_
 def family_export(gguf, c: Container) -> tuple[str, list[_Job], list[tuple], str, int, Callable | None]:
     """(architecture, tensors, model keys, pre-tokenizer, vocab size, fallback chat template) of the container's
     model, as its family (moepack.families) names them."""
-    family = container_family(c)
+    family, _ = check_container(c, computable=False)  # its tensors those its config implies, as the family names them
     jobs = [_stacked_experts_job(c, list(t.sources), t.name) if t.stacked else _plain_job(c, t.sources[0], t.name)
             for t in family.gguf_tensors(c.config, list(c.tensors))]
     model = family.gguf_model(c.config)
@@ -280,6 +280,9 @@ def _add_tokenizer(gguf, writer, files: dict[str, bytes], config: dict, vocab_si
     writer.add_array("tokenizer.ggml.token_type", types)
     # llama.cpp refuses a gpt2 vocabulary without a merges key, even an empty one (a byte-level toy tokenizer)
     writer.add_key_value("tokenizer.ggml.merges", merges(files), gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
+    for name, data in files.items():  # gguf-py's SpecialVocab json.loads them: a damaged one had been a traceback
+        if name.endswith(".json") and not isinstance(untrusted.loads(data, f"the container's {name}"), dict):
+            raise MoepackError(f"the container's {name}: not a JSON object")
     tok_dir = tempfile.mkdtemp(prefix=temporary_prefix("export-tokenizer"), dir=tmp_dir)
     try:
         # config.json too: SpecialVocab takes bos/eos ids from it when the tokenizer files do not name them (without

@@ -613,3 +613,28 @@ def test_a_containers_tokenizer_file_of_another_form_is_refused_at_open(containe
     mutate_index(container, path, lambda index: index["tokenizer"].__setitem__(name, entry))
     with pytest.raises(MoepackError, match=re.escape(f"index tokenizer file {'name ' * ('plain' in named)}{named}")):
         Container(path)
+
+
+def test_a_gguf_export_refuses_a_damaged_json_tokenizer_file_or_a_container_unlike_its_family(container, tmp_path):
+    """gguf-py's SpecialVocab json.loads the tokenizer's side files (a damaged one had been a JSONDecodeError
+    traceback), and the family's tensor names were looked up unchecked (a container whose architecture names
+    another family: a KeyError traceback)."""
+    pytest.importorskip("gguf")
+    from containers import mutate_index
+
+    damaged, other = str(tmp_path / "d.moepack"), str(tmp_path / "o.moepack")
+    mutate_index(container, damaged, lambda index: index["tokenizer"].__setitem__(
+        "tokenizer_config.json", {"encoding": "utf-8", "data": "{bad"}))
+    _refused(run_console("export", damaged, "--format", "gguf", "-o", str(tmp_path / "d.gguf")),
+             "the container's tokenizer_config.json: not valid JSON")
+    foreign = next(a for a in ("deepseek_v4", "qwen3_moe") if a != _index(container)["architecture"])
+    mutate_index(container, other, lambda index: index.__setitem__("architecture", foreign))
+    r = run_console("export", other, "--format", "gguf", "-o", str(tmp_path / "o.gguf"))
+    assert r.returncode == 1 and b"Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def _index(path: str) -> dict:
+    from containers import read_parts
+
+    return read_parts(path)[2]
