@@ -228,10 +228,26 @@ def schema_problem(family: ModelFamily, config: Mapping[str, Any], experts_per_l
     return None
 
 
+_INTEGER_TYPES = frozenset({"I64", "I32", "I16", "I8", "U8", "BOOL"})
+
+
+def value_type_problem(family: ModelFamily, types: Mapping[str, str]) -> str | None:
+    """The first tensor (`types`: name -> storage type) stored in a type of other values than the model reads from
+    it, or None: an integer type for a weight (its bits read as numbers, a norm of billions, or a matmul of int16
+    and float refused half-way), a float type for a table the family reads as integers (its integer_tensors)."""
+    for name, type_name in types.items():
+        wants_integers = name.endswith(family.integer_tensors)
+        if wants_integers != (type_name in _INTEGER_TYPES):
+            return (f"tensor {name} is stored as {type_name}, not a{'n integer' if wants_integers else ' float'} "
+                    f"type as the model reads it")
+    return None
+
+
 def container_schema_problem(family: ModelFamily, container) -> str | None:
     """schema_problem of what an open container holds, for `family` (a family's check_container asks it)."""
     from moepack.format_spec.layout import SCALE_SUFFIXES
 
     experts = {b.number: len(b.experts) for b in container.layers}
     shapes = {n: list(t.shape) for n, t in container.tensors.items() if not n.endswith(SCALE_SUFFIXES)}
-    return schema_problem(family, container.config, experts, shapes)
+    return (schema_problem(family, container.config, experts, shapes)
+            or value_type_problem(family, {n: t.dtype for n, t in container.tensors.items()}))

@@ -208,6 +208,7 @@ class ModelFamily(Protocol):
     expert_naming: ExpertNaming
     adapter: Adapter  # its checkpoint's names onto the container's read order (what `moepack convert` writes)
     head_tensor: str  # the LM head's container name, stored where config.json does not tie it to the embedding
+    integer_tensors: tuple[str, ...]  # name endings of the tensors read as integers (a hash routing table), not floats
 
     def parse_config(self, raw: Mapping[str, Any]) -> Any:
         """The config.json as this family reads it; a bad field is a one-line MoepackError naming it."""

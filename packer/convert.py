@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from moepack.families import adapter_for, family_for
+from moepack.families import adapter_for, family_for, value_type_problem
 from moepack.format_spec import quants
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.decode import (as_uint8, decode_float, decode_tensor, first_non_finite, scale_name,
@@ -89,9 +89,10 @@ def config_problem(config, plan) -> str | None:
     blocks = [(kind, parse_block_name(block)) for kind, block, _, _ in plan if kind in ("dense", "expert")]
     experts = Counter(number for kind, (section, number) in blocks if kind == "expert" and section == "layers")
     layers = {number: experts.get(number, 0) for _, (section, number) in blocks if section == "layers"}
-    shapes = {name: source_type_and_shape(family.adapter, name, t)[1] for _, _, _, items in plan
-              for name, t in items if not name.endswith(SCALE_SUFFIXES)}
-    return family.checkpoint_problem(config, layers, shapes)
+    stored = {name: source_type_and_shape(family.adapter, name, t) for _, _, _, items in plan for name, t in items}
+    shapes = {name: shape for name, (_, shape) in stored.items() if not name.endswith(SCALE_SUFFIXES)}
+    return (family.checkpoint_problem(config, layers, shapes)
+            or value_type_problem(family, {name: type_name for name, (type_name, _) in stored.items()}))
 
 
 def untie_a_stored_head(config: dict, plan) -> dict:

@@ -638,3 +638,39 @@ def _index(path: str) -> dict:
     from containers import read_parts
 
     return read_parts(path)[2]
+
+
+@pytest.mark.parametrize("name, stored_as, named", [
+    ("layers.0.attn_norm.weight", "I32", "stored as I32, not a float type"),  # had run: its bits read as numbers
+    ("layers.0.ffn.gate.weight", "I16", "stored as I16, not a float type"),  # a matmul of int16 and float: a traceback
+    ("layers.0.ffn.gate.tid2eid", "F64", "stored as F64, not an integer type")])  # float expert ids: a traceback
+def test_a_tensor_stored_in_a_type_of_other_values_than_the_model_reads_is_refused(container, source, tmp_path, name,
+                                                                                    stored_as, named):
+    """A weight stored in an integer type of its byte size (or DeepSeek-V4's hash routing table in a float type)
+    passes every checksum and shape check: the container is refused before anything is read, the checkpoint before
+    anything is written."""
+    from containers import mutate_index
+
+    from moepack.families import check_container
+    from moepack.format_spec.reader import Container
+
+    path = str(tmp_path / "t.moepack")
+    mutate_index(container, path, lambda index: next(t for t in index["tensors"] if t["name"] == name).__setitem__(
+        "dtype", stored_as))
+    with Container(path) as c, pytest.raises(MoepackError, match=f"tensor {re.escape(name)} is {named}"):
+        check_container(c)
+    if name.endswith("tid2eid"):
+        return
+    src = _checkpoint_copy(source, tmp_path)
+    shard = next(os.path.join(src, n) for n in sorted(os.listdir(src)) if n.endswith(".safetensors")
+                 and name.encode() in open(os.path.join(src, n), "rb").read(1 << 16))
+    data = bytearray(open(shard, "rb").read())
+    (n,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8:8 + n])
+    size = {"F32": 4, "BF16": 2}[header[name]["dtype"]]
+    header[name]["dtype"] = {4: "I32", 2: "I16"}[size]
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    open(shard, "wb").write(data[:8] + text + data[8 + n:])
+    _refused(run_console("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), f"tensor {name} is stored as")
+    assert not os.path.exists(tmp_path / "x.moepack")

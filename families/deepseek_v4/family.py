@@ -49,6 +49,7 @@ class DeepseekV4Family:
 
     name = "deepseek-v4"
     head_tensor = "head.weight"
+    integer_tensors = (".ffn.gate.tid2eid",)  # the hash layers' token -> experts table
     architectures = (ARCHITECTURE,)
     model_types = (MODEL_TYPE,)
     expert_naming: ExpertNaming = EXPERT_NAMING
@@ -217,6 +218,8 @@ class DeepseekV4Family:
         DeepSeek-V4 config (that this runtime computes as transformers does, unless `computable` is False), and
         every tensor that model uses in the container with the shape the config gives it (else compute would fail
         half-way or, for an optional one such as the router's bias, silently differ)."""
+        from moepack.families import value_type_problem
+
         c = container  # (its architecture is this family's: moepack.families.container_family chose it)
         try:
             cfg = ModelConfig.from_hf(c.config)
@@ -229,7 +232,8 @@ class DeepseekV4Family:
         if len(c.layers) != cfg.num_layers or any(len(b.experts) != cfg.n_routed_experts for b in c.layers):
             raise MoepackError(f"{c.path}: the container's layers/experts do not match its config "
                                f"({cfg.num_layers} layers of {cfg.n_routed_experts} experts)")
-        problem = _tensor_problem(c.config, {n: t.shape for n, t in c.tensors.items()})
+        problem = (_tensor_problem(c.config, {n: t.shape for n, t in c.tensors.items()})
+                   or value_type_problem(self, {n: t.dtype for n, t in c.tensors.items()}))
         if problem:
             raise MoepackError(f"{c.path}: {problem}")
         return cfg

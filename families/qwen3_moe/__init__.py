@@ -23,6 +23,7 @@ class Qwen3MoeFamily:
 
     name = "qwen3-moe"
     head_tensor = HEAD
+    integer_tensors = ()
     architectures = (ARCHITECTURE,)
     model_types = (MODEL_TYPE,)
     expert_naming: ExpertNaming = EXPERT_NAMING
