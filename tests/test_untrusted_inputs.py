@@ -674,3 +674,14 @@ def test_a_tensor_stored_in_a_type_of_other_values_than_the_model_reads_is_refus
     open(shard, "wb").write(data[:8] + text + data[8 + n:])
     _refused(run_console("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), f"tensor {name} is stored as")
     assert not os.path.exists(tmp_path / "x.moepack")
+
+
+@pytest.mark.parametrize("make, named", [(os.mkdir, "not a regular file (a directory)"),
+                                         (lambda p: os.symlink("nowhere", p), "no such file")])
+def test_a_tokenizer_file_that_is_not_a_file_is_refused_not_left_out(source, tmp_path, make, named):
+    """A tokenizer.json that is a directory or a link to nothing (a broken copy) had been skipped: the container
+    came out without a tokenizer, silently."""
+    src = _checkpoint_copy(source, tmp_path)
+    os.remove(os.path.join(src, "tokenizer.json"))
+    make(os.path.join(src, "tokenizer.json"))
+    _refused(run_console("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), "tokenizer.json: " + named)
