@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
     from moepack.format_spec.adapter import Adapter
 
+# Every layer's routed experts together, MTP layers included (the largest releases hold about 25,000): `plan`, `convert`
+# and the checks list each expert's tensors, so a config past it (2^31 experts in 4 layers) had run for hours.
+MAX_ROUTED_EXPERTS = 1 << 17
+
 # A tensor's role says how a runtime treats it (where it is read, whether a policy may quantize it).
 ROLE_EMBED = "embed"
 ROLE_HEAD = "head"

@@ -468,3 +468,23 @@ def test_planning_a_config_loads_no_torch():
             "print(r.exit_code, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["0", "False"], done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("family, experts_key", [("deepseek_v4", "n_routed_experts"), ("qwen3_moe", "num_experts")])
+def test_a_config_of_absurdly_many_routed_experts_is_refused_at_once(tmp_path, family, experts_key):
+    """plan (and convert, and the checks) list every routed expert's tensors: 2^31 experts in 4 layers had run for
+    hours, and Qwen3-MoE's own bounds (4096 layers of 65536 experts) allowed as many."""
+    import importlib
+    import time
+
+    from moepack.families.base import MAX_ROUTED_EXPERTS
+
+    config = importlib.import_module(f"moepack.families.{family}.synth").preset_config("tiny")
+    for experts in (1 << 31, MAX_ROUTED_EXPERTS // config["num_hidden_layers"] + 1):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**config, experts_key: experts}))
+        started = time.perf_counter()
+        r = CliRunner().invoke(cli, ["plan", str(path)])
+        assert r.exit_code == 1 and f"config.json{':' * (family == 'deepseek_v4')} {experts_key}" in r.output, r.output
+        assert time.perf_counter() - started < 5
+    assert f"{MAX_ROUTED_EXPERTS} routed experts in all" in r.output, r.output  # (2^31: past Qwen3's own bound)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from moepack.format_spec.errors import MoepackError
 
+from ..base import MAX_ROUTED_EXPERTS
 from ..rope import default_inv_freq, yarn_attention_factor, yarn_inv_freq
 
 if TYPE_CHECKING:
@@ -385,6 +386,10 @@ class ModelConfig:
         n = geometry["num_layers"]
         heads, head_dim = f.int("num_attention_heads"), geometry["head_dim"]
         o_groups, experts = f.int("o_groups"), f.int("n_routed_experts")
+        blocks = n + len(mtp_layer_types(config))
+        if experts * blocks > MAX_ROUTED_EXPERTS:
+            _fail("n_routed_experts", f"at most {MAX_ROUTED_EXPERTS // blocks} in {blocks} layers (MTP included): "
+                                      f"{MAX_ROUTED_EXPERTS} routed experts in all", experts)
         if heads % o_groups:
             _fail("o_groups", f"a divisor of num_attention_heads ({heads})", o_groups)
         top_k = f.int("num_experts_per_tok", 1, experts)

@@ -15,7 +15,7 @@ from typing import Any
 
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range
 
-from ..base import MoeShape
+from ..base import MAX_ROUTED_EXPERTS, MoeShape
 from ..rope import RopeScaling, yarn_attention_factor
 
 MODEL_TYPE = "qwen3_moe"
@@ -156,6 +156,9 @@ class Qwen3MoeConfig:
         experts_key = "num_local_experts" if raw.get("num_local_experts") is not None else "num_experts"
         experts = int_in_range(raw.get(experts_key, DEFAULTS["num_experts"]), f"config.json {experts_key}", 1,
                                MAX_EXPERTS)
+        if experts * layers > MAX_ROUTED_EXPERTS:
+            raise UntrustedInputError(f"config.json {experts_key}: at most {MAX_ROUTED_EXPERTS // layers} in "
+                                      f"{layers} layers ({MAX_ROUTED_EXPERTS} routed experts in all), got {experts}")
         top_k = _int(raw, "num_experts_per_tok", 1, experts)
         only = raw.get("mlp_only_layers") or []
         if not isinstance(only, list) or len(only) > layers:
