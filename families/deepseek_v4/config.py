@@ -50,7 +50,7 @@ DEFAULT_PARTIAL_ROTARY_FACTOR = 64 / 512  # qk_rope_head_dim / head_dim of V4-Fl
 # transformers defaults to 1 MTP layer; moepack has always counted none unless the config says (the runtime never
 # runs them, and sizes / synthetic checkpoints of a config without the key stay as they were).
 DEFAULT_MTP_LAYERS = 0
-MAX_LAYERS = 1 << 16  # far beyond any model: bounds the per-layer lists a hostile config can make a reader build
+MAX_LAYERS = 1 << 12  # far beyond any model (61): bounds the per-layer lists a hostile config can make a reader build
 INT_MAX = (1 << 63) - 1  # JSON integers beyond int64 are no sizes (and overflow float arithmetic)
 MAX_FLOAT = 1e38  # the runtime computes in float32 (largest 3.4e38): a larger value would overflow there
 MAX_SINKHORN_ITERS = 1000  # V4 uses 20; a count is work per token per layer, and no size check bounds it
