@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from moepack.families import check_container
 from moepack.format_spec.decode import companion_names, decode_group, is_companion
 from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
 from moepack.format_spec.files import check_free_space, remove_stale_temporaries, temporary_prefix
@@ -61,6 +62,7 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
     if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
         raise MoepackError(f"{out_dir} exists and is not empty")
     with Container(path) as c:
+        check_container(c, computable=False)  # a model verify refuses (a tensor unlike its config) goes no further
         # every weight comes out dequantized (its scales go into it): elements x the dtype's size
         element_bytes = torch.empty((), dtype=torch_dtype).element_size()
         weights = sum(t.numel for t in c.tensors.values() if not is_companion(t.name, c.tensors))

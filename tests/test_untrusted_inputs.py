@@ -685,3 +685,17 @@ def test_a_tokenizer_file_that_is_not_a_file_is_refused_not_left_out(source, tmp
     os.remove(os.path.join(src, "tokenizer.json"))
     make(os.path.join(src, "tokenizer.json"))
     _refused(run_console("convert", src, "-o", str(tmp_path / "x.moepack"), "--q8"), "tokenizer.json: " + named)
+
+
+def test_an_hf_export_refuses_a_container_verify_refuses(container, tmp_path):
+    """The export's checksums pass a tensor stored unlike its config (an I32 norm, a shape of another model): it had
+    gone on into a checkpoint transformers then reads as it finds it."""
+    from containers import mutate_index
+
+    def norm_as_int32(index):
+        next(t for t in index["tensors"] if t["name"] == "layers.0.attn_norm.weight")["dtype"] = "I32"
+
+    path = str(tmp_path / "t.moepack")
+    mutate_index(container, path, norm_as_int32)
+    _refused(run_console("export", path, "-o", str(tmp_path / "hf")), "layers.0.attn_norm.weight is stored as I32")
+    assert not (tmp_path / "hf").exists()
