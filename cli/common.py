@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import click
 
 from moepack.format_spec.errors import MoepackError, error_reason
+from moepack.format_spec.files import refuse_replacing_a_special_file
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
@@ -110,6 +111,7 @@ def refuse_existing(force: bool, *paths: str | None, inputs: tuple = (), writes:
         if not path:  # not the current directory: an empty name is a script's missing variable
             raise MoepackError("an output path is empty")
         refuse_replacing_an_input(path, inputs, writes)
+        refuse_replacing_a_special_file(path)
         if force or not os.path.lexists(path):
             continue
         if os.path.isdir(path) and not os.path.islink(path):

@@ -29,6 +29,19 @@ def not_regular(mode: int) -> str | None:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def refuse_replacing_a_special_file(path: str) -> None:
+    """Outputs are written under a temporary name and renamed over their path: one that is a device, a FIFO or a
+    socket (`--logits-out /dev/null --force`, as root) would itself be replaced by a file. A link is replaced, never
+    what it points to."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    if not (stat.S_ISDIR(mode) or stat.S_ISLNK(mode)) and (kind := not_regular(mode)):
+        raise MoepackError(f"{path} is {kind}: an output is renamed over its path, which would replace it by a file "
+                           "(--force or not)")
+
+
 def open_regular(path: str, missing: str | None = None) -> int:
     """A read-only descriptor of the regular file `path`; FormatError naming it otherwise (`missing`: the message
     where it does not exist). Opened non-blocking, so a FIFO is refused instead of waited on."""

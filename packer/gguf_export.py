@@ -48,8 +48,8 @@ from moepack.format_spec import untrusted
 from moepack.format_spec.decode import decode_float, decode_tensor, scale_name, tensor_scale_name
 from moepack.format_spec.decode import tensor_scale_value
 from moepack.format_spec.errors import MoepackError, error_reason, is_disk_full
-from moepack.format_spec.files import (check_free_space, plain_file_mode, remove_stale_temporaries, short_write_reason,
-                                         temporary_prefix)
+from moepack.format_spec.files import (check_free_space, plain_file_mode, refuse_replacing_a_special_file,
+                                       remove_stale_temporaries, short_write_reason, temporary_prefix)
 from moepack.format_spec.generation_config import GENERATION_CONFIG, gguf_sampling_keys
 from moepack.format_spec.quants import fp4_to_mxfp4, quantize
 from moepack.format_spec.reader import Container
@@ -352,6 +352,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
         outputs = [out_file] if split_max_size is None else [split_name(out_file, i + 1, len(shards))
                                                              for i in range(len(shards))]
         for name in outputs:
+            refuse_replacing_a_special_file(name)
             if os.path.isdir(name) or os.path.exists(name) and not force:
                 raise MoepackError(f"{name} exists")
         remove_stale_temporaries(parent, EXPORT_TEMPORARIES)  # what a killed export left: its space counts

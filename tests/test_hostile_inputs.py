@@ -454,3 +454,27 @@ def test_input_files_read_as_the_server_reads_requests(tmp_path, container):
     for flag, path in (("--messages", "dup.json"), ("--prompts-file", "dup.jsonl")):
         code, out = generate(flag, str(tmp_path / path))
         assert code == 1 and "given twice" in out["error"] and "\n" not in out["error"], out
+
+
+def test_force_never_renames_a_file_over_a_device_or_a_fifo(tmp_path, container):
+    """Outputs are renamed over their path: `--logits-out /dev/null --force` run as root had replaced the device node
+    by a file (here a FIFO stands for it). Refused before any work, the FIFO left as it was; the CLI's rule and the
+    gguf exporter's own check of its split names alike."""
+    import stat
+
+    from moepack.packer.gguf_export import export_gguf
+
+    src = os.path.join(os.path.dirname(container), "src")
+    fifo = str(tmp_path / "out")
+    os.mkfifo(fifo)
+    for args in (["prefill", container, "-p", "hi", "--logits-out", fifo], ["convert", src, "-o", fifo, "--q8"],
+                 ["export", container, "--format", "gguf", "-o", fifo]):
+        r = CliRunner().invoke(cli, [*args, "--force"])
+        assert r.exit_code == 1 and f"{fifo} is a FIFO or pipe: an output is renamed over its path" in r.output, \
+            r.output
+    split = str(tmp_path / "m-00001-of-00001.gguf")
+    os.mkfifo(split)
+    pytest.importorskip("gguf")
+    with pytest.raises(MoepackError, match="m-00001-of-00001.gguf is a FIFO or pipe"):
+        export_gguf(container, str(tmp_path / "m.gguf"), progress=False, split_max_size=1 << 40, force=True)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISFIFO(os.stat(split).st_mode)
