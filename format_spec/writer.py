@@ -32,7 +32,7 @@ import zstandard
 from . import untrusted
 from .dtypes import tensor_nbytes
 from .errors import MoepackError, is_disk_full
-from .files import exclusive_lock, release_lock
+from .files import exclusive_lock, refuse_replacing_a_special_file, release_lock
 from .layout import (
     ALIGNMENT, CODEC_ZSTD, DEFAULT_STRIPE_EXPERTS, FORMAT_MAJOR, FORMAT_MINOR, FORMAT_MINOR_PARTS, HEADER_SIZE,
     MAX_PARTS, TENSOR_ALIGNMENT, Header, PartHeader, align_up, layer_count_problem, parse_block_name, part_path,
@@ -334,6 +334,8 @@ def _plan_outputs(path: str, parts: int, stripe_experts: int, part_dirs: dict[in
             outputs.append(_PartOutput(link, None))
         else:
             outputs.append(_PartOutput(os.path.join(os.path.abspath(directory), os.path.basename(link)), link))
+    for output in outputs:  # (the API's callers too: the CLI refuses these before any work)
+        refuse_replacing_a_special_file(output.final_path)
     return outputs
 
 

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from moepack.format_spec.errors import MoepackError, error_reason
-from moepack.format_spec.files import plain_file_mode
+from moepack.format_spec.files import plain_file_mode, refuse_replacing_a_special_file
 from moepack.format_spec.writer import fsync_file
 
 
@@ -16,6 +16,7 @@ def check_output_path(path: str) -> None:
     """Refuse, before any work, an output file that could not be written: a directory, or a folder that is not
     there or not writable (else a long prefill would end in the error)."""
     parent = os.path.dirname(os.path.abspath(path))
+    refuse_replacing_a_special_file(path)
     if os.path.isdir(path):
         raise MoepackError(f"cannot write {path}: it is a directory")
     if not os.path.isdir(parent):

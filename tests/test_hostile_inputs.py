@@ -477,4 +477,10 @@ def test_force_never_renames_a_file_over_a_device_or_a_fifo(tmp_path, container)
     pytest.importorskip("gguf")
     with pytest.raises(MoepackError, match="m-00001-of-00001.gguf is a FIFO or pipe"):
         export_gguf(container, str(tmp_path / "m.gguf"), progress=False, split_max_size=1 << 40, force=True)
+    from moepack.format_spec.writer import ContainerWriter
+    from moepack.runtime.outputs import check_output_path
+
+    for api_call in (ContainerWriter, check_output_path):  # the API's callers, whom no CLI checked for
+        with pytest.raises(MoepackError, match="is a FIFO or pipe"):
+            api_call(fifo)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISFIFO(os.stat(split).st_mode)
