@@ -1123,6 +1123,14 @@ class ChoiceStream:
     logprobs: Callable[[list[TokenLogprob]], dict]
 
 
+def client_gone() -> RequestError:
+    """A generation stopped because its client's connection closed: a client that only half-closed it
+    (shutdown(SHUT_WR)) reads this; a FIN is all a vanished one sends too, so either stops its generation."""
+    return RequestError("the client closed its connection (or its sending side) before the answer: a generation "
+                        "stops when its client's side closes; keep the connection open until the answer",
+                        code="client_gone")
+
+
 def _internal_error() -> RequestError:
     return RequestError("internal server error (see the server's log)", status=500, kind="server_error",
                         code="internal_error")
@@ -1306,7 +1314,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     async def finished_job(request, job: Job, future) -> list[GenerateResult]:
         results = await wait_job(request, job, future)
         if results is None:
-            raise server.stopped_error(RequestError("the client went away", code="client_gone"))
+            raise server.stopped_error(client_gone())
         return results
 
     def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, head: dict):
@@ -1344,8 +1352,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     try:
                         kind, i, piece = await asyncio.wait_for(queue.get(), timeout=POLL_S)
                     except asyncio.TimeoutError:
-                        if await request.is_disconnected():
+                        if await request.is_disconnected():  # a client that only half-closed reads why
                             job.cancelled = True
+                            yield f"data: {json.dumps(client_gone().body())}\n\ndata: [DONE]\n\n"
                             return
                         continue
                     if kind == "token":
@@ -1395,7 +1404,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         value, the memory check) is the request's 4xx."""
         result = await wait_job(request, job, future, until=job.began)
         if result is None and future.done() and not job.began.is_set():
-            raise server.stopped_error(RequestError("the client went away", code="client_gone"))
+            raise server.stopped_error(client_gone())
         return streamed(request, job, future, choices, include_usage, head)
 
     def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict]):
@@ -1580,6 +1589,7 @@ def uvicorn_config(app, limits: ServerLimits | None = None, **kw):
     connection is closed (half-sent requests do not pile up), and past limits.max_connections open connections a
     503 with Retry-After (and such a connection gets OVER_LIMIT_HEADER_S for its request). `kw`: more of
     uvicorn.Config's arguments."""
+    import h11
     import uvicorn
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -1597,8 +1607,47 @@ def uvicorn_config(app, limits: ServerLimits | None = None, **kw):
 
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
-            self._app = self.app
+            self._inner_app = self.app
+            self._app = self._app_seeing_half_close
+            self._half_closed = False
             self._header_timer: asyncio.TimerHandle | None = None
+
+        def eof_received(self) -> bool | None:
+            # a client that half-closes (shutdown(SHUT_WR)) once its request is sent may still read: the
+            # connection stays open for the answer (uvicorn closed it: no answer at all). The app sees the client
+            # gone (a vanished client's FIN looks the same), so a generation stops; what it answers still arrives.
+            if self.cycle is None or self.cycle.response_complete or self.conn.their_state is not h11.DONE:
+                return None  # between requests, or a request cut short: closed as uvicorn does
+            self._half_closed = True
+            self.cycle.keep_alive = False  # closed once the answer is written
+            self.cycle.message_event.set()  # a receive() waiting wakes to see it
+            return True
+
+        async def _app_seeing_half_close(self, scope, receive, send):
+            body_read = False  # the body's bytes come first: they arrived before the half-close
+
+            async def receive_or_gone():
+                nonlocal body_read
+                if body_read and self._half_closed:
+                    return {"type": "http.disconnect"}
+                message = await receive()
+                body_read = body_read or (message["type"] == "http.request" and not message.get("more_body"))
+                return message
+
+            stream_open = False  # a streamed answer begun and not ended
+
+            async def sending(message):
+                nonlocal stream_open
+                if message["type"] == "http.response.start":
+                    stream_open = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                      for k, v in message.get("headers", []))
+                elif not message.get("more_body"):
+                    stream_open = False
+                await send(message)
+            await self._inner_app(scope, receive_or_gone, sending)
+            if stream_open and self._half_closed:  # Starlette stops a stream whose client is gone mid-write
+                end = f"data: {json.dumps(client_gone().body())}\n\ndata: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": end.encode(), "more_body": False})
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)

@@ -267,6 +267,33 @@ def test_half_sent_requests_are_closed_and_do_not_hold_the_server(server):
     _answers(server)
 
 
+def _half_closed(running, method: str, path: str, body: dict | None = None) -> bytes:
+    """What a client that sends its request and then shuts down its sending side (SHUT_WR) reads."""
+    content = json.dumps(body).encode() if body is not None else b""
+    with socket.create_connection(("127.0.0.1", running.port), timeout=10) as s:
+        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(content)}\r\n\r\n".encode() + content)
+        s.shutdown(socket.SHUT_WR)
+        return _closed_within(s, 5)
+
+
+def test_a_client_that_half_closes_after_its_request_reads_its_answer(server):
+    """A client that shuts down its sending side once its request is sent (nc -N, HTTP/1.0-style scripts) had
+    its connection closed without a word. It reads its answer: a 4xx, a quick GET; a generation stops as for a
+    client gone (its FIN is all a vanished client sends too): a whole answer whose finish is `cancelled`, or a
+    stream's error event and [DONE], never a stream cut short."""
+    assert _half_closed(server, "GET", "/health").startswith(b"HTTP/1.1 200")
+    reply = _half_closed(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": -1})
+    assert reply.startswith(b"HTTP/1.1 400") and b'"param":"max_tokens"' in reply
+    reply = _half_closed(server, "POST", "/v1/completions", {**GOOD, "max_tokens": 200})
+    assert reply.startswith(b"HTTP/1.1 200") and json.loads(reply.partition(b"\r\n\r\n")[2])["choices"]
+    reply = _half_closed(server, "POST", "/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200, "stream": True})
+    assert reply.startswith(b"HTTP/1.1 200") and b'"code": "client_gone"' in reply
+    assert reply.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # the chunked body ended, not cut
+    _answers(server)
+
+
 def test_a_body_that_stops_coming_is_408(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
