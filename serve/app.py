@@ -86,6 +86,7 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the request's temperature: 0 for 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 MAX_BODY_DEPTH = 32  # a request body nests a few levels (messages, their content parts)
 OVER_LIMIT_HEADER_S = 2.0  # a connection past --max-connections: its request must come this fast (then 503)
+ADMIT_GRACE_S = 2 * POLL_S  # a request meeting a full queue waits this long for a place before its 429
 LINGER_BYTES = 16 << 20  # a body declared at most this far over --max-body-mb is read and dropped before its 413
 RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and of too many connections
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
@@ -213,6 +214,7 @@ class Job:
     queue: asyncio.Queue | None = None  # a streamed job's (kind, choice, piece) events
     began: asyncio.Event | None = None  # a streamed job's on_start, on the event loop
     cancelled: bool = False  # its client went away
+    holds_place: bool = True  # its --max-queue place, given back once (its client gone, or its run over)
     timed_out: bool = False
     started: bool = False
     first_token_s: float | None = None  # from its arrival to its first generation's first token (the log line's)
@@ -887,8 +889,26 @@ class Server:
                                    code="queue_full")
             self.admitted += 1
 
-    def release(self) -> None:
+    async def admit_soon(self) -> None:
+        """A --max-queue place, waiting up to ADMIT_GRACE_S for one: a vanished client's place is given back once
+        its handler sees it gone (within POLL_S), so a request that follows it at once is not refused for it."""
+        deadline = time.monotonic() + ADMIT_GRACE_S
+        while True:
+            try:
+                return self.admit()
+            except RequestError:
+                if time.monotonic() >= deadline or self.closing.is_set():
+                    raise
+            await asyncio.sleep(ADMIT_GRACE_S / 20)
+
+    def release(self, job: Job | None = None) -> None:
+        """Give back a --max-queue place; a job's only once (when its client leaves, its run may go on until its
+        next layer or token: the place is free at once)."""
         with self.lock:
+            if job is not None:
+                if not job.holds_place:
+                    return
+                job.holds_place = False
             self.admitted -= 1
 
     def run(self, job: Job) -> list[GenerateResult] | None:
@@ -935,7 +955,7 @@ class Server:
                      + (f" (at {where.filename}:{where.lineno})" if where else ""))
             raise
         finally:
-            self.release()
+            self.release(job)
 
     def skipped(self, job: Job) -> None:
         """A job stopped before any of its choices started: logged, nothing run."""
@@ -1241,7 +1261,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         """A /tokenize-like request: auth, a --max-queue place (a 4 MB text's encoding is seconds of work), the
         body read, then parsed, answered and written out as JSON on a worker thread, never on the event loop."""
         server.check_auth(request)
-        server.admit()
+        await server.admit_soon()
         try:
             raw = await server.read_body(request)
             content = await run_in_threadpool(lambda: json_body(answer(server.small_body(raw, fields))))
@@ -1254,7 +1274,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         to the worker: (prepared, job, its concurrent future). The slot is the worker's to free from then on."""
         server.check_auth(request)
         arrived = time.monotonic()
-        server.admit()
+        await server.admit_soon()
         try:
             raw = await server.read_body(request)
             prepared = await run_in_threadpool(server.prepare, raw, chat)
@@ -1292,9 +1312,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     return None
                 if await request.is_disconnected():
                     job.cancelled = True
-                    if future.cancel():  # still waiting for the worker: never run, its --max-queue place free now
+                    server.release(job)  # its place free now (a run stops at its next layer or token)
+                    if future.cancel():  # still waiting for the worker: never run
                         server.skipped(job)
-                        server.release()
                         return None
         finally:
             for w in waits - {wrapped}:
@@ -1354,6 +1374,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     except asyncio.TimeoutError:
                         if await request.is_disconnected():  # a client that only half-closed reads why
                             job.cancelled = True
+                            server.release(job)
                             yield f"data: {json.dumps(client_gone().body())}\n\ndata: [DONE]\n\n"
                             return
                         continue
@@ -1394,6 +1415,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             finally:
                 if not future.done():
                     job.cancelled = True  # the client went away (or the response was torn down)
+                    server.release(job)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})

@@ -294,6 +294,30 @@ def test_a_client_that_half_closes_after_its_request_reads_its_answer(server):
     _answers(server)
 
 
+def test_requests_right_behind_vanished_clients_are_not_refused_below_max_queue(server):
+    """--max-queue 4: four clients send a generation and vanish (running, or waiting for the worker); two
+    requests sent the moment after are both served: the vanished ones' places had been held until their handlers
+    saw them gone (a poll) and their runs stopped (a layer, a token), and the two met a 429."""
+    def request(body: dict) -> bytes:
+        content = json.dumps(body).encode()
+        return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close"
+                b"\r\nContent-Length: %d\r\n\r\n" % len(content) + content)
+    gone = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(4)]
+    following = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(2)]
+    for s in gone:
+        s.sendall(request({"prompt": "x " * 20, "max_tokens": 200, "temperature": 1}))
+    deadline = time.monotonic() + 10
+    while server.state.admitted < 4:
+        assert time.monotonic() < deadline, server.state.admitted
+        time.sleep(0.01)
+    for s in gone:
+        s.close()
+    for s in following:
+        s.sendall(request(GOOD))
+    replies = [_closed_within(s, 10) for s in following]
+    assert all(reply.startswith(b"HTTP/1.1 200") for reply in replies), replies
+
+
 def test_a_body_that_stops_coming_is_408(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
