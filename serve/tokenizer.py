@@ -198,6 +198,7 @@ class ChatInputError(MoepackError):
 # `refusal`, `audio`: only null); tools / response_format on a system or developer message: the release's own
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal", "audio",
                 "tools", "response_format", "task", "wo_eos"}
+TEXT_MESSAGE_KEYS = ("name", "tool_call_id")  # read as text or not at all: another type was dropped without a word
 
 
 def check_message_keys(messages: list) -> None:
@@ -210,6 +211,9 @@ def check_message_keys(messages: list) -> None:
             if key not in MESSAGE_KEYS or (key in ("refusal", "audio") and value is not None):
                 raise ChatInputError(f"messages[{i}].{str(key)[:40]}: not a message field moepack renders",
                                      "messages", "unknown_field")
+            if key in TEXT_MESSAGE_KEYS and not isinstance(value, str):  # OpenAI types them so: no client's intent
+                raise ChatInputError(f"messages[{i}].{key}: expected a string, got {json.dumps(value)[:40]}",
+                                     "messages", "invalid_type")
 
 
 NOT_A_CONVERSATION = "messages: expected a non-empty list of {role, content} objects"

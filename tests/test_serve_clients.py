@@ -138,6 +138,10 @@ def test_stream_options_and_message_keys_are_checked(server):
     named = c.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x",
                                                                                "name": "ann"}])
     assert named.choices[0].message.role == "assistant"
+    for key, value in (("name", 5), ("tool_call_id", {"id": "x"})):  # OpenAI's are strings: dropped, had been 200s
+        message = _bad(lambda: c.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": "x"}, {"role": "tool", "content": "r", key: value}]), "messages")
+        assert message.startswith(f"messages[1].{key}: expected a string")
 
 
 def test_accepted_no_op_fields(server):
