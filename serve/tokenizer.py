@@ -211,7 +211,8 @@ def check_message_keys(messages: list) -> None:
             if key not in MESSAGE_KEYS or (key in ("refusal", "audio") and value is not None):
                 raise ChatInputError(f"messages[{i}].{str(key)[:40]}: not a message field moepack renders",
                                      "messages", "unknown_field")
-            if key in TEXT_MESSAGE_KEYS and not isinstance(value, str):  # OpenAI types them so: no client's intent
+            if key in TEXT_MESSAGE_KEYS and not isinstance(value, (str, type(None))):  # OpenAI types them so (null:
+                # unset, as some clients send it)
                 raise ChatInputError(f"messages[{i}].{key}: expected a string, got {json.dumps(value)[:40]}",
                                      "messages", "invalid_type")
 
