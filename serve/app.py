@@ -44,7 +44,8 @@ Errors a request causes: 4xx with OpenAI's error object {"error": {"message", "t
 method no endpoint serves included (404 / 405), and a body not sent as UTF-8 JSON (415: another charset, a
 Content-Encoding). Anything else: 500, one log line, and the server goes on. A streamed answer's include_usage is
 OpenAI's: usage null on every chunk, then a chunk of its own (choices []) with the request's usage. A browser's
-page may call the API only from an origin `allowed_origins` names (CORS; none by default: its preflight is a 403).
+page may call the API only from an origin `allowed_origins` names (CORS; none by default: its preflight, and any
+request with an Origin header not named, is a 403).
 """
 
 from __future__ import annotations
@@ -1190,9 +1191,21 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             server.log(f"moepack serve: internal error: {type(e).__name__}: {e}")
         return _internal_error()
 
+    def check_origin(request) -> None:
+        """A browser's request from a web page carries its Origin: one --allowed-origin does not name is a 403
+        before any work. (Without a preflight, a page of any site could otherwise have a local server generate for
+        it, a form's text/plain POST: unread, but run; no same-host exception, which DNS rebinding would forge.)
+        Other clients (curl, the SDKs) send no Origin."""
+        origin = request.headers.get("origin")
+        if origin is None or "*" in allowed_origins or origin in allowed_origins:
+            return
+        raise RequestError(f"a web page of origin {origin[:100]!r} may not call this server: start moepack serve "
+                           "with --allowed-origin ORIGIN for it", code="cors_not_allowed", status=403)
+
     def handles_errors(fn, path: str):
         async def endpoint(request):
             try:
+                check_origin(request)
                 response = await fn(request)
             except Exception as e:
                 response = error_response(as_request_error(e))

@@ -947,9 +947,15 @@ def test_a_browser_client_is_served_from_the_origins_allowed_and_told_the_flag_e
     answers carry the headers the page needs to read them (streamed ones too)."""
     error = _error_of(_preflight(server.url, "http://ui.example"), 403)
     assert error["code"] == "cors_not_allowed" and "--allowed-origin" in error["message"]
-    plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
-                       headers={"Origin": "http://ui.example"}, timeout=TIMEOUT)
-    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+    # nor does a page run a generation without a preflight (a form's text/plain POST: unread, but it would run)
+    for content_type in ("application/json", "text/plain"):
+        plain = httpx.post(f"{server.url}/v1/completions", content=json.dumps({"prompt": [1, 2], "max_tokens": 1}),
+                           headers={"Origin": "http://ui.example", "Content-Type": content_type}, timeout=TIMEOUT)
+        error = _error_of(plain, 403)
+        assert error["code"] == "cors_not_allowed" and "--allowed-origin" in error["message"]
+        assert "access-control-allow-origin" not in plain.headers
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
+                      timeout=TIMEOUT).status_code == 200  # (no Origin: not a browser's page)
 
     allowing = Running(make_app(server.generator, "tiny", log=lambda line: None,
                                 allowed_origins=("http://ui.example",)))
@@ -959,6 +965,9 @@ def test_a_browser_client_is_served_from_the_origins_allowed_and_told_the_flag_e
         assert "POST" in ok.headers["access-control-allow-methods"]
         assert "authorization" in ok.headers["access-control-allow-headers"].lower()
         assert _preflight(allowing.url, "http://elsewhere.example").status_code == 400
+        elsewhere = httpx.post(f"{allowing.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
+                               headers={"Origin": "http://elsewhere.example"}, timeout=TIMEOUT)
+        assert _error_of(elsewhere, 403)["code"] == "cors_not_allowed"
         body = {"messages": CHAT, "max_tokens": 1, "stream": True}
         with httpx.stream("POST", f"{allowing.url}/v1/chat/completions", json=body, timeout=TIMEOUT,
                           headers={"Origin": "http://ui.example"}) as r:
