@@ -143,8 +143,9 @@ def _assistant_message(text: str, thinking: bool | None, chat_encoding) -> dict:
 @reports_errors(out_of_memory_hint="lower --cache-gib or --max-new-tokens, or /reset the conversation")
 def chat(file, system, thinking, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, run, as_json):
     """Chat with the model in FILE in the terminal: each reply streams as it is generated; the conversation is kept
-    (encoded as the model's chat: its family's chat encoding, or its chat template) until /reset. /exit or Ctrl-D leaves; Ctrl-C stops a reply, which stays in the
-    history as far as it was shown. With --json each reply is one JSON line instead of streamed text."""
+    (encoded as the model's chat: its family's chat encoding, or its chat template) until /reset. /exit or Ctrl-D
+    leaves; Ctrl-C stops a reply, which stays in the history as far as it was shown. With --json each reply is one
+    JSON line instead of streamed text."""
     from moepack.runtime.generate import GenerateOptions
 
     check_container_path(file)

@@ -284,8 +284,10 @@ class CheckpointDir(LocalSource):
         for name in TOKENIZER_FILES:
             p = os.path.join(self.path, name)
             if not os.path.lexists(p):
-                continue  # (one there that is not a file, a link to nothing, is refused: skipped, it had left the
-            data = untrusted.read_bounded(p, MAX_SMALL_JSON_BYTES)  # container without a tokenizer, silently)
+                continue
+            # one there that is not a file (or a link to nothing) is refused by the read: skipped, it had left the
+            # container without its tokenizer, silently
+            data = untrusted.read_bounded(p, MAX_SMALL_JSON_BYTES)
             if len(data) > MAX_SMALL_JSON_BYTES:
                 raise MoepackError(f"{p}: more than {MAX_SMALL_JSON_BYTES} bytes (the limit of a tokenizer file)")
             try:
