@@ -9,11 +9,15 @@ from __future__ import annotations
 import math
 
 GENERATION_CONFIG = "generation_config.json"
+# the largest values the GGUF keys' types hold (a larger one had failed the export's write in a traceback)
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = (1 << 31) - 1
 # each field: what a value must be, the test, its GGUF key and type (gguf-py's add_sampling_*)
 SAMPLING_FIELDS = {
-    "temperature": ("a number >= 0", lambda v: v >= 0, "general.sampling.temp", "float32"),
+    "temperature": ("a number in [0, 3.4e38]", lambda v: 0 <= v <= FLOAT32_MAX, "general.sampling.temp", "float32"),
     "top_p": ("a number in (0, 1]", lambda v: 0 < v <= 1, "general.sampling.top_p", "float32"),
-    "top_k": ("an integer >= 0", lambda v: isinstance(v, int) and v >= 0, "general.sampling.top_k", "int32"),
+    "top_k": (f"an integer in [0, {INT32_MAX}]", lambda v: isinstance(v, int) and 0 <= v <= INT32_MAX,
+              "general.sampling.top_k", "int32"),
 }
 
 

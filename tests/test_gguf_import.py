@@ -90,6 +90,25 @@ def test_round_trip_keeps_every_tensor_and_key(exported, tmp_path):
     assert written["general.sampling.top_k"] == 20 and written["general.sampling.temp"] == pytest.approx(0.6)
 
 
+@pytest.mark.parametrize("generation, kept", [
+    ({"temperature": 1e39, "top_p": 0.9, "top_k": 1 << 31}, {"general.sampling.top_p"}),  # past float32 / int32
+    ({"temperature": 3e38, "top_k": (1 << 31) - 1}, {"general.sampling.temp", "general.sampling.top_k"}),
+])
+def test_a_recommended_sampling_past_its_gguf_type_is_left_out(generation, kept):
+    """A generation_config.json value the GGUF key's type cannot hold is left out (with the server's warning), not
+    a struct error when the export writes it; what is written packs as gguf-py packs it."""
+    import gguf
+
+    from moepack.format_spec.generation_config import gguf_sampling_keys, recommended_sampling
+
+    keys = gguf_sampling_keys(generation)
+    assert {key for key, _, _ in keys} == kept
+    assert len(recommended_sampling(generation)[1]) == len(generation) - len(kept)
+    writer = gguf.GGUFWriter(None, "deepseek4")
+    for key, kind, value in keys:
+        writer._pack_val(value, getattr(gguf.GGUFValueType, kind.upper()), add_vtype=True)
+
+
 def test_imported_container_runs_the_same_model(tmp_path):
     """`--fp4` stores exactly llama.cpp's blocks (Q8_0, MXFP4): through a GGUF and back, the prefill's logits and
     the tokenizer's ids are the original container's."""
