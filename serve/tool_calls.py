@@ -214,26 +214,35 @@ def _tagged_call(block: str) -> dict | None:
     return openai_call(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False))
 
 
-def _inside_json_string(text: str) -> bool:
-    """Whether JSON text cut at its end is inside a string (an odd count of unescaped quotes)."""
-    inside = escaped = False
-    for ch in text:
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = inside
-        elif ch == '"':
-            inside = not inside
-    return inside
+class _BlockEnd:
+    """Where an open `<tool_call>` block's text ends: its first CALL_CLOSE outside the call's JSON strings (an
+    argument may spell the tag: code, a prompt template). Read on from where the last piece stopped: the block
+    re-read whole at every piece had taken seconds of the event loop once an argument spelled the tag early."""
 
+    def __init__(self):
+        self.read = 0  # the block's text read so far (up to a tag found inside a string)
+        self.inside = self.escaped = False  # there: inside a string, after its backslash
+        self.next_tag = 0  # where a tag not yet judged may start
 
-def _block_end(block: str) -> int:
-    """Where a `<tool_call>` block's text ends: its first CALL_CLOSE outside the call's JSON strings (an argument
-    may spell the tag: code, a prompt template); -1 while none came."""
-    end = block.find(CALL_CLOSE)
-    while end >= 0 and _inside_json_string(block[:end]):
-        end = block.find(CALL_CLOSE, end + 1)
-    return end
+    def _inside_string_at(self, text: str, end: int) -> bool:
+        inside, escaped = self.inside, self.escaped
+        for ch in text[self.read:end]:  # (an odd count of unescaped quotes: inside a string)
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = inside
+            elif ch == '"':
+                inside = not inside
+        self.read, self.inside, self.escaped = end, inside, escaped
+        return inside
+
+    def find(self, block: str) -> int:
+        """The block's end in `block` (the block's text so far), -1 while none came."""
+        end = block.find(CALL_CLOSE, self.next_tag)
+        while end >= 0 and self._inside_string_at(block, end):
+            self.next_tag = end + 1
+            end = block.find(CALL_CLOSE, self.next_tag)
+        return end
 
 
 class TaggedCallSplitter:
@@ -251,6 +260,7 @@ class TaggedCallSplitter:
         self.held = ""  # content held back: whitespace and what may begin CALL_OPEN
         self.space = ""  # the whitespace before the open block (content again if the block makes no call)
         self.block: str | None = None  # the open block's text so far
+        self.block_end = _BlockEnd()  # where it ends
         self.after_call = False  # the whitespace after a call's block is still its markup
         self.shown = False  # some content came out: the whitespace after a call then parts it from what follows
         self.calls = 0
@@ -299,8 +309,9 @@ class TaggedCallSplitter:
                 content = shown.rstrip()
                 out += self._content(content)
                 self.space, self.block, piece = shown[len(content):], "", after
+                self.block_end = _BlockEnd()
             self.block += piece
-            end = _block_end(self.block)
+            end = self.block_end.find(self.block)
             if end < 0:
                 return out
             block, piece, self.block = self.block[:end], self.block[end + len(CALL_CLOSE):], None

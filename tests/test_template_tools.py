@@ -183,6 +183,23 @@ def test_tool_call_blocks_split_whole_and_streamed(answer, content, calls):
     assert text == (content or None if calls else content) and len(whole) == len(calls)
 
 
+def test_a_long_argument_spelling_the_closing_tag_streams_in_linear_time():
+    """A long argument (a file of code) that spells `</tool_call>` and goes on is read once, not again up to that
+    tag at every piece: the stream's splitter runs on the event loop (40,000 characters, then 5,000 pieces: 8 s had
+    gone to re-reading them)."""
+    import time
+
+    splitter = TaggedCallSplitter()
+    start = time.monotonic()
+    splitter.feed('<tool_call>\n{"name": "write", "arguments": {"code": "' + "x" * 40_000 + "</tool_call>")
+    for _ in range(5_000):
+        assert not splitter.feed('ab\\"')  # (an escaped quote: still inside the string)
+    events = splitter.feed('"}}\n</tool_call>')
+    assert time.monotonic() - start < 1.0
+    assert [k for k, _ in events] == ["tool_call"]
+    assert json.loads(events[0][1]["function"]["arguments"])["code"].startswith("x" * 40_000 + "</tool_call>")
+
+
 def test_parallel_false_keeps_the_first_call_and_a_prefill_opens_the_block():
     answer = ANSWERS[1][0]
     assert [v["function"]["name"] for k, v in _split([answer], parallel=False) if k == "tool_call"] == ["get_weather"]
