@@ -108,10 +108,12 @@ def _check_prompt_choice(prompts: tuple, prompt_file, token_ids_file, messages_f
     if sum(given) > 1:
         raise click.UsageError("give at most one of --prompt, --prompt-file, --token-ids, --messages, --chat, "
                                "--prompts-file")
-    if messages_file is None and chat is None and prompts_file is None and (thinking or reasoning_effort is not None):
-        # the chat encoding renders them; a raw prompt or token ids would take them and change nothing
-        raise click.UsageError("--thinking and --reasoning-effort shape the chat encoding: give --chat or --messages "
-                               "(or a --prompts-file of messages)")
+    if messages_file is None and chat is None and prompts_file is None and (
+            thinking is not None or reasoning_effort is not None):
+        # the chat encoding renders them; a raw prompt or token ids would take them and change nothing (--no-thinking
+        # too, now that it is said, not the default)
+        raise click.UsageError("--thinking/--no-thinking and --reasoning-effort shape the chat encoding: give --chat "
+                               "or --messages (or a --prompts-file of messages)")
 
 
 # --- several prompts ----------------------------------------------------------------------------------------------

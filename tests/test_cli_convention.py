@@ -226,7 +226,7 @@ def test_demo_writes_outside_the_current_directory(tmp_path, monkeypatch):
 
 def test_thinking_and_reasoning_effort_without_a_chat_encoding_are_refused(container):
     """They shape the chat encoding only: on a raw prompt they would be taken and change nothing (#38)."""
-    for flags in (["--thinking"], ["--reasoning-effort", "high"]):
+    for flags in (["--thinking"], ["--no-thinking"], ["--reasoning-effort", "high"]):
         r = _run("generate", container, "-p", "hello", "-n", "2", *flags)
         assert r.exit_code == 2 and "give --chat or --messages" in r.output
     r = _run("generate", container, "--chat", "hello", "-n", "2", "--thinking", "--reasoning-effort", "max", "--json")
