@@ -97,7 +97,8 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
                    "recommendation where it makes one (as vLLM takes it), else OpenAI's (1.0, 1.0, off).")
 @click.option("--allowed-origin", "allowed_origins", multiple=True, metavar="ORIGIN", callback=_origins,
               help="A web page's origin (http://host:port; `*`: any) whose scripts may call the API and read its "
-                   "answers (CORS); repeatable. Default: none (a browser's preflight gets 403 naming this flag).")
+                   "answers (CORS); repeatable. Default: none (a browser's request from a page, preflight or not, gets "
+                   "403 naming this flag).")
 @model_run_options(unused={"kv_dtype": "the server keeps each request's KV in memory (float32) and writes none"})
 @json_option
 @reports_errors(out_of_memory_hint="lower --cache-gib")
