@@ -47,11 +47,12 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
 
 def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
     """--allowed-origin's values as a browser sends its Origin (scheme://host[:port], no path), or `*`: another
-    would never match, and the pages it was meant for would be refused without a word."""
+    would never match, and the pages it was meant for would be refused without a word. Any scheme: a browser
+    extension's or an app's pages (chrome-extension://ID, moz-extension://ID, tauri://localhost) send theirs."""
     import re
 
     for value in values:
-        if value != "*" and not re.fullmatch(r"https?://[^/\s?#]+", value):
+        if value != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+", value):
             raise click.BadParameter(f"{value!r} is not an origin (scheme://host[:port], no path; or *)")
     return values
 
@@ -96,9 +97,9 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
               help="What a request's omitted temperature, top_p and top_k are: the model's generation_config.json "
                    "recommendation where it makes one (as vLLM takes it), else OpenAI's (1.0, 1.0, off).")
 @click.option("--allowed-origin", "allowed_origins", multiple=True, metavar="ORIGIN", callback=_origins,
-              help="A web page's origin (http://host:port; `*`: any) whose scripts may call the API and read its "
-                   "answers (CORS); repeatable. Default: none (a browser's request from a page, preflight or not, gets "
-                   "403 naming this flag).")
+              help="A web page's origin (http://host:port, chrome-extension://ID; `*`: any) whose scripts may call "
+                   "the API and read its answers (CORS); repeatable. Default: none (a browser's request from a page, "
+                   "preflight or not, gets 403 naming this flag).")
 @model_run_options(unused={"kv_dtype": "the server keeps each request's KV in memory (float32) and writes none"})
 @json_option
 @reports_errors(out_of_memory_hint="lower --cache-gib")

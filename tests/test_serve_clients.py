@@ -987,3 +987,8 @@ def test_an_allowed_origin_that_no_browser_sends_is_a_usage_error(tmp_path):
     for origin in ("http://ui.example/", "ui.example", "http://ui.example/app"):
         out = CliRunner().invoke(main, ["serve", missing, "--allowed-origin", origin])
         assert out.exit_code == 2 and "is not an origin" in out.output, out.output
+    # a browser extension's pages send their own scheme's origin (they call a local server without a preflight,
+    # and would otherwise be refused with no way to name them but `*`)
+    for origin in ("chrome-extension://abcdefghijklmnop", "moz-extension://1234-abcd", "tauri://localhost"):
+        out = CliRunner().invoke(main, ["serve", missing, "--allowed-origin", origin])
+        assert out.exit_code == 1 and "is not an origin" not in out.output, out.output
