@@ -340,7 +340,7 @@ THINKING_KWARGS = ("enable_thinking", "thinking")
 def _thinking_flag(body: dict) -> bool | None:
     """The request's thinking switch: `thinking` (true/false, or DeepSeek's {"type": "enabled" | "disabled"}) or
     chat_template_kwargs' enable_thinking / thinking (booleans); None where none says (the chat's default)."""
-    v = body.get("thinking")
+    v, by = body.get("thinking"), "thinking"  # (by: which field said it)
     if v is None or isinstance(v, bool):
         said = v
     elif isinstance(v, dict) and v.get("type") in ("enabled", "disabled"):
@@ -359,13 +359,15 @@ def _thinking_flag(body: dict) -> bool | None:
             raise RequestError(f"chat_template_kwargs.{key[:40]}: not supported (moepack takes "
                                f"{' / '.join(THINKING_KWARGS)})", param="chat_template_kwargs",
                                code="unsupported_parameter")
+        if value is None:  # (null: unset, as elsewhere in a request)
+            continue
         if not isinstance(value, bool):
             raise RequestError(f"chat_template_kwargs.{key}: expected true or false", param="chat_template_kwargs",
                                code="invalid_type")
         if said is not None and value != said:
-            raise RequestError(f"chat_template_kwargs.{key} ({str(value).lower()}) and thinking disagree: give one",
+            raise RequestError(f"chat_template_kwargs.{key} ({str(value).lower()}) and {by} disagree: give one",
                                param="chat_template_kwargs", code="invalid_value")
-        said = value
+        said, by = value, f"chat_template_kwargs.{key}"
     return said
 
 

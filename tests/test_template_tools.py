@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -280,6 +281,23 @@ def test_thinking_is_the_templates_enable_thinking_however_a_client_says_it(qwen
             state.chat_ids({"messages": CHAT, **body})
         assert refused.value.status == 400 and refused.value.param == "chat_template_kwargs"
         assert words in refused.value.message, refused.value.message
+
+
+@pytest.mark.parametrize("body, said, refused", [
+    ({"chat_template_kwargs": {"enable_thinking": None}}, None, None),  # null: unset, the template's default
+    ({"chat_template_kwargs": {"enable_thinking": None}, "thinking": False}, False, None),
+    ({"chat_template_kwargs": {"enable_thinking": True, "thinking": False}}, None,
+     "chat_template_kwargs.thinking (false) and chat_template_kwargs.enable_thinking disagree"),
+    ({"chat_template_kwargs": {"thinking": True}, "thinking": False}, None,
+     "chat_template_kwargs.thinking (true) and thinking disagree")])
+def test_the_thinking_switch_takes_null_as_unset_and_names_the_fields_that_disagree(body, said, refused):
+    from moepack.serve.app import RequestError, _thinking_flag
+
+    if refused is None:
+        assert _thinking_flag(body) is said
+        return
+    with pytest.raises(RequestError, match=re.escape(refused)):
+        _thinking_flag(body)
 
 
 def test_a_forced_call_runs_on_the_model(server):
