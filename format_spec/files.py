@@ -32,14 +32,17 @@ def not_regular(mode: int) -> str | None:
 def refuse_replacing_a_special_file(path: str) -> None:
     """Outputs are written under a temporary name and renamed over their path: one that is a device, a FIFO or a
     socket (`--logits-out /dev/null --force`, as root) would itself be replaced by a file. A link is replaced, never
-    what it points to."""
+    what it points to; so one to a device, a FIFO or a socket is refused too (`/dev/stdout`, a link to the process's
+    pipe or terminal: meant to be written through, it would have been replaced in /dev)."""
     try:
-        mode = os.lstat(path).st_mode
-    except OSError:
+        mode, link = os.lstat(path).st_mode, ""
+        if stat.S_ISLNK(mode):
+            mode, link = os.stat(path).st_mode, "a link to "
+    except OSError:  # (none there, or a link to nothing: replaced)
         return
-    if not (stat.S_ISDIR(mode) or stat.S_ISLNK(mode)) and (kind := not_regular(mode)):
-        raise MoepackError(f"{path} is {kind}: an output is renamed over its path, which would replace it by a file "
-                           "(--force or not)")
+    if not stat.S_ISDIR(mode) and (kind := not_regular(mode)):
+        raise MoepackError(f"{path} is {link}{kind}: an output is renamed over its path, which would replace it by a "
+                           "file (--force or not)")
 
 
 def open_regular(path: str, missing: str | None = None) -> int:

@@ -484,3 +484,10 @@ def test_force_never_renames_a_file_over_a_device_or_a_fifo(tmp_path, container)
         with pytest.raises(MoepackError, match="is a FIFO or pipe"):
             api_call(fifo)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISFIFO(os.stat(split).st_mode)
+    link = str(tmp_path / "stdout")  # (/dev/stdout: a link to the process's pipe or terminal, the link itself in /dev)
+    os.symlink(fifo, link)
+    r = CliRunner().invoke(cli, ["prefill", container, "-p", "hi", "--logits-out", link, "--force"])
+    assert r.exit_code == 1 and f"{link} is a link to a FIFO or pipe" in r.output, r.output
+    with pytest.raises(MoepackError, match="is a link to a FIFO or pipe"):
+        ContainerWriter(link)
+    assert os.path.islink(link)
