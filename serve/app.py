@@ -1154,6 +1154,12 @@ def client_gone() -> RequestError:
                         code="client_gone")
 
 
+def client_gone_stream_end() -> str:
+    """The end of a stream whose client closed its side: the error event, then [DONE] (a half-closed client reads
+    it; the stream is never cut short)."""
+    return f"data: {json.dumps(client_gone().body())}\n\ndata: [DONE]\n\n"
+
+
 def _internal_error() -> RequestError:
     return RequestError("internal server error (see the server's log)", status=500, kind="server_error",
                         code="internal_error")
@@ -1390,7 +1396,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         if await request.is_disconnected():  # a client that only half-closed reads why
                             job.cancelled = True
                             server.release(job)
-                            yield f"data: {json.dumps(client_gone().body())}\n\ndata: [DONE]\n\n"
+                            yield client_gone_stream_end()
                             return
                         continue
                     if kind == "token":
@@ -1683,8 +1689,8 @@ def uvicorn_config(app, limits: ServerLimits | None = None, **kw):
                 await send(message)
             await self._inner_app(scope, receive_or_gone, sending)
             if stream_open and self._half_closed:  # Starlette stops a stream whose client is gone mid-write
-                end = f"data: {json.dumps(client_gone().body())}\n\ndata: [DONE]\n\n"
-                await send({"type": "http.response.body", "body": end.encode(), "more_body": False})
+                end = client_gone_stream_end().encode()
+                await send({"type": "http.response.body", "body": end, "more_body": False})
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
