@@ -135,7 +135,7 @@ def _fail(msg: str):
 TOKENIZER_ENCODINGS = ("utf-8", "base64")
 
 
-def _validate_tokenizer_files(files: dict) -> None:
+def validate_tokenizer_files(files: dict) -> None:
     """The index's embedded tokenizer files (SPEC: file name -> {"encoding": "utf-8" | "base64", "data": string}):
     each a plain file name whose bytes decode, so what reads them (the tokenizer, the exports) meets no other form."""
     for name, entry in files.items():
@@ -248,7 +248,7 @@ class Container:
         self.config: dict = index["config"]
         self.architecture: str = index["architecture"]
         self.policy: dict = index["policy"]
-        _validate_tokenizer_files(index["tokenizer"])
+        validate_tokenizer_files(index["tokenizer"])
         self._validate_parts(index.get("parts"))
         self.regions = self._validate_regions(index["regions"])
         self._open_parts()

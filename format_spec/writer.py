@@ -38,6 +38,7 @@ from .layout import (
     MAX_PARTS, TENSOR_ALIGNMENT, Header, PartHeader, align_up, layer_count_problem, parse_block_name, part_path,
     region_name, region_part,
 )
+from .reader import validate_tokenizer_files
 
 _ZEROS = bytes(ALIGNMENT)
 MAX_JOURNAL_BYTES = 1 << 30  # a region and its tensors take about 1 KiB: far more than any model's
@@ -245,6 +246,7 @@ class ContainerWriter:
                                                   and parse_block_name(r["block"])[0] == "layers"))
         if problem:
             raise MoepackError(f"{self.path}: {problem}")
+        validate_tokenizer_files(tokenizer or {})  # (the reader checks them at every open)
         minor = FORMAT_MINOR_PARTS if self.parts > 1 else FORMAT_MINOR
         index = {
             "format": "moepack",

@@ -87,7 +87,9 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the request's temperature: 0 for 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 MAX_BODY_DEPTH = 32  # a request body nests a few levels (messages, their content parts)
 OVER_LIMIT_HEADER_S = 2.0  # a connection past --max-connections: its request must come this fast (then 503)
-ADMIT_GRACE_S = 2 * POLL_S  # a request meeting a full queue waits this long for a place before its 429
+# a request meeting a full queue waits this long for a place before its 429: a vanished client's is given back at
+# its handler's next poll, which a loaded machine may run late
+ADMIT_GRACE_S = 4 * POLL_S
 LINGER_BYTES = 16 << 20  # a body declared at most this far over --max-body-mb is read and dropped before its 413
 RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and of too many connections
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's

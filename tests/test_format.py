@@ -363,6 +363,19 @@ def _one_region_written(path: str) -> ContainerWriter:
     return w
 
 
+def test_the_writer_refuses_tokenizer_files_its_reader_would(tmp_path):
+    """A container whose index names a tokenizer file of another form than the spec's (a path, data not base64)
+    never gets its final name: its reader would refuse it at every open."""
+    for name, entry in (("../x.json", {"encoding": "utf-8", "data": "{}"}),
+                        ("t.model", {"encoding": "base64", "data": "not base64!"})):
+        path = str(tmp_path / "t.moepack")
+        w = _one_region_written(path)
+        with pytest.raises(FormatError, match="index tokenizer file"):
+            w.finish(config={}, architecture="a", policy={}, tokenizer={name: entry})
+        w.abort()
+        assert not os.path.exists(path)
+
+
 def test_a_second_writer_of_the_same_path_is_refused_while_the_first_writes(tmp_path):
     """Two writers of one path would write into one partial file, and one would finish with the other's model
     under its name: the second is refused in one line, the first's bytes untouched, until the first ends."""

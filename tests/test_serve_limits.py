@@ -286,7 +286,9 @@ def test_a_client_that_half_closes_after_its_request_reads_its_answer(server):
     reply = _half_closed(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": -1})
     assert reply.startswith(b"HTTP/1.1 400") and b'"param":"max_tokens"' in reply
     reply = _half_closed(server, "POST", "/v1/completions", {**GOOD, "max_tokens": 200})
-    assert reply.startswith(b"HTTP/1.1 200") and json.loads(reply.partition(b"\r\n\r\n")[2])["choices"]
+    choices = json.loads(reply.partition(b"\r\n\r\n")[2])["choices"]
+    # (cancelled at the poll that saw the FIN; a run that ended before that poll is answered whole)
+    assert reply.startswith(b"HTTP/1.1 200") and choices[0]["finish_reason"] in ("cancelled", "length"), choices
     reply = _half_closed(server, "POST", "/v1/chat/completions",
                          {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200, "stream": True})
     assert reply.startswith(b"HTTP/1.1 200") and b'"code": "client_gone"' in reply
