@@ -305,7 +305,9 @@ def test_bench_compute_measures_the_grouped_backend(storage):
                       experts=3, repeat=1, save=False, expert_backend="grouped")
     assert r["expert_backend"] == "grouped" and r["experts"] == 3
     assert [p["tokens_per_expert"] for p in r["points"]] == [4, 16]
-    assert all(p["gflops"] > 0 and p["matmul_gflops"] >= p["gflops"] * 0.5 for p in r["points"])
+    # both rates measured (finite, positive); how they compare is a timing, one repeat on a shared machine: not
+    # asserted here (a matmul-alone pass descheduled once read under half the whole pass's rate)
+    assert all(0 < p["gflops"] < float("inf") and 0 < p["matmul_gflops"] < float("inf") for p in r["points"])
     assert bench_compute("cpu", [4], storage=storage, hidden=256, intermediate=256, repeat=1,
                          save=False)["expert_backend"] == "per-expert"  # auto on a CPU
 
