@@ -218,6 +218,8 @@ class Job:
     began: asyncio.Event | None = None  # a streamed job's on_start, on the event loop
     cancelled: bool = False  # its client went away
     holds_place: bool = True  # its --max-queue place, given back once (its client gone, or its run over)
+    running: bool = False  # on the worker (Server.run)
+    stopping: bool = False  # running after its place was given back (its client gone): still in flight
     timed_out: bool = False
     started: bool = False
     first_token_s: float | None = None  # from its arrival to its first generation's first token (the log line's)
@@ -447,7 +449,7 @@ class Server:
         self.log = log or write_log_line
         self.max_batch = max_batch
         self.scheduler: BatchScheduler | None = None
-        self.metrics = ServerMetrics(cache_counts_of(generator), lambda: self.admitted,
+        self.metrics = ServerMetrics(cache_counts_of(generator), lambda: self.in_flight,
                                      lambda: self.scheduler.decoding if self.scheduler is not None else None)
         self.scheduler = BatchScheduler(generator, max_batch, prefill_chunk, self.metrics.batch_size.observe) if (
             max_batch > 1) else None
@@ -457,6 +459,7 @@ class Server:
         self.lock = threading.Lock()
         self.closing = threading.Event()  # set by close(): a running generation stops before its next layer or token
         self.admitted = 0  # reading, being prepared, waiting or running
+        self.stopping = 0  # runs whose client left, their places given back, until they stop (in flight still)
         self.finished: collections.deque = collections.deque(maxlen=256)  # (request id, finish reason)
         self.created = int(time.time())
         self.counter = itertools.count(1)
@@ -496,6 +499,12 @@ class Server:
                          "--sampling-defaults openai: OpenAI's)")
 
     # -- helpers
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted, and runs still stopping after their client left (/health, /metrics)."""
+        with self.lock:
+            return self.admitted + self.stopping
+
     @property
     def tokenizer(self):
         with self._tokenizer_lock:  # loaded once, by whichever preparing thread comes first
@@ -914,11 +923,16 @@ class Server:
                 if not job.holds_place:
                     return
                 job.holds_place = False
+                if job.running:  # (its client gone: its run stops at its next layer or token, in flight till then)
+                    job.stopping = True
+                    self.stopping += 1
             self.admitted -= 1
 
     def run(self, job: Job) -> list[GenerateResult] | None:
         """On an executor's thread: the job's n generations. None: stopped before it started (its client left, or
         its deadline passed)."""
+        with self.lock:
+            job.running = True
         try:
             if job.stopped() or self.closing.is_set():
                 return self.skipped(job)
@@ -960,6 +974,11 @@ class Server:
                      + (f" (at {where.filename}:{where.lineno})" if where else ""))
             raise
         finally:
+            with self.lock:
+                job.running = False
+                if job.stopping:
+                    job.stopping = False
+                    self.stopping -= 1
             self.release(job)
 
     def skipped(self, job: Job) -> None:
@@ -1224,9 +1243,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         return endpoint
 
     async def health(request):
-        with server.lock:
-            busy = server.admitted
-        return JSONResponse({"status": "ok", "model": model_name, "requests_in_flight": busy,
+        return JSONResponse({"status": "ok", "model": model_name, "requests_in_flight": server.in_flight,
                              "max_queue": max_queue, "max_batch": server.max_batch})
 
     def model_card() -> dict:

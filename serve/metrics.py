@@ -5,7 +5,8 @@
     moepack_prompt_tokens_total                     prompt tokens of the generations run
     moepack_generated_tokens_total                  tokens generated
     moepack_expert_cache_hits_total / _misses_total the decoder's expert cache, since the server started
-    moepack_requests_in_flight                      admitted: reading, being prepared, waiting or running
+    moepack_requests_in_flight                      admitted (reading, being prepared, waiting or running), and
+                                                    runs still stopping after their client left
     moepack_time_to_first_token_seconds             histogram: from a request's arrival to its first token
     moepack_time_per_output_token_seconds           histogram: between consecutive tokens of a generation
     moepack_decode_batch_size                       histogram: sequences per decode step (serve --max-batch > 1)
@@ -52,7 +53,8 @@ class ServerMetrics:
                     yield CounterMetricFamily("moepack_expert_cache_misses", "Expert cache misses",
                                               value=counts[1])
                 yield GaugeMetricFamily("moepack_requests_in_flight", "Requests admitted (reading, being prepared, "
-                                        "waiting or running)", value=in_flight())
+                                        "waiting or running), and runs still stopping after their client left",
+                                        value=in_flight())
                 now = decoding()
                 if now is not None:
                     yield GaugeMetricFamily("moepack_sequences_decoding", "Sequences decoding together now",

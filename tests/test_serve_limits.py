@@ -296,6 +296,40 @@ def test_a_client_that_half_closes_after_its_request_reads_its_answer(server):
     _answers(server)
 
 
+def test_a_run_whose_client_left_is_in_flight_until_it_stops(server):
+    """A vanished client's --max-queue place is given back at once, but its run goes on to its next layer or
+    token: /health's and /metrics' requests_in_flight count it until it stops (they had dropped it at once)."""
+    from types import SimpleNamespace
+
+    from moepack.runtime.generate import GenerateResult
+    from moepack.serve.app import Job, Server
+
+    inside, go_on = threading.Event(), threading.Event()
+
+    def generate(ids, options, **kw):  # a run that stops only when let go
+        inside.set()
+        assert go_on.wait(10)
+        return GenerateResult([], "", "cancelled", {})
+    g = server.generator
+    state = Server(SimpleNamespace(c=g.c, family=g.family, generate=generate), "m", None, 2, log=lambda line: None)
+    try:
+        job = Job("r", [1, 2], GenerateOptions(max_new_tokens=4), deadline=time.monotonic() + 60)
+        state.admit()
+        worker = state.executor.submit(state.run, job)
+        assert inside.wait(10) and (state.admitted, state.in_flight) == (1, 1)
+        job.cancelled = True  # (what the handler does when it sees the client gone)
+        state.release(job)
+        assert (state.admitted, state.in_flight) == (0, 1)  # the place free, the run still in flight
+        state.release(job)  # (once only)
+        assert (state.admitted, state.in_flight) == (0, 1)
+        go_on.set()
+        worker.result(timeout=10)
+        assert (state.admitted, state.in_flight) == (0, 0)
+    finally:
+        go_on.set()
+        state.executor.shutdown()
+
+
 def test_requests_right_behind_vanished_clients_are_not_refused_below_max_queue(server):
     """--max-queue 4: four clients send a generation and vanish (running, or waiting for the worker); two
     requests sent the moment after are both served: the vanished ones' places had been held until their handlers
