@@ -152,6 +152,11 @@ def validate_tokenizer_files(files: dict) -> None:
                 _fail(f"index tokenizer file {name!r}: its data is not base64 ({e})")
 
 
+def tokenizer_file_bytes(entry: dict) -> bytes:
+    """An index tokenizer entry's bytes (validate_tokenizer_files checked its form)."""
+    return entry["data"].encode() if entry["encoding"] == "utf-8" else base64.b64decode(entry["data"])
+
+
 def _decompress_index(stored: bytes, raw_length: int) -> bytes:
     """The index frame's output, at most raw_length + 1 bytes, read in steps: memory follows what the frame really
     produces, never a size the header or the frame merely claims."""
@@ -425,6 +430,10 @@ class Container:
         container has none (or holds it as bytes)."""
         entry = (self.index.get("tokenizer") or {}).get(name)
         return entry["data"] if isinstance(entry, dict) and entry.get("encoding") == "utf-8" else None
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """Every embedded tokenizer file's bytes, by its (plain) file name."""
+        return {name: tokenizer_file_bytes(entry) for name, entry in self.index["tokenizer"].items()}
 
     def tokenizer_json(self, name: str) -> dict:
         """An embedded optional JSON file of the tokenizer's as a dict: {} where it is absent or damaged."""

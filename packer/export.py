@@ -11,7 +11,6 @@ appears under its name only when complete.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
@@ -104,10 +103,7 @@ def export_container(path: str, out_dir: str, dtype: str = "bf16", progress: boo
             _write_json(os.path.join(tmp, "config.json"), config)
             _write_json(os.path.join(tmp, "model.safetensors.index.json"),
                         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-            for name, entry in c.index["tokenizer"].items():
-                if os.path.basename(name) != name:
-                    raise MoepackError(f"container lists a tokenizer file with a path: {name!r}")
-                data = entry["data"].encode() if entry.get("encoding") == "utf-8" else base64.b64decode(entry["data"])
+            for name, data in c.tokenizer_files().items():
                 with open(os.path.join(tmp, name), "wb") as f:
                     f.write(data)
             for name in os.listdir(tmp):  # on disk before the directory gets its final name

@@ -26,7 +26,6 @@ list padded as the converter pads ids a tokenizer lacks (`[PAD{i}]`, UNUSED) for
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -199,15 +198,6 @@ def family_export(gguf, c: Container) -> tuple[str, list[_Job], list[tuple], str
     return model.architecture, jobs, keys, model.tokenizer_pre, vocab_size, model.chat_template
 
 
-def _tokenizer_files(c: Container) -> dict[str, bytes]:
-    files = {}
-    for name, entry in c.index.get("tokenizer", {}).items():
-        if os.path.basename(name) != name:
-            raise MoepackError(f"container lists a tokenizer file with a path: {name!r}")
-        files[name] = entry["data"].encode() if entry.get("encoding") == "utf-8" else base64.b64decode(entry["data"])
-    return files
-
-
 def _looks_special(text: str) -> bool:  # the converter's does_token_look_special
     return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
             or (text.startswith("<|") and text.endswith("|>"))
@@ -347,7 +337,7 @@ def export_gguf(path: str, out_file: str, progress: bool = True, split_max_size:
         arch, jobs, kv, pre, vocab_size, fallback_template = family_export(gguf, c)
         jobs = [replace(j, nbytes=_ggml_nbytes(gguf, j.qtype, j.shape)) for j in jobs]
         requantized = _requantized_types(jobs)
-        files = _tokenizer_files(c)
+        files = c.tokenizer_files()
         shards = _shard(jobs, split_max_size)
         outputs = [out_file] if split_max_size is None else [split_name(out_file, i + 1, len(shards))
                                                              for i in range(len(shards))]

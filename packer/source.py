@@ -22,6 +22,7 @@ from moepack.format_spec import untrusted
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import open_regular
+from moepack.format_spec.reader import tokenizer_file_bytes
 
 # Files worth carrying into the container beside the weights (small, text).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -51,13 +52,11 @@ def check_side_files(files: dict[str, dict], where: str, vocab_size: int | None 
     must load in the tokenizers library, with no token id past the model's embedding (`vocab_size` rows), every
     other .json file must be a JSON object; the end-of-sequence ids of `config` (config.json) and
     generation_config.json token ids of the model (a generation would never stop at one that is not)."""
-    import base64
-
     problem = eos_problem((config or {}).get("eos_token_id"), vocab_size)
     if problem:
         raise MoepackError(f"{where}: config.json: {problem}")
     for name, entry in files.items():
-        data = entry["data"].encode() if entry["encoding"] == "utf-8" else base64.b64decode(entry["data"])
+        data = tokenizer_file_bytes(entry)
         what = f"{where}: {name}"
         if name == "tokenizer.json":
             last = max(untrusted.load_tokenizer(data, what).get_vocab(with_added_tokens=True).values(), default=-1)

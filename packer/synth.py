@@ -33,6 +33,7 @@ from moepack.format_spec.files import check_free_space, remove_stale_temporaries
 from moepack.format_spec.writer import fsync_dir, write_file_atomically
 
 from .sharding import greedy_shards
+from .source import INDEX_FILE
 
 DEFAULT_FAMILY = families.DEFAULT_FAMILY
 
@@ -164,7 +165,7 @@ def _write_checkpoint_files(out: Path, checkpoint, parts_of, shards: list, shard
                     bar.update(writer.write(part.name, encoded.pop(part.name)))
                     weight_map[part.name] = shard_name
     index = {"metadata": {"total_size": total_tensor_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(out / "model.safetensors.index.json", index)
+    _write_json(out / INDEX_FILE, index)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -196,7 +197,6 @@ def _shard_names(count: int) -> list[str]:
 
 
 _STAGING = "synth"
-_INDEX = "model.safetensors.index.json"
 
 
 def _write_or_leave_nothing(out: Path, files: list[str], write) -> None:
@@ -221,14 +221,14 @@ def _move_into_place(staging: Path, out: Path, files: list[str]) -> None:
     """The complete new checkpoint's files renamed over the earlier run's; that run's shards (another sharding)
     and tokenizer files (another tokenizer) the new one lacks removed. The index goes first and comes back last: a
     run killed among the renames leaves a folder no reader takes for a checkpoint."""
-    (out / _INDEX).unlink(missing_ok=True)
+    (out / INDEX_FILE).unlink(missing_ok=True)
     for name in files:
-        if name != _INDEX:
+        if name != INDEX_FILE:
             os.replace(staging / name, out / name)
     for stale in [*out.glob("model*.safetensors*"), *(out / name for name in _TOKENIZER_FILES)]:
         if stale.name not in files:
             stale.unlink(missing_ok=True)
-    os.replace(staging / _INDEX, out / _INDEX)
+    os.replace(staging / INDEX_FILE, out / INDEX_FILE)
 
 
 def _family_synth(family: str, tokenizer, random_expert_codes: bool):
@@ -284,7 +284,7 @@ def synth_checkpoint(
     shards = greedy_shards(checkpoint.specs, lambda spec: sum(part.nbytes for part in parts_of(spec)), shard_bytes)
     shard_names = _shard_names(len(shards))
     metadata = ["config.json", "generation_config.json", *checkpoint.tokenizer_files]
-    files = sorted([*metadata, *shard_names, "model.safetensors.index.json"])
+    files = sorted([*metadata, *shard_names, INDEX_FILE])
     named = {} if family == DEFAULT_FAMILY else {"family": family}  # the default one's summary names none
     label = " ".join(["synth", *named.values(), preset])
     _write_or_leave_nothing(out, files, lambda folder: _write_checkpoint_files(

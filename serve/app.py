@@ -218,8 +218,7 @@ class Job:
     began: asyncio.Event | None = None  # a streamed job's on_start, on the event loop
     cancelled: bool = False  # its client went away
     holds_place: bool = True  # its --max-queue place, given back once (its client gone, or its run over)
-    running: bool = False  # on the worker (Server.run)
-    stopping: bool = False  # running after its place was given back (its client gone): still in flight
+    running: bool = False  # on the worker (Server.run); without its place (its client gone): still in flight
     timed_out: bool = False
     started: bool = False
     first_token_s: float | None = None  # from its arrival to its first generation's first token (the log line's)
@@ -459,7 +458,7 @@ class Server:
         self.lock = threading.Lock()
         self.closing = threading.Event()  # set by close(): a running generation stops before its next layer or token
         self.admitted = 0  # reading, being prepared, waiting or running
-        self.stopping = 0  # runs whose client left, their places given back, until they stop (in flight still)
+        self.stopping = 0  # runs without their places (their clients left), until they stop: in flight still
         self.finished: collections.deque = collections.deque(maxlen=256)  # (request id, finish reason)
         self.created = int(time.time())
         self.counter = itertools.count(1)
@@ -923,9 +922,8 @@ class Server:
                 if not job.holds_place:
                     return
                 job.holds_place = False
-                if job.running:  # (its client gone: its run stops at its next layer or token, in flight till then)
-                    job.stopping = True
-                    self.stopping += 1
+                # (its client gone: a run stops at its next layer or token, in flight till then)
+                self.stopping += job.running
             self.admitted -= 1
 
     def run(self, job: Job) -> list[GenerateResult] | None:
@@ -933,6 +931,7 @@ class Server:
         its deadline passed)."""
         with self.lock:
             job.running = True
+            self.stopping += not job.holds_place  # (its client left before it started: in flight till it stops)
         try:
             if job.stopped() or self.closing.is_set():
                 return self.skipped(job)
@@ -976,9 +975,7 @@ class Server:
         finally:
             with self.lock:
                 job.running = False
-                if job.stopping:
-                    job.stopping = False
-                    self.stopping -= 1
+                self.stopping -= not job.holds_place
             self.release(job)
 
     def skipped(self, job: Job) -> None:

@@ -380,9 +380,9 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
         tok = tokenizer()
         _refuse_spelled_markup(tok, messages, tools)
         messages, shielded = tok.shield_messages(messages)  # no message can spell out a special token
-        # `after` (a forced tool call's start) follows the reply's form with no thought (Qwen3's empty <think>
-        # block), as a chat encoding's forced call closes its thought first: the model is not cut off mid-thought
-        options = {"enable_thinking": False if after else thinking} if after or thinking is not None else {}
+        if after:  # a forced tool call's start follows the reply's form with no thought (Qwen3's empty <think>
+            thinking = False  # block), as a chat encoding's forced call closes its thought first: none cut short
+        options = {} if thinking is None else {"enable_thinking": thinking}
         if tools:
             options["tools"] = tools
         try:
