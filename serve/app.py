@@ -38,7 +38,9 @@ value is a 4xx, never a 200 followed by an error event.
 Chat with thinking on (`"thinking": true`, DeepSeek's `{"thinking": {"type": "enabled"}}`, or vLLM's
 `"chat_template_kwargs": {"enable_thinking": true}`): with a chat encoding the prompt ends with `<think>`; the
 generated text before the first `</think>` is `reasoning_content`, the rest `content` (all of it reasoning when
-`</think>` never comes). A chat template takes it as its enable_thinking (unsaid: the template's default).
+`</think>` never comes). A chat template takes it as its enable_thinking (unsaid: the template's default); where the
+template writes thoughts (it spells `</think>`: Qwen3's, QwQ's), the answer's thought is split off the same way,
+whether its generation prompt opened it or the answer opens it with `<think>` (as vLLM's reasoning parsers do).
 
 Errors a request causes: 4xx with OpenAI's error object {"error": {"message", "type", "param", "code"}}, a path or
 method no endpoint serves included (404 / 405), and a body not sent as UTF-8 JSON (415: another charset, a
@@ -76,7 +78,7 @@ from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK
 from moepack.runtime.sampling import (MAX_TOP_LOGPROBS, IncrementalDetokenizer, TokenLogprob, is_int,
                                      partial_match_length)
 
-from .chat_template import family_chat_template
+from .chat_template import THOUGHT_CLOSE, THOUGHT_OPEN, family_chat_template
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
 from .tokenizer import ChatInputError, chat_prompt_ids, markup_warning
 from .tool_calls import ToolPlan, renders_tool_calls, split_answer, tool_plan, with_prompt_extras
@@ -269,32 +271,55 @@ class Prepared:
     options: GenerateOptions
     stream: bool
     include_usage: bool
-    thinking: bool = False
+    thought: ThoughtMarks | None = None  # chat: how its answer's thought is marked (None: it has none)
     n: int = 1
     echo: str | None = None  # completions' echo: the prompt's text, in front of each choice's text
     make_constraint: Callable[[], object] | None = None
     tools: ToolPlan | None = None  # chat: the request's tools (serve/tool_calls.py)
 
 
-class ThinkSplitter:
-    """Splits streamed text at the first `</think>`: (field, text) pairs, "reasoning_content" before it and
-    "content" after; a tail that may be the start of `</think>` is held back until the next piece says."""
+@dataclass(frozen=True)
+class ThoughtMarks:
+    """How a chat answer's thought is marked: `end` closes it; `start` None, the prompt opened it (the answer starts
+    inside it: a chat encoding's thinking mode, QwQ's template); else the answer may open one with `start`, at its
+    start after whitespace (Qwen3's template)."""
+    end: str
+    start: str | None = None
 
-    def __init__(self, think_end: str | None):
-        """`think_end`: the chat encoding's end of a thought (None: the answer has no thought)."""
-        self.in_thought, self.end = think_end is not None, think_end
+
+class ThinkSplitter:
+    """Splits streamed text at the end of its thought (`marks`: ThoughtMarks; None: the answer has none): (field,
+    text) pairs, "reasoning_content" before the end and "content" after (all of it reasoning when the end never
+    comes); where the answer may open a thought, its opening is dropped, and an answer that opens none is all
+    content. A tail that may be the start of a marker is held back until the next piece says."""
+
+    def __init__(self, marks: ThoughtMarks | None):
+        self.marks = marks
+        # True: in the thought; False: after it, or no thought; None: not yet known whether the answer opens one
+        self.in_thought = None if marks is not None and marks.start is not None else marks is not None
+        self.had_thought = bool(self.in_thought)  # the answer has a thought (its prompt opened it, or it opened one)
         self.held = ""
 
     def feed(self, piece: str) -> list[tuple[str, str]]:
+        text, self.held = self.held + piece, ""
+        if self.in_thought is None:
+            lead = text.lstrip()
+            if lead.startswith(self.marks.start):
+                self.in_thought = self.had_thought = True
+                text = lead[len(self.marks.start):]
+            elif self.marks.start.startswith(lead):  # (still maybe: whitespace, "<th")
+                self.held = text
+                return []
+            else:
+                self.in_thought = False
         if not self.in_thought:
-            return [("content", piece)] if piece else []
-        text = self.held + piece
-        at = text.find(self.end)
+            return [("content", text)] if text else []
+        at = text.find(self.marks.end)
         if at >= 0:
-            self.in_thought, self.held = False, ""
-            out = [("reasoning_content", text[:at]), ("content", text[at + len(self.end):])]
+            self.in_thought = False
+            out = [("reasoning_content", text[:at]), ("content", text[at + len(self.marks.end):])]
             return [(f, t) for f, t in out if t]
-        keep = partial_match_length(text, (self.end,))
+        keep = partial_match_length(text, (self.marks.end,))
         self.held = text[len(text) - keep:] if keep else ""
         shown = text[:len(text) - keep]
         return [("reasoning_content", shown)] if shown else []
@@ -304,11 +329,14 @@ class ThinkSplitter:
         return [("reasoning_content" if self.in_thought else "content", held)] if held else []
 
 
-def split_thinking(text: str, think_end: str) -> tuple[str | None, str]:
-    """(reasoning_content, content) of a whole answer generated in thinking mode (`think_end`: the chat encoding's
-    end of a thought)."""
-    reasoning, sep, content = text.partition(think_end)
-    return (reasoning, content) if sep else (reasoning, "")
+def split_thinking(text: str, marks: ThoughtMarks) -> tuple[str | None, str]:
+    """(reasoning_content, content) of a whole answer (ThinkSplitter's split fed at once); reasoning None where the
+    answer opened no thought."""
+    splitter = ThinkSplitter(marks)
+    parts = splitter.feed(text) + splitter.flush()
+    reasoning = "".join(t for f, t in parts if f == "reasoning_content")
+    content = "".join(t for f, t in parts if f == "content")
+    return (reasoning if splitter.had_thought else None), content
 
 
 # ---- request checking -------------------------------------------------------------------------------------------
@@ -570,15 +598,17 @@ class Server:
         raise RequestError(f"response_format.type: expected text, json_object or json_schema, got "
                            f"{json.dumps(kind)[:40]}", param="response_format", code="invalid_value")
 
-    def constraint_factory(self, body: dict, thinking: bool, max_tokens: int) -> Callable[[], object] | None:
+    def constraint_factory(self, body: dict, thought: ThoughtMarks | None,
+                           max_tokens: int) -> Callable[[], object] | None:
         """Each generation's JSON constraint for the request's response_format (compiled and probed once here, so
-        that a schema llguidance refuses, or no answer within max_tokens could satisfy, is this request's 400); in
-        thinking mode the thought runs free until `</think>`."""
+        that a schema llguidance refuses, or no answer within max_tokens could satisfy, is this request's 400); a
+        thought the prompt opened runs free until its end (one the answer may open: none, the JSON comes first)."""
         schema = self.output_schema(body)
         if schema is None:
             return None
         grammar = self.json_grammar()
-        after = self.need_tokenizer("response_format").encode_special(self.encoding.THINK_END) if thinking else None
+        opened = thought is not None and thought.start is None
+        after = self.need_tokenizer("response_format").encode_special(thought.end) if opened else None
         try:
             grammar.check(schema, max_tokens)
         except MoepackError as e:
@@ -846,11 +876,12 @@ class Server:
             raise RequestError(f"{field}: the {self.family.name} model's chat template renders no tools (in the "
                                "<tool_call> format moepack parses)", param=field, code="unsupported_parameter")
 
-    def chat_ids(self, body: dict) -> tuple[list[int], bool, ToolPlan]:
+    def chat_ids(self, body: dict) -> tuple[list[int], ThoughtMarks | None, ToolPlan]:
         """The conversation's prompt ids (chat_prompt_ids, as `moepack generate` encodes it: the request's tools and
-        response_format where the family's encoder puts them, a forced tool call's start after it), thinking, the
-        tool plan. A family without its own encoding chats through its template: tools where the template renders
-        them in the `<tool_call>` format (serve/tool_calls.py), no thinking split."""
+        response_format where the family's encoder puts them, a forced tool call's start after it), how the
+        answer's thought is marked (None: it has none; a forced call's start closed it), the tool plan. A family
+        without its own encoding chats through its template: tools where the template renders them in the
+        `<tool_call>` format (serve/tool_calls.py), a thought where it writes one (ChatTemplate.opens_thought)."""
         messages = body.get("messages")
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
@@ -876,7 +907,12 @@ class Server:
                                   tools=plan.tools if encoding is None else None)
         except ChatInputError as e:
             raise RequestError(str(e), param=e.param, code=e.code) from None
-        return ids, bool(thinking) and encoding is not None, plan
+        if plan.prefill:
+            return ids, None, plan
+        if encoding is not None:
+            return ids, ThoughtMarks(encoding.THINK_END) if thinking else None, plan
+        opened = self.chat_template().opens_thought(thinking)
+        return ids, None if opened is None else ThoughtMarks(THOUGHT_CLOSE, None if opened else THOUGHT_OPEN), plan
 
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
         """On a worker thread (the event loop stays free): parse, check and tokenize one request."""
@@ -884,11 +920,10 @@ class Server:
         stream, include_usage = _stream_flags(body)
         n = self.choices(body)
         if chat:
-            ids, thinking, plan = self.chat_ids(body)
-            thinking = thinking and not plan.prefill  # a forced call's prefill closed the thought
+            ids, thought, plan = self.chat_ids(body)
             options = self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n)
-            return Prepared(ids, options, stream, include_usage, thinking, n, tools=plan,
-                            make_constraint=self.constraint_factory(body, thinking, options.max_new_tokens))
+            return Prepared(ids, options, stream, include_usage, thought, n, tools=plan,
+                            make_constraint=self.constraint_factory(body, thought, options.max_new_tokens))
         ids = self.prompt_ids(body)
         return Prepared(ids, self.options(body, len(ids), DEFAULT_COMPLETION_TOKENS, False, n), stream,
                         include_usage, n=n, echo=self.echo_text(body, ids))
@@ -1517,7 +1552,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
     async def chat_completions(request):
         prepared, job, future = await admitted_request(request, chat=True, prefix="chatcmpl")
-        rid, created, thinking, plan = job.request_id, int(time.time()), prepared.thinking, prepared.tools
+        rid, created, thought, plan = job.request_id, int(time.time()), prepared.thought, prepared.tools
         tok = server.tokenizer
         if not prepared.stream:
             results = await finished_job(request, job, future)
@@ -1525,8 +1560,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             for i, result in enumerate(results):
                 text = result.text or ""
                 message = {"role": "assistant", "content": text}
-                if thinking:
-                    message["reasoning_content"], message["content"] = split_thinking(text, server.encoding.THINK_END)
+                reasoning = None
+                if thought is not None:
+                    reasoning, message["content"] = split_thinking(text, thought)
+                if reasoning is not None:
+                    message["reasoning_content"] = reasoning
                 finish = result.finish_reason
                 if plan.parse:
                     message["content"], calls = split_answer(message["content"], plan)
@@ -1542,7 +1580,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
         def choice_stream(i: int) -> ChoiceStream:
-            splitter = ThinkSplitter(server.encoding.THINK_END if thinking else None)
+            splitter = ThinkSplitter(thought)
             calls = plan.splitter() if plan.parse else None
             first, n_calls = [True], [0]
 

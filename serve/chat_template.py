@@ -24,6 +24,10 @@ from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
 TEMPLATE_FILE = "chat_template.jinja"  # where newer checkpoints keep the template instead of tokenizer_config.json
+# a reasoning model's thought, as the templates that write one spell it (Qwen3's, QwQ's, DeepSeek-R1's): its text goes
+# to reasoning_content (serve/app.py ThinkSplitter), calls written in it are not made
+THOUGHT_OPEN, THOUGHT_CLOSE = "<think>", "</think>"
+_PROBE = "\ue004"  # a one-message conversation's text: a private-use character no template changes
 # tokenizer_config.json's special tokens a template may name (transformers passes them as variables)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -195,6 +199,26 @@ class ChatTemplate:
             raise MoepackError(f"the model's chat template does not compile ({_failure(e)})") from None
         self.source = template
         self._special = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
+        self._opens_thought: dict[bool | None, bool | None] = {}
+
+    def opens_thought(self, thinking: bool | None = None) -> bool | None:
+        """Where an answer to this template's prompt (rendered with `thinking` as its enable_thinking, None: not
+        passed) has its thought: None, it has none (the template never spells THOUGHT_CLOSE); True, the generation
+        prompt opens it (the answer starts inside it: QwQ's, Qwen3-Thinking's); False, the answer may open one
+        itself with THOUGHT_OPEN (Qwen3's, also after the empty one its enable_thinking false writes).
+        Learnt once per value from a one-message conversation's generation prompt (a template that refuses that
+        one: False)."""
+        if THOUGHT_CLOSE not in self.source:
+            return None
+        if thinking not in self._opens_thought:
+            options = {} if thinking is None else {"enable_thinking": thinking}
+            try:
+                text = self.render([{"role": "user", "content": _PROBE}], **options)
+            except MoepackError:
+                text = ""
+            prompt = text[text.rfind(_PROBE) + len(_PROBE):] if _PROBE in text else ""
+            self._opens_thought[thinking] = prompt.rfind(THOUGHT_OPEN) > prompt.rfind(THOUGHT_CLOSE)
+        return self._opens_thought[thinking]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any) -> str:
         """The conversation's text; the template's own refusal (raise_exception), its failure, or its going past

@@ -32,8 +32,6 @@ from moepack.runtime.sampling import partial_match_length
 
 # a chat template's tool-call markup (Qwen3's, vLLM's hermes format): each call one block of JSON
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-# a reasoning model's thought, where its answer opens with one: calls it writes in it are thought, not made
-THOUGHT_OPEN, THOUGHT_CLOSE = "<think>", "</think>"
 # the same tag around XML parameters, not JSON (Qwen3-Coder's template, a qwen3_moe model's too): not parsed here
 XML_CALL_OPEN = "<function="
 
@@ -251,12 +249,10 @@ class TaggedCallSplitter:
     one whose JSON does not parse (or names no function) is content as written, as vLLM's hermes parser leaves it.
     The whitespace around a call's block is its markup (the template writes a newline before each call), so a reply
     of calls alone has no content; where text comes both before and after calls, the whitespace after parts them.
-    An answer that opens with a thought (THOUGHT_OPEN) is content up to its end, unparsed: a call the model only
-    thinks of is not made. `prefill`: the markup the prompt ended with (the answer goes on from it)."""
+    It is fed the answer after its thought (the server splits that off first: a call the model only thinks of is
+    not made). `prefill`: the markup the prompt ended with (the answer goes on from it)."""
 
     def __init__(self, prefill: str = "", parallel: bool = True):
-        self.thought: bool | None = None  # None: not yet known whether the answer opens with a thought
-        self.opening = ""  # the answer's start while that is not known, or a thought's tail that may begin its end
         self.held = ""  # content held back: whitespace and what may begin CALL_OPEN
         self.space = ""  # the whitespace before the open block (content again if the block makes no call)
         self.block: str | None = None  # the open block's text so far
@@ -276,31 +272,8 @@ class TaggedCallSplitter:
         self.shown = self.shown or bool(text)
         return [("content", text)] if text else []
 
-    def _through_thought(self, piece: str) -> tuple[list[tuple[str, object]], str | None]:
-        """(content events, the text after the answer's thought, or None while the thought goes on or it is not yet
-        known whether there is one)."""
-        text, self.opening = self.opening + piece, ""
-        if self.thought is None:
-            start = text.lstrip()
-            if not start.startswith(THOUGHT_OPEN):
-                if THOUGHT_OPEN.startswith(start):  # (still maybe: "", "<th")
-                    self.opening = text
-                    return [], None
-                self.thought = False
-                return [], text
-            self.thought = True
-        shown, self.opening, after = _before_marker(text, THOUGHT_CLOSE)
-        if after is None:
-            return self._content(shown), None
-        self.thought = False
-        return self._content(shown + THOUGHT_CLOSE), after
-
     def feed(self, piece: str) -> list[tuple[str, object]]:
         out: list[tuple[str, object]] = []
-        if self.thought is not False:
-            out, piece = self._through_thought(piece)
-            if piece is None:
-                return out
         while True:
             if self.block is None:
                 shown, self.held, after = _before_marker(self.held + piece, CALL_OPEN, hold_space=True)
@@ -329,7 +302,7 @@ class TaggedCallSplitter:
         stop string), as written. A block whose closing tags all came inside a string never ended (a quote left
         open): its first tag closes it, as written, and what follows is split again."""
         if self.block is None:
-            text, self.held, self.opening = self.opening + self.held, "", ""
+            text, self.held = self.held, ""
         elif CALL_CLOSE in self.block:
             block, rest = self.block.split(CALL_CLOSE, 1)
             self.block = None

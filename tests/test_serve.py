@@ -16,7 +16,7 @@ import uvicorn
 
 from moepack.packer.convert import convert_checkpoint
 from moepack.runtime.generate import GenerateOptions, Generator, generate
-from moepack.serve.app import ThinkSplitter, make_app, split_thinking, uvicorn_config
+from moepack.serve.app import ThinkSplitter, ThoughtMarks, make_app, split_thinking, uvicorn_config
 from moepack.serve.tokenizer import PromptTokenizer
 from v4_models import CONFIGS, saved_model
 
@@ -172,17 +172,36 @@ def test_thinking_splits_reasoning_from_content(tiny_server):
     assert off.choices[0].message.model_dump().get("reasoning_content") is None
 
 
-def test_the_think_splitter_matches_the_whole_split():
+# (text, where the thought starts: None the prompt opened it, else the opening the answer may start with) ->
+# (reasoning_content, content)
+SPLITS = {
+    ("abc</think>def", None): ("abc", "def"),
+    ("</think>", None): ("", ""),
+    ("no end at all <thi", None): ("no end at all <thi", ""),
+    ("a</thin</think>b</think>c", None): ("a</thin", "b</think>c"),
+    ("<think>x", None): ("<think>x", ""),
+    ("\n <think>x</think>y", "<think>"): ("x", "y"),
+    ("<think>x</thi", "<think>"): ("x</thi", ""),
+    ("<thin", "<think>"): (None, "<thin"),
+    ("  ", "<think>"): (None, "  "),
+    ("a <think>x</think>y", "<think>"): (None, "a <think>x</think>y"),
+    ("<thinking>x</think>y", "<think>"): (None, "<thinking>x</think>y"),
+}
+
+
+@pytest.mark.parametrize("text, start", SPLITS)
+def test_the_think_splitter_streamed_equals_the_whole_split(text, start):
+    marks = ThoughtMarks("</think>", start)
+    assert split_thinking(text, marks) == SPLITS[text, start]
     rng = random.Random(0)
-    for text in ("abc</think>def", "</think>", "no end at all <thi", "a</thin</think>b</think>c", "<think>x"):
-        for _ in range(20):
-            cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
-            pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
-            s = ThinkSplitter("</think>")
-            parts = [p for piece in pieces for p in s.feed(piece)] + s.flush()
-            reasoning = "".join(t for f, t in parts if f == "reasoning_content")
-            content = "".join(t for f, t in parts if f == "content")
-            assert (reasoning, content) == split_thinking(text, "</think>")
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        s = ThinkSplitter(marks)
+        parts = [p for piece in pieces for p in s.feed(piece)] + s.flush()
+        reasoning = "".join(t for f, t in parts if f == "reasoning_content")
+        content = "".join(t for f, t in parts if f == "content")
+        assert (reasoning if s.had_thought else None, content) == SPLITS[text, start]
 
 
 def test_three_concurrent_requests_all_succeed(tiny_server):

@@ -141,14 +141,6 @@ ANSWERS = [
      'Hm.\n<tool_call>\n{"name": "search", "arguments": {"query": \n</tool_call> ok', []),
     ('<tool_call>\n{"arguments": {}}\n</tool_call>', '<tool_call>\n{"arguments": {}}\n</tool_call>', []),
     ('Sure <tool_call>\n{"name": "sea', 'Sure <tool_call>\n{"name": "sea', []),
-    # a call thought of is not made; the one after the thought is; a thought cut short; what only may open one
-    ('<think>\nI could call <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> hmm\n</think>\n\n'
-     '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>',
-     '<think>\nI could call <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> hmm\n</think>',
-     [("search", {"query": "x"})]),
-    ('\n<think>\nhm <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
-     '\n<think>\nhm <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', []),
-    ("<thi", "<thi", []),
     # an argument that spells the closing tag (code, a prompt) is the call's; a quote left open: as before, its
     # first tag closes the block (content as written), the rest is split again
     ('<tool_call>\n{"name": "write", "arguments": {"text": "a \\"</tool_call>\\" tag </tool_call>"}}\n</tool_call>',
@@ -176,9 +168,8 @@ def test_tool_call_blocks_split_whole_and_streamed(answer, content, calls):
         assert "".join(v for k, v in events if k == "content") == content
         got = [(v["function"]["name"], json.loads(v["function"]["arguments"])) for k, v in events if k == "tool_call"]
         assert got == calls
-        # before the end, a stream never shows what may begin a tag (but in a thought, where nothing is parsed)
-        assert "<think>" in answer or not [v for k, v in fed if k == "content"
-                                           and any(v.endswith("<tool_call>"[:n]) for n in range(1, 11))]
+        # before the end, a stream never shows what may begin a tag
+        assert not [v for k, v in fed if k == "content" and any(v.endswith("<tool_call>"[:n]) for n in range(1, 11))]
     plan = ToolPlan([WEATHER], True)
     text, whole = split_answer(answer, plan)
     assert text == (content or None if calls else content) and len(whole) == len(calls)
@@ -345,3 +336,92 @@ def test_only_a_template_writing_json_calls_takes_tools():
     assert renders_tool_calls(ChatTemplate(QWEN3_TEMPLATE, {}))
     assert not renders_tool_calls(ChatTemplate(coder, {}))
     assert not renders_tool_calls(ChatTemplate(CHAT_TEMPLATE, {}))
+
+
+# Qwen3-Thinking's and QwQ's form of the template: its generation prompt opens the thought (the answer starts in it)
+OPENING_TEMPLATE = QWEN3_TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}",
+                                          "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+
+# (answer, reasoning_content, content, calls) where Qwen3's template lets the answer open a thought: a call thought of
+# is not made, the one after the thought is; a thought cut short is all reasoning; an answer that opens none (what
+# only may begin the opening, a tag later in the text) is content
+THOUGHTS = [
+    ('<think>\nI could call <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> hmm\n</think>\n\n'
+     '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>',
+     '\nI could call <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> hmm\n', None,
+     [("search", {"query": "x"})]),
+    ('\n<think>\nhm <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+     '\nhm <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', "", []),
+    ("<think>Short.</think>Sunny.", "Short.", "Sunny.", []),
+    ("<thi", None, "<thi", []),
+    ("Sunny, <think>not one</think>.", None, "Sunny, <think>not one</think>.", []),
+]
+
+
+def _chat_both_ways(c, **request):
+    """(reasoning_content, content, calls as (name, arguments)) of one chat request, whole and streamed."""
+    message = c.chat.completions.create(model="q", messages=CHAT, **request).choices[0].message
+    whole = (message.model_dump().get("reasoning_content"), message.content,
+             [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls or []])
+    reasoning, content, calls = [], "", []
+    for chunk in c.chat.completions.create(model="q", messages=CHAT, stream=True, **request):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is not None:
+            reasoning += [delta.model_dump().get("reasoning_content") or ""]
+            content += delta.content or ""
+            calls += [(t.function.name, json.loads(t.function.arguments)) for t in delta.tool_calls or []]
+    streamed = ("".join(reasoning) if any(reasoning) else None, content, calls)
+    return whole, streamed
+
+
+@pytest.mark.parametrize("answer, reasoning, content, calls", THOUGHTS)
+def test_a_templates_thought_is_reasoning_content_and_its_calls_are_not_made(server, monkeypatch, answer,
+                                                                              reasoning, content, calls):
+    """Qwen3's template writes thoughts (it spells </think>) and its generation prompt leaves the answer to open one:
+    an answer that opens with <think> has its thought split off as reasoning_content, whole and streamed (pieces of
+    7 characters), before its tool calls are parsed; an answer that opens none is all content."""
+    scripted = scripted_generator(server.generator, monkeypatch)
+    scripted.text = answer
+    whole, streamed = _chat_both_ways(server.client(), tools=[WEATHER, SEARCH])
+    assert whole == (reasoning, content, calls)
+    assert streamed == (reasoning, content or "", calls)
+
+
+def test_where_the_generation_prompt_opens_the_thought_the_answer_starts_in_it(server, monkeypatch):
+    """A template whose generation prompt ends inside a thought (Qwen3-Thinking's, QwQ's): the answer's text up to
+    </think> is reasoning_content (all of it where </think> never comes); Qwen3's own leaves the thought to the
+    answer, under every thinking switch; a template that never spells </think> (ChatML) has no thought to split."""
+    assert ChatTemplate(OPENING_TEMPLATE, {}).opens_thought() is True
+    assert [ChatTemplate(QWEN3_TEMPLATE, {}).opens_thought(t) for t in (None, True, False)] == [False] * 3
+    assert ChatTemplate(CHAT_TEMPLATE, {}).opens_thought() is None
+    scripted = scripted_generator(server.generator, monkeypatch)
+    monkeypatch.setattr(server.state, "_chat_template", ChatTemplate(OPENING_TEMPLATE, {}))
+    c = server.client()
+    for answer, want in [("Let me see.\n</think>\n\nSunny.", ("Let me see.\n", "\n\nSunny.", [])),
+                         ("Still thinking <think> about it", ("Still thinking <think> about it", "", []))]:
+        scripted.text = answer
+        whole, streamed = _chat_both_ways(c)
+        assert server.tok.decode(scripted.prompts[-1]).endswith("<|im_start|>assistant\n<think>\n")
+        assert whole == streamed == want
+    monkeypatch.setattr(server.state, "_chat_template", ChatTemplate(CHAT_TEMPLATE, {}))
+    scripted.text = "<think>x</think>y"
+    assert _chat_both_ways(c) == ((None, "<think>x</think>y", []),) * 2
+
+
+def test_json_output_waits_for_the_end_of_a_thought_the_prompt_opened(server, monkeypatch):
+    """response_format's constraint: where the generation prompt opened the thought, any token until </think>;
+    where the answer only may open one (Qwen3's own template), the JSON from the first token."""
+    from test_serve_clients import _needs_llguidance
+
+    _needs_llguidance()
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"enum": ["yes", "no"]}}}
+    raw = json.dumps({"model": "q", "messages": CHAT, "response_format": fmt}).encode()
+    n = server.state.vocab
+    assert server.state.prepare(raw, chat=True).make_constraint().allowed(n) is not None
+    monkeypatch.setattr(server.state, "_chat_template", ChatTemplate(OPENING_TEMPLATE, {}))
+    constraint = server.state.prepare(raw, chat=True).make_constraint()
+    for token in server.tok.encode("any text", special_tokens=False):
+        assert constraint.allowed(n) is None
+        constraint.accept(token)
+    constraint.accept(server.tok.token_id("</think>"))
+    assert constraint.allowed(n) is not None
