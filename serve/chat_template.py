@@ -27,6 +27,9 @@ TEMPLATE_FILE = "chat_template.jinja"  # where newer checkpoints keep the templa
 # a reasoning model's thought, as the templates that write one spell it (Qwen3's, QwQ's, DeepSeek-R1's): its text goes
 # to reasoning_content (serve/app.py ThinkSplitter), calls written in it are not made
 THOUGHT_OPEN, THOUGHT_CLOSE = "<think>", "</think>"
+# what closes a thought a generation prompt opened (`<think>\n`) as an empty one: Qwen3's templates write an empty
+# thought `<think>\n\n</think>\n\n` (its enable_thinking false, Qwen3-Thinking's reply with no reasoning)
+EMPTY_THOUGHT_END = "\n" + THOUGHT_CLOSE + "\n\n"
 _PROBE = "\ue004"  # a one-message conversation's text: a private-use character no template changes
 # tokenizer_config.json's special tokens a template may name (transformers passes them as variables)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -25,6 +25,8 @@ from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
+from .chat_template import EMPTY_THOUGHT_END
+
 MAX_TOKEN_IDS_BYTES = 256 << 20  # a million ids take under 8 MiB
 MAX_PROMPT_BYTES = 256 << 20  # a prompt file: far beyond a million tokens of text
 _ID_WORD = re.compile(r"[+-]?[0-9]{1,32}")  # an id of a whitespace-separated file (ranges are the engine's to check)
@@ -393,6 +395,8 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
                 text = text if after_end is None else after_end
         except MoepackError as e:
             raise ChatInputError(f"messages: {e}", "messages") from None
+        if after and chat_template.opens_thought(False):  # the prompt opens a thought whatever enable_thinking says
+            text += EMPTY_THOUGHT_END  # (Qwen3-Thinking's, QwQ's): the forced call follows it closed, not inside it
         return tok.encode_rendered(text + "".join(piece for piece, _ in after), shielded)
     try:
         thinking = bool(thinking)

@@ -15,8 +15,8 @@ tool_choice: "auto" (the default with tools): the tools are in the prompt and th
 "required" and a named function: the prompt is prefilled with the opening of the tool-call block (and, named, of
 that function's call), so the answer can only go on with a call; with a chat encoding in thinking mode the prefill
 closes the thought first (`</think>`), a chat template's prompt is rendered with enable_thinking false (Qwen3's empty
-thought) before it (serve/tokenizer.py): the reply then has no reasoning.
-"""
+thought) before it, a thought its generation prompt opens anyway closed empty (serve/tokenizer.py): the reply then has
+no reasoning."""
 
 from __future__ import annotations
 
