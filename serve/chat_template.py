@@ -30,7 +30,11 @@ THOUGHT_OPEN, THOUGHT_CLOSE = "<think>", "</think>"
 # what closes a thought a generation prompt opened (`<think>\n`) as an empty one: Qwen3's templates write an empty
 # thought `<think>\n\n</think>\n\n` (its enable_thinking false, Qwen3-Thinking's reply with no reasoning)
 EMPTY_THOUGHT_END = "\n" + THOUGHT_CLOSE + "\n\n"
-_PROBE = "\ue004"  # a one-message conversation's text: a private-use character no template changes
+_PROBE = "\ue004"  # a probe conversation's last text: a private-use character no template changes
+# the conversations a template's generation prompt is learnt from, the next where it refuses one (a template that
+# wants a system message first)
+_PROBES = ([{"role": "user", "content": _PROBE}],
+           [{"role": "system", "content": "\ue005"}, {"role": "user", "content": _PROBE}])
 # tokenizer_config.json's special tokens a template may name (transformers passes them as variables)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -209,16 +213,19 @@ class ChatTemplate:
         passed) has its thought: None, it has none (the template never spells THOUGHT_CLOSE); True, the generation
         prompt opens it (the answer starts inside it: QwQ's, Qwen3-Thinking's); False, the answer may open one
         itself with THOUGHT_OPEN (Qwen3's, also after the empty one its enable_thinking false writes).
-        Learnt once per value from a one-message conversation's generation prompt (a template that refuses that
-        one: False)."""
+        Learnt once per value from a probe conversation's generation prompt (_PROBES; a template that refuses them
+        all: False)."""
         if THOUGHT_CLOSE not in self.source:
             return None
         if thinking not in self._opens_thought:
             options = {} if thinking is None else {"enable_thinking": thinking}
-            try:
-                text = self.render([{"role": "user", "content": _PROBE}], **options)
-            except MoepackError:
-                text = ""
+            text = ""
+            for conversation in _PROBES:
+                try:
+                    text = self.render(conversation, **options)
+                    break
+                except MoepackError:
+                    continue
             prompt = text[text.rfind(_PROBE) + len(_PROBE):] if _PROBE in text else ""
             self._opens_thought[thinking] = prompt.rfind(THOUGHT_OPEN) > prompt.rfind(THOUGHT_CLOSE)
         return self._opens_thought[thinking]

@@ -243,3 +243,15 @@ def test_a_forced_call_follows_a_closed_empty_thought_never_opens_inside_one(qwe
         rendered = theirs.apply_chat_template(_transformers_messages([QUESTION, reply]), tools=[WEATHER],
                                               tokenize=False, enable_thinking=False)
         assert rendered.startswith(prompt)
+
+
+def test_a_template_that_wants_a_system_message_first_still_has_its_generation_prompt_read():
+    """opens_thought learns the generation prompt from a probe conversation: where the template refuses a lone user
+    message (it wants a system message first), from one with a system message (it had taken such a template's
+    prompt for one that opens no thought: a thought it opened came back as content)."""
+    wants_system = ("{%- if messages[0].role != 'system' %}{{- raise_exception('a system message first') }}"
+                    "{%- endif %}")
+    assert ChatTemplate(wants_system + TEMPLATES["qwq-32b"], {}).opens_thought() is True
+    assert ChatTemplate(wants_system + QWEN3_TEMPLATE, {}).opens_thought(True) is False
+    refuses_all = "{{- raise_exception('no') }}</think>"
+    assert ChatTemplate(refuses_all, {}).opens_thought() is False
