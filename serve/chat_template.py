@@ -214,18 +214,19 @@ class ChatTemplate:
         prompt opens it (the answer starts inside it: QwQ's, Qwen3-Thinking's); False, the answer may open one
         itself with THOUGHT_OPEN (Qwen3's, also after the empty one its enable_thinking false writes).
         Learnt once per value from a probe conversation's generation prompt (_PROBES; a template that refuses them
-        all: False)."""
+        all: False, asked again next time)."""
         if THOUGHT_CLOSE not in self.source:
             return None
         if thinking not in self._opens_thought:
             options = {} if thinking is None else {"enable_thinking": thinking}
-            text = ""
             for conversation in _PROBES:
                 try:
                     text = self.render(conversation, **options)
                     break
                 except MoepackError:
                     continue
+            else:  # (not kept: a probe cut short by RENDER_SECONDS on a loaded machine is tried again next time)
+                return False
             prompt = text[text.rfind(_PROBE) + len(_PROBE):] if _PROBE in text else ""
             self._opens_thought[thinking] = prompt.rfind(THOUGHT_OPEN) > prompt.rfind(THOUGHT_CLOSE)
         return self._opens_thought[thinking]

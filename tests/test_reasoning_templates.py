@@ -253,5 +253,6 @@ def test_a_template_that_wants_a_system_message_first_still_has_its_generation_p
                     "{%- endif %}")
     assert ChatTemplate(wants_system + TEMPLATES["qwq-32b"], {}).opens_thought() is True
     assert ChatTemplate(wants_system + QWEN3_TEMPLATE, {}).opens_thought(True) is False
-    refuses_all = "{{- raise_exception('no') }}</think>"
-    assert ChatTemplate(refuses_all, {}).opens_thought() is False
+    refuses_all = ChatTemplate("{{- raise_exception('no') }}</think>", {})
+    assert refuses_all.opens_thought() is False
+    assert not refuses_all._opens_thought  # (not kept: a probe cut short on a loaded machine is tried again)
