@@ -88,6 +88,29 @@ def _chat_ids(container, tokenizer, messages, thinking: bool | None, reasoning_e
                            turn_end=turn_end)
 
 
+def _chat_answer(container, thinking: bool | None):
+    """A chat reply's --json fields as the server's message gives them: f(text) -> {"content"} and, where the answer
+    had a thought (a chat encoding's thinking mode, a chat template that writes thoughts), its "reasoning_content"
+    (serve/reasoning.py)."""
+    from moepack.families import container_family
+    from moepack.format_spec.errors import MoepackError
+    from moepack.serve.chat_template import family_chat_template
+    from moepack.serve.reasoning import chat_thought, split_thinking
+
+    family = container_family(container)
+    try:
+        thought = chat_thought(family, lambda: family_chat_template(container, family), thinking)
+    except MoepackError:  # no template: the prompt could not have been encoded (_chat_ids said so first)
+        thought = None
+
+    def fields(text: str | None) -> dict:
+        if text is None:
+            return {}
+        reasoning, content = split_thinking(text, thought) if thought is not None else (None, text)
+        return {"content": content, **({} if reasoning is None else {"reasoning_content": reasoning})}
+    return fields
+
+
 def _closing_the_last_turn(last: int, container) -> list[int]:
     """A chat turn continuing a KV whose last token (`last`) did not end its reply (cut by --max-new-tokens, a stop
     string, Ctrl-C): the end-of-sequence id the model ends its turn with (the config's first), as the reply would
@@ -209,6 +232,7 @@ class _Queued:
     ids: list[int]
     options: object  # GenerateOptions
     detokenize: Callable[[list[int]], str] | None
+    answer: Callable[[str | None], dict]  # a chat reply's --json fields (_chat_answer; {} for another prompt)
 
 
 def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None, thinking: bool | None,
@@ -228,6 +252,7 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
         config = c.config
         tokenizer = PromptTokenizer(c) if any(s.token_ids is None for s in specs) else _tokenizer_for_text(c)
         vocab = config.get("vocab_size")
+        chat_answer = _chat_answer(c, thinking) if any(s.messages is not None for s in specs) else None
         for i, spec in enumerate(specs):
             try:
                 if spec.token_ids is not None:
@@ -246,13 +271,15 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
                 SequenceOutput(options, set(), detokenize)  # its checks (seed, --stop), as the batch's submit makes
             except MoepackError as e:
                 raise MoepackError(f"{spec.where}: {e}") from None
-            out.append(_Queued(i, spec, ids, options, detokenize))
+            out.append(_Queued(i, spec, ids, options, detokenize,
+                               chat_answer if spec.messages is not None else lambda text: {}))
     return out
 
 
 def _generate_several(file: str, queued: list[_Queued], max_batch: int, run, as_json: bool) -> None:
     """The prompts decoded together, each one's output printed as it completes (in that order): --json, one line
-    {"ok", "index", "id", "generated_ids", "text", "finish_reason", "stats"} (or {"ok": false, "index", "error"}); else
+    {"ok", "index", "id", "generated_ids", "text", ("content", "reasoning_content": a chat's), "finish_reason",
+    "stats"} (or {"ok": false, "index", "error"}); else
     a header line and its text on stdout, its figures on stderr. A prompt that fails leaves the others going; the
     command then ends with an error naming how many failed."""
     import time
@@ -283,8 +310,8 @@ def _generate_several(file: str, queued: list[_Queued], max_batch: int, run, as_
             tokens += len(result.generated_ids)
             if as_json:
                 click.echo(json.dumps({"ok": True, **named, "generated_ids": result.generated_ids,
-                                       "text": result.text, "finish_reason": result.finish_reason,
-                                       "stats": result.stats}, default=str))
+                                       "text": result.text, **q.answer(result.text),
+                                       "finish_reason": result.finish_reason, "stats": result.stats}, default=str))
                 continue
             label = f"prompt {q.index}" + ("" if q.spec.id is None else f" ({q.spec.id})")
             click.echo(f"== {label} ==")
@@ -358,9 +385,10 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
     Several prompts (--prompt given more than once, or --prompts-file) decode together, --max-batch at a time
     (continuous batching: greedy tokens are each prompt's alone). Each one's output is printed as it completes: a
     "== prompt I ==" line (I counts the prompts from 0, in the order given) then its text, its figures on stderr;
-    with --json one JSON line per prompt, {"ok", "index", "id", "generated_ids", "text", "finish_reason", "stats"}.
-    Sampling, --stop and -c apply to each prompt; with --seed S prompt I samples with S + I (so it repeats alone
-    with --seed S+I), unless its line gives its own seed."""
+    with --json one JSON line per prompt, {"ok", "index", "id", "generated_ids", "text", "finish_reason", "stats"}
+    (a chat's also "content" and, where it had a thought, "reasoning_content", as the server's message). Sampling,
+    --stop and -c apply to each prompt; with --seed S prompt I samples with S + I (so it repeats alone with --seed
+    S+I), unless its line gives its own seed."""
     from moepack.format_spec.errors import MoepackError
     from moepack.format_spec.reader import Container
     from moepack.runtime.generate import GenerateOptions, generate as run_generate
@@ -393,6 +421,7 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
                                      reasoning_effort, continuing=kv is not None,
                                      turn_end=(closing or kv.token_ids[-1:] or [None])[-1] if kv else None)
         ids = closing + ids
+        answer = _chat_answer(c, thinking) if messages_file is not None or chat is not None else lambda text: {}
         config = c.config
         if not ids and continue_from is None:
             raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
@@ -406,8 +435,8 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
                               detokenize=tokenizer.decode if tokenizer is not None else None,
                               on_text=None if as_json else show_text, kv_out=kv_out, kv_overwrite=force,
                               kv_dtype=run.kv_dtype)
-    out = {"generated_ids": result.generated_ids, "text": result.text, "finish_reason": result.finish_reason,
-           "stats": result.stats}
+    out = {"generated_ids": result.generated_ids, "text": result.text, **answer(result.text),
+           "finish_reason": result.finish_reason, "stats": result.stats}
     if as_json:
         emit(True, out, None)
         return

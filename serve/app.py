@@ -75,11 +75,11 @@ from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, GenerateResult
 from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK
-from moepack.runtime.sampling import (MAX_TOP_LOGPROBS, IncrementalDetokenizer, TokenLogprob, is_int,
-                                     partial_match_length)
+from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer, TokenLogprob, is_int
 
-from .chat_template import THOUGHT_CLOSE, THOUGHT_OPEN, family_chat_template
+from .chat_template import family_chat_template
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
+from .reasoning import ThinkSplitter, ThoughtMarks, chat_thought, split_thinking
 from .tokenizer import ChatInputError, chat_prompt_ids, markup_warning
 from .tool_calls import ToolPlan, renders_tool_calls, split_answer, tool_plan, with_prompt_extras
 
@@ -276,67 +276,6 @@ class Prepared:
     echo: str | None = None  # completions' echo: the prompt's text, in front of each choice's text
     make_constraint: Callable[[], object] | None = None
     tools: ToolPlan | None = None  # chat: the request's tools (serve/tool_calls.py)
-
-
-@dataclass(frozen=True)
-class ThoughtMarks:
-    """How a chat answer's thought is marked: `end` closes it; `start` None, the prompt opened it (the answer starts
-    inside it: a chat encoding's thinking mode, QwQ's template); else the answer may open one with `start`, at its
-    start after whitespace (Qwen3's template)."""
-    end: str
-    start: str | None = None
-
-
-class ThinkSplitter:
-    """Splits streamed text at the end of its thought (`marks`: ThoughtMarks; None: the answer has none): (field,
-    text) pairs, "reasoning_content" before the end and "content" after (all of it reasoning when the end never
-    comes); where the answer may open a thought, its opening is dropped, and an answer that opens none is all
-    content. A tail that may be the start of a marker is held back until the next piece says."""
-
-    def __init__(self, marks: ThoughtMarks | None):
-        self.marks = marks
-        # True: in the thought; False: after it, or no thought; None: not yet known whether the answer opens one
-        self.in_thought = None if marks is not None and marks.start is not None else marks is not None
-        self.had_thought = bool(self.in_thought)  # the answer has a thought (its prompt opened it, or it opened one)
-        self.held = ""
-
-    def feed(self, piece: str) -> list[tuple[str, str]]:
-        text, self.held = self.held + piece, ""
-        if self.in_thought is None:
-            lead = text.lstrip()
-            if lead.startswith(self.marks.start):
-                self.in_thought = self.had_thought = True
-                text = lead[len(self.marks.start):]
-            elif self.marks.start.startswith(lead):  # (still maybe: whitespace, "<th")
-                self.held = text
-                return []
-            else:
-                self.in_thought = False
-        if not self.in_thought:
-            return [("content", text)] if text else []
-        at = text.find(self.marks.end)
-        if at >= 0:
-            self.in_thought = False
-            out = [("reasoning_content", text[:at]), ("content", text[at + len(self.marks.end):])]
-            return [(f, t) for f, t in out if t]
-        keep = partial_match_length(text, (self.marks.end,))
-        self.held = text[len(text) - keep:] if keep else ""
-        shown = text[:len(text) - keep]
-        return [("reasoning_content", shown)] if shown else []
-
-    def flush(self) -> list[tuple[str, str]]:
-        held, self.held = self.held, ""
-        return [("reasoning_content" if self.in_thought else "content", held)] if held else []
-
-
-def split_thinking(text: str, marks: ThoughtMarks) -> tuple[str | None, str]:
-    """(reasoning_content, content) of a whole answer (ThinkSplitter's split fed at once); reasoning None where the
-    answer opened no thought."""
-    splitter = ThinkSplitter(marks)
-    parts = splitter.feed(text) + splitter.flush()
-    reasoning = "".join(t for f, t in parts if f == "reasoning_content")
-    content = "".join(t for f, t in parts if f == "content")
-    return (reasoning if splitter.had_thought else None), content
 
 
 # ---- request checking -------------------------------------------------------------------------------------------
@@ -907,12 +846,7 @@ class Server:
                                   tools=plan.tools if encoding is None else None)
         except ChatInputError as e:
             raise RequestError(str(e), param=e.param, code=e.code) from None
-        if plan.prefill:
-            return ids, None, plan
-        if encoding is not None:
-            return ids, ThoughtMarks(encoding.THINK_END) if thinking else None, plan
-        opened = self.chat_template().opens_thought(thinking)
-        return ids, None if opened is None else ThoughtMarks(THOUGHT_CLOSE, None if opened else THOUGHT_OPEN), plan
+        return ids, None if plan.prefill else chat_thought(self.family, self.chat_template, thinking), plan
 
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
         """On a worker thread (the event loop stays free): parse, check and tokenize one request."""

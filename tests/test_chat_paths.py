@@ -276,3 +276,37 @@ def test_a_tokenizer_without_the_chat_markup_is_warned_of_in_either_path(contain
         finally:
             server.executor.shutdown()
     assert len(logged) == 1 and logged[0].startswith("moepack serve: warning: ") and chat.USER in logged[0], logged
+
+
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+def test_generate_json_gives_a_chats_content_and_its_thought_as_the_server_does(containers, family, tmp_path,
+                                                                                 monkeypatch):
+    """`generate --json` of a chat: "content" beside "text" and, in a chat encoding's thinking mode, the thought
+    before </think> as "reasoning_content" (the server's message's split); a raw prompt's output has neither; the
+    same for each --prompts-file line (batched: the real tiny model)."""
+    import moepack.runtime.generate as generate_module
+    from moepack.runtime.generate import GenerateResult
+
+    real = generate_module.generate
+    scripted = "a plan</think>the answer"
+    monkeypatch.setattr(generate_module, "generate", lambda *a, **k: GenerateResult([1, 2], scripted, "stop", {}))
+
+    def generate(*args, lines=False):
+        r = CliRunner().invoke(cli, ["generate", containers[family], "-n", "3", "--json", *args])
+        assert r.exit_code == 0, r.output
+        return [json.loads(line) for line in r.stdout.splitlines()] if lines else json.loads(r.stdout)
+
+    thinks = family == "deepseek-v4"  # (the synthetic Qwen3-MoE's ChatML writes no thoughts)
+    out = generate("--chat", "hi", *(["--thinking"] if thinks else []))
+    assert out["text"] == scripted
+    assert (out.get("reasoning_content"), out["content"]) == (("a plan", "the answer") if thinks else (None, scripted))
+    out = generate("--prompt", "hi")
+    assert "content" not in out and "reasoning_content" not in out
+    monkeypatch.setattr(generate_module, "generate", real)
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps("raw") + "\n")
+    chat, raw = sorted(generate("--prompts-file", str(lines), *(["--thinking"] if thinks else []), lines=True),
+                       key=lambda o: o["index"])
+    assert "content" not in raw and "reasoning_content" not in raw and chat["text"]
+    reasoning, _, content = chat["text"].partition("</think>")
+    assert (chat.get("reasoning_content"), chat["content"]) == ((reasoning, content) if thinks else (None, chat["text"]))

@@ -16,7 +16,8 @@ import uvicorn
 
 from moepack.packer.convert import convert_checkpoint
 from moepack.runtime.generate import GenerateOptions, Generator, generate
-from moepack.serve.app import ThinkSplitter, ThoughtMarks, make_app, split_thinking, uvicorn_config
+from moepack.serve.app import make_app, uvicorn_config
+from moepack.serve.reasoning import ThinkSplitter, ThoughtMarks, split_thinking
 from moepack.serve.tokenizer import PromptTokenizer
 from v4_models import CONFIGS, saved_model
 

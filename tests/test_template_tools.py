@@ -425,3 +425,21 @@ def test_json_output_waits_for_the_end_of_a_thought_the_prompt_opened(server, mo
         constraint.accept(token)
     constraint.accept(server.tok.token_id("</think>"))
     assert constraint.allowed(n) is not None
+
+
+def test_generate_json_splits_a_templates_thought_as_the_server_does(qwen3_tools, monkeypatch):
+    """`generate --chat --json` on Qwen3's template: an answer that opens a thought has it as "reasoning_content"
+    (ThinkSplitter's split, as the server's message); one that opens none is all "content"."""
+    from click.testing import CliRunner
+
+    import moepack.runtime.generate as generate_module
+    from moepack.cli.main import cli
+    from moepack.runtime.generate import GenerateResult
+
+    for answer, reasoning, content in [("\n<think>\nhm\n</think>\n\nSunny.", "\nhm\n", "\n\nSunny."),
+                                       ("Sunny.", None, "Sunny.")]:
+        monkeypatch.setattr(generate_module, "generate", lambda *a, **k: GenerateResult([1], answer, "stop", {}))
+        r = CliRunner().invoke(cli, ["generate", qwen3_tools[1], "--chat", "Weather?", "--json"])
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.stdout)
+        assert (out["text"], out.get("reasoning_content"), out["content"]) == (answer, reasoning, content)

@@ -1,0 +1,86 @@
+"""A chat answer's thought, split off as `reasoning_content` (the server's chat completions, `moepack generate`'s
+--json): how the thought is marked for a request (chat_thought: the family's chat encoding in thinking mode, or a
+chat template that writes thoughts, ChatTemplate.opens_thought), and the split, streamed (ThinkSplitter) or whole
+(split_thinking)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from moepack.runtime.sampling import partial_match_length
+
+from .chat_template import THOUGHT_CLOSE, THOUGHT_OPEN
+
+
+@dataclass(frozen=True)
+class ThoughtMarks:
+    """How a chat answer's thought is marked: `end` closes it; `start` None, the prompt opened it (the answer starts
+    inside it: a chat encoding's thinking mode, QwQ's template); else the answer may open one with `start`, at its
+    start after whitespace (Qwen3's template)."""
+    end: str
+    start: str | None = None
+
+
+class ThinkSplitter:
+    """Splits streamed text at the end of its thought (`marks`: ThoughtMarks; None: the answer has none): (field,
+    text) pairs, "reasoning_content" before the end and "content" after (all of it reasoning when the end never
+    comes); where the answer may open a thought, its opening is dropped, and an answer that opens none is all
+    content. A tail that may be the start of a marker is held back until the next piece says."""
+
+    def __init__(self, marks: ThoughtMarks | None):
+        self.marks = marks
+        # True: in the thought; False: after it, or no thought; None: not yet known whether the answer opens one
+        self.in_thought = None if marks is not None and marks.start is not None else marks is not None
+        self.had_thought = bool(self.in_thought)  # the answer has a thought (its prompt opened it, or it opened one)
+        self.held = ""
+
+    def feed(self, piece: str) -> list[tuple[str, str]]:
+        text, self.held = self.held + piece, ""
+        if self.in_thought is None:
+            lead = text.lstrip()
+            if lead.startswith(self.marks.start):
+                self.in_thought = self.had_thought = True
+                text = lead[len(self.marks.start):]
+            elif self.marks.start.startswith(lead):  # (still maybe: whitespace, "<th")
+                self.held = text
+                return []
+            else:
+                self.in_thought = False
+        if not self.in_thought:
+            return [("content", text)] if text else []
+        at = text.find(self.marks.end)
+        if at >= 0:
+            self.in_thought = False
+            out = [("reasoning_content", text[:at]), ("content", text[at + len(self.marks.end):])]
+            return [(f, t) for f, t in out if t]
+        keep = partial_match_length(text, (self.marks.end,))
+        self.held = text[len(text) - keep:] if keep else ""
+        shown = text[:len(text) - keep]
+        return [("reasoning_content", shown)] if shown else []
+
+    def flush(self) -> list[tuple[str, str]]:
+        held, self.held = self.held, ""
+        return [("reasoning_content" if self.in_thought else "content", held)] if held else []
+
+
+def split_thinking(text: str, marks: ThoughtMarks) -> tuple[str | None, str]:
+    """(reasoning_content, content) of a whole answer (ThinkSplitter's split fed at once); reasoning None where the
+    answer opened no thought."""
+    splitter = ThinkSplitter(marks)
+    parts = splitter.feed(text) + splitter.flush()
+    reasoning = "".join(t for f, t in parts if f == "reasoning_content")
+    content = "".join(t for f, t in parts if f == "content")
+    return (reasoning if splitter.had_thought else None), content
+
+
+def chat_thought(family: Any, template: Callable[[], Any], thinking: bool | None) -> ThoughtMarks | None:
+    """How the answer to a chat prompt encoded as `family`'s chat (serve/tokenizer.py chat_prompt_ids, with no
+    forced tool call: its start closes the thought) marks its thought, None where it has none: a chat encoding's
+    thinking mode opens it in the prompt; a chat template (`template()`) where it writes thoughts."""
+    encoding = family.chat_encoding
+    if encoding is not None:
+        return ThoughtMarks(encoding.THINK_END) if thinking else None
+    opened = template().opens_thought(thinking)
+    return None if opened is None else ThoughtMarks(THOUGHT_CLOSE, None if opened else THOUGHT_OPEN)
