@@ -309,4 +309,5 @@ def test_generate_json_gives_a_chats_content_and_its_thought_as_the_server_does(
                        key=lambda o: o["index"])
     assert "content" not in raw and "reasoning_content" not in raw and chat["text"]
     reasoning, _, content = chat["text"].partition("</think>")
-    assert (chat.get("reasoning_content"), chat["content"]) == ((reasoning, content) if thinks else (None, chat["text"]))
+    want = (reasoning, content) if thinks else (None, chat["text"])
+    assert (chat.get("reasoning_content"), chat["content"]) == want
