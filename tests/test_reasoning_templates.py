@@ -21,7 +21,7 @@ from moepack.packer.synth import synth_checkpoint
 from moepack.serve.chat_template import ChatTemplate, family_chat_template
 from moepack.serve.tokenizer import PromptTokenizer, chat_prompt_ids
 from test_serve_clients import _bad, scripted_generator
-from test_template_tools import CHAT, FAMILY, QWEN3_TEMPLATE, QWEN_MARKUP, _chat_both_ways
+from test_template_tools import CHAT, FAMILY, QWEN3_TEMPLATE, QWEN_MARKUP, _chat_both_ways, _transformers_messages
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,20 +77,6 @@ CONVERSATIONS = {
     "empty content": ([{"role": "user", "content": ""}, {"role": "assistant", "content": ""},
                        {"role": "user", "content": "x"}], None),
 }
-
-
-def _transformers_messages(messages):
-    """The conversation as vLLM hands it to transformers' template: text parts joined by newlines, no None content,
-    a call's arguments as an object."""
-    out = []
-    for m in messages:
-        content = m["content"]
-        m = {**m, "content": "\n".join(p["text"] for p in content) if isinstance(content, list) else content or ""}
-        if m.get("tool_calls"):
-            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                               for c in m["tool_calls"]]
-        out.append(m)
-    return out
 
 
 @pytest.fixture(scope="module")

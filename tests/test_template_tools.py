@@ -69,10 +69,12 @@ CONVERSATIONS = [
 
 
 def _transformers_messages(messages):
-    """The conversation as vLLM hands it to transformers' template: arguments as objects, no None content."""
+    """The conversation as vLLM hands it to transformers' template: text parts joined by newlines, no None content,
+    a call's arguments as an object."""
     out = []
     for m in messages:
-        m = {**m, "content": m["content"] or ""}
+        content = m["content"]
+        m = {**m, "content": "\n".join(p["text"] for p in content) if isinstance(content, list) else content or ""}
         if m.get("tool_calls"):
             m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
                                for c in m["tool_calls"]]
