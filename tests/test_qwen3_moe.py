@@ -29,9 +29,10 @@ CONFIGS = {
 PROMPT = [5, 17, 42, 250, 3, 99, 7, 128, 64]
 
 
-def save_model(directory, overrides: dict, dtype: torch.dtype):
-    """A seeded random Qwen3MoeForCausalLM saved to `directory`; returns the model (float32)."""
-    config = transformers.Qwen3MoeConfig(**{**BASE, **overrides})
+def save_model(directory, overrides: dict, dtype: torch.dtype, without: tuple[str, ...] = ()):
+    """A seeded random Qwen3MoeForCausalLM saved to `directory` (BASE with `overrides`, its keys `without` left out
+    for transformers' defaults); returns the model (float32)."""
+    config = transformers.Qwen3MoeConfig(**{k: v for k, v in {**BASE, **overrides}.items() if k not in without})
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).eval()
     with torch.no_grad():  # weights well away from zero, so every path shows in the logits
@@ -269,10 +270,12 @@ def test_a_quantization_other_than_the_fp8_releases_is_refused(tmp_path, quantiz
     (dict(rms_norm_eps=0.0), "rms_norm_eps"),
     (dict(rms_norm_eps=float("nan")), "rms_norm_eps"),
     (dict(vocab_size=True), "vocab_size"),
-    (dict(mlp_only_layers=[0, 3]), "mlp_only_layers"),
+    (dict(mlp_only_layers=[0, "3"]), "mlp_only_layers"),
+    (dict(mlp_only_layers=list(range(5000))), "mlp_only_layers"),
     (dict(decoder_sparse_step=0), "decoder_sparse_step"),
     (dict(norm_topk_prob="yes"), "norm_topk_prob"),
-    (dict(use_sliding_window=True), "use_sliding_window"),
+    (dict(use_sliding_window=True), "use_sliding_window"),  # transformers' sliding_window 4096
+    (dict(use_sliding_window=True, sliding_window=8), "use_sliding_window"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}), "rope_parameters"),
@@ -288,6 +291,22 @@ def test_an_absurd_config_is_one_line_naming_the_field(change, field):
     with pytest.raises(MoepackError) as e:
         Qwen3MoeConfig.from_hf({**BASE, **change})
     assert f"config.json {field}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_configs_transformers_reads_past_give_its_logits(tmp_path):
+    """What transformers' Qwen3-MoE reads past is read past, not refused: a head_dim left out where the heads do
+    not divide hidden_size (its floor, 172 // 6 = 28), mlp_only_layers naming no layer (5, -1) beside one that
+    does, use_sliding_window true with sliding_window null (full attention)."""
+    overrides = dict(hidden_size=172, num_attention_heads=6, mlp_only_layers=[5, 0, -1], use_sliding_window=True,
+                     sliding_window=None)
+    save_model(tmp_path, overrides, torch.float32, without=("head_dim",))
+    loaded = load_checkpoint(tmp_path)
+    assert (loaded.config.head_dim, loaded.config.moe_layers) == (28, (1, 2))
+    model = reference(tmp_path)
+    torch.testing.assert_close(forward(loaded, PROMPT), reference_logits(model, PROMPT), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    assert greedy(loaded, PROMPT, 4) == theirs[0, len(PROMPT):].tolist()
 
 
 def test_both_spellings_of_a_config():

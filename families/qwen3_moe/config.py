@@ -28,6 +28,7 @@ DEFAULTS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num
                 num_experts=128, norm_topk_prob=False, hidden_act="silu", attention_bias=False,
                 use_sliding_window=False, max_position_embeddings=32768)
 
+SLIDING_WINDOW_DEFAULT = 4096  # transformers' sliding_window where use_sliding_window is true and it is absent
 MAX_DIM = 1 << 20  # a hidden size, head count or FFN width beyond any model: bounds what a hostile config builds
 MAX_LAYERS = 1 << 12
 MAX_EXPERTS = 1 << 16
@@ -105,6 +106,19 @@ def _rope_block(raw: Mapping[str, Any], key: str, block: Mapping[str, Any], max_
                               truncate, attention)
 
 
+def _check_no_sliding_window(raw: Mapping[str, Any]) -> None:
+    """Refuse a sliding window, as transformers' Qwen3MoeConfig reads one: use_sliding_window true with a
+    sliding_window absent (its default 4096) or set; true with sliding_window null is full attention, and a
+    sliding_window without use_sliding_window is dropped."""
+    if not _bool(raw, "use_sliding_window"):
+        return
+    if "sliding_window" not in raw or raw["sliding_window"] is not None:
+        window = raw.get("sliding_window", SLIDING_WINDOW_DEFAULT)
+        raise UntrustedInputError(f"config.json use_sliding_window: true with sliding_window {str(window)[:20]} is "
+                                  "not supported (qwen3-moe computes full attention only; sliding_window null is "
+                                  "full attention)")
+
+
 @dataclass(frozen=True)
 class Qwen3MoeConfig:
     """Qwen3-MoE as the forward computes it."""
@@ -132,10 +146,11 @@ class Qwen3MoeConfig:
     def from_hf(cls, raw: Mapping[str, Any]) -> Qwen3MoeConfig:
         if not isinstance(raw, Mapping):
             raise UntrustedInputError(f"config.json: expected a JSON object, got {type(raw).__name__}")
-        for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("use_sliding_window", False)):
+        for key, want in (("hidden_act", "silu"), ("attention_bias", False)):
             if _field(raw, key) != want:
                 raise UntrustedInputError(f"config.json {key}: {str(_field(raw, key))[:40]!r} is not supported "
                                           f"(qwen3-moe computes {want!r} only)")
+        _check_no_sliding_window(raw)
         hidden = _int(raw, "hidden_size", 1, MAX_DIM)
         heads = _int(raw, "num_attention_heads", 1, MAX_DIM)
         kv_heads = _int(raw, "num_key_value_heads", 1, heads)
@@ -143,10 +158,7 @@ class Qwen3MoeConfig:
             raise UntrustedInputError(f"config.json num_key_value_heads: {kv_heads} does not divide "
                                       f"num_attention_heads {heads}")
         head_dim = raw.get("head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise UntrustedInputError(f"config.json head_dim: absent, and hidden_size {hidden} is no multiple "
-                                          f"of num_attention_heads {heads}")
+        if head_dim is None:  # transformers' getattr fallback: the floor, whether or not the heads divide hidden
             head_dim = hidden // heads
         head_dim = int_in_range(head_dim, "config.json head_dim", 2, MAX_DIM)
         if head_dim % 2:
@@ -161,10 +173,12 @@ class Qwen3MoeConfig:
                                       f"{layers} layers ({MAX_ROUTED_EXPERTS} routed experts in all), got {experts}")
         top_k = _int(raw, "num_experts_per_tok", 1, experts)
         only = raw.get("mlp_only_layers") or []
-        if not isinstance(only, list) or len(only) > layers:
-            raise UntrustedInputError(f"config.json mlp_only_layers: expected a list of at most {layers} layer "
+        if not isinstance(only, list) or len(only) > MAX_LAYERS:
+            raise UntrustedInputError(f"config.json mlp_only_layers: expected a list of at most {MAX_LAYERS} layer "
                                       "indices")
-        only = tuple(sorted({int_in_range(i, "config.json mlp_only_layers[]", 0, layers - 1) for i in only}))
+        # an index past the layers names no layer: transformers' `layer_idx not in mlp_only_layers` passes it by
+        only = tuple(sorted({i for i in (int_in_range(i, "config.json mlp_only_layers[]", -MAX_LAYERS, MAX_LAYERS)
+                                         for i in only) if 0 <= i < layers}))
         max_positions = _int(raw, "max_position_embeddings", 1, 1 << 31)
         rope_theta, rope_scaling = _rope(raw, max_positions)
         return cls(
