@@ -281,6 +281,10 @@ def test_a_quantization_other_than_the_fp8_releases_is_refused(tmp_path, quantiz
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}), "rope_parameters"),
     (dict(rope_parameters=None, rope_scaling={"rope_type": "longrope", "factor": 4.0}), "rope_scaling"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6}), "rope_parameters.factor"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0, "partial_rotary_factor": 0.5}),
+     "rope_parameters.partial_rotary_factor"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0,
+                           "original_max_position_embeddings": 16.5}), "rope_parameters.original_max_position_"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "truncate": "no"}),
      "rope_parameters.truncate"),
     (dict(rope_parameters=None, rope_theta=-1.0), "rope_theta"),
@@ -296,9 +300,10 @@ def test_an_absurd_config_is_one_line_naming_the_field(change, field):
 def test_configs_transformers_reads_past_give_its_logits(tmp_path):
     """What transformers' Qwen3-MoE reads past is read past, not refused: a head_dim left out where the heads do
     not divide hidden_size (its floor, 172 // 6 = 28), mlp_only_layers naming no layer (5, -1) beside one that
-    does, use_sliding_window true with sliding_window null (full attention)."""
+    does, use_sliding_window true with sliding_window null (full attention), hidden_act "swish" (SiLU's other
+    name)."""
     overrides = dict(hidden_size=172, num_attention_heads=6, mlp_only_layers=[5, 0, -1], use_sliding_window=True,
-                     sliding_window=None)
+                     sliding_window=None, hidden_act="swish")
     save_model(tmp_path, overrides, torch.float32, without=("head_dim",))
     loaded = load_checkpoint(tmp_path)
     assert (loaded.config.head_dim, loaded.config.moe_layers) == (28, (1, 2))
@@ -332,6 +337,10 @@ SCALED_ROPES = {
     "yarn-attention-factor": dict(max_position_embeddings=32, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "attention_factor": 1.3}),
     "linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 3.0}),
+    # what transformers reads as its defaults (a beta of 0 or null) or as a number (a context length 16.0)
+    "yarn-transformers-defaults": dict(max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16.0,
+        "beta_fast": 0, "beta_slow": None}),
 }
 
 

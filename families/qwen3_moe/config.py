@@ -28,6 +28,7 @@ DEFAULTS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num
                 num_experts=128, norm_topk_prob=False, hidden_act="silu", attention_bias=False,
                 use_sliding_window=False, max_position_embeddings=32768)
 
+SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN names of x * sigmoid(x)
 SLIDING_WINDOW_DEFAULT = 4096  # transformers' sliding_window where use_sliding_window is true and it is absent
 MAX_DIM = 1 << 20  # a hidden size, head count or FFN width beyond any model: bounds what a hostile config builds
 MAX_LAYERS = 1 << 12
@@ -91,18 +92,29 @@ def _rope_block(raw: Mapping[str, Any], key: str, block: Mapping[str, Any], max_
             return default
         return finite_float(value, f"config.json {key}.{name}", lo=0.0, hi=1e12, lo_open=True)
 
+    # transformers' scaled RoPEs rotate head_dim * partial_rotary_factor channels, which its Qwen3-MoE attention
+    # cannot apply (a shape error); its default RoPE ignores the field
+    partial = block.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        raise UntrustedInputError(f"config.json {key}.partial_rotary_factor: {str(partial)[:20]} is not supported "
+                                  f"with a {kind} RoPE (qwen3-moe rotates every channel of a head)")
     factor = number("factor")
     if kind == "linear":
         return theta, RopeScaling("linear", factor)
-    original = int_in_range(block.get("original_max_position_embeddings") or max_positions,
-                            f"config.json {key}.original_max_position_embeddings", 1, 1 << 31)
+    original = block.get("original_max_position_embeddings") or max_positions
+    if isinstance(original, float) and original.is_integer():  # (4096.0: transformers' arithmetic takes it)
+        original = int(original)
+    original = int_in_range(original, f"config.json {key}.original_max_position_embeddings", 1, 1 << 31)
     truncate = block.get("truncate", True)
     if not isinstance(truncate, bool):
         raise UntrustedInputError(f"config.json {key}.truncate: expected true or false")
     mscale = block.get("mscale") and number("mscale")
     mscale_all_dim = block.get("mscale_all_dim") and number("mscale_all_dim")
     attention = number("attention_factor", yarn_attention_factor(factor, mscale, mscale_all_dim))
-    return theta, RopeScaling("yarn", factor, original, number("beta_fast", 32.0), number("beta_slow", 1.0),
+    # a beta of 0 or null is transformers' default too (its `get("beta_fast") or 32`)
+    beta_fast, beta_slow = (number(name) if block.get(name) else default for name, default in
+                            (("beta_fast", 32.0), ("beta_slow", 1.0)))
+    return theta, RopeScaling("yarn", factor, original, beta_fast, beta_slow,
                               truncate, attention)
 
 
@@ -146,10 +158,10 @@ class Qwen3MoeConfig:
     def from_hf(cls, raw: Mapping[str, Any]) -> Qwen3MoeConfig:
         if not isinstance(raw, Mapping):
             raise UntrustedInputError(f"config.json: expected a JSON object, got {type(raw).__name__}")
-        for key, want in (("hidden_act", "silu"), ("attention_bias", False)):
-            if _field(raw, key) != want:
+        for key, wanted in (("hidden_act", SILU_NAMES), ("attention_bias", (False,))):
+            if _field(raw, key) not in wanted:
                 raise UntrustedInputError(f"config.json {key}: {str(_field(raw, key))[:40]!r} is not supported "
-                                          f"(qwen3-moe computes {want!r} only)")
+                                          f"(qwen3-moe computes {' or '.join(map(repr, wanted))} only)")
         _check_no_sliding_window(raw)
         hidden = _int(raw, "hidden_size", 1, MAX_DIM)
         heads = _int(raw, "num_attention_heads", 1, MAX_DIM)
