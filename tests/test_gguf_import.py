@@ -351,12 +351,13 @@ def test_damaged_gguf_is_one_line(exported, tmp_path):
     assert "architecture 'llama'" in _one_line(other, tmp_path)
 
 
-def _rewrite(src: str, dst: str, edit) -> None:
-    """Copy GGUF `src` to `dst` through gguf-py, `edit(name, type, array)` -> (name, type, array) or None (drop)."""
+def _rewrite(src: str, dst: str, edit, drop_keys: tuple[str, ...] = ()) -> None:
+    """Copy GGUF `src` to `dst` through gguf-py, `edit(name, type, array)` -> (name, type, array) or None (drop);
+    the keys `drop_keys` left out."""
     r = gguf.GGUFReader(src)
     w = gguf_export._writer_class(gguf)(dst, r.fields["general.architecture"].contents())  # empty arrays too
     for key, field in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
             continue
         value = field.contents()
         vtype = field.types[0]

@@ -412,6 +412,29 @@ def test_fp8_weights_of_widths_off_q8_0_blocks_export_as_f32(tmp_path, widths):
     torch.testing.assert_close(prefill(back, PROMPT).logits, theirs, atol=0.02 * theirs.abs().max().item(), rtol=0)
 
 
+def test_a_gguf_without_the_keys_llama_cpp_defaults_is_the_same_model(tmp_path):
+    """llama.cpp's converter writes attention.key_length / value_length only from a config.json head_dim (and
+    rope.freq_base from a rope_theta); its loader then takes embedding_length / head_count (and 10000): such a
+    GGUF converts to the model it came from."""
+    pytest.importorskip("gguf")
+    from test_gguf_import import _rewrite
+
+    from moepack.packer.gguf_export import export_gguf
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    save_model(tmp_path / "hf", {}, torch.float32, without=("head_dim",))  # 160 / 4 heads: head_dim 40
+    original, back = str(tmp_path / "m.moepack"), str(tmp_path / "back.moepack")
+    convert_checkpoint(str(tmp_path / "hf"), original, policy="keep", progress=False)
+    export_gguf(original, str(tmp_path / "m.gguf"), progress=False)
+    dropped = tuple(f"qwen3moe.{k}" for k in ("attention.key_length", "attention.value_length", "rope.freq_base"))
+    _rewrite(str(tmp_path / "m.gguf"), str(tmp_path / "bare.gguf"), lambda name, qtype, t: (name, qtype, t.data),
+             drop_keys=dropped)
+    convert_checkpoint(str(tmp_path / "bare.gguf"), back, policy="keep", progress=False)
+    f32 = PrefillOptions(compute_dtype="float32")
+    torch.testing.assert_close(prefill(back, PROMPT, f32).logits, prefill(original, PROMPT, f32).logits, atol=1e-5,
+                               rtol=0)
+
+
 def test_export_gguf_refuses_what_llama_cpps_qwen3moe_cannot_run(tmp_path):
     from moepack.packer.gguf_export import export_gguf
 

@@ -93,16 +93,20 @@ def config_from_gguf(keys: Mapping[str, Any], vocab_size: int, tied: bool) -> di
             raise MoepackError(f"no {GGUF_ARCH}.{name} key")
         return value
 
-    def decimal(name: str) -> float:  # a float32 key as the shortest decimal it rounds from (1e-06, not 9.99e-07)
-        return float(str(np.float32(key(name))))
+    def decimal(name: str, default: float | None = None) -> float:
+        # a float32 key as the shortest decimal it rounds from (1e-06, not 9.99e-07)
+        return float(str(np.float32(key(name, default))))
 
     heads = int(key("attention.head_count"))
+    # llama.cpp's converter writes key_length only from a config.json head_dim; its loader then takes
+    # embedding_length / head_count, as transformers does where head_dim is left out (and rope.freq_base 10000)
+    head_dim = int(key("attention.key_length", int(key("embedding_length")) // max(heads, 1)))
     return {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "vocab_size": vocab_size,
         "hidden_size": int(key("embedding_length")), "num_hidden_layers": int(key("block_count")),
         "intermediate_size": int(key("feed_forward_length")), "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length")), "rope_theta": decimal("rope.freq_base"),
+        "head_dim": head_dim, "rope_theta": decimal("rope.freq_base", 10000.0),
         "rms_norm_eps": decimal("attention.layer_norm_rms_epsilon"),
         "num_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
         "moe_intermediate_size": int(key("expert_feed_forward_length")), "norm_topk_prob": True,
