@@ -25,6 +25,7 @@ CONFIGS = {
     "gqa": {},  # two query heads per KV head, every layer routed
     "sparse-step": dict(decoder_sparse_step=2, mlp_only_layers=[3], num_hidden_layers=4, norm_topk_prob=False),
     "mha-tied": dict(num_key_value_heads=4, tie_word_embeddings=True, mlp_only_layers=[0]),
+    "sliding": dict(use_sliding_window=True, sliding_window=4),  # each query attends its last 4 positions
 }
 PROMPT = [5, 17, 42, 250, 3, 99, 7, 128, 64]
 
@@ -112,7 +113,7 @@ def test_the_schema_is_every_tensor_of_the_checkpoint(checkpoint):
     assert stored == {s.name: s.shape for s in tensor_specs(config)}
     experts = [s for s in tensor_specs(config) if s.role == ROLE_EXPERT]
     assert len(experts) == 3 * config.num_experts * len(config.moe_layers)
-    assert config.moe_layers == {"gqa": (0, 1, 2), "sparse-step": (1,), "mha-tied": (1, 2)}[name]
+    assert config.moe_layers == {"gqa": (0, 1, 2), "sparse-step": (1,), "mha-tied": (1, 2), "sliding": (0, 1, 2)}[name]
 
 
 def test_gguf_names_are_llama_cpps_qwen3moe():
@@ -274,8 +275,8 @@ def test_a_quantization_other_than_the_fp8_releases_is_refused(tmp_path, quantiz
     (dict(mlp_only_layers=list(range(5000))), "mlp_only_layers"),
     (dict(decoder_sparse_step=0), "decoder_sparse_step"),
     (dict(norm_topk_prob="yes"), "norm_topk_prob"),
-    (dict(use_sliding_window=True), "use_sliding_window"),  # transformers' sliding_window 4096
-    (dict(use_sliding_window=True, sliding_window=8), "use_sliding_window"),
+    (dict(use_sliding_window="yes"), "use_sliding_window"),
+    (dict(use_sliding_window=True, sliding_window=1), "sliding_window"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}), "rope_parameters"),
@@ -312,6 +313,38 @@ def test_configs_transformers_reads_past_give_its_logits(tmp_path):
     with torch.no_grad():
         theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=4, do_sample=False, min_new_tokens=4)
     assert greedy(loaded, PROMPT, 4) == theirs[0, len(PROMPT):].tolist()
+
+
+def test_a_sliding_window_is_read_as_transformers_reads_it():
+    """use_sliding_window true: sliding_window, its default 4096 where absent, none where null; false: none, a
+    sliding_window beside it dropped."""
+    for change, window in ((dict(use_sliding_window=True), 4096), (dict(use_sliding_window=True, sliding_window=8), 8),
+                           (dict(use_sliding_window=True, sliding_window=None), None),
+                           (dict(use_sliding_window=False, sliding_window=8), None)):
+        assert Qwen3MoeConfig.from_hf({**BASE, **change}).sliding_window == window, change
+        assert transformers.Qwen3MoeConfig(**BASE, **change).sliding_window == window, change
+
+
+def test_a_sliding_windows_attention_flops_are_bounded_by_it():
+    """Query t reads min(t + 1, W) keys: up to W tokens the full attention's (N + 1) / 2 on average, past it
+    (W (W + 1) / 2 + (N - W) W) / N, every layer."""
+    family = family_named("qwen3-moe")
+    config = Qwen3MoeConfig.from_hf({**BASE, **CONFIGS["sliding"]})
+    per_key = 4 * config.num_heads * config.head_dim * config.num_layers
+    assert family.attention_flops(config, 4) == {"window": 0.0, "growing": per_key * 2.5, "total": per_key * 2.5}
+    assert family.attention_flops(config, 8) == {"window": per_key * 26 / 8, "growing": 0.0, "total": per_key * 26 / 8}
+
+
+def test_a_sliding_window_masks_a_fused_attention_chunk(tmp_path):
+    """27 queries from the sequence's start go through torch's fused attention: past the window its causal mask
+    alone would let them see too far."""
+    from moepack.families.qwen3_moe.model import FUSED_MIN_QUERIES
+
+    save_model(tmp_path, CONFIGS["sliding"], torch.float32)
+    ids = PROMPT * 3
+    assert len(ids) >= FUSED_MIN_QUERIES
+    torch.testing.assert_close(forward(load_checkpoint(tmp_path), ids), reference_logits(reference(tmp_path), ids),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_both_spellings_of_a_config():

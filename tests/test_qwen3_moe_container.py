@@ -435,6 +435,31 @@ def test_a_gguf_without_the_keys_llama_cpp_defaults_is_the_same_model(tmp_path):
                                rtol=0)
 
 
+def test_a_sliding_window_generates_transformers_tokens_alone_and_batched(tmp_path):
+    """A window of 4 under prompts of 5 to 13 tokens: the generation and the batch scheduler's (prompts prefilled 3
+    tokens a chunk, decoded together) give transformers' greedy tokens; a GGUF (llama.cpp's qwen3moe has no window)
+    is refused in one line."""
+    from moepack.packer.gguf_export import export_gguf
+    from moepack.runtime.batching import BatchScheduler
+    from moepack.runtime.engine import PrefillOptions
+    from moepack.runtime.generate import GenerateOptions, Generator
+
+    model = save_model(tmp_path / "hf", CONFIGS["sliding"], torch.float32)
+    path = str(tmp_path / "m.moepack")
+    convert_checkpoint(str(tmp_path / "hf"), path, policy="keep", progress=False)
+    prompts, options = [PROMPT, PROMPT[:5], PROMPT + PROMPT[:4]], GenerateOptions(max_new_tokens=6, stop_at_eos=False)
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(p):]
+                .tolist() for p in prompts]
+    with Generator(path, cache_gib=0.5, prefill=PrefillOptions(compute_dtype="float32")) as g:
+        assert g.generate(PROMPT, options).generated_ids == want[0]
+        with BatchScheduler(g, max_batch=4, prefill_chunk=3) as scheduler:
+            futures = [scheduler.submit(p, options) for p in prompts]
+            assert [f.result(timeout=120).generated_ids for f in futures] == want
+    with pytest.raises(MoepackError, match="llama.cpp's qwen3moe attends every earlier token; .* sliding window of 4"):
+        export_gguf(path, str(tmp_path / "m.gguf"), progress=False)
+
+
 def test_export_gguf_refuses_what_llama_cpps_qwen3moe_cannot_run(tmp_path):
     from moepack.packer.gguf_export import export_gguf
 

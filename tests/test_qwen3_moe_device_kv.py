@@ -23,7 +23,8 @@ from test_device_decode import _StaticBuffers, _all_experts, _relative, generato
 from test_device_kv import _greedy, _prefilled, arena_within_its_estimate
 from test_qwen3_moe import CONFIGS, save_model
 
-ARENA_CONFIGS = ("gqa", "sparse-step")  # two query heads per KV head; dense-MLP layers beside routed ones
+# two query heads per KV head; dense-MLP layers beside routed ones; a sliding window of 4
+ARENA_CONFIGS = ("gqa", "sparse-step", "sliding")
 PROMPTS = (5, 17, 30)  # 30: its bucket of 32 keys outgrown at its third step (64)
 STEPS = 20
 

@@ -61,10 +61,15 @@ class Qwen3MoeFamily:
         return role_flops_per_token(self, config)
 
     def attention_flops(self, config: Qwen3MoeConfig, n_tokens: int) -> dict[str, float]:
-        # full causal attention: query t sees t + 1 keys, (N + 1) / 2 on average, in every layer
+        # causal attention: query t sees t + 1 keys, (N + 1) / 2 on average, in every layer; a sliding window W
+        # bounds them at W (the KV still holds every key: the full attention's KV)
         per_key = 4 * config.num_heads * config.head_dim
-        growing = config.num_layers * per_key * (n_tokens + 1) / 2
-        return {"window": 0.0, "growing": growing, "total": growing}
+        w = config.sliding_window
+        if w is None or n_tokens <= w:
+            growing = config.num_layers * per_key * (n_tokens + 1) / 2
+            return {"window": 0.0, "growing": growing, "total": growing}
+        window = config.num_layers * per_key * (w * (w + 1) / 2 + (n_tokens - w) * w) / n_tokens
+        return {"window": window, "growing": 0.0, "total": window}
 
     def kv_bytes(self, config: Qwen3MoeConfig, n_tokens: int, element_bytes: int) -> int:
         return 2 * n_tokens * config.num_kv_heads * config.head_dim * element_bytes

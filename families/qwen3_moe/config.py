@@ -3,8 +3,8 @@ every field checked: an absurd or unsupported value is one line naming the field
 
 Two spellings occur: the releases' (`num_experts`, `rope_theta`, `rope_scaling`) and what transformers 5 writes
 (`num_local_experts`, `rope_parameters` {rope_type, rope_theta}). Features this family does not compute
-(a sliding window, attention biases, a RoPE other than the default, linear or YaRN, an activation other than SiLU)
-are refused rather than computed differently from the reference.
+(attention biases, a RoPE other than the default, linear or YaRN, an activation other than SiLU) are refused
+rather than computed differently from the reference.
 """
 
 from __future__ import annotations
@@ -118,17 +118,14 @@ def _rope_block(raw: Mapping[str, Any], key: str, block: Mapping[str, Any], max_
                               truncate, attention)
 
 
-def _check_no_sliding_window(raw: Mapping[str, Any]) -> None:
-    """Refuse a sliding window, as transformers' Qwen3MoeConfig reads one: use_sliding_window true with a
-    sliding_window absent (its default 4096) or set; true with sliding_window null is full attention, and a
-    sliding_window without use_sliding_window is dropped."""
+def _sliding_window(raw: Mapping[str, Any]) -> int | None:
+    """The attention's window as transformers' Qwen3MoeConfig reads it: with use_sliding_window true, sliding_window
+    (absent: its default 4096; null: none, full attention); without it, none (a sliding_window alone is dropped)."""
     if not _bool(raw, "use_sliding_window"):
-        return
-    if "sliding_window" not in raw or raw["sliding_window"] is not None:
-        window = raw.get("sliding_window", SLIDING_WINDOW_DEFAULT)
-        raise UntrustedInputError(f"config.json use_sliding_window: true with sliding_window {str(window)[:20]} is "
-                                  "not supported (qwen3-moe computes full attention only; sliding_window null is "
-                                  "full attention)")
+        return None
+    window = raw.get("sliding_window", SLIDING_WINDOW_DEFAULT)
+    # (from 2: at a window of 1 transformers' own decode cache keeps every key, its generation unlike its forward)
+    return None if window is None else int_in_range(window, "config.json sliding_window", 2, 1 << 31)
 
 
 @dataclass(frozen=True)
@@ -153,6 +150,7 @@ class Qwen3MoeConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     rope_scaling: RopeScaling | None = None  # linear or YaRN; None: the default RoPE
+    sliding_window: int | None = None  # a query attends the keys less than this many positions back; None: all
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> Qwen3MoeConfig:
@@ -162,7 +160,6 @@ class Qwen3MoeConfig:
             if _field(raw, key) not in wanted:
                 raise UntrustedInputError(f"config.json {key}: {str(_field(raw, key))[:40]!r} is not supported "
                                           f"(qwen3-moe computes {' or '.join(map(repr, wanted))} only)")
-        _check_no_sliding_window(raw)
         hidden = _int(raw, "hidden_size", 1, MAX_DIM)
         heads = _int(raw, "num_attention_heads", 1, MAX_DIM)
         kv_heads = _int(raw, "num_key_value_heads", 1, heads)
@@ -204,7 +201,7 @@ class Qwen3MoeConfig:
             rms_norm_eps=finite_float(_field(raw, "rms_norm_eps"), "config.json rms_norm_eps", lo=0.0, hi=1.0,
                                       lo_open=True),
             tie_word_embeddings=_bool(raw, "tie_word_embeddings"),
-            max_position_embeddings=max_positions,
+            max_position_embeddings=max_positions, sliding_window=_sliding_window(raw),
         )
 
     def is_moe_layer(self, layer: int) -> bool:

@@ -28,7 +28,7 @@ from moepack.backends.kv_arena import ArenaSlot, SlotArena, bucket_for, grown, n
 
 from .config import Qwen3MoeConfig
 from .kv import QWEN3_MOE_KV
-from .model import LayerKV, attention_inputs, rms_norm
+from .model import LayerKV, attention_inputs, rms_norm, visible_keys
 
 KEY_BUCKET_MIN = 16  # the fewest positions a bucket holds (a new graph per bucket: few while a prompt is short)
 
@@ -61,7 +61,7 @@ def attention_rows(c: Qwen3MoeConfig, q: Tensor, keys: Tensor, values: Tensor, p
     q = q.transpose(0, 1).reshape(rows, c.num_kv_heads, group, c.head_dim)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kv_heads, T, D]
     scores = (q @ keys.transpose(-1, -2)) * c.head_dim ** -0.5  # [B, kv_heads, group, T]
-    visible = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]  # causal
+    visible = visible_keys(c, keys.shape[2], positions)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return (probs @ values).reshape(rows, c.num_heads * c.head_dim)

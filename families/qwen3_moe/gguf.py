@@ -28,6 +28,9 @@ def gguf_model(c: Qwen3MoeConfig) -> GGUFModel:
     if dense:
         raise MoepackError(f"llama.cpp's {GGUF_ARCH} has routed experts in every layer; layers {dense[:8]} hold a "
                            "dense MLP (mlp_only_layers / decoder_sparse_step)")
+    if c.sliding_window is not None:
+        raise MoepackError(f"llama.cpp's {GGUF_ARCH} attends every earlier token; this config's attention has a "
+                           f"sliding window of {c.sliding_window} (use_sliding_window)")
     if not c.norm_topk_prob:
         raise MoepackError(f"llama.cpp's {GGUF_ARCH} renormalises the top-k routing weights; this config's "
                            "norm_topk_prob is false")

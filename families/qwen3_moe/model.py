@@ -3,6 +3,7 @@ tensors.layer_prefix strips them), the reference arithmetic of transformers' Qwe
 
     h = embed[ids]
     per layer:  a = h + o_proj(attention(rms(h)))           GQA; q_norm / k_norm per head, then RoPE; causal
+                                                              (the last sliding_window keys, if it is set)
                 f = rms(a)                                    post_attention_layernorm
                 a + experts(f) (routed: softmax, top-k, renormalised when norm_topk_prob; SwiGLU, no clamp)
                   or a + mlp(f)  (the layers of mlp_only_layers or off decoder_sparse_step)
@@ -176,13 +177,24 @@ def attention_over(c: Qwen3MoeConfig, q: Tensor, keys: Tensor, values: Tensor, p
             between_chunks()
         stop = min(start + chunk, n)
         seen = past + stop  # the keys this chunk's last query sees
-        visible = torch.arange(seen, device=q.device)[None, :] <= positions[start:stop, None]  # causal
-        causal = past + start == 0
+        visible = visible_keys(c, seen, positions[start:stop])
+        # (a chunk starting the sequence needs only the kernel's causal mask while no query reaches past the window)
+        causal = past + start == 0 and (c.sliding_window is None or stop <= c.sliding_window)
         fused = stop - start >= FUSED_MIN_QUERIES and (causal or q.device.type == "cpu")
         attend = _fused_attention if fused else _grouped_attention
         heads = attend(c, q[:, start:stop], keys[:, :seen], values[:, :seen], visible, causal=causal)
         out[start:stop] = heads.transpose(0, 1).reshape(stop - start, -1)
     return out
+
+
+def visible_keys(c: Qwen3MoeConfig, keys: int, positions: Tensor) -> Tensor:
+    """[N, keys] bool: which of the first `keys` positions each query at `positions` [N] attends: its own and
+    earlier ones, and of those (a sliding window) only the last sliding_window, as transformers' sliding mask."""
+    index = torch.arange(keys, device=positions.device)[None, :]
+    visible = index <= positions[:, None]
+    if c.sliding_window is not None:
+        visible &= index > positions[:, None] - c.sliding_window
+    return visible
 
 
 def _fused_attention(c: Qwen3MoeConfig, q: Tensor, keys: Tensor, values: Tensor, visible: Tensor,
