@@ -106,7 +106,7 @@ def _chat_answer(container, thinking: bool | None):
     def fields(text: str | None) -> dict:
         if text is None:
             return {}
-        reasoning, content = split_thinking(text, thought) if thought is not None else (None, text)
+        reasoning, content = split_thinking(text, thought)
         return {"content": content, **({} if reasoning is None else {"reasoning_content": reasoning})}
     return fields
 

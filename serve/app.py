@@ -1493,12 +1493,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             choices = []
             for i, result in enumerate(results):
                 text = result.text or ""
-                message = {"role": "assistant", "content": text}
-                reasoning = None
-                if thought is not None:
-                    reasoning, message["content"] = split_thinking(text, thought)
-                if reasoning is not None:
-                    message["reasoning_content"] = reasoning
+                reasoning, content = split_thinking(text, thought)
+                message = {"role": "assistant", "content": content,
+                           **({} if reasoning is None else {"reasoning_content": reasoning})}
                 finish = result.finish_reason
                 if plan.parse:
                     message["content"], calls = split_answer(message["content"], plan)

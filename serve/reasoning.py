@@ -65,9 +65,9 @@ class ThinkSplitter:
         return [("reasoning_content" if self.in_thought else "content", held)] if held else []
 
 
-def split_thinking(text: str, marks: ThoughtMarks) -> tuple[str | None, str]:
+def split_thinking(text: str, marks: ThoughtMarks | None) -> tuple[str | None, str]:
     """(reasoning_content, content) of a whole answer (ThinkSplitter's split fed at once); reasoning None where the
-    answer opened no thought."""
+    answer had no thought (`marks` None: it has none)."""
     splitter = ThinkSplitter(marks)
     parts = splitter.feed(text) + splitter.flush()
     reasoning = "".join(t for f, t in parts if f == "reasoning_content")
