@@ -249,6 +249,7 @@ def test_a_rope_the_gguf_keys_cannot_say_is_refused_in_one_line():
     for main, compress, words in ((plain, {**yarn, "attention_factor": 1.0}, None),
                                   (yarn | {"attention_factor": 1.0}, plain, "main (sliding-window) RoPE is scaled"),
                                   (plain, yarn, "scales cos and sin by 1.13863"),
+                                  (plain, {**plain, "rope_type": "linear", "factor": 2.0}, "linear-scaled"),
                                   ({**plain, "partial_rotary_factor": 0.5}, {**yarn, "attention_factor": 1.0},
                                    "rotate 16 and 8 channels")):
         config = {**base, "rope_parameters": {"main": main, "compress": compress}}

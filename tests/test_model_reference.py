@@ -316,6 +316,34 @@ def test_config_from_hf():
     assert cfg.compress_rope.attention_factor == rotary.compress_attention_scaling == 1.0
 
 
+LINEAR_ROPES = {"flat": {"rope_type": "linear", "factor": 2.0},  # the compressed layers' RoPE
+                "nested": {"main": {"rope_type": "linear", "factor": 3.0, "rope_theta": 1e4},
+                           "compress": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1.6e5}}}
+
+
+@pytest.mark.parametrize("form", LINEAR_ROPES)
+def test_a_linear_rope_gives_transformers_frequencies_and_logits(tmp_path, form):
+    """transformers runs a linear-scaled RoPE (every frequency divided by factor) on either rope; it had been
+    refused (rope_type must be one of default, yarn)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    config = {**CONFIGS["B"], "layer_types": [S, C, H, C], "rope_parameters": LINEAR_ROPES[form]}
+    hf_model = saved_model(config, 5, str(tmp_path / "src"))
+    cfg = ModelConfig.from_hf(hf_model.config.to_dict())
+    rotary = DeepseekV4RotaryEmbedding(hf_model.config)
+    torch.testing.assert_close(cfg.compress_rope.inv_freq(), rotary.compress_inv_freq, rtol=0, atol=0)
+    torch.testing.assert_close(cfg.main_rope.inv_freq(), rotary.main_inv_freq, rtol=0, atol=0)
+    convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "m.moepack"), progress=False)
+    ids = torch.randint(0, config["vocab_size"], (40,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf_model(ids[None]).logits[0, -1]
+    got = prefill(str(tmp_path / "m.moepack"), ids, PrefillOptions()).logits
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
 def test_rope_rotates_each_channel_pair_by_its_positions_angle():
     """apply_rope against the rotation written out: channels (2i, 2i+1) of the rope part turn by position x
     inv_freq[i] (YaRN frequencies too), the rest of the head is untouched, and the conjugate turns them back."""

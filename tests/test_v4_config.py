@@ -125,7 +125,8 @@ BAD = [  # (what to change, the field the message must name)
     ({"o_groups": 3}, "o_groups"),  # tiny: 4 heads
     ({"partial_rotary_factor": 2}, "partial_rotary_factor"),
     ({"partial_rotary_factor": None, "qk_rope_head_dim": 1000}, "qk_rope_head_dim"),
-    ({"rope_parameters": {"rope_type": "linear"}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),  # scales by the prompt's length
+    ({"rope_parameters": {"rope_type": "linear"}}, "factor"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": -4.0, "original_max_position_embeddings": 64}}, "factor"),
     ({"rope_parameters": {"main": {"rope_type": "default"}, "compress": {"rope_type": "default",

@@ -41,7 +41,7 @@ LAYER_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE, MOE = "hash_moe", "moe"  # experts chosen by tid2eid[token id] / by the router's top-k
 MLP_LAYER_TYPES = (HASH_MOE, MOE)
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
-ROPE_TYPES = ("default", "yarn")
+ROPE_TYPES = ("default", "linear", "yarn")  # transformers' other kinds scale by length or are per-model
 
 LEGACY_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # transformers' reading of a legacy `compress_ratios` list
 DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
@@ -253,8 +253,8 @@ class RopeConfig:
 
     dim: int
     theta: float
-    scaling: str = "default"  # "default" or "yarn"
-    factor: float = 1.0  # yarn only
+    scaling: str = "default"  # "default", "linear" or "yarn"
+    factor: float = 1.0  # linear and yarn only
     original_max_position_embeddings: int = 0  # yarn only
     beta_fast: float = 32.0
     beta_slow: float = 1.0
@@ -264,6 +264,8 @@ class RopeConfig:
         """[dim/2] float32 frequencies, computed the way transformers computes them."""
         if self.scaling == "default":
             return default_inv_freq(self.dim, self.theta)
+        if self.scaling == "linear":  # positions divided by factor, i.e. every frequency
+            return default_inv_freq(self.dim, self.theta) / self.factor
         return yarn_inv_freq(self.dim, self.theta, self.factor, self.original_max_position_embeddings,
                              self.beta_fast, self.beta_slow)
 
@@ -326,6 +328,9 @@ def _rope_config(where: str, p: Mapping, head_dim: int, partial: float, max_posi
     theta = number("rope_theta", optional=False)
     if kind == "default":
         return RopeConfig(dim=dim, theta=float(theta))
+    if kind == "linear":
+        return RopeConfig(dim=dim, theta=float(theta), scaling="linear",
+                          factor=float(number("factor", optional=False)))
     original = p.get("original_max_position_embeddings")
     if not _is_int(original) or original < 1:
         _fail(f"{where}.original_max_position_embeddings", "a positive integer", original)

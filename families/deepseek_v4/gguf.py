@@ -114,6 +114,8 @@ def _rope_problem(config: Mapping[str, Any], cfg: ModelConfig) -> str | None:
     main, compress = cfg.main_rope, cfg.compress_rope
     if main.scaling != "default":
         return "the main (sliding-window) RoPE is scaled (rope_parameters.main): only the compressed layers' may be"
+    if compress.scaling == "linear":
+        return "the compressed layers' RoPE is linear-scaled (rope_parameters.compress): the GGUF keys say YaRN only"
     if compress.scaling == "yarn" and compress.attention_factor != 1.0:
         return (f"the compressed layers' YaRN scales cos and sin by {compress.attention_factor:.6g} (its "
                 "attention_factor, or mscale's default): the release's is 1")
