@@ -77,6 +77,33 @@ def test_test_configurations_read_as_transformers_reads_them(name):
     assert cfg.main_rope.dim == cfg.compress_rope.dim == hf["qk_rope_head_dim"]
 
 
+YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+ROPE_FORMS = {  # config changes: the RoPE spellings transformers reads in a way of its own
+    "nested, no rope_theta": dict(rope_theta=5000.0, rope_parameters={"main": {"rope_type": "default"},
+                                                                      "compress": dict(YARN)}),
+    "nested, top-level share": dict(partial_rotary_factor=0.25, rope_parameters={
+        "main": {"rope_type": "default", "rope_theta": 1e4}, "compress": {"rope_type": "default", "rope_theta": 2e4}}),
+    "rope_scaling over rope_parameters": dict(rope_scaling={"rope_type": "default"}, rope_parameters=dict(YARN)),
+    "rope_scaling yarn over default": dict(rope_scaling=dict(YARN), rope_parameters={"rope_type": "default"}),
+    "empty rope_scaling": dict(rope_scaling={}, rope_parameters=dict(YARN)),
+}
+
+
+@pytest.mark.parametrize("form", ROPE_FORMS)
+def test_rope_spellings_read_as_transformers_reads_them(form):
+    """A nested rope without rope_theta takes the top-level one (the compressed rope too; it had been refused), a
+    non-empty rope_scaling wins over rope_parameters (rope_parameters had won: another RoPE, silently)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    config = {**CONFIGS["B"], "compress_rope_theta": 7e4, **ROPE_FORMS[form]}
+    cfg = ModelConfig.from_hf(config)
+    rotary = DeepseekV4RotaryEmbedding(DeepseekV4Config(**copy.deepcopy(config)))  # (transformers fills in dicts)
+    for kind in ("main", "compress"):
+        rope = getattr(cfg, f"{kind}_rope")
+        torch.testing.assert_close(rope.inv_freq(), getattr(rotary, f"{kind}_inv_freq"), rtol=0, atol=0)
+        assert rope.attention_factor == getattr(rotary, f"{kind}_attention_scaling")
+
+
 def test_defaults_are_transformers_defaults():
     """An empty config is transformers' default model (the V4-Pro schedule: 2 HCA, then CSA / HCA alternating)."""
     cfg = ModelConfig.from_hf({})
@@ -129,8 +156,10 @@ BAD = [  # (what to change, the field the message must name)
     ({"rope_parameters": {"rope_type": "linear"}}, "factor"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": -4.0, "original_max_position_embeddings": 64}}, "factor"),
-    ({"rope_parameters": {"main": {"rope_type": "default"}, "compress": {"rope_type": "default",
-                                                                          "rope_theta": 1e4}}}, "rope_theta"),
+    ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": -1.0},
+                          "compress": {"rope_type": "default", "rope_theta": 1e4}}}, "rope_theta"),
+    ({"partial_rotary_factor": None, "rope_parameters": {"main": {"rope_type": "default"}, "compress": {
+        "rope_type": "default", "partial_rotary_factor": 0.125}}}, "rope_parameters.main.partial_rotary_factor"),
     ({"rope_parameters": "yarn"}, "rope_parameters"),
     ({"max_position_embeddings": -1}, "max_position_embeddings"),
 ]

@@ -283,16 +283,31 @@ def _partial_rotary_factor(f: _Fields, head_dim: int) -> float:
 
 
 def _rope_params(f: _Fields, partial: float) -> tuple[tuple[str, Mapping], tuple[str, Mapping]]:
-    """((where, params) for the "main" rope, the same for "compress"), as DeepseekV4Config.__post_init__ builds them;
-    `where` names the params' origin for messages."""
+    """((where, params) for the "main" rope, the same for "compress"), as transformers builds them
+    (PreTrainedConfig's convert_rope_params_to_dict, then DeepseekV4Config.__post_init__); `where` names the params'
+    origin for messages."""
     c = f.c
-    source = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
-    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    # transformers takes a non-empty rope_scaling over rope_parameters
+    source = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    rp = c.get("rope_scaling") or c.get("rope_parameters") or {}
     if not isinstance(rp, Mapping):
         _fail(source, "an object", rp)
     main_theta, compress_theta = f.positive("rope_theta"), f.positive("compress_rope_theta")
     if isinstance(rp.get("main"), Mapping) and isinstance(rp.get("compress"), Mapping):
-        return (f"{source}.main", rp["main"]), (f"{source}.compress", rp["compress"])
+        # a nested dict without rope_theta has the top-level one (the compressed rope's too: compress_rope_theta
+        # fills only the flat form)
+        nested = [(f"{source}.{kind}", {"rope_theta": main_theta, **rp[kind]}) for kind in ("main", "compress")]
+        if c.get("partial_rotary_factor") is None:
+            for where, params in nested:
+                if "partial_rotary_factor" not in params:
+                    # transformers rotates the whole head there, or qk_rope_head_dim's share once a scaled rope
+                    # or a save has filled it in: no one model to compute
+                    raise ConfigError(f"{where}.partial_rotary_factor must be given where partial_rotary_factor "
+                                      "is not (transformers reads its absence as the whole head or as the default "
+                                      "share, by path)")
+        else:
+            nested = [(where, {"partial_rotary_factor": partial, **params}) for where, params in nested]
+        return nested[0], nested[1]
     # A flat dict describes the compress rope's scaling (YaRN); sliding-only layers always use plain RoPE.
     scaling = {k: v for k, v in rp.items() if k not in ("main", "compress")}
     main = {"rope_type": "default", "rope_theta": main_theta, "partial_rotary_factor": partial}
