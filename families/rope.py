@@ -43,6 +43,12 @@ def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_position_e
     return interpolated * (1 - extrapolated_share) + extrapolated * extrapolated_share
 
 
+def whole_float_as_int(value):
+    """`value`, an int where it is a float with an integer value (4096.0: transformers' arithmetic takes it as the
+    int it equals); anything else unchanged, for the caller's own check."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
     """YaRN's default scale of cos and sin (where a config gives no attention_factor), as transformers derives it."""
     def scale(m: float = 1.0) -> float:

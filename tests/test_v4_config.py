@@ -86,13 +86,19 @@ ROPE_FORMS = {  # config changes: the RoPE spellings transformers reads in a way
     "rope_scaling over rope_parameters": dict(rope_scaling={"rope_type": "default"}, rope_parameters=dict(YARN)),
     "rope_scaling yarn over default": dict(rope_scaling=dict(YARN), rope_parameters={"rope_type": "default"}),
     "empty rope_scaling": dict(rope_scaling={}, rope_parameters=dict(YARN)),
+    "yarn without original_max_position_embeddings": dict(max_position_embeddings=256, rope_parameters={
+        "rope_type": "yarn", "factor": 2.0}),
+    "nested yarn, whole-float original_max_position_embeddings": dict(rope_parameters={
+        "main": {"rope_type": "default", "rope_theta": 1e4}, "compress": {**YARN, "rope_theta": 2e4,
+                                                                          "original_max_position_embeddings": 64.0}}),
 }
 
 
 @pytest.mark.parametrize("form", ROPE_FORMS)
 def test_rope_spellings_read_as_transformers_reads_them(form):
     """A nested rope without rope_theta takes the top-level one (the compressed rope too; it had been refused), a
-    non-empty rope_scaling wins over rope_parameters (rope_parameters had won: another RoPE, silently)."""
+    non-empty rope_scaling wins over rope_parameters (rope_parameters had won: another RoPE, silently), a YaRN without
+    original_max_position_embeddings has max_position_embeddings, a whole float is its int (both had been refused)."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
     config = {**CONFIGS["B"], "compress_rope_theta": 7e4, **ROPE_FORMS[form]}
@@ -154,7 +160,8 @@ BAD = [  # (what to change, the field the message must name)
     ({"partial_rotary_factor": None, "qk_rope_head_dim": 1000}, "qk_rope_head_dim"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),  # scales by the prompt's length
     ({"rope_parameters": {"rope_type": "linear"}}, "factor"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64.5}},
+     "original_max_position_embeddings"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": -4.0, "original_max_position_embeddings": 64}}, "factor"),
     ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": -1.0},
                           "compress": {"rope_type": "default", "rope_theta": 1e4}}}, "rope_theta"),

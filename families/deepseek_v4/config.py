@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from moepack.format_spec.errors import MoepackError
 
 from ..base import MAX_ROUTED_EXPERTS
-from ..rope import default_inv_freq, yarn_attention_factor, yarn_inv_freq
+from ..rope import default_inv_freq, whole_float_as_int, yarn_attention_factor, yarn_inv_freq
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -346,7 +346,8 @@ def _rope_config(where: str, p: Mapping, head_dim: int, partial: float, max_posi
     if kind == "linear":
         return RopeConfig(dim=dim, theta=float(theta), scaling="linear",
                           factor=float(number("factor", optional=False)))
-    original = p.get("original_max_position_embeddings")
+    # transformers fills a missing one with max_position_embeddings, and computes with a whole float as its int
+    original = whole_float_as_int(p.get("original_max_position_embeddings", max_positions))
     if not _is_int(original) or original < 1:
         _fail(f"{where}.original_max_position_embeddings", "a positive integer", original)
     factor = number("factor", minimum=0, open_min=False) or max_positions / original

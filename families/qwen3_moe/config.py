@@ -16,7 +16,7 @@ from typing import Any
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range
 
 from ..base import MAX_ROUTED_EXPERTS, MoeShape
-from ..rope import RopeScaling, yarn_attention_factor
+from ..rope import RopeScaling, whole_float_as_int, yarn_attention_factor
 
 MODEL_TYPE = "qwen3_moe"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -101,9 +101,7 @@ def _rope_block(raw: Mapping[str, Any], key: str, block: Mapping[str, Any], max_
     factor = number("factor")
     if kind == "linear":
         return theta, RopeScaling("linear", factor)
-    original = block.get("original_max_position_embeddings") or max_positions
-    if isinstance(original, float) and original.is_integer():  # (4096.0: transformers' arithmetic takes it)
-        original = int(original)
+    original = whole_float_as_int(block.get("original_max_position_embeddings") or max_positions)
     original = int_in_range(original, f"config.json {key}.original_max_position_embeddings", 1, 1 << 31)
     truncate = block.get("truncate", True)
     if not isinstance(truncate, bool):
