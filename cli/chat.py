@@ -122,9 +122,11 @@ def _assistant_message(text: str, thinking: bool | None, chat_encoding) -> dict:
     """The reply as the history keeps it: in a chat encoding's thinking mode the thought (before </think>) is its
     reasoning, which the encoder drops from earlier turns (a chat template's reply is kept as it came: Qwen3's
     template drops an earlier turn's thought itself)."""
+    from moepack.serve.reasoning import ThoughtMarks, split_thinking
+
     if thinking and chat_encoding is not None:
-        reasoning, sep, answer = text.partition(chat_encoding.THINK_END)
-        return {"role": "assistant", "content": answer if sep else "", "reasoning_content": reasoning}
+        reasoning, answer = split_thinking(text, ThoughtMarks(chat_encoding.THINK_END))
+        return {"role": "assistant", "content": answer, "reasoning_content": reasoning}
     return {"role": "assistant", "content": text}
 
 

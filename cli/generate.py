@@ -91,17 +91,13 @@ def _chat_ids(container, tokenizer, messages, thinking: bool | None, reasoning_e
 def _chat_answer(container, thinking: bool | None):
     """A chat reply's --json fields as the server's message gives them: f(text) -> {"content"} and, where the answer
     had a thought (a chat encoding's thinking mode, a chat template that writes thoughts), its "reasoning_content"
-    (serve/reasoning.py)."""
+    (serve/reasoning.py). Asked for once a chat prompt was encoded: its template is there."""
     from moepack.families import container_family
-    from moepack.format_spec.errors import MoepackError
     from moepack.serve.chat_template import family_chat_template
     from moepack.serve.reasoning import chat_thought, split_thinking
 
     family = container_family(container)
-    try:
-        thought = chat_thought(family, lambda: family_chat_template(container, family), thinking)
-    except MoepackError:  # no template: the prompt could not have been encoded (_chat_ids said so first)
-        thought = None
+    thought = chat_thought(family, lambda: family_chat_template(container, family), thinking)
 
     def fields(text: str | None) -> dict:
         if text is None:
@@ -109,6 +105,11 @@ def _chat_answer(container, thinking: bool | None):
         reasoning, content = split_thinking(text, thought)
         return {"content": content, **({} if reasoning is None else {"reasoning_content": reasoning})}
     return fields
+
+
+def _not_a_chat(text: str | None) -> dict:
+    """A raw prompt's or token ids' output: no chat fields."""
+    return {}
 
 
 def _closing_the_last_turn(last: int, container) -> list[int]:
@@ -252,7 +253,7 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
         config = c.config
         tokenizer = PromptTokenizer(c) if any(s.token_ids is None for s in specs) else _tokenizer_for_text(c)
         vocab = config.get("vocab_size")
-        chat_answer = _chat_answer(c, thinking) if any(s.messages is not None for s in specs) else None
+        chat_answer = None
         for i, spec in enumerate(specs):
             try:
                 if spec.token_ids is not None:
@@ -260,6 +261,8 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
                 else:
                     ids = (tokenizer.encode(spec.text) if spec.text is not None
                            else _chat_ids(c, tokenizer, spec.messages, thinking, reasoning_effort))
+                    if spec.messages is not None and chat_answer is None:
+                        chat_answer = _chat_answer(c, thinking)
                     detokenize = tokenizer.decode
                 if isinstance(vocab, int):
                     check_prompt_ids(torch.as_tensor(ids, dtype=torch.long), vocab)
@@ -272,7 +275,7 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
             except MoepackError as e:
                 raise MoepackError(f"{spec.where}: {e}") from None
             out.append(_Queued(i, spec, ids, options, detokenize,
-                               chat_answer if spec.messages is not None else lambda text: {}))
+                               chat_answer if spec.messages is not None else _not_a_chat))
     return out
 
 
@@ -421,7 +424,7 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
                                      reasoning_effort, continuing=kv is not None,
                                      turn_end=(closing or kv.token_ids[-1:] or [None])[-1] if kv else None)
         ids = closing + ids
-        answer = _chat_answer(c, thinking) if messages_file is not None or chat is not None else lambda text: {}
+        answer = _chat_answer(c, thinking) if messages_file is not None or chat is not None else _not_a_chat
         config = c.config
         if not ids and continue_from is None:
             raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")

@@ -9,9 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moepack.runtime.sampling import partial_match_length
-
 from .chat_template import THOUGHT_CLOSE, THOUGHT_OPEN
+from .tool_calls import text_before_marker
 
 
 @dataclass(frozen=True)
@@ -50,15 +49,11 @@ class ThinkSplitter:
                 self.in_thought = False
         if not self.in_thought:
             return [("content", text)] if text else []
-        at = text.find(self.marks.end)
-        if at >= 0:
+        shown, self.held, after = text_before_marker(text, self.marks.end)
+        if after is not None:
             self.in_thought = False
-            out = [("reasoning_content", text[:at]), ("content", text[at + len(self.marks.end):])]
-            return [(f, t) for f, t in out if t]
-        keep = partial_match_length(text, (self.marks.end,))
-        self.held = text[len(text) - keep:] if keep else ""
-        shown = text[:len(text) - keep]
-        return [("reasoning_content", shown)] if shown else []
+        out = [("reasoning_content", shown), ("content", after or "")]
+        return [(f, t) for f, t in out if t]
 
     def flush(self) -> list[tuple[str, str]]:
         held, self.held = self.held, ""

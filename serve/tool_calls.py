@@ -120,7 +120,7 @@ def openai_call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def _before_marker(text: str, marker: str, hold_space: bool = False) -> tuple[str, str, str | None]:
+def text_before_marker(text: str, marker: str, hold_space: bool = False) -> tuple[str, str, str | None]:
     """A stream's content so far up to `marker`: (shown, held, after). Where the marker is in `text`: the text
     before it, "", the text after it. Else: what can be shown now, the tail held back until the next piece says (what
     may begin the marker; with `hold_space` the whitespace before that too), None."""
@@ -153,7 +153,7 @@ class ToolCallSplitter:
 
     def feed(self, piece: str) -> list[tuple[str, object]]:
         if self.block is None:
-            shown, self.held, after = _before_marker(self.held + piece, self.fmt.TOOL_CALLS_START)
+            shown, self.held, after = text_before_marker(self.held + piece, self.fmt.TOOL_CALLS_START)
             out = [("content", shown)] if shown else []
             if after is None:
                 return out
@@ -276,7 +276,7 @@ class TaggedCallSplitter:
         out: list[tuple[str, object]] = []
         while True:
             if self.block is None:
-                shown, self.held, after = _before_marker(self.held + piece, CALL_OPEN, hold_space=True)
+                shown, self.held, after = text_before_marker(self.held + piece, CALL_OPEN, hold_space=True)
                 if after is None:
                     return out + self._content(shown)
                 content = shown.rstrip()
