@@ -6,6 +6,7 @@ Several prompts (--prompt repeated, or --prompts-file) decode together through r
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -22,9 +23,10 @@ GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the pr
 
 
 def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, chat, thinking, reasoning_effort,
-                continuing: bool, turn_end: int | None = None):
+                continuing: bool, turn_end: int | None = None, template=None):
     """(prompt token ids, tokenizer or None) from whichever of the five prompt options was given; `continuing` a
-    KV whose conversation ends with `turn_end` (a chat's: see serve/tokenizer.py chat_prompt_ids)."""
+    KV whose conversation ends with `turn_end` (a chat's: see serve/tokenizer.py chat_prompt_ids); `template` the
+    container's _chat_template, where the caller keeps one."""
     from moepack.serve.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
 
     if token_ids_file is not None:
@@ -45,7 +47,8 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
                 raise MoepackError(f"{messages_file}: cannot read ({e.strerror})") from None
         else:
             messages = [{"role": "user", "content": chat}]
-        return _chat_ids(container, tokenizer, messages, thinking, reasoning_effort, continuing, turn_end), tokenizer
+        return _chat_ids(container, tokenizer, messages, thinking, reasoning_effort, continuing, turn_end,
+                         template), tokenizer
     if prompt_file is not None:
         prompt = read_prompt_file(prompt_file)
     if continuing:
@@ -70,34 +73,41 @@ def _tokenizer_for_text(container):
         return None
 
 
-def _chat_ids(container, tokenizer, messages, thinking: bool | None, reasoning_effort: str | None,
-              continuing: bool = False, turn_end: int | None = None) -> list[int]:
-    """The ids of `messages` (an OpenAI-style list) as the model's chat, as the server encodes them
-    (serve/tokenizer.py chat_prompt_ids: its family's chat encoding, or its tokenizer's chat template with --thinking
-    as the template's enable_thinking; `continuing` a KV: without a first turn's BOS); bad messages or options are
-    one line naming the field."""
+def _chat_template(container) -> Callable:
+    """() -> the container's chat template (serve/chat_template.py family_chat_template), compiled at its first call
+    and then kept: a compile takes about 0.1 s, once a chat of a --prompts-file's 10,000 would be minutes."""
     from moepack.families import container_family
     from moepack.serve.chat_template import family_chat_template
+
+    family = container_family(container)
+    return functools.cache(lambda: family_chat_template(container, family))
+
+
+def _chat_ids(container, tokenizer, messages, thinking: bool | None, reasoning_effort: str | None,
+              continuing: bool = False, turn_end: int | None = None, template=None) -> list[int]:
+    """The ids of `messages` (an OpenAI-style list) as the model's chat, as the server encodes them
+    (serve/tokenizer.py chat_prompt_ids: its family's chat encoding, or its tokenizer's chat template, `template`
+    (_chat_template), with --thinking as the template's enable_thinking; `continuing` a KV: without a first turn's
+    BOS); bad messages or options are one line naming the field."""
+    from moepack.families import container_family
     from moepack.serve.tokenizer import chat_prompt_ids, warn_of_missing_markup
 
     family = container_family(container)
     if tokenizer is not None:
         warn_of_missing_markup(family, tokenizer)
     return chat_prompt_ids(family, lambda: tokenizer, messages, thinking=thinking, reasoning_effort=reasoning_effort,
-                           template=lambda: family_chat_template(container, family), continuing=continuing,
+                           template=template or _chat_template(container), continuing=continuing,
                            turn_end=turn_end)
 
 
-def _chat_answer(container, thinking: bool | None):
+def _chat_answer(container, thinking: bool | None, template=None):
     """A chat reply's --json fields as the server's message gives them: f(text) -> {"content"} and, where the answer
     had a thought (a chat encoding's thinking mode, a chat template that writes thoughts), its "reasoning_content"
-    (serve/reasoning.py). Asked for once a chat prompt was encoded: its template is there."""
+    (serve/reasoning.py). Asked for once a chat prompt was encoded: its template (_chat_template) is there."""
     from moepack.families import container_family
-    from moepack.serve.chat_template import family_chat_template
     from moepack.serve.reasoning import chat_thought, split_thinking
 
-    family = container_family(container)
-    thought = chat_thought(family, lambda: family_chat_template(container, family), thinking)
+    thought = chat_thought(container_family(container), template or _chat_template(container), thinking)
 
     def fields(text: str | None) -> dict:
         if text is None:
@@ -253,16 +263,17 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
         config = c.config
         tokenizer = PromptTokenizer(c) if any(s.token_ids is None for s in specs) else _tokenizer_for_text(c)
         vocab = config.get("vocab_size")
-        chat_answer = None
+        chat_answer, template = None, _chat_template(c)
         for i, spec in enumerate(specs):
             try:
                 if spec.token_ids is not None:
                     ids, detokenize = spec.token_ids, tokenizer.decode if tokenizer is not None else None
                 else:
                     ids = (tokenizer.encode(spec.text) if spec.text is not None
-                           else _chat_ids(c, tokenizer, spec.messages, thinking, reasoning_effort))
+                           else _chat_ids(c, tokenizer, spec.messages, thinking, reasoning_effort,
+                                             template=template))
                     if spec.messages is not None and chat_answer is None:
-                        chat_answer = _chat_answer(c, thinking)
+                        chat_answer = _chat_answer(c, thinking, template)
                     detokenize = tokenizer.decode
                 if isinstance(vocab, int):
                     check_prompt_ids(torch.as_tensor(ids, dtype=torch.long), vocab)
@@ -420,11 +431,12 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         past = 0 if kv is None else kv.manifest["tokens"]["count"]
         closing = _closing_the_last_turn(kv.token_ids[-1], c) if kv is not None and (
             messages_file is not None or chat is not None) else []
+        template = _chat_template(c)
         ids, tokenizer = _prompt_ids(c, prompt, prompt_file, token_ids_file, messages_file, chat, thinking,
-                                     reasoning_effort, continuing=kv is not None,
+                                     reasoning_effort, continuing=kv is not None, template=template,
                                      turn_end=(closing or kv.token_ids[-1:] or [None])[-1] if kv else None)
         ids = closing + ids
-        answer = _chat_answer(c, thinking) if messages_file is not None or chat is not None else _not_a_chat
+        answer = _chat_answer(c, thinking, template) if messages_file is not None or chat is not None else _not_a_chat
         config = c.config
         if not ids and continue_from is None:
             raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
