@@ -517,7 +517,8 @@ def sampling_options(fn):
             click.option("--temperature", type=FiniteFloat(min=0), default=DEFAULT_TEMPERATURE, show_default=True,
                          help="0: greedy (the CLI's default; the server's is OpenAI's 1.0 for a request that omits "
                               "it)."),
-            click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True),
+            click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True,
+                         help="Sample from the likeliest tokens whose probabilities add up to this (1: off)."),
             click.option("--top-k", type=int, default=0, show_default=True, help="0: off."),
             click.option("--seed", type=int, default=None, help="Sampling seed (default: drawn, and reported)."),
             click.option("--stop", multiple=True,

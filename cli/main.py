@@ -51,7 +51,7 @@ def _each_family(describe) -> str:
 @click.option("--layout", type=click.Choice(["release", "bf16", "f32"]), default="release", show_default=True,
               help=f"release: as the family's releases store their weights "
                    f"({_each_family(lambda e: e.synth_release_layout)}).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--tokenizer", "tokenizer", type=click.Path(exists=True),
               help="Embed this tokenizer.json (or a directory holding tokenizer.json + tokenizer_config.json), e.g. "
                    "the release's, instead of the tiny byte-level one; vocab_size grows to fit it.")
@@ -479,8 +479,10 @@ def kv_inspect(kv_dir, container, token_ids_file, no_verify, as_json):
               help="Where the checkpoint, container and KV go (default: moepack's cache folder, "
                    "$MOEPACK_CACHE_DIR, else $XDG_CACHE_HOME/moepack or ~/.cache/moepack, + /demo: never the "
                    "current directory, a checkout).")
-@click.option("--preset", type=click.Choice(["tiny", "small", "medium"]), default="small", show_default=True)
-@click.option("--prompt", default="Layer-major prefill reads every weight exactly once.", show_default=True)
+@click.option("--preset", type=click.Choice(["tiny", "small", "medium"]), default="small", show_default=True,
+              help="The synthesized model's size (synth's --preset).")
+@click.option("--prompt", default="Layer-major prefill reads every weight exactly once.", show_default=True,
+              help="The text prefilled.")
 @json_option
 @reports_errors(out_of_memory_hint=PREFILL_MEMORY_HINT)
 def demo(workdir, preset, prompt, as_json):

@@ -60,7 +60,8 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
 @click.command()
 @container_argument
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (default: this machine only).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on (0: a free one, named in the start line and --json).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests admitted at once (waiting + running); more are answered 429.")
 @click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=DEFAULT_MAX_BATCH, show_default=True,

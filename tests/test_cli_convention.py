@@ -52,6 +52,21 @@ def test_the_shared_options_are_the_same_on_every_command_that_runs_the_model():
     assert _params("generate")["threads"].opts == ["-t", "--threads"]
 
 
+def test_every_option_of_every_command_says_what_it_does():
+    """--help is where a newcomer learns a flag: a flag listed with only its default says nothing of what it does."""
+    import click
+
+    def options(command, path):
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                yield from options(sub, path + (name,))
+        else:
+            yield from ((" ".join(path), p) for p in command.params if isinstance(p, click.Option) and not p.hidden)
+
+    silent = [f"{path} {option.opts[-1]}" for path, option in options(cli, ()) if not (option.help or "").strip()]
+    assert not silent, f"options without help text: {silent}"
+
+
 def test_an_option_a_command_has_no_use_for_is_refused_naming_why():
     for args, flag, why in ((["prefill", "x.moepack", "-p", "a", "--cache-gib", "1"], "--cache-gib", "no expert cache"),
                             (["chat", "x.moepack", "--kv-dtype", "bf16"], "--kv-dtype", "writes none"),
