@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 
 from moepack.cli.main import cli
 from moepack.families.qwen3_moe.config import Qwen3MoeConfig
+from moepack.families.qwen3_moe.synth import RELEASE_QUANTIZATION_CONFIG
 from moepack.families.qwen3_moe.model import forward
 from moepack.families.qwen3_moe.tensors import EXPERT_NAMING, Checkpoint, load_checkpoint, tensor_specs
 from moepack.format_spec.decode import decode_group, entry_bytes
@@ -173,6 +175,25 @@ def test_a_checkpoint_unlike_its_config_is_refused_before_writing(synth_dirs, tm
     assert message in str(e.value) and "\n" not in str(e.value)
     assert not list(tmp_path.glob("out.moepack*"))
 
+
+
+@pytest.mark.parametrize("quantization, message", [
+    ({"quant_method": "gptq", "bits": 4}, "config.json quantization_config: quant_method 'gptq' is not supported"),
+    ({**RELEASE_QUANTIZATION_CONFIG, "weight_block_size": [64, 64]}, "only e4m3 in 128x128 blocks is supported"),
+    ({**RELEASE_QUANTIZATION_CONFIG, "fmt": "e5m2"}, "only e4m3 in 128x128 blocks is supported"),
+])
+def test_convert_refuses_a_quantization_other_than_the_fp8_releases_before_writing(synth_dirs, tmp_path,
+                                                                                   quantization, message):
+    """The converter read FP8 weights by the releases' e4m3 128x128 rule whatever quantization_config said (the
+    reference loader refused it): another method or block was converted without a word."""
+    src = tmp_path / "src"
+    shutil.copytree(synth_dirs["release"], src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    with pytest.raises(MoepackError) as e:
+        convert_checkpoint(str(src), str(tmp_path / "out.moepack"), policy="keep", progress=False)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not list(tmp_path.glob("out.moepack*"))
 
 # ------------------------------------------------------------------------------------------ the round trip
 

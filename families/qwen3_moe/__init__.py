@@ -135,8 +135,14 @@ class Qwen3MoeFamily:
         return self.parse_config(container.config)
 
     def checkpoint_problem(self, config, experts_per_layer, shapes) -> str | None:
+        """A quantization other than the -FP8 releases' (the converter reads FP8 weights by their rule: e4m3,
+        128x128 blocks), else the schema's refusals (families.schema_problem)."""
         from moepack.families import schema_problem
 
+        try:
+            fp8_block(config)
+        except MoepackError as e:
+            return str(e)
         return schema_problem(self, config, experts_per_layer, shapes)
 
     def refusal(self, config: Mapping[str, Any]) -> str | None:
