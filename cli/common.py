@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import select
 import signal
 import sys
 from dataclasses import dataclass
@@ -62,6 +63,26 @@ def one_line(message: str) -> str:
     return _CONTROL.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), message)
 
 
+def stdout_closed_by_its_reader() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`| head` read what it wanted): poll reports an error on it."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (captured), or no poll on this platform
+        return False
+
+
+def leave_quietly_for_a_closed_stdout():
+    """End without an error line where stdout's reader stopped reading (`moepack inspect X | head -1`), status 1
+    as click's own output (--help) ends there. Stdout goes to /dev/null first, so that the interpreter's last flush
+    of it meets no broken pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    sys.exit(EXIT_ERROR)
+
+
 def reports_errors(fn=None, *, out_of_memory_hint: str | None = None):
     """Turn MoepackError (and OS-level failures, and running out of memory) into one line + exit status 1.
     `out_of_memory_hint`: what the command's user can do about the last."""
@@ -76,6 +97,8 @@ def reports_errors(fn=None, *, out_of_memory_hint: str | None = None):
         except MoepackError as e:
             message = str(e)
         except OSError as e:
+            if isinstance(e, BrokenPipeError) and stdout_closed_by_its_reader():
+                leave_quietly_for_a_closed_stdout()
             message = f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}"
         except KeyboardInterrupt:  # outputs are written under temporary names: nothing partial is left
             if as_json:

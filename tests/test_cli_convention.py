@@ -67,6 +67,19 @@ def test_every_option_of_every_command_says_what_it_does():
     assert not silent, f"options without help text: {silent}"
 
 
+def test_a_reader_that_stops_reading_ends_the_command_quietly(container):
+    """`moepack inspect X | head -1`: the pipe's reader gone had been an error line, 'moepack: error: Broken pipe';
+    now no line, status 1 as click's own --help gives there."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the command writes
+    try:
+        r = subprocess.run([sys.executable, "-m", "moepack", "inspect", container], stdout=write_end,
+                           stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (r.returncode, r.stderr) == (1, b"")
+
+
 def test_an_option_a_command_has_no_use_for_is_refused_naming_why():
     for args, flag, why in ((["prefill", "x.moepack", "-p", "a", "--cache-gib", "1"], "--cache-gib", "no expert cache"),
                             (["chat", "x.moepack", "--kv-dtype", "bf16"], "--kv-dtype", "writes none"),
