@@ -75,7 +75,7 @@ from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, GenerateResult
 from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK
-from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer, TokenLogprob, is_int
+from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer, TokenLogprob, is_int, is_number
 
 from .chat_template import family_chat_template
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
@@ -97,10 +97,16 @@ RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and o
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
 MAX_N = 8  # choices per request (n): side by side in a batch, else one after the other
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits: int() on them is cheap)
+# vLLM's sampling extras its own clients send (its benchmark's completions send repetition_penalty 1.0): served at
+# the value that changes nothing; another value asks for a sampler moepack does not have (a 400 naming the field)
+NEUTRAL_EXTRAS = {"repetition_penalty": (1, "give presence_penalty / frequency_penalty"),
+                  "min_p": (0, "give top_p / top_k"), "min_tokens": (0, "")}
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
-# (docs/guide.md "Serving real clients"). `user` is accepted and ignored (no per-user state is kept).
+# (docs/guide.md "Serving real clients"), vLLM's `ignore_eos` and NEUTRAL_EXTRAS. `user` is accepted and ignored (no
+# per-user state is kept).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
-                  "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k"}
+                  "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k",
+                  "ignore_eos", *NEUTRAL_EXTRAS}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                 "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
@@ -366,6 +372,11 @@ def _check_fields(body: dict, chat: bool) -> None:
     for name, (ok, what) in PLAIN_VALUES.items():
         if name in body and body[name] not in ok:
             raise RequestError(f"{name}: {what}", param=name, code="unsupported_value")
+    for name, (neutral, hint) in NEUTRAL_EXTRAS.items():
+        value = body.get(name)
+        if value is not None and not (is_number(value) and value == neutral):
+            raise RequestError(f"{name}: only {neutral} (off) is supported, got {json.dumps(value)[:40]}"
+                               + (f" ({hint})" if hint else ""), param=name, code="unsupported_value")
     _get(body, "user", lambda v: isinstance(v, str), "a string")  # not used, but OpenAI's type
 
 
@@ -381,9 +392,11 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     so = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     if so and not stream:
         raise RequestError("stream_options: only with stream: true", param="stream_options", code="invalid_value")
-    if set(so) - {"include_usage"} or not isinstance(so.get("include_usage", False), bool):
-        raise RequestError("stream_options: only include_usage (a boolean) is supported", param="stream_options",
-                           code="unsupported_value")
+    continuous = so.get("continuous_usage_stats")  # (vLLM's: its default, false, is how moepack streams)
+    if (set(so) - {"include_usage", "continuous_usage_stats"} or not isinstance(so.get("include_usage", False), bool)
+            or not (continuous is None or continuous is False)):
+        raise RequestError("stream_options: only include_usage (a boolean) is supported (continuous_usage_stats "
+                           "false only)", param="stream_options", code="unsupported_value")
     return stream, bool(so.get("include_usage"))
 
 
@@ -545,6 +558,9 @@ class Server:
         schema = self.output_schema(body)
         if schema is None:
             return None
+        if body.get("ignore_eos") is True:  # (past the JSON's end the grammar allows no token but the end)
+            raise RequestError("ignore_eos: a response_format's JSON ends the answer with the end of sentence",
+                               param="ignore_eos", code="unsupported_value")
         grammar = self.json_grammar()
         opened = thought is not None and thought.start is None
         after = self.need_tokenizer("response_format").encode_special(thought.end) if opened else None
@@ -740,13 +756,16 @@ class Server:
         defaults = self.sampling_defaults
         temperature = _value(body, "temperature", finite_float, lo=0.0, default=defaults["temperature"])
         top_p = _value(body, "top_p", finite_float, lo=0.0, hi=1.0, lo_open=True, default=defaults["top_p"])
-        top_k = _value(body, "top_k", int_in_range, 0, MAX_TOKENS_LIMIT, default=defaults["top_k"])
+        # (-1: off, as vLLM spells it)
+        top_k = max(0, _value(body, "top_k", int_in_range, -1, MAX_TOKENS_LIMIT, default=defaults["top_k"]))
         seed = _value(body, "seed", int_in_range, 0, 2**64 - 1)
         penalties = {name: _value(body, name, finite_float, lo=-2.0, hi=2.0, default=0.0)
                      for name in ("presence_penalty", "frequency_penalty")}
         options = GenerateOptions(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=seed, stop=tuple(self.stop_strings(body)), logit_bias=self.logit_bias(body),
-                                  logprobs=self.logprobs_count(body, chat), **penalties)
+                                  logprobs=self.logprobs_count(body, chat), **penalties,
+                                  stop_at_eos=not _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean",
+                                                       False))
         if n > 1 and temperature == 0:
             raise RequestError(f"n: {n} greedy choices would all be the same: give a temperature above 0",
                                param="n", code="invalid_value")

@@ -992,3 +992,52 @@ def test_an_allowed_origin_that_no_browser_sends_is_a_usage_error(tmp_path):
     for origin in ("chrome-extension://abcdefghijklmnop", "moz-extension://1234-abcd", "tauri://localhost"):
         out = CliRunner().invoke(main, ["serve", missing, "--allowed-origin", origin])
         assert out.exit_code == 1 and "is not an origin" not in out.output, out.output
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllms_benchmark_client_is_served_with_ignore_eos(server, path):
+    """vLLM's benchmark client (benchmarks/backend_request_func.py): its request bodies as it sends them
+    (completions: repetition_penalty 1.0, logprobs null; both: stream_options.include_usage, `ignore_eos` with
+    --ignore-eos) and its stream read as it reads it. ignore_eos generates past the end of sentence: with the end
+    of sentence the likeliest token, the answer is still max_tokens long."""
+    eos = {str(e): 100 for e in server.generator.eos_ids}
+    if path == "/v1/completions":
+        body = {"model": "tiny", "prompt": "Once upon", "temperature": 0.0, "repetition_penalty": 1.0,
+                "max_tokens": 4, "logprobs": None}
+    else:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                "temperature": 0.0, "max_completion_tokens": 4}
+    body.update(stream=True, stream_options={"include_usage": True}, ignore_eos=True, logit_bias=eos)
+    output_tokens, finish = None, None
+    for data in _sse(server, path, body):
+        if choices := data.get("choices"):
+            finish = choices[0]["finish_reason"] or finish
+        elif usage := data.get("usage"):
+            output_tokens = usage.get("completion_tokens")
+    assert (output_tokens, finish) == (4, "length")
+    stopped = httpx.post(f"{server.url}{path}", json={**body, "stream": False, "stream_options": None,
+                                                      "ignore_eos": False}, timeout=TIMEOUT).json()
+    assert stopped["usage"]["completion_tokens"] == 1 and stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_vllms_sampling_extras_are_served_where_they_change_nothing(server):
+    """vLLM's extras: repetition_penalty 1, min_p 0, min_tokens 0, top_k -1 (off) and stream_options'
+    continuous_usage_stats false are what moepack does; another value is a 400 naming the field, as is ignore_eos
+    with a response_format (the JSON's end is the answer's)."""
+    def post(**extra):
+        return httpx.post(f"{server.url}/v1/chat/completions", timeout=TIMEOUT,
+                          json={"messages": CHAT, "max_tokens": 3, "temperature": 1.0, "seed": 7, **extra})
+    plain = post().json()["choices"][0]["message"]
+    for extra in ({"repetition_penalty": 1.0}, {"min_p": 0}, {"min_tokens": 0}, {"top_k": -1},
+                  {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}):
+        r = post(**extra)
+        assert r.status_code == 200, (extra, r.text)
+        if "stream" not in extra:
+            assert r.json()["choices"][0]["message"] == plain, extra
+    for name, value in (("repetition_penalty", 1.1), ("repetition_penalty", True), ("min_p", 0.05),
+                        ("min_tokens", 2), ("min_tokens", "0"), ("top_k", -2), ("ignore_eos", "yes")):
+        assert _error_of(post(**{name: value}), 400)["param"] == name, (name, value)
+    error = _error_of(post(stream=True, stream_options={"continuous_usage_stats": True}), 400)
+    assert error["param"] == "stream_options"
+    error = _error_of(post(ignore_eos=True, response_format={"type": "json_object"}), 400)
+    assert error["param"] == "ignore_eos" and "response_format" in error["message"]
