@@ -843,7 +843,7 @@ class Server:
         messages = body.get("messages")
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
-        encoding, plan, after = self.encoding, ToolPlan(None, False), ()
+        encoding, plan, after, inserted = self.encoding, ToolPlan(None, False), (), 0
         if isinstance(messages, list) and messages:
             if encoding is None:
                 self.check_template_tools(body)
@@ -857,14 +857,18 @@ class Server:
                 after = [(plan.prefill, True)] if plan.prefill else ()
             else:
                 fmt = body.get("response_format") if self.output_schema(body) is not None else None
-                messages = with_prompt_extras(messages, plan.tools, fmt)
+                extended = with_prompt_extras(messages, plan.tools, fmt)
+                inserted, messages = len(extended) - len(messages), extended
                 after = encoding.markup_segments(plan.prefill)
         try:
             ids = chat_prompt_ids(self.family, lambda: self.need_tokenizer("messages"), messages, thinking=thinking,
                                   reasoning_effort=effort, template=self.chat_template, after=after,
                                   tools=plan.tools if encoding is None else None)
         except ChatInputError as e:
-            raise RequestError(str(e), param=e.param, code=e.code) from None
+            # a bad message named by its index in the request, not in the conversation with a system message put
+            # first for the tools / response_format
+            said = re.sub(r"^messages\[(\d+)\]", lambda m: f"messages[{int(m[1]) - inserted}]", str(e))
+            raise RequestError(said, param=e.param, code=e.code) from None
         return ids, None if plan.prefill else chat_thought(self.family, self.chat_template, thinking), plan
 
     def prepare(self, raw: bytes, chat: bool) -> Prepared:

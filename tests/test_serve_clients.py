@@ -1041,3 +1041,18 @@ def test_vllms_sampling_extras_are_served_where_they_change_nothing(server):
     assert error["param"] == "stream_options"
     error = _error_of(post(ignore_eos=True, response_format={"type": "json_object"}), 400)
     assert error["param"] == "ignore_eos" and "response_format" in error["message"]
+
+
+def test_a_bad_message_is_named_by_its_index_in_the_request_with_tools_or_a_response_format(server):
+    """tools and response_format go on a system message put first where the conversation has none: a bad message
+    is still named by its place in the request's messages (it had been one further on)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for extra in ({}, {"tools": tools}, {"response_format": {"type": "json_object"}}):
+        hi = {"role": "user", "content": "hi"}
+        for messages, named in (([hi, {"role": "user", "content": None}], "[1].content"),
+                                ([{"role": "user", "content": 5}], "[0].content"),
+                                ([hi, {"role": "function", "content": "r"}], "[1].role")):
+            r = httpx.post(f"{server.url}/v1/chat/completions", timeout=TIMEOUT,
+                           json={"messages": messages, "max_tokens": 2, **extra})
+            error = _error_of(r, 400)
+            assert error["param"] == "messages" and error["message"].startswith(f"messages{named}:"), (extra, error)
