@@ -392,12 +392,14 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     so = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     if so and not stream:
         raise RequestError("stream_options: only with stream: true", param="stream_options", code="invalid_value")
-    continuous = so.get("continuous_usage_stats")  # (vLLM's: its default, false, is how moepack streams)
-    if (set(so) - {"include_usage", "continuous_usage_stats"} or not isinstance(so.get("include_usage", False), bool)
+    # (null: unset, as elsewhere in a request; vLLM's continuous_usage_stats: its default, false, is how moepack
+    # streams)
+    include, continuous = so.get("include_usage"), so.get("continuous_usage_stats")
+    if (set(so) - {"include_usage", "continuous_usage_stats"} or not (include is None or isinstance(include, bool))
             or not (continuous is None or continuous is False)):
         raise RequestError("stream_options: only include_usage (a boolean) is supported (continuous_usage_stats "
                            "false only)", param="stream_options", code="unsupported_value")
-    return stream, bool(so.get("include_usage"))
+    return stream, bool(include)
 
 
 _LOG_LOCK = threading.Lock()

@@ -1029,7 +1029,8 @@ def test_vllms_sampling_extras_are_served_where_they_change_nothing(server):
                           json={"messages": CHAT, "max_tokens": 3, "temperature": 1.0, "seed": 7, **extra})
     plain = post().json()["choices"][0]["message"]
     for extra in ({"repetition_penalty": 1.0}, {"min_p": 0}, {"min_tokens": 0}, {"top_k": -1},
-                  {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}):
+                  {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}},
+                  {"stream": True, "stream_options": {"include_usage": None, "continuous_usage_stats": None}}):
         r = post(**extra)
         assert r.status_code == 200, (extra, r.text)
         if "stream" not in extra:
