@@ -197,9 +197,13 @@ class ChatInputError(MoepackError):
 
 
 # the keys an OpenAI message may carry (`name`: accepted, not rendered, as the release's encoder ignores it;
-# `refusal`, `audio`: only null); tools / response_format on a system or developer message: the release's own
+# SILENT_MESSAGE_KEYS only where they say nothing); tools / response_format on a system or developer message: the
+# release's own
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal", "audio",
-                "tools", "response_format", "task", "wo_eos"}
+                "annotations", "function_call", "tools", "response_format", "task", "wo_eos"}
+# keys of OpenAI's response message that a client sends back as it got it (the SDK's message.model_dump() writes
+# each, null where unset): taken null (or, a list, empty), refused otherwise (nothing renders them)
+SILENT_MESSAGE_KEYS = ("refusal", "audio", "annotations", "function_call")
 TEXT_MESSAGE_KEYS = ("name", "tool_call_id")  # read as text or not at all: another type was dropped without a word
 
 
@@ -210,7 +214,7 @@ def check_message_keys(messages: list) -> None:
         if not isinstance(m, dict):
             continue  # the encoder names it
         for key, value in m.items():
-            if key not in MESSAGE_KEYS or (key in ("refusal", "audio") and value is not None):
+            if key not in MESSAGE_KEYS or (key in SILENT_MESSAGE_KEYS and value is not None and value != []):
                 raise ChatInputError(f"messages[{i}].{str(key)[:40]}: not a message field moepack renders",
                                      "messages", "unknown_field")
             if key in TEXT_MESSAGE_KEYS and not isinstance(value, (str, type(None))):  # OpenAI types them so (null:

@@ -1057,3 +1057,21 @@ def test_a_bad_message_is_named_by_its_index_in_the_request_with_tools_or_a_resp
                            json={"messages": messages, "max_tokens": 2, **extra})
             error = _error_of(r, 400)
             assert error["param"] == "messages" and error["message"].startswith(f"messages{named}:"), (extra, error)
+
+
+def test_an_answer_sent_back_as_the_sdk_dumps_it_is_taken(server):
+    """A client's loop that keeps the SDK's message as `message.model_dump()` sends back every key of OpenAI's
+    response message, null where unset (refusal, audio, annotations, function_call): taken where they say nothing
+    (null, an empty annotations list), refused by name where they say something nothing here renders."""
+    c = _client(server)
+    answer = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, temperature=0).choices[0].message
+    dumped = answer.model_dump()
+    assert {"annotations", "function_call"} <= set(dumped)
+    for sent in (dumped, {**dumped, "annotations": []}):
+        again = c.chat.completions.create(model="tiny", max_tokens=2, messages=CHAT + [sent, {"role": "user",
+                                                                                             "content": "more"}])
+        assert again.choices[0].message.role == "assistant"
+    for key, value in (("annotations", [{"type": "url_citation"}]), ("function_call", {"name": "f", "arguments": ""})):
+        message = _bad(lambda: c.chat.completions.create(model="tiny", max_tokens=2, messages=CHAT + [
+            {**dumped, key: value}]), "messages")
+        assert message.startswith(f"messages[1].{key}: not a message field moepack renders")
