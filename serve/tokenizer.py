@@ -197,10 +197,11 @@ class ChatInputError(MoepackError):
 
 
 # the keys an OpenAI message may carry (`name`: accepted, not rendered, as the release's encoder ignores it;
-# SILENT_MESSAGE_KEYS only where they say nothing); tools / response_format on a system or developer message: the
-# release's own
-MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal", "audio",
-                "annotations", "function_call", "tools", "response_format", "task", "wo_eos"}
+# `parsed`: the SDK's own reading of the content, which its chat.completions.parse() answer carries back, accepted
+# and not rendered, the content says it; SILENT_MESSAGE_KEYS only where they say nothing); tools / response_format
+# on a system or developer message: the release's own
+MESSAGE_KEYS = {"role", "content", "name", "parsed", "tool_calls", "tool_call_id", "reasoning_content", "refusal",
+                "audio", "annotations", "function_call", "tools", "response_format", "task", "wo_eos"}
 # keys of OpenAI's response message that a client sends back as it got it (the SDK's message.model_dump() writes
 # each, null where unset): taken null (or, a list, empty), refused otherwise (nothing renders them)
 SILENT_MESSAGE_KEYS = ("refusal", "audio", "annotations", "function_call")

@@ -1062,7 +1062,8 @@ def test_a_bad_message_is_named_by_its_index_in_the_request_with_tools_or_a_resp
 def test_an_answer_sent_back_as_the_sdk_dumps_it_is_taken(server):
     """A client's loop that keeps the SDK's message as `message.model_dump()` sends back every key of OpenAI's
     response message, null where unset (refusal, audio, annotations, function_call): taken where they say nothing
-    (null, an empty annotations list), refused by name where they say something nothing here renders."""
+    (null, an empty annotations list), refused by name where they say something nothing here renders. A parse()
+    answer sent back carries the SDK's `parsed`: taken (its content says it)."""
     c = _client(server)
     answer = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, temperature=0).choices[0].message
     dumped = answer.model_dump()
@@ -1071,6 +1072,12 @@ def test_an_answer_sent_back_as_the_sdk_dumps_it_is_taken(server):
         again = c.chat.completions.create(model="tiny", max_tokens=2, messages=CHAT + [sent, {"role": "user",
                                                                                              "content": "more"}])
         assert again.choices[0].message.role == "assistant"
+    # chat.completions.parse()'s answer, sent back as it is: the SDK writes its `parsed` beside the content
+    from openai.types.chat import ParsedChatCompletionMessage
+    parsed = ParsedChatCompletionMessage[dict](role="assistant", content='{"a": 1}', parsed={"a": 1})
+    again = c.chat.completions.create(model="tiny", max_tokens=2, messages=CHAT + [parsed, {"role": "user",
+                                                                                          "content": "more"}])
+    assert again.choices[0].message.role == "assistant"
     for key, value in (("annotations", [{"type": "url_citation"}]), ("function_call", {"name": "f", "arguments": ""})):
         message = _bad(lambda: c.chat.completions.create(model="tiny", max_tokens=2, messages=CHAT + [
             {**dumped, key: value}]), "messages")
