@@ -45,7 +45,8 @@ whether its generation prompt opened it or the answer opens it with `<think>` (a
 Errors a request causes: 4xx with OpenAI's error object {"error": {"message", "type", "param", "code"}}, a path or
 method no endpoint serves included (404 / 405), and a body not sent as UTF-8 JSON (415: another charset, a
 Content-Encoding). Anything else: 500, one log line, and the server goes on. A streamed answer's include_usage is
-OpenAI's: usage null on every chunk, then a chunk of its own (choices []) with the request's usage. A browser's
+OpenAI's: usage null on every chunk (with vLLM's continuous_usage_stats: its choice's usage so far), then a chunk
+of its own (choices []) with the request's usage. A browser's
 page may call the API only from an origin `allowed_origins` names (CORS; none by default: its preflight, and any
 request with an Origin header not named, is a 403).
 """
@@ -277,6 +278,7 @@ class Prepared:
     options: GenerateOptions
     stream: bool
     include_usage: bool
+    usage_so_far: bool = False  # (continuous_usage_stats) every chunk carries its choice's usage so far
     thought: ThoughtMarks | None = None  # chat: how its answer's thought is marked (None: it has none)
     n: int = 1
     echo: str | None = None  # completions' echo: the prompt's text, in front of each choice's text
@@ -387,19 +389,21 @@ def _one_prompt(prompt):
     return prompt
 
 
-def _stream_flags(body: dict) -> tuple[bool, bool]:
+def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
+    """stream, stream_options' include_usage (OpenAI's) and continuous_usage_stats (vLLM's: the usage so far on
+    every chunk too, with include_usage only, as vLLM has it)."""
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     so = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     if so and not stream:
         raise RequestError("stream_options: only with stream: true", param="stream_options", code="invalid_value")
-    # (null: unset, as elsewhere in a request; vLLM's continuous_usage_stats: its default, false, is how moepack
-    # streams)
-    include, continuous = so.get("include_usage"), so.get("continuous_usage_stats")
-    if (set(so) - {"include_usage", "continuous_usage_stats"} or not (include is None or isinstance(include, bool))
-            or not (continuous is None or continuous is False)):
-        raise RequestError("stream_options: only include_usage (a boolean) is supported (continuous_usage_stats "
-                           "false only)", param="stream_options", code="unsupported_value")
-    return stream, bool(include)
+    flags = [so.get(name) for name in ("include_usage", "continuous_usage_stats")]
+    # (null: unset, as elsewhere in a request)
+    if set(so) - {"include_usage", "continuous_usage_stats"} or not all(f is None or isinstance(f, bool)
+                                                                         for f in flags):
+        raise RequestError("stream_options: only include_usage and continuous_usage_stats (booleans) are supported",
+                           param="stream_options", code="unsupported_value")
+    include, continuous = (bool(f) for f in flags)
+    return stream, include, include and continuous
 
 
 _LOG_LOCK = threading.Lock()
@@ -876,16 +880,16 @@ class Server:
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
         """On a worker thread (the event loop stays free): parse, check and tokenize one request."""
         body = self.parse(raw, chat)
-        stream, include_usage = _stream_flags(body)
+        stream, include_usage, usage_so_far = _stream_flags(body)
         n = self.choices(body)
         if chat:
             ids, thought, plan = self.chat_ids(body)
             options = self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n)
-            return Prepared(ids, options, stream, include_usage, thought, n, tools=plan,
+            return Prepared(ids, options, stream, include_usage, usage_so_far, thought, n, tools=plan,
                             make_constraint=self.constraint_factory(body, thought, options.max_new_tokens))
         ids = self.prompt_ids(body)
         return Prepared(ids, self.options(body, len(ids), DEFAULT_COMPLETION_TOKENS, False, n), stream,
-                        include_usage, n=n, echo=self.echo_text(body, ids))
+                        include_usage, usage_so_far, n=n, echo=self.echo_text(body, ids))
 
     # -- admission and the worker
     def admit(self) -> None:
@@ -1320,7 +1324,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 job.on_text = lambda i, piece: push(("text", i, piece))
                 job.on_start = lambda: loop.call_soon_threadsafe(job.began.set)
                 job.on_finish = lambda i, result: push(("finish", i, result))
-                if prepared.options.logprobs is not None:
+                if prepared.options.logprobs is not None or prepared.usage_so_far:  # (each token counted)
                     job.on_token = lambda i, token, lp: push(("token", i, lp))
             future = server.executor.submit(server.run, job)
         except BaseException:
@@ -1368,17 +1372,24 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             raise server.stopped_error(client_gone())
         return results
 
-    def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, head: dict):
+    def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, head: dict,
+                 usage_so_far: bool = False):
         """The SSE stream of the job's choices, interleaved as their pieces come (each chunk's choices[0].index
         names its choice): choices[i].pieces(text) per text piece, each choice's final(result) chunks as soon as
         it ends when there are several (one: at the request's end). With include_usage, as OpenAI's: every chunk's
-        usage null, then one more chunk (`head`: its id, object, created, model) with choices [] and the request's
-        usage. The logprobs of a choice's tokens since its previous chunk (choices[i].logprobs(entries) -> the
-        chunk's `logprobs`) go with its next chunk that carries text."""
+        usage null (`usage_so_far`, vLLM's continuous_usage_stats: its choice's usage so far), then one more chunk
+        (`head`: its id, object, created, model) with choices [] and the request's usage. The logprobs of a
+        choice's tokens since its previous chunk (choices[i].logprobs(entries) -> the chunk's `logprobs`) go with
+        its next chunk that carries text."""
         queue = job.queue
+        generated = [0] * len(choices)  # each choice's tokens so far
 
         def event(chunk: dict) -> str:
-            if include_usage:
+            if usage_so_far and chunk["choices"]:
+                n = generated[chunk["choices"][0]["index"]]
+                chunk["usage"] = {"prompt_tokens": len(job.ids), "completion_tokens": n,
+                                  "total_tokens": len(job.ids) + n}
+            elif include_usage:
                 chunk.setdefault("usage", None)
             return f"data: {json.dumps(chunk)}\n\n"
         pending: list[list] = [[] for _ in choices]
@@ -1386,6 +1397,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
         def final(i, result) -> list[dict]:
             ended[i] = True
+            generated[i] = len(result.generated_ids)
             chunks = choices[i].final(result)
             attach(i, chunks)
             return chunks
@@ -1410,7 +1422,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                             return
                         continue
                     if kind == "token":
-                        pending[i].append(piece)
+                        generated[i] += 1
+                        if piece is not None:  # (its logprobs, when asked for)
+                            pending[i].append(piece)
                         continue
                     if kind == "finish":
                         # one choice's end while others go on; a lone choice's goes with the usage at the end
@@ -1452,13 +1466,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
 
     async def stream_when_started(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool,
-                                  head: dict):
+                                  head: dict, usage_so_far: bool = False):
         """The 200 and the first event only once the generation passed every check: an error before that (a bad
         value, the memory check) is the request's 4xx."""
         result = await wait_job(request, job, future, until=job.began)
         if result is None and future.done() and not job.began.is_set():
             raise server.stopped_error(client_gone())
-        return streamed(request, job, future, choices, include_usage, head)
+        return streamed(request, job, future, choices, include_usage, head, usage_so_far)
 
     def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict]):
         return JSONResponse({"id": job.request_id, "object": kind, "created": int(time.time()), "model": model_name,
@@ -1507,7 +1521,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             return ChoiceStream(pieces, final, with_logprobs)
 
         return await stream_when_started(request, job, future, [choice_stream(i) for i in range(prepared.n)],
-                                         prepared.include_usage, chunk(0, ""))
+                                         prepared.include_usage, chunk(0, ""), prepared.usage_so_far)
 
     async def chat_completions(request):
         prepared, job, future = await admitted_request(request, chat=True, prefix="chatcmpl")
@@ -1573,7 +1587,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                                 lambda entries: chat_logprobs(tok, entries))
 
         return await stream_when_started(request, job, future, [choice_stream(i) for i in range(prepared.n)],
-                                         prepared.include_usage, chunk(0, {}))
+                                         prepared.include_usage, chunk(0, {}), prepared.usage_so_far)
 
     async def shutdown():
         await run_in_threadpool(server.close)
