@@ -50,11 +50,13 @@ class GenerateOptions:
     logit_bias: dict[int, float] | None = None  # added to the logits of these token ids
     logprobs: int | None = None  # each token's log-probability and this many alternatives (GenerateResult.logprobs)
     constraint: object | None = None  # the allowed next tokens (serve/grammar.py), one generation's own state
+    min_new_tokens: int = 0  # the end of sentence held back until this many tokens were generated
 
-    def sampler(self) -> Sampler:
+    def sampler(self, eos_ids: tuple[int, ...] = ()) -> Sampler:
         return Sampler(self.temperature, self.top_p, self.top_k, self.seed, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
-                       logprobs=self.logprobs, constraint=self.constraint)
+                       logprobs=self.logprobs, constraint=self.constraint, held_back=eos_ids,
+                       held_for=self.min_new_tokens)
 
 
 @dataclass
@@ -348,7 +350,7 @@ class SequenceOutput:
         if options.stop and detokenize is None:
             raise MoepackError("--stop needs the container's tokenizer (the prompt was given as token ids)")
         self.max_new_tokens = options.max_new_tokens
-        self.sampler = options.sampler()
+        self.sampler = options.sampler(tuple(sorted(eos_ids)))
         self.stopper = StopMatcher(list(options.stop), eos_ids if options.stop_at_eos else set())
         self.detokenize, self.on_text, self.on_token = detokenize, on_text, on_token
         self.pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None

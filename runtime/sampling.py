@@ -37,13 +37,16 @@ class Sampler:
 
     Before choosing, the logits are adjusted (`adjust`): `logit_bias` ({token id: bias}) added, OpenAI's
     `presence_penalty` (once per token already generated) and `frequency_penalty` (per time it was generated)
-    subtracted, and a `constraint` (serve/grammar.py: a JSON schema's allowed next tokens) masks the rest out.
+    subtracted, the `held_back` ids masked out until `held_for` tokens were chosen (a minimum length: the end of
+    sentence held back), and a `constraint` (serve/grammar.py: a JSON schema's allowed next tokens) masks the rest
+    out.
     `logprobs` k (>= 0): each token's log-probability under those adjusted logits (before the temperature) and the
     k likeliest alternatives are kept in `last_logprobs` (a TokenLogprob)."""
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, *,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None, constraint=None):
+                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None, constraint=None,
+                 held_back: tuple[int, ...] = (), held_for: int = 0):
         if not is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
             raise MoepackError(f"--temperature must be a finite number >= 0, got {temperature!r}")
         if not is_number(top_p) or not 0 < top_p <= 1:  # NaN fails the comparison too
@@ -62,10 +65,14 @@ class Sampler:
             raise MoepackError("--logit-bias: token ids >= 0 with biases in [-100, 100]")
         if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise MoepackError(f"--logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
+        if not is_int(held_for) or held_for < 0 or any(not is_int(t) or t < 0 for t in held_back):
+            raise MoepackError(f"held_for (a minimum length) must be an integer >= 0 and held_back token ids, got "
+                               f"{held_for!r}")
         self.temperature, self.top_p, self.top_k, self.seed = float(temperature), float(top_p), top_k, seed
         self.presence_penalty, self.frequency_penalty = float(presence_penalty), float(frequency_penalty)
         self.logit_bias, self.logprobs, self.constraint = bias, logprobs, constraint
         self.counts: dict[int, int] = {}  # how often each token was generated (the penalties' c[j])
+        self.held_back, self.held_for, self.chosen = tuple(held_back), held_for, 0
         self.last_logprobs: TokenLogprob | None = None
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
@@ -81,6 +88,9 @@ class Sampler:
             c = torch.tensor(list(self.counts.values()), dtype=x.dtype)
             x = x.clone()  # mu[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty
             x[ids] -= c * self.frequency_penalty + self.presence_penalty
+        if self.chosen < self.held_for and self.held_back:
+            x = x.clone()
+            x[[t for t in self.held_back if t < len(x)]] = -math.inf
         if self.constraint is not None:
             allowed = self.constraint.allowed(len(x))  # the ids allowed next (few, in JSON), None: any
             if allowed is not None:
@@ -103,6 +113,7 @@ class Sampler:
         if self.logprobs is not None:
             self.last_logprobs = TokenLogprob.of(token, x, self.logprobs)
         self.counts[token] = self.counts.get(token, 0) + 1
+        self.chosen += 1
         if self.constraint is not None:
             self.constraint.accept(token)
         return token

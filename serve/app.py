@@ -101,13 +101,13 @@ TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits
 # vLLM's sampling extras its own clients send (its benchmark's completions send repetition_penalty 1.0): served at
 # the value that changes nothing; another value asks for a sampler moepack does not have (a 400 naming the field)
 NEUTRAL_EXTRAS = {"repetition_penalty": (1, "give presence_penalty / frequency_penalty"),
-                  "min_p": (0, "give top_p / top_k"), "min_tokens": (0, "")}
+                  "min_p": (0, "give top_p / top_k")}
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
-# (docs/guide.md "Serving real clients"), vLLM's `ignore_eos` and NEUTRAL_EXTRAS. `user` is accepted and ignored (no
-# per-user state is kept).
+# (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens` and NEUTRAL_EXTRAS. `user` is accepted
+# and ignored (no per-user state is kept).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
                   "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k",
-                  "ignore_eos", *NEUTRAL_EXTRAS}
+                  "ignore_eos", "min_tokens", *NEUTRAL_EXTRAS}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                 "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
@@ -564,9 +564,11 @@ class Server:
         schema = self.output_schema(body)
         if schema is None:
             return None
-        if body.get("ignore_eos") is True:  # (past the JSON's end the grammar allows no token but the end)
-            raise RequestError("ignore_eos: a response_format's JSON ends the answer with the end of sentence",
-                               param="ignore_eos", code="unsupported_value")
+        # (past the JSON's end the grammar allows no token but the end of sentence)
+        held = next((field for field in ("ignore_eos", "min_tokens") if body.get(field)), None)
+        if held is not None:
+            raise RequestError(f"{held}: a response_format's JSON ends the answer with the end of sentence",
+                               param=held, code="unsupported_value")
         grammar = self.json_grammar()
         opened = thought is not None and thought.start is None
         after = self.need_tokenizer("response_format").encode_special(thought.end) if opened else None
@@ -732,6 +734,19 @@ class Server:
         return out
 
     @staticmethod
+    def min_tokens(body: dict, max_tokens: int) -> int:
+        """vLLM's min_tokens: the end of sentence held back until that many tokens were generated; at most
+        max_tokens, and not with stop strings (vLLM would not stop at one before then either; moepack stops there)."""
+        least = _value(body, "min_tokens", int_in_range, 0, MAX_TOKENS_LIMIT, default=0)
+        if least > max_tokens:
+            raise RequestError(f"min_tokens: {least} is over max_tokens ({max_tokens})", param="min_tokens",
+                               code="invalid_value")
+        if least and body.get("stop"):
+            raise RequestError("min_tokens with stop strings is not supported (a stop string would end the answer "
+                               "before min_tokens)", param="min_tokens", code="unsupported_value")
+        return least
+
+    @staticmethod
     def logprobs_count(body: dict, chat: bool) -> int | None:
         """How many alternatives per token (None: no logprobs). Chat: logprobs true with top_logprobs k;
         completions: logprobs k."""
@@ -769,6 +784,7 @@ class Server:
                      for name in ("presence_penalty", "frequency_penalty")}
         options = GenerateOptions(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=seed, stop=tuple(self.stop_strings(body)), logit_bias=self.logit_bias(body),
+                                  min_new_tokens=self.min_tokens(body, max_tokens),
                                   logprobs=self.logprobs_count(body, chat), **penalties,
                                   stop_at_eos=not _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean",
                                                        False))

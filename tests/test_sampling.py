@@ -143,6 +143,8 @@ def test_top_k_larger_than_vocab_is_all():
         ({"top_k": True}, "--top-k"),
         ({"seed": -1}, "--seed"),
         ({"seed": 2**64}, "--seed"),
+        ({"held_for": -1}, "held_for"),
+        ({"held_for": 2, "held_back": (-3,)}, "held_for"),
     ],
 )
 def test_invalid_options_are_one_line_errors_naming_the_option(kwargs, option):
@@ -357,3 +359,14 @@ def test_logit_bias_and_logprobs():
     assert Sampler(logprobs=0).next_token(logits) == 1
     with pytest.raises(MoepackError, match="logit-bias"):
         Sampler(logit_bias={1: 200})
+
+
+def test_held_back_ids_are_masked_until_enough_tokens_were_chosen():
+    """A minimum length (the server's min_tokens): the held-back ids (the end of sentence) are never chosen before
+    `held_for` tokens, then are again; greedy and sampled alike."""
+    logits = torch.tensor([0.0, 5.0, 1.0, 4.5])
+    for temperature in (0.0, 1.0):
+        sampler = Sampler(temperature=temperature, seed=1, held_back=(1, 3), held_for=3)
+        first = [sampler.next_token(logits) for _ in range(3)]
+        assert not {1, 3} & set(first)
+        assert temperature or sampler.next_token(logits) == 1

@@ -1022,8 +1022,8 @@ def test_vllms_benchmark_client_is_served_with_ignore_eos(server, path):
 
 def test_vllms_sampling_extras_are_served_where_they_change_nothing(server):
     """vLLM's extras: repetition_penalty 1, min_p 0, min_tokens 0 and top_k -1 (off) are what moepack does;
-    another value is a 400 naming the field, as is ignore_eos with a response_format (the JSON's end is the
-    answer's)."""
+    another value of the first two is a 400 naming the field, as is ignore_eos with a response_format (the JSON's
+    end is the answer's)."""
     def post(**extra):
         return httpx.post(f"{server.url}/v1/chat/completions", timeout=TIMEOUT,
                           json={"messages": CHAT, "max_tokens": 3, "temperature": 1.0, "seed": 7, **extra})
@@ -1036,7 +1036,7 @@ def test_vllms_sampling_extras_are_served_where_they_change_nothing(server):
         if "stream" not in extra:
             assert r.json()["choices"][0]["message"] == plain, extra
     for name, value in (("repetition_penalty", 1.1), ("repetition_penalty", True), ("min_p", 0.05),
-                        ("min_tokens", 2), ("min_tokens", "0"), ("top_k", -2), ("ignore_eos", "yes")):
+                        ("min_tokens", -1), ("min_tokens", "0"), ("top_k", -2), ("ignore_eos", "yes")):
         assert _error_of(post(**{name: value}), 400)["param"] == name, (name, value)
     error = _error_of(post(ignore_eos=True, response_format={"type": "json_object"}), 400)
     assert error["param"] == "ignore_eos" and "response_format" in error["message"]
@@ -1104,3 +1104,22 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(server,
     assert all(seen == sorted(seen) and seen[-1] == 5 for seen in counts.values()), counts
     assert all("usage" not in c for c in _sse(server, path, {**body, "stream_options": {
         "continuous_usage_stats": True}}))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_min_tokens_holds_the_end_of_sentence_back(server, path):
+    """vLLM's min_tokens: with the end of sentence the likeliest token, the answer still has min_tokens tokens
+    before it; over max_tokens, with stop strings or with a response_format it is a 400 naming it."""
+    prompt = {"prompt": "Once upon"} if path == "/v1/completions" else {"messages": CHAT}
+    body = {**prompt, "max_tokens": 6, "temperature": 0, "logit_bias": {str(e): 100 for e in server.generator.eos_ids}}
+
+    def post(**extra):
+        return httpx.post(f"{server.url}{path}", json={**body, **extra}, timeout=TIMEOUT)
+    for least, tokens in ((0, 1), (3, 4)):  # (the end of sentence counts as a generated token)
+        r = post(min_tokens=least).json()
+        assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (tokens, "stop"), least
+    for extra in ({"min_tokens": 7}, {"min_tokens": 2, "stop": ["x"]},
+                  {"min_tokens": 2, "response_format": {"type": "json_object"}}):
+        if "response_format" in extra and path == "/v1/completions":
+            continue
+        assert _error_of(post(**extra), 400)["param"] == "min_tokens", extra
