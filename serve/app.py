@@ -377,8 +377,8 @@ def _check_fields(body: dict, chat: bool) -> None:
     for name, (neutral, hint) in NEUTRAL_EXTRAS.items():
         value = body.get(name)
         if value is not None and not (is_number(value) and value == neutral):
-            raise RequestError(f"{name}: only {neutral} (off) is supported, got {json.dumps(value)[:40]}"
-                               + (f" ({hint})" if hint else ""), param=name, code="unsupported_value")
+            raise RequestError(f"{name}: only {neutral} (off) is supported, got {json.dumps(value)[:40]} ({hint})",
+                               param=name, code="unsupported_value")
     _get(body, "user", lambda v: isinstance(v, str), "a string")  # not used, but OpenAI's type
 
 
