@@ -779,7 +779,8 @@ class Server:
         top_p = _value(body, "top_p", finite_float, lo=0.0, hi=1.0, lo_open=True, default=defaults["top_p"])
         # (-1: off, as vLLM spells it)
         top_k = max(0, _value(body, "top_k", int_in_range, -1, MAX_TOKENS_LIMIT, default=defaults["top_k"]))
-        seed = _value(body, "seed", int_in_range, 0, 2**64 - 1)
+        seed = _value(body, "seed", int_in_range, -1, 2**64 - 1)
+        seed = None if seed == -1 else seed  # (-1: a seed of its own, as llama.cpp's clients spell it)
         penalties = {name: _value(body, name, finite_float, lo=-2.0, hi=2.0, default=0.0)
                      for name in ("presence_penalty", "frequency_penalty")}
         options = GenerateOptions(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -1021,13 +1021,17 @@ def test_vllms_benchmark_client_is_served_with_ignore_eos(server, path):
 
 
 def test_vllms_sampling_extras_are_served_where_they_change_nothing(server):
-    """vLLM's extras: repetition_penalty 1, min_p 0, min_tokens 0 and top_k -1 (off) are what moepack does;
-    another value of the first two is a 400 naming the field, as is ignore_eos with a response_format (the JSON's
-    end is the answer's)."""
+    """vLLM's extras: repetition_penalty 1, min_p 0, min_tokens 0 and top_k -1 (off) are what moepack does, and
+    llama.cpp's seed -1 (random); another value of the first two is a 400 naming the field, as is ignore_eos with a
+    response_format (the JSON's end is the answer's)."""
     def post(**extra):
         return httpx.post(f"{server.url}/v1/chat/completions", timeout=TIMEOUT,
                           json={"messages": CHAT, "max_tokens": 3, "temperature": 1.0, "seed": 7, **extra})
     plain = post().json()["choices"][0]["message"]
+    drawn = {tuple(httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT, json={
+        "prompt": "Hi", "max_tokens": 8, "temperature": 2.0, "seed": -1}).json()["choices"][0]["token_ids"])
+        for _ in range(3)}
+    assert len(drawn) > 1  # seed -1 (llama.cpp's clients): a seed of its own each time, as without one
     for extra in ({"repetition_penalty": 1.0}, {"min_p": 0}, {"min_tokens": 0}, {"top_k": -1},
                   {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}},
                   {"stream": True, "stream_options": {"include_usage": None, "continuous_usage_stats": None}}):
@@ -1036,7 +1040,7 @@ def test_vllms_sampling_extras_are_served_where_they_change_nothing(server):
         if "stream" not in extra:
             assert r.json()["choices"][0]["message"] == plain, extra
     for name, value in (("repetition_penalty", 1.1), ("repetition_penalty", True), ("min_p", 0.05),
-                        ("min_tokens", -1), ("min_tokens", "0"), ("top_k", -2), ("ignore_eos", "yes")):
+                        ("min_tokens", -1), ("min_tokens", "0"), ("top_k", -2), ("ignore_eos", "yes"), ("seed", -2)):
         assert _error_of(post(**{name: value}), 400)["param"] == name, (name, value)
     error = _error_of(post(ignore_eos=True, response_format={"type": "json_object"}), 400)
     assert error["param"] == "ignore_eos" and "response_format" in error["message"]
