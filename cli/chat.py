@@ -143,7 +143,7 @@ def _assistant_message(text: str, thinking: bool | None, chat_encoding) -> dict:
 @model_run_options(unused={"kv_dtype": "chat keeps its KV in memory (float32) and writes none"})
 @json_option
 @reports_errors(out_of_memory_hint="lower --cache-gib or --max-new-tokens, or /reset the conversation")
-def chat(file, system, thinking, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, run, as_json):
+def chat(file, system, thinking, max_new_tokens, max_context, sampling, run, as_json):
     """Chat with the model in FILE in the terminal: each reply streams as it is generated; the conversation is kept
     (encoded as the model's chat: its family's chat encoding, or its chat template) until /reset. /exit or Ctrl-D
     leaves; Ctrl-C stops a reply, which stays in the history as far as it was shown. With --json each reply is one
@@ -151,8 +151,7 @@ def chat(file, system, thinking, max_new_tokens, max_context, temperature, top_p
     from moepack.runtime.generate import GenerateOptions
 
     check_container_path(file)
-    reply = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            seed=seed, stop=tuple(stop))
+    reply = GenerateOptions(max_new_tokens=max_new_tokens, **sampling)
     keyboard = _Keyboard()
     try:
         _converse(file, run, reply, system, thinking, max_context, as_json, keyboard)

@@ -20,6 +20,7 @@ import click
 
 from moepack.format_spec.errors import MoepackError, error_reason
 from moepack.format_spec.files import refuse_replacing_a_special_file
+from moepack.format_spec.generation_config import MAX_REPETITION_PENALTY
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
@@ -230,7 +231,8 @@ def prompt_options(fn=None, *, repeatable: bool = False):
     for option in reversed((
             click.option("-p", "--prompt", multiple=repeatable,
                          help="Prompt text (tokenized with the tokenizer the container carries)." + more),
-            click.option("--prompt-file", type=click.Path(dir_okay=False), help="File holding the prompt text (UTF-8)."),
+            click.option("--prompt-file", type=click.Path(dir_okay=False),
+                         help="File holding the prompt text (UTF-8)."),
             click.option("--token-ids", "token_ids_file", type=click.Path(dir_okay=False),
                          help="File of token ids: a JSON array or whitespace-separated integers."))):
         fn = option(fn)
@@ -534,8 +536,17 @@ def container_argument(fn):
 DEFAULT_TEMPERATURE = 0.0
 
 
+SAMPLING_OPTION_NAMES = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
+
+
 def sampling_options(fn):
-    """--temperature, --top-p, --top-k, --seed, --stop."""
+    """--temperature, --top-p, --top-k, --min-p, --repetition-penalty, --seed, --stop: given to the command as one
+    `sampling` dict of GenerateOptions' fields (stop a tuple)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        sampling = {name: kwargs.pop(name) for name in SAMPLING_OPTION_NAMES}
+        sampling["stop"] = tuple(sampling["stop"])
+        return fn(*args, sampling=sampling, **kwargs)
     for option in reversed((
             click.option("--temperature", type=FiniteFloat(min=0), default=DEFAULT_TEMPERATURE, show_default=True,
                          help="0: greedy (the CLI's default; the server's is OpenAI's 1.0 for a request that omits "
@@ -543,11 +554,18 @@ def sampling_options(fn):
             click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True,
                          help="Sample from the likeliest tokens whose probabilities add up to this (1: off)."),
             click.option("--top-k", type=int, default=0, show_default=True, help="0: off."),
+            click.option("--min-p", type=FiniteFloat(0, 1), default=0.0, show_default=True,
+                         help="Leave out the tokens less likely than this times the likeliest one's probability "
+                              "(0: off)."),
+            click.option("--repetition-penalty", type=FiniteFloat(0, MAX_REPETITION_PENALTY, min_open=True),
+                         default=1.0, show_default=True,
+                         help="Make every token the prompt or the answer holds less likely (a positive logit "
+                              "divided by it, a negative one multiplied; 1: off)."),
             click.option("--seed", type=int, default=None, help="Sampling seed (default: drawn, and reported)."),
             click.option("--stop", multiple=True,
                          help="Stop when this text is generated (repeatable); it is not printed."))):
-        fn = option(fn)
-    return fn
+        wrapper = option(wrapper)
+    return wrapper
 
 
 def max_new_tokens_option(default: int):

@@ -390,7 +390,7 @@ def _figures(result) -> str:
 @json_option
 @reports_errors(out_of_memory_hint=GENERATE_MEMORY_HINT)
 def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thinking, reasoning_effort,
-             continue_from, max_new_tokens, max_context, temperature, top_p, top_k, seed, stop, kv_out, prompts_file,
+             continue_from, max_new_tokens, max_context, sampling, kv_out, prompts_file,
              max_batch, run, force, as_json):
     """Prefill a prompt with the routed experts streamed from FILE, then generate with an expert cache. --prompt is
     raw text (no chat template); --messages and --chat are encoded as the model's chat (its family's own chat
@@ -419,8 +419,7 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
             raise MoepackError(f"more than {MAX_PROMPTS} prompts (the limit of one run)")
         specs = (read_prompts_file(prompts_file) if prompts_file is not None
                  else [PromptSpec(f"--prompt {i}", text=p) for i, p in enumerate(prompt)])
-        base = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               seed=seed, stop=tuple(stop), cache_gib=run.cache_gib)
+        base = GenerateOptions(max_new_tokens=max_new_tokens, **sampling, cache_gib=run.cache_gib)
         queued = _prepared(file, specs, base, max_context, thinking, reasoning_effort)
         _generate_several(file, queued, max_batch, run, as_json)
         return
@@ -441,8 +440,7 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         if not ids and continue_from is None:
             raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")
     max_new_tokens = context_budget(config, max_context, past + len(ids), max_new_tokens)
-    options = GenerateOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              seed=seed, stop=tuple(stop), cache_gib=run.cache_gib,
+    options = GenerateOptions(max_new_tokens=max_new_tokens, **sampling, cache_gib=run.cache_gib,
                               prefill=run.prefill_options())
     with layer_progress(not as_json) as on_layer:  # the prefill's layers: the bar is gone before the first token
         options = replace(options, prefill=replace(options.prefill, on_layer=on_layer))

@@ -153,6 +153,7 @@ class BatchScheduler:
         out = SequenceOutput(options or GenerateOptions(), self.generator.eos_ids, detokenize, on_text, on_token)
         ids = prompt_ids(token_ids)
         check_prompt_ids(ids, self.generator.cfg.vocab_size)  # here: in a grouped pass it would fail the others
+        out.sampler.saw(ids.tolist())
         future: Future = Future()
         with self._cv:
             if self._closed:

@@ -51,12 +51,14 @@ class GenerateOptions:
     logprobs: int | None = None  # each token's log-probability and this many alternatives (GenerateResult.logprobs)
     constraint: object | None = None  # the allowed next tokens (serve/grammar.py), one generation's own state
     min_new_tokens: int = 0  # the end of sentence held back until this many tokens were generated
+    repetition_penalty: float = 1.0  # transformers' / vLLM's: every token the sequence holds made less likely
+    min_p: float = 0.0  # tokens less likely than min_p x the likeliest's probability left out
 
     def sampler(self, eos_ids: tuple[int, ...] = ()) -> Sampler:
         return Sampler(self.temperature, self.top_p, self.top_k, self.seed, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
                        logprobs=self.logprobs, constraint=self.constraint, held_back=eos_ids,
-                       held_for=self.min_new_tokens)
+                       held_for=self.min_new_tokens, repetition_penalty=self.repetition_penalty, min_p=self.min_p)
 
 
 @dataclass
@@ -254,6 +256,7 @@ class Generator:
         try:
             logits, states, prefill_stats, counts, all_ids, past, bound, continued = self._prefill(
                 token_ids, continue_from, out.max_new_tokens, cancelled, prompt_copy)
+            out.sampler.saw(all_ids)
         except GenerationCancelled as e:  # the engine's pass gave back what it had read: it serves the next
             return cancelled_in_prefill(e, detokenize)
         prefill_stats = self.prefill_stats(prefill_stats)

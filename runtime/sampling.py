@@ -27,15 +27,19 @@ from typing import Callable
 import torch
 
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.generation_config import MAX_REPETITION_PENALTY
 
 REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character not yet complete
 
 
 class Sampler:
-    """Temperature, then top-k, then top-p (nucleus), then one draw from a seeded generator; temperature 0 is
-    greedy. The same seed and logits give the same tokens on any device: the work is done on the CPU in float64.
+    """Temperature, then min-p, then top-k, then top-p (nucleus), then one draw from a seeded generator (vLLM's
+    order); temperature 0 is greedy. The same seed and logits give the same tokens on any device: the work is done on
+    the CPU in float64. `min_p`: the tokens less likely than min_p x the likeliest's probability are left out.
 
-    Before choosing, the logits are adjusted (`adjust`): `logit_bias` ({token id: bias}) added, OpenAI's
+    Before choosing, the logits are adjusted (`adjust`): `logit_bias` ({token id: bias}) added, a
+    `repetition_penalty` r applied to every token the sequence holds (the ids it `saw`, its prompt, and those
+    generated: a positive logit divided by r, a negative one multiplied, as transformers and vLLM do), OpenAI's
     `presence_penalty` (once per token already generated) and `frequency_penalty` (per time it was generated)
     subtracted, the `held_back` ids masked out until `held_for` tokens were chosen (a minimum length: the end of
     sentence held back), and a `constraint` (serve/grammar.py: a JSON schema's allowed next tokens) masks the rest
@@ -46,7 +50,8 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, *,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  logit_bias: dict[int, float] | None = None, logprobs: int | None = None, constraint=None,
-                 held_back: tuple[int, ...] = (), held_for: int = 0):
+                 held_back: tuple[int, ...] = (), held_for: int = 0, repetition_penalty: float = 1.0,
+                 min_p: float = 0.0):
         if not is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
             raise MoepackError(f"--temperature must be a finite number >= 0, got {temperature!r}")
         if not is_number(top_p) or not 0 < top_p <= 1:  # NaN fails the comparison too
@@ -60,6 +65,11 @@ class Sampler:
         for flag, value in (("--presence-penalty", presence_penalty), ("--frequency-penalty", frequency_penalty)):
             if not is_number(value) or not -2 <= value <= 2:  # OpenAI's range
                 raise MoepackError(f"{flag} must be a number in [-2, 2], got {value!r}")
+        if not is_number(repetition_penalty) or not 0 < repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise MoepackError(f"--repetition-penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                               f"got {repetition_penalty!r}")
+        if not is_number(min_p) or not 0 <= min_p <= 1:
+            raise MoepackError(f"--min-p must be a number in [0, 1] (0 = off), got {min_p!r}")
         bias = dict(logit_bias or {})
         if any(not is_int(t) or t < 0 or not is_number(b) or not -100 <= b <= 100 for t, b in bias.items()):
             raise MoepackError("--logit-bias: token ids >= 0 with biases in [-100, 100]")
@@ -70,6 +80,8 @@ class Sampler:
                                f"{held_for!r}")
         self.temperature, self.top_p, self.top_k, self.seed = float(temperature), float(top_p), top_k, seed
         self.presence_penalty, self.frequency_penalty = float(presence_penalty), float(frequency_penalty)
+        self.repetition_penalty, self.min_p = float(repetition_penalty), float(min_p)
+        self.seen: set[int] = set()  # the sequence's ids before its first generated one (the repetition penalty's)
         self.logit_bias, self.logprobs, self.constraint = bias, logprobs, constraint
         self.counts: dict[int, int] = {}  # how often each token was generated (the penalties' c[j])
         self.held_back, self.held_for, self.chosen = tuple(held_back), held_for, 0
@@ -77,12 +89,22 @@ class Sampler:
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
 
+    def saw(self, token_ids) -> None:
+        """The sequence's ids before its first generated one (a continued KV's, the prompt's): the repetition
+        penalty's tokens, with those generated."""
+        self.seen.update(int(t) for t in token_ids)
+
     def adjust(self, x: torch.Tensor) -> torch.Tensor:
         """The logits the choice is made from: bias, penalties and the constraint's mask applied (float64, CPU)."""
         if self.logit_bias:
             ids = [t for t in self.logit_bias if t < len(x)]
             x = x.clone()
             x[ids] += torch.tensor([self.logit_bias[t] for t in ids], dtype=x.dtype)
+        if self.repetition_penalty != 1 and (self.seen or self.counts):
+            ids = torch.tensor([t for t in self.seen.union(self.counts) if t < len(x)], dtype=torch.long)
+            held = x[ids]
+            x = x.clone()
+            x[ids] = torch.where(held > 0, held / self.repetition_penalty, held * self.repetition_penalty)
         if self.counts and (self.presence_penalty or self.frequency_penalty):
             ids = torch.tensor(list(self.counts), dtype=torch.long)
             c = torch.tensor(list(self.counts.values()), dtype=x.dtype)
@@ -128,6 +150,10 @@ class Sampler:
             order = candidates[torch.sort(x[candidates], descending=True, stable=True).indices][: self.top_k]
         else:
             order = torch.sort(x, descending=True, stable=True).indices
+        if self.min_p > 0:
+            # p / p_max = exp((x - x_max) / T): a prefix of the order (the likeliest always kept)
+            kept = (x[order] - x[order[0]]) / self.temperature >= math.log(self.min_p)
+            order = order[: max(1, int(kept.sum()))]
         # subtract the largest logit before dividing: a tiny temperature then gives -inf, never inf - inf = nan
         probs = torch.softmax((x[order] - x[order[0]]) / self.temperature, dim=0)
         cumulative = torch.cumsum(probs, dim=0)

@@ -71,12 +71,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from moepack.format_spec.errors import MoepackError
-from moepack.format_spec.generation_config import GENERATION_CONFIG, recommended_sampling
+from moepack.format_spec.generation_config import GENERATION_CONFIG, MAX_REPETITION_PENALTY, recommended_sampling
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range, loads
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, GenerateResult
 from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK
-from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer, TokenLogprob, is_int, is_number
+from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer, TokenLogprob, is_int
 
 from .chat_template import family_chat_template
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
@@ -98,16 +98,12 @@ RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and o
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
 MAX_N = 8  # choices per request (n): side by side in a batch, else one after the other
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits: int() on them is cheap)
-# vLLM's sampling extras its own clients send (its benchmark's completions send repetition_penalty 1.0): served at
-# the value that changes nothing; another value asks for a sampler moepack does not have (a 400 naming the field)
-NEUTRAL_EXTRAS = {"repetition_penalty": (1, "give presence_penalty / frequency_penalty"),
-                  "min_p": (0, "give top_p / top_k")}
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
-# (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens` and NEUTRAL_EXTRAS. `user` is accepted
-# and ignored (no per-user state is kept).
+# (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens`, `min_p` and `repetition_penalty`.
+# `user` is accepted and ignored (no per-user state is kept).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
                   "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k",
-                  "ignore_eos", "min_tokens", *NEUTRAL_EXTRAS}
+                  "ignore_eos", "min_tokens", "min_p", "repetition_penalty"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                 "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
@@ -374,11 +370,6 @@ def _check_fields(body: dict, chat: bool) -> None:
     for name, (ok, what) in PLAIN_VALUES.items():
         if name in body and body[name] not in ok:
             raise RequestError(f"{name}: {what}", param=name, code="unsupported_value")
-    for name, (neutral, hint) in NEUTRAL_EXTRAS.items():
-        value = body.get(name)
-        if value is not None and not (is_number(value) and value == neutral):
-            raise RequestError(f"{name}: only {neutral} (off) is supported, got {json.dumps(value)[:40]} ({hint})",
-                               param=name, code="unsupported_value")
     _get(body, "user", lambda v: isinstance(v, str), "a string")  # not used, but OpenAI's type
 
 
@@ -470,7 +461,8 @@ class Server:
         self._grammar_lock = threading.Lock()
         # what a request that omits temperature / top_p / top_k samples with: OpenAI's defaults, or over them the
         # model's own recommendation (its generation_config.json, as vLLM and transformers take it)
-        self.sampling_defaults = {"temperature": DEFAULT_TEMPERATURE, "top_p": 1.0, "top_k": 0}
+        self.sampling_defaults = {"temperature": DEFAULT_TEMPERATURE, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                  "repetition_penalty": 1.0}
         if sampling_defaults not in ("model", "openai"):
             raise MoepackError(f"--sampling-defaults: expected model or openai, got {sampling_defaults!r}")
         if sampling_defaults == "model":
@@ -783,8 +775,13 @@ class Server:
         seed = None if seed == -1 else seed  # (-1: a seed of its own, as llama.cpp's clients spell it)
         penalties = {name: _value(body, name, finite_float, lo=-2.0, hi=2.0, default=0.0)
                      for name in ("presence_penalty", "frequency_penalty")}
+        penalties["repetition_penalty"] = _value(body, "repetition_penalty", finite_float, lo=0.0,
+                                                 hi=MAX_REPETITION_PENALTY, lo_open=True,
+                                                 default=defaults["repetition_penalty"])
+        min_p = _value(body, "min_p", finite_float, lo=0.0, hi=1.0, default=defaults["min_p"])
         options = GenerateOptions(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  seed=seed, stop=tuple(self.stop_strings(body)), logit_bias=self.logit_bias(body),
+                                  min_p=min_p, seed=seed, stop=tuple(self.stop_strings(body)),
+                                  logit_bias=self.logit_bias(body),
                                   min_new_tokens=self.min_tokens(body, max_tokens),
                                   logprobs=self.logprobs_count(body, chat), **penalties,
                                   stop_at_eos=not _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean",

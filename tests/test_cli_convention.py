@@ -105,11 +105,26 @@ def test_threads_and_the_kv_dtype_act_on_generate(container, tmp_path, monkeypat
 
 def test_sampling_defaults_are_the_same_in_generate_and_chat_and_documented():
     generate, chat = _params("generate"), _params("chat")
-    for name in ("temperature", "top_p", "top_k", "seed", "stop"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"):
         assert generate[name].default == chat[name].default, name
     assert generate["temperature"].default == DEFAULT_TEMPERATURE == 0
     guide = open(os.path.join(os.path.dirname(__file__), "..", "docs", "guide.md"), encoding="utf-8").read()
     assert "Sampling defaults" in guide and "1.0" in guide
+
+
+def test_min_p_and_repetition_penalty_reach_the_generation(container):
+    """--min-p 1 keeps only the likeliest token (greedy's answer at any temperature); --repetition-penalty changes
+    a greedy answer; a value out of range is a usage error naming the flag."""
+    def ids(*flags):
+        r = _run("generate", container, "-p", "hello hello hello", "-n", "12", "--json", *flags)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)["generated_ids"]
+    greedy = ids()
+    assert ids("--temperature", "2", "--min-p", "1", "--seed", "3") == greedy
+    assert ids("--repetition-penalty", "0.05") != greedy  # (below 1: the tokens held made likelier)
+    for flag, value in (("--min-p", "1.5"), ("--repetition-penalty", "0"), ("--repetition-penalty", "nan")):
+        r = _run("generate", container, "-p", "hi", flag, value)
+        assert r.exit_code == 2 and flag in r.output, (flag, value, r.output)
 
 
 def test_llama_cpp_short_forms(container):

@@ -76,6 +76,26 @@ def test_greedy_generation_equals_transformers(models, name, n, cache_gib):
         assert decode["bytes_read"] + decode["cache_seed_bytes"] <= size
 
 
+def test_greedy_generation_with_a_repetition_penalty_equals_transformers(models):
+    """repetition_penalty over the prompt and the answer, as transformers' generate applies it to its input_ids:
+    the same greedy tokens, alone and in a batch beside another sequence (whose tokens must not count)."""
+    from moepack.runtime.batching import BatchScheduler
+
+    hf_model, container = models["B"]
+    ids, other = (_prompt(n, hf_model.config.vocab_size, seed=n) for n in (40, 23))
+    with torch.no_grad():
+        expected = hf_model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.8)[0, len(ids):]
+    expected = expected.tolist()
+    assert expected != _transformers_greedy(hf_model, ids, NEW_TOKENS)  # (the test's own check: it changes them)
+    options = GenerateOptions(max_new_tokens=NEW_TOKENS, repetition_penalty=1.8)
+    with Generator(container, cache_gib=1.0) as g:
+        assert g.generate(ids, options).generated_ids == expected
+        with BatchScheduler(g, max_batch=2) as scheduler:
+            futures = [scheduler.submit(prompt, options) for prompt in (other, ids)]
+            assert futures[1].result(120).generated_ids == expected
+
+
 @pytest.mark.parametrize("name,n", [("B", 9), ("random7", 33)], ids=["B-N9", "random7-N33"])
 def test_greedy_generation_without_the_compiled_layers_equals_transformers(models, monkeypatch, name, n):
     """The path decode takes where TokenLayers does not apply (model.py's attention, moe_route and moe_finish, the

@@ -56,7 +56,7 @@ def _metadata(path: str) -> dict:
     return {k: v for k, v in GGUFHeader(path, gguf).fields.items() if not k.startswith(skip)}
 
 
-SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}  # (Qwen3's generation_config.json)
+SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05}  # (Qwen3's generation_config.json, a min_p)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,8 @@ def test_round_trip_keeps_every_tensor_and_key(exported, tmp_path):
         assert c.tokenizer_json("generation_config.json") == SAMPLING
     written = _metadata(first)
     assert written["general.sampling.top_k"] == 20 and written["general.sampling.temp"] == pytest.approx(0.6)
+    assert written["general.sampling.min_p"] == pytest.approx(0.05)
+    assert not any("penalty" in key for key in written)  # (llama.cpp's penalty_repeat is another rule)
 
 
 @pytest.mark.parametrize("generation, kept", [

@@ -86,7 +86,7 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 # chi-square critical values at p = 1e-4 (the draws are seeded, so this is a fixed check, not a flaky one)
-CHI2_CRITICAL = {2: 18.42, 7: 29.88}
+CHI2_CRITICAL = {2: 18.42, 3: 21.11, 7: 29.88}
 
 
 def test_temperature_1_matches_softmax():
@@ -145,6 +145,12 @@ def test_top_k_larger_than_vocab_is_all():
         ({"seed": 2**64}, "--seed"),
         ({"held_for": -1}, "held_for"),
         ({"held_for": 2, "held_back": (-3,)}, "held_for"),
+        ({"repetition_penalty": 0}, "--repetition-penalty"),
+        ({"repetition_penalty": 101}, "--repetition-penalty"),
+        ({"repetition_penalty": float("nan")}, "--repetition-penalty"),
+        ({"min_p": -0.1}, "--min-p"),
+        ({"min_p": 1.5}, "--min-p"),
+        ({"min_p": float("nan")}, "--min-p"),
     ],
 )
 def test_invalid_options_are_one_line_errors_naming_the_option(kwargs, option):
@@ -370,3 +376,43 @@ def test_held_back_ids_are_masked_until_enough_tokens_were_chosen():
         first = [sampler.next_token(logits) for _ in range(3)]
         assert not {1, 3} & set(first)
         assert temperature or sampler.next_token(logits) == 1
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.3, 2.0])
+def test_repetition_penalty_is_transformers_over_the_prompt_and_the_answer(penalty):
+    """Every token the sequence holds (the ids it saw, its prompt, and those generated) adjusted as transformers'
+    RepetitionPenaltyLogitsProcessor adjusts them over its input_ids: a positive logit divided, a negative one
+    multiplied; the others untouched."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    sampler = Sampler(repetition_penalty=penalty, presence_penalty=0.0)
+    prompt = [3, 7, 7, 11, 40]
+    sampler.saw(prompt)
+    generated = []
+    for step in range(6):
+        logits = random_logits(seed=step).double()
+        theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + generated]), logits[None].clone())
+        assert torch.equal(sampler.adjust(logits), theirs[0]), step
+        generated.append(sampler.next_token(logits.float()))
+    assert Sampler(repetition_penalty=1.0).adjust(random_logits().double()).equal(random_logits().double())
+
+
+def test_min_p_keeps_the_tokens_transformers_min_p_keeps_after_the_temperature():
+    """min_p after the temperature: the tokens at least min_p x the likeliest's probability are drawn, with their
+    probabilities renormalized (transformers' MinPLogitsWarper keeps the same set); min_p 1 is greedy."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = torch.tensor([2.0, 1.6, 1.2, 0.4, -0.5, -1.0, 1.9, -3.0])
+    temperature, min_p, n = 1.5, 0.4, 5_000
+    tempered = (logits.double() / temperature)[None]
+    kept_mask = torch.isfinite(MinPLogitsWarper(min_p)(torch.zeros(1, 1, dtype=torch.long), tempered.clone()))[0]
+    kept = torch.nonzero(kept_mask).flatten().tolist()
+    assert 1 < len(kept) < len(logits)  # (the test's own arithmetic: min_p leaves some out)
+    got = draws(Sampler(temperature=temperature, min_p=min_p, seed=3), logits, n)
+    assert set(got) == set(kept)
+    probs = torch.softmax(tempered[0][kept], 0)
+    counts = torch.bincount(torch.tensor([kept.index(t) for t in got]), minlength=len(kept)).double()
+    assert chi_square(counts, probs) < CHI2_CRITICAL[len(kept) - 1]
+    assert set(draws(Sampler(temperature=3.0, min_p=1.0, seed=0), logits, 200)) == {0}
+    # with top-k: both keep a prefix of the likeliest, so the fewer of the two stand
+    assert set(draws(Sampler(temperature=temperature, min_p=min_p, top_k=2, seed=0), logits, 300)) == {0, 6}

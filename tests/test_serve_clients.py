@@ -53,15 +53,20 @@ def _bad(call, param: str) -> str:
 
 # ---- 0. what an omitted sampling field is ------------------------------------------------------------------------
 
+OPENAI_SAMPLING = (1.0, 1.0, 0, 0.0, 1.0)  # temperature, top_p, top_k, min_p, repetition_penalty
+
 @pytest.mark.parametrize("generation, defaults, warnings", [
-    ({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True}, (0.6, 0.95, 20), []),
-    ({"temperature": 0, "top_k": 0}, (0.0, 1.0, 0), []),  # (greedy, whatever do_sample says: vLLM's reading)
-    ({"temperature": -1, "top_p": 1.5, "top_k": 2.5}, (1.0, 1.0, 0), ["temperature", "top_p", "top_k"]),
-    ({"temperature": "hot", "top_p": True, "top_k": [1]}, (1.0, 1.0, 0), ["temperature", "top_p", "top_k"]),
-    (None, (1.0, 1.0, 0), []),  # none: OpenAI's
+    ({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True}, (0.6, 0.95, 20, 0.0, 1.0), []),
+    ({"temperature": 0, "top_k": 0}, (0.0, 1.0, 0, 0.0, 1.0), []),  # (greedy, whatever do_sample says: vLLM's)
+    ({"temperature": 0.7, "min_p": 0.05, "repetition_penalty": 1.05}, (0.7, 1.0, 0, 0.05, 1.05), []),
+    ({"temperature": -1, "top_p": 1.5, "top_k": 2.5, "min_p": 2, "repetition_penalty": 0}, OPENAI_SAMPLING,
+     ["temperature", "top_p", "top_k", "min_p", "repetition_penalty"]),
+    ({"temperature": "hot", "top_p": True, "top_k": [1]}, OPENAI_SAMPLING, ["temperature", "top_p", "top_k"]),
+    (None, OPENAI_SAMPLING, []),  # none: OpenAI's
 ])
 def test_an_omitted_sampling_field_is_the_models_recommendation(tiny_path, tmp_path, generation, defaults, warnings):
-    """`serve` takes a request's omitted temperature / top_p / top_k from the model's generation_config.json where
+    """`serve` takes a request's omitted temperature / top_p / top_k / min_p / repetition_penalty from the model's
+    generation_config.json where
     it recommends them (as vLLM does), saying so once at start; a value out of range or of another type is left out
     with a warning naming it; a request's own fields win; `--sampling-defaults openai` keeps OpenAI's."""
     from containers import mutate_index
@@ -76,15 +81,16 @@ def test_an_omitted_sampling_field_is_the_models_recommendation(tiny_path, tmp_p
 
     def sampled(server, body) -> tuple:
         options = server.options(body, 5, 16, chat=True)
-        return options.temperature, options.top_p, options.top_k
+        return options.temperature, options.top_p, options.top_k, options.min_p, options.repetition_penalty
     with Container(path) as c:
         for choice in ("model", "openai"):
             logged = []
             server = Server(SimpleNamespace(c=c, family=container_family(c)), "m", None, 1, log=logged.append,
                             sampling_defaults=choice)
             try:
-                assert sampled(server, {}) == (defaults if choice == "model" else (1.0, 1.0, 0))
-                assert sampled(server, {"temperature": 0.2, "top_p": 0.5, "top_k": 3}) == (0.2, 0.5, 3)
+                assert sampled(server, {}) == (defaults if choice == "model" else OPENAI_SAMPLING)
+                asked = {"temperature": 0.2, "top_p": 0.5, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.2}
+                assert sampled(server, asked) == tuple(asked.values())
             finally:
                 server.executor.shutdown()
             said = [line for line in logged if "generation_config.json" in line]
@@ -92,7 +98,7 @@ def test_an_omitted_sampling_field_is_the_models_recommendation(tiny_path, tmp_p
                 assert not said
                 continue
             assert [line.split("'s ")[1].split()[0] for line in said if "warning" in line] == warnings, said
-            announced = defaults != (1.0, 1.0, 0) or generation == {"temperature": 0, "top_k": 0}
+            announced = defaults != OPENAI_SAMPLING or generation == {"temperature": 0, "top_k": 0}
             assert sum("omitted" in line for line in said) == announced, said
 
 
@@ -1020,10 +1026,10 @@ def test_vllms_benchmark_client_is_served_with_ignore_eos(server, path):
     assert stopped["usage"]["completion_tokens"] == 1 and stopped["choices"][0]["finish_reason"] == "stop"
 
 
-def test_vllms_sampling_extras_are_served_where_they_change_nothing(server):
-    """vLLM's extras: repetition_penalty 1, min_p 0, min_tokens 0 and top_k -1 (off) are what moepack does, and
-    llama.cpp's seed -1 (random); another value of the first two is a 400 naming the field, as is ignore_eos with a
-    response_format (the JSON's end is the answer's)."""
+def test_vllms_sampling_extras_are_served(server):
+    """vLLM's extras: repetition_penalty 1, min_p 0, min_tokens 0 and top_k -1 (off) change nothing, and llama.cpp's
+    seed -1 (random); min_p 1 keeps only the likeliest token (greedy's answer at any temperature); a value out of
+    range is a 400 naming the field, as is ignore_eos with a response_format (the JSON's end is the answer's)."""
     def post(**extra):
         return httpx.post(f"{server.url}/v1/chat/completions", timeout=TIMEOUT,
                           json={"messages": CHAT, "max_tokens": 3, "temperature": 1.0, "seed": 7, **extra})
@@ -1039,7 +1045,10 @@ def test_vllms_sampling_extras_are_served_where_they_change_nothing(server):
         assert r.status_code == 200, (extra, r.text)
         if "stream" not in extra:
             assert r.json()["choices"][0]["message"] == plain, extra
-    for name, value in (("repetition_penalty", 1.1), ("repetition_penalty", True), ("min_p", 0.05),
+    greedy = post(temperature=0)
+    assert post(min_p=1, temperature=2.0).json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+    for name, value in (("repetition_penalty", 0), ("repetition_penalty", 101), ("repetition_penalty", True),
+                        ("min_p", 1.5), ("min_p", -0.1), ("min_p", "0.1"),
                         ("min_tokens", -1), ("min_tokens", "0"), ("top_k", -2), ("ignore_eos", "yes"), ("seed", -2)):
         assert _error_of(post(**{name: value}), 400)["param"] == name, (name, value)
     error = _error_of(post(ignore_eos=True, response_format={"type": "json_object"}), 400)
