@@ -376,8 +376,15 @@ class SequenceOutput:
             self.logprobs.append(sampler.last_logprobs)
         if self.on_token is not None:
             self.on_token(token, sampler.last_logprobs)
-        self.so_far += self.pieces.add(token) if self.pieces is not None else ""
-        shown = self.stopper.feed(token, self.so_far)
+        shown = ""
+        if self.pieces is not None and token in self.stopper.eos_ids:
+            # the end: the text held back for a character (a U+FFFD, or bytes that never complete) comes out first,
+            # stop strings checked; the eos token's own text never does (fed with it, that held text went too)
+            self.so_far += self.pieces.flush()
+            shown = self.stopper.flush(self.so_far)
+        elif self.pieces is not None:
+            self.so_far += self.pieces.add(token)
+        shown += self.stopper.feed(token, self.so_far)
         if shown and self.on_text is not None:
             self.on_text(shown)
         return bool(self.stopper.finish_reason) or len(self.generated) == self.max_new_tokens

@@ -416,3 +416,31 @@ def test_min_p_keeps_the_tokens_transformers_min_p_keeps_after_the_temperature()
     assert set(draws(Sampler(temperature=3.0, min_p=1.0, seed=0), logits, 200)) == {0}
     # with top-k: both keep a prefix of the likeliest, so the fewer of the two stand
     assert set(draws(Sampler(temperature=temperature, min_p=min_p, top_k=2, seed=0), logits, 300)) == {0, 6}
+
+
+@pytest.mark.parametrize("held", ["\ufffd", "\u20ac".encode()[:2]], ids=["replacement-char", "unfinished-char"])
+def test_the_text_held_back_for_a_character_is_not_lost_at_the_end_of_sentence(byte_tokenizer, held):
+    """A generation whose last text before its eos token is held back by the detokenizer (a U+FFFD the model wrote,
+    or the bytes of a character that never completes): the answer, and what was streamed, end with it as the
+    decode of the tokens before the eos has it; the eos token's own text never shows."""
+    from moepack.runtime.generate import GenerateOptions, SequenceOutput
+
+    def decode(ids):
+        return byte_tokenizer.decode(ids, skip_special_tokens=False)
+
+    eos = 1
+    tail = held.encode() if isinstance(held, str) else held
+    ids = [BYTE0 + b for b in b"ok" + tail]
+    for stop in ((), ("\ufffd",), ("k\ufffd",)):
+        shown = []
+        out = SequenceOutput(GenerateOptions(max_new_tokens=10, stop=stop), {eos}, decode, on_text=shown.append)
+        for token in [*ids, eos]:
+            logits = torch.full((BYTE0 + 256,), -50.0)
+            logits[token] = 0.0
+            if out.take(logits):
+                break
+        result = out.result({})
+        whole = decode(ids)
+        expected = whole[:whole.index(stop[0])] if stop else whole
+        assert (result.text, result.finish_reason) == (expected, "stop"), stop
+        assert "".join(shown) == result.text and result.generated_ids == [*ids, eos][:len(result.generated_ids)]
