@@ -826,11 +826,14 @@ class Server:
                 raise RequestError(f"prompt: token ids must lie in [0, {self.vocab})", param="prompt",
                                    code="invalid_value")
             return list(prompt)
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             raise RequestError("prompt: only one prompt per request (a string or a list of token ids)",
                                param="prompt", code="invalid_type")
-        raise RequestError("prompt: expected a string or a list of token ids", param="prompt",
-                           code="invalid_type")
+        # (a list holding a number that is no integer, a bool, a string among ids: a prompt of the wrong type,
+        # not several prompts)
+        got = json.dumps(prompt)
+        raise RequestError(f"prompt: expected a string or a list of integer token ids, got "
+                           f"{got if len(got) <= 60 else got[:57] + '...'}", param="prompt", code="invalid_type")
 
     def chat_template(self):
         """The model's chat template (its family has no chat encoding), compiled once; a 400 naming what is

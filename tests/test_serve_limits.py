@@ -208,6 +208,18 @@ def test_an_empty_prompt_is_refused_like_the_cli(server):
         assert error["param"] == "prompt" and "empty prompt" in error["message"]
 
 
+def test_a_prompt_of_the_wrong_type_is_named_so_and_several_prompts_are_named_so(server):
+    """A list that is not token ids (a float, a bool, a string among the ids, in a batch of one too) is a prompt of
+    the wrong type, not "several prompts"; several strings or id lists are several prompts."""
+    for prompt in ([5.0], [True, 5], ["a", 5], [[1, True]], [1, [2]], {"text": "a"}, 7):
+        error = _error(_post(server, {**GOOD, "prompt": prompt}), 400)
+        assert error["param"] == "prompt" and error["message"].startswith(
+            "prompt: expected a string or a list of integer token ids, got "), (prompt, error)
+    for prompt in (["a", "b"], [[1], [2, 3]], ["a", [1]]):
+        error = _error(_post(server, {**GOOD, "prompt": prompt}), 400)
+        assert error["message"] == "prompt: only one prompt per request (a string or a list of token ids)"
+
+
 def test_a_streamed_request_with_a_bad_value_gets_its_4xx_before_any_200(server, monkeypatch):
     """Values checked up front, and what only the generation checks (here its memory check) also comes before
     the status line: never a 200 followed by an error event."""
