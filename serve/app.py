@@ -1164,9 +1164,17 @@ class TextOffsets:
 def completion_logprobs(tokenizer, entries: list[TokenLogprob], offsets: TextOffsets) -> dict:
     """OpenAI's (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} each),
     text_offset (`offsets`: the completion's, carried on from chunk to chunk)."""
+    def top(entry: TokenLogprob) -> dict[str, float]:
+        # keyed by text, as OpenAI's: tokens of one text (the bytes of several characters' parts, all U+FFFD) keep
+        # the likeliest's logprob (the top come likeliest first), not the last one's
+        out: dict[str, float] = {}
+        for token, logprob in entry.top:
+            out.setdefault(_token_text(tokenizer, token), logprob)
+        return out
+
     return {"tokens": [_token_text(tokenizer, e.token) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+            "top_logprobs": [top(e) for e in entries],
             "text_offset": offsets.of([e.token for e in entries])}
 
 

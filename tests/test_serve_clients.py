@@ -206,6 +206,22 @@ def test_logprobs_of_tokens_inside_a_character_give_its_bytes_and_its_offset(ser
         assert "\ufffd" in piece or whole[at:].startswith(piece), (piece, at)
 
 
+def test_completion_top_logprobs_of_tokens_with_one_text_keep_the_likeliests(server):
+    """Completions' top_logprobs is keyed by text (OpenAI's): tokens of one text (parts of characters, all U+FFFD)
+    keep the likeliest one's logprob, the one the chosen token has when it is the likeliest, never a later one's."""
+    from moepack.runtime.sampling import TokenLogprob
+    from moepack.serve.app import TextOffsets, completion_logprobs
+
+    tok = server.tok
+    parts = [i for i in tok.encode("你好", special_tokens=False, add_bos=False) if tok.decode([i]) == "\ufffd"][:3]
+    plain = tok.encode("a", special_tokens=False, add_bos=False)[0]
+    assert len(parts) >= 2  # the case: several tokens of one text
+    top = tuple((t, -0.5 - k) for k, t in enumerate([parts[0], plain, *parts[1:]]))
+    got = completion_logprobs(tok, [TokenLogprob(parts[0], -0.5, top)], TextOffsets(tok))
+    assert got["top_logprobs"] == [{"\ufffd": -0.5, "a": -1.5}]
+    assert got["top_logprobs"][0][got["tokens"][0]] == got["token_logprobs"][0]
+
+
 def test_completion_logprobs_match_the_generator(server):
     c = _client(server)
     r = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
