@@ -409,7 +409,8 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
     except MoepackError as e:
         raise ChatInputError(str(e), "reasoning_effort") from None
     try:
-        segments = encoding.encode_message_segments(messages, thinking=thinking, reasoning_effort=reasoning_effort)
+        segments = encoding.encode_message_segments(messages, thinking=thinking, reasoning_effort=reasoning_effort,
+                                                    reply=True)
     except MoepackError as e:
         raise ChatInputError(str(e), "messages") from None
     return tokenizer().encode_segments([*segments, *after])

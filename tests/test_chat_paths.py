@@ -94,6 +94,25 @@ def test_the_cli_and_the_server_refuse_a_chat_alike(containers, family, messages
     assert (server_error.status, server_error.param) == (400, param) == (400, cli_error.param)
 
 
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+@pytest.mark.parametrize("messages", [CONVERSATION[:1], [*CONVERSATION, {"role": "assistant", "content": "Hel"}]],
+                         ids=["system-only", "assistant-last"])
+def test_a_conversation_that_opens_no_reply_is_refused_where_the_chat_opens_none(containers, family, messages):
+    """DeepSeek-V4's chat opens the assistant's turn only after a user (developer, tool) message: a conversation
+    ending with a system message would have the model go on with the system text, one ending with an assistant's
+    would have it go on past its end of sentence; both paths refuse it naming the message. A chat template that
+    opens the reply itself (Qwen3's generation prompt) encodes it."""
+    cli_error, server_error = _both(containers[family], messages)
+    if family == "qwen3-moe":
+        assert isinstance(cli_error, list) and cli_error == server_error
+        return
+    assert isinstance(cli_error, ChatInputError) and isinstance(server_error, RequestError)
+    assert str(cli_error) == server_error.message and "\n" not in str(cli_error)
+    assert str(cli_error).startswith(f"messages[{len(messages) - 1}]: the conversation ends with this "
+                                     f"{messages[-1]['role']} message, which opens no reply")
+    assert (server_error.status, server_error.param) == (400, "messages")
+
+
 def test_a_chat_template_takes_no_reasoning_effort_in_either_path(containers):
     cli_error, server_error = _both(containers["qwen3-moe"], CONVERSATION, thinking=True, effort="high")
     want = "reasoning_effort: a qwen3-moe model's chat template takes no reasoning effort"

@@ -99,10 +99,18 @@ class Segment(NamedTuple):
 
 def encode_message_segments(messages: Iterable[Mapping[str, Any]], thinking: bool = False,
                             reasoning_effort: str | None = None, *, drop_thinking: bool = True,
-                            add_bos: bool = True) -> list[Segment]:
+                            add_bos: bool = True, reply: bool = False) -> list[Segment]:
     """The prompt of `encode_messages` as segments: markup and text alternate (adjacent texts joined, so the text
-    between two markups is tokenized in one piece, as in the whole string; empty texts left out)."""
+    between two markups is tokenized in one piece, as in the whole string; empty texts left out). `reply`: the
+    prompt of a reply to generate, so the conversation must end with the turn the format opens a reply after (a
+    user, developer or tool message); ending with a system message (the model would go on with the system text)
+    or an assistant's (closed by its end of sentence) is refused, naming that message."""
     turns = _sort_tool_results(_merge_user_turns(_checked(messages, reasoning_effort)))
+    if reply and turns and turns[-1]["role"] not in ("user", "developer"):
+        role = turns[-1]["role"]
+        raise MoepackError(f"messages[{len(messages) - 1}]: the conversation ends with this {role} message, "
+                           "which opens no reply (DeepSeek-V4's chat opens the assistant's turn after a user, "
+                           "developer or tool message)")
     # as the release: a conversation with tools keeps every turn's reasoning
     drop_thinking = drop_thinking and not any(t["tools"] for t in turns)
     if thinking and drop_thinking:
