@@ -1132,6 +1132,18 @@ def _token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
 
 
+def _piece(tokenizer, token: int, text: str) -> str | list[int]:
+    """/tokenize's piece of a token as llama-server gives it: its text, or where the token holds part of a character
+    (its text alone is U+FFFD) the list of its bytes, so that the pieces join into the text."""
+    if "\ufffd" not in text:
+        return text
+    raw = tokenizer.token_bytes(token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
 def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
     """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}; `bytes` the token's
     own, also for part of a character (its text is then U+FFFD), so that a client can join them into the text."""
@@ -1301,7 +1313,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 raise RequestError(f"with_pieces: the content is {len(ids)} tokens, over this server's max_context "
                                    f"of {server.context} (--max-context): ask for fewer, or without pieces",
                                    param="with_pieces", code="invalid_value")
-            return {"tokens": [{"id": i, "piece": p} for i, p in zip(ids, tok.pieces(ids))]}
+            return {"tokens": [{"id": i, "piece": _piece(tok, i, p)} for i, p in zip(ids, tok.pieces(ids))]}
 
         return await small_request(request, {"content", "add_special", "with_pieces"}, answer)
 

@@ -778,9 +778,13 @@ def test_tokenize_and_detokenize_as_llama_server(server):
     assert with_bos[-len(ids):] == ids
     pieces = httpx.post(f"{server.url}/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
     assert [p["id"] for p in pieces] == ids
-    ascii_text = "Hello <|User|> world"  # (a byte-level piece of a multi-byte character is no text of its own)
-    pieces = httpx.post(f"{server.url}/tokenize", json={"content": ascii_text, "with_pieces": True}).json()["tokens"]
-    assert "".join(p["piece"] for p in pieces) == ascii_text
+    # a byte-level piece of part of a character is the list of its bytes, as llama-server gives it: joined, the
+    # pieces are the text's UTF-8 (a U+FFFD of the text itself stays text)
+    unicode_text = "Hello \ufffd 你好 🎉 <|User|> world"
+    pieces = httpx.post(f"{server.url}/tokenize", json={"content": unicode_text, "with_pieces": True}).json()["tokens"]
+    assert any(isinstance(p["piece"], list) for p in pieces)
+    joined = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+    assert joined == unicode_text.encode()
     back = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=TIMEOUT).json()
     assert back == {"content": text}
     for path, body, param in (("/tokenize", {"content": 5}, "content"), ("/tokenize", {"text": "x"}, "text"),
