@@ -499,6 +499,8 @@ def demo(workdir, preset, prompt, as_json):
     from moepack.runtime.tuning import cache_dir
     from moepack.serve.tokenizer import PromptTokenizer
 
+    if not prompt:  # (refused as prefill refuses it, before the minutes of work: a prompt of BOS alone is no one's)
+        raise MoepackError("empty prompt")
     workdir = workdir or os.path.join(cache_dir(), "demo")
     os.makedirs(workdir, exist_ok=True)
     src = os.path.join(workdir, f"{preset}-release")

@@ -146,6 +146,15 @@ def test_empty_prompts_are_refused(tmp_path, container, command):
     assert r.exit_code == 1 and "not a regular file" in r.output
 
 
+def test_demo_refuses_an_empty_prompt_before_any_work(tmp_path):
+    """`demo --prompt ""` as prefill refuses it, before it synthesizes or converts anything (it had prefilled the
+    BOS alone)."""
+    r = CliRunner().invoke(cli, ["demo", "--workdir", str(tmp_path / "w"), "--preset", "tiny", "--prompt", "",
+                                 "--json"])
+    assert r.exit_code == 1 and json.loads(r.output.splitlines()[0]) == {"ok": False, "error": "empty prompt"}
+    assert not (tmp_path / "w").exists()
+
+
 def _stderr_on_a_terminal(args: list[str], env: dict) -> bytes:
     """What the command writes to stderr when that is a terminal (a pseudo-terminal here)."""
     import fcntl
