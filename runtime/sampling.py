@@ -82,6 +82,9 @@ class Sampler:
         self.presence_penalty, self.frequency_penalty = float(presence_penalty), float(frequency_penalty)
         self.repetition_penalty, self.min_p = float(repetition_penalty), float(min_p)
         self.seen: set[int] = set()  # the sequence's ids before its first generated one (the repetition penalty's)
+        # seen and the generated ids as a mask over the vocabulary, built at the first step and then kept: a step
+        # that walked a 128K-token prompt's ids in Python took longer than a decode step
+        self._repeated: torch.Tensor | None = None
         self.logit_bias, self.logprobs, self.constraint = bias, logprobs, constraint
         self.counts: dict[int, int] = {}  # how often each token was generated (the penalties' c[j])
         self.held_back, self.held_for, self.chosen = tuple(held_back), held_for, 0
@@ -93,6 +96,7 @@ class Sampler:
         """The sequence's ids before its first generated one (a continued KV's, the prompt's): the repetition
         penalty's tokens, with those generated."""
         self.seen.update(int(t) for t in token_ids)
+        self._repeated = None
 
     def adjust(self, x: torch.Tensor) -> torch.Tensor:
         """The logits the choice is made from: bias, penalties and the constraint's mask applied (float64, CPU)."""
@@ -101,10 +105,8 @@ class Sampler:
             x = x.clone()
             x[ids] += torch.tensor([self.logit_bias[t] for t in ids], dtype=x.dtype)
         if self.repetition_penalty != 1 and (self.seen or self.counts):
-            ids = torch.tensor([t for t in self.seen.union(self.counts) if t < len(x)], dtype=torch.long)
-            held = x[ids]
-            x = x.clone()
-            x[ids] = torch.where(held > 0, held / self.repetition_penalty, held * self.repetition_penalty)
+            penalized = torch.where(x > 0, x / self.repetition_penalty, x * self.repetition_penalty)
+            x = torch.where(self._repeated_mask(len(x)), penalized, x)
         if self.counts and (self.presence_penalty or self.frequency_penalty):
             ids = torch.tensor(list(self.counts), dtype=torch.long)
             c = torch.tensor(list(self.counts.values()), dtype=x.dtype)
@@ -135,10 +137,19 @@ class Sampler:
         if self.logprobs is not None:
             self.last_logprobs = TokenLogprob.of(token, x, self.logprobs)
         self.counts[token] = self.counts.get(token, 0) + 1
+        if self._repeated is not None:
+            self._repeated[token] = True
         self.chosen += 1
         if self.constraint is not None:
             self.constraint.accept(token)
         return token
+
+    def _repeated_mask(self, vocab: int) -> torch.Tensor:
+        """Which of the `vocab` ids the sequence holds (seen or generated; ids past the vocabulary left out)."""
+        if self._repeated is None or len(self._repeated) != vocab:
+            self._repeated = torch.zeros(vocab, dtype=torch.bool)
+            self._repeated[[t for t in self.seen.union(self.counts) if t < vocab]] = True
+        return self._repeated
 
     def _choose(self, x: torch.Tensor) -> int:
         if self.temperature == 0:

@@ -397,6 +397,30 @@ def test_repetition_penalty_is_transformers_over_the_prompt_and_the_answer(penal
     assert Sampler(repetition_penalty=1.0).adjust(random_logits().double()).equal(random_logits().double())
 
 
+def test_a_long_prompts_repetition_penalty_costs_a_step_no_more_than_a_short_ones():
+    """A step's repetition penalty does not walk the prompt's ids again: on a 128K-token prompt it had taken longer
+    than the decode step (a Python pass over every id, each step). Timed against the same steps after a one-token
+    prompt, so the machine's speed cancels out; the penalized logits are the same as those of a step that walks
+    them."""
+    import time
+
+    vocab, steps = 60_000, 30
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    spent = {}
+    for prompt in ([5], range(0, vocab, 2)):
+        sampler = Sampler(repetition_penalty=1.3)
+        sampler.saw(prompt)
+        sampler.adjust(logits)  # (a first step may build what the next ones take)
+        start = time.perf_counter()
+        for _ in range(steps):
+            adjusted = sampler.adjust(logits)
+        spent[len(prompt)] = time.perf_counter() - start
+        held = torch.zeros(vocab, dtype=torch.bool)
+        held[list(prompt)] = True
+        assert torch.equal(adjusted, torch.where(held, torch.where(logits > 0, logits / 1.3, logits * 1.3), logits))
+    assert spent[vocab // 2] < 4 * spent[1] + 0.02, spent
+
+
 def test_min_p_keeps_the_tokens_transformers_min_p_keeps_after_the_temperature():
     """min_p after the temperature: the tokens at least min_p x the likeliest's probability are drawn, with their
     probabilities renormalized (transformers' MinPLogitsWarper keeps the same set); min_p 1 is greedy."""
