@@ -41,9 +41,9 @@ class Sampler:
     `repetition_penalty` r applied to every token the sequence holds (the ids it `saw`, its prompt, and those
     generated: a positive logit divided by r, a negative one multiplied, as transformers and vLLM do), OpenAI's
     `presence_penalty` (once per token already generated) and `frequency_penalty` (per time it was generated)
-    subtracted, the `held_back` ids masked out until `held_for` tokens were chosen (a minimum length: the end of
-    sentence held back), and a `constraint` (serve/grammar.py: a JSON schema's allowed next tokens) masks the rest
-    out.
+    subtracted, a `constraint` (serve/grammar.py: a JSON schema's allowed next tokens) masks the rest out, and the
+    `held_back` ids are masked out until `held_for` tokens were chosen (a minimum length: the end of sentence held
+    back), unless the constraint allows nothing else.
     `logprobs` k (>= 0): each token's log-probability under those adjusted logits (before the temperature) and the
     k likeliest alternatives are kept in `last_logprobs` (a TokenLogprob)."""
 
@@ -112,9 +112,6 @@ class Sampler:
             c = torch.tensor(list(self.counts.values()), dtype=x.dtype)
             x = x.clone()  # mu[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty
             x[ids] -= c * self.frequency_penalty + self.presence_penalty
-        if self.chosen < self.held_for and self.held_back:
-            x = x.clone()
-            x[[t for t in self.held_back if t < len(x)]] = -math.inf
         if self.constraint is not None:
             allowed = self.constraint.allowed(len(x))  # the ids allowed next (few, in JSON), None: any
             if allowed is not None:
@@ -123,6 +120,11 @@ class Sampler:
                 kept = torch.full_like(x, -math.inf)  # cheaper than masking the whole vocabulary
                 kept[allowed] = x[allowed]
                 x = kept
+        if self.chosen < self.held_for and self.held_back:
+            held = x.clone()
+            held[[t for t in self.held_back if t < len(x)]] = -math.inf
+            # (a constraint that allows nothing but the end of sentence has the last word: no token is left)
+            x = held if bool(torch.isfinite(held).any()) else x
         return x
 
     def next_token(self, logits: torch.Tensor) -> int:

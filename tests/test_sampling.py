@@ -378,6 +378,24 @@ def test_held_back_ids_are_masked_until_enough_tokens_were_chosen():
         assert temperature or sampler.next_token(logits) == 1
 
 
+def test_a_constraint_that_allows_only_a_held_back_id_has_the_last_word():
+    """A minimum length held against a constraint that allows nothing but the end of sentence (a JSON answer
+    complete): the end of sentence is chosen, with a finite logprob, not a token outside the constraint (every
+    logit -inf had given a NaN log-probability and an arbitrary id)."""
+    class OnlyTheEnd:
+        def allowed(self, n):
+            return torch.tensor([3])
+
+        def accept(self, token):
+            assert token == 3
+
+    for temperature, min_p in ((0.0, 0.0), (0.7, 0.0), (0.7, 0.1)):
+        sampler = Sampler(temperature, seed=1, min_p=min_p, held_back=(3,), held_for=5, constraint=OnlyTheEnd(),
+                          logprobs=2)
+        assert sampler.next_token(random_logits(10)) == 3
+        assert sampler.last_logprobs.logprob == 0.0 and sampler.last_logprobs.top == ((3, 0.0),)
+
+
 @pytest.mark.parametrize("penalty", [0.7, 1.3, 2.0])
 def test_repetition_penalty_is_transformers_over_the_prompt_and_the_answer(penalty):
     """Every token the sequence holds (the ids it saw, its prompt, and those generated) adjusted as transformers'
