@@ -147,10 +147,10 @@ class Sampler:
         return token
 
     def _repeated_mask(self, vocab: int) -> torch.Tensor:
-        """Which of the `vocab` ids the sequence holds (seen or generated; ids past the vocabulary left out)."""
+        """Which of the `vocab` ids the sequence holds (seen or generated; ids outside the vocabulary left out)."""
         if self._repeated is None or len(self._repeated) != vocab:
             self._repeated = torch.zeros(vocab, dtype=torch.bool)
-            self._repeated[[t for t in self.seen.union(self.counts) if t < vocab]] = True
+            self._repeated[[t for t in self.seen.union(self.counts) if 0 <= t < vocab]] = True
         return self._repeated
 
     def _choose(self, x: torch.Tensor) -> int:

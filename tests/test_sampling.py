@@ -439,6 +439,16 @@ def test_a_long_prompts_repetition_penalty_costs_a_step_no_more_than_a_short_one
     assert spent[vocab // 2] < 4 * spent[1] + 0.02, spent
 
 
+def test_a_seen_id_outside_the_vocabulary_penalizes_no_token():
+    """An id the sequence saw that no logit stands for (past the vocabulary, or negative: Sampler.saw is an API)
+    changes nothing; a negative one had penalized a token counted from the vocabulary's end."""
+    logits = random_logits(8).double()
+    for outside in (8, 10**9, -1, -8):
+        sampler = Sampler(repetition_penalty=2.0)
+        sampler.saw([outside])
+        assert torch.equal(sampler.adjust(logits), logits), outside
+
+
 def test_min_p_keeps_the_tokens_transformers_min_p_keeps_after_the_temperature():
     """min_p after the temperature: the tokens at least min_p x the likeliest's probability are drawn, with their
     probabilities renormalized (transformers' MinPLogitsWarper keeps the same set); min_p 1 is greedy."""
