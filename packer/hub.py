@@ -40,7 +40,7 @@ from moepack.format_spec import untrusted
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import remove_stale_temporaries, temporary_prefix
 
-from .source import INDEX_FILE, weight_files
+from .source import INDEX_FILE, index_weight_map, weight_files
 
 # The small files a conversion reads besides the shards, in the order they are fetched.
 SMALL_FILES = ("config.json", INDEX_FILE, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -272,14 +272,7 @@ def _index_shards(index_path: str, where: str) -> list[str]:
         raise MoepackError(f"{where}: {e}") from None
     except OSError as e:
         raise MoepackError(f"{where}: cannot read {INDEX_FILE} ({e.strerror or e})") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
-        raise MoepackError(f"{where}: {INDEX_FILE} has no weight_map")
-    shards = sorted(set(weight_map.values()))
-    for shard in shards:
-        if "/" in shard or "\\" in shard or shard in (".", ".."):
-            raise MoepackError(f"{where}: {INDEX_FILE} lists shard {shard!r} outside the checkpoint directory")
-    return shards
+    return index_weight_map(index, f"{where}: ")[1]
 
 
 # ------------------------------------------------------------------------------------------------------------- hub

@@ -187,6 +187,22 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def index_weight_map(index, where: str) -> tuple[dict[str, str], list[str]]:
+    """(weight_map, the shard names it lists, sorted) of a parsed model.safetensors.index.json: a non-empty object
+    of tensor names to file names in the checkpoint's own directory; MoepackError otherwise."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise MoepackError(f"{where}{INDEX_FILE} has no weight_map")
+    strange = next((v for v in weight_map.values() if not isinstance(v, str)), None)
+    if strange is not None:
+        raise MoepackError(f"{where}{INDEX_FILE}: weight_map lists {strange!r} as a shard (a file name is a string)")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if "/" in shard or "\\" in shard or shard in ("", ".", ".."):
+            raise MoepackError(f"{where}{INDEX_FILE} lists shard {shard!r} outside the checkpoint directory")
+    return weight_map, shards
+
+
 def weight_files(names: Iterable[str], index_shards: Callable[[], list[str]]) -> list[str]:
     """The safetensors files a checkpoint's weights are read from, given the file names at its top level, chosen as
     transformers' from_pretrained chooses: model.safetensors alone where there is one, even beside an index (a
@@ -236,11 +252,8 @@ class CheckpointDir(LocalSource):
 
         def index_shards() -> list[str]:
             nonlocal weight_map
-            index = self._read_json(INDEX_FILE, required=True)
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise MoepackError(f"{INDEX_FILE} has no weight_map")
-            return sorted(set(weight_map.values()))
+            weight_map, listed = index_weight_map(self._read_json(INDEX_FILE, required=True), "")
+            return listed
 
         shards = weight_files(os.listdir(path), index_shards)
         if weight_map is None:
@@ -253,8 +266,6 @@ class CheckpointDir(LocalSource):
         self.shards = shards
         self.tensors: dict[str, SourceTensor] = {}
         for shard in shards:
-            if os.path.basename(shard) != shard:
-                raise MoepackError(f"index lists shard {shard!r} outside the checkpoint directory")
             for key, t in read_safetensors_header(os.path.join(path, shard)).items():
                 if key in self.tensors:
                     raise MoepackError(f"tensor {key} appears in both {os.path.basename(self.tensors[key].file)} "

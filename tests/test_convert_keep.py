@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -189,6 +190,23 @@ def test_a_folder_of_numbered_shards_without_an_index_names_the_missing_one(rele
     os.remove(os.path.join(partial, shards[1]))
     with pytest.raises(MoepackError, match=f"shard {shards[1]} is missing"):
         convert_checkpoint(partial, str(tmp_path / "x.moepack"), progress=False)
+
+
+@pytest.mark.parametrize("shard, named", [
+    ({"a": 1}, "weight_map lists {'a': 1} as a shard"), (7, "weight_map lists 7 as a shard"),
+    ("", "lists shard '' outside the checkpoint directory"), ("../x.safetensors", "outside the checkpoint")],
+    ids=["an object", "a number", "empty", "a path"])
+def test_an_index_listing_what_is_no_shard_name_is_refused(release_dir, tmp_path, shard, named):
+    """(Found by fuzzing.) A weight_map value that is no string was sorted among the shard names: a TypeError."""
+    src = str(tmp_path / "src")
+    shutil.copytree(release_dir, src)
+    path = os.path.join(src, "model.safetensors.index.json")
+    index = json.load(open(path))
+    index["weight_map"][next(iter(index["weight_map"]))] = shard
+    json.dump(index, open(path, "w"))
+    with pytest.raises(MoepackError, match=re.escape(named)):
+        convert_checkpoint(src, str(tmp_path / "x.moepack"), progress=False)
+    assert not os.path.exists(tmp_path / "x.moepack")
 
 
 def test_existing_output_survives_a_failed_convert(release_dir, packed, tmp_path):
