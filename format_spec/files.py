@@ -56,6 +56,8 @@ def open_regular(path: str, missing: str | None = None) -> int:
         raise FormatError(f"{path}: not a regular file (a directory)") from None
     except OSError as e:
         raise FormatError(f"{path}: cannot open ({e.strerror})") from None
+    except ValueError:  # a NUL byte, or a lone surrogate the file system cannot encode: a name read from a file
+        raise FormatError(f"{path!r}: cannot open (not a file name this system can have)") from None
     kind = not_regular(os.fstat(fd).st_mode)
     if kind is not None:
         os.close(fd)

@@ -194,10 +194,12 @@ def test_a_folder_of_numbered_shards_without_an_index_names_the_missing_one(rele
 
 @pytest.mark.parametrize("shard, named", [
     ({"a": 1}, "weight_map lists {'a': 1} as a shard"), (7, "weight_map lists 7 as a shard"),
-    ("", "lists shard '' outside the checkpoint directory"), ("../x.safetensors", "outside the checkpoint")],
-    ids=["an object", "a number", "empty", "a path"])
+    ("", "lists shard '' outside the checkpoint directory"), ("../x.safetensors", "outside the checkpoint"),
+    ("x\u0000.safetensors", "cannot open (not a file name this system can have)")],
+    ids=["an object", "a number", "empty", "a path", "a NUL"])
 def test_an_index_listing_what_is_no_shard_name_is_refused(release_dir, tmp_path, shard, named):
-    """(Found by fuzzing.) A weight_map value that is no string was sorted among the shard names: a TypeError."""
+    """(Found by fuzzing.) A weight_map value that is no string was sorted among the shard names: a TypeError; one
+    holding a NUL reached os.open: a ValueError."""
     src = str(tmp_path / "src")
     shutil.copytree(release_dir, src)
     path = os.path.join(src, "model.safetensors.index.json")
@@ -205,6 +207,8 @@ def test_an_index_listing_what_is_no_shard_name_is_refused(release_dir, tmp_path
     index["weight_map"][next(iter(index["weight_map"]))] = shard
     json.dump(index, open(path, "w"))
     with pytest.raises(MoepackError, match=re.escape(named)):
+        CheckpointDir(src)  # as `moepack plan DIR` reads it
+    with pytest.raises(MoepackError, match="model.safetensors.index.json"):
         convert_checkpoint(src, str(tmp_path / "x.moepack"), progress=False)
     assert not os.path.exists(tmp_path / "x.moepack")
 

@@ -113,6 +113,13 @@ def test_a_fifo_is_refused_at_open_not_waited_on(tmp_path):
     check_regular(str(tmp_path / "missing"))  # the opener names a missing file itself
 
 
+@pytest.mark.parametrize("name", ["x\u0000y", "x\ud800y"], ids=["a NUL", "a lone surrogate"])
+def test_a_name_no_file_can_have_is_refused_at_open(tmp_path, name):
+    """(Found by fuzzing convert: a shard name from an index.) os.open raises ValueError for these."""
+    with pytest.raises(MoepackError, match=r"cannot open \(not a file name this system can have\)"):
+        open_regular(str(tmp_path / name))
+
+
 @pytest.mark.parametrize("command", ["verify", "inspect"])
 def test_commands_refuse_a_fifo_and_a_pipe_by_name(tmp_path, container, command):
     fifo = _fifo(tmp_path)
