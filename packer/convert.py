@@ -24,7 +24,8 @@ import torch
 from moepack.families import adapter_for, family_for, value_type_problem
 from moepack.format_spec import quants
 from moepack.format_spec.adapter import Adapter
-from moepack.format_spec.decode import (as_uint8, decode_float, decode_tensor, first_non_finite, scale_name,
+from moepack.format_spec.decode import (as_uint8, checks_finiteness, decode_float, decode_tensor, first_non_finite,
+                                       scale_name,
                                         tensor_scale_name)
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, STORAGE_TYPES, storage_type, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
@@ -209,7 +210,20 @@ class RegionConverter:
         blocks = blocks.contiguous().reshape(-1)
         if blocks.numel() != tensor_nbytes(target, shape):
             raise MoepackError(f"{name}: {target} conversion produced {blocks.numel()} bytes")
-        return memoryview(blocks.numpy()), tensor_scale
+        stored = memoryview(blocks.numpy())
+        if _holds_an_infinity(target, shape, stored):  # finite source values beyond the type's (or its scales') range
+            largest = float(decode_float(dtype, shape, raw, scale).abs().max())
+            raise MoepackError(f"{name}: {target} cannot hold its values (the largest magnitude, {largest:.4g}, "
+                               f"overflows to an infinity or NaN there): convert it under another policy")
+        return stored, tensor_scale
+
+
+def _holds_an_infinity(dtype: str, shape, stored) -> bool:
+    """Whether stored bytes of `dtype` hold a NaN or an infinity: by the bits where decode.first_non_finite reads
+    the type, else decoded."""
+    if checks_finiteness(dtype):
+        return first_non_finite(dtype, stored) is not None
+    return not bool(torch.isfinite(decode_float(dtype, shape, stored)).all())
 
 
 def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool = True, revision: str | None = None,

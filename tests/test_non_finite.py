@@ -73,10 +73,11 @@ def test_block_scales_found_by_position_in_any_piece():
     assert first_non_finite("Q8_0", q8.reshape(-1)[35:], 35) == 4 * 32
 
 
-def _poisoned_checkpoint(tmp_path, name: str, index: int, byte: int | None = None, value: float = float("nan")):
-    """The tiny release checkpoint with one element of tensor `name` made NaN / inf (or one byte set)."""
+def _poisoned_checkpoint(tmp_path, name: str, index: int, byte: int | None = None, value: float = float("nan"),
+                         layout: str = "release"):
+    """The tiny checkpoint (release layout) with one element of tensor `name` made NaN / inf (or one byte set)."""
     src = str(tmp_path / "src")
-    synth_checkpoint(src, preset="tiny", layout="release", progress=False)
+    synth_checkpoint(src, preset="tiny", layout=layout, progress=False)
     for path in glob.glob(os.path.join(src, "*.safetensors")):
         with safe_open(path, "pt") as f:
             if name not in f.keys():
@@ -111,6 +112,18 @@ def test_convert_refuses_nan_bytes_of_the_release_encodings(tmp_path, name, inde
     src = _poisoned_checkpoint(tmp_path, name, index, byte=byte)
     with pytest.raises(MoepackError, match=rf"^{name}: not finite .* \(flat {index}\)"):
         convert_checkpoint(src, str(tmp_path / "out.moepack"), policy="fp4", progress=False)
+
+
+@pytest.mark.parametrize("policy, value", [("q8", 1e30), ("q2", 3e38)])
+def test_convert_refuses_finite_values_the_policys_type_cannot_hold(tmp_path, policy, value):
+    """(Found by fuzzing convert.) A finite weight beyond what a type's f16 block scales reach (Q8_0; Q2_K, which
+    clamps, up to a NaN) was stored as an infinity or a NaN: convert succeeded, and verify refused what it wrote."""
+    name = "layers.0.ffn.experts.1.w2.weight"
+    src = _poisoned_checkpoint(tmp_path, name, 5, value=value, layout="f32")
+    out = str(tmp_path / "out.moepack")
+    with pytest.raises(MoepackError, match=rf"^{name}: \w+ cannot hold its values \(the largest magnitude"):
+        convert_checkpoint(src, out, policy=policy, progress=False)
+    assert not os.path.exists(out)
 
 
 @pytest.fixture
