@@ -193,9 +193,9 @@ def index_weight_map(index, where: str) -> tuple[dict[str, str], list[str]]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise MoepackError(f"{where}{INDEX_FILE} has no weight_map")
-    strange = next((v for v in weight_map.values() if not isinstance(v, str)), None)
-    if strange is not None:
-        raise MoepackError(f"{where}{INDEX_FILE}: weight_map lists {strange!r} as a shard (a file name is a string)")
+    strange = [v for v in weight_map.values() if not isinstance(v, str)]
+    if strange:
+        raise MoepackError(f"{where}{INDEX_FILE}: weight_map lists {strange[0]!r} as a shard (a file name is a string)")
     shards = sorted(set(weight_map.values()))
     for shard in shards:
         if "/" in shard or "\\" in shard or shard in ("", ".", ".."):

@@ -194,9 +194,10 @@ def test_a_folder_of_numbered_shards_without_an_index_names_the_missing_one(rele
 
 @pytest.mark.parametrize("shard, named", [
     ({"a": 1}, "weight_map lists {'a': 1} as a shard"), (7, "weight_map lists 7 as a shard"),
+    (None, "weight_map lists None as a shard"),
     ("", "lists shard '' outside the checkpoint directory"), ("../x.safetensors", "outside the checkpoint"),
     ("x\u0000.safetensors", "cannot open (not a file name this system can have)")],
-    ids=["an object", "a number", "empty", "a path", "a NUL"])
+    ids=["an object", "a number", "null", "empty", "a path", "a NUL"])
 def test_an_index_listing_what_is_no_shard_name_is_refused(release_dir, tmp_path, shard, named):
     """(Found by fuzzing.) A weight_map value that is no string was sorted among the shard names: a TypeError; one
     holding a NUL reached os.open: a ValueError."""
