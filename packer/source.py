@@ -135,7 +135,23 @@ def read_safetensors_header(path: str) -> dict[str, SourceTensor]:
         if data_start + end > size:
             raise MoepackError(f"{name}: truncated (tensor {key} ends at {data_start + end}, file has {size} bytes)")
         tensors[key] = SourceTensor(key, dtype, shape, path, data_start + begin, need)
+    _check_tiling(name, tensors, data_start, size)
     return tensors
+
+
+def _check_tiling(name: str, tensors: dict[str, SourceTensor], data_start: int, size: int) -> None:
+    """The tensors' bytes follow one another from the end of the header to the end of the file, as the safetensors
+    library requires (and so transformers): no two share bytes, no bytes lie between or after them."""
+    at = data_start
+    for t in sorted(tensors.values(), key=lambda t: (t.offset, t.length)):
+        if t.offset != at:
+            problem = "overlaps the tensor before it" if t.offset < at else f"leaves {t.offset - at} bytes before it"
+            raise MoepackError(f"{name}: tensor {t.name}'s data (at {t.offset - data_start}) {problem}: the "
+                               f"safetensors library refuses such a file")
+        at += t.length
+    if at != size:
+        raise MoepackError(f"{name}: {size - at} bytes after the last tensor's data: the safetensors library refuses "
+                           f"such a file")
 
 
 class OpenFiles:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import struct
 
 import pytest
 import torch
@@ -210,6 +211,37 @@ def test_an_index_listing_what_is_no_shard_name_is_refused(release_dir, tmp_path
     with pytest.raises(MoepackError, match=re.escape(named)):
         CheckpointDir(src)  # as `moepack plan DIR` reads it
     with pytest.raises(MoepackError, match="model.safetensors.index.json"):
+        convert_checkpoint(src, str(tmp_path / "x.moepack"), progress=False)
+    assert not os.path.exists(tmp_path / "x.moepack")
+
+
+def _shift_tensor_data(path: str, which: int, by: int) -> None:
+    """Move the data offsets of the shard's `which`-th tensor (in data order) by `by` bytes, header re-padded."""
+    with open(path, "rb") as f:
+        data = f.read()
+    n = struct.unpack_from("<Q", data)[0]
+    header = json.loads(data[8:8 + n])
+    name = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")[which][1]
+    header[name]["data_offsets"] = [o + by for o in header[name]["data_offsets"]]
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    with open(path, "wb") as f:
+        f.write(data[:8] + text + data[8 + n:])
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda p: _shift_tensor_data(p, 1, -2), "overlaps the tensor before it"),
+    (lambda p: _shift_tensor_data(p, 0, 2), "leaves 2 bytes before it"),
+    (lambda p: open(p, "ab").write(b"\0" * 16), "16 bytes after the last tensor's data")],
+    ids=["overlap", "gap", "trailing bytes"])
+def test_a_shard_whose_tensors_do_not_tile_its_data_is_refused(release_dir, tmp_path, damage, named):
+    """(Found by fuzzing convert.) Tensors sharing bytes, or bytes between or after them: the safetensors library
+    (so transformers) refuses such a file, but convert converted it."""
+    src = str(tmp_path / "src")
+    shutil.copytree(release_dir, src)
+    shard = os.path.join(src, sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))[0])
+    damage(shard)
+    with pytest.raises(MoepackError, match=re.escape(named)):
         convert_checkpoint(src, str(tmp_path / "x.moepack"), progress=False)
     assert not os.path.exists(tmp_path / "x.moepack")
 
