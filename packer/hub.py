@@ -259,7 +259,7 @@ def _resolve_local(src: str, revision: str | None) -> ResolvedSource:
     shards = weight_files(listing, lambda: _index_shards(os.path.join(path, INDEX_FILE), where=path))
     for shard in shards:
         if not os.path.isfile(os.path.join(path, shard)):
-            raise MoepackError(f"{path}: {INDEX_FILE} lists shard {shard!r}, which is not in the directory")
+            raise MoepackError(f"{path}: {INDEX_FILE} lists shard {shard}, which is not in the directory")
     files = {n: {"size": os.path.getsize(os.path.join(path, n)), "sha256": None} for n in names + shards}
     return ResolvedSource(local_dir=path, provenance={"source": path, "revision": None, "files": files})
 
