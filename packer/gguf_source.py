@@ -241,6 +241,7 @@ class GGUFHeader:
             self.fail(f"general.alignment {alignment!r} is not a power of two (a uint32)")
         start = -(-self.pos // alignment) * alignment
         names = set()
+        expected = 0  # where this tensor's data must begin: llama.cpp lays them out (and reads them) back to back
         for name, shape, ggml_type, offset in infos:
             if name in names:
                 self.fail(f"tensor {name[:80]} appears twice")
@@ -249,8 +250,15 @@ class GGUFHeader:
             if sizes is None:
                 self.fail(f"tensor {name[:80]} has an unknown ggml type {ggml_type}")
             block, type_size = sizes
-            self.tensors.append(GGUFTensorInfo(name, ggml_type, shape, start + offset,
-                                               math.prod(shape) * type_size // block))
+            if shape and shape[0] % block:
+                self.fail(f"tensor {name[:80]}'s rows of {shape[0]} are not whole {_ggml_type(gguf, ggml_type).name} "
+                          f"blocks of {block}")
+            n_bytes = math.prod(shape) * type_size // block
+            if offset != expected:
+                self.fail(f"tensor {name[:80]}'s data is at offset {offset}, expected {expected} (where the tensors "
+                          f"before it end, each padded to {alignment} bytes), as llama.cpp requires")
+            expected += -(-n_bytes // alignment) * alignment
+            self.tensors.append(GGUFTensorInfo(name, ggml_type, shape, start + offset, n_bytes))
 
 
 def _ggml_type(gguf, value: int):
@@ -403,11 +411,13 @@ class GGUFSource(LocalSource):
             config = self.family.config_from_gguf(keys, embd[1].dims[1], "output.weight" not in gguf_tensors,
                                                   tuple(gguf_tensors))
             self.family.parse_config(config)  # every value in range, named as config.json's field
+            return {**config, **self._special_ids()}
         except MoepackError as e:
             raise MoepackError(f"{name}: {e}") from None
-        except (TypeError, ValueError, OverflowError) as e:  # a key of another type (a string for a count)
+        except (TypeError, ValueError) as e:  # a key of another type (a string for a count)
             raise MoepackError(f"{name}: a {self.family.name} key of the wrong type ({e})") from None
-        return {**config, **self._special_ids()}
+        except ArithmeticError as e:  # a key whose value the arithmetic cannot take (a zero it divides by)
+            raise MoepackError(f"{name}: a {self.family.name} key out of range ({e})") from None
 
     def _special_ids(self) -> dict[str, int]:
         """bos_token_id / eos_token_id of the tokenizer's keys (where the GGUF names them)."""

@@ -131,6 +131,10 @@ def test_imported_container_runs_the_same_model(tmp_path):
     ("deepseek4.block_count", "two", "orig.gguf: a deepseek-v4 key of the wrong type"),
     ("deepseek4.expert_gating_func", 3, "orig.gguf: deepseek4.expert_gating_func 3 is none of [1, 2, 4]"),
     ("deepseek4.attention.compress_ratios", [0], "orig.gguf: deepseek4.attention.compress_ratios lists 1 layers"),
+    # (found by fuzzing convert: a ZeroDivisionError; the special token ids were read outside the type check)
+    ("deepseek4.attention.key_length", 0, "orig.gguf: deepseek4.attention.key_length 0: a head has at least one"),
+    ("tokenizer.ggml.bos_token_id", "one", "orig.gguf: a deepseek-v4 key of the wrong type"),
+    ("tokenizer.ggml.eos_token_id", float("inf"), "orig.gguf: a deepseek-v4 key out of range"),
 ])
 def test_a_deepseek4_gguf_with_a_bad_key_is_one_line(exported, tmp_path, monkeypatch, key, value, message):
     """The family's config_from_gguf refuses a key its loader needs, absent, of another type or out of range, in
@@ -351,6 +355,58 @@ def test_damaged_gguf_is_one_line(exported, tmp_path):
     w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     assert "architecture 'llama'" in _one_line(other, tmp_path)
+
+
+def _tensor_info_edited(data: bytes, pick, edit) -> bytes:
+    """The GGUF with one tensor's info edited in place: `pick(gguf-py's tensors)` -> (the tensor, another one or
+    None), `edit(dims, ggml type, data offset, the other's data offset)` -> (dims, ggml type, data offset)."""
+    import struct
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
+        f.write(data)
+        f.flush()
+        tensor, other = pick(gguf.GGUFReader(f.name).tensors)
+        name = tensor.name.encode()
+        other_offset = None if other is None else int(other.data_offset) - int(tensor.data_offset)
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    dims = list(struct.unpack_from(f"<{n_dims}Q", data, at + 4))
+    ggml_type, offset = struct.unpack_from("<IQ", data, at + 4 + 8 * n_dims)
+    dims, ggml_type, offset = edit(dims, ggml_type, offset, None if other is None else offset + other_offset)
+    out = bytearray(data)
+    struct.pack_into(f"<{n_dims}Q", out, at + 4, *dims)
+    struct.pack_into("<IQ", out, at + 4 + 8 * n_dims, ggml_type, offset)
+    return bytes(out)
+
+
+def _a_q8_0_tensor_shaped_like_an_earlier_one(tensors):
+    q8 = [t for t in tensors if t.tensor_type == gguf.GGMLQuantizationType.Q8_0]
+    return next((t, u) for i, t in enumerate(q8) for u in q8[:i] if list(u.shape) == list(t.shape))
+
+
+def _a_norm_of_128(tensors):
+    return next(t for t in tensors if t.name.endswith("norm.weight") and list(t.shape) == [128]), None
+
+
+@pytest.mark.parametrize("pick, edit, message", [
+    (_a_q8_0_tensor_shaped_like_an_earlier_one, lambda dims, kind, offset, other: (dims, kind, other),
+     r"data is at offset \d+, expected \d+ \(where the tensors before it end"),
+    (_a_norm_of_128, lambda dims, kind, offset, other: (dims, gguf.GGMLQuantizationType.IQ3_S, offset),
+     r"rows of 128 are not whole IQ3_S blocks of 256")],
+    ids=["another tensor's data", "rows of part of a block"])
+def test_tensor_data_where_llama_cpp_would_not_read_it_is_refused(exported, tmp_path, pick, edit, message):
+    """(Found by fuzzing convert.) A tensor whose data offset is not where the tensors before it end (llama.cpp
+    refuses the file) was converted from the bytes at that offset: here an earlier tensor's of the same shape, so
+    the conversion succeeded with one weight in two places. A tensor whose rows are no whole number of its type's
+    blocks (llama.cpp refuses it too) was sized by a floor division, and gguf-py's dequantizer raised ValueError."""
+    _, first = exported
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(_tensor_info_edited(open(first, "rb").read(), pick, edit))
+    with pytest.raises(MoepackError, match="damaged.gguf: damaged GGUF: tensor .*" + message):
+        # (a policy: --keep refuses a ggml type a container does not hold before reading it)
+        convert_checkpoint(str(damaged), str(tmp_path / "x.moepack"), policy="q8", progress=False)
+    assert not os.path.exists(tmp_path / "x.moepack")
 
 
 def _rewrite(src: str, dst: str, edit, drop_keys: tuple[str, ...] = ()) -> None:

@@ -213,6 +213,8 @@ def config_from_gguf(keys: Mapping[str, Any], vocab_size: int, tied: bool, tenso
 
     n = int(k("block_count"))
     head_dim = int(k("attention.key_length"))
+    if head_dim <= 0:  # (the RoPE's share of it is divided by it)
+        raise MoepackError(f"{ARCH}.attention.key_length {head_dim}: a head has at least one channel")
     rope_dim = int(k("rope.dimension_count", head_dim))
     ratios = list(k("attention.compress_ratios"))
     if len(ratios) < n:
