@@ -1,9 +1,12 @@
-"""Seed corpus of the fuzz harness: small valid containers and KV directories built with the project's own tools,
-and the one-file "bundle" encoding that lets several files travel as one fuzz input: a KV directory, or a
-multi-part container (members `main`, `part1`, ...: SPEC.md section 9).
+"""Seed corpus of the fuzz harness: small valid containers and KV directories built with the project's own tools
+(what moepack reads of its own), small checkpoint directories and GGUF files (what `moepack convert` reads from
+outside), and the one-file "bundle" encoding that lets several files travel as one fuzz input: a KV directory, a
+checkpoint directory, a GGUF's split files, or a multi-part container (members `main`, `part1`, ...: SPEC.md
+section 9).
 
-Seeds are cached in the corpus directory (`<corpus>/container/*.moepack`, `<corpus>/kv/*.kvbundle`): building the
-full set (a synthetic model converted under every policy) takes about half a minute, the quick set a second.
+Seeds are cached in the corpus directory (`<corpus>/<target>/seed-*<extension>`): building the full set (a
+synthetic model converted under every policy, transformers' tiny models saved) takes about a minute, the quick set
+a few seconds.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TARGETS = ("container", "kv")
-EXTENSIONS = {"container": ".moepack", "kv": ".kvbundle"}
+TARGETS = ("container", "kv", "checkpoint", "gguf")
+EXTENSIONS = {"container": ".moepack", "kv": ".kvbundle", "checkpoint": ".ckptbundle", "gguf": ".ggufbundle"}
 
 # --- bundles ----------------------------------------------------------------------------------------------------
 BUNDLE_MAGIC = b"MOEPACK-FUZZ-BUNDLE\n"
@@ -198,22 +201,101 @@ def _full_seeds(work: Path) -> dict[str, dict[str, bytes]]:
     return out
 
 
-def ensure_seeds(corpus: str | os.PathLike, full: bool = True) -> None:
-    """Write the seed inputs into `<corpus>/<target>/seed-*` unless they are there already."""
+# A checkpoint seed's dims: the tiny presets narrowed (FP8 blocks and ggml super-blocks still tile them), so that
+# a conversion of one takes a tenth of a second and its files a megabyte or two.
+_SOURCE_OVERRIDES = {
+    "deepseek-v4": lambda: dict(_micro_overrides(), hidden_size=128, q_lora_rank=128, moe_intermediate_size=128,
+                                o_lora_rank=64, index_n_heads=4),
+    "qwen3-moe": lambda: dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+                              num_experts=4, num_experts_per_tok=2),
+}
+
+
+def _synthetic_source(work: Path, family: str, layout: str) -> Path:
+    from moepack.packer.synth import synth_checkpoint
+
+    src = work / f"{family}-{layout}"
+    synth_checkpoint(src, preset="tiny", layout=layout, seed=1, progress=False, family=family,
+                     config_overrides=_SOURCE_OVERRIDES[family]())
+    return src
+
+
+def _gguf_seeds(work: Path, src: Path, name: str) -> dict[str, bytes]:
+    """`moepack export --format gguf` of the checkpoint's keep conversion: one file, and as 2-3 splits."""
+    from moepack.packer.convert import convert_checkpoint
+    from moepack.packer.gguf_export import export_gguf
+
+    container = str(work / f"{name}.moepack")
+    convert_checkpoint(str(src), container, policy="keep", progress=False)
+    single = export_gguf(container, str(work / f"{name}.gguf"), progress=False)["output"]
+    splits = export_gguf(container, str(work / f"{name}-split.gguf"), progress=False,
+                         split_max_size=os.path.getsize(single) // 2)["files"]
+    return {name: pack_bundle({Path(single).name: Path(single).read_bytes()}),
+            f"{name}-splits": pack_bundle({Path(f).name: Path(f).read_bytes() for f in splits})}
+
+
+def _source_quick_seeds(work: Path) -> dict[str, dict[str, bytes]]:
+    """Synthetic checkpoints (config, sharded safetensors + index, tokenizer files) of both families, and the GGUFs
+    exported from their conversions."""
+    out: dict[str, dict[str, bytes]] = {"checkpoint": {}, "gguf": {}}
+    for family, layout in (("deepseek-v4", "release"), ("qwen3-moe", "bf16")):
+        src = _synthetic_source(work, family, layout)
+        out["checkpoint"][f"{family}-{layout}"] = pack_bundle(read_kv_dir(src))
+        out["gguf"].update(_gguf_seeds(work, src, f"{family}-{layout}"))
+    return out
+
+
+def _source_full_seeds(work: Path) -> dict[str, dict[str, bytes]]:
+    """The other synthetic layouts, and transformers' own save_pretrained of tiny random models: DeepSeek-V4
+    (tests/v4_models.py's smallest, one model.safetensors) and Qwen3-MoE (sharded by transformers, with its index)."""
+    import torch
+    import transformers
+
+    _import_test_helpers()  # (puts tests/ on sys.path)
+    import v4_models  # tests/v4_models.py
+
+    out: dict[str, dict[str, bytes]] = {"checkpoint": {}, "gguf": {}}
+    for family, layout in (("deepseek-v4", "bf16"), ("qwen3-moe", "release")):
+        src = _synthetic_source(work, family, layout)
+        out["checkpoint"][f"{family}-{layout}"] = pack_bundle(read_kv_dir(src))
+    v4 = work / "transformers-deepseek-v4"
+    v4_models.saved_model(v4_models.CONFIGS["long"], 5, str(v4))
+    out["checkpoint"]["transformers-deepseek-v4"] = pack_bundle(read_kv_dir(v4))
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                         moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    qwen3 = work / "transformers-qwen3-moe"
+    transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(qwen3, max_shard_size="40KB")
+    out["checkpoint"]["transformers-qwen3-moe-sharded"] = pack_bundle(read_kv_dir(qwen3))
+    return out
+
+
+# The seed builders, by the targets they seed: (quick, full additions).
+_SEEDERS = {("container", "kv"): (_quick_seeds, _full_seeds),
+            ("checkpoint", "gguf"): (_source_quick_seeds, _source_full_seeds)}
+
+
+def ensure_seeds(corpus: str | os.PathLike, full: bool = True, targets=TARGETS) -> None:
+    """Write the seed inputs of `targets` into `<corpus>/<target>/seed-*` unless they are there already."""
     corpus = Path(corpus)
-    marker = corpus / (".seeds-full" if full else ".seeds-quick")
-    if marker.exists():
-        return
-    with tempfile.TemporaryDirectory(prefix="moepack-fuzz-seeds-") as tmp:
-        seeds = _quick_seeds(Path(tmp))
-        if full:
-            for target, items in _full_seeds(Path(tmp)).items():
-                seeds[target].update(items)
-        for target, items in seeds.items():
-            (corpus / target).mkdir(parents=True, exist_ok=True)
-            for name, data in items.items():
-                (corpus / target / f"seed-{name}{EXTENSIONS[target]}").write_bytes(data)
-    marker.write_text("")
+    for group, (quick_seeds, full_seeds) in _SEEDERS.items():
+        if not set(group) & set(targets):
+            continue
+        marker = corpus / (f".seeds-full-{'-'.join(group)}" if full else f".seeds-quick-{'-'.join(group)}")
+        if marker.exists():
+            continue
+        with tempfile.TemporaryDirectory(prefix="moepack-fuzz-seeds-") as tmp:
+            seeds = quick_seeds(Path(tmp))
+            if full:
+                for target, items in full_seeds(Path(tmp)).items():
+                    seeds[target].update(items)
+            for target, items in seeds.items():
+                (corpus / target).mkdir(parents=True, exist_ok=True)
+                for name, data in items.items():
+                    (corpus / target / f"seed-{name}{EXTENSIONS[target]}").write_bytes(data)
+        corpus.mkdir(parents=True, exist_ok=True)
+        marker.write_text("")
 
 
 def load_corpus(corpus: str | os.PathLike, target: str) -> list[tuple[str, bytes]]:

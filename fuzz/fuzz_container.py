@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Long-running fuzz harness for moepack containers and KV directories (docs/fuzzing.md).
+"""Long-running fuzz harness for what moepack reads: its own containers and KV directories, and the checkpoint
+directories and GGUF files `moepack convert` reads from outside (docs/fuzzing.md).
 
-    python3 fuzz/fuzz_container.py --seconds 600 --corpus DIR --crashes DIR [--target container|kv|all]
+    python3 fuzz/fuzz_container.py --seconds 600 --corpus DIR --crashes DIR [--target TARGET[,TARGET...]|all]
                                    [--seed N] [--runs N] [--engine mutation|atheris] [--json]
     python3 fuzz/fuzz_container.py --replay CRASH_FILE...      # rerun saved inputs here, with tracebacks
     python3 fuzz/fuzz_container.py --unpack CRASH_FILE DIR     # write a saved input out as real files
@@ -10,7 +11,7 @@ Engines. `mutation` (default, no extra dependency): the parent process mutates i
 (mutations.py) and a worker subprocess runs each through the user-facing operations (targets.py), under an
 address-space cap and a per-input timeout, so a crash, hang or memory blow-up is caught and the worker restarted.
 Inputs whose outcome shows behaviour not seen before join the corpus. `atheris` (pip install atheris): libFuzzer's
-coverage guidance over moepack.format_spec and moepack.families.deepseek_v4 (the KV), in-process, with the same
+coverage guidance over moepack.format_spec, moepack.families and moepack.packer, in-process, with the same
 structure-aware mutations offered as a custom mutator beside libFuzzer's own.
 
 Every distinct failure -- deduplicated by (exception type, innermost moepack frame) -- is saved once in the
@@ -63,6 +64,7 @@ def worker_main(memory_mb: int, timeout: float, scratch: str) -> None:
     """Serve requests from stdin, one JSON line each ({"target", "path"}), answering one JSON outcome line each."""
     import faulthandler
 
+    os.environ["HF_HUB_OFFLINE"] = "1"  # a source input is a local folder or file: nothing may be fetched
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything the code under test prints goes to the worker log, not into the protocol
     import torch
@@ -322,7 +324,9 @@ def atheris_child_main(args) -> None:
     torch.set_num_threads(1)
     import atheris
 
-    with atheris.instrument_imports(include=["moepack.format_spec", "moepack.families.deepseek_v4"]):
+    with atheris.instrument_imports(include=["moepack.format_spec", "moepack.families", "moepack.packer"]):
+        import moepack.packer.convert  # noqa: F401  (convert's sources: the checkpoint and GGUF readers)
+        import moepack.packer.gguf_source  # noqa: F401
         import moepack.format_spec.decode  # noqa: F401
         import moepack.format_spec.quants  # noqa: F401
         import moepack.format_spec.reader  # noqa: F401
@@ -331,7 +335,7 @@ def atheris_child_main(args) -> None:
     import targets
     from mutations import Mutator
 
-    target = args.target
+    (target,) = args.target
     corpus = [data for _, data in load_corpus(args.corpus, target)]
     rng = random.Random(args.seed)
     mutator = Mutator(rng, lambda _target: rng.choice(corpus))
@@ -455,6 +459,14 @@ def _print_report(r: dict) -> None:
     print("\n".join(lines).encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
+def _target_list(text: str) -> list[str]:
+    names = list(TARGETS) if text == "all" else [t for t in text.split(",") if t]
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown target {','.join(unknown)!r} (choose from {', '.join(TARGETS)})")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=60.0, help="wall-clock budget (default 60)")
@@ -462,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", default=str(REPO / "fuzz" / "corpus"),
                    help="corpus directory (seeds are built into it on first use)")
     p.add_argument("--crashes", default=str(REPO / "fuzz" / "crashes"), help="where reproducers are saved")
-    p.add_argument("--target", choices=[*TARGETS, "all"], default="all")
+    p.add_argument("--target", type=_target_list, default="all",
+                   help=f"comma-separated, of {', '.join(TARGETS)}; or all (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine", choices=["mutation", "atheris"], default="mutation")
     p.add_argument("--workers", type=int, default=1, help="worker subprocesses (mutation engine)")
@@ -498,8 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         atheris_child_main(args)
         return 0
     os.makedirs(args.crashes, exist_ok=True)
-    ensure_seeds(args.corpus, full=not args.quick_seeds)
-    targets_run = list(TARGETS) if args.target == "all" else [args.target]
+    targets_run = args.target
+    ensure_seeds(args.corpus, full=not args.quick_seeds, targets=targets_run)
     report = run_atheris(args, targets_run) if args.engine == "atheris" else Campaign(args, targets_run).run()
     if args.json:
         print(json.dumps(report, indent=1))

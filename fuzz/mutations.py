@@ -14,6 +14,14 @@ KV mutations: the manifest's JSON mutated the same way, then (each by chance) it
 ids_xxh3, geometry and the layer files' bytes/xxh3 recomputed; a layer file's safetensors header mutated (and by
 chance made self-consistent again: offsets and data sized to the new shapes and dtypes); raw bytes of one file
 (with its manifest hash fixed by chance); files deleted, duplicated, swapped or taken from another KV.
+
+Checkpoint mutations (a Hugging Face directory): a shard's safetensors header (its JSON as above; one tensor's
+dtype, shape or data_offsets edited; the length field nudged), a shard cut inside a tensor's data, config.json's
+and the tokenizer files' JSON mutated, the index's weight_map pointing a tensor to another or a missing shard, raw
+bytes, files deleted, swapped or added. GGUF mutations: a structural number (version, tensor and key counts, a
+key's value type, a string or array length, an array's item type, a scalar value, a tensor's dimension count,
+dimensions, ggml type or data offset) set to an interesting value in place, raw bytes and truncation, split files
+deleted, swapped, duplicated or added.
 """
 
 from __future__ import annotations
@@ -54,6 +62,10 @@ RAW_LITERALS = ["NaN", "Infinity", "-Infinity", "1e999", "-0", "1" + "0" * 5000,
 WHOLE_TEXTS = [b"", b"[]", b"{}", b"null", b"1", b'"x"', b"\xff\xfe\xfd", b"{" * 100000, b"[" * 100000,
                b'{"format": "moepack"}', b'{"format": "moepack-kv", "format_version": [1, 0]}', b"\x00" * 64]
 
+# A source input (checkpoint directory, GGUF) is converted whole: beyond this a mutant is not tried (an input must
+# take well under a second).
+MAX_INPUT_BYTES = {"checkpoint": 8 << 20, "gguf": 8 << 20}
+_MAX_SOURCE_TENSOR_BYTES = 1 << 20
 _DUP = "\u0000dup\u0000"  # a dict key starting with this is written as the key after it: a duplicate key
 _FILE_SIZE_FIELD = 6  # in both header layouts
 _PART_INDEX_XXH3_FIELD = 9
@@ -101,13 +113,15 @@ class Mutator:
         self.donor = donor
 
     def mutate(self, target: str, data: bytes) -> bytes:
+        mutate = {"container": self._mutate_container, "kv": self._mutate_kv, "checkpoint": self._mutate_checkpoint,
+                  "gguf": self._mutate_gguf}[target]
         for _ in range(8):  # a structure-aware mutation that finds no structure to work on falls through
             try:
-                out = (self._mutate_container if target == "container" else self._mutate_kv)(data)
+                out = mutate(data)
             except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError,
                     struct.error, zstandard.ZstdError):
                 out = None  # the input has no such structure (anymore): try another mutation
-            if out is not None and out != data:
+            if out is not None and out != data and len(out) <= MAX_INPUT_BYTES.get(target, len(out)):
                 return out
         return self.raw(data, self.donor(target))
 
@@ -446,24 +460,138 @@ class Mutator:
             return _rehash_layer_files(manifest, files)
         return dumps(manifest)
 
-    def safetensors_mutated(self, data: bytes) -> bytes:
+    def safetensors_mutated(self, data: bytes, max_tensor_bytes: int = 16 << 20, edit_entry: bool = False) -> bytes:
+        """The header's JSON mutated (or, with `edit_entry`, often one tensor's dtype, shape or data_offsets), by
+        chance made consistent again; by chance a wrong header length."""
         r = self.rng
         n = int.from_bytes(data[:8], "little")
         header = json.loads(data[8:8 + n])
         body = data[8 + n:]
         names = [k for k in header if k != "__metadata__"]
-        header = self.mutate_json(header, [(k,) for k in names] + [("__metadata__",)])
+        if edit_entry and names and r.random() < 0.6:
+            self._edit_tensor_entry(header[r.choice(names)], body)
+        else:
+            header = self.mutate_json(header, [(k,) for k in names] + [("__metadata__",)])
         if r.random() < 0.3 and names:  # a tensor renamed to another one's name, or to a stray one
             old = r.choice(names)
             if old in header:
-                header[r.choice(names + ["extra", "compressor.overlap_kv", "window_kv.scale"])] = header.pop(old)
+                header[r.choice(names + ["extra", "compressor.overlap_kv", "window_kv.scale", old + ".scale"])] = \
+                    header.pop(old)
         if r.random() < 0.6:
-            header, body = _consistent_safetensors(header, body)
+            header, body = _consistent_safetensors(header, body, max_tensor_bytes)
         text = dumps(header)
         length = len(text)
         if r.random() < 0.05:
-            length = r.choice([0, length + 1, length - 1, 2**63, 2**64 - 1, 100 << 20])
+            length = r.choice([0, length + 1, length - 1, length + 8, length - 8, 2**63, 2**64 - 1, 100 << 20])
         return _mask(length, 8).to_bytes(8, "little") + text + body
+
+    def _edit_tensor_entry(self, info: dict, body: bytes) -> None:
+        r = self.rng
+        field = r.choice(["dtype", "shape", "data_offsets"])
+        if field == "dtype":
+            info["dtype"] = r.choice([*_SAFETENSORS_DTYPE_BYTES, "F8_E8M0", "F4", "I4", "Q4_0", "f32", ""])
+        elif field == "shape" and isinstance(info.get("shape"), list):
+            shape = info["shape"]
+            op = r.randrange(5)
+            if op == 0 and shape:
+                shape[r.randrange(len(shape))] = r.choice([0, 1, -1, 2**31, 2**32 + 1, 2**63 - 1, 2**64])
+            elif op == 1 and shape:
+                i = r.randrange(len(shape))
+                shape[i] += r.choice([1, -1])
+            elif op == 2:
+                shape.append(r.choice([1, 2]))
+            elif op == 3 and shape:
+                shape.pop()
+            else:
+                shape.reverse()
+        elif isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2:
+            begin, end = info["data_offsets"]
+            info["data_offsets"] = r.choice([
+                [begin, end + 1], [begin + 1, end], [begin - 1, end - 1], [end, begin], [0, end - begin],
+                [begin, len(body) + 1], [len(body), len(body) + end - begin], [begin + ALIGNMENT, end + ALIGNMENT],
+                [-1, end], [begin, 2**64]])
+
+    # --- checkpoint directories and GGUF files -------------------------------------------------------------------
+    def _mutate_checkpoint(self, data: bytes) -> bytes | None:
+        r = self.rng
+        files = unpack_bundle(data)
+        if not files or r.random() < 0.05:
+            return self.raw(data, self.donor("checkpoint"))
+        shards = [n for n in files if n.endswith(".safetensors")]
+        choice = r.random()
+        if choice < 0.35 and shards:
+            name = r.choice(shards)
+            if r.random() < 0.8:
+                files[name] = self.safetensors_mutated(files[name], _MAX_SOURCE_TENSOR_BYTES, edit_entry=True)
+            else:  # cut inside (or just after) a tensor's bytes
+                n = int.from_bytes(files[name][:8], "little")
+                header = json.loads(files[name][8:8 + n])
+                ends = [8 + n + info["data_offsets"][1] for k, info in header.items() if k != "__metadata__"]
+                files[name] = files[name][:max(r.choice(ends) - r.choice([1, 2, 64, 4096]), 0)]
+        elif choice < 0.55 and "config.json" in files:
+            donor = unpack_bundle(self.donor("checkpoint") or b"").get("config.json")
+            files["config.json"] = dumps(self.mutate_json(json.loads(files["config.json"]), [()],
+                                                          json.loads(donor) if donor else None))
+        elif choice < 0.65 and INDEX_FILE in files:
+            index = json.loads(files[INDEX_FILE])
+            if r.random() < 0.5 and isinstance(index.get("weight_map"), dict) and index["weight_map"]:
+                key = r.choice(list(index["weight_map"]))
+                index["weight_map"][key] = r.choice(shards + ["model-00009-of-00004.safetensors", "missing.safetensors",
+                                                              "../model.safetensors", "config.json", ""])
+            else:
+                index = self.mutate_json(index, [("weight_map",), ("metadata",)])
+            files[INDEX_FILE] = dumps(index)
+        elif choice < 0.72:
+            side = [n for n in files if n.endswith((".json", ".jinja")) and n not in ("config.json", INDEX_FILE)]
+            if not side:
+                return None
+            name = r.choice(side)
+            files[name] = dumps(self.mutate_json(json.loads(files[name]), [()])) if r.random() < 0.7 else \
+                self.raw(files[name])
+        elif choice < 0.9:
+            name = r.choice(list(files))
+            files[name] = self.raw(files[name], unpack_bundle(self.donor("checkpoint") or b"").get(name))
+        else:
+            self.shuffle_files(files, "checkpoint")
+        return pack_bundle(files)
+
+    def _mutate_gguf(self, data: bytes) -> bytes | None:
+        r = self.rng
+        files = unpack_bundle(data)
+        if not files:
+            return self.raw(data, self.donor("gguf"))
+        choice = r.random()
+        name = r.choice(list(files))
+        if choice < 0.6:
+            files[name] = self.gguf_field(files[name])
+        elif choice < 0.9:
+            files[name] = self.raw(files[name], unpack_bundle(self.donor("gguf") or b"").get(name))
+        else:
+            self.shuffle_files(files, "gguf")
+        return pack_bundle(files)
+
+    def gguf_field(self, data: bytes) -> bytes:
+        """One structural number of a GGUF (found by walking its header) set to an interesting value, in place."""
+        r = self.rng
+        fields = gguf_fields(data)
+        if not fields:
+            return None
+        roles = sorted({role for _, _, role in fields})
+        keeping = [role for role in roles if role in _GGUF_KEEPS_THE_WALK]
+        # every role as likely, however many values of it there are; mostly one the reader gets past, so the change
+        # reaches what comes after it (a length or a count changed ends most walks there)
+        role = r.choice(keeping if keeping and r.random() < 0.75 else roles)
+        pos, width, _ = r.choice([f for f in fields if f[2] == role])
+        current = int.from_bytes(data[pos:pos + width], "little")
+        candidates = INTERESTING_INTS + [current + 1, current - 1, current * 2, current + 32, current - 32,
+                                         current << 16, len(data), len(data) - current]
+        if role in ("value type", "array item type"):
+            candidates += list(range(14)) * 3
+        elif role == "ggml type":
+            candidates += list(range(42)) * 2
+        out = bytearray(data)
+        out[pos:pos + width] = _mask(r.choice(candidates), width).to_bytes(width, "little")
+        return bytes(out)
 
     def shuffle_files(self, files: dict[str, bytes], target: str) -> None:
         r = self.rng
@@ -477,8 +605,7 @@ class Mutator:
         elif op == 2:
             files[r.choice(names)] = files[r.choice(names)]
         elif op == 3:
-            files[r.choice(["layer-0009.safetensors", "layer-0000.safetensors.partial", "junk", "logits.safetensors",
-                            "part1", "part2", "part9"])] = r.randbytes(r.randrange(64))
+            files[r.choice(_STRAY_FILES[target])] = r.randbytes(r.randrange(64))
         else:
             donor = unpack_bundle(self.donor(target) or b"")
             if donor:
@@ -487,6 +614,81 @@ class Mutator:
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------
+INDEX_FILE = "model.safetensors.index.json"
+# Files a shuffle adds (random bytes): names each reader might pick up.
+_STRAY_FILES = {
+    "container": ["part1", "part2", "part9", "junk"],
+    "kv": ["layer-0009.safetensors", "layer-0000.safetensors.partial", "junk", "logits.safetensors", "part1"],
+    "checkpoint": ["model.safetensors", "model-00009-of-00004.safetensors", "model-00001-of-00009.safetensors",
+                   INDEX_FILE, "config.json", "tokenizer.json", "chat_template.jinja", "generation_config.json",
+                   "junk.safetensors"],
+    "gguf": ["model-00003-of-00002.gguf", "model-00001-of-00002.gguf", "model.gguf", "junk"],
+}
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_KEEPS_THE_WALK = ("value", "dimension", "ggml type", "tensor offset")
+_GGUF_ITEMS_NAMED = 4  # an array's first items are offered as values (a vocabulary has 100 000)
+
+
+def gguf_fields(data: bytes) -> list[tuple[int, int, str]]:
+    """(position, width, role) of every structural number of a little-endian GGUF's header, walked as far as it
+    parses: version, counts, key lengths and value types, scalar values, string and array lengths, array item types,
+    tensor names' lengths, dimension counts, dimensions, ggml types and data offsets."""
+    out: list[tuple[int, int, str]] = []
+    if data[:4] != b"GGUF" or len(data) < 24:
+        return out
+    out += [(4, 4, "version"), (8, 8, "tensor count"), (16, 8, "key count")]
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+    pos = 24
+
+    def u(fmt: str, role: str | None):
+        nonlocal pos
+        (value,) = struct.unpack_from(fmt, data, pos)
+        if role:
+            out.append((pos, struct.calcsize(fmt), role))
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string(role: str) -> None:
+        nonlocal pos
+        length = u("<Q", role)  # (read before pos is added to: u moves it past the length)
+        pos += length
+        if pos > len(data):
+            raise struct.error("past the end")
+
+    try:
+        for _ in range(min(n_kv, 10_000)):
+            string("key length")
+            kind = u("<I", "value type")
+            if kind == _GGUF_STRING:
+                string("string length")
+            elif kind == _GGUF_ARRAY:
+                item, count = u("<I", "array item type"), u("<Q", "array length")
+                for i in range(count):
+                    named = i < _GGUF_ITEMS_NAMED
+                    if item == _GGUF_STRING:
+                        string("string length" if named else None)
+                    else:
+                        width = _GGUF_SCALAR_BYTES[item]
+                        if named:
+                            out.append((pos, width, "value"))
+                        pos += width * (count - i if not named else 1)
+                        if not named:
+                            break
+            else:
+                width = _GGUF_SCALAR_BYTES[kind]
+                out.append((pos, width, "value"))
+                pos += width
+        for _ in range(min(n_tensors, 100_000)):
+            string("tensor name length")
+            for _ in range(u("<I", "dimension count")):
+                u("<Q", "dimension")
+            u("<I", "ggml type")
+            u("<Q", "tensor offset")
+    except (struct.error, KeyError):
+        pass  # a header damaged before: its fields up to the damage
+    return out
+
 def _json_paths(value, prefix=()):
     """Every position inside a JSON value (long lists sampled at a few indices)."""
     if isinstance(value, dict):
@@ -594,7 +796,7 @@ def _rehash_layer_files(manifest, files: dict[str, bytes]) -> bytes:
     return dumps(manifest)
 
 
-def _consistent_safetensors(header: dict, body: bytes) -> tuple[dict, bytes]:
+def _consistent_safetensors(header: dict, body: bytes, max_tensor_bytes: int = 16 << 20) -> tuple[dict, bytes]:
     """Make a mutated safetensors header valid again: data offsets laid out back to back for each tensor's dtype
     and shape (keeping the old bytes where they fit), so the file parses and the reader's own checks decide."""
     out = bytearray()
@@ -609,7 +811,7 @@ def _consistent_safetensors(header: dict, body: bytes) -> tuple[dict, bytes]:
         for d in shape:
             count *= d
         nbytes = count * size
-        if nbytes > 16 << 20:
+        if nbytes > max_tensor_bytes:
             continue
         old = info.get("data_offsets")
         start = old[0] if isinstance(old, list) and len(old) == 2 and isinstance(old[0], int) else 0

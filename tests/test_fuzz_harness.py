@@ -1,11 +1,13 @@
 """The long-running fuzz harness (fuzz/fuzz_container.py, docs/fuzzing.md) kept from rotting: a few seconds of it on
-both targets finds no failure and gets through a fair number of inputs, and it does tell a failure from moepack's
+each target finds no failure and gets through a fair number of inputs, and it does tell a failure from moepack's
 own errors."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -15,17 +17,23 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "fuzz" / "fuzz_container.py"
 
 
-def test_a_short_run_on_both_targets_finds_nothing(tmp_path):
+@pytest.mark.parametrize("targets, seconds, least", [
+    (("container", "kv"), 5, 100),  # what moepack reads of its own
+    (("checkpoint", "gguf"), 6, 40),  # what convert reads from outside: each input a whole conversion
+], ids=["own files", "convert's sources"])
+def test_a_short_run_on_each_target_finds_nothing(tmp_path, targets, seconds, least):
     run = subprocess.run(
-        [sys.executable, str(HARNESS), "--seconds", "5", "--target", "all", "--quick-seeds", "--seed", "7",
-         "--corpus", str(tmp_path / "corpus"), "--crashes", str(tmp_path / "crashes"), "--json", "--quiet"],
-        capture_output=True, text=True, timeout=120)
+        [sys.executable, str(HARNESS), "--seconds", str(seconds), "--target", ",".join(targets), "--quick-seeds",
+         "--seed", "7", "--corpus", str(tmp_path / "corpus"), "--crashes", str(tmp_path / "crashes"), "--json",
+         "--quiet"],
+        capture_output=True, text=True, timeout=180)
     report = json.loads(run.stdout)
     assert report["distinct_failures"] == 0, report["failures"]
     assert run.returncode == 0, run.stderr[-2000:]
-    for target in ("container", "kv"):
+    assert sorted(report["targets"]) == sorted(targets)
+    for target in targets:
         stats = report["targets"][target]
-        assert stats["inputs"] > 100, stats
+        assert stats["inputs"] > least, stats
         assert stats["error"] > 0 and stats["ok"] > 0, stats  # both the rejections and the deep paths are reached
     assert not list((tmp_path / "crashes").iterdir())
 
@@ -87,3 +95,25 @@ def test_a_hang_is_caught_and_named_by_its_frame(targets, tmp_path, monkeypatch)
         assert worker.run("container", str(tmp_path / "missing.moepack"))["status"] == "error"
     finally:
         worker.stop()
+
+
+def test_a_failed_conversion_that_leaves_its_output_is_a_failure(targets, tmp_path, monkeypatch):
+    """A conversion may fail (moepack's error) but must not leave a file under the output's name: the harness says
+    so even when the error itself is moepack's own. (Its resumable OUT.partial is not such a file.)"""
+    from moepack.format_spec.errors import MoepackError
+
+    def convert_leaving(src, out, **kwargs):
+        open(out + ".partial", "wb").close()
+        if "leave" in os.listdir(src):
+            open(out, "wb").close()
+        raise MoepackError("refused")
+
+    monkeypatch.setattr(targets, "convert_checkpoint", convert_leaving)
+    src = tmp_path / "source"  # the output goes to tmp_path / "output"
+    src.mkdir()
+    assert targets.run_one("checkpoint", str(src))["status"] == "error"  # (plan refuses an empty folder)
+    assert targets.run_one("gguf", str(src)) == {"status": "error", "stage": "convert", "message": "refused"}
+    shutil.rmtree(tmp_path / "output")
+    (src / "leave").write_bytes(b"")
+    outcome = targets.run_one("gguf", str(src))
+    assert outcome["status"] == "failure" and outcome["kind"] == "HalfWrittenOutput", outcome
