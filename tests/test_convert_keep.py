@@ -235,8 +235,9 @@ def _shift_tensor_data(path: str, which: int, by: int) -> None:
     (lambda p: open(p, "ab").write(b"\0" * 16), "16 bytes after the last tensor's data")],
     ids=["overlap", "gap", "trailing bytes"])
 def test_a_shard_whose_tensors_do_not_tile_its_data_is_refused(release_dir, tmp_path, damage, named):
-    """(Found by fuzzing convert.) Tensors sharing bytes, or bytes between or after them: the safetensors library
-    (so transformers) refuses such a file, but convert converted it."""
+    """(Found while fuzzing convert: mutants with moved data_offsets converted, which the harness cannot judge.)
+    Tensors sharing bytes, or bytes between or after them: the safetensors library (so transformers) refuses such
+    a file, but convert converted it."""
     src = str(tmp_path / "src")
     shutil.copytree(release_dir, src)
     shard = os.path.join(src, sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))[0])

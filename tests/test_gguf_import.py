@@ -396,10 +396,11 @@ def _a_norm_of_128(tensors):
      r"rows of 128 are not whole IQ3_S blocks of 256")],
     ids=["another tensor's data", "rows of part of a block"])
 def test_tensor_data_where_llama_cpp_would_not_read_it_is_refused(exported, tmp_path, pick, edit, message):
-    """(Found by fuzzing convert.) A tensor whose data offset is not where the tensors before it end (llama.cpp
-    refuses the file) was converted from the bytes at that offset: here an earlier tensor's of the same shape, so
-    the conversion succeeded with one weight in two places. A tensor whose rows are no whole number of its type's
-    blocks (llama.cpp refuses it too) was sized by a floor division, and gguf-py's dequantizer raised ValueError."""
+    """A tensor whose data offset is not where the tensors before it end (llama.cpp refuses the file) was converted
+    from the bytes at that offset: here an earlier tensor's of the same shape, so the conversion succeeded with one
+    weight in two places (found while fuzzing convert, by reading: the harness cannot judge such a success). A
+    tensor whose rows are no whole number of its type's blocks (llama.cpp refuses it too) was sized by a floor
+    division, and gguf-py's dequantizer raised ValueError (found by fuzzing convert)."""
     _, first = exported
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(_tensor_info_edited(open(first, "rb").read(), pick, edit))
