@@ -93,7 +93,28 @@ def config_problem(config, plan) -> str | None:
     stored = {name: source_type_and_shape(family.adapter, name, t) for _, _, _, items in plan for name, t in items}
     shapes = {name: shape for name, (_, shape) in stored.items() if not name.endswith(SCALE_SUFFIXES)}
     return (family.checkpoint_problem(config, layers, shapes)
-            or value_type_problem(family, {name: type_name for name, (type_name, _) in stored.items()}))
+            or value_type_problem(family, {name: type_name for name, (type_name, _) in stored.items()})
+            or block_scale_problem(stored))
+
+
+# The types a weight's block scale (`P.scale`) may be stored in, by the weight's type (source_formats: FP8's E8M0
+# exponents or other releases' float scales, FP4's E8M0 exponents).
+_SCALE_TYPES = {"F8_E4M3": ("F8_E8M0", "F32", "BF16", "F16"), "FP4_E2M1": ("F8_E8M0",)}
+
+
+def block_scale_problem(stored: dict[str, tuple[str, list[int]]]) -> str | None:
+    """The first weight whose block scale is not of the shape and type its decoding takes, or None: `--keep`
+    stores both as they are, and every prefill would then refuse the weight (`stored`: name -> (type, shape))."""
+    for name, (dtype, shape) in stored.items():
+        sname = scale_name(name)
+        if sname not in stored or dtype not in _SCALE_TYPES or len(shape) != 2:
+            continue
+        expected = list(STORAGE_TYPES[dtype].scale_shape(*shape))
+        scale_type, scale_shape = stored[sname]
+        if scale_type not in _SCALE_TYPES[dtype] or list(scale_shape) != expected:
+            return (f"tensor {sname} is {scale_type}{list(scale_shape)}, but {name} ({dtype}{list(shape)}) takes a "
+                    f"block scale of {expected} in {' or '.join(_SCALE_TYPES[dtype])}")
+    return None
 
 
 def untie_a_stored_head(config: dict, plan) -> dict:

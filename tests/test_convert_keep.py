@@ -215,18 +215,26 @@ def test_an_index_listing_what_is_no_shard_name_is_refused(release_dir, tmp_path
     assert not os.path.exists(tmp_path / "x.moepack")
 
 
-def _shift_tensor_data(path: str, which: int, by: int) -> None:
-    """Move the data offsets of the shard's `which`-th tensor (in data order) by `by` bytes, header re-padded."""
+def _edit_header(path: str, edit) -> None:
+    """A shard's safetensors header changed by `edit(header)` in place, re-padded to its length."""
     with open(path, "rb") as f:
         data = f.read()
     n = struct.unpack_from("<Q", data)[0]
     header = json.loads(data[8:8 + n])
-    name = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")[which][1]
-    header[name]["data_offsets"] = [o + by for o in header[name]["data_offsets"]]
+    edit(header)
     text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
     assert len(text) == n
     with open(path, "wb") as f:
         f.write(data[:8] + text + data[8 + n:])
+
+
+def _shift_tensor_data(path: str, which: int, by: int) -> None:
+    """Move the data offsets of the shard's `which`-th tensor (in data order) by `by` bytes."""
+    def shift(header):
+        name = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")[which][1]
+        header[name]["data_offsets"] = [o + by for o in header[name]["data_offsets"]]
+
+    _edit_header(path, shift)
 
 
 @pytest.mark.parametrize("damage, named", [
@@ -244,6 +252,26 @@ def test_a_shard_whose_tensors_do_not_tile_its_data_is_refused(release_dir, tmp_
     damage(shard)
     with pytest.raises(MoepackError, match=re.escape(named)):
         convert_checkpoint(src, str(tmp_path / "x.moepack"), progress=False)
+    assert not os.path.exists(tmp_path / "x.moepack")
+
+
+@pytest.mark.parametrize("scale, entry, named", [
+    ("layers.0.attn.wq_a.scale", {"shape": [4]}, "layers.0.attn.wq_a.scale is F8_E8M0[4], but "
+     "layers.0.attn.wq_a.weight (F8_E4M3[256, 256]) takes a block scale of [2, 2] in F8_E8M0 or F32 or BF16 or F16"),
+    ("layers.0.ffn.experts.0.w2.scale", {"shape": [8, 256]}, "takes a block scale of [256, 8] in F8_E8M0"),
+    ("layers.0.ffn.experts.0.w2.scale", {"dtype": "F8_E4M3"}, "is F8_E4M3[256, 8], but")],
+    ids=["FP8 scale of another shape", "FP4 scale transposed", "FP4 scale of another type"])
+def test_a_block_scale_its_weight_cannot_take_is_refused(release_dir, tmp_path, scale, entry, named):
+    """(Found by fuzzing convert.) A block scale of another shape or type than its weight's decoding takes (the
+    same bytes): --keep stored both as they were, verify found nothing, and every prefill would have refused the
+    weight."""
+    src = str(tmp_path / "src")
+    shutil.copytree(release_dir, src)
+    shard = next(os.path.join(src, n) for n in sorted(os.listdir(src)) if n.endswith(".safetensors")
+                 and scale.encode() in open(os.path.join(src, n), "rb").read(1 << 20))
+    _edit_header(shard, lambda header: header[scale].update(entry))
+    with pytest.raises(MoepackError, match=re.escape(named)):
+        convert_checkpoint(src, str(tmp_path / "x.moepack"), policy="keep", progress=False)
     assert not os.path.exists(tmp_path / "x.moepack")
 
 
