@@ -10,8 +10,9 @@ and `moepack verify --source DIR` run on it. A GGUF (one file or its splits): th
 Good outcomes: no error, or moepack's own error (a MoepackError, message non-empty and one line). Anything else is
 a failure: another exception type, a multi-line or empty message, a read outside the region a tensor belongs to,
 a conversion that fails but leaves a file under the output's name, one that succeeds but writes a container that
-`Container` or `verify` refuses, a `keep` conversion that succeeds but does not hold its source's tensors bit for
-bit, and (judged by the engine that runs this) a hang, a crash or an allocation beyond the worker's memory cap.
+`Container` or `verify` refuses or whose `verify --source` cannot read its source, a `keep` conversion that
+succeeds but does not hold its source's tensors bit for bit, and (judged by the engine that runs this) a hang, a
+crash or an allocation beyond the worker's memory cap.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class HalfWrittenOutput(AssertionError):
 
 class ConvertedButRefused(AssertionError):
     """A conversion succeeded but wrote a container that moepack's own reader or `verify` refuses."""
+
+
+class SourceCheckRefused(AssertionError):
+    """A conversion succeeded but `verify --source` refuses the source it was converted from."""
 
 
 class KeptTensorsDiffer(AssertionError):
@@ -164,7 +169,10 @@ def convert_and_check(src: str, stage: list[str]) -> None:
     except MoepackError as e:
         raise ConvertedButRefused(f"convert succeeded, but its output is refused: {e}") from None
     stage[0] = "compare"
-    check = compare_with_source(out, src, progress=False)
+    try:
+        check = compare_with_source(out, src, progress=False)
+    except MoepackError as e:
+        raise SourceCheckRefused(f"convert succeeded, but verify --source cannot read its source: {e}") from None
     if policy == "keep" and not check["ok"]:
         raise KeptTensorsDiffer(f"verify --source after a keep conversion: {check['failures'][:3]}")
 
