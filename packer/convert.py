@@ -25,8 +25,7 @@ from moepack.families import adapter_for, family_for, value_type_problem
 from moepack.format_spec import quants
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.decode import (as_uint8, checks_finiteness, decode_float, decode_tensor, first_non_finite,
-                                       scale_name,
-                                        tensor_scale_name)
+                                        scale_name, tensor_scale_name)
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, STORAGE_TYPES, storage_type, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import check_free_space, existing_ancestor
