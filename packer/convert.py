@@ -106,8 +106,10 @@ def block_scale_problem(stored: dict[str, tuple[str, list[int]]]) -> str | None:
     stores both as they are, and every prefill would then refuse the weight (`stored`: name -> (type, shape))."""
     for name, (dtype, shape) in stored.items():
         sname = scale_name(name)
-        if sname not in stored or dtype not in _SCALE_TYPES or len(shape) != 2:
+        if sname not in stored or dtype not in _SCALE_TYPES:
             continue
+        if len(shape) != 2:  # (the MTP layers' shapes are checked by nothing else: no prefill runs them)
+            return f"tensor {name} is {dtype}{list(shape)} beside a block scale: a block-scaled weight is 2-D"
         expected = list(STORAGE_TYPES[dtype].scale_shape(*shape))
         scale_type, scale_shape = stored[sname]
         if scale_type not in _SCALE_TYPES[dtype] or list(scale_shape) != expected:

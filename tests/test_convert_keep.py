@@ -255,21 +255,23 @@ def test_a_shard_whose_tensors_do_not_tile_its_data_is_refused(release_dir, tmp_
     assert not os.path.exists(tmp_path / "x.moepack")
 
 
-@pytest.mark.parametrize("scale, entry, named", [
+@pytest.mark.parametrize("tensor, entry, named", [
     ("layers.0.attn.wq_a.scale", {"shape": [4]}, "layers.0.attn.wq_a.scale is F8_E8M0[4], but "
      "layers.0.attn.wq_a.weight (F8_E4M3[256, 256]) takes a block scale of [2, 2] in F8_E8M0 or F32 or BF16 or F16"),
     ("layers.0.ffn.experts.0.w2.scale", {"shape": [8, 256]}, "takes a block scale of [256, 8] in F8_E8M0"),
-    ("layers.0.ffn.experts.0.w2.scale", {"dtype": "F8_E4M3"}, "is F8_E4M3[256, 8], but")],
-    ids=["FP8 scale of another shape", "FP4 scale transposed", "FP4 scale of another type"])
-def test_a_block_scale_its_weight_cannot_take_is_refused(release_dir, tmp_path, scale, entry, named):
+    ("layers.0.ffn.experts.0.w2.scale", {"dtype": "F8_E4M3"}, "is F8_E4M3[256, 8], but"),
+    ("mtp.0.attn.wq_a.weight", {"shape": [256, 256, 1]},
+     "tensor mtp.0.attn.wq_a.weight is F8_E4M3[256, 256, 1] beside a block scale: a block-scaled weight is 2-D")],
+    ids=["FP8 scale of another shape", "FP4 scale transposed", "FP4 scale of another type", "a 3-D MTP weight"])
+def test_a_block_scale_its_weight_cannot_take_is_refused(release_dir, tmp_path, tensor, entry, named):
     """(Found by fuzzing convert.) A block scale of another shape or type than its weight's decoding takes (the
-    same bytes): --keep stored both as they were, verify found nothing, and every prefill would have refused the
-    weight."""
+    same bytes), or a block-scaled weight that is not 2-D (an MTP layer's, whose shapes nothing else checks):
+    --keep stored both as they were, verify found nothing, and a prefill or verify --source refused the weight."""
     src = str(tmp_path / "src")
     shutil.copytree(release_dir, src)
     shard = next(os.path.join(src, n) for n in sorted(os.listdir(src)) if n.endswith(".safetensors")
-                 and scale.encode() in open(os.path.join(src, n), "rb").read(1 << 20))
-    _edit_header(shard, lambda header: header[scale].update(entry))
+                 and tensor.encode() in open(os.path.join(src, n), "rb").read(1 << 20))
+    _edit_header(shard, lambda header: header[tensor].update(entry))
     with pytest.raises(MoepackError, match=re.escape(named)):
         convert_checkpoint(src, str(tmp_path / "x.moepack"), policy="keep", progress=False)
     assert not os.path.exists(tmp_path / "x.moepack")
