@@ -96,7 +96,8 @@ ADMIT_GRACE_S = 4 * POLL_S
 LINGER_BYTES = 16 << 20  # a body declared at most this far over --max-body-mb is read and dropped before its 413
 RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and of too many connections
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
-MAX_N = 8  # choices per request (n): side by side in a batch, else one after the other
+MAX_N = 8  # choices per prompt (n): side by side in a batch, else one after the other
+MAX_PROMPTS_PER_REQUEST = 64  # a completions request's prompts (OpenAI's batch; lm-eval's batch size), n choices each
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits: int() on them is cheap)
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
 # (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens`, `min_p` and `repetition_penalty`.
@@ -207,13 +208,13 @@ def check_api_key(key: str | None) -> str | None:
 
 @dataclass
 class Job:
-    """One generation: what the worker thread runs, and the flags that stop it."""
+    """One request's generations: what the worker thread runs, and the flags that stop it."""
     request_id: str
-    ids: list[int]
+    prompts: list[list[int]]  # each prompt's ids (a completions request may send several)
     options: GenerateOptions
     deadline: float  # time.monotonic() past which it stops (--request-timeout)
     arrived: float = 0.0  # time.monotonic() of the request's arrival (the time to first token counts from it)
-    n: int = 1  # choices: generations of their own (distinct seeds: seed, seed + 1, ... when one is given)
+    n: int = 1  # choices per prompt: generations of their own (distinct seeds: seed, seed + 1, ... when one is given)
     make_constraint: Callable[[], object] | None = None  # each generation's own output constraint
     on_text: Callable[[int, str], None] | None = None  # a streamed job's text: (choice, piece)
     on_token: Callable[[int, int, object], None] | None = None  # its tokens: (choice, token, logprob)
@@ -233,10 +234,23 @@ class Job:
             self.timed_out = True
         return self.cancelled or self.timed_out
 
-    def options_for(self, i: int) -> GenerateOptions:
-        """The i-th choice's options: its own seed (when one was given) and constraint."""
+    @property
+    def choices(self) -> int:
+        """Its generations: n per prompt, the i-th of prompt p choice p * n + i (OpenAI's order)."""
+        return len(self.prompts) * self.n
+
+    def ids_of(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.n]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompts)
+
+    def options_for(self, choice: int) -> GenerateOptions:
+        """A choice's options: its own seed (when one was given: the i-th of its prompt's seed + i, as that prompt
+        sent alone) and constraint."""
         seed = self.options.seed
-        return dataclasses.replace(self.options, seed=None if seed is None else (seed + i) % 2**64,
+        return dataclasses.replace(self.options, seed=None if seed is None else (seed + choice % self.n) % 2**64,
                                    constraint=self.make_constraint() if self.make_constraint else None)
 
     def should_stop(self, closing: bool = False) -> bool:
@@ -270,14 +284,14 @@ def events_onto(job: Job, loop, log: Callable[[str], None]) -> Callable[[tuple],
 @dataclass
 class Prepared:
     """A request checked and tokenized (on a worker thread), ready to be a Job."""
-    ids: list[int]
+    prompts: list[list[int]]  # each prompt's ids (chat: one)
     options: GenerateOptions
     stream: bool
     include_usage: bool
     usage_so_far: bool = False  # (continuous_usage_stats) every chunk carries its choice's usage so far
     thought: ThoughtMarks | None = None  # chat: how its answer's thought is marked (None: it has none)
-    n: int = 1
-    echo: str | None = None  # completions' echo: the prompt's text, in front of each choice's text
+    n: int = 1  # choices per prompt
+    echo: list[str] | None = None  # completions' echo: each prompt's text, in front of each of its choices' text
     make_constraint: Callable[[], object] | None = None
     tools: ToolPlan | None = None  # chat: the request's tools (serve/tool_calls.py)
 
@@ -373,11 +387,12 @@ def _check_fields(body: dict, chat: bool) -> None:
     _get(body, "user", lambda v: isinstance(v, str), "a string")  # not used, but OpenAI's type
 
 
-def _one_prompt(prompt):
-    """completions' prompt, a batch of one ([text] or [[ids]]) unwrapped."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return prompt[0]
-    return prompt
+def _prompts_of(prompt) -> list:
+    """completions' prompt as its prompts: a string or a list of token ids is one; a list of those is several
+    (OpenAI's batch: n choices each)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return prompt
+    return [prompt]
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
@@ -804,35 +819,41 @@ class Server:
                                "equal to n, or leave it out)", param="best_of", code="unsupported_value")
         return n
 
-    def echo_text(self, body: dict, ids: list[int]) -> str | None:
-        """completions' echo: the prompt's own text (or its ids' text) in front of the answer."""
+    def echo_text(self, body: dict, prompts: list[list[int]]) -> list[str] | None:
+        """completions' echo: each prompt's own text (or its ids' text), in front of its answers."""
         if not _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False):
             return None
         if body.get("logprobs") is not None:
             raise RequestError("echo with logprobs would need the prompt's logprobs, which are not computed",
                                param="echo", code="unsupported_value")
-        prompt = _one_prompt(body["prompt"])
-        return prompt if isinstance(prompt, str) else self.need_tokenizer("echo").decode(ids)
+        return [p if isinstance(p, str) else self.need_tokenizer("echo").decode(ids)
+                for p, ids in zip(_prompts_of(body["prompt"]), prompts)]
 
-    def prompt_ids(self, body: dict) -> list[int]:
-        prompt = _one_prompt(body.get("prompt"))
+    def prompts(self, body: dict) -> list[list[int]]:
+        """completions' prompts' ids: one prompt, or OpenAI's batch of them (at most MAX_PROMPTS_PER_REQUEST)."""
+        given = _prompts_of(body.get("prompt"))
+        if len(given) > MAX_PROMPTS_PER_REQUEST:
+            raise RequestError(f"prompt: {len(given)} prompts, more than the {MAX_PROMPTS_PER_REQUEST} one request "
+                               "takes", param="prompt", code="invalid_value")
+        return [self.prompt_ids(p, "prompt" if len(given) == 1 else f"prompt[{i}]") for i, p in enumerate(given)]
+
+    def prompt_ids(self, prompt, where: str) -> list[int]:
+        """One prompt's ids (`where`: how a message names it)."""
         if isinstance(prompt, str):
             if not prompt:  # the tokenizer's BOS alone is nobody's prompt (the CLI refuses it too)
-                raise RequestError("empty prompt", param="prompt", code="empty_prompt")
+                raise RequestError(f"{where}: empty prompt", param="prompt", code="empty_prompt")
             # a client's text: a special token's text stays text (token ids are the way to send special tokens)
             return self.need_tokenizer("prompt").encode(prompt, special_tokens=False)
         if isinstance(prompt, list) and all(is_int(i) for i in prompt):
+            if not prompt:
+                raise RequestError(f"{where}: empty prompt", param="prompt", code="empty_prompt")
             if self.vocab and any(not 0 <= i < self.vocab for i in prompt):
-                raise RequestError(f"prompt: token ids must lie in [0, {self.vocab})", param="prompt",
+                raise RequestError(f"{where}: token ids must lie in [0, {self.vocab})", param="prompt",
                                    code="invalid_value")
             return list(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise RequestError("prompt: only one prompt per request (a string or a list of token ids)",
-                               param="prompt", code="invalid_type")
-        # (a list holding a number that is no integer, a bool, a string among ids: a prompt of the wrong type,
-        # not several prompts)
+        # (a list holding a number that is no integer, a bool, a string among ids: a prompt of the wrong type)
         got = json.dumps(prompt)
-        raise RequestError(f"prompt: expected a string or a list of integer token ids, got "
+        raise RequestError(f"{where}: expected a string or a list of integer token ids, got "
                            f"{got if len(got) <= 60 else got[:57] + '...'}", param="prompt", code="invalid_type")
 
     def chat_template(self):
@@ -902,11 +923,13 @@ class Server:
         if chat:
             ids, thought, plan = self.chat_ids(body)
             options = self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n)
-            return Prepared(ids, options, stream, include_usage, usage_so_far, thought, n, tools=plan,
+            return Prepared([ids], options, stream, include_usage, usage_so_far, thought, n, tools=plan,
                             make_constraint=self.constraint_factory(body, thought, options.max_new_tokens))
-        ids = self.prompt_ids(body)
-        return Prepared(ids, self.options(body, len(ids), DEFAULT_COMPLETION_TOKENS, False, n), stream,
-                        include_usage, usage_so_far, n=n, echo=self.echo_text(body, ids))
+        prompts = self.prompts(body)
+        # (the longest prompt is checked against the context, and caps an omitted max_tokens for all)
+        options = self.options(body, max(len(ids) for ids in prompts), DEFAULT_COMPLETION_TOKENS, False, n)
+        return Prepared(prompts, options, stream, include_usage, usage_so_far, n=n,
+                        echo=self.echo_text(body, prompts))
 
     # -- admission and the worker
     def admit(self) -> None:
@@ -952,7 +975,7 @@ class Server:
                 return self.skipped(job)
             tok = self.tokenizer
 
-            asked = [False] * job.n  # each choice's cancelled() asked: admitted by the scheduler (memory checked)
+            asked = [False] * job.choices  # each choice's cancelled() asked: admitted by the scheduler (memory checked)
 
             def arguments(i: int) -> dict:
                 def cancelled() -> bool:
@@ -962,19 +985,21 @@ class Server:
                 return dict(detokenize=tok.decode if tok is not None else None, on_text=on_text,
                             cancelled=cancelled, on_token=self.timed(job, i))
             def over(i: int, result: GenerateResult) -> GenerateResult:  # each choice as it ends
-                self.counted(job, result)
+                self.counted(job, i, result)
                 if job.on_finish is not None:
                     job.on_finish(i, result)
                 return result
             results = []
             if self.scheduler is not None:  # the choices decode side by side
-                futures = [self.scheduler.submit(job.ids, job.options_for(i), **arguments(i)) for i in range(job.n)]
+                futures = [self.scheduler.submit(job.ids_of(i), job.options_for(i), **arguments(i))
+                           for i in range(job.choices)]
                 results = self.choice_results(job, futures, asked, over)
                 if not results:
                     return self.skipped(job)
             else:  # one at a time
-                for i in range(job.n):
-                    results.append(over(i, self.generator.generate(job.ids, job.options_for(i), **arguments(i))))
+                for i in range(job.choices):
+                    results.append(over(i, self.generator.generate(job.ids_of(i), job.options_for(i),
+                                                                   **arguments(i))))
                     if results[-1].finish_reason in ("cancelled", "timeout"):
                         break
             self.finished.append((job.request_id, results[-1].finish_reason))
@@ -997,7 +1022,7 @@ class Server:
         """A job stopped before any of its choices started: logged, nothing run."""
         reason = "timeout" if job.timed_out else "cancelled"
         self.finished.append((job.request_id, reason))
-        self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} {reason} before it started")
+        self.log(f"moepack serve: {job.request_id} prompt_tokens={job.prompt_tokens} {reason} before it started")
         return None
 
     @staticmethod
@@ -1028,14 +1053,14 @@ class Server:
             pending = {f for f in pending if not f.cancelled()}
         return [f.result() for f in futures if not f.cancelled()]
 
-    def counted(self, job: Job, result: GenerateResult) -> GenerateResult:
+    def counted(self, job: Job, choice: int, result: GenerateResult) -> GenerateResult:
         """A generation's tokens into the metrics and its line into the log ("timeout" for one its deadline
         stopped)."""
-        self.metrics.prompt_tokens.inc(len(job.ids))
+        self.metrics.prompt_tokens.inc(len(job.ids_of(choice)))
         self.metrics.generated_tokens.inc(len(result.generated_ids))
         if result.finish_reason == "cancelled" and job.timed_out:
             result.finish_reason = "timeout"
-        self.log_generation(job, result)
+        self.log_generation(job, choice, result)
         return result
 
     def timed(self, job: Job, choice: int) -> Callable[[int, object], None]:
@@ -1055,11 +1080,11 @@ class Server:
                 job.on_token(choice, token, logprob)
         return on_token
 
-    def log_generation(self, job: Job, result: GenerateResult) -> None:
+    def log_generation(self, job: Job, choice: int, result: GenerateResult) -> None:
         p, d = result.stats.get("prefill", {}), result.stats.get("decode", {})
         hit = d.get("expert_cache_hit_rate")
         cut = p.get("cancelled_after_layers")
-        self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids)} "
+        self.log(f"moepack serve: {job.request_id} prompt_tokens={len(job.ids_of(choice))} "
                  f"generated_tokens={len(result.generated_ids)} prefill_s={p.get('seconds', 0):.3f} "
                  f"decode_s={d.get('seconds', 0) or 0:.3f} cache_hit_rate={'-' if hit is None else f'{hit:.3f}'} "
                  + ("" if job.first_token_s is None else f"first_token_s={job.first_token_s:.3f} ")
@@ -1099,7 +1124,7 @@ class Server:
 
     def usage(self, job: Job, results: list[GenerateResult]) -> dict:
         n = sum(len(r.generated_ids) for r in results)
-        return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
+        return {"prompt_tokens": job.prompt_tokens, "completion_tokens": n, "total_tokens": job.prompt_tokens + n}
 
 
 JSON_SLICE = 1 << 16  # list items json_body writes in one call
@@ -1116,12 +1141,14 @@ def json_body(obj: dict) -> bytes:
     return ("{" + ",".join(f"{value(k)}:{value(v)}" for k, v in obj.items()) + "}").encode()
 
 
-def timings(job: Job, results: list[GenerateResult]) -> dict:
+def timings(job: Job, results: list[GenerateResult], choices: list[int] | None = None) -> dict:
     """llama-server's `timings` of a response: the prompt's prefill and the generated tokens' decode (summed over
-    the choices), in milliseconds and tokens per second."""
+    the choices: `results` are those of `choices`, default the first ones), in milliseconds and tokens per
+    second."""
     prompt_s = sum(r.stats.get("prefill", {}).get("seconds", 0) or 0 for r in results)
     predicted_s = sum(r.stats.get("decode", {}).get("seconds", 0) or 0 for r in results)
-    prompt_n, predicted_n = len(job.ids) * len(results), sum(len(r.generated_ids) for r in results)
+    prompt_n = sum(len(job.ids_of(i)) for i in (range(len(results)) if choices is None else choices))
+    predicted_n = sum(len(r.generated_ids) for r in results)
     return {"prompt_n": prompt_n, "prompt_ms": round(prompt_s * 1000, 3),
             "prompt_per_second": round(prompt_n / prompt_s, 3) if prompt_s else None,
             "predicted_n": predicted_n, "predicted_ms": round(predicted_s * 1000, 3),
@@ -1350,7 +1377,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         try:
             raw = await server.read_body(request)
             prepared = await run_in_threadpool(server.prepare, raw, chat)
-            job = Job(server.new_id(prefix), prepared.ids, prepared.options,
+            job = Job(server.new_id(prefix), prepared.prompts, prepared.options,
                       deadline=arrived + server.limits.request_timeout_s, arrived=arrived, n=prepared.n,
                       make_constraint=prepared.make_constraint)
             if prepared.stream:
@@ -1424,8 +1451,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         def event(chunk: dict) -> str:
             if usage_so_far and chunk["choices"]:
                 n = generated[chunk["choices"][0]["index"]]
-                chunk["usage"] = {"prompt_tokens": len(job.ids), "completion_tokens": n,
-                                  "total_tokens": len(job.ids) + n}
+                prompt = len(job.ids_of(chunk["choices"][0]["index"]))
+                chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
             elif include_usage:
                 chunk.setdefault("usage", None)
             return f"data: {json.dumps(chunk)}\n\n"
@@ -1518,20 +1545,23 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
     async def completions(request):
         prepared, job, future = await admitted_request(request, chat=False, prefix="cmpl")
-        rid, created, echo = job.request_id, int(time.time()), prepared.echo or ""
+        rid, created = job.request_id, int(time.time())
         tok = server.tokenizer
+
+        def echo(i: int) -> str:  # the i-th choice's prompt's text, where echo was asked for
+            return prepared.echo[i // job.n] if prepared.echo else ""
 
         def choice_extra(result):
             return {"token_ids": result.generated_ids}
 
-        def logprobs_of(result):
+        def logprobs_of(i, result):
             return None if result.logprobs is None else completion_logprobs(tok, result.logprobs,
-                                                                             TextOffsets(tok, len(echo)))
+                                                                             TextOffsets(tok, len(echo(i))))
 
         if not prepared.stream:
             results = await finished_job(request, job, future)
             return response(job, results, "text_completion", [
-                {"index": i, "text": echo + (r.text or ""), "logprobs": logprobs_of(r),
+                {"index": i, "text": echo(i) + (r.text or ""), "logprobs": logprobs_of(i, r),
                  "finish_reason": r.finish_reason, **choice_extra(r)} for i, r in enumerate(results)])
 
         def chunk(i, text, finish=None, extra=None):
@@ -1540,24 +1570,24 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                                  **(extra or {})}]}
 
         def choice_stream(i: int) -> ChoiceStream:
-            offsets = TextOffsets(tok, len(echo))
-            echo_due = [bool(echo)]  # the prompt's text first, once the choice's stream has begun
+            offsets = TextOffsets(tok, len(echo(i)))
+            echo_due = [bool(echo(i))]  # the prompt's text first, once the choice's stream has begun
 
             def with_logprobs(entries):
                 return completion_logprobs(tok, entries, offsets)
 
             def final(result):
                 last = chunk(i, "", result.finish_reason, choice_extra(result))
-                last["timings"] = timings(job, [result])
+                last["timings"] = timings(job, [result], [i])
                 return pieces("") + [last] if echo_due[0] else [last]
 
             def pieces(piece):
-                out = [chunk(i, echo)] if echo_due[0] else []
+                out = [chunk(i, echo(i))] if echo_due[0] else []
                 echo_due[0] = False
                 return out + ([chunk(i, piece)] if piece else [])
             return ChoiceStream(pieces, final, with_logprobs)
 
-        return await stream_when_started(request, job, future, [choice_stream(i) for i in range(prepared.n)],
+        return await stream_when_started(request, job, future, [choice_stream(i) for i in range(job.choices)],
                                          prepared.include_usage, chunk(0, ""), prepared.usage_so_far)
 
     async def chat_completions(request):
@@ -1617,13 +1647,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     first[0] = False
                 finish = result.finish_reason
                 last = chunk(i, {}, "tool_calls" if n_calls[0] and finish == "stop" else finish)
-                last["timings"] = timings(job, [result])
+                last["timings"] = timings(job, [result], [i])
                 out.append(last)
                 return out
             return ChoiceStream(lambda piece: pieces(splitter.feed(piece)), final,
                                 lambda entries: chat_logprobs(tok, entries))
 
-        return await stream_when_started(request, job, future, [choice_stream(i) for i in range(prepared.n)],
+        return await stream_when_started(request, job, future, [choice_stream(i) for i in range(job.choices)],
                                          prepared.include_usage, chunk(0, {}), prepared.usage_so_far)
 
     async def shutdown():

@@ -1156,3 +1156,36 @@ def test_min_tokens_holds_the_end_of_sentence_back(server, path):
         if "response_format" in extra and path == "/v1/completions":
             continue
         assert _error_of(post(**extra), 400)["param"] == "min_tokens", extra
+
+
+@pytest.mark.parametrize("which", ["server", "batched"])
+def test_several_prompts_in_one_completions_request_are_each_answered_as_alone(server, request, which):
+    """OpenAI's batch of prompts (lm-eval's local-completions at a batch size above 1): n choices per prompt, the
+    j-th of prompt p at index p * n + j, each the answer that prompt gets alone (greedy, or seeded: the j-th of its
+    own seed + j), streamed or whole, one generation at a time or side by side; echo per prompt; usage the
+    prompts' tokens summed."""
+    ids = server.tok.encode("Far away", special_tokens=False)
+    prompts = ["Once upon a time", "Hi", ids]
+    server = request.getfixturevalue(which)
+
+    def post(body):
+        r = httpx.post(f"{server.url}/v1/completions", json={"max_tokens": 4, **body}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()
+    for sampling, n in (({"temperature": 0}, 1), ({"temperature": 1.5, "seed": 11}, 2)):
+        alone = [post({"prompt": p, "n": n, **sampling}) for p in prompts]
+        batch = post({"prompt": prompts, "n": n, **sampling})
+        assert [c["index"] for c in batch["choices"]] == list(range(len(prompts) * n))
+        want = [(c["text"], c["token_ids"]) for a in alone for c in a["choices"]]
+        assert [(c["text"], c["token_ids"]) for c in batch["choices"]] == want, sampling
+        for key in ("prompt_tokens", "completion_tokens"):
+            assert batch["usage"][key] == sum(a["usage"][key] for a in alone), key
+        chunks = _sse(server, "/v1/completions", {"prompt": prompts, "n": n, "max_tokens": 4, "stream": True,
+                                                   **sampling})
+        streamed = [""] * len(want)
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                streamed[choice["index"]] += choice["text"]
+        assert streamed == [text for text, _ in want]
+    echoed = post({"prompt": prompts[:2], "echo": True, "temperature": 0})["choices"]
+    assert [c["text"][:len(p)] for c, p in zip(echoed, prompts[:2])] == prompts[:2]

@@ -22,7 +22,7 @@ from moepack.packer.convert import convert_checkpoint
 from moepack.runtime.engine import GenerationCancelled, StreamingPrefill
 from moepack.runtime.generate import GenerateOptions, Generator
 from moepack.runtime.sampling import StopMatcher
-from moepack.serve.app import ServerLimits, make_app
+from moepack.serve.app import MAX_PROMPTS_PER_REQUEST, ServerLimits, make_app
 from test_serve import Running
 
 TIMEOUT = 60
@@ -208,16 +208,18 @@ def test_an_empty_prompt_is_refused_like_the_cli(server):
         assert error["param"] == "prompt" and "empty prompt" in error["message"]
 
 
-def test_a_prompt_of_the_wrong_type_is_named_so_and_several_prompts_are_named_so(server):
+def test_a_prompt_of_the_wrong_type_is_named_so(server):
     """A list that is not token ids (a float, a bool, a string among the ids, in a batch of one too) is a prompt of
-    the wrong type, not "several prompts"; several strings or id lists are several prompts."""
+    the wrong type; in a batch of several, named by its place; more prompts than one request takes are a 400."""
     for prompt in ([5.0], [True, 5], ["a", 5], [[1, True]], [1, [2]], {"text": "a"}, 7):
         error = _error(_post(server, {**GOOD, "prompt": prompt}), 400)
         assert error["param"] == "prompt" and error["message"].startswith(
             "prompt: expected a string or a list of integer token ids, got "), (prompt, error)
-    for prompt in (["a", "b"], [[1], [2, 3]], ["a", [1]]):
+    for prompt, message in ((["a", [1, True]], "prompt[1]: expected a string or a list of integer token ids"),
+                            (["a", ""], "prompt[1]: empty prompt"), ([[1], []], "prompt[1]: empty prompt"),
+                            (["a"] * (MAX_PROMPTS_PER_REQUEST + 1), f"prompt: {MAX_PROMPTS_PER_REQUEST + 1} prompts")):
         error = _error(_post(server, {**GOOD, "prompt": prompt}), 400)
-        assert error["message"] == "prompt: only one prompt per request (a string or a list of token ids)"
+        assert error["param"] == "prompt" and error["message"].startswith(message), (prompt, error)
 
 
 def test_a_streamed_request_with_a_bad_value_gets_its_4xx_before_any_200(server, monkeypatch):
@@ -325,7 +327,7 @@ def test_a_run_whose_client_left_is_in_flight_until_it_stops(server):
     g = server.generator
     state = Server(SimpleNamespace(c=g.c, family=g.family, generate=generate), "m", None, 2, log=lambda line: None)
     try:
-        job = Job("r", [1, 2], GenerateOptions(max_new_tokens=4), deadline=time.monotonic() + 60)
+        job = Job("r", [[1, 2]], GenerateOptions(max_new_tokens=4), deadline=time.monotonic() + 60)
         state.admit()
         worker = state.executor.submit(state.run, job)
         assert inside.wait(10) and (state.admitted, state.in_flight) == (1, 1)
@@ -682,7 +684,7 @@ def test_a_stream_whose_client_reads_none_of_its_events_is_stopped(monkeypatch):
     logs: list[str] = []
 
     async def run(read: bool) -> serve_app.Job:
-        job = serve_app.Job("cmpl-1", [1], None, deadline=time.monotonic() + 60)
+        job = serve_app.Job("cmpl-1", [[1]], None, deadline=time.monotonic() + 60)
         job.queue = asyncio.Queue()
         push = serve_app.events_onto(job, asyncio.get_running_loop(), logs.append)
         for i in range(40):  # (the worker thread's pushes, each delivered by the loop before the next)
