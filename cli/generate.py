@@ -100,14 +100,14 @@ def _chat_ids(container, tokenizer, messages, thinking: bool | None, reasoning_e
                            turn_end=turn_end)
 
 
-def _chat_answer(container, thinking: bool | None, template=None):
+def _chat_answer(container, thinking: bool | None, template: Callable):
     """A chat reply's --json fields as the server's message gives them: f(text) -> {"content"} and, where the answer
     had a thought (a chat encoding's thinking mode, a chat template that writes thoughts), its "reasoning_content"
     (serve/reasoning.py). Asked for once a chat prompt was encoded: its template (_chat_template) is there."""
     from moepack.families import container_family
     from moepack.serve.reasoning import chat_thought, split_thinking
 
-    thought = chat_thought(container_family(container), template or _chat_template(container), thinking)
+    thought = chat_thought(container_family(container), template, thinking)
 
     def fields(text: str | None) -> dict:
         if text is None:

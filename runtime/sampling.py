@@ -87,7 +87,7 @@ class Sampler:
         self._repeated: torch.Tensor | None = None
         self.logit_bias, self.logprobs, self.constraint = bias, logprobs, constraint
         self.counts: dict[int, int] = {}  # how often each token was generated (the penalties' c[j])
-        self.held_back, self.held_for, self.chosen = tuple(held_back), held_for, 0
+        self.held_back, self.held_for = tuple(held_back), held_for
         self.last_logprobs: TokenLogprob | None = None
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
@@ -120,7 +120,7 @@ class Sampler:
                 kept = torch.full_like(x, -math.inf)  # cheaper than masking the whole vocabulary
                 kept[allowed] = x[allowed]
                 x = kept
-        if self.chosen < self.held_for and self.held_back:
+        if self.held_for and self.held_back and sum(self.counts.values()) < self.held_for:  # (tokens chosen so far)
             held = x.clone()
             held[[t for t in self.held_back if t < len(x)]] = -math.inf
             # (a constraint that allows nothing but the end of sentence has the last word: no token is left)
@@ -141,7 +141,6 @@ class Sampler:
         self.counts[token] = self.counts.get(token, 0) + 1
         if self._repeated is not None:
             self._repeated[token] = True
-        self.chosen += 1
         if self.constraint is not None:
             self.constraint.accept(token)
         return token

@@ -1123,8 +1123,13 @@ class Server:
         return f"{prefix}-{next(self.counter)}-{uuid.uuid4().hex[:8]}"
 
     def usage(self, job: Job, results: list[GenerateResult]) -> dict:
-        n = sum(len(r.generated_ids) for r in results)
-        return {"prompt_tokens": job.prompt_tokens, "completion_tokens": n, "total_tokens": job.prompt_tokens + n}
+        return usage_of(job.prompt_tokens, sum(len(r.generated_ids) for r in results))
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's `usage` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 JSON_SLICE = 1 << 16  # list items json_body writes in one call
@@ -1450,9 +1455,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
         def event(chunk: dict) -> str:
             if usage_so_far and chunk["choices"]:
-                n = generated[chunk["choices"][0]["index"]]
-                prompt = len(job.ids_of(chunk["choices"][0]["index"]))
-                chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+                i = chunk["choices"][0]["index"]
+                chunk["usage"] = usage_of(len(job.ids_of(i)), generated[i])
             elif include_usage:
                 chunk.setdefault("usage", None)
             return f"data: {json.dumps(chunk)}\n\n"
