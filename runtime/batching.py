@@ -53,7 +53,7 @@ import torch
 from moepack.format_spec.errors import MoepackError
 
 from .decode import DecodeSequence
-from .engine import GenerationCancelled, StreamingPrefill, check_prompt_ids, prompt_ids
+from .engine import GenerationCancelled, StreamingPrefill, check_prompt_ids, joined_prompt_logprobs, prompt_ids
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
 from .generate import (GenerateOptions, GenerateResult, Generator, SequenceOutput, cancelled_in_prefill,
                        peak_rss_bytes)
@@ -74,6 +74,7 @@ class _Sequence:
     prefilled: int = 0  # prompt tokens through the prefill so far
     states: list | None = None  # the KV after them
     counts: list[list[int]] | None = None  # tokens per expert of each layer over the prompt so far
+    last_logits: torch.Tensor | None = None  # after its last chunk, where the next chunk's first token is scored
     prefill_stats: dict = field(default_factory=dict)
     decoding: DecodeSequence | None = None
     steps: int = 0  # decode steps it took part in
@@ -144,13 +145,15 @@ class BatchScheduler:
     def submit(self, token_ids, options: GenerateOptions | None = None,
                detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
                on_token: Callable[[int, TokenLogprob | None], None] | None = None,
-               cancelled: Callable[[], bool] | None = None) -> Future:
+               cancelled: Callable[[], bool] | None = None,
+               on_prompt_logprobs: Callable[[list], None] | None = None) -> Future:
         """Queue one generation of `token_ids` (Generator.generate's arguments, on the worker thread: on_text,
-        on_token and cancelled are called there); its future's result is its GenerateResult. Bad options raise
-        here (MoepackError), as do an empty prompt and an id outside the vocabulary; a generation the memory check
-        refuses, or that fails, raises from its future. Its future cancelled (Future.cancel) stops it as
-        `cancelled()` would."""
-        out = SequenceOutput(options or GenerateOptions(), self.generator.eos_ids, detokenize, on_text, on_token)
+        on_token, on_prompt_logprobs and cancelled are called there); its future's result is its GenerateResult.
+        Bad options raise here (MoepackError), as do an empty prompt and an id outside the vocabulary; a generation
+        the memory check refuses, or that fails, raises from its future. Its future cancelled (Future.cancel) stops
+        it as `cancelled()` would."""
+        out = SequenceOutput(options or GenerateOptions(), self.generator.eos_ids, detokenize, on_text, on_token,
+                             on_prompt_logprobs)
         ids = prompt_ids(token_ids)
         check_prompt_ids(ids, self.generator.cfg.vocab_size)  # here: in a grouped pass it would fail the others
         out.sampler.saw(ids.tolist())
@@ -165,9 +168,10 @@ class BatchScheduler:
     def generate(self, token_ids, options: GenerateOptions | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
                  cancelled: Callable[[], bool] | None = None,
-                 on_token: Callable[[int, TokenLogprob | None], None] | None = None) -> GenerateResult:
+                 on_token: Callable[[int, TokenLogprob | None], None] | None = None,
+                 on_prompt_logprobs: Callable[[list], None] | None = None) -> GenerateResult:
         """One generation through the batch (Generator.generate's shape, without a KV in or out): waits for it."""
-        return self.submit(token_ids, options, detokenize, on_text, on_token, cancelled).result()
+        return self.submit(token_ids, options, detokenize, on_text, on_token, cancelled, on_prompt_logprobs).result()
 
     def close(self) -> None:
         """Stop: a prefill running stops before its next layer; what has not finished fails with a MoepackError."""
@@ -307,7 +311,7 @@ class BatchScheduler:
         try:
             done = self._engine.run_many(
                 [s.ids[s.prefilled:s.prefilled + n].to(self._engine.device) for s, n in zip(group, sizes)],
-                [s.states for s in group], keep_kv=True,
+                [s.states for s in group], keep_kv=True, prompt_logprobs=[s.out.prompt_logprobs_k for s in group],
                 # the pass stops (before its next layer) once every prompt in it is stopped; one of several
                 # stopped goes on to the pass's end (its rows are the others' weight reads' passengers) and then
                 # leaves with a cancelled result
@@ -327,6 +331,11 @@ class BatchScheduler:
             s.states, s.prefilled = result.states, s.prefilled + n
             s.counts = _add_counts(s.counts, result.tokens_per_expert)
             s.prefill_stats = _chunk_stats(s.prefill_stats, result.stats)
+            if result.prompt_logprobs is not None:  # the chunk's first token scored after the chunk before
+                chunk = s.ids[s.prefilled - n:s.prefilled]
+                s.out.prompt_logprobs = [*(s.out.prompt_logprobs or []), *joined_prompt_logprobs(
+                    s.last_logits, chunk, s.out.prompt_logprobs_k, result.prompt_logprobs)]
+                s.last_logits = result.logits
             if self._stop_asked(s):
                 self._cancel_in_prefill(s, len(self.generator.c.layers))
             elif s.prefilled == len(s.ids):

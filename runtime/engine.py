@@ -56,11 +56,14 @@ from .limits import MAX_BUNDLE_EXPERTS
 from .memory import check_prefill_memory
 from .read_scheduler import EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, tokens_per_expert
 from .resident import place_that_fits, resident_bytes
+from .sampling import NextTokenScores, TokenLogprob
 from .tuning import default_compute_dtype
 
 # the LM head is decoded and applied this many float32 bytes of rows at a time, never whole (DeepSeek-V4-Flash's
 # bf16 head [129280, 4096] would be 2 GiB decoded)
 HEAD_CHUNK_BYTES = 16 << 20
+# a prompt's log-probabilities take the head's logits over every position this many float32 bytes at a time
+SCORE_CHUNK_BYTES = 16 << 20
 
 
 class GenerationCancelled(MoepackError):
@@ -128,6 +131,18 @@ class PrefillResult:
     # each layer's KV state after the prompt (run(keep_kv=True)), as the family keeps it (DeepSeek-V4: LayerKVState)
     states: list | None = None
     tokens_per_expert: list[list[int]] | None = None  # per layer, how many tokens the router sent to each expert
+    # given run's prompt_logprobs k: each prompt token's log-probability after the first (len(ids) - 1 entries; the
+    # first's needs the logits before it, a past's: joined_prompt_logprobs), each with its k likeliest tokens
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+
+def joined_prompt_logprobs(before: torch.Tensor | None, ids: torch.Tensor, k: int,
+                           rest: list[TokenLogprob]) -> list[TokenLogprob | None]:
+    """A prompt's (or a chunk's) log-probabilities whole: its first token's from the logits [vocab] before it (a
+    continued KV's, an earlier chunk's; None where nothing is before it: no entry, OpenAI's null), then `rest`
+    (PrefillResult.prompt_logprobs)."""
+    first = None if before is None else TokenLogprob.of(int(ids[0]), before.to("cpu", torch.float64), k)
+    return [first, *rest]
 
 
 def model_config(container: Container, computable: bool = True):
@@ -297,7 +312,8 @@ class StreamingPrefill:
 
     # --- the prefill ---------------------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, past: list | None = None, chunk_tokens: int | None = None,
-            keep_kv: bool = False, should_stop: Callable[[], bool] | None = None) -> PrefillResult:
+            keep_kv: bool = False, should_stop: Callable[[], bool] | None = None,
+            prompt_logprobs: int | None = None) -> PrefillResult:
         """Prefill `token_ids`; with `past` (one state per layer as the family keeps it, e.g. DeepSeek-V4's
         `read_kv(...).layers`, or an earlier run's `states`) the tokens continue that state at positions P.., P the
         tokens it covers (LayerPrefill.seen_tokens; the list's entries are released as used).
@@ -306,7 +322,8 @@ class StreamingPrefill:
         chunk continuing the previous one's state): the same logits, but the model is read ceil(N / C) times. It
         exists to measure what layer-major order saves. `keep_kv`: the result holds every layer's state after the
         prompt (what a decode goes on from). `should_stop()` is asked before each layer (the first time once every
-        check has passed) and between a layer's query chunks; true raises GenerationCancelled."""
+        check has passed) and between a layer's query chunks; true raises GenerationCancelled. `prompt_logprobs` k:
+        the result's prompt_logprobs (the LM head then runs over every position, not the last alone)."""
         n_tokens = check_prompt_ids(token_ids, self.family.shape.vocab_size)
         if chunk_tokens is not None and chunk_tokens < 1:
             raise MoepackError("--chunk-tokens must be at least 1")
@@ -315,22 +332,27 @@ class StreamingPrefill:
         start, steal_before = self._pass_starts()
         chunks = token_ids.split(chunk_tokens) if chunk_tokens else [token_ids]
         all_stats: list[LayerStats] = []
-        states = past
+        states, logits, scores = past, None, None
         with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype), self._pass():
             for i, chunk in enumerate(chunks):
                 final = i == len(chunks) - 1
-                logits, layer_stats, (states,), (counts,) = self._forward(
+                before = logits
+                logits, layer_stats, (states,), (counts,), (chunk_scores,) = self._forward(
                     chunk.to(self.device), [states], emit_kv=final, keep_states=keep_kv or not final,
-                    should_stop=should_stop)
+                    should_stop=should_stop, scored=[prompt_logprobs])
                 all_stats.extend(layer_stats)
+                if chunk_scores is not None:  # a later chunk's first token: from the logits the one before left
+                    scores = chunk_scores if scores is None else [
+                        *scores, *joined_prompt_logprobs(before[0], chunk, prompt_logprobs, chunk_scores)]
         stats = self._pass_stats(n_tokens, start, steal_before, all_stats)
         stats["order"] = "chunk" if chunk_tokens else "layer"
         stats["passes_over_model"] = len(chunks)
         return PrefillResult(logits[0], int(torch.argmax(logits[0])), stats, all_stats, states if keep_kv else None,
-                             counts)
+                             counts, scores)
 
     def run_many(self, prompts: list[torch.Tensor], pasts: list[list | None] | None = None, keep_kv: bool = True,
-                 should_stop: Callable[[], bool] | None = None) -> list[PrefillResult]:
+                 should_stop: Callable[[], bool] | None = None,
+                 prompt_logprobs: list[int | None] | None = None) -> list[PrefillResult]:
         """Prefill several prompts in ONE layer-major pass: their tokens concatenated, each layer's dense weights and
         every routed expert read (and decoded) once for all of them. The attention runs per prompt on its own rows,
         at its own positions, continuing its own `pasts` entry (one state per layer, as run's `past`, or
@@ -341,6 +363,7 @@ class StreamingPrefill:
         stats are the pass's (seconds, bytes read, layers: shared by all) with its own `tokens`, and
         `group_prompts` / `group_tokens` saying what it shared the pass with. `should_stop()` as in run: it stops
         the whole pass. The memory check counts every prompt's tokens (and past tokens) together.
+        `prompt_logprobs`: one k (or None) per prompt, as run's.
 
         Only the plain layer-order pass has a grouped form: run's `chunk_tokens` order exists to measure one
         prompt's passes over the model, and the refusals below name the other two."""
@@ -359,15 +382,15 @@ class StreamingPrefill:
         self.check_memory(sum(lengths) + sum(self.family.seen_tokens(past[0]) for past in pasts if past))
         start, steal_before = self._pass_starts()
         with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype), self._pass():
-            logits, layer_stats, states, counts = self._forward(
+            logits, layer_stats, states, counts, scores = self._forward(
                 torch.cat([ids.reshape(-1) for ids in prompts]).to(self.device), pasts, emit_kv=False,
-                keep_states=keep_kv, should_stop=should_stop, lengths=lengths)
+                keep_states=keep_kv, should_stop=should_stop, lengths=lengths, scored=prompt_logprobs)
         stats = self._pass_stats(sum(lengths), start, steal_before, layer_stats)
         stats.update(order="layer", passes_over_model=1, group_prompts=len(prompts), group_tokens=sum(lengths))
         return [PrefillResult(logits[i], int(torch.argmax(logits[i])),
                               {**stats, "tokens": n, "tokens_per_s": round(n / stats["seconds"], 2)
                                if stats["seconds"] else None},
-                              layer_stats, states[i] if keep_kv else None, counts[i])
+                              layer_stats, states[i] if keep_kv else None, counts[i], scores[i])
                 for i, n in enumerate(lengths)]
 
     def _pass_starts(self) -> tuple[float, float | None]:
@@ -428,11 +451,13 @@ class StreamingPrefill:
         return stats
 
     def _forward(self, token_ids: torch.Tensor, pasts: list[list | None], emit_kv: bool, keep_states: bool,
-                 should_stop: Callable[[], bool] | None = None, lengths: list[int] | None = None):
+                 should_stop: Callable[[], bool] | None = None, lengths: list[int] | None = None,
+                 scored: list[int | None] | None = None):
         """One pass of `token_ids` through every layer (reading each region once): one prompt, or the prompts of
         `lengths` tokens each, concatenated (run_many), `pasts` one entry per prompt. Returns each prompt's last
         position's logits [prompts, vocab], per-layer stats (all prompts), and per prompt (keep_states) its new
-        per-layer states and the tokens its router sent to each expert of each layer. The arithmetic is the
+        per-layer states, the tokens its router sent to each expert of each layer and, where `scored` gives it a k,
+        its tokens' log-probabilities after the first (PrefillResult.prompt_logprobs; else None). The arithmetic is the
         family's (self.family, families.base.LayerPrefill); the reads, the experts and the order are this one's."""
         family, blocks, names = self.family, self.c.layers, self.family.names
         moe_layers = set(family.shape.moe_layers)
@@ -516,10 +541,15 @@ class StreamingPrefill:
                     prompt_counts.append(torch.bincount(routing.experts[a:b].reshape(-1),
                                                         minlength=len(block.experts)).tolist()
                                          if number in moe_layers else [])
+        scorers = [None if k is None or b - a < 2 else
+                   (torch.arange(a, b - 1, device=self.device), NextTokenScores(token_ids[a + 1:b], k))
+                   for k, (a, b) in zip(scored or [None] * len(spans), spans)]
         logits = self._head_logits(head_bytes.result() if head_bytes is not None else
                                    self.reads.read_globals(head_names, held_for_head), hidden,
-                                   torch.tensor(ends, device=self.device) - 1)
-        return logits, layer_stats, states, counts
+                                   torch.tensor(ends, device=self.device) - 1, [s for s in scorers if s is not None])
+        scores = [None if k is None else scorer[1].entries() if scorer is not None else []
+                  for k, scorer in zip(scored or [None] * len(spans), scorers)]
+        return logits, layer_stats, states, counts, scores
 
     def _experts(self, number: int, block: Block, w: dict, reads: list, routing, moe_layers: set,
                  pending_dense: Future | None) -> tuple[torch.Tensor | None, object, dict | None]:
@@ -587,18 +617,28 @@ class StreamingPrefill:
                                      token_ids if on_device else token_ids.cpu()).to(self.device)
 
     def _head_logits(self, fetched: list[tuple[Region, HostBuffer, memoryview]], hidden: torch.Tensor,
-                     rows: torch.Tensor) -> torch.Tensor:
+                     rows: torch.Tensor, scorers: list[tuple[torch.Tensor, NextTokenScores]] = ()) -> torch.Tensor:
         """The logits [len(rows), vocab] float32 of the positions `rows` (on the host). The LM head is decoded and
-        applied HEAD_CHUNK_BYTES of rows at a time."""
+        applied HEAD_CHUNK_BYTES of rows at a time. Each (positions, scorer) of `scorers` is given those positions'
+        logits too, each slice of the head once for all of them, at most SCORE_CHUNK_BYTES of logits at a time."""
         with self.compute:
             by_name, read = self._global_tensors(fetched, on_device=True)
             names = self.family.names
             weights = decode_group([t for n in names.head_globals for t in self._global_group(by_name, n)], read)
             head = self._global_group(by_name, names.head)
             x = self.family.head_input(weights, hidden, rows)
-            slices = decode_group_row_slices(head, read, names.head, HEAD_CHUNK_BYTES // (4 * head[0].shape[1]))
-            return torch.cat([F.linear(x.to(head_rows.dtype), head_rows).float() for head_rows in slices],
-                             dim=-1).cpu()
+            scored = [(self.family.head_input(weights, hidden, positions), scorer) for positions, scorer in scorers]
+            out, first_id = [], 0
+            for head_rows in decode_group_row_slices(head, read, names.head,
+                                                     HEAD_CHUNK_BYTES // (4 * head[0].shape[1])):
+                out.append(F.linear(x.to(head_rows.dtype), head_rows).float())
+                step = max(1, SCORE_CHUNK_BYTES // (4 * len(head_rows)))  # positions whose logits fit the bytes
+                for inputs, scorer in scored:
+                    for start in range(0, len(inputs), step):
+                        part = slice(start, start + step)
+                        scorer.add(part, F.linear(inputs[part].to(head_rows.dtype), head_rows).float(), first_id)
+                first_id += len(head_rows)
+            return torch.cat(out, dim=-1).cpu()
 
     # --- before and after ----------------------------------------------------------------------------------------
     def check_memory(self, n_tokens: int) -> None:
@@ -698,10 +738,10 @@ def prefill(path: str, token_ids, options: PrefillOptions | None = None, on_laye
     """Open `path`, run one prefill of `token_ids` (a sequence of ints or a LongTensor), close.
 
     `kv_out`: write the KV (format_spec/KV.md) there, layer by layer from a writer thread (a KV already there is
-    refused unless `kv_overwrite`: the new one is then written beside it and swapped in once complete). `continue_from`: a KV
-    directory made with this container; `token_ids` are the tokens that follow its prompt (the KV written to
-    `kv_out`, which may be the same directory, covers both). `expert_parallel`: this process is one rank of a
-    torchrun job (runtime/distributed.py); `{rank}` in `path` picks each rank's own copy of the container."""
+    refused unless `kv_overwrite`: the new one is then written beside it and swapped in once complete).
+    `continue_from`: a KV directory made with this container; `token_ids` are the tokens that follow its prompt (the
+    KV written to `kv_out`, which may be the same directory, covers both). `expert_parallel`: this process is one rank
+    of a torchrun job (runtime/distributed.py); `{rank}` in `path` picks each rank's own copy of the container."""
     options = options or PrefillOptions()
     token_ids = prompt_ids(token_ids)
     if token_ids.numel() < 1:

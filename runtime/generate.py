@@ -26,10 +26,10 @@ from moepack.format_spec.reader import Container
 
 from .decode import Decoder
 from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, StreamingPrefill, compute_device,
-                     container_kv_format, prompt_ids, resolve_compute_dtype)
+                     container_kv_format, joined_prompt_logprobs, prompt_ids, resolve_compute_dtype)
 from .memory import GIB, cache_room, check_device_memory, check_memory, default_cache_bytes, device_kv, others_kv
 from .read_scheduler import prefill_reader
-from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob
+from .sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob, is_int
 
 
 @dataclass
@@ -53,6 +53,8 @@ class GenerateOptions:
     min_new_tokens: int = 0  # the end of sentence held back until this many tokens were generated
     repetition_penalty: float = 1.0  # transformers' / vLLM's: every token the sequence holds made less likely
     min_p: float = 0.0  # tokens less likely than min_p x the likeliest's probability left out
+    # the prompt's own tokens' log-probabilities, each with this many alternatives (GenerateResult.prompt_logprobs)
+    prompt_logprobs: int | None = None
 
     def sampler(self, eos_ids: tuple[int, ...] = ()) -> Sampler:
         return Sampler(self.temperature, self.top_p, self.top_k, self.seed, presence_penalty=self.presence_penalty,
@@ -68,6 +70,9 @@ class GenerateResult:
     finish_reason: str  # "stop" (end of sentence or a stop string) or "length"
     stats: dict
     logprobs: list[TokenLogprob] | None = None  # per generated token, given options.logprobs
+    # per prompt token, given options.prompt_logprobs: None for the first (nothing before it; a continued KV's
+    # logits give it one)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def eos_ids(config: dict) -> set[int]:
@@ -183,9 +188,11 @@ class Generator:
         self.c.close()
 
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int,
-                 should_stop: Callable[[], bool] | None = None, prompt_copy: bool = False) -> "_Prefilled":
+                 should_stop: Callable[[], bool] | None = None, prompt_copy: bool = False,
+                 scored: int | None = None) -> "_Prefilled":
         """The prompt's prefill, after `continue_from`'s KV where given. `prompt_copy`: a copy of the prompt's KV will
-        be kept beside the generation's (generate's KV cut at a stop string): the memory check counts it."""
+        be kept beside the generation's (generate's KV cut at a stop string): the memory check counts it.
+        `scored` k: the prompt's log-probabilities too (_Prefilled.prompt_logprobs)."""
         kv_format = self.kv_format() if continue_from is not None else None
         engine = self.prefill_engine()
         try:
@@ -196,21 +203,27 @@ class Generator:
                 all_ids = kv.token_ids + token_ids.tolist()
                 prompt = past + len(token_ids)
                 bound = self._check_memory(prompt + max_new, host_copies=[prompt] if prompt_copy else [])
+                scores = [] if scored is not None else None
                 if len(token_ids):
-                    done = engine.run(token_ids.to(engine.device), states, keep_kv=True, should_stop=should_stop)
+                    done = engine.run(token_ids.to(engine.device), states, keep_kv=True, should_stop=should_stop,
+                                      prompt_logprobs=scored)
                     logits, states, stats, counts = done.logits, done.states, done.stats, done.tokens_per_expert
+                    if scored is not None:
+                        scores = joined_prompt_logprobs(kv.logits, token_ids, scored, done.prompt_logprobs)
                 elif kv.logits is not None:
                     logits, stats, counts = kv.logits, {"tokens": 0}, None
                 else:
                     raise MoepackError(f"{continue_from}: the KV holds no logits to continue from: give a prompt")
                 stats = {**stats, "continued_from": continue_from, "past_tokens": past}
-                return _Prefilled(logits, states, stats, counts, all_ids, past, bound, kv)
+                return _Prefilled(logits, states, stats, counts, all_ids, past, bound, kv, scores)
             if not len(token_ids):
                 raise MoepackError("empty prompt")
             bound = self._check_memory(len(token_ids) + max_new, host_copies=[len(token_ids)] if prompt_copy else [])
-            done = engine.run(token_ids.to(engine.device), keep_kv=True, should_stop=should_stop)
+            done = engine.run(token_ids.to(engine.device), keep_kv=True, should_stop=should_stop,
+                              prompt_logprobs=scored)
+            scores = None if scored is None else joined_prompt_logprobs(None, token_ids, scored, done.prompt_logprobs)
             return _Prefilled(done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0,
-                              bound, None)
+                              bound, None, scores)
         finally:
             engine.after_prompt()
 
@@ -237,7 +250,8 @@ class Generator:
                  detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
                  kv_out: str | None = None, cancelled: Callable[[], bool] | None = None,
                  kv_overwrite: bool = False, kv_dtype: str = "F32",
-                 on_token: Callable[[int, TokenLogprob | None], None] | None = None) -> GenerateResult:
+                 on_token: Callable[[int, TokenLogprob | None], None] | None = None,
+                 on_prompt_logprobs: Callable[[list], None] | None = None) -> GenerateResult:
         """Prefill `token_ids` (after `continue_from`'s KV, if given), then decode up to max_new_tokens.
         `detokenize` (ids -> text) gives `text`, lets `--stop` strings end the generation, and `on_text` the text
         as it comes (never a split UTF-8 character, never the start of a stop string that may yet complete).
@@ -246,16 +260,18 @@ class Generator:
         is refused unless `kv_overwrite`). `cancelled()` true ends the generation (finish_reason "cancelled"):
         asked between the prefill's layers (the first time once every check has passed) and between decoded tokens.
         `on_token(id, logprob)`: each token as it is chosen, before its text goes to on_text (logprob given
-        options.logprobs, else None)."""
-        out = SequenceOutput(options or GenerateOptions(), self.eos_ids, detokenize, on_text, on_token)
+        options.logprobs, else None); `on_prompt_logprobs(entries)` before the first (GenerateResult.prompt_logprobs,
+        given options.prompt_logprobs)."""
+        out = SequenceOutput(options or GenerateOptions(), self.eos_ids, detokenize, on_text, on_token,
+                             on_prompt_logprobs)
         kv_format = self.kv_format() if kv_out is not None else None  # refused before any work
         # a stop string's tokens are not shown: the KV then holds the prompt and the shown tokens only, continued
         # from a copy of the prompt's state (a decode may continue a state in place)
         prompt_copy = kv_out is not None and bool(out.stopper.stop)
         token_ids = prompt_ids(token_ids)
         try:
-            logits, states, prefill_stats, counts, all_ids, past, bound, continued = self._prefill(
-                token_ids, continue_from, out.max_new_tokens, cancelled, prompt_copy)
+            logits, states, prefill_stats, counts, all_ids, past, bound, continued, out.prompt_logprobs = self._prefill(
+                token_ids, continue_from, out.max_new_tokens, cancelled, prompt_copy, out.prompt_logprobs_k)
             out.sampler.saw(all_ids)
         except GenerationCancelled as e:  # the engine's pass gave back what it had read: it serves the next
             return cancelled_in_prefill(e, detokenize)
@@ -325,6 +341,7 @@ class _Prefilled(NamedTuple):
     past: int  # tokens the continued KV held (0: none continued)
     memory_bound: int  # bytes the memory check counted on
     continued: Any  # the KV read (kv.py's), or None
+    prompt_logprobs: list | None  # the prompt's (GenerateResult.prompt_logprobs), where asked for
 
 
 def peak_rss_bytes() -> int:
@@ -342,12 +359,14 @@ class SequenceOutput:
     decode, or a step of runtime/batching.py's scheduler): sample its token with its own Sampler (seed, penalties,
     constraint), record it (and its logprobs), hand it to `on_token`, give its safe text to `on_text` and decide
     whether the sequence is over (end of sentence, a stop string, max_new_tokens). The options are checked when it is
-    made, before any work."""
+    made, before any work. Its prefill sets `prompt_logprobs` (given options.prompt_logprobs), handed to
+    `on_prompt_logprobs` before the first token."""
 
     def __init__(self, options: GenerateOptions, eos_ids: set[int],
                  detokenize: Callable[[list[int]], str] | None = None,
                  on_text: Callable[[str], None] | None = None,
-                 on_token: Callable[[int, TokenLogprob | None], None] | None = None):
+                 on_token: Callable[[int, TokenLogprob | None], None] | None = None,
+                 on_prompt_logprobs: Callable[[list], None] | None = None):
         if options.max_new_tokens < 1:
             raise MoepackError("--max-new-tokens must be at least 1")
         if options.stop and detokenize is None:
@@ -356,9 +375,15 @@ class SequenceOutput:
         self.sampler = options.sampler(tuple(sorted(eos_ids)))
         self.stopper = StopMatcher(list(options.stop), eos_ids if options.stop_at_eos else set())
         self.detokenize, self.on_text, self.on_token = detokenize, on_text, on_token
+        self.on_prompt_logprobs = on_prompt_logprobs
         self.pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None
         self.generated: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if options.logprobs is not None else None
+        k = options.prompt_logprobs
+        if k is not None and (not is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise MoepackError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+        self.prompt_logprobs_k = k  # (its prefill's to compute: GenerateResult.prompt_logprobs)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.so_far = ""  # the text of every token so far
         self.cancelled = False
 
@@ -370,6 +395,8 @@ class SequenceOutput:
     def take(self, logits: torch.Tensor) -> bool:
         """The next token chosen from `logits` ([vocab]) and given out; True once the sequence is over."""
         sampler = self.sampler
+        if not self.generated and self.prompt_logprobs is not None and self.on_prompt_logprobs is not None:
+            self.on_prompt_logprobs(self.prompt_logprobs)
         token = sampler.next_token(logits)
         self.generated.append(token)
         if self.logprobs is not None:
@@ -416,7 +443,7 @@ class SequenceOutput:
                 self.on_text(shown)
         finish = "cancelled" if self.cancelled else stopper.finish_reason or "length"
         return GenerateResult(self.generated, stopper.text if self.detokenize is not None else None, finish,
-                              {**stats, "sampling_seed": self.sampler.seed}, self.logprobs)
+                              {**stats, "sampling_seed": self.sampler.seed}, self.logprobs, self.prompt_logprobs)
 
 
 def generate(path: str, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,

@@ -200,6 +200,47 @@ class TokenLogprob:
         return TokenLogprob(token, float(lp[token]), pairs)
 
 
+class NextTokenScores:
+    """The prompt's own log-probabilities (OpenAI's echo with logprobs, lm-eval's loglikelihood): for each scored
+    position, the log-probability of the token that follows it and its k likeliest tokens, under the model's plain
+    logits (no sampling adjustment). The logits come a slice of the vocabulary at a time (the LM head is never applied
+    whole: a prompt's [N, vocab] would be gigabytes): a running logsumexp, the next token's logit taken from the slice
+    that holds it, and a running top k."""
+
+    def __init__(self, next_ids: torch.Tensor, k: int):
+        n, device = len(next_ids), next_ids.device
+        self.next_ids, self.k = next_ids, k
+        self.logsumexp = torch.full((n,), -math.inf, device=device)
+        self.next_logit = torch.zeros(n, device=device)
+        # (-inf: no token yet; a vocabulary under k tokens leaves some, which are no alternatives)
+        self.top_values = torch.full((n, k), -math.inf, device=device)
+        self.top_ids = torch.zeros(n, k, dtype=torch.long, device=device)
+
+    def add(self, rows: slice, logits: torch.Tensor, first_id: int) -> None:
+        """The float32 logits [rows, width] of vocabulary ids first_id .. first_id + width - 1 for the scored
+        positions `rows`."""
+        width = logits.shape[1]
+        self.logsumexp[rows] = torch.logaddexp(self.logsumexp[rows], torch.logsumexp(logits, dim=1))
+        local = self.next_ids[rows] - first_id
+        inside = (local >= 0) & (local < width)
+        taken = logits.gather(1, local.clamp(0, width - 1)[:, None])[:, 0]
+        self.next_logit[rows] = torch.where(inside, taken, self.next_logit[rows])
+        if self.k:
+            top = logits.topk(min(self.k, width), dim=1)
+            values = torch.cat([self.top_values[rows], top.values], dim=1)
+            ids = torch.cat([self.top_ids[rows], top.indices + first_id], dim=1)
+            best = values.topk(self.k, dim=1)
+            self.top_values[rows], self.top_ids[rows] = best.values, ids.gather(1, best.indices)
+
+    def entries(self) -> list["TokenLogprob"]:
+        """Each scored position's TokenLogprob: of the token after it, with its k likeliest."""
+        logprobs = (self.next_logit - self.logsumexp).cpu().tolist()
+        top_values = (self.top_values - self.logsumexp[:, None]).cpu().tolist()
+        top_ids = self.top_ids.cpu().tolist()
+        return [TokenLogprob(token, logprob, tuple((i, v) for i, v in zip(ids, values) if v != -math.inf))
+                for token, logprob, ids, values in zip(self.next_ids.tolist(), logprobs, top_ids, top_values)]
+
+
 class StopMatcher:
     """Decides when generation stops and which text is safe to show. Feed it each generated token with all the
     text decoded so far (text only ever grows at its end, as the detokenizer's pieces add up). It stops on an

@@ -218,6 +218,8 @@ class Job:
     make_constraint: Callable[[], object] | None = None  # each generation's own output constraint
     on_text: Callable[[int, str], None] | None = None  # a streamed job's text: (choice, piece)
     on_token: Callable[[int, int, object], None] | None = None  # its tokens: (choice, token, logprob)
+    # a streamed echo's prompt logprobs, before the choice's first token: (choice, entries)
+    on_prompt_logprobs: Callable[[int, list], None] | None = None
     on_start: Callable[[], None] | None = None  # called on the worker once its generation passed every check
     on_finish: Callable[[int, GenerateResult], None] | None = None  # a streamed job's choice over: (choice, result)
     queue: asyncio.Queue | None = None  # a streamed job's (kind, choice, piece) events
@@ -823,9 +825,6 @@ class Server:
         """completions' echo: each prompt's own text (or its ids' text), in front of its answers."""
         if not _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False):
             return None
-        if body.get("logprobs") is not None:
-            raise RequestError("echo with logprobs would need the prompt's logprobs, which are not computed",
-                               param="echo", code="unsupported_value")
         return [p if isinstance(p, str) else self.need_tokenizer("echo").decode(ids)
                 for p, ids in zip(_prompts_of(body["prompt"]), prompts)]
 
@@ -928,8 +927,10 @@ class Server:
         prompts = self.prompts(body)
         # (the longest prompt is checked against the context, and caps an omitted max_tokens for all)
         options = self.options(body, max(len(ids) for ids in prompts), DEFAULT_COMPLETION_TOKENS, False, n)
-        return Prepared(prompts, options, stream, include_usage, usage_so_far, n=n,
-                        echo=self.echo_text(body, prompts))
+        echo = self.echo_text(body, prompts)
+        if echo is not None and options.logprobs is not None:  # the echoed prompt's tokens get theirs too (lm-eval)
+            options = dataclasses.replace(options, prompt_logprobs=options.logprobs)
+        return Prepared(prompts, options, stream, include_usage, usage_so_far, n=n, echo=echo)
 
     # -- admission and the worker
     def admit(self) -> None:
@@ -982,8 +983,10 @@ class Server:
                     asked[i] = True
                     return job.should_stop(self.closing.is_set())
                 on_text = None if job.on_text is None else (lambda piece: job.on_text(i, piece))
+                on_prompt = (None if job.on_prompt_logprobs is None else
+                             lambda entries: job.on_prompt_logprobs(i, entries))
                 return dict(detokenize=tok.decode if tok is not None else None, on_text=on_text,
-                            cancelled=cancelled, on_token=self.timed(job, i))
+                            cancelled=cancelled, on_token=self.timed(job, i), on_prompt_logprobs=on_prompt)
             def over(i: int, result: GenerateResult) -> GenerateResult:  # each choice as it ends
                 self.counted(job, i, result)
                 if job.on_finish is not None:
@@ -1205,9 +1208,11 @@ class TextOffsets:
         return out
 
 
-def completion_logprobs(tokenizer, entries: list[TokenLogprob], offsets: TextOffsets) -> dict:
+def completion_logprobs(tokenizer, entries: list[TokenLogprob | None], offsets: TextOffsets,
+                        tokens: list[int] | None = None) -> dict:
     """OpenAI's (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} each),
-    text_offset (`offsets`: the completion's, carried on from chunk to chunk)."""
+    text_offset (`offsets`: the completion's, carried on from chunk to chunk). `tokens`: the entries' tokens where
+    some entry is None (an echoed prompt's first: its logprob and top_logprobs null, as OpenAI's)."""
     def top(entry: TokenLogprob) -> dict[str, float]:
         # keyed by text, as OpenAI's: tokens of one text (the bytes of several characters' parts, all U+FFFD) keep
         # the likeliest's logprob (the top come likeliest first), not the last one's
@@ -1216,10 +1221,11 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob], offsets: TextOff
             out.setdefault(_token_text(tokenizer, token), logprob)
         return out
 
-    return {"tokens": [_token_text(tokenizer, e.token) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [top(e) for e in entries],
-            "text_offset": offsets.of([e.token for e in entries])}
+    tokens = [e.token for e in entries] if tokens is None else tokens
+    return {"tokens": [_token_text(tokenizer, token) for token in tokens],
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else top(e) for e in entries],
+            "text_offset": offsets.of(tokens)}
 
 
 @dataclass(frozen=True)
@@ -1229,6 +1235,7 @@ class ChoiceStream:
     pieces: Callable[[str], list[dict]]
     final: Callable[[GenerateResult], list[dict]]
     logprobs: Callable[[list[TokenLogprob]], dict]
+    prompt: Callable[[list], None] | None = None  # an echo's prompt logprobs, before the first token
 
 
 def client_gone() -> RequestError:
@@ -1395,6 +1402,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 job.on_finish = lambda i, result: push(("finish", i, result))
                 if prepared.options.logprobs is not None or prepared.usage_so_far:  # (each token counted)
                     job.on_token = lambda i, token, lp: push(("token", i, lp))
+                if prepared.options.prompt_logprobs is not None:
+                    job.on_prompt_logprobs = lambda i, entries: push(("prompt", i, entries))
             future = server.executor.submit(server.run, job)
         except BaseException:
             server.release()
@@ -1471,8 +1480,10 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             return chunks
 
         def attach(i, chunks):
-            if pending[i] and chunks:
-                chunks[0]["choices"][0]["logprobs"] = choices[i].logprobs(pending[i])
+            # (the first chunk that carries none: an echo's chunk carries its prompt's)
+            free = [c for c in chunks if c["choices"][0].get("logprobs") is None]
+            if pending[i] and free:
+                free[0]["choices"][0]["logprobs"] = choices[i].logprobs(pending[i])
                 pending[i] = []
 
         async def events():
@@ -1488,6 +1499,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                             server.release(job)
                             yield client_gone_stream_end()
                             return
+                        continue
+                    if kind == "prompt":  # (before the choice's first token)
+                        choices[i].prompt(piece)
                         continue
                     if kind == "token":
                         generated[i] += 1
@@ -1558,9 +1572,16 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         def choice_extra(result):
             return {"token_ids": result.generated_ids}
 
+        def prompt_logprobs(i, entries):  # an echoed prompt's, its offsets from the echo's start
+            return completion_logprobs(tok, entries, TextOffsets(tok), job.ids_of(i))
+
         def logprobs_of(i, result):
-            return None if result.logprobs is None else completion_logprobs(tok, result.logprobs,
-                                                                             TextOffsets(tok, len(echo(i))))
+            if result.logprobs is None:
+                return None
+            answer = completion_logprobs(tok, result.logprobs, TextOffsets(tok, len(echo(i))))
+            if result.prompt_logprobs is None:
+                return answer
+            return {key: values + answer[key] for key, values in prompt_logprobs(i, result.prompt_logprobs).items()}
 
         if not prepared.stream:
             results = await finished_job(request, job, future)
@@ -1576,6 +1597,10 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         def choice_stream(i: int) -> ChoiceStream:
             offsets = TextOffsets(tok, len(echo(i)))
             echo_due = [bool(echo(i))]  # the prompt's text first, once the choice's stream has begun
+            echo_logprobs = [None]  # with its logprobs, where asked for (they come before the first token)
+
+            def prompt(entries):
+                echo_logprobs[0] = prompt_logprobs(i, entries)
 
             def with_logprobs(entries):
                 return completion_logprobs(tok, entries, offsets)
@@ -1587,9 +1612,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
             def pieces(piece):
                 out = [chunk(i, echo(i))] if echo_due[0] else []
+                if out:
+                    out[0]["choices"][0]["logprobs"] = echo_logprobs[0]
                 echo_due[0] = False
                 return out + ([chunk(i, piece)] if piece else [])
-            return ChoiceStream(pieces, final, with_logprobs)
+            return ChoiceStream(pieces, final, with_logprobs, prompt)
 
         return await stream_when_started(request, job, future, [choice_stream(i) for i in range(job.choices)],
                                          prepared.include_usage, chunk(0, ""), prepared.usage_so_far)

@@ -167,17 +167,27 @@ def test_cancelling_one_sequence_leaves_the_others_outputs_unchanged(generator):
 def test_a_chunked_prefill_gives_the_tokens_of_an_unchunked_one(generator):
     vocab = generator.cfg.vocab_size
     long_prompt, other = _prompt(45, 31, vocab), _prompt(6, 32, vocab)
-    alone = _solo(generator, long_prompt, max_new_tokens=8)
+    alone = _solo(generator, long_prompt, max_new_tokens=8, prompt_logprobs=3)
     other_alone = _solo(generator, other, max_new_tokens=30)
+    handed = []
     with Batch(generator, max_batch=2, prefill_chunk=7) as batch:
         on_token, decoding = _tokens_seen(2)
         first = batch.submit(other, max_new_tokens=30, on_token=on_token)
         assert decoding.wait(TIMEOUT)
-        chunked = batch.submit(long_prompt, max_new_tokens=8).result(TIMEOUT)
+        chunked = batch.scheduler.submit(long_prompt, GenerateOptions(max_new_tokens=8, stop_at_eos=False,
+                                                                      prompt_logprobs=3),
+                                         on_prompt_logprobs=handed.append).result(TIMEOUT)
         assert first.result(TIMEOUT).generated_ids == other_alone.generated_ids
     assert chunked.stats["prefill"]["chunks"] == 7 and chunked.stats["prefill"]["tokens"] == 45
     assert chunked.generated_ids == alone.generated_ids
     assert alone.stats["prefill"].get("chunks") is None  # alone: one run
+    # the prompt's log-probabilities: each chunk's first token scored from the chunk before's logits
+    assert handed == [chunked.prompt_logprobs] and first.result().prompt_logprobs is None
+    assert alone.prompt_logprobs[0] is None and chunked.prompt_logprobs[0] is None
+    for a, b in zip(alone.prompt_logprobs[1:], chunked.prompt_logprobs[1:], strict=True):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+        assert [i for i, _ in a.top] == [i for i, _ in b.top] and len(a.top) == 3
+    assert [e.token for e in alone.prompt_logprobs[1:]] == long_prompt[1:]
 
 
 def test_a_sequence_that_does_not_fit_beside_the_others_is_refused_alone(generator, monkeypatch):
@@ -207,6 +217,9 @@ def test_bad_options_are_refused_when_submitted(generator):
             batch.submit([1, 2], stop=("x",))
         with pytest.raises(MoepackError, match="empty prompt"):
             batch.submit([], max_new_tokens=2)
+        for bad in (-1, 21, 1.5, True):
+            with pytest.raises(MoepackError, match="prompt_logprobs must be an integer in"):
+                batch.submit([1, 2], prompt_logprobs=bad)
     with pytest.raises(MoepackError, match="--max-batch"):
         BatchScheduler(generator, max_batch=0)
 

@@ -383,3 +383,53 @@ def test_query_chunks_give_the_same_logits_and_a_stop_between_them(qwen3):
         finally:
             engine.close()
     assert e.value.layers_done == 0 and len(asked) == 3
+
+
+def _prompt_logprobs_of(model, ids: list[int], k: int) -> tuple[list[float], list[list[int]]]:
+    """transformers' log-probability of each of the prompt's tokens after the first, and the k likeliest ids."""
+    lp = torch.log_softmax(reference_logits(model, ids)[:-1].double(), dim=-1)
+    return lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(), lp.topk(k, dim=1).indices.tolist()
+
+
+def _check_prompt_logprobs(entries, model, ids: list[int], k: int) -> None:
+    want, want_top = _prompt_logprobs_of(model, ids, k)
+    assert [e.token for e in entries] == ids[1:]
+    torch.testing.assert_close(torch.tensor([e.logprob for e in entries], dtype=torch.float64),
+                               torch.tensor(want, dtype=torch.float64), atol=ATOL, rtol=0)
+    assert [[i for i, _ in e.top] for e in entries] == want_top
+    for e in entries:  # the alternatives' own log-probabilities, the chosen one's among them where it is
+        assert all(a >= b for (_, a), (_, b) in zip(e.top, e.top[1:]))
+        assert all(abs(v - e.logprob) < ATOL for i, v in e.top if i == e.token)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompt_logprobs_equal_transformers(qwen3, backend, monkeypatch):
+    """The prompt's log-probabilities (run's prompt_logprobs) are transformers' log_softmax at every position, the
+    head's vocabulary slices and positions taken a few at a time (the running logsumexp and top k across slices),
+    whole, in chunks (a chunk's first token from the chunk before), continued after a past (its first token joined
+    from the past's logits) and beside another prompt in one pass (which asked for none)."""
+    from moepack.runtime import engine as engine_module
+    from moepack.runtime.engine import joined_prompt_logprobs
+
+    container, model = qwen3["float32"]
+    monkeypatch.setattr(engine_module, "HEAD_CHUNK_BYTES", 4 * 160 * 7)  # vocabulary slices of 7 ids
+    monkeypatch.setattr(engine_module, "SCORE_CHUNK_BYTES", 4 * 7 * 3)  # 3 positions at a time
+    ids = torch.tensor(PROMPT)
+    with Container(container) as c:
+        engine = StreamingPrefill(c, _options(backend))
+        try:
+            whole = engine.run(ids, prompt_logprobs=4)
+            chunked = engine.run(ids, chunk_tokens=4, prompt_logprobs=4)
+            first = engine.run(ids[:4], keep_kv=True, prompt_logprobs=4)
+            continued = engine.run(ids[4:], list(first.states), prompt_logprobs=4)
+            grouped = engine.run_many([ids, ids[:1], ids[2:5]], prompt_logprobs=[4, 2, None])
+            plain = engine.run(ids)
+        finally:
+            engine.close()
+    for entries in (whole.prompt_logprobs, chunked.prompt_logprobs, grouped[0].prompt_logprobs,
+                    first.prompt_logprobs + joined_prompt_logprobs(first.logits, ids[4:], 4,
+                                                                   continued.prompt_logprobs)):
+        _check_prompt_logprobs(entries, model, PROMPT, 4)
+    assert joined_prompt_logprobs(None, ids, 4, [])[0] is None
+    assert grouped[1].prompt_logprobs == [] and grouped[2].prompt_logprobs is None and plain.prompt_logprobs is None
+    torch.testing.assert_close(whole.logits, plain.logits, atol=0, rtol=0)  # the last position's as before

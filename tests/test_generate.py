@@ -253,13 +253,22 @@ def test_generation_continued_from_a_kv_equals_the_whole(models, tmp_path):
     expected = _transformers_greedy(hf_model, ids, NEW_TOKENS)
     kv = str(tmp_path / "kv")
     prefill(container, ids[:60], PrefillOptions(), kv_out=kv)
-    result = generate(container, ids[60:], GenerateOptions(max_new_tokens=NEW_TOKENS, cache_gib=0.0),
-                      continue_from=kv)
+    result = generate(container, ids[60:], GenerateOptions(max_new_tokens=NEW_TOKENS, cache_gib=0.0,
+                                                           prompt_logprobs=2), continue_from=kv)
     assert result.generated_ids == expected
+    # the prompt's log-probabilities: transformers' over the whole sequence, the first from the KV's logits
+    with torch.no_grad():
+        want = torch.log_softmax(hf_model(ids[None]).logits[0, 59:-1].double(), dim=-1)
+    got = result.prompt_logprobs
+    assert [e.token for e in got] == ids[60:].tolist()
+    torch.testing.assert_close(torch.tensor([e.logprob for e in got], dtype=torch.float64),
+                               want.gather(1, ids[60:, None])[:, 0], atol=2e-4, rtol=0)
+    assert [[i for i, _ in e.top] for e in got] == want.topk(2, dim=1).indices.tolist()
     # no new prompt: decoding starts from the KV's own logits
     prefill(container, ids, PrefillOptions(), kv_out=str(tmp_path / "kv2"))
-    again = generate(container, [], GenerateOptions(max_new_tokens=NEW_TOKENS), continue_from=str(tmp_path / "kv2"))
-    assert again.generated_ids == expected
+    again = generate(container, [], GenerateOptions(max_new_tokens=NEW_TOKENS, prompt_logprobs=2),
+                     continue_from=str(tmp_path / "kv2"))
+    assert again.generated_ids == expected and again.prompt_logprobs == []
 
 
 def test_sampling_with_a_seed_is_reproducible(models):

@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from moepack.runtime.generate import GenerateOptions, Generator
 from moepack.serve.app import make_app
@@ -411,7 +412,57 @@ def test_echo_puts_the_prompt_first(server):
     stream = c.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True,
                                   stream=True)
     assert "".join(ch.choices[0].text for ch in stream) == echoed.choices[0].text
-    _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=2, echo=True, logprobs=1), "echo")
+
+
+@pytest.mark.parametrize("which", ["server", "batched"])
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, request, which):
+    """lm-eval's loglikelihood request (local-completions: token-id prompts, echo, logprobs 1, max_tokens 1): each
+    choice's logprobs cover its prompt's tokens (the first null, the others the model's log-probability of that
+    token after those before it: the prefill's logits of each prefix) and then the generated token, text offsets
+    from the echo's start; lm-eval's own reading (the continuation's sum, is_greedy) holds; streamed, the echo's
+    chunk carries the prompt's and the chunks add up to the whole answer's."""
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    tok, server = server.tok, request.getfixturevalue(which)
+    context = tok.encode("Once upon a time", special_tokens=False)
+    greedy = httpx.post(f"{server.url}/v1/completions", json={"prompt": context, "max_tokens": 3, "temperature": 0},
+                        timeout=TIMEOUT).json()["choices"][0]["token_ids"]
+    other = [(t + 1) % 64 for t in greedy]  # (not the greedy continuation: within any test vocabulary)
+    body = {"model": "tiny", "prompt": [context + greedy, context + other], "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    for choice, ids in zip(choices, body["prompt"]):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+        assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] >= len(tok.decode(ids))
+        for j in range(1, len(ids)):
+            logits = prefill(server.generator.path, ids[:j], PrefillOptions(compute_dtype="float32")).logits
+            want = torch.log_softmax(logits.double(), dim=0)
+            assert abs(lp["token_logprobs"][j] - float(want[ids[j]])) < 1e-4, j
+            assert list(lp["top_logprobs"][j].values()) == pytest.approx([float(want.max())], abs=1e-4)
+        assert lp["tokens"][:len(ids)] == [tok.decode([t]) for t in ids]
+    is_greedy = []
+    for choice in choices:  # lm-eval's parse_logprobs
+        lp = choice["logprobs"]
+        tokens, tops = lp["token_logprobs"][len(context):-1], lp["top_logprobs"][len(context):-1]
+        assert math.isfinite(sum(tokens))
+        is_greedy.append(all(t == max(top.values()) for t, top in zip(tokens, tops)))
+    assert is_greedy == [True, False]
+    alone = {**body, "prompt": body["prompt"][0]}  # (alone: a prompt beside another differs by float32 rounding)
+    whole = httpx.post(f"{server.url}/v1/completions", json=alone, timeout=TIMEOUT).json()["choices"][0]
+    assert whole["logprobs"]["tokens"] == choices[0]["logprobs"]["tokens"]
+    streamed = _sse(server, "/v1/completions", {**alone, "stream": True})
+    assert streamed[0]["choices"][0]["text"] == tok.decode(body["prompt"][0])
+    joined = {key: [] for key in whole["logprobs"]}
+    for chunk in streamed:
+        for key, values in (chunk["choices"][0]["logprobs"] or {}).items():
+            joined[key] += values
+    assert joined == whole["logprobs"]
+    plain = httpx.post(f"{server.url}/v1/completions", json={**alone, "echo": False}, timeout=TIMEOUT).json()
+    assert plain["choices"][0]["logprobs"]["token_logprobs"] == whole["logprobs"]["token_logprobs"][-1:]
 
 
 def test_responses_carry_llama_server_timings(server):
