@@ -298,7 +298,8 @@ class BatchScheduler:
         group, sizes = self._group()
         while True:  # the group's working set must fit: the last to join waits for a later turn, one alone fails
             try:
-                self._engine.check_memory(sum(s.prefilled + n for s, n in zip(group, sizes)))
+                self._engine.check_memory(sum(s.prefilled + n for s, n in zip(group, sizes)),
+                                          sum(n for s, n in zip(group, sizes) if s.out.prompt_logprobs_k is not None))
                 break
             except MoepackError as e:
                 if len(group) == 1:

@@ -56,7 +56,7 @@ from .limits import MAX_BUNDLE_EXPERTS
 from .memory import check_prefill_memory
 from .read_scheduler import EXPERT_OWNERSHIPS, EXPERT_SELECTIONS, LayerStats, ReadScheduler, tokens_per_expert
 from .resident import place_that_fits, resident_bytes
-from .sampling import NextTokenScores, TokenLogprob
+from .sampling import MAX_TOP_LOGPROBS, NextTokenScores, TokenLogprob
 from .tuning import default_compute_dtype
 
 # the LM head is decoded and applied this many float32 bytes of rows at a time, never whole (DeepSeek-V4-Flash's
@@ -64,6 +64,8 @@ from .tuning import default_compute_dtype
 HEAD_CHUNK_BYTES = 16 << 20
 # a prompt's log-probabilities take the head's logits over every position this many float32 bytes at a time
 SCORE_CHUNK_BYTES = 16 << 20
+# a scored position's running logsumexp, next token's logit and top k (at most MAX_TOP_LOGPROBS) values and ids
+SCORE_BYTES_PER_POSITION = 8 + 12 * MAX_TOP_LOGPROBS
 
 
 class GenerationCancelled(MoepackError):
@@ -328,7 +330,7 @@ class StreamingPrefill:
         if chunk_tokens is not None and chunk_tokens < 1:
             raise MoepackError("--chunk-tokens must be at least 1")
         past_tokens = self.family.seen_tokens(past[0]) if past else 0
-        self.check_memory(past_tokens + n_tokens)
+        self.check_memory(past_tokens + n_tokens, n_tokens if prompt_logprobs is not None else 0)
         start, steal_before = self._pass_starts()
         chunks = token_ids.split(chunk_tokens) if chunk_tokens else [token_ids]
         all_stats: list[LayerStats] = []
@@ -379,7 +381,9 @@ class StreamingPrefill:
         if len(pasts) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(pasts)} past states")
         lengths = [check_prompt_ids(ids, self.family.shape.vocab_size) for ids in prompts]
-        self.check_memory(sum(lengths) + sum(self.family.seen_tokens(past[0]) for past in pasts if past))
+        scored = [None] * len(prompts) if prompt_logprobs is None else prompt_logprobs
+        self.check_memory(sum(lengths) + sum(self.family.seen_tokens(past[0]) for past in pasts if past),
+                          sum(n for n, k in zip(lengths, scored) if k is not None))
         start, steal_before = self._pass_starts()
         with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype), self._pass():
             logits, layer_stats, states, counts, scores = self._forward(
@@ -641,14 +645,18 @@ class StreamingPrefill:
             return torch.cat(out, dim=-1).cpu()
 
     # --- before and after ----------------------------------------------------------------------------------------
-    def check_memory(self, n_tokens: int) -> None:
+    def check_memory(self, n_tokens: int, scored_tokens: int = 0) -> None:
         """Refuse a prompt (or prompts prefilled together: n_tokens is all of theirs) whose working set cannot fit,
-        before reading or computing anything (memory.check_prefill_memory, with this prefill's pool and threads)."""
+        before reading or computing anything (memory.check_prefill_memory, with this prefill's pool and threads).
+        `scored_tokens`: the positions whose prompt_logprobs are asked for (the head's input and a running score
+        each, and a slice of their logits)."""
+        scoring = (SCORE_CHUNK_BYTES + scored_tokens * (4 * self.family.shape.hidden_size + SCORE_BYTES_PER_POSITION)
+                   if scored_tokens else 0)
         check_prefill_memory(self.c, self.family, self.device, n_tokens, query_chunk=self.opt.query_chunk,
                              bundle_bytes=self.reads.experts_pipe.buffer_bytes,
                              pool_buffers=self.reads.pool_buffers_in_memory(self.device),
                              expert_threads=self.experts.threads, decoded_experts=self.experts.decoded_at_once,
-                             grouped=self.expert_backend == "grouped", head_chunk_bytes=HEAD_CHUNK_BYTES)
+                             grouped=self.expert_backend == "grouped", head_chunk_bytes=HEAD_CHUNK_BYTES + scoring)
 
     def _stats(self, n_tokens: int, wall: float, layers: list[LayerStats]) -> dict:
         reader, pipe = self.reads.reader, self.reads.experts_pipe

@@ -433,3 +433,28 @@ def test_prompt_logprobs_equal_transformers(qwen3, backend, monkeypatch):
     assert joined_prompt_logprobs(None, ids, 4, [])[0] is None
     assert grouped[1].prompt_logprobs == [] and grouped[2].prompt_logprobs is None and plain.prompt_logprobs is None
     torch.testing.assert_close(whole.logits, plain.logits, atol=0, rtol=0)  # the last position's as before
+
+
+def test_the_memory_check_counts_the_scored_positions(qwen3, monkeypatch):
+    """A prefill asked for its prompt's log-probabilities counts what scoring every position holds (the head's
+    input and a running score per position, one slice of their logits) before it runs, grouped or alone."""
+    from moepack.runtime import engine as engine_module
+
+    container, _ = qwen3["float32"]
+    counted = []
+    real = engine_module.check_prefill_memory
+    monkeypatch.setattr(engine_module, "check_prefill_memory",
+                        lambda *a, **kw: counted.append(kw["head_chunk_bytes"]) or real(*a, **kw))
+    ids = torch.tensor(PROMPT)
+    with Container(container) as c:
+        engine = StreamingPrefill(c, _options())
+        try:
+            engine.run(ids)
+            engine.run(ids, prompt_logprobs=2)
+            engine.run_many([ids, ids[:4]], prompt_logprobs=[None, 2])
+        finally:
+            engine.close()
+    per_position = 4 * 160 + engine_module.SCORE_BYTES_PER_POSITION
+    plain = engine_module.HEAD_CHUNK_BYTES
+    assert counted == [plain, plain + engine_module.SCORE_CHUNK_BYTES + len(PROMPT) * per_position,
+                       plain + engine_module.SCORE_CHUNK_BYTES + 4 * per_position]
