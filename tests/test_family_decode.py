@@ -326,10 +326,10 @@ class FamilyForwardPrefill:
         return PrefillResult(logits, int(logits.argmax()), {"tokens": len(token_ids), "seconds": 0.0}, [],
                              kv.layers if keep_kv else None, None)
 
-    def run_many(self, prompts, pasts=None, keep_kv=True, should_stop=None):
+    def run_many(self, prompts, pasts=None, keep_kv=True, should_stop=None, **_):
         return [self.run(ids, past, keep_kv) for ids, past in zip(prompts, pasts or [None] * len(prompts))]
 
-    def check_memory(self, n_tokens):
+    def check_memory(self, n_tokens, scored_tokens=0):
         pass
 
     def after_prompt(self):  # (a Generator keeps its engine open between prompts)

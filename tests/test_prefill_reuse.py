@@ -162,10 +162,10 @@ def test_the_scheduler_lets_go_of_the_engine_after_a_lone_prompts_memory_refusal
 
     real = engine_module.StreamingPrefill.check_memory
 
-    def refuse_long(self, n_tokens):
+    def refuse_long(self, n_tokens, scored_tokens=0):
         if n_tokens > 50:
             raise MoepackError(f"refused {n_tokens} tokens")
-        return real(self, n_tokens)
+        return real(self, n_tokens, scored_tokens)
 
     monkeypatch.setattr(engine_module.StreamingPrefill, "check_memory", refuse_long)
     options = replace(OPTIONS, logprobs=0)
