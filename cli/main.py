@@ -27,6 +27,7 @@ from .common import (CHECKPOINT_FILE, EXIT_ERROR, EXIT_INTERRUPTED, PATH_TEXT, P
                      one_line_warnings, prompt_options, quiet_native_logs, refuse_existing, refuse_existing_kv,
                      reports_errors, sigterm_as_interrupt, untrusted_argv_types)
 from .generate import generate
+from .perplexity import perplexity
 from .plan_bench import bench, plan
 from .serve import serve
 
@@ -550,6 +551,7 @@ def demo(workdir, preset, prompt, as_json):
 cli.add_command(bench)
 cli.add_command(chat)
 cli.add_command(generate)
+cli.add_command(perplexity)
 cli.add_command(plan)
 cli.add_command(serve)
 untrusted_argv_types(cli)
