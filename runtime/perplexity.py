@@ -1,8 +1,8 @@
 """`moepack perplexity`: llama.cpp's perplexity measure (llama-perplexity) over the layer-major prefill, the number
 a quantization is judged by.
 
-The text's ids are cut into windows of `ctx` tokens (a BOS first in each where the model has one, as llama.cpp
-puts it there; a last part shorter than a window is left out). Each window is scored on its second half: the
+The text's ids are cut into windows of `ctx` tokens as llama-perplexity cuts them (windows_of: a BOS first in each
+where the model has one; a last part shorter than a window is left out), so the figures compare. Each window is scored on its second half: the
 log-probability of each token at positions ctx // 2 + 1 .. ctx - 1 after the tokens before it in its window, so that
 every scored token has at least half a window of context. The perplexity is exp of the scored tokens' mean
 negative log-probability; its uncertainty, as llama.cpp's, that of the mean over the scored tokens.
@@ -32,18 +32,18 @@ DEFAULT_TOKENS_PER_PASS = 8192
 
 
 def windows_of(ids: torch.Tensor, ctx: int, bos_id: int | None, max_windows: int | None = None) -> list[torch.Tensor]:
-    """The text's windows of `ctx` tokens each (a BOS, then ctx - 1 of the text's, where `bos_id` is given), at
-    most `max_windows` of them."""
+    """The text's windows of `ctx` tokens each, llama-perplexity's: window k holds the text's tokens k x ctx on, and
+    where `bos_id` is given the BOS first in its place (the text then read as BOS + text: ctx - 1 of the text's tokens
+    a window, the one after each window's last in none); at most `max_windows` of them."""
     if ctx < 3:  # (a window's second half holds a scored token from 3 on)
         raise MoepackError(f"--ctx must be at least 3, got {ctx}")
-    step = ctx - 1 if bos_id is not None else ctx
-    count = len(ids) // step
+    bos = [] if bos_id is None else [torch.tensor([bos_id])]
+    count = (len(ids) + len(bos)) // ctx
     if count == 0:
-        raise MoepackError(f"the text is {len(ids)} tokens: a window of --ctx {ctx} needs {step} of them "
+        raise MoepackError(f"the text is {len(ids)} tokens: a window of --ctx {ctx} needs {ctx - len(bos)} of them "
                            "(give a longer text or a smaller --ctx)")
     count = count if max_windows is None else min(count, max_windows)
-    head = [] if bos_id is None else [torch.tensor([bos_id])]
-    return [torch.cat([*head, ids[i * step:(i + 1) * step]]) for i in range(count)]
+    return [torch.cat([*bos, ids[k * ctx:(k + 1) * ctx - len(bos)]]) for k in range(count)]
 
 
 def _windows_that_fit(engine: StreamingPrefill, per_pass: int, ctx: int) -> int:
