@@ -78,7 +78,7 @@ from moepack.runtime.generate import GenerateOptions, GenerateResult
 from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK
 from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer, TokenLogprob, is_int
 
-from .chat_template import family_chat_template
+from .chat_template import family_chat_template, tokenizer_info
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
 from .reasoning import ThinkSplitter, ThoughtMarks, chat_thought, split_thinking
 from .tokenizer import ChatInputError, chat_prompt_ids, markup_warning
@@ -695,12 +695,16 @@ class Server:
         """The body as a JSON object, every field one this endpoint acts on (else a 400 naming it), its model
         checked."""
         body = self.json_object(raw)
+        self.check_model(body)
+        _check_fields(body, chat)
+        return body
+
+    def check_model(self, body: dict) -> None:
+        """A request's `model`, where given, must be this server's (else a 404 naming it)."""
         model = _get(body, "model", lambda v: isinstance(v, str), "a string")
         if model is not None and model != self.model_name:
             raise RequestError(f"the model {model[:80]!r} does not exist (this server has {self.model_name!r})",
                                param="model", code="model_not_found", status=404)
-        _check_fields(body, chat)
-        return body
 
     def stop_strings(self, body: dict) -> list[str]:
         stop = _get(body, "stop", lambda v: isinstance(v, str) or isinstance(v, list)
@@ -1339,8 +1343,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
     async def tokenize(request):
         """llama-server's /tokenize: {"content": text, "add_special": false, "with_pieces": false} ->
-        {"tokens": [ids]} (with_pieces: [{"id", "piece"}]); the text's special-token spellings stay text."""
+        {"tokens": [ids]} (with_pieces: [{"id", "piece"}]); the text's special-token spellings stay text. Or vLLM's
+        (what lm-eval's remote tokenizer sends): {"prompt": text, "add_special_tokens": true, "return_token_strs":
+        false} -> {"count", "max_model_len", "tokens", "token_strs"}, special-token spellings their tokens, as
+        a Hugging Face tokenizer's encode gives them."""
         def answer(body: dict) -> dict:
+            if "prompt" in body:
+                return vllm_answer(body)
             content = _get(body, "content", lambda v: isinstance(v, str), "a string", "")
             add_special = _get(body, "add_special", lambda v: isinstance(v, bool), "a boolean", False)
             pieces = _get(body, "with_pieces", lambda v: isinstance(v, bool), "a boolean", False)
@@ -1354,19 +1363,42 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                                    param="with_pieces", code="invalid_value")
             return {"tokens": [{"id": i, "piece": _piece(tok, i, p)} for i, p in zip(ids, tok.pieces(ids))]}
 
-        return await small_request(request, {"content", "add_special", "with_pieces"}, answer)
+        def vllm_answer(body: dict) -> dict:
+            if "content" in body:
+                raise RequestError("give content (llama-server's form) or prompt (vLLM's), not both", param="prompt",
+                                   code="invalid_value")
+            prompt = _get(body, "prompt", lambda v: isinstance(v, str), "a string")
+            add_special = _get(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
+            strings = _get(body, "return_token_strs", lambda v: isinstance(v, bool), "a boolean", False)
+            server.check_model(body)
+            tok = server.need_tokenizer("prompt")
+            ids = tok.encode(prompt, True, add_special)
+            return {"count": len(ids), "max_model_len": server.context, "tokens": ids,
+                    "token_strs": [_piece(tok, i, p) for i, p in zip(ids, tok.pieces(ids))] if strings else None}
+
+        return await small_request(request, {"content", "add_special", "with_pieces", "prompt", "add_special_tokens",
+                                             "return_token_strs", "model"}, answer)
 
     async def detokenize(request):
-        """llama-server's /detokenize: {"tokens": [ids]} -> {"content": text}."""
+        """llama-server's /detokenize: {"tokens": [ids]} -> {"content": text}; the text is also "prompt", as vLLM's
+        answer names it."""
         def answer(body: dict) -> dict:
+            server.check_model(body)
             ids = _get(body, "tokens", lambda v: isinstance(v, list) and all(is_int(i) for i in v),
                        "a list of token ids", [])
             if server.vocab and any(not 0 <= i < server.vocab for i in ids):
                 raise RequestError(f"tokens: token ids must lie in [0, {server.vocab})", param="tokens",
                                    code="invalid_value")
-            return {"content": server.need_tokenizer("tokens").decode(ids)}
+            text = server.need_tokenizer("tokens").decode(ids)
+            return {"content": text, "prompt": text}
 
-        return await small_request(request, {"tokens"}, answer)
+        return await small_request(request, {"tokens", "model"}, answer)
+
+    async def tokenizer_information(request):
+        """vLLM's /tokenizer_info (serve/chat_template.py tokenizer_info): lm-eval's remote tokenizer asks it first."""
+        server.check_auth(request)
+        server.need_tokenizer("tokenizer_info")
+        return JSONResponse(tokenizer_info(generator.c, server.family, server.context))
 
     async def small_request(request, fields: set[str], answer: Callable[[dict], dict]):
         """A /tokenize-like request: auth, a --max-queue place (a 4 MB text's encoding is seconds of work), the
@@ -1692,7 +1724,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
     endpoints = {"/health": (health, "GET"), "/metrics": (metrics, "GET"), "/v1/models": (models, "GET"),
                  "/v1/models/{model_id:path}": (one_model, "GET"), "/tokenize": (tokenize, "POST"),
-                 "/detokenize": (detokenize, "POST"), "/v1/completions": (completions, "POST"),
+                 "/detokenize": (detokenize, "POST"), "/tokenizer_info": (tokenizer_information, "GET"),
+                 "/v1/completions": (completions, "POST"),
                  "/v1/chat/completions": (chat_completions, "POST")}
     routes = [Route(path, handles_errors(fn, path), methods=[method]) for path, (fn, method) in endpoints.items()]
 

@@ -252,15 +252,41 @@ def _failure(e: BaseException) -> str:
     return what if isinstance(e, TemplateLimitError) else f"{type(e).__name__}: {what}"
 
 
-def family_chat_template(container: Container, family) -> ChatTemplate:
-    """The chat template of a family container's model (`family`: its ModelFamily); NoChatTemplateError naming
-    where it was looked for when there is none."""
-    config = tokenizer_config(container)
+def chat_template_text(container: Container, family) -> str | None:
+    """The Jinja text of a family container's chat template, or None where it carries none."""
     from_file = container.tokenizer_text(TEMPLATE_FILE)
     # transformers: a chat_template.jinja takes priority over tokenizer_config.json's (a family with its own chat
     # encoding renders its own)
-    template = from_file if from_file and family.chat_encoding is None else family.chat_template(config) or from_file
+    if from_file and family.chat_encoding is None:
+        return from_file
+    return family.chat_template(tokenizer_config(container)) or from_file or None
+
+
+def family_chat_template(container: Container, family) -> ChatTemplate:
+    """The chat template of a family container's model (`family`: its ModelFamily); NoChatTemplateError naming
+    where it was looked for when there is none."""
+    template = chat_template_text(container, family)
     if not template:
         raise NoChatTemplateError(f"the {family.name} model's container carries no chat template (neither "
                                   f"tokenizer_config.json chat_template nor {TEMPLATE_FILE})")
-    return ChatTemplate(template, config)
+    return ChatTemplate(template, tokenizer_config(container))
+
+
+def tokenizer_info(container: Container, family, context: int | None) -> dict:
+    """vLLM's GET /tokenizer_info, what lm-eval's remote tokenizer reads: the special tokens' texts, whether a BOS is
+    added, the context and the chat template's text (where there is one), from the container's tokenizer_config.json
+    (named fields only: never the file whole)."""
+    config = tokenizer_config(container)
+    info: dict[str, Any] = {name: _token_text(config.get(name))
+                            for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    info["add_bos_token"] = bool(config.get("add_bos_token", True))
+    info["model_max_length"] = context
+    if isinstance(config.get("tokenizer_class"), str):
+        info["tokenizer_class"] = config["tokenizer_class"][:200]
+    try:
+        template = chat_template_text(container, family)
+    except MoepackError:  # a malformed one: chat requests name it; the info goes without it
+        template = None
+    if template:
+        info["chat_template"] = template
+    return info

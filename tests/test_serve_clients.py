@@ -837,11 +837,43 @@ def test_tokenize_and_detokenize_as_llama_server(server):
     joined = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
     assert joined == unicode_text.encode()
     back = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=TIMEOUT).json()
-    assert back == {"content": text}
+    assert back == {"content": text, "prompt": text}  # (vLLM's answer names it prompt)
     for path, body, param in (("/tokenize", {"content": 5}, "content"), ("/tokenize", {"text": "x"}, "text"),
                               ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
         r = httpx.post(f"{server.url}{path}", json=body, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_tokenizer_endpoints_as_vllm_serves_them_to_lm_evals_remote_tokenizer(server):
+    """lm-eval's remote tokenizer (tokenizer_backend auto or remote) first asks GET /tokenizer_info (its eos_token),
+    then POST /tokenize {"prompt", "add_special_tokens": false} -> {"tokens"}, takes the eos token's id as the first
+    of /tokenize(eos_token), and decodes by /detokenize -> {"prompt"}: vLLM's forms, beside llama-server's."""
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=TIMEOUT).json()
+    config = server.generator.c.config
+    assert info["eos_token"] == "<｜end▁of▁sentence｜>" and info["bos_token"] == "<｜begin▁of▁sentence｜>"
+    assert info["model_max_length"] == config["max_position_embeddings"] and info["add_bos_token"] is True
+
+    def tokenize(body):
+        r = httpx.post(f"{server.url}/tokenize", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()
+    eos = tokenize({"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos["tokens"] == [config["eos_token_id"]] and eos["count"] == 1  # a special token's spelling is it
+    text = "Once upon a time"
+    plain = tokenize({"model": "tiny", "prompt": text, "add_special_tokens": False, "return_token_strs": True})
+    assert plain["tokens"] == server.tok.encode(text, add_bos=False) and plain["max_model_len"] == info[
+        "model_max_length"] and "".join(plain["token_strs"]) == text
+    assert tokenize({"prompt": text})["tokens"] == [config["bos_token_id"], *plain["tokens"]]  # vLLM's default
+    back = httpx.post(f"{server.url}/detokenize", json={"model": "tiny", "tokens": plain["tokens"]},
+                      timeout=TIMEOUT).json()
+    assert back["prompt"] == text
+    for body, param, status in (({"prompt": text, "content": text}, "prompt", 400),
+                                ({"prompt": 3}, "prompt", 400), ({"prompt": text, "add_special_tokens": 1},
+                                                                 "add_special_tokens", 400),
+                                ({"prompt": text, "model": "other"}, "model", 404),
+                                ({"prompt": text, "messages": []}, "messages", 400)):
+        r = httpx.post(f"{server.url}/tokenize", json=body, timeout=TIMEOUT)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
 
 
 def test_one_model_and_an_unknown_one(server):

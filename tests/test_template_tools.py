@@ -445,3 +445,12 @@ def test_generate_json_splits_a_templates_thought_as_the_server_does(qwen3_tools
         assert r.exit_code == 0, r.output
         out = json.loads(r.stdout)
         assert (out["text"], out.get("reasoning_content"), out["content"]) == (answer, reasoning, content)
+
+
+def test_tokenizer_info_carries_the_chat_template_a_remote_tokenizer_renders(server):
+    """vLLM's GET /tokenizer_info gives the model's Jinja chat template (lm-eval's remote tokenizer renders chats
+    with it: --apply_chat_template with local-completions), as the container carries it."""
+    import httpx
+
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=60).json()
+    assert info["chat_template"] == QWEN3_TEMPLATE and info["tokenizer_class"]
