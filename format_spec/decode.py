@@ -257,21 +257,33 @@ def decode_group_row_slices(tensors, read, name: str, rows_per_slice: int, out_d
 _NON_FINITE_BITS = {"F64": (8, 0x7FF0000000000000), "F32": (4, 0x7F800000), "F16": (2, 0x7C00),
                     "BF16": (2, 0x7F80), "F8_E5M2": (1, 0x7C), "F8_E4M3": (1, 0x7F), "F8_E8M0": (1, 0xFF)}
 _NUMPY_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-# ggml blocks whose only non-finite value can sit in their scale: type -> (block bytes, byte of the block to test,
-# mask of that byte's exponent bits, values per block). MXFP4: the E8M0 byte; Q8_0: the f16 scale's high byte.
-_BLOCK_SCALE_BITS = {"MXFP4": (17, 0, 0xFF, 32), "Q8_0": (34, 1, 0x7C, 32)}
+# ggml blocks whose values are all finite exactly when their f16 scales are (65504 times the largest code stays within
+# float32): type -> (block bytes, values per block, ((byte of the block, exponent mask), ...)). A block is not finite
+# where any of its tested bytes has all its mask bits set. An f16 scale is tested by its high byte (stored
+# little-endian): its exponent bits 0x7C00 all lie there, so a piece of the tensor that cuts through the field holds
+# all of the exponent or none of it, and pieces may start anywhere.
+_BLOCK_SCALE_BITS = {"Q8_0": (34, 32, ((1, 0x7C),)),  # f16 d
+                     "Q2_K": (84, 256, ((81, 0x7C), (83, 0x7C))),  # f16 d, f16 dmin (after scales[16], qs[64])
+                     "IQ2_XXS": (66, 256, ((1, 0x7C),))}  # f16 d (before qs)
+_MXFP4_BYTES = 17
+# Types none of whose bit patterns is a NaN or an infinity: integers, FP4 codes, and NVFP4, whose UE4M3 scales ggml
+# decodes with no NaN (0x7F is 0, the top bit is ignored: 0xFF is 240; its tensor scale is an F32 of its own).
+_ALWAYS_FINITE = frozenset(INTEGER_TYPES) | {"FP4_E2M1", "NVFP4"}
 
 
 def checks_finiteness(dtype: str) -> bool:
-    """Whether first_non_finite looks at values of this storage type (integers and FP4 codes are always finite;
-    NVFP4 / Q2_K / IQ2_XXS are not checked)."""
-    return dtype in _NON_FINITE_BITS or dtype in _BLOCK_SCALE_BITS
+    """Whether first_non_finite answers for this storage type from its bits (None for a type whose every bit
+    pattern is finite); for other types (a codec defined elsewhere) it answers None unchecked."""
+    return dtype in _NON_FINITE_BITS or dtype in _BLOCK_SCALE_BITS or dtype in _ALWAYS_FINITE or dtype == "MXFP4"
 
 
 def first_non_finite(dtype: str, buffer, start: int = 0) -> int | None:
     """The index (in the whole tensor) of the first NaN or infinite value among a piece of a tensor's stored
-    bytes that begins `start` bytes into the tensor (a multiple of the type's item or block size for plain types;
-    any for the block types, whose scale bytes are found by position), or None. From the bits alone: no decode."""
+    bytes that begins `start` bytes into the tensor (a multiple of the type's item size for plain types; any for
+    the block types), or None. For a block type, the first value of the first block holding such a value: a block
+    with a non-finite f16 scale (all its values are NaN or infinite), found by position whatever the cut; an MXFP4
+    block whose exponent overflows a code (judged on the blocks the piece holds whole: verify passes whole blocks).
+    From the bits alone: no decode."""
     data = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)
     if dtype in _NON_FINITE_BITS:
         size, mask = _NON_FINITE_BITS[dtype]
@@ -281,9 +293,53 @@ def first_non_finite(dtype: str, buffer, start: int = 0) -> int | None:
         bad = np.flatnonzero((values & values.dtype.type(mask)) == mask)
         return int(bad[0]) + start // size if len(bad) else None
     if dtype in _BLOCK_SCALE_BITS:
-        block, at, mask, per_block = _BLOCK_SCALE_BITS[dtype]
-        first = (at - start) % block  # the first tested byte in this piece
-        bytes_ = data[first::block]
-        bad = np.flatnonzero((bytes_ & mask) == mask)
-        return ((start + first + int(bad[0]) * block) // block) * per_block if len(bad) else None
+        block, per_block, tested = _BLOCK_SCALE_BITS[dtype]
+        first_bad = None  # block number in the whole tensor
+        for at, mask in tested:
+            first = (at - start) % block  # this tested byte's first occurrence in the piece
+            bad = np.flatnonzero((data[first::block] & mask) == mask)
+            if len(bad):
+                number = (start + first) // block + int(bad[0])
+                first_bad = number if first_bad is None else min(first_bad, number)
+        return None if first_bad is None else first_bad * per_block
+    if dtype == "MXFP4":
+        number = _mxfp4_overflow(data, start)
+        return None if number is None else number * 32
     return None
+
+
+def _mxfp4_overflow(data: np.ndarray, start: int) -> int | None:
+    """The number of the first whole MXFP4 block in `data` (a piece `start` bytes into the tensor) holding a value
+    past float32 (_overflowing_groups: ggml decodes code c of a block with exponent byte e as e2m1(c) * 2^(e-127),
+    e = 255 too, OCP's NaN, where codes 0 and +-0.5 decode finite)."""
+    skip = -start % _MXFP4_BYTES
+    whole = max(0, (len(data) - skip) // _MXFP4_BYTES)
+    blocks = data[skip:skip + whole * _MXFP4_BYTES].reshape(whole, _MXFP4_BYTES)
+    bad = _overflowing_groups(blocks[:, 0], blocks[:, 1:])
+    return (start + skip) // _MXFP4_BYTES + int(bad[0]) if len(bad) else None
+
+
+def first_scaled_fp4_overflow(packed, scale) -> int | None:
+    """FP4_E2M1 codes (two per byte, in order) times their E8M0 scales (one byte per 32 values, in order), as the
+    release stores a routed expert and its `P.scale`: the flat index of the first value of the first group of 32
+    holding a product past float32 (e2m1 6 x 2^127), or None. Each tensor's own bits are finite there; their
+    products are not. From the bits: no decode."""
+    exponents = np.frombuffer(memoryview(scale).cast("B"), dtype=np.uint8)
+    codes = np.frombuffer(memoryview(packed).cast("B"), dtype=np.uint8)
+    if len(codes) != 16 * len(exponents):
+        raise ValueError(f"{len(codes)} bytes of FP4 codes do not take {len(exponents)} scales of 32 values")
+    bad = _overflowing_groups(exponents, codes.reshape(-1, 16))
+    return int(bad[0]) * 32 if len(bad) else None
+
+
+def _overflowing_groups(exponents: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Which groups of 32 e2m1 codes (uint8 (n, 16), two per byte, bit 3 of a nibble its sign) times 2^(e-127),
+    e their E8M0 exponents ((n,) uint8), hold a product of 2^128 or more (float32's infinity): none up to e = 252,
+    then those holding a code of magnitude 2^(255-e) or more, a nibble's low three bits c >= 2 * (256 - e)
+    (e2m1 4 and 6 at e = 253, 2 and up at 254, 1 and up at 255). The indices, ascending."""
+    high = np.flatnonzero(exponents >= 253)  # rare: only these groups' codes are read
+    if not len(high):
+        return high
+    picked = codes[high]
+    largest = np.maximum(picked & 7, (picked >> 4) & 7).max(1)
+    return high[largest >= 2 * (256 - exponents[high].astype(np.int64))]

@@ -114,6 +114,18 @@ def check_finite(amax: torch.Tensor) -> None:
         raise MoepackError(NONFINITE_INPUT)
 
 
+F16_MAX = 65504.0
+
+
+def f16_scales(d: torch.Tensor, beyond: torch.Tensor) -> torch.Tensor:
+    """Super-block scales d (float32, (nsb, candidates)) as their f16 holds them, back in float32: at most the f16
+    maximum (the quantizer then re-picks its codes against it: every value the type reaches is held, to its
+    quantization error), but an infinity for every scale of a block marked `beyond` ((nsb, 1): values past what
+    the largest f16 scale decodes). Such a block keeps a non-finite scale, as ggml's f16 conversion and Q8_0 give,
+    which convert refuses by name (decode.first_non_finite reads it), never a clamped value."""
+    return torch.where(beyond, torch.full_like(d, float("inf")), d.clamp(max=F16_MAX)).half().float()
+
+
 def f16_bits_to_f32(lo_hi: torch.Tensor) -> torch.Tensor:
     """(..., 2) uint8 little-endian IEEE half -> float32 (...)."""
     return lo_hi.contiguous().view(torch.float16).squeeze(-1).float()

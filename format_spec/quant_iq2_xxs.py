@@ -26,11 +26,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .quant_common import check_finite, on_device
+from .quant_common import F16_MAX, check_finite, f16_scales, on_device
 
 QK = 256
 BYTES = 66
-F16_MAX = 65504.0
 
 # The iq2xxs grid: 256 points of 8 coordinates, each 0x08, 0x19 or 0x2b (8, 25, 43). Stored as in gguf-py's
 # quants.py: per point two bytes (hex) holding eight 2-bit fields, coordinate i in bits 2i..2i+1 of the
@@ -122,7 +121,8 @@ def quantize_chunk(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | N
     """x: float32 (nsb, 256); out: uint8 (nsb, 66); weights: optional (nsb, 256) importance."""
     nsb = x.shape[0]
     dev = x.device
-    check_finite(x.abs().amax(1))
+    block_amax = x.abs().amax(1, keepdim=True)
+    check_finite(block_amax)
     G = nsb * 8  # groups of 32
     n_sub = 4
     xs = x.reshape(G * n_sub, 8)
@@ -172,7 +172,8 @@ def quantize_chunk(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | N
     S8 = S.view(nsb, 8)
     sa8, sb8 = sa.view(nsb, 8, 1), sb.view(nsb, 8, 1)
     d = S8.amax(1, keepdim=True) * (8.0 / 31.0) / on_device(_DCAND, dev).view(1, -1)
-    d = d.clamp_(max=F16_MAX).half().float()  # (nsb, nd) candidates, as stored
+    # (nsb, nd) candidates, as stored; infinite for a block beyond the largest value any d decodes (d * 15.5/4 * 43)
+    d = f16_scales(d, block_amax > F16_MAX * 15.5 / 4 * 43)
 
     def codes_for(d):
         # d: (nsb, nd) -> best l (nsb, 8, nd) by the quadratic error and its total

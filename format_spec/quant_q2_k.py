@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from .quant_common import check_finite, on_device
+from .quant_common import F16_MAX, check_finite, f16_scales, on_device
 
 QK = 256
 BYTES = 84
-F16_MAX = 65504.0
 _CAND = torch.arange(-0.5, 1.0001, 0.1)  # step multipliers: levels 0..3 span (3 + c) steps
 _DSCALE = torch.tensor([1.0, 0.94])
 _OFF_S = torch.tensor([0.0, 0.0, 1.0, 1.0])
@@ -145,8 +144,11 @@ def quantize_chunk(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | N
     m16 = m.view(nsb, 1, 1, 16)
     dcand = on_device(_DSCALE, dev)
     nd = dcand.numel()
-    d = (s.view(nsb, 16).amax(1, keepdim=True) / 15.0 / dcand.view(1, -1)).clamp_(max=F16_MAX).half().float()
-    dm = (m.view(nsb, 16).amax(1, keepdim=True) / 15.0 / dcand.view(1, -1)).clamp_(max=F16_MAX).half().float()
+    # a block with a group beyond what the largest f16 steps decode gets infinite steps: a group spans at most
+    # d * 15 * 3 up from its offset, which is at most 0 and at least -dm * 15
+    beyond = ((rng > F16_MAX * 45) | (lo < -F16_MAX * 15)).view(nsb, 16).any(1, keepdim=True)
+    d = f16_scales(s.view(nsb, 16).amax(1, keepdim=True) / 15.0 / dcand.view(1, -1), beyond)
+    dm = f16_scales(m.view(nsb, 16).amax(1, keepdim=True) / 15.0 / dcand.view(1, -1), beyond)
     for it in range(2):
         sl, sl2, sxl = _sums(xg, wg, L)
         sums = [t.view(nsb, 1, 1, 16) for t in (sw, sx, sxx, sl, sl2, sxl)]

@@ -12,6 +12,7 @@ import numpy as np
 import xxhash
 
 from .decode import first_non_finite
+from .dtypes import STORAGE_TYPES
 from .errors import FormatError
 from .layout import HEADER_SIZE
 from .reader import Container, Region
@@ -41,6 +42,7 @@ def _check_region(c: Container, region: Region, on_bytes) -> None:
     # Covered byte ranges, in order; everything between them must be zero.
     spans = [(t.offset, t.offset + t.length, t) for t in region.tensors]
     hashers = {t.name: xxhash.xxh3_64() for t in region.tensors}
+    cut_blocks = {}  # tensor name -> the bytes of its block cut by the last chunk's end, judged with the next chunk
     pos = 0
     while pos < region.length:
         n = min(READ_CHUNK, region.length - pos)
@@ -53,7 +55,7 @@ def _check_region(c: Container, region: Region, on_bytes) -> None:
             _check_zero(c, region, chunk, pos, cursor, start)
             piece = chunk[max(start, pos) - pos:min(end, pos + n) - pos]
             hashers[t.name].update(piece)
-            bad = first_non_finite(t.dtype, piece, max(start, pos) - start)
+            bad = _first_non_finite_in_whole_blocks(t, piece, max(start, pos) - start, cut_blocks)
             if bad is not None:
                 raise FormatError(f"tensor {t.name} (region {c.describe(region)}): not finite (NaN or infinity) at "
                                   f"flat index {bad}")
@@ -67,6 +69,27 @@ def _check_region(c: Container, region: Region, on_bytes) -> None:
     for t in region.tensors:
         if hashers[t.name].hexdigest() != t.xxh3:
             raise FormatError(f"tensor {t.name} (region {c.describe(region)}): checksum mismatch")
+
+
+def _first_non_finite_in_whole_blocks(t, piece: memoryview, at: int, cut_blocks: dict) -> int | None:
+    """decode.first_non_finite of the piece of tensor `t` `at` bytes in, on whole blocks (an MXFP4 block's values
+    are judged from all its bytes): a block cut by a chunk's end is kept in `cut_blocks` and judged once the next
+    chunk completes it."""
+    size = STORAGE_TYPES[t.dtype].block_bytes
+    held = cut_blocks.pop(t.name, b"")
+    bad = None
+    if held:
+        need = min(size - len(held), len(piece))
+        completed, piece = held + bytes(piece[:need]), piece[need:]
+        at += need
+        if len(completed) < size:
+            cut_blocks[t.name] = completed
+            return None
+        bad = first_non_finite(t.dtype, completed, at - size)
+    cut = (at + len(piece)) % size if at + len(piece) < t.length else 0
+    if cut:
+        cut_blocks[t.name], piece = bytes(piece[len(piece) - cut:]), piece[:len(piece) - cut]
+    return bad if bad is not None else first_non_finite(t.dtype, piece, at)
 
 
 def _check_zero(c: Container, region: Region, chunk: memoryview, chunk_pos: int, start: int, end: int) -> None:

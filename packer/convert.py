@@ -25,7 +25,7 @@ from moepack.families import adapter_for, family_for, value_type_problem
 from moepack.format_spec import quants
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.decode import (as_uint8, checks_finiteness, decode_float, decode_tensor, first_non_finite,
-                                        scale_name, tensor_scale_name)
+                                        first_scaled_fp4_overflow, scale_name, tensor_scale_name)
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, STORAGE_TYPES, storage_type, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import check_free_space, existing_ancestor
@@ -196,9 +196,7 @@ class RegionConverter:
     def convert(self, items: list[tuple[str, SourceTensor]], data: dict[str, bytes]) -> list[tuple]:
         by_name = dict(items)
         out = []
-        for name, t in items:  # a NaN or infinity in a weight is refused whatever the policy, --keep too
-            dtype, shape = source_type_and_shape(self.adapter, name, t)
-            bad = first_non_finite(dtype, data[name])
+        for name, shape, bad in self._non_finite_values(items, data):
             if bad is not None:
                 where = ", ".join(str(int(i)) for i in np.unravel_index(bad, shape)) if shape else ""
                 raise MoepackError(f"{name}: not finite (NaN or infinity) at index [{where}] (flat {bad}) of the "
@@ -216,6 +214,21 @@ class RegionConverter:
             if tensor_scale is not None:  # right after its weight (SPEC.md section 6.1)
                 out.append((tensor_scale_name(name), "F32", [], tensor_scale))
         return out
+
+    def _non_finite_values(self, items: list[tuple[str, SourceTensor]], data: dict[str, bytes]):
+        """(name, logical shape, flat index of its first NaN or infinity or None) of each of `items`, judged by the
+        bits: each tensor's own, then FP4 codes times their E8M0 scales (finite both, their product may not be).
+        A NaN or infinity in a weight is refused whatever the policy, --keep too."""
+        by_name, scaled = dict(items), []
+        for name, t in items:
+            dtype, shape = source_type_and_shape(self.adapter, name, t)
+            yield name, shape, first_non_finite(dtype, data[name])
+            scale = by_name.get(scale_name(name))
+            if dtype == "FP4_E2M1" and scale is not None and scale.dtype == "F8_E8M0" and \
+                    memoryview(data[name]).nbytes == 16 * memoryview(data[scale_name(name)]).nbytes:
+                scaled.append((name, shape))  # (other sizes are refused by the decode)
+        for name, shape in scaled:
+            yield name, shape, first_scaled_fp4_overflow(data[name], data[scale_name(name)])
 
     def _requantize(self, name, dtype, shape, raw, scale, target) -> tuple[memoryview, bytes | None]:
         """(the stored bytes, the F32 bytes of its tensor scale or None)."""

@@ -16,7 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moepack.cli.main import cli
-from moepack.format_spec.decode import first_non_finite
+from moepack.format_spec import quants
+from moepack.format_spec.codecs import REGISTRY
+from moepack.format_spec.decode import (checks_finiteness, decode_tensor, first_non_finite,
+                                        first_scaled_fp4_overflow)
 from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.verify import verify_container
 from moepack.format_spec.writer import ContainerWriter
@@ -58,11 +61,11 @@ def test_fp8_and_e8m0():
 def test_block_scales_found_by_position_in_any_piece():
     blocks = np.zeros((10, 17), dtype=np.uint8)
     blocks[:, 0] = 127
-    blocks[:, 1:] = 0xFF  # codes of every value: finite
-    blocks[7, 0] = 0xFF  # block 7's E8M0 scale: NaN
+    blocks[:, 1:] = 0xFF  # codes of e2m1 -6: finite times 2^0
+    blocks[7, 0] = 0xFF  # block 7's exponent: OCP's NaN, -6 x 2^128 in ggml: an infinity
     raw = blocks.reshape(-1)
     assert first_non_finite("MXFP4", raw) == 7 * 32
-    for cut in (5, 17, 40, 119):  # pieces starting mid-block
+    for cut in (5, 17, 40, 119):  # pieces starting before block 7 (an MXFP4 block is judged whole)
         assert first_non_finite("MXFP4", raw[cut:], cut) == 7 * 32
     assert first_non_finite("MXFP4", raw[120:], 120) is None
     q8 = np.zeros((6, 34), dtype=np.uint8)
@@ -71,6 +74,89 @@ def test_block_scales_found_by_position_in_any_piece():
     q8[4, :2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
     assert first_non_finite("Q8_0", q8.reshape(-1)) == 4 * 32
     assert first_non_finite("Q8_0", q8.reshape(-1)[35:], 35) == 4 * 32
+
+
+# Where ggml's layouts (ggml-common.h) keep each block type's scales: type -> [(byte of the block, width)], f16 where
+# the width is 2, MXFP4's exponent byte where it is 1 (its codes follow). Written out here, not read from decode.py.
+SCALE_FIELDS = {"Q8_0": [(0, 2)], "MXFP4": [(0, 1)], "Q2_K": [(80, 2), (82, 2)], "IQ2_XXS": [(0, 2)]}
+F16_NON_FINITE = (0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF)  # +-inf, NaNs
+# types none of whose bit patterns decodes to a NaN or an infinity (NVFP4: ggml's UE4M3 has no NaN)
+ALWAYS_FINITE = ("I64", "I32", "I16", "I8", "U8", "BOOL", "FP4_E2M1", "NVFP4")
+
+
+def _finite_f16_bits(rng, n: int) -> np.ndarray:
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    return np.where((bits & 0x7C00) == 0x7C00, bits & ~np.uint16(0x0400), bits).astype("<u2")
+
+
+def _blocks_with_one_bad_scale(dtype: str, rng, n_blocks: int, bad: int) -> np.ndarray:
+    """n_blocks random blocks of a ggml type, every scale finite but one of block `bad`'s (a random field)."""
+    size = REGISTRY[dtype].block_bytes
+    blocks = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    for at, width in SCALE_FIELDS[dtype]:
+        if width == 2:
+            blocks[:, at:at + 2] = _finite_f16_bits(rng, n_blocks).view(np.uint8).reshape(n_blocks, 2)
+        else:  # MXFP4's exponent, any; codes of magnitude 0 or 1 (e2m1 0, 0.5) where 2^(e-127) is 2^126 or more
+            blocks[:, at] = rng.integers(0, 256, n_blocks)
+            blocks[blocks[:, at] >= 253, at + 1:] &= 0x99
+    at, width = SCALE_FIELDS[dtype][rng.integers(len(SCALE_FIELDS[dtype]))]
+    if width == 2:
+        blocks[bad, at:at + 2] = np.array([rng.choice(F16_NON_FINITE)], "<u2").view(np.uint8)
+    else:  # an exponent of 2^126 .. 2^128 (OCP's NaN) times a code of e2m1 6: past float32
+        blocks[bad, at] = rng.integers(253, 256)
+        blocks[bad, at + 1 + rng.integers(16)] |= 0x77
+    return blocks.reshape(-1)
+
+
+def _pieces(raw: np.ndarray, rng, step: int = 1, also=()):
+    """raw cut at random places (multiples of `step`) and at `also` into consecutive pieces: (piece, its start)."""
+    cuts = np.unique(np.r_[rng.integers(1, len(raw) // step, 5) * step, also]).astype(int)
+    return [(raw[a:b], a) for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(raw)])]
+
+
+@pytest.mark.parametrize("dtype", list(REGISTRY))
+def test_every_storage_type_is_judged_by_its_bits_as_decoding_judges_it(dtype):
+    """For every stored type, first_non_finite (the bits) names the index decoding and torch.isfinite find: the
+    first non-finite value, for a block type the first value of its block; in the whole tensor and over any cut
+    into pieces (as verify streams them, cutting through blocks and 2-byte scales). Types whose every bit pattern
+    is finite are judged so (convert then never decodes them to look)."""
+    assert checks_finiteness(dtype), f"{dtype}: first_non_finite has no rule for it"
+    codec = REGISTRY[dtype]
+    rng = np.random.default_rng(sum(map(ord, dtype)))
+    n_blocks = 40
+    shape = (n_blocks * codec.block_elems,)
+    if dtype in ALWAYS_FINITE:  # random blocks, a block's first byte (NVFP4: a UE4M3 scale) taking every value
+        raw = rng.integers(0, 256, (256, codec.block_bytes), dtype=np.uint8)
+        raw[:, 0] = np.arange(256)
+        raw = raw.reshape(-1)
+        assert bool(torch.isfinite(decode_tensor(dtype, (256 * codec.block_elems,), raw).float()).all())
+        assert first_non_finite(dtype, raw) is None
+        return
+    bad = int(rng.integers(n_blocks))
+    if dtype in SCALE_FIELDS:
+        raw = _blocks_with_one_bad_scale(dtype, rng, n_blocks, bad)
+        step = codec.block_bytes if dtype == "MXFP4" else 1  # MXFP4: pieces of whole blocks, as verify passes them
+    else:  # a plain float type: random finite values, one NaN or infinity (exponent bits all ones)
+        step = codec.block_bytes
+        decoded = decode_tensor(dtype, shape, rng.integers(0, 256, n_blocks * step, dtype=np.uint8))
+        decoded = torch.where(torch.isfinite(decoded.float()), decoded, torch.zeros_like(decoded))
+        inf = torch.tensor(float("inf")).to(decoded.dtype)
+        decoded[bad] = -inf if bad % 2 and torch.isinf(inf.float()) else float("nan")  # (FP8 e4m3, E8M0: no inf)
+        raw = decoded.view(torch.uint8).numpy().copy()
+    values = decode_tensor(dtype, shape, raw).float()
+    first_by_decoding = int(torch.nonzero(~torch.isfinite(values))[0, 0])
+    expected = first_by_decoding // codec.block_elems * codec.block_elems
+    assert expected == bad * codec.block_elems
+    assert first_non_finite(dtype, raw) == expected
+    # cuts through every scale field of the bad block too (between an f16's low and high bytes)
+    through = [bad * codec.block_bytes + at + 1 for at, width in SCALE_FIELDS.get(dtype, ()) if width == 2]
+    for _ in range(5):
+        found = [first_non_finite(dtype, piece, start) for piece, start in _pieces(raw, rng, step, through)]
+        assert min(i for i in found if i is not None) == expected
+    size = codec.block_bytes  # the bad block replaced by a finite one: both find nothing
+    raw[bad * size:(bad + 1) * size] = raw[:size] if bad else raw[-size:]
+    assert bool(torch.isfinite(decode_tensor(dtype, shape, raw).float()).all())
+    assert first_non_finite(dtype, raw) is None
 
 
 def _poisoned_checkpoint(tmp_path, name: str, index: int, byte: int | None = None, value: float = float("nan"),
@@ -114,16 +200,70 @@ def test_convert_refuses_nan_bytes_of_the_release_encodings(tmp_path, name, inde
         convert_checkpoint(src, str(tmp_path / "out.moepack"), policy="fp4", progress=False)
 
 
-@pytest.mark.parametrize("policy, value", [("q8", 1e30), ("q2", 3e38)])
-def test_convert_refuses_finite_values_the_policys_type_cannot_hold(tmp_path, policy, value):
-    """(Found by fuzzing convert.) A finite weight beyond what a type's f16 block scales reach (Q8_0; Q2_K, which
-    clamps, up to a NaN) was stored as an infinity or a NaN: convert succeeded, and verify refused what it wrote."""
-    name = "layers.0.ffn.experts.1.w2.weight"
+@pytest.mark.parametrize("policy", ["keep", "fp4", "q8"])
+def test_convert_refuses_fp4_codes_whose_scale_overflows_them(tmp_path, policy):
+    """An E8M0 scale of 2^127 (byte 254) is finite, and so is every FP4 code, but e2m1 2 and up times it pass
+    float32: --fp4 stored them (a lossless repack: MXFP4 blocks decoding to infinities) and verify passed them;
+    --q8 refused without naming the tensor. Now the source is refused by name under every policy."""
+    src = _poisoned_checkpoint(tmp_path, "layers.0.ffn.experts.2.w3.scale", 9, byte=254)
+    with pytest.raises(MoepackError, match=r"^layers\.0\.ffn\.experts\.2\.w3\.weight: not finite .* \(flat 288\) of "
+                                           r"the source: the checkpoint is damaged$"):
+        convert_checkpoint(src, str(tmp_path / "out.moepack"), policy=policy, progress=False)
+    packed = np.full(32, 0x33, dtype=np.uint8)  # e2m1 1.5 everywhere: 1.5 x 2^127 is finite, 2 x 2^127 is not
+    assert first_scaled_fp4_overflow(packed, np.array([254, 254], np.uint8)) is None
+    packed[20] = 0x43
+    assert first_scaled_fp4_overflow(packed, np.array([254, 254], np.uint8)) == 32
+    assert first_scaled_fp4_overflow(packed, np.array([254, 252], np.uint8)) is None
+
+
+@pytest.mark.parametrize("policy, value, name", [("q8", 1e30, "layers.0.ffn.experts.1.w2.weight"),
+                                                 ("q2", 3e38, "layers.0.ffn.experts.1.w2.weight"),
+                                                 ("q2", 1e7, "layers.0.ffn.experts.1.w2.weight"),  # Q2_K
+                                                 ("q2", -2e7, "layers.0.ffn.experts.1.w1.weight")])  # IQ2_XXS
+def test_convert_refuses_finite_values_the_policys_type_cannot_hold(tmp_path, policy, value, name):
+    """(Found by fuzzing convert.) A finite weight beyond what a type's f16 block scales reach (Q8_0) was stored as
+    an infinity or a NaN: convert succeeded, and verify refused what it wrote. Q2_K and IQ2_XXS clamped their scales
+    at the f16 maximum: 1e7 was stored as 2.9e6 (Q2_K), -2e7 as -1.1e7 (IQ2_XXS), silently."""
     src = _poisoned_checkpoint(tmp_path, name, 5, value=value, layout="f32")
     out = str(tmp_path / "out.moepack")
     with pytest.raises(MoepackError, match=rf"^{name}: \w+ cannot hold its values \(the largest magnitude"):
         convert_checkpoint(src, out, policy=policy, progress=False)
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("qtype, beyond, within", [("Q2_K", (3e6, -1e6, 1e20, 3e38), (2.5e6, -9e5)),
+                                                   ("IQ2_XXS", (1.1e7, -1.1e7, 1e20, 3e38), (9e6, -9e6))])
+def test_a_q2_block_beyond_its_f16_scales_keeps_a_non_finite_scale(qtype, beyond, within):
+    """Q2_K (d * 15 * 3 above, -dmin * 15 below) and IQ2_XXS (d * 15.5/4 * 43) decode nothing beyond their largest
+    f16 scales: a block holding such a value gets an infinite scale, as ggml's f16 conversion (and our Q8_0) gives,
+    so that convert refuses it by name; they clamped it (1e20 decoded as 2.9e6) or, at 3e38, gave a NaN (Q2_K) or
+    finite garbage (IQ2_XXS). Within their range the values are stored finite."""
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    for value in beyond + within:
+        y = x.copy()
+        y[1, 7] = value
+        q = quants.quantize(y, qtype)
+        decoded = quants.dequantize(q, qtype, y.shape)
+        if value in within:
+            assert first_non_finite(qtype, q.reshape(-1)) is None and np.isfinite(decoded).all()
+        else:
+            assert first_non_finite(qtype, q.reshape(-1)) == 256, value
+            assert not np.isfinite(decoded[1]).any() and np.isfinite(decoded[[0, 2]]).all()
+
+
+def test_convert_judges_every_quantized_type_by_its_bits(monkeypatch):
+    """_holds_an_infinity reads the stored bits of every type a policy quantizes to (NVFP4, Q2_K and IQ2_XXS were
+    decoded whole: ~4 % of a --q2 conversion)."""
+    def no_decode(*args, **kwargs):
+        raise AssertionError("decoded")
+    monkeypatch.setattr(convert_module, "decode_float", no_decode)
+    x = np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32)
+    for qtype in quants.QTYPES:
+        blocks = quants.quantize(x, qtype).reshape(-1)
+        assert not convert_module._holds_an_infinity(qtype, x.shape, memoryview(blocks))
+    y = x.copy()
+    y[2, 3] = 1e9
+    assert convert_module._holds_an_infinity("Q2_K", y.shape, memoryview(quants.quantize(y, "Q2_K").reshape(-1)))
 
 
 @pytest.fixture
@@ -149,6 +289,45 @@ def test_prefill_and_generate_stop_at_the_first_layer_that_is_not_finite(nan_con
         prefill(nan_container, torch.arange(3, 20), PrefillOptions())
     r = CliRunner().invoke(cli, ["generate", nan_container, "--prompt", "hello", "--max-new-tokens", "3"])
     assert r.exit_code == 1 and "layer 1: its output is not finite" in r.output
+
+
+def _one_tensor_container(path: str, dtype: str, shape, raw: bytes) -> str:
+    w = ContainerWriter(path)
+    w.begin_region("global", tensor="embed.weight")
+    w.add_tensor("embed.weight", dtype, shape, raw)
+    w.end_region()
+    w.finish(config={"model_type": "deepseek_v4", "num_hidden_layers": 0}, architecture="deepseek_v4",
+             policy={"name": "keep"}, tokenizer={}, provenance={"source": "test"})
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["MXFP4", "Q2_K", "IQ2_XXS", "Q8_0"])
+def test_verify_finds_a_bad_block_cut_by_its_reads(tmp_path, monkeypatch, dtype):
+    """verify reads a container in chunks that cut blocks anywhere: a block's values are judged whole (an MXFP4
+    block with exponent 254, 2^127, and a code of e2m1 2 decodes to an infinity; with codes up to 1.5 it does not:
+    verify had passed both)."""
+    rng = np.random.default_rng(3)
+    codec, n_blocks, bad = REGISTRY[dtype], 30, 17
+    if dtype == "MXFP4":
+        blocks = rng.integers(0, 256, (n_blocks, 17), dtype=np.uint8)
+        blocks[:, 0] = rng.integers(100, 253, n_blocks)
+        blocks[bad, 0], blocks[bad, 1:] = 254, 0x33  # e2m1 1.5 x 2^127 is finite
+        blocks[bad, 9] = 0x34  # 2 x 2^127 is not
+        raw = blocks.reshape(-1)
+    else:
+        raw = _blocks_with_one_bad_scale(dtype, rng, n_blocks, bad)
+    shape = [n_blocks * codec.block_elems]
+    assert first_non_finite(dtype, raw) == bad * codec.block_elems
+    path = _one_tensor_container(str(tmp_path / f"{dtype}.moepack"), dtype, shape, raw.tobytes())
+    for chunk in (5, 64, 100, 1000, 1 << 20):
+        monkeypatch.setattr("moepack.format_spec.verify.READ_CHUNK", chunk)
+        with pytest.raises(FormatError, match=rf"not finite .* at flat index {bad * codec.block_elems}$"):
+            verify_container(path)
+    if dtype == "MXFP4":
+        raw[bad * 17 + 9] = 0x33
+        finite = _one_tensor_container(str(tmp_path / "finite.moepack"), dtype, shape, raw.tobytes())
+        assert verify_container(finite).tensors == 1
+        assert bool(torch.isfinite(decode_tensor(dtype, shape, raw)).all())
 
 
 def test_a_container_without_such_values_verifies(tmp_path):
