@@ -232,7 +232,7 @@ class RegionConverter:
 
     def _requantize(self, name, dtype, shape, raw, scale, target) -> tuple[memoryview, bytes | None]:
         """(the stored bytes, the F32 bytes of its tensor scale or None)."""
-        tensor_scale = None
+        tensor_scale = exponent = None
         if target == "MXFP4" and dtype == "FP4_E2M1" and scale is not None:
             # lossless: the same codes and exponents, nibbles rearranged into ggml's order
             packed = as_uint8(raw).view(*shape[:-1], shape[-1] // 2)
@@ -246,19 +246,21 @@ class RegionConverter:
         if blocks.numel() != tensor_nbytes(target, shape):
             raise MoepackError(f"{name}: {target} conversion produced {blocks.numel()} bytes")
         stored = memoryview(blocks.numpy())
-        if _holds_an_infinity(target, shape, stored):  # finite source values beyond the type's (or its scales') range
+        if _holds_an_infinity(target, shape, stored, exponent):  # finite source values beyond the type's range
             largest = float(decode_float(dtype, shape, raw, scale).abs().max())
             raise MoepackError(f"{name}: {target} cannot hold its values (the largest magnitude, {largest:.4g}, "
                                f"overflows to an infinity or NaN there): convert it under another policy")
         return stored, tensor_scale
 
 
-def _holds_an_infinity(dtype: str, shape, stored) -> bool:
-    """Whether stored bytes of `dtype` hold a NaN or an infinity: by the bits where decode.first_non_finite reads
-    the type, else decoded."""
-    if checks_finiteness(dtype):
+def _holds_an_infinity(dtype: str, shape, stored, exponent: int | None = None) -> bool:
+    """Whether stored bytes of `dtype`, times their tensor scale 2^exponent where they take one, hold a NaN or an
+    infinity: by the bits where decode.first_non_finite reads the type and the tensor scale cannot carry a finite
+    value past float32 (NVFP4's blocks decode below 2^12: 2^exponent below 2^116), else decoded (rare)."""
+    if checks_finiteness(dtype) and (exponent is None or exponent < 116):
         return first_non_finite(dtype, stored) is not None
-    return not bool(torch.isfinite(decode_float(dtype, shape, stored)).all())
+    values = decode_float(dtype, shape, stored, tensor_scale=None if exponent is None else 2.0 ** exponent)
+    return not bool(torch.isfinite(values).all())
 
 
 def convert_checkpoint(src: str, out: str, policy: str = "keep", progress: bool = True, revision: str | None = None,

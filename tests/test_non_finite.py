@@ -219,11 +219,13 @@ def test_convert_refuses_fp4_codes_whose_scale_overflows_them(tmp_path, policy):
 @pytest.mark.parametrize("policy, value, name", [("q8", 1e30, "layers.0.ffn.experts.1.w2.weight"),
                                                  ("q2", 3e38, "layers.0.ffn.experts.1.w2.weight"),
                                                  ("q2", 1e7, "layers.0.ffn.experts.1.w2.weight"),  # Q2_K
-                                                 ("q2", -2e7, "layers.0.ffn.experts.1.w1.weight")])  # IQ2_XXS
+                                                 ("q2", -2e7, "layers.0.ffn.experts.1.w1.weight"),  # IQ2_XXS
+                                                 ("nvfp4", 3.4e38, "layers.0.ffn.experts.1.w2.weight")])
 def test_convert_refuses_finite_values_the_policys_type_cannot_hold(tmp_path, policy, value, name):
     """(Found by fuzzing convert.) A finite weight beyond what a type's f16 block scales reach (Q8_0) was stored as
     an infinity or a NaN: convert succeeded, and verify refused what it wrote. Q2_K and IQ2_XXS clamped their scales
-    at the f16 maximum: 1e7 was stored as 2.9e6 (Q2_K), -2e7 as -1.1e7 (IQ2_XXS), silently."""
+    at the f16 maximum: 1e7 was stored as 2.9e6 (Q2_K), -2e7 as -1.1e7 (IQ2_XXS), silently. NVFP4's blocks are
+    finite, but 3.4e38 rounded up a little decodes times its tensor scale 2^118 to an infinity: it was stored."""
     src = _poisoned_checkpoint(tmp_path, name, 5, value=value, layout="f32")
     out = str(tmp_path / "out.moepack")
     with pytest.raises(MoepackError, match=rf"^{name}: \w+ cannot hold its values \(the largest magnitude"):
