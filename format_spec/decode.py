@@ -310,36 +310,17 @@ def first_non_finite(dtype: str, buffer, start: int = 0) -> int | None:
 
 def _mxfp4_overflow(data: np.ndarray, start: int) -> int | None:
     """The number of the first whole MXFP4 block in `data` (a piece `start` bytes into the tensor) holding a value
-    past float32 (_overflowing_groups: ggml decodes code c of a block with exponent byte e as e2m1(c) * 2^(e-127),
-    e = 255 too, OCP's NaN, where codes 0 and +-0.5 decode finite)."""
+    past float32. ggml decodes code c of a block with exponent byte e as e2m1(c) * 2^(e-127) (e = 255 too, OCP's
+    NaN): 2^128 or more for none up to e = 252, then for a code of magnitude 2^(255-e) or more, a nibble's low three
+    bits >= 2 * (256 - e) (e2m1 4 and 6 at e = 253, 2 and up at 254, 1 and up at 255: 0 and +-0.5 stay finite)."""
     skip = -start % _MXFP4_BYTES
     whole = max(0, (len(data) - skip) // _MXFP4_BYTES)
     blocks = data[skip:skip + whole * _MXFP4_BYTES].reshape(whole, _MXFP4_BYTES)
-    bad = _overflowing_groups(blocks[:, 0], blocks[:, 1:])
-    return (start + skip) // _MXFP4_BYTES + int(bad[0]) if len(bad) else None
-
-
-def first_scaled_fp4_overflow(packed, scale) -> int | None:
-    """FP4_E2M1 codes (two per byte, in order) times their E8M0 scales (one byte per 32 values, in order), as the
-    release stores a routed expert and its `P.scale`: the flat index of the first value of the first group of 32
-    holding a product past float32 (e2m1 6 x 2^127), or None. Each tensor's own bits are finite there; their
-    products are not. From the bits: no decode."""
-    exponents = np.frombuffer(memoryview(scale).cast("B"), dtype=np.uint8)
-    codes = np.frombuffer(memoryview(packed).cast("B"), dtype=np.uint8)
-    if len(codes) != 16 * len(exponents):
-        raise ValueError(f"{len(codes)} bytes of FP4 codes do not take {len(exponents)} scales of 32 values")
-    bad = _overflowing_groups(exponents, codes.reshape(-1, 16))
-    return int(bad[0]) * 32 if len(bad) else None
-
-
-def _overflowing_groups(exponents: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    """Which groups of 32 e2m1 codes (uint8 (n, 16), two per byte, bit 3 of a nibble its sign) times 2^(e-127),
-    e their E8M0 exponents ((n,) uint8), hold a product of 2^128 or more (float32's infinity): none up to e = 252,
-    then those holding a code of magnitude 2^(255-e) or more, a nibble's low three bits c >= 2 * (256 - e)
-    (e2m1 4 and 6 at e = 253, 2 and up at 254, 1 and up at 255). The indices, ascending."""
-    high = np.flatnonzero(exponents >= 253)  # rare: only these groups' codes are read
+    exponents = blocks[:, 0]
+    high = np.flatnonzero(exponents >= 253)  # rare: only these blocks' codes are read
     if not len(high):
-        return high
-    picked = codes[high]
-    largest = np.maximum(picked & 7, (picked >> 4) & 7).max(1)
-    return high[largest >= 2 * (256 - exponents[high].astype(np.int64))]
+        return None
+    codes = blocks[high, 1:]
+    largest = np.maximum(codes & 7, (codes >> 4) & 7).max(1)
+    bad = high[largest >= 2 * (256 - exponents[high].astype(np.int64))]
+    return (start + skip) // _MXFP4_BYTES + int(bad[0]) if len(bad) else None

@@ -25,7 +25,7 @@ from moepack.families import adapter_for, family_for, value_type_problem
 from moepack.format_spec import quants
 from moepack.format_spec.adapter import Adapter
 from moepack.format_spec.decode import (as_uint8, checks_finiteness, decode_float, decode_tensor, first_non_finite,
-                                        first_scaled_fp4_overflow, scale_name, tensor_scale_name)
+                                        scale_name, tensor_scale_name)
 from moepack.format_spec.dtypes import FROM_SAFETENSORS, STORAGE_TYPES, storage_type, tensor_nbytes
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.files import check_free_space, existing_ancestor
@@ -216,19 +216,21 @@ class RegionConverter:
         return out
 
     def _non_finite_values(self, items: list[tuple[str, SourceTensor]], data: dict[str, bytes]):
-        """(name, logical shape, flat index of its first NaN or infinity or None) of each of `items`, judged by the
-        bits: each tensor's own, then FP4 codes times their E8M0 scales (finite both, their product may not be).
-        A NaN or infinity in a weight is refused whatever the policy, --keep too."""
+        """(name, logical shape, flat index of its first NaN or infinity or None) of each of `items`: each tensor's
+        own by its bits, then each weight times its block scale (`P.scale`), finite both, decoded where the scale
+        could carry a finite value past float32 (at 2^112 and above: source values stay below 2^16; rare). A NaN or
+        infinity in a weight is refused whatever the policy, --keep too."""
         by_name, scaled = dict(items), []
         for name, t in items:
             dtype, shape = source_type_and_shape(self.adapter, name, t)
             yield name, shape, first_non_finite(dtype, data[name])
-            scale = by_name.get(scale_name(name))
-            if dtype == "FP4_E2M1" and scale is not None and scale.dtype == "F8_E8M0" and \
-                    memoryview(data[name]).nbytes == 16 * memoryview(data[scale_name(name)]).nbytes:
-                scaled.append((name, shape))  # (other sizes are refused by the decode)
-        for name, shape in scaled:
-            yield name, shape, first_scaled_fp4_overflow(data[name], data[scale_name(name)])
+            if scale_name(name) in by_name:
+                scaled.append((name, dtype, shape, by_name[scale_name(name)]))
+        for name, dtype, shape, st in scaled:
+            scale = decode_tensor(FROM_SAFETENSORS[st.dtype], st.shape, data[scale_name(name)])
+            if scale.numel() and float(scale.float().abs().max()) >= 2.0 ** 112:
+                bad = torch.nonzero(~torch.isfinite(decode_float(dtype, shape, data[name], scale).reshape(-1)))
+                yield name, shape, int(bad[0, 0]) if len(bad) else None
 
     def _requantize(self, name, dtype, shape, raw, scale, target) -> tuple[memoryview, bytes | None]:
         """(the stored bytes, the F32 bytes of its tensor scale or None)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -18,8 +19,7 @@ from safetensors.torch import save_file
 from moepack.cli.main import cli
 from moepack.format_spec import quants
 from moepack.format_spec.codecs import REGISTRY
-from moepack.format_spec.decode import (checks_finiteness, decode_tensor, first_non_finite,
-                                        first_scaled_fp4_overflow)
+from moepack.format_spec.decode import checks_finiteness, decode_tensor, first_non_finite
 from moepack.format_spec.errors import FormatError, MoepackError
 from moepack.format_spec.verify import verify_container
 from moepack.format_spec.writer import ContainerWriter
@@ -200,20 +200,20 @@ def test_convert_refuses_nan_bytes_of_the_release_encodings(tmp_path, name, inde
         convert_checkpoint(src, str(tmp_path / "out.moepack"), policy="fp4", progress=False)
 
 
-@pytest.mark.parametrize("policy", ["keep", "fp4", "q8"])
-def test_convert_refuses_fp4_codes_whose_scale_overflows_them(tmp_path, policy):
-    """An E8M0 scale of 2^127 (byte 254) is finite, and so is every FP4 code, but e2m1 2 and up times it pass
-    float32: --fp4 stored them (a lossless repack: MXFP4 blocks decoding to infinities) and verify passed them;
-    --q8 refused without naming the tensor. Now the source is refused by name under every policy."""
-    src = _poisoned_checkpoint(tmp_path, "layers.0.ffn.experts.2.w3.scale", 9, byte=254)
-    with pytest.raises(MoepackError, match=r"^layers\.0\.ffn\.experts\.2\.w3\.weight: not finite .* \(flat 288\) of "
-                                           r"the source: the checkpoint is damaged$"):
+@pytest.mark.parametrize("policy", ["keep", "fp4", "q8", "bf16"])
+@pytest.mark.parametrize("name,index,rows,cols", [("layers.0.ffn.experts.2.w3.scale", 9, (1, 2), (32, 64)),  # FP4
+                                                   ("layers.1.attn.wq_a.scale", 0, (0, 128), (0, 128))])  # FP8
+def test_convert_refuses_a_weight_its_finite_scale_carries_past_float32(tmp_path, policy, name, index, rows, cols):
+    """An E8M0 scale of 2^127 (byte 254) is finite, and so is every FP4 / FP8 value, but their products pass
+    float32: --keep stored them, --fp4 stored FP4 experts as MXFP4 blocks decoding to infinities (verify passed
+    both), --q8 refused without naming the tensor, --bf16 blamed the policy. Now the source is refused by name."""
+    src = _poisoned_checkpoint(tmp_path, name, index, byte=254)  # its group of 32 / block of 128 x 128
+    weight = name.replace(".scale", ".weight").replace(".", r"\.")
+    with pytest.raises(MoepackError, match=rf"^{weight}: not finite \(NaN or infinity\) at index \[(\d+), (\d+)\] "
+                                           r"\(flat \d+\) of the source: the checkpoint is damaged$") as error:
         convert_checkpoint(src, str(tmp_path / "out.moepack"), policy=policy, progress=False)
-    packed = np.full(32, 0x33, dtype=np.uint8)  # e2m1 1.5 everywhere: 1.5 x 2^127 is finite, 2 x 2^127 is not
-    assert first_scaled_fp4_overflow(packed, np.array([254, 254], np.uint8)) is None
-    packed[20] = 0x43
-    assert first_scaled_fp4_overflow(packed, np.array([254, 254], np.uint8)) == 32
-    assert first_scaled_fp4_overflow(packed, np.array([254, 252], np.uint8)) is None
+    row, col = (int(v) for v in re.search(r"index \[(\d+), (\d+)\]", str(error.value)).groups())
+    assert rows[0] <= row < rows[1] and cols[0] <= col < cols[1]
 
 
 @pytest.mark.parametrize("policy, value, name", [("q8", 1e30, "layers.0.ffn.experts.1.w2.weight"),
