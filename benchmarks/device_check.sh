@@ -54,9 +54,11 @@ STEPS=${STEPS:-tests indexer_scores gpu_prefill gpu_decode generate capped decod
 GPU_TOKENS=${GPU_TOKENS:-4096,131072,65536,16384}
 GPU_BATCH=${GPU_BATCH:-1,8}
 # the release slice gpu_prefill and gpu_decode share (built once, by whichever runs first): fewer experts or layers
-# build a smaller one (a dry run on a CPU: GPU_EXPERTS=8 GPU_LAYERS=1)
+# build a smaller one, GPU_DIMS=tiny one of the release's layer kinds at tiny widths (a dry run on a CPU that
+# reaches each step's end: GPU_DIMS=tiny GPU_EXPERTS=8 GPU_TOKENS=512,256)
 GPU_EXPERTS=${GPU_EXPERTS:-${GPU_DECODE_EXPERTS:-256}}
 GPU_LAYERS=${GPU_LAYERS:-1,2,3}
+GPU_DIMS=${GPU_DIMS:-release}
 GPU_WORKDIR=${GPU_WORKDIR:-/tmp/moepack-gpu-prefill}
 # indexer_scores' shapes (a dry run on a CPU: INDEXER_ARGS="--tokens 4096 --heads 4 --chunk 64")
 INDEXER_ARGS=${INDEXER_ARGS:---tokens 131072,65536}
@@ -193,14 +195,16 @@ run_indexer_scores() {
 run_gpu_prefill() {
     step "gpu prefill at the release's dimensions"
     timeout "$(upto 300)" python3 benchmarks/gpu_prefill.py --device "$DEVICE" --tokens "$GPU_TOKENS" \
-        --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --workdir "$GPU_WORKDIR" 2>&1 | tee "$OUT/gpu_prefill.txt"
+        --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --dims "$GPU_DIMS" --workdir "$GPU_WORKDIR" 2>&1 \
+        | tee "$OUT/gpu_prefill.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_prefill"
 }
 
 run_gpu_decode() {
     step "gpu decode at the release's dimensions"
     timeout "$(upto 300)" python3 benchmarks/gpu_decode.py --device "$DEVICE" --batch "$GPU_BATCH" \
-        --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --workdir "$GPU_WORKDIR" 2>&1 | tee "$OUT/gpu_decode.txt"
+        --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --dims "$GPU_DIMS" --workdir "$GPU_WORKDIR" 2>&1 \
+        | tee "$OUT/gpu_decode.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed gpu_decode"
 }
 

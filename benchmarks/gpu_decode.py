@@ -35,8 +35,8 @@ timed steps after --warmup untimed ones (which capture the CUDA graphs). Each ro
                  under torch's profiler (kernels launched eagerly, graphs replayed, synchronisations; a step's
                  one expected wait is its logits' copy to the host); tests/step_audit.py predicts them on a CPU
 Usage: python benchmarks/gpu_decode.py [--device cuda] [--batch 1,8] [--layers 1,2,3] [--experts 256]
-       [--preset NAME] [--workdir DIR] [--json]
-On a CPU (a dry run, seconds): --device cpu --preset small. The floor, predictions and the device command:
+       [--preset NAME] [--dims release|tiny] [--workdir DIR] [--json]
+On a CPU (a dry run, seconds): --device cpu --preset small, or the slice at --dims tiny --experts 8. The floor, predictions and the device command:
 benchmarks/gpu_decode.md.
 """
 
@@ -194,7 +194,7 @@ def main() -> None:
     os.makedirs(args.workdir, exist_ok=True)
     started = time.perf_counter()
     path = (ensure_container(args.workdir, args.preset) if args.preset else
-            build(args.workdir, [int(v) for v in args.layers.split(",")], args.experts, args.json))
+            build(args.workdir, [int(v) for v in args.layers.split(",")], args.experts, args.json, args.dims))
     build_s = time.perf_counter() - started
     rate = hbm_rate(device, args.copy_gib or (4.0 if device.type == "cuda" else 0.25))
     batches = [int(v) for v in args.batch.split(",")]

@@ -17,13 +17,13 @@ dense matrices and top-k experts of every layer), the device's peak memory and t
 wall (one CSA layer's indexer timed alone on random inputs of its dimensions, times the CSA layers), and per shape
 class of the indexer's scores which scorer the selection kept (backends/fused_scores.py: the fused kernel or torch's,
 with both timings). In the same run, the ceilings:
-  dense bf16  torch's bf16 matmul of 8192^3 (CPU: 2048^3)
+  dense bf16  torch's bf16 matmul of 8192^3 (CPU: 512^3; a CPU without bf16 units takes a minute a 2048^3)
   grouped     one layer's routed-expert GEMMs at N tokens as torch's grouped GEMM (bf16 weights on the device, the
               pairs spread evenly over the experts): gate+up, then down
   pinned h2d  a 1 GiB pinned host-to-device copy
 Usage: python benchmarks/gpu_prefill.py [--device cuda] [--tokens 4096,16384,65536,131072] [--places disk,page-cache]
-       [--layers 1,2,3] [--experts 256] [--workdir DIR] [--json]
-On a CPU (a dry run of the script): --device cpu --experts 8 --layers 1 --tokens 64.
+       [--layers 1,2,3] [--experts 256] [--dims release|tiny] [--workdir DIR] [--json]
+On a CPU (a dry run of the script to its end, a minute): --device cpu --dims tiny --experts 8 --tokens 512,256.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from prefill import io_alone, warm_cache  # noqa: E402
-from release_dims import release_cut  # noqa: E402
+from release_dims import DIMS, release_cut  # noqa: E402
 
 from moepack.backends import fused_scores  # noqa: E402
 from moepack.backends.grouped_experts import grouped_matmul  # noqa: E402
@@ -57,6 +57,11 @@ from moepack.tools.bench import _best_seconds, drop_page_cache  # noqa: E402
 PLACES = ("disk", "page-cache", "host", "device")
 
 
+def figures(x: float) -> float:
+    """x to three significant figures (a CPU's TFLOPS round to 0.0 at one decimal)."""
+    return float(f"{x:.3g}")
+
+
 def timed(fn, device: torch.device, repeat: int = 3) -> float:
     """The best of `repeat` timed calls, after one untimed."""
     fn()
@@ -64,7 +69,7 @@ def timed(fn, device: torch.device, repeat: int = 3) -> float:
 
 
 def dense_bf16_tflops(device: torch.device) -> float:
-    n = 8192 if device.type == "cuda" else 2048
+    n = 8192 if device.type == "cuda" else 512
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     return 2 * n ** 3 / timed(lambda: a @ b, device) / 1e12
 
@@ -85,6 +90,7 @@ def grouped_gemm_tflops(device: torch.device, tokens: int, top_k: int, experts: 
 
 
 def pinned_h2d_gbps(device: torch.device) -> float | None:
+    """GB/s of a 1 GiB copy from pinned host memory to the device; None on a CPU (no such copy)."""
     if device.type != "cuda":
         return None
     host = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
@@ -133,12 +139,14 @@ def active_weights(path: str) -> tuple[int, dict]:
     return dense + len(c.layers) * per_layer, shape
 
 
-def build(workdir: str, layers: list[int], experts: int, quiet: bool) -> str:
-    container = os.path.join(workdir, f"release-{'-'.join(map(str, layers))}-{experts}e.moepack")
+def build(workdir: str, layers: list[int], experts: int, quiet: bool, dims: str = "release") -> str:
+    """The release slice's container in `workdir` (built there once): `layers`, `experts`, widths DIMS[dims]."""
+    widths = "" if dims == "release" else f"-{dims}"
+    container = os.path.join(workdir, f"release-{'-'.join(map(str, layers))}-{experts}e{widths}.moepack")
     if os.path.exists(container):
         return container
     src = os.path.join(workdir, "src")
-    config = release_cut(layers, experts)
+    config = release_cut(layers, experts, dims)
     config.pop("vocab_size", None)  # the synthetic tokenizer's, so that the model converts with it
     synth_checkpoint(src, preset="tiny", layout="release", seed=0, progress=not quiet, overwrite=True,
                      config_overrides={k: v for k, v in config.items() if k != "quantization_config"},
@@ -148,8 +156,10 @@ def build(workdir: str, layers: list[int], experts: int, quiet: bool) -> str:
 
 
 def parse_on_device(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, torch.device]:
-    """The arguments (with --workdir and --json added) and the --device they name, which torch must see."""
+    """The arguments (with --workdir, --dims and --json added) and the --device they name, which torch must see."""
     ap.add_argument("--workdir", default="/tmp/moepack-gpu-prefill")
+    ap.add_argument("--dims", default="release", choices=sorted(DIMS),
+                    help="the slice's widths: the release's, or tiny ones (a dry run on a CPU, the same code paths)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -219,11 +229,12 @@ def main() -> None:
         raise SystemExit(f"unknown places {sorted(unknown)} (choose from {', '.join(PLACES)})")
     os.makedirs(args.workdir, exist_ok=True)
     started = time.perf_counter()
-    path = build(args.workdir, [int(v) for v in args.layers.split(",")], args.experts, args.json)
+    path = build(args.workdir, [int(v) for v in args.layers.split(",")], args.experts, args.json, args.dims)
     build_s = time.perf_counter() - started
     active, shape = active_weights(path)
-    ceilings = {"dense_bf16_tflops": round(dense_bf16_tflops(device), 1),
-                "pinned_h2d_gbps": (round(pinned_h2d_gbps(device), 1) if device.type == "cuda" else None)}
+    h2d = pinned_h2d_gbps(device)
+    ceilings = {"dense_bf16_tflops": figures(dense_bf16_tflops(device)),
+                "pinned_h2d_gbps": round(h2d, 1) if h2d is not None else None}
     base = dict(device=str(device), compute_dtype="bfloat16", expert_selection="all", expert_backend=args.expert_backend,
                 bundle_experts=args.bundle_experts, queue_depth=args.queue_depth)
     # a warm-up: the first prefill of a process pays one-time costs (kernels loaded, decode tables built) that
@@ -235,8 +246,8 @@ def main() -> None:
     for n in (int(t) for t in args.tokens.split(",")):
         ids = torch.randint(3, shape["vocab"], (n,), generator=torch.Generator().manual_seed(n))
         try:  # (its operands at 128K: about 40 GB of device memory; a device without them still runs the cells)
-            ideal = round(grouped_gemm_tflops(device, n, shape["top_k"], shape["experts"], shape["hidden"],
-                                              shape["inter"]), 1)
+            ideal = figures(grouped_gemm_tflops(device, n, shape["top_k"], shape["experts"], shape["hidden"],
+                                                shape["inter"]))
         except Exception as e:
             ideal = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         indexer_s = indexer_seconds(cfg, n, device)
@@ -248,7 +259,7 @@ def main() -> None:
             except Exception as e:  # one failed cell (out of memory at 128K, say) leaves the others
                 row = {"place": place, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             if "tokens_per_s" in row:
-                row["effective_tflops"] = round(row["tokens_per_s"] * 2 * active / 1e12, 2)
+                row["effective_tflops"] = figures(row["tokens_per_s"] * 2 * active / 1e12)
             if indexer_s is not None and row.get("seconds"):  # the indexer's part of the wall: every CSA layer's
                 row["indexer_share"] = round(indexer_s * shape["csa_layers"] / row["seconds"], 3)
             rows.append({"tokens": n, "grouped_gemm_tflops": ideal, **row})

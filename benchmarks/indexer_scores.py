@@ -60,7 +60,7 @@ def measure(row: dict, name: str, fn, flops: float, reference: torch.Tensor, row
         del scores
         kernel_choice.TIMED_REPS = repeat
         seconds = kernel_choice.seconds(fn, reference.device)
-        row.update({f"{name}_s": round(seconds, 5), f"{name}_tflops": round(flops / seconds / 1e12, 1),
+        row.update({f"{name}_s": round(seconds, 5), f"{name}_tflops": float(f"{flops / seconds / 1e12:.3g}"),
                     f"{name}_error": float(f"{error:.3g}")})
     except Exception as e:  # one failed measurement (no FP8 tensor cores, out of memory) leaves the others
         row[f"{name}_error"] = failure(e)
@@ -159,8 +159,8 @@ def main() -> None:
     print(f"{name}: the Lightning Indexer's scores of one {args.chunk}-query chunk, {args.heads} heads of "
           f"{args.head_dim} (torch {torch.__version__})")
     keys = ("tokens", "entries", "torch_s", "torch_tflops", "fused_s", "fused_tflops", "fused_error", "counts_s",
-            "fp8_s", "fp8_tflops", "fp8_error", "torch_error", "torch_topk", "fused_topk", "fp8_topk", "chosen",
-            "error")
+            "counts_error", "fp8_s", "fp8_tflops", "fp8_error", "torch_error", "torch_topk", "fused_topk",
+            "counts_topk", "fp8_topk", "chosen", "error")
     print(" | ".join(keys))
     for r in rows:
         print(" | ".join(str(r.get(k, "")) for k in keys))

@@ -31,17 +31,25 @@ from moepack.runtime.engine import PrefillOptions, prefill  # noqa: E402
 
 RELEASE_CONFIG = os.path.join(HERE, "..", "tests", "data", "deepseek-v4-flash.config.json")
 PER_LAYER = ("layer_types", "mlp_layer_types")
+# --dims tiny: the release's layer kinds, compress rates, window, top-k, mHC streams and rope with the widths cut
+# to the tiny preset's (a dry run on a CPU reaches every step's end, through the same code paths); index_topk
+# cut too, so that a prompt of a few hundred tokens has the indexer really select
+DIMS = {"release": {},
+        "tiny": dict(hidden_size=256, moe_intermediate_size=256, num_attention_heads=4, head_dim=128,
+                     qk_rope_head_dim=16, q_lora_rank=256, o_groups=2, o_lora_rank=128, index_n_heads=8,
+                     index_head_dim=32, index_topk=64)}
 
 
-def release_cut(layers: list[int], experts: int) -> dict:
-    """The release's config with only `layers` (release indexes) and `experts` routed experts."""
+def release_cut(layers: list[int], experts: int, dims: str = "release") -> dict:
+    """The release's config with only `layers` (release indexes) and `experts` routed experts, its widths those
+    of DIMS[dims]."""
     with open(RELEASE_CONFIG) as f:
         config = json.load(f)
     for key in ("quantization_config", "architectures", "dtype", "_name_or_path", "transformers_version"):
         config.pop(key, None)  # a float32 model, saved as such
     for key in PER_LAYER:
         config[key] = [config[key][i] for i in layers]
-    config.update(num_hidden_layers=len(layers), n_routed_experts=experts, num_nextn_predict_layers=0)
+    config.update(num_hidden_layers=len(layers), n_routed_experts=experts, num_nextn_predict_layers=0, **DIMS[dims])
     return config
 
 

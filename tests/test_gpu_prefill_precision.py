@@ -169,3 +169,32 @@ def test_the_memory_estimate_counts_the_indexer_the_device_path_makes():
             gathered = chunk * cfg.index_topk * cfg.head_dim * 2 * (dtype.itemsize - 2)
             assert elsewhere - on_device == reference - bound + gathered
     assert reference == 16 << 30
+
+
+def test_the_gpu_prefill_benchmark_runs_to_its_end_at_tiny_widths(tmp_path, monkeypatch, capsys):
+    """benchmarks/gpu_prefill.py --dims tiny (the release's layer kinds at the tiny preset's widths) on a CPU, to
+    its report: every place a row with its numbers, and the host place's wall over its bound, which needs the
+    pinned H2D rate a CPU has not (given here, as a GPU measures it)."""
+    import importlib.util
+    import json
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_prefill.py")
+    spec = importlib.util.spec_from_file_location("gpu_prefill_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "pinned_h2d_gbps", lambda device: 10.0)
+    monkeypatch.setattr(bench, "dense_bf16_tflops", lambda device: 1.0)  # (seconds of bf16 on a CPU)
+    monkeypatch.setattr(sys, "argv", ["gpu_prefill.py", "--device", "cpu", "--dims", "tiny", "--experts", "8",
+                                      "--tokens", "64", "--workdir", str(tmp_path), "--json"])
+    bench.main()
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["hidden"] == 256 and report["model"]["experts"] == 8 and report["model"]["csa_layers"] == 1
+    rows = {r["place"]: r for r in report["rows"]}
+    assert list(rows) == list(bench.PLACES)
+    for row in rows.values():
+        assert "error" not in row and row["tokens_per_s"] > 0 and row["effective_tflops"] > 0
+    assert rows["disk"]["overlap"] > 0 and rows["device"]["load_s"] >= 0
+    bound = max(report["model"]["container_bytes"] / 10e9, rows["device"]["seconds"])
+    assert rows["host"]["host_wall_over_bound"] == round(rows["host"]["seconds"] / bound, 3)
