@@ -193,7 +193,7 @@ run_indexer_scores() {
 }
 
 run_gpu_prefill() {
-    step "gpu prefill at the release's dimensions"
+    step "gpu prefill, the release slice at $GPU_DIMS widths"
     timeout "$(upto 300)" python3 benchmarks/gpu_prefill.py --device "$DEVICE" --tokens "$GPU_TOKENS" \
         --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --dims "$GPU_DIMS" --workdir "$GPU_WORKDIR" 2>&1 \
         | tee "$OUT/gpu_prefill.txt"
@@ -201,7 +201,7 @@ run_gpu_prefill() {
 }
 
 run_gpu_decode() {
-    step "gpu decode at the release's dimensions"
+    step "gpu decode, the release slice at $GPU_DIMS widths"
     timeout "$(upto 300)" python3 benchmarks/gpu_decode.py --device "$DEVICE" --batch "$GPU_BATCH" \
         --experts "$GPU_EXPERTS" --layers "$GPU_LAYERS" --dims "$GPU_DIMS" --workdir "$GPU_WORKDIR" 2>&1 \
         | tee "$OUT/gpu_decode.txt"

@@ -36,8 +36,8 @@ timed steps after --warmup untimed ones (which capture the CUDA graphs). Each ro
                  one expected wait is its logits' copy to the host); tests/step_audit.py predicts them on a CPU
 Usage: python benchmarks/gpu_decode.py [--device cuda] [--batch 1,8] [--layers 1,2,3] [--experts 256]
        [--preset NAME] [--dims release|tiny] [--workdir DIR] [--json]
-On a CPU (a dry run, seconds): --device cpu --preset small, or the slice at --dims tiny --experts 8. The floor, predictions and the device command:
-benchmarks/gpu_decode.md.
+On a CPU (a dry run, seconds): --device cpu --preset small, or the slice at --dims tiny --experts 8. The floor,
+predictions and the device command: benchmarks/gpu_decode.md.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def main() -> None:
     print_report(report, args.json,
                  f"{report['device']}: {report['model']}, {shape['layers']} layers of {shape['experts']} experts "
                  f"({shape['hidden']} x {shape['inter']}, top-{shape['top_k']}, {shape['expert_dtype']}), "
-                 + ", ".join(f"{form} {n / 1e9:.2f} GB of experts on the device (seeded in {seeds[form]} s)"
+                 + ", ".join(f"{form} {n / 1e9:.3g} GB of experts on the device (seeded in {seeds[form]} s)"
                              for form, n in shapes.items()) + "; "
                  f"copy rate {report['hbm_gbps']} GB/s",
                  ["path", "B", "tok/s", "step ms", "bytes/token", "held bytes/token", "experts/step", "bw fraction",
