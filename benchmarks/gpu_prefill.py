@@ -24,6 +24,8 @@ with both timings). In the same run, the ceilings:
 Usage: python benchmarks/gpu_prefill.py [--device cuda] [--tokens 4096,16384,65536,131072] [--places disk,page-cache]
        [--layers 1,2,3] [--experts 256] [--dims release|tiny] [--workdir DIR] [--json]
 On a CPU (a dry run of the script to its end, a minute): --device cpu --dims tiny --experts 8 --tokens 512,256.
+There the host and device places both hold the bytes in host memory, unpinned (the same run twice), and the
+pinned H2D rate, the host wall over its bound and the device's peak are left empty.
 """
 
 from __future__ import annotations
