@@ -50,7 +50,7 @@ def perplexity(file, prompt, prompt_file, token_ids_file, ctx, max_windows, toke
         ids = read_token_ids(token_ids_file)
     else:
         text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
-        ids = tokenizer.encode(text, add_bos=False)
+        ids = tokenizer.encode(text, special_tokens=False, add_bos=False)  # (llama-perplexity's: spellings stay text)
     check_prefill_context(config, None, ctx)
     options = run.prefill_options(load_progress=not as_json)
     bar = tqdm(desc="windows", unit="window", dynamic_ncols=True, leave=False) if bars_wanted(not as_json) else None

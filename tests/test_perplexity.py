@@ -112,14 +112,15 @@ def test_the_command_scores_a_text_with_the_containers_tokenizer(tmp_path_factor
 
     path = tiny_keep_container(tmp_path_factory)
     text = tmp_path / "text.txt"
-    text.write_text("Once upon a time there was a model far larger than its machine. " * 8)
+    # (a special token's spelling in the text stays text, as llama-perplexity tokenizes it)
+    text.write_text("Once upon a time there was a model far larger than its machine. <｜User｜> " * 8)
     r = run_console("perplexity", path, "--prompt-file", str(text), "--ctx", "32", "--json",
                     "--compute-dtype", "float32")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     with Container(path) as c:
         tok = PromptTokenizer(c)
-    ids = tok.encode(text.read_text(), add_bos=False)
+    ids = tok.encode(text.read_text(), special_tokens=False, add_bos=False)
     bos = tok.bos_id if tok.add_special_tokens else None
     assert out["text_tokens"] == len(ids) and out["bos"] == (bos is not None)
     assert out["perplexity"] == pytest.approx(perplexity(path, ids, 32, FLOAT32, bos_id=bos)["perplexity"],
