@@ -64,6 +64,11 @@ class CapturedCall:
 
     def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], pool=None):
         self.inputs = tuple(t.clone() for t in inputs)
+        # on the inputs' device, not the current one (a pool on cuda:1 while cuda:0 is current)
+        with torch.cuda.device(self.inputs[0].device if self.inputs else None):
+            self._capture(fn, pool)
+
+    def _capture(self, fn: Callable, pool) -> None:
         stream = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(stream)
