@@ -371,7 +371,7 @@ class SequenceOutput:
             raise MoepackError("--max-new-tokens must be at least 1")
         if options.stop and detokenize is None:
             raise MoepackError("--stop needs the container's tokenizer (the prompt was given as token ids)")
-        self.max_new_tokens = options.max_new_tokens
+        self.max_new_tokens, self.min_new_tokens = options.max_new_tokens, options.min_new_tokens
         self.sampler = options.sampler(tuple(sorted(eos_ids)))
         self.stopper = StopMatcher(list(options.stop), eos_ids if options.stop_at_eos else set())
         self.detokenize, self.on_text, self.on_token = detokenize, on_text, on_token
@@ -411,7 +411,8 @@ class SequenceOutput:
             shown = self.stopper.flush(self.so_far)
         elif self.pieces is not None:
             self.so_far += self.pieces.add(token)
-        shown += self.stopper.feed(token, self.so_far)
+        # (a stop string counts from the min_new_tokens-th token on, as vLLM's min_tokens has it)
+        shown += self.stopper.feed(token, self.so_far, armed=len(self.generated) >= self.min_new_tokens)
         if shown and self.on_text is not None:
             self.on_text(shown)
         return bool(self.stopper.finish_reason) or len(self.generated) == self.max_new_tokens

@@ -260,15 +260,17 @@ class StopMatcher:
         self.text = ""  # all the text given out so far: the answer, once stopped or flushed
         self._seen = ""  # the text of the previous feed
 
-    def feed(self, token_id: int, text: str) -> str:
+    def feed(self, token_id: int, text: str, armed: bool = True) -> str:
         """Take the token just generated and the text so far (including that token's); return the new text
-        that is safe to show. After a stop, check finish_reason; later feeds return ""."""
+        that is safe to show. After a stop, check finish_reason; later feeds return "". Not `armed` (a minimum
+        length not reached yet: vLLM's min_tokens): a stop string ending in this token's text does not stop it, as
+        vLLM checks none before then (one that begins before and ends later does)."""
         if self.finish_reason:
             return ""
         if token_id in self.eos_ids:
             self.finish_reason = "stop"
             return self._give_out(len(self._seen))  # the held-back tail was not a stop string after all
-        return self._check(text, final=False)
+        return self._check(text, final=False, armed=armed)
 
     def flush(self, text: str | None = None) -> str:
         """No more tokens (the caller ran out of them): the text not yet given out, still cut at a stop string."""
@@ -276,7 +278,7 @@ class StopMatcher:
             return ""
         return self._check(self._seen if text is None else text, final=True)
 
-    def _check(self, text: str, final: bool) -> str:
+    def _check(self, text: str, final: bool, armed: bool = True) -> str:
         # a stop string wholly inside the previous text would have stopped it then: only the new characters are
         # fed (the text only grows at its end), and of the stop strings ending in them the earliest-starting wins
         previous, self._seen = len(self._seen), text
@@ -284,7 +286,7 @@ class StopMatcher:
         for end in range(previous + 1, len(text) + 1):
             state = automaton.step(state, text[end - 1])
             length = automaton.longest_match[state]
-            if length and (hit is None or end - length < hit[0]):
+            if length and armed and (hit is None or end - length < hit[0]):
                 hit = (end - length, length)
         self._state = state
         if hit is not None:

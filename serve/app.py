@@ -748,15 +748,12 @@ class Server:
 
     @staticmethod
     def min_tokens(body: dict, max_tokens: int) -> int:
-        """vLLM's min_tokens: the end of sentence held back until that many tokens were generated; at most
-        max_tokens, and not with stop strings (vLLM would not stop at one before then either; moepack stops there)."""
+        """vLLM's min_tokens: the end of sentence held back until that many tokens were generated, and a stop
+        string ending before then not acted on (as vLLM checks none); at most max_tokens."""
         least = _value(body, "min_tokens", int_in_range, 0, MAX_TOKENS_LIMIT, default=0)
         if least > max_tokens:
             raise RequestError(f"min_tokens: {least} is over max_tokens ({max_tokens})", param="min_tokens",
                                code="invalid_value")
-        if least and body.get("stop"):
-            raise RequestError("min_tokens with stop strings is not supported (a stop string would end the answer "
-                               "before min_tokens)", param="min_tokens", code="unsupported_value")
         return least
 
     @staticmethod

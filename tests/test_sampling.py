@@ -233,6 +233,32 @@ def test_eos_as_first_token():
     assert matcher.feed(2, "") == "" and matcher.finish_reason == "stop" and matcher.text == ""
 
 
+def test_a_stop_string_before_a_minimum_length_does_not_stop_one_ending_after_does():
+    """vLLM's min_tokens: no stop string is acted on before the minimum length (one that ends in a token fed
+    unarmed is passed over and its text given out), but one that begins before it and ends after it stops there;
+    a sequence with a minimum length keeps going past a stop string its first tokens spell (SequenceOutput)."""
+    from moepack.runtime.generate import GenerateOptions, SequenceOutput
+
+    matcher = StopMatcher(["ab", "abc!"], eos_ids=set())
+    shown = [matcher.feed(1, "xab", armed=False), matcher.feed(2, "xabz", armed=False),
+             matcher.feed(3, "xabzab", armed=True)]
+    assert shown == ["x", "abz", ""] and matcher.finish_reason == "stop" and matcher.text == "xabz"
+    later = StopMatcher(["abc"], eos_ids=set())
+    assert later.feed(1, "xa", armed=False) + later.feed(2, "xab", armed=False) == "x"
+    assert later.feed(3, "xabc", armed=True) == "" and later.text == "x" and later.stop_string == "abc"
+
+    text = {5: "a", 6: "b", 7: "c"}
+    for least, want in ((0, [5]), (2, [5, 6, 5])):
+        out = SequenceOutput(GenerateOptions(max_new_tokens=6, stop=("a",), min_new_tokens=least, stop_at_eos=False),
+                             set(), detokenize=lambda ids: "".join(text[i] for i in ids))
+        for token in (5, 6, 5, 7):
+            logits = torch.full((8,), -10.0)
+            logits[token] = 10.0
+            if out.take(logits):
+                break
+        assert out.generated == want and out.result({}).text == ("" if least == 0 else "ab"), least
+
+
 def test_empty_stop_string_is_an_error():
     with pytest.raises(MoepackError, match="--stop"):
         StopMatcher(["ok", ""], eos_ids=set())

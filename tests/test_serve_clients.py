@@ -1225,7 +1225,8 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(server,
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_min_tokens_holds_the_end_of_sentence_back(server, path):
     """vLLM's min_tokens: with the end of sentence the likeliest token, the answer still has min_tokens tokens
-    before it; over max_tokens, with stop strings or with a response_format it is a 400 naming it."""
+    before it, and a stop string its first tokens spell does not end it before them; over max_tokens or with a
+    response_format it is a 400 naming it."""
     prompt = {"prompt": "Once upon"} if path == "/v1/completions" else {"messages": CHAT}
     body = {**prompt, "max_tokens": 6, "temperature": 0, "logit_bias": {str(e): 100 for e in server.generator.eos_ids}}
 
@@ -1234,8 +1235,15 @@ def test_min_tokens_holds_the_end_of_sentence_back(server, path):
     for least, tokens in ((0, 1), (3, 4)):  # (the end of sentence counts as a generated token)
         r = post(min_tokens=least).json()
         assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (tokens, "stop"), least
-    for extra in ({"min_tokens": 7}, {"min_tokens": 2, "stop": ["x"]},
-                  {"min_tokens": 2, "response_format": {"type": "json_object"}}):
+    # a stop string the first tokens spell does not end the answer before min_tokens (vLLM checks none before)
+    a = server.tok.encode("a", special_tokens=False, add_bos=False)
+    assert len(a) == 1 and server.tok.decode(a) == "a"
+    for least, tokens, text in ((0, 1, ""), (3, 3, "aa")):  # every token "a", the stop string "a"
+        r = post(logit_bias={str(a[0]): 100}, stop=["a"], min_tokens=least).json()
+        choice = r["choices"][0]
+        said = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+        assert (r["usage"]["completion_tokens"], said, choice["finish_reason"]) == (tokens, text, "stop"), least
+    for extra in ({"min_tokens": 7}, {"min_tokens": 2, "response_format": {"type": "json_object"}}):
         if "response_format" in extra and path == "/v1/completions":
             continue
         assert _error_of(post(**extra), 400)["param"] == "min_tokens", extra
