@@ -76,7 +76,7 @@ from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, GenerateResult
 from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK
-from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer, TokenLogprob, is_int
+from moepack.runtime.sampling import MAX_TOP_LOGPROBS, REPLACEMENT, IncrementalDetokenizer, TokenLogprob, is_int
 
 from .chat_template import family_chat_template, tokenizer_info
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
@@ -1195,21 +1195,47 @@ def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
 class TextOffsets:
     """Where each generated token's text begins in a completion's text, in characters from `start` (the echoed
     prompt's), token after token (a stream's chunks go on where the last left off): a token that ends inside a
-    character begins where that character will, as the text holds only whole characters."""
+    character begins where that character will, as the text holds only whole characters; a whole token that
+    comes after such bytes that never made a character (they come out with it, as U+FFFD) begins after them."""
 
     def __init__(self, tokenizer, start: int = 0):
         self.at = start
+        self._tokenizer = tokenizer
         self._text = IncrementalDetokenizer(tokenizer.decode) if tokenizer is not None else None
+        self._held = False  # the last token's bytes held back (inside a character)
 
     def of(self, tokens: list[int]) -> list[int]:
         out = []
         for token in tokens:
-            out.append(self.at)
-            self.at += len(self._text.add(token) if self._text is not None else _token_text(None, token))
+            if self._text is None:
+                out.append(self.at)
+                self.at += len(_token_text(None, token))
+                continue
+            piece = self._text.add(token)
+            own = _token_text(self._tokenizer, token) if self._held and piece else ""
+            whole_after_held = own and REPLACEMENT not in own and piece.endswith(own)
+            out.append(self.at + len(piece) - len(own) if whole_after_held else self.at)
+            self.at += len(piece)
+            self._held = not piece
         return out
 
 
-def completion_logprobs(tokenizer, entries: list[TokenLogprob | None], offsets: TextOffsets,
+class EchoOffsets:
+    """Where each of an echoed prompt's tokens begins in the echo, the prompt's text as the client sent it: what the
+    tokenizer put in front of a string prompt's text (its BOS) is no part of it, so those tokens begin at 0 and the
+    text's own tokens where they stand in it; a token past the echo's end (a tokenizer that gives back other text
+    than it was given) at its end."""
+
+    def __init__(self, tokenizer, echo: str):
+        self.tokenizer, self.echo = tokenizer, echo
+
+    def of(self, tokens: list[int]) -> list[int]:
+        decoded = self.tokenizer.decode(tokens)
+        added = len(decoded) - len(self.echo) if decoded.endswith(self.echo) else 0
+        return [min(max(0, at - added), len(self.echo)) for at in TextOffsets(self.tokenizer).of(tokens)]
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprob | None], offsets: TextOffsets | EchoOffsets,
                         tokens: list[int] | None = None) -> dict:
     """OpenAI's (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} each),
     text_offset (`offsets`: the completion's, carried on from chunk to chunk). `tokens`: the entries' tokens where
@@ -1601,8 +1627,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         def choice_extra(result):
             return {"token_ids": result.generated_ids}
 
-        def prompt_logprobs(i, entries):  # an echoed prompt's, its offsets from the echo's start
-            return completion_logprobs(tok, entries, TextOffsets(tok), job.ids_of(i))
+        def prompt_logprobs(i, entries):  # an echoed prompt's, its offsets into the echo
+            return completion_logprobs(tok, entries, EchoOffsets(tok, echo(i)), job.ids_of(i))
 
         def logprobs_of(i, result):
             if result.logprobs is None:

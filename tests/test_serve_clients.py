@@ -465,6 +465,29 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, reques
     assert plain["choices"][0]["logprobs"]["token_logprobs"] == whole["logprobs"]["token_logprobs"][-1:]
 
 
+def test_echoed_logprobs_text_offsets_index_the_returned_text(server):
+    """Each text_offset of an echo with logprobs is where its token's text stands in the choice's text: a string
+    prompt's BOS (the tokenizer's, no part of the client's text) at 0 and its own tokens after it, characters split
+    across tokens, and a whole token after bytes that never made a character (they come out with it, as U+FFFD)
+    begins after them."""
+    tok = server.tok
+    lone = next(t for t in range(server.generator.cfg.vocab_size) if tok.token_bytes(t) == b"\x80")
+    plus = tok.encode("+", special_tokens=False, add_bos=False)
+    prompts = ["héllo wörld 日本 😀", tok.encode("ab", special_tokens=False) + [lone] + plus, "Once upon a time"]
+    body = {"model": "tiny", "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 6, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        text, lp = choice["text"], choice["logprobs"]
+        offsets = lp["text_offset"]
+        assert offsets == sorted(offsets) and offsets[-1] <= len(text), offsets
+        added = [0] if isinstance(prompts[choice["index"]], str) and tok.add_special_tokens else []
+        for i, (token, at) in enumerate(zip(lp["tokens"], offsets)):
+            if i not in added and "\ufffd" not in token:
+                assert text[at:].startswith(token), (i, token, at, text)
+        assert offsets[added[0] + 1 if added else 0] == 0
+
+
 def test_responses_carry_llama_server_timings(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0},
                    timeout=TIMEOUT).json()
