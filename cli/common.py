@@ -579,7 +579,7 @@ context_option = click.option(
          "fills it is refused, and the generation stops (finish 'length') where it reaches it.")
 
 
-def _context_cap(config: dict, max_context: int | None) -> int | None:
+def context_cap(config: dict, max_context: int | None) -> int | None:
     """-c, else the model's context (max_position_embeddings), else None."""
     model_context = config.get("max_position_embeddings")
     return max_context or (model_context if isinstance(model_context, int) and model_context >= 1 else None)
@@ -588,7 +588,7 @@ def _context_cap(config: dict, max_context: int | None) -> int | None:
 def check_prefill_context(config: dict, max_context: int | None, tokens: int) -> None:
     """A prefill's tokens (a KV's continued included) within the context cap: positions past the model's context
     were computed without a word, where generate refuses them."""
-    cap = _context_cap(config, max_context)
+    cap = context_cap(config, max_context)
     if cap is not None and tokens > cap:
         which = "-c/--max-context" if max_context else "the model context, max_position_embeddings; -c raises it"
         raise MoepackError(f"the prompt's {tokens} tokens exceed the context cap of {cap} ({which})")
@@ -613,7 +613,7 @@ def continued_tokens(continue_from: str | None, container) -> int:
 def context_budget(config: dict, max_context: int | None, prompt_tokens: int, max_new_tokens: int) -> int:
     """The new tokens a generation may make under the context cap (-c, else the model's context): at most
     max_new_tokens; MoepackError where the prompt alone fills the cap."""
-    cap = _context_cap(config, max_context)
+    cap = context_cap(config, max_context)
     if cap is None:
         return max_new_tokens
     if prompt_tokens >= cap:

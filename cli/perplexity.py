@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import click
 
+from moepack.format_spec.errors import MoepackError
 from moepack.runtime.limits import MAX_CHUNK_TOKENS
 
-from .common import (PREFILL_MEMORY_HINT, check_container_path, check_prefill_context, container_argument, emit,
-                     json_option, layer_progress, model_run_options, prompt_options, reports_errors)
+from .common import (PREFILL_MEMORY_HINT, check_container_path, container_argument, context_cap, emit, json_option,
+                     layer_progress, model_run_options, prompt_options, reports_errors)
 
 
 @click.command()
@@ -44,6 +45,9 @@ def perplexity(file, prompt, prompt_file, token_ids_file, ctx, max_windows, toke
     check_container_path(file)
     with Container(file) as c:
         config = c.config
+        cap = context_cap(config, None)
+        if cap is not None and ctx > cap:  # (before the text is read: a window is a prompt of --ctx tokens)
+            raise MoepackError(f"--ctx {ctx} exceeds the model's context of {cap} tokens (max_position_embeddings)")
         tokenizer = PromptTokenizer(c) if token_ids_file is None or PromptTokenizer.carried_by(c) else None
     bos = tokenizer.bos_id if tokenizer is not None and tokenizer.add_special_tokens else None
     if token_ids_file is not None:
@@ -51,7 +55,6 @@ def perplexity(file, prompt, prompt_file, token_ids_file, ctx, max_windows, toke
     else:
         text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
         ids = tokenizer.encode(text, special_tokens=False, add_bos=False)  # (llama-perplexity's: spellings stay text)
-    check_prefill_context(config, None, ctx)
     options = run.prefill_options(load_progress=not as_json)
     bar = tqdm(desc="windows", unit="window", dynamic_ncols=True, leave=False) if bars_wanted(not as_json) else None
 
@@ -66,7 +69,13 @@ def perplexity(file, prompt, prompt_file, token_ids_file, ctx, max_windows, toke
     finally:
         if bar is not None:
             bar.close()
-    emit(as_json, result, lambda r: click.echo(
-        f"perplexity {r['perplexity']:.4f} +/- {r['perplexity_stderr']:.4f} over {r['tokens_scored']} tokens "
-        f"({r['windows']} windows of {r['ctx']}{', BOS first' if r['bos'] else ''}; {r['passes']} passes over the "
-        f"model, {r['tokens_per_s']:.1f} tokens/s)"))
+    emit(as_json, result, lambda r: click.echo(human(r)))
+
+
+def human(r: dict) -> str:
+    """The result in a line (perplexity_stderr None: one token scored, which tells no uncertainty)."""
+    stderr = r["perplexity_stderr"]
+    spread = "(one token: no uncertainty)" if stderr is None else f"+/- {stderr:.4f}"
+    return (f"perplexity {r['perplexity']:.4f} {spread} over {r['tokens_scored']} tokens ({r['windows']} windows of "
+            f"{r['ctx']}{', BOS first' if r['bos'] else ''}; {r['passes']} passes over the model, "
+            f"{r['tokens_per_s']:.1f} tokens/s)")

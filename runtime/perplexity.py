@@ -2,14 +2,16 @@
 a quantization is judged by.
 
 The text's ids are cut into windows of `ctx` tokens as llama-perplexity cuts them (windows_of: a BOS first in each
-where the model has one; a last part shorter than a window is left out), so the figures compare. Each window is scored on its second half: the
-log-probability of each token at positions ctx // 2 + 1 .. ctx - 1 after the tokens before it in its window, so that
-every scored token has at least half a window of context. The perplexity is exp of the scored tokens' mean
-negative log-probability; its uncertainty, as llama.cpp's, that of the mean over the scored tokens.
+where the model has one; a last part shorter than a window is left out), so the figures compare. Each window is
+scored on its second half: the log-probability of each token at positions ctx // 2 + 1 .. ctx - 1 after the tokens
+before it in its window, so that every scored token has at least half a window of context. The perplexity is exp of
+the scored tokens' mean negative log-probability; its uncertainty, as llama.cpp's, that of the mean over the scored
+tokens (none where one token is scored).
 
 The windows go through the model several at a time (StreamingPrefill.run_many: `tokens_per_pass` tokens per pass,
 each window attending within itself): every weight is read once per pass, not once per window. Each pass's LM head
-runs over the scored positions only (run_many's prompt_logprobs, a slice of the vocabulary at a time).
+runs over every position of its windows (run_many's prompt_logprobs, a slice of the vocabulary at a time), the first
+half's scores then left out.
 
     result = perplexity("model.moepack", ids, ctx=512, bos_id=0)
     result["perplexity"], result["perplexity_stderr"], result["tokens_scored"]
@@ -26,7 +28,7 @@ import torch
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.reader import Container
 
-from .engine import PrefillOptions, StreamingPrefill, prompt_ids
+from .engine import PrefillOptions, StreamingPrefill, check_prompt_ids, prompt_ids
 
 DEFAULT_TOKENS_PER_PASS = 8192
 
@@ -84,8 +86,10 @@ def perplexity(path: str, token_ids, ctx: int = 512, options: PrefillOptions | N
     start, bytes_read, passes = time.perf_counter(), 0, 0
     with Container(path) as c:
         vocab = c.config.get("vocab_size") if isinstance(c.config, dict) else None
-        if bos_id is not None and isinstance(vocab, int) and not 0 <= bos_id < vocab:
-            raise MoepackError(f"BOS id {bos_id} is outside the vocabulary of {vocab}")
+        if isinstance(vocab, int):
+            if bos_id is not None and not 0 <= bos_id < vocab:
+                raise MoepackError(f"BOS id {bos_id} is outside the vocabulary of {vocab}")
+            check_prompt_ids(ids, vocab)  # the whole text's: an id in a part no window scores is no less wrong
         engine = StreamingPrefill(c, options or PrefillOptions())
         try:
             per_pass = _windows_that_fit(engine, min(per_pass, len(windows)), ctx)
@@ -104,11 +108,12 @@ def perplexity(path: str, token_ids, ctx: int = 512, options: PrefillOptions | N
     seconds = time.perf_counter() - start
     values = torch.tensor(nll, dtype=torch.float64)
     mean = float(values.mean())
-    # the mean's standard error, carried to the perplexity (llama.cpp's ppl * its uncertainty)
-    stderr = float(values.std(unbiased=True) / math.sqrt(len(values))) if len(values) > 1 else 0.0
+    # the mean's standard error, carried to the perplexity (llama.cpp's ppl * its uncertainty); one token scored
+    # has none (None: not a certain 0)
+    stderr = float(values.std(unbiased=True) / math.sqrt(len(values))) if len(values) > 1 else None
     tokens = len(windows) * ctx
-    return {"perplexity": math.exp(mean), "perplexity_stderr": math.exp(mean) * stderr, "nll_mean": mean,
-            "ctx": ctx, "windows": len(windows), "tokens": tokens, "tokens_scored": len(nll),
+    return {"perplexity": math.exp(mean), "perplexity_stderr": None if stderr is None else math.exp(mean) * stderr,
+            "nll_mean": mean, "ctx": ctx, "windows": len(windows), "tokens": tokens, "tokens_scored": len(nll),
             "text_tokens": len(ids), "passes": passes, "windows_per_pass": min(per_pass, len(windows)),
             "bos": bos_id is not None, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
             "bytes_read": bytes_read}

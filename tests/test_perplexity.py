@@ -94,6 +94,9 @@ def test_windows_that_do_not_fit_together_run_fewer_to_a_pass(qwen3, monkeypatch
     (lambda p: perplexity(p, list(range(3, 40)), 8, tokens_per_pass=0), "--tokens-per-pass must be at least 1"),
     (lambda p: perplexity(p, list(range(3, 40)), 8, max_windows=0), "--windows must be at least 1"),
     (lambda p: perplexity(p, [3, 4, 999] * 10, 8), "token id out of range"),
+    # an id no window holds: the one a BOS replaces (text position 7 of --ctx 8), one in the last part left out
+    (lambda p: perplexity(p, [*range(3, 10), -1, *range(3, 20)], 8, bos_id=1), "token id out of range"),
+    (lambda p: perplexity(p, [*range(3, 19), 999], 8), "token id out of range"),
 ])
 def test_bad_input_is_one_line(qwen3, call, message):
     path, _ = qwen3
@@ -133,3 +136,30 @@ def test_the_command_scores_a_text_with_the_containers_tokenizer(tmp_path_factor
     assert usage.returncode == 2 and b"give exactly one of" in usage.stderr
     unused = run_console("perplexity", path, "--prompt", "a b", "--cache-gib", "1")
     assert unused.returncode == 2 and b"--cache-gib" in unused.stderr
+
+
+def test_ctx_beyond_the_models_context_and_one_scored_token(tmp_path_factory, tmp_path):
+    """--ctx past the model's context is one line naming --ctx (the command has no -c to raise it); one scored
+    token has no uncertainty (null, and said so), not a certain 0."""
+    from containers import mutate_index
+
+    path = tiny_keep_container(tmp_path_factory)
+    small = str(tmp_path / "small.moepack")
+    mutate_index(path, small, lambda index: index["config"].__setitem__("max_position_embeddings", 32))
+    bad = run_console("perplexity", small, "--prompt", "a b c d e f g h", "--ctx", "64")
+    message = bad.stderr.decode()
+    assert bad.returncode == 1 and message.count("\n") == 1, message
+    assert "--ctx 64 exceeds the model's context of 32 tokens" in message and "-c " not in message
+    one = run_console("perplexity", path, "--token-ids", str(_ids_file(tmp_path, [5, 6, 7, 8])), "--ctx", "4",
+                      "--json")
+    assert one.returncode == 0, one.stderr
+    out = json.loads(one.stdout)
+    assert out["tokens_scored"] == 1 and out["perplexity_stderr"] is None and math.isfinite(out["perplexity"])
+    human = run_console("perplexity", path, "--token-ids", str(_ids_file(tmp_path, [5, 6, 7, 8])), "--ctx", "4")
+    assert human.returncode == 0 and "(one token: no uncertainty)" in human.stdout.decode(), human.stderr
+
+
+def _ids_file(tmp_path, ids: list[int]):
+    out = tmp_path / "ids.txt"
+    out.write_text(" ".join(map(str, ids)))
+    return out
