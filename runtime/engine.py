@@ -656,7 +656,8 @@ class StreamingPrefill:
                              bundle_bytes=self.reads.experts_pipe.buffer_bytes,
                              pool_buffers=self.reads.pool_buffers_in_memory(self.device),
                              expert_threads=self.experts.threads, decoded_experts=self.experts.decoded_at_once,
-                             grouped=self.expert_backend == "grouped", head_chunk_bytes=HEAD_CHUNK_BYTES + scoring)
+                             grouped=self.expert_backend == "grouped", head_chunk_bytes=HEAD_CHUNK_BYTES,
+                             scoring_bytes=scoring)
 
     def _stats(self, n_tokens: int, wall: float, layers: list[LayerStats]) -> dict:
         reader, pipe = self.reads.reader, self.reads.experts_pipe

@@ -81,11 +81,13 @@ def estimate_working_set(family: LayerPrefill, n_tokens: int, query_chunk: int |
 
 def check_prefill_memory(container: Container, family: LayerPrefill, device: torch.device, n_tokens: int, *,
                          query_chunk: int | None, bundle_bytes: int, pool_buffers: int, expert_threads: int,
-                         decoded_experts: int, grouped: bool, head_chunk_bytes: int) -> None:
+                         decoded_experts: int, grouped: bool, head_chunk_bytes: int,
+                         scoring_bytes: int = 0) -> None:
     """Refuse a prompt (or prompts prefilled together: n_tokens is all of theirs) whose working set
     (estimate_working_set, with the container's largest regions and the prefill's pool and expert threads: a
-    `grouped` expert backend's pairs, `head_chunk_bytes` of the LM head decoded at once) cannot fit in what
-    `device` has, before reading or computing anything."""
+    `grouped` expert backend's pairs, `head_chunk_bytes` of the LM head decoded at once; `scoring_bytes` what
+    scoring its positions holds, prompt_logprobs) cannot fit in what `device` has, before reading or computing
+    anything."""
     layers = container.layers
     expert_params = max((sum(t.numel for t in r.tensors if not t.name.endswith(SCALE_SUFFIXES))
                          for b in layers for r in b.experts), default=0)
@@ -103,6 +105,9 @@ def check_prefill_memory(container: Container, family: LayerPrefill, device: tor
                                 decoded_experts=decoded_experts,
                                 device_chunk=max(ESTIMATE_QUERY_CHUNK, family.preferred_query_chunk(device)),
                                 device=device)
+    if scoring_bytes:  # (a part of its own: the refusal says what scoring the prompt costs)
+        need["prompt_logprobs"] = scoring_bytes
+        need["total"] += scoring_bytes
     if device.type == "cuda":
         free, where = cuda_free_bytes(device), "free device memory"
     else:
@@ -112,7 +117,7 @@ def check_prefill_memory(container: Container, family: LayerPrefill, device: tor
         detail = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items() if k != "total")
         raise MoepackError(f"a prompt of {n_tokens} tokens needs about {need['total'] / 2**30:.1f} GiB "
                            f"({detail}) but only {free / 2**30:.1f} GiB of {where} is there: shorten the "
-                           f"prompt or lower --query-chunk")
+                           f"prompt{', score fewer of its tokens' if scoring_bytes else ''} or lower --query-chunk")
 
 
 def container_kv_bytes(container: Container, n_tokens: int) -> int:

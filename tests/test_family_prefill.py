@@ -437,14 +437,16 @@ def test_prompt_logprobs_equal_transformers(qwen3, backend, monkeypatch):
 
 def test_the_memory_check_counts_the_scored_positions(qwen3, monkeypatch):
     """A prefill asked for its prompt's log-probabilities counts what scoring every position holds (the head's
-    input and a running score per position, one slice of their logits) before it runs, grouped or alone."""
+    input and a running score per position, one slice of their logits) before it runs, grouped or alone; a refusal
+    names that part (prompt_logprobs, not hidden in the weights') and says to score fewer tokens."""
     from moepack.runtime import engine as engine_module
+    from moepack.runtime import memory
 
     container, _ = qwen3["float32"]
     counted = []
     real = engine_module.check_prefill_memory
-    monkeypatch.setattr(engine_module, "check_prefill_memory",
-                        lambda *a, **kw: counted.append(kw["head_chunk_bytes"]) or real(*a, **kw))
+    monkeypatch.setattr(engine_module, "check_prefill_memory", lambda *a, **kw: counted.append(
+        (kw["head_chunk_bytes"], kw.get("scoring_bytes", 0))) or real(*a, **kw))
     ids = torch.tensor(PROMPT)
     with Container(container) as c:
         engine = StreamingPrefill(c, _options())
@@ -452,9 +454,19 @@ def test_the_memory_check_counts_the_scored_positions(qwen3, monkeypatch):
             engine.run(ids)
             engine.run(ids, prompt_logprobs=2)
             engine.run_many([ids, ids[:4]], prompt_logprobs=[None, 2])
+            refusals = []
+            for scored in (0, len(PROMPT)):
+                monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 20)
+                with pytest.raises(MoepackError) as e:
+                    engine.check_memory(len(PROMPT), scored)
+                refusals.append(str(e.value))
         finally:
             engine.close()
     per_position = 4 * 160 + engine_module.SCORE_BYTES_PER_POSITION
     plain = engine_module.HEAD_CHUNK_BYTES
-    assert counted == [plain, plain + engine_module.SCORE_CHUNK_BYTES + len(PROMPT) * per_position,
-                       plain + engine_module.SCORE_CHUNK_BYTES + 4 * per_position]
+    assert counted[:3] == [(plain, 0), (plain, engine_module.SCORE_CHUNK_BYTES + len(PROMPT) * per_position),
+                           (plain, engine_module.SCORE_CHUNK_BYTES + 4 * per_position)]
+    assert "prompt_logprobs" not in refusals[0] and "score fewer" not in refusals[0]
+    assert "prompt_logprobs 0.02 GiB" in refusals[1] and "score fewer of its tokens" in refusals[1]
+    # (the weights' part without the scoring's either way)
+    assert len({r.split("weights ")[1].split(" GiB")[0] for r in refusals}) == 1
