@@ -190,6 +190,24 @@ def test_a_chunked_prefill_gives_the_tokens_of_an_unchunked_one(generator):
     assert [e.token for e in alone.prompt_logprobs[1:]] == long_prompt[1:]
 
 
+def test_lm_evals_is_greedy_holds_at_a_chunks_first_token(generator):
+    """lm-eval's is_greedy (a token's logprob == its top's, float equality) for a greedy continuation prefilled in
+    chunks beside a decoding sequence: a chunk's first token, scored from the chunk before's logits (TokenLogprob.of),
+    as exact as the others (NextTokenScores)."""
+    context = _prompt(6, 41, generator.cfg.vocab_size)
+    greedy = _solo(generator, context, max_new_tokens=14).generated_ids
+    with Batch(generator, max_batch=2, prefill_chunk=5) as batch:
+        on_token, decoding = _tokens_seen(2)
+        other = batch.submit(_prompt(3, 42, generator.cfg.vocab_size), max_new_tokens=40, on_token=on_token)
+        assert decoding.wait(TIMEOUT)
+        scored = batch.submit(context + greedy, max_new_tokens=1, prompt_logprobs=1).result(TIMEOUT)
+        other.result(TIMEOUT)
+    assert scored.stats["prefill"]["chunks"] > 2
+    continuation = scored.prompt_logprobs[len(context):]
+    assert [e.token for e in continuation] == greedy
+    assert all(e.logprob == max(v for _, v in e.top) for e in continuation)
+
+
 def test_a_sequence_that_does_not_fit_beside_the_others_is_refused_alone(generator, monkeypatch):
     vocab = generator.cfg.vocab_size
     first_ids, second_ids = _prompt(8, 41, vocab), _prompt(8, 42, vocab)
