@@ -545,14 +545,14 @@ class StreamingPrefill:
                     prompt_counts.append(torch.bincount(routing.experts[a:b].reshape(-1),
                                                         minlength=len(block.experts)).tolist()
                                          if number in moe_layers else [])
-        scorers = [None if k is None or b - a < 2 else
+        # each scored prompt's positions but its last, and the token after each (a one-token prompt: none)
+        scorers = [None if k is None else
                    (torch.arange(a, b - 1, device=self.device), NextTokenScores(token_ids[a + 1:b], k))
                    for k, (a, b) in zip(scored or [None] * len(spans), spans)]
         logits = self._head_logits(head_bytes.result() if head_bytes is not None else
                                    self.reads.read_globals(head_names, held_for_head), hidden,
                                    torch.tensor(ends, device=self.device) - 1, [s for s in scorers if s is not None])
-        scores = [None if k is None else scorer[1].entries() if scorer is not None else []
-                  for k, scorer in zip(scored or [None] * len(spans), scorers)]
+        scores = [None if scorer is None else scorer[1].entries() for scorer in scorers]
         return logits, layer_stats, states, counts, scores
 
     def _experts(self, number: int, block: Block, w: dict, reads: list, routing, moe_layers: set,
