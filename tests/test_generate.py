@@ -568,6 +568,32 @@ def test_each_gpu_generation_checks_the_device_for_its_kv_and_the_cache_still_to
         g.decoder.cache.bytes = 0
 
 
+def _prompt_scores_on(device: str, hf_model, container, ids) -> None:
+    """The prompt's log-probabilities (GenerateOptions.prompt_logprobs) and the perplexity of its windows computed
+    on `device` in float32: transformers' log_softmax of each position, the windows' figure as the CPU's."""
+    from moepack.runtime.perplexity import perplexity
+
+    options = PrefillOptions(device=device, compute_dtype="float32")
+    result = generate(container, ids, GenerateOptions(max_new_tokens=1, prompt_logprobs=2, prefill=options))
+    with torch.no_grad():
+        want = torch.log_softmax(hf_model(ids[None]).logits[0, :-1].double(), dim=-1)
+    got = result.prompt_logprobs
+    assert got[0] is None and [e.token for e in got[1:]] == ids[1:].tolist()
+    torch.testing.assert_close(torch.tensor([e.logprob for e in got[1:]], dtype=torch.float64),
+                               want.gather(1, ids[1:, None])[:, 0], atol=2e-3, rtol=0)
+    on_device = perplexity(container, ids, 16, options, tokens_per_pass=64)
+    on_cpu = perplexity(container, ids, 16, PrefillOptions(compute_dtype="float32"))
+    assert on_device["perplexity"] == pytest.approx(on_cpu["perplexity"], rel=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_prompt_logprobs_and_perplexity_equal_the_reference(wide_models):
+    """On a GPU the LM head over every prompt position (a vocabulary slice at a time, its running scores on the
+    device) gives transformers' log-probabilities, and the perplexity the CPU's."""
+    hf_model, container = wide_models["C"]
+    _prompt_scores_on("cuda", hf_model, container, _prompt(70, hf_model.config.vocab_size, seed=9))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")
 def test_generate_on_a_missing_cuda_device_is_one_line(models, tmp_path):
     from click.testing import CliRunner
