@@ -55,6 +55,8 @@ class GenerateOptions:
     min_p: float = 0.0  # tokens less likely than min_p x the likeliest's probability left out
     # the prompt's own tokens' log-probabilities, each with this many alternatives (GenerateResult.prompt_logprobs)
     prompt_logprobs: int | None = None
+    # tokens that end the generation as the end of sentence does (vLLM's stop_token_ids), stop_at_eos or not
+    stop_token_ids: tuple[int, ...] = ()
 
     def sampler(self, eos_ids: tuple[int, ...] = ()) -> Sampler:
         return Sampler(self.temperature, self.top_p, self.top_k, self.seed, presence_penalty=self.presence_penalty,
@@ -369,11 +371,15 @@ class SequenceOutput:
                  on_prompt_logprobs: Callable[[list], None] | None = None):
         if options.max_new_tokens < 1:
             raise MoepackError("--max-new-tokens must be at least 1")
+        if not all(is_int(t) and t >= 0 for t in options.stop_token_ids):
+            raise MoepackError(f"stop_token_ids must be token ids (integers >= 0), got {options.stop_token_ids!r}")
         if options.stop and detokenize is None:
             raise MoepackError("--stop needs the container's tokenizer (the prompt was given as token ids)")
         self.max_new_tokens, self.min_new_tokens = options.max_new_tokens, options.min_new_tokens
-        self.sampler = options.sampler(tuple(sorted(eos_ids)))
-        self.stopper = StopMatcher(list(options.stop), eos_ids if options.stop_at_eos else set())
+        ends = set(options.stop_token_ids) | (set(eos_ids) if options.stop_at_eos else set())
+        # (a minimum length holds back every token that would end it, as vLLM's min_tokens)
+        self.sampler = options.sampler(tuple(sorted(set(eos_ids) | set(options.stop_token_ids))))
+        self.stopper = StopMatcher(list(options.stop), ends)
         self.detokenize, self.on_text, self.on_token = detokenize, on_text, on_token
         self.on_prompt_logprobs = on_prompt_logprobs
         self.pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None

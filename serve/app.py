@@ -100,11 +100,12 @@ MAX_N = 8  # choices per prompt (n): side by side in a batch, else one after the
 MAX_PROMPTS_PER_REQUEST = 64  # a completions request's prompts (OpenAI's batch; lm-eval's batch size), n choices each
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits: int() on them is cheap)
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
-# (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens`, `min_p` and `repetition_penalty`.
+# (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens`, `min_p`, `repetition_penalty` and
+# `stop_token_ids`.
 # `user` is accepted and ignored (no per-user state is kept).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
                   "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k",
-                  "ignore_eos", "min_tokens", "min_p", "repetition_penalty"}
+                  "ignore_eos", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                 "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
@@ -723,6 +724,18 @@ class Server:
             self.need_tokenizer("stop")
         return stop
 
+    def stop_token_ids(self, body: dict) -> tuple[int, ...]:
+        """vLLM's stop_token_ids: ids of the vocabulary that end the answer as the end of sentence does."""
+        ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(is_int(i) for i in v),
+                   "a list of token ids", [])
+        if len(ids) > self.limits.max_stop:
+            raise RequestError(f"stop_token_ids: {len(ids)} ids, over the limit of {self.limits.max_stop}",
+                               param="stop_token_ids", code="invalid_value")
+        if self.vocab and any(not 0 <= i < self.vocab for i in ids):
+            raise RequestError(f"stop_token_ids: token ids must lie in [0, {self.vocab})", param="stop_token_ids",
+                               code="invalid_value")
+        return tuple(ids)
+
     def max_tokens(self, body: dict) -> int | None:
         max_tokens = _value(body, "max_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
         completion = _value(body, "max_completion_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
@@ -799,6 +812,7 @@ class Server:
         min_p = _value(body, "min_p", finite_float, lo=0.0, hi=1.0, default=defaults["min_p"])
         options = GenerateOptions(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   min_p=min_p, seed=seed, stop=tuple(self.stop_strings(body)),
+                                  stop_token_ids=self.stop_token_ids(body),
                                   logit_bias=self.logit_bias(body),
                                   min_new_tokens=self.min_tokens(body, max_tokens),
                                   logprobs=self.logprobs_count(body, chat), **penalties,

@@ -238,6 +238,8 @@ def test_bad_options_are_refused_when_submitted(generator):
         for bad in (-1, 21, 1.5, True):
             with pytest.raises(MoepackError, match="prompt_logprobs must be an integer in"):
                 batch.submit([1, 2], prompt_logprobs=bad)
+        with pytest.raises(MoepackError, match="stop_token_ids must be token ids"):
+            batch.submit([1, 2], stop_token_ids=(3, -1))
     with pytest.raises(MoepackError, match="--max-batch"):
         BatchScheduler(generator, max_batch=0)
 

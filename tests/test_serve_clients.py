@@ -1272,6 +1272,30 @@ def test_min_tokens_holds_the_end_of_sentence_back(server, path):
         assert _error_of(post(**extra), 400)["param"] == "min_tokens", extra
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stop_token_ids_end_the_answer_as_the_end_of_sentence(server, path):
+    """vLLM's stop_token_ids: the answer ends at the first of them (finish_reason stop, its text not shown), with
+    ignore_eos too, not before min_tokens; an id outside the vocabulary, or not a list of ids, is a 400 naming it."""
+    prompt = {"prompt": "Once upon"} if path == "/v1/completions" else {"messages": CHAT}
+    a, b = (server.tok.encode(c, special_tokens=False, add_bos=False)[0] for c in "ab")
+
+    def post(**extra):
+        return httpx.post(f"{server.url}{path}", json={**prompt, "max_tokens": 6, "temperature": 0, **extra},
+                          timeout=TIMEOUT)
+
+    def said(r):
+        choice = r["choices"][0]
+        return (r["usage"]["completion_tokens"], choice["text"] if path == "/v1/completions"
+                else choice["message"]["content"], choice["finish_reason"])
+    only_b = {"logit_bias": {str(b): 100}}
+    assert said(post(**only_b).json()) == (6, "bbbbbb", "length")
+    assert said(post(**only_b, stop_token_ids=[a, b]).json()) == (1, "", "stop")
+    assert said(post(**only_b, stop_token_ids=[b], ignore_eos=True).json()) == (1, "", "stop")
+    assert said(post(**only_b, stop_token_ids=[b], min_tokens=3).json())[0] == 4  # held back for 3 tokens
+    for bad in ([10 ** 9], [-1], "3", [1.5]):
+        assert _error_of(post(stop_token_ids=bad), 400)["param"] == "stop_token_ids", bad
+
+
 @pytest.mark.parametrize("which", ["server", "batched"])
 def test_several_prompts_in_one_completions_request_are_each_answered_as_alone(server, request, which):
     """OpenAI's batch of prompts (lm-eval's local-completions at a batch size above 1): n choices per prompt, the
