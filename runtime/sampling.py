@@ -210,10 +210,11 @@ class NextTokenScores:
     def __init__(self, next_ids: torch.Tensor, k: int):
         n, device = len(next_ids), next_ids.device
         self.next_ids, self.k = next_ids, k
-        self.logsumexp = torch.full((n,), -math.inf, device=device)
-        self.next_logit = torch.zeros(n, device=device)
+        # float32 whatever torch's default dtype (a bfloat16 default had rounded every running score)
+        self.logsumexp = torch.full((n,), -math.inf, dtype=torch.float32, device=device)
+        self.next_logit = torch.zeros(n, dtype=torch.float32, device=device)
         # (-inf: no token yet; a vocabulary under k tokens leaves some, which are no alternatives)
-        self.top_values = torch.full((n, k), -math.inf, device=device)
+        self.top_values = torch.full((n, k), -math.inf, dtype=torch.float32, device=device)
         self.top_ids = torch.zeros(n, k, dtype=torch.long, device=device)
 
     def add(self, rows: slice, logits: torch.Tensor, first_id: int) -> None:

@@ -516,3 +516,28 @@ def test_the_text_held_back_for_a_character_is_not_lost_at_the_end_of_sentence(b
         expected = whole[:whole.index(stop[0])] if stop else whole
         assert (result.text, result.finish_reason) == (expected, "stop"), stop
         assert "".join(shown) == result.text and result.generated_ids == [*ids, eos][:len(result.generated_ids)]
+
+
+def test_next_token_scores_keep_float32_whatever_the_default_dtype():
+    """NextTokenScores' running scores are float32 whatever torch's default dtype: a bfloat16 default had rounded
+    each slice's logsumexp and top k (logprobs 1e-2 off, a greedy token's logprob no longer its top's)."""
+    from moepack.runtime.sampling import NextTokenScores
+
+    logits = torch.randn(5, 23, generator=torch.Generator().manual_seed(0)) * 4
+    next_ids = torch.tensor([3, 0, 22, 7, 11])
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        scores = NextTokenScores(next_ids, 3)
+        for first in range(0, 23, 7):  # vocabulary slices of 7 ids
+            scores.add(slice(0, 5), logits[:, first:first + 7], first)
+        entries = scores.entries()
+    finally:
+        torch.set_default_dtype(before)
+    want = torch.log_softmax(logits.double(), dim=1)
+    torch.testing.assert_close(torch.tensor([e.logprob for e in entries], dtype=torch.float64),
+                               want.gather(1, next_ids[:, None])[:, 0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor([[v for _, v in e.top] for e in entries], dtype=torch.float64),
+                               want.topk(3, dim=1).values, atol=1e-5, rtol=0)
+    for e in entries:  # lm-eval's is_greedy: a top token's logprob is its own, to the bit
+        assert all(v == e.logprob for i, v in e.top if i == e.token)
