@@ -1394,11 +1394,17 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             ids = tok.encode(content, False, add_special)
             if not pieces:
                 return {"tokens": ids}
-            if server.context and len(ids) > server.context:  # (a piece's object is ~25 bytes of JSON a token)
-                raise RequestError(f"with_pieces: the content is {len(ids)} tokens, over this server's max_context "
+            return {"tokens": [{"id": i, "piece": piece}
+                               for i, piece in zip(ids, pieces_within_context(tok, ids, "with_pieces", "content"))]}
+
+        def pieces_within_context(tok, ids: list[int], field: str, text_field: str) -> list:
+            """The tokens' pieces, for a text of at most --max-context tokens (a piece is ~25 bytes of JSON a token:
+            a 4 MB text's were ~100 MB), else a 400 naming `field`."""
+            if server.context and len(ids) > server.context:
+                raise RequestError(f"{field}: the {text_field} is {len(ids)} tokens, over this server's max_context "
                                    f"of {server.context} (--max-context): ask for fewer, or without pieces",
-                                   param="with_pieces", code="invalid_value")
-            return {"tokens": [{"id": i, "piece": _piece(tok, i, p)} for i, p in zip(ids, tok.pieces(ids))]}
+                                   param=field, code="invalid_value")
+            return [_piece(tok, i, p) for i, p in zip(ids, tok.pieces(ids))]
 
         def vllm_answer(body: dict) -> dict:
             if "content" in body:
@@ -1411,7 +1417,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             tok = server.need_tokenizer("prompt")
             ids = tok.encode(prompt, True, add_special)
             return {"count": len(ids), "max_model_len": server.context, "tokens": ids,
-                    "token_strs": [_piece(tok, i, p) for i, p in zip(ids, tok.pieces(ids))] if strings else None}
+                    "token_strs": pieces_within_context(tok, ids, "return_token_strs", "prompt") if strings else None}
 
         return await small_request(request, {"content", "add_special", "with_pieces", "prompt", "add_special_tokens",
                                              "return_token_strs", "model"}, answer)

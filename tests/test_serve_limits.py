@@ -432,6 +432,20 @@ def test_health_answers_while_the_largest_allowed_text_is_tokenized_by_itself(se
     assert worst < 0.5, worst
 
 
+def test_vllms_token_strs_only_within_max_context(server):
+    """vLLM's /tokenize form bounds its token strings as llama-server's form bounds its pieces (a JSON string a
+    token): a text over max_context asked for them is a 400 naming return_token_strs; its ids alone are answered."""
+    prompt = "Once upon a time, a fox. " * 40
+    for strings in (True, False):
+        r = httpx.post(f"{server.url}/tokenize", timeout=TIMEOUT,
+                       json={"prompt": prompt, "add_special_tokens": False, "return_token_strs": strings})
+        if strings:
+            assert _error(r, 400)["param"] == "return_token_strs"
+            assert re.search(r"the prompt is \d+ tokens, over this server's max_context of 256", r.text), r.text
+        else:
+            assert r.status_code == 200 and r.json()["count"] > 256 and r.json()["token_strs"] is None
+
+
 def test_tokenize_takes_a_place_in_the_queue(server, monkeypatch):
     """Requests to /tokenize count against --max-queue as generations do (4 here): a fifth at once is a 429."""
     release = threading.Event()
