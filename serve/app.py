@@ -1575,8 +1575,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                             yield client_gone_stream_end()
                             return
                         continue
-                    if kind == "prompt":  # (before the choice's first token)
-                        choices[i].prompt(piece)
+                    if kind == "prompt":  # (before the choice's first token; a prompt's length of them: off the loop)
+                        await run_in_threadpool(choices[i].prompt, piece)
                         continue
                     if kind == "token":
                         generated[i] += 1
@@ -1660,9 +1660,10 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
         if not prepared.stream:
             results = await finished_job(request, job, future)
-            return response(job, results, "text_completion", [
+            # (on a worker thread: an echoed prompt's logprobs are a prompt's length of entries, seconds at 128K)
+            return await run_in_threadpool(lambda: response(job, results, "text_completion", [
                 {"index": i, "text": echo(i) + (r.text or ""), "logprobs": logprobs_of(i, r),
-                 "finish_reason": r.finish_reason, **choice_extra(r)} for i, r in enumerate(results)])
+                 "finish_reason": r.finish_reason, **choice_extra(r)} for i, r in enumerate(results)]))
 
         def chunk(i, text, finish=None, extra=None):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,

@@ -432,6 +432,21 @@ def test_health_answers_while_the_largest_allowed_text_is_tokenized_by_itself(se
     assert worst < 0.5, worst
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_health_answers_while_an_echoed_prompts_logprobs_are_built(server, monkeypatch, stream):
+    """An echo with logprobs answers a prompt's length of entries (text offsets, top texts: seconds at 128K
+    tokens): they are built on a worker thread, streamed or not; /health answers meanwhile (here their offsets
+    take 1 s)."""
+    from moepack.serve import app as app_module
+
+    real = app_module.EchoOffsets.of
+    monkeypatch.setattr(app_module.EchoOffsets, "of", lambda self, tokens: time.sleep(1.0) or real(self, tokens))
+    body = {"prompt": "Once upon a time", "echo": True, "logprobs": 1, "max_tokens": 2, "stream": stream}
+    worst, r = _health_worst(server.url, lambda: _post(server, body))
+    assert r.status_code == 200 and "text_offset" in r.text, r.text
+    assert worst < 0.5, worst
+
+
 def test_vllms_token_strs_only_within_max_context(server):
     """vLLM's /tokenize form bounds its token strings as llama-server's form bounds its pieces (a JSON string a
     token): a text over max_context asked for them is a 400 naming return_token_strs; its ids alone are answered."""
