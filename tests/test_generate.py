@@ -687,3 +687,10 @@ def test_a_prefill_over_resident_dense_weights_is_the_streamed_one(models):
             dense_bytes = sum(b.dense.length for b in c.layers)
     assert torch.equal(result.logits, streamed.logits)
     assert result.stats["bytes_read"] == streamed.stats["bytes_read"] - dense_bytes
+
+
+def test_prompt_logprobs_and_perplexity_equal_the_reference_on_the_cpu(wide_models):
+    """The CUDA test's body on this CPU (DeepSeek-V4's head over every prompt position: transformers'
+    log-probabilities), so that a device run finds it sound."""
+    hf_model, container = wide_models["C"]
+    _prompt_scores_on("cpu", hf_model, container, _prompt(70, hf_model.config.vocab_size, seed=9))
