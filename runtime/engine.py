@@ -380,15 +380,17 @@ class StreamingPrefill:
         pasts = list(pasts) if pasts is not None else [None] * len(prompts)
         if len(pasts) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(pasts)} past states")
+        scored = [None] * len(prompts) if prompt_logprobs is None else list(prompt_logprobs)
+        if len(scored) != len(prompts):  # (zipped with the prompts below: a short list had failed after the pass)
+            raise ValueError(f"{len(prompts)} prompts but {len(scored)} prompt_logprobs")
         lengths = [check_prompt_ids(ids, self.family.shape.vocab_size) for ids in prompts]
-        scored = [None] * len(prompts) if prompt_logprobs is None else prompt_logprobs
         self.check_memory(sum(lengths) + sum(self.family.seen_tokens(past[0]) for past in pasts if past),
                           sum(n for n, k in zip(lengths, scored) if k is not None))
         start, steal_before = self._pass_starts()
         with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype), self._pass():
             logits, layer_stats, states, counts, scores = self._forward(
                 torch.cat([ids.reshape(-1) for ids in prompts]).to(self.device), pasts, emit_kv=False,
-                keep_states=keep_kv, should_stop=should_stop, lengths=lengths, scored=prompt_logprobs)
+                keep_states=keep_kv, should_stop=should_stop, lengths=lengths, scored=scored)
         stats = self._pass_stats(sum(lengths), start, steal_before, layer_stats)
         stats.update(order="layer", passes_over_model=1, group_prompts=len(prompts), group_tokens=sum(lengths))
         return [PrefillResult(logits[i], int(torch.argmax(logits[i])),

@@ -424,6 +424,9 @@ def test_prompt_logprobs_equal_transformers(qwen3, backend, monkeypatch):
             continued = engine.run(ids[4:], list(first.states), prompt_logprobs=4)
             grouped = engine.run_many([ids, ids[:1], ids[2:5]], prompt_logprobs=[4, 2, None])
             plain = engine.run(ids)
+            for wrong in ([4], [4, None, 2]):  # one k a prompt, checked before the pass
+                with pytest.raises(ValueError, match=f"2 prompts but {len(wrong)} prompt_logprobs"):
+                    engine.run_many([ids, ids[:3]], prompt_logprobs=wrong)
         finally:
             engine.close()
     for entries in (whole.prompt_logprobs, chunked.prompt_logprobs, grouped[0].prompt_logprobs,
