@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from moepack.format_spec.errors import MoepackError
-from moepack.runtime import engine as engine_module
 from moepack.runtime.engine import PrefillOptions
 from moepack.runtime.perplexity import perplexity, windows_of
 from console import run_console
@@ -68,15 +67,9 @@ def test_perplexity_equals_transformers_over_the_same_windows(qwen3, bos):
         _transformers_perplexity(model, windows[:2])[0], rel=1e-5)
 
 
-def test_windows_that_do_not_fit_together_run_fewer_to_a_pass(qwen3, monkeypatch):
+def test_windows_that_do_not_fit_together_run_fewer_to_a_pass(qwen3, prefill_room):
     path, _ = qwen3
-    real = engine_module.StreamingPrefill.check_memory
-
-    def room_for_40(self, n_tokens, scored_tokens=0):
-        if n_tokens > 40:
-            raise MoepackError(f"a prompt of {n_tokens} tokens needs more than there is")
-        return real(self, n_tokens, scored_tokens)
-    monkeypatch.setattr(engine_module.StreamingPrefill, "check_memory", room_for_40)
+    prefill_room(40)
     ids = torch.arange(3, 103)
     result = perplexity(path, ids, 16, FLOAT32)
     assert result["windows_per_pass"] == 2 and result["passes"] == 3  # 6 windows of 16: 2 fit in 40 tokens

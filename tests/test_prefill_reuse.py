@@ -155,23 +155,14 @@ def test_replaced_prefill_options_take_effect_at_the_next_generation(tiny):
     _same(again, first)
 
 
-def test_the_scheduler_lets_go_of_the_engine_after_a_lone_prompts_memory_refusal(tiny, monkeypatch):
+def test_the_scheduler_lets_go_of_the_engine_after_a_lone_prompts_memory_refusal(tiny, prefill_room):
     """A prompt refused alone for memory: the batch scheduler lets go of the engine as after any pass (the next
     group asks the Generator again, so replaced prefill_options take effect)."""
-    from moepack.runtime import engine as engine_module
-
-    real = engine_module.StreamingPrefill.check_memory
-
-    def refuse_long(self, n_tokens, scored_tokens=0):
-        if n_tokens > 50:
-            raise MoepackError(f"refused {n_tokens} tokens")
-        return real(self, n_tokens, scored_tokens)
-
-    monkeypatch.setattr(engine_module.StreamingPrefill, "check_memory", refuse_long)
+    prefill_room(50)
     options = replace(OPTIONS, logprobs=0)
     with Generator(tiny, cache_gib=0.5, prefill=PREFILL) as g, BatchScheduler(g, max_batch=2) as batch:
         first = batch.generate([5, 6, 7, 8], options)
-        with pytest.raises(MoepackError, match="refused 80 tokens"):
+        with pytest.raises(MoepackError, match="a prompt of 80 tokens needs more"):
             batch.generate(list(range(3, 83)), options)
         layers = []
         g.prefill_options = replace(g.prefill_options, on_layer=lambda layer, n, nbytes: layers.append(layer))
