@@ -1385,6 +1385,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         false} -> {"count", "max_model_len", "tokens", "token_strs"}, special-token spellings their tokens, as
         a Hugging Face tokenizer's encode gives them."""
         def answer(body: dict) -> dict:
+            server.check_model(body)  # (either form may name it)
             if "prompt" in body:
                 return vllm_answer(body)
             content = _get(body, "content", lambda v: isinstance(v, str), "a string", "")
@@ -1413,7 +1414,6 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             prompt = _get(body, "prompt", lambda v: isinstance(v, str), "a string")
             add_special = _get(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
             strings = _get(body, "return_token_strs", lambda v: isinstance(v, bool), "a boolean", False)
-            server.check_model(body)
             tok = server.need_tokenizer("prompt")
             ids = tok.encode(prompt, True, add_special)
             return {"count": len(ids), "max_model_len": server.context, "tokens": ids,

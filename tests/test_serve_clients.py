@@ -894,6 +894,7 @@ def test_tokenizer_endpoints_as_vllm_serves_them_to_lm_evals_remote_tokenizer(se
                                 ({"prompt": 3}, "prompt", 400), ({"prompt": text, "add_special_tokens": 1},
                                                                  "add_special_tokens", 400),
                                 ({"prompt": text, "model": "other"}, "model", 404),
+                                ({"content": text, "model": "other"}, "model", 404),  # llama-server's form too
                                 ({"prompt": text, "messages": []}, "messages", 400)):
         r = httpx.post(f"{server.url}/tokenize", json=body, timeout=TIMEOUT)
         assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
