@@ -417,8 +417,9 @@ class SequenceOutput:
             shown = self.stopper.flush(self.so_far)
         elif self.pieces is not None:
             self.so_far += self.pieces.add(token)
-        # (a stop string counts from the min_new_tokens-th token on, as vLLM's min_tokens has it)
-        shown += self.stopper.feed(token, self.so_far, armed=len(self.generated) >= self.min_new_tokens)
+        # (a stop string counts once min_new_tokens tokens came before, as vLLM's min_tokens has it and as the end of
+        # sentence is held back: the first min_new_tokens tokens' text is passed over)
+        shown += self.stopper.feed(token, self.so_far, armed=len(self.generated) > self.min_new_tokens)
         if shown and self.on_text is not None:
             self.on_text(shown)
         return bool(self.stopper.finish_reason) or len(self.generated) == self.max_new_tokens

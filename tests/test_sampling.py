@@ -257,6 +257,15 @@ def test_a_stop_string_before_a_minimum_length_does_not_stop_one_ending_after_do
             if out.take(logits):
                 break
         assert out.generated == want and out.result({}).text == ("" if least == 0 else "ab"), least
+    # as vLLM (and the end of sentence): a stop string ending in the min_new_tokens-th token's text is passed over
+    out = SequenceOutput(GenerateOptions(max_new_tokens=6, stop=("b",), min_new_tokens=2, stop_at_eos=False),
+                         set(), detokenize=lambda ids: "".join(text[i] for i in ids))
+    for token in (5, 6, 6, 7):
+        logits = torch.full((8,), -10.0)
+        logits[token] = 10.0
+        if out.take(logits):
+            break
+    assert out.generated == [5, 6, 6] and out.result({}).text == "ab"
 
 
 def test_empty_stop_string_is_an_error():

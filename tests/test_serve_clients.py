@@ -1262,7 +1262,8 @@ def test_min_tokens_holds_the_end_of_sentence_back(server, path):
     # a stop string the first tokens spell does not end the answer before min_tokens (vLLM checks none before)
     a = server.tok.encode("a", special_tokens=False, add_bos=False)
     assert len(a) == 1 and server.tok.decode(a) == "a"
-    for least, tokens, text in ((0, 1, ""), (3, 3, "aa")):  # every token "a", the stop string "a"
+    # every token "a", the stop string "a": the first min_tokens tokens' text passed over, as the end of sentence is
+    for least, tokens, text in ((0, 1, ""), (3, 4, "aaa")):
         r = post(logit_bias={str(a[0]): 100}, stop=["a"], min_tokens=least).json()
         choice = r["choices"][0]
         said = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
