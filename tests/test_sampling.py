@@ -248,24 +248,21 @@ def test_a_stop_string_before_a_minimum_length_does_not_stop_one_ending_after_do
     assert later.feed(3, "xabc", armed=True) == "" and later.text == "x" and later.stop_string == "abc"
 
     text = {5: "a", 6: "b", 7: "c"}
-    for least, want in ((0, [5]), (2, [5, 6, 5])):
-        out = SequenceOutput(GenerateOptions(max_new_tokens=6, stop=("a",), min_new_tokens=least, stop_at_eos=False),
-                             set(), detokenize=lambda ids: "".join(text[i] for i in ids))
-        for token in (5, 6, 5, 7):
+
+    def answer(stop: str, least: int, tokens: tuple[int, ...]) -> tuple[list[int], str]:
+        """The tokens a SequenceOutput takes of `tokens` (each the likeliest in turn) and its answer's text."""
+        options = GenerateOptions(max_new_tokens=6, stop=(stop,), min_new_tokens=least, stop_at_eos=False)
+        out = SequenceOutput(options, set(), detokenize=lambda ids: "".join(text[i] for i in ids))
+        for token in tokens:
             logits = torch.full((8,), -10.0)
             logits[token] = 10.0
             if out.take(logits):
                 break
-        assert out.generated == want and out.result({}).text == ("" if least == 0 else "ab"), least
+        return out.generated, out.result({}).text
+    assert answer("a", 0, (5, 6, 5, 7)) == ([5], "")
+    assert answer("a", 2, (5, 6, 5, 7)) == ([5, 6, 5], "ab")
     # as vLLM (and the end of sentence): a stop string ending in the min_new_tokens-th token's text is passed over
-    out = SequenceOutput(GenerateOptions(max_new_tokens=6, stop=("b",), min_new_tokens=2, stop_at_eos=False),
-                         set(), detokenize=lambda ids: "".join(text[i] for i in ids))
-    for token in (5, 6, 6, 7):
-        logits = torch.full((8,), -10.0)
-        logits[token] = 10.0
-        if out.take(logits):
-            break
-    assert out.generated == [5, 6, 6] and out.result({}).text == "ab"
+    assert answer("b", 2, (5, 6, 6, 7)) == ([5, 6, 6], "ab")
 
 
 def test_empty_stop_string_is_an_error():
