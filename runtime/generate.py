@@ -29,7 +29,7 @@ from .engine import (EXPERT_DTYPES, GenerationCancelled, PrefillOptions, Streami
                      container_kv_format, joined_prompt_logprobs, prompt_ids, resolve_compute_dtype)
 from .memory import GIB, cache_room, check_device_memory, check_memory, default_cache_bytes, device_kv, others_kv
 from .read_scheduler import prefill_reader
-from .sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob, is_int
+from .sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprob, check_alternatives, is_int
 
 
 @dataclass
@@ -385,10 +385,8 @@ class SequenceOutput:
         self.pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None
         self.generated: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if options.logprobs is not None else None
-        k = options.prompt_logprobs
-        if k is not None and (not is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS):
-            raise MoepackError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
-        self.prompt_logprobs_k = k  # (its prefill's to compute: GenerateResult.prompt_logprobs)
+        check_alternatives("prompt_logprobs", options.prompt_logprobs)
+        self.prompt_logprobs_k = options.prompt_logprobs  # (its prefill's to compute: GenerateResult.prompt_logprobs)
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.so_far = ""  # the text of every token so far
         self.cancelled = False

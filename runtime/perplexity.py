@@ -85,13 +85,12 @@ def perplexity(path: str, token_ids, ctx: int = 512, options: PrefillOptions | N
     nll: list[float] = []
     start, bytes_read, passes = time.perf_counter(), 0, 0
     with Container(path) as c:
-        vocab = c.config.get("vocab_size") if isinstance(c.config, dict) else None
-        if isinstance(vocab, int):
+        engine = StreamingPrefill(c, options or PrefillOptions())
+        try:
+            vocab = engine.family.shape.vocab_size
             if bos_id is not None and not 0 <= bos_id < vocab:
                 raise MoepackError(f"BOS id {bos_id} is outside the vocabulary of {vocab}")
             check_prompt_ids(ids, vocab)  # the whole text's: an id in a part no window scores is no less wrong
-        engine = StreamingPrefill(c, options or PrefillOptions())
-        try:
             per_pass = _windows_that_fit(engine, min(per_pass, len(windows)), ctx)
             for at in range(0, len(windows), per_pass):
                 group = windows[at:at + per_pass]
@@ -114,6 +113,6 @@ def perplexity(path: str, token_ids, ctx: int = 512, options: PrefillOptions | N
     tokens = len(windows) * ctx
     return {"perplexity": math.exp(mean), "perplexity_stderr": None if stderr is None else math.exp(mean) * stderr,
             "nll_mean": mean, "ctx": ctx, "windows": len(windows), "tokens": tokens, "tokens_scored": len(nll),
-            "text_tokens": len(ids), "passes": passes, "windows_per_pass": min(per_pass, len(windows)),
+            "text_tokens": len(ids), "passes": passes, "windows_per_pass": per_pass,
             "bos": bos_id is not None, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
             "bytes_read": bytes_read}

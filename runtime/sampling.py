@@ -73,8 +73,7 @@ class Sampler:
         bias = dict(logit_bias or {})
         if any(not is_int(t) or t < 0 or not is_number(b) or not -100 <= b <= 100 for t, b in bias.items()):
             raise MoepackError("--logit-bias: token ids >= 0 with biases in [-100, 100]")
-        if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
-            raise MoepackError(f"--logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
+        check_alternatives("--logprobs", logprobs)
         if not is_int(held_for) or held_for < 0 or any(not is_int(t) or t < 0 for t in held_back):
             raise MoepackError(f"held_for (a minimum length) must be an integer >= 0 and held_back token ids, got "
                                f"{held_for!r}")
@@ -180,6 +179,13 @@ class Sampler:
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+
+
+def check_alternatives(name: str, k) -> None:
+    """How many likeliest alternatives a log-probability carries (None: no log-probabilities): an integer in
+    [0, MAX_TOP_LOGPROBS], else a MoepackError naming `name`."""
+    if k is not None and (not is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS):
+        raise MoepackError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import hmac
 import itertools
 import json
@@ -731,10 +732,13 @@ class Server:
         if len(ids) > self.limits.max_stop:
             raise RequestError(f"stop_token_ids: {len(ids)} ids, over the limit of {self.limits.max_stop}",
                                param="stop_token_ids", code="invalid_value")
-        if self.vocab and any(not 0 <= i < self.vocab for i in ids):
-            raise RequestError(f"stop_token_ids: token ids must lie in [0, {self.vocab})", param="stop_token_ids",
-                               code="invalid_value")
+        self.check_in_vocabulary(ids, "stop_token_ids", "stop_token_ids")
         return tuple(ids)
+
+    def check_in_vocabulary(self, ids: list[int], where: str, param: str) -> None:
+        """A 400 naming `param` where an id lies outside the model's vocabulary."""
+        if self.vocab and any(not 0 <= i < self.vocab for i in ids):
+            raise RequestError(f"{where}: token ids must lie in [0, {self.vocab})", param=param, code="invalid_value")
 
     def max_tokens(self, body: dict) -> int | None:
         max_tokens = _value(body, "max_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
@@ -861,9 +865,7 @@ class Server:
         if isinstance(prompt, list) and all(is_int(i) for i in prompt):
             if not prompt:
                 raise RequestError(f"{where}: empty prompt", param="prompt", code="empty_prompt")
-            if self.vocab and any(not 0 <= i < self.vocab for i in prompt):
-                raise RequestError(f"{where}: token ids must lie in [0, {self.vocab})", param="prompt",
-                                   code="invalid_value")
+            self.check_in_vocabulary(prompt, where, "prompt")
             return list(prompt)
         # (a list holding a number that is no integer, a bool, a string among ids: a prompt of the wrong type)
         got = json.dumps(prompt)
@@ -1429,19 +1431,21 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             server.check_model(body)
             ids = _get(body, "tokens", lambda v: isinstance(v, list) and all(is_int(i) for i in v),
                        "a list of token ids", [])
-            if server.vocab and any(not 0 <= i < server.vocab for i in ids):
-                raise RequestError(f"tokens: token ids must lie in [0, {server.vocab})", param="tokens",
-                                   code="invalid_value")
+            server.check_in_vocabulary(ids, "tokens", "tokens")
             text = server.need_tokenizer("tokens").decode(ids)
             return {"content": text, "prompt": text}
 
         return await small_request(request, {"tokens", "model"}, answer)
 
+    @functools.cache
+    def the_tokenizer_info() -> dict:  # (the container's files do not change: read once)
+        return tokenizer_info(generator.c, server.family, server.context)
+
     async def tokenizer_information(request):
         """vLLM's /tokenizer_info (serve/chat_template.py tokenizer_info): lm-eval's remote tokenizer asks it first."""
         server.check_auth(request)
         server.need_tokenizer("tokenizer_info")
-        return JSONResponse(tokenizer_info(generator.c, server.family, server.context))
+        return JSONResponse(the_tokenizer_info())
 
     async def small_request(request, fields: set[str], answer: Callable[[dict], dict]):
         """A /tokenize-like request: auth, a --max-queue place (a 4 MB text's encoding is seconds of work), the
