@@ -1187,7 +1187,7 @@ def _token_text(tokenizer, token: int) -> str:
 def _piece(tokenizer, token: int, text: str) -> str | list[int]:
     """/tokenize's piece of a token as llama-server gives it: its text, or where the token holds part of a character
     (its text alone is U+FFFD) the list of its bytes, so that the pieces join into the text."""
-    if "\ufffd" not in text:
+    if REPLACEMENT not in text:
         return text
     raw = tokenizer.token_bytes(token)
     try:
