@@ -24,16 +24,17 @@ GENERATE_MEMORY_HINT = "lower --cache-gib or --max-new-tokens, or shorten the pr
 
 def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, chat, thinking, reasoning_effort,
                 continuing: bool, turn_end: int | None = None, template=None):
-    """(prompt token ids, tokenizer or None) from whichever of the five prompt options was given; `continuing` a
-    KV whose conversation ends with `turn_end` (a chat's: see serve/tokenizer.py chat_prompt_ids); `template` the
-    container's _chat_template, where the caller keeps one."""
-    from moepack.serve.tokenizer import PromptTokenizer, read_prompt_file, read_token_ids
+    """(prompt token ids, tokenizer or None, whether a chat's answer goes on from its final assistant message, left
+    open) from whichever of the five prompt options was given; `continuing` a KV whose conversation ends with
+    `turn_end` (a chat's: see serve/tokenizer.py chat_prompt_ids); `template` the container's _chat_template, where
+    the caller keeps one."""
+    from moepack.serve.tokenizer import PromptTokenizer, ends_open, read_prompt_file, read_token_ids
 
     if token_ids_file is not None:
-        return read_token_ids(token_ids_file), _tokenizer_for_text(container)
+        return read_token_ids(token_ids_file), _tokenizer_for_text(container), False
     no_prompt = continuing and not prompt and prompt_file is None and messages_file is None and chat is None
     if no_prompt and not PromptTokenizer.carried_by(container):  # a KV's own continuation: nothing to encode
-        return [], None
+        return [], None, False
     tokenizer = PromptTokenizer(container)
     if messages_file is not None or chat is not None:
         from moepack.format_spec.errors import MoepackError
@@ -48,12 +49,12 @@ def _prompt_ids(container, prompt, prompt_file, token_ids_file, messages_file, c
         else:
             messages = [{"role": "user", "content": chat}]
         return _chat_ids(container, tokenizer, messages, thinking, reasoning_effort, continuing, turn_end,
-                         template), tokenizer
+                         template), tokenizer, ends_open(messages)
     if prompt_file is not None:
         prompt = read_prompt_file(prompt_file)
     if continuing:
         tokenizer.add_special_tokens = False  # a continuation: no BOS in the middle of the conversation
-    return (tokenizer.encode(prompt) if prompt else []), tokenizer
+    return (tokenizer.encode(prompt) if prompt else []), tokenizer, False
 
 
 def _tokenizer_for_text(container):
@@ -100,14 +101,15 @@ def _chat_ids(container, tokenizer, messages, thinking: bool | None, reasoning_e
                            turn_end=turn_end)
 
 
-def _chat_answer(container, thinking: bool | None, template: Callable):
+def _chat_answer(container, thinking: bool | None, template: Callable, continued: bool = False):
     """A chat reply's --json fields as the server's message gives them: f(text) -> {"content"} and, where the answer
-    had a thought (a chat encoding's thinking mode, a chat template that writes thoughts), its "reasoning_content"
-    (serve/reasoning.py). Asked for once a chat prompt was encoded: its template (_chat_template) is there."""
+    had a thought (a chat encoding's thinking mode, a chat template that writes thoughts; not an answer `continued`
+    from the final assistant message), its "reasoning_content" (serve/reasoning.py). Asked for once a chat prompt
+    was encoded: its template (_chat_template) is there."""
     from moepack.families import container_family
     from moepack.serve.reasoning import chat_thought, split_thinking
 
-    thought = chat_thought(container_family(container), template, thinking)
+    thought = chat_thought(container_family(container), template, thinking, continued)
 
     def fields(text: str | None) -> dict:
         if text is None:
@@ -256,14 +258,14 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
     from moepack.format_spec.reader import Container
     from moepack.runtime.engine import check_prompt_ids
     from moepack.runtime.generate import SequenceOutput
-    from moepack.serve.tokenizer import PromptTokenizer
+    from moepack.serve.tokenizer import PromptTokenizer, ends_open
 
     out = []
     with Container(file) as c:
         config = c.config
         tokenizer = PromptTokenizer(c) if any(s.token_ids is None for s in specs) else _tokenizer_for_text(c)
         vocab = config.get("vocab_size")
-        chat_answer, template = None, _chat_template(c)
+        template = _chat_template(c)
         for i, spec in enumerate(specs):
             try:
                 if spec.token_ids is not None:
@@ -272,8 +274,6 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
                     ids = (tokenizer.encode(spec.text) if spec.text is not None
                            else _chat_ids(c, tokenizer, spec.messages, thinking, reasoning_effort,
                                              template=template))
-                    if spec.messages is not None and chat_answer is None:
-                        chat_answer = _chat_answer(c, thinking, template)
                     detokenize = tokenizer.decode
                 if isinstance(vocab, int):
                     check_prompt_ids(torch.as_tensor(ids, dtype=torch.long), vocab)
@@ -286,7 +286,8 @@ def _prepared(file: str, specs: list[PromptSpec], base, max_context: int | None,
             except MoepackError as e:
                 raise MoepackError(f"{spec.where}: {e}") from None
             out.append(_Queued(i, spec, ids, options, detokenize,
-                               chat_answer if spec.messages is not None else _not_a_chat))
+                               _chat_answer(c, thinking, template, ends_open(spec.messages))
+                               if spec.messages is not None else _not_a_chat))
     return out
 
 
@@ -431,11 +432,12 @@ def generate(file, prompt, prompt_file, token_ids_file, messages_file, chat, thi
         closing = _closing_the_last_turn(kv.token_ids[-1], c) if kv is not None and (
             messages_file is not None or chat is not None) else []
         template = _chat_template(c)
-        ids, tokenizer = _prompt_ids(c, prompt, prompt_file, token_ids_file, messages_file, chat, thinking,
+        ids, tokenizer, continued = _prompt_ids(c, prompt, prompt_file, token_ids_file, messages_file, chat, thinking,
                                      reasoning_effort, continuing=kv is not None, template=template,
                                      turn_end=(closing or kv.token_ids[-1:] or [None])[-1] if kv else None)
         ids = closing + ids
-        answer = _chat_answer(c, thinking, template) if messages_file is not None or chat is not None else _not_a_chat
+        answer = (_chat_answer(c, thinking, template, continued) if messages_file is not None or chat is not None
+                  else _not_a_chat)
         config = c.config
         if not ids and continue_from is None:
             raise MoepackError("give a prompt: --prompt, --prompt-file, --token-ids, --messages or --chat")

@@ -57,6 +57,8 @@ class GenerateOptions:
     prompt_logprobs: int | None = None
     # tokens that end the generation as the end of sentence does (vLLM's stop_token_ids), stop_at_eos or not
     stop_token_ids: tuple[int, ...] = ()
+    # the stop string that ended the answer kept at its end (vLLM's include_stop_str_in_output)
+    include_stop: bool = False
 
     def sampler(self, eos_ids: tuple[int, ...] = ()) -> Sampler:
         return Sampler(self.temperature, self.top_p, self.top_k, self.seed, presence_penalty=self.presence_penalty,
@@ -379,7 +381,7 @@ class SequenceOutput:
         ends = set(options.stop_token_ids) | (set(eos_ids) if options.stop_at_eos else set())
         # (a minimum length holds back every token that would end it, as vLLM's min_tokens)
         self.sampler = options.sampler(tuple(sorted(set(eos_ids) | set(options.stop_token_ids))))
-        self.stopper = StopMatcher(list(options.stop), ends)
+        self.stopper = StopMatcher(list(options.stop), ends, options.include_stop)
         self.detokenize, self.on_text, self.on_token = detokenize, on_text, on_token
         self.on_prompt_logprobs = on_prompt_logprobs
         self.pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None

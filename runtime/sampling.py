@@ -252,16 +252,18 @@ class StopMatcher:
     """Decides when generation stops and which text is safe to show. Feed it each generated token with all the
     text decoded so far (text only ever grows at its end, as the detokenizer's pieces add up). It stops on an
     eos token (whose own text, e.g. "</s>", is never part of the answer) or when a stop string appears; the
-    answer then ends just before the stop string, as in OpenAI's API. Until then it holds back a tail of the text
-    that could be the start of a stop string. Running out of tokens ("length") is the caller's to decide."""
+    answer then ends just before the stop string, as in OpenAI's API (`include_stop`: just after it, as vLLM's
+    include_stop_str_in_output). Until then it holds back a tail of the text that could be the start of a stop
+    string. Running out of tokens ("length") is the caller's to decide."""
 
-    def __init__(self, stop: list[str], eos_ids: set[int]):
+    def __init__(self, stop: list[str], eos_ids: set[int], include_stop: bool = False):
         if any(not s for s in stop):
             raise MoepackError("--stop: an empty stop string would stop before the first token")
         self.stop = list(dict.fromkeys(stop))
         self._automaton = StopAutomaton(self.stop)
         self._state = 0  # the automaton's state after self._seen
         self.eos_ids = set(eos_ids)
+        self.include_stop = include_stop
         self.finish_reason: str | None = None  # "stop" once stopped
         self.stop_string: str | None = None  # the stop string that stopped it (None for eos)
         self.text = ""  # all the text given out so far: the answer, once stopped or flushed
@@ -299,7 +301,7 @@ class StopMatcher:
         if hit is not None:
             cut, length = hit
             self.finish_reason, self.stop_string = "stop", text[cut:cut + length]
-            return self._give_out(cut)
+            return self._give_out(cut + length if self.include_stop else cut)
         return self._give_out(len(text) if final else len(text) - automaton.depth[state])
 
     def _give_out(self, end: int) -> str:

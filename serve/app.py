@@ -82,7 +82,7 @@ from moepack.runtime.sampling import MAX_TOP_LOGPROBS, REPLACEMENT, IncrementalD
 from .chat_template import family_chat_template, tokenizer_info
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
 from .reasoning import ThinkSplitter, ThoughtMarks, chat_thought, split_thinking
-from .tokenizer import ChatInputError, chat_prompt_ids, markup_warning
+from .tokenizer import ChatInputError, chat_prompt_ids, ends_open, markup_warning
 from .tool_calls import ToolPlan, renders_tool_calls, split_answer, tool_plan, with_prompt_extras
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -101,16 +101,19 @@ MAX_N = 8  # choices per prompt (n): side by side in a batch, else one after the
 MAX_PROMPTS_PER_REQUEST = 64  # a completions request's prompts (OpenAI's batch; lm-eval's batch size), n choices each
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits: int() on them is cheap)
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
-# (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens`, `min_p`, `repetition_penalty` and
-# `stop_token_ids`.
+# (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens`, `min_p`, `repetition_penalty`,
+# `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `spaces_between_special_tokens`,
+# `truncate_prompt_tokens` and `add_special_tokens`.
 # `user` is accepted and ignored (no per-user state is kept).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
                   "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k",
-                  "ignore_eos", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids"}
+                  "ignore_eos", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids",
+                  "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                  "truncate_prompt_tokens", "add_special_tokens"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                 "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
-                                "chat_template_kwargs",
+                                "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
                                 "service_tier", "store", "metadata", "modalities"}
 # OpenAI fields moepack does not act on: a 400 naming the field whenever one is given (not null)
 REFUSED_FIELDS = {
@@ -232,6 +235,7 @@ class Job:
     timed_out: bool = False
     started: bool = False
     first_token_s: float | None = None  # from its arrival to its first generation's first token (the log line's)
+    tokenizer: object = None  # what its answer's text is decoded with (Prepared.tokenizer)
 
     def stopped(self) -> bool:
         if not self.timed_out and time.monotonic() > self.deadline:
@@ -298,6 +302,7 @@ class Prepared:
     echo: list[str] | None = None  # completions' echo: each prompt's text, in front of each of its choices' text
     make_constraint: Callable[[], object] | None = None
     tools: ToolPlan | None = None  # chat: the request's tools (serve/tool_calls.py)
+    tokenizer: object = None  # what its answer's text is decoded with (vLLM's skip_special_tokens); None: the server's
 
 
 # ---- request checking -------------------------------------------------------------------------------------------
@@ -821,7 +826,9 @@ class Server:
                                   min_new_tokens=self.min_tokens(body, max_tokens),
                                   logprobs=self.logprobs_count(body, chat), **penalties,
                                   stop_at_eos=not _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean",
-                                                       False))
+                                                       False),
+                                  include_stop=_get(body, "include_stop_str_in_output", lambda v: isinstance(v, bool),
+                                                    "a boolean", False))
         if n > 1 and temperature == 0:
             raise RequestError(f"n: {n} greedy choices would all be the same: give a temperature above 0",
                                param="n", code="invalid_value")
@@ -840,12 +847,34 @@ class Server:
                                "equal to n, or leave it out)", param="best_of", code="unsupported_value")
         return n
 
-    def echo_text(self, body: dict, prompts: list[list[int]]) -> list[str] | None:
-        """completions' echo: each prompt's own text (or its ids' text), in front of its answers."""
+    def echo_text(self, body: dict, prompts: list[list[int]], cut: list[bool]) -> list[str] | None:
+        """completions' echo: each prompt's own text (or its ids' text, also where truncate_prompt_tokens `cut` it),
+        in front of its answers."""
         if not _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False):
             return None
-        return [p if isinstance(p, str) else self.need_tokenizer("echo").decode(ids)
-                for p, ids in zip(_prompts_of(body["prompt"]), prompts)]
+        return [p if isinstance(p, str) and not c else self.need_tokenizer("echo").decode(ids)
+                for p, ids, c in zip(_prompts_of(body["prompt"]), prompts, cut)]
+
+    def truncated(self, body: dict, prompts: list[list[int]]) -> tuple[list[list[int]], list[bool]]:
+        """vLLM's truncate_prompt_tokens k: each prompt's last k tokens (-1: the server's context); and which were
+        cut."""
+        keep = _value(body, "truncate_prompt_tokens", int_in_range, -1, MAX_TOKENS_LIMIT)
+        if keep == 0 or keep is not None and self.context and keep > self.context:
+            within = f"[1, {self.context}] (the context)" if self.context else "at least 1"
+            raise RequestError(f"truncate_prompt_tokens: {keep} is not a number of tokens {within}, or -1 for the "
+                               "context", param="truncate_prompt_tokens", code="invalid_value")
+        keep = self.context if keep == -1 else keep
+        cut = [bool(keep) and len(ids) > keep for ids in prompts]
+        return [ids[-keep:] if c else ids for ids, c in zip(prompts, cut)], cut
+
+    def answer_tokenizer(self, body: dict, markup: Sequence[str] = ()):
+        """What the answer's text is decoded with: the tokenizer, or (vLLM's skip_special_tokens) it leaving out the
+        special tokens but those in the chat's own `markup` (its thought's marks, its tool calls': what the answer is
+        split at). vLLM's spaces_between_special_tokens changes nothing with a fast tokenizer: either is taken."""
+        _get(body, "spaces_between_special_tokens", lambda v: isinstance(v, bool), "a boolean")
+        if not _get(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean", False):
+            return self.tokenizer
+        return self.need_tokenizer("skip_special_tokens").skipping_specials(markup)
 
     def prompts(self, body: dict) -> list[list[int]]:
         """completions' prompts' ids: one prompt, or OpenAI's batch of them (at most MAX_PROMPTS_PER_REQUEST)."""
@@ -853,15 +882,18 @@ class Server:
         if len(given) > MAX_PROMPTS_PER_REQUEST:
             raise RequestError(f"prompt: {len(given)} prompts, more than the {MAX_PROMPTS_PER_REQUEST} one request "
                                "takes", param="prompt", code="invalid_value")
-        return [self.prompt_ids(p, "prompt" if len(given) == 1 else f"prompt[{i}]") for i, p in enumerate(given)]
+        add_bos = _get(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean")
+        return [self.prompt_ids(p, "prompt" if len(given) == 1 else f"prompt[{i}]", add_bos)
+                for i, p in enumerate(given)]
 
-    def prompt_ids(self, prompt, where: str) -> list[int]:
-        """One prompt's ids (`where`: how a message names it)."""
+    def prompt_ids(self, prompt, where: str, add_bos: bool | None = None) -> list[int]:
+        """One prompt's ids (`where`: how a message names it; `add_bos`: vLLM's add_special_tokens, None: as the
+        tokenizer's config says)."""
         if isinstance(prompt, str):
             if not prompt:  # the tokenizer's BOS alone is nobody's prompt (the CLI refuses it too)
                 raise RequestError(f"{where}: empty prompt", param="prompt", code="empty_prompt")
             # a client's text: a special token's text stays text (token ids are the way to send special tokens)
-            return self.need_tokenizer("prompt").encode(prompt, special_tokens=False)
+            return self.need_tokenizer("prompt").encode(prompt, special_tokens=False, add_bos=add_bos)
         if isinstance(prompt, list) and all(is_int(i) for i in prompt):
             if not prompt:
                 raise RequestError(f"{where}: empty prompt", param="prompt", code="empty_prompt")
@@ -903,6 +935,7 @@ class Server:
         messages = body.get("messages")
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
+        continue_final = self.continues_final(body) or ends_open(messages)
         encoding, plan, after, inserted = self.encoding, ToolPlan(None, False), (), 0
         if isinstance(messages, list) and messages:
             if encoding is None:
@@ -920,16 +953,39 @@ class Server:
                 extended = with_prompt_extras(messages, plan.tools, fmt)
                 inserted, messages = len(extended) - len(messages), extended
                 after = encoding.markup_segments(plan.prefill)
+        if continue_final and (plan.prefill or self.output_schema(body) is not None):
+            field = "tool_choice" if plan.prefill else "response_format"
+            raise RequestError(f"{field}: continue_final_message goes on from the assistant's text, where a "
+                               f"{'forced tool call' if plan.prefill else 'JSON answer'} would have to begin",
+                               param=field, code="unsupported_value")
         try:
             ids = chat_prompt_ids(self.family, lambda: self.need_tokenizer("messages"), messages, thinking=thinking,
                                   reasoning_effort=effort, template=self.chat_template, after=after,
-                                  tools=plan.tools if encoding is None else None)
+                                  tools=plan.tools if encoding is None else None, continue_final=continue_final)
         except ChatInputError as e:
             # a bad message named by its index in the request, not in the conversation with a system message put
             # first for the tools / response_format
             said = re.sub(r"^messages\[(\d+)\]", lambda m: f"messages[{int(m[1]) - inserted}]", str(e))
             raise RequestError(said, param=e.param, code=e.code) from None
-        return ids, None if plan.prefill else chat_thought(self.family, self.chat_template, thinking), plan
+        # (a forced call's start closed the thought)
+        return ids, None if plan.prefill else chat_thought(self.family, self.chat_template, thinking,
+                                                           continue_final), plan
+
+    @staticmethod
+    def continues_final(body: dict) -> bool:
+        """vLLM's continue_final_message (the answer goes on from the final assistant message's text) and
+        add_generation_prompt (true, its default, opens a new assistant turn: not with the former)."""
+        go_on = _get(body, "continue_final_message", lambda v: isinstance(v, bool), "a boolean", False)
+        opens = _get(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean")
+        if go_on and opens:
+            raise RequestError("add_generation_prompt: a new assistant turn cannot both open and continue the final "
+                               "message (continue_final_message): give false", param="add_generation_prompt",
+                               code="invalid_value")
+        if opens is False and not go_on:
+            raise RequestError("add_generation_prompt: false is taken with continue_final_message: true (a prompt "
+                               "that opens no assistant turn would have the model go on with the last message)",
+                               param="add_generation_prompt", code="unsupported_value")
+        return go_on
 
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
         """On a worker thread (the event loop stays free): parse, check and tokenize one request."""
@@ -937,17 +993,26 @@ class Server:
         stream, include_usage, usage_so_far = _stream_flags(body)
         n = self.choices(body)
         if chat:
+            # (vLLM's add_special_tokens: false, its default for chat, is what is done)
+            if _get(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean"):
+                raise RequestError("add_special_tokens: a chat's prompt is its template's or encoding's, special tokens "
+                                   "and all (a BOS would be doubled): leave it out or give false",
+                                   param="add_special_tokens", code="unsupported_value")
             ids, thought, plan = self.chat_ids(body)
+            [ids], _ = self.truncated(body, [ids])
             options = self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n)
+            markup = plan.markup() + (tuple(filter(None, (thought.start, thought.end))) if thought else ())
             return Prepared([ids], options, stream, include_usage, usage_so_far, thought, n, tools=plan,
-                            make_constraint=self.constraint_factory(body, thought, options.max_new_tokens))
-        prompts = self.prompts(body)
+                            make_constraint=self.constraint_factory(body, thought, options.max_new_tokens),
+                            tokenizer=self.answer_tokenizer(body, markup))
+        prompts, cut = self.truncated(body, self.prompts(body))
         # (the longest prompt is checked against the context, and caps an omitted max_tokens for all)
         options = self.options(body, max(len(ids) for ids in prompts), DEFAULT_COMPLETION_TOKENS, False, n)
-        echo = self.echo_text(body, prompts)
+        echo = self.echo_text(body, prompts, cut)
         if echo is not None and options.logprobs is not None:  # the echoed prompt's tokens get theirs too (lm-eval)
             options = dataclasses.replace(options, prompt_logprobs=options.logprobs)
-        return Prepared(prompts, options, stream, include_usage, usage_so_far, n=n, echo=echo)
+        return Prepared(prompts, options, stream, include_usage, usage_so_far, n=n, echo=echo,
+                        tokenizer=self.answer_tokenizer(body))
 
     # -- admission and the worker
     def admit(self) -> None:
@@ -991,7 +1056,7 @@ class Server:
         try:
             if job.stopped() or self.closing.is_set():
                 return self.skipped(job)
-            tok = self.tokenizer
+            tok = job.tokenizer
 
             asked = [False] * job.choices  # each choice's cancelled() asked: admitted by the scheduler (memory checked)
 
@@ -1470,7 +1535,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             prepared = await run_in_threadpool(server.prepare, raw, chat)
             job = Job(server.new_id(prefix), prepared.prompts, prepared.options,
                       deadline=arrived + server.limits.request_timeout_s, arrived=arrived, n=prepared.n,
-                      make_constraint=prepared.make_constraint)
+                      make_constraint=prepared.make_constraint,
+                      tokenizer=server.tokenizer if prepared.tokenizer is None else prepared.tokenizer)
             if prepared.stream:
                 loop = asyncio.get_running_loop()
                 job.queue = asyncio.Queue()
@@ -1643,7 +1709,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     async def completions(request):
         prepared, job, future = await admitted_request(request, chat=False, prefix="cmpl")
         rid, created = job.request_id, int(time.time())
-        tok = server.tokenizer
+        tok = job.tokenizer
 
         def echo(i: int) -> str:  # the i-th choice's prompt's text, where echo was asked for
             return prepared.echo[i // job.n] if prepared.echo else ""
@@ -1704,7 +1770,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     async def chat_completions(request):
         prepared, job, future = await admitted_request(request, chat=True, prefix="chatcmpl")
         rid, created, thought, plan = job.request_id, int(time.time()), prepared.thought, prepared.tools
-        tok = server.tokenizer
+        tok = job.tokenizer
         if not prepared.stream:
             results = await finished_job(request, job, future)
             choices = []

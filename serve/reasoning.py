@@ -70,10 +70,14 @@ def split_thinking(text: str, marks: ThoughtMarks | None) -> tuple[str | None, s
     return (reasoning if splitter.had_thought else None), content
 
 
-def chat_thought(family: Any, template: Callable[[], Any], thinking: bool | None) -> ThoughtMarks | None:
+def chat_thought(family: Any, template: Callable[[], Any], thinking: bool | None,
+                 continued: bool = False) -> ThoughtMarks | None:
     """How the answer to a chat prompt encoded as `family`'s chat (serve/tokenizer.py chat_prompt_ids, with no
     forced tool call: its start closes the thought) marks its thought, None where it has none: a chat encoding's
-    thinking mode opens it in the prompt; a chat template (`template()`) where it writes thoughts."""
+    thinking mode opens it in the prompt; a chat template (`template()`) where it writes thoughts; an answer that
+    goes on from the final assistant message's text (`continued`, after that message's thought) has none."""
+    if continued:
+        return None
     encoding = family.chat_encoding
     if encoding is not None:
         return ThoughtMarks(encoding.THINK_END) if thinking else None

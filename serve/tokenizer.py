@@ -143,6 +143,12 @@ class PromptTokenizer:
         """Each id's text alone (decode([i]) of each; the batch call lets go of the GIL)."""
         return self._tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
 
+    def skipping_specials(self, kept: Sequence[str] = ()) -> "SkippingSpecials":
+        """This tokenizer, its decode leaving out the special tokens (vLLM's skip_special_tokens) but those whose
+        text one of `kept` holds (a chat's own markup, which its answer is split at)."""
+        return SkippingSpecials(self, frozenset(i for i, t in self._tok.get_added_tokens_decoder().items()
+                                                if t.special and not any(t.content in k for k in kept)))
+
     @cached_property
     def _special_texts(self) -> tuple[str, ...]:
         """The texts of the added tokens marked special (a chat's role markers, BOS, EOS; not Qwen3's <think> or
@@ -185,6 +191,23 @@ class PromptTokenizer:
         for i, piece in enumerate(pieces):  # (odd pieces are the placeholders the split kept)
             ids += self._ids(self._plain, shielded[piece], False) if i % 2 else self.encode_special(piece)
         return ids
+
+
+class SkippingSpecials:
+    """A PromptTokenizer whose text leaves out the tokens `skipped`: an answer's text, its logprobs' tokens and
+    their offsets all without them, so that they still join into the text (ids, bytes and the rest as it has them)."""
+
+    def __init__(self, tokenizer: PromptTokenizer, skipped: frozenset[int]):
+        self._tokenizer, self.skipped = tokenizer, skipped
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode([i for i in ids if i not in self.skipped])
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"" if token in self.skipped else self._tokenizer.token_bytes(token)
 
 
 class ChatInputError(MoepackError):
@@ -330,7 +353,8 @@ def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messa
                     thinking: bool | None = None,
                     reasoning_effort: str | None = None, template: Callable[[], Any] | None = None,
                     after: Sequence[tuple[str, bool]] = (), continuing: bool = False,
-                    turn_end: int | None = None, tools: list[dict] | None = None) -> list[int]:
+                    turn_end: int | None = None, tools: list[dict] | None = None,
+                    continue_final: bool = False) -> list[int]:
     """The prompt ids of `messages` (an OpenAI-style list) as `family`'s chat:
 
     * its own chat encoding (family.chat_encoding): markup rendered in code into special tokens, message content
@@ -348,10 +372,17 @@ def chat_prompt_ids(family: Any, tokenizer: Callable[[], PromptTokenizer], messa
     conversation ends with, its last turn closed; a template's messages then start with what the template puts
     after a turn so closed (Qwen3's newline after <|im_end|>), as in the whole conversation.
 
+    `continue_final`: the conversation's final message, an assistant's text, is left open and the answer goes on
+    from it (vLLM's continue_final_message: a chat encoding's turn left open, its `wo_eos`; a template's rendering
+    without a generation prompt cut after that text, as transformers' apply_chat_template(continue_final_message));
+    a final message's own truthy `wo_eos` (the release encoder's field) says the same.
+
     `tokenizer()` and `template()` are asked for only when needed (a missing template is named before a missing
     tokenizer). Bad input is a ChatInputError naming the field."""
+    if continue_final or ends_open(messages):
+        continue_final, messages = True, _left_open(messages)
     ids = _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after,
-                          turn_end if continuing else None, tools)
+                          turn_end if continuing else None, tools, continue_final)
     bos = tokenizer().bos_id if continuing and ids else None
     return ids[1:] if bos is not None and ids[0] == bos else ids
 
@@ -369,9 +400,44 @@ def _after_the_closed_exchange(text: str, turn_end: str) -> str | None:
     return text[end + len(turn_end):] if end >= 0 else None
 
 
+def ends_open(messages) -> bool:
+    """Whether the conversation's final message says it is left open (the release encoder's `wo_eos`, truthy): the
+    answer goes on from it (chat_prompt_ids' continue_final)."""
+    return isinstance(messages, list) and bool(messages) and isinstance(messages[-1], dict) \
+        and bool(messages[-1].get("wo_eos"))
+
+
+def _left_open(messages) -> list:
+    """The conversation with its final message, an assistant's text (no tool calls), left open (`wo_eos`)."""
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant" or last.get("tool_calls"):
+        raise ChatInputError(f"messages[{len(messages) - 1 if isinstance(messages, list) else 0}]: "
+                             "continue_final_message goes on from a final assistant message's text (without tool "
+                             "calls)", "messages")
+    content = last.get("content")
+    text = "".join(p.get("text", "") for p in content if isinstance(p, dict)) if isinstance(content, list) else content
+    if not isinstance(text, str) or not text.strip():
+        raise ChatInputError(f"messages[{len(messages) - 1}].content: continue_final_message needs the final assistant "
+                             "message's text to go on from", "messages")
+    return [*messages[:-1], {**last, "wo_eos": True}]
+
+
+def _cut_after_final(text: str, final: str, where: int) -> str:
+    """A rendering without a generation prompt cut right after the final message's text `final` (as transformers'
+    apply_chat_template(continue_final_message=True) cuts it: a trailing space the template trimmed is left out)."""
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ChatInputError(f"messages[{where}].content: the chat template does not render the final message's text "
+                             "as it is: there is nothing to go on from (continue_final_message)", "messages")
+    whole = text[at:at + len(final.lstrip())] == final
+    return text[:at + len(final.lstrip() if whole else final.strip())]
+
+
 def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, template, after,
-                    turn_end: int | None = None, tools: list[dict] | None = None) -> list[int]:
-    """chat_prompt_ids as a first turn's (`turn_end`: as a continued conversation's, see there)."""
+                    turn_end: int | None = None, tools: list[dict] | None = None,
+                    continue_final: bool = False) -> list[int]:
+    """chat_prompt_ids as a first turn's (`turn_end`, `continue_final`: as a continued conversation's, see
+    there)."""
     if not isinstance(messages, list) or not messages:
         raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
     check_message_keys(messages)
@@ -382,7 +448,11 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
                                  "effort", "reasoning_effort")
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
-        messages = _template_messages(messages, family.name)
+        for i, m in enumerate(messages[:-1] if continue_final else messages):
+            if m.get("wo_eos"):
+                raise ChatInputError(f"messages[{i}].wo_eos: a chat template leaves no assistant turn open but the "
+                                     "conversation's last (continue_final_message)", "messages")
+        messages = _template_messages([{k: v for k, v in m.items() if k != "wo_eos"} for m in messages], family.name)
         chat_template = template()
         tok = tokenizer()
         _refuse_spelled_markup(tok, messages, tools)
@@ -393,7 +463,9 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
         if tools:
             options["tools"] = tools
         try:
-            text = chat_template.render(messages, **options)
+            text = chat_template.render(messages, add_generation_prompt=not continue_final, **options)
+            if continue_final:
+                text = _cut_after_final(text, messages[-1]["content"], len(messages) - 1)
             if turn_end is not None:
                 after_end = _after_the_closed_exchange(chat_template.render(_CLOSED_EXCHANGE + messages, **options),
                                                        tok.pieces([turn_end])[0])

@@ -56,6 +56,15 @@ class ToolPlan:
     parallel: bool = True  # parallel_tool_calls false: only the first call is kept
     encoding: Any = None  # the chat encoding (a module) whose tool_format the answer is parsed in; None: a template's
 
+    def markup(self) -> tuple[str, ...]:
+        """The texts the answer's tool calls are split at (none where they are not parsed)."""
+        if not self.parse:
+            return ()
+        if self.encoding is None:
+            return CALL_OPEN, CALL_CLOSE
+        fmt = self.encoding.tool_format
+        return fmt.TOOL_CALLS_START, _invoke_open(fmt), fmt.INVOKE_END, fmt.TOOL_CALLS_END
+
     def splitter(self):
         """A new splitter of an answer in the plan's format (ToolCallSplitter or TaggedCallSplitter)."""
         if self.encoding is None:

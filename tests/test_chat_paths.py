@@ -113,6 +113,56 @@ def test_a_conversation_that_opens_no_reply_is_refused_where_the_chat_opens_none
     assert (server_error.status, server_error.param) == (400, "messages")
 
 
+@pytest.mark.parametrize("thinking", [False, True])
+def test_continue_final_message_leaves_a_deepseek_v4_assistant_turn_open(containers, thinking):
+    """continue_final_message on DeepSeek-V4's encoding: the final assistant turn left open (the release encoder's
+    wo_eos), so the prompt is the reply prompt followed by that turn's text (thinking: its reasoning and the end
+    of thought first), no end of sentence; the answer has no thought of its own to split; an assistant turn left
+    open mid-conversation renders without its end of sentence, as the release's encoder has it."""
+    from moepack.families.deepseek_v4.chat import encode_messages
+
+    final = {"role": "assistant", "content": "Hel", "reasoning_content": "hmm" if thinking else None}
+    with Container(containers["deepseek-v4"]) as c:
+        server, tok = _server(c), PromptTokenizer(c)
+        try:
+            ids, thought, _ = server.chat_ids({"messages": [*CONVERSATION, final], "thinking": thinking,
+                                               "continue_final_message": True})
+            reply, _, _ = server.chat_ids({"messages": CONVERSATION, "thinking": thinking})
+        finally:
+            server.executor.shutdown()
+    plain = lambda text: tok.encode(text, special_tokens=False, add_bos=False)  # noqa: E731
+    said = plain("hmm") + [tok.token_id("</think>")] + plain("Hel") if thinking else plain("Hel")
+    assert thought is None and ids == reply + said
+    closed = encode_messages([*CONVERSATION, final, {"role": "user", "content": "go on"}], thinking)
+    left_open = encode_messages([*CONVERSATION, {**final, "wo_eos": 1}, {"role": "user", "content": "go on"}],
+                                thinking)
+    assert left_open == closed.replace("Hel<｜end▁of▁sentence｜>", "Hel", 1) != closed
+
+
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+@pytest.mark.parametrize("body, param, words", [
+    ({"continue_final_message": True}, "messages", "continue_final_message goes on from a final assistant message"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt", "cannot both"),
+    ({"add_generation_prompt": False}, "add_generation_prompt", "is taken with continue_final_message"),
+    ({"continue_final_message": "yes"}, "continue_final_message", "expected a boolean"),
+    ({"continue_final_message": True, "messages": [*CONVERSATION, {"role": "assistant", "content": " "}]}, "messages",
+     "needs the final assistant message's text"),
+    ({"continue_final_message": True, "response_format": {"type": "json_object"},
+      "messages": [*CONVERSATION, {"role": "assistant", "content": "{"}]}, "response_format", "JSON answer"),
+])
+def test_continue_final_message_is_refused_where_there_is_nothing_to_go_on_from(containers, family, body, param,
+                                                                                 words):
+    with Container(containers[family]) as c:
+        server = _server(c)
+        try:
+            with pytest.raises(RequestError) as e:
+                server.chat_ids({"messages": CONVERSATION, **body})
+        finally:
+            server.executor.shutdown()
+    assert (e.value.status, e.value.param) == (400, param) and words in e.value.message, e.value.message
+    assert "\n" not in e.value.message
+
+
 def test_a_chat_template_takes_no_reasoning_effort_in_either_path(containers):
     cli_error, server_error = _both(containers["qwen3-moe"], CONVERSATION, thinking=True, effort="high")
     want = "reasoning_effort: a qwen3-moe model's chat template takes no reasoning effort"
@@ -186,8 +236,8 @@ def test_a_chat_continuing_a_kv_is_the_next_turn_without_a_second_bos(containers
         eos = c.config["eos_token_id"]
         eos = eos[0] if isinstance(eos, list) else eos
         reply = tokenizer.encode("hello", add_bos=False) + [eos]  # as the model generates it
-        then, _ = _prompt_ids(c, None, None, None, None, "more", False, None, continuing=True, turn_end=eos)
-        raw, _ = _prompt_ids(c, "more", None, None, None, None, False, None, continuing=True)
+        then, _, _ = _prompt_ids(c, None, None, None, None, "more", False, None, continuing=True, turn_end=eos)
+        raw, _, _ = _prompt_ids(c, "more", None, None, None, None, False, None, continuing=True)
     assert _chat_ids(c, tokenizer, whole[:1], False, None) + reply + then == whole_ids
     assert raw == tokenizer.encode("more", add_bos=False)
 
@@ -321,6 +371,13 @@ def test_generate_json_gives_a_chats_content_and_its_thought_as_the_server_does(
     assert (out.get("reasoning_content"), out["content"]) == (("a plan", "the answer") if thinks else (None, scripted))
     out = generate("--prompt", "hi")
     assert "content" not in out and "reasoning_content" not in out
+    # a conversation whose final assistant message is left open (wo_eos): the answer goes on from its text, all
+    # content (its thought, where thinking, was that message's)
+    left_open = tmp_path / "open.json"
+    left_open.write_text(json.dumps([{"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": "Well", "wo_eos": True}]))
+    out = generate("--messages", str(left_open), *(["--thinking"] if thinks else []))
+    assert (out.get("reasoning_content"), out["content"]) == (None, scripted)
     monkeypatch.setattr(generate_module, "generate", real)
     lines = tmp_path / "prompts.jsonl"
     lines.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps("raw") + "\n")

@@ -1298,6 +1298,169 @@ def test_stop_token_ids_end_the_answer_as_the_end_of_sentence(server, path):
         assert _error_of(post(stop_token_ids=bad), 400)["param"] == "stop_token_ids", bad
 
 
+def _post_said(server, path: str, **body) -> tuple[int, str, str]:
+    """(completion tokens, the answer's text, finish_reason) of a temperature-0 request on either endpoint."""
+    prompt = {"prompt": "Once upon"} if path == "/v1/completions" else {"messages": CHAT}
+    r = httpx.post(f"{server.url}{path}", json={**prompt, "max_tokens": 6, "temperature": 0, **body}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    r = r.json()
+    choice = r["choices"][0]
+    return (r["usage"]["completion_tokens"], choice["text"] if path == "/v1/completions"
+            else choice["message"]["content"], choice["finish_reason"])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_include_stop_str_in_output_keeps_the_stop_string(server, path):
+    """vLLM's include_stop_str_in_output: the stop string that ended the answer is kept at its end (whole or
+    streamed); the tokens after it are not shown either way; not a boolean: a 400 naming it."""
+    b = server.tok.encode("b", special_tokens=False, add_bos=False)[0]
+    only_b = {"logit_bias": {str(b): 100}, "stop": ["bbb"]}
+    assert _post_said(server, path, **only_b) == (3, "", "stop")
+    assert _post_said(server, path, **only_b, include_stop_str_in_output=True) == (3, "bbb", "stop")
+    assert _post_said(server, path, **only_b, include_stop_str_in_output=False)[1] == ""
+    prompt = {"prompt": "Once upon"} if path == "/v1/completions" else {"messages": CHAT}
+    with httpx.stream("POST", f"{server.url}{path}", timeout=TIMEOUT,
+                      json={**prompt, **only_b, "max_tokens": 6, "temperature": 0, "stream": True,
+                            "include_stop_str_in_output": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    pieces = [c["choices"][0]["text"] if path == "/v1/completions" else c["choices"][0]["delta"].get("content")
+              for c in chunks if c["choices"]]
+    assert "".join(p or "" for p in pieces) == "bbb"
+    prompt_body = {**prompt, "max_tokens": 2, "include_stop_str_in_output": "yes"}
+    assert _error_of(httpx.post(f"{server.url}{path}", json=prompt_body, timeout=TIMEOUT),
+                     400)["param"] == "include_stop_str_in_output"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_skip_special_tokens_leaves_them_out_of_the_text(server, path):
+    """vLLM's skip_special_tokens: a special token the model generates (here the BOS, forced) is left out of the
+    answer's text (by default it is shown, as transformers' decode has it); its tokens still count, and the
+    logprobs' tokens still join into the text; spaces_between_special_tokens (nothing to change with a fast
+    tokenizer) takes either boolean; another type of either field is a 400 naming it."""
+    bos = server.tok.bos_id
+    assert bos is not None and bos not in server.generator.eos_ids
+    bos_text = server.tok.decode([bos])
+    forced = {"logit_bias": {str(bos): 100}, "max_tokens": 3}
+    assert _post_said(server, path, **forced) == (3, bos_text * 3, "length")
+    assert _post_said(server, path, **forced, skip_special_tokens=False) == (3, bos_text * 3, "length")
+    assert _post_said(server, path, **forced, skip_special_tokens=True) == (3, "", "length")
+    for spaces in (True, False):
+        assert _post_said(server, path, **forced, spaces_between_special_tokens=spaces)[1] == bos_text * 3
+    if path == "/v1/completions":  # (a special token between others: the rest of the text, offsets into it)
+        a = server.tok.encode("a", special_tokens=False, add_bos=False)[0]
+        r = httpx.post(f"{server.url}{path}", timeout=TIMEOUT, json={
+            "prompt": "Once upon", "max_tokens": 8, "temperature": 1, "seed": 5, "logprobs": 0,
+            "skip_special_tokens": True, "logit_bias": {str(bos): 100, str(a): 100}}).json()["choices"][0]
+        ids, tokens = r["token_ids"], r["logprobs"]["tokens"]
+        assert {bos, a} == set(ids)  # (both, drawn at random)
+        assert r["text"] == "a" * ids.count(a) == "".join(tokens)
+        assert r["logprobs"]["text_offset"] == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    for field in ("skip_special_tokens", "spaces_between_special_tokens"):
+        prompt = {"prompt": "Once upon"} if path == "/v1/completions" else {"messages": CHAT}
+        assert _error_of(httpx.post(f"{server.url}{path}", json={**prompt, field: 1}, timeout=TIMEOUT),
+                         400)["param"] == field
+
+
+def test_skip_special_tokens_keeps_the_chats_own_markup(tiny_path, tmp_path):
+    """A chat's thought end (or tool-call markup) that is a special token of the tokenizer stays in the text the
+    answer is split at with skip_special_tokens: the thought still ends there; other special tokens go."""
+    from containers import mutate_index
+
+    def end_of_thought_special(index):
+        entry = index["tokenizer"]["tokenizer.json"]
+        spec = json.loads(entry["data"])
+        for token in spec["added_tokens"]:
+            token["special"] = token["special"] or token["content"] == "</think>"
+        entry["data"] = json.dumps(spec)
+    path = str(tmp_path / "m.moepack")
+    mutate_index(tiny_path, path, end_of_thought_special)
+    g = Generator(path, cache_gib=0.5)
+    running = Running(make_app(g, "tiny", log=lambda line: None))
+    try:
+        tok = PromptTokenizer(g.c)
+        end, bos = tok.token_id("</think>"), tok.bos_id
+        body = {"messages": CHAT, "max_tokens": 3, "temperature": 0, "thinking": True, "skip_special_tokens": True,
+                "logit_bias": {str(end): 100}}
+        message = httpx.post(f"{running.url}/v1/chat/completions", json=body,
+                             timeout=TIMEOUT).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("", "</think></think>")
+        body["logit_bias"] = {str(bos): 100}
+        message = httpx.post(f"{running.url}/v1/chat/completions", json=body,
+                             timeout=TIMEOUT).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message.get("content") or "") == ("", "")
+    finally:
+        running.stop()
+        g.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, path):
+    """vLLM's truncate_prompt_tokens k: the prompt's last k tokens are what is prefilled (the answer is that of
+    those ids sent as the prompt, usage counts them; echo gives their text); -1 the context; 0, or over the
+    context, a 400 naming it."""
+    prompt = {"prompt": "Once upon a time there was"} if path == "/v1/completions" else {"messages": CHAT}
+
+    def post(**extra):
+        return httpx.post(f"{server.url}{path}", json={**prompt, "max_tokens": 3, "temperature": 0, **extra},
+                          timeout=TIMEOUT)
+    whole = post().json()
+    n = whole["usage"]["prompt_tokens"]
+    assert post(truncate_prompt_tokens=n + 5).json()["choices"] == whole["choices"]
+    assert post(truncate_prompt_tokens=-1).json()["choices"] == whole["choices"]
+    cut = post(truncate_prompt_tokens=3).json()
+    assert cut["usage"]["prompt_tokens"] == 3
+    if path == "/v1/completions":
+        ids = server.tok.encode(prompt["prompt"], special_tokens=False)[-3:]
+        alone = httpx.post(f"{server.url}{path}", json={"prompt": ids, "max_tokens": 3, "temperature": 0},
+                           timeout=TIMEOUT).json()
+        assert cut["choices"][0]["text"] == alone["choices"][0]["text"]
+        echoed = post(truncate_prompt_tokens=3, echo=True, max_tokens=1).json()["choices"][0]["text"]
+        assert echoed.startswith(server.tok.decode(ids))
+    for bad in (0, -2, 10 ** 7, "3"):
+        assert _error_of(post(truncate_prompt_tokens=bad), 400)["param"] == "truncate_prompt_tokens", bad
+
+
+def test_add_special_tokens(server):
+    """vLLM's add_special_tokens: false leaves the tokenizer's BOS off a completions prompt's text (true, or left
+    out, as its config says); a chat's prompt has its own (true would double it): a 400 naming it."""
+    def prompt_tokens(**extra) -> int:
+        r = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT,
+                       json={"prompt": "Once upon", "max_tokens": 1, **extra})
+        return r.json()["usage"]["prompt_tokens"]
+    plain = len(server.tok.encode("Once upon", special_tokens=False, add_bos=False))
+    assert server.tok.add_special_tokens and prompt_tokens() == prompt_tokens(add_special_tokens=True) == plain + 1
+    assert prompt_tokens(add_special_tokens=False) == plain
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=TIMEOUT,
+                   json={"messages": CHAT, "max_tokens": 1, "add_special_tokens": False})
+    assert r.status_code == 200, r.text
+    for bad in (True, "no"):
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=TIMEOUT,
+                       json={"messages": CHAT, "max_tokens": 1, "add_special_tokens": bad})
+        assert _error_of(r, 400)["param"] == "add_special_tokens"
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_continue_final_message_answers_on_from_the_assistants_text(server, thinking):
+    """vLLM's continue_final_message (with add_generation_prompt false, as its clients send it): the answer goes on
+    from the final assistant message's text: the completion of that prompt's ids, all content (the thought, where
+    thinking, was the message's and is closed), streamed alike."""
+    messages = [*CHAT, {"role": "assistant", "content": "Once upon", "reasoning_content": "a story" if thinking
+                        else None}]
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False,
+            "thinking": thinking, "max_tokens": 5, "temperature": 0}
+    ids = server.state.chat_ids(body)[0]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT).json()
+    plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": ids, "max_tokens": 5, "temperature": 0},
+                       timeout=TIMEOUT).json()
+    message = chat["choices"][0]["message"]
+    assert message["content"] == plain["choices"][0]["text"] and not message.get("reasoning_content")
+    assert chat["usage"] == plain["usage"]
+    streamed = _client(server).chat.completions.create(model="tiny", stream=True, **{
+        k: v for k, v in body.items() if k in ("messages", "max_tokens", "temperature")},
+        extra_body={k: body[k] for k in ("continue_final_message", "add_generation_prompt", "thinking")})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == message["content"]
+
+
 @pytest.mark.parametrize("which", ["server", "batched"])
 def test_several_prompts_in_one_completions_request_are_each_answered_as_alone(server, request, which):
     """OpenAI's batch of prompts (lm-eval's local-completions at a batch size above 1): n choices per prompt, the

@@ -177,6 +177,41 @@ def test_tool_call_blocks_split_whole_and_streamed(answer, content, calls):
     assert text == (content or None if calls else content) and len(whole) == len(calls)
 
 
+@pytest.mark.parametrize("thinking", [None, False, True])
+@pytest.mark.parametrize("said", ["It is sunny", "It is sunny ", [{"type": "text", "text": "It is"}]])
+def test_continue_final_message_is_transformers(qwen3_tools, thinking, said):
+    """continue_final_message with a chat template: the prompt is transformers' apply_chat_template(
+    continue_final_message=True) (rendered without a generation prompt, cut after the final text; a trailing space
+    the template trims left out), after tools and tool results too."""
+    directory, path = qwen3_tools
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    options = {} if thinking is None else {"enable_thinking": thinking}
+    with Container(path) as c:
+        template, tok = family_chat_template(c, FAMILY), PromptTokenizer(c)
+    for messages, tools in CONVERSATIONS:
+        messages = [*messages, {"role": "assistant", "content": said}]
+        ids = chat_prompt_ids(FAMILY, lambda: tok, messages, thinking=thinking, template=lambda: template,
+                              tools=tools, continue_final=True)
+        want = theirs.apply_chat_template(_transformers_messages(messages), tools=tools, tokenize=True,
+                                          add_generation_prompt=False, continue_final_message=True, **options)
+        assert ids == list(want["input_ids"] if hasattr(want, "keys") else want)
+
+
+def test_a_tool_plans_markup_is_what_its_answer_is_split_at():
+    """ToolPlan.markup (kept in the text by skip_special_tokens): a template's tags, a chat encoding's tool-call
+    markup (DeepSeek-V4's every piece of it holding its special DSML token), nothing where calls are not parsed."""
+    from moepack.serve.tool_calls import CALL_CLOSE, CALL_OPEN, tool_plan
+
+    assert ToolPlan([WEATHER], True).markup() == (CALL_OPEN, CALL_CLOSE)
+    assert ToolPlan([WEATHER], False).markup() == ()
+    encoding = family_named("deepseek-v4").chat_encoding
+    plan = tool_plan(encoding, [WEATHER], None, None, False)
+    fmt = encoding.tool_format
+    written = "".join(text for text, markup in fmt.tool_calls_parts([("get_weather", '{"city": "Paris"}')]) if markup)
+    assert plan.markup() and all(fmt.DSML in m for m in plan.markup())
+    assert all(m in written for m in plan.markup())
+
+
 def test_a_long_argument_spelling_the_closing_tag_streams_in_linear_time():
     """A long argument (a file of code) that spells `</tool_call>` and goes on is read once, not again up to that
     tag at every piece: the stream's splitter runs on the event loop (40,000 characters, then 5,000 pieces: 8 s had

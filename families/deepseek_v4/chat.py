@@ -33,10 +33,12 @@ part of that format, written from its documented behaviour and checked against i
   turn's reasoning (drop_thinking is off), as the release does. Checked against the release's encoder in
   tests/test_chat_tools.py (tests/data/dsv4_tools_reference.json). The Jinja template renders no tools.
 
+An assistant turn left open (`wo_eos`, as the release's encoder has it: no end of sentence after it) is the prompt
+of that turn's continuation when it ends the conversation (the server's `continue_final_message`).
+
 Left out (a message using them raises MoepackError rather than render something else): the quick-instruction
-`task` tokens, the `latest_reminder` role, assistant turns left open (`wo_eos`), user content given as a list of
-parts, and the encoder's `context=` continuation (`add_bos=False` covers rendering a conversation's tail without
-BOS).
+`task` tokens, the `latest_reminder` role, user content given as a list of parts, and the encoder's `context=`
+continuation (`add_bos=False` covers rendering a conversation's tail without BOS).
 """
 
 from __future__ import annotations
@@ -82,7 +84,6 @@ REASONING_EFFORT_MAX_PREFIX = (
 # Message fields of the release format this encoder does not render: refused, never silently dropped.
 _UNSUPPORTED_FIELDS = {
     "task": "quick-instruction tasks",
-    "wo_eos": "assistant turns left open (wo_eos)",
 }
 _UNSUPPORTED_ROLES = ("latest_reminder",)
 # fields the release renders only on some roles: elsewhere refused rather than dropped
@@ -103,14 +104,15 @@ def encode_message_segments(messages: Iterable[Mapping[str, Any]], thinking: boo
     """The prompt of `encode_messages` as segments: markup and text alternate (adjacent texts joined, so the text
     between two markups is tokenized in one piece, as in the whole string; empty texts left out). `reply`: the
     prompt of a reply to generate, so the conversation must end with the turn the format opens a reply after (a
-    user, developer or tool message); ending with a system message (the model would go on with the system text)
-    or an assistant's (closed by its end of sentence) is refused, naming that message."""
+    user, developer or tool message) or with an assistant's left open (`wo_eos`: the reply goes on from it); ending
+    with a system message (the model would go on with the system text) or an assistant's closed by its end of
+    sentence is refused, naming that message."""
     turns = _sort_tool_results(_merge_user_turns(_checked(messages, reasoning_effort)))
-    if reply and turns and turns[-1]["role"] not in ("user", "developer"):
+    if reply and turns and turns[-1]["role"] not in ("user", "developer") and not turns[-1]["open"]:
         role = turns[-1]["role"]
         raise MoepackError(f"messages[{len(messages) - 1}]: the conversation ends with this {role} message, "
                            "which opens no reply (DeepSeek-V4's chat opens the assistant's turn after a user, "
-                           "developer or tool message)")
+                           "developer or tool message; an assistant's left open, wo_eos, is continued)")
     # as the release: a conversation with tools keeps every turn's reasoning
     drop_thinking = drop_thinking and not any(t["tools"] for t in turns)
     if thinking and drop_thinking:
@@ -165,7 +167,8 @@ def encode_message_segments(messages: Iterable[Mapping[str, Any]], thinking: boo
             if turn["tool_calls"]:
                 for text, is_markup in tool_calls_parts([(name, args) for _, name, args in turn["tool_calls"]]):
                     markup(text) if is_markup else add(text)
-            add(EOS, True)
+            if not turn["open"]:
+                add(EOS, True)
         followed_by_reply = i + 1 == len(turns) or turns[i + 1]["role"] == "assistant"
         if role in ("user", "developer") and followed_by_reply:
             opens_thought = thinking and (not drop_thinking or i >= last_user)
@@ -269,7 +272,8 @@ def _checked(messages: Iterable[Mapping[str, Any]], reasoning_effort: str | None
             raise MoepackError(f"messages[{i}].response_format: expected an object")
         call_id = m.get("tool_call_id") if role == "tool" else None
         out.append({"role": role, "text": content, "reasoning": reasoning, "tools": tools, "response_format": fmt,
-                    "tool_calls": calls, "tool_call_id": call_id if isinstance(call_id, str) else ""})
+                    "tool_calls": calls, "tool_call_id": call_id if isinstance(call_id, str) else "",
+                    "open": role == "assistant" and bool(m.get("wo_eos"))})  # (truthy, as the release tests it)
     return out
 
 
