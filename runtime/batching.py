@@ -313,6 +313,7 @@ class BatchScheduler:
             done = self._engine.run_many(
                 [s.ids[s.prefilled:s.prefilled + n].to(self._engine.device) for s, n in zip(group, sizes)],
                 [s.states for s in group], keep_kv=True, prompt_logprobs=[s.out.prompt_logprobs_k for s in group],
+                ranked=any(s.out.prompt_ranked for s in group),  # (ranks for all: those not asking leave them)
                 # the pass stops (before its next layer) once every prompt in it is stopped; one of several
                 # stopped goes on to the pass's end (its rows are the others' weight reads' passengers) and then
                 # leaves with a cancelled result
@@ -335,7 +336,7 @@ class BatchScheduler:
             if result.prompt_logprobs is not None:  # the chunk's first token scored after the chunk before
                 chunk = s.ids[s.prefilled - n:s.prefilled]
                 s.out.prompt_logprobs = [*(s.out.prompt_logprobs or []), *joined_prompt_logprobs(
-                    s.last_logits, chunk, s.out.prompt_logprobs_k, result.prompt_logprobs)]
+                    s.last_logits, chunk, s.out.prompt_logprobs_k, result.prompt_logprobs, s.out.prompt_ranked)]
                 s.last_logits = result.logits
             if self._stop_asked(s):
                 self._cancel_in_prefill(s, len(self.generator.c.layers))

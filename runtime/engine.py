@@ -64,8 +64,8 @@ from .tuning import default_compute_dtype
 HEAD_CHUNK_BYTES = 16 << 20
 # a prompt's log-probabilities take the head's logits over every position this many float32 bytes at a time
 SCORE_CHUNK_BYTES = 16 << 20
-# a scored position's running logsumexp, next token's logit and top k (at most MAX_TOP_LOGPROBS) values and ids
-SCORE_BYTES_PER_POSITION = 8 + 12 * MAX_TOP_LOGPROBS
+# a scored position's running logsumexp, next token's logit, top k (at most MAX_TOP_LOGPROBS) values and ids, rank
+SCORE_BYTES_PER_POSITION = 16 + 12 * MAX_TOP_LOGPROBS
 
 
 class GenerationCancelled(MoepackError):
@@ -139,11 +139,11 @@ class PrefillResult:
 
 
 def joined_prompt_logprobs(before: torch.Tensor | None, ids: torch.Tensor, k: int,
-                           rest: list[TokenLogprob]) -> list[TokenLogprob | None]:
+                           rest: list[TokenLogprob], ranked: bool = False) -> list[TokenLogprob | None]:
     """A prompt's (or a chunk's) log-probabilities whole: its first token's from the logits [vocab] before it (a
-    continued KV's, an earlier chunk's; None where nothing is before it: no entry, OpenAI's null), then `rest`
-    (PrefillResult.prompt_logprobs)."""
-    first = None if before is None else TokenLogprob.of(int(ids[0]), before.to("cpu", torch.float64), k)
+    continued KV's, an earlier chunk's; None where nothing is before it: no entry, OpenAI's null; its rank where
+    `ranked`), then `rest` (PrefillResult.prompt_logprobs)."""
+    first = None if before is None else TokenLogprob.of(int(ids[0]), before.to("cpu", torch.float64), k, ranked)
     return [first, *rest]
 
 
@@ -315,7 +315,7 @@ class StreamingPrefill:
     # --- the prefill ---------------------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, past: list | None = None, chunk_tokens: int | None = None,
             keep_kv: bool = False, should_stop: Callable[[], bool] | None = None,
-            prompt_logprobs: int | None = None) -> PrefillResult:
+            prompt_logprobs: int | None = None, ranked: bool = False) -> PrefillResult:
         """Prefill `token_ids`; with `past` (one state per layer as the family keeps it, e.g. DeepSeek-V4's
         `read_kv(...).layers`, or an earlier run's `states`) the tokens continue that state at positions P.., P the
         tokens it covers (LayerPrefill.seen_tokens; the list's entries are released as used).
@@ -325,7 +325,8 @@ class StreamingPrefill:
         exists to measure what layer-major order saves. `keep_kv`: the result holds every layer's state after the
         prompt (what a decode goes on from). `should_stop()` is asked before each layer (the first time once every
         check has passed) and between a layer's query chunks; true raises GenerationCancelled. `prompt_logprobs` k:
-        the result's prompt_logprobs (the LM head then runs over every position, not the last alone)."""
+        the result's prompt_logprobs (the LM head then runs over every position, not the last alone); `ranked`:
+        with each token's rank (vLLM's; the head runs over them twice)."""
         n_tokens = check_prompt_ids(token_ids, self.family.shape.vocab_size)
         if chunk_tokens is not None and chunk_tokens < 1:
             raise MoepackError("--chunk-tokens must be at least 1")
@@ -341,11 +342,11 @@ class StreamingPrefill:
                 before = logits
                 logits, layer_stats, (states,), (counts,), (chunk_scores,) = self._forward(
                     chunk.to(self.device), [states], emit_kv=final, keep_states=keep_kv or not final,
-                    should_stop=should_stop, scored=[prompt_logprobs])
+                    should_stop=should_stop, scored=[prompt_logprobs], ranked=ranked)
                 all_stats.extend(layer_stats)
                 if chunk_scores is not None:  # a later chunk's first token: from the logits the one before left
                     scores = chunk_scores if scores is None else [
-                        *scores, *joined_prompt_logprobs(before[0], chunk, prompt_logprobs, chunk_scores)]
+                        *scores, *joined_prompt_logprobs(before[0], chunk, prompt_logprobs, chunk_scores, ranked)]
         stats = self._pass_stats(n_tokens, start, steal_before, all_stats)
         stats["order"] = "chunk" if chunk_tokens else "layer"
         stats["passes_over_model"] = len(chunks)
@@ -354,7 +355,7 @@ class StreamingPrefill:
 
     def run_many(self, prompts: list[torch.Tensor], pasts: list[list | None] | None = None, keep_kv: bool = True,
                  should_stop: Callable[[], bool] | None = None,
-                 prompt_logprobs: list[int | None] | None = None) -> list[PrefillResult]:
+                 prompt_logprobs: list[int | None] | None = None, ranked: bool = False) -> list[PrefillResult]:
         """Prefill several prompts in ONE layer-major pass: their tokens concatenated, each layer's dense weights and
         every routed expert read (and decoded) once for all of them. The attention runs per prompt on its own rows,
         at its own positions, continuing its own `pasts` entry (one state per layer, as run's `past`, or
@@ -365,7 +366,7 @@ class StreamingPrefill:
         stats are the pass's (seconds, bytes read, layers: shared by all) with its own `tokens`, and
         `group_prompts` / `group_tokens` saying what it shared the pass with. `should_stop()` as in run: it stops
         the whole pass. The memory check counts every prompt's tokens (and past tokens) together.
-        `prompt_logprobs`: one k (or None) per prompt, as run's.
+        `prompt_logprobs`: one k (or None) per prompt, as run's; `ranked` as run's, for every scored prompt.
 
         Only the plain layer-order pass has a grouped form: run's `chunk_tokens` order exists to measure one
         prompt's passes over the model, and the refusals below name the other two."""
@@ -390,7 +391,7 @@ class StreamingPrefill:
         with float32_matmuls_on_tensor_cores(self.device, self.compute_dtype), self._pass():
             logits, layer_stats, states, counts, scores = self._forward(
                 torch.cat([ids.reshape(-1) for ids in prompts]).to(self.device), pasts, emit_kv=False,
-                keep_states=keep_kv, should_stop=should_stop, lengths=lengths, scored=scored)
+                keep_states=keep_kv, should_stop=should_stop, lengths=lengths, scored=scored, ranked=ranked)
         stats = self._pass_stats(sum(lengths), start, steal_before, layer_stats)
         stats.update(order="layer", passes_over_model=1, group_prompts=len(prompts), group_tokens=sum(lengths))
         return [PrefillResult(logits[i], int(torch.argmax(logits[i])),
@@ -458,13 +459,14 @@ class StreamingPrefill:
 
     def _forward(self, token_ids: torch.Tensor, pasts: list[list | None], emit_kv: bool, keep_states: bool,
                  should_stop: Callable[[], bool] | None = None, lengths: list[int] | None = None,
-                 scored: list[int | None] | None = None):
+                 scored: list[int | None] | None = None, ranked: bool = False):
         """One pass of `token_ids` through every layer (reading each region once): one prompt, or the prompts of
         `lengths` tokens each, concatenated (run_many), `pasts` one entry per prompt. Returns each prompt's last
         position's logits [prompts, vocab], per-layer stats (all prompts), and per prompt (keep_states) its new
         per-layer states, the tokens its router sent to each expert of each layer and, where `scored` gives it a k,
-        its tokens' log-probabilities after the first (PrefillResult.prompt_logprobs; else None). The arithmetic is the
-        family's (self.family, families.base.LayerPrefill); the reads, the experts and the order are this one's."""
+        its tokens' log-probabilities after the first (PrefillResult.prompt_logprobs, ranked where `ranked`; else
+        None). The arithmetic is the family's (self.family, families.base.LayerPrefill); the reads, the experts and
+        the order are this one's."""
         family, blocks, names = self.family, self.c.layers, self.family.names
         moe_layers = set(family.shape.moe_layers)
         n_tokens = int(token_ids.numel())
@@ -549,7 +551,7 @@ class StreamingPrefill:
                                          if number in moe_layers else [])
         # each scored prompt's positions but its last, and the token after each (a one-token prompt: none)
         scorers = [None if k is None else
-                   (torch.arange(a, b - 1, device=self.device), NextTokenScores(token_ids[a + 1:b], k))
+                   (torch.arange(a, b - 1, device=self.device), NextTokenScores(token_ids[a + 1:b], k, ranked))
                    for k, (a, b) in zip(scored or [None] * len(spans), spans)]
         logits = self._head_logits(head_bytes.result() if head_bytes is not None else
                                    self.reads.read_globals(head_names, held_for_head), hidden,
@@ -626,7 +628,8 @@ class StreamingPrefill:
                      rows: torch.Tensor, scorers: list[tuple[torch.Tensor, NextTokenScores]] = ()) -> torch.Tensor:
         """The logits [len(rows), vocab] float32 of the positions `rows` (on the host). The LM head is decoded and
         applied HEAD_CHUNK_BYTES of rows at a time. Each (positions, scorer) of `scorers` is given those positions'
-        logits too, each slice of the head once for all of them, at most SCORE_CHUNK_BYTES of logits at a time."""
+        logits too, each slice of the head once for all of them (once more for the ranked ones), at most
+        SCORE_CHUNK_BYTES of logits at a time."""
         with self.compute:
             by_name, read = self._global_tensors(fetched, on_device=True)
             names = self.family.names
@@ -635,15 +638,17 @@ class StreamingPrefill:
             x = self.family.head_input(weights, hidden, rows)
             scored = [(self.family.head_input(weights, hidden, positions), scorer) for positions, scorer in scorers]
             out, first_id = [], 0
-            for head_rows in decode_group_row_slices(head, read, names.head,
-                                                     HEAD_CHUNK_BYTES // (4 * head[0].shape[1])):
+            rows_per_slice = HEAD_CHUNK_BYTES // (4 * head[0].shape[1])
+            for head_rows in decode_group_row_slices(head, read, names.head, rows_per_slice):
                 out.append(F.linear(x.to(head_rows.dtype), head_rows).float())
-                step = max(1, SCORE_CHUNK_BYTES // (4 * len(head_rows)))  # positions whose logits fit the bytes
-                for inputs, scorer in scored:
-                    for start in range(0, len(inputs), step):
-                        part = slice(start, start + step)
-                        scorer.add(part, F.linear(inputs[part].to(head_rows.dtype), head_rows).float(), first_id)
+                for part, inputs, scorer in _score_parts(scored, len(head_rows)):
+                    scorer.add(part, F.linear(inputs.to(head_rows.dtype), head_rows).float(), first_id)
                 first_id += len(head_rows)
+            ranked = [(inputs, scorer) for inputs, scorer in scored if scorer.ranks is not None]
+            if ranked:  # each next token's logit known: its rank counted over the slices again (the same arithmetic)
+                for head_rows in decode_group_row_slices(head, read, names.head, rows_per_slice):
+                    for part, inputs, scorer in _score_parts(ranked, len(head_rows)):
+                        scorer.count(part, F.linear(inputs.to(head_rows.dtype), head_rows).float())
             return torch.cat(out, dim=-1).cpu()
 
     # --- before and after ----------------------------------------------------------------------------------------
@@ -719,6 +724,15 @@ class StreamingPrefill:
         self.experts.close()
         if self.malloc_keeps_freed:
             release_freed_memory()
+
+
+def _score_parts(scored: list, slice_rows: int):
+    """(positions, their head inputs, scorer) of each (inputs, scorer) in `scored`, as many positions at a time as
+    have their logits over a head slice of `slice_rows` vocabulary ids within SCORE_CHUNK_BYTES."""
+    step = max(1, SCORE_CHUNK_BYTES // (4 * slice_rows))
+    for inputs, scorer in scored:
+        for start in range(0, len(inputs), step):
+            yield slice(start, start + step), inputs[start:start + step], scorer
 
 
 @dataclass

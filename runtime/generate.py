@@ -55,6 +55,7 @@ class GenerateOptions:
     min_p: float = 0.0  # tokens less likely than min_p x the likeliest's probability left out
     # the prompt's own tokens' log-probabilities, each with this many alternatives (GenerateResult.prompt_logprobs)
     prompt_logprobs: int | None = None
+    prompt_logprob_ranks: bool = False  # and each one's rank (vLLM's prompt_logprobs: the head runs over them twice)
     # tokens that end the generation as the end of sentence does (vLLM's stop_token_ids), stop_at_eos or not
     stop_token_ids: tuple[int, ...] = ()
     # the stop string that ended the answer kept at its end (vLLM's include_stop_str_in_output)
@@ -193,10 +194,10 @@ class Generator:
 
     def _prefill(self, token_ids: torch.Tensor, continue_from: str | None, max_new: int,
                  should_stop: Callable[[], bool] | None = None, prompt_copy: bool = False,
-                 scored: int | None = None) -> "_Prefilled":
+                 scored: int | None = None, ranked: bool = False) -> "_Prefilled":
         """The prompt's prefill, after `continue_from`'s KV where given. `prompt_copy`: a copy of the prompt's KV will
         be kept beside the generation's (generate's KV cut at a stop string): the memory check counts it.
-        `scored` k: the prompt's log-probabilities too (_Prefilled.prompt_logprobs)."""
+        `scored` k: the prompt's log-probabilities too (_Prefilled.prompt_logprobs), `ranked` with their ranks."""
         kv_format = self.kv_format() if continue_from is not None else None
         engine = self.prefill_engine()
         try:
@@ -210,10 +211,10 @@ class Generator:
                 scores = [] if scored is not None else None
                 if len(token_ids):
                     done = engine.run(token_ids.to(engine.device), states, keep_kv=True, should_stop=should_stop,
-                                      prompt_logprobs=scored)
+                                      prompt_logprobs=scored, ranked=ranked)
                     logits, states, stats, counts = done.logits, done.states, done.stats, done.tokens_per_expert
                     if scored is not None:
-                        scores = joined_prompt_logprobs(kv.logits, token_ids, scored, done.prompt_logprobs)
+                        scores = joined_prompt_logprobs(kv.logits, token_ids, scored, done.prompt_logprobs, ranked)
                 elif kv.logits is not None:
                     logits, stats, counts = kv.logits, {"tokens": 0}, None
                 else:
@@ -224,8 +225,9 @@ class Generator:
                 raise MoepackError("empty prompt")
             bound = self._check_memory(len(token_ids) + max_new, host_copies=[len(token_ids)] if prompt_copy else [])
             done = engine.run(token_ids.to(engine.device), keep_kv=True, should_stop=should_stop,
-                              prompt_logprobs=scored)
-            scores = None if scored is None else joined_prompt_logprobs(None, token_ids, scored, done.prompt_logprobs)
+                              prompt_logprobs=scored, ranked=ranked)
+            scores = None if scored is None else joined_prompt_logprobs(None, token_ids, scored, done.prompt_logprobs,
+                                                                        ranked)
             return _Prefilled(done.logits, done.states, done.stats, done.tokens_per_expert, token_ids.tolist(), 0,
                               bound, None, scores)
         finally:
@@ -275,7 +277,8 @@ class Generator:
         token_ids = prompt_ids(token_ids)
         try:
             logits, states, prefill_stats, counts, all_ids, past, bound, continued, out.prompt_logprobs = self._prefill(
-                token_ids, continue_from, out.max_new_tokens, cancelled, prompt_copy, out.prompt_logprobs_k)
+                token_ids, continue_from, out.max_new_tokens, cancelled, prompt_copy, out.prompt_logprobs_k,
+                out.prompt_ranked)
             out.sampler.saw(all_ids)
         except GenerationCancelled as e:  # the engine's pass gave back what it had read: it serves the next
             return cancelled_in_prefill(e, detokenize)
@@ -389,6 +392,7 @@ class SequenceOutput:
         self.logprobs: list[TokenLogprob] | None = [] if options.logprobs is not None else None
         check_alternatives("prompt_logprobs", options.prompt_logprobs)
         self.prompt_logprobs_k = options.prompt_logprobs  # (its prefill's to compute: GenerateResult.prompt_logprobs)
+        self.prompt_ranked = options.prompt_logprob_ranks
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.so_far = ""  # the text of every token so far
         self.cancelled = False

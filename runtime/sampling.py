@@ -195,15 +195,16 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None  # where asked for (vLLM's prompt_logprobs): 1 + how many others score at least as high
 
     @staticmethod
-    def of(token: int, x: torch.Tensor, k: int) -> "TokenLogprob":
+    def of(token: int, x: torch.Tensor, k: int, ranked: bool = False) -> "TokenLogprob":
         lp = torch.log_softmax(x, dim=0)
         top = torch.topk(lp, min(k, len(lp))) if k else None
         # a token the constraint rules out (-inf) is no alternative (nor valid JSON: a 500 for /v1 clients)
         pairs = () if top is None else tuple((i, v) for i, v in zip(top.indices.tolist(), top.values.tolist())
                                              if v != float("-inf"))
-        return TokenLogprob(token, float(lp[token]), pairs)
+        return TokenLogprob(token, float(lp[token]), pairs, int((x >= x[token]).sum()) if ranked else None)
 
 
 class NextTokenScores:
@@ -211,9 +212,10 @@ class NextTokenScores:
     position, the log-probability of the token that follows it and its k likeliest tokens, under the model's plain
     logits (no sampling adjustment). The logits come a slice of the vocabulary at a time (the LM head is never applied
     whole: a prompt's [N, vocab] would be gigabytes): a running logsumexp, the next token's logit taken from the slice
-    that holds it, and a running top k."""
+    that holds it, and a running top k. `ranked` (vLLM's prompt_logprobs): each next token's rank too, counted over
+    the slices once more once its logit is known (`count`: a second pass of the head)."""
 
-    def __init__(self, next_ids: torch.Tensor, k: int):
+    def __init__(self, next_ids: torch.Tensor, k: int, ranked: bool = False):
         n, device = len(next_ids), next_ids.device
         self.next_ids, self.k = next_ids, k
         # float32 whatever torch's default dtype (a bfloat16 default had rounded every running score)
@@ -222,6 +224,7 @@ class NextTokenScores:
         # (-inf: no token yet; a vocabulary under k tokens leaves some, which are no alternatives)
         self.top_values = torch.full((n, k), -math.inf, dtype=torch.float32, device=device)
         self.top_ids = torch.zeros(n, k, dtype=torch.long, device=device)
+        self.ranks = torch.zeros(n, dtype=torch.long, device=device) if ranked else None
 
     def add(self, rows: slice, logits: torch.Tensor, first_id: int) -> None:
         """The float32 logits [rows, width] of vocabulary ids first_id .. first_id + width - 1 for the scored
@@ -239,13 +242,21 @@ class NextTokenScores:
             best = values.topk(self.k, dim=1)
             self.top_values[rows], self.top_ids[rows] = best.values, ids.gather(1, best.indices)
 
+    def count(self, rows: slice, logits: torch.Tensor) -> None:
+        """The second pass's slice (as add's, every slice again in any order): the tokens scoring at least as high
+        as each next token (itself included), as vLLM ranks them."""
+        self.ranks[rows] += (logits >= self.next_logit[rows, None]).sum(dim=1)
+
     def entries(self) -> list["TokenLogprob"]:
-        """Each scored position's TokenLogprob: of the token after it, with its k likeliest."""
+        """Each scored position's TokenLogprob: of the token after it, with its k likeliest (and its rank, where
+        ranked)."""
         logprobs = (self.next_logit - self.logsumexp).cpu().tolist()
         top_values = (self.top_values - self.logsumexp[:, None]).cpu().tolist()
         top_ids = self.top_ids.cpu().tolist()
-        return [TokenLogprob(token, logprob, tuple((i, v) for i, v in zip(ids, values) if v != -math.inf))
-                for token, logprob, ids, values in zip(self.next_ids.tolist(), logprobs, top_ids, top_values)]
+        ranks = self.ranks.cpu().tolist() if self.ranks is not None else [None] * len(logprobs)
+        return [TokenLogprob(token, logprob, tuple((i, v) for i, v in zip(ids, values) if v != -math.inf), rank)
+                for token, logprob, ids, values, rank in zip(self.next_ids.tolist(), logprobs, top_ids, top_values,
+                                                             ranks)]
 
 
 class StopMatcher:

@@ -103,13 +103,13 @@ TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
 # (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens`, `min_p`, `repetition_penalty`,
 # `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `spaces_between_special_tokens`,
-# `truncate_prompt_tokens` and `add_special_tokens`.
+# `truncate_prompt_tokens`, `add_special_tokens` and `prompt_logprobs`.
 # `user` is accepted and ignored (no per-user state is kept).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
                   "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k",
                   "ignore_eos", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids",
                   "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                  "truncate_prompt_tokens", "add_special_tokens"}
+                  "truncate_prompt_tokens", "add_special_tokens", "prompt_logprobs"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                 "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
@@ -300,6 +300,7 @@ class Prepared:
     thought: ThoughtMarks | None = None  # chat: how its answer's thought is marked (None: it has none)
     n: int = 1  # choices per prompt
     echo: list[str] | None = None  # completions' echo: each prompt's text, in front of each of its choices' text
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs k (vllm_prompt_logprobs), where asked for
     make_constraint: Callable[[], object] | None = None
     tools: ToolPlan | None = None  # chat: the request's tools (serve/tool_calls.py)
     tokenizer: object = None  # what its answer's text is decoded with (vLLM's skip_special_tokens); None: the server's
@@ -374,6 +375,15 @@ PLAIN_VALUES = {"service_tier": ((None, "auto", "default"), "service tiers are n
                 "suffix": ((None, ""), "suffix (insertion) is not supported"),
                 "modalities": ((None, ["text"]), "only the text modality is supported"),
                 "metadata": ((None, {}), "metadata goes with stored completions, which are not supported")}
+
+
+def _scoring_the_prompt(options: GenerateOptions, k: int | None) -> GenerateOptions:
+    """The options scoring the prompt for vLLM's prompt_logprobs k too: its ranks, and k alternatives at least (an
+    echo's logprobs may ask fewer: completion_logprobs' `most` cuts them)."""
+    if k is None:
+        return options
+    return dataclasses.replace(options, prompt_logprobs=max(k, options.prompt_logprobs or 0),
+                               prompt_logprob_ranks=True)
 
 
 def _check_fields(body: dict, chat: bool) -> None:
@@ -987,11 +997,25 @@ class Server:
                                param="add_generation_prompt", code="unsupported_value")
         return go_on
 
+    @staticmethod
+    def prompt_logprobs(body: dict, stream: bool) -> int | None:
+        """vLLM's prompt_logprobs k: each prompt token's log-probability, rank and k likeliest (-1, all of the
+        vocabulary's, is not served; nor, as in vLLM, with stream)."""
+        k = _value(body, "prompt_logprobs", int_in_range, -1, MAX_TOP_LOGPROBS)
+        if k == -1:
+            raise RequestError(f"prompt_logprobs: -1 (the whole vocabulary's) is not served: give at most "
+                               f"{MAX_TOP_LOGPROBS}", param="prompt_logprobs", code="invalid_value")
+        if k is not None and stream:
+            raise RequestError("prompt_logprobs: not available with stream: true (as in vLLM)",
+                               param="prompt_logprobs", code="unsupported_value")
+        return k
+
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
         """On a worker thread (the event loop stays free): parse, check and tokenize one request."""
         body = self.parse(raw, chat)
         stream, include_usage, usage_so_far = _stream_flags(body)
         n = self.choices(body)
+        scored = self.prompt_logprobs(body, stream)
         if chat:
             # (vLLM's add_special_tokens: false, its default for chat, is what is done)
             if _get(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean"):
@@ -1000,19 +1024,19 @@ class Server:
                                    param="add_special_tokens", code="unsupported_value")
             ids, thought, plan = self.chat_ids(body)
             [ids], _ = self.truncated(body, [ids])
-            options = self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n)
+            options = _scoring_the_prompt(self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n), scored)
             markup = plan.markup() + (tuple(filter(None, (thought.start, thought.end))) if thought else ())
             return Prepared([ids], options, stream, include_usage, usage_so_far, thought, n, tools=plan,
                             make_constraint=self.constraint_factory(body, thought, options.max_new_tokens),
-                            tokenizer=self.answer_tokenizer(body, markup))
+                            tokenizer=self.answer_tokenizer(body, markup), prompt_logprobs=scored)
         prompts, cut = self.truncated(body, self.prompts(body))
         # (the longest prompt is checked against the context, and caps an omitted max_tokens for all)
         options = self.options(body, max(len(ids) for ids in prompts), DEFAULT_COMPLETION_TOKENS, False, n)
         echo = self.echo_text(body, prompts, cut)
         if echo is not None and options.logprobs is not None:  # the echoed prompt's tokens get theirs too (lm-eval)
             options = dataclasses.replace(options, prompt_logprobs=options.logprobs)
-        return Prepared(prompts, options, stream, include_usage, usage_so_far, n=n, echo=echo,
-                        tokenizer=self.answer_tokenizer(body))
+        return Prepared(prompts, _scoring_the_prompt(options, scored), stream, include_usage, usage_so_far, n=n,
+                        echo=echo, tokenizer=self.answer_tokenizer(body), prompt_logprobs=scored)
 
     # -- admission and the worker
     def admit(self) -> None:
@@ -1317,15 +1341,16 @@ class EchoOffsets:
 
 
 def completion_logprobs(tokenizer, entries: list[TokenLogprob | None], offsets: TextOffsets | EchoOffsets,
-                        tokens: list[int] | None = None) -> dict:
-    """OpenAI's (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} each),
-    text_offset (`offsets`: the completion's, carried on from chunk to chunk). `tokens`: the entries' tokens where
-    some entry is None (an echoed prompt's first: its logprob and top_logprobs null, as OpenAI's)."""
+                        tokens: list[int] | None = None, most: int | None = None) -> dict:
+    """OpenAI's (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} each, of the
+    `most` likeliest where given), text_offset (`offsets`: the completion's, carried on from chunk to chunk).
+    `tokens`: the entries' tokens where some entry is None (an echoed prompt's first: its logprob and top_logprobs
+    null, as OpenAI's)."""
     def top(entry: TokenLogprob) -> dict[str, float]:
         # keyed by text, as OpenAI's: tokens of one text (the bytes of several characters' parts, all U+FFFD) keep
         # the likeliest's logprob (the top come likeliest first), not the last one's
         out: dict[str, float] = {}
-        for token, logprob in entry.top:
+        for token, logprob in entry.top[:most]:
             out.setdefault(_token_text(tokenizer, token), logprob)
         return out
 
@@ -1334,6 +1359,17 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob | None], offsets: 
             "token_logprobs": [None if e is None else e.logprob for e in entries],
             "top_logprobs": [None if e is None else top(e) for e in entries],
             "text_offset": offsets.of(tokens)}
+
+
+def vllm_prompt_logprobs(tokenizer, entries: list[TokenLogprob | None], k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first: nothing is before it) or {token id: {logprob, rank,
+    decoded_token}}, the token's own first (its rank counted over the vocabulary), then its k likeliest (ranked 1 to
+    k; the token itself among them keeps its place first, with that rank), as vLLM builds them."""
+    def one(e: TokenLogprob) -> dict:
+        ranked = {e.token: (e.logprob, e.rank), **{t: (lp, r) for r, (t, lp) in enumerate(e.top[:k], 1)}}
+        return {str(t): {"logprob": lp, "rank": r, "decoded_token": _token_text(tokenizer, t)}
+                for t, (lp, r) in ranked.items()}
+    return [None if e is None else one(e) for e in entries]
 
 
 @dataclass(frozen=True)
@@ -1701,10 +1737,10 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             raise server.stopped_error(client_gone())
         return streamed(request, job, future, choices, include_usage, head, usage_so_far)
 
-    def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict]):
+    def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict], **extra):
         return JSONResponse({"id": job.request_id, "object": kind, "created": int(time.time()), "model": model_name,
                              "choices": choices, "usage": server.usage(job, results),
-                             "timings": timings(job, results)}, headers={"X-Request-Id": job.request_id})
+                             "timings": timings(job, results), **extra}, headers={"X-Request-Id": job.request_id})
 
     async def completions(request):
         prepared, job, future = await admitted_request(request, chat=False, prefix="cmpl")
@@ -1714,23 +1750,25 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         def echo(i: int) -> str:  # the i-th choice's prompt's text, where echo was asked for
             return prepared.echo[i // job.n] if prepared.echo else ""
 
-        def choice_extra(result):
-            return {"token_ids": result.generated_ids}
-
         def prompt_logprobs(i, entries):  # an echoed prompt's, its offsets into the echo
-            return completion_logprobs(tok, entries, EchoOffsets(tok, echo(i)), job.ids_of(i))
+            return completion_logprobs(tok, entries, EchoOffsets(tok, echo(i)), job.ids_of(i), job.options.logprobs)
+
+        def choice_extra(result):
+            scored = {} if prepared.prompt_logprobs is None else {"prompt_logprobs": vllm_prompt_logprobs(
+                server.tokenizer, result.prompt_logprobs, prepared.prompt_logprobs)}
+            return {"token_ids": result.generated_ids, **scored}
 
         def logprobs_of(i, result):
             if result.logprobs is None:
                 return None
             answer = completion_logprobs(tok, result.logprobs, TextOffsets(tok, len(echo(i))))
-            if result.prompt_logprobs is None:
+            if result.prompt_logprobs is None or not prepared.echo:  # (vLLM's prompt_logprobs alone: its own field)
                 return answer
             return {key: values + answer[key] for key, values in prompt_logprobs(i, result.prompt_logprobs).items()}
 
         if not prepared.stream:
             results = await finished_job(request, job, future)
-            # (on a worker thread: an echoed prompt's logprobs are a prompt's length of entries, seconds at 128K)
+            # (on a worker thread: a prompt's logprobs are a prompt's length of entries, seconds at 128K)
             return await run_in_threadpool(lambda: response(job, results, "text_completion", [
                 {"index": i, "text": echo(i) + (r.text or ""), "logprobs": logprobs_of(i, r),
                  "finish_reason": r.finish_reason, **choice_extra(r)} for i, r in enumerate(results)]))
@@ -1787,7 +1825,12 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         finish = "tool_calls" if finish == "stop" else finish
                 choices.append({"index": i, "message": message, "finish_reason": finish,
                                 "logprobs": None if result.logprobs is None else chat_logprobs(tok, result.logprobs)})
-            return response(job, results, "chat.completion", choices)
+            if prepared.prompt_logprobs is None:
+                return response(job, results, "chat.completion", choices)
+            # (vLLM's: the response's, of the prompt all choices share; on a worker thread, as completions' echo)
+            scored = await run_in_threadpool(vllm_prompt_logprobs, server.tokenizer, results[0].prompt_logprobs,
+                                             prepared.prompt_logprobs)
+            return response(job, results, "chat.completion", choices, prompt_logprobs=scored)
 
         def chunk(i, delta, finish=None):
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,

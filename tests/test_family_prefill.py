@@ -438,6 +438,43 @@ def test_prompt_logprobs_equal_transformers(qwen3, backend, monkeypatch):
     torch.testing.assert_close(whole.logits, plain.logits, atol=0, rtol=0)  # the last position's as before
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompt_logprob_ranks_equal_transformers(qwen3, backend, monkeypatch):
+    """`ranked` (vLLM's prompt_logprobs): each prompt token's rank, how many tokens score at least as high as it
+    (itself included), counted over the head's slices in a second pass: transformers' ranks, whole, in chunks,
+    continued after a past and in a grouped pass; unasked, no rank."""
+    from moepack.runtime import engine as engine_module
+    from moepack.runtime.engine import joined_prompt_logprobs
+
+    container, model = qwen3["float32"]
+    monkeypatch.setattr(engine_module, "HEAD_CHUNK_BYTES", 4 * 160 * 7)  # vocabulary slices of 7 ids
+    monkeypatch.setattr(engine_module, "SCORE_CHUNK_BYTES", 4 * 7 * 3)  # 3 positions at a time
+    ids = torch.tensor(PROMPT)
+    with Container(container) as c:
+        engine = StreamingPrefill(c, _options(backend))
+        try:
+            whole = engine.run(ids, prompt_logprobs=2, ranked=True)
+            chunked = engine.run(ids, chunk_tokens=3, prompt_logprobs=0, ranked=True)
+            first = engine.run(ids[:4], keep_kv=True, prompt_logprobs=2, ranked=True)
+            continued = engine.run(ids[4:], list(first.states), prompt_logprobs=2, ranked=True)
+            grouped = engine.run_many([ids[2:5], ids], prompt_logprobs=[1, 2], ranked=True)
+            unranked = engine.run(ids, prompt_logprobs=2)
+        finally:
+            engine.close()
+    lp = torch.log_softmax(reference_logits(model, PROMPT)[:-1].double(), dim=-1)
+    target = lp.gather(1, ids[1:, None])
+    want = (lp >= target).sum(dim=1).tolist()
+    near = ((lp - target).abs() < 1e-4).sum(dim=1).tolist()  # (itself alone: no tie rounding could flip)
+    for entries in (whole.prompt_logprobs, chunked.prompt_logprobs, grouped[1].prompt_logprobs,
+                    first.prompt_logprobs + joined_prompt_logprobs(first.logits, ids[4:], 2,
+                                                                   continued.prompt_logprobs, ranked=True)):
+        got = [e.rank for e in entries]
+        assert all(g == w for g, w, n in zip(got, want, near) if n == 1) and len(got) == len(want), (got, want)
+    assert max(want) > 2  # (not only the likeliest tokens)
+    assert all(e.rank is None for e in unranked.prompt_logprobs)
+    assert all(e.rank >= 1 for e in grouped[0].prompt_logprobs)  # (the other prompt's: its own context)
+
+
 def test_the_memory_check_counts_the_scored_positions(qwen3, monkeypatch):
     """A prefill asked for its prompt's log-probabilities counts what scoring every position holds (the head's
     input and a running score per position, one slice of their logits) before it runs, grouped or alone; a refusal

@@ -465,6 +465,52 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, reques
     assert plain["choices"][0]["logprobs"]["token_logprobs"] == whole["logprobs"]["token_logprobs"][-1:]
 
 
+@pytest.mark.parametrize("which", ["server", "batched"])
+def test_vllms_prompt_logprobs_give_each_prompt_tokens_logprob_rank_and_likeliest(server, request, which):
+    """vLLM's prompt_logprobs k: per prompt token (the first null) {token id: {logprob, rank, decoded_token}}, the
+    token's own first with its rank over the vocabulary (how many score at least as high), then its k likeliest
+    ranked 1..k: on each completions choice, on a chat response; beside echo's logprobs (each its own k), which
+    are what they are without it; -1, over 20 or with stream a 400 naming it."""
+    from moepack.runtime.engine import PrefillOptions, prefill
+
+    tok, server = server.tok, request.getfixturevalue(which)
+    ids = tok.encode("Once upon a time", special_tokens=False)
+
+    def post(path, **body):
+        r = httpx.post(f"{server.url}{path}", json={"max_tokens": 1, "temperature": 0, **body}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()
+    scored = post("/v1/completions", prompt=ids, prompt_logprobs=2, n=1)["choices"][0]
+    entries = scored["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None and scored["logprobs"] is None
+    for j in range(1, len(ids)):
+        logits = prefill(server.generator.path, ids[:j], PrefillOptions(compute_dtype="float32")).logits.double()
+        want = torch.log_softmax(logits, dim=0)
+        entry = entries[j]
+        first = next(iter(entry))
+        assert first == str(ids[j]) and len(entry) in (2, 3)
+        assert abs(entry[first]["logprob"] - float(want[ids[j]])) < 1e-4
+        assert entry[first]["rank"] == int((want >= want[ids[j]] - 1e-6).sum()) or \
+            entry[first]["rank"] == int((want > want[ids[j]] + 1e-6).sum()) + 1  # (ties within float rounding)
+        assert entry[first]["decoded_token"] == tok.decode([ids[j]])
+        top = want.topk(2)
+        assert {t: v["rank"] for t, v in entry.items() if v["rank"] <= 2} == {
+            str(int(t)): r for r, t in enumerate(top.indices, 1)}
+    with_echo = post("/v1/completions", prompt=ids, prompt_logprobs=3, echo=True, logprobs=1)["choices"][0]
+    alone = post("/v1/completions", prompt=ids, echo=True, logprobs=1)["choices"][0]
+    assert with_echo["logprobs"] == alone["logprobs"] and "prompt_logprobs" not in alone
+    assert all(len(e) >= 3 for e in with_echo["prompt_logprobs"][1:])
+    no_echo = post("/v1/completions", prompt=ids, prompt_logprobs=1, logprobs=1)["choices"][0]
+    assert len(no_echo["logprobs"]["tokens"]) == 1  # (the answer's: the prompt's are in their own field)
+    chat = post("/v1/chat/completions", messages=CHAT, prompt_logprobs=1)
+    prompt = server.state.chat_ids({"messages": CHAT})[0]
+    assert len(chat["prompt_logprobs"]) == len(prompt) == chat["usage"]["prompt_tokens"]
+    assert [next(iter(e)) for e in chat["prompt_logprobs"][1:]] == [str(t) for t in prompt[1:]]
+    for bad in ({"prompt_logprobs": -1}, {"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": ids, "max_tokens": 1, **bad}, timeout=TIMEOUT)
+        assert _error_of(r, 400)["param"] == "prompt_logprobs", bad
+
+
 def test_echoed_logprobs_text_offsets_index_the_returned_text(server):
     """Each text_offset of an echo with logprobs is where its token's text stands in the choice's text: a string
     prompt's BOS (the tokenizer's, no part of the client's text) at 0 and its own tokens after it, characters split
