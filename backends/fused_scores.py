@@ -39,19 +39,29 @@ MIN_FUSED_WORK = 1 << 20
 # shape class -> {"chosen": "fused" | "torch", "fused_s", "torch_s", "error", "reason"}
 DECISIONS: dict[str, dict] = {}
 FP8_MAX = 448.0  # e4m3's largest finite value
+# tl.dot's least K (the head dimension here) on a GPU: 32 bytes of an operand's row (16 bf16 or fp16 values, 32 FP8
+# ones); the GPU's compile refuses less, where Triton's interpreter runs it
+MIN_DOT_BYTES = 32
 
 
-def fused_applies(q: Tensor, keys: Tensor, head_weights: Tensor) -> bool:
-    """Whether the kernel can compute these scores: Triton present, CUDA tensors (or CPU ones under Triton's
-    interpreter), keys shared by every query, a power-of-two head dimension of at least 16 (tl.dot's), fewer than
-    2^31 elements in every operand and the scores."""
+def fused_applies(q: Tensor, keys: Tensor, head_weights: Tensor, fp8: bool = False) -> bool:
+    """Whether the kernel can compute these scores (`fp8`: the FP8 variant's, from these operands quantised):
+    Triton present, CUDA tensors (or CPU ones under Triton's interpreter) and operands_apply."""
     on_device = q.is_cuda or (interpreting() and q.device.type == "cpu")
+    return on_device and operands_apply(q, keys, head_weights, fp8) and _triton() is not None
+
+
+def operands_apply(q: Tensor, keys: Tensor, head_weights: Tensor, fp8: bool = False) -> bool:
+    """Whether the kernel takes these operands (fused_applies less the device and Triton): bf16 or fp16 q and keys,
+    keys shared by every query, a power-of-two head dimension of at least MIN_DOT_BYTES of the dot's operands
+    (16 bf16 values; 32 where `fp8` quantises them to one byte each), fewer than 2^31 elements in every operand and
+    the scores (the kernel's int32 offsets)."""
     head_dim = q.shape[-1]
-    return (on_device and q.dim() == 3 and keys.dim() == 2 and keys.shape[-1] == head_dim
-            and head_weights.shape == q.shape[:2] and q.dtype in (torch.bfloat16, torch.float16)
-            and keys.dtype == q.dtype and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-            and max(q.numel(), keys.numel(), q.shape[0] * keys.shape[0]) < 2**31  # (the kernel's int32 offsets)
-            and _triton() is not None)
+    dot_bytes = head_dim * (1 if fp8 else q.element_size())
+    return (q.dim() == 3 and keys.dim() == 2 and keys.shape[-1] == head_dim and head_weights.shape == q.shape[:2]
+            and q.dtype in (torch.bfloat16, torch.float16) and keys.dtype == q.dtype
+            and dot_bytes >= MIN_DOT_BYTES and head_dim & (head_dim - 1) == 0
+            and max(q.numel(), keys.numel(), q.shape[0] * keys.shape[0]) < 2**31)
 
 
 def _kernel_source(tl):
@@ -163,9 +173,12 @@ def weighted_relu_head_sum_fp8(q: Tensor, keys: Tensor, head_weights: Tensor, co
                                ) -> Tensor:
     """weighted_relu_head_sum with q and keys quantised to FP8 e4m3, a scale per (query, head) row and per key:
     the query's scale goes into its head weight, the key's multiplies the heads' sum (both positive, through the
-    ReLU). Needs an FP8 tensor core (sm_89 on) or the interpreter. Not chosen by weighted_relu_scores."""
-    if not fused_applies(q, keys, head_weights):
-        raise ValueError("no fused FP8 scores for these tensors (see fused_applies)")
+    ReLU). Needs an FP8 tensor core (sm_89 on) or the interpreter, and a head dimension of 32 or more (MIN_DOT_BYTES
+    of FP8 codes). Not chosen by weighted_relu_scores."""
+    if not fused_applies(q, keys, head_weights, fp8=True):
+        raise ValueError(f"no fused FP8 scores for q {tuple(q.shape)} {q.dtype} on {q.device}, keys "
+                         f"{tuple(keys.shape)} {keys.dtype}, head weights {tuple(head_weights.shape)} (see "
+                         "fused_applies), or Triton is not installed")
     q_codes, q_scales = quantize_rows_e4m3(q)
     key_codes, key_scales = quantize_rows_e4m3(keys)
     return _launch(q_codes, key_codes, head_weights.float() * q_scales, counts, key_scales)

@@ -98,7 +98,7 @@ def chunk_row(entries: int, args, device: torch.device) -> dict:
     measure(row, "counts", lambda: fused_scores.weighted_relu_head_sum(q, keys, weights, counts), flops, masked,
             rows, args.repeat, args.topk)
     try:
-        if not fused_scores.fused_applies(q, keys, weights):
+        if not fused_scores.fused_applies(q, keys, weights, fp8=True):
             raise ValueError("the fused kernel does not apply here (no CUDA device, or no Triton)")
         q8, q_scales = fused_scores.quantize_rows_e4m3(q)
         k8, k_scales = fused_scores.quantize_rows_e4m3(keys)

@@ -154,6 +154,19 @@ def test_torch_where_the_kernel_does_not_apply(interpreted):
 
 
 
+def test_fp8_refused_under_the_dots_32_bytes(interpreted):
+    """tl.dot's least K on a GPU is 32 bytes of an operand's row: a head dimension of 16 is 16 bf16 values but
+    only 16 FP8 ones, which the GPU's compile refuses (the interpreter runs it): the FP8 variant refuses it here,
+    the bf16 kernel takes it."""
+    q, keys, weights = operands(5, 3, 16, 9, seed=8)
+    assert fused_scores.fused_applies(q, keys, weights) and not fused_scores.fused_applies(q, keys, weights, fp8=True)
+    with pytest.raises(ValueError, match="no fused FP8 scores for q \\(5, 3, 16\\)"):
+        fused_scores.weighted_relu_head_sum_fp8(q, keys, weights)
+    q, keys, weights = operands(5, 3, 32, 9, seed=8)
+    got = fused_scores.weighted_relu_head_sum_fp8(q, keys, weights)
+    assert fused_scores.relative_error(got, float32_scores(q, keys, weights)) < 0.06
+
+
 HOPPER_COMPILE = """
 import inspect, sys
 import triton
