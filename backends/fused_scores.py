@@ -126,29 +126,39 @@ def _kernel(interpret: bool):
                            do_bench=short_bench)(jitted)
 
 
-def _launch(q: Tensor, keys: Tensor, head_weights: Tensor, counts: Tensor | None,
-            key_scales: Tensor | None) -> Tensor:
+def kernel_arguments(q: Tensor, keys: Tensor, head_weights: Tensor, counts: Tensor | None, key_scales: Tensor | None,
+                     interpret: bool) -> tuple[Tensor, tuple, dict]:
+    """(out, the kernel's arguments, its constexprs but the tiles) for these operands, as _launch passes them:
+    what benchmarks/triton_aot.py compiles for sm_90 (with CPU tensors: Triton specialises on their dtypes, their
+    pointers' and integers' divisibility by 16 and integers equal to 1)."""
     n_queries, heads, head_dim = q.shape
     n_keys = keys.shape[0]
     q = q if q.stride(-1) == 1 else q.contiguous()
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     out = torch.empty(n_queries, n_keys, dtype=torch.float32, device=q.device)
-    if n_queries == 0 or n_keys == 0:
-        return out
     if counts is not None:
         counts = counts.to(device=q.device, dtype=torch.int32).contiguous()
+    arguments = (q, keys, head_weights, counts if counts is not None else out,
+                 key_scales if key_scales is not None else out, out, n_queries, n_keys, power_of_two_above(n_queries),
+                 power_of_two_above(n_keys), q.stride(0), q.stride(1), keys.stride(0), head_weights.stride(0),
+                 head_weights.stride(1), out.stride(0))
+    constexprs = dict(HEADS=heads, D=head_dim, HAS_COUNTS=counts is not None, HAS_KEY_SCALES=key_scales is not None,
+                      WIDEN=interpret and q.dtype == torch.bfloat16)
+    return out, arguments, constexprs
+
+
+def _launch(q: Tensor, keys: Tensor, head_weights: Tensor, counts: Tensor | None,
+            key_scales: Tensor | None) -> Tensor:
     interpret = interpreting()
-    kernel = _kernel(interpret)
+    out, arguments, constexprs = kernel_arguments(q, keys, head_weights, counts, key_scales, interpret)
+    if out.numel() == 0:
+        return out
+    n_queries, n_keys = out.shape
     tiles = dict(zip(("BLOCK_C", "BLOCK_T"), _INTERPRETER_TILE)) if interpret else {}
 
     def grid(meta):
         return (-(-n_queries // meta["BLOCK_C"]), -(-n_keys // meta["BLOCK_T"]))
-    kernel[grid](q, keys, head_weights, counts if counts is not None else out, key_scales if key_scales is not None
-                 else out, out, n_queries, n_keys, power_of_two_above(n_queries),
-                 power_of_two_above(n_keys), q.stride(0), q.stride(1), keys.stride(0),
-                 head_weights.stride(0), head_weights.stride(1), out.stride(0), HEADS=heads, D=head_dim,
-                 HAS_COUNTS=counts is not None, HAS_KEY_SCALES=key_scales is not None,
-                 WIDEN=interpret and q.dtype == torch.bfloat16, **tiles)
+    _kernel(interpret)[grid](*arguments, **constexprs, **tiles)
     return out
 
 
@@ -179,9 +189,16 @@ def weighted_relu_head_sum_fp8(q: Tensor, keys: Tensor, head_weights: Tensor, co
         raise ValueError(f"no fused FP8 scores for q {tuple(q.shape)} {q.dtype} on {q.device}, keys "
                          f"{tuple(keys.shape)} {keys.dtype}, head weights {tuple(head_weights.shape)} (see "
                          "fused_applies), or Triton is not installed")
+    q_codes, key_codes, weights, key_scales = fp8_operands(q, keys, head_weights)
+    return _launch(q_codes, key_codes, weights, counts, key_scales)
+
+
+def fp8_operands(q: Tensor, keys: Tensor, head_weights: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q's codes, the keys' codes, the head weights times q's scales (float32), the keys' scales): the FP8
+    variant's operands of the kernel."""
     q_codes, q_scales = quantize_rows_e4m3(q)
     key_codes, key_scales = quantize_rows_e4m3(keys)
-    return _launch(q_codes, key_codes, head_weights.float() * q_scales, counts, key_scales)
+    return q_codes, key_codes, head_weights.float() * q_scales, key_scales
 
 
 def shape_class(q: Tensor, keys: Tensor) -> str:

@@ -146,19 +146,28 @@ def fp4_pairs_matmul(stack: Tensor, slots: Tensor, x: Tensor, matrix: Fp4Matrix,
         raise ValueError(f"no stored FP4 kernel for x {tuple(x.shape)} {x.dtype} on {x.device}, slots "
                          f"{tuple(slots.shape)}, a [{matrix.out_features}, {matrix.in_features}] matrix, or Triton "
                          "is not installed")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(pairs, matrix.out_features, dtype=out_dtype, device=x.device)
+    interpret = interpreting()
+    out, arguments, constexprs = kernel_arguments(stack, slots, x, matrix, out_dtype)
     if pairs == 0:
         return out
-    interpret = interpreting()
     tiles = dict(zip(("BLOCK_N", "BLOCK_K"), _INTERPRETER_TILE)) if interpret else {}
 
     def grid(meta):
         return (pairs, -(-matrix.out_features // meta["BLOCK_N"]))
-    _kernel(interpret)[grid](stack, slots.to(torch.int64), x, out, matrix.out_features, stack.stride(0),
-                             matrix.codes_at, matrix.scales_at, x.stride(0), out.stride(0),
-                             power_of_two_above(pairs), N_IN=n_in, **tiles)
+    _kernel(interpret)[grid](*arguments, **constexprs, **tiles)
     return out
+
+
+def kernel_arguments(stack: Tensor, slots: Tensor, x: Tensor, matrix: Fp4Matrix, out_dtype: torch.dtype
+                     ) -> tuple[Tensor, tuple, dict]:
+    """(out, the kernel's arguments, its constexprs but the tiles) for these operands, as fp4_pairs_matmul passes
+    them: what benchmarks/triton_aot.py compiles for sm_90 (with CPU tensors: Triton specialises on their dtypes,
+    their pointers' and integers' divisibility by 16 and integers equal to 1)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], matrix.out_features, dtype=out_dtype, device=x.device)
+    arguments = (stack, slots.to(torch.int64), x, out, matrix.out_features, stack.stride(0), matrix.codes_at,
+                 matrix.scales_at, x.stride(0), out.stride(0), power_of_two_above(x.shape[0]))
+    return out, arguments, dict(N_IN=x.shape[1])
 
 
 def shape_class(stack: Tensor, x: Tensor, matrices: list[Fp4Matrix]) -> str:

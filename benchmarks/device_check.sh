@@ -25,6 +25,10 @@
 #   gpu_decode   benchmarks/gpu_decode.py: the same slice (gpu_prefill's container, built here if that step did not
 #             run), every expert in the device's expert pool, B = GPU_BATCH: tokens/s, bytes a token reads and their
 #             fraction of the copy rate measured in the same run, the pool's path beside the per-expert one
+#   triton_aot   benchmarks/triton_aot.py: the Triton kernels (fused scores, stored FP4) compiled for sm_90 at every
+#             autotune config and launch specialization the runtime makes, with this Triton; registers, spills,
+#             shared memory. Needs no GPU, so not a default step: run it before a lease, on a CPU machine with the
+#             image's Triton (`pip install triton==3.6.0` in a venv of its own), or name it here
 #
 # The goals are an H200's: ask the device tool for that kind (an H100's 78 GiB refuses gpu_prefill's 128K cells in
 # one line, the other cells go on).
@@ -190,6 +194,12 @@ run_indexer_scores() {
     timeout "$(upto 90)" python3 benchmarks/indexer_scores.py --device "$DEVICE" $INDEXER_ARGS 2>&1 \
         | tee "$OUT/indexer_scores.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed indexer_scores"
+}
+
+run_triton_aot() {
+    step "triton_aot: the Triton kernels compiled for sm_90"
+    timeout "$(upto 120)" python3 benchmarks/triton_aot.py --arch 90 2>&1 | tee "$OUT/triton_aot.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed triton_aot"
 }
 
 run_gpu_prefill() {

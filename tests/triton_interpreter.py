@@ -3,6 +3,7 @@ ahead-of-time compile for sm_90 (H100 / H200) in a process of its own, both with
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -34,16 +35,19 @@ def import_for_the_interpreter() -> None:
             del os.environ["TRITON_INTERPRET"]
 
 
-def compiled_for_hopper(script: str) -> str:
-    """The output of `script` (Python compiling kernels with triton.compile for GPUTarget("cuda", 90, 32)), run in
-    a process of its own: this one's Triton is the interpreter's, whose library Triton's compiler refuses. Skips
-    where this Triton has no ahead-of-time compile; fails with the script's error."""
+def compiled_for_hopper(kernel: str) -> list[dict]:
+    """benchmarks/triton_aot.py's rows for `kernel` at the release's cases (--quick): the runtime's kernel compiled
+    by triton.compile for sm_90 (H100 / H200) at each of its autotune configs, as a launch specialises it, in a
+    process of its own (this one's Triton is the interpreter's, whose library Triton's compiler refuses). Skips
+    where this Triton cannot compile ahead of time (the script's exit status 2); fails with the rows that failed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    if "ModuleNotFoundError: No module named 'triton.backends.compiler'" in done.stderr:
-        pytest.skip("this Triton has no ahead-of-time compile")
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "triton_aot.py")
+    done = subprocess.run([sys.executable, script, "--arch", "90", "--kernel", kernel, "--quick", "--json"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode == 2:
+        pytest.skip(f"no ahead-of-time compile here: {done.stderr.strip()[-300:]}")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])["rows"]
 
 
 def interpreting(monkeypatch, kernel_module) -> None:
