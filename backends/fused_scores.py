@@ -42,6 +42,10 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 # tl.dot's least K (the head dimension here) on a GPU: 32 bytes of an operand's row (16 bf16 or fp16 values, 32 FP8
 # ones); the GPU's compile refuses less, where Triton's interpreter runs it
 MIN_DOT_BYTES = 32
+# the longest such row every tile of _GPU_TILES keeps in sm_90's 227 KiB of shared memory (a keys tile and the
+# pipelined query tiles: 128 KiB at most at 256 bytes, the release's 128 bf16 values; at 512 bytes the 128 x 128
+# tile takes 256 KiB, at 1024 bytes every tile is over): longer rows are torch's
+MAX_DOT_BYTES = 256
 
 
 def fused_applies(q: Tensor, keys: Tensor, head_weights: Tensor, fp8: bool = False) -> bool:
@@ -53,14 +57,14 @@ def fused_applies(q: Tensor, keys: Tensor, head_weights: Tensor, fp8: bool = Fal
 
 def operands_apply(q: Tensor, keys: Tensor, head_weights: Tensor, fp8: bool = False) -> bool:
     """Whether the kernel takes these operands (fused_applies less the device and Triton): bf16 or fp16 q and keys,
-    keys shared by every query, a power-of-two head dimension of at least MIN_DOT_BYTES of the dot's operands
-    (16 bf16 values; 32 where `fp8` quantises them to one byte each), fewer than 2^31 elements in every operand and
-    the scores (the kernel's int32 offsets)."""
+    keys shared by every query, a power-of-two head dimension of MIN_DOT_BYTES to MAX_DOT_BYTES of the dot's
+    operands (16 to 128 bf16 values; 32 to 256 where `fp8` quantises them to one byte each), fewer than 2^31
+    elements in every operand and the scores (the kernel's int32 offsets)."""
     head_dim = q.shape[-1]
     dot_bytes = head_dim * (1 if fp8 else q.element_size())
     return (q.dim() == 3 and keys.dim() == 2 and keys.shape[-1] == head_dim and head_weights.shape == q.shape[:2]
             and q.dtype in (torch.bfloat16, torch.float16) and keys.dtype == q.dtype
-            and dot_bytes >= MIN_DOT_BYTES and head_dim & (head_dim - 1) == 0
+            and MIN_DOT_BYTES <= dot_bytes <= MAX_DOT_BYTES and head_dim & (head_dim - 1) == 0
             and max(q.numel(), keys.numel(), q.shape[0] * keys.shape[0]) < 2**31)
 
 
@@ -183,8 +187,8 @@ def weighted_relu_head_sum_fp8(q: Tensor, keys: Tensor, head_weights: Tensor, co
                                ) -> Tensor:
     """weighted_relu_head_sum with q and keys quantised to FP8 e4m3, a scale per (query, head) row and per key:
     the query's scale goes into its head weight, the key's multiplies the heads' sum (both positive, through the
-    ReLU). Needs an FP8 tensor core (sm_89 on) or the interpreter, and a head dimension of 32 or more (MIN_DOT_BYTES
-    of FP8 codes). Not chosen by weighted_relu_scores."""
+    ReLU). Needs an FP8 tensor core (sm_89 on) or the interpreter, and a head dimension of 32 to 256 (MIN_DOT_BYTES
+    to MAX_DOT_BYTES of FP8 codes). Not chosen by weighted_relu_scores."""
     if not fused_applies(q, keys, head_weights, fp8=True):
         raise ValueError(f"no fused FP8 scores for q {tuple(q.shape)} {q.dtype} on {q.device}, keys "
                          f"{tuple(keys.shape)} {keys.dtype}, head weights {tuple(head_weights.shape)} (see "

@@ -110,6 +110,9 @@ def cases() -> list[Case]:
         _scores_case("test sizes", 37, 4, 32, 71),
         _scores_case("fp8 under the dot's 32 bytes", 21, 8, 16, 50, fp8=True),  # refused
         _scores_case("fp8 smallest head", 21, 8, 32, 50, fp8=True),
+        _scores_case("bf16 over every tile's shared memory", 37, 4, 256, 71),  # refused
+        _scores_case("fp8 widest head", 37, 4, 256, 71, fp8=True, counts=True),
+        _scores_case("fp8 over every tile's shared memory", 37, 4, 512, 71, fp8=True),  # refused
         _scores_case("fp8 test sizes", 21, 8, 128, 50, fp8=True, counts=True),
     ]
     gemv = [

@@ -167,6 +167,21 @@ def test_fp8_refused_under_the_dots_32_bytes(interpreted):
     assert fused_scores.relative_error(got, float32_scores(q, keys, weights)) < 0.06
 
 
+def test_head_rows_over_what_every_tile_fits_are_torchs(interpreted):
+    """A head dimension over MAX_DOT_BYTES of the dot's operands (256 bf16 values: the 128 x 128 tile's 256 KiB of
+    shared memory are over sm_90's 227 KiB, at 512 every tile is) is torch's, where the interpreter would run it;
+    FP8 codes take twice as many values."""
+    q, keys, weights = operands(5, 3, 256, 9, seed=9)
+    sentinel = torch.full((5, 9), 7.0)
+    assert not fused_scores.fused_applies(q, keys, weights) and fused_scores.fused_applies(q, keys, weights, fp8=True)
+    assert fused_scores.weighted_relu_scores(q, keys, weights, lambda: sentinel) is sentinel
+    with pytest.raises(ValueError, match="no fused scores for q \\(5, 3, 256\\)"):
+        fused_scores.weighted_relu_head_sum(q, keys, weights)
+    q, keys, weights = operands(5, 3, 512, 9, seed=9)
+    assert not fused_scores.fused_applies(q, keys, weights, fp8=True)
+    assert fused_scores.DECISIONS == {}
+
+
 def test_kernel_compiles_for_hopper():
     """The GPU's compile for sm_90 (H100 / H200) without a GPU (benchmarks/triton_aot.py): the kernel the runtime
     launches, at every autotune config and the release's cases (bf16 and fp16, with counts, FP8 with and without
