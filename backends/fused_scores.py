@@ -7,6 +7,8 @@ sums, the ReLU, times the head's weight, added into a float32 tile. Optional per
 each count and skip key tiles wholly past the tile's largest count. Keys shared by every query ([T, D]) only.
 An FP8 e4m3 variant (`weighted_relu_head_sum_fp8`: q per (query, head) row and keys per row quantised with a scale
 each, folded out of the dot: relu(s x) = s relu(x) for s > 0) is there for measurement; the selector never picks it.
+On sm_90 its dot's sums over D are the FP8 tensor core's own, narrower than float32 (Triton's default
+max_num_imprecise_acc: no promotion within a dot; far below the codes' 3-bit rounding), the heads' sum float32.
 
 `weighted_relu_scores` chooses, per shape class, between the kernel and torch's scores (the caller's function,
 kept as the fallback): torch's wherever Triton is absent, the tensors are not on CUDA or the work is under

@@ -63,14 +63,16 @@ def _zeros(*shape, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def _scores_case(name: str, queries: int, heads: int, head_dim: int, keys: int, dtype=torch.bfloat16,
-                 counts: bool = False, fp8: bool = False, offset: int = 0, quick: bool = False) -> Case:
+                 counts: bool = False, fp8: bool = False, offset: int = 0, weights_dtype=None,
+                 quick: bool = False) -> Case:
     """fused_scores' launch for q [queries, heads, head_dim], keys [keys, head_dim] and head weights of `dtype` (as
-    indexer_scores gives them: all three in the weights' dtype), FP8's operands from them where `fp8`, per-query
-    counts where `counts`; `offset` elements into each operand's storage (pointers not 16-byte aligned)."""
+    indexer_scores gives them: all three in the weights' dtype; the weights `weights_dtype` where given), FP8's
+    operands from them where `fp8`, per-query counts where `counts`; `offset` elements into each operand's storage
+    (pointers not 16-byte aligned)."""
     def make():
         q = _zeros(queries * heads * head_dim + offset, dtype=dtype)[offset:].view(queries, heads, head_dim)
         k = _zeros(keys * head_dim + offset, dtype=dtype)[offset:].view(keys, head_dim)
-        w = _zeros(queries * heads + offset, dtype=dtype)[offset:].view(queries, heads)
+        w = _zeros(queries * heads + offset, dtype=weights_dtype or dtype)[offset:].view(queries, heads)
         if not fused_scores.operands_apply(q, k, w, fp8):
             return None  # (fused_applies refuses these: no launch)
         scales = None
@@ -108,6 +110,8 @@ def cases() -> list[Case]:
         _scores_case("odd sizes, unaligned", 37, 7, 16, 71, counts=True, offset=1),
         _scores_case("test sizes", 19, 16, 64, 45),
         _scores_case("test sizes", 37, 4, 32, 71),
+        _scores_case("float32 head weights", 37, 4, 32, 71, dtype=torch.float16, counts=True,
+                     weights_dtype=torch.float32),  # (weighted_relu_head_sum takes any)
         _scores_case("fp8 under the dot's 32 bytes", 21, 8, 16, 50, fp8=True),  # refused
         _scores_case("fp8 smallest head", 21, 8, 32, 50, fp8=True),
         _scores_case("bf16 over every tile's shared memory", 37, 4, 256, 71),  # refused
