@@ -20,6 +20,7 @@ error, shared memory over the limit, registers the config's threads cannot have,
 (default 0). A case the kernel's module refuses (its operands check) is one line, "refused", not compiled.
 Usage: python benchmarks/triton_aot.py [--arch 90] [--json] [--kernel fused_scores|stored_gemv] [--quick]
   --quick    the release's cases only (the tests' fast check)
+  --json     every row in one JSON object on stdout (the lines go to stderr)
 Exit status 1 on any failure, 2 where this Triton cannot compile ahead of time (no CUDA backend, TRITON_INTERPRET=1).
 Needs Triton (its wheel carries ptxas), not a GPU. Compiles land in Triton's cache: a second run takes seconds."""
 
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     kernels = {"fused_scores": fused_scores._kernel(False), "stored_gemv": stored_gemv._kernel(False)}
     rows = []
-    print(f"triton {modules[0].__version__}, target sm_{args.arch}", flush=True)
+    lines = sys.stderr if args.json else sys.stdout  # (with --json, stdout is the JSON alone)
+    print(f"triton {modules[0].__version__}, target sm_{args.arch}", file=lines, flush=True)
     for case in cases():
         if (args.kernel and case.kernel != args.kernel) or (args.quick and not case.quick):
             continue
@@ -269,13 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         if made is None:  # (refused by the kernel's module: one row, no config compiled)
             rows.append({"kernel": case.kernel, "config": "-", "case": case.name, "compiled": False,
                          "refused": True, "failure": None})
-            print(line(rows[-1]), flush=True)
+            print(line(rows[-1]), file=lines, flush=True)
             continue
         for config in kernels[case.kernel].configs:
             rows.append(check(compiler, case, made, kernels[case.kernel], config, shared_limit, args.max_spill_bytes))
-            print(line(rows[-1]), flush=True)
+            print(line(rows[-1]), file=lines, flush=True)
     failed = [row for row in rows if row["failure"]]
-    print(f"{len(rows) - len(failed)} of {len(rows)} passed", flush=True)
+    print(f"{len(rows) - len(failed)} of {len(rows)} passed", file=lines, flush=True)
     if args.json:
         print(json.dumps({"triton": modules[0].__version__, "arch": args.arch, "rows": rows}))
     return 1 if failed else 0
