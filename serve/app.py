@@ -103,13 +103,14 @@ TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
 # (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens`, `min_p`, `repetition_penalty`,
 # `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `spaces_between_special_tokens`,
-# `truncate_prompt_tokens`, `add_special_tokens` and `prompt_logprobs`.
+# `truncate_prompt_tokens`, `add_special_tokens`, `prompt_logprobs` and the structured outputs (STRUCTURED_FIELDS).
 # `user` is accepted and ignored (no per-user state is kept).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
                   "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k",
                   "ignore_eos", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids",
                   "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                  "truncate_prompt_tokens", "add_special_tokens", "prompt_logprobs"}
+                  "truncate_prompt_tokens", "add_special_tokens", "prompt_logprobs", "structured_outputs",
+                  "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                 "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
@@ -126,6 +127,13 @@ REFUSED_FIELDS = {
     "safety_identifier": "safety_identifier is not supported",
     "prompt_cache_key": "prompt_cache_key is not supported",
 }
+# vLLM's structured outputs: `structured_outputs` {json | regex | choice | grammar | json_object} and the older
+# guided_* fields, each an OutputSpec kind (serve/grammar.py)
+STRUCTURED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                     "guided_grammar": "grammar"}
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_PATTERN_CHARS = 65536  # a regular expression's or a grammar's text
+MAX_CHOICES = 1024  # guided_choice's strings (MAX_PATTERN_CHARS characters in all)
 # the generator's checks name the CLI's flags: the request's fields they stand for
 FLAG_FIELDS = {"--temperature": "temperature", "--top-p": "top_p", "--top-k": "top_k", "--seed": "seed",
                "--stop": "stop", "--max-new-tokens": "max_tokens", "--presence-penalty": "presence_penalty",
@@ -539,19 +547,19 @@ class Server:
                                "give the prompt as token ids", param=param, code="no_tokenizer")
         return tok
 
-    def json_grammar(self):
-        """The vocabulary's grammar side (llguidance), built once; a 400 naming the extra to install without it."""
+    def json_grammar(self, param: str = "response_format"):
+        """The vocabulary's grammar side (llguidance), built once; a 400 naming the extra to install (and `param`, the
+        field that asked for it) without it."""
         from .grammar import GrammarUnavailable, JsonGrammar
 
-        tok = self.need_tokenizer("response_format")
+        tok = self.need_tokenizer(param)
         with self._grammar_lock:
             if self._grammar is None:
                 try:
                     self._grammar = JsonGrammar(tok.tokenizer_json, self.vocab or tok.vocab_size,
                                                 sorted(self.generator.eos_ids))
                 except GrammarUnavailable as e:
-                    raise RequestError(f"response_format: {e}", param="response_format",
-                                       code="unsupported_value") from None
+                    raise RequestError(f"{param}: {e}", param=param, code="unsupported_value") from None
         return self._grammar
 
     def output_schema(self, body: dict) -> dict | None:
@@ -582,27 +590,86 @@ class Server:
         raise RequestError(f"response_format.type: expected text, json_object or json_schema, got "
                            f"{json.dumps(kind)[:40]}", param="response_format", code="invalid_value")
 
+    def structured_output(self, body: dict):
+        """vLLM's structured outputs (`structured_outputs`, or one of the older guided_* fields) as an OutputSpec,
+        None where none is asked for; two of them, or a value of the wrong type, a 400 naming the field."""
+        from .grammar import ANY_OBJECT, OutputSpec
+
+        given = [f for f in ("structured_outputs", *STRUCTURED_FIELDS) if body.get(f) is not None]
+        if len(given) > 1:
+            raise RequestError(f"{given[1]}: give one structured output (this request also has {given[0]})",
+                               param=given[1], code="invalid_value")
+        if not given:
+            return None
+        field = given[0]
+        if field == "structured_outputs":
+            so = _get(body, field, lambda v: isinstance(v, dict), "an object")
+            unread = sorted(set(so) - set(STRUCTURED_KEYS))
+            if unread:
+                raise RequestError(f"structured_outputs.{unread[0][:40]}: not a key moepack reads (it takes "
+                                   f"{', '.join(STRUCTURED_KEYS)})", param=field, code="unknown_field")
+            asked = [k for k in STRUCTURED_KEYS if so.get(k) not in (None, False)]
+            if len(asked) != 1:
+                raise RequestError(f"structured_outputs: give exactly one of {', '.join(STRUCTURED_KEYS)}",
+                                   param=field, code="invalid_value")
+            kind, value, where = asked[0], so[asked[0]], f"structured_outputs.{asked[0]}"
+            if kind == "json_object":
+                if value is not True:
+                    raise RequestError("structured_outputs.json_object: expected true", param=field,
+                                       code="invalid_type")
+                return OutputSpec("json", ANY_OBJECT, field)
+        else:
+            kind, value, where = STRUCTURED_FIELDS[field], body[field], field
+        if kind == "json" and isinstance(value, str):  # (vLLM takes a schema as its JSON text too)
+            try:
+                value = loads(value, where)
+            except UntrustedInputError as e:
+                raise RequestError(str(e)[:200], param=field, code="invalid_value") from None
+        ok = {"json": lambda v: isinstance(v, dict),
+              "choice": lambda v: isinstance(v, list) and 0 < len(v) <= MAX_CHOICES and all(
+                  isinstance(c, str) and c for c in v) and sum(map(len, v)) <= MAX_PATTERN_CHARS}.get(
+            kind, lambda v: isinstance(v, str) and 0 < len(v) <= MAX_PATTERN_CHARS)
+        if not ok(value):
+            what = {"json": "a JSON schema object",
+                    "choice": f"a list of 1 to {MAX_CHOICES} non-empty strings, {MAX_PATTERN_CHARS} characters in all"
+                    }.get(kind, f"a non-empty string of at most {MAX_PATTERN_CHARS} characters")
+            raise RequestError(f"{where}: expected {what}", param=field, code="invalid_type")
+        return OutputSpec(kind, value, field)
+
+    def output_spec(self, body: dict):
+        """What the answer must be (an OutputSpec): response_format's JSON (chat), or vLLM's structured outputs;
+        None for free text; both at once a 400."""
+        from .grammar import OutputSpec
+
+        schema = self.output_schema(body)
+        structured = self.structured_output(body)
+        if schema is not None and structured is not None:
+            raise RequestError(f"{structured.field}: give either response_format or a structured output",
+                               param=structured.field, code="invalid_value")
+        return OutputSpec("json", schema) if schema is not None else structured
+
     def constraint_factory(self, body: dict, thought: ThoughtMarks | None,
                            max_tokens: int) -> Callable[[], object] | None:
-        """Each generation's JSON constraint for the request's response_format (compiled and probed once here, so
-        that a schema llguidance refuses, or no answer within max_tokens could satisfy, is this request's 400); a
-        thought the prompt opened runs free until its end (one the answer may open: none, the JSON comes first)."""
-        schema = self.output_schema(body)
-        if schema is None:
+        """Each generation's constraint for the request's response_format or structured output (compiled and probed
+        once here, so that a spec llguidance refuses, or no answer within max_tokens could satisfy, is this
+        request's 400); a thought the prompt opened runs free until its end (one the answer may open: none, the
+        constrained answer comes first)."""
+        spec = self.output_spec(body)
+        if spec is None:
             return None
-        # (past the JSON's end the grammar allows no token but the end of sentence)
+        # (past the answer's end the grammar allows no token but the end of sentence)
         held = next((field for field in ("ignore_eos", "min_tokens") if body.get(field)), None)
         if held is not None:
-            raise RequestError(f"{held}: a response_format's JSON ends the answer with the end of sentence",
+            raise RequestError(f"{held}: a {spec.field}'s answer ends with the end of sentence",
                                param=held, code="unsupported_value")
-        grammar = self.json_grammar()
+        grammar = self.json_grammar(spec.field)
         opened = thought is not None and thought.start is None
-        after = self.need_tokenizer("response_format").encode_special(thought.end) if opened else None
+        after = self.need_tokenizer(spec.field).encode_special(thought.end) if opened else None
         try:
-            grammar.check(schema, max_tokens)
+            grammar.check(spec, max_tokens)  # (it compiles the spec: one llguidance refuses is this 400)
         except MoepackError as e:
-            raise RequestError(f"response_format: {e}", param="response_format", code="invalid_value") from None
-        return lambda: grammar.constraint(schema, after)
+            raise RequestError(f"{spec.field}: {e}", param=spec.field, code="invalid_value") from None
+        return lambda: grammar.constraint(spec, after)
 
     def check_auth(self, request) -> None:
         if self.api_key is None:
@@ -963,10 +1030,11 @@ class Server:
                 extended = with_prompt_extras(messages, plan.tools, fmt)
                 inserted, messages = len(extended) - len(messages), extended
                 after = encoding.markup_segments(plan.prefill)
-        if continue_final and (plan.prefill or self.output_schema(body) is not None):
-            field = "tool_choice" if plan.prefill else "response_format"
+        spec = self.output_spec(body) if continue_final else None
+        if continue_final and (plan.prefill or spec is not None):
+            field = "tool_choice" if plan.prefill else spec.field
             raise RequestError(f"{field}: continue_final_message goes on from the assistant's text, where a "
-                               f"{'forced tool call' if plan.prefill else 'JSON answer'} would have to begin",
+                               f"{'forced tool call' if plan.prefill else 'constrained answer'} would have to begin",
                                param=field, code="unsupported_value")
         try:
             ids = chat_prompt_ids(self.family, lambda: self.need_tokenizer("messages"), messages, thinking=thinking,
@@ -1036,7 +1104,8 @@ class Server:
         if echo is not None and options.logprobs is not None:  # the echoed prompt's tokens get theirs too (lm-eval)
             options = dataclasses.replace(options, prompt_logprobs=options.logprobs)
         return Prepared(prompts, _scoring_the_prompt(options, scored), stream, include_usage, usage_so_far, n=n,
-                        echo=echo, tokenizer=self.answer_tokenizer(body), prompt_logprobs=scored)
+                        echo=echo, tokenizer=self.answer_tokenizer(body), prompt_logprobs=scored,
+                        make_constraint=self.constraint_factory(body, None, options.max_new_tokens))
 
     # -- admission and the worker
     def admit(self) -> None:

@@ -1,5 +1,6 @@
-"""Constrained decoding: the tokens a JSON schema (or any JSON object) allows next, as a mask on the logits before
-each token is chosen (runtime/sampling.py `Sampler(constraint=...)`).
+"""Constrained decoding: the tokens a JSON schema (or any JSON object; or, vLLM's structured outputs, a regular
+expression, a choice of strings or a Lark grammar: OutputSpec) allows next, as a mask on the logits before each
+token is chosen (runtime/sampling.py `Sampler(constraint=...)`).
 
     grammar = JsonGrammar.for_container(container, tokenizer_json)   # once per container (about 1 s at 129K ids)
     constraint = grammar.constraint(schema)                           # per generation (about 1 ms to compile)
@@ -19,6 +20,7 @@ not need is not allowed, so a model cannot pad the answer with blanks until it r
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +36,31 @@ PROBED_SCHEMAS = 256  # schemas whose probe (check) is kept
 
 class GrammarUnavailable(MoepackError):
     """llguidance is not installed."""
+
+
+class OutputSpec(NamedTuple):
+    """What the answer must be: `kind` "json" (value: a JSON schema, a dict), "regex" (a regular expression the whole
+    answer matches), "choice" (a list of strings: the answer is one of them) or "grammar" (a Lark grammar in
+    llguidance's dialect); `field`: the request field that asked for it (its errors name it)."""
+    kind: str
+    value: object
+    field: str = "response_format"
+
+    @property
+    def what(self) -> str:
+        return {"json": "JSON schema", "regex": "regular expression", "choice": "choice", "grammar": "grammar"}[
+            self.kind]
+
+    def grammar(self, llg) -> str:
+        """llguidance's grammar of it (ValueError where it cannot make one)."""
+        if self.kind == "json":
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(self.value), defaults=JSON_STYLE)
+        if self.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(self.value)
+        if self.kind == "choice":  # (each a Lark string literal: JSON's escapes)
+            return llg.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.value))
+        return llg.LLMatcher.grammar_from_lark(self.value)
 
 
 def _llguidance():
@@ -57,29 +84,33 @@ class JsonGrammar:
         except Exception as e:  # llguidance's own errors: the tokenizer it cannot use
             raise MoepackError(f"the container's tokenizer cannot drive constrained decoding: {e}") from None
 
-    def constraint(self, schema: dict, after: list[int] | None = None) -> "JsonConstraint":
-        """A fresh constraint for `schema` (a JSON schema as a dict); `after`: free text until these token ids have
-        been generated in a row (a thought ending in `</think>`), the schema from then on. MoepackError for a
-        schema llguidance refuses."""
+    def constraint(self, spec: "dict | OutputSpec", after: list[int] | None = None) -> "JsonConstraint":
+        """A fresh constraint for `spec` (an OutputSpec, or a JSON schema as a dict); `after`: free text until these
+        token ids have been generated in a row (a thought ending in `</think>`), the spec from then on.
+        MoepackError for one llguidance refuses."""
+        spec = spec if isinstance(spec, OutputSpec) else OutputSpec("json", spec)
         llg = _llguidance()
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
+            grammar = spec.grammar(llg)
         except ValueError as e:
-            raise MoepackError(f"the JSON schema is not usable: {str(e).splitlines()[0][:200]}") from None
+            raise MoepackError(f"the {spec.what} is not usable: {(str(e).splitlines() or [''])[0][:200]}") from None
         matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise MoepackError(f"the JSON schema is not usable: {matcher.get_error().splitlines()[0][:200]}")
-        return JsonConstraint(matcher, self.vocab_size, after)
+            why = (matcher.get_error().splitlines() or [""])[0][:200]
+            raise MoepackError(f"the {spec.what} is not usable: {why}")
+        return JsonConstraint(matcher, self.vocab_size, after, spec.field)
 
-    def check(self, schema: dict, max_tokens: int) -> None:
+    def check(self, spec: "dict | OutputSpec", max_tokens: int) -> None:
         """MoepackError for a schema that compiles but no answer of at most `max_tokens` tokens can satisfy: one
         no JSON value satisfies (a `$ref` to itself: llguidance allows nothing but the end), or one whose first
         tokens are forced past max_tokens (a required property that must recur forever: endless; a few forced
         tokens past a small max_tokens are the client's to cut short). An endless schema forces as many tokens as
-        llguidance follows (10,000s): a max_tokens past that meets it mid-answer, a 400 naming response_format."""
-        key = json.dumps(schema, sort_keys=True)
-        if key not in self._forced:  # (probed once a schema: the probe holds the GIL up to ~0.1 s on an endless one)
-            matcher = self.constraint(schema).matcher
+        llguidance follows (10,000s): a max_tokens past that meets it mid-answer, a 400 naming response_format.
+        Another OutputSpec alike (a regex, choice or grammar no answer matches)."""
+        spec = spec if isinstance(spec, OutputSpec) else OutputSpec("json", spec)
+        key = json.dumps([spec.kind, spec.value], sort_keys=True)
+        if key not in self._forced:  # (probed once a spec: the probe holds the GIL up to ~0.1 s on an endless one)
+            matcher = self.constraint(spec).matcher
             matcher.compute_bitmask()
             forced = None if matcher.is_error() else len(matcher.compute_ff_tokens())
             if len(self._forced) >= PROBED_SCHEMAS:
@@ -87,20 +118,21 @@ class JsonGrammar:
             self._forced[key] = None if matcher.is_error() else forced
         forced = self._forced[key]
         if forced is None:
-            raise MoepackError("no JSON value satisfies the schema (does it only refer to itself?)")
+            raise MoepackError("no JSON value satisfies the schema (does it only refer to itself?)" if spec.kind == "json"
+                               else f"no answer satisfies the {spec.what}")
         if forced >= max(max_tokens, FORCED_REFUSED):
-            raise MoepackError(f"the schema forces the answer's first {forced} tokens, and max_tokens is "
-                               f"{max_tokens}: no answer could complete it (does a required property recur "
-                               "without end?)")
+            raise MoepackError(f"the {spec.what} forces the answer's first {forced} tokens, and max_tokens is "
+                               f"{max_tokens}: no answer could complete it (does a required part recur without end?)")
 
 
 class JsonConstraint:
     """One generation's state in the grammar: `allowed(n)` the ids the next token may be (n: the logits' length),
     `accept(token)` after each token is chosen."""
 
-    def __init__(self, matcher, vocab_size: int, after: list[int] | None = None):
+    def __init__(self, matcher, vocab_size: int, after: list[int] | None = None, field: str = "response_format"):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.field = field  # the request field that asked (its errors name it)
         self.waiting_for = list(after) if after else None  # free text until these ids
         self._tail: list[int] = []  # the last ids generated while waiting
 
@@ -119,8 +151,7 @@ class JsonConstraint:
             return
         if not self.matcher.consume_token(token):
             reason = (self.matcher.get_error().splitlines() or [""])[0][:200]
-            raise MoepackError(f"response_format: the answer's token {token} is outside the schema's grammar "
-                               f"({reason})")
+            raise MoepackError(f"{self.field}: the answer's token {token} is outside its grammar ({reason})")
 
     def done(self) -> bool:
         return self.waiting_for is None and self.matcher.is_stopped()

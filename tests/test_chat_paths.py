@@ -148,7 +148,7 @@ def test_continue_final_message_leaves_a_deepseek_v4_assistant_turn_open(contain
     ({"continue_final_message": True, "messages": [*CONVERSATION, {"role": "assistant", "content": " "}]}, "messages",
      "needs the final assistant message's text"),
     ({"continue_final_message": True, "response_format": {"type": "json_object"},
-      "messages": [*CONVERSATION, {"role": "assistant", "content": "{"}]}, "response_format", "JSON answer"),
+      "messages": [*CONVERSATION, {"role": "assistant", "content": "{"}]}, "response_format", "constrained answer"),
 ])
 def test_continue_final_message_is_refused_where_there_is_nothing_to_go_on_from(containers, family, body, param,
                                                                                  words):

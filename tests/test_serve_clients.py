@@ -633,6 +633,64 @@ def test_json_with_thinking_constrains_only_the_answer(server):
         assert json.loads(message["content"]) in ("yes", "no")
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllms_structured_outputs_constrain_the_answer(server, path):
+    """vLLM's structured outputs, both endpoints: `structured_outputs` {choice | regex | json | grammar |
+    json_object} and the older guided_choice / guided_regex / guided_json / guided_grammar: a sampled answer (seeded,
+    not greedy) is one of the choices, matches the regular expression, is JSON of the schema (given as an object or
+    as its text), is in the Lark grammar's language."""
+    import re
+
+    _needs_llguidance()
+    prompt = {"prompt": "Once upon"} if path == "/v1/completions" else {"messages": CHAT}
+    choices = ["yes", "no", "maybe so"]
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+              "additionalProperties": False}
+    cases = [({"guided_choice": choices}, lambda t: t in choices),
+             ({"structured_outputs": {"choice": choices}}, lambda t: t in choices),
+             ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+             ({"structured_outputs": {"regex": "(ab|cd)+!"}}, lambda t: re.fullmatch("(ab|cd)+!", t)),
+             ({"guided_json": schema}, lambda t: json.loads(t)["n"] in (1, 2, 3)),
+             ({"structured_outputs": {"json": json.dumps(schema)}}, lambda t: set(json.loads(t)) == {"n"}),
+             ({"guided_grammar": 'start: "a"+ "!"'}, lambda t: re.fullmatch("a+!", t)),
+             # (any object: a random model's keys run on past max_tokens; its start is the grammar's)
+             ({"structured_outputs": {"json_object": True}}, lambda t: t.startswith('{'))]
+    for seed, (asked, holds) in enumerate(cases):
+        body = {**prompt, **asked, "max_tokens": 60, "temperature": 1.0, "seed": seed}
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+        ended = choice["finish_reason"] == "stop" or "json_object" in str(asked)
+        assert ended and holds(text), (asked, text)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+    ({"structured_outputs": {"choice": ["a"]}, "guided_json": {}}, "guided_json"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "backend": "xgrammar"}}, "structured_outputs"),
+    ({"structured_outputs": {"json_object": 1}}, "structured_outputs"),
+    ({"structured_outputs": "a"}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", ""]}, "guided_choice"),
+    ({"guided_choice": "a"}, "guided_choice"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": {"type": "frobnicate"}}, "guided_json"),
+    ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+])
+def test_bad_structured_outputs_are_400s(server, body, param):
+    _needs_llguidance()
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **body},
+                   timeout=TIMEOUT)
+    assert _error_of(r, 400)["param"] == param, r.text
+
+
 def test_bad_response_formats_are_400s(server):
     c = _client(server)
     for fmt in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "x"}},
