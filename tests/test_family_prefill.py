@@ -402,18 +402,25 @@ def _check_prompt_logprobs(entries, model, ids: list[int], k: int) -> None:
         assert all(abs(v - e.logprob) < ATOL for i, v in e.top if i == e.token)
 
 
+def _small_head_slices(monkeypatch) -> None:
+    """The LM head in vocabulary slices of 7 ids (the tiny Qwen3's hidden 160), the scores 3 positions at a time:
+    the running sums and top k cross slices and parts."""
+    from moepack.runtime import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "HEAD_CHUNK_BYTES", 4 * 160 * 7)
+    monkeypatch.setattr(engine_module, "SCORE_CHUNK_BYTES", 4 * 7 * 3)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prompt_logprobs_equal_transformers(qwen3, backend, monkeypatch):
     """The prompt's log-probabilities (run's prompt_logprobs) are transformers' log_softmax at every position, the
     head's vocabulary slices and positions taken a few at a time (the running logsumexp and top k across slices),
     whole, in chunks (a chunk's first token from the chunk before), continued after a past (its first token joined
     from the past's logits) and beside another prompt in one pass (which asked for none)."""
-    from moepack.runtime import engine as engine_module
     from moepack.runtime.engine import joined_prompt_logprobs
 
     container, model = qwen3["float32"]
-    monkeypatch.setattr(engine_module, "HEAD_CHUNK_BYTES", 4 * 160 * 7)  # vocabulary slices of 7 ids
-    monkeypatch.setattr(engine_module, "SCORE_CHUNK_BYTES", 4 * 7 * 3)  # 3 positions at a time
+    _small_head_slices(monkeypatch)
     ids = torch.tensor(PROMPT)
     with Container(container) as c:
         engine = StreamingPrefill(c, _options(backend))
@@ -443,12 +450,10 @@ def test_prompt_logprob_ranks_equal_transformers(qwen3, backend, monkeypatch):
     """`ranked` (vLLM's prompt_logprobs): each prompt token's rank, how many tokens score at least as high as it
     (itself included), counted over the head's slices in a second pass: transformers' ranks, whole, in chunks,
     continued after a past and in a grouped pass; unasked, no rank."""
-    from moepack.runtime import engine as engine_module
     from moepack.runtime.engine import joined_prompt_logprobs
 
     container, model = qwen3["float32"]
-    monkeypatch.setattr(engine_module, "HEAD_CHUNK_BYTES", 4 * 160 * 7)  # vocabulary slices of 7 ids
-    monkeypatch.setattr(engine_module, "SCORE_CHUNK_BYTES", 4 * 7 * 3)  # 3 positions at a time
+    _small_head_slices(monkeypatch)
     ids = torch.tensor(PROMPT)
     with Container(container) as c:
         engine = StreamingPrefill(c, _options(backend))
