@@ -411,12 +411,15 @@ def _small_head_slices(monkeypatch) -> None:
     monkeypatch.setattr(engine_module, "SCORE_CHUNK_BYTES", 4 * 7 * 3)
 
 
+@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_prompt_logprobs_equal_transformers(qwen3, backend, monkeypatch):
+def test_prompt_logprobs_equal_transformers(qwen3, backend, ranked, monkeypatch):
     """The prompt's log-probabilities (run's prompt_logprobs) are transformers' log_softmax at every position, the
     head's vocabulary slices and positions taken a few at a time (the running logsumexp and top k across slices),
     whole, in chunks (a chunk's first token from the chunk before), continued after a past (its first token joined
-    from the past's logits) and beside another prompt in one pass (which asked for none)."""
+    from the past's logits) and beside another prompt in one pass (which asked for none). `ranked` (vLLM's
+    prompt_logprobs): each token's rank too, how many tokens score at least as high (itself included), counted over
+    the head's slices in a second pass: transformers' ranks; unasked, none."""
     from moepack.runtime.engine import joined_prompt_logprobs
 
     container, model = qwen3["float32"]
@@ -425,59 +428,31 @@ def test_prompt_logprobs_equal_transformers(qwen3, backend, monkeypatch):
     with Container(container) as c:
         engine = StreamingPrefill(c, _options(backend))
         try:
-            whole = engine.run(ids, prompt_logprobs=4)
-            chunked = engine.run(ids, chunk_tokens=4, prompt_logprobs=4)
-            first = engine.run(ids[:4], keep_kv=True, prompt_logprobs=4)
-            continued = engine.run(ids[4:], list(first.states), prompt_logprobs=4)
-            grouped = engine.run_many([ids, ids[:1], ids[2:5]], prompt_logprobs=[4, 2, None])
+            whole = engine.run(ids, prompt_logprobs=4, ranked=ranked)
+            chunked = engine.run(ids, chunk_tokens=4, prompt_logprobs=4, ranked=ranked)
+            first = engine.run(ids[:4], keep_kv=True, prompt_logprobs=4, ranked=ranked)
+            continued = engine.run(ids[4:], list(first.states), prompt_logprobs=4, ranked=ranked)
+            grouped = engine.run_many([ids, ids[:1], ids[2:5]], prompt_logprobs=[4, 2, None], ranked=ranked)
             plain = engine.run(ids)
             for wrong in ([4], [4, None, 2]):  # one k a prompt, checked before the pass
                 with pytest.raises(ValueError, match=f"2 prompts but {len(wrong)} prompt_logprobs"):
                     engine.run_many([ids, ids[:3]], prompt_logprobs=wrong)
         finally:
             engine.close()
+    lp = torch.log_softmax(reference_logits(model, PROMPT)[:-1].double(), dim=-1)
+    target = lp.gather(1, ids[1:, None])
+    ranks = (lp >= target).sum(dim=1).tolist()
+    alone = ((lp - target).abs() < 1e-4).sum(dim=1).tolist()  # 1: no other within rounding that could flip a rank
+    assert max(ranks) > 4  # (not only the likeliest tokens)
     for entries in (whole.prompt_logprobs, chunked.prompt_logprobs, grouped[0].prompt_logprobs,
                     first.prompt_logprobs + joined_prompt_logprobs(first.logits, ids[4:], 4,
-                                                                   continued.prompt_logprobs)):
+                                                                   continued.prompt_logprobs, ranked)):
         _check_prompt_logprobs(entries, model, PROMPT, 4)
+        got = [e.rank for e in entries]
+        assert got == [r if ranked and n == 1 else g if ranked else None for g, r, n in zip(got, ranks, alone)]
     assert joined_prompt_logprobs(None, ids, 4, [])[0] is None
     assert grouped[1].prompt_logprobs == [] and grouped[2].prompt_logprobs is None and plain.prompt_logprobs is None
     torch.testing.assert_close(whole.logits, plain.logits, atol=0, rtol=0)  # the last position's as before
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_prompt_logprob_ranks_equal_transformers(qwen3, backend, monkeypatch):
-    """`ranked` (vLLM's prompt_logprobs): each prompt token's rank, how many tokens score at least as high as it
-    (itself included), counted over the head's slices in a second pass: transformers' ranks, whole, in chunks,
-    continued after a past and in a grouped pass; unasked, no rank."""
-    from moepack.runtime.engine import joined_prompt_logprobs
-
-    container, model = qwen3["float32"]
-    _small_head_slices(monkeypatch)
-    ids = torch.tensor(PROMPT)
-    with Container(container) as c:
-        engine = StreamingPrefill(c, _options(backend))
-        try:
-            whole = engine.run(ids, prompt_logprobs=2, ranked=True)
-            chunked = engine.run(ids, chunk_tokens=3, prompt_logprobs=0, ranked=True)
-            first = engine.run(ids[:4], keep_kv=True, prompt_logprobs=2, ranked=True)
-            continued = engine.run(ids[4:], list(first.states), prompt_logprobs=2, ranked=True)
-            grouped = engine.run_many([ids[2:5], ids], prompt_logprobs=[1, 2], ranked=True)
-            unranked = engine.run(ids, prompt_logprobs=2)
-        finally:
-            engine.close()
-    lp = torch.log_softmax(reference_logits(model, PROMPT)[:-1].double(), dim=-1)
-    target = lp.gather(1, ids[1:, None])
-    want = (lp >= target).sum(dim=1).tolist()
-    near = ((lp - target).abs() < 1e-4).sum(dim=1).tolist()  # (itself alone: no tie rounding could flip)
-    for entries in (whole.prompt_logprobs, chunked.prompt_logprobs, grouped[1].prompt_logprobs,
-                    first.prompt_logprobs + joined_prompt_logprobs(first.logits, ids[4:], 2,
-                                                                   continued.prompt_logprobs, ranked=True)):
-        got = [e.rank for e in entries]
-        assert all(g == w for g, w, n in zip(got, want, near) if n == 1) and len(got) == len(want), (got, want)
-    assert max(want) > 2  # (not only the likeliest tokens)
-    assert all(e.rank is None for e in unranked.prompt_logprobs)
-    assert all(e.rank >= 1 for e in grouped[0].prompt_logprobs)  # (the other prompt's: its own context)
 
 
 def test_the_memory_check_counts_the_scored_positions(qwen3, monkeypatch):
