@@ -3,10 +3,12 @@
     app = make_app(Generator("model.moepack", cache_gib=4), "model", api_key=None, max_queue=8)
 
 Endpoints: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (stream
-or not), GET /metrics (Prometheus: serve/metrics.py), POST /tokenize and /detokenize (llama-server's shapes).
-Every request field is acted on or refused by name (CHAT_FIELDS, COMPLETION_FIELDS, REFUSED_FIELDS); logprobs,
-penalties and logit_bias go to the Sampler, response_format to a JSON constraint (serve/grammar.py), tools to the
-release's encoder and back out of the answer (serve/tool_calls.py). Responses carry llama-server's `timings`.
+or not), POST /v1/responses (OpenAI's Responses API, put as a chat: serve/responses.py), GET /metrics (Prometheus:
+serve/metrics.py), POST /tokenize and /detokenize (llama-server's shapes).
+Every request field is acted on or refused by name (CHAT_FIELDS, COMPLETION_FIELDS, serve/openai_api.py's
+REFUSED_FIELDS and check_fields); logprobs, penalties and logit_bias go to the Sampler, response_format to a JSON
+constraint (serve/grammar.py), tools to the release's encoder and back out of the answer (serve/tool_calls.py).
+Chat and completions answers carry llama-server's `timings`.
 A model whose family has no chat encoding (Qwen3-MoE) chats through its tokenizer_config's chat template
 (serve/chat_template.py): none there is a 400 naming it; tools go to a template that renders them in the
 `<tool_call>` format, and are refused for one that does not.
@@ -56,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -81,7 +84,8 @@ from moepack.runtime.sampling import MAX_TOP_LOGPROBS, REPLACEMENT, IncrementalD
 
 from .chat_template import family_chat_template, tokenizer_info
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
-from .reasoning import ThinkSplitter, ThoughtMarks, chat_thought, split_thinking
+from .openai_api import Prepared, RequestError, _get, _token_text, _value, chat_logprobs, check_fields, client_gone
+from .reasoning import AnswerSplitter, ThoughtMarks, chat_thought, split_thinking
 from .tokenizer import ChatInputError, chat_prompt_ids, ends_open, markup_warning
 from .tool_calls import ToolPlan, renders_tool_calls, split_answer, tool_plan, with_prompt_extras
 
@@ -95,7 +99,6 @@ OVER_LIMIT_HEADER_S = 2.0  # a connection past --max-connections: its request mu
 # its handler's next poll, which a loaded machine may run late
 ADMIT_GRACE_S = 4 * POLL_S
 LINGER_BYTES = 16 << 20  # a body declared at most this far over --max-body-mb is read and dropped before its 413
-RETRY_AFTER_S = {429: 2, 503: 1}  # the Retry-After header of a full queue and of too many connections
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens / top_k bounds before the context's
 MAX_N = 8  # choices per prompt (n): side by side in a batch, else one after the other
 MAX_PROMPTS_PER_REQUEST = 64  # a completions request's prompts (OpenAI's batch; lm-eval's batch size), n choices each
@@ -116,17 +119,6 @@ CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logpro
                                 "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
                                 "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
                                 "service_tier", "store", "metadata", "modalities"}
-# OpenAI fields moepack does not act on: a 400 naming the field whenever one is given (not null)
-REFUSED_FIELDS = {
-    "audio": "audio output is not supported (moepack serves a text model)",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported",
-    "functions": "the deprecated functions field is not supported: give tools",
-    "function_call": "the deprecated function_call field is not supported: give tool_choice",
-    "verbosity": "verbosity is not supported",
-    "safety_identifier": "safety_identifier is not supported",
-    "prompt_cache_key": "prompt_cache_key is not supported",
-}
 # vLLM's structured outputs: `structured_outputs` {json | regex | choice | grammar | json_object} and the older
 # guided_* fields, each an OutputSpec kind (serve/grammar.py)
 STRUCTURED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -161,21 +153,6 @@ class ServerLimits:
         finite_float(self.keep_alive_s, "--timeout-keep-alive", lo=0.0)
         int_in_range(self.max_body_bytes, "--max-body-mb (in bytes)", 1, 1 << 40)
         int_in_range(self.max_connections, "--max-connections", 1, 1 << 20)
-
-
-class RequestError(Exception):
-    """A request the client got wrong: HTTP `status` with OpenAI's error object."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
-        self.headers = dict(headers or {})
-        if status in RETRY_AFTER_S:
-            self.headers.setdefault("Retry-After", str(RETRY_AFTER_S[status]))
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 async def first_of(work, stop) -> bool:
@@ -297,46 +274,7 @@ def events_onto(job: Job, loop, log: Callable[[str], None]) -> Callable[[tuple],
     return push
 
 
-@dataclass
-class Prepared:
-    """A request checked and tokenized (on a worker thread), ready to be a Job."""
-    prompts: list[list[int]]  # each prompt's ids (chat: one)
-    options: GenerateOptions
-    stream: bool
-    include_usage: bool
-    usage_so_far: bool = False  # (continuous_usage_stats) every chunk carries its choice's usage so far
-    thought: ThoughtMarks | None = None  # chat: how its answer's thought is marked (None: it has none)
-    n: int = 1  # choices per prompt
-    echo: list[str] | None = None  # completions' echo: each prompt's text, in front of each of its choices' text
-    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs k (vllm_prompt_logprobs), where asked for
-    make_constraint: Callable[[], object] | None = None
-    tools: ToolPlan | None = None  # chat: the request's tools (serve/tool_calls.py)
-    tokenizer: object = None  # what its answer's text is decoded with (vLLM's skip_special_tokens); None: the server's
-
-
 # ---- request checking -------------------------------------------------------------------------------------------
-
-def _get(body: dict, name: str, check: Callable, what: str, default=None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not check(v):
-        raise RequestError(f"{name}: expected {what}, got {json.dumps(v)[:60]}", param=name, code="invalid_type")
-    return v
-
-
-def _value(body: dict, name: str, checker: Callable, *args, default=None, **kw):
-    """body[name] through one of format_spec.untrusted's checkers (finite_float, int_in_range); its refusal is a
-    400 naming the field."""
-    v = body.get(name)
-    if v is None:
-        return default
-    try:
-        return checker(v, name, *args, **kw)
-    except UntrustedInputError as e:
-        raise RequestError(str(e), param=name,
-                           code="invalid_type" if "expected" in str(e) else "invalid_value") from None
-
 
 # chat_template_kwargs (vLLM's and SGLang's extension) keys moepack acts on: the thinking switch as Qwen3's and
 # DeepSeek's templates name it (other keys would change a template's rendering in ways not checked here: a 400)
@@ -377,14 +315,6 @@ def _thinking_flag(body: dict) -> bool | None:
     return said
 
 
-# accepted fields whose other values ask for what is not there: (the values served, the refusal)
-PLAIN_VALUES = {"service_tier": ((None, "auto", "default"), "service tiers are not supported (give auto or default)"),
-                "store": ((None, False), "stored completions are not supported"),
-                "suffix": ((None, ""), "suffix (insertion) is not supported"),
-                "modalities": ((None, ["text"]), "only the text modality is supported"),
-                "metadata": ((None, {}), "metadata goes with stored completions, which are not supported")}
-
-
 def _scoring_the_prompt(options: GenerateOptions, k: int | None) -> GenerateOptions:
     """The options scoring the prompt for vLLM's prompt_logprobs k too: its ranks, and k alternatives at least (an
     echo's logprobs may ask fewer: completion_logprobs' `most` cuts them)."""
@@ -392,26 +322,6 @@ def _scoring_the_prompt(options: GenerateOptions, k: int | None) -> GenerateOpti
         return options
     return dataclasses.replace(options, prompt_logprobs=max(k, options.prompt_logprobs or 0),
                                prompt_logprob_ranks=True)
-
-
-def _check_fields(body: dict, chat: bool) -> None:
-    """Every field one the endpoint acts on: an unknown field, or an OpenAI field moepack does not do, is a 400
-    naming it (never silently ignored); so are the values of the accepted ones that would change nothing here."""
-    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for name, value in body.items():
-        if name in allowed:
-            continue
-        if name in REFUSED_FIELDS:
-            if value is None:
-                continue
-            raise RequestError(f"{name}: {REFUSED_FIELDS[name]}", param=name, code="unsupported_field")
-        where = "/v1/chat/completions" if chat else "/v1/completions"
-        raise RequestError(f"{name[:60]}: unknown field for {where} (docs/guide.md lists the fields served)",
-                           param=name[:60], code="unknown_field")
-    for name, (ok, what) in PLAIN_VALUES.items():
-        if name in body and body[name] not in ok:
-            raise RequestError(f"{name}: {what}", param=name, code="unsupported_value")
-    _get(body, "user", lambda v: isinstance(v, str), "a string")  # not used, but OpenAI's type
 
 
 def _prompts_of(prompt) -> list:
@@ -780,7 +690,10 @@ class Server:
         checked."""
         body = self.json_object(raw)
         self.check_model(body)
-        _check_fields(body, chat)
+        if chat:
+            check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
+        else:
+            check_fields(body, COMPLETION_FIELDS, "/v1/completions")
         return body
 
     def check_model(self, body: dict) -> None:
@@ -1083,20 +996,9 @@ class Server:
         body = self.parse(raw, chat)
         stream, include_usage, usage_so_far = _stream_flags(body)
         n = self.choices(body)
-        scored = self.prompt_logprobs(body, stream)
         if chat:
-            # (vLLM's add_special_tokens: false, its default for chat, is what is done)
-            if _get(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean"):
-                raise RequestError("add_special_tokens: a chat's prompt is its template's or encoding's, special tokens "
-                                   "and all (a BOS would be doubled): leave it out or give false",
-                                   param="add_special_tokens", code="unsupported_value")
-            ids, thought, plan = self.chat_ids(body)
-            [ids], _ = self.truncated(body, [ids])
-            options = _scoring_the_prompt(self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n), scored)
-            markup = plan.markup() + (tuple(filter(None, (thought.start, thought.end))) if thought else ())
-            return Prepared([ids], options, stream, include_usage, usage_so_far, thought, n, tools=plan,
-                            make_constraint=self.constraint_factory(body, thought, options.max_new_tokens),
-                            tokenizer=self.answer_tokenizer(body, markup), prompt_logprobs=scored)
+            return self.prepared_chat(body, stream, include_usage, usage_so_far, n)
+        scored = self.prompt_logprobs(body, stream)
         prompts, cut = self.truncated(body, self.prompts(body))
         # (the longest prompt is checked against the context, and caps an omitted max_tokens for all)
         options = self.options(body, max(len(ids) for ids in prompts), DEFAULT_COMPLETION_TOKENS, False, n)
@@ -1106,6 +1008,24 @@ class Server:
         return Prepared(prompts, _scoring_the_prompt(options, scored), stream, include_usage, usage_so_far, n=n,
                         echo=echo, tokenizer=self.answer_tokenizer(body), prompt_logprobs=scored,
                         make_constraint=self.constraint_factory(body, None, options.max_new_tokens))
+
+    def prepared_chat(self, body: dict, stream: bool, include_usage: bool = False, usage_so_far: bool = False,
+                      n: int = 1) -> Prepared:
+        """A chat request's body (its fields checked) tokenized, its options and constraint made: the chat
+        completions' and the Responses API's (serve/responses.py, its request put as a chat's)."""
+        # (vLLM's add_special_tokens: false, its default for chat, is what is done)
+        if _get(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean"):
+            raise RequestError("add_special_tokens: a chat's prompt is its template's or encoding's, special tokens "
+                               "and all (a BOS would be doubled): leave it out or give false",
+                               param="add_special_tokens", code="unsupported_value")
+        scored = self.prompt_logprobs(body, stream)
+        ids, thought, plan = self.chat_ids(body)
+        [ids], _ = self.truncated(body, [ids])
+        options = _scoring_the_prompt(self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n), scored)
+        markup = plan.markup() + (tuple(filter(None, (thought.start, thought.end))) if thought else ())
+        return Prepared([ids], options, stream, include_usage, usage_so_far, thought, n, tools=plan,
+                        make_constraint=self.constraint_factory(body, thought, options.max_new_tokens),
+                        tokenizer=self.answer_tokenizer(body, markup), prompt_logprobs=scored)
 
     # -- admission and the worker
     def admit(self) -> None:
@@ -1297,8 +1217,8 @@ class Server:
         return RequestError(f"the request ran past its deadline of {self.limits.request_timeout_s:g} s "
                             "(--request-timeout)", code="request_timeout", status=408)
 
-    def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self.counter)}-{uuid.uuid4().hex[:8]}"
+    def new_id(self, prefix: str, sep: str = "-") -> str:
+        return f"{prefix}{sep}{next(self.counter)}{sep}{uuid.uuid4().hex[:8]}"
 
     def usage(self, job: Job, results: list[GenerateResult]) -> dict:
         return usage_of(job.prompt_tokens, sum(len(r.generated_ids) for r in results))
@@ -1338,10 +1258,6 @@ def timings(job: Job, results: list[GenerateResult], choices: list[int] | None =
             "predicted_per_second": round(predicted_n / predicted_s, 3) if predicted_s else None}
 
 
-def _token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
-
-
 def _piece(tokenizer, token: int, text: str) -> str | list[int]:
     """/tokenize's piece of a token as llama-server gives it: its text, or where the token holds part of a character
     (its text alone is U+FFFD) the list of its bytes, so that the pieces join into the text."""
@@ -1352,18 +1268,6 @@ def _piece(tokenizer, token: int, text: str) -> str | list[int]:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return list(raw)
-
-
-def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
-    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}; `bytes` the token's
-    own, also for part of a character (its text is then U+FFFD), so that a client can join them into the text."""
-    def one(token: int, logprob: float) -> dict:
-        text = _token_text(tokenizer, token)
-        raw = tokenizer.token_bytes(token) if tokenizer is not None else text.encode()
-        return {"token": text, "logprob": logprob, "bytes": list(raw)}
-
-    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-                        for e in entries], "refusal": None}
 
 
 class TextOffsets:
@@ -1451,14 +1355,6 @@ class ChoiceStream:
     prompt: Callable[[list], None] | None = None  # an echo's prompt logprobs, before the first token
 
 
-def client_gone() -> RequestError:
-    """A generation stopped because its client's connection closed: a client that only half-closed it
-    (shutdown(SHUT_WR)) reads this; a FIN is all a vanished one sends too, so either stops its generation."""
-    return RequestError("the client closed its connection (or its sending side) before the answer: a generation "
-                        "stops when its client's side closes; keep the connection open until the answer",
-                        code="client_gone")
-
-
 def client_gone_stream_end() -> str:
     """The end of a stream whose client closed its side: the error event, then [DONE] (a half-closed client reads
     it; the stream is never cut short)."""
@@ -1489,6 +1385,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     from starlette.middleware.cors import CORSMiddleware
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
+
+    from .responses import responses_endpoints
 
     server = Server(generator, model_name, api_key, max_queue, log, limits, max_batch, prefill_chunk,
                     sampling_defaults)
@@ -1629,16 +1527,18 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             server.release()
         return Response(content, media_type="application/json")
 
-    async def admitted_request(request, chat: bool, prefix: str) -> tuple[Prepared, Job, object]:
-        """Auth, a queue slot (429 when none), the body read and prepared off the event loop, the job submitted
-        to the worker: (prepared, job, its concurrent future). The slot is the worker's to free from then on."""
+    async def admitted_request(request, prepare: Callable[[bytes], Prepared], prefix: str,
+                               sep: str = "-") -> tuple[Prepared, Job, object]:
+        """Auth, a queue slot (429 when none), the body read and prepared (`prepare`) off the event loop, the job
+        submitted to the worker: (prepared, job, its concurrent future; the job's id `prefix`, `sep`, a count, `sep`,
+        8 hex digits). The slot is the worker's to free from then on."""
         server.check_auth(request)
         arrived = time.monotonic()
         await server.admit_soon()
         try:
             raw = await server.read_body(request)
-            prepared = await run_in_threadpool(server.prepare, raw, chat)
-            job = Job(server.new_id(prefix), prepared.prompts, prepared.options,
+            prepared = await run_in_threadpool(prepare, raw)
+            job = Job(server.new_id(prefix, sep), prepared.prompts, prepared.options,
                       deadline=arrived + server.limits.request_timeout_s, arrived=arrived, n=prepared.n,
                       make_constraint=prepared.make_constraint,
                       tokenizer=server.tokenizer if prepared.tokenizer is None else prepared.tokenizer)
@@ -1700,16 +1600,55 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             raise server.stopped_error(client_gone())
         return results
 
+    async def job_events(request, job: Job, future):
+        """A streamed job's events as the worker pushed them: (kind, choice, piece) with kind "text", "token",
+        "finish" or "prompt"; then its end: ("done", None, results), ("error", None, RequestError) where it failed
+        or has no answer, or ("gone", None, None) where its client went away (the job stopped, its place given
+        back). A consumer that stops reading (its client gone, the response torn down) stops the job too: close
+        this generator (contextlib.aclosing) as it stops."""
+        queue = job.queue
+        try:
+            wrapped = asyncio.wrap_future(future)
+            wrapped.add_done_callback(lambda f: queue.put_nowait(("done", None, None)))
+            while True:
+                try:
+                    kind, i, piece = await asyncio.wait_for(queue.get(), timeout=POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():  # a client that only half-closed reads why
+                        job.cancelled = True
+                        server.release(job)
+                        yield "gone", None, None
+                        return
+                    continue
+                if kind != "done":
+                    yield kind, i, piece
+                    continue
+                try:
+                    results = wrapped.result()
+                    error = server.unanswered(job, results) or (RequestError("cancelled") if results is None
+                                                                 else None)
+                    if error is not None:
+                        raise error
+                except Exception as e:
+                    e._moepack_logged = True  # the worker logged its own errors
+                    yield "error", None, as_request_error(e)
+                    return
+                yield "done", None, results
+                return
+        finally:
+            if not future.done():
+                job.cancelled = True  # the client went away (or the response was torn down)
+                server.release(job)
+
     def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, head: dict,
                  usage_so_far: bool = False):
-        """The SSE stream of the job's choices, interleaved as their pieces come (each chunk's choices[0].index
-        names its choice): choices[i].pieces(text) per text piece, each choice's final(result) chunks as soon as
-        it ends when there are several (one: at the request's end). With include_usage, as OpenAI's: every chunk's
-        usage null (`usage_so_far`, vLLM's continuous_usage_stats: its choice's usage so far), then one more chunk
-        (`head`: its id, object, created, model) with choices [] and the request's usage. The logprobs of a
-        choice's tokens since its previous chunk (choices[i].logprobs(entries) -> the chunk's `logprobs`) go with
-        its next chunk that carries text."""
-        queue = job.queue
+        """The SSE events (an async iterator of their text) of the job's choices, interleaved as their pieces come
+        (each chunk's choices[0].index names its choice): choices[i].pieces(text) per text piece, each choice's
+        final(result) chunks as soon as it ends when there are several (one: at the request's end). With
+        include_usage, as OpenAI's: every chunk's usage null (`usage_so_far`, vLLM's continuous_usage_stats: its
+        choice's usage so far), then one more chunk (`head`: its id, object, created, model) with choices [] and the
+        request's usage. The logprobs of a choice's tokens since its previous chunk (choices[i].logprobs(entries) ->
+        the chunk's `logprobs`) go with its next chunk that carries text."""
         generated = [0] * len(choices)  # each choice's tokens so far
 
         def event(chunk: dict) -> str:
@@ -1737,19 +1676,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 pending[i] = []
 
         async def events():
-            try:
-                wrapped = asyncio.wrap_future(future)
-                wrapped.add_done_callback(lambda f: queue.put_nowait(("done", None, None)))
-                while True:
-                    try:
-                        kind, i, piece = await asyncio.wait_for(queue.get(), timeout=POLL_S)
-                    except asyncio.TimeoutError:
-                        if await request.is_disconnected():  # a client that only half-closed reads why
-                            job.cancelled = True
-                            server.release(job)
-                            yield client_gone_stream_end()
-                            return
-                        continue
+            async with contextlib.aclosing(job_events(request, job, future)) as happenings:
+                async for kind, i, piece in happenings:
+                    if kind == "gone":
+                        yield client_gone_stream_end()
+                        return
                     if kind == "prompt":  # (before the choice's first token; a prompt's length of them: off the loop)
                         await run_in_threadpool(choices[i].prompt, piece)
                         continue
@@ -1770,18 +1701,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         for chunk in chunks:
                             yield event(chunk)
                         continue
-                    try:
-                        results = wrapped.result()
-                        error = server.unanswered(job, results) or (RequestError("cancelled") if results is None
-                                                                     else None)
-                        if error is not None:
-                            raise error
-                    except Exception as e:
-                        e._moepack_logged = True  # the worker logged its own errors
-                        err = as_request_error(e)
-                        yield f"data: {json.dumps(err.body())}\n\n"
+                    if kind == "error":
+                        yield f"data: {json.dumps(piece.body())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
+                    results = piece
                     out = [chunk for i, result in enumerate(results) if not ended[i] for chunk in final(i, result)]
                     if include_usage:
                         out.append({**head, "choices": [], "usage": server.usage(job, results)})
@@ -1789,22 +1713,18 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         yield event(chunk)
                     yield "data: [DONE]\n\n"
                     return
-            finally:
-                if not future.done():
-                    job.cancelled = True  # the client went away (or the response was torn down)
-                    server.release(job)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
+        return events()
 
-    async def stream_when_started(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool,
-                                  head: dict, usage_so_far: bool = False):
-        """The 200 and the first event only once the generation passed every check: an error before that (a bad
-        value, the memory check) is the request's 4xx."""
+    async def stream_when_started(request, job: Job, future, events):
+        """The 200 and the stream's first event (`events`: an async iterator of its SSE text) only once the
+        generation passed every check: an error before that (a bad value, the memory check) is the request's
+        4xx."""
         result = await wait_job(request, job, future, until=job.began)
         if result is None and future.done() and not job.began.is_set():
             raise server.stopped_error(client_gone())
-        return streamed(request, job, future, choices, include_usage, head, usage_so_far)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
 
     def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict], **extra):
         return JSONResponse({"id": job.request_id, "object": kind, "created": int(time.time()), "model": model_name,
@@ -1812,7 +1732,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                              "timings": timings(job, results), **extra}, headers={"X-Request-Id": job.request_id})
 
     async def completions(request):
-        prepared, job, future = await admitted_request(request, chat=False, prefix="cmpl")
+        prepared, job, future = await admitted_request(request, functools.partial(server.prepare, chat=False),
+                                                       "cmpl")
         rid, created = job.request_id, int(time.time())
         tok = job.tokenizer
 
@@ -1871,11 +1792,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 return out + ([chunk(i, piece)] if piece else [])
             return ChoiceStream(pieces, final, with_logprobs, prompt)
 
-        return await stream_when_started(request, job, future, [choice_stream(i) for i in range(job.choices)],
-                                         prepared.include_usage, chunk(0, ""), prepared.usage_so_far)
+        return await stream_when_started(request, job, future, streamed(
+            request, job, future, [choice_stream(i) for i in range(job.choices)], prepared.include_usage,
+            chunk(0, ""), prepared.usage_so_far))
 
     async def chat_completions(request):
-        prepared, job, future = await admitted_request(request, chat=True, prefix="chatcmpl")
+        prepared, job, future = await admitted_request(request, functools.partial(server.prepare, chat=True),
+                                                       "chatcmpl")
         rid, created, thought, plan = job.request_id, int(time.time()), prepared.thought, prepared.tools
         tok = job.tokenizer
         if not prepared.stream:
@@ -1906,15 +1829,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
         def choice_stream(i: int) -> ChoiceStream:
-            splitter = ThinkSplitter(thought)
-            calls = plan.splitter() if plan.parse else None
+            splitter = AnswerSplitter(thought, plan)
             first, n_calls = [True], [0]
 
-            def pieces(parts, route: bool = True):
+            def pieces(parts):
                 out = []
-                if calls is not None and route:  # the content's tool calls
-                    parts = [p for f, text in parts
-                             for p in ([(f, text)] if f != "content" else calls.feed(text))]
                 for f, text in parts:
                     if f == "tool_call":
                         delta = {"tool_calls": [{"index": n_calls[0], **text}]}
@@ -1929,8 +1848,6 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
             def final(result):
                 out = pieces(splitter.flush())
-                if calls is not None:
-                    out += pieces(calls.flush(), route=False)
                 if first[0]:
                     out.append(chunk(i, {"role": "assistant", "content": ""}))
                     first[0] = False
@@ -1942,8 +1859,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             return ChoiceStream(lambda piece: pieces(splitter.feed(piece)), final,
                                 lambda entries: chat_logprobs(tok, entries))
 
-        return await stream_when_started(request, job, future, [choice_stream(i) for i in range(job.choices)],
-                                         prepared.include_usage, chunk(0, {}), prepared.usage_so_far)
+        return await stream_when_started(request, job, future, streamed(
+            request, job, future, [choice_stream(i) for i in range(job.choices)], prepared.include_usage,
+            chunk(0, {}), prepared.usage_so_far))
+
+    # OpenAI's Responses API, put as a chat (serve/responses.py)
+    create_response, response_not_stored = responses_endpoints(server, model_name, admitted_request, finished_job,
+                                                               stream_when_started, job_events)
 
     async def shutdown():
         await run_in_threadpool(server.close)
@@ -1952,10 +1874,12 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                  "/v1/models/{model_id:path}": (one_model, "GET"), "/tokenize": (tokenize, "POST"),
                  "/detokenize": (detokenize, "POST"), "/tokenizer_info": (tokenizer_information, "GET"),
                  "/v1/completions": (completions, "POST"),
-                 "/v1/chat/completions": (chat_completions, "POST")}
-    routes = [Route(path, handles_errors(fn, path), methods=[method]) for path, (fn, method) in endpoints.items()]
-
-    import contextlib
+                 "/v1/chat/completions": (chat_completions, "POST"), "/v1/responses": (create_response, "POST"),
+                 "/v1/responses/{response_id}": (response_not_stored, "GET/DELETE"),
+                 "/v1/responses/{response_id}/input_items": (response_not_stored, "GET"),
+                 "/v1/responses/{response_id}/cancel": (response_not_stored, "POST")}
+    routes = [Route(path, handles_errors(fn, path), methods=method.split("/"))
+              for path, (fn, method) in endpoints.items()]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

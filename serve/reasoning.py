@@ -1,7 +1,7 @@
 """A chat answer's thought, split off as `reasoning_content` (the server's chat completions, `moepack generate`'s
 --json): how the thought is marked for a request (chat_thought: the family's chat encoding in thinking mode, or a
-chat template that writes thoughts, ChatTemplate.opens_thought), and the split, streamed (ThinkSplitter) or whole
-(split_thinking)."""
+chat template that writes thoughts, ChatTemplate.opens_thought), and the split, streamed (ThinkSplitter; with the
+answer's tool calls, AnswerSplitter) or whole (split_thinking)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,28 @@ class ThinkSplitter:
     def flush(self) -> list[tuple[str, str]]:
         held, self.held = self.held, ""
         return [("reasoning_content" if self.in_thought else "content", held)] if held else []
+
+
+class AnswerSplitter:
+    """A streamed chat answer's parts, in order: (field, value) pairs, "reasoning_content" and "content" text as
+    ThinkSplitter splits it (`marks`), the content's tool calls (`plan`: serve/tool_calls.py's ToolPlan, whose
+    splitter gives "tool_call" pairs, an OpenAI call each, and the content around them) where the plan parses
+    them."""
+
+    def __init__(self, marks: ThoughtMarks | None, plan: Any):
+        self.thought = ThinkSplitter(marks)
+        self.calls = plan.splitter() if plan.parse else None
+
+    def _calls_of(self, parts: list[tuple[str, str]]) -> list[tuple[str, Any]]:
+        if self.calls is None:
+            return parts
+        return [p for f, text in parts for p in ([(f, text)] if f != "content" else self.calls.feed(text))]
+
+    def feed(self, piece: str) -> list[tuple[str, Any]]:
+        return self._calls_of(self.thought.feed(piece))
+
+    def flush(self) -> list[tuple[str, Any]]:
+        return self._calls_of(self.thought.flush()) + (self.calls.flush() if self.calls is not None else [])
 
 
 def split_thinking(text: str, marks: ThoughtMarks | None) -> tuple[str | None, str]:

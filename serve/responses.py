@@ -1,0 +1,551 @@
+"""POST /v1/responses: OpenAI's Responses API (openai-python's `client.responses.create` / `.stream`, the Agents SDK,
+Codex-style clients) as a translation over the chat completions path of serve/app.py.
+
+A request is put as the chat request it stands for (chat_request: `instructions` a system message in front, the input
+items messages, a function_call item an assistant's tool call, a function_call_output item a tool message; the
+function tools, tool_choice, text.format, reasoning.effort, include's logprobs as chat's fields) and prepared,
+scheduled, cancelled and counted as a chat's (Server.prepared_chat, the app's admitted_request, job_events...); a
+chat error names the Responses field it came from (`messages[2]` -> `input[1]`, `max_tokens` -> `max_output_tokens`).
+The answer is split as a chat's (AnswerSplitter: thought, content, tool calls) into output items (OutputItems): a
+"reasoning" item, a "message" item with one output_text part, a "function_call" item per call; streamed, the events
+that build them, each with its sequence_number. Nothing is stored: `store` is taken (OpenAI's default is true) and
+answered false, `previous_response_id` and `conversation` are 400s, GET / DELETE /v1/responses/{id} 404s, all saying
+so. docs/guide.md "Serving real clients" lists the fields served and refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import itertools
+import json
+import re
+import time
+import uuid
+from collections.abc import Callable
+
+from moepack.format_spec.untrusted import int_in_range
+from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer
+
+from .openai_api import (PLAIN_VALUES, REFUSED_FIELDS, Prepared, RequestError, _get, _value, chat_logprobs,
+                         check_fields, client_gone)
+from .reasoning import AnswerSplitter, ThoughtMarks, split_thinking
+
+NOT_STORED = "responses are not stored by moepack serve (store is taken, nothing is kept)"
+# the chat extensions (moepack's, vLLM's) a Responses request may carry too, passed on to the chat as they are
+CHAT_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "seed", "thinking", "chat_template_kwargs")
+RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
+                    "stream_options", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning", "include",
+                    "top_logprobs", "metadata", "user", "store", "service_tier", "background", "truncation",
+                    *CHAT_EXTENSIONS}
+# OpenAI's Responses fields moepack does not act on: a 400 naming the field whenever one is given (not null)
+RESPONSES_REFUSED = {
+    "previous_response_id": f"{NOT_STORED}: send the whole conversation as input",
+    "conversation": "conversations are not stored by moepack serve: send the whole conversation as input",
+    "prompt": "stored prompt templates are not supported: send the prompt as instructions and input",
+    "max_tool_calls": "max_tool_calls counts built-in tool calls, which are not served (function tools only)",
+    "context_management": "context management (compaction) is not supported",
+    "prompt_cache_key": REFUSED_FIELDS["prompt_cache_key"],
+    "prompt_cache_retention": "prompt_cache_retention is not supported",
+    "prompt_cache_options": "prompt_cache_options is not supported",
+    "safety_identifier": REFUSED_FIELDS["safety_identifier"],
+    "background_options": "background responses are not supported",
+    "moderation": "moderation is not supported",
+    "image": "image generation is not supported (moepack serves a text model)",
+    "access_programs": "access_programs is not supported",
+}
+RESPONSES_PLAIN = {
+    "service_tier": PLAIN_VALUES["service_tier"],
+    "background": ((None, False), f"background responses are not supported ({NOT_STORED}: none to poll)"),
+    "truncation": ((None, "disabled"), "truncation auto is not supported: a conversation over the context is a 400"),
+}
+# chat's names in a chat error, as the Responses request names them (the longer first)
+CHAT_NAMES = (("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
+              ("response_format", "text.format"), ("reasoning_effort", "reasoning.effort"))
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# the keys of each input item type (those of the output items a client sends back as it got them included; an
+# item's id and status say nothing to the model and are not read)
+ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
+             "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+             "function_call_output": {"type", "call_id", "output", "id", "status"},
+             "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"}}
+PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs"}}
+ROLES = ("user", "system", "developer", "assistant")
+MAX_METADATA = 16  # OpenAI's: 16 pairs, keys of 64 characters, values of 512
+
+
+def _refused(message: str, param: str, code: str = "invalid_value") -> RequestError:
+    return RequestError(message, param=param, code=code)
+
+
+def _object(value, where: str, param: str) -> dict:
+    if not isinstance(value, dict):
+        raise _refused(f"{where}: expected an object, got {json.dumps(value)[:40]}", param, "invalid_type")
+    return value
+
+
+def _known_keys(value: dict, keys: set[str], where: str, param: str) -> None:
+    unknown = sorted(set(value) - keys)
+    if unknown:
+        raise _refused(f"{where}.{unknown[0][:40]}: not a key moepack reads here (it reads {', '.join(sorted(keys))})",
+                       param, "unknown_field")
+
+
+def _text(value, where: str, param: str) -> str:
+    if not isinstance(value, str):
+        raise _refused(f"{where}: expected a string, got {json.dumps(value)[:40]}", param, "invalid_type")
+    return value
+
+
+def _parts(content, where: str, param: str) -> str | list[dict]:
+    """A message's content: a string, or its text parts as chat's ({"type": "text", "text"}); another part type
+    (an image, a file, audio) is a 400 naming it: moepack serves a text model."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _refused(f"{where}: expected a string or a list of input_text parts", param, "invalid_type")
+    parts = []
+    for j, part in enumerate(content):
+        kind = _object(part, f"{where}[{j}]", param).get("type")
+        if kind not in PART_KEYS:
+            raise _refused(f"{where}[{j}]: a {json.dumps(kind)[:40]} part: moepack serves a text model (input_text "
+                           "and output_text parts only)", param, "unsupported_value")
+        _known_keys(part, PART_KEYS[kind], f"{where}[{j}]", param)
+        parts.append({"type": "text", "text": _text(part.get("text"), f"{where}[{j}].text", param)})
+    return parts
+
+
+def conversation(body: dict) -> tuple[list[dict], list[str]]:
+    """The chat messages of `instructions` and `input`, and where in the request each came from ("instructions",
+    "input[3]"): a function_call item is a tool call of the assistant message before it (one of its own where
+    none is), a function_call_output a tool message, a reasoning item sent back dropped (as chat drops
+    reasoning_content: the encoder renders no earlier thought)."""
+    messages, origins = [], []
+    instructions = _get(body, "instructions", lambda v: isinstance(v, str), "a string")
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+        origins.append("instructions")
+    given = body.get("input")
+    if isinstance(given, str):
+        return messages + [{"role": "user", "content": given}], origins + ["input"]
+    if not isinstance(given, list) or not given:
+        raise _refused("input: expected a string or a non-empty list of input items", "input", "invalid_type")
+    for i, item in enumerate(given):
+        where = f"input[{i}]"
+        kind = _object(item, where, "input").get("type", "message" if "role" in item else None)
+        if kind == "item_reference":
+            raise _refused(f"{where}: an item_reference: {NOT_STORED}: send the item itself", "input",
+                           "unsupported_value")
+        if kind not in ITEM_KEYS:
+            raise _refused(f"{where}.type: {json.dumps(kind)[:40]} items are not served (message, function_call, "
+                           "function_call_output and reasoning are)", "input", "unsupported_value")
+        _known_keys(item, ITEM_KEYS[kind], where, "input")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise _refused(f"{where}.role: expected one of {', '.join(ROLES)}, got {json.dumps(role)[:40]}",
+                               "input")
+            messages.append({"role": role, "content": _parts(item.get("content"), f"{where}.content", "input")})
+            origins.append(where)
+        elif kind == "function_call":
+            call = {"id": _text(item.get("call_id"), f"{where}.call_id", "input"), "type": "function",
+                    "function": {"name": _text(item.get("name"), f"{where}.name", "input"),
+                                 "arguments": _text(item.get("arguments"), f"{where}.arguments", "input")}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(where)
+        elif kind == "function_call_output":
+            output = _parts(item.get("output"), f"{where}.output", "input")
+            messages.append({"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{where}.call_id", "input"),
+                             "content": output})
+            origins.append(where)
+    return messages, origins
+
+
+def function_tools(tools) -> list[dict] | None:
+    """The Responses function tools ({"type": "function", "name", "description", "parameters", "strict"}) as chat's;
+    another tool type (web_search, file_search, mcp, ...) is a 400 naming it: moepack runs no tools of its own."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _refused("tools: expected a list of tools", "tools", "invalid_type")
+    out = []
+    for i, tool in enumerate(tools):
+        kind = _object(tool, f"tools[{i}]", "tools").get("type")
+        if kind != "function":
+            raise _refused(f"tools[{i}].type: {json.dumps(kind)[:40]} tools are not served (function tools only: "
+                           "moepack runs no tools of its own)", "tools", "unsupported_value")
+        _known_keys(tool, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}]", "tools")
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out or None  # (an empty list, as the Agents SDK sends it: no tools)
+
+
+def chat_tool_choice(choice):
+    """tool_choice as chat's: "none" / "auto" / "required", or {"type": "function", "name"} for one function."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    kind = _object(choice, "tool_choice", "tool_choice").get("type")
+    if kind != "function":
+        raise _refused(f"tool_choice.type: {json.dumps(kind)[:40]} is not served (function tools only)",
+                       "tool_choice", "unsupported_value")
+    _known_keys(choice, {"type", "name"}, "tool_choice", "tool_choice")
+    return {"type": "function", "function": {"name": _text(choice.get("name"), "tool_choice.name", "tool_choice")}}
+
+
+def response_format(text) -> dict | None:
+    """text.format as chat's response_format (json_schema's name, schema, description and strict under
+    `json_schema`); text.verbosity is refused as chat's verbosity is."""
+    if text is None:
+        return None
+    _known_keys(_object(text, "text", "text"), {"format", "verbosity"}, "text", "text")
+    if text.get("verbosity") is not None:
+        raise _refused(f"text.verbosity: {REFUSED_FIELDS['verbosity']}", "text.verbosity", "unsupported_field")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if _object(fmt, "text.format", "text.format").get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return fmt  # (text, json_object; another type or key is chat's 400, named text.format)
+
+
+def reasoning_effort(reasoning) -> str | None:
+    """reasoning.effort (chat's reasoning_effort); a summary is refused: moepack writes none (the reasoning item
+    carries the thought's own text)."""
+    if reasoning is None:
+        return None
+    _known_keys(_object(reasoning, "reasoning", "reasoning"), {"effort", "summary", "generate_summary"},
+                "reasoning", "reasoning")
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) is not None:
+            raise _refused(f"reasoning.{key}: reasoning summaries are not written (the reasoning item carries the "
+                           "thought's text)", f"reasoning.{key}", "unsupported_value")
+    return reasoning.get("effort")
+
+
+def wants_logprobs(body: dict) -> bool:
+    """include's "message.output_text.logprobs" (the only include served: another is a 400 naming it)."""
+    include = _get(body, "include", lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+                   "a list of strings", [])
+    for name in include:
+        if name != LOGPROBS_INCLUDE:
+            raise _refused(f"include: {name[:60]!r} is not served (only {LOGPROBS_INCLUDE}; {NOT_STORED}, and a "
+                           "reasoning item carries no encrypted content)", "include", "unsupported_value")
+    return LOGPROBS_INCLUDE in include
+
+
+def check_metadata(body: dict) -> dict:
+    """metadata, echoed in the response: at most 16 pairs of strings (keys of 64 characters, values of 512)."""
+    metadata = _get(body, "metadata", lambda v: isinstance(v, dict), "an object", {})
+    if len(metadata) > MAX_METADATA or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str)
+                                               and len(v) <= 512 for k, v in metadata.items()):
+        raise _refused(f"metadata: expected at most {MAX_METADATA} pairs of strings (keys of at most 64 characters, "
+                       "values of 512)", "metadata")
+    return metadata
+
+
+def chat_request(body: dict) -> tuple[dict, list[str], bool]:
+    """The chat completions body a Responses request stands for, where each chat message came from
+    (conversation), and whether the output text's logprobs are asked for."""
+    chat = {name: body[name] for name in ("temperature", "top_p", "parallel_tool_calls", *CHAT_EXTENSIONS)
+            if name in body}
+    messages, origins = conversation(body)
+    chat["messages"] = messages
+    extras = {"max_tokens": body.get("max_output_tokens"), "tools": function_tools(body.get("tools")),
+              "tool_choice": chat_tool_choice(body.get("tool_choice")),
+              "response_format": response_format(body.get("text")),
+              "reasoning_effort": reasoning_effort(body.get("reasoning"))}
+    chat.update({k: v for k, v in extras.items() if v is not None})
+    logprobs = wants_logprobs(body)
+    top = _value(body, "top_logprobs", int_in_range, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise _refused(f"top_logprobs: give include [{LOGPROBS_INCLUDE!r}] with it", "top_logprobs")
+    if logprobs:
+        chat.update(logprobs=True, top_logprobs=top or 0)
+    return chat, origins, logprobs
+
+
+def renamed(e: RequestError, origins: list[str]) -> RequestError:
+    """A chat error as the Responses request names its fields: a message by the input item (or the instructions)
+    it came from, chat's fields by their Responses names."""
+    param = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+             "reasoning_effort": "reasoning.effort"}.get(e.param, e.param)
+
+    def origin(m: re.Match) -> str:
+        nonlocal param
+        i = int(m[1])
+        if i >= len(origins):
+            return m[0]
+        param = "instructions" if origins[i] == "instructions" else param
+        return origins[i]
+    text = re.sub(r"\bmessages\[(\d+)\]", origin, e.message)
+    text = re.sub(r"\bmessages\b", "input", text)
+    text = re.sub(r"\btools\[(\d+)\]\.function\b", r"tools[\1]", text)
+    for chat_name, name in CHAT_NAMES:
+        text = re.sub(rf"\b{re.escape(chat_name)}\b", name, text)
+    return RequestError(text, param=param, code=e.code, status=e.status, kind=e.kind, headers=e.headers)
+
+
+@dataclasses.dataclass
+class PreparedResponse(Prepared):
+    """A Responses request prepared as its chat: the settings its response object echoes, whether its output text
+    carries logprobs."""
+    settings: dict = dataclasses.field(default_factory=dict)
+    logprobs: bool = False
+
+
+def prepare(server, raw: bytes) -> PreparedResponse:
+    """On a worker thread: a Responses request's body checked, put as its chat request and prepared as one."""
+    body = server.json_object(raw)
+    server.check_model(body)
+    check_fields(body, RESPONSES_FIELDS, "/v1/responses", RESPONSES_REFUSED, RESPONSES_PLAIN)
+    stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    if options and not stream:
+        raise _refused("stream_options: only with stream: true", "stream_options")
+    _known_keys(options, {"include_obfuscation"}, "stream_options", "stream_options")
+    if options.get("include_obfuscation"):
+        raise _refused("stream_options.include_obfuscation: no obfuscation field is written (give false)",
+                       "stream_options", "unsupported_value")
+    _get(body, "store", lambda v: isinstance(v, bool), "a boolean")
+    metadata = check_metadata(body)
+    chat, origins, logprobs = chat_request(body)
+    try:
+        prepared = server.prepared_chat(chat, stream)
+    except RequestError as e:
+        raise renamed(e, origins) from None
+    fmt = (body.get("text") or {}).get("format")
+    settings = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+                "metadata": metadata, "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+                "previous_response_id": None, "reasoning": {"effort": chat.get("reasoning_effort"), "summary": None},
+                "store": False, "temperature": prepared.options.temperature, "top_p": prepared.options.top_p,
+                "text": {"format": fmt or {"type": "text"}}, "tool_choice": body.get("tool_choice") or "auto",
+                "tools": body.get("tools") or [], "top_logprobs": body.get("top_logprobs") or 0,
+                "truncation": "disabled", "user": body.get("user"), "background": False,
+                "service_tier": body.get("service_tier") or "default"}
+    fields = {f.name: getattr(prepared, f.name) for f in dataclasses.fields(Prepared)}
+    return PreparedResponse(**fields, settings=settings, logprobs=logprobs)
+
+
+# the item each part of an answer (AnswerSplitter's fields) goes to
+ITEM_OF = {"reasoning_content": "reasoning", "content": "message", "tool_call": "function_call"}
+
+
+class OutputItems:
+    """A response's output items, built from its answer's parts in order (AnswerSplitter's): a run of thought one
+    "reasoning" item (a reasoning_text part), a run of content one "message" item (an output_text part), each tool
+    call a "function_call" item. add() and end() give the stream events that build them, OpenAI's, without their
+    sequence_number. The logprobs of tokens held (hold) go with the next output_text delta."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+        self.open: dict | None = None  # the reasoning or message item being written
+        self.held: list[dict] = []
+
+    def hold(self, logprobs: list[dict]) -> None:
+        self.held += logprobs
+
+    def drop_held(self) -> None:
+        """The tokens held were the thought's: no output text's."""
+        self.held = []
+
+    def add(self, parts: list[tuple[str, object]]) -> list[dict]:
+        events = []
+        for field, value in parts:
+            kind = ITEM_OF[field]
+            if self.open is not None and self.open["type"] != kind:
+                events += self._close("completed")
+            if kind == "function_call":
+                events += self._call(value)
+                continue
+            if self.open is None:
+                events += self._open(kind)
+            events += self._delta(value)
+        return events
+
+    def end(self, status: str) -> list[dict]:
+        """The answer's end: the item being written closed (`status`: its own, "incomplete" where the answer was
+        cut short); an answer with no item gets an empty message (the response's output_text is "")."""
+        if not self.items:
+            return self._open("message") + self._close(status)
+        return self._close(status) if self.open is not None else []
+
+    def _where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
+
+    def _open(self, kind: str) -> list[dict]:
+        if kind == "message":
+            item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "in_progress",
+                    "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            item = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [], "content": [],
+                    "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        self.items.append(item)
+        self.open = item
+        events = [{"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                   "item": copy.deepcopy(item)},
+                  {"type": "response.content_part.added", **self._where(), "part": copy.deepcopy(part)}]
+        item["content"].append(part)
+        return events
+
+    def _delta(self, text: str) -> list[dict]:
+        part = self.open["content"][0]
+        part["text"] += text
+        if self.open["type"] == "reasoning":
+            return [{"type": "response.reasoning_text.delta", **self._where(), "delta": text}]
+        logprobs, self.held = self.held, []
+        part["logprobs"] += logprobs
+        return [{"type": "response.output_text.delta", **self._where(), "delta": text, "logprobs": logprobs}]
+
+    def _close(self, status: str) -> list[dict]:
+        where, item = self._where(), self.open
+        part = item["content"][0]
+        if item["type"] == "message":
+            part["logprobs"] += self.held
+            self.held = []
+            done = {"type": "response.output_text.done", **where, "text": part["text"], "logprobs": part["logprobs"]}
+        else:
+            done = {"type": "response.reasoning_text.done", **where, "text": part["text"]}
+        item["status"] = status
+        self.open = None
+        return [done, {"type": "response.content_part.done", **where, "part": copy.deepcopy(part)},
+                {"type": "response.output_item.done", "output_index": where["output_index"],
+                 "item": copy.deepcopy(item)}]
+
+    def _call(self, call: dict) -> list[dict]:
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": call["id"], "name": name,
+                "arguments": "", "status": "in_progress"}
+        self.items.append(item)
+        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
+        events = [{"type": "response.output_item.added", "output_index": where["output_index"],
+                   "item": copy.deepcopy(item)},
+                  {"type": "response.function_call_arguments.delta", **where, "delta": arguments},
+                  {"type": "response.function_call_arguments.done", **where, "name": name, "arguments": arguments}]
+        item.update(arguments=arguments, status="completed")
+        return events + [{"type": "response.output_item.done", "output_index": where["output_index"],
+                          "item": copy.deepcopy(item)}]
+
+
+def ending(finish_reason: str) -> tuple[str, dict | None]:
+    """The response's status and incomplete_details for the generation's finish reason: cut short by
+    max_output_tokens, OpenAI's "incomplete"; stopped by --request-timeout or the server's shutdown, incomplete too,
+    the reason moepack's finish reason ("timeout", "cancelled")."""
+    if finish_reason in ("stop", "tool_calls"):
+        return "completed", None
+    return "incomplete", {"reason": "max_output_tokens" if finish_reason == "length" else finish_reason}
+
+
+def thought_tokens(tokenizer, result, thought: ThoughtMarks | None) -> int:
+    """How many of the answer's tokens its thought took: those up to the one whose text ends it (its end marker
+    included), all of them where it never ended, none where there was none."""
+    text = result.text or ""
+    reasoning, content = split_thinking(text, thought)
+    if reasoning is None:
+        return 0
+    if not content and thought.end not in text:
+        return len(result.generated_ids)
+    cut, written = len(text) - len(content), 0
+    pieces = IncrementalDetokenizer(tokenizer.decode)
+    for count, token in enumerate(result.generated_ids, 1):
+        written += len(pieces.add(token))
+        if written >= cut:
+            return count
+    return len(result.generated_ids)
+
+
+def responses_endpoints(server, model_name: str, admitted_request: Callable, finished_job: Callable,
+                        stream_when_started: Callable, job_events: Callable) -> tuple[Callable, Callable]:
+    """The app's POST /v1/responses and the answer to GET / DELETE /v1/responses/{id} (and its cancel and
+    input_items), built on make_app's steps of a request (serve/app.py): admitted_request, finished_job,
+    stream_when_started, job_events."""
+    import contextlib
+
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import JSONResponse
+
+    def response_object(job, prepared: PreparedResponse, created: int, status: str, output: list[dict],
+                        **more) -> dict:
+        return {"id": job.request_id, "object": "response", "created_at": created, "status": status, "error": None,
+                "incomplete_details": None, "model": model_name, "output": output, "usage": None,
+                **prepared.settings, **more}
+
+    def finished(job, prepared: PreparedResponse, created: int, result, output: OutputItems,
+                 whole: bool = False) -> dict:
+        """The response object of a generation that ended, its output built; `whole` (not streamed): its message's
+        logprobs are those of the tokens after the thought. On a worker thread: the thought's tokens are counted by
+        decoding the answer again."""
+        tok = server.tokenizer
+        thought = thought_tokens(tok, result, prepared.thought)
+        message = next((item for item in output.items if item["type"] == "message"), None)
+        if whole and prepared.logprobs and message is not None:
+            message["content"][0]["logprobs"] = chat_logprobs(tok, result.logprobs[thought:])["content"]
+        status, incomplete = ending(result.finish_reason)
+        generated = len(result.generated_ids)
+        usage = {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": thought},
+                 "total_tokens": job.prompt_tokens + generated}
+        return response_object(job, prepared, created, status, output.items, usage=usage,
+                               incomplete_details=incomplete,
+                               **({"completed_at": int(time.time())} if status == "completed" else {}))
+
+    async def create(request):
+        prepared, job, future = await admitted_request(request, functools.partial(prepare, server), "resp", "_")
+        created = int(time.time())
+        if not prepared.stream:
+            result = (await finished_job(request, job, future))[0]
+
+            def whole() -> dict:
+                output = OutputItems()
+                splitter = AnswerSplitter(prepared.thought, prepared.tools)
+                output.add(splitter.feed(result.text or "") + splitter.flush())
+                output.end(ending(result.finish_reason)[0])
+                return finished(job, prepared, created, result, output, whole=True)
+            return JSONResponse(await run_in_threadpool(whole), headers={"X-Request-Id": job.request_id})
+
+        async def events():
+            numbers = itertools.count()
+            output, splitter, tok = OutputItems(), AnswerSplitter(prepared.thought, prepared.tools), server.tokenizer
+
+            def sse(event: dict) -> str:
+                return f"event: {event['type']}\ndata: {json.dumps({**event, 'sequence_number': next(numbers)})}\n\n"
+            for kind in ("response.created", "response.in_progress"):
+                yield sse({"type": kind, "response": response_object(job, prepared, created, "in_progress", [])})
+            async with contextlib.aclosing(job_events(request, job, future)) as happenings:
+                async for kind, _, piece in happenings:
+                    if kind == "token" and piece is not None:  # (its logprobs, asked for)
+                        output.hold(chat_logprobs(tok, [piece])["content"])
+                    elif kind == "text":
+                        thinking = splitter.thought.in_thought  # (the tokens of a piece fed in the thought: its)
+                        parts = splitter.feed(piece)
+                        if splitter.thought.had_thought and thinking is not False:
+                            output.drop_held()
+                        for event in output.add(parts):
+                            yield sse(event)
+                    elif kind in ("gone", "error"):  # (a client that only half-closed reads why)
+                        error = client_gone() if kind == "gone" else piece
+                        yield sse({"type": "response.failed", "response": response_object(
+                            job, prepared, created, "failed", output.items,
+                            error={"code": error.code, "message": error.message})})
+                        return
+                    elif kind == "done":
+                        result = piece[0]
+                        status = ending(result.finish_reason)[0]
+                        for event in output.add(splitter.flush()) + output.end(status):
+                            yield sse(event)
+                        answer = await run_in_threadpool(finished, job, prepared, created, result, output)
+                        yield sse({"type": f"response.{status}", "response": answer})
+                        return
+        return await stream_when_started(request, job, future, events())
+
+    async def not_stored(request):
+        server.check_auth(request)
+        what = request.path_params["response_id"][:80]
+        raise RequestError(f"{request.method} /v1/responses/{what}: {NOT_STORED}, so none can be retrieved, listed, "
+                           "cancelled or deleted", param="response_id", code="response_not_found", status=404)
+
+    return create, not_stored
