@@ -65,12 +65,13 @@ CHAT_NAMES = (("max_tokens", "max_output_tokens"), ("response_format.json_schema
               ("response_format", "text.format"), ("reasoning_effort", "reasoning.effort"))
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # the keys of each input item type (those of the output items a client sends back as it got them included; an
-# item's id and status say nothing to the model and are not read)
+# item's id and status say nothing to the model and are not read, nor an output_text's annotations, logprobs and
+# `parsed`, the SDK's reading of the text that responses.parse() answers carry, as chat takes a message's)
 ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
              "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
              "function_call_output": {"type", "call_id", "output", "id", "status"},
              "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"}}
-PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs"}}
+PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs", "parsed"}}
 ROLES = ("user", "system", "developer", "assistant")
 MAX_METADATA = 16  # OpenAI's: 16 pairs, keys of 64 characters, values of 512
 
@@ -86,7 +87,9 @@ def _object(value, where: str, param: str) -> dict:
 
 
 def _known_keys(value: dict, keys: set[str], where: str, param: str) -> None:
-    unknown = sorted(set(value) - keys)
+    """Every key of `value` one of `keys`, or null (unset, as elsewhere in a request: an item's model_dump() writes
+    each field of its type, null where unset)."""
+    unknown = sorted(k for k, v in value.items() if k not in keys and v is not None)
     if unknown:
         raise _refused(f"{where}.{unknown[0][:40]}: not a key moepack reads here (it reads {', '.join(sorted(keys))})",
                        param, "unknown_field")

@@ -242,3 +242,25 @@ def test_a_template_that_wants_a_system_message_first_still_has_its_generation_p
     refuses_all = ChatTemplate("{{- raise_exception('no') }}</think>", {})
     assert refuses_all.opens_thought() is False
     assert not refuses_all._opens_thought  # (not kept: a probe cut short on a loaded machine is tried again)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwq-32b"])
+def test_a_responses_answer_has_the_chats_thought_content_and_calls(qwen_server, monkeypatch, name):
+    """/v1/responses (serve/responses.py) on a template's thoughts and `<tool_call>` calls: its reasoning item,
+    message and function calls are the chat's reasoning_content, content and tool_calls, whole and streamed, where
+    the answer opens the thought (Qwen3's) and where the generation prompt does (QwQ's)."""
+    scripted = _with_template(qwen_server, monkeypatch, name)
+    c = qwen_server.client()
+    tools = [{"type": "function", **WEATHER["function"]}]  # (the Responses form)
+    for answer in ("Let me see.\n</think>\n\nSunny.", THOUGHT_AND_CALL):
+        scripted.text = ("<think>" if name == "qwen3" else "") + answer
+        chat = c.chat.completions.create(model="q", messages=CHAT, tools=[WEATHER]).choices[0].message
+        want = [("reasoning", chat.model_dump()["reasoning_content"]), *([("message", chat.content)] * bool(
+            chat.content)), *[("function_call", call.function.arguments) for call in chat.tool_calls or []]]
+
+        def items(output):
+            return [(item.type, item.arguments if item.type == "function_call" else item.content[0].text)
+                    for item in output]
+        assert items(c.responses.create(model="q", input=CHAT, tools=tools).output) == want
+        with c.responses.stream(model="q", input=CHAT, tools=tools) as stream:
+            assert items(stream.get_final_response().output) == want

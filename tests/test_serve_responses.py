@@ -103,7 +103,7 @@ def test_the_stream_helper_gives_the_final_response_with_its_reasoning_item(serv
     tok = server.tok
     thought, answer = tok.encode("I think so.", False, False), tok.encode("Yes, it is.", False, False)
     ids = thought + tok.encode_special("</think>") + answer
-    script_tokens(server, monkeypatch, ids)  # (then "stop", as at the end of sentence)
+    prompts = script_tokens(server, monkeypatch, ids)  # (then "stop", as at the end of sentence)
     c = server.client()
     with c.responses.stream(model="tiny", input="Is it?", extra_body={"thinking": True}) as stream:
         events = list(stream)
@@ -132,6 +132,13 @@ def test_the_stream_helper_gives_the_final_response_with_its_reasoning_item(serv
     chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Is it?"}],
                                      extra_body={"thinking": True}).choices[0].message
     assert (chat.model_dump()["reasoning_content"], chat.content) == ("I think so.", "Yes, it is.")
+    # the answer sent back, its reasoning item too (dropped, as chat drops reasoning_content): the chat's prompt
+    again = [{"role": "user", "content": "Is it?"}, *final.output, {"role": "user", "content": "Sure?"}]
+    c.responses.create(model="tiny", input=again, extra_body={"thinking": True})
+    c.chat.completions.create(model="tiny", extra_body={"thinking": True}, messages=[
+        {"role": "user", "content": "Is it?"}, {"role": "assistant", "content": "Yes, it is."},
+        {"role": "user", "content": "Sure?"}])
+    assert prompts[-1] == prompts[-2]
 
 
 def test_function_calls_and_their_outputs_make_the_chats_tool_round_trip(server, scripted):
@@ -154,13 +161,16 @@ def test_function_calls_and_their_outputs_make_the_chats_tool_round_trip(server,
     assert [(e.name, json.loads(e.arguments)) for e in events
             if e.type == "response.function_call_arguments.done"] == EXPECTED_CALLS
     assert [item.type for item in final.output] == ["message", "function_call", "function_call"]
-    # the calls' outputs sent back with the answer as the SDK gives it: the chat's conversation with tool results
+    # the calls' outputs sent back with the answer as the SDK gives it (or as its model_dump() writes each field of
+    # the item's type, null where unset): the chat's conversation with tool results
     scripted.text = "It is sunny."
-    follow = [user, *r.output, {"type": "function_call_output", "call_id": calls[1].call_id, "output": "nothing"},
-              {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"}]
-    again = c.responses.create(model="tiny", input=follow, tools=TOOLS)
+    results = [{"type": "function_call_output", "call_id": calls[1].call_id, "output": "nothing"},
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"}]
+    again = c.responses.create(model="tiny", input=[user, *r.output, *results], tools=TOOLS)
     assert again.output_text == "It is sunny." and [item.type for item in again.output] == ["message"]
     asked = scripted.prompts[-1]
+    c.responses.create(model="tiny", input=[user, *(item.model_dump() for item in r.output), *results], tools=TOOLS)
+    assert scripted.prompts[-1] == asked
     chat_calls = [{"id": call.call_id, "type": "function", "function": {"name": call.name,
                                                                         "arguments": call.arguments}}
                   for call in calls]
