@@ -16,9 +16,9 @@ import pytest
 from moepack.runtime.generate import GenerateResult
 from moepack.runtime.sampling import IncrementalDetokenizer, TokenLogprob
 from test_serve_clients import (CHAT, EXPECTED_CALLS, SEARCH, TIMEOUT, TWO_CALLS, WEATHER, _bad,
-                                _needs_llguidance, scripted, server, tiny_path)
+                                _needs_llguidance, batched, scripted, server, tiny_path)
 
-__all__ = ["scripted", "server", "tiny_path"]  # (the fixtures, test_serve_clients.py's)
+__all__ = ["batched", "scripted", "server", "tiny_path"]  # (the fixtures, test_serve_clients.py's)
 
 TOOLS = [{"type": "function", **tool["function"]} for tool in (WEATHER, SEARCH)]  # the Responses form
 STATS = {"prefill": {"seconds": 0.01}, "decode": {"seconds": 0.01}}
@@ -97,6 +97,30 @@ def test_a_response_is_the_chat_answer_whole_and_streamed(server, instructions, 
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == _text_of(chat)
     last = events[-1].response
     assert last.output_text == _text_of(chat) and last.usage == r.usage and last.id == events[0].response.id
+
+
+def test_batched_it_is_the_chats_answer_too_and_counted_in_the_metrics(batched):
+    """With --max-batch 4 the response runs on the batch scheduler as a chat does: the same text, whole and
+    streamed; /metrics counts it under its endpoint, its tokens too."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = httpx.get(f"{batched.url}/metrics", timeout=TIMEOUT).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    c = batched.client()
+    chat = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0)
+    before = scrape()
+    r = c.responses.create(model="tiny", input="Tell me a story", max_output_tokens=8, temperature=0)
+    streamed = list(c.responses.create(model="tiny", input="Tell me a story", max_output_tokens=8, temperature=0,
+                                       stream=True))
+    after = scrape()
+    assert r.output_text == streamed[-1].response.output_text == _text_of(chat)
+    ok = ("moepack_requests_total", (("endpoint", "/v1/responses"), ("status", "200")))
+    assert after.get(ok, 0) - before.get(ok, 0) == 2
+    generated = ("moepack_generated_tokens_total", ())
+    assert after[generated] - before[generated] == 2 * r.usage.output_tokens
 
 
 def test_the_stream_helper_gives_the_final_response_with_its_reasoning_item(server, monkeypatch):
@@ -238,6 +262,22 @@ def test_a_client_that_leaves_mid_stream_stops_its_generation(server, monkeypatc
     while (rid, "cancelled") not in server.state.finished:
         assert time.monotonic() - start < 5, list(server.state.finished)
         time.sleep(0.05)
+
+
+def test_a_response_past_its_deadline_is_incomplete_with_what_it_wrote(server, monkeypatch):
+    """--request-timeout stops the generation at its next token: the response is incomplete (reason "timeout"),
+    its message the text so far, whole and streamed (response.incomplete)."""
+    import dataclasses
+
+    monkeypatch.setattr(server.state, "limits", dataclasses.replace(server.state.limits, request_timeout_s=0.5))
+    script_tokens(server, monkeypatch, server.tok.encode("word " * 100, False, False), delay=0.05)
+    c = server.client()
+    r = c.responses.create(model="tiny", input="Go on")
+    assert (r.status, r.incomplete_details.reason, r.output[0].status) == ("incomplete", "timeout", "incomplete")
+    assert r.output_text.startswith("word word") and 0 < r.usage.output_tokens < 100
+    last = list(c.responses.create(model="tiny", input="Go on", stream=True))[-1]
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "timeout"
+    assert last.response.output_text.startswith("word word")
 
 
 def test_a_failure_after_the_stream_began_is_a_response_failed_event(server, monkeypatch):
