@@ -58,7 +58,8 @@ RESPONSES_REFUSED = {
 RESPONSES_PLAIN = {
     "service_tier": PLAIN_VALUES["service_tier"],
     "background": ((None, False), f"background responses are not supported ({NOT_STORED}: none to poll)"),
-    "truncation": ((None, "disabled"), "truncation auto is not supported: a conversation over the context is a 400"),
+    "truncation": ((None, "disabled"), 'only "disabled" is served (a conversation over the context is a 400, never '
+                                       "cut short)"),
 }
 # chat's names in a chat error, as the Responses request names them (the longer first)
 CHAT_NAMES = (("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
