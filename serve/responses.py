@@ -112,7 +112,7 @@ def _parts(content, where: str, param: str) -> str | list[dict]:
     parts = []
     for j, part in enumerate(content):
         kind = _object(part, f"{where}[{j}]", param).get("type")
-        if kind not in PART_KEYS:
+        if not isinstance(kind, str) or kind not in PART_KEYS:
             raise _refused(f"{where}[{j}]: a {json.dumps(kind)[:40]} part: moepack serves a text model (input_text "
                            "and output_text parts only)", param, "unsupported_value")
         _known_keys(part, PART_KEYS[kind], f"{where}[{j}]", param)
@@ -141,7 +141,7 @@ def conversation(body: dict) -> tuple[list[dict], list[str]]:
         if kind == "item_reference":
             raise _refused(f"{where}: an item_reference: {NOT_STORED}: send the item itself", "input",
                            "unsupported_value")
-        if kind not in ITEM_KEYS:
+        if not isinstance(kind, str) or kind not in ITEM_KEYS:
             raise _refused(f"{where}.type: {json.dumps(kind)[:40]} items are not served (message, function_call, "
                            "function_call_output and reasoning are)", "input", "unsupported_value")
         _known_keys(item, ITEM_KEYS[kind], where, "input")

@@ -1,6 +1,6 @@
 """A fuzz target over moepack serve's request bodies (hypothesis, through the ASGI app in-process): whatever the
-body, the status is a 4xx or a 200, never a 5xx, and the next valid greedy request answers at once with the same
-text as before."""
+body (completions, chat, the Responses API's), the status is a 4xx or a 200, never a 5xx, and the next valid greedy
+request answers at once with the same text as before."""
 
 from __future__ import annotations
 
@@ -99,13 +99,8 @@ def client(tmp_path_factory):
     g.close()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
-@given(body=bodies, chat=st.booleans())
-def test_any_body_is_a_4xx_or_a_200_and_the_next_request_is_unharmed(client, body, chat):
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    if isinstance(body, dict) and body.get("model") == "tiny" and "prompt" not in body and "messages" not in body:
-        body = {**body, **({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hello there"})}
+def _answered_and_unharmed(client, path: str, body) -> None:
+    """`body` posted to `path` is a 200 or a 4xx with a one-line error, and the next valid request is unharmed."""
     r = client.post(path, content=_raw(body), headers={"Content-Type": "application/json"})
     assert r.status_code == 200 or 400 <= r.status_code < 500, (r.status_code, r.text[:300])
     if r.status_code != 200:
@@ -114,11 +109,86 @@ def test_any_body_is_a_4xx_or_a_200_and_the_next_request_is_unharmed(client, bod
         assert error["param"] is None or not error["param"].startswith("-")
     else:  # a value the generation refuses came before the 200, never as an error event after it
         assert 'data: {"error"' not in r.text and not r.text.startswith('{"error"')
+        assert "event: response.failed" not in r.text
     t0 = time.monotonic()
     after = client.post("/v1/completions", json=GOOD)
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == client.expected
     assert time.monotonic() - t0 < 10
     assert client.app.state.server.admitted == 0
+
+
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                     HealthCheck.too_slow])
+
+
+@FUZZ
+@given(body=bodies, chat=st.booleans())
+def test_any_body_is_a_4xx_or_a_200_and_the_next_request_is_unharmed(client, body, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if isinstance(body, dict) and body.get("model") == "tiny" and "prompt" not in body and "messages" not in body:
+        body = {**body, **({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hello there"})}
+    _answered_and_unharmed(client, path, body)
+
+
+# /v1/responses (serve/responses.py): its input items, tools and settings, put as a chat's
+parts = st.lists(st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["input_text", "output_text",
+                                                                          "input_image"]), values),
+                                        "text": st.one_of(st.text(max_size=10), values)}), max_size=2)
+input_items = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "developer", "assistant", "tool"]),
+                                             values),
+                           "content": st.one_of(st.text(max_size=20), parts, values)},
+                          optional={"type": st.one_of(st.just("message"), values), "id": values}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.one_of(st.just("c1"), values),
+                           "name": st.one_of(st.just("f"), values), "arguments": st.one_of(st.just("{}"), values)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.one_of(st.just("c1"), values),
+                           "output": st.one_of(st.text(max_size=10), parts, values)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference", "web_search_call"])},
+                          optional={"id": values, "summary": values, "content": values}),
+    values), max_size=4)
+responses_fields = {
+    "input": st.one_of(st.text(max_size=20), input_items, values),
+    "instructions": st.one_of(st.text(max_size=20), values),
+    "max_output_tokens": st.one_of(st.integers(-2, 6), values),
+    "temperature": plausible["temperature"],
+    "stream": plausible["stream"],
+    "model": plausible["model"],
+    "thinking": plausible["thinking"],
+    "tools": st.one_of(st.just([{"type": "function", "name": "f", "parameters": {}}]),
+                       st.lists(st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["function", "web_search"]),
+                                                                         values), "name": values}), max_size=2),
+                       values),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), st.just({"type": "function", "name": "f"}),
+                             values),
+    "text": st.one_of(st.fixed_dictionaries({"format": st.one_of(st.fixed_dictionaries({
+        "type": st.sampled_from(["text", "json_object", "json_schema", "xml"]),
+        "schema": st.one_of(values, st.just({"type": "object"}))}), values)}), values),
+    "reasoning": st.one_of(st.fixed_dictionaries({"effort": st.one_of(st.sampled_from(["high", "max", "low"]), values)},
+                                                 optional={"summary": values}), values),
+    "include": st.one_of(st.just(["message.output_text.logprobs"]), values),
+    "top_logprobs": plausible["top_logprobs"],
+    "metadata": st.one_of(st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3), values),
+    "store": st.one_of(st.booleans(), values),
+    "stream_options": values,
+    "previous_response_id": values,
+    "truncation": st.one_of(st.just("disabled"), values),
+    "background": values,
+    "parallel_tool_calls": values,
+    "unknown_field": values,
+}
+responses_bodies = st.one_of(
+    st.lists(st.sampled_from(sorted(responses_fields)), min_size=1, max_size=3, unique=True)
+    .flatmap(lambda keys: st.fixed_dictionaries({k: responses_fields[k] for k in keys}))
+    .map(lambda changes: {"model": "tiny", "max_output_tokens": 3, "temperature": 0, "input": "Hi", **changes}),
+    st.fixed_dictionaries({}, optional=responses_fields),
+    values,
+)
+
+
+@settings(FUZZ, max_examples=30)  # (a few seconds: the chat's own checks are fuzzed above)
+@given(body=responses_bodies)
+def test_any_responses_body_is_a_4xx_or_a_200_and_the_next_request_is_unharmed(client, body):
+    _answered_and_unharmed(client, "/v1/responses", body)
 
 
 def test_the_fuzz_bodies_reach_the_values_checks():

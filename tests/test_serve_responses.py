@@ -305,6 +305,8 @@ REFUSED = [
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input",
      "input[0].content[0]: a \"input_image\" part"),
     (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input", "not stored"),
+    (dict(input=[{"type": ["message"], "role": "user"}]), "input", "input[0].type: [\"message\"] items"),
+    (dict(input=[{"role": "user", "content": [{"type": {"text": 1}}]}]), "input", "input[0].content[0]: a {"),
     (dict(input=[{"role": "user", "content": "Hi"}, {"role": "narrator", "content": "Hi"}]), "input",
      "input[1].role"),
     # chat's own checks, named as the Responses request names the field
