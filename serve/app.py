@@ -86,6 +86,7 @@ from .chat_template import family_chat_template, tokenizer_info
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
 from .openai_api import Prepared, RequestError, _get, _token_text, _value, chat_logprobs, check_fields, client_gone
 from .reasoning import AnswerSplitter, ThoughtMarks, chat_thought, split_thinking
+from .responses import responses_endpoints, responses_error_event
 from .tokenizer import ChatInputError, chat_prompt_ids, ends_open, markup_warning
 from .tool_calls import ToolPlan, renders_tool_calls, split_answer, tool_plan, with_prompt_extras
 
@@ -1355,9 +1356,12 @@ class ChoiceStream:
     prompt: Callable[[list], None] | None = None  # an echo's prompt logprobs, before the first token
 
 
-def client_gone_stream_end() -> str:
-    """The end of a stream whose client closed its side: the error event, then [DONE] (a half-closed client reads
-    it; the stream is never cut short)."""
+def client_gone_stream_end(path: str = "") -> str:
+    """The end of a stream whose client closed its side, in the form of its endpoint (`path`): the error event, then
+    [DONE]; a Responses stream's, OpenAI's `error` event (a half-closed client reads it; the stream is never cut
+    short)."""
+    if path == "/v1/responses":
+        return responses_error_event(client_gone())
     return f"data: {json.dumps(client_gone().body())}\n\ndata: [DONE]\n\n"
 
 
@@ -1385,8 +1389,6 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     from starlette.middleware.cors import CORSMiddleware
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
-
-    from .responses import responses_endpoints
 
     server = Server(generator, model_name, api_key, max_queue, log, limits, max_batch, prefill_chunk,
                     sampling_defaults)
@@ -1994,7 +1996,7 @@ def uvicorn_config(app, limits: ServerLimits | None = None, **kw):
                 await send(message)
             await self._inner_app(scope, receive_or_gone, sending)
             if stream_open and self._half_closed:  # Starlette stops a stream whose client is gone mid-write
-                end = client_gone_stream_end().encode()
+                end = client_gone_stream_end(scope.get("path", "")).encode()
                 await send({"type": "http.response.body", "body": end, "more_body": False})
 
         def connection_made(self, transport) -> None:

@@ -462,6 +462,13 @@ def thought_tokens(tokenizer, result, thought: ThoughtMarks | None) -> int:
     return len(result.generated_ids)
 
 
+def responses_error_event(error: RequestError) -> str:
+    """OpenAI's Responses `error` event (a stream's end where the server cannot write its response.failed: a
+    half-closed client's stream, cut by Starlette, whose sequence is not known there)."""
+    event = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
+    return f"event: error\ndata: {json.dumps(event)}\n\n"
+
+
 def responses_endpoints(server, model_name: str, admitted_request: Callable, finished_job: Callable,
                         stream_when_started: Callable, job_events: Callable) -> tuple[Callable, Callable]:
     """The app's POST /v1/responses and the answer to GET / DELETE /v1/responses/{id} (and its cancel and

@@ -280,6 +280,18 @@ def test_a_response_past_its_deadline_is_incomplete_with_what_it_wrote(server, m
     assert last.response.output_text.startswith("word word")
 
 
+def test_a_client_that_half_closes_reads_a_responses_error_event(server, monkeypatch):
+    """A client that shuts down its sending side once its request is sent stops its generation as one gone; its
+    stream ends with OpenAI's Responses `error` event (not chat's `data: {"error"...}` and [DONE]), never cut."""
+    from test_serve_limits import _half_closed
+
+    script_tokens(server, monkeypatch, server.tok.encode("word " * 200, False, False), delay=0.02)
+    reply = _half_closed(server, "POST", "/v1/responses", {"input": "Hi", "stream": True})
+    assert reply.startswith(b"HTTP/1.1 200") and b"event: response.created" in reply
+    assert b'event: error\ndata: {"type": "error", "code": "client_gone"' in reply
+    assert b"[DONE]" not in reply and reply.endswith(b"\r\n0\r\n\r\n")  # the chunked body ended, not cut
+
+
 def test_a_failure_after_the_stream_began_is_a_response_failed_event(server, monkeypatch):
     script_tokens(server, monkeypatch, server.tok.encode("word " * 20, False, False), fail_after=3)
     events = list(server.client().responses.create(model="tiny", input="Go on", stream=True))
