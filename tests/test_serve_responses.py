@@ -228,6 +228,16 @@ def test_a_json_schema_text_format_is_the_chats_constraint(server):
     assert r.status == "completed" and r.output_text == _text_of(chat)
     jsonschema.validate(json.loads(r.output_text), PET)
     assert r.text.format.type == "json_schema"
+    # the SDK's parse(): a pydantic model's schema as the format, the answer read back into it
+    from typing import Literal
+
+    import pydantic
+
+    class Pet(pydantic.BaseModel):
+        pet: Literal["cat", "dog"]
+    parsed = c.responses.parse(model="tiny", input="Tell me a story", max_output_tokens=16, temperature=0,
+                               text_format=Pet)
+    assert parsed.output_parsed == Pet.model_validate_json(parsed.output_text)
     obj = c.responses.create(model="tiny", input="Tell me a story", max_output_tokens=6, temperature=0,
                              text={"format": {"type": "json_object"}})
     assert obj.output_text.startswith("{") and obj.output_text == _text_of(c.chat.completions.create(
