@@ -107,9 +107,9 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
 def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_key_file, model_name, max_body_mb,
           max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections, sampling_defaults,
           allowed_origins, run, as_json):
-    """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models[/ID], /health,
-    /metrics (Prometheus), /tokenize and /detokenize (llama-server's). Fields, tools, JSON output: docs/guide.md,
-    "Serving real clients".
+    """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/responses (OpenAI's
+    Responses API, nothing stored), /v1/models[/ID], /health, /metrics (Prometheus), /tokenize and /detokenize
+    (llama-server's). Fields, tools, JSON output: docs/guide.md, "Serving real clients".
     With --json: one JSON line on stdout once the socket is bound (its url and port: --port 0 picks a free one).
     Limits and their refusals: docs/failures.md, "Server limits"."""
     from moepack.runtime.engine import held_for_serving
