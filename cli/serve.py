@@ -8,7 +8,8 @@ import socket
 
 import click
 
-from moepack.runtime.limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
+from moepack.runtime.limits import (DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_PROMPT_CACHE_GIB, MAX_BATCH,
+                                    MAX_CACHE_GIB)
 
 from .common import check_container_path, container_argument, json_option, model_run_options, reports_errors
 
@@ -72,6 +73,12 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
               help="While others decode, the prompts waiting are prefilled together, this many tokens in all per "
                    "pass between their steps, the earliest first (each pass reads the experts again); 0: every "
                    "prompt whole in one pass.")
+@click.option("--prompt-cache-gib", type=click.FloatRange(min=0, max=MAX_CACHE_GIB), default=None,
+              help="Host memory kept for the prompt cache: the states where prompts and answers ended, so that a "
+                   "prompt starting with one (a chat's next turn, a retry) prefills only the rest; least recently "
+                   f"used dropped first, all of it before a request is refused for memory. Default: "
+                   f"{DEFAULT_PROMPT_CACHE_GIB:g} with --max-batch above 1 (it lives in the batch scheduler), else 0; "
+                   "0: off. A request's cache_prompt: false neither uses nor fills it.")
 @click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every /v1 request (and "
               "/metrics, /tokenize, /detokenize). Visible to `ps`: prefer --api-key-file or MOEPACK_API_KEY.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
@@ -104,9 +111,9 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
 @model_run_options(unused={"kv_dtype": "the server keeps each request's KV in memory (float32) and writes none"})
 @json_option
 @reports_errors(out_of_memory_hint="lower --cache-gib")
-def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_key_file, model_name, max_body_mb,
-          max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections, sampling_defaults,
-          allowed_origins, run, as_json):
+def serve(file, host, port, max_queue, max_batch, prefill_chunk, prompt_cache_gib, api_key, api_key_file, model_name,
+          max_body_mb, max_context, request_timeout, timeout_read, timeout_keep_alive, max_connections,
+          sampling_defaults, allowed_origins, run, as_json):
     """Serve FILE through an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/responses (OpenAI's
     Responses API, nothing stored), /v1/models[/ID], /health, /metrics (Prometheus), /tokenize and /detokenize
     (llama-server's). Fields, tools, JSON output: docs/guide.md, "Serving real clients".
@@ -127,7 +134,9 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, api_key, api_ke
                               request_timeout_s=request_timeout, max_connections=max_connections)
         app = make_app(generator, name, api_key=api_key, max_queue=max_queue, limits=limits, max_batch=max_batch,
                        prefill_chunk=prefill_chunk, allowed_origins=allowed_origins,
-                       sampling_defaults=sampling_defaults)
+                       sampling_defaults=sampling_defaults,
+                       prompt_cache_gib=(DEFAULT_PROMPT_CACHE_GIB if max_batch > 1 else 0) if prompt_cache_gib is None
+                       else prompt_cache_gib)
         context = app.state.server.context
         # bound here, not by uvicorn: the port is known (and reported) before the first request can arrive
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)

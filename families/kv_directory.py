@@ -483,13 +483,19 @@ def open_writer(kv_dir: str, kv_format: KVFormat, identity: Mapping, token_ids, 
 def copied_states(kv_format: KVFormat, config: Mapping, states) -> list:
     """Each layer's state copied through the format's own float32 tensors, on the CPU: a decode that continues a
     state in place leaves the copy as it was."""
-    geometry, copies = kv_format.geometry(config), []
+    return host_copy(kv_format, config, states)[0]
+
+
+def host_copy(kv_format: KVFormat, config: Mapping, states) -> tuple[list, int]:
+    """copied_states, and the bytes of the copy's tensors (what holding it costs the host)."""
+    geometry, copies, nbytes = kv_format.geometry(config), [], 0
     for layer, state in enumerate(states):
         tensors, _, entry = kv_format.layer_tensors(geometry, layer, state, "F32")
         own = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+        nbytes += sum(t.numel() * t.element_size() for t in own.values())
         copies.append(kv_format.layer_state(geometry, layer, {"seen_tokens": kv_format.seen_tokens(state), **entry},
                                             own, "F32"))
-    return copies
+    return copies, nbytes
 
 
 def computed_in(dtype: str, continued: "KVCache | None" = None) -> dict:

@@ -55,6 +55,7 @@ from moepack.format_spec.errors import MoepackError
 from .decode import DecodeSequence
 from .engine import GenerationCancelled, StreamingPrefill, check_prompt_ids, joined_prompt_logprobs, prompt_ids
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
+from .prompt_cache import PromptCache
 from .generate import (GenerateOptions, GenerateResult, Generator, SequenceOutput, cancelled_in_prefill,
                        peak_rss_bytes)
 from .sampling import TokenLogprob
@@ -82,6 +83,7 @@ class _Sequence:
     rows: int = 0  # the sequences in them, summed (its mean batch: rows / steps)
     counters: tuple[int, int, int] = (0, 0, 0)  # the cache's hits, misses and the decoder's bytes read at its join
     error: BaseException | None = None  # what its `cancelled` raised: it fails with it
+    cached: bool = True  # it may continue, and leave, the prompt cache's snapshots (a request's cache_prompt)
 
     def settle(self, result: GenerateResult | None = None, error: BaseException | None = None) -> None:
         """Its future given `error` (or `result`), unless its caller cancelled the future (Future.cancel)."""
@@ -98,7 +100,8 @@ def _chunk_stats(total: dict, chunk: dict) -> dict:
     """The prefill stats of a prompt run in chunks: the last chunk's, with the tokens and seconds of all."""
     tokens, seconds = total.get("tokens", 0) + chunk["tokens"], total.get("seconds", 0.0) + chunk["seconds"]
     return {**chunk, "tokens": tokens, "seconds": round(seconds, 4), "chunks": total.get("chunks", 0) + 1,
-            "tokens_per_s": round(tokens / seconds, 2) if seconds else None}
+            "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+            "cached_tokens": total.get("cached_tokens", 0)}
 
 
 def _add_counts(total: list[list[int]] | None, more: list[list[int]] | None) -> list[list[int]] | None:
@@ -113,13 +116,21 @@ class BatchScheduler:
     decoder: call the generator's own generate() only once it is closed."""
 
     def __init__(self, generator: Generator, max_batch: int = DEFAULT_MAX_BATCH,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_step: Callable[[int], None] | None = None):
-        """`prefill_chunk` 0: a prompt's prefill runs whole. `on_step(batch size)`: after each decode step."""
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_step: Callable[[int], None] | None = None,
+                 prompt_cache_bytes: int = 0, min_cached_tokens: int | None = None):
+        """`prefill_chunk` 0: a prompt's prefill runs whole. `on_step(batch size)`: after each decode step.
+        `prompt_cache_bytes`: the prompt cache's budget (runtime/prompt_cache.py; 0: none), whose entries hold at
+        least `min_cached_tokens` (default MIN_CACHED_TOKENS)."""
         if not 1 <= max_batch <= MAX_BATCH:
             raise MoepackError(f"--max-batch must be 1 to {MAX_BATCH}, got {max_batch}")
         if prefill_chunk < 0:
             raise MoepackError(f"--prefill-chunk must be >= 0 (0: a prompt's prefill in one run), got {prefill_chunk}")
         self.generator, self.max_batch, self.prefill_chunk, self.on_step = generator, max_batch, prefill_chunk, on_step
+        self.prompt_cache: PromptCache | None = None
+        if prompt_cache_bytes:
+            extra = {} if min_cached_tokens is None else {"min_tokens": min_cached_tokens}
+            self.prompt_cache = PromptCache(generator.kv_format(), generator.c.config, prompt_cache_bytes, **extra)
+            generator.prompt_cache = self.prompt_cache  # (its memory checks count what the cache holds)
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()  # submitted, not yet admitted (under _cv)
         self._closed = False
@@ -151,7 +162,8 @@ class BatchScheduler:
         on_token, on_prompt_logprobs and cancelled are called there); its future's result is its GenerateResult.
         Bad options raise here (MoepackError), as do an empty prompt and an id outside the vocabulary; a generation
         the memory check refuses, or that fails, raises from its future. Its future cancelled (Future.cancel) stops
-        it as `cancelled()` would."""
+        it as `cancelled()` would. Its prefill stats' `cached_tokens`: the prompt tokens it took from the prompt
+        cache (options.cache_prompt False: it neither takes nor leaves an entry)."""
         out = SequenceOutput(options or GenerateOptions(), self.generator.eos_ids, detokenize, on_text, on_token,
                              on_prompt_logprobs)
         ids = prompt_ids(token_ids)
@@ -161,7 +173,8 @@ class BatchScheduler:
         with self._cv:
             if self._closed:
                 raise MoepackError("the batch scheduler is closed")
-            self._waiting.append(_Sequence(ids, out, future, cancelled, detokenize))
+            self._waiting.append(_Sequence(ids, out, future, cancelled, detokenize,
+                                           cached=(options or GenerateOptions()).cache_prompt))
             self._cv.notify()
         return future
 
@@ -180,6 +193,9 @@ class BatchScheduler:
             self._cv.notify()
         if self._thread is not threading.current_thread():
             self._thread.join()
+        if self.prompt_cache is not None and self.generator.prompt_cache is self.prompt_cache:
+            self.prompt_cache.clear()
+            self.generator.prompt_cache = None
 
     # --- the worker --------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -223,18 +239,40 @@ class BatchScheduler:
 
     def _admit(self, s: _Sequence) -> None:
         """The newcomer's memory check (beside the KV of the sequences decoding and prefilling) and its place among
-        those prefilling; a refusal fails its future alone."""
+        those prefilling, after the prompt cache's longest entry its prompt starts with (or, its whole prompt
+        there, among those decoding at once); a refusal fails its future alone."""
         if s.future.cancelled():  # its caller gave up on it while it waited: nothing to check nor run
             return
         g = self.generator
         s.reserved_tokens = len(s.ids) + s.out.max_new_tokens
         others = [a.reserved_tokens for a in (*self._active, *self._prefilling)]
         try:
-            s.bound = g._check_memory(s.reserved_tokens, others)
+            s.bound = self._without_cache_if_refused(lambda: g._check_memory(s.reserved_tokens, others))
         except BaseException as e:
             s.settle(error=e)
             return
-        self._prefilling.append(s)
+        # (prompt_logprobs score every prompt position: the head must run over all of them)
+        reuse = self.prompt_cache.lookup(s.ids.tolist()) if (
+            self.prompt_cache is not None and s.cached and s.out.prompt_logprobs_k is None) else None
+        if reuse is None:
+            self._prefilling.append(s)
+            return
+        s.states, s.prefilled, s.counts = reuse.states, reuse.tokens, reuse.counts
+        s.prefill_stats = {"tokens": 0, "seconds": 0.0, "cached_tokens": reuse.tokens}
+        if s.prefilled < len(s.ids):
+            self._prefilling.append(s)
+        else:  # (its first token from the entry's logits; the cache seeded as for a prompt decoding beside others)
+            self._start_decoding(s, reuse.logits, seed=False)
+
+    def _without_cache_if_refused(self, check: Callable[[], int | None]) -> int | None:
+        """check() (a memory check), run again once the prompt cache is emptied if it refused with entries held:
+        what fits without the cache never fails for it."""
+        try:
+            return check()
+        except MoepackError:
+            if self.prompt_cache is None or not self.prompt_cache.clear():
+                raise
+        return check()
 
     def _fail(self, s: _Sequence, e: BaseException) -> None:
         if s in self._prefilling:
@@ -298,8 +336,9 @@ class BatchScheduler:
         group, sizes = self._group()
         while True:  # the group's working set must fit: the last to join waits for a later turn, one alone fails
             try:
-                self._engine.check_memory(sum(s.prefilled + n for s, n in zip(group, sizes)),
-                                          sum(n for s, n in zip(group, sizes) if s.out.prompt_logprobs_k is not None))
+                self._without_cache_if_refused(lambda: self._engine.check_memory(
+                    sum(s.prefilled + n for s, n in zip(group, sizes)),
+                    sum(n for s, n in zip(group, sizes) if s.out.prompt_logprobs_k is not None)))
                 break
             except MoepackError as e:
                 if len(group) == 1:
@@ -342,6 +381,7 @@ class BatchScheduler:
                 self._cancel_in_prefill(s, len(self.generator.c.layers))
             elif s.prefilled == len(s.ids):
                 self._prefilling.remove(s)
+                self._keep(s, s.ids.tolist(), s.states, result.logits)
                 finished.append((s, result.logits))
         if not self._prefilling:
             self._release_engine()
@@ -355,20 +395,19 @@ class BatchScheduler:
     def _start_decoding(self, s: _Sequence, logits: torch.Tensor, seed: bool) -> None:
         """A prompt prefilled: its first token chosen from the prefill's `logits`, then its place in the batch."""
         g = self.generator
-        s.prefill_stats = g.prefill_stats(s.prefill_stats)
+        s.prefill_stats = g.prefill_stats({"cached_tokens": 0, **s.prefill_stats})
         try:
             s.decoding = g.decoder.start(s.states)
             s.states = None
             s.counters = self._counters()  # before its first token: one that ends there read nothing in a step
             if self._over(s, logits):
-                self._finish(s)
+                self._finish(s, logits)
                 return
             if seed and s.counts:  # once its first token is out (its reads may fail: it fails alone)
                 g.decoder.seed(s.counts)
         except BaseException as e:
             self._fail(s, e)
             return
-        s.counts = None
         self._active.append(s)
 
     def _counters(self) -> tuple[int, int, int]:
@@ -394,7 +433,7 @@ class BatchScheduler:
             s.steps, s.step_s, s.rows = s.steps + 1, s.step_s + seconds, s.rows + len(batch)
             try:
                 if self._over(s, logits[row]):
-                    self._finish(s)
+                    self._finish(s, logits[row])
                 else:
                     staying.append(s)
             except BaseException as e:  # its own callbacks or constraint: the others go on
@@ -413,8 +452,21 @@ class BatchScheduler:
             return True
         return False
 
-    def _finish(self, s: _Sequence) -> None:
-        """Its result: the decode stats of the steps it took part in."""
+    def _keep(self, s: _Sequence, ids: list[int], states: list, logits: torch.Tensor) -> None:
+        """A snapshot of `states` (after `ids`; `logits` after them) into the prompt cache, where there is one and
+        `s` may leave one. One that cannot be copied (memory) is not kept: the sequence goes on."""
+        if self.prompt_cache is None or not s.cached:
+            return
+        try:
+            self.prompt_cache.store(ids, states, logits, s.counts)
+        except (MoepackError, RuntimeError):  # (torch's out of memory is a RuntimeError)
+            pass
+
+    def _finish(self, s: _Sequence, logits: torch.Tensor) -> None:
+        """Its result: the decode stats of the steps it took part in; the states after every token it was fed (the
+        prompt and all it generated but the last, which `logits` chose) into the prompt cache, for a next turn that
+        sends them again."""
+        self._keep(s, [*s.ids.tolist(), *s.out.generated[:-1]], s.decoding.states, logits)
         hits, misses, read = (now - then for now, then in zip(self._counters(), s.counters))
         decoder = self.generator.decoder
         decode = {"tokens": s.steps, "steps": s.steps, "seconds": round(s.step_s, 4),

@@ -60,6 +60,8 @@ class GenerateOptions:
     stop_token_ids: tuple[int, ...] = ()
     # the stop string that ended the answer kept at its end (vLLM's include_stop_str_in_output)
     include_stop: bool = False
+    # a BatchScheduler's prompt cache may give the prompt's start and keep its states (llama-server's cache_prompt)
+    cache_prompt: bool = True
 
     def sampler(self, eos_ids: tuple[int, ...] = ()) -> Sampler:
         return Sampler(self.temperature, self.top_p, self.top_k, self.seed, presence_penalty=self.presence_penalty,
@@ -135,6 +137,8 @@ class Generator:
                                    io_mode=p.io_mode, verify_reads=p.verify_reads, family=self.family,
                                    reader=self.reader)
             self._engine: StreamingPrefill | None = None  # opened by the first prefill, then kept
+            # host copies of states a BatchScheduler keeps (runtime/prompt_cache.py): the memory checks count them
+            self.prompt_cache = None
             self._engine_options: PrefillOptions | None = None  # the prefill_options it was opened with
         except BaseException:
             if getattr(self, "reader", None) is not None:
@@ -148,7 +152,7 @@ class Generator:
         KVs of `host_copies` tokens each, kept in host memory); on a GPU also the device's room for the KV (with
         what the decode's arena may still grow by for all of them: device_kv) and the rest of the cache's budget.
         Returns the host bound."""
-        host_kv = others_kv(self.c, [*others, *host_copies])
+        host_kv = others_kv(self.c, [*others, *host_copies]) + self._prompt_cache_bytes()
         if self.device.type == "cpu":
             others = [*others, *host_copies]
         if self.default_budget is not None:
@@ -166,15 +170,20 @@ class Generator:
         return max(self.decoder.cache.bytes, pool.reserved_bytes if pool is not None else 0)
 
     def _held(self) -> int:
-        """What this process holds already of a generation's host memory: the resident weights and the cache."""
-        return self.decoder.host_resident_bytes + (self.decoder.cache.bytes if self.device.type == "cpu" else 0)
+        """What this process holds already of a generation's host memory: the resident weights, the cache and the
+        prompt cache's copies."""
+        return (self.decoder.host_resident_bytes + (self.decoder.cache.bytes if self.device.type == "cpu" else 0)
+                + self._prompt_cache_bytes())
+
+    def _prompt_cache_bytes(self) -> int:
+        return self.prompt_cache.nbytes if self.prompt_cache is not None else 0
 
     def _fit_default_cache(self, n_tokens: int, others: Sequence[int] = ()) -> None:
         """The default budget for a generation of n_tokens: what the checks leave beside its KV and that of
         `others` (clamped at 0), at most default_cache_bytes."""
         held = self._device_cache_held() if self.device.type == "cuda" else self._held()
         self.cache_bytes = cache_room(self.c, self.device, n_tokens, others, held, self.default_budget,
-                                      self.decoder.arithmetic)
+                                      self.decoder.arithmetic, self._prompt_cache_bytes())
         self.host_cache_bytes = self.cache_bytes if self.device.type == "cpu" else 0
         self.decoder.cache.resize(self.cache_bytes)
 

@@ -217,17 +217,19 @@ def check_device_memory(container: Container, device: torch.device, cache_bytes:
 
 
 def cache_room(container: Container, device: torch.device, n_tokens: int, others: Sequence[int], held: int,
-               default_budget: int, decode: LayerDecode | None = None) -> int:
+               default_budget: int, decode: LayerDecode | None = None, host_copies: int = 0) -> int:
     """The default expert cache's budget for a generation of n_tokens: what check_memory / check_device_memory
     leave beside its KV and that of the sequences of `others` tokens decoding beside it (on a GPU, device_kv's, with
     `decode`'s arena), clamped at 0, at most `default_budget`. `held`: what this process holds already of that
-    memory (a GPU's: its cache; a CPU's: the resident weights and the cache)."""
+    memory (a GPU's: its cache; a CPU's: the resident weights, the cache and the `host_copies` bytes of states kept
+    on the host, a prompt cache's)."""
     if device.type == "cuda":
         need = device_memory_need(container, 0, device_kv(container, device, n_tokens, others, decode), False)
         room = held + cuda_free_bytes(device) - need
     else:
         free = memory_for_generation(held)
-        room = free - memory_need(container, n_tokens, 0, others_kv(container, others)) if free else default_budget
+        room = (free - memory_need(container, n_tokens, 0, others_kv(container, others) + host_copies) if free
+                else default_budget)
     return max(0, min(default_budget, room))
 
 

@@ -80,6 +80,7 @@ from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int
 from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, GenerateResult
 from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK
+from moepack.runtime.prompt_cache import prompt_cache_bytes
 from moepack.runtime.sampling import MAX_TOP_LOGPROBS, REPLACEMENT, IncrementalDetokenizer, TokenLogprob, is_int
 
 from .chat_template import family_chat_template, tokenizer_info
@@ -107,14 +108,15 @@ TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
 # (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens`, `min_p`, `repetition_penalty`,
 # `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `spaces_between_special_tokens`,
-# `truncate_prompt_tokens`, `add_special_tokens`, `prompt_logprobs` and the structured outputs (STRUCTURED_FIELDS).
+# `truncate_prompt_tokens`, `add_special_tokens`, `prompt_logprobs` and the structured outputs (STRUCTURED_FIELDS),
+# llama-server's `cache_prompt`.
 # `user` is accepted and ignored (no per-user state is kept).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
                   "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k",
                   "ignore_eos", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids",
                   "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
                   "truncate_prompt_tokens", "add_special_tokens", "prompt_logprobs", "structured_outputs",
-                  "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+                  "guided_json", "guided_regex", "guided_choice", "guided_grammar", "cache_prompt"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                 "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
@@ -367,9 +369,14 @@ class Server:
 
     def __init__(self, generator, model_name: str, api_key: str | None, max_queue: int,
                  log: Callable[[str], None] | None, limits: ServerLimits | None = None, max_batch: int = 1,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, sampling_defaults: str = "model"):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, sampling_defaults: str = "model",
+                 prompt_cache_gib: float = 0.0):
         if max_queue < 1:
             raise MoepackError("--max-queue must be at least 1")
+        cache_bytes = prompt_cache_bytes(prompt_cache_gib)
+        if cache_bytes and max_batch == 1:
+            raise MoepackError("--prompt-cache-gib needs --max-batch above 1 (the batch scheduler keeps the prompt "
+                               "cache): give --prompt-cache-gib 0, or a --max-batch above 1")
         self.generator = generator
         self.model_name = model_name
         self.api_key = check_api_key(api_key)
@@ -379,9 +386,11 @@ class Server:
         self.max_batch = max_batch
         self.scheduler: BatchScheduler | None = None
         self.metrics = ServerMetrics(cache_counts_of(generator), lambda: self.in_flight,
-                                     lambda: self.scheduler.decoding if self.scheduler is not None else None)
-        self.scheduler = BatchScheduler(generator, max_batch, prefill_chunk, self.metrics.batch_size.observe) if (
-            max_batch > 1) else None
+                                     lambda: self.scheduler.decoding if self.scheduler is not None else None,
+                                     lambda: self.prompt_cache)
+        self.scheduler = BatchScheduler(generator, max_batch, prefill_chunk, self.metrics.batch_size.observe,
+                                        prompt_cache_bytes=cache_bytes) if max_batch > 1 else None
+        self.prompt_cache = self.scheduler.prompt_cache if self.scheduler is not None else None
         # batched: each admitted request's thread waits for its generations; else the one that runs them
         self.executor = ThreadPoolExecutor(max_workers=1 if self.scheduler is None else max_queue,
                                            thread_name_prefix="moepack-generate")
@@ -819,7 +828,9 @@ class Server:
                                   stop_at_eos=not _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean",
                                                        False),
                                   include_stop=_get(body, "include_stop_str_in_output", lambda v: isinstance(v, bool),
-                                                    "a boolean", False))
+                                                    "a boolean", False),
+                                  cache_prompt=_get(body, "cache_prompt", lambda v: isinstance(v, bool), "a boolean",
+                                                    True))
         if n > 1 and temperature == 0:
             raise RequestError(f"n: {n} greedy choices would all be the same: give a temperature above 0",
                                param="n", code="invalid_value")
@@ -1187,6 +1198,7 @@ class Server:
                  f"generated_tokens={len(result.generated_ids)} prefill_s={p.get('seconds', 0):.3f} "
                  f"decode_s={d.get('seconds', 0) or 0:.3f} cache_hit_rate={'-' if hit is None else f'{hit:.3f}'} "
                  + ("" if job.first_token_s is None else f"first_token_s={job.first_token_s:.3f} ")
+                 + ("" if self.prompt_cache is None else f"cached_tokens={cached_tokens(result)} ")
                  + f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
 
     def close(self) -> None:
@@ -1222,7 +1234,19 @@ class Server:
         return f"{prefix}{sep}{next(self.counter)}{sep}{uuid.uuid4().hex[:8]}"
 
     def usage(self, job: Job, results: list[GenerateResult]) -> dict:
-        return usage_of(job.prompt_tokens, sum(len(r.generated_ids) for r in results))
+        usage = usage_of(job.prompt_tokens, sum(len(r.generated_ids) for r in results))
+        if self.prompt_cache is not None:  # OpenAI's: each prompt's tokens its prefill took from the prompt cache
+            cached = {}
+            for choice, r in enumerate(results):
+                prompt = choice // job.n
+                cached[prompt] = max(cached.get(prompt, 0), cached_tokens(r))
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
+        return usage
+
+
+def cached_tokens(result: GenerateResult) -> int:
+    """The prompt tokens a generation took from the prompt cache."""
+    return result.stats.get("prefill", {}).get("cached_tokens", 0)
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -1373,7 +1397,7 @@ def _internal_error() -> RequestError:
 def make_app(generator, model_name: str, api_key: str | None = None, max_queue: int = 8,
              log: Callable[[str], None] | None = None, limits: ServerLimits | None = None, max_batch: int = 1,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, allowed_origins: Sequence[str] = (),
-             sampling_defaults: str = "model"):
+             sampling_defaults: str = "model", prompt_cache_gib: float = 0.0):
     """The starlette app serving `generator` (a runtime.generate.Generator, or with max_batch 1 anything with its
     generate() and `.c`) as `model_name`; `max_batch` > 1: up to that many sequences decode together
     (runtime/batching.py, its prompts prefilled together, `prefill_chunk` tokens in all per pass while others
@@ -1382,7 +1406,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     `finished` deque: (request id, finish reason) per generation, newest last). `sampling_defaults`: what a
     request's omitted temperature, top_p and top_k are: "model" (the model's generation_config.json recommends them,
     where it does; OpenAI's otherwise) or "openai" (1.0, 1.0, off). Serve it with uvicorn_config(app, limits): the
-    connection limits and timeouts live there."""
+    connection limits and timeouts live there. `prompt_cache_gib`: the batch scheduler's prompt cache
+    (runtime/prompt_cache.py; 0: none; max_batch > 1 only)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.middleware import Middleware
@@ -1391,7 +1416,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     from starlette.routing import Route
 
     server = Server(generator, model_name, api_key, max_queue, log, limits, max_batch, prefill_chunk,
-                    sampling_defaults)
+                    sampling_defaults, prompt_cache_gib)
 
     def as_request_error(e: Exception) -> RequestError:
         """The error a request's response carries: its own, a MoepackError's 400, else a 500 (logged where it

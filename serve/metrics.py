@@ -11,6 +11,9 @@
     moepack_time_per_output_token_seconds           histogram: between consecutive tokens of a generation
     moepack_decode_batch_size                       histogram: sequences per decode step (serve --max-batch > 1)
     moepack_sequences_decoding                      sequences decoding now (serve --max-batch > 1)
+    moepack_prompt_cache_hits_total                 prompts that continued a prompt cache entry (--prompt-cache-gib)
+    moepack_prompt_cache_tokens_total               prompt tokens those hits did not prefill
+    moepack_prompt_cache_bytes                      what the prompt cache holds now
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 class ServerMetrics:
     def __init__(self, cache_counts: Callable[[], tuple[int, int] | None], in_flight: Callable[[], int],
-                 decoding: Callable[[], int | None] = lambda: None):
-        """`decoding()`: the sequences decoding now, None where nothing batches them (no gauge then)."""
+                 decoding: Callable[[], int | None] = lambda: None, prompt_cache: Callable[[], object] = lambda: None):
+        """`decoding()`: the sequences decoding now, None where nothing batches them (no gauge then).
+        `prompt_cache()`: the batch scheduler's PromptCache, None where there is none (no prompt cache metrics)."""
         from prometheus_client import CollectorRegistry, Counter, Histogram
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -59,6 +63,14 @@ class ServerMetrics:
                 if now is not None:
                     yield GaugeMetricFamily("moepack_sequences_decoding", "Sequences decoding together now",
                                             value=now)
+                cache = prompt_cache()
+                if cache is not None:
+                    yield CounterMetricFamily("moepack_prompt_cache_hits", "Prompts that continued a prompt cache "
+                                              "entry", value=cache.hits)
+                    yield CounterMetricFamily("moepack_prompt_cache_tokens", "Prompt tokens taken from the prompt "
+                                              "cache (not prefilled)", value=cache.tokens_reused)
+                    yield GaugeMetricFamily("moepack_prompt_cache_bytes", "Bytes the prompt cache holds",
+                                            value=cache.nbytes)
 
         registry.register(Live())
 
