@@ -123,6 +123,11 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, prompt_cache_gi
     from moepack.runtime.generate import Generator
     from moepack.serve.app import ServerLimits, make_app, uvicorn_config, uvicorn_server
 
+    if prompt_cache_gib and max_batch == 1:
+        raise click.UsageError("--prompt-cache-gib needs --max-batch above 1 (the batch scheduler keeps the prompt "
+                               "cache)")
+    prompt_cache_gib = (DEFAULT_PROMPT_CACHE_GIB if max_batch > 1 else 0) if prompt_cache_gib is None else (
+        prompt_cache_gib)
     check_container_path(file)
     name = model_name or os.path.splitext(os.path.basename(file))[0]
     api_key = resolve_api_key(api_key, api_key_file)
@@ -134,9 +139,7 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, prompt_cache_gi
                               request_timeout_s=request_timeout, max_connections=max_connections)
         app = make_app(generator, name, api_key=api_key, max_queue=max_queue, limits=limits, max_batch=max_batch,
                        prefill_chunk=prefill_chunk, allowed_origins=allowed_origins,
-                       sampling_defaults=sampling_defaults,
-                       prompt_cache_gib=(DEFAULT_PROMPT_CACHE_GIB if max_batch > 1 else 0) if prompt_cache_gib is None
-                       else prompt_cache_gib)
+                       sampling_defaults=sampling_defaults, prompt_cache_gib=prompt_cache_gib)
         context = app.state.server.context
         # bound here, not by uvicorn: the port is known (and reported) before the first request can arrive
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -150,7 +153,8 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, prompt_cache_gi
                                    "api_key_required": bool(api_key),
                                    "max_context": context, "max_body_bytes": limits.max_body_bytes,
                                    "max_connections": max_connections, "allowed_origins": list(allowed_origins),
-                                   "sampling_defaults": app.state.server.sampling_defaults}))
+                                   "sampling_defaults": app.state.server.sampling_defaults,
+                                   "prompt_cache_gib": prompt_cache_gib}))
         server = uvicorn_server(app, uvicorn_config(app, limits, log_level="warning", access_log=False))
         try:
             server.run(sockets=[sock])

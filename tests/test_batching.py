@@ -413,7 +413,7 @@ def test_the_serve_command_takes_max_batch(tiny):
                              "--max-batch", "3", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready = json.loads(proc.stdout.readline())
-        assert ready["max_batch"] == 3
+        assert ready["max_batch"] == 3 and ready["prompt_cache_gib"] == 4  # (its default with --max-batch above 1)
         url = f"http://127.0.0.1:{ready['port']}"
         deadline = time.monotonic() + 60
         while True:

@@ -292,6 +292,8 @@ ARGUMENT_REFUSALS = [
      "--container-per-rank needs --expert-parallel and '{rank}' in FILE"),
     (["prefill", "FILE", "-p", "a", "--continue-from", ""], 1, "--continue-from is empty"),
     (["serve", "FILE", "--api-key", "k", "--api-key-file", "FILE"], 2, "give --api-key or --api-key-file, not both"),
+    (["serve", "FILE", "--max-batch", "1", "--prompt-cache-gib", "1"], 2,
+     "--prompt-cache-gib needs --max-batch above 1"),
     (["plan", "MISSING"], 1, "no such file (give a container, a config.json, a checkpoint directory"),
     (["bench", "io", "FILE", "--depths", "0"], 1, "--depths: expected integers >= 1, got '0'"),
     (["bench", "compute", "--device", "tpu"], 1, "--device must be cpu, cuda or cuda:N, got 'tpu'"),
