@@ -84,6 +84,7 @@ class _Sequence:
     counters: tuple[int, int, int] = (0, 0, 0)  # the cache's hits, misses and the decoder's bytes read at its join
     error: BaseException | None = None  # what its `cancelled` raised: it fails with it
     cached: bool = True  # it may continue, and leave, the prompt cache's snapshots (a request's cache_prompt)
+    snapshot_at: int = 0  # a prompt position whose state the prompt cache keeps too: its prefill stops there once
 
     def settle(self, result: GenerateResult | None = None, error: BaseException | None = None) -> None:
         """Its future given `error` (or `result`), unless its caller cancelled the future (Future.cancel)."""
@@ -169,12 +170,15 @@ class BatchScheduler:
         ids = prompt_ids(token_ids)
         check_prompt_ids(ids, self.generator.cfg.vocab_size)  # here: in a grouped pass it would fail the others
         out.sampler.saw(ids.tolist())
+        options = options or GenerateOptions()
+        cached = self.prompt_cache is not None and options.cache_prompt
+        at = options.snapshot_at or 0
+        at = at if cached and self.prompt_cache.min_tokens <= at < len(ids) else 0
         future: Future = Future()
         with self._cv:
             if self._closed:
                 raise MoepackError("the batch scheduler is closed")
-            self._waiting.append(_Sequence(ids, out, future, cancelled, detokenize,
-                                           cached=(options or GenerateOptions()).cache_prompt))
+            self._waiting.append(_Sequence(ids, out, future, cancelled, detokenize, cached=cached, snapshot_at=at))
             self._cv.notify()
         return future
 
@@ -303,7 +307,8 @@ class BatchScheduler:
         behind a long document gets its first token after one pass, not after every chunk of the document; the
         earliest prompt's half keeps a stream of short ones from starving it."""
         budget = self.prefill_chunk if self._active and self.prefill_chunk else None
-        rests = [len(s.ids) - s.prefilled for s in self._prefilling]
+        # (a prompt with a snapshot ahead goes up to it: the prompt cache copies the state there)
+        rests = [(s.snapshot_at if s.prefilled < s.snapshot_at else len(s.ids)) - s.prefilled for s in self._prefilling]
         if budget is None:
             return list(self._prefilling), rests
         sizes = [0] * len(rests)
@@ -377,6 +382,8 @@ class BatchScheduler:
                 s.out.prompt_logprobs = [*(s.out.prompt_logprobs or []), *joined_prompt_logprobs(
                     s.last_logits, chunk, s.out.prompt_logprobs_k, result.prompt_logprobs, s.out.prompt_ranked)]
                 s.last_logits = result.logits
+            if s.prefilled == s.snapshot_at:
+                self._keep(s, s.ids[:s.prefilled].tolist(), s.states, result.logits)
             if self._stop_asked(s):
                 self._cancel_in_prefill(s, len(self.generator.c.layers))
             elif s.prefilled == len(s.ids):

@@ -62,6 +62,8 @@ class GenerateOptions:
     include_stop: bool = False
     # a BatchScheduler's prompt cache may give the prompt's start and keep its states (llama-server's cache_prompt)
     cache_prompt: bool = True
+    # and keeps the state after this many of the prompt's tokens too (the part a chat's next turn renders again)
+    snapshot_at: int | None = None
 
     def sampler(self, eos_ids: tuple[int, ...] = ()) -> Sampler:
         return Sampler(self.temperature, self.top_p, self.top_k, self.seed, presence_penalty=self.presence_penalty,

@@ -974,6 +974,21 @@ class Server:
         return ids, None if plan.prefill else chat_thought(self.family, self.chat_template, thinking,
                                                            continue_final), plan
 
+    def next_turn_prefix(self, body: dict, ids: list[int]) -> int | None:
+        """How many of a chat prompt's ids its next turn renders again (the conversation, an answer and another
+        question): the prompt cache keeps the state there too. Less than all of them where the generation prompt
+        opens a thought that an earlier turn drops (DeepSeek-V4's thinking `<think>`, Qwen3's closed empty one with
+        thinking off). None where the next turn cannot be rendered."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or self.continues_final(body) or ends_open(messages):
+            return None
+        turn = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
+        try:
+            after, _, _ = self.chat_ids({**body, "messages": [*messages, *turn]})
+        except (RequestError, MoepackError):
+            return None
+        return next((i for i, (a, b) in enumerate(zip(ids, after)) if a != b), min(len(ids), len(after)))
+
     @staticmethod
     def continues_final(body: dict) -> bool:
         """vLLM's continue_final_message (the answer goes on from the final assistant message's text) and
@@ -1032,8 +1047,10 @@ class Server:
                                param="add_special_tokens", code="unsupported_value")
         scored = self.prompt_logprobs(body, stream)
         ids, thought, plan = self.chat_ids(body)
-        [ids], _ = self.truncated(body, [ids])
+        [ids], cut = self.truncated(body, [ids])
         options = _scoring_the_prompt(self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n), scored)
+        if self.prompt_cache is not None and options.cache_prompt and not any(cut):
+            options = dataclasses.replace(options, snapshot_at=self.next_turn_prefix(body, ids))
         markup = plan.markup() + (tuple(filter(None, (thought.start, thought.end))) if thought else ())
         return Prepared([ids], options, stream, include_usage, usage_so_far, thought, n, tools=plan,
                         make_constraint=self.constraint_factory(body, thought, options.max_new_tokens),

@@ -100,6 +100,27 @@ def test_a_continued_prompt_gets_what_the_whole_prompt_gets_prefilled_alone(gene
         assert cache.hits == 4 and cache.tokens_reused == 40 * 3 + 45 and 0 < cache.nbytes <= BUDGET
 
 
+def test_a_snapshot_inside_the_prompt_is_kept_on_the_way(generator):
+    """options.snapshot_at k (a chat's part its next turn renders again): the prefill stops at k for the cache to
+    copy the state there, then goes on; the answer is the whole prompt's alone, and a prompt going on from k
+    differently continues it."""
+    g, vocab = generator, generator.cfg.vocab_size
+    head = _ids(40, 61, vocab)
+    first, second = head + _ids(6, 62, vocab), head + _ids(9, 63, vocab)
+    first_alone, second_alone = g.generate(first, _options()), g.generate(second, _options())
+    with BatchScheduler(g, max_batch=2, prompt_cache_bytes=BUDGET) as batch:
+        ran = batch.generate(first, _options(snapshot_at=40))
+        assert ran.stats["prefill"]["chunks"] == 2 and ran.stats["prefill"]["tokens"] == 46
+        _same(ran, first_alone)
+        continued = batch.generate(second, _options())
+        assert _cached(continued) == 40
+        _same(continued, second_alone)
+        # (not kept: past the prompt, or shorter than an entry's least)
+        for at in (46, 60, MIN_CACHED_TOKENS - 1):
+            other = _ids(46, 70 + at, vocab)
+            assert batch.generate(other, _options(snapshot_at=at, max_new_tokens=1)).stats["prefill"]["chunks"] == 1
+
+
 def test_only_an_exact_prefix_of_enough_tokens_is_continued(generator):
     g, vocab = generator, generator.cfg.vocab_size
     first = _ids(40, 11, vocab)
@@ -196,9 +217,10 @@ def test_a_generation_that_fits_only_without_the_cache_empties_it(generator, mon
 
 # ---- through the server -----------------------------------------------------------------------------------------
 
-def _chat_twice(running, **body) -> tuple[dict, dict]:
-    """A two-turn chat: the first question, then the conversation with its answer and a second question."""
-    question = {"role": "user", "content": "Tell me about streaming experts from disk, briefly, in one line."}
+def _chat_twice(running, topic: str, **body) -> tuple[dict, dict]:
+    """A two-turn chat: the first question (on `topic`: another chat's entries cannot serve it), then the
+    conversation with its answer and a second question."""
+    question = {"role": "user", "content": f"Tell me about {topic}, briefly, in one line."}
     with httpx.Client(base_url=running.url, timeout=TIMEOUT) as http:
         def ask(messages):
             r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0,
@@ -207,7 +229,7 @@ def _chat_twice(running, **body) -> tuple[dict, dict]:
             return r.json()
         one = ask([question])
         answer = one["choices"][0]["message"]
-        two = ask([question, {"role": "assistant", "content": answer["content"]},
+        two = ask([question, {"role": "assistant", "content": answer["content"] or ""},
                    {"role": "user", "content": "And why is that faster?"}])
     return one, two
 
@@ -226,25 +248,47 @@ def chat_server(request, tmp_path_factory):
             running.stop()
 
 
-def test_a_chats_second_turn_continues_the_first(chat_server):
-    """DeepSeek-V4's chat mode and Qwen3's template (thinking on, its default) both render the first turn's prompt
-    again at the start of the second (Qwen3's generation prompt `<|im_start|>assistant\\n`, DeepSeek's
-    `<｜Assistant｜></think>`): the second turn continues it, its usage says so, and so do the log and /metrics."""
-    one, two = _chat_twice(chat_server)
+def _metric(running, name: str) -> float:
+    text = httpx.get(f"{running.url}/metrics", timeout=TIMEOUT).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+# the thinking switch as each family takes it, and whether the generation prompt then opens a thought that the next
+# turn, which drops an earlier turn's thought, does not render: DeepSeek-V4's thinking `<think>` (its chat mode's
+# `</think>` is rendered again), Qwen3's closed empty thought with thinking off (`<think>\n\n</think>\n\n`; on, the
+# answer opens its own)
+THINKING = {"deepseek-v4": {None: ({}, False), True: ({"thinking": True}, True), False: ({"thinking": False}, False)},
+            "qwen3-moe": {None: ({}, False), True: ({"chat_template_kwargs": {"enable_thinking": True}}, False),
+                          False: ({"chat_template_kwargs": {"enable_thinking": False}}, True)}}
+
+
+@pytest.mark.parametrize("thinking", [None, True, False])
+def test_a_chats_second_turn_continues_the_first(chat_server, thinking):
+    """The second turn continues the first turn's prompt (all of it, or the answer's end too where the answer's ids
+    come back), or where the generation prompt opens a thought the next turn drops, the state kept before it:
+    its usage says how many tokens, and so do the log and /metrics."""
+    body, opens_thought = THINKING[chat_server.family][thinking]
+    hits, reused = (_metric(chat_server, f"moepack_prompt_cache_{name}_total") for name in ("hits", "tokens"))
+    one, two = _chat_twice(chat_server, f"streaming experts from disk ({thinking})", **body)
     assert one["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-    cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert one["usage"]["prompt_tokens"] <= cached < two["usage"]["prompt_tokens"]
+    cached, prompt = two["usage"]["prompt_tokens_details"]["cached_tokens"], one["usage"]["prompt_tokens"]
+    if opens_thought:  # (DeepSeek-V4's one `<think>`; Qwen3's `<think>`, `</think>` and two "\n\n", 6 here)
+        assert prompt - 6 <= cached < prompt
+    else:
+        assert prompt <= cached < two["usage"]["prompt_tokens"]
     assert f"cached_tokens={cached} " in chat_server.logs[-1]
-    with httpx.Client(base_url=chat_server.url, timeout=TIMEOUT) as http:
-        metrics = http.get("/metrics").text
-        assert "moepack_prompt_cache_hits_total 1.0" in metrics and "moepack_prompt_cache_bytes " in metrics
-        assert f"moepack_prompt_cache_tokens_total {float(cached)}" in metrics
-        # llama-server's cache_prompt: false (a boolean, else a 400 naming it)
-        _, off = _chat_twice(chat_server, cache_prompt=False)
-        assert off["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                    "cache_prompt": "yes"})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_prompt"
+    assert _metric(chat_server, "moepack_prompt_cache_hits_total") == hits + 1
+    assert _metric(chat_server, "moepack_prompt_cache_tokens_total") == reused + cached
+    assert 0 < _metric(chat_server, "moepack_prompt_cache_bytes") <= 0.25 * 2**30
+
+
+def test_cache_prompt_false_is_taken_by_the_server(chat_server):
+    """llama-server's cache_prompt: false (a boolean, else a 400 naming it): the second turn prefills it all."""
+    _, off = _chat_twice(chat_server, "reading weights once per pass", cache_prompt=False)
+    assert off["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    r = httpx.post(f"{chat_server.url}/v1/chat/completions", timeout=TIMEOUT,
+                   json={"messages": [{"role": "user", "content": "x"}], "cache_prompt": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_prompt"
 
 
 def test_the_prompt_cache_needs_the_batch_scheduler(tmp_path_factory):
