@@ -37,6 +37,13 @@ shared: a sequence's decode stats count the cache's hits and the bytes read over
 rows; its prefill stats are its own tokens, the seconds of the passes it was in, and their `group_prompts` /
 `group_tokens` (the pass's bytes read are the group's). The cache is seeded with a prompt's experts only when its
 sequence is about to decode alone.
+
+With a prompt cache (`prompt_cache_bytes`, runtime/prompt_cache.py): a newcomer whose ids start with a kept
+snapshot's continues a copy of the longest one (admitted with its `states` and `prefilled` as if a chunk had run;
+the whole prompt there: it decodes at once, its first token from the snapshot's logits); a snapshot is kept where a
+prompt's prefill ends, where a sequence ends (the tokens it was fed) and where the options' `snapshot_at` says (the
+prompt's chunking stops there once). prompt_logprobs prefill the whole prompt; `cache_prompt` False keeps a sequence
+out of it.
 """
 
 from __future__ import annotations
