@@ -262,9 +262,12 @@ class BatchScheduler:
         except BaseException as e:
             s.settle(error=e)
             return
-        # (prompt_logprobs score every prompt position: the head must run over all of them)
-        reuse = self.prompt_cache.lookup(s.ids.tolist()) if (
-            self.prompt_cache is not None and s.cached and s.out.prompt_logprobs_k is None) else None
+        try:  # (prompt_logprobs score every prompt position: the head must run over all of them)
+            reuse = self.prompt_cache.lookup(s.ids.tolist()) if (
+                self.prompt_cache is not None and s.cached and s.out.prompt_logprobs_k is None) else None
+        except BaseException as e:  # its copy (memory): it fails alone
+            s.settle(error=e)
+            return
         if reuse is None:
             self._prefilling.append(s)
             return
