@@ -28,7 +28,7 @@ import torch
 from moepack.families import kv_directory as kvd
 from moepack.format_spec.errors import MoepackError
 
-from .io import available_memory_bytes
+from .io import available_memory_bytes, release_freed_memory
 from .limits import MIN_CACHED_TOKENS
 from .memory import GIB, HEADROOM_BYTES
 
@@ -112,11 +112,14 @@ class PromptCache:
         return True
 
     def clear(self) -> bool:
-        """Every entry dropped (memory wanted for a generation); True if there were any."""
+        """Every entry dropped (memory wanted for a generation), their memory given back to the system; True if
+        there were any."""
         with self._lock:
             had = bool(self._entries)
             while self._entries:
                 self._drop_oldest()
+        if had:
+            release_freed_memory()  # (where malloc keeps what is freed: the checks read the system's figure)
         return had
 
     def _drop_oldest(self) -> None:
