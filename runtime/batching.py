@@ -125,10 +125,9 @@ class BatchScheduler:
 
     def __init__(self, generator: Generator, max_batch: int = DEFAULT_MAX_BATCH,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_step: Callable[[int], None] | None = None,
-                 prompt_cache_bytes: int = 0, min_cached_tokens: int | None = None):
+                 prompt_cache_bytes: int = 0):
         """`prefill_chunk` 0: a prompt's prefill runs whole. `on_step(batch size)`: after each decode step.
-        `prompt_cache_bytes`: the prompt cache's budget (runtime/prompt_cache.py; 0: none), whose entries hold at
-        least `min_cached_tokens` (default MIN_CACHED_TOKENS)."""
+        `prompt_cache_bytes`: the prompt cache's budget (runtime/prompt_cache.py; 0: none)."""
         if not 1 <= max_batch <= MAX_BATCH:
             raise MoepackError(f"--max-batch must be 1 to {MAX_BATCH}, got {max_batch}")
         if prefill_chunk < 0:
@@ -136,8 +135,7 @@ class BatchScheduler:
         self.generator, self.max_batch, self.prefill_chunk, self.on_step = generator, max_batch, prefill_chunk, on_step
         self.prompt_cache: PromptCache | None = None
         if prompt_cache_bytes:
-            extra = {} if min_cached_tokens is None else {"min_tokens": min_cached_tokens}
-            self.prompt_cache = PromptCache(generator.kv_format(), generator.c.config, prompt_cache_bytes, **extra)
+            self.prompt_cache = PromptCache(generator.kv_format(), generator.c.config, prompt_cache_bytes)
             generator.prompt_cache = self.prompt_cache  # (its memory checks count what the cache holds)
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()  # submitted, not yet admitted (under _cv)

@@ -57,7 +57,7 @@ class PromptCache:
 
     def __init__(self, kv_format, config, budget_bytes: int, min_tokens: int = MIN_CACHED_TOKENS):
         if budget_bytes < 0:
-            raise MoepackError("--prompt-cache-gib must be >= 0 (0: no prompt cache)")
+            raise MoepackError(_NEGATIVE.format(budget_bytes / GIB))
         self.kv_format, self.config, self.budget, self.min_tokens = kv_format, config, budget_bytes, min_tokens
         self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
@@ -128,7 +128,11 @@ class PromptCache:
         self.evicted += 1
 
 
+_NEGATIVE = "--prompt-cache-gib must be >= 0 (0: no prompt cache), got {:g}"
+
+
 def prompt_cache_bytes(gib: float) -> int:
-    if not gib >= 0:  # (NaN too)
-        raise MoepackError(f"--prompt-cache-gib must be >= 0 (0: no prompt cache), got {gib}")
+    """`--prompt-cache-gib` in bytes (refused below 0, NaN too)."""
+    if not gib >= 0:
+        raise MoepackError(_NEGATIVE.format(gib))
     return int(gib * GIB)
