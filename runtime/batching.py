@@ -469,12 +469,13 @@ class BatchScheduler:
 
     def _keep(self, s: _Sequence, ids: list[int], states: list, logits: torch.Tensor) -> None:
         """A snapshot of `states` (after `ids`; `logits` after them) into the prompt cache, where there is one and
-        `s` may leave one. One that cannot be copied (memory) is not kept: the sequence goes on."""
+        `s` may leave one. One that cannot be copied (memory) is not kept: the sequence goes on (the cache only
+        saves work; its failure must not cost an answer, nor the worker)."""
         if self.prompt_cache is None or not s.cached:
             return
         try:
             self.prompt_cache.store(ids, states, logits, s.counts)
-        except (MoepackError, RuntimeError):  # (torch's out of memory is a RuntimeError)
+        except Exception:  # (torch's out of memory is a RuntimeError)
             pass
 
     def _finish(self, s: _Sequence, logits: torch.Tensor) -> None:

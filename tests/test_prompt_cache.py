@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 
+from moepack.families import kv_directory as kvd
 from moepack.families.qwen3_moe.synth import SPECIAL_TOKENS
 from moepack.families.synthetic import byte_level_tokenizer
 from moepack.format_spec.errors import MoepackError
@@ -28,7 +29,7 @@ from containers import tiny_keep_container
 from test_serve import Running
 from test_template_tools import QWEN3_TEMPLATE, QWEN_MARKUP
 
-TIMEOUT = 120
+TIMEOUT = 60
 BUDGET = 1 << 28
 
 
@@ -213,6 +214,31 @@ def test_a_generation_that_fits_only_without_the_cache_empties_it(generator, mon
         assert batch.prompt_cache.evicted >= 2
         monkeypatch.undo()
     assert g.prompt_cache is None and g._prompt_cache_bytes() == 0  # (closed: the generator counts none)
+
+
+def test_a_copy_that_fails_fails_no_other_request(generator, monkeypatch):
+    """A snapshot whose copy fails (memory) is not kept and its sequence is answered; a hit whose copy fails fails
+    that request alone: the scheduler's worker goes on."""
+    g, vocab = generator, generator.cfg.vocab_size
+    first = _ids(40, 81, vocab)
+    alone = g.generate(first, _options())
+
+    def out_of_memory(*args, **kw):
+        raise RuntimeError("out of memory (simulated)")
+
+    with BatchScheduler(g, max_batch=2, prompt_cache_bytes=BUDGET) as batch:
+        def run(ids):  # (a worker that died would leave the future unanswered: waited for a bounded time)
+            return batch.submit(ids, _options()).result(TIMEOUT)
+        monkeypatch.setattr(kvd, "host_copy", out_of_memory)
+        _same(run(first), alone)
+        assert len(batch.prompt_cache) == 0
+        monkeypatch.undo()
+        run(first)
+        monkeypatch.setattr(kvd, "copied_states", out_of_memory)
+        with pytest.raises(RuntimeError, match="simulated"):
+            run(first + [5])
+        monkeypatch.undo()
+        _same(run(first), alone)
 
 
 # ---- through the server -----------------------------------------------------------------------------------------
