@@ -85,7 +85,8 @@ from moepack.runtime.sampling import MAX_TOP_LOGPROBS, REPLACEMENT, IncrementalD
 
 from .chat_template import family_chat_template, tokenizer_info
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
-from .openai_api import Prepared, RequestError, _get, _token_text, _value, chat_logprobs, check_fields, client_gone
+from .openai_api import (Prepared, RequestError, _get, _token_text, _value, cached_tokens, chat_logprobs, check_fields,
+                         client_gone)
 from .reasoning import AnswerSplitter, ThoughtMarks, chat_thought, split_thinking
 from .responses import responses_endpoints, responses_error_event
 from .tokenizer import ChatInputError, chat_prompt_ids, ends_open, markup_warning
@@ -1259,11 +1260,6 @@ class Server:
                 cached[prompt] = max(cached.get(prompt, 0), cached_tokens(r))
             usage["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
         return usage
-
-
-def cached_tokens(result: GenerateResult) -> int:
-    """The prompt tokens a generation took from the prompt cache."""
-    return result.stats.get("prefill", {}).get("cached_tokens", 0)
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -133,3 +133,8 @@ def client_gone() -> RequestError:
     return RequestError("the client closed its connection (or its sending side) before the answer: a generation "
                         "stops when its client's side closes; keep the connection open until the answer",
                         code="client_gone")
+
+
+def cached_tokens(result) -> int:
+    """The prompt tokens a generation (a GenerateResult) took from the prompt cache (runtime/prompt_cache.py)."""
+    return result.stats.get("prefill", {}).get("cached_tokens", 0)

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from moepack.format_spec.untrusted import int_in_range
 from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer
 
-from .openai_api import (PLAIN_VALUES, REFUSED_FIELDS, Prepared, RequestError, _get, _value, chat_logprobs,
-                         check_fields, client_gone)
+from .openai_api import (PLAIN_VALUES, REFUSED_FIELDS, Prepared, RequestError, _get, _value, cached_tokens,
+                         chat_logprobs, check_fields, client_gone)
 from .reasoning import AnswerSplitter, ThoughtMarks, split_thinking
 
 NOT_STORED = "responses are not stored by moepack serve (store is taken, nothing is kept)"
@@ -497,7 +497,7 @@ def responses_endpoints(server, model_name: str, admitted_request: Callable, fin
             message["content"][0]["logprobs"] = chat_logprobs(tok, result.logprobs[thought:])["content"]
         status, incomplete = ending(result.finish_reason)
         generated = len(result.generated_ids)
-        usage = {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        usage = {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens(result)},
                  "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": thought},
                  "total_tokens": job.prompt_tokens + generated}
         return response_object(job, prepared, created, status, output.items, usage=usage,

@@ -308,6 +308,22 @@ def test_a_chats_second_turn_continues_the_first(chat_server, thinking):
     assert 0 < _metric(chat_server, "moepack_prompt_cache_bytes") <= 0.25 * 2**30
 
 
+def test_a_responses_second_turn_says_what_it_took_from_the_cache(chat_server):
+    """/v1/responses goes through the chat's path: its second turn continues the first, and its usage's
+    input_tokens_details.cached_tokens says how many tokens (0 on the first)."""
+    question = {"role": "user", "content": "Tell me about the Responses API, briefly."}
+    with httpx.Client(base_url=chat_server.url, timeout=TIMEOUT) as http:
+        def ask(items):
+            r = http.post("/v1/responses", json={"input": items, "max_output_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()
+        one = ask([question])
+        two = ask([question, *[item for item in one["output"] if item["type"] == "message"],
+                   {"role": "user", "content": "And then?"}])
+    assert one["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    assert 0 < two["usage"]["input_tokens_details"]["cached_tokens"] < two["usage"]["input_tokens"]
+
+
 def test_cache_prompt_false_is_taken_by_the_server(chat_server):
     """llama-server's cache_prompt: false (a boolean, else a 400 naming it): the second turn prefills it all."""
     _, off = _chat_twice(chat_server, "reading weights once per pass", cache_prompt=False)
