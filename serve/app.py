@@ -956,7 +956,11 @@ class Server:
                 extended = with_prompt_extras(messages, plan.tools, fmt)
                 inserted, messages = len(extended) - len(messages), extended
                 after = encoding.markup_segments(plan.prefill)
-        spec = self.output_spec(body) if continue_final else None
+        spec = self.output_spec(body)
+        if spec is not None and plan.prefill:  # (the constraint would begin inside the call's markup: no call made)
+            raise RequestError(f"{spec.field}: a constrained answer cannot be a forced tool call (tool_choice "
+                               f"{json.dumps(body.get('tool_choice'))[:60]}): give one of them",
+                               param=spec.field, code="unsupported_value")
         if continue_final and (plan.prefill or spec is not None):
             field = "tool_choice" if plan.prefill else spec.field
             raise RequestError(f"{field}: continue_final_message goes on from the assistant's text, where a "
@@ -1781,7 +1785,9 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             return prepared.echo[i // job.n] if prepared.echo else ""
 
         def prompt_logprobs(i, entries):  # an echoed prompt's, its offsets into the echo
-            return completion_logprobs(tok, entries, EchoOffsets(tok, echo(i)), job.ids_of(i), job.options.logprobs)
+            # (the echo is the prompt's text, special tokens and all: skip_special_tokens is the answer's, as vLLM's)
+            plain = server.tokenizer
+            return completion_logprobs(plain, entries, EchoOffsets(plain, echo(i)), job.ids_of(i), job.options.logprobs)
 
         def choice_extra(result):
             scored = {} if prepared.prompt_logprobs is None else {"prompt_logprobs": vllm_prompt_logprobs(

@@ -894,6 +894,21 @@ def test_a_call_cut_short_is_content_as_written(server, scripted, stream):
         assert calls == ([] if choice is named else ["get_weather"])
 
 
+@pytest.mark.parametrize("constraint", [{"response_format": {"type": "json_object"}}, {"guided_choice": ["yes", "no"]},
+                                        {"structured_outputs": {"regex": "[ab]+"}}])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_constrained_answer_is_no_forced_tool_call(server, constraint, tool_choice):
+    """A forced tool call begins the answer with the call's markup (the prompt's prefill): a response_format or
+    structured output would constrain what follows that markup (the call never parsed, its markup the answer's
+    content): a 400 naming the constraint's field; with tool_choice auto the answer is the constrained one."""
+    _needs_llguidance()
+    body = {"messages": CHAT, "tools": [WEATHER], "max_tokens": 8, "temperature": 1, "seed": 3, **constraint}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "tool_choice": tool_choice}, timeout=TIMEOUT)
+    assert _error_of(r, 400)["param"] == next(iter(constraint)), r.text
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "tool_choice": "auto"}, timeout=TIMEOUT)
+    assert r.status_code == 200 and not r.json()["choices"][0]["message"].get("tool_calls"), r.text
+
+
 def test_tool_choice_none_leaves_the_tools_out(server, scripted):
     scripted.text = TWO_CALLS
     r = _client(server).chat.completions.create(model="tiny", messages=CHAT, tools=[WEATHER], tool_choice="none")
@@ -1463,6 +1478,22 @@ def test_skip_special_tokens_leaves_them_out_of_the_text(server, path):
         prompt = {"prompt": "Once upon"} if path == "/v1/completions" else {"messages": CHAT}
         assert _error_of(httpx.post(f"{server.url}{path}", json={**prompt, field: 1}, timeout=TIMEOUT),
                          400)["param"] == field
+
+
+def test_skip_special_tokens_leaves_an_echoed_prompt_as_it_is(server):
+    """skip_special_tokens is the answer's (as vLLM's): an echoed prompt of token ids keeps its special tokens' text,
+    and its logprobs' tokens and text_offsets index that text (they had been the skipped tokens' empty texts at
+    offsets into a text without them); the answer's special tokens are still left out, its offsets after the echo."""
+    tok, bos = server.tok, server.tok.bos_id
+    ids = [bos, *tok.encode("Once", special_tokens=False, add_bos=False), bos,
+           *tok.encode("upon", special_tokens=False, add_bos=False)]
+    r = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT, json={
+        "prompt": ids, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1, "skip_special_tokens": True,
+        "logit_bias": {str(bos): 100}}).json()["choices"][0]
+    text, logprobs = r["text"], r["logprobs"]
+    assert text == tok.decode(ids) and r["token_ids"] == [bos, bos]
+    assert logprobs["tokens"] == [tok.decode([i]) for i in ids] + ["", ""]
+    assert logprobs["text_offset"] == [len(tok.decode(ids[:i])) for i in range(len(ids))] + [len(text)] * 2
 
 
 def test_skip_special_tokens_keeps_the_chats_own_markup(tiny_path, tmp_path):
