@@ -58,7 +58,8 @@ class GenerateOptions:
     prompt_logprob_ranks: bool = False  # and each one's rank (vLLM's prompt_logprobs: the head runs over them twice)
     # tokens that end the generation as the end of sentence does (vLLM's stop_token_ids), stop_at_eos or not
     stop_token_ids: tuple[int, ...] = ()
-    # the stop string that ended the answer kept at its end (vLLM's include_stop_str_in_output)
+    # the stop string (or a stop_token_ids token's text) that ended the answer kept at its end (vLLM's
+    # include_stop_str_in_output)
     include_stop: bool = False
     # a BatchScheduler's prompt cache may give the prompt's start and keep its states (llama-server's cache_prompt)
     cache_prompt: bool = True
@@ -396,6 +397,9 @@ class SequenceOutput:
         # (a minimum length holds back every token that would end it, as vLLM's min_tokens)
         self.sampler = options.sampler(tuple(sorted(set(eos_ids) | set(options.stop_token_ids))))
         self.stopper = StopMatcher(list(options.stop), ends, options.include_stop)
+        # include_stop keeps the text of a stop token the caller named, as vLLM's include_stop_str_in_output
+        # detokenizes the token that stopped it (the end of sentence's own text is never part of the answer)
+        self.shown_stop_ids = set(options.stop_token_ids) - set(eos_ids) if options.include_stop else set()
         self.detokenize, self.on_text, self.on_token = detokenize, on_text, on_token
         self.on_prompt_logprobs = on_prompt_logprobs
         self.pieces = IncrementalDetokenizer(detokenize) if detokenize is not None else None
@@ -427,8 +431,10 @@ class SequenceOutput:
         shown = ""
         if self.pieces is not None and token in self.stopper.eos_ids:
             # the end: the text held back for a character (a U+FFFD, or bytes that never complete) comes out first,
-            # stop strings checked; the eos token's own text never does (fed with it, that held text went too)
-            self.so_far += self.pieces.flush()
+            # stop strings checked; the eos token's own text never does (fed with it, that held text went too), a
+            # named stop token's where include_stop
+            kept = self.pieces.add(token) if token in self.shown_stop_ids else ""
+            self.so_far += kept + self.pieces.flush()
             shown = self.stopper.flush(self.so_far)
         elif self.pieces is not None:
             self.so_far += self.pieces.add(token)

@@ -1437,6 +1437,13 @@ def test_include_stop_str_in_output_keeps_the_stop_string(server, path):
     assert _post_said(server, path, **only_b) == (3, "", "stop")
     assert _post_said(server, path, **only_b, include_stop_str_in_output=True) == (3, "bbb", "stop")
     assert _post_said(server, path, **only_b, include_stop_str_in_output=False)[1] == ""
+    # (a stop token's text kept too, as vLLM detokenizes the token that stopped it; the end of sentence's never)
+    stop_b = {"logit_bias": {str(b): 100}, "stop_token_ids": [b]}
+    assert _post_said(server, path, **stop_b) == (1, "", "stop")
+    assert _post_said(server, path, **stop_b, include_stop_str_in_output=True) == (1, "b", "stop")
+    eos = sorted(server.generator.eos_ids)[0]
+    assert _post_said(server, path, logit_bias={str(eos): 100}, stop_token_ids=[eos],
+                      include_stop_str_in_output=True) == (1, "", "stop")
     prompt = {"prompt": "Once upon"} if path == "/v1/completions" else {"messages": CHAT}
     with httpx.stream("POST", f"{server.url}{path}", timeout=TIMEOUT,
                       json={**prompt, **only_b, "max_tokens": 6, "temperature": 0, "stream": True,
