@@ -422,10 +422,28 @@ def _left_open(messages) -> list:
     return [*messages[:-1], {**last, "wo_eos": True}]
 
 
-def _cut_after_final(text: str, final: str, where: int) -> str:
-    """A rendering without a generation prompt cut right after the final message's text `final` (as transformers'
-    apply_chat_template(continue_final_message=True) cuts it: a trailing space the template trimmed is left out)."""
-    at = text.rfind(final.strip())
+# put after the final message's text to find where the template renders that text's end (private-use characters)
+_FINAL_END = "\ue006\ue007"
+
+
+def _rendered_to_final(chat_template, messages: list, where: int, options: dict) -> str:
+    """The template's rendering of `messages` (a template's, checked) without a generation prompt, cut right after
+    the final message's text (as transformers' apply_chat_template(continue_final_message=True) cuts it: a trailing
+    space the template trimmed is left out). That text is looked for before where the template renders its end (a
+    rendering with _FINAL_END after it says where), not in what follows it: transformers' last occurrence in the
+    whole rendering took a final "<" or ">" to be Qwen3's "<|im_end|>" after it (the prompt "<<", or the turn
+    closed). `where`: the message's index in the request."""
+    final = messages[-1]["content"]
+    text = chat_template.render(messages, add_generation_prompt=False, **options)
+    marked = chat_template.render([*messages[:-1], {**messages[-1], "content": final + _FINAL_END}],
+                                  add_generation_prompt=False, **options)
+    end = marked.find(_FINAL_END) if marked.count(_FINAL_END) == 1 else -1
+    return _cut_after_final(text, final, where, end if 0 <= end <= len(text) else len(text))
+
+
+def _cut_after_final(text: str, final: str, where: int, end: int) -> str:
+    """`text` cut right after the final message's text `final`, its last occurrence ending by `end`."""
+    at = text.rfind(final.strip(), 0, end)
     if at < 0:
         raise ChatInputError(f"messages[{where}].content: the chat template does not render the final message's text "
                              "as it is: there is nothing to go on from (continue_final_message)", "messages")
@@ -462,12 +480,14 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
         options = {} if thinking is None else {"enable_thinking": thinking}
         if tools:
             options["tools"] = tools
-        try:
-            text = chat_template.render(messages, add_generation_prompt=not continue_final, **options)
+        def rendered(conversation: list) -> str:
             if continue_final:
-                text = _cut_after_final(text, messages[-1]["content"], len(messages) - 1)
-            if turn_end is not None:
-                after_end = _after_the_closed_exchange(chat_template.render(_CLOSED_EXCHANGE + messages, **options),
+                return _rendered_to_final(chat_template, conversation, len(messages) - 1, options)
+            return chat_template.render(conversation, **options)
+        try:
+            text = rendered(messages)
+            if turn_end is not None:  # (a final message left open stays open after the closed exchange too)
+                after_end = _after_the_closed_exchange(rendered(_CLOSED_EXCHANGE + messages),
                                                        tok.pieces([turn_end])[0])
                 text = text if after_end is None else after_end
         except MoepackError as e:

@@ -197,6 +197,27 @@ def test_continue_final_message_is_transformers(qwen3_tools, thinking, said):
         assert ids == list(want["input_ids"] if hasattr(want, "keys") else want)
 
 
+@pytest.mark.parametrize("said", ["<", ">", "end", "|>"])
+def test_continue_final_message_goes_on_from_the_final_text_not_the_markup_after_it(qwen3_tools, said):
+    """A final text that the template's markup after it also spells (Qwen3's "<|im_end|>": a prefilled "<" or ">") is
+    continued where the message has it: transformers' last occurrence in the whole rendering had made the prompt
+    "<<" or closed the turn ("><|im_end|>"); continuing a KV (generate --continue-from), the final message stays
+    open after the closed exchange too (it had been closed and a new assistant turn opened)."""
+    directory, path = qwen3_tools
+    with Container(path) as c:
+        template, tok = family_chat_template(c, FAMILY), PromptTokenizer(c)
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": said}]
+    reply = chat_prompt_ids(FAMILY, lambda: tok, messages[:1], thinking=False, template=lambda: template)
+    ids = chat_prompt_ids(FAMILY, lambda: tok, messages, thinking=False, template=lambda: template,
+                          continue_final=True)
+    # (the reply's prompt without thinking ends with the empty thought the final message is rendered after)
+    assert ids == reply + tok.encode(said, special_tokens=False, add_bos=False)
+    end = tok.token_id("<|im_end|>")
+    then = chat_prompt_ids(FAMILY, lambda: tok, messages, thinking=False, template=lambda: template,
+                           continue_final=True, continuing=True, turn_end=end)
+    assert tok.decode(then).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n" + said)
+
+
 def test_a_tool_plans_markup_is_what_its_answer_is_split_at():
     """ToolPlan.markup (kept in the text by skip_special_tokens): a template's tags, a chat encoding's tool-call
     markup (DeepSeek-V4's every piece of it holding its special DSML token), nothing where calls are not parsed."""
