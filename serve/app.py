@@ -1865,10 +1865,10 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                                 "logprobs": None if result.logprobs is None else chat_logprobs(tok, result.logprobs)})
             if prepared.prompt_logprobs is None:
                 return response(job, results, "chat.completion", choices)
-            # (vLLM's: the response's, of the prompt all choices share; on a worker thread, as completions' echo)
-            scored = await run_in_threadpool(vllm_prompt_logprobs, server.tokenizer, results[0].prompt_logprobs,
-                                             prepared.prompt_logprobs)
-            return response(job, results, "chat.completion", choices, prompt_logprobs=scored)
+            # (vLLM's: the response's, of the prompt all choices share; built and its JSON written on a worker thread,
+            # as completions' are: a prompt's length of entries, k + 1 each)
+            return await run_in_threadpool(lambda: response(job, results, "chat.completion", choices, prompt_logprobs=(
+                vllm_prompt_logprobs(server.tokenizer, results[0].prompt_logprobs, prepared.prompt_logprobs))))
 
         def chunk(i, delta, finish=None):
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,

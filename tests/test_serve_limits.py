@@ -447,6 +447,24 @@ def test_health_answers_while_an_echoed_prompts_logprobs_are_built(server, monke
     assert worst < 0.5, worst
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_health_answers_while_vllms_prompt_logprobs_are_written(server, monkeypatch, path):
+    """vLLM's prompt_logprobs answer a prompt's length of entries, k + 1 each (100s of MB of JSON at 128K tokens):
+    the response is built and its JSON written on a worker thread on either endpoint (chat's had been written on
+    the event loop); /health answers meanwhile (here writing them takes 1 s)."""
+    from starlette.responses import JSONResponse
+
+    real = JSONResponse.render
+    monkeypatch.setattr(JSONResponse, "render", lambda self, content: (
+        time.sleep(1.0) if "prompt_logprobs" in json.dumps(content) else None) or real(self, content))
+    prompt = {"prompt": "Once upon a time"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "Once upon a time"}]}
+    worst, r = _health_worst(server.url, lambda: httpx.post(f"{server.url}{path}", timeout=TIMEOUT, json={
+        **prompt, "prompt_logprobs": 2, "max_tokens": 2}))
+    assert r.status_code == 200 and "prompt_logprobs" in r.text, r.text
+    assert worst < 0.5, worst
+
+
 def test_vllms_token_strs_only_within_max_context(server):
     """vLLM's /tokenize form bounds its token strings as llama-server's form bounds its pieces (a JSON string a
     token): a text over max_context asked for them is a 400 naming return_token_strs; its ids alone are answered."""
