@@ -858,15 +858,20 @@ class Server:
         return [p if isinstance(p, str) and not c else self.need_tokenizer("echo").decode(ids)
                 for p, ids, c in zip(_prompts_of(body["prompt"]), prompts, cut)]
 
-    def truncated(self, body: dict, prompts: list[list[int]]) -> tuple[list[list[int]], list[bool]]:
-        """vLLM's truncate_prompt_tokens k: each prompt's last k tokens (-1: the server's context); and which were
-        cut."""
+    def truncated(self, body: dict, prompts: list[list[int]],
+                  default_tokens: int) -> tuple[list[list[int]], list[bool]]:
+        """vLLM's truncate_prompt_tokens k: each prompt's last k tokens (-1: as many as leave the answer room in the
+        server's context, max_tokens or else the endpoint's `default_tokens`, as vLLM's -1 is the context less
+        max_tokens); and which were cut."""
         keep = _value(body, "truncate_prompt_tokens", int_in_range, -1, MAX_TOKENS_LIMIT)
         if keep == 0 or keep is not None and self.context and keep > self.context:
             within = f"[1, {self.context}] (the context)" if self.context else "at least 1"
-            raise RequestError(f"truncate_prompt_tokens: {keep} is not a number of tokens {within}, or -1 for the "
-                               "context", param="truncate_prompt_tokens", code="invalid_value")
-        keep = self.context if keep == -1 else keep
+            raise RequestError(f"truncate_prompt_tokens: {keep} is not a number of tokens {within}, or -1 for what "
+                               "the context holds beside the answer", param="truncate_prompt_tokens",
+                               code="invalid_value")
+        if keep == -1:  # (a prompt of the whole context had been kept: no room for any answer, always a 400)
+            answer = self.max_tokens(body) or default_tokens
+            keep = max(1, self.context - min(answer, self.context - 1)) if self.context else None
         cut = [bool(keep) and len(ids) > keep for ids in prompts]
         return [ids[-keep:] if c else ids for ids, c in zip(prompts, cut)], cut
 
@@ -1031,7 +1036,7 @@ class Server:
         if chat:
             return self.prepared_chat(body, stream, include_usage, usage_so_far, n)
         scored = self.prompt_logprobs(body, stream)
-        prompts, cut = self.truncated(body, self.prompts(body))
+        prompts, cut = self.truncated(body, self.prompts(body), DEFAULT_COMPLETION_TOKENS)
         # (the longest prompt is checked against the context, and caps an omitted max_tokens for all)
         options = self.options(body, max(len(ids) for ids in prompts), DEFAULT_COMPLETION_TOKENS, False, n)
         echo = self.echo_text(body, prompts, cut)
@@ -1052,7 +1057,7 @@ class Server:
                                param="add_special_tokens", code="unsupported_value")
         scored = self.prompt_logprobs(body, stream)
         ids, thought, plan = self.chat_ids(body)
-        [ids], cut = self.truncated(body, [ids])
+        [ids], cut = self.truncated(body, [ids], DEFAULT_CHAT_TOKENS)
         options = _scoring_the_prompt(self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n), scored)
         if self.prompt_cache is not None and options.cache_prompt and not any(cut):
             options = dataclasses.replace(options, snapshot_at=self.next_turn_prefix(body, ids))

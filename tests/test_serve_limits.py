@@ -465,6 +465,24 @@ def test_health_answers_while_vllms_prompt_logprobs_are_written(server, monkeypa
     assert worst < 0.5, worst
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_truncate_prompt_tokens_minus_one_leaves_the_answer_room(server, path):
+    """vLLM's truncate_prompt_tokens -1 keeps as much of the prompt's end as the context holds beside the answer
+    (max_tokens, or the endpoint's default): it had kept the whole context (256 here), always a 400."""
+    from moepack.serve.app import DEFAULT_COMPLETION_TOKENS
+
+    text = "Once upon a time, a fox. " * 20  # (500 tokens)
+    prompt = {"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+    for max_tokens in (10, None):
+        if max_tokens is None and path != "/v1/completions":
+            continue  # (chat's default, 1024 tokens, is over this context: its prompt would keep a token)
+        body = {**prompt, "truncate_prompt_tokens": -1, "temperature": 0,
+                **({} if max_tokens is None else {"max_tokens": max_tokens})}
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 256 - (max_tokens or DEFAULT_COMPLETION_TOKENS)
+
+
 def test_vllms_token_strs_only_within_max_context(server):
     """vLLM's /tokenize form bounds its token strings as llama-server's form bounds its pieces (a JSON string a
     token): a text over max_context asked for them is a 400 naming return_token_strs; its ids alone are answered."""
