@@ -409,11 +409,12 @@ def ends_open(messages) -> bool:
 
 def _left_open(messages) -> list:
     """The conversation with its final message, an assistant's text (no tool calls), left open (`wo_eos`)."""
-    last = messages[-1] if isinstance(messages, list) and messages else None
+    if not isinstance(messages, list) or not messages:  # (none at all had been named messages[-1] or messages[0])
+        raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
+    last = messages[-1]
     if not isinstance(last, dict) or last.get("role") != "assistant" or last.get("tool_calls"):
-        raise ChatInputError(f"messages[{len(messages) - 1 if isinstance(messages, list) else 0}]: "
-                             "continue_final_message goes on from a final assistant message's text (without tool "
-                             "calls)", "messages")
+        raise ChatInputError(f"messages[{len(messages) - 1}]: continue_final_message goes on from a final assistant "
+                             "message's text (without tool calls)", "messages")
     content = last.get("content")
     text = "".join(p.get("text", "") for p in content if isinstance(p, dict)) if isinstance(content, list) else content
     if not isinstance(text, str) or not text.strip():

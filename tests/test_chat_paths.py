@@ -142,6 +142,8 @@ def test_continue_final_message_leaves_a_deepseek_v4_assistant_turn_open(contain
 @pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
 @pytest.mark.parametrize("body, param, words", [
     ({"continue_final_message": True}, "messages", "continue_final_message goes on from a final assistant message"),
+    ({"continue_final_message": True, "messages": []}, "messages", "expected a non-empty list"),
+    ({"continue_final_message": True, "messages": None}, "messages", "expected a non-empty list"),
     ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt", "cannot both"),
     ({"add_generation_prompt": False}, "add_generation_prompt", "is taken with continue_final_message"),
     ({"continue_final_message": "yes"}, "continue_final_message", "expected a boolean"),
