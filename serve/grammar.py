@@ -32,6 +32,7 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 ANY_OBJECT = {"type": "object"}  # response_format json_object: any JSON object
 FORCED_REFUSED = 1000  # forced tokens past max_tokens that refuse a schema (an endless one forces 10,000s)
 PROBED_SCHEMAS = 256  # schemas whose probe (check) is kept
+_UNPROBED = object()
 
 
 class GrammarUnavailable(MoepackError):
@@ -109,14 +110,17 @@ class JsonGrammar:
         Another OutputSpec alike (a regex, choice or grammar no answer matches)."""
         spec = spec if isinstance(spec, OutputSpec) else OutputSpec("json", spec)
         key = json.dumps([spec.kind, spec.value], sort_keys=True)
-        if key not in self._forced:  # (probed once a spec: the probe holds the GIL up to ~0.1 s on an endless one)
+        forced = self._forced.get(key, _UNPROBED)
+        if forced is _UNPROBED:  # (probed once a spec: the probe holds the GIL up to ~0.1 s on an endless one)
             matcher = self.constraint(spec).matcher
             matcher.compute_bitmask()
             forced = None if matcher.is_error() else len(matcher.compute_ff_tokens())
+            forced = None if matcher.is_error() else forced  # (the forced tokens' walk may end in an error itself)
+            # (requests are prepared on several threads: another may evict the same oldest spec meanwhile, or this
+            # one, which had been a KeyError, a 500)
             if len(self._forced) >= PROBED_SCHEMAS:
-                self._forced.pop(next(iter(self._forced)))
-            self._forced[key] = None if matcher.is_error() else forced
-        forced = self._forced[key]
+                self._forced.pop(next(iter(self._forced), None), None)
+            self._forced[key] = forced
         if forced is None:
             raise MoepackError("no JSON value satisfies the schema (does it only refer to itself?)" if spec.kind == "json"
                                else f"no answer satisfies the {spec.what}")

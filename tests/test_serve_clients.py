@@ -737,6 +737,28 @@ def test_a_schema_no_answer_can_satisfy_is_a_400_before_any_token(server, stream
     assert len(probes) == 0  # probed by the requests above already
 
 
+def test_the_probe_cache_is_safe_beside_other_requests_threads(server, monkeypatch):
+    """Requests are prepared on several worker threads: one evicting the oldest probed spec while another had chosen
+    the same one to evict (or had its own evicted) had been a KeyError, a 500. The interleaving is made here: the
+    cache, full, loses its oldest entry to 'another thread' between this one choosing it and popping it."""
+    from moepack.serve import grammar as grammar_module
+
+    _needs_llguidance()
+
+    class EvictedMeanwhile(dict):
+        def __iter__(self):
+            keys = list(dict.__iter__(self))
+            dict.pop(self, keys[0])
+            return iter(keys)
+
+    grammar = server.state.json_grammar()
+    monkeypatch.setattr(grammar_module, "PROBED_SCHEMAS", 2)
+    monkeypatch.setattr(grammar, "_forced", EvictedMeanwhile())
+    for i in range(4):
+        grammar.check(grammar_module.OutputSpec("choice", [f"c{i}"]), 10)
+    assert len(grammar._forced) <= 2
+
+
 def test_without_llguidance_response_format_names_the_extra(server, monkeypatch):
     import builtins
 
