@@ -1052,8 +1052,8 @@ class Server:
         completions' and the Responses API's (serve/responses.py, its request put as a chat's)."""
         # (vLLM's add_special_tokens: false, its default for chat, is what is done)
         if _get(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean"):
-            raise RequestError("add_special_tokens: a chat's prompt is its template's or encoding's, special tokens "
-                               "and all (a BOS would be doubled): leave it out or give false",
+            raise RequestError("add_special_tokens: a chat's prompt is its template's or encoding's, special "
+                               "tokens and all (a BOS would be doubled): leave it out or give false",
                                param="add_special_tokens", code="unsupported_value")
         scored = self.prompt_logprobs(body, stream)
         ids, thought, plan = self.chat_ids(body)

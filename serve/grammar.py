@@ -122,8 +122,8 @@ class JsonGrammar:
                 self._forced.pop(next(iter(self._forced), None), None)
             self._forced[key] = forced
         if forced is None:
-            raise MoepackError("no JSON value satisfies the schema (does it only refer to itself?)" if spec.kind == "json"
-                               else f"no answer satisfies the {spec.what}")
+            raise MoepackError("no JSON value satisfies the schema (does it only refer to itself?)"
+                               if spec.kind == "json" else f"no answer satisfies the {spec.what}")
         if forced >= max(max_tokens, FORCED_REFUSED):
             raise MoepackError(f"the {spec.what} forces the answer's first {forced} tokens, and max_tokens is "
                                f"{max_tokens}: no answer could complete it (does a required part recur without end?)")
