@@ -42,7 +42,7 @@ class GrammarUnavailable(MoepackError):
 class OutputSpec(NamedTuple):
     """What the answer must be: `kind` "json" (value: a JSON schema, a dict), "regex" (a regular expression the whole
     answer matches), "choice" (a list of strings: the answer is one of them) or "grammar" (a Lark grammar in
-    llguidance's dialect); `field`: the request field that asked for it (its errors name it)."""
+    llguidance's dialect, or GBNF); `field`: the request field that asked for it (its errors name it)."""
     kind: str
     value: object
     field: str = "response_format"
@@ -61,7 +61,15 @@ class OutputSpec(NamedTuple):
         if self.kind == "choice":  # (each a Lark string literal: JSON's escapes)
             return llg.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.value))
-        return llg.LLMatcher.grammar_from_lark(self.value)
+        # (a GBNF grammar, `root ::= ...`, as vLLM's default backend and llama.cpp take it, is converted to Lark as
+        # vLLM's guidance backend converts it; a Lark grammar is left as it is)
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            lark = any_to_lark(self.value)
+        except Exception as e:  # noqa: BLE001 - the converter's own errors (GbnfToLarkError, a rule not found)
+            raise ValueError(f"the GBNF grammar could not be read: {e}") from None
+        return llg.LLMatcher.grammar_from_lark(lark)
 
 
 def _llguidance():

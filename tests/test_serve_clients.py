@@ -653,6 +653,9 @@ def test_vllms_structured_outputs_constrain_the_answer(server, path):
              ({"guided_json": schema}, lambda t: json.loads(t)["n"] in (1, 2, 3)),
              ({"structured_outputs": {"json": json.dumps(schema)}}, lambda t: set(json.loads(t)) == {"n"}),
              ({"guided_grammar": 'start: "a"+ "!"'}, lambda t: re.fullmatch("a+!", t)),
+             # (GBNF, as vLLM's default backend takes a grammar)
+             ({"structured_outputs": {"grammar": 'root ::= "b"+ tail\ntail ::= "?"'}},
+              lambda t: re.fullmatch(r"b+\?", t)),
              # (any object: a random model's keys run on past max_tokens; its start is the grammar's)
              ({"structured_outputs": {"json_object": True}}, lambda t: t.startswith('{'))]
     for seed, (asked, holds) in enumerate(cases):
@@ -675,6 +678,8 @@ def test_vllms_structured_outputs_constrain_the_answer(server, path):
     ({"structured_outputs": "a"}, "structured_outputs"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    ({"guided_grammar": "root ::= ("}, "guided_grammar"),
+    ({"guided_grammar": "root ::= undefined"}, "guided_grammar"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_choice": ["a", ""]}, "guided_choice"),
     ({"guided_choice": "a"}, "guided_choice"),
