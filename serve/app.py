@@ -858,11 +858,12 @@ class Server:
         return [p if isinstance(p, str) and not c else self.need_tokenizer("echo").decode(ids)
                 for p, ids, c in zip(_prompts_of(body["prompt"]), prompts, cut)]
 
-    def truncated(self, body: dict, prompts: list[list[int]],
-                  default_tokens: int) -> tuple[list[list[int]], list[bool]]:
+    def truncated(self, body: dict, prompts: list[list[int]], default_tokens: int,
+                  leading: Sequence[int] = ()) -> tuple[list[list[int]], list[bool]]:
         """vLLM's truncate_prompt_tokens k: each prompt's last k tokens (-1: as many as leave the answer room in the
         server's context, max_tokens or else the endpoint's `default_tokens`, as vLLM's -1 is the context less
-        max_tokens); and which were cut."""
+        max_tokens); and which were cut. `leading`: how many tokens the tokenizer put in front of each prompt (a
+        text prompt's BOS), kept in front of the k (as the tokenizer's own truncation in vLLM keeps them)."""
         keep = _value(body, "truncate_prompt_tokens", int_in_range, -1, MAX_TOKENS_LIMIT)
         if keep == 0 or keep is not None and self.context and keep > self.context:
             within = f"[1, {self.context}] (the context)" if self.context else "at least 1"
@@ -873,7 +874,9 @@ class Server:
             answer = self.max_tokens(body) or default_tokens
             keep = max(1, self.context - min(answer, self.context - 1)) if self.context else None
         cut = [bool(keep) and len(ids) > keep for ids in prompts]
-        return [ids[-keep:] if c else ids for ids, c in zip(prompts, cut)], cut
+        leading = list(leading) or [0] * len(prompts)
+        return [ids[:lead] + ids[len(ids) - max(keep - lead, 0):] if c else ids
+                for ids, c, lead in zip(prompts, cut, leading)], cut
 
     def answer_tokenizer(self, body: dict, markup: Sequence[str] = ()):
         """What the answer's text is decoded with: the tokenizer, or (vLLM's skip_special_tokens) it leaving out the
@@ -1036,10 +1039,15 @@ class Server:
         if chat:
             return self.prepared_chat(body, stream, include_usage, usage_so_far, n)
         scored = self.prompt_logprobs(body, stream)
-        prompts, cut = self.truncated(body, self.prompts(body), DEFAULT_COMPLETION_TOKENS)
+        prompts = self.prompts(body)
+        bos = self.tokenizer.bos_id if self.tokenizer is not None else None
+        # (a text prompt's BOS is the tokenizer's: its text cannot spell one)
+        added = [int(isinstance(p, str) and bos is not None and ids[:1] == [bos])
+                 for p, ids in zip(_prompts_of(body["prompt"]), prompts)]
+        prompts, cut = self.truncated(body, prompts, DEFAULT_COMPLETION_TOKENS, added)
         # (the longest prompt is checked against the context, and caps an omitted max_tokens for all)
         options = self.options(body, max(len(ids) for ids in prompts), DEFAULT_COMPLETION_TOKENS, False, n)
-        echo = self.echo_text(body, prompts, cut)
+        echo = self.echo_text(body, [ids[lead:] for ids, lead in zip(prompts, added)], cut)
         if echo is not None and options.logprobs is not None:  # the echoed prompt's tokens get theirs too (lm-eval)
             options = dataclasses.replace(options, prompt_logprobs=options.logprobs)
         return Prepared(prompts, _scoring_the_prompt(options, scored), stream, include_usage, usage_so_far, n=n,

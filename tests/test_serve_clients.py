@@ -1565,8 +1565,9 @@ def test_skip_special_tokens_keeps_the_chats_own_markup(tiny_path, tmp_path):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_truncate_prompt_tokens_keeps_the_prompts_end(server, path):
     """vLLM's truncate_prompt_tokens k: the prompt's last k tokens are what is prefilled (the answer is that of
-    those ids sent as the prompt, usage counts them; echo gives their text); -1 the context; 0, or over the
-    context, a 400 naming it."""
+    those ids sent as the prompt, usage counts them; echo gives their text), a text prompt's BOS kept in front of
+    the last k - 1 (as vLLM's tokenizer truncation keeps it; it had been cut off with the text); -1 the context;
+    0, or over the context, a 400 naming it."""
     prompt = {"prompt": "Once upon a time there was"} if path == "/v1/completions" else {"messages": CHAT}
 
     def post(**extra):
@@ -1579,12 +1580,18 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server, path):
     cut = post(truncate_prompt_tokens=3).json()
     assert cut["usage"]["prompt_tokens"] == 3
     if path == "/v1/completions":
-        ids = server.tok.encode(prompt["prompt"], special_tokens=False)[-3:]
+        whole_ids = server.tok.encode(prompt["prompt"], special_tokens=False)
+        assert whole_ids[0] == server.tok.bos_id
+        ids = whole_ids[:1] + whole_ids[-2:]
         alone = httpx.post(f"{server.url}{path}", json={"prompt": ids, "max_tokens": 3, "temperature": 0},
                            timeout=TIMEOUT).json()
         assert cut["choices"][0]["text"] == alone["choices"][0]["text"]
-        echoed = post(truncate_prompt_tokens=3, echo=True, max_tokens=1).json()["choices"][0]["text"]
-        assert echoed.startswith(server.tok.decode(ids))
+        echoed = post(truncate_prompt_tokens=3, echo=True, max_tokens=1, logprobs=0).json()["choices"][0]
+        text, logprobs = echoed["text"], echoed["logprobs"]
+        assert text.startswith(server.tok.decode(ids[1:])) and logprobs["text_offset"][:3] == [0, 0, 1]
+        untouched = {"prompt": whole_ids[1:], "truncate_prompt_tokens": 3, "max_tokens": 1}  # (ids: their last 3)
+        r = httpx.post(f"{server.url}{path}", json=untouched, timeout=TIMEOUT).json()
+        assert r["usage"]["prompt_tokens"] == 3
     for bad in (0, -2, 10 ** 7, "3"):
         assert _error_of(post(truncate_prompt_tokens=bad), 400)["param"] == "truncate_prompt_tokens", bad
 
