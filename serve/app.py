@@ -946,7 +946,7 @@ class Server:
         messages = body.get("messages")
         thinking = _thinking_flag(body)
         effort = _get(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
-        continue_final = self.continues_final(body) or ends_open(messages)
+        continue_final = self.continues_final(body) or self.left_open_by_its_message(body)
         encoding, plan, after, inserted = self.encoding, ToolPlan(None, False), (), 0
         if isinstance(messages, list) and messages:
             if encoding is None:
@@ -1017,6 +1017,21 @@ class Server:
                                "that opens no assistant turn would have the model go on with the last message)",
                                param="add_generation_prompt", code="unsupported_value")
         return go_on
+
+    @staticmethod
+    def left_open_by_its_message(body: dict) -> bool:
+        """Whether the conversation's final message says it is left open (its `wo_eos`, the release encoder's
+        field); a request that also says otherwise (continue_final_message false, add_generation_prompt true) is
+        a 400 rather than one of them silently winning."""
+        if not ends_open(body.get("messages")):
+            return False
+        said = next((f for f, v in (("continue_final_message", False), ("add_generation_prompt", True))
+                     if body.get(f) is v), None)
+        if said is not None:
+            raise RequestError(f"{said}: the final message's wo_eos leaves it open to be continued, and {said} "
+                               f"{str(body[said]).lower()} says otherwise: give one", param=said,
+                               code="invalid_value")
+        return True
 
     @staticmethod
     def prompt_logprobs(body: dict, stream: bool) -> int | None:
