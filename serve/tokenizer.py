@@ -481,6 +481,7 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
         options = {} if thinking is None else {"enable_thinking": thinking}
         if tools:
             options["tools"] = tools
+
         def rendered(conversation: list) -> str:
             if continue_final:
                 return _rendered_to_final(chat_template, conversation, len(messages) - 1, options)
