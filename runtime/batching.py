@@ -38,6 +38,14 @@ rows; its prefill stats are its own tokens, the seconds of the passes it was in,
 `group_tokens` (the pass's bytes read are the group's). The cache is seeded with a prompt's experts only when its
 sequence is about to decode alone.
 
+Shared prefills: a newcomer whose prompt is the very prompt of a sequence prefilling (a request's n choices,
+identical requests at once) follows that prefill instead of running its own: once the prompt is through, each
+follower continues a copy of its states (as a prompt cache hit does) from the same logits, its prefill stats the
+leader's with `shared_tokens` (the counter `shared_tokens` sums them). A follower takes a batch slot and its KV is
+counted by the memory checks from its admission; one stopped while it waits leaves at once; a leader stopped hands
+its prefill, as far as it got, to its first follower still there; a failed prefill fails its followers too.
+prompt_logprobs and cache_prompt false prefill their own.
+
 With a prompt cache (`prompt_cache_bytes`, runtime/prompt_cache.py): a newcomer whose ids start with a kept
 snapshot's continues a copy of the longest one (admitted with its `states` and `prefilled` as if a chunk had run;
 the whole prompt there: it decodes at once, its first token from the snapshot's logits); a snapshot is kept where a
@@ -57,6 +65,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moepack.families import kv_directory as kvd
 from moepack.format_spec.errors import MoepackError
 
 from .decode import DecodeSequence
@@ -92,6 +101,10 @@ class _Sequence:
     error: BaseException | None = None  # what its `cancelled` raised: it fails with it
     cached: bool = True  # it may continue, and leave, the prompt cache's snapshots (a request's cache_prompt)
     snapshot_at: int = 0  # a prompt position whose state the prompt cache keeps too: its prefill stops there once
+    shares: bool = True  # it may share its prefill with a sequence of the same prompt (a request's cache_prompt)
+    # admitted sequences of the same prompt waiting for this one's prefill (n choices, identical requests): each
+    # then continues a copy of its states, none prefills the prompt again
+    followers: list["_Sequence"] = field(default_factory=list)
 
     def settle(self, result: GenerateResult | None = None, error: BaseException | None = None) -> None:
         """Its future given `error` (or `result`), unless its caller cancelled the future (Future.cancel)."""
@@ -145,6 +158,7 @@ class BatchScheduler:
         self._prefilling: list[_Sequence] = []
         self._engine: StreamingPrefill | None = None
         self._active: list[_Sequence] = []
+        self.shared_tokens = 0  # prompt tokens sequences took from another's prefill of the same prompt (followers)
         self._thread = threading.Thread(target=self._run, name="moepack-batch", daemon=True)
         self._thread.start()
 
@@ -183,7 +197,8 @@ class BatchScheduler:
         with self._cv:
             if self._closed:
                 raise MoepackError("the batch scheduler is closed")
-            self._waiting.append(_Sequence(ids, out, future, cancelled, detokenize, cached=cached, snapshot_at=at))
+            self._waiting.append(_Sequence(ids, out, future, cancelled, detokenize, cached=cached, snapshot_at=at,
+                                           shares=options.cache_prompt and options.prompt_logprobs is None))
             self._cv.notify()
         return future
 
@@ -217,7 +232,7 @@ class BatchScheduler:
                         break
                     # those their callers gave up on while waiting (Future.cancel) take no slot: never run
                     self._waiting = deque(s for s in self._waiting if not s.future.cancelled())
-                    room = self.max_batch - len(self._active) - len(self._prefilling)
+                    room = self.max_batch - len(self._active) - len(self._admitted_prefills())
                     newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 for s in newcomers:
                     self._admit(s)
@@ -228,7 +243,7 @@ class BatchScheduler:
         finally:
             with self._cv:
                 self._closed = True
-                left = [*self._waiting, *self._active, *self._prefilling]
+                left = [*self._waiting, *self._active, *self._admitted_prefills()]
                 self._waiting.clear()
             self._release_engine()
             for s in left:
@@ -254,11 +269,15 @@ class BatchScheduler:
             return
         g = self.generator
         s.reserved_tokens = len(s.ids) + s.out.max_new_tokens
-        others = [a.reserved_tokens for a in (*self._active, *self._prefilling)]
+        others = [a.reserved_tokens for a in (*self._active, *self._admitted_prefills())]
         try:
             s.bound = self._without_cache_if_refused(lambda: g._check_memory(s.reserved_tokens, others))
         except BaseException as e:
             s.settle(error=e)
+            return
+        leader = self._same_prompt_prefilling(s)
+        if leader is not None:  # (before the cache: its prefill is under way, a cache entry would be copied)
+            leader.followers.append(s)
             return
         try:  # (prompt_logprobs score every prompt position: the head must run over all of them)
             reuse = self.prompt_cache.lookup(s.ids.tolist()) if (
@@ -276,6 +295,60 @@ class BatchScheduler:
         else:  # (its first token from the entry's logits; the cache seeded as for a prompt decoding beside others)
             self._start_decoding(s, reuse.logits, seed=False)
 
+    def _admitted_prefills(self) -> list[_Sequence]:
+        """The sequences prefilling and those waiting for one of them to end its prefill (its followers)."""
+        return [a for s in self._prefilling for a in (s, *s.followers)]
+
+    def _same_prompt_prefilling(self, s: _Sequence) -> _Sequence | None:
+        """A sequence prefilling s's very prompt whose states s may continue a copy of (n choices of one prompt,
+        or identical requests at once), None if none: its prefill is then computed once, not once each. Not with
+        prompt_logprobs (a scored prompt's chunks go their own way) nor cache_prompt false (its own prefill)."""
+        if not s.shares:
+            return None
+        for other in self._prefilling:
+            if other.shares and len(other.ids) == len(s.ids) and torch.equal(other.ids, s.ids):
+                return other
+        return None
+
+    def _handed_over(self, s: _Sequence) -> _Sequence | None:
+        """s (prefilling) stops: its first follower not stopped takes its place, its states and progress (and the
+        other followers not stopped), so their prefill goes on; the stopped ones stay s's followers (they leave
+        cancelled with it). None: none was left."""
+        followers, s.followers = s.followers, []
+        heir = None
+        for f in followers:
+            if self._stop_asked(f):
+                s.followers.append(f)
+            elif heir is None:
+                heir = f
+            else:
+                heir.followers.append(f)
+        if heir is None:
+            return None
+        heir.states, heir.prefilled, heir.counts = s.states, s.prefilled, s.counts
+        heir.prefill_stats, heir.last_logits, heir.snapshot_at = s.prefill_stats, s.last_logits, s.snapshot_at
+        self._prefilling[self._prefilling.index(s)] = heir
+        return heir
+
+    def _followers_start(self, s: _Sequence, logits: torch.Tensor) -> list[tuple[_Sequence, torch.Tensor]]:
+        """s's prompt is through: each of its followers takes a copy of its states (as a prompt cache hit does)
+        and the logits after the prompt, with s's prefill stats (its pass's seconds; `shared_tokens` the prompt
+        tokens it did not prefill itself). One whose copy fails (memory) fails alone."""
+        started = []
+        followers, s.followers = s.followers, []
+        for f in followers:
+            try:
+                f.states = kvd.copied_states(self.generator.kv_format(), self.generator.c.config, s.states)
+            except BaseException as e:
+                f.settle(error=e)
+                continue
+            f.prefilled = len(f.ids)
+            f.counts = None if s.counts is None else [list(c) for c in s.counts]
+            f.prefill_stats = {**s.prefill_stats, "shared_tokens": len(f.ids)}
+            self.shared_tokens += len(f.ids)
+            started.append((f, logits.clone()))
+        return started
+
     def _without_cache_if_refused(self, check: Callable[[], int | None]) -> int | None:
         """check() (a memory check), run again once the prompt cache is emptied if it refused with entries held:
         what fits without the cache never fails for it."""
@@ -287,9 +360,12 @@ class BatchScheduler:
         return check()
 
     def _fail(self, s: _Sequence, e: BaseException) -> None:
+        """s fails with `e`, and so do the sequences waiting for its prefill (theirs would fail alike)."""
         if s in self._prefilling:
             self._prefilling.remove(s)
-        s.settle(error=e)
+        for f in (s, *s.followers):
+            f.settle(error=e)
+        s.followers = []
 
     def _release_engine(self) -> None:
         """No prompt prefilling (or its pass stopped or failed): the generator's prefill engine let go of, its pools
@@ -299,9 +375,16 @@ class BatchScheduler:
             self._engine.after_prompt()
             self._engine = None
 
-    def _cancel_in_prefill(self, s: _Sequence, layers_done: int) -> None:
-        self._prefilling.remove(s)
-        s.settle(cancelled_in_prefill(GenerationCancelled(layers_done), s.detokenize), s.error)
+    def _cancel_in_prefill(self, s: _Sequence, layers_done: int, hand_over: bool = True) -> _Sequence | None:
+        """s leaves cancelled. Its states whole (`hand_over`), a follower not stopped takes its place in the
+        prefill (_handed_over, returned); else its followers leave cancelled too."""
+        heir = self._handed_over(s) if hand_over else None
+        if heir is None:
+            self._prefilling.remove(s)
+        for f in (s, *s.followers):
+            f.settle(cancelled_in_prefill(GenerationCancelled(layers_done), f.detokenize), f.error)
+        s.followers = []
+        return heir
 
     def _group(self) -> tuple[list[_Sequence], list[int]]:
         """This turn's prefill group and each one's tokens: PREFILL_CHUNK tokens in all while others decode (none:
@@ -334,6 +417,11 @@ class BatchScheduler:
     def _prefill_turn(self) -> None:
         """One grouped prefill pass (StreamingPrefill.run_many) of the prompts prefilling: each of its chunk (the
         _group), continuing its states; those whose prompt is done then take their first token and decode."""
+        for s in self._prefilling:  # followers stopped while they wait: gone at once
+            stopped = [f for f in s.followers if self._stop_asked(f)]
+            s.followers = [f for f in s.followers if f not in stopped]
+            for f in stopped:
+                f.settle(cancelled_in_prefill(GenerationCancelled(0), f.detokenize), f.error)
         for s in [s for s in self._prefilling if self._stop_asked(s)]:  # stopped before the pass: no work for them
             self._cancel_in_prefill(s, 0)
         if not self._prefilling:
@@ -369,11 +457,11 @@ class BatchScheduler:
                 # the pass stops (before its next layer) once every prompt in it is stopped; one of several
                 # stopped goes on to the pass's end (its rows are the others' weight reads' passengers) and then
                 # leaves with a cancelled result
-                should_stop=lambda: all(self._stop_asked(s) for s in group))
-        except GenerationCancelled as e:  # the pass gave back what it had read
+                should_stop=lambda: all(self._stop_asked(a) for s in group for a in (s, *s.followers)))
+        except GenerationCancelled as e:  # the pass gave back what it had read (its states are not whole)
             self._release_engine()
             for s in group:
-                self._cancel_in_prefill(s, e.layers_done)
+                self._cancel_in_prefill(s, e.layers_done, hand_over=False)
             return
         except BaseException as e:  # the pass is shared (a read or compute error): every prompt in it fails
             self._release_engine()
@@ -392,12 +480,12 @@ class BatchScheduler:
                 s.last_logits = result.logits
             if s.prefilled == s.snapshot_at:
                 self._keep(s, s.ids[:s.prefilled].tolist(), s.states, result.logits)
-            if self._stop_asked(s):
-                self._cancel_in_prefill(s, len(self.generator.c.layers))
-            elif s.prefilled == len(s.ids):
+            if self._stop_asked(s) and (s := self._cancel_in_prefill(s, len(self.generator.c.layers))) is None:
+                continue  # (else a follower of its goes on in its place)
+            if s.prefilled == len(s.ids):
                 self._prefilling.remove(s)
                 self._keep(s, s.ids.tolist(), s.states, result.logits)
-                finished.append((s, result.logits))
+                finished += [(s, result.logits), *self._followers_start(s, result.logits)]
         if not self._prefilling:
             self._release_engine()
         with self._cv:

@@ -17,7 +17,8 @@ Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the ge
 (runtime/batching.py): up to max_batch sequences decode together, one step feeding each its next token, a newcomer
 joining between steps once its prefill is done (the newcomers' prompts prefilled together, one pass per turn of
 `prefill_chunk` tokens in all while others decode), and a sequence leaving at its end or when stopped; a request's
-n choices decode side by side (streamed: interleaved, each chunk's choices[0].index naming its choice, each one's
+n choices decode side by side, their prompt prefilled once (BatchScheduler's shared prefills: so too for
+identical prompts that arrive together) (streamed: interleaved, each chunk's choices[0].index naming its choice, each one's
 finish chunk sent as it ends; one that fails stops the others and fails the request). Each request waits for its
 generations on a thread of an executor of max_queue threads. With max_batch 1 every generation runs on ONE worker
 thread (a single-thread executor) through Generator.generate, in arrival order, the choices one after the other.
@@ -388,7 +389,8 @@ class Server:
         self.scheduler: BatchScheduler | None = None
         self.metrics = ServerMetrics(cache_counts_of(generator), lambda: self.in_flight,
                                      lambda: self.scheduler.decoding if self.scheduler is not None else None,
-                                     lambda: self.prompt_cache)
+                                     lambda: self.prompt_cache,
+                                     lambda: self.scheduler.shared_tokens if self.scheduler is not None else None)
         self.scheduler = BatchScheduler(generator, max_batch, prefill_chunk, self.metrics.batch_size.observe,
                                         prompt_cache_bytes=cache_bytes) if max_batch > 1 else None
         self.prompt_cache = self.scheduler.prompt_cache if self.scheduler is not None else None

@@ -14,6 +14,8 @@
     moepack_prompt_cache_hits_total                 prompts that continued a prompt cache entry (--prompt-cache-gib)
     moepack_prompt_cache_tokens_total               prompt tokens those hits did not prefill
     moepack_prompt_cache_bytes                      what the prompt cache holds now
+    moepack_shared_prefill_tokens_total             prompt tokens a sequence took from another's prefill of the same
+                                                    prompt (n choices, identical requests at once; --max-batch > 1)
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 class ServerMetrics:
     def __init__(self, cache_counts: Callable[[], tuple[int, int] | None], in_flight: Callable[[], int],
-                 decoding: Callable[[], int | None] = lambda: None, prompt_cache: Callable[[], object] = lambda: None):
-        """`decoding()`: the sequences decoding now, None where nothing batches them (no gauge then).
+                 decoding: Callable[[], int | None] = lambda: None, prompt_cache: Callable[[], object] = lambda: None,
+                 shared_tokens: Callable[[], int | None] = lambda: None):
+        """`decoding()`: the sequences decoding now, None where nothing batches them (no gauge then); so too
+        `shared_tokens()`, the prompt tokens taken from another sequence's prefill.
         `prompt_cache()`: the batch scheduler's PromptCache, None where there is none (no prompt cache metrics)."""
         from prometheus_client import CollectorRegistry, Counter, Histogram
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -63,6 +67,10 @@ class ServerMetrics:
                 if now is not None:
                     yield GaugeMetricFamily("moepack_sequences_decoding", "Sequences decoding together now",
                                             value=now)
+                shared = shared_tokens()
+                if shared is not None:
+                    yield CounterMetricFamily("moepack_shared_prefill_tokens", "Prompt tokens taken from another "
+                                              "sequence's prefill of the same prompt", value=shared)
                 cache = prompt_cache()
                 if cache is not None:
                     yield CounterMetricFamily("moepack_prompt_cache_hits", "Prompts that continued a prompt cache "
