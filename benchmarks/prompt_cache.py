@@ -6,6 +6,10 @@ Per server it prints each turn's prompt tokens, the tokens its prefill took from
 (usage.prompt_tokens_details.cached_tokens), its prefill seconds and the time to its first token, both from the
 server's log line (prefill_s, first_token_s); the second turn's is what the cache saves.
 
+Then, on the server with the cache on, a completion of n = 4 sampled choices of the long message: each choice
+prefilling its own prompt (cache_prompt false) and the choices sharing one prefill (the default), wall time and
+prefill seconds each.
+
     python benchmarks/prompt_cache.py [--preset small|medium] [--container FILE] [--words 600] [--device cpu]
 Loopback only; the servers are stopped at the end."""
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 
 import httpx
 
@@ -44,6 +49,22 @@ def two_turns(server: Server, words: int) -> list[dict]:
     return rows
 
 
+def n_choices(server: Server, words: int, n: int = 4) -> list[dict]:
+    """A completion of n sampled choices of the long message, with and without a shared prefill."""
+    prompt = " ".join((PARAGRAPH * (words // 30 + 1)).split()[:words])
+    rows = []
+    with httpx.Client(base_url=server.url, timeout=900) as http:
+        for shared in (False, True):
+            t0 = time.perf_counter()
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16, "n": n, "temperature": 1.0,
+                                                   "seed": 1, "cache_prompt": shared})
+            r.raise_for_status()
+            wall = time.perf_counter() - t0
+            rows.append({"shared": shared, "prompt_tokens": r.json()["usage"]["prompt_tokens"], "wall_s": wall,
+                         "prefill_s": _field(server.log_lines()[-1], "prefill_s")})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "moepack-serve-load"))
@@ -63,6 +84,11 @@ def main() -> None:
             for turn, row in enumerate(two_turns(server, args.words), 1):
                 print(f"{'on' if gib != '0' else 'off'} | {turn} | {row['prompt_tokens']} | {row['cached_tokens']} | "
                       f"{row['prefill_s']} | {row['first_token_s']}")
+            if gib != "0":
+                print("\nn = 4 choices | prompt tokens | wall s | prefill s (the request's log line)")
+                for row in n_choices(server, args.words):
+                    print(f"{'one shared prefill' if row['shared'] else 'a prefill each (cache_prompt false)'} | "
+                          f"{row['prompt_tokens']} | {row['wall_s']:.3f} | {row['prefill_s']}")
         finally:
             server.stop()
 

@@ -184,6 +184,27 @@ class BatchScheduler:
         the memory check refuses, or that fails, raises from its future. Its future cancelled (Future.cancel) stops
         it as `cancelled()` would. Its prefill stats' `cached_tokens`: the prompt tokens it took from the prompt
         cache (options.cache_prompt False: it neither takes nor leaves an entry)."""
+        return self.submit_together([dict(token_ids=token_ids, options=options, detokenize=detokenize,
+                                          on_text=on_text, on_token=on_token, cancelled=cancelled,
+                                          on_prompt_logprobs=on_prompt_logprobs)])[0]
+
+    def submit_together(self, calls: list[dict]) -> list[Future]:
+        """Several generations queued at once, each call a dict of submit's arguments: the worker admits them in
+        one turn where the batch has room (a request's n choices: their prompt then prefilled once, the shared
+        prefill). Bad options or ids in any raise here, and none is queued."""
+        sequences = [self._sequence(**call) for call in calls]
+        with self._cv:
+            if self._closed:
+                raise MoepackError("the batch scheduler is closed")
+            self._waiting.extend(sequences)
+            self._cv.notify()
+        return [s.future for s in sequences]
+
+    def _sequence(self, token_ids, options: GenerateOptions | None = None,
+                  detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
+                  on_token: Callable[[int, TokenLogprob | None], None] | None = None,
+                  cancelled: Callable[[], bool] | None = None,
+                  on_prompt_logprobs: Callable[[list], None] | None = None) -> _Sequence:
         out = SequenceOutput(options or GenerateOptions(), self.generator.eos_ids, detokenize, on_text, on_token,
                              on_prompt_logprobs)
         ids = prompt_ids(token_ids)
@@ -193,14 +214,8 @@ class BatchScheduler:
         cached = self.prompt_cache is not None and options.cache_prompt
         at = options.snapshot_at or 0
         at = at if cached and self.prompt_cache.min_tokens <= at < len(ids) else 0
-        future: Future = Future()
-        with self._cv:
-            if self._closed:
-                raise MoepackError("the batch scheduler is closed")
-            self._waiting.append(_Sequence(ids, out, future, cancelled, detokenize, cached=cached, snapshot_at=at,
-                                           shares=options.cache_prompt and options.prompt_logprobs is None))
-            self._cv.notify()
-        return future
+        return _Sequence(ids, out, Future(), cancelled, detokenize, cached=cached, snapshot_at=at,
+                         shares=options.cache_prompt and options.prompt_logprobs is None)
 
     def generate(self, token_ids, options: GenerateOptions | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, on_text: Callable[[str], None] | None = None,
@@ -271,7 +286,8 @@ class BatchScheduler:
         s.reserved_tokens = len(s.ids) + s.out.max_new_tokens
         others = [a.reserved_tokens for a in (*self._active, *self._admitted_prefills())]
         try:
-            s.bound = self._without_cache_if_refused(lambda: g._check_memory(s.reserved_tokens, others))
+            s.bound = self._evicting_if_refused(
+                lambda freeable: g._check_memory(s.reserved_tokens, others, freeable=freeable))
         except BaseException as e:
             s.settle(error=e)
             return
@@ -349,15 +365,25 @@ class BatchScheduler:
             started.append((f, logits.clone()))
         return started
 
-    def _without_cache_if_refused(self, check: Callable[[], int | None]) -> int | None:
-        """check() (a memory check), run again once the prompt cache is emptied if it refused with entries held:
-        what fits without the cache never fails for it."""
+    def _evicting_if_refused(self, check: Callable[[int], int | None]) -> int | None:
+        """check(freeable) (a memory check, counting `freeable` bytes of the prompt cache as given back), run
+        again after each prompt cache entry evicted (least recently used first) while it refuses: what fits
+        without the cache never fails for it, what fits beside some of it leaves those, and what is refused even
+        without it (a request past the memory) evicts nothing."""
+        cache = self.prompt_cache
         try:
-            return check()
+            return check(0)
         except MoepackError:
-            if self.prompt_cache is None or not self.prompt_cache.clear():
+            if cache is None or not len(cache):
                 raise
-        return check()
+            check(cache.nbytes)  # (refused however much is evicted: raises, the cache kept)
+        while True:
+            cache.evict_oldest()
+            try:
+                return check(0)
+            except MoepackError:
+                if not len(cache):
+                    raise
 
     def _fail(self, s: _Sequence, e: BaseException) -> None:
         """s fails with `e`, and so do the sequences waiting for its prefill (theirs would fail alike)."""
@@ -437,9 +463,10 @@ class BatchScheduler:
         group, sizes = self._group()
         while True:  # the group's working set must fit: the last to join waits for a later turn, one alone fails
             try:
-                self._without_cache_if_refused(lambda: self._engine.check_memory(
+                self._evicting_if_refused(lambda freeable: self._engine.check_memory(
                     sum(s.prefilled + n for s, n in zip(group, sizes)),
-                    sum(n for s, n in zip(group, sizes) if s.out.prompt_logprobs_k is not None)))
+                    sum(n for s, n in zip(group, sizes) if s.out.prompt_logprobs_k is not None),
+                    freeable_bytes=freeable))
                 break
             except MoepackError as e:
                 if len(group) == 1:

@@ -652,11 +652,11 @@ class StreamingPrefill:
             return torch.cat(out, dim=-1).cpu()
 
     # --- before and after ----------------------------------------------------------------------------------------
-    def check_memory(self, n_tokens: int, scored_tokens: int = 0) -> None:
+    def check_memory(self, n_tokens: int, scored_tokens: int = 0, freeable_bytes: int = 0) -> None:
         """Refuse a prompt (or prompts prefilled together: n_tokens is all of theirs) whose working set cannot fit,
         before reading or computing anything (memory.check_prefill_memory, with this prefill's pool and threads).
         `scored_tokens`: the positions whose prompt_logprobs are asked for (the head's input and a running score
-        each, and a slice of their logits)."""
+        each, and a slice of their logits). `freeable_bytes`: host memory the caller would give back first."""
         scoring = (SCORE_CHUNK_BYTES + scored_tokens * (4 * self.family.shape.hidden_size + SCORE_BYTES_PER_POSITION)
                    if scored_tokens else 0)
         check_prefill_memory(self.c, self.family, self.device, n_tokens, query_chunk=self.opt.query_chunk,
@@ -664,7 +664,7 @@ class StreamingPrefill:
                              pool_buffers=self.reads.pool_buffers_in_memory(self.device),
                              expert_threads=self.experts.threads, decoded_experts=self.experts.decoded_at_once,
                              grouped=self.expert_backend == "grouped", head_chunk_bytes=HEAD_CHUNK_BYTES,
-                             scoring_bytes=scoring)
+                             scoring_bytes=scoring, freeable_bytes=freeable_bytes)
 
     def _stats(self, n_tokens: int, wall: float, layers: list[LayerStats]) -> dict:
         reader, pipe = self.reads.reader, self.reads.experts_pipe

@@ -149,13 +149,15 @@ class Generator:
             self.c.close()
             raise
 
-    def _check_memory(self, n_tokens: int, others: Sequence[int] = (), host_copies: Sequence[int] = ()) -> int:
+    def _check_memory(self, n_tokens: int, others: Sequence[int] = (), host_copies: Sequence[int] = (),
+                      freeable: int = 0) -> int:
         """check_memory for a generation of n_tokens (beside sequences of `others` tokens each, prompt and new
         tokens, decoding or prefilling: their KV counted whole, as if none of it were allocated yet; and copies of
         KVs of `host_copies` tokens each, kept in host memory); on a GPU also the device's room for the KV (with
         what the decode's arena may still grow by for all of them: device_kv) and the rest of the cache's budget.
-        Returns the host bound."""
-        host_kv = others_kv(self.c, [*others, *host_copies]) + self._prompt_cache_bytes()
+        `freeable`: bytes of the prompt cache's that would be given back first (held, not needed). Returns the host
+        bound."""
+        host_kv = others_kv(self.c, [*others, *host_copies]) + self._prompt_cache_bytes() - freeable
         if self.device.type == "cpu":
             others = [*others, *host_copies]
         if self.default_budget is not None:

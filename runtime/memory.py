@@ -82,12 +82,13 @@ def estimate_working_set(family: LayerPrefill, n_tokens: int, query_chunk: int |
 def check_prefill_memory(container: Container, family: LayerPrefill, device: torch.device, n_tokens: int, *,
                          query_chunk: int | None, bundle_bytes: int, pool_buffers: int, expert_threads: int,
                          decoded_experts: int, grouped: bool, head_chunk_bytes: int,
-                         scoring_bytes: int = 0) -> None:
+                         scoring_bytes: int = 0, freeable_bytes: int = 0) -> None:
     """Refuse a prompt (or prompts prefilled together: n_tokens is all of theirs) whose working set
     (estimate_working_set, with the container's largest regions and the prefill's pool and expert threads: a
     `grouped` expert backend's pairs, `head_chunk_bytes` of the LM head decoded at once; `scoring_bytes` what
     scoring its positions holds, prompt_logprobs) cannot fit in what `device` has, before reading or computing
-    anything."""
+    anything. `freeable_bytes`: host memory this process would give back first (a prompt cache's entries), counted
+    as available."""
     layers = container.layers
     expert_params = max((sum(t.numel for t in r.tensors if not t.name.endswith(SCALE_SUFFIXES))
                          for b in layers for r in b.experts), default=0)
@@ -112,7 +113,7 @@ def check_prefill_memory(container: Container, family: LayerPrefill, device: tor
         free, where = cuda_free_bytes(device), "free device memory"
     else:
         free = available_memory_bytes()
-        where = "available host memory"
+        free, where = free + freeable_bytes if free else free, "available host memory"
     if free and need["total"] > free:
         detail = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items() if k != "total")
         raise MoepackError(f"a prompt of {n_tokens} tokens needs about {need['total'] / 2**30:.1f} GiB "

@@ -13,7 +13,8 @@ KV), so an entry serves a prompt only whole.
 Each entry holds its own float32 host copy (kv_directory.host_copy, through the KV format's tensors), and every hit
 gets a fresh copy of it: a prefill or a decode continues states in place. Entries are kept least recently used first
 within `budget_bytes` (each sized by its tensors' bytes); the Generator's memory checks count what the cache holds
-(Generator._held), and the scheduler empties it rather than refuse a generation that would fit without it.
+(Generator._held), and the scheduler evicts entries, least recently used first, rather than refuse a generation
+that would fit without them.
 """
 
 from __future__ import annotations
@@ -109,6 +110,16 @@ class PromptCache:
             self._entries[key] = _Entry(key, copy, logits.detach().to("cpu", torch.float32, copy=True),
                                         None if counts is None else [list(c) for c in counts], nbytes)
             self.nbytes += nbytes
+        return True
+
+    def evict_oldest(self) -> bool:
+        """The least recently used entry dropped (memory wanted for a generation), its memory given back to the
+        system; True if there was one."""
+        with self._lock:
+            if not self._entries:
+                return False
+            self._drop_oldest()
+        release_freed_memory()
         return True
 
     def clear(self) -> bool:

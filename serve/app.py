@@ -1153,8 +1153,8 @@ class Server:
                 return result
             results = []
             if self.scheduler is not None:  # the choices decode side by side
-                futures = [self.scheduler.submit(job.ids_of(i), job.options_for(i), **arguments(i))
-                           for i in range(job.choices)]
+                futures = self.scheduler.submit_together([dict(token_ids=job.ids_of(i), options=job.options_for(i),
+                                                                    **arguments(i)) for i in range(job.choices)])
                 results = self.choice_results(job, futures, asked, over)
                 if not results:
                     return self.skipped(job)
@@ -1251,6 +1251,7 @@ class Server:
                  f"decode_s={d.get('seconds', 0) or 0:.3f} cache_hit_rate={'-' if hit is None else f'{hit:.3f}'} "
                  + ("" if job.first_token_s is None else f"first_token_s={job.first_token_s:.3f} ")
                  + ("" if self.prompt_cache is None else f"cached_tokens={cached_tokens(result)} ")
+                 + (f"shared_tokens={p['shared_tokens']} " if "shared_tokens" in p else "")
                  + f"finish={result.finish_reason}" + ("" if cut is None else f" prefill_stopped_after_layers={cut}"))
 
     def close(self) -> None:

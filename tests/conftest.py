@@ -27,9 +27,9 @@ def prefill_room(monkeypatch):
     real = engine_module.StreamingPrefill.check_memory
 
     def room(limit: int) -> None:
-        def check_memory(self, n_tokens, scored_tokens=0):
+        def check_memory(self, n_tokens, scored_tokens=0, freeable_bytes=0):
             if n_tokens > limit:
                 raise MoepackError(f"a prompt of {n_tokens} tokens needs more than there is")
-            return real(self, n_tokens, scored_tokens)
+            return real(self, n_tokens, scored_tokens, freeable_bytes)
         monkeypatch.setattr(engine_module.StreamingPrefill, "check_memory", check_memory)
     return room

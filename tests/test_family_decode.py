@@ -329,7 +329,7 @@ class FamilyForwardPrefill:
     def run_many(self, prompts, pasts=None, keep_kv=True, should_stop=None, **_):
         return [self.run(ids, past, keep_kv) for ids, past in zip(prompts, pasts or [None] * len(prompts))]
 
-    def check_memory(self, n_tokens, scored_tokens=0):
+    def check_memory(self, n_tokens, scored_tokens=0, freeable_bytes=0):
         pass
 
     def after_prompt(self):  # (a Generator keeps its engine open between prompts)

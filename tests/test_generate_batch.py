@@ -138,10 +138,10 @@ def test_a_prompt_that_fails_while_they_run_fails_alone(tiny, tmp_path, monkeypa
 
     check = Generator._check_memory
 
-    def refusing(self, n_tokens, other_kv=0):
+    def refusing(self, n_tokens, other_kv=0, **kw):
         if n_tokens == 5 + 7:  # the second prompt's 5 ids + 7 new tokens
             raise MoepackError("no room for this one")
-        return check(self, n_tokens, other_kv)
+        return check(self, n_tokens, other_kv, **kw)
     monkeypatch.setattr(Generator, "_check_memory", refusing)
     (tmp_path / "p.jsonl").write_text('{"token_ids": [5, 6, 7]}\n{"token_ids": [5, 6, 7, 8, 9]}\n"abc"\n')
     done = _run(tiny, "--prompts-file", str(tmp_path / "p.jsonl"), *RUN, "--json")

@@ -216,6 +216,43 @@ def test_a_generation_that_fits_only_without_the_cache_empties_it(generator, mon
     assert g.prompt_cache is None and g._prompt_cache_bytes() == 0  # (closed: the generator counts none)
 
 
+def test_a_refusal_evicts_only_what_it_needs_and_nothing_when_refused_anyway(generator, monkeypatch):
+    """Entries are evicted least recently used first only until the check passes; a generation refused even without
+    the cache (a request past the memory) evicts nothing: one client's absurd request cannot empty the others'."""
+    g, vocab = generator, generator.cfg.vocab_size
+    prompts = [_ids(40, 55 + i, vocab) for i in range(2)]
+    other = _ids(40, 57, vocab)
+    alone = g.generate(other, _options())
+    with BatchScheduler(g, max_batch=2, prompt_cache_bytes=BUDGET) as batch:
+        for ids in prompts:
+            batch.generate(ids, _options())
+        cache = batch.prompt_cache
+        entries, held = list(cache._entries.values()), cache.nbytes
+        assert len(entries) == 4  # each prompt's end and each sequence's end
+        need = memory_need(g.c, 40 + 6, g.host_cache_bytes)
+        monkeypatch.setattr(memory_module, "memory_for_generation", lambda held=0: need - 1)
+        with pytest.raises(MoepackError, match="needs about"):
+            batch.generate(other, _options())
+        assert len(cache) == 4 and cache.nbytes == held and cache.evicted == 0
+        # room for the generation beside all but the oldest entry: that one goes, the rest stay
+        monkeypatch.setattr(memory_module, "memory_for_generation", lambda _=0, room=need + held - entries[0].nbytes: room)
+        _same(batch.generate(other, _options()), alone)
+        assert cache.evicted == 1 and entries[0].ids not in cache._entries
+        assert all(e.ids in cache._entries for e in entries[1:])
+        monkeypatch.undo()
+
+
+def test_the_prefills_working_set_check_counts_what_the_cache_would_give_back(generator, monkeypatch):
+    engine = generator.prefill_engine()
+    try:
+        monkeypatch.setattr(memory_module, "available_memory_bytes", lambda: 1 << 20)
+        with pytest.raises(MoepackError, match="available host memory"):
+            engine.check_memory(64)
+        engine.check_memory(64, freeable_bytes=1 << 36)  # (the prompt cache's bytes, given back first)
+    finally:
+        engine.after_prompt()
+
+
 def test_a_copy_that_fails_fails_no_other_request(generator, monkeypatch):
     """A snapshot whose copy fails (memory) is not kept and its sequence is answered; a hit whose copy fails fails
     that request alone: the scheduler's worker goes on."""

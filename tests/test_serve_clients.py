@@ -341,10 +341,10 @@ def test_a_failed_choice_fails_its_request_and_stops_the_others(batched, monkeyp
     g, scheduler = batched.generator, batched.state.scheduler
     real = g._check_memory
 
-    def one_only(tokens, reserved=0):
+    def one_only(tokens, reserved=0, **kw):
         if reserved:
             raise MoepackError("not enough memory for this test's second choice")
-        return real(tokens, reserved)
+        return real(tokens, reserved, **kw)
 
     monkeypatch.setattr(g, "_check_memory", one_only)
     c = _client(batched)

@@ -11,7 +11,7 @@ import pytest
 from moepack.format_spec.errors import MoepackError
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
-from moepack.runtime.generate import Generator
+from moepack.runtime.generate import GenerateOptions, Generator
 from moepack.runtime.engine import StreamingPrefill
 from containers import tiny_keep_container
 from test_batching import TIMEOUT, Batch, _prompt, _solo
@@ -217,7 +217,7 @@ def test_a_failed_shared_prefill_fails_its_followers_too_never_leaving_them_wait
                 with pytest.raises(MoepackError, match="the disk went away"):
                     f.result(TIMEOUT)
 
-    def too_big(engine, n_tokens, scored_tokens=0):
+    def too_big(engine, n_tokens, scored_tokens=0, freeable_bytes=0):
         raise MoepackError(f"a prompt of {n_tokens} tokens needs more than there is")
     monkeypatch.setattr(StreamingPrefill, "check_memory", too_big)
     with Batch(generator, max_batch=4) as batch:
@@ -248,3 +248,17 @@ def test_serve_prefills_a_requests_n_choices_once(tmp_path_factory):
     # choice i is seed 5 + i's generation alone; the prompt prefilled once for the three
     assert [c["text"] for c in three["choices"]] == [r["choices"][0]["text"] for r in one]
     assert f"moepack_shared_prefill_tokens_total {2.0 * prompt_tokens}" in metrics
+
+
+def test_submit_together_queues_all_or_none_and_they_share_one_pass(generator, passes):
+    vocab = generator.cfg.vocab_size
+    ids = _prompt(10, 381, vocab)
+    passes.clear()
+    with Batch(generator, max_batch=4) as batch:
+        with pytest.raises(MoepackError):
+            batch.scheduler.submit_together([dict(token_ids=ids), dict(token_ids=[vocab + 5])])
+        futures = batch.scheduler.submit_together(
+            [dict(token_ids=ids, options=GenerateOptions(max_new_tokens=3, stop_at_eos=False)) for _ in range(3)])
+        results = [f.result(TIMEOUT) for f in futures]
+    assert passes == [[10]]  # the refused call queued nothing; the three were admitted in one turn
+    assert [r.stats["prefill"].get("shared_tokens") for r in results] == [None, 10, 10]
