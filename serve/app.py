@@ -86,8 +86,8 @@ from moepack.runtime.sampling import MAX_TOP_LOGPROBS, REPLACEMENT, IncrementalD
 
 from .chat_template import family_chat_template, tokenizer_info
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
-from .openai_api import (Prepared, RequestError, _get, _token_text, _value, cached_tokens, chat_logprobs, check_fields,
-                         client_gone)
+from .openai_api import (IDENTIFIER_FIELDS, Prepared, RequestError, _get, _token_text, _value, cached_tokens,
+                         chat_logprobs, check_fields, client_gone)
 from .reasoning import AnswerSplitter, ThoughtMarks, chat_thought, split_thinking
 from .responses import responses_endpoints, responses_error_event
 from .tokenizer import ChatInputError, chat_prompt_ids, ends_open, markup_warning
@@ -112,9 +112,9 @@ TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits
 # `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `spaces_between_special_tokens`,
 # `truncate_prompt_tokens`, `add_special_tokens`, `prompt_logprobs` and the structured outputs (STRUCTURED_FIELDS),
 # llama-server's `cache_prompt`.
-# `user` is accepted and ignored (no per-user state is kept).
+# `user`, `safety_identifier` and `prompt_cache_key` are accepted and not used (IDENTIFIER_FIELDS).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
-                  "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k",
+                  "stop", "presence_penalty", "frequency_penalty", "logit_bias", *IDENTIFIER_FIELDS, "seed", "top_k",
                   "ignore_eos", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids",
                   "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
                   "truncate_prompt_tokens", "add_special_tokens", "prompt_logprobs", "structured_outputs",

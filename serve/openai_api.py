@@ -24,9 +24,10 @@ REFUSED_FIELDS = {
     "functions": "the deprecated functions field is not supported: give tools",
     "function_call": "the deprecated function_call field is not supported: give tool_choice",
     "verbosity": "verbosity is not supported",
-    "safety_identifier": "safety_identifier is not supported",
-    "prompt_cache_key": "prompt_cache_key is not supported",
 }
+# OpenAI's fields that name the caller or a cache bucket: accepted (a string) and not used. No per-user state is
+# kept; the prompt cache finds a prompt's longest cached prefix by its token ids, whatever its key.
+IDENTIFIER_FIELDS = ("user", "safety_identifier", "prompt_cache_key")
 
 
 class RequestError(Exception):
@@ -91,7 +92,8 @@ def check_fields(body: dict, allowed: set[str], where: str, refused: dict[str, s
     for name, (ok, what) in plain.items():
         if name in body and body[name] not in ok:
             raise RequestError(f"{name}: {what}", param=name, code="unsupported_value")
-    _get(body, "user", lambda v: isinstance(v, str), "a string")  # not used, but OpenAI's type
+    for name in IDENTIFIER_FIELDS:  # not used, but OpenAI's type
+        _get(body, name, lambda v: isinstance(v, str), "a string")
 
 
 @dataclass

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from moepack.format_spec.untrusted import int_in_range
 from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer
 
-from .openai_api import (PLAIN_VALUES, REFUSED_FIELDS, Prepared, RequestError, _get, _value, cached_tokens,
-                         chat_logprobs, check_fields, client_gone)
+from .openai_api import (IDENTIFIER_FIELDS, PLAIN_VALUES, REFUSED_FIELDS, Prepared, RequestError, _get, _value,
+                         cached_tokens, chat_logprobs, check_fields, client_gone)
 from .reasoning import AnswerSplitter, ThoughtMarks, split_thinking
 
 NOT_STORED = "responses are not stored by moepack serve (store is taken, nothing is kept)"
@@ -37,7 +37,7 @@ NOT_STORED = "responses are not stored by moepack serve (store is taken, nothing
 CHAT_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "seed", "thinking", "chat_template_kwargs")
 RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                     "stream_options", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning", "include",
-                    "top_logprobs", "metadata", "user", "store", "service_tier", "background", "truncation",
+                    "top_logprobs", "metadata", *IDENTIFIER_FIELDS, "store", "service_tier", "background", "truncation",
                     *CHAT_EXTENSIONS}
 # OpenAI's Responses fields moepack does not act on: a 400 naming the field whenever one is given (not null)
 RESPONSES_REFUSED = {
@@ -46,10 +46,8 @@ RESPONSES_REFUSED = {
     "prompt": "stored prompt templates are not supported: send the prompt as instructions and input",
     "max_tool_calls": "max_tool_calls counts built-in tool calls, which are not served (function tools only)",
     "context_management": "context management (compaction) is not supported",
-    "prompt_cache_key": REFUSED_FIELDS["prompt_cache_key"],
     "prompt_cache_retention": "prompt_cache_retention is not supported",
     "prompt_cache_options": "prompt_cache_options is not supported",
-    "safety_identifier": REFUSED_FIELDS["safety_identifier"],
     "background_options": "background responses are not supported",
     "moderation": "moderation is not supported",
     "image": "image generation is not supported (moepack serves a text model)",

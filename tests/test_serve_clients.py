@@ -155,12 +155,18 @@ def test_stream_options_and_message_keys_are_checked(server):
 def test_accepted_no_op_fields(server):
     c = _client(server)
     r = c.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=3, user="someone",
-                                  service_tier="auto", store=False, temperature=0)
+                                  service_tier="auto", store=False, temperature=0, safety_identifier="hashed-user",
+                                  prompt_cache_key="conversation-17")
     assert r.usage.completion_tokens <= 3
+    r = c.completions.create(model="tiny", prompt="Hi", max_tokens=1,
+                             extra_body={"safety_identifier": "u", "prompt_cache_key": "k"})
+    assert r.usage.completion_tokens == 1
     _bad(lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=3, max_tokens=4),
          "max_completion_tokens")
-    for user in (5, {"id": "x"}):  # OpenAI's user is a string: another value is no client's intent
-        _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=1, extra_body={"user": user}), "user")
+    for field in ("user", "safety_identifier", "prompt_cache_key"):
+        for value in (5, {"id": "x"}):  # OpenAI's are strings: another value is no client's intent
+            _bad(lambda: c.completions.create(model="tiny", prompt="Hi", max_tokens=1, extra_body={field: value}),
+                 field)
 
 
 def test_chat_logprobs_are_the_greedy_choice_and_stream_the_same(server):
