@@ -883,9 +883,11 @@ class Server:
     def answer_tokenizer(self, body: dict, markup: Sequence[str] = ()):
         """What the answer's text is decoded with: the tokenizer, or (vLLM's skip_special_tokens) it leaving out the
         special tokens but those in the chat's own `markup` (its thought's marks, its tool calls': what the answer is
-        split at). vLLM's spaces_between_special_tokens changes nothing with a fast tokenizer: either is taken."""
+        split at); by default, as vLLM's and OpenAI's answers, where the model has a tokenizer. vLLM's
+        spaces_between_special_tokens changes nothing with a fast tokenizer: either is taken."""
         _get(body, "spaces_between_special_tokens", lambda v: isinstance(v, bool), "a boolean")
-        if not _get(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean", False):
+        skip = _get(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean", None)
+        if skip is False or skip is None and self.tokenizer is None:
             return self.tokenizer
         return self.need_tokenizer("skip_special_tokens").skipping_specials(markup)
 

@@ -121,6 +121,11 @@ def test_completion_from_token_ids_equals_transformers_and_generate(a_server, co
     assert resp.usage.prompt_tokens == 20 and resp.usage.completion_tokens == len(got)
     assert resp.usage.total_tokens == 20 + len(got)
     assert resp.choices[0].finish_reason == ("length" if len(got) == 12 else "stop")
+    # no tokenizer: skip_special_tokens' default (true where there is one) asks for none; asked for, a 400 naming it
+    with pytest.raises(openai.BadRequestError) as e:
+        a_server.client().completions.create(model="A", prompt=ids.tolist(), max_tokens=2,
+                                             extra_body={"skip_special_tokens": True})
+    assert e.value.body["param"] == "skip_special_tokens" and e.value.body["code"] == "no_tokenizer"
 
 
 def test_text_completion_equals_generate(tiny_server, containers):

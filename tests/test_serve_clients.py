@@ -1493,18 +1493,20 @@ def test_include_stop_str_in_output_keeps_the_stop_string(server, path):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_skip_special_tokens_leaves_them_out_of_the_text(server, path):
     """vLLM's skip_special_tokens: a special token the model generates (here the BOS, forced) is left out of the
-    answer's text (by default it is shown, as transformers' decode has it); its tokens still count, and the
-    logprobs' tokens still join into the text; spaces_between_special_tokens (nothing to change with a fast
-    tokenizer) takes either boolean; another type of either field is a 400 naming it."""
+    answer's text (by default too, as vLLM's and OpenAI's answers; false shows it, as transformers' decode has it);
+    its tokens still count, and the logprobs' tokens still join into the text; spaces_between_special_tokens
+    (nothing to change with a fast tokenizer) takes either boolean; another type of either field is a 400 naming
+    it."""
     bos = server.tok.bos_id
     assert bos is not None and bos not in server.generator.eos_ids
     bos_text = server.tok.decode([bos])
     forced = {"logit_bias": {str(bos): 100}, "max_tokens": 3}
-    assert _post_said(server, path, **forced) == (3, bos_text * 3, "length")
+    assert _post_said(server, path, **forced) == (3, "", "length")
     assert _post_said(server, path, **forced, skip_special_tokens=False) == (3, bos_text * 3, "length")
     assert _post_said(server, path, **forced, skip_special_tokens=True) == (3, "", "length")
     for spaces in (True, False):
-        assert _post_said(server, path, **forced, spaces_between_special_tokens=spaces)[1] == bos_text * 3
+        assert _post_said(server, path, **forced, skip_special_tokens=False,
+                          spaces_between_special_tokens=spaces)[1] == bos_text * 3
     if path == "/v1/completions":  # (a special token between others: the rest of the text, offsets into it)
         a = server.tok.encode("a", special_tokens=False, add_bos=False)[0]
         r = httpx.post(f"{server.url}{path}", timeout=TIMEOUT, json={
