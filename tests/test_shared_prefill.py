@@ -203,29 +203,25 @@ def _first_token():
 
 
 def test_a_failed_shared_prefill_fails_its_followers_too_never_leaving_them_waiting(generator, monkeypatch):
-    vocab = generator.cfg.vocab_size
-    ids = _prompt(12, 371, vocab)
+    """A shared pass that fails (a read error), and a prompt whose working set does not fit even alone: the leader
+    and every follower fail with its error (none waits for a prefill that will not come)."""
+    ids = _prompt(12, 371, generator.cfg.vocab_size)
 
     def broken(self, *args, **kw):
         raise MoepackError("the disk went away")
-    with monkeypatch.context() as m:
-        m.setattr(StreamingPrefill, "run_many", broken)
-        with Batch(generator, max_batch=4) as batch:
-            with batch.scheduler._cv:
-                futures = [batch.submit(ids, max_new_tokens=4) for _ in range(3)]
-            for f in futures:
-                with pytest.raises(MoepackError, match="the disk went away"):
-                    f.result(TIMEOUT)
 
     def too_big(engine, n_tokens, scored_tokens=0, freeable_bytes=0):
         raise MoepackError(f"a prompt of {n_tokens} tokens needs more than there is")
-    monkeypatch.setattr(StreamingPrefill, "check_memory", too_big)
-    with Batch(generator, max_batch=4) as batch:
-        with batch.scheduler._cv:
-            futures = [batch.submit(ids, max_new_tokens=4) for _ in range(2)]
-        for f in futures:
-            with pytest.raises(MoepackError, match="a prompt of 12 tokens"):
-                f.result(TIMEOUT)
+    for name, fake, says in (("run_many", broken, "the disk went away"),
+                             ("check_memory", too_big, "a prompt of 12 tokens")):
+        with monkeypatch.context() as m:
+            m.setattr(StreamingPrefill, name, fake)
+            with Batch(generator, max_batch=4) as batch:
+                with batch.scheduler._cv:
+                    futures = [batch.submit(ids, max_new_tokens=4) for _ in range(3)]
+                for f in futures:
+                    with pytest.raises(MoepackError, match=says):
+                        f.result(TIMEOUT)
 
 
 def test_serve_prefills_a_requests_n_choices_once(tmp_path_factory):
