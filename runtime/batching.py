@@ -353,8 +353,9 @@ class BatchScheduler:
         started = []
         followers, s.followers = s.followers, []
         for f in followers:
-            try:
+            try:  # (the logits' copy too: one escaping would end the worker, leaving s and the rest unanswered)
                 f.states = kvd.copied_states(self.generator.kv_format(), self.generator.c.config, s.states)
+                own_logits = logits.clone()
             except BaseException as e:
                 f.settle(error=e)
                 continue
@@ -362,7 +363,7 @@ class BatchScheduler:
             f.counts = None if s.counts is None else [list(c) for c in s.counts]
             f.prefill_stats = {**s.prefill_stats, "shared_tokens": len(f.ids)}
             self.shared_tokens += len(f.ids)
-            started.append((f, logits.clone()))
+            started.append((f, own_logits))
         return started
 
     def _evicting_if_refused(self, check: Callable[[int], int | None]) -> int | None:

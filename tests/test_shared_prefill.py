@@ -3,10 +3,12 @@ requests at once) follow its prefill and continue copies of its states, each giv
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import httpx
 import pytest
+import torch
 
 from moepack.format_spec.errors import MoepackError
 from moepack.packer.convert import convert_checkpoint
@@ -222,6 +224,33 @@ def test_a_failed_shared_prefill_fails_its_followers_too_never_leaving_them_wait
                 for f in futures:
                     with pytest.raises(MoepackError, match=says):
                         f.result(TIMEOUT)
+
+
+def test_a_follower_whose_copy_fails_fails_alone_and_the_worker_goes_on(generator, monkeypatch):
+    """Either copy a follower takes (its states, the logits after the prompt) may fail for memory: that follower
+    fails, its leader and the others are answered (an escaping one had ended the worker, leaving them waiting)."""
+    vocab = generator.cfg.vocab_size
+    ids = _prompt(13, 391, vocab)
+    alone = _solo(generator, ids, max_new_tokens=4).generated_ids
+    clone = torch.Tensor.clone
+    copies = {"n": 0}
+
+    def clone_failing_once(tensor, *args, **kw):  # the second follower's copy of the logits
+        if sys._getframe(1).f_code.co_name == "_followers_start":
+            copies["n"] += 1
+            if copies["n"] == 2:
+                raise RuntimeError("CUDA out of memory")
+        return clone(tensor, *args, **kw)
+    monkeypatch.setattr(torch.Tensor, "clone", clone_failing_once)
+    with Batch(generator, max_batch=4) as batch:
+        with batch.scheduler._cv:
+            futures = [batch.submit(ids, max_new_tokens=4) for _ in range(4)]
+        with pytest.raises(RuntimeError, match="out of memory"):
+            futures[2].result(TIMEOUT)
+        results = [futures[i].result(TIMEOUT) for i in (0, 1, 3)]
+        monkeypatch.undo()
+        assert batch.submit(ids, max_new_tokens=4).result(TIMEOUT).generated_ids == alone  # the worker goes on
+    assert [r.generated_ids for r in results] == [alone] * 3
 
 
 def test_serve_prefills_a_requests_n_choices_once(tmp_path_factory):
