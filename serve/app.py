@@ -18,10 +18,10 @@ Scheduling: with `max_batch` > 1 (`moepack serve --max-batch`, default 8) the ge
 joining between steps once its prefill is done (the newcomers' prompts prefilled together, one pass per turn of
 `prefill_chunk` tokens in all while others decode), and a sequence leaving at its end or when stopped; a request's
 n choices decode side by side, their prompt prefilled once (BatchScheduler's shared prefills: so too for
-identical prompts that arrive together) (streamed: interleaved, each chunk's choices[0].index naming its choice, each one's
-finish chunk sent as it ends; one that fails stops the others and fails the request). Each request waits for its
-generations on a thread of an executor of max_queue threads. With max_batch 1 every generation runs on ONE worker
-thread (a single-thread executor) through Generator.generate, in arrival order, the choices one after the other.
+identical prompts that arrive together) (streamed: interleaved, each chunk's choices[0].index naming its choice,
+each one's finish chunk sent as it ends; one that fails stops the others and fails the request). Each request waits
+for its generations on a thread of an executor of max_queue threads. With max_batch 1 every generation runs on ONE
+worker thread (a single-thread executor) through Generator.generate, in arrival order, the choices one after the other.
 At most `max_queue` requests are admitted at once (reading their body, being prepared, waiting or running); one
 more is answered 429 at once. A streamed answer's pieces go from the worker's `on_text` to the event loop through
 an asyncio.Queue (loop.call_soon_threadsafe). A client that goes

@@ -630,7 +630,8 @@ def test_a_group_whose_working_set_does_not_fit_runs_smaller_and_a_prompt_too_bi
              (_prompt(10, 104, vocab), 6)]
     alone = {i: _solo(generator, cases[i][0], max_new_tokens=6).generated_ids for i in (0, 2, 3)}
 
-    def check_memory(engine, n_tokens, scored_tokens=0, freeable_bytes=0):  # room for the working set of 25 prompt tokens
+    # room for the working set of 25 prompt tokens
+    def check_memory(engine, n_tokens, scored_tokens=0, freeable_bytes=0):
         if n_tokens > 25:
             raise MoepackError(f"a prompt of {n_tokens} tokens needs more than there is")
     monkeypatch.setattr(StreamingPrefill, "check_memory", check_memory)

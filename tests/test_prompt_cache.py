@@ -235,7 +235,8 @@ def test_a_refusal_evicts_only_what_it_needs_and_nothing_when_refused_anyway(gen
             batch.generate(other, _options())
         assert len(cache) == 4 and cache.nbytes == held and cache.evicted == 0
         # room for the generation beside all but the oldest entry: that one goes, the rest stay
-        monkeypatch.setattr(memory_module, "memory_for_generation", lambda _=0, room=need + held - entries[0].nbytes: room)
+        room = need + held - entries[0].nbytes
+        monkeypatch.setattr(memory_module, "memory_for_generation", lambda held=0: room)
         _same(batch.generate(other, _options()), alone)
         assert cache.evicted == 1 and entries[0].ids not in cache._entries
         assert all(e.ids in cache._entries for e in entries[1:])
