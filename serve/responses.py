@@ -325,8 +325,8 @@ def prepare(server, raw: bytes) -> PreparedResponse:
                 "store": False, "temperature": prepared.options.temperature, "top_p": prepared.options.top_p,
                 "text": {"format": fmt or {"type": "text"}}, "tool_choice": body.get("tool_choice") or "auto",
                 "tools": body.get("tools") or [], "top_logprobs": body.get("top_logprobs") or 0,
-                "truncation": "disabled", "user": body.get("user"), "background": False,
-                "service_tier": body.get("service_tier") or "default"}
+                "truncation": "disabled", "background": False, "service_tier": body.get("service_tier") or "default",
+                **{name: body.get(name) for name in IDENTIFIER_FIELDS}}  # (echoed, as OpenAI's response object does)
     fields = {f.name: getattr(prepared, f.name) for f in dataclasses.fields(Prepared)}
     return PreparedResponse(**fields, settings=settings, logprobs=logprobs)
 

@@ -362,7 +362,8 @@ def test_stored_responses_are_neither_kept_nor_pretended(server, scripted):
     with pytest.raises(openai.NotFoundError):
         c.responses.cancel("resp_1_abc")
     metadata = {"task": "demo"}  # echoed, as OpenAI's
-    assert c.responses.create(model="tiny", input="Hi", metadata=metadata, user="u", safety_identifier="s",
-                              prompt_cache_key="k").metadata == metadata
+    r = c.responses.create(model="tiny", input="Hi", metadata=metadata, user="u", safety_identifier="s",
+                           prompt_cache_key="k")
+    assert r.metadata == metadata and (r.user, r.safety_identifier, r.prompt_cache_key) == ("u", "s", "k")
     _bad(lambda: c.responses.create(model="tiny", input="Hi", prompt_cache_key=7), "prompt_cache_key")
     _bad(lambda: c.responses.create(model="tiny", input="Hi", metadata={"k": 5}), "metadata")
