@@ -285,6 +285,9 @@ class BatchScheduler:
         g = self.generator
         s.reserved_tokens = len(s.ids) + s.out.max_new_tokens
         others = [a.reserved_tokens for a in (*self._active, *self._admitted_prefills())]
+        reuses = self.prompt_cache is not None and s.cached and s.out.prompt_logprobs_k is None
+        if reuses:  # (the entry it would continue is in use: a refusal evicts the others first)
+            self.prompt_cache.keep_for(s.ids.tolist())
         try:
             s.bound = self._evicting_if_refused(
                 lambda freeable: g._check_memory(s.reserved_tokens, others, freeable=freeable))
@@ -296,8 +299,7 @@ class BatchScheduler:
             leader.followers.append(s)
             return
         try:  # (prompt_logprobs score every prompt position: the head must run over all of them)
-            reuse = self.prompt_cache.lookup(s.ids.tolist()) if (
-                self.prompt_cache is not None and s.cached and s.out.prompt_logprobs_k is None) else None
+            reuse = self.prompt_cache.lookup(s.ids.tolist()) if reuses else None
         except BaseException as e:  # its copy (memory): it fails alone
             s.settle(error=e)
             return

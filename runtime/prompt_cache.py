@@ -13,8 +13,8 @@ KV), so an entry serves a prompt only whole.
 Each entry holds its own float32 host copy (kv_directory.host_copy, through the KV format's tensors), and every hit
 gets a fresh copy of it: a prefill or a decode continues states in place. Entries are kept least recently used first
 within `budget_bytes` (each sized by its tensors' bytes); the Generator's memory checks count what the cache holds
-(Generator._held), and the scheduler evicts entries, least recently used first, rather than refuse a generation
-that would fit without them.
+(Generator._held), and the scheduler evicts entries, least recently used first (a newcomer's own, the one its
+prompt continues, last), rather than refuse a generation that would fit without them.
 """
 
 from __future__ import annotations
@@ -70,12 +70,25 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, ids: list[int]) -> Reuse | None:
-        """The longest entry whose ids begin `ids`, as a copy of its own (None: none)."""
-        best, ids = None, tuple(ids)
+    def _longest(self, ids: tuple[int, ...]) -> _Entry | None:
+        """The longest entry whose ids begin `ids` (None: none)."""
+        best = None
         for key, entry in self._entries.items():
             if len(key) <= len(ids) and (best is None or len(key) > len(best.ids)) and ids[:len(key)] == key:
                 best = entry
+        return best
+
+    def keep_for(self, ids: list[int]) -> None:
+        """The entry a prompt of `ids` would continue (lookup's) made the most recently used, without a hit: the
+        memory check of that very prompt, evicting least recently used first, then takes it last."""
+        best = self._longest(tuple(ids))
+        if best is not None:
+            with self._lock:
+                self._entries.move_to_end(best.ids)
+
+    def lookup(self, ids: list[int]) -> Reuse | None:
+        """The longest entry whose ids begin `ids`, as a copy of its own (None: none)."""
+        best = self._longest(tuple(ids))
         if best is None:
             return None
         with self._lock:

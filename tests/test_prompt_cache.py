@@ -243,6 +243,28 @@ def test_a_refusal_evicts_only_what_it_needs_and_nothing_when_refused_anyway(gen
         monkeypatch.undo()
 
 
+def test_a_refusal_evicts_the_entry_the_prompt_continues_last(generator, monkeypatch):
+    """The entry a newcomer's prompt continues is in use: its memory check evicts the others first (it had evicted
+    that one, the least recently used, and prefilled the whole prompt again)."""
+    g, vocab = generator, generator.cfg.vocab_size
+    first, second = _ids(40, 58, vocab), _ids(40, 59, vocab)
+    turn = first + _ids(10, 60, vocab)  # a next turn: it continues first's entry, the oldest
+    alone = g.generate(turn, _options())
+    with BatchScheduler(g, max_batch=2, prompt_cache_bytes=BUDGET) as batch:
+        for ids in (first, second):
+            batch.generate(ids, _options())
+        cache = batch.prompt_cache
+        entries = list(cache._entries.values())
+        assert [len(e.ids) for e in entries] == [40, 45, 40, 45] and entries[0].ids == tuple(first)
+        # room for the turn beside all but first's sequence end (the larger entry after first's prompt end)
+        room = memory_need(g.c, 50 + 6, g.host_cache_bytes) + cache.nbytes - entries[1].nbytes
+        monkeypatch.setattr(memory_module, "memory_for_generation", lambda held=0: room)
+        result = batch.generate(turn, _options())
+        monkeypatch.undo()
+        assert result.stats["prefill"]["cached_tokens"] == 40 and cache.evicted == 1
+    _same(result, alone)
+
+
 def test_the_prefills_working_set_check_counts_what_the_cache_would_give_back(generator, monkeypatch):
     engine = generator.prefill_engine()
     try:
