@@ -159,6 +159,8 @@ class BatchScheduler:
         self._engine: StreamingPrefill | None = None
         self._active: list[_Sequence] = []
         self.shared_tokens = 0  # prompt tokens sequences took from another's prefill of the same prompt (followers)
+        # the worker's own: every admitted sequence whose future is not yet settled, wherever it is between its lists
+        self._admitted: set[_Sequence] = set()
         self._thread = threading.Thread(target=self._run, name="moepack-batch", daemon=True)
         self._thread.start()
 
@@ -226,7 +228,9 @@ class BatchScheduler:
         return self.submit(token_ids, options, detokenize, on_text, on_token, cancelled, on_prompt_logprobs).result()
 
     def close(self) -> None:
-        """Stop: a prefill running stops before its next layer; what has not finished fails with a MoepackError."""
+        """Stop: a prefill running stops before its next layer, a step's sequences after it; what has not finished
+        ends cancelled (finish_reason "cancelled") where a pass or a step saw the close, else fails with a
+        MoepackError (waiting, or between turns)."""
         with self._cv:
             self._closed = True
             self._cv.notify()
@@ -249,21 +253,40 @@ class BatchScheduler:
                     self._waiting = deque(s for s in self._waiting if not s.future.cancelled())
                     room = self.max_batch - len(self._active) - len(self._admitted_prefills())
                     newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-                for s in newcomers:
-                    self._admit(s)
-                if self._prefilling:
-                    self._prefill_turn()
-                if self._active:
-                    self._step()
+                self._admitted = {s for s in self._admitted if not s.future.done()} | set(newcomers)
+                try:
+                    for s in newcomers:
+                        self._admit(s)
+                    if self._prefilling:
+                        self._prefill_turn()
+                    if self._active:
+                        self._step()
+                except Exception as e:  # what no path above caught (a fault of the scheduler's own): see _fail_all
+                    self._fail_all(e)
         finally:
             with self._cv:
                 self._closed = True
-                left = [*self._waiting, *self._active, *self._admitted_prefills()]
+                left = [*self._waiting, *self._admitted]
                 self._waiting.clear()
             self._release_engine()
             for s in left:
                 s.settle(error=MoepackError("the batch scheduler stopped before this generation ended"))
             self._active, self._prefilling = [], []
+
+    def _fail_all(self, e: Exception) -> None:
+        """Every admitted sequence fails with `e` (those prefilling, following, decoding, and any between its lists
+        when `e` was raised: none is left waiting for an answer), the engine is let go of, and the worker goes on
+        with the sequences still waiting: a fault there must not stop the scheduler, and every later request
+        with it."""
+        failed, self._admitted = self._admitted, set()
+        self._active, self._prefilling = [], []
+        for s in failed:
+            s.followers = []
+            s.settle(error=e)
+        try:
+            self._release_engine()
+        except Exception:  # (its pools go with it: the next prefill opens the generator's engine again)
+            self._engine = None
 
     def _stop_asked(self, s: _Sequence) -> bool:
         """The scheduler closed, its future cancelled, or its `cancelled()` true; one that raises stops it too (it

@@ -13,6 +13,7 @@ import torch
 from moepack.format_spec.errors import MoepackError
 from moepack.packer.convert import convert_checkpoint
 from moepack.packer.synth import synth_checkpoint
+from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, Generator
 from moepack.runtime.engine import StreamingPrefill
 from containers import tiny_keep_container
@@ -287,3 +288,24 @@ def test_submit_together_queues_all_or_none_and_they_share_one_pass(generator, p
         results = [f.result(TIMEOUT) for f in futures]
     assert passes == [[10]]  # the refused call queued nothing; the three were admitted in one turn
     assert [r.stats["prefill"].get("shared_tokens") for r in results] == [None, 10, 10]
+
+
+def test_a_fault_of_the_schedulers_own_fails_the_admitted_and_the_worker_goes_on(generator, monkeypatch):
+    """An exception no path of the worker's caught (here one raised while followers start): every admitted
+    sequence fails with it, wherever it was (none is left without an answer), and the scheduler serves the next."""
+    vocab = generator.cfg.vocab_size
+    ids, other = _prompt(10, 391, vocab), _prompt(6, 392, vocab)
+    alone = _solo(generator, other, max_new_tokens=3).generated_ids
+
+    def broken(self, s, logits):
+        raise TypeError("a bug")
+    with Batch(generator, max_batch=4) as batch:
+        with monkeypatch.context() as m:
+            m.setattr(BatchScheduler, "_followers_start", broken)
+            with batch.scheduler._cv:
+                futures = [batch.submit(ids, max_new_tokens=3) for _ in range(2)]
+                futures.append(batch.submit(other, max_new_tokens=3))
+            for f in futures:
+                with pytest.raises(TypeError, match="a bug"):
+                    f.result(TIMEOUT)
+        assert batch.submit(other, max_new_tokens=3).result(TIMEOUT).generated_ids == alone
