@@ -374,7 +374,8 @@ class BatchScheduler:
     def _followers_start(self, s: _Sequence, logits: torch.Tensor) -> list[tuple[_Sequence, torch.Tensor]]:
         """s's prompt is through: each of its followers takes a copy of its states (as a prompt cache hit does)
         and the logits after the prompt, with s's prefill stats (its pass's seconds; `shared_tokens` the prompt
-        tokens it did not prefill itself). One whose copy fails (memory) fails alone."""
+        tokens s prefilled for it, `cached_tokens` those s took from the prompt cache). One whose copy fails
+        (memory) fails alone."""
         started = []
         followers, s.followers = s.followers, []
         for f in followers:
@@ -386,8 +387,9 @@ class BatchScheduler:
                 continue
             f.prefilled = len(f.ids)
             f.counts = None if s.counts is None else [list(c) for c in s.counts]
-            f.prefill_stats = {**s.prefill_stats, "shared_tokens": len(f.ids)}
-            self.shared_tokens += len(f.ids)
+            shared = len(f.ids) - s.prefill_stats.get("cached_tokens", 0)
+            f.prefill_stats = {**s.prefill_stats, "shared_tokens": shared}
+            self.shared_tokens += shared
             started.append((f, own_logits))
         return started
 

@@ -309,3 +309,19 @@ def test_a_fault_of_the_schedulers_own_fails_the_admitted_and_the_worker_goes_on
                 with pytest.raises(TypeError, match="a bug"):
                     f.result(TIMEOUT)
         assert batch.submit(other, max_new_tokens=3).result(TIMEOUT).generated_ids == alone
+
+
+def test_followers_of_a_prompt_cache_hit_count_only_the_tokens_prefilled_for_them(generator):
+    vocab = generator.cfg.vocab_size
+    first = _prompt(40, 401, vocab)
+    longer = first + _prompt(10, 402, vocab)
+    alone = _solo(generator, longer, max_new_tokens=4).generated_ids
+    options = GenerateOptions(max_new_tokens=4, stop_at_eos=False)
+    with BatchScheduler(generator, max_batch=4, prompt_cache_bytes=1 << 28) as batch:
+        batch.generate(first, options)
+        results = [f.result(TIMEOUT) for f in batch.submit_together([dict(token_ids=longer, options=options)] * 3)]
+        assert batch.shared_tokens == 2 * 10
+    assert [r.generated_ids for r in results] == [alone] * 3
+    stats = [r.stats["prefill"] for r in results]
+    assert [p["cached_tokens"] for p in stats] == [40] * 3  # (the leader's hit, which the followers continued)
+    assert [p.get("shared_tokens") for p in stats] == [None, 10, 10]  # 40 + 10: the prompt, counted once
