@@ -30,6 +30,8 @@ from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.generation_config import MAX_REPETITION_PENALTY
 
 REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character not yet complete
+# tokens held back at most (a character's 4 bytes, a SentencePiece space, with room): past it what they make goes out
+MAX_HELD_TOKENS = 8
 
 
 class Sampler:
@@ -365,7 +367,10 @@ class IncrementalDetokenizer:
     It keeps two offsets into the ids: text before `_prefix` is given out and done with; ids[_prefix:_read]
     decode to text already given out too, but are decoded again as the context of the newer ids, because a
     token's text can depend on its neighbours (SentencePiece's leading space, a character's bytes split across
-    tokens). Only the short window from `_prefix` on is decoded each time, never the whole answer."""
+    tokens). Only the short window from `_prefix` on is decoded each time, never the whole answer: tokens that make
+    no text (special tokens left out of it) or bytes that never complete a character are held back for at most
+    MAX_HELD_TOKENS, then given out as they decode (nothing, or U+FFFD), so the window stays short (a run of them
+    had grown it without bound: a decode per token over all of them, quadratic in the answer)."""
 
     def __init__(self, decode: Callable[[list[int]], str]):
         self._decode = decode
@@ -378,7 +383,7 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         done = self._decode(self._ids[self._prefix : self._read])
         text = self._decode(self._ids[self._prefix :])
-        if len(text) <= len(done) or text.endswith(REPLACEMENT):
+        if (len(text) <= len(done) or text.endswith(REPLACEMENT)) and len(self._ids) - self._read < MAX_HELD_TOKENS:
             return ""  # hold these bytes back until the character is complete
         self._prefix, self._read = self._read, len(self._ids)
         return text[len(done) :]

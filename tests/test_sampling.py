@@ -345,6 +345,27 @@ def test_flush_gives_out_an_unfinished_character(byte_tokenizer):
     assert "".join(pieces) == "ok" and rest == "\ufffd"
 
 
+def test_tokens_that_make_no_text_keep_the_window_short(byte_tokenizer):
+    """A long run of tokens that decode to nothing (special tokens skip_special_tokens leaves out) or to bytes that
+    never complete a character: each token decodes a window of a few tokens, not all of them (that had been
+    quadratic: a client forcing a special token for 100,000 tokens held the worker for minutes), and the pieces
+    still join into the whole decode."""
+    skipped = BYTE0 + 0x100  # (any id the decode below leaves out)
+    lone = BYTE0 + 0x80  # a continuation byte: never a character's start
+    for run, expect in (([skipped] * 5000, ""), ([lone] * 5000, None)):
+        decoded = []
+
+        def decode(ids):
+            decoded.append(len(ids))
+            return byte_tokenizer.decode([i for i in ids if i != skipped], skip_special_tokens=False)
+
+        ids = [BYTE0 + ord("a"), *run, BYTE0 + ord("b")]
+        pieces, rest = detokenize(decode, ids)
+        whole = decode(ids)
+        assert "".join(pieces) + rest == whole == (f"a{expect}b" if expect is not None else whole)
+        assert sum(decoded[:-1]) < 40 * len(ids)  # (each window at most MAX_HELD_TOKENS + the last piece's)
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(max_size=40))
 def test_pieces_concatenate_to_the_full_decode(byte_tokenizer, text):
