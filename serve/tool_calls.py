@@ -142,6 +142,22 @@ def text_before_marker(text: str, marker: str, hold_space: bool = False) -> tupl
     return text[:cut], text[cut:], None
 
 
+class _Pieces:
+    """Text that grows by pieces, kept as a list and joined once, when it is read: a str grown piece by piece is
+    copied whole at each (quadratic in a long call's arguments: a file an agent writes, on the event loop)."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def add(self, piece: str) -> None:
+        self.parts.append(piece)
+
+    def text(self) -> str:
+        if len(self.parts) > 1:
+            self.parts = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
+
 class ToolCallSplitter:
     """An answer's text (after its thought), piece by piece, into ("content", text) and ("tool_call", call) events:
     text up to the tool-call block is content (a tail that may open the block is held back until the next piece
@@ -153,57 +169,65 @@ class ToolCallSplitter:
         self.fmt = encoding.tool_format
         self.invoke_open = _invoke_open(self.fmt)
         self.held = ""
-        self.block: str | None = None  # the text after TOOL_CALLS_START, once it came
-        self.done_at = 0  # how much of the block has become events
+        self.in_block = False  # TOOL_CALLS_START came: the rest is calls (or, once it closed, text after them)
+        self.call = _Pieces()  # the block's text since its last complete invoke
+        self.tail = ""  # the end of that text, where an INVOKE_END may have begun
+        self.any_done = False  # an invoke of the block is complete
         self.calls = 0
         self.parallel = parallel
         if prefill:
             self.feed(prefill.split(encoding.THINK_END, 1)[-1])
 
     def feed(self, piece: str) -> list[tuple[str, object]]:
-        if self.block is None:
+        out = []
+        if not self.in_block:
             shown, self.held, after = text_before_marker(self.held + piece, self.fmt.TOOL_CALLS_START)
             out = [("content", shown)] if shown else []
             if after is None:
                 return out
-            self.block = after
-            return out + self._complete_calls()
-        self.block += piece
-        return self._complete_calls()
-
-    def _complete_calls(self) -> list[tuple[str, object]]:
-        out, fmt, invoke_open = [], self.fmt, self.invoke_open
-        while True:
-            rest = self.block[self.done_at:]
-            end = rest.find(fmt.INVOKE_END)
-            if end < 0:
+            self.in_block, piece = True, after
+        end_mark = self.fmt.INVOKE_END
+        while piece:  # (each piece searched once, with the few characters before it an INVOKE_END may begin in)
+            window = self.tail + piece
+            at = window.find(end_mark)
+            if at < 0:
+                self.call.add(piece)
+                self.tail = window[max(len(window) - len(end_mark) + 1, 0):]
                 return out
-            call_text = rest[:end + len(fmt.INVOKE_END)]
-            self.done_at += len(call_text)
-            start = call_text.find(invoke_open)
-            head, sep, body = call_text[start + len(invoke_open):].partition('">\n')
-            try:
-                if start < 0 or call_text[:start].strip() or not sep:
-                    raise fmt.ToolCallFormatError("not an invoke")
-                name, arguments = fmt.parse_invoke(head, body[:-len(fmt.INVOKE_END)])
-            except fmt.ToolCallFormatError:
-                out.append(("content", call_text))
-                continue
-            if self.parallel or not self.calls:
-                out.append(("tool_call", openai_call(name, arguments)))
-                self.calls += 1
+            cut = at + len(end_mark) - len(self.tail)  # (>= 1: the tail alone holds no INVOKE_END)
+            self.call.add(piece[:cut])
+            out += self._call_events(self.call.text())
+            self.call, self.tail, self.any_done, piece = _Pieces(), "", True, piece[cut:]
+        return out
+
+    def _call_events(self, call_text: str) -> list[tuple[str, object]]:
+        """The events of one invoke's text (up to its INVOKE_END): its call, or its text as content where it does
+        not follow the format."""
+        fmt, invoke_open = self.fmt, self.invoke_open
+        start = call_text.find(invoke_open)
+        head, sep, body = call_text[start + len(invoke_open):].partition('">\n')
+        try:
+            if start < 0 or call_text[:start].strip() or not sep:
+                raise fmt.ToolCallFormatError("not an invoke")
+            name, arguments = fmt.parse_invoke(head, body[:-len(fmt.INVOKE_END)])
+        except fmt.ToolCallFormatError:
+            return [("content", call_text)]
+        if self.parallel or not self.calls:
+            self.calls += 1
+            return [("tool_call", openai_call(name, arguments))]
+        return []
 
     def flush(self) -> list[tuple[str, object]]:
         """The end of the answer: held text is content; so is a block's text that made no call: after the block,
         or a call never finished (cut short by max_tokens or a stop string: as written, the block's opening with
         it where no call came before, so that no text the model wrote is lost)."""
-        if self.block is None:
+        if not self.in_block:
             held, self.held = self.held, ""
             return [("content", held)] if held else []
-        unfinished, *after = self.block[self.done_at:].split(self.fmt.TOOL_CALLS_END, 1)
+        unfinished, *after = self.call.text().split(self.fmt.TOOL_CALLS_END, 1)
         out = []
         if unfinished.strip():
-            out.append(("content", (self.fmt.TOOL_CALLS_START.lstrip() if not self.done_at else "") + unfinished))
+            out.append(("content", (self.fmt.TOOL_CALLS_START.lstrip() if not self.any_done else "") + unfinished))
         if after and after[0].strip():
             out.append(("content", after[0]))
         return out
@@ -223,33 +247,42 @@ def _tagged_call(block: str) -> dict | None:
 
 class _BlockEnd:
     """Where an open `<tool_call>` block's text ends: its first CALL_CLOSE outside the call's JSON strings (an
-    argument may spell the tag: code, a prompt template). Read on from where the last piece stopped: the block
-    re-read whole at every piece had taken seconds of the event loop once an argument spelled the tag early."""
+    argument may spell the tag: code, a prompt template). Fed the block's pieces, each read once: the block re-read
+    whole at every piece had taken seconds of the event loop (quadratic in a long argument)."""
 
     def __init__(self):
-        self.read = 0  # the block's text read so far (up to a tag found inside a string)
-        self.inside = self.escaped = False  # there: inside a string, after its backslash
-        self.next_tag = 0  # where a tag not yet judged may start
+        self.inside = self.escaped = False  # where the text read so far ends: inside a string, after its backslash
+        self.recent = ""  # the last characters read outside a string, where a CALL_CLOSE may have begun
 
-    def _inside_string_at(self, text: str, end: int) -> bool:
-        inside, escaped = self.inside, self.escaped
-        for ch in text[self.read:end]:  # (an odd count of unescaped quotes: inside a string)
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = inside
-            elif ch == '"':
-                inside = not inside
-        self.read, self.inside, self.escaped = end, inside, escaped
-        return inside
-
-    def find(self, block: str) -> int:
-        """The block's end in `block` (the block's text so far), -1 while none came."""
-        end = block.find(CALL_CLOSE, self.next_tag)
-        while end >= 0 and self._inside_string_at(block, end):
-            self.next_tag = end + 1
-            end = block.find(CALL_CLOSE, self.next_tag)
-        return end
+    def feed(self, piece: str) -> int:
+        """The index in `piece` just after the block's closing tag, -1 while none came."""
+        inside, escaped, recent, at = self.inside, self.escaped, self.recent, 0
+        while at < len(piece):
+            if inside:  # (to the string's closing quote, its escapes skipped)
+                quote, slash = piece.find('"', at), piece.find("\\", at)
+                if quote < 0 and slash < 0:
+                    break
+                if escaped:
+                    escaped, at = False, at + 1
+                elif 0 <= slash < quote or quote < 0:
+                    escaped, at = True, slash + 1
+                else:
+                    inside, at = False, quote + 1
+                continue
+            quote = piece.find('"', at)
+            stop = len(piece) if quote < 0 else quote
+            text = recent + piece[at:stop]
+            end = text.find(CALL_CLOSE)
+            if end >= 0:
+                self.inside, self.escaped, self.recent = False, False, ""
+                return stop - len(text) + end + len(CALL_CLOSE)
+            recent = text[max(len(text) - len(CALL_CLOSE) + 1, 0):] if quote < 0 else ""
+            if quote >= 0:
+                inside, at = True, quote + 1
+            else:
+                at = len(piece)
+        self.inside, self.escaped, self.recent = inside, escaped, recent
+        return -1
 
 
 class TaggedCallSplitter:
@@ -264,7 +297,7 @@ class TaggedCallSplitter:
     def __init__(self, prefill: str = "", parallel: bool = True):
         self.held = ""  # content held back: whitespace and what may begin CALL_OPEN
         self.space = ""  # the whitespace before the open block (content again if the block makes no call)
-        self.block: str | None = None  # the open block's text so far
+        self.block: _Pieces | None = None  # the open block's text so far
         self.block_end = _BlockEnd()  # where it ends
         self.after_call = False  # the whitespace after a call's block is still its markup
         self.shown = False  # some content came out: the whitespace after a call then parts it from what follows
@@ -290,13 +323,14 @@ class TaggedCallSplitter:
                     return out + self._content(shown)
                 content = shown.rstrip()
                 out += self._content(content)
-                self.space, self.block, piece = shown[len(content):], "", after
+                self.space, self.block, piece = shown[len(content):], _Pieces(), after
                 self.block_end = _BlockEnd()
-            self.block += piece
-            end = self.block_end.find(self.block)
+            end = self.block_end.feed(piece)
             if end < 0:
+                self.block.add(piece)
                 return out
-            block, piece, self.block = self.block[:end], self.block[end + len(CALL_CLOSE):], None
+            self.block.add(piece[:end])
+            block, piece, self.block = self.block.text()[:-len(CALL_CLOSE)], piece[end:], None
             call = _tagged_call(block)
             if call is None:
                 out += self._content(self.space + CALL_OPEN + block + CALL_CLOSE)
@@ -312,12 +346,12 @@ class TaggedCallSplitter:
         open): its first tag closes it, as written, and what follows is split again."""
         if self.block is None:
             text, self.held = self.held, ""
-        elif CALL_CLOSE in self.block:
-            block, rest = self.block.split(CALL_CLOSE, 1)
+        elif CALL_CLOSE in (written := self.block.text()):
+            block, rest = written.split(CALL_CLOSE, 1)
             self.block = None
             return self._content(self.space + CALL_OPEN + block + CALL_CLOSE) + self.feed(rest) + self.flush()
         else:
-            text, self.block = self.space + CALL_OPEN + self.block, None
+            text, self.block = self.space + CALL_OPEN + written, None
         return self._content(text)
 
 

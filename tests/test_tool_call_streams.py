@@ -1,0 +1,95 @@
+"""The streamed tool-call splitters (serve/tool_calls.py): any split of an answer into pieces gives the events of
+the whole answer, and a long call is read once, piece by piece (the splitters run on the server's event loop)."""
+
+from __future__ import annotations
+
+import types
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moepack.families.deepseek_v4 import tools as dsml
+from moepack.serve import tool_calls
+from moepack.serve.tool_calls import CALL_CLOSE, CALL_OPEN, TaggedCallSplitter, ToolCallSplitter
+
+ENCODING = types.SimpleNamespace(tool_format=dsml, THINK_END="</think>")
+
+
+def _dsml_call(name: str, arguments: str) -> str:
+    return "".join(text for text, _ in dsml.invoke_parts(name, arguments))
+
+
+DSML_BLOCKS = [_dsml_call("get_weather", '{"city": "Paris", "days": 3}'), _dsml_call("f", "{}"),
+               _dsml_call("write", '{"text": "a </｜DSML｜invoke> inside"}'),
+               f'<{dsml.DSML}invoke name="broken">\ngarbage\n{dsml.INVOKE_END}', "\n", dsml.TOOL_CALLS_END, "after"]
+TAGGED_BLOCKS = [f'{CALL_OPEN}\n{{"name": "search", "arguments": {{"q": "x"}}}}\n{CALL_CLOSE}',
+                 f'{CALL_OPEN}\n{{"name": "w", "arguments": {{"t": "a \\"{CALL_CLOSE}\\" \\\\"}}}}\n{CALL_CLOSE}',
+                 f'{CALL_OPEN}\nnot json\n{CALL_CLOSE}', f'{CALL_OPEN}\n{{"name": "open", "arguments": {{"x": "',
+                 "\n", "text <tool", " more "]
+
+
+def _events(splitter, pieces: list[str]) -> tuple[str, list]:
+    events = [e for piece in pieces for e in splitter.feed(piece)] + splitter.flush()
+    calls = [(v["function"]["name"], v["function"]["arguments"]) for k, v in events if k == "tool_call"]
+    return "".join(v for k, v in events if k == "content"), calls
+
+
+def _pieces(data, text: str) -> list[str]:
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=min(len(text), 40))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]) if a < b]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), lead=st.text(max_size=12), blocks=st.lists(st.sampled_from(DSML_BLOCKS), max_size=5))
+def test_a_chat_encodings_calls_split_alike_in_any_pieces(data, lead, blocks):
+    answer = lead + dsml.TOOL_CALLS_START + "\n" + "".join(blocks) if blocks else lead
+    assert _events(ToolCallSplitter(ENCODING), _pieces(data, answer)) == _events(ToolCallSplitter(ENCODING),
+                                                                                  [answer])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), lead=st.text(max_size=12), blocks=st.lists(st.sampled_from(TAGGED_BLOCKS), max_size=5))
+def test_a_templates_calls_split_alike_in_any_pieces(data, lead, blocks):
+    answer = lead + "".join(blocks)
+    assert _events(TaggedCallSplitter(), _pieces(data, answer)) == _events(TaggedCallSplitter(), [answer])
+
+
+def test_every_piece_size_and_offset_splits_alike():
+    """Pieces of every size up to two markers' length, at every offset: each marker split at every place."""
+    cases = [(lambda: ToolCallSplitter(ENCODING), "Hi" + dsml.TOOL_CALLS_START + "\n" + "".join(DSML_BLOCKS)),
+             (TaggedCallSplitter, "Hi\n" + "".join(TAGGED_BLOCKS))]
+    for make, answer in cases:
+        whole = _events(make(), [answer])
+        for size in range(1, 2 * len(dsml.INVOKE_END) + 1):
+            for first in range(1, size + 1):
+                pieces = [answer[:first]] + [answer[i:i + size] for i in range(first, len(answer), size)]
+                assert _events(make(), pieces) == whole, (size, first)
+
+
+def test_a_long_call_is_read_once_piece_by_piece(monkeypatch):
+    """20,000 pieces of one call's argument: each piece is read once (the tagged block's end found as it comes, a
+    DSML invoke's end searched in the piece and the few characters before it) and the call's text joined once, at
+    its end; the pieces had been appended to a str (copied whole at each) and searched again from the start."""
+    joins, read = [], []
+    text = tool_calls._Pieces.text
+    monkeypatch.setattr(tool_calls._Pieces, "text", lambda self: joins.append(len(self.parts)) or text(self))
+    feed = tool_calls._BlockEnd.feed
+    monkeypatch.setattr(tool_calls._BlockEnd, "feed", lambda self, piece: read.append(len(piece)) or feed(self, piece))
+    tagged = TaggedCallSplitter()
+    head = f'{CALL_OPEN}\n{{"name": "write", "arguments": {{"code": "'
+    assert tagged.feed(head) == []
+    for _ in range(20_000):
+        assert tagged.feed('ab\\"') == []
+    events = tagged.feed(f'"}}}}\n{CALL_CLOSE}')
+    assert [k for k, _ in events] == ["tool_call"] and joins == [20_002]
+    assert sum(read) == len(head) - len(CALL_OPEN) + 20_000 * 4 + len(f'"}}}}\n{CALL_CLOSE}')
+
+    joins.clear()
+    splitter = ToolCallSplitter(ENCODING)
+    whole = _dsml_call("write", '{"code": "' + "ab" * 20_000 + '"}')
+    assert splitter.feed(dsml.TOOL_CALLS_START + "\n" + whole[:50]) == []
+    for i in range(50, len(whole) - 1, 2):  # (all but the last character, two at a time)
+        assert splitter.feed(whole[i:min(i + 2, len(whole) - 1)]) == []
+        assert len(splitter.tail) < len(dsml.INVOKE_END)  # (the window searched: a piece and this tail)
+    assert [k for k, _ in splitter.feed(whole[-1])] == ["tool_call"]
+    assert len(joins) == 1 and joins[0] > 20_000
