@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .chat_template import THOUGHT_CLOSE, THOUGHT_OPEN
-from .tool_calls import text_before_marker
+from .tool_calls import Pieces, text_before_marker
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,13 @@ class ThinkSplitter:
         self.in_thought = None if marks is not None and marks.start is not None else marks is not None
         self.had_thought = bool(self.in_thought)  # the answer has a thought (its prompt opened it, or it opened one)
         self.held = ""
+        self.spaces = Pieces()  # the whitespace the answer starts with while it may yet open a thought (held)
 
     def feed(self, piece: str) -> list[tuple[str, str]]:
-        text, self.held = self.held + piece, ""
+        if self.in_thought is None and not piece.strip() and not self.held.strip():
+            self.spaces.add(piece)  # (a run of whitespace: held as it comes, joined once)
+            return []
+        text, self.held, self.spaces = self.held + self.spaces.text() + piece, "", Pieces()
         if self.in_thought is None:
             lead = text.lstrip()
             if lead.startswith(self.marks.start):
@@ -56,7 +60,7 @@ class ThinkSplitter:
         return [(f, t) for f, t in out if t]
 
     def flush(self) -> list[tuple[str, str]]:
-        held, self.held = self.held, ""
+        held, self.held, self.spaces = self.held + self.spaces.text(), "", Pieces()
         return [("reasoning_content" if self.in_thought else "content", held)] if held else []
 
 

@@ -142,9 +142,10 @@ def text_before_marker(text: str, marker: str, hold_space: bool = False) -> tupl
     return text[:cut], text[cut:], None
 
 
-class _Pieces:
+class Pieces:
     """Text that grows by pieces, kept as a list and joined once, when it is read: a str grown piece by piece is
-    copied whole at each (quadratic in a long call's arguments: a file an agent writes, on the event loop)."""
+    copied whole at each (quadratic in a long call's arguments, a file an agent writes, or a model's run of
+    newlines held back: on the event loop)."""
 
     def __init__(self):
         self.parts: list[str] = []
@@ -170,7 +171,7 @@ class ToolCallSplitter:
         self.invoke_open = _invoke_open(self.fmt)
         self.held = ""
         self.in_block = False  # TOOL_CALLS_START came: the rest is calls (or, once it closed, text after them)
-        self.call = _Pieces()  # the block's text since its last complete invoke
+        self.call = Pieces()  # the block's text since its last complete invoke
         self.tail = ""  # the end of that text, where an INVOKE_END may have begun
         self.any_done = False  # an invoke of the block is complete
         self.calls = 0
@@ -197,7 +198,7 @@ class ToolCallSplitter:
             cut = at + len(end_mark) - len(self.tail)  # (>= 1: the tail alone holds no INVOKE_END)
             self.call.add(piece[:cut])
             out += self._call_events(self.call.text())
-            self.call, self.tail, self.any_done, piece = _Pieces(), "", True, piece[cut:]
+            self.call, self.tail, self.any_done, piece = Pieces(), "", True, piece[cut:]
         return out
 
     def _call_events(self, call_text: str) -> list[tuple[str, object]]:
@@ -296,8 +297,9 @@ class TaggedCallSplitter:
 
     def __init__(self, prefill: str = "", parallel: bool = True):
         self.held = ""  # content held back: whitespace and what may begin CALL_OPEN
+        self.spaces = Pieces()  # whitespace after a held one, piece by piece (held too: joined once)
         self.space = ""  # the whitespace before the open block (content again if the block makes no call)
-        self.block: _Pieces | None = None  # the open block's text so far
+        self.block: Pieces | None = None  # the open block's text so far
         self.block_end = _BlockEnd()  # where it ends
         self.after_call = False  # the whitespace after a call's block is still its markup
         self.shown = False  # some content came out: the whitespace after a call then parts it from what follows
@@ -318,12 +320,16 @@ class TaggedCallSplitter:
         out: list[tuple[str, object]] = []
         while True:
             if self.block is None:
-                shown, self.held, after = text_before_marker(self.held + piece, CALL_OPEN, hold_space=True)
+                if not piece.strip() and not self.held.strip():  # (a run of whitespace: no text to split yet)
+                    self.spaces.add(piece)
+                    return out
+                held, self.spaces = self.held + self.spaces.text(), Pieces()
+                shown, self.held, after = text_before_marker(held + piece, CALL_OPEN, hold_space=True)
                 if after is None:
                     return out + self._content(shown)
                 content = shown.rstrip()
                 out += self._content(content)
-                self.space, self.block, piece = shown[len(content):], _Pieces(), after
+                self.space, self.block, piece = shown[len(content):], Pieces(), after
                 self.block_end = _BlockEnd()
             end = self.block_end.feed(piece)
             if end < 0:
@@ -345,7 +351,7 @@ class TaggedCallSplitter:
         stop string), as written. A block whose closing tags all came inside a string never ended (a quote left
         open): its first tag closes it, as written, and what follows is split again."""
         if self.block is None:
-            text, self.held = self.held, ""
+            text, self.held, self.spaces = self.held + self.spaces.text(), "", Pieces()
         elif CALL_CLOSE in (written := self.block.text()):
             block, rest = written.split(CALL_CLOSE, 1)
             self.block = None
