@@ -31,6 +31,7 @@ from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer
 from .openai_api import (IDENTIFIER_FIELDS, PLAIN_VALUES, REFUSED_FIELDS, Prepared, RequestError, _get, _value,
                          cached_tokens, chat_logprobs, check_fields, client_gone)
 from .reasoning import AnswerSplitter, ThoughtMarks, split_thinking
+from .tool_calls import Pieces
 
 NOT_STORED = "responses are not stored by moepack serve (store is taken, nothing is kept)"
 # the chat extensions (moepack's, vLLM's) a Responses request may carry too, passed on to the chat as they are
@@ -339,12 +340,21 @@ class OutputItems:
     """A response's output items, built from its answer's parts in order (AnswerSplitter's): a run of thought one
     "reasoning" item (a reasoning_text part), a run of content one "message" item (an output_text part), each tool
     call a "function_call" item. add() and end() give the stream events that build them, OpenAI's, without their
-    sequence_number. The logprobs of tokens held (hold) go with the next output_text delta."""
+    sequence_number. The logprobs of tokens held (hold) go with the next output_text delta. The open item's text is
+    kept as its pieces (a str grown at each delta is copied whole: quadratic in a long answer, on the event loop):
+    `output()` gives the items with it."""
 
     def __init__(self):
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item being written
+        self.text = Pieces()  # its part's text so far
         self.held: list[dict] = []
+
+    def output(self) -> list[dict]:
+        """The items so far, the open one's text in place."""
+        if self.open is not None:
+            self.open["content"][0]["text"] = self.text.text()
+        return self.items
 
     def hold(self, logprobs: list[dict]) -> None:
         self.held += logprobs
@@ -387,7 +397,7 @@ class OutputItems:
                     "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         self.items.append(item)
-        self.open = item
+        self.open, self.text = item, Pieces()
         events = [{"type": "response.output_item.added", "output_index": len(self.items) - 1,
                    "item": copy.deepcopy(item)},
                   {"type": "response.content_part.added", **self._where(), "part": copy.deepcopy(part)}]
@@ -396,7 +406,7 @@ class OutputItems:
 
     def _delta(self, text: str) -> list[dict]:
         part = self.open["content"][0]
-        part["text"] += text
+        self.text.add(text)
         if self.open["type"] == "reasoning":
             return [{"type": "response.reasoning_text.delta", **self._where(), "delta": text}]
         logprobs, self.held = self.held, []
@@ -404,6 +414,7 @@ class OutputItems:
         return [{"type": "response.output_text.delta", **self._where(), "delta": text, "logprobs": logprobs}]
 
     def _close(self, status: str) -> list[dict]:
+        self.output()
         where, item = self._where(), self.open
         part = item["content"][0]
         if item["type"] == "message":
@@ -490,7 +501,7 @@ def responses_endpoints(server, model_name: str, admitted_request: Callable, fin
         decoding the answer again."""
         tok = server.tokenizer
         thought = thought_tokens(tok, result, prepared.thought)
-        message = next((item for item in output.items if item["type"] == "message"), None)
+        message = next((item for item in output.output() if item["type"] == "message"), None)
         if whole and prepared.logprobs and message is not None:
             message["content"][0]["logprobs"] = chat_logprobs(tok, result.logprobs[thought:])["content"]
         status, incomplete = ending(result.finish_reason)
@@ -498,7 +509,7 @@ def responses_endpoints(server, model_name: str, admitted_request: Callable, fin
         usage = {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens(result)},
                  "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": thought},
                  "total_tokens": job.prompt_tokens + generated}
-        return response_object(job, prepared, created, status, output.items, usage=usage,
+        return response_object(job, prepared, created, status, output.output(), usage=usage,
                                incomplete_details=incomplete,
                                **({"completed_at": int(time.time())} if status == "completed" else {}))
 
@@ -538,7 +549,7 @@ def responses_endpoints(server, model_name: str, admitted_request: Callable, fin
                     elif kind in ("gone", "error"):  # (a client that only half-closed reads why)
                         error = client_gone() if kind == "gone" else piece
                         yield sse({"type": "response.failed", "response": response_object(
-                            job, prepared, created, "failed", output.items,
+                            job, prepared, created, "failed", output.output(),
                             error={"code": error.code, "message": error.message})})
                         return
                     elif kind == "done":

@@ -367,3 +367,26 @@ def test_stored_responses_are_neither_kept_nor_pretended(server, scripted):
     assert r.metadata == metadata and (r.user, r.safety_identifier, r.prompt_cache_key) == ("u", "s", "k")
     _bad(lambda: c.responses.create(model="tiny", input="Hi", prompt_cache_key=7), "prompt_cache_key")
     _bad(lambda: c.responses.create(model="tiny", input="Hi", metadata={"k": 5}), "metadata")
+
+
+def test_a_long_answers_items_keep_its_text_as_pieces(monkeypatch):
+    """20,000 deltas of one message: its text is joined once, at its close (a str grown at each delta had been
+    copied whole each time, on the event loop); a response object built while it is open (a failure mid-stream)
+    has the text so far."""
+    from moepack.serve import tool_calls
+    from moepack.serve.responses import OutputItems
+
+    joins = []
+    text = tool_calls.Pieces.text
+    monkeypatch.setattr(tool_calls.Pieces, "text", lambda self: joins.append(len(self.parts)) or text(self))
+    items = OutputItems()
+    items.add([("reasoning_content", "hm")])
+    for _ in range(20_000):
+        items.add([("content", "ab")])
+    assert [n for n in joins if n > 1] == []  # (the reasoning item's one piece: nothing to join)
+    assert items.output()[-1]["content"][0]["text"] == "ab" * 20_000
+    items.add([("content", "c")])
+    done = items.end("completed")
+    assert done[0]["type"] == "response.output_text.done" and done[0]["text"] == "ab" * 20_000 + "c"
+    assert [n for n in joins if n > 1] == [20_000, 2]  # (once while open, asked; once at its close)
+    assert [i["content"][0]["text"] for i in items.output()] == ["hm", "ab" * 20_000 + "c"]
