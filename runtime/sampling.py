@@ -88,6 +88,11 @@ class Sampler:
         self._repeated: torch.Tensor | None = None
         self.logit_bias, self.logprobs, self.constraint = bias, logprobs, constraint
         self.counts: dict[int, int] = {}  # how often each token was generated (the penalties' c[j])
+        # the bias and the counts as tensors over the vocabulary, built at the first step and then kept: rebuilt
+        # from the dicts at every step, a 150K-entry logit_bias cost 0.1 s a token and the counts grew with the answer
+        self._bias: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (ids, biases, the vocabulary)
+        self._counted: torch.Tensor | None = None
+        self.chosen = 0  # tokens chosen so far
         self.held_back, self.held_for = tuple(held_back), held_for
         self.last_logprobs: TokenLogprob | None = None
         self._generator = torch.Generator(device="cpu")
@@ -102,17 +107,18 @@ class Sampler:
     def adjust(self, x: torch.Tensor) -> torch.Tensor:
         """The logits the choice is made from: bias, penalties and the constraint's mask applied (float64, CPU)."""
         if self.logit_bias:
-            ids = [t for t in self.logit_bias if t < len(x)]
+            if self._bias is None or self._bias[2] != len(x):
+                ids = [t for t in self.logit_bias if t < len(x)]
+                self._bias = (torch.tensor(ids, dtype=torch.long),
+                              torch.tensor([self.logit_bias[t] for t in ids], dtype=torch.float64), len(x))
             x = x.clone()
-            x[ids] += torch.tensor([self.logit_bias[t] for t in ids], dtype=x.dtype)
+            x[self._bias[0]] += self._bias[1].to(x.dtype)
         if self.repetition_penalty != 1 and (self.seen or self.counts):
             penalized = torch.where(x > 0, x / self.repetition_penalty, x * self.repetition_penalty)
             x = torch.where(self._repeated_mask(len(x)), penalized, x)
         if self.counts and (self.presence_penalty or self.frequency_penalty):
-            ids = torch.tensor(list(self.counts), dtype=torch.long)
-            c = torch.tensor(list(self.counts.values()), dtype=x.dtype)
-            x = x.clone()  # mu[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty
-            x[ids] -= c * self.frequency_penalty + self.presence_penalty
+            c = self._counts(len(x)).to(x.dtype)  # mu[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty
+            x = torch.where(c > 0, x - (c * self.frequency_penalty + self.presence_penalty), x)
         if self.constraint is not None:
             allowed = self.constraint.allowed(len(x))  # the ids allowed next (few, in JSON), None: any
             if allowed is not None:
@@ -121,7 +127,7 @@ class Sampler:
                 kept = torch.full_like(x, -math.inf)  # cheaper than masking the whole vocabulary
                 kept[allowed] = x[allowed]
                 x = kept
-        if self.held_for and self.held_back and sum(self.counts.values()) < self.held_for:  # (tokens chosen so far)
+        if self.held_for and self.held_back and self.chosen < self.held_for:
             held = x.clone()
             held[[t for t in self.held_back if t < len(x)]] = -math.inf
             # (a constraint that allows nothing but the end of sentence has the last word: no token is left)
@@ -140,11 +146,22 @@ class Sampler:
         if self.logprobs is not None:
             self.last_logprobs = TokenLogprob.of(token, x, self.logprobs)
         self.counts[token] = self.counts.get(token, 0) + 1
+        self.chosen += 1
+        if self._counted is not None and token < len(self._counted):
+            self._counted[token] += 1
         if self._repeated is not None:
             self._repeated[token] = True
         if self.constraint is not None:
             self.constraint.accept(token)
         return token
+
+    def _counts(self, vocab: int) -> torch.Tensor:
+        """How often each of the `vocab` ids was generated (ids outside the vocabulary left out)."""
+        if self._counted is None or len(self._counted) != vocab:
+            self._counted = torch.zeros(vocab, dtype=torch.float64)
+            kept = {t: c for t, c in self.counts.items() if 0 <= t < vocab}
+            self._counted[list(kept)] = torch.tensor(list(kept.values()), dtype=torch.float64)
+        return self._counted
 
     def _repeated_mask(self, vocab: int) -> torch.Tensor:
         """Which of the `vocab` ids the sequence holds (seen or generated; ids outside the vocabulary left out)."""

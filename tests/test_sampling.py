@@ -568,3 +568,31 @@ def test_next_token_scores_keep_float32_whatever_the_default_dtype():
                                want.topk(3, dim=1).values, atol=1e-5, rtol=0)
     for e in entries:  # lm-eval's is_greedy: a top token's logprob is its own, to the bit
         assert all(v == e.logprob for i, v in e.top if i == e.token)
+
+
+def test_a_steps_bias_and_penalties_do_not_walk_their_dicts_again():
+    """logit_bias, the presence and frequency penalties and a minimum length cost a step the same however many
+    entries the bias has and however long the answer is: after the first step neither the bias nor the counts are
+    walked (a 150K-entry logit_bias rebuilt at every step had taken 0.1 s of the worker a token, and the counts
+    grew with the answer: quadratic), and the logits are OpenAI's adjustment of them."""
+    class Unwalked(dict):  # written and read by id, never walked
+        def _walked(self, *args):
+            raise AssertionError("walked again")
+        __iter__ = keys = values = items = _walked
+
+    vocab = 60_000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    bias = {t: float(t % 7 - 3) for t in range(0, vocab + 9, 3)}  # (ids past the vocabulary left out)
+    sampler = Sampler(1.0, seed=2, logit_bias=bias, presence_penalty=0.5, frequency_penalty=-0.3, held_back=(4,),
+                      held_for=40)
+    for _ in range(2):  # (the first steps build what the next ones take: the counts' at the first with any)
+        sampler.next_token(logits.float())
+    sampler.logit_bias, sampler.counts = Unwalked(bias), Unwalked(sampler.counts)
+    chosen = [sampler.next_token(logits.float()) for _ in range(50)]
+    assert 4 not in chosen[:38]
+    want = logits.clone()
+    kept = [t for t in bias if t < vocab]
+    want[kept] += torch.tensor([bias[t] for t in kept], dtype=torch.float64)
+    counted = dict(dict.items(sampler.counts))
+    want[list(counted)] -= torch.tensor(list(counted.values()), dtype=torch.float64) * -0.3 + 0.5
+    assert sum(counted.values()) == 52 and torch.equal(sampler.adjust(logits), want)
