@@ -30,6 +30,9 @@ from .chat_template import EMPTY_THOUGHT_END
 MAX_TOKEN_IDS_BYTES = 256 << 20  # a million ids take under 8 MiB
 MAX_PROMPT_BYTES = 256 << 20  # a prompt file: far beyond a million tokens of text
 _ID_WORD = re.compile(r"[+-]?[0-9]{1,32}")  # an id of a whitespace-separated file (ranges are the engine's to check)
+# any shield_messages placeholder (private-use characters around its nonce and number): one pattern, each match
+# looked up (an alternation of every placeholder had split a rendered chat in time quadratic in their number)
+_PLACEHOLDER = re.compile("\ue000[0-9a-f]{16}[0-9]+\ue001")
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -167,6 +170,7 @@ class PromptTokenizer:
             if not isinstance(value, str) or not any(t in value for t in self._special_texts):
                 return value
             key = f"\ue000{nonce}{len(texts)}\ue001"  # (private-use characters: no token's text, kept by templates)
+            # (_PLACEHOLDER matches each)
             texts[key] = value
             return key
 
@@ -187,10 +191,13 @@ class PromptTokenizer:
         if not shielded:
             return self.encode_special(text)
         ids: list[int] = []
-        pieces = re.split("(" + "|".join(map(re.escape, shielded)) + ")", text)
-        for i, piece in enumerate(pieces):  # (odd pieces are the placeholders the split kept)
-            ids += self._ids(self._plain, shielded[piece], False) if i % 2 else self.encode_special(piece)
-        return ids
+        at = 0
+        for placeholder in _PLACEHOLDER.finditer(text):
+            if placeholder.group() in shielded:
+                ids += self.encode_special(text[at:placeholder.start()])
+                ids += self._ids(self._plain, shielded[placeholder.group()], False)
+                at = placeholder.end()
+        return ids + self.encode_special(text[at:])
 
 
 class SkippingSpecials:
