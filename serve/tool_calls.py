@@ -249,39 +249,54 @@ def _tagged_call(block: str) -> dict | None:
 class _BlockEnd:
     """Where an open `<tool_call>` block's text ends: its first CALL_CLOSE outside the call's JSON strings (an
     argument may spell the tag: code, a prompt template). Fed the block's pieces, each read once: the block re-read
-    whole at every piece had taken seconds of the event loop (quadratic in a long argument)."""
+    whole at every piece had taken seconds of the event loop (quadratic in a long argument). `failed`: the states
+    (distance from the text's end, and inside a string or not) that blocks read to the text's end without finding
+    their end were in, where every piece fed ends where the text does (the answer's end: flush): a block in one of
+    them will not find its end either (flush's blocks, each read to the end, had made it quadratic)."""
 
-    def __init__(self):
+    def __init__(self, failed: set[int] | None = None):
         self.inside = self.escaped = False  # where the text read so far ends: inside a string, after its backslash
         self.recent = ""  # the last characters read outside a string, where a CALL_CLOSE may have begun
+        self.failed = failed
+        self.states: list[int] = []  # (with `failed`) this block's states, as `failed` holds them
 
     def feed(self, piece: str) -> int:
         """The index in `piece` just after the block's closing tag, -1 while none came."""
         inside, escaped, recent, at = self.inside, self.escaped, self.recent, 0
+        quote = slash = -2  # inside a string: the next quote and backslash from `at` (-1: none; -2: not looked for)
+        failed = self.failed
         while at < len(piece):
             if inside:  # (to the string's closing quote, its escapes skipped)
-                quote, slash = piece.find('"', at), piece.find("\\", at)
-                if quote < 0 and slash < 0:
-                    break
-                if escaped:
+                if escaped:  # (the escaped character, whatever it is: a piece may end right after its backslash)
                     escaped, at = False, at + 1
-                elif 0 <= slash < quote or quote < 0:
-                    escaped, at = True, slash + 1
                 else:
-                    inside, at = False, quote + 1
-                continue
-            quote = piece.find('"', at)
-            stop = len(piece) if quote < 0 else quote
-            text = recent + piece[at:stop]
-            end = text.find(CALL_CLOSE)
-            if end >= 0:
-                self.inside, self.escaped, self.recent = False, False, ""
-                return stop - len(text) + end + len(CALL_CLOSE)
-            recent = text[max(len(text) - len(CALL_CLOSE) + 1, 0):] if quote < 0 else ""
-            if quote >= 0:
-                inside, at = True, quote + 1
+                    if quote == -2 or 0 <= quote < at:  # (each found once: a rescan per escape was quadratic)
+                        quote = piece.find('"', at)
+                    if slash == -2 or 0 <= slash < at:
+                        slash = piece.find("\\", at)
+                    if quote < 0 and slash < 0:
+                        break
+                    if 0 <= slash < quote or quote < 0:
+                        escaped, at = True, slash + 1
+                    else:
+                        inside, at = False, quote + 1
             else:
-                at = len(piece)
+                next_quote = piece.find('"', at)
+                stop = len(piece) if next_quote < 0 else next_quote
+                text = recent + piece[at:stop]
+                end = text.find(CALL_CLOSE)
+                if end >= 0:
+                    self.inside, self.escaped, self.recent = False, False, ""
+                    return stop - len(text) + end + len(CALL_CLOSE)
+                recent = text[max(len(text) - len(CALL_CLOSE) + 1, 0):] if next_quote < 0 else ""
+                if next_quote < 0:
+                    break
+                inside, at = True, next_quote + 1
+            if failed is not None:
+                state = (len(piece) - at) * 3 + inside + escaped
+                if state in failed:
+                    break  # (its end will not come: the rest of the state is of no use)
+                self.states.append(state)
         self.inside, self.escaped, self.recent = inside, escaped, recent
         return -1
 
@@ -301,6 +316,7 @@ class TaggedCallSplitter:
         self.space = ""  # the whitespace before the open block (content again if the block makes no call)
         self.block: Pieces | None = None  # the open block's text so far
         self.block_end = _BlockEnd()  # where it ends
+        self.failed: set[int] | None = None  # while flushing: _BlockEnd's `failed`
         self.after_call = False  # the whitespace after a call's block is still its markup
         self.shown = False  # some content came out: the whitespace after a call then parts it from what follows
         self.calls = 0
@@ -330,7 +346,7 @@ class TaggedCallSplitter:
                 content = shown.rstrip()
                 out += self._content(content)
                 self.space, self.block, piece = shown[len(content):], Pieces(), after
-                self.block_end = _BlockEnd()
+                self.block_end = _BlockEnd(self.failed)
             end = self.block_end.feed(piece)
             if end < 0:
                 self.block.add(piece)
@@ -350,15 +366,21 @@ class TaggedCallSplitter:
         """The end of the answer: held text is content; so is a block never closed (cut short by max_tokens or a
         stop string), as written. A block whose closing tags all came inside a string never ended (a quote left
         open): its first tag closes it, as written, and what follows is split again."""
-        if self.block is None:
-            text, self.held, self.spaces = self.held + self.spaces.text(), "", Pieces()
-        elif CALL_CLOSE in (written := self.block.text()):
+        out: list[tuple[str, object]] = []
+        # (a loop, not a call of itself per such block: thousands of them had ended in a RecursionError)
+        self.failed = set()
+        while self.block is not None and CALL_CLOSE in (written := self.block.text()):
+            self.failed.update(self.block_end.states)  # (it read to the end: its states lead nowhere)
             block, rest = written.split(CALL_CLOSE, 1)
             self.block = None
-            return self._content(self.space + CALL_OPEN + block + CALL_CLOSE) + self.feed(rest) + self.flush()
+            out += self._content(self.space + CALL_OPEN + block + CALL_CLOSE)
+            out += self.feed(rest)
+        self.failed = None
+        if self.block is None:
+            text, self.held, self.spaces = self.held + self.spaces.text(), "", Pieces()
         else:
-            text, self.block = self.space + CALL_OPEN + written, None
-        return self._content(text)
+            text, self.block = self.space + CALL_OPEN + self.block.text(), None
+        return out + self._content(text)
 
 
 def split_answer(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:

@@ -3,6 +3,7 @@ the whole answer, and a long call is read once, piece by piece (the splitters ru
 
 from __future__ import annotations
 
+import json
 import types
 
 from hypothesis import given, settings
@@ -25,6 +26,9 @@ DSML_BLOCKS = [_dsml_call("get_weather", '{"city": "Paris", "days": 3}'), _dsml_
                f'<{dsml.DSML}invoke name="broken">\ngarbage\n{dsml.INVOKE_END}', "\n", dsml.TOOL_CALLS_END, "after"]
 TAGGED_BLOCKS = [f'{CALL_OPEN}\n{{"name": "search", "arguments": {{"q": "x"}}}}\n{CALL_CLOSE}',
                  f'{CALL_OPEN}\n{{"name": "w", "arguments": {{"t": "a \\"{CALL_CLOSE}\\" \\\\"}}}}\n{CALL_CLOSE}',
+                 # (an escape of a plain character: a piece that ends after its backslash, the next one holding
+                 # no quote or backslash, had left the escape pending past that character: the call lost)
+                 f'{CALL_OPEN}\n{{"name": "nl", "arguments": {{"t": "a\\nb"}}}}\n{CALL_CLOSE}',
                  f'{CALL_OPEN}\nnot json\n{CALL_CLOSE}', f'{CALL_OPEN}\n{{"name": "open", "arguments": {{"x": "',
                  "\n", "text <tool", " more "]
 
@@ -95,6 +99,37 @@ def test_a_long_call_is_read_once_piece_by_piece(monkeypatch):
     assert [k for k, _ in splitter.feed(whole[-1])] == ["tool_call"]
     assert len([n for n in joins if n > 1]) == 1 and max(joins) > 20_000
 
+
+
+class _Scanned(str):
+    """A piece whose searches count the characters they read (into `read`)."""
+    read = [0]
+
+    def find(self, sub, start=0, *args):
+        at = str.find(self, sub, start, *args)
+        self.read[0] += (at if at >= 0 else len(self)) - start
+        return at
+
+
+def test_a_blocks_end_is_searched_in_time_linear_in_the_answer(monkeypatch):
+    """The characters _BlockEnd reads grow linearly with the answer: a whole answer's long argument full of escapes
+    (a non-streamed answer is split whole: the next quote had been searched for again after every escape), and at
+    the answer's end thousands of blocks whose quote never closes, each split at its first closing tag and the rest
+    read again (each had been read to the end: quadratic, and the flush had called itself once per block, a
+    RecursionError past ~500)."""
+    feed = tool_calls._BlockEnd.feed
+    monkeypatch.setattr(tool_calls._BlockEnd, "feed", lambda self, piece: feed(self, _Scanned(piece)))
+    unit = f'{CALL_OPEN}\\"{CALL_CLOSE}'  # (its quote escaped: the string opened before it never closes)
+    for n in (1_000, 4_000):
+        _Scanned.read[0] = 0
+        argument = "x = 1;\\n" * n
+        call = f'{CALL_OPEN}\n{{"name": "write", "arguments": {{"code": "{argument}"}}}}\n{CALL_CLOSE}'
+        content, calls = _events(TaggedCallSplitter(), [call])
+        assert calls == [("write", json.dumps({"code": "x = 1;\n" * n}))] and _Scanned.read[0] < 3 * len(call)
+        _Scanned.read[0] = 0
+        unclosed = f'{CALL_OPEN}"{CALL_CLOSE}' + unit * n
+        content, calls = _events(TaggedCallSplitter(), [unclosed[:40], unclosed[40:]])
+        assert content == unclosed and not calls and _Scanned.read[0] < 10 * len(unclosed)
 
 THOUGHTS = ["   \n", "<think>", "let me see", "</think>", "\n\nAnswer", "<th", "  "]
 
