@@ -465,6 +465,21 @@ def test_health_answers_while_vllms_prompt_logprobs_are_written(server, monkeypa
     assert worst < 0.5, worst
 
 
+def test_health_answers_while_a_chats_logprobs_are_built(server, monkeypatch):
+    """A chat's answer with logprobs (top_logprobs + 1 objects a token: 2.8 s at 32,000 tokens of top 20) is built,
+    split and its JSON written on a worker thread, as a completion's is (it had been on the event loop); /health
+    answers meanwhile (here building them takes 1 s)."""
+    from moepack.serve import app as app_module
+
+    real = app_module.chat_logprobs
+    monkeypatch.setattr(app_module, "chat_logprobs", lambda tok, entries: time.sleep(1.0) or real(tok, entries))
+    body = {"messages": [{"role": "user", "content": "Once upon a time"}], "logprobs": True, "top_logprobs": 2,
+            "max_tokens": 2}
+    worst, r = _health_worst(server.url, lambda: _post(server, body, path="chat/completions"))
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["content"], r.text
+    assert worst < 0.5, worst
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_truncate_prompt_tokens_minus_one_leaves_the_answer_room(server, path):
     """vLLM's truncate_prompt_tokens -1 keeps as much of the prompt's end as the context holds beside the answer
