@@ -480,6 +480,20 @@ def test_health_answers_while_a_chats_logprobs_are_built(server, monkeypatch):
     assert worst < 0.5, worst
 
 
+def test_health_answers_while_a_response_streams_last_events_are_written(server, monkeypatch):
+    """A /v1/responses stream's last events (each closed item with its whole text and logprobs, then the response:
+    copied and written, 1.9 s at 32,000 tokens of top 20) are built on a worker thread; /health answers meanwhile
+    (here closing the items takes 1 s)."""
+    from moepack.serve import responses
+
+    real = responses.OutputItems.end
+    monkeypatch.setattr(responses.OutputItems, "end", lambda self, status: time.sleep(1.0) or real(self, status))
+    body = {"input": "Once upon a time", "max_output_tokens": 2, "stream": True}
+    worst, r = _health_worst(server.url, lambda: _post(server, body, path="responses"))
+    assert r.status_code == 200 and "response.output_text.done" in r.text and '"sequence_number"' in r.text, r.text
+    assert worst < 0.5, worst
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_truncate_prompt_tokens_minus_one_leaves_the_answer_room(server, path):
     """vLLM's truncate_prompt_tokens -1 keeps as much of the prompt's end as the context holds beside the answer
