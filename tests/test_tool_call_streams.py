@@ -4,6 +4,7 @@ the whole answer, and a long call is read once, piece by piece (the splitters ru
 from __future__ import annotations
 
 import json
+import time
 import types
 
 from hypothesis import given, settings
@@ -130,6 +131,22 @@ def test_a_blocks_end_is_searched_in_time_linear_in_the_answer(monkeypatch):
         unclosed = f'{CALL_OPEN}"{CALL_CLOSE}' + unit * n
         content, calls = _events(TaggedCallSplitter(), [unclosed[:40], unclosed[40:]])
         assert content == unclosed and not calls and _Scanned.read[0] < 10 * len(unclosed)
+
+
+def test_an_invoke_of_many_parameters_is_parsed_in_time_linear_in_it():
+    """A DSML invoke whose parameters never close (a model looping on `<｜DSML｜parameter ...>`) is content as
+    written, at once: the parameters' regex (lazy name and value) had tried every name's end against a search to
+    the end, cubic in them (600: ~13 s of the event loop; a timing bound, generous: here a few ms); and many closed
+    parameters are read as the regex read them."""
+    opening = f'<{dsml.DSML}invoke name="f">\n'
+    unclosed = opening + f'<{dsml.DSML}parameter name="a" string="true">x' * 600 + dsml.INVOKE_END
+    started = time.perf_counter()
+    content, calls = _events(ToolCallSplitter(ENCODING), [dsml.TOOL_CALLS_START + "\n" + unclosed])
+    assert content.endswith(unclosed) and not calls
+    assert time.perf_counter() - started < 1.0
+    closed = "".join(f'<{dsml.DSML}parameter name="k{i}" string="false">{i}</{dsml.DSML}parameter>\n'
+                     for i in range(2000))
+    assert dsml.parse_invoke("f", closed) == ("f", json.dumps({f"k{i}": i for i in range(2000)}))
 
 THOUGHTS = ["   \n", "<think>", "let me see", "</think>", "\n\nAnswer", "<th", "  "]
 
