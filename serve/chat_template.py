@@ -90,7 +90,9 @@ def _check_arguments(args, what: str) -> None:
             raise TemplateLimitError(f"{what} asked for more than {MAX_VALUE_ITEMS:,} items")
 
 
-_WIDE_SPEC = re.compile(r"%[-+ #0]*\d{9,}|\{[^{}]*:[^{}]*\d{9,}")  # a printf or format() width of 9+ digits
+# a printf or format() width of 9+ digits; the format field's first colon and then the digits looked for lazily (two
+# greedy runs of one class had backtracked in time quadratic in a message's text passed to a filter, the GIL held)
+_WIDE_SPEC = re.compile(r"%[-+ #0]*\d{9}|\{[^{}:]*:[^{}]*?\d{9}")
 
 
 def _bounded_filter(f):

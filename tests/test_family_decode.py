@@ -421,6 +421,21 @@ def test_a_chat_template_that_fails_is_one_line():
     assert bos.render(MESSAGES) == "<s>You are terse."
 
 
+
+def test_a_filters_wide_spec_check_is_linear_in_a_messages_text():
+    """A template's filter on a message's text (`content | trim`) checks it for a printf or format() width before
+    the call (_WIDE_SPEC): a text of a brace and then colons (a client's 4 MB) had made its regex backtrack in time
+    quadratic in it, the GIL held, past any render clock (40,000 characters ~10 s; a timing bound, generous: here
+    milliseconds); a width is still refused."""
+    from moepack.serve.chat_template import ChatTemplate
+
+    template = ChatTemplate("{% for m in messages %}{{ m.content | trim }}{% endfor %}", {})
+    started = time.monotonic()
+    text = "{" + ":" * 40_000
+    assert template.render([{"role": "user", "content": text}]) == text and time.monotonic() - started < 1.0
+    with pytest.raises(MoepackError, match="a filter asked for more than"):
+        template.render([{"role": "user", "content": "{0:" + ":" * 1000 + "1" * 9 + "}"}])
+
 @pytest.mark.parametrize("template, words", [
     ("{{ 7**(7**9) }}", "** builds an integer of more than 4096 bits"),  # jinja had folded it while compiling
     ("{{ 'A' * 50000000 }}", "* builds more than 16,777,216 items"),
