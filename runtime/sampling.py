@@ -29,6 +29,7 @@ import torch
 from moepack.format_spec.errors import MoepackError
 from moepack.format_spec.generation_config import MAX_REPETITION_PENALTY
 
+NUCLEUS_CANDIDATES = 1024  # the likeliest tokens a top-p nucleus is first looked for among (see Sampler._choose)
 REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character not yet complete
 # tokens held back at most (a character's 4 bytes, a SentencePiece space, with room): past it what they make goes out
 MAX_HELD_TOKENS = 8
@@ -178,15 +179,42 @@ class Sampler:
             # sort only the candidates, not the whole vocabulary: all tokens tied with the k-th or above it
             candidates = torch.nonzero(x >= torch.topk(x, self.top_k).values[-1]).flatten()
             order = candidates[torch.sort(x[candidates], descending=True, stable=True).indices][: self.top_k]
-        else:
-            order = torch.sort(x, descending=True, stable=True).indices
+            return self._draw(x, order)
+        # no top-k: never a sort of the whole vocabulary (a float64 sort of 129K logits took ~10 ms a token on a
+        # CPU, whatever the device: the logits are chosen from here)
+        scaled = (x - x.max()) / self.temperature  # (the largest subtracted first: a tiny temperature gives -inf)
+        kept = scaled >= math.log(self.min_p) if self.min_p > 0 else None  # min-p: p / p_max = exp(scaled)
+        weights = torch.exp(scaled) if kept is None else torch.where(kept, torch.exp(scaled), 0.0)
+        total = weights.sum()
+        if self.top_p >= 1:  # no nucleus: the inverse CDF over the kept tokens in id order
+            cumulative = torch.cumsum(weights, dim=0)
+            u = torch.rand((), generator=self._generator, dtype=torch.float64) * cumulative[-1]
+            return min(int(torch.searchsorted(cumulative, u, right=True)), len(x) - 1)
+        # the nucleus is a prefix of the kept tokens by descending logit: most often within the likeliest few
+        # hundred (their sort ~1 ms); where it is not (a flat distribution), the whole order, as a top-k's
+        count = len(x) if kept is None else int(kept.sum())
+        k = min(NUCLEUS_CANDIDATES, count)
+        least = torch.topk(x, k).values[-1]
+        # (those above the k-th: every token tied with it comes after them in the order, however many there are)
+        candidates = torch.nonzero(x >= least if k == count else x > least).flatten()
+        order = candidates[torch.sort(x[candidates], descending=True, stable=True).indices][:count]
+        cumulative = torch.cumsum(weights[order] / total, dim=0)
+        if k == count or len(order) and cumulative[-1] >= self.top_p:
+            return self._draw_nucleus(order, cumulative)
+        return self._draw(x, torch.sort(x, descending=True, stable=True).indices)
+
+    def _draw(self, x: torch.Tensor, order: torch.Tensor) -> int:
+        """One of `order` (ids by descending logit), after min-p and top-p on their probabilities."""
         if self.min_p > 0:
             # p / p_max = exp((x - x_max) / T): a prefix of the order (the likeliest always kept)
             kept = (x[order] - x[order[0]]) / self.temperature >= math.log(self.min_p)
             order = order[: max(1, int(kept.sum()))]
         # subtract the largest logit before dividing: a tiny temperature then gives -inf, never inf - inf = nan
         probs = torch.softmax((x[order] - x[order[0]]) / self.temperature, dim=0)
-        cumulative = torch.cumsum(probs, dim=0)
+        return self._draw_nucleus(order, torch.cumsum(probs, dim=0))
+
+    def _draw_nucleus(self, order: torch.Tensor, cumulative: torch.Tensor) -> int:
+        """One of the first tokens of `order` whose probabilities (`cumulative`, their running sums) reach top_p."""
         # the nucleus: the first n tokens whose probabilities sum to at least top_p (never fewer than one)
         n = int(torch.searchsorted(cumulative, torch.tensor(self.top_p, dtype=torch.float64))) + 1
         cumulative = cumulative[: min(n, len(cumulative))]

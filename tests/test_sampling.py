@@ -86,7 +86,7 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 # chi-square critical values at p = 1e-4 (the draws are seeded, so this is a fixed check, not a flaky one)
-CHI2_CRITICAL = {2: 18.42, 3: 21.11, 7: 29.88}
+CHI2_CRITICAL = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.75, 7: 29.88}  # p = 0.0001
 
 
 def test_temperature_1_matches_softmax():
@@ -596,3 +596,36 @@ def test_a_steps_bias_and_penalties_do_not_walk_their_dicts_again():
     counted = dict(dict.items(sampler.counts))
     want[list(counted)] -= torch.tensor(list(counted.values()), dtype=torch.float64) * -0.3 + 0.5
     assert sum(counted.values()) == 52 and torch.equal(sampler.adjust(logits), want)
+
+
+def test_a_nucleus_among_the_likeliest_is_drawn_without_sorting_the_vocabulary(monkeypatch):
+    """No top-k: the top-p nucleus is looked for among the likeliest NUCLEUS_CANDIDATES tokens and drawn from as the
+    whole sorted vocabulary would give it (a float64 sort of a 129K vocabulary had taken ~10 ms a token, on any
+    device); top-p 1 sorts nothing; a nucleus past those tokens (a flat distribution) sorts the whole, as before."""
+    from moepack.runtime import sampling
+
+    sorted_sizes = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda t, *a, **k: sorted_sizes.append(t.numel()) or real_sort(t, *a, **k))
+    vocab, likely = 20_000, [15_000, 17, 9_999, 4, 12_345, 700]
+    logits = torch.full((vocab,), -30.0)
+    logits[likely] = torch.tensor([4.0, 3.5, 3.0, 2.0, 1.0, 0.5])
+    n = 6_000
+    probs = torch.softmax(logits.double() / 0.9, 0)[likely]
+    m = int((torch.cumsum(probs, 0) < 0.9).sum()) + 1  # the nucleus: the likeliest m of them
+    got = draws(Sampler(temperature=0.9, top_p=0.9, seed=7), logits, n)
+    assert set(got) <= set(likely[:m]) and max(sorted_sizes) <= 2 * sampling.NUCLEUS_CANDIDATES
+    counts = torch.tensor([got.count(t) for t in likely[:m]], dtype=torch.float64)
+    assert chi_square(counts, probs[:m] / probs[:m].sum()) < CHI2_CRITICAL[m - 1]
+    sorted_sizes.clear()
+    got = draws(Sampler(temperature=0.9, seed=7), logits, n)  # top-p 1: the whole distribution, in id order
+    assert not sorted_sizes and set(got) <= set(likely)
+    counts = torch.tensor([got.count(t) for t in likely], dtype=torch.float64)
+    assert chi_square(counts, probs / probs.sum()) < CHI2_CRITICAL[5]  # (6 outcomes)
+    flat = torch.randn(vocab, generator=torch.Generator().manual_seed(1))
+    order = torch.sort(flat, descending=True, stable=True).indices
+    nucleus = order[: int((torch.cumsum(torch.softmax(flat.double()[order], 0), 0) < 0.5).sum()) + 1]
+    assert len(nucleus) > sampling.NUCLEUS_CANDIDATES  # (the test's own arithmetic: past the candidates)
+    sorted_sizes.clear()
+    got = draws(Sampler(temperature=1.0, top_p=0.5, seed=3), flat, 300)
+    assert set(got) <= set(nucleus.tolist()) and vocab in sorted_sizes
