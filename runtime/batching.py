@@ -117,6 +117,11 @@ class _Sequence:
             pass
 
 
+def _settle_cancelled(s: _Sequence, layers_done: int) -> None:
+    """s leaves with a cancelled result (or the error its `cancelled` raised), after `layers_done` of a pass."""
+    s.settle(cancelled_in_prefill(GenerationCancelled(layers_done), s.detokenize), s.error)
+
+
 def _chunk_stats(total: dict, chunk: dict) -> dict:
     """The prefill stats of a prompt run in chunks: the last chunk's, with the tokens and seconds of all."""
     tokens, seconds = total.get("tokens", 0) + chunk["tokens"], total.get("seconds", 0.0) + chunk["seconds"]
@@ -436,7 +441,7 @@ class BatchScheduler:
         if heir is None:
             self._prefilling.remove(s)
         for f in (s, *s.followers):
-            f.settle(cancelled_in_prefill(GenerationCancelled(layers_done), f.detokenize), f.error)
+            _settle_cancelled(f, layers_done)
         s.followers = []
         return heir
 
@@ -472,10 +477,9 @@ class BatchScheduler:
         """One grouped prefill pass (StreamingPrefill.run_many) of the prompts prefilling: each of its chunk (the
         _group), continuing its states; those whose prompt is done then take their first token and decode."""
         for s in self._prefilling:  # followers stopped while they wait: gone at once
-            stopped = [f for f in s.followers if self._stop_asked(f)]
-            s.followers = [f for f in s.followers if f not in stopped]
-            for f in stopped:
-                f.settle(cancelled_in_prefill(GenerationCancelled(0), f.detokenize), f.error)
+            for f in [f for f in s.followers if self._stop_asked(f)]:
+                s.followers.remove(f)
+                _settle_cancelled(f, 0)
         for s in [s for s in self._prefilling if self._stop_asked(s)]:  # stopped before the pass: no work for them
             self._cancel_in_prefill(s, 0)
         if not self._prefilling:

@@ -174,18 +174,13 @@ class Sampler:
     def _choose(self, x: torch.Tensor) -> int:
         if self.temperature == 0:
             return int(torch.argmax(x))
-        # a stable sort puts tied logits in id order, so top-k 1 and a tiny top-p pick what argmax picks
         if 0 < self.top_k < len(x):
-            # sort only the candidates, not the whole vocabulary: all tokens tied with the k-th or above it
-            candidates = torch.nonzero(x >= torch.topk(x, self.top_k).values[-1]).flatten()
-            order = candidates[torch.sort(x[candidates], descending=True, stable=True).indices][: self.top_k]
-            return self._draw(x, order)
+            return self._draw(x, _likeliest(x, self.top_k)[: self.top_k])
         # no top-k: never a sort of the whole vocabulary (a float64 sort of 129K logits took ~10 ms a token on a
         # CPU, whatever the device: the logits are chosen from here)
         scaled = (x - x.max()) / self.temperature  # (the largest subtracted first: a tiny temperature gives -inf)
         kept = scaled >= math.log(self.min_p) if self.min_p > 0 else None  # min-p: p / p_max = exp(scaled)
         weights = torch.exp(scaled) if kept is None else torch.where(kept, torch.exp(scaled), 0.0)
-        total = weights.sum()
         if self.top_p >= 1:  # no nucleus: the inverse CDF over the kept tokens in id order
             cumulative = torch.cumsum(weights, dim=0)
             u = torch.rand((), generator=self._generator, dtype=torch.float64) * cumulative[-1]
@@ -194,11 +189,10 @@ class Sampler:
         # hundred (their sort ~1 ms); where it is not (a flat distribution), the whole order, as a top-k's
         count = len(x) if kept is None else int(kept.sum())
         k = min(NUCLEUS_CANDIDATES, count)
-        least = torch.topk(x, k).values[-1]
-        # (those above the k-th: every token tied with it comes after them in the order, however many there are)
-        candidates = torch.nonzero(x >= least if k == count else x > least).flatten()
-        order = candidates[torch.sort(x[candidates], descending=True, stable=True).indices][:count]
-        cumulative = torch.cumsum(weights[order] / total, dim=0)
+        # (short of the kept ones, only those above the k-th: every token tied with it comes after them in the
+        # order, however many there are)
+        order = _likeliest(x, k, ties=k == count)[:count]
+        cumulative = torch.cumsum(weights[order] / weights.sum(), dim=0)
         if k == count or len(order) and cumulative[-1] >= self.top_p:
             return self._draw_nucleus(order, cumulative)
         return self._draw(x, torch.sort(x, descending=True, stable=True).indices)
@@ -223,6 +217,15 @@ class Sampler:
         u = torch.rand((), generator=self._generator, dtype=torch.float64) * cumulative[-1]
         i = int(torch.searchsorted(cumulative, u, right=True))
         return int(order[min(i, len(cumulative) - 1)])
+
+
+def _likeliest(x: torch.Tensor, k: int, ties: bool = True) -> torch.Tensor:
+    """The ids of the k largest logits and of all tied with the k-th (`ties` False: only those above it), by
+    descending logit, ties in id order (a stable sort: top-k 1 and a tiny top-p pick what argmax picks); only
+    they are sorted, not the whole vocabulary."""
+    least = torch.topk(x, k).values[-1]
+    candidates = torch.nonzero(x >= least if ties else x > least).flatten()
+    return candidates[torch.sort(x[candidates], descending=True, stable=True).indices]
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
