@@ -112,8 +112,9 @@ def check_prefill_memory(container: Container, family: LayerPrefill, device: tor
     if device.type == "cuda":
         free, where = cuda_free_bytes(device), "free device memory"
     else:
-        free = available_memory_bytes()
-        free, where = free + freeable_bytes if free else free, "available host memory"
+        free, where = available_memory_bytes(), "available host memory"
+        if free:  # (0: not known, no check) what the caller would give back first is room too
+            free += freeable_bytes
     if free and need["total"] > free:
         detail = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items() if k != "total")
         raise MoepackError(f"a prompt of {n_tokens} tokens needs about {need['total'] / 2**30:.1f} GiB "
