@@ -109,6 +109,7 @@ def tool_calls_parts(calls: list[tuple[str, str]]) -> list[tuple[str, bool]]:
 
 
 _STRING_FLAG = re.compile('" string="(true|false)">')
+_INVOKE_HEAD = re.compile(re.escape('">\n'))
 
 
 class _Tag(NamedTuple):
@@ -119,7 +120,7 @@ class _Tag(NamedTuple):
     value: str
 
 
-def _tags(text: str, opening: str, head: re.Pattern | str, closing: str, newline: bool = False) -> Iterator[_Tag]:
+def _tags(text: str, opening: str, head: re.Pattern, closing: str, newline: bool = False) -> Iterator[_Tag]:
     """What re.finditer(opening + '(.*?)' + head + '(.*?)' + closing + ('\\n?' if newline), DOTALL) finds, found
     with a forward search each: the name up to the first head, the value up to the first closing after it (where
     a tag at the first opening has no head or closing, none after it has either). The regex's lazy groups had
@@ -127,20 +128,16 @@ def _tags(text: str, opening: str, head: re.Pattern | str, closing: str, newline
     time cubic in them (800: 31 s of the event loop)."""
     at = 0
     while (start := text.find(opening, at)) >= 0:
-        if isinstance(head, str):
-            name_end = text.find(head, start + len(opening))
-            found = None if name_end < 0 else (name_end, name_end + len(head), None)
-        else:
-            m = head.search(text, start + len(opening))
-            found = None if m is None else (m.start(), m.end(), m.group(1))
+        found = head.search(text, start + len(opening))  # (a head's one group, where it has one: the tag's flag)
         if found is None:
             return
-        close = text.find(closing, found[1])
+        close = text.find(closing, found.end())
         if close < 0:
             return
         at = close + len(closing)
         at += newline and text.startswith("\n", at)
-        yield _Tag(start, at, text[start + len(opening):found[0]], found[2], text[found[1]:close])
+        yield _Tag(start, at, text[start + len(opening):found.start()], found.group(1) if head.groups else None,
+                   text[found.end():close])
 
 
 def parse_invoke(name: str, body: str) -> tuple[str, str]:
@@ -169,7 +166,7 @@ def parse_tool_calls(block: str) -> list[tuple[str, str]]:
     max_tokens keeps its complete calls). ToolCallFormatError where the text is not the format."""
     body = block.split(TOOL_CALLS_END, 1)[0]
     calls, at = [], 0
-    for m in _tags(body, f'<{DSML}invoke name="', '">\n', f"</{DSML}invoke>"):
+    for m in _tags(body, f'<{DSML}invoke name="', _INVOKE_HEAD, f"</{DSML}invoke>"):
         if body[at:m.start].strip():
             raise ToolCallFormatError(f"tool calls: unexpected text {body[at:m.start][:40]!r}")
         calls.append(parse_invoke(m.name, m.value))
