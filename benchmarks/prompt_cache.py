@@ -29,10 +29,14 @@ PARAGRAPH = ("A prefill streams every layer's experts from disk once for all of 
              "reads only the experts its one token is routed to, and keeps the most used ones in a cache. ")
 
 
+def long_text(words: int) -> str:
+    """PARAGRAPH repeated to `words` words: the long message."""
+    return " ".join((PARAGRAPH * (words // 30 + 1)).split()[:words])
+
+
 def two_turns(server: Server, words: int) -> list[dict]:
     """The chat's two turns, each with its usage and its log line's prefill and first-token times."""
-    first = {"role": "user", "content": " ".join((PARAGRAPH * (words // 30 + 1)).split()[:words])
-             + "\nSum this up in one line."}
+    first = {"role": "user", "content": long_text(words) + "\nSum this up in one line."}
     rows, messages = [], [first]
     with httpx.Client(base_url=server.url, timeout=900) as http:
         for question in ("And why is a second turn cheaper?", None):
@@ -51,7 +55,7 @@ def two_turns(server: Server, words: int) -> list[dict]:
 
 def n_choices(server: Server, words: int, n: int = 4) -> list[dict]:
     """A completion of n sampled choices of the long message, with and without a shared prefill."""
-    prompt = " ".join((PARAGRAPH * (words // 30 + 1)).split()[:words])
+    prompt = long_text(words)
     rows = []
     with httpx.Client(base_url=server.url, timeout=900) as http:
         for shared in (False, True):
