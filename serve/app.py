@@ -1898,11 +1898,10 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                             finish = "tool_calls" if finish == "stop" else finish
                     choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": (
                         None if result.logprobs is None else chat_logprobs(tok, result.logprobs))})
-                if prepared.prompt_logprobs is None:
-                    return response(job, results, "chat.completion", choices)
                 # (vLLM's: the response's, of the prompt all choices share: a prompt's length of entries, k + 1 each)
-                return response(job, results, "chat.completion", choices, prompt_logprobs=vllm_prompt_logprobs(
-                    server.tokenizer, results[0].prompt_logprobs, prepared.prompt_logprobs))
+                scored = {} if prepared.prompt_logprobs is None else {"prompt_logprobs": vllm_prompt_logprobs(
+                    server.tokenizer, results[0].prompt_logprobs, prepared.prompt_logprobs)}
+                return response(job, results, "chat.completion", choices, **scored)
             # (built and its JSON written on a worker thread, as completions' are: the answer's logprobs, top_logprobs
             # + 1 objects a token, took 2.8 s of the event loop at 32,000 tokens; its split, its whole length)
             return await run_in_threadpool(answer)
