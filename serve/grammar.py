@@ -52,6 +52,11 @@ class OutputSpec(NamedTuple):
         return {"json": "JSON schema", "regex": "regular expression", "choice": "choice", "grammar": "grammar"}[
             self.kind]
 
+    @classmethod
+    def of(cls, spec: "dict | OutputSpec") -> "OutputSpec":
+        """`spec` as an OutputSpec: a dict is a JSON schema (response_format's)."""
+        return spec if isinstance(spec, OutputSpec) else cls("json", spec)
+
     def grammar(self, llg) -> str:
         """llguidance's grammar of it (ValueError where it cannot make one)."""
         if self.kind == "json":
@@ -97,7 +102,7 @@ class JsonGrammar:
         """A fresh constraint for `spec` (an OutputSpec, or a JSON schema as a dict); `after`: free text until these
         token ids have been generated in a row (a thought ending in `</think>`), the spec from then on.
         MoepackError for one llguidance refuses."""
-        spec = spec if isinstance(spec, OutputSpec) else OutputSpec("json", spec)
+        spec = OutputSpec.of(spec)
         llg = _llguidance()
         try:
             grammar = spec.grammar(llg)
@@ -116,7 +121,7 @@ class JsonGrammar:
         tokens past a small max_tokens are the client's to cut short). An endless schema forces as many tokens as
         llguidance follows (10,000s): a max_tokens past that meets it mid-answer, a 400 naming response_format.
         Another OutputSpec alike (a regex, choice or grammar no answer matches)."""
-        spec = spec if isinstance(spec, OutputSpec) else OutputSpec("json", spec)
+        spec = OutputSpec.of(spec)
         key = json.dumps([spec.kind, spec.value], sort_keys=True)
         forced = self._forced.get(key, _UNPROBED)
         if forced is _UNPROBED:  # (probed once a spec: the probe holds the GIL up to ~0.1 s on an endless one)
