@@ -126,8 +126,8 @@ def serve(file, host, port, max_queue, max_batch, prefill_chunk, prompt_cache_gi
     if prompt_cache_gib and max_batch == 1:
         raise click.UsageError("--prompt-cache-gib needs --max-batch above 1 (the batch scheduler keeps the prompt "
                                "cache)")
-    prompt_cache_gib = (DEFAULT_PROMPT_CACHE_GIB if max_batch > 1 else 0) if prompt_cache_gib is None else (
-        prompt_cache_gib)
+    if prompt_cache_gib is None:
+        prompt_cache_gib = DEFAULT_PROMPT_CACHE_GIB if max_batch > 1 else 0
     check_container_path(file)
     name = model_name or os.path.splitext(os.path.basename(file))[0]
     api_key = resolve_api_key(api_key, api_key_file)
