@@ -501,7 +501,8 @@ def responses_endpoints(server, model_name: str, admitted_request: Callable, fin
         decoding the answer again."""
         tok = server.tokenizer
         thought = thought_tokens(tok, result, prepared.thought)
-        message = next((item for item in output.output() if item["type"] == "message"), None)
+        items = output.output()
+        message = next((item for item in items if item["type"] == "message"), None)
         if whole and prepared.logprobs and message is not None:
             message["content"][0]["logprobs"] = chat_logprobs(tok, result.logprobs[thought:])["content"]
         status, incomplete = ending(result.finish_reason)
@@ -509,7 +510,7 @@ def responses_endpoints(server, model_name: str, admitted_request: Callable, fin
         usage = {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens(result)},
                  "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": thought},
                  "total_tokens": job.prompt_tokens + generated}
-        return response_object(job, prepared, created, status, output.output(), usage=usage,
+        return response_object(job, prepared, created, status, items, usage=usage,
                                incomplete_details=incomplete,
                                **({"completed_at": int(time.time())} if status == "completed" else {}))
 
