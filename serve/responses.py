@@ -498,13 +498,12 @@ def responses_endpoints(server, model_name: str, admitted_request: Callable, fin
                  whole: bool = False) -> dict:
         """The response object of a generation that ended, its output built; `whole` (not streamed): its message's
         logprobs are those of the tokens after the thought. On a worker thread: the thought's tokens are counted by
-        decoding the answer again."""
-        tok = server.tokenizer
-        thought = thought_tokens(tok, result, prepared.thought)
+        decoding the answer again, as its text was (job.tokenizer: special tokens left out or not)."""
+        thought = thought_tokens(job.tokenizer, result, prepared.thought)
         items = output.output()
         message = next((item for item in items if item["type"] == "message"), None)
         if whole and prepared.logprobs and message is not None:
-            message["content"][0]["logprobs"] = chat_logprobs(tok, result.logprobs[thought:])["content"]
+            message["content"][0]["logprobs"] = chat_logprobs(server.tokenizer, result.logprobs[thought:])["content"]
         status, incomplete = ending(result.finish_reason)
         generated = len(result.generated_ids)
         usage = {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens(result)},

@@ -30,17 +30,18 @@ def _text_of(chat) -> str:
 
 def script_tokens(server, monkeypatch, ids: list[int], delay: float = 0.0, fail_after: int | None = None) -> list:
     """The generator answers the token ids `ids` as Generator.generate would (each token to on_token, with a
-    logprob of -(its place + 1) where logprobs are asked for, then its text to on_text; max_new_tokens and the
-    cancel check heeded, `delay` s a token); it raises after `fail_after` tokens. The prompts it got are returned,
-    as they come."""
-    prompts, tok = [], server.tok
+    logprob of -(its place + 1) where logprobs are asked for, then its text, as the server's `detokenize` makes it,
+    to on_text; max_new_tokens and the cancel check heeded, `delay` s a token); it raises after `fail_after` tokens.
+    The prompts it got are returned, as they come."""
+    prompts = []
 
     def generate(prompt, options, detokenize=None, on_text=None, cancelled=None, on_token=None, **kw):
         prompts.append(list(prompt))
-        pieces, out, logprobs = IncrementalDetokenizer(tok.decode), [], []
+        decode = detokenize or server.tok.decode
+        pieces, out, logprobs = IncrementalDetokenizer(decode), [], []
         for token in ids[:options.max_new_tokens]:
             if cancelled is not None and cancelled():
-                return GenerateResult(out, tok.decode(out), "cancelled", STATS)
+                return GenerateResult(out, decode(out), "cancelled", STATS)
             if fail_after is not None and len(out) == fail_after:
                 raise RuntimeError("the scripted generator fails")
             out.append(token)
@@ -51,7 +52,7 @@ def script_tokens(server, monkeypatch, ids: list[int], delay: float = 0.0, fail_
             if piece and on_text is not None:
                 on_text(piece)
             time.sleep(delay)
-        return GenerateResult(out, tok.decode(out), "length" if len(ids) > len(out) else "stop", STATS,
+        return GenerateResult(out, decode(out), "length" if len(ids) > len(out) else "stop", STATS,
                               logprobs if options.logprobs is not None else None)
 
     monkeypatch.setattr(server.generator, "generate", generate)
@@ -163,6 +164,19 @@ def test_the_stream_helper_gives_the_final_response_with_its_reasoning_item(serv
         {"role": "user", "content": "Is it?"}, {"role": "assistant", "content": "Yes, it is."},
         {"role": "user", "content": "Sure?"}])
     assert prompts[-1] == prompts[-2]
+
+
+def test_reasoning_tokens_count_a_left_out_special_token_in_the_thought(server, monkeypatch):
+    """The thought's tokens are counted on the text the answer was written with: a special token in the thought,
+    left out of the text (skip_special_tokens' default), is one of its tokens all the same."""
+    tok = server.tok
+    thought = tok.encode("I think so, at length.", False, False)
+    bos = tok.encode_special("<｜begin▁of▁sentence｜>")
+    ids = thought[:1] + bos + thought[1:] + tok.encode_special("</think>") + tok.encode("Yes.", False, False)
+    script_tokens(server, monkeypatch, ids)
+    r = server.client().responses.create(model="tiny", input="Is it?", extra_body={"thinking": True})
+    assert (r.output[0].content[0].text, r.output_text) == ("I think so, at length.", "Yes.")
+    assert r.usage.output_tokens_details.reasoning_tokens == len(thought) + 2  # (the BOS and `</think>`)
 
 
 def test_function_calls_and_their_outputs_make_the_chats_tool_round_trip(server, scripted):
