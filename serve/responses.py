@@ -1,20 +1,25 @@
 """POST /v1/responses: OpenAI's Responses API (openai-python's `client.responses.create` / `.stream`, the Agents SDK,
 Codex-style clients) as a translation over the chat completions path of serve/app.py.
 
-A request is put as the chat request it stands for (chat_request: `instructions` a system message in front, the input
-items messages, a function_call item an assistant's tool call, a function_call_output item a tool message; the
-function tools, tool_choice, text.format, reasoning.effort, include's logprobs as chat's fields) and prepared,
-scheduled, cancelled and counted as a chat's (Server.prepared_chat, the app's admitted_request, job_events...); a
-chat error names the Responses field it came from (`messages[2]` -> `input[1]`, `max_tokens` -> `max_output_tokens`).
-The answer is split as a chat's (AnswerSplitter: thought, content, tool calls) into output items (OutputItems): a
-"reasoning" item, a "message" item with one output_text part, a "function_call" item per call; streamed, the events
-that build them, each with its sequence_number. Nothing is stored: `store` is taken (OpenAI's default is true) and
-answered false, `previous_response_id` and `conversation` are 400s, GET / DELETE /v1/responses/{id} 404s, all saying
-so. docs/guide.md "Serving real clients" lists the fields served and refused.
+A request is put as the chat request it stands for (chat_request: `instructions` a system message in front, the
+input items messages, a function_call item an assistant's tool call, a function_call_output item a tool message; the
+function tools, tool_choice, text.format, reasoning.effort, include's logprobs as chat's fields; a reasoning item
+sent back the `reasoning_content` of the assistant's turn after it) and prepared, scheduled, cancelled and counted
+as a chat's (Server.prepared_chat, the app's admitted_request, job_events...); a chat error names the Responses
+field it came from (`messages[2]` -> `input[1]`, `max_tokens` -> `max_output_tokens`). The answer is split as a
+chat's (AnswerSplitter: thought, content, tool calls) into output items (OutputItems): a "reasoning" item (the
+thought as a reasoning_text part, as its summary where one is asked for, and as its encrypted_content, which moepack
+does not encrypt: the thought's own text, base64, so that a client that sends back only that, as Codex does with
+store false, gives the thought back), a "message" item with one output_text part, a "function_call" item per call;
+streamed, the events that build them, each with its sequence_number. Nothing is stored: `store` is taken (OpenAI's
+default is true) and answered false, `previous_response_id` and `conversation` are 400s, GET / DELETE
+/v1/responses/{id} 404s, all saying so. docs/guide.md "Serving real clients" lists the fields served and refused.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
 import dataclasses
 import functools
@@ -64,6 +69,9 @@ RESPONSES_PLAIN = {
 CHAT_NAMES = (("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
               ("response_format", "text.format"), ("reasoning_effort", "reasoning.effort"))
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+ENCRYPTED_INCLUDE = "reasoning.encrypted_content"  # (always written: OpenAI's is now written by default too)
+SUMMARIES = ("auto", "concise", "detailed")
+THOUGHT_PREFIX = "moepack-thought-v1:"  # a reasoning item's encrypted_content: this, then the thought's text, base64
 # the keys of each input item type (those of the output items a client sends back as it got them included; an
 # item's id and status say nothing to the model and are not read, nor an output_text's annotations, logprobs and
 # `parsed`, the SDK's reading of the text that responses.parse() answers carry, as chat takes a message's)
@@ -72,6 +80,7 @@ ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
              "function_call_output": {"type", "call_id", "output", "id", "status"},
              "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"}}
 PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs", "parsed"}}
+REASONING_PARTS = {"content": "reasoning_text", "summary": "summary_text"}  # a reasoning item's lists, their parts
 ROLES = ("user", "system", "developer", "assistant")
 MAX_METADATA = 16  # OpenAI's: 16 pairs, keys of 64 characters, values of 512
 
@@ -122,9 +131,11 @@ def _parts(content, where: str, param: str) -> str | list[dict]:
 def conversation(body: dict) -> tuple[list[dict], list[str]]:
     """The chat messages of `instructions` and `input`, and where in the request each came from ("instructions",
     "input[3]"): a function_call item is a tool call of the assistant message before it (one of its own where
-    none is), a function_call_output a tool message, a reasoning item sent back dropped (as chat drops
-    reasoning_content: the encoder renders no earlier thought)."""
-    messages, origins = [], []
+    none is, or where a reasoning item came between), a function_call_output a tool message, a reasoning item's
+    thought (thought_of) the `reasoning_content` of the assistant message that follows it (a chat's encoder renders
+    it where its model's template does: DeepSeek-V4's in a conversation with tools, an agent's loop; one that
+    another message follows is dropped)."""
+    messages, origins, thought = [], [], None
     instructions = _get(body, "instructions", lambda v: isinstance(v, str), "a string")
     if instructions:
         messages.append({"role": "system", "content": instructions})
@@ -151,21 +162,64 @@ def conversation(body: dict) -> tuple[list[dict], list[str]]:
                                "input")
             messages.append({"role": role, "content": _parts(item.get("content"), f"{where}.content", "input")})
             origins.append(where)
+            if role == "assistant" and thought is not None:
+                messages[-1]["reasoning_content"] = thought
+            thought = None  # (one another turn came after: no assistant's)
+        elif kind == "reasoning":
+            own = thought_of(item, where)
+            if own is not None:
+                thought = own if thought is None else thought + own
         elif kind == "function_call":
             call = {"id": _text(item.get("call_id"), f"{where}.call_id", "input"), "type": "function",
                     "function": {"name": _text(item.get("name"), f"{where}.name", "input"),
                                  "arguments": _text(item.get("arguments"), f"{where}.arguments", "input")}}
-            if messages and messages[-1]["role"] == "assistant":
+            if messages and messages[-1]["role"] == "assistant" and thought is None:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call],
+                                 **({} if thought is None else {"reasoning_content": thought})})
                 origins.append(where)
+                thought = None
         elif kind == "function_call_output":
             output = _parts(item.get("output"), f"{where}.output", "input")
             messages.append({"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{where}.call_id", "input"),
                              "content": output})
             origins.append(where)
+            thought = None
     return messages, origins
+
+
+def sealed_thought(text: str) -> str:
+    """A reasoning item's encrypted_content: the thought's text, base64 (not encrypted: the client's own answer)."""
+    return THOUGHT_PREFIX + base64.urlsafe_b64encode(text.encode()).decode("ascii")
+
+
+def thought_of(item: dict, where: str) -> str | None:
+    """A reasoning item's thought: its reasoning_text parts' text; else its encrypted_content where moepack wrote it
+    (another server's is opaque: none); else its summary_text parts' text; None where it has none."""
+    texts = {}
+    for key, part_type in REASONING_PARTS.items():
+        parts = item.get(key) or []
+        if not isinstance(parts, list):
+            raise _refused(f"{where}.{key}: expected a list of {part_type} parts", "input", "invalid_type")
+        for j, part in enumerate(parts):
+            if _object(part, f"{where}.{key}[{j}]", "input").get("type") != part_type:
+                raise _refused(f"{where}.{key}[{j}].type: expected {part_type!r}", "input")
+            _known_keys(part, {"type", "text"}, f"{where}.{key}[{j}]", "input")
+        texts[key] = "".join(_text(part.get("text"), f"{where}.{key}[{j}].text", "input")
+                             for j, part in enumerate(parts))
+    sealed = item.get("encrypted_content")
+    if sealed is not None and not isinstance(sealed, str):
+        raise _refused(f"{where}.encrypted_content: expected a string", "input", "invalid_type")
+    if texts["content"]:
+        return texts["content"]
+    if sealed and sealed.startswith(THOUGHT_PREFIX):
+        try:
+            return base64.b64decode(sealed[len(THOUGHT_PREFIX):].encode("ascii"), b"-_", validate=True).decode()
+        except (binascii.Error, UnicodeError, ValueError):
+            raise _refused(f"{where}.encrypted_content: damaged (not the base64 of a UTF-8 text moepack wrote): "
+                           "send it back as it came", "input") from None
+    return texts["summary"] or None
 
 
 def function_tools(tools) -> list[dict] | None:
@@ -214,28 +268,33 @@ def response_format(text) -> dict | None:
     return fmt  # (text, json_object; another type or key is chat's 400, named text.format)
 
 
-def reasoning_effort(reasoning) -> str | None:
-    """reasoning.effort (chat's reasoning_effort); a summary is refused: moepack writes none (the reasoning item
-    carries the thought's own text)."""
+def reasoning_settings(reasoning) -> tuple[str | None, str | None]:
+    """reasoning.effort (chat's reasoning_effort) and the summary asked for (summary, or its older name
+    generate_summary: "auto", "concise", "detailed"; None: none). moepack writes no shorter summary: one asked for
+    is the thought's whole text, the detail "auto" leaves to the server (Codex shows a thought through it)."""
     if reasoning is None:
-        return None
+        return None, None
     _known_keys(_object(reasoning, "reasoning", "reasoning"), {"effort", "summary", "generate_summary"},
                 "reasoning", "reasoning")
+    summary = reasoning.get("summary")
     for key in ("summary", "generate_summary"):
-        if reasoning.get(key) is not None:
-            raise _refused(f"reasoning.{key}: reasoning summaries are not written (the reasoning item carries the "
-                           "thought's text)", f"reasoning.{key}", "unsupported_value")
-    return reasoning.get("effort")
+        value = reasoning.get(key)
+        if value is not None and value not in SUMMARIES:
+            raise _refused(f"reasoning.{key}: expected one of {', '.join(SUMMARIES)}, got {json.dumps(value)[:40]}",
+                           f"reasoning.{key}")
+        summary = summary or value
+    return reasoning.get("effort"), summary
 
 
 def wants_logprobs(body: dict) -> bool:
-    """include's "message.output_text.logprobs" (the only include served: another is a 400 naming it)."""
+    """include's "message.output_text.logprobs"; "reasoning.encrypted_content" is taken (a reasoning item always
+    carries it); another is a 400 naming it."""
     include = _get(body, "include", lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
                    "a list of strings", [])
     for name in include:
-        if name != LOGPROBS_INCLUDE:
-            raise _refused(f"include: {name[:60]!r} is not served (only {LOGPROBS_INCLUDE}; {NOT_STORED}, and a "
-                           "reasoning item carries no encrypted content)", "include", "unsupported_value")
+        if name not in (LOGPROBS_INCLUDE, ENCRYPTED_INCLUDE):
+            raise _refused(f"include: {name[:60]!r} is not served (only {LOGPROBS_INCLUDE} and {ENCRYPTED_INCLUDE}; "
+                           f"{NOT_STORED})", "include", "unsupported_value")
     return LOGPROBS_INCLUDE in include
 
 
@@ -249,17 +308,18 @@ def check_metadata(body: dict) -> dict:
     return metadata
 
 
-def chat_request(body: dict) -> tuple[dict, list[str], bool]:
+def chat_request(body: dict) -> tuple[dict, list[str], bool, str | None]:
     """The chat completions body a Responses request stands for, where each chat message came from
-    (conversation), and whether the output text's logprobs are asked for."""
+    (conversation), whether the output text's logprobs are asked for and the reasoning summary asked for."""
     chat = {name: body[name] for name in ("temperature", "top_p", "parallel_tool_calls", *CHAT_EXTENSIONS)
             if name in body}
     messages, origins = conversation(body)
     chat["messages"] = messages
+    effort, summary = reasoning_settings(body.get("reasoning"))
     extras = {"max_tokens": body.get("max_output_tokens"), "tools": function_tools(body.get("tools")),
               "tool_choice": chat_tool_choice(body.get("tool_choice")),
               "response_format": response_format(body.get("text")),
-              "reasoning_effort": reasoning_effort(body.get("reasoning"))}
+              "reasoning_effort": effort}
     chat.update({k: v for k, v in extras.items() if v is not None})
     logprobs = wants_logprobs(body)
     top = _value(body, "top_logprobs", int_in_range, 0, MAX_TOP_LOGPROBS)
@@ -267,7 +327,7 @@ def chat_request(body: dict) -> tuple[dict, list[str], bool]:
         raise _refused(f"top_logprobs: give include [{LOGPROBS_INCLUDE!r}] with it", "top_logprobs")
     if logprobs:
         chat.update(logprobs=True, top_logprobs=top or 0)
-    return chat, origins, logprobs
+    return chat, origins, logprobs, summary
 
 
 def renamed(e: RequestError, origins: list[str]) -> RequestError:
@@ -294,9 +354,10 @@ def renamed(e: RequestError, origins: list[str]) -> RequestError:
 @dataclasses.dataclass
 class PreparedResponse(Prepared):
     """A Responses request prepared as its chat: the settings its response object echoes, whether its output text
-    carries logprobs."""
+    carries logprobs, the reasoning summary asked for."""
     settings: dict = dataclasses.field(default_factory=dict)
     logprobs: bool = False
+    summary: str | None = None
 
 
 def prepare(server, raw: bytes) -> PreparedResponse:
@@ -314,7 +375,7 @@ def prepare(server, raw: bytes) -> PreparedResponse:
                        "stream_options", "unsupported_value")
     _get(body, "store", lambda v: isinstance(v, bool), "a boolean")
     metadata = check_metadata(body)
-    chat, origins, logprobs = chat_request(body)
+    chat, origins, logprobs, summary = chat_request(body)
     try:
         prepared = server.prepared_chat(chat, stream)
     except RequestError as e:
@@ -322,14 +383,14 @@ def prepare(server, raw: bytes) -> PreparedResponse:
     fmt = (body.get("text") or {}).get("format")
     settings = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
                 "metadata": metadata, "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
-                "previous_response_id": None, "reasoning": {"effort": chat.get("reasoning_effort"), "summary": None},
+                "previous_response_id": None, "reasoning": {"effort": chat.get("reasoning_effort"), "summary": summary},
                 "store": False, "temperature": prepared.options.temperature, "top_p": prepared.options.top_p,
                 "text": {"format": fmt or {"type": "text"}}, "tool_choice": body.get("tool_choice") or "auto",
                 "tools": body.get("tools") or [], "top_logprobs": body.get("top_logprobs") or 0,
                 "truncation": "disabled", "background": False, "service_tier": body.get("service_tier") or "default",
                 **{name: body.get(name) for name in IDENTIFIER_FIELDS}}  # (echoed, as OpenAI's response object does)
     fields = {f.name: getattr(prepared, f.name) for f in dataclasses.fields(Prepared)}
-    return PreparedResponse(**fields, settings=settings, logprobs=logprobs)
+    return PreparedResponse(**fields, settings=settings, logprobs=logprobs, summary=summary)
 
 
 # the item each part of an answer (AnswerSplitter's fields) goes to
@@ -338,13 +399,15 @@ ITEM_OF = {"reasoning_content": "reasoning", "content": "message", "tool_call": 
 
 class OutputItems:
     """A response's output items, built from its answer's parts in order (AnswerSplitter's): a run of thought one
-    "reasoning" item (a reasoning_text part), a run of content one "message" item (an output_text part), each tool
+    "reasoning" item (a reasoning_text part; with `summary`, the same text as a summary_text part too; its
+    encrypted_content written once it is done), a run of content one "message" item (an output_text part), each tool
     call a "function_call" item. add() and end() give the stream events that build them, OpenAI's, without their
     sequence_number. The logprobs of tokens held (hold) go with the next output_text delta. The open item's text is
     kept as its pieces (a str grown at each delta is copied whole: quadratic in a long answer, on the event loop):
     `output()` gives the items with it."""
 
-    def __init__(self):
+    def __init__(self, summary: bool = False):
+        self.summary = summary
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item being written
         self.text = Pieces()  # its part's text so far
@@ -353,8 +416,14 @@ class OutputItems:
     def output(self) -> list[dict]:
         """The items so far, the open one's text in place."""
         if self.open is not None:
-            self.open["content"][0]["text"] = self.text.text()
+            text = self.text.text()
+            for part in self._parts(self.open):
+                part["text"] = text
         return self.items
+
+    def _parts(self, item: dict) -> list[dict]:
+        """The item's parts that hold its text: its content's, and a reasoning item's summary's."""
+        return item["content"][:1] + item.get("summary", [])[:1]
 
     def hold(self, logprobs: list[dict]) -> None:
         self.held += logprobs
@@ -402,13 +471,22 @@ class OutputItems:
                    "item": copy.deepcopy(item)},
                   {"type": "response.content_part.added", **self._where(), "part": copy.deepcopy(part)}]
         item["content"].append(part)
+        if kind == "reasoning" and self.summary:
+            item["summary"].append({"type": "summary_text", "text": ""})
+            events.append({"type": "response.reasoning_summary_part.added", **self._summary_where(),
+                           "part": {"type": "summary_text", "text": ""}})
         return events
+
+    def _summary_where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items) - 1, "summary_index": 0}
 
     def _delta(self, text: str) -> list[dict]:
         part = self.open["content"][0]
         self.text.add(text)
         if self.open["type"] == "reasoning":
-            return [{"type": "response.reasoning_text.delta", **self._where(), "delta": text}]
+            return [{"type": "response.reasoning_text.delta", **self._where(), "delta": text},
+                    *([{"type": "response.reasoning_summary_text.delta", **self._summary_where(), "delta": text}]
+                      if self.summary else [])]
         logprobs, self.held = self.held, []
         part["logprobs"] += logprobs
         return [{"type": "response.output_text.delta", **self._where(), "delta": text, "logprobs": logprobs}]
@@ -423,11 +501,16 @@ class OutputItems:
             done = {"type": "response.output_text.done", **where, "text": part["text"], "logprobs": part["logprobs"]}
         else:
             done = {"type": "response.reasoning_text.done", **where, "text": part["text"]}
+            item["encrypted_content"] = sealed_thought(part["text"])
+        events = [done, {"type": "response.content_part.done", **where, "part": copy.deepcopy(part)}]
+        if item.get("summary"):
+            summary, at = item["summary"][0], self._summary_where()
+            events += [{"type": "response.reasoning_summary_text.done", **at, "text": summary["text"]},
+                       {"type": "response.reasoning_summary_part.done", **at, "part": copy.deepcopy(summary)}]
         item["status"] = status
         self.open = None
-        return [done, {"type": "response.content_part.done", **where, "part": copy.deepcopy(part)},
-                {"type": "response.output_item.done", "output_index": where["output_index"],
-                 "item": copy.deepcopy(item)}]
+        return events + [{"type": "response.output_item.done", "output_index": where["output_index"],
+                          "item": copy.deepcopy(item)}]
 
     def _call(self, call: dict) -> list[dict]:
         name, arguments = call["function"]["name"], call["function"]["arguments"]
@@ -520,7 +603,7 @@ def responses_endpoints(server, model_name: str, admitted_request: Callable, fin
             result = (await finished_job(request, job, future))[0]
 
             def whole() -> dict:
-                output = OutputItems()
+                output = OutputItems(summary=prepared.summary is not None)
                 splitter = AnswerSplitter(prepared.thought, prepared.tools)
                 output.add(splitter.feed(result.text or "") + splitter.flush())
                 output.end(ending(result.finish_reason)[0])
@@ -529,7 +612,9 @@ def responses_endpoints(server, model_name: str, admitted_request: Callable, fin
 
         async def events():
             numbers = itertools.count()
-            output, splitter, tok = OutputItems(), AnswerSplitter(prepared.thought, prepared.tools), server.tokenizer
+            output, splitter = OutputItems(summary=prepared.summary is not None), AnswerSplitter(prepared.thought,
+                                                                                                prepared.tools)
+            tok = server.tokenizer
 
             def sse(event: dict) -> str:
                 return f"event: {event['type']}\ndata: {json.dumps({**event, 'sequence_number': next(numbers)})}\n\n"

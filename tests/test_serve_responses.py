@@ -157,13 +157,106 @@ def test_the_stream_helper_gives_the_final_response_with_its_reasoning_item(serv
     chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Is it?"}],
                                      extra_body={"thinking": True}).choices[0].message
     assert (chat.model_dump()["reasoning_content"], chat.content) == ("I think so.", "Yes, it is.")
-    # the answer sent back, its reasoning item too (dropped, as chat drops reasoning_content): the chat's prompt
+    # the answer sent back, its reasoning item too (the assistant's reasoning_content, which DeepSeek-V4's encoder
+    # drops in a conversation without tools): the chat's prompt
     again = [{"role": "user", "content": "Is it?"}, *final.output, {"role": "user", "content": "Sure?"}]
     c.responses.create(model="tiny", input=again, extra_body={"thinking": True})
     c.chat.completions.create(model="tiny", extra_body={"thinking": True}, messages=[
-        {"role": "user", "content": "Is it?"}, {"role": "assistant", "content": "Yes, it is."},
+        {"role": "user", "content": "Is it?"},
+        {"role": "assistant", "content": "Yes, it is.", "reasoning_content": "I think so."},
         {"role": "user", "content": "Sure?"}])
     assert prompts[-1] == prompts[-2]
+
+
+def test_a_summary_asked_for_is_the_thought_and_the_encrypted_content_carries_it(server, monkeypatch):
+    """reasoning.summary (auto, concise, detailed): the reasoning item's summary is the thought's text, streamed by
+    OpenAI's summary events; every reasoning item's encrypted_content (include's "reasoning.encrypted_content"
+    taken) is the thought, which a client that sends back only it and the summary (Codex) gives back."""
+    tok = server.tok
+    thought = "I think so, \u00e9videmment."
+    script_tokens(server, monkeypatch, tok.encode(thought, False, False) + tok.encode_special("</think>")
+                  + tok.encode("Yes.", False, False))
+    c = server.client()
+    kw = dict(model="tiny", input="Is it?", extra_body={"thinking": True}, include=["reasoning.encrypted_content"])
+    plain = c.responses.create(**kw)
+    assert plain.output[0].summary == [] and plain.reasoning.summary is None
+    assert plain.output[0].encrypted_content.startswith("moepack-thought-v1:")
+    whole = c.responses.create(**kw, reasoning={"summary": "auto"})
+    item = whole.output[0]
+    assert [s.text for s in item.summary] == [item.content[0].text] == [thought]
+    assert whole.reasoning.summary == "auto" and item.encrypted_content == plain.output[0].encrypted_content
+    with c.responses.stream(**kw, reasoning={"summary": "detailed"}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta") == thought
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_summary_part.added") < kinds.index("response.reasoning_summary_text.done")
+    assert kinds.index("response.reasoning_summary_part.done") < kinds.index("response.output_item.done")
+    done = next(e for e in events if e.type == "response.output_item.done").item
+    assert done.encrypted_content == item.encrypted_content and final.output[0].summary[0].text == thought
+    # the encrypted_content alone gives the thought back: as the reasoning_text, as the summary
+    from moepack.serve.responses import thought_of
+    sent = item.model_dump()
+    assert thought_of({**sent, "content": None, "summary": []}, "input[0]") == thought
+    assert thought_of({**sent, "content": None, "encrypted_content": "gAAAAB-another-servers"}, "x") == thought
+    assert thought_of({"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB-opaque"}, "x") is None
+    assert thought_of({**sent, "content": [{"type": "reasoning_text", "text": "Edited."}]}, "x") == "Edited."
+
+
+def test_a_reasoning_item_begins_the_assistants_turn_its_calls_go_to():
+    """Calls after a reasoning item are a turn of their own with its thought, not calls of an assistant message
+    before the reasoning item."""
+    from moepack.serve.responses import conversation
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    said = {"role": "assistant", "content": "Done."}
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Now f."}]}
+    messages, origins = conversation({"input": [{"role": "user", "content": "Go"}, said, thought, call]})
+    assert [m.get("reasoning_content") for m in messages] == [None, None, "Now f."]
+    assert "tool_calls" not in messages[1] and messages[2]["tool_calls"][0]["id"] == "c1"
+    assert origins == ["input[0]", "input[1]", "input[3]"]
+    messages, _ = conversation({"input": [{"role": "user", "content": "Go"}, said, call]})
+    assert len(messages) == 2 and messages[1]["tool_calls"][0]["id"] == "c1"
+    # a thought that another turn follows is no later assistant's
+    result = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+    for between in ({"role": "user", "content": "Stop"}, result):
+        messages, _ = conversation({"input": [{"role": "user", "content": "Go"}, thought, between, said]})
+        assert "reasoning_content" not in messages[-1]
+
+
+def test_a_thought_sent_back_is_the_next_prompts_in_a_conversation_with_tools(server, scripted):
+    """An agent's loop: the reasoning item before its function calls, sent back with their outputs (whole, or as
+    Codex sends it: summary and encrypted_content, no content), is the assistant's reasoning_content, which
+    DeepSeek-V4's encoder keeps where the conversation has tools: the prompt is the chat's with it."""
+    scripted.text = "I should look it up.</think>" + TWO_CALLS
+    c = server.client()
+    user = {"role": "user", "content": "Weather?"}
+    kw = dict(model="tiny", tools=TOOLS, extra_body={"thinking": True}, reasoning={"summary": "auto"})
+    r = c.responses.create(input=[user], **kw)
+    assert [item.type for item in r.output] == ["reasoning", "message", "function_call", "function_call"]
+    calls = r.output[2:]
+    results = [{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"} for call in calls]
+    scripted.text = "It is sunny."
+    c.responses.create(input=[user, *r.output, *results], **kw)
+    asked = scripted.prompts[-1]
+    codex = {**r.output[0].model_dump(), "content": None}
+    c.responses.create(input=[user, codex, *r.output[1:], *results], **kw)
+    assert scripted.prompts[-1] == asked
+    chat_calls = [{"id": call.call_id, "type": "function", "function": {"name": call.name,
+                                                                        "arguments": call.arguments}}
+                  for call in calls]
+    messages = [user, {"role": "assistant", "content": "Let me check.", "tool_calls": chat_calls,
+                       "reasoning_content": "I should look it up."},
+                *({"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"} for call in calls)]
+    c.chat.completions.create(model="tiny", tools=[WEATHER, SEARCH], messages=messages, extra_body={"thinking": True})
+    assert scripted.prompts[-1] == asked
+    c.responses.create(input=[user, *r.output[1:], *results], **kw)  # (the thought left out: another prompt)
+    assert scripted.prompts[-1] != asked
+    # a reasoning item with no message after it: its calls an assistant turn of their own, the thought theirs
+    c.responses.create(input=[user, r.output[0], *calls, *results], **kw)
+    messages[1]["content"] = None
+    c.chat.completions.create(model="tiny", tools=[WEATHER, SEARCH], messages=messages, extra_body={"thinking": True})
+    assert scripted.prompts[-1] == scripted.prompts[-2]
 
 
 def test_reasoning_tokens_count_a_left_out_special_token_in_the_thought(server, monkeypatch):
@@ -329,10 +422,14 @@ REFUSED = [
     (dict(extra_body={"conversation": "conv_1"}), "conversation", "not stored"),
     (dict(tools=[{"type": "web_search"}]), "tools", "web_search"),
     (dict(tool_choice={"type": "file_search"}), "tool_choice", "file_search"),
-    (dict(include=["reasoning.encrypted_content"]), "include", "reasoning.encrypted_content"),
+    (dict(include=["file_search_call.results"]), "include", "file_search_call.results"),
     (dict(background=True), "background", "background"),
     (dict(truncation="auto"), "truncation", "only \"disabled\""),
-    (dict(reasoning={"effort": "high", "summary": "auto"}), "reasoning.summary", "summaries"),
+    (dict(reasoning={"effort": "high", "summary": "verbose"}), "reasoning.summary", "auto, concise, detailed"),
+    (dict(input=[{"type": "reasoning", "summary": [], "encrypted_content": "moepack-thought-v1:%%"},
+                 {"role": "user", "content": "Hi"}]), "input", "damaged"),
+    (dict(input=[{"type": "reasoning", "summary": [{"type": "output_text", "text": "x"}]},
+                 {"role": "user", "content": "Hi"}]), "input", "summary_text"),
     (dict(prompt={"id": "pmpt_1"}), "prompt", "templates"),
     (dict(top_logprobs=2), "top_logprobs", "include"),
     (dict(text={"format": {"type": "text"}, "verbosity": "low"}), "text.verbosity", "verbosity"),
