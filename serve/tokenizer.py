@@ -231,7 +231,7 @@ class ChatInputError(MoepackError):
 # and not rendered, the content says it; SILENT_MESSAGE_KEYS only where they say nothing); tools / response_format
 # on a system or developer message: the release's own
 MESSAGE_KEYS = {"role", "content", "name", "parsed", "tool_calls", "tool_call_id", "reasoning_content", "refusal",
-                "audio", "annotations", "function_call", "tools", "response_format", "task", "wo_eos"}
+                "audio", "annotations", "function_call", "tools", "response_format", "task", "wo_eos", "reasoning"}
 # keys of OpenAI's response message that a client sends back as it got it (the SDK's message.model_dump() writes
 # each, null where unset): taken null (or, a list, empty), refused otherwise (nothing renders them)
 SILENT_MESSAGE_KEYS = ("refusal", "audio", "annotations", "function_call")
@@ -252,6 +252,23 @@ def check_message_keys(messages: list) -> None:
                 # unset, as some clients send it)
                 raise ChatInputError(f"messages[{i}].{key}: expected a string, got {json.dumps(value)[:40]}",
                                      "messages", "invalid_type")
+
+
+def with_reasoning_content(messages: list) -> list:
+    """The messages with an assistant's thought given as `reasoning` (vLLM's newer name for reasoning_content, and
+    OpenRouter's, which their clients send back) read as its reasoning_content; both given and different: a 400."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and "reasoning" in m:
+            m = dict(m)
+            given = m.pop("reasoning")
+            if given is not None:
+                if m.get("reasoning_content") not in (None, given):
+                    raise ChatInputError(f"messages[{i}].reasoning: another text than its reasoning_content (two "
+                                         "names of the one thought): give one", "messages")
+                m["reasoning_content"] = given
+        out.append(m)
+    return out
 
 
 NOT_A_CONVERSATION = "messages: expected a non-empty list of {role, content} objects"
@@ -467,6 +484,7 @@ def _first_turn_ids(family, tokenizer, messages, thinking, reasoning_effort, tem
     if not isinstance(messages, list) or not messages:
         raise ChatInputError(NOT_A_CONVERSATION, "messages", "invalid_type")
     check_message_keys(messages)
+    messages = with_reasoning_content(messages)
     encoding = family.chat_encoding
     if encoding is None:
         if reasoning_effort is not None:

@@ -211,6 +211,33 @@ def test_an_assistants_tool_calls_and_reasoning_are_checked_alike(containers, fa
         assert (server_error.status, server_error.param) == (400, "messages")
 
 
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+def test_a_thought_sent_back_as_reasoning_is_its_reasoning_content(containers, family):
+    """vLLM's newer name of an assistant's thought, `reasoning`, is read as reasoning_content (a turn of tool calls,
+    whose thought is rendered); both, differing, a 400 naming it in either path."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+    def ids(**thought):
+        messages = [*CONVERSATION, {"role": "assistant", "content": None, "tool_calls": [CALL], **thought},
+                    {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+        with Container(containers[family]) as c:
+            server = _server(c)
+            try:
+                # (DeepSeek-V4 keeps a turn's thought before a tool's result where the request has tools)
+                tools = {"tools": [tool]} if family == "deepseek-v4" else {}
+                return server.chat_ids({"messages": messages, "thinking": True, **tools})[0]
+            finally:
+                server.executor.shutdown()
+
+    named = ids(reasoning_content="Add them.")
+    assert ids(reasoning="Add them.") == ids(reasoning="Add them.", reasoning_content="Add them.") == named
+    if family == "deepseek-v4":  # (the tiny Qwen3-MoE's template renders no thought)
+        assert ids() != named
+    conflict = [*CONVERSATION, {"role": "assistant", "content": "3", "reasoning": "A", "reasoning_content": "B"}]
+    cli_error, server_error = _both(containers[family], conflict)
+    assert str(cli_error) == server_error.message and str(cli_error).startswith("messages[2].reasoning: another")
+
+
 @pytest.mark.parametrize("message, words", [
     ({"role": "user", "content": "hi", "tool_calls": [CALL]}, "messages[1].tool_calls: only an assistant message"),
     ({"role": "robot", "content": "hi"}, "messages[1].role: 'robot' is no role"),
