@@ -1875,6 +1875,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             request, job, future, [choice_stream(i) for i in range(job.choices)], prepared.include_usage,
             chunk(0, ""), prepared.usage_so_far))
 
+    def thought_fields(text: str) -> dict:
+        """A chat answer's thought under both its names: reasoning_content (DeepSeek's API, llama-server's, the
+        clients built on them) and reasoning (vLLM's since it renamed it, OpenRouter's)."""
+        return {"reasoning_content": text, "reasoning": text}
+
     async def chat_completions(request):
         prepared, job, future = await admitted_request(request, functools.partial(server.prepare, chat=True),
                                                        "chatcmpl")
@@ -1889,7 +1894,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     text = result.text or ""
                     reasoning, content = split_thinking(text, thought)
                     message = {"role": "assistant", "content": content,
-                               **({} if reasoning is None else {"reasoning_content": reasoning})}
+                               **({} if reasoning is None else thought_fields(reasoning))}
                     finish = result.finish_reason
                     if plan.parse:
                         message["content"], calls = split_answer(message["content"], plan)
@@ -1921,7 +1926,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         delta = {"tool_calls": [{"index": n_calls[0], **text}]}
                         n_calls[0] += 1
                     else:
-                        delta = {f: text}
+                        delta = thought_fields(text) if f == "reasoning_content" else {f: text}
                     if first[0]:
                         delta = {"role": "assistant", **delta}
                         first[0] = False

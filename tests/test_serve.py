@@ -168,14 +168,17 @@ def test_thinking_splits_reasoning_from_content(tiny_server):
                                                extra_body={"thinking": thinking})
         message = whole.choices[0].message.model_dump()
         assert isinstance(message["reasoning_content"], str)
+        assert message["reasoning"] == message["reasoning_content"]  # (vLLM's name of it too)
         stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
                                                 extra_body={"thinking": thinking}, stream=True)
         deltas = [c.choices[0].delta.model_dump() for c in stream if c.choices]
         assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+        assert [d.get("reasoning") for d in deltas] == [d.get("reasoning_content") for d in deltas]
         assert "".join(d.get("content") or "" for d in deltas) == (message["content"] or "")
     off = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
                                          extra_body={"thinking": {"type": "disabled"}})
     assert off.choices[0].message.model_dump().get("reasoning_content") is None
+    assert off.choices[0].message.model_dump().get("reasoning") is None
 
 
 # (text, where the thought starts: None the prompt opened it, else the opening the answer may start with) ->
