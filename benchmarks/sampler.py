@@ -2,9 +2,10 @@
 beside what one float64 sort of that vocabulary costs in the same run (what every sampled token paid before the
 nucleus was looked for among the likeliest tokens). Distributions: Zipf-like (logits falling with the log of a
 token's rank, ids shuffled: a language model's shape), Gaussian logits (flat: the nucleus is most of the
-vocabulary, the whole is sorted) and a Gaussian three times as wide.
+vocabulary, the whole is sorted) and a Gaussian three times as wide. Greedy: one row at a time, and the rows of a
+batch of --batch found together (runtime/batching.py: greedy_choices of the step's plain greedy rows).
 
-    python benchmarks/sampler.py [--vocab 129280] [--tokens 200] [--json]"""
+    python benchmarks/sampler.py [--vocab 129280] [--tokens 200] [--batch 8] [--json]"""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import time
 
 import torch
 
-from moepack.runtime.sampling import Sampler
+from moepack.runtime.sampling import Sampler, greedy_choices
 
-SETTINGS = {"T 0.8, top-p 0.95": dict(temperature=0.8, top_p=0.95), "T 1.0, top-p 1": dict(temperature=1.0),
+SETTINGS = {"greedy": dict(temperature=0.0), "T 0.8, top-p 0.95": dict(temperature=0.8, top_p=0.95), "T 1.0, top-p 1": dict(temperature=1.0),
             "T 0.7, top-p 0.9, min-p 0.05": dict(temperature=0.7, top_p=0.9, min_p=0.05),
             "T 0.8, top-k 40, top-p 0.95": dict(temperature=0.8, top_k=40, top_p=0.95)}
 
@@ -42,10 +43,25 @@ def per_token_ms(logits: list[torch.Tensor], options: dict, tokens: int) -> floa
     return statistics.median(rounds)
 
 
+def batched_greedy_ms(logits: list[torch.Tensor], batch: int, tokens: int) -> float:
+    """A token's share of a step whose `batch` plain greedy rows are chosen together (as BatchScheduler._step)."""
+    rows = torch.stack([logits[i % len(logits)] for i in range(batch)])
+    rounds = []
+    for _ in range(3):
+        samplers = [Sampler(seed=1) for _ in range(batch)]
+        start = time.perf_counter()
+        for _ in range(max(tokens // batch, 1)):
+            for sampler, row, chosen in zip(samplers, rows, greedy_choices(rows)):
+                sampler.next_token(row, chosen)
+        rounds.append((time.perf_counter() - start) / (max(tokens // batch, 1) * batch) * 1e3)
+    return statistics.median(rounds)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=8, help="rows of a batched greedy step")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     x = torch.randn(args.vocab, dtype=torch.float64)
@@ -56,6 +72,9 @@ def main() -> None:
     rows = [{"distribution": name, "setting": setting,
              "ms_per_token": round(per_token_ms(logits, options, args.tokens), 3)}
             for name, logits in distributions(args.vocab).items() for setting, options in SETTINGS.items()]
+    rows += [{"distribution": name, "setting": f"greedy, {args.batch} rows a step together",
+              "ms_per_token": round(batched_greedy_ms(logits, args.batch, args.tokens), 3)}
+             for name, logits in list(distributions(args.vocab).items())[:1]]
     if args.json:
         print(json.dumps({"vocab": args.vocab, "whole_sort_ms": round(sort_ms, 3), "rows": rows}))
         return

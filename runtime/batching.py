@@ -74,7 +74,7 @@ from .limits import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BATCH
 from .prompt_cache import PromptCache
 from .generate import (GenerateOptions, GenerateResult, Generator, SequenceOutput, cancelled_in_prefill,
                        peak_rss_bytes)
-from .sampling import TokenLogprob
+from .sampling import TokenLogprob, greedy_choices
 
 
 
@@ -590,11 +590,16 @@ class BatchScheduler:
         seconds = time.perf_counter() - start
         if self.on_step is not None:
             self.on_step(len(batch))
+        # the plain greedy rows' tokens found together where the logits are (one copy to the host for all of them,
+        # not each row's whole logits)
+        plain = [row for row, s in enumerate(batch) if s.out.sampler.plain_greedy]
+        rows = logits if len(plain) == len(batch) else logits[plain]
+        chosen = dict(zip(plain, greedy_choices(rows))) if plain else {}
         staying = []
         for row, s in enumerate(batch):
             s.steps, s.step_s, s.rows = s.steps + 1, s.step_s + seconds, s.rows + len(batch)
             try:
-                if self._over(s, logits[row]):
+                if self._over(s, logits[row], chosen.get(row)):
                     self._finish(s, logits[row])
                 else:
                     staying.append(s)
@@ -602,10 +607,10 @@ class BatchScheduler:
                 self._fail(s, e)
         self._active = staying
 
-    def _over(self, s: _Sequence, logits: torch.Tensor) -> bool:
-        """Its next token taken from `logits`; True once it is over, or stopped (as Generator.generate: asked
-        after each token that does not end it)."""
-        if s.out.take(logits):
+    def _over(self, s: _Sequence, logits: torch.Tensor, chosen: int | None = None) -> bool:
+        """Its next token taken from `logits` (`chosen`: SequenceOutput.take's); True once it is over, or stopped
+        (as Generator.generate: asked after each token that does not end it)."""
+        if s.out.take(logits, chosen):
             return True
         if self._stop_asked(s):
             if s.error is not None:

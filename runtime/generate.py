@@ -419,12 +419,13 @@ class SequenceOutput:
         """The token chosen last: what the next step feeds."""
         return self.generated[-1]
 
-    def take(self, logits: torch.Tensor) -> bool:
-        """The next token chosen from `logits` ([vocab]) and given out; True once the sequence is over."""
+    def take(self, logits: torch.Tensor, chosen: int | None = None) -> bool:
+        """The next token chosen from `logits` ([vocab]; `chosen`: it, found with a batch's other rows where the
+        sampler is plain_greedy) and given out; True once the sequence is over."""
         sampler = self.sampler
         if not self.generated and self.prompt_logprobs is not None and self.on_prompt_logprobs is not None:
             self.on_prompt_logprobs(self.prompt_logprobs)
-        token = sampler.next_token(logits)
+        token = sampler.next_token(logits, chosen)
         self.generated.append(token)
         if self.logprobs is not None:
             self.logprobs.append(sampler.last_logprobs)

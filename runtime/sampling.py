@@ -35,6 +35,28 @@ REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character not
 MAX_HELD_TOKENS = 8
 
 
+NOT_FINITE = "the model produced non-finite logits (nan or inf): cannot choose the next token"
+NARROW_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # at most float32's range
+
+
+def finite_rows(logits: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Whether each row of `logits` ([rows, vocab]; `dtype` the one they were made in, if they were widened) is
+    all finite. For values within float32's range a row's float64 sum is finite exactly when all of them are (its
+    3.4e38 times a vocabulary stays far below float64's 1.8e308; a nan or an inf makes the sum one): one pass over
+    the row, where torch's isfinite writes a mask (~1 ms a 129K row on a CPU)."""
+    if (dtype or logits.dtype) in NARROW_FLOATS:
+        return torch.isfinite(logits.sum(dim=-1, dtype=torch.float64))
+    return torch.isfinite(logits).all(dim=-1)
+
+
+def greedy_choices(logits: torch.Tensor) -> list[int | None]:
+    """Each row's greedy token (its first largest logit, as Sampler's argmax of the same values in float64), or None
+    where the row is not all finite (Sampler.next_token then refuses it), found where the logits are with one copy
+    to the host of a few numbers a row: a device's rows need not come to the host whole."""
+    tokens = torch.where(finite_rows(logits), logits.argmax(dim=-1), -1).tolist()
+    return [None if t < 0 else t for t in tokens]
+
+
 class Sampler:
     """Temperature, then min-p, then top-k, then top-p (nucleus), then one draw from a seeded generator (vLLM's
     order); temperature 0 is greedy. The same seed and logits give the same tokens on any device: the work is done on
@@ -135,17 +157,36 @@ class Sampler:
             x = held if bool(torch.isfinite(held).any()) else x
         return x
 
-    def next_token(self, logits: torch.Tensor) -> int:
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits or reads more of them than their largest (no bias, penalty,
+        constraint, token still held back, logprobs): its token is their argmax, which greedy_choices takes where
+        the logits are, for many rows at once."""
+        return (self.temperature == 0 and self.logprobs is None and not self.logit_bias and self.constraint is None
+                and self.repetition_penalty == 1 and not self.presence_penalty and not self.frequency_penalty
+                and not (self.held_for and self.held_back and self.chosen < self.held_for))
+
+    def next_token(self, logits: torch.Tensor, chosen: int | None = None) -> int:
+        """The next token from `logits` ([vocab]). `chosen`: greedy_choices' token for them, where plain_greedy
+        (the same token, found with the other rows of a batch)."""
         if logits.dim() != 1 or logits.numel() == 0:
             raise ValueError(f"expected logits of shape [vocab], got {list(logits.shape)}")
+        if chosen is None and self.plain_greedy:
+            chosen = greedy_choices(logits[None])[0]
+        if chosen is not None:
+            return self._taken(chosen)
         # float32 -> float64 is exact, so every device's logits become the same numbers here
         x = logits.detach().to(device="cpu", dtype=torch.float64)
-        if not bool(torch.isfinite(x).all()):
-            raise MoepackError("the model produced non-finite logits (nan or inf): cannot choose the next token")
+        if not bool(finite_rows(x[None], logits.dtype)[0]):
+            raise MoepackError(NOT_FINITE)
         x = self.adjust(x)
         token = self._choose(x)
         if self.logprobs is not None:
             self.last_logprobs = TokenLogprob.of(token, x, self.logprobs)
+        return self._taken(token)
+
+    def _taken(self, token: int) -> int:
+        """The sequence's bookkeeping of its chosen `token` (the penalties' counts, the constraint's state)."""
         self.counts[token] = self.counts.get(token, 0) + 1
         self.chosen += 1
         if self._counted is not None and token < len(self._counted):

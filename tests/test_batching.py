@@ -108,6 +108,30 @@ def test_concurrent_greedy_sequences_equal_each_decoded_alone(generator):
     assert max(r.stats["decode"]["mean_batch"] for r in results) > 1
 
 
+def test_a_steps_plain_greedy_rows_are_chosen_together_as_each_alone(generator, monkeypatch):
+    """At each step the rows whose sampler is plain greedy get their tokens from one greedy_choices call (one copy
+    to the host for all of them, where the logits are); sampled rows and rows with logprobs go their own way; every
+    sequence's tokens are its solo run's."""
+    from moepack.runtime import batching
+
+    calls = []
+
+    def counted(rows):
+        calls.append(rows.shape[0])
+        return greedy_choices(rows)
+    greedy_choices = batching.greedy_choices
+    monkeypatch.setattr(batching, "greedy_choices", counted)
+    vocab = generator.cfg.vocab_size
+    cases = [(_prompt(5 + i, 20 + i, vocab), options) for i, options in enumerate(
+        [{}, {}, {}, dict(temperature=0.9, seed=3), dict(logprobs=2)])]
+    alone = [_solo(generator, ids, max_new_tokens=8, **options).generated_ids for ids, options in cases]
+    with Batch(generator, max_batch=5) as batch:
+        futures = [batch.submit(ids, max_new_tokens=8, **options) for ids, options in cases]
+        results = [f.result(TIMEOUT) for f in futures]
+    assert [r.generated_ids for r in results] == alone
+    assert max(calls) == 3 and len(calls) <= 8  # (one call a step: 7 steps after the prompts' first tokens)
+
+
 def test_a_seeded_sampled_sequence_in_a_batch_equals_its_solo_run(generator):
     vocab = generator.cfg.vocab_size
     sampled = dict(max_new_tokens=16, temperature=0.9, top_k=20, seed=1234, presence_penalty=0.5)

@@ -10,7 +10,8 @@ from tokenizers import Tokenizer
 
 from moepack.format_spec.errors import MoepackError
 from moepack.packer.synth import tokenizer_json
-from moepack.runtime.sampling import IncrementalDetokenizer, Sampler, StopMatcher, partial_match_length
+from moepack.runtime.sampling import (IncrementalDetokenizer, Sampler, StopMatcher, finite_rows, greedy_choices,
+                                      partial_match_length)
 
 BYTE0 = 3  # synth's tokenizer: ids 3..258 are the bytes 0..255
 
@@ -168,6 +169,60 @@ def test_non_finite_logits_are_an_error(bad, temperature):
     with pytest.raises(MoepackError, match="non-finite logits") as e:
         Sampler(temperature=temperature, seed=0).next_token(logits)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_plain_greedy_takes_the_argmax_where_the_logits_are_as_the_float64_path_does(dtype):
+    """A plain greedy row's token (greedy_choices: the argmax where the logits are, no float64 copy) is the one
+    the general path chooses from the same logits in float64, ties going to the first largest; a row with a nan or
+    an inf is refused by next_token as before; the sampler's counts follow the token either way."""
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(64, 3000, generator=gen).to(dtype)
+    rows[::3, 2999] = rows[::3].max(dim=-1).values  # ties with a later id: the first keeps it
+    rows[1::3, 0] = rows[1::3].max(dim=-1).values + 1  # the largest first
+    bad = rows.clone()
+    bad[5, 17], bad[9, 2], bad[11, 0] = float("nan"), float("inf"), float("-inf")
+    found = greedy_choices(bad)
+    assert [i for i, t in enumerate(found) if t is None] == [5, 9, 11]
+    for i, row in enumerate(rows):
+        general = Sampler(seed=0, logprobs=0)  # (logprobs: not plain, the float64 path)
+        assert not general.plain_greedy
+        expected = general.next_token(row)
+        plain = Sampler(seed=0)
+        assert plain.plain_greedy and plain.next_token(row) == expected
+        assert found[i] in (None, expected) and (found[i] is None) == (i in (5, 9, 11))
+        batched = Sampler(seed=0)
+        assert batched.next_token(row, greedy_choices(rows)[i]) == expected and batched.counts == {expected: 1}
+    for i in (5, 9, 11):
+        with pytest.raises(MoepackError, match="non-finite logits"):
+            Sampler(seed=0).next_token(bad[i], found[i])
+
+
+def test_finite_rows_is_isfinite_all_over_any_values():
+    """The float64 sum's finiteness is isfinite().all() of a row of float32 values (the largest and most negative
+    of float32 in every position included); wider values are checked by isfinite itself."""
+    top = torch.finfo(torch.float32).max
+    rows = torch.full((6, 4096), top)
+    rows[1] = -top
+    rows[2, ::2] = -top
+    rows[3, 100], rows[4, 0], rows[5, 4095] = float("nan"), float("-inf"), float("inf")
+    assert finite_rows(rows).tolist() == torch.isfinite(rows).all(dim=-1).tolist() == [True] * 3 + [False] * 3
+    wide = torch.full((2, 100), 1e300, dtype=torch.float64)
+    wide[1, 3] = float("nan")
+    assert finite_rows(wide).tolist() == [True, False]
+    assert finite_rows(rows.double(), torch.float32).tolist() == [True] * 3 + [False] * 3
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0.5), dict(logit_bias={1: 2.0}), dict(presence_penalty=0.5),
+                                    dict(frequency_penalty=0.5), dict(repetition_penalty=1.2), dict(logprobs=2),
+                                    dict(held_back=(3,), held_for=2)])
+def test_a_sampler_that_changes_or_reads_the_logits_is_not_plain_greedy(kwargs):
+    sampler = Sampler(seed=0, **kwargs)
+    assert not sampler.plain_greedy
+    if "held_for" in kwargs:  # (held back only until held_for tokens were chosen)
+        for _ in range(2):
+            sampler.next_token(random_logits())
+        assert sampler.plain_greedy
 
 
 # --- StopMatcher -----------------------------------------------------------------------------------------------
