@@ -33,27 +33,32 @@ NUCLEUS_CANDIDATES = 1024  # the likeliest tokens a top-p nucleus is first looke
 REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character not yet complete
 # tokens held back at most (a character's 4 bytes, a SentencePiece space, with room): past it what they make goes out
 MAX_HELD_TOKENS = 8
+# ... where they made characters and end inside one (tokens each ending inside a character, as a byte-level BPE can
+# merge the end of one with the start of the next): given out early, the unfinished one would be cut in two
+MAX_UNFINISHED_TOKENS = 128
 
 
 NOT_FINITE = "the model produced non-finite logits (nan or inf): cannot choose the next token"
-NARROW_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # at most float32's range
 
 
-def finite_rows(logits: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Whether each row of `logits` ([rows, vocab]; `dtype` the one they were made in, if they were widened) is
-    all finite. For values within float32's range a row's float64 sum is finite exactly when all of them are (its
-    3.4e38 times a vocabulary stays far below float64's 1.8e308; a nan or an inf makes the sum one): one pass over
-    the row, where torch's isfinite writes a mask (~1 ms a 129K row on a CPU)."""
-    if (dtype or logits.dtype) in NARROW_FLOATS:
-        return torch.isfinite(logits.sum(dim=-1, dtype=torch.float64))
-    return torch.isfinite(logits).all(dim=-1)
+def _finite(largest: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Whether each row is all finite, from its largest value: a nan makes that nan (max propagates it), an inf
+    +inf, a -inf the row's smallest -inf. Two reductions, where torch's isfinite writes a mask over the whole row
+    (~1 ms a 129K row on a CPU)."""
+    return torch.isfinite(largest) & torch.isfinite(logits.amin(dim=-1))
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Whether each row of `logits` ([rows, vocab]) is all finite."""
+    return _finite(logits.amax(dim=-1), logits)
 
 
 def greedy_choices(logits: torch.Tensor) -> list[int | None]:
     """Each row's greedy token (its first largest logit, as Sampler's argmax of the same values in float64), or None
     where the row is not all finite (Sampler.next_token then refuses it), found where the logits are with one copy
     to the host of a few numbers a row: a device's rows need not come to the host whole."""
-    tokens = torch.where(finite_rows(logits), logits.argmax(dim=-1), -1).tolist()
+    largest, first = logits.max(dim=-1)  # (the first of equal largest values, as argmax)
+    tokens = torch.where(_finite(largest, logits), first, -1).tolist()
     return [None if t < 0 else t for t in tokens]
 
 
@@ -177,7 +182,7 @@ class Sampler:
             return self._taken(chosen)
         # float32 -> float64 is exact, so every device's logits become the same numbers here
         x = logits.detach().to(device="cpu", dtype=torch.float64)
-        if not bool(finite_rows(x[None], logits.dtype)[0]):
+        if not bool(finite_rows(x[None])[0]):
             raise MoepackError(NOT_FINITE)
         x = self.adjust(x)
         token = self._choose(x)
@@ -459,7 +464,8 @@ class IncrementalDetokenizer:
     tokens). Only the short window from `_prefix` on is decoded each time, never the whole answer: tokens that make
     no text (special tokens left out of it) or bytes that never complete a character are held back for at most
     MAX_HELD_TOKENS, then given out as they decode (nothing, or U+FFFD), so the window stays short (a run of them
-    had grown it without bound: a decode per token over all of them, quadratic in the answer)."""
+    had grown it without bound: a decode per token over all of them, quadratic in the answer); tokens that make
+    characters but each end inside the next one, for at most MAX_UNFINISHED_TOKENS."""
 
     def __init__(self, decode: Callable[[list[int]], str]):
         self._decode = decode
@@ -472,10 +478,14 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         done = self._decode(self._ids[self._prefix : self._read])
         text = self._decode(self._ids[self._prefix :])
-        if (len(text) <= len(done) or text.endswith(REPLACEMENT)) and len(self._ids) - self._read < MAX_HELD_TOKENS:
+        new = text[len(done) :]
+        # (characters made, then one unfinished: not a run of U+FFFD, bytes that make none)
+        unfinished = len(new) >= 2 and new[-1] == REPLACEMENT != new[-2]
+        if (not new or new.endswith(REPLACEMENT)) and len(self._ids) - self._read < (
+                MAX_UNFINISHED_TOKENS if unfinished else MAX_HELD_TOKENS):
             return ""  # hold these bytes back until the character is complete
         self._prefix, self._read = self._read, len(self._ids)
-        return text[len(done) :]
+        return new
 
     def flush(self) -> str:
         """Whatever is still held back (a character that never completed comes out as U+FFFD)."""

@@ -199,8 +199,8 @@ def test_plain_greedy_takes_the_argmax_where_the_logits_are_as_the_float64_path_
 
 
 def test_finite_rows_is_isfinite_all_over_any_values():
-    """The float64 sum's finiteness is isfinite().all() of a row of float32 values (the largest and most negative
-    of float32 in every position included); wider values are checked by isfinite itself."""
+    """finite_rows is isfinite().all() of each row, the largest and most negative values of a dtype in every
+    position included, a nan, an inf or a -inf anywhere."""
     top = torch.finfo(torch.float32).max
     rows = torch.full((6, 4096), top)
     rows[1] = -top
@@ -210,7 +210,14 @@ def test_finite_rows_is_isfinite_all_over_any_values():
     wide = torch.full((2, 100), 1e300, dtype=torch.float64)
     wide[1, 3] = float("nan")
     assert finite_rows(wide).tolist() == [True, False]
-    assert finite_rows(rows.double(), torch.float32).tolist() == [True] * 3 + [False] * 3
+    assert finite_rows(rows.double()).tolist() == [True] * 3 + [False] * 3
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        noisy = torch.randn(40, 997, generator=gen).to(dtype)
+        for row in range(0, 40, 2):
+            at = int(torch.randint(997, (), generator=gen))
+            noisy[row, at] = [float("nan"), float("inf"), -float("inf")][row % 3]
+        assert finite_rows(noisy).tolist() == torch.isfinite(noisy).all(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=0.5), dict(logit_bias={1: 2.0}), dict(presence_penalty=0.5),
@@ -432,6 +439,22 @@ def test_pieces_concatenate_to_the_full_decode(byte_tokenizer, text):
     assert "".join(pieces) + rest == decode(ids) == text
     if "\ufffd" not in text:
         assert all("\ufffd" not in p for p in pieces)
+
+
+def test_a_long_run_of_tokens_each_ending_inside_a_character_loses_none():
+    """Tokens that each end inside a character (the end of one merged with the start of the next, as a byte-level
+    BPE may): held past MAX_HELD_TOKENS while they make characters, every character comes out whole."""
+    for text, cuts in (("000\x80\x80\x80\x80\u0800\u0800", [1, 2, 3, 4, 6, 8, 10, 12, 13, 15, 16]),
+                       ("\u0800" * 40, range(1, 120, 3)), ("\U0001f389" * 30, range(2, 120, 4))):
+        raw = text.encode("utf-8")  # (each cut inside a character, but for the zeros')
+        chunks = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)]) if a < b]
+        assert sum(1 for c in chunks if c[-1] >= 0x80) >= 8  # (a run as long as MAX_HELD_TOKENS, or longer)
+
+        def decode(ids):
+            return b"".join(chunks[i] for i in ids).decode("utf-8", errors="replace")
+
+        pieces, rest = detokenize(decode, list(range(len(chunks))))
+        assert "".join(pieces) + rest == text and rest == "" and all("\ufffd" not in p for p in pieces)
 
 
 @settings(max_examples=300, deadline=None)
