@@ -91,6 +91,22 @@ def test_batched_it_is_the_chats_answer_too_and_counted_in_the_metrics(batched):
     assert after.get(ok, 0) - before.get(ok, 0) == 2
     generated = ("moepack_generated_tokens_total", ())
     assert after[generated] - before[generated] == 2 * m.usage.output_tokens
+    text = m.content[0].text  # (the stop string that ended it, from the batch scheduler's sequence too)
+    stop = c.messages.create(**kw, stop_sequences=[text[2:4]])
+    assert (stop.stop_reason, stop.stop_sequence, stop.content[0].text) == (
+        "stop_sequence", text[2:4], text[:text.index(text[2:4])])
+
+
+def test_usage_counts_the_prompt_caches_tokens_as_cache_reads():
+    """input_tokens are the prompt's tokens not read from the prompt cache, as Anthropic counts them (a client that
+    adds the three counts gets the prompt's length)."""
+    from types import SimpleNamespace
+
+    from moepack.serve.messages import usage
+
+    result = SimpleNamespace(stats={"prefill": {"cached_tokens": 64}}, generated_ids=[1, 2, 3])
+    assert usage(SimpleNamespace(prompt_tokens=100), result) == {
+        "input_tokens": 36, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 64, "output_tokens": 3}
 
 
 def _contains(ids: list[int], part: list[int]) -> bool:
@@ -239,6 +255,19 @@ def test_a_client_that_leaves_mid_stream_stops_its_generation(server, monkeypatc
         time.sleep(0.05)
     script_tokens(server, monkeypatch, server.tok.encode("Fine.", False, False))
     assert client(server).messages.create(model="tiny", max_tokens=5, messages=CHAT).content[0].text == "Fine."
+
+
+def test_a_client_that_half_closes_reads_an_error_event(server, monkeypatch):
+    """A client that shuts down its sending side once its request is sent stops its generation as one gone; its
+    stream ends with Anthropic's `error` event (not chat's `data: {"error"...}` and [DONE]), never cut."""
+    from test_serve_limits import _half_closed
+
+    script_tokens(server, monkeypatch, server.tok.encode("word " * 200, False, False), delay=0.02)
+    reply = _half_closed(server, "POST", "/v1/messages", {"max_tokens": 500, "messages": CHAT, "stream": True})
+    assert reply.startswith(b"HTTP/1.1 200") and b"event: message_start" in reply
+    assert b'event: error\ndata: {"type": "error", "error": {"type": "invalid_request_error", "message": "the ' \
+        b'client closed' in reply
+    assert b"[DONE]" not in reply and reply.endswith(b"\r\n0\r\n\r\n")  # the chunked body ended, not cut
 
 
 def test_a_failure_after_the_stream_began_is_an_error_event(server, monkeypatch):
