@@ -128,8 +128,10 @@ def test_a_thinking_block_goes_out_and_comes_back_in(server, monkeypatch):
     assert (m.content[0].thinking, m.content[1].text) == ("I think so.", "Yes, it is.") and m.content[0].signature
     events, final = _streamed(c, **kw)
     _same_message(final, m)
-    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
-    assert deltas.index("signature_delta") < deltas.index("text_delta")  # (before the thinking block's stop)
+    order = [(e.type, getattr(getattr(e, "delta", None), "type", None), getattr(e, "index", None))
+             for e in events if e.type.startswith("content_block")]
+    assert order.index(("content_block_delta", "signature_delta", 0)) == order.index(
+        ("content_block_stop", None, 0)) - 1  # (the thinking block's last delta, before its stop)
     chat = server.client().chat.completions.create(model="tiny", messages=[user], extra_body={"thinking": True})
     assert prompts[-1] == prompts[-2]
     assert chat.choices[0].message.model_dump()["reasoning_content"] == "I think so."
@@ -197,6 +199,26 @@ def test_tool_use_blocks_and_tool_results_make_the_chats_tool_round_trip(server,
     server.client().chat.completions.create(model="tiny", messages=[user], tools=[WEATHER, SEARCH],
                                             tool_choice="required")
     assert scripted.prompts[-1] == asked
+
+
+def test_a_user_messages_blocks_are_chat_messages_in_order():
+    """A user message's text blocks around its tool_result blocks: a user message each run, the results tool
+    messages between them, as the blocks came; an assistant's blocks one message."""
+    from moepack.serve.messages import conversation
+
+    text = {"type": "text", "text": "a"}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "r", "cache_control": {"type": "ephemeral"}}
+    messages, origins = conversation({"system": "s", "messages": [
+        {"role": "user", "content": [text, text, result, {**result, "tool_use_id": "t2", "content": None}, text]},
+        {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"},
+                                          {"type": "tool_use", "id": "t3", "name": "f", "input": {"k": "é"}}]}]})
+    assert messages == [{"role": "system", "content": "s"}, {"role": "user", "content": [text, text]},
+                        {"role": "tool", "tool_call_id": "t1", "content": "r"},
+                        {"role": "tool", "tool_call_id": "t2", "content": ""}, {"role": "user", "content": [text]},
+                        {"role": "assistant", "content": None, "tool_calls": [
+                            {"id": "t3", "type": "function", "function": {"name": "f", "arguments": '{"k": "é"}'}}]}]
+    assert origins == ["system", "messages[0].content[0]", "messages[0].content[2]", "messages[0].content[3]",
+                       "messages[0].content[4]", "messages[1]"]
 
 
 def test_stop_sequences_end_the_answer_and_are_echoed(server):
