@@ -101,7 +101,7 @@ def _block(block, where: str, param: str, allowed: tuple[str, ...]) -> tuple[str
     kind = _object(block, where, param).get("type")
     if kind not in allowed:
         said = json.dumps(kind)[:40]
-        if kind in BLOCK_KEYS:
+        if isinstance(kind, str) and kind in BLOCK_KEYS:  # (a list or an object is no type: unhashable)
             raise _refused(f"{where}: a {said} block does not go here (a message of this role carries "
                            f"{', '.join(allowed)} blocks)", param, "unsupported_value")
         raise _refused(f"{where}.type: {said} blocks are not served: {TEXT_MODEL}", param, "unsupported_value")
@@ -189,7 +189,7 @@ def conversation(body: dict) -> tuple[list[dict], list[str]]:
         where = f"messages[{i}]"
         _known_keys(_object(m, where, "messages"), {"role", "content"}, where, "messages")
         role, content = m.get("role"), m.get("content")
-        if role not in ROLE_BLOCKS:
+        if not isinstance(role, str) or role not in ROLE_BLOCKS:
             raise _refused(f"{where}.role: expected user or assistant, got {json.dumps(role)[:40]} (the system "
                            "prompt is the request's system field)", "messages")
         if isinstance(content, str):
@@ -237,7 +237,7 @@ def chat_tool_choice(choice) -> tuple[object, bool | None]:
     if choice is None:
         return None, None
     kind = _object(choice, "tool_choice", "tool_choice").get("type")
-    if kind not in TOOL_CHOICES:
+    if not isinstance(kind, str) or kind not in TOOL_CHOICES:
         raise _refused(f"tool_choice.type: expected auto, any, tool or none, got {json.dumps(kind)[:40]}",
                        "tool_choice")
     keys = {"type"} | ({"name"} if kind == "tool" else set()) | (set() if kind == "none" else

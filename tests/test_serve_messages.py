@@ -334,6 +334,11 @@ REFUSED = [
     (dict(messages=[*CHAT, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
                                                               "input": [1]}]}]), "messages[1].content[0].input"),
     (dict(messages=[{"role": "user", "content": [[{"type": "text", "text": "x"}]]}]), "messages[0].content[0]"),
+    # (a type or role that is a list or an object: no key of a table, never a 500)
+    (dict(messages=_user({"type": ["text"], "text": "x"})), "messages[0].content[0].type"),
+    (dict(messages=[{"role": {"user": 1}, "content": "Hi"}]), "messages[0].role"),
+    (dict(tools=TOOLS, tool_choice={"type": ["auto"]}), "tool_choice.type"),
+    (dict(thinking={"type": {"enabled": True}}), "thinking.type"),
     (dict(system=[{"type": "image"}]), "system[0].type"),
     (dict(system=7), "system"),
     (dict(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0].type"),
