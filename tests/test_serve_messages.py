@@ -339,6 +339,8 @@ REFUSED = [
     (dict(messages=[{"role": {"user": 1}, "content": "Hi"}]), "messages[0].role"),
     (dict(tools=TOOLS, tool_choice={"type": ["auto"]}), "tool_choice.type"),
     (dict(thinking={"type": {"enabled": True}}), "thinking.type"),
+    (dict(messages=[*CHAT, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {
+        "a": json.loads("[" * 40 + "]" * 40)}}]}]), "the request body"),  # (nested past MAX_BODY_DEPTH)
     (dict(system=[{"type": "image"}]), "system[0].type"),
     (dict(system=7), "system"),
     (dict(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0].type"),
