@@ -407,3 +407,45 @@ def test_other_errors_are_anthropics_shape_under_v1_messages_only(server):
                                                    extra_body={"continue_final_message": True,
                                                                "add_generation_prompt": False})
     assert m.content[0].text == chat.choices[0].message.content
+
+
+FULL = {"model": "tiny", "max_tokens": 2,
+        "system": [{"type": "text", "text": "S", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                     {"role": "assistant", "content": [
+                         {"type": "thinking", "thinking": "hm", "signature": "x"}, {"type": "text", "text": "ok"},
+                         {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": False,
+                                                   "content": [{"type": "text", "text": "r"}]},
+                                                  {"type": "text", "text": "go"}]}],
+        "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": False}, "thinking": {"type": "disabled"},
+        "metadata": {"user_id": "u"}, "stop_sequences": ["zz"], "temperature": 0, "top_p": 0.9, "top_k": 5}
+
+
+def _places(value, at=()):
+    """Every place in a JSON value, as its path of keys and indices."""
+    yield at
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        yield from _places(inner, (*at, key))
+
+
+def test_junk_anywhere_in_a_full_request_is_a_4xx_never_a_500(server, scripted):
+    """Each place of a request using every field, its value replaced by a value of another shape (a list, an object
+    whose type is a list): answered (where it is still a request) or a 4xx in Anthropic's shape, never a 500."""
+    import copy
+
+    scripted.text = "ok"
+    with httpx.Client(timeout=TIMEOUT) as http:
+        assert http.post(f"{server.url}/v1/messages", json=FULL).status_code == 200
+        for at in list(_places(FULL))[1:]:
+            for junk in ([[1]], {"type": ["x"]}):
+                body = copy.deepcopy(FULL)
+                inner = body
+                for key in at[:-1]:
+                    inner = inner[key]
+                inner[at[-1]] = junk
+                r = http.post(f"{server.url}/v1/messages", json=body)
+                assert r.status_code in (200, 400, 404), (at, junk, r.text)
+                assert r.status_code == 200 or set(r.json()) == {"type", "error"}, (at, junk, r.text)
