@@ -60,7 +60,8 @@ TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")  # Anthropic's
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none", "tool": None}
 # chat's params and names in a chat error, as the Messages request names them
 CHAT_PARAMS = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice"}
-CHAT_NAMES = ((r"^stop\b", "stop_sequences"), (r"\b(tools\[\d+\])\.parameters\b", r"\1.input_schema"))
+CHAT_NAMES = ((r"^stop\b", "stop_sequences"), (r"\b(tools\[\d+\])\.parameters\b", r"\1.input_schema"),
+              (r"\bcontinue_final_message\b", "a prefill (the final assistant message, continued)"))
 # Anthropic's error type for each HTTP status (another 4xx: invalid_request_error; 5xx: api_error)
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}

@@ -349,6 +349,8 @@ REFUSED = [
     (dict(tools=[{"name": "f g", "input_schema": {}}]), "tools[0].name"),
     (dict(tools=[{"name": "f", "input_schema": {}, "strict": {"x": 1}}]), "tools[0].strict"),
     (dict(tool_choice={"type": "auto"}), "tool_choice"),  # (chat's: no tools to choose)
+    (dict(tools=TOOLS, messages=[*CHAT, {"role": "assistant", "content": [  # (chat's, named as Anthropic's)
+        {"type": "tool_use", "id": "t", "name": "search", "input": {}}]}]), "messages[1]: a prefill (the final"),
     (dict(tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}), "tool_choice"),
     (dict(tools=TOOLS, tool_choice={"type": "some"}), "tool_choice.type"),
     (dict(thinking={"type": "enabled", "budget_tokens": 100}), "thinking.budget_tokens"),
