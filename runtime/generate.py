@@ -83,6 +83,7 @@ class GenerateResult:
     # per prompt token, given options.prompt_logprobs: None for the first (nothing before it; a continued KV's
     # logits give it one)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop"; None: another end)
 
 
 def eos_ids(config: dict) -> set[int]:
@@ -475,7 +476,8 @@ class SequenceOutput:
                 self.on_text(shown)
         finish = "cancelled" if self.cancelled else stopper.finish_reason or "length"
         return GenerateResult(self.generated, stopper.text if self.detokenize is not None else None, finish,
-                              {**stats, "sampling_seed": self.sampler.seed}, self.logprobs, self.prompt_logprobs)
+                              {**stats, "sampling_seed": self.sampler.seed}, self.logprobs, self.prompt_logprobs,
+                              stopper.stop_string if finish == "stop" else None)
 
 
 def generate(path: str, token_ids, options: GenerateOptions | None = None, continue_from: str | None = None,

@@ -3,8 +3,10 @@
     app = make_app(Generator("model.moepack", cache_gib=4), "model", api_key=None, max_queue=8)
 
 Endpoints: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (stream
-or not), POST /v1/responses (OpenAI's Responses API, put as a chat: serve/responses.py), GET /metrics (Prometheus:
-serve/metrics.py), POST /tokenize and /detokenize (llama-server's shapes).
+or not), POST /v1/responses (OpenAI's Responses API, put as a chat: serve/responses.py), POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's Messages API, put as a chat: serve/messages.py; its errors in Anthropic's
+shape), GET /metrics (Prometheus: serve/metrics.py), POST /tokenize and /detokenize (llama-server's shapes). The API
+key, where the server has one, goes in `Authorization: Bearer KEY` or (Anthropic's clients) `x-api-key: KEY`.
 Every request field is acted on or refused by name (CHAT_FIELDS, COMPLETION_FIELDS, serve/openai_api.py's
 REFUSED_FIELDS and check_fields); logprobs, penalties and logit_bias go to the Sampler, response_format to a JSON
 constraint (serve/grammar.py), tools to the release's encoder and back out of the answer (serve/tool_calls.py).
@@ -45,7 +47,8 @@ generated text before the first `</think>` is `reasoning_content`, the rest `con
 template writes thoughts (it spells `</think>`: Qwen3's, QwQ's), the answer's thought is split off the same way,
 whether its generation prompt opened it or the answer opens it with `<think>` (as vLLM's reasoning parsers do).
 
-Errors a request causes: 4xx with OpenAI's error object {"error": {"message", "type", "param", "code"}}, a path or
+Errors a request causes: 4xx with OpenAI's error object {"error": {"message", "type", "param", "code"}} (under
+/v1/messages, Anthropic's: {"type": "error", "error": {"type", "message"}}), a path or
 method no endpoint serves included (404 / 405), and a body not sent as UTF-8 JSON (415: another charset, a
 Content-Encoding). Anything else: 500, one log line, and the server goes on. A streamed answer's include_usage is
 OpenAI's: usage null on every chunk (with vLLM's continuous_usage_stats: its choice's usage so far), then a chunk
@@ -89,6 +92,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
 from .openai_api import (IDENTIFIER_FIELDS, Prepared, RequestError, _get, _token_text, _value, cached_tokens,
                          chat_logprobs, check_fields, client_gone)
 from .reasoning import AnswerSplitter, ThoughtMarks, chat_thought, split_thinking
+from .messages import anthropic_error, is_messages_path, messages_endpoints, messages_error_event
 from .responses import responses_endpoints, responses_error_event
 from .tokenizer import ChatInputError, chat_prompt_ids, ends_open, markup_warning
 from .tool_calls import ToolPlan, renders_tool_calls, split_answer, tool_plan, with_prompt_extras
@@ -175,10 +179,12 @@ async def first_of(work, stop) -> bool:
     return False
 
 
-def error_response(e: RequestError):
+def error_response(e: RequestError, path: str = ""):
+    """The error's response: OpenAI's error object, Anthropic's under /v1/messages (`path`: the request's)."""
     from starlette.responses import JSONResponse
 
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    body = anthropic_error(e) if is_messages_path(path) else e.body()
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
 def request_error(e: MoepackError) -> RequestError:
@@ -595,14 +601,18 @@ class Server:
         return lambda: grammar.constraint(spec, after)
 
     def check_auth(self, request) -> None:
+        """The API key, as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's): either
+        one given and right lets the request in."""
         if self.api_key is None:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         # the scheme's case is the client's (RFC 9110); the key compared in a time that does not tell how much of
         # it matched
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-            raise RequestError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
-                               kind="invalid_request_error", code="invalid_api_key")
+        given = [key] if scheme.lower() == "bearer" else []
+        given += request.headers.getlist("x-api-key")
+        if not any(hmac.compare_digest(k.strip().encode(), self.api_key.encode()) for k in given):
+            raise RequestError("invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                               status=401, kind="invalid_request_error", code="invalid_api_key")
 
     async def read_body(self, request) -> bytes:
         """The request's body, refused (413) once over --max-body-mb: by its Content-Length up front (a body
@@ -1436,6 +1446,8 @@ def client_gone_stream_end(path: str = "") -> str:
     short)."""
     if path == "/v1/responses":
         return responses_error_event(client_gone())
+    if is_messages_path(path):
+        return messages_error_event(client_gone())
     return f"data: {json.dumps(client_gone().body())}\n\ndata: [DONE]\n\n"
 
 
@@ -1496,7 +1508,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 check_origin(request)
                 response = await fn(request)
             except Exception as e:
-                response = error_response(as_request_error(e))
+                response = error_response(as_request_error(e), path)
             server.metrics.answered(path, response.status_code)
             return response
         return endpoint
@@ -1954,6 +1966,10 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     create_response, response_not_stored = responses_endpoints(server, model_name, admitted_request, finished_job,
                                                                stream_when_started, job_events)
 
+    # Anthropic's Messages API, put as a chat (serve/messages.py)
+    create_message, count_message_tokens = messages_endpoints(server, model_name, admitted_request, finished_job,
+                                                              stream_when_started, job_events, small_request)
+
     async def shutdown():
         await run_in_threadpool(server.close)
 
@@ -1964,7 +1980,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                  "/v1/chat/completions": (chat_completions, "POST"), "/v1/responses": (create_response, "POST"),
                  "/v1/responses/{response_id}": (response_not_stored, "GET/DELETE"),
                  "/v1/responses/{response_id}/input_items": (response_not_stored, "GET"),
-                 "/v1/responses/{response_id}/cancel": (response_not_stored, "POST")}
+                 "/v1/responses/{response_id}/cancel": (response_not_stored, "POST"),
+                 "/v1/messages": (create_message, "POST"), "/v1/messages/count_tokens": (count_message_tokens, "POST")}
     routes = [Route(path, handles_errors(fn, path), methods=method.split("/"))
               for path, (fn, method) in endpoints.items()]
 
@@ -1990,7 +2007,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         else:
             err = RequestError(f"{what}: no such endpoint (moepack serves {served})", code="unknown_endpoint",
                                status=404)
-        return error_response(err)
+        return error_response(err, request.url.path)
 
     # a browser's page of an allowed origin may call the API and read its answers (the key still needed)
     cors = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
@@ -2035,7 +2052,7 @@ def uvicorn_config(app, limits: ServerLimits | None = None, **kw):
         err = RequestError(f"the server has more than {n} connections open (--max-connections {n}); retry later",
                            status=503, kind="server_busy", code="too_many_connections",
                            headers={"Connection": "close"})
-        await error_response(err)(scope, receive, send)
+        await error_response(err, scope.get("path", ""))(scope, receive, send)
 
     class GuardedH11Protocol(H11Protocol):
         """uvicorn's h11 protocol with a deadline on each request's headers and the connection limit's 503."""

@@ -37,6 +37,7 @@ from .openai_api import (IDENTIFIER_FIELDS, PLAIN_VALUES, REFUSED_FIELDS, Prepar
                          cached_tokens, chat_logprobs, check_fields, client_gone)
 from .reasoning import AnswerSplitter, ThoughtMarks, split_thinking
 from .tool_calls import Pieces
+from .translation import _known_keys, _object, _refused, _text, each_tool, renamed, whole_answer
 
 NOT_STORED = "responses are not stored by moepack serve (store is taken, nothing is kept)"
 # the chat extensions (moepack's, vLLM's) a Responses request may carry too, passed on to the chat as they are
@@ -65,9 +66,12 @@ RESPONSES_PLAIN = {
     "truncation": ((None, "disabled"), 'only "disabled" is served (a conversation over the context is a 400, never '
                                        "cut short)"),
 }
-# chat's names in a chat error, as the Responses request names them (the longer first)
-CHAT_NAMES = (("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
-              ("response_format", "text.format"), ("reasoning_effort", "reasoning.effort"))
+# chat's params and names in a chat error, as the Responses request names them (the longer first)
+CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+               "reasoning_effort": "reasoning.effort"}
+CHAT_NAMES = tuple((rf"\b{re.escape(chat)}\b", name) for chat, name in (
+    ("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"), ("reasoning_effort", "reasoning.effort")))
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 ENCRYPTED_INCLUDE = "reasoning.encrypted_content"  # (always written: OpenAI's is now written by default too)
 SUMMARIES = ("auto", "concise", "detailed")
@@ -83,31 +87,6 @@ PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "an
 REASONING_PARTS = {"content": "reasoning_text", "summary": "summary_text"}  # a reasoning item's lists, their parts
 ROLES = ("user", "system", "developer", "assistant")
 MAX_METADATA = 16  # OpenAI's: 16 pairs, keys of 64 characters, values of 512
-
-
-def _refused(message: str, param: str, code: str = "invalid_value") -> RequestError:
-    return RequestError(message, param=param, code=code)
-
-
-def _object(value, where: str, param: str) -> dict:
-    if not isinstance(value, dict):
-        raise _refused(f"{where}: expected an object, got {json.dumps(value)[:40]}", param, "invalid_type")
-    return value
-
-
-def _known_keys(value: dict, keys: set[str], where: str, param: str) -> None:
-    """Every key of `value` one of `keys`, or null (unset, as elsewhere in a request: an item's model_dump() writes
-    each field of its type, null where unset)."""
-    unknown = sorted(k for k, v in value.items() if k not in keys and v is not None)
-    if unknown:
-        raise _refused(f"{where}.{unknown[0][:40]}: not a key moepack reads here (it reads {', '.join(sorted(keys))})",
-                       param, "unknown_field")
-
-
-def _text(value, where: str, param: str) -> str:
-    if not isinstance(value, str):
-        raise _refused(f"{where}: expected a string, got {json.dumps(value)[:40]}", param, "invalid_type")
-    return value
 
 
 def _parts(content, where: str, param: str) -> str | list[dict]:
@@ -225,17 +204,12 @@ def thought_of(item: dict, where: str) -> str | None:
 def function_tools(tools) -> list[dict] | None:
     """The Responses function tools ({"type": "function", "name", "description", "parameters", "strict"}) as chat's;
     another tool type (web_search, file_search, mcp, ...) is a 400 naming it: moepack runs no tools of its own."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise _refused("tools: expected a list of tools", "tools", "invalid_type")
     out = []
-    for i, tool in enumerate(tools):
-        kind = _object(tool, f"tools[{i}]", "tools").get("type")
+    for where, tool, kind in each_tool(tools):
         if kind != "function":
-            raise _refused(f"tools[{i}].type: {json.dumps(kind)[:40]} tools are not served (function tools only: "
+            raise _refused(f"{where}.type: {json.dumps(kind)[:40]} tools are not served (function tools only: "
                            "moepack runs no tools of its own)", "tools", "unsupported_value")
-        _known_keys(tool, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}]", "tools")
+        _known_keys(tool, {"type", "name", "description", "parameters", "strict"}, where, "tools")
         out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return out or None  # (an empty list, as the Agents SDK sends it: no tools)
 
@@ -330,27 +304,6 @@ def chat_request(body: dict) -> tuple[dict, list[str], bool, str | None]:
     return chat, origins, logprobs, summary
 
 
-def renamed(e: RequestError, origins: list[str]) -> RequestError:
-    """A chat error as the Responses request names its fields: a message by the input item (or the instructions)
-    it came from, chat's fields by their Responses names."""
-    param = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
-             "reasoning_effort": "reasoning.effort"}.get(e.param, e.param)
-
-    def origin(m: re.Match) -> str:
-        nonlocal param
-        i = int(m[1])
-        if i >= len(origins):
-            return m[0]
-        param = "instructions" if origins[i] == "instructions" else param
-        return origins[i]
-    text = re.sub(r"\bmessages\[(\d+)\]", origin, e.message)
-    text = re.sub(r"\bmessages\b", "input", text)
-    text = re.sub(r"\btools\[(\d+)\]\.function\b", r"tools[\1]", text)
-    for chat_name, name in CHAT_NAMES:
-        text = re.sub(rf"\b{re.escape(chat_name)}\b", name, text)
-    return RequestError(text, param=param, code=e.code, status=e.status, kind=e.kind, headers=e.headers)
-
-
 @dataclasses.dataclass
 class PreparedResponse(Prepared):
     """A Responses request prepared as its chat: the settings its response object echoes, whether its output text
@@ -379,7 +332,7 @@ def prepare(server, raw: bytes) -> PreparedResponse:
     try:
         prepared = server.prepared_chat(chat, stream)
     except RequestError as e:
-        raise renamed(e, origins) from None
+        raise renamed(e, origins, "input", CHAT_PARAMS, CHAT_NAMES) from None
     fmt = (body.get("text") or {}).get("format")
     settings = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
                 "metadata": metadata, "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
@@ -604,8 +557,7 @@ def responses_endpoints(server, model_name: str, admitted_request: Callable, fin
 
             def whole() -> dict:
                 output = OutputItems(summary=prepared.summary is not None)
-                splitter = AnswerSplitter(prepared.thought, prepared.tools)
-                output.add(splitter.feed(result.text or "") + splitter.flush())
+                output.add(whole_answer(prepared, result.text or ""))
                 output.end(ending(result.finish_reason)[0])
                 return finished(job, prepared, created, result, output, whole=True)
             return JSONResponse(await run_in_threadpool(whole), headers={"X-Request-Id": job.request_id})

@@ -100,23 +100,25 @@ def test_a_response_is_the_chat_answer_whole_and_streamed(server, instructions, 
     assert last.output_text == _text_of(chat) and last.usage == r.usage and last.id == events[0].response.id
 
 
+def metric_samples(server) -> dict:
+    """The server's /metrics: {(name, its labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_batched_it_is_the_chats_answer_too_and_counted_in_the_metrics(batched):
     """With --max-batch 4 the response runs on the batch scheduler as a chat does: the same text, whole and
     streamed; /metrics counts it under its endpoint, its tokens too."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def scrape() -> dict:
-        text = httpx.get(f"{batched.url}/metrics", timeout=TIMEOUT).text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
     c = batched.client()
     chat = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0)
-    before = scrape()
+    before = metric_samples(batched)
     r = c.responses.create(model="tiny", input="Tell me a story", max_output_tokens=8, temperature=0)
     streamed = list(c.responses.create(model="tiny", input="Tell me a story", max_output_tokens=8, temperature=0,
                                        stream=True))
-    after = scrape()
+    after = metric_samples(batched)
     assert r.output_text == streamed[-1].response.output_text == _text_of(chat)
     ok = ("moepack_requests_total", (("endpoint", "/v1/responses"), ("status", "200")))
     assert after.get(ok, 0) - before.get(ok, 0) == 2
