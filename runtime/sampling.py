@@ -189,7 +189,8 @@ class Sampler:
             x = x.clone()
             x[banned] = -math.inf
         if not bool(torch.isfinite(x).any()):
-            raise MoepackError("allowed_token_ids and bad_words leave no token to choose")
+            raise MoepackError(f"{'bad_words' if self._bad_after else 'allowed_token_ids'}: no token is left to choose "
+                               "(allowed_token_ids, bad_words and any output constraint applied)")
         return x
 
     def _counts(self, vocab: int) -> torch.Tensor:
