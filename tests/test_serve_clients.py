@@ -1857,6 +1857,7 @@ def test_bad_words_keep_what_greedy_would_say_out_of_the_answer_per_sequence_in_
     ("/v1/chat/completions", {"allowed_token_ids": [5], "tools": [WEATHER], "tool_choice": "required"},
      "allowed_token_ids"),
     ("/v1/completions", {"allowed_token_ids": [111, 79], "bad_words": ["l", "L"]}, "bad_words"),
+    ("/v1/completions", {"allowed_token_ids": [111], "bad_words": ["ll"]}, "bad_words"),  # (none left at step 2)
     ("/v1/completions", {"bad_words": "l"}, "bad_words"),
     ("/v1/completions", {"bad_words": [""]}, "bad_words"),
     ("/v1/completions", {"bad_words": ["  "]}, "bad_words"),
@@ -1865,6 +1866,12 @@ def test_bad_words_keep_what_greedy_would_say_out_of_the_answer_per_sequence_in_
     ("/v1/chat/completions", {"bad_words": ["x"] * 257}, "bad_words"),
 ])
 def test_bad_vllm_token_fields_are_400s_naming_them(server, path, extra, param):
+    """Each of vLLM's token-id fields checked (type, range, ids within the vocabulary, absurd sizes) and refused
+    beside what it cannot work with, a 400 naming it."""
     prompt = {"prompt": "Once upon"} if path == "/v1/completions" else {"messages": CHAT}
     r = httpx.post(f"{server.url}{path}", json={**prompt, "max_tokens": 2, **extra}, timeout=TIMEOUT)
-    assert _error_of(r, 400)["param"] == param, r.text
+    error = _error_of(r, 400)
+    assert error["param"] == param, r.text
+    if "allowed_token_ids" in extra and len(extra) > 1:  # refused by name before any work, not where the masks meet
+        said = {"allowed_token_ids": "already decides", "bad_words": "ban every one"}[param]
+        assert (said if extra["allowed_token_ids"] != [111] else "no token is left") in error["message"], r.text
