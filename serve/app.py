@@ -1788,7 +1788,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         first chunk the prompt's ids, as `prompt_token_ids` of its choice or of the chunk."""
         generated = [0] * len(choices)  # each choice's tokens so far
         new_ids: list[list[int]] = [[] for _ in choices]  # (return_token_ids) each choice's ids not yet sent
-        sent = [0] * len(choices)
+        sent = [0] * len(choices)  # (return_token_ids) each choice's ids sent, and whether its first chunk was
+        started = [False] * len(choices)
 
         def event(chunk: dict) -> str:
             if usage_so_far and chunk["choices"]:
@@ -1824,9 +1825,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             sent[i] += len(chunks[-1]["choices"][0]["token_ids"])
             if not started[i]:
                 started[i] = True
-                (chunks[0]["choices"][0] if prompt_ids_in == "choice" else chunks[0])["prompt_token_ids"] = \
-                    job.ids_of(i)
-        started = [False] * len(choices)  # (return_token_ids) a choice's first chunk sent
+                at = chunks[0]["choices"][0] if prompt_ids_in == "choice" else chunks[0]
+                at["prompt_token_ids"] = job.ids_of(i)
 
         async def events():
             async with contextlib.aclosing(job_events(request, job, future)) as happenings:
