@@ -61,6 +61,9 @@ class GenerateOptions:
     # the stop string (or a stop_token_ids token's text) that ended the answer kept at its end (vLLM's
     # include_stop_str_in_output)
     include_stop: bool = False
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these ids can be chosen
+    # vLLM's bad_words as token sequences (sampling.bad_word_ids): none completed in the generated tokens
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # a BatchScheduler's prompt cache may give the prompt's start and keep its states (llama-server's cache_prompt)
     cache_prompt: bool = True
     # and keeps the state after this many of the prompt's tokens too (the part a chat's next turn renders again)
@@ -70,7 +73,8 @@ class GenerateOptions:
         return Sampler(self.temperature, self.top_p, self.top_k, self.seed, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
                        logprobs=self.logprobs, constraint=self.constraint, held_back=eos_ids,
-                       held_for=self.min_new_tokens, repetition_penalty=self.repetition_penalty, min_p=self.min_p)
+                       held_for=self.min_new_tokens, repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                       allowed=self.allowed_token_ids, bad_words=self.bad_words)
 
 
 @dataclass

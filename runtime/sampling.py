@@ -22,7 +22,7 @@ import math
 import secrets
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -73,7 +73,9 @@ class Sampler:
     `presence_penalty` (once per token already generated) and `frequency_penalty` (per time it was generated)
     subtracted, a `constraint` (serve/grammar.py: a JSON schema's allowed next tokens) masks the rest out, and the
     `held_back` ids are masked out until `held_for` tokens were chosen (a minimum length: the end of sentence held
-    back), unless the constraint allows nothing else.
+    back), unless the constraint allows nothing else. `allowed` (vLLM's allowed_token_ids): no other id can be chosen;
+    `bad_words` (vLLM's, as token sequences: bad_word_ids): a sequence's last token is masked out wherever the tokens
+    chosen so far end with its others (a one-token word: always), a lookup per distinct word length and token.
     `logprobs` k (>= 0): each token's log-probability under those adjusted logits (before the temperature) and the
     k likeliest alternatives are kept in `last_logprobs` (a TokenLogprob)."""
 
@@ -81,7 +83,7 @@ class Sampler:
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  logit_bias: dict[int, float] | None = None, logprobs: int | None = None, constraint=None,
                  held_back: tuple[int, ...] = (), held_for: int = 0, repetition_penalty: float = 1.0,
-                 min_p: float = 0.0):
+                 min_p: float = 0.0, allowed: Sequence[int] | None = None, bad_words: Sequence[Sequence[int]] = ()):
         if not is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
             raise MoepackError(f"--temperature must be a finite number >= 0, got {temperature!r}")
         if not is_number(top_p) or not 0 < top_p <= 1:  # NaN fails the comparison too
@@ -107,6 +109,10 @@ class Sampler:
         if not is_int(held_for) or held_for < 0 or any(not is_int(t) or t < 0 for t in held_back):
             raise MoepackError(f"held_for (a minimum length) must be an integer >= 0 and held_back token ids, got "
                                f"{held_for!r}")
+        if allowed is not None and (not len(allowed) or any(not is_int(t) or t < 0 for t in allowed)):
+            raise MoepackError(f"allowed_token_ids must be token ids (integers >= 0), at least one, got {allowed!r}")
+        if any(not len(w) or any(not is_int(t) or t < 0 for t in w) for w in bad_words):
+            raise MoepackError(f"bad_words must be non-empty sequences of token ids, got {bad_words!r}")
         self.temperature, self.top_p, self.top_k, self.seed = float(temperature), float(top_p), top_k, seed
         self.presence_penalty, self.frequency_penalty = float(presence_penalty), float(frequency_penalty)
         self.repetition_penalty, self.min_p = float(repetition_penalty), float(min_p)
@@ -123,6 +129,14 @@ class Sampler:
         self.chosen = 0  # tokens chosen so far
         self.held_back, self.held_for = tuple(held_back), held_for
         self.last_logprobs: TokenLogprob | None = None
+        self.allowed = None if allowed is None else sorted(set(allowed))
+        self._allowed: tuple[torch.Tensor, int] | None = None  # (the ids within the vocabulary, the vocabulary)
+        # bad words by the length of what comes before their last token: {length: {those tokens: last tokens}}
+        self._bad_after: dict[int, dict[tuple[int, ...], set[int]]] = {}
+        for word in bad_words:
+            self._bad_after.setdefault(len(word) - 1, {}).setdefault(tuple(word[:-1]), set()).add(word[-1])
+        self._recent: list[int] = []  # the last chosen tokens, as many as the longest bad word's prefix
+        self._keep_recent = max(self._bad_after, default=0)
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
 
@@ -155,6 +169,8 @@ class Sampler:
                 kept = torch.full_like(x, -math.inf)  # cheaper than masking the whole vocabulary
                 kept[allowed] = x[allowed]
                 x = kept
+        if self.allowed is not None or self._bad_after:
+            x = self._masked(x)
         if self.held_for and self.held_back and self.chosen < self.held_for:
             held = x.clone()
             held[[t for t in self.held_back if t < len(x)]] = -math.inf
@@ -165,10 +181,11 @@ class Sampler:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits or reads more of them than their largest (no bias, penalty,
-        constraint, token still held back, logprobs): its token is their argmax, which greedy_choices takes where
-        the logits are, for many rows at once."""
+        constraint, allowed ids, bad words, token still held back, logprobs): its token is their argmax, which
+        greedy_choices takes where the logits are, for many rows at once."""
         return (self.temperature == 0 and self.logprobs is None and not self.logit_bias and self.constraint is None
                 and self.repetition_penalty == 1 and not self.presence_penalty and not self.frequency_penalty
+                and self.allowed is None and not self._bad_after
                 and not (self.held_for and self.held_back and self.chosen < self.held_for))
 
     def next_token(self, logits: torch.Tensor, chosen: int | None = None) -> int:
@@ -200,7 +217,28 @@ class Sampler:
             self._repeated[token] = True
         if self.constraint is not None:
             self.constraint.accept(token)
+        if self._keep_recent:
+            self._recent.append(token)
+            del self._recent[:-self._keep_recent]
         return token
+
+    def _masked(self, x: torch.Tensor) -> torch.Tensor:
+        """x with only the allowed ids left and the bad words' last tokens that would complete one masked out."""
+        if self.allowed is not None:
+            if self._allowed is None or self._allowed[1] != len(x):
+                self._allowed = (torch.tensor([t for t in self.allowed if t < len(x)], dtype=torch.long), len(x))
+            kept = torch.full_like(x, -math.inf)
+            kept[self._allowed[0]] = x[self._allowed[0]]
+            x = kept
+        banned = [t for length, words in self._bad_after.items() if length <= len(self._recent)
+                  for t in words.get(tuple(self._recent[len(self._recent) - length:]), ()) if t < len(x)]
+        if banned:
+            x = x.clone()
+            x[banned] = -math.inf
+        if not bool(torch.isfinite(x).any()):
+            raise MoepackError(f"{'bad_words' if self._bad_after else 'allowed_token_ids'}: no token is left to choose "
+                               "(allowed_token_ids, bad_words and any output constraint applied)")
+        return x
 
     def _counts(self, vocab: int) -> torch.Tensor:
         """How often each of the `vocab` ids was generated (ids outside the vocabulary left out)."""
@@ -263,6 +301,22 @@ class Sampler:
         u = torch.rand((), generator=self._generator, dtype=torch.float64) * cumulative[-1]
         i = int(torch.searchsorted(cumulative, u, right=True))
         return int(order[min(i, len(cumulative) - 1)])
+
+
+def bad_word_ids(words: Sequence[str], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as the token sequences a Sampler bans (`encode`: text -> ids, no special tokens added): each
+    word without its leading spaces as the text's start spells it, and after one space as the text's middle does,
+    that one only where it starts with another token and has as many (a tokenizer whose words carry their space)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(encode(word.lstrip()))
+        if not alone:
+            raise MoepackError(f"bad_words: {word[:40]!r} has no tokens")
+        spaced = tuple(encode(" " + word.lstrip()))
+        out.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return tuple(out)
 
 
 def _likeliest(x: torch.Tensor, k: int, ties: bool = True) -> torch.Tensor:

@@ -85,7 +85,8 @@ from moepack.runtime.batching import BatchScheduler
 from moepack.runtime.generate import GenerateOptions, GenerateResult
 from moepack.runtime.limits import DEFAULT_PREFILL_CHUNK
 from moepack.runtime.prompt_cache import prompt_cache_bytes
-from moepack.runtime.sampling import MAX_TOP_LOGPROBS, REPLACEMENT, IncrementalDetokenizer, TokenLogprob, is_int
+from moepack.runtime.sampling import (MAX_TOP_LOGPROBS, REPLACEMENT, IncrementalDetokenizer, TokenLogprob,
+                                      bad_word_ids, is_int)
 
 from .chat_template import family_chat_template, tokenizer_info
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
@@ -114,15 +115,18 @@ TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")  # logit_bias's keys (18 digits
 # The request fields each endpoint acts on: OpenAI's, and moepack's extensions `top_k` and (chat) `thinking`
 # (docs/guide.md "Serving real clients"), vLLM's `ignore_eos`, `min_tokens`, `min_p`, `repetition_penalty`,
 # `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `spaces_between_special_tokens`,
-# `truncate_prompt_tokens`, `add_special_tokens`, `prompt_logprobs` and the structured outputs (STRUCTURED_FIELDS),
-# llama-server's `cache_prompt`.
+# `truncate_prompt_tokens`, `add_special_tokens`, `prompt_logprobs`, the structured outputs (STRUCTURED_FIELDS),
+# `return_token_ids` (the prompt's and each choice's token ids beside the text), `return_tokens_as_token_ids` (the
+# logprobs' tokens as "token_id:{id}"), `allowed_token_ids` (only those ids sampled) and `bad_words` (their tokens
+# never completed: runtime/sampling.py's Sampler), llama-server's `cache_prompt`.
 # `user`, `safety_identifier` and `prompt_cache_key` are accepted and not used (IDENTIFIER_FIELDS).
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
                   "stop", "presence_penalty", "frequency_penalty", "logit_bias", *IDENTIFIER_FIELDS, "seed", "top_k",
                   "ignore_eos", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids",
                   "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
                   "truncate_prompt_tokens", "add_special_tokens", "prompt_logprobs", "structured_outputs",
-                  "guided_json", "guided_regex", "guided_choice", "guided_grammar", "cache_prompt"}
+                  "guided_json", "guided_regex", "guided_choice", "guided_grammar", "cache_prompt",
+                  "return_token_ids", "return_tokens_as_token_ids", "allowed_token_ids", "bad_words"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                 "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking",
@@ -135,11 +139,14 @@ STRUCTURED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_cho
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_PATTERN_CHARS = 65536  # a regular expression's or a grammar's text
 MAX_CHOICES = 1024  # guided_choice's strings (MAX_PATTERN_CHARS characters in all)
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids' ids (a vocabulary's worth)
+MAX_BAD_WORDS = 256  # bad_words' strings: each step looks at every distinct word length
+MAX_BAD_WORD_CHARS = 256  # characters per bad word
 # the generator's checks name the CLI's flags: the request's fields they stand for
 FLAG_FIELDS = {"--temperature": "temperature", "--top-p": "top_p", "--top-k": "top_k", "--seed": "seed",
                "--stop": "stop", "--max-new-tokens": "max_tokens", "--presence-penalty": "presence_penalty",
                "--frequency-penalty": "frequency_penalty", "--logit-bias": "logit_bias",
-               "--logprobs": "logprobs",
+               "--logprobs": "logprobs", "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words",
                "response_format": "response_format"}  # (the JSON constraint's own errors, serve/grammar.py)
 
 
@@ -758,6 +765,44 @@ class Server:
         if self.vocab and any(not 0 <= i < self.vocab for i in ids):
             raise RequestError(f"{where}: token ids must lie in [0, {self.vocab})", param=param, code="invalid_value")
 
+    def allowed_token_ids(self, body: dict, forced_call: bool) -> tuple[int, ...] | None:
+        """vLLM's allowed_token_ids: the only ids the answer may hold (at least one, within the vocabulary). Beside a
+        constraint (response_format, a structured output, a forced tool call) it is refused: the constraint alone
+        says which tokens may come next, and the two could leave none."""
+        ids = _get(body, "allowed_token_ids", lambda v: isinstance(v, list) and 0 < len(v) <= MAX_ALLOWED_TOKEN_IDS
+                   and all(is_int(i) for i in v), f"a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
+        if ids is None:
+            return None
+        self.check_in_vocabulary(ids, "allowed_token_ids", "allowed_token_ids")
+        spec = self.output_spec(body)
+        if spec is not None or forced_call:
+            by = "a forced tool call (tool_choice)" if forced_call else spec.field
+            raise RequestError(f"allowed_token_ids: {by} already decides which tokens may come next (the two could "
+                               "leave none): give one of them", param="allowed_token_ids", code="unsupported_value")
+        return tuple(ids)
+
+    def bad_words(self, body: dict) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as the token sequences the Sampler bans (sampling.bad_word_ids: each word at the text's
+        start and after a space), tokenized as vLLM does (no special tokens added; a special token's text is it)."""
+        words = _get(body, "bad_words", lambda v: isinstance(v, list) and len(v) <= MAX_BAD_WORDS and all(
+            isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in v),
+            f"a list of at most {MAX_BAD_WORDS} strings, not blank, of at most {MAX_BAD_WORD_CHARS} characters", [])
+        if not words:
+            return ()
+        tok = self.need_tokenizer("bad_words")
+        try:
+            sequences = bad_word_ids(words, tok.encode_special)
+        except MoepackError as e:
+            raise RequestError(str(e), param="bad_words", code="invalid_value") from None
+        self.check_in_vocabulary([t for ids in sequences for t in ids], "bad_words", "bad_words")
+        return sequences
+
+    @staticmethod
+    def token_flags(body: dict) -> dict:
+        """vLLM's return_token_ids and return_tokens_as_token_ids (Prepared's fields of those names)."""
+        return {name: _get(body, name, lambda v: isinstance(v, bool), "a boolean", False)
+                for name in ("return_token_ids", "return_tokens_as_token_ids")}
+
     def max_tokens(self, body: dict) -> int | None:
         max_tokens = _value(body, "max_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
         completion = _value(body, "max_completion_tokens", int_in_range, 1, MAX_TOKENS_LIMIT)
@@ -803,7 +848,8 @@ class Server:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         return (top or 0) if on else None
 
-    def options(self, body: dict, n_prompt: int, default_tokens: int, chat: bool, n: int = 1) -> GenerateOptions:
+    def options(self, body: dict, n_prompt: int, default_tokens: int, chat: bool, n: int = 1,
+                forced_call: bool = False) -> GenerateOptions:
         max_tokens = self.max_tokens(body)
         if n_prompt == 0:
             raise RequestError("empty prompt", param="prompt" if "prompt" in body else "messages",
@@ -843,7 +889,13 @@ class Server:
                                   include_stop=_get(body, "include_stop_str_in_output", lambda v: isinstance(v, bool),
                                                     "a boolean", False),
                                   cache_prompt=_get(body, "cache_prompt", lambda v: isinstance(v, bool), "a boolean",
-                                                    True))
+                                                    True),
+                                  allowed_token_ids=self.allowed_token_ids(body, forced_call),
+                                  bad_words=self.bad_words(body))
+        banned = {ids[0] for ids in options.bad_words if len(ids) == 1}
+        if options.allowed_token_ids is not None and banned.issuperset(options.allowed_token_ids):
+            raise RequestError("bad_words: they ban every one of allowed_token_ids", param="bad_words",
+                               code="invalid_value")
         if n > 1 and temperature == 0:
             raise RequestError(f"n: {n} greedy choices would all be the same: give a temperature above 0",
                                param="n", code="invalid_value")
@@ -1081,7 +1133,8 @@ class Server:
             options = dataclasses.replace(options, prompt_logprobs=options.logprobs)
         return Prepared(prompts, _scoring_the_prompt(options, scored), stream, include_usage, usage_so_far, n=n,
                         echo=echo, tokenizer=self.answer_tokenizer(body), prompt_logprobs=scored,
-                        make_constraint=self.constraint_factory(body, None, options.max_new_tokens))
+                        make_constraint=self.constraint_factory(body, None, options.max_new_tokens),
+                        **self.token_flags(body))
 
     def prepared_chat(self, body: dict, stream: bool, include_usage: bool = False, usage_so_far: bool = False,
                       n: int = 1) -> Prepared:
@@ -1095,13 +1148,14 @@ class Server:
         scored = self.prompt_logprobs(body, stream)
         ids, thought, plan = self.chat_ids(body)
         [ids], cut = self.truncated(body, [ids], DEFAULT_CHAT_TOKENS)
-        options = _scoring_the_prompt(self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n), scored)
+        options = _scoring_the_prompt(self.options(body, len(ids), DEFAULT_CHAT_TOKENS, True, n,
+                                                   forced_call=bool(plan.prefill)), scored)
         if self.prompt_cache is not None and options.cache_prompt and not any(cut):
             options = dataclasses.replace(options, snapshot_at=self.next_turn_prefix(body, ids))
         markup = plan.markup() + (tuple(filter(None, (thought.start, thought.end))) if thought else ())
         return Prepared([ids], options, stream, include_usage, usage_so_far, thought, n, tools=plan,
                         make_constraint=self.constraint_factory(body, thought, options.max_new_tokens),
-                        tokenizer=self.answer_tokenizer(body, markup), prompt_logprobs=scored)
+                        tokenizer=self.answer_tokenizer(body, markup), prompt_logprobs=scored, **self.token_flags(body))
 
     # -- admission and the worker
     def admit(self) -> None:
@@ -1399,21 +1453,24 @@ class EchoOffsets:
 
 
 def completion_logprobs(tokenizer, entries: list[TokenLogprob | None], offsets: TextOffsets | EchoOffsets,
-                        tokens: list[int] | None = None, most: int | None = None) -> dict:
+                        tokens: list[int] | None = None, most: int | None = None, as_ids: bool = False) -> dict:
     """OpenAI's (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob} each, of the
     `most` likeliest where given), text_offset (`offsets`: the completion's, carried on from chunk to chunk).
     `tokens`: the entries' tokens where some entry is None (an echoed prompt's first: its logprob and top_logprobs
-    null, as OpenAI's)."""
+    null, as OpenAI's). `as_ids` (vLLM's return_tokens_as_token_ids): the tokens and top_logprobs' keys
+    "token_id:{id}" (text_offset still the text's)."""
+    named = None if as_ids else tokenizer
+
     def top(entry: TokenLogprob) -> dict[str, float]:
         # keyed by text, as OpenAI's: tokens of one text (the bytes of several characters' parts, all U+FFFD) keep
         # the likeliest's logprob (the top come likeliest first), not the last one's
         out: dict[str, float] = {}
         for token, logprob in entry.top[:most]:
-            out.setdefault(_token_text(tokenizer, token), logprob)
+            out.setdefault(_token_text(named, token), logprob)
         return out
 
     tokens = [e.token for e in entries] if tokens is None else tokens
-    return {"tokens": [_token_text(tokenizer, token) for token in tokens],
+    return {"tokens": [_token_text(named, token) for token in tokens],
             "token_logprobs": [None if e is None else e.logprob for e in entries],
             "top_logprobs": [None if e is None else top(e) for e in entries],
             "text_offset": offsets.of(tokens)}
@@ -1639,8 +1696,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 job.on_text = lambda i, piece: push(("text", i, piece))
                 job.on_start = lambda: loop.call_soon_threadsafe(job.began.set)
                 job.on_finish = lambda i, result: push(("finish", i, result))
-                if prepared.options.logprobs is not None or prepared.usage_so_far:  # (each token counted)
-                    job.on_token = lambda i, token, lp: push(("token", i, lp))
+                if prepared.options.logprobs is not None or prepared.usage_so_far or prepared.return_token_ids:
+                    job.on_token = lambda i, token, lp: push(("token", i, (token, lp)))  # (each token counted)
                 if prepared.options.prompt_logprobs is not None:
                     job.on_prompt_logprobs = lambda i, entries: push(("prompt", i, entries))
             future = server.executor.submit(server.run, job)
@@ -1730,15 +1787,21 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 server.release(job)
 
     def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, head: dict,
-                 usage_so_far: bool = False):
+                 usage_so_far: bool = False, prompt_ids_in: str | None = None):
         """The SSE events (an async iterator of their text) of the job's choices, interleaved as their pieces come
         (each chunk's choices[0].index names its choice): choices[i].pieces(text) per text piece, each choice's
         final(result) chunks as soon as it ends when there are several (one: at the request's end). With
         include_usage, as OpenAI's: every chunk's usage null (`usage_so_far`, vLLM's continuous_usage_stats: its
         choice's usage so far), then one more chunk (`head`: its id, object, created, model) with choices [] and the
         request's usage. The logprobs of a choice's tokens since its previous chunk (choices[i].logprobs(entries) ->
-        the chunk's `logprobs`) go with its next chunk that carries text."""
+        the chunk's `logprobs`) go with its next chunk that carries text. `prompt_ids_in` (vLLM's return_token_ids:
+        "choice" for completions, "chunk" for chat): each chunk's choice carries `token_ids`, those taken since the
+        choice's previous chunk on the last chunk of each batch (joined: the choice's generated ids), and a choice's
+        first chunk the prompt's ids, as `prompt_token_ids` of its choice or of the chunk."""
         generated = [0] * len(choices)  # each choice's tokens so far
+        new_ids: list[list[int]] = [[] for _ in choices]  # (return_token_ids) each choice's ids not yet sent
+        sent = [0] * len(choices)  # (return_token_ids) each choice's ids sent, and whether its first chunk was
+        started = [False] * len(choices)
 
         def event(chunk: dict) -> str:
             if usage_so_far and chunk["choices"]:
@@ -1753,6 +1816,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         def final(i, result) -> list[dict]:
             ended[i] = True
             generated[i] = len(result.generated_ids)
+            new_ids[i] = result.generated_ids[sent[i]:]  # (the ids after the last text: a stop string's, the end's)
             chunks = choices[i].final(result)
             attach(i, chunks)
             return chunks
@@ -1763,6 +1827,18 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
             if pending[i] and free:
                 free[0]["choices"][0]["logprobs"] = choices[i].logprobs(pending[i])
                 pending[i] = []
+            if prompt_ids_in is not None and chunks:
+                with_token_ids(i, chunks)
+
+        def with_token_ids(i, chunks):
+            for c in chunks:
+                c["choices"][0]["token_ids"] = []
+            chunks[-1]["choices"][0]["token_ids"], new_ids[i] = new_ids[i], []
+            sent[i] += len(chunks[-1]["choices"][0]["token_ids"])
+            if not started[i]:
+                started[i] = True
+                at = chunks[0]["choices"][0] if prompt_ids_in == "choice" else chunks[0]
+                at["prompt_token_ids"] = job.ids_of(i)
 
         async def events():
             async with contextlib.aclosing(job_events(request, job, future)) as happenings:
@@ -1774,9 +1850,12 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                         await run_in_threadpool(choices[i].prompt, piece)
                         continue
                     if kind == "token":
+                        token, logprob = piece
                         generated[i] += 1
-                        if piece is not None:  # (its logprobs, when asked for)
-                            pending[i].append(piece)
+                        if logprob is not None:  # (its logprobs, when asked for)
+                            pending[i].append(logprob)
+                        if prompt_ids_in is not None:
+                            new_ids[i].append(token)
                         continue
                     if kind == "finish":
                         # one choice's end while others go on; a lone choice's goes with the usage at the end
@@ -1829,10 +1908,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         def echo(i: int) -> str:  # the i-th choice's prompt's text, where echo was asked for
             return prepared.echo[i // job.n] if prepared.echo else ""
 
+        as_ids = prepared.return_tokens_as_token_ids
+
         def prompt_logprobs(i, entries):  # an echoed prompt's, its offsets into the echo
             # (the echo is the prompt's text, special tokens and all: skip_special_tokens is the answer's, as vLLM's)
             plain = server.tokenizer
-            return completion_logprobs(plain, entries, EchoOffsets(plain, echo(i)), job.ids_of(i), job.options.logprobs)
+            return completion_logprobs(plain, entries, EchoOffsets(plain, echo(i)), job.ids_of(i), job.options.logprobs,
+                                       as_ids)
 
         def choice_extra(result):
             scored = {} if prepared.prompt_logprobs is None else {"prompt_logprobs": vllm_prompt_logprobs(
@@ -1842,7 +1924,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         def logprobs_of(i, result):
             if result.logprobs is None:
                 return None
-            answer = completion_logprobs(tok, result.logprobs, TextOffsets(tok, len(echo(i))))
+            answer = completion_logprobs(tok, result.logprobs, TextOffsets(tok, len(echo(i))), as_ids=as_ids)
             if result.prompt_logprobs is None or not prepared.echo:  # (vLLM's prompt_logprobs alone: its own field)
                 return answer
             return {key: values + answer[key] for key, values in prompt_logprobs(i, result.prompt_logprobs).items()}
@@ -1850,9 +1932,12 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         if not prepared.stream:
             results = await finished_job(request, job, future)
             # (on a worker thread: a prompt's logprobs are a prompt's length of entries, seconds at 128K)
+            # (return_token_ids: each choice's prompt ids beside its generated ones, as vLLM puts them)
             return await run_in_threadpool(lambda: response(job, results, "text_completion", [
                 {"index": i, "text": echo(i) + (r.text or ""), "logprobs": logprobs_of(i, r),
-                 "finish_reason": r.finish_reason, **choice_extra(r)} for i, r in enumerate(results)]))
+                 "finish_reason": r.finish_reason, **choice_extra(r),
+                 **({"prompt_token_ids": job.ids_of(i)} if prepared.return_token_ids else {})}
+                for i, r in enumerate(results)]))
 
         def chunk(i, text, finish=None, extra=None):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
@@ -1868,7 +1953,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 echo_logprobs[0] = prompt_logprobs(i, entries)
 
             def with_logprobs(entries):
-                return completion_logprobs(tok, entries, offsets)
+                return completion_logprobs(tok, entries, offsets, as_ids=as_ids)
 
             def final(result):
                 last = chunk(i, "", result.finish_reason, choice_extra(result))
@@ -1885,7 +1970,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
         return await stream_when_started(request, job, future, streamed(
             request, job, future, [choice_stream(i) for i in range(job.choices)], prepared.include_usage,
-            chunk(0, ""), prepared.usage_so_far))
+            chunk(0, ""), prepared.usage_so_far, "choice" if prepared.return_token_ids else None))
 
     def thought_fields(text: str) -> dict:
         """A chat answer's thought under both its names: reasoning_content (DeepSeek's API, llama-server's, the
@@ -1896,7 +1981,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         prepared, job, future = await admitted_request(request, functools.partial(server.prepare, chat=True),
                                                        "chatcmpl")
         rid, created, thought, plan = job.request_id, int(time.time()), prepared.thought, prepared.tools
-        tok = job.tokenizer
+        tok, as_ids = job.tokenizer, prepared.return_tokens_as_token_ids
         if not prepared.stream:
             results = await finished_job(request, job, future)
 
@@ -1914,10 +1999,13 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                             message["tool_calls"] = calls
                             finish = "tool_calls" if finish == "stop" else finish
                     choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": (
-                        None if result.logprobs is None else chat_logprobs(tok, result.logprobs))})
+                        None if result.logprobs is None else chat_logprobs(tok, result.logprobs, as_ids)),
+                        **({"token_ids": result.generated_ids} if prepared.return_token_ids else {})})
                 # (vLLM's: the response's, of the prompt all choices share: a prompt's length of entries, k + 1 each)
                 scored = {} if prepared.prompt_logprobs is None else {"prompt_logprobs": vllm_prompt_logprobs(
                     server.tokenizer, results[0].prompt_logprobs, prepared.prompt_logprobs)}
+                if prepared.return_token_ids:  # (vLLM's: the response's, as its prompt_logprobs)
+                    scored["prompt_token_ids"] = job.prompts[0]
                 return response(job, results, "chat.completion", choices, **scored)
             # (built and its JSON written on a worker thread, as completions' are: the answer's logprobs, top_logprobs
             # + 1 objects a token, took 2.8 s of the event loop at 32,000 tokens; its split, its whole length)
@@ -1956,11 +2044,11 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 out.append(last)
                 return out
             return ChoiceStream(lambda piece: pieces(splitter.feed(piece)), final,
-                                lambda entries: chat_logprobs(tok, entries))
+                                lambda entries: chat_logprobs(tok, entries, as_ids))
 
         return await stream_when_started(request, job, future, streamed(
             request, job, future, [choice_stream(i) for i in range(job.choices)], prepared.include_usage,
-            chunk(0, {}), prepared.usage_so_far))
+            chunk(0, {}), prepared.usage_so_far, "chunk" if prepared.return_token_ids else None))
 
     # OpenAI's Responses API, put as a chat (serve/responses.py)
     create_response, response_not_stored = responses_endpoints(server, model_name, admitted_request, finished_job,

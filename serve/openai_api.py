@@ -111,15 +111,20 @@ class Prepared:
     make_constraint: Callable[[], object] | None = None
     tools: ToolPlan | None = None  # chat: the request's tools (serve/tool_calls.py)
     tokenizer: object = None  # what its answer's text is decoded with (vLLM's skip_special_tokens); None: the server's
+    return_token_ids: bool = False  # (vLLM's) the prompt's and each choice's token ids in the answer
+    return_tokens_as_token_ids: bool = False  # (vLLM's) the logprobs' tokens written "token_id:{id}"
 
 
 def _token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
 
 
-def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
+def chat_logprobs(tokenizer, entries: list[TokenLogprob], as_ids: bool = False) -> dict:
     """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}; `bytes` the token's
-    own, also for part of a character (its text is then U+FFFD), so that a client can join them into the text."""
+    own, also for part of a character (its text is then U+FFFD), so that a client can join them into the text.
+    `as_ids` (vLLM's return_tokens_as_token_ids): each token "token_id:{id}", its bytes that text's, as vLLM's."""
+    tokenizer = None if as_ids else tokenizer
+
     def one(token: int, logprob: float) -> dict:
         text = _token_text(tokenizer, token)
         raw = tokenizer.token_bytes(token) if tokenizer is not None else text.encode()

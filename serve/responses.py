@@ -574,8 +574,8 @@ def responses_endpoints(server, model_name: str, admitted_request: Callable, fin
                 yield sse({"type": kind, "response": response_object(job, prepared, created, "in_progress", [])})
             async with contextlib.aclosing(job_events(request, job, future)) as happenings:
                 async for kind, _, piece in happenings:
-                    if kind == "token" and piece is not None:  # (its logprobs, asked for)
-                        output.hold(chat_logprobs(tok, [piece])["content"])
+                    if kind == "token" and piece[1] is not None:  # (its logprobs, asked for)
+                        output.hold(chat_logprobs(tok, [piece[1]])["content"])
                     elif kind == "text":
                         thinking = splitter.thought.in_thought  # (the tokens of a piece fed in the thought: its)
                         parts = splitter.feed(piece)

@@ -10,8 +10,8 @@ from tokenizers import Tokenizer
 
 from moepack.format_spec.errors import MoepackError
 from moepack.packer.synth import tokenizer_json
-from moepack.runtime.sampling import (IncrementalDetokenizer, Sampler, StopMatcher, finite_rows, greedy_choices,
-                                      partial_match_length)
+from moepack.runtime.sampling import (IncrementalDetokenizer, Sampler, StopMatcher, bad_word_ids, finite_rows,
+                                      greedy_choices, partial_match_length)
 
 BYTE0 = 3  # synth's tokenizer: ids 3..258 are the bytes 0..255
 
@@ -152,6 +152,11 @@ def test_top_k_larger_than_vocab_is_all():
         ({"min_p": -0.1}, "--min-p"),
         ({"min_p": 1.5}, "--min-p"),
         ({"min_p": float("nan")}, "--min-p"),
+        ({"allowed": []}, "allowed_token_ids"),
+        ({"allowed": [1, -2]}, "allowed_token_ids"),
+        ({"allowed": [1.5]}, "allowed_token_ids"),
+        ({"bad_words": [[]]}, "bad_words"),
+        ({"bad_words": [[1, -1]]}, "bad_words"),
     ],
 )
 def test_invalid_options_are_one_line_errors_naming_the_option(kwargs, option):
@@ -222,7 +227,7 @@ def test_finite_rows_is_isfinite_all_over_any_values():
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=0.5), dict(logit_bias={1: 2.0}), dict(presence_penalty=0.5),
                                     dict(frequency_penalty=0.5), dict(repetition_penalty=1.2), dict(logprobs=2),
-                                    dict(held_back=(3,), held_for=2)])
+                                    dict(held_back=(3,), held_for=2), dict(allowed=[1, 2]), dict(bad_words=[[4]])])
 def test_a_sampler_that_changes_or_reads_the_logits_is_not_plain_greedy(kwargs):
     sampler = Sampler(seed=0, **kwargs)
     assert not sampler.plain_greedy
@@ -707,3 +712,73 @@ def test_a_nucleus_among_the_likeliest_is_drawn_without_sorting_the_vocabulary(m
     sorted_sizes.clear()
     got = draws(Sampler(temperature=1.0, top_p=0.5, seed=3), flat, 300)
     assert set(got) <= set(nucleus.tolist()) and vocab in sorted_sizes
+
+
+def test_allowed_token_ids_are_the_only_ones_chosen_greedy_and_sampled():
+    """vLLM's allowed_token_ids: greedy takes the likeliest of them, a draw (top-k, top-p, min-p alike) only ever
+    one of them, and the logprobs' alternatives are among them; ids past the vocabulary are left out."""
+    logits = random_logits(50)
+    allowed = [3, 17, 41, 10_000]
+    best = max(allowed[:3], key=lambda t: float(logits[t]))
+    sampler = Sampler(allowed=allowed, logprobs=5)
+    assert sampler.next_token(logits) == best and {t for t, _ in sampler.last_logprobs.top} <= set(allowed)
+    for kw in ({}, {"top_k": 2}, {"top_p": 0.5}, {"min_p": 0.01}):
+        sampler = Sampler(temperature=1.5, seed=3, allowed=allowed, **kw)
+        assert set(draws(sampler, logits, 200)) <= set(allowed), kw
+    assert len(set(draws(Sampler(temperature=5.0, seed=3, allowed=allowed), logits, 300))) == 3
+
+
+def _banned_by(generated: list[int], words) -> set[int]:
+    """The reference: the last token of every word whose other tokens end what was generated."""
+    return {w[-1] for w in words if len(w) - 1 <= len(generated) and list(w[:-1]) == generated[len(generated) - len(w)
+                                                                                             + 1:]}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), min_size=1, max_size=6), st.integers(0, 2**32))
+def test_bad_words_mask_exactly_the_tokens_that_would_complete_one(words, seed):
+    """vLLM's bad_words as token sequences: at every step the tokens masked out are the last tokens of the words
+    whose other tokens end the generated ones (a one-token word always), no more; so no word is ever generated
+    (unless nothing else is left: then an error, never a banned token)."""
+    logits = torch.zeros(6, dtype=torch.float64)
+    sampler = Sampler(temperature=1.0, seed=seed, bad_words=words)
+    generated: list[int] = []
+    for _ in range(30):
+        want = _banned_by(generated, words)
+        if len(want) == 6:
+            with pytest.raises(MoepackError, match="bad_words: no token is left"):
+                sampler.next_token(logits)
+            return
+        masked = {t for t, v in enumerate(sampler.adjust(logits).tolist()) if v == float("-inf")}
+        assert masked == want, generated
+        generated.append(sampler.next_token(logits))
+    assert not any(tuple(w) == tuple(generated[i:i + len(w)]) for w in words for i in range(len(generated)))
+
+
+def test_bad_words_change_the_greedy_answer_and_keep_what_they_hold_short():
+    """Greedy with token 2 the likeliest and 3 next: the word (2, 2) makes the answer alternate, the word (2,)
+    bans 2 always; what a step looks at is the longest word's prefix, however long the answer (never the answer)."""
+    logits = torch.tensor([0.0, 0.0, 5.0, 4.0, 3.0])
+    assert draws(Sampler(bad_words=[(2, 2)]), logits, 6) == [2, 3, 2, 3, 2, 3]
+    assert draws(Sampler(bad_words=[(2,)]), logits, 3) == [3, 3, 3]
+    assert draws(Sampler(bad_words=[(2, 3), (3, 2, 2)]), logits, 5) == [2, 2, 2, 2, 2]
+    sampler = Sampler(temperature=1.0, seed=0, bad_words=[(1, 2, 3), (4,)])
+    draws(sampler, logits, 500)
+    assert len(sampler._recent) == 2
+    with pytest.raises(MoepackError, match="bad_words: no token is left") as e:
+        Sampler(allowed=[2, 3], bad_words=[(2,), (3,)]).next_token(logits)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_word_ids_are_vllms_two_spellings_of_each_word():
+    """Each word without its leading spaces, and after one space where that is another first token and as many
+    tokens (a tokenizer whose words carry their space: "Hello" and " Hello" differ); a word that has no tokens is
+    an error naming bad_words."""
+    vocab = {"hello": [5], " hello": [6], "two words": [1, 2], " two words": [3, 4, 2], "same": [7], " same": [7],
+             "": []}
+
+    def encode(text):
+        return vocab[text]
+    assert bad_word_ids(["hello", "  two words", "same"], encode) == ((5,), (6,), (1, 2), (7,))
+    with pytest.raises(MoepackError, match="bad_words"):
+        bad_word_ids(["   "], encode)

@@ -295,6 +295,7 @@ def batched(tiny_path):
     g = Generator(tiny_path, cache_gib=0.5)
     running = Running(make_app(g, "tiny", log=lambda line: None, max_queue=4, max_batch=4))
     running.generator, running.state = g, running.app.state.server
+    running.tok = PromptTokenizer(g.c)
     yield running
     running.stop()
     g.close()
@@ -1676,3 +1677,201 @@ def test_several_prompts_in_one_completions_request_are_each_answered_as_alone(s
         assert streamed == [text for text, _ in want]
     echoed = post({"prompt": prompts[:2], "echo": True, "temperature": 0})["choices"]
     assert [c["text"][:len(p)] for c, p in zip(echoed, prompts[:2])] == prompts[:2]
+
+
+# ---- 9. vLLM's token-id fields: return_token_ids, return_tokens_as_token_ids, allowed_token_ids, bad_words ---------
+
+def _answer_text(server, ids: list[int]) -> str:
+    """The text an answer's ids decode to (the end of sentence's own text is never part of it)."""
+    return server.tok.decode([t for t in ids if t not in server.generator.eos_ids])
+
+
+def _vllm_post(server, path: str, **body) -> dict:
+    r = httpx.post(f"{server.url}{path}", json={"max_tokens": 8, **body}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("where", ["server", "batched"])
+def test_return_token_ids_are_the_ids_the_text_was_decoded_from(where, request):
+    """vLLM's return_token_ids: completions' choices carry their prompt's ids (what /tokenize gives) and their
+    generated ids, chat's response its rendered prompt's ids and each choice its generated ids; they decode to the
+    text (after an echo's prompt), with n choices, whole or streamed (each chunk the ids whose text it carries: the
+    text so far is what the ids so far decode to, the prompt's ids on a choice's first chunk, as vLLM places them),
+    one at a time or batched; a stop string cuts the text, not the ids (vLLM's: through the token that ended it)."""
+    server = request.getfixturevalue(where)
+    c = _client(server)
+    prompt_ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Once upon"}, timeout=TIMEOUT).json()["tokens"]
+    sampled = {"temperature": 1.0, "seed": 7, "n": 2, "return_token_ids": True}
+    for echo in (False, True):
+        whole = c.completions.create(model="tiny", prompt="Once upon", max_tokens=8, echo=echo, extra_body=sampled)
+        for ch in map(lambda ch: ch.model_dump(), whole.choices):
+            assert ch["prompt_token_ids"] == prompt_ids
+            assert ch["text"] == "Once upon" * echo + _answer_text(server, ch["token_ids"]) and ch["token_ids"]
+        stream = c.completions.create(model="tiny", prompt="Once upon", max_tokens=8, echo=echo, stream=True,
+                                      extra_body=sampled)
+        texts, ids, firsts = {0: "", 1: ""}, {0: [], 1: []}, {}
+        for chunk in stream:
+            ch = chunk.choices[0].model_dump()
+            i = ch["index"]
+            firsts.setdefault(i, ch.get("prompt_token_ids"))
+            assert ids[i] == [] or "prompt_token_ids" not in ch
+            texts[i] += ch["text"]
+            ids[i] += ch["token_ids"]
+            assert texts[i] == "Once upon" * echo + _answer_text(server, ids[i])
+        assert firsts == {0: prompt_ids, 1: prompt_ids}
+        assert [ids[i] for i in (0, 1)] == [ch.model_dump()["token_ids"] for ch in whole.choices]
+    chat_body = {"messages": CHAT, "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 2}
+    rendered = server.state.chat_ids(dict(chat_body))[0]
+    whole = _vllm_post(server, "/v1/chat/completions", **chat_body, return_token_ids=True)
+    assert whole["prompt_token_ids"] == rendered
+    for ch in whole["choices"]:
+        assert ch["message"]["content"] == _answer_text(server, ch["token_ids"])
+    chunks = _sse(server, "/v1/chat/completions", {**chat_body, "stream": True, "return_token_ids": True})
+    for i in (0, 1):
+        mine = [chunk for chunk in chunks if chunk["choices"][0]["index"] == i]
+        assert mine[0]["prompt_token_ids"] == rendered and not any("prompt_token_ids" in m for m in mine[1:])
+        assert [t for m in mine for t in m["choices"][0]["token_ids"]] == whole["choices"][i]["token_ids"]
+    greedy = _vllm_post(server, "/v1/completions", prompt="Once upon", temperature=0, max_tokens=12,
+                        return_token_ids=True)["choices"][0]
+    stop = next(_answer_text(server, greedy["token_ids"][:k])[-1] for k in range(3, 12)
+                if _answer_text(server, greedy["token_ids"][:k])[-1:].isprintable())
+    for stream in (False, True):
+        body = {"prompt": "Once upon", "temperature": 0, "max_tokens": 12, "stop": [stop], "return_token_ids": True}
+        if stream:
+            parts = [ch["choices"][0] for ch in _sse(server, "/v1/completions", {**body, "stream": True})]
+            cut = {"text": "".join(p["text"] for p in parts), "token_ids": [t for p in parts for t in p["token_ids"]]}
+        else:
+            cut = _vllm_post(server, "/v1/completions", **body)["choices"][0]
+        spelled = _answer_text(server, cut["token_ids"])
+        assert stop not in cut["text"] and spelled.startswith(cut["text"] + stop), stream
+        assert greedy["token_ids"][:len(cut["token_ids"])] == cut["token_ids"]
+
+
+def test_return_tokens_as_token_ids_name_each_logprobs_token_by_its_id(server):
+    """vLLM's return_tokens_as_token_ids: each logprobs token (and each alternative) is "token_id:{id}", chat's
+    bytes that text's (as vLLM's), completions' top_logprobs keyed so; the ids are those generated, the logprobs
+    and text offsets those without the field; streamed alike; without logprobs it changes nothing."""
+    base = {"prompt": "Once upon", "temperature": 0, "logprobs": 2, "return_token_ids": True}
+    plain = _vllm_post(server, "/v1/completions", **base)["choices"][0]
+    named = _vllm_post(server, "/v1/completions", **base, return_tokens_as_token_ids=True)["choices"][0]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in plain["token_ids"]]
+    for key in ("token_logprobs", "text_offset"):
+        assert named["logprobs"][key] == plain["logprobs"][key], key
+    for top in named["logprobs"]["top_logprobs"]:
+        assert len(top) == 2 and all(k.startswith("token_id:") and k[9:].isdigit() for k in top)
+    chat = {"messages": CHAT, "temperature": 0, "max_tokens": 8, "logprobs": True, "top_logprobs": 2,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}
+    r = _vllm_post(server, "/v1/chat/completions", **chat)["choices"][0]
+    content = r["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in r["token_ids"]]
+    for e in content + [t for e in content for t in e["top_logprobs"]]:
+        assert e["token"].startswith("token_id:") and e["bytes"] == list(e["token"].encode())
+    streamed = [e["token"] for chunk in _sse(server, "/v1/chat/completions", {**chat, "stream": True})
+                for e in (chunk["choices"][0]["logprobs"] or {}).get("content") or []]
+    assert streamed == [e["token"] for e in content]
+    assert _vllm_post(server, "/v1/completions", prompt="Once upon", temperature=0, return_tokens_as_token_ids=True
+                      )["choices"][0]["text"] == plain["text"]
+
+
+@pytest.mark.parametrize("where", ["server", "batched"])
+def test_allowed_token_ids_are_the_only_ids_generated(where, request):
+    """vLLM's allowed_token_ids: greedy and sampled, chat and completions, one at a time or batched, every generated
+    id is one of them; greedy is the generator's own choice among them."""
+    server = request.getfixturevalue(where)
+    allowed = server.tok.encode_special("lab")  # (three ids, not the end of sentence)
+    assert len(allowed) == 3
+    direct = server.generator.generate(server.tok.encode("Once upon", special_tokens=False),
+                                       GenerateOptions(max_new_tokens=8, allowed_token_ids=tuple(allowed)))
+    for path, prompt in (("/v1/completions", {"prompt": "Once upon"}), ("/v1/chat/completions", {"messages": CHAT})):
+        for sampling in ({"temperature": 0}, {"temperature": 2.0, "seed": 3, "n": 2}):
+            r = _vllm_post(server, path, **prompt, **sampling, allowed_token_ids=allowed, return_token_ids=True)
+            for ch in r["choices"]:
+                assert ch["token_ids"] and set(ch["token_ids"]) <= set(allowed), (path, sampling)
+            if path == "/v1/completions" and not sampling["temperature"]:
+                assert r["choices"][0]["token_ids"] == direct.generated_ids
+
+
+def _bad_word_in(server, ids: list[int]) -> tuple[str, tuple[int, ...]] | None:
+    """A word the tokens `ids` spell as bad_words tokenizes it (with or without its space), several tokens long
+    where `several`, and that word's token sequence."""
+    from moepack.runtime.sampling import bad_word_ids
+
+    for n in (2, 1):
+        for k in range(len(ids) - n + 1):
+            word = server.tok.decode(ids[k:k + n])
+            if word.strip() and "\ufffd" not in word and tuple(ids[k:k + n]) in bad_word_ids(
+                    [word], server.tok.encode_special):
+                return word, tuple(ids[k:k + n])
+    return None
+
+
+def _holds(ids: list[int], word: tuple[int, ...]) -> bool:
+    return any(tuple(ids[k:k + len(word)]) == word for k in range(len(ids)))
+
+
+def test_bad_words_keep_what_greedy_would_say_out_of_the_answer_per_sequence_in_a_batch(batched):
+    """vLLM's bad_words: a word (one token, and several) greedy decoding says is never said with it, on either
+    endpoint; two requests decoding side by side with different bad_words each keep their own out (and answer as
+    they do alone)."""
+    server = batched
+    body = {"prompt": "Once upon", "temperature": 0, "max_tokens": 12, "return_token_ids": True}
+    greedy = _vllm_post(server, "/v1/completions", **body)["choices"][0]["token_ids"]
+    words = {}
+    for n in (2, 1):
+        found = next((k for k in range(len(greedy)) if (w := _bad_word_in(server, greedy[k:k + n]))
+                      and len(w[1]) == n), None)
+        assert found is not None, n
+        words[n] = _bad_word_in(server, greedy[found:found + n])
+    for n, (word, ids) in words.items():
+        said = _vllm_post(server, "/v1/completions", **body, bad_words=[word])["choices"][0]["token_ids"]
+        assert not _holds(said, ids) and said != greedy, word
+    chat = {"messages": CHAT, "temperature": 0, "max_tokens": 12, "return_token_ids": True}
+    greedy_chat = _vllm_post(server, "/v1/chat/completions", **chat)["choices"][0]["token_ids"]
+    word = _bad_word_in(server, greedy_chat)
+    assert word is not None
+    said = _vllm_post(server, "/v1/chat/completions", **chat, bad_words=[word[0]])["choices"][0]["token_ids"]
+    assert not _holds(said, word[1]) and said != greedy_chat
+    from concurrent.futures import ThreadPoolExecutor
+    asks = [{**body, "bad_words": [words[1][0]]}, {**body, "bad_words": [words[2][0]]}]
+    alone = [_vllm_post(server, "/v1/completions", **a)["choices"][0]["token_ids"] for a in asks]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda a: _vllm_post(server, "/v1/completions", **a)["choices"][0]["token_ids"],
+                                 asks))
+    assert together == alone and not _holds(together[0], words[1][1]) and not _holds(together[1], words[2][1])
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/completions", {"return_token_ids": "yes"}, "return_token_ids"),
+    ("/v1/chat/completions", {"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": [512]}, "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": [1.5]}, "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": [True]}, "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": "5"}, "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": [5] * ((1 << 18) + 1)}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"allowed_token_ids": [5], "response_format": {"type": "json_object"}},
+     "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": [5], "guided_choice": ["yes", "no"]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"allowed_token_ids": [5], "tools": [WEATHER], "tool_choice": "required"},
+     "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": [111, 79], "bad_words": ["l", "L"]}, "bad_words"),
+    ("/v1/completions", {"allowed_token_ids": [111], "bad_words": ["ll"]}, "bad_words"),  # (none left at step 2)
+    ("/v1/completions", {"bad_words": "l"}, "bad_words"),
+    ("/v1/completions", {"bad_words": [""]}, "bad_words"),
+    ("/v1/completions", {"bad_words": ["  "]}, "bad_words"),
+    ("/v1/completions", {"bad_words": [5]}, "bad_words"),
+    ("/v1/completions", {"bad_words": ["x" * 257]}, "bad_words"),
+    ("/v1/chat/completions", {"bad_words": ["x"] * 257}, "bad_words"),
+])
+def test_bad_vllm_token_fields_are_400s_naming_them(server, path, extra, param):
+    """Each of vLLM's token-id fields checked (type, range, ids within the vocabulary, absurd sizes) and refused
+    beside what it cannot work with, a 400 naming it."""
+    prompt = {"prompt": "Once upon"} if path == "/v1/completions" else {"messages": CHAT}
+    r = httpx.post(f"{server.url}{path}", json={**prompt, "max_tokens": 2, **extra}, timeout=TIMEOUT)
+    error = _error_of(r, 400)
+    assert error["param"] == param, r.text
+    if "allowed_token_ids" in extra and len(extra) > 1:  # refused by name before any work, not where the masks meet
+        said = {"allowed_token_ids": "already decides", "bad_words": "ban every one"}[param]
+        assert (said if extra["allowed_token_ids"] != [111] else "no token is left") in error["message"], r.text
