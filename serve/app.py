@@ -1717,7 +1717,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 done, _ = await asyncio.wait(waits, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 if wrapped in done:
                     break
-                if done:
+                if done:  # (the job's end is read elsewhere: its error, unread here, is no "never retrieved")
+                    wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())
                     return None
                 if await request.is_disconnected():
                     job.cancelled = True
