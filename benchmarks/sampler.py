@@ -3,7 +3,9 @@ beside what one float64 sort of that vocabulary costs in the same run (what ever
 nucleus was looked for among the likeliest tokens). Distributions: Zipf-like (logits falling with the log of a
 token's rank, ids shuffled: a language model's shape), Gaussian logits (flat: the nucleus is most of the
 vocabulary, the whole is sorted) and a Gaussian three times as wide. Greedy: one row at a time, and the rows of a
-batch of --batch found together (runtime/batching.py: greedy_choices of the step's plain greedy rows).
+batch of --batch found together (runtime/batching.py: greedy_choices of the step's plain greedy rows), beside what a
+greedy token cost through the general path (the row copied in float64, isfinite over it, argmax: every greedy
+token's cost before plain_greedy).
 
     python benchmarks/sampler.py [--vocab 129280] [--tokens 200] [--batch 8] [--json]"""
 
@@ -43,6 +45,19 @@ def per_token_ms(logits: list[torch.Tensor], options: dict, tokens: int) -> floa
     return statistics.median(rounds)
 
 
+def float64_greedy_ms(logits: list[torch.Tensor], tokens: int) -> float:
+    """A greedy token through the general path's steps: the row in float64, its isfinite mask, argmax."""
+    rounds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for i in range(tokens):
+            x = logits[i % len(logits)].to(dtype=torch.float64)
+            if bool(torch.isfinite(x).all()):
+                int(torch.argmax(x))
+        rounds.append((time.perf_counter() - start) / tokens * 1e3)
+    return statistics.median(rounds)
+
+
 def batched_greedy_ms(logits: list[torch.Tensor], batch: int, tokens: int) -> float:
     """A token's share of a step whose `batch` plain greedy rows are chosen together (as BatchScheduler._step)."""
     rows = torch.stack([logits[i % len(logits)] for i in range(batch)])
@@ -72,9 +87,11 @@ def main() -> None:
     rows = [{"distribution": name, "setting": setting,
              "ms_per_token": round(per_token_ms(logits, options, args.tokens), 3)}
             for name, logits in distributions(args.vocab).items() for setting, options in SETTINGS.items()]
-    rows += [{"distribution": name, "setting": f"greedy, {args.batch} rows a step together",
-              "ms_per_token": round(batched_greedy_ms(logits, args.batch, args.tokens), 3)}
-             for name, logits in list(distributions(args.vocab).items())[:1]]
+    zipf = distributions(args.vocab)["Zipf-like"]
+    rows += [{"distribution": "Zipf-like", "setting": "greedy through the float64 path (before plain_greedy)",
+              "ms_per_token": round(float64_greedy_ms(zipf, args.tokens), 3)},
+             {"distribution": "Zipf-like", "setting": f"greedy, {args.batch} rows a step together",
+              "ms_per_token": round(batched_greedy_ms(zipf, args.batch, args.tokens), 3)}]
     if args.json:
         print(json.dumps({"vocab": args.vocab, "whole_sort_ms": round(sort_ms, 3), "rows": rows}))
         return
