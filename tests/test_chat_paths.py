@@ -238,6 +238,26 @@ def test_a_thought_sent_back_as_reasoning_is_its_reasoning_content(containers, f
     assert str(cli_error) == server_error.message and str(cli_error).startswith("messages[2].reasoning: another")
 
 
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+@pytest.mark.parametrize("role", ["user", "system", "tool"])
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_a_thought_on_another_roles_message_is_a_400_naming_it(containers, family, role, field):
+    """A thought (reasoning_content, or `reasoning`) on a user, system or tool message: DeepSeek-V4's encoder had
+    dropped it without a word; now a 400 naming the field, as a tool call there is, in both paths; not text, too."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    at = {"user": 0, "system": 0, "tool": 2}[role]
+    if role == "system":
+        messages = [{"role": "system", "content": "s"}, *messages]
+    for value, words in (("A thought.", "only a"), ([1], "")):
+        sent = [dict(m) for m in messages]
+        sent[at][field] = value
+        cli_error, server_error = _both(containers[family], sent)
+        assert isinstance(cli_error, ChatInputError) and isinstance(server_error, RequestError), (value, cli_error)
+        assert str(cli_error) == server_error.message and str(cli_error).startswith(f"messages[{at}].{field}: ")
+        assert words in str(cli_error) and server_error.status == 400
+
+
 @pytest.mark.parametrize("message, words", [
     ({"role": "user", "content": "hi", "tool_calls": [CALL]}, "messages[1].tool_calls: only an assistant message"),
     ({"role": "robot", "content": "hi"}, "messages[1].role: 'robot' is no role"),
