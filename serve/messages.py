@@ -23,6 +23,7 @@ import re
 import uuid
 from collections.abc import Callable
 
+from moepack.format_spec import untrusted
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range
 
 from .openai_api import RequestError, _get, _value, cached_tokens, check_fields, client_gone
@@ -339,8 +340,13 @@ def signature(thought: str) -> str:
 
 def tool_input(arguments: str) -> dict:
     """A call's arguments (a JSON object's text) as a tool_use's input; a call whose arguments are some other JSON
-    value (a model's slip in a `<tool_call>` block) gets them under "arguments", for the tool to refuse."""
-    value = json.loads(arguments)
+    value (a model's slip in a `<tool_call>` block) gets them under "arguments", for the tool to refuse, and so do
+    arguments that are no JSON a message can carry, as their text (a DeepSeek-V4 parameter's `NaN`: Python's json
+    reads it, and the answer had been a 500, or a stream's event not JSON)."""
+    try:
+        value = untrusted.loads(arguments, "a tool call's arguments")
+    except UntrustedInputError:
+        return {"arguments": arguments}
     return value if isinstance(value, dict) else {"arguments": value}
 
 

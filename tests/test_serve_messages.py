@@ -201,6 +201,29 @@ def test_tool_use_blocks_and_tool_results_make_the_chats_tool_round_trip(server,
     assert scripted.prompts[-1] == asked
 
 
+def _strict(line: str) -> dict:
+    """A stream event's data as strict JSON (NaN or Infinity refused, as JavaScript's JSON.parse refuses them)."""
+    def refused(name):
+        raise ValueError(f"{name} in an event")
+    return json.loads(line[len("data: "):], parse_constant=refused)
+
+
+def test_a_call_whose_arguments_are_no_json_a_message_carries_is_given_as_their_text(server, scripted):
+    """A DeepSeek-V4 parameter the model writes as NaN (Python's json reads it: the chat's arguments text has it):
+    the tool_use's input is {"arguments": that text}, for the tool to refuse, whole and streamed (the whole answer
+    had been a 500, a streamed one an input_json_delta that is not JSON)."""
+    scripted.text = TWO_CALLS.replace('string="false">3<', 'string="false">NaN<')
+    kw = dict(model="tiny", max_tokens=100, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS)
+    m = client(server).messages.create(**kw)
+    assert [(b.name, b.input) for b in m.content[1:]] == [
+        ("get_weather", {"arguments": '{"city": "Paris", "days": NaN}'}), EXPECTED_CALLS[1]]
+    with httpx.stream("POST", f"{server.url}/v1/messages", json={**kw, "stream": True}, timeout=TIMEOUT) as r:
+        events = [_strict(line) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == {"type": "message_stop"} and events[-2]["delta"]["stop_reason"] == "tool_use"
+    final = _streamed(client(server), **kw)[1]  # (the SDK's stream helper reads the events)
+    assert [(b.name, b.input) for b in final.content[1:]] == [(b.name, b.input) for b in m.content[1:]]
+
+
 def test_a_user_messages_blocks_are_chat_messages_in_order():
     """A user message's text blocks around its tool_result blocks: a user message each run, the results tool
     messages between them, as the blocks came; an assistant's blocks one message."""
