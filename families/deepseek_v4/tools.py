@@ -153,7 +153,7 @@ def parse_invoke(name: str, body: str) -> tuple[str, str]:
         if is_str == "false":
             try:
                 json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):  # (nested past the interpreter's recursion: no JSON it can read)
                 raise ToolCallFormatError(f"tool call {name!r}: parameter {key!r} is not JSON") from None
         args[key] = to_json(value) if is_str == "true" else value
         at = m.end
