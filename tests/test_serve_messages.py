@@ -154,6 +154,28 @@ def test_a_thinking_block_goes_out_and_comes_back_in(server, monkeypatch):
     assert prompts[-1] == prompts[-2]
 
 
+def test_claude_codes_adaptive_thinking_and_context_management_are_served(server, monkeypatch):
+    """Claude Code (2.1 and later) sends thinking {"type": "adaptive", "budget_tokens": 0} and, with it,
+    context_management clearing no thinking (clear_thinking_20251015, keep "all"): both had been 400s, every one of
+    its requests refused. Adaptive thinking is chat's thinking on (the prompt of enabled thinking, the thought a
+    thinking block), display "summarized" what is written; keeping all thinking is what moepack does."""
+    tok = server.tok
+    prompts = script_tokens(server, monkeypatch, tok.encode("Hm.", False, False) + tok.encode_special("</think>")
+                            + tok.encode("Yes.", False, False))
+    c = client(server)
+    kw = dict(model="tiny", max_tokens=2048, messages=[{"role": "user", "content": "Is it?"}])
+    enabled = c.messages.create(**kw, thinking=THINKING)
+    keep_all = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    for thinking in ({"type": "adaptive", "budget_tokens": 0}, {"type": "adaptive", "display": "summarized"}):
+        m = c.messages.create(**kw, extra_body={"thinking": thinking, "context_management": keep_all})
+        assert prompts[-1] == prompts[-2] and _blocks(m) == _blocks(enabled)
+        assert [b.type for b in m.content] == ["thinking", "text"] and m.content[0].thinking == "Hm."
+    counted = c.messages.count_tokens(model="tiny", messages=kw["messages"], extra_body={
+        "thinking": {"type": "adaptive"}, "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                                                             "keep": {"type": "all"}}]}})
+    assert counted.input_tokens == len(prompts[-1])
+
+
 def test_tool_use_blocks_and_tool_results_make_the_chats_tool_round_trip(server, scripted):
     scripted.text = TWO_CALLS
     c = client(server)
@@ -378,7 +400,9 @@ REFUSED = [
     (dict(tools=TOOLS, tool_choice={"type": "some"}), "tool_choice.type"),
     (dict(thinking={"type": "enabled", "budget_tokens": 100}), "thinking.budget_tokens"),
     (dict(max_tokens=2000, thinking={"type": "enabled", "budget_tokens": 4000}), "thinking.budget_tokens"),
-    (dict(thinking={"type": "adaptive"}), "thinking.type"),
+    (dict(thinking={"type": "adaptive", "display": "omitted"}), "thinking.display"),
+    (dict(thinking={"type": "adaptive", "budget_tokens": -1}), "thinking.budget_tokens"),
+    (dict(thinking={"type": "between_tools"}), "thinking.type"),
     (dict(temperature=1.5), "temperature"),
     (dict(temperature=float("nan")), None),  # (not JSON: the body's own error)
     (dict(top_p=-1), "top_p"),
@@ -392,7 +416,13 @@ REFUSED = [
     (dict(service_tier="priority"), "service_tier"),
     (dict(container="c_1"), "container"),
     (dict(mcp_servers=[{"type": "url", "url": "http://x", "name": "x"}]), "mcp_servers"),
-    (dict(context_management={"edits": []}), "context_management"),
+    (dict(context_management={"edits": [{"type": "clear_tool_uses_20250919"}]}), "context_management.edits[0]"),
+    (dict(context_management={"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns",
+                                                                                 "value": 1}}]}),
+     "context_management.edits[0]"),
+    (dict(context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all", "x": 1}]}),
+     "context_management.edits[0].x"),
+    (dict(context_management={"edits": "all"}), "context_management.edits"),
     (dict(frobnicate=1), "frobnicate"),
 ]
 
