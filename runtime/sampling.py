@@ -519,7 +519,8 @@ class IncrementalDetokenizer:
     no text (special tokens left out of it) or bytes that never complete a character are held back for at most
     MAX_HELD_TOKENS, then given out as they decode (nothing, or U+FFFD), so the window stays short (a run of them
     had grown it without bound: a decode per token over all of them, quadratic in the answer); tokens that make
-    characters but each end inside the next one, for at most MAX_UNFINISHED_TOKENS."""
+    characters but each end inside the next one, for at most MAX_UNFINISHED_TOKENS. A run given out keeps back
+    the tokens that begin its last character (_before_last), which may still complete."""
 
     def __init__(self, decode: Callable[[list[int]], str]):
         self._decode = decode
@@ -538,8 +539,21 @@ class IncrementalDetokenizer:
         if (not new or new.endswith(REPLACEMENT)) and len(self._ids) - self._read < (
                 MAX_UNFINISHED_TOKENS if unfinished else MAX_HELD_TOKENS):
             return ""  # hold these bytes back until the character is complete
-        self._prefix, self._read = self._read, len(self._ids)
-        return new
+        read, made = self._before_last(text) if new.endswith(REPLACEMENT) else (len(self._ids), text)
+        self._prefix, self._read = self._read, read
+        return made[len(done) :]
+
+    def _before_last(self, text: str) -> tuple[int, str]:
+        """The end of the ids before the tokens that make `text`'s last character (U+FFFD: one unfinished, or bytes
+        that make none) and their text, so that those tokens stay held while what comes before them goes out:
+        bytes that make no character (a U+FFFD each) are given out at MAX_HELD_TOKENS, and a character begun in
+        the last tokens of such a run had come out as U+FFFD, its rest as another. The latest end whose text is
+        the start of `text` without its last character (a token may hold bytes of both); none: all the ids."""
+        for end in range(len(self._ids) - 1, max(self._read, len(self._ids) - MAX_HELD_TOKENS), -1):
+            made = self._decode(self._ids[self._prefix : end])
+            if len(made) < len(text) and text.startswith(made):
+                return end, made
+        return len(self._ids), text
 
     def flush(self) -> str:
         """Whatever is still held back (a character that never completed comes out as U+FFFD)."""

@@ -23,6 +23,7 @@ import re
 import uuid
 from collections.abc import Callable
 
+from moepack.format_spec import untrusted
 from moepack.format_spec.untrusted import UntrustedInputError, finite_float, int_in_range
 
 from .openai_api import RequestError, _get, _value, cached_tokens, check_fields, client_gone
@@ -33,16 +34,23 @@ from .translation import _known_keys, _object, _refused, _text, each_tool, renam
 MESSAGES_PATH = "/v1/messages"
 MAX_TOKENS = 1 << 31  # max_tokens' and budget_tokens' bound before the context's
 MESSAGES_FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
-                   "stream", "tools", "tool_choice", "thinking", "metadata", "service_tier", "cache_control", "speed"}
-COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"}
+                   "stream", "tools", "tool_choice", "thinking", "metadata", "service_tier", "cache_control", "speed",
+                   "context_management"}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control",
+                "context_management"}
 # Anthropic's fields moepack does not act on: a 400 naming the field whenever one is given (not null)
 MESSAGES_REFUSED = {
     "container": "containers (code execution) are not supported: moepack runs no tools",
     "mcp_servers": "MCP servers are not supported: moepack runs no tools (give the client's tools as tools)",
-    "context_management": "context management (clearing earlier tool results) is not supported: send the "
-                          "conversation as the model is to read it",
     "output_config": "output_config (effort, structured output formats) is not supported",
 }
+# the thinking settings moepack acts on: enabled (budget_tokens required) and adaptive (the model decides how much:
+# Claude Code sends it, with a budget_tokens of 0) both turn chat's thinking on; disabled turns it off
+THINKING_KEYS = {"enabled": {"type", "budget_tokens", "display"}, "adaptive": {"type", "budget_tokens", "display"},
+                 "disabled": {"type"}}
+# the one context management edit served: clearing no thinking (what moepack does: the conversation goes to the
+# model as it is sent); Claude Code sends it with thinking
+KEEP_ALL = ("all", {"type": "all"})
 MESSAGES_PLAIN = {"service_tier": ((None, "auto", "standard_only"), 'service tiers are not supported (give "auto" or '
                                                                     '"standard_only")'),
                   "speed": ((None, "standard"), 'only the "standard" speed is served')}
@@ -253,31 +261,61 @@ def chat_tool_choice(choice) -> tuple[object, bool | None]:
 
 
 def thinking_flag(body: dict, max_tokens: int | None) -> bool | None:
-    """thinking: {"type": "enabled", "budget_tokens"} chat's thinking on, {"type": "disabled"} off. budget_tokens is
-    checked as Anthropic does (an integer >= 1024, below max_tokens) and not enforced: the thought runs until the
-    model ends it or max_tokens ends the answer."""
+    """thinking: {"type": "enabled", "budget_tokens"} or {"type": "adaptive"} chat's thinking on, {"type":
+    "disabled"} off. budget_tokens is checked as Anthropic does (enabled: an integer >= 1024, below max_tokens;
+    adaptive: any integer >= 0, Claude Code's 0) and not enforced: the thought runs until the model ends it or
+    max_tokens ends the answer. display "summarized" is what is written (the thought whole); "omitted" a 400."""
     thinking = body.get("thinking")
     if thinking is None:
         return None
     kind = _object(thinking, "thinking", "thinking").get("type")
+    if not isinstance(kind, str) or kind not in THINKING_KEYS:
+        raise _refused(f'thinking.type: expected "enabled", "adaptive" or "disabled", got {json.dumps(kind)[:40]}',
+                       "thinking")
+    _known_keys(thinking, THINKING_KEYS[kind], "thinking", "thinking")
     if kind == "disabled":
-        _known_keys(thinking, {"type"}, "thinking", "thinking")
         return False
-    if kind != "enabled":
-        raise _refused(f'thinking.type: expected "enabled" or "disabled", got {json.dumps(kind)[:40]}', "thinking")
-    _known_keys(thinking, {"type", "budget_tokens"}, "thinking", "thinking")
+    if thinking.get("display") not in (None, "summarized"):
+        raise _refused(f"thinking.display: {json.dumps(thinking['display'])[:40]} is not served (the thought is "
+                       'written whole: "summarized")', "thinking", "unsupported_value")
+    given = thinking.get("budget_tokens")
+    if kind == "adaptive" and given is None:
+        return True
     try:
-        budget = int_in_range(thinking.get("budget_tokens"), "thinking.budget_tokens", 1024, MAX_TOKENS)
+        budget = int_in_range(given, "thinking.budget_tokens", 1024 if kind == "enabled" else 0, MAX_TOKENS)
     except UntrustedInputError as e:
         raise _refused(str(e), "thinking") from None
-    if max_tokens is not None and budget >= max_tokens:
+    if kind == "enabled" and max_tokens is not None and budget >= max_tokens:
         raise _refused(f"thinking.budget_tokens: {budget} must be below max_tokens ({max_tokens})", "thinking")
     return True
+
+
+def check_context_management(body: dict) -> None:
+    """context_management: its edits each clear_thinking_20251015 keeping all thinking (what moepack does: the
+    conversation goes to the model as it is sent; Claude Code sends it); another edit (clearing tool results or
+    older thoughts, compaction) a 400 naming it."""
+    management = body.get("context_management")
+    if management is None:
+        return
+    _known_keys(_object(management, "context_management", "context_management"), {"edits"},
+                "context_management", "context_management")
+    edits = management.get("edits") or []
+    if not isinstance(edits, list):
+        raise _refused("context_management.edits: expected a list of edits", "context_management", "invalid_type")
+    for i, edit in enumerate(edits):
+        where = f"context_management.edits[{i}]"
+        if _object(edit, where, "context_management").get("type") != "clear_thinking_20251015" or \
+                edit.get("keep") not in KEEP_ALL:
+            raise _refused(f'{where}: only {{"type": "clear_thinking_20251015", "keep": "all"}} is served (context '
+                           "management is not: send the conversation as the model is to read it)",
+                           "context_management", "unsupported_value")
+        _known_keys(edit, {"type", "keep"}, where, "context_management")
 
 
 def chat_request(body: dict, max_tokens: int | None) -> tuple[dict, list[str]]:
     """The chat completions body a Messages request stands for, and where each chat message came from."""
     _cache_control(body, "", "cache_control")
+    check_context_management(body)
     messages, origins = conversation(body)
     chat = {name: body[name] for name in ("temperature", "top_p", "top_k") if name in body}
     chat["messages"] = messages
@@ -339,8 +377,13 @@ def signature(thought: str) -> str:
 
 def tool_input(arguments: str) -> dict:
     """A call's arguments (a JSON object's text) as a tool_use's input; a call whose arguments are some other JSON
-    value (a model's slip in a `<tool_call>` block) gets them under "arguments", for the tool to refuse."""
-    value = json.loads(arguments)
+    value (a model's slip in a `<tool_call>` block) gets them under "arguments", for the tool to refuse, and so do
+    arguments that are no JSON a message can carry, as their text (a DeepSeek-V4 parameter's `NaN`: Python's json
+    reads it, and the answer had been a 500, or a stream's event not JSON)."""
+    try:
+        value = untrusted.loads(arguments, "a tool call's arguments")
+    except UntrustedInputError:
+        return {"arguments": arguments}
     return value if isinstance(value, dict) else {"arguments": value}
 
 

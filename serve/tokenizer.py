@@ -256,12 +256,19 @@ def check_message_keys(messages: list) -> None:
 
 def with_reasoning_content(messages: list) -> list:
     """The messages with an assistant's thought given as `reasoning` (vLLM's newer name for reasoning_content, and
-    OpenRouter's, which their clients send back) read as its reasoning_content; both given and different: a 400."""
+    OpenRouter's, which their clients send back) read as its reasoning_content; both given and different, another
+    role's or not a string: a 400 naming it (read as reasoning_content, a user's had been dropped without a word)."""
     out = []
     for i, m in enumerate(messages):
         if isinstance(m, dict) and "reasoning" in m:
             m = dict(m)
             given = m.pop("reasoning")
+            if given is not None and not isinstance(given, str):
+                raise ChatInputError(f"messages[{i}].reasoning: expected a string, got {type(given).__name__}",
+                                     "messages", "invalid_type")
+            if given and m.get("role") != "assistant":
+                raise ChatInputError(f"messages[{i}].reasoning: only an assistant message carries a thought",
+                                     "messages")
             if given is not None:
                 if m.get("reasoning_content") not in (None, given):
                     raise ChatInputError(f"messages[{i}].reasoning: another text than its reasoning_content (two "

@@ -238,6 +238,44 @@ def test_a_thought_sent_back_as_reasoning_is_its_reasoning_content(containers, f
     assert str(cli_error) == server_error.message and str(cli_error).startswith("messages[2].reasoning: another")
 
 
+def test_a_tool_calls_arguments_nested_past_the_bound_are_a_400(containers):
+    """A call's arguments are a JSON text inside the request, past the body's depth bound: nested 100,000 deep,
+    DeepSeek-V4's encoder parsing them had raised a RecursionError (a 500 on chat and the Responses API); now one
+    line naming them, as deep as the bound still encodes."""
+    def sent(depth: int) -> list[dict]:
+        arguments = '{"a": ' + "[" * depth + "]" * depth + "}"
+        return [*CONVERSATION, {"role": "assistant", "content": None, "tool_calls": [
+            {**CALL, "function": {"name": "f", "arguments": arguments}}]}, {"role": "tool", "tool_call_id": "c1",
+                                                                             "content": "2"}]
+    cli_error, server_error = _both(containers["deepseek-v4"], sent(100_000))
+    assert isinstance(cli_error, ChatInputError) and isinstance(server_error, RequestError), cli_error
+    assert str(cli_error) == server_error.message == \
+        "messages[2].tool_calls[0].function.arguments: JSON nested more than 64 deep"
+    assert (server_error.status, server_error.param) == (400, "messages")
+    ids, _ = _both(containers["deepseek-v4"], sent(63))
+    assert isinstance(ids, list) and ids
+
+
+@pytest.mark.parametrize("family", ["deepseek-v4", "qwen3-moe"])
+@pytest.mark.parametrize("role", ["user", "system", "tool"])
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_a_thought_on_another_roles_message_is_a_400_naming_it(containers, family, role, field):
+    """A thought (reasoning_content, or `reasoning`) on a user, system or tool message: DeepSeek-V4's encoder had
+    dropped it without a word; now a 400 naming the field, as a tool call there is, in both paths; not text, too."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    at = {"user": 0, "system": 0, "tool": 2}[role]
+    if role == "system":
+        messages = [{"role": "system", "content": "s"}, *messages]
+    for value, words in (("A thought.", "only a"), ([1], "")):
+        sent = [dict(m) for m in messages]
+        sent[at][field] = value
+        cli_error, server_error = _both(containers[family], sent)
+        assert isinstance(cli_error, ChatInputError) and isinstance(server_error, RequestError), (value, cli_error)
+        assert str(cli_error) == server_error.message and str(cli_error).startswith(f"messages[{at}].{field}: ")
+        assert words in str(cli_error) and server_error.status == 400
+
+
 @pytest.mark.parametrize("message, words", [
     ({"role": "user", "content": "hi", "tool_calls": [CALL]}, "messages[1].tool_calls: only an assistant message"),
     ({"role": "robot", "content": "hi"}, "messages[1].role: 'robot' is no role"),

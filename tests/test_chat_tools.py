@@ -82,3 +82,7 @@ def test_a_call_cut_short_keeps_the_complete_ones_and_bad_markup_is_refused():
     with pytest.raises(ToolCallFormatError):
         parse_tool_calls('\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="false">{oops'
                          '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    deep = "[" * 100_000 + "]" * 100_000  # (a RecursionError had escaped: a 500, or a stream's error event)
+    with pytest.raises(ToolCallFormatError, match="is not JSON"):
+        parse_tool_calls(f'\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="false">{deep}'
+                         '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')

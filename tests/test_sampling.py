@@ -782,3 +782,36 @@ def test_bad_word_ids_are_vllms_two_spellings_of_each_word():
     assert bad_word_ids(["hello", "  two words", "same"], encode) == ((5,), (6,), (1, 2), (7,))
     with pytest.raises(MoepackError, match="bad_words"):
         bad_word_ids(["   "], encode)
+
+
+# bytes that make characters and bytes that make none: ASCII, continuation bytes, lead bytes, never-valid ones
+SOME_BYTES = [0x61, 0x80, 0x9F, 0xBF, 0xC3, 0xE2, 0xE4, 0xED, 0xF0, 0xF4, 0xFF]
+
+
+def test_a_character_begun_after_bytes_that_make_none_comes_out_whole():
+    """Bytes that make no character (a U+FFFD each: a model's stray byte tokens), then a character split across
+    tokens: the run is given out at MAX_HELD_TOKENS, but the tokens that begin the character stay held (the 😀 had
+    come out as U+FFFD, its rest as another)."""
+    chunks = [b"\xe2", b"\x82", b"\xff", b"\xac", b"\xff", b"\xf0", b"\x9f", b"\x98", b"\x80", b"a"]
+
+    def decode(ids):
+        return b"".join(chunks[i] for i in ids).decode("utf-8", errors="replace")
+
+    pieces, rest = detokenize(decode, list(range(len(chunks))))
+    assert "".join(pieces) + rest == decode(range(len(chunks))) == "\ufffd" * 4 + "😀a"
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), raw=st.lists(st.sampled_from(SOME_BYTES), max_size=40).map(bytes))
+def test_any_split_of_any_bytes_gives_the_whole_decode(data, raw):
+    """Any bytes, valid UTF-8 or not, in tokens of any length, some making no text (special tokens left out)."""
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(raw) - 1)), max_size=len(raw))))
+    chunks = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)]) if a < b]
+    for at in data.draw(st.lists(st.integers(0, len(chunks)), max_size=3)):
+        chunks.insert(at, b"")
+
+    def decode(ids):
+        return b"".join(chunks[i] for i in ids).decode("utf-8", errors="replace")
+
+    pieces, rest = detokenize(decode, list(range(len(chunks))))
+    assert "".join(pieces) + rest == decode(range(len(chunks)))

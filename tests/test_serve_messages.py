@@ -154,6 +154,28 @@ def test_a_thinking_block_goes_out_and_comes_back_in(server, monkeypatch):
     assert prompts[-1] == prompts[-2]
 
 
+def test_claude_codes_adaptive_thinking_and_context_management_are_served(server, monkeypatch):
+    """Claude Code (2.1 and later) sends thinking {"type": "adaptive", "budget_tokens": 0} and, with it,
+    context_management clearing no thinking (clear_thinking_20251015, keep "all"): both had been 400s, every one of
+    its requests refused. Adaptive thinking is chat's thinking on (the prompt of enabled thinking, the thought a
+    thinking block), display "summarized" what is written; keeping all thinking is what moepack does."""
+    tok = server.tok
+    prompts = script_tokens(server, monkeypatch, tok.encode("Hm.", False, False) + tok.encode_special("</think>")
+                            + tok.encode("Yes.", False, False))
+    c = client(server)
+    kw = dict(model="tiny", max_tokens=2048, messages=[{"role": "user", "content": "Is it?"}])
+    enabled = c.messages.create(**kw, thinking=THINKING)
+    keep_all = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    for thinking in ({"type": "adaptive", "budget_tokens": 0}, {"type": "adaptive", "display": "summarized"}):
+        m = c.messages.create(**kw, extra_body={"thinking": thinking, "context_management": keep_all})
+        assert prompts[-1] == prompts[-2] and _blocks(m) == _blocks(enabled)
+        assert [b.type for b in m.content] == ["thinking", "text"] and m.content[0].thinking == "Hm."
+    counted = c.messages.count_tokens(model="tiny", messages=kw["messages"], extra_body={
+        "thinking": {"type": "adaptive"}, "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                                                             "keep": {"type": "all"}}]}})
+    assert counted.input_tokens == len(prompts[-1])
+
+
 def test_tool_use_blocks_and_tool_results_make_the_chats_tool_round_trip(server, scripted):
     scripted.text = TWO_CALLS
     c = client(server)
@@ -199,6 +221,29 @@ def test_tool_use_blocks_and_tool_results_make_the_chats_tool_round_trip(server,
     server.client().chat.completions.create(model="tiny", messages=[user], tools=[WEATHER, SEARCH],
                                             tool_choice="required")
     assert scripted.prompts[-1] == asked
+
+
+def _strict(line: str) -> dict:
+    """A stream event's data as strict JSON (NaN or Infinity refused, as JavaScript's JSON.parse refuses them)."""
+    def refused(name):
+        raise ValueError(f"{name} in an event")
+    return json.loads(line[len("data: "):], parse_constant=refused)
+
+
+def test_a_call_whose_arguments_are_no_json_a_message_carries_is_given_as_their_text(server, scripted):
+    """A DeepSeek-V4 parameter the model writes as NaN (Python's json reads it: the chat's arguments text has it):
+    the tool_use's input is {"arguments": that text}, for the tool to refuse, whole and streamed (the whole answer
+    had been a 500, a streamed one an input_json_delta that is not JSON)."""
+    scripted.text = TWO_CALLS.replace('string="false">3<', 'string="false">NaN<')
+    kw = dict(model="tiny", max_tokens=100, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS)
+    m = client(server).messages.create(**kw)
+    assert [(b.name, b.input) for b in m.content[1:]] == [
+        ("get_weather", {"arguments": '{"city": "Paris", "days": NaN}'}), EXPECTED_CALLS[1]]
+    with httpx.stream("POST", f"{server.url}/v1/messages", json={**kw, "stream": True}, timeout=TIMEOUT) as r:
+        events = [_strict(line) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == {"type": "message_stop"} and events[-2]["delta"]["stop_reason"] == "tool_use"
+    final = _streamed(client(server), **kw)[1]  # (the SDK's stream helper reads the events)
+    assert [(b.name, b.input) for b in final.content[1:]] == [(b.name, b.input) for b in m.content[1:]]
 
 
 def test_a_user_messages_blocks_are_chat_messages_in_order():
@@ -355,7 +400,9 @@ REFUSED = [
     (dict(tools=TOOLS, tool_choice={"type": "some"}), "tool_choice.type"),
     (dict(thinking={"type": "enabled", "budget_tokens": 100}), "thinking.budget_tokens"),
     (dict(max_tokens=2000, thinking={"type": "enabled", "budget_tokens": 4000}), "thinking.budget_tokens"),
-    (dict(thinking={"type": "adaptive"}), "thinking.type"),
+    (dict(thinking={"type": "adaptive", "display": "omitted"}), "thinking.display"),
+    (dict(thinking={"type": "adaptive", "budget_tokens": -1}), "thinking.budget_tokens"),
+    (dict(thinking={"type": "between_tools"}), "thinking.type"),
     (dict(temperature=1.5), "temperature"),
     (dict(temperature=float("nan")), None),  # (not JSON: the body's own error)
     (dict(top_p=-1), "top_p"),
@@ -369,7 +416,13 @@ REFUSED = [
     (dict(service_tier="priority"), "service_tier"),
     (dict(container="c_1"), "container"),
     (dict(mcp_servers=[{"type": "url", "url": "http://x", "name": "x"}]), "mcp_servers"),
-    (dict(context_management={"edits": []}), "context_management"),
+    (dict(context_management={"edits": [{"type": "clear_tool_uses_20250919"}]}), "context_management.edits[0]"),
+    (dict(context_management={"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns",
+                                                                                 "value": 1}}]}),
+     "context_management.edits[0]"),
+    (dict(context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all", "x": 1}]}),
+     "context_management.edits[0].x"),
+    (dict(context_management={"edits": "all"}), "context_management.edits"),
     (dict(frobnicate=1), "frobnicate"),
 ]
 

@@ -88,7 +88,7 @@ _UNSUPPORTED_FIELDS = {
 _UNSUPPORTED_ROLES = ("latest_reminder",)
 # fields the release renders only on some roles: elsewhere refused rather than dropped
 _FIELD_ROLES = {"tools": ("system", "developer"), "response_format": ("system", "developer"),
-                "tool_calls": ("assistant",)}
+                "tool_calls": ("assistant",), "reasoning_content": ("assistant",)}
 
 
 class Segment(NamedTuple):

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any, Mapping, NamedTuple
 
 from moepack.format_spec.errors import MoepackError
+from moepack.format_spec.untrusted import MAX_JSON_DEPTH, nesting_depth
 
 DSML = "｜DSML｜"
 TOOL_CALLS_START = f"\n\n<{DSML}tool_calls>"  # what opens an assistant's calls after its content
@@ -152,7 +153,7 @@ def parse_invoke(name: str, body: str) -> tuple[str, str]:
         if is_str == "false":
             try:
                 json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):  # (nested past the interpreter's recursion: no JSON it can read)
                 raise ToolCallFormatError(f"tool call {name!r}: parameter {key!r} is not JSON") from None
         args[key] = to_json(value) if is_str == "true" else value
         at = m.end
@@ -196,6 +197,9 @@ def check_tool_calls(calls, where: str) -> list[tuple[str, str, str]]:
                 or not isinstance(fn.get("arguments", ""), str):
             raise MoepackError(f'{where}[{i}]: expected {{"id", "type": "function", "function": {{"name", '
                                '"arguments"}}')
+        # (parsed to be rendered: json.loads recurses, and a client's arguments nest as deep as it likes)
+        if nesting_depth(fn.get("arguments", ""), MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            raise MoepackError(f"{where}[{i}].function.arguments: JSON nested more than {MAX_JSON_DEPTH} deep")
         call_id = call.get("id") or fn.get("id") or ""
         out.append((call_id if isinstance(call_id, str) else "", fn["name"], fn.get("arguments", "")))
     return out
