@@ -609,14 +609,15 @@ class Server:
 
     def check_auth(self, request) -> None:
         """The API key, as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's): either
-        one given and right lets the request in."""
+        one given and right lets the request in. One x-api-key header is read (as one Authorization): a request
+        with many could try many keys at once."""
         if self.api_key is None:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         # the scheme's case is the client's (RFC 9110); the key compared in a time that does not tell how much of
         # it matched
         given = [key] if scheme.lower() == "bearer" else []
-        given += request.headers.getlist("x-api-key")
+        given += [request.headers["x-api-key"]] if "x-api-key" in request.headers else []
         if not any(hmac.compare_digest(k.strip().encode(), self.api_key.encode()) for k in given):
             raise RequestError("invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)",
                                status=401, kind="invalid_request_error", code="invalid_api_key")

@@ -308,6 +308,8 @@ def test_an_api_key_is_taken_as_x_api_key_or_bearer(server, monkeypatch):
     r = httpx.get(f"{server.url}/v1/models", headers={"x-api-key": "sekret"}, timeout=TIMEOUT)
     assert r.status_code == 200  # (on every endpoint)
     assert httpx.get(f"{server.url}/v1/models", timeout=TIMEOUT).json()["error"]["code"] == "invalid_api_key"
+    many = [("x-api-key", guess) for guess in ("a", "b", "sekret")]  # (one request, many keys: only the first read)
+    assert httpx.get(f"{server.url}/v1/models", headers=many, timeout=TIMEOUT).status_code == 401
 
 
 def test_a_client_that_leaves_mid_stream_stops_its_generation(server, monkeypatch):
