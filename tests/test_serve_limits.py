@@ -472,7 +472,7 @@ def test_health_answers_while_a_chats_logprobs_are_built(server, monkeypatch):
     from moepack.serve import app as app_module
 
     real = app_module.chat_logprobs
-    monkeypatch.setattr(app_module, "chat_logprobs", lambda tok, entries: time.sleep(1.0) or real(tok, entries))
+    monkeypatch.setattr(app_module, "chat_logprobs", lambda *args: time.sleep(1.0) or real(*args))
     body = {"messages": [{"role": "user", "content": "Once upon a time"}], "logprobs": True, "top_logprobs": 2,
             "max_tokens": 2}
     worst, r = _health_worst(server.url, lambda: _post(server, body, path="chat/completions"))
