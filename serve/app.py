@@ -92,7 +92,7 @@ from .chat_template import family_chat_template, tokenizer_info
 from .metrics import CONTENT_TYPE, ServerMetrics, cache_counts_of
 from .openai_api import (IDENTIFIER_FIELDS, Prepared, RequestError, _get, _token_text, _value, cached_tokens,
                          chat_logprobs, check_fields, client_gone)
-from .reasoning import AnswerSplitter, ThoughtMarks, chat_thought, split_thinking
+from .reasoning import AnswerSplitter, ThoughtMarks, chat_thought, split_thinking, thought_tokens
 from .messages import anthropic_error, is_messages_path, messages_endpoints, messages_error_event
 from .responses import responses_endpoints, responses_error_event
 from .tokenizer import ChatInputError, chat_prompt_ids, ends_open, markup_warning
@@ -1353,8 +1353,14 @@ class Server:
     def new_id(self, prefix: str, sep: str = "-") -> str:
         return f"{prefix}{sep}{next(self.counter)}{sep}{uuid.uuid4().hex[:8]}"
 
-    def usage(self, job: Job, results: list[GenerateResult]) -> dict:
+    def usage(self, job: Job, results: list[GenerateResult], thought: ThoughtMarks | None = None) -> dict:
+        """OpenAI's usage of the job; a chat whose answers may think (`thought`: its marks) with
+        completion_tokens_details.reasoning_tokens, the thoughts' tokens (DeepSeek's API and OpenAI's give them;
+        each answer decoded again: off the event loop)."""
         usage = usage_of(job.prompt_tokens, sum(len(r.generated_ids) for r in results))
+        if thought is not None:
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": sum(thought_tokens(job.tokenizer, r, thought) for r in results)}
         if self.prompt_cache is not None:  # OpenAI's: each prompt's tokens its prefill took from the prompt cache
             cached = {}
             for choice, r in enumerate(results):
@@ -1789,7 +1795,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 server.release(job)
 
     def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, head: dict,
-                 usage_so_far: bool = False, prompt_ids_in: str | None = None):
+                 usage_so_far: bool = False, prompt_ids_in: str | None = None, thought: ThoughtMarks | None = None):
         """The SSE events (an async iterator of their text) of the job's choices, interleaved as their pieces come
         (each chunk's choices[0].index names its choice): choices[i].pieces(text) per text piece, each choice's
         final(result) chunks as soon as it ends when there are several (one: at the request's end). With
@@ -1799,7 +1805,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         the chunk's `logprobs`) go with its next chunk that carries text. `prompt_ids_in` (vLLM's return_token_ids:
         "choice" for completions, "chunk" for chat): each chunk's choice carries `token_ids`, those taken since the
         choice's previous chunk on the last chunk of each batch (joined: the choice's generated ids), and a choice's
-        first chunk the prompt's ids, as `prompt_token_ids` of its choice or of the chunk."""
+        first chunk the prompt's ids, as `prompt_token_ids` of its choice or of the chunk. `thought`: a chat's
+        marks, its usage's reasoning_tokens counted (Server.usage)."""
         generated = [0] * len(choices)  # each choice's tokens so far
         new_ids: list[list[int]] = [[] for _ in choices]  # (return_token_ids) each choice's ids not yet sent
         sent = [0] * len(choices)  # (return_token_ids) each choice's ids sent, and whether its first chunk was
@@ -1878,7 +1885,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     results = piece
                     out = [chunk for i, result in enumerate(results) if not ended[i] for chunk in final(i, result)]
                     if include_usage:
-                        out.append({**head, "choices": [], "usage": server.usage(job, results)})
+                        usage = await run_in_threadpool(server.usage, job, results, thought)
+                        out.append({**head, "choices": [], "usage": usage})
                     for chunk in out:
                         yield event(chunk)
                     yield "data: [DONE]\n\n"
@@ -1896,9 +1904,10 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
 
-    def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict], **extra):
+    def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict],
+                 thought: ThoughtMarks | None = None, **extra):
         return JSONResponse({"id": job.request_id, "object": kind, "created": int(time.time()), "model": model_name,
-                             "choices": choices, "usage": server.usage(job, results),
+                             "choices": choices, "usage": server.usage(job, results, thought),
                              "timings": timings(job, results), **extra}, headers={"X-Request-Id": job.request_id})
 
     async def completions(request):
@@ -2008,7 +2017,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     server.tokenizer, results[0].prompt_logprobs, prepared.prompt_logprobs)}
                 if prepared.return_token_ids:  # (vLLM's: the response's, as its prompt_logprobs)
                     scored["prompt_token_ids"] = job.prompts[0]
-                return response(job, results, "chat.completion", choices, **scored)
+                return response(job, results, "chat.completion", choices, thought, **scored)
             # (built and its JSON written on a worker thread, as completions' are: the answer's logprobs, top_logprobs
             # + 1 objects a token, took 2.8 s of the event loop at 32,000 tokens; its split, its whole length)
             return await run_in_threadpool(answer)
@@ -2050,7 +2059,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
         return await stream_when_started(request, job, future, streamed(
             request, job, future, [choice_stream(i) for i in range(job.choices)], prepared.include_usage,
-            chunk(0, {}), prepared.usage_so_far, "chunk" if prepared.return_token_ids else None))
+            chunk(0, {}), prepared.usage_so_far, "chunk" if prepared.return_token_ids else None, thought))
 
     # OpenAI's Responses API, put as a chat (serve/responses.py)
     create_response, response_not_stored = responses_endpoints(server, model_name, admitted_request, finished_job,

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from moepack.runtime.sampling import IncrementalDetokenizer
+
 from .chat_template import THOUGHT_CLOSE, THOUGHT_OPEN
 from .tool_calls import Pieces, text_before_marker
 
@@ -109,3 +111,21 @@ def chat_thought(family: Any, template: Callable[[], Any], thinking: bool | None
         return ThoughtMarks(encoding.THINK_END) if thinking else None
     opened = template().opens_thought(thinking)
     return None if opened is None else ThoughtMarks(THOUGHT_CLOSE, None if opened else THOUGHT_OPEN)
+
+
+def thought_tokens(tokenizer, result, thought: ThoughtMarks | None) -> int:
+    """How many of the answer's tokens its thought took: those up to the one whose text ends it (its end marker
+    included), all of them where it never ended, none where there was none."""
+    text = result.text or ""
+    reasoning, content = split_thinking(text, thought)
+    if reasoning is None:
+        return 0
+    if not content and thought.end not in text:
+        return len(result.generated_ids)
+    cut, written = len(text) - len(content), 0
+    pieces = IncrementalDetokenizer(tokenizer.decode)
+    for count, token in enumerate(result.generated_ids, 1):
+        written += len(pieces.add(token))
+        if written >= cut:
+            return count
+    return len(result.generated_ids)

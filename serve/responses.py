@@ -31,11 +31,11 @@ import uuid
 from collections.abc import Callable
 
 from moepack.format_spec.untrusted import int_in_range
-from moepack.runtime.sampling import MAX_TOP_LOGPROBS, IncrementalDetokenizer
+from moepack.runtime.sampling import MAX_TOP_LOGPROBS
 
 from .openai_api import (IDENTIFIER_FIELDS, PLAIN_VALUES, REFUSED_FIELDS, Prepared, RequestError, _get, _value,
                          cached_tokens, chat_logprobs, check_fields, client_gone)
-from .reasoning import AnswerSplitter, ThoughtMarks, split_thinking
+from .reasoning import AnswerSplitter, thought_tokens
 from .tool_calls import Pieces
 from .translation import _known_keys, _object, _refused, _text, each_tool, renamed, whole_answer
 
@@ -487,24 +487,6 @@ def ending(finish_reason: str) -> tuple[str, dict | None]:
     if finish_reason in ("stop", "tool_calls"):
         return "completed", None
     return "incomplete", {"reason": "max_output_tokens" if finish_reason == "length" else finish_reason}
-
-
-def thought_tokens(tokenizer, result, thought: ThoughtMarks | None) -> int:
-    """How many of the answer's tokens its thought took: those up to the one whose text ends it (its end marker
-    included), all of them where it never ended, none where there was none."""
-    text = result.text or ""
-    reasoning, content = split_thinking(text, thought)
-    if reasoning is None:
-        return 0
-    if not content and thought.end not in text:
-        return len(result.generated_ids)
-    cut, written = len(text) - len(content), 0
-    pieces = IncrementalDetokenizer(tokenizer.decode)
-    for count, token in enumerate(result.generated_ids, 1):
-        written += len(pieces.add(token))
-        if written >= cut:
-            return count
-    return len(result.generated_ids)
 
 
 def responses_error_event(error: RequestError) -> str:

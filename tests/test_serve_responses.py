@@ -156,9 +156,16 @@ def test_the_stream_helper_gives_the_final_response_with_its_reasoning_item(serv
     streamed = [e for event in c.responses.create(**kw, stream=True) if event.type == "response.output_text.delta"
                 for e in event.logprobs]
     assert [(e.token, e.logprob) for e in streamed] == text_tokens
-    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Is it?"}],
-                                     extra_body={"thinking": True}).choices[0].message
+    whole_chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Is it?"}],
+                                           extra_body={"thinking": True})
+    chat = whole_chat.choices[0].message
     assert (chat.model_dump()["reasoning_content"], chat.content) == ("I think so.", "Yes, it is.")
+    # the chat's usage counts the thought's tokens as the response's does, whole and streamed
+    assert whole_chat.usage.completion_tokens_details.reasoning_tokens == len(thought) + 1
+    last = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Is it?"}],
+                                          extra_body={"thinking": True}, stream=True,
+                                          stream_options={"include_usage": True}))[-1]
+    assert last.usage.completion_tokens_details.reasoning_tokens == len(thought) + 1
     # the answer sent back, its reasoning item too (the assistant's reasoning_content, which DeepSeek-V4's encoder
     # drops in a conversation without tools): the chat's prompt
     again = [{"role": "user", "content": "Is it?"}, *final.output, {"role": "user", "content": "Sure?"}]
