@@ -20,7 +20,8 @@ import torch
 
 from moepack.runtime.sampling import Sampler, greedy_choices
 
-SETTINGS = {"greedy": dict(temperature=0.0), "T 0.8, top-p 0.95": dict(temperature=0.8, top_p=0.95), "T 1.0, top-p 1": dict(temperature=1.0),
+SETTINGS = {"greedy": dict(temperature=0.0), "T 0.8, top-p 0.95": dict(temperature=0.8, top_p=0.95),
+            "T 1.0, top-p 1": dict(temperature=1.0),
             "T 0.7, top-p 0.9, min-p 0.05": dict(temperature=0.7, top_p=0.9, min_p=0.05),
             "T 0.8, top-k 40, top-p 0.95": dict(temperature=0.8, top_k=40, top_p=0.95)}
 
