@@ -1353,12 +1353,13 @@ class Server:
     def new_id(self, prefix: str, sep: str = "-") -> str:
         return f"{prefix}{sep}{next(self.counter)}{sep}{uuid.uuid4().hex[:8]}"
 
-    def usage(self, job: Job, results: list[GenerateResult], thought: ThoughtMarks | None = None) -> dict:
-        """OpenAI's usage of the job; a chat whose answers may think (`thought`: its marks) with
-        completion_tokens_details.reasoning_tokens, the thoughts' tokens (DeepSeek's API and OpenAI's give them;
-        each answer decoded again: off the event loop)."""
+    def usage(self, job: Job, results: list[GenerateResult], thought: ThoughtMarks | None = None,
+              chat: bool = False) -> dict:
+        """OpenAI's usage of the job; a `chat`'s with completion_tokens_details.reasoning_tokens, the thoughts'
+        tokens (`thought`: its answers' marks; None: it has none, 0), as DeepSeek's API and OpenAI's give them (each
+        answer decoded again: off the event loop)."""
         usage = usage_of(job.prompt_tokens, sum(len(r.generated_ids) for r in results))
-        if thought is not None:
+        if chat:
             usage["completion_tokens_details"] = {
                 "reasoning_tokens": sum(thought_tokens(job.tokenizer, r, thought) for r in results)}
         if self.prompt_cache is not None:  # OpenAI's: each prompt's tokens its prefill took from the prompt cache
@@ -1795,7 +1796,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 server.release(job)
 
     def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, head: dict,
-                 usage_so_far: bool = False, prompt_ids_in: str | None = None, thought: ThoughtMarks | None = None):
+                 usage_so_far: bool = False, prompt_ids_in: str | None = None, thought: ThoughtMarks | None = None,
+                 chat: bool = False):
         """The SSE events (an async iterator of their text) of the job's choices, interleaved as their pieces come
         (each chunk's choices[0].index names its choice): choices[i].pieces(text) per text piece, each choice's
         final(result) chunks as soon as it ends when there are several (one: at the request's end). With
@@ -1805,8 +1807,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         the chunk's `logprobs`) go with its next chunk that carries text. `prompt_ids_in` (vLLM's return_token_ids:
         "choice" for completions, "chunk" for chat): each chunk's choice carries `token_ids`, those taken since the
         choice's previous chunk on the last chunk of each batch (joined: the choice's generated ids), and a choice's
-        first chunk the prompt's ids, as `prompt_token_ids` of its choice or of the chunk. `thought`: a chat's
-        marks, its usage's reasoning_tokens counted (Server.usage)."""
+        first chunk the prompt's ids, as `prompt_token_ids` of its choice or of the chunk. `chat`, `thought` (its
+        marks): its usage's reasoning_tokens counted (Server.usage)."""
         generated = [0] * len(choices)  # each choice's tokens so far
         new_ids: list[list[int]] = [[] for _ in choices]  # (return_token_ids) each choice's ids not yet sent
         sent = [0] * len(choices)  # (return_token_ids) each choice's ids sent, and whether its first chunk was
@@ -1885,7 +1887,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     results = piece
                     out = [chunk for i, result in enumerate(results) if not ended[i] for chunk in final(i, result)]
                     if include_usage:
-                        usage = await run_in_threadpool(server.usage, job, results, thought)
+                        usage = await run_in_threadpool(server.usage, job, results, thought, chat)
                         out.append({**head, "choices": [], "usage": usage})
                     for chunk in out:
                         yield event(chunk)
@@ -1907,7 +1909,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
     def response(job: Job, results: list[GenerateResult], kind: str, choices: list[dict],
                  thought: ThoughtMarks | None = None, **extra):
         return JSONResponse({"id": job.request_id, "object": kind, "created": int(time.time()), "model": model_name,
-                             "choices": choices, "usage": server.usage(job, results, thought),
+                             "choices": choices,
+                             "usage": server.usage(job, results, thought, chat=kind == "chat.completion"),
                              "timings": timings(job, results), **extra}, headers={"X-Request-Id": job.request_id})
 
     async def completions(request):
@@ -2059,7 +2062,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
         return await stream_when_started(request, job, future, streamed(
             request, job, future, [choice_stream(i) for i in range(job.choices)], prepared.include_usage,
-            chunk(0, {}), prepared.usage_so_far, "chunk" if prepared.return_token_ids else None, thought))
+            chunk(0, {}), prepared.usage_so_far, "chunk" if prepared.return_token_ids else None, thought, chat=True))
 
     # OpenAI's Responses API, put as a chat (serve/responses.py)
     create_response, response_not_stored = responses_endpoints(server, model_name, admitted_request, finished_job,

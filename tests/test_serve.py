@@ -179,6 +179,9 @@ def test_thinking_splits_reasoning_from_content(tiny_server):
                                          extra_body={"thinking": {"type": "disabled"}})
     assert off.choices[0].message.model_dump().get("reasoning_content") is None
     assert off.choices[0].message.model_dump().get("reasoning") is None
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0  # (a chat's usage always has it, as OpenAI's)
+    plain = client.completions.create(model="tiny", prompt="Why?", max_tokens=2)
+    assert plain.usage.completion_tokens_details is None  # (a completion's has none)
 
 
 # (text, where the thought starts: None the prompt opened it, else the opening the answer may start with) ->
