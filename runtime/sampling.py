@@ -166,16 +166,14 @@ class Sampler:
             if allowed is not None:
                 if not len(allowed):
                     raise MoepackError("the output constraint allows no next token")
-                kept = torch.full_like(x, -math.inf)  # cheaper than masking the whole vocabulary
-                kept[allowed] = x[allowed]
-                x = kept
+                x = _only(x, allowed)
         if self.allowed is not None or self._bad_after:
             x = self._masked(x)
         if self.held_for and self.held_back and self.chosen < self.held_for:
             held = x.clone()
             held[[t for t in self.held_back if t < len(x)]] = -math.inf
             # (a constraint that allows nothing but the end of sentence has the last word: no token is left)
-            x = held if bool(torch.isfinite(held).any()) else x
+            x = held if _any_left(held) else x
         return x
 
     @property
@@ -227,15 +225,13 @@ class Sampler:
         if self.allowed is not None:
             if self._allowed is None or self._allowed[1] != len(x):
                 self._allowed = (torch.tensor([t for t in self.allowed if t < len(x)], dtype=torch.long), len(x))
-            kept = torch.full_like(x, -math.inf)
-            kept[self._allowed[0]] = x[self._allowed[0]]
-            x = kept
+            x = _only(x, self._allowed[0])
         banned = [t for length, words in self._bad_after.items() if length <= len(self._recent)
                   for t in words.get(tuple(self._recent[len(self._recent) - length:]), ()) if t < len(x)]
         if banned:
             x = x.clone()
             x[banned] = -math.inf
-        if not bool(torch.isfinite(x).any()):
+        if not _any_left(x):
             raise MoepackError(f"{'bad_words' if self._bad_after else 'allowed_token_ids'}: no token is left to choose "
                                "(allowed_token_ids, bad_words and any output constraint applied)")
         return x
@@ -301,6 +297,19 @@ class Sampler:
         u = torch.rand((), generator=self._generator, dtype=torch.float64) * cumulative[-1]
         i = int(torch.searchsorted(cumulative, u, right=True))
         return int(order[min(i, len(cumulative) - 1)])
+
+
+def _only(x: torch.Tensor, ids) -> torch.Tensor:
+    """x with every id but `ids` at -inf (a new tensor: cheaper than masking the whole vocabulary)."""
+    kept = torch.full_like(x, -math.inf)
+    kept[ids] = x[ids]
+    return kept
+
+
+def _any_left(x: torch.Tensor) -> bool:
+    """Whether a token is left to choose: adjusted logits are finite or -inf (checked finite first, every change
+    finite), so their largest tells, without an isfinite mask over the vocabulary."""
+    return bool(x.max() > -math.inf)
 
 
 def bad_word_ids(words: Sequence[str], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:

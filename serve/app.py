@@ -1796,8 +1796,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                 server.release(job)
 
     def streamed(request, job: Job, future, choices: list[ChoiceStream], include_usage: bool, head: dict,
-                 usage_so_far: bool = False, prompt_ids_in: str | None = None, thought: ThoughtMarks | None = None,
-                 chat: bool = False):
+                 usage_so_far: bool = False, prompt_ids_in: str | None = None, thought: ThoughtMarks | None = None):
         """The SSE events (an async iterator of their text) of the job's choices, interleaved as their pieces come
         (each chunk's choices[0].index names its choice): choices[i].pieces(text) per text piece, each choice's
         final(result) chunks as soon as it ends when there are several (one: at the request's end). With
@@ -1807,8 +1806,8 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
         the chunk's `logprobs`) go with its next chunk that carries text. `prompt_ids_in` (vLLM's return_token_ids:
         "choice" for completions, "chunk" for chat): each chunk's choice carries `token_ids`, those taken since the
         choice's previous chunk on the last chunk of each batch (joined: the choice's generated ids), and a choice's
-        first chunk the prompt's ids, as `prompt_token_ids` of its choice or of the chunk. `chat`, `thought` (its
-        marks): its usage's reasoning_tokens counted (Server.usage)."""
+        first chunk the prompt's ids, as `prompt_token_ids` of its choice or of the chunk. A chat's usage (`head`'s
+        object) counts its reasoning_tokens (`thought`: its marks; Server.usage)."""
         generated = [0] * len(choices)  # each choice's tokens so far
         new_ids: list[list[int]] = [[] for _ in choices]  # (return_token_ids) each choice's ids not yet sent
         sent = [0] * len(choices)  # (return_token_ids) each choice's ids sent, and whether its first chunk was
@@ -1887,6 +1886,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
                     results = piece
                     out = [chunk for i, result in enumerate(results) if not ended[i] for chunk in final(i, result)]
                     if include_usage:
+                        chat = head["object"] == "chat.completion.chunk"
                         usage = await run_in_threadpool(server.usage, job, results, thought, chat)
                         out.append({**head, "choices": [], "usage": usage})
                     for chunk in out:
@@ -2062,7 +2062,7 @@ def make_app(generator, model_name: str, api_key: str | None = None, max_queue: 
 
         return await stream_when_started(request, job, future, streamed(
             request, job, future, [choice_stream(i) for i in range(job.choices)], prepared.include_usage,
-            chunk(0, {}), prepared.usage_so_far, "chunk" if prepared.return_token_ids else None, thought, chat=True))
+            chunk(0, {}), prepared.usage_so_far, "chunk" if prepared.return_token_ids else None, thought))
 
     # OpenAI's Responses API, put as a chat (serve/responses.py)
     create_response, response_not_stored = responses_endpoints(server, model_name, admitted_request, finished_job,
